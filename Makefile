@@ -1,0 +1,39 @@
+# spotjob — the two commands a fresh machine must keep working: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo bench lint clean
+
+venv: $(STAMP)
+
+# The torch pin (==2.13.0) matches the CPU wheel these machines carry; see pyproject.toml.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# The tests start the servers they use themselves (moto in server mode, fake-gcs-server,
+# fake cloud metadata endpoints) on loopback ports; nothing needs to run beforehand.
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) -m bench.checkpoint
+	$(PY) -m bench.notice
+	$(PY) -m bench.goodput
+
+lint: venv
+	$(VENV)/bin/ruff check agent orchestrator tests bench examples
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) spotjob-runs bench/out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,225 @@
+"""torch.distributed.checkpoint, made safe to load from storage we do not control.
+
+DCP's ``.metadata`` file is a pickle and DCP's default planner unpickles non-tensor values with
+``weights_only=False``; either would execute code from a crafted checkpoint. Here:
+
+- ``.metadata`` is checked against the manifest's CRC32C, then loaded with an allow-list
+  unpickler that accepts DCP's metadata classes (and the few torch/builtin types they hold) only.
+- Non-tensor values load with ``torch.load(weights_only=True)``; tensors already do in DCP.
+- Every shard file is CRC32C-checked against the manifest as it is fetched (object stores) or
+  before it is read (filesystem), so a flipped byte fails the load instead of corrupting state.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import fcntl
+import io
+import logging
+import os
+import pathlib
+import pickle
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from agent.crc32c import crc32c_file, from_hex, to_hex
+from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
+from agent.storage.base import CorruptObjectError, Storage
+
+log = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(Exception):
+    """Storage handed us something that would execute code or escape the checkpoint folder."""
+
+
+# -- the allow-list unpickler -------------------------------------------------------------------
+
+_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
+
+
+def _allow(obj: Any, module: str | None = None, name: str | None = None) -> None:
+    _ALLOWED_GLOBALS[(module or obj.__module__, name or obj.__qualname__)] = obj
+
+
+def _build_allow_list() -> None:
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    for cls in (
+        metadata.Metadata,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        metadata.TensorProperties,
+        metadata.MetadataIndex,
+        metadata.StorageMeta,
+        metadata._MEM_FORMAT_ENCODING,
+        filesystem._StorageInfo,
+    ):
+        _allow(cls)
+    _allow(torch.Size, "torch", "Size")
+    # Layouts pickle through this helper (it maps a name to a torch.layout; torch's own
+    # weights_only allow-list trusts it too). Paths are inert values (StorageMeta.checkpoint_id).
+    _allow(torch.serialization._get_layout, "torch.serialization", "_get_layout")
+    for path_cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath):
+        _allow(path_cls, "pathlib", path_cls.__name__)
+    _allow(collections.OrderedDict, "collections", "OrderedDict")
+    for name in ("set", "frozenset", "slice", "complex"):
+        _allow(getattr(builtins, name), "builtins", name)
+    # dtypes, layouts and memory formats pickle as module attributes of torch.
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            _allow(value, "torch", name)
+    try:
+        from torch.distributed.checkpoint import _extension
+
+        for n in ("StreamTransformExtension",):
+            if hasattr(_extension, n):
+                _allow(getattr(_extension, n))
+    except ImportError:  # pragma: no cover
+        pass
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _ALLOWED_GLOBALS:
+            _build_allow_list()
+        try:
+            return _ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpointError(
+                f"DCP .metadata references {module}.{name}, which is not a DCP metadata class; "
+                "refusing to load it (a crafted or foreign checkpoint)"
+            ) from None
+
+
+def load_dcp_metadata(data: bytes) -> Metadata:
+    """Unpickle DCP's ``.metadata`` accepting only DCP's own classes."""
+    try:
+        obj = _AllowListUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        raise UnsafeCheckpointError(f"DCP .metadata cannot be read: {e}") from None
+    if not isinstance(obj, Metadata):
+        raise UnsafeCheckpointError(f"DCP .metadata holds a {type(obj).__name__}, not DCP Metadata")
+    return obj
+
+
+# -- planner and reader ------------------------------------------------------------------------
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"value {read_item.dest_index.fqn!r} in the checkpoint is not plain data: {e}"
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class VerifiedReader(FileSystemReader):
+    """Reads a committed checkpoint, verifying every file it touches against the manifest.
+
+    ``local_dir`` is where the files are read from. For a filesystem store it is the checkpoint
+    folder itself (files are CRC-checked in place); for an object store it is a node-local cache
+    that files are downloaded into, verified, on first use. Ranks on one node share the cache
+    and take a file lock per file, so each file crosses the network once per node.
+    """
+
+    def __init__(self, storage: Storage, folder: str, manifest: Manifest, local_dir: str) -> None:
+        super().__init__(local_dir)
+        self.storage = storage
+        self.folder = folder
+        self.manifest = manifest
+        self.local_dir = local_dir
+        self.in_place = storage.local_path(folder) == local_dir
+        self._verified: set[str] = set()
+
+    def ensure_local(self, relative_path: str) -> str:
+        """Make ``relative_path`` available under ``local_dir``, verified; return its path."""
+        entry = self.manifest.file(relative_path)
+        if entry is None:
+            raise UnsafeCheckpointError(
+                f"DCP metadata points at {relative_path!r}, which MANIFEST.json does not list"
+            )
+        path = os.path.join(self.local_dir, relative_path)
+        if relative_path in self._verified:
+            return path
+        if self.in_place:
+            crc, size = crc32c_file(path)
+            if size != entry.size or crc != from_hex(entry.crc32c):
+                raise CorruptObjectError(
+                    f"{self.storage.url(self.folder + '/' + relative_path)} has size {size} and CRC32C "
+                    f"{to_hex(crc)}; the manifest says {entry.size} and {entry.crc32c}",
+                    relative_path,
+                )
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                ok_marker = path + ".verified"
+                if not os.path.exists(ok_marker):
+                    self.storage.get_file(
+                        f"{self.folder}/{relative_path}",
+                        path,
+                        size=entry.size,
+                        crc32c=from_hex(entry.crc32c),
+                    )
+                    open(ok_marker, "w").close()
+        self._verified.add(relative_path)
+        return path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
+            metadata = load_dcp_metadata(f.read())
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        for relative_path in sorted(needed):
+            self.ensure_local(relative_path)
+        return super().read_data(plan, planner)
+
+
+def make_writer(path: str, thread_count: int = 1) -> FileSystemWriter:
+    # sync_files: the bytes must be on disk before we link or upload them and commit.
+    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+
+
+def tensor_index(metadata: Metadata) -> dict[str, TensorEntry]:
+    """Fully-qualified tensor name → shape, dtype and the shard files that hold it."""
+    files: dict[str, set[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    out: dict[str, TensorEntry] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            out[fqn] = TensorEntry(
+                shape=list(md.size),
+                dtype=str(md.properties.dtype).removeprefix("torch."),
+                files=sorted(files.get(fqn, ())),
+            )
+    return out

@@ -1,0 +1,88 @@
+"""Per-rank state: RNG streams and every ``state`` value that is not a module or an optimizer.
+
+Each rank writes ``rank-<r>.pt`` (torch.save of plain data, loaded back with ``weights_only``), so
+the values are never de-duplicated across ranks the way DCP merges equal keys.
+
+Policy when the world size changes (restore with W' ranks from a checkpoint of W ranks):
+
+- rank r < W restores rank r's file: its RNG streams and its per-rank objects;
+- rank r >= W (a rank that did not exist) restores rank 0's per-rank objects (schedulers and
+  step-counting loaders are the same on every rank) but keeps its own, freshly seeded RNG
+  streams — copying rank 0's would make two ranks draw identical randomness;
+- ranks r >= W' of the old world (ranks that are gone) are dropped; the restore logs how many.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+RNG_KEY = "__rng__"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG stream a training step may draw from, as plain data."""
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
+    kind, keys, pos, has_gauss, cached = np_state
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    random.setstate(_to_tuple(rng["python"]))
+    n = rng["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def _to_tuple(value: Any) -> Any:
+    # random.setstate needs tuples all the way down; serialisation may hand back lists.
+    if isinstance(value, list | tuple):
+        return tuple(_to_tuple(v) for v in value)
+    return value
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Load a rank file; plain data and tensors only (``weights_only``)."""
+    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if not isinstance(obj, dict):
+        raise ValueError(f"per-rank state holds a {type(obj).__name__}, expected a dict")
+    return obj
+
+
+def source_rank(rank: int, saved_world_size: int) -> int:
+    """Which saved rank's file ``rank`` restores from (see the module docstring)."""
+    return rank if rank < saved_world_size else 0

@@ -1,0 +1,203 @@
+"""The channel between ``spotjob-agent`` and the training ranks it launched. No torch import.
+
+The agent and the ranks share a node-local folder, ``$SPOTJOB_CONTROL_DIR``. Everything is a small
+JSON file replaced atomically (temp + rename), so a reader never sees half a file:
+
+- ``flush.json`` (agent → ranks): present means "flush now". The ranks look for it with one
+  ``os.stat`` per step — no network call — and agree on one step through an asynchronous
+  collective (see ``agent.checkpoint``). Written once; a second notice does not rewrite it.
+- ``save.json`` (agent → ranks): "save early, keep training" (e.g. an AWS rebalance
+  recommendation). Handled once per request id at an agreed step; rank 0 then removes it.
+- ``status.json`` (rank 0 → agent): the training state the agent serves on ``GET /status``.
+- ``flushed.json`` (rank 0 → agent): the flush committed; step, URI and notice-to-commit time.
+- ``flush-failed.json`` (rank 0 → agent): a flush was attempted and nothing could be committed.
+- ``closed-rank-<r>`` (each rank → agent): ``Checkpointer.close()`` returned on that rank, i.e.
+  the rank finished its work. An abort at interpreter exit after this is not a job failure.
+
+Environment variables the agent sets for ``Checkpointer.from_env()`` are named here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ENV_CHECKPOINT_URI = "SPOTJOB_CHECKPOINT_URI"
+ENV_JOB_NAME = "SPOTJOB_JOB_NAME"
+ENV_EVERY_STEPS = "SPOTJOB_EVERY_STEPS"
+ENV_EVERY_SECONDS = "SPOTJOB_EVERY_SECONDS"
+ENV_KEEP = "SPOTJOB_KEEP"
+ENV_ASYNC = "SPOTJOB_ASYNC"
+ENV_STAGING_DIR = "SPOTJOB_STAGING_DIR"
+ENV_CONTROL_DIR = "SPOTJOB_CONTROL_DIR"
+
+# spotjob-agent's exit codes besides the command's own (documented in the README).
+EXIT_PREEMPTED = 75
+"""Stopped for a preemption notice with a committed checkpoint: restart me elsewhere (EX_TEMPFAIL)."""
+EXIT_FLUSH_FAILED = 76
+"""A flush was asked for but nothing could be committed: resume from the previous checkpoint."""
+
+FLUSH_FILE = "flush.json"
+SAVE_FILE = "save.json"
+STATUS_FILE = "status.json"
+FLUSHED_FILE = "flushed.json"
+FLUSH_FAILED_FILE = "flush-failed.json"
+CLOSED_PREFIX = "closed-rank-"
+
+
+@dataclass
+class FlushRequest:
+    """Why and by when the ranks must commit a checkpoint."""
+
+    reason: str
+    deadline: float | None = None
+    """Unix time by which the checkpoint must be committed (the node goes away then)."""
+    requested_at: float = field(default_factory=time.time)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclass
+class RankStatus:
+    """What rank 0 reports; every field is optional so partial reports are fine."""
+
+    state: str = "starting"
+    """starting | training | saving | flushing | flushed | flush-failed | closed"""
+    step: int | None = None
+    last_committed_step: int | None = None
+    last_committed_uri: str | None = None
+    last_save_seconds: float | None = None
+    """Wall time of the last save from the start of staging to the committed manifest."""
+    world_size: int | None = None
+    updated_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class FlushResult:
+    step: int | None
+    uri: str | None
+    request_id: str | None
+    notice_to_commit_seconds: float | None
+    error: str | None = None
+    finished_at: float = field(default_factory=time.time)
+
+
+def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class ControlDir:
+    """One node's control folder, as seen by the agent or by a rank."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        self._flush_path = os.path.join(path, FLUSH_FILE)
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    # -- agent side ----------------------------------------------------------------------------
+    def request_flush(self, request: FlushRequest) -> FlushRequest:
+        """Ask the ranks to flush; idempotent: an existing request is kept and returned."""
+        existing = self.flush_request()
+        if existing is not None:
+            return existing
+        write_json_atomic(self._flush_path, asdict(request))
+        return request
+
+    def request_save(self, reason: str) -> FlushRequest:
+        """Ask the ranks for an early checkpoint without stopping (a soft notice)."""
+        existing = self.save_request()
+        if existing is not None:
+            return existing
+        request = FlushRequest(reason=reason)
+        write_json_atomic(self._p(SAVE_FILE), asdict(request))
+        return request
+
+    def flush_result(self) -> FlushResult | None:
+        for name in (FLUSHED_FILE, FLUSH_FAILED_FILE):
+            data = read_json(self._p(name))
+            if data is not None:
+                return FlushResult(**{k: data.get(k) for k in FlushResult.__dataclass_fields__})
+        return None
+
+    def status(self) -> RankStatus | None:
+        data = read_json(self._p(STATUS_FILE))
+        if data is None:
+            return None
+        return RankStatus(**{k: v for k, v in data.items() if k in RankStatus.__dataclass_fields__})
+
+    def closed_ranks(self) -> set[int]:
+        out = set()
+        for name in os.listdir(self.path):
+            if name.startswith(CLOSED_PREFIX):
+                try:
+                    out.add(int(name[len(CLOSED_PREFIX) :]))
+                except ValueError:
+                    continue
+        return out
+
+    def reset(self) -> None:
+        """Forget everything from a previous run of the command (the agent calls this at start)."""
+        for name in os.listdir(self.path):
+            if name in (FLUSH_FILE, SAVE_FILE, STATUS_FILE, FLUSHED_FILE, FLUSH_FAILED_FILE) or name.startswith(
+                CLOSED_PREFIX
+            ):
+                try:
+                    os.unlink(self._p(name))
+                except FileNotFoundError:
+                    pass
+
+    # -- rank side -----------------------------------------------------------------------------
+    def flush_requested(self) -> bool:
+        """The per-step check: a single stat of a local file."""
+        return os.path.exists(self._flush_path)
+
+    def flush_request(self) -> FlushRequest | None:
+        data = read_json(self._flush_path)
+        if data is None:
+            return None
+        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})
+
+    def save_requested(self) -> bool:
+        return os.path.exists(self._p(SAVE_FILE))
+
+    def save_request(self) -> FlushRequest | None:
+        data = read_json(self._p(SAVE_FILE))
+        if data is None:
+            return None
+        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})
+
+    def clear_save_request(self) -> None:
+        try:
+            os.unlink(self._p(SAVE_FILE))
+        except FileNotFoundError:
+            pass
+
+    def write_status(self, status: RankStatus) -> None:
+        status.updated_at = time.time()
+        write_json_atomic(self._p(STATUS_FILE), asdict(status))
+
+    def write_flush_result(self, result: FlushResult) -> None:
+        name = FLUSHED_FILE if result.error is None else FLUSH_FAILED_FILE
+        write_json_atomic(self._p(name), asdict(result))
+
+    def mark_closed(self, rank: int) -> None:
+        with open(self._p(f"{CLOSED_PREFIX}{rank}"), "w") as f:
+            f.write(str(time.time()))

@@ -1,0 +1,142 @@
+"""AWS EC2 spot notices from the instance metadata service (IMDSv2 only).
+
+Every poll: (1) a session token — ``PUT /latest/api/token`` with
+``X-aws-ec2-metadata-token-ttl-seconds``, reused until shortly before it expires and renewed at
+once on a 401; (2) ``GET /latest/meta-data/spot/instance-action`` with
+``X-aws-ec2-metadata-token`` → 404 while nothing is scheduled, else ``{"action": "terminate" |
+"stop" | "hibernate", "time": "2024-05-01T12:00:00Z"}``, about two minutes ahead; (3) optionally
+``GET /latest/meta-data/events/recommendations/rebalance`` → ``{"noticeTime": ...}``, a soft
+signal that comes earlier than the instance-action, if it comes at all.
+
+In a container the token PUT needs the instance's ``HttpPutResponseHopLimit`` ≥ 2, otherwise it
+times out; the warning says so, because that is the usual reason this source hears nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import UTC, datetime
+
+from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://169.254.169.254"
+TOKEN_PATH = "/latest/api/token"
+INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_HEADER = "X-aws-ec2-metadata-token"
+
+SPOT_WARNING_SECONDS = 120.0
+"""AWS's documented lead time; the deadline when an instance-action's ``time`` cannot be read."""
+
+
+def parse_aws_time(value: str) -> float:
+    """``2024-05-01T12:00:00Z`` → unix time (IMDS times are UTC; a value without a zone is too)."""
+    dt = datetime.fromisoformat(value.strip())
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+class AwsImdsSource(PollingNoticeSource):
+    """Spot instance-action (and, if asked, rebalance recommendations) from IMDSv2."""
+
+    name = "aws"
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        interval: float = 2.0,
+        watch_rebalance: bool = True,
+        token_ttl_seconds: int = 21600,
+        timeout: float = 2.0,
+    ) -> None:
+        super().__init__(HttpClient(base_url), interval)
+        self.watch_rebalance = watch_rebalance
+        self.token_ttl_seconds = token_ttl_seconds
+        self.timeout = timeout
+        self._token: str | None = None
+        self._token_expires = 0.0
+
+    # -- token ---------------------------------------------------------------------------------
+    def _get_token(self, renew: bool = False) -> str:
+        # Renew a minute early so a poll never races the token's expiry.
+        if not renew and self._token is not None and time.monotonic() < self._token_expires - 60:
+            return self._token
+        try:
+            resp = self.client.request(
+                "PUT",
+                TOKEN_PATH,
+                headers={TOKEN_TTL_HEADER: str(self.token_ttl_seconds)},
+                timeout=self.timeout,
+            )
+        except TimeoutError as e:
+            raise SourceError(
+                f"IMDSv2 token request timed out ({e}); in a container, check the instance's "
+                "HttpPutResponseHopLimit (needs 2 or more)"
+            ) from e
+        if resp.status != 200 or not resp.body:
+            raise SourceError(f"IMDSv2 token request answered {resp.status}")
+        self._token = resp.text().strip()
+        self._token_expires = time.monotonic() + self.token_ttl_seconds
+        log.debug("IMDSv2 token %s", "renewed" if renew else "obtained")
+        return self._token
+
+    def _get(self, path: str) -> tuple[int, str]:
+        token = self._get_token()
+        resp = self.client.request("GET", path, headers={TOKEN_HEADER: token}, timeout=self.timeout)
+        if resp.status == 401:
+            # Expired or revoked (IMDS restarted, instance stopped/started): renew once and retry.
+            token = self._get_token(renew=True)
+            resp = self.client.request("GET", path, headers={TOKEN_HEADER: token}, timeout=self.timeout)
+        if resp.status not in (200, 404):
+            raise SourceError(f"GET {self.client.url(path)} answered {resp.status}")
+        return resp.status, resp.text()
+
+    # -- poll ----------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        status, body = self._get(INSTANCE_ACTION_PATH)
+        if status == 200:
+            self._emit("instance-action:" + body, self._instance_action_notice(body))
+        if self.watch_rebalance and not self.stopping:
+            status, body = self._get(REBALANCE_PATH)
+            if status == 200:
+                self._emit("rebalance:" + body, self._rebalance_notice(body))
+            else:
+                self._forget("rebalance:")
+
+    def _instance_action_notice(self, body: str) -> Notice:
+        # The presence of an instance-action is the notice; a body we cannot read still means the
+        # instance is going, so it becomes a notice with AWS's documented two minutes.
+        action, when = "unknown", None
+        try:
+            data = json.loads(body)
+            action = str(data.get("action", "unknown"))
+            when = parse_aws_time(str(data["time"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("unreadable spot instance-action %r (%s): assuming %.0f s", body, e, SPOT_WARNING_SECONDS)
+        deadline = when if when is not None else time.time() + SPOT_WARNING_SECONDS
+        return Notice(
+            source=self.name,
+            kind=NoticeKind.PREEMPTION,
+            deadline=deadline,
+            detail=f"spot instance-action {action}",
+        )
+
+    def _rebalance_notice(self, body: str) -> Notice:
+        notice_time = "unknown"
+        try:
+            notice_time = str(json.loads(body).get("noticeTime", "unknown"))
+        except (ValueError, AttributeError):
+            log.warning("unreadable rebalance recommendation %r", body)
+        return Notice(
+            source=self.name,
+            kind=NoticeKind.REBALANCE,
+            deadline=None,
+            detail=f"rebalance recommendation (noticeTime {notice_time})",
+        )

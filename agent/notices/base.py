@@ -1,0 +1,307 @@
+"""One normalised ``Notice`` for every way a node can be told it is going away. No torch import.
+
+Each cloud says "this machine will be taken" differently (AWS IMDSv2 instance-action, the GCE
+metadata server's ``preempted``, Azure Scheduled Events, a SIGTERM from the kubelet). A
+``NoticeSource`` turns its cloud's message into a ``Notice`` and hands it to one callback; what a
+notice *does* (write ``flush.json`` once, ask for an early save, ignore it) is the agent's
+decision, not the source's.
+
+Threads: every source runs its own thread(s) that poll or long-poll; ``start`` returns at once,
+``stop`` returns once the threads have ended (or after a bounded wait — they are daemon threads,
+so a stuck one never keeps the process alive). The callback is called from a source's thread,
+so it must be thread-safe; it is called once per distinct cloud event, never again for the same
+one. A message that cannot be reached or parsed is logged and polling goes on: a metadata
+endpoint that is briefly down must not stop the agent from hearing the next notice.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import http.client
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+class NoticeKind(enum.StrEnum):
+    PREEMPTION = "preemption"
+    """Spot/preemptible capacity is being reclaimed (AWS instance-action, GCE preempted, Azure Preempt)."""
+    REBALANCE = "rebalance"
+    """A soft signal: the capacity is at elevated risk, nothing is scheduled yet (AWS rebalance)."""
+    MAINTENANCE = "maintenance"
+    """Host maintenance that stops this VM (GCE TERMINATE_ON_HOST_MAINTENANCE, Azure Reboot/Redeploy)."""
+    TERMINATE = "terminate"
+    """The process or VM is being shut down for another reason (SIGTERM, Azure Terminate)."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One cloud event, normalised. ``deadline`` is the unix time the node goes away, if known."""
+
+    source: str
+    """Who told us: ``aws`` | ``gcp`` | ``azure`` | ``signal`` | ``api``."""
+    kind: NoticeKind
+    deadline: float | None
+    detail: str
+    """Human-readable: what the cloud said, for logs and ``/status``."""
+    event_id: str | None = None
+    """The cloud's id of the event, where it has one (Azure EventId): what gets acknowledged."""
+    received_at: float = field(default_factory=time.time)
+    received_monotonic: float = field(default_factory=time.monotonic)
+
+
+NoticeCallback = Callable[[Notice], None]
+
+
+class NoticeSource(abc.ABC):
+    """Where notices come from.
+
+    Call order (the agent): ``start(callback)`` once, then any number of ``flush_finished()``,
+    then ``stop()`` once. ``stop`` is idempotent and safe to call without ``start``.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def start(self, callback: NoticeCallback) -> None:
+        """Begin listening; return at once. ``callback`` is called from the source's thread."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop listening and end the source's threads (bounded wait)."""
+
+    def flush_finished(self) -> None:  # noqa: B027 - an optional hook, a no-op for most sources
+        """The flush this source's notice started has ended (committed or failed).
+
+        Sources whose cloud wants an acknowledgement (Azure ``StartRequests``) send it now, so the
+        platform does not proceed before the checkpoint is safe — and proceeds early once it is.
+        """
+
+
+class SourceError(Exception):
+    """A metadata endpoint answered something this source cannot use (logged, polling goes on)."""
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    headers: Mapping[str, str]
+    """Lower-cased header names."""
+    body: bytes
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
+class HttpClient:
+    """Blocking HTTP/1.1 to one metadata base URL, one request at a time per client.
+
+    Metadata servers are plain HTTP on a link-local address, so ``http.client`` is enough and
+    keeps the agent free of client libraries. ``abort`` lets another thread end a long poll
+    (GCE ``wait_for_change``) at once instead of waiting for its server-side timeout.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"metadata URL must be http(s)://host[:port][/prefix], got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._aborted = False
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        timeout: float = 2.0,
+    ) -> HttpResponse:
+        """One exchange. Transport failures raise ``OSError`` (incl. timeouts and aborts)."""
+        conn_type = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = conn_type(self._host, self._port, timeout=timeout)
+        with self._lock:
+            if self._aborted:
+                raise ConnectionAbortedError("client stopped")
+            self._conn = conn
+        try:
+            conn.request(method, self._prefix + path, body=body, headers=dict(headers or {}))
+            resp = conn.getresponse()
+            data = resp.read()
+            return HttpResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
+        except http.client.HTTPException as e:
+            raise ConnectionError(f"{method} {self.url(path)}: {e!r}") from e
+        finally:
+            with self._lock:
+                self._conn = None
+            conn.close()
+
+    def abort(self) -> None:
+        """End the request in flight (if any) and refuse new ones."""
+        with self._lock:
+            self._aborted = True
+            conn = self._conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+# -- a polling thread --------------------------------------------------------------------------
+
+
+class _Health:
+    """Logs an unreachable endpoint once (then at debug) and its recovery once."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._failing = False
+
+    def failed(self, error: BaseException) -> None:
+        if not self._failing:
+            log.warning("%s: %s (will keep trying)", self._what, error)
+            self._failing = True
+        else:
+            log.debug("%s still failing: %s", self._what, error)
+
+    def ok(self) -> None:
+        if self._failing:
+            log.info("%s: reachable again", self._what)
+            self._failing = False
+
+
+class PollingNoticeSource(NoticeSource):
+    """A source with one thread that calls ``_poll`` every ``interval`` seconds.
+
+    Subclasses implement ``_poll`` (raise on failure; call ``_emit`` for each notice) and may
+    override ``_on_stopping`` for a last action on the thread (Azure's pending acknowledgement).
+    ``_emit`` drops a notice whose ``key`` was emitted before, so a notice that stays visible in
+    the metadata (AWS keeps instance-action until the end) reaches the agent once.
+    """
+
+    abort_on_stop = True
+    """Whether ``stop`` cuts a request in flight (long polls) or lets it finish (acks)."""
+
+    def __init__(self, client: HttpClient, interval: float) -> None:
+        self.client = client
+        self.interval = interval
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._callback: NoticeCallback | None = None
+        self._seen: set[str] = set()
+        self._health = _Health(f"{self.name} notices from {client.base_url}")
+
+    def start(self, callback: NoticeCallback) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} notice source already started")
+        self._callback = callback
+        self._thread = threading.Thread(target=self._run, name=f"spotjob-notice-{self.name}", daemon=True)
+        self._thread.start()
+        log.info("listening for %s notices at %s (%s)", self.name, self.client.base_url, self._how())
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self._wake.set()
+        if self.abort_on_stop:
+            self.client.abort()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            if self._thread.is_alive():
+                log.warning("%s notice thread did not stop in time (daemon; left behind)", self.name)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_event.is_set()
+
+    def _run(self) -> None:
+        while not self._stop_event.is_set():
+            pause = self.interval
+            try:
+                self._poll()
+            except (OSError, SourceError, ValueError) as e:
+                if self._stop_event.is_set():
+                    break
+                self._health.failed(e)
+            except Exception:  # a bug here must not silence notices for the rest of the job
+                log.exception("%s notice source: unexpected error (polling goes on)", self.name)
+            else:
+                self._health.ok()
+                pause = self._pause()
+            if pause > 0:
+                self._wake.wait(pause)
+                self._wake.clear()
+        try:
+            self._on_stopping()
+        except Exception:
+            log.exception("%s notice source: error while stopping", self.name)
+
+    @abc.abstractmethod
+    def _poll(self) -> None: ...
+
+    def _how(self) -> str:
+        return f"every {self.interval:g} s"
+
+    def _pause(self) -> float:
+        """Seconds to wait after a successful poll (a long poll returns 0: it did the waiting)."""
+        return self.interval
+
+    def _on_stopping(self) -> None:  # noqa: B027 - optional hook
+        """Runs on the source's thread after the last poll."""
+
+    def _emit(self, key: str, notice: Notice) -> bool:
+        """Hand ``notice`` to the callback unless ``key`` was emitted already; True if handed."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        deliver_notice(self.name, self._callback, notice)
+        return True
+
+    def _forget(self, key_prefix: str) -> None:
+        """The cloud withdrew an event: a new one with the same key counts again."""
+        self._seen = {k for k in self._seen if not k.startswith(key_prefix)}
+
+
+def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice) -> None:
+    """Log ``notice`` and call ``callback``; an error in the callback is logged, never raised."""
+    log.info(
+        "notice from %s: %s, deadline %s (%s)",
+        source,
+        notice.kind.value,
+        format_deadline(notice.deadline),
+        notice.detail,
+    )
+    if callback is None:
+        return
+    try:
+        callback(notice)
+    except Exception:
+        log.exception("handling a %s notice failed", source)
+
+
+def format_deadline(deadline: float | None, now: float | None = None) -> str:
+    if deadline is None:
+        return "none"
+    left = deadline - (time.time() if now is None else now)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline))
+    return f"{stamp} (in {left:.1f} s)"

@@ -1,0 +1,152 @@
+"""GCE preemption and host-maintenance notices from the metadata server, by long poll.
+
+Two watches, one thread each, on ``/computeMetadata/v1/instance/``:
+
+- ``preempted`` — ``FALSE`` until the VM is preempted, then ``TRUE``. GCE gives a preemptible or
+  spot VM about 30 s between that flip and the stop (ACPI G2), so the deadline is *the time we
+  saw it* + ``notice_seconds``.
+- ``maintenance-event`` — ``NONE`` | ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration: the job
+  keeps running, logged only) | ``TERMINATE_ON_HOST_MAINTENANCE`` (GPU VMs cannot migrate; the
+  VM stops about 60 s later).
+
+Each watch reads the current value and its ETag, then asks ``?wait_for_change=true&last_etag=E``:
+the server answers at once if the value has moved on, otherwise it holds the request until it
+changes (or ``timeout_sec``). So a notice arrives within one round trip, with no poll interval.
+Every request carries ``Metadata-Flavor: Google``; the server refuses it otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from agent.notices.base import (
+    HttpClient,
+    Notice,
+    NoticeCallback,
+    NoticeKind,
+    NoticeSource,
+    PollingNoticeSource,
+    SourceError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://metadata.google.internal"
+INSTANCE_PATH = "/computeMetadata/v1/instance/"
+FLAVOR_HEADERS = {"Metadata-Flavor": "Google"}
+
+PREEMPTION_NOTICE_SECONDS = 30.0
+MAINTENANCE_NOTICE_SECONDS = 60.0
+
+
+class _GceWatch(PollingNoticeSource):
+    """Long-polls one metadata key; ``interval`` is only the pause after an error."""
+
+    name = "gcp"
+
+    def __init__(
+        self, client: HttpClient, key: str, *, interval: float, long_poll_seconds: int, notice_seconds: float
+    ) -> None:
+        super().__init__(client, interval)
+        self.key = key
+        self.long_poll_seconds = long_poll_seconds
+        self.notice_seconds = notice_seconds
+        self._etag: str | None = None
+        self._value: str | None = None
+        self._quick = False
+
+    def _poll(self) -> None:
+        path = INSTANCE_PATH + self.key
+        timeout = 2.0
+        if self._etag is not None:
+            path += f"?wait_for_change=true&timeout_sec={self.long_poll_seconds}&last_etag={self._etag}"
+            timeout = self.long_poll_seconds + 5.0
+        started = time.monotonic()
+        resp = self.client.request("GET", path, headers=FLAVOR_HEADERS, timeout=timeout)
+        if resp.status != 200:
+            raise SourceError(f"GET {self.client.url(path)} answered {resp.status}")
+        etag = resp.headers.get("etag")
+        value = resp.text().strip()
+        # A server that answers a wait_for_change at once with the same ETag would make this a
+        # busy loop; pause the normal interval then.
+        self._quick = etag is None or (etag == self._etag and time.monotonic() - started < 0.5)
+        self._etag = etag
+        if value != self._value:
+            self._value = value
+            self._on_value(value)
+
+    def _how(self) -> str:
+        return f"long poll on instance/{self.key}"
+
+    def _pause(self) -> float:
+        return self.interval if self._quick else 0.0
+
+    def _on_value(self, value: str) -> None:
+        if self.key == "preempted":
+            if value.upper() == "TRUE":
+                self._emit(
+                    "preempted",
+                    Notice(
+                        source=self.name,
+                        kind=NoticeKind.PREEMPTION,
+                        deadline=time.time() + self.notice_seconds,
+                        detail="instance/preempted=TRUE",
+                    ),
+                )
+            else:
+                self._forget("preempted")
+        elif value == "TERMINATE_ON_HOST_MAINTENANCE":
+            self._emit(
+                "maintenance",
+                Notice(
+                    source=self.name,
+                    kind=NoticeKind.MAINTENANCE,
+                    deadline=time.time() + self.notice_seconds,
+                    detail="instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE",
+                ),
+            )
+        else:
+            if value.startswith("MIGRATE"):
+                log.info("GCE maintenance-event %s: live migration, the job keeps running", value)
+            self._forget("maintenance")
+
+
+class GceMetadataSource(NoticeSource):
+    """Preemption and terminating host maintenance from the GCE metadata server."""
+
+    name = "gcp"
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        notice_seconds: float = PREEMPTION_NOTICE_SECONDS,
+        maintenance_notice_seconds: float = MAINTENANCE_NOTICE_SECONDS,
+        interval: float = 2.0,
+        long_poll_seconds: int = 60,
+        watch_maintenance: bool = True,
+    ) -> None:
+        self.base_url = base_url
+        keys = {"preempted": notice_seconds}
+        if watch_maintenance:
+            keys["maintenance-event"] = maintenance_notice_seconds
+        # One client (and thread) per key: each holds its own long poll open.
+        self._watches = [
+            _GceWatch(
+                HttpClient(base_url),
+                key,
+                interval=interval,
+                long_poll_seconds=long_poll_seconds,
+                notice_seconds=seconds,
+            )
+            for key, seconds in keys.items()
+        ]
+
+    def start(self, callback: NoticeCallback) -> None:
+        for watch in self._watches:
+            watch.start(callback)
+
+    def stop(self) -> None:
+        for watch in self._watches:
+            watch.stop()

@@ -1,0 +1,75 @@
+"""Checkpoint stores behind one interface: ``open_storage(uri)`` picks the backend.
+
+``s3://bucket/prefix`` (boto3; standard credential chain; ``AWS_ENDPOINT_URL`` honoured),
+``gs://bucket/prefix`` (google-cloud-storage; ``STORAGE_EMULATOR_HOST`` honoured),
+``file:///path`` and plain paths. Only this package imports boto3 and google-cloud-storage.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from agent.storage.base import (
+    AlreadyExistsError,
+    CorruptObjectError,
+    NotFoundError,
+    ObjectInfo,
+    PermanentStorageError,
+    Storage,
+    StorageError,
+    TransientStorageError,
+    get_files,
+    put_files,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "CorruptObjectError",
+    "NotFoundError",
+    "ObjectInfo",
+    "PermanentStorageError",
+    "Storage",
+    "StorageError",
+    "TransientStorageError",
+    "get_files",
+    "open_storage",
+    "put_files",
+]
+
+
+def open_storage(uri: str) -> Storage:
+    """Open the store a checkpoint URI names.
+
+    Raises ``ValueError`` with what to write instead when the URI is not one spotjob knows.
+    """
+    if not uri or not uri.strip():
+        raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("s3", "gs"):
+        bucket = parsed.netloc
+        if not bucket:
+            raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
+        prefix = parsed.path.strip("/")
+        if scheme == "s3":
+            from agent.storage.s3 import S3Storage
+
+            return S3Storage(bucket, prefix)
+        from agent.storage.gs import GCSStorage
+
+        return GCSStorage(bucket, prefix)
+    if scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt")
+        from agent.storage.file import FileStorage
+
+        return FileStorage(parsed.path)
+    if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
+        from agent.storage.file import FileStorage
+
+        return FileStorage(uri)
+    raise ValueError(
+        f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "
+        "use s3://bucket/prefix, gs://bucket/prefix, file:///path or a plain path"
+    )

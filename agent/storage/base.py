@@ -1,0 +1,211 @@
+"""The one small interface every checkpoint store implements.
+
+A ``Storage`` is rooted at a URI (``s3://bucket/prefix``, ``gs://bucket/prefix``,
+``file:///path``); keys are ``/``-separated and relative to that root. Checkpoint code only ever
+talks to this interface, so the commit protocol is written once:
+
+1. (every rank) ``put_file`` its shard files into ``step-N/`` — plain writes that may overwrite,
+   because nothing in an uncommitted folder counts;
+2. (rank 0) ``put_bytes_if_absent("step-N/MANIFEST.json", ...)`` — the create-only commit. It
+   raises ``AlreadyExistsError`` if the key exists, so a committed manifest is never replaced.
+
+Contract of every implementation:
+
+- Each object appears whole or not at all: a reader never sees a partial object (filesystem: temp
+  file + fsync + rename; object stores: their PUT / completed multipart upload).
+- ``delete`` and ``delete_prefix`` are idempotent: a missing key is not an error.
+- ``get_file`` verifies size and CRC32C when given them and raises ``CorruptObjectError`` naming
+  the key; nothing half-downloaded is left at the destination.
+- Transient faults (throttling, 5xx, dropped connections) are retried inside the implementation
+  (see ``agent.storage._retry``); what escapes is a ``StorageError`` subclass that says whether
+  retrying could help (``TransientStorageError``) or not (``PermanentStorageError``).
+- Implementations are thread-safe: the parallel helpers below call them from a thread pool.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+ProgressFn = Callable[[int], None]
+"""Called with a number of bytes just transferred (from any thread)."""
+
+DEFAULT_PARALLELISM = 8
+
+
+class StorageError(Exception):
+    """A storage operation failed. ``key`` names the object when there is one."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class TransientStorageError(StorageError):
+    """Throttling, a 5xx or a dropped connection that outlived the retries."""
+
+
+class PermanentStorageError(StorageError):
+    """Auth, permission, a missing bucket, any other 4xx: retrying cannot help."""
+
+
+class NotFoundError(PermanentStorageError):
+    """The key does not exist."""
+
+
+class AlreadyExistsError(PermanentStorageError):
+    """A create-only write found the key already there (a committed manifest)."""
+
+
+class CorruptObjectError(StorageError):
+    """The bytes read back do not match the size or CRC32C they were committed with."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class Storage(abc.ABC):
+    """An object store rooted at ``uri``. See the module docstring for the contract."""
+
+    uri: str
+
+    # -- writes ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put_file(
+        self,
+        local_path: str,
+        key: str,
+        *,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        """Upload a local file to ``key`` (overwriting). Large files go up in parallel parts.
+
+        ``crc32c``, when given, is the file's CRC32C; stores that can check it server-side do.
+        """
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object (overwriting)."""
+
+    @abc.abstractmethod
+    def put_bytes_if_absent(self, key: str, data: bytes) -> None:
+        """Create ``key`` only if it does not exist; raise ``AlreadyExistsError`` otherwise.
+
+        Atomic against concurrent writers: of two racing calls, exactly one succeeds.
+        """
+
+    # -- reads -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read a whole (small) object; ``NotFoundError`` if missing."""
+
+    @abc.abstractmethod
+    def get_file(
+        self,
+        key: str,
+        local_path: str,
+        *,
+        size: int | None = None,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        """Download ``key`` to ``local_path`` (parallel ranged reads for large objects).
+
+        When ``size``/``crc32c`` are given, the bytes are checked as they arrive and a mismatch
+        raises ``CorruptObjectError``; ``local_path`` is then left absent.
+        """
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size of ``key``, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursive), in no particular order."""
+
+    @abc.abstractmethod
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """Names of the immediate "folders" under ``prefix`` (``prefix`` ends with / or is "")."""
+
+    # -- deletes -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete these keys; missing ones are fine."""
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix`` (which must end with '/')."""
+        if not prefix.endswith("/"):
+            raise ValueError(f"delete_prefix needs a folder prefix ending in '/', got {prefix!r}")
+        self.delete([o.key for o in self.list(prefix)])
+
+    # -- helpers -----------------------------------------------------------------------------
+    def url(self, key: str = "") -> str:
+        """The full URI of ``key``."""
+        return self.uri.rstrip("/") + ("/" + key if key else "")
+
+    def local_path(self, key: str) -> str | None:
+        """A path on this machine's filesystem where ``key`` can be read directly, if any."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients and thread pools."""
+
+
+def parallel_map(
+    fn: Callable[..., None], calls: Sequence[tuple[object, ...]], parallelism: int = DEFAULT_PARALLELISM
+) -> None:
+    """Run ``fn(*args)`` for every args tuple in a thread pool; re-raise the first failure.
+
+    Every call is waited for before raising, so no transfer is still running afterwards.
+    """
+    if not calls:
+        return
+    if len(calls) == 1 or parallelism <= 1:
+        for args in calls:
+            fn(*args)
+        return
+    with ThreadPoolExecutor(max_workers=min(parallelism, len(calls)), thread_name_prefix="spotjob-io") as pool:
+        futures = [pool.submit(fn, *args) for args in calls]
+        errors = [f.exception() for f in futures]
+    for err in errors:
+        if err is not None:
+            raise err
+
+
+def put_files(
+    storage: Storage,
+    files: Sequence[tuple[str, str, int | None]],
+    *,
+    progress: ProgressFn | None = None,
+    parallelism: int = DEFAULT_PARALLELISM,
+) -> None:
+    """Upload ``(local_path, key, crc32c)`` triples in parallel."""
+    parallel_map(
+        lambda local, key, crc: storage.put_file(local, key, crc32c=crc, progress=progress),
+        files,
+        parallelism,
+    )
+
+
+def get_files(
+    storage: Storage,
+    files: Sequence[tuple[str, str, int | None, int | None]],
+    *,
+    progress: ProgressFn | None = None,
+    parallelism: int = DEFAULT_PARALLELISM,
+) -> None:
+    """Download ``(key, local_path, size, crc32c)`` tuples in parallel, verifying each."""
+    for _, local, _, _ in files:
+        os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+    parallel_map(
+        lambda key, local, size, crc: storage.get_file(key, local, size=size, crc32c=crc, progress=progress),
+        files,
+        parallelism,
+    )

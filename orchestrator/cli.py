@@ -1,0 +1,50 @@
+"""``spotjob``: the command line. Each command group lives in its own module and registers itself.
+
+- ``spotjob ckpt list|verify|show|export`` — orchestrator/cli_ckpt.py
+- ``spotjob run`` / ``spotjob status`` — orchestrator/cli_run.py (local mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spotjob", description="Preemption-proof PyTorch training on spot capacity."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from orchestrator import cli_ckpt
+
+    cli_ckpt.register(sub)
+    try:
+        from orchestrator import cli_run
+    except ImportError:  # pragma: no cover - present once local mode lands
+        pass
+    else:
+        cli_run.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("SPOTJOB_LOG_LEVEL", "INFO")),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        rc: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
