@@ -20,7 +20,6 @@ import logging
 import os
 import pathlib
 import pickle
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from agent.crc32c import crc32c_file, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry

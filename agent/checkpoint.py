@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -71,6 +73,9 @@ from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
 from agent.storage import AlreadyExistsError, StorageError, open_storage, put_files
 
 log = logging.getLogger(__name__)
+
+# Single-process use (no process group) is intended here, not a mistake worth a warning per save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 _STATUS_INTERVAL_S = 1.0
 
@@ -683,7 +688,7 @@ class Checkpointer:
                 loaded = True
                 dcp.load(dcp_state, storage_reader=reader, planner=SafeLoadPlanner(),
                          process_group=self._ctl_pg, no_dist=not self._dist)
-            except Exception as e:
+            except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
                 error = self._load_error(ref, e)
         if not self._all_ok(error is None):
             self._cleanup_cache(cache)
@@ -693,6 +698,9 @@ class Checkpointer:
         return True, True
 
     def _load_error(self, ref: CheckpointRef, e: BaseException) -> str:
+        if isinstance(e, CheckpointException) and e.failures:
+            # DCP wraps every rank's failure; the first one says what went wrong.
+            e = next(iter(e.failures.values()))[0]
         kind = "corrupt" if isinstance(e, StorageError) else "unsafe" if isinstance(e, UnsafeCheckpointError) else "unreadable"
         msg = f"{self.storage.url(ref.folder)} is {kind} on rank {self.rank}: {e}"
         log.warning("restore: skipping %s", msg)

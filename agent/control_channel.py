@@ -11,6 +11,7 @@ JSON file replaced atomically (temp + rename), so a reader never sees half a fil
 - ``status.json`` (rank 0 → agent): the training state the agent serves on ``GET /status``.
 - ``flushed.json`` (rank 0 → agent): the flush committed; step, URI and notice-to-commit time.
 - ``flush-failed.json`` (rank 0 → agent): a flush was attempted and nothing could be committed.
+- ``agent.json`` (agent → tools): the agent's pid and control-API URL while it runs.
 - ``closed-rank-<r>`` (each rank → agent): ``Checkpointer.close()`` returned on that rank, i.e.
   the rank finished its work. An abort at interpreter exit after this is not a job failure.
 
@@ -47,6 +48,7 @@ STATUS_FILE = "status.json"
 FLUSHED_FILE = "flushed.json"
 FLUSH_FAILED_FILE = "flush-failed.json"
 CLOSED_PREFIX = "closed-rank-"
+AGENT_FILE = "agent.json"
 
 
 @dataclass
@@ -134,7 +136,7 @@ class ControlDir:
         for name in (FLUSHED_FILE, FLUSH_FAILED_FILE):
             data = read_json(self._p(name))
             if data is not None:
-                return FlushResult(**{k: data.get(k) for k in FlushResult.__dataclass_fields__})
+                return FlushResult(**{k: data.get(k) for k in FlushResult.__dataclass_fields__})  # type: ignore[arg-type]
         return None
 
     def status(self) -> RankStatus | None:
@@ -173,7 +175,7 @@ class ControlDir:
         data = read_json(self._flush_path)
         if data is None:
             return None
-        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})
+        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
 
     def save_requested(self) -> bool:
         return os.path.exists(self._p(SAVE_FILE))
@@ -182,7 +184,7 @@ class ControlDir:
         data = read_json(self._p(SAVE_FILE))
         if data is None:
             return None
-        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})
+        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
 
     def clear_save_request(self) -> None:
         try:

@@ -35,6 +35,9 @@ ProgressFn = Callable[[int], None]
 
 DEFAULT_PARALLELISM = 8
 
+# ``Storage.list`` shadows the builtin inside the class body; annotations there use this alias.
+StrList = list[str]
+
 
 class StorageError(Exception):
     """A storage operation failed. ``key`` names the object when there is one."""
@@ -131,7 +134,7 @@ class Storage(abc.ABC):
         """Every object whose key starts with ``prefix`` (recursive), in no particular order."""
 
     @abc.abstractmethod
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> StrList:
         """Names of the immediate "folders" under ``prefix`` (``prefix`` ends with / or is "")."""
 
     # -- deletes -----------------------------------------------------------------------------

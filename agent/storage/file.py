@@ -23,6 +23,7 @@ from agent.storage.base import (
     PermanentStorageError,
     ProgressFn,
     Storage,
+    StrList,
 )
 
 _TMP_MARK = ".spotjob-tmp-"
@@ -177,7 +178,7 @@ class FileStorage(Storage):
                     except FileNotFoundError:
                         continue
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> StrList:
         base = self._path(prefix.rstrip("/"))
         try:
             return sorted(e.name for e in os.scandir(base) if e.is_dir())

@@ -1,0 +1,5 @@
+"""Where workers run: ``local`` (processes) and ``k8s`` (pods), behind ``base.Backend``."""
+
+from orchestrator.backends.base import Backend, BackendError, Placement, WorkerObservation, worker_name
+
+__all__ = ["Backend", "BackendError", "Placement", "WorkerObservation", "worker_name"]

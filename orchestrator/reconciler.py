@@ -1,0 +1,881 @@
+"""The recovery state machine every backend shares. It knows nothing of Kubernetes or processes.
+
+One ``reconcile(name)`` is one pass: observe (the backend's workers and signals, the newest valid
+checkpoint in storage), decide from the job's spec, those observations and the persisted status,
+act through the backend, write the status once, then log the pass's events. It never sleeps; it
+returns when to look again. Everything it decided lives in the status, so a new ``Reconciler``
+reading it carries on, and a pass whose status write is lost is replayed safely: every action is
+idempotent (deterministic worker names per attempt, agents keep their first flush request) and
+every counter moves in the same write as the phase that counted it.
+
+Transitions (``*`` once the next attempt's workers were started)::
+
+    from                        to            when                                            reason
+    (new)                       Pending       storage answers; attempt 0 started              WorkersStarted
+    Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
+    Running                     Succeeded     every worker exited 0                           Completed
+    Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt PreemptionNotice
+                                              a worker's agent exited 75                      AgentPreempted
+                                              a worker's agent exited 76                      AgentFlushFailed
+                                              a worker vanished or died without exit code     WorkerLost
+    Flushing                    Rescheduling  storage holds a manifest newer than before      FlushCommitted
+                                              no worker is left running to flush              WorkersExited
+                                              flushTimeoutSeconds passed                      FlushTimedOut
+    Pending, Running, Resch.*   Rescheduling  a worker exited non-zero (not 75/76)            WorkerFailed
+                                Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
+    any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
+
+Rescheduling stops the whole gang, waits until none of it is alive and the backoff has passed,
+then starts the next attempt away from the preempted nodes (and zones / instance types, if the
+spec says so, for ``cooldown.seconds``).
+
+Failure classes (DESIGN.md): a *preemption* (any of the four Flushing reasons) never consumes
+``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
+*infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
+retried with exponential backoff and shown in the Degraded condition. A worker that vanishes
+without a signal is a preemption: something outside the user's code took it (a node reclaimed
+without notice, a deleted pod), as SkyPilot counts a lost cluster. When one observation holds
+both, the preemption wins: a crash on a node that is going away is the notice's doing. Exits
+while Flushing belong to the preemption too (peers of a stopped rank fail their collectives).
+No attempt starts while storage is unreachable: its workers could not restore, and their crash
+would look like the user's.
+
+Guarding against false alarms (SkyPilot): a signal is acted on only if it names a node or worker
+of the current attempt in this pass's fresh listing — a stale queue message, a notice for a node
+the job has left, or for another job's node changes nothing; advisory signals (Rebalance) stop
+nothing; a worker missing from the listing is declared lost only if a second listing agrees.
+
+The flush is done when storage — the source of truth, never an agent's word — holds a valid
+manifest newer than the *baseline*: the newest committed step read in the pass that heard a
+controller signal, or, when an agent acted on its own (exit 75/76, lost), the step the status held
+before that pass (the agent may have committed between two passes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Protocol
+
+from agent.catalog import CheckpointStatus, latest_valid
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.storage import Storage, StorageError, TransientStorageError, open_storage
+from orchestrator.backends.base import Backend, BackendError, Placement, WorkerObservation
+from orchestrator.model import (
+    AttemptStatus,
+    Avoidance,
+    AvoidKind,
+    Cause,
+    CheckpointInfo,
+    Condition,
+    ConditionStatus,
+    Event,
+    EventType,
+    JobSpec,
+    JobStatus,
+    NodeRef,
+    Phase,
+    RecoveryStatus,
+    WorkerPhase,
+    WorkerStatus,
+)
+from orchestrator.signals import Signal
+from orchestrator.store import ConflictError, JobNotFoundError, JobStore
+
+log = logging.getLogger(__name__)
+
+
+# -- time -------------------------------------------------------------------------------------
+
+
+class Clock(Protocol):
+    """Where the reconciler and the controller loop get time; tests pass a fake one."""
+
+    def now(self) -> datetime:
+        """Wall time, timezone-aware (UTC): what status records."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds for measuring durations within this process."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Wait (only ``Controller`` waits; the reconciler never does)."""
+        ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+# -- reasons ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A CamelCase reason and the message that goes with it (``str.format`` fields)."""
+
+    name: str
+    template: str
+    warning: bool = False
+
+    def message(self, **fields: object) -> str:
+        return self.template.format(**fields)
+
+
+WORKERS_STARTED = Reason(
+    "WorkersStarted", "started {replicas} worker(s) of attempt {attempt} from {resume}, avoiding {avoid}"
+)
+WORKERS_RUNNING = Reason("WorkersRunning", "every worker of attempt {attempt} is running")
+COMPLETED = Reason("Completed", "every worker exited 0 (last step seen {step})")
+PREEMPTION_NOTICE = Reason("PreemptionNotice", "{signal}: flushing the gang and moving it")
+AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node} heard a notice itself and exited 75")
+AGENT_FLUSH_FAILED = Reason(
+    "AgentFlushFailed", "the agent of {worker} on node {node} exited 76: its flush committed nothing", warning=True
+)
+WORKER_LOST = Reason("WorkerLost", "worker {worker} on node {node} is gone without an exit code or a notice")
+FLUSH_REQUESTED = Reason("FlushRequested", "asked {count} agent(s) to flush by {deadline}: {workers}")
+FLUSH_REQUEST_FAILED = Reason(
+    "FlushRequestFailed", "could not ask the agent of {worker} to flush: {error}", warning=True
+)
+FLUSH_FAILED = Reason("FlushFailed", "the agent of {worker} exited 76: its flush committed nothing", warning=True)
+FLUSH_COMMITTED = Reason("FlushCommitted", "step {step} committed at {uri} {seconds:.1f}s after the notice")
+WORKERS_EXITED = Reason(
+    "WorkersExited",
+    "no worker is left to flush and nothing newer than {baseline} was committed; resuming from {resume}",
+)
+FLUSH_TIMED_OUT = Reason(
+    "FlushTimedOut",
+    "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}",
+    warning=True,
+)
+RESCHEDULING = Reason(
+    "Rescheduling", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
+)
+WORKER_FAILED = Reason(
+    "WorkerFailed", "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}", warning=True
+)
+RESTART_BUDGET_EXHAUSTED = Reason(
+    "RestartBudgetExhausted",
+    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used",
+    warning=True,
+)
+INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
+STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {uri}: {error}", warning=True)
+STORAGE_REFUSED = Reason("StorageRefused", "storage refuses to list checkpoints at {uri}: {error}", warning=True)
+BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
+HEALTHY = Reason("Healthy", "storage and the backend answer")
+
+READY = "Ready"
+FLUSHING = "Flushing"
+DEGRADED = "Degraded"
+
+
+# -- the reconciler ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReconcilerOptions:
+    """How often to look again; internal tunables, not part of the job's spec."""
+
+    running_poll_seconds: float = 10.0
+    starting_poll_seconds: float = 2.0
+    flushing_poll_seconds: float = 1.0
+    stopping_poll_seconds: float = 2.0
+    infra_backoff_initial_seconds: float = 1.0
+    infra_backoff_max_seconds: float = 60.0
+    max_events: int = 50
+
+    def infra_delay(self, tries: int) -> float:
+        """Exponential backoff for infrastructure errors: 1, 2, 4 … seconds, capped."""
+        return min(self.infra_backoff_max_seconds, self.infra_backoff_initial_seconds * 2 ** max(0, tries - 1))
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    phase: Phase
+    requeue_after: float | None
+    """Seconds until the next pass; None once the job is Succeeded or Failed."""
+
+
+_Placed = WorkerObservation | WorkerStatus
+"""A worker as observed now or as the status last saw it: either tells where it ran."""
+
+
+@dataclass(frozen=True)
+class _Preemption:
+    """Evidence that the capacity is going away, as one pass found it."""
+
+    reason: Reason
+    message: str
+    nodes: list[NodeRef]
+    deadline: datetime | None
+    heard_by_controller: bool
+
+
+@dataclass
+class _Pass:
+    """One reconcile's working state: the observations and the status being decided."""
+
+    spec: JobSpec
+    status: JobStatus
+    now: datetime
+    previous_checkpoint_step: int | None
+    seen: set[str]
+    """Workers of the current attempt the status had seen before this pass."""
+    workers: list[WorkerObservation] = field(default_factory=list)
+    signals: list[Signal] = field(default_factory=list)
+    checkpoint: CheckpointStatus | None = None
+    checkpoint_uri: str = ""
+    storage_error: StorageError | None = None
+    invalid_uri: str | None = None
+    signals_error: BackendError | None = None
+    new_events: list[Event] = field(default_factory=list)
+    stopped: bool = False
+    """This pass already asked the backend to stop the gang."""
+
+    def current(self) -> list[WorkerObservation]:
+        return [w for w in self.workers if w.attempt == self.status.attempt.number]
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        return self.checkpoint.ref.step if self.checkpoint is not None else None
+
+    def resume_point(self) -> str:
+        step = self.checkpoint_step
+        return f"step {step}" if step is not None else "scratch"
+
+
+class Reconciler:
+    """Drives one job at a time through the state machine of the module docstring."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        backend: Backend,
+        clock: Clock | None = None,
+        *,
+        storage_factory: Callable[[str], Storage] = open_storage,
+        options: ReconcilerOptions | None = None,
+    ) -> None:
+        self.store = store
+        self._backend = backend
+        self._clock: Clock = clock or SystemClock()
+        self._storage_factory = storage_factory
+        self._options = options or ReconcilerOptions()
+        self._storages: dict[str, Storage] = {}
+        self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
+            Phase.PENDING: self._bring_up,
+            Phase.RUNNING: self._running,
+            Phase.FLUSHING: self._flushing,
+            Phase.RESCHEDULING: self._bring_up,
+        }
+
+    def reconcile(self, name: str) -> ReconcileResult:
+        """One pass for job ``name``: observe, decide, act, write the status once.
+
+        Raises ``JobNotFoundError`` if there is no such job and ``StoreError`` if its status cannot
+        be written; backend and storage errors are retried (see the module docstring).
+        """
+        started = self._clock.monotonic()
+        stored = self.store.get(name)
+        if stored is None:
+            raise JobNotFoundError(name)
+        now = self._clock.now()
+        before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
+        if before.phase.terminal:
+            return ReconcileResult(before.phase, None)
+
+        p = self._new_pass(stored.spec, before, now)
+        try:
+            self._observe(p)
+            requeue = self._decide(p)
+        except BackendError as e:
+            # Forget this pass's decisions: their actions are idempotent and replayed next time.
+            p = self._new_pass(stored.spec, before, now)
+            p.status.infra_errors += 1
+            self._degraded(p, BACKEND_UNAVAILABLE, error=e)
+            requeue = self._options.infra_delay(p.status.infra_errors)
+        else:
+            self._note_health(p)
+            self._record_workers(p)
+        self._account(p)
+
+        try:
+            self.store.update_status(name, p.status, version=stored.version)
+        except ConflictError as e:
+            log.info("job %s [%s]: status changed under this pass (%s); re-reading", name, before.phase, e)
+            return ReconcileResult(before.phase, 0.0)
+        # Events only once the status that holds them is written (Karpenter).
+        for event in p.new_events:
+            log.log(
+                logging.WARNING if event.type is EventType.WARNING else logging.INFO,
+                "job %s [%s] %s: %s",
+                name,
+                p.status.phase,
+                event.reason,
+                event.message,
+            )
+        requeue_after = None if p.status.phase.terminal or requeue is None else max(0.0, requeue)
+        log.debug(
+            "job %s [%s]: pass took %.3fs; next in %s",
+            name,
+            p.status.phase,
+            self._clock.monotonic() - started,
+            "never" if requeue_after is None else f"{requeue_after:.1f}s",
+        )
+        return ReconcileResult(p.status.phase, requeue_after)
+
+    # -- observe ---------------------------------------------------------------------------
+    def _new_pass(self, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
+        status = before.model_copy(deep=True)
+        return _Pass(
+            spec=spec,
+            status=status,
+            now=now,
+            previous_checkpoint_step=status.last_checkpoint.step if status.last_checkpoint else None,
+            seen={w.name for w in status.workers},
+        )
+
+    def _observe(self, p: _Pass) -> None:
+        spec, status = p.spec, p.status
+        p.workers = self._backend.list_workers(spec)
+        try:
+            p.signals = self._backend.signals(spec)
+        except BackendError as e:
+            # Exits and lost workers still reveal preemptions; carry on without notices.
+            p.signals_error = e
+        try:
+            storage = self._storage(spec.checkpoint.uri)
+        except ValueError as e:
+            p.invalid_uri = str(e)
+            return
+        p.checkpoint_uri = storage.url()
+        try:
+            p.checkpoint = latest_valid(storage)
+        except StorageError as e:
+            p.storage_error = e
+        if p.checkpoint is not None and p.checkpoint.manifest is not None:
+            status.last_checkpoint = CheckpointInfo(
+                step=p.checkpoint.ref.step,
+                uri=storage.url(p.checkpoint.ref.folder),
+                time=p.checkpoint.manifest.created_at,
+            )
+        if p.storage_error is not None or p.signals_error is not None:
+            status.infra_errors += 1
+        status.avoid = [a for a in status.avoid if a.until > p.now]
+        self._track_steps(p)
+
+    def _storage(self, uri: str) -> Storage:
+        storage = self._storages.get(uri)
+        if storage is None:
+            storage = self._storages[uri] = self._storage_factory(uri)
+        return storage
+
+    def _track_steps(self, p: _Pass) -> None:
+        """Follow the attempt's step hints: the highest one, and the first one for the step rate."""
+        steps = [w.step for w in p.current() if w.step is not None]
+        if not steps:
+            return
+        attempt, step = p.status.attempt, max(steps)
+        if attempt.first_step is None:
+            attempt.first_step, attempt.first_step_at = step, p.now
+        if attempt.observed_step is None or step > attempt.observed_step:
+            attempt.observed_step, attempt.observed_step_at = step, p.now
+
+    # -- decide and act --------------------------------------------------------------------
+    def _decide(self, p: _Pass) -> float | None:
+        """Run phase handlers until one waits; a handler returns None when it changed the phase."""
+        if p.invalid_uri is not None:
+            self._finish(p, Phase.FAILED, INVALID_CHECKPOINT_URI, error=p.invalid_uri)
+            return None
+        for _ in range(len(Phase) + 2):
+            if p.status.phase.terminal:
+                return None
+            wait = self._handlers[p.status.phase](p)
+            if wait is not None:
+                return wait
+        raise RuntimeError(f"job {p.spec.name}: no stable decision after {len(Phase) + 2} transitions")
+
+    def _bring_up(self, p: _Pass) -> float | None:
+        """Pending and Rescheduling: start the attempt once nothing holds it back; wait until it runs."""
+        spec, status, attempt = p.spec, p.status, p.status.attempt
+        if attempt.started_at is not None:
+            if self._watch(p):
+                return None
+            current = p.current()
+            if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
+                self._enter_running(p)
+                return None
+            return self._options.starting_poll_seconds
+
+        leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]
+        if leftovers:
+            # Never two attempts at once: their ranks would meet in one rendezvous.
+            self._debug(p, "waiting for %s to stop before attempt %d", ", ".join(leftovers), attempt.number)
+            if not p.stopped:
+                self._backend.stop_workers(spec, keep_attempt=attempt.number)
+            return self._options.stopping_poll_seconds
+        if p.storage_error is not None:
+            self._debug(p, "not starting attempt %d while storage is unreachable", attempt.number)
+            return self._options.infra_delay(status.infra_errors)
+        recovery = status.recovery
+        if recovery is not None and recovery.restart_at is not None and p.now < recovery.restart_at:
+            return (recovery.restart_at - p.now).total_seconds()
+
+        placement = self._placement(status)
+        self._backend.start_workers(spec, attempt.number, placement)
+        attempt.started_at = p.now
+        attempt.resumed_from_step = p.checkpoint_step
+        if recovery is not None:
+            self._count_lost_steps(p, recovery)
+        message = WORKERS_STARTED.message(
+            replicas=spec.replicas, attempt=attempt.number, resume=p.resume_point(), avoid=placement.describe()
+        )
+        self._condition(p, READY, False, WORKERS_STARTED.name, message)
+        self._event(p, WORKERS_STARTED, message=message)
+        return self._options.starting_poll_seconds
+
+    def _running(self, p: _Pass) -> float | None:
+        if self._watch(p):
+            return None
+        return self._options.running_poll_seconds
+
+    def _watch(self, p: _Pass) -> bool:
+        """React to what the current attempt's workers did; True if the phase changed."""
+        current = p.current()
+        preemption = self._preemption(p, current)
+        if preemption is not None:
+            self._enter_flushing(p, preemption)
+            return True
+        failed = [w for w in current if _is_failure(w)]
+        if failed:
+            self._on_failure(p, failed[0])
+            return True
+        if len(current) >= p.spec.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
+            return True
+        return False
+
+    def _preemption(self, p: _Pass, current: list[WorkerObservation]) -> _Preemption | None:
+        """The evidence that the attempt's capacity is going away, strongest first, or None."""
+        by_name = {w.name: w for w in current}
+        by_node = {w.node: w for w in current if w.node is not None}
+        heard: list[tuple[Signal, WorkerObservation]] = []
+        for s in p.signals:
+            w = by_name.get(s.worker) if s.worker is not None else by_node.get(s.node or "")
+            if not s.kind.is_preemption or w is None:
+                # Advisory, or for a node this attempt does not use (stale, or another job's).
+                self._debug(p, "ignoring %s: %s", s.describe(), "advisory" if w else "not a node of this attempt")
+                continue
+            heard.append((s, w))
+        if heard:
+            deadlines = [s.deadline for s, _ in heard if s.deadline is not None]
+            if deadlines:
+                deadline: datetime | None = min(deadlines)
+            elif p.spec.notice_seconds is not None:
+                deadline = p.now + timedelta(seconds=p.spec.notice_seconds)
+            else:
+                deadline = None
+            return _Preemption(
+                PREEMPTION_NOTICE,
+                PREEMPTION_NOTICE.message(signal="; ".join(s.describe() for s, _ in heard)),
+                _nodes(w for _, w in heard),
+                deadline,
+                heard_by_controller=True,
+            )
+
+        for code, reason in ((EXIT_PREEMPTED, AGENT_PREEMPTED), (EXIT_FLUSH_FAILED, AGENT_FLUSH_FAILED)):
+            exited = [w for w in current if w.exit_code == code]
+            if exited:
+                first = exited[0]
+                return _Preemption(
+                    reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
+                )
+
+        lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code is None]
+        missing = p.seen - set(by_name)
+        if missing:
+            # A listing can miss a worker for a moment (a cache resync): ask again before believing it.
+            again = self._backend.list_workers(p.spec)
+            missing -= {w.name for w in again}
+            if not missing:
+                p.workers = again
+            lost += [w for w in p.status.workers if w.name in missing]
+        if lost:
+            first_lost = lost[0]
+            message = WORKER_LOST.message(worker=first_lost.name, node=first_lost.node)
+            return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
+        return None
+
+    def _enter_flushing(self, p: _Pass, preemption: _Preemption) -> None:
+        status = p.status
+        self._close_recovery(p)
+        baseline = (
+            p.checkpoint_step
+            if preemption.heard_by_controller and p.storage_error is None
+            else p.previous_checkpoint_step
+        )
+        status.recovery = RecoveryStatus(
+            cause=Cause.PREEMPTION,
+            reason=preemption.reason.name,
+            message=preemption.message,
+            detected_at=p.now,
+            preempted=preemption.nodes,
+            flush_deadline=preemption.deadline,
+            flush_timeout_at=p.now + timedelta(seconds=p.spec.flush_timeout_seconds),
+            baseline_step=baseline,
+            flush_failed=[w.name for w in p.current() if w.exit_code == EXIT_FLUSH_FAILED],
+        )
+        status.preemptions += 1
+        self._set_phase(p, Phase.FLUSHING, preemption.reason.name, preemption.message)
+        self._condition(p, READY, False, preemption.reason.name, preemption.message)
+        self._condition(p, FLUSHING, True, preemption.reason.name, preemption.message)
+        self._event(p, preemption.reason, message=preemption.message)
+
+    def _flushing(self, p: _Pass) -> float | None:
+        recovery = p.status.recovery
+        assert recovery is not None, "Flushing without a recovery"
+        self._note_more_preempted(p, recovery)
+        current = p.current()
+        for w in current:
+            if w.exit_code == EXIT_FLUSH_FAILED and w.name not in recovery.flush_failed:
+                recovery.flush_failed.append(w.name)
+                self._event(p, FLUSH_FAILED, worker=w.name)
+
+        baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
+        step = p.checkpoint_step
+        if step is not None and (recovery.baseline_step is None or step > recovery.baseline_step):
+            assert p.status.last_checkpoint is not None
+            self._enter_rescheduling(
+                p,
+                FLUSH_COMMITTED,
+                step=step,
+                uri=p.status.last_checkpoint.uri,
+                seconds=(p.now - recovery.detected_at).total_seconds(),
+            )
+            return None
+        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
+        if not running:
+            self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
+            return None
+        assert recovery.flush_timeout_at is not None
+        if p.now >= recovery.flush_timeout_at:
+            self._enter_rescheduling(
+                p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
+            )
+            return None
+
+        asked = []
+        for w in running:
+            if w.name in recovery.flush_requested:
+                continue
+            try:
+                self._backend.request_flush(p.spec, w, recovery.message, recovery.flush_deadline)
+            except BackendError as e:
+                # Retried next pass; the timeout bounds how long an unreachable agent holds us.
+                self._event(p, FLUSH_REQUEST_FAILED, worker=w.name, error=e)
+                continue
+            recovery.flush_requested.append(w.name)
+            asked.append(w.name)
+        if asked:
+            deadline = recovery.flush_deadline.isoformat() if recovery.flush_deadline else "no deadline"
+            self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
+        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
+        return min(self._options.flushing_poll_seconds, until_timeout)
+
+    def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        """Notices for other nodes of the gang while it flushes: avoid those nodes too."""
+        known = {n.node for n in recovery.preempted}
+        by_node = {w.node: w for w in p.current() if w.node is not None}
+        for s in p.signals:
+            w = by_node.get(s.node or "")
+            if s.kind.is_preemption and w is not None and w.node not in known:
+                recovery.preempted += _nodes([w])
+                known.add(w.node)
+
+    def _on_failure(self, p: _Pass, worker: WorkerObservation) -> None:
+        """The user's code failed: restart within the budget, or fail the job."""
+        spec, status = p.spec, p.status
+        self._close_recovery(p)
+        if status.restarts >= spec.max_restarts:
+            self._finish(
+                p,
+                Phase.FAILED,
+                RESTART_BUDGET_EXHAUSTED,
+                worker=worker.name,
+                code=worker.exit_code,
+                max_restarts=spec.max_restarts,
+            )
+            return
+        status.restarts += 1
+        message = WORKER_FAILED.message(
+            worker=worker.name, code=worker.exit_code, restarts=status.restarts, max_restarts=spec.max_restarts
+        )
+        status.recovery = RecoveryStatus(
+            cause=Cause.FAILURE, reason=WORKER_FAILED.name, message=message, detected_at=p.now
+        )
+        self._event(p, WORKER_FAILED, message=message)
+        self._enter_rescheduling(p, None)
+
+    def _enter_rescheduling(self, p: _Pass, why: Reason | None, **fields: object) -> None:
+        """Stop the gang, remember where not to go, and set the next attempt's backoff.
+
+        ``why`` ends the flush (FlushCommitted, WorkersExited, FlushTimedOut); None after a failure.
+        """
+        spec, status = p.spec, p.status
+        recovery = status.recovery
+        assert recovery is not None, "Rescheduling without a recovery"
+        if why is not None:
+            message = why.message(**fields)
+            self._condition(p, FLUSHING, False, why.name, message)
+            self._event(p, why, message=message)
+            if status.start_time is not None:
+                status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
+
+        stopped = status.attempt
+        recovery.last_step = stopped.observed_step
+        recovery.step_rate = stopped.step_rate()
+        recovery.stopped_at = p.now
+        self._backend.stop_workers(spec)
+        p.stopped = True
+
+        if recovery.cause is Cause.PREEMPTION:
+            self._avoid(p, recovery)
+        backoff = spec.restart_backoff
+        ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
+        status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
+        delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
+        recovery.restart_at = p.now + timedelta(seconds=delay)
+        status.attempt = AttemptStatus(number=stopped.number + 1)
+
+        message = RESCHEDULING.message(
+            attempt=stopped.number,
+            cause=recovery.reason,
+            next=status.attempt.number,
+            delay=delay,
+            avoid=self._placement(status).describe(),
+        )
+        self._set_phase(p, Phase.RESCHEDULING, RESCHEDULING.name, message)
+        self._condition(p, READY, False, RESCHEDULING.name, message)
+        self._event(p, RESCHEDULING, message=message)
+
+    def _avoid(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        cooldown = p.spec.cooldown
+        until = p.now + timedelta(seconds=cooldown.seconds)
+        wanted: list[tuple[AvoidKind, str | None, bool]] = []
+        for n in recovery.preempted:
+            wanted += [
+                ("node", n.node, cooldown.avoid_node),
+                ("zone", n.zone, cooldown.avoid_zone),
+                ("instanceType", n.instance_type, cooldown.avoid_instance_type),
+            ]
+        for kind, value, enabled in wanted:
+            if not enabled or value is None or cooldown.seconds <= 0:
+                continue
+            p.status.avoid = [a for a in p.status.avoid if (a.kind, a.value) != (kind, value)]
+            p.status.avoid.append(Avoidance(kind=kind, value=value, until=until, reason=recovery.reason))
+
+    def _count_lost_steps(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        """Steps the stopped attempt trained that no committed checkpoint holds, at this restart."""
+        if recovery.last_step is None:
+            return
+        lost = max(0, recovery.last_step - (p.checkpoint_step or 0))
+        if recovery.cause is Cause.PREEMPTION:
+            p.status.steps_lost_to_preemptions += lost
+        if lost and recovery.step_rate and p.status.start_time is not None:
+            p.status.retraining_seconds += lost / recovery.step_rate
+
+    def _enter_running(self, p: _Pass) -> None:
+        status = p.status
+        self._close_recovery(p)
+        status.attempt.running_at = p.now
+        if status.start_time is None:
+            status.start_time = p.now
+        message = WORKERS_RUNNING.message(attempt=status.attempt.number)
+        self._set_phase(p, Phase.RUNNING, WORKERS_RUNNING.name, message)
+        self._condition(p, READY, True, WORKERS_RUNNING.name, message)
+        self._event(p, WORKERS_RUNNING, message=message)
+
+    def _close_recovery(self, p: _Pass) -> None:
+        """The recovery in progress ends (the attempt runs, or fails or is preempted while starting)."""
+        recovery = p.status.recovery
+        if recovery is None:
+            return
+        if recovery.stopped_at is not None and p.status.start_time is not None:
+            p.status.restarting_seconds += (p.now - recovery.stopped_at).total_seconds()
+        p.status.recovery = None
+
+    def _finish(self, p: _Pass, phase: Phase, why: Reason, **fields: object) -> None:
+        status = p.status
+        message = why.message(**fields)
+        if phase is Phase.FAILED:
+            self._backend.stop_workers(p.spec)
+            p.stopped = True
+        if status.recovery is not None and status.recovery.stopped_at is None:
+            self._condition(p, FLUSHING, False, why.name, message)
+        self._close_recovery(p)
+        status.completion_time = p.now
+        self._set_phase(p, phase, why.name, message)
+        self._condition(p, READY, False, why.name, message)
+        self._event(p, why, message=message)
+
+    # -- infrastructure health ---------------------------------------------------------------
+    def _note_health(self, p: _Pass) -> None:
+        status = p.status
+        if p.storage_error is not None:
+            reason = STORAGE_UNREACHABLE if isinstance(p.storage_error, TransientStorageError) else STORAGE_REFUSED
+            uri = p.checkpoint_uri or p.spec.checkpoint.uri
+            self._degraded(p, reason, uri=uri, error=p.storage_error)
+        elif p.signals_error is not None:
+            self._degraded(p, BACKEND_UNAVAILABLE, error=p.signals_error)
+        else:
+            status.infra_errors = 0
+            before = status.condition(DEGRADED)
+            message = HEALTHY.message()
+            if before is not None and before.status == "True":
+                self._event(p, HEALTHY, message=message)
+            self._condition(p, DEGRADED, False, HEALTHY.name, message)
+
+    def _degraded(self, p: _Pass, why: Reason, **fields: object) -> None:
+        """An infrastructure error: shown, retried with backoff, never a phase change or a budget."""
+        message = why.message(**fields)
+        tries = p.status.infra_errors
+        self._condition(p, DEGRADED, True, why.name, f"{message} ({tries} pass(es) in a row)")
+        # The count stays out of the event, so that repeats coalesce into one event's count.
+        self._event(p, why, message=message)
+
+    # -- status helpers ------------------------------------------------------------------------
+    def _placement(self, status: JobStatus) -> Placement:
+        def values(kind: str) -> frozenset[str]:
+            return frozenset(a.value for a in status.avoid if a.kind == kind)
+
+        return Placement(values("node"), values("zone"), values("instanceType"))
+
+    def _record_workers(self, p: _Pass) -> None:
+        p.status.workers = [
+            WorkerStatus(
+                name=w.name,
+                node=w.node,
+                zone=w.zone,
+                instance_type=w.instance_type,
+                phase=w.phase,
+                exit_code=w.exit_code,
+                step=w.step,
+            )
+            for w in sorted(p.current(), key=lambda w: w.index)
+        ]
+
+    def _account(self, p: _Pass) -> None:
+        """Recompute goodput (defined on ``JobStatus``), counting a recovery in progress up to now."""
+        status = p.status
+        if status.start_time is None:
+            status.goodput = None
+            return
+        end = status.completion_time or p.now
+        wall = (end - status.start_time).total_seconds()
+        lost = status.flushing_seconds + status.restarting_seconds + status.retraining_seconds
+        recovery = status.recovery
+        if recovery is not None:
+            # Flushing counts from the notice; once stopped, the flush is in flushing_seconds already.
+            lost += (p.now - (recovery.stopped_at or recovery.detected_at)).total_seconds()
+        status.goodput = round(min(1.0, max(0.0, (wall - lost) / wall)), 4) if wall > 0 else None
+
+    def _set_phase(self, p: _Pass, phase: Phase, reason: str, message: str) -> None:
+        if phase is not p.status.phase:
+            log.info("job %s [%s] -> %s (%s): %s", p.spec.name, p.status.phase, phase, reason, message)
+        p.status.phase, p.status.reason, p.status.message = phase, reason, message
+
+    def _condition(self, p: _Pass, type_: str, value: bool, reason: str, message: str) -> None:
+        text: ConditionStatus = "True" if value else "False"
+        existing = p.status.condition(type_)
+        if existing is None:
+            p.status.conditions.append(
+                Condition(type=type_, status=text, reason=reason, message=message, last_transition_time=p.now)
+            )
+            return
+        if existing.status != text:
+            existing.status, existing.last_transition_time = text, p.now
+        existing.reason, existing.message = reason, message
+
+    def _event(self, p: _Pass, why: Reason, *, message: str | None = None, **fields: object) -> None:
+        text = message if message is not None else why.message(**fields)
+        events = p.status.events
+        last = events[-1] if events else None
+        if last is not None and last.reason == why.name and last.message == text:
+            last.count += 1
+            last.time = p.now
+        else:
+            kind = EventType.WARNING if why.warning else EventType.NORMAL
+            last = Event(time=p.now, type=kind, reason=why.name, message=text)
+            events.append(last)
+            del events[: -self._options.max_events]
+        p.new_events.append(last)
+
+    def _debug(self, p: _Pass, message: str, *args: object) -> None:
+        log.debug("job %s [%s]: " + message, p.spec.name, p.status.phase, *args)
+
+
+def _is_failure(w: WorkerObservation) -> bool:
+    """A non-zero exit of the user's code: anything but 0 and the agent's preemption codes."""
+    return w.exit_code is not None and w.exit_code not in (0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED)
+
+
+def _nodes(workers: Iterable[_Placed]) -> list[NodeRef]:
+    """Where these workers ran, each place once."""
+    out: list[NodeRef] = []
+    for w in workers:
+        ref = NodeRef(node=w.node, zone=w.zone, instance_type=w.instance_type)
+        if ref not in out:
+            out.append(ref)
+    return out
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+class Controller:
+    """Runs a job to Succeeded or Failed: reconcile, wait the requeue delay, again.
+
+    The local CLI runs it with ``SystemClock``; tests with a fake clock whose ``sleep`` only moves
+    time. ``wait`` replaces ``clock.sleep`` when the caller can wake early (a worker exited).
+    ``max_wait_seconds`` bounds each wait so that level-triggered checks keep happening.
+    """
+
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        clock: Clock,
+        *,
+        wait: Callable[[float], None] | None = None,
+        max_wait_seconds: float = 30.0,
+    ) -> None:
+        self._reconciler = reconciler
+        self._wait = wait or clock.sleep
+        self._max_wait = max_wait_seconds
+
+    def run(self, name: str, *, max_passes: int | None = None) -> JobStatus:
+        """Reconcile ``name`` until it is terminal (or ``max_passes`` passes); return its status."""
+        passes = 0
+        while True:
+            result = self._reconciler.reconcile(name)
+            passes += 1
+            if result.requeue_after is None or (max_passes is not None and passes >= max_passes):
+                break
+            self._wait(min(result.requeue_after, self._max_wait))
+        stored = self._reconciler.store.get(name)
+        if stored is None or stored.status is None:
+            raise JobNotFoundError(name)
+        return stored.status

@@ -1,0 +1,321 @@
+"""Fakes for the reconciler's tests: a clock that never sleeps, a backend that trains by the clock,
+a storage that can go down, and a way to commit real manifests that ``latest_valid`` accepts.
+
+The fake backend's workers evolve lazily from the fake clock whenever the backend is called:
+a started worker runs ``start_seconds`` after it was created, trains ``steps_per_second`` from the
+step it resumed from (the newest valid checkpoint, read from storage as a real agent would), and a
+flush request freezes its step; ``flush_seconds`` later rank 0 commits a manifest at that step and
+every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says).
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+from agent.catalog import folder_name, latest_valid
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import MANIFEST_NAME, FileEntry, Manifest
+from agent.storage import AlreadyExistsError, ObjectInfo, Storage, TransientStorageError
+from agent.storage.file import FileStorage
+from orchestrator.backends.base import BackendError, Placement, WorkerObservation, worker_name
+from orchestrator.model import JobSpec, WorkerPhase
+from orchestrator.signals import Signal, SignalKind
+
+EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+class FakeClock:
+    """Time that moves only when told; ``sleep`` moves it and remembers how long was "slept"."""
+
+    def __init__(self, start: datetime = EPOCH) -> None:
+        self._now = start
+        self._monotonic = 1000.0
+        self.slept = 0.0
+
+    def now(self) -> datetime:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self._now += timedelta(seconds=seconds)
+        self._monotonic += seconds
+
+    def at(self) -> float:
+        """Seconds since EPOCH: what the tests' timelines are written in."""
+        return (self._now - EPOCH).total_seconds()
+
+
+class FlakyStorage(FileStorage):
+    """A real folder store whose listings fail while ``down`` (throttling, a network partition)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.down = False
+        self.failed_lists = 0
+
+    def _check(self) -> None:
+        if self.down:
+            self.failed_lists += 1
+            raise TransientStorageError(f"{self.uri}: connection reset (still failing after retries)")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._check()
+        return super().list(prefix)
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        self._check()
+        return super().list_dirs(prefix)
+
+
+def commit_checkpoint(storage: Storage, step: int, created_at: datetime, *, job: str = "train") -> None:
+    """Commit a small valid checkpoint at ``step`` the way rank 0 does: shard first, manifest last."""
+    folder = folder_name(step)
+    shard = f"step {step}".encode()
+    storage.put_bytes(f"{folder}/shard-0.bin", shard)
+    manifest = Manifest(
+        step=step,
+        world_size=1,
+        created_at=created_at,
+        torch_version="fake",
+        job=job,
+        state_keys=["model"],
+        files=[FileEntry(path="shard-0.bin", size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
+    )
+    storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
+
+
+@dataclass(frozen=True)
+class FakeNode:
+    name: str
+    zone: str
+    instance_type: str
+
+
+FlushOutcome = Literal["commit", "fail", "hang"]
+
+
+@dataclass
+class FakeWorker:
+    name: str
+    attempt: int
+    index: int
+    node: FakeNode | None
+    created_at: datetime
+    resumed_from: int
+    running_at: datetime | None = None
+    exit_code: int | None = None
+    exited_at: datetime | None = None
+    flush_requested_at: datetime | None = None
+    frozen_step: int | None = None
+    stopping_at: datetime | None = None
+
+    @property
+    def phase(self) -> WorkerPhase:
+        if self.exit_code is not None:
+            return WorkerPhase.SUCCEEDED if self.exit_code == 0 else WorkerPhase.FAILED
+        return WorkerPhase.RUNNING if self.running_at is not None else WorkerPhase.PENDING
+
+
+@dataclass
+class FakeBackend:
+    """Workers that train by the fake clock. Records every call the reconciler makes."""
+
+    clock: FakeClock
+    storage: Storage
+    nodes: list[FakeNode]
+    start_seconds: float = 5.0
+    steps_per_second: float = 1.0
+    flush_seconds: float = 3.0
+    flush_outcome: FlushOutcome = "commit"
+    total_steps: int | None = None
+    stop_seconds: float = 0.0
+    workers: dict[str, FakeWorker] = field(default_factory=dict)
+    notices: list[Signal] = field(default_factory=list)
+    start_calls: list[tuple[int, Placement]] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    stop_calls: list[int | None] = field(default_factory=list)
+    flush_calls: list[tuple[str, str, datetime | None]] = field(default_factory=list)
+    commits: list[int] = field(default_factory=list)
+    unreachable_agents: set[str] = field(default_factory=set)
+    hidden_once: set[str] = field(default_factory=set)
+    fail_calls: int = 0
+    list_calls: int = 0
+
+    # -- the Backend protocol ----------------------------------------------------------------
+    def start_workers(self, job: JobSpec, attempt: int, placement: Placement) -> None:
+        self._maybe_fail()
+        self.start_calls.append((attempt, placement))
+        self._evolve()
+        resumed = latest_valid(self.storage)
+        taken: set[str] = set()
+        for index in range(job.replicas):
+            name = worker_name(job.name, attempt, index)
+            if name in self.workers:
+                continue  # idempotent: this attempt's worker exists
+            node = self._place(placement, taken)
+            if node is not None:
+                taken.add(node.name)
+            self.workers[name] = FakeWorker(
+                name=name,
+                attempt=attempt,
+                index=index,
+                node=node,
+                created_at=self.clock.now(),
+                resumed_from=resumed.ref.step if resumed else 0,
+            )
+            self.created.append(name)
+
+    def stop_workers(self, job: JobSpec, *, keep_attempt: int | None = None) -> None:
+        self._maybe_fail()
+        self.stop_calls.append(keep_attempt)
+        for w in list(self.workers.values()):
+            if w.attempt == keep_attempt:
+                continue
+            if self.stop_seconds <= 0:
+                del self.workers[w.name]
+            elif w.stopping_at is None:
+                w.stopping_at = self.clock.now()
+
+    def list_workers(self, job: JobSpec) -> list[WorkerObservation]:
+        self._maybe_fail()
+        self.list_calls += 1
+        self._evolve()
+        out = []
+        for w in self.workers.values():
+            if w.name in self.hidden_once:
+                self.hidden_once.discard(w.name)
+                continue
+            out.append(
+                WorkerObservation(
+                    name=w.name,
+                    attempt=w.attempt,
+                    index=w.index,
+                    phase=w.phase,
+                    node=w.node.name if w.node else None,
+                    zone=w.node.zone if w.node else None,
+                    instance_type=w.node.instance_type if w.node else None,
+                    exit_code=w.exit_code,
+                    step=self.step_of(w),
+                )
+            )
+        return out
+
+    def signals(self, job: JobSpec) -> list[Signal]:
+        self._maybe_fail()
+        return list(self.notices)
+
+    def request_flush(self, job: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None) -> None:
+        self.flush_calls.append((worker.name, reason, deadline))
+        if worker.name in self.unreachable_agents:
+            raise BackendError(f"agent of {worker.name} did not answer POST /flush")
+        self._evolve()
+        w = self.workers[worker.name]
+        if w.flush_requested_at is None:  # an agent keeps its first request
+            w.flush_requested_at = self.clock.now()
+            w.frozen_step = self.step_of(w)
+
+    # -- what the tests do to the world ------------------------------------------------------
+    def notice(
+        self, node: str, kind: SignalKind = SignalKind.SPOT_INTERRUPTION, *, seconds: float | None = 120.0
+    ) -> Signal:
+        deadline = self.clock.now() + timedelta(seconds=seconds) if seconds is not None else None
+        signal = Signal(kind=kind, source="fake", node=node, deadline=deadline, detail="test notice")
+        self.notices.append(signal)
+        return signal
+
+    def worker(self, attempt: int, index: int) -> FakeWorker:
+        return next(w for w in self.workers.values() if (w.attempt, w.index) == (attempt, index))
+
+    def exit(self, attempt: int, index: int, code: int) -> None:
+        w = self.worker(attempt, index)
+        w.frozen_step = self.step_of(w)
+        w.exit_code, w.exited_at = code, self.clock.now()
+
+    def agent_hears_notice(self, attempt: int, index: int, *, commit: bool = True) -> None:
+        """The agent heard the notice itself: the gang saves its current step, the agent exits 75."""
+        w = self.worker(attempt, index)
+        step = self.step_of(w)
+        assert step is not None, "only a running agent hears a notice"
+        if commit:
+            self._commit(step)
+        self.exit(attempt, index, EXIT_PREEMPTED if commit else EXIT_FLUSH_FAILED)
+
+    def vanish(self, attempt: int, index: int) -> None:
+        del self.workers[self.worker(attempt, index).name]
+
+    def nodes_of(self, attempt: int) -> list[str]:
+        return sorted(w.node.name for w in self.workers.values() if w.attempt == attempt and w.node is not None)
+
+    def flushes_asked(self) -> list[str]:
+        return [name for name, _, _ in self.flush_calls]
+
+    # -- the fake world ------------------------------------------------------------------------
+    def step_of(self, w: FakeWorker) -> int | None:
+        if w.frozen_step is not None:
+            return w.frozen_step
+        if w.running_at is None:
+            return None
+        trained = math.floor((self.clock.now() - w.running_at).total_seconds() * self.steps_per_second)
+        return w.resumed_from + trained
+
+    def _evolve(self) -> None:
+        now = self.clock.now()
+        for w in list(self.workers.values()):
+            if w.stopping_at is not None and now >= w.stopping_at + timedelta(seconds=self.stop_seconds):
+                del self.workers[w.name]
+                continue
+            if w.exit_code is not None or w.node is None:
+                continue
+            if w.running_at is None and now >= w.created_at + timedelta(seconds=self.start_seconds):
+                w.running_at = w.created_at + timedelta(seconds=self.start_seconds)
+            if w.running_at is None:
+                continue
+            if w.flush_requested_at is not None:
+                done_at = w.flush_requested_at + timedelta(seconds=self.flush_seconds)
+                if self.flush_outcome != "hang" and now >= done_at:
+                    if self.flush_outcome == "commit":
+                        assert w.frozen_step is not None
+                        self._commit(w.frozen_step, at=done_at)
+                    w.exit_code = EXIT_PREEMPTED if self.flush_outcome == "commit" else EXIT_FLUSH_FAILED
+                    w.exited_at = done_at
+                continue
+            if self.total_steps is not None:
+                step = self.step_of(w)
+                assert step is not None
+                if step >= self.total_steps:
+                    w.frozen_step = self.total_steps
+                    w.exit_code, w.exited_at = 0, now
+
+    def _commit(self, step: int, *, at: datetime | None = None) -> None:
+        try:
+            commit_checkpoint(self.storage, step, at or self.clock.now())
+        except AlreadyExistsError:
+            return  # another agent of the gang committed this step already
+        self.commits.append(step)
+
+    def _place(self, placement: Placement, taken: set[str]) -> FakeNode | None:
+        free = [n for n in self.nodes if n.name not in placement.avoid_nodes and n.name not in taken]
+        preferred = [
+            n
+            for n in free
+            if n.zone not in placement.avoid_zones and n.instance_type not in placement.avoid_instance_types
+        ]
+        choices = preferred or free
+        return choices[0] if choices else None  # no capacity: the worker stays Pending
+
+    def _maybe_fail(self) -> None:
+        if self.fail_calls > 0:
+            self.fail_calls -= 1
+            raise BackendError("the API server answered 503")

@@ -1,0 +1,769 @@
+"""The recovery state machine, driven by a fake backend, a fake clock and a real folder store.
+
+Timeline of the default world (seconds since EPOCH; polls: 2s starting, 10s running, 1s
+flushing): attempt 0 starts at 0, its two workers run from 5 and the reconciler sees them at 6;
+they train one step per second, so the step hint at time t is t - 5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fakes import EPOCH, FakeBackend, FakeClock, FakeNode, FlakyStorage, commit_checkpoint
+
+from agent.storage import Storage
+from orchestrator.model import Cause, CheckpointSpec, JobSpec, JobStatus, Phase, SpotJob
+from orchestrator.reconciler import Controller, Reconciler, ReconcileResult, ReconcilerOptions
+from orchestrator.signals import Signal, SignalKind
+from orchestrator.store import ConflictError, JobStore, JsonFileJobStore, StoredJob, StoreError
+
+NODES = [
+    FakeNode("n0", "zone-a", "g5.xlarge"),
+    FakeNode("n1", "zone-a", "g5.xlarge"),
+    FakeNode("n2", "zone-a", "g6.xlarge"),
+    FakeNode("n3", "zone-b", "g5.xlarge"),
+    FakeNode("n4", "zone-b", "g6.xlarge"),
+]
+
+
+@dataclass
+class World:
+    """One job, its store, its storage and its backend, all on one fake clock."""
+
+    tmp: str
+    spec: JobSpec
+    clock: FakeClock
+    storage: FlakyStorage
+    backend: FakeBackend
+    store: JobStore
+    reconciler: Reconciler = field(init=False)
+    results: list[ReconcileResult] = field(default_factory=list)
+    next_at: float = 0.0
+    """When the controller loop would run the next pass (seconds since EPOCH)."""
+    last_pass_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.restart_orchestrator()
+
+    def restart_orchestrator(self) -> None:
+        """A new controller process: fresh store object, fresh storage client, fresh reconciler."""
+        self.store = JsonFileJobStore(os.path.join(self.tmp, "jobs"), fsync=False)
+        self.reconciler = Reconciler(self.store, self.backend, self.clock, storage_factory=self._open)
+
+    def _open(self, uri: str) -> Storage:
+        assert uri == self.spec.checkpoint.uri
+        return self.storage
+
+    def reconcile(self) -> ReconcileResult:
+        result = self.reconciler.reconcile(self.spec.name)
+        self.results.append(result)
+        self.last_pass_at = self.clock.at()
+        self.next_at = self.last_pass_at + (result.requeue_after if result.requeue_after is not None else math.inf)
+        return result
+
+    def _next_pass(self) -> ReconcileResult:
+        if self.next_at == math.inf:
+            raise AssertionError(f"the job ended in {self.status.phase} before the test's goal")
+        self.clock.sleep(max(0.0, self.next_at - self.clock.at()))
+        return self.reconcile()
+
+    @property
+    def status(self) -> JobStatus:
+        stored = self.store.get(self.spec.name)
+        assert stored is not None and stored.status is not None
+        return stored.status
+
+    def run_until(self, done: Callable[[JobStatus], bool], *, max_passes: int = 500) -> JobStatus:
+        """Run passes on the controller loop's schedule until ``done(status)`` after one."""
+        for _ in range(max_passes):
+            self._next_pass()
+            if done(self.status):
+                return self.status
+        raise AssertionError(f"not done after {max_passes} passes; phase {self.status.phase}")
+
+    def run_to(self, at: float) -> JobStatus:
+        """Run every pass due until ``at`` seconds, then let the clock reach ``at``."""
+        while self.next_at <= at:
+            self._next_pass()
+        self.clock.advance(max(0.0, at - self.clock.at()))
+        return self.status
+
+    def event_reasons(self) -> list[str]:
+        return [e.reason for e in self.status.events]
+
+
+def make_world(tmp_path: Any, backend_options: dict[str, Any] | None = None, **spec: Any) -> World:
+    clock = FakeClock()
+    storage = FlakyStorage(str(tmp_path / "ckpt"))
+    fields: dict[str, Any] = {
+        "name": "train",
+        "command": ["python", "train.py"],
+        "replicas": 2,
+        "checkpoint": {"uri": storage.uri},
+        "flushTimeoutSeconds": 30,
+        "restartBackoff": {"initialSeconds": 10, "maxSeconds": 80, "resetAfterSeconds": 600},
+    }
+    fields.update(spec)
+    job = JobSpec.model_validate(fields)
+    backend = FakeBackend(clock, storage, list(NODES), **(backend_options or {}))
+    store = JsonFileJobStore(str(tmp_path / "jobs"), fsync=False)
+    store.create(job)
+    return World(str(tmp_path), job, clock, storage, backend, store)
+
+
+@pytest.fixture
+def world(tmp_path: Any) -> World:
+    return make_world(tmp_path)
+
+
+def phase_is(phase: Phase) -> Callable[[JobStatus], bool]:
+    return lambda s: s.phase is phase
+
+
+def running_attempt(n: int) -> Callable[[JobStatus], bool]:
+    return lambda s: s.phase is Phase.RUNNING and s.attempt.number == n
+
+
+def preempt_running_job(w: World, *, at: float = 100.0, node: str = "n0") -> Signal:
+    """Run attempt 0 until ``at``, then a spot interruption notice for ``node``."""
+    w.run_to(at)
+    return w.backend.notice(node)
+
+
+# -- every transition ---------------------------------------------------------------------------
+
+
+def test_starts_the_first_attempt_and_stays_pending_until_every_worker_runs(world: World) -> None:
+    first = world.reconcile()
+
+    assert first.phase is Phase.PENDING
+    assert first.requeue_after == 2.0
+    assert world.backend.created == ["train-0-0", "train-0-1"]
+    assert world.status.condition("Ready") is not None
+    assert world.status.condition("Ready").status == "False"  # type: ignore[union-attr]
+
+    status = world.run_until(phase_is(Phase.RUNNING))
+
+    assert world.clock.at() == 6.0
+    assert status.reason == "WorkersRunning"
+    assert status.condition("Ready").status == "True"  # type: ignore[union-attr]
+    assert status.start_time == EPOCH + timedelta(seconds=6)
+    assert [w.node for w in status.workers] == ["n0", "n1"]
+    assert world.backend.start_calls == [(0, world.backend.start_calls[0][1])]
+
+
+def test_succeeds_when_every_worker_exits_zero(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"total_steps": 50})
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert status.phase is Phase.SUCCEEDED
+    assert status.reason == "Completed"
+    assert status.completion_time is not None
+    assert (status.restarts, status.preemptions) == (0, 0)
+    assert w.results[-1].requeue_after is None
+    assert w.reconcile().requeue_after is None, "a finished job needs no more passes"
+
+
+def test_flushes_every_agent_when_a_spot_interruption_names_a_node_of_the_job(world: World) -> None:
+    notice = preempt_running_job(world)
+
+    status = world.run_until(phase_is(Phase.FLUSHING))
+
+    assert status.reason == "PreemptionNotice"
+    assert status.preemptions == 1 and status.restarts == 0
+    assert status.condition("Flushing").status == "True"  # type: ignore[union-attr]
+    assert sorted(world.backend.flushes_asked()) == ["train-0-0", "train-0-1"]
+    _, reason, deadline = world.backend.flush_calls[0]
+    assert "SpotInterruption for node n0" in reason
+    assert deadline == notice.deadline
+    assert status.recovery is not None and status.recovery.preempted[0].node == "n0"
+
+
+def test_reschedules_once_storage_holds_a_manifest_newer_than_before_the_flush(world: World) -> None:
+    world.run_to(60)
+    commit_checkpoint(world.storage, 50, world.clock.now())
+    preempt_running_job(world)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    # Notice seen at 106 (step 101), flushed 3s later: the newer manifest ends the flush at once.
+    assert world.clock.at() == 109.0
+    assert world.backend.commits == [101]
+    assert status.condition("Flushing").reason == "FlushCommitted"  # type: ignore[union-attr]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 101
+    assert status.flushing_seconds == 3.0
+    assert world.backend.stop_calls[0] is None, "the whole gang stops, not just the preempted worker"
+    assert world.backend.workers == {}
+
+
+def test_reschedules_from_the_previous_checkpoint_when_the_flush_times_out(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert w.clock.at() == 106.0 + 30.0
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 50
+
+    status = w.run_until(running_attempt(1))
+    assert w.backend.worker(1, 0).resumed_from == 50
+
+
+def test_restarts_the_gang_away_from_the_preempted_node(world: World) -> None:
+    preempt_running_job(world, node="n0")
+
+    status = world.run_until(running_attempt(1))
+
+    assert world.backend.nodes_of(1) == ["n1", "n2"]
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", "n0")]
+    placement = world.backend.start_calls[-1][1]
+    assert placement.avoid_nodes == {"n0"} and not placement.avoid_zones
+    assert status.reason == "WorkersRunning" and status.recovery is None
+    assert status.condition("Ready").status == "True"  # type: ignore[union-attr]
+
+
+def test_restarts_away_from_the_preempted_zone_and_instance_type_when_the_cooldown_says_so(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, cooldown={"avoidZone": True, "avoidInstanceType": True, "seconds": 600})
+    preempt_running_job(w, node="n0")
+
+    status = w.run_until(running_attempt(1))
+
+    assert w.backend.nodes_of(1) == ["n4"], "zone-b and not g5: the only node that avoids both"
+    assert {(a.kind, a.value) for a in status.avoid} == {
+        ("node", "n0"),
+        ("zone", "zone-a"),
+        ("instanceType", "g5.xlarge"),
+    }
+
+
+def test_forgets_an_avoided_node_once_its_cooldown_ends(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, cooldown={"seconds": 60})
+    preempt_running_job(w, node="n0")
+    w.run_until(running_attempt(1))
+    assert w.backend.nodes_of(1) == ["n1"]
+
+    w.run_to(400)
+    w.backend.notices.clear()  # n0 was replaced; its notice went with it
+    w.backend.notice("n1")
+    status = w.run_until(running_attempt(2))
+
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", "n1")]
+    assert w.backend.nodes_of(2) == ["n0"]
+
+
+def test_treats_an_agent_that_exits_75_on_its_own_as_a_preemption(world: World) -> None:
+    world.run_to(100)
+    world.backend.agent_hears_notice(0, 1)  # commits step 95, exits 75; no controller signal
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert world.event_reasons()[-3:] == ["AgentPreempted", "FlushCommitted", "Rescheduling"]
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert status.recovery is not None and status.recovery.cause is Cause.PREEMPTION
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 95
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", "n1")]
+
+
+def test_treats_an_agent_that_exits_76_as_a_preemption_resuming_from_the_previous_checkpoint(
+    world: World,
+) -> None:
+    world.run_to(60)
+    commit_checkpoint(world.storage, 50, world.clock.now())
+    world.run_to(100)
+    world.backend.agent_hears_notice(0, 0, commit=False)  # exit 76: nothing committed
+
+    status = world.run_until(phase_is(Phase.FLUSHING))
+    assert status.reason == "AgentFlushFailed"
+    assert world.backend.flushes_asked() == ["train-0-1"], "the survivor is asked; the exited agent is not"
+
+    status = world.run_until(running_attempt(1))
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert world.backend.worker(1, 0).resumed_from == 101, "the survivor's flush committed step 101"
+
+
+def test_treats_a_worker_that_vanishes_without_a_notice_as_a_lost_node_not_a_failure(world: World) -> None:
+    world.run_to(100)
+    world.backend.vanish(0, 1)
+
+    status = world.run_until(phase_is(Phase.FLUSHING))
+
+    assert status.reason == "WorkerLost"
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert world.backend.flushes_asked() == ["train-0-0"]
+    status = world.run_until(running_attempt(1))
+    assert "n1" not in world.backend.nodes_of(1)
+
+
+def test_does_not_declare_a_worker_lost_when_it_blinks_out_of_one_listing(world: World) -> None:
+    world.run_to(100)
+    world.backend.hidden_once.add("train-0-1")
+
+    status = world.run_to(200)
+
+    assert status.phase is Phase.RUNNING and status.preemptions == 0
+    assert world.backend.flush_calls == []
+
+
+def test_ignores_notices_for_nodes_the_job_does_not_use_and_advisory_rebalances(world: World) -> None:
+    world.run_to(50)
+    world.backend.notice("n3")  # another job's node, or a stale message
+    world.backend.notice("n0", SignalKind.REBALANCE)
+
+    status = world.run_to(200)
+
+    assert status.phase is Phase.RUNNING and status.preemptions == 0
+    assert world.backend.flush_calls == [] and world.backend.stop_calls == []
+
+
+def test_attributes_a_crash_on_a_node_with_a_notice_to_the_preemption(world: World) -> None:
+    world.run_to(100)
+    world.backend.notice("n0")
+    world.backend.exit(0, 0, 143)  # SIGTERM from the node's shutdown
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert (status.preemptions, status.restarts) == (1, 0)
+
+
+def test_waits_for_the_old_gang_to_be_gone_before_starting_the_next_attempt(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"stop_seconds": 25, "flush_outcome": "hang"})
+    preempt_running_job(w)
+
+    w.run_until(running_attempt(1))
+
+    # The flush timed out at 136 with the workers still running; the backoff would allow 146,
+    # but the old workers took until 161 to go.
+    assert w.backend.worker(1, 0).created_at == EPOCH + timedelta(seconds=162)
+    assert w.backend.stop_calls.count(1) >= 2, "keeps stopping the leftovers, sparing attempt 1"
+
+
+def test_asks_an_unreachable_agent_again_but_never_asks_an_agent_twice(world: World) -> None:
+    preempt_running_job(world)
+    world.backend.unreachable_agents.add("train-0-1")
+    world.run_until(phase_is(Phase.FLUSHING))
+    world.clock.sleep(1)
+    world.reconcile()
+    world.backend.unreachable_agents.clear()
+    world.clock.sleep(1)
+    world.reconcile()
+
+    asked = world.backend.flushes_asked()
+    assert asked.count("train-0-0") == 1
+    assert asked.count("train-0-1") == 3
+    assert "FlushRequestFailed" in world.event_reasons()
+    recovery = world.status.recovery
+    assert recovery is not None and sorted(recovery.flush_requested) == ["train-0-0", "train-0-1"]
+
+
+# -- budgets ------------------------------------------------------------------------------------
+
+
+def test_preemptions_never_consume_max_restarts_and_back_off_exponentially_up_to_the_cap(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, maxRestarts=0, cooldown={"seconds": 0})
+    stops: list[float] = []
+    starts: list[float] = []
+    w.run_until(phase_is(Phase.RUNNING))
+    for n in range(1, 6):
+        w.backend.agent_hears_notice(n - 1, 0)
+        w.run_until(phase_is(Phase.RESCHEDULING))
+        stops.append(w.clock.at())
+        w.run_until(running_attempt(n))
+        starts.append((w.backend.worker(n, 0).created_at - EPOCH).total_seconds())
+
+    status = w.status
+    assert (status.preemptions, status.restarts) == (5, 0)
+    assert status.phase is Phase.RUNNING
+    assert [s - t for s, t in zip(starts, stops, strict=True)] == [10, 20, 40, 80, 80]
+
+
+def test_an_attempt_that_ran_long_enough_resets_the_backoff(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, cooldown={"seconds": 0})
+    w.run_until(phase_is(Phase.RUNNING))
+    w.backend.agent_hears_notice(0, 0)
+    w.run_until(running_attempt(1))
+    w.backend.agent_hears_notice(1, 0)
+    w.run_until(running_attempt(2))
+    assert w.status.consecutive_restarts == 2
+
+    w.run_to(w.clock.at() + 700)
+    w.backend.agent_hears_notice(2, 0)
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.consecutive_restarts == 1
+    assert status.recovery is not None and status.recovery.restart_at == w.clock.now() + timedelta(seconds=10)
+
+
+def test_crashes_of_the_users_code_consume_max_restarts_and_back_off_too(tmp_path: Any) -> None:
+    w = make_world(tmp_path, maxRestarts=2)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert (status.restarts, status.preemptions) == (1, 0)
+    assert status.recovery is not None and status.recovery.cause is Cause.FAILURE
+    assert w.backend.flush_calls == [], "a crash is not flushed: the gang is broken"
+    assert status.avoid == [], "a crash says nothing about the node"
+    assert "WorkerFailed" in w.event_reasons()
+    status = w.run_until(running_attempt(1))
+    assert status.restarts == 1
+
+
+def test_fails_the_job_with_a_clear_reason_when_the_restart_budget_is_exhausted(tmp_path: Any) -> None:
+    w = make_world(tmp_path, maxRestarts=2)
+    for attempt in range(3):
+        w.run_until(running_attempt(attempt))
+        w.run_to(w.clock.at() + 30)
+        w.backend.exit(attempt, 0, 3)
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert status.phase is Phase.FAILED
+    assert status.reason == "RestartBudgetExhausted"
+    assert status.message == "worker train-2-0 exited with code 3 and all 2 restart(s) are used"
+    assert status.restarts == 2
+    assert w.backend.stop_calls[-1] is None, "the survivors of the last attempt are stopped"
+    assert w.results[-1].requeue_after is None
+
+
+# -- infrastructure errors ----------------------------------------------------------------------
+
+
+def test_unreachable_storage_shows_in_degraded_and_holds_the_restart_with_backoff_not_a_failure(
+    world: World,
+) -> None:
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))
+    world.storage.down = True
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+    degraded = status.condition("Degraded")
+    assert degraded is not None and degraded.status == "True" and degraded.reason == "StorageUnreachable"
+    # Storage could not confirm the commit; every agent exited after its flush, so nothing more can come.
+    assert status.condition("Flushing").reason == "WorkersExited"  # type: ignore[union-attr]
+
+    delays = [world.results[-1].requeue_after]
+    for _ in range(4):
+        delays.append(world._next_pass().requeue_after)
+    assert world.status.phase is Phase.RESCHEDULING and world.status.attempt.started_at is None
+    assert delays == [4.0, 8.0, 16.0, 32.0, 60.0]
+    assert world.backend.start_calls == [(0, world.backend.start_calls[0][1])], "no attempt starts blind"
+
+    world.storage.down = False
+    status = world.run_until(running_attempt(1))
+    assert (status.restarts, status.preemptions, status.infra_errors) == (0, 1, 0)
+    assert status.condition("Degraded").status == "False"  # type: ignore[union-attr]
+    assert world.backend.worker(1, 0).resumed_from == 101
+    assert "StorageUnreachable" in world.event_reasons() and "Healthy" in world.event_reasons()
+
+
+def test_a_failing_backend_is_retried_with_backoff_without_changing_the_phase(world: World) -> None:
+    world.run_to(50)
+    world.backend.fail_calls = 3
+    workers_before = world.status.workers
+
+    delays = [world.reconcile().requeue_after for _ in range(3)]
+
+    assert delays == [1.0, 2.0, 4.0]
+    status = world.status
+    assert status.phase is Phase.RUNNING and status.workers == workers_before
+    assert status.condition("Degraded").reason == "BackendUnavailable"  # type: ignore[union-attr]
+    assert world.reconcile().requeue_after == 10.0
+    assert world.status.condition("Degraded").status == "False"  # type: ignore[union-attr]
+
+
+def test_an_invalid_checkpoint_uri_fails_the_job_at_once(tmp_path: Any) -> None:
+    w = make_world(tmp_path)
+    w.reconciler = Reconciler(w.store, w.backend, w.clock)  # the real open_storage
+    store_path = os.path.join(w.tmp, "jobs", "train.json")
+    with open(store_path) as f:
+        doc = json.load(f)
+    doc["spec"]["checkpoint"]["uri"] = "ftp://example/ckpt"
+    with open(store_path, "w") as f:
+        json.dump(doc, f)
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert status.phase is Phase.FAILED and status.reason == "InvalidCheckpointURI"
+    assert "unsupported checkpoint URI scheme 'ftp'" in status.message
+    assert w.backend.start_calls == []
+
+
+# -- orchestrator restarts ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    phase: Phase
+    restarts: int
+    preemptions: int
+    steps_lost: int
+    last_step: int | None
+    attempts: list[str]
+    flushes: list[str]
+    commits: list[int]
+
+
+def preemption_to_success(w: World, *, interrupt: Callable[[World], bool] | None = None) -> Outcome:
+    """A notice at 100 for n0, a committed flush, attempt 1 trains to step 300.
+
+    ``interrupt(world)`` runs after every pass; it may restart the orchestrator and return True
+    once it did, after which it is not called again.
+    """
+    for _ in range(500):
+        if w.clock.at() >= 100 and not w.backend.notices:
+            w.backend.notice("n0")
+        try:
+            result = w.reconcile()
+        except StoreError:
+            w.restart_orchestrator()
+            w.clock.sleep(1)
+            continue
+        if interrupt is not None and interrupt(w):
+            interrupt = None
+        if result.requeue_after is None:
+            break
+        w.clock.sleep(result.requeue_after)
+    s = w.status
+    return Outcome(
+        phase=s.phase,
+        restarts=s.restarts,
+        preemptions=s.preemptions,
+        steps_lost=s.steps_lost_to_preemptions,
+        last_step=s.last_checkpoint.step if s.last_checkpoint else None,
+        attempts=sorted(w.backend.created),
+        flushes=sorted(set(w.backend.flushes_asked())),
+        commits=w.backend.commits,
+    )
+
+
+MOMENTS: dict[str, Callable[[JobStatus], bool]] = {
+    "Pending": phase_is(Phase.PENDING),
+    "Running": phase_is(Phase.RUNNING),
+    "Flushing": phase_is(Phase.FLUSHING),
+    "Rescheduling, backing off": lambda s: s.phase is Phase.RESCHEDULING and s.attempt.started_at is None,
+    "Rescheduling, next attempt started": lambda s: s.phase is Phase.RESCHEDULING and s.attempt.started_at is not None,
+    "Running again": running_attempt(1),
+}
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_a_new_reconciler_carries_on_from_the_persisted_status_in_every_phase(tmp_path: Any, moment: str) -> None:
+    expected = preemption_to_success(make_world(tmp_path / "uninterrupted", backend_options={"total_steps": 300}))
+    w = make_world(tmp_path / "restarted", backend_options={"total_steps": 300})
+
+    def restart(world: World) -> bool:
+        if MOMENTS[moment](world.status):
+            world.restart_orchestrator()
+            return True
+        return False
+
+    outcome = preemption_to_success(w, interrupt=restart)
+
+    assert outcome == expected
+    assert outcome.phase is Phase.SUCCEEDED and (outcome.preemptions, outcome.restarts) == (1, 0)
+    assert outcome.attempts == ["train-0-0", "train-0-1", "train-1-0", "train-1-1"]
+    assert sorted(w.backend.flushes_asked()) == ["train-0-0", "train-0-1"], "no agent is asked twice"
+    assert len(w.backend.start_calls) == 2, "each attempt is started exactly once"
+
+
+class LosesOneWrite(JsonFileJobStore):
+    """A store that fails the first status write matching ``lose``: the controller died after acting."""
+
+    def __init__(self, root: str, lose: Callable[[JobStatus, JobStatus], bool]) -> None:
+        super().__init__(root, fsync=False)
+        self.lose: Callable[[JobStatus, JobStatus], bool] | None = lose
+        self.lost = 0
+
+    def update_status(self, name: str, status: JobStatus, *, version: str) -> StoredJob:
+        stored = self.get(name)
+        old = stored.status if stored is not None and stored.status is not None else JobStatus()
+        if self.lose is not None and self.lose(old, status):
+            self.lose, self.lost = None, 1
+            raise StoreError("the controller was killed before its status write")
+        return super().update_status(name, status, version=version)
+
+
+def changes(before: Phase, after: Phase) -> Callable[[JobStatus, JobStatus], bool]:
+    return lambda old, new: old.phase is before and new.phase is after
+
+
+LOST_WRITES: dict[str, Callable[[JobStatus, JobStatus], bool]] = {
+    "Pending to Running": changes(Phase.PENDING, Phase.RUNNING),
+    "Running to Flushing (agents asked)": changes(Phase.RUNNING, Phase.FLUSHING),
+    "Flushing to Rescheduling (gang stopped)": changes(Phase.FLUSHING, Phase.RESCHEDULING),
+    "starting attempt 1": lambda old, new: (
+        old.attempt.started_at is None and new.attempt.started_at is not None and new.attempt.number == 1
+    ),
+    "Rescheduling to Running": changes(Phase.RESCHEDULING, Phase.RUNNING),
+    "Running to Succeeded": changes(Phase.RUNNING, Phase.SUCCEEDED),
+}
+
+
+@pytest.mark.parametrize("moment", list(LOST_WRITES))
+def test_a_pass_whose_status_write_is_lost_is_replayed_without_counting_anything_twice(
+    tmp_path: Any, moment: str
+) -> None:
+    expected = preemption_to_success(make_world(tmp_path / "clean", backend_options={"total_steps": 300}))
+    w = make_world(tmp_path / "lossy", backend_options={"total_steps": 300})
+    lossy = LosesOneWrite(os.path.join(w.tmp, "jobs"), LOST_WRITES[moment])
+    w.store = lossy
+    w.reconciler = Reconciler(w.store, w.backend, w.clock, storage_factory=lambda uri: w.storage)
+
+    outcome = preemption_to_success(w)
+
+    assert lossy.lost == 1
+    # The replay runs a second later, so the flush may catch a later step; nothing else may differ.
+    assert replace(outcome, last_step=None, commits=[]) == replace(expected, last_step=None, commits=[])
+    assert len(outcome.commits) == 1
+
+
+# -- status fields ------------------------------------------------------------------------------
+
+
+def test_counts_the_steps_lost_when_the_flush_times_out_and_the_time_to_train_them_again(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+
+    status = w.run_until(running_attempt(1))
+
+    # Last step seen 101 (the flush froze it at 106), committed 50: 51 steps at 1 step/s.
+    assert status.steps_lost_to_preemptions == 51
+    assert status.retraining_seconds == pytest.approx(51.0)
+
+
+def test_counts_no_steps_lost_when_the_flush_commits_the_last_step_seen(world: World) -> None:
+    preempt_running_job(world)
+
+    status = world.run_until(running_attempt(1))
+
+    assert status.steps_lost_to_preemptions == 0 and status.retraining_seconds == 0
+    assert world.backend.worker(1, 0).resumed_from == 101
+
+
+def test_goodput_subtracts_flushing_restarting_and_retraining_time_from_wall_time(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+    w.run_until(running_attempt(1))
+
+    status = w.run_to(500)
+
+    # Started at 6. Flush 106→136 (timeout), backoff to 146, attempt 1 runs at 152: restarting 16s.
+    assert status.start_time == EPOCH + timedelta(seconds=6)
+    assert status.flushing_seconds == 30.0
+    assert status.restarting_seconds == 16.0
+    assert status.retraining_seconds == pytest.approx(51.0)
+    wall = w.last_pass_at - 6
+    assert status.goodput == pytest.approx((wall - 30 - 16 - 51) / wall, abs=1e-4)
+
+
+def test_goodput_counts_a_recovery_in_progress_up_to_now(world: World) -> None:
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))  # at 106
+    world.run_to(107)
+    status = world.status
+
+    assert status.goodput == pytest.approx((107 - 6 - 1) / (107 - 6), abs=1e-4)
+
+
+def test_last_checkpoint_names_the_newest_valid_manifest_its_uri_and_time(world: World) -> None:
+    world.run_to(30)
+    commit_checkpoint(world.storage, 20, EPOCH + timedelta(seconds=25))
+    world.storage.put_bytes("step-000000040/shard-0.bin", b"torn")  # a save that never committed
+
+    status = world.run_to(50)
+
+    assert status.last_checkpoint is not None
+    assert status.last_checkpoint.step == 20
+    assert status.last_checkpoint.uri == world.storage.url("step-000000020")
+    assert status.last_checkpoint.time == EPOCH + timedelta(seconds=25)
+
+
+def test_keeps_a_bounded_list_of_events_coalescing_repeats(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, cooldown={"seconds": 0})
+    w.reconciler = Reconciler(
+        w.store, w.backend, w.clock, storage_factory=lambda uri: w.storage, options=ReconcilerOptions(max_events=5)
+    )
+    for attempt in range(4):
+        w.run_until(running_attempt(attempt))
+        w.backend.agent_hears_notice(attempt, 0)
+    w.storage.down = True
+    for _ in range(3):
+        w._next_pass()
+
+    events = w.status.events
+    assert len(events) == 5
+    assert events[-1].reason == "StorageUnreachable" and events[-1].count == 3
+
+
+# -- the loop, the model, the store -------------------------------------------------------------
+
+
+def test_the_controller_runs_a_job_through_preemptions_to_success_without_really_sleeping(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"total_steps": 1000})
+    w.backend.notice("n1", seconds=None)
+    controller = Controller(w.reconciler, w.clock)
+
+    began = time.monotonic()
+    status = controller.run("train")
+
+    assert status.phase is Phase.SUCCEEDED and status.preemptions == 1
+    assert w.clock.slept > 1000, "a quarter of an hour of fake time"
+    assert time.monotonic() - began < 10, "and no real sleeping"
+
+
+def test_the_status_is_written_with_the_crds_camel_case_field_names(world: World) -> None:
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    with open(os.path.join(world.tmp, "jobs", "train.json")) as f:
+        doc = json.load(f)
+
+    assert doc["resourceVersion"].isdigit()
+    assert doc["spec"]["flushTimeoutSeconds"] == 30
+    assert doc["spec"]["restartBackoff"] == {"initialSeconds": 10, "maxSeconds": 80, "resetAfterSeconds": 600}
+    status = doc["status"]
+    assert {"phase", "conditions", "restarts", "preemptions", "lastCheckpoint", "stepsLostToPreemptions"} <= set(status)
+    assert {"flushingSeconds", "restartingSeconds", "goodput", "events", "avoid", "recovery"} <= set(status)
+    assert set(status["conditions"][0]) == {"type", "status", "reason", "message", "lastTransitionTime"}
+    assert status["recovery"]["restartAt"].endswith("Z")
+    assert SpotJob.model_validate({k: v for k, v in doc.items() if k != "resourceVersion"}).status == world.status
+
+
+def test_a_spec_with_a_bad_name_or_backoff_is_refused_up_front() -> None:
+    base = {"command": ["x"], "checkpoint": {"uri": "/tmp/c"}}
+    with pytest.raises(ValueError, match="lowercase letters"):
+        JobSpec.model_validate({**base, "name": "Train_1"})
+    with pytest.raises(ValueError, match="maxSeconds"):
+        JobSpec.model_validate({**base, "name": "t", "restartBackoff": {"initialSeconds": 60, "maxSeconds": 10}})
+    with pytest.raises(ValueError, match="not permitted"):
+        JobSpec.model_validate({**base, "name": "t", "maxRestart": 3})
+
+
+def test_the_store_refuses_a_status_write_from_a_stale_read(tmp_path: Any) -> None:
+    store = JsonFileJobStore(str(tmp_path))
+    created = store.create(JobSpec(name="t", command=["x"], checkpoint=CheckpointSpec(uri="/tmp/c")))
+    store.update_status("t", JobStatus(restarts=1), version=created.version)
+
+    with pytest.raises(ConflictError):
+        store.update_status("t", JobStatus(restarts=2), version=created.version)
+    stored = store.get("t")
+    assert stored is not None and stored.status is not None and stored.status.restarts == 1
+    assert store.names() == ["t"]
+    assert sorted(os.listdir(tmp_path)) == [".t.lock", "t.json"], "no temp files left behind"
