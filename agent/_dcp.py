@@ -152,6 +152,7 @@ class VerifiedReader(FileSystemReader):
         self.local_dir = local_dir
         self.in_place = storage.local_path(folder) == local_dir
         self._verified: set[str] = set()
+        self._metadata: Metadata | None = None
 
     def ensure_local(self, relative_path: str) -> str:
         """Make ``relative_path`` available under ``local_dir``, verified; return its path."""
@@ -188,8 +189,11 @@ class VerifiedReader(FileSystemReader):
         return path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
         with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
             metadata = load_dcp_metadata(f.read())
+        self._metadata = metadata
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:

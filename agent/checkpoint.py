@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -150,6 +151,13 @@ class _Save:
     error: BaseException | None = None
     committed_uri: str | None = None
     thread: threading.Thread | None = None
+
+
+def _exception_in_flight() -> bool:
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return False
+    return not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
 class _ModuleBag(nn.Module):
@@ -355,7 +363,10 @@ class Checkpointer:
         finally:
             self._drain_votes()
             self._closed = True
-            if self._control is not None:
+            # "closed" tells the agent this rank finished its work, so an abort at interpreter exit
+            # is not a failure. Not while an exception propagates (close() in a finally or a with
+            # block during a crash): that must stay a failure.
+            if self._control is not None and not _exception_in_flight():
                 self._control.mark_closed(self.rank)
             if self._status.state not in ("flushed", "flush-failed"):
                 self._status.state = "closed"
@@ -523,7 +534,24 @@ class Checkpointer:
             self._finish_save(save)
 
     def _finish_save(self, save: _Save) -> None:
-        """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective."""
+        """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective.
+
+        Whatever happens, ``save.done`` is set: a save thread that died without it would leave
+        ``wait()`` (and ``close()``) blocked forever and the failure unreported.
+        """
+        try:
+            self._write_upload_commit(save)
+        except BaseException as e:
+            if save.committed_uri is None and save.error is None:
+                save.error = SaveFailedError(f"rank {self.rank}: the save stopped unexpectedly: {e!r}")
+                log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
+            elif save.committed_uri is not None:
+                log.warning("after committing step %d: %r", save.step, e, exc_info=e)
+            shutil.rmtree(save.local_dir, ignore_errors=True)
+        finally:
+            save.done.set()
+
+    def _write_upload_commit(self, save: _Save) -> None:
         files: list[tuple[str, int, str]] = []
         error: str | None = None
         try:
@@ -637,7 +665,7 @@ class Checkpointer:
         return self.storage.url(folder)
 
     def _retain(self, committed: CheckpointRef) -> None:
-        """(rank 0) Keep the newest ``keep`` committed checkpoints; remove old leftovers.
+        """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
 
         Never touches anything newer than the checkpoint just committed. A failed delete is a
         warning, never a failed save.
@@ -647,7 +675,15 @@ class Checkpointer:
             committed_older = [r for r in older if self.storage.stat(r.key(MANIFEST_NAME)) is not None]
             doomed = [r for r in older if r not in committed_older]  # never committed
             if self.config.keep is not None:
-                doomed += committed_older[max(self.config.keep - 1, 0):]
+                # Only valid checkpoints count towards ``keep``: a refused one kept in place of a
+                # valid one would leave fewer to fall back to than asked for. Broken folders newer
+                # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
+                kept = 0
+                for ref in committed_older:  # newest first
+                    if kept >= self.config.keep - 1:
+                        doomed.append(ref)
+                    elif inspect(self.storage, ref).valid:
+                        kept += 1
             for ref in doomed:
                 # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
                 self.storage.delete([ref.key(MANIFEST_NAME)])
@@ -669,8 +705,12 @@ class Checkpointer:
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir)
         error: str | None = None
         rank_payload: dict[str, Any] | None = None
-        # Phase 1: per-rank state, verified but not yet applied.
+        # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
+        # the metadata here (the reader caches it) turns a corrupt or crafted .metadata into one
+        # clear reason instead of DCP's retries and tracebacks.
         try:
+            if manifest.file(DCP_METADATA_NAME) is not None:
+                reader.read_metadata()
             src = _rank_state.source_rank(self.rank, manifest.world_size)
             path = reader.ensure_local(_rank_state.rank_file_name(src))
             with open(path, "rb") as f:

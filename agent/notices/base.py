@@ -144,6 +144,11 @@ class HttpClient:
                 raise ConnectionAbortedError("client stopped")
             self._conn = conn
         try:
+            conn.connect()
+            with self._lock:
+                # An abort() that came while connecting found no socket to shut down.
+                if self._aborted:
+                    raise ConnectionAbortedError("client stopped")
             conn.request(method, self._prefix + path, body=body, headers=dict(headers or {}))
             resp = conn.getresponse()
             data = resp.read()
@@ -266,7 +271,7 @@ class PollingNoticeSource(NoticeSource):
         """Seconds to wait after a successful poll (a long poll returns 0: it did the waiting)."""
         return self.interval
 
-    def _on_stopping(self) -> None:  # noqa: B027 - optional hook
+    def _on_stopping(self) -> None:
         """Runs on the source's thread after the last poll."""
 
     def _emit(self, key: str, notice: Notice) -> bool:

@@ -1,0 +1,868 @@
+"""spotjob-agent: run the training command, hear preemption notices, tell the ranks to flush.
+
+``spotjob-agent [OPTIONS] -- torchrun ... train.py ...`` (any command works).
+
+In order, on the main thread: reset the control folder; start the control API and write
+``agent.json``; start the notice sources; start the command in a session of its own, with the
+``SPOTJOB_*`` variables ``Checkpointer.from_env()`` reads; then watch until it ends, and exit.
+
+In parallel: notice sources (threads) and control-API requests call ``on_notice`` /
+``request_flush``, which take the agent's lock. The first notice that means "this node is going"
+writes ``flush.json`` once; later ones only log (and may bring the kill time forward). The ranks
+do the flush and report through the control folder (``agent.control_channel``); the agent never
+touches a checkpoint.
+
+The watch loop, every 0.1 s: note new descendants (``agent.process_tree``), look for
+``flushed.json`` / ``flush-failed.json`` (then acknowledge to the cloud and give the command
+``--exit-timeout`` to leave), and kill the whole process tree when that time or the notice's
+deadline passes. When the command ends, stray descendants are stopped too.
+
+Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 0 if the command succeeded or every
+rank wrote ``closed-rank-<r>`` (a finished job whose interpreter aborted at exit is not a
+failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agent.control_api import (
+    ENV_AGENT_TOKEN,
+    AgentState,
+    ControlApi,
+    FlushBody,
+    FlushInfo,
+    FlushRefused,
+    FlushResultInfo,
+    NoticeInfo,
+    StatusResponse,
+    load_token,
+)
+from agent.control_channel import (
+    AGENT_FILE,
+    ENV_ASYNC,
+    ENV_CHECKPOINT_URI,
+    ENV_CONTROL_DIR,
+    ENV_EVERY_SECONDS,
+    ENV_EVERY_STEPS,
+    ENV_JOB_NAME,
+    ENV_KEEP,
+    ENV_STAGING_DIR,
+    EXIT_FLUSH_FAILED,
+    EXIT_PREEMPTED,
+    ControlDir,
+    FlushRequest,
+    FlushResult,
+    write_json_atomic,
+)
+from agent.notices import aws, azure, gcp
+from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
+from agent.notices.detect import ENV_CLOUD, Cloud, detect_cloud
+from agent.notices.sigterm import SignalSource
+from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
+
+log = logging.getLogger(__name__)
+
+ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
+ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
+ENV_AZURE_METADATA_URL = "SPOTJOB_AZURE_METADATA_URL"
+ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
+"""Hidden: a poll interval outside 1-5 s, for tests against emulators."""
+
+NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
+RebalancePolicy = Literal["ignore", "save-early", "flush"]
+
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+WATCH_TICK = 0.1
+TREE_SCAN_EVERY = 0.5
+
+
+class AgentConfig(BaseModel):
+    """Everything ``spotjob-agent`` was told; checked once, at start-up."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    command: list[str] = Field(min_length=1)
+    """The command after ``--``, run in a session of its own."""
+    checkpoint_uri: str | None = None
+    """Passed as SPOTJOB_CHECKPOINT_URI; None keeps the one already in the environment."""
+    job_name: str | None = None
+    every_steps: int | None = Field(default=None, ge=1)
+    every_seconds: float | None = Field(default=None, gt=0)
+    keep: int | None = Field(default=None, ge=1)
+    async_save: bool | None = None
+    staging_dir: str | None = None
+    control_dir: str | None = None
+    """None: a fresh temporary folder, removed at exit."""
+    control_host: str = "127.0.0.1"
+    control_port: int = Field(default=0, ge=0, le=65535)
+    token_file: str | None = None
+    notices: tuple[str, ...] | None = None
+    """Exactly these sources; None: SIGTERM plus the detected cloud, minus the ``--no-*`` ones."""
+    disabled: frozenset[str] = frozenset()
+    cloud: Cloud | None = None
+    """None: auto-detect (or SPOTJOB_CLOUD)."""
+    aws_metadata_url: str = aws.DEFAULT_BASE_URL
+    gcp_metadata_url: str = gcp.DEFAULT_BASE_URL
+    azure_metadata_url: str = azure.DEFAULT_BASE_URL
+    poll_interval: float = Field(default=2.0, gt=0)
+    rebalance: RebalancePolicy = "save-early"
+    sigterm_grace: float = Field(default=30.0, ge=0)
+    gcp_notice_seconds: float = Field(default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0)
+    safety_margin: float = Field(default=1.5, ge=1.0)
+    """A flush "fits" when the time left >= last save duration x this."""
+    exit_timeout: float = Field(default=30.0, ge=0)
+    """After a flush result, how long the command gets to exit before it is killed."""
+    flush_timeout: float = Field(default=600.0, gt=0)
+    """For a flush without a deadline: how long before the agent gives up and kills the command."""
+    kill_grace: float = Field(default=5.0, ge=0)
+    """SIGTERM → SIGKILL when killing the command's processes."""
+    expected_ranks: int | None = Field(default=None, ge=1)
+    """Ranks on this node that must write closed-rank-<r> for a finished job."""
+
+
+# -- the flush window ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    ok: bool
+    message: str
+
+
+def flush_window(deadline: float | None, last_save_seconds: float | None, margin: float, now: float) -> Window:
+    """Can the time left before ``deadline`` hold a flush as long as the last save (x ``margin``)?"""
+    if deadline is None:
+        return Window(True, "no deadline")
+    left = deadline - now
+    if left <= 0:
+        return Window(False, f"the deadline passed {-left:.1f} s ago")
+    if last_save_seconds is None:
+        return Window(True, f"{left:.1f} s left; no save timed yet, so no estimate of a flush")
+    need = last_save_seconds * margin
+    if left < need:
+        return Window(
+            False,
+            f"{left:.1f} s left but the last save took {last_save_seconds:.1f} s "
+            f"(x{margin:g} = {need:.1f} s): the flush may not commit in time",
+        )
+    return Window(True, f"{left:.1f} s left; the last save took {last_save_seconds:.1f} s (x{margin:g} = {need:.1f} s)")
+
+
+# -- the exit code ---------------------------------------------------------------------------------
+
+
+def command_exit_code(returncode: int) -> int:
+    """Popen's returncode as a shell reports it (killed by signal N → 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def decide_exit_code(
+    returncode: int,
+    *,
+    flush_requested: bool,
+    result: FlushResult | None,
+    closed_ranks: set[int],
+    expected_ranks: int | None,
+    killed: bool,
+) -> tuple[int, str]:
+    """The agent's exit code for a command that ended with ``returncode``, and why."""
+    code = command_exit_code(returncode)
+    if result is not None and result.error is None:
+        return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
+    if result is not None:
+        # Before the closed-rank check: a script that calls close() in a `finally` marks its
+        # ranks closed after a failed flush too, and that job did not finish.
+        return EXIT_FLUSH_FAILED, f"the flush failed: {result.error} (command exit code {code})"
+    if expected_ranks and len(closed_ranks) >= expected_ranks:
+        # The known abort at interpreter exit ("terminate called without an active exception")
+        # after every rank finished its work: the job is done, whatever torchrun says.
+        return 0, f"every rank closed ({len(closed_ranks)}/{expected_ranks}); the command exited {code}"
+    if code == 0 and not killed:
+        return 0, "the command finished"
+    if flush_requested:
+        return EXIT_FLUSH_FAILED, f"no checkpoint was committed (command exit code {code})"
+    return code, f"the command exited {code}"
+
+
+def torchrun_nproc(command: Sequence[str]) -> int | None:
+    """``--nproc-per-node N`` from a torchrun command line (the ranks on this node), if an integer."""
+    for i, arg in enumerate(command):
+        if arg.endswith(".py"):
+            break  # the training script's own arguments follow
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            value = None
+            if arg == flag and i + 1 < len(command):
+                value = command[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if value is not None:
+                return int(value) if value.isdigit() else None
+    return None
+
+
+# -- the agent -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Flush:
+    request: FlushRequest
+    notice: Notice
+    deadline: float | None
+    """The earliest deadline heard (a later notice may bring it forward; flush.json keeps its own)."""
+    kill_at: float
+    """Monotonic time at which the command's processes are killed if still running."""
+    kill_reason: str
+    result: FlushResult | None = None
+
+
+class Agent:
+    """One command under one agent. ``run()`` on the main thread; the rest is thread-safe."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        control: ControlDir,
+        sources: Sequence[NoticeSource] = (),
+        *,
+        token: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.sources = list(sources)
+        self.token = token
+        self.env = dict(os.environ if env is None else env)
+        self.agent_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._state: AgentState = "starting"
+        self._flush: _Flush | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._returncode: int | None = None
+        self._killed = False
+        self._started_monotonic = time.monotonic()
+        self._terminate_requested: int | None = None
+        self.api: ControlApi | None = None
+
+    # -- notices (any thread) ------------------------------------------------------------------
+    def on_notice(self, notice: Notice) -> None:
+        """The callback every notice source calls."""
+        if notice.kind is NoticeKind.REBALANCE and self.config.rebalance != "flush":
+            if self.config.rebalance == "ignore":
+                log.info("rebalance recommendation from %s ignored (--rebalance ignore)", notice.source)
+                return
+            request = self.control.request_save(f"{notice.source} {notice.kind.value}: {notice.detail}")
+            log.info("rebalance recommendation: asked the ranks for an early checkpoint (save %s)", request.id)
+            return
+        try:
+            self._start_flush(notice)
+        except FlushRefused as e:
+            log.info("notice from %s ignored: %s", notice.source, e)
+
+    def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
+        """``POST /flush`` (a control-API thread)."""
+        notice = Notice(source="api", kind=body.kind, deadline=body.deadline, detail=body.reason)
+        log.info("flush asked through the control API: %s, deadline %s", body.reason, format_deadline(body.deadline))
+        request, created = self._start_flush(notice)
+        return _flush_info(request), created
+
+    def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            flush = self._flush
+            if flush is not None:
+                if notice.deadline is not None and (flush.deadline is None or notice.deadline < flush.deadline):
+                    flush.deadline = notice.deadline
+                    kill_at = _monotonic_at(notice.deadline)
+                    if kill_at < flush.kill_at:
+                        flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"
+                    log.warning(
+                        "%s brings the deadline forward to %s (flush.json keeps its own)",
+                        notice.source,
+                        format_deadline(notice.deadline),
+                    )
+                log.info(
+                    "%s notice (%s) while flush %s from %s is under way: no second flush",
+                    notice.source,
+                    notice.detail,
+                    flush.request.id,
+                    flush.notice.source,
+                )
+                return flush.request, False
+            request = self.control.request_flush(
+                FlushRequest(reason=f"{notice.source} {notice.kind.value}: {notice.detail}", deadline=notice.deadline)
+            )
+            if notice.deadline is not None:
+                kill_at, kill_reason = _monotonic_at(notice.deadline), "the deadline passed"
+            else:
+                kill_at = time.monotonic() + self.config.flush_timeout
+                kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
+            self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
+            self._state = "flushing"
+        window = self._window()
+        log.warning(
+            "flush %s requested: %s; deadline %s; %s",
+            request.id,
+            request.reason,
+            format_deadline(notice.deadline),
+            window.message,
+        )
+        if not window.ok:
+            log.warning("the time left may not hold a flush: %s", window.message)
+        return request, True
+
+    # -- status (any thread) -------------------------------------------------------------------
+    def _window(self) -> Window:
+        with self._lock:
+            deadline = self._flush.deadline if self._flush is not None else None
+        if deadline is None and self._flush is None:
+            return Window(True, "no notice")
+        rank = self.control.status()
+        last = rank.last_save_seconds if rank is not None else None
+        return flush_window(deadline, last, self.config.safety_margin, time.time())
+
+    def status(self) -> StatusResponse:
+        rank = self.control.status()
+        window = self._window()
+        with self._lock:
+            flush = self._flush
+            state = self._state
+            child_pid = self._child.pid if self._child is not None else None
+            returncode = self._returncode
+        result = flush.result if flush is not None else None
+        deadline = flush.deadline if flush is not None else None
+        return StatusResponse(
+            state=state,
+            pid=os.getpid(),
+            command_pid=child_pid,
+            uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
+            job_name=self.config.job_name,
+            control_dir=self.control.path,
+            rank_state=rank.state if rank else None,
+            step=rank.step if rank else None,
+            world_size=rank.world_size if rank else None,
+            last_committed_step=rank.last_committed_step if rank else None,
+            last_committed_uri=rank.last_committed_uri if rank else None,
+            last_save_seconds=rank.last_save_seconds if rank else None,
+            status_updated_at=rank.updated_at if rank else None,
+            notice=_notice_info(flush.notice) if flush is not None else None,
+            flush=_flush_info(flush.request) if flush is not None else None,
+            deadline=deadline,
+            seconds_left=round(deadline - time.time(), 3) if deadline is not None else None,
+            window_ok=window.ok,
+            window_message=window.message,
+            flush_result=_result_info(result) if result is not None else None,
+            command_exit_code=command_exit_code(returncode) if returncode is not None else None,
+        )
+
+    # -- running (main thread) -----------------------------------------------------------------
+    def run(self) -> int:
+        """Start everything, watch the command, clean up; the agent's exit code."""
+        tree = ProcessTree(self.agent_id)
+        if not become_subreaper():
+            log.warning("not a subreaper: orphaned descendants are found through %s only", ENV_AGENT_ID)
+        previous_handlers = self._install_fallback_signals()
+        try:
+            self.control.reset()
+            self.api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
+            self.api.start()
+            self._write_agent_file()
+            for source in self.sources:
+                source.start(self.on_notice)
+            child = self._start_command()
+            if isinstance(child, int):
+                return child
+            tree.command_pid = child.pid
+            returncode = self._watch(child, tree)
+            return self._finish(returncode, tree)
+        finally:
+            self._shutdown(tree)
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+
+    def _start_command(self) -> subprocess.Popen[bytes] | int:
+        """The running command, or the shell's exit code for one that cannot start (127, 126)."""
+        env = dict(self.env)
+        env.pop(ENV_AGENT_TOKEN, None)  # the ranks never need the API token
+        env.update(self.rank_env())
+        env[ENV_AGENT_ID] = self.agent_id
+        try:
+            # A session of its own: a Ctrl-C or SIGTERM meant for the agent does not reach the
+            # ranks directly; the agent decides (flush first).
+            child = subprocess.Popen(self.config.command, env=env, start_new_session=True)
+        except OSError as e:
+            log.error("cannot start %s: %s", self.config.command[0], e)
+            with self._lock:
+                self._state = "exited"
+            return 127 if isinstance(e, FileNotFoundError) else 126
+        with self._lock:
+            self._child = child
+            if self._state == "starting":
+                self._state = "running"
+        log.info("started %s (pid %d)", " ".join(self.config.command), child.pid)
+        return child
+
+    def rank_env(self) -> dict[str, str]:
+        """What ``Checkpointer.from_env()`` reads."""
+        cfg = self.config
+        env = {ENV_CONTROL_DIR: self.control.path}
+        optional: dict[str, object | None] = {
+            ENV_CHECKPOINT_URI: cfg.checkpoint_uri,
+            ENV_JOB_NAME: cfg.job_name,
+            ENV_EVERY_STEPS: cfg.every_steps,
+            ENV_EVERY_SECONDS: cfg.every_seconds,
+            ENV_KEEP: cfg.keep,
+            ENV_ASYNC: None if cfg.async_save is None else ("1" if cfg.async_save else "0"),
+            ENV_STAGING_DIR: cfg.staging_dir,
+        }
+        env.update({k: str(v) for k, v in optional.items() if v is not None})
+        return env
+
+    def _watch(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> int:
+        next_scan = 0.0
+        waiting_logged = False
+        while True:
+            now = time.monotonic()
+            if now >= next_scan:
+                tree.refresh()
+                tree.reap()
+                next_scan = now + TREE_SCAN_EVERY
+            returncode = child.poll()
+            self._check_flush_result()
+            with self._lock:
+                flush = self._flush
+                pending = flush is not None and flush.result is None
+                kill_at = flush.kill_at if flush is not None else None
+                kill_reason = flush.kill_reason if flush is not None else ""
+            if returncode is not None:
+                # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill time.
+                if pending and kill_at is not None and now < kill_at and tree.refresh():
+                    if not waiting_logged:
+                        log.warning("the command exited (%d) while its ranks are still flushing: waiting", returncode)
+                        waiting_logged = True
+                    time.sleep(WATCH_TICK)
+                    continue
+                return returncode
+            if self._terminate_requested is not None:
+                kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
+                kill_at = now
+            if kill_at is not None and now >= kill_at:
+                with self._lock:
+                    self._state = "stopping"
+                    self._killed = True
+                tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
+                return child.wait()
+            time.sleep(WATCH_TICK)
+
+    def _check_flush_result(self) -> None:
+        with self._lock:
+            flush = self._flush
+        if flush is None or flush.result is not None:
+            return
+        result = self.control.flush_result()
+        if result is None:
+            return
+        with self._lock:
+            flush.result = result
+            flush.kill_at = min(flush.kill_at, time.monotonic() + self.config.exit_timeout)
+            flush.kill_reason = f"--exit-timeout {self.config.exit_timeout:g} s after the flush result"
+            if self._state not in ("stopping", "exited"):
+                self._state = "flushed" if result.error is None else "flush-failed"
+        own = time.monotonic() - flush.notice.received_monotonic
+        if result.error is None:
+            log.warning(
+                "flush %s committed step %s at %s: %.2f s from notice to commit (ranks: %s)",
+                flush.request.id,
+                result.step,
+                result.uri,
+                own,
+                f"{result.notice_to_commit_seconds:.2f} s" if result.notice_to_commit_seconds is not None else "n/a",
+            )
+        else:
+            log.error("flush %s failed after %.2f s: %s", flush.request.id, own, result.error)
+        for source in self.sources:
+            source.flush_finished()
+
+    def _finish(self, returncode: int, tree: ProcessTree) -> int:
+        with self._lock:
+            self._returncode = returncode
+        self._check_flush_result()
+        stray = tree.refresh(scan_environ=True)
+        if stray:
+            log.warning("the command exited but %d of its processes are still running: stopping them", len(stray))
+            tree.stop_all(self.config.kill_grace, "stray processes after the command exited")
+        with self._lock:
+            flush = self._flush
+            self._state = "exited"
+            killed = self._killed
+        if flush is not None and flush.result is None:
+            # The job is gone either way: nothing is left for the cloud to wait for.
+            for source in self.sources:
+                source.flush_finished()
+        # The files decide, not only what this agent saw: flushed.json present after the command
+        # exited means a committed checkpoint, whoever asked for it.
+        result = flush.result if flush is not None and flush.result is not None else self.control.flush_result()
+        code, why = decide_exit_code(
+            returncode,
+            flush_requested=flush is not None or self.control.flush_requested(),
+            result=result,
+            closed_ranks=self.control.closed_ranks(),
+            expected_ranks=self._expected_ranks(),
+            killed=killed,
+        )
+        real = command_exit_code(returncode)
+        quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
+        log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)
+        return code
+
+    def _expected_ranks(self) -> int | None:
+        if self.config.expected_ranks:
+            return self.config.expected_ranks
+        nproc = torchrun_nproc(self.config.command)
+        if nproc:
+            return nproc
+        rank = self.control.status()
+        if rank is not None and rank.world_size:
+            return rank.world_size
+        world = self.env.get("WORLD_SIZE", "")
+        return int(world) if world.isdigit() else None
+
+    def _shutdown(self, tree: ProcessTree) -> None:
+        with self._lock:
+            child = self._child
+            self._state = "exited"
+        if child is not None and child.poll() is None:
+            # Only reached when the agent itself failed: never leave the ranks orphaned.
+            log.error("agent stopping with the command still running: stopping it")
+            tree.stop_all(self.config.kill_grace, "agent error")
+            child.wait()
+        for source in self.sources:
+            try:
+                source.stop()
+            except Exception:
+                log.exception("stopping the %s notice source failed", source.name)
+        if self.api is not None:
+            self.api.stop()
+        try:
+            os.unlink(os.path.join(self.control.path, AGENT_FILE))
+        except FileNotFoundError:
+            pass
+
+    def _write_agent_file(self) -> None:
+        assert self.api is not None
+        write_json_atomic(
+            os.path.join(self.control.path, AGENT_FILE),
+            {
+                "pid": os.getpid(),
+                "agent_id": self.agent_id,
+                "host": self.api.host,
+                "port": self.api.port,
+                "url": self.api.url,
+                "auth": self.api.auth_required,
+                "control_dir": self.control.path,
+                "job_name": self.config.job_name,
+                "started_at": time.time(),
+            },
+        )
+
+    def _install_fallback_signals(self) -> dict[signal.Signals, _SignalHandler]:
+        """With no signal source: SIGTERM/SIGINT/SIGHUP stop the command (no flush) instead of
+        killing the agent and orphaning the ranks in their own sessions."""
+        if any(isinstance(s, SignalSource) for s in self.sources):
+            return {}
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            self._terminate_requested = signum
+
+        previous: dict[signal.Signals, _SignalHandler] = {}
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, handle)
+        return previous
+
+
+def _monotonic_at(unix_time: float) -> float:
+    return time.monotonic() + (unix_time - time.time())
+
+
+def _flush_info(request: FlushRequest) -> FlushInfo:
+    return FlushInfo(id=request.id, reason=request.reason, deadline=request.deadline, requested_at=request.requested_at)
+
+
+def _notice_info(notice: Notice) -> NoticeInfo:
+    return NoticeInfo(
+        source=notice.source,
+        kind=notice.kind,
+        deadline=notice.deadline,
+        detail=notice.detail,
+        received_at=notice.received_at,
+    )
+
+
+def _result_info(result: FlushResult) -> FlushResultInfo:
+    return FlushResultInfo(
+        committed=result.error is None,
+        step=result.step,
+        uri=result.uri,
+        request_id=result.request_id,
+        notice_to_commit_seconds=result.notice_to_commit_seconds,
+        error=result.error,
+        finished_at=result.finished_at,
+    )
+
+
+# -- notice sources --------------------------------------------------------------------------------
+
+
+def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSource]:
+    """The sources to run: ``--notices`` exactly, else SIGTERM + the detected cloud, minus ``--no-*``."""
+    if config.notices is not None:
+        wanted = [n for n in config.notices if n not in config.disabled]
+    else:
+        cloud = config.cloud
+        if cloud is None:
+            cloud = detect_cloud(
+                aws_url=config.aws_metadata_url,
+                gcp_url=config.gcp_metadata_url,
+                azure_url=config.azure_metadata_url,
+                env=env,
+            )
+        wanted = ["sigterm"] + ([cloud.value] if cloud is not Cloud.NONE else [])
+        wanted = [n for n in wanted if n not in config.disabled]
+    interval = _poll_interval(config, env)
+    sources: list[NoticeSource] = []
+    for name in wanted:
+        if name == "aws":
+            sources.append(
+                aws.AwsImdsSource(
+                    config.aws_metadata_url, interval=interval, watch_rebalance=config.rebalance != "ignore"
+                )
+            )
+        elif name == "gcp":
+            sources.append(
+                gcp.GceMetadataSource(
+                    config.gcp_metadata_url, notice_seconds=config.gcp_notice_seconds, interval=interval
+                )
+            )
+        elif name == "azure":
+            sources.append(azure.AzureScheduledEventsSource(config.azure_metadata_url, interval=interval))
+        elif name == "sigterm":
+            sources.append(SignalSource(grace_seconds=config.sigterm_grace))
+    log.info("notice sources: %s (and the control API)", ", ".join(wanted) or "none")
+    return sources
+
+
+def _poll_interval(config: AgentConfig, env: Mapping[str, str]) -> float:
+    override = env.get(ENV_POLL_INTERVAL)
+    if override:
+        return float(override)
+    return config.poll_interval
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def _interval(value: str) -> float:
+    seconds = float(value)
+    if not 1.0 <= seconds <= 5.0:
+        raise argparse.ArgumentTypeError("must be between 1 and 5 seconds")
+    return seconds
+
+
+def _notice_list(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in NOTICE_SOURCES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown source(s) {', '.join(unknown)}; choose from {', '.join(NOTICE_SOURCES)}"
+        )
+    return names
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spotjob-agent",
+        usage="spotjob-agent [OPTIONS] -- COMMAND [ARGS...]",
+        description="Run a training command (e.g. torchrun ... train.py); on a preemption notice, tell its "
+        "ranks to flush a checkpoint. Exits 75 after a committed flush, 76 when a flush could not commit, "
+        "else with the command's own code.",
+    )
+    ck = p.add_argument_group("checkpoint (passed to the ranks as SPOTJOB_* variables)")
+    ck.add_argument("--checkpoint-uri", help=f"where checkpoints go (required unless {ENV_CHECKPOINT_URI} is set)")
+    ck.add_argument("--job-name")
+    ck.add_argument("--every-steps", type=int, help="save every N steps")
+    ck.add_argument("--every-seconds", type=float, help="save every N seconds")
+    ck.add_argument("--keep", type=int, help="checkpoints to keep")
+    ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
+    ck.add_argument("--staging-dir")
+    ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
+    ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
+
+    api = p.add_argument_group("control API")
+    api.add_argument("--control-host", default="127.0.0.1", help="default 127.0.0.1; other hosts need a token")
+    api.add_argument("--control-port", type=int, default=0, help="0 (default): a free port, written to agent.json")
+    api.add_argument("--token-file", help=f"file holding the bearer token (else {ENV_AGENT_TOKEN})")
+
+    no = p.add_argument_group("notices")
+    no.add_argument("--notices", type=_notice_list, help=f"exactly these sources: {','.join(NOTICE_SOURCES)}")
+    no.add_argument(
+        "--cloud",
+        choices=("auto", *[c.value for c in Cloud]),
+        default=env.get(ENV_CLOUD) or "auto",
+        help=f"skip detection (also {ENV_CLOUD})",
+    )
+    for name in ("aws", "gcp", "azure"):
+        no.add_argument(f"--no-{name}", action="store_true", help=f"do not listen for {name} notices")
+    no.add_argument(
+        "--no-sigterm",
+        action="store_true",
+        help="SIGTERM/SIGINT/SIGHUP are no notices: they stop the command without a flush",
+    )
+    no.add_argument(
+        "--aws-metadata-url",
+        default=env.get(ENV_AWS_METADATA_URL) or aws.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_AWS_METADATA_URL})",
+    )
+    no.add_argument(
+        "--gcp-metadata-url",
+        default=env.get(ENV_GCP_METADATA_URL) or gcp.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_GCP_METADATA_URL})",
+    )
+    no.add_argument(
+        "--azure-metadata-url",
+        default=env.get(ENV_AZURE_METADATA_URL) or azure.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_AZURE_METADATA_URL})",
+    )
+    no.add_argument("--poll-interval", type=_interval, default=2.0, help="metadata poll interval, 1-5 s (default 2)")
+    no.add_argument(
+        "--rebalance",
+        choices=("ignore", "save-early", "flush"),
+        default="save-early",
+        help="what an AWS rebalance recommendation does (default save-early)",
+    )
+    no.add_argument("--sigterm-grace", type=float, default=30.0, help="deadline after SIGTERM/SIGINT (default 30 s)")
+    no.add_argument(
+        "--gcp-notice-seconds",
+        type=float,
+        default=gcp.PREEMPTION_NOTICE_SECONDS,
+        help="deadline after GCE preempted=TRUE (default 30 s)",
+    )
+
+    st = p.add_argument_group("stopping")
+    st.add_argument("--safety-margin", type=float, default=1.5, help="a flush fits if time left >= last save x this")
+    st.add_argument(
+        "--exit-timeout",
+        type=float,
+        default=30.0,
+        help="after the flush result, seconds the command gets to exit before it is killed (default 30)",
+    )
+    st.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=600.0,
+        help="a flush without a deadline is given up after this (default 600 s)",
+    )
+    st.add_argument("--kill-grace", type=float, default=5.0, help="SIGTERM to SIGKILL when killing (default 5 s)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig, str]:
+    """``(config, log level)``; exits 2 with a usage message on bad arguments."""
+    parser = build_parser(env)
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    ns = parser.parse_args(argv[:split])  # before the check below, so that --help works
+    if split == len(argv):
+        parser.error("the command goes after '--': spotjob-agent [OPTIONS] -- torchrun ... train.py")
+    command = argv[split + 1 :]
+    if not command:
+        parser.error("no command after '--'")
+    if ns.cloud not in ("auto", *[c.value for c in Cloud]):
+        parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
+    if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
+        parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
+    disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
+    try:
+        config = AgentConfig(
+            command=command,
+            checkpoint_uri=ns.checkpoint_uri,
+            job_name=ns.job_name,
+            every_steps=ns.every_steps,
+            every_seconds=ns.every_seconds,
+            keep=ns.keep,
+            async_save=None if ns.async_save is None else ns.async_save == "on",
+            staging_dir=ns.staging_dir,
+            control_dir=ns.control_dir,
+            control_host=ns.control_host,
+            control_port=ns.control_port,
+            token_file=ns.token_file,
+            notices=ns.notices,
+            disabled=disabled,
+            cloud=None if ns.cloud == "auto" else Cloud(ns.cloud),
+            aws_metadata_url=ns.aws_metadata_url,
+            gcp_metadata_url=ns.gcp_metadata_url,
+            azure_metadata_url=ns.azure_metadata_url,
+            poll_interval=ns.poll_interval,
+            rebalance=ns.rebalance,
+            sigterm_grace=ns.sigterm_grace,
+            gcp_notice_seconds=ns.gcp_notice_seconds,
+            safety_margin=ns.safety_margin,
+            exit_timeout=ns.exit_timeout,
+            flush_timeout=ns.flush_timeout,
+            kill_grace=ns.kill_grace,
+            expected_ranks=ns.expected_ranks,
+        )
+    except ValidationError as e:
+        problems = "; ".join(
+            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()
+        )
+        parser.error(problems)
+    return config, ns.log_level
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = dict(os.environ)
+    config, level = parse_args(sys.argv[1:] if argv is None else argv, env)
+    job = f" job={config.job_name}" if config.job_name else ""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        token = load_token(config.token_file, env)
+    except (OSError, ValueError) as e:
+        log.error("cannot read the API token: %s", e)
+        return 2
+    own_dir = config.control_dir is None
+    path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
+    control = ControlDir(path)
+    try:
+        sources = build_sources(config, env)
+        agent = Agent(config, control, sources, token=token, env=env)
+        return agent.run()
+    finally:
+        if own_dir:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

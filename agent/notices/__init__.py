@@ -1,0 +1,25 @@
+"""Where preemption notices come from: AWS, GCP, Azure metadata, termination signals.
+
+Every source turns its cloud's message into one ``Notice`` (see ``agent.notices.base``).
+``agent.notices.emulators`` holds fake metadata servers for tests and the local backend.
+"""
+
+from agent.notices.aws import AwsImdsSource
+from agent.notices.azure import AzureScheduledEventsSource
+from agent.notices.base import Notice, NoticeCallback, NoticeKind, NoticeSource
+from agent.notices.detect import Cloud, detect_cloud
+from agent.notices.gcp import GceMetadataSource
+from agent.notices.sigterm import SignalSource
+
+__all__ = [
+    "AwsImdsSource",
+    "AzureScheduledEventsSource",
+    "Cloud",
+    "GceMetadataSource",
+    "Notice",
+    "NoticeCallback",
+    "NoticeKind",
+    "NoticeSource",
+    "SignalSource",
+    "detect_cloud",
+]

@@ -1,0 +1,170 @@
+"""Azure notices from Scheduled Events (IMDS), with the acknowledgement Azure asks for.
+
+``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true`` returns
+``{"DocumentIncarnation": n, "Events": [{"EventId", "EventType", "EventStatus", "Resources",
+"NotBefore", ...}]}``. ``NotBefore`` is an RFC 1123 date ("Mon, 19 Sep 2016 18:29:47 GMT"),
+the earliest time the platform acts: it is the deadline. Spot eviction is ``Preempt`` (at least
+30 s ahead); ``Terminate`` (VMSS scale-in), ``Reboot`` and ``Redeploy`` also stop the job;
+``Freeze`` pauses the VM for seconds and is only logged.
+
+Events list every VM of an availability set or scale set. When this VM's name can be read from
+``/metadata/instance/compute/name`` an event whose ``Resources`` do not name it is ignored.
+
+Acknowledgement: after the flush has ended (committed or failed) the agent calls
+``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
+events it turned into notices, which tells Azure it may proceed now instead of at ``NotBefore``.
+It is sent from the source's thread, retried each poll until accepted, and attempted once more on
+``stop`` so a job that ends right after its flush still acknowledges.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://169.254.169.254"
+API_VERSION = "2020-07-01"
+EVENTS_PATH = f"/metadata/scheduledevents?api-version={API_VERSION}"
+VM_NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+METADATA_HEADERS = {"Metadata": "true"}
+
+PREEMPT_NOTICE_SECONDS = 30.0
+"""Azure's minimum notice for ``Preempt``: the deadline when ``NotBefore`` is empty or unreadable."""
+
+EVENT_KINDS: dict[str, NoticeKind] = {
+    "Preempt": NoticeKind.PREEMPTION,
+    "Terminate": NoticeKind.TERMINATE,
+    "Reboot": NoticeKind.MAINTENANCE,
+    "Redeploy": NoticeKind.MAINTENANCE,
+}
+
+
+def parse_not_before(value: str) -> float | None:
+    """RFC 1123 (``Mon, 19 Sep 2016 18:29:47 GMT``) → unix time; ``""`` (started) → None."""
+    if not value.strip():
+        return None
+    return email.utils.parsedate_to_datetime(value).timestamp()
+
+
+class AzureScheduledEventsSource(PollingNoticeSource):
+    """Preempt / Terminate / Reboot / Redeploy scheduled events for this VM."""
+
+    name = "azure"
+    # stop() must not cut the last acknowledgement short.
+    abort_on_stop = False
+
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, interval: float = 2.0, timeout: float = 2.0) -> None:
+        super().__init__(HttpClient(base_url), interval)
+        self.timeout = timeout
+        self._incarnation: int | None = None
+        self._vm_name: str | None = None
+        self._vm_name_tried = False
+        self._lock = threading.Lock()
+        self._to_ack: list[str] = []
+        self._acked: set[str] = set()
+        self._ack_wanted = False
+
+    @property
+    def acknowledged(self) -> set[str]:
+        with self._lock:
+            return set(self._acked)
+
+    def flush_finished(self) -> None:
+        with self._lock:
+            self._ack_wanted = True
+        self._wake.set()
+
+    # -- poll ----------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        self._send_ack()
+        if not self._vm_name_tried:
+            self._vm_name_tried = True
+            self._vm_name = self._read_vm_name()
+        resp = self.client.request("GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=self.timeout)
+        if resp.status != 200:
+            raise SourceError(f"GET {self.client.url(EVENTS_PATH)} answered {resp.status}")
+        try:
+            doc = json.loads(resp.body)
+            incarnation = int(doc.get("DocumentIncarnation", 0))
+            events = list(doc.get("Events") or [])
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SourceError(f"unreadable scheduled events document: {e}") from e
+        if incarnation == self._incarnation:
+            return
+        self._incarnation = incarnation
+        for event in events:
+            if isinstance(event, dict):
+                self._on_event(event)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        event_id = str(event.get("EventId", ""))
+        event_type = str(event.get("EventType", ""))
+        if not event_id or event_id in self._seen:
+            return
+        resources = [str(r) for r in event.get("Resources") or []]
+        if self._vm_name and resources and self._vm_name not in resources:
+            self._seen.add(event_id)
+            log.debug("Azure event %s (%s) is for %s, not %s", event_id, event_type, resources, self._vm_name)
+            return
+        kind = EVENT_KINDS.get(event_type)
+        if kind is None:
+            self._seen.add(event_id)
+            log.info("Azure scheduled event %s (%s): no flush needed", event_id, event_type)
+            return
+        deadline: float | None = None
+        try:
+            deadline = parse_not_before(str(event.get("NotBefore") or ""))
+        except (ValueError, TypeError) as e:
+            log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, event.get("NotBefore"), e)
+        if deadline is None:
+            deadline = time.time() + PREEMPT_NOTICE_SECONDS
+        notice = Notice(
+            source=self.name,
+            kind=kind,
+            deadline=deadline,
+            detail=f"scheduled event {event_type} {event_id} ({event.get('EventStatus', '?')})",
+            event_id=event_id,
+        )
+        with self._lock:
+            self._to_ack.append(event_id)
+        self._emit(event_id, notice)
+
+    def _read_vm_name(self) -> str | None:
+        try:
+            resp = self.client.request("GET", VM_NAME_PATH, headers=METADATA_HEADERS, timeout=self.timeout)
+        except OSError as e:
+            log.debug("cannot read this VM's name (%s): every scheduled event counts", e)
+            return None
+        name = resp.text().strip() if resp.status == 200 else ""
+        return name or None
+
+    # -- acknowledgement -----------------------------------------------------------------------
+    def _send_ack(self) -> None:
+        with self._lock:
+            if not self._ack_wanted:
+                return
+            ids = [i for i in self._to_ack if i not in self._acked]
+        if not ids:
+            return
+        body = json.dumps({"StartRequests": [{"EventId": i} for i in ids]}).encode()
+        headers = {**METADATA_HEADERS, "Content-Type": "application/json"}
+        resp = self.client.request("POST", EVENTS_PATH, headers=headers, body=body, timeout=self.timeout)
+        if resp.status != 200:
+            raise SourceError(f"acknowledging {ids} answered {resp.status}")
+        with self._lock:
+            self._acked.update(ids)
+        log.info("acknowledged Azure scheduled event(s) %s: the platform may proceed", ", ".join(ids))
+
+    def _on_stopping(self) -> None:
+        try:
+            self._send_ack()
+        except (OSError, SourceError) as e:
+            log.warning("could not acknowledge Azure scheduled events on the way out: %s", e)

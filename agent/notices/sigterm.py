@@ -1,0 +1,88 @@
+"""SIGTERM (and SIGINT, SIGHUP) to the agent as a notice with a grace-period deadline.
+
+The kubelet, systemd and most schedulers stop a process with SIGTERM and kill it a grace period
+later; a spot node drained by a termination handler does the same. The agent must not die on it:
+the ranks are in sessions of their own and would be orphaned mid-step. So the signal becomes a
+notice, ``deadline = arrival + grace_seconds``, and the flush decides what happens next.
+
+Python runs signal handlers on the main thread between bytecodes, so ``start`` must be called
+from the main thread and the handler does nothing but put the signal on a ``SimpleQueue`` (safe
+to call re-entrantly from a handler); the source's own thread turns it into a notice. Every
+signal is delivered (the agent's flush is idempotent and logs a repeat); ``stop`` restores the
+previous handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from agent.notices.base import Notice, NoticeCallback, NoticeKind, NoticeSource, deliver_notice
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+_STOP = -1
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class SignalSource(NoticeSource):
+    """Termination signals to this process, each a ``terminate`` notice."""
+
+    name = "signal"
+
+    def __init__(self, grace_seconds: float = 30.0, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS) -> None:
+        self.grace_seconds = grace_seconds
+        self.signals = signals
+        self._queue: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
+        self._previous: dict[signal.Signals, _Handler] = {}
+        self._thread: threading.Thread | None = None
+        self._callback: NoticeCallback | None = None
+
+    def start(self, callback: NoticeCallback) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("SignalSource.start must be called from the main thread")
+        self._callback = callback
+        self._thread = threading.Thread(target=self._run, name="spotjob-notice-signal", daemon=True)
+        self._thread.start()
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        log.info("listening for %s (grace %.0f s)", ", ".join(s.name for s in self.signals), self.grace_seconds)
+
+    def stop(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+            self._previous.clear()
+        if self._thread is not None:
+            self._queue.put((_STOP, 0.0))
+            self._thread.join(timeout=5.0)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._queue.put((signum, time.time()))
+
+    def _run(self) -> None:
+        while True:
+            signum, arrived = self._queue.get()
+            if signum == _STOP:
+                return
+            name = signal.Signals(signum).name
+            deliver_notice(
+                self.name,
+                self._callback,
+                Notice(
+                    source=self.name,
+                    kind=NoticeKind.TERMINATE,
+                    deadline=arrived + self.grace_seconds,
+                    detail=f"{name} received (grace {self.grace_seconds:g} s)",
+                    received_at=arrived,
+                ),
+            )

@@ -1,0 +1,188 @@
+"""Every process the agent's command started, and how to stop all of them. Linux ``/proc`` only.
+
+Killing the command's process group is not enough: torchrun starts each worker with
+``start_new_session=True``, so the workers have process groups (and sessions) of their own, and
+a worker may start helpers (dataloader workers, a compile server) that do the same. Three layers
+find them, each covering a gap of the one before:
+
+1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
+   descendant is re-parented to the agent instead of to init, so it stays in the agent's tree.
+2. ``refresh()`` walks ``/proc/<pid>/stat`` ppid links down from the agent a few times a second
+   and remembers every descendant with its start time (so a recycled pid is never mistaken for
+   one of ours).
+3. The command runs with ``SPOTJOB_AGENT_ID=<id>`` in its environment, inherited by everything it
+   starts; ``stop_all`` also scans ``/proc/*/environ`` for it, which finds a process that escaped
+   both of the above (re-parented to init before the agent saw it, subreaper unavailable).
+
+``stop_all`` sends SIGTERM to every one, gives them ``grace`` seconds, then SIGKILLs whatever is
+left — re-scanning each round, since a dying process may still fork. The agent reaps the zombies
+it inherits as a subreaper (``reap``), but never the command itself: that one's status belongs
+to ``subprocess.Popen``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ENV_AGENT_ID = "SPOTJOB_AGENT_ID"
+"""Marks every process of one agent's command (inherited through fork/exec)."""
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    """One letter from /proc/<pid>/stat; ``Z`` is a zombie (dead, not yet reaped)."""
+    start_ticks: int
+    """Start time since boot in clock ticks: with the pid, a unique identity."""
+    comm: str
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    """``/proc/<pid>/stat`` parsed, or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm is in parentheses and may itself contain spaces and ')': split at the last one.
+    head, _, rest = raw.rpartition(")")
+    comm = head.partition("(")[2]
+    fields = rest.split()
+    try:
+        return ProcInfo(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[19]), comm)
+    except (IndexError, ValueError):
+        return None
+
+
+def all_processes() -> list[ProcInfo]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_proc(int(name))
+            if info is not None:
+                out.append(info)
+    return out
+
+
+def become_subreaper() -> bool:
+    """Ask Linux to re-parent our orphaned descendants to us. False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
+            return False
+    except (OSError, AttributeError) as e:
+        log.warning("cannot become a child subreaper: %s", e)
+        return False
+    return True
+
+
+def _has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+
+
+class ProcessTree:
+    """The command's processes: everything below ``root_pid`` (the agent) plus the marked ones."""
+
+    def __init__(self, agent_id: str, root_pid: int | None = None) -> None:
+        self.agent_id = agent_id
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        self.command_pid: int | None = None
+        """Never reaped here: ``subprocess.Popen`` owns its exit status."""
+        self._known: dict[int, int] = {}
+        """pid → start ticks of every descendant seen so far."""
+        self._marker = f"{ENV_AGENT_ID}={agent_id}".encode()
+
+    def refresh(self, scan_environ: bool = False) -> list[ProcInfo]:
+        """The live (non-zombie) members now; remembers new ones."""
+        procs = all_processes()
+        by_pid = {p.pid: p for p in procs}
+        children: dict[int, list[ProcInfo]] = {}
+        for p in procs:
+            children.setdefault(p.ppid, []).append(p)
+        members: dict[int, ProcInfo] = {}
+        stack = [self.root_pid]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                if child.pid not in members and child.pid != self.root_pid:
+                    members[child.pid] = child
+                    stack.append(child.pid)
+        # Seen before under the same identity, but no longer below us (re-parented to init).
+        for pid, ticks in self._known.items():
+            known = by_pid.get(pid)
+            if known is not None and known.start_ticks == ticks:
+                members.setdefault(pid, known)
+        if scan_environ:
+            for p in procs:
+                if p.pid not in members and p.pid != self.root_pid and _has_marker(p.pid, self._marker):
+                    members[p.pid] = p
+        for p in members.values():
+            self._known.setdefault(p.pid, p.start_ticks)
+        self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
+        return [p for p in members.values() if p.state != "Z"]
+
+    def reap(self) -> None:
+        """Collect the exit status of inherited orphans (they are our children as a subreaper)."""
+        for p in all_processes():
+            if p.ppid == self.root_pid and p.state == "Z" and p.pid != self.command_pid:
+                try:
+                    os.waitpid(p.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def stop_all(self, grace: float, reason: str) -> int:
+        """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
+        termed: set[int] = set()
+        killed: set[int] = set()
+        kill_at = time.monotonic() + grace
+        give_up_at = kill_at + 10.0
+        while True:
+            self.reap()
+            alive = self.refresh(scan_environ=True)
+            if not alive:
+                break
+            now = time.monotonic()
+            if now >= give_up_at:
+                # D-state (stuck in the kernel) or not ours to signal: nothing more we can do.
+                log.error("%s: %s still alive after SIGKILL", reason, _describe(alive))
+                break
+            escalate = now >= kill_at
+            done = killed if escalate else termed
+            fresh = [p for p in alive if p.pid not in done]
+            if fresh:
+                sig = signal.SIGKILL if escalate else signal.SIGTERM
+                if escalate:
+                    log.warning("%s: still running %.1f s after SIGTERM, SIGKILL %s", reason, grace, _describe(fresh))
+                else:
+                    log.info("%s: SIGTERM %s", reason, _describe(fresh))
+                for p in fresh:
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+                    except PermissionError:
+                        log.error("%s: not permitted to signal %s", reason, _describe([p]))
+                    done.add(p.pid)
+            time.sleep(0.05)
+        self.reap()
+        return len(termed | killed)
+
+
+def _describe(procs: list[ProcInfo]) -> str:
+    return ", ".join(f"{p.pid} ({p.comm})" for p in procs)

@@ -1,0 +1,327 @@
+"""spotjob-agent end to end with real processes: the agent, a fake torchrun and its fake ranks.
+
+Every notice source in turn (AWS, GCP and Azure emulators, SIGTERM, POST /flush) must end in a
+committed flush and exit 75; a failed flush exits 76; a job that ends by itself keeps its code;
+and no process of the job outlives the agent. ``fake_ranks.py`` talks to the agent through the
+control folder only, exactly as ``Checkpointer`` does. Loopback only; no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED, ControlDir
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+from agent.process_tree import ENV_AGENT_ID, all_processes
+
+FAKE_RANKS = Path(__file__).with_name("fake_ranks.py")
+WAIT = 30.0
+TOKEN = "integration-test-token"
+
+
+def agent_command() -> list[str]:
+    script = shutil.which("spotjob-agent", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "agent.launcher"]
+
+
+def wait_until(predicate: Callable[[], bool], what: str, run: Run | None = None, timeout: float = WAIT) -> None:
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if run is not None and run.proc.poll() is not None:
+            raise AssertionError(f"the agent exited {run.proc.returncode} while waiting for {what}\n{run.log()}")
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{run.log()}" if run else ""))
+        time.sleep(0.02)
+
+
+def marked_processes(agent_id: str) -> list[int]:
+    """Live processes carrying this agent's marker: the job's, wherever they were re-parented."""
+    marker = f"{ENV_AGENT_ID}={agent_id}".encode()
+    out = []
+    for p in all_processes():
+        if p.state == "Z":
+            continue
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    out.append(p.pid)
+        except OSError:
+            continue
+    return out
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen[bytes]
+    control: ControlDir
+    log_path: Path
+    tmp: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def agent_info(self) -> dict[str, Any]:
+        path = Path(self.control.path) / "agent.json"
+        wait_until(path.exists, "agent.json", self)
+        return dict(json.loads(path.read_text()))
+
+    def wait_training(self, steps: int = 3) -> None:
+        def training() -> bool:
+            status = self.control.status()
+            return status is not None and (status.step or 0) >= steps
+
+        wait_until(training, f"rank 0 at step {steps}", self)
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def post_flush(self, body: dict[str, Any], token: str | None = None) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(
+            self.agent_info()["url"] + "/flush", method="POST", headers=headers, data=json.dumps(body).encode()
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def exit_code(self) -> int:
+        try:
+            return self.proc.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the agent did not exit\n{self.log()}") from None
+
+    def flush_reason(self) -> str:
+        request = self.control.flush_request()
+        assert request is not None, self.log()
+        return request.reason
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def _start(
+        *agent_args: str,
+        mode: str = "flush",
+        nproc: int = 2,
+        fake_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> Run:
+        control = tmp_path / "control"
+        command = [
+            *agent_command(),
+            "--checkpoint-uri", f"file://{tmp_path}/ckpt",
+            "--job-name", "it",
+            "--control-dir", str(control),
+            "--control-port", "0",
+            "--cloud", "none",
+            "--kill-grace", "1",
+            *agent_args,
+            "--",
+            sys.executable, str(FAKE_RANKS), "--nproc", str(nproc), "--mode", mode,
+            "--events", str(tmp_path / "events"),
+            *fake_args,
+        ]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+        full_env.update({"SPOTJOB_AGENT_POLL_INTERVAL": "0.05", **(env or {})})
+        log_path = tmp_path / "agent.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
+        runs.append(run)
+        return run
+
+    yield _start
+    for run in runs:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+
+
+def events(run: Run) -> list[str]:
+    path = run.tmp / "events"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def assert_preempted(run: Run, source: str) -> None:
+    code = run.exit_code()
+    log = run.log()
+    assert code == EXIT_PREEMPTED, log
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.uri and result.step, log
+    assert run.flush_reason().startswith(source), log
+    assert "from notice to commit" in log
+    assert [e for e in events(run) if e.startswith("flush")] == [f"flush {result.request_id}"]
+    assert not (Path(run.control.path) / "agent.json").exists()
+
+
+# -- each notice source ends in a committed flush and 75 ------------------------------------------------
+
+
+def test_an_aws_spot_interruption_flushes_and_exits_75(start: Callable[..., Run]) -> None:
+    with ImdsEmulator() as imds:
+        run = start("--notices", "aws,sigterm", "--aws-metadata-url", imds.url)
+        run.wait_training()
+        imds.set_spot_action("terminate", time.time() + 60)
+        assert_preempted(run, "aws preemption")
+
+
+def test_an_aws_rebalance_recommendation_asks_for_an_early_save_and_keeps_training(
+    start: Callable[..., Run],
+) -> None:
+    with ImdsEmulator() as imds:
+        run = start("--notices", "aws", "--aws-metadata-url", imds.url, "--rebalance", "save-early")
+        run.wait_training()
+        imds.set_rebalance()
+        wait_until(lambda: any(e.startswith("save") for e in events(run)), "an early save", run)
+        assert run.proc.poll() is None and not run.control.flush_requested()
+        imds.set_spot_action("terminate", time.time() + 60)
+        assert_preempted(run, "aws preemption")
+
+
+def test_a_gce_preemption_flushes_and_exits_75(start: Callable[..., Run]) -> None:
+    with GceMetadataEmulator() as gce:
+        run = start("--notices", "gcp", "--gcp-metadata-url", gce.url)
+        run.wait_training()
+        assert gce.wait_for_waiters(2)
+        gce.set_preempted(True)
+        assert_preempted(run, "gcp preemption")
+        request = run.control.flush_request()
+        assert request is not None and request.deadline is not None
+        assert request.deadline - request.requested_at == pytest.approx(30, abs=5)
+
+
+def test_an_azure_preempt_event_flushes_exits_75_and_is_acknowledged(start: Callable[..., Run]) -> None:
+    with AzureScheduledEventsEmulator() as azure:
+        run = start("--notices", "azure", "--azure-metadata-url", azure.url)
+        run.wait_training()
+        event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
+        assert_preempted(run, "azure preemption")
+        assert azure.start_requests == [event_id]
+
+
+def test_sigterm_to_the_agent_flushes_and_exits_75(start: Callable[..., Run]) -> None:
+    run = start("--sigterm-grace", "20")
+    run.wait_training()
+    run.signal(signal.SIGTERM)
+    assert_preempted(run, "signal terminate")
+    request = run.control.flush_request()
+    assert request is not None and request.deadline is not None
+    assert request.deadline - request.requested_at == pytest.approx(20, abs=5)
+
+
+def test_post_flush_with_the_token_flushes_and_exits_75_and_a_wrong_token_changes_nothing(
+    start: Callable[..., Run],
+) -> None:
+    run = start(env={"SPOTJOB_AGENT_TOKEN": TOKEN})
+    run.wait_training()
+    assert run.post_flush({"reason": "node tainted"}, token="wrong")[0] == 401
+    assert run.post_flush({"reason": "node tainted"})[0] == 401
+    assert not run.control.flush_requested() and run.proc.poll() is None
+    status, body = run.post_flush({"reason": "node tainted", "deadline": time.time() + 60}, token=TOKEN)
+    assert status == 202 and body["created"] is True
+    assert_preempted(run, "api preemption: node tainted")
+    assert TOKEN not in run.log()
+
+
+def test_a_second_notice_during_a_flush_does_not_start_another(start: Callable[..., Run], tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    run = start(fake_args=("--hold-file", str(hold)))
+    run.wait_training()
+    run.signal(signal.SIGTERM)
+    wait_until(run.control.flush_requested, "flush.json", run)
+    first = run.control.flush_request()
+    run.signal(signal.SIGTERM)
+    run.signal(signal.SIGINT)
+    status, body = run.post_flush({"reason": "again"})
+    assert status == 200 and body["created"] is False and first is not None and body["flush"]["id"] == first.id
+    wait_until(lambda: run.log().count("no second flush") >= 3, "the repeats to be heard", run)
+    hold.touch()
+    assert_preempted(run, "signal terminate")
+    assert run.control.flush_request() == first
+    assert run.log().count("requested:") == 1
+
+
+# -- failures and jobs that end by themselves -----------------------------------------------------------
+
+
+def test_a_flush_that_cannot_commit_exits_76(start: Callable[..., Run]) -> None:
+    run = start(mode="fail")
+    run.wait_training()
+    run.signal(signal.SIGTERM)
+    assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
+    assert "simulated storage outage" in run.log()
+
+
+def test_a_job_that_finishes_exits_0(start: Callable[..., Run]) -> None:
+    run = start(mode="finish", fake_args=("--steps", "5"))
+    assert run.exit_code() == 0, run.log()
+    assert not run.control.flush_requested() and run.control.closed_ranks() == {0, 1}
+
+
+def test_a_job_that_fails_by_itself_exits_with_its_own_code(start: Callable[..., Run]) -> None:
+    run = start(mode="crash", fake_args=("--steps", "5", "--exit-code", "3"))
+    assert run.exit_code() == 3, run.log()
+    assert not run.control.flush_requested()
+
+
+def test_an_abort_at_exit_after_every_rank_closed_is_success(start: Callable[..., Run]) -> None:
+    run = start(mode="finish-abort", fake_args=("--steps", "5"))
+    assert run.exit_code() == 0, run.log()
+    assert run.control.closed_ranks() == {0, 1}
+    assert "WARNING" in run.log() and "the command exited 1" in run.log()
+
+
+def test_an_abort_at_exit_after_a_committed_flush_is_still_75(start: Callable[..., Run]) -> None:
+    run = start(mode="abort-after-flush")
+    run.wait_training()
+    run.signal(signal.SIGTERM)
+    assert_preempted(run, "signal terminate")
+
+
+# -- no process of the job outlives the agent -----------------------------------------------------------
+
+
+def test_after_a_commit_the_agent_kills_every_process_even_in_other_sessions_ignoring_sigterm(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "orphan.pid"
+    run = start("--exit-timeout", "0.5", "--kill-grace", "0.5", mode="orphan", fake_args=("--pid-file", str(pid_file)))
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    orphan = int(pid_file.read_text())
+    run.signal(signal.SIGTERM)
+    assert_preempted(run, "signal terminate")
+    assert "SIGKILL" in run.log()
+    assert marked_processes(agent_id) == []
+    assert orphan not in {p.pid for p in all_processes() if p.state != "Z"}
+
+
+def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exits_76(
+    start: Callable[..., Run],
+) -> None:
+    run = start(mode="ignore-flush")
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    assert run.post_flush({"reason": "short notice", "deadline": time.time() + 1})[0] == 202
+    assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
+    assert "the deadline passed" in run.log()
+    assert marked_processes(agent_id) == []

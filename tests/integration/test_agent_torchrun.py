@@ -1,0 +1,295 @@
+"""spotjob-agent around REAL torchrun ranks (2 ranks, CPU, gloo) running examples/train.py.
+
+For each notice source in turn (AWS IMDSv2, GCE, Azure emulators; SIGTERM; POST /flush) the job
+must commit one checkpoint at the same step on both ranks, exit 75, and a restart must resume from
+that step and end bit-identical to an uninterrupted run. Then the awkward cases: a notice during
+an async save, two notices in a row, a window too short to hold a flush, and the control API
+without a token and with a wrong one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent.catalog import list_checkpoints
+from agent.control_channel import EXIT_PREEMPTED, ControlDir
+from agent.manifest import MANIFEST_NAME, Manifest
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+from agent.storage import open_storage
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+BIN = Path(sys.executable).parent
+STEPS = 120
+TOKEN = "torchrun-e2e-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
+               timeout: float = 120.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited {proc.returncode} while waiting for {what}")
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class AgentRun:
+    proc: subprocess.Popen[bytes]
+    control: ControlDir
+    log_path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def step(self) -> int:
+        status = self.control.status()
+        return status.step or 0 if status else 0
+
+    def url(self) -> str:
+        info = json.loads((Path(self.control.path) / "agent.json").read_text())
+        return str(info["url"])
+
+    def wait(self, timeout: float = 180.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def start_agent(tmp: Path, name: str, uri: str, agent_args: list[str], train_args: list[str],
+                token: str | None = TOKEN) -> AgentRun:
+    control = tmp / f"control-{name}"
+    log_path = tmp / f"{name}.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPOTJOB_AGENT_POLL_INTERVAL="0.2", PYTHONUNBUFFERED="1")
+    env.pop("SPOTJOB_AGENT_TOKEN", None)
+    args = [str(BIN / "spotjob-agent"), "--checkpoint-uri", uri, "--job-name", "e2e",
+            "--control-dir", str(control), "--control-port", "0", "--kill-grace", "2"]
+    if token is not None:
+        token_file = tmp / f"token-{name}"
+        token_file.write_text(token)
+        args += ["--token-file", str(token_file)]
+    args += [*agent_args, "--", str(BIN / "torchrun"), "--nproc-per-node", "2",
+             "--master-port", str(free_port()), str(TRAIN), "--steps", str(STEPS), *train_args]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(tmp))
+    return AgentRun(proc, ControlDir(str(control)), log_path)
+
+
+def load_dump(prefix: Path, rank: int) -> dict[str, Any]:
+    return torch.load(f"{prefix}.rank{rank}.pt", weights_only=False)  # our own test output
+
+
+def assert_bit_identical(a_prefix: Path, b_prefix: Path) -> None:
+    for rank in (0, 1):
+        a, b = load_dump(a_prefix, rank), load_dump(b_prefix, rank)
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
+        for pid, st in a["optim"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, b["optim"]["state"][pid][k]), f"rank {rank}: optimizer {pid}.{k} differs"
+        assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+        assert a["sched"] == b["sched"]
+        assert a["loader"] == b["loader"], f"rank {rank}: loader position differs"
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"rank {rank}: torch RNG differs"
+        assert a["rng"]["python"] == b["rng"]["python"], f"rank {rank}: python RNG differs"
+        assert a["rng"]["numpy"] == b["rng"]["numpy"], f"rank {rank}: numpy RNG differs"
+
+
+def committed_steps_per_rank(uri: str, step: int) -> set[int]:
+    """The step recorded in every rank's file of the checkpoint committed for ``step``."""
+    storage = open_storage(uri)
+    status = next(s for s in list_checkpoints(storage) if s.ref.step == step)
+    assert status.valid, status.reason
+    manifest = Manifest.parse(storage.get_bytes(status.ref.key(MANIFEST_NAME)))
+    assert manifest.world_size == 2
+    steps = set()
+    for rank in (0, 1):
+        data = storage.get_bytes(status.ref.key(f"rank-{rank:05d}.pt"))
+        steps.add(torch.load(io.BytesIO(data), weights_only=True)["step"])
+    return steps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of examples/train.py under the agent, dumped for comparison."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run = start_agent(tmp, "ref", str(tmp / "ckpt"), ["--cloud", "none"], ["--dump", str(tmp / "ref")])
+    assert run.wait() == 0, run.log()
+    return tmp / "ref"
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsEmulator]:
+    with ImdsEmulator() as e:
+        yield e
+
+
+@pytest.fixture
+def gce() -> Iterator[GceMetadataEmulator]:
+    with GceMetadataEmulator() as e:
+        yield e
+
+
+@pytest.fixture
+def azure() -> Iterator[AzureScheduledEventsEmulator]:
+    with AzureScheduledEventsEmulator() as e:
+        yield e
+
+
+def post_flush(run: AgentRun, token: str | None, reason: str = "test") -> int:
+    req = urllib.request.Request(run.url() + "/flush", data=json.dumps({"reason": reason}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+SOURCES = ["aws", "gcp", "azure", "sigterm", "api"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_notice_from_each_source_commits_one_step_on_both_ranks_and_the_restart_is_bit_identical(
+    source: str, tmp_path: Path, reference: Path, request: pytest.FixtureRequest
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    agent_args = {
+        "aws": lambda: ["--notices", "aws", "--aws-metadata-url", request.getfixturevalue("imds").url],
+        "gcp": lambda: ["--notices", "gcp", "--gcp-metadata-url", request.getfixturevalue("gce").url],
+        "azure": lambda: ["--notices", "azure", "--azure-metadata-url", request.getfixturevalue("azure").url],
+        "sigterm": lambda: ["--notices", "sigterm"],
+        "api": lambda: ["--cloud", "none"],
+    }[source]()
+    run = start_agent(tmp_path, "preempted", uri, agent_args, ["--step-sleep", "0.05", "--every-steps", "25"])
+    wait_until(lambda: run.step() >= 30, "training to pass step 30", run.proc)
+    if source == "aws":
+        request.getfixturevalue("imds").set_spot_action("terminate", time.time() + 60)
+    elif source == "gcp":
+        request.getfixturevalue("gce").set_preempted(True)
+    elif source == "azure":
+        az = request.getfixturevalue("azure")
+        event_id = az.add_event(EventType="Preempt", NotBefore=time.time() + 60)
+    elif source == "sigterm":
+        run.proc.send_signal(signal.SIGTERM)
+    else:
+        assert post_flush(run, TOKEN, "operator") in (200, 202)
+    rc = run.wait()
+    assert rc == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None
+    flushed = result.step
+    assert flushed > 30 and flushed < STEPS
+    assert committed_steps_per_rank(uri, flushed) == {flushed}
+    if source == "azure":
+        assert event_id in request.getfixturevalue("azure").start_requests
+
+    resumed = start_agent(tmp_path, "resumed", uri, ["--cloud", "none"], ["--dump", str(tmp_path / "resumed")])
+    assert resumed.wait() == 0, resumed.log()
+    assert f"starting at step {flushed} of {STEPS}" in resumed.log()
+    assert_bit_identical(reference, tmp_path / "resumed")
+
+
+def test_a_notice_during_an_async_save_commits_the_flush_after_the_save_in_flight(
+    tmp_path: Path, reference: Path
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    # A save every step keeps one in flight at almost every step boundary.
+    run = start_agent(tmp_path, "busy", uri, ["--cloud", "none"], ["--every-steps", "1", "--step-sleep", "0.02"])
+    wait_until(lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc)
+    assert post_flush(run, TOKEN) in (200, 202)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.step is not None
+    storage = open_storage(uri)
+    statuses = {s.ref.step: s for s in list_checkpoints(storage)}
+    assert statuses[result.step].valid
+    resumed = start_agent(tmp_path, "resumed", uri, ["--cloud", "none"], ["--dump", str(tmp_path / "resumed")])
+    assert resumed.wait() == 0, resumed.log()
+    assert_bit_identical(reference, tmp_path / "resumed")
+
+
+def _none() -> Any:
+    class _S:
+        last_committed_step = None
+    return _S()
+
+
+def test_two_notices_in_a_row_start_one_flush(tmp_path: Path, imds: ImdsEmulator) -> None:
+    uri = str(tmp_path / "ckpt")
+    run = start_agent(tmp_path, "twice", uri, ["--notices", "aws,sigterm", "--aws-metadata-url", imds.url],
+                      ["--step-sleep", "0.05"])
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    imds.set_spot_action("terminate", time.time() + 60)
+    run.proc.send_signal(signal.SIGTERM)
+    assert post_flush(run, TOKEN, "again") in (200, 202, 409)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    steps = [s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid]
+    assert len(steps) == 1, f"expected exactly one flush checkpoint, found {steps}"
+
+
+def test_a_window_too_short_for_a_flush_is_reported_and_leaves_nothing_restore_could_mistake(
+    tmp_path: Path
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    run = start_agent(tmp_path, "short", uri, ["--cloud", "none"], ["--step-sleep", "0.05", "--every-steps", "10"])
+    wait_until(lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc)
+    # A deadline already in the past: no flush can fit.
+    req = urllib.request.Request(
+        run.url() + "/flush", method="POST",
+        data=json.dumps({"reason": "late notice", "deadline": time.time() - 1}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status in (200, 202)
+    with urllib.request.urlopen(urllib.request.Request(run.url() + "/status", headers={
+            "Authorization": f"Bearer {TOKEN}"}), timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["window_ok"] is False and status["window_message"]
+    run.wait()
+    # Whatever the agent managed before killing the job: every folder is either valid or uncommitted.
+    for s in list_checkpoints(open_storage(uri)):
+        assert s.valid or not s.committed, s.reason
+
+
+def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    run = start_agent(tmp_path, "auth", uri, ["--cloud", "none"], ["--step-sleep", "0.05"])
+    wait_until(lambda: run.step() >= 3, "training to start", run.proc)
+    assert post_flush(run, None) == 401
+    assert post_flush(run, "not-the-token") == 401
+    assert run.control.flush_request() is None
+    assert run.proc.poll() is None, "the job must keep training"
+    assert post_flush(run, TOKEN) in (200, 202)
+    assert run.wait() == EXIT_PREEMPTED, run.log()

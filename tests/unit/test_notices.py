@@ -1,0 +1,425 @@
+"""Notice sources against the fake metadata servers, and the fakes against the clouds' contracts."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from agent.control_channel import ControlDir
+from agent.launcher import Agent, AgentConfig
+from agent.notices import (
+    AwsImdsSource,
+    AzureScheduledEventsSource,
+    Cloud,
+    GceMetadataSource,
+    Notice,
+    NoticeKind,
+    NoticeSource,
+    SignalSource,
+    detect_cloud,
+)
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+
+FAST = 0.05
+WAIT = 10.0
+AT_2030 = datetime(2030, 1, 1, tzinfo=UTC)
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+FLAVOR = {"Metadata-Flavor": "Google"}
+AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+
+
+def http(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, method=method, headers=headers or {}, data=body)
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.notices: queue.Queue[Notice] = queue.Queue()
+
+    def __call__(self, notice: Notice) -> None:
+        self.notices.put(notice)
+
+    def next(self) -> Notice:
+        return self.notices.get(timeout=WAIT)
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsEmulator]:
+    with ImdsEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def gce() -> Iterator[GceMetadataEmulator]:
+    with GceMetadataEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def azure() -> Iterator[AzureScheduledEventsEmulator]:
+    with AzureScheduledEventsEmulator(vm_name="vm-7") as emulator:
+        yield emulator
+
+
+def running(source: NoticeSource) -> tuple[NoticeSource, Collector]:
+    collector = Collector()
+    source.start(collector)
+    return source, collector
+
+
+# -- the emulators keep the clouds' contracts --------------------------------------------------------
+
+
+class TestImdsEmulator:
+    def test_refuses_every_read_without_a_session_token(self, imds: ImdsEmulator) -> None:
+        assert http(imds.url + "/latest/meta-data/instance-id")[0] == 401
+
+    def test_issues_tokens_only_for_a_valid_ttl(self, imds: ImdsEmulator) -> None:
+        token_url = imds.url + "/latest/api/token"
+        assert http(token_url, "PUT")[0] == 400
+        assert http(token_url, "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "0"})[0] == 400
+        assert http(token_url, "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "21601"})[0] == 400
+        assert http(token_url, "GET", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[0] == 405
+        forwarded = {"X-aws-ec2-metadata-token-ttl-seconds": "60", "X-Forwarded-For": "10.0.0.1"}
+        assert http(token_url, "PUT", forwarded)[0] == 403
+        status, headers, token = http(token_url, "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        assert status == 200 and token and headers["x-aws-ec2-metadata-token-ttl-seconds"] == "60"
+
+    def test_answers_404_until_an_interruption_is_scheduled(self, imds: ImdsEmulator) -> None:
+        token = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
+        headers = {"X-aws-ec2-metadata-token": token.decode()}
+        action_url = imds.url + "/latest/meta-data/spot/instance-action"
+        assert http(action_url, headers=headers)[0] == 404
+        imds.set_spot_action("stop", AT_2030)
+        status, _, body = http(action_url, headers=headers)
+        assert status == 200 and json.loads(body) == {"action": "stop", "time": "2030-01-01T00:00:00Z"}
+        imds.clear()
+        assert http(action_url, headers=headers)[0] == 404
+
+    def test_expired_tokens_get_401_and_a_new_token_works(self, imds: ImdsEmulator) -> None:
+        def token() -> dict[str, str]:
+            raw = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
+            return {"X-aws-ec2-metadata-token": raw.decode()}
+
+        old = token()
+        imds.expire_tokens()
+        assert http(imds.url + "/latest/meta-data/instance-id", headers=old)[0] == 401
+        assert http(imds.url + "/latest/meta-data/instance-id", headers=token())[0] == 200
+        assert imds.count("GET", status=401) == 1 and imds.token_requests == 2
+
+
+class TestGceEmulator:
+    def test_refuses_requests_without_the_flavor_header(self, gce: GceMetadataEmulator) -> None:
+        assert http(gce.url + "/computeMetadata/v1/instance/preempted")[0] == 403
+
+    def test_serves_values_with_an_etag_and_the_flavor_header(self, gce: GceMetadataEmulator) -> None:
+        status, headers, body = http(gce.url + "/computeMetadata/v1/instance/preempted", headers=FLAVOR)
+        assert (status, body) == (200, b"FALSE")
+        assert headers["metadata-flavor"] == "Google" and headers["etag"] == gce.etag("FALSE")
+
+    def test_wait_for_change_hangs_until_the_value_changes(self, gce: GceMetadataEmulator) -> None:
+        url = gce.url + "/computeMetadata/v1/instance/preempted?wait_for_change=true&last_etag=" + gce.etag("FALSE")
+        answers: list[tuple[int, dict[str, str], bytes]] = []
+        waiter = threading.Thread(target=lambda: answers.append(http(url, headers=FLAVOR)))
+        waiter.start()
+        assert gce.wait_for_waiters(1)
+        assert waiter.is_alive() and not answers  # held, not answered
+        gce.set_preempted(True)
+        waiter.join(WAIT)
+        status, headers, body = answers[0]
+        assert (status, body, headers["etag"]) == (200, b"TRUE", gce.etag("TRUE"))
+
+    def test_wait_for_change_with_a_stale_etag_answers_at_once(self, gce: GceMetadataEmulator) -> None:
+        gce.set_preempted(True)
+        url = gce.url + "/computeMetadata/v1/instance/preempted?wait_for_change=true&last_etag=" + gce.etag("FALSE")
+        assert http(url, headers=FLAVOR)[2] == b"TRUE"
+
+    def test_wait_for_change_returns_the_same_value_after_timeout_sec(self, gce: GceMetadataEmulator) -> None:
+        url = gce.url + "/computeMetadata/v1/instance/preempted?wait_for_change=true&timeout_sec=0"
+        assert http(url, headers=FLAVOR)[2] == b"FALSE"
+
+
+class TestAzureEmulator:
+    def test_refuses_requests_without_the_metadata_header_or_api_version(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        assert http(azure.url + AZURE_EVENTS)[0] == 400
+        assert http(azure.url + "/metadata/scheduledevents", headers={"Metadata": "true"})[0] == 400
+
+    def test_publishes_events_with_a_new_incarnation_and_an_rfc1123_not_before(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        before = json.loads(http(azure.url + AZURE_EVENTS, headers={"Metadata": "true"})[2])
+        event_id = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+        doc = json.loads(http(azure.url + AZURE_EVENTS, headers={"Metadata": "true"})[2])
+        assert doc["DocumentIncarnation"] > before["DocumentIncarnation"] and before["Events"] == []
+        (event,) = doc["Events"]
+        assert event["EventId"] == event_id and event["EventType"] == "Preempt"
+        assert event["NotBefore"] == "Tue, 01 Jan 2030 00:00:00 GMT" and event["Resources"] == ["vm-7"]
+
+    def test_records_start_requests_and_starts_the_event(self, azure: AzureScheduledEventsEmulator) -> None:
+        event_id = azure.add_event()
+        body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+        headers = {"Metadata": "true", "Content-Type": "application/json"}
+        assert http(azure.url + AZURE_EVENTS, "POST", headers, body)[0] == 200
+        assert azure.start_requests == [event_id]
+        assert azure.document["Events"][0]["EventStatus"] == "Started"
+        assert http(azure.url + AZURE_EVENTS, "POST", headers, b"{not json")[0] == 400
+
+
+# -- each source turns its cloud's message into the right notice ----------------------------------------
+
+
+class TestAwsSource:
+    def test_turns_a_spot_instance_action_into_one_preemption_notice_with_its_time(self, imds: ImdsEmulator) -> None:
+        source, got = running(AwsImdsSource(imds.url, interval=FAST))
+        try:
+            imds.set_spot_action("terminate", AT_2030)
+            notice = got.next()
+            assert (notice.source, notice.kind, notice.deadline) == ("aws", NoticeKind.PREEMPTION, AT_2030.timestamp())
+            assert "terminate" in notice.detail
+            polls = imds.count("GET", INSTANCE_ACTION)
+            wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= polls + 3, "three more polls")
+            assert got.notices.empty()  # still scheduled, still one notice
+        finally:
+            source.stop()
+
+    def test_renews_its_token_after_a_401(self, imds: ImdsEmulator) -> None:
+        source, got = running(AwsImdsSource(imds.url, interval=FAST))
+        try:
+            wait_until(lambda: imds.count("GET", INSTANCE_ACTION, status=404) >= 1, "a first poll")
+            imds.expire_tokens()
+            wait_until(lambda: imds.count("GET", status=401) >= 1, "a refused poll")
+            imds.set_spot_action("terminate", AT_2030)
+            assert got.next().kind is NoticeKind.PREEMPTION
+            assert imds.token_requests >= 2
+        finally:
+            source.stop()
+
+    def test_a_rebalance_recommendation_is_a_rebalance_notice_without_deadline(self, imds: ImdsEmulator) -> None:
+        source, got = running(AwsImdsSource(imds.url, interval=FAST))
+        try:
+            imds.set_rebalance(AT_2030)
+            notice = got.next()
+            assert (notice.kind, notice.deadline) == (NoticeKind.REBALANCE, None)
+            assert "2030-01-01T00:00:00Z" in notice.detail
+        finally:
+            source.stop()
+
+    def test_does_not_ask_for_rebalance_when_told_not_to(self, imds: ImdsEmulator) -> None:
+        source, _ = running(AwsImdsSource(imds.url, interval=FAST, watch_rebalance=False))
+        try:
+            wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= 2, "two polls")
+        finally:
+            source.stop()
+        assert imds.count("GET", "/latest/meta-data/events/recommendations/rebalance") == 0
+
+
+class TestGcpSource:
+    def test_a_preemption_arrives_through_the_held_long_poll_with_a_30_s_deadline(
+        self, gce: GceMetadataEmulator
+    ) -> None:
+        source, got = running(GceMetadataSource(gce.url, interval=FAST))
+        try:
+            assert gce.wait_for_waiters(2)  # both watches are holding a wait_for_change
+            before = time.time()
+            gce.set_preempted(True)
+            notice = got.next()
+            after = time.time()
+            assert (notice.source, notice.kind) == ("gcp", NoticeKind.PREEMPTION)
+            assert notice.deadline is not None and before + 30 <= notice.deadline <= after + 30
+        finally:
+            source.stop()
+
+    def test_terminate_on_host_maintenance_is_a_maintenance_notice_and_migration_is_not(
+        self, gce: GceMetadataEmulator
+    ) -> None:
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=60))
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_maintenance_event("MIGRATE_ON_HOST_MAINTENANCE")
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            notice = got.next()
+            assert notice.kind is NoticeKind.MAINTENANCE and "TERMINATE_ON_HOST_MAINTENANCE" in notice.detail
+            assert got.notices.empty()
+        finally:
+            source.stop()
+
+    def test_a_vm_already_preempted_at_start_is_noticed_without_waiting(self, gce: GceMetadataEmulator) -> None:
+        gce.set_preempted(True)
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, notice_seconds=12))
+        try:
+            notice = got.next()
+            assert notice.kind is NoticeKind.PREEMPTION and notice.deadline is not None
+            assert notice.deadline <= time.time() + 12
+        finally:
+            source.stop()
+
+    def test_stop_ends_the_held_long_polls(self, gce: GceMetadataEmulator) -> None:
+        source, _ = running(GceMetadataSource(gce.url, interval=FAST))
+        assert gce.wait_for_waiters(2)
+        source.stop()
+        assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-gcp"]
+
+
+class TestAzureSource:
+    def test_a_preempt_event_is_a_notice_with_not_before_as_deadline_and_is_acknowledged_after_the_flush(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            event_id = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+            notice = got.next()
+            assert (notice.source, notice.kind, notice.deadline) == (
+                "azure",
+                NoticeKind.PREEMPTION,
+                AT_2030.timestamp(),
+            )
+            assert notice.event_id == event_id
+            assert azure.start_requests == []  # not before the flush has ended
+            source.flush_finished()
+            assert azure.wait_for_start_request(event_id)
+            assert azure.start_requests == [event_id]
+        finally:
+            source.stop()
+
+    def test_events_for_other_vms_and_freezes_are_not_notices(self, azure: AzureScheduledEventsEmulator) -> None:
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            azure.add_event(EventType="Preempt", Resources=["vm-other"])
+            azure.add_event(EventType="Freeze")
+            terminate = azure.add_event(EventType="Terminate", NotBefore="")
+            notice = got.next()
+            assert (notice.kind, notice.event_id) == (NoticeKind.TERMINATE, terminate)
+            assert notice.deadline is not None  # empty NotBefore: Azure's 30 s minimum
+            assert got.notices.empty()
+        finally:
+            source.stop()
+
+    def test_a_pending_acknowledgement_is_sent_on_stop(self, azure: AzureScheduledEventsEmulator) -> None:
+        source = AzureScheduledEventsSource(azure.url, interval=60)  # polls once, then only on wake
+        got = Collector()
+        event_id = azure.add_event()
+        source.start(got)
+        got.next()
+        source.flush_finished()
+        source.stop()
+        assert azure.start_requests == [event_id]
+
+
+class TestSignalSource:
+    def test_sigterm_is_a_terminate_notice_with_the_grace_period_as_deadline(self) -> None:
+        original = signal.getsignal(signal.SIGTERM)
+        source, got = running(SignalSource(grace_seconds=17))
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            notice = got.next()
+            assert (notice.source, notice.kind) == ("signal", NoticeKind.TERMINATE)
+            assert notice.deadline == notice.received_at + 17 and "SIGTERM" in notice.detail
+            os.kill(os.getpid(), signal.SIGINT)
+            assert "SIGINT" in got.next().detail
+        finally:
+            source.stop()
+        assert signal.getsignal(signal.SIGTERM) == original
+
+
+# -- which cloud ------------------------------------------------------------------------------------
+
+
+class TestDetectCloud:
+    def test_the_environment_overrides_probing(self) -> None:
+        assert detect_cloud(env={"SPOTJOB_CLOUD": "gcp"}) is Cloud.GCP
+        assert detect_cloud(env={"SPOTJOB_CLOUD": "none"}) is Cloud.NONE
+        with pytest.raises(ValueError, match="SPOTJOB_CLOUD"):
+            detect_cloud(env={"SPOTJOB_CLOUD": "oracle"})
+
+    def test_each_cloud_is_recognised_by_its_own_endpoint(
+        self, imds: ImdsEmulator, gce: GceMetadataEmulator, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        nothing = closed_port_url()
+        assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
+        auto = {"SPOTJOB_CLOUD": "auto"}
+        assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env=auto) is Cloud.AWS
+        assert detect_cloud(aws_url=nothing, gcp_url=gce.url, azure_url=nothing, env={}) is Cloud.GCP
+        assert detect_cloud(aws_url=nothing, gcp_url=nothing, azure_url=azure.url, env={}) is Cloud.AZURE
+        # A server of the wrong dialect is not mistaken for its own cloud.
+        assert detect_cloud(aws_url=gce.url, gcp_url=azure.url, azure_url=imds.url, env={}) is Cloud.NONE
+        assert detect_cloud(aws_url=nothing, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.NONE
+
+
+# -- what a notice does in the agent ---------------------------------------------------------------
+
+
+def agent(tmp_path: Path, **config: object) -> Agent:
+    cfg = AgentConfig.model_validate({"command": ["true"], "checkpoint_uri": "file:///ckpt", **config})
+    return Agent(cfg, ControlDir(str(tmp_path)), env={})
+
+
+def rebalance() -> Notice:
+    return Notice(source="aws", kind=NoticeKind.REBALANCE, deadline=None, detail="rebalance recommendation")
+
+
+class TestRebalancePolicy:
+    def test_save_early_asks_the_ranks_for_a_checkpoint_without_stopping(self, tmp_path: Path) -> None:
+        a = agent(tmp_path, rebalance="save-early")
+        a.on_notice(rebalance())
+        assert a.control.save_requested() and not a.control.flush_requested()
+
+    def test_ignore_does_nothing(self, tmp_path: Path) -> None:
+        a = agent(tmp_path, rebalance="ignore")
+        a.on_notice(rebalance())
+        assert not a.control.save_requested() and not a.control.flush_requested()
+
+    def test_flush_treats_it_as_a_preemption(self, tmp_path: Path) -> None:
+        a = agent(tmp_path, rebalance="flush")
+        a.on_notice(rebalance())
+        assert a.control.flush_requested() and not a.control.save_requested()
+
+
+class TestFlushOnNotice:
+    def test_the_first_notice_writes_flush_json_once_and_later_ones_do_not(self, tmp_path: Path) -> None:
+        a = agent(tmp_path)
+        a.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 30, detail="SIGTERM"))
+        first = a.control.flush_request()
+        a.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 30, detail="SIGTERM"))
+        a.on_notice(Notice(source="aws", kind=NoticeKind.PREEMPTION, deadline=time.time() + 5, detail="terminate"))
+        assert first is not None and a.control.flush_request() == first
+        assert first.reason.startswith("signal terminate")
+        status = a.status()
+        assert status.state == "flushing" and status.flush is not None and status.flush.id == first.id
+        # The earlier deadline counts for the agent's own kill time and /status.
+        assert status.deadline is not None and first.deadline is not None and status.deadline < first.deadline
