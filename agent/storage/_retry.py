@@ -4,6 +4,10 @@ Backends translate their client's exceptions into ``TransientStorageError`` (thr
 connection errors) or ``PermanentStorageError`` (auth, other 4xx) and wrap each operation with
 ``retry_transient``. Only transient errors are retried; every retry is logged with the operation,
 the key and the attempt; after the last attempt the transient error propagates.
+
+The policy is read from the environment on every call, not at import, so a process (or a test)
+that sets ``SPOTJOB_STORAGE_MAX_ATTEMPTS`` / ``SPOTJOB_STORAGE_BASE_BACKOFF_S`` /
+``SPOTJOB_STORAGE_MAX_BACKOFF_S`` after importing spotjob still gets what it asked for.
 """
 
 from __future__ import annotations
@@ -27,20 +31,41 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_ATTEMPTS = int(os.environ.get("SPOTJOB_STORAGE_MAX_ATTEMPTS", "6"))
-MAX_BACKOFF_S = float(os.environ.get("SPOTJOB_STORAGE_MAX_BACKOFF_S", "8"))
-BASE_BACKOFF_S = float(os.environ.get("SPOTJOB_STORAGE_BASE_BACKOFF_S", "0.2"))
+DEFAULT_MAX_ATTEMPTS = 6
+DEFAULT_MAX_BACKOFF_S = 8.0
+DEFAULT_BASE_BACKOFF_S = 0.2
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def max_attempts() -> int:
+    """Attempts per operation (first try included): ``SPOTJOB_STORAGE_MAX_ATTEMPTS``, default 6."""
+    return max(1, int(_env_number("SPOTJOB_STORAGE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)))
 
 
 def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None) -> T:
     """Call ``fn`` until it succeeds, retrying ``TransientStorageError`` with jittered backoff.
 
-    ``op`` names the operation and key for the log ("PUT s3://b/k").
+    ``op`` names the operation and key for the log ("PUT s3://b/k"); it must not carry secrets
+    (signed or session URLs), because it is logged on every retry.
     """
+    base = _env_number("SPOTJOB_STORAGE_BASE_BACKOFF_S", DEFAULT_BASE_BACKOFF_S)
+    cap = _env_number("SPOTJOB_STORAGE_MAX_BACKOFF_S", DEFAULT_MAX_BACKOFF_S)
     retrying = Retrying(
         retry=retry_if_exception_type(TransientStorageError),
-        stop=stop_after_attempt(attempts or MAX_ATTEMPTS),
-        wait=wait_random_exponential(multiplier=BASE_BACKOFF_S, max=MAX_BACKOFF_S),
+        stop=stop_after_attempt(attempts or max_attempts()),
+        wait=wait_random_exponential(multiplier=base, max=cap),
         before_sleep=lambda s: _log_retry_named(op, s),
         reraise=True,
     )

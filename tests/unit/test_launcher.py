@@ -141,7 +141,8 @@ class TestProcessTree:
         grandchild = int(out.stdout.strip())
         try:
             tree = ProcessTree(agent_id)
-            assert grandchild not in {p.pid for p in tree.refresh()}
+            # (Whether parent links alone find it depends on whether an earlier test in this
+            # process made pytest a subreaper; the environment marker must find it either way.)
             assert grandchild in {p.pid for p in tree.refresh(scan_environ=True)}
             assert tree.stop_all(grace=0.2, reason="test") == 1
             assert not alive(grandchild)

@@ -1,0 +1,360 @@
+"""How the object-store backends move big objects: part sizes, a bounded pool, verified downloads.
+
+Shared by ``s3`` and ``gs``. A download is split into byte ranges fetched in parallel; each range
+is written at its offset into a temp file next to the destination while its CRC32C is computed
+from the bytes as they arrive, and each range is retried on its own (a dropped connection costs
+one range, not the file). The per-range CRCs are combined into the object's CRC32C, checked
+against the caller's, and only then is the temp file renamed into place, so a failed or corrupt
+download leaves nothing at the destination.
+
+Each storage object owns one ``TransferPool``: it bounds the parts / ranges in flight across all
+the files that object is moving at once, and so the memory they hold (``concurrency x part_size``
+for uploads, which read a part into memory before sending it).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.storage._retry import retry_transient
+from agent.storage.base import CorruptObjectError, PermanentStorageError, ProgressFn, TransientStorageError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# Bytes a range buffers before writing them out: big enough that the CRC and the pwrite run on
+# large blocks (HTTP clients hand over 8 KiB at a time), small enough not to matter per range.
+_SINK_FLUSH = 1 * MiB
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How big objects move. Defaults suit multi-GB shards on a cloud VM.
+
+    Every field can be set by the environment of the process that opens the storage (see
+    ``from_env``), which is how tests and operators tune a store opened by URI alone.
+    """
+
+    part_size: int = 64 * MiB
+    """Bytes per multipart part, resumable-upload chunk and ranged GET. S3 raises it to 5 MiB
+    (its minimum part) and to size/10000 (its part-count limit); GCS rounds it up to 256 KiB."""
+
+    multipart_threshold: int = 64 * MiB
+    """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT."""
+
+    concurrency: int = 8
+    """Parts or ranges in flight at once per storage object, whatever the number of files."""
+
+    connect_timeout_s: float = 10.0
+    """Seconds to open a connection before the attempt counts as a transient failure."""
+
+    read_timeout_s: float = 60.0
+    """Seconds without a byte from the server before the attempt counts as a transient failure."""
+
+    def __post_init__(self) -> None:
+        if self.part_size < 1:
+            raise ValueError(f"part_size must be positive, got {self.part_size}")
+        if self.multipart_threshold < 1:
+            raise ValueError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @classmethod
+    def from_env(cls) -> TransferSettings:
+        """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD``
+        (bytes, or with a KiB/MiB/GiB suffix), ``SPOTJOB_STORAGE_CONCURRENCY``,
+        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S``."""
+        d = cls()
+        return cls(
+            part_size=_env_size("SPOTJOB_STORAGE_PART_SIZE", d.part_size),
+            multipart_threshold=_env_size("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", d.multipart_threshold),
+            concurrency=int(_env_size("SPOTJOB_STORAGE_CONCURRENCY", d.concurrency)),
+            connect_timeout_s=_env_float("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", d.connect_timeout_s),
+            read_timeout_s=_env_float("SPOTJOB_STORAGE_READ_TIMEOUT_S", d.read_timeout_s),
+        )
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
+_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
+
+
+def _env_size(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    m = _SIZE_RE.match(raw)
+    if not m:
+        raise ValueError(f"{name}={raw!r}: expected a whole number of bytes, optionally with KiB/MiB/GiB")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def spans(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of consecutive parts covering ``size`` bytes (none for an empty object)."""
+    return [(off, min(part_size, size - off)) for off in range(0, size, part_size)]
+
+
+def crc_to_b64(crc: int) -> str:
+    """CRC32C as the base64 of its 4 big-endian bytes: how S3 and GCS headers carry it."""
+    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def crc_from_b64(text: str) -> int:
+    return int.from_bytes(base64.b64decode(text), "big")
+
+
+# -- CRC32C of a concatenation ---------------------------------------------------------------
+# Parts and ranges are checksummed independently and in parallel; the object's CRC32C is then
+# combined from them (zlib's crc32_combine, for the Castagnoli polynomial) instead of re-reading
+# the whole file. _ZERO_OPS[k] is the GF(2) matrix that advances a CRC register over 2**k zero
+# bytes; combining costs one matrix-vector product per set bit of the second part's length.
+
+_CRC32C_POLY_REFLECTED = 0x82F63B78
+
+
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: Sequence[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_ops() -> list[list[int]]:
+    one_bit = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]
+    op = one_bit
+    for _ in range(3):  # 1 -> 2 -> 4 -> 8 zero bits: one zero byte
+        op = _gf2_square(op)
+    ops = [op]
+    for _ in range(63):
+        ops.append(_gf2_square(ops[-1]))
+    return ops
+
+
+_ZERO_OPS = _zero_ops()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len2 = len(B)``."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def crc32c_concat(parts: Sequence[tuple[int, int]]) -> int:
+    """CRC32C of consecutive pieces given as ``(crc32c, length)``, in order."""
+    crc = 0
+    for part_crc, length in parts:
+        crc = crc32c_combine(crc, part_crc, length)
+    return crc
+
+
+# -- the pool --------------------------------------------------------------------------------
+class TransferPool:
+    """A lazily started thread pool shared by every transfer of one storage object.
+
+    Only leaf requests run on it (a part, a range, a delete); callers block on their futures from
+    their own threads, so a pool worker never waits for the pool and cannot deadlock it.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers = workers
+        self._name = name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix=self._name)
+            return self._pool
+
+    def map(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]]) -> list[T]:
+        """``[fn(*args) for args in calls]``, run in parallel; results in call order.
+
+        On the first failure the calls not yet started are cancelled and the running ones waited
+        for, then that failure is raised: nothing is still writing when this returns or raises.
+        """
+        if len(calls) <= 1 or self._workers <= 1:
+            return [fn(*args) for args in calls]
+        pool = self._executor()
+        futures: list[Future[T]] = [pool.submit(fn, *args) for args in calls]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending:
+            for f in pending:
+                f.cancel()
+            wait(pending)
+        for f in futures:
+            err = None if f.cancelled() else f.exception()
+            if err is not None:
+                raise err
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- verified ranged download ----------------------------------------------------------------
+class RangeSink:
+    """Where one range's bytes go as they arrive: written at their offset, CRC32C'd on the way.
+
+    Has the ``write`` method client libraries stream into. Refuses bytes past the range's end, so
+    a server that ignores the Range header cannot write over a neighbouring range.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int, what: str) -> None:
+        self._fd = fd
+        self._pos = offset
+        self._length = length
+        self._what = what
+        self._buf = bytearray()
+        self.received = 0
+        self.crc = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = len(data)
+        if self.received + n > self._length:
+            raise PermanentStorageError(f"{self._what}: the server sent more than the {self._length} bytes asked for")
+        self.received += n
+        self._buf += data
+        if len(self._buf) >= _SINK_FLUSH:
+            self.flush()
+        return n
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        data = bytes(self._buf)
+        self._buf = bytearray()
+        self.crc = crc32c_bytes(data, self.crc)
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, self._pos)
+            self._pos += written
+            view = view[written:]
+
+
+class FetchRange(Protocol):
+    def __call__(self, offset: int, length: int, sink: RangeSink) -> None:
+        """GET bytes ``[offset, offset + length)`` and ``sink.write`` them in order.
+
+        Raises ``StorageError`` subclasses (transient ones are retried for this range alone).
+        """
+
+
+def download_verified(
+    *,
+    what: str,
+    key: str,
+    size: int,
+    local_path: str,
+    crc32c: int | None,
+    part_size: int,
+    pool: TransferPool,
+    fetch: FetchRange,
+    progress: ProgressFn | None = None,
+) -> None:
+    """Download a ``size``-byte object to ``local_path`` through ``fetch``, verifying its CRC32C.
+
+    ``what`` is the object's URI, for messages and retry logs. The caller has already checked
+    ``size`` against what it expects; ranges that come back short are retried. On any failure
+    (including ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
+    """
+    tmp = f"{local_path}.{uuid.uuid4().hex[:8]}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+
+        def one_range(offset: int, length: int) -> int:
+            label = f"GET {what} bytes={offset}-{offset + length - 1}"
+
+            def attempt() -> int:
+                sink = RangeSink(fd, offset, length, what)
+                fetch(offset, length, sink)
+                sink.flush()
+                if sink.received != length:
+                    raise TransientStorageError(
+                        f"{label}: connection ended after {sink.received} of {length} bytes", key
+                    )
+                return sink.crc
+
+            crc = retry_transient(label, attempt)
+            if progress:
+                progress(length)
+            return crc
+
+        parts = spans(size, part_size)
+        crcs = pool.map(one_range, parts)
+    except BaseException:
+        os.close(fd)
+        _unlink_quiet(tmp)
+        raise
+    os.close(fd)
+    got = crc32c_concat([(crc, length) for crc, (_, length) in zip(crcs, parts, strict=True)])
+    if crc32c is not None and got != crc32c:
+        _unlink_quiet(tmp)
+        raise CorruptObjectError(f"{what} has CRC32C {to_hex(got)}, the manifest says {to_hex(crc32c)}", key)
+    os.replace(tmp, local_path)
+
+
+def check_size(what: str, key: str, actual: int, expected: int | None) -> None:
+    """Raise ``CorruptObjectError`` before downloading anything when the stored size is wrong."""
+    if expected is not None and actual != expected:
+        raise CorruptObjectError(f"{what} is {actual} bytes, the manifest says {expected}", key)
+
+
+def check_local_crc(what: str, key: str, local_path: str, actual: int, expected: int | None) -> None:
+    """Refuse to upload a local file whose bytes are not the ones the caller checksummed."""
+    if expected is not None and actual != expected:
+        raise CorruptObjectError(
+            f"not uploading {local_path} to {what}: it has CRC32C {to_hex(actual)}, "
+            f"the caller says {to_hex(expected)} (was it changed while being uploaded?)",
+            key,
+        )
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,527 @@
+"""Google Cloud Storage as a checkpoint store, through google-cloud-storage.
+
+Credentials: Application Default Credentials (workload identity, a service-account key, gcloud
+login). When ``STORAGE_EMULATOR_HOST`` is set (fake-gcs-server), the client talks to it with
+anonymous credentials and the project from ``GOOGLE_CLOUD_PROJECT`` (default "test").
+
+Retries: the library's own retries are off (``retry=None`` on every call); each request — one
+simple upload, one chunk of a resumable upload, one range of a download, one page of a listing,
+one delete — is a unit under ``retry_transient``, as in the S3 backend.
+
+Uploads: objects smaller than ``multipart_threshold`` (and than 8 MiB, the library's limit for a
+one-request upload) go up in one request carrying their CRC32C, which GCS checks. Bigger ones use a
+resumable upload driven here: chunks of ``part_size`` are sent in order, and a failed chunk is
+simply sent again from the last offset the server confirmed — what google-cloud-storage's own
+chunk retry does, and what also works on fake-gcs-server (whose status query,
+``Content-Range: bytes */N``, finalizes the upload instead of reporting it). The last chunk
+carries the file's CRC32C in ``x-goog-hash`` so GCS rejects a corrupt assembly, and the CRC32C
+GCS reports back is compared too. A resumable upload is sequential; files go up in parallel
+through ``put_files``. (GCS's XML multipart API would parallelise one object, but fake-gcs-server
+lacks it, so it could not be tested here; parallel composite uploads leave temporary objects that
+soft delete keeps billing.) The session URL is a bearer capability, so it is never logged.
+
+Create-only: a simple upload with ``ifGenerationMatch=0``, answered 412 when the object exists.
+fake-gcs-server enforces the precondition on simple uploads only, which is why the manifest (a
+few KB) always goes up in one request.
+
+Downloads: parallel ranged reads of the generation seen first (so a replaced object is never
+mixed with its successor), verified as they arrive (see ``_transfer``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import google.auth
+import requests
+import urllib3.exceptions
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+from google.auth.credentials import AnonymousCredentials, Credentials
+from google.auth.transport.requests import AuthorizedSession
+from google.cloud import storage
+from google.cloud.storage import exceptions as gcs_exceptions
+from requests.adapters import HTTPAdapter
+
+from agent.crc32c import crc32c_bytes
+from agent.storage._retry import retry_transient
+from agent.storage._transfer import (
+    KiB,
+    MiB,
+    RangeSink,
+    TransferPool,
+    TransferSettings,
+    check_local_crc,
+    check_size,
+    crc_from_b64,
+    crc_to_b64,
+    download_verified,
+)
+from agent.storage.base import (
+    DEFAULT_PARALLELISM,
+    AlreadyExistsError,
+    CorruptObjectError,
+    NotFoundError,
+    ObjectInfo,
+    PermanentStorageError,
+    ProgressFn,
+    Storage,
+    StorageError,
+    TransientStorageError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SCOPES = ["https://www.googleapis.com/auth/devstorage.read_write"]
+SIMPLE_UPLOAD_MAX = 8 * MiB  # google-cloud-storage sends bigger payloads as resumable uploads
+CHUNK_GRANULARITY = 256 * KiB  # resumable chunks (all but the last) must be multiples of this
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_CONTENT_TYPE = "application/octet-stream"
+LIST_PAGE_SIZE = 1000  # objects.list's maximum
+
+_CONNECTION_ERRORS = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,
+    auth_exceptions.TransportError,
+    ConnectionError,
+)
+
+
+def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
+    """Translate a google-cloud-storage / requests exception into the StorageError that says
+    whether to retry."""
+    if isinstance(e, StorageError):
+        return e
+    if isinstance(e, api_exceptions.GoogleAPICallError):
+        status = int(e.code or 0)
+        text = f"{what}: HTTP {status}: {_api_error_detail(e)}"
+        if status in _TRANSIENT_STATUS or status >= 500:
+            return TransientStorageError(text, key)
+        if status == 404:
+            return NotFoundError(f"{what}: no such object (or bucket)", key)
+        return PermanentStorageError(text, key)
+    if isinstance(e, gcs_exceptions.DataCorruption):
+        # The bytes that arrived do not match the checksum GCS sent with them: damaged in flight.
+        return TransientStorageError(f"{what}: checksum mismatch in transit", key)
+    if isinstance(e, gcs_exceptions.InvalidResponse):
+        status = int(getattr(e.response, "status_code", 0) or 0)
+        error: StorageError = (
+            TransientStorageError(f"{what}: HTTP {status}", key)
+            if status in _TRANSIENT_STATUS or status >= 500
+            else PermanentStorageError(f"{what}: HTTP {status}", key)
+        )
+        return error
+    if isinstance(e, auth_exceptions.RefreshError):
+        if getattr(e, "retryable", False):
+            return TransientStorageError(f"{what}: refreshing credentials failed, retryably", key)
+        return PermanentStorageError(f"{what}: refreshing credentials failed ({e})", key)
+    if isinstance(e, _CONNECTION_ERRORS):
+        return TransientStorageError(f"{what}: {type(e).__name__}: {e}", key)
+    if isinstance(e, auth_exceptions.GoogleAuthError):
+        return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
+    raise e
+
+
+def _api_error_detail(e: api_exceptions.GoogleAPICallError) -> str:
+    """The server's own error message, without the request URL and body the library adds."""
+    response = getattr(e, "response", None)
+    if response is not None:
+        try:
+            return str(response.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+    for err in e.errors or ():
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    return str(e.message)[:200]
+
+
+_TRANSLATED = (
+    api_exceptions.GoogleAPICallError,
+    gcs_exceptions.InvalidResponse,
+    gcs_exceptions.DataCorruption,
+    auth_exceptions.GoogleAuthError,
+    requests.RequestException,
+    urllib3.exceptions.HTTPError,
+    ConnectionError,
+)
+
+
+class GCSStorage(Storage):
+    """``gs://bucket/prefix``. Thread-safe: one client and one HTTP session per object."""
+
+    def __init__(self, bucket: str, prefix: str, *, settings: TransferSettings | None = None) -> None:
+        if not bucket:
+            raise ValueError("GCSStorage needs a bucket name")
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        self.uri = f"gs://{bucket}/{self.prefix}" if self.prefix else f"gs://{bucket}"
+        self.settings = settings or TransferSettings.from_env()
+        self._timeout = (self.settings.connect_timeout_s, self.settings.read_timeout_s)
+
+        credentials: Credentials
+        session: requests.Session
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            credentials = AnonymousCredentials()
+            session = requests.Session()
+            project = project or "test"
+        else:
+            try:
+                credentials, adc_project = google.auth.default(scopes=_SCOPES)
+            except auth_exceptions.DefaultCredentialsError as e:
+                raise PermanentStorageError(
+                    f"no Google credentials for {self.uri}: {e} "
+                    "(use workload identity, GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"
+                ) from e
+            session = AuthorizedSession(credentials)
+            project = project or adc_project
+        # requests keeps 10 connections per host by default; pool workers plus the callers'
+        # threads would keep opening and discarding connections past that.
+        adapter = HTTPAdapter(pool_maxsize=self.settings.concurrency + DEFAULT_PARALLELISM, max_retries=0)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        self._session = session
+        self._client = storage.Client(project=project, credentials=credentials, _http=session)
+        self._bucket = self._client.bucket(bucket)
+        self._pool = TransferPool(self.settings.concurrency, "spotjob-gcs")
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _object_name(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _list_prefix(self, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def _relative(self, name: str) -> str:
+        return name[len(self.prefix) + 1 :] if self.prefix else name
+
+    def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """One attempt of one request, with the client's exceptions translated."""
+        try:
+            return fn()
+        except _TRANSLATED as e:
+            raise _storage_error(e, what, key) from e
+
+    def _retrying(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        return retry_transient(what, lambda: self._request(what, key, fn))
+
+    # -- writes ------------------------------------------------------------------------------
+    def put_file(
+        self,
+        local_path: str,
+        key: str,
+        *,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        size = os.path.getsize(local_path)
+        if size < min(self.settings.multipart_threshold, SIMPLE_UPLOAD_MAX + 1):
+            with open(local_path, "rb") as f:
+                data = f.read()
+            check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
+            self.put_bytes(key, data)
+            if progress:
+                progress(len(data))
+            return
+        self._put_resumable(local_path, key, size, crc32c, progress)
+
+    def _upload_simple(self, key: str, data: bytes, **precondition: Any) -> None:
+        # A fresh Blob per attempt: a Blob caches the server's answer and is not thread-safe.
+        self._bucket.blob(self._object_name(key)).upload_from_string(
+            data,
+            content_type=_CONTENT_TYPE,
+            checksum="crc32c",  # sent along, so GCS rejects bytes damaged on the way
+            retry=None,
+            timeout=self._timeout,
+            **precondition,
+        )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._object_name(key)
+        self._retrying(f"PUT {self.url(key)}", key, lambda: self._upload_simple(key, data))
+
+    def put_bytes_if_absent(self, key: str, data: bytes) -> None:
+        """Create-only upload (``ifGenerationMatch=0``), one request (see the module docstring).
+
+        As in ``S3Storage``: after an ambiguous failed attempt, a 412 whose object holds exactly
+        ``data`` is our own earlier write, and the call succeeds.
+        """
+        self._object_name(key)
+        what = f"PUT (create-only) {self.url(key)}"
+        ambiguous = False
+
+        def attempt() -> None:
+            nonlocal ambiguous
+            try:
+                self._upload_simple(key, data, if_generation_match=0)
+            except api_exceptions.PreconditionFailed:
+                if ambiguous and self._holds(key, data):
+                    log.info("%s: an earlier attempt had already created it; done", what)
+                    return
+                raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+            except _TRANSLATED as e:
+                err = _storage_error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+
+        retry_transient(what, attempt)
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.get_bytes(key) == data
+        except NotFoundError:
+            return False
+
+    def _put_resumable(
+        self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
+    ) -> None:
+        url = self.url(key)
+        name = self._object_name(key)
+        chunk = -(-self.settings.part_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
+        session_url: str = self._retrying(
+            f"start resumable upload {url}",
+            key,
+            lambda: self._bucket.blob(name).create_resumable_upload_session(
+                content_type=_CONTENT_TYPE, size=size, checksum=None, retry=None, timeout=self._timeout
+            ),
+        )
+        upload = _ResumableUpload(self, session_url, url, key, size)
+        crc = 0  # CRC32C of the file's first crc_end bytes
+        crc_end = 0
+        with open(local_path, "rb") as f:
+            while upload.confirmed < size:
+                offset = upload.confirmed
+                data = os.pread(f.fileno(), min(chunk, size - offset), offset)
+                if not data:
+                    raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
+                if offset + len(data) > crc_end:
+                    crc = crc32c_bytes(data[crc_end - offset :], crc)
+                    crc_end = offset + len(data)
+                last = offset + len(data) == size
+                if last:
+                    check_local_crc(url, key, local_path, crc, crc32c)
+                before = upload.confirmed
+                retry_transient(
+                    f"PUT {url} bytes {offset}-{offset + len(data) - 1}/{size}",
+                    functools.partial(upload.send, offset, data, crc if last else None),
+                )
+                if progress and upload.confirmed > before:
+                    progress(upload.confirmed - before)
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_bytes(self, key: str) -> bytes:
+        name = self._object_name(key)
+
+        def read() -> bytes:
+            data: bytes = self._bucket.blob(name).download_as_bytes(
+                checksum="crc32c", retry=None, timeout=self._timeout
+            )
+            return data
+
+        return self._retrying(f"GET {self.url(key)}", key, read)
+
+    def _get_blob(self, key: str) -> Any:
+        name = self._object_name(key)
+        return self._retrying(
+            f"HEAD {self.url(key)}", key, lambda: self._bucket.get_blob(name, retry=None, timeout=self._timeout)
+        )
+
+    def get_file(
+        self,
+        key: str,
+        local_path: str,
+        *,
+        size: int | None = None,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        url = self.url(key)
+        blob = self._get_blob(key)
+        if blob is None:
+            raise NotFoundError(f"{url} does not exist", key)
+        actual = int(blob.size or 0)
+        check_size(url, key, actual, size)
+        # Ranges read this generation only: a replaced object fails instead of mixing versions.
+        pinned = self._bucket.blob(self._object_name(key), generation=blob.generation)
+
+        def fetch(offset: int, length: int, sink: RangeSink) -> None:
+            self._request(
+                f"GET {url}",
+                key,
+                lambda: pinned.download_to_file(
+                    sink,
+                    start=offset,
+                    end=offset + length - 1,
+                    raw_download=True,
+                    checksum=None,  # a range has no server checksum; we CRC every byte ourselves
+                    retry=None,
+                    timeout=self._timeout,
+                ),
+            )
+
+        download_verified(
+            what=url,
+            key=key,
+            size=actual,
+            local_path=local_path,
+            crc32c=crc32c,
+            part_size=self.settings.part_size,
+            pool=self._pool,
+            fetch=fetch,
+            progress=progress,
+        )
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        blob = self._get_blob(key)
+        return None if blob is None else ObjectInfo(key, int(blob.size or 0))
+
+    def _pages(
+        self, prefix: str, delimiter: str | None
+    ) -> Iterator[tuple[builtins.list[tuple[str, int]], builtins.list[str]]]:
+        """Listing pages, each fetched (and retried) on its own: (objects, sub-prefixes)."""
+        what = f"LIST gs://{self.bucket_name}/{prefix}"
+        token: str | None = None
+        while True:
+
+            def fetch(page_token: str | None = token) -> tuple[Any, Any, str | None]:
+                it = self._client.list_blobs(
+                    self._bucket,
+                    prefix=prefix or None,
+                    delimiter=delimiter,
+                    page_token=page_token,
+                    page_size=LIST_PAGE_SIZE,
+                    retry=None,
+                    timeout=self._timeout,
+                )
+                page = next(it.pages, None)
+                if page is None:
+                    return [], [], None
+                items = [(b.name, int(b.size or 0)) for b in page]
+                return items, list(getattr(page, "prefixes", ())), it.next_page_token
+
+            items, prefixes, token = self._retrying(what, None, fetch)
+            yield items, prefixes
+            if not token:
+                return
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for items, _ in self._pages(self._list_prefix(prefix), None):
+            for name, size in items:
+                yield ObjectInfo(self._relative(name), size)
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"  # as FileStorage does: "step-1" names the folder step-1/
+        full = self._list_prefix(prefix)
+        names: set[str] = set()
+        for _, prefixes in self._pages(full, "/"):
+            for p in prefixes:
+                name = p[len(full) :].rstrip("/")
+                if name:
+                    names.add(name)
+        return sorted(names)
+
+    # -- deletes -----------------------------------------------------------------------------
+    def delete(self, keys: Iterable[str]) -> None:
+        names = [(k, self._object_name(k)) for k in keys]
+
+        def delete_one(key: str, name: str) -> None:
+            try:
+                self._retrying(
+                    f"DELETE {self.url(key)}",
+                    key,
+                    lambda: self._bucket.blob(name).delete(retry=None, timeout=self._timeout),
+                )
+            except NotFoundError:
+                pass
+
+        self._pool.map(delete_one, names)
+
+    def close(self) -> None:
+        self._pool.close()
+        self._client.close()
+
+
+class _ResumableUpload:
+    """The client side of one GCS resumable upload session: which bytes the server confirmed.
+
+    ``send`` is one attempt at one chunk; it raises ``TransientStorageError`` for what a resend
+    can fix. Messages name the object, never the session URL.
+    """
+
+    def __init__(self, storage: GCSStorage, session_url: str, url: str, key: str, size: int) -> None:
+        self._storage = storage
+        self._session_url = session_url
+        self._url = url
+        self._key = key
+        self.size = size
+        self.confirmed = 0
+        self._ambiguous = False
+
+    def send(self, offset: int, data: bytes, final_crc: int | None) -> None:
+        what = f"PUT {self._url} bytes {offset}-{offset + len(data) - 1}/{self.size}"
+        headers = {"Content-Range": f"bytes {offset}-{offset + len(data) - 1}/{self.size}"}
+        if final_crc is not None:
+            headers["x-goog-hash"] = f"crc32c={crc_to_b64(final_crc)}"
+        try:
+            resp = self._storage._session.put(
+                self._session_url, data=data, headers=headers, timeout=self._storage._timeout
+            )
+        except (requests.RequestException, urllib3.exceptions.HTTPError, auth_exceptions.TransportError) as e:
+            self._ambiguous = True
+            # str(e) would carry the session URL, a bearer capability; the type is enough.
+            raise TransientStorageError(f"{what}: {type(e).__name__}", self._key) from None
+        status = resp.status_code
+        if status == 308:
+            rng = resp.headers.get("Range")  # "bytes=0-N": everything up to N is persisted
+            self.confirmed = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
+            return
+        if status in (200, 201):
+            self._finished(resp.json() if resp.content else {}, final_crc)
+            return
+        if status in _TRANSIENT_STATUS or status >= 500:
+            self._ambiguous = True
+            raise TransientStorageError(f"{what}: HTTP {status}", self._key)
+        if status in (404, 410) and final_crc is not None and self._ambiguous:
+            # The session is gone; if that is because our last chunk completed it and only the
+            # answer was lost, the object is there with our CRC32C.
+            blob = self._storage._get_blob(self._key)
+            if blob is not None and blob.crc32c and crc_from_b64(blob.crc32c) == final_crc:
+                log.info("%s: an earlier attempt had already completed the upload; done", what)
+                self.confirmed = self.size
+                return
+        raise PermanentStorageError(f"{what}: HTTP {status}: {_error_message(resp)}", self._key)
+
+    def _finished(self, meta: dict[str, Any], final_crc: int | None) -> None:
+        if final_crc is None:
+            raise PermanentStorageError(f"{self._url}: the server finished the upload before its last chunk", self._key)
+        stored = meta.get("crc32c")
+        if stored and crc_from_b64(stored) != final_crc:
+            raise CorruptObjectError(
+                f"{self._url} was stored with CRC32C {crc_from_b64(stored):08x}, the file has {final_crc:08x}",
+                self._key,
+            )
+        if "size" in meta and int(meta["size"]) != self.size:
+            raise CorruptObjectError(f"{self._url} was stored with {meta['size']} bytes, not {self.size}", self._key)
+        self.confirmed = self.size
+
+
+def _error_message(resp: requests.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.reason or ""

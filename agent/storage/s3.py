@@ -1,0 +1,514 @@
+"""S3 (and S3-compatible stores) as a checkpoint store, through boto3.
+
+Credentials come from boto3's standard chain (env, profile, SSO, IRSA / pod identity, IMDS);
+``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` point it at another endpoint (moto, MinIO), read by
+botocore itself.
+
+Retries: botocore's own retries are off (``total_max_attempts=1``). Each request this module makes
+— one PUT, one part of a multipart upload, one range of a download, one page of a listing, one
+delete batch — is a unit under ``retry_transient``: a throttled part is re-sent alone instead of the
+whole upload restarting, and one policy (``SPOTJOB_STORAGE_*``) with one log line per retry is in
+force. Keeping botocore's retries for parts would have given part-level retries too, but hidden
+(debug-level logs), on a second schedule, multiplying our attempts.
+
+Large files (``>= multipart_threshold``) go up as a multipart upload whose parts are read and sent
+in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
+with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
+A failed upload is aborted (best effort: a bucket lifecycle rule should also abort incomplete
+multipart uploads after a day). Downloads are parallel ranged GETs pinned with ``If-Match`` to the
+ETag seen first, so an object replaced mid-download fails instead of mixing two versions.
+
+Create-only: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists. moto
+enforces it too (tested). moto does not verify checksums we send, hence ``get_file`` verifies
+every byte itself.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import boto3
+import botocore.loaders
+import botocore.session
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from agent.crc32c import crc32c_bytes
+from agent.storage._retry import retry_transient
+from agent.storage._transfer import (
+    MiB,
+    RangeSink,
+    TransferPool,
+    TransferSettings,
+    check_local_crc,
+    check_size,
+    crc32c_concat,
+    crc_to_b64,
+    download_verified,
+    spans,
+)
+from agent.storage.base import (
+    DEFAULT_PARALLELISM,
+    AlreadyExistsError,
+    NotFoundError,
+    ObjectInfo,
+    PermanentStorageError,
+    ProgressFn,
+    Storage,
+    StorageError,
+    TransientStorageError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+S3_MIN_PART = 5 * MiB
+S3_MAX_PARTS = 10_000
+DELETE_BATCH = 1000  # DeleteObjects' limit
+LIST_PAGE_SIZE = 1000  # ListObjectsV2's maximum
+_READ_CHUNK = 1 * MiB
+
+# Error codes that mean "try again": throttling, timeouts, server trouble. 409
+# ConditionalRequestConflict means a concurrent conditional write was in flight; AWS's advice is to
+# retry, and the retry then answers 412 (the other writer won) or succeeds.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "ConditionalRequestConflict",
+    }
+)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+_loader_lock = threading.Lock()
+_loader: botocore.loaders.Loader | None = None
+
+
+def _new_session() -> boto3.session.Session:
+    """A private boto3 session sharing one process-wide botocore data loader.
+
+    boto3's default session is not safe to share across threads, so every store gets its own;
+    but a fresh session re-parses botocore's bundled JSON models (~0.2-0.5 s per store), which
+    the loader caches. Credentials and endpoint are still resolved per session.
+    """
+    global _loader
+    with _loader_lock:
+        if _loader is None:
+            _loader = botocore.loaders.create_loader(os.environ.get("AWS_DATA_PATH"))
+        loader = _loader
+    core = botocore.session.get_session()
+    core.register_component("data_loader", loader)
+    return boto3.session.Session(botocore_session=core)
+
+
+def _status_and_code(e: ClientError) -> tuple[int, str]:
+    status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    code = str(e.response.get("Error", {}).get("Code") or status)
+    return status, code
+
+
+def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
+    """Translate a boto3 exception into the StorageError that says whether to retry."""
+    if isinstance(e, ClientError):
+        status, code = _status_and_code(e)
+        message = e.response.get("Error", {}).get("Message") or ""
+        text = f"{what}: {code} (HTTP {status}){': ' + message if message else ''}"
+        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
+            return TransientStorageError(text, key)
+        if code == "NoSuchBucket":
+            return PermanentStorageError(f"{what}: the bucket does not exist", key)
+        if status == 404 or code in ("NoSuchKey", "NotFound"):
+            return NotFoundError(f"{what}: no such object", key)
+        return PermanentStorageError(text, key)
+    if isinstance(e, NoCredentialsError | PartialCredentialsError):
+        return PermanentStorageError(f"{what}: no usable AWS credentials ({type(e).__name__})", key)
+    if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
+        return TransientStorageError(f"{what}: {e}", key)
+    return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
+
+
+class S3Storage(Storage):
+    """``s3://bucket/prefix``. Thread-safe: one botocore client (itself thread-safe) per object."""
+
+    def __init__(self, bucket: str, prefix: str, *, settings: TransferSettings | None = None) -> None:
+        if not bucket:
+            raise ValueError("S3Storage needs a bucket name")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.settings = settings or TransferSettings.from_env()
+        config = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=self.settings.connect_timeout_s,
+            read_timeout=self.settings.read_timeout_s,
+            # Pool workers plus the callers' own threads (put_files/get_files) may all hold one.
+            max_pool_connections=self.settings.concurrency + DEFAULT_PARALLELISM,
+            # We compute and send CRC32C ourselves and verify downloads against the manifest;
+            # botocore's defaults would add a second checksum pass (CRC32) on every request.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            tcp_keepalive=True,
+        )
+        self._client: Any = _new_session().client("s3", config=config)
+        self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _object_key(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _list_prefix(self, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def _relative(self, object_key: str) -> str:
+        return object_key[len(self.prefix) + 1 :] if self.prefix else object_key
+
+    def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """One attempt of one request, with boto3's exceptions translated."""
+        try:
+            return fn()
+        except (ClientError, BotoCoreError) as e:
+            raise _storage_error(e, what, key) from e
+
+    def _retrying(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        return retry_transient(what, lambda: self._request(what, key, fn))
+
+    # -- writes ------------------------------------------------------------------------------
+    def put_file(
+        self,
+        local_path: str,
+        key: str,
+        *,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        size = os.path.getsize(local_path)
+        if size < self.settings.multipart_threshold:
+            with open(local_path, "rb") as f:
+                data = f.read()
+            check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
+            self.put_bytes(key, data)
+            if progress:
+                progress(len(data))
+            return
+        self._put_multipart(local_path, key, size, crc32c, progress)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        obj = self._object_key(key)
+        crc = crc_to_b64(crc32c_bytes(data))
+        self._retrying(
+            f"PUT {self.url(key)}",
+            key,
+            lambda: self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc),
+        )
+
+    def put_bytes_if_absent(self, key: str, data: bytes) -> None:
+        """Create-only PUT (``If-None-Match: *``).
+
+        An attempt that fails ambiguously (dropped connection, 5xx) may still have created the
+        object. If a later attempt then gets 412, the object is read back: holding exactly
+        ``data``, it is our own earlier write and the call succeeds; anything else is
+        ``AlreadyExistsError``. (Two writers racing with byte-identical data can thus both
+        succeed — harmless, the stored state is the one each of them asked for.)
+        """
+        obj = self._object_key(key)
+        what = f"PUT (create-only) {self.url(key)}"
+        crc = crc_to_b64(crc32c_bytes(data))
+        ambiguous = False
+
+        def attempt() -> None:
+            nonlocal ambiguous
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc, IfNoneMatch="*")
+            except ClientError as e:
+                status, code = _status_and_code(e)
+                if status == 412 or code == "PreconditionFailed":
+                    if ambiguous and self._holds(key, data):
+                        log.info("%s: an earlier attempt had already created it; done", what)
+                        return
+                    raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+                err = _storage_error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+            except BotoCoreError as e:
+                err = _storage_error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+
+        retry_transient(what, attempt)
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.get_bytes(key) == data
+        except NotFoundError:
+            return False
+
+    def _put_multipart(
+        self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
+    ) -> None:
+        obj = self._object_key(key)
+        url = self.url(key)
+        part_size = max(self.settings.part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
+        parts = spans(size, part_size)
+        upload = self._retrying(
+            f"CreateMultipartUpload {url}",
+            key,
+            lambda: self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+            ),
+        )
+        upload_id: str = upload["UploadId"]
+        log.debug("uploading %s to %s in %d parts of %d bytes", local_path, url, len(parts), part_size)
+        try:
+            with open(local_path, "rb") as f:
+                fd = f.fileno()
+
+                def send_part(number: int, offset: int, length: int) -> tuple[int, str]:
+                    data = os.pread(fd, length, offset)
+                    if len(data) != length:
+                        raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
+                    crc = crc32c_bytes(data)
+                    resp = self._retrying(
+                        f"PUT {url} part {number}/{len(parts)}",
+                        key,
+                        lambda: self._client.upload_part(
+                            Bucket=self.bucket,
+                            Key=obj,
+                            UploadId=upload_id,
+                            PartNumber=number,
+                            Body=data,
+                            ChecksumCRC32C=crc_to_b64(crc),
+                        ),
+                    )
+                    if progress:
+                        progress(length)
+                    return crc, str(resp["ETag"])
+
+                sent = self._pool.map(send_part, [(n, off, ln) for n, (off, ln) in enumerate(parts, 1)])
+            whole = crc32c_concat([(crc, ln) for (crc, _), (_, ln) in zip(sent, parts, strict=True)])
+            check_local_crc(url, key, local_path, whole, crc32c)
+            self._complete(
+                url,
+                key,
+                obj,
+                upload_id,
+                size,
+                [
+                    {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc_to_b64(crc)}
+                    for n, (crc, etag) in enumerate(sent, 1)
+                ],
+                whole,
+            )
+        except BaseException:
+            self._abort(url, obj, upload_id)
+            raise
+
+    def _complete(
+        self, url: str, key: str, obj: str, upload_id: str, size: int, parts: list[dict[str, Any]], crc: int
+    ) -> None:
+        what = f"CompleteMultipartUpload {url}"
+        ambiguous = False
+
+        def attempt() -> None:
+            nonlocal ambiguous
+            try:
+                self._client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=obj,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    ChecksumCRC32C=crc_to_b64(crc),
+                    ChecksumType="FULL_OBJECT",
+                )
+            except ClientError as e:
+                _, code = _status_and_code(e)
+                # An earlier attempt completed it and only its answer was lost.
+                if code == "NoSuchUpload" and ambiguous:
+                    info = self.stat(key)
+                    if info is not None and info.size == size:
+                        log.info("%s: an earlier attempt had already completed it; done", what)
+                        return
+                err = _storage_error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+            except BotoCoreError as e:
+                err = _storage_error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+
+        retry_transient(what, attempt)
+
+    def _abort(self, url: str, obj: str, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id)
+        except Exception as e:
+            # Not fatal: the parts are invisible and a lifecycle rule reclaims them, but say so.
+            log.warning("could not abort the failed multipart upload of %s: %s", url, e)
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_bytes(self, key: str) -> bytes:
+        obj = self._object_key(key)
+
+        def read() -> bytes:
+            resp = self._client.get_object(Bucket=self.bucket, Key=obj)
+            body = resp["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+
+        return self._retrying(f"GET {self.url(key)}", key, read)
+
+    def _head(self, key: str) -> dict[str, Any]:
+        obj = self._object_key(key)
+        resp: dict[str, Any] = self._retrying(
+            f"HEAD {self.url(key)}", key, lambda: self._client.head_object(Bucket=self.bucket, Key=obj)
+        )
+        return resp
+
+    def get_file(
+        self,
+        key: str,
+        local_path: str,
+        *,
+        size: int | None = None,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        obj = self._object_key(key)
+        url = self.url(key)
+        head = self._head(key)
+        actual = int(head["ContentLength"])
+        etag = head.get("ETag")
+        check_size(url, key, actual, size)
+
+        def fetch(offset: int, length: int, sink: RangeSink) -> None:
+            def read() -> None:
+                extra = {"IfMatch": etag} if etag else {}
+                try:
+                    resp = self._client.get_object(
+                        Bucket=self.bucket, Key=obj, Range=f"bytes={offset}-{offset + length - 1}", **extra
+                    )
+                except ClientError as e:
+                    if _status_and_code(e)[0] == 412:
+                        raise PermanentStorageError(f"{url} was replaced while being downloaded", key) from e
+                    raise
+                body = resp["Body"]  # StreamingBody: checks Content-Length, wraps urllib3 errors
+                try:
+                    for chunk in body.iter_chunks(_READ_CHUNK):
+                        sink.write(chunk)
+                finally:
+                    body.close()
+
+            self._request(f"GET {url}", key, read)
+
+        download_verified(
+            what=url,
+            key=key,
+            size=actual,
+            local_path=local_path,
+            crc32c=crc32c,
+            part_size=self.settings.part_size,
+            pool=self._pool,
+            fetch=fetch,
+            progress=progress,
+        )
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            head = self._head(key)
+        except NotFoundError:
+            return None
+        return ObjectInfo(key, int(head["ContentLength"]))
+
+    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+        """ListObjectsV2 pages, each fetched (and retried) on its own."""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE_SIZE}
+        if delimiter:
+            args["Delimiter"] = delimiter
+        what = f"LIST s3://{self.bucket}/{prefix}"
+        token: str | None = None
+        while True:
+            page_args = dict(args, ContinuationToken=token) if token else args
+            page: dict[str, Any] = self._retrying(
+                what, None, functools.partial(self._client.list_objects_v2, **page_args)
+            )
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full = self._list_prefix(prefix)
+        for page in self._pages(full, None):
+            for item in page.get("Contents", []):
+                yield ObjectInfo(self._relative(item["Key"]), int(item["Size"]))
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"  # as FileStorage does: "step-1" names the folder step-1/
+        full = self._list_prefix(prefix)
+        names: set[str] = set()
+        for page in self._pages(full, "/"):
+            for common in page.get("CommonPrefixes", []):
+                name = common["Prefix"][len(full) :].rstrip("/")
+                if name:
+                    names.add(name)
+        return sorted(names)
+
+    # -- deletes -----------------------------------------------------------------------------
+    def delete(self, keys: Iterable[str]) -> None:
+        objects = [self._object_key(k) for k in keys]
+        for start in range(0, len(objects), DELETE_BATCH):
+            batch = objects[start : start + DELETE_BATCH]
+            what = f"DELETE {len(batch)} objects under {self.uri}"
+            self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
+
+    def _delete_batch(self, what: str, batch: builtins.list[str]) -> None:
+        resp = self._client.delete_objects(
+            Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        )
+        # DeleteObjects answers 200 and lists per-key failures; a missing key is not one (S3
+        # reports it deleted), so any error here is real. Re-sending the batch is idempotent.
+        errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if not errors:
+            return
+        first = errors[0]
+        text = f"{what}: {len(errors)} failed, e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
+        if all(e.get("Code") in _TRANSIENT_CODES for e in errors):
+            raise TransientStorageError(text)
+        raise PermanentStorageError(text)
+
+    def close(self) -> None:
+        self._pool.close()
+        self._client.close()

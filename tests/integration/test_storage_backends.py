@@ -1,0 +1,513 @@
+"""The storage contract (agent/storage/base.py), held by every backend against a real server.
+
+Each test in the first part runs once per backend (``storage_uri``: a folder, moto's S3,
+fake-gcs-server). The second part puts ``tests/faults.py`` between the client and the S3 / GCS
+server and proves what is retried, what is not, and that every retry is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.message import Message
+from pathlib import Path
+from typing import TypedDict
+from urllib.parse import urlparse
+
+import pytest
+
+from agent.crc32c import crc32c_bytes, crc32c_file
+from agent.storage import (
+    AlreadyExistsError,
+    CorruptObjectError,
+    NotFoundError,
+    PermanentStorageError,
+    Storage,
+    TransientStorageError,
+)
+from agent.storage import gs as gs_backend
+from agent.storage import s3 as s3_backend
+from agent.storage.base import get_files, put_files
+
+try:
+    from faults import Dialect, FaultProxy
+except ImportError:  # tests/ collected as a package
+    from tests.faults import Dialect, FaultProxy
+
+MiB = 1024 * 1024
+PART = 5 * MiB  # S3's smallest part; GCS and the range reader use it as given
+BIG = 2 * PART + 123  # three parts / chunks / ranges, the last one short
+
+RETRY_LOGGER = "agent.storage._retry"
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts of 5 MiB from 5 MiB up, so an ~10 MiB file goes up in parts and comes down in ranges."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "4")
+
+
+def write_random(path: Path, size: int) -> tuple[int, int]:
+    path.write_bytes(os.urandom(size))
+    return crc32c_file(path)
+
+
+@pytest.fixture
+def overwrite_behind_the_backends_back(request: pytest.FixtureRequest) -> Callable[[str, str, bytes], None]:
+    """``overwrite(uri, key, data)``: replace a stored object through the server's own API."""
+
+    def overwrite(uri: str, key: str, data: bytes) -> None:
+        parsed = urlparse(uri)
+        name = f"{parsed.path.strip('/')}/{key}"
+        if parsed.scheme == "s3":
+            request.getfixturevalue("s3_client").put_object(Bucket=parsed.netloc, Key=name, Body=data)
+        elif parsed.scheme == "gs":
+            request.getfixturevalue("gcs_client").bucket(parsed.netloc).blob(name).upload_from_string(data)
+        else:
+            Path(uri, key).write_bytes(data)
+
+    return overwrite
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# -- the contract, on every backend ----------------------------------------------------------
+@pytest.mark.usefixtures("small_parts")
+class TestContract:
+    def test_a_multipart_sized_file_round_trips_with_its_crc(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+        sent: list[int] = []
+        store.put_file(str(src), "step-000000001/rank0.distcp", crc32c=crc, progress=sent.append)
+        assert sum(sent) == size
+
+        got: list[int] = []
+        dst = tmp_path / "dst.bin"
+        store.get_file("step-000000001/rank0.distcp", str(dst), size=size, crc32c=crc, progress=got.append)
+        assert crc32c_file(dst) == (crc, size)
+        assert sum(got) == size
+        assert leftovers(tmp_path) == ["dst.bin", "src.bin"]
+        info = store.stat("step-000000001/rank0.distcp")
+        assert info is not None and info.size == size
+
+    def test_an_empty_file_round_trips(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        (tmp_path / "empty").write_bytes(b"")
+        store.put_file(str(tmp_path / "empty"), "step-1/empty", crc32c=0)
+        store.get_file("step-1/empty", str(tmp_path / "back"), size=0, crc32c=0)
+        assert (tmp_path / "back").read_bytes() == b""
+        info = store.stat("step-1/empty")
+        assert info is not None and info.size == 0
+
+    def test_many_files_go_up_and_come_down_in_parallel(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        files = []
+        for i in range(6):
+            src = tmp_path / f"shard{i}.bin"
+            crc, size = write_random(src, 100_000 + i)
+            files.append((str(src), f"step-2/shard{i}", crc, size))
+        put_files(store, [(p, k, c) for p, k, c, _ in files])
+        get_files(store, [(k, str(tmp_path / "out" / k), s, c) for _, k, c, s in files])
+        for local, key, _, _ in files:
+            assert (tmp_path / "out" / key).read_bytes() == Path(local).read_bytes()
+
+    def test_get_file_rejects_a_wrong_crc_and_leaves_nothing_behind(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+        out = tmp_path / "out"
+        out.mkdir()
+        with pytest.raises(CorruptObjectError) as caught:
+            store.get_file("step-1/shard", str(out / "shard"), size=size, crc32c=crc ^ 1)
+        assert caught.value.key == "step-1/shard"
+        assert "step-1/shard" in str(caught.value)
+        assert leftovers(out) == []
+
+    def test_get_file_rejects_a_wrong_size_and_leaves_nothing_behind(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        store.put_bytes("step-1/small", b"0123456789")
+        out = tmp_path / "out"
+        out.mkdir()
+        with pytest.raises(CorruptObjectError) as caught:
+            store.get_file("step-1/small", str(out / "small"), size=11, crc32c=crc32c_bytes(b"0123456789"))
+        assert caught.value.key == "step-1/small"
+        assert leftovers(out) == []
+
+    def test_get_file_detects_an_object_changed_in_storage(
+        self,
+        storage_uri: str,
+        make_storage: Callable[[str], Storage],
+        tmp_path: Path,
+        overwrite_behind_the_backends_back: Callable[[str, str, bytes], None],
+    ) -> None:
+        store = make_storage(storage_uri)
+        data = os.urandom(PART + 1000)
+        src = tmp_path / "src.bin"
+        src.write_bytes(data)
+        store.put_file(str(src), "step-3/shard", crc32c=crc32c_bytes(data))
+        flipped = bytearray(data)
+        flipped[PART + 10] ^= 0xFF  # same size, one bit-flipped byte in the second range
+        overwrite_behind_the_backends_back(storage_uri, "step-3/shard", bytes(flipped))
+        with pytest.raises(CorruptObjectError, match="step-3/shard"):
+            store.get_file("step-3/shard", str(tmp_path / "dst"), size=len(data), crc32c=crc32c_bytes(data))
+        assert not (tmp_path / "dst").exists()
+
+    def test_create_only_write_refuses_the_second_writer_and_keeps_the_first(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        store = make_storage(storage_uri)
+        store.put_bytes_if_absent("step-4/MANIFEST.json", b'{"first": true}')
+        with pytest.raises(AlreadyExistsError) as caught:
+            store.put_bytes_if_absent("step-4/MANIFEST.json", b'{"second": true}')
+        assert caught.value.key == "step-4/MANIFEST.json"
+        assert store.get_bytes("step-4/MANIFEST.json") == b'{"first": true}'
+
+    def test_of_racing_create_only_writers_exactly_one_wins(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        store = make_storage(storage_uri)
+        barrier = threading.Barrier(8)
+        outcomes: dict[int, str] = {}
+
+        def commit(i: int) -> None:
+            barrier.wait()
+            try:
+                store.put_bytes_if_absent("step-5/MANIFEST.json", f"writer {i}".encode())
+                outcomes[i] = "won"
+            except AlreadyExistsError:
+                outcomes[i] = "refused"
+
+        threads = [threading.Thread(target=commit, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [i for i, o in outcomes.items() if o == "won"]
+        assert len(outcomes) == 8 and len(winners) == 1
+        assert store.get_bytes("step-5/MANIFEST.json") == f"writer {winners[0]}".encode()
+
+    def test_missing_objects(self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path) -> None:
+        store = make_storage(storage_uri)
+        with pytest.raises(NotFoundError) as caught:
+            store.get_bytes("step-9/MANIFEST.json")
+        assert caught.value.key == "step-9/MANIFEST.json"
+        with pytest.raises(NotFoundError):
+            store.get_file("step-9/shard", str(tmp_path / "x"))
+        assert not (tmp_path / "x").exists()
+        assert store.stat("step-9/shard") is None
+        store.delete(["step-9/shard", "never/was"])  # missing keys are fine
+        store.delete_prefix("step-9/")
+        assert list(store.list()) == []
+        assert store.list_dirs() == []
+
+    def test_list_list_dirs_and_deletes(self, storage_uri: str, make_storage: Callable[[str], Storage]) -> None:
+        store = make_storage(storage_uri)
+        keys = {
+            "step-000000001/MANIFEST.json": b"m1",
+            "step-000000001/rank0/shard": b"s10",
+            "step-000000001/rank1/shard": b"s11x",
+            "step-000000002/rank0/shard": b"s20",
+            "step-000000010/MANIFEST.json": b"m10",
+            "latest": b"step-000000010",
+        }
+        for key, data in keys.items():
+            store.put_bytes(key, data)
+
+        assert {(o.key, o.size) for o in store.list()} == {(k, len(v)) for k, v in keys.items()}
+        assert {o.key for o in store.list("step-000000001/")} == {
+            "step-000000001/MANIFEST.json",
+            "step-000000001/rank0/shard",
+            "step-000000001/rank1/shard",
+        }
+        # A prefix is a string prefix, not a folder: "step-00000001" also matches step-000000010.
+        assert {o.key for o in store.list("step-00000001")} == {
+            "step-000000010/MANIFEST.json",
+        } | {k for k in keys if k.startswith("step-00000001")}
+        assert store.list_dirs() == ["step-000000001", "step-000000002", "step-000000010"]
+        assert store.list_dirs("step-000000001/") == ["rank0", "rank1"]
+        assert store.list_dirs("step-000000010/") == []
+
+        info = store.stat("step-000000001/rank1/shard")
+        assert info is not None and (info.key, info.size) == ("step-000000001/rank1/shard", 4)
+
+        store.delete(["step-000000001/rank0/shard", "latest", "not-there"])
+        assert store.stat("latest") is None
+        assert store.stat("step-000000001/rank0/shard") is None
+        store.delete_prefix("step-000000001/")
+        assert store.list_dirs() == ["step-000000002", "step-000000010"]
+        assert {o.key for o in store.list()} == {"step-000000002/rank0/shard", "step-000000010/MANIFEST.json"}
+        with pytest.raises(ValueError):
+            store.delete_prefix("step-000000002")  # not a folder prefix: refused, nothing deleted
+        assert store.stat("step-000000002/rank0/shard") is not None
+
+    def test_keys_that_escape_the_root_are_refused(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        store = make_storage(storage_uri)
+        for bad in ("../other-job/MANIFEST.json", "/abs", "step-1/../../x"):
+            with pytest.raises(PermanentStorageError):
+                store.put_bytes(bad, b"x")
+
+
+# -- object stores only ----------------------------------------------------------------------
+@pytest.mark.parametrize("storage_uri", ["s3", "gs"], indirect=True)
+class TestObjectStores:
+    @pytest.mark.usefixtures("small_parts")
+    def test_put_file_refuses_a_file_that_is_not_what_the_caller_checksummed(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
+    ) -> None:
+        store = make_storage(storage_uri)
+        for size in (1000, BIG):  # one request, and parts / chunks
+            src = tmp_path / f"src{size}"
+            crc, _ = write_random(src, size)
+            with pytest.raises(CorruptObjectError, match="was it changed"):
+                store.put_file(str(src), f"step-1/shard{size}", crc32c=crc ^ 0x10)
+            assert store.stat(f"step-1/shard{size}") is None
+
+    def test_listing_and_deleting_go_page_by_page(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(s3_backend, "LIST_PAGE_SIZE", 4)
+        monkeypatch.setattr(s3_backend, "DELETE_BATCH", 3)
+        monkeypatch.setattr(gs_backend, "LIST_PAGE_SIZE", 4)
+        store = make_storage(storage_uri)
+        keys = [f"step-{i:09d}/MANIFEST.json" for i in range(11)]
+        put_files_bytes(store, keys)
+        assert sorted(o.key for o in store.list()) == keys
+        assert store.list_dirs() == [k.split("/")[0] for k in keys]
+        store.delete(keys[:7])
+        assert sorted(o.key for o in store.list()) == keys[7:]
+
+    def test_the_uri_prefix_isolates_jobs_in_one_bucket(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        store = make_storage(storage_uri)
+        neighbour = make_storage(storage_uri.replace("/jobs/run1", "/jobs/run10"))
+        neighbour.put_bytes("step-1/MANIFEST.json", b"n")
+        store.put_bytes("step-1/MANIFEST.json", b"s")
+        assert [o.key for o in store.list()] == ["step-1/MANIFEST.json"]
+        store.delete_prefix("step-1/")
+        assert neighbour.get_bytes("step-1/MANIFEST.json") == b"n"
+
+
+def put_files_bytes(store: Storage, keys: list[str]) -> None:
+    for key in keys:
+        store.put_bytes(key, key.encode())
+
+
+# -- faults: what is retried, what is not ----------------------------------------------------
+class Pattern(TypedDict, total=False):
+    """Which requests a fault rule hits: ``FaultProxy.fail(..., **pattern)``."""
+
+    method: str
+    path: str
+
+
+@dataclass
+class Faulty:
+    """A store whose every request goes through a fault proxy in front of the real server.
+
+    The request patterns name each backend's wire protocol, so rules hit only the requests a test
+    means (google-cloud-storage also fetches bucket metadata in the background, for tracing).
+    """
+
+    store: Storage
+    proxy: FaultProxy
+    scheme: str
+
+    def part_upload(self) -> Pattern:
+        """A part of a multipart upload (S3) / a chunk of a resumable upload (GCS)."""
+        return {"method": "PUT", "path": r"partNumber=" if self.scheme == "s3" else r"upload_id="}
+
+    def ranged_read(self) -> Pattern:
+        return {"method": "GET", "path": r"step-1/shard" if self.scheme == "s3" else r"shard\?alt=media"}
+
+    def small_put(self) -> Pattern:
+        """A one-request upload of the manifest (S3 PutObject / GCS multipart upload)."""
+        if self.scheme == "s3":
+            return {"method": "PUT", "path": r"MANIFEST"}
+        return {"method": "POST", "path": r"uploadType=multipart"}
+
+    def small_get(self) -> Pattern:
+        return {"method": "GET", "path": r"MANIFEST\.json$" if self.scheme == "s3" else r"MANIFEST\.json\?alt=media"}
+
+    def metadata_read(self) -> Pattern:
+        """HEAD (S3) / the object's metadata GET (GCS): what stat() sends."""
+        if self.scheme == "s3":
+            return {"method": "HEAD"}
+        return {"method": "GET", "path": r"/storage/v1/b/[^/?]+/o/[^?]+\?"}
+
+    def count(self, pattern: Pattern) -> int:
+        """Requests the proxy saw that match ``pattern``."""
+        path = re.compile(pattern.get("path", ""))
+        return sum(1 for s in self.proxy.seen if s.method == pattern["method"] and path.search(s.path))
+
+
+@pytest.fixture(params=["s3", "gs"])
+def faulty(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    fast_retries: None,
+    small_parts: None,
+) -> Faulty:
+    scheme: str = request.param
+    uri = fresh_uri(scheme)  # bucket created directly on the server, not through the proxy
+    if scheme == "s3":
+        proxy = fault_proxy(request.getfixturevalue("moto_server"), "s3")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    else:
+        proxy = fault_proxy(request.getfixturevalue("gcs_server"), "gcs")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    return Faulty(make_storage(uri), proxy, scheme)
+
+
+def retry_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == RETRY_LOGGER and "retrying" in r.getMessage()]
+
+
+class TestFaults:
+    def test_a_big_upload_rides_out_throttling_and_a_dropped_connection(
+        self, faulty: Faulty, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        throttled = faulty.proxy.fail(2, 503, **faulty.part_upload())
+        dropped = faulty.proxy.drop(1, when="before", **faulty.part_upload())
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+
+        faulty.store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+        assert (throttled.served, dropped.served) == (2, 1)
+        assert len(retry_lines(caplog)) == 3
+        assert all("step-1/shard" in line for line in retry_lines(caplog))
+        faulty.store.get_file("step-1/shard", str(tmp_path / "dst"), size=size, crc32c=crc)
+        assert crc32c_file(tmp_path / "dst") == (crc, size)
+
+    def test_a_download_rides_out_throttling_and_a_body_cut_short(
+        self, faulty: Faulty, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+        faulty.store.put_file(str(src), "step-1/shard", crc32c=crc)
+        throttled = faulty.proxy.fail(1, 429, **faulty.ranged_read())
+        cut = faulty.proxy.drop(2, when="mid_body", **faulty.ranged_read())
+
+        faulty.store.get_file("step-1/shard", str(tmp_path / "dst"), size=size, crc32c=crc)
+
+        assert (throttled.served, cut.served) == (1, 2)
+        assert len(retry_lines(caplog)) == 3
+        assert crc32c_file(tmp_path / "dst") == (crc, size)
+        assert leftovers(tmp_path) == ["dst", "src.bin"]
+
+    def test_a_commit_whose_answer_was_lost_is_not_mistaken_for_someone_elses(
+        self, faulty: Faulty, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.INFO, logger="agent.storage")
+        lost = faulty.proxy.drop(1, when="after", **faulty.small_put())
+
+        faulty.store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1}')  # landed, answer lost
+
+        assert lost.served == 1
+        assert len(retry_lines(caplog)) == 1
+        assert any("an earlier attempt had already created it" in r.getMessage() for r in caplog.records)
+        assert faulty.store.get_bytes("step-1/MANIFEST.json") == b'{"step": 1}'
+        with pytest.raises(AlreadyExistsError):
+            faulty.store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1, "other": true}')
+
+    def test_the_last_step_of_a_big_upload_whose_answer_was_lost_still_succeeds(
+        self, faulty: Faulty, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.INFO, logger="agent.storage")
+        # S3: CompleteMultipartUpload lands, its answer is lost, the retry is told NoSuchUpload
+        # (what S3 may answer for a completed upload; moto would complete it again, so the proxy
+        # plays S3 for that one answer).
+        # GCS: the last chunk lands, its answer is lost, the retry finds the session gone (404).
+        if faulty.scheme == "s3":
+            lost = faulty.proxy.drop(1, when="after", method="POST", path=r"uploadId=")
+            faulty.proxy.fail(1, 404, code="NoSuchUpload", method="POST", path=r"uploadId=")
+        else:
+            lost = faulty.proxy.drop(
+                1, when="after", method="PUT", path=r"upload_id=", match=lambda r: _is_last_chunk(r.headers)
+            )
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+
+        faulty.store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+        assert lost.served == 1
+        assert any("an earlier attempt had already completed" in r.getMessage() for r in caplog.records)
+        faulty.store.get_file("step-1/shard", str(tmp_path / "dst"), size=size, crc32c=crc)
+
+    def test_persistent_server_errors_give_up_after_the_configured_attempts(
+        self, faulty: Faulty, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "3")
+        broken = faulty.proxy.fail(1000, 500, **faulty.small_put())
+
+        with pytest.raises(TransientStorageError) as caught:
+            faulty.store.put_bytes("step-1/MANIFEST.json", b"{}")
+
+        assert caught.value.key == "step-1/MANIFEST.json"
+        # Exactly our three attempts reached the wire: the client library adds none of its own.
+        assert broken.served == 3
+        assert faulty.count(faulty.small_put()) == 3
+        assert len(retry_lines(caplog)) == 2
+
+    def test_a_403_is_permanent_and_not_retried(self, faulty: Faulty, caplog: pytest.LogCaptureFixture) -> None:
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        faulty.store.put_bytes("step-1/MANIFEST.json", b"{}")
+        denied = faulty.proxy.fail(1, 403, **faulty.small_get())
+
+        with pytest.raises(PermanentStorageError) as caught:
+            faulty.store.get_bytes("step-1/MANIFEST.json")
+
+        assert not isinstance(caught.value, NotFoundError)
+        assert caught.value.key == "step-1/MANIFEST.json"
+        assert denied.served == 1
+        assert faulty.count(faulty.small_get()) == 1  # not retried
+        assert retry_lines(caplog) == []
+
+    def test_stat_retries_throttling_and_sees_a_missing_key_as_none(
+        self, faulty: Faulty, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        faulty.store.put_bytes("step-1/MANIFEST.json", b"{}")
+        throttled = faulty.proxy.fail(2, 503, **faulty.metadata_read())
+        info = faulty.store.stat("step-1/MANIFEST.json")
+        assert info is not None and info.size == 2
+        assert throttled.served == 2
+        assert faulty.store.stat("step-1/nothing") is None
+        assert len(retry_lines(caplog)) == 2
+
+
+def _is_last_chunk(headers: Message) -> bool:
+    rng = headers.get("Content-Range", "")  # "bytes START-END/TOTAL"
+    if "-" not in rng or "/" not in rng:
+        return False
+    end, total = rng.split("-", 1)[1].split("/")
+    return end.isdigit() and total.isdigit() and int(end) + 1 == int(total)

@@ -1,0 +1,187 @@
+"""Pure logic under the S3 / GCS backends: CRC combining, part spans, settings, the retry policy,
+and how client exceptions are classified. No servers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import botocore.exceptions
+import google_crc32c
+import pytest
+import requests
+from google.api_core import exceptions as api_exceptions
+
+from agent.storage import NotFoundError, PermanentStorageError, TransientStorageError
+from agent.storage import gs as gs_backend
+from agent.storage import s3 as s3_backend
+from agent.storage._retry import max_attempts, retry_transient
+from agent.storage._transfer import (
+    MiB,
+    RangeSink,
+    TransferSettings,
+    crc32c_combine,
+    crc32c_concat,
+    crc_from_b64,
+    crc_to_b64,
+    spans,
+)
+
+
+def crc(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+class TestCrcCombine:
+    def test_combining_the_crcs_of_two_pieces_gives_the_crc_of_the_whole(self) -> None:
+        rng = random.Random(7)
+        data = rng.randbytes(100_003)
+        for cut in (0, 1, 7, 4096, 65_537, 100_002, 100_003):
+            a, b = data[:cut], data[cut:]
+            assert crc32c_combine(crc(a), crc(b), len(b)) == crc(data)
+
+    def test_concatenating_many_parts_in_order(self) -> None:
+        rng = random.Random(11)
+        parts = [rng.randbytes(n) for n in (5, 0, 1000, 3, 70_000, 1)]
+        assert crc32c_concat([(crc(p), len(p)) for p in parts]) == crc(b"".join(parts))
+        assert crc32c_concat([]) == 0
+
+    def test_base64_form_is_the_big_endian_bytes(self) -> None:
+        assert crc_to_b64(crc(b"xyz")) == "JSNohQ=="  # as S3 and GCS report it
+        assert crc_from_b64("JSNohQ==") == crc(b"xyz")
+
+
+def test_spans_cover_the_object_with_a_short_last_part() -> None:
+    assert spans(0, 10) == []
+    assert spans(10, 10) == [(0, 10)]
+    assert spans(25, 10) == [(0, 10), (10, 10), (20, 5)]
+
+
+class TestSettings:
+    def test_environment_overrides_the_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "16MiB")
+        monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1048576")
+        monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "3")
+        s = TransferSettings.from_env()
+        assert (s.part_size, s.multipart_threshold, s.concurrency) == (16 * MiB, MiB, 3)
+
+    def test_nonsense_is_refused_up_front(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "lots")
+        with pytest.raises(ValueError, match="SPOTJOB_STORAGE_PART_SIZE"):
+            TransferSettings.from_env()
+        with pytest.raises(ValueError):
+            TransferSettings(concurrency=0)
+
+
+class TestRetryPolicy:
+    def test_transient_errors_are_retried_and_each_retry_is_logged(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        monkeypatch.setenv("SPOTJOB_STORAGE_BASE_BACKOFF_S", "0")
+        calls = []
+
+        def flaky() -> str:
+            calls.append(1)
+            if len(calls) < 3:
+                raise TransientStorageError("throttled", "k")
+            return "ok"
+
+        with caplog.at_level(logging.WARNING, logger="agent.storage._retry"):
+            assert retry_transient("PUT s3://b/k", flaky) == "ok"
+        assert len(calls) == 3
+        assert [r.getMessage().split(" after")[0] for r in caplog.records] == ["retrying PUT s3://b/k"] * 2
+
+    def test_the_attempt_budget_is_read_when_called_not_at_import(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SPOTJOB_STORAGE_BASE_BACKOFF_S", "0")
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "2")
+        assert max_attempts() == 2
+        calls = []
+
+        def down() -> None:
+            calls.append(1)
+            raise TransientStorageError("503", "k")
+
+        with pytest.raises(TransientStorageError):
+            retry_transient("GET x", down)
+        assert len(calls) == 2
+
+    def test_permanent_errors_are_not_retried(self) -> None:
+        calls = []
+
+        def denied() -> None:
+            calls.append(1)
+            raise PermanentStorageError("403", "k")
+
+        with pytest.raises(PermanentStorageError):
+            retry_transient("GET x", denied)
+        assert calls == [1]
+
+
+def client_error(status: int, code: str) -> botocore.exceptions.ClientError:
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (client_error(503, "SlowDown"), TransientStorageError),
+        (client_error(500, "InternalError"), TransientStorageError),
+        (client_error(400, "RequestTimeout"), TransientStorageError),
+        (client_error(409, "ConditionalRequestConflict"), TransientStorageError),
+        (client_error(404, "NoSuchKey"), NotFoundError),
+        (client_error(404, "404"), NotFoundError),
+        (client_error(403, "AccessDenied"), PermanentStorageError),
+        (client_error(403, "InvalidAccessKeyId"), PermanentStorageError),
+        (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), TransientStorageError),
+        (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), TransientStorageError),
+        (botocore.exceptions.IncompleteReadError(actual_bytes=1, expected_bytes=2), TransientStorageError),
+        (botocore.exceptions.NoCredentialsError(), PermanentStorageError),
+    ],
+)
+def test_s3_errors_are_classified_by_whether_retrying_can_help(error: Exception, kind: type[Exception]) -> None:
+    classified = s3_backend._storage_error(error, "GET s3://b/k", "k")
+    assert type(classified) is kind
+    assert classified.key == "k"
+
+
+def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
+    classified = s3_backend._storage_error(client_error(404, "NoSuchBucket"), "GET s3://b/k", "k")
+    assert type(classified) is PermanentStorageError
+    assert "bucket" in str(classified)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (api_exceptions.ServiceUnavailable("down"), TransientStorageError),
+        (api_exceptions.TooManyRequests("slow down"), TransientStorageError),
+        (api_exceptions.InternalServerError("oops"), TransientStorageError),
+        (api_exceptions.NotFound("gone"), NotFoundError),
+        (api_exceptions.Forbidden("no"), PermanentStorageError),
+        (api_exceptions.Unauthorized("who"), PermanentStorageError),
+        (requests.ConnectionError("reset"), TransientStorageError),
+        (requests.exceptions.ChunkedEncodingError("cut"), TransientStorageError),
+    ],
+)
+def test_gcs_errors_are_classified_by_whether_retrying_can_help(error: Exception, kind: type[Exception]) -> None:
+    classified = gs_backend._storage_error(error, "GET gs://b/k", "k")
+    assert type(classified) is kind
+
+
+def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "f")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        sink = RangeSink(fd, 4, 3, "gs://b/k")
+        sink.write(b"ab")
+        with pytest.raises(PermanentStorageError, match="more than"):
+            sink.write(b"cd")
+        sink.write(b"c")
+        sink.flush()
+        assert (sink.received, sink.crc) == (3, crc(b"abc"))
+        assert os.pread(fd, 3, 4) == b"abc"
+    finally:
+        os.close(fd)
