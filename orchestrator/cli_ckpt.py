@@ -1,0 +1,891 @@
+"""``spotjob ckpt``: look inside a checkpoint URI — list, verify, show, export.
+
+Every command reads storage through ``agent.storage`` and trusts nothing it has not checked
+against a manifest: ``list``/``verify``/``show`` work from MANIFEST.json and one listing per
+folder; ``verify --deep`` and ``export`` also read the shard bytes, CRC32C-checked as they
+arrive, and unpickle DCP's ``.metadata`` only through the allow-list of ``agent._dcp``.
+
+``list``, ``show`` and plain ``verify`` never import torch (they run in the controller's image,
+which carries none); ``verify --deep`` and ``export`` import it lazily.
+
+Which checkpoint a command picks when ``--step`` is not given: the newest folder that holds a
+MANIFEST.json (the newest *committed* checkpoint), valid or not. An uncommitted folder is a save
+still running or one that died, never a checkpoint; a committed but broken one is exactly what
+an operator asking "is my latest checkpoint good?" must hear about, so it is not skipped.
+
+Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` found a problem,
+``show``/``export`` refused it); 2 nothing could be checked or done (bad URI, no such folder or
+step, storage unreachable, an export refused for its arguments) — the same code argparse uses
+for a bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from agent.catalog import CheckpointRef, CheckpointStatus, find_checkpoints, inspect, verify_deep
+from agent.manifest import DCP_METADATA_NAME, Manifest
+from agent.storage import StorageError, open_storage
+from agent.storage.base import ObjectInfo, ProgressFn, Storage
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from agent._dcp import VerifiedReader
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_ERROR = 2
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+_NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+_SHARD_NAME_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_RANK_FILE_RE = re.compile(r"^rank-\d+\.pt$")
+
+_DEFAULT_PICK = (
+    "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
+    "not; uncommitted leftovers are never picked)"
+)
+_EXIT_CODES = (
+    "exit status: 0 ok; 1 the checkpoint is invalid or unsafe; "
+    "2 nothing could be checked or done (bad URI, no such folder/step, storage error, bad arguments)"
+)
+
+
+class CommandError(Exception):
+    """A one-line reason a command stopped, printed without a traceback, and its exit status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ------------------------------------------------------------------------------------------------
+# registration
+# ------------------------------------------------------------------------------------------------
+def register(subparsers: Any) -> None:
+    """Add ``spotjob ckpt {list,verify,show,export}`` to the top-level subparsers."""
+    ckpt = subparsers.add_parser(
+        "ckpt",
+        help="list, verify, show and export checkpoints",
+        description="Inspect the checkpoints under a URI (s3://bucket/prefix, gs://bucket/prefix, "
+        "file:///path or a plain path).",
+        epilog=_EXIT_CODES,
+    )
+    sub = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "list",
+        help="every checkpoint folder, newest first, valid or not and why",
+        description="List every checkpoint folder under URI, newest first: step, folder, creation "
+        "time (UTC), world size, bytes stored, and whether it is valid — or why not (uncommitted "
+        "leftover, missing file, file of the wrong size, manifest refused). Sizes are checked; "
+        "contents are not (see `verify --deep`).",
+        epilog=_EXIT_CODES,
+    )
+    _add_uri(p)
+    p.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
+    p.set_defaults(func=_boundary(cmd_list))
+
+    p = sub.add_parser(
+        "verify",
+        help="check one checkpoint; exit 0 when valid, 1 when not",
+        description="Check one checkpoint: MANIFEST.json parses and names only files inside its "
+        "folder, and every file it lists is there with its listed size. --deep also reads every byte "
+        "and checks every CRC32C, unpickles DCP's .metadata with the allow-list unpickler and the "
+        f"per-rank files with weights_only, as a restore would. {_DEFAULT_PICK}.",
+        epilog=_EXIT_CODES,
+    )
+    _add_uri(p)
+    _add_step(p)
+    p.add_argument("--deep", action="store_true", help="read every byte and check every CRC32C")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_boundary(cmd_verify))
+
+    p = sub.add_parser(
+        "show",
+        help="what a checkpoint holds: tensors, state keys, world size, metadata",
+        description=f"Show a checkpoint's manifest: step, creation time, world size, state keys, user "
+        f"metadata and the tensor index (name, shape, dtype, shard files). {_DEFAULT_PICK}.",
+        epilog=_EXIT_CODES,
+    )
+    _add_uri(p)
+    _add_step(p)
+    p.add_argument("--key", help="only the tensors under this state key (e.g. model)")
+    p.add_argument("--json", action="store_true", help="print the manifest and status as JSON")
+    p.set_defaults(func=_boundary(cmd_show))
+
+    p = sub.add_parser(
+        "export",
+        help="write a module's weights as sharded safetensors (Hugging Face layout)",
+        description="Export the tensors saved under one state key (default: model) as safetensors "
+        "files laid out as Hugging Face does: model-00001-of-0000N.safetensors (model.safetensors when "
+        f"everything fits in one shard) plus {INDEX_NAME}, which is written always (harmless for a "
+        "single file, and one loading path for every export). Tensor names lose the state key prefix, "
+        "so they match the module's own state_dict(). Tensors load through DCP without a model: every "
+        "file read is CRC32C-checked against the manifest and nothing unsafe is unpickled. Shards are "
+        "loaded one at a time, so memory stays near one --max-shard-size; from an object store the shard "
+        "files are first downloaded, verified, to a temporary folder: allow local disk for them. "
+        f"{_DEFAULT_PICK}; an invalid checkpoint is refused.",
+        epilog=_EXIT_CODES,
+    )
+    _add_uri(p)
+    p.add_argument("out", metavar="OUT", help="local folder to write (must be absent or empty)")
+    _add_step(p)
+    p.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
+    p.add_argument("--key", default="model", help="the module's state key in the checkpoint (default: model)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size(DEFAULT_MAX_SHARD_SIZE),
+        metavar="SIZE",
+        help=f"largest shard, e.g. 500MB, 5GB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE}; decimal units "
+        "as Hugging Face uses). A tensor larger than this gets a shard of its own.",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty OUT; an earlier export there (model*.safetensors and its index) "
+        "is removed first, other files are kept",
+    )
+    p.set_defaults(func=_boundary(cmd_export))
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """What ``--step`` asked for: a step, and an attempt when the user named one folder exactly."""
+
+    step: int
+    attempt: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.step) if self.attempt is None else CheckpointRef(self.step, self.attempt).folder
+
+
+def parse_step(text: str) -> StepChoice:
+    """``5`` (newest committed attempt of step 5), ``5.1`` or ``step-000000005.1`` (that folder)."""
+    ref = CheckpointRef.parse(text.strip())
+    if ref is not None:
+        return StepChoice(ref.step, ref.attempt)
+    m = re.fullmatch(r"(\d+)(?:\.(\d+))?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step: write N, N.ATTEMPT or a folder name")
+    return StepChoice(int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None)
+
+
+def _add_uri(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "uri", metavar="URI", help="where the checkpoints are: s3://bucket/prefix, gs://bucket/prefix or a path"
+    )
+
+
+def _add_step(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--step",
+        type=parse_step,
+        metavar="N",
+        help="the checkpoint of step N (its newest committed attempt; N.A or a folder name picks one "
+        "folder exactly)",
+    )
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` → 5_000_000_000, ``2GiB`` → 2 * 2**30, ``1000`` → 1000 bytes (Hugging Face's units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 500MB, 5GB or 2GiB")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard size must be at least one byte")
+    return size
+
+
+def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn the errors a user can cause or meet into one line on stderr and an exit status.
+
+    A traceback is for bugs; these are not bugs. ``-v`` still logs the traceback for debugging.
+    """
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        name = f"spotjob ckpt {args.ckpt_command}"
+        if not getattr(args, "verbose", False):
+            # The answer goes to stdout; the cloud clients' INFO chatter ("Found credentials in
+            # environment variables") is not part of it. -v keeps it.
+            for noisy in _NOISY_LOGGERS:
+                logging.getLogger(noisy).setLevel(logging.WARNING)
+        try:
+            return command(args)
+        except CommandError as e:
+            _error(name, str(e))
+            return e.exit_code
+        except (ValueError, StorageError, OSError) as e:  # ManifestError is a ValueError
+            log.debug("%s failed", name, exc_info=True)
+            _error(name, str(e) or type(e).__name__)
+            return EXIT_ERROR
+
+    return run
+
+
+def _error(name: str, message: str) -> None:
+    print(f"{name}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# the commands
+# ------------------------------------------------------------------------------------------------
+def cmd_list(args: argparse.Namespace) -> int:
+    with _opened(args.uri) as storage:
+        refs = _require_checkpoints(storage)
+        statuses = [inspect(storage, ref) for ref in refs]
+    if args.json:
+        _print_json([_status_json(storage, s) for s in statuses])
+        return EXIT_OK
+    rows = [
+        [
+            str(s.ref.step),
+            s.ref.folder,
+            _when(s.manifest.created_at) if s.manifest else "-",
+            str(s.manifest.world_size) if s.manifest else "-",
+            _human(s.stored_bytes),
+            _verdict(s),
+        ]
+        for s in statuses
+    ]
+    _print_table(["STEP", "FOLDER", "CREATED (UTC)", "RANKS", "SIZE", "STATUS"], rows)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with _opened(args.uri) as storage:
+        status = select_checkpoint(storage, args.step)
+        problems = list(status.problems) if status.committed else [status.reason]
+        checked_bytes = 0
+        if args.deep and status.manifest is not None:
+            problems = _verify_deep(storage, status)
+            checked_bytes = status.manifest.total_bytes
+    valid = status.committed and status.manifest is not None and not problems
+    if args.json:
+        doc = _status_json(storage, status)
+        doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=bool(args.deep))
+        _print_json(doc)
+        return EXIT_OK if valid else EXIT_INVALID
+    folder = status.ref.folder
+    if valid:
+        assert status.manifest is not None
+        files = len(status.manifest.files)
+        if args.deep:
+            print(
+                f"{folder}: valid — {files} files, {_human(checked_bytes)} read, every CRC32C matches; "
+                ".metadata and the per-rank files load safely"
+            )
+        else:
+            print(
+                f"{folder}: valid — MANIFEST.json sound, all {files} files present with their sizes "
+                "(contents not read: add --deep to check every CRC32C)"
+            )
+        return EXIT_OK
+    if not status.committed:
+        print(f"{folder}: INVALID — not a checkpoint")
+    elif status.manifest is None:
+        print(f"{folder}: INVALID — MANIFEST.json refused, nothing in this folder is trusted")
+    else:
+        print(f"{folder}: INVALID — {len(problems)} problem(s)")
+    for problem in problems:
+        print(f"  {problem}")
+    return EXIT_INVALID
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _opened(args.uri) as storage:
+        status = select_checkpoint(storage, args.step)
+    manifest = _require_manifest(status)
+    tensors = manifest.tensors
+    if args.key is not None:
+        _require_state_key(manifest, args.key)
+        tensors = {k: v for k, v in tensors.items() if k.startswith(args.key + ".")}
+    if args.json:
+        doc = _status_json(storage, status)
+        doc["manifest"] = json.loads(manifest.model_dump_json())
+        doc["manifest"]["tensors"] = {k: v.model_dump() for k, v in tensors.items()}
+        _print_json(doc)
+        return EXIT_OK
+    fields = [
+        ("checkpoint", storage.url(status.ref.folder)),
+        ("status", _verdict(status)),
+        ("step", str(manifest.step)),
+        ("created", _when(manifest.created_at) + " UTC"),
+        ("world size", str(manifest.world_size)),
+        ("torch", manifest.torch_version),
+        ("job", manifest.job or "-"),
+        ("state keys", ", ".join(manifest.state_keys)),
+        ("files", f"{len(manifest.files)} ({_human(manifest.total_bytes)})"),
+        ("metadata", json.dumps(manifest.metadata, sort_keys=True) if manifest.metadata else "-"),
+    ]
+    for name, value in fields:
+        print(f"{name + ':':<12}{value}")
+    print()
+    _print_table(
+        ["TENSOR", "SHAPE", "DTYPE", "FILES"],
+        [[fqn, _shape(t.shape), t.dtype, ",".join(t.files)] for fqn, t in tensors.items()],
+    )
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = os.path.abspath(args.out)
+    _check_out(out, force=args.force)
+    started = time.monotonic()
+    with _opened(args.uri) as storage:
+        status = select_checkpoint(storage, args.step)
+        manifest = _require_manifest(status)
+        if not status.valid:
+            raise CommandError(
+                f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID
+            )
+        _require_state_key(manifest, args.key)
+        files, total = _export_safetensors(
+            storage, status, manifest, args.key, out, args.max_shard_size, args.force
+        )
+    print(
+        f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
+        f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
+        f"in {time.monotonic() - started:.1f}s"
+    )
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# choosing a checkpoint
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _opened(uri: str) -> Iterator[Storage]:
+    storage = open_storage(uri)
+    try:
+        root = storage.local_path("")
+        # A filesystem store lists a missing folder as empty; a typo must not read as "no checkpoints".
+        if root is not None and not os.path.isdir(root):
+            raise CommandError(f"{uri}: no such folder")
+        yield storage
+    finally:
+        storage.close()
+
+
+def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
+    refs = find_checkpoints(storage)
+    if not refs:
+        raise CommandError(f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders)")
+    return refs
+
+
+def select_checkpoint(storage: Storage, choice: StepChoice | None) -> CheckpointStatus:
+    """The checkpoint a command works on; see the module docstring for the default.
+
+    With a step, its newest committed attempt (or its newest folder when none is committed, which
+    then reads as uncommitted). Raises ``CommandError`` when there is nothing to pick.
+    """
+    refs = _require_checkpoints(storage)
+    if choice is None:
+        for ref in refs:
+            status = inspect(storage, ref)
+            if status.committed:
+                return status
+        raise CommandError(
+            f"no committed checkpoint under {storage.uri}: {len(refs)} folder(s), none holding "
+            "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
+        )
+    matching = [r for r in refs if r.step == choice.step and choice.attempt in (None, r.attempt)]
+    if not matching:
+        there = ", ".join(r.folder for r in refs[:8]) + (", …" if len(refs) > 8 else "")
+        what = f"of step {choice.step}" if choice.attempt is None else str(choice)
+        raise CommandError(f"no checkpoint {what} under {storage.uri}; there are: {there}")
+    statuses = [inspect(storage, ref) for ref in matching]
+    return next((s for s in statuses if s.committed), statuses[0])
+
+
+def _require_manifest(status: CheckpointStatus) -> Manifest:
+    if status.manifest is None:
+        raise CommandError(f"{status.ref.folder}: {status.reason}", EXIT_INVALID)
+    return status.manifest
+
+
+def _require_state_key(manifest: Manifest, key: str) -> None:
+    if key not in manifest.state_keys:
+        raise CommandError(
+            f"the checkpoint has no state key {key!r}; it holds {', '.join(manifest.state_keys)}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# verify --deep
+# ------------------------------------------------------------------------------------------------
+def _verify_deep(storage: Storage, status: CheckpointStatus) -> list[str]:
+    """Every CRC32C (``agent.catalog.verify_deep``), then what a restore would unpickle."""
+    assert status.manifest is not None
+    manifest = status.manifest
+    missing = {f.path for f in manifest.files if any(p.startswith(f"file {f.path} ") for p in status.problems)}
+    to_read = sum(f.size for f in manifest.files if f.path not in missing)
+    with _progress_bar(f"verifying {status.ref.folder}", to_read) as progress:
+        problems = verify_deep(storage, status, progress=progress)
+    bad = {f.path for f in manifest.files if any(p.startswith(f"file {f.path} ") for p in problems)}
+    problems += _check_unpickling(storage, status, skip=bad)
+    return problems
+
+
+def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]) -> list[str]:
+    """Load ``.metadata`` (allow-list) and each ``rank-*.pt`` (weights_only) as restore would.
+
+    Files already found missing or corrupt (``skip``) are not read again. Also checks that DCP's
+    metadata names only files the manifest lists and agrees with the manifest's tensor index,
+    which ``show`` and ``export`` rely on.
+    """
+    from agent import _rank_state
+    from agent._dcp import UnsafeCheckpointError, tensor_index
+
+    assert status.manifest is not None
+    manifest = status.manifest
+    problems: list[str] = []
+    with _reader(storage, status) as reader:
+        if manifest.file(DCP_METADATA_NAME) is not None and DCP_METADATA_NAME not in skip:
+            try:
+                metadata = reader.read_metadata()
+            except (UnsafeCheckpointError, StorageError) as e:
+                problems.append(f"file {DCP_METADATA_NAME} is unsafe or unreadable: {e}")
+            else:
+                problems += _cross_check(manifest, metadata, tensor_index(metadata))
+        for f in manifest.files:
+            if not _RANK_FILE_RE.match(f.path) or f.path in skip:
+                continue
+            try:
+                with open(reader.ensure_local(f.path), "rb") as fh, warnings.catch_warnings():
+                    # torch warns about pickle protocols while refusing; the refusal is reported below.
+                    warnings.simplefilter("ignore")
+                    _rank_state.decode(fh.read())
+            except (UnsafeCheckpointError, StorageError) as e:
+                problems.append(f"file {f.path} is unreadable: {e}")
+            except Exception as e:  # torch.load's refusals are UnpicklingError/RuntimeError/ValueError
+                problems.append(f"file {f.path} does not load with weights_only (unsafe or damaged): {e}")
+    return problems
+
+
+def _cross_check(manifest: Manifest, metadata: Metadata, index: dict[str, Any]) -> list[str]:
+    problems = []
+    listed = {f.path for f in manifest.files}
+    for path in sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - listed):
+        problems.append(f"file {DCP_METADATA_NAME} points at {path!r}, which MANIFEST.json does not list")
+    differ = sorted(
+        fqn
+        for fqn in set(index) | set(manifest.tensors)
+        if fqn not in index or fqn not in manifest.tensors or index[fqn] != manifest.tensors[fqn]
+    )
+    if differ:
+        problems.append(
+            f"MANIFEST.json's tensor index disagrees with {DCP_METADATA_NAME} for {len(differ)} tensor(s), "
+            f"e.g. {differ[0]!r}"
+        )
+    return problems
+
+
+@contextlib.contextmanager
+def _reader(storage: Storage, status: CheckpointStatus) -> Iterator[VerifiedReader]:
+    """A VerifiedReader for ``status``: in place on a filesystem, else via a temporary cache."""
+    from agent._dcp import VerifiedReader
+
+    assert status.manifest is not None
+    folder = status.ref.folder
+    local = storage.local_path(folder)
+    if local is not None:
+        yield VerifiedReader(storage, folder, status.manifest, local)
+        return
+    with tempfile.TemporaryDirectory(prefix="spotjob-ckpt-") as cache:
+        yield VerifiedReader(storage, folder, status.manifest, cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Totals:
+    tensors: int = 0
+    bytes: int = 0
+
+
+def _check_out(out: str, *, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CommandError(f"{out} exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise CommandError(f"{out} is not empty; choose a new folder or pass --force to replace an export there")
+
+
+def _export_safetensors(
+    storage: Storage,
+    status: CheckpointStatus,
+    manifest: Manifest,
+    key: str,
+    out: str,
+    max_shard_size: int,
+    force: bool,
+) -> tuple[list[str], _Totals]:
+    """Load the tensors under ``key`` shard by shard through DCP and write them as safetensors.
+
+    Nothing is read that the manifest does not vouch for: the metadata and every shard file go
+    through ``VerifiedReader`` (fetched and CRC-checked once each, before DCP reads them), and
+    the target state dict is built from DCP's metadata, so no model is needed. The index is
+    written last: an export that died part-way has no index and the files it wrote are removed.
+    """
+    from agent._dcp import UnsafeCheckpointError
+
+    prefix = key + "."
+    folder = status.ref.folder
+    # Fetches from an object store report progress through the wrapper; DCP never sees it.
+    fetching = _ProgressStorage(storage)
+    with _reader(fetching, status) as reader:
+        try:
+            metadata = reader.read_metadata()
+        except (UnsafeCheckpointError, StorageError) as e:
+            raise CommandError(f"{folder}: refusing to export: {e}", EXIT_INVALID) from None
+        tensors = _tensors_under(metadata, prefix)
+        if not tensors:
+            raise CommandError(
+                f"state key {key!r} holds no tensors in the DCP shards of {folder} (only modules and "
+                "optimizers are saved through DCP; other state is per-rank and not exported)"
+            )
+        needed = sorted(
+            {info.relative_path for idx, info in (metadata.storage_data or {}).items() if idx.fqn in tensors}
+        )
+        _fetch(reader, fetching, needed)
+        return _write_shards(reader, tensors, plan_shards(tensors, max_shard_size), prefix, out, force)
+
+
+def _tensors_under(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        fqn: md
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith(prefix) and len(fqn) > len(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+
+
+def _nbytes(md: TensorStorageMetadata) -> int:
+    numel = 1
+    for n in md.size:
+        numel *= n
+    return numel * md.properties.dtype.itemsize
+
+
+def plan_shards(tensors: dict[str, TensorStorageMetadata], max_shard_size: int) -> list[list[str]]:
+    """Split names, in checkpoint order, into shards of at most ``max_shard_size`` tensor bytes.
+
+    Greedy in order, as Hugging Face does; a tensor larger than the limit gets a shard to itself.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for fqn, md in tensors.items():
+        n = _nbytes(md)
+        if current and size + n > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(fqn)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-00003.safetensors``."""
+    if count == 1:
+        return [SINGLE_FILE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _fetch(reader: VerifiedReader, fetching: _ProgressStorage, paths: Sequence[str]) -> None:
+    """Make every shard file local and verified before DCP opens any of them.
+
+    Verifying up front turns a corrupt or missing file into one clear error naming it, instead of
+    a failure deep inside DCP's read plan.
+    """
+    total = sum(e.size for e in (reader.manifest.file(p) for p in paths) if e is not None)
+    # In place (a filesystem store) the reader CRCs files without reporting bytes: no bar then.
+    with _progress_bar(f"fetching {len(paths)} shard file(s)", 0 if reader.in_place else total) as progress:
+        fetching.progress = progress
+        try:
+            for path in paths:
+                reader.ensure_local(path)
+        except StorageError as e:
+            raise CommandError(f"{reader.folder}: {e}", EXIT_INVALID) from None
+        finally:
+            fetching.progress = None
+
+
+def _write_shards(
+    reader: VerifiedReader,
+    tensors: dict[str, TensorStorageMetadata],
+    shards: list[list[str]],
+    prefix: str,
+    out: str,
+    force: bool,
+) -> tuple[list[str], _Totals]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from agent._dcp import SafeLoadPlanner
+
+    os.makedirs(out, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = 0o666 & ~umask
+    if force:
+        _remove_earlier_export(out)
+    names = shard_file_names(len(shards))
+    totals = _Totals()
+    weight_map: dict[str, str] = {}
+    written: list[str] = []
+    total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
+    try:
+        with _progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
+            for name, shard in zip(names, shards, strict=True):
+                state = {
+                    fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype)
+                    for fqn in shard
+                }
+                try:
+                    with warnings.catch_warnings():
+                        # no_dist is the point here; DCP warns about it on every call.
+                        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+                except Exception as e:  # DCP wraps whatever failed in its own exception types
+                    log.debug("dcp.load failed", exc_info=True)
+                    raise CommandError(
+                        f"{reader.folder}: DCP could not load {len(shard)} tensor(s) starting at "
+                        f"{shard[0]!r}: {_first_failure(e)}",
+                        EXIT_INVALID,
+                    ) from None
+                path = os.path.join(out, name)
+                tmp = os.path.join(out, f".{name}.partial")
+                save_file({fqn[len(prefix) :]: t for fqn, t in state.items()}, tmp, metadata={"format": "pt"})
+                os.chmod(tmp, mode)  # safetensors writes owner-only files; an export is for sharing
+                os.replace(tmp, path)
+                written.append(path)
+                shard_bytes = sum(t.nbytes for t in state.values())
+                totals.tensors += len(state)
+                totals.bytes += shard_bytes
+                weight_map.update({fqn[len(prefix) :]: name for fqn in shard})
+                del state
+                if progress:
+                    progress(shard_bytes)
+                log.debug("wrote %s: %d tensors, %d bytes", path, len(shard), shard_bytes)
+        index = {"metadata": {"total_size": totals.bytes}, "weight_map": weight_map}
+        # The index goes last: its presence says the export is complete.
+        tmp = os.path.join(out, f".{INDEX_NAME}.partial")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, os.path.join(out, INDEX_NAME))
+    except BaseException:
+        for path in [*written, *(os.path.join(out, f".{n}.partial") for n in [*names, INDEX_NAME])]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        raise
+    return names, totals
+
+
+def _first_failure(e: BaseException) -> str:
+    """DCP's CheckpointException holds a per-rank map of failures; the first one is the story."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, BaseException):
+            return f"{type(first).__name__}: {first}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _remove_earlier_export(out: str) -> None:
+    for entry in os.listdir(out):
+        if _SHARD_NAME_RE.match(entry) or entry == INDEX_NAME:
+            os.unlink(os.path.join(out, entry))
+            log.info("--force: removed %s of an earlier export", os.path.join(out, entry))
+
+
+class _ProgressStorage(Storage):
+    """Delegates to ``inner``, adding ``progress`` to downloads that come without one.
+
+    ``VerifiedReader`` fetches files without a progress callback; wrapping the store it reads
+    from is how an export shows its transfers without changing the reader.
+    """
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.progress: ProgressFn | None = None
+
+    def get_file(
+        self,
+        key: str,
+        local_path: str,
+        *,
+        size: int | None = None,
+        crc32c: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.inner.get_file(key, local_path, size=size, crc32c=crc32c, progress=progress or self.progress)
+
+    def put_file(
+        self, local_path: str, key: str, *, crc32c: int | None = None, progress: ProgressFn | None = None
+    ) -> None:
+        self.inner.put_file(local_path, key, crc32c=crc32c, progress=progress)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.inner.put_bytes(key, data)
+
+    def put_bytes_if_absent(self, key: str, data: bytes) -> None:
+        self.inner.put_bytes_if_absent(key, data)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self.inner.stat(key)
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        self.inner.delete(keys)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.inner.delete_prefix(prefix)
+
+    def url(self, key: str = "") -> str:
+        return self.inner.url(key)
+
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # Last: inside the class body, ``list`` names this method from here on.
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+
+# ------------------------------------------------------------------------------------------------
+# output
+# ------------------------------------------------------------------------------------------------
+def _interactive() -> bool:
+    """Progress bars only for a person watching: never in logs, pipes or CI."""
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str, total: int) -> Iterator[ProgressFn | None]:
+    """A byte-count progress bar on stderr when it is a terminal; ``None`` (silence) otherwise."""
+    if not _interactive() or total <= 0:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        # Progress.advance takes its own lock: safe from the transfer threads.
+        yield lambda n: bar.advance(task, n)
+
+
+def _status_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any]:
+    m = status.manifest
+    return {
+        "uri": storage.url(status.ref.folder),
+        "folder": status.ref.folder,
+        "step": status.ref.step,
+        "attempt": status.ref.attempt,
+        "committed": status.committed,
+        "valid": status.valid,
+        "reason": status.reason,
+        "problems": list(status.problems),
+        "stored_bytes": status.stored_bytes,
+        "created_at": m.created_at.isoformat() if m else None,
+        "world_size": m.world_size if m else None,
+        "job": m.job if m else None,
+        "torch_version": m.torch_version if m else None,
+        "state_keys": m.state_keys if m else None,
+        "manifest_bytes": m.total_bytes if m else None,
+    }
+
+
+def _verdict(status: CheckpointStatus) -> str:
+    if status.valid:
+        return "valid"
+    if not status.committed:
+        return f"uncommitted leftover — {status.reason}"
+    return f"INVALID — {status.reason}"
+
+
+def _when(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _shape(shape: list[int]) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def _human(n: int) -> str:
+    from rich.filesize import decimal
+
+    return decimal(n)
+
+
+def _print_table(headers: list[str], rows: list[list[str]]) -> None:
+    """Plain aligned columns (greppable, no colour); the last column is not padded."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    for row in [headers, *rows]:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]
+        print("  ".join(cells).rstrip())
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))

@@ -1,0 +1,588 @@
+"""``spotjob ckpt list|verify|show|export`` against real checkpoints written by ``Checkpointer``.
+
+Most tests use the filesystem (tmp_path); the "on every store" tests repeat the essentials on S3
+(moto) and GCS (fake-gcs-server) through the shared ``storage_uri`` fixture. Every tampering
+goes through the Storage interface, never a local path, so any test here can move to
+``saved_anywhere`` unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from agent import Checkpointer
+from agent.catalog import CheckpointRef
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
+from agent.storage import Storage, open_storage
+from agent.storage.file import FileStorage
+from orchestrator import cli_ckpt
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- building checkpoints -----------------------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    uri: str
+    storage: Storage
+    weights: dict[int, dict[str, torch.Tensor]]  # step → the model's state_dict at that step
+
+    def folder(self, step: int) -> str:
+        return CheckpointRef(step).folder
+
+    def key(self, step: int, name: str) -> str:
+        return f"{self.folder(step)}/{name}"
+
+    def manifest(self, step: int) -> Manifest:
+        return Manifest.parse(self.storage.get_bytes(self.key(step, MANIFEST_NAME)))
+
+    def shard(self, step: int) -> str:
+        """The name of the DCP data file of a single-rank checkpoint."""
+        (name,) = [f.path for f in self.manifest(step).files if f.path.endswith(".distcp")]
+        return name
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    # cli.main's logging.basicConfig binds a handler to this test's captured stderr, which is
+    # closed afterwards; later tests' log lines would then hit a closed file.
+    # The ckpt commands also quiet the cloud clients' loggers; give other tests theirs back.
+    handlers = list(logging.root.handlers)
+    levels = {name: logging.getLogger(name).level for name in cli_ckpt._NOISY_LOGGERS}
+    yield
+    logging.root.handlers[:] = handlers
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _save_three_steps(uri: str) -> Iterator[Saved]:
+    """Steps 1, 2 and 3 committed by a real Checkpointer, the model changing between them."""
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(uri, keep=None, async_save=False) as ckpt:
+        for step in (1, 2, 3):
+            model(torch.randn(4, 16)).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            ckpt.save(step, {"model": model, "optim": optim}, metadata={"lr": 1e-2, "note": f"step {step}"})
+            weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    storage = open_storage(uri)
+    try:
+        yield Saved(uri, storage, weights)
+    finally:
+        storage.close()
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Iterator[Saved]:
+    """Three checkpoints on the filesystem: most tests here are about the CLI, not the store."""
+    with _save_three_steps(str(tmp_path / "ckpts")) as s:
+        yield s
+
+
+@pytest.fixture
+def saved_anywhere(storage_uri: str) -> Iterator[Saved]:
+    """The same three checkpoints on each store (file, S3 on moto, GCS on fake-gcs-server)."""
+    with _save_three_steps(storage_uri) as s:
+        yield s
+
+
+# -- tampering, through the Storage interface -----------------------------------------------------
+
+
+def flip_byte(storage: Storage, key: str, offset: int = 64) -> None:
+    data = bytearray(storage.get_bytes(key))
+    data[offset] ^= 0x01
+    storage.put_bytes(key, bytes(data))
+
+
+def truncate(storage: Storage, key: str, by: int = 7) -> None:
+    storage.put_bytes(key, storage.get_bytes(key)[:-by])
+
+
+def rewrite_manifest(saved: Saved, step: int, edit: Callable[[dict[str, object]], None]) -> None:
+    raw = json.loads(saved.storage.get_bytes(saved.key(step, MANIFEST_NAME)))
+    edit(raw)
+    saved.storage.put_bytes(saved.key(step, MANIFEST_NAME), json.dumps(raw).encode())
+
+
+def replace_file_vouched(saved: Saved, step: int, name: str, data: bytes) -> None:
+    """Swap a file *and* fix its manifest entry: what someone with write access to storage can do."""
+    saved.storage.put_bytes(saved.key(step, name), data)
+    manifest = saved.manifest(step)
+    manifest.files = [
+        FileEntry(path=f.path, size=len(data), crc32c=to_hex(crc32c_bytes(data))) if f.path == name else f
+        for f in manifest.files
+    ]
+    saved.storage.put_bytes(saved.key(step, MANIFEST_NAME), manifest.to_json())
+
+
+def ckpt(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["ckpt", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return rc, out, err
+
+
+# -- list -------------------------------------------------------------------------------------------
+
+
+def test_list_shows_valid_invalid_and_uncommitted_rows(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    saved.storage.delete([saved.key(2, saved.shard(2))])
+    # A save that died before its manifest: shard files, no MANIFEST.json.
+    saved.storage.put_bytes(f"{CheckpointRef(4).folder}/__0_0.distcp", b"half a shard")
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+
+    assert rc == 0
+    header, *rows = out.splitlines()
+    assert header.split()[:2] == ["STEP", "FOLDER"]
+    assert [r.split()[0] for r in rows] == ["4", "3", "2", "1"]
+    assert "uncommitted" in rows[0] and "no MANIFEST.json" in rows[0]
+    assert rows[1].endswith("valid") and rows[3].endswith("valid")
+    assert "INVALID" in rows[2] and f"file {saved.shard(2)} is missing" in rows[2]
+
+
+def test_list_json_says_why_each_checkpoint_is_invalid(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    truncate(saved.storage, saved.key(3, saved.shard(3)))
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+
+    assert rc == 0
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rows[3]["valid"] is False and rows[3]["committed"] is True
+    assert f"file {saved.shard(3)} is" in rows[3]["problems"][0] and "the manifest says" in rows[3]["reason"]
+    assert rows[1]["valid"] is True and rows[1]["world_size"] == 1 and rows[1]["state_keys"] == ["model", "optim"]
+
+
+# -- verify -----------------------------------------------------------------------------------------
+
+
+def test_verify_checks_the_newest_committed_checkpoint_and_exits_0(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved.storage.put_bytes(f"{CheckpointRef(9).folder}/__0_0.distcp", b"a save still running")
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+
+    assert rc == 0
+    assert out.startswith(f"{saved.folder(3)}: valid")
+
+
+def test_verify_exits_1_naming_a_missing_file(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    saved.storage.delete([saved.key(2, saved.shard(2))])
+
+    assert ckpt(capsys, "verify", saved.uri, "--step", "3")[0] == 0
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--step", "2")
+
+    assert rc == 1
+    assert f"file {saved.shard(2)} is missing" in out
+
+
+def test_plain_verify_fails_on_a_truncated_file_naming_it(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    truncate(saved.storage, saved.key(3, saved.shard(3)))
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+
+    assert rc == 1
+    assert f"file {saved.shard(3)} is " in out and "the manifest says" in out
+
+
+def test_a_flipped_shard_byte_passes_plain_verify_and_fails_deep_naming_the_file(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(saved.storage, saved.key(3, saved.shard(3)), offset=1000)
+
+    rc_plain, _, _ = ckpt(capsys, "verify", saved.uri)
+    rc_deep, out, _ = ckpt(capsys, "verify", saved.uri, "--deep")
+
+    assert rc_plain == 0  # same size: only reading the bytes can tell
+    assert rc_deep == 1
+    assert f"file {saved.shard(3)} is corrupt" in out and "CRC32C" in out
+
+
+def test_a_flipped_metadata_byte_fails_deep_verify_naming_metadata(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(saved.storage, saved.key(3, DCP_METADATA_NAME), offset=100)
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--json")
+
+    assert rc == 1
+    doc = json.loads(out)
+    assert doc["valid"] is False and doc["deep"] is True
+    assert any(p.startswith(f"file {DCP_METADATA_NAME} is corrupt") for p in doc["problems"])
+
+
+def test_deep_verify_passes_an_intact_checkpoint(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--step", "1")
+
+    assert rc == 0
+    assert "every CRC32C matches" in out
+
+
+def test_a_manifest_naming_a_path_outside_its_folder_is_refused(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def escape(raw: dict[str, object]) -> None:
+        files = raw["files"]
+        assert isinstance(files, list)
+        files[0]["path"] = "../escape"
+
+    rewrite_manifest(saved, 3, escape)
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep")
+    assert rc == 1
+    assert "MANIFEST.json refused" in out and "'../escape' escapes" in out
+
+    rc, _, err = ckpt(capsys, "show", saved.uri)
+    assert rc == 1 and "'../escape' escapes" in err
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"))
+    assert rc == 1 and "'../escape' escapes" in err
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_an_unsafe_metadata_pickle_is_flagged_by_deep_verify_and_refused_by_export(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "code-ran"
+    replace_file_vouched(saved, 3, DCP_METADATA_NAME, pickle.dumps(_RunsCode(str(marker))))
+
+    rc_plain, _, _ = ckpt(capsys, "verify", saved.uri)
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep")
+    assert rc_plain == 0  # the manifest vouches for it; only unpickling reveals it
+    assert rc == 1 and f"file {DCP_METADATA_NAME} is unsafe" in out and "not a DCP metadata class" in out
+
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"))
+    assert rc == 1 and "refusing to export" in err
+    assert not marker.exists()
+
+
+def test_a_rank_file_that_is_not_plain_data_fails_deep_verify(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "code-ran"
+    replace_file_vouched(saved, 3, "rank-00000.pt", pickle.dumps(_RunsCode(str(marker))))
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep")
+
+    assert rc == 1 and "file rank-00000.pt does not load with weights_only" in out
+    assert not marker.exists()
+
+
+# -- show -------------------------------------------------------------------------------------------
+
+
+def test_show_prints_the_tensor_index_and_the_checkpoint_facts(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = ckpt(capsys, "show", saved.uri, "--step", "2")
+
+    assert rc == 0
+    assert "step:       2" in out and "world size: 1" in out and "state keys: model, optim" in out
+    assert '"note": "step 2"' in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("model.", "optim."))}
+    assert rows["model.0.weight"][1:4] == ["[32,", "16]", "float32"]
+    assert rows["model.2.bias"][1:3] == ["[8]", "float32"]
+    assert "optim.state.model.0.weight.exp_avg" in rows
+
+
+def test_show_json_can_narrow_to_one_state_key(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = ckpt(capsys, "show", saved.uri, "--json", "--key", "model")
+
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["folder"] == saved.folder(3) and doc["valid"] is True
+    tensors = doc["manifest"]["tensors"]
+    assert set(tensors) == {f"model.{k}" for k in saved.weights[3]}
+    assert tensors["model.0.weight"]["shape"] == [32, 16]
+    assert doc["manifest"]["metadata"] == {"lr": 1e-2, "note": "step 3"}
+
+
+# -- export -----------------------------------------------------------------------------------------
+
+
+def _read_export(out: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    index = json.loads((out / cli_ckpt.INDEX_NAME).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        loaded = load_file(out / name)
+        assert not set(loaded) & set(tensors), "a tensor is in two files"
+        tensors.update(loaded)
+    return index, tensors
+
+
+def test_export_writes_the_models_state_dict_as_safetensors(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+
+    rc, stdout, _ = ckpt(capsys, "export", saved.uri, str(out), "--step", "2", "--format", "safetensors")
+
+    assert rc == 0 and "exported 4 tensors" in stdout
+    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "model.safetensors"])
+    index, tensors = _read_export(out)
+    expected = saved.weights[2]
+    assert set(index["weight_map"]) == set(expected) == set(tensors)  # type: ignore[call-overload]
+    for name, value in expected.items():
+        assert torch.equal(tensors[name], value), name
+    assert index["metadata"] == {"total_size": sum(v.nbytes for v in expected.values())}
+    with open(out / "model.safetensors", "rb") as f:  # safetensors header: u64 length, then JSON
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["__metadata__"] == {"format": "pt"}
+
+
+def test_export_shards_by_max_shard_size_with_hugging_face_names(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+
+    rc, _, _ = ckpt(capsys, "export", saved.uri, str(out), "--max-shard-size", "1.1KB")
+
+    assert rc == 0
+    index, tensors = _read_export(out)
+    weight_map: dict[str, str] = index["weight_map"]  # type: ignore[assignment]
+    files = sorted(set(weight_map.values()))
+    # 0.weight (2048 bytes) is over the limit: a shard of its own. 0.bias (128) + 2.weight (1024)
+    # would exceed 1100 bytes; 2.weight + 2.bias (32) fit.
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert weight_map["0.weight"] == files[0] and weight_map["0.bias"] == files[1]
+    assert weight_map["2.weight"] == weight_map["2.bias"] == files[2]
+    assert sorted(os.listdir(out)) == sorted([*files, cli_ckpt.INDEX_NAME])
+    for name, value in saved.weights[3].items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_export_of_another_state_key_strips_that_prefix(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, _ = ckpt(capsys, "export", saved.uri, str(tmp_path / "opt"), "--key", "optim")
+
+    assert rc == 0
+    _, tensors = _read_export(tmp_path / "opt")
+    assert "state.model.0.weight.exp_avg" in tensors
+
+
+def test_export_refuses_a_non_empty_out_unless_forced(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    assert ckpt(capsys, "export", saved.uri, str(out), "--max-shard-size", "1KB")[0] == 0
+    (out / "config.json").write_text("{}")
+
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out))
+    assert rc == 2 and "is not empty" in err and "--force" in err
+
+    rc, _, _ = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+    assert rc == 0
+    # The earlier three shards are gone, other files are kept.
+    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "config.json", "model.safetensors"])
+    _, tensors = _read_export(out)
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "message"),
+    [
+        (["--key", "nope"], 2, "no state key 'nope'; it holds model, optim"),
+        (["--step", "7"], 2, "no checkpoint of step 7"),
+        (["--step", "2"], 1, "is invalid, refusing to export it"),
+        (["--max-shard-size", "5 parsecs"], 2, "is not a size"),
+    ],
+)
+def test_export_refuses_what_it_cannot_do_cleanly(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], rc: int, message: str
+) -> None:
+    saved.storage.delete([saved.key(2, saved.shard(2))])
+    out = tmp_path / "hf"
+
+    if args[0] == "--max-shard-size":
+        with pytest.raises(SystemExit) as exc:
+            main(["ckpt", "export", saved.uri, str(out), *args])
+        got, err = exc.value.code, capsys.readouterr().err
+    else:
+        got, _, err = ckpt(capsys, "export", saved.uri, str(out), *args)
+
+    assert got == rc
+    assert message in err
+    assert not out.exists() or not os.listdir(out)
+
+
+class _ObjectStoreLike(FileStorage):
+    """A filesystem store that hides its local paths, so readers download as from S3/GCS."""
+
+    def local_path(self, key: str) -> str | None:
+        return None
+
+
+def test_export_and_deep_verify_report_bytes_fetched_from_an_object_store(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ObjectStoreLike(uri))
+    bars: dict[str, tuple[int, list[int]]] = {}
+
+    @contextlib.contextmanager
+    def recording_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
+        got: list[int] = []
+        bars[description.split()[0]] = (total, got)
+        yield got.append
+
+    monkeypatch.setattr(cli_ckpt, "_progress_bar", recording_bar)
+    manifest = saved.manifest(3)
+
+    assert ckpt(capsys, "verify", saved.uri, "--deep")[0] == 0
+    assert ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))[0] == 0
+
+    total, got = bars["verifying"]
+    assert total == sum(got) == manifest.total_bytes
+    total, got = bars["fetching"]
+    assert total == sum(got) == manifest.file(saved.shard(3)).size  # type: ignore[union-attr]
+    _, tensors = _read_export(tmp_path / "hf")
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[3].items())
+
+
+def test_progress_bars_render_on_a_terminal(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_ckpt, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ObjectStoreLike(uri))
+
+    assert ckpt(capsys, "verify", saved.uri, "--deep")[0] == 0
+    assert ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))[0] == 0
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("ftp://host/ckpts", "unsupported checkpoint URI scheme 'ftp'"),
+        ("s3:///ckpts", "names no bucket"),
+        ("{tmp}/no-such-folder", "no such folder"),
+        ("{tmp}", "no checkpoints under"),
+    ],
+)
+@pytest.mark.parametrize("command", [["list"], ["verify"], ["verify", "--deep"], ["show"]])
+def test_bad_uris_get_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], uri: str, message: str, command: list[str]
+) -> None:
+    rc, out, err = ckpt(capsys, command[0], uri.format(tmp=tmp_path), *command[1:])
+
+    assert rc == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_only_uncommitted_folders_is_no_checkpoint_to_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    FileStorage(str(tmp_path)).put_bytes(f"{CheckpointRef(5).folder}/__0_0.distcp", b"x")
+
+    rc, _, err = ckpt(capsys, "verify", str(tmp_path))
+    assert rc == 2 and "no committed checkpoint" in err
+    # Named explicitly, the leftover is a checkpoint that is not valid.
+    rc, out, _ = ckpt(capsys, "verify", str(tmp_path), "--step", "5")
+    assert rc == 1 and "uncommitted" in out
+
+
+def test_list_show_and_plain_verify_never_import_torch(saved: Saved) -> None:
+    code = (
+        "import sys\n"
+        "from orchestrator.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "sys.exit(rc)\n"
+    )
+    for argv in (["list"], ["verify"], ["show", "--json"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "ckpt", *argv, saved.uri],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+
+# -- on every store ---------------------------------------------------------------------------------
+
+
+def test_list_and_verify_on_every_store(saved_anywhere: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = saved_anywhere
+    saved.storage.delete([saved.key(1, saved.shard(1))])
+    truncate(saved.storage, saved.key(2, "rank-00000.pt"))
+    flip_byte(saved.storage, saved.key(3, saved.shard(3)), offset=1000)
+    saved.storage.put_bytes(f"{CheckpointRef(4).folder}/__0_0.distcp", b"half a shard")
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert rc == 0
+    rows = out.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["4", "3", "2", "1"]
+    assert "uncommitted" in rows[0]
+    assert rows[1].endswith("valid")  # a flipped byte keeps the size: list cannot see it
+    assert "file rank-00000.pt is" in rows[2]
+    assert f"file {saved.shard(1)} is missing" in rows[3]
+
+    assert ckpt(capsys, "verify", saved.uri)[0] == 0
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep")
+    assert rc == 1 and f"file {saved.shard(3)} is corrupt" in out
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--step", "2")
+    assert rc == 1 and "file rank-00000.pt is" in out
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--step", "1", "--deep")
+    assert rc == 1 and f"file {saved.shard(1)} is missing" in out
+
+
+def test_show_and_export_on_every_store(
+    saved_anywhere: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = saved_anywhere
+
+    rc, out, _ = ckpt(capsys, "show", saved.uri, "--json")
+    assert rc == 0 and json.loads(out)["uri"] == saved.storage.url(saved.folder(3))
+    rc, _, _ = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), "--step", "1", "--max-shard-size", "1.1KB")
+    assert rc == 0
+    _, tensors = _read_export(tmp_path / "hf")
+    assert set(tensors) == set(saved.weights[1])
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_missing_bucket_is_one_line_and_exit_2(
+    scheme: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+
+    rc, out, err = ckpt(capsys, "list", f"{scheme}://spotjob-no-such-bucket/jobs/run1")
+
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "spotjob-no-such-bucket" in err
