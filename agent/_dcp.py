@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from agent._rank_state import refusal_reason
 from agent.crc32c import crc32c_file, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
 from agent.storage.base import CorruptObjectError, Storage
@@ -125,7 +126,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeCheckpointError(
-                f"value {read_item.dest_index.fqn!r} in the checkpoint is not plain data: {e}"
+                f"value {read_item.dest_index.fqn!r} in the checkpoint is not plain data, refused "
+                f"without running it: {refusal_reason(e)}"
             ) from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
@@ -158,9 +160,7 @@ class VerifiedReader(FileSystemReader):
         """Make ``relative_path`` available under ``local_dir``, verified; return its path."""
         entry = self.manifest.file(relative_path)
         if entry is None:
-            raise UnsafeCheckpointError(
-                f"DCP metadata points at {relative_path!r}, which MANIFEST.json does not list"
-            )
+            raise UnsafeCheckpointError(f"DCP metadata points at {relative_path!r}, which MANIFEST.json does not list")
         path = os.path.join(self.local_dir, relative_path)
         if relative_path in self._verified:
             return path

@@ -15,6 +15,7 @@ Policy when the world size changes (restore with W' ranks from a checkpoint of W
 from __future__ import annotations
 
 import io
+import pickle
 import random
 from typing import Any
 
@@ -75,9 +76,26 @@ def encode(payload: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+class RefusedPickleError(ValueError):
+    """Stored bytes asked to run code (or build an object that is not plain data); not loaded."""
+
+
+def refusal_reason(e: BaseException) -> str:
+    """The useful part of torch's weights_only refusal, without its advice to turn the check off."""
+    advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+    useful = [p for p in paragraphs if not p.startswith(advice)]
+    return " ".join(useful) if useful else type(e).__name__
+
+
 def decode(data: bytes) -> dict[str, Any]:
     """Load a rank file; plain data and tensors only (``weights_only``)."""
-    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise RefusedPickleError(
+            f"per-rank state is not plain data, refused without running it: {refusal_reason(e)}"
+        ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"per-rank state holds a {type(obj).__name__}, expected a dict")
     return obj

@@ -99,9 +99,7 @@ def read_manifest(storage: Storage, ref: CheckpointRef) -> Manifest:
     """Read and validate one manifest; ``ManifestError``/``NotFoundError`` say what is wrong."""
     manifest = Manifest.parse(storage.get_bytes(ref.key(MANIFEST_NAME)))
     if manifest.step != ref.step:
-        raise ManifestError(
-            f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it"
-        )
+        raise ManifestError(f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it")
     return manifest
 
 
@@ -164,9 +162,7 @@ def verify_deep(
         def check(path: str, size: int, crc: str) -> None:
             local = os.path.join(tmp, path.replace("/", "__"))
             try:
-                storage.get_file(
-                    status.ref.key(path), local, size=size, crc32c=from_hex(crc), progress=progress
-                )
+                storage.get_file(status.ref.key(path), local, size=size, crc32c=from_hex(crc), progress=progress)
             except CorruptObjectError as e:
                 problems.append(f"file {path} is corrupt: {e}")
             except StorageError as e:
@@ -190,4 +186,3 @@ def uncommitted_older_than(storage: Storage, ref: CheckpointRef) -> list[Checkpo
         if r < ref and storage.stat(r.key(MANIFEST_NAME)) is None:
             out.append(r)
     return out
-

@@ -200,13 +200,16 @@ class Checkpointer:
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
+        self._staging_root = staging_dir or self._default_staging()
+        # Before the groups: creating them waits for every rank, so no rank can start a save
+        # while local rank 0 is still clearing the staging folder.
+        self._clean_stale_staging()
         self._save_pg: Any = None
         self._ctl_pg: Any = None
         if self._dist:
             self._save_pg = dist.new_group(backend="gloo")
             self._ctl_pg = dist.new_group(backend="gloo")
         self._control = ControlDir(control_dir) if control_dir else None
-        self._staging_root = staging_dir or self._default_staging()
         self._inflight: _Save | None = None
         self._last_saved_step: int | None = None
         self._last_save_started = time.monotonic()
@@ -230,8 +233,7 @@ class Checkpointer:
         uri = overrides.pop("uri", None) or env.get(ENV_CHECKPOINT_URI)
         if not uri:
             raise ValueError(
-                f"no checkpoint URI: set {ENV_CHECKPOINT_URI} (spotjob-agent --checkpoint-uri does) "
-                "or pass uri=..."
+                f"no checkpoint URI: set {ENV_CHECKPOINT_URI} (spotjob-agent --checkpoint-uri does) or pass uri=..."
             )
 
         def num(name: str, kind: type) -> Any:
@@ -457,15 +459,22 @@ class Checkpointer:
                 self.wait()
             else:
                 self.wait()
-                self._start_save(step, state, metadata, flush=request)
+                # The loop stops after this save anyway: write straight from the live tensors
+                # instead of staging a copy first (saves a full memcpy of the state).
+                self._start_save(step, state, metadata, flush=request, blocking=True)
                 self.wait()
         except SaveFailedError as e:
             self._status.state = "flush-failed"
             self._report(force=True)
             if self._control is not None and self.rank == 0:
                 self._control.write_flush_result(
-                    FlushResult(step=None, uri=None, request_id=request.id if request else None,
-                                notice_to_commit_seconds=None, error=str(e))
+                    FlushResult(
+                        step=None,
+                        uri=None,
+                        request_id=request.id if request else None,
+                        notice_to_commit_seconds=None,
+                        error=str(e),
+                    )
                 )
             raise FlushFailedError(f"flush at step {step} could not commit: {e}") from e
         self._flushed = True
@@ -474,11 +483,17 @@ class Checkpointer:
         if self._control is not None and self.rank == 0:
             latency = time.time() - request.requested_at if request else None
             self._control.write_flush_result(
-                FlushResult(step=step, uri=self.last_committed_uri, request_id=request.id if request else None,
-                            notice_to_commit_seconds=latency)
+                FlushResult(
+                    step=step,
+                    uri=self.last_committed_uri,
+                    request_id=request.id if request else None,
+                    notice_to_commit_seconds=latency,
+                )
             )
             log.warning(
-                "flush: step %d committed at %s%s", step, self.last_committed_uri,
+                "flush: step %d committed at %s%s",
+                step,
+                self.last_committed_uri,
                 f", {latency:.2f}s after the notice" if latency is not None else "",
             )
 
@@ -491,6 +506,7 @@ class Checkpointer:
         state: Mapping[str, Any],
         metadata: dict[str, Any] | None,
         flush: FlushRequest | None = None,
+        blocking: bool = False,
     ) -> None:
         self._raise_if_failed()
         self.wait()  # at most one save in flight
@@ -499,8 +515,13 @@ class Checkpointer:
         self._last_save_started = started
         dcp_state, objects = self._split_state(state)
         rank_bytes = _rank_state.encode(
-            {"step": step, "rank": self.rank, "world_size": self.world_size,
-             "objects": objects, "rng": _rank_state.capture_rng()}
+            {
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "objects": objects,
+                "rng": _rank_state.capture_rng(),
+            }
         )
         if not self._checked_rank_bytes:
             self._check_rank_bytes(rank_bytes)
@@ -515,9 +536,10 @@ class Checkpointer:
             rank_bytes=rank_bytes,
             flush=flush,
         )
+        background = self.config.async_save and not blocking
         if dcp_state:
             writer = make_writer(local_dir)
-            if self.config.async_save:
+            if background:
                 save.future = dcp.async_save(
                     dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist
                 )
@@ -527,7 +549,7 @@ class Checkpointer:
         self._last_saved_step = step
         self._inflight = save
         self._status.state = "saving" if self._status.state != "flushing" else "flushing"
-        if self.config.async_save:
+        if background:
             save.thread = threading.Thread(target=self._finish_save, args=(save,), name="spotjob-save", daemon=False)
             save.thread.start()
         else:
@@ -726,8 +748,13 @@ class Checkpointer:
         if dcp_state:
             try:
                 loaded = True
-                dcp.load(dcp_state, storage_reader=reader, planner=SafeLoadPlanner(),
-                         process_group=self._ctl_pg, no_dist=not self._dist)
+                dcp.load(
+                    dcp_state,
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(),
+                    process_group=self._ctl_pg,
+                    no_dist=not self._dist,
+                )
             except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
                 error = self._load_error(ref, e)
         if not self._all_ok(error is None):
@@ -741,15 +768,21 @@ class Checkpointer:
         if isinstance(e, CheckpointException) and e.failures:
             # DCP wraps every rank's failure; the first one says what went wrong.
             e = next(iter(e.failures.values()))[0]
-        kind = "corrupt" if isinstance(e, StorageError) else "unsafe" if isinstance(e, UnsafeCheckpointError) else "unreadable"
+        if isinstance(e, StorageError):
+            kind = "corrupt"
+        elif isinstance(e, UnsafeCheckpointError | _rank_state.RefusedPickleError):
+            kind = "unsafe"
+        else:
+            kind = "unreadable"
         msg = f"{self.storage.url(ref.folder)} is {kind} on rank {self.rank}: {e}"
         log.warning("restore: skipping %s", msg)
         if not isinstance(e, StorageError | UnsafeCheckpointError | ManifestError | ValueError | RuntimeError):
             log.debug("restore failure detail", exc_info=e)
         return msg
 
-    def _apply(self, state: Mapping[str, Any], dcp_state: dict[str, Any], payload: dict[str, Any],
-               manifest: Manifest) -> None:
+    def _apply(
+        self, state: Mapping[str, Any], dcp_state: dict[str, Any], payload: dict[str, Any], manifest: Manifest
+    ) -> None:
         modules, optims, others = self._classify(state)
         bag = _ModuleBag(modules)
         if modules:
@@ -762,11 +795,15 @@ class Checkpointer:
         if self.rank < manifest.world_size:
             _rank_state.restore_rng(payload["rng"])
         else:
-            log.info("rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams",
-                     self.rank, manifest.world_size)
+            log.info(
+                "rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams",
+                self.rank,
+                manifest.world_size,
+            )
         if self.rank == 0 and manifest.world_size > self.world_size:
-            log.info("the per-rank state of %d ranks that no longer exist was dropped",
-                     manifest.world_size - self.world_size)
+            log.info(
+                "the per-rank state of %d ranks that no longer exist was dropped", manifest.world_size - self.world_size
+            )
 
     @staticmethod
     def _cleanup_cache(cache: str | None) -> None:
@@ -777,7 +814,9 @@ class Checkpointer:
     # state handling
     # ------------------------------------------------------------------------------------------
     @staticmethod
-    def _classify(state: Mapping[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer], dict[str, Any]]:
+    def _classify(
+        state: Mapping[str, Any],
+    ) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer], dict[str, Any]]:
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         optims = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
         others = {k: v for k, v in state.items() if k not in modules and k not in optims}
@@ -830,6 +869,23 @@ class Checkpointer:
         save = self._inflight
         if save is not None and save.done.is_set() and save.error is not None:
             self.wait()
+
+    def _clean_stale_staging(self) -> None:
+        """(local rank 0, at construction) Remove what killed saves and restores left staged.
+
+        No save of this job can be in flight yet, so every ``step-*`` folder there is garbage —
+        on a filesystem store a full copy of a rank's shards beside the checkpoints.
+        """
+        if int(os.environ.get("LOCAL_RANK", self.rank)) != 0:
+            return
+        try:
+            entries = list(os.scandir(self._staging_root))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.is_dir() and (entry.name.startswith("step-") or entry.name == "restore"):
+                log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     def _default_staging(self) -> str:
         local = self.storage.local_path("")

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is now (tests and the live view swap it)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 
@@ -26,9 +26,7 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="spotjob", description="Preemption-proof PyTorch training on spot capacity."
-    )
+    parser = argparse.ArgumentParser(prog="spotjob", description="Preemption-proof PyTorch training on spot capacity.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from orchestrator import cli_ckpt

@@ -1,0 +1,164 @@
+"""Asynchronous saves: failures surface on the next call, one save at a time, sync mode, bad keys.
+
+One process on the filesystem store; faults are injected by replacing methods on the
+Checkpointer's own Storage object, the seam every backend shares.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer, MissingStateKeysError, SaveFailedError
+from agent.manifest import MANIFEST_NAME
+from agent.storage import PermanentStorageError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+BOUND_S = 120.0  # only stops a hung test; nothing here asserts how long anything took
+
+
+def deny_uploads(ckpt: Checkpointer) -> None:
+    def put_file(local_path: str, key: str, **kw: Any) -> None:
+        raise PermanentStorageError(f"AccessDenied writing {key}", key)
+
+    ckpt.storage.put_file = put_file  # type: ignore[method-assign]
+
+
+def committed_steps(ckpt: Checkpointer) -> list[int]:
+    return sorted(s.ref.step for s in list_checkpoints(ckpt.storage) if s.committed)
+
+
+@pytest.mark.parametrize("next_call", ["step", "save", "close"])
+def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_path: Path) -> None:
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None)
+    deny_uploads(ckpt)
+    train(state, 1)
+    ckpt.save(1, state)  # returns once staged; the upload fails in the background
+
+    with pytest.raises(SaveFailedError, match=r"step 1.*AccessDenied"):
+        if next_call == "step":
+            deadline = time.monotonic() + BOUND_S
+            n = 2
+            while time.monotonic() < deadline:  # the first step() after the failure raises
+                ckpt.step(n, state)
+                n += 1
+                time.sleep(0.01)
+        elif next_call == "save":
+            ckpt.save(2, state)
+        else:
+            ckpt.close()
+
+    assert committed_steps(ckpt) == []
+    assert ckpt.storage.stat(f"step-000000001/{MANIFEST_NAME}") is None
+    if next_call != "close":
+        # Reported once; the job carries on and the next save commits.
+        del ckpt.storage.put_file
+        ckpt.save(5, state)
+        ckpt.close()
+        assert committed_steps(ckpt) == [5]
+
+
+def test_an_unexpected_error_in_the_save_thread_is_raised_not_hung_on(tmp_path: Path) -> None:
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None)
+
+    def broken_listing(prefix: str = "") -> list[str]:
+        raise RuntimeError("the storage client blew up")
+
+    ckpt.storage.list_dirs = broken_listing  # type: ignore[method-assign]
+    ckpt.save(1, state)
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            ckpt.close()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(BOUND_S)
+    assert not closer.is_alive(), "close() hung on a save thread that died"
+    assert isinstance(outcome[0], SaveFailedError) and "blew up" in str(outcome[0])
+
+
+def test_at_most_one_save_is_in_flight(tmp_path: Path) -> None:
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None)
+    events: list[str] = []
+    gate = threading.Event()
+    put_file, commit = ckpt.storage.put_file, ckpt.storage.put_bytes_if_absent
+
+    def gated_put_file(local_path: str, key: str, **kw: Any) -> None:
+        events.append(f"put {key}")
+        if key.startswith("step-000000001/"):
+            gate.wait(BOUND_S)
+        put_file(local_path, key, **kw)
+
+    def recorded_commit(key: str, data: bytes) -> None:
+        events.append(f"commit {key}")
+        commit(key, data)
+
+    ckpt.storage.put_file = gated_put_file  # type: ignore[method-assign]
+    ckpt.storage.put_bytes_if_absent = recorded_commit  # type: ignore[method-assign]
+    ckpt.save(1, state)
+    train(state, 1)
+    second = threading.Thread(target=ckpt.save, args=(2, state))
+    second.start()
+    # While step 1's upload is held, the second save must wait: no step-2 write may start.
+    second.join(1.0)
+    assert second.is_alive(), "save(2) returned while save(1) was still uploading"
+    assert not any("step-000000002/" in e for e in events)
+    gate.set()
+    second.join(BOUND_S)
+    ckpt.close()
+
+    first_commit = events.index(f"commit step-000000001/{MANIFEST_NAME}")
+    assert not any("step-000000002/" in e for e in events[:first_commit])
+    assert committed_steps(ckpt) == [1, 2]
+
+
+def test_sync_mode_commits_before_save_returns_and_raises_from_save(tmp_path: Path) -> None:
+    state = make_state(0)
+    before = threading.active_count()
+    with Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=False) as ckpt:
+        train(state, 2)
+        ckpt.save(2, state)
+        assert threading.active_count() == before, "sync mode started a background thread"
+        assert ckpt.storage.stat(f"step-000000002/{MANIFEST_NAME}") is not None
+        assert ckpt.last_committed_step == 2
+        saved = snapshot(state)
+
+        deny_uploads(ckpt)
+        with pytest.raises(SaveFailedError, match="AccessDenied"):
+            ckpt.save(3, state)
+        assert committed_steps(ckpt) == [2]
+        del ckpt.storage.put_file
+
+    fresh = make_state(0, seed=4)
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as again:
+        assert again.restore(fresh) == 2
+    assert_same(snapshot(fresh), saved, "the state restored in sync mode")
+
+
+def test_missing_state_keys_error_names_the_missing_keys(tmp_path: Path) -> None:
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(1, {"model": state["model"], "optim": state["optim"]})
+
+    with (
+        Checkpointer(str(tmp_path / "ckpt")) as again,
+        pytest.raises(MissingStateKeysError, match=r"\['counter', 'sched'\]"),
+    ):
+        again.restore(make_state(0, seed=2))

@@ -1,0 +1,256 @@
+"""Corrupt, tampered and malicious checkpoints are refused; restore falls back to the one before.
+
+A job committed step 1 and step 2 (one process, filesystem store). Each test damages step 2 and
+restores into fresh objects: the restore must return step 1 with step 1's exact state and log why
+it skipped step 2. The malicious cases also fix up the manifest's size and CRC32C, so that only
+the unpicklers stand between the bytes and code execution; their payload would create a marker
+file, which must never appear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import shlex
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from agent._dcp import load_dcp_metadata
+from agent.catalog import CheckpointRef, inspect, verify_deep
+from agent.checkpoint import Checkpointer, RestoreError
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+STEP2 = "step-000000002"
+
+
+class RunsShell:
+    """Unpickling this runs a shell command: what a crafted checkpoint would carry."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (self.command,))
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A store holding committed steps 1 and 2; returns it with a snapshot of step 1's state."""
+    root = tmp_path_factory.mktemp("corruption") / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root), keep=None, async_save=False) as ckpt:
+        train(state, 2)
+        ckpt.save(1, state)
+        step1 = snapshot(state)
+        train(state, 2, start=2)
+        ckpt.save(2, state)
+    return root, step1
+
+
+@pytest.fixture
+def store(committed: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    """A private copy of the committed store for one test to damage."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(committed[0], root)
+    return root
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    return tmp_path / "PWNED"
+
+
+def restore(root: Path) -> tuple[int, dict[str, Any]]:
+    state = make_state(0, seed=9)
+    with Checkpointer(str(root), keep=None) as ckpt:
+        step = ckpt.restore(state)
+    return step, snapshot(state)
+
+
+def skip_reasons(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if "skipping" in r.getMessage() and STEP2 in r.getMessage())
+
+
+def assert_falls_back_to_step_1(root: Path, step1: dict[str, Any], caplog: pytest.LogCaptureFixture) -> str:
+    """Restore; it must land on step 1 exactly and say why step 2 was skipped. Returns the reason."""
+    caplog.set_level(logging.INFO, logger="agent")
+    step, restored = restore(root)
+    assert step == 1
+    assert_same(restored, step1, "the state restored from step 1")
+    reason = skip_reasons(caplog)
+    assert reason, "restore skipped step 2 without saying why"
+    return reason
+
+
+def edit_manifest(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads((folder / MANIFEST_NAME).read_text())
+    edit(doc)
+    (folder / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+def replace_sealed(folder: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as ``name`` and record its true size and CRC32C in the manifest."""
+    (folder / name).write_bytes(data)
+
+    def reseal(doc: dict[str, Any]) -> None:
+        (entry,) = [f for f in doc["files"] if f["path"] == name]
+        entry["size"], entry["crc32c"] = len(data), to_hex(crc32c_bytes(data))
+
+    edit_manifest(folder, reseal)
+
+
+# -- corruption ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", DCP_METADATA_NAME])
+def test_a_flipped_byte_is_reported_by_verify_deep_and_restore_falls_back(
+    name: str, store: Path, committed: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.flip_byte(store / STEP2 / name)
+    storage = open_storage(str(store))
+
+    status = inspect(storage, CheckpointRef(2))
+    assert status.valid, "a same-size flip is invisible to the cheap check; only the bytes tell"
+    problems = verify_deep(storage, status)
+    assert len(problems) == 1 and name in problems[0] and "corrupt" in problems[0]
+    assert verify_deep(storage, inspect(storage, CheckpointRef(1))) == []
+
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert name in reason and "CRC32C" in reason
+
+
+# -- tampered manifests --------------------------------------------------------------------------
+
+
+def _file(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(f for f in doc["files"] if f["path"] == name)
+
+
+TAMPERINGS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "size-edited": lambda d: _file(d, "__0_0.distcp").update(size=_file(d, "__0_0.distcp")["size"] + 1),
+    "path-escapes": lambda d: _file(d, "rank-00000.pt").update(path="../x"),
+    "path-absolute": lambda d: _file(d, "rank-00000.pt").update(path="/etc/passwd"),
+    "step-mismatch": lambda d: d.update(step=5),
+}
+
+
+@pytest.mark.parametrize("tamper", [*TAMPERINGS, "invalid-json"])
+def test_a_tampered_manifest_is_refused(
+    tamper: str, store: Path, committed: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = store / STEP2
+    if tamper == "invalid-json":
+        (folder / MANIFEST_NAME).write_bytes((folder / MANIFEST_NAME).read_bytes()[:-40])
+    else:
+        edit_manifest(folder, TAMPERINGS[tamper])
+
+    status = inspect(open_storage(str(store)), CheckpointRef(2))
+    assert status.committed and not status.valid
+    expected = {
+        "size-edited": "the manifest says",
+        "path-escapes": "../x",
+        "path-absolute": "/etc/passwd",
+        "step-mismatch": "says step 5",
+        "invalid-json": "not valid JSON",
+    }[tamper]
+    assert expected in status.reason
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert expected in reason
+
+
+# -- malicious pickles ---------------------------------------------------------------------------
+
+
+def _metadata_with_payload(folder: Path, marker: Path) -> bytes:
+    """Genuine DCP metadata with the payload tucked inside, where a lax unpickler would run it."""
+    metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+    metadata.planner_data = RunsShell(f"touch {shlex.quote(str(marker))}")
+    return pickle.dumps(metadata)
+
+
+@pytest.mark.parametrize("where", ["bare", "inside-real-metadata"])
+def test_a_malicious_metadata_pickle_is_refused_without_running_it(
+    where: str, store: Path, committed: tuple[Path, dict[str, Any]], marker: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    folder = store / STEP2
+    if where == "bare":
+        payload = pickle.dumps(RunsShell(f"touch {shlex.quote(str(marker))}"))
+    else:
+        payload = _metadata_with_payload(folder, marker)
+    replace_sealed(folder, DCP_METADATA_NAME, payload)
+    storage = open_storage(str(store))
+    assert verify_deep(storage, inspect(storage, CheckpointRef(2))) == []  # sizes and CRCs all match
+
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert "references posix.system" in reason and "refusing" in reason
+    assert not marker.exists()
+
+
+def test_a_malicious_rank_file_is_refused_by_weights_only_loading(
+    store: Path, committed: tuple[Path, dict[str, Any]], marker: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = store / STEP2
+    evil = {"step": 2, "rank": 0, "world_size": 1,
+            "objects": {"counter": RunsShell(f"touch {shlex.quote(str(marker))}")}, "rng": {}}
+    buf = io.BytesIO()
+    torch.save(evil, buf)
+    replace_sealed(folder, "rank-00000.pt", buf.getvalue())
+
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert "refused without running it" in reason and "posix.system" in reason
+    assert not marker.exists()
+
+
+def test_a_malicious_value_inside_a_shard_is_refused_by_weights_only_loading(
+    store: Path, committed: tuple[Path, dict[str, Any]], marker: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-tensor value (an optimizer hyper-parameter) re-pointed at a pickle that runs code."""
+    folder = store / STEP2
+    metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+    fqn = next(k for k, v in metadata.state_dict_metadata.items()
+               if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr"))
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    info = metadata.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(RunsShell(f"touch {shlex.quote(str(marker))}"), buf)
+    shard = folder / info.relative_path
+    data = shard.read_bytes()
+    metadata.storage_data[index] = dataclasses.replace(info, offset=len(data), length=len(buf.getvalue()))
+    replace_sealed(folder, info.relative_path, data + buf.getvalue())
+    replace_sealed(folder, DCP_METADATA_NAME, pickle.dumps(metadata))
+
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert fqn in reason and "not plain data" in reason and "posix.system" in reason
+    assert not marker.exists()
+
+
+def test_restore_refuses_to_go_on_when_every_checkpoint_failed_after_a_partial_load(
+    store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in (1, 2):
+        harness.flip_byte(store / f"step-{step:09d}" / "__0_0.distcp")
+    caplog.set_level(logging.INFO, logger="agent")
+    # Some tensors were loaded in place before the bad bytes were found: continuing from step 0
+    # with them would be a silent mix, so restore refuses.
+    with pytest.raises(RestoreError):
+        restore(store)
+    assert len(skip_reasons(caplog).splitlines()) == 1

@@ -1,0 +1,119 @@
+"""kill -9 during a save: the previous checkpoint stays the one restore picks.
+
+A 2-rank torchrun job commits step 1, then its save of step 2 freezes at a seam outside
+spotjob's code (see scripts/ckpt_job.py): while DCP writes the shards to staging, mid-upload
+(one file through), or just before rank 0 writes MANIFEST.json. The test waits for the marker,
+SIGKILLs every rank, and then:
+
+- ``list_checkpoints`` and ``spotjob ckpt list`` show step 1 valid and any step-2 leftover as
+  uncommitted (staging writes nothing under the URI yet, so there is no step-2 folder at all);
+- a fresh process (this one) restores step 1;
+- its next save cleans the leftover: a save of the same step replaces it, a later step's
+  retention removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.catalog import CheckpointStatus, list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.manifest import MANIFEST_NAME
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_state import make_state, train
+
+pytestmark = pytest.mark.slow
+
+JOB = harness.SCRIPTS / "ckpt_job.py"
+RANKS = 2
+
+
+def statuses(uri: str) -> dict[str, CheckpointStatus]:
+    return {s.ref.folder: s for s in list_checkpoints(open_storage(uri))}
+
+
+def cli_list(uri: str, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, object]]:
+    """``spotjob ckpt list --json`` (in process: it imports no torch and starts in no time)."""
+    from orchestrator.cli import main
+
+    capsys.readouterr()
+    main(["ckpt", "list", "--json", uri])
+    return {row["folder"]: row for row in json.loads(capsys.readouterr().out)}
+
+
+def kill_save_at(stage: str, uri: str, tmp_path: Path) -> None:
+    """Run the job until every rank that reaches ``stage`` is frozen there, then kill -9 them all."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    log = tmp_path / "job.log"
+    argv = harness.torchrun_argv(RANKS, JOB, ["interrupt", "--uri", uri, "--markers", str(markers),
+                                              "--stage", stage])
+    proc = harness.start(argv, log)
+    # Only rank 0 writes the manifest; the other ranks wait for its answer.
+    frozen = ["rank0"] if stage == "manifest" else [f"rank{r}" for r in range(RANKS)]
+    expected = [markers / f"{stage}.{r}" for r in frozen] + [markers / f"pid.rank{r}" for r in range(RANKS)]
+    try:
+        harness.wait_for(lambda: all(p.exists() for p in expected), f"the ranks to freeze at {stage}",
+                         alive=proc, log_path=log)
+        pids = harness.read_pids(markers)
+        assert len(pids) == RANKS
+        assert {int((markers / f"{stage}.{r}").read_text()) for r in frozen} <= set(pids)
+        harness.kill9(pids)
+        rc = harness.reap(proc)
+    finally:  # on any failure above, leave no rank of ours behind
+        harness.kill9(harness.read_pids(markers))
+        harness.stop(proc)
+    assert rc != 0, "torchrun reported success for a job whose ranks were killed"
+    assert not any(harness.pid_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize(
+    ("stage", "next_step"),
+    [("staging", 2), ("upload", 2), ("manifest", 3)],
+    ids=["during-staging", "mid-upload", "before-manifest"],
+)
+def test_kill9_during_a_save_leaves_the_previous_checkpoint_restorable(
+    stage: str, next_step: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    kill_save_at(stage, uri, tmp_path)
+
+    found = statuses(uri)
+    listed = cli_list(uri, capsys)
+    assert found["step-000000001"].valid and listed["step-000000001"]["valid"] is True
+    leftover = Path(uri) / "step-000000002"
+    if stage == "staging":
+        assert "step-000000002" not in found and "step-000000002" not in listed
+    else:
+        assert not found["step-000000002"].committed
+        assert "uncommitted" in found["step-000000002"].reason
+        assert listed["step-000000002"]["committed"] is False
+        assert "uncommitted" in str(listed["step-000000002"]["reason"])
+        assert not (leftover / MANIFEST_NAME).exists()
+        assert any(leftover.iterdir()), "the killed upload was supposed to leave a file behind"
+        # Stand-in for whatever else a dead writer leaves; the clean-up must take it too.
+        (leftover / "stale-part").write_bytes(b"x" * 10)
+
+    state = make_state(0, seed=3)
+    with Checkpointer(uri, keep=None) as ckpt:
+        assert ckpt.restore(state) == 1
+        train(state, 1, start=1)
+        ckpt.save(next_step, state)
+    assert ckpt.last_committed_uri is not None
+    assert ckpt.last_committed_uri.endswith(f"/step-{next_step:09d}")
+
+    after = statuses(uri)
+    assert all(s.valid for s in after.values()), {k: s.reason for k, s in after.items()}
+    assert set(after) == {"step-000000001", f"step-{next_step:09d}"}
+    if stage != "staging":
+        kept = {f.path for f in after[f"step-{next_step:09d}"].manifest.files} | {MANIFEST_NAME}  # type: ignore[union-attr]
+        on_disk = {p.name for p in leftover.iterdir()} if leftover.exists() else set()
+        assert "stale-part" not in on_disk
+        assert on_disk <= kept

@@ -1,0 +1,93 @@
+"""Retention: ``keep`` committed checkpoints stay, leftovers older than the latest commit go, and
+nothing newer than the checkpoint just committed is touched, corrupt or not.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.catalog import CheckpointStatus, list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.manifest import MANIFEST_NAME
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+def statuses(root: Path) -> dict[str, CheckpointStatus]:
+    return {s.ref.folder: s for s in list_checkpoints(open_storage(str(root)))}
+
+
+def save_steps(root: Path, steps: list[int], *, keep: int | None) -> dict[int, dict[str, object]]:
+    """Train and save each step (async, through ``step()``); return each step's state."""
+    state = make_state(0)
+    saved = {}
+    with Checkpointer(str(root), every_steps=1, keep=keep) as ckpt:
+        done = 0
+        for step in steps:
+            train(state, step - done, start=done)
+            done = step
+            ckpt.step(step, state)
+            saved[step] = snapshot(state)
+    return saved
+
+
+def test_keep_2_leaves_exactly_the_newest_two_committed_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    save_steps(root, [1, 2, 3, 4, 5], keep=2)
+    found = statuses(root)
+    assert sorted(found) == ["step-000000004", "step-000000005"]
+    assert all(s.valid for s in found.values())
+
+
+def test_leftovers_older_than_the_latest_commit_are_removed_newer_ones_are_not_touched(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    save_steps(root, [1], keep=None)
+    for folder in ("step-000000002", "step-000000009"):  # saves that died before their manifest
+        (root / folder).mkdir()
+        (root / folder / "__0_0.distcp").write_bytes(b"partial")
+    save_steps(root, [3], keep=None)
+    found = statuses(root)
+    assert sorted(found) == ["step-000000001", "step-000000003", "step-000000009"]
+    assert found["step-000000001"].valid and found["step-000000003"].valid
+    # Newer than the commit: possibly another writer's save in progress; never ours to remove.
+    assert not found["step-000000009"].committed
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_newer_corrupt_checkpoints_never_cost_the_newest_valid_one(tmp_path: Path, keep: int) -> None:
+    root = tmp_path / "ckpt"
+    saved = save_steps(root, [1, 2, 3, 4], keep=None)
+    # Step 4: a flipped shard byte (only a read finds it); step 3: a manifest that is refused.
+    harness.flip_byte(root / "step-000000004" / "__0_0.distcp")
+    doc = json.loads((root / "step-000000003" / MANIFEST_NAME).read_text())
+    doc["files"][0]["path"] = "../escape"
+    (root / "step-000000003" / MANIFEST_NAME).write_text(json.dumps(doc))
+
+    state = make_state(0, seed=7)
+    with Checkpointer(str(root), keep=keep) as ckpt:
+        assert ckpt.restore(state) == 2
+        assert_same(snapshot(state), saved[2], "the state restored from step 2")
+        assert sorted(statuses(root)) == [f"step-00000000{n}" for n in (1, 2, 3, 4)]  # restore deletes nothing
+        train(state, 1, start=2)
+        ckpt.save(3, state)  # step-000000003 holds a manifest already: this one is step-000000003.1
+    assert ckpt.last_committed_uri is not None and ckpt.last_committed_uri.endswith("/step-000000003.1")
+
+    found = statuses(root)
+    valid = sorted(name for name, s in found.items() if s.valid and name != "step-000000004")
+    # The newest `keep` valid checkpoints survive: a broken one does not count as one of them.
+    assert valid == ["step-000000002", "step-000000003.1"][-keep:]
+    assert "step-000000004" in found, "retention touched a folder newer than the commit"
+    assert "step-000000001" not in found
+
+    fresh = make_state(0, seed=8)
+    with Checkpointer(str(root), keep=keep) as again:
+        assert again.restore(fresh) == 3
+    assert again.last_committed_uri is not None and again.last_committed_uri.endswith("/step-000000003.1")
