@@ -48,8 +48,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(pred: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
-               timeout: float = 120.0) -> None:
+def wait_until(
+    pred: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120.0
+) -> None:
     give_up = time.monotonic() + timeout
     while not pred():
         if proc is not None and proc.poll() is not None:
@@ -85,20 +86,43 @@ class AgentRun:
         return self.log_path.read_text(errors="replace")[-6000:]
 
 
-def start_agent(tmp: Path, name: str, uri: str, agent_args: list[str], train_args: list[str],
-                token: str | None = TOKEN) -> AgentRun:
+def start_agent(
+    tmp: Path, name: str, uri: str, agent_args: list[str], train_args: list[str], token: str | None = TOKEN
+) -> AgentRun:
     control = tmp / f"control-{name}"
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", SPOTJOB_AGENT_POLL_INTERVAL="0.2", PYTHONUNBUFFERED="1")
     env.pop("SPOTJOB_AGENT_TOKEN", None)
-    args = [str(BIN / "spotjob-agent"), "--checkpoint-uri", uri, "--job-name", "e2e",
-            "--control-dir", str(control), "--control-port", "0", "--kill-grace", "2"]
+    args = [
+        str(BIN / "spotjob-agent"),
+        "--checkpoint-uri",
+        uri,
+        "--job-name",
+        "e2e",
+        "--control-dir",
+        str(control),
+        "--control-port",
+        "0",
+        "--kill-grace",
+        "2",
+    ]
     if token is not None:
         token_file = tmp / f"token-{name}"
         token_file.write_text(token)
         args += ["--token-file", str(token_file)]
-    args += [*agent_args, "--", str(BIN / "torchrun"), "--nproc-per-node", "2",
-             "--master-port", str(free_port()), str(TRAIN), "--steps", str(STEPS), *train_args]
+    args += [
+        *agent_args,
+        "--",
+        str(BIN / "torchrun"),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(TRAIN),
+        "--steps",
+        str(STEPS),
+        *train_args,
+    ]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(tmp))
     return AgentRun(proc, ControlDir(str(control)), log_path)
@@ -166,8 +190,12 @@ def azure() -> Iterator[AzureScheduledEventsEmulator]:
 
 
 def post_flush(run: AgentRun, token: str | None, reason: str = "test") -> int:
-    req = urllib.request.Request(run.url() + "/flush", data=json.dumps({"reason": reason}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        run.url() + "/flush",
+        data=json.dumps({"reason": reason}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -243,13 +271,15 @@ def test_a_notice_during_an_async_save_commits_the_flush_after_the_save_in_fligh
 def _none() -> Any:
     class _S:
         last_committed_step = None
+
     return _S()
 
 
 def test_two_notices_in_a_row_start_one_flush(tmp_path: Path, imds: ImdsEmulator) -> None:
     uri = str(tmp_path / "ckpt")
-    run = start_agent(tmp_path, "twice", uri, ["--notices", "aws,sigterm", "--aws-metadata-url", imds.url],
-                      ["--step-sleep", "0.05"])
+    run = start_agent(
+        tmp_path, "twice", uri, ["--notices", "aws,sigterm", "--aws-metadata-url", imds.url], ["--step-sleep", "0.05"]
+    )
     wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
     imds.set_spot_action("terminate", time.time() + 60)
     run.proc.send_signal(signal.SIGTERM)
@@ -259,22 +289,22 @@ def test_two_notices_in_a_row_start_one_flush(tmp_path: Path, imds: ImdsEmulator
     assert len(steps) == 1, f"expected exactly one flush checkpoint, found {steps}"
 
 
-def test_a_window_too_short_for_a_flush_is_reported_and_leaves_nothing_restore_could_mistake(
-    tmp_path: Path
-) -> None:
+def test_a_window_too_short_for_a_flush_is_reported_and_leaves_nothing_restore_could_mistake(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     run = start_agent(tmp_path, "short", uri, ["--cloud", "none"], ["--step-sleep", "0.05", "--every-steps", "10"])
     wait_until(lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc)
     # A deadline already in the past: no flush can fit.
     req = urllib.request.Request(
-        run.url() + "/flush", method="POST",
+        run.url() + "/flush",
+        method="POST",
         data=json.dumps({"reason": "late notice", "deadline": time.time() - 1}).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status in (200, 202)
-    with urllib.request.urlopen(urllib.request.Request(run.url() + "/status", headers={
-            "Authorization": f"Bearer {TOKEN}"}), timeout=10) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10
+    ) as resp:
         status = json.loads(resp.read())
     assert status["window_ok"] is False and status["window_message"]
     run.wait()
