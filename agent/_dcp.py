@@ -32,7 +32,7 @@ from torch.futures import Future
 from agent._rank_state import refusal_reason
 from agent.crc32c import crc32c_file, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
-from agent.storage.base import CorruptObjectError, Storage
+from agent.storage.base import CorruptObjectError, Storage, parallel_map
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,11 @@ class VerifiedReader(FileSystemReader):
     and take a file lock per file, so each file crosses the network once per node.
     """
 
-    def __init__(self, storage: Storage, folder: str, manifest: Manifest, local_dir: str) -> None:
+    def __init__(
+        self, storage: Storage, folder: str, manifest: Manifest, local_dir: str, parallelism: int = 8
+    ) -> None:
         super().__init__(local_dir)
+        self.parallelism = parallelism
         self.storage = storage
         self.folder = folder
         self.manifest = manifest
@@ -203,8 +206,9 @@ class VerifiedReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-        for relative_path in sorted(needed):
-            self.ensure_local(relative_path)
+        # Fetch (object stores) or CRC-check (filesystem) every file this rank needs, in
+        # parallel, before DCP copies a single byte into the live state.
+        parallel_map(self.ensure_local, [(p,) for p in sorted(needed)], self.parallelism)
         return super().read_data(plan, planner)
 
 

@@ -724,7 +724,7 @@ class Checkpointer:
         if local_dir is None:
             cache = os.path.join(self._staging_root, "restore", ref.folder)
             local_dir = cache
-        reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir)
+        reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
         error: str | None = None
         rank_payload: dict[str, Any] | None = None
         # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
