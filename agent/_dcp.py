@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -137,6 +137,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class SafeEmptyLoadPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+    """Rebuilds the chosen top-level keys from the checkpoint's metadata, values loaded safely."""
+
+
 class VerifiedReader(FileSystemReader):
     """Reads a committed checkpoint, verifying every file it touches against the manifest.
 
@@ -146,9 +150,7 @@ class VerifiedReader(FileSystemReader):
     and take a file lock per file, so each file crosses the network once per node.
     """
 
-    def __init__(
-        self, storage: Storage, folder: str, manifest: Manifest, local_dir: str, parallelism: int = 8
-    ) -> None:
+    def __init__(self, storage: Storage, folder: str, manifest: Manifest, local_dir: str, parallelism: int = 8) -> None:
         super().__init__(local_dir)
         self.parallelism = parallelism
         self.storage = storage
@@ -158,6 +160,8 @@ class VerifiedReader(FileSystemReader):
         self.in_place = storage.local_path(folder) == local_dir
         self._verified: set[str] = set()
         self._metadata: Metadata | None = None
+        self.data_read_started = False
+        """True once DCP began copying verified bytes into the target state."""
 
     def ensure_local(self, relative_path: str) -> str:
         """Make ``relative_path`` available under ``local_dir``, verified; return its path."""
@@ -192,11 +196,10 @@ class VerifiedReader(FileSystemReader):
         return path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is not None:
-            return self._metadata
-        with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
-            metadata = load_dcp_metadata(f.read())
-        self._metadata = metadata
+        if self._metadata is None:
+            with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
+                self._metadata = load_dcp_metadata(f.read())
+        metadata = self._metadata
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
@@ -209,6 +212,7 @@ class VerifiedReader(FileSystemReader):
         # Fetch (object stores) or CRC-check (filesystem) every file this rank needs, in
         # parallel, before DCP copies a single byte into the live state.
         parallel_map(self.ensure_local, [(p,) for p in sorted(needed)], self.parallelism)
+        self.data_read_started = True  # from here on, live tensors may change
         return super().read_data(plan, planner)
 
 

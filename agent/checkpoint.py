@@ -38,6 +38,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,7 +54,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agent import _rank_state
-from agent._dcp import SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, make_writer, tensor_index
+from agent._dcp import (
+    SafeEmptyLoadPlanner,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    VerifiedReader,
+    make_writer,
+    tensor_index,
+)
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.control_channel import (
     ENV_ASYNC,
@@ -153,11 +161,72 @@ class _Save:
     thread: threading.Thread | None = None
 
 
+# torch.save's zip records carry a CRC-32 that costs about two thirds of a DCP write here
+# (bench/README.md). spotjob's files are covered by the manifest's CRC32C, so the zip CRC is
+# switched off while spotjob's own writes run and put back after; torch.load reads either.
+_crc32_lock = threading.Lock()
+_crc32_writers = 0
+_crc32_saved = True
+
+
+def _crc32_window_open() -> None:
+    global _crc32_writers, _crc32_saved
+    with _crc32_lock:
+        if _crc32_writers == 0:
+            _crc32_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32_writers += 1
+
+
+def _crc32_window_close() -> None:
+    global _crc32_writers
+    with _crc32_lock:
+        _crc32_writers -= 1
+        if _crc32_writers == 0:
+            torch.serialization.set_crc32_options(_crc32_saved)
+
+
 def _exception_in_flight() -> bool:
     exc = sys.exc_info()[1]
     if exc is None:
         return False
     return not (isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
+@dataclass
+class _DirectOptimState:
+    """Optimizer state rebuilt from a checkpoint, keyed by parameter name, for the fast path."""
+
+    state: dict[str, Any]
+
+
+def _plain_modules(bag: nn.Module) -> bool:
+    """True when no parameter is sharded (no DTensor, no FSDP): names map 1:1 to parameters."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in bag.parameters()):
+        return False
+    return not any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in bag.modules())
+
+
+def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """What ``set_optimizer_state_dict`` does for plain modules, minus its initialising step."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    by_name: dict[str, int] = {}
+    for name, param in bag.named_parameters():
+        if id(param) in index:
+            for fqn in _get_fqns(bag, name):
+                by_name[fqn] = index[id(param)]
+    try:
+        state = {by_name[fqn]: value for fqn, value in saved.get("state", {}).items()}
+        groups = [{**g, "params": [by_name[fqn] for fqn in g["params"]]} for g in saved["param_groups"]]
+    except KeyError as e:
+        raise MissingStateKeysError(
+            f"the checkpoint's optimizer state names parameter {e.args[0]!r}, which the model does not have"
+        ) from None
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 class _ModuleBag(nn.Module):
@@ -539,12 +608,19 @@ class Checkpointer:
         background = self.config.async_save and not blocking
         if dcp_state:
             writer = make_writer(local_dir)
-            if background:
-                save.future = dcp.async_save(
-                    dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist
-                )
-            else:
-                dcp.save(dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            _crc32_window_open()
+            try:
+                if background:
+                    save.future = dcp.async_save(
+                        dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist
+                    )
+                else:
+                    dcp.save(dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            except BaseException:
+                _crc32_window_close()
+                raise
+            if not background:
+                _crc32_window_close()
         self.last_blocking_seconds = time.monotonic() - started
         self._last_saved_step = step
         self._inflight = save
@@ -578,7 +654,10 @@ class Checkpointer:
         error: str | None = None
         try:
             if save.future is not None:
-                save.future.result()
+                try:
+                    save.future.result()
+                finally:
+                    _crc32_window_close()
             path = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
             with open(path, "wb") as f:
                 f.write(save.rank_bytes)
@@ -743,26 +822,56 @@ class Checkpointer:
             self._cleanup_cache(cache)
             return False, False
         # Phase 2: modules and optimizers through DCP (each file verified before it is read).
-        dcp_state, _ = self._split_state(state)
-        loaded = False
-        if dcp_state:
-            try:
-                loaded = True
-                dcp.load(
-                    dcp_state,
-                    storage_reader=reader,
-                    planner=SafeLoadPlanner(),
-                    process_group=self._ctl_pg,
-                    no_dist=not self._dist,
-                )
-            except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
-                error = self._load_error(ref, e)
+        dcp_state: dict[str, Any] = {}
+        try:
+            dcp_state = self._load_dcp(reader, state)
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            error = self._load_error(ref, e)
         if not self._all_ok(error is None):
             self._cleanup_cache(cache)
-            return False, loaded
+            # Did any rank's live state change before the failure? Then none may carry on from it.
+            return False, not self._all_ok(not reader.data_read_started)
         self._apply(state, dcp_state, rank_payload or {}, manifest)
         self._cleanup_cache(cache)
         return True, True
+
+    def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Load modules (in place) and optimizer state; returns the state dicts to apply.
+
+        For plain and DDP modules the optimizer state is rebuilt from the checkpoint's metadata
+        and handed to the optimizer directly: DCP's generic path first initialises a fresh
+        optimizer with a zero-gradient step, which costs as much as a training step over every
+        parameter. Sharded (DTensor/FSDP) modules take the generic path, which reshards.
+        """
+        modules, optims, _ = self._classify(state)
+        if not modules:
+            return {}
+        bag = _ModuleBag(modules)
+        load = partial(dcp.load, storage_reader=reader, process_group=self._ctl_pg, no_dist=not self._dist)
+        if not _plain_modules(bag):
+            dcp_state, _ = self._split_state(state)
+            load(dcp_state, planner=SafeLoadPlanner())
+            return dcp_state
+        dcp_state = dict(get_model_state_dict(bag))
+        load(dcp_state, planner=SafeLoadPlanner())
+        if optims:
+            # dcp.load copies its argument's keys into a new dict, so an empty target would come back
+            # empty; the lower-level loader fills the dict it is given, as dcp_to_torch_save does.
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+            saved: dict[str, Any] = {}
+            _load_state_dict(
+                saved,
+                storage_reader=reader,
+                process_group=self._ctl_pg,
+                no_dist=not self._dist,
+                planner=SafeEmptyLoadPlanner(keys=set(optims)),
+            )
+            missing = sorted(set(optims) - set(saved))
+            if missing:
+                raise MissingStateKeysError(f"the checkpoint holds no optimizer state for {missing}")
+            dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
+        return dcp_state
 
     def _load_error(self, ref: CheckpointRef, e: BaseException) -> str:
         if isinstance(e, CheckpointException) and e.failures:
@@ -788,7 +897,10 @@ class Checkpointer:
         if modules:
             set_model_state_dict(bag, {k: v for k, v in dcp_state.items() if k not in optims})
         for key, opt in optims.items():
-            set_optimizer_state_dict(bag, opt, dcp_state[key])
+            if isinstance(dcp_state[key], _DirectOptimState):
+                _load_optimizer_directly(bag, opt, dcp_state[key].state)
+            else:
+                set_optimizer_state_dict(bag, opt, dcp_state[key])
         objects = payload.get("objects", {})
         for key, obj in others.items():
             obj.load_state_dict(objects[key])

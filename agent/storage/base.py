@@ -162,7 +162,7 @@ class Storage(abc.ABC):
 
 
 def parallel_map(
-    fn: Callable[..., None], calls: Sequence[tuple[object, ...]], parallelism: int = DEFAULT_PARALLELISM
+    fn: Callable[..., object], calls: Sequence[tuple[object, ...]], parallelism: int = DEFAULT_PARALLELISM
 ) -> None:
     """Run ``fn(*args)`` for every args tuple in a thread pool; re-raise the first failure.
 

@@ -220,11 +220,8 @@ def test_a_malicious_rank_file_is_refused_by_weights_only_loading(
     assert not marker.exists()
 
 
-def test_a_malicious_value_inside_a_shard_is_refused_by_weights_only_loading(
-    store: Path, committed: tuple[Path, dict[str, Any]], marker: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A non-tensor value (an optimizer hyper-parameter) re-pointed at a pickle that runs code."""
-    folder = store / STEP2
+def plant_malicious_value(folder: Path, marker: Path) -> str:
+    """Re-point a non-tensor value (an optimizer hyper-parameter) at a pickle that runs code."""
     metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
     fqn = next(k for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr"))
@@ -237,20 +234,41 @@ def test_a_malicious_value_inside_a_shard_is_refused_by_weights_only_loading(
     metadata.storage_data[index] = dataclasses.replace(info, offset=len(data), length=len(buf.getvalue()))
     replace_sealed(folder, info.relative_path, data + buf.getvalue())
     replace_sealed(folder, DCP_METADATA_NAME, pickle.dumps(metadata))
+    return fqn
 
+
+def test_a_malicious_value_inside_a_shard_is_refused_by_weights_only_loading(
+    store: Path, committed: tuple[Path, dict[str, Any]], marker: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fqn = plant_malicious_value(store / STEP2, marker)
     reason = assert_falls_back_to_step_1(store, committed[1], caplog)
     assert fqn in reason and "not plain data" in reason and "posix.system" in reason
     assert not marker.exists()
 
 
-def test_restore_refuses_to_go_on_when_every_checkpoint_failed_after_a_partial_load(
+def test_a_corrupt_file_is_caught_before_any_byte_of_it_is_loaded(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     for step in (1, 2):
         harness.flip_byte(store / f"step-{step:09d}" / "__0_0.distcp")
     caplog.set_level(logging.INFO, logger="agent")
-    # Some tensors were loaded in place before the bad bytes were found: continuing from step 0
-    # with them would be a silent mix, so restore refuses.
+    # Every file is CRC-checked before DCP copies from it, so nothing was touched: starting from
+    # step 0 with the untouched initial state is safe.
+    step, restored = restore(store)
+    assert step == 0
+    assert_same(restored, snapshot(make_state(0, seed=9)), "the untouched initial state")
+    assert len(skip_reasons(caplog).splitlines()) == 1
+
+
+def test_restore_refuses_to_go_on_when_every_checkpoint_failed_after_a_partial_load(
+    store: Path, marker: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The model's tensors load before the optimizer's refused hyper-parameter is read: continuing
+    # from step 0 with them would be a silent mix, so restore refuses.
+    for step in (1, 2):
+        plant_malicious_value(store / f"step-{step:09d}", marker)
+    caplog.set_level(logging.INFO, logger="agent")
     with pytest.raises(RestoreError):
         restore(store)
     assert len(skip_reasons(caplog).splitlines()) == 1
+    assert not marker.exists()

@@ -118,6 +118,10 @@ class TestOptions:
         assert torchrun_nproc(["python", "train.py", "--nproc-per-node", "2"]) is None
 
 
+# Above Linux's largest pid_max (2**22): a root with no descendants, for trees found by marker only.
+NO_SUCH_PID = 2**22 + 1
+
+
 def alive(pid: int) -> bool:
     info = read_proc(pid)
     return info is not None and info.state != "Z"
@@ -140,7 +144,8 @@ class TestProcessTree:
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         grandchild = int(out.stdout.strip())
         try:
-            tree = ProcessTree(agent_id)
+            # Never rooted at pytest: stop_all must not reach the servers this session started.
+            tree = ProcessTree(agent_id, root_pid=NO_SUCH_PID)
             # (Whether parent links alone find it depends on whether an earlier test in this
             # process made pytest a subreaper; the environment marker must find it either way.)
             assert grandchild in {p.pid for p in tree.refresh(scan_environ=True)}
@@ -151,22 +156,29 @@ class TestProcessTree:
                 os.kill(grandchild, 9)
 
     def test_finds_descendants_through_parent_links(self) -> None:
-        tree = ProcessTree(uuid.uuid4().hex)
-        child = subprocess.Popen(
-            [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"]
+        # A stand-in agent as the root (never pytest itself, whose other children are the
+        # session's servers): it starts the "command", which starts a grandchild.
+        root = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                "\"import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)\"]); time.sleep(60)",
+            ]
         )
+        tree = ProcessTree(uuid.uuid4().hex, root_pid=root.pid)
         try:
             deadline = time.monotonic() + 10
             while len(tree.refresh()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.02)
             members = tree.refresh()
-            assert child.pid in {p.pid for p in members} and "sleep" in {p.comm for p in members}
-            tree.command_pid = child.pid
+            assert len(members) == 2 and "sleep" in {p.comm for p in members}
             tree.stop_all(grace=1.0, reason="test")
-            assert child.wait(timeout=10) == -15 and not tree.refresh()
+            assert not tree.refresh()
+            assert all(not alive(p.pid) for p in members)
         finally:
-            if child.poll() is None:
-                child.kill()
+            root.kill()
+            root.wait()
 
 
 class RecordingSource(NoticeSource):
