@@ -1,0 +1,481 @@
+"""What a local run shows: the live view while it runs, the summary at the end, the timeline plot,
+and ``spotjob status``. No torch import; matplotlib only inside ``plot_timeline``.
+
+The run loop (``orchestrator.cli_run``) hands a ``Snapshot`` to a view a few times a second. On a
+terminal ``LiveView`` redraws one rich panel in place (log lines scroll above it); elsewhere
+``LogView`` writes a progress line now and then, and the reconciler's own log lines carry the
+events. Both read only the snapshot: a view never touches the backend or the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from orchestrator.backends.local import EventKind, TimelineEvent
+from orchestrator.model import JobSpec, JobStatus, Phase
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_SECONDS = 15.0
+"""How often ``LogView`` writes a progress line."""
+
+_PHASE_STYLE = {
+    Phase.PENDING: "cyan",
+    Phase.RUNNING: "green",
+    Phase.FLUSHING: "yellow",
+    Phase.RESCHEDULING: "magenta",
+    Phase.SUCCEEDED: "bold green",
+    Phase.FAILED: "bold red",
+}
+
+
+_PHASE_COLOR = {
+    str(Phase.PENDING): "tab:cyan",
+    str(Phase.RUNNING): "tab:green",
+    str(Phase.FLUSHING): "tab:orange",
+    str(Phase.RESCHEDULING): "tab:purple",
+}
+"""Matplotlib colours of the phase strip in ``plot_timeline``."""
+
+
+# -- what the views show ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NoticeView:
+    node: str
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One moment of a run, as the views show it."""
+
+    name: str
+    elapsed: float
+    status: JobStatus
+    max_restarts: int
+    step: int | None
+    """The newest live attempt's step (a hint from status.json), else the last one the status saw."""
+    steps_per_second: float | None
+    commits: int
+    notices_sent: int
+    notices: list[NoticeView] = field(default_factory=list)
+
+
+def _ago(when: datetime | None, now: datetime | None = None) -> str:
+    if when is None:
+        return "-"
+    seconds = ((now or datetime.now(UTC)) - when).total_seconds()
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes:d}:{s:02d}"
+
+
+def _goodput(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def checkpoint_text(status: JobStatus) -> str:
+    c = status.last_checkpoint
+    return "none yet" if c is None else f"step {c.step} ({_ago(c.time)})"
+
+
+def render_snapshot(s: Snapshot) -> RenderableType:
+    st = s.status
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", justify="right")
+    grid.add_column()
+    phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
+    phase.append(f"  attempt {st.attempt.number}", style="dim")
+    if st.workers:
+        phase.append(f" on {', '.join(w.node or '?' for w in st.workers)}", style="dim")
+    grid.add_row("phase", phase)
+    rate = f"  ({s.steps_per_second:.1f} steps/s)" if s.steps_per_second and not st.phase.terminal else ""
+    grid.add_row("step", f"{s.step if s.step is not None else '-'}{rate}")
+    grid.add_row("checkpoint", f"{checkpoint_text(st)}  [dim]{s.commits} committed this run[/dim]")
+    grid.add_row(
+        "preemptions",
+        f"{st.preemptions}  [dim](notices sent {s.notices_sent})[/dim]   restarts {st.restarts}/{s.max_restarts}"
+        f"   steps lost {st.steps_lost_to_preemptions}",
+    )
+    grid.add_row(
+        "goodput",
+        f"{_goodput(st.goodput)}  [dim]flushing {st.flushing_seconds:.1f} s, restarting "
+        f"{st.restarting_seconds:.1f} s, retraining {st.retraining_seconds:.1f} s[/dim]",
+    )
+    for n in s.notices:
+        grid.add_row("[red]notice[/red]", f"[red]{n.node} goes away in {max(0.0, n.seconds_left):.0f} s[/red]")
+    if st.message:
+        grid.add_row("why", Text(f"{st.reason}: {st.message}", overflow="fold"))
+    events = Table.grid(padding=(0, 1))
+    for e in st.events[-5:]:
+        style = "yellow" if e.type == "Warning" else "dim"
+        count = f" x{e.count}" if e.count > 1 else ""
+        events.add_row(
+            Text(e.time.astimezone().strftime("%H:%M:%S"), style="dim"),
+            Text(f"{e.reason}{count}", style=style),
+            Text(e.message, overflow="ellipsis", no_wrap=True),
+        )
+    title = f"spotjob run [bold]{s.name}[/bold]  {_clock(s.elapsed)}"
+    return Panel(Group(grid, Text(""), events), title=title, title_align="left")
+
+
+class RunView(Protocol):
+    def update(self, snapshot: Snapshot) -> None: ...
+
+
+class LogView:
+    """Not a terminal: a progress line every ``PROGRESS_EVERY_SECONDS`` and on every phase change."""
+
+    def __init__(self, every: float = PROGRESS_EVERY_SECONDS) -> None:
+        self._every = every
+        self._next = 0.0
+        self._phase: Phase | None = None
+
+    def update(self, s: Snapshot) -> None:
+        now = time.monotonic()
+        if now < self._next and s.status.phase is self._phase:
+            return
+        self._next, self._phase = now + self._every, s.status.phase
+        rate = f" ({s.steps_per_second:.1f} steps/s)" if s.steps_per_second else ""
+        log.info(
+            "%s [%s] %s: step %s%s; checkpoint %s; %d preemption(s), %d restart(s); goodput %s",
+            s.name,
+            _clock(s.elapsed),
+            s.status.phase,
+            s.step if s.step is not None else "-",
+            rate,
+            checkpoint_text(s.status),
+            s.status.preemptions,
+            s.status.restarts,
+            _goodput(s.status.goodput),
+        )
+
+
+class LiveView:
+    """A terminal: one panel redrawn in place; log records print above it (through rich)."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._snapshot: Snapshot | None = None
+
+    def update(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def _render(self) -> RenderableType:
+        return render_snapshot(self._snapshot) if self._snapshot is not None else Text("starting ...")
+
+    @contextmanager
+    def showing(self) -> Iterator[LiveView]:
+        root = logging.getLogger()
+        saved = root.handlers[:]
+        handler = RichHandler(console=self.console, show_path=False, rich_tracebacks=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        root.handlers = [handler]
+        try:
+            with Live(console=self.console, get_renderable=self._render, refresh_per_second=4, transient=True):
+                yield self
+        finally:
+            root.handlers = saved
+            if self._snapshot is not None:
+                self.console.print(render_snapshot(self._snapshot))
+
+
+# -- the summary ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A finished (or stopped) run in numbers."""
+
+    name: str
+    phase: Phase
+    reason: str
+    message: str
+    wall_seconds: float
+    steps: int | None
+    attempts: int
+    preemptions: int
+    notices_sent: int
+    restarts: int
+    max_restarts: int
+    steps_lost: int
+    goodput: float | None
+    flushing_seconds: float
+    restarting_seconds: float
+    retraining_seconds: float
+    commits: int
+    last_checkpoint: int | None
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("outcome", f"{self.phase} ({self.reason})"),
+            ("wall time", f"{self.wall_seconds:.1f} s"),
+            ("steps", "-" if self.steps is None else str(self.steps)),
+            ("attempts", str(self.attempts)),
+            ("preemptions", f"{self.preemptions} (notices sent: {self.notices_sent})"),
+            ("restarts", f"{self.restarts} of {self.max_restarts} (failures of the user's code)"),
+            ("steps lost", f"{self.steps_lost} (to preemptions)"),
+            ("goodput", _goodput(self.goodput)),
+            ("time flushing", f"{self.flushing_seconds:.1f} s"),
+            ("time restarting", f"{self.restarting_seconds:.1f} s"),
+            ("time retraining", f"{self.retraining_seconds:.1f} s (lost steps, at the observed rate)"),
+            ("checkpoints", f"{self.commits} committed; last: step {self.last_checkpoint}"),
+        ]
+
+    def text(self) -> str:
+        width = max(len(k) for k, _ in self.rows())
+        lines = [f"spotjob run {self.name}: {self.phase}"]
+        lines += [f"  {k:<{width}}  {v}" for k, v in self.rows()]
+        if self.phase is Phase.FAILED:
+            lines.append(f"  {'reason':<{width}}  {self.message}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
+
+
+def summarize(
+    spec: JobSpec, status: JobStatus, events: Sequence[TimelineEvent], *, wall_seconds: float | None = None
+) -> Summary:
+    """The summary of a run from its final status and its timeline."""
+    started = next((e.t for e in events if e.kind == EventKind.RUN_STARTED), None)
+    ended = next((e.t for e in reversed(events) if e.kind == EventKind.RUN_FINISHED), None)
+    if wall_seconds is None:
+        wall_seconds = (ended or time.time()) - started if started is not None else 0.0
+    steps = [int(e.data["step"]) for e in events if e.kind == EventKind.STEP and "step" in e.data]
+    final = status.attempt.observed_step
+    if final is None and steps:
+        final = steps[-1]
+    return Summary(
+        name=spec.name,
+        phase=status.phase,
+        reason=status.reason,
+        message=status.message,
+        wall_seconds=wall_seconds,
+        steps=final,
+        attempts=status.attempt.number + 1,
+        preemptions=status.preemptions,
+        notices_sent=sum(1 for e in events if e.kind == EventKind.NOTICE),
+        restarts=status.restarts,
+        max_restarts=spec.max_restarts,
+        steps_lost=status.steps_lost_to_preemptions,
+        goodput=status.goodput,
+        flushing_seconds=status.flushing_seconds,
+        restarting_seconds=status.restarting_seconds,
+        retraining_seconds=status.retraining_seconds,
+        commits=sum(1 for e in events if e.kind == EventKind.COMMIT),
+        last_checkpoint=status.last_checkpoint.step if status.last_checkpoint else None,
+    )
+
+
+# -- the plot ---------------------------------------------------------------------------------
+
+
+def plot_timeline(events: Sequence[TimelineEvent], path: str, *, title: str) -> None:
+    """A PNG of steps against time with notices (and their windows), commits and restarts marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not events:
+        raise ValueError("the timeline is empty: nothing to plot")
+    t0 = next((e.t for e in events if e.kind == EventKind.RUN_STARTED), events[0].t)
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
+    by_attempt: dict[int, list[tuple[float, int]]] = {}
+    for e in events:
+        if e.kind == EventKind.STEP:
+            by_attempt.setdefault(int(e.data.get("attempt", 0)), []).append((e.t - t0, int(e.data["step"])))
+    colors = plt.get_cmap("tab10")
+    for attempt, points in sorted(by_attempt.items()):
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, color=colors(attempt % 10), lw=1.8, label=f"attempt {attempt}")
+    commits = [(e.t - t0, int(e.data["step"])) for e in events if e.kind == EventKind.COMMIT]
+    if commits:
+        xs, ys = zip(*commits, strict=True)
+        ax.scatter(xs, ys, marker="o", s=22, color="black", zorder=3, label="checkpoint committed")
+    labelled: set[str] = set()
+
+    def once(label: str) -> str | None:
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
+
+    for e in events:
+        x = e.t - t0
+        if e.kind == EventKind.NOTICE:
+            deadline = float(e.data.get("deadline", e.t)) - t0
+            ax.axvline(x, color="red", ls="--", lw=1.2, label=once("spot notice"))
+            ax.axvspan(x, deadline, color="red", alpha=0.08, label=once("notice window"))
+        elif e.kind == EventKind.NODE_TERMINATED:
+            ax.axvline(x, color="red", ls=":", lw=1.0, label=once("node reclaimed"))
+        elif e.kind == EventKind.WORKER_STARTED and int(e.data.get("attempt", 0)) > 0:
+            ax.axvline(x, color="tab:green", ls="-.", lw=1.0, label=once("restart (workers started)"))
+    # The job's phase as a strip along the bottom: where the wall time went.
+    end = events[-1].t - t0
+    phases = [(e.t - t0, str(e.data.get("phase", ""))) for e in events if e.kind == EventKind.PHASE]
+    for (x, phase), (x_next, _) in zip(phases, [*phases[1:], (end, "")], strict=True):
+        color = _PHASE_COLOR.get(phase)
+        if color is not None and x_next > x:
+            ax.axvspan(x, x_next, ymin=0, ymax=0.03, color=color, lw=0, label=once(f"phase {phase}"))
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("training step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- spotjob status ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run folder as ``spotjob status`` finds it."""
+
+    name: str
+    path: str
+    spec: JobSpec | None
+    status: JobStatus | None
+    controller_alive: bool
+    error: str | None = None
+
+
+def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "PHASE", "STEP", "PREEMPTIONS", "RESTARTS", "LAST CHECKPOINT", "GOODPUT", "UPDATED"):
+        table.add_column(column, no_wrap=True)
+    for r in records:
+        st = r.status
+        if st is None:
+            table.add_row(r.name, r.error or "(no status yet)", "", "", "", "", "", "")
+            continue
+        phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
+        if not st.phase.terminal and not r.controller_alive:
+            phase.append(" (controller gone)", style="red")
+        step = st.attempt.observed_step if st.attempt.observed_step is not None else max(
+            (w.step for w in st.workers if w.step is not None), default=None
+        )
+        updated = st.events[-1].time if st.events else st.created_at
+        table.add_row(
+            r.name,
+            phase,
+            "-" if step is None else str(step),
+            str(st.preemptions),
+            f"{st.restarts}/{r.spec.max_restarts if r.spec else '?'}",
+            checkpoint_text(st),
+            _goodput(st.goodput),
+            _ago(updated),
+        )
+    return table
+
+
+def render_run_detail(r: RunRecord) -> RenderableType:
+    parts: list[RenderableType] = []
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="dim", justify="right")
+    head.add_column()
+    head.add_row("run", f"{r.name}  [dim]{r.path}[/dim]")
+    if r.spec is not None:
+        sp = r.spec
+        head.add_row("command", " ".join(sp.command))
+        head.add_row("ranks", f"{sp.replicas} node(s) x {sp.nproc_per_node} rank(s)")
+        every = ", ".join(
+            x
+            for x in (
+                f"every {sp.checkpoint.every_steps} steps" if sp.checkpoint.every_steps else "",
+                f"every {sp.checkpoint.every_seconds:g} s" if sp.checkpoint.every_seconds else "",
+            )
+            if x
+        )
+        head.add_row("checkpoints", f"{sp.checkpoint.uri}  [dim]{every or 'on notices only'}[/dim]")
+        head.add_row("budget", f"maxRestarts {sp.max_restarts}, flush timeout {sp.flush_timeout_seconds:g} s")
+    st = r.status
+    if st is None:
+        head.add_row("status", r.error or "no status yet")
+        return head
+    phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
+    if not st.phase.terminal and not r.controller_alive:
+        phase.append("  (its spotjob run process is gone: nothing is driving it)", style="red")
+    head.add_row("phase", phase)
+    head.add_row("reason", Text(f"{st.reason}: {st.message}", overflow="fold"))
+    a = st.attempt
+    resumed = "scratch" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
+    seen = "-" if a.observed_step is None else str(a.observed_step)
+    head.add_row("attempt", f"{a.number}, resumed from {resumed}, step seen {seen}")
+    where = f"  [dim]{st.last_checkpoint.uri}[/dim]" if st.last_checkpoint else ""
+    head.add_row("checkpoint", checkpoint_text(st) + where)
+    head.add_row(
+        "counts",
+        f"preemptions {st.preemptions}, restarts {st.restarts}, steps lost {st.steps_lost_to_preemptions}",
+    )
+    head.add_row(
+        "goodput",
+        f"{_goodput(st.goodput)}  [dim]flushing {st.flushing_seconds:.1f} s, restarting {st.restarting_seconds:.1f} s,"
+        f" retraining {st.retraining_seconds:.1f} s[/dim]",
+    )
+    for av in st.avoid:
+        head.add_row("avoiding", f"{av.kind} {av.value} until {av.until.astimezone():%H:%M:%S} ({av.reason})")
+    parts.append(head)
+
+    if st.workers:
+        workers = Table(title="workers", title_justify="left", box=None, header_style="bold")
+        for column in ("NAME", "NODE", "ZONE", "TYPE", "PHASE", "EXIT", "STEP"):
+            workers.add_column(column, no_wrap=True)
+        for w in st.workers:
+            workers.add_row(
+                w.name,
+                w.node or "-",
+                w.zone or "-",
+                w.instance_type or "-",
+                str(w.phase),
+                "-" if w.exit_code is None else str(w.exit_code),
+                "-" if w.step is None else str(w.step),
+            )
+        parts += [Text(""), workers]
+
+    conditions = Table(title="conditions", title_justify="left", box=None, header_style="bold")
+    for column in ("TYPE", "STATUS", "REASON", "SINCE", "MESSAGE"):
+        conditions.add_column(column, overflow="fold")
+    for c in st.conditions:
+        conditions.add_row(c.type, c.status, c.reason, f"{c.last_transition_time.astimezone():%H:%M:%S}", c.message)
+    parts += [Text(""), conditions]
+
+    events = Table(title="events (oldest first)", title_justify="left", box=None, header_style="bold")
+    for column in ("TIME", "TYPE", "REASON", "COUNT", "MESSAGE"):
+        events.add_column(column, overflow="fold")
+    for e in st.events:
+        events.add_row(
+            f"{e.time.astimezone():%H:%M:%S}",
+            Text(str(e.type), style="yellow" if e.type == "Warning" else ""),
+            e.reason,
+            str(e.count),
+            e.message,
+        )
+    parts += [Text(""), events]
+    return Group(*parts)

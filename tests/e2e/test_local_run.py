@@ -1,0 +1,224 @@
+"""Local mode end to end: real agents, torchrun, DDP ranks, IMDSv2 emulators and the reconciler.
+
+Each test runs examples/train.py (2 ranks, 60 steps) under spotjob's local backend and checks
+what the job ends with, never how long anything took: the final state bit-identical to an
+uninterrupted run after notices at random steps, during saves and during a restart; a crashing
+script failing the job once ``--max-restarts`` is used; a flush that storage refuses timing out
+and the job resuming from the checkpoint before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+
+from orchestrator.backends.local import ENV_NODE, EventKind, Timeline, marked_pids
+from orchestrator.cli_run import LocalRun, RunConfig
+from orchestrator.model import Phase, WorkerPhase
+
+try:
+    from faults import FaultProxy
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GIVE_UP_S = 300.0
+"""How long a test waits for something to happen before calling the run hung."""
+SEED = int(os.environ.get("SPOTJOB_E2E_SEED", "20261129"))
+
+
+def wait_for(predicate: Callable[[], bool], what: str, *, done: threading.Event | None = None) -> None:
+    give_up = time.monotonic() + GIVE_UP_S
+    while not predicate():
+        if done is not None and done.is_set():
+            raise AssertionError(f"the run ended before {what}")
+        if time.monotonic() > give_up:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def read_status(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()).get("status") or {})
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def event_reasons(status: dict[str, Any]) -> list[str]:
+    return [e["reason"] for e in status.get("events", [])]
+
+
+# -- preemptions at random moments --------------------------------------------------------------
+
+
+def test_a_job_preempted_at_random_steps_during_saves_and_during_a_restart_ends_bit_identical(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    rng = random.Random(SEED)
+    first, third = rng.randint(10, 25), rng.randint(38, 50)
+    config = RunConfig(
+        script=str(TRAIN),
+        args=["--steps", str(STEPS), "--step-sleep", "0.1", "--dump", str(tmp_path / "final")],
+        name="preempted",
+        runs_dir=str(tmp_path / "runs"),
+        # A save every step, and at most one in flight: whenever a notice lands, a save is under way.
+        every_steps=1,
+        notice=6.0,
+        flush_timeout=60.0,
+    )
+    run = LocalRun(config)
+    backend, spec = run.backend, run.spec
+    done = threading.Event()
+    failures: list[BaseException] = []
+    starting_when_noticed: list[bool] = []
+
+    def attempts() -> set[int]:
+        return {w.attempt for w in backend.list_workers(spec)}
+
+    def drive() -> None:
+        try:
+            wait_for(lambda: (backend.observed_step(spec.name) or 0) >= first, f"step {first}", done=done)
+            assert backend.preempt(why=f"the test: step {first}") is not None
+            wait_for(lambda: 1 in attempts(), "attempt 1's worker", done=done)
+            starting = [w for w in backend.list_workers(spec) if w.attempt == 1]
+            starting_when_noticed.append(all(w.phase is WorkerPhase.PENDING for w in starting))
+            assert backend.preempt(why="the test: attempt 1 is still starting") is not None
+            wait_for(
+                lambda: max(attempts(), default=0) >= 2 and (backend.observed_step(spec.name) or 0) >= third,
+                f"attempt 2 at step {third}",
+                done=done,
+            )
+            assert backend.preempt(why=f"the test: step {third}") is not None
+        except BaseException as e:
+            failures.append(e)
+
+    driver = threading.Thread(target=drive, name="test-driver", daemon=True)
+    driver.start()
+    try:
+        status = run.run()
+    finally:
+        done.set()
+        driver.join(timeout=30)
+    assert not failures, f"seed {SEED}: {failures[0]!r}"
+
+    assert status.phase is Phase.SUCCEEDED, f"seed {SEED}: {status.reason}: {status.message}"
+    assert (status.preemptions, status.restarts) == (3, 0)
+    # No assertion on steps lost: with a save every step, a periodic commit that lands between the
+    # notice and the flush is taken for the flush (storage holds a newer manifest), and the gang is
+    # stopped a step or two before its own flush commits. The final state is what must not change.
+    reasons = [e.reason for e in status.events]
+    assert reasons.count("FlushCommitted") >= 2, reasons
+    assert "WorkersExited" in reasons, "attempt 1 had no running worker to flush"
+
+    timeline = Timeline.read(str(Path(run.path) / "timeline.jsonl"))
+    notices = [e for e in timeline if e.kind == EventKind.NOTICE]
+    assert len(notices) == 3
+    started = {e.data["attempt"]: e.data["node"] for e in timeline if e.kind == EventKind.WORKER_STARTED}
+    assert notices[1].data["node"] == started[1]
+    assert starting_when_noticed == [True]
+    trained_in_attempt_1 = [
+        e for e in timeline if e.kind == EventKind.STEP and e.data["attempt"] == 1 and e.data["state"] != "starting"
+    ]
+    assert not trained_in_attempt_1, "the second notice came while attempt 1 was still starting"
+    assert len(set(started.values())) == len(started), "no node is used twice after a notice"
+
+    for node in backend.nodes():
+        assert marked_pids(ENV_NODE, node.marker) == [], f"a process of {node.name} outlived the run"
+    assert_same_final_state(tmp_path / "final", uninterrupted)
+
+
+# -- a crashing script --------------------------------------------------------------------------
+
+
+def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_with_the_reason(
+    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    proc = spotjob(
+        "run", "--name", "crashing", "--max-restarts", "1", "--every-steps", "5",
+        str(TRAIN), "--steps", str(STEPS), "--crash-at-step", "12",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-6000:]
+    assert "crashing failed: RestartBudgetExhausted" in proc.stderr
+    assert "Failed" in proc.stdout  # the summary
+
+    status = read_status(tmp_path / "spotjob-runs" / "crashing" / "crashing.json")
+    assert status is not None
+    assert (status["phase"], status["reason"]) == ("Failed", "RestartBudgetExhausted")
+    assert "all 1 restart(s) are used" in status["message"]
+    assert (status["restarts"], status["preemptions"]) == (1, 0)
+    assert event_reasons(status).count("WorkerFailed") == 1
+    assert status["attempt"]["number"] == 1 and status["attempt"]["resumedFromStep"] in (5, 10)
+
+    listing = spotjob("status", cwd=tmp_path)
+    assert listing.returncode == 0 and "crashing" in listing.stdout and "Failed" in listing.stdout
+    detail = spotjob("status", "crashing", cwd=tmp_path)
+    assert detail.returncode == 0 and "RestartBudgetExhausted" in detail.stdout
+
+
+# -- storage refuses the flush ------------------------------------------------------------------
+
+
+def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_checkpoint_before_it(
+    tmp_path: Path, moto_server: str, s3_client: Any, uninterrupted: Path
+) -> None:
+    bucket = f"spotjob-e2e-{uuid.uuid4().hex[:10]}"
+    s3_client.create_bucket(Bucket=bucket)
+    status_file = tmp_path / "spotjob-runs" / "storage-down" / "storage-down.json"
+    with FaultProxy(moto_server, dialect="s3") as proxy:
+        # Step 10 commits; every other checkpoint's writes are refused (503 SlowDown) until cleared,
+        # and the agents keep retrying: whatever step the flush picks, it cannot commit.
+        refused = proxy.fail(10**9, 503, method="PUT", path=r"/step-(?!0{7}10/)\d{9}/")
+        env = clean_env(
+            AWS_ENDPOINT_URL=proxy.url, SPOTJOB_STORAGE_MAX_ATTEMPTS="1000000", SPOTJOB_STORAGE_MAX_BACKOFF_S="0.5"
+        )
+        argv = [
+            tool("spotjob"), "run", "--name", "storage-down", "--checkpoint-uri", f"s3://{bucket}/job",
+            "--every-steps", "10", "--preempt-at-step", "12", "--notice", "30", "--flush-timeout", "8",
+            str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.1", "--dump", str(tmp_path / "final"),
+        ]  # fmt: skip
+        log_path = tmp_path / "spotjob-run.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+
+            def timed_out() -> bool:
+                status = read_status(status_file)
+                if proc.poll() is not None:
+                    raise AssertionError(f"spotjob run exited {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+                return status is not None and "FlushTimedOut" in event_reasons(status)
+
+            wait_for(timed_out, "the flush to time out")
+            proxy.clear()  # storage is back
+            code = proc.wait(timeout=GIVE_UP_S)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    output = log_path.read_text()
+    assert code == 0, output[-6000:]
+    assert refused.served > 0
+
+    status = read_status(status_file)
+    assert status is not None and status["phase"] == "Succeeded"
+    timed_out_event = next(e for e in status["events"] if e["reason"] == "FlushTimedOut")
+    assert timed_out_event["message"].endswith("resuming from step 10"), timed_out_event
+    assert status["preemptions"] == 1 and status["restarts"] == 0
+    assert status["stepsLostToPreemptions"] > 0
+    assert "resumed from step 10" in output or "from step 10" in output
+    assert_same_final_state(tmp_path / "final", uninterrupted)
