@@ -155,6 +155,7 @@ class _Save:
     rank_bytes: bytes
     future: Any = None
     flush: FlushRequest | None = None
+    trigger: str = "save"
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     committed_uri: str | None = None
@@ -191,6 +192,13 @@ def _exception_in_flight() -> bool:
     if exc is None:
         return False
     return not (isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
+@dataclass(frozen=True)
+class _Vote:
+    flush: bool
+    save_early: bool
+    time_due: bool
 
 
 @dataclass
@@ -336,13 +344,18 @@ class Checkpointer:
         self._raise_if_failed()
         if self._flushed:
             return True
-        flush, save_early, time_due = self._vote()
-        if flush:
+        vote = self._vote()
+        if vote.flush:
             self._flush(step, state, metadata)
             return True
-        due = save_early or time_due or bool(self.config.every_steps and step % self.config.every_steps == 0)
-        if due and self._last_saved_step != step:
-            self.save(step, state, metadata=metadata)
+        due = vote.time_due or bool(self.config.every_steps and step % self.config.every_steps == 0)
+        if vote.save_early and self._last_saved_step != step:
+            self._start_save(step, state, metadata, trigger="early")
+        elif due and self._last_saved_step != step:
+            # At most one save in flight: a policy save waits for the previous one. Deterministic
+            # checkpoints every N steps are worth more than never blocking; a hung store is
+            # bounded by the storage retries and, above them, the controller's flush timeout.
+            self._start_save(step, state, metadata, trigger="policy")
         self._status.step = step
         if self._status.state == "starting":
             self._status.state = "training"
@@ -350,10 +363,11 @@ class Checkpointer:
         return False
 
     def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
-        """Save ``state`` as the checkpoint of ``step`` now (asynchronously unless configured not)."""
-        self._start_save(step, state, metadata)
-        if not self.config.async_save:
-            self.wait()
+        """Save ``state`` as the checkpoint of ``step`` now (asynchronously unless configured not).
+
+        Waits for a save still in flight first (at most one is in flight).
+        """
+        self._start_save(step, state, metadata, trigger="save")
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -460,6 +474,7 @@ class Checkpointer:
     # the flush vote
     # ------------------------------------------------------------------------------------------
     def _local_flags(self) -> list[int]:
+        """[flush requested, save-early requested, every_seconds due]."""
         flush = save_early = 0
         if self._control is not None:
             flush = int(self._control.flush_requested())
@@ -475,12 +490,11 @@ class Checkpointer:
         )
         return [flush, save_early, time_due]
 
-    def _vote(self) -> tuple[bool, bool, bool]:
+    def _vote(self) -> _Vote:
+        """What every rank agrees on at this step: identical on all ranks, or collectives diverge."""
         flags = self._local_flags()
         if not self._dist or self.world_size == 1:
             agreed = flags
-        elif self._control is None and self.config.every_seconds is None:
-            return False, False, False
         else:
             # Read the vote launched at the previous step (long since done), launch this one.
             agreed = [0, 0, 0]
@@ -491,14 +505,14 @@ class Checkpointer:
             buf = torch.tensor(flags, dtype=torch.int32)
             work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
             self._votes.append((work, buf))
-        flush, save_early, time_due = (bool(v) for v in agreed)
-        if save_early and self._control is not None:
+        vote = _Vote(*(bool(v) for v in agreed))
+        if vote.save_early and self._control is not None:
             try:
                 self._handled_save_mtime = os.stat(os.path.join(self._control.path, "save.json")).st_mtime_ns
             except FileNotFoundError:
                 pass
             log.info("saving early: the agent asked for a checkpoint without stopping")
-        return flush, save_early, time_due
+        return vote
 
     def _drain_votes(self) -> None:
         while self._votes:
@@ -525,6 +539,7 @@ class Checkpointer:
             inflight = self._inflight
             if inflight is not None and inflight.step == step:
                 inflight.flush = request
+                inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
                 self.wait()
             else:
                 self.wait()
@@ -576,6 +591,7 @@ class Checkpointer:
         metadata: dict[str, Any] | None,
         flush: FlushRequest | None = None,
         blocking: bool = False,
+        trigger: str = "save",
     ) -> None:
         self._raise_if_failed()
         self.wait()  # at most one save in flight
@@ -604,6 +620,7 @@ class Checkpointer:
             state_keys=list(state.keys()),
             rank_bytes=rank_bytes,
             flush=flush,
+            trigger="flush" if flush is not None or blocking else trigger,
         )
         background = self.config.async_save and not blocking
         if dcp_state:
@@ -630,6 +647,7 @@ class Checkpointer:
             save.thread.start()
         else:
             self._finish_save(save)
+            self.wait()  # a synchronous save reports its failure from the call that made it
 
     def _finish_save(self, save: _Save) -> None:
         """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective.
@@ -755,6 +773,7 @@ class Checkpointer:
             files=sorted((FileEntry(path=n, size=s, crc32c=c) for n, s, c in files), key=lambda f: f.path),
             tensors=tensors,
             metadata=save.metadata,
+            trigger=save.trigger,
         )
         try:
             self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())

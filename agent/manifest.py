@@ -82,6 +82,11 @@ class Manifest(BaseModel):
     files: list[FileEntry]
     tensors: dict[str, TensorEntry] = Field(default_factory=dict)
     metadata: dict[str, JsonValue] = Field(default_factory=dict, description="user metadata")
+    trigger: str | None = Field(
+        default=None,
+        description="what started the save: 'policy' (every_steps/every_seconds), 'flush' (a preemption "
+        "notice), 'early' (the agent's save-early request) or 'save' (an explicit save() call)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

@@ -46,7 +46,8 @@ the job has left, or for another job's node changes nothing; advisory signals (R
 nothing; a worker missing from the listing is declared lost only if a second listing agrees.
 
 The flush is done when storage — the source of truth, never an agent's word — holds a valid
-manifest newer than the *baseline*: the newest committed step read in the pass that heard a
+manifest written by the flush (``trigger: flush``; a periodic save that commits while the ranks
+are still agreeing on the flush step does not count) newer than the *baseline*: the newest committed step read in the pass that heard a
 controller signal, or, when an agent acted on its own (exit 75/76, lost), the step the status held
 before that pass (the agent may have committed between two passes).
 """
@@ -252,6 +253,15 @@ class _Pass:
     @property
     def checkpoint_step(self) -> int | None:
         return self.checkpoint.ref.step if self.checkpoint is not None else None
+
+    @property
+    def checkpoint_is_flush(self) -> bool:
+        """The newest checkpoint was a flush, not a periodic save that happened to commit meanwhile.
+
+        Manifests that do not say (written before spotjob recorded the trigger) count as a flush.
+        """
+        manifest = self.checkpoint.manifest if self.checkpoint is not None else None
+        return manifest is None or manifest.trigger in (None, "flush")
 
     def resume_point(self) -> str:
         step = self.checkpoint_step
@@ -557,7 +567,11 @@ class Reconciler:
 
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step
-        if step is not None and (recovery.baseline_step is None or step > recovery.baseline_step):
+        if (
+            step is not None
+            and (recovery.baseline_step is None or step > recovery.baseline_step)
+            and p.checkpoint_is_flush
+        ):
             assert p.status.last_checkpoint is not None
             self._enter_rescheduling(
                 p,

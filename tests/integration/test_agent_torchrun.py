@@ -155,6 +155,7 @@ def committed_steps_per_rank(uri: str, step: int) -> set[int]:
     assert status.valid, status.reason
     manifest = Manifest.parse(storage.get_bytes(status.ref.key(MANIFEST_NAME)))
     assert manifest.world_size == 2
+    assert manifest.trigger == "flush", "the flush checkpoint must say so, for the controller"
     steps = set()
     for rank in (0, 1):
         data = storage.get_bytes(status.ref.key(f"rank-{rank:05d}.pt"))

@@ -162,3 +162,14 @@ def test_missing_state_keys_error_names_the_missing_keys(tmp_path: Path) -> None
         pytest.raises(MissingStateKeysError, match=r"\['counter', 'sched'\]"),
     ):
         again.restore(make_state(0, seed=2))
+
+
+def test_each_manifest_records_what_started_its_save(tmp_path: Path) -> None:
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=None) as ckpt:
+        train(state, 1)
+        ckpt.step(1, state)
+        train(state, 1, start=1)
+        ckpt.save(2, state)
+    triggers = {s.ref.step: s.manifest.trigger for s in list_checkpoints(ckpt.storage) if s.manifest}
+    assert triggers == {1: "policy", 2: "save"}

@@ -79,7 +79,9 @@ class FlakyStorage(FileStorage):
         return super().list_dirs(prefix)
 
 
-def commit_checkpoint(storage: Storage, step: int, created_at: datetime, *, job: str = "train") -> None:
+def commit_checkpoint(
+    storage: Storage, step: int, created_at: datetime, *, job: str = "train", trigger: str | None = None
+) -> None:
     """Commit a small valid checkpoint at ``step`` the way rank 0 does: shard first, manifest last."""
     folder = folder_name(step)
     shard = f"step {step}".encode()
@@ -92,6 +94,7 @@ def commit_checkpoint(storage: Storage, step: int, created_at: datetime, *, job:
         job=job,
         state_keys=["model"],
         files=[FileEntry(path="shard-0.bin", size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
+        trigger=trigger,
     )
     storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
 
@@ -300,7 +303,7 @@ class FakeBackend:
 
     def _commit(self, step: int, *, at: datetime | None = None) -> None:
         try:
-            commit_checkpoint(self.storage, step, at or self.clock.now())
+            commit_checkpoint(self.storage, step, at or self.clock.now(), trigger="flush")
         except AlreadyExistsError:
             return  # another agent of the gang committed this step already
         self.commits.append(step)

@@ -205,6 +205,20 @@ def test_reschedules_once_storage_holds_a_manifest_newer_than_before_the_flush(w
     assert world.backend.workers == {}
 
 
+def test_a_periodic_save_committed_during_the_flush_is_not_taken_for_the_flush(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    preempt_running_job(w)
+    w.run_until(phase_is(Phase.FLUSHING))
+    # A save the ranks started before they agreed on the flush step commits now.
+    commit_checkpoint(w.storage, 200, w.clock.now(), trigger="policy")
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 200
+
+
 def test_reschedules_from_the_previous_checkpoint_when_the_flush_times_out(tmp_path: Any) -> None:
     w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
     w.run_to(60)
