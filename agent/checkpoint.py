@@ -187,6 +187,22 @@ def _crc32_window_close() -> None:
             torch.serialization.set_crc32_options(_crc32_saved)
 
 
+def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
+    """If the script dies of an unhandled exception after close(), remove the "closed" marker.
+
+    The marker lets the agent forgive an abort at interpreter exit after the work is done; a
+    traceback after close() (writing results, say) is a real failure and must stay one. A
+    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it).
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        control.unmark_closed(rank)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def _exception_in_flight() -> bool:
     exc = sys.exc_info()[1]
     if exc is None:
@@ -453,6 +469,7 @@ class Checkpointer:
             # block during a crash): that must stay a failure.
             if self._control is not None and not _exception_in_flight():
                 self._control.mark_closed(self.rank)
+                _take_back_closed_on_crash(self._control, self.rank)
             if self._status.state not in ("flushed", "flush-failed"):
                 self._status.state = "closed"
             self._report(force=True)

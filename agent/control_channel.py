@@ -200,6 +200,13 @@ class ControlDir:
         name = FLUSHED_FILE if result.error is None else FLUSH_FAILED_FILE
         write_json_atomic(self._p(name), asdict(result))
 
+    def unmark_closed(self, rank: int) -> None:
+        """The rank raised after closing: its exit is a failure after all."""
+        try:
+            os.unlink(self._p(f"{CLOSED_PREFIX}{rank}"))
+        except FileNotFoundError:
+            pass
+
     def mark_closed(self, rank: int) -> None:
         with open(self._p(f"{CLOSED_PREFIX}{rank}"), "w") as f:
             f.write(str(time.time()))

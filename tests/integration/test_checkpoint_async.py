@@ -173,3 +173,36 @@ def test_each_manifest_records_what_started_its_save(tmp_path: Path) -> None:
         ckpt.save(2, state)
     triggers = {s.ref.step: s.manifest.trigger for s in list_checkpoints(ckpt.storage) if s.manifest}
     assert triggers == {1: "policy", 2: "save"}
+
+
+CRASH_AFTER_CLOSE = """
+import sys, torch
+from agent import Checkpointer
+ckpt = Checkpointer(sys.argv[1], control_dir=sys.argv[2])
+ckpt.step(1, {"model": torch.nn.Linear(2, 2)})
+ckpt.close()
+if sys.argv[3] == "crash":
+    raise OSError("writing the results failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["clean", "crash"])
+def test_a_rank_is_reported_closed_only_if_nothing_raised_after_close(tmp_path: Path, ending: str) -> None:
+    """The agent forgives an abort at interpreter exit only after a clean close(); a traceback
+    after close() (e.g. writing results) must stay a failure."""
+    import subprocess
+
+    control = tmp_path / "control"
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_AFTER_CLOSE, str(tmp_path / "ckpt"), str(control), ending],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    closed = sorted(p.name for p in control.glob("closed-rank-*"))
+    if ending == "clean":
+        assert proc.returncode == 0, proc.stderr
+        assert closed == ["closed-rank-0"]
+    else:
+        assert proc.returncode != 0 and "writing the results failed" in proc.stderr
+        assert closed == []
