@@ -216,9 +216,29 @@ class VerifiedReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def make_writer(path: str, thread_count: int = 1) -> FileSystemWriter:
-    # sync_files: the bytes must be on disk before we link or upload them and commit.
-    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+def make_writer(path: str, *, durable: bool, thread_count: int = 1) -> FileSystemWriter:
+    """DCP's writer into a rank's staging folder.
+
+    ``durable``: fsync every file — needed when the staged files become the checkpoint (a
+    filesystem store links them into place). For an object store they are only an upload buffer:
+    a crash loses them along with the upload, and no manifest is ever written for them.
+    """
+    return FileSystemWriter(path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count)
+
+
+def make_stager() -> Any:
+    """One stager for the Checkpointer's lifetime: it keeps its CPU buffers between saves, so a
+    save copies into memory that is already there instead of allocating (and first-touching) a
+    state-sized buffer every time. Safe because a save is staged only after the previous one is
+    done with its buffers. Pinned memory when CUDA is present, for fast device-to-host copies."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 def tensor_index(metadata: Metadata) -> dict[str, TensorEntry]:

@@ -59,6 +59,7 @@ from agent._dcp import (
     SafeLoadPlanner,
     UnsafeCheckpointError,
     VerifiedReader,
+    make_stager,
     make_writer,
     tensor_index,
 )
@@ -311,6 +312,7 @@ class Checkpointer:
         self.last_save_seconds: float | None = None
         self.last_blocking_seconds: float | None = None
         self._flushed = False
+        self._stager: Any = None
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._status = RankStatus(state="starting", world_size=self.world_size)
@@ -480,6 +482,9 @@ class Checkpointer:
                     except Exception as e:  # a torn-down default group already took it
                         log.debug("destroying a checkpoint process group: %s", e)
             self._save_pg = self._ctl_pg = None
+            if self._stager is not None:
+                self._stager.close()  # frees the staging buffers kept between saves
+                self._stager = None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -641,12 +646,18 @@ class Checkpointer:
         )
         background = self.config.async_save and not blocking
         if dcp_state:
-            writer = make_writer(local_dir)
+            writer = make_writer(local_dir, durable=self.storage.local_path("") is not None)
             _crc32_window_open()
             try:
                 if background:
+                    if self._stager is None:
+                        self._stager = make_stager()
                     save.future = dcp.async_save(
-                        dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist
+                        dcp_state,
+                        storage_writer=writer,
+                        process_group=self._save_pg,
+                        no_dist=not self._dist,
+                        async_stager=self._stager,
                     )
                 else:
                     dcp.save(dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)

@@ -75,6 +75,4 @@ def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None
 def _log_retry_named(op: str, state: RetryCallState) -> None:
     err = state.outcome.exception() if state.outcome else None
     wait = state.next_action.sleep if state.next_action else 0.0
-    log.warning(
-        "retrying %s after attempt %d failed (%s); next try in %.2fs", op, state.attempt_number, err, wait
-    )
+    log.warning("retrying %s after attempt %d failed (%s); next try in %.2fs", op, state.attempt_number, err, wait)

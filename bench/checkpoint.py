@@ -1,0 +1,783 @@
+"""Checkpoint benchmark: spotjob's Checkpointer next to torch.save, plain DCP and the raw floor.
+
+For each state size (a model of plain ``nn.Linear`` layers plus Adam after one step: Adam's two
+moments make the state about 3x the parameters) and each backend (filesystem; S3 served by moto
+on loopback), every repetition measures, in this order and in the same process:
+
+- baselines: ``torch.save`` of the full state to one file with fsync, and ``torch.load`` of it
+  (cold page cache, then warm: the warm one is "deserialise"); plain ``dcp.save`` /
+  ``dcp.load`` with ``FileSystemWriter`` / ``FileSystemReader``; the floor: the state's bytes
+  written raw to one file with fsync and read back cold (filesystem), or ``upload_file`` /
+  ``download_file`` of a file of that many bytes with boto3 (S3);
+- the Checkpointer: ``step()`` with ``async_save=False`` (the whole save), ``restore()`` into a
+  fresh model and optimizer (cold page cache), and ``step()`` with async saves (how long it
+  blocks) followed by ``wait()`` (``last_save_seconds``: from the save call to the commit);
+- diagnostics (filesystem only): the pieces an async save is made of, timed alone.
+
+Single process, no ``torch.distributed``: one rank writes one shard file. On a 2-core machine more
+ranks would only share the same two cores and disk, so one rank is the honest measurement here.
+
+Run ``python -m bench.checkpoint --help``; results go to ``bench/out/checkpoint-*.json`` and a
+Markdown rendering to ``bench/out/checkpoint-latest.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.utils.serialization import config as serialization_config
+
+from agent.checkpoint import Checkpointer
+from bench._common import (
+    GB,
+    OUT_DIR,
+    MiB,
+    Samples,
+    current_rss_bytes,
+    describe_machine,
+    drop_from_page_cache,
+    fmt_bytes,
+    log,
+    measure,
+    moto_s3_server,
+    peak_rss_bytes,
+    remove,
+    reset_peak_rss,
+    s3_environment,
+    tree_bytes,
+    write_results,
+)
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+def layer_width(size_gb: float) -> int:
+    """Features of every Linear layer; the number of layers then sets the state's size.
+
+    Layers widen with the state, as in real models: 4096x4096 fp32 weights (67 MB) from 0.5 GB
+    on. That size matters: glibc serves blocks above 32 MB with fresh ``mmap``s, so a new staging
+    copy of such tensors pays a page fault per 4 KiB on every save, while smaller ones are
+    recycled from the heap.
+    """
+    return 4096 if size_gb >= 0.5 else 2048
+
+S3_BUCKET = "spotjob-bench"
+
+TARGETS = {
+    "async_block_vs_sync": 0.05,
+    "commit_vs_floor.file": 1.25,
+    "commit_vs_floor.s3": 1.5,
+    "restore_vs_floor": 1.25,
+}
+"""From the issue: async step() blocks <= 5% of a sync save; commit <= 1.25x (file) / 1.5x (S3) the
+raw floor; restore <= 1.25x the raw read/download plus deserialisation."""
+
+
+# -- the workload ------------------------------------------------------------------------------
+def build_model(layers: int, width: int) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+@dataclass
+class Workload:
+    """A model and its Adam optimizer with state, about ``size_gb`` GB of tensors together."""
+
+    size_gb: float
+    layers: int
+    width: int
+    model: nn.Sequential
+    optim: torch.optim.Adam
+    state_bytes: int
+    tensor_count: int
+
+    def state(self) -> dict[str, Any]:
+        """What the training script hands the Checkpointer."""
+        return {"model": self.model, "optim": self.optim}
+
+    def plain_state_dict(self) -> dict[str, Any]:
+        """What a script hands ``torch.save``."""
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def fresh(self) -> tuple[nn.Sequential, torch.optim.Adam]:
+        """A model of the same shape (memory allocated, not initialised) and an optimizer with no state.
+
+        What a restarted job has before it restores. Allocation is outside every timing; first
+        touch of the pages is inside, the same for every restore method.
+        """
+        with torch.device("meta"):
+            model = build_model(self.layers, self.width)
+        model.to_empty(device="cpu")
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def check_restored(self, model: nn.Module, optim: torch.optim.Optimizer, what: str) -> None:
+        """Raise unless a restored copy holds the same first/last weights and Adam moments."""
+        src = list(self.model.parameters())
+        dst = list(model.parameters())
+        for i in (0, len(src) - 1):
+            if not torch.equal(src[i], dst[i]):
+                raise AssertionError(f"{what}: parameter {i} differs after restore")
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                if not torch.equal(self.optim.state[src[i]][name], optim.state[dst[i]][name]):
+                    raise AssertionError(f"{what}: Adam {name} of parameter {i} differs after restore")
+
+
+def build_workload(size_gb: float, width: int) -> Workload:
+    per_layer = 3 * 4 * (width * width + width)  # fp32 weight + bias, and Adam's two moments
+    layers = max(1, round(size_gb * GB / per_layer))
+    torch.manual_seed(0)
+    model = build_model(layers, width)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)  # a checkpoint does not hold gradients; free them
+    tensors = state_tensors(model, optim)
+    return Workload(
+        size_gb=size_gb,
+        layers=layers,
+        width=width,
+        model=model,
+        optim=optim,
+        state_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        tensor_count=len(tensors),
+    )
+
+
+def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    for per_param in optim.state.values():
+        out.extend(t for t in per_param.values() if isinstance(t, torch.Tensor))
+    return out
+
+
+# -- the floor and the baselines ---------------------------------------------------------------
+def write_raw(path: str, tensors: list[torch.Tensor]) -> None:
+    """The state's bytes, as they sit in memory, to one file, fsynced: the floor of any save."""
+    with open(path, "wb", buffering=0) as f:
+        for t in tensors:
+            view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy().data)
+            while view:
+                view = view[f.write(view):]
+        os.fsync(f.fileno())
+
+
+def read_raw(path: str) -> int:
+    """Read a file through one reusable buffer: the floor of any restore's I/O."""
+    buf = bytearray(64 * MiB)
+    view = memoryview(buf)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total
+
+
+def torch_save(path: str, state_dict: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(state_dict, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_load_into(path: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    loaded = torch.load(path, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    optim.load_state_dict(loaded["optim"])
+
+
+def dcp_save(path: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def dcp_load_into(path: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+# -- the run -----------------------------------------------------------------------------------
+@dataclass
+class SizeResult:
+    size_gb: float
+    layers: int
+    width: int
+    state_bytes: int
+    tensor_count: int
+    repeat: int
+    committed_bytes: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, Samples] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def samples(self, name: str) -> Samples:
+        return self.ops.setdefault(name, Samples())
+
+    def median(self, name: str) -> float | None:
+        s = self.ops.get(name)
+        return s.median if s and s.seconds else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size_gb": self.size_gb,
+            "layers": self.layers,
+            "width": self.width,
+            "state_bytes": self.state_bytes,
+            "tensor_count": self.tensor_count,
+            "repeat": self.repeat,
+            "committed_bytes": self.committed_bytes,
+            "skipped": self.skipped,
+            "ops": {k: v.to_json() for k, v in self.ops.items()},
+        }
+
+
+class CheckpointBench:
+    """One benchmark run: every size, every backend, ``repeat`` times, repetition-major."""
+
+    def __init__(self, args: argparse.Namespace, scratch: str) -> None:
+        self.args = args
+        self.scratch = scratch
+        self.s3: Any = None
+        self.transfer_config: Any = None
+
+    # -- one size --------------------------------------------------------------------------
+    def run_size(self, size_gb: float, backends: list[str], width: int | None = None) -> SizeResult:
+        log("building a %.2f GB state (model + Adam)", size_gb)
+        w = build_workload(size_gb, width or layer_width(size_gb))
+        repeat = self.args.repeat_large if size_gb >= self.args.large_gb else self.args.repeat
+        result = SizeResult(size_gb, w.layers, w.width, w.state_bytes, w.tensor_count, repeat)
+        log("state: %s in %d tensors (%d Linear layers of %dx%d); %d repetitions",
+            fmt_bytes(w.state_bytes), w.tensor_count, w.layers, w.width, w.width, repeat)
+        if "s3" in backends and size_gb > self.args.s3_max_gb:
+            result.skipped["s3"] = (
+                f"state larger than --s3-max-gb={self.args.s3_max_gb}: moto answers each ranged GET by "
+                "reading the whole object into memory (and assembles multipart uploads in memory), so "
+                "it cannot serve multi-GB objects in parallel ranges on this machine"
+            )
+            log("S3: skipped: %s", result.skipped["s3"])
+            backends = [b for b in backends if b != "s3"]
+        size_dir = os.path.join(self.scratch, f"{size_gb:g}gb")
+        os.makedirs(size_dir, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            stack.callback(remove, size_dir)
+            checkpointers: dict[str, Checkpointer] = {}
+            stack.callback(self._close_all, checkpointers)
+            raw_for_s3 = os.path.join(size_dir, "raw-for-s3.bin")
+            if "s3" in backends:
+                write_raw(raw_for_s3, state_tensors(w.model, w.optim))
+                stack.callback(self._empty_bucket)
+            for r in range(repeat):
+                log("%.2f GB: repetition %d/%d", size_gb, r + 1, repeat)
+                step = r + 1
+                self._torch_baselines(w, result, size_dir)
+                if "file" in backends:
+                    self._file_floor(w, result, size_dir)
+                    self._dcp_baseline(w, result, size_dir)
+                    root = os.path.join(size_dir, "ckpt")
+                    self._checkpointer(w, result, "file", root, None, step, checkpointers)
+                    self._diagnostics(w, result, root)
+                if "s3" in backends:
+                    self._s3_floor(w, result, size_dir, raw_for_s3)
+                    uri = f"s3://{S3_BUCKET}/{size_gb:g}gb"
+                    staging = os.path.join(size_dir, "s3-staging")
+                    self._checkpointer(w, result, "s3", uri, staging, step, checkpointers)
+                gc.collect()
+        del w
+        gc.collect()
+        return result
+
+    @staticmethod
+    def _close_all(checkpointers: dict[str, Checkpointer]) -> None:
+        for ck in checkpointers.values():
+            ck.close()
+            ck.storage.close()
+
+    # -- baselines ---------------------------------------------------------------------------
+    def _torch_baselines(self, w: Workload, result: SizeResult, size_dir: str) -> None:
+        path = os.path.join(size_dir, "torch-save.pt")
+        measure(result.samples("torch.save"), lambda: torch_save(path, w.plain_state_dict()))
+        result.committed_bytes["torch.save"] = os.path.getsize(path)
+        for name in ("torch.load.cold", "deserialise"):
+            if name.endswith("cold"):
+                drop_from_page_cache(path)
+            model, optim = w.fresh()
+            measure(result.samples(name), partial(torch_load_into, path, model, optim))
+            w.check_restored(model, optim, name)
+            del model, optim
+            gc.collect()
+        remove(path)
+
+    def _file_floor(self, w: Workload, result: SizeResult, size_dir: str) -> None:
+        path = os.path.join(size_dir, "raw.bin")
+        tensors = state_tensors(w.model, w.optim)
+        measure(result.samples("file.floor.write"), lambda: write_raw(path, tensors))
+        drop_from_page_cache(path)
+        got = measure(result.samples("file.floor.read.cold"), lambda: read_raw(path))
+        assert got == w.state_bytes, (got, w.state_bytes)
+        remove(path)
+
+    def _dcp_baseline(self, w: Workload, result: SizeResult, size_dir: str) -> None:
+        path = os.path.join(size_dir, "dcp")
+        measure(result.samples("file.dcp.save"), lambda: dcp_save(path, w.model, w.optim))
+        result.committed_bytes["dcp.save"] = tree_bytes(path)
+        drop_from_page_cache(path)
+        model, optim = w.fresh()
+        measure(result.samples("file.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
+        w.check_restored(model, optim, "dcp.load")
+        del model, optim
+        remove(path)
+
+    def _s3_floor(self, w: Workload, result: SizeResult, size_dir: str, raw: str) -> None:
+        key = f"floor/{w.size_gb:g}gb.bin"
+        measure(result.samples("s3.floor.upload"),
+                lambda: self.s3.upload_file(raw, S3_BUCKET, key, Config=self.transfer_config))
+        local = os.path.join(size_dir, "raw-downloaded.bin")
+        measure(result.samples("s3.floor.download"),
+                lambda: self.s3.download_file(S3_BUCKET, key, local, Config=self.transfer_config))
+        assert os.path.getsize(local) == w.state_bytes
+        remove(local)
+        self.s3.delete_object(Bucket=S3_BUCKET, Key=key)
+
+    # -- the Checkpointer --------------------------------------------------------------------
+    def _checkpointer(self, w: Workload, result: SizeResult, backend: str, uri: str, staging: str | None,
+                      step: int, checkpointers: dict[str, Checkpointer]) -> None:
+        state = w.state()
+        # Sync: step() is the whole save, commit included.
+        if f"{backend}.sync" not in checkpointers:
+            checkpointers[f"{backend}.sync"] = Checkpointer(
+                uri + "/sync", every_steps=1, keep=1, async_save=False, staging_dir=staging)
+        ck = checkpointers[f"{backend}.sync"]
+        measure(result.samples(f"{backend}.ckpt.sync.step"), lambda: ck.step(step, state))
+        assert ck.last_committed_step == step and ck.last_committed_uri is not None
+        folder = ck.last_committed_uri.rsplit("/", 1)[-1]
+        result.committed_bytes[f"ckpt.{backend}"] = sum(o.size for o in ck.storage.list(folder + "/"))
+        local_root = ck.storage.local_path("")
+        if local_root is not None:
+            drop_from_page_cache(local_root)
+
+        # Restore what the sync save committed, into a fresh model and optimizer.
+        model, optim = w.fresh()
+        reader = Checkpointer(uri + "/sync", keep=1, staging_dir=staging)
+        try:
+            got = measure(result.samples(f"{backend}.ckpt.restore.cold"),
+                          partial(reader.restore, {"model": model, "optim": optim}))
+        finally:
+            reader.close()
+            reader.storage.close()
+        assert got == step, (got, step)
+        w.check_restored(model, optim, f"{backend} Checkpointer.restore")
+        del model, optim
+        gc.collect()
+
+        # Async: step() blocks while staging; the commit happens in the background.
+        if f"{backend}.async" not in checkpointers:
+            checkpointers[f"{backend}.async"] = Checkpointer(
+                uri + "/async", every_steps=1, keep=1, async_save=True, staging_dir=staging)
+        ck = checkpointers[f"{backend}.async"]
+        before = current_rss_bytes()
+        reset_peak_rss()
+        start = time.monotonic()
+        ck.step(step, state)
+        blocked = time.monotonic() - start
+        ck.wait()
+        total = time.monotonic() - start
+        peak = peak_rss_bytes()
+        assert ck.last_committed_step == step
+        for name, seconds in (
+            (f"{backend}.ckpt.async.step", blocked),
+            (f"{backend}.ckpt.async.commit", ck.last_save_seconds or 0.0),
+            (f"{backend}.ckpt.async.wait_returned", total),
+        ):
+            s = result.samples(name)
+            s.seconds.append(float(seconds))
+            s.peak_rss.append(peak)
+            s.rss_growth.append(max(peak - before, 0))
+        s = result.samples(f"{backend}.ckpt.async.last_blocking_seconds")
+        s.seconds.append(float(ck.last_blocking_seconds or 0.0))
+
+    def _diagnostics(self, w: Workload, result: SizeResult, root: str) -> None:
+        """The pieces of an async save timed alone, to see where the blocking time and the commit go."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        from agent.crc32c import crc32c_file
+
+        sd: dict[str, Any] = {}
+
+        def state_dicts() -> None:
+            sd["model"] = get_model_state_dict(w.model)
+            sd["optim"] = get_optimizer_state_dict(w.model, w.optim)
+
+        measure(result.samples("diag.get_state_dict"), state_dicts)
+        staged: dict[str, Any] = {}
+
+        def stage_fresh() -> None:  # what DCP's FileSystemWriter does on every async save
+            staged["sd"] = _create_cpu_state_dict(sd)
+            _copy_state_dict(sd, staged["sd"])
+
+        measure(result.samples("diag.stage.fresh_buffers"), stage_fresh)
+        # What a stager kept across saves does from the second save on (FileSystemWriter(
+        # cache_staged_state_dict=True) would, but it pins memory and fails without CUDA).
+        measure(result.samples("diag.stage.reused_buffers"), lambda: _copy_state_dict(sd, staged["sd"]))
+        staged.clear()
+        sd.clear()
+        gc.collect()
+        shards = [os.path.join(folder, n) for folder, _, names in os.walk(os.path.join(root, "async"))
+                  for n in names if n.endswith(".distcp")]
+        if shards:
+            shard = max(shards, key=os.path.getsize)
+            crc32c_file(shard)  # make sure it is in the page cache, as it is right after DCP writes it
+            measure(result.samples("diag.crc32c.warm"), lambda: crc32c_file(shard))
+
+        # DCP writes each tensor with torch.save, whose zip writer computes a CRC-32 of every byte
+        # unless told not to (spotjob turns it off for its own writes: its CRC32C covers the
+        # files). Time DCP's write both ways, without fsync so that only the CPU work differs.
+        for name, crc in (("diag.dcp_write.no_fsync", True), ("diag.dcp_write.no_fsync.no_torch_crc32", False)):
+            path = os.path.join(os.path.dirname(root), "dcp-nosync")
+            writer = dcp.FileSystemWriter(path, sync_files=False)
+            previous = serialization_config.save.compute_crc32
+            serialization_config.save.compute_crc32 = crc
+            try:
+                state = {"model": get_model_state_dict(w.model),
+                         "optim": get_optimizer_state_dict(w.model, w.optim)}
+                measure(result.samples(name), partial(dcp.save, state, storage_writer=writer, no_dist=True))
+                del state
+            finally:
+                serialization_config.save.compute_crc32 = previous
+            remove(path)  # before its dirty pages reach the disk and slow what comes next
+
+        # Plain DCP restoring into a fresh optimizer first creates its state with a zero-gradient
+        # step; spotjob's restore skips that for unsharded modules. What it would cost:
+        model, optim = w.fresh()
+        measure(result.samples("diag.init_fresh_optim_state"), partial(get_optimizer_state_dict, model, optim))
+        del model, optim
+        gc.collect()
+
+    def _empty_bucket(self) -> None:
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=S3_BUCKET):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.s3.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": keys, "Quiet": True})
+
+    # -- warm-up -----------------------------------------------------------------------------
+    def warm_up(self, backends: list[str]) -> None:
+        """One tiny pass of everything, untimed: imports, first-call setup, moto's first requests."""
+        log("warming up")
+        saved = (self.args.repeat, self.args.repeat_large)
+        self.args.repeat = self.args.repeat_large = 1
+        try:
+            self.run_size(0.001, backends, width=256)
+        finally:
+            self.args.repeat, self.args.repeat_large = saved
+
+
+# -- targets and the report --------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def evaluate(result: SizeResult, backend: str) -> dict[str, Any]:
+    """The issue's targets for one size and backend: values, ratios and whether each is met."""
+    m = result.median
+    if backend == "file":
+        floor_save = m("file.floor.write")
+        floor_restore_io = m("file.floor.read.cold")
+    else:
+        floor_save = m("s3.floor.upload")
+        floor_restore_io = m("s3.floor.download")
+    deser = m("deserialise")
+    floor_restore = floor_restore_io + deser if floor_restore_io is not None and deser is not None else None
+    out: dict[str, Any] = {
+        "async_step": m(f"{backend}.ckpt.async.step"),
+        "sync_step": m(f"{backend}.ckpt.sync.step"),
+        "async_commit": m(f"{backend}.ckpt.async.commit"),
+        "floor_save": floor_save,
+        "restore": m(f"{backend}.ckpt.restore.cold"),
+        "floor_restore_io": floor_restore_io,
+        "deserialise": deser,
+        "floor_restore": floor_restore,
+    }
+    out["async_block_vs_sync"] = _ratio(out["async_step"], out["sync_step"])
+    out["commit_vs_floor"] = _ratio(out["async_commit"], floor_save)
+    out["sync_vs_floor"] = _ratio(out["sync_step"], floor_save)
+    out["restore_vs_floor"] = _ratio(out["restore"], floor_restore)
+    commit_target = TARGETS[f"commit_vs_floor.{backend}"]
+    out["targets"] = {
+        "async_block_vs_sync": {"target": TARGETS["async_block_vs_sync"], "value": out["async_block_vs_sync"]},
+        "commit_vs_floor": {"target": commit_target, "value": out["commit_vs_floor"]},
+        "restore_vs_floor": {"target": TARGETS["restore_vs_floor"], "value": out["restore_vs_floor"]},
+    }
+    for t in out["targets"].values():
+        t["met"] = t["value"] is not None and t["value"] <= t["target"]
+    return out
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def _mark(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
+def _spread(s: Samples) -> str:
+    if not s.seconds:
+        return "—"
+    return f"{_s(min(s.seconds))}-{_s(max(s.seconds))}"
+
+
+_BACKEND_NAMES = {"file": "Filesystem", "s3": "S3 (moto server on loopback)"}
+
+_ROWS: dict[str, list[tuple[str, str, str]]] = {
+    # (op, label, what it is compared with: "save", "restore", "sync" or "")
+    "file": [
+        ("file.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        ("file.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        ("file.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
+        ("file.floor.write", "floor: raw write of the state's bytes + fsync", "save"),
+        ("torch.save", "torch.save, one file + fsync", "save"),
+        ("file.dcp.save", "plain dcp.save (FileSystemWriter)", "save"),
+        ("file.ckpt.restore.cold", "Checkpointer `restore()` (cold cache)", "restore"),
+        ("file.floor.read.cold", "floor: raw read (cold cache)", ""),
+        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
+        ("torch.load.cold", "torch.load (cold) + load_state_dict", "restore"),
+        ("file.dcp.load.cold", "plain dcp.load (cold) + set_state_dict", "restore"),
+    ],
+    "s3": [
+        ("s3.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        ("s3.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        ("s3.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
+        ("s3.floor.upload", "floor: boto3 upload_file of the state's bytes", "save"),
+        ("s3.ckpt.restore.cold", "Checkpointer `restore()`", "restore"),
+        ("s3.floor.download", "floor: boto3 download_file", ""),
+        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
+    ],
+}
+
+_DIAG_ROWS = [
+    ("diag.get_state_dict", "get_model_state_dict + get_optimizer_state_dict"),
+    ("diag.stage.fresh_buffers", "stage to CPU, new buffers (DCP's default, every save)"),
+    ("diag.stage.reused_buffers", "stage to CPU, reused buffers (one stager kept across saves)"),
+    ("diag.crc32c.warm", "CRC32C of the shard file (page cache warm)"),
+    ("diag.dcp_write.no_fsync", "dcp.save without fsync, torch.save's zip CRC-32 on (DCP's default)"),
+    ("diag.dcp_write.no_fsync.no_torch_crc32", "dcp.save without fsync, zip CRC-32 off (as spotjob's saves run)"),
+    ("diag.init_fresh_optim_state", "plain DCP restore: fresh Adam initialised by a zero-grad step "
+     "(spotjob skips it for unsharded modules)"),
+]
+
+
+def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends: list[str]) -> str:
+    lines: list[str] = []
+    lines.append("### Against the targets (medians)\n")
+    lines.append("| backend | state | async `step()` blocks | sync save | blocks / sync (target ≤ 5%) "
+                 "| save call → commit (async) | floor | commit / floor (target ≤ "
+                 f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3) "
+                 "| restore | floor read + deserialise | restore / floor (target ≤ 1.25x) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for backend in backends:
+        for r in results:
+            if backend in r.skipped:
+                lines.append(f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} | skipped: see below "
+                             "| | | | | | | | |")
+                continue
+            e = evaluate(r, backend)
+            t = e["targets"]
+            lines.append(
+                f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} "
+                f"| {_s(e['async_step'])} s | {_s(e['sync_step'])} s "
+                f"| {_pct(e['async_block_vs_sync'])} {_mark(t['async_block_vs_sync']['met'])} "
+                f"| {_s(e['async_commit'])} s | {_s(e['floor_save'])} s "
+                f"| {_x(e['commit_vs_floor'])} {_mark(t['commit_vs_floor']['met'])} "
+                f"| {_s(e['restore'])} s | {_s(e['floor_restore_io'])} + {_s(e['deserialise'])} s "
+                f"| {_x(e['restore_vs_floor'])} {_mark(t['restore_vs_floor']['met'])} |"
+            )
+    for backend in backends:
+        for r in results:
+            lines.append(f"\n### {_BACKEND_NAMES[backend]}, {fmt_bytes(r.state_bytes)} "
+                         f"({r.tensor_count} tensors, {r.layers} Linear layers of {r.width}x{r.width}), "
+                         f"median of {r.repeat}\n")
+            if backend in r.skipped:
+                lines.append(f"Skipped: {r.skipped[backend]}.")
+                continue
+            e = evaluate(r, backend)
+            lines.append("| measurement | median s | min-max s | GB/s | ratio | vs | peak RSS growth |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for op, label, against in _ROWS[backend]:
+                s = r.ops.get(op)
+                if s is None or not s.seconds:
+                    continue
+                ratio, vs = None, ""
+                if against == "save":
+                    ratio = _ratio(s.median, e["floor_save"])
+                    vs = "floor write" if backend == "file" else "floor upload"
+                elif against == "restore":
+                    ratio, vs = _ratio(s.median, e["floor_restore"]), "floor read + deserialise"
+                elif against == "sync":
+                    ratio, vs = _ratio(s.median, e["sync_step"]), "sync save"
+                growth = statistics.median(s.rss_growth) if s.rss_growth else None
+                lines.append(
+                    f"| {label} | {_s(s.median)} | {_spread(s)} | {r.state_bytes / GB / s.median:.2f} "
+                    f"| {_x(ratio) if ratio is not None else ''} | {vs} "
+                    f"| {fmt_bytes(growth) if growth is not None else ''} |"
+                )
+    diag = [r for r in results if any(op in r.ops for op, _ in _DIAG_ROWS)]
+    if diag:
+        lines.append("\n### Where an async save's time goes (filesystem, pieces timed alone, medians)\n")
+        lines.append("| piece | " + " | ".join(fmt_bytes(r.state_bytes) for r in diag) + " |")
+        lines.append("|---|" + "---|" * len(diag))
+        for op, label in _DIAG_ROWS:
+            cells = []
+            for r in diag:
+                med = r.median(op)
+                cells.append("—" if med is None else f"{_s(med)} s ({r.state_bytes / GB / med:.1f} GB/s)")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    sizes = [(r, r.committed_bytes) for r in results]
+    lines.append("\n### Bytes written\n")
+    lines.append("| state | tensors' bytes | torch.save file | dcp.save files | Checkpointer files |")
+    lines.append("|---|---|---|---|---|")
+    for r, c in sizes:
+        lines.append(f"| {fmt_bytes(r.state_bytes)} | {r.state_bytes} | {c.get('torch.save', '—')} "
+                     f"| {c.get('dcp.save', '—')} | {c.get('ckpt.file', c.get('ckpt.s3', '—'))} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- entry point -------------------------------------------------------------------------------
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _backends(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ("file", "s3")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"backends are file and s3, got {text!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=_floats, default=[0.1, 1.0, 4.0],
+                   help="state sizes in GB (model + Adam), comma-separated (default 0.1,1,4)")
+    p.add_argument("--backends", type=_backends, default=["file", "s3"],
+                   help="comma-separated: file, s3 (default both)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions per size; medians are reported (default 3)")
+    p.add_argument("--repeat-large", type=int, default=2,
+                   help="repetitions for sizes >= --large-gb, to keep the run short (default 2)")
+    p.add_argument("--large-gb", type=float, default=2.0, help="what counts as large for --repeat-large")
+    p.add_argument("--s3-max-gb", type=float, default=1.5,
+                   help="skip S3 above this size: moto cannot serve multi-GB objects (default 1.5)")
+    p.add_argument("--scratch", default=str(OUT_DIR / "scratch"),
+                   help="folder for the files written (removed afterwards; default bench/out/scratch)")
+    p.add_argument("--no-warm-up", action="store_true", help="skip the untimed tiny pass first")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.repeat_large < 1:
+        p.error("--repeat and --repeat-large must be >= 1")
+    return args
+
+
+@contextlib.contextmanager
+def _s3_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
+    if "s3" not in backends:
+        yield None
+        return
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    from agent.storage._transfer import TransferSettings
+
+    with moto_s3_server() as endpoint, s3_environment(endpoint):
+        log("moto S3 listening at %s (its own process)", endpoint)
+        # The floor: boto3's transfer manager with spotjob's part size and parallelism, and no
+        # checksum work (spotjob's CRC32C is the only checksum it pays for; a floor pays none).
+        settings = TransferSettings.from_env()
+        bench.transfer_config = TransferConfig(
+            multipart_threshold=settings.multipart_threshold,
+            multipart_chunksize=settings.part_size,
+            max_concurrency=settings.concurrency,
+            use_threads=True,
+        )
+        bench.s3 = boto3.session.Session().client(
+            "s3",
+            config=Config(request_checksum_calculation="when_required",
+                          response_checksum_validation="when_required",
+                          max_pool_connections=settings.concurrency + 2),
+        )
+        bench.s3.create_bucket(Bucket=S3_BUCKET)
+        try:
+            yield endpoint
+        finally:
+            bench.s3.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.scratch, exist_ok=True)
+    started_wall = time.time()
+    started = time.monotonic()
+    machine = describe_machine(args.scratch)
+    log("machine: %d cores, %s RAM, disk %s (%s), torch %s", machine["cores"],
+        fmt_bytes(machine["memory_bytes"] or 0), machine["disk"].get("block_device"),
+        machine["disk"]["fstype"], machine["torch"])
+    bench = CheckpointBench(args, args.scratch)
+    results: list[SizeResult] = []
+    with _s3_if(args.backends, bench) as endpoint:
+        if not args.no_warm_up:
+            bench.warm_up(args.backends)
+        for size in args.sizes:
+            results.append(bench.run_size(size, args.backends))
+    remove(args.scratch)
+    payload: dict[str, Any] = {
+        "benchmark": "checkpoint",
+        "started_unix": started_wall,
+        "wall_seconds": time.monotonic() - started,
+        "machine": machine,
+        "load_average_at_end": os.getloadavg(),
+        "args": {k: v for k, v in vars(args).items()},
+        "s3_endpoint": endpoint and "moto server on 127.0.0.1 (own process)",
+        "targets": TARGETS,
+        "sizes": [r.to_json() for r in results],
+        "evaluation": {
+            f"{b}/{r.size_gb:g}gb": evaluate(r, b) for r in results for b in args.backends if b not in r.skipped
+        },
+    }
+    path = write_results("checkpoint", payload)
+    md = render_markdown(payload, results, args.backends)
+    (OUT_DIR / "checkpoint-latest.md").write_text(md)
+    print(md)
+    log("done in %.0f s; raw results in %s, tables in %s", payload["wall_seconds"], path,
+        OUT_DIR / "checkpoint-latest.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
