@@ -358,3 +358,28 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class PrefixedKeys:
+    """Maps checkpoint keys to object names under the store's prefix, refusing keys that escape it.
+
+    Shared by the object-store backends; they set ``prefix`` (no leading or trailing '/') and
+    ``uri``.
+    """
+
+    prefix: str
+    uri: str
+
+    def _object_key(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _list_prefix(self, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def _relative(self, object_key: str) -> str:
+        return object_key[len(self.prefix) + 1 :] if self.prefix else object_key
+

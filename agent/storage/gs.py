@@ -53,6 +53,7 @@ from agent.storage._retry import retry_transient
 from agent.storage._transfer import (
     KiB,
     MiB,
+    PrefixedKeys,
     RangeSink,
     TransferPool,
     TransferSettings,
@@ -156,7 +157,7 @@ _TRANSLATED = (
 )
 
 
-class GCSStorage(Storage):
+class GCSStorage(PrefixedKeys, Storage):
     """``gs://bucket/prefix``. Thread-safe: one client and one HTTP session per object."""
 
     def __init__(self, bucket: str, prefix: str, *, settings: TransferSettings | None = None) -> None:
@@ -196,19 +197,6 @@ class GCSStorage(Storage):
         self._pool = TransferPool(self.settings.concurrency, "spotjob-gcs")
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _object_name(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/"):
-            raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _list_prefix(self, prefix: str) -> str:
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
-        return f"{self.prefix}/{prefix}" if self.prefix else prefix
-
-    def _relative(self, name: str) -> str:
-        return name[len(self.prefix) + 1 :] if self.prefix else name
-
     def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
         """One attempt of one request, with the client's exceptions translated."""
         try:
@@ -241,7 +229,7 @@ class GCSStorage(Storage):
 
     def _upload_simple(self, key: str, data: bytes, **precondition: Any) -> None:
         # A fresh Blob per attempt: a Blob caches the server's answer and is not thread-safe.
-        self._bucket.blob(self._object_name(key)).upload_from_string(
+        self._bucket.blob(self._object_key(key)).upload_from_string(
             data,
             content_type=_CONTENT_TYPE,
             checksum="crc32c",  # sent along, so GCS rejects bytes damaged on the way
@@ -251,7 +239,7 @@ class GCSStorage(Storage):
         )
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._object_name(key)
+        self._object_key(key)
         self._retrying(f"PUT {self.url(key)}", key, lambda: self._upload_simple(key, data))
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
@@ -260,7 +248,7 @@ class GCSStorage(Storage):
         As in ``S3Storage``: after an ambiguous failed attempt, a 412 whose object holds exactly
         ``data`` is our own earlier write, and the call succeeds.
         """
-        self._object_name(key)
+        self._object_key(key)
         what = f"PUT (create-only) {self.url(key)}"
         ambiguous = False
 
@@ -290,7 +278,7 @@ class GCSStorage(Storage):
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
     ) -> None:
         url = self.url(key)
-        name = self._object_name(key)
+        name = self._object_key(key)
         chunk = -(-self.settings.part_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
         session_url: str = self._retrying(
             f"start resumable upload {url}",
@@ -324,7 +312,7 @@ class GCSStorage(Storage):
 
     # -- reads -------------------------------------------------------------------------------
     def get_bytes(self, key: str) -> bytes:
-        name = self._object_name(key)
+        name = self._object_key(key)
 
         def read() -> bytes:
             data: bytes = self._bucket.blob(name).download_as_bytes(
@@ -335,7 +323,7 @@ class GCSStorage(Storage):
         return self._retrying(f"GET {self.url(key)}", key, read)
 
     def _get_blob(self, key: str) -> Any:
-        name = self._object_name(key)
+        name = self._object_key(key)
         return self._retrying(
             f"HEAD {self.url(key)}", key, lambda: self._bucket.get_blob(name, retry=None, timeout=self._timeout)
         )
@@ -356,7 +344,7 @@ class GCSStorage(Storage):
         actual = int(blob.size or 0)
         check_size(url, key, actual, size)
         # Ranges read this generation only: a replaced object fails instead of mixing versions.
-        pinned = self._bucket.blob(self._object_name(key), generation=blob.generation)
+        pinned = self._bucket.blob(self._object_key(key), generation=blob.generation)
 
         def fetch(offset: int, length: int, sink: RangeSink) -> None:
             self._request(
@@ -437,7 +425,7 @@ class GCSStorage(Storage):
 
     # -- deletes -----------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> None:
-        names = [(k, self._object_name(k)) for k in keys]
+        names = [(k, self._object_key(k)) for k in keys]
 
         def delete_one(key: str, name: str) -> None:
             try:

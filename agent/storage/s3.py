@@ -51,6 +51,7 @@ from agent.crc32c import crc32c_bytes
 from agent.storage._retry import retry_transient
 from agent.storage._transfer import (
     MiB,
+    PrefixedKeys,
     RangeSink,
     TransferPool,
     TransferSettings,
@@ -154,7 +155,7 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
 
 
-class S3Storage(Storage):
+class S3Storage(PrefixedKeys, Storage):
     """``s3://bucket/prefix``. Thread-safe: one botocore client (itself thread-safe) per object."""
 
     def __init__(self, bucket: str, prefix: str, *, settings: TransferSettings | None = None) -> None:
@@ -180,19 +181,6 @@ class S3Storage(Storage):
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _object_key(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/"):
-            raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _list_prefix(self, prefix: str) -> str:
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
-        return f"{self.prefix}/{prefix}" if self.prefix else prefix
-
-    def _relative(self, object_key: str) -> str:
-        return object_key[len(self.prefix) + 1 :] if self.prefix else object_key
-
     def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
         """One attempt of one request, with boto3's exceptions translated."""
         try:
