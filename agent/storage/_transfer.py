@@ -27,7 +27,13 @@ from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.storage._retry import retry_transient
-from agent.storage.base import CorruptObjectError, PermanentStorageError, ProgressFn, TransientStorageError
+from agent.storage.base import (
+    CorruptObjectError,
+    NotFoundError,
+    PermanentStorageError,
+    ProgressFn,
+    TransientStorageError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -382,4 +388,14 @@ class PrefixedKeys:
 
     def _relative(self, object_key: str) -> str:
         return object_key[len(self.prefix) + 1 :] if self.prefix else object_key
+
+    def get_bytes(self, key: str) -> bytes:  # implemented by the backend
+        raise NotImplementedError
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """After an ambiguous create-only failure: is the object there with exactly our bytes?"""
+        try:
+            return self.get_bytes(key) == data
+        except NotFoundError:
+            return False
 

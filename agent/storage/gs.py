@@ -268,12 +268,6 @@ class GCSStorage(PrefixedKeys, Storage):
 
         retry_transient(what, attempt)
 
-    def _holds(self, key: str, data: bytes) -> bool:
-        try:
-            return self.get_bytes(key) == data
-        except NotFoundError:
-            return False
-
     def _put_resumable(
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
     ) -> None:

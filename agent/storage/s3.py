@@ -255,12 +255,6 @@ class S3Storage(PrefixedKeys, Storage):
 
         retry_transient(what, attempt)
 
-    def _holds(self, key: str, data: bytes) -> bool:
-        try:
-            return self.get_bytes(key) == data
-        except NotFoundError:
-            return False
-
     def _put_multipart(
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
     ) -> None:
