@@ -47,9 +47,10 @@ nothing; a worker missing from the listing is declared lost only if a second lis
 
 The flush is done when storage — the source of truth, never an agent's word — holds a valid
 manifest written by the flush (``trigger: flush``; a periodic save that commits while the ranks
-are still agreeing on the flush step does not count) newer than the *baseline*: the newest committed step read in the pass that heard a
-controller signal, or, when an agent acted on its own (exit 75/76, lost), the step the status held
-before that pass (the agent may have committed between two passes).
+are still agreeing on the flush step does not count) newer than the *baseline*: the newest
+committed step read in the pass that heard a controller signal, or, when an agent acted on its
+own (exit 75/76, lost), the step the status held before that pass (the agent may have committed
+between two passes).
 """
 
 from __future__ import annotations
