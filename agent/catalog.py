@@ -76,6 +76,8 @@ class CheckpointStatus:
     manifest: Manifest | None = None
     problems: list[str] = field(default_factory=list)
     stored_bytes: int = 0
+    unusable: set[str] = field(default_factory=set)
+    """Listed files found missing, short or (after ``verify_deep``) corrupt or unreadable."""
 
     @property
     def valid(self) -> bool:
@@ -122,8 +124,10 @@ def inspect(storage: Storage, ref: CheckpointRef) -> CheckpointStatus:
         have = sizes.get(f.path)
         if have is None:
             status.problems.append(f"file {f.path} is missing")
+            status.unusable.add(f.path)
         elif have != f.size:
             status.problems.append(f"file {f.path} is {have} bytes, the manifest says {f.size}")
+            status.unusable.add(f.path)
     return status
 
 
@@ -151,12 +155,15 @@ def verify_deep(
     progress: ProgressFn | None = None,
     parallelism: int = 4,
 ) -> list[str]:
-    """Read every byte of a committed checkpoint and check every CRC32C; return the problems."""
+    """Read every byte of a committed checkpoint and check every CRC32C; return the problems.
+
+    Files found corrupt or unreadable are added to ``status.unusable``.
+    """
     if status.manifest is None:
         return [status.reason or "no manifest"]
     problems = list(status.problems)
     manifest = status.manifest
-    missing = {p.split(" ")[1] for p in problems if p.startswith("file ")}
+    missing = set(status.unusable)
     with tempfile.TemporaryDirectory(prefix="spotjob-verify-") as tmp:
 
         def check(path: str, size: int, crc: str) -> None:
@@ -165,8 +172,10 @@ def verify_deep(
                 storage.get_file(status.ref.key(path), local, size=size, crc32c=from_hex(crc), progress=progress)
             except CorruptObjectError as e:
                 problems.append(f"file {path} is corrupt: {e}")
+                status.unusable.add(path)
             except StorageError as e:
                 problems.append(f"file {path} could not be read: {e}")
+                status.unusable.add(path)
             finally:
                 if os.path.exists(local):
                     os.unlink(local)

@@ -449,12 +449,10 @@ def _verify_deep(storage: Storage, status: CheckpointStatus) -> list[str]:
     """Every CRC32C (``agent.catalog.verify_deep``), then what a restore would unpickle."""
     assert status.manifest is not None
     manifest = status.manifest
-    missing = {f.path for f in manifest.files if any(p.startswith(f"file {f.path} ") for p in status.problems)}
-    to_read = sum(f.size for f in manifest.files if f.path not in missing)
+    to_read = sum(f.size for f in manifest.files if f.path not in status.unusable)
     with _progress_bar(f"verifying {status.ref.folder}", to_read) as progress:
         problems = verify_deep(storage, status, progress=progress)
-    bad = {f.path for f in manifest.files if any(p.startswith(f"file {f.path} ") for p in problems)}
-    problems += _check_unpickling(storage, status, skip=bad)
+    problems += _check_unpickling(storage, status, skip=set(status.unusable))
     return problems
 
 

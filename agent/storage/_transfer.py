@@ -392,6 +392,14 @@ class PrefixedKeys:
     def get_bytes(self, key: str) -> bytes:  # implemented by the backend
         raise NotImplementedError
 
+    def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """One attempt of one request, the client's exceptions translated (by the backend)."""
+        raise NotImplementedError
+
+    def _retrying(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """One request, retried under the shared policy (``agent.storage._retry``)."""
+        return retry_transient(what, lambda: self._request(what, key, fn))
+
     def _holds(self, key: str, data: bytes) -> bool:
         """After an ambiguous create-only failure: is the object there with exactly our bytes?"""
         try:

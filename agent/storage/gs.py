@@ -204,9 +204,6 @@ class GCSStorage(PrefixedKeys, Storage):
         except _TRANSLATED as e:
             raise _storage_error(e, what, key) from e
 
-    def _retrying(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
-        return retry_transient(what, lambda: self._request(what, key, fn))
-
     # -- writes ------------------------------------------------------------------------------
     def put_file(
         self,

@@ -188,9 +188,6 @@ class S3Storage(PrefixedKeys, Storage):
         except (ClientError, BotoCoreError) as e:
             raise _storage_error(e, what, key) from e
 
-    def _retrying(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
-        return retry_transient(what, lambda: self._request(what, key, fn))
-
     # -- writes ------------------------------------------------------------------------------
     def put_file(
         self,

@@ -17,9 +17,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
+from ckpt_compare import differences  # tests/ckpt_compare.py, shared by every suite
 
 REPO = Path(__file__).resolve().parents[3]
 TRAIN = REPO / "examples" / "train.py"
@@ -59,29 +59,6 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Comple
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         raise AssertionError(f"{' '.join(argv)} hung:\n{out[-4000:]}\n{err[-8000:]}") from None
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    where = path or "<root>"
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-        return [] if same else [f"{where}: tensors differ"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{where}: key {k!r} only on one side" for k in sorted(set(a) ^ set(b), key=repr)]
-        for k in a.keys() & b.keys():
-            out += differences(a[k], b[k], f"{path}.{k}" if path else str(k))
-        return out
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        if len(a) != len(b):
-            return [f"{where}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}[{i}]")]
-    return [] if type(a) is type(b) and a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
 def assert_same_final_state(actual: Path, expected: Path) -> None:
