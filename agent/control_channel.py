@@ -14,6 +14,10 @@ JSON file replaced atomically (temp + rename), so a reader never sees half a fil
 - ``agent.json`` (agent → tools): the agent's pid and control-API URL while it runs.
 - ``closed-rank-<r>`` (each rank → agent): ``Checkpointer.close()`` returned on that rank, i.e.
   the rank finished its work. An abort at interpreter exit after this is not a job failure.
+- ``infra-error.json`` (any rank → agent): the rank is stopping because of an error that is not
+  the user's fault (storage unreachable during restore, ...). The agent then exits
+  ``EXIT_INFRA_ERROR``, which the reconciler treats as an infrastructure error (backoff, Degraded,
+  restart budget untouched).
 
 Environment variables the agent sets for ``Checkpointer.from_env()`` are named here too.
 """
@@ -35,12 +39,19 @@ ENV_KEEP = "SPOTJOB_KEEP"
 ENV_ASYNC = "SPOTJOB_ASYNC"
 ENV_STAGING_DIR = "SPOTJOB_STAGING_DIR"
 ENV_CONTROL_DIR = "SPOTJOB_CONTROL_DIR"
+ENV_ATTEMPT = "SPOTJOB_ATTEMPT"
+"""The attempt number the controller recorded in storage before starting these workers (fencing)."""
+ENV_START_FRESH = "SPOTJOB_START_FRESH"
+"""``1``: start from step 0 on purpose even though committed checkpoints exist (nothing is deleted)."""
 
 # spotjob-agent's exit codes besides the command's own (documented in the README).
 EXIT_PREEMPTED = 75
 """Stopped for a preemption notice with a committed checkpoint: restart me elsewhere (EX_TEMPFAIL)."""
 EXIT_FLUSH_FAILED = 76
 """A flush was asked for but nothing could be committed: resume from the previous checkpoint."""
+EXIT_INFRA_ERROR = 74
+"""Stopped by an error that is not the user's (storage unreachable, rendezvous port taken): retry
+with backoff without spending the restart budget (EX_IOERR)."""
 
 FLUSH_FILE = "flush.json"
 SAVE_FILE = "save.json"
@@ -48,6 +59,7 @@ STATUS_FILE = "status.json"
 FLUSHED_FILE = "flushed.json"
 FLUSH_FAILED_FILE = "flush-failed.json"
 CLOSED_PREFIX = "closed-rank-"
+INFRA_ERROR_FILE = "infra-error.json"
 AGENT_FILE = "agent.json"
 
 
@@ -145,6 +157,10 @@ class ControlDir:
             return None
         return RankStatus(**{k: v for k, v in data.items() if k in RankStatus.__dataclass_fields__})
 
+    def infra_error(self) -> dict[str, Any] | None:
+        """What a rank reported with ``report_infra_error`` (``{"rank", "error", "at"}``), if any."""
+        return read_json(self._p(INFRA_ERROR_FILE))
+
     def closed_ranks(self) -> set[int]:
         out = set()
         for name in os.listdir(self.path):
@@ -158,7 +174,14 @@ class ControlDir:
     def reset(self) -> None:
         """Forget everything from a previous run of the command (the agent calls this at start)."""
         for name in os.listdir(self.path):
-            if name in (FLUSH_FILE, SAVE_FILE, STATUS_FILE, FLUSHED_FILE, FLUSH_FAILED_FILE) or name.startswith(
+            if name in (
+                FLUSH_FILE,
+                SAVE_FILE,
+                STATUS_FILE,
+                FLUSHED_FILE,
+                FLUSH_FAILED_FILE,
+                INFRA_ERROR_FILE,
+            ) or name.startswith(
                 CLOSED_PREFIX
             ):
                 try:
@@ -199,6 +222,11 @@ class ControlDir:
     def write_flush_result(self, result: FlushResult) -> None:
         name = FLUSHED_FILE if result.error is None else FLUSH_FAILED_FILE
         write_json_atomic(self._p(name), asdict(result))
+
+    def report_infra_error(self, rank: int, error: str) -> None:
+        """(a rank) It is stopping for an error that is not the user's; the first report is kept."""
+        if self.infra_error() is None:
+            write_json_atomic(self._p(INFRA_ERROR_FILE), {"rank": rank, "error": error, "at": time.time()})
 
     def unmark_closed(self, rank: int) -> None:
         """The rank raised after closing: its exit is a failure after all."""
