@@ -181,9 +181,7 @@ class ControlDir:
                 FLUSHED_FILE,
                 FLUSH_FAILED_FILE,
                 INFRA_ERROR_FILE,
-            ) or name.startswith(
-                CLOSED_PREFIX
-            ):
+            ) or name.startswith(CLOSED_PREFIX):
                 try:
                     os.unlink(self._p(name))
                 except FileNotFoundError:
