@@ -86,6 +86,8 @@ class RankStatus:
     last_save_seconds: float | None = None
     """Wall time of the last save from the start of staging to the committed manifest."""
     world_size: int | None = None
+    checkpoint_uri: str | None = None
+    """The URI the script's Checkpointer writes to (the agent warns when it is not the agent's)."""
     updated_at: float = field(default_factory=time.time)
 
 
