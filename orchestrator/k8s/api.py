@@ -313,7 +313,10 @@ class KubeClient:
         request_timeout: float = 30.0,
         on_retry: RetryHook | None = None,
         sleep: Callable[[float], None] | None = None,
+        restricted: bool = True,
     ) -> None:
+        """``restricted=False`` lifts the ``PERMISSIONS`` check: for tests and tools acting as an
+        administrator, never for the controller."""
         configuration.retries = False  # the client must not retry underneath ours
         self._api = k8s_client.ApiClient(configuration)
         self._api.user_agent = "spotjob-controller"
@@ -321,6 +324,7 @@ class KubeClient:
         self._timeout = request_timeout
         self._on_retry = on_retry
         self._sleep = sleep
+        self._restricted = restricted
         self._watches: set[WatchStream] = set()
         self._lock = threading.Lock()
 
@@ -381,7 +385,7 @@ class KubeClient:
         Opening is retried like any call; once open, a dropped connection raises ``TransientError``
         from the iterator, and an expired version raises ``Gone`` (the caller re-lists).
         """
-        if not allowed(resource, "watch"):
+        if self._restricted and not allowed(resource, "watch"):
             raise NotPermitted(f"watch {resource} is not in orchestrator.k8s.api.PERMISSIONS")
         query = _query(
             watch="true",
@@ -515,7 +519,7 @@ class KubeClient:
         timeout: float | tuple[float, float] | None = None,
         stream: bool = False,
     ) -> Any:
-        if not allowed(resource, verb, subresource):
+        if self._restricted and not allowed(resource, verb, subresource):
             target = f"{resource}/{subresource}" if subresource else str(resource)
             raise NotPermitted(f"{verb} {target} is not in orchestrator.k8s.api.PERMISSIONS")
         what = f"{verb} {resource}{'/' + subresource if subresource else ''}"

@@ -180,6 +180,8 @@ class Informer:
         self._synced: set[str | None] = set()
         self._all_synced = threading.Event()
         self._streams: dict[str | None, object] = {}
+        self._versions: dict[str | None, str | None] = {}
+        """The last resourceVersion applied per scope (None: list first). Written by its thread only."""
         self._lock = threading.Lock()
         self.lists = 0
         """How many lists ran (the first ones, and one after each 410): a test reads it."""
@@ -222,30 +224,29 @@ class Informer:
     # -- the loop
 
     def _run(self, scope: str | None) -> None:
-        version: str | None = None  # None: list first
         failures = 0
         while not self._stop.is_set():
             try:
-                if version is None:
-                    version = self._list(scope)
-                version = self._watch(scope, version)
+                if self._versions.get(scope) is None:
+                    self._versions[scope] = self._list(scope)
+                self._watch(scope)
                 failures = 0
             except Gone as e:
-                log.info("%s: resourceVersion %s expired (%s); listing again", self, version, e)
-                version = None
+                log.info("%s: resourceVersion %s expired (%s); listing again", self, self._versions.get(scope), e)
+                self._versions[scope] = None
             except TransientError as e:
                 failures += 1
-                log.warning("%s: %s; resuming from resourceVersion %s", self, e, version)
+                log.warning("%s: %s; resuming from resourceVersion %s", self, e, self._versions.get(scope))
                 self._stop.wait(self._backoff.delay(failures))
             except KubeError as e:
                 failures += 1
                 log.error("%s: %s; listing again after a pause", self, e)
-                version = None
+                self._versions[scope] = None
                 self._stop.wait(self._backoff.delay(failures))
             except Exception:
                 failures += 1
                 log.exception("%s: unexpected failure; listing again after a pause", self)
-                version = None
+                self._versions[scope] = None
                 self._stop.wait(self._backoff.delay(failures))
 
     def _list(self, scope: str | None) -> str:
@@ -271,11 +272,13 @@ class Informer:
         log.debug("%s: listed %d objects at resourceVersion %s", self, len(items), version)
         return version
 
-    def _watch(self, scope: str | None, version: str) -> str:
+    def _watch(self, scope: str | None) -> None:
+        """Watch from the last version seen, recording each event's version as it is applied, so
+        that a drop (an exception out of here) resumes exactly after the last applied event."""
         stream = self._client.watch(
             self.resource,
             scope,
-            resource_version=version,
+            resource_version=str(self._versions[scope]),
             label_selector=self._label_selector,
             field_selector=self._field_selector,
             timeout_seconds=self._watch_timeout,
@@ -289,20 +292,17 @@ class Informer:
                 if self._stop.is_set():
                     break
                 obj = event.object
-                version = resource_version(obj) or version
-                if event.type == "BOOKMARK":
-                    continue
                 if event.type in ("ADDED", "MODIFIED"):
                     old = self.cache._put(obj)
                     self._dispatch("MODIFIED" if old is not None else "ADDED", obj, old)
                 elif event.type == "DELETED":
                     self.cache._remove(object_key(obj))
                     self._dispatch("DELETED", obj, None)
+                self._versions[scope] = resource_version(obj) or self._versions[scope]
         finally:
             stream.close()
             with self._lock:
                 self._streams.pop(scope, None)
-        return version
 
     def _dispatch(self, kind: str, obj: Object, old: Object | None) -> None:
         for handler in self._handlers:
