@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ctl_support import ADMIN_TOKEN, CONTROLLER_TOKEN, TestApi, kubeconfig_file
+from ctl_support import ADMIN_TOKEN, CONTROLLER_TOKEN, CONTROLLER_USER, TestApi, kubeconfig_file
 
 from orchestrator.k8s.api import KubeClient, load_config
 
@@ -21,7 +21,7 @@ def test_api(tmp_path: Path) -> Iterator[TestApi]:
     api = ApiServer(validate="off", bookmark_interval=0.5)
     front = cluster.HttpFront(
         api,
-        {CONTROLLER_TOKEN: cluster.User("system:serviceaccount:spotjob:spotjob-controller")},
+        {CONTROLLER_TOKEN: cluster.User(CONTROLLER_USER)},
         ADMIN_TOKEN,
     )
     front.add_user("admin", ADMIN_TOKEN, ("system:masters",))

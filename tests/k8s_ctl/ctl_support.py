@@ -29,6 +29,7 @@ CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "Cust
 NAMESPACES = Resource("", "v1", "namespaces", "Namespace", namespaced=False)
 
 CONTROLLER_TOKEN = "controller-token"
+CONTROLLER_USER = "system:serviceaccount:spotjob:spotjob-controller"
 ADMIN_TOKEN = "admin-token"
 
 # Until the model work generates the real CRD, a SpotJob is any object: these tests exercise the
