@@ -471,10 +471,11 @@ class KubeClient:
         except _NETWORK_ERRORS as e:
             raise TransientError(f"discovery of {group}/{version} failed: {e}") from e
         try:
+            body = response.read()  # always read: an unread body would poison the pooled connection
             if response.status == 404:
                 return False
             if response.status >= 400:
-                raise _error_from_status(response.status, response.read(), response.headers)
+                raise _error_from_status(response.status, body, response.headers)
             return True
         finally:
             response.response.release_conn()
@@ -496,7 +497,10 @@ class KubeClient:
         response = self._request(
             verb, resource, method, path, query=query, body=body, content_type=content_type, subresource=subresource
         )
-        data = response.read()
+        try:
+            data = response.read()
+        finally:
+            response.response.release_conn()
         try:
             parsed = json.loads(data) if data else {}
         except ValueError as e:
@@ -618,6 +622,8 @@ class WatchStream:
                 self._response.shutdown()  # unblocks a read in progress in another thread
             except Exception:
                 pass
+            # A watch cut short leaves its connection mid-body: close it rather than pool it.
+            self._response.close()
             self._response.release_conn()
             self._owner._forget(self)
 

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.k8s.api import CORE_EVENTS, EVENTS, KubeClient, KubeError, NotFound, Object, Resource
+from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,11 @@ class EventRecorder:
                     seen.last = now
                 return
         body = self._new_event(resource, regarding, type, reason, note, action, related, namespace, now)
-        created = self._client.create(resource, body, namespace)
-        name = str((created.get("metadata") or {}).get("name") or body["metadata"]["name"])
+        name = str(body["metadata"]["name"])
+        try:
+            self._client.create(resource, body, namespace)
+        except AlreadyExists:
+            pass  # our own create, retried after its answer was lost: the name is unique to it
         with self._lock:
             self._written[key] = _Written(name, namespace, 1, now)
             self._written.move_to_end(key)
