@@ -34,6 +34,7 @@ bench: venv
 lint: venv
 	$(VENV)/bin/ruff check agent orchestrator tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) spotjob-runs bench/out .pytest_cache .mypy_cache .ruff_cache

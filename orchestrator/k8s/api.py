@@ -404,7 +404,6 @@ class KubeClient:
             resource.path(namespace),
             query=query,
             timeout=(10.0, timeout_seconds + 30.0),
-            stream=True,
         )
         stream = WatchStream(response, resource, self)
         with self._lock:
@@ -521,7 +520,6 @@ class KubeClient:
         content_type: str | None = None,
         subresource: str | None = None,
         timeout: float | tuple[float, float] | None = None,
-        stream: bool = False,
     ) -> Any:
         if self._restricted and not allowed(resource, verb, subresource):
             target = f"{resource}/{subresource}" if subresource else str(resource)

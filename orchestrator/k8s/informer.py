@@ -34,6 +34,7 @@ from orchestrator.k8s.api import (
     Gone,
     KubeClient,
     KubeError,
+    NotFound,
     Object,
     Resource,
     TransientError,
@@ -237,6 +238,12 @@ class Informer:
             except TransientError as e:
                 failures += 1
                 log.warning("%s: %s; resuming from resourceVersion %s", self, e, self._versions.get(scope))
+                self._stop.wait(self._backoff.delay(failures))
+            except NotFound as e:
+                failures += 1
+                hint = " (is the SpotJob CRD installed?)" if self.resource.group == "spotjob.dev" else ""
+                log.error("%s: %s%s; listing again after a pause", self, e, hint)
+                self._versions[scope] = None
                 self._stop.wait(self._backoff.delay(failures))
             except KubeError as e:
                 failures += 1

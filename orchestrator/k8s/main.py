@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--network-policy",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="give each job a NetworkPolicy that admits only the controller and the job's own pods to its agents "
+        help="the Kubernetes backend gives each job a NetworkPolicy admitting only the controller and the job's pods "
         "(default on; $SPOTJOB_NETWORK_POLICY)",
     )
     p.add_argument(
