@@ -115,3 +115,12 @@ def test_a_missing_kubeconfig_is_a_config_error_naming_the_file(tmp_path, monkey
 def test_kubeconfig_comes_from_the_environment_when_no_flag_names_one(test_api: TestApi, monkeypatch) -> None:
     monkeypatch.setenv("KUBECONFIG", str(test_api.kubeconfig))
     assert load_config().host == test_api.url
+
+
+def test_a_request_that_hangs_times_out_and_is_retried(test_api: TestApi) -> None:
+    retries: list[tuple[str, str, str]] = []
+    client = test_api.client(request_timeout=0.5, on_retry=lambda *a: retries.append(a))
+    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "slow"}})
+    test_api.fault(verb="get", resource="nodes", name="slow", count=1, action="timeout", delay=5)
+    assert client.get(NODES, "slow")["metadata"]["name"] == "slow"
+    assert retries == [("get", "nodes", "network")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ctl_support import TestApi
 
-from orchestrator.k8s.api import EVENTS
+from orchestrator.k8s.api import CORE_EVENTS, EVENTS
 from orchestrator.k8s.events import REPORTING_CONTROLLER, EventRecorder, ObjectRef
 
 JOB = ObjectRef(kind="SpotJob", name="llama", namespace="default", api_version="spotjob.dev/v1alpha1", uid="u-1")
@@ -56,3 +56,21 @@ def test_an_event_deleted_meanwhile_is_written_again_and_a_failure_never_raises(
     recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")  # logged, not raised
     test_api.clear_faults()
     assert [e["reason"] for e in events(test_api)] == ["Rescheduled"]
+
+
+def test_core_v1_events_are_written_and_counted_where_events_k8s_io_is_not_served(
+    test_api: TestApi, monkeypatch
+) -> None:
+    client = test_api.client()
+    monkeypatch.setattr(client, "api_group_served", lambda group, version: False)
+    recorder = EventRecorder(client, instance="r")
+    for _ in range(3):
+        recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")
+    (event,) = test_api.admin.list(CORE_EVENTS, "default")[0]
+    assert event["involvedObject"]["name"] == "llama"
+    assert (event["type"], event["reason"], event["message"], event["count"]) == (
+        "Warning",
+        "FlushTimedOut",
+        "no manifest after 120s",
+        3,
+    )

@@ -114,3 +114,21 @@ def test_pods_are_watched_by_label_in_the_given_namespaces_with_an_index(test_ap
         assert [p["metadata"]["name"] for p in informer.cache.by_index("node", "n1")] == ["w0"]
     finally:
         informer.stop()
+
+
+def test_a_watch_the_server_ends_is_resumed_without_a_new_list(test_api: TestApi) -> None:
+    informer = Informer(test_api.client(), NODES, watch_timeout_seconds=1)
+    informer.start()
+    try:
+        assert informer.wait_for_sync(30)
+        for i in range(3):
+            before = [r for r in test_api.audit() if r["verb"] == "watch"]
+            wait_for(
+                lambda before=before: len([r for r in test_api.audit() if r["verb"] == "watch"]) > len(before),
+                what="the server to end the watch and the informer to watch again",
+            )
+            test_api.admin.create(NODES, node(f"t{i}"))
+        wait_for(lambda: len(informer.cache) == 3, what="every node")
+        assert informer.lists == 1
+    finally:
+        informer.stop()
