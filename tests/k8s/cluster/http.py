@@ -640,7 +640,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if bookmarks and time.monotonic() >= next_bookmark:
                     with api.store.lock:
                         rv = api.store.rv if watcher.idle() else last_rv
-                    if rv > last_rv:
+                    if rv >= last_rv:  # sent every interval, as the watch cache's progress notifications are
                         self._bookmark(rt, rv)
                         last_rv = rv
                     next_bookmark = time.monotonic() + api.bookmark_interval
