@@ -485,6 +485,7 @@ class ApiServer:
                 md.setdefault("labels", {})["kubernetes.io/metadata.name"] = md["name"]
             elif rt.storage == "core/secrets":
                 obj.setdefault("type", "Opaque")
+                _fold_string_data(obj)
             elif rt.storage == "core/events" and not obj.get("series") and not obj.get("eventTime"):
                 obj.setdefault("count", 1)
             self._validate(rt, obj, user, "create", field_validation, warnings)
@@ -541,6 +542,8 @@ class ApiServer:
             if md.get("uid") and md["uid"] != old["metadata"]["uid"]:
                 raise conflict(rt.qualified, name, f"Precondition failed: UID in precondition: {md['uid']}, UID in object meta: {old['metadata']['uid']}", rt.group, rt.plural)
             merged = self._merge_update(rt, old, new, subresource)
+            if rt.storage == "core/secrets":
+                _fold_string_data(merged)
             self._validate_update(rt, old, merged)
             self._check_labels(rt, merged)
             self._validate(rt, merged, user, verb, field_validation, warnings)
@@ -919,6 +922,15 @@ def _refs(node: Any) -> Iterator[str]:
     elif isinstance(node, list):
         for v in node:
             yield from _refs(v)
+
+
+def _fold_string_data(secret: Obj) -> None:
+    """A Secret's write-only ``stringData`` lands in ``data``, base64-encoded, as on a real server."""
+    import base64
+
+    string_data = secret.pop("stringData", None) or {}
+    if string_data:
+        secret["data"] = {**(secret.get("data") or {}), **{k: base64.b64encode(str(v).encode()).decode() for k, v in string_data.items()}}
 
 
 def _same(a: Obj, b: Obj) -> bool:

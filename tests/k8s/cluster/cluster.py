@@ -19,6 +19,7 @@ validation failures) then raise ``NotOnTestServer``, which the fixtures turn int
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import os
@@ -38,6 +39,7 @@ from .client import ApiCallError, RestClient
 from .controlplane import GarbageCollector, NamespaceController, NodeLifecycle, PodGC, Scheduler
 from .http import AuditRecord, Fault, HttpFront, User
 from .kubelet import Kubelet, NodeConfig, PodWorker
+from .tls import ServingCert, make_serving_cert
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +53,14 @@ class NotOnTestServer(RuntimeError):
     """A test hook that only the test API server has, asked of a real cluster."""
 
 
-def write_kubeconfig(path: Path, server: str, token: str, user: str = ADMIN, context: str = "spotjob-test") -> Path:
+def write_kubeconfig(path: Path, server: str, token: str, user: str = ADMIN, context: str = "spotjob-test", ca_pem: bytes | None = None) -> Path:
+    cluster: dict[str, Any] = {"server": server}
+    if ca_pem:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "spotjob-test", "cluster": {"server": server}}],
+        "clusters": [{"name": "spotjob-test", "cluster": cluster}],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": context, "context": {"cluster": "spotjob-test", "user": user, "namespace": "default"}}],
         "current-context": context,
@@ -107,6 +112,7 @@ class TestCluster:
             history_size=history_size,
         )
         self._extra_env = extra_env
+        self._tls: ServingCert | None = None
         self._rest: RestClient | None = None
 
     @classmethod
@@ -127,7 +133,8 @@ class TestCluster:
             )
             self.admin_token = secrets.token_urlsafe(24)
             self.front = HttpFront(self.api, {self.admin_token: User(ADMIN, ("system:masters", "system:authenticated"))}, self.admin_token)
-            url = self.front.start()
+            self._tls = make_serving_cert(self.root / "pki")
+            url = self.front.start(tls=(self._tls.cert_file, self._tls.key_file))
             self._loops = [
                 Scheduler(self.api),
                 NodeLifecycle(self.api, node_monitor_grace=float(s["node_monitor_grace"])),  # type: ignore[arg-type]
@@ -137,9 +144,13 @@ class TestCluster:
             ]
             for loop in self._loops:
                 loop.start()
-            self.kubeconfig = str(write_kubeconfig(self.root / "kubeconfig", url, self.admin_token))
+            self.kubeconfig = str(write_kubeconfig(self.root / "kubeconfig", url, self.admin_token, ca_pem=self._tls.ca_pem))
         kubelet_token = self.add_user("system:node:test-kubelet") if self.front else None
-        kubelet_config = str(write_kubeconfig(self.root / "kubelet.kubeconfig", self.server_url, kubelet_token, "system:node:test-kubelet")) if kubelet_token else self.kubeconfig
+        kubelet_config = (
+            str(write_kubeconfig(self.root / "kubelet.kubeconfig", self.server_url, kubelet_token, "system:node:test-kubelet", ca_pem=self._tls.ca_pem))
+            if kubelet_token and self._tls
+            else self.kubeconfig
+        )
         self.kubelet = Kubelet(
             kubelet_config,
             self.root / "kubelet",
@@ -189,7 +200,7 @@ class TestCluster:
         """A kubeconfig for a new identity, so the audit log can tell its requests apart."""
         token = self.add_user(user)
         target = path or self.root / f"kubeconfig-{user.replace(':', '_')}"
-        return str(write_kubeconfig(Path(target), self.server_url, token, user))
+        return str(write_kubeconfig(Path(target), self.server_url, token, user, ca_pem=self._tls.ca_pem if self._tls else None))
 
     def env(self) -> dict[str, str]:
         """The environment a child process (controller, kubectl) needs to reach this cluster."""

@@ -58,7 +58,7 @@ def record_event(api: ApiServer, involved: Obj, etype: str, reason: str, message
     ns = md.get("namespace") or "default"
     rt = api.registry.get("", "v1", "events")
     assert rt is not None
-    key = f"{md['name']}.{reason}.{abs(hash((md.get('uid'), reason, message))) % 10**8:08d}"
+    key = f"{md['name']}.{reason.lower()}.{abs(hash((md.get('uid'), reason, message))) % 10**8:08d}"
     existing = api.store.get("core/events", ns, key)
     now = now_rfc3339()
     if existing is not None:

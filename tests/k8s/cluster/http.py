@@ -17,11 +17,13 @@ import json
 import logging
 import re
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -131,7 +133,8 @@ class HttpFront:
         self.stopping = False
 
     # Lifecycle ---------------------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def start(self, host: str = "127.0.0.1", port: int = 0, tls: tuple[Path, Path] | None = None) -> str:
+        """Serve on ``host:port`` (0: a free port); HTTPS with ``tls`` = (cert file, key file)."""
         front = self
 
         class Server(ThreadingHTTPServer):
@@ -145,7 +148,14 @@ class HttpFront:
 
         Handler.front = front
         self._httpd = Server((host, port), Handler)
-        self.url = f"http://{host}:{self._httpd.server_address[1]}"
+        scheme = "http"
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            # The handshake happens in each connection's own thread, not in the accepting one.
+            self._httpd.socket = ctx.wrap_socket(self._httpd.socket, server_side=True, do_handshake_on_connect=False)
+            scheme = "https"
+        self.url = f"{scheme}://{host}:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-apiserver", daemon=True)
         self._thread.start()
         return self.url
@@ -318,7 +328,7 @@ class _Handler(BaseHTTPRequestHandler):
                 except Exception:  # noqa: BLE001 - the error answer matters more
                     pass
             self._send_error(e)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             code = 499
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug in the test server must reach the client as a 500
@@ -630,7 +640,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if bookmarks and time.monotonic() >= next_bookmark:
                     with api.store.lock:
                         rv = api.store.rv if watcher.idle() else last_rv
-                    if rv > last_rv:
+                    if rv >= last_rv:  # sent every interval, as the watch cache's progress notifications are
                         self._bookmark(rt, rv)
                         last_rv = rv
                     next_bookmark = time.monotonic() + api.bookmark_interval
