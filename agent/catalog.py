@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
-from functools import total_ordering
 
+from agent._layout import CheckpointRef, find_checkpoints, read_manifest
 from agent.crc32c import from_hex
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError
 from agent.storage.base import (
@@ -31,40 +30,6 @@ from agent.storage.base import (
 )
 
 log = logging.getLogger(__name__)
-
-_FOLDER_RE = re.compile(r"^step-(\d{9,})(?:\.(\d+))?$")
-
-
-def folder_name(step: int, attempt: int = 0) -> str:
-    return f"step-{step:09d}" + (f".{attempt}" if attempt else "")
-
-
-@total_ordering
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One checkpoint folder under the URI (committed or not)."""
-
-    step: int
-    attempt: int = 0
-
-    @property
-    def folder(self) -> str:
-        return folder_name(self.step, self.attempt)
-
-    def key(self, name: str) -> str:
-        return f"{self.folder}/{name}"
-
-    def __lt__(self, other: object) -> bool:
-        if not isinstance(other, CheckpointRef):
-            return NotImplemented
-        return (self.step, self.attempt) < (other.step, other.attempt)
-
-    @classmethod
-    def parse(cls, folder: str) -> CheckpointRef | None:
-        m = _FOLDER_RE.match(folder)
-        if not m:
-            return None
-        return cls(int(m.group(1)), int(m.group(2) or 0))
 
 
 @dataclass
@@ -89,20 +54,6 @@ class CheckpointStatus:
         if not self.committed:
             return "uncommitted: no MANIFEST.json (a save that never finished)"
         return "; ".join(self.problems)
-
-
-def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
-    """Every checkpoint folder under the URI, newest first."""
-    refs = [r for r in (CheckpointRef.parse(d) for d in storage.list_dirs("")) if r is not None]
-    return sorted(refs, reverse=True)
-
-
-def read_manifest(storage: Storage, ref: CheckpointRef) -> Manifest:
-    """Read and validate one manifest; ``ManifestError``/``NotFoundError`` say what is wrong."""
-    manifest = Manifest.parse(storage.get_bytes(ref.key(MANIFEST_NAME)))
-    if manifest.step != ref.step:
-        raise ManifestError(f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it")
-    return manifest
 
 
 def inspect(storage: Storage, ref: CheckpointRef) -> CheckpointStatus:
