@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from functools import total_ordering
 
-from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
-from agent.storage.base import Storage
+from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError, UntrustedJSONError
+from agent.storage.base import NotFoundError, Storage
 
 CONTROL_FOLDER = ".spotjob"
 """spotjob's own records under a URI (owner, attempts): never listed as a checkpoint."""
@@ -63,19 +63,36 @@ def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
     return sorted(refs, reverse=True)
 
 
+def read_bounded(storage: Storage, key: str, max_bytes: int, *, size: int | None = None) -> bytes:
+    """``get_bytes`` for an untrusted record: one bigger than ``max_bytes`` is refused unread.
+
+    ``size`` is the object's size from a listing, when the caller has one; otherwise it is
+    stat'ed. Raises ``UntrustedJSONError`` (too big), ``NotFoundError`` or ``StorageError``.
+    """
+    if size is None:
+        info = storage.stat(key)
+        if info is None:
+            raise NotFoundError(f"{storage.url(key)} does not exist", key)
+        size = info.size
+    if size > max_bytes:
+        raise UntrustedJSONError(f"{size} bytes, more than the {max_bytes} allowed")
+    data = storage.get_bytes(key)
+    if len(data) > max_bytes:  # replaced by a bigger one since the listing
+        raise UntrustedJSONError(f"{len(data)} bytes, more than the {max_bytes} allowed")
+    return data
+
+
 def read_manifest(storage: Storage, ref: CheckpointRef, *, size: int | None = None) -> Manifest:
     """Read and validate one manifest; ``ManifestError``/``NotFoundError`` say what is wrong.
 
     ``size`` is the manifest's size from a listing, when the caller has one; otherwise it is
     stat'ed. An oversized manifest is refused before a byte of it is read.
     """
-    key = ref.key(MANIFEST_NAME)
-    if size is None:
-        info = storage.stat(key)
-        size = info.size if info is not None else None
-    if size is not None and size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"MANIFEST.json is {size} bytes, more than a manifest may be ({MAX_MANIFEST_BYTES})")
-    manifest = Manifest.parse(storage.get_bytes(key))
+    try:
+        data = read_bounded(storage, ref.key(MANIFEST_NAME), MAX_MANIFEST_BYTES, size=size)
+    except UntrustedJSONError as e:
+        raise ManifestError(f"MANIFEST.json is refused: {e}") from None
+    manifest = Manifest.parse(data)
     if manifest.step != ref.step:
         raise ManifestError(f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it")
     return manifest

@@ -25,6 +25,15 @@ from pydantic import (
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT_VERSION = 1
 DCP_METADATA_NAME = ".metadata"
+DCP_SHARD_SUFFIX = ".distcp"
+"""DCP's shard files (``__<rank>_<n>.distcp``), which only its ``.metadata`` can read."""
+RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.pt$")
+
+
+def rank_file_name(rank: int) -> str:
+    """The per-rank state file of ``rank`` (RNG streams and non-module state), one per rank."""
+    return f"rank-{rank:05d}.pt"
+
 
 MAX_MANIFEST_BYTES = 64 * 2**20
 """The largest MANIFEST.json a reader accepts (and a writer may commit). A manifest lists every

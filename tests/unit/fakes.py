@@ -20,7 +20,7 @@ from typing import Literal
 from agent.catalog import folder_name, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from agent.crc32c import crc32c_bytes, to_hex
-from agent.manifest import MANIFEST_NAME, FileEntry, Manifest
+from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, rank_file_name
 from agent.storage import AlreadyExistsError, ObjectInfo, Storage, TransientStorageError
 from agent.storage.file import FileStorage
 from orchestrator.backends.base import BackendError, Placement, WorkerObservation, worker_name
@@ -80,12 +80,21 @@ class FlakyStorage(FileStorage):
 
 
 def commit_checkpoint(
-    storage: Storage, step: int, created_at: datetime, *, job: str = "train", trigger: str | None = None
+    storage: Storage,
+    step: int,
+    created_at: datetime,
+    *,
+    job: str | None = "train",
+    trigger: str | None = None,
+    attempt: int | None = None,
 ) -> None:
-    """Commit a small valid checkpoint at ``step`` the way rank 0 does: shard first, manifest last."""
+    """Commit a small valid checkpoint at ``step`` the way rank 0 does: files first, manifest last.
+
+    ``attempt`` is the writer's attempt number (``SPOTJOB_ATTEMPT``), which fencing judges.
+    """
     folder = folder_name(step)
     shard = f"step {step}".encode()
-    storage.put_bytes(f"{folder}/shard-0.bin", shard)
+    storage.put_bytes(f"{folder}/{rank_file_name(0)}", shard)
     manifest = Manifest(
         step=step,
         world_size=1,
@@ -93,8 +102,9 @@ def commit_checkpoint(
         torch_version="fake",
         job=job,
         state_keys=["model"],
-        files=[FileEntry(path="shard-0.bin", size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
+        files=[FileEntry(path=rank_file_name(0), size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
         trigger=trigger,
+        attempt=attempt,
     )
     storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
 
