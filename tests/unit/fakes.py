@@ -127,6 +127,7 @@ class FakeWorker:
     node: FakeNode | None
     created_at: datetime
     resumed_from: int
+    job: str = "train"
     running_at: datetime | None = None
     exit_code: int | None = None
     exited_at: datetime | None = None
@@ -187,6 +188,7 @@ class FakeBackend:
                 node=node,
                 created_at=self.clock.now(),
                 resumed_from=resumed.ref.step if resumed else 0,
+                job=job.name,
             )
             self.created.append(name)
 
@@ -194,7 +196,7 @@ class FakeBackend:
         self._maybe_fail()
         self.stop_calls.append(keep_attempt)
         for w in list(self.workers.values()):
-            if w.attempt == keep_attempt:
+            if w.attempt == keep_attempt or w.job != job.name:
                 continue
             if self.stop_seconds <= 0:
                 del self.workers[w.name]
@@ -207,6 +209,8 @@ class FakeBackend:
         self._evolve()
         out = []
         for w in self.workers.values():
+            if w.job != job.name:
+                continue
             if w.name in self.hidden_once:
                 self.hidden_once.discard(w.name)
                 continue
@@ -248,8 +252,8 @@ class FakeBackend:
         self.notices.append(signal)
         return signal
 
-    def worker(self, attempt: int, index: int) -> FakeWorker:
-        return next(w for w in self.workers.values() if (w.attempt, w.index) == (attempt, index))
+    def worker(self, attempt: int, index: int, *, job: str = "train") -> FakeWorker:
+        return next(w for w in self.workers.values() if (w.attempt, w.index, w.job) == (attempt, index, job))
 
     def exit(self, attempt: int, index: int, code: int) -> None:
         w = self.worker(attempt, index)
@@ -262,7 +266,7 @@ class FakeBackend:
         step = self.step_of(w)
         assert step is not None, "only a running agent hears a notice"
         if commit:
-            self._commit(step)
+            self._commit(step, attempt=w.attempt, job=w.job)
         self.exit(attempt, index, EXIT_PREEMPTED if commit else EXIT_FLUSH_FAILED)
 
     def vanish(self, attempt: int, index: int) -> None:
@@ -300,7 +304,7 @@ class FakeBackend:
                 if self.flush_outcome != "hang" and now >= done_at:
                     if self.flush_outcome == "commit":
                         assert w.frozen_step is not None
-                        self._commit(w.frozen_step, at=done_at)
+                        self._commit(w.frozen_step, at=done_at, attempt=w.attempt, job=w.job)
                     w.exit_code = EXIT_PREEMPTED if self.flush_outcome == "commit" else EXIT_FLUSH_FAILED
                     w.exited_at = done_at
                 continue
@@ -311,9 +315,9 @@ class FakeBackend:
                     w.frozen_step = self.total_steps
                     w.exit_code, w.exited_at = 0, now
 
-    def _commit(self, step: int, *, at: datetime | None = None) -> None:
+    def _commit(self, step: int, *, at: datetime | None = None, attempt: int | None = None, job: str = "train") -> None:
         try:
-            commit_checkpoint(self.storage, step, at or self.clock.now(), trigger="flush")
+            commit_checkpoint(self.storage, step, at or self.clock.now(), job=job, trigger="flush", attempt=attempt)
         except AlreadyExistsError:
             return  # another agent of the gang committed this step already
         self.commits.append(step)
