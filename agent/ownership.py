@@ -24,8 +24,10 @@ attempt wrote.
 A writer calls ``check_not_fenced`` before every commit and every delete. Between that check and
 the write a newer attempt may be recorded; the rule covers that race: a manifest that lands after
 the record is newer than the record's fence, hence fenced, whatever the writer believed. Deletes
-have no such after-the-fact cover; they are only ever of folders older than the writer's own
-newest commit, which a newer attempt's fence already outranks or equals.
+have no such after-the-fact cover (storage offers no conditional delete): a writer that passed its
+check just before the record landed could still delete. Retention therefore deletes only folders
+older than a checkpoint it has just found valid — not fenced — and checks before each delete,
+which narrows the window to the moment between one check and one delete.
 
 Records are per job (``<job key>`` below) so that a job adopted by another, or a job deleted and
 created again under the same name, never mixes its attempt numbers with another's: the controller
