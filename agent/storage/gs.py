@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -257,16 +259,51 @@ class GCSStorage(PrefixedKeys, Storage):
             return
         self._put_resumable(local_path, key, size, crc32c, progress)
 
-    def _upload_simple(self, key: str, data: bytes, **precondition: Any) -> None:
-        # A fresh Blob per attempt: a Blob caches the server's answer and is not thread-safe.
-        self._bucket.blob(self._object_key(key)).upload_from_string(
-            data,
-            content_type=_CONTENT_TYPE,
-            checksum="crc32c",  # sent along, so GCS rejects bytes damaged on the way
-            retry=None,
-            timeout=self._timeout,
-            **precondition,
+    def _upload_simple(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> None:
+        """One multipart upload request (JSON metadata, then the bytes), built here.
+
+        Not through ``Blob.upload_from_string``: the library draws every request's multipart
+        boundary from Python's global ``random`` — the training script's stream, shifted by each
+        save from a background thread. The boundary here comes from ``uuid4`` (``os.urandom``).
+        The CRC32C goes in the metadata, so GCS rejects bytes damaged on the way, and the CRC32C
+        it stored is compared too. Failures raise what the library would (``_TRANSLATED``).
+        """
+        crc = crc32c_bytes(data)
+        metadata = {"name": self._object_key(key), "contentType": _CONTENT_TYPE, "crc32c": crc_to_b64(crc)}
+        boundary = uuid.uuid4().hex.encode()
+        sep = b"--" + boundary
+        body = b"".join(
+            (
+                sep,
+                b"\r\ncontent-type: application/json; charset=UTF-8\r\n\r\n",
+                json.dumps(metadata).encode(),
+                b"\r\n",
+                sep,
+                b"\r\ncontent-type: " + _CONTENT_TYPE.encode() + b"\r\n\r\n",
+                data,
+                b"\r\n",
+                sep,
+                b"--",
+            )
         )
+        params = [("uploadType", "multipart")]
+        if if_generation_match is not None:
+            params.append(("ifGenerationMatch", str(if_generation_match)))
+        resp = self._session.post(
+            f"{self._client._connection.API_BASE_URL}/upload/storage/v1{self._bucket.path}/o",
+            params=params,
+            data=body,
+            headers={"Content-Type": f'multipart/related; boundary="{boundary.decode()}"'},
+            timeout=self._timeout,
+        )
+        if resp.status_code != 200:
+            raise api_exceptions.from_http_response(resp)
+        try:
+            stored = resp.json().get("crc32c")
+        except (ValueError, AttributeError):
+            stored = None
+        if stored and crc_from_b64(stored) != crc:
+            raise gcs_exceptions.DataCorruption(resp, f"stored with CRC32C {crc_from_b64(stored):08x}, sent {crc:08x}")
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._object_key(key)
