@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
+from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints, verify_deep
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import (
     DCP_METADATA_NAME,
@@ -21,6 +21,7 @@ from agent.manifest import (
     TensorEntry,
     rank_file_name,
 )
+from agent.storage import TransientStorageError
 from agent.storage.file import FileStorage
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -153,3 +154,30 @@ def test_uncommitted_folders_and_strays_are_not_checkpoints(storage: FileStorage
     storage.put_bytes("notes/readme.txt", b"hi")
     [status] = list_checkpoints(storage)
     assert not status.committed and status.reason.startswith("uncommitted")
+
+
+def test_deep_verification_reports_a_storage_outage_instead_of_calling_the_checkpoint_corrupt(
+    storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"})
+    status = inspect(storage, ref)
+
+    def unreachable(key: str, local_path: str, **_: Any) -> None:
+        raise TransientStorageError(f"{storage.url(key)}: connection reset (still failing after retries)", key)
+
+    monkeypatch.setattr(storage, "get_file", unreachable)
+    with pytest.raises(TransientStorageError):
+        verify_deep(storage, status)
+    assert status.valid and not status.unusable
+
+
+def test_deep_verification_adds_what_it_finds_to_the_one_verdict(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"})
+    storage.put_bytes(ref.key(rank_file_name(0)), b"r1")  # same size, other bytes
+    status = inspect(storage, ref)
+    assert status.valid
+
+    problems = verify_deep(storage, status)
+
+    assert not status.valid and problems == status.problems
+    assert f"file {rank_file_name(0)} is corrupt" in status.reason
