@@ -20,13 +20,16 @@ import logging
 import os
 import pathlib
 import pickle
-from typing import Any
+import queue
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from agent._rank_state import refusal_reason
@@ -216,14 +219,128 @@ class VerifiedReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def make_writer(path: str, *, durable: bool, thread_count: int = 1) -> FileSystemWriter:
-    """DCP's writer into a rank's staging folder.
+# -- writing without the zip CRC-32, for spotjob's own files only ------------------------------
+
+
+def _zip_writer_without_crc(stream: IO[bytes]) -> Any:
+    """torch.save's zip writer with its CRC-32 switched off for this one file, or None.
+
+    torch.save computes a CRC-32 per zip record when the process-wide option says so
+    (``torch.serialization.set_crc32_options``); it costs about two thirds of a DCP write here
+    (bench/README.md). spotjob's files are covered by the manifest's CRC32C, so their CRC-32 is
+    skipped — by building the writer ourselves rather than flipping the option, which would
+    switch it off for the user's own ``torch.save`` calls and threads too. None when this torch's
+    writer does not take the argument (then torch.save is used as is).
+    """
+    try:
+        return torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    except (TypeError, AttributeError):
+        return None
+
+
+def save_tensor_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    """``torch.save(tensor, stream)`` minus the zip records' CRC-32; ``torch.load`` reads either."""
+    writer = _zip_writer_without_crc(stream)
+    if writer is None:
+        torch.save(tensor, stream)
+        return
+    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    stream.flush()
+
+
+class _Writer(FileSystemWriter):
+    """DCP's filesystem writer, single-threaded, writing tensors without the zip CRC-32.
+
+    Only ``_write_data`` differs from DCP's: the same file layout, the same records in the same
+    places (bytes values first, then tensors), the same ``WriteResult``s; the tensors go through
+    ``save_tensor_without_crc`` instead of ``torch.save``.
+    """
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
+        results: list[WriteResult] = []
+        while True:
+            try:
+                path, storage_key, items = file_queue.get_nowait()
+            except queue.Empty:
+                break
+            results += self._write_file(planner, path, storage_key, items)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(
+        self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]
+    ) -> list[WriteResult]:
+        results = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    results.append(self._write_item(stream, planner.resolve_data(item), item, storage_key))
+            for item in items:
+                if item.type != WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    assert isinstance(data, torch.Tensor)
+                    tensor = data.detach().cpu()
+                    if tensor.untyped_storage().size() != tensor.nbytes:
+                        tensor = tensor.clone()  # a view: save only its own elements, as DCP does
+                    results.append(self._write_item(stream, tensor, item, storage_key))
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        return results
+
+    def _write_item(self, stream: Any, data: Any, item: WriteItem, storage_key: str) -> WriteResult:
+        offset = stream.tell()
+        target, descriptors = self.transforms.transform_save_stream(item, stream)
+        if item.type == WriteItemType.BYTE_IO:
+            target.write(data.getbuffer())
+        else:
+            save_tensor_without_crc(data, target)
+        target.close()
+        length = stream.tell() - offset
+        return WriteResult(
+            index=item.index,
+            size_in_bytes=length,
+            storage_data=_StorageInfo(storage_key, offset, length, transform_descriptors=descriptors or None),
+        )
+
+
+def make_writer(path: str, *, durable: bool) -> FileSystemWriter:
+    """DCP's writer into a rank's staging folder (one file per rank, no zip CRC-32: see ``_Writer``).
 
     ``durable``: fsync every file — needed when the staged files become the checkpoint (a
     filesystem store links them into place). For an object store they are only an upload buffer:
     a crash loses them along with the upload, and no manifest is ever written for them.
     """
-    return FileSystemWriter(path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count)
+    return _Writer(path, single_file_per_rank=True, sync_files=durable, thread_count=1)
+
+
+# -- DCP's save and load, minus their single-process warning ------------------------------------
+
+
+def dcp_save(state: dict[str, Any], writer: FileSystemWriter, *, process_group: Any, no_dist: bool) -> None:
+    """What ``dcp.save`` does with a storage writer given, without its warning.
+
+    ``dcp.save`` warns on every single-process call; silencing that would mean editing the
+    process's warning filters, which belong to the user. The function below it does the work.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    _save_state_dict(state_dict=state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+
+
+def dcp_load(
+    state: dict[str, Any], reader: FileSystemReader, planner: LoadPlanner, *, process_group: Any, no_dist: bool
+) -> None:
+    """What ``dcp.load`` does for plain (non-``Stateful``) values, in place, without its warning."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    ordered = {key: state[key] for key in sorted(state)}  # every rank loads the keys in one order
+    _load_state_dict(
+        state_dict=ordered, storage_reader=reader, process_group=process_group, no_dist=no_dist, planner=planner
+    )
+    state.update(ordered)
 
 
 def make_stager() -> Any:

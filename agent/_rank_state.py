@@ -88,16 +88,26 @@ def refusal_reason(e: BaseException) -> str:
     return " ".join(useful) if useful else type(e).__name__
 
 
+class RankStateError(ValueError):
+    """Stored bytes that are not a per-rank state file (unparseable, or not the expected dict)."""
+
+
 def decode(data: bytes) -> dict[str, Any]:
-    """Load a rank file; plain data and tensors only (``weights_only``)."""
+    """Load a rank file; plain data and tensors only (``weights_only``).
+
+    Raises ``RefusedPickleError`` for bytes that ask to run code, ``RankStateError`` for bytes
+    that are not a rank file at all; both prove the file bad, nothing else does.
+    """
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise RefusedPickleError(
             f"per-rank state is not plain data, refused without running it: {refusal_reason(e)}"
         ) from None
+    except (RuntimeError, ValueError, EOFError, KeyError, AttributeError) as e:
+        raise RankStateError(f"per-rank state cannot be read: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"per-rank state holds a {type(obj).__name__}, expected a dict")
+        raise RankStateError(f"per-rank state holds a {type(obj).__name__}, expected a dict")
     return obj
 
 

@@ -3,68 +3,70 @@
 Layout: ``<uri>/step-<9-digit step>/`` holds one checkpoint; ``MANIFEST.json`` inside it is the
 commit marker. If a committed folder for a step already exists (a broken checkpoint that restore
 skipped, and the job then reached that step again), the new save goes to ``step-<N>.<attempt>/``
-so that no manifest is ever overwritten.
+so that no manifest is ever overwritten. ``<uri>/.spotjob/`` holds the owner and attempt records
+(``agent.ownership``) and is never a checkpoint.
 
-Validity (cheap, one listing per folder): the manifest parses, names the folder's step, and every
-file it lists exists with its listed size. ``verify_deep`` also reads every byte and checks every
-CRC32C. The controller uses ``latest_valid`` as its source of truth for "what is committed".
+Validity is decided here, once, by ``inspect`` — for restore, retention, the controller
+(``latest_valid``) and every ``spotjob ckpt`` command alike. A checkpoint is valid when:
+
+1. it is committed (``MANIFEST.json`` is listed);
+2. the manifest is at most ``MAX_MANIFEST_BYTES``, nested at most ``MAX_JSON_DEPTH`` deep, parses,
+   is safe (paths inside the folder) and names the folder's step;
+3. it lists the files a restore needs: a per-rank file for every rank of its world, and DCP's
+   ``.metadata`` whenever it has a tensor index or shard files;
+4. every listed file is there with its listed size, and (on a filesystem) is not a symlink
+   leading out of the folder;
+5. it is not *foreign* (written by a job the URI's owner does not accept) or *fenced* (written by
+   a stale attempt; see ``agent.ownership``).
+
+Checks 1-5 cost one listing per folder, one manifest read, and per sweep the owner record plus
+what fencing needs. ``verify_deep`` also reads every byte and checks every CRC32C. Storage errors
+(unreachable, throttled past the retries, permission denied) propagate: a checkpoint is called
+invalid only when it is proven so, never because storage could not be read.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
-from functools import total_ordering
 
+from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, folder_name, read_manifest
 from agent.crc32c import from_hex
-from agent.manifest import MANIFEST_NAME, Manifest, ManifestError
+from agent.manifest import (
+    DCP_METADATA_NAME,
+    DCP_SHARD_SUFFIX,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    rank_file_name,
+)
+from agent.ownership import Judgement, Lineage
 from agent.storage.base import (
     CorruptObjectError,
     NotFoundError,
     ProgressFn,
     Storage,
-    StorageError,
     parallel_map,
 )
 
+__all__ = [
+    "CONTROL_FOLDER",
+    "CheckpointRef",
+    "CheckpointStatus",
+    "Lineage",
+    "find_checkpoints",
+    "folder_name",
+    "inspect",
+    "latest_valid",
+    "list_checkpoints",
+    "read_manifest",
+    "uncommitted_older_than",
+    "verify_deep",
+]
+
 log = logging.getLogger(__name__)
-
-_FOLDER_RE = re.compile(r"^step-(\d{9,})(?:\.(\d+))?$")
-
-
-def folder_name(step: int, attempt: int = 0) -> str:
-    return f"step-{step:09d}" + (f".{attempt}" if attempt else "")
-
-
-@total_ordering
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One checkpoint folder under the URI (committed or not)."""
-
-    step: int
-    attempt: int = 0
-
-    @property
-    def folder(self) -> str:
-        return folder_name(self.step, self.attempt)
-
-    def key(self, name: str) -> str:
-        return f"{self.folder}/{name}"
-
-    def __lt__(self, other: object) -> bool:
-        if not isinstance(other, CheckpointRef):
-            return NotImplemented
-        return (self.step, self.attempt) < (other.step, other.attempt)
-
-    @classmethod
-    def parse(cls, folder: str) -> CheckpointRef | None:
-        m = _FOLDER_RE.match(folder)
-        if not m:
-            return None
-        return cls(int(m.group(1)), int(m.group(2) or 0))
 
 
 @dataclass
@@ -78,6 +80,10 @@ class CheckpointStatus:
     stored_bytes: int = 0
     unusable: set[str] = field(default_factory=set)
     """Listed files found missing, short or (after ``verify_deep``) corrupt or unreadable."""
+    foreign: bool = False
+    """Written by a job the URI's owner does not accept: never restored, counted or deleted."""
+    fenced: bool = False
+    """Written by a stale attempt of the job (``agent.ownership``): never restored or counted."""
 
     @property
     def valid(self) -> bool:
@@ -91,28 +97,45 @@ class CheckpointStatus:
         return "; ".join(self.problems)
 
 
-def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
-    """Every checkpoint folder under the URI, newest first."""
-    refs = [r for r in (CheckpointRef.parse(d) for d in storage.list_dirs("")) if r is not None]
-    return sorted(refs, reverse=True)
+def _required_files(manifest: Manifest) -> list[str]:
+    """What a restore of this checkpoint needs that the manifest does not list."""
+    listed = {f.path for f in manifest.files}
+    problems = []
+    ranks = [rank_file_name(r) for r in range(manifest.world_size)]
+    absent = [name for name in ranks if name not in listed]
+    if absent:
+        problems.append(
+            f"the manifest lists no per-rank file for {len(absent)} of its {manifest.world_size} rank(s) "
+            f"(e.g. {absent[0]}): nothing to restore them from"
+        )
+    shards = any(p.endswith(DCP_SHARD_SUFFIX) for p in listed)
+    if (manifest.tensors or shards) and DCP_METADATA_NAME not in listed:
+        problems.append(f"the manifest lists tensors or shard files but no {DCP_METADATA_NAME}: DCP cannot read them")
+    return problems
 
 
-def read_manifest(storage: Storage, ref: CheckpointRef) -> Manifest:
-    """Read and validate one manifest; ``ManifestError``/``NotFoundError`` say what is wrong."""
-    manifest = Manifest.parse(storage.get_bytes(ref.key(MANIFEST_NAME)))
-    if manifest.step != ref.step:
-        raise ManifestError(f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it")
-    return manifest
+def _escapes_folder(storage: Storage, ref: CheckpointRef, path: str) -> bool:
+    """A file that is (or lies behind) a symlink resolving outside its checkpoint folder."""
+    folder = storage.local_path(ref.folder)
+    if folder is None:
+        return False
+    root = os.path.realpath(folder)
+    return not os.path.realpath(os.path.join(folder, path)).startswith(root + os.sep)
 
 
-def inspect(storage: Storage, ref: CheckpointRef) -> CheckpointStatus:
-    """Check one folder: manifest present and sound, every listed file there with its size."""
+def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = None) -> CheckpointStatus:
+    """Decide whether the checkpoint in ``ref`` is valid (the module docstring's checks 1-5).
+
+    ``lineage`` is the URI's owner and attempt records, read once for a sweep over many folders
+    (``Lineage.load``); read here when not given. Raises ``StorageError`` when storage cannot be
+    read — never for what the folder holds.
+    """
     sizes = {o.key[len(ref.folder) + 1 :]: o.size for o in storage.list(ref.folder + "/")}
     status = CheckpointStatus(ref, committed=MANIFEST_NAME in sizes, stored_bytes=sum(sizes.values()))
     if not status.committed:
         return status
     try:
-        status.manifest = read_manifest(storage, ref)
+        manifest = status.manifest = read_manifest(storage, ref, size=sizes[MANIFEST_NAME])
     except NotFoundError:
         # Listed a moment ago but gone now: deleted by retention under our feet.
         status.committed = False
@@ -120,7 +143,8 @@ def inspect(storage: Storage, ref: CheckpointRef) -> CheckpointStatus:
     except ManifestError as e:
         status.problems.append(str(e))
         return status
-    for f in status.manifest.files:
+    status.problems += _required_files(manifest)
+    for f in manifest.files:
         have = sizes.get(f.path)
         if have is None:
             status.problems.append(f"file {f.path} is missing")
@@ -128,20 +152,38 @@ def inspect(storage: Storage, ref: CheckpointRef) -> CheckpointStatus:
         elif have != f.size:
             status.problems.append(f"file {f.path} is {have} bytes, the manifest says {f.size}")
             status.unusable.add(f.path)
+        elif _escapes_folder(storage, ref, f.path):
+            status.problems.append(f"file {f.path} is a symlink leading out of {ref.folder}")
+            status.unusable.add(f.path)
+    judgement = (lineage or Lineage.load(storage)).judge(ref, manifest.job, manifest.attempt)
+    if judgement is not None:
+        _apply(status, judgement)
     return status
+
+
+def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
+    status.foreign = judgement.kind == "foreign"
+    status.fenced = judgement.kind == "fenced"
+    status.problems.append(judgement.reason)
 
 
 def list_checkpoints(storage: Storage) -> list[CheckpointStatus]:
     """Every checkpoint folder with its status, newest first."""
-    return [inspect(storage, ref) for ref in find_checkpoints(storage)]
+    lineage = Lineage.load(storage)
+    return [inspect(storage, ref, lineage=lineage) for ref in find_checkpoints(storage)]
 
 
 def latest_valid(storage: Storage, *, before: CheckpointRef | None = None) -> CheckpointStatus | None:
-    """The newest valid checkpoint (older than ``before`` if given), logging each one skipped."""
+    """The newest valid checkpoint (older than ``before`` if given), logging each one skipped.
+
+    Foreign and fenced checkpoints are skipped like broken ones: they never outrank what this
+    job's current attempts wrote. ``StorageError`` when storage cannot be read.
+    """
+    lineage = Lineage.load(storage)
     for ref in find_checkpoints(storage):
         if before is not None and not ref < before:
             continue
-        status = inspect(storage, ref)
+        status = inspect(storage, ref, lineage=lineage)
         if status.valid:
             return status
         log.warning("skipping checkpoint %s: %s", storage.url(ref.folder), status.reason)
@@ -155,13 +197,15 @@ def verify_deep(
     progress: ProgressFn | None = None,
     parallelism: int = 4,
 ) -> list[str]:
-    """Read every byte of a committed checkpoint and check every CRC32C; return the problems.
+    """Read every byte of a committed checkpoint and check every CRC32C; return all its problems.
 
-    Files found corrupt or unreadable are added to ``status.unusable``.
+    Files found corrupt or gone are added to ``status.unusable`` and their problems to
+    ``status.problems``, so ``status.valid`` then says what a deep check found. Storage errors
+    other than a missing file propagate (a file that cannot be read now is not proven bad).
     """
     if status.manifest is None:
         return [status.reason or "no manifest"]
-    problems = list(status.problems)
+    problems: list[str] = []
     manifest = status.manifest
     missing = set(status.unusable)
     with tempfile.TemporaryDirectory(prefix="spotjob-verify-") as tmp:
@@ -173,8 +217,8 @@ def verify_deep(
             except CorruptObjectError as e:
                 problems.append(f"file {path} is corrupt: {e}")
                 status.unusable.add(path)
-            except StorageError as e:
-                problems.append(f"file {path} could not be read: {e}")
+            except NotFoundError:
+                problems.append(f"file {path} is missing")
                 status.unusable.add(path)
             finally:
                 if os.path.exists(local):
@@ -185,7 +229,8 @@ def verify_deep(
             [(f.path, f.size, f.crc32c) for f in manifest.files if f.path not in missing],
             parallelism,
         )
-    return problems
+    status.problems += sorted(problems)
+    return list(status.problems)
 
 
 def uncommitted_older_than(storage: Storage, ref: CheckpointRef) -> list[CheckpointRef]:

@@ -5,7 +5,8 @@ What the training script calls, in order (every rank calls every method):
 1. ``Checkpointer(uri, ...)`` or ``Checkpointer.from_env()`` — creates two gloo groups of its own
    (a collective: all ranks construct it in the same order). One carries the background save
    (DCP's async save must not share a group with training collectives, or they deadlock); the
-   other carries the per-step flush vote and restore.
+   other carries the per-step vote and restore. (rank 0) claims the URI for the job
+   (``agent.ownership``); another job's URI fails on every rank.
 2. ``restore(state)`` — loads the newest valid checkpoint in place, returns its step (0 if none).
 3. ``step(n, state)`` per step — saves per policy; returns True when the job must stop now (a
    preemption flush committed).
@@ -13,21 +14,34 @@ What the training script calls, in order (every rank calls every method):
 
 One save, from the training loop's point of view: ``state`` is turned into DCP state dicts
 (modules and optimizers, which reshard) and per-rank bytes (everything else and the RNG streams);
-DCP stages the tensors to CPU memory and returns — the only time the loop is blocked. In a
-background thread each rank then waits for DCP's local write, CRC32Cs and uploads its own files;
-rank 0 gathers every rank's file list, writes MANIFEST.json create-only and tells every rank the
-outcome. At most one save is in flight; a failed one raises on the next call.
+the tensors are staged to CPU memory — the only time the loop is blocked. In a background thread
+each rank then writes its DCP shard, CRC32Cs and uploads its own files; rank 0 gathers every
+rank's file list, checks that its attempt is not fenced, writes MANIFEST.json create-only and
+tells every rank the outcome; then it applies retention. At most one save is in flight; a failed
+one raises on the next call.
 
-The flush: the agent drops ``flush.json`` in the control folder. Each rank looks for it with one
-``stat`` per step and votes through an asynchronous all-reduce on the control group; the result
-of the vote launched at step k is read at step k+1, so every rank sees it at the same step
-without the loop ever waiting on the network. That step is saved, committed and reported, and
-``step()`` returns True everywhere.
+The vote: the agent drops ``flush.json`` (stop) or ``save.json`` (save early) in the control
+folder. At the end of each ``step()`` every rank launches an asynchronous all-reduce on the
+control group of [flush asked, save-early asked, every_seconds due, step, -step]; its result is
+read at the next ``step()``, so every rank acts on the same flags at the same step without the
+loop ever waiting on the network, and ranks that report different steps are caught. The flags
+are gathered after the step's own save started, so one trigger makes one save.
+
+Restore never goes back in time on its own: a checkpoint proven bad (CRC mismatch, a missing or
+short file, a manifest or metadata that does not parse or is unsafe) is skipped for an older one;
+a store that keeps failing raises ``StorageUnavailableError``; a checkpoint the model cannot take
+(changed shapes) raises ``RestoreRefusedError``, as does a URI whose committed checkpoints all
+fail — unless ``start_fresh`` says to begin at step 0, which retires them (``agent._fresh_start``).
+
+Nothing here touches what the process owns: no global RNG draw or reseed (only a restore sets
+the streams, to the checkpoint's), no change to torch's serialization options, no warning filter.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import operator
 import os
 import shutil
 import sys
@@ -35,15 +49,14 @@ import tempfile
 import threading
 import time
 import uuid
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from pydantic import JsonValue, TypeAdapter, ValidationError
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -53,12 +66,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from agent import _rank_state
+from agent import _fresh_start, _rank_state
 from agent._dcp import (
     SafeEmptyLoadPlanner,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     VerifiedReader,
+    dcp_load,
+    dcp_save,
     make_stager,
     make_writer,
     tensor_index,
@@ -66,6 +81,7 @@ from agent._dcp import (
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.control_channel import (
     ENV_ASYNC,
+    ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
     ENV_EVERY_SECONDS,
@@ -73,6 +89,7 @@ from agent.control_channel import (
     ENV_JOB_NAME,
     ENV_KEEP,
     ENV_STAGING_DIR,
+    ENV_START_FRESH,
     ControlDir,
     FlushRequest,
     FlushResult,
@@ -80,14 +97,23 @@ from agent.control_channel import (
 )
 from agent.crc32c import crc32c_bytes, crc32c_file, to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, ManifestError, now_utc
-from agent.storage import AlreadyExistsError, StorageError, open_storage, put_files
+from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
+from agent.storage import (
+    AlreadyExistsError,
+    CorruptObjectError,
+    NotFoundError,
+    StorageError,
+    open_storage,
+    put_files,
+)
 
 log = logging.getLogger(__name__)
 
-# Single-process use (no process group) is intended here, not a mistake worth a warning per save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+T = TypeVar("T")
 
 _STATUS_INTERVAL_S = 1.0
+_TRUE = ("1", "true", "yes", "on")
+_METADATA = TypeAdapter(dict[str, JsonValue])
 
 
 class CheckpointError(Exception):
@@ -102,12 +128,38 @@ class FlushFailedError(SaveFailedError):
     """A preemption flush could not commit a checkpoint."""
 
 
+class FencedSaveError(SaveFailedError, FencedError):
+    """This worker's attempt was superseded (a newer attempt of the job is recorded, or another job
+    took the URI over): it committed and deleted nothing and must stop. Raised on every rank, and
+    again by every later ``step()``/``save()``."""
+
+
+class CheckpointOwnershipError(CheckpointError, OwnershipError):
+    """The URI belongs to another job; raised on every rank at construction, nothing written."""
+
+
 class MissingStateKeysError(CheckpointError):
     """``restore`` was handed state keys the checkpoint does not hold."""
 
 
 class RestoreError(CheckpointError):
     """Restore could not leave the job in a consistent state."""
+
+
+class RestoreRefusedError(RestoreError):
+    """Committed checkpoints exist but restore will not go on: the newest one is incompatible with
+    the model (shapes changed), or none of them loads. Nothing was deleted and the state was not
+    changed. ``tried`` lists each checkpoint tried (URI, why it failed), newest first."""
+
+    def __init__(self, message: str, tried: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.tried = list(tried or [])
+
+
+class StorageUnavailableError(CheckpointError):
+    """The checkpoint store still failed after its retries (or failed in a way that proves nothing
+    about the checkpoints): restore stopped rather than fall back to an older checkpoint. Not the
+    user's fault: under spotjob-agent it is reported as an infrastructure error (exit 74)."""
 
 
 @dataclass
@@ -129,7 +181,11 @@ class CheckpointConfig:
     control_dir: str | None = None
     """The folder shared with spotjob-agent (flush requests, status); None: no agent."""
     job: str | None = None
-    """Job name, recorded in manifests and logs."""
+    """The job's name: the URI's owner (``agent.ownership``), recorded in manifests and logs."""
+    attempt: int | None = None
+    """The controller's attempt number for these workers (fencing); None: not fenced."""
+    start_fresh: bool = False
+    """Start from step 0 when committed checkpoints exist but none loads (they are retired)."""
     io_threads: int = 8
     """Parallel transfers per rank."""
 
@@ -142,6 +198,10 @@ class CheckpointConfig:
             raise ValueError(f"keep must be >= 1 (or None to keep everything), got {self.keep}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)):
+            raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
+        if self.attempt is not None and self.attempt < 0:
+            raise ValueError(f"attempt must be >= 0 (or None), got {self.attempt}")
 
 
 @dataclass
@@ -154,7 +214,9 @@ class _Save:
     metadata: dict[str, Any]
     state_keys: list[str]
     rank_bytes: bytes
-    future: Any = None
+    writer: Any = None
+    staged: Any = None
+    """The staged DCP state the background thread writes (None: written already, or none)."""
     flush: FlushRequest | None = None
     trigger: str = "save"
     done: threading.Event = field(default_factory=threading.Event)
@@ -163,29 +225,65 @@ class _Save:
     thread: threading.Thread | None = None
 
 
-# torch.save's zip records carry a CRC-32 that costs about two thirds of a DCP write here
-# (bench/README.md). spotjob's files are covered by the manifest's CRC32C, so the zip CRC is
-# switched off while spotjob's own writes run and put back after; torch.load reads either.
-_crc32_lock = threading.Lock()
-_crc32_writers = 0
-_crc32_saved = True
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
 
 
-def _crc32_window_open() -> None:
-    global _crc32_writers, _crc32_saved
-    with _crc32_lock:
-        if _crc32_writers == 0:
-            _crc32_saved = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _crc32_writers += 1
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
-def _crc32_window_close() -> None:
-    global _crc32_writers
-    with _crc32_lock:
-        _crc32_writers -= 1
-        if _crc32_writers == 0:
-            torch.serialization.set_crc32_options(_crc32_saved)
+def normalise_uri(uri: str) -> str:
+    """One spelling per location: ``s3://b/p``, ``gs://b/p``, ``file:///abs/path``."""
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("s3", "gs"):
+        prefix = "/".join(p for p in parsed.path.split("/") if p)
+        return f"{scheme}://{parsed.netloc}/{prefix}".rstrip("/")
+    path = parsed.path if scheme == "file" else uri
+    return "file://" + os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _check_step(step: Any, call: str) -> int:
+    """A step is a whole number of completed steps, >= 0."""
+    if isinstance(step, bool):
+        raise TypeError(f"{call}: step must be an int (completed steps), got the bool {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(
+            f"{call}: step must be an int (completed steps), got {step!r} ({type(step).__name__})"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{call}: step must be >= 0 (completed steps), got {value}")
+    return value
+
+
+def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
+    """User metadata goes into MANIFEST.json: a dict of JSON values, checked before anything is written."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"{call}: metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        checked = _METADATA.validate_python(dict(metadata))
+        json.dumps(checked)
+    except (ValidationError, TypeError, ValueError) as e:
+        where = ""
+        if isinstance(e, ValidationError) and e.errors():
+            loc = e.errors()[0].get("loc", ())
+            where = "".join(f"[{p!r}]" for p in loc[:1]) or ""
+        raise TypeError(
+            f"{call}: metadata{where} is not JSON (numbers, strings, bools, None, lists, dicts with str keys); "
+            "convert tensors with float(...) or .tolist()"
+        ) from None
+    return checked
 
 
 def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
@@ -213,9 +311,39 @@ def _exception_in_flight() -> bool:
 
 @dataclass(frozen=True)
 class _Vote:
-    flush: bool
-    save_early: bool
-    time_due: bool
+    """What every rank agreed on for one step: identical on all ranks, or collectives diverge."""
+
+    flush: bool = False
+    save_early: bool = False
+    time_due: bool = False
+    lowest_step: int | None = None
+    highest_step: int | None = None
+
+    @classmethod
+    def reduced(cls, values: list[int]) -> _Vote:
+        flush, early, due, high, neg_low = values
+        return cls(bool(flush), bool(early), bool(due), -neg_low, high)
+
+
+class _Failure:
+    """How one attempt to load a checkpoint failed, worst first when ranks disagree."""
+
+    UNAVAILABLE = "unavailable"  # storage failed, or something that proves nothing about the checkpoint
+    INCOMPATIBLE = "incompatible"  # the checkpoint is fine; this script's state cannot take it
+    BAD = "bad"  # proven bad: skip it for an older one
+    SEVERITY = (UNAVAILABLE, INCOMPATIBLE, BAD)
+
+
+# What proves a checkpoint bad (restore may then fall back to an older one); any other storage
+# error proves nothing about it and stops the restore instead.
+_PROVEN_BAD = (
+    CorruptObjectError,
+    NotFoundError,
+    ManifestError,
+    UnsafeCheckpointError,
+    _rank_state.RefusedPickleError,
+    _rank_state.RankStateError,
+)
 
 
 @dataclass
@@ -254,6 +382,12 @@ def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _is_shape_or_key_mismatch(e: BaseException) -> bool:
+    """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
+    text = str(e).lower()
+    return any(w in text for w in ("size mismatch", "missing key", "unexpected key", "shape mismatch"))
+
+
 class _ModuleBag(nn.Module):
     """Holds the job's modules under their state keys, so tensor names read "model.fc.weight"."""
 
@@ -264,7 +398,20 @@ class _ModuleBag(nn.Module):
 
 
 class Checkpointer:
-    """Save and restore a training job's full state; see the module docstring for call order."""
+    """Save and restore a training job's full state; see the module docstring for call order.
+
+    Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
+    channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
+    ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
+
+    ``start_fresh``: when committed checkpoints exist but none loads, ``restore`` raises
+    ``RestoreRefusedError`` unless this is set; set, it returns 0 and *retires* the refused
+    checkpoints: they are kept as they are, never restored, never counted or deleted by retention,
+    and their folder names stay taken, so the new run's saves (whose steps start again from 0)
+    can never be mistaken for them. It has no effect when a checkpoint loads, so leaving it set
+    across restarts never throws the new run's own progress away.
+    """
 
     def __init__(
         self,
@@ -277,8 +424,15 @@ class Checkpointer:
         staging_dir: str | None = None,
         control_dir: str | None = None,
         job: str | None = None,
+        attempt: int | None = None,
+        start_fresh: bool | None = None,
         io_threads: int = 8,
     ) -> None:
+        # Under an agent, the channel and the job's identity come from it, whatever the script passed.
+        control_dir = control_dir or os.environ.get(ENV_CONTROL_DIR) or None
+        job = job if job is not None else (os.environ.get(ENV_JOB_NAME) or None)
+        attempt = attempt if attempt is not None else _env_int(ENV_ATTEMPT)
+        start_fresh = _env_flag(ENV_START_FRESH) if start_fresh is None else bool(start_fresh)
         self.config = CheckpointConfig(
             uri=uri,
             every_steps=every_steps,
@@ -288,6 +442,8 @@ class Checkpointer:
             staging_dir=staging_dir,
             control_dir=control_dir,
             job=job,
+            attempt=attempt,
+            start_fresh=start_fresh,
             io_threads=io_threads,
         )
         self.storage = open_storage(uri)
@@ -306,19 +462,28 @@ class Checkpointer:
         self._control = ControlDir(control_dir) if control_dir else None
         self._inflight: _Save | None = None
         self._last_saved_step: int | None = None
+        self._last_step: int | None = None
+        """The highest step seen by step(), save() or restore(): steps never go back."""
         self._last_save_started = time.monotonic()
         self.last_committed_step: int | None = None
         self.last_committed_uri: str | None = None
         self.last_save_seconds: float | None = None
         self.last_blocking_seconds: float | None = None
         self._flushed = False
+        self._fenced: FencedSaveError | None = None
         self._stager: Any = None
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
-        self._status = RankStatus(state="starting", world_size=self.world_size)
+        self._status = RankStatus(state="starting", world_size=self.world_size, checkpoint_uri=self.storage.uri)
         self._status_written = 0.0
         self._checked_rank_bytes = False
         self._closed = False
+        self._warn_if_not_the_agents_uri()
+        try:
+            self._claim()
+        except BaseException:
+            self._destroy_groups()
+            raise
         self._report(force=True)
 
     @classmethod
@@ -345,8 +510,6 @@ class Checkpointer:
             "every_seconds": num(ENV_EVERY_SECONDS, float),
             "async_save": env.get(ENV_ASYNC, "1").lower() not in ("0", "false", "no"),
             "staging_dir": env.get(ENV_STAGING_DIR) or None,
-            "control_dir": env.get(ENV_CONTROL_DIR) or None,
-            "job": env.get(ENV_JOB_NAME) or None,
         }
         keep = num(ENV_KEEP, int)
         if keep is not None:
@@ -358,34 +521,50 @@ class Checkpointer:
     # the training-side API
     # ------------------------------------------------------------------------------------------
     def step(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> bool:
-        """Record that ``step`` steps are done; save per policy. True means "stop now"."""
+        """Record that ``step`` steps are done; save per policy. True means "stop now".
+
+        ``step`` must not be lower than the last step seen, and every rank must pass the same
+        one (checked through the per-step vote: a difference raises ``ValueError`` on every rank
+        at the next call, and before any file of a save is written).
+        """
+        step = self._check_next_step(step, "step()")
+        metadata = _check_metadata(metadata, "step()")
         self._raise_if_failed()
         if self._flushed:
             return True
-        vote = self._vote()
+        vote = self._read_vote(step)
         if vote.flush:
             self._flush(step, state, metadata)
             return True
         due = vote.time_due or bool(self.config.every_steps and step % self.config.every_steps == 0)
-        if vote.save_early and self._last_saved_step != step:
-            self._start_save(step, state, metadata, trigger="early")
-        elif due and self._last_saved_step != step:
+        if vote.save_early:
+            log.info("saving early at step %d: the agent asked for a checkpoint without stopping", step)
+            self._consume_save_request()
+        if (vote.save_early or due) and self._last_saved_step != step:
             # At most one save in flight: a policy save waits for the previous one. Deterministic
             # checkpoints every N steps are worth more than never blocking; a hung store is
             # bounded by the storage retries and, above them, the controller's flush timeout.
-            self._start_save(step, state, metadata, trigger="policy")
+            self._start_save(step, state, metadata, trigger="early" if vote.save_early else "policy")
+        self._last_step = step
         self._status.step = step
         if self._status.state == "starting":
             self._status.state = "training"
+        # Launched after this step's save started: a deadline or request it just served is not
+        # voted on again (one trigger, one save).
+        self._launch_vote(step)
         self._report()
         return False
 
     def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
         """Save ``state`` as the checkpoint of ``step`` now (asynchronously unless configured not).
 
-        Waits for a save still in flight first (at most one is in flight).
+        Waits for a save still in flight first (at most one is in flight). ``step`` is a whole
+        number not lower than the last step seen; ``metadata`` a dict of JSON values.
         """
+        step = self._check_next_step(step, "save()")
+        metadata = _check_metadata(metadata, "save()")
         self._start_save(step, state, metadata, trigger="save")
+        self._last_step = step
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -397,65 +576,92 @@ class Checkpointer:
             save.thread.join()
         self._inflight = None
         if save.error is not None:
-            raise SaveFailedError(f"checkpoint of step {save.step} failed: {save.error}") from save.error
+            kind = type(save.error) if isinstance(save.error, SaveFailedError) else SaveFailedError
+            error = kind(f"checkpoint of step {save.step} failed: {save.error}")
+            if isinstance(error, FencedSaveError):
+                self._fenced = error
+            raise error from save.error
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
 
-        Walks checkpoints newest to oldest, skipping (and logging) every one that is uncommitted,
-        incomplete, corrupt or unsafe. Raises ``MissingStateKeysError`` when the checkpoint lacks
-        keys of ``state``.
+        Walks this job's committed checkpoints newest to oldest. Skips (and logs) those proven bad
+        — a CRC32C or size mismatch, a missing file, a manifest or metadata that does not parse or
+        is unsafe — and those another job or a superseded attempt wrote, or a fresh start retired.
+        Never falls back past anything else:
+
+        - ``StorageUnavailableError`` when the store keeps failing (after its retries): an older
+          checkpoint would silently re-train committed steps;
+        - ``RestoreRefusedError`` when the newest checkpoint does not fit ``state`` (changed
+          shapes), or when committed checkpoints exist and none loads — unless ``start_fresh``;
+        - ``MissingStateKeysError`` when the checkpoint lacks keys of ``state``.
+
+        Nothing is deleted on any of these paths.
         """
         self._check_state(state)
         self._drain_votes()
-        refs = self._broadcast(find_checkpoints(self.storage) if self.rank == 0 else None)
+        url = self.storage.url
+        refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
+        retired: set[str] = (
+            self._on_rank0("reading the fresh-start records", lambda: _fresh_start.retired_folders(self.storage))
+            if refs
+            else set()
+        )
+        lineage: Lineage | None = None
+        tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
         for ref in refs:
-            manifest_json, reason = None, None
-            if self.rank == 0:
-                status = inspect(self.storage, ref)
+            if ref.folder in retired:
+                if self.rank == 0:
+                    log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
+                continue
+
+            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool]:
+                """(rank 0) (the manifest if usable, why not, whether it is this job's own)."""
+                nonlocal lineage
+                lineage = lineage or Lineage.load(self.storage)
+                status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
-                    manifest_json = status.manifest.to_json()
-                else:
-                    reason = status.reason
-            manifest_json, reason = self._broadcast((manifest_json, reason))
+                    return status.manifest.to_json().decode(), "", True
+                return None, status.reason, status.committed and not (status.foreign or status.fenced)
+
+            manifest_json, reason, ours = self._on_rank0(f"checking {url(ref.folder)}", judge)
             if manifest_json is None:
                 if self.rank == 0:
-                    log.warning("restore: skipping %s: %s", self.storage.url(ref.folder), reason)
+                    log.warning("restore: skipping %s: %s", url(ref.folder), reason)
+                if ours:
+                    tried.append((ref, reason))
                 continue
-            manifest = Manifest.parse(manifest_json)
+            manifest = Manifest.parse(manifest_json.encode())
             missing = sorted(set(state) - set(manifest.state_keys))
             if missing:
                 raise MissingStateKeysError(
-                    f"checkpoint {self.storage.url(ref.folder)} holds state keys {manifest.state_keys}; "
-                    f"it lacks {missing}. Restore with the keys it was saved with, or start a new URI."
+                    f"checkpoint {url(ref.folder)} holds state keys {manifest.state_keys}; "
+                    f"it lacks {missing}. Restore with the keys it was saved with, start fresh on purpose "
+                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI."
                 )
-            ok, loaded = self._try_load(ref, manifest, state)
+            mismatch = self._agree_on_failure(self._incompatibility(manifest, state))
+            if mismatch is not None:
+                tried.append((ref, mismatch[1]))
+                break  # an older checkpoint would be going back in time on a changed model
+            failure, loaded = self._try_load(ref, manifest, state)
             partially_loaded = partially_loaded or loaded
-            if ok:
-                self.last_committed_step = manifest.step
-                self.last_committed_uri = self.storage.url(ref.folder)
-                self._last_saved_step = manifest.step
-                self._status.last_committed_step = manifest.step
-                self._status.last_committed_uri = self.last_committed_uri
-                self._status.step = manifest.step
-                self._report(force=True)
-                log.info(
-                    "restored step %d from %s (saved by %d ranks, restored on %d)",
-                    manifest.step,
-                    self.last_committed_uri,
-                    manifest.world_size,
-                    self.world_size,
-                )
+            if failure is None:
+                self._restored(ref, manifest)
                 return manifest.step
-        if partially_loaded:
-            raise RestoreError(
-                "a checkpoint failed verification after some ranks had loaded part of it and no older "
-                "valid checkpoint exists; refusing to continue with mixed state"
-            )
-        if refs and self.rank == 0:
-            log.error("restore: none of %d checkpoint folders is valid; starting from step 0", len(refs))
-        return 0
+            kind, reason = failure
+            if kind == _Failure.UNAVAILABLE:
+                raise self._unavailable(f"reading {url(ref.folder)}: {reason}")
+            tried.append((ref, reason))
+            if kind == _Failure.INCOMPATIBLE:
+                break  # the checkpoint is not at fault: an older one would be going back in time
+        if not tried:
+            if refs and self.rank == 0:
+                log.info(
+                    "restore: no committed checkpoint of this job under %s; starting from step 0", self.storage.uri
+                )
+            return 0
+        return self._refuse_or_start_fresh(tried, partially_loaded)
 
     def close(self) -> None:
         """Wait for the save in flight, then release the process groups. Idempotent."""
@@ -475,13 +681,7 @@ class Checkpointer:
             if self._status.state not in ("flushed", "flush-failed"):
                 self._status.state = "closed"
             self._report(force=True)
-            for pg in (self._save_pg, self._ctl_pg):
-                if pg is not None:
-                    try:
-                        dist.destroy_process_group(pg)
-                    except Exception as e:  # a torn-down default group already took it
-                        log.debug("destroying a checkpoint process group: %s", e)
-            self._save_pg = self._ctl_pg = None
+            self._destroy_groups()
             if self._stager is not None:
                 self._stager.close()  # frees the staging buffers kept between saves
                 self._stager = None
@@ -493,17 +693,145 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------------------------------------
-    # the flush vote
+    # construction: the agent's URI, ownership
     # ------------------------------------------------------------------------------------------
+    def _warn_if_not_the_agents_uri(self) -> None:
+        """(rank 0) The controller watches the agent's URI for flush commits: a script writing
+        elsewhere would flush where nobody looks."""
+        agents = os.environ.get(ENV_CHECKPOINT_URI)
+        if self._control is None or not agents or self.rank != 0:
+            return
+        try:
+            differs = normalise_uri(agents) != normalise_uri(self.storage.uri)
+        except ValueError:
+            differs = True
+        if differs:
+            log.error(
+                "this Checkpointer writes to %s but spotjob-agent watches %s (%s): flushes would be "
+                "committed where the controller never looks. Pass the agent's URI, or use "
+                "Checkpointer.from_env().",
+                self.storage.uri,
+                agents,
+                ENV_CHECKPOINT_URI,
+            )
+
+    def _claim(self) -> None:
+        """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""
+        outcome: tuple[str, str, str | None] = ("", "", None)
+        if self.rank == 0:
+            try:
+                claim(self.storage, self.config.job)
+                outcome = ("ok", "", None)
+            except OwnershipError as e:
+                outcome = ("owner", str(e), e.owner)
+            except StorageError as e:
+                outcome = ("storage", str(e), None)
+        kind, message, owner = self._broadcast(outcome)
+        if kind == "owner":
+            raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
+        if kind == "storage":
+            raise self._unavailable(f"claiming the URI for the job: {message}")
+
+    def _unavailable(self, message: str) -> StorageUnavailableError:
+        """The error for a store that still fails after its retries, reported to the agent."""
+        error = StorageUnavailableError(
+            f"the checkpoint store {self.storage.uri} is unavailable: {message}. Not falling back to an "
+            "older checkpoint (that would re-train committed steps); retry when the store answers."
+        )
+        if self._control is not None:
+            try:
+                self._control.report_infra_error(self.rank, str(error))
+            except OSError as e:
+                log.debug("could not report the infrastructure error to the agent: %s", e)
+        return error
+
+    def _refuse_or_start_fresh(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> int:
+        """Committed checkpoints exist and none can be used: raise, or (``start_fresh``) retire them."""
+        url = self.storage.url
+        listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
+        if partially_loaded:
+            raise RestoreRefusedError(
+                f"restore refused: a checkpoint failed after part of it was loaded into the state, and no "
+                f"older one loads:\n{listing}\nThe state now mixes checkpoint and initial values; nothing was "
+                "deleted. Fix the cause, or re-create the model and optimizer before training from step 0.",
+                [(url(r.folder), why) for r, why in tried],
+            )
+        if not self.config.start_fresh:
+            raise RestoreRefusedError(
+                f"restore refused: {len(tried)} committed checkpoint(s) under {self.storage.uri} tried, none can be "
+                f"loaded into this state; the first failure: {tried[0][1]}\n{listing}\n"
+                "Nothing was deleted and the state is unchanged. Restore with the model they were saved with; or "
+                f"start from step 0 on purpose with Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1 "
+                "(spotjob-agent --start-fresh), which keeps these checkpoints, never restores them and never lets "
+                "retention delete them; or use a new URI.",
+                [(url(r.folder), why) for r, why in tried],
+            )
+        reasons = {ref: why for ref, why in tried}
+
+        def retire_all() -> int:
+            older = "not tried: older than a checkpoint the fresh start refused"
+            doomed: list[tuple[CheckpointRef, str]] = []
+            retired = _fresh_start.retired_folders(self.storage)
+            lineage = Lineage.load(self.storage)
+            for ref in find_checkpoints(self.storage):
+                if ref.folder in retired:
+                    continue
+                if ref in reasons:
+                    doomed.append((ref, reasons[ref]))
+                    continue
+                status = inspect(self.storage, ref, lineage=lineage)
+                if status.committed and not (status.foreign or status.fenced):
+                    doomed.append((ref, status.reason or older))
+            _fresh_start.retire(self.storage, doomed, job=self.config.job, attempt=self.config.attempt)
+            return len(doomed)
+
+        count = self._on_rank0("retiring the refused checkpoints", retire_all)
+        if self.rank == 0:
+            log.warning(
+                "restore: starting from step 0 on purpose (start_fresh): %d committed checkpoint(s) under %s are "
+                "retired — kept, never restored, never counted or deleted by retention. The first failure: %s",
+                count,
+                self.storage.uri,
+                tried[0][1],
+            )
+        self._last_step = 0
+        return 0
+
+    def _restored(self, ref: CheckpointRef, manifest: Manifest) -> None:
+        self.last_committed_step = manifest.step
+        self.last_committed_uri = self.storage.url(ref.folder)
+        self._last_saved_step = manifest.step
+        self._last_step = manifest.step
+        self._status.last_committed_step = manifest.step
+        self._status.last_committed_uri = self.last_committed_uri
+        self._status.step = manifest.step
+        self._report(force=True)
+        log.info(
+            "restored step %d from %s (saved by %d ranks, restored on %d)",
+            manifest.step,
+            self.last_committed_uri,
+            manifest.world_size,
+            self.world_size,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # the vote
+    # ------------------------------------------------------------------------------------------
+    def _check_next_step(self, step: Any, call: str) -> int:
+        value = _check_step(step, call)
+        if self._last_step is not None and value < self._last_step:
+            raise ValueError(
+                f"{call}: step {value} is lower than the last step ({self._last_step}); steps count completed "
+                "training steps and never go back (a checkpoint of a lower step would sort below the newer ones)"
+            )
+        return value
+
     def _local_flags(self) -> list[int]:
         """[flush requested, save-early requested, every_seconds due]."""
         flush = save_early = 0
         if self._control is not None:
             flush = int(self._control.flush_requested())
-            try:
-                mtime = os.stat(os.path.join(self._control.path, "save.json")).st_mtime_ns
-            except FileNotFoundError:
-                mtime = None
+            mtime = self._save_request_mtime()
             if mtime is not None and mtime != self._handled_save_mtime:
                 save_early = 1
         time_due = int(
@@ -512,36 +840,68 @@ class Checkpointer:
         )
         return [flush, save_early, time_due]
 
-    def _vote(self) -> _Vote:
-        """What every rank agrees on at this step: identical on all ranks, or collectives diverge."""
-        flags = self._local_flags()
+    def _save_request_mtime(self) -> int | None:
+        assert self._control is not None
+        try:
+            return os.stat(os.path.join(self._control.path, "save.json")).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def _consume_save_request(self) -> None:
+        """A save-early request is being served: this rank stops voting for it, and the node's
+        first rank removes it, so the agent's next request is a new file (and a new save)."""
+        if self._control is None:
+            return
+        self._handled_save_mtime = self._save_request_mtime() or self._handled_save_mtime
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            self._control.clear_save_request()
+
+    def _read_vote(self, step: int) -> _Vote:
+        """What every rank agreed on at the previous step (this step's flags when alone)."""
         if not self._dist or self.world_size == 1:
-            agreed = flags
-        else:
-            # Read the vote launched at the previous step (long since done), launch this one.
-            agreed = [0, 0, 0]
-            if self._votes:
-                work, buf = self._votes.pop(0)
-                work.wait()
-                agreed = [int(v) for v in buf.tolist()]
-            buf = torch.tensor(flags, dtype=torch.int32)
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
-            self._votes.append((work, buf))
-        vote = _Vote(*(bool(v) for v in agreed))
-        if vote.save_early and self._control is not None:
-            try:
-                self._handled_save_mtime = os.stat(os.path.join(self._control.path, "save.json")).st_mtime_ns
-            except FileNotFoundError:
-                pass
-            log.info("saving early: the agent asked for a checkpoint without stopping")
+            return _Vote.reduced([*self._local_flags(), step, -step])
+        if not self._votes:
+            return _Vote()
+        work, buf = self._votes.pop(0)
+        work.wait()
+        vote = _Vote.reduced([int(v) for v in buf.tolist()])
+        self._check_same_step(vote, "step()")
         return vote
+
+    def _launch_vote(self, step: int) -> None:
+        """Launch this step's vote; its result is read by the next ``step()``."""
+        if not self._dist or self.world_size == 1:
+            return
+        buf = torch.tensor([*self._local_flags(), step, -step], dtype=torch.int64)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
+        self._votes.append((work, buf))
+
+    def _agree_on_step(self, step: int) -> None:
+        """(every rank, before a save writes anything) Same step everywhere, or raise everywhere.
+
+        Shaped like the per-step vote, so that a rank that skipped this save (it saw another
+        step) pairs it with its next vote, and both sides see the difference.
+        """
+        if not self._dist or self.world_size == 1:
+            return
+        buf = torch.tensor([0, 0, 0, step, -step], dtype=torch.int64)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        self._check_same_step(_Vote.reduced([int(v) for v in buf.tolist()]), "save")
+
+    def _check_same_step(self, vote: _Vote, call: str) -> None:
+        if vote.lowest_step != vote.highest_step:
+            self._drain_votes()
+            raise ValueError(
+                f"{call}: the ranks passed different steps to the same call (lowest {vote.lowest_step}, highest "
+                f"{vote.highest_step}); every rank must count completed steps the same way"
+            )
 
     def _drain_votes(self) -> None:
         while self._votes:
             work, _ = self._votes.pop(0)
             work.wait()
 
-    def _flush(self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None) -> None:
+    def _flush(self, step: int, state: Mapping[str, Any], metadata: dict[str, Any]) -> None:
         request = self._control.flush_request() if self._control is not None else None
         reason = request.reason if request else "a peer rank's notice"
         log.warning("flush: %s; committing step %d on all %d ranks", reason, step, self.world_size)
@@ -582,8 +942,11 @@ class Checkpointer:
                         error=str(e),
                     )
                 )
+            if isinstance(e, FencedSaveError):
+                raise
             raise FlushFailedError(f"flush at step {step} could not commit: {e}") from e
         self._flushed = True
+        self._last_step = step
         self._status.state = "flushed"
         self._report(force=True)
         if self._control is not None and self.rank == 0:
@@ -602,6 +965,10 @@ class Checkpointer:
                 self.last_committed_uri,
                 f", {latency:.2f}s after the notice" if latency is not None else "",
             )
+        # Only now, with the commit reported: retention must not stand between a flush and the
+        # controller that is waiting for it.
+        if self.rank == 0 and self.last_committed_uri is not None:
+            self._retain(CheckpointRef.parse(self.last_committed_uri.rsplit("/", 1)[-1]) or CheckpointRef(step))
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -610,7 +977,7 @@ class Checkpointer:
         self,
         step: int,
         state: Mapping[str, Any],
-        metadata: dict[str, Any] | None,
+        metadata: dict[str, Any],
         flush: FlushRequest | None = None,
         blocking: bool = False,
         trigger: str = "save",
@@ -618,6 +985,7 @@ class Checkpointer:
         self._raise_if_failed()
         self.wait()  # at most one save in flight
         self._check_state(state)
+        self._agree_on_step(step)
         started = time.monotonic()
         self._last_save_started = started
         dcp_state, objects = self._split_state(state)
@@ -638,7 +1006,7 @@ class Checkpointer:
             step=step,
             started=started,
             local_dir=local_dir,
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             state_keys=list(state.keys()),
             rank_bytes=rank_bytes,
             flush=flush,
@@ -646,26 +1014,16 @@ class Checkpointer:
         )
         background = self.config.async_save and not blocking
         if dcp_state:
-            writer = make_writer(local_dir, durable=self.storage.local_path("") is not None)
-            _crc32_window_open()
-            try:
-                if background:
-                    if self._stager is None:
-                        self._stager = make_stager()
-                    save.future = dcp.async_save(
-                        dcp_state,
-                        storage_writer=writer,
-                        process_group=self._save_pg,
-                        no_dist=not self._dist,
-                        async_stager=self._stager,
-                    )
-                else:
-                    dcp.save(dcp_state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
-            except BaseException:
-                _crc32_window_close()
-                raise
-            if not background:
-                _crc32_window_close()
+            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None)
+            if background:
+                if self._stager is None:
+                    self._stager = make_stager()
+                staged = self._stager.stage(dcp_state)
+                save.staged = staged.result() if hasattr(staged, "result") else staged
+                if getattr(self._stager, "should_synchronize_after_execute", False):
+                    self._stager.synchronize_staging()
+            else:
+                save.staged = dcp_state  # written below, from the live tensors
         self.last_blocking_seconds = time.monotonic() - started
         self._last_saved_step = step
         self._inflight = save
@@ -693,17 +1051,15 @@ class Checkpointer:
                 log.warning("after committing step %d: %r", save.step, e, exc_info=e)
             shutil.rmtree(save.local_dir, ignore_errors=True)
         finally:
+            save.staged = None  # the staged tensors are the stager's to reuse
             save.done.set()
 
     def _write_upload_commit(self, save: _Save) -> None:
         files: list[tuple[str, int, str]] = []
         error: str | None = None
         try:
-            if save.future is not None:
-                try:
-                    save.future.result()
-                finally:
-                    _crc32_window_close()
+            if save.staged is not None:
+                dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
             path = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
             with open(path, "wb") as f:
                 f.write(save.rank_bytes)
@@ -714,13 +1070,15 @@ class Checkpointer:
                 files.append((name, size, to_hex(crc)))
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
-        folder: str | None = None
+        target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
         if self.rank == 0:
             try:
-                folder = self._target_folder(save.step)
+                target = (self._target_folder(save.step), None)
+            except FencedError as e:
+                target = (None, str(e))
             except (StorageError, OSError) as e:
                 error = error or f"rank 0: cannot prepare the checkpoint folder: {e}"
-        folder = self._broadcast(folder, group=self._save_pg)
+        folder, fenced = self._broadcast(target, group=self._save_pg)
         if error is None and folder is not None:
             try:
                 put_files(
@@ -730,20 +1088,22 @@ class Checkpointer:
                 )
             except BaseException as e:
                 error = f"rank {self.rank}: upload failed: {e!r}"
-        elif error is None:
+        elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
         gathered = self._all_gather((files, error), group=self._save_pg)
-        outcome: tuple[str | None, str | None] = (None, None)
-        if self.rank == 0:
+        outcome: tuple[str | None, str | None, bool] = (None, fenced, fenced is not None)
+        if self.rank == 0 and fenced is None:
             errors = [e for _, e in gathered if e]
             if errors:
-                outcome = (None, "; ".join(errors))
+                outcome = (None, "; ".join(errors), False)
             else:
                 try:
-                    outcome = (self._commit(save, folder or "", [f for fs, _ in gathered for f in fs]), None)
+                    outcome = (self._commit(save, folder or "", [f for fs, _ in gathered for f in fs]), None, False)
+                except FencedError as e:
+                    outcome = (None, str(e), True)
                 except BaseException as e:
-                    outcome = (None, f"rank 0: commit failed: {e!r}")
-        uri, failure = self._broadcast(outcome, group=self._save_pg)
+                    outcome = (None, f"rank 0: commit failed: {e!r}", False)
+        uri, failure, was_fenced = self._broadcast(outcome, group=self._save_pg)
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
             save.committed_uri = uri
@@ -757,7 +1117,14 @@ class Checkpointer:
                 self._status.state = "training"
             if self.rank == 0:
                 log.info("committed step %d at %s in %.2fs", save.step, uri, seconds)
-                self._retain(CheckpointRef.parse(uri.rsplit("/", 1)[-1]) or CheckpointRef(save.step))
+                if save.trigger != "flush":  # a flush reports its commit first, then retains
+                    self._retain(CheckpointRef.parse(uri.rsplit("/", 1)[-1]) or CheckpointRef(save.step))
+        elif was_fenced:
+            save.error = FencedSaveError(
+                f"nothing committed or deleted: {failure}. This worker belongs to a superseded attempt "
+                f"({self.config.attempt}) of {self.config.job!r} and must stop"
+            )
+            log.error("checkpoint of step %d not committed: %s", save.step, failure)
         else:
             save.error = SaveFailedError(failure or "unknown failure")
             log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
@@ -769,21 +1136,30 @@ class Checkpointer:
         self._report(force=True)
         save.done.set()
 
+    def _check_fence(self) -> None:
+        """(rank 0) Before every commit and every delete: this attempt may still write here."""
+        check_not_fenced(self.storage, self.config.job, self.config.attempt)
+
     def _target_folder(self, step: int) -> str:
-        """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there."""
-        attempt = 0
+        """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there.
+
+        Raises ``FencedError`` (before anything is written) when this attempt is superseded.
+        """
+        self._check_fence()
+        suffix = 0
         for ref in find_checkpoints(self.storage):
             if ref.step != step:
                 continue
             if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
-                attempt = max(attempt, ref.attempt + 1)
+                suffix = max(suffix, ref.attempt + 1)
             else:
                 log.info("removing leftover of an unfinished save in %s", self.storage.url(ref.folder))
+                self._check_fence()
                 self.storage.delete_prefix(ref.folder + "/")
-        return CheckpointRef(step, attempt).folder
+        return CheckpointRef(step, suffix).folder
 
     def _commit(self, save: _Save, folder: str, files: list[tuple[str, int, str]]) -> str:
-        """(rank 0) Write MANIFEST.json, create-only. Returns the committed folder's URI."""
+        """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""
         metadata_path = os.path.join(save.local_dir, DCP_METADATA_NAME)
         tensors = {}
         if os.path.exists(metadata_path):
@@ -797,14 +1173,17 @@ class Checkpointer:
             created_at=now_utc(),
             torch_version=torch.__version__,
             job=self.config.job,
+            attempt=self.config.attempt,
             state_keys=save.state_keys,
             files=sorted((FileEntry(path=n, size=s, crc32c=c) for n, s, c in files), key=lambda f: f.path),
             tensors=tensors,
             metadata=save.metadata,
             trigger=save.trigger,
         )
+        data = manifest.to_json()
+        self._check_fence()
         try:
-            self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
+            self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
         except AlreadyExistsError:
             raise SaveFailedError(
                 f"{self.storage.url(folder)} was committed by someone else meanwhile; "
@@ -815,43 +1194,83 @@ class Checkpointer:
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
 
-        Never touches anything newer than the checkpoint just committed. A failed delete is a
-        warning, never a failed save.
+        Never touches anything newer than the checkpoint just committed, nor another job's, a
+        superseded attempt's or a retired checkpoint (they are not counted either). Checks the
+        fence before every delete. A failed delete is a warning, never a failed save.
         """
+        url = self.storage.url
         try:
-            older = [r for r in find_checkpoints(self.storage) if r < committed]
-            committed_older = [r for r in older if self.storage.stat(r.key(MANIFEST_NAME)) is not None]
-            doomed = [r for r in older if r not in committed_older]  # never committed
-            if self.config.keep is not None:
+            retired = _fresh_start.retired_folders(self.storage)
+            older = [r for r in find_checkpoints(self.storage) if r < committed and r.folder not in retired]
+            lineage = Lineage.load(self.storage)
+            doomed: list[CheckpointRef] = []
+            kept = 0
+            for ref in older:  # newest first
+                status = inspect(self.storage, ref, lineage=lineage)
+                if not status.committed:
+                    doomed.append(ref)  # a save that never finished
+                    continue
+                if status.foreign or status.fenced:
+                    continue  # not this job's history: never counted, never deleted
+                if self.config.keep is None:
+                    continue
                 # Only valid checkpoints count towards ``keep``: a refused one kept in place of a
                 # valid one would leave fewer to fall back to than asked for. Broken folders newer
                 # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
-                kept = 0
-                for ref in committed_older:  # newest first
-                    if kept >= self.config.keep - 1:
-                        doomed.append(ref)
-                    elif inspect(self.storage, ref).valid:
-                        kept += 1
+                if kept >= self.config.keep - 1:
+                    doomed.append(ref)
+                elif status.valid:
+                    kept += 1
             for ref in doomed:
+                self._check_fence()
                 # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
                 self.storage.delete([ref.key(MANIFEST_NAME)])
                 self.storage.delete_prefix(ref.folder + "/")
-                log.info("retention: removed %s", self.storage.url(ref.folder))
-        except (StorageError, OSError) as e:
+                log.info("retention: removed %s", url(ref.folder))
+        except FencedError as e:
+            log.error("retention: deleting nothing: %s", e)
+        except (StorageError, OwnershipError, OSError) as e:
             log.warning("retention: could not remove old checkpoints (will retry next save): %s", e)
 
     # ------------------------------------------------------------------------------------------
     # restoring
     # ------------------------------------------------------------------------------------------
-    def _try_load(self, ref: CheckpointRef, manifest: Manifest, state: Mapping[str, Any]) -> tuple[bool, bool]:
-        """Load one checkpoint on every rank. Returns (all ranks succeeded, anything was loaded)."""
+    def _incompatibility(self, manifest: Manifest, state: Mapping[str, Any]) -> tuple[str, str] | None:
+        """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
+        tensors added or removed), from the manifest alone — before anything is read or loaded."""
+        modules, _, _ = self._classify(state)
+        if not modules or not manifest.tensors:
+            return None
+        current = {k: v for k, v in get_model_state_dict(_ModuleBag(modules)).items() if isinstance(v, torch.Tensor)}
+        problems = []
+        for fqn, tensor in current.items():
+            entry = manifest.tensors.get(fqn)
+            if entry is None:
+                problems.append(f"{fqn}: the model has it, the checkpoint does not")
+            elif list(entry.shape) != list(tensor.shape):
+                problems.append(
+                    f"{fqn}: the checkpoint holds shape {list(entry.shape)}, the model {list(tensor.shape)}"
+                )
+        prefixes = tuple(f"{key}." for key in modules)
+        for fqn in manifest.tensors:
+            if fqn.startswith(prefixes) and fqn not in current:
+                problems.append(f"{fqn}: the checkpoint holds it, the model does not")
+        if not problems:
+            return None
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return _Failure.INCOMPATIBLE, f"incompatible with the model: {problems[0]}{more}"
+
+    def _try_load(
+        self, ref: CheckpointRef, manifest: Manifest, state: Mapping[str, Any]
+    ) -> tuple[tuple[str, str] | None, bool]:
+        """Load one checkpoint on every rank. Returns (the agreed failure or None, anything was loaded)."""
         local_dir = self.storage.local_path(ref.folder)
         cache = None
         if local_dir is None:
             cache = os.path.join(self._staging_root, "restore", ref.folder)
             local_dir = cache
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
-        error: str | None = None
+        failure: tuple[str, str] | None = None
         rank_payload: dict[str, Any] | None = None
         # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
         # the metadata here (the reader caches it) turns a corrupt or crafted .metadata into one
@@ -864,23 +1283,29 @@ class Checkpointer:
             with open(path, "rb") as f:
                 rank_payload = _rank_state.decode(f.read())
         except Exception as e:
-            error = self._load_error(ref, e)
-        if not self._all_ok(error is None):
+            failure = self._load_failure(ref, e)
+        failure = self._agree_on_failure(failure)
+        if failure is not None:
             self._cleanup_cache(cache)
-            return False, False
+            return failure, False
         # Phase 2: modules and optimizers through DCP (each file verified before it is read).
         dcp_state: dict[str, Any] = {}
         try:
             dcp_state = self._load_dcp(reader, state)
         except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
-            error = self._load_error(ref, e)
-        if not self._all_ok(error is None):
+            failure = self._load_failure(ref, e)
+        failure = self._agree_on_failure(failure)
+        if failure is not None:
             self._cleanup_cache(cache)
             # Did any rank's live state change before the failure? Then none may carry on from it.
-            return False, not self._all_ok(not reader.data_read_started)
-        self._apply(state, dcp_state, rank_payload or {}, manifest)
+            return failure, not self._all_ok(not reader.data_read_started)
+        try:
+            self._apply(state, dcp_state, rank_payload or {}, manifest)
+        except Exception as e:
+            failure = (_Failure.INCOMPATIBLE, f"incompatible with this state on rank {self.rank}: {e!r}")
+        failure = self._agree_on_failure(failure)
         self._cleanup_cache(cache)
-        return True, True
+        return failure, failure is not None
 
     def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any]) -> dict[str, Any]:
         """Load modules (in place) and optimizer state; returns the state dicts to apply.
@@ -894,47 +1319,60 @@ class Checkpointer:
         if not modules:
             return {}
         bag = _ModuleBag(modules)
-        load = partial(dcp.load, storage_reader=reader, process_group=self._ctl_pg, no_dist=not self._dist)
+        no_dist = not self._dist
         if not _plain_modules(bag):
             dcp_state, _ = self._split_state(state)
-            load(dcp_state, planner=SafeLoadPlanner())
+            dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
         dcp_state = dict(get_model_state_dict(bag))
-        load(dcp_state, planner=SafeLoadPlanner())
+        dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
         if optims:
-            # dcp.load copies its argument's keys into a new dict, so an empty target would come back
-            # empty; the lower-level loader fills the dict it is given, as dcp_to_torch_save does.
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+            # An empty target is filled from the checkpoint's metadata, as dcp_to_torch_save does.
             saved: dict[str, Any] = {}
-            _load_state_dict(
-                saved,
-                storage_reader=reader,
-                process_group=self._ctl_pg,
-                no_dist=not self._dist,
-                planner=SafeEmptyLoadPlanner(keys=set(optims)),
-            )
+            dcp_load(saved, reader, SafeEmptyLoadPlanner(keys=set(optims)), process_group=self._ctl_pg, no_dist=no_dist)
             missing = sorted(set(optims) - set(saved))
             if missing:
                 raise MissingStateKeysError(f"the checkpoint holds no optimizer state for {missing}")
             dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
         return dcp_state
 
-    def _load_error(self, ref: CheckpointRef, e: BaseException) -> str:
+    def _load_failure(self, ref: CheckpointRef, e: BaseException) -> tuple[str, str]:
+        """Classify a failure to load ``ref`` on this rank (see ``_Failure``) and say what it was."""
         if isinstance(e, CheckpointException) and e.failures:
             # DCP wraps every rank's failure; the first one says what went wrong.
             e = next(iter(e.failures.values()))[0]
-        if isinstance(e, StorageError):
-            kind = "corrupt"
-        elif isinstance(e, UnsafeCheckpointError | _rank_state.RefusedPickleError):
-            kind = "unsafe"
+        if isinstance(e, _PROVEN_BAD):
+            if isinstance(e, CorruptObjectError):
+                what = "corrupt"
+            elif isinstance(e, NotFoundError):
+                what = "missing a file"
+            elif isinstance(e, UnsafeCheckpointError | _rank_state.RefusedPickleError):
+                what = "unsafe"
+            else:
+                what = "unreadable"
+            kind, msg = _Failure.BAD, f"{what} on rank {self.rank}: {e}"
+        elif isinstance(e, StorageError | OSError):
+            # A store that kept failing (or a local disk) proves nothing about the checkpoint.
+            kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"
+        elif isinstance(e, MissingStateKeysError) or _is_shape_or_key_mismatch(e):
+            kind, msg = _Failure.INCOMPATIBLE, f"incompatible with the model on rank {self.rank}: {e}"
         else:
-            kind = "unreadable"
-        msg = f"{self.storage.url(ref.folder)} is {kind} on rank {self.rank}: {e}"
-        log.warning("restore: skipping %s", msg)
-        if not isinstance(e, StorageError | UnsafeCheckpointError | ManifestError | ValueError | RuntimeError):
+            # Verified bytes that still fail to load: not proven bad, so never skipped for an
+            # older checkpoint (that would go back in time); refused with the error instead.
+            kind, msg = _Failure.INCOMPATIBLE, f"cannot be loaded on rank {self.rank}: {type(e).__name__}: {e}"
             log.debug("restore failure detail", exc_info=e)
-        return msg
+        if kind == _Failure.BAD:
+            log.warning("restore: skipping %s: it is %s", self.storage.url(ref.folder), msg)
+        else:
+            log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
+        return kind, msg
+
+    def _agree_on_failure(self, failure: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Every rank's failure (or None), gathered: the worst one, identical on every rank."""
+        failures = [f for f in self._all_gather(failure, self._ctl_pg) if f is not None]
+        if not failures:
+            return None
+        return min(failures, key=lambda f: _Failure.SEVERITY.index(f[0]))
 
     def _apply(
         self, state: Mapping[str, Any], dcp_state: dict[str, Any], payload: dict[str, Any], manifest: Manifest
@@ -1025,9 +1463,39 @@ class Checkpointer:
     # plumbing
     # ------------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
+        if self._fenced is not None:
+            raise self._fenced
         save = self._inflight
         if save is not None and save.done.is_set() and save.error is not None:
             self.wait()
+
+    def _on_rank0(self, what: str, fn: Callable[[], T]) -> T:
+        """(collective) Run ``fn`` on rank 0 and hand every rank its result, or its failure: a
+        storage failure as ``StorageUnavailableError``, anything else as ``RestoreError``."""
+        payload: tuple[str, Any] = ("", None)
+        if self.rank == 0:
+            try:
+                payload = ("ok", fn())
+            except StorageError as e:
+                payload = ("storage", f"{what}: {e}")
+            except Exception as e:
+                log.debug("%s failed", what, exc_info=e)
+                payload = ("error", f"{what}: {type(e).__name__}: {e}")
+        kind, value = self._broadcast(payload)
+        if kind == "storage":
+            raise self._unavailable(value)
+        if kind == "error":
+            raise RestoreError(value)
+        return value
+
+    def _destroy_groups(self) -> None:
+        for pg in (self._save_pg, self._ctl_pg):
+            if pg is not None:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as e:  # a torn-down default group already took it
+                    log.debug("destroying a checkpoint process group: %s", e)
+        self._save_pg = self._ctl_pg = None
 
     def _clean_stale_staging(self) -> None:
         """(local rank 0, at construction) Remove what killed saves and restores left staged.

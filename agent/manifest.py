@@ -8,6 +8,7 @@ intact checkpoint from a torn or tampered one without trusting anything else in 
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,10 +25,66 @@ from pydantic import (
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT_VERSION = 1
 DCP_METADATA_NAME = ".metadata"
+DCP_SHARD_SUFFIX = ".distcp"
+"""DCP's shard files (``__<rank>_<n>.distcp``), which only its ``.metadata`` can read."""
+RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.pt$")
+
+
+def rank_file_name(rank: int) -> str:
+    """The per-rank state file of ``rank`` (RNG streams and non-module state), one per rank."""
+    return f"rank-{rank:05d}.pt"
+
+
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""The largest MANIFEST.json a reader accepts (and a writer may commit). A manifest lists every
+tensor with every shard file holding part of it, so thousands of FSDP-sharded tensors over a
+thousand ranks reach tens of MiB; anything bigger is refused unread."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a manifest (user metadata included) may have. The
+manifest's own structure needs 4; Python's json recurses once per level, so a crafted file nested
+100 000 deep would raise RecursionError out of any reader without this bound."""
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 class ManifestError(ValueError):
     """A manifest that cannot be trusted: unparsable, a newer format, or unsafe paths."""
+
+
+class UntrustedJSONError(ValueError):
+    """Bytes read from storage that are not JSON within spotjob's bounds (size, depth)."""
+
+
+def check_json_depth(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise ``UntrustedJSONError`` when ``data`` nests arrays/objects deeper than ``max_depth``.
+
+    Scans the bytes without parsing (strings blanked first, then brackets counted), so it never
+    recurses; for valid JSON the count is exact, for invalid JSON it is an upper bound on how deep
+    ``json.loads`` could get before failing.
+    """
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', data)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            if depth > max_depth:
+                raise UntrustedJSONError(f"nested more than {max_depth} levels deep")
+        else:
+            depth -= 1
+
+
+def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` for bytes read from storage: size and depth checked first, so that untrusted
+    bytes fail with ``UntrustedJSONError`` (a ``ValueError``) and never with ``RecursionError``."""
+    if len(data) > max_bytes:
+        raise UntrustedJSONError(f"{len(data)} bytes, more than the {max_bytes} allowed")
+    check_json_depth(data, max_depth)
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UntrustedJSONError(f"not valid JSON: {e}") from None
+    except RecursionError:  # unreachable after check_json_depth; kept so no reader can crash
+        raise UntrustedJSONError("nested too deeply") from None
 
 
 def check_relative_path(path: str) -> str:
@@ -77,7 +134,13 @@ class Manifest(BaseModel):
     world_size: int = Field(ge=1)
     created_at: datetime
     torch_version: str
-    job: str | None = None
+    job: str | None = Field(default=None, description="the job that wrote it (see agent.ownership)")
+    attempt: int | None = Field(
+        default=None,
+        ge=0,
+        description="the controller's attempt number of the writer (SPOTJOB_ATTEMPT); None: not run by a "
+        "controller, never fenced (see agent.ownership)",
+    )
     state_keys: list[str] = Field(description="the keys of the state dict handed to save()")
     files: list[FileEntry]
     tensors: dict[str, TensorEntry] = Field(default_factory=dict)
@@ -122,11 +185,11 @@ class Manifest(BaseModel):
 
     @classmethod
     def parse(cls, data: bytes) -> Manifest:
-        """Parse and validate; raise ``ManifestError`` saying what is wrong."""
+        """Parse and validate; raise ``ManifestError`` saying what is wrong (never anything else)."""
         try:
-            raw: Any = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"MANIFEST.json is not valid JSON: {e}") from None
+            raw: Any = loads_bounded(data, max_bytes=MAX_MANIFEST_BYTES)
+        except UntrustedJSONError as e:
+            raise ManifestError(f"MANIFEST.json is refused: {e}") from None
         try:
             return cls.model_validate(raw)
         except ValidationError as e:

@@ -1,4 +1,4 @@
-"""``spotjob ckpt``: look inside a checkpoint URI — list, verify, show, export.
+"""``spotjob ckpt``: look inside a checkpoint URI — list, verify, show, export — and adopt one.
 
 Every command reads storage through ``agent.storage`` and trusts nothing it has not checked
 against a manifest: ``list``/``verify``/``show`` work from MANIFEST.json and one listing per
@@ -8,10 +8,19 @@ arrive, and unpickle DCP's ``.metadata`` only through the allow-list of ``agent.
 ``list``, ``show`` and plain ``verify`` never import torch (they run in the controller's image,
 which carries none); ``verify --deep`` and ``export`` import it lazily.
 
-Which checkpoint a command picks when ``--step`` is not given: the newest folder that holds a
-MANIFEST.json (the newest *committed* checkpoint), valid or not. An uncommitted folder is a save
-still running or one that died, never a checkpoint; a committed but broken one is exactly what
-an operator asking "is my latest checkpoint good?" must hear about, so it is not skipped.
+Validity is ``agent.catalog.inspect``'s, the one decision restore, retention and the controller
+use too: a command never holds a second opinion. ``verify --deep`` adds what reading every byte
+finds (CRC32C, the unpickling a restore would do) on top of it.
+
+Which checkpoint a command picks when ``--step`` is not given: for ``verify`` and ``show``, the
+newest folder that holds a MANIFEST.json (the newest *committed* checkpoint), valid or not. An
+uncommitted folder is a save still running or one that died, never a checkpoint; a committed but
+broken one is exactly what an operator asking "is my latest checkpoint good?" must hear about, so
+it is not skipped. ``export`` picks the newest *valid* one, the one a restore would load, and
+says why each newer one was passed over; with none valid it names them all and why.
+
+``adopt`` is the one command that writes: it makes another job the owner of the URI (see
+``agent.ownership``), so that job resumes from the checkpoints there.
 
 Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` found a problem,
 ``show``/``export`` refused it); 2 nothing could be checked or done (bad URI, no such folder or
@@ -37,8 +46,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from agent.catalog import CheckpointRef, CheckpointStatus, find_checkpoints, inspect, verify_deep
-from agent.manifest import DCP_METADATA_NAME, Manifest
+from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
+from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
+from agent.ownership import OwnershipError, adopt, describe_job, read_owner
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ObjectInfo, ProgressFn, Storage
 
@@ -58,7 +68,6 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 _NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
 _SHARD_NAME_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-_RANK_FILE_RE = re.compile(r"^rank-\d+\.pt$")
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
@@ -82,10 +91,10 @@ class CommandError(Exception):
 # registration
 # ------------------------------------------------------------------------------------------------
 def register(subparsers: Any) -> None:
-    """Add ``spotjob ckpt {list,verify,show,export}`` to the top-level subparsers."""
+    """Add ``spotjob ckpt {list,verify,show,export,adopt}`` to the top-level subparsers."""
     ckpt = subparsers.add_parser(
         "ckpt",
-        help="list, verify, show and export checkpoints",
+        help="list, verify, show and export checkpoints; adopt a URI",
         description="Inspect the checkpoints under a URI (s3://bucket/prefix, gs://bucket/prefix, "
         "file:///path or a plain path).",
         epilog=_EXIT_CODES,
@@ -97,8 +106,9 @@ def register(subparsers: Any) -> None:
         help="every checkpoint folder, newest first, valid or not and why",
         description="List every checkpoint folder under URI, newest first: step, folder, creation "
         "time (UTC), world size, bytes stored, and whether it is valid — or why not (uncommitted "
-        "leftover, missing file, file of the wrong size, manifest refused). Sizes are checked; "
-        "contents are not (see `verify --deep`).",
+        "leftover, missing file, file of the wrong size, manifest refused, FOREIGN: written by a job "
+        "that does not own the URI, FENCED: written by a stale attempt of the job). Sizes are "
+        "checked; contents are not (see `verify --deep`).",
         epilog=_EXIT_CODES,
     )
     _add_uri(p)
@@ -144,7 +154,8 @@ def register(subparsers: Any) -> None:
         "file read is CRC32C-checked against the manifest and nothing unsafe is unpickled. Shards are "
         "loaded one at a time, so memory stays near one --max-shard-size; from an object store the shard "
         "files are first downloaded, verified, to a temporary folder: allow local disk for them. "
-        f"{_DEFAULT_PICK}; an invalid checkpoint is refused.",
+        "Default: the newest valid checkpoint (the one a restore would load); an invalid one named "
+        "with --step is refused.",
         epilog=_EXIT_CODES,
     )
     _add_uri(p)
@@ -167,6 +178,24 @@ def register(subparsers: Any) -> None:
         "is removed first, other files are kept",
     )
     p.set_defaults(func=_boundary(cmd_export))
+
+    p = sub.add_parser(
+        "adopt",
+        help="make another job the owner of URI, so it resumes from the checkpoints there",
+        description="A checkpoint URI belongs to one job (recorded in URI/.spotjob/owner.json by the first "
+        "writer); any other job is refused there. Adopt rewrites that record on purpose: the job named "
+        "here becomes the owner and resumes from the checkpoints already there, the previous owner's "
+        "included (up to the newest one committed now; what the previous owner commits afterwards is "
+        "foreign to the new one, and its writers stop at their next commit). Use it to continue a run "
+        "under a new job name, or to repair an owner record that cannot be read. Stop the previous "
+        "owner first. Nothing else under URI is changed.",
+        epilog="exit status: 0 adopted (or already the owner); 2 nothing could be done",
+    )
+    _add_uri(p)
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--job", help="the new owner: the job's name (on Kubernetes: NAMESPACE/NAME)")
+    who.add_argument("--unnamed", action="store_true", help="the new owner is an unnamed job (no job name)")
+    p.set_defaults(func=_boundary(cmd_adopt))
 
 
 @dataclass(frozen=True)
@@ -202,8 +231,7 @@ def _add_step(p: argparse.ArgumentParser) -> None:
         "--step",
         type=parse_step,
         metavar="N",
-        help="the checkpoint of step N (its newest committed attempt; N.A or a folder name picks one "
-        "folder exactly)",
+        help="the checkpoint of step N (its newest committed attempt; N.A or a folder name picks one folder exactly)",
     )
 
 
@@ -245,7 +273,7 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         except CommandError as e:
             _error(name, str(e))
             return e.exit_code
-        except (ValueError, StorageError, OSError) as e:  # ManifestError is a ValueError
+        except (ValueError, StorageError, OSError, OwnershipError) as e:  # ManifestError is a ValueError
             log.debug("%s failed", name, exc_info=True)
             _error(name, str(e) or type(e).__name__)
             return EXIT_ERROR
@@ -263,7 +291,8 @@ def _error(name: str, message: str) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     with _opened(args.uri) as storage:
         refs = _require_checkpoints(storage)
-        statuses = [inspect(storage, ref) for ref in refs]
+        lineage = Lineage.load(storage)
+        statuses = [inspect(storage, ref, lineage=lineage) for ref in refs]
     if args.json:
         _print_json([_status_json(storage, s) for s in statuses])
         return EXIT_OK
@@ -285,12 +314,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     with _opened(args.uri) as storage:
         status = select_checkpoint(storage, args.step)
-        problems = list(status.problems) if status.committed else [status.reason]
         checked_bytes = 0
         if args.deep and status.manifest is not None:
-            problems = _verify_deep(storage, status)
+            _verify_deep(storage, status)
             checked_bytes = status.manifest.total_bytes
-    valid = status.committed and status.manifest is not None and not problems
+    # One verdict, the catalog's (plus what --deep found, recorded in the same status).
+    valid = status.valid
+    problems = list(status.problems) if status.committed else [status.reason]
     if args.json:
         doc = _status_json(storage, status)
         doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=bool(args.deep))
@@ -363,20 +393,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_out(out, force=args.force)
     started = time.monotonic()
     with _opened(args.uri) as storage:
-        status = select_checkpoint(storage, args.step)
+        status = select_checkpoint(storage, args.step) if args.step is not None else newest_valid(storage)
         manifest = _require_manifest(status)
         if not status.valid:
-            raise CommandError(
-                f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID
-            )
+            raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
         _require_state_key(manifest, args.key)
-        files, total = _export_safetensors(
-            storage, status, manifest, args.key, out, args.max_shard_size, args.force
-        )
+        files, total = _export_safetensors(storage, status, manifest, args.key, out, args.max_shard_size, args.force)
     print(
         f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
         f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
         f"in {time.monotonic() - started:.1f}s"
+    )
+    return EXIT_OK
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    job: str | None = None if args.unnamed else args.job
+    if job is not None and not job.strip():
+        raise CommandError("--job needs a name (or pass --unnamed for a job without one)")
+    with _opened(args.uri) as storage:
+        try:
+            before = read_owner(storage)
+        except OwnershipError as e:
+            log.debug("the owner record is unreadable: %s", e)
+            before = None
+        owner = adopt(storage, job)
+    if before is not None and before.job == job:
+        print(f"{storage.uri} already belongs to {describe_job(job)}; nothing changed")
+        return EXIT_OK
+    taken = ", ".join(
+        f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}" for a in owner.adopted
+    )
+    print(
+        f"{storage.uri} now belongs to {describe_job(job)}"
+        + (f"; it resumes from the checkpoints of {taken}" if taken else "")
+        + ". Writers of any other job stop at their next commit."
     )
     return EXIT_OK
 
@@ -390,7 +441,7 @@ def _opened(uri: str) -> Iterator[Storage]:
     try:
         root = storage.local_path("")
         # A filesystem store lists a missing folder as empty; a typo must not read as "no checkpoints".
-        if root is not None and not os.path.isdir(root):
+        if root is not None and not os.path.lexists(root):
             raise CommandError(f"{uri}: no such folder")
         yield storage
     finally:
@@ -411,9 +462,10 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
     then reads as uncommitted). Raises ``CommandError`` when there is nothing to pick.
     """
     refs = _require_checkpoints(storage)
+    lineage = Lineage.load(storage)
     if choice is None:
         for ref in refs:
-            status = inspect(storage, ref)
+            status = inspect(storage, ref, lineage=lineage)
             if status.committed:
                 return status
         raise CommandError(
@@ -425,8 +477,27 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
         there = ", ".join(r.folder for r in refs[:8]) + (", …" if len(refs) > 8 else "")
         what = f"of step {choice.step}" if choice.attempt is None else str(choice)
         raise CommandError(f"no checkpoint {what} under {storage.uri}; there are: {there}")
-    statuses = [inspect(storage, ref) for ref in matching]
+    statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
     return next((s for s in statuses if s.committed), statuses[0])
+
+
+def newest_valid(storage: Storage) -> CheckpointStatus:
+    """The checkpoint a restore would load; ``CommandError`` naming every one passed over and why."""
+    refs = _require_checkpoints(storage)
+    lineage = Lineage.load(storage)
+    passed: list[CheckpointStatus] = []
+    for ref in refs:
+        status = inspect(storage, ref, lineage=lineage)
+        if status.valid:
+            for skipped in (p for p in passed if p.committed):  # the operator asked for "the latest"
+                print(
+                    f"spotjob ckpt export: passing over {skipped.ref.folder}: {' '.join(skipped.reason.split())}",
+                    file=sys.stderr,
+                )
+            return status
+        passed.append(status)
+    listing = "; ".join(f"{s.ref.folder}: {s.reason}" for s in passed[:8]) + ("; …" if len(passed) > 8 else "")
+    raise CommandError(f"no valid checkpoint under {storage.uri} to export — {listing}", EXIT_INVALID)
 
 
 def _require_manifest(status: CheckpointStatus) -> Manifest:
@@ -437,9 +508,7 @@ def _require_manifest(status: CheckpointStatus) -> Manifest:
 
 def _require_state_key(manifest: Manifest, key: str) -> None:
     if key not in manifest.state_keys:
-        raise CommandError(
-            f"the checkpoint has no state key {key!r}; it holds {', '.join(manifest.state_keys)}"
-        )
+        raise CommandError(f"the checkpoint has no state key {key!r}; it holds {', '.join(manifest.state_keys)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,9 +520,9 @@ def _verify_deep(storage: Storage, status: CheckpointStatus) -> list[str]:
     manifest = status.manifest
     to_read = sum(f.size for f in manifest.files if f.path not in status.unusable)
     with _progress_bar(f"verifying {status.ref.folder}", to_read) as progress:
-        problems = verify_deep(storage, status, progress=progress)
-    problems += _check_unpickling(storage, status, skip=set(status.unusable))
-    return problems
+        verify_deep(storage, status, progress=progress)
+    status.problems += _check_unpickling(storage, status, skip=set(status.unusable))
+    return list(status.problems)
 
 
 def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]) -> list[str]:
@@ -478,7 +547,7 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
             else:
                 problems += _cross_check(manifest, metadata, tensor_index(metadata))
         for f in manifest.files:
-            if not _RANK_FILE_RE.match(f.path) or f.path in skip:
+            if not RANK_FILE_RE.match(f.path) or f.path in skip:
                 continue
             try:
                 with open(reader.ensure_local(f.path), "rb") as fh, warnings.catch_warnings():
@@ -673,8 +742,7 @@ def _write_shards(
         with _progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
             for name, shard in zip(names, shards, strict=True):
                 state = {
-                    fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype)
-                    for fqn in shard
+                    fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in shard
                 }
                 try:
                     with warnings.catch_warnings():
@@ -843,12 +911,15 @@ def _status_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any]:
         "attempt": status.ref.attempt,
         "committed": status.committed,
         "valid": status.valid,
+        "foreign": status.foreign,
+        "fenced": status.fenced,
         "reason": status.reason,
         "problems": list(status.problems),
         "stored_bytes": status.stored_bytes,
         "created_at": m.created_at.isoformat() if m else None,
         "world_size": m.world_size if m else None,
         "job": m.job if m else None,
+        "written_by_attempt": m.attempt if m else None,
         "torch_version": m.torch_version if m else None,
         "state_keys": m.state_keys if m else None,
         "manifest_bytes": m.total_bytes if m else None,
@@ -860,6 +931,10 @@ def _verdict(status: CheckpointStatus) -> str:
         return "valid"
     if not status.committed:
         return f"uncommitted leftover — {status.reason}"
+    if status.foreign:
+        return f"FOREIGN — {status.reason}"
+    if status.fenced:
+        return f"FENCED — {status.reason}"
     return f"INVALID — {status.reason}"
 
 

@@ -24,6 +24,7 @@ Transitions (``*`` once the next attempt's workers were started)::
     Pending, Running, Resch.*   Rescheduling  a worker exited non-zero (not 75/76)            WorkerFailed
                                 Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
     any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
+    any                         Failed        another job owns the checkpoint URI             CheckpointURIOwned
 
 Rescheduling stops the whole gang, waits until none of it is alive and the backoff has passed,
 then starts the next attempt away from the preempted nodes (and zones / instance types, if the
@@ -45,6 +46,15 @@ of the current attempt in this pass's fresh listing — a stale queue message, a
 the job has left, or for another job's node changes nothing; advisory signals (Rebalance) stop
 nothing; a worker missing from the listing is declared lost only if a second listing agrees.
 
+Ownership and fencing (``agent.ownership``): the first pass that reaches the job's storage claims
+the URI for the job (``job_identity``); a URI another job owns fails the job at once, naming the
+owner and the remedy (a transient storage error does not: it is retried like any other). Before
+an attempt's workers start, the attempt is recorded in storage with its fence (the newest valid
+checkpoint, what it resumes from), create-only and replay-safe; an attempt that cannot be
+recorded does not start. A job whose storage holds records of a newer attempt (a job deleted and
+created again under its name) numbers its next attempt past them. ``latest_valid`` never counts a
+foreign or fenced checkpoint, so a stale worker's commit can neither end a flush nor be resumed.
+
 The flush is done when storage — the source of truth, never an agent's word — holds a valid
 manifest written by the flush (``trigger: flush``; a periodic save that commits while the ranks
 are still agreeing on the flush step does not count) newer than the *baseline*: the newest
@@ -64,6 +74,7 @@ from typing import Protocol
 
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.storage import Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import Backend, BackendError, Placement, WorkerObservation
 from orchestrator.model import (
@@ -175,6 +186,12 @@ RESTART_BUDGET_EXHAUSTED = Reason(
     warning=True,
 )
 INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
+CHECKPOINT_URI_OWNED = Reason("CheckpointURIOwned", "{error}", warning=True)
+ATTEMPT_RENUMBERED = Reason(
+    "AttemptRenumbered",
+    "storage records attempt {recorded} of this job already (an earlier job of this name): the next attempt is "
+    "{attempt}",
+)
 STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {uri}: {error}", warning=True)
 STORAGE_REFUSED = Reason("StorageRefused", "storage refuses to list checkpoints at {uri}: {error}", warning=True)
 BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
@@ -243,6 +260,8 @@ class _Pass:
     checkpoint_uri: str = ""
     storage_error: StorageError | None = None
     invalid_uri: str | None = None
+    storage: Storage | None = None
+    owned_by_another: str | None = None
     signals_error: BackendError | None = None
     new_events: list[Event] = field(default_factory=list)
     stopped: bool = False
@@ -287,6 +306,8 @@ class Reconciler:
         self._storage_factory = storage_factory
         self._options = options or ReconcilerOptions()
         self._storages: dict[str, Storage] = {}
+        self._claimed: set[tuple[str, str]] = set()
+        """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
@@ -374,8 +395,11 @@ class Reconciler:
             p.invalid_uri = str(e)
             return
         p.checkpoint_uri = storage.url()
+        p.storage = storage
         try:
-            p.checkpoint = latest_valid(storage)
+            self._claim(p, storage)
+            if p.owned_by_another is None:
+                p.checkpoint = latest_valid(storage)
         except StorageError as e:
             p.storage_error = e
         if p.checkpoint is not None and p.checkpoint.manifest is not None:
@@ -388,6 +412,18 @@ class Reconciler:
             status.infra_errors += 1
         status.avoid = [a for a in status.avoid if a.until > p.now]
         self._track_steps(p)
+
+    def _claim(self, p: _Pass, storage: Storage) -> None:
+        """Make the URI the job's (create-only, first look only); note another owner."""
+        key = (storage.uri, job_identity(p.spec))
+        if key in self._claimed:
+            return
+        try:
+            claim(storage, key[1])
+        except OwnershipError as e:
+            p.owned_by_another = str(e)
+            return
+        self._claimed.add(key)
 
     def _storage(self, uri: str) -> Storage:
         storage = self._storages.get(uri)
@@ -411,6 +447,9 @@ class Reconciler:
         """Run phase handlers until one waits; a handler returns None when it changed the phase."""
         if p.invalid_uri is not None:
             self._finish(p, Phase.FAILED, INVALID_CHECKPOINT_URI, error=p.invalid_uri)
+            return None
+        if p.owned_by_another is not None:
+            self._finish(p, Phase.FAILED, CHECKPOINT_URI_OWNED, error=p.owned_by_another)
             return None
         for _ in range(len(Phase) + 2):
             if p.status.phase.terminal:
@@ -446,6 +485,8 @@ class Reconciler:
         if recovery is not None and recovery.restart_at is not None and p.now < recovery.restart_at:
             return (recovery.restart_at - p.now).total_seconds()
 
+        if not self._record_attempt(p):
+            return self._options.infra_delay(status.infra_errors)
         placement = self._placement(status)
         self._backend.start_workers(spec, attempt.number, placement)
         attempt.started_at = p.now
@@ -458,6 +499,32 @@ class Reconciler:
         self._condition(p, READY, False, WORKERS_STARTED.name, message)
         self._event(p, WORKERS_STARTED, message=message)
         return self._options.starting_poll_seconds
+
+    def _record_attempt(self, p: _Pass) -> bool:
+        """Record the attempt about to start, fenced at the newest valid checkpoint (see the module
+        docstring); False (and Degraded) when storage cannot take the record."""
+        attempt, storage, job = p.status.attempt, p.storage, job_identity(p.spec)
+        assert storage is not None, "starting an attempt without storage"
+        fence = p.checkpoint.ref if p.checkpoint is not None else None
+        try:
+            recorded = newest_attempt(storage, job)
+            if recorded is not None and recorded > attempt.number:
+                self._renumber(p, recorded)
+            record_attempt(storage, job, attempt.number, fence)
+        except FencedError:
+            # Another controller recorded a newer attempt since we looked: number past it next pass.
+            self._debug(p, "attempt %d was overtaken in storage; renumbering next pass", attempt.number)
+            return False
+        except StorageError as e:
+            p.storage_error = e
+            p.status.infra_errors += 1
+            self._debug(p, "not starting attempt %d: it could not be recorded (%s)", attempt.number, e)
+            return False
+        return True
+
+    def _renumber(self, p: _Pass, recorded: int) -> None:
+        p.status.attempt.number = recorded + 1
+        self._event(p, ATTEMPT_RENUMBERED, recorded=recorded, attempt=p.status.attempt.number)
 
     def _running(self, p: _Pass) -> float | None:
         if self._watch(p):
@@ -841,6 +908,15 @@ class Reconciler:
 
     def _debug(self, p: _Pass, message: str, *args: object) -> None:
         log.debug("job %s [%s]: " + message, p.spec.name, p.status.phase, *args)
+
+
+def job_identity(spec: JobSpec) -> str:
+    """Who owns a job's checkpoint URI and numbers its attempts in storage (``agent.ownership``).
+
+    The name the agents get as ``SPOTJOB_JOB_NAME``, so that the workers' Checkpointer and the
+    controller are one owner. (The Kubernetes controller will make it ``namespace/name``.)
+    """
+    return spec.name
 
 
 def _is_failure(w: WorkerObservation) -> bool:

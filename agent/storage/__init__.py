@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from agent.storage.base import (
     AlreadyExistsError,
     CorruptObjectError,
+    MissingBucketError,
     NotFoundError,
     ObjectInfo,
     PermanentStorageError,
@@ -26,6 +27,7 @@ from agent.storage.base import (
 __all__ = [
     "AlreadyExistsError",
     "CorruptObjectError",
+    "MissingBucketError",
     "NotFoundError",
     "ObjectInfo",
     "PermanentStorageError",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,7 +23,7 @@ from tenacity import (
     Retrying,
     retry_if_exception_type,
     stop_after_attempt,
-    wait_random_exponential,
+    wait_exponential,
 )
 
 from agent.storage.base import TransientStorageError
@@ -54,6 +55,17 @@ def max_attempts() -> int:
     return max(1, int(_env_number("SPOTJOB_STORAGE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)))
 
 
+class _FullJitter(wait_exponential):
+    """tenacity's ``wait_random_exponential`` (a uniform draw up to the exponential backoff),
+    drawing from a generator of its own: tenacity's draws from Python's global ``random``, which
+    belongs to the training script (retries run on its ranks, in their save threads)."""
+
+    _rng = random.Random()  # seeded from os.urandom; never the global stream
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return self._rng.uniform(0.0, super().__call__(retry_state))
+
+
 def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None) -> T:
     """Call ``fn`` until it succeeds, retrying ``TransientStorageError`` with jittered backoff.
 
@@ -65,7 +77,7 @@ def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None
     retrying = Retrying(
         retry=retry_if_exception_type(TransientStorageError),
         stop=stop_after_attempt(attempts or max_attempts()),
-        wait=wait_random_exponential(multiplier=base, max=cap),
+        wait=_FullJitter(multiplier=base, max=cap),
         before_sleep=lambda s: _log_retry_named(op, s),
         reraise=True,
     )

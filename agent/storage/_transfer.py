@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, to_hex
+from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
     CorruptObjectError,
+    MissingBucketError,
     NotFoundError,
     PermanentStorageError,
     ProgressFn,
@@ -274,10 +276,11 @@ class RangeSink:
         self._buf = bytearray()
         self.crc = crc32c_bytes(data, self.crc)
         view = memoryview(data)
-        while view:
-            written = os.pwrite(self._fd, view, self._pos)
-            self._pos += written
-            view = view[written:]
+        with local_file(f"cannot write what was downloaded of {self._what} to the local file"):
+            while view:
+                written = os.pwrite(self._fd, view, self._pos)
+                self._pos += written
+                view = view[written:]
 
 
 class FetchRange(Protocol):
@@ -307,9 +310,12 @@ def download_verified(
     (including ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
     """
     tmp = f"{local_path}.{uuid.uuid4().hex[:8]}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    writing = f"cannot write the local file {tmp} (downloading {what})"
+    with local_file(writing, key):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(fd, size)
+        with local_file(writing, key):
+            os.ftruncate(fd, size)
 
         def one_range(offset: int, length: int) -> int:
             label = f"GET {what} bytes={offset}-{offset + length - 1}"
@@ -340,7 +346,8 @@ def download_verified(
     if crc32c is not None and got != crc32c:
         _unlink_quiet(tmp)
         raise CorruptObjectError(f"{what} has CRC32C {to_hex(got)}, the manifest says {to_hex(crc32c)}", key)
-    os.replace(tmp, local_path)
+    with local_file(f"cannot write the local file {local_path} (downloading {what})", key):
+        os.replace(tmp, local_path)
 
 
 def check_size(what: str, key: str, actual: int, expected: int | None) -> None:
@@ -375,6 +382,33 @@ class PrefixedKeys:
 
     prefix: str
     uri: str
+    _bucket_seen = False
+    """The bucket answered as existing once; from then on a 404 means a missing key."""
+
+    def _bucket_label(self) -> str:  # implemented by the backend
+        raise NotImplementedError
+
+    def _bucket_exists(self) -> bool | None:
+        """(backend) One request: does the bucket exist? None when that cannot be told (e.g. the
+        credentials may read objects but not the bucket's metadata)."""
+        raise NotImplementedError
+
+    def _missing_bucket(self, what: str, key: str | None) -> MissingBucketError:
+        return MissingBucketError(
+            f"{what}: the bucket {self._bucket_label()!r} does not exist; create it (spotjob never creates "
+            f"buckets) or correct the checkpoint URI {self.uri}",
+            key,
+        )
+
+    def _raise_if_bucket_missing(self, what: str, key: str | None) -> None:
+        """After a 404 that may mean "no such key" or "no such bucket": tell them apart."""
+        if self._bucket_seen:
+            return
+        exists = self._bucket_exists()
+        if exists is False:
+            raise self._missing_bucket(what, key)
+        if exists:
+            self._bucket_seen = True
 
     def _object_key(self, key: str) -> str:
         if not key or key.startswith("/") or ".." in key.split("/"):
@@ -406,4 +440,3 @@ class PrefixedKeys:
             return self.get_bytes(key) == data
         except NotFoundError:
             return False
-

@@ -18,7 +18,10 @@ Contract of every implementation:
   the key; nothing half-downloaded is left at the destination.
 - Transient faults (throttling, 5xx, dropped connections) are retried inside the implementation
   (see ``agent.storage._retry``); what escapes is a ``StorageError`` subclass that says whether
-  retrying could help (``TransientStorageError``) or not (``PermanentStorageError``).
+  retrying could help (``TransientStorageError``) or not (``PermanentStorageError``). Nothing
+  else escapes — not the client library's exceptions, not an ``OSError`` of a local file (a staged
+  shard, a download's destination) or of the store's own folder. Permission denied says
+  "permission denied"; a missing bucket is a ``MissingBucketError`` naming it.
 - Implementations are thread-safe: the parallel helpers below call them from a thread pool.
 """
 
@@ -57,6 +60,10 @@ class PermanentStorageError(StorageError):
 
 class NotFoundError(PermanentStorageError):
     """The key does not exist."""
+
+
+class MissingBucketError(PermanentStorageError):
+    """The URI's bucket does not exist (never a ``NotFoundError``: no key can exist there)."""
 
 
 class AlreadyExistsError(PermanentStorageError):

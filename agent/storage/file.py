@@ -8,13 +8,19 @@ destination share a filesystem, so committing a checkpoint costs no second copy 
 
 from __future__ import annotations
 
+import builtins
 import errno
+import functools
 import os
 import shutil
+import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from agent.crc32c import CHUNK, crc32c_bytes, to_hex
+from agent.storage._errors import local_file, translate_os_error
+from agent.storage._retry import retry_transient
 from agent.storage.base import (
     AlreadyExistsError,
     CorruptObjectError,
@@ -23,10 +29,15 @@ from agent.storage.base import (
     PermanentStorageError,
     ProgressFn,
     Storage,
+    StorageError,
     StrList,
 )
 
+T = TypeVar("T")
+
 _TMP_MARK = ".spotjob-tmp-"
+_ABSENT = (errno.ENOENT, errno.ENOTDIR)
+"""A missing name, or a file where a folder of the path should be: the key does not exist."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -38,6 +49,9 @@ def _fsync_dir(path: str) -> None:
 
 
 class FileStorage(Storage):
+    """A folder as a checkpoint store. Every ``OSError`` leaves it as a ``StorageError``
+    (``agent.storage._errors``): a root that is a regular file, permission denied, a full disk."""
+
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.uri = "file://" + self.root
@@ -54,6 +68,36 @@ class FileStorage(Storage):
     def local_path(self, key: str) -> str | None:
         return self._path(key)
 
+    # -- errors ------------------------------------------------------------------------------
+    def _root_is_a_file(self) -> bool:
+        return os.path.lexists(self.root) and not os.path.isdir(self.root)
+
+    def _error(self, e: OSError, what: str, key: str | None) -> StorageError:
+        if e.errno in (errno.ENOTDIR, errno.EEXIST) and self._root_is_a_file():
+            return PermanentStorageError(
+                f"{self.uri} is a regular file, not a folder: a checkpoint URI names a folder "
+                "(a new or an existing one); choose another path",
+                key,
+            )
+        if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+            return PermanentStorageError(f"{what}: a file or folder is in the way ({e.filename})", key)
+        return translate_os_error(e, what, key)
+
+    def _run(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """``fn`` with its ``OSError`` translated, transient ones retried (NFS, a flaky mount)."""
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except OSError as e:
+                raise self._error(e, what, key) from e
+
+        return retry_transient(what, attempt)
+
+    def _check_root(self) -> None:
+        if self._root_is_a_file():
+            raise self._error(OSError(errno.ENOTDIR, "Not a directory", self.root), f"cannot use {self.uri}", None)
+
     # -- writes ------------------------------------------------------------------------------
     def put_file(
         self,
@@ -64,59 +108,97 @@ class FileStorage(Storage):
         progress: ProgressFn | None = None,
     ) -> None:
         dest = self._path(key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = self._tmp_for(dest)
-        try:
-            os.link(local_path, tmp)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+        with local_file(f"cannot read the local file {local_path}", key):
+            os.stat(local_path)
+
+        def put() -> None:
+            self._makedirs(os.path.dirname(dest))
+            tmp = self._tmp_for(dest)
+            try:
+                try:
+                    os.link(local_path, tmp)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                        raise
+                    shutil.copyfile(local_path, tmp)
+                    with open(tmp, "rb+") as f:
+                        os.fsync(f.fileno())
+                else:
+                    # The link shares the staged file's inode: make sure its bytes are on disk.
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
+                os.replace(tmp, dest)
+            except BaseException:
+                _unlink_quiet(tmp)
                 raise
-            shutil.copyfile(local_path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            # The link shares the staged file's inode: make sure its bytes are on disk.
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, dest)
-        _fsync_dir(os.path.dirname(dest))
+            _fsync_dir(os.path.dirname(dest))
+
+        self._run(f"cannot write {self.url(key)}", key, put)
         if progress:
-            progress(os.path.getsize(dest))
+            progress(os.path.getsize(local_path))
 
     def put_bytes(self, key: str, data: bytes) -> None:
         dest = self._path(key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = self._write_tmp(dest, data)
-        os.replace(tmp, dest)
-        _fsync_dir(os.path.dirname(dest))
+
+        def put() -> None:
+            self._makedirs(os.path.dirname(dest))
+            tmp = self._write_tmp(dest, data)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
+            _fsync_dir(os.path.dirname(dest))
+
+        self._run(f"cannot write {self.url(key)}", key, put)
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
         dest = self._path(key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = self._write_tmp(dest, data)
-        try:
-            os.link(tmp, dest)  # fails with EEXIST if the name exists: the create-only commit
-        except FileExistsError:
-            raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
-        finally:
-            os.unlink(tmp)
-        _fsync_dir(os.path.dirname(dest))
+
+        def put() -> None:
+            self._makedirs(os.path.dirname(dest))
+            tmp = self._write_tmp(dest, data)
+            try:
+                os.link(tmp, dest)  # fails with EEXIST if the name exists: the create-only commit
+            except FileExistsError:
+                raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+            finally:
+                os.unlink(tmp)
+            _fsync_dir(os.path.dirname(dest))
+
+        self._run(f"cannot write {self.url(key)}", key, put)
+
+    def _makedirs(self, folder: str) -> None:
+        self._check_root()
+        os.makedirs(folder, exist_ok=True)
 
     def _write_tmp(self, dest: str, data: bytes) -> str:
         tmp = self._tmp_for(dest)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
         return tmp
 
     # -- reads -------------------------------------------------------------------------------
     def get_bytes(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+        path = self._path(key)
+
+        def read() -> bytes:
+            self._check_root()
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+                raise
+
+        return self._run(f"cannot read {self.url(key)}", key, read)
 
     def get_file(
         self,
@@ -128,20 +210,37 @@ class FileStorage(Storage):
         progress: ProgressFn | None = None,
     ) -> None:
         src = self._path(key)
+        what = f"cannot read {self.url(key)}"
+
+        def open_src() -> int:
+            self._check_root()
+            try:
+                return os.open(src, os.O_RDONLY)
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+                raise
+
+        fd = self._run(what, key, open_src)
         tmp = local_path + f".{uuid.uuid4().hex[:8]}.part"
         crc = 0
         got = 0
         try:
-            with open(src, "rb") as fin, open(tmp, "wb") as fout:
-                while chunk := fin.read(CHUNK):
-                    crc = crc32c_bytes(chunk, crc)
-                    got += len(chunk)
-                    fout.write(chunk)
-                    if progress:
-                        progress(len(chunk))
-        except FileNotFoundError:
-            _unlink_quiet(tmp)
-            raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+            with open(fd, "rb") as fin:
+                with local_file(f"cannot write the local file {tmp}", key):
+                    fout = open(tmp, "wb")  # noqa: SIM115 - closed below, errors translated apart
+                with fout:
+                    while True:
+                        with local_file(what, key):
+                            chunk = fin.read(CHUNK)
+                        if not chunk:
+                            break
+                        crc = crc32c_bytes(chunk, crc)
+                        got += len(chunk)
+                        with local_file(f"cannot write the local file {tmp}", key):
+                            fout.write(chunk)
+                        if progress:
+                            progress(len(chunk))
         except BaseException:
             _unlink_quiet(tmp)
             raise
@@ -153,42 +252,79 @@ class FileStorage(Storage):
             raise CorruptObjectError(
                 f"{self.url(key)} has CRC32C {to_hex(crc)}, the manifest says {to_hex(crc32c)}", key
             )
-        os.replace(tmp, local_path)
+        with local_file(f"cannot write the local file {local_path}", key):
+            os.replace(tmp, local_path)
 
     def stat(self, key: str) -> ObjectInfo | None:
-        try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
-            return None
-        return ObjectInfo(key, st.st_size)
+        path = self._path(key)
+
+        def stat_key() -> ObjectInfo | None:
+            self._check_root()
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    return None
+                raise
+            return ObjectInfo(key, st.st_size)
+
+        return self._run(f"cannot read {self.url(key)}", key, stat_key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self._path(prefix.rsplit("/", 1)[0] if "/" in prefix else "")
-        if not os.path.isdir(base):
+        what = f"cannot list {self.url(prefix)}"
+
+        def is_folder() -> bool:
+            self._check_root()
+            try:
+                return stat.S_ISDIR(os.stat(base).st_mode)
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    return False
+                raise  # permission denied on the way there is not "nothing there"
+
+        if not self._run(what, None, is_folder):
             return
-        for folder, _dirs, files in os.walk(base):
-            for name in files:
-                if name.startswith(_TMP_MARK):
-                    continue
-                full = os.path.join(folder, name)
-                key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if key.startswith(prefix):
-                    try:
-                        yield ObjectInfo(key, os.path.getsize(full))
-                    except FileNotFoundError:
+
+        def walk_error(e: OSError) -> None:
+            if e.errno not in _ABSENT:  # a folder removed while we walk is simply gone
+                raise e
+
+        try:
+            for folder, _dirs, files in os.walk(base, onerror=walk_error):
+                for name in files:
+                    if name.startswith(_TMP_MARK):
                         continue
+                    full = os.path.join(folder, name)
+                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                    if key.startswith(prefix):
+                        try:
+                            yield ObjectInfo(key, os.path.getsize(full))
+                        except OSError as e:
+                            if e.errno not in _ABSENT:
+                                raise
+        except OSError as e:
+            raise self._error(e, what, None) from e
 
     def list_dirs(self, prefix: str = "") -> StrList:
         base = self._path(prefix.rstrip("/"))
-        try:
-            return sorted(e.name for e in os.scandir(base) if e.is_dir())
-        except FileNotFoundError:
-            return []
+
+        def scan() -> builtins.list[str]:
+            self._check_root()
+            try:
+                with os.scandir(base) as entries:
+                    return sorted(e.name for e in entries if e.is_dir())
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    return []
+                raise
+
+        return self._run(f"cannot list {self.url(prefix)}", None, scan)
 
     # -- deletes -----------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
-            _unlink_quiet(self._path(key))
+            self._run(f"cannot delete {self.url(key)}", key, functools.partial(_unlink_absent_ok, self._path(key)))
 
     def delete_prefix(self, prefix: str) -> None:
         super().delete_prefix(prefix)
@@ -197,8 +333,16 @@ class FileStorage(Storage):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _unlink_absent_ok(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError as e:
+        if e.errno not in _ABSENT:
+            raise
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -49,6 +51,7 @@ from google.cloud.storage import exceptions as gcs_exceptions
 from requests.adapters import HTTPAdapter
 
 from agent.crc32c import crc32c_bytes
+from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage._transfer import (
     KiB,
@@ -108,7 +111,13 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         if status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if status == 404:
-            return NotFoundError(f"{what}: no such object (or bucket)", key)
+            return NotFoundError(f"{what}: no such object", key)
+        if status in (401, 403):
+            return PermanentStorageError(
+                f"permission denied: {text}; the Google credentials in use (workload identity, service "
+                "account) lack the permission on the bucket",
+                key,
+            )
         return PermanentStorageError(text, key)
     if isinstance(e, gcs_exceptions.DataCorruption):
         # The bytes that arrived do not match the checksum GCS sent with them: damaged in flight.
@@ -204,6 +213,30 @@ class GCSStorage(PrefixedKeys, Storage):
         except _TRANSLATED as e:
             raise _storage_error(e, what, key) from e
 
+    def _bucket_label(self) -> str:
+        return self.bucket_name
+
+    def _bucket_exists(self) -> bool | None:
+        try:
+            return bool(self._bucket.exists(retry=None, timeout=self._timeout))
+        except Exception:  # no permission on the bucket's metadata, unreachable: cannot tell
+            return None
+
+    def _writing(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """A write or a listing, where a 404 can only mean that the bucket is missing."""
+        try:
+            return self._retrying(what, key, fn)
+        except NotFoundError as e:
+            raise self._missing_bucket(what, key) from e
+
+    def _reading(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        """A read of one object, where a 404 means a missing object or a missing bucket."""
+        try:
+            return self._retrying(what, key, fn)
+        except NotFoundError:
+            self._raise_if_bucket_missing(what, key)
+            raise
+
     # -- writes ------------------------------------------------------------------------------
     def put_file(
         self,
@@ -213,9 +246,11 @@ class GCSStorage(PrefixedKeys, Storage):
         crc32c: int | None = None,
         progress: ProgressFn | None = None,
     ) -> None:
-        size = os.path.getsize(local_path)
+        reading = f"cannot read the local file {local_path} (uploading to {self.url(key)})"
+        with local_file(reading, key):
+            size = os.path.getsize(local_path)
         if size < min(self.settings.multipart_threshold, SIMPLE_UPLOAD_MAX + 1):
-            with open(local_path, "rb") as f:
+            with local_file(reading, key), open(local_path, "rb") as f:
                 data = f.read()
             check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
             self.put_bytes(key, data)
@@ -224,20 +259,55 @@ class GCSStorage(PrefixedKeys, Storage):
             return
         self._put_resumable(local_path, key, size, crc32c, progress)
 
-    def _upload_simple(self, key: str, data: bytes, **precondition: Any) -> None:
-        # A fresh Blob per attempt: a Blob caches the server's answer and is not thread-safe.
-        self._bucket.blob(self._object_key(key)).upload_from_string(
-            data,
-            content_type=_CONTENT_TYPE,
-            checksum="crc32c",  # sent along, so GCS rejects bytes damaged on the way
-            retry=None,
-            timeout=self._timeout,
-            **precondition,
+    def _upload_simple(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> None:
+        """One multipart upload request (JSON metadata, then the bytes), built here.
+
+        Not through ``Blob.upload_from_string``: the library draws every request's multipart
+        boundary from Python's global ``random`` — the training script's stream, shifted by each
+        save from a background thread. The boundary here comes from ``uuid4`` (``os.urandom``).
+        The CRC32C goes in the metadata, so GCS rejects bytes damaged on the way, and the CRC32C
+        it stored is compared too. Failures raise what the library would (``_TRANSLATED``).
+        """
+        crc = crc32c_bytes(data)
+        metadata = {"name": self._object_key(key), "contentType": _CONTENT_TYPE, "crc32c": crc_to_b64(crc)}
+        boundary = uuid.uuid4().hex.encode()
+        sep = b"--" + boundary
+        body = b"".join(
+            (
+                sep,
+                b"\r\ncontent-type: application/json; charset=UTF-8\r\n\r\n",
+                json.dumps(metadata).encode(),
+                b"\r\n",
+                sep,
+                b"\r\ncontent-type: " + _CONTENT_TYPE.encode() + b"\r\n\r\n",
+                data,
+                b"\r\n",
+                sep,
+                b"--",
+            )
         )
+        params = [("uploadType", "multipart")]
+        if if_generation_match is not None:
+            params.append(("ifGenerationMatch", str(if_generation_match)))
+        resp = self._session.post(
+            f"{self._client._connection.API_BASE_URL}/upload/storage/v1{self._bucket.path}/o",
+            params=params,
+            data=body,
+            headers={"Content-Type": f'multipart/related; boundary="{boundary.decode()}"'},
+            timeout=self._timeout,
+        )
+        if resp.status_code != 200:
+            raise api_exceptions.from_http_response(resp)
+        try:
+            stored = resp.json().get("crc32c")
+        except (ValueError, AttributeError):
+            stored = None
+        if stored and crc_from_b64(stored) != crc:
+            raise gcs_exceptions.DataCorruption(resp, f"stored with CRC32C {crc_from_b64(stored):08x}, sent {crc:08x}")
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._object_key(key)
-        self._retrying(f"PUT {self.url(key)}", key, lambda: self._upload_simple(key, data))
+        self._writing(f"PUT {self.url(key)}", key, lambda: self._upload_simple(key, data))
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
         """Create-only upload (``ifGenerationMatch=0``), one request (see the module docstring).
@@ -261,6 +331,8 @@ class GCSStorage(PrefixedKeys, Storage):
             except _TRANSLATED as e:
                 err = _storage_error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                if isinstance(err, NotFoundError):
+                    raise self._missing_bucket(what, key) from e
                 raise err from e
 
         retry_transient(what, attempt)
@@ -271,7 +343,7 @@ class GCSStorage(PrefixedKeys, Storage):
         url = self.url(key)
         name = self._object_key(key)
         chunk = -(-self.settings.part_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
-        session_url: str = self._retrying(
+        session_url: str = self._writing(
             f"start resumable upload {url}",
             key,
             lambda: self._bucket.blob(name).create_resumable_upload_session(
@@ -281,10 +353,12 @@ class GCSStorage(PrefixedKeys, Storage):
         upload = _ResumableUpload(self, session_url, url, key, size)
         crc = 0  # CRC32C of the file's first crc_end bytes
         crc_end = 0
-        with open(local_path, "rb") as f:
+        reading = f"cannot read the local file {local_path} (uploading to {url})"
+        with local_file(reading, key), open(local_path, "rb") as f:
             while upload.confirmed < size:
                 offset = upload.confirmed
-                data = os.pread(f.fileno(), min(chunk, size - offset), offset)
+                with local_file(reading, key):
+                    data = os.pread(f.fileno(), min(chunk, size - offset), offset)
                 if not data:
                     raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
                 if offset + len(data) > crc_end:
@@ -311,13 +385,15 @@ class GCSStorage(PrefixedKeys, Storage):
             )
             return data
 
-        return self._retrying(f"GET {self.url(key)}", key, read)
+        return self._reading(f"GET {self.url(key)}", key, read)
 
     def _get_blob(self, key: str) -> Any:
         name = self._object_key(key)
-        return self._retrying(
-            f"HEAD {self.url(key)}", key, lambda: self._bucket.get_blob(name, retry=None, timeout=self._timeout)
-        )
+        what = f"HEAD {self.url(key)}"
+        blob = self._reading(what, key, lambda: self._bucket.get_blob(name, retry=None, timeout=self._timeout))
+        if blob is None:  # the library answers a 404 with None: no object, or no bucket
+            self._raise_if_bucket_missing(what, key)
+        return blob
 
     def get_file(
         self,
@@ -392,7 +468,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 items = [(b.name, int(b.size or 0)) for b in page]
                 return items, list(getattr(page, "prefixes", ())), it.next_page_token
 
-            items, prefixes, token = self._retrying(what, None, fetch)
+            items, prefixes, token = self._writing(what, None, fetch)
             yield items, prefixes
             if not token:
                 return
@@ -420,13 +496,13 @@ class GCSStorage(PrefixedKeys, Storage):
 
         def delete_one(key: str, name: str) -> None:
             try:
-                self._retrying(
+                self._reading(
                     f"DELETE {self.url(key)}",
                     key,
                     lambda: self._bucket.blob(name).delete(retry=None, timeout=self._timeout),
                 )
             except NotFoundError:
-                pass
+                pass  # deleting a missing key is done
 
         self._pool.map(delete_one, names)
 

@@ -48,6 +48,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from agent.crc32c import crc32c_bytes
+from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage._transfer import (
     MiB,
@@ -65,6 +66,7 @@ from agent.storage._transfer import (
 from agent.storage.base import (
     DEFAULT_PARALLELISM,
     AlreadyExistsError,
+    MissingBucketError,
     NotFoundError,
     ObjectInfo,
     PermanentStorageError,
@@ -106,6 +108,15 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+
+
+class _NoSuchBucket(MissingBucketError):
+    """S3 said NoSuchBucket; the store replaces it with a ``MissingBucketError`` naming the bucket."""
+
+    def __init__(self, what: str, key: str | None) -> None:
+        super().__init__(f"{what}: the bucket does not exist", key)
+        self.what = what
 
 
 _loader_lock = threading.Lock()
@@ -144,9 +155,15 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
-            return PermanentStorageError(f"{what}: the bucket does not exist", key)
+            return _NoSuchBucket(what, key)
         if status == 404 or code in ("NoSuchKey", "NotFound"):
             return NotFoundError(f"{what}: no such object", key)
+        if status == 403 or code in _DENIED_CODES:
+            return PermanentStorageError(
+                f"permission denied: {text}; the AWS credentials in use (role, profile or keys) lack the "
+                "permission, or a bucket policy refuses it",
+                key,
+            )
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
         return PermanentStorageError(f"{what}: no usable AWS credentials ({type(e).__name__})", key)
@@ -186,7 +203,24 @@ class S3Storage(PrefixedKeys, Storage):
         try:
             return fn()
         except (ClientError, BotoCoreError) as e:
-            raise _storage_error(e, what, key) from e
+            raise self._error(e, what, key) from e
+
+    def _error(self, e: Exception, what: str, key: str | None) -> StorageError:
+        err = _storage_error(e, what, key)
+        return self._missing_bucket(what, key) if isinstance(err, _NoSuchBucket) else err
+
+    def _bucket_label(self) -> str:
+        return self.bucket
+
+    def _bucket_exists(self) -> bool | None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            status = _status_and_code(e)[0]
+            return False if status == 404 else None
+        except BotoCoreError:
+            return None
+        return True
 
     # -- writes ------------------------------------------------------------------------------
     def put_file(
@@ -197,9 +231,11 @@ class S3Storage(PrefixedKeys, Storage):
         crc32c: int | None = None,
         progress: ProgressFn | None = None,
     ) -> None:
-        size = os.path.getsize(local_path)
+        reading = f"cannot read the local file {local_path} (uploading to {self.url(key)})"
+        with local_file(reading, key):
+            size = os.path.getsize(local_path)
         if size < self.settings.multipart_threshold:
-            with open(local_path, "rb") as f:
+            with local_file(reading, key), open(local_path, "rb") as f:
                 data = f.read()
             check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
             self.put_bytes(key, data)
@@ -242,11 +278,11 @@ class S3Storage(PrefixedKeys, Storage):
                         log.info("%s: an earlier attempt had already created it; done", what)
                         return
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
-                err = _storage_error(e, what, key)
+                err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e
             except BotoCoreError as e:
-                err = _storage_error(e, what, key)
+                err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e
 
@@ -268,12 +304,14 @@ class S3Storage(PrefixedKeys, Storage):
         )
         upload_id: str = upload["UploadId"]
         log.debug("uploading %s to %s in %d parts of %d bytes", local_path, url, len(parts), part_size)
+        reading = f"cannot read the local file {local_path} (uploading to {url})"
         try:
-            with open(local_path, "rb") as f:
+            with local_file(reading, key), open(local_path, "rb") as f:
                 fd = f.fileno()
 
                 def send_part(number: int, offset: int, length: int) -> tuple[int, str]:
-                    data = os.pread(fd, length, offset)
+                    with local_file(reading, key):
+                        data = os.pread(fd, length, offset)
                     if len(data) != length:
                         raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
                     crc = crc32c_bytes(data)
@@ -337,11 +375,11 @@ class S3Storage(PrefixedKeys, Storage):
                     if info is not None and info.size == size:
                         log.info("%s: an earlier attempt had already completed it; done", what)
                         return
-                err = _storage_error(e, what, key)
+                err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e
             except BotoCoreError as e:
-                err = _storage_error(e, what, key)
+                err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e
 
@@ -370,9 +408,15 @@ class S3Storage(PrefixedKeys, Storage):
 
     def _head(self, key: str) -> dict[str, Any]:
         obj = self._object_key(key)
-        resp: dict[str, Any] = self._retrying(
-            f"HEAD {self.url(key)}", key, lambda: self._client.head_object(Bucket=self.bucket, Key=obj)
-        )
+        what = f"HEAD {self.url(key)}"
+        try:
+            resp: dict[str, Any] = self._retrying(
+                what, key, lambda: self._client.head_object(Bucket=self.bucket, Key=obj)
+            )
+        except NotFoundError:
+            # A HEAD's 404 has no body, so it cannot say NoSuchBucket: ask once.
+            self._raise_if_bucket_missing(what, key)
+            raise
         return resp
 
     def get_file(

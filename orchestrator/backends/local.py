@@ -55,6 +55,7 @@ from agent.control_api import ENV_AGENT_TOKEN
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
+    ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
     ENV_EVERY_SECONDS,
@@ -679,6 +680,7 @@ class LocalBackend:
         env.update(job.env)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER] = node.marker, marker
+        env[ENV_ATTEMPT] = str(attempt)  # recorded in storage before this start: the ranks' fence
         command = self._command(job, index, node, control_dir, port)
         try:
             with open(log_path, "ab") as out:

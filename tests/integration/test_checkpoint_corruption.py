@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from agent._dcp import load_dcp_metadata
 from agent.catalog import CheckpointRef, inspect, verify_deep
-from agent.checkpoint import Checkpointer, RestoreError
+from agent.checkpoint import Checkpointer, RestoreError, RestoreRefusedError
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME
 from agent.storage import open_storage
@@ -246,17 +246,24 @@ def test_a_malicious_value_inside_a_shard_is_refused_by_weights_only_loading(
     assert not marker.exists()
 
 
-def test_a_corrupt_file_is_caught_before_any_byte_of_it_is_loaded(
+def test_when_every_checkpoint_is_corrupt_restore_refuses_and_touches_nothing(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     for step in (1, 2):
         harness.flip_byte(store / f"step-{step:09d}" / "__0_0.distcp")
+    before = sorted(p.relative_to(store).as_posix() for p in store.rglob("*"))
     caplog.set_level(logging.INFO, logger="agent")
-    # Every file is CRC-checked before DCP copies from it, so nothing was touched: starting from
-    # step 0 with the untouched initial state is safe.
-    step, restored = restore(store)
-    assert step == 0
-    assert_same(restored, snapshot(make_state(0, seed=9)), "the untouched initial state")
+    state = make_state(0, seed=9)
+    with Checkpointer(str(store), keep=1) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        ckpt.restore(state)
+    message = str(refused.value)
+    # Names every checkpoint tried and the first failure, and how to start fresh on purpose.
+    assert "step-000000002" in message and "step-000000001" in message and "CRC32C" in message
+    assert "start_fresh=True" in message and "SPOTJOB_START_FRESH=1" in message
+    assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == ["step-000000002", "step-000000001"]
+    # Every file is CRC-checked before DCP copies from it: the state is untouched, nothing deleted.
+    assert_same(snapshot(state), snapshot(make_state(0, seed=9)), "the untouched initial state")
+    assert sorted(p.relative_to(store).as_posix() for p in store.rglob("*")) == before
     assert len(skip_reasons(caplog).splitlines()) == 1
 
 

@@ -76,7 +76,7 @@ def test_restores_on_a_different_world_size(
     _, before = saved
     uri = with_a_corrupt_newer_checkpoint(saved[0], tmp_path)
     proc = harness.torchrun(world, JOB, "restore", "--uri", uri, "--dump", str(tmp_path / "restore"))
-    assert re.search(r"skipping \S+/step-000000008 is corrupt on rank \d: \S+/__1_0\.distcp", proc.stderr)
+    assert re.search(r"skipping \S+/step-000000008: it is corrupt on rank \d: \S+/__1_0\.distcp", proc.stderr)
     dumps = load_dumps(tmp_path / "restore", world)
     for rank, d in enumerate(dumps):
         assert d["step"] == SAVE_STEP

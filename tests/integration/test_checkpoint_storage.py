@@ -18,6 +18,7 @@ import torch
 
 from agent.catalog import CheckpointRef, inspect, list_checkpoints, verify_deep
 from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.ownership import claim
 from agent.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -112,6 +113,9 @@ def faulty_uri(
     """(scheme, uri, proxy): a fresh bucket whose every request goes through a fault proxy."""
     scheme: str = request.param
     uri = fresh_uri(scheme)
+    # The URI's owner record is written create-only like a manifest: claim it directly, so that
+    # the proxy's counts see checkpoint writes only.
+    claim(open_storage(uri), None)
     if scheme == "s3":
         proxy = fault_proxy(request.getfixturevalue("moto_server"), "s3")
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)

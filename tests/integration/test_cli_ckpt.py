@@ -25,9 +25,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from agent import Checkpointer
-from agent.catalog import CheckpointRef
+from agent.catalog import CheckpointRef, inspect, latest_valid
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
+from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
 from agent.storage import Storage, open_storage
 from agent.storage.file import FileStorage
 from orchestrator import cli_ckpt
@@ -262,8 +263,12 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused(
 
     rc, _, err = ckpt(capsys, "show", saved.uri)
     assert rc == 1 and "'../escape' escapes" in err
-    rc, _, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"))
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"), "--step", "3")
     assert rc == 1 and "'../escape' escapes" in err
+    # Without --step, export takes what a restore would load, and says what it passed over.
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"))
+    assert rc == 0 and "step-000000002" in out
+    assert "passing over step-000000003" in err and "'../escape' escapes" in err
 
 
 class _RunsCode:
@@ -586,3 +591,117 @@ def test_a_missing_bucket_is_one_line_and_exit_2(
 
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "spotjob-no-such-bucket" in err
+
+
+# -- one validity, untrusted bytes, ownership ---------------------------------------------------------
+
+
+def test_a_manifest_nested_100000_deep_is_one_invalid_row_and_verify_exits_1(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved.storage.put_bytes(saved.key(3, MANIFEST_NAME), b"[" * 100_000 + b"]" * 100_000)
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert rc == 0
+    assert "INVALID" in out.splitlines()[1] and "nested more than" in out.splitlines()[1]
+    for args in (["verify"], ["verify", "--deep"], ["show"]):
+        rc, out, err = ckpt(capsys, *args, saved.uri)
+        assert rc == 1 and "nested more than" in out + err, args
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), "--step", "3")
+    assert rc == 1 and "nested more than" in err
+    status = latest_valid(saved.storage)  # what the controller and restore ask
+    assert status is not None and status.ref == CheckpointRef(2)
+
+
+def test_verify_restore_and_export_agree_that_a_manifest_listing_no_files_is_invalid(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def empty(raw: dict[str, object]) -> None:
+        raw["files"], raw["tensors"] = [], {}
+
+    rewrite_manifest(saved, 3, empty)
+
+    assert not inspect(saved.storage, CheckpointRef(3)).valid  # restore's and retention's question
+    for args in (["verify"], ["verify", "--deep"]):
+        rc, out, _ = ckpt(capsys, *args, saved.uri)
+        assert rc == 1 and "per-rank file" in out, args
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), "--step", "3")
+    assert rc == 1 and "per-rank file" in err
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
+    assert rc == 0 and saved.folder(2) in out and "passing over step-000000003" in err
+
+
+def test_export_with_nothing_valid_names_every_checkpoint_and_why(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for step in (1, 2, 3):
+        saved.storage.delete([saved.key(step, saved.shard(step))])
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
+
+    assert rc == 1 and out == ""
+    assert "no valid checkpoint" in err
+    assert all(f"{saved.folder(step)}: file {saved.shard(step)} is missing" in err for step in (1, 2, 3))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_another_jobs_checkpoints_are_listed_as_foreign_and_never_exported(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    claim(saved.storage, None)  # the saving script had no job name
+    rewrite_manifest(saved, 3, lambda raw: raw.update(job="intruder"))
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    row = out.splitlines()[1]
+    assert rc == 0 and row.split()[0] == "3" and "FOREIGN" in row and "job 'intruder'" in row
+    rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+    assert [(r["step"], r["foreign"], r["valid"]) for r in json.loads(out)] == [
+        (3, True, False),
+        (2, False, True),
+        (1, False, True),
+    ]
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+    assert rc == 1 and "foreign" in out
+    rc, out, _ = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
+    assert rc == 0 and saved.folder(2) in out
+
+
+def test_adopt_lets_a_second_job_continue_from_the_first_jobs_checkpoints(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    claim(saved.storage, None)
+    with pytest.raises(OwnershipError, match=f"spotjob ckpt adopt {saved.storage.uri} --job second"):
+        claim(saved.storage, "second")
+
+    rc, out, _ = ckpt(capsys, "adopt", saved.uri, "--job", "second")
+
+    assert rc == 0
+    assert "now belongs to job 'second'" in out and "an unnamed job up to step-000000003" in out
+    assert claim(saved.storage, "second").job == "second"
+    status = latest_valid(saved.storage)
+    assert status is not None and status.ref == CheckpointRef(3)
+    rc, out, _ = ckpt(capsys, "adopt", saved.uri, "--job", "second")
+    assert rc == 0 and "already belongs" in out
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert ".spotjob" not in out and len(out.splitlines()) == 4
+
+
+def test_adopt_repairs_an_unreadable_owner_record(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    saved.storage.put_bytes(OWNER_KEY, b"{" * 100_000)
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+    assert rc == 1 and "unreadable" in out and "spotjob ckpt adopt" in out
+
+    rc, out, _ = ckpt(capsys, "adopt", saved.uri, "--unnamed")
+
+    assert rc == 0 and "now belongs to an unnamed job" in out
+    owner = read_owner(saved.storage)
+    assert owner is not None and owner.job is None
+    assert ckpt(capsys, "verify", saved.uri)[0] == 0
+
+
+def test_adopt_needs_a_job_and_an_existing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = ckpt(capsys, "adopt", str(tmp_path / "nowhere"), "--job", "x")
+    assert rc == 2 and "no such folder" in err
+    with pytest.raises(SystemExit):
+        main(["ckpt", "adopt", str(tmp_path)])
+    capsys.readouterr()

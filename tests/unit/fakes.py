@@ -20,7 +20,7 @@ from typing import Literal
 from agent.catalog import folder_name, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from agent.crc32c import crc32c_bytes, to_hex
-from agent.manifest import MANIFEST_NAME, FileEntry, Manifest
+from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, rank_file_name
 from agent.storage import AlreadyExistsError, ObjectInfo, Storage, TransientStorageError
 from agent.storage.file import FileStorage
 from orchestrator.backends.base import BackendError, Placement, WorkerObservation, worker_name
@@ -80,12 +80,21 @@ class FlakyStorage(FileStorage):
 
 
 def commit_checkpoint(
-    storage: Storage, step: int, created_at: datetime, *, job: str = "train", trigger: str | None = None
+    storage: Storage,
+    step: int,
+    created_at: datetime,
+    *,
+    job: str | None = "train",
+    trigger: str | None = None,
+    attempt: int | None = None,
 ) -> None:
-    """Commit a small valid checkpoint at ``step`` the way rank 0 does: shard first, manifest last."""
+    """Commit a small valid checkpoint at ``step`` the way rank 0 does: files first, manifest last.
+
+    ``attempt`` is the writer's attempt number (``SPOTJOB_ATTEMPT``), which fencing judges.
+    """
     folder = folder_name(step)
     shard = f"step {step}".encode()
-    storage.put_bytes(f"{folder}/shard-0.bin", shard)
+    storage.put_bytes(f"{folder}/{rank_file_name(0)}", shard)
     manifest = Manifest(
         step=step,
         world_size=1,
@@ -93,8 +102,9 @@ def commit_checkpoint(
         torch_version="fake",
         job=job,
         state_keys=["model"],
-        files=[FileEntry(path="shard-0.bin", size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
+        files=[FileEntry(path=rank_file_name(0), size=len(shard), crc32c=to_hex(crc32c_bytes(shard)))],
         trigger=trigger,
+        attempt=attempt,
     )
     storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", manifest.to_json())
 
@@ -117,6 +127,7 @@ class FakeWorker:
     node: FakeNode | None
     created_at: datetime
     resumed_from: int
+    job: str = "train"
     running_at: datetime | None = None
     exit_code: int | None = None
     exited_at: datetime | None = None
@@ -177,6 +188,7 @@ class FakeBackend:
                 node=node,
                 created_at=self.clock.now(),
                 resumed_from=resumed.ref.step if resumed else 0,
+                job=job.name,
             )
             self.created.append(name)
 
@@ -184,7 +196,7 @@ class FakeBackend:
         self._maybe_fail()
         self.stop_calls.append(keep_attempt)
         for w in list(self.workers.values()):
-            if w.attempt == keep_attempt:
+            if w.attempt == keep_attempt or w.job != job.name:
                 continue
             if self.stop_seconds <= 0:
                 del self.workers[w.name]
@@ -197,6 +209,8 @@ class FakeBackend:
         self._evolve()
         out = []
         for w in self.workers.values():
+            if w.job != job.name:
+                continue
             if w.name in self.hidden_once:
                 self.hidden_once.discard(w.name)
                 continue
@@ -238,8 +252,8 @@ class FakeBackend:
         self.notices.append(signal)
         return signal
 
-    def worker(self, attempt: int, index: int) -> FakeWorker:
-        return next(w for w in self.workers.values() if (w.attempt, w.index) == (attempt, index))
+    def worker(self, attempt: int, index: int, *, job: str = "train") -> FakeWorker:
+        return next(w for w in self.workers.values() if (w.attempt, w.index, w.job) == (attempt, index, job))
 
     def exit(self, attempt: int, index: int, code: int) -> None:
         w = self.worker(attempt, index)
@@ -252,7 +266,7 @@ class FakeBackend:
         step = self.step_of(w)
         assert step is not None, "only a running agent hears a notice"
         if commit:
-            self._commit(step)
+            self._commit(step, attempt=w.attempt, job=w.job)
         self.exit(attempt, index, EXIT_PREEMPTED if commit else EXIT_FLUSH_FAILED)
 
     def vanish(self, attempt: int, index: int) -> None:
@@ -290,7 +304,7 @@ class FakeBackend:
                 if self.flush_outcome != "hang" and now >= done_at:
                     if self.flush_outcome == "commit":
                         assert w.frozen_step is not None
-                        self._commit(w.frozen_step, at=done_at)
+                        self._commit(w.frozen_step, at=done_at, attempt=w.attempt, job=w.job)
                     w.exit_code = EXIT_PREEMPTED if self.flush_outcome == "commit" else EXIT_FLUSH_FAILED
                     w.exited_at = done_at
                 continue
@@ -301,9 +315,9 @@ class FakeBackend:
                     w.frozen_step = self.total_steps
                     w.exit_code, w.exited_at = 0, now
 
-    def _commit(self, step: int, *, at: datetime | None = None) -> None:
+    def _commit(self, step: int, *, at: datetime | None = None, attempt: int | None = None, job: str = "train") -> None:
         try:
-            commit_checkpoint(self.storage, step, at or self.clock.now(), trigger="flush")
+            commit_checkpoint(self.storage, step, at or self.clock.now(), job=job, trigger="flush", attempt=attempt)
         except AlreadyExistsError:
             return  # another agent of the gang committed this step already
         self.commits.append(step)

@@ -19,7 +19,10 @@ from typing import Any
 import pytest
 from fakes import EPOCH, FakeBackend, FakeClock, FakeNode, FlakyStorage, commit_checkpoint
 
-from agent.storage import Storage
+from agent.catalog import CheckpointRef
+from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
+from agent.storage import Storage, TransientStorageError
+from orchestrator.cli import main as cli_main
 from orchestrator.model import Cause, CheckpointSpec, JobSpec, JobStatus, Phase, SpotJob
 from orchestrator.reconciler import Controller, Reconciler, ReconcileResult, ReconcilerOptions
 from orchestrator.signals import Signal, SignalKind
@@ -781,3 +784,138 @@ def test_the_store_refuses_a_status_write_from_a_stale_read(tmp_path: Any) -> No
     assert stored is not None and stored.status is not None and stored.status.restarts == 1
     assert store.names() == ["t"]
     assert sorted(os.listdir(tmp_path)) == [".t.lock", "t.json"], "no temp files left behind"
+
+
+# -- ownership and fencing ----------------------------------------------------------------------
+
+
+def test_claims_the_uri_for_the_job_and_records_each_attempt_with_what_it_resumes_from(world: World) -> None:
+    world.reconcile()
+    owner = read_owner(world.storage)
+    assert owner is not None and owner.job == "train"
+    [first] = attempt_records(world.storage, "train")
+    assert (first.attempt, first.fence) == (0, None)
+
+    preempt_running_job(world)
+    world.run_until(running_attempt(1))
+
+    records = attempt_records(world.storage, "train")
+    assert [(r.attempt, r.fence) for r in records] == [(0, None), (1, CheckpointRef(101))]
+    assert world.backend.worker(1, 0).resumed_from == 101
+
+
+def test_a_second_job_on_the_uri_fails_naming_the_owner_until_the_uri_is_adopted(world: World) -> None:
+    world.run_to(60)
+    commit_checkpoint(world.storage, 50, world.clock.now())
+    other = JobSpec.model_validate({**world.spec.model_dump(by_alias=True), "name": "finetune"})
+    world.store.create(other)
+
+    world.reconciler.reconcile("finetune")
+
+    stored = world.store.get("finetune")
+    assert stored is not None and stored.status is not None
+    status = stored.status
+    assert status.phase is Phase.FAILED and status.reason == "CheckpointURIOwned"
+    assert "belongs to job 'train'" in status.message
+    assert f"spotjob ckpt adopt {world.storage.uri} --job finetune" in status.message
+    assert "fresh checkpoint URI" in status.message
+    assert [n for n, _ in world.backend.start_calls] == [0], "finetune started nothing"
+    assert world.status.phase is Phase.RUNNING, "the owner runs on"
+
+    world.backend.stop_workers(world.spec)  # the operator stops train, then takes its URI over
+    assert cli_main(["ckpt", "adopt", world.storage.uri, "--job", "finetune"]) == 0
+    world.store.delete("finetune")
+    world.store.create(other)
+    world.reconciler.reconcile("finetune")
+
+    stored = world.store.get("finetune")
+    assert stored is not None and stored.status is not None
+    assert stored.status.phase is Phase.PENDING
+    assert world.backend.worker(0, 0, job="finetune").resumed_from == 50
+
+
+def test_a_transient_storage_error_while_claiming_is_retried_not_a_failure(world: World) -> None:
+    world.storage.down = True
+
+    world.reconcile()
+    world.reconcile()
+
+    status = world.status
+    assert status.phase is Phase.PENDING and status.attempt.started_at is None
+    assert status.condition("Degraded").reason == "StorageUnreachable"  # type: ignore[union-attr]
+    assert read_owner(world.storage) is None and world.backend.start_calls == []
+
+    world.storage.down = False
+    world.run_until(running_attempt(0))
+    assert read_owner(world.storage) is not None
+
+
+def test_an_attempt_whose_record_cannot_be_written_does_not_start(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = world.storage.put_bytes_if_absent
+
+    def refuse_records(key: str, data: bytes) -> None:
+        if key.startswith(ATTEMPTS_PREFIX):
+            raise TransientStorageError(f"{world.storage.url(key)}: 503 SlowDown (still failing after retries)", key)
+        original(key, data)
+
+    monkeypatch.setattr(world.storage, "put_bytes_if_absent", refuse_records)
+    first = world.reconcile()
+    second = world.reconcile()
+
+    assert world.backend.start_calls == []
+    status = world.status
+    assert status.phase is Phase.PENDING and status.infra_errors == 2
+    assert status.condition("Degraded").status == "True"  # type: ignore[union-attr]
+    assert (first.requeue_after, second.requeue_after) == (1.0, 2.0)
+
+    monkeypatch.setattr(world.storage, "put_bytes_if_absent", original)
+    world.run_until(running_attempt(0))
+    assert [r.attempt for r in attempt_records(world.storage, "train")] == [0]
+
+
+def test_a_zombie_of_the_previous_attempt_can_neither_end_the_flush_nor_be_resumed(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now(), attempt=0)
+    preempt_running_job(w)
+    status = w.run_until(running_attempt(1))  # attempt 0's flush hung; attempt 1 resumes from 50
+    preempt_running_job(w, at=w.clock.at() + 40, node=status.workers[0].node or "")
+    w.run_until(phase_is(Phase.FLUSHING))
+
+    # A worker of attempt 0, cut off on its node, commits a "flush" long after attempt 1 started.
+    commit_checkpoint(w.storage, 300, w.clock.now(), trigger="flush", attempt=0)
+    w.reconcile()
+
+    status = w.status
+    assert status.phase is Phase.FLUSHING, "a stale attempt's commit is not this flush"
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 50
+    status = w.run_until(running_attempt(2))
+    assert w.backend.worker(2, 0).resumed_from == 50
+    assert [r.fence for r in attempt_records(w.storage, "train")][1:] == [CheckpointRef(50), CheckpointRef(50)]
+
+
+def test_a_job_created_again_under_its_name_numbers_attempts_past_the_ones_in_storage(world: World) -> None:
+    for n in range(3):  # the records of an earlier job of this name on this URI
+        record_attempt(world.storage, "train", n, None)
+
+    world.reconcile()
+
+    assert world.status.attempt.number == 3
+    assert world.backend.created == ["train-3-0", "train-3-1"]
+    assert "AttemptRenumbered" in world.event_reasons()
+    assert [r.attempt for r in attempt_records(world.storage, "train")] == [0, 1, 2, 3]
+
+
+def test_replaying_a_pass_whose_status_write_was_lost_keeps_the_attempts_record(world: World) -> None:
+    world.reconcile()
+    [record] = attempt_records(world.storage, "train")
+    world.restart_orchestrator()
+    world.store.delete("train")
+    world.store.create(world.spec)  # the first status write never happened
+
+    world.reconcile()
+
+    assert world.status.attempt.number == 0
+    assert attempt_records(world.storage, "train") == [record]

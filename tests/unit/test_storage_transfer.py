@@ -13,7 +13,7 @@ import pytest
 import requests
 from google.api_core import exceptions as api_exceptions
 
-from agent.storage import NotFoundError, PermanentStorageError, TransientStorageError
+from agent.storage import MissingBucketError, NotFoundError, PermanentStorageError, TransientStorageError
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
 from agent.storage._retry import max_attempts, retry_transient
@@ -149,7 +149,7 @@ def test_s3_errors_are_classified_by_whether_retrying_can_help(error: Exception,
 
 def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
     classified = s3_backend._storage_error(client_error(404, "NoSuchBucket"), "GET s3://b/k", "k")
-    assert type(classified) is PermanentStorageError
+    assert isinstance(classified, MissingBucketError) and not isinstance(classified, NotFoundError)
     assert "bucket" in str(classified)
 
 

@@ -1,0 +1,98 @@
+"""Where things lie under a checkpoint URI, and reading a manifest within bounds. No torch import.
+
+``<uri>/step-<9-digit step>[.<n>]/`` holds one checkpoint (``MANIFEST.json`` inside is its commit
+marker); ``<uri>/.spotjob/`` holds the URI's owner and attempt records (``agent.ownership``) and is
+never a checkpoint. The lowest layer of ``agent.ownership`` and ``agent.catalog``, which re-exports
+what callers need.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import total_ordering
+
+from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError, UntrustedJSONError
+from agent.storage.base import NotFoundError, Storage
+
+CONTROL_FOLDER = ".spotjob"
+"""spotjob's own records under a URI (owner, attempts): never listed as a checkpoint."""
+
+_FOLDER_RE = re.compile(r"^step-(\d{9,})(?:\.(\d+))?$")
+
+
+def folder_name(step: int, attempt: int = 0) -> str:
+    return f"step-{step:09d}" + (f".{attempt}" if attempt else "")
+
+
+@total_ordering
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint folder under the URI (committed or not).
+
+    ``attempt`` is the folder's suffix (``step-N.1`` when ``step-N`` was already committed), not
+    the controller's attempt number.
+    """
+
+    step: int
+    attempt: int = 0
+
+    @property
+    def folder(self) -> str:
+        return folder_name(self.step, self.attempt)
+
+    def key(self, name: str) -> str:
+        return f"{self.folder}/{name}"
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, CheckpointRef):
+            return NotImplemented
+        return (self.step, self.attempt) < (other.step, other.attempt)
+
+    @classmethod
+    def parse(cls, folder: str) -> CheckpointRef | None:
+        m = _FOLDER_RE.match(folder)
+        if not m:
+            return None
+        return cls(int(m.group(1)), int(m.group(2) or 0))
+
+
+def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
+    """Every checkpoint folder under the URI, newest first (``.spotjob/`` and strays excluded)."""
+    refs = [r for r in (CheckpointRef.parse(d) for d in storage.list_dirs("")) if r is not None]
+    return sorted(refs, reverse=True)
+
+
+def read_bounded(storage: Storage, key: str, max_bytes: int, *, size: int | None = None) -> bytes:
+    """``get_bytes`` for an untrusted record: one bigger than ``max_bytes`` is refused unread.
+
+    ``size`` is the object's size from a listing, when the caller has one; otherwise it is
+    stat'ed. Raises ``UntrustedJSONError`` (too big), ``NotFoundError`` or ``StorageError``.
+    """
+    if size is None:
+        info = storage.stat(key)
+        if info is None:
+            raise NotFoundError(f"{storage.url(key)} does not exist", key)
+        size = info.size
+    if size > max_bytes:
+        raise UntrustedJSONError(f"{size} bytes, more than the {max_bytes} allowed")
+    data = storage.get_bytes(key)
+    if len(data) > max_bytes:  # replaced by a bigger one since the listing
+        raise UntrustedJSONError(f"{len(data)} bytes, more than the {max_bytes} allowed")
+    return data
+
+
+def read_manifest(storage: Storage, ref: CheckpointRef, *, size: int | None = None) -> Manifest:
+    """Read and validate one manifest; ``ManifestError``/``NotFoundError`` say what is wrong.
+
+    ``size`` is the manifest's size from a listing, when the caller has one; otherwise it is
+    stat'ed. An oversized manifest is refused before a byte of it is read.
+    """
+    try:
+        data = read_bounded(storage, ref.key(MANIFEST_NAME), MAX_MANIFEST_BYTES, size=size)
+    except UntrustedJSONError as e:
+        raise ManifestError(f"MANIFEST.json is refused: {e}") from None
+    manifest = Manifest.parse(data)
+    if manifest.step != ref.step:
+        raise ManifestError(f"MANIFEST.json says step {manifest.step} but lies in folder {ref.folder}; refusing it")
+    return manifest

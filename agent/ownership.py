@@ -1,0 +1,618 @@
+"""Who may write under a checkpoint URI: the owning job, and which of its attempts. No torch import.
+
+**Ownership.** A URI belongs to one job, recorded in ``<uri>/.spotjob/owner.json``, written
+create-only by the first writer (the controller when it first looks at the job's storage, or the
+rank 0 ``Checkpointer`` when no controller runs) and never rewritten except by ``adopt`` — the one
+deliberate take-over (``spotjob ckpt adopt URI --job NEW``). The job identity is the
+Checkpointer's ``job`` (``SPOTJOB_JOB_NAME``; ``<namespace>/<name>`` on Kubernetes); ``None`` is
+"an unnamed job", a distinct owner. ``claim`` refuses a second job with ``OwnershipError``. A
+checkpoint whose manifest names a job the owner does not ``accept`` is *foreign*: never restored,
+counted or deleted. An adopted job's checkpoints are accepted up to the newest folder committed
+when it was adopted; anything it commits later is foreign.
+
+**Fencing.** Within a job, the controller records each attempt before starting it, create-only,
+in ``.spotjob/attempts/<job key>/attempt-<N, 9 digits>.json``: the attempt number and the *fence*,
+the newest valid checkpoint at that moment (what attempt N resumes from). A manifest records its
+writer's attempt (``Manifest.attempt``; None — no controller — is never fenced). The rule
+(``is_fenced``): a checkpoint written by attempt ``a`` is fenced iff some attempt ``b > a`` of its
+job is recorded and, for the smallest such ``b``, the checkpoint's folder is newer than ``fence_b``
+(or ``fence_b`` is null). Attempt ``b`` resumed from ``fence_b``, so whatever ``a`` committed past
+it was written by a worker that should have stopped (a partitioned node training on). Fenced
+checkpoints are never restored, never counted by the controller and never outrank what a newer
+attempt wrote.
+
+A writer calls ``check_not_fenced`` before every commit and every delete. Between that check and
+the write a newer attempt may be recorded; the rule covers that race: a manifest that lands after
+the record is newer than the record's fence, hence fenced, whatever the writer believed. Deletes
+have no such after-the-fact cover (storage offers no conditional delete): a writer that passed its
+check just before the record landed could still delete. Retention therefore deletes only folders
+older than a checkpoint it has just found valid — not fenced — and checks before each delete,
+which narrows the window to the moment between one check and one delete.
+
+Records are per job (``<job key>`` below) so that a job adopted by another, or a job deleted and
+created again under the same name, never mixes its attempt numbers with another's: the controller
+continues a job's numbering past its newest record (see ``newest_attempt``).
+
+Everything read here is untrusted: records are size- and depth-bounded and a record that does not
+parse raises ``OwnershipError`` (owner) or is reported, never a crash.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, read_bounded, read_manifest
+from agent.manifest import MANIFEST_NAME, ManifestError, UntrustedJSONError, loads_bounded, now_utc
+from agent.storage.base import AlreadyExistsError, NotFoundError, Storage, TransientStorageError
+
+log = logging.getLogger(__name__)
+
+OWNER_KEY = f"{CONTROL_FOLDER}/owner.json"
+ATTEMPTS_PREFIX = f"{CONTROL_FOLDER}/attempts/"
+RECORD_FORMAT = 1
+MAX_RECORD_BYTES = 1 << 20
+"""owner.json and attempt records are a few hundred bytes; anything past this is refused unread."""
+
+_ATTEMPT_RE = re.compile(r"^attempt-(\d{9,})\.json$")
+
+
+class OwnershipError(Exception):
+    """Another job owns the URI (or its owner record is unreadable). The message names the owner
+    and the remedy: a fresh URI, or ``spotjob ckpt adopt URI --job JOB`` to take it over."""
+
+    def __init__(self, message: str, *, uri: str, job: str | None, owner: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.job = job
+        self.owner = owner
+
+
+class FencedError(Exception):
+    """This writer lost the right to write: a newer attempt of its job is recorded, or another job
+    adopted the URI. It must commit and delete nothing and stop."""
+
+
+def describe_job(job: str | None) -> str:
+    """``job 'train-7b'`` or ``an unnamed job`` (a Checkpointer without ``job``)."""
+    return f"job {job!r}" if job is not None else "an unnamed job"
+
+
+def job_key(job: str | None) -> str:
+    """The folder name of a job's attempt records: readable, and distinct for distinct jobs.
+
+    ``ns/train`` → ``ns_train.1f3a…`` (the hash keeps ``ns/train`` and ``ns_train`` apart);
+    ``None`` → ``unnamed`` (no dot, so no named job maps there).
+    """
+    if job is None:
+        return "unnamed"
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "_", job)[:48] or "_"
+    return f"{slug}.{hashlib.sha256(job.encode()).hexdigest()[:12]}"
+
+
+# -- the records' JSON (pydantic at the edge, dataclasses inside) --------------------------------
+
+
+class _RefDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int = Field(ge=0)
+    folder: str
+
+    @model_validator(mode="after")
+    def _names_its_step(self) -> _RefDoc:
+        ref = CheckpointRef.parse(self.folder)
+        if ref is None or ref.step != self.step:
+            raise ValueError(f"{self.folder!r} is not the checkpoint folder of step {self.step}")
+        return self
+
+    @classmethod
+    def of(cls, ref: CheckpointRef | None) -> _RefDoc | None:
+        return None if ref is None else cls(step=ref.step, folder=ref.folder)
+
+    def ref(self) -> CheckpointRef:
+        parsed = CheckpointRef.parse(self.folder)
+        assert parsed is not None  # checked by the validator
+        return parsed
+
+
+class _AdoptionDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: str | None
+    adopted_at: datetime
+    upto: _RefDoc | None
+
+
+class _OwnerDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = RECORD_FORMAT
+    job: str | None
+    created_at: datetime
+    adopted: list[_AdoptionDoc] = Field(default_factory=list)
+
+
+class _AttemptDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = RECORD_FORMAT
+    attempt: int = Field(ge=0)
+    job: str | None
+    fence: _RefDoc | None
+    recorded_at: datetime
+
+
+_D = TypeVar("_D", _OwnerDoc, _AttemptDoc)
+
+
+def _parse_doc(model: type[_D], data: bytes) -> _D:
+    """Parse an untrusted record within bounds; ``ValueError`` saying what is wrong."""
+    try:
+        raw: Any = loads_bounded(data, max_bytes=MAX_RECORD_BYTES)
+    except UntrustedJSONError as e:
+        raise ValueError(str(e)) from None
+    if isinstance(raw, dict) and isinstance(raw.get("format"), int) and raw["format"] > RECORD_FORMAT:
+        raise ValueError(f"record format {raw['format']} is newer than this spotjob reads; upgrade spotjob")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValueError(f"invalid at {where or 'top level'}: {first['msg']}") from None
+
+
+# -- owner -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """A job whose checkpoints the owner took over with ``adopt``."""
+
+    job: str | None
+    adopted_at: datetime
+    upto: CheckpointRef | None
+    """The newest checkpoint folder committed when it was adopted; its newer ones are foreign."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The content of ``owner.json``."""
+
+    job: str | None
+    created_at: datetime
+    adopted: tuple[Adoption, ...] = ()
+
+    def accepts(self, job: str | None, ref: CheckpointRef | None = None) -> bool:
+        """Whether a checkpoint written by ``job`` (in folder ``ref``) belongs to this owner's history.
+
+        The owner's own checkpoints always; an adopted job's only up to its ``upto`` folder
+        (``ref`` None: whether any of that job's checkpoints could be accepted).
+        """
+        if job == self.job:
+            return True
+        return any(a.job == job and (ref is None or (a.upto is not None and not a.upto < ref)) for a in self.adopted)
+
+    def describe(self) -> str:
+        return describe_job(self.job)
+
+    def to_json(self) -> bytes:
+        doc = _OwnerDoc(
+            job=self.job,
+            created_at=self.created_at,
+            adopted=[_AdoptionDoc(job=a.job, adopted_at=a.adopted_at, upto=_RefDoc.of(a.upto)) for a in self.adopted],
+        )
+        return doc.model_dump_json(indent=2).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Owner:
+        """Parse ``owner.json``; ``ValueError`` saying what is wrong."""
+        doc = _parse_doc(_OwnerDoc, data)
+        return cls(
+            job=doc.job,
+            created_at=doc.created_at,
+            adopted=tuple(
+                Adoption(a.job, a.adopted_at, a.upto.ref() if a.upto is not None else None) for a in doc.adopted
+            ),
+        )
+
+
+def _adopt_hint(storage: Storage, job: str | None) -> str:
+    flag = f"--job {job}" if job is not None else "--unnamed"
+    return f"`spotjob ckpt adopt {storage.uri} {flag}`"
+
+
+def read_owner(storage: Storage) -> Owner | None:
+    """The URI's owner, or None when no job has claimed it yet.
+
+    Raises ``OwnershipError`` when ``owner.json`` exists but cannot be read as one (the remedy:
+    ``spotjob ckpt adopt``), and ``StorageError`` when storage fails.
+    """
+    try:
+        data = read_bounded(storage, OWNER_KEY, MAX_RECORD_BYTES)
+    except NotFoundError:
+        return None
+    except UntrustedJSONError as e:
+        data, error = b"", str(e)
+    else:
+        error = ""
+    if not error:
+        try:
+            return Owner.parse(data)
+        except ValueError as e:
+            error = str(e)
+    raise OwnershipError(
+        f"{storage.url(OWNER_KEY)}, the record of who owns {storage.uri}, is unreadable ({error}); nothing "
+        f"there is trusted until it is rewritten: {_adopt_hint(storage, None).replace('--unnamed', '--job JOB')} "
+        "makes JOB the owner",
+        uri=storage.uri,
+        job=None,
+    )
+
+
+def _owned_message(storage: Storage, owner: str, job: str | None) -> str:
+    return (
+        f"{storage.uri} belongs to {owner}, not to {describe_job(job)}: a checkpoint URI holds one job's "
+        f"checkpoints. Give this job a fresh checkpoint URI, or take this one over on purpose with "
+        f"{_adopt_hint(storage, job)} (it then resumes from the other job's checkpoints)"
+    )
+
+
+def _legacy_writers(storage: Storage) -> dict[str | None, CheckpointRef]:
+    """Jobs whose committed checkpoints lie under an unclaimed URI, each with its newest folder.
+
+    Manifests that cannot be read name no job and are left to the catalog to report.
+    """
+    writers: dict[str | None, CheckpointRef] = {}
+    for ref in find_checkpoints(storage):
+        try:
+            manifest = read_manifest(storage, ref)
+        except (NotFoundError, ManifestError):
+            continue
+        writers.setdefault(manifest.job, ref)
+    return writers
+
+
+def claim(storage: Storage, job: str | None) -> Owner:
+    """Make ``job`` the URI's owner unless another job is; return the owner. Idempotent.
+
+    Creates ``owner.json`` create-only when absent (of two racing claimers exactly one wins; the
+    other re-reads). A URI without an owner record but with checkpoints another job committed
+    (written before spotjob recorded owners) is refused too: those are that job's.
+    Raises ``OwnershipError`` (another owner, or an unreadable record) or ``StorageError``.
+    """
+    owner = read_owner(storage)
+    if owner is None:
+        others = [w for w in _legacy_writers(storage) if w != job]
+        if others:
+            names = ", ".join(describe_job(w) for w in others)
+            raise OwnershipError(
+                _owned_message(storage, f"{names} (checkpoints written before spotjob recorded owners)", job),
+                uri=storage.uri,
+                job=job,
+                owner=others[0],
+            )
+        mine = Owner(job=job, created_at=now_utc())
+        try:
+            storage.put_bytes_if_absent(OWNER_KEY, mine.to_json())
+        except AlreadyExistsError:
+            owner = read_owner(storage)  # another writer claimed it first
+            if owner is None:
+                raise TransientStorageError(f"{storage.url(OWNER_KEY)} exists and then does not", OWNER_KEY) from None
+        else:
+            log.info("%s now belongs to %s (%s)", storage.uri, describe_job(job), storage.url(OWNER_KEY))
+            return mine
+    if owner.job != job:
+        raise OwnershipError(_owned_message(storage, owner.describe(), job), uri=storage.uri, job=job, owner=owner.job)
+    return owner
+
+
+def _newest_committed(storage: Storage) -> CheckpointRef | None:
+    for ref in find_checkpoints(storage):
+        if storage.stat(ref.key(MANIFEST_NAME)) is not None:
+            return ref
+    return None
+
+
+def adopt(storage: Storage, job: str | None) -> Owner:
+    """Take the URI over for ``job`` on purpose (``spotjob ckpt adopt``); return the new owner.
+
+    The one overwrite of ``owner.json``: ``job`` becomes the owner and the previous owner (or,
+    with no or an unreadable record, every other job whose checkpoints lie there) joins
+    ``adopted`` up to the newest checkpoint folder committed now, so ``job`` resumes from them.
+    Adopting a URI one already owns changes nothing.
+    """
+    try:
+        old = read_owner(storage)
+    except OwnershipError as e:
+        log.warning("%s", e)
+        old = None
+    if old is not None and old.job == job:
+        return old
+    now = now_utc()
+    upto = _newest_committed(storage)
+    if old is not None:
+        adopted = [*old.adopted, Adoption(old.job, now, upto)]
+    else:
+        adopted = [Adoption(w, now, upto) for w in _legacy_writers(storage)]
+    new = Owner(job=job, created_at=now, adopted=tuple(a for a in adopted if a.job != job))
+    storage.put_bytes(OWNER_KEY, new.to_json())
+    log.info(
+        "%s now belongs to %s, adopting the checkpoints of %s up to %s",
+        storage.uri,
+        describe_job(job),
+        ", ".join(describe_job(a.job) for a in new.adopted) or "no other job",
+        upto.folder if upto else "(none yet)",
+    )
+    return new
+
+
+# -- attempts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """The content of one attempt record: the controller is about to start ``attempt`` of ``job``."""
+
+    attempt: int
+    job: str | None
+    fence: CheckpointRef | None
+    """The newest valid checkpoint when the attempt was recorded (what it resumes from)."""
+    recorded_at: datetime
+
+    def to_json(self) -> bytes:
+        doc = _AttemptDoc(
+            attempt=self.attempt, job=self.job, fence=_RefDoc.of(self.fence), recorded_at=self.recorded_at
+        )
+        return doc.model_dump_json(indent=2).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> AttemptRecord:
+        """Parse one record; ``ValueError`` saying what is wrong."""
+        doc = _parse_doc(_AttemptDoc, data)
+        return cls(doc.attempt, doc.job, doc.fence.ref() if doc.fence is not None else None, doc.recorded_at)
+
+
+def attempt_key(job: str | None, attempt: int) -> str:
+    return f"{ATTEMPTS_PREFIX}{job_key(job)}/attempt-{attempt:09d}.json"
+
+
+def recorded_attempts(storage: Storage, job: str | None) -> builtins.list[int]:
+    """The attempt numbers recorded for ``job``, ascending (one listing, no record read)."""
+    numbers = []
+    for info in storage.list(f"{ATTEMPTS_PREFIX}{job_key(job)}/"):
+        m = _ATTEMPT_RE.match(info.key.rsplit("/", 1)[-1])
+        if m:
+            numbers.append(int(m.group(1)))
+    return sorted(numbers)
+
+
+def newest_attempt(storage: Storage, job: str | None) -> int | None:
+    """The highest attempt number recorded for ``job``, or None."""
+    numbers = recorded_attempts(storage, job)
+    return numbers[-1] if numbers else None
+
+
+def read_attempt(storage: Storage, job: str | None, attempt: int) -> AttemptRecord:
+    """One record; ``NotFoundError`` if absent, ``ValueError`` if unreadable, ``StorageError``."""
+    key = attempt_key(job, attempt)
+    try:
+        record = AttemptRecord.parse(read_bounded(storage, key, MAX_RECORD_BYTES))
+    except ValueError as e:
+        raise ValueError(f"{storage.url(key)} is unreadable: {e}") from None
+    if record.attempt != attempt or record.job != job:
+        raise ValueError(
+            f"{storage.url(key)} is unreadable: it records attempt {record.attempt} of {describe_job(record.job)}"
+        )
+    return record
+
+
+def record_attempt(storage: Storage, job: str | None, attempt: int, fence: CheckpointRef | None) -> AttemptRecord:
+    """(controller) Record that ``attempt`` of ``job`` starts, resuming from ``fence``; create-only.
+
+    Replaying the same attempt returns the record already there (its fence stands). Raises
+    ``FencedError`` when a newer attempt of the job is recorded already (the caller is stale: a
+    controller must number its next attempt past ``newest_attempt``), ``StorageError`` when the
+    record cannot be written — then the attempt must not start.
+    """
+    if attempt < 0:
+        raise ValueError(f"attempt numbers start at 0, got {attempt}")
+    newer = [n for n in recorded_attempts(storage, job) if n > attempt]
+    if newer:
+        raise FencedError(
+            f"attempt {newer[-1]} of {describe_job(job)} is recorded at {storage.uri} already; "
+            f"attempt {attempt} may not start (number it past {newer[-1]})"
+        )
+    record = AttemptRecord(attempt, job, fence, now_utc())
+    key = attempt_key(job, attempt)
+    try:
+        storage.put_bytes_if_absent(key, record.to_json())
+    except AlreadyExistsError:
+        try:
+            return read_attempt(storage, job, attempt)
+        except NotFoundError:
+            raise TransientStorageError(f"{storage.url(key)} exists and then does not", key) from None
+        except ValueError as e:
+            # Only judgements of older attempts' checkpoints depend on it; this attempt may run.
+            log.warning("%s; attempt %d starts regardless", e, attempt)
+            return record
+    log.info(
+        "recorded attempt %d of %s at %s, resuming from %s",
+        attempt,
+        describe_job(job),
+        storage.uri,
+        fence.folder if fence else "scratch",
+    )
+    return record
+
+
+def attempt_records(storage: Storage, job: str | None) -> builtins.list[AttemptRecord]:
+    """Every readable attempt record of ``job``, sorted by attempt (unreadable ones are logged and
+    skipped; ``Lineage.judge`` reports the checkpoints they would have judged as untrusted)."""
+    records = []
+    for n in recorded_attempts(storage, job):
+        try:
+            records.append(read_attempt(storage, job, n))
+        except NotFoundError:
+            continue
+        except ValueError as e:
+            log.warning("%s", e)
+    return records
+
+
+def is_fenced(ref: CheckpointRef, written_by: int | None, records: Sequence[AttemptRecord]) -> bool:
+    """The fencing rule (module docstring) for a checkpoint in folder ``ref`` written by attempt
+    ``written_by`` of a job whose records are ``records``."""
+    if written_by is None:
+        return False
+    later = [r for r in records if r.attempt > written_by]
+    if not later:
+        return False
+    first = min(later, key=lambda r: r.attempt)
+    return first.fence is None or first.fence < ref
+
+
+def check_not_fenced(storage: Storage, job: str | None, attempt: int | None) -> None:
+    """(writer) Raise ``FencedError`` if ``job``'s attempt ``attempt`` may no longer write here:
+    an attempt newer than it is recorded, or another job owns (adopted) the URI.
+
+    ``attempt`` None (no controller) is never fenced by attempts; the owner is still checked.
+    Call before every commit and every delete. ``StorageError`` when storage cannot tell.
+    """
+    try:
+        owner = read_owner(storage)
+    except OwnershipError as e:
+        raise FencedError(f"{describe_job(job)} stops writing to {storage.uri}: {e}") from None
+    if owner is not None and owner.job != job:
+        raise FencedError(
+            f"{storage.uri} belongs to {owner.describe()} now (adopted from {describe_job(job)}): "
+            "this writer commits and deletes nothing more there"
+        )
+    if attempt is None:
+        return
+    newer = [n for n in recorded_attempts(storage, job) if n > attempt]
+    if newer:
+        raise FencedError(
+            f"attempt {newer[-1]} of {describe_job(job)} is recorded at {storage.uri}: this worker of attempt "
+            f"{attempt} is stale (its gang was replaced) and commits and deletes nothing more there"
+        )
+
+
+# -- what the catalog asks -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """Why a committed checkpoint must not be used although its bytes may be fine."""
+
+    kind: Literal["foreign", "fenced", "untrusted"]
+    reason: str
+
+
+@dataclass
+class Lineage:
+    """The URI's owner and attempt records, read once for a sweep over its checkpoints.
+
+    ``judge`` says why a checkpoint is foreign or fenced. Records are fetched lazily (one listing
+    per job, then only the record the rule needs) and kept: they are immutable once written.
+    """
+
+    storage: Storage
+    owner: Owner | None
+    owner_error: str | None = None
+    _numbers: dict[str | None, builtins.list[int]] = field(default_factory=dict)
+    _records: dict[tuple[str | None, int], AttemptRecord | str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, storage: Storage) -> Lineage:
+        """Read the owner (``StorageError`` when storage fails; an unreadable record is kept as
+        ``owner_error`` and makes every checkpoint untrusted)."""
+        try:
+            return cls(storage, read_owner(storage))
+        except OwnershipError as e:
+            return cls(storage, None, str(e))
+
+    def judge(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
+        """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
+        used, or None. ``StorageError`` when storage fails."""
+        if self.owner_error is not None:
+            return Judgement("untrusted", self.owner_error)
+        owner = self.owner
+        if owner is not None and not owner.accepts(job, ref):
+            adopted = next((a for a in owner.adopted if a.job == job), None)
+            if adopted is not None:
+                upto = adopted.upto.folder if adopted.upto else "none"
+                why = (
+                    f"written by {describe_job(job)} after {owner.describe()} adopted {self.storage.uri} "
+                    f"(it took over checkpoints up to {upto})"
+                )
+            else:
+                why = f"written by {describe_job(job)}, but {self.storage.uri} belongs to {owner.describe()}"
+            return Judgement("foreign", f"foreign: {why}; never restored, counted or deleted by {owner.describe()}")
+        if attempt is None:
+            return None
+        later = [n for n in self._recorded(job) if n > attempt]
+        if not later:
+            return None
+        record = self._record(job, later[0])
+        if isinstance(record, str):
+            return Judgement("untrusted", f"cannot tell whether attempt {attempt}'s checkpoint is fenced: {record}")
+        if not is_fenced(ref, attempt, [record]):
+            return None
+        resumed = record.fence.folder if record.fence is not None else "scratch"
+        return Judgement(
+            "fenced",
+            f"fenced: written by attempt {attempt} of {describe_job(job)} after attempt {record.attempt} was "
+            f"recorded resuming from {resumed} (a worker that should have stopped)",
+        )
+
+    def _recorded(self, job: str | None) -> builtins.list[int]:
+        if job not in self._numbers:
+            self._numbers[job] = recorded_attempts(self.storage, job)
+        return self._numbers[job]
+
+    def _record(self, job: str | None, attempt: int) -> AttemptRecord | str:
+        """The record, or why it cannot be read."""
+        key = (job, attempt)
+        if key not in self._records:
+            try:
+                self._records[key] = read_attempt(self.storage, job, attempt)
+            except NotFoundError:
+                self._records[key] = f"{self.storage.url(attempt_key(job, attempt))} was listed but is gone"
+            except ValueError as e:
+                self._records[key] = str(e)
+        return self._records[key]
+
+
+__all__ = [
+    "ATTEMPTS_PREFIX",
+    "OWNER_KEY",
+    "Adoption",
+    "AttemptRecord",
+    "FencedError",
+    "Judgement",
+    "Lineage",
+    "Owner",
+    "OwnershipError",
+    "adopt",
+    "attempt_key",
+    "attempt_records",
+    "check_not_fenced",
+    "claim",
+    "describe_job",
+    "is_fenced",
+    "job_key",
+    "newest_attempt",
+    "read_attempt",
+    "read_owner",
+    "record_attempt",
+    "recorded_attempts",
+]

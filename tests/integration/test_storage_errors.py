@@ -1,0 +1,293 @@
+"""Every store raises only the errors ``agent.storage.base`` documents, and says what is wrong.
+
+Each case runs a battery of every ``Storage`` operation against a broken store and checks that
+what comes out is a ``StorageError`` with a useful message, never an ``OSError`` or a client
+library's exception: a URI that is a regular file, a folder (or bucket) this identity may not
+touch, a bucket that does not exist.
+
+Permission denied on a folder needs a user that file modes bind: root ignores them. When the tests
+run as root (as they do here), the folder case runs in a child interpreter that drops to uid/gid
+65534 (nobody) after importing what it needs, so the ``EACCES`` is the kernel's own. The object
+stores' 403s come from the fault proxy in the store's own error dialect (moto and fake-gcs-server
+enforce no permissions).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import find_checkpoints
+from agent.storage import (
+    MissingBucketError,
+    NotFoundError,
+    PermanentStorageError,
+    Storage,
+    StorageError,
+    TransientStorageError,
+    open_storage,
+)
+from agent.storage._errors import translate_os_error
+
+try:
+    from faults import Dialect, FaultProxy
+except ImportError:  # tests/ collected as a package
+    from tests.faults import Dialect, FaultProxy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def battery(storage: Storage, scratch: Path) -> dict[str, BaseException | None]:
+    """Every operation once; what each raised (None: it succeeded). Only StorageErrors may come out."""
+    src = scratch / "src.bin"
+    src.write_bytes(b"abc")
+    ops: dict[str, Callable[[], object]] = {
+        "list_dirs": lambda: storage.list_dirs(""),
+        "list": lambda: list(storage.list("")),
+        "stat": lambda: storage.stat("step-000000001/MANIFEST.json"),
+        "get_bytes": lambda: storage.get_bytes("step-000000001/MANIFEST.json"),
+        "get_file": lambda: storage.get_file("step-000000001/MANIFEST.json", str(scratch / "out")),
+        "put_bytes": lambda: storage.put_bytes("step-000000002/a", b"x"),
+        "put_bytes_if_absent": lambda: storage.put_bytes_if_absent("step-000000002/b", b"x"),
+        "put_file": lambda: storage.put_file(str(src), "step-000000002/c"),
+        "delete": lambda: storage.delete(["step-000000002/a"]),
+        "delete_prefix": lambda: storage.delete_prefix("step-000000002/"),
+    }
+    results: dict[str, BaseException | None] = {}
+    for name, op in ops.items():
+        try:
+            op()
+        except StorageError as e:
+            results[name] = e
+        except Exception as e:  # the defect these tests exist for
+            pytest.fail(f"{name} let {type(e).__name__} escape: {e}")
+        else:
+            results[name] = None
+    return results
+
+
+# -- a URI that is a regular file -----------------------------------------------------------------
+
+
+def test_a_folder_uri_that_is_a_regular_file_is_refused_by_every_operation(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.write_text("not a folder")
+    results = battery(open_storage(str(root)), tmp_path)
+    for name, error in results.items():
+        if name == "delete":
+            assert error is None, "deleting a key that cannot exist is done"
+            continue
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), name
+        assert "is a regular file, not a folder" in str(error) and str(root) in str(error), name
+    assert root.read_text() == "not a folder"
+
+
+# Not on fake-gcs-server: it keeps objects as files on disk, so an object "run1" and objects under
+# "run1/" cannot coexist there (it answers 500 "not a directory"); GCS itself allows both.
+@pytest.mark.parametrize("scheme", ["s3"])
+def test_an_object_named_like_the_uri_prefix_does_not_get_in_the_way(
+    scheme: str, fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], tmp_path: Path
+) -> None:
+    """Object stores have no folders: an object at ``bucket/jobs/run1`` and keys under
+    ``jobs/run1/`` coexist, and the object is never taken for a checkpoint."""
+    uri = fresh_uri(scheme)
+    make_storage(uri.rsplit("/", 1)[0]).put_bytes("run1", b"a stray object")
+    storage = make_storage(uri)
+    results = battery(storage, tmp_path)
+    assert isinstance(results["get_bytes"], NotFoundError)
+    assert isinstance(results["get_file"], NotFoundError)
+    assert {k for k, e in results.items() if e is not None} == {"get_bytes", "get_file"}
+    assert find_checkpoints(storage) == []
+
+
+# -- permission denied ----------------------------------------------------------------------------
+
+_UNPRIVILEGED = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    from agent.catalog import inspect, CheckpointRef
+    from agent.storage import StorageError
+    from agent.storage.file import FileStorage
+    from orchestrator.cli import main
+    import rich.filesize  # what `ckpt list` imports lazily; the interpreter's own files are root's
+
+    root, hidden, scratch = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    storage = FileStorage(root)
+    out = {}
+    for name, op in {
+        "list": lambda: list(storage.list("step-000000001/")),
+        "inspect": lambda: inspect(storage, CheckpointRef(1)),
+        "get_bytes": lambda: storage.get_bytes("step-000000001/MANIFEST.json"),
+        "stat": lambda: storage.stat("step-000000001/MANIFEST.json"),
+        "put_bytes": lambda: storage.put_bytes("step-000000001/x", b"x"),
+        "put_bytes_if_absent": lambda: storage.put_bytes_if_absent("step-000000001/MANIFEST.2", b"x"),
+        "put_file": lambda: storage.put_file(str(scratch / "src.bin"), "step-000000001/y"),
+        "delete": lambda: storage.delete(["step-000000001/MANIFEST.json"]),
+        "list a root behind a closed folder": lambda: list(FileStorage(hidden).list("")),
+        "list_dirs of a root behind a closed folder": lambda: FileStorage(hidden).list_dirs(""),
+    }.items():
+        try:
+            op()
+            out[name] = None
+        except StorageError as e:
+            out[name] = [type(e).__name__, str(e)]
+        except Exception as e:
+            out[name] = ["ESCAPED " + type(e).__name__, str(e)]
+    print(json.dumps(out))
+    sys.stdout.flush()
+    sys.exit(100 + main(["ckpt", "list", root]))
+    """
+)
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A scratch folder every user can enter (pytest's own tmp_path is private to its owner)."""
+    path = Path(tempfile.mkdtemp(prefix="spotjob-perm-"))
+    path.chmod(0o755)
+    yield path
+    for sub in path.rglob("*"):
+        if sub.is_dir() and not sub.is_symlink():
+            sub.chmod(0o755)
+    shutil.rmtree(path)
+
+
+def test_a_folder_this_user_may_not_enter_is_permission_denied_not_an_uncommitted_leftover(open_tmp: Path) -> None:
+    root = open_tmp / "ckpt"
+    folder = root / "step-000000001"
+    folder.mkdir(parents=True)
+    (folder / "MANIFEST.json").write_text("{}")
+    (open_tmp / "src.bin").write_bytes(b"abc")
+    closed = open_tmp / "closed"
+    (closed / "ckpt" / "step-000000001").mkdir(parents=True)
+    for p in (root, closed / "ckpt"):
+        p.chmod(0o755)
+    (open_tmp / "src.bin").chmod(0o644)
+    folder.chmod(0o000)
+    closed.chmod(0o700)
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNPRIVILEGED, str(root), str(closed / "ckpt"), str(open_tmp)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert proc.stdout, proc.stderr
+    results: dict[str, Any] = json.loads(proc.stdout.splitlines()[0])
+    for name, result in results.items():
+        assert result is not None, f"{name} succeeded where it may not go"
+        kind, message = result
+        assert kind == "PermanentStorageError", (name, result)
+        assert "permission denied" in message, (name, message)
+    # `spotjob ckpt list` says so in one line and exits 2 (could not check), not "uncommitted".
+    assert proc.returncode == 100 + 2, proc.stderr
+    assert "permission denied" in proc.stderr and "step-000000001" in proc.stderr
+    assert "Traceback" not in proc.stderr and "uncommitted" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "words"),
+    [
+        (errno.EACCES, PermanentStorageError, "permission denied"),
+        (errno.EPERM, PermanentStorageError, "permission denied"),
+        (errno.EROFS, PermanentStorageError, "read-only"),
+        (errno.ENOSPC, PermanentStorageError, "no space left"),
+        (errno.EDQUOT, PermanentStorageError, "quota"),
+        (errno.ESTALE, TransientStorageError, "Stale"),
+        (errno.EIO, TransientStorageError, "Input/output"),
+        (errno.ENAMETOOLONG, PermanentStorageError, "too long"),
+    ],
+)
+def test_filesystem_errors_translate_into_what_they_mean_for_a_store(
+    code: int, kind: type[StorageError], words: str
+) -> None:
+    """The seam every filesystem error passes through (what the root-only cases cannot provoke)."""
+    error = translate_os_error(OSError(code, os.strerror(code), "/data/ckpt/x"), "cannot write file:///data/ckpt/x")
+    assert type(error) is kind
+    assert words in str(error) and "/data/ckpt/x" in str(error)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def guarded(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    fast_retries: None,
+) -> tuple[Storage, FaultProxy]:
+    """A store behind the fault proxy, on a bucket created directly on the server."""
+    scheme: str = request.param
+    uri = fresh_uri(scheme)
+    dialect: Dialect = "s3" if scheme == "s3" else "gcs"
+    proxy = fault_proxy(request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server"), dialect)
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    return make_storage(uri), proxy
+
+
+def test_an_object_store_that_refuses_access_says_permission_denied_on_every_operation(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+) -> None:
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")  # so reads reach a real object
+    denied = proxy.fail(1000, 403)
+    results = battery(storage, tmp_path)
+    assert denied.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
+        assert "permission denied" in str(error), (name, error)
+
+
+# -- a missing bucket -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_missing_bucket_is_named_by_every_operation_never_read_as_a_missing_key(
+    scheme: str, request: pytest.FixtureRequest, make_storage: Callable[[str], Storage], tmp_path: Path
+) -> None:
+    request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+    storage = make_storage(f"{scheme}://spotjob-no-such-bucket/jobs/run1")
+    results = battery(storage, tmp_path)
+    for name, error in results.items():
+        assert isinstance(error, MissingBucketError), (name, error)
+        assert not isinstance(error, NotFoundError)
+        assert "'spotjob-no-such-bucket' does not exist" in str(error) and "create it" in str(error), name
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_local_file_that_cannot_be_read_or_written_is_a_storage_error(
+    scheme: str, fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], tmp_path: Path
+) -> None:
+    storage = make_storage(fresh_uri(scheme))
+    with pytest.raises(PermanentStorageError, match=r"cannot read the local file .*nope"):
+        storage.put_file(str(tmp_path / "nope"), "k")
+    storage.put_bytes("k", b"abc")
+    with pytest.raises(PermanentStorageError, match="cannot write the local file"):
+        storage.get_file("k", str(tmp_path / "no-such-folder" / "out"))
+    assert not (tmp_path / "no-such-folder").exists()
+
+
+def test_a_file_stores_local_file_errors_name_the_local_file(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path / "ckpt"))
+    with pytest.raises(PermanentStorageError, match=r"cannot read the local file .*nope"):
+        storage.put_file(str(tmp_path / "nope"), "k")
+    storage.put_bytes("k", b"abc")
+    with pytest.raises(PermanentStorageError, match="cannot write the local file") as e:
+        storage.get_file("k", str(tmp_path / "no-such-folder" / "out"))
+    assert not isinstance(e.value, NotFoundError), "the stored key exists; the destination is the problem"

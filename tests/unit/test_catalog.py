@@ -1,0 +1,183 @@
+"""One decision of validity (agent.catalog.inspect), on a real folder store, for what restore,
+retention, the controller and ``spotjob ckpt`` all ask: can this checkpoint be used?"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints, verify_deep
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    TensorEntry,
+    rank_file_name,
+)
+from agent.storage import TransientStorageError
+from agent.storage.file import FileStorage
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def storage(tmp_path: Any) -> FileStorage:
+    return FileStorage(str(tmp_path / "ckpt"))
+
+
+def write(
+    storage: FileStorage, step: int, files: dict[str, bytes], *, world_size: int = 1, **fields: Any
+) -> CheckpointRef:
+    """Files first, then a manifest listing exactly ``files`` (plus ``fields``), create-only."""
+    ref = CheckpointRef(step)
+    for name, data in files.items():
+        storage.put_bytes(ref.key(name), data)
+    manifest = Manifest(
+        step=step,
+        world_size=world_size,
+        created_at=T0,
+        torch_version="test",
+        state_keys=["model"],
+        files=[FileEntry(path=n, size=len(d), crc32c=to_hex(crc32c_bytes(d))) for n, d in files.items()],
+        **fields,
+    )
+    storage.put_bytes_if_absent(ref.key(MANIFEST_NAME), manifest.to_json())
+    return ref
+
+
+def test_a_complete_checkpoint_is_valid(storage: FileStorage) -> None:
+    ref = write(
+        storage,
+        5,
+        {rank_file_name(0): b"r0", rank_file_name(1): b"r1", DCP_METADATA_NAME: b"m", "__0_0.distcp": b"t"},
+        world_size=2,
+        tensors={"model.w": TensorEntry(shape=[1], dtype="float32", files=["__0_0.distcp"])},
+    )
+    status = inspect(storage, ref)
+    assert status.valid, status.reason
+
+
+def test_a_manifest_nested_100000_deep_is_an_invalid_checkpoint_not_a_recursion_error(storage: FileStorage) -> None:
+    good = write(storage, 5, {rank_file_name(0): b"r0"})
+    bad = CheckpointRef(9)
+    storage.put_bytes(bad.key(MANIFEST_NAME), b"[" * 100_000 + b"]" * 100_000)
+    status = inspect(storage, bad)
+    assert status.committed and not status.valid
+    assert "nested more than" in status.reason
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == good
+    with pytest.raises(ManifestError, match="nested"):
+        Manifest.parse(b'{"metadata": ' + b"{" * 100_000)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"}, metadata={"note": "[[[[" * 1000 + '\\"{{'})
+    assert inspect(storage, ref).valid
+
+
+def test_an_oversized_manifest_is_refused_before_a_byte_of_it_is_read(
+    storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = CheckpointRef(9)
+    os.makedirs(storage.local_path(ref.folder) or "", exist_ok=True)
+    with open(storage.local_path(ref.key(MANIFEST_NAME)) or "", "wb") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)  # sparse: costs no disk
+    reads: list[str] = []
+    original = storage.get_bytes
+    monkeypatch.setattr(storage, "get_bytes", lambda key: reads.append(key) or original(key))
+    status = inspect(storage, ref)
+    assert not status.valid and "more than" in status.reason
+    assert not [k for k in reads if k.endswith(MANIFEST_NAME)]
+
+
+def test_a_manifest_that_lists_no_files_is_invalid(storage: FileStorage) -> None:
+    ref = write(storage, 5, {})
+    status = inspect(storage, ref)
+    assert not status.valid and "per-rank file" in status.reason
+
+
+def test_every_rank_needs_its_file(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"}, world_size=2)
+    status = inspect(storage, ref)
+    assert not status.valid and "1 of its 2 rank(s)" in status.reason and rank_file_name(1) in status.reason
+
+
+def test_tensors_without_dcp_metadata_are_invalid(storage: FileStorage) -> None:
+    ref = write(
+        storage,
+        5,
+        {rank_file_name(0): b"r0", "__0_0.distcp": b"t"},
+        tensors={"model.w": TensorEntry(shape=[1], dtype="float32", files=["__0_0.distcp"])},
+    )
+    status = inspect(storage, ref)
+    assert not status.valid and DCP_METADATA_NAME in status.reason
+
+
+def test_a_file_of_the_wrong_size_or_missing_is_invalid(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0", "extra.bin": b"xyz"})
+    storage.put_bytes(ref.key("extra.bin"), b"xy")
+    status = inspect(storage, ref)
+    assert not status.valid and "2 bytes, the manifest says 3" in status.reason
+    storage.delete([ref.key("extra.bin")])
+    status = inspect(storage, ref)
+    assert not status.valid and "extra.bin is missing" in status.reason and status.unusable == {"extra.bin"}
+
+
+def test_a_file_that_is_a_symlink_leaving_its_folder_is_invalid(storage: FileStorage, tmp_path: Any) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"r0")
+    ref = write(storage, 5, {rank_file_name(0): b"r0"})
+    path = storage.local_path(ref.key(rank_file_name(0))) or ""
+    os.unlink(path)
+    os.symlink(secret, path)  # same size, same bytes: only where it leads is wrong
+    status = inspect(storage, ref)
+    assert not status.valid and "symlink leading out of step-000000005" in status.reason
+
+
+def test_a_symlink_inside_its_folder_is_fine(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0", "alias.bin": b"r0"})
+    alias = storage.local_path(ref.key("alias.bin")) or ""
+    os.unlink(alias)
+    os.symlink(rank_file_name(0), alias)
+    assert inspect(storage, ref).valid
+
+
+def test_uncommitted_folders_and_strays_are_not_checkpoints(storage: FileStorage) -> None:
+    storage.put_bytes("step-000000007/rank-00000.pt", b"r0")
+    storage.put_bytes("notes/readme.txt", b"hi")
+    [status] = list_checkpoints(storage)
+    assert not status.committed and status.reason.startswith("uncommitted")
+
+
+def test_deep_verification_reports_a_storage_outage_instead_of_calling_the_checkpoint_corrupt(
+    storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"})
+    status = inspect(storage, ref)
+
+    def unreachable(key: str, local_path: str, **_: Any) -> None:
+        raise TransientStorageError(f"{storage.url(key)}: connection reset (still failing after retries)", key)
+
+    monkeypatch.setattr(storage, "get_file", unreachable)
+    with pytest.raises(TransientStorageError):
+        verify_deep(storage, status)
+    assert status.valid and not status.unusable
+
+
+def test_deep_verification_adds_what_it_finds_to_the_one_verdict(storage: FileStorage) -> None:
+    ref = write(storage, 5, {rank_file_name(0): b"r0"})
+    storage.put_bytes(ref.key(rank_file_name(0)), b"r1")  # same size, other bytes
+    status = inspect(storage, ref)
+    assert status.valid
+
+    problems = verify_deep(storage, status)
+
+    assert not status.valid and problems == status.problems
+    assert f"file {rank_file_name(0)} is corrupt" in status.reason

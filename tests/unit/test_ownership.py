@@ -1,0 +1,304 @@
+"""Ownership and fencing (agent.ownership), on a real folder store: who may write under a URI, and
+which checkpoints a stale attempt's worker can never make count."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from agent.catalog import CheckpointRef, find_checkpoints, inspect, latest_valid, list_checkpoints
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, rank_file_name
+from agent.ownership import (
+    OWNER_KEY,
+    AttemptRecord,
+    FencedError,
+    OwnershipError,
+    adopt,
+    attempt_key,
+    attempt_records,
+    check_not_fenced,
+    claim,
+    is_fenced,
+    job_key,
+    newest_attempt,
+    read_owner,
+    record_attempt,
+)
+from agent.storage.file import FileStorage
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def commit(
+    storage: FileStorage, step: int, *, job: str | None = "a", attempt: int | None = None, suffix: int = 0
+) -> CheckpointRef:
+    """A minimal valid checkpoint (one rank, its per-rank file), manifest last and create-only."""
+    ref = CheckpointRef(step, suffix)
+    data = f"state of step {step}".encode()
+    storage.put_bytes(ref.key(rank_file_name(0)), data)
+    manifest = Manifest(
+        step=step,
+        world_size=1,
+        created_at=T0,
+        torch_version="test",
+        job=job,
+        attempt=attempt,
+        state_keys=["model"],
+        files=[FileEntry(path=rank_file_name(0), size=len(data), crc32c=to_hex(crc32c_bytes(data)))],
+    )
+    storage.put_bytes_if_absent(ref.key(MANIFEST_NAME), manifest.to_json())
+    return ref
+
+
+@pytest.fixture
+def storage(tmp_path: Any) -> FileStorage:
+    return FileStorage(str(tmp_path / "ckpt"))
+
+
+def record(attempt: int, fence: CheckpointRef | None) -> AttemptRecord:
+    return AttemptRecord(attempt=attempt, job="a", fence=fence, recorded_at=T0)
+
+
+# -- the fencing rule ---------------------------------------------------------------------------
+
+
+def test_the_fencing_rule_judges_by_the_smallest_newer_attempt_and_its_fence() -> None:
+    s = CheckpointRef
+    records = [record(0, None), record(1, s(40)), record(3, s(90))]
+    # Attempt 0 resumed nothing; attempt 1 resumed from step 40: attempt 0's work past 40 is stale.
+    assert not is_fenced(s(40), 0, records)
+    assert not is_fenced(s(30), 0, records)
+    assert is_fenced(s(41), 0, records)
+    assert is_fenced(s(40, 1), 0, records), "a later folder of the same step is newer than the fence"
+    # Attempt 1's and 2's judge is attempt 3 (fence 90), not attempt 1's fence.
+    assert not is_fenced(s(80), 1, records)
+    assert not is_fenced(s(90), 2, records)
+    assert is_fenced(s(95), 2, records)
+    # The newest attempt, and writers no controller numbered, are never fenced.
+    assert not is_fenced(s(500), 3, records)
+    assert not is_fenced(s(500), None, records)
+    assert not is_fenced(s(500), 7, records)
+
+
+def test_a_null_fence_fences_everything_older_attempts_wrote() -> None:
+    records = [record(2, None)]
+    assert is_fenced(CheckpointRef(1), 1, records)
+    assert is_fenced(CheckpointRef(0), 0, records)
+
+
+# -- ownership ------------------------------------------------------------------------------------
+
+
+def test_the_first_writer_claims_the_uri_create_only_and_claims_again_idempotently(storage: FileStorage) -> None:
+    owner = claim(storage, "a")
+    assert owner.job == "a"
+    doc = json.loads(storage.get_bytes(OWNER_KEY))
+    assert doc["format"] == 1 and doc["job"] == "a" and doc["adopted"] == [] and doc["created_at"]
+    assert claim(storage, "a") == owner
+    assert read_owner(storage) == owner
+
+
+def test_a_second_job_is_refused_with_the_owner_and_both_remedies_named(storage: FileStorage) -> None:
+    claim(storage, "a")
+    with pytest.raises(OwnershipError) as e:
+        claim(storage, "b")
+    message = str(e.value)
+    assert "job 'a'" in message and "job 'b'" in message
+    assert f"spotjob ckpt adopt {storage.uri} --job b" in message
+    assert "fresh checkpoint URI" in message
+    assert e.value.owner == "a"
+
+
+def test_an_unnamed_job_is_an_owner_of_its_own(storage: FileStorage) -> None:
+    claim(storage, None)
+    assert json.loads(storage.get_bytes(OWNER_KEY))["job"] is None
+    with pytest.raises(OwnershipError, match="an unnamed job"):
+        claim(storage, "a")
+    claim(storage, None)
+    other = FileStorage(storage.root + "-2")
+    claim(other, "a")
+    with pytest.raises(OwnershipError, match="--unnamed"):
+        claim(other, None)
+
+
+def test_of_two_racing_claimers_exactly_one_owns_the_uri(storage: FileStorage) -> None:
+    results: dict[str, object] = {}
+    barrier = threading.Barrier(8)
+
+    def run(job: str) -> None:
+        barrier.wait()
+        try:
+            results[job] = claim(storage, job).job
+        except OwnershipError as e:
+            results[job] = e
+
+    threads = [threading.Thread(target=run, args=(f"job{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [job for job, r in results.items() if r == job]
+    assert len(winners) == 1
+    assert read_owner(storage).job == winners[0]  # type: ignore[union-attr]
+
+
+def test_an_unclaimed_uri_holding_another_jobs_checkpoints_is_refused(storage: FileStorage) -> None:
+    commit(storage, 10, job="old")
+    with pytest.raises(OwnershipError, match=r"job 'old'.*before spotjob recorded owners"):
+        claim(storage, "new")
+    assert read_owner(storage) is None
+    assert claim(storage, "old").job == "old"
+
+
+def test_another_jobs_checkpoints_are_foreign_never_valid(storage: FileStorage) -> None:
+    claim(storage, "a")
+    mine = commit(storage, 10, job="a")
+    theirs = commit(storage, 20, job="b")
+    status = inspect(storage, theirs)
+    assert not status.valid and status.foreign and not status.fenced
+    assert "foreign" in status.reason and "job 'b'" in status.reason and "job 'a'" in status.reason
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == mine
+
+
+def test_adopt_takes_the_uri_over_and_the_new_job_resumes_from_the_old_jobs_checkpoints(storage: FileStorage) -> None:
+    claim(storage, "a")
+    old = commit(storage, 10, job="a")
+    owner = adopt(storage, "b")
+    assert owner.job == "b" and [(x.job, x.upto) for x in owner.adopted] == [("a", old)]
+    assert claim(storage, "b").job == "b"
+    with pytest.raises(OwnershipError, match="belongs to job 'b'"):
+        claim(storage, "a")
+    status = latest_valid(storage)
+    assert status is not None and status.ref == old, "b resumes from a's checkpoint"
+    # What the old job commits after the adoption is not b's history.
+    late = commit(storage, 20, job="a")
+    assert inspect(storage, late).foreign
+    assert "after job 'b' adopted" in inspect(storage, late).reason
+    with pytest.raises(FencedError, match="belongs to job 'b'"):
+        check_not_fenced(storage, "a", None)
+    mine = commit(storage, 30, job="b")
+    status = latest_valid(storage)
+    assert status is not None and status.ref == mine
+    assert adopt(storage, "b") == read_owner(storage), "adopting one's own URI changes nothing"
+
+
+def test_adopting_an_unclaimed_uri_accepts_every_job_found_there(storage: FileStorage) -> None:
+    first = commit(storage, 10, job="x")
+    second = commit(storage, 20, job=None)
+    owner = adopt(storage, "b")
+    assert {a.job for a in owner.adopted} == {"x", None}
+    assert all(a.upto == second for a in owner.adopted)
+    assert [s.ref for s in list_checkpoints(storage) if s.valid] == [second, first]
+
+
+# -- attempts and fencing -------------------------------------------------------------------------
+
+
+def test_attempt_records_are_create_only_replayable_and_never_go_back(storage: FileStorage) -> None:
+    fence = commit(storage, 10, job="a", attempt=0)
+    first = record_attempt(storage, "a", 1, fence)
+    assert json.loads(storage.get_bytes(attempt_key("a", 1))) == {
+        "format": 1,
+        "attempt": 1,
+        "job": "a",
+        "fence": {"step": 10, "folder": "step-000000010"},
+        "recorded_at": first.recorded_at.isoformat().replace("+00:00", "Z"),
+    }
+    # A replayed pass (its status write lost) gets the record already there, fence and all.
+    assert record_attempt(storage, "a", 1, CheckpointRef(99)) == first
+    record_attempt(storage, "a", 2, None)
+    assert [r.attempt for r in attempt_records(storage, "a")] == [1, 2]
+    assert newest_attempt(storage, "a") == 2
+    with pytest.raises(FencedError, match=r"attempt 2 .* recorded"):
+        record_attempt(storage, "a", 1, fence)
+    assert newest_attempt(storage, "b") is None, "each job numbers its own attempts"
+
+
+def test_a_zombie_of_an_older_attempt_commits_after_the_newer_one_was_recorded(storage: FileStorage) -> None:
+    """Attempt 0's worker sits on a partitioned node and trains on after attempt 1 was started."""
+    claim(storage, "a")
+    resumed = commit(storage, 40, job="a", attempt=0)
+    record_attempt(storage, "a", 0, None)
+    check_not_fenced(storage, "a", 0)
+    record_attempt(storage, "a", 1, resumed)  # the controller moved the job; attempt 1 resumes from 40
+
+    with pytest.raises(FencedError, match=r"attempt 1 .* stale"):
+        check_not_fenced(storage, "a", 0)
+    check_not_fenced(storage, "a", 1)
+    # The zombie raced past its check: its commit lands anyway, and does not count.
+    zombie = commit(storage, 60, job="a", attempt=0)
+    status = inspect(storage, zombie)
+    assert not status.valid and status.fenced and not status.foreign
+    assert "fenced" in status.reason and "attempt 1" in status.reason and "step-000000040" in status.reason
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == resumed
+    # Attempt 1's own, older-numbered step outranks the zombie's.
+    newer = commit(storage, 50, job="a", attempt=1)
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == newer
+    # What attempt 0 committed before attempt 1 was recorded stays valid.
+    assert inspect(storage, resumed).valid
+
+
+def test_an_unreadable_attempt_record_leaves_what_it_would_judge_untrusted(storage: FileStorage) -> None:
+    claim(storage, "a")
+    old = commit(storage, 40, job="a", attempt=0)
+    storage.put_bytes(attempt_key("a", 1), b"[" * 100_000)
+    status = inspect(storage, old)
+    assert not status.valid and "cannot tell whether" in status.reason and "nested" in status.reason
+    assert attempt_records(storage, "a") == []
+    newest = commit(storage, 50, job="a", attempt=1)
+    assert inspect(storage, newest).valid
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"[" * 100_000, b"not json", b'{"format": 1, "job": 7}', b'{"format": 9, "job": "a", "created_at": "x"}'],
+    ids=["deep", "garbage", "wrong-type", "newer-format"],
+)
+def test_an_unreadable_owner_record_refuses_everyone_until_adopt_rewrites_it(
+    storage: FileStorage, content: bytes
+) -> None:
+    ref = commit(storage, 10, job="a")
+    storage.put_bytes(OWNER_KEY, content)
+    with pytest.raises(OwnershipError, match="unreadable") as e:
+        read_owner(storage)
+    assert f"spotjob ckpt adopt {storage.uri} --job JOB" in str(e.value)
+    with pytest.raises(OwnershipError):
+        claim(storage, "a")
+    with pytest.raises(FencedError, match="unreadable"):
+        check_not_fenced(storage, "a", None)
+    status = inspect(storage, ref)
+    assert not status.valid and "unreadable" in status.reason
+    adopt(storage, "a")
+    assert inspect(storage, ref).valid
+
+
+def test_an_oversized_owner_record_is_refused_unread(storage: FileStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage.put_bytes(OWNER_KEY, b" " * (2 << 20))
+    reads: list[str] = []
+    original = storage.get_bytes
+    monkeypatch.setattr(storage, "get_bytes", lambda key: reads.append(key) or original(key))
+    with pytest.raises(OwnershipError, match="more than"):
+        read_owner(storage)
+    assert reads == []
+
+
+def test_spotjobs_own_records_are_never_taken_for_checkpoints(storage: FileStorage) -> None:
+    claim(storage, "a")
+    record_attempt(storage, "a", 0, None)
+    ref = commit(storage, 10, job="a", attempt=0)
+    assert find_checkpoints(storage) == [ref]
+    assert [s.ref for s in list_checkpoints(storage)] == [ref]
+
+
+def test_job_keys_are_distinct_and_path_safe() -> None:
+    keys = {job_key(j) for j in ["ns/train", "ns_train", "ns train", None, "unnamed", "../x", ""]}
+    assert len(keys) == 7
+    assert all("/" not in k and not k.startswith(".") for k in keys)
