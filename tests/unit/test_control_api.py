@@ -369,7 +369,7 @@ class TestDeadlines:
 
     def test_a_deadline_in_the_past_means_flush_now_not_kill_now(self, api: ControlApi, agent: Agent) -> None:
         late = time.time() - 5
-        status, body = call(api, "POST", "/flush", token=TOKEN, body={"reason": "late", "deadline": late})
+        status, _ = call(api, "POST", "/flush", token=TOKEN, body={"reason": "late", "deadline": late})
         assert status == 202 and agent.control.flush_requested()
         flush = agent._flush
         assert flush is not None
