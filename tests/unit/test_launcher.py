@@ -31,9 +31,9 @@ from agent.launcher import (
     parse_args,
     torchrun_nproc,
 )
-from agent.torchrun import local_rendezvous
 from agent.notices import Cloud, NoticeCallback, NoticeSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
+from agent.torchrun import local_rendezvous
 
 COMMITTED = FlushResult(step=7, uri="file:///c/step-000000007", request_id="r", notice_to_commit_seconds=1.0)
 FAILED = FlushResult(step=None, uri=None, request_id="r", notice_to_commit_seconds=None, error="bucket gone")
