@@ -532,11 +532,8 @@ class Reconciler:
                     reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
                 )
 
-        lost: list[_Placed] = [
-            w
-            for w in current
-            if w.phase is WorkerPhase.FAILED and (w.exit_code is None or w.exit_code == EXIT_STOPPED)
-        ]
+        gone = (None, EXIT_STOPPED)  # no exit code, or stopped through its API by someone else
+        lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code in gone]
         missing = p.seen - set(by_name)
         if missing:
             # A listing can miss a worker for a moment (a cache resync): ask again before believing it.
