@@ -475,3 +475,34 @@ def test_when_the_driver_is_killed_the_ranks_flush_and_every_process_is_gone(tmp
 def alive(pid: int) -> bool:
     info = read_proc(pid)
     return info is not None and info.state != "Z"
+
+
+# -- a command that never connects -------------------------------------------------------------------
+
+
+def test_a_command_whose_ranks_never_connect_is_warned_about_in_the_log_and_status(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    control = tmp_path / "control"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none",
+        "--control-dir", str(control), "--rank-connect-timeout", "0.5", "--",
+        sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.05)",
+    ]  # fmt: skip
+    log_path = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
+    try:
+        wait_until(lambda: "no rank has connected" in run.log(), "the warning", run)
+        url = run.agent_info()["url"]
+        with urllib.request.urlopen(url + "/status", timeout=10) as resp:
+            status = json.loads(resp.read())
+        assert status["ranks_connected"] is False and "Checkpointer" in status["problems"][0]
+        assert "WARNING" in run.log()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/readyz", timeout=10)
+        assert e.value.code == 503
+    finally:
+        done.touch()
+    assert run.exit_code() == 0, run.log()
