@@ -15,11 +15,20 @@ touches a checkpoint.
 The watch loop, every 0.1 s: note new descendants (``agent.process_tree``), look for
 ``flushed.json`` / ``flush-failed.json`` (then acknowledge to the cloud and give the command
 ``--exit-timeout`` to leave), and kill the whole process tree when that time or the notice's
-deadline passes. When the command ends, stray descendants are stopped too.
+deadline passes, or at once after ``POST /stop``. Every 0.5 s it also checks that a rank has
+connected (``status.json``) and writes where the agent said (a warning, an error), and, with
+``--exit-with-parent``, that the process that started it is still its parent (if not: a notice
+from the source ``driver``). When the command ends, stray descendants are stopped too.
 
-Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 0 if the command succeeded or every
-rank wrote ``closed-rank-<r>`` (a finished job whose interpreter aborted at exit is not a
-failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code.
+Before starting a torchrun command, the rendezvous port this host must bind is checked
+(``agent.torchrun``): taken means exit 74 without starting anything.
+
+Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
+else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error, or torchrun failed before
+any rank reported while another process holds its rendezvous port; else 76 if the flush failed;
+else 0 if the command succeeded or every rank wrote ``closed-rank-<r>`` (a finished job whose
+interpreter aborted at exit is not a failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
+for; else the command's own code — 1 if that is one of 74/75/76/79, which mean what the agent saw.
 """
 
 from __future__ import annotations
