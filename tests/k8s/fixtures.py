@@ -57,13 +57,17 @@ def cluster(k8s_cluster: TestCluster) -> Iterator[TestCluster]:
 @pytest.fixture
 def namespace(cluster: TestCluster) -> Iterator[str]:
     name = f"t-{secrets.token_hex(4)}"
-    cluster.rest.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    cluster.rest.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
     # Pods need the namespace's default ServiceAccount, which appears with the namespace.
-    cluster.wait_for(lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 10, "the default ServiceAccount")
+    cluster.wait_for(
+        lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 10, "the default ServiceAccount"
+    )
     yield name
     try:
         cluster.rest.request("DELETE", f"/api/v1/namespaces/{name}")
-    except Exception:  # noqa: BLE001 - cleanup is best effort
+    except Exception:
         pass
 
 

@@ -71,7 +71,18 @@ def record_event(api: ApiServer, involved: Obj, etype: str, reason: str, message
         return
     body = {
         "metadata": {"name": key, "namespace": ns},
-        "involvedObject": {k: v for k, v in {"kind": involved.get("kind"), "namespace": md.get("namespace"), "name": md["name"], "uid": md.get("uid"), "apiVersion": involved.get("apiVersion"), "resourceVersion": md.get("resourceVersion")}.items() if v},
+        "involvedObject": {
+            k: v
+            for k, v in {
+                "kind": involved.get("kind"),
+                "namespace": md.get("namespace"),
+                "name": md["name"],
+                "uid": md.get("uid"),
+                "apiVersion": involved.get("apiVersion"),
+                "resourceVersion": md.get("resourceVersion"),
+            }.items()
+            if v
+        },
         "reason": reason,
         "message": message,
         "type": etype,
@@ -130,7 +141,7 @@ class Loop:
                 return
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - a loop that dies silently would hang every test after it
+            except Exception:
                 log.exception("test control plane: %s failed a pass", self.name)
 
     def next_wait(self) -> float:
@@ -183,7 +194,9 @@ def term_matches(term: dict[str, Any], node: Obj) -> bool:
     if not exprs and not fields:
         return False  # an empty term matches no node
     labels = dig(node, "metadata", "labels") or {}
-    return all(_expr_matches(e, labels) for e in exprs) and all(_expr_matches(f, {"metadata.name": node["metadata"]["name"]}) for f in fields)
+    return all(_expr_matches(e, labels) for e in exprs) and all(
+        _expr_matches(f, {"metadata.name": node["metadata"]["name"]}) for f in fields
+    )
 
 
 @dataclass
@@ -196,7 +209,9 @@ def node_fits(pod: Obj, node: Obj, used: dict[str, float], pods_on_node: int) ->
     spec = pod.get("spec") or {}
     if node["metadata"].get("deletionTimestamp"):
         return Fit(False, "node(s) were being deleted")
-    if dig(node, "spec", "unschedulable") and not tolerates(spec.get("tolerations") or [], {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}):
+    if dig(node, "spec", "unschedulable") and not tolerates(
+        spec.get("tolerations") or [], {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    ):
         return Fit(False, "node(s) were unschedulable")
     labels = dig(node, "metadata", "labels") or {}
     for k, v in (spec.get("nodeSelector") or {}).items():
@@ -269,7 +284,10 @@ class Scheduler(Loop):
                     count[node] += 1
                     for k, v in pod_requests(p).items():
                         used[node][k] = used[node].get(k, 0.0) + v
-            elif not p["metadata"].get("deletionTimestamp") and (p.get("spec") or {}).get("schedulerName", "default-scheduler") == "default-scheduler":
+            elif (
+                not p["metadata"].get("deletionTimestamp")
+                and (p.get("spec") or {}).get("schedulerName", "default-scheduler") == "default-scheduler"
+            ):
                 pending.append(p)
         pending.sort(key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"]))
         for pod in pending:
@@ -293,7 +311,10 @@ class Scheduler(Loop):
                     self._last_message.pop(key, None)
                 continue
             detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
-            message = f"0/{len(nodes)} nodes are available: {detail + '. ' if detail else ''}preemption: 0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
+            message = (
+                f"0/{len(nodes)} nodes are available: {detail + '. ' if detail else ''}preemption: "
+                f"0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
+            )
             if self._last_message.get(key) != message:
                 self._last_message[key] = message
                 self._unschedulable(pod, message)
@@ -306,19 +327,30 @@ class Scheduler(Loop):
                 return False
             p["spec"]["nodeName"] = node
             conds = [c for c in (p.get("status") or {}).get("conditions") or [] if c.get("type") != "PodScheduled"]
-            conds.append({"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_rfc3339()})
+            conds.append(
+                {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_rfc3339()}
+            )
             p.setdefault("status", {})["conditions"] = conds
             return True
 
         stored = self.api.mutate("core/pods", md["namespace"], md["name"], assign, user=SCHEDULER)
         if stored is None or dig(stored, "spec", "nodeName") != node:
             return False
-        record_event(self.api, stored, "Normal", "Scheduled", f"Successfully assigned {md['namespace']}/{md['name']} to {node}", "default-scheduler")
+        record_event(
+            self.api,
+            stored,
+            "Normal",
+            "Scheduled",
+            f"Successfully assigned {md['namespace']}/{md['name']} to {node}",
+            "default-scheduler",
+        )
         return True
 
     def _unschedulable(self, pod: Obj, message: str) -> None:
         md = pod["metadata"]
-        add_pod_condition(self.api, md["namespace"], md["name"], "PodScheduled", "False", "Unschedulable", message, SCHEDULER)
+        add_pod_condition(
+            self.api, md["namespace"], md["name"], "PodScheduled", "False", "Unschedulable", message, SCHEDULER
+        )
         record_event(self.api, pod, "Warning", "FailedScheduling", message, "default-scheduler")
 
 
@@ -383,7 +415,12 @@ class NodeLifecycle(Loop):
             now = now_rfc3339()
             for c in n.setdefault("status", {}).setdefault("conditions", []):
                 if c.get("status") != "Unknown":
-                    c.update(status="Unknown", reason="NodeStatusUnknown", message="Kubelet stopped posting node status.", lastTransitionTime=now)
+                    c.update(
+                        status="Unknown",
+                        reason="NodeStatusUnknown",
+                        message="Kubelet stopped posting node status.",
+                        lastTransitionTime=now,
+                    )
 
         log.info("test control plane: node %s stopped renewing its lease; Ready=Unknown", name)
         self.api.mutate("core/nodes", "", name, change, user=CONTROLLER, subresource="status")
@@ -419,7 +456,11 @@ class NodeLifecycle(Loop):
                     now = now_rfc3339()
                     for c in p["status"]["conditions"]:
                         if c.get("type") in ("Ready", "ContainersReady") and c.get("status") == "True":
-                            c.update(status="False", reason="NodeNotReady" if c["type"] == "Ready" else c.get("reason"), lastTransitionTime=now)
+                            c.update(
+                                status="False",
+                                reason="NodeNotReady" if c["type"] == "Ready" else c.get("reason"),
+                                lastTransitionTime=now,
+                            )
                             if c.get("reason") is None:
                                 c.pop("reason")
 
@@ -458,13 +499,36 @@ class NodeLifecycle(Loop):
             if key in self._evicted:
                 continue
             self._evicted.add(key)
-            log.info("test control plane: taint manager evicts %s/%s from %s", md["namespace"], md["name"], node["metadata"]["name"])
-            add_pod_condition(api, md["namespace"], md["name"], "DisruptionTarget", "True", "DeletionByTaintManager", "Taint manager: deleting due to NoExecute taint", CONTROLLER)
+            log.info(
+                "test control plane: taint manager evicts %s/%s from %s",
+                md["namespace"],
+                md["name"],
+                node["metadata"]["name"],
+            )
+            add_pod_condition(
+                api,
+                md["namespace"],
+                md["name"],
+                "DisruptionTarget",
+                "True",
+                "DeletionByTaintManager",
+                "Taint manager: deleting due to NoExecute taint",
+                CONTROLLER,
+            )
             try:
-                api.delete(api.registry.primary("core/pods"), md["namespace"], md["name"], DeleteOptions(), user=CONTROLLER)
+                api.delete(
+                    api.registry.primary("core/pods"), md["namespace"], md["name"], DeleteOptions(), user=CONTROLLER
+                )
             except ApiError:
                 pass
-            record_event(api, pod, "Normal", "TaintManagerEviction", f"Marking for deletion Pod {md['namespace']}/{md['name']}", "taint-eviction-controller")
+            record_event(
+                api,
+                pod,
+                "Normal",
+                "TaintManagerEviction",
+                f"Marking for deletion Pod {md['namespace']}/{md['name']}",
+                "taint-eviction-controller",
+            )
 
     def _wake_at(self, when: float) -> None:
         delay = max(0.05, when - time.time())
@@ -498,22 +562,46 @@ class PodGC(Loop):
                 if now - first < self.grace:
                     continue
                 if dig(pod, "status", "phase") not in TERMINAL:
-                    add_pod_condition(api, md["namespace"], md["name"], "DisruptionTarget", "True", "DeletionByPodGC", "PodGC: node no longer exists", CONTROLLER)
+                    add_pod_condition(
+                        api,
+                        md["namespace"],
+                        md["name"],
+                        "DisruptionTarget",
+                        "True",
+                        "DeletionByPodGC",
+                        "PodGC: node no longer exists",
+                        CONTROLLER,
+                    )
 
                     def fail(p: Obj) -> None:
                         p.setdefault("status", {})["phase"] = "Failed"
 
                     api.mutate("core/pods", md["namespace"], md["name"], fail, user=CONTROLLER, subresource="status")
-                log.info("test control plane: pod GC force-deletes %s/%s (node %s is gone)", md["namespace"], md["name"], node_name)
+                log.info(
+                    "test control plane: pod GC force-deletes %s/%s (node %s is gone)",
+                    md["namespace"],
+                    md["name"],
+                    node_name,
+                )
                 self._force_delete(pod)
                 self._orphaned_since.pop(md["uid"], None)
-            elif md.get("deletionTimestamp") and node_ready(node) != "True" and any(t.get("key") == OUT_OF_SERVICE for t in dig(node, "spec", "taints") or []):
+            elif (
+                md.get("deletionTimestamp")
+                and node_ready(node) != "True"
+                and any(t.get("key") == OUT_OF_SERVICE for t in dig(node, "spec", "taints") or [])
+            ):
                 self._force_delete(pod)
 
     def _force_delete(self, pod: Obj) -> None:
         md = pod["metadata"]
         try:
-            self.api.delete(self.api.registry.primary("core/pods"), md["namespace"], md["name"], DeleteOptions(grace_period=0), user=CONTROLLER)
+            self.api.delete(
+                self.api.registry.primary("core/pods"),
+                md["namespace"],
+                md["name"],
+                DeleteOptions(grace_period=0),
+                user=CONTROLLER,
+            )
         except ApiError:
             pass
 
@@ -679,4 +767,13 @@ def copy_obj(obj: Obj) -> Obj:
     return copy.deepcopy(obj)
 
 
-__all__ = ["GarbageCollector", "NamespaceController", "NodeLifecycle", "PodGC", "Scheduler", "now_micro", "record_event", "tolerates"]
+__all__ = [
+    "GarbageCollector",
+    "NamespaceController",
+    "NodeLifecycle",
+    "PodGC",
+    "Scheduler",
+    "now_micro",
+    "record_event",
+    "tolerates",
+]

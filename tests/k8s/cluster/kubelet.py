@@ -231,7 +231,12 @@ class Kubelet:
             "kubernetes.io/arch": "amd64",
             **config.labels,
         }
-        body: Obj = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": config.name, "labels": labels}, "spec": {}}
+        body: Obj = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": config.name, "labels": labels},
+            "spec": {},
+        }
         if config.provider_id:
             body["spec"]["providerID"] = config.provider_id
         if config.taints:
@@ -258,7 +263,12 @@ class Kubelet:
                 "architecture": "amd64",
             },
         }
-        self.api.request("PATCH", f"/api/v1/nodes/{config.name}/status", {"status": status}, content_type="application/merge-patch+json")
+        self.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{config.name}/status",
+            {"status": status},
+            content_type="application/merge-patch+json",
+        )
         self._renew_lease(node, created)
         return created
 
@@ -266,24 +276,54 @@ class Kubelet:
     def _conditions(ready: str, reason: str, message: str) -> list[Obj]:
         now = now_rfc3339()
         conds = [
-            {"type": t, "status": "False", "reason": f"KubeletHas{r}", "message": f"kubelet has {m}", "lastHeartbeatTime": now, "lastTransitionTime": now}
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"KubeletHas{r}",
+                "message": f"kubelet has {m}",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
             for t, r, m in (
                 ("MemoryPressure", "SufficientMemory", "sufficient memory available"),
                 ("DiskPressure", "NoDiskPressure", "no disk pressure"),
                 ("PIDPressure", "SufficientPID", "sufficient PID available"),
             )
         ]
-        conds.append({"type": "Ready", "status": ready, "reason": reason, "message": message, "lastHeartbeatTime": now, "lastTransitionTime": now})
+        conds.append(
+            {
+                "type": "Ready",
+                "status": ready,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+        )
         return conds
 
-    def set_ready(self, name: str, status: str = "False", reason: str = "KubeletNotReady", message: str = "container runtime is down") -> None:
+    def set_ready(
+        self,
+        name: str,
+        status: str = "False",
+        reason: str = "KubeletNotReady",
+        message: str = "container runtime is down",
+    ) -> None:
         """Post the node's Ready condition (``False`` makes the node controller taint it not-ready)."""
         node = self.nodes[name]
         node.heartbeats = status == "True"
         self.api.request(
             "PATCH",
             f"/api/v1/nodes/{name}/status",
-            {"status": {"conditions": self._conditions(status, reason if status != "True" else "KubeletReady", message if status != "True" else "kubelet is posting ready status")}},
+            {
+                "status": {
+                    "conditions": self._conditions(
+                        status,
+                        reason if status != "True" else "KubeletReady",
+                        message if status != "True" else "kubelet is posting ready status",
+                    )
+                }
+            },
             content_type="application/strategic-merge-patch+json",
         )
 
@@ -344,7 +384,9 @@ class Kubelet:
                 "metadata": {
                     "name": node.name,
                     "namespace": "kube-node-lease",
-                    "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["metadata"]["uid"]}],
+                    "ownerReferences": [
+                        {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["metadata"]["uid"]}
+                    ],
                 },
                 "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
             }
@@ -365,10 +407,22 @@ class Kubelet:
                         self.api.request(
                             "PATCH",
                             f"/api/v1/nodes/{node.name}/status",
-                            {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status", "lastHeartbeatTime": now_rfc3339()}]}},
+                            {
+                                "status": {
+                                    "conditions": [
+                                        {
+                                            "type": "Ready",
+                                            "status": "True",
+                                            "reason": "KubeletReady",
+                                            "message": "kubelet is posting ready status",
+                                            "lastHeartbeatTime": now_rfc3339(),
+                                        }
+                                    ]
+                                }
+                            },
                             content_type="application/strategic-merge-patch+json",
                         )
-                except (ApiCallError, OSError, Exception) as e:  # noqa: BLE001 - a missed heartbeat is what it is
+                except (ApiCallError, OSError, Exception) as e:
                     log.debug("test kubelet: heartbeat of %s failed: %s", node.name, e)
 
     # Pods --------------------------------------------------------------------------------------
@@ -403,7 +457,7 @@ class Kubelet:
                             self._on_gone(node, obj["metadata"]["uid"])
                     else:
                         self._on_pod(obj)
-            except Exception as e:  # noqa: BLE001 - reconnect like an informer does
+            except Exception as e:
                 if self._stop.is_set():
                     return
                 log.debug("test kubelet: pod watch broke (%s); re-listing", e)
@@ -418,7 +472,10 @@ class Kubelet:
         with self._lock:
             worker = node.pods.get(uid)
             if worker is None:
-                if dig(pod, "status", "phase") in ("Succeeded", "Failed") and pod["metadata"].get("deletionTimestamp") is None:
+                if (
+                    dig(pod, "status", "phase") in ("Succeeded", "Failed")
+                    and pod["metadata"].get("deletionTimestamp") is None
+                ):
                     return
                 worker = PodWorker(self, node, pod)
                 node.pods[uid] = worker
@@ -503,7 +560,7 @@ class PodWorker:
                     self._sync(pod)
                 self._report()
                 time.sleep(self.kubelet.sync_period)
-        except Exception:  # noqa: BLE001 - a worker that dies would leave processes unmanaged
+        except Exception:
             log.exception("test kubelet: pod %s/%s worker failed", self.namespace, self.name)
 
     def _sync(self, pod: Obj) -> None:
@@ -580,7 +637,10 @@ class PodWorker:
             c.restart_at = time.monotonic() + c.backoff
             c.last_exit = state
             c.restarts += 1
-            c.waiting = ("CrashLoopBackOff" if code != 0 else "Completed", f"back-off restarting failed container {c.name}")
+            c.waiting = (
+                "CrashLoopBackOff" if code != 0 else "Completed",
+                f"back-off restarting failed container {c.name}",
+            )
         else:
             c.terminated = state
 
@@ -592,10 +652,14 @@ class PodWorker:
         for src in spec.get("envFrom") or []:
             prefix = src.get("prefix", "")
             if "configMapRef" in src:
-                data = self._lookup("configmaps", src["configMapRef"]["name"], optional=src["configMapRef"].get("optional", False))
+                data = self._lookup(
+                    "configmaps", src["configMapRef"]["name"], optional=src["configMapRef"].get("optional", False)
+                )
                 env.update({prefix + k: v for k, v in (data.get("data") or {}).items()})
             if "secretRef" in src:
-                data = self._lookup("secrets", src["secretRef"]["name"], optional=src["secretRef"].get("optional", False))
+                data = self._lookup(
+                    "secrets", src["secretRef"]["name"], optional=src["secretRef"].get("optional", False)
+                )
                 env.update({prefix + k: base64.b64decode(v).decode() for k, v in (data.get("data") or {}).items()})
         for var in spec.get("env") or []:
             name = var["name"]
@@ -641,7 +705,11 @@ class PodWorker:
                 if ref["key"] not in data:
                     if ref.get("optional"):
                         return None
-                    raise ConfigError(f"couldn't find key {ref['key']} in {kind[:-1].replace('configmap', 'ConfigMap').replace('secret', 'Secret')} {self.namespace}/{ref['name']}")
+                    raise ConfigError(
+                        f"couldn't find key {ref['key']} in "
+                        f"{kind[:-1].replace('configmap', 'ConfigMap').replace('secret', 'Secret')} "
+                        f"{self.namespace}/{ref['name']}"
+                    )
                 return base64.b64decode(data[ref["key"]]).decode() if kind == "secrets" else str(data[ref["key"]])
         if "resourceFieldRef" in source:
             return "0"
@@ -696,7 +764,10 @@ class PodWorker:
             kind, ref = ("secrets", src["secret"]) if "secret" in src else ("configmaps", src["configMap"])
             name = ref.get("secretName") or ref.get("name")
             obj = self._lookup(kind, name, optional=ref.get("optional", False))
-            data = {k: (base64.b64decode(v) if kind == "secrets" else str(v).encode()) for k, v in (obj.get("data") or {}).items()}
+            data = {
+                k: (base64.b64decode(v) if kind == "secrets" else str(v).encode())
+                for k, v in (obj.get("data") or {}).items()
+            }
             items = ref.get("items")
             for item in items or [{"key": k, "path": k} for k in data]:
                 if item["key"] in data:
@@ -726,7 +797,15 @@ class PodWorker:
         Path(cwd).mkdir(parents=True, exist_ok=True)
         logf = open(self.dir / "logs" / f"{c.name}.log", "ab")  # noqa: SIM115 - handed to the child
         try:
-            c.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            c.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError as e:
             c.waiting = ("RunContainerError", str(e))
             c.restart_at = time.monotonic() + 1.0
@@ -739,7 +818,15 @@ class PodWorker:
         delay = float((spec.get("readinessProbe") or {}).get("initialDelaySeconds", 0))
         c.next_probe = time.monotonic() + delay
         c.next_live = time.monotonic() + float((spec.get("livenessProbe") or {}).get("initialDelaySeconds", 0))
-        log.info("test kubelet: started %s/%s container %s (pid %d) on %s at %s", self.namespace, self.name, c.name, c.proc.pid, self.node.name, self.ip)
+        log.info(
+            "test kubelet: started %s/%s container %s (pid %d) on %s at %s",
+            self.namespace,
+            self.name,
+            c.name,
+            c.proc.pid,
+            self.node.name,
+            self.ip,
+        )
 
     # Probes --------------------------------------------------------------------------------------
     def _probe(self, pod: Obj) -> None:
@@ -768,9 +855,21 @@ class PodWorker:
                 else:
                     c.live_fail += 1
                     if c.live_fail >= int(lp.get("failureThreshold", 3)):
-                        log.info("test kubelet: %s/%s container %s failed its liveness probe; restarting", self.namespace, self.name, c.name)
+                        log.info(
+                            "test kubelet: %s/%s container %s failed its liveness probe; restarting",
+                            self.namespace,
+                            self.name,
+                            c.name,
+                        )
                         c.live_fail = 0
-                        self._stop_container(c, float(lp.get("terminationGracePeriodSeconds") or dig(pod, "spec", "terminationGracePeriodSeconds") or 30))
+                        self._stop_container(
+                            c,
+                            float(
+                                lp.get("terminationGracePeriodSeconds")
+                                or dig(pod, "spec", "terminationGracePeriodSeconds")
+                                or 30
+                            ),
+                        )
 
     def _run_probe(self, pod: Obj, c: ContainerRun, probe: Obj) -> bool:
         timeout = float(probe.get("timeoutSeconds", 1))
@@ -782,11 +881,14 @@ class PodWorker:
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
                     return 200 <= r.status < 400
-            except Exception:  # noqa: BLE001 - any failure is a failed probe
+            except Exception:
                 return False
         if "tcpSocket" in probe:
             try:
-                with socket.create_connection((probe["tcpSocket"].get("host") or self.ip, self._port(c, probe["tcpSocket"].get("port"))), timeout=timeout):
+                with socket.create_connection(
+                    (probe["tcpSocket"].get("host") or self.ip, self._port(c, probe["tcpSocket"].get("port"))),
+                    timeout=timeout,
+                ):
                     return True
             except OSError:
                 return False
@@ -794,7 +896,10 @@ class PodWorker:
             env = self._env(pod, c.spec)
             argv = [rewrite_paths(a, self.mounts) for a in probe["exec"].get("command") or []]
             try:
-                return subprocess.run(argv, env=env, cwd=str(self.dir), timeout=timeout, capture_output=True).returncode == 0
+                return (
+                    subprocess.run(argv, env=env, cwd=str(self.dir), timeout=timeout, capture_output=True).returncode
+                    == 0
+                )
             except (subprocess.TimeoutExpired, OSError):
                 return False
         return True
@@ -828,7 +933,13 @@ class PodWorker:
             hook = dig(c.spec, "lifecycle", "preStop", "exec", "command")
             if hook and c.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                    subprocess.run([rewrite_paths(a, self.mounts) for a in hook], env=self._env(pod, c.spec), cwd=str(self.dir), timeout=max(0.1, grace), capture_output=True)
+                    subprocess.run(
+                        [rewrite_paths(a, self.mounts) for a in hook],
+                        env=self._env(pod, c.spec),
+                        cwd=str(self.dir),
+                        timeout=max(0.1, grace),
+                        capture_output=True,
+                    )
         kill_all(self.marker, signal.SIGTERM)
         while time.monotonic() < deadline and self.pids() and not self.halted:
             time.sleep(0.05)
@@ -851,7 +962,12 @@ class PodWorker:
             c.ready = False
             if c.terminated is None and c.waiting:
                 c.waiting = None
-                c.terminated = {"exitCode": 0, "reason": "ContainerStatusUnknown", "startedAt": None, "finishedAt": now_rfc3339()}
+                c.terminated = {
+                    "exitCode": 0,
+                    "reason": "ContainerStatusUnknown",
+                    "startedAt": None,
+                    "finishedAt": now_rfc3339(),
+                }
         self.finished = True
         if self.node.partitioned or self.halted:
             return
@@ -860,7 +976,12 @@ class PodWorker:
             self.kubelet.api.request(
                 "DELETE",
                 f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
-                {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}},
+                {
+                    "apiVersion": "v1",
+                    "kind": "DeleteOptions",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid},
+                },
             )
         except ApiCallError as e:
             if e.status not in (404, 409):
@@ -919,12 +1040,18 @@ class PodWorker:
         initialized = self.init_done
 
         def cond(ctype: str, ok: bool, reason: str = "") -> Obj:
-            return {"type": ctype, "status": "True" if ok else "False", **({"reason": reason} if reason and not ok else {})}
+            return {
+                "type": ctype,
+                "status": "True" if ok else "False",
+                **({"reason": reason} if reason and not ok else {}),
+            }
 
         conditions = [
             cond("PodReadyToStartContainers", True),
             cond("Initialized", initialized, "ContainersNotInitialized"),
-            cond("ContainersReady", ready, "PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady"),
+            cond(
+                "ContainersReady", ready, "PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady"
+            ),
             cond("Ready", ready, "PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady"),
         ]
         status: Obj = {
@@ -947,7 +1074,9 @@ class PodWorker:
         for c in conditions:
             prev = old.get(c["type"])
             c["lastProbeTime"] = None
-            c["lastTransitionTime"] = prev.get("lastTransitionTime", now) if prev and prev.get("status") == c["status"] else now
+            c["lastTransitionTime"] = (
+                prev.get("lastTransitionTime", now) if prev and prev.get("status") == c["status"] else now
+            )
         status["conditions"] = conditions
         try:
             updated = self.kubelet.api.request(
@@ -959,12 +1088,17 @@ class PodWorker:
             self._last_status = key
             with self._lock:
                 if updated["metadata"]["uid"] == self.uid:
-                    self.pod = updated if not self.pod["metadata"].get("deletionTimestamp") or updated["metadata"].get("deletionTimestamp") else self.pod
+                    self.pod = (
+                        updated
+                        if not self.pod["metadata"].get("deletionTimestamp")
+                        or updated["metadata"].get("deletionTimestamp")
+                        else self.pod
+                    )
         except ApiCallError as e:
             if e.status == 404:
                 self.halt(kill=True)
                 self.node.pods.pop(self.uid, None)
             else:
                 log.debug("test kubelet: status of %s/%s not written: %s", self.namespace, self.name, e)
-        except Exception as e:  # noqa: BLE001 - the API server may be gone at teardown
+        except Exception as e:
             log.debug("test kubelet: status of %s/%s not written: %s", self.namespace, self.name, e)

@@ -105,16 +105,13 @@ def parse_field_selector(text: str | None, getters: Mapping[str, FieldGetter]) -
             raise SelectorError(f"invalid selector: {part.strip()!r}; can't understand it")
         field, op, value = m.groups()
         if field not in getters:
-            raise SelectorError(f'field label not supported: {field}')
+            raise SelectorError(f"field label not supported: {field}")
         out.append((getters[field], op == "!=", value))
     return out
 
 
 def fields_match(reqs: list[tuple[FieldGetter, bool, str]], obj: Mapping[str, Any]) -> bool:
-    for getter, negated, value in reqs:
-        if (getter(obj) == value) == negated:
-            return False
-    return True
+    return all((getter(obj) == value) != negated for getter, negated, value in reqs)
 
 
 def dig(obj: Mapping[str, Any], *path: str) -> Any:
