@@ -1,0 +1,32 @@
+"""Fixtures of the install and provisioning tests (helpers: infra_support.py beside this file).
+
+- ``helm_bin`` (session): the path of the real helm binary (installed on first use if missing).
+- ``tf_plugin_dir`` (session): the terraform provider mirror; skips with the reason when absent.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infra_support import helm_binary, plugin_dir
+
+
+@pytest.fixture(scope="session")
+def helm_bin() -> str:
+    return helm_binary()
+
+
+@pytest.fixture(scope="session")
+def tf_plugin_dir() -> Path:
+    found = plugin_dir()
+    if found is None:
+        pytest.skip(
+            "no terraform provider mirror with registry.terraform.io/hashicorp/aws on this machine "
+            "(looked in $SPOTJOB_TF_PLUGIN_DIR, /opt/tf-plugins, ~/.terraform.d/plugins): terraform init "
+            "cannot run offline. Set SPOTJOB_TF_PLUGIN_DIR to a filesystem mirror to run these tests."
+        )
+    return found
