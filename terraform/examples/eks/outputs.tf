@@ -22,3 +22,8 @@ output "interruption_queue_url" {
   description = "spotjob's own interruption queue."
   value       = module.spotjob.interruption_queue_url
 }
+
+output "interruption_event_rule_arns" {
+  description = "The EventBridge rules that feed the queue."
+  value       = module.spotjob.interruption_event_rule_arns
+}

@@ -456,7 +456,7 @@ resource "aws_iam_role" "node" {
   tags               = var.tags
 }
 
-resource "aws_iam_role_policy_attachment" "node" {
+resource "aws_iam_role_policy_attachment" "this" {
   for_each = local.node_role_policies
 
   role       = aws_iam_role.node[0].name
@@ -502,5 +502,5 @@ resource "aws_eks_node_group" "this" {
     ignore_changes = [scaling_config[0].desired_size]
   }
 
-  depends_on = [aws_iam_role_policy_attachment.node]
+  depends_on = [aws_iam_role_policy_attachment.this]
 }
