@@ -1,11 +1,13 @@
 """Fixtures of the install and provisioning tests (helpers: infra_support.py beside this file).
 
 - ``helm_bin`` (session): the path of the real helm binary (installed on first use if missing).
+- ``terraform_bin`` (session): the terraform binary on PATH; skips with the reason when absent.
 - ``tf_plugin_dir`` (session): the terraform provider mirror; skips with the reason when absent.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +23,15 @@ def helm_bin() -> str:
 
 
 @pytest.fixture(scope="session")
-def tf_plugin_dir() -> Path:
+def terraform_bin() -> str:
+    found = shutil.which("terraform")
+    if found is None:
+        pytest.skip("no terraform binary on PATH: the Terraform tests need terraform >= 1.5")
+    return found
+
+
+@pytest.fixture(scope="session")
+def tf_plugin_dir(terraform_bin: str) -> Path:
     found = plugin_dir()
     if found is None:
         pytest.skip(

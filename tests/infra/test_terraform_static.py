@@ -14,7 +14,7 @@ from infra_support import TERRAFORM, hcl_blocks, load_hcl, terraform, terraform_
 DIRS = ["modules/aws", "modules/gcp", "examples/eks", "examples/gke"]
 
 
-def test_terraform_fmt_check_recursive(tmp_path: Path) -> None:
+def test_terraform_fmt_check_recursive(terraform_bin: str, tmp_path: Path) -> None:
     proc = terraform(TERRAFORM, "fmt", "-check", "-recursive", "-diff", env=terraform_env(tmp_path))
     assert proc.returncode == 0, f"run `terraform fmt -recursive terraform/`:\n{proc.stdout}{proc.stderr}"
 
