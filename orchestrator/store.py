@@ -143,16 +143,19 @@ class JsonFileJobStore(JobStore):
     and the write happen under an advisory lock on ``<root>/<namespace>/.<name>.lock``, so two
     processes on one machine cannot both win a compare-and-swap. ``fsync=False`` keeps the atomic
     rename but not the durability across a power cut (tests, throwaway runs). Keys whose parts are
-    not DNS labels are refused (they become file names).
+    not DNS labels are refused (they become file names). Local mode keeps one job per run folder,
+    ``spotjob-runs/<name>/local/<name>.json``.
     """
 
     API_VERSION = "spotjob.dev/v1alpha1"
     KIND = "SpotJob"
 
-    def __init__(self, root: str, *, fsync: bool = True) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, create: bool = True) -> None:
+        """``create=False``: do not create ``root`` (a reader that must not leave folders behind)."""
         self.root = os.path.abspath(root)
         self._fsync = fsync
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
 
     def path(self, key: JobKey) -> str:
         _check_file_safe(key)
