@@ -328,17 +328,17 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 class Condition(_Resource):
     """One aspect of the job (Kubernetes condition conventions)."""
 
-    type: str = Field(description="Ready | Flushing | Degraded")
-    status: ConditionStatus
+    type: str = Field(description="Ready | Flushing | Degraded | Invalid")
+    status: ConditionStatus = Field(description="True | False | Unknown")
     reason: str = Field(description="CamelCase, machine-readable")
-    message: str = ""
+    message: str = Field(default="", description="what it means, for people")
     last_transition_time: datetime = Field(description="when status last changed (not reason or message)")
 
 
 class CheckpointInfo(_Resource):
     """The newest valid checkpoint in storage, as the reconciler last read it."""
 
-    step: int
+    step: int = Field(description="the training step it holds")
     uri: str = Field(description="the checkpoint folder's URI")
     time: datetime = Field(description="when its manifest was created")
 
@@ -346,26 +346,28 @@ class CheckpointInfo(_Resource):
 class WorkerStatus(_Resource):
     """A worker of the current attempt as last observed."""
 
-    name: str
-    node: str | None = None
-    zone: str | None = None
-    instance_type: str | None = None
-    phase: WorkerPhase
-    exit_code: int | None = None
+    name: str = Field(description="the worker's name (its pod's, on Kubernetes): <job>-<attempt>-<index>")
+    node: str | None = Field(default=None, description="the node it runs on")
+    zone: str | None = Field(default=None, description="the node's zone")
+    instance_type: str | None = Field(default=None, description="the node's instance type")
+    phase: WorkerPhase = Field(description="Pending | Running (its ranks train) | Succeeded | Failed")
+    exit_code: int | None = Field(
+        default=None, description="the agent's exit code: 75 flushed, 76 flush failed, 74 infrastructure, 79 stopped"
+    )
     step: int | None = Field(default=None, description="the agent's training step (a hint)")
 
 
 class AttemptStatus(_Resource):
     """One start of the gang. Workers are named after it, so starting it twice starts nothing new."""
 
-    number: int = Field(default=0, ge=0)
+    number: int = Field(default=0, ge=0, description="attempts are numbered from 0; each restart starts the next")
     started_at: datetime | None = Field(default=None, description="when start_workers was called; None: not yet")
     running_at: datetime | None = Field(default=None, description="when every worker was first seen running")
     resumed_from_step: int | None = Field(default=None, description="the committed step the attempt resumes from")
     first_step: int | None = Field(default=None, description="first step observed while running (for the step rate)")
-    first_step_at: datetime | None = None
+    first_step_at: datetime | None = Field(default=None, description="when firstStep was observed")
     observed_step: int | None = Field(default=None, description="highest step observed in this attempt")
-    observed_step_at: datetime | None = None
+    observed_step_at: datetime | None = Field(default=None, description="when observedStep was observed")
 
     def step_rate(self) -> float | None:
         """Observed training steps per second of this attempt, or None until there are two observations."""
@@ -384,18 +386,18 @@ class AttemptStatus(_Resource):
 class NodeRef(_Resource):
     """Where a preempted worker ran."""
 
-    node: str | None = None
-    zone: str | None = None
-    instance_type: str | None = None
+    node: str | None = Field(default=None, description="the node")
+    zone: str | None = Field(default=None, description="its zone")
+    instance_type: str | None = Field(default=None, description="its instance type")
 
 
 class RecoveryStatus(_Resource):
     """The recovery in progress (Flushing, then Rescheduling until the next attempt runs)."""
 
-    cause: Cause
+    cause: Cause = Field(description="Preemption | Failure | Infrastructure")
     reason: str = Field(description="the CamelCase reason that started it")
-    message: str
-    detected_at: datetime
+    message: str = Field(description="what started it, for people")
+    detected_at: datetime = Field(description="when the reconciler noticed")
     preempted: list[NodeRef] = Field(default_factory=list, description="nodes noticed as going away")
     flush_deadline: datetime | None = Field(default=None, description="when the capacity goes away (given to agents)")
     flush_timeout_at: datetime | None = Field(default=None, description="when to stop waiting for the flush")
@@ -418,10 +420,10 @@ AvoidKind = Literal["node", "zone", "instanceType"]
 class Avoidance(_Resource):
     """A place not to start workers until ``until`` (the cool-down after a preemption)."""
 
-    kind: AvoidKind
-    value: str
-    until: datetime
-    reason: str
+    kind: AvoidKind = Field(description="node | zone | instanceType")
+    value: str = Field(description="the node's name, the zone or the instance type")
+    until: datetime = Field(description="when the cool-down ends")
+    reason: str = Field(description="the preemption's reason")
 
 
 MAX_RESTART_HISTORY = 20
@@ -435,7 +437,7 @@ class RestartRecord(_Resource):
     attempt: int = Field(description="the attempt that was stopped")
     cause: Cause = Field(description="Preemption | Failure | Infrastructure")
     reason: str = Field(description="the CamelCase reason (SpotInterrupted, WorkerFailed, ...)")
-    message: str = ""
+    message: str = Field(default="", description="what happened, for people")
 
 
 class JobStatus(_Resource):
@@ -499,7 +501,11 @@ class JobStatus(_Resource):
 
 
 class SpotJob(_Resource):
-    """One job as stored: the resource's spec and status."""
+    """A PyTorch training job on spot capacity: a gang of pods, each spotjob-agent wrapping torchrun,
+    that flushes a checkpoint on every preemption notice and resumes on other capacity.
+
+    One job as stored: the resource's spec and status (its metadata is Kubernetes').
+    """
 
     spec: JobSpec
     status: JobStatus | None = None
