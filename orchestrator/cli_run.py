@@ -443,6 +443,8 @@ def read_run(runs_dir: str, name: str) -> RunRecord | None:
     key = JobKey.local(name)
     store = JsonFileJobStore(path, fsync=False, create=False)
     if not os.path.isfile(store.path(key)):
+        if os.path.isfile(os.path.join(path, f"{name}.json")):  # the layout before jobs had namespaces
+            return RunRecord(name, path, None, None, False, error="a run folder of an older spotjob (not read)")
         return None
     events = read_events(events_path(path, key))
     try:
