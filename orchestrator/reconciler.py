@@ -768,7 +768,11 @@ class Reconciler:
                     reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
                 )
 
-        gone = (None, EXIT_STOPPED)  # no exit code, or stopped through its API by someone else
+        # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
+        # failed (or whose agent met an infrastructure error) is this controller's own stop of the
+        # healthy workers, seen again after its status write was lost: that failure decides.
+        broken = any(_is_failure(w) or w.exit_code == EXIT_INFRA_ERROR for w in current)
+        gone = (None,) if broken else (None, EXIT_STOPPED)
         lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code in gone]
         missing = p.seen - set(by_name)
         if missing:

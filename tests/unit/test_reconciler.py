@@ -592,6 +592,21 @@ def test_an_agent_stopped_through_its_api_is_neither_a_failure_nor_the_users_fau
     assert status.restarts == 0
 
 
+def test_a_worker_stopped_through_its_api_beside_a_failed_peer_is_that_failures_not_a_preemption(
+    tmp_path: Any,
+) -> None:
+    w = make_world(tmp_path, maxRestarts=2)
+    w.run_to(100)
+    w.backend.exit(0, 0, 1)  # the user's code failed ...
+    w.backend.exit(0, 1, 79)  # ... and this controller stopped the survivor (a pass whose write was lost)
+
+    status = w.run_until(lambda s: s.phase is not Phase.RUNNING)
+
+    assert status.phase is Phase.RESCHEDULING and status.reason == "Rescheduled"
+    assert (status.restarts, status.preemptions) == (1, 0)
+    assert status.restart_history[-1].reason == "WorkerFailed"
+
+
 def test_a_failing_backend_is_retried_with_backoff_without_changing_the_phase(world: World) -> None:
     world.run_to(50)
     world.backend.fail_calls = 3
