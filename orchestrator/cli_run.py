@@ -69,7 +69,7 @@ from orchestrator.model import (
     Phase,
     job_name_problem,
 )
-from orchestrator.reconciler import Controller, Reconciler, SystemClock
+from orchestrator.reconciler import Controller, Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.store import JsonFileJobStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ EXIT_INTERRUPTED = 130
 
 VIEW_TICK = 0.25
 RATE_WINDOW_SECONDS = 15.0
+STATUS_REFRESH_SECONDS = 5.0
+"""How stale the stored goodput and step hints of a local run may get between decisions."""
 
 
 class RunExistsError(Exception):
@@ -203,7 +205,15 @@ class LocalRun:
             plan=self.plan,
             timeline=self.timeline,
         )
-        self.reconciler = Reconciler(self.store, self.backend, SystemClock(), events=JsonlEventSink(self.path))
+        # A local status write is a small file: the live view and `spotjob status` get goodput and
+        # the step seen every few seconds, not every minute as a Kubernetes status would.
+        self.reconciler = Reconciler(
+            self.store,
+            self.backend,
+            SystemClock(),
+            events=JsonlEventSink(self.path),
+            options=ReconcilerOptions(status_refresh_seconds=STATUS_REFRESH_SECONDS),
+        )
         self.status = JobStatus()
         self.events: list[RecordedEvent] = []
         self._view: RunView | None = None
