@@ -17,10 +17,14 @@ builds the objects):
   stuck terminating on a node that is lost (deleted, or NotReady past ``--node-lost-grace-seconds``,
   its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
   processes still run behind a partition, fencing keeps what they write from counting.
-- ``list_workers``: the job's pods from the cache, as observations. A pod is Running once it is
-  Ready (the agent's /readyz: its ranks train), not when its container starts. The training
+- ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
+  ranks train, not when its container starts: replica 0 once its pod is Ready (the agent's
+  /readyz: global rank 0 trains, which needs every rank of the gang joined and restored), the
+  other replicas once their container runs and replica 0 is Running. The training
   container's exit code is the agent's; a pod that failed without one (deleted with its node,
-  evicted before it started) was lost.
+  evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
+  past the grace): its object may say Running for minutes, but no kubelet reports for it and no
+  flush can reach it.
 - ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
 - ``request_flush``: ``POST /flush`` to the agent on the pod's IP, in the background
   (``orchestrator.k8s.agents``): pending, then accepted or failed.
@@ -167,12 +171,33 @@ class KubernetesBackend:
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         token: str | None = None
-        out = []
-        for pod in self._job_pods(key):
+        job_pods = self._job_pods(key)
+        phases: dict[tuple[int, int], tuple[WorkerPhase, int | None]] = {}
+        for pod in job_pods:
             attempt, index = _attempt(pod), _index(pod)
             if attempt is None or index is None:
                 continue
             phase, exit_code = _phase(pod)
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            if phase.alive and node_name and self._node_lost(node_name):
+                # Its kubelet is gone: the pod object still says Running, but nothing there can be
+                # reached or flushed (and if processes run on behind a partition, fencing holds).
+                phase, exit_code = WorkerPhase.FAILED, None
+            phases[(attempt, index)] = (phase, exit_code)
+        out = []
+        for pod in job_pods:
+            attempt, index = _attempt(pod), _index(pod)
+            if attempt is None or index is None:
+                continue
+            phase, exit_code = phases[(attempt, index)]
+            if (
+                index > 0
+                and phase is WorkerPhase.PENDING
+                and _container_running(pod)
+                and phases.get((attempt, 0), (None, None))[0] is WorkerPhase.RUNNING
+            ):
+                # Replica 0's rank 0 trains only once this replica's ranks joined and restored.
+                phase = WorkerPhase.RUNNING
             node_name = (pod.get("spec") or {}).get("nodeName")
             labels = self._node_labels(node_name)
             step = None
@@ -317,13 +342,16 @@ class KubernetesBackend:
                 return  # the precondition: a newer pod of that name; not ours to delete
             raise BackendError(f"cannot delete pod {meta.get('namespace')}/{_name(pod)}: {e}") from e
 
+    def _node_lost(self, name: str) -> str | None:
+        """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""
+        return self._signals.tracker.observe(name, self._nodes.get("", name))
+
     def _maybe_force_delete(self, pod: Object) -> None:
         """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it."""
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name:
             return
-        node = self._nodes.get("", node_name)
-        lost = self._signals.tracker.observe(node_name, node)
+        lost = self._node_lost(node_name)
         if lost is None:
             return
         log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
@@ -416,6 +444,12 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
+
+
+def _container_running(pod: Object) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running" and "running" in (
+        _trainer_status(pod).get("state") or {}
+    )
 
 
 def _alive(pod: Object) -> bool:
