@@ -7,8 +7,12 @@ then emit the pass's Events (``orchestrator.events.EventSink``) and metrics (``J
 never sleeps; it returns when to look again. Everything it decided lives in the status, so a new
 ``Reconciler`` reading it carries on, and a pass whose status write is lost is replayed safely:
 every action is idempotent (deterministic worker names per attempt, agents keep their first flush
-request) and every counter moves in the same write as the phase that counted it. Events and
-metrics follow the write (Karpenter): a pass whose write failed tells nothing.
+request) and every counter moves in the same write as the phase that counted it. Stopping the
+gang, the one action that destroys evidence (a failed worker and its exit code), happens only
+after the write that records why: a pass whose write is lost stopped nothing, and the next one
+decides the same failure again rather than finding the gang vanished (a preemption). A Failed
+job's workers are stopped until none is alive. Events and metrics follow the write (Karpenter): a
+pass whose write failed tells nothing.
 
 No status churn: a pass whose decisions change nothing writes nothing. The numbers that move
 without a decision — goodput, the workers' step hints, the attempt's highest observed step — are
@@ -337,8 +341,13 @@ class _Pass:
     """Told once the status is written."""
     metrics: list[methodcaller] = field(default_factory=list)
     """``JobMetrics`` calls, made once the status is written."""
-    stopped: bool = False
-    """This pass already asked the backend to stop the gang."""
+    stop_flush: bool | None = None
+    """The gang is to be stopped once this pass's status is written (with a flush or not); None: no."""
+
+    @property
+    def stopped(self) -> bool:
+        """This pass decided to stop the gang (``_commit`` acts on it after the write)."""
+        return self.stop_flush is not None
 
     def current(self) -> list[WorkerObservation]:
         return [w for w in self.workers if w.attempt == self.status.attempt.number]
@@ -424,7 +433,7 @@ class Reconciler:
         fresh = stored.status is None
         before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
         if before.phase.terminal:
-            return ReconcileResult(before.phase, None)
+            return self._stop_leftovers(key, stored, before)
 
         problems = self._problems(key, stored)
         if problems is not None or stored.spec is None:
@@ -450,6 +459,20 @@ class Reconciler:
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)
 
+    def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
+        """A Failed job's workers are stopped (without a flush) until none is alive: the pass that
+        decided the failure stops them after its write, and this finishes a stop that failed."""
+        if status.phase is not Phase.FAILED or stored.spec is None:
+            return ReconcileResult(status.phase, None)
+        try:
+            alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive]
+            if alive:
+                self._backend.stop_workers(key, stored.spec, flush=False)
+        except BackendError as e:
+            log.warning("job %s [%s]: cannot stop its workers yet (%s)", key, status.phase, e)
+            return ReconcileResult(status.phase, self._options.infra_delay(1))
+        return ReconcileResult(status.phase, self._options.stopping_poll_seconds if alive else None)
+
     def forget(self, key: JobKey) -> None:
         """Drop what this reconciler remembers of ``key`` (the job was deleted)."""
         self._forget(key)
@@ -466,6 +489,7 @@ class Reconciler:
     ) -> ReconcileResult:
         """Write the status if it changed (or its volatile numbers are due), then emit and count."""
         key, status = p.key, p.status
+        stop_failed = False
         changed = fresh or _significant(status) != _significant(before)
         due = status != before and (
             self._clock.monotonic() - self._written_at.get(key, -math.inf) >= self._options.status_refresh_seconds
@@ -480,6 +504,15 @@ class Reconciler:
                 self._written_at[key] = self._clock.monotonic()
             if status.goodput is not None:
                 p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
+        # Act on a decision only once it is written: a pass whose write is lost stopped nothing, so
+        # the next pass sees what this one saw (a failed worker's exit code, not a vanished gang).
+        if p.stop_flush is not None:
+            try:
+                self._backend.stop_workers(key, p.spec, flush=p.stop_flush)
+            except BackendError as e:
+                log.warning("job %s [%s]: stopping the gang failed (%s); trying again", key, status.phase, e)
+                requeue = self._options.infra_delay(1)
+                stop_failed = True
         for event in p.events:
             self._events.emit(key, event.type, event.reason, event.message, node=event.node)
         for count in p.metrics:
@@ -487,7 +520,10 @@ class Reconciler:
                 count(self._metrics)
             except Exception:  # a metric is a courtesy; the pass is done
                 log.exception("job %s: recording a metric failed", key)
-        requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
+        if stop_failed:
+            requeue_after: float | None = requeue
+        else:
+            requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
         log.debug(
             "job %s [%s]: pass took %.3fs (%s); next in %s",
             key,
@@ -944,8 +980,7 @@ class Reconciler:
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now
-        self._backend.stop_workers(p.key, spec, flush=_stop_with_flush(status))
-        p.stopped = True
+        p.stop_flush = _stop_with_flush(status)
         status.restart_history.append(
             RestartRecord(
                 time=p.now,
@@ -1033,8 +1068,7 @@ class Reconciler:
         message = why.message(**fields)
         if phase is Phase.FAILED:
             # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
-            self._backend.stop_workers(p.key, p.spec, flush=False)
-            p.stopped = True
+            p.stop_flush = False
         if status.recovery is not None and status.recovery.stopped_at is None:
             self._condition(p, FLUSHING, False, why.name, message)
         self._close_recovery(p)

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from agent.catalog import CheckpointRef
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import Storage, TransientStorageError, open_storage
-from orchestrator.backends.base import FlushRequestState
+from orchestrator.backends.base import BackendError, FlushRequestState
 from orchestrator.cli import main as cli_main
 from orchestrator.events import EventType
 from orchestrator.model import (
@@ -1363,3 +1363,65 @@ def test_after_a_preemption_the_gang_is_stopped_the_way_the_capacity_going_away_
 
     assert world.backend.stop_flushes == [True]
     assert world.backend.stopped_without_flush == []
+
+
+# -- a failure decided in a pass whose status write is lost ---------------------------------------
+
+
+def failure_decided(old: JobStatus, new: JobStatus) -> bool:
+    return new.restarts > old.restarts or (new.phase is Phase.FAILED and old.phase is not Phase.FAILED)
+
+
+@pytest.mark.parametrize("budget", [2, 0], ids=["restart within the budget", "budget exhausted"])
+def test_a_failure_of_the_users_code_stays_that_failure_when_the_status_write_deciding_it_is_lost(
+    tmp_path: Any, budget: int
+) -> None:
+    w = make_world(tmp_path, maxRestarts=budget)
+    lossy = LosesOneWrite(os.path.join(w.tmp, "jobs"), failure_decided)
+    w.new_reconciler(lossy)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)  # the user's code failed on one worker; its peer still trains
+
+    with pytest.raises(StoreError):
+        w.reconcile()  # decides the failure, but the controller dies before its status write
+    assert lossy.lost == 1
+    assert w.backend.worker(0, 1).exit_code == 1, "nothing was stopped on a decision that was never written"
+    w.restart_orchestrator()
+    status = w.run_until(lambda s: s.phase is not Phase.RUNNING)
+
+    assert status.preemptions == 0, "a lost write must not turn the failure into a preemption"
+    assert w.event_reasons().count("WorkerLost") == 0
+    if budget:
+        assert (status.phase, status.restarts) == (Phase.RESCHEDULING, 1)
+        assert [h.reason for h in status.restart_history] == ["WorkerFailed"]
+    else:
+        assert (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert w.backend.stop_flushes and not any(w.backend.stop_flushes), "stopped without a flush"
+    assert not [x for x in w.backend.workers.values() if x.attempt == 0], "attempt 0 is gone after the write"
+
+
+def test_a_failed_jobs_workers_are_stopped_on_a_later_pass_when_the_stop_after_the_write_fails(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)
+    real_stop = w.backend.stop_workers
+    failures = iter([BackendError("the API server answered 503")])
+
+    def stop_once_failing(*args: Any, **kwargs: Any) -> None:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        real_stop(*args, **kwargs)
+
+    monkeypatch.setattr(w.backend, "stop_workers", stop_once_failing)
+
+    result = w.reconcile()
+
+    assert (w.status.phase, w.status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert result.requeue_after == 1.0, "the stop is tried again"
+    assert w.backend.worker(0, 0).exit_code is None, "the healthy worker still runs"
+    assert w.reconcile().requeue_after == 2.0, "stopping: look again"
+    assert w.backend.stopped_without_flush == ["train-0-0"] and not w.backend.workers
+    assert w.reconcile().requeue_after is None, "nothing left to stop"
