@@ -44,6 +44,8 @@ Transitions (``*`` once the next attempt's workers were started)::
                                 Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
     any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
     any                         Failed        another job owns the checkpoint URI             CheckpointURIOwned
+    Pending, Rescheduling       Failed        storage refuses for good before the attempt     StorageRefused
+                                              starts (no such bucket, access denied)
 
 Entering Rescheduling emits ``Rescheduled`` and appends the restart to ``status.restartHistory``
 (time, stopped attempt, cause, reason, message; the newest 20). It stops the whole gang — with a
@@ -57,7 +59,10 @@ idempotent: a backend may create its workers over several passes).
 Failure classes (DESIGN.md): a *preemption* (any of the Flushing reasons) never consumes
 ``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
 *infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
-retried with exponential backoff and shown in the Degraded condition. A worker whose agent exits
+retried with exponential backoff and shown in the Degraded condition. A *permanent* storage
+refusal (``PermanentStorageError``: the bucket does not exist, access is denied) that keeps an
+attempt from starting fails the job at once (``StorageRefused``, with the remedy): retrying
+cannot help, and nothing runs that a failure would stop; while an attempt runs it is Degraded. A worker whose agent exits
 74 met one inside the job (storage unreachable during restore, its rendezvous port taken): the
 gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
 True (``WorkerInfraError``) until that attempt runs — no budget, no preemption count. An agent
@@ -109,7 +114,7 @@ from typing import Protocol
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
-from agent.storage import Storage, StorageError, TransientStorageError, open_storage
+from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import (
     Backend,
     BackendError,
@@ -245,7 +250,18 @@ ATTEMPT_RENUMBERED = Reason(
     "{attempt}",
 )
 STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {uri}: {error}", warning=True)
-STORAGE_REFUSED = Reason("StorageRefused", "storage refuses to list checkpoints at {uri}: {error}", warning=True)
+STORAGE_REFUSED = Reason(
+    "StorageRefused",
+    "storage refuses to list checkpoints at {uri}: {error}; the running workers are left alone, but no attempt "
+    "can start until the bucket or the credentials are fixed",
+    warning=True,
+)
+STORAGE_REFUSED_FAILED = Reason(
+    "StorageRefused",
+    "storage refuses the checkpoint URI {uri}: {error}. Nothing was started: fix the URI, the bucket or the "
+    "credentials, then submit the job again",
+    warning=True,
+)
 BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
 HEALTHY = Reason("Healthy", "storage and the backend answer")
 INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
@@ -659,6 +675,13 @@ class Reconciler:
             return None
         if p.owned_by_another is not None:
             self._finish(p, Phase.FAILED, CHECKPOINT_URI_OWNED, error=p.owned_by_another)
+            return None
+        if isinstance(p.storage_error, PermanentStorageError) and p.status.attempt.started_at is None:
+            # Retrying cannot help (no such bucket, access denied, a file where a folder belongs) and
+            # no attempt can start without storage: say so now rather than wait forever. While
+            # workers run, the same refusal is only Degraded: they train on with their own access.
+            uri = p.checkpoint_uri or p.spec.checkpoint.uri
+            self._finish(p, Phase.FAILED, STORAGE_REFUSED_FAILED, uri=uri, error=p.storage_error)
             return None
         for _ in range(len(Phase) + 2):
             if p.status.phase.terminal:

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
-from agent.storage import Storage, TransientStorageError, open_storage
+from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
 from orchestrator.backends.base import BackendError, FlushRequestState
 from orchestrator.cli import main as cli_main
 from orchestrator.events import EventType
@@ -525,6 +525,67 @@ def test_unreachable_storage_shows_in_degraded_and_holds_the_restart_with_backof
     assert status.condition("Degraded").status == "False"  # type: ignore[union-attr]
     assert world.backend.worker(1, 0).resumed_from == 101
     assert "StorageUnreachable" in world.event_reasons() and "Healthy" in world.event_reasons()
+
+
+class RefusingStorage(FlakyStorage):
+    """A real folder store whose listings are refused for good while ``refusal`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.refusal: PermanentStorageError | None = None
+
+    def _check(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+        super()._check()
+
+
+def refusing_world(tmp_path: Any, refusal: PermanentStorageError | None) -> tuple[World, RefusingStorage]:
+    w = make_world(tmp_path)
+    storage = RefusingStorage(str(tmp_path / "ckpt"))
+    storage.refusal = refusal
+    w.storage = storage
+    w.backend.storage = storage
+    w.new_reconciler()
+    return w, storage
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        MissingBucketError("the bucket 'team-a-ckpt' does not exist (spotjob never creates buckets)"),
+        PermanentStorageError("permission denied: s3://team-a-ckpt/train (AccessDenied)"),
+    ],
+    ids=["missing bucket", "access denied"],
+)
+def test_storage_that_refuses_for_good_fails_the_job_at_once_with_the_remedy_before_anything_starts(
+    tmp_path: Any, refusal: PermanentStorageError
+) -> None:
+    w, _ = refusing_world(tmp_path, refusal)
+
+    result = w.reconcile()
+
+    status = w.status
+    assert (status.phase, status.reason) == (Phase.FAILED, "StorageRefused")
+    assert str(refusal) in status.message and "fix the URI, the bucket or the credentials" in status.message
+    assert result.requeue_after is None
+    assert w.backend.start_calls == [], "nothing was started"
+    assert w.event_reasons()[-1] == "StorageRefused"
+
+
+def test_storage_refusing_while_the_workers_run_is_degraded_not_a_failure_and_heals(tmp_path: Any) -> None:
+    w, storage = refusing_world(tmp_path, None)
+    w.run_to(50)
+    storage.refusal = PermanentStorageError("permission denied: the controller's token expired")
+
+    status = w.run_to(80)
+
+    assert status.phase is Phase.RUNNING
+    degraded = status.condition("Degraded")
+    assert degraded is not None and (degraded.status, degraded.reason) == ("True", "StorageRefused")
+    assert "no attempt can start" in degraded.message
+    storage.refusal = None
+    assert w.run_to(120).condition("Degraded").status == "False"  # type: ignore[union-attr]
 
 
 def test_an_agent_exiting_74_restarts_the_gang_after_the_infra_backoff_without_spending_the_budget(
