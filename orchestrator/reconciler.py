@@ -57,22 +57,22 @@ away from the preempted nodes (and zones / instance types, if the spec says so, 
 idempotent: a backend may create its workers over several passes).
 
 Failure classes (DESIGN.md): a *preemption* (any of the Flushing reasons) never consumes
-``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
-*infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
-retried with exponential backoff and shown in the Degraded condition. A *permanent* storage
-refusal (``PermanentStorageError``: the bucket does not exist, access is denied) that keeps an
-attempt from starting fails the job at once (``StorageRefused``, with the remedy): retrying
-cannot help, and nothing runs that a failure would stop; while an attempt runs it is Degraded. A worker whose agent exits
-74 met one inside the job (storage unreachable during restore, its rendezvous port taken): the
-gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
+``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an *infrastructure
+error* (storage or backend unreachable) changes no phase and no budget: it is retried with
+exponential backoff and shown in the Degraded condition. A *permanent* storage refusal
+(``PermanentStorageError``: the bucket does not exist, access is denied) that keeps an attempt from
+starting fails the job at once (``StorageRefused``, with the remedy): retrying cannot help, and
+nothing runs that a failure would stop; while an attempt runs it is Degraded. A worker whose agent
+exits 74 met one inside the job (storage unreachable during restore, its rendezvous port taken):
+the gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
 True (``WorkerInfraError``) until that attempt runs — no budget, no preemption count. An agent
-exiting 79 was stopped through its API by someone else than this pass: like a vanished worker. A worker that vanishes
-without a signal is a preemption: something outside the user's code took it (a node reclaimed
-without notice, a deleted pod), as SkyPilot counts a lost cluster. When one observation holds
-both, the preemption wins: a crash on a node that is going away is the notice's doing. Exits
-while Flushing belong to the preemption too (peers of a stopped rank fail their collectives).
-No attempt starts while storage is unreachable: its workers could not restore, and their crash
-would look like the user's.
+exiting 79 was stopped through its API by someone else than this pass: like a vanished worker. A
+worker that vanishes without a signal is a preemption: something outside the user's code took it (a
+node reclaimed without notice, a deleted pod), as SkyPilot counts a lost cluster. When one
+observation holds both, the preemption wins: a crash on a node that is going away is the notice's
+doing. Exits while Flushing belong to the preemption too (peers of a stopped rank fail their
+collectives). No attempt starts while storage is unreachable: its workers could not restore, and
+their crash would look like the user's.
 
 Guarding against false alarms (SkyPilot): a signal is acted on only if it names a node or worker
 of the current attempt in this pass's fresh listing — a stale queue message, a notice for a node
@@ -229,11 +229,13 @@ RESCHEDULED = Reason(
     "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
 )
 WORKER_FAILED = Reason(
-    "WorkerFailed", "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}", warning=True
+    "WorkerFailed",
+    "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}{detail}",
+    warning=True,
 )
 RESTART_BUDGET_EXHAUSTED = Reason(
     "RestartBudgetExhausted",
-    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used",
+    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used{detail}",
     warning=True,
 )
 WORKER_INFRA_ERROR = Reason(
@@ -958,11 +960,16 @@ class Reconciler:
                 worker=worker.name,
                 code=worker.exit_code,
                 max_restarts=spec.max_restarts,
+                detail=_detail(worker),
             )
             return
         status.restarts += 1
         message = WORKER_FAILED.message(
-            worker=worker.name, code=worker.exit_code, restarts=status.restarts, max_restarts=spec.max_restarts
+            worker=worker.name,
+            code=worker.exit_code,
+            restarts=status.restarts,
+            max_restarts=spec.max_restarts,
+            detail=_detail(worker),
         )
         status.recovery = RecoveryStatus(
             cause=Cause.FAILURE, reason=WORKER_FAILED.name, message=message, detected_at=p.now
@@ -1240,6 +1247,11 @@ def _is_failure(w: WorkerObservation) -> bool:
         EXIT_INFRA_ERROR,
         EXIT_STOPPED,
     )
+
+
+def _detail(w: WorkerObservation) -> str:
+    """``: <why>`` when the backend could tell why the worker failed, else nothing."""
+    return f": {w.detail}" if w.detail else ""
 
 
 def _nodes(workers: Iterable[_Placed]) -> list[NodeRef]:

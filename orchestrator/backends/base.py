@@ -115,6 +115,10 @@ class WorkerObservation:
     step: int | None = None
     """The training step the agent last reported (GET /status): a hint for steps lost and the step
     rate, never for what is committed (storage decides that)."""
+    detail: str | None = None
+    """Why an exited worker failed, for people, when the backend can tell: the telling line of its
+    output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
+    failure's message."""
 
 
 @dataclass(frozen=True)

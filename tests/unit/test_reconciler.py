@@ -1486,3 +1486,25 @@ def test_a_failed_jobs_workers_are_stopped_on_a_later_pass_when_the_stop_after_t
     assert w.reconcile().requeue_after == 2.0, "stopping: look again"
     assert w.backend.stopped_without_flush == ["train-0-0"] and not w.backend.workers
     assert w.reconcile().requeue_after is None, "nothing left to stop"
+
+
+def test_a_failed_workers_reason_carries_what_the_backend_could_tell_of_its_cause(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_world(tmp_path, maxRestarts=1)
+    why = "OSError: [Errno 28] No space left on device (log: /runs/train/logs/train-0-1.log)"
+    listing = w.backend.list_workers
+
+    def with_detail(key: JobKey, spec: JobSpec) -> list[Any]:
+        return [replace(o, detail=why) if o.exit_code == 1 else o for o in listing(key, spec)]
+
+    monkeypatch.setattr(w.backend, "list_workers", with_detail)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+    assert status.restart_history[-1].message.endswith(f"restart 1 of 1: {why}")
+
+    w.run_until(running_attempt(1))
+    w.backend.exit(1, 0, 1)
+    status = w.run_until(phase_is(Phase.FAILED))
+    assert status.message == f"worker train-1-0 exited with code 1 and all 1 restart(s) are used: {why}"
