@@ -87,6 +87,10 @@ ENV_NODE = "SPOTJOB_LOCAL_NODE"
 """``<run id>/<node name>`` on every process of a node: what a node's termination kills."""
 ENV_WORKER = "SPOTJOB_LOCAL_WORKER"
 """``<run id>/<worker name>`` on every process of a worker: what ``stop_workers`` stops."""
+ENV_RUN = "SPOTJOB_LOCAL_RUN"
+"""The run folder (absolute) on every process of the run's workers, whichever process drives it:
+how ``spotjob status`` counts what still runs and ``spotjob run --resume`` finds what a killed
+driver left behind (``run_pids``)."""
 
 # The agent reads these from its own flags; the user's shell must not override them underneath.
 _AGENT_OWNED_ENV = (
@@ -108,6 +112,7 @@ _AGENT_OWNED_ENV = (
     "SPOTJOB_CLOUD",
     ENV_NODE,
     ENV_WORKER,
+    ENV_RUN,
 )
 
 _AGENT_EXIT_CODES = (0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED)
@@ -240,25 +245,93 @@ class PreemptionPlan:
 
 
 def load_trace(path: str) -> list[float]:
-    """Notice times in seconds since the start: a JSON list, or one number per line (``#`` comments)."""
-    with open(path) as f:
-        text = f.read()
-    stripped = text.strip()
-    if stripped.startswith("["):
-        values = json.loads(stripped)
-        if not isinstance(values, list):
-            raise ValueError(f"{path}: expected a JSON list of seconds")
-        return [float(v) for v in values]
+    """Notice times in seconds since the start: a JSON list, or one number per line (``#`` comments).
+
+    Every time must be a finite number of seconds >= 0. ``ValueError`` names the file and the line
+    of the first one that is not (``trace.txt:3: 'abc' is not a number of seconds``), or says why
+    the file cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TRACE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_TRACE_BYTES // 1024} KiB; a trace is a list of notice times")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (expected seconds, one a line, or a JSON list)") from None
+    if text.lstrip().startswith("["):
+        return [_trace_time(path, line, value, shown) for line, value, shown in _json_list(path, text)]
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(float(line))
-        except ValueError:
-            raise ValueError(f"{path}:{number}: {line!r} is not a number of seconds") from None
+        if line:
+            out.append(_trace_time(path, number, line))
     return out
+
+
+MAX_TRACE_BYTES = 1024 * 1024
+
+
+def _trace_time(path: str, line: int, value: object, shown: str | None = None) -> float:
+    shown = shown if shown is not None else str(value)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{path}:{line}: {shown!r} is not a number of seconds") from None
+    if value is not shown and isinstance(value, str):
+        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{path}:{line}: {shown} is not a finite number of seconds")
+    if seconds < 0:
+        raise ValueError(f"{path}:{line}: {shown} is before the start; times are seconds >= 0")
+    return seconds
+
+
+def _json_list(path: str, text: str) -> list[tuple[int, object, str]]:
+    """The items of the JSON list ``text``, each with the line it starts on and its text."""
+    decoder = json.JSONDecoder(parse_constant=lambda name: name)  # NaN, Infinity: refused by _trace_time
+
+    def line_of(index: int) -> int:
+        return text.count("\n", 0, index) + 1
+
+    def fail(index: int, what: str) -> ValueError:
+        return ValueError(f"{path}:{line_of(index)}: {what} (a trace is a JSON list of seconds, or one a line)")
+
+    i = text.index("[") + 1
+    items: list[tuple[int, object, str]] = []
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            raise fail(i, "the list is not closed with ']'")
+        if text[i] == "]" and not items:
+            i += 1
+            break
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise fail(e.pos, f"not JSON: {e.msg}") from None
+        items.append((line_of(i), value, text[i:end]))
+        i = end
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            raise fail(i, "the list is not closed with ']'")
+        if text[i] == ",":
+            i += 1
+        elif text[i] == "]":
+            i += 1
+            break
+        else:
+            raise fail(i, "expected ',' or ']' after an item")
+    if text[i:].strip():
+        raise fail(i + len(text[i:]) - len(text[i:].lstrip()), "text after the list")
+    return items
 
 
 # -- why a worker failed ------------------------------------------------------------------------
@@ -390,6 +463,8 @@ class _Worker:
     last_step: int | None = None
     last_step_sample: float = 0.0
     last_commit: int | None = None
+    commits: int = 0
+    """Commits its rank 0 reported so far (``status.json``'s counter)."""
     detail: str | None = None
     """Why it failed (``failure_detail``), read once after it exited with a failure."""
 
@@ -459,6 +534,21 @@ def write_token(path: str) -> str:
             os.unlink(tmp)
         raise
     return token
+
+
+def _next_node_index(nodes_dir: str) -> int:
+    taken = [-1]
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(nodes_dir):
+            prefix, _, index = entry.rpartition("-")
+            if prefix == "local-node" and index.isdigit():
+                taken.append(int(index))
+    return max(taken) + 1
+
+
+def run_pids(run_folder: str) -> list[int]:
+    """Live processes of any worker of the run in ``run_folder``, whichever driver started them."""
+    return marked_pids(ENV_RUN, os.path.abspath(run_folder))
 
 
 def marked_pids(variable: str, value: str) -> list[int]:
@@ -543,7 +633,8 @@ class LocalBackend:
         """Notices the plan said were due that found no live worker yet (their reasons)."""
         self._lock = threading.RLock()
         self._nodes: dict[str, LocalNode] = {}
-        self._node_count = 0
+        # A run driven again (spotjob run --resume) names its nodes past the ones its folder holds.
+        self._node_count = _next_node_index(os.path.join(self.root, "nodes"))
         self._workers: dict[str, _Worker] = {}
         self._ports: dict[tuple[str, int], int] = {}
         self._started = time.monotonic()
@@ -817,7 +908,7 @@ class LocalBackend:
         env["PYTHONUNBUFFERED"] = "1"
         env.update(job.env)
         marker = f"{self.run_id}/{name}"
-        env[ENV_NODE], env[ENV_WORKER] = node.marker, marker
+        env[ENV_NODE], env[ENV_WORKER], env[ENV_RUN] = node.marker, marker, self.root
         command = self._command(key, job, attempt, index, node, control_dir, port)
         try:
             with open(log_path, "ab") as out:
@@ -909,6 +1000,7 @@ class LocalBackend:
     def _note_exit(self, w: _Worker) -> None:
         if w.exit_seen or w.alive:
             return
+        self._sample(w)  # what it reported last (a flush's commit) before it went
         w.exit_seen = True
         code = None if w.lost else w.exit_code()
         self.timeline.record(EventKind.WORKER_EXITED, worker=w.name, attempt=w.attempt, code=code, lost=w.lost)
@@ -941,8 +1033,17 @@ class LocalBackend:
 
     def _watch(self, w: _Worker) -> None:
         """Timeline samples from one worker's status.json: steps, commits, the first training step, exit."""
+        self._sample(w)
+        if not w.alive:
+            with self._lock:
+                self._note_exit(w)
+
+    def _sample(self, w: _Worker) -> None:
+        """One look at a worker's status.json (under the lock: the monitor and a stop both look)."""
         status = w.rank_status()
-        if status is not None:
+        if status is None:
+            return
+        with self._lock:
             state = status.get("state")
             step = status.get("step")
             committed = status.get("last_committed_step")
@@ -955,19 +1056,25 @@ class LocalBackend:
             if state != "starting" and not w.training_seen:
                 w.training_seen = True
                 self.changed.set()
-            # A restore reports the step it loaded as committed too, but only a save times itself.
-            if isinstance(committed, int) and committed != w.last_commit:
+            # The counter says how many committed since the last look (several may have). From an
+            # agent without it: a restore reports the step it loaded as committed too, but only a
+            # save times itself.
+            count = status.get("commits")
+            if isinstance(count, int) and not isinstance(count, bool):
+                new = count - w.commits
+            else:
+                new = int(committed != w.last_commit and status.get("last_save_seconds") is not None)
+            if isinstance(committed, int):
                 w.last_commit = committed
-                if status.get("last_save_seconds") is not None:
-                    self.timeline.record(EventKind.COMMIT, worker=w.name, attempt=w.attempt, step=committed)
-                    self.changed.set()
-        if not w.alive:
-            with self._lock:
-                self._note_exit(w)
+            if new > 0 and isinstance(committed, int):
+                w.commits += new
+                self.timeline.record(EventKind.COMMIT, worker=w.name, attempt=w.attempt, step=committed, count=new)
+                self.changed.set()
 
 
 __all__ = [
     "ENV_NODE",
+    "ENV_RUN",
     "ENV_WORKER",
     "EventKind",
     "LocalBackend",
@@ -976,5 +1083,9 @@ __all__ = [
     "PreemptionPlan",
     "Timeline",
     "TimelineEvent",
+    "failure_cause",
+    "failure_detail",
     "load_trace",
+    "log_excerpt",
+    "run_pids",
 ]
