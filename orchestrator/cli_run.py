@@ -608,16 +608,15 @@ class LocalRun:
         last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
         late = self._commits_seen_late()
         gap = None
-        if status is not None and status.recovery is None and status.start_time is not None:
-            # Nobody drove the run between the old driver's last record and now: not training time.
-            # (A recovery in progress counts that time itself when the next attempt runs.)
-            if last is not None:
-                gap = max(0.0, time.time() - last)
-                status.restarting_seconds += gap
-                try:
-                    self.store.update_status(self.key, status, version=version)
-                except StoreError as e:
-                    raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
+        # Nobody drove the run between the old driver's last record and now: not training time.
+        # (A recovery in progress counts that time itself when the next attempt runs.)
+        if status is not None and status.recovery is None and status.start_time is not None and last is not None:
+            gap = max(0.0, time.time() - last)
+            status.restarting_seconds += gap
+            try:
+                self.store.update_status(self.key, status, version=version)
+            except StoreError as e:
+                raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
         takeover = Takeover(previous, len(pids), stopped, gap, late)
         message = (
             f"spotjob run --resume (pid {os.getpid()}) drives the run again; the previous driver"
