@@ -452,6 +452,11 @@ def _gone_note(r: RunRecord) -> str:
     return f"driver gone: {left}; carry on with `spotjob run --resume {r.name}`"
 
 
+def _within(r: RunRecord, text: str) -> str:
+    """``text`` with the run folder's own path left out (the listing names the run already)."""
+    return text.replace(r.path + os.sep, "")
+
+
 def _short(text: str, limit: int = 90) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -467,10 +472,10 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
         if st is None:
             # One unreadable folder is one line that says what is wrong; the table stays a table.
             what = Text("unreadable" if r.error else "no status yet", style="red" if r.error else "")
-            table.add_row(r.name, what, "", "", "", "", "", "", _short(r.error or ""))
+            table.add_row(r.name, what, "", "", "", "", "", "", _short(_within(r, r.error or "")))
             continue
         phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
-        note = _short(r.error) if r.error else ""
+        note = _short(_within(r, r.error)) if r.error else ""
         step = (
             st.attempt.observed_step
             if st.attempt.observed_step is not None
