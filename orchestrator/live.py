@@ -600,11 +600,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         parts += [Text(""), workers]
 
     for path, lines in failed_logs:
-        excerpt = Table(title=f"the end of {path}", title_justify="left", box=None, show_header=False)
-        excerpt.add_column(overflow="fold")
-        for line in lines:
-            excerpt.add_row(Text(line))
-        parts += [Text(""), excerpt]
+        parts += [Text(""), Text(f"the end of {path}:", style="bold"), Text("\n".join(f"  {line}" for line in lines))]
 
     conditions = Table(title="conditions", title_justify="left", box=None, header_style="bold")
     for column in ("TYPE", "STATUS", "REASON", "SINCE", "MESSAGE"):
