@@ -339,6 +339,7 @@ _OPTION_OF_FIELD = {
     ("noticeSeconds",): "--notice",
     ("restartBackoff", "initialSeconds"): "--restart-backoff",
     ("restartBackoff", "maxSeconds"): "--restart-backoff",
+    ("restartBackoff",): "--restart-backoff",
     ("command",): "SCRIPT",
     ("env",): "the environment",
 }
