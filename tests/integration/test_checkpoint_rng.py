@@ -35,7 +35,7 @@ except ImportError:  # tests/ collected as a package
 def streams() -> dict[str, Any]:
     """The three global streams, comparable with ``assert_same``."""
     snap = rng_snapshot()
-    snap["python"] = list(snap["python"][1]) + [snap["python"][0], snap["python"][2]]
+    snap["python"] = [*snap["python"][1], snap["python"][0], snap["python"][2]]
     return snap
 
 
