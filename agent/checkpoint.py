@@ -96,7 +96,16 @@ from agent.control_channel import (
     RankStatus,
 )
 from agent.crc32c import crc32c_bytes, crc32c_file, to_hex
-from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, ManifestError, now_utc
+from agent.manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    MAX_JSON_DEPTH,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    check_json_depth,
+    now_utc,
+)
 from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
 from agent.storage import (
     AlreadyExistsError,
@@ -114,6 +123,7 @@ T = TypeVar("T")
 _STATUS_INTERVAL_S = 1.0
 _TRUE = ("1", "true", "yes", "on")
 _METADATA = TypeAdapter(dict[str, JsonValue])
+_MAX_METADATA_BYTES = 1 << 20
 
 
 class CheckpointError(Exception):
@@ -138,10 +148,6 @@ class CheckpointOwnershipError(CheckpointError, OwnershipError):
     """The URI belongs to another job; raised on every rank at construction, nothing written."""
 
 
-class MissingStateKeysError(CheckpointError):
-    """``restore`` was handed state keys the checkpoint does not hold."""
-
-
 class RestoreError(CheckpointError):
     """Restore could not leave the job in a consistent state."""
 
@@ -154,6 +160,11 @@ class RestoreRefusedError(RestoreError):
     def __init__(self, message: str, tried: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.tried = list(tried or [])
+
+
+class MissingStateKeysError(RestoreRefusedError):
+    """``restore`` was handed state keys the newest checkpoint does not hold (a refusal: nothing
+    was loaded or deleted)."""
 
 
 class StorageUnavailableError(CheckpointError):
@@ -273,8 +284,8 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
         raise TypeError(f"{call}: metadata must be a dict of JSON values, got {type(metadata).__name__}")
     try:
         checked = _METADATA.validate_python(dict(metadata))
-        json.dumps(checked)
-    except (ValidationError, TypeError, ValueError) as e:
+        encoded = json.dumps(checked).encode()
+    except (ValidationError, TypeError, ValueError, RecursionError) as e:
         where = ""
         if isinstance(e, ValidationError) and e.errors():
             loc = e.errors()[0].get("loc", ())
@@ -283,6 +294,15 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
             f"{call}: metadata{where} is not JSON (numbers, strings, bools, None, lists, dicts with str keys); "
             "convert tensors with float(...) or .tolist()"
         ) from None
+    if len(encoded) > _MAX_METADATA_BYTES:
+        raise ValueError(
+            f"{call}: metadata is {len(encoded)} bytes as JSON, more than {_MAX_METADATA_BYTES}; it goes into "
+            "every manifest: keep it to small values (loss, tokens seen) and save bulky data as state"
+        )
+    try:
+        check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
+    except ValueError:
+        raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
     return checked
 
 
@@ -405,12 +425,13 @@ class Checkpointer:
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
     ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
 
-    ``start_fresh``: when committed checkpoints exist but none loads, ``restore`` raises
-    ``RestoreRefusedError`` unless this is set; set, it returns 0 and *retires* the refused
-    checkpoints: they are kept as they are, never restored, never counted or deleted by retention,
-    and their folder names stay taken, so the new run's saves (whose steps start again from 0)
-    can never be mistaken for them. It has no effect when a checkpoint loads, so leaving it set
-    across restarts never throws the new run's own progress away.
+    ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
+    or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
+    committed checkpoints, the refused ones and any older (``agent._fresh_start``): they are kept
+    as they are, never restored, never counted or deleted by retention, and their folder names
+    stay taken, so the new run's saves (whose steps start again from 0, below theirs) can never be
+    mistaken for them. It has no effect when a checkpoint loads, so leaving it set across restarts
+    never throws the new run's own progress away.
     """
 
     def __init__(
@@ -634,13 +655,18 @@ class Checkpointer:
                 continue
             manifest = Manifest.parse(manifest_json.encode())
             missing = sorted(set(state) - set(manifest.state_keys))
-            if missing:
+            if missing and not self.config.start_fresh:
                 raise MissingStateKeysError(
                     f"checkpoint {url(ref.folder)} holds state keys {manifest.state_keys}; "
                     f"it lacks {missing}. Restore with the keys it was saved with, start fresh on purpose "
-                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI."
+                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI.",
+                    [(url(ref.folder), f"lacks state keys {missing}")],
                 )
-            mismatch = self._agree_on_failure(self._incompatibility(manifest, state))
+            mismatch = (
+                (_Failure.INCOMPATIBLE, f"incompatible with the state: it lacks state keys {missing}")
+                if missing
+                else self._agree_on_failure(self._incompatibility(manifest, state))
+            )
             if mismatch is not None:
                 tried.append((ref, mismatch[1]))
                 break  # an older checkpoint would be going back in time on a changed model
@@ -1241,7 +1267,11 @@ class Checkpointer:
         modules, _, _ = self._classify(state)
         if not modules or not manifest.tensors:
             return None
-        current = {k: v for k, v in get_model_state_dict(_ModuleBag(modules)).items() if isinstance(v, torch.Tensor)}
+        try:
+            model_state = get_model_state_dict(_ModuleBag(modules))
+        except Exception as e:  # reported to every rank, never raised on one alone
+            return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
+        current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
         problems = []
         for fqn, tensor in current.items():
             entry = manifest.tensors.get(fqn)

@@ -107,6 +107,28 @@ def test_metadata_that_is_not_json_is_refused_before_anything_is_written(tmp_pat
     assert written(root) == []
 
 
+def deeply_nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels):
+        value = {"x": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("metadata", "words"),
+    [({"blob": "x" * (2 << 20)}, "bytes as JSON"), (deeply_nested(100), "levels deep")],
+    ids=["oversized", "too-deep"],
+)
+def test_metadata_no_reader_would_accept_is_refused_before_anything_is_written(
+    tmp_path: Path, metadata: dict[str, Any], words: str
+) -> None:
+    """A manifest readers refuse (too big, nested too deep) would be a checkpoint lost on commit."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root)) as ckpt, pytest.raises(ValueError, match=f"metadata .*{words}"):
+        ckpt.save(1, make_state(0), metadata=metadata)
+    assert written(root) == []
+
+
 def test_a_step_lower_than_the_last_one_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     state = make_state(0)
