@@ -677,7 +677,8 @@ class Checkpointer:
                 return manifest.step
             kind, reason = failure
             if kind == _Failure.UNAVAILABLE:
-                raise self._unavailable(f"reading {url(ref.folder)}: {reason}")
+                mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
+                raise self._unavailable(f"reading {url(ref.folder)}: {reason}{mixed}")
             tried.append((ref, reason))
             if kind == _Failure.INCOMPATIBLE:
                 break  # the checkpoint is not at fault: an older one would be going back in time
