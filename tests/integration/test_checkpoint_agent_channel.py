@@ -31,6 +31,17 @@ BIN = Path(sys.executable).parent
 TOKEN = "channel-test-token"
 
 
+def kill_leftover_ranks(pids: Path) -> None:
+    """Ranks the agent could not take down (a failed run); only those still running this script."""
+    for pid in harness.read_pids(pids):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"readme_train.py" in cmdline:
+            harness.kill9([pid])
+
+
 @pytest.mark.slow
 def test_the_readme_constructor_under_spotjob_agent_hears_a_flush(tmp_path: Path) -> None:
     uri, control = str(tmp_path / "ckpt"), tmp_path / "control"
@@ -50,7 +61,7 @@ def test_the_readme_constructor_under_spotjob_agent_hears_a_flush(tmp_path: Path
         "--cloud",
         "none",
         "--",
-        *harness.torchrun_argv(2, harness.SCRIPTS / "readme_train.py", [uri, "100000"]),
+        *harness.torchrun_argv(2, harness.SCRIPTS / "readme_train.py", [uri, "100000", str(tmp_path)]),
     ]
     log_path = tmp_path / "agent.log"
     agent = harness.start(argv, log_path, env=harness.job_env(SPOTJOB_AGENT_POLL_INTERVAL="0.2"))
@@ -79,6 +90,7 @@ def test_the_readme_constructor_under_spotjob_agent_hears_a_flush(tmp_path: Path
         assert harness.reap(agent, timeout=harness.RUN_TIMEOUT_S) == EXIT_PREEMPTED, harness._tail(log_path)
     finally:
         harness.stop(agent)
+        kill_leftover_ranks(tmp_path)
     result = channel.flush_result()
     assert result is not None and result.error is None and result.step is not None
     (flushed,) = [s for s in list_checkpoints(open_storage(uri)) if s.valid]

@@ -1,14 +1,17 @@
 """The README's first example, as a user writes it: ``Checkpointer(uri, every_steps=...)``, no
 ``from_env()``. Run under ``spotjob-agent -- torchrun``, it must still hear the agent's flush.
 
-    readme_train.py URI STEPS     trains STEPS steps (a pause each), stops early on a flush
+    readme_train.py URI STEPS PIDS   trains STEPS steps (a pause each), stops early on a flush;
+                                     each rank writes its pid to PIDS/pid.rank<r> (for cleanup)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,8 +21,9 @@ from agent import Checkpointer
 
 
 def main() -> int:
-    uri, steps = sys.argv[1], int(sys.argv[2])
+    uri, steps, pids = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo")
+    (pids / f"pid.rank{dist.get_rank()}").write_text(str(os.getpid()))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{dist.get_rank()} %(name)s: %(message)s")
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
