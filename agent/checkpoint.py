@@ -236,6 +236,15 @@ class _Save:
     thread: threading.Thread | None = None
 
 
+def _is_infrastructure(error: BaseException) -> bool:
+    """A failure of the store or of this node's disk, not of the user's code or of ownership."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    if isinstance(error, AlreadyExistsError | FencedError):
+        return False  # another writer on the URI: ownership, not infrastructure
+    return isinstance(error, StorageError | OSError)
+
+
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -1084,6 +1093,10 @@ class Checkpointer:
     def _write_upload_commit(self, save: _Save) -> None:
         files: list[tuple[str, int, str]] = []
         error: str | None = None
+        # Whether the failure is the infrastructure's (the store, this node's disk), not the
+        # user's code: the agent then exits 74 and the controller retries without spending the
+        # restart budget.
+        infra = False
         try:
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
@@ -1097,6 +1110,7 @@ class Checkpointer:
                 files.append((name, size, to_hex(crc)))
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
+            infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
         if self.rank == 0:
             try:
@@ -1104,7 +1118,8 @@ class Checkpointer:
             except FencedError as e:
                 target = (None, str(e))
             except (StorageError, OSError) as e:
-                error = error or f"rank 0: cannot prepare the checkpoint folder: {e}"
+                if error is None:
+                    error, infra = f"rank 0: cannot prepare the checkpoint folder: {e}", _is_infrastructure(e)
         folder, fenced = self._broadcast(target, group=self._save_pg)
         if error is None and folder is not None:
             try:
@@ -1114,23 +1129,24 @@ class Checkpointer:
                     parallelism=self.config.io_threads,
                 )
             except BaseException as e:
-                error = f"rank {self.rank}: upload failed: {e!r}"
+                error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
-        gathered = self._all_gather((files, error), group=self._save_pg)
-        outcome: tuple[str | None, str | None, bool] = (None, fenced, fenced is not None)
+        gathered = self._all_gather((files, error, infra), group=self._save_pg)
+        outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         if self.rank == 0 and fenced is None:
-            errors = [e for _, e in gathered if e]
+            errors = [e for _, e, _ in gathered if e]
             if errors:
-                outcome = (None, "; ".join(errors), False)
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i in gathered))
             else:
                 try:
-                    outcome = (self._commit(save, folder or "", [f for fs, _ in gathered for f in fs]), None, False)
+                    commit_files = [f for fs, _, _ in gathered for f in fs]
+                    outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
-                    outcome = (None, str(e), True)
+                    outcome = (None, str(e), True, False)
                 except BaseException as e:
-                    outcome = (None, f"rank 0: commit failed: {e!r}", False)
-        uri, failure, was_fenced = self._broadcast(outcome, group=self._save_pg)
+                    outcome = (None, f"rank 0: commit failed: {e!r}", False, _is_infrastructure(e))
+        uri, failure, was_fenced, infra_failure = self._broadcast(outcome, group=self._save_pg)
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
             save.committed_uri = uri
@@ -1155,6 +1171,14 @@ class Checkpointer:
         else:
             save.error = SaveFailedError(failure or "unknown failure")
             log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
+            if infra_failure and self._control is not None:
+                # If the script lets this error end it, the agent reports an infrastructure error.
+                try:
+                    self._control.report_infra_error(
+                        self.rank, f"the checkpoint of step {save.step} failed on {self.storage.uri}: {failure}"
+                    )
+                except OSError as e:
+                    log.debug("could not report the infrastructure error to the agent: %s", e)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
