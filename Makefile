@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# The torch pin (==2.13.0) matches the CPU wheel these machines carry; see pyproject.toml.
-$(STAMP): pyproject.toml
+# The exact torch (==2.13.0, the CPU wheel these machines carry) comes from constraints/dev.txt:
+# pyproject.toml declares only the range spotjob supports.
+$(STAMP): pyproject.toml constraints/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[torch,test]'
 	touch $(STAMP)
 
 # The tests start the servers they use themselves (moto in server mode, fake-gcs-server,
@@ -31,9 +32,11 @@ bench: venv
 	$(PY) -m bench.notice
 	$(PY) -m bench.goodput
 
+# ruff, mypy, and the layering contracts of .importlinter (docs/architecture.md says why).
 lint: venv
 	$(VENV)/bin/ruff check agent orchestrator tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) spotjob-runs bench/out .pytest_cache .mypy_cache .ruff_cache

@@ -1,17 +1,29 @@
-"""The agent's HTTP control API: ``GET /healthz``, ``GET /status``, ``POST /flush``.
+"""The agent's HTTP control API: ``/healthz``, ``/readyz``, ``/status``, ``/flush``, ``/stop``.
 
 The controller POSTs ``/flush`` to every agent of a job when it hears of a preemption the node
-itself may not (a node taint, a queue message); tools read ``/status``. The server is stdlib
+itself may not (a node taint, a queue message), and ``/stop`` when it stops a gang for a reason
+that needs no checkpoint (a peer's code failed); Kubernetes probes ``/healthz`` (liveness) and
+``/readyz`` (readiness: the ranks train); tools read ``/status``. The server is stdlib
 ``ThreadingHTTPServer`` — a handful of requests per job, nothing that justifies a framework —
 with pydantic models for every body, so the wire format is written down once, here.
 
-Auth: every request but ``/healthz`` needs ``Authorization: Bearer <token>``, compared in constant
-time. The token comes from ``SPOTJOB_AGENT_TOKEN`` or a mounted file; it is never logged and
-never passed to the command. Without a token the API is unauthenticated, so it binds loopback
-only, whatever host was asked for. A refused request changes nothing.
+Auth: every request but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <token>``,
+compared in constant time. The token comes from ``SPOTJOB_AGENT_TOKEN`` or a mounted file; it is
+never logged and never passed to the command. Without a token the API is unauthenticated, so it
+binds loopback only, whatever host was asked for. A refused request changes nothing.
+
+On a pod network anyone can connect, so the server is bounded: at most ``max_connections``
+connections at once (more get ``503`` and are closed at once), one request per connection, and
+every connection must deliver its whole request (line, headers, body) within
+``request_timeout`` seconds of being accepted, or it gets ``408`` and is closed. The bound is
+enforced from the serving thread (``service_actions``), so a client that trickles one byte at a
+time cannot stretch it. Bodies are at most ``MAX_BODY_BYTES``; a bad ``Content-Length`` is 400,
+a larger body 413 (unread). A client that hangs up is logged at debug level, never as an error.
+Anything a client sent reaches the log escaped (``safe``): no forged lines, no terminal escapes.
 
 ``POST /flush`` is idempotent: the first one writes ``flush.json`` and answers 202; any later
-one answers 200 with the flush already under way, and starts nothing.
+one answers 200 with the flush already under way, and starts nothing. ``POST /stop`` is
+idempotent too (202, then 200).
 """
 
 from __future__ import annotations
@@ -20,14 +32,19 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
+import sys
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent.notices.base import NoticeKind
 
@@ -35,21 +52,78 @@ log = logging.getLogger(__name__)
 
 ENV_AGENT_TOKEN = "SPOTJOB_AGENT_TOKEN"
 MAX_BODY_BYTES = 64 * 1024
+MAX_CONNECTIONS = 32
+"""Connections served at once; a 33rd is answered 503 and closed."""
+REQUEST_TIMEOUT = 10.0
+"""Seconds a connection has, from accept, to deliver its whole request."""
+MAX_DEADLINE_DISTANCE = 24 * 3600.0
+"""A flush ``deadline`` more than this far from now (either way) is not a unix time in seconds."""
 
 AgentState = Literal["starting", "running", "flushing", "flushed", "flush-failed", "stopping", "exited"]
+
+_ALLOWED = {"/healthz": "GET", "/readyz": "GET", "/status": "GET", "/flush": "POST", "/stop": "POST"}
+_OPEN = ("/healthz", "/readyz")
+"""Endpoints without a token: probes carry none, and they reveal nothing but up/ready."""
+
+
+def safe(value: object, limit: int = 200) -> str:
+    """``value`` fit for one log line: control characters escaped, at most ``limit`` characters.
+
+    Whatever a client sends (a reason, a path) goes through this before it is logged, so that a
+    newline cannot forge a log line and an ANSI escape cannot rewrite an operator's terminal.
+    """
+    text = str(value)
+    out = []
+    for ch in text[:limit]:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif code < 0x20 or 0x7F <= code < 0xA0 or ch in "\u2028\u2029":
+            out.append(repr(ch)[1:-1] if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out) + ("..." if len(text) > limit else "")
 
 
 # -- bodies ----------------------------------------------------------------------------------------
 
 
 class FlushBody(BaseModel):
-    """``POST /flush``. Unknown fields are ignored: a newer controller must still get its flush."""
+    """``POST /flush``. Unknown fields are ignored: a newer controller must still get its flush.
+
+    ``deadline`` is the unix time (seconds) the node goes away. One that has passed already means
+    "flush now" (it is never a reason to kill the ranks before they tried); one more than a day
+    away from now, or not finite, is a mistake (milliseconds, a duration) and is refused.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     reason: str = Field(default="flush requested through the control API", min_length=1, max_length=1000)
-    deadline: float | None = Field(default=None, gt=0, description="unix time the node goes away")
+    deadline: float | None = Field(default=None, description="unix time the node goes away")
     kind: NoticeKind = NoticeKind.PREEMPTION
+
+    @field_validator("deadline")
+    @classmethod
+    def _plausible_deadline(cls, value: float | None) -> float | None:
+        if value is None:
+            return None
+        if not math.isfinite(value):
+            raise ValueError("deadline must be a finite unix time in seconds")
+        now = time.time()
+        if abs(value - now) > MAX_DEADLINE_DISTANCE:
+            raise ValueError(
+                f"deadline {value:g} is not a unix time in seconds within a day of now ({now:.0f}); "
+                "send the time the node goes away, e.g. time.time() + 30"
+            )
+        return value
+
+
+class StopBody(BaseModel):
+    """``POST /stop``: stop the command without a flush (the controller is stopping the gang)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    reason: str = Field(default="stop requested through the control API", min_length=1, max_length=1000)
 
 
 class NoticeInfo(BaseModel):
@@ -85,6 +159,24 @@ class FlushResponse(BaseModel):
     flush: FlushInfo
 
 
+class StopInfo(BaseModel):
+    reason: str
+    requested_at: float
+
+
+class StopResponse(BaseModel):
+    created: bool
+    """False when a stop was already under way."""
+    stop: StopInfo
+
+
+class ReadyResponse(BaseModel):
+    """``GET /readyz``: 200 once rank 0 reports training, else 503."""
+
+    ready: bool
+    reason: str
+
+
 class StatusResponse(BaseModel):
     """``GET /status``."""
 
@@ -94,13 +186,18 @@ class StatusResponse(BaseModel):
     uptime_seconds: float
     job_name: str | None
     control_dir: str
+    checkpoint_uri: str | None = Field(description="the agent's --checkpoint-uri (what the controller watches)")
+    attempt: int | None = Field(description="the attempt number the controller gave (--attempt)")
     rank_state: str | None = Field(description="status.json state from rank 0 (training, saving, ...)")
+    rank_checkpoint_uri: str | None = Field(description="where the script's Checkpointer says it writes")
     step: int | None
     world_size: int | None
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
     status_updated_at: float | None = Field(description="when rank 0 last wrote status.json")
+    ranks_connected: bool = Field(description="whether a rank has written status.json since the start")
+    problems: list[str] = Field(description="what the agent warned about: no rank connected, URI mismatch")
     notice: NoticeInfo | None = Field(description="the notice that started the flush (the first one)")
     flush: FlushInfo | None
     deadline: float | None = Field(description="the earliest deadline heard (unix time)")
@@ -108,6 +205,8 @@ class StatusResponse(BaseModel):
     window_ok: bool = Field(description="whether the time left can hold a flush as long as the last save")
     window_message: str
     flush_result: FlushResultInfo | None
+    stop: StopInfo | None = Field(description="the stop asked for through POST /stop, if any")
+    infra_error: str | None = Field(description="an infrastructure error a rank reported, if any")
     command_exit_code: int | None
 
 
@@ -120,7 +219,7 @@ class ErrorResponse(BaseModel):
 
 
 class FlushRefused(Exception):
-    """The agent cannot take a flush now (the command has already ended): answered 409."""
+    """The agent cannot take a flush or a stop now (the command has already ended): answered 409."""
 
 
 class ControlHandler(Protocol):
@@ -128,8 +227,14 @@ class ControlHandler(Protocol):
 
     def status(self) -> StatusResponse: ...
 
+    def ready(self) -> ReadyResponse: ...
+
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """The flush now under way and whether this call created it."""
+        ...
+
+    def request_stop(self, body: StopBody) -> tuple[StopInfo, bool]:
+        """The stop now under way and whether this call created it."""
         ...
 
 
@@ -162,20 +267,132 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass
+class _Connection:
+    sock: socket.socket
+    peer: str
+    deadline: float
+    """Monotonic time by which the whole request must have arrived."""
+    reading: bool = True
+    timed_out: bool = False
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Refused connections are answered at once, so a longer queue only holds clients longer.
+    request_queue_size = 64
     api: ControlApi
+
+    def __init__(self, address: tuple[str, int], api: ControlApi) -> None:
+        self.api = api
+        self._conns: dict[int, _Connection] = {}
+        self._conns_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    # accept thread ---------------------------------------------------------------------------
+    def process_request(self, request: Any, client_address: Any) -> None:
+        sock: socket.socket = request
+        peer = str(client_address[0])
+        with self._conns_lock:
+            full = len(self._conns) >= self.api.max_connections
+            if not full:
+                deadline = time.monotonic() + self.api.request_timeout
+                self._conns[id(sock)] = _Connection(sock, peer, deadline)
+        if full:
+            log.warning(
+                "control API: %d connections open, refusing one from %s (503)", self.api.max_connections, safe(peer)
+            )
+            _refuse(sock)
+            self.shutdown_request(sock)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.forget(sock)
+            raise
+
+    def service_actions(self) -> None:
+        """(the serving thread, every poll) Cut off connections whose request is overdue."""
+        now = time.monotonic()
+        with self._conns_lock:
+            overdue = [c for c in self._conns.values() if c.reading and not c.timed_out and now >= c.deadline]
+            for conn in overdue:
+                conn.timed_out = True
+                # Unblocks the handler's read with end-of-file; it then answers 408 and closes.
+                try:
+                    conn.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+        for conn in overdue:
+            log.info(
+                "control API: a request from %s did not arrive in %gs (408)", safe(conn.peer), self.api.request_timeout
+            )
+
+    # handler threads -------------------------------------------------------------------------
+    def connection(self, sock: socket.socket) -> _Connection | None:
+        with self._conns_lock:
+            return self._conns.get(id(sock))
+
+    def done_reading(self, sock: socket.socket) -> bool:
+        """The request has arrived: no more cut-off. False if it was cut off already."""
+        with self._conns_lock:
+            conn = self._conns.get(id(sock))
+            if conn is None:
+                return True
+            conn.reading = False
+            return not conn.timed_out
+
+    def forget(self, sock: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.pop(id(sock), None)
+
+    @property
+    def open_connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.forget(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver would print a traceback to stderr; a peer that went away is routine.
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("control API: connection from %s ended: %r", safe(client_address[0]), error)
+        else:
+            log.exception("control API: unexpected error serving %s", safe(client_address[0]))
 
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+def _refuse(sock: socket.socket) -> None:
+    data = ErrorResponse(error="too many connections; try again shortly").model_dump_json().encode()
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(head + data)
+    except OSError:
+        pass
+
+
 class ControlApi:
     """The control API on ``host:port`` (0: a free port; read ``.port`` after ``start``)."""
 
     def __init__(
-        self, handler: ControlHandler, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+        self,
+        handler: ControlHandler,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         if token is None and not is_loopback(host):
             log.warning(
@@ -185,9 +402,13 @@ class ControlApi:
                 host,
             )
             host = "127.0.0.1"
+        if max_connections < 1 or request_timeout <= 0:
+            raise ValueError("max_connections must be >= 1 and request_timeout > 0")
         self.handler = handler
         self.host = host
         self.port = port
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
         self._token = token.encode() if token is not None else None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -201,10 +422,14 @@ class ControlApi:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (for tests and /status)."""
+        return self._server.open_connections if self._server is not None else 0
+
     def start(self) -> None:
         server_type = _Server6 if ":" in self.host else _Server
-        server = server_type((self.host, self.port), _Handler)
-        server.api = self
+        server = server_type((self.host, self.port), self)
         self._server = server
         self.port = int(server.server_address[1])
         self._thread = threading.Thread(
@@ -231,78 +456,194 @@ class ControlApi:
         return ok and scheme.lower() == "bearer"
 
 
+class _BadRequest(Exception):
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "spotjob-agent"
     sys_version = ""
+    error_content_type = "application/json"
 
-    def do_GET(self) -> None:
-        self._route("GET")
+    def setup(self) -> None:
+        super().setup()
+        # A bound on each read and write, past the whole-request cut-off (which answers 408 first).
+        self.connection.settimeout(self.server.api.request_timeout + 1.0)
 
-    def do_POST(self) -> None:
-        self._route("POST")
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass
+        self.server.forget(self.connection)
 
-    def do_PUT(self) -> None:
-        self._route("PUT")
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            log.info("control API: %s went silent (408)", safe(self.client_address[0]))
+            try:
+                self._send(408, ErrorResponse(error="request timeout"))
+            except OSError:
+                pass
+        except OSError as e:
+            # The client hung up (reset, broken pipe) or went silent: routine, not an error.
+            log.debug("control API: connection from %s ended early: %r", safe(self.client_address[0]), e)
+            self.close_connection = True
 
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
+    def handle_one_request(self) -> None:
+        self.close_connection = True  # one request per connection
+        self.command, self.requestline, self.request_version = "", "", "HTTP/1.0"
+        self.raw_requestline = self.rfile.readline(65537)
+        if self._timed_out():
+            return self._send(408, ErrorResponse(error="request timeout"))
+        if len(self.raw_requestline) > 65536:
+            self.requestline = self.request_version = self.command = ""
+            return self._send(414, ErrorResponse(error="request line too long"))
+        if not self.raw_requestline:
+            return None
+        if not self.parse_request():  # answered already, through send_error
+            return None
+        if self._timed_out():
+            return self._send(408, ErrorResponse(error="request timeout"))
+        self._route(self.command)
+        self.wfile.flush()
+        return None
+
+    def _timed_out(self) -> bool:
+        conn = self.server.connection(self.connection)
+        return conn is not None and conn.timed_out
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What parse_request refuses (a malformed request line, too many headers), as JSON."""
+        self.close_connection = True
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "error"
+        self._send(code, ErrorResponse(error=(message or phrase).lower()))
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         api = self.server.api
-        if path == "/healthz":
-            if method != "GET":
-                return self._send(405, ErrorResponse(error="method not allowed"))
-            return self._send(200, {"ok": True})
-        if not api.authorized(self.headers.get("Authorization")):
+        if path not in _OPEN and not api.authorized(self.headers.get("Authorization")):
+            self._discard_body()
             log.warning(
-                "control API: refused %s %s from %s (missing or wrong token)", method, path, self.client_address[0]
+                "control API: refused %s %s from %s (missing or wrong token)",
+                safe(method, 16),
+                safe(path, 100),
+                safe(self.client_address[0]),
             )
             return self._send(
                 401, ErrorResponse(error="unauthorized"), {"WWW-Authenticate": 'Bearer realm="spotjob-agent"'}
             )
+        allowed = _ALLOWED.get(path)
+        if allowed is None:
+            self._discard_body()
+            return self._send(404, ErrorResponse(error=f"no such endpoint: {path[:100]}"))
+        if method != allowed:
+            self._discard_body()
+            return self._send(405, ErrorResponse(error=f"method not allowed; use {allowed}"), {"Allow": allowed})
         try:
+            if path == "/healthz":
+                return self._send(200, {"ok": True})
+            if path == "/readyz":
+                ready = api.handler.ready()
+                return self._send(200 if ready.ready else 503, ready)
             if path == "/status":
-                if method != "GET":
-                    return self._send(405, ErrorResponse(error="method not allowed"))
                 return self._send(200, api.handler.status())
+            raw = self._read_body()
             if path == "/flush":
-                if method != "POST":
-                    return self._send(405, ErrorResponse(error="method not allowed"))
-                return self._flush(api)
-            return self._send(404, ErrorResponse(error=f"no such endpoint: {path}"))
+                return self._flush(api, raw)
+            return self._stop(api, raw)
+        except _BadRequest as e:
+            return self._send(e.status, ErrorResponse(error=e.error))
+        except OSError:
+            raise  # the client went away: handle() logs it at debug level
         except Exception:
-            log.exception("control API: %s %s failed", method, path)
+            log.exception("control API: %s %s failed", safe(method, 16), safe(path, 100))
             return self._send(500, ErrorResponse(error="internal error"))
 
-    def _flush(self, api: ControlApi) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+    def _content_length(self) -> int:
+        if self.headers.get("Transfer-Encoding"):
+            raise _BadRequest(411, "chunked bodies are not accepted; send Content-Length")
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            return 0
+        if len(set(values)) != 1 or not values[0].strip().isdigit():
+            raise _BadRequest(400, "invalid Content-Length")
+        length = int(values[0].strip())
         if length > MAX_BODY_BYTES:
-            return self._send(413, ErrorResponse(error=f"body over {MAX_BODY_BYTES} bytes"))
-        raw = self.rfile.read(length) if length else b""
+            raise _BadRequest(413, f"body over {MAX_BODY_BYTES} bytes")
+        return length
+
+    def _read_body(self) -> bytes:
+        length = self._content_length()
+        chunks: list[bytes] = []
+        left = length
+        while left > 0:
+            chunk = self.rfile.read(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if not self.server.done_reading(self.connection):
+            raise _BadRequest(408, "request timeout")
+        if left:
+            raise _BadRequest(400, f"body shorter than its Content-Length ({length - left} of {length} bytes)")
+        return b"".join(chunks)
+
+    def _discard_body(self) -> None:
+        """Nothing more is read: the answer goes out and the connection closes."""
+        self.server.done_reading(self.connection)
+
+    def _flush(self, api: ControlApi, raw: bytes) -> None:
         try:
             body = FlushBody.model_validate_json(raw or b"{}")
         except ValidationError as e:
-            detail = [{"loc": err["loc"], "msg": err["msg"]} for err in e.errors()]
-            return self._send(400, ErrorResponse(error="invalid flush body", detail=detail))
+            return self._send(400, ErrorResponse(error="invalid flush body", detail=_problems(e)))
         try:
             flush, created = api.handler.request_flush(body)
         except FlushRefused as e:
             return self._send(409, ErrorResponse(error=str(e)))
         return self._send(202 if created else 200, FlushResponse(created=created, flush=flush))
 
+    def _stop(self, api: ControlApi, raw: bytes) -> None:
+        try:
+            body = StopBody.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            return self._send(400, ErrorResponse(error="invalid stop body", detail=_problems(e)))
+        try:
+            stop, created = api.handler.request_stop(body)
+        except FlushRefused as e:
+            return self._send(409, ErrorResponse(error=str(e)))
+        return self._send(202 if created else 200, StopResponse(created=created, stop=stop))
+
     def _send(self, status: int, payload: BaseModel | dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
+        self.server.done_reading(self.connection)
+        if self.request_version == "HTTP/0.9":  # unparsable or HTTP/0.9: answer with a status line all the same
+            self.request_version = "HTTP/1.0"
         data = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Cache-Control", "no-store")
+        self.send_header("Connection", "close")
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
-        # The request line only (never headers, so never the token), at debug.
-        log.debug("control API %s: " + format, self.client_address[0], *args)
+        # The request line only (never headers, so never the token), escaped, at debug.
+        log.debug("control API %s: %s", safe(self.client_address[0]), safe(format % args, 300))
+
+
+def _problems(e: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors without its input echo or documentation URLs."""
+    return [{"loc": list(err["loc"]), "msg": err["msg"].removeprefix("Value error, ")} for err in e.errors()]

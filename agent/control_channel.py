@@ -52,6 +52,9 @@ EXIT_FLUSH_FAILED = 76
 EXIT_INFRA_ERROR = 74
 """Stopped by an error that is not the user's (storage unreachable, rendezvous port taken): retry
 with backoff without spending the restart budget (EX_IOERR)."""
+EXIT_STOPPED = 79
+"""Stopped on request (``POST /stop``) without a flush: the controller is stopping the gang for a
+reason of its own (a peer's code failed). Neither a failure of this worker nor a preemption."""
 
 FLUSH_FILE = "flush.json"
 SAVE_FILE = "save.json"

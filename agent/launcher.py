@@ -15,11 +15,20 @@ touches a checkpoint.
 The watch loop, every 0.1 s: note new descendants (``agent.process_tree``), look for
 ``flushed.json`` / ``flush-failed.json`` (then acknowledge to the cloud and give the command
 ``--exit-timeout`` to leave), and kill the whole process tree when that time or the notice's
-deadline passes. When the command ends, stray descendants are stopped too.
+deadline passes, or at once after ``POST /stop``. Every 0.5 s it also checks that a rank has
+connected (``status.json``) and writes where the agent said (a warning, an error), and, with
+``--exit-with-parent``, that the process that started it is still its parent (if not: a notice
+from the source ``driver``). When the command ends, stray descendants are stopped too.
 
-Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 0 if the command succeeded or every
-rank wrote ``closed-rank-<r>`` (a finished job whose interpreter aborted at exit is not a
-failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code.
+Before starting a torchrun command, the rendezvous port this host must bind is checked
+(``agent.torchrun``): taken means exit 74 without starting anything.
+
+Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
+else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error, or torchrun failed before
+any rank reported while another process holds its rendezvous port; else 76 if the flush failed;
+else 0 if the command succeeded or every rank wrote ``closed-rank-<r>`` (a finished job whose
+interpreter aborted at exit is not a failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
+for; else the command's own code — 1 if that is one of 74/75/76/79, which mean what the agent saw.
 """
 
 from __future__ import annotations
@@ -51,12 +60,17 @@ from agent.control_api import (
     FlushRefused,
     FlushResultInfo,
     NoticeInfo,
+    ReadyResponse,
     StatusResponse,
+    StopBody,
+    StopInfo,
     load_token,
+    safe,
 )
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
+    ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
     ENV_EVERY_SECONDS,
@@ -64,11 +78,15 @@ from agent.control_channel import (
     ENV_JOB_NAME,
     ENV_KEEP,
     ENV_STAGING_DIR,
+    ENV_START_FRESH,
     EXIT_FLUSH_FAILED,
+    EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
+    EXIT_STOPPED,
     ControlDir,
     FlushRequest,
     FlushResult,
+    RankStatus,
     write_json_atomic,
 )
 from agent.notices import aws, azure, gcp
@@ -76,6 +94,8 @@ from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
 from agent.notices.detect import ENV_CLOUD, Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
+from agent.storage import parse_uri
+from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_nproc
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +156,16 @@ class AgentConfig(BaseModel):
     """SIGTERM → SIGKILL when killing the command's processes."""
     expected_ranks: int | None = Field(default=None, ge=1)
     """Ranks on this node that must write closed-rank-<r> for a finished job."""
+    attempt: int | None = Field(default=None, ge=0)
+    """The attempt number the controller recorded before starting this worker (SPOTJOB_ATTEMPT)."""
+    start_fresh: bool = False
+    """SPOTJOB_START_FRESH=1: the ranks start from step 0 on purpose although checkpoints exist."""
+    exit_with_parent: bool = False
+    """Flush and stop when the process that started the agent (the driver) is gone."""
+    parent_grace: float = Field(default=30.0, gt=0)
+    """The deadline of the flush after the parent is gone, in seconds."""
+    rank_connect_timeout: float = Field(default=120.0, gt=0)
+    """Warn when no rank has written status.json this long after the start."""
 
 
 # -- the flush window ------------------------------------------------------------------------------
@@ -174,6 +204,12 @@ def command_exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+RESERVED_EXIT_CODES = frozenset({EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED})
+"""Codes only the agent reports, for what it saw itself; a command's own use of one is remapped."""
+EXIT_COMMAND_USED_RESERVED = 1
+"""What the agent reports for a command that exited 74/75/76/79 by itself: a plain failure."""
+
+
 def decide_exit_code(
     returncode: int,
     *,
@@ -182,11 +218,24 @@ def decide_exit_code(
     closed_ranks: set[int],
     expected_ranks: int | None,
     killed: bool,
+    stopped: str | None = None,
+    infra_error: str | None = None,
 ) -> tuple[int, str]:
-    """The agent's exit code for a command that ended with ``returncode``, and why."""
+    """The agent's exit code for a command that ended with ``returncode``, and why.
+
+    ``stopped``: why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
+    error a rank reported (or the agent found), if any. 75, 76, 74 and 79 are reported only for
+    what this agent saw: a command that exits with one of them by itself gets 1.
+    """
     code = command_exit_code(returncode)
     if result is not None and result.error is None:
         return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
+    if stopped is not None:
+        return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
+    if infra_error is not None and (code != 0 or killed):
+        # Only when the command failed: a script that caught a failed save and finished its work
+        # did finish, whatever the store did meanwhile.
+        return EXIT_INFRA_ERROR, f"infrastructure error: {infra_error} (command exit code {code})"
     if result is not None:
         # Before the closed-rank check: a script that calls close() in a `finally` marks its
         # ranks closed after a failed flush too, and that job did not finish.
@@ -199,23 +248,13 @@ def decide_exit_code(
         return 0, "the command finished"
     if flush_requested:
         return EXIT_FLUSH_FAILED, f"no checkpoint was committed (command exit code {code})"
+    if code in RESERVED_EXIT_CODES:
+        return EXIT_COMMAND_USED_RESERVED, (
+            f"the command exited {code} by itself, a code spotjob-agent reserves for what it saw itself "
+            f"(74 infrastructure error, 75 committed flush, 76 failed flush, 79 stopped): "
+            f"reporting {EXIT_COMMAND_USED_RESERVED}, a failure of the command"
+        )
     return code, f"the command exited {code}"
-
-
-def torchrun_nproc(command: Sequence[str]) -> int | None:
-    """``--nproc-per-node N`` from a torchrun command line (the ranks on this node), if an integer."""
-    for i, arg in enumerate(command):
-        if arg.endswith(".py"):
-            break  # the training script's own arguments follow
-        for flag in ("--nproc-per-node", "--nproc_per_node"):
-            value = None
-            if arg == flag and i + 1 < len(command):
-                value = command[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-            if value is not None:
-                return int(value) if value.isdigit() else None
-    return None
 
 
 # -- the agent -------------------------------------------------------------------------------------
@@ -259,6 +298,13 @@ class Agent:
         self._killed = False
         self._started_monotonic = time.monotonic()
         self._terminate_requested: int | None = None
+        self._stop: StopInfo | None = None
+        self._parent_pid = os.getppid()
+        self._parent_gone = False
+        self._rank_seen = False
+        self._problems: dict[str, str] = {}
+        """What the agent warned about, by topic (shown in /status)."""
+        self._rendezvous: Rendezvous | None = None
         self.api: ControlApi | None = None
 
     # -- notices (any thread) ------------------------------------------------------------------
@@ -278,10 +324,41 @@ class Agent:
 
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """``POST /flush`` (a control-API thread)."""
-        notice = Notice(source="api", kind=body.kind, deadline=body.deadline, detail=body.reason)
-        log.info("flush asked through the control API: %s, deadline %s", body.reason, format_deadline(body.deadline))
+        notice = Notice(source="api", kind=body.kind, deadline=body.deadline, detail=safe(body.reason, 1000))
+        log.info(
+            "flush asked through the control API: %s, deadline %s", safe(body.reason), format_deadline(body.deadline)
+        )
         request, created = self._start_flush(notice)
         return _flush_info(request), created
+
+    def request_stop(self, body: StopBody) -> tuple[StopInfo, bool]:
+        """``POST /stop`` (a control-API thread): stop the command without a flush.
+
+        The controller stops the healthy workers of a gang this way after a peer's code failed:
+        a flush would wait for ranks that are gone. The watch loop does the stopping.
+        """
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            if self._stop is not None:
+                return self._stop, False
+            self._stop = StopInfo(reason=safe(body.reason, 1000), requested_at=time.time())
+            self._state = "stopping"
+        log.warning("stop asked through the control API: %s; stopping the command without a flush", safe(body.reason))
+        return self._stop, True
+
+    def ready(self) -> ReadyResponse:
+        """``GET /readyz``: ready once rank 0 trains (status.json past "starting")."""
+        with self._lock:
+            state = self._state
+        if state in ("stopping", "exited"):
+            return ReadyResponse(ready=False, reason=f"the agent is {state}")
+        rank = self.control.status()
+        if rank is None:
+            return ReadyResponse(ready=False, reason="no rank has reported yet")
+        if rank.state == "starting":
+            return ReadyResponse(ready=False, reason="rank 0 is starting (restoring)")
+        return ReadyResponse(ready=True, reason=f"rank 0 is {rank.state} at step {rank.step}")
 
     def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
         with self._lock:
@@ -289,7 +366,11 @@ class Agent:
                 raise FlushRefused("the command has already ended")
             flush = self._flush
             if flush is not None:
-                if notice.deadline is not None and (flush.deadline is None or notice.deadline < flush.deadline):
+                if (
+                    notice.deadline is not None
+                    and notice.deadline > time.time()
+                    and (flush.deadline is None or notice.deadline < flush.deadline)
+                ):
                     flush.deadline = notice.deadline
                     kill_at = _monotonic_at(notice.deadline)
                     if kill_at < flush.kill_at:
@@ -310,7 +391,20 @@ class Agent:
             request = self.control.request_flush(
                 FlushRequest(reason=f"{notice.source} {notice.kind.value}: {notice.detail}", deadline=notice.deadline)
             )
-            if notice.deadline is not None:
+            if notice.deadline is not None and notice.deadline <= time.time():
+                # A deadline already gone: flush now, bounded like a flush without one; killing
+                # at once would throw away the one chance this job has to commit.
+                kill_at = time.monotonic() + self.config.flush_timeout
+                kill_reason = (
+                    f"the deadline had passed when the notice came; no flush result within "
+                    f"--flush-timeout {self.config.flush_timeout:g} s"
+                )
+                log.warning(
+                    "the %s notice's deadline passed %.1f s ago: flushing now anyway",
+                    notice.source,
+                    time.time() - notice.deadline,
+                )
+            elif notice.deadline is not None:
                 kill_at, kill_reason = _monotonic_at(notice.deadline), "the deadline passed"
             else:
                 kill_at = time.monotonic() + self.config.flush_timeout
@@ -347,6 +441,8 @@ class Agent:
             state = self._state
             child_pid = self._child.pid if self._child is not None else None
             returncode = self._returncode
+            stop = self._stop
+            problems = list(self._problems.values())
         result = flush.result if flush is not None else None
         deadline = flush.deadline if flush is not None else None
         return StatusResponse(
@@ -356,13 +452,18 @@ class Agent:
             uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
             job_name=self.config.job_name,
             control_dir=self.control.path,
+            checkpoint_uri=self.checkpoint_uri,
+            attempt=self.config.attempt,
             rank_state=rank.state if rank else None,
+            rank_checkpoint_uri=rank.checkpoint_uri if rank else None,
             step=rank.step if rank else None,
             world_size=rank.world_size if rank else None,
             last_committed_step=rank.last_committed_step if rank else None,
             last_committed_uri=rank.last_committed_uri if rank else None,
             last_save_seconds=rank.last_save_seconds if rank else None,
             status_updated_at=rank.updated_at if rank else None,
+            ranks_connected=rank is not None,
+            problems=problems,
             notice=_notice_info(flush.notice) if flush is not None else None,
             flush=_flush_info(flush.request) if flush is not None else None,
             deadline=deadline,
@@ -370,6 +471,8 @@ class Agent:
             window_ok=window.ok,
             window_message=window.message,
             flush_result=_result_info(result) if result is not None else None,
+            stop=stop,
+            infra_error=_infra_text(self.control.infra_error()),
             command_exit_code=command_exit_code(returncode) if returncode is not None else None,
         )
 
@@ -399,7 +502,21 @@ class Agent:
                 signal.signal(sig, handler)
 
     def _start_command(self) -> subprocess.Popen[bytes] | int:
-        """The running command, or the shell's exit code for one that cannot start (127, 126)."""
+        """The running command, or the exit code for one that cannot start: the shell's 127/126,
+        or 74 (EXIT_INFRA_ERROR) when the rendezvous port this host must bind is taken."""
+        self._rendezvous = local_rendezvous(self.config.command, self.env)
+        if self._rendezvous is not None and port_taken(self._rendezvous.port):
+            log.error(
+                "exiting %d: torchrun's rendezvous port %d (%s) is taken by another process on this host, "
+                "so its ranks could not meet; free the port or choose another (--master-port / --rdzv-endpoint), "
+                "or let torchrun pick one with --standalone on a single node",
+                EXIT_INFRA_ERROR,
+                self._rendezvous.port,
+                self._rendezvous.how,
+            )
+            with self._lock:
+                self._state = "exited"
+            return EXIT_INFRA_ERROR
         env = dict(self.env)
         env.pop(ENV_AGENT_TOKEN, None)  # the ranks never need the API token
         env.update(self.rank_env())
@@ -432,9 +549,16 @@ class Agent:
             ENV_KEEP: cfg.keep,
             ENV_ASYNC: None if cfg.async_save is None else ("1" if cfg.async_save else "0"),
             ENV_STAGING_DIR: cfg.staging_dir,
+            ENV_ATTEMPT: cfg.attempt,
+            ENV_START_FRESH: "1" if cfg.start_fresh else None,
         }
         env.update({k: str(v) for k, v in optional.items() if v is not None})
         return env
+
+    @property
+    def checkpoint_uri(self) -> str | None:
+        """Where the ranks are told to write: --checkpoint-uri, else the inherited variable."""
+        return self.config.checkpoint_uri or self.env.get(ENV_CHECKPOINT_URI) or None
 
     def _watch(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> int:
         next_scan = 0.0
@@ -444,6 +568,8 @@ class Agent:
             if now >= next_scan:
                 tree.refresh()
                 tree.reap()
+                self._check_ranks(now)
+                self._check_parent()
                 next_scan = now + TREE_SCAN_EVERY
             returncode = child.poll()
             self._check_flush_result()
@@ -464,6 +590,10 @@ class Agent:
             if self._terminate_requested is not None:
                 kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
                 kill_at = now
+            with self._lock:
+                stop = self._stop
+            if stop is not None:
+                kill_reason, kill_at = f"stop requested: {stop.reason}", now
             if kill_at is not None and now >= kill_at:
                 with self._lock:
                     self._state = "stopping"
@@ -471,6 +601,58 @@ class Agent:
                 tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
                 return child.wait()
             time.sleep(WATCH_TICK)
+
+    def _check_ranks(self, now: float) -> None:
+        """Warn once when no rank connected in time, and when the ranks write somewhere else."""
+        rank = self.control.status()
+        if rank is None:
+            waited = now - self._started_monotonic
+            if not self._rank_seen and waited >= self.config.rank_connect_timeout and "connect" not in self._problems:
+                message = (
+                    f"no rank has connected to the control folder {waited:.0f} s after the start: a notice "
+                    f"cannot reach the ranks, so nothing would be flushed. Does the script use spotjob's "
+                    f"Checkpointer (it joins the agent's channel through {ENV_CONTROL_DIR})?"
+                )
+                self._problems["connect"] = message
+                log.warning("%s", message)
+            return
+        if not self._rank_seen:
+            self._rank_seen = True
+            if self._problems.pop("connect", None):
+                log.info("a rank has connected to the control folder after all")
+        self._check_uri(rank)
+
+    def _check_uri(self, rank: RankStatus) -> None:
+        mine = self.checkpoint_uri
+        theirs = rank.checkpoint_uri
+        if not mine or not theirs or canonical_uri(mine) == canonical_uri(theirs):
+            return
+        message = (
+            f"the ranks write checkpoints to {safe(theirs)} but this agent was given {safe(mine)}: the controller "
+            f"watches the agent's URI, so it will not see these checkpoints commit; pass the same URI to both "
+            f"(or build the Checkpointer with Checkpointer.from_env())"
+        )
+        if self._problems.get("uri") != message:
+            self._problems["uri"] = message
+            log.error("%s", message)
+
+    def _check_parent(self) -> None:
+        """With --exit-with-parent: the driver that started the agent is gone → flush, then exit."""
+        if not self.config.exit_with_parent or self._parent_gone:
+            return
+        parent = os.getppid()
+        if parent == self._parent_pid:
+            return
+        # The notice is marked seen only once delivered: a failed delivery is retried next scan.
+        self.on_notice(
+            Notice(
+                source="driver",
+                kind=NoticeKind.TERMINATE,
+                deadline=time.time() + self.config.parent_grace,
+                detail=f"the process that started the agent (pid {self._parent_pid}) is gone",
+            )
+        )
+        self._parent_gone = True
 
     def _check_flush_result(self) -> None:
         with self._lock:
@@ -520,6 +702,8 @@ class Agent:
         # The files decide, not only what this agent saw: flushed.json present after the command
         # exited means a committed checkpoint, whoever asked for it.
         result = flush.result if flush is not None and flush.result is not None else self.control.flush_result()
+        with self._lock:
+            stop = self._stop
         code, why = decide_exit_code(
             returncode,
             flush_requested=flush is not None or self.control.flush_requested(),
@@ -527,16 +711,42 @@ class Agent:
             closed_ranks=self.control.closed_ranks(),
             expected_ranks=self._expected_ranks(),
             killed=killed,
+            stopped=stop.reason if stop is not None else None,
+            infra_error=self._infra_error(returncode),
         )
         real = command_exit_code(returncode)
         quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
         log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)
         return code
 
+    def _infra_error(self, returncode: int) -> str | None:
+        """What says the command failed for a reason that is not the user's, if anything.
+
+        A rank's own report (``infra-error.json``), or torchrun failing before any rank reported
+        while its rendezvous port is held by a process that is not this job's (by now every
+        process of the job has been stopped, so whoever holds the port is someone else).
+        """
+        reported = _infra_text(self.control.infra_error())
+        if reported is not None:
+            return reported
+        rdzv = self._rendezvous
+        if (
+            rdzv is not None
+            and returncode != 0
+            and not self._rank_seen
+            and self.control.status() is None
+            and port_taken(rdzv.port)
+        ):
+            return (
+                f"torchrun failed before any rank started and its rendezvous port {rdzv.port} ({rdzv.how}) "
+                f"is held by another process on this host"
+            )
+        return None
+
     def _expected_ranks(self) -> int | None:
         if self.config.expected_ranks:
             return self.config.expected_ranks
-        nproc = torchrun_nproc(self.config.command)
+        nproc = torchrun_nproc(self.config.command, self.env)
         if nproc:
             return nproc
         rank = self.control.status()
@@ -596,6 +806,24 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             previous[sig] = signal.signal(sig, handle)
         return previous
+
+
+def canonical_uri(uri: str) -> str:
+    """One spelling per location, to compare two URIs: ``s3://b/p``, ``gs://b/p``, ``file:///abs``."""
+    try:
+        scheme, bucket, path = parse_uri(uri)
+    except ValueError:
+        return uri
+    if scheme == "file":
+        return "file://" + os.path.normpath(os.path.abspath(path))
+    prefix = "/".join(part for part in path.split("/") if part)
+    return f"{scheme}://{bucket}/{prefix}".rstrip("/")
+
+
+def _infra_text(report: dict[str, Any] | None) -> str | None:
+    if report is None:
+        return None
+    return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
 
 
 def _monotonic_at(unix_time: float) -> float:
@@ -702,7 +930,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         usage="spotjob-agent [OPTIONS] -- COMMAND [ARGS...]",
         description="Run a training command (e.g. torchrun ... train.py); on a preemption notice, tell its "
         "ranks to flush a checkpoint. Exits 75 after a committed flush, 76 when a flush could not commit, "
-        "else with the command's own code.",
+        "74 on an infrastructure error (storage unreachable, rendezvous port taken), 79 when stopped through "
+        "POST /stop, else with the command's own code (1 if that is one of these).",
     )
     ck = p.add_argument_group("checkpoint (passed to the ranks as SPOTJOB_* variables)")
     ck.add_argument("--checkpoint-uri", help=f"where checkpoints go (required unless {ENV_CHECKPOINT_URI} is set)")
@@ -714,6 +943,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--staging-dir")
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
     ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
+    ck.add_argument(
+        "--attempt", type=int, help=f"the attempt number the controller recorded for this start (sets {ENV_ATTEMPT})"
+    )
+    ck.add_argument(
+        "--start-fresh",
+        action="store_true",
+        help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
+    )
 
     api = p.add_argument_group("control API")
     api.add_argument("--control-host", default="127.0.0.1", help="default 127.0.0.1; other hosts need a token")
@@ -780,6 +1017,23 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="a flush without a deadline is given up after this (default 600 s)",
     )
     st.add_argument("--kill-grace", type=float, default=5.0, help="SIGTERM to SIGKILL when killing (default 5 s)")
+    st.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="when the process that started the agent dies (e.g. a killed `spotjob run`), flush and stop",
+    )
+    st.add_argument(
+        "--parent-grace",
+        type=float,
+        default=30.0,
+        help="the deadline of that flush, in seconds after the parent is found gone (default 30)",
+    )
+    st.add_argument(
+        "--rank-connect-timeout",
+        type=float,
+        default=120.0,
+        help="warn when no rank has connected to the control folder this long after the start (default 120 s)",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -799,6 +1053,11 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
         parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
     if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
         parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
+    uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
+    try:
+        parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
+    except ValueError as e:
+        parser.error(f"{uri_option}: {e}")
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
     try:
         config = AgentConfig(
@@ -829,13 +1088,32 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             flush_timeout=ns.flush_timeout,
             kill_grace=ns.kill_grace,
             expected_ranks=ns.expected_ranks,
+            attempt=ns.attempt,
+            start_fresh=ns.start_fresh,
+            exit_with_parent=ns.exit_with_parent,
+            parent_grace=ns.parent_grace,
+            rank_connect_timeout=ns.rank_connect_timeout,
         )
     except ValidationError as e:
         problems = "; ".join(
-            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()
+            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {_plain(err)}" for err in e.errors()
         )
         parser.error(problems)
     return config, ns.log_level
+
+
+def _plain(err: Any) -> str:
+    """A pydantic error in an operator's words (no "Input should be", no documentation URL)."""
+    ctx = err.get("ctx") or {}
+    words = {
+        "greater_than_equal": "must be at least {ge}",
+        "greater_than": "must be more than {gt}",
+        "less_than_equal": "must be at most {le}",
+        "less_than": "must be less than {lt}",
+    }.get(err.get("type", ""))
+    if words is not None:
+        return words.format(**ctx)
+    return str(err.get("msg", "invalid value")).removeprefix("Value error, ")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

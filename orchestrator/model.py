@@ -166,6 +166,9 @@ class Cause(StrEnum):
     """The capacity went away (notice, agent exit 75/76, worker lost): unlimited, backs off."""
     FAILURE = "Failure"
     """The user's code failed (another non-zero exit): consumes maxRestarts."""
+    INFRASTRUCTURE = "Infrastructure"
+    """Not the user's fault (an agent exited 74: storage unreachable, rendezvous port taken):
+    restarted after the infrastructure backoff; consumes no budget, is no preemption."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

@@ -21,7 +21,8 @@ Transitions (``*`` once the next attempt's workers were started)::
     Flushing                    Rescheduling  storage holds a manifest newer than before      FlushCommitted
                                               no worker is left running to flush              WorkersExited
                                               flushTimeoutSeconds passed                      FlushTimedOut
-    Pending, Running, Resch.*   Rescheduling  a worker exited non-zero (not 75/76)            WorkerFailed
+    Pending, Running, Resch.*   Rescheduling  a worker's agent exited 74                      WorkerInfraError
+                                Rescheduling  a worker exited non-zero (not 74/75/76/79)      WorkerFailed
                                 Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
     any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
     any                         Failed        another job owns the checkpoint URI             CheckpointURIOwned
@@ -33,7 +34,11 @@ spec says so, for ``cooldown.seconds``).
 Failure classes (DESIGN.md): a *preemption* (any of the four Flushing reasons) never consumes
 ``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
 *infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
-retried with exponential backoff and shown in the Degraded condition. A worker that vanishes
+retried with exponential backoff and shown in the Degraded condition. A worker whose agent exits
+74 met one inside the job (storage unreachable during restore, its rendezvous port taken): the
+gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
+True (``WorkerInfraError``) until that attempt runs — no budget, no preemption count. An agent
+exiting 79 was stopped through its API by someone else than this pass: like a vanished worker. A worker that vanishes
 without a signal is a preemption: something outside the user's code took it (a node reclaimed
 without notice, a deleted pod), as SkyPilot counts a lost cluster. When one observation holds
 both, the preemption wins: a crash on a node that is going away is the notice's doing. Exits
@@ -73,7 +78,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from agent.catalog import CheckpointStatus, latest_valid
-from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.storage import Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import Backend, BackendError, Placement, WorkerObservation
@@ -183,6 +188,12 @@ WORKER_FAILED = Reason(
 RESTART_BUDGET_EXHAUSTED = Reason(
     "RestartBudgetExhausted",
     "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used",
+    warning=True,
+)
+WORKER_INFRA_ERROR = Reason(
+    "WorkerInfraError",
+    "the agent of {worker} on node {node} exited {code}: an infrastructure error, not the user's code "
+    "(storage unreachable, rendezvous port taken); restarting after the infrastructure backoff, no restart counted",
     warning=True,
 )
 INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
@@ -538,6 +549,11 @@ class Reconciler:
         if preemption is not None:
             self._enter_flushing(p, preemption)
             return True
+        # Before failures: the peers of a worker that stopped for an infrastructure error fail too.
+        infra = [w for w in current if w.exit_code == EXIT_INFRA_ERROR]
+        if infra:
+            self._on_infra_error(p, infra[0])
+            return True
         failed = [w for w in current if _is_failure(w)]
         if failed:
             self._on_failure(p, failed[0])
@@ -583,7 +599,8 @@ class Reconciler:
                     reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
                 )
 
-        lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code is None]
+        gone = (None, EXIT_STOPPED)  # no exit code, or stopped through its API by someone else
+        lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code in gone]
         missing = p.seen - set(by_name)
         if missing:
             # A listing can miss a worker for a moment (a cache resync): ask again before believing it.
@@ -712,6 +729,17 @@ class Reconciler:
         self._event(p, WORKER_FAILED, message=message)
         self._enter_rescheduling(p, None)
 
+    def _on_infra_error(self, p: _Pass, worker: WorkerObservation) -> None:
+        """An agent exited 74: restart the gang after the infrastructure backoff, budget untouched."""
+        status = p.status
+        self._close_recovery(p)
+        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code)
+        status.recovery = RecoveryStatus(
+            cause=Cause.INFRASTRUCTURE, reason=WORKER_INFRA_ERROR.name, message=message, detected_at=p.now
+        )
+        self._event(p, WORKER_INFRA_ERROR, message=message)
+        self._enter_rescheduling(p, None)
+
     def _enter_rescheduling(self, p: _Pass, why: Reason | None, **fields: object) -> None:
         """Stop the gang, remember where not to go, and set the next attempt's backoff.
 
@@ -740,6 +768,8 @@ class Reconciler:
         ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
         status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
         delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
+        if recovery.cause is Cause.INFRASTRUCTURE:
+            delay = self._options.infra_delay(status.consecutive_restarts)
         recovery.restart_at = p.now + timedelta(seconds=delay)
         status.attempt = AttemptStatus(number=stopped.number + 1)
 
@@ -823,6 +853,10 @@ class Reconciler:
             self._degraded(p, reason, uri=uri, error=p.storage_error)
         elif p.signals_error is not None:
             self._degraded(p, BACKEND_UNAVAILABLE, error=p.signals_error)
+        elif status.recovery is not None and status.recovery.cause is Cause.INFRASTRUCTURE:
+            # Degraded until the next attempt runs (its event was logged when the worker exited).
+            status.infra_errors = 0
+            self._condition(p, DEGRADED, True, WORKER_INFRA_ERROR.name, status.recovery.message)
         else:
             status.infra_errors = 0
             before = status.condition(DEGRADED)
@@ -920,8 +954,14 @@ def job_identity(spec: JobSpec) -> str:
 
 
 def _is_failure(w: WorkerObservation) -> bool:
-    """A non-zero exit of the user's code: anything but 0 and the agent's preemption codes."""
-    return w.exit_code is not None and w.exit_code not in (0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED)
+    """A non-zero exit of the user's code: anything but 0 and the agent's own codes."""
+    return w.exit_code is not None and w.exit_code not in (
+        0,
+        EXIT_PREEMPTED,
+        EXIT_FLUSH_FAILED,
+        EXIT_INFRA_ERROR,
+        EXIT_STOPPED,
+    )
 
 
 def _nodes(workers: Iterable[_Placed]) -> list[NodeRef]:

@@ -99,26 +99,28 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             raise SourceError(f"unreadable scheduled events document: {e}") from e
         if incarnation == self._incarnation:
             return
-        self._incarnation = incarnation
-        for event in events:
-            if isinstance(event, dict):
-                self._on_event(event)
+        delivered = [self._on_event(event) for event in events if isinstance(event, dict)]
+        # A document is done only when every notice in it was delivered; otherwise the next poll
+        # reads it again (same incarnation) and retries the ones not yet delivered.
+        if all(delivered):
+            self._incarnation = incarnation
 
-    def _on_event(self, event: dict[str, Any]) -> None:
+    def _on_event(self, event: dict[str, Any]) -> bool:
+        """Turn one event into a notice; False if its delivery failed (retried next poll)."""
         event_id = str(event.get("EventId", ""))
         event_type = str(event.get("EventType", ""))
         if not event_id or event_id in self._seen:
-            return
+            return True
         resources = [str(r) for r in event.get("Resources") or []]
         if self._vm_name and resources and self._vm_name not in resources:
             self._seen.add(event_id)
             log.debug("Azure event %s (%s) is for %s, not %s", event_id, event_type, resources, self._vm_name)
-            return
+            return True
         kind = EVENT_KINDS.get(event_type)
         if kind is None:
             self._seen.add(event_id)
             log.info("Azure scheduled event %s (%s): no flush needed", event_id, event_type)
-            return
+            return True
         deadline: float | None = None
         try:
             deadline = parse_not_before(str(event.get("NotBefore") or ""))
@@ -133,9 +135,11 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             detail=f"scheduled event {event_type} {event_id} ({event.get('EventStatus', '?')})",
             event_id=event_id,
         )
+        if not self._emit(event_id, notice):
+            return False
         with self._lock:
-            self._to_ack.append(event_id)
-        self._emit(event_id, notice)
+            self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
+        return True
 
     def _read_vm_name(self) -> str | None:
         try:

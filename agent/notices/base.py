@@ -10,8 +10,10 @@ Threads: every source runs its own thread(s) that poll or long-poll; ``start`` r
 ``stop`` returns once the threads have ended (or after a bounded wait — they are daemon threads,
 so a stuck one never keeps the process alive). The callback is called from a source's thread,
 so it must be thread-safe; it is called once per distinct cloud event, never again for the same
-one. A message that cannot be reached or parsed is logged and polling goes on: a metadata
-endpoint that is briefly down must not stop the agent from hearing the next notice.
+one once a call returned. An event is marked as heard only *after* its callback returned: a
+callback that raises is logged and called again with the same event at the next poll. A message
+that cannot be reached or parsed is logged and polling goes on: a metadata endpoint that is
+briefly down must not stop the agent from hearing the next notice.
 """
 
 from __future__ import annotations
@@ -275,11 +277,16 @@ class PollingNoticeSource(NoticeSource):
         """Runs on the source's thread after the last poll."""
 
     def _emit(self, key: str, notice: Notice) -> bool:
-        """Hand ``notice`` to the callback unless ``key`` was emitted already; True if handed."""
+        """Hand ``notice`` to the callback unless ``key`` was delivered already; True if delivered now.
+
+        ``key`` is marked as seen only once the callback returned, so a failed delivery is tried
+        again when the next poll finds the event still there.
+        """
         if key in self._seen:
             return False
+        if not deliver_notice(self.name, self._callback, notice):
+            return False
         self._seen.add(key)
-        deliver_notice(self.name, self._callback, notice)
         return True
 
     def _forget(self, key_prefix: str) -> None:
@@ -287,8 +294,8 @@ class PollingNoticeSource(NoticeSource):
         self._seen = {k for k in self._seen if not k.startswith(key_prefix)}
 
 
-def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice) -> None:
-    """Log ``notice`` and call ``callback``; an error in the callback is logged, never raised."""
+def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice) -> bool:
+    """Log ``notice`` and call ``callback``; False if the callback raised (logged, never raised)."""
     log.info(
         "notice from %s: %s, deadline %s (%s)",
         source,
@@ -297,11 +304,13 @@ def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice)
         notice.detail,
     )
     if callback is None:
-        return
+        return True
     try:
         callback(notice)
     except Exception:
-        log.exception("handling a %s notice failed", source)
+        log.exception("handling a %s notice failed; it will be delivered again", source)
+        return False
+    return True
 
 
 def format_deadline(deadline: float | None, now: float | None = None) -> str:

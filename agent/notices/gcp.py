@@ -71,10 +71,13 @@ class _GceWatch(PollingNoticeSource):
         # A server that answers a wait_for_change at once with the same ETag would make this a
         # busy loop; pause the normal interval then.
         self._quick = etag is None or (etag == self._etag and time.monotonic() - started < 0.5)
+        if value != self._value and not self._on_value(value):
+            # Not delivered: keep the old value and ETag, so that the next poll (after the normal
+            # pause) is answered at once with this value and delivers it again.
+            self._quick = True
+            return
         self._etag = etag
-        if value != self._value:
-            self._value = value
-            self._on_value(value)
+        self._value = value
 
     def _how(self) -> str:
         return f"long poll on instance/{self.key}"
@@ -82,10 +85,11 @@ class _GceWatch(PollingNoticeSource):
     def _pause(self) -> float:
         return self.interval if self._quick else 0.0
 
-    def _on_value(self, value: str) -> None:
+    def _on_value(self, value: str) -> bool:
+        """Act on a new value; False if a notice it meant could not be delivered."""
         if self.key == "preempted":
             if value.upper() == "TRUE":
-                self._emit(
+                return "preempted" in self._seen or self._emit(
                     "preempted",
                     Notice(
                         source=self.name,
@@ -94,10 +98,9 @@ class _GceWatch(PollingNoticeSource):
                         detail="instance/preempted=TRUE",
                     ),
                 )
-            else:
-                self._forget("preempted")
+            self._forget("preempted")
         elif value == "TERMINATE_ON_HOST_MAINTENANCE":
-            self._emit(
+            return "maintenance" in self._seen or self._emit(
                 "maintenance",
                 Notice(
                     source=self.name,
@@ -110,6 +113,7 @@ class _GceWatch(PollingNoticeSource):
             if value.startswith("MIGRATE"):
                 log.info("GCE maintenance-event %s: live migration, the job keeps running", value)
             self._forget("maintenance")
+        return True
 
 
 class GceMetadataSource(NoticeSource):

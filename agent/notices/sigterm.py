@@ -8,8 +8,9 @@ notice, ``deadline = arrival + grace_seconds``, and the flush decides what happe
 Python runs signal handlers on the main thread between bytecodes, so ``start`` must be called
 from the main thread and the handler does nothing but put the signal on a ``SimpleQueue`` (safe
 to call re-entrantly from a handler); the source's own thread turns it into a notice. Every
-signal is delivered (the agent's flush is idempotent and logs a repeat); ``stop`` restores the
-previous handlers.
+signal is delivered (the agent's flush is idempotent and logs a repeat); one whose delivery
+failed (the callback raised) is delivered again every ``retry_seconds`` until it succeeds or the
+source stops. ``stop`` restores the previous handlers.
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ class SignalSource(NoticeSource):
 
     name = "signal"
 
-    def __init__(self, grace_seconds: float = 30.0, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS) -> None:
+    def __init__(
+        self,
+        grace_seconds: float = 30.0,
+        signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS,
+        *,
+        retry_seconds: float = 1.0,
+    ) -> None:
         self.grace_seconds = grace_seconds
         self.signals = signals
+        self.retry_seconds = retry_seconds
         self._queue: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
         self._previous: dict[signal.Signals, _Handler] = {}
         self._thread: threading.Thread | None = None
@@ -70,19 +78,22 @@ class SignalSource(NoticeSource):
         self._queue.put((signum, time.time()))
 
     def _run(self) -> None:
+        pending: Notice | None = None
         while True:
-            signum, arrived = self._queue.get()
+            try:
+                signum, arrived = self._queue.get(timeout=self.retry_seconds if pending is not None else None)
+            except queue.Empty:
+                signum, arrived = 0, 0.0  # time to retry the pending one
             if signum == _STOP:
                 return
-            name = signal.Signals(signum).name
-            deliver_notice(
-                self.name,
-                self._callback,
-                Notice(
+            if signum:
+                name = signal.Signals(signum).name
+                pending = Notice(
                     source=self.name,
                     kind=NoticeKind.TERMINATE,
                     deadline=arrived + self.grace_seconds,
                     detail=f"{name} received (grace {self.grace_seconds:g} s)",
                     received_at=arrived,
-                ),
-            )
+                )
+            if pending is not None and deliver_notice(self.name, self._callback, pending):
+                pending = None

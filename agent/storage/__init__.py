@@ -36,8 +36,36 @@ __all__ = [
     "TransientStorageError",
     "get_files",
     "open_storage",
+    "parse_uri",
     "put_files",
 ]
+
+
+def parse_uri(uri: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, path)`` of a checkpoint URI by ``open_storage``'s rules, opening nothing.
+
+    ``scheme`` is ``s3``, ``gs`` or ``file``; ``bucket`` is empty for ``file``; ``path`` is the
+    prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
+    ``ValueError`` with what to write instead when the URI is not one spotjob knows.
+    """
+    if not uri or not uri.strip():
+        raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("s3", "gs"):
+        if not parsed.netloc:
+            raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
+        return scheme, parsed.netloc, parsed.path.strip("/")
+    if scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt")
+        return "file", "", parsed.path
+    if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
+        return "file", "", uri
+    raise ValueError(
+        f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "
+        "use s3://bucket/prefix, gs://bucket/prefix, file:///path or a plain path"
+    )
 
 
 def open_storage(uri: str) -> Storage:
@@ -45,33 +73,15 @@ def open_storage(uri: str) -> Storage:
 
     Raises ``ValueError`` with what to write instead when the URI is not one spotjob knows.
     """
-    if not uri or not uri.strip():
-        raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
-    parsed = urlparse(uri)
-    scheme = parsed.scheme.lower()
-    if scheme in ("s3", "gs"):
-        bucket = parsed.netloc
-        if not bucket:
-            raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
-        prefix = parsed.path.strip("/")
-        if scheme == "s3":
-            from agent.storage.s3 import S3Storage
+    scheme, bucket, path = parse_uri(uri)
+    if scheme == "s3":
+        from agent.storage.s3 import S3Storage
 
-            return S3Storage(bucket, prefix)
+        return S3Storage(bucket, path)
+    if scheme == "gs":
         from agent.storage.gs import GCSStorage
 
-        return GCSStorage(bucket, prefix)
-    if scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt")
-        from agent.storage.file import FileStorage
+        return GCSStorage(bucket, path)
+    from agent.storage.file import FileStorage
 
-        return FileStorage(parsed.path)
-    if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
-        from agent.storage.file import FileStorage
-
-        return FileStorage(uri)
-    raise ValueError(
-        f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "
-        "use s3://bucket/prefix, gs://bucket/prefix, file:///path or a plain path"
-    )
+    return FileStorage(path)

@@ -63,6 +63,7 @@ from agent.control_channel import (
     ENV_JOB_NAME,
     ENV_KEEP,
     ENV_STAGING_DIR,
+    ENV_START_FRESH,
     STATUS_FILE,
     read_json,
 )
@@ -88,6 +89,8 @@ _AGENT_OWNED_ENV = (
     ENV_KEEP,
     ENV_ASYNC,
     ENV_STAGING_DIR,
+    ENV_START_FRESH,
+    ENV_ATTEMPT,
     ENV_CONTROL_DIR,
     ENV_AGENT_ID,
     ENV_AGENT_TOKEN,
@@ -337,12 +340,25 @@ def free_port() -> int:
 
 
 def write_token(path: str) -> str:
-    """A fresh random bearer token in a new 0600 file; returns the token."""
+    """A fresh random bearer token in a file readable by its owner only; returns the token.
+
+    The token goes into a new file created 0600 (``O_EXCL``, so never one that already exists
+    with a wider mode), which then replaces ``path`` in one rename: at no moment can anyone but
+    the owner read it, whether ``path`` existed before or not.
+    """
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     return token
 
 
@@ -640,7 +656,9 @@ class LocalBackend:
         log.info("provisioned %s (%s, %s); its IMDS is %s", name, zone, instance_type, imds.url)
         return node
 
-    def _command(self, job: JobSpec, index: int, node: LocalNode, control_dir: str, port: int) -> list[str]:
+    def _command(
+        self, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
+    ) -> list[str]:
         ck = job.checkpoint
         agent = [
             *_tool("spotjob-agent", "agent.launcher"),
@@ -653,6 +671,9 @@ class LocalBackend:
             "--keep", str(ck.keep),
             "--control-dir", control_dir,
             "--kill-grace", f"{self.options.kill_grace:g}",
+            "--attempt", str(attempt),
+            # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
+            "--exit-with-parent",
         ]  # fmt: skip
         if ck.every_steps is not None:
             agent += ["--every-steps", str(ck.every_steps)]
@@ -680,8 +701,7 @@ class LocalBackend:
         env.update(job.env)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER] = node.marker, marker
-        env[ENV_ATTEMPT] = str(attempt)  # recorded in storage before this start: the ranks' fence
-        command = self._command(job, index, node, control_dir, port)
+        command = self._command(job, attempt, index, node, control_dir, port)
         try:
             with open(log_path, "ab") as out:
                 out.write(f"# {' '.join(command)}\n".encode())

@@ -20,6 +20,8 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
 - ``finish``             run --steps steps, mark closed, exit 0
 - ``crash``              run --steps steps, exit --exit-code without closing (a failed job)
 - ``finish-abort``       run --steps steps, mark closed on every rank, then os.abort()
+- ``infra``              after --steps steps rank 0 reports an infrastructure error (storage
+                         unreachable) and every rank exits 1, as the Checkpointer does during restore
 
 ``--hold-file PATH``: rank 0 waits for PATH to exist before committing a flush (lets a test send
 a second notice while the first flush is surely in progress). ``--events PATH``: rank 0 appends
@@ -116,6 +118,10 @@ def worker(args: argparse.Namespace) -> int:
         if args.steps and step >= args.steps:
             if args.mode == "crash":
                 return args.exit_code
+            if args.mode == "infra":
+                if rank == 0:
+                    control.report_infra_error(rank, "storage unreachable: simulated outage")
+                return 1
             control.mark_closed(rank)
             if args.mode == "finish-abort":
                 abort()

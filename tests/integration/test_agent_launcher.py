@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED, ControlDir
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, ControlDir
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
-from agent.process_tree import ENV_AGENT_ID, all_processes
+from agent.process_tree import ENV_AGENT_ID, all_processes, read_proc
 
 FAKE_RANKS = Path(__file__).with_name("fake_ranks.py")
 WAIT = 30.0
@@ -90,11 +91,14 @@ class Run:
         os.kill(self.proc.pid, sig)
 
     def post_flush(self, body: dict[str, Any], token: str | None = None) -> tuple[int, dict[str, Any]]:
+        return self.post("/flush", body, token)
+
+    def post(self, path: str, body: dict[str, Any], token: str | None = None) -> tuple[int, dict[str, Any]]:
         headers = {"Content-Type": "application/json"}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(
-            self.agent_info()["url"] + "/flush", method="POST", headers=headers, data=json.dumps(body).encode()
+            self.agent_info()["url"] + path, method="POST", headers=headers, data=json.dumps(body).encode()
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
@@ -325,3 +329,180 @@ def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exit
     assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
     assert "the deadline passed" in run.log()
     assert marked_processes(agent_id) == []
+
+
+# -- exit codes the agent reports only for what it saw ---------------------------------------------------
+
+
+@pytest.mark.parametrize("own", [74, 75, 76, 79])
+def test_a_command_that_exits_with_an_agent_code_by_itself_is_reported_as_1_and_says_why(
+    start: Callable[..., Run], own: int
+) -> None:
+    run = start(mode="crash", fake_args=("--steps", "3", "--exit-code", str(own)))
+    assert run.exit_code() == 1, run.log()
+    assert f"exited {own} by itself" in run.log()
+
+
+def test_a_rank_reporting_an_infrastructure_error_makes_the_agent_exit_74(start: Callable[..., Run]) -> None:
+    run = start(mode="infra", fake_args=("--steps", "3"))
+    assert run.exit_code() == EXIT_INFRA_ERROR, run.log()
+    assert "infrastructure error: rank 0: storage unreachable" in run.log()
+
+
+# -- POST /stop -------------------------------------------------------------------------------------------
+
+
+def test_post_stop_stops_every_process_without_a_flush_and_exits_79(start: Callable[..., Run]) -> None:
+    run = start(env={"SPOTJOB_AGENT_TOKEN": TOKEN})
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    assert run.post("/stop", {"reason": "worker 1 of the gang failed"})[0] == 401
+    assert run.proc.poll() is None
+    status, body = run.post("/stop", {"reason": "worker 1 of the gang failed"}, token=TOKEN)
+    assert status == 202 and body["created"] is True
+    assert run.exit_code() == EXIT_STOPPED, run.log()
+    assert not run.control.flush_requested() and not [e for e in events(run) if e.startswith("flush")]
+    assert marked_processes(agent_id) == []
+    assert "worker 1 of the gang failed" in run.log()
+
+
+# -- the rendezvous port --------------------------------------------------------------------------------
+
+
+def fake_torchrun(tmp_path: Path, body: str) -> Path:
+    """An executable named ``torchrun`` (what the agent recognises), running ``body`` in Python."""
+    path = tmp_path / "bin" / "torchrun"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!{sys.executable}\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_taken_rendezvous_port_exits_74_before_the_command_starts(tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    torchrun = fake_torchrun(tmp_path, f"open({str(started)!r}, 'w').close()")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        command = [
+            *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--",
+            str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "train.py",
+        ]  # fmt: skip
+        out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT)
+    assert out.returncode == EXIT_INFRA_ERROR, out.stderr
+    assert f"rendezvous port {port}" in out.stderr and "--master-port" in out.stderr
+    assert not started.exists()
+
+
+def test_torchrun_failing_while_another_process_took_its_rendezvous_port_exits_74(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    # Free at the agent's check; taken (by the test) before "torchrun" tries to bind and fails.
+    torchrun = fake_torchrun(
+        tmp_path, f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nsys.exit(1)"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--",
+        str(torchrun), "--master-port", str(port), "train.py",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            go.touch()
+            _, err = proc.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INFRA_ERROR, err
+    assert f"rendezvous port {port}" in err
+
+
+def test_torchrun_failing_with_a_free_port_is_the_commands_failure(tmp_path: Path) -> None:
+    torchrun = fake_torchrun(tmp_path, "import sys; sys.exit(3)")
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--",
+        str(torchrun), "--master-port", "1", "train.py",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT)
+    assert out.returncode == 3, out.stderr
+
+
+# -- the driver dies ------------------------------------------------------------------------------------
+
+DRIVER = """
+import subprocess, sys
+proc = subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], "ab"), stderr=subprocess.STDOUT,
+                        start_new_session=True)
+print(proc.pid, flush=True)
+proc.wait()
+"""
+
+
+def test_when_the_driver_is_killed_the_ranks_flush_and_every_process_is_gone(tmp_path: Path) -> None:
+    control = tmp_path / "control"
+    log_path = tmp_path / "agent.log"
+    agent = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--control-dir", str(control),
+        "--cloud", "none", "--kill-grace", "1", "--exit-with-parent", "--parent-grace", "20",
+        "--", sys.executable, str(FAKE_RANKS), "--nproc", "2", "--events", str(tmp_path / "events"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(log_path), *agent], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert driver.stdout is not None
+    agent_pid = int(driver.stdout.readline())
+    run = Run(driver, ControlDir(str(control)), log_path, tmp_path)
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    driver.kill()  # SIGKILL: the driver gets no chance to stop anything
+    driver.wait()
+    wait_until(lambda: not alive(agent_pid), "the agent to exit after its driver died", timeout=60)
+    wait_until(lambda: marked_processes(agent_id) == [], "every process of the job to be gone")
+    result = run.control.flush_result()
+    assert result is not None and result.error is None, run.log()
+    request = run.control.flush_request()
+    assert request is not None and request.reason.startswith("driver"), run.log()
+    assert [e for e in events(run) if e.startswith("flush")] == [f"flush {result.request_id}"]
+    assert "exiting 75" in run.log()
+
+
+def alive(pid: int) -> bool:
+    info = read_proc(pid)
+    return info is not None and info.state != "Z"
+
+
+# -- a command that never connects -------------------------------------------------------------------
+
+
+def test_a_command_whose_ranks_never_connect_is_warned_about_in_the_log_and_status(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    control = tmp_path / "control"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none",
+        "--control-dir", str(control), "--rank-connect-timeout", "0.5", "--",
+        sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.05)",
+    ]  # fmt: skip
+    log_path = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
+    try:
+        wait_until(lambda: "no rank has connected" in run.log(), "the warning", run)
+        url = run.agent_info()["url"]
+        with urllib.request.urlopen(url + "/status", timeout=10) as resp:
+            status = json.loads(resp.read())
+        assert status["ranks_connected"] is False and "Checkpointer" in status["problems"][0]
+        assert "WARNING" in run.log()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/readyz", timeout=10)
+        assert e.value.code == 503
+    finally:
+        done.touch()
+    assert run.exit_code() == 0, run.log()

@@ -29,7 +29,7 @@ import torch
 from ckpt_compare import assert_same
 
 from agent.catalog import list_checkpoints
-from agent.control_channel import EXIT_PREEMPTED, ControlDir
+from agent.control_channel import EXIT_INFRA_ERROR, EXIT_PREEMPTED, ControlDir
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.storage import open_storage
@@ -281,7 +281,7 @@ def test_two_notices_in_a_row_start_one_flush(tmp_path: Path, imds: ImdsEmulator
     assert len(steps) == 1, f"expected exactly one flush checkpoint, found {steps}"
 
 
-def test_a_window_too_short_for_a_flush_is_reported_and_leaves_nothing_restore_could_mistake(tmp_path: Path) -> None:
+def test_a_deadline_already_past_is_reported_and_still_flushed_not_killed(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     run = start_agent(tmp_path, "short", uri, ["--cloud", "none"], ["--step-sleep", "0.05", "--every-steps", "10"])
     wait_until(lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc)
@@ -299,10 +299,47 @@ def test_a_window_too_short_for_a_flush_is_reported_and_leaves_nothing_restore_c
     ) as resp:
         status = json.loads(resp.read())
     assert status["window_ok"] is False and status["window_message"]
-    run.wait()
-    # Whatever the agent managed before killing the job: every folder is either valid or uncommitted.
+    # A deadline in the past means "flush now": the ranks get their chance, nobody kills them first.
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None
     for s in list_checkpoints(open_storage(uri)):
         assert s.valid or not s.committed, s.reason
+
+
+def test_a_taken_rendezvous_port_exits_74_before_torchrun_starts(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        log_path = tmp_path / "agent.log"
+        with open(log_path, "wb") as out:
+            rc = subprocess.run(
+                [
+                    str(BIN / "spotjob-agent"),
+                    "--checkpoint-uri",
+                    str(tmp_path / "ckpt"),
+                    "--cloud",
+                    "none",
+                    "--control-dir",
+                    str(tmp_path / "control"),
+                    "--",
+                    str(BIN / "torchrun"),
+                    "--nproc-per-node",
+                    "2",
+                    "--master-port",
+                    str(port),
+                    str(TRAIN),
+                    "--steps",
+                    "5",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=120,
+            ).returncode
+    log = log_path.read_text()
+    assert rc == EXIT_INFRA_ERROR, log
+    assert f"rendezvous port {port}" in log and ControlDir(str(tmp_path / "control")).status() is None
 
 
 def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp_path: Path) -> None:

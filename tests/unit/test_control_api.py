@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent.control_api import ControlApi, load_token
+from agent.control_api import MAX_BODY_BYTES, ControlApi, load_token
 from agent.control_channel import ControlDir, RankStatus
 from agent.launcher import Agent, AgentConfig
 
@@ -187,3 +189,238 @@ class TestToken:
             load_token(str(path), {})
         with pytest.raises(ValueError, match="empty"):
             load_token(None, {"SPOTJOB_AGENT_TOKEN": " "})
+
+
+# -- facing a pod network ---------------------------------------------------------------------------
+
+WAIT = 30.0
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    give_up = time.monotonic() + WAIT
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Everything the server sends until it closes: (status, lower-cased headers, body)."""
+    sock.settimeout(WAIT)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def raw(api: ControlApi, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
+        sock.sendall(data)
+        return read_response(sock)
+
+
+def post(path: str, body: bytes, *extra: str, token: str = TOKEN) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", f"Authorization: Bearer {token}", *extra]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+def make_api(agent: Agent) -> Iterator[Callable[..., ControlApi]]:
+    servers: list[ControlApi] = []
+
+    def make(**kw: Any) -> ControlApi:
+        server = ControlApi(agent, token=TOKEN, **kw)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+class TestConnections:
+    def test_connections_beyond_the_bound_get_503_at_once_and_the_held_ones_free_their_slots(
+        self, make_api: Callable[..., ControlApi]
+    ) -> None:
+        api = make_api(max_connections=4, request_timeout=600)
+        slow = [socket.create_connection(("127.0.0.1", api.port)) for _ in range(4)]
+        try:
+            for s in slow:
+                s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+            wait_until(lambda: api.open_connections == 4, "four connections held")
+            for _ in range(6):
+                status, headers, body = raw(api, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert status == 503 and headers["retry-after"] == "1" and json.loads(body)["error"]
+            assert api.open_connections == 4
+        finally:
+            for s in slow:
+                s.close()
+        wait_until(lambda: api.open_connections == 0, "the slots to be freed when the clients hang up")
+        assert call(api, "GET", "/healthz") == (200, {"ok": True})
+
+    def test_a_client_trickling_its_headers_is_cut_off_with_408_and_changes_nothing(
+        self, make_api: Callable[..., ControlApi], agent: Agent
+    ) -> None:
+        api = make_api(request_timeout=0.5)
+        request = post("/flush", b"{}", "Content-Length: 2")
+        with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
+            # One byte every 0.1 s: each read is quick, only the whole request is slow.
+            for byte in request[:-4]:
+                try:
+                    sock.send(bytes([byte]))
+                except OSError:
+                    break
+                time.sleep(0.1)
+                if api.open_connections == 0:
+                    break
+            status, _, body = read_response(sock)
+        assert status == 408 and json.loads(body) == {"error": "request timeout", "detail": None}
+        assert not agent.control.flush_requested()
+
+    def test_a_body_that_never_arrives_is_cut_off_with_408(
+        self, make_api: Callable[..., ControlApi], agent: Agent
+    ) -> None:
+        api = make_api(request_timeout=0.5)
+        with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
+            sock.sendall(post("/flush", b'{"rea', "Content-Length: 100"))
+            status, _, _ = read_response(sock)
+        assert status == 408 and not agent.control.flush_requested()
+        wait_until(lambda: api.open_connections == 0, "the slot to be freed")
+
+    def test_a_client_that_hangs_up_is_no_error(
+        self, api: ControlApi, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        with caplog.at_level(logging.DEBUG):
+            with socket.create_connection(("127.0.0.1", api.port)) as sock:
+                sock.sendall(post("/flush", b'{"reason": "x"', "Content-Length: 100"))
+            # A reset while the answer is written (SO_LINGER 0 sends RST on close).
+            with socket.create_connection(("127.0.0.1", api.port)) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.sendall(
+                    b"GET /status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+                )
+            wait_until(lambda: api.open_connections == 0, "both connections to end")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "Traceback" not in capfd.readouterr().err
+
+
+class TestRequests:
+    @pytest.mark.parametrize(
+        ("header", "status"),
+        [
+            ("Content-Length: -1", 400),
+            ("Content-Length: abc", 400),
+            ("Content-Length: 1e3", 400),
+            (f"Content-Length: {MAX_BODY_BYTES + 1}", 413),
+            ("Content-Length: 99999999999999999999", 413),
+            ("Transfer-Encoding: chunked", 411),
+        ],
+    )
+    def test_a_bad_or_oversized_content_length_is_refused_and_writes_no_flush(
+        self, api: ControlApi, agent: Agent, header: str, status: int
+    ) -> None:
+        got, headers, body = raw(api, post("/flush", b'{"reason": "x"}', header))
+        assert got == status and headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert not agent.control.flush_requested()
+
+    def test_two_different_content_lengths_are_refused(self, api: ControlApi, agent: Agent) -> None:
+        assert raw(api, post("/flush", b"{}", "Content-Length: 2", "Content-Length: 0"))[0] == 400
+        assert not agent.control.flush_requested()
+
+    def test_a_body_shorter_than_its_length_is_400(self, api: ControlApi, agent: Agent) -> None:
+        with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
+            sock.sendall(post("/flush", b"{}", "Content-Length: 10"))
+            sock.shutdown(socket.SHUT_WR)
+            assert read_response(sock)[0] == 400
+        assert not agent.control.flush_requested()
+
+    @pytest.mark.parametrize(
+        ("method", "path", "allow"),
+        [
+            ("PUT", "/flush", "POST"),
+            ("DELETE", "/stop", "POST"),
+            ("PATCH", "/status", "GET"),
+            ("BREW", "/healthz", "GET"),
+        ],
+    )
+    def test_other_methods_get_json_405_with_allow(self, api: ControlApi, method: str, path: str, allow: str) -> None:
+        status, headers, body = raw(
+            api, f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+        )
+        assert (status, headers["allow"], headers["content-type"]) == (405, allow, "application/json")
+        assert "method not allowed" in json.loads(body)["error"]
+
+    def test_a_malformed_request_gets_json(self, api: ControlApi) -> None:
+        status, headers, body = raw(api, b"GET /status HTTP/9\r\n\r\n")
+        assert status >= 400 and headers["content-type"] == "application/json" and json.loads(body)["error"]
+
+
+class TestDeadlines:
+    @pytest.mark.parametrize("deadline", ["1e17", "1e400", "-1e400", "NaN", "0", "1700000000000"])
+    def test_an_absurd_deadline_is_400_and_writes_no_flush(self, api: ControlApi, agent: Agent, deadline: str) -> None:
+        status, body = call(api, "POST", "/flush", token=TOKEN, raw=f'{{"deadline": {deadline}}}'.encode())
+        assert status == 400 and body["error"] == "invalid flush body", body
+        assert "http" not in json.dumps(body["detail"]) and "Value error" not in json.dumps(body["detail"])
+        assert not agent.control.flush_requested()
+
+    def test_a_deadline_in_the_past_means_flush_now_not_kill_now(self, api: ControlApi, agent: Agent) -> None:
+        late = time.time() - 5
+        status, _ = call(api, "POST", "/flush", token=TOKEN, body={"reason": "late", "deadline": late})
+        assert status == 202 and agent.control.flush_requested()
+        flush = agent._flush
+        assert flush is not None
+        # Bounded by --flush-timeout (600 s here), as a flush without a deadline is: never "now".
+        assert flush.kill_at - time.monotonic() > agent.config.flush_timeout / 2
+        assert "--flush-timeout" in flush.kill_reason
+        status_body = call(api, "GET", "/status", token=TOKEN)[1]
+        assert status_body["window_ok"] is False and "passed" in status_body["window_message"]
+
+
+class TestLogInjection:
+    def test_request_fields_reach_the_log_escaped(
+        self, api: ControlApi, agent: Agent, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        forged = "node tainted\n2030-01-01 00:00:00 ERROR spotjob: forged line\x1b[2J\x1b[31m"
+        with caplog.at_level(logging.DEBUG):
+            assert call(api, "POST", "/flush", token=TOKEN, body={"reason": forged})[0] == 202
+            call(api, "POST", "/stop", token=TOKEN, body={"reason": forged})
+            raw(api, b"GET /\x1b[2Jstat\rus HTTP/1.0\r\n\r\n")
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "\x1b" not in text and "\nERROR" not in text and "\r" not in text
+        assert "node tainted\\n2030" in text and "\\x1b[2J" in text
+        request = agent.control.flush_request()
+        assert request is not None and "\n" not in request.reason and "\x1b" not in request.reason
+
+
+class TestReadyz:
+    def test_needs_no_token_and_is_ready_only_once_rank_0_trains(self, api: ControlApi, agent: Agent) -> None:
+        status, body = call(api, "GET", "/readyz")
+        assert status == 503 and body["ready"] is False and "no rank" in body["reason"]
+        agent.control.write_status(RankStatus(state="starting"))
+        assert call(api, "GET", "/readyz")[0] == 503
+        agent.control.write_status(RankStatus(state="training", step=3))
+        assert call(api, "GET", "/readyz") == (200, {"ready": True, "reason": "rank 0 is training at step 3"})
+
+
+class TestStop:
+    def test_needs_the_token(self, api: ControlApi, agent: Agent) -> None:
+        assert call(api, "POST", "/stop", body={"reason": "peer failed"})[0] == 401
+        assert agent.status().stop is None and agent.status().state == "starting"
+
+    def test_asks_the_agent_to_stop_without_a_flush_once(self, api: ControlApi, agent: Agent) -> None:
+        status, body = call(api, "POST", "/stop", token=TOKEN, body={"reason": "worker 1 failed"})
+        assert status == 202 and body["created"] is True and body["stop"]["reason"] == "worker 1 failed"
+        again = call(api, "POST", "/stop", token=TOKEN, body={"reason": "again"})
+        assert again == (200, {"created": False, "stop": body["stop"]})
+        assert not agent.control.flush_requested()
+        status_body = call(api, "GET", "/status", token=TOKEN)[1]
+        assert status_body["state"] == "stopping" and status_body["stop"]["reason"] == "worker 1 failed"
+        assert call(api, "GET", "/readyz")[0] == 503
+
+    def test_an_invalid_body_is_400(self, api: ControlApi, agent: Agent) -> None:
+        assert call(api, "POST", "/stop", token=TOKEN, raw=b'{"reason": ""}')[0] == 400
+        assert agent.status().stop is None

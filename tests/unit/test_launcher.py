@@ -13,10 +13,27 @@ from pathlib import Path
 
 import pytest
 
-from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED, ControlDir, FlushResult
-from agent.launcher import Agent, AgentConfig, decide_exit_code, flush_window, parse_args, torchrun_nproc
+from agent.control_channel import (
+    EXIT_FLUSH_FAILED,
+    EXIT_INFRA_ERROR,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    ControlDir,
+    FlushResult,
+    RankStatus,
+)
+from agent.launcher import (
+    Agent,
+    AgentConfig,
+    canonical_uri,
+    decide_exit_code,
+    flush_window,
+    parse_args,
+    torchrun_nproc,
+)
 from agent.notices import Cloud, NoticeCallback, NoticeSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
+from agent.torchrun import local_rendezvous
 
 COMMITTED = FlushResult(step=7, uri="file:///c/step-000000007", request_id="r", notice_to_commit_seconds=1.0)
 FAILED = FlushResult(step=None, uri=None, request_id="r", notice_to_commit_seconds=None, error="bucket gone")
@@ -59,6 +76,28 @@ class TestExitCode:
     def test_a_job_that_finished_while_a_flush_was_asked_for_is_done(self) -> None:
         assert exit_code(0, flush_requested=True) == 0
         assert exit_code(0, flush_requested=True, killed=True) == EXIT_FLUSH_FAILED
+
+    @pytest.mark.parametrize("own", [EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED])
+    def test_a_command_that_exits_with_an_agent_code_by_itself_is_a_plain_failure(self, own: int) -> None:
+        code, why = decide_exit_code(
+            own, flush_requested=False, result=None, closed_ranks=set(), expected_ranks=2, killed=False
+        )
+        assert code == 1 and f"exited {own} by itself" in why
+
+    def test_a_reported_infrastructure_error_is_74_unless_a_flush_committed(self) -> None:
+        assert exit_code(1, infra_error="rank 0: storage unreachable") == EXIT_INFRA_ERROR
+        assert exit_code(1, infra_error="x", flush_requested=True, result=FAILED) == EXIT_INFRA_ERROR
+        assert exit_code(1, infra_error="x", flush_requested=True, result=COMMITTED) == EXIT_PREEMPTED
+
+    def test_an_infrastructure_error_the_command_rode_out_is_no_failure(self) -> None:
+        """A save failed on the store, the script caught it, carried on and finished: exit 0."""
+        assert exit_code(0, infra_error="the checkpoint of step 5 failed on s3://b/p") == 0
+        assert exit_code(0, infra_error="x", killed=True) == EXIT_INFRA_ERROR
+
+    def test_a_stop_on_request_is_79_whatever_the_command_said(self) -> None:
+        for rc in (0, 1, -15, -9):
+            assert exit_code(rc, stopped="peer failed", killed=True) == EXIT_STOPPED
+        assert exit_code(-9, stopped="x", flush_requested=True, result=COMMITTED) == EXIT_PREEMPTED
 
 
 class TestFlushWindow:
@@ -111,11 +150,126 @@ class TestOptions:
             with pytest.raises(SystemExit):
                 parse_args(["--checkpoint-uri", "s3://b", *bad, "--", "x"], {})
 
+    @pytest.mark.parametrize(
+        ("argv", "env"),
+        [
+            (["--checkpoint-uri", "ftp://x"], {}),
+            (["--checkpoint-uri", "s3://"], {}),
+            (["--checkpoint-uri", "gs:///prefix"], {}),
+            (["--checkpoint-uri", "file://relative/path"], {}),
+            ([], {"SPOTJOB_CHECKPOINT_URI": "ftp://x"}),
+        ],
+    )
+    def test_a_checkpoint_uri_no_store_can_open_exits_2_naming_it(
+        self, argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args([*argv, "--", "python", "x.py"], env)
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert ("--checkpoint-uri" if argv else "SPOTJOB_CHECKPOINT_URI") in err
+        assert "s3://bucket/prefix" in err or "BUCKET" in err or "absolute path" in err
+
+    def test_attempt_and_start_fresh_reach_the_ranks(self, tmp_path: Path) -> None:
+        config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--attempt", "3", "--start-fresh", "--", "x"], {})
+        env = Agent(config, ControlDir(str(tmp_path)), env={}).rank_env()
+        assert env["SPOTJOB_ATTEMPT"] == "3" and env["SPOTJOB_START_FRESH"] == "1"
+        config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--", "x"], {})
+        env = Agent(config, ControlDir(str(tmp_path)), env={}).rank_env()
+        assert "SPOTJOB_ATTEMPT" not in env and "SPOTJOB_START_FRESH" not in env
+
+    def test_bad_numbers_are_named_in_plain_words(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit):
+            parse_args(["--checkpoint-uri", "s3://b", "--attempt", "-1", "--", "x"], {})
+        err = capsys.readouterr().err
+        assert "--attempt: must be at least 0" in err and "Input should" not in err and "http" not in err
+
     def test_ranks_per_node_from_a_torchrun_command(self) -> None:
         assert torchrun_nproc(["torchrun", "--nproc-per-node", "4", "train.py"]) == 4
         assert torchrun_nproc(["torchrun", "--nproc_per_node=8", "train.py", "--nproc-per-node", "2"]) == 8
         assert torchrun_nproc(["torchrun", "--nproc-per-node=gpu", "train.py"]) is None
         assert torchrun_nproc(["python", "train.py", "--nproc-per-node", "2"]) is None
+        assert torchrun_nproc(["python3", "-m", "torch.distributed.run", "--nproc-per-node", "3", "t.py"]) == 3
+        assert torchrun_nproc(["torchrun", "t.py"], {"PET_NPROC_PER_NODE": "5"}) == 5
+
+
+class TestRendezvous:
+    @pytest.mark.parametrize(
+        ("command", "port"),
+        [
+            (["torchrun", "--nproc-per-node", "2", "train.py"], 29500),
+            (["torchrun", "--master-port", "1234", "train.py", "--master-port", "9"], 1234),
+            (["torchrun", "--master_port=1235", "--node_rank=0", "--nnodes", "2", "train.py"], 1235),
+            (["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1236", "train.py"], 1236),
+            (["torchrun", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1", "train.py"], 29400),
+            (["python", "-m", "torch.distributed.run", "--master-port", "1237", "t.py"], 1237),
+        ],
+    )
+    def test_the_port_this_host_binds(self, command: list[str], port: int) -> None:
+        rdzv = local_rendezvous(command, {})
+        assert rdzv is not None and rdzv.port == port
+
+    @pytest.mark.parametrize(
+        "command",
+        [
+            ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py"],
+            ["torchrun", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234", "train.py"],
+            ["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:1236", "train.py"],
+            ["python", "train.py", "--master-port", "1234"],
+        ],
+    )
+    def test_no_port_when_another_host_or_torchrun_itself_chooses(self, command: list[str]) -> None:
+        assert local_rendezvous(command, {}) is None
+
+    def test_torchrun_environment_defaults_count(self) -> None:
+        rdzv = local_rendezvous(["torchrun", "train.py"], {"PET_MASTER_PORT": "4321"})
+        assert rdzv is not None and rdzv.port == 4321
+
+
+class TestCheckpointUri:
+    def test_two_spellings_of_one_location_are_one(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.chdir(tmp_path)
+        assert canonical_uri("s3://b/p/") == canonical_uri("S3://b//p") == "s3://b/p"
+        assert canonical_uri("ckpt") == canonical_uri(f"file://{tmp_path}/ckpt/") == canonical_uri(f"{tmp_path}/ckpt")
+        assert canonical_uri("s3://b/p") != canonical_uri("s3://b/q")
+
+    def test_a_rank_writing_elsewhere_is_an_error_in_the_log_and_in_status(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        config = AgentConfig(command=["x"], checkpoint_uri="s3://bucket/jobs/a")
+        agent = Agent(config, ControlDir(str(tmp_path)), env={})
+        agent.control.write_status(RankStatus(state="training", checkpoint_uri="s3://bucket/jobs/a/"))
+        agent._check_ranks(0.0)
+        assert agent.status().problems == []
+        agent.control.write_status(RankStatus(state="training", checkpoint_uri="s3://bucket/jobs/b"))
+        with caplog.at_level("ERROR"):
+            agent._check_ranks(0.0)
+            agent._check_ranks(0.0)
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "s3://bucket/jobs/b" in errors[0].getMessage()
+        status = agent.status()
+        assert status.rank_checkpoint_uri == "s3://bucket/jobs/b" and status.checkpoint_uri == "s3://bucket/jobs/a"
+        assert len(status.problems) == 1 and "controller" in status.problems[0]
+
+
+class TestRanksConnect:
+    def test_no_rank_after_the_timeout_is_a_warning_and_a_status_field(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        config = AgentConfig(command=["x"], checkpoint_uri="file:///c", rank_connect_timeout=120)
+        agent = Agent(config, ControlDir(str(tmp_path)), env={})
+        start = agent._started_monotonic
+        with caplog.at_level("WARNING"):
+            agent._check_ranks(start + 60)
+            assert not caplog.records and agent.status().problems == []
+            agent._check_ranks(start + 121)
+            agent._check_ranks(start + 122)
+        assert len(caplog.records) == 1 and "no rank has connected" in caplog.text
+        status = agent.status()
+        assert status.ranks_connected is False and "Checkpointer" in status.problems[0]
+        agent.control.write_status(RankStatus(state="training"))
+        agent._check_ranks(start + 123)
+        assert agent.status().problems == [] and agent.status().ranks_connected is True
 
 
 # Above Linux's largest pid_max (2**22): a root with no descendants, for trees found by marker only.

@@ -423,3 +423,76 @@ class TestFlushOnNotice:
         assert status.state == "flushing" and status.flush is not None and status.flush.id == first.id
         # The earlier deadline counts for the agent's own kill time and /status.
         assert status.deadline is not None and first.deadline is not None and status.deadline < first.deadline
+
+
+# -- a notice is marked as heard only once it was delivered --------------------------------------------
+
+
+class FailsFirst(Collector):
+    """A callback that raises on its first ``failures`` calls (the agent's disk was full, say)."""
+
+    def __init__(self, failures: int = 1) -> None:
+        super().__init__()
+        self.failures = failures
+        self.calls = 0
+
+    def __call__(self, notice: Notice) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError("No space left on device")
+        super().__call__(notice)
+
+
+class TestDeliverThenMark:
+    def test_aws_delivers_again_at_the_next_poll(self, imds: ImdsEmulator) -> None:
+        got = FailsFirst()
+        source = AwsImdsSource(imds.url, interval=FAST)
+        source.start(got)
+        try:
+            imds.set_spot_action("terminate", AT_2030)
+            notice = got.next()
+            assert notice.kind is NoticeKind.PREEMPTION and got.calls == 2
+            polls = imds.count("GET", INSTANCE_ACTION)
+            wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= polls + 3, "three more polls")
+            assert got.notices.empty() and got.calls == 2  # delivered once, then never again
+        finally:
+            source.stop()
+
+    def test_gcp_delivers_again_at_the_next_poll(self, gce: GceMetadataEmulator) -> None:
+        got = FailsFirst()
+        source = GceMetadataSource(gce.url, interval=FAST)
+        source.start(got)
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_preempted(True)
+            notice = got.next()
+            assert notice.kind is NoticeKind.PREEMPTION and got.calls == 2
+        finally:
+            source.stop()
+
+    def test_azure_delivers_again_at_the_next_poll_and_acknowledges_once(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        got = FailsFirst()
+        source = AzureScheduledEventsSource(azure.url, interval=FAST)
+        source.start(got)
+        try:
+            event_id = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+            notice = got.next()
+            assert notice.event_id == event_id and got.calls == 2
+            source.flush_finished()
+            assert azure.wait_for_start_request(event_id)
+            assert azure.start_requests == [event_id]
+        finally:
+            source.stop()
+
+    def test_a_signal_is_delivered_again_after_a_failed_delivery(self) -> None:
+        got = FailsFirst()
+        source = SignalSource(grace_seconds=17, retry_seconds=FAST)
+        source.start(got)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            notice = got.next()
+            assert "SIGTERM" in notice.detail and got.calls == 2
+        finally:
+            source.stop()

@@ -486,6 +486,71 @@ def test_unreachable_storage_shows_in_degraded_and_holds_the_restart_with_backof
     assert "StorageUnreachable" in world.event_reasons() and "Healthy" in world.event_reasons()
 
 
+def test_an_agent_exiting_74_restarts_the_gang_after_the_infra_backoff_without_spending_the_budget(
+    tmp_path: Any,
+) -> None:
+    w = make_world(tmp_path, maxRestarts=0)  # a failure of the user's code would end the job
+    w.run_to(100)
+    w.backend.exit(0, 1, 74)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert (status.restarts, status.preemptions) == (0, 0)
+    assert status.recovery is not None and status.recovery.cause is Cause.INFRASTRUCTURE
+    assert status.recovery.reason == "WorkerInfraError" and "train-0-1" in status.recovery.message
+    degraded = status.condition("Degraded")
+    assert degraded is not None and degraded.status == "True" and degraded.reason == "WorkerInfraError"
+    assert "WorkerInfraError" in w.event_reasons()
+    assert w.backend.stop_calls[-1] is None, "the whole gang is stopped"
+    assert w.backend.flush_calls == [] and status.avoid == [], "nothing to flush, nothing wrong with the node"
+    # The infrastructure backoff (1 s first), not the restart backoff (10 s first).
+    assert status.recovery.restart_at == w.clock.now() + timedelta(seconds=1)
+    w._next_pass()
+    degraded = w.status.condition("Degraded")
+    assert degraded is not None and degraded.status == "True", "Degraded until the next attempt runs"
+
+    status = w.run_until(running_attempt(1))
+    assert (status.restarts, status.preemptions) == (0, 0)
+    assert status.condition("Degraded").status == "False"  # type: ignore[union-attr]
+    assert w.backend.created[-2:] == ["train-1-0", "train-1-1"]
+
+
+def test_an_agent_exiting_74_wins_over_its_peers_failing_in_the_same_pass(tmp_path: Any) -> None:
+    w = make_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 0, 1)  # its peer lost the rendezvous and failed
+    w.backend.exit(0, 1, 74)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.recovery is not None and status.recovery.cause is Cause.INFRASTRUCTURE
+    assert status.restarts == 0
+
+
+def test_infrastructure_errors_in_a_row_back_off_exponentially(tmp_path: Any) -> None:
+    w = make_world(tmp_path, maxRestarts=0)
+    delays = []
+    for attempt in range(4):
+        w.run_until(running_attempt(attempt))
+        w.backend.exit(attempt, 0, 74)
+        status = w.run_until(phase_is(Phase.RESCHEDULING))
+        assert status.recovery is not None and status.recovery.restart_at is not None
+        delays.append((status.recovery.restart_at - w.clock.now()).total_seconds())
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    assert (w.status.restarts, w.status.preemptions, w.status.phase) == (0, 0, Phase.RESCHEDULING)
+
+
+def test_an_agent_stopped_through_its_api_is_neither_a_failure_nor_the_users_fault(tmp_path: Any) -> None:
+    w = make_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 1, 79)
+
+    status = w.run_until(lambda s: s.phase is not Phase.RUNNING)
+
+    assert status.phase is Phase.FLUSHING and status.reason == "WorkerLost"
+    assert status.restarts == 0
+
+
 def test_a_failing_backend_is_retried_with_backoff_without_changing_the_phase(world: World) -> None:
     world.run_to(50)
     world.backend.fail_calls = 3
