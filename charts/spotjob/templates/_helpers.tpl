@@ -1,0 +1,117 @@
+{{/*
+Names and labels. The label app.kubernetes.io/name is always "spotjob" and the controller pods
+always carry app.kubernetes.io/component: controller and app.kubernetes.io/instance: <release>:
+the controller's per-job NetworkPolicies select its own pods by exactly these three.
+*/}}
+
+{{- define "spotjob.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "spotjob.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := include "spotjob.name" . }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "spotjob.selectorLabels" -}}
+app.kubernetes.io/name: spotjob
+app.kubernetes.io/component: controller
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "spotjob.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: spotjob
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: spotjob
+{{- end }}
+
+{{/* The controller's pod labels as one flag value: k=v,k=v (--controller-pod-labels). */}}
+{{- define "spotjob.selectorLabelsFlag" -}}
+{{- $pairs := list }}
+{{- range $k, $v := (include "spotjob.selectorLabels" . | fromYaml) }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," (sortAlpha $pairs) }}
+{{- end }}
+
+{{- define "spotjob.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "spotjob.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "spotjob.leaseNamespace" -}}
+{{- default .Release.Namespace .Values.leaderElection.leaseNamespace }}
+{{- end }}
+
+{{- define "spotjob.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Settings that no schema can check alone; failing here names the values to change.
+*/}}
+{{- define "spotjob.validate" -}}
+{{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
+{{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
+{{- end }}
+{{- if and .Values.interruptionQueue.region (not .Values.interruptionQueue.url) }}
+{{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}
+{{- end }}
+{{- end }}
+
+{{/*
+RBAC rules from files/rbac.yaml, the one place they are written.
+Arguments: dict "root" $ "scopes" (list of scopes to include).
+Read rules first, then write rules; each preceded by its `why` as a comment.
+*/}}
+{{- define "spotjob.rbacRules" -}}
+{{- $root := .root }}
+{{- $scopes := .scopes }}
+{{- $rules := (.root.Files.Get "files/rbac.yaml" | fromYaml).rules }}
+{{- if not $rules }}{{ fail "files/rbac.yaml has no rules: the chart is broken" }}{{ end }}
+{{- range $access := list "read" "write" }}
+{{- range $rule := $rules }}
+{{- if and (eq $rule.access $access) (has $rule.scope $scopes) }}
+{{- $granted := true }}
+{{- if $rule.when }}
+{{- $value := $root.Values }}
+{{- range $key := splitList "." $rule.when }}
+{{- $value = index $value $key }}
+{{- end }}
+{{- $granted = not (empty $value) }}
+{{- end }}
+{{- if $granted }}
+# {{ $access | title }}: {{ $rule.why | wrapWith 96 "\n# " }}
+- apiGroups: {{ toJson $rule.apiGroups }}
+  resources: {{ toJson $rule.resources }}
+  {{- with $rule.resourceNames }}
+  {{- $names := list }}
+  {{- range . }}
+  {{- $names = append $names (eq . "$leaseName" | ternary $root.Values.leaderElection.leaseName .) }}
+  {{- end }}
+  resourceNames: {{ toJson $names }}
+  {{- end }}
+  verbs: {{ toJson $rule.verbs }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,217 @@
+"""Helpers of the install and provisioning tests: the real helm and terraform binaries, and reading
+what they produce.
+
+- ``helm_binary()``: $SPOTJOB_HELM, else ``.tools/bin/helm`` (installed by scripts/get-helm.py, which
+  ``make test`` runs; run here too when it is missing), else helm on PATH.
+- ``render(values)``: ``helm template`` of charts/spotjob with those values; the rendered objects.
+- ``controller_rules(objects)``: the RBAC rules the chart grants the controller's ServiceAccount, as
+  ``Grant`` tuples. The test that compares them with the API calls the controller really makes
+  (derived from the test API server's audit log) reads them from here.
+- ``terraform(...)``: the terraform binary with a clean, offline environment.
+- ``plugin_dir()``: the folder holding ``registry.terraform.io`` (a filesystem mirror of providers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "spotjob"
+CRD_FILE = CHART / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
+RBAC_FILE = CHART / "files" / "rbac.yaml"
+TERRAFORM = REPO / "terraform"
+EXAMPLES = REPO / "examples"
+
+RELEASE = "spotjob"
+NAMESPACE = "spotjob-system"
+
+# The Kubernetes versions every rendered object is validated against (strict: unknown fields fail):
+# the oldest the chart supports (Chart.yaml kubeVersion) and a recent one.
+K8S_VERSIONS = ("1.29.0", "1.35.0")
+
+
+# -- helm -------------------------------------------------------------------------------------------
+
+
+def helm_binary() -> str:
+    env = os.environ.get("SPOTJOB_HELM")
+    if env:
+        return env
+    local = REPO / ".tools" / "bin" / "helm"
+    if not local.exists():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "get-helm.py")], check=True)
+    if local.exists():
+        return str(local)
+    found = shutil.which("helm")
+    if found:
+        return found
+    raise RuntimeError("no helm binary: run `make helm` (scripts/get-helm.py) or set SPOTJOB_HELM")
+
+
+def helm(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run helm with an isolated home (no repositories, no plugins, no cluster)."""
+    with tempfile.TemporaryDirectory(prefix="helm-home-") as home:
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": home,
+            "HELM_CACHE_HOME": f"{home}/cache",
+            "HELM_CONFIG_HOME": f"{home}/config",
+            "HELM_DATA_HOME": f"{home}/data",
+            "KUBECONFIG": os.devnull,
+        }
+        return subprocess.run([helm_binary(), *args], capture_output=True, text=True, env=env, check=check)
+
+
+def template(values: Mapping[str, Any] | None = None, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the chart with ``values`` (a -f file); the completed process."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="values-") as f:
+        yaml.safe_dump(dict(values or {}), f)
+        f.flush()
+        return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", f.name, *extra)
+
+
+def render(values: Mapping[str, Any] | None = None, *extra: str) -> list[dict[str, Any]]:
+    """The objects ``helm template`` renders with ``values``; fails with helm's message."""
+    proc = template(values, *extra)
+    if proc.returncode != 0:
+        raise AssertionError(f"helm template failed ({proc.returncode}):\n{proc.stderr}")
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def find(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = find(objects, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def container_args(objects: Iterable[dict[str, Any]]) -> list[str]:
+    deployment = one(objects, "Deployment")
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+# -- RBAC -------------------------------------------------------------------------------------------
+
+
+class Grant(NamedTuple):
+    """One permission: ``namespace`` None is cluster-wide (a ClusterRole); ``name`` None is any name."""
+
+    namespace: str | None
+    api_group: str
+    resource: str
+    verb: str
+    name: str | None
+
+
+def expand(rule: Mapping[str, Any], namespace: str | None) -> set[Grant]:
+    names = rule.get("resourceNames") or [None]
+    return {
+        Grant(namespace, group, resource, verb, name)
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        for name in names
+    }
+
+
+def controller_rules(objects: list[dict[str, Any]], service_account: str = RELEASE) -> set[Grant]:
+    """Every permission the rendered chart binds to the controller's ServiceAccount."""
+    grants: set[Grant] = set()
+    for binding in objects:
+        if binding["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
+            continue
+        if not any(
+            s["kind"] == "ServiceAccount" and s["name"] == service_account and s["namespace"] == NAMESPACE
+            for s in binding.get("subjects", [])
+        ):
+            continue
+        namespace = binding["metadata"].get("namespace")
+        kind, name = binding["roleRef"]["kind"], binding["roleRef"]["name"]
+        if kind == "ClusterRole":
+            role = one(objects, kind, name)
+        else:  # a RoleBinding's Role is the one of that name in the binding's namespace
+            (role,) = [r for r in find(objects, kind, name) if r["metadata"]["namespace"] == namespace]
+        for rule in role.get("rules") or []:
+            grants |= expand(rule, namespace)
+    return grants
+
+
+def rbac_file_rules() -> list[dict[str, Any]]:
+    """files/rbac.yaml: the rules as written (with why, access, scope, when)."""
+    return list(yaml.safe_load(RBAC_FILE.read_text())["rules"])
+
+
+# -- terraform --------------------------------------------------------------------------------------
+
+
+def plugin_dir() -> Path | None:
+    """The provider mirror: $SPOTJOB_TF_PLUGIN_DIR, else a folder holding registry.terraform.io/hashicorp/aws."""
+    env = os.environ.get("SPOTJOB_TF_PLUGIN_DIR")
+    candidates = [Path(env)] if env else [Path("/opt/tf-plugins"), Path.home() / ".terraform.d" / "plugins"]
+    candidates += [Path(p) for p in ("/usr/share/terraform/plugins", "/usr/local/share/terraform/plugins")]
+    for c in candidates:
+        if (c / "registry.terraform.io" / "hashicorp" / "aws").is_dir():
+            return c
+    return None
+
+
+def terraform_env(workdir: Path) -> dict[str, str]:
+    """No CLI config of the developer's, no update checks, no prompts."""
+    config = workdir / ".terraformrc"
+    config.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_", "AWS_"))}
+    env.update(
+        TF_CLI_CONFIG_FILE=str(config),
+        TF_IN_AUTOMATION="1",
+        TF_INPUT="0",
+        CHECKPOINT_DISABLE="1",
+    )
+    return env
+
+
+def terraform(workdir: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["terraform", *args, "-no-color"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=dict(env) if env is not None else terraform_env(workdir),
+    )
+
+
+def load_hcl(path: Path) -> dict[str, Any]:
+    """A .tf file as python-hcl2 reads it, strings unquoted and without block markers."""
+    import hcl2
+    from hcl2.utils import SerializationOptions
+
+    options = SerializationOptions(with_comments=False, explicit_blocks=False, strip_string_quotes=True)
+    with path.open() as f:
+        data: dict[str, Any] = hcl2.load(f, serialization_options=options)
+    return data
+
+
+def hcl_blocks(data: Mapping[str, Any], kind: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """``{(type, name): body}`` of the ``resource`` or ``data`` blocks of a parsed file."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for entry in data.get(kind, []):
+        for type_, named in entry.items():
+            for name, body in named.items():
+                out[(type_.strip('"'), name.strip('"'))] = body
+    return out
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,319 @@
+"""The chart, rendered by the real helm with the defaults and with the value sets operators use:
+every object valid for Kubernetes (strict), and each setting visible where the controller and the
+cluster read it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from infra_support import (
+    CHART,
+    CRD_FILE,
+    K8S_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    container_args,
+    find,
+    helm,
+    one,
+    render,
+    template,
+)
+
+SELECTOR = {
+    "app.kubernetes.io/name": "spotjob",
+    "app.kubernetes.io/component": "controller",
+    "app.kubernetes.io/instance": RELEASE,
+}
+ROLE_ARN = "arn:aws:iam::111122223333:role/spotjob-controller"
+QUEUE_URL = "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"
+GSA = "spotjob-controller@example-project.iam.gserviceaccount.com"
+
+# name -> values; each is rendered, validated and checked below.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "one-replica": {"replicas": 1, "leaderElection": {"enabled": False}},
+    "no-crds": {"crds": {"enabled": False}},
+    "crds-not-kept": {"crds": {"keep": False}},
+    "irsa": {
+        "serviceAccount": {"aws": {"roleArn": ROLE_ARN}},
+        "interruptionQueue": {"url": QUEUE_URL, "region": "us-east-1"},
+    },
+    "workload-identity": {"serviceAccount": {"gcp": {"serviceAccount": GSA}}},
+    "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
+    "watch-namespaces": {"watchNamespaces": ["ml-training", "research"]},
+    "network-policy-off": {"networkPolicy": {"enabled": False}},
+    "everything": {
+        "image": {"digest": "sha256:" + "a" * 64},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "priorityClassName": "system-cluster-critical",
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": SELECTOR},
+            }
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}]
+                }
+            }
+        },
+        "podAnnotations": {"example.com/team": "ml-platform"},
+        "podLabels": {"team": "ml-platform", "app.kubernetes.io/name": "overridden"},
+        "extraArgs": ["--rebalance-advisory"],
+        "extraEnv": [{"name": "AWS_STS_REGIONAL_ENDPOINTS", "value": "regional"}],
+        "securityContext": {"runAsUser": None, "runAsGroup": None},
+        "metrics": {"service": {"annotations": {"prometheus.io/scrape": "true"}}},
+        "rbac": {"aggregateToDefaultRoles": False},
+        "podDisruptionBudget": {"maxUnavailable": "50%"},
+        "leaderElection": {"leaseName": "spotjob-leader", "leaseNamespace": "kube-system"},
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(VALUE_SETS[request.param])
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            raise AssertionError(
+                f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version} at {path}: {e.message}"
+            ) from None
+
+
+def test_helm_lint_strict_passes_with_the_defaults_and_every_value_set(helm_bin: str, tmp_path: Any) -> None:
+    for name, values in VALUE_SETS.items():
+        values_file = tmp_path / f"{name}.yaml"
+        values_file.write_text(yaml.safe_dump(values))
+        proc = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, "-f", str(values_file))
+        assert proc.returncode == 0, f"helm lint --strict with {name}:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_every_rendered_object_is_valid_kubernetes_in_strict_mode(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    assert objects
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a Prometheus Operator CRD: checked against the Service it scrapes below
+        _validate(obj)
+
+
+def test_every_namespaced_object_lands_in_the_release_namespace(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = rendered
+    elsewhere = {"Role", "RoleBinding"}  # watched namespaces and the lease namespace
+    for obj in objects:
+        if obj["kind"] in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding") or obj["kind"] in elsewhere:
+            continue
+        assert obj["metadata"].get("namespace") == NAMESPACE, f"{name}: {obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_the_controller_pod_is_hardened(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = rendered
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name"
+    assert env["POD_NAMESPACE"] == "metadata.namespace"
+    if name != "everything":
+        assert pod["securityContext"]["runAsUser"] == 65532
+
+
+def test_selectors_of_the_pdb_service_and_policy_flag_match_the_controller_pods(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    name, objects = rendered
+    labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert {k: labels[k] for k in SELECTOR} == SELECTOR, "the chart's selector labels always win over podLabels"
+    assert one(objects, "Deployment")["spec"]["selector"]["matchLabels"] == SELECTOR
+    assert one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"] == SELECTOR
+    assert one(objects, "Service")["spec"]["selector"] == SELECTOR
+    args = container_args(objects)
+    if name == "network-policy-off":
+        assert "--no-network-policy" in args
+        assert not [a for a in args if a.startswith("--controller-pod-labels")]
+    else:
+        assert "--network-policy" in args
+        (flag,) = [a for a in args if a.startswith("--controller-pod-labels=")]
+        pairs = dict(p.split("=", 1) for p in flag.split("=", 1)[1].split(","))
+        assert pairs == SELECTOR
+
+
+def test_defaults_run_two_leader_elected_replicas_with_the_crd_kept() -> None:
+    objects = render()
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    args = container_args(objects)
+    assert "--leader-elect" in args
+    assert "--lease-name=spotjob-controller" in args
+    assert f"--lease-namespace={NAMESPACE}" in args
+    assert "--http-port=8080" in args and "--agent-port=8470" in args and "--log-level=info" in args
+    assert not [a for a in args if a.startswith(("--namespace", "--interruption-queue-url", "--aws-region"))]
+    assert one(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert one(objects, "ServiceAccount")["metadata"].get("annotations") is None
+    assert not find(objects, "ServiceMonitor")
+    crd = one(objects, "CustomResourceDefinition")
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    # Spot capacity is avoided by default: the controller must outlive the nodes it watches.
+    preferred = deployment["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    keys = {e["key"] for term in preferred for e in term["preference"]["matchExpressions"]}
+    assert {"karpenter.sh/capacity-type", "eks.amazonaws.com/capacityType", "cloud.google.com/gke-spot"} <= keys
+
+
+def test_the_crd_is_the_generated_file_itself_not_a_copy() -> None:
+    source = yaml.safe_load(CRD_FILE.read_text())
+    rendered = one(render(), "CustomResourceDefinition")
+    assert rendered["metadata"]["name"] == source["metadata"]["name"] == "spotjobs.spotjob.dev"
+    assert rendered["spec"] == source["spec"]
+    assert rendered["metadata"]["labels"]["app.kubernetes.io/name"] == "spotjob"
+    first_line = CRD_FILE.read_text().splitlines()[0]
+    assert first_line.startswith("#") and "python -m orchestrator.crd" in first_line
+
+
+def test_the_crd_keeps_large_integers_exact(tmp_path: Any) -> None:
+    """A fromYaml/toYaml round trip would print 2147483647 as 2.147483647e+09; the chart uses the
+    file's text."""
+    chart = tmp_path / "spotjob"
+    import shutil
+
+    shutil.copytree(CHART, chart)
+    crd = chart / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
+    indent = " " * 18
+    text = crd.read_text()
+    bounded = text.replace(f"{indent}minimum: 1\n", f"{indent}minimum: 1\n{indent}maximum: 2147483647\n", 1)
+    assert bounded != text
+    crd.write_text(bounded)
+    proc = helm("template", RELEASE, str(chart), "--namespace", NAMESPACE)
+    assert proc.returncode == 0, proc.stderr
+    assert "maximum: 2147483647" in proc.stdout
+
+
+def test_a_crd_file_with_its_own_labels_is_refused_with_the_reason(tmp_path: Any) -> None:
+    import shutil
+
+    chart = tmp_path / "spotjob"
+    shutil.copytree(CHART, chart)
+    crd = chart / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
+    crd.write_text(crd.read_text().replace("metadata:\n  name:", "metadata:\n  labels:\n    a: b\n  name:", 1))
+    proc = helm("template", RELEASE, str(chart))
+    assert proc.returncode != 0
+    assert "metadata must hold only the name" in proc.stderr
+
+
+def test_crds_can_be_left_out_or_not_kept() -> None:
+    assert not find(render(VALUE_SETS["no-crds"]), "CustomResourceDefinition")
+    crd = one(render(VALUE_SETS["crds-not-kept"]), "CustomResourceDefinition")
+    assert "annotations" not in crd["metadata"]
+
+
+def test_one_replica_runs_without_leader_election_or_lease_rules() -> None:
+    objects = render(VALUE_SETS["one-replica"])
+    assert one(objects, "Deployment")["spec"]["replicas"] == 1
+    args = container_args(objects)
+    assert "--no-leader-elect" in args
+    assert not [a for a in args if a.startswith("--lease")]
+    assert not [r for r in find(objects, "Role") if r["metadata"]["name"].endswith("leader-election")]
+
+
+def test_two_replicas_without_leader_election_are_refused_naming_the_values() -> None:
+    proc = template({"leaderElection": {"enabled": False}})
+    assert proc.returncode != 0
+    assert "leaderElection.enabled" in proc.stderr and "replicas" in proc.stderr
+
+
+def test_irsa_annotates_the_service_account_and_passes_the_queue() -> None:
+    objects = render(VALUE_SETS["irsa"])
+    sa = one(objects, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": ROLE_ARN}
+    args = container_args(objects)
+    assert f"--interruption-queue-url={QUEUE_URL}" in args
+    assert "--aws-region=us-east-1" in args
+
+
+def test_workload_identity_annotates_the_service_account() -> None:
+    sa = one(render(VALUE_SETS["workload-identity"]), "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": GSA}
+
+
+def test_the_service_monitor_scrapes_the_metrics_service() -> None:
+    objects = render(VALUE_SETS["servicemonitor"])
+    monitor = one(objects, "ServiceMonitor")
+    service = one(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    assert set(monitor["spec"]) == {"namespaceSelector", "selector", "endpoints"}
+    assert set(endpoint) == {"port", "path", "interval", "scrapeTimeout"}
+    # The Service forwards to the container port the controller serves /metrics on.
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+
+
+def test_a_service_monitor_without_the_service_is_refused() -> None:
+    proc = template({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}})
+    assert proc.returncode != 0
+    assert "metrics.service.enabled" in proc.stderr
+
+
+def test_the_everything_value_set_reaches_the_pod() -> None:
+    objects = render(VALUE_SETS["everything"])
+    pod = one(objects, "Deployment")["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["containers"][0]["image"] == "spotjob/spotjob-controller@sha256:" + "a" * 64
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert spec["affinity"] == VALUE_SETS["everything"]["affinity"]
+    assert "runAsUser" not in spec["securityContext"] and "runAsGroup" not in spec["securityContext"]
+    assert pod["metadata"]["labels"]["team"] == "ml-platform"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "spotjob"
+    assert pod["metadata"]["annotations"] == {"example.com/team": "ml-platform"}
+    args = container_args(objects)
+    assert args[-1] == "--rebalance-advisory"
+    assert "--lease-namespace=kube-system" in args and "--lease-name=spotjob-leader" in args
+    lease_role = one(objects, "Role", f"{RELEASE}-leader-election")
+    assert lease_role["metadata"]["namespace"] == "kube-system"
+    assert {"name": "AWS_STS_REGIONAL_ENDPOINTS", "value": "regional"} in spec["containers"][0]["env"]
+    assert not [r for r in find(objects, "ClusterRole") if r["metadata"]["name"].endswith(("-view", "-edit"))]
+
+
+def test_notes_tell_how_to_check_the_install(helm_bin: str) -> None:
+    proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "kubectl get sj" in notes
+    assert "kubectl spotjob status" in notes
+    assert f"rollout status deployment/{RELEASE}" in notes

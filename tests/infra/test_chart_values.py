@@ -1,0 +1,140 @@
+"""values.yaml and values.schema.json: every key documented and typed, unknown keys nowhere
+allowed, and a misspelt or wrongly typed value refused by helm with the key named."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from infra_support import CHART, NAMESPACE, RELEASE, helm, template
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+VALUES_TEXT = (CHART / "values.yaml").read_text()
+DEFAULTS = yaml.safe_load(VALUES_TEXT)
+
+# Kubernetes objects passed through as they are: Kubernetes' own schema checks them when rendered
+# (kubernetes-validate, strict), and helm's `global` belongs to parent charts.
+FREE_FORM = {
+    "/global",
+    "/affinity/nodeAffinity",
+    "/affinity/podAffinity",
+    "/affinity/podAntiAffinity",
+    "/extraEnv/items/valueFrom",
+    "/topologySpreadConstraints/items/labelSelector",
+}
+
+
+def _objects(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    if schema.get("type") == "object" or "properties" in schema:
+        found.append((path, schema))
+    for key, sub in schema.get("properties", {}).items():
+        found += _objects(sub, f"{path}/{key}")
+    if isinstance(schema.get("items"), dict):
+        found += _objects(schema["items"], f"{path}/items")
+    for sub in schema.get("anyOf", []):
+        found += _objects(sub, path)
+    return found
+
+
+def test_every_object_in_the_schema_refuses_unknown_keys() -> None:
+    for path, node in _objects(SCHEMA):
+        if path in FREE_FORM:
+            continue
+        extra = node.get("additionalProperties")
+        assert extra is False or isinstance(extra, dict), f"{path or '/'} lets unknown keys through"
+        if isinstance(extra, dict):  # a map: its values are typed
+            assert extra.get("type") or extra.get("anyOf"), path
+        if "patternProperties" in node:
+            assert extra is False, path
+
+
+def _keys(values: Any, path: str = "") -> list[str]:
+    out = []
+    if isinstance(values, dict):
+        for k, v in values.items():
+            out.append(f"{path}.{k}" if path else k)
+            out += _keys(v, f"{path}.{k}" if path else k)
+    return out
+
+
+def test_every_key_of_values_yaml_is_in_the_schema_and_the_defaults_pass_it() -> None:
+    jsonschema.Draft7Validator(SCHEMA).validate(DEFAULTS)
+    for key in _keys(DEFAULTS):
+        node: dict[str, Any] = SCHEMA
+        for part in key.split("."):
+            props = node.get("properties", {})
+            if part in props:
+                node = props[part]
+            else:
+                extra = node.get("additionalProperties")
+                patterns = node.get("patternProperties", {})
+                assert isinstance(extra, dict) or any(re.match(p, part) for p in patterns), f"{key} not in the schema"
+                node = extra if isinstance(extra, dict) else next(iter(patterns.values()))
+        assert node.get("type") or node.get("anyOf"), f"{key} has no type in the schema"
+
+
+def test_every_key_of_values_yaml_has_a_comment_above_it() -> None:
+    lines = VALUES_TEXT.splitlines()
+    keyed = 0
+    for i, line in enumerate(lines):
+        if not re.match(r"^\s*[A-Za-z][A-Za-z0-9]*:", line):
+            continue
+        keyed += 1
+        above = lines[i - 1].strip() if i else ""
+        assert above.startswith("#"), f"values.yaml line {i + 1} ({line.strip()}) has no comment above it"
+    assert keyed == len(_keys(DEFAULTS))
+
+
+MISSPELT = [
+    ("replicass=3", "replicass"),
+    ("crds.enable=false", "enable"),
+    ("serviceAccount.aws.rolearn=x", "rolearn"),
+    ("metrics.serviceMonitor.enabeld=true", "enabeld"),
+    ("networkPolicy.enable=false", "enable"),
+    ("interruptionQueue.URL=x", "URL"),
+    ("leaderElection.leaseNamespce=x", "leaseNamespce"),
+    ("resources.request.cpu=1", "request"),
+]
+
+
+@pytest.mark.parametrize(("setting", "key"), MISSPELT)
+def test_a_misspelt_key_fails_helm_template_naming_it(setting: str, key: str) -> None:
+    proc = template(None, "--set", setting)
+    assert proc.returncode != 0
+    assert f"'{key}' not allowed" in proc.stderr, proc.stderr
+
+
+WRONG_TYPES = [
+    ({"replicas": "two"}, "/replicas"),
+    ({"replicas": 0}, "/replicas"),
+    ({"crds": {"enabled": "yes"}}, "/crds/enabled"),
+    ({"watchNamespaces": "ml-training"}, "/watchNamespaces"),
+    ({"watchNamespaces": ["Not_A_Namespace"]}, "/watchNamespaces/0"),
+    ({"httpPort": 70000}, "/httpPort"),
+    ({"serviceAccount": {"aws": {"roleArn": "spotjob-controller"}}}, "/serviceAccount/aws/roleArn"),
+    ({"serviceAccount": {"gcp": {"serviceAccount": "controller@example.com"}}}, "/serviceAccount/gcp/serviceAccount"),
+    ({"logLevel": "verbose"}, "/logLevel"),
+    ({"image": {"digest": "latest"}}, "/image/digest"),
+    ({"tolerations": [{"key": "a", "operater": "Exists"}]}, "/tolerations/0"),
+    ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
+    ({"extraArgs": ["leader-elect"]}, "/extraArgs/0"),
+    ({"podDisruptionBudget": {"maxUnavailable": "half"}}, "/podDisruptionBudget/maxUnavailable"),
+]
+
+
+@pytest.mark.parametrize(("values", "path"), WRONG_TYPES, ids=[p for _, p in WRONG_TYPES])
+def test_a_wrongly_typed_value_fails_helm_template_naming_it(values: dict[str, Any], path: str) -> None:
+    proc = template(values)
+    assert proc.returncode != 0
+    assert f"at '{path}'" in proc.stderr, proc.stderr
+
+
+def test_a_misspelt_key_fails_helm_install_too() -> None:
+    proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", "--set", "replicass=3")
+    assert proc.returncode != 0
+    assert "'replicass' not allowed" in proc.stderr

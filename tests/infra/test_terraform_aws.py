@@ -1,0 +1,381 @@
+"""terraform/examples/eks (the AWS module, without the node group) applied and destroyed against
+moto's server, and what it created checked with boto3: the bucket's settings, the roles' reach,
+the queue's policy, and EventBridge delivering EC2 events to the queue in the envelope the
+controller's queue reader (issue #8) will parse. Then the module's outputs feed the chart.
+
+moto does not enforce IAM, bucket or queue policies: the policies are read back and evaluated here
+(``_allowed``), not exercised by a denied request. The EKS node group is not applied (moto has no
+EC2 capacity to back it); `terraform validate` covers it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+from infra_support import TERRAFORM, container_args, one, render, terraform
+
+pytestmark = pytest.mark.slow
+
+OIDC = "arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+ISSUER = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+VARS = ["-var", f"oidc_provider_arn={OIDC}", "-var", "force_destroy=true"]
+
+OVERRIDE = """
+provider "aws" {{
+  region                      = "us-east-1"
+  access_key                  = "testing"
+  secret_key                  = "testing"
+  skip_credentials_validation = true
+  skip_metadata_api_check     = true
+  skip_requesting_account_id  = true
+  skip_region_validation      = true
+  s3_use_path_style           = true
+
+  endpoints {{
+    s3     = "{endpoint}"
+    iam    = "{endpoint}"
+    sts    = "{endpoint}"
+    sqs    = "{endpoint}"
+    events = "{endpoint}"
+    eks    = "{endpoint}"
+  }}
+}}
+"""
+
+
+class Stack:
+    def __init__(self, workdir: Path, endpoint: str) -> None:
+        self.workdir = workdir
+        self.endpoint = endpoint
+        self.outputs: dict[str, Any] = {}
+        self.destroyed = False
+
+    def client(self, service: str) -> Any:
+        return boto3.session.Session().client(service, endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def output(self, name: str) -> Any:
+        return self.outputs[name]["value"]
+
+    def destroy(self) -> str:
+        proc = terraform(self.workdir, "destroy", "-auto-approve", "-input=false", *VARS)
+        self.destroyed = proc.returncode == 0
+        return proc.stdout + proc.stderr if not self.destroyed else ""
+
+
+@pytest.fixture(scope="module")
+def stack(moto_server: str, tf_plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The EKS example applied once against moto (about a minute: the provider waits for the bucket
+    lifecycle and the queue attributes to read back the same several times); destroyed at the end."""
+    root = tmp_path_factory.mktemp("tf-aws") / "terraform"
+    shutil.copytree(TERRAFORM, root, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
+    workdir = root / "examples" / "eks"
+    # An *_override.tf file merges into the example's provider block: same code, moto's endpoints.
+    (workdir / "moto_override.tf").write_text(OVERRIDE.format(endpoint=moto_server))
+    init = terraform(workdir, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    stack = Stack(workdir, moto_server)
+    apply = terraform(workdir, "apply", "-auto-approve", "-input=false", *VARS)
+    try:
+        assert apply.returncode == 0, apply.stdout + apply.stderr
+        out = terraform(workdir, "output", "-json")
+        assert out.returncode == 0, out.stderr
+        stack.outputs = json.loads(out.stdout)
+        yield stack
+    finally:
+        if not stack.destroyed:
+            stack.destroy()
+
+
+# -- a small evaluator of identity policies (moto does not enforce them) ------------------------------
+
+
+def _matches(patterns: str | list[str], value: str) -> bool:
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    return any(fnmatch.fnmatchcase(value, p) for p in patterns)
+
+
+def _conditions_hold(condition: dict[str, Any], context: dict[str, str]) -> bool:
+    for test, checks in condition.items():
+        for key, wanted in checks.items():
+            wanted = [wanted] if isinstance(wanted, str) else wanted
+            have = context.get(key)
+            if have is None:
+                return False
+            if test == "StringLike" and not any(fnmatch.fnmatchcase(have, w) for w in wanted):
+                return False
+            if test == "StringEquals" and have not in wanted:
+                return False
+            if test not in ("StringLike", "StringEquals"):
+                raise AssertionError(f"the evaluator does not know {test}")
+    return True
+
+
+def _allowed(policy: dict[str, Any], action: str, resource: str, context: dict[str, str] | None = None) -> bool:
+    """Whether an identity policy allows the request (Allow statements only; none here denies)."""
+    for statement in policy["Statement"]:
+        assert statement["Effect"] == "Allow", statement
+        if not _matches(statement["Action"], action) or not _matches(statement["Resource"], resource):
+            continue
+        if _conditions_hold(statement.get("Condition", {}), context or {}):
+            return True
+    return False
+
+
+def _role_policy(stack: Stack, role: str) -> dict[str, Any]:
+    iam = stack.client("iam")
+    (name,) = iam.list_role_policies(RoleName=role)["PolicyNames"]
+    document = iam.get_role_policy(RoleName=role, PolicyName=name)["PolicyDocument"]
+    return document if isinstance(document, dict) else json.loads(document)
+
+
+def _trust(stack: Stack, role: str) -> dict[str, Any]:
+    document = stack.client("iam").get_role(RoleName=role)["Role"]["AssumeRolePolicyDocument"]
+    return document if isinstance(document, dict) else json.loads(document)
+
+
+# -- the bucket --------------------------------------------------------------------------------------
+
+
+def test_the_bucket_is_versioned_encrypted_private_and_tls_only(stack: Stack) -> None:
+    s3 = stack.client("s3")
+    bucket = stack.output("checkpoint_bucket")
+    assert s3.get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
+    (rule,) = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rule["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    block = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert block == dict.fromkeys(
+        ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets"), True
+    )
+    ownership = s3.get_bucket_ownership_controls(Bucket=bucket)["OwnershipControls"]["Rules"]
+    assert ownership == [{"ObjectOwnership": "BucketOwnerEnforced"}]
+    policy = json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"])
+    denies = {s["Sid"]: s for s in policy["Statement"] if s["Effect"] == "Deny"}
+    assert denies["DenyInsecureTransport"]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert denies["DenyOutdatedTLS"]["Condition"] == {"NumericLessThan": {"s3:TlsVersion": "1.2"}}
+    assert not [s for s in policy["Statement"] if s["Effect"] == "Allow"]
+
+
+def test_the_lifecycle_expires_only_what_spotjob_already_deleted(stack: Stack) -> None:
+    rules = stack.client("s3").get_bucket_lifecycle_configuration(Bucket=stack.output("checkpoint_bucket"))["Rules"]
+    by_id = {r["ID"]: r for r in rules}
+    expire = by_id["expire-deleted-checkpoints"]
+    assert expire["Status"] == "Enabled"
+    assert expire["NoncurrentVersionExpiration"]["NoncurrentDays"] == 7
+    # No Days or Date: current objects (the newest valid checkpoint) never expire.
+    assert expire["Expiration"] == {"ExpiredObjectDeleteMarker": True}
+    abort = by_id["abort-incomplete-multipart-uploads"]
+    assert abort["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 1
+    for rule in rules:
+        assert rule["Filter"].get("Prefix", "") == "", "the rules cover the whole bucket"
+
+
+# -- the roles ---------------------------------------------------------------------------------------
+
+
+def test_the_training_role_is_trusted_by_its_namespace_and_reaches_only_its_prefix(stack: Stack) -> None:
+    role_arn = stack.output("training_role_arns")["ml-training"]
+    role = role_arn.rsplit("/", 1)[1]
+    (statement,) = _trust(stack, role)["Statement"]
+    assert statement["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert statement["Principal"] == {"Federated": OIDC}
+    assert statement["Condition"]["StringEquals"] == {
+        f"{ISSUER}:sub": "system:serviceaccount:ml-training:spotjob-training",
+        f"{ISSUER}:aud": "sts.amazonaws.com",
+    }
+    policy = _role_policy(stack, role)
+    bucket = f"arn:aws:s3:::{stack.output('checkpoint_bucket')}"
+    job = f"{bucket}/ml-training/train-eks"
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert _allowed(policy, action, f"{job}/step-000000100/MANIFEST.json"), action
+        assert not _allowed(policy, action, f"{bucket}/research/train/step-000000100/MANIFEST.json"), action
+        assert not _allowed(policy, action, f"{bucket}/ml-training-other/x"), action
+    assert _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "ml-training/train-eks/"})
+    assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "research/"})
+    assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": ""})
+    assert not _allowed(policy, "s3:DeleteBucket", bucket)
+    assert not _allowed(policy, "sqs:ReceiveMessage", stack.output("interruption_queue_url"))
+
+
+def test_the_controller_role_reads_manifests_keeps_records_and_reads_its_queue(stack: Stack) -> None:
+    role = "spotjob-controller"
+    (statement,) = _trust(stack, role)["Statement"]
+    assert statement["Condition"]["StringEquals"][f"{ISSUER}:sub"] == "system:serviceaccount:spotjob-system:spotjob"
+    policy = _role_policy(stack, role)
+    bucket = f"arn:aws:s3:::{stack.output('checkpoint_bucket')}"
+    job = f"{bucket}/ml-training/train-eks"
+    assert _allowed(policy, "s3:ListBucket", bucket)
+    assert _allowed(policy, "s3:GetObject", f"{job}/step-000000100/MANIFEST.json")
+    assert not _allowed(policy, "s3:GetObject", f"{job}/step-000000100/__0_0.distcp"), "the controller reads no shards"
+    assert not _allowed(policy, "s3:PutObject", f"{job}/step-000000100/MANIFEST.json")
+    assert not _allowed(policy, "s3:DeleteObject", f"{job}/step-000000100/MANIFEST.json")
+    for record in (".spotjob/owner.json", ".spotjob/attempts/ml-training_train-eks.1f3a/attempt-000000002.json"):
+        assert _allowed(policy, "s3:PutObject", f"{job}/{record}"), record
+        assert _allowed(policy, "s3:GetObject", f"{job}/{record}"), record
+        assert not _allowed(policy, "s3:DeleteObject", f"{job}/{record}"), record
+    queue = stack.client("sqs").get_queue_attributes(
+        QueueUrl=stack.output("interruption_queue_url"), AttributeNames=["QueueArn"]
+    )["Attributes"]["QueueArn"]
+    for action in ("sqs:ReceiveMessage", "sqs:DeleteMessage"):
+        assert _allowed(policy, action, queue), action
+        assert not _allowed(policy, action, queue.replace("spotjob-interruptions", "Karpenter-training")), action
+    assert not _allowed(policy, "sqs:SendMessage", queue)
+
+
+# -- the queue and its rules -------------------------------------------------------------------------
+
+
+def test_the_queue_lets_only_eventbridge_send_and_only_for_spotjobs_rules(stack: Stack) -> None:
+    attrs = stack.client("sqs").get_queue_attributes(
+        QueueUrl=stack.output("interruption_queue_url"), AttributeNames=["All"]
+    )["Attributes"]
+    assert attrs["SqsManagedSseEnabled"] == "true"
+    assert attrs["MessageRetentionPeriod"] == "300"
+    policy = json.loads(attrs["Policy"])
+    (allow,) = [s for s in policy["Statement"] if s["Effect"] == "Allow"]
+    assert allow["Principal"] == {"Service": "events.amazonaws.com"}
+    assert allow["Action"] == "sqs:SendMessage"
+    assert allow["Resource"] == attrs["QueueArn"]
+    rules = stack.output("interruption_event_rule_arns")
+    assert set(rules) == {"spot-interruption", "rebalance", "state-change"}
+    assert sorted(allow["Condition"]["ArnEquals"]["aws:SourceArn"]) == sorted(rules.values())
+    (deny,) = [s for s in policy["Statement"] if s["Effect"] == "Deny"]
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
+def test_each_rule_matches_its_ec2_event_and_targets_the_queue(stack: Stack) -> None:
+    events = stack.client("events")
+    queue_arn = stack.client("sqs").get_queue_attributes(
+        QueueUrl=stack.output("interruption_queue_url"), AttributeNames=["QueueArn"]
+    )["Attributes"]["QueueArn"]
+    expected = {
+        "spot-interruption": "EC2 Spot Instance Interruption Warning",
+        "rebalance": "EC2 Instance Rebalance Recommendation",
+        "state-change": "EC2 Instance State-change Notification",
+    }
+    for key, detail_type in expected.items():
+        rule = events.describe_rule(Name=f"spotjob-{key}")
+        pattern = json.loads(rule["EventPattern"])
+        assert pattern["source"] == ["aws.ec2"] and pattern["detail-type"] == [detail_type]
+        assert rule["State"] == "ENABLED"
+        (target,) = events.list_targets_by_rule(Rule=f"spotjob-{key}")["Targets"]
+        assert target["Arn"] == queue_arn
+
+
+def _put(stack: Stack, detail_type: str, detail: dict[str, Any], instance: str) -> None:
+    response = stack.client("events").put_events(
+        Entries=[
+            {
+                "Source": "aws.ec2",
+                "DetailType": detail_type,
+                "Detail": json.dumps(detail),
+                "Resources": [f"arn:aws:ec2:us-east-1b:instance/{instance}"],
+            }
+        ]
+    )
+    assert response["FailedEntryCount"] == 0, response
+
+
+def _drain(stack: Stack) -> list[dict[str, Any]]:
+    sqs = stack.client("sqs")
+    url = stack.output("interruption_queue_url")
+    bodies = []
+    while True:
+        messages = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages", [])
+        if not messages:
+            return bodies
+        for m in messages:
+            bodies.append(json.loads(m["Body"]))
+            sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+
+
+def test_a_spot_interruption_warning_reaches_the_queue_in_the_envelope_the_queue_reader_parses(stack: Stack) -> None:
+    """Issue #8: the controller's queue reader parses this body. Until it exists, the envelope
+    fields it needs are asserted here; when it does, hand ``body`` to it and assert the Signal
+    (kind spot interruption, instance i-…, the deadline two minutes after ``time``)."""
+    _drain(stack)
+    instance = f"i-{uuid.uuid4().hex[:17]}"
+    detail = {"instance-id": instance, "instance-action": "terminate"}
+    _put(stack, "EC2 Spot Instance Interruption Warning", detail, instance)
+    (body,) = _drain(stack)
+    assert body["detail-type"] == "EC2 Spot Instance Interruption Warning"
+    assert body["source"] == "aws.ec2"
+    assert body["detail"]["instance-id"] == instance
+    assert body["detail"]["instance-action"] == "terminate"
+    # ISO 8601 in UTC, when EC2 issued the warning: the two minutes count from here.
+    issued = datetime.fromisoformat(body["time"].replace("Z", "+00:00"))
+    assert issued.tzinfo is not None
+    assert body["region"] == "us-east-1"
+    assert body["resources"] == [f"arn:aws:ec2:us-east-1b:instance/{instance}"]
+    assert {"version", "id"} <= set(body)  # EventBridge also sends "account"; moto leaves it out
+
+
+def test_rebalance_and_terminating_state_changes_arrive_other_ec2_events_do_not(stack: Stack) -> None:
+    _drain(stack)
+    a, b, c, d = (f"i-{uuid.uuid4().hex[:17]}" for _ in range(4))
+    _put(stack, "EC2 Instance Rebalance Recommendation", {"instance-id": a}, a)
+    _put(stack, "EC2 Instance State-change Notification", {"instance-id": b, "state": "shutting-down"}, b)
+    _put(stack, "EC2 Instance State-change Notification", {"instance-id": c, "state": "running"}, c)
+    _put(stack, "EC2 AMI State Change", {"ImageId": "ami-0123456789abcdef0", "State": "available"}, d)
+    arrived = {(m["detail-type"], m["detail"].get("instance-id")) for m in _drain(stack)}
+    assert arrived == {
+        ("EC2 Instance Rebalance Recommendation", a),
+        ("EC2 Instance State-change Notification", b),
+    }
+
+
+# -- the chart takes the module's outputs ------------------------------------------------------------
+
+
+def test_the_examples_helm_values_configure_the_chart(stack: Stack) -> None:
+    values = yaml.safe_load(stack.output("helm_values_yaml"))
+    objects = render(values)
+    sa = one(objects, "ServiceAccount")
+    assert sa["metadata"]["name"] == "spotjob"  # the name the controller role's trust names
+    role_arn = "arn:aws:iam::123456789012:role/spotjob-controller"
+    assert sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == role_arn
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "spotjob"
+    args = container_args(objects)
+    assert f"--interruption-queue-url={stack.output('interruption_queue_url')}" in args
+    assert "--aws-region=us-east-1" in args
+    assert "--namespace=ml-training" in args
+
+
+def test_variable_validation_refuses_nested_prefixes(stack: Stack, tf_plugin_dir: Path) -> None:
+    """An outer prefix's role could read and delete the inner one's checkpoints: refused at plan."""
+    root = stack.workdir.parent / "nested-prefixes"
+    root.mkdir()
+    identities = (
+        '{ outer = { namespace = "a", service_account = "t", prefix = "teams" },'
+        ' inner = { namespace = "b", service_account = "t", prefix = "teams/b" } }'
+    )
+    (root / "main.tf").write_text(
+        f'module "spotjob" {{\n  source = "../../modules/aws"\n  oidc_provider_arn = "{OIDC}"\n'
+        f"  training_identities = {identities}\n}}\n"
+    )
+    shutil.copy(stack.workdir / "moto_override.tf", root / "provider.tf")
+    init = terraform(root, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    plan = terraform(root, "plan", "-input=false")
+    assert plan.returncode != 0
+    assert "inside another's" in plan.stderr, plan.stdout + plan.stderr
+
+
+def test_destroy_removes_everything(stack: Stack) -> None:
+    """Last in this file: the stack is gone afterwards."""
+    error = stack.destroy()
+    assert stack.destroyed, error
+    s3, sqs, iam = stack.client("s3"), stack.client("sqs"), stack.client("iam")
+    assert stack.output("checkpoint_bucket") not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    assert not [u for u in sqs.list_queues().get("QueueUrls", []) if u.endswith("/spotjob-interruptions")]
+    assert not [r for r in iam.list_roles()["Roles"] if r["RoleName"].startswith("spotjob-")]
+    assert not [r for r in stack.client("events").list_rules()["Rules"] if r["Name"].startswith("spotjob-")]

@@ -1,0 +1,84 @@
+"""terraform/modules/gcp checked structurally: the google provider is not on disk here, so Terraform
+cannot validate it. python-hcl2 parses it; these tests read the settings that matter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra_support import TERRAFORM, hcl_blocks, load_hcl
+
+MODULE = TERRAFORM / "modules" / "gcp"
+RESOURCES = hcl_blocks(load_hcl(MODULE / "main.tf"), "resource")
+
+
+def _block(body: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    value = body.get(name, [])
+    return value if isinstance(value, list) else [value]
+
+
+def test_the_bucket_is_uniform_private_versioned_and_expires_only_what_spotjob_deleted() -> None:
+    bucket = RESOURCES[("google_storage_bucket", "this")]
+    assert bucket["uniform_bucket_level_access"] is True
+    assert bucket["public_access_prevention"] == "enforced"
+    assert _block(bucket, "versioning") == [{"enabled": True}]
+    rules = {r["action"][0]["type"]: r["condition"][0] for r in _block(bucket, "lifecycle_rule")}
+    assert set(rules) == {"Delete", "AbortIncompleteMultipartUpload"}
+    # Delete applies to noncurrent versions only: a live checkpoint never expires.
+    assert rules["Delete"]["with_state"] == "ARCHIVED"
+    assert rules["Delete"]["days_since_noncurrent_time"] == "${var.noncurrent_version_expiration_days}"
+    assert set(rules["Delete"]) == {"with_state", "days_since_noncurrent_time"}
+    assert rules["AbortIncompleteMultipartUpload"]["age"] == "${var.abort_incomplete_multipart_upload_days}"
+
+
+def test_workload_identity_is_limited_to_one_service_account_of_one_namespace() -> None:
+    for name, ksa in (
+        ("training_workload_identity", "${each.value.namespace}/${each.value.service_account}"),
+        ("controller_workload_identity", "${var.controller_namespace}/${var.controller_service_account}"),
+    ):
+        binding = RESOURCES[("google_service_account_iam_member", name)]
+        assert binding["role"] == "roles/iam.workloadIdentityUser"
+        assert binding["member"] == f"serviceAccount:${{local.workload_pool}}[{ksa}]"
+    locals_ = {k: v for entry in load_hcl(MODULE / "main.tf")["locals"] for k, v in entry.items()}
+    assert locals_["workload_pool"] == "${var.project_id}.svc.id.goog"
+    # The member is an IAM binding on the service account, never a project-wide role.
+    assert not [t for t, _ in RESOURCES if t.startswith("google_project_iam")]
+
+
+def test_training_storage_access_is_conditioned_on_the_prefix() -> None:
+    grant = RESOURCES[("google_storage_bucket_iam_member", "training")]
+    assert grant["role"] == "roles/storage.objectUser"
+    (condition,) = grant["condition"]
+    expression = condition["expression"]
+    assert 'resource.name.startsWith("${local.bucket_prefix}${each.value.prefix}/")' in expression
+    locals_ = {k: v for entry in load_hcl(MODULE / "main.tf")["locals"] for k, v in entry.items()}
+    assert locals_["bucket_prefix"] == "projects/_/buckets/${local.bucket_name}/objects/"
+
+
+def test_the_controller_reads_manifests_and_creates_records_only() -> None:
+    read = RESOURCES[("google_storage_bucket_iam_member", "controller_read")]
+    assert read["role"] == "roles/storage.objectViewer"
+    assert 'endsWith("/MANIFEST.json")' in read["condition"][0]["expression"]
+    create = RESOURCES[("google_storage_bucket_iam_member", "controller_records")]
+    assert create["role"] == "roles/storage.objectCreator"  # create, never overwrite or delete
+    assert "/.spotjob/" in create["condition"][0]["expression"]
+    assert "MANIFEST" not in create["condition"][0]["expression"]
+
+
+def test_the_node_pool_is_spot_gpu_tainted_and_uses_the_gke_metadata_server() -> None:
+    pool = RESOURCES[("google_container_node_pool", "this")]
+    assert pool["count"] == "${var.node_pool == null ? 0 : 1}"
+    (config,) = pool["node_config"]
+    assert config["spot"] is True
+    assert config["taint"] == [{"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NO_SCHEDULE"}]
+    assert config["workload_metadata_config"] == [{"mode": "GKE_METADATA"}]
+    (gpu,) = config["guest_accelerator"]
+    assert gpu["gpu_driver_installation_config"]
+    assert pool["autoscaling"][0]["location_policy"] == "ANY"
+    assert "gke-spot" not in str(config.get("labels")), "GKE sets cloud.google.com/gke-spot itself"
+
+
+def test_the_helm_values_output_feeds_the_charts_workload_identity_key() -> None:
+    outputs = {k: v for e in load_hcl(MODULE / "outputs.tf")["output"] for k, v in e.items()}
+    value = outputs["helm_values"]["value"]
+    assert value["serviceAccount"]["gcp"]["serviceAccount"] == "${google_service_account.controller.email}"
+    assert value["serviceAccount"]["name"] == "${var.controller_service_account}"

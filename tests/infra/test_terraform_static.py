@@ -1,0 +1,88 @@
+"""The Terraform modules and examples: formatted, valid with the AWS provider from the machine's
+mirror, and laid out the terraform-aws-modules way. The GCP module cannot be validated offline (no
+google provider on disk): test_terraform_gcp.py checks it structurally."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from infra_support import TERRAFORM, hcl_blocks, load_hcl, terraform, terraform_env
+
+DIRS = ["modules/aws", "modules/gcp", "examples/eks", "examples/gke"]
+
+
+def test_terraform_fmt_check_recursive(terraform_bin: str, tmp_path: Path) -> None:
+    proc = terraform(TERRAFORM, "fmt", "-check", "-recursive", "-diff", env=terraform_env(tmp_path))
+    assert proc.returncode == 0, f"run `terraform fmt -recursive terraform/`:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def tf_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """terraform/ copied out of the repository, so init writes no .terraform/ or lock file into it."""
+    root = tmp_path_factory.mktemp("tf") / "terraform"
+    shutil.copytree(TERRAFORM, root, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
+    return root
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "examples/eks"])
+def test_terraform_validate_with_the_aws_provider(folder: str, tf_copy: Path, tf_plugin_dir: Path) -> None:
+    workdir = tf_copy / folder
+    init = terraform(workdir, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    validate = terraform(workdir, "validate")
+    assert validate.returncode == 0, validate.stdout + validate.stderr
+
+
+def _variables(folder: str) -> dict[str, dict[str, object]]:
+    data = load_hcl(TERRAFORM / folder / "variables.tf")
+    return {k: v for entry in data.get("variable", []) for k, v in entry.items()}
+
+
+def _outputs(folder: str) -> dict[str, dict[str, object]]:
+    data = load_hcl(TERRAFORM / folder / "outputs.tf")
+    return {k: v for entry in data.get("output", []) for k, v in entry.items()}
+
+
+@pytest.mark.parametrize("folder", DIRS)
+def test_the_terraform_aws_modules_layout(folder: str) -> None:
+    path = TERRAFORM / folder
+    for name in ("main.tf", "variables.tf", "outputs.tf", "versions.tf", "README.md"):
+        assert (path / name).is_file(), f"{folder}/{name} is missing"
+    for name, body in _variables(folder).items():
+        assert body.get("type"), f"{folder}: variable {name} has no type"
+        assert str(body.get("description", "")).strip(), f"{folder}: variable {name} has no description"
+    for name, body in _outputs(folder).items():
+        assert str(body.get("description", "")).strip(), f"{folder}: output {name} has no description"
+    # Lower bounds only: a module must not stop working with the next provider release.
+    versions = (path / "versions.tf").read_text()
+    pins = re.findall(r'version\s*=\s*"([^"]+)"', versions) + re.findall(r'required_version\s*=\s*"([^"]+)"', versions)
+    assert pins and all(p.startswith(">=") and "<" not in p for p in pins), pins
+
+
+@pytest.mark.parametrize("folder", DIRS)
+def test_the_readme_lists_every_input_and_output(folder: str) -> None:
+    readme = (TERRAFORM / folder / "README.md").read_text()
+    rows = set(re.findall(r"^\| `([a-z0-9_]+)` \|", readme, re.M))
+    assert set(_variables(folder)) <= rows, f"inputs missing from {folder}/README.md: {set(_variables(folder)) - rows}"
+    assert set(_outputs(folder)) <= rows, f"outputs missing from {folder}/README.md: {set(_outputs(folder)) - rows}"
+    assert "## Inputs" in readme and "## Outputs" in readme
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "modules/gcp"])
+def test_a_resource_of_its_kind_alone_is_named_this(folder: str) -> None:
+    resources = hcl_blocks(load_hcl(TERRAFORM / folder / "main.tf"), "resource")
+    by_type: dict[str, list[str]] = {}
+    for type_, name in resources:
+        by_type.setdefault(type_, []).append(name)
+    for type_, names in by_type.items():
+        if len(names) == 1:
+            assert names == ["this"], f"{folder}: {type_}.{names[0]} should be {type_}.this"
+
+
+def test_the_modules_never_configure_providers() -> None:
+    for folder in ("modules/aws", "modules/gcp"):
+        for tf in (TERRAFORM / folder).glob("*.tf"):
+            assert not load_hcl(tf).get("provider"), f"{tf}: a module takes its providers from the caller"
