@@ -1,0 +1,673 @@
+"""One thin client over the official ``kubernetes`` package: config, retries, typed errors, permissions.
+
+Every call the controller makes to the API server goes through ``KubeClient``; nothing else in the
+project builds a request, and no ``kubernetes`` exception type leaves this module. Objects travel as
+the JSON dicts the server sends (``metadata.resourceVersion``, camelCase), never as the client's
+generated models: the caches hold what the server said, and the pure functions that read them
+(``cluster_signals``) need nothing but dicts.
+
+A call, in order:
+
+1. its (resource, verb) is checked against ``PERMISSIONS`` — the one list a test compares with the
+   Helm chart's RBAC rules, so a call that RBAC would refuse fails in every test first;
+2. the request is sent with the client's own auth, TLS and token refresh (``ApiClient``);
+3. 5xx, 429 and timeouts / dropped connections are retried with exponential backoff (tenacity),
+   honouring ``Retry-After``; after the last try, ``TransientError``;
+4. other answers map to typed errors: 404 ``NotFound`` (``delete`` treats it as done), 409
+   ``Conflict`` (re-read and retry) or ``AlreadyExists``, 410 ``Gone`` (re-list), 422 ``Invalid``,
+   401/403 ``Forbidden``; all but the transient ones derive from ``PermanentError``: retrying the
+   same request cannot help.
+
+The client is thread-safe (urllib3's pool); informers, workers, the leader elector and the event
+recorder share one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import tenacity
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client import exceptions as k8s_exceptions
+from kubernetes.config.config_exception import ConfigException
+
+log = logging.getLogger(__name__)
+
+Object = dict[str, Any]
+"""A Kubernetes object as the API server serves it (JSON, camelCase)."""
+
+Verb = Literal["get", "list", "watch", "create", "update", "patch", "delete"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Resources and the one list of permissions
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A kind the controller talks to, as the API server's paths name it."""
+
+    group: str
+    """"" for the core group."""
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace is not None:
+            base += f"/namespaces/{_segment(namespace)}"
+        elif self.namespaced and name is not None:
+            raise ValueError(f"a {self.kind} is namespaced: name its namespace")
+        base += f"/{self.plural}"
+        if name is not None:
+            base += f"/{_segment(name)}"
+            if subresource is not None:
+                base += f"/{subresource}"
+        return base
+
+    def __str__(self) -> str:
+        return f"{self.plural}.{self.group}" if self.group else self.plural
+
+
+def _segment(value: str) -> str:
+    if not value or "/" in value or value in (".", ".."):
+        raise ValueError(f"{value!r} is not a valid name for a path segment")
+    return value
+
+
+NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
+PODS = Resource("", "v1", "pods", "Pod", namespaced=True)
+SERVICES = Resource("", "v1", "services", "Service", namespaced=True)
+SECRETS = Resource("", "v1", "secrets", "Secret", namespaced=True)
+CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
+EVENTS = Resource("events.k8s.io", "v1", "events", "Event", namespaced=True)
+LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True)
+SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
+
+
+@dataclass(frozen=True)
+class Permission:
+    """One RBAC grant the controller needs: ``verb`` on ``resource`` (``"spotjobs/status"`` for a subresource)."""
+
+    group: str
+    resource: str
+    verb: Verb
+    why: str
+
+
+PERMISSIONS: tuple[Permission, ...] = (
+    # Reads: the informers' caches (list + watch) and fresh reads before a decision (get).
+    Permission("", "nodes", "get", "re-check a node before acting on a signal"),
+    Permission("", "nodes", "list", "the Node informer"),
+    Permission("", "nodes", "watch", "the Node informer"),
+    Permission("", "pods", "get", "fresh read of a worker pod"),
+    Permission("", "pods", "list", "the Pod informer (workers, by label)"),
+    Permission("", "pods", "watch", "the Pod informer (workers, by label)"),
+    Permission("spotjob.dev", "spotjobs", "get", "fresh read before a status write"),
+    Permission("spotjob.dev", "spotjobs", "list", "the SpotJob informer"),
+    Permission("spotjob.dev", "spotjobs", "watch", "the SpotJob informer"),
+    # Writes.
+    Permission("", "nodes", "patch", "the interruption-queue reader annotates a Node with a cloud notice"),
+    Permission("", "pods", "create", "start a worker"),
+    Permission("", "pods", "delete", "stop a worker"),
+    Permission("", "services", "get", "the job's headless rendezvous Service exists?"),
+    Permission("", "services", "create", "the job's headless rendezvous Service"),
+    Permission("", "secrets", "get", "the job's agent token Secret exists?"),
+    Permission("", "secrets", "create", "the job's agent token Secret"),
+    Permission("spotjob.dev", "spotjobs/status", "update", "write the reconciler's status"),
+    Permission("spotjob.dev", "spotjobs/status", "patch", "write the reconciler's status"),
+    Permission("events.k8s.io", "events", "create", "Events about jobs and nodes"),
+    Permission("events.k8s.io", "events", "patch", "aggregate a repeated Event into its series"),
+    Permission("", "events", "create", "Events, where events.k8s.io/v1 is not served"),
+    Permission("", "events", "patch", "aggregate a repeated Event, where events.k8s.io/v1 is not served"),
+    # The leader Lease (RBAC narrows update/get to the lease's name; create cannot be narrowed).
+    Permission("coordination.k8s.io", "leases", "get", "leader election"),
+    Permission("coordination.k8s.io", "leases", "create", "leader election: the first replica creates the Lease"),
+    Permission("coordination.k8s.io", "leases", "update", "leader election: compare-and-swap renewals"),
+)
+"""Every (group, resource, verb) ``KubeClient`` may call. The Helm chart's RBAC must grant exactly these."""
+
+_ALLOWED = frozenset((p.group, p.resource, p.verb) for p in PERMISSIONS)
+
+
+def allowed(resource: Resource, verb: Verb, subresource: str | None = None) -> bool:
+    name = f"{resource.plural}/{subresource}" if subresource else resource.plural
+    return (resource.group, name, verb) in _ALLOWED
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+class KubeError(Exception):
+    """The API server refused or could not answer a request. ``status`` is the HTTP code (0: none)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class TransientError(KubeError):
+    """The server was unavailable, overloaded or unreachable, still after retries: try again later."""
+
+
+class PermanentError(KubeError):
+    """The same request will fail again: something must change first."""
+
+
+class NotFound(PermanentError):
+    """404: the object (or its namespace, or the API group) does not exist."""
+
+
+class Conflict(PermanentError):
+    """409 Conflict: the object changed since it was read (stale resourceVersion). Re-read, then retry."""
+
+
+class AlreadyExists(Conflict):
+    """409 AlreadyExists: an object of that name exists (a create repeated after a lost answer is done)."""
+
+
+class Gone(PermanentError):
+    """410: the resourceVersion is older than the server keeps (a watch must re-list)."""
+
+
+class Invalid(PermanentError):
+    """422 Invalid (or 400 BadRequest): the object breaks the schema; the message names the field."""
+
+
+class Forbidden(PermanentError):
+    """401/403: RBAC (or the credentials) refuse the request."""
+
+
+class NotPermitted(PermanentError):
+    """The controller tried a call that ``PERMISSIONS`` does not list: a bug, caught before any request."""
+
+
+def _error_from_status(code: int, body: bytes | str | None, headers: Mapping[str, str] | None) -> KubeError:
+    reason, message = "", ""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
+    try:
+        status = json.loads(text) if text else {}
+        if isinstance(status, dict):
+            reason = str(status.get("reason") or "")
+            message = str(status.get("message") or "")
+    except ValueError:
+        message = text[:300]
+    retry_after = _retry_after(headers)
+    text = f"{code} {reason or 'error'}: {message or '(no message)'}"
+    kinds: dict[int, type[KubeError]] = {
+        400: Invalid,
+        401: Forbidden,
+        403: Forbidden,
+        404: NotFound,
+        410: Gone,
+        422: Invalid,
+    }
+    if code == 409:
+        cls: type[KubeError] = AlreadyExists if reason == "AlreadyExists" else Conflict
+    elif code == 429 or code >= 500:
+        cls = TransientError
+    else:
+        cls = kinds.get(code, PermanentError)
+    return cls(text, status=code, reason=reason, retry_after=retry_after)
+
+
+def _retry_after(headers: Mapping[str, str] | None) -> float | None:
+    if not headers:
+        return None
+    value = headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from kube-apiserver; fall back to our own backoff
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+class ConfigError(Exception):
+    """No usable cluster configuration: names where it looked and what to do."""
+
+
+def load_config(kubeconfig: str | None = None, *, context: str | None = None) -> k8s_client.Configuration:
+    """The cluster to talk to: ``kubeconfig`` (``--kubeconfig``), else $KUBECONFIG, else the pod's
+    service account (in-cluster), else ~/.kube/config — the order controller-runtime uses."""
+    configuration = k8s_client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    try:
+        if path:
+            k8s_config.load_kube_config(config_file=path, context=context, client_configuration=configuration)
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        else:
+            default = os.path.expanduser("~/.kube/config")
+            if not os.path.exists(default):
+                raise ConfigError(
+                    "no cluster configuration: pass --kubeconfig PATH or set KUBECONFIG, or run the "
+                    "controller in a pod with a service account"
+                )
+            k8s_config.load_kube_config(config_file=default, context=context, client_configuration=configuration)
+    except (ConfigException, OSError, ValueError) as e:
+        where = path or "the in-cluster service account"
+        raise ConfigError(f"cannot load the cluster configuration from {where}: {e}") from e
+    return configuration
+
+
+# ----------------------------------------------------------------------------------------------
+# The client
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures are retried (exponential backoff with jitter, capped)."""
+
+    attempts: int = 6
+    initial: float = 0.2
+    maximum: float = 10.0
+    max_retry_after: float = 60.0
+    """A longer Retry-After is capped here so one overloaded answer cannot stall a worker for long."""
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: str
+    """ADDED, MODIFIED, DELETED or BOOKMARK."""
+    object: Object
+
+
+RetryHook = Callable[[str, str, str], None]
+"""Called as ``(verb, resource, reason)`` before each retry (the API-retries metric)."""
+
+_NETWORK_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, OSError)
+
+
+class KubeClient:
+    """Typed, retried access to the API server. Objects in and out are JSON dicts."""
+
+    def __init__(
+        self,
+        configuration: k8s_client.Configuration,
+        *,
+        retry: RetryPolicy | None = None,
+        request_timeout: float = 30.0,
+        on_retry: RetryHook | None = None,
+        sleep: Callable[[float], None] | None = None,
+        restricted: bool = True,
+    ) -> None:
+        """``restricted=False`` lifts the ``PERMISSIONS`` check: for tests and tools acting as an
+        administrator, never for the controller."""
+        configuration.retries = False  # the client must not retry underneath ours
+        self._api = k8s_client.ApiClient(configuration)
+        self._api.user_agent = "spotjob-controller"
+        self._retry = retry or RetryPolicy()
+        self._timeout = request_timeout
+        self._on_retry = on_retry
+        self._sleep = sleep
+        self._restricted = restricted
+        self._watches: set[WatchStream] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def host(self) -> str:
+        return str(self._api.configuration.host)
+
+    def close(self) -> None:
+        with self._lock:
+            watches = list(self._watches)
+        for stream in watches:
+            stream.close()
+        self._api.close()
+
+    # -- reads
+
+    def get(
+        self, resource: Resource, name: str, namespace: str | None = None, *, subresource: str | None = None
+    ) -> Object:
+        return self._json("get", resource, "GET", resource.path(namespace, name, subresource), subresource=subresource)
+
+    def list(
+        self,
+        resource: Resource,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> tuple[builtins.list[Object], str]:
+        """Every object (following ``continue`` pages) and the collection's resourceVersion."""
+        items: builtins.list[Object] = []
+        token: str | None = None
+        while True:
+            query = _query(labelSelector=label_selector, fieldSelector=field_selector, limit=500, **{"continue": token})
+            page = self._json("list", resource, "GET", resource.path(namespace), query=query)
+            for item in page.get("items") or []:
+                # List items carry no kind/apiVersion; fill them so a cached object reads like a GET.
+                item.setdefault("kind", resource.kind)
+                item.setdefault("apiVersion", resource.api_version)
+                items.append(item)
+            meta = page.get("metadata") or {}
+            token = meta.get("continue") or None
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
+
+    def watch(
+        self,
+        resource: Resource,
+        namespace: str | None = None,
+        *,
+        resource_version: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        timeout_seconds: int = 300,
+    ) -> WatchStream:
+        """Changes after ``resource_version``, with bookmarks, until the server ends the watch.
+
+        Opening is retried like any call; once open, a dropped connection raises ``TransientError``
+        from the iterator, and an expired version raises ``Gone`` (the caller re-lists).
+        """
+        if self._restricted and not allowed(resource, "watch"):
+            raise NotPermitted(f"watch {resource} is not in orchestrator.k8s.api.PERMISSIONS")
+        query = _query(
+            watch="true",
+            resourceVersion=resource_version,
+            allowWatchBookmarks="true",
+            timeoutSeconds=timeout_seconds,
+            labelSelector=label_selector,
+            fieldSelector=field_selector,
+        )
+        # The socket read timeout outlives the server's timeoutSeconds: a silent, dead connection
+        # is noticed, a quiet but healthy watch is not cut short.
+        response = self._request(
+            "watch",
+            resource,
+            "GET",
+            resource.path(namespace),
+            query=query,
+            timeout=(10.0, timeout_seconds + 30.0),
+        )
+        stream = WatchStream(response, resource, self)
+        with self._lock:
+            self._watches.add(stream)
+        return stream
+
+    # -- writes
+
+    def create(self, resource: Resource, body: Object, namespace: str | None = None) -> Object:
+        return self._json("create", resource, "POST", resource.path(namespace), body=body)
+
+    def replace(self, resource: Resource, body: Object, *, subresource: str | None = None) -> Object:
+        """PUT with the body's ``metadata.resourceVersion``: ``Conflict`` if the object changed since."""
+        meta = body.get("metadata") or {}
+        path = resource.path(meta.get("namespace"), meta["name"], subresource)
+        return self._json("update", resource, "PUT", path, body=body, subresource=subresource)
+
+    def patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Object,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+    ) -> Object:
+        """A JSON merge patch (RFC 7386): the one patch type every resource, custom ones too, accepts."""
+        return self._json(
+            "patch",
+            resource,
+            "PATCH",
+            resource.path(namespace, name, subresource),
+            body=patch,
+            content_type="application/merge-patch+json",
+            subresource=subresource,
+        )
+
+    def delete(
+        self,
+        resource: Resource,
+        name: str,
+        namespace: str | None = None,
+        *,
+        propagation: str = "Background",
+        grace_period_seconds: int | None = None,
+        precondition_uid: str | None = None,
+    ) -> bool:
+        """Delete; False if it was already gone (404 on delete is done)."""
+        options: Object = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
+        if precondition_uid is not None:
+            options["preconditions"] = {"uid": precondition_uid}
+        try:
+            self._json("delete", resource, "DELETE", resource.path(namespace, name), body=options)
+        except NotFound:
+            return False
+        return True
+
+    def api_group_served(self, group: str, version: str) -> bool:
+        """Whether the server serves ``/apis/group/version`` (discovery, allowed to every user)."""
+        try:
+            response = self._send("GET", f"/apis/{group}/{version}", query=[], body=None, timeout=self._timeout)
+        except _NETWORK_ERRORS as e:
+            raise TransientError(f"discovery of {group}/{version} failed: {e}") from e
+        try:
+            body = response.read()  # always read: an unread body would poison the pooled connection
+            if response.status == 404:
+                return False
+            if response.status >= 400:
+                raise _error_from_status(response.status, body, response.headers)
+            return True
+        finally:
+            response.response.release_conn()
+
+    # -- the machinery
+
+    def _json(
+        self,
+        verb: Verb,
+        resource: Resource,
+        method: str,
+        path: str,
+        *,
+        query: builtins.list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+        subresource: str | None = None,
+    ) -> Object:
+        response = self._request(
+            verb, resource, method, path, query=query, body=body, content_type=content_type, subresource=subresource
+        )
+        try:
+            data = response.read()
+        finally:
+            response.response.release_conn()
+        try:
+            parsed = json.loads(data) if data else {}
+        except ValueError as e:
+            raise PermanentError(f"{method} {path}: the server's answer is not JSON: {data[:200]!r}") from e
+        if not isinstance(parsed, dict):
+            raise PermanentError(f"{method} {path}: the server's answer is not an object")
+        return parsed
+
+    def _request(
+        self,
+        verb: Verb,
+        resource: Resource,
+        method: str,
+        path: str,
+        *,
+        query: builtins.list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+        subresource: str | None = None,
+        timeout: float | tuple[float, float] | None = None,
+    ) -> Any:
+        if self._restricted and not allowed(resource, verb, subresource):
+            target = f"{resource}/{subresource}" if subresource else str(resource)
+            raise NotPermitted(f"{verb} {target} is not in orchestrator.k8s.api.PERMISSIONS")
+        what = f"{verb} {resource}{'/' + subresource if subresource else ''}"
+
+        def attempt() -> Any:
+            try:
+                response = self._send(
+                    method,
+                    path,
+                    query=query or [],
+                    body=body,
+                    content_type=content_type,
+                    timeout=timeout or self._timeout,
+                )
+            except _NETWORK_ERRORS as e:
+                raise TransientError(f"{what}: {type(e).__name__}: {e}") from e
+            except k8s_exceptions.ApiException as e:  # the client's own refusals (TLS): not retryable
+                raise PermanentError(f"{what}: {e.reason}", status=int(e.status or 0)) from e
+            if response.status < 400:
+                return response
+            try:
+                raise _error_from_status(response.status, response.read(), response.headers)
+            finally:
+                response.response.release_conn()
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome else None
+            reason = str(getattr(error, "status", "") or "network") if error else "unknown"
+            log.warning("%s failed (%s), retrying: %s", what, reason, error)
+            if self._on_retry is not None:
+                self._on_retry(verb, str(resource), reason)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientError),
+            stop=tenacity.stop_after_attempt(self._retry.attempts),
+            wait=self._wait,
+            before_sleep=before_sleep,
+            reraise=True,
+            sleep=self._sleep or tenacity.nap.sleep,
+        )
+        return retrying(attempt)
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        error = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(error, "retry_after", None)
+        if retry_after is not None:
+            return float(min(retry_after, self._retry.max_retry_after))
+        backoff = min(self._retry.maximum, self._retry.initial * 2 ** (state.attempt_number - 1))
+        return backoff * (0.5 + random.random() / 2)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: builtins.list[tuple[str, str]],
+        body: Any,
+        timeout: float | tuple[float, float],
+        content_type: str | None = None,
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        method_, url, header_params, serialized, _ = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        return self._api.call_api(method_, url, header_params=header_params, body=serialized, _request_timeout=timeout)
+
+    def _forget(self, stream: WatchStream) -> None:
+        with self._lock:
+            self._watches.discard(stream)
+
+
+def _query(**params: Any) -> list[tuple[str, str]]:
+    return [(k, str(v)) for k, v in params.items() if v is not None]
+
+
+class WatchStream:
+    """An open watch: iterate for ``WatchEvent``s; ``close()`` (from any thread) ends it."""
+
+    def __init__(self, response: Any, resource: Resource, owner: KubeClient) -> None:
+        self._response = response.response  # the raw urllib3 response, read as it streams
+        self._resource = resource
+        self._owner = owner
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            try:
+                self._response.shutdown()  # unblocks a read in progress in another thread
+            except Exception:
+                pass
+            # A watch cut short leaves its connection mid-body: close it rather than pool it.
+            self._response.close()
+            self._response.release_conn()
+            self._owner._forget(self)
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        buffer = b""
+        try:
+            for chunk in self._response.stream(amt=None, decode_content=True):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        yield self._event(line)
+            if buffer.strip():
+                yield self._event(buffer)
+        except _NETWORK_ERRORS as e:
+            if not self._closed.is_set():
+                raise TransientError(f"watch {self._resource} dropped: {type(e).__name__}: {e}") from e
+        finally:
+            self.close()
+
+    def _event(self, line: bytes) -> WatchEvent:
+        try:
+            event = json.loads(line)
+            kind, obj = event["type"], event["object"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransientError(f"watch {self._resource}: cannot parse {line[:200]!r}") from e
+        if kind == "ERROR":
+            code = int(obj.get("code") or 0) if isinstance(obj, dict) else 0
+            raise _error_from_status(code or 500, json.dumps(obj), None)
+        if isinstance(obj, dict) and kind != "BOOKMARK":
+            obj.setdefault("kind", self._resource.kind)
+            obj.setdefault("apiVersion", self._resource.api_version)
+        return WatchEvent(kind, obj)
+
+
+def object_key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    """(namespace, name) of an object; namespace "" for cluster-scoped kinds."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def resource_version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")

@@ -1,0 +1,297 @@
+"""The controller process: informers, work queue, leader election, Events, health and metrics, wired.
+
+In order, on the main thread (``Controller.run``):
+
+1. the HTTP server starts (/healthz answers at once; /readyz fails until step 2 is done);
+2. the informers (SpotJobs, the workers' Pods, Nodes) start and sync their caches;
+3. leader election starts; non-leaders stay here, ready but idle, their caches warm;
+4. on becoming the leader: every cached SpotJob is queued and the workers start reconciling;
+5. on SIGTERM: the workers finish the reconcile they are in, the lease is released, the informers
+   and the server stop, and the process exits 0. A leader that loses its lease exits at once with
+   ``EXIT_LEADERSHIP_LOST`` instead (no reconcile of a deposed leader may run on).
+
+In parallel: one thread per informer (and namespace), ``--workers`` reconcile threads, the leader
+elector and its watchdog, the HTTP server's threads. Informer handlers only map events to job keys
+and queue them: a SpotJob event queues that job; a worker Pod event queues the job named by its
+``spotjob.dev/job`` label; a Node event queues every job with a worker on that node (via the Pod
+cache's node index), and a Node deletion is remembered by the node-loss tracker.
+
+The reconcile seam: ``ReconcileFactory`` builds the per-key reconcile function from a
+``ControllerContext`` (client, caches, Events, metrics, signals, options). The reconciler work
+supplies the real factory; this module knows nothing of what a reconcile does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient, Object, object_key
+from orchestrator.k8s.cluster_signals import ClusterSignals, RebalancePolicy
+from orchestrator.k8s.events import EventRecorder
+from orchestrator.k8s.health import HealthServer
+from orchestrator.k8s.informer import EventHandler, Informer
+from orchestrator.k8s.leader import LeaderElector, LeaseTiming
+from orchestrator.k8s.metrics import ControllerMetrics
+from orchestrator.k8s.workqueue import ObjectKey, Reconcile, Workers, WorkQueue
+
+log = logging.getLogger(__name__)
+
+JOB_LABEL = "spotjob.dev/job"
+"""The label on every worker Pod naming its SpotJob (same namespace). The Pod informer selects on it."""
+
+EXIT_LEADERSHIP_LOST = 3
+"""Exit status of a replica that lost (or could not renew) its lease; the Deployment restarts it."""
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    """What ``spotjob-controller``'s flags set (see ``orchestrator.k8s.main``)."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to serve; empty: all."""
+    leader_elect: bool = True
+    lease_name: str = "spotjob-controller"
+    lease_namespace: str = ""
+    identity: str = ""
+    lease_timing: LeaseTiming = field(default_factory=LeaseTiming)
+    http_port: int = 8080
+    agent_port: int = 8470
+    network_policy: bool = True
+    interruption_queue_url: str | None = None
+    aws_region: str | None = None
+    rebalance: RebalancePolicy = RebalancePolicy.IGNORE
+    node_lost_grace_seconds: float = 60.0
+    workers: int = 4
+    sync_timeout_seconds: float = 300.0
+
+
+@dataclass
+class ControllerContext:
+    """Everything a reconcile (and the Kubernetes backend) may use. Built once per process."""
+
+    client: KubeClient
+    jobs: Informer
+    pods: Informer
+    nodes: Informer
+    events: EventRecorder
+    metrics: ControllerMetrics
+    signals: ClusterSignals
+    queue: WorkQueue
+    options: ControllerOptions
+
+
+ReconcileFactory = Callable[[ControllerContext], Reconcile]
+
+
+def _pod_job(pod: Object) -> list[str]:
+    ns, _ = object_key(pod)
+    job = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
+    return [f"{ns}/{job}"] if job else []
+
+
+def _pod_node(pod: Object) -> list[str]:
+    node = (pod.get("spec") or {}).get("nodeName")
+    return [str(node)] if node else []
+
+
+def _exit_process(why: str) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_LEADERSHIP_LOST)
+
+
+class Controller:
+    """One replica of the controller. ``run()`` blocks until ``stop()`` (or a signal handler calls it)."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        options: ControllerOptions,
+        reconcile_factory: ReconcileFactory,
+        *,
+        metrics: ControllerMetrics | None = None,
+        on_leadership_lost: Callable[[str], None] = _exit_process,
+    ) -> None:
+        self.options = options
+        self.client = client
+        self.metrics = metrics or ControllerMetrics()
+        self._stop = threading.Event()
+        self._on_lost = on_leadership_lost
+        namespaces: Sequence[str] | None = options.namespaces or None
+        self.jobs = Informer(client, SPOTJOBS, namespaces=namespaces)
+        self.pods = Informer(
+            client, PODS, namespaces=namespaces, label_selector=JOB_LABEL, indexers={"job": _pod_job, "node": _pod_node}
+        )
+        self.nodes = Informer(client, NODES)
+        self.queue = WorkQueue(on_depth=self.metrics.queue_depth)
+        self.signals = ClusterSignals(
+            rebalance=options.rebalance, node_lost_grace_seconds=options.node_lost_grace_seconds
+        )
+        self.events = EventRecorder(client, instance=options.identity)
+        self.context = ControllerContext(
+            client=client,
+            jobs=self.jobs,
+            pods=self.pods,
+            nodes=self.nodes,
+            events=self.events,
+            metrics=self.metrics,
+            signals=self.signals,
+            queue=self.queue,
+            options=options,
+        )
+        self.workers = Workers(self.queue, reconcile_factory(self.context), count=options.workers, metrics=self.metrics)
+        self._workers_started = threading.Event()
+        self.elector: LeaderElector | None = None
+        if options.leader_elect:
+            self.elector = LeaderElector(
+                client,
+                namespace=options.lease_namespace,
+                name=options.lease_name,
+                identity=options.identity,
+                timing=options.lease_timing,
+                on_started=self._start_leading,
+                on_lost=self._leadership_lost,
+            )
+        self.http = HealthServer(self.metrics, port=options.http_port)
+        self.http.add_liveness(self._check_threads)
+        self.http.add_readiness(self._check_synced)
+        self._wire_handlers()
+
+    # -- handlers: events → keys
+
+    def _wire_handlers(self) -> None:
+        def job_key(obj: Object) -> None:
+            ns, name = object_key(obj)
+            self.queue.add(ObjectKey(ns, name))
+
+        def job_deleted(obj: Object) -> None:
+            ns, name = object_key(obj)
+            self.metrics.job_deleted(ns, name)
+            self.queue.add(ObjectKey(ns, name))
+
+        self.jobs.add_handler(
+            EventHandler(on_add=job_key, on_update=lambda _old, new: job_key(new), on_delete=job_deleted)
+        )
+
+        def pod_changed(pod: Object) -> None:
+            for key in _pod_job(pod):
+                self.queue.add(ObjectKey.parse(key))
+
+        self.pods.add_handler(
+            EventHandler(on_add=pod_changed, on_update=lambda _old, new: pod_changed(new), on_delete=pod_changed)
+        )
+
+        def node_changed(node: Object) -> None:
+            _, name = object_key(node)
+            for pod in self.pods.cache.by_index("node", name):
+                pod_changed(pod)
+
+        def node_deleted(node: Object) -> None:
+            self.signals.node_deleted(node)
+            node_changed(node)
+
+        self.nodes.add_handler(
+            EventHandler(on_add=node_changed, on_update=lambda _old, new: node_changed(new), on_delete=node_deleted)
+        )
+
+    # -- leadership
+
+    def _start_leading(self) -> None:
+        self.metrics.leader(True)
+        for ns, name in self.jobs.cache.object_keys():
+            self.queue.add(ObjectKey(ns, name))
+        self.workers.start()
+        self._workers_started.set()
+
+    def _leadership_lost(self, why: str) -> None:
+        self.metrics.leader(False)
+        self._on_lost(why)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._workers_started.is_set() and (self.elector is None or self.elector.is_leader)
+
+    # -- probes
+
+    def _check_threads(self) -> str | None:
+        dead = [repr(i) for i in (self.jobs, self.pods, self.nodes) if not i.alive()]
+        if self.elector is not None and not self.elector.alive() and not self._stop.is_set():
+            dead.append("leader election")
+        if self._workers_started.is_set() and not self.workers.alive() and not self._stop.is_set():
+            dead.append("reconcile workers")
+        return f"not running: {', '.join(dead)}" if dead else None
+
+    def _check_synced(self) -> str | None:
+        waiting = [repr(i) for i in (self.jobs, self.pods, self.nodes) if not i.has_synced()]
+        return f"caches not synced: {', '.join(waiting)}" if waiting else None
+
+    # -- lifecycle
+
+    def run(self) -> None:
+        """Start everything, wait for ``stop()``, then shut down cleanly."""
+        self.http.start()
+        log.info("serving /healthz, /readyz and /metrics on port %d", self.http.port)
+        for informer in (self.jobs, self.pods, self.nodes):
+            informer.start()
+        try:
+            for informer in (self.jobs, self.pods, self.nodes):
+                while not informer.wait_for_sync(1.0):
+                    if self._stop.is_set():
+                        return
+            log.info(
+                "caches synced: %d SpotJobs, %d worker pods, %d nodes",
+                len(self.jobs.cache),
+                len(self.pods.cache),
+                len(self.nodes.cache),
+            )
+            if self.elector is not None:
+                self.elector.start()
+            else:
+                self._start_leading()
+            self._stop.wait()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        log.info("shutting down")
+        if self._workers_started.is_set():
+            self.workers.stop()
+        else:
+            self.queue.shut_down()
+        if self.elector is not None:
+            self.elector.stop(release=True)
+        self.metrics.leader(False)
+        for informer in (self.jobs, self.pods, self.nodes):
+            informer.stop()
+        self.http.stop()
+        self.client.close()
+        log.info("stopped")
+
+
+def reconcile_not_wired(context: ControllerContext) -> Reconcile:
+    """The reconcile seam while no reconciler is plugged in: says so, once per job, and does nothing.
+
+    The SpotJob reconciler (model/reconciler work) replaces this with its own factory in
+    ``orchestrator.k8s.main.RECONCILE_FACTORY``.
+    """
+    warned: set[ObjectKey] = set()
+    lock = threading.Lock()
+
+    def reconcile(key: ObjectKey) -> float | None:
+        with lock:
+            first = key not in warned
+            warned.add(key)
+        if first:
+            log.warning(
+                "SpotJob %s is not reconciled: this build of spotjob-controller has no reconciler wired in", key
+            )
+        return None
+
+    return reconcile

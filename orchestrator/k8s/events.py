@@ -1,0 +1,250 @@
+"""Kubernetes Events about SpotJobs (and Nodes): what the controller did and why, for ``kubectl describe``.
+
+An Event says, about one object (``regarding``), a CamelCase ``reason`` (a constant next to its
+message, Karpenter style), a ``note`` for people, and a type: Normal or Warning. Order of use,
+fixed by the reconciler work: the caller writes the job's status first and emits the pass's
+Events only after that write succeeded, so an Event never claims what the status does not show.
+
+Repeats aggregate: the same (object, type, reason, note) again within ``series_window`` PATCHes
+the existing Event's series (events.k8s.io/v1: ``series.count``, ``series.lastObservedTime``; core
+v1: ``count``, ``lastTimestamp``) instead of creating another object — a job flapping for an hour
+leaves one Event with a count, not thousands. The recorder remembers the Events it wrote in a
+bounded LRU; a forgotten or expired one (404 on the PATCH) is simply created again.
+
+The API group is chosen once, on the first Event: events.k8s.io/v1 where served, core v1 Events
+otherwise. Emitting is synchronous on the caller's thread and never raises: an Event that cannot be
+written is logged (an Event is a courtesy; the status is the record).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
+
+log = logging.getLogger(__name__)
+
+REPORTING_CONTROLLER = "spotjob.dev/controller"
+_NOTE_LIMIT = 1024  # bytes; the API server rejects longer notes
+_REASON_LIMIT = 128
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """The object an Event is about (an ObjectReference)."""
+
+    kind: str
+    name: str
+    namespace: str = ""
+    api_version: str = "v1"
+    uid: str = ""
+    resource_version: str = ""
+
+    @classmethod
+    def of(cls, obj: Object) -> ObjectRef:
+        meta = obj.get("metadata") or {}
+        return cls(
+            kind=str(obj.get("kind") or ""),
+            name=str(meta.get("name") or ""),
+            namespace=str(meta.get("namespace") or ""),
+            api_version=str(obj.get("apiVersion") or "v1"),
+            uid=str(meta.get("uid") or ""),
+            resource_version=str(meta.get("resourceVersion") or ""),
+        )
+
+    def as_reference(self) -> Object:
+        ref: Object = {"kind": self.kind, "name": self.name, "apiVersion": self.api_version}
+        if self.namespace:
+            ref["namespace"] = self.namespace
+        if self.uid:
+            ref["uid"] = self.uid
+        return ref
+
+
+@dataclass
+class _Written:
+    name: str
+    namespace: str
+    count: int
+    last: datetime
+
+
+def _micro(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _seconds(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _truncate(text: str, limit: int) -> str:
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
+class EventRecorder:
+    """Writes Events; see the module docstring. Thread-safe."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        *,
+        instance: str,
+        events_namespace_for_cluster_objects: str = "default",
+        series_window: float = 3600.0,
+        cache_size: int = 4096,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._client = client
+        self._instance = instance
+        self._cluster_namespace = events_namespace_for_cluster_objects
+        self._window = series_window
+        self._cache_size = cache_size
+        self._now = now
+        self._lock = threading.Lock()
+        self._written: OrderedDict[tuple[Any, ...], _Written] = OrderedDict()
+        self._resource: Resource | None = None
+
+    def event(
+        self,
+        regarding: ObjectRef,
+        type: EventType,
+        reason: str,
+        note: str,
+        *,
+        action: str | None = None,
+        related: ObjectRef | None = None,
+    ) -> None:
+        """Record one Event (or count a repeat). Never raises."""
+        try:
+            self._event(regarding, type, reason, note, action or reason, related)
+        except KubeError as e:
+            log.warning("could not record event %s on %s %s: %s", reason, regarding.kind, regarding.name, e)
+        except Exception:
+            log.exception("could not record event %s on %s %s", reason, regarding.kind, regarding.name)
+
+    def normal(self, regarding: ObjectRef, reason: str, note: str, **kw: Any) -> None:
+        self.event(regarding, EventType.NORMAL, reason, note, **kw)
+
+    def warning(self, regarding: ObjectRef, reason: str, note: str, **kw: Any) -> None:
+        self.event(regarding, EventType.WARNING, reason, note, **kw)
+
+    # --
+
+    def _event(
+        self, regarding: ObjectRef, type: EventType, reason: str, note: str, action: str, related: ObjectRef | None
+    ) -> None:
+        if not reason or len(reason) > _REASON_LIMIT or not reason[0].isupper():
+            raise ValueError(f"an Event reason is CamelCase and at most {_REASON_LIMIT} characters: {reason!r}")
+        note = _truncate(note, _NOTE_LIMIT)
+        namespace = regarding.namespace or self._cluster_namespace
+        resource = self._group()
+        now = self._now()
+        key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, note)
+        with self._lock:
+            seen = self._written.get(key)
+            if seen is not None:
+                self._written.move_to_end(key)
+        if seen is not None and (now - seen.last).total_seconds() <= self._window:
+            try:
+                self._client.patch(
+                    resource, seen.name, self._series_patch(resource, seen.count + 1, now), seen.namespace
+                )
+            except NotFound:
+                pass  # expired or deleted meanwhile: write a new one
+            else:
+                with self._lock:
+                    seen.count += 1
+                    seen.last = now
+                return
+        body = self._new_event(resource, regarding, type, reason, note, action, related, namespace, now)
+        name = str(body["metadata"]["name"])
+        try:
+            self._client.create(resource, body, namespace)
+        except AlreadyExists:
+            pass  # our own create, retried after its answer was lost: the name is unique to it
+        with self._lock:
+            self._written[key] = _Written(name, namespace, 1, now)
+            self._written.move_to_end(key)
+            while len(self._written) > self._cache_size:
+                self._written.popitem(last=False)
+
+    def _group(self) -> Resource:
+        if self._resource is None:
+            served = self._client.api_group_served(EVENTS.group, EVENTS.version)
+            self._resource = EVENTS if served else CORE_EVENTS
+            if not served:
+                log.info("events.k8s.io/v1 is not served; writing core v1 Events")
+        return self._resource
+
+    def _new_event(
+        self,
+        resource: Resource,
+        regarding: ObjectRef,
+        type: EventType,
+        reason: str,
+        note: str,
+        action: str,
+        related: ObjectRef | None,
+        namespace: str,
+        now: datetime,
+    ) -> Object:
+        name = f"{regarding.name}.{uuid.uuid4().hex[:16]}"
+        metadata: Object = {"name": name, "namespace": namespace}
+        if resource is EVENTS:
+            body: Object = {
+                "apiVersion": "events.k8s.io/v1",
+                "kind": "Event",
+                "metadata": metadata,
+                "eventTime": _micro(now),
+                "reportingController": REPORTING_CONTROLLER,
+                "reportingInstance": self._instance,
+                "action": action[:_REASON_LIMIT],
+                "reason": reason,
+                "type": type.value,
+                "note": note,
+                "regarding": regarding.as_reference(),
+            }
+            if related is not None:
+                body["related"] = related.as_reference()
+            return body
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": metadata,
+            "involvedObject": regarding.as_reference(),
+            "reason": reason,
+            "message": note,
+            "type": type.value,
+            "count": 1,
+            "firstTimestamp": _seconds(now),
+            "lastTimestamp": _seconds(now),
+            "source": {"component": REPORTING_CONTROLLER},
+            "reportingComponent": REPORTING_CONTROLLER,
+            "reportingInstance": self._instance,
+            "action": action[:_REASON_LIMIT],
+        }
+        if related is not None:
+            body["related"] = related.as_reference()
+        return body
+
+    @staticmethod
+    def _series_patch(resource: Resource, count: int, now: datetime) -> Object:
+        if resource is EVENTS:
+            return {"series": {"count": count, "lastObservedTime": _micro(now)}}
+        return {"count": count, "lastTimestamp": _seconds(now)}

@@ -1,0 +1,126 @@
+"""The API layer against the test API server: retries on 5xx/429/drops, typed errors, the permission list."""
+
+from __future__ import annotations
+
+import pytest
+from ctl_support import CONTROLLER_USER, TestApi
+
+from orchestrator.k8s.api import (
+    LEASES,
+    NODES,
+    PERMISSIONS,
+    PODS,
+    SPOTJOBS,
+    AlreadyExists,
+    ConfigError,
+    Conflict,
+    Invalid,
+    NotFound,
+    NotPermitted,
+    PermanentError,
+    RetryPolicy,
+    TransientError,
+    load_config,
+)
+
+
+def lease(name: str = "l") -> dict:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": {}}
+
+
+def test_a_call_retries_through_injected_500s_and_succeeds(test_api: TestApi) -> None:
+    retries: list[tuple[str, str, str]] = []
+    client = test_api.client(on_retry=lambda *a: retries.append(a))
+    test_api.fault(verb="list", resource="nodes", count=2, status=500)
+    items, version = client.list(NODES)
+    assert items == [] and version
+    assert retries == [("list", "nodes", "500"), ("list", "nodes", "500")]
+
+
+def test_a_429_is_retried_after_the_servers_retry_after(test_api: TestApi) -> None:
+    waits: list[float] = []
+    client = test_api.client(sleep=waits.append)
+    test_api.fault(verb="get", resource="leases", count=1, status=429, retry_after=7)
+    client.create(LEASES, lease(), "default")
+    assert client.get(LEASES, "l", "default")["metadata"]["name"] == "l"
+    assert waits == [7.0]  # recorded, not slept: the injected sleep
+
+
+def test_a_dropped_connection_is_retried(test_api: TestApi) -> None:
+    client = test_api.client()
+    test_api.fault(verb="get", resource="nodes", name="n1", count=1, action="drop")
+    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
+    assert client.get(NODES, "n1")["metadata"]["name"] == "n1"
+
+
+def test_retries_give_up_with_a_typed_transient_error(test_api: TestApi) -> None:
+    client = test_api.client(retry=RetryPolicy(attempts=3, initial=0.01, maximum=0.01))
+    test_api.fault(verb="list", resource="pods", count=10, status=503)
+    with pytest.raises(TransientError) as error:
+        client.list(PODS, "default")
+    assert error.value.status == 503
+    assert not isinstance(error.value, PermanentError)
+    hits = [r for r in test_api.audit() if r["resource"] == "pods" and r["verb"] == "list"]
+    assert len(hits) == 3
+
+
+def test_a_stale_update_is_a_conflict_and_a_second_create_already_exists(test_api: TestApi) -> None:
+    client = test_api.client()
+    created = client.create(LEASES, lease(), "default")
+    current = dict(created, spec={"holderIdentity": "a"})
+    client.replace(LEASES, current)
+    stale = dict(created, spec={"holderIdentity": "b"})  # still carries the first resourceVersion
+    with pytest.raises(Conflict) as conflict:
+        client.replace(LEASES, stale)
+    assert not isinstance(conflict.value, AlreadyExists)
+    with pytest.raises(AlreadyExists):
+        client.create(LEASES, lease(), "default")
+
+
+def test_a_missing_object_is_not_found_and_deleting_it_is_done(test_api: TestApi) -> None:
+    client = test_api.client()
+    with pytest.raises(NotFound):
+        client.get(PODS, "nope", "default")
+    assert client.delete(PODS, "nope", "default") is False
+
+
+def test_an_invalid_object_is_a_permanent_invalid_error(test_api: TestApi) -> None:
+    client = test_api.client()
+    with pytest.raises(Invalid):
+        client.create(LEASES, lease("Not_A_Valid_Name"), "default")
+
+
+def test_a_call_outside_the_permission_list_fails_before_any_request(test_api: TestApi) -> None:
+    client = test_api.client()
+    with pytest.raises(NotPermitted):
+        client.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n9"}})
+    with pytest.raises(NotPermitted):
+        client.delete(SPOTJOBS, "j", "default")
+    assert [r for r in test_api.audit() if r["user"] == CONTROLLER_USER] == []
+
+
+def test_the_permission_list_is_well_formed() -> None:
+    triples = [(p.group, p.resource, p.verb) for p in PERMISSIONS]
+    assert len(triples) == len(set(triples))
+    assert all(p.why for p in PERMISSIONS)
+    assert {"get", "create", "update"} <= {p.verb for p in PERMISSIONS if p.resource == "leases"}
+
+
+def test_a_missing_kubeconfig_is_a_config_error_naming_the_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_kubeconfig_comes_from_the_environment_when_no_flag_names_one(test_api: TestApi, monkeypatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(test_api.kubeconfig))
+    assert load_config().host == test_api.url
+
+
+def test_a_request_that_hangs_times_out_and_is_retried(test_api: TestApi) -> None:
+    retries: list[tuple[str, str, str]] = []
+    client = test_api.client(request_timeout=0.5, on_retry=lambda *a: retries.append(a))
+    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "slow"}})
+    test_api.fault(verb="get", resource="nodes", name="slow", count=1, action="timeout", delay=5)
+    assert client.get(NODES, "slow")["metadata"]["name"] == "slow"
+    assert retries == [("get", "nodes", "network")]

@@ -1,0 +1,79 @@
+"""The controller's wiring: SpotJob, worker Pod and Node events become job keys; the seam is called."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from ctl_support import TestApi, wait_for
+
+from orchestrator.k8s.api import NODES, PODS, Resource
+from orchestrator.k8s.controller import JOB_LABEL, Controller, ControllerContext, ControllerOptions
+from orchestrator.k8s.workqueue import ObjectKey, Reconcile
+
+SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.calls: Counter[ObjectKey] = Counter()
+        self.context: ControllerContext | None = None
+
+    def factory(self, context: ControllerContext) -> Reconcile:
+        self.context = context
+
+        def reconcile(key: ObjectKey) -> float | None:
+            self.calls[key] += 1
+            return None
+
+        return reconcile
+
+
+@pytest.fixture
+def running(test_api: TestApi) -> Iterator[tuple[Controller, Seen]]:
+    test_api.install_spotjob_crd()
+    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
+    seen = Seen()
+    options = ControllerOptions(leader_elect=False, http_port=0, workers=2, identity="solo")
+    controller = Controller(test_api.client(), options, seen.factory)
+    thread = threading.Thread(target=controller.run, daemon=True)
+    thread.start()
+    wait_for(lambda: controller.is_leader, what="the controller to start its workers")
+    yield controller, seen
+    controller.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def worker_pod(name: str, job: str, node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {JOB_LABEL: job}},
+        "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "spotjob"}]},
+    }
+
+
+def test_job_pod_and_node_events_reconcile_the_job_they_concern(test_api: TestApi, running) -> None:
+    controller, seen = running
+    job = ObjectKey("default", "llama")
+    test_api.admin.create(
+        SPOTJOBS, {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "metadata": {"name": "llama"}}, "default"
+    )
+    wait_for(lambda: seen.calls[job] >= 1, what="the new job's reconcile")
+    test_api.admin.create(PODS, worker_pod("llama-0-0", "llama", "n1"), "default")
+    wait_for(lambda: controller.pods.cache.by_index("node", "n1"), what="the worker pod in the cache")
+    before = seen.calls[job]
+    test_api.admin.patch(
+        NODES, "n1", {"spec": {"taints": [{"key": "aws-node-termination-handler/spot-itn", "effect": "NoSchedule"}]}}
+    )
+    wait_for(lambda: seen.calls[job] > before, what="a reconcile after the node's taint")
+    assert seen.context is not None and seen.context.nodes.cache.get("", "n1") is not None
+    (signal,) = seen.context.signals.for_workers(
+        seen.context.pods.cache.by_index("job", "default/llama"), lambda n: seen.context.nodes.cache.get("", n)
+    )
+    assert signal.kind.value == "SpotInterruption" and signal.node == "n1"
+    assert [k for k in seen.calls if k != job] == []  # nothing else was reconciled

@@ -1,0 +1,76 @@
+"""Events against the test API server: written about the object, repeats aggregated into a series."""
+
+from __future__ import annotations
+
+from ctl_support import TestApi
+
+from orchestrator.k8s.api import CORE_EVENTS, EVENTS
+from orchestrator.k8s.events import REPORTING_CONTROLLER, EventRecorder, ObjectRef
+
+JOB = ObjectRef(kind="SpotJob", name="llama", namespace="default", api_version="spotjob.dev/v1alpha1", uid="u-1")
+NODE = ObjectRef(kind="Node", name="ip-10-0-0-1", api_version="v1", uid="u-2")
+
+
+def events(test_api: TestApi, namespace: str = "default") -> list[dict]:
+    return test_api.admin.list(EVENTS, namespace)[0]
+
+
+def test_an_event_is_written_about_the_job_with_type_reason_and_note(test_api: TestApi) -> None:
+    recorder = EventRecorder(test_api.client(), instance="replica-a")
+    recorder.warning(JOB, "SpotInterrupted", "node ip-10-0-0-1 is reclaimed at 12:02", related=NODE)
+    (event,) = events(test_api)
+    assert event["regarding"]["name"] == "llama" and event["regarding"]["kind"] == "SpotJob"
+    assert (event["type"], event["reason"]) == ("Warning", "SpotInterrupted")
+    assert event["note"] == "node ip-10-0-0-1 is reclaimed at 12:02"
+    assert event["related"]["name"] == "ip-10-0-0-1"
+    assert (event["reportingController"], event["reportingInstance"]) == (REPORTING_CONTROLLER, "replica-a")
+
+
+def test_repeats_of_one_event_aggregate_into_a_series_instead_of_new_objects(test_api: TestApi) -> None:
+    recorder = EventRecorder(test_api.client(), instance="replica-a")
+    for _ in range(4):
+        recorder.normal(JOB, "FlushRequested", "asked 2 agents to flush")
+    recorder.normal(JOB, "FlushRequested", "asked 3 agents to flush")  # another note: another event
+    written = sorted(events(test_api), key=lambda e: e["note"])
+    assert [e["note"] for e in written] == ["asked 2 agents to flush", "asked 3 agents to flush"]
+    assert written[0]["series"]["count"] == 4
+    assert "series" not in written[1] or not written[1]["series"]
+    patches = [r for r in test_api.audit() if r["resource"] == "events" and r["verb"] == "patch"]
+    assert len(patches) == 3
+
+
+def test_an_event_about_a_node_goes_to_the_default_namespace(test_api: TestApi) -> None:
+    EventRecorder(test_api.client(), instance="r").normal(NODE, "NodeLost", "NotReady for 60s")
+    (event,) = events(test_api, "default")
+    assert event["regarding"]["kind"] == "Node"
+
+
+def test_an_event_deleted_meanwhile_is_written_again_and_a_failure_never_raises(test_api: TestApi) -> None:
+    recorder = EventRecorder(test_api.client(), instance="r")
+    recorder.normal(JOB, "Rescheduled", "attempt 2 on nodes b, c")
+    (first,) = events(test_api)
+    test_api.admin.delete(EVENTS, first["metadata"]["name"], "default")
+    recorder.normal(JOB, "Rescheduled", "attempt 2 on nodes b, c")
+    assert len(events(test_api)) == 1
+    test_api.fault(verb="create", resource="events", count=100, status=500)
+    recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")  # logged, not raised
+    test_api.clear_faults()
+    assert [e["reason"] for e in events(test_api)] == ["Rescheduled"]
+
+
+def test_core_v1_events_are_written_and_counted_where_events_k8s_io_is_not_served(
+    test_api: TestApi, monkeypatch
+) -> None:
+    client = test_api.client()
+    monkeypatch.setattr(client, "api_group_served", lambda group, version: False)
+    recorder = EventRecorder(client, instance="r")
+    for _ in range(3):
+        recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")
+    (event,) = test_api.admin.list(CORE_EVENTS, "default")[0]
+    assert event["involvedObject"]["name"] == "llama"
+    assert (event["type"], event["reason"], event["message"], event["count"]) == (
+        "Warning",
+        "FlushTimedOut",
+        "no manifest after 120s",
+        3,
+    )

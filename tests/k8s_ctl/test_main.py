@@ -1,0 +1,119 @@
+"""``spotjob-controller``'s flags: defaults, environment equivalents, and exit 2 with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.k8s.cluster_signals import RebalancePolicy
+from orchestrator.k8s.main import parse_options
+
+ENV = (
+    "POD_NAMESPACE",
+    "POD_NAME",
+    "KUBECONFIG",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "KUBERNETES_SERVICE_HOST",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in __import__("os").environ if n.startswith("SPOTJOB_")]:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_defaults_are_what_the_chart_expects(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "spotjob-system")
+    monkeypatch.setenv("POD_NAME", "spotjob-controller-7c9-abcde")
+    _, o = parse_options([])
+    assert o.namespaces == () and o.leader_elect
+    assert (o.lease_name, o.lease_namespace, o.identity) == (
+        "spotjob-controller",
+        "spotjob-system",
+        "spotjob-controller-7c9-abcde",
+    )
+    assert (o.http_port, o.agent_port, o.workers) == (8080, 8470, 4)
+    assert o.network_policy and o.rebalance is RebalancePolicy.IGNORE and o.node_lost_grace_seconds == 60
+    assert o.interruption_queue_url is None
+
+
+def test_every_flag_the_chart_passes_is_accepted() -> None:
+    _, o = parse_options(
+        [
+            "--kubeconfig=/tmp/kc",
+            "--namespace=team-a",
+            "--namespace=team-b",
+            "--no-leader-elect",
+            "--lease-name=ctl",
+            "--http-port=9090",
+            "--agent-port=9470",
+            "--no-network-policy",
+            "--interruption-queue-url=https://sqs.us-east-1.example/123456789012/spotjob",
+            "--aws-region=us-east-1",
+            "--rebalance=flush",
+            "--node-lost-grace-seconds=30",
+            "--workers=8",
+            "--log-level=DEBUG",
+        ]
+    )
+    assert o.namespaces == ("team-a", "team-b") and not o.leader_elect and o.lease_name == "ctl"
+    assert (o.http_port, o.agent_port, o.workers, o.node_lost_grace_seconds) == (9090, 9470, 8, 30.0)
+    assert not o.network_policy and o.rebalance is RebalancePolicy.FLUSH
+    assert o.aws_region == "us-east-1" and o.interruption_queue_url is not None
+
+
+def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTJOB_NAMESPACES", "team-a, team-b")
+    monkeypatch.setenv("SPOTJOB_LEADER_ELECT", "false")
+    monkeypatch.setenv("SPOTJOB_REBALANCE", "flush")
+    monkeypatch.setenv("SPOTJOB_WORKERS", "2")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    _, o = parse_options(["--workers=3"])
+    assert o.namespaces == ("team-a", "team-b") and not o.leader_elect
+    assert o.rebalance is RebalancePolicy.FLUSH and o.aws_region == "eu-west-1"
+    assert o.workers == 3  # the flag wins
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--workers=0"], {}, "--workers"),
+        (["--http-port=70000"], {}, "--http-port"),
+        (["--namespace=Team_A"], {}, "--namespace"),
+        (["--rebalance=sometimes"], {}, "--rebalance"),
+        (["--node-lost-grace-seconds=-1"], {}, "--node-lost-grace-seconds"),
+        (["--interruption-queue-url=sqs-queue"], {}, "--interruption-queue-url"),
+        (["--leader-elect-lease-duration=2"], {}, "--leader-elect"),
+        ([], {}, "--lease-namespace"),  # leader election on, and no namespace for the Lease
+        (["--lease-namespace=x", "--bogus"], {}, "--bogus"),
+        (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "many"}, "SPOTJOB_WORKERS"),
+        (["--lease-namespace=x"], {"SPOTJOB_LEADER_ELECT": "maybe"}, "SPOTJOB_LEADER_ELECT"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_problem(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as exit_:
+        parse_options(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_console_script_exits_2_without_a_cluster(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={tmp_path / 'none'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2
+    assert "cannot load the cluster configuration" in result.stderr
