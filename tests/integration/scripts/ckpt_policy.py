@@ -57,9 +57,14 @@ def early(args: argparse.Namespace, rank: int) -> None:
     with Checkpointer(args.uri, keep=None, control_dir=args.control) as ckpt:
         for step in range(1, 21):
             train(state, 1, start=step - 1)
-            if step in (5, 14) and rank == 0:
-                ControlDir(args.control).request_save(f"request at step {step}")
-            dist.barrier()  # both ranks look for the request at the end of this step
+            if step in (5, 14):
+                # Both ranks have launched the previous step's vote before the request lands (a
+                # slow rank 1 would otherwise vote for it a step early), and both look for it at
+                # the end of this step.
+                dist.barrier()
+                if rank == 0:
+                    ControlDir(args.control).request_save(f"request at step {step}")
+            dist.barrier()
             ckpt.step(step, state)
 
 
