@@ -390,7 +390,11 @@ class Kubelet:
                 },
                 "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
             }
-            self.api.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", body)
+            try:
+                self.api.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", body)
+            except ApiCallError as created:
+                if created.status != 409:  # the heartbeat thread created it meanwhile
+                    raise
 
     def _heartbeat_loop(self) -> None:
         last_status: dict[str, float] = {}
