@@ -272,8 +272,8 @@ class Scheduler(Loop):
     def step(self) -> None:
         api = self.api
         with api.store.lock:
-            pods = api.store.list("core/pods")
-            nodes = sorted(api.store.list("core/nodes"), key=lambda n: n["metadata"]["name"])
+            pods = api.store.select("core/pods")
+            nodes = sorted(api.store.select("core/nodes"), key=lambda n: n["metadata"]["name"])
         used: dict[str, dict[str, float]] = {n["metadata"]["name"]: {} for n in nodes}
         count: dict[str, int] = dict.fromkeys(used, 0)
         pending = []
@@ -387,7 +387,7 @@ class NodeLifecycle(Loop):
         api = self.api
         now = time.time()
         with api.store.lock:
-            nodes = api.store.list("core/nodes")
+            nodes = api.store.select("core/nodes")
         for node in nodes:
             self._monitor(node, now)
         self._taint_manager(now)
@@ -446,7 +446,7 @@ class NodeLifecycle(Loop):
         self.api.mutate("core/nodes", "", name, change, user=CONTROLLER)
 
     def _mark_pods_not_ready(self, node: str) -> None:
-        for pod in self.api.store.list("core/pods"):
+        for pod in self.api.store.select("core/pods"):
             if dig(pod, "spec", "nodeName") != node or dig(pod, "status", "phase") in TERMINAL:
                 continue
             conds = dig(pod, "status", "conditions") or []
@@ -469,8 +469,8 @@ class NodeLifecycle(Loop):
 
     def _taint_manager(self, now: float) -> None:
         api = self.api
-        nodes = {n["metadata"]["name"]: n for n in api.store.list("core/nodes")}
-        for pod in api.store.list("core/pods"):
+        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
+        for pod in api.store.select("core/pods"):
             node = nodes.get(dig(pod, "spec", "nodeName") or "")
             md = pod["metadata"]
             if node is None or md.get("deletionTimestamp") or dig(pod, "status", "phase") in TERMINAL:
@@ -550,8 +550,8 @@ class PodGC(Loop):
     def step(self) -> None:
         api = self.api
         now = time.monotonic()
-        nodes = {n["metadata"]["name"]: n for n in api.store.list("core/nodes")}
-        for pod in api.store.list("core/pods"):
+        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
+        for pod in api.store.select("core/pods"):
             md = pod["metadata"]
             node_name = dig(pod, "spec", "nodeName")
             if not node_name:
@@ -743,7 +743,7 @@ class NamespaceController(Loop):
 
     def step(self) -> None:
         api = self.api
-        for ns in api.store.list("core/namespaces"):
+        for ns in api.store.select("core/namespaces"):
             if not ns["metadata"].get("deletionTimestamp"):
                 continue
             name = ns["metadata"]["name"]
@@ -752,7 +752,7 @@ class NamespaceController(Loop):
                 rt = types[0]
                 if not rt.namespaced:
                     continue
-                for obj in api.store.list(storage, name):
+                for obj in api.store.select(storage, name):
                     remaining += 1
                     if not obj["metadata"].get("deletionTimestamp"):
                         try:

@@ -94,7 +94,7 @@ def rewrite_paths(value: str, mounts: list[tuple[str, str]]) -> str:
     for mount_path, host in mounts:
         mp = mount_path.rstrip("/") or "/"
         pattern = re.compile(r"(?<![\w./-])" + re.escape(mp) + r"(?=/|$|[^\w.-])")
-        value = pattern.sub(lambda _m, h=host: h, value)
+        value = pattern.sub(host.replace("\\", "\\\\"), value)
     return value
 
 
@@ -456,9 +456,9 @@ class Kubelet:
                     if ev["type"] == "BOOKMARK":
                         continue
                     if ev["type"] == "DELETED":
-                        node = self.nodes.get(dig(obj, "spec", "nodeName") or "")
-                        if node is not None and not node.partitioned:
-                            self._on_gone(node, obj["metadata"]["uid"])
+                        owner = self.nodes.get(dig(obj, "spec", "nodeName") or "")
+                        if owner is not None and not owner.partitioned:
+                            self._on_gone(owner, obj["metadata"]["uid"])
                     else:
                         self._on_pod(obj)
             except Exception as e:
