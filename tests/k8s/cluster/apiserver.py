@@ -1264,9 +1264,21 @@ def evict(api: ApiServer, namespace: str, name: str, eviction: Any, user: str) -
 
 
 def add_pod_condition(
-    api: ApiServer, namespace: str, name: str, ctype: str, status: str, reason: str, message: str, user: str
+    api: ApiServer,
+    namespace: str,
+    name: str,
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    user: str,
+    uid: str | None = None,
 ) -> None:
+    """Set a pod condition (of the pod with ``uid`` only, when given: not a new pod of that name)."""
+
     def change(p: Obj) -> bool:
+        if uid is not None and p["metadata"].get("uid") != uid:
+            return False
         conds = list((p.get("status") or {}).get("conditions") or [])
         for c in conds:
             if c.get("type") == ctype and c.get("status") == status and c.get("reason") == reason:
