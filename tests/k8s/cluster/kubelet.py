@@ -659,7 +659,7 @@ class PodWorker:
         and returns once they have exited."""
         with self._spawn_lock:  # a container start in flight in the worker's thread ends first
             self.halted = True
-        if kill:
+        if kill and self.node.config.run_containers:  # a node without containers has no process to find
             kill_and_wait(self.marker)
             for c in self.init + self.containers:
                 proc = c.proc
@@ -1075,13 +1075,16 @@ class PodWorker:
             hook = dig(c.spec, "lifecycle", "preStop", "exec", "command")
             if hook and c.proc is not None:
                 self._exec([rewrite_paths(a, self.mounts) for a in hook], self._env(pod, c.spec), max(0.1, grace))
-        kill_all(self.marker, signal.SIGTERM)
-        while time.monotonic() < deadline and self.pids() and not self.halted:
+        runs = self.node.config.run_containers  # a node without containers has no process to find
+        if runs:
+            kill_all(self.marker, signal.SIGTERM)
+        while runs and time.monotonic() < deadline and self.pids() and not self.halted:
             time.sleep(0.05)
         if self.halted:
             return
         # The pod is gone only once every process is: the final status and the deletion follow.
-        kill_and_wait(self.marker)
+        if runs:
+            kill_and_wait(self.marker)
         for c in self.init + self.containers:
             if c.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
