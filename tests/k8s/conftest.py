@@ -5,12 +5,12 @@ from .fixtures import cluster, k8s_cluster, kube_client, namespace, test_apiserv
 __all__ = ["cluster", "k8s_cluster", "kube_client", "namespace", "test_apiserver_only"]
 
 
-import pathlib  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+import pathlib
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
+import pytest
 
-from .cluster import TestCluster  # noqa: E402
+from .cluster import TestCluster
 
 MANIFESTS = pathlib.Path(__file__).parent / "manifests"
 
@@ -23,8 +23,8 @@ def widget_crd(k8s_cluster: TestCluster) -> Iterator[None]:
     crd = yaml.safe_load((MANIFESTS / "widget-crd.yaml").read_text())
     try:
         k8s_cluster.rest.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if getattr(e, "status", None) != 409:
             raise
-    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/test.spotjob.dev/v1"), 10, "the Widget CRD to be served")
+    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/test.spotjob.dev/v1"), 60, "the Widget CRD to be served")
     yield

@@ -3,6 +3,7 @@
 - ``k8s_cluster`` (session): a started ``TestCluster``; ``KUBECONFIG`` and ``KUBECACHEDIR`` are set
   in ``os.environ`` for this process and its children while it runs. With
   ``SPOTJOB_TEST_KUBECONFIG`` set it uses that cluster instead of starting the test API server.
+  At the end, a process of any pod still running after the cluster stopped fails the session.
 - ``cluster`` (per test): the same cluster; nodes the test added are deleted afterwards, faults
   cleared, and the test fails if kubernetes-validate (strict) rejected any object it wrote.
 - ``namespace`` (per test): a fresh namespace, deleted afterwards.
@@ -13,8 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +40,12 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluste
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    left = cluster.leftover_processes()
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"processes of pods outlived the test cluster (now killed): {left}")
 
 
 @pytest.fixture
@@ -57,13 +66,17 @@ def cluster(k8s_cluster: TestCluster) -> Iterator[TestCluster]:
 @pytest.fixture
 def namespace(cluster: TestCluster) -> Iterator[str]:
     name = f"t-{secrets.token_hex(4)}"
-    cluster.rest.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    cluster.rest.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
     # Pods need the namespace's default ServiceAccount, which appears with the namespace.
-    cluster.wait_for(lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 10, "the default ServiceAccount")
+    cluster.wait_for(
+        lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60, "the default ServiceAccount"
+    )
     yield name
     try:
         cluster.rest.request("DELETE", f"/api/v1/namespaces/{name}")
-    except Exception:  # noqa: BLE001 - cleanup is best effort
+    except Exception:
         pass
 
 

@@ -11,6 +11,7 @@ from kubernetes import client
 from .cluster import Fault, TestCluster
 
 WIDGETS = ("test.spotjob.dev", "v1", "widgets")
+WAIT = 60.0  # generous for a loaded machine: waits end as soon as their condition holds
 
 
 def reason(e: client.ApiException) -> str:
@@ -37,7 +38,9 @@ def test_objects_get_resource_versions_uids_and_generations(kube_client: Any, na
     same = v1.patch_namespaced_config_map("c", namespace, {"data": {"a": "2"}})
     assert same.metadata.resource_version == cm2.metadata.resource_version, "a no-op write changes nothing"
 
-    svc = v1.create_namespaced_service(namespace, {"metadata": {"name": "s"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}})
+    svc = v1.create_namespaced_service(
+        namespace, {"metadata": {"name": "s"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}}
+    )
     assert svc.metadata.generation == 1
     labelled = v1.patch_namespaced_service("s", namespace, {"metadata": {"labels": {"x": "y"}}})
     assert labelled.metadata.generation == 1, "metadata writes don't bump generation"
@@ -45,7 +48,9 @@ def test_objects_get_resource_versions_uids_and_generations(kube_client: Any, na
     assert respec.metadata.generation == 2, "spec writes do"
 
 
-def test_a_stale_update_conflicts_a_duplicate_exists_and_a_missing_object_is_not_found(kube_client: Any, namespace: str) -> None:
+def test_a_stale_update_conflicts_a_duplicate_exists_and_a_missing_object_is_not_found(
+    kube_client: Any, namespace: str
+) -> None:
     v1 = client.CoreV1Api(kube_client)
     cm = v1.create_namespaced_config_map(namespace, {"metadata": {"name": "c"}, "data": {"a": "1"}})
     v1.patch_namespaced_config_map("c", namespace, {"data": {"a": "2"}})
@@ -80,7 +85,9 @@ def test_an_invalid_object_is_422_naming_the_field(kube_client: Any, namespace: 
     assert json.loads(e2.value.body)["details"]["causes"][0]["field"] == "spec.containers[0].image"
 
 
-def test_kubernetes_validate_strict_rejects_an_unknown_field_loudly(cluster: TestCluster, namespace: str, test_apiserver_only: None) -> None:
+def test_kubernetes_validate_strict_rejects_an_unknown_field_loudly(
+    cluster: TestCluster, namespace: str, test_apiserver_only: None
+) -> None:
     mark = len(cluster.validation_failures)
     bad = pod_body("typo")
     bad["spec"]["containers"][0]["comand"] = ["sleep"]
@@ -120,14 +127,29 @@ def test_label_and_field_selectors_and_chunked_lists(kube_client: Any, namespace
     assert [c.metadata.name for c in rest.items] == ["c3"] and not rest.metadata._continue
 
 
-def test_each_patch_type_the_client_sends(kube_client: Any, namespace: str, cluster: TestCluster, test_apiserver_only: None) -> None:
+def test_each_patch_type_the_client_sends(
+    kube_client: Any, namespace: str, cluster: TestCluster, test_apiserver_only: None
+) -> None:
     """kubernetes 37: a dict body for a built-in kind goes as a strategic merge patch, a list as a
     JSON patch; custom objects always go as a merge patch."""
     v1 = client.CoreV1Api(kube_client)
     mark = cluster.audit_mark()
-    v1.create_namespaced_pod(namespace, pod_body("p", containers=[{"name": "a", "image": "x:1", "command": ["sleep"]}, {"name": "b", "image": "y:1", "command": ["sleep"]}]))
+    v1.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "p",
+            containers=[
+                {"name": "a", "image": "x:1", "command": ["sleep"]},
+                {"name": "b", "image": "y:1", "command": ["sleep"]},
+            ],
+        ),
+    )
     # Strategic merge: containers merge by name; a label map merges; null deletes a key.
-    p = v1.patch_namespaced_pod("p", namespace, {"metadata": {"labels": {"extra": "1"}}, "spec": {"containers": [{"name": "b", "image": "y:2"}]}})
+    p = v1.patch_namespaced_pod(
+        "p",
+        namespace,
+        {"metadata": {"labels": {"extra": "1"}}, "spec": {"containers": [{"name": "b", "image": "y:2"}]}},
+    )
     assert [(c.name, c.image) for c in p.spec.containers] == [("a", "x:1"), ("b", "y:2")]
     assert p.metadata.labels == {"app": "demo", "extra": "1"}
     p = v1.patch_namespaced_pod("p", namespace, {"metadata": {"labels": {"extra": None}}})
@@ -141,7 +163,9 @@ def test_each_patch_type_the_client_sends(kube_client: Any, namespace: str, clus
     ctypes = [r for r in cluster.audit_log(mark) if r.verb == "patch"]
     assert len(ctypes) == 4
     # Status through pods/status: conditions merge by type.
-    v1.patch_namespaced_pod_status("p", namespace, {"status": {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "Test"}]}})
+    v1.patch_namespaced_pod_status(
+        "p", namespace, {"status": {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "Test"}]}}
+    )
     v1.patch_namespaced_pod_status("p", namespace, {"status": {"conditions": [{"type": "Other", "status": "True"}]}})
     conds = {c.type for c in v1.read_namespaced_pod("p", namespace).status.conditions}
     assert {"DisruptionTarget", "Other"} <= conds
@@ -157,7 +181,13 @@ def test_pod_spec_is_immutable_except_the_documented_fields(kube_client: Any, na
 
 def test_leases_elect_by_compare_and_swap_on_resource_version(kube_client: Any, namespace: str) -> None:
     co = client.CoordinationV1Api(kube_client)
-    lease = co.create_namespaced_lease(namespace, {"metadata": {"name": "leader"}, "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15, "leaseTransitions": 0}})
+    lease = co.create_namespaced_lease(
+        namespace,
+        {
+            "metadata": {"name": "leader"},
+            "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15, "leaseTransitions": 0},
+        },
+    )
     mine = co.read_namespaced_lease("leader", namespace)
     theirs = co.read_namespaced_lease("leader", namespace)
     mine.spec.holder_identity = "b"
@@ -178,7 +208,13 @@ def test_events_written_in_either_api_are_read_in_both_and_repeats_aggregate(kub
     v1 = client.CoreV1Api(kube_client)
     ev1 = client.EventsV1Api(kube_client)
     cm = v1.create_namespaced_config_map(namespace, {"metadata": {"name": "subject"}})
-    regarding = {"apiVersion": "v1", "kind": "ConfigMap", "name": "subject", "namespace": namespace, "uid": cm.metadata.uid}
+    regarding = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "subject",
+        "namespace": namespace,
+        "uid": cm.metadata.uid,
+    }
     ev1.create_namespaced_event(
         namespace,
         {
@@ -193,19 +229,37 @@ def test_events_written_in_either_api_are_read_in_both_and_repeats_aggregate(kub
             "regarding": regarding,
         },
     )
-    ev1.patch_namespaced_event("subject.flush", namespace, {"series": {"count": 3, "lastObservedTime": "2025-01-01T00:01:00.000000Z"}})
-    core = v1.list_namespaced_event(namespace, field_selector=f"involvedObject.name=subject,involvedObject.uid={cm.metadata.uid}").items
+    ev1.patch_namespaced_event(
+        "subject.flush", namespace, {"series": {"count": 3, "lastObservedTime": "2025-01-01T00:01:00.000000Z"}}
+    )
+    core = v1.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name=subject,involvedObject.uid={cm.metadata.uid}"
+    ).items
     assert len(core) == 1 and core[0].message == "asked 2 agents to flush" and core[0].series.count == 3
     v1.create_namespaced_event(
         namespace,
-        {"metadata": {"name": "subject.old"}, "involvedObject": regarding, "reason": "Rescheduled", "message": "moved", "type": "Warning", "count": 1, "firstTimestamp": "2025-01-01T00:00:00Z", "lastTimestamp": "2025-01-01T00:00:00Z", "source": {"component": "spotjob"}},
+        {
+            "metadata": {"name": "subject.old"},
+            "involvedObject": regarding,
+            "reason": "Rescheduled",
+            "message": "moved",
+            "type": "Warning",
+            "count": 1,
+            "firstTimestamp": "2025-01-01T00:00:00Z",
+            "lastTimestamp": "2025-01-01T00:00:00Z",
+            "source": {"component": "spotjob"},
+        },
     )
     v1.patch_namespaced_event("subject.old", namespace, {"count": 2, "lastTimestamp": "2025-01-01T00:00:05Z"})
     old = {e.reason: e for e in v1.list_namespaced_event(namespace, field_selector="involvedObject.name=subject").items}
     assert old["Rescheduled"].count == 2 and old["FlushRequested"].series.count == 3
     # A core event has no eventTime, which events.k8s.io/v1 requires: read it through core/v1
     # (a real server answers null there too, and the client's model rejects that).
-    raw = ev1.api_client.call_api("GET", f"{cluster_host(kube_client)}/apis/events.k8s.io/v1/namespaces/{namespace}/events/subject.old", {"Authorization": kube_client.configuration.api_key["BearerToken"]})
+    raw = ev1.api_client.call_api(
+        "GET",
+        f"{cluster_host(kube_client)}/apis/events.k8s.io/v1/namespaces/{namespace}/events/subject.old",
+        {"Authorization": kube_client.configuration.api_key["BearerToken"]},
+    )
     raw.read()
     shaped = json.loads(raw.data)
     assert shaped["deprecatedCount"] == 2 and shaped["note"] == "moved" and shaped["regarding"]["name"] == "subject"
@@ -216,15 +270,29 @@ def cluster_host(api: Any) -> str:
 
 
 def _widget(name: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "test.spotjob.dev/v1", "kind": "Widget", "metadata": {"name": name}, "spec": {"size": 1, **spec}}
+    return {
+        "apiVersion": "test.spotjob.dev/v1",
+        "kind": "Widget",
+        "metadata": {"name": name},
+        "spec": {"size": 1, **spec},
+    }
 
 
-def test_owner_references_cascade_in_the_background_in_the_foreground_and_orphan(kube_client: Any, namespace: str, cluster: TestCluster, widget_crd: None) -> None:
+def test_owner_references_cascade_in_the_background_in_the_foreground_and_orphan(
+    kube_client: Any, namespace: str, cluster: TestCluster, widget_crd: None
+) -> None:
     v1 = client.CoreV1Api(kube_client)
     co = client.CustomObjectsApi(kube_client)
 
     def owned(owner: dict[str, Any], name: str) -> None:
-        ref = {"apiVersion": "test.spotjob.dev/v1", "kind": "Widget", "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"], "blockOwnerDeletion": True, "controller": True}
+        ref = {
+            "apiVersion": "test.spotjob.dev/v1",
+            "kind": "Widget",
+            "name": owner["metadata"]["name"],
+            "uid": owner["metadata"]["uid"],
+            "blockOwnerDeletion": True,
+            "controller": True,
+        }
         v1.create_namespaced_config_map(namespace, {"metadata": {"name": name, "ownerReferences": [ref]}})
 
     def exists(name: str) -> bool:
@@ -238,16 +306,20 @@ def test_owner_references_cascade_in_the_background_in_the_foreground_and_orphan
     for policy in ("Background", "Foreground", "Orphan"):
         w = co.create_namespaced_custom_object(*WIDGETS[:2], namespace, WIDGETS[2], _widget(policy.lower()))
         owned(w, f"{policy.lower()}-child")
-        co.delete_namespaced_custom_object(*WIDGETS[:2], namespace, WIDGETS[2], policy.lower(), propagation_policy=policy)
-        cluster.wait_for(lambda p=policy: not _widget_exists(co, namespace, p.lower()), 10, f"the {policy} owner to go")
+        co.delete_namespaced_custom_object(
+            *WIDGETS[:2], namespace, WIDGETS[2], policy.lower(), propagation_policy=policy
+        )
+        cluster.wait_for(
+            lambda p=policy: not _widget_exists(co, namespace, p.lower()), WAIT, f"the {policy} owner to go"
+        )
         if policy == "Orphan":
             orphan = v1.read_namespaced_config_map("orphan-child", namespace)
             assert not orphan.metadata.owner_references
         else:
-            cluster.wait_for(lambda p=policy: not exists(f"{p.lower()}-child"), 10, f"{policy} cascade")
+            cluster.wait_for(lambda p=policy: not exists(f"{p.lower()}-child"), WAIT, f"{policy} cascade")
     # A dependent whose owner never existed is collected too.
     owned({"metadata": {"name": "ghost", "uid": "00000000-0000-0000-0000-000000000000"}}, "ghost-child")
-    cluster.wait_for(lambda: not exists("ghost-child"), 10, "the ghost's child to be collected")
+    cluster.wait_for(lambda: not exists("ghost-child"), WAIT, "the ghost's child to be collected")
 
 
 def _widget_exists(co: Any, namespace: str, name: str) -> bool:
@@ -274,7 +346,9 @@ def test_finalizers_hold_a_deleted_object_until_removed(kube_client: Any, namesp
     assert gone.value.status == 404
 
 
-def test_the_audit_log_records_identity_verb_and_resource(cluster: TestCluster, namespace: str, test_apiserver_only: None) -> None:
+def test_the_audit_log_records_identity_verb_and_resource(
+    cluster: TestCluster, namespace: str, test_apiserver_only: None
+) -> None:
     from kubernetes import config
 
     api = config.new_client_from_config(config_file=cluster.kubeconfig_for("system:serviceaccount:spotjob:controller"))
@@ -294,9 +368,13 @@ def test_the_audit_log_records_identity_verb_and_resource(cluster: TestCluster, 
     api.close()
 
 
-def test_faults_fail_the_next_matching_requests(kube_client: Any, namespace: str, cluster: TestCluster, test_apiserver_only: None) -> None:
+def test_faults_fail_the_next_matching_requests(
+    kube_client: Any, namespace: str, cluster: TestCluster, test_apiserver_only: None
+) -> None:
     v1 = client.CoreV1Api(kube_client)
-    throttle = cluster.add_fault(Fault(verb="list", resource="configmaps", namespace=namespace, status=429, retry_after=0, count=1))
+    throttle = cluster.add_fault(
+        Fault(verb="list", resource="configmaps", namespace=namespace, status=429, retry_after=0, count=1)
+    )
     cluster.add_fault(Fault(verb="create", resource="configmaps", status=500, count=1))
     mark = cluster.audit_mark()
     # kubernetes 37 retries a 429 that carries Retry-After by itself: the caller sees success.

@@ -110,7 +110,9 @@ class Registry:
     def add(self, rt: ResourceType) -> None:
         self.types[(rt.group, rt.version, rt.plural)] = rt
         self.by_storage.setdefault(rt.storage, [])
-        self.by_storage[rt.storage] = [t for t in self.by_storage[rt.storage] if t.version != rt.version or t.group != rt.group] + [rt]
+        self.by_storage[rt.storage] = [
+            t for t in self.by_storage[rt.storage] if t.version != rt.version or t.group != rt.group
+        ] + [rt]
         self.generation += 1
 
     def remove_crd(self, crd_name: str) -> None:
@@ -191,7 +193,9 @@ class ApiServer:
         return self.store.get(rt.storage, self._key(rt, namespace), name)
 
     # Lists and watches -------------------------------------------------------------------------
-    def matcher(self, rt: ResourceType, namespace: str | None, label_selector: str | None, field_selector: str | None) -> Callable[[Obj], bool]:
+    def matcher(
+        self, rt: ResourceType, namespace: str | None, label_selector: str | None, field_selector: str | None
+    ) -> Callable[[Obj], bool]:
         try:
             labels = parse_label_selector(label_selector)
             fields = parse_field_selector(field_selector, rt.fields)
@@ -205,7 +209,7 @@ class ApiServer:
 
         return match
 
-    def list(
+    def list_objects(
         self,
         rt: ResourceType,
         namespace: str | None,
@@ -218,8 +222,10 @@ class ApiServer:
         match = self.matcher(rt, namespace, label_selector, field_selector)
         with self.store.lock:
             rv = self.store.rv
-            items = self.store.list(rt.storage, namespace if rt.namespaced and namespace else None)
-        items = sorted((o for o in items if match(o)), key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+            items = self.store.select(rt.storage, namespace if rt.namespaced and namespace else None)
+        items = sorted(
+            (o for o in items if match(o)), key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])
+        )
         meta: dict[str, Any] = {"resourceVersion": str(rv)}
         if continue_token:
             try:
@@ -240,7 +246,7 @@ class ApiServer:
         """Start a watch: (watcher, backlog events, initial objects) or None if ``since`` expired."""
         with self.store.lock:
             if not since or since == "0":
-                initial = self.store.list(rt.storage)
+                initial = self.store.select(rt.storage)
                 start = self.store.rv
             else:
                 try:
@@ -252,7 +258,11 @@ class ApiServer:
             if started is None:
                 return None
             watcher, backlog = started
-            return watcher, backlog, sorted(initial, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+            return (
+                watcher,
+                backlog,
+                sorted(initial, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])),
+            )
 
     # Admission and validation ------------------------------------------------------------------
     def _check_name(self, rt: ResourceType, name: str) -> None:
@@ -261,13 +271,26 @@ class ApiServer:
         if rt.storage == "core/nodes":
             pattern = _DNS_SUBDOMAIN
         if not name:
-            raise invalid(self._kind_group(rt), name, [FieldError("FieldValueRequired", "metadata.name", "Required value: name or generateName is required")], rt.group, rt.kind)
+            raise invalid(
+                self._kind_group(rt),
+                name,
+                [FieldError("FieldValueRequired", "metadata.name", "Required value: name or generateName is required")],
+                rt.group,
+                rt.kind,
+            )
         if len(name) > limit or not pattern.match(name):
             what = "a lowercase RFC 1123 label" if pattern is _DNS_LABEL else "a lowercase RFC 1123 subdomain"
             raise invalid(
                 self._kind_group(rt),
                 name,
-                [FieldError("FieldValueInvalid", "metadata.name", f'Invalid value: "{name}": {what} must consist of lower case alphanumeric characters, \'-\' or \'.\'')],
+                [
+                    FieldError(
+                        "FieldValueInvalid",
+                        "metadata.name",
+                        f'Invalid value: "{name}": {what} must consist of '
+                        f"lower case alphanumeric characters, '-' or '.'",
+                    )
+                ],
                 rt.group,
                 rt.kind,
             )
@@ -277,9 +300,22 @@ class ApiServer:
         for key, value in (obj["metadata"].get("labels") or {}).items():
             prefix, _, name = key.rpartition("/")
             if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
-                errors.append(FieldError("FieldValueInvalid", "metadata.labels", f'Invalid value: "{value}": a valid label must be an empty string or consist of alphanumeric characters, \'-\', \'_\' or \'.\', and must start and end with an alphanumeric character'))
+                errors.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        "metadata.labels",
+                        f'Invalid value: "{value}": a valid label must be an empty string or consist of alphanumeric '
+                        f"characters, '-', '_' or '.', and must start and end with an alphanumeric character",
+                    )
+                )
             if len(name) > 63 or not _LABEL_NAME.match(name) or (prefix and not _DNS_SUBDOMAIN.match(prefix)):
-                errors.append(FieldError("FieldValueInvalid", "metadata.labels", f'Invalid value: "{key}": name part must consist of alphanumeric characters, \'-\', \'_\' or \'.\''))
+                errors.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        "metadata.labels",
+                        f"Invalid value: \"{key}\": name part must consist of alphanumeric characters, '-', '_' or '.'",
+                    )
+                )
         if errors:
             raise invalid(self._kind_group(rt), obj["metadata"].get("name", ""), errors, rt.group, rt.kind)
 
@@ -287,7 +323,9 @@ class ApiServer:
     def _kind_group(rt: ResourceType) -> str:
         return f"{rt.kind}.{rt.group}" if rt.group else rt.kind
 
-    def _validate(self, rt: ResourceType, obj: Obj, user: str, verb: str, field_validation: str, warnings: list[str]) -> None:
+    def _validate(
+        self, rt: ResourceType, obj: Obj, user: str, verb: str, field_validation: str, warnings: list[str]
+    ) -> None:
         name = obj["metadata"].get("name", "")
         if rt.crd is not None:
             result = rt.crd.process(obj)
@@ -313,11 +351,33 @@ class ApiServer:
         except kubernetes_validate.utils.ValidationError as e:
             where = ".".join(str(p) for p in e.path) or "<root>"
             first = str(e.message).splitlines()[0]
-            self.validation_failures.append(ValidationFailure(user, verb, rt.kind, obj["metadata"].get("namespace", ""), name, f"{where}: {first}"))
-            log.error("kubernetes-validate (strict) rejected %s %s/%s from %s: %s: %s", rt.kind, obj["metadata"].get("namespace", ""), name, user, where, first)
+            self.validation_failures.append(
+                ValidationFailure(user, verb, rt.kind, obj["metadata"].get("namespace", ""), name, f"{where}: {first}")
+            )
+            log.error(
+                "kubernetes-validate (strict) rejected %s %s/%s from %s: %s: %s",
+                rt.kind,
+                obj["metadata"].get("namespace", ""),
+                name,
+                user,
+                where,
+                first,
+            )
             if field_validation == "Strict" and "Additional properties" in first:
                 raise bad_request(f"strict decoding error: unknown field in {where}: {first}") from None
-            raise invalid(self._kind_group(rt), name, [FieldError("FieldValueInvalid", where, f"Invalid value: {first} (kubernetes-validate {KUBERNETES_VERSION}, strict)")], rt.group, rt.kind) from None
+            raise invalid(
+                self._kind_group(rt),
+                name,
+                [
+                    FieldError(
+                        "FieldValueInvalid",
+                        where,
+                        f"Invalid value: {first} (kubernetes-validate {KUBERNETES_VERSION}, strict)",
+                    )
+                ],
+                rt.group,
+                rt.kind,
+            ) from None
 
     def _validate_builtin(self, rt: ResourceType, obj: Obj) -> None:
         """The few semantic checks a controller's objects meet beyond the schema."""
@@ -331,9 +391,17 @@ class ApiServer:
             for i, c in enumerate([*((obj.get("spec") or {}).get("initContainers") or []), *containers]):
                 cname = c.get("name", "")
                 if not _DNS_LABEL.match(cname or "-"):
-                    errors.append(FieldError("FieldValueInvalid", f"spec.containers[{i}].name", f'Invalid value: "{cname}": a lowercase RFC 1123 label'))
+                    errors.append(
+                        FieldError(
+                            "FieldValueInvalid",
+                            f"spec.containers[{i}].name",
+                            f'Invalid value: "{cname}": a lowercase RFC 1123 label',
+                        )
+                    )
                 if cname in seen:
-                    errors.append(FieldError("FieldValueDuplicate", f"spec.containers[{i}].name", f'Duplicate value: "{cname}"'))
+                    errors.append(
+                        FieldError("FieldValueDuplicate", f"spec.containers[{i}].name", f'Duplicate value: "{cname}"')
+                    )
                 seen.add(cname)
                 if not c.get("image"):
                     errors.append(FieldError("FieldValueRequired", f"spec.containers[{i}].image", "Required value"))
@@ -341,11 +409,21 @@ class ApiServer:
             for i, c in enumerate(containers):
                 for j, m in enumerate(c.get("volumeMounts") or []):
                     if m.get("name") not in volumes:
-                        errors.append(FieldError("FieldValueNotFound", f"spec.containers[{i}].volumeMounts[{j}].name", f'Not found: "{m.get("name")}"'))
+                        errors.append(
+                            FieldError(
+                                "FieldValueNotFound",
+                                f"spec.containers[{i}].volumeMounts[{j}].name",
+                                f'Not found: "{m.get("name")}"',
+                            )
+                        )
         if rt.storage == "coordination.k8s.io/leases":
             d = (obj.get("spec") or {}).get("leaseDurationSeconds")
             if d is not None and d <= 0:
-                errors.append(FieldError("FieldValueInvalid", "spec.leaseDurationSeconds", f"Invalid value: {d}: must be greater than 0"))
+                errors.append(
+                    FieldError(
+                        "FieldValueInvalid", "spec.leaseDurationSeconds", f"Invalid value: {d}: must be greater than 0"
+                    )
+                )
         if rt.storage == "apiextensions.k8s.io/customresourcedefinitions":
             errors.extend(self._crd_errors(obj))
         if errors:
@@ -356,10 +434,22 @@ class ApiServer:
         names = spec.get("names") or {}
         errors = []
         if crd["metadata"]["name"] != f"{names.get('plural')}.{spec.get('group')}":
-            errors.append(FieldError("FieldValueInvalid", "metadata.name", f'Invalid value: "{crd["metadata"]["name"]}": must be spec.names.plural+"."+spec.group'))
+            errors.append(
+                FieldError(
+                    "FieldValueInvalid",
+                    "metadata.name",
+                    f'Invalid value: "{crd["metadata"]["name"]}": must be spec.names.plural+"."+spec.group',
+                )
+            )
         versions = spec.get("versions") or []
         if sum(1 for v in versions if v.get("storage")) != 1:
-            errors.append(FieldError("FieldValueInvalid", "spec.versions", "Invalid value: must have exactly one version marked as storage version"))
+            errors.append(
+                FieldError(
+                    "FieldValueInvalid",
+                    "spec.versions",
+                    "Invalid value: must have exactly one version marked as storage version",
+                )
+            )
         for i, v in enumerate(versions):
             schema = (v.get("schema") or {}).get("openAPIV3Schema")
             if schema is not None:
@@ -381,10 +471,18 @@ class ApiServer:
         spec["serviceAccount"] = sa
         ns = pod["metadata"]["namespace"]
         if self.store.get("core/serviceaccounts", ns, sa) is None:
-            raise ApiError(403, "Forbidden", f'pods "{pod["metadata"].get("name", "")}" is forbidden: error looking up service account {ns}/{sa}: serviceaccount "{sa}" not found')
+            raise ApiError(
+                403,
+                "Forbidden",
+                f'pods "{pod["metadata"].get("name", "")}" is forbidden: error looking '
+                f'up service account {ns}/{sa}: serviceaccount "{sa}" not found',
+            )
         for c in [*(spec.get("initContainers") or []), *spec.get("containers", [])]:
             image = c.get("image", "")
-            c.setdefault("imagePullPolicy", "Always" if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1] else "IfNotPresent")
+            c.setdefault(
+                "imagePullPolicy",
+                "Always" if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1] else "IfNotPresent",
+            )
             c.setdefault("terminationMessagePath", "/dev/termination-log")
             c.setdefault("terminationMessagePolicy", "File")
             c.setdefault("resources", {})
@@ -392,15 +490,30 @@ class ApiServer:
                 p.setdefault("protocol", "TCP")
         tolerations = spec.setdefault("tolerations", [])
         for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
-            if not any(t.get("key") == key and t.get("effect") in (None, "", "NoExecute") for t in tolerations) and not any(
-                t.get("operator") == "Exists" and not t.get("key") for t in tolerations
-            ):
-                tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.default_toleration_seconds})
+            if not any(
+                t.get("key") == key and t.get("effect") in (None, "", "NoExecute") for t in tolerations
+            ) and not any(t.get("operator") == "Exists" and not t.get("key") for t in tolerations):
+                tolerations.append(
+                    {
+                        "key": key,
+                        "operator": "Exists",
+                        "effect": "NoExecute",
+                        "tolerationSeconds": self.default_toleration_seconds,
+                    }
+                )
         requests: dict[str, Any] = {}
         for c in spec.get("containers", []):
             if (c.get("resources") or {}).get("requests") or (c.get("resources") or {}).get("limits"):
                 requests = c["resources"]
-        qos = "BestEffort" if not requests else ("Guaranteed" if requests.get("limits") and requests.get("limits") == requests.get("requests", requests.get("limits")) else "Burstable")
+        qos = (
+            "BestEffort"
+            if not requests
+            else (
+                "Guaranteed"
+                if requests.get("limits") and requests.get("limits") == requests.get("requests", requests.get("limits"))
+                else "Burstable"
+            )
+        )
         pod["status"] = {"phase": "Pending", "qosClass": qos}
 
     def _admit_service(self, svc: Obj) -> None:
@@ -428,7 +541,8 @@ class ApiServer:
             raise ApiError(
                 403,
                 "Forbidden",
-                f'{rt.qualified} "{name}" is forbidden: unable to create new content in namespace {namespace} because it is being terminated',
+                f'{rt.qualified} "{name}" is forbidden: unable to create new '
+                f"content in namespace {namespace} because it is being terminated",
             )
 
     # Writes ------------------------------------------------------------------------------------
@@ -450,7 +564,10 @@ class ApiServer:
         obj = copy.deepcopy(rt.from_view(body) if rt.from_view else body)
         kind = body.get("kind")
         if kind and kind != rt.kind:
-            raise bad_request(f"the API version in the data ({body.get('apiVersion')}) does not match the expected API version ({rt.api_version}) or kind {kind} does not match {rt.kind}")
+            raise bad_request(
+                f"the API version in the data ({body.get('apiVersion')}) does not match the "
+                f"expected API version ({rt.api_version}) or kind {kind} does not match {rt.kind}"
+            )
         obj["apiVersion"] = self.registry.primary(rt.storage).api_version
         obj["kind"] = rt.kind
         md = obj.setdefault("metadata", {})
@@ -458,7 +575,9 @@ class ApiServer:
             raise bad_request("metadata must be an object")
         if rt.namespaced:
             if md.get("namespace") and md["namespace"] != namespace:
-                raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+                raise bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             md["namespace"] = namespace
         else:
             md.pop("namespace", None)
@@ -466,7 +585,16 @@ class ApiServer:
             md["name"] = md["generateName"] + "".join(secrets.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
         self._check_name(rt, md.get("name", ""))
         self._check_labels(rt, obj)
-        for k in ("uid", "resourceVersion", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "managedFields", "selfLink"):
+        for k in (
+            "uid",
+            "resourceVersion",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "generation",
+            "managedFields",
+            "selfLink",
+        ):
             md.pop(k, None)
         warnings: list[str] = []
         with self.store.lock:
@@ -503,7 +631,9 @@ class ApiServer:
             self.store.put(rt.storage, obj, "ADDED", None, rv)
             if rt.storage == "core/namespaces":
                 sa_rt = self.rt("", "v1", "serviceaccounts")
-                self.create(sa_rt, md["name"], {"metadata": {"name": "default"}}, user="system:serviceaccount-controller")
+                self.create(
+                    sa_rt, md["name"], {"metadata": {"name": "default"}}, user="system:serviceaccount-controller"
+                )
             if rt.storage == "apiextensions.k8s.io/customresourcedefinitions":
                 self._serve_crd(obj)
         return WriteResult(rt.view(obj), True, warnings)
@@ -538,9 +668,22 @@ class ApiServer:
                 raise not_found(rt.qualified, name, rt.group, rt.plural)
             want_rv = md.get("resourceVersion")
             if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-                raise conflict(rt.qualified, name, "the object has been modified; please apply your changes to the latest version and try again", rt.group, rt.plural)
+                raise conflict(
+                    rt.qualified,
+                    name,
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                    rt.group,
+                    rt.plural,
+                )
             if md.get("uid") and md["uid"] != old["metadata"]["uid"]:
-                raise conflict(rt.qualified, name, f"Precondition failed: UID in precondition: {md['uid']}, UID in object meta: {old['metadata']['uid']}", rt.group, rt.plural)
+                raise conflict(
+                    rt.qualified,
+                    name,
+                    f"Precondition failed: UID in precondition: {md['uid']}, "
+                    f"UID in object meta: {old['metadata']['uid']}",
+                    rt.group,
+                    rt.plural,
+                )
             merged = self._merge_update(rt, old, new, subresource)
             if rt.storage == "core/secrets":
                 _fold_string_data(merged)
@@ -566,7 +709,15 @@ class ApiServer:
         merged["kind"] = old["kind"]
         md = merged["metadata"]
         omd = old["metadata"]
-        for k in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "namespace", "name"):
+        for k in (
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "generation",
+            "namespace",
+            "name",
+        ):
             if k in omd:
                 md[k] = omd[k]
             else:
@@ -593,7 +744,20 @@ class ApiServer:
         if old["metadata"].get("deletionTimestamp"):
             added = set(new["metadata"].get("finalizers") or []) - set(old["metadata"].get("finalizers") or [])
             if added:
-                raise invalid(self._kind_group(rt), name, [FieldError("FieldValueForbidden", "metadata.finalizers", f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)!r}")], rt.group, rt.kind)
+                raise invalid(
+                    self._kind_group(rt),
+                    name,
+                    [
+                        FieldError(
+                            "FieldValueForbidden",
+                            "metadata.finalizers",
+                            f"Forbidden: no new finalizers can be added if the object "
+                            f"is being deleted, found new finalizers {sorted(added)!r}",
+                        )
+                    ],
+                    rt.group,
+                    rt.kind,
+                )
         if rt.storage == "core/pods":
             mutable = ("activeDeadlineSeconds", "tolerations", "schedulingGates", "terminationGracePeriodSeconds")
             a = {k: v for k, v in (old.get("spec") or {}).items() if k not in mutable}
@@ -601,11 +765,34 @@ class ApiServer:
             for spec in (a, b):
                 spec["containers"] = [{k: v for k, v in c.items() if k != "image"} for c in spec.get("containers", [])]
             if a != b:
-                raise invalid(self._kind_group(rt), name, [FieldError("FieldValueForbidden", "spec", "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)")], rt.group, rt.kind)
+                raise invalid(
+                    self._kind_group(rt),
+                    name,
+                    [
+                        FieldError(
+                            "FieldValueForbidden",
+                            "spec",
+                            "Forbidden: pod updates may not change fields other than "
+                            "`spec.containers[*].image`,`spec.initContainers[*].image`,"
+                            "`spec.activeDeadlineSeconds`,`spec.tolerations` "
+                            ""
+                            "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
+                            "(allow it to be set to 1 if it was previously negative)",
+                        )
+                    ],
+                    rt.group,
+                    rt.kind,
+                )
         if rt.storage == "core/services":
             ospec, nspec = old.get("spec") or {}, new.get("spec") or {}
             if nspec.get("clusterIP") and nspec.get("clusterIP") != ospec.get("clusterIP"):
-                raise invalid(self._kind_group(rt), name, [FieldError("FieldValueInvalid", "spec.clusterIP", "Invalid value: field is immutable")], rt.group, rt.kind)
+                raise invalid(
+                    self._kind_group(rt),
+                    name,
+                    [FieldError("FieldValueInvalid", "spec.clusterIP", "Invalid value: field is immutable")],
+                    rt.group,
+                    rt.kind,
+                )
             nspec.setdefault("clusterIP", ospec.get("clusterIP"))
             nspec.setdefault("clusterIPs", ospec.get("clusterIPs"))
 
@@ -615,6 +802,7 @@ class ApiServer:
         if _same(old, new):
             return WriteResult(rt.view(old), False, warnings)  # a no-op write changes nothing, not even the RV
         if rt.has_generation and "generation" in old["metadata"]:
+
             def body(o: Obj) -> Obj:
                 skip = ("metadata", "status") if rt.status_subresource or rt.crd is None else ("metadata",)
                 return {k: v for k, v in o.items() if k not in skip and k not in ("apiVersion", "kind")}
@@ -655,11 +843,26 @@ class ApiServer:
     ) -> WriteResult:
         ctype = content_type.split(";")[0].strip()
         if ctype == PATCH_APPLY:
-            raise ApiError(415, "UnsupportedMediaType", "server-side apply (application/apply-patch+yaml) is not modeled by the test API server; use a merge, JSON or strategic-merge patch")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                "server-side apply (application/apply-patch+yaml) is not modeled by "
+                "the test API server; use a merge, JSON or strategic-merge patch",
+            )
         if ctype == PATCH_STRATEGIC and rt.crd is not None:
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: {PATCH_JSON}, {PATCH_MERGE}, {PATCH_APPLY}")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - accepted "
+                f"media types include: {PATCH_JSON}, {PATCH_MERGE}, {PATCH_APPLY}",
+            )
         if ctype not in (PATCH_MERGE, PATCH_JSON, PATCH_STRATEGIC):
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: {PATCH_JSON}, {PATCH_MERGE}, {PATCH_APPLY}, {PATCH_STRATEGIC}")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - accepted media types "
+                f"include: {PATCH_JSON}, {PATCH_MERGE}, {PATCH_APPLY}, {PATCH_STRATEGIC}",
+            )
         with self.store.lock:
             old = self.store.get(rt.storage, self._key(rt, namespace), name)
             if old is None:
@@ -677,16 +880,36 @@ class ApiServer:
                     schema = {"$ref": f"#/$defs/{definition}"} if definition else {}
                     patched = strategic_merge_patch(current, patch, schema)
             except PatchError as e:
-                raise ApiError(422 if ctype == PATCH_JSON else 400, "Invalid" if ctype == PATCH_JSON else "BadRequest", str(e)) from None
+                raise ApiError(
+                    422 if ctype == PATCH_JSON else 400, "Invalid" if ctype == PATCH_JSON else "BadRequest", str(e)
+                ) from None
             if not isinstance(patched, dict) or not isinstance(patched.get("metadata"), dict):
                 raise bad_request("the patch produced an object without metadata")
             want_rv = patched["metadata"].get("resourceVersion")
             if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-                raise conflict(rt.qualified, name, "the object has been modified; please apply your changes to the latest version and try again", rt.group, rt.plural)
+                raise conflict(
+                    rt.qualified,
+                    name,
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                    rt.group,
+                    rt.plural,
+                )
             patched["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-            return self.update(rt, namespace, name, patched, user=user, subresource=subresource, dry_run=dry_run, field_validation=field_validation, verb="patch")
+            return self.update(
+                rt,
+                namespace,
+                name,
+                patched,
+                user=user,
+                subresource=subresource,
+                dry_run=dry_run,
+                field_validation=field_validation,
+                verb="patch",
+            )
 
-    def delete(self, rt: ResourceType, namespace: str, name: str, opts: DeleteOptions, *, user: str) -> tuple[Obj, bool]:
+    def delete(
+        self, rt: ResourceType, namespace: str, name: str, opts: DeleteOptions, *, user: str
+    ) -> tuple[Obj, bool]:
         """Delete, or start deleting; returns (object, gone_now)."""
         with self.store.lock:
             old = self.store.get(rt.storage, self._key(rt, namespace), name)
@@ -694,11 +917,26 @@ class ApiServer:
                 raise not_found(rt.qualified, name, rt.group, rt.plural)
             omd = old["metadata"]
             if opts.uid and opts.uid != omd["uid"]:
-                raise conflict(rt.qualified, name, f"Precondition failed: UID in precondition: {opts.uid}, UID in object meta: {omd['uid']}", rt.group, rt.plural)
+                raise conflict(
+                    rt.qualified,
+                    name,
+                    f"Precondition failed: UID in precondition: {opts.uid}, UID in object meta: {omd['uid']}",
+                    rt.group,
+                    rt.plural,
+                )
             if opts.resource_version and opts.resource_version != omd["resourceVersion"]:
-                raise conflict(rt.qualified, name, f"Precondition failed: ResourceVersion in precondition: {opts.resource_version}, ResourceVersion in object meta: {omd['resourceVersion']}", rt.group, rt.plural)
+                raise conflict(
+                    rt.qualified,
+                    name,
+                    f"Precondition failed: ResourceVersion in precondition: {opts.resource_version}, "
+                    f"ResourceVersion in object meta: {omd['resourceVersion']}",
+                    rt.group,
+                    rt.plural,
+                )
             if opts.propagation not in (None, "Background", "Foreground", "Orphan"):
-                raise bad_request(f"propagationPolicy {opts.propagation!r} is not one of Background, Foreground, Orphan")
+                raise bad_request(
+                    f"propagationPolicy {opts.propagation!r} is not one of Background, Foreground, Orphan"
+                )
             obj = copy.deepcopy(old)
             md = obj["metadata"]
             finalizers = list(md.get("finalizers") or [])
@@ -708,7 +946,11 @@ class ApiServer:
                 finalizers.append("orphan")
             grace = 0
             if rt.storage == "core/pods":
-                grace = opts.grace_period if opts.grace_period is not None else int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
+                grace = (
+                    opts.grace_period
+                    if opts.grace_period is not None
+                    else int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
+                )
                 phase = (obj.get("status") or {}).get("phase")
                 if not (obj.get("spec") or {}).get("nodeName") or phase in ("Succeeded", "Failed"):
                     grace = 0
@@ -760,8 +1002,20 @@ class ApiServer:
             "acceptedNames": names,
             "storedVersions": [v["name"] for v in crd["spec"].get("versions", []) if v.get("storage")],
             "conditions": [
-                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "message": "no conflicts found", "lastTransitionTime": now},
-                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted", "lastTransitionTime": now},
+                {
+                    "type": "NamesAccepted",
+                    "status": "True",
+                    "reason": "NoConflicts",
+                    "message": "no conflicts found",
+                    "lastTransitionTime": now,
+                },
+                {
+                    "type": "Established",
+                    "status": "True",
+                    "reason": "InitialNamesAccepted",
+                    "message": "the initial names have been accepted",
+                    "lastTransitionTime": now,
+                },
             ],
         }
 
@@ -778,7 +1032,7 @@ class ApiServer:
         types = [rt for rt in self.registry.types.values() if rt.crd_name == crd["metadata"]["name"]]
         if types:
             rt = types[0]
-            for obj in self.store.list(rt.storage):
+            for obj in self.store.select(rt.storage):
                 rv = self.store.next_rv()
                 gone = copy.deepcopy(obj)
                 gone["metadata"]["resourceVersion"] = str(rv)
@@ -787,7 +1041,16 @@ class ApiServer:
             self.registry.remove_crd(crd["metadata"]["name"])
 
     # Internal clients (control-plane loops) ----------------------------------------------------
-    def mutate(self, storage: str, namespace: str, name: str, change: Callable[[Obj], bool | None], *, user: str, subresource: str = "") -> Obj | None:
+    def mutate(
+        self,
+        storage: str,
+        namespace: str,
+        name: str,
+        change: Callable[[Obj], bool | None],
+        *,
+        user: str,
+        subresource: str = "",
+    ) -> Obj | None:
         """Read-modify-write under the lock for a control-plane loop; ``change`` edits a copy and
         returns False to skip. Returns the stored object (None when it is gone)."""
         rt = self.registry.primary(storage)
@@ -818,7 +1081,7 @@ class ApiServer:
             self._after_remove(rt, obj)
 
     def iter_objects(self, storage: str) -> Iterator[Obj]:
-        return iter(self.store.list(storage))
+        return iter(self.store.select(storage))
 
     # OpenAPI -----------------------------------------------------------------------------------
     def openapi_v3_index(self) -> dict[str, Any]:
@@ -832,7 +1095,11 @@ class ApiServer:
     def _openapi_hash(self, group: str, version: str) -> str:
         import hashlib
 
-        crds = [rt.crd_name + str(id(rt.crd)) for rt in self.registry.types.values() if rt.group == group and rt.version == version]
+        crds = [
+            rt.crd_name + str(id(rt.crd))
+            for rt in self.registry.types.values()
+            if rt.group == group and rt.version == version
+        ]
         return hashlib.sha256(f"{group}/{version}/{sorted(crds)}".encode()).hexdigest()[:32].upper()
 
     def openapi_v3(self, group: str, version: str) -> dict[str, Any]:
@@ -848,7 +1115,9 @@ class ApiServer:
                 schema_name = f"{_reverse_domain(rt.group)}.{rt.version}.{rt.kind}"
                 crd_schema = copy.deepcopy(rt.crd.schema)
                 crd_schema.setdefault("properties", {})
-                crd_schema["properties"]["metadata"] = {"$ref": "#/components/schemas/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+                crd_schema["properties"]["metadata"] = {
+                    "$ref": "#/components/schemas/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+                }
                 crd_schema["properties"].setdefault("apiVersion", {"type": "string"})
                 crd_schema["properties"].setdefault("kind", {"type": "string"})
                 crd_schema["x-kubernetes-group-version-kind"] = gvk
@@ -859,12 +1128,23 @@ class ApiServer:
                 if schema_name:
                     _add_definitions(schemas, schema_name)
             ref = {"$ref": f"#/components/schemas/{schema_name}"} if schema_name else {"type": "object"}
-            params = [{"name": n, "in": "query", "schema": {"type": "string"}} for n in ("dryRun", "fieldManager", "fieldValidation")]
-            op = {"x-kubernetes-group-version-kind": gvk[0], "parameters": params, "responses": {"200": {"content": {"application/json": {"schema": ref}}}}}
+            params = [
+                {"name": n, "in": "query", "schema": {"type": "string"}}
+                for n in ("dryRun", "fieldManager", "fieldValidation")
+            ]
+            op = {
+                "x-kubernetes-group-version-kind": gvk[0],
+                "parameters": params,
+                "responses": {"200": {"content": {"application/json": {"schema": ref}}}},
+            }
             item = {
                 "get": {**op, "x-kubernetes-action": "get", "parameters": []},
                 "put": {**op, "x-kubernetes-action": "put", "requestBody": {"content": {"*/*": {"schema": ref}}}},
-                "patch": {**op, "x-kubernetes-action": "patch", "requestBody": {"content": {"application/merge-patch+json": {"schema": {"type": "object"}}}}},
+                "patch": {
+                    **op,
+                    "x-kubernetes-action": "patch",
+                    "requestBody": {"content": {"application/merge-patch+json": {"schema": {"type": "object"}}}},
+                },
                 "delete": {**op, "x-kubernetes-action": "delete", "parameters": []},
             }
             coll = {
@@ -874,7 +1154,12 @@ class ApiServer:
             base = f"{prefix}/namespaces/{{namespace}}/{rt.plural}" if rt.namespaced else f"{prefix}/{rt.plural}"
             paths[base] = coll
             paths[f"{base}/{{name}}"] = item
-        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": f"v{KUBERNETES_VERSION}.0"}, "paths": paths, "components": {"schemas": schemas}}
+        return {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": f"v{KUBERNETES_VERSION}.0"},
+            "paths": paths,
+            "components": {"schemas": schemas},
+        }
 
 
 def _reverse_domain(group: str) -> str:
@@ -930,7 +1215,10 @@ def _fold_string_data(secret: Obj) -> None:
 
     string_data = secret.pop("stringData", None) or {}
     if string_data:
-        secret["data"] = {**(secret.get("data") or {}), **{k: base64.b64encode(str(v).encode()).decode() for k, v in string_data.items()}}
+        secret["data"] = {
+            **(secret.get("data") or {}),
+            **{k: base64.b64encode(str(v).encode()).decode() for k, v in string_data.items()},
+        }
 
 
 def _same(a: Obj, b: Obj) -> bool:
@@ -947,14 +1235,16 @@ def bind(api: ApiServer, namespace: str, name: str, binding: Any, user: str) -> 
         if pod is None:
             raise not_found("pods", name, "", "pods")
         if (pod.get("spec") or {}).get("nodeName"):
-            raise conflict("pods/binding", name, f"pod {name} is already assigned to node \"{pod['spec']['nodeName']}\"")
+            raise conflict("pods/binding", name, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
         if pod["metadata"].get("deletionTimestamp"):
             raise conflict("pods/binding", name, f"pod {name} is being deleted, cannot be assigned to a host")
 
         def assign(p: Obj) -> None:
             p["spec"]["nodeName"] = node
             conds = [c for c in (p.get("status") or {}).get("conditions", []) if c.get("type") != "PodScheduled"]
-            conds.append({"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_rfc3339()})
+            conds.append(
+                {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_rfc3339()}
+            )
             p.setdefault("status", {})["conditions"] = conds
 
         api.mutate("core/pods", namespace, name, assign, user=user)
@@ -967,18 +1257,43 @@ def evict(api: ApiServer, namespace: str, name: str, eviction: Any, user: str) -
     with api.store.lock:
         if api.store.get("core/pods", namespace, name) is None:
             raise not_found("pods", name, "", "pods")
-        add_pod_condition(api, namespace, name, "DisruptionTarget", "True", "EvictionByEvictionAPI", "Eviction API: evicting", user)
+        add_pod_condition(
+            api, namespace, name, "DisruptionTarget", "True", "EvictionByEvictionAPI", "Eviction API: evicting", user
+        )
         api.delete(api.registry.primary("core/pods"), namespace, name, opts, user=user)
 
 
-def add_pod_condition(api: ApiServer, namespace: str, name: str, ctype: str, status: str, reason: str, message: str, user: str) -> None:
+def add_pod_condition(
+    api: ApiServer,
+    namespace: str,
+    name: str,
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    user: str,
+    uid: str | None = None,
+) -> None:
+    """Set a pod condition (of the pod with ``uid`` only, when given: not a new pod of that name)."""
+
     def change(p: Obj) -> bool:
+        if uid is not None and p["metadata"].get("uid") != uid:
+            return False
         conds = list((p.get("status") or {}).get("conditions") or [])
         for c in conds:
             if c.get("type") == ctype and c.get("status") == status and c.get("reason") == reason:
                 return False
         conds = [c for c in conds if c.get("type") != ctype]
-        conds.append({"type": ctype, "status": status, "reason": reason, "message": message, "lastProbeTime": None, "lastTransitionTime": now_rfc3339()})
+        conds.append(
+            {
+                "type": ctype,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastProbeTime": None,
+                "lastTransitionTime": now_rfc3339(),
+            }
+        )
         p.setdefault("status", {})["conditions"] = conds
         return True
 

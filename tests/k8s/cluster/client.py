@@ -32,10 +32,16 @@ class RestClient:
         config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False)
         self.host = cfg.host.rstrip("/")
         self.headers = {"Accept": "application/json", "User-Agent": "spotjob-test-kubelet"}
-        for setting in cfg.auth_settings().values():
+        settings: Any = cfg.auth_settings()
+        for setting in settings.values():
             if setting.get("in") == "header" and setting.get("value"):
                 self.headers[setting["key"]] = setting["value"]
-        kwargs: dict[str, Any] = {"maxsize": 32, "block": False, "retries": False, "timeout": urllib3.Timeout(connect=5, read=timeout)}
+        kwargs: dict[str, Any] = {
+            "maxsize": 32,
+            "block": False,
+            "retries": False,
+            "timeout": urllib3.Timeout(connect=5, read=timeout),
+        }
         if self.host.startswith("https"):
             kwargs["cert_reqs"] = "CERT_REQUIRED" if cfg.verify_ssl else "CERT_NONE"
             if cfg.ssl_ca_cert:
@@ -45,7 +51,16 @@ class RestClient:
                 kwargs["key_file"] = cfg.key_file
         self.pool = urllib3.PoolManager(**kwargs)
 
-    def request(self, method: str, path: str, body: Any = None, *, query: dict[str, Any] | None = None, content_type: str = "application/json", timeout: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float | None = None,
+    ) -> Any:
         url = self.host + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
@@ -66,11 +81,25 @@ class RestClient:
     def get(self, path: str, **query: Any) -> Any:
         return self.request("GET", path, query=query or None)
 
-    def watch(self, path: str, resource_version: str, timeout_seconds: int = 60, **query: Any) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, path: str, resource_version: str, timeout_seconds: int = 60, **query: Any
+    ) -> Iterator[dict[str, Any]]:
         """Stream watch events; ends when the server ends the watch."""
-        q = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true", "timeoutSeconds": timeout_seconds, **query}
+        q = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": timeout_seconds,
+            **query,
+        }
         url = self.host + path + "?" + urllib.parse.urlencode(q)
-        r = self.pool.request("GET", url, headers=self.headers, preload_content=False, timeout=urllib3.Timeout(connect=5, read=timeout_seconds + 30))
+        r = self.pool.request(
+            "GET",
+            url,
+            headers=self.headers,
+            preload_content=False,
+            timeout=urllib3.Timeout(connect=5, read=timeout_seconds + 30),
+        )
         try:
             if r.status >= 400:
                 raise ApiCallError(r.status, json.loads(r.read() or b"{}"))

@@ -53,7 +53,9 @@ class NotOnTestServer(RuntimeError):
     """A test hook that only the test API server has, asked of a real cluster."""
 
 
-def write_kubeconfig(path: Path, server: str, token: str, user: str = ADMIN, context: str = "spotjob-test", ca_pem: bytes | None = None) -> Path:
+def write_kubeconfig(
+    path: Path, server: str, token: str, user: str = ADMIN, context: str = "spotjob-test", ca_pem: bytes | None = None
+) -> Path:
     cluster: dict[str, Any] = {"server": server}
     if ca_pem:
         cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
@@ -132,7 +134,9 @@ class TestCluster:
                 bookmark_interval=float(s["bookmark_interval"]),  # type: ignore[arg-type]
             )
             self.admin_token = secrets.token_urlsafe(24)
-            self.front = HttpFront(self.api, {self.admin_token: User(ADMIN, ("system:masters", "system:authenticated"))}, self.admin_token)
+            self.front = HttpFront(
+                self.api, {self.admin_token: User(ADMIN, ("system:masters", "system:authenticated"))}, self.admin_token
+            )
             self._tls = make_serving_cert(self.root / "pki")
             url = self.front.start(tls=(self._tls.cert_file, self._tls.key_file))
             self._loops = [
@@ -144,10 +148,20 @@ class TestCluster:
             ]
             for loop in self._loops:
                 loop.start()
-            self.kubeconfig = str(write_kubeconfig(self.root / "kubeconfig", url, self.admin_token, ca_pem=self._tls.ca_pem))
+            self.kubeconfig = str(
+                write_kubeconfig(self.root / "kubeconfig", url, self.admin_token, ca_pem=self._tls.ca_pem)
+            )
         kubelet_token = self.add_user("system:node:test-kubelet") if self.front else None
         kubelet_config = (
-            str(write_kubeconfig(self.root / "kubelet.kubeconfig", self.server_url, kubelet_token, "system:node:test-kubelet", ca_pem=self._tls.ca_pem))
+            str(
+                write_kubeconfig(
+                    self.root / "kubelet.kubeconfig",
+                    self.server_url,
+                    kubelet_token,
+                    "system:node:test-kubelet",
+                    ca_pem=self._tls.ca_pem,
+                )
+            )
             if kubelet_token and self._tls
             else self.kubeconfig
         )
@@ -187,7 +201,9 @@ class TestCluster:
 
     def _front(self) -> HttpFront:
         if self.front is None:
-            raise NotOnTestServer("this hook exists only on the test API server (SPOTJOB_TEST_KUBECONFIG names a real cluster)")
+            raise NotOnTestServer(
+                "this hook exists only on the test API server (SPOTJOB_TEST_KUBECONFIG names a real cluster)"
+            )
         return self.front
 
     def add_user(self, name: str, groups: tuple[str, ...] = ("system:authenticated",)) -> str:
@@ -200,7 +216,9 @@ class TestCluster:
         """A kubeconfig for a new identity, so the audit log can tell its requests apart."""
         token = self.add_user(user)
         target = path or self.root / f"kubeconfig-{user.replace(':', '_')}"
-        return str(write_kubeconfig(Path(target), self.server_url, token, user, ca_pem=self._tls.ca_pem if self._tls else None))
+        return str(
+            write_kubeconfig(Path(target), self.server_url, token, user, ca_pem=self._tls.ca_pem if self._tls else None)
+        )
 
     def env(self) -> dict[str, str]:
         """The environment a child process (controller, kubectl) needs to reach this cluster."""
@@ -212,7 +230,9 @@ class TestCluster:
 
         return config.new_client_from_config(config_file=self.kubeconfig)
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:  # noqa: A002
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         binary = shutil.which("kubectl")
         if binary is None:
             raise FileNotFoundError("kubectl is not on PATH")
@@ -301,7 +321,13 @@ class TestCluster:
                     raise
         raise RuntimeError(f"could not untaint node {name}: too many conflicts")
 
-    def set_node_ready(self, name: str, status: str = "False", reason: str = "KubeletNotReady", message: str = "container runtime is down") -> None:
+    def set_node_ready(
+        self,
+        name: str,
+        status: str = "False",
+        reason: str = "KubeletNotReady",
+        message: str = "container runtime is down",
+    ) -> None:
         """The kubelet reports Ready=``status`` (False: the node controller taints it not-ready)."""
         assert self.kubelet is not None
         self.kubelet.set_ready(name, status, reason, message)
@@ -345,6 +371,10 @@ class TestCluster:
         """Pids of the pod's processes (all descendants, whatever session they started)."""
         w = self.worker(namespace, name)
         return w.pids() if w else []
+
+    def leftover_processes(self) -> list[int]:
+        """Pids of pods' processes still running; none may be left once ``stop()`` has returned."""
+        return self.kubelet.leftover_processes() if self.kubelet is not None else []
 
     def pod_log(self, namespace: str, name: str, container: str) -> str:
         assert self.kubelet is not None

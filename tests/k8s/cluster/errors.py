@@ -53,16 +53,25 @@ class ApiError(Exception):
 
 
 def not_found(qualified: str, name: str, group: str = "", kind: str = "") -> ApiError:
-    return ApiError(404, "NotFound", f'{qualified} "{name}" not found', name=name, group=group, kind=kind.split(".")[0] or qualified)
+    return ApiError(
+        404, "NotFound", f'{qualified} "{name}" not found', name=name, group=group, kind=kind.split(".")[0] or qualified
+    )
 
 
 def already_exists(qualified: str, name: str, group: str = "", kind: str = "") -> ApiError:
-    return ApiError(409, "AlreadyExists", f'{qualified} "{name}" already exists', name=name, group=group, kind=kind or qualified)
+    return ApiError(
+        409, "AlreadyExists", f'{qualified} "{name}" already exists', name=name, group=group, kind=kind or qualified
+    )
 
 
 def conflict(qualified: str, name: str, why: str, group: str = "", kind: str = "") -> ApiError:
     return ApiError(
-        409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{name}": {why}', name=name, group=group, kind=kind or qualified
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
+        name=name,
+        group=group,
+        kind=kind or qualified,
     )
 
 
@@ -71,7 +80,13 @@ def invalid(kind_group: str, name: str, errors: list[FieldError], group: str = "
     if len(errors) > 1:
         summary = "[" + summary + "]"
     return ApiError(
-        422, "Invalid", f'{kind_group} "{name}" is invalid: {summary}', name=name, group=group, kind=kind, causes=[e.cause() for e in errors]
+        422,
+        "Invalid",
+        f'{kind_group} "{name}" is invalid: {summary}',
+        name=name,
+        group=group,
+        kind=kind,
+        causes=[e.cause() for e in errors],
     )
 
 

@@ -12,6 +12,7 @@ read the audit log.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -195,13 +196,26 @@ class HttpFront:
     def _record(self, user: str, info: RequestInfo, code: int, path: str) -> None:
         with self._audit_lock:
             self.audit.append(
-                AuditRecord(len(self.audit), user, info.verb, info.group, info.resource, info.subresource, info.namespace, info.name, code, path)
+                AuditRecord(
+                    len(self.audit),
+                    user,
+                    info.verb,
+                    info.group,
+                    info.resource,
+                    info.subresource,
+                    info.namespace,
+                    info.name,
+                    code,
+                    path,
+                )
             )
 
     def _take_fault(self, user: str, info: RequestInfo) -> Fault | None:
         with self._fault_lock:
             for f in self.faults:
-                if f.count > 0 and f.matches(user, info.verb, info.resource, info.subresource, info.namespace, info.name):
+                if f.count > 0 and f.matches(
+                    user, info.verb, info.resource, info.subresource, info.namespace, info.name
+                ):
                     f.count -= 1
                     f.hits += 1
                     return f
@@ -231,7 +245,7 @@ class _Handler(BaseHTTPRequestHandler):
     front: HttpFront
     server_version = "spotjob-test-apiserver"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
     def do_GET(self) -> None:
@@ -300,7 +314,9 @@ class _Handler(BaseHTTPRequestHandler):
         parsed = urllib.parse.urlsplit(self.path)
         query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query, keep_blank_values=True).items()}
         path = parsed.path.rstrip("/") or "/"
-        info = RequestInfo(verb={"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method])
+        info = RequestInfo(
+            verb={"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+        )
         user = self._user()
         code = 200
         try:
@@ -322,16 +338,14 @@ class _Handler(BaseHTTPRequestHandler):
             code = self._serve(method, path, query, info, user)
         except ApiError as e:
             code = e.code
-            if method != "GET" or True:
-                try:
-                    self._read_body_if_unread()
-                except Exception:  # noqa: BLE001 - the error answer matters more
-                    pass
+            # The body must be drained for the keep-alive connection to stay in step.
+            with contextlib.suppress(Exception):
+                self._read_body_if_unread()
             self._send_error(e)
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             code = 499
             self.close_connection = True
-        except Exception as e:  # noqa: BLE001 - a bug in the test server must reach the client as a 500
+        except Exception as e:
             log.exception("test API server failed on %s %s", method, self.path)
             code = 500
             self._send_error(ApiError(500, "InternalError", f"test API server error: {e!r}"))
@@ -367,7 +381,9 @@ class _Handler(BaseHTTPRequestHandler):
         e = ApiError(
             fault.status,
             _reason_for(fault.status),
-            "the server has received too many requests and has asked us to try again later" if fault.status == 429 else f"injected fault {fault.status}",
+            "the server has received too many requests and has asked us to try again later"
+            if fault.status == 429
+            else f"injected fault {fault.status}",
             retry_after=fault.retry_after if fault.status in (429, 503) else None,
         )
         self._send_error(e)
@@ -383,7 +399,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not rest:
             return
-        if rest[0] == "namespaces" and len(rest) >= 3 and not (len(rest) == 3 and rest[2] in ("status", "finalize") and info.group == ""):
+        if (
+            rest[0] == "namespaces"
+            and len(rest) >= 3
+            and not (len(rest) == 3 and rest[2] in ("status", "finalize") and info.group == "")
+        ):
             info.namespace = rest[1]
             rest = rest[2:]
         elif rest[0] == "namespaces" and len(rest) >= 2:
@@ -404,7 +424,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str, path: str, query: dict[str, str], info: RequestInfo, user: str) -> int:
         api = self.front.api
         if path == "/api" and method == "GET":
-            self._send(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": self.headers.get("Host", "")}]})
+            self._send(
+                200,
+                {
+                    "kind": "APIVersions",
+                    "versions": ["v1"],
+                    "serverAddressByClientCIDRs": [
+                        {"clientCIDR": "0.0.0.0/0", "serverAddress": self.headers.get("Host", "")}
+                    ],
+                },
+            )
             return 200
         if path == "/apis" and method == "GET":
             self._send(200, self._group_list())
@@ -425,10 +454,12 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/apis/") and not info.is_resource:
             parts = path.strip("/").split("/")
             if len(parts) == 2:
-                group = next((g for g in self._group_list()["groups"] if g["name"] == parts[1]), None)
-                if group is None:
+                found: dict[str, Any] | None = next(
+                    (g for g in self._group_list()["groups"] if g["name"] == parts[1]), None
+                )
+                if found is None:
                     raise ApiError(404, "NotFound", "the server could not find the requested resource")
-                self._send(200, {"kind": "APIGroup", "apiVersion": "v1", **group})
+                self._send(200, {"kind": "APIGroup", "apiVersion": "v1", **found})
                 return 200
         if not info.is_resource:
             self._send(200, self._resource_list(info.group, info.version))
@@ -449,11 +480,19 @@ class _Handler(BaseHTTPRequestHandler):
                     raise ApiError(404, "NotFound", "the server could not find the requested resource")
                 obj = api.get(rt, info.namespace, info.name)
                 if self._wants_table():
-                    self._send(200, res.table(rt, [obj], query.get("includeObject", "Metadata"), {"resourceVersion": obj["metadata"]["resourceVersion"]}))
+                    self._send(
+                        200,
+                        res.table(
+                            rt,
+                            [obj],
+                            query.get("includeObject", "Metadata"),
+                            {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                        ),
+                    )
                 else:
                     self._send(200, obj)
                 return 200
-            items, meta = api.list(
+            items, meta = api.list_objects(
                 rt,
                 info.namespace or None,
                 label_selector=query.get("labelSelector"),
@@ -466,17 +505,23 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 if rt.crd is None:
                     items = [{k: v for k, v in o.items() if k not in ("apiVersion", "kind")} for o in items]
-                self._send(200, {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": meta, "items": items})
+                self._send(
+                    200, {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": meta, "items": items}
+                )
             return 200
         if method == "POST":
             body = self._body()
             if info.subresource == "binding" and rt.storage == "core/pods":
                 bind(api, info.namespace, info.name, body, user)
-                self._send(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+                self._send(
+                    201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+                )
                 return 201
             if info.subresource == "eviction" and rt.storage == "core/pods":
                 evict(api, info.namespace, info.name, body, user)
-                self._send(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+                self._send(
+                    201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+                )
                 return 201
             if info.name:
                 raise ApiError(405, "MethodNotAllowed", f"POST is not supported on a named {rt.plural}")
@@ -486,7 +531,16 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PUT":
             if not info.name:
                 raise ApiError(405, "MethodNotAllowed", "PUT needs a name")
-            result = api.update(rt, info.namespace, info.name, self._body(), user=user, subresource=info.subresource, dry_run=dry_run, field_validation=validation)
+            result = api.update(
+                rt,
+                info.namespace,
+                info.name,
+                self._body(),
+                user=user,
+                subresource=info.subresource,
+                dry_run=dry_run,
+                field_validation=validation,
+            )
             self._send(200, result.obj, self._warnings(result.warnings))
             return 200
         if method == "PATCH":
@@ -509,19 +563,41 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             opts = DeleteOptions.parse(body if isinstance(body, dict) else None, query)
             if not info.name:
-                items, _ = api.list(rt, info.namespace or None, label_selector=query.get("labelSelector"), field_selector=query.get("fieldSelector"))
+                items, _ = api.list_objects(
+                    rt,
+                    info.namespace or None,
+                    label_selector=query.get("labelSelector"),
+                    field_selector=query.get("fieldSelector"),
+                )
                 for o in items:
                     try:
-                        api.delete(rt, info.namespace or o["metadata"].get("namespace", ""), o["metadata"]["name"], opts, user=user)
+                        api.delete(
+                            rt,
+                            info.namespace or o["metadata"].get("namespace", ""),
+                            o["metadata"]["name"],
+                            opts,
+                            user=user,
+                        )
                     except ApiError as e:
                         if e.code != 404:
                             raise
-                self._send(200, {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": {}, "items": items})
+                self._send(
+                    200, {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": {}, "items": items}
+                )
                 return 200
             obj, gone = api.delete(rt, info.namespace, info.name, opts, user=user)
             if gone and rt.storage not in ("core/pods", "core/services"):
                 md = obj["metadata"]
-                self._send(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": {"name": md["name"], "group": rt.group, "kind": rt.plural, "uid": md["uid"]}})
+                self._send(
+                    200,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Success",
+                        "details": {"name": md["name"], "group": rt.group, "kind": rt.plural, "uid": md["uid"]},
+                    },
+                )
             else:
                 self._send(200, obj)
             return 200
@@ -622,15 +698,17 @@ class _Handler(BaseHTTPRequestHandler):
                     self._chunk(encode("ADDED", obj, None))
             if query.get("sendInitialEvents") == "true" and bookmarks:
                 self._bookmark(rt, api.store.rv, initial_end=True)
-            for ev in backlog:
-                deliver(ev)
-                last_rv = ev.rv
+            for past in backlog:
+                deliver(past)
+                last_rv = past.rv
             next_bookmark = time.monotonic() + api.bookmark_interval
             while not self.front.stopping:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                ev = watcher.next(min(remaining, max(0.05, next_bookmark - time.monotonic())) if bookmarks else remaining)
+                ev = watcher.next(
+                    min(remaining, max(0.05, next_bookmark - time.monotonic())) if bookmarks else remaining
+                )
                 if ev is not None:
                     deliver(ev)
                     last_rv = ev.rv
@@ -661,7 +739,12 @@ class _Handler(BaseHTTPRequestHandler):
         md: dict[str, Any] = {"resourceVersion": str(rv)}
         if initial_end:
             md["annotations"] = {"k8s.io/initial-events-end": "true"}
-        self._chunk(json.dumps({"type": "BOOKMARK", "object": {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": md}}).encode() + b"\n")
+        self._chunk(
+            json.dumps(
+                {"type": "BOOKMARK", "object": {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": md}}
+            ).encode()
+            + b"\n"
+        )
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -705,4 +788,3 @@ def _version() -> dict[str, str]:
         "compiler": "gc",
         "platform": "linux/amd64",
     }
-

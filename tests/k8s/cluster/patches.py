@@ -55,7 +55,9 @@ def _strip(value: Any) -> Any:
         return {
             k: _strip(v)
             for k, v in value.items()
-            if k not in _DIRECTIVES and not k.startswith(("$setElementOrder/", "$deleteFromPrimitiveList/")) and v is not None
+            if k not in _DIRECTIVES
+            and not k.startswith(("$setElementOrder/", "$deleteFromPrimitiveList/"))
+            and v is not None
         }
     if isinstance(value, list):
         return [_strip(v) for v in value if not (isinstance(v, dict) and v.get("$patch") == "delete")]
@@ -96,14 +98,13 @@ def _smp_map(original: dict[str, Any] | None, patch: dict[str, Any], schema: dic
                 result[name] = [v for v in result[name] if v not in value]
             continue
         sub = _prop(schema, key)
-        if value is None:
-            result.pop(key, None)
-        elif isinstance(value, dict) and value.get("$patch") == "delete":
+        if value is None or (isinstance(value, dict) and value.get("$patch") == "delete"):
             result.pop(key, None)
         elif isinstance(value, dict):
             result[key] = _smp_map(result.get(key) if isinstance(result.get(key), dict) else None, value, sub)
         elif isinstance(value, list):
-            result[key] = _smp_list(result.get(key) if isinstance(result.get(key), list) else [], value, sub)
+            current = result.get(key)
+            result[key] = _smp_list(current if isinstance(current, list) else [], value, sub)
         else:
             result[key] = value
     if isinstance(retain, list):
@@ -144,7 +145,9 @@ def _smp_list(original: list[Any], patch: list[Any], schema: dict[str, Any]) -> 
     for item in patch:
         if not isinstance(item, dict) or merge_key not in item:
             raise PatchError(f"map: {item!r} does not contain declared merge key: {merge_key}")
-        idx = next((i for i, v in enumerate(result) if isinstance(v, dict) and v.get(merge_key) == item[merge_key]), None)
+        idx = next(
+            (i for i, v in enumerate(result) if isinstance(v, dict) and v.get(merge_key) == item[merge_key]), None
+        )
         if item.get("$patch") == "delete":
             if idx is not None:
                 del result[idx]

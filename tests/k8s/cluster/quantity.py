@@ -18,7 +18,9 @@ def parse_quantity(value: Any) -> float:
         return float(value)
     m = _QUANTITY.match(str(value).strip())
     if not m:
-        raise ValueError(f"quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$': {value!r}")
+        raise ValueError(
+            f"quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$': {value!r}"
+        )
     return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
 
 

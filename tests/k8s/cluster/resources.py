@@ -108,7 +108,13 @@ class ResourceType:
         for sub in self.subresources:
             verbs = {"status": ["get", "patch", "update"], "binding": ["create"], "eviction": ["create"]}[sub]
             kind = {"binding": "Binding", "eviction": "Eviction"}.get(sub, self.kind)
-            entry: dict[str, Any] = {"name": f"{self.plural}/{sub}", "singularName": "", "namespaced": self.namespaced, "kind": kind, "verbs": verbs}
+            entry: dict[str, Any] = {
+                "name": f"{self.plural}/{sub}",
+                "singularName": "",
+                "namespaced": self.namespaced,
+                "kind": kind,
+                "verbs": verbs,
+            }
             if sub == "eviction":
                 entry.update(group="policy", version="v1")
             out.append(entry)
@@ -160,7 +166,9 @@ def age(obj: Obj) -> str:
     return human_duration((datetime.datetime.now(datetime.UTC) - t).total_seconds())
 
 
-_SEGMENT = re.compile(r"\.([A-Za-z0-9_$-]+)|\[(\d+|\*)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*['\"]([^'\"]*)['\"]\)\]|\['([^']+)'\]")
+_SEGMENT = re.compile(
+    r"\.([A-Za-z0-9_$-]+)|\[(\d+|\*)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*['\"]([^'\"]*)['\"]\)\]|\['([^']+)'\]"
+)
 
 
 def jsonpath(obj: Any, path: str) -> list[Any]:
@@ -227,8 +235,19 @@ def _to_str(value: Any) -> str:
     return json.dumps(value, separators=(",", ":")) if isinstance(value, dict | list) else str(value)
 
 
-NAME_COLUMN = Column("Name", "string", format="name", description="Name must be unique within a namespace.", getter=lambda o: o["metadata"]["name"])
-AGE_COLUMN = Column("Age", "date", description="CreationTimestamp is a timestamp representing the server time when this object was created.", getter=age)
+NAME_COLUMN = Column(
+    "Name",
+    "string",
+    format="name",
+    description="Name must be unique within a namespace.",
+    getter=lambda o: o["metadata"]["name"],
+)
+AGE_COLUMN = Column(
+    "Age",
+    "date",
+    description="CreationTimestamp is a timestamp representing the server time when this object was created.",
+    getter=age,
+)
 
 
 def table(rt: ResourceType, objs: list[Obj], include_object: str, list_meta: dict[str, Any]) -> dict[str, Any]:
@@ -263,9 +282,12 @@ def _pod_status(o: Obj) -> str:
         state = s.get("state") or {}
         if "waiting" in state and state["waiting"].get("reason"):
             return str(state["waiting"]["reason"])
-        if "terminated" in state and dig(o, "status", "phase") not in ("Succeeded",) and state["terminated"].get("reason"):
-            if dig(o, "status", "phase") == "Failed" or state["terminated"].get("exitCode"):
-                return str(state["terminated"]["reason"])
+        if (
+            "terminated" in state
+            and dig(o, "status", "phase") not in ("Succeeded",)
+            and state["terminated"].get("reason")
+        ) and (dig(o, "status", "phase") == "Failed" or state["terminated"].get("exitCode")):
+            return str(state["terminated"]["reason"])
     return str(dig(o, "status", "reason") or dig(o, "status", "phase") or "Pending")
 
 
@@ -282,30 +304,71 @@ def _node_status(o: Obj) -> str:
 
 
 def _node_roles(o: Obj) -> str:
-    roles = [k.split("/", 1)[1] for k in (dig(o, "metadata", "labels") or {}) if k.startswith("node-role.kubernetes.io/")]
+    roles = [
+        k.split("/", 1)[1] for k in (dig(o, "metadata", "labels") or {}) if k.startswith("node-role.kubernetes.io/")
+    ]
     return ",".join(sorted(roles)) or "<none>"
 
 
 POD_COLUMNS = [
-    Column("Ready", "string", description="The aggregate readiness state of this pod for accepting traffic.", getter=_pod_ready),
+    Column(
+        "Ready",
+        "string",
+        description="The aggregate readiness state of this pod for accepting traffic.",
+        getter=_pod_ready,
+    ),
     Column("Status", "string", description="The aggregate status of the containers in this pod.", getter=_pod_status),
-    Column("Restarts", "string", description="The number of times the containers in this pod have been restarted.", getter=lambda o: str(_pod_restarts(o))),
+    Column(
+        "Restarts",
+        "string",
+        description="The number of times the containers in this pod have been restarted.",
+        getter=lambda o: str(_pod_restarts(o)),
+    ),
     AGE_COLUMN,
-    Column("IP", "string", priority=1, description="The IP address assigned to the pod.", getter=lambda o: dig(o, "status", "podIP") or "<none>"),
-    Column("Node", "string", priority=1, description="The node the pod is scheduled on.", getter=lambda o: dig(o, "spec", "nodeName") or "<none>"),
+    Column(
+        "IP",
+        "string",
+        priority=1,
+        description="The IP address assigned to the pod.",
+        getter=lambda o: dig(o, "status", "podIP") or "<none>",
+    ),
+    Column(
+        "Node",
+        "string",
+        priority=1,
+        description="The node the pod is scheduled on.",
+        getter=lambda o: dig(o, "spec", "nodeName") or "<none>",
+    ),
 ]
 NODE_COLUMNS = [
     Column("Status", "string", description="The status of the node.", getter=_node_status),
     Column("Roles", "string", description="The roles of the node.", getter=_node_roles),
     AGE_COLUMN,
-    Column("Version", "string", description="Kubelet version.", getter=lambda o: dig(o, "status", "nodeInfo", "kubeletVersion") or ""),
-    Column("Internal-IP", "string", priority=1, description="Internal IP.", getter=lambda o: next((a.get("address") for a in dig(o, "status", "addresses") or [] if a.get("type") == "InternalIP"), "<none>")),
+    Column(
+        "Version",
+        "string",
+        description="Kubelet version.",
+        getter=lambda o: dig(o, "status", "nodeInfo", "kubeletVersion") or "",
+    ),
+    Column(
+        "Internal-IP",
+        "string",
+        priority=1,
+        description="Internal IP.",
+        getter=lambda o: next(
+            (a.get("address") for a in dig(o, "status", "addresses") or [] if a.get("type") == "InternalIP"), "<none>"
+        ),
+    ),
 ]
 EVENT_COLUMNS = [
     Column("Last Seen", "string", getter=lambda o: _since(dig(o, "lastTimestamp") or dig(o, "eventTime"))),
     Column("Type", "string", getter=lambda o: o.get("type", "")),
     Column("Reason", "string", getter=lambda o: o.get("reason", "")),
-    Column("Object", "string", getter=lambda o: f"{(dig(o, 'involvedObject', 'kind') or '').lower()}/{dig(o, 'involvedObject', 'name') or ''}"),
+    Column(
+        "Object",
+        "string",
+        getter=lambda o: f"{(dig(o, 'involvedObject', 'kind') or '').lower()}/{dig(o, 'involvedObject', 'name') or ''}",
+    ),
     Column("Message", "string", getter=lambda o: o.get("message", "")),
 ]
 
@@ -352,14 +415,27 @@ def v1_event_to_core(obj: Obj) -> Obj:
 
 
 def _core_event_fields() -> dict[str, FieldGetter]:
-    f = {f"involvedObject.{k}": field_getter("involvedObject", k) for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")}
-    f.update(reason=field_getter("reason"), reportingComponent=field_getter("reportingComponent"), type=field_getter("type"), source=field_getter("source", "component"))
+    f = {
+        f"involvedObject.{k}": field_getter("involvedObject", k)
+        for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")
+    }
+    f.update(
+        reason=field_getter("reason"),
+        reportingComponent=field_getter("reportingComponent"),
+        type=field_getter("type"),
+        source=field_getter("source", "component"),
+    )
     return f
 
 
 def _v1_event_fields() -> dict[str, FieldGetter]:
-    f = {f"regarding.{k}": field_getter("involvedObject", k) for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")}
-    f.update(reason=field_getter("reason"), reportingController=field_getter("reportingComponent"), type=field_getter("type"))
+    f = {
+        f"regarding.{k}": field_getter("involvedObject", k)
+        for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")
+    }
+    f.update(
+        reason=field_getter("reason"), reportingController=field_getter("reportingComponent"), type=field_getter("type")
+    )
     return f
 
 
@@ -375,32 +451,113 @@ def builtin_types() -> list[ResourceType]:
         "status.nominatedNodeName": field_getter("status", "nominatedNodeName"),
     }
     return [
-        ResourceType("", "v1", "namespaces", "Namespace", False, short_names=["ns"], subresources=["status"],
-                     fields={"status.phase": field_getter("status", "phase")},
-                     columns=[Column("Status", "string", getter=lambda o: dig(o, "status", "phase") or ""), AGE_COLUMN], has_generation=False),
-        ResourceType("", "v1", "nodes", "Node", False, short_names=["no"], subresources=["status"], status_subresource=True,
-                     fields={"spec.unschedulable": field_getter("spec", "unschedulable")}, columns=NODE_COLUMNS),
-        ResourceType("", "v1", "pods", "Pod", True, short_names=["po"], categories=["all"],
-                     subresources=["status", "binding", "eviction"], fields=pod_fields, columns=POD_COLUMNS, status_subresource=True),
-        ResourceType("", "v1", "services", "Service", True, short_names=["svc"], categories=["all"], subresources=["status"], status_subresource=True),
+        ResourceType(
+            "",
+            "v1",
+            "namespaces",
+            "Namespace",
+            False,
+            short_names=["ns"],
+            subresources=["status"],
+            fields={"status.phase": field_getter("status", "phase")},
+            columns=[Column("Status", "string", getter=lambda o: dig(o, "status", "phase") or ""), AGE_COLUMN],
+            has_generation=False,
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "nodes",
+            "Node",
+            False,
+            short_names=["no"],
+            subresources=["status"],
+            status_subresource=True,
+            fields={"spec.unschedulable": field_getter("spec", "unschedulable")},
+            columns=NODE_COLUMNS,
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "pods",
+            "Pod",
+            True,
+            short_names=["po"],
+            categories=["all"],
+            subresources=["status", "binding", "eviction"],
+            fields=pod_fields,
+            columns=POD_COLUMNS,
+            status_subresource=True,
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "services",
+            "Service",
+            True,
+            short_names=["svc"],
+            categories=["all"],
+            subresources=["status"],
+            status_subresource=True,
+        ),
         ResourceType("", "v1", "endpoints", "Endpoints", True, short_names=["ep"], has_generation=False),
         ResourceType("", "v1", "secrets", "Secret", True, fields={"type": field_getter("type")}, has_generation=False),
         ResourceType("", "v1", "configmaps", "ConfigMap", True, short_names=["cm"], has_generation=False),
         ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=["sa"], has_generation=False),
-        ResourceType("", "v1", "events", "Event", True, short_names=["ev"], fields=_core_event_fields(), columns=EVENT_COLUMNS,
-                     storage="core/events", has_generation=False),
-        ResourceType("events.k8s.io", "v1", "events", "Event", True, short_names=["ev"], fields=_v1_event_fields(),
-                     storage="core/events", to_view=core_event_to_v1, from_view=v1_event_to_core, has_generation=False),
+        ResourceType(
+            "",
+            "v1",
+            "events",
+            "Event",
+            True,
+            short_names=["ev"],
+            fields=_core_event_fields(),
+            columns=EVENT_COLUMNS,
+            storage="core/events",
+            has_generation=False,
+        ),
+        ResourceType(
+            "events.k8s.io",
+            "v1",
+            "events",
+            "Event",
+            True,
+            short_names=["ev"],
+            fields=_v1_event_fields(),
+            storage="core/events",
+            to_view=core_event_to_v1,
+            from_view=v1_event_to_core,
+            has_generation=False,
+        ),
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, has_generation=False),
         ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, short_names=["netpol"]),
-        ResourceType("apps", "v1", "deployments", "Deployment", True, short_names=["deploy"], categories=["all"], subresources=["status"], status_subresource=True),
+        ResourceType(
+            "apps",
+            "v1",
+            "deployments",
+            "Deployment",
+            True,
+            short_names=["deploy"],
+            categories=["all"],
+            subresources=["status"],
+            status_subresource=True,
+        ),
         ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role", True, has_generation=False),
         ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True, has_generation=False),
         ResourceType("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, has_generation=False),
-        ResourceType("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False, has_generation=False),
-        ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False,
-                     short_names=["crd", "crds"], subresources=["status"], status_subresource=True,
-                     columns=[Column("Created At", "date", getter=lambda o: dig(o, "metadata", "creationTimestamp"))]),
+        ResourceType(
+            "rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False, has_generation=False
+        ),
+        ResourceType(
+            "apiextensions.k8s.io",
+            "v1",
+            "customresourcedefinitions",
+            "CustomResourceDefinition",
+            False,
+            short_names=["crd", "crds"],
+            subresources=["status"],
+            status_subresource=True,
+            columns=[Column("Created At", "date", getter=lambda o: dig(o, "metadata", "creationTimestamp"))],
+        ),
     ]
 
 

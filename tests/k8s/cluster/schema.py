@@ -105,10 +105,7 @@ class StructuralSchema:
     # Pruning -------------------------------------------------------------------------------
     def _prune(self, schema: dict[str, Any], value: Any, path: str, result: SchemaResult) -> None:
         if isinstance(value, dict):
-            if schema.get("x-kubernetes-embedded-resource"):
-                keep = {"apiVersion", "kind", "metadata"}
-            else:
-                keep = set()
+            keep = {"apiVersion", "kind", "metadata"} if schema.get("x-kubernetes-embedded-resource") else set()
             props = schema.get("properties")
             addl = schema.get("additionalProperties")
             preserve = schema.get("x-kubernetes-preserve-unknown-fields")
@@ -162,7 +159,11 @@ class StructuralSchema:
                 typ = schema.get("type")
                 if typ:
                     errs.append(
-                        FieldError("FieldValueTypeInvalid", path, f'Invalid value: "null": {path} in body must be of type {typ}: "null"')
+                        FieldError(
+                            "FieldValueTypeInvalid",
+                            path,
+                            f'Invalid value: "null": {path} in body must be of type {typ}: "null"',
+                        )
                     )
             return
         if schema.get("x-kubernetes-int-or-string"):
@@ -190,7 +191,11 @@ class StructuralSchema:
                 return
         if "enum" in schema and value not in schema["enum"]:
             supported = ", ".join(_json(v) for v in schema["enum"])
-            errs.append(FieldError("FieldValueNotSupported", path, f"Unsupported value: {_json(value)}: supported values: {supported}"))
+            errs.append(
+                FieldError(
+                    "FieldValueNotSupported", path, f"Unsupported value: {_json(value)}: supported values: {supported}"
+                )
+            )
         if isinstance(value, int | float) and not isinstance(value, bool):
             self._validate_number(schema, value, path, errs)
         if isinstance(value, str):
@@ -203,7 +208,8 @@ class StructuralSchema:
                     FieldError(
                         "FieldValueInvalid",
                         path,
-                        f"Invalid value: {_json(value)}: {path} in body should be at least {schema['minLength']} chars long",
+                        f"Invalid value: {_json(value)}: {path} in body "
+                        f"should be at least {schema['minLength']} chars long",
                     )
                 )
             if "pattern" in schema and not re.search(schema["pattern"], value):
@@ -216,10 +222,20 @@ class StructuralSchema:
                 )
         if isinstance(value, list):
             if "maxItems" in schema and len(value) > schema["maxItems"]:
-                errs.append(FieldError("FieldValueTooMany", path, f"Too many: {len(value)}: must have at most {schema['maxItems']} items"))
+                errs.append(
+                    FieldError(
+                        "FieldValueTooMany",
+                        path,
+                        f"Too many: {len(value)}: must have at most {schema['maxItems']} items",
+                    )
+                )
             if "minItems" in schema and len(value) < schema["minItems"]:
                 errs.append(
-                    FieldError("FieldValueInvalid", path, f"Invalid value: {len(value)}: {path} in body should have at least {schema['minItems']} items")
+                    FieldError(
+                        "FieldValueInvalid",
+                        path,
+                        f"Invalid value: {len(value)}: {path} in body should have at least {schema['minItems']} items",
+                    )
                 )
             if schema.get("uniqueItems") and len({_json(v) for v in value}) != len(value):
                 errs.append(FieldError("FieldValueDuplicate", path, f"Duplicate value: {path} shall have unique items"))
@@ -240,22 +256,50 @@ class StructuralSchema:
                     if key not in props:
                         self._validate(addl, item, _child(path, key), result)
             if "maxProperties" in schema and len(value) > schema["maxProperties"]:
-                errs.append(FieldError("FieldValueTooMany", path, f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"))
+                errs.append(
+                    FieldError(
+                        "FieldValueTooMany",
+                        path,
+                        f"Too many: {len(value)}: must have at most {schema['maxProperties']} items",
+                    )
+                )
             if "minProperties" in schema and len(value) < schema["minProperties"]:
                 errs.append(
-                    FieldError("FieldValueInvalid", path, f"Invalid value: {len(value)}: {path} in body should have at least {schema['minProperties']} properties")
+                    FieldError(
+                        "FieldValueInvalid",
+                        path,
+                        f"Invalid value: {len(value)}: {path} in body should "
+                        f"have at least {schema['minProperties']} properties",
+                    )
                 )
         for sub in schema.get("allOf", []):
             self._validate(sub, value, path, result)
-        if "anyOf" in schema:
-            if not any(not self._errors_of(sub, value, path) for sub in schema["anyOf"]):
-                errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body must match any of the schemas"))
+        if "anyOf" in schema and not any(not self._errors_of(sub, value, path) for sub in schema["anyOf"]):
+            errs.append(
+                FieldError(
+                    "FieldValueInvalid",
+                    path,
+                    f"Invalid value: {_json(value)}: {path} in body must match any of the schemas",
+                )
+            )
         if "oneOf" in schema:
             n = sum(1 for sub in schema["oneOf"] if not self._errors_of(sub, value, path))
             if n != 1:
-                errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body must match exactly one schema in oneOf"))
+                errs.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        path,
+                        f"Invalid value: {_json(value)}: {path} in body must match exactly one schema in oneOf",
+                    )
+                )
         if "not" in schema and not self._errors_of(schema["not"], value, path):
-            errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body must not validate the schema (not)"))
+            errs.append(
+                FieldError(
+                    "FieldValueInvalid",
+                    path,
+                    f"Invalid value: {_json(value)}: {path} in body must not validate the schema (not)",
+                )
+            )
 
     def _errors_of(self, schema: dict[str, Any], value: Any, path: str) -> list[FieldError]:
         sub = SchemaResult()
@@ -268,16 +312,30 @@ class StructuralSchema:
             lo = schema["minimum"]
             if value < lo or (schema.get("exclusiveMinimum") is True and value == lo):
                 rel = "greater than" if schema.get("exclusiveMinimum") is True else "greater than or equal to"
-                errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body should be {rel} {lo}"))
+                errs.append(
+                    FieldError(
+                        "FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body should be {rel} {lo}"
+                    )
+                )
         if "maximum" in schema:
             hi = schema["maximum"]
             if value > hi or (schema.get("exclusiveMaximum") is True and value == hi):
                 rel = "less than" if schema.get("exclusiveMaximum") is True else "less than or equal to"
-                errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body should be {rel} {hi}"))
+                errs.append(
+                    FieldError(
+                        "FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body should be {rel} {hi}"
+                    )
+                )
         if "multipleOf" in schema:
             m = schema["multipleOf"]
             if m and not math.isclose(value / m, round(value / m)):
-                errs.append(FieldError("FieldValueInvalid", path, f"Invalid value: {_json(value)}: {path} in body should be a multiple of {m}"))
+                errs.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        path,
+                        f"Invalid value: {_json(value)}: {path} in body should be a multiple of {m}",
+                    )
+                )
 
 
 def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> list[FieldError]:
@@ -289,9 +347,21 @@ def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> 
             return
         exempt = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
         if not node.get("type") and not exempt and not root:
-            errors.append(FieldError("FieldValueRequired", f"{here}.type", "Required value: must not be empty for specified object fields"))
+            errors.append(
+                FieldError(
+                    "FieldValueRequired",
+                    f"{here}.type",
+                    "Required value: must not be empty for specified object fields",
+                )
+            )
         if root and node.get("type") not in (None, "object"):
-            errors.append(FieldError("FieldValueInvalid", f"{here}.type", f"Invalid value: {_json(node.get('type'))}: must be object at the root"))
+            errors.append(
+                FieldError(
+                    "FieldValueInvalid",
+                    f"{here}.type",
+                    f"Invalid value: {_json(node.get('type'))}: must be object at the root",
+                )
+            )
         for key, sub in (node.get("properties") or {}).items():
             walk(sub, f"{here}.properties[{key}]")
         if isinstance(node.get("items"), dict):
@@ -300,7 +370,11 @@ def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> 
             walk(node["additionalProperties"], f"{here}.additionalProperties")
         if node.get("properties") and isinstance(node.get("additionalProperties"), dict):
             errors.append(
-                FieldError("FieldValueForbidden", f"{here}.additionalProperties", "Forbidden: additionalProperties and properties are mutual exclusive")
+                FieldError(
+                    "FieldValueForbidden",
+                    f"{here}.additionalProperties",
+                    "Forbidden: additionalProperties and properties are mutual exclusive",
+                )
             )
 
     walk(schema, path, root=True)

@@ -43,7 +43,9 @@ class Requirement:
 
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside parentheses."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in text:
         if ch == "(":
             depth += 1
@@ -105,16 +107,13 @@ def parse_field_selector(text: str | None, getters: Mapping[str, FieldGetter]) -
             raise SelectorError(f"invalid selector: {part.strip()!r}; can't understand it")
         field, op, value = m.groups()
         if field not in getters:
-            raise SelectorError(f'field label not supported: {field}')
+            raise SelectorError(f"field label not supported: {field}")
         out.append((getters[field], op == "!=", value))
     return out
 
 
 def fields_match(reqs: list[tuple[FieldGetter, bool, str]], obj: Mapping[str, Any]) -> bool:
-    for getter, negated, value in reqs:
-        if (getter(obj) == value) == negated:
-            return False
-    return True
+    return all((getter(obj) == value) != negated for getter, negated, value in reqs)
 
 
 def dig(obj: Mapping[str, Any], *path: str) -> Any:

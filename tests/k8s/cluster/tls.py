@@ -51,7 +51,13 @@ def make_serving_cert(folder: Path, host: str = "127.0.0.1") -> ServingCert:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=2))
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host)), x509.DNSName("localhost"), x509.DNSName("kubernetes.default.svc")]),
+            x509.SubjectAlternativeName(
+                [
+                    x509.IPAddress(ipaddress.ip_address(host)),
+                    x509.DNSName("localhost"),
+                    x509.DNSName("kubernetes.default.svc"),
+                ]
+            ),
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -59,6 +65,8 @@ def make_serving_cert(folder: Path, host: str = "127.0.0.1") -> ServingCert:
     )
     cert_file, key_file = folder / "apiserver.crt", folder / "apiserver.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     key_file.chmod(0o600)
     return ServingCert(ca.public_bytes(serialization.Encoding.PEM), cert_file, key_file)
