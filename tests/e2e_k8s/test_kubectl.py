@@ -89,6 +89,13 @@ def test_kubectl_applies_the_example_shows_it_live_describes_its_events_and_dele
         lambda: [e for e in job_events(cluster, namespace, "broken") if e["type"] == "Warning"], "a Warning Event"
     )
     assert any("spec.template.spec.containers[0].command" in e.get("note", "") for e in warning), warning
+    # Touched and still broken: the same Warning again is counted on the one Event, not a new one.
+    cluster.kubectl("label", "sj", "broken", "-n", namespace, "touched=yes")
+    repeated = wait(
+        lambda: [e for e in job_events(cluster, namespace, "broken") if (e.get("series") or {}).get("count", 1) >= 2],
+        "the repeated Warning to be counted in its Event's series",
+    )
+    assert len([e for e in job_events(cluster, namespace, "broken") if e["reason"] == repeated[0]["reason"]]) == 1
     assert not job_pods(cluster, namespace, "broken")
     step = status(cluster, namespace, "train-demo")["lastCheckpoint"]["step"]
     wait(
