@@ -4,7 +4,7 @@ the API calls the controller makes — in both directions.
 Two sides, one list: ``orchestrator.k8s.api.PERMISSIONS`` is every call the controller may make
 (``KubeClient`` refuses any other before sending it, so every test of the controller proves its
 calls are in it), and files/rbac.yaml is what the chart grants. Here the rendered rules are compared
-with PERMISSIONS for every way the chart can be configured; tests/e2e_k8s/test_rbac_drift.py
+with PERMISSIONS for every way the chart can be configured; tests/e2e_k8s/test_k8s_rbac_drift.py
 compares them with the calls the controller really made in the end-to-end scenarios (the test API
 server's audit log).
 """

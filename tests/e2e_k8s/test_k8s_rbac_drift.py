@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 
 NOT_CALLED_HERE = {
     ("", "events", "create"): "core v1 Events: the recorder's fallback where events.k8s.io/v1 is not served "
-    "(tests/k8s_ctl/test_events.py exercises it)",
+    "(tests/k8s_ctl/test_k8s_events.py exercises it)",
     ("", "events", "patch"): "the same fallback, for a repeated Event",
 }
 
