@@ -5,11 +5,13 @@ SCRIPT ARGS`` on a simulated spot node (``orchestrator.backends.local``), inject
 it is asked for, and lets ``Reconciler`` + ``Controller`` (the same state machine the Kubernetes
 controller runs, on the real clock) flush, restart and resume it until it succeeds or fails.
 
-In order, on the main thread: create ``./spotjob-runs/<name>/`` (the job store, ``run.json``,
-the token, node folders, one log per worker, ``timeline.jsonl``); store the job; run the
-controller loop. Between two passes the loop waits in ``LocalRun._wait``, which wakes early when
-the backend reports a change (a notice, an exit, a commit) and refreshes the view meanwhile. At
-the end: stop everything, print the summary (and write ``summary.json``), draw ``--plot``.
+In order, on the main thread: create ``./spotjob-runs/<name>/`` (the job store with
+``local/<name>.json`` and its Events ``local/<name>.events.jsonl``, ``run.json``, the token, node
+folders, one log per worker, ``timeline.jsonl``); store the job as ``local/<name>`` (its identity
+in storage and the agents' job name); run the controller loop. Between two passes the loop
+waits in ``LocalRun._wait``, which wakes early when the backend reports a change (a notice, an
+exit, a commit) and refreshes the view meanwhile. At the end: stop everything, print the summary
+(and write ``summary.json``), draw ``--plot``.
 
 Exit status: 0 the job Succeeded; 1 it Failed (the reason is printed); 2 bad arguments; 130
 interrupted (Ctrl-C or SIGTERM: every process of the run is stopped first).
@@ -43,6 +45,7 @@ from orchestrator.backends.local import (
     Timeline,
     load_trace,
 )
+from orchestrator.events import JsonlEventSink, RecordedEvent, events_path, read_events
 from orchestrator.live import (
     LiveView,
     LogView,
@@ -56,8 +59,17 @@ from orchestrator.live import (
     render_run_list,
     summarize,
 )
-from orchestrator.model import MAX_NAME_LENGTH, BackoffSpec, CheckpointSpec, JobSpec, JobStatus, Phase
-from orchestrator.reconciler import Controller, Reconciler, SystemClock
+from orchestrator.model import (
+    MAX_NAME_LENGTH,
+    BackoffSpec,
+    CheckpointSpec,
+    JobKey,
+    JobSpec,
+    JobStatus,
+    Phase,
+    job_name_problem,
+)
+from orchestrator.reconciler import Controller, Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.store import JsonFileJobStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -74,6 +86,8 @@ EXIT_INTERRUPTED = 130
 
 VIEW_TICK = 0.25
 RATE_WINDOW_SECONDS = 15.0
+STATUS_REFRESH_SECONDS = 5.0
+"""How stale the stored goodput and step hints of a local run may get between decisions."""
 
 
 class RunExistsError(Exception):
@@ -124,6 +138,7 @@ class RunConfig:
             (self.restart_backoff >= 0, f"--restart-backoff must not be negative, got {self.restart_backoff}"),
             (all(s >= 0 for s in self.preempt_at_steps), "--preempt-at-step takes steps >= 0"),
             (all(t >= 0 for t in self.trace), "--trace times must be >= 0 seconds"),
+            (job_name_problem(self.name) is None, f"--name: {job_name_problem(self.name)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -133,12 +148,16 @@ class RunConfig:
     def path(self) -> str:
         return os.path.abspath(os.path.join(self.runs_dir, self.name))
 
+    @property
+    def key(self) -> JobKey:
+        """The job's key: ``local/<name>`` (``orchestrator.model.LOCAL_NAMESPACE``)."""
+        return JobKey.local(self.name)
+
     def job_spec(self) -> JobSpec:
         uri = self.checkpoint_uri or os.path.join(self.path, "checkpoints")
         if "://" not in uri:
             uri = os.path.abspath(uri)
         return JobSpec(
-            name=self.name,
             command=[self.script, *self.args],
             env=self.env,
             replicas=1,
@@ -169,22 +188,34 @@ class LocalRun:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
+        self.key = config.key
+        self.name = config.name
         self.spec = config.job_spec()
         self.plan = config.plan()
         self.path = config.path
         self.store = JsonFileJobStore(self.path)
-        if self.store.get(self.spec.name) is not None:
+        if self.store.get(self.key) is not None:
             raise RunExistsError(
-                f"a run named {self.spec.name!r} exists in {self.path}; pick another --name or remove that folder"
+                f"a run named {self.name!r} exists in {self.path}; pick another --name or remove that folder"
             )
+        self.events_path = events_path(self.path, self.key)
         self.timeline = Timeline(os.path.join(self.path, TIMELINE_FILE))
         self.backend = LocalBackend(
             LocalOptions(root=self.path, notice_seconds=config.notice, hear_notices=not config.ignore_notices),
             plan=self.plan,
             timeline=self.timeline,
         )
-        self.reconciler = Reconciler(self.store, self.backend, SystemClock())
+        # A local status write is a small file: the live view and `spotjob status` get goodput and
+        # the step seen every few seconds, not every minute as a Kubernetes status would.
+        self.reconciler = Reconciler(
+            self.store,
+            self.backend,
+            SystemClock(),
+            events=JsonlEventSink(self.path),
+            options=ReconcilerOptions(status_refresh_seconds=STATUS_REFRESH_SECONDS),
+        )
         self.status = JobStatus()
+        self.events: list[RecordedEvent] = []
         self._view: RunView | None = None
         self._started = time.monotonic()
         self._ended: float | None = None
@@ -197,15 +228,15 @@ class LocalRun:
     def run(self, view: RunView | None = None) -> JobStatus:
         """Run the job to Succeeded or Failed; always stops every process of the run before returning."""
         self._view = view
-        self.store.create(self.spec)
+        self.store.create(self.key, self.spec)
         with open(os.path.join(self.path, RUN_FILE), "w") as f:
             json.dump({"pid": os.getpid(), "argv": sys.argv, "started_at": time.time()}, f)
         self.timeline.record(
-            EventKind.RUN_STARTED, job=self.spec.name, command=self.spec.command, nproc=self.config.nproc
+            EventKind.RUN_STARTED, job=str(self.key), command=self.spec.command, nproc=self.config.nproc
         )
         log.info(
             "run %s: %s on %d rank(s); checkpoints at %s; state in %s",
-            self.spec.name,
+            self.key,
             " ".join(self.spec.command),
             self.config.nproc,
             self.spec.checkpoint.uri,
@@ -213,11 +244,12 @@ class LocalRun:
         )
         try:
             controller = Controller(self.reconciler, SystemClock(), wait=self._wait)
-            self.status = controller.run(self.spec.name)
+            self.status = controller.run(self.key)
             self._note_status(self.status)
         finally:
             self._ended = time.monotonic()
             self.backend.close()
+            self.events = read_events(self.events_path)
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
         return self.status
@@ -237,12 +269,13 @@ class LocalRun:
 
     def _after_pass(self) -> None:
         try:
-            stored = self.store.get(self.spec.name)
+            stored = self.store.get(self.key)
         except StoreError as e:
             log.warning("cannot read the job's status: %s", e)
             return
         if stored is not None and stored.status is not None:
             self._note_status(stored.status)
+        self.events = read_events(self.events_path)
 
     def _note_status(self, status: JobStatus) -> None:
         if status.phase is not self.status.phase or status.reason != self.status.reason:
@@ -255,7 +288,7 @@ class LocalRun:
 
     # -- what the views read ----------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        step = self.backend.observed_step(self.spec.name)
+        step = self.backend.observed_step(self.key)
         now = time.monotonic()
         attempt = self.status.attempt.number
         if attempt != self._rate_attempt:
@@ -277,7 +310,7 @@ class LocalRun:
             if n.deadline is not None and not n.terminated
         ]
         return Snapshot(
-            name=self.spec.name,
+            name=self.name,
             elapsed=(self._ended or now) - self._started,
             status=self.status,
             max_restarts=self.spec.max_restarts,
@@ -286,6 +319,7 @@ class LocalRun:
             commits=self._commits(),
             notices_sent=self.backend.notices_sent,
             notices=notices,
+            events=self.events,
         )
 
     def _commits(self) -> int:
@@ -298,7 +332,7 @@ class LocalRun:
 
     def summary(self) -> Summary:
         wall = (self._ended or time.monotonic()) - self._started
-        return summarize(self.spec, self.status, Timeline.read(self.timeline.path), wall_seconds=wall)
+        return summarize(self.name, self.spec, self.status, Timeline.read(self.timeline.path), wall_seconds=wall)
 
     def plot(self, path: str) -> None:
         s = self.summary()
@@ -387,13 +421,13 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"  {'plot':<15}  {os.path.abspath(config.plot)}")
         except Exception as e:  # a missing plot must not turn a finished job into a failure
             log.warning("could not draw the plot %s: %s", config.plot, e)
-    print(f"  {'run folder':<15}  {run.path}  (spotjob status {run.spec.name})")
+    print(f"  {'run folder':<15}  {run.path}  (spotjob status {run.name})")
     if interrupted:
-        print(f"spotjob run: interrupted; every process of {run.spec.name} was stopped", file=sys.stderr)
+        print(f"spotjob run: interrupted; every process of {run.name} was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
     if status.phase is Phase.SUCCEEDED:
         return EXIT_SUCCEEDED
-    print(f"spotjob run: {run.spec.name} failed: {status.reason}: {status.message}", file=sys.stderr)
+    print(f"spotjob run: {run.name} failed: {status.reason}: {status.message}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -411,16 +445,27 @@ def _controller_alive(path: str) -> bool:
 
 
 def read_run(runs_dir: str, name: str) -> RunRecord | None:
+    """The run folder ``<runs_dir>/<name>``: its job ``local/<name>``, status and Events; None if
+    there is no such run."""
     path = os.path.abspath(os.path.join(runs_dir, name))
-    if not os.path.isfile(os.path.join(path, f"{name}.json")):
+    if job_name_problem(name) is not None:
         return None
+    key = JobKey.local(name)
+    store = JsonFileJobStore(path, fsync=False, create=False)
+    if not os.path.isfile(store.path(key)):
+        if os.path.isfile(os.path.join(path, f"{name}.json")):  # the layout before jobs had namespaces
+            return RunRecord(name, path, None, None, False, error="a run folder of an older spotjob (not read)")
+        return None
+    events = read_events(events_path(path, key))
     try:
-        stored = JsonFileJobStore(path).get(name)
+        stored = store.get(key)
     except StoreError as e:
-        return RunRecord(name, path, None, None, False, error=str(e))
+        return RunRecord(name, path, None, None, False, error=str(e), events=events)
     if stored is None:
         return None
-    return RunRecord(name, path, stored.spec, stored.status, _controller_alive(path))
+    return RunRecord(
+        name, path, stored.spec, stored.status, _controller_alive(path), error=stored.invalid, events=events
+    )
 
 
 def list_runs(runs_dir: str) -> list[RunRecord]:
@@ -461,6 +506,18 @@ def _record_json(r: RunRecord) -> dict[str, object]:
         "controllerAlive": r.controller_alive,
         "spec": r.spec.model_dump(mode="json") if r.spec else None,
         "status": r.status.model_dump(mode="json", exclude_none=True) if r.status else None,
+        "events": [
+            {
+                "time": e.time.isoformat(),
+                "firstTime": e.first_time.isoformat(),
+                "type": str(e.type),
+                "reason": e.reason,
+                "message": e.message,
+                "count": e.count,
+                **({"node": e.node} if e.node else {}),
+            }
+            for e in r.events
+        ],
         "error": r.error,
     }
 
@@ -499,8 +556,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     job.add_argument("--every-seconds", type=float, help="save a checkpoint at least this often")
     job.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep (default 3)")
     job.add_argument(
-        "--max-restarts", type=int, default=3, help="restarts after crashes of the script (default 3); "
-        "preemptions never use it"
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restarts after crashes of the script (default 3); preemptions never use it",
     )
     job.add_argument(
         "--flush-timeout", type=float, default=120.0, help="seconds to wait for a flush to commit (default 120)"
@@ -544,4 +603,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 __all__ = ["LocalRun", "RunConfig", "RunExistsError", "register"]
-

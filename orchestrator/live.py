@@ -4,7 +4,10 @@ and ``spotjob status``. No torch import; matplotlib only inside ``plot_timeline`
 The run loop (``orchestrator.cli_run``) hands a ``Snapshot`` to a view a few times a second. On a
 terminal ``LiveView`` redraws one rich panel in place (log lines scroll above it); elsewhere
 ``LogView`` writes a progress line now and then, and the reconciler's own log lines carry the
-events. Both read only the snapshot: a view never touches the backend or the store.
+Events. Both read only the snapshot: a view never touches the backend or the store. Events are
+not in the job's status: the run loop reads them from the run's events file
+(``orchestrator.events.read_events``) into the snapshot, and ``spotjob status`` reads them the
+same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.backends.local import EventKind, TimelineEvent
+from orchestrator.events import EventType, RecordedEvent
 from orchestrator.model import JobSpec, JobStatus, Phase
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,8 @@ class Snapshot:
     commits: int
     notices_sent: int
     notices: list[NoticeView] = field(default_factory=list)
+    events: Sequence[RecordedEvent] = ()
+    """The job's Events so far, oldest first."""
 
 
 def _ago(when: datetime | None, now: datetime | None = None) -> str:
@@ -114,7 +120,7 @@ def render_snapshot(s: Snapshot) -> RenderableType:
     grid.add_row(
         "preemptions",
         f"{st.preemptions}  [dim](notices sent {s.notices_sent})[/dim]   restarts {st.restarts}/{s.max_restarts}"
-        f"   steps lost {st.steps_lost_to_preemptions}",
+        f"   steps lost {st.lost_steps}",
     )
     grid.add_row(
         "goodput",
@@ -126,8 +132,8 @@ def render_snapshot(s: Snapshot) -> RenderableType:
     if st.message:
         grid.add_row("why", Text(f"{st.reason}: {st.message}", overflow="fold"))
     events = Table.grid(padding=(0, 1))
-    for e in st.events[-5:]:
-        style = "yellow" if e.type == "Warning" else "dim"
+    for e in s.events[-5:]:
+        style = "yellow" if e.type is EventType.WARNING else "dim"
         count = f" x{e.count}" if e.count > 1 else ""
         events.add_row(
             Text(e.time.astimezone().strftime("%H:%M:%S"), style="dim"),
@@ -254,7 +260,12 @@ class Summary:
 
 
 def summarize(
-    spec: JobSpec, status: JobStatus, events: Sequence[TimelineEvent], *, wall_seconds: float | None = None
+    name: str,
+    spec: JobSpec,
+    status: JobStatus,
+    events: Sequence[TimelineEvent],
+    *,
+    wall_seconds: float | None = None,
 ) -> Summary:
     """The summary of a run from its final status and its timeline."""
     started = next((e.t for e in events if e.kind == EventKind.RUN_STARTED), None)
@@ -266,7 +277,7 @@ def summarize(
     if final is None and steps:
         final = steps[-1]
     return Summary(
-        name=spec.name,
+        name=name,
         phase=status.phase,
         reason=status.reason,
         message=status.message,
@@ -277,7 +288,7 @@ def summarize(
         notices_sent=sum(1 for e in events if e.kind == EventKind.NOTICE),
         restarts=status.restarts,
         max_restarts=spec.max_restarts,
-        steps_lost=status.steps_lost_to_preemptions,
+        steps_lost=status.lost_steps,
         goodput=status.goodput,
         flushing_seconds=status.flushing_seconds,
         restarting_seconds=status.restarting_seconds,
@@ -364,6 +375,7 @@ class RunRecord:
     status: JobStatus | None
     controller_alive: bool
     error: str | None = None
+    events: Sequence[RecordedEvent] = ()
 
 
 def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
@@ -378,10 +390,12 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
         phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
         if not st.phase.terminal and not r.controller_alive:
             phase.append(" (controller gone)", style="red")
-        step = st.attempt.observed_step if st.attempt.observed_step is not None else max(
-            (w.step for w in st.workers if w.step is not None), default=None
+        step = (
+            st.attempt.observed_step
+            if st.attempt.observed_step is not None
+            else max((w.step for w in st.workers if w.step is not None), default=None)
         )
-        updated = st.events[-1].time if st.events else st.created_at
+        updated = r.events[-1].time if r.events else st.created_at
         table.add_row(
             r.name,
             phase,
@@ -432,7 +446,7 @@ def render_run_detail(r: RunRecord) -> RenderableType:
     head.add_row("checkpoint", checkpoint_text(st) + where)
     head.add_row(
         "counts",
-        f"preemptions {st.preemptions}, restarts {st.restarts}, steps lost {st.steps_lost_to_preemptions}",
+        f"preemptions {st.preemptions}, restarts {st.restarts}, steps lost {st.lost_steps}",
     )
     head.add_row(
         "goodput",
@@ -466,13 +480,21 @@ def render_run_detail(r: RunRecord) -> RenderableType:
         conditions.add_row(c.type, c.status, c.reason, f"{c.last_transition_time.astimezone():%H:%M:%S}", c.message)
     parts += [Text(""), conditions]
 
+    if st.restart_history:
+        history = Table(title="restarts (oldest first)", title_justify="left", box=None, header_style="bold")
+        for column in ("TIME", "ATTEMPT", "CAUSE", "REASON", "MESSAGE"):
+            history.add_column(column, overflow="fold")
+        for h in st.restart_history:
+            history.add_row(f"{h.time.astimezone():%H:%M:%S}", str(h.attempt), str(h.cause), h.reason, h.message)
+        parts += [Text(""), history]
+
     events = Table(title="events (oldest first)", title_justify="left", box=None, header_style="bold")
     for column in ("TIME", "TYPE", "REASON", "COUNT", "MESSAGE"):
         events.add_column(column, overflow="fold")
-    for e in st.events:
+    for e in r.events:
         events.add_row(
             f"{e.time.astimezone():%H:%M:%S}",
-            Text(str(e.type), style="yellow" if e.type == "Warning" else ""),
+            Text(str(e.type), style="yellow" if e.type is EventType.WARNING else ""),
             e.reason,
             str(e.count),
             e.message,

@@ -1,29 +1,78 @@
-"""A job's spec and status: the same fields as the SpotJob custom resource. No torch import.
+"""A job's identity, spec and status: the same fields as the SpotJob custom resource. No torch import.
 
 Python names are snake_case; the JSON (the CRD, the local status file) is camelCase through an
-alias generator, so ``JobSpec.model_validate(crd["spec"])`` and
-``status.model_dump(mode="json")`` read and write the resource as Kubernetes shows it.
+alias generator, so ``JobSpec.model_validate(resource["spec"])`` and
+``status.model_dump(mode="json", exclude_none=True)`` read and write the resource as Kubernetes
+shows it. ``orchestrator.crd`` generates the CRD's schema from these models, field docs included.
 
-The spec is what the user asks for and never changes under the reconciler. The status is
-everything the reconciler knows and has decided, so that a new reconciler reading it carries on
-where the last one stopped: the phase, the attempt in flight, the recovery in progress, the
-placements to avoid, the budgets spent, and the accounting behind ``goodput``.
+A job is known by its ``JobKey`` (namespace and name, the resource's ``metadata``): the spec does
+not carry its name. The spec is what the user asks for and never changes under the reconciler.
+The status is everything the reconciler knows and has decided, so that a new reconciler reading it
+carries on where the last one stopped: the phase, the attempt in flight, the recovery in
+progress, the placements to avoid, the budgets spent, the accounting behind ``goodput`` and why
+each restart happened. Events are not status: they go to an ``orchestrator.events.EventSink``.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 MAX_NAME_LENGTH = 40
-"""Leaves room in a 63-character Kubernetes name for ``-<attempt>-<index>``."""
+"""A job's name leaves room in a 63-character Kubernetes name (and label value) for
+``-<attempt>-<index>``."""
+
+LOCAL_NAMESPACE = "local"
+"""The namespace of every job in local mode (``spotjob run``): its identity is ``local/<name>``."""
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def job_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a job (a DNS label of at most ``MAX_NAME_LENGTH``), or None."""
+    if len(name) > MAX_NAME_LENGTH or not _NAME_RE.match(name):
+        return (
+            f"job name {name!r} must be lowercase letters, digits and '-', start and end with a letter "
+            f"or digit, and be at most {MAX_NAME_LENGTH} characters"
+        )
+    return None
+
+
+@dataclass(frozen=True, order=True)
+class JobKey:
+    """A job's identity: its namespace and name. ``str(key)`` is ``namespace/name``.
+
+    Everything is keyed by it: the store, the reconciler, the backends, Events and metrics. The
+    same string is the job's identity in storage (``agent.ownership``: who owns the checkpoint
+    URI, whose attempts are recorded) and reaches the agents as ``--job-name`` /
+    ``SPOTJOB_JOB_NAME``. Constructing a key checks nothing (keys come from the API server and
+    from files); ``job_name_problem`` says whether the name can run.
+    """
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> JobKey:
+        """``namespace/name`` back into a key; ValueError when either part is missing."""
+        namespace, sep, name = text.partition("/")
+        if not sep or not namespace or not name or "/" in name:
+            raise ValueError(f"{text!r} is not a job key: expected namespace/name")
+        return cls(namespace, name)
+
+    @classmethod
+    def local(cls, name: str) -> JobKey:
+        """A job of local mode (``LOCAL_NAMESPACE``)."""
+        return cls(LOCAL_NAMESPACE, name)
 
 
 class _Resource(BaseModel):
@@ -89,14 +138,38 @@ class CooldownSpec(_Resource):
     seconds: float = Field(default=1800.0, ge=0, description="how long an avoidance lasts")
 
 
-class JobSpec(_Resource):
-    """What the user asks for: a gang of ``replicas`` workers, each one spotjob-agent wrapping torchrun."""
+DEFAULT_CONTAINER_NAME = "trainer"
+"""The training container's name in the pods built when the spec has no ``template``."""
 
-    name: str = Field(description="the job's name: a DNS label of at most 40 characters")
-    image: str | None = Field(default=None, description="container image (Kubernetes); unused by local processes")
-    command: list[str] = Field(min_length=1, description="the training command each agent launches")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the command")
-    replicas: int = Field(default=1, ge=1, description="workers (nodes) in the gang; all run or none do")
+
+class JobSpec(_Resource):
+    """What the user asks for: a gang of ``replicas`` workers, each one spotjob-agent wrapping torchrun.
+
+    The job's name is the resource's ``metadata.name`` (``JobKey``), not a spec field.
+    """
+
+    template: dict[str, Any] | None = Field(
+        default=None,
+        description="the workers' pod template (a PodTemplateSpec: metadata labels and annotations; spec with "
+        "containers' image, resources, env and volumeMounts, tolerations, nodeSelector, affinity, volumes, "
+        "serviceAccountName, ...). The controller adds the agent, the rendezvous, the token and the placement "
+        "to it. Unused in local mode",
+    )
+    container_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the template's container the agent and the training ranks run in (default: the first)",
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the training container's image when the template's container has none",
+    )
+    command: list[str] = Field(
+        min_length=1, description="the training command each agent launches under torchrun (script and arguments)"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the training command")
+    replicas: int = Field(default=1, ge=1, description="workers (pods, one per node) in the gang; all run or none do")
     nproc_per_node: int = Field(default=1, ge=1, description="training ranks per worker (torchrun --nproc-per-node)")
     checkpoint: CheckpointSpec
     max_restarts: int = Field(
@@ -113,15 +186,93 @@ class JobSpec(_Resource):
     restart_backoff: BackoffSpec = Field(default_factory=BackoffSpec)
     cooldown: CooldownSpec = Field(default_factory=CooldownSpec)
 
-    @field_validator("name")
+    @field_validator("template")
     @classmethod
-    def _dns_label(cls, v: str) -> str:
-        if len(v) > MAX_NAME_LENGTH or not _NAME_RE.match(v):
-            raise ValueError(
-                f"job name {v!r} must be lowercase letters, digits and '-', start and end with a letter "
-                f"or digit, and be at most {MAX_NAME_LENGTH} characters"
-            )
+    def _pod_template(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        problem = _template_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _training_container(self) -> JobSpec:
+        if self.template is None:
+            return self
+        names = [c["name"] for c in self.template["spec"]["containers"]]
+        if self.container_name is not None and self.container_name not in names:
+            raise ValueError(
+                f"containerName {self.container_name!r} names no container of the template "
+                f"(it has {', '.join(repr(n) for n in names)})"
+            )
+        index, container = self.training_container() or (0, {})
+        if not container.get("image") and self.image is None:
+            raise ValueError(
+                f"the training container {container.get('name')!r} has no image: set spec.image or "
+                f"template.spec.containers[{index}].image"
+            )
+        return self
+
+    def training_container(self) -> tuple[int, dict[str, Any]] | None:
+        """The template's container the agent runs in, with its index; None without a template."""
+        if self.template is None:
+            return None
+        containers: list[dict[str, Any]] = self.template["spec"]["containers"]
+        for i, c in enumerate(containers):
+            if self.container_name is None or c.get("name") == self.container_name:
+                return i, c
+        raise AssertionError("validated: containerName names a container")  # pragma: no cover
+
+
+def _template_problem(t: Any) -> str | None:
+    """Light checks of a pod template (the controller validates every pod it builds in full)."""
+    if not isinstance(t, dict):
+        return "must be a pod template (an object with metadata and spec)"
+    unknown = sorted(set(t) - {"metadata", "spec"})
+    if unknown:
+        return f"a pod template has only metadata and spec, not {', '.join(unknown)}"
+    if "metadata" in t and not isinstance(t["metadata"], dict):
+        return "metadata must be an object"
+    spec = t.get("spec")
+    if not isinstance(spec, dict):
+        return "spec must be an object holding the pod's containers"
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        return "spec.containers must list at least one container (the training container)"
+    seen: set[str] = set()
+    for i, c in enumerate(containers):
+        if not isinstance(c, dict):
+            return f"spec.containers[{i}] must be an object"
+        name = c.get("name")
+        if not isinstance(name, str) or not name:
+            return f"spec.containers[{i}].name is required"
+        if name in seen:
+            return f"spec.containers[{i}].name {name!r} is used twice"
+        seen.add(name)
+    return None
+
+
+def spec_problem(raw: Any) -> str | None:
+    """Why a stored spec (the resource's ``spec``, camelCase) is not a valid ``JobSpec``, naming
+    the first bad field as ``spec.<path>``; None when it is valid."""
+    try:
+        JobSpec.model_validate(raw)
+    except ValidationError as e:
+        return describe_validation_error(e, "spec")
+    return None
+
+
+def describe_validation_error(error: ValidationError, prefix: str) -> str:
+    """pydantic's errors as ``prefix.a.b[0]: message`` lines joined by "; " (field paths as in JSON)."""
+    parts = []
+    for item in error.errors():
+        path = prefix
+        for loc in item["loc"]:
+            path += f"[{loc}]" if isinstance(loc, int) else f".{loc}"
+        message = str(item["msg"]).removeprefix("Value error, ")
+        parts.append(f"{path}: {message}")
+    return "; ".join(parts)
 
 
 # -- status -------------------------------------------------------------------------------------
@@ -177,32 +328,17 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 class Condition(_Resource):
     """One aspect of the job (Kubernetes condition conventions)."""
 
-    type: str = Field(description="Ready | Flushing | Degraded")
-    status: ConditionStatus
+    type: str = Field(description="Ready | Flushing | Degraded | Invalid")
+    status: ConditionStatus = Field(description="True | False | Unknown")
     reason: str = Field(description="CamelCase, machine-readable")
-    message: str = ""
+    message: str = Field(default="", description="what it means, for people")
     last_transition_time: datetime = Field(description="when status last changed (not reason or message)")
-
-
-class EventType(StrEnum):
-    NORMAL = "Normal"
-    WARNING = "Warning"
-
-
-class Event(_Resource):
-    """A decision the reconciler made, newest last; repeats of the last one bump ``count``."""
-
-    time: datetime = Field(description="the latest occurrence")
-    type: EventType
-    reason: str
-    message: str
-    count: int = 1
 
 
 class CheckpointInfo(_Resource):
     """The newest valid checkpoint in storage, as the reconciler last read it."""
 
-    step: int
+    step: int = Field(description="the training step it holds")
     uri: str = Field(description="the checkpoint folder's URI")
     time: datetime = Field(description="when its manifest was created")
 
@@ -210,26 +346,28 @@ class CheckpointInfo(_Resource):
 class WorkerStatus(_Resource):
     """A worker of the current attempt as last observed."""
 
-    name: str
-    node: str | None = None
-    zone: str | None = None
-    instance_type: str | None = None
-    phase: WorkerPhase
-    exit_code: int | None = None
+    name: str = Field(description="the worker's name (its pod's, on Kubernetes): <job>-<attempt>-<index>")
+    node: str | None = Field(default=None, description="the node it runs on")
+    zone: str | None = Field(default=None, description="the node's zone")
+    instance_type: str | None = Field(default=None, description="the node's instance type")
+    phase: WorkerPhase = Field(description="Pending | Running (its ranks train) | Succeeded | Failed")
+    exit_code: int | None = Field(
+        default=None, description="the agent's exit code: 75 flushed, 76 flush failed, 74 infrastructure, 79 stopped"
+    )
     step: int | None = Field(default=None, description="the agent's training step (a hint)")
 
 
 class AttemptStatus(_Resource):
     """One start of the gang. Workers are named after it, so starting it twice starts nothing new."""
 
-    number: int = Field(default=0, ge=0)
+    number: int = Field(default=0, ge=0, description="attempts are numbered from 0; each restart starts the next")
     started_at: datetime | None = Field(default=None, description="when start_workers was called; None: not yet")
     running_at: datetime | None = Field(default=None, description="when every worker was first seen running")
     resumed_from_step: int | None = Field(default=None, description="the committed step the attempt resumes from")
     first_step: int | None = Field(default=None, description="first step observed while running (for the step rate)")
-    first_step_at: datetime | None = None
+    first_step_at: datetime | None = Field(default=None, description="when firstStep was observed")
     observed_step: int | None = Field(default=None, description="highest step observed in this attempt")
-    observed_step_at: datetime | None = None
+    observed_step_at: datetime | None = Field(default=None, description="when observedStep was observed")
 
     def step_rate(self) -> float | None:
         """Observed training steps per second of this attempt, or None until there are two observations."""
@@ -248,18 +386,18 @@ class AttemptStatus(_Resource):
 class NodeRef(_Resource):
     """Where a preempted worker ran."""
 
-    node: str | None = None
-    zone: str | None = None
-    instance_type: str | None = None
+    node: str | None = Field(default=None, description="the node")
+    zone: str | None = Field(default=None, description="its zone")
+    instance_type: str | None = Field(default=None, description="its instance type")
 
 
 class RecoveryStatus(_Resource):
     """The recovery in progress (Flushing, then Rescheduling until the next attempt runs)."""
 
-    cause: Cause
+    cause: Cause = Field(description="Preemption | Failure | Infrastructure")
     reason: str = Field(description="the CamelCase reason that started it")
-    message: str
-    detected_at: datetime
+    message: str = Field(description="what started it, for people")
+    detected_at: datetime = Field(description="when the reconciler noticed")
     preempted: list[NodeRef] = Field(default_factory=list, description="nodes noticed as going away")
     flush_deadline: datetime | None = Field(default=None, description="when the capacity goes away (given to agents)")
     flush_timeout_at: datetime | None = Field(default=None, description="when to stop waiting for the flush")
@@ -282,10 +420,24 @@ AvoidKind = Literal["node", "zone", "instanceType"]
 class Avoidance(_Resource):
     """A place not to start workers until ``until`` (the cool-down after a preemption)."""
 
-    kind: AvoidKind
-    value: str
-    until: datetime
-    reason: str
+    kind: AvoidKind = Field(description="node | zone | instanceType")
+    value: str = Field(description="the node's name, the zone or the instance type")
+    until: datetime = Field(description="when the cool-down ends")
+    reason: str = Field(description="the preemption's reason")
+
+
+MAX_RESTART_HISTORY = 20
+"""How many restarts ``JobStatus.restart_history`` remembers (the newest)."""
+
+
+class RestartRecord(_Resource):
+    """Why the gang was stopped and started again: one entry per restart, newest last."""
+
+    time: datetime = Field(description="when the gang was stopped")
+    attempt: int = Field(description="the attempt that was stopped")
+    cause: Cause = Field(description="Preemption | Failure | Infrastructure")
+    reason: str = Field(description="the CamelCase reason (SpotInterrupted, WorkerFailed, ...)")
+    message: str = Field(default="", description="what happened, for people")
 
 
 class JobStatus(_Resource):
@@ -302,35 +454,44 @@ class JobStatus(_Resource):
       ``start_time`` (the first time every worker ran; queueing for the first start is not the
       job's loss) to ``completion_time`` or now, and a flush or restart in progress counts up to
       now. None before the job first ran. Checkpoint saves' own pauses are not seen and not
-      subtracted.
+      subtracted. Refreshed with every status write, and at least every minute or so while the
+      job runs (no write per pass just for it).
     """
 
-    phase: Phase = Phase.PENDING
+    phase: Phase = Field(
+        default=Phase.PENDING, description="Pending | Running | Flushing | Rescheduling | Succeeded | Failed"
+    )
     reason: str = Field(default="", description="CamelCase reason of the last phase change")
-    message: str = ""
-    conditions: list[Condition] = Field(default_factory=list)
-    attempt: AttemptStatus = Field(default_factory=AttemptStatus)
-    workers: list[WorkerStatus] = Field(default_factory=list)
+    message: str = Field(default="", description="what happened, for people")
+    observed_generation: int | None = Field(
+        default=None, description="the spec's metadata.generation this status was decided from"
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Flushing, Degraded, Invalid")
+    attempt: AttemptStatus = Field(default_factory=AttemptStatus, description="the current attempt")
+    workers: list[WorkerStatus] = Field(default_factory=list, description="the current attempt's workers")
     restarts: int = Field(
         default=0, description="restarts after failures of the user's code (counts toward maxRestarts)"
     )
     preemptions: int = Field(default=0, description="preemptions recovered from (never count toward maxRestarts)")
     consecutive_restarts: int = Field(default=0, description="restarts since an attempt last ran resetAfterSeconds")
-    recovery: RecoveryStatus | None = None
-    avoid: list[Avoidance] = Field(default_factory=list)
-    last_checkpoint: CheckpointInfo | None = None
-    steps_lost_to_preemptions: int = Field(
-        default=0, description="sum over preemptions of (last observed step - committed step resumed from)"
+    restart_history: list[RestartRecord] = Field(
+        default_factory=list, description=f"why each restart happened, the newest {MAX_RESTART_HISTORY}"
     )
-    flushing_seconds: float = 0.0
-    restarting_seconds: float = 0.0
-    retraining_seconds: float = 0.0
-    goodput: float | None = Field(default=None, description="productive time over wall time; see the class docstring")
-    created_at: datetime | None = None
-    start_time: datetime | None = None
-    completion_time: datetime | None = None
+    recovery: RecoveryStatus | None = Field(default=None, description="the recovery in progress, if any")
+    avoid: list[Avoidance] = Field(default_factory=list, description="placements in cool-down")
+    last_checkpoint: CheckpointInfo | None = Field(default=None, description="the newest valid checkpoint")
+    lost_steps: int = Field(
+        default=0,
+        description="steps lost to preemptions: the sum of (last observed step - committed step resumed from)",
+    )
+    flushing_seconds: float = Field(default=0.0, description="time spent flushing (see goodput)")
+    restarting_seconds: float = Field(default=0.0, description="time spent restarting (see goodput)")
+    retraining_seconds: float = Field(default=0.0, description="time spent training lost steps again (estimated)")
+    goodput: float | None = Field(default=None, description="productive time over wall time, 0 to 1")
+    created_at: datetime | None = Field(default=None, description="when the reconciler first saw the job")
+    start_time: datetime | None = Field(default=None, description="when every worker first ran")
+    completion_time: datetime | None = Field(default=None, description="when the job Succeeded or Failed")
     infra_errors: int = Field(default=0, description="consecutive passes that storage or the backend failed")
-    events: list[Event] = Field(default_factory=list)
 
     def condition(self, type_: str) -> Condition | None:
         for c in self.conditions:
@@ -340,7 +501,11 @@ class JobStatus(_Resource):
 
 
 class SpotJob(_Resource):
-    """One job as stored: the resource's spec and status."""
+    """A PyTorch training job on spot capacity: a gang of pods, each spotjob-agent wrapping torchrun,
+    that flushes a checkpoint on every preemption notice and resumes on other capacity.
+
+    One job as stored: the resource's spec and status (its metadata is Kubernetes').
+    """
 
     spec: JobSpec
     status: JobStatus | None = None

@@ -1,12 +1,25 @@
 """The recovery state machine every backend shares. It knows nothing of Kubernetes or processes.
 
-One ``reconcile(name)`` is one pass: observe (the backend's workers and signals, the newest valid
-checkpoint in storage), decide from the job's spec, those observations and the persisted status,
-act through the backend, write the status once, then log the pass's events. It never sleeps; it
-returns when to look again. Everything it decided lives in the status, so a new ``Reconciler``
-reading it carries on, and a pass whose status write is lost is replayed safely: every action is
-idempotent (deterministic worker names per attempt, agents keep their first flush request) and
-every counter moves in the same write as the phase that counted it.
+One ``reconcile(key)`` is one pass for one job (``JobKey``): observe (the backend's workers and
+signals, the newest valid checkpoint in storage), decide from the job's spec, those observations
+and the persisted status, act through the backend, write the status once — only if it changed —
+then emit the pass's Events (``orchestrator.events.EventSink``) and metrics (``JobMetrics``). It
+never sleeps; it returns when to look again. Everything it decided lives in the status, so a new
+``Reconciler`` reading it carries on, and a pass whose status write is lost is replayed safely:
+every action is idempotent (deterministic worker names per attempt, agents keep their first flush
+request) and every counter moves in the same write as the phase that counted it. Events and
+metrics follow the write (Karpenter): a pass whose write failed tells nothing.
+
+No status churn: a pass whose decisions change nothing writes nothing. The numbers that move
+without a decision — goodput, the workers' step hints, the attempt's highest observed step — are
+written with the next change, or on their own at most every ``status_refresh_seconds`` (60 s), so
+``kubectl get sj`` stays current without a write per pass. ``observedGeneration`` is the spec
+generation the pass acted on.
+
+An invalid job — a stored spec that does not validate, a name too long for its pods' names, or a
+spec the backend says it cannot run (``Backend.spec_problems``) — gets ``Invalid=True`` naming
+the field and a Warning Event (``InvalidSpec``); nothing else happens to it (its workers, if any,
+are left as they are) until its spec changes, and every other job is served as usual.
 
 Transitions (``*`` once the next attempt's workers were started)::
 
@@ -14,7 +27,8 @@ Transitions (``*`` once the next attempt's workers were started)::
     (new)                       Pending       storage answers; attempt 0 started              WorkersStarted
     Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
     Running                     Succeeded     every worker exited 0                           Completed
-    Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt PreemptionNotice
+    Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt SpotInterrupted
+                                              a signal says a node of the attempt is gone     NodeLost
                                               a worker's agent exited 75                      AgentPreempted
                                               a worker's agent exited 76                      AgentFlushFailed
                                               a worker vanished or died without exit code     WorkerLost
@@ -27,11 +41,16 @@ Transitions (``*`` once the next attempt's workers were started)::
     any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
     any                         Failed        another job owns the checkpoint URI             CheckpointURIOwned
 
-Rescheduling stops the whole gang, waits until none of it is alive and the backoff has passed,
-then starts the next attempt away from the preempted nodes (and zones / instance types, if the
-spec says so, for ``cooldown.seconds``).
+Entering Rescheduling emits ``Rescheduled`` and appends the restart to ``status.restartHistory``
+(time, stopped attempt, cause, reason, message; the newest 20). It stops the whole gang — with a
+flush after a preemption, without one (``flush=False``: the agents' ``POST /stop``) after a failure
+of the user's code or an infrastructure error, because the healthy ranks would wait for their dead
+peers — waits until none of it is alive and the backoff has passed, then starts the next attempt
+away from the preempted nodes (and zones / instance types, if the spec says so, for
+``cooldown.seconds``). While the attempt starts, every pass calls ``start_workers`` again (it is
+idempotent: a backend may create its workers over several passes).
 
-Failure classes (DESIGN.md): a *preemption* (any of the four Flushing reasons) never consumes
+Failure classes (DESIGN.md): a *preemption* (any of the Flushing reasons) never consumes
 ``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
 *infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
 retried with exponential backoff and shown in the Degraded condition. A worker whose agent exits
@@ -52,7 +71,8 @@ the job has left, or for another job's node changes nothing; advisory signals (R
 nothing; a worker missing from the listing is declared lost only if a second listing agrees.
 
 Ownership and fencing (``agent.ownership``): the first pass that reaches the job's storage claims
-the URI for the job (``job_identity``); a URI another job owns fails the job at once, naming the
+the URI for the job (``job_identity``: ``namespace/name``, the same string the agents get as their
+job name); a URI another job owns fails the job at once, naming the
 owner and the remedy (a transient storage error does not: it is retried like any other). Before
 an attempt's workers start, the attempt is recorded in storage with its fence (the newest valid
 checkpoint, what it resumes from), create-only and replay-safe; an attempt that cannot be
@@ -65,43 +85,59 @@ manifest written by the flush (``trigger: flush``; a periodic save that commits 
 are still agreeing on the flush step does not count) newer than the *baseline*: the newest
 committed step read in the pass that heard a controller signal, or, when an agent acted on its
 own (exit 75/76, lost), the step the status held before that pass (the agent may have committed
-between two passes).
+between two passes). Flush requests never block a pass: ``Backend.request_flush`` answers pending
+until the agent answered; each pass asks again the running workers whose agent has not accepted,
+and never asks an agent that accepted.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from operator import methodcaller
 from typing import Protocol
 
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.storage import Storage, StorageError, TransientStorageError, open_storage
-from orchestrator.backends.base import Backend, BackendError, Placement, WorkerObservation
+from orchestrator.backends.base import (
+    Backend,
+    BackendError,
+    FlushRequestOutcome,
+    FlushRequestState,
+    Placement,
+    WorkerObservation,
+)
+from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
 from orchestrator.model import (
+    MAX_RESTART_HISTORY,
     AttemptStatus,
     Avoidance,
     AvoidKind,
     Cause,
     CheckpointInfo,
+    CheckpointSpec,
     Condition,
     ConditionStatus,
-    Event,
-    EventType,
+    JobKey,
     JobSpec,
     JobStatus,
     NodeRef,
     Phase,
     RecoveryStatus,
+    RestartRecord,
     WorkerPhase,
     WorkerStatus,
+    job_name_problem,
 )
-from orchestrator.signals import Signal
-from orchestrator.store import ConflictError, JobNotFoundError, JobStore
+from orchestrator.signals import Signal, SignalKind
+from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +194,14 @@ WORKERS_STARTED = Reason(
 )
 WORKERS_RUNNING = Reason("WorkersRunning", "every worker of attempt {attempt} is running")
 COMPLETED = Reason("Completed", "every worker exited 0 (last step seen {step})")
-PREEMPTION_NOTICE = Reason("PreemptionNotice", "{signal}: flushing the gang and moving it")
+SPOT_INTERRUPTED = Reason("SpotInterrupted", "{signal}: flushing the gang and moving it")
+NODE_LOST = Reason("NodeLost", "{signal}: flushing what is left of the gang and moving it")
 AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node} heard a notice itself and exited 75")
 AGENT_FLUSH_FAILED = Reason(
     "AgentFlushFailed", "the agent of {worker} on node {node} exited 76: its flush committed nothing", warning=True
 )
 WORKER_LOST = Reason("WorkerLost", "worker {worker} on node {node} is gone without an exit code or a notice")
-FLUSH_REQUESTED = Reason("FlushRequested", "asked {count} agent(s) to flush by {deadline}: {workers}")
+FLUSH_REQUESTED = Reason("FlushRequested", "{count} agent(s) accepted the request to flush by {deadline}: {workers}")
 FLUSH_REQUEST_FAILED = Reason(
     "FlushRequestFailed", "could not ask the agent of {worker} to flush: {error}", warning=True
 )
@@ -179,8 +216,8 @@ FLUSH_TIMED_OUT = Reason(
     "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}",
     warning=True,
 )
-RESCHEDULING = Reason(
-    "Rescheduling", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
+RESCHEDULED = Reason(
+    "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
 )
 WORKER_FAILED = Reason(
     "WorkerFailed", "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}", warning=True
@@ -207,10 +244,18 @@ STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {
 STORAGE_REFUSED = Reason("StorageRefused", "storage refuses to list checkpoints at {uri}: {error}", warning=True)
 BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
 HEALTHY = Reason("Healthy", "storage and the backend answer")
+INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
+SPEC_VALID = Reason("SpecValid", "the spec is valid")
+INVALID_STATUS = Reason(
+    "InvalidStatus",
+    "the stored status cannot be read ({problems}); the job is left alone rather than restarted from nothing",
+    warning=True,
+)
 
 READY = "Ready"
 FLUSHING = "Flushing"
 DEGRADED = "Degraded"
+INVALID = "Invalid"
 
 
 # -- the reconciler ---------------------------------------------------------------------------
@@ -226,7 +271,8 @@ class ReconcilerOptions:
     stopping_poll_seconds: float = 2.0
     infra_backoff_initial_seconds: float = 1.0
     infra_backoff_max_seconds: float = 60.0
-    max_events: int = 50
+    status_refresh_seconds: float = 60.0
+    """At most this long between writes of goodput and step hints when nothing else changes."""
 
     def infra_delay(self, tries: int) -> float:
         """Exponential backoff for infrastructure errors: 1, 2, 4 … seconds, capped."""
@@ -235,9 +281,11 @@ class ReconcilerOptions:
 
 @dataclass(frozen=True)
 class ReconcileResult:
-    phase: Phase
+    phase: Phase | None
+    """The job's phase after the pass; None when the job is gone or its status unreadable."""
     requeue_after: float | None
-    """Seconds until the next pass; None once the job is Succeeded or Failed."""
+    """Seconds until the next pass; None: only when something changes (the job is Succeeded,
+    Failed, Invalid or gone)."""
 
 
 _Placed = WorkerObservation | WorkerStatus
@@ -253,12 +301,23 @@ class _Preemption:
     nodes: list[NodeRef]
     deadline: datetime | None
     heard_by_controller: bool
+    signals: tuple[Signal, ...] = ()
+    """The signals acted on (counted in metrics)."""
+
+
+@dataclass(frozen=True)
+class _Event:
+    type: EventType
+    reason: str
+    message: str
+    node: str | None
 
 
 @dataclass
 class _Pass:
     """One reconcile's working state: the observations and the status being decided."""
 
+    key: JobKey
     spec: JobSpec
     status: JobStatus
     now: datetime
@@ -274,7 +333,10 @@ class _Pass:
     storage: Storage | None = None
     owned_by_another: str | None = None
     signals_error: BackendError | None = None
-    new_events: list[Event] = field(default_factory=list)
+    events: list[_Event] = field(default_factory=list)
+    """Told once the status is written."""
+    metrics: list[methodcaller] = field(default_factory=list)
+    """``JobMetrics`` calls, made once the status is written."""
     stopped: bool = False
     """This pass already asked the backend to stop the gang."""
 
@@ -300,7 +362,13 @@ class _Pass:
 
 
 class Reconciler:
-    """Drives one job at a time through the state machine of the module docstring."""
+    """Drives jobs, one pass for one job at a time, through the state machine of the module docstring.
+
+    One instance serves every job of its store: per-job memory (the URIs it claimed, when it last
+    wrote each status) is keyed by ``JobKey`` and dropped when a job is gone. ``reconcile`` is not
+    reentrant for one key (the work queue guarantees one pass per key at a time); passes for
+    different keys may run on different threads.
+    """
 
     def __init__(
         self,
@@ -308,17 +376,24 @@ class Reconciler:
         backend: Backend,
         clock: Clock | None = None,
         *,
+        events: EventSink | None = None,
+        metrics: JobMetrics | None = None,
         storage_factory: Callable[[str], Storage] = open_storage,
         options: ReconcilerOptions | None = None,
     ) -> None:
         self.store = store
         self._backend = backend
         self._clock: Clock = clock or SystemClock()
+        self._events: EventSink = events or LoggingEventSink()
+        self._metrics: JobMetrics = metrics or NULL_METRICS
         self._storage_factory = storage_factory
         self._options = options or ReconcilerOptions()
+        self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
         self._claimed: set[tuple[str, str]] = set()
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
+        self._written_at: dict[JobKey, float] = {}
+        """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
@@ -326,65 +401,147 @@ class Reconciler:
             Phase.RESCHEDULING: self._bring_up,
         }
 
-    def reconcile(self, name: str) -> ReconcileResult:
-        """One pass for job ``name``: observe, decide, act, write the status once.
+    def reconcile(self, key: JobKey) -> ReconcileResult:
+        """One pass for job ``key``: observe, decide, act, write the status if it changed, then tell.
 
-        Raises ``JobNotFoundError`` if there is no such job and ``StoreError`` if its status cannot
-        be written; backend and storage errors are retried (see the module docstring).
+        A job gone from the store is forgotten (``JobMetrics.job_deleted``) and answers
+        ``ReconcileResult(None, None)``. A status write that conflicts (the job changed since it
+        was read) answers a requeue of 0 and tells nothing. Raises ``StoreError`` if the store
+        fails; backend and storage errors are retried (see the module docstring).
         """
         started = self._clock.monotonic()
-        stored = self.store.get(name)
+        stored = self.store.get(key)
         if stored is None:
-            raise JobNotFoundError(name)
+            self._forget(key)
+            return ReconcileResult(None, None)
         now = self._clock.now()
+        if stored.status is None and _status_unreadable(stored):
+            # The status cannot be read: writing one would restart the job from nothing.
+            self._events.emit(
+                key, EventType.WARNING, INVALID_STATUS.name, INVALID_STATUS.message(problems=stored.invalid)
+            )
+            return ReconcileResult(None, None)
+        fresh = stored.status is None
         before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
         if before.phase.terminal:
             return ReconcileResult(before.phase, None)
 
-        p = self._new_pass(stored.spec, before, now)
+        problems = self._problems(key, stored)
+        if problems is not None or stored.spec is None:
+            p = _Pass(key, stored.spec or _PLACEHOLDER_SPEC, before.model_copy(deep=True), now, None, set())
+            self._invalid(p, problems or stored.invalid or "the spec is invalid", stored.generation)
+            return self._commit(p, stored, before, fresh, None, started)
+
+        p = self._new_pass(key, stored.spec, before, now)
         try:
             self._observe(p)
             requeue = self._decide(p)
         except BackendError as e:
             # Forget this pass's decisions: their actions are idempotent and replayed next time.
-            p = self._new_pass(stored.spec, before, now)
+            p = self._new_pass(key, stored.spec, before, now)
             p.status.infra_errors += 1
             self._degraded(p, BACKEND_UNAVAILABLE, error=e)
             requeue = self._options.infra_delay(p.status.infra_errors)
         else:
             self._note_health(p)
             self._record_workers(p)
+        self._valid(p)
+        p.status.observed_generation = stored.generation
         self._account(p)
+        return self._commit(p, stored, before, fresh, requeue, started)
 
-        try:
-            self.store.update_status(name, p.status, version=stored.version)
-        except ConflictError as e:
-            log.info("job %s [%s]: status changed under this pass (%s); re-reading", name, before.phase, e)
-            return ReconcileResult(before.phase, 0.0)
-        # Events only once the status that holds them is written (Karpenter).
-        for event in p.new_events:
-            log.log(
-                logging.WARNING if event.type is EventType.WARNING else logging.INFO,
-                "job %s [%s] %s: %s",
-                name,
-                p.status.phase,
-                event.reason,
-                event.message,
-            )
-        requeue_after = None if p.status.phase.terminal or requeue is None else max(0.0, requeue)
+    def forget(self, key: JobKey) -> None:
+        """Drop what this reconciler remembers of ``key`` (the job was deleted)."""
+        self._forget(key)
+
+    # -- write, then tell ---------------------------------------------------------------------
+    def _commit(
+        self,
+        p: _Pass,
+        stored: StoredJob,
+        before: JobStatus,
+        fresh: bool,
+        requeue: float | None,
+        started: float,
+    ) -> ReconcileResult:
+        """Write the status if it changed (or its volatile numbers are due), then emit and count."""
+        key, status = p.key, p.status
+        changed = fresh or _significant(status) != _significant(before)
+        due = status != before and (
+            self._clock.monotonic() - self._written_at.get(key, -math.inf) >= self._options.status_refresh_seconds
+        )
+        if changed or due:
+            try:
+                self.store.update_status(key, status, version=stored.version)
+            except ConflictError as e:
+                log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
+                return ReconcileResult(before.phase, 0.0)
+            with self._lock:
+                self._written_at[key] = self._clock.monotonic()
+            if status.goodput is not None:
+                p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
+        for event in p.events:
+            self._events.emit(key, event.type, event.reason, event.message, node=event.node)
+        for count in p.metrics:
+            try:
+                count(self._metrics)
+            except Exception:  # a metric is a courtesy; the pass is done
+                log.exception("job %s: recording a metric failed", key)
+        requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
         log.debug(
-            "job %s [%s]: pass took %.3fs; next in %s",
-            name,
-            p.status.phase,
+            "job %s [%s]: pass took %.3fs (%s); next in %s",
+            key,
+            status.phase,
             self._clock.monotonic() - started,
+            "written" if changed or due else "nothing to write",
             "never" if requeue_after is None else f"{requeue_after:.1f}s",
         )
-        return ReconcileResult(p.status.phase, requeue_after)
+        return ReconcileResult(status.phase, requeue_after)
+
+    def _forget(self, key: JobKey) -> None:
+        identity = job_identity(key)
+        with self._lock:
+            self._written_at.pop(key, None)
+            self._claimed = {c for c in self._claimed if c[1] != identity}
+        try:
+            self._metrics.job_deleted(key.namespace, key.name)
+        except Exception:
+            log.exception("job %s: forgetting its metrics failed", key)
+
+    # -- validity ----------------------------------------------------------------------------
+    def _problems(self, key: JobKey, stored: StoredJob) -> str | None:
+        """Why the job cannot run as stored (naming the fields), or None."""
+        problems: list[str] = []
+        name = job_name_problem(key.name)
+        if name is not None:
+            problems.append(f"metadata.name: {name}")
+        if stored.spec is None:
+            problems.append(stored.invalid or "spec: does not validate")
+        else:
+            try:
+                problems += self._backend.spec_problems(key, stored.spec)
+            except BackendError as e:
+                log.warning("job %s: the backend could not check the spec: %s", key, e)
+        return "; ".join(problems) or None
+
+    def _invalid(self, p: _Pass, problems: str, generation: int) -> None:
+        message = INVALID_SPEC.message(problems=problems)
+        self._condition(p, INVALID, True, INVALID_SPEC.name, message)
+        p.status.observed_generation = generation
+        self._event(p, INVALID_SPEC, message=message)
+
+    def _valid(self, p: _Pass) -> None:
+        """Clear a past Invalid condition (the spec was fixed); no condition at all for a job never invalid."""
+        c = p.status.condition(INVALID)
+        if c is not None and c.status == "True":
+            self._condition(p, INVALID, False, SPEC_VALID.name, SPEC_VALID.message())
+            self._event(p, SPEC_VALID)
 
     # -- observe ---------------------------------------------------------------------------
-    def _new_pass(self, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
+    def _new_pass(self, key: JobKey, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
         status = before.model_copy(deep=True)
         return _Pass(
+            key=key,
             spec=spec,
             status=status,
             now=now,
@@ -394,9 +551,9 @@ class Reconciler:
 
     def _observe(self, p: _Pass) -> None:
         spec, status = p.spec, p.status
-        p.workers = self._backend.list_workers(spec)
+        p.workers = self._backend.list_workers(p.key, spec)
         try:
-            p.signals = self._backend.signals(spec)
+            p.signals = self._backend.signals(p.key, spec)
         except BackendError as e:
             # Exits and lost workers still reveal preemptions; carry on without notices.
             p.signals_error = e
@@ -426,20 +583,25 @@ class Reconciler:
 
     def _claim(self, p: _Pass, storage: Storage) -> None:
         """Make the URI the job's (create-only, first look only); note another owner."""
-        key = (storage.uri, job_identity(p.spec))
-        if key in self._claimed:
-            return
+        claimed = (storage.uri, job_identity(p.key))
+        with self._lock:
+            if claimed in self._claimed:
+                return
         try:
-            claim(storage, key[1])
+            claim(storage, claimed[1])
         except OwnershipError as e:
             p.owned_by_another = str(e)
             return
-        self._claimed.add(key)
+        with self._lock:
+            self._claimed.add(claimed)
 
     def _storage(self, uri: str) -> Storage:
-        storage = self._storages.get(uri)
+        with self._lock:
+            storage = self._storages.get(uri)
         if storage is None:
-            storage = self._storages[uri] = self._storage_factory(uri)
+            storage = self._storage_factory(uri)
+            with self._lock:
+                storage = self._storages.setdefault(uri, storage)
         return storage
 
     def _track_steps(self, p: _Pass) -> None:
@@ -468,7 +630,7 @@ class Reconciler:
             wait = self._handlers[p.status.phase](p)
             if wait is not None:
                 return wait
-        raise RuntimeError(f"job {p.spec.name}: no stable decision after {len(Phase) + 2} transitions")
+        raise RuntimeError(f"job {p.key}: no stable decision after {len(Phase) + 2} transitions")
 
     def _bring_up(self, p: _Pass) -> float | None:
         """Pending and Rescheduling: start the attempt once nothing holds it back; wait until it runs."""
@@ -480,6 +642,9 @@ class Reconciler:
             if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
                 return None
+            # Idempotent: a backend may create the attempt's workers over several passes (a
+            # rendezvous address known only once the first one runs).
+            self._backend.start_workers(p.key, spec, attempt.number, self._placement(status))
             return self._options.starting_poll_seconds
 
         leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]
@@ -487,7 +652,7 @@ class Reconciler:
             # Never two attempts at once: their ranks would meet in one rendezvous.
             self._debug(p, "waiting for %s to stop before attempt %d", ", ".join(leftovers), attempt.number)
             if not p.stopped:
-                self._backend.stop_workers(spec, keep_attempt=attempt.number)
+                self._backend.stop_workers(p.key, spec, keep_attempt=attempt.number, flush=_stop_with_flush(status))
             return self._options.stopping_poll_seconds
         if p.storage_error is not None:
             self._debug(p, "not starting attempt %d while storage is unreachable", attempt.number)
@@ -499,7 +664,7 @@ class Reconciler:
         if not self._record_attempt(p):
             return self._options.infra_delay(status.infra_errors)
         placement = self._placement(status)
-        self._backend.start_workers(spec, attempt.number, placement)
+        self._backend.start_workers(p.key, spec, attempt.number, placement)
         attempt.started_at = p.now
         attempt.resumed_from_step = p.checkpoint_step
         if recovery is not None:
@@ -514,7 +679,7 @@ class Reconciler:
     def _record_attempt(self, p: _Pass) -> bool:
         """Record the attempt about to start, fenced at the newest valid checkpoint (see the module
         docstring); False (and Degraded) when storage cannot take the record."""
-        attempt, storage, job = p.status.attempt, p.storage, job_identity(p.spec)
+        attempt, storage, job = p.status.attempt, p.storage, job_identity(p.key)
         assert storage is not None, "starting an attempt without storage"
         fence = p.checkpoint.ref if p.checkpoint is not None else None
         try:
@@ -583,12 +748,16 @@ class Reconciler:
                 deadline = p.now + timedelta(seconds=p.spec.notice_seconds)
             else:
                 deadline = None
+            # A notice (taint, queue message, DisruptionTarget, ...) is a spot interruption: the
+            # capacity goes away and a flush can still run. A node already gone is said as such.
+            why = NODE_LOST if all(s.kind is SignalKind.NODE_LOST for s, _ in heard) else SPOT_INTERRUPTED
             return _Preemption(
-                PREEMPTION_NOTICE,
-                PREEMPTION_NOTICE.message(signal="; ".join(s.describe() for s, _ in heard)),
+                why,
+                why.message(signal="; ".join(s.describe() for s, _ in heard)),
                 _nodes(w for _, w in heard),
                 deadline,
                 heard_by_controller=True,
+                signals=tuple(s for s, _ in heard),
             )
 
         for code, reason in ((EXIT_PREEMPTED, AGENT_PREEMPTED), (EXIT_FLUSH_FAILED, AGENT_FLUSH_FAILED)):
@@ -599,12 +768,16 @@ class Reconciler:
                     reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
                 )
 
-        gone = (None, EXIT_STOPPED)  # no exit code, or stopped through its API by someone else
+        # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
+        # failed (or whose agent met an infrastructure error) is this controller's own stop of the
+        # healthy workers, seen again after its status write was lost: that failure decides.
+        broken = any(_is_failure(w) or w.exit_code == EXIT_INFRA_ERROR for w in current)
+        gone = (None,) if broken else (None, EXIT_STOPPED)
         lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code in gone]
         missing = p.seen - set(by_name)
         if missing:
             # A listing can miss a worker for a moment (a cache resync): ask again before believing it.
-            again = self._backend.list_workers(p.spec)
+            again = self._backend.list_workers(p.key, p.spec)
             missing -= {w.name for w in again}
             if not missing:
                 p.workers = again
@@ -638,7 +811,10 @@ class Reconciler:
         self._set_phase(p, Phase.FLUSHING, preemption.reason.name, preemption.message)
         self._condition(p, READY, False, preemption.reason.name, preemption.message)
         self._condition(p, FLUSHING, True, preemption.reason.name, preemption.message)
-        self._event(p, preemption.reason, message=preemption.message)
+        self._event(p, preemption.reason, message=preemption.message, node=preemption.nodes[0].node)
+        p.metrics.append(methodcaller("preemption"))
+        for s in preemption.signals:
+            p.metrics.append(methodcaller("signal", str(s.kind), s.source))
 
     def _flushing(self, p: _Pass) -> float | None:
         recovery = p.status.recovery
@@ -680,12 +856,17 @@ class Reconciler:
         asked = []
         for w in running:
             if w.name in recovery.flush_requested:
-                continue
+                continue  # accepted: an agent is never asked twice
             try:
-                self._backend.request_flush(p.spec, w, recovery.message, recovery.flush_deadline)
+                answer = self._backend.request_flush(p.key, p.spec, w, recovery.message, recovery.flush_deadline)
             except BackendError as e:
+                answer = FlushRequestState.failed(str(e))
+            if answer.outcome is FlushRequestOutcome.PENDING:
+                continue  # in flight: asked again next pass
+            p.metrics.append(methodcaller("flush_request", str(answer.outcome)))
+            if answer.outcome is FlushRequestOutcome.FAILED:
                 # Retried next pass; the timeout bounds how long an unreachable agent holds us.
-                self._event(p, FLUSH_REQUEST_FAILED, worker=w.name, error=e)
+                self._event(p, FLUSH_REQUEST_FAILED, worker=w.name, error=answer.error, node=w.node)
                 continue
             recovery.flush_requested.append(w.name)
             asked.append(w.name)
@@ -704,6 +885,7 @@ class Reconciler:
             if s.kind.is_preemption and w is not None and w.node not in known:
                 recovery.preempted += _nodes([w])
                 known.add(w.node)
+                p.metrics.append(methodcaller("signal", str(s.kind), s.source))
 
     def _on_failure(self, p: _Pass, worker: WorkerObservation) -> None:
         """The user's code failed: restart within the budget, or fail the job."""
@@ -754,13 +936,27 @@ class Reconciler:
             self._event(p, why, message=message)
             if status.start_time is not None:
                 status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
+            if why is FLUSH_COMMITTED:
+                seconds = (p.now - recovery.detected_at).total_seconds()
+                p.metrics.append(methodcaller("notice_to_commit", seconds))
 
         stopped = status.attempt
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now
-        self._backend.stop_workers(spec)
+        self._backend.stop_workers(p.key, spec, flush=_stop_with_flush(status))
         p.stopped = True
+        status.restart_history.append(
+            RestartRecord(
+                time=p.now,
+                attempt=stopped.number,
+                cause=recovery.cause,
+                reason=recovery.reason,
+                message=recovery.message,
+            )
+        )
+        del status.restart_history[:-MAX_RESTART_HISTORY]
+        p.metrics.append(methodcaller("restart", recovery.cause.value.lower()))
 
         if recovery.cause is Cause.PREEMPTION:
             self._avoid(p, recovery)
@@ -773,16 +969,16 @@ class Reconciler:
         recovery.restart_at = p.now + timedelta(seconds=delay)
         status.attempt = AttemptStatus(number=stopped.number + 1)
 
-        message = RESCHEDULING.message(
+        message = RESCHEDULED.message(
             attempt=stopped.number,
             cause=recovery.reason,
             next=status.attempt.number,
             delay=delay,
             avoid=self._placement(status).describe(),
         )
-        self._set_phase(p, Phase.RESCHEDULING, RESCHEDULING.name, message)
-        self._condition(p, READY, False, RESCHEDULING.name, message)
-        self._event(p, RESCHEDULING, message=message)
+        self._set_phase(p, Phase.RESCHEDULING, RESCHEDULED.name, message)
+        self._condition(p, READY, False, RESCHEDULED.name, message)
+        self._event(p, RESCHEDULED, message=message)
 
     def _avoid(self, p: _Pass, recovery: RecoveryStatus) -> None:
         cooldown = p.spec.cooldown
@@ -806,7 +1002,9 @@ class Reconciler:
             return
         lost = max(0, recovery.last_step - (p.checkpoint_step or 0))
         if recovery.cause is Cause.PREEMPTION:
-            p.status.steps_lost_to_preemptions += lost
+            p.status.lost_steps += lost
+        if lost:
+            p.metrics.append(methodcaller("lost_steps", lost))
         if lost and recovery.step_rate and p.status.start_time is not None:
             p.status.retraining_seconds += lost / recovery.step_rate
 
@@ -834,7 +1032,8 @@ class Reconciler:
         status = p.status
         message = why.message(**fields)
         if phase is Phase.FAILED:
-            self._backend.stop_workers(p.spec)
+            # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
+            self._backend.stop_workers(p.key, p.spec, flush=False)
             p.stopped = True
         if status.recovery is not None and status.recovery.stopped_at is None:
             self._condition(p, FLUSHING, False, why.name, message)
@@ -911,7 +1110,7 @@ class Reconciler:
 
     def _set_phase(self, p: _Pass, phase: Phase, reason: str, message: str) -> None:
         if phase is not p.status.phase:
-            log.info("job %s [%s] -> %s (%s): %s", p.spec.name, p.status.phase, phase, reason, message)
+            log.info("job %s [%s] -> %s (%s): %s", p.key, p.status.phase, phase, reason, message)
         p.status.phase, p.status.reason, p.status.message = phase, reason, message
 
     def _condition(self, p: _Pass, type_: str, value: bool, reason: str, message: str) -> None:
@@ -926,31 +1125,53 @@ class Reconciler:
             existing.status, existing.last_transition_time = text, p.now
         existing.reason, existing.message = reason, message
 
-    def _event(self, p: _Pass, why: Reason, *, message: str | None = None, **fields: object) -> None:
+    def _event(
+        self, p: _Pass, why: Reason, *, message: str | None = None, node: str | None = None, **fields: object
+    ) -> None:
+        """Queue an Event of this pass; ``_commit`` emits it once the status is written."""
         text = message if message is not None else why.message(**fields)
-        events = p.status.events
-        last = events[-1] if events else None
-        if last is not None and last.reason == why.name and last.message == text:
-            last.count += 1
-            last.time = p.now
-        else:
-            kind = EventType.WARNING if why.warning else EventType.NORMAL
-            last = Event(time=p.now, type=kind, reason=why.name, message=text)
-            events.append(last)
-            del events[: -self._options.max_events]
-        p.new_events.append(last)
+        kind = EventType.WARNING if why.warning else EventType.NORMAL
+        p.events.append(_Event(kind, why.name, text, node))
 
     def _debug(self, p: _Pass, message: str, *args: object) -> None:
-        log.debug("job %s [%s]: " + message, p.spec.name, p.status.phase, *args)
+        log.debug("job %s [%s]: " + message, p.key, p.status.phase, *args)
 
 
-def job_identity(spec: JobSpec) -> str:
-    """Who owns a job's checkpoint URI and numbers its attempts in storage (``agent.ownership``).
+def job_identity(key: JobKey) -> str:
+    """Who owns a job's checkpoint URI and numbers its attempts in storage (``agent.ownership``):
+    ``namespace/name``.
 
-    The name the agents get as ``SPOTJOB_JOB_NAME``, so that the workers' Checkpointer and the
-    controller are one owner. (The Kubernetes controller will make it ``namespace/name``.)
+    The name the backends give the agents as ``--job-name`` (``SPOTJOB_JOB_NAME``), so that the
+    workers' Checkpointer and the controller are one owner.
     """
-    return spec.name
+    return str(key)
+
+
+def _stop_with_flush(status: JobStatus) -> bool:
+    """Whether stopping the gang now may flush: not after a failure of the user's code or an
+    infrastructure error, when the healthy ranks would wait for their dead peers."""
+    recovery = status.recovery
+    return recovery is None or recovery.cause is Cause.PREEMPTION
+
+
+def _status_unreadable(stored: StoredJob) -> bool:
+    """The stored status exists but does not validate (``StoredJob.invalid`` names ``status.``)."""
+    return stored.invalid is not None and any(part.startswith("status") for part in stored.invalid.split("; "))
+
+
+_VOLATILE_ATTEMPT = {"observed_step", "observed_step_at"}
+
+
+def _significant(status: JobStatus) -> dict[str, object]:
+    """The status without the numbers that move without a decision (goodput, step hints): what a
+    status write is needed for."""
+    return status.model_dump(
+        exclude={"goodput": True, "attempt": _VOLATILE_ATTEMPT, "workers": {"__all__": {"step"}}},
+    )
+
+
+_PLACEHOLDER_SPEC = JobSpec(command=["-"], checkpoint=CheckpointSpec(uri="-"))
+"""Stands for the spec of a job whose stored spec does not validate: only ``_invalid`` sees it."""
 
 
 def _is_failure(w: WorkerObservation) -> bool:
@@ -997,16 +1218,22 @@ class Controller:
         self._wait = wait or clock.sleep
         self._max_wait = max_wait_seconds
 
-    def run(self, name: str, *, max_passes: int | None = None) -> JobStatus:
-        """Reconcile ``name`` until it is terminal (or ``max_passes`` passes); return its status."""
+    def run(self, key: JobKey, *, max_passes: int | None = None) -> JobStatus:
+        """Reconcile ``key`` until it needs no more passes — Succeeded, Failed, or Invalid (its spec
+        cannot change in local mode) — or ``max_passes`` passes; return its status.
+
+        ``JobNotFoundError`` if the job is not in the store (or has no readable status).
+        """
         passes = 0
         while True:
-            result = self._reconciler.reconcile(name)
+            result = self._reconciler.reconcile(key)
             passes += 1
+            if result.phase is None:
+                break
             if result.requeue_after is None or (max_passes is not None and passes >= max_passes):
                 break
             self._wait(min(result.requeue_after, self._max_wait))
-        stored = self._reconciler.store.get(name)
+        stored = self._reconciler.store.get(key)
         if stored is None or stored.status is None:
-            raise JobNotFoundError(name)
+            raise JobNotFoundError(str(key))
         return stored.status

@@ -1,15 +1,24 @@
-"""Where jobs persist: the spec the user submitted and the status the reconciler keeps.
+"""Where jobs persist: the spec the user submitted and the status the reconciler keeps, by ``JobKey``.
 
-One small interface with two homes: the SpotJob resource's status subresource (Kubernetes, later)
-and ``JsonFileJobStore`` (local mode: one JSON file per job, the same document
-``kubectl get spotjob NAME -o json`` shows, less the metadata).
+One small interface with two homes: the SpotJob resource and its status subresource
+(``orchestrator.k8s.store``, Kubernetes) and ``JsonFileJobStore`` (local mode: one JSON file per
+job, the document ``kubectl get spotjob NAME -o json`` would show).
 
 Contract:
 
+- ``get`` never fails because of one job's content: a job whose stored spec does not validate is
+  returned with ``spec=None`` and ``invalid`` naming the first bad field (``spec.replicas: ...``),
+  so the reconciler can say so on that job (an ``Invalid`` condition and a Warning Event) and
+  keep serving every other job. A status that does not validate is the same, with ``status=None``
+  and ``invalid`` naming ``status.<field>``: the reconciler then writes nothing (writing would
+  discard the job's memory) and only warns. ``StoreError`` is for the store itself failing.
 - ``update_status`` is a compare-and-swap on ``version`` (Kubernetes' resourceVersion): it raises
   ``ConflictError`` if the job changed since it was read; the reconciler then re-reads ("409
   means re-read"). Writes are atomic: a reader sees the old document or the new one, never half.
 - Status is the reconciler's only memory, so it must be durable once ``update_status`` returns.
+- ``generation`` counts changes of the spec (Kubernetes' ``metadata.generation``); the reconciler
+  copies the one it acted on into ``status.observedGeneration``. ``uid`` tells a job from an
+  earlier one of the same key.
 """
 
 from __future__ import annotations
@@ -17,15 +26,19 @@ from __future__ import annotations
 import abc
 import contextlib
 import fcntl
+import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.model import JobSpec, JobStatus, SpotJob
+from orchestrator.model import JobKey, JobSpec, JobStatus, describe_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -35,140 +48,228 @@ class StoreError(Exception):
 
 
 class JobNotFoundError(StoreError, KeyError):
-    """No job of that name."""
+    """No job of that key."""
 
 
 class JobExistsError(StoreError):
-    """A job of that name exists already."""
+    """A job of that key exists already."""
 
 
 class ConflictError(StoreError):
     """The job changed since it was read: re-read and decide again."""
 
 
-class _Document(SpotJob):
-    """The local file: the resource plus the version the compare-and-swap checks."""
-
-    resource_version: str
-
-
 @dataclass(frozen=True)
 class StoredJob:
-    """A job as read: its spec, its status (None before the first reconcile) and its version."""
+    """A job as read.
 
-    spec: JobSpec
+    ``spec`` is None exactly when the stored spec does not validate; ``status`` is None before
+    the first status write, or when the stored status does not validate. ``invalid`` then says
+    why, naming the field (``spec.checkpoint.uri: ...``, ``status.phase: ...``).
+    """
+
+    key: JobKey
+    spec: JobSpec | None
     status: JobStatus | None
     version: str
+    """The compare-and-swap token of ``update_status`` (resourceVersion)."""
+    generation: int = 1
+    """The spec's generation (``metadata.generation``)."""
+    uid: str = ""
+    invalid: str | None = None
+
+
+def parse_job(key: JobKey, spec: Any, status: Any, *, version: str, generation: int = 1, uid: str = "") -> StoredJob:
+    """A ``StoredJob`` from a resource's raw ``spec`` and ``status`` (camelCase JSON values): the one
+    place both stores turn stored documents into models, with the ``invalid`` rule of the module
+    docstring."""
+    problems: list[str] = []
+    parsed_spec: JobSpec | None = None
+    parsed_status: JobStatus | None = None
+    try:
+        parsed_spec = JobSpec.model_validate(spec)
+    except ValidationError as e:
+        problems.append(describe_validation_error(e, "spec"))
+    if status is not None:
+        try:
+            parsed_status = JobStatus.model_validate(status)
+        except ValidationError as e:
+            problems.append(describe_validation_error(e, "status"))
+    return StoredJob(
+        key=key,
+        spec=parsed_spec,
+        status=parsed_status,
+        version=version,
+        generation=generation,
+        uid=uid,
+        invalid="; ".join(problems) or None,
+    )
 
 
 class JobStore(abc.ABC):
-    """Jobs by name. See the module docstring for the contract."""
+    """Jobs by key. See the module docstring for the contract."""
 
     @abc.abstractmethod
-    def create(self, spec: JobSpec) -> StoredJob:
-        """Store a new job with no status; ``JobExistsError`` if the name is taken."""
+    def create(self, key: JobKey, spec: JobSpec) -> StoredJob:
+        """Store a new job with no status; ``JobExistsError`` if the key is taken."""
 
     @abc.abstractmethod
-    def get(self, name: str) -> StoredJob | None:
-        """The job, or None if there is none of that name."""
+    def get(self, key: JobKey) -> StoredJob | None:
+        """The job, or None if there is none of that key (see the module docstring on ``invalid``)."""
 
     @abc.abstractmethod
-    def update_status(self, name: str, status: JobStatus, *, version: str) -> StoredJob:
-        """Replace the job's status if it is still at ``version``; ``ConflictError`` otherwise."""
+    def update_status(self, key: JobKey, status: JobStatus, *, version: str) -> StoredJob:
+        """Replace the job's status if it is still at ``version``; ``ConflictError`` otherwise,
+        ``JobNotFoundError`` if it is gone."""
 
     @abc.abstractmethod
-    def names(self) -> list[str]:
-        """Every job's name, sorted."""
+    def keys(self) -> list[JobKey]:
+        """Every job's key, sorted."""
 
     @abc.abstractmethod
-    def delete(self, name: str) -> None:
+    def delete(self, key: JobKey) -> None:
         """Forget the job; a missing job is fine."""
 
 
 class JsonFileJobStore(JobStore):
-    """One ``<root>/<name>.json`` per job: ``{"resourceVersion": "N", "spec": …, "status": …}``.
+    """One ``<root>/<namespace>/<name>.json`` per job, shaped like the resource::
+
+        {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob",
+         "metadata": {"namespace", "name", "uid", "generation", "resourceVersion", "creationTimestamp"},
+         "spec": {...}, "status": {...}}
 
     Writes go to a temp file in the same folder, are fsynced and renamed over the old file (then
     the folder is fsynced), so a crash leaves the old document or the new one. The version check
-    and the write happen under an advisory lock on ``<root>/.<name>.lock``, so two processes on one
-    machine cannot both win a compare-and-swap. ``fsync=False`` keeps the atomic rename but not
-    the durability across a power cut (tests, throwaway runs).
+    and the write happen under an advisory lock on ``<root>/<namespace>/.<name>.lock``, so two
+    processes on one machine cannot both win a compare-and-swap. ``fsync=False`` keeps the atomic
+    rename but not the durability across a power cut (tests, throwaway runs). Keys whose parts are
+    not DNS labels are refused (they become file names). Local mode keeps one job per run folder,
+    ``spotjob-runs/<name>/local/<name>.json``.
     """
 
-    def __init__(self, root: str, *, fsync: bool = True) -> None:
+    API_VERSION = "spotjob.dev/v1alpha1"
+    KIND = "SpotJob"
+
+    def __init__(self, root: str, *, fsync: bool = True, create: bool = True) -> None:
+        """``create=False``: do not create ``root`` (a reader that must not leave folders behind)."""
         self.root = os.path.abspath(root)
         self._fsync = fsync
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
 
-    def path(self, name: str) -> str:
-        # Job names are DNS labels (validated by JobSpec), so they are safe file names.
-        return os.path.join(self.root, f"{name}.json")
+    def path(self, key: JobKey) -> str:
+        _check_file_safe(key)
+        return os.path.join(self.root, key.namespace, f"{key.name}.json")
 
-    def create(self, spec: JobSpec) -> StoredJob:
-        with self._locked(spec.name):
-            if os.path.exists(self.path(spec.name)):
-                raise JobExistsError(f"job {spec.name!r} exists already in {self.root}")
-            return self._write(_Document(spec=spec, resource_version="1"))
+    def create(self, key: JobKey, spec: JobSpec) -> StoredJob:
+        with self._locked(key):
+            if os.path.exists(self.path(key)):
+                raise JobExistsError(f"job {key} exists already in {self.root}")
+            document = {
+                "apiVersion": self.API_VERSION,
+                "kind": self.KIND,
+                "metadata": {
+                    "namespace": key.namespace,
+                    "name": key.name,
+                    "uid": str(uuid.uuid4()),
+                    "generation": 1,
+                    "resourceVersion": "1",
+                    "creationTimestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                },
+                "spec": spec.model_dump(mode="json", exclude_none=True),
+            }
+            self._write(key, document)
+            return self._parse(key, document)
 
-    def get(self, name: str) -> StoredJob | None:
+    def get(self, key: JobKey) -> StoredJob | None:
+        document = self._read(key)
+        return None if document is None else self._parse(key, document)
+
+    def update_status(self, key: JobKey, status: JobStatus, *, version: str) -> StoredJob:
+        with self._locked(key):
+            document = self._read(key)
+            if document is None:
+                raise JobNotFoundError(str(key))
+            current = str(document["metadata"].get("resourceVersion"))
+            if current != version:
+                raise ConflictError(f"job {key} is at version {current}, not {version}: it changed since it was read")
+            document["status"] = status.model_dump(mode="json", exclude_none=True)
+            document["metadata"]["resourceVersion"] = str(int(current) + 1)
+            self._write(key, document)
+            return self._parse(key, document)
+
+    def keys(self) -> list[JobKey]:
+        out: list[JobKey] = []
         try:
-            with open(self.path(name), "rb") as f:
+            namespaces = [e for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")]
+        except FileNotFoundError:
+            return out
+        for ns in namespaces:
+            for entry in os.scandir(ns.path):
+                if entry.is_file() and entry.name.endswith(".json") and not entry.name.startswith("."):
+                    out.append(JobKey(ns.name, entry.name[: -len(".json")]))
+        return sorted(out)
+
+    def delete(self, key: JobKey) -> None:
+        with self._locked(key), contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _read(self, key: JobKey) -> dict[str, Any] | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise StoreError(f"cannot read {self.path(name)}: {e}") from e
+            raise StoreError(f"cannot read {path}: {e}") from e
         try:
-            document = _Document.model_validate_json(raw)
-        except ValidationError as e:
-            raise StoreError(f"{self.path(name)} is not a spotjob job document: {e}") from e
-        return StoredJob(document.spec, document.status, document.resource_version)
+            document = json.loads(raw)
+        except ValueError as e:
+            raise StoreError(f"{path} is not JSON: {e}") from e
+        if not isinstance(document, dict) or not isinstance(document.get("metadata"), dict):
+            raise StoreError(f"{path} is not a SpotJob document (no metadata)")
+        if not str(document["metadata"].get("resourceVersion", "")).isdigit():
+            raise StoreError(f"{path}: metadata.resourceVersion must be a number")
+        return document
 
-    def update_status(self, name: str, status: JobStatus, *, version: str) -> StoredJob:
-        with self._locked(name):
-            current = self.get(name)
-            if current is None:
-                raise JobNotFoundError(name)
-            if current.version != version:
-                raise ConflictError(
-                    f"job {name!r} is at version {current.version}, not {version}: it changed since it was read"
-                )
-            return self._write(_Document(spec=current.spec, status=status, resource_version=str(int(version) + 1)))
-
-    def names(self) -> list[str]:
-        return sorted(
-            entry.name[: -len(".json")]
-            for entry in os.scandir(self.root)
-            if entry.is_file() and entry.name.endswith(".json") and not entry.name.startswith(".")
+    def _parse(self, key: JobKey, document: dict[str, Any]) -> StoredJob:
+        metadata = document["metadata"]
+        generation = metadata.get("generation", 1)
+        return parse_job(
+            key,
+            document.get("spec"),
+            document.get("status"),
+            version=str(metadata["resourceVersion"]),
+            generation=generation if isinstance(generation, int) else 1,
+            uid=str(metadata.get("uid", "")),
         )
 
-    def delete(self, name: str) -> None:
-        with self._locked(name), contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(name))
-
-    # -- helpers -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
-        fd = os.open(os.path.join(self.root, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    def _locked(self, key: JobKey) -> Iterator[None]:
+        folder = os.path.dirname(self.path(key))
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, f".{key.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the lock
 
-    def _write(self, document: _Document) -> StoredJob:
-        name = document.spec.name
-        dest = self.path(name)
-        tmp = os.path.join(self.root, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    def _write(self, key: JobKey, document: dict[str, Any]) -> None:
+        dest = self.path(key)
+        folder = os.path.dirname(dest)
+        tmp = os.path.join(folder, f".{key.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(document.model_dump_json(indent=2, exclude_none=True).encode() + b"\n")
+                f.write(json.dumps(document, indent=2).encode() + b"\n")
                 f.flush()
                 if self._fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
             if self._fsync:
-                dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+                dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     os.fsync(dir_fd)
                 finally:
@@ -177,5 +278,13 @@ class JsonFileJobStore(JobStore):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise StoreError(f"cannot write {dest}: {e}") from e
-        log.debug("job %s: stored version %s", name, document.resource_version)
-        return StoredJob(document.spec, document.status, document.resource_version)
+        log.debug("job %s: stored version %s", key, document["metadata"]["resourceVersion"])
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _check_file_safe(key: JobKey) -> None:
+    for part in (key.namespace, key.name):
+        if not _DNS_LABEL.fullmatch(part):
+            raise StoreError(f"{key}: a local job's namespace and name must be DNS labels (they name files)")

@@ -2,13 +2,17 @@
 
 A worker is one spotjob-agent wrapping torchrun on one node; a job's workers form a gang that is
 started and stopped together. Each start of the gang is an *attempt*, numbered from 0, and the
-workers of attempt ``a`` are named ``worker_name(job, a, index)`` — deterministic names are what
-make every call below idempotent.
+workers of attempt ``a`` are named ``worker_name(key, a, index)`` — deterministic names are what
+make every call below idempotent. Every call names the job by its ``JobKey`` and passes its spec;
+the backend gives the agents ``str(key)`` (``namespace/name``) as their job name
+(``--job-name`` / ``SPOTJOB_JOB_NAME``): the identity that owns the checkpoint URI.
 
 Call order (the reconciler, one job at a time, never concurrently for one job):
 
-1. every pass: ``list_workers`` then ``signals`` (observations; no side effects);
-2. a preemption: ``request_flush`` once per running worker whose agent has not accepted one yet;
+1. every pass: ``spec_problems`` (a spec this backend cannot run makes the job Invalid), then
+   ``list_workers`` and ``signals`` (observations; no side effects);
+2. a preemption: ``request_flush`` for every running worker whose agent has not accepted one yet,
+   every pass until it answers ``accepted`` (never again after that);
 3. a restart: ``stop_workers`` (the whole gang) until ``list_workers`` shows none alive, then
    ``start_workers`` for the next attempt, away from the placements to avoid;
 4. a failed job: ``stop_workers``.
@@ -17,11 +21,20 @@ Contract of every backend:
 
 - ``start_workers`` is idempotent per attempt: starting an attempt whose workers exist (in any
   phase) starts nothing and is not an error.
-- ``stop_workers`` is idempotent: a worker already gone is done ("404 on delete is done").
-  Stopping may complete asynchronously; ``list_workers`` shows a worker until it is gone.
+- ``stop_workers`` is idempotent: a worker already gone is done ("404 on delete is done"), and a
+  worker already being stopped is left to the first stop. Stopping may complete asynchronously;
+  ``list_workers`` shows a worker until it is gone. ``flush=True`` stops the way the capacity
+  going away would (SIGTERM: the agent flushes within its grace); ``flush=False`` first tells
+  each agent to stop without a flush (its control API's ``POST /stop``, exit 79), because after a
+  failure of the user's code or an infrastructure error the healthy ranks would wait forever for
+  their dead peers in the flush's collective.
 - ``list_workers`` reports every worker of the job it still knows, of any attempt, including those
   that exited (phase Succeeded/Failed with their exit code) until ``stop_workers`` removes them.
   A worker of the current attempt missing from the list has vanished (its node went away).
+- ``request_flush`` never blocks a pass: a backend that must reach the agent over a network sends
+  the request in the background (bounded, concurrent, timed out) and answers ``PENDING`` until it
+  knows, then ``ACCEPTED`` or ``FAILED`` with the error (a later call after ``FAILED`` sends
+  again). A backend may answer synchronously (local mode).
 - Failures raise ``BackendError``; the reconciler retries the pass with backoff and surfaces it
   in the job's Degraded condition. Nothing else may escape.
 - No call blocks for long: waits are the reconciler's, expressed as requeue delays.
@@ -31,9 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from orchestrator.model import JobSpec, WorkerPhase
+from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal
 
 
@@ -44,9 +58,44 @@ class BackendError(Exception):
     """
 
 
-def worker_name(job: str, attempt: int, index: int) -> str:
-    """The deterministic name of worker ``index`` of ``attempt`` (a valid Kubernetes pod name)."""
-    return f"{job}-{attempt}-{index}"
+def worker_name(key: JobKey, attempt: int, index: int) -> str:
+    """The deterministic name of worker ``index`` of ``attempt``: ``<name>-<attempt>-<index>``.
+
+    A valid Kubernetes pod name (and label value) for every job name ``job_name_problem`` accepts
+    (a DNS label of at most 40 characters); unique within the job's namespace.
+    """
+    return f"{key.name}-{attempt}-{index}"
+
+
+class FlushRequestOutcome(StrEnum):
+    """Where a flush request to one agent stands."""
+
+    PENDING = "pending"
+    """Sent (or about to be) and not answered yet: ask again next pass."""
+    ACCEPTED = "accepted"
+    """The agent accepted it (or is flushing already): never ask it again."""
+    FAILED = "failed"
+    """The agent could not be reached or refused: ``error`` says why; asking again retries."""
+
+
+@dataclass(frozen=True)
+class FlushRequestState:
+    """A backend's answer to ``request_flush``."""
+
+    outcome: FlushRequestOutcome
+    error: str = ""
+
+    @classmethod
+    def pending(cls) -> FlushRequestState:
+        return cls(FlushRequestOutcome.PENDING)
+
+    @classmethod
+    def accepted(cls) -> FlushRequestState:
+        return cls(FlushRequestOutcome.ACCEPTED)
+
+    @classmethod
+    def failed(cls, error: str) -> FlushRequestState:
+        return cls(FlushRequestOutcome.FAILED, error)
 
 
 @dataclass(frozen=True)
@@ -98,30 +147,46 @@ class Placement:
 class Backend(Protocol):
     """Starts, stops and observes a job's workers. See the module docstring for the contract."""
 
-    def start_workers(self, job: JobSpec, attempt: int, placement: Placement) -> None:
-        """Start ``job.replicas`` workers for ``attempt`` (named ``worker_name``), away from ``placement``.
+    def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
+        """Why this backend cannot run ``spec`` (each naming the field: ``spec.image: ...``); [] if it can.
 
-        The workers' agents resume from the newest valid checkpoint under ``job.checkpoint.uri``.
-        Idempotent: workers of this attempt that exist already are left as they are.
+        Called every pass before anything else, so it must be cheap and pure. A non-empty answer
+        makes the job Invalid (a condition and a Warning Event) until the spec changes.
         """
         ...
 
-    def stop_workers(self, job: JobSpec, *, keep_attempt: int | None = None) -> None:
-        """Stop every worker of the job, except those of ``keep_attempt`` when given. Idempotent."""
+    def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
+        """Start ``spec.replicas`` workers for ``attempt`` (named ``worker_name``), away from ``placement``.
+
+        The workers' agents get ``str(key)`` as their job name and ``attempt`` as their attempt,
+        and resume from the newest valid checkpoint under ``spec.checkpoint.uri``. Idempotent:
+        workers of this attempt that exist already are left as they are.
+        """
         ...
 
-    def list_workers(self, job: JobSpec) -> list[WorkerObservation]:
+    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+        """Stop every worker of the job, except those of ``keep_attempt`` when given. Idempotent.
+
+        ``flush=False``: tell each agent to stop without flushing first (``POST /stop``), then
+        stop what is left; see the module docstring.
+        """
+        ...
+
+    def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         """Every worker of the job the backend still knows (any attempt, alive or exited)."""
         ...
 
-    def signals(self, job: JobSpec) -> list[Signal]:
+    def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
         """Current notices about the job's nodes or workers (level-triggered: repeated while true)."""
         ...
 
-    def request_flush(self, job: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None) -> None:
+    def request_flush(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
+    ) -> FlushRequestState:
         """Ask ``worker``'s agent to commit a checkpoint now and stop (POST /flush with the job's token).
 
-        ``deadline`` is when the capacity goes away. The agent keeps the first request it accepted,
-        so a repeat is harmless. Raises ``BackendError`` if the agent cannot be reached.
+        ``deadline`` is when the capacity goes away. Never blocks: answers ``PENDING`` while the
+        request is in flight, then ``ACCEPTED`` or ``FAILED`` (see the module docstring). The
+        agent keeps the first request it accepted, so a repeat is harmless.
         """
         ...

@@ -10,9 +10,12 @@ sessions of their own), which is how a node's processes are all found and killed
 A preemption travels the real path. ``preempt()`` turns on a spot instance-action on the node's
 emulator; the agent on the node hears it there and flushes, while ``signals()`` reports the same
 notice to the reconciler, which asks every agent to flush (``POST /flush`` with the run's bearer
-token) and restarts the gang elsewhere. When the notice's window ends, whatever still runs on the
-node is SIGKILLed, as a reclaimed instance would be, and the node is gone for good: a later
-attempt gets a new one (distinct names, zones and instance types, so a cool-down is real).
+token, answered at once: ``request_flush`` is synchronous here) and restarts the gang elsewhere.
+When the notice's window ends, whatever still runs on the node is SIGKILLed, as a reclaimed
+instance would be, and the node is gone for good: a later attempt gets a new one (distinct
+names, zones and instance types, so a cool-down is real). Stopping a gang without a flush (after
+a failure of the user's code) first tells each agent ``POST /stop`` (it exits 79 without
+flushing), then stops what is left as a stop with a flush would.
 
 In parallel with the reconciler's calls, one monitor thread, every ``MONITOR_TICK`` seconds:
 terminates nodes whose window ended; reads each live worker's ``status.json`` (the step, the last
@@ -69,8 +72,8 @@ from agent.control_channel import (
 )
 from agent.notices.emulators import ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, all_processes
-from orchestrator.backends.base import BackendError, Placement, WorkerObservation, worker_name
-from orchestrator.model import JobSpec, WorkerPhase
+from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
+from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ MONITOR_TICK = 0.25
 STEP_SAMPLE_SECONDS = 0.5
 """At most one step sample per worker this often in the timeline (the plot's resolution)."""
 FLUSH_REQUEST_TIMEOUT = 5.0
+STOP_REQUEST_TIMEOUT = 5.0
 
 
 # -- the timeline -------------------------------------------------------------------------------
@@ -277,7 +281,7 @@ class LocalNode:
 @dataclass
 class _Worker:
     name: str
-    job: str
+    job: JobKey
     attempt: int
     index: int
     node: LocalNode
@@ -288,6 +292,8 @@ class _Worker:
     lost: bool = False
     """Its node was terminated while it ran: no exit code, as a pod on a vanished node."""
     stopping: bool = False
+    stop_flush: bool = True
+    """How the stop under way began: SIGTERM (the agent flushes), or POST /stop first (no flush)."""
     exit_seen: bool = False
     training_seen: bool = False
     last_step: int | None = None
@@ -482,26 +488,31 @@ class LocalBackend:
             t.join(timeout=grace + 15)
 
     # -- the Backend protocol ---------------------------------------------------------------------
-    def start_workers(self, job: JobSpec, attempt: int, placement: Placement) -> None:
+    def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
+        """Nothing: local processes run any valid spec (``template`` and ``image`` are not used)."""
+        return []
+
+    def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         with self._lock:
-            port = self._ports.setdefault((job.name, attempt), free_port())
+            port = self._ports.setdefault((str(key), attempt), free_port())
             taken: set[str] = set()
-            for index in range(job.replicas):
-                name = worker_name(job.name, attempt, index)
-                if name in self._workers:
-                    taken.add(self._workers[name].node.name)
+            for index in range(spec.replicas):
+                name = worker_name(key, attempt, index)
+                existing = self._workers.get(name)
+                if existing is not None and existing.job == key:
+                    taken.add(existing.node.name)
                     continue  # idempotent: this attempt's worker exists
                 node = self._place(placement, taken)
                 taken.add(node.name)
-                self._workers[name] = self._spawn(job, attempt, index, node, port)
+                self._workers[name] = self._spawn(key, spec, attempt, index, node, port)
         self.changed.set()
 
-    def stop_workers(self, job: JobSpec, *, keep_attempt: int | None = None) -> None:
+    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
         with self._lock:
             for w in list(self._workers.values()):
-                if w.job != job.name or w.attempt == keep_attempt or w.stopping:
+                if w.job != key or w.attempt == keep_attempt or w.stopping:
                     continue
-                w.stopping = True
+                w.stopping, w.stop_flush = True, flush
                 if not w.alive and not marked_pids(ENV_WORKER, w.marker):
                     self._remove(w)  # exited, and nothing of it is left (no stray rank)
                     continue
@@ -509,12 +520,12 @@ class LocalBackend:
                 self._threads.append(t)
                 t.start()
 
-    def list_workers(self, job: JobSpec) -> list[WorkerObservation]:
+    def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         with self._lock:
-            workers = [w for w in self._workers.values() if w.job == job.name]
+            workers = [w for w in self._workers.values() if w.job == key]
         return [self._observe(w) for w in workers]
 
-    def signals(self, job: JobSpec) -> list[Signal]:
+    def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
         if not self.options.hear_notices:
             return []
         with self._lock:
@@ -535,35 +546,51 @@ class LocalBackend:
             )
         return out
 
-    def request_flush(self, job: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None) -> None:
+    def request_flush(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
+    ) -> FlushRequestState:
+        """POST /flush to the worker's agent on loopback, answered at once (a local call is quick)."""
         with self._lock:
             w = self._workers.get(worker.name)
-        if w is None:
-            raise BackendError(f"no worker {worker.name} to flush")
+        if w is None or w.job != key:
+            return FlushRequestState.failed(f"no worker {worker.name} to flush")
+        try:
+            answer = self._post(w, "/flush", {"reason": reason, "deadline": deadline.timestamp() if deadline else None})
+        except BackendError as e:
+            return FlushRequestState.failed(str(e))
+        if answer is None:  # 409: the command has ended already; its exit code will tell
+            return FlushRequestState.accepted()
+        log.info(
+            "asked the agent of %s to flush (%s)", w.name, "accepted" if answer.get("created") else "already flushing"
+        )
+        return FlushRequestState.accepted()
+
+    def _post(
+        self, w: _Worker, path: str, body: dict[str, Any], timeout: float = FLUSH_REQUEST_TIMEOUT
+    ) -> dict[str, Any] | None:
+        """POST ``body`` to the worker's agent with the run's token; its JSON answer, or None for 409
+        (the command has ended). ``BackendError`` when the agent cannot be reached or refuses."""
         info = read_json(os.path.join(w.control_dir, AGENT_FILE))
         if info is None or "url" not in info:
             raise BackendError(f"the agent of {w.name} has not started its control API yet")
-        body = json.dumps({"reason": reason, "deadline": deadline.timestamp() if deadline else None}).encode()
         request = urllib.request.Request(
-            f"{info['url']}/flush",
-            data=body,
+            f"{info['url']}{path}",
+            data=json.dumps(body).encode(),
             method="POST",
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=FLUSH_REQUEST_TIMEOUT) as resp:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
                 answer = json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as e:
-            if e.code == 409:  # the command has ended already: its exit code will tell
+            if e.code == 409:
                 detail = e.read()[:200].decode(errors="replace")
-                log.info("the agent of %s has nothing left to flush: %s", w.name, detail)
-                return
-            raise BackendError(f"POST /flush to the agent of {w.name} answered {e.code}") from e
+                log.info("the agent of %s has nothing left to %s: %s", w.name, path.strip("/"), detail)
+                return None
+            raise BackendError(f"POST {path} to the agent of {w.name} answered {e.code}") from e
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise BackendError(f"POST /flush to the agent of {w.name} failed: {e}") from e
-        log.info(
-            "asked the agent of %s to flush (%s)", w.name, "accepted" if answer.get("created") else "already flushing"
-        )
+            raise BackendError(f"POST {path} to the agent of {w.name} failed: {e}") from e
+        return answer if isinstance(answer, dict) else {}
 
     # -- the simulated cloud ----------------------------------------------------------------------
     def preempt(self, node: str | None = None, *, why: str = "injected") -> str | None:
@@ -589,9 +616,7 @@ class LocalBackend:
             target.noticed_at, target.deadline = now, deadline
             self.notices_sent += 1
         self.timeline.record(EventKind.NOTICE, node=target.name, deadline=deadline, why=why)
-        log.warning(
-            "spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now
-        )
+        log.warning("spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now)
         self.changed.set()
         return target.name
 
@@ -603,7 +628,7 @@ class LocalBackend:
         with self._lock:
             return list(self._nodes.values())
 
-    def observed_step(self, job: str | None = None) -> int | None:
+    def observed_step(self, job: JobKey | None = None) -> int | None:
         """The newest live attempt's highest reported step (what step triggers and the live view use)."""
         with self._lock:
             live = [w for w in self._workers.values() if w.alive and (job is None or w.job == job)]
@@ -636,9 +661,7 @@ class LocalBackend:
         start = self._node_count % len(combos)
         ordered = combos[start:] + combos[:start]
         good = [
-            (z, t)
-            for z, t in ordered
-            if z not in placement.avoid_zones and t not in placement.avoid_instance_types
+            (z, t) for z, t in ordered if z not in placement.avoid_zones and t not in placement.avoid_instance_types
         ]
         if free and not good:
             return free[0]  # avoided zones and types are preferences, never a reason to strand the job
@@ -657,7 +680,7 @@ class LocalBackend:
         return node
 
     def _command(
-        self, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
+        self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
     ) -> list[str]:
         ck = job.checkpoint
         agent = [
@@ -667,7 +690,8 @@ class LocalBackend:
             "--poll-interval", f"{self.options.poll_interval:g}",
             "--token-file", self.token_file,
             "--checkpoint-uri", ck.uri,
-            "--job-name", job.name,
+            # The job's identity in storage (owner.json, attempt records): namespace/name.
+            "--job-name", str(key),
             "--keep", str(ck.keep),
             "--control-dir", control_dir,
             "--kill-grace", f"{self.options.kill_grace:g}",
@@ -690,8 +714,8 @@ class LocalBackend:
         ]  # fmt: skip
         return [*agent, "--", *torchrun, *job.command]
 
-    def _spawn(self, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> _Worker:
-        name = worker_name(job.name, attempt, index)
+    def _spawn(self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> _Worker:
+        name = worker_name(key, attempt, index)
         control_dir = os.path.join(node.path, name)
         os.makedirs(control_dir, exist_ok=True)
         log_path = os.path.join(self.root, "logs", f"{name}.log")
@@ -701,7 +725,7 @@ class LocalBackend:
         env.update(job.env)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER] = node.marker, marker
-        command = self._command(job, attempt, index, node, control_dir, port)
+        command = self._command(key, job, attempt, index, node, control_dir, port)
         try:
             with open(log_path, "ab") as out:
                 out.write(f"# {' '.join(command)}\n".encode())
@@ -720,7 +744,7 @@ class LocalBackend:
         node.worker = name
         log.info("started %s on %s (pid %d, output in %s)", name, node.name, proc.pid, log_path)
         self.timeline.record(EventKind.WORKER_STARTED, worker=name, attempt=attempt, node=node.name)
-        return _Worker(name, job.name, attempt, index, node, proc, control_dir, log_path, marker)
+        return _Worker(name, key, attempt, index, node, proc, control_dir, log_path, marker)
 
     def _observe(self, w: _Worker) -> WorkerObservation:
         status = w.rank_status()
@@ -747,7 +771,14 @@ class LocalBackend:
         )
 
     def _stop(self, w: _Worker) -> None:
-        """(a thread per worker) What deleting a pod does: SIGTERM, the grace period, SIGKILL."""
+        """(a thread per worker) What deleting a pod does: SIGTERM, the grace period, SIGKILL;
+        without a flush, ``POST /stop`` to the agent first (it stops its command and exits 79)."""
+        if not w.stop_flush and w.alive:
+            try:
+                self._post(w, "/stop", {"reason": "the gang is stopped without a flush"}, STOP_REQUEST_TIMEOUT)
+                w.proc.wait(timeout=self.options.kill_grace + 10)
+            except (BackendError, subprocess.TimeoutExpired) as e:
+                log.warning("%s did not stop through its API (%s); terminating it", w.name, e)
         n = kill_marked(ENV_WORKER, w.marker, grace=self.options.kill_grace, reason=f"stopping {w.name}")
         with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(timeout=10)
@@ -851,4 +882,3 @@ __all__ = [
     "TimelineEvent",
     "load_trace",
 ]
-

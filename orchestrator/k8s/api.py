@@ -95,6 +95,7 @@ NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
 PODS = Resource("", "v1", "pods", "Pod", namespaced=True)
 SERVICES = Resource("", "v1", "services", "Service", namespaced=True)
 SECRETS = Resource("", "v1", "secrets", "Secret", namespaced=True)
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", namespaced=True)
 CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
 EVENTS = Resource("events.k8s.io", "v1", "events", "Event", namespaced=True)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True)
@@ -113,25 +114,20 @@ class Permission:
 
 PERMISSIONS: tuple[Permission, ...] = (
     # Reads: the informers' caches (list + watch) and fresh reads before a decision (get).
-    Permission("", "nodes", "get", "re-check a node before acting on a signal"),
     Permission("", "nodes", "list", "the Node informer"),
     Permission("", "nodes", "watch", "the Node informer"),
-    Permission("", "pods", "get", "fresh read of a worker pod"),
     Permission("", "pods", "list", "the Pod informer (workers, by label)"),
     Permission("", "pods", "watch", "the Pod informer (workers, by label)"),
-    Permission("spotjob.dev", "spotjobs", "get", "fresh read before a status write"),
+    Permission("spotjob.dev", "spotjobs", "get", "a fresh read of a job the cache lags behind on (or no longer has)"),
     Permission("spotjob.dev", "spotjobs", "list", "the SpotJob informer"),
     Permission("spotjob.dev", "spotjobs", "watch", "the SpotJob informer"),
     # Writes.
-    Permission("", "nodes", "patch", "the interruption-queue reader annotates a Node with a cloud notice"),
     Permission("", "pods", "create", "start a worker"),
-    Permission("", "pods", "delete", "stop a worker"),
-    Permission("", "services", "get", "the job's headless rendezvous Service exists?"),
+    Permission("", "pods", "delete", "stop a worker (force-delete one stuck on a lost node)"),
     Permission("", "services", "create", "the job's headless rendezvous Service"),
-    Permission("", "secrets", "get", "the job's agent token Secret exists?"),
-    Permission("", "secrets", "create", "the job's agent token Secret"),
-    Permission("spotjob.dev", "spotjobs/status", "update", "write the reconciler's status"),
-    Permission("spotjob.dev", "spotjobs/status", "patch", "write the reconciler's status"),
+    Permission("", "secrets", "create", "the job's agent token Secret (never read back: the token is derived)"),
+    Permission("networking.k8s.io", "networkpolicies", "create", "the job's NetworkPolicy (--network-policy)"),
+    Permission("spotjob.dev", "spotjobs/status", "update", "write the reconciler's status (compare-and-swap)"),
     Permission("events.k8s.io", "events", "create", "Events about jobs and nodes"),
     Permission("events.k8s.io", "events", "patch", "aggregate a repeated Event into its series"),
     Permission("", "events", "create", "Events, where events.k8s.io/v1 is not served"),

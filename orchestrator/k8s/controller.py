@@ -17,8 +17,9 @@ and queue them: a SpotJob event queues that job; a worker Pod event queues the j
 cache's node index), and a Node deletion is remembered by the node-loss tracker.
 
 The reconcile seam: ``ReconcileFactory`` builds the per-key reconcile function from a
-``ControllerContext`` (client, caches, Events, metrics, signals, options). The reconciler work
-supplies the real factory; this module knows nothing of what a reconcile does.
+``ControllerContext`` (client, caches, Events, metrics, signals, options), before the informers
+start (so it may add informer handlers). ``orchestrator.k8s.wiring.spotjob_reconcile`` is the real
+one; this module knows nothing of what a reconcile does.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.informer import EventHandler, Informer
 from orchestrator.k8s.leader import LeaderElector, LeaseTiming
 from orchestrator.k8s.metrics import ControllerMetrics
+from orchestrator.k8s.pods import JOB_LABEL
 from orchestrator.k8s.workqueue import ObjectKey, Reconcile, Workers, WorkQueue
 
 log = logging.getLogger(__name__)
 
-JOB_LABEL = "spotjob.dev/job"
-"""The label on every worker Pod naming its SpotJob (same namespace). The Pod informer selects on it."""
+__all__ = ["JOB_LABEL", "Controller", "ControllerContext", "ControllerOptions", "ReconcileFactory"]
 
 EXIT_LEADERSHIP_LOST = 3
 """Exit status of a replica that lost (or could not renew) its lease; the Deployment restarts it."""
@@ -61,6 +62,12 @@ class ControllerOptions:
     http_port: int = 8080
     agent_port: int = 8470
     network_policy: bool = True
+    controller_namespace: str = ""
+    """The namespace the controller's pods run in (the per-job NetworkPolicies admit them from it)."""
+    controller_pod_labels: tuple[tuple[str, str], ...] = ()
+    """Labels of the controller's pods (``--controller-pod-labels``), for the NetworkPolicies."""
+    agent_token_key_file: str | None = None
+    """The key the agents' tokens are derived from (``--agent-token-key-file``); None: a random one."""
     interruption_queue_url: str | None = None
     aws_region: str | None = None
     rebalance: RebalancePolicy = RebalancePolicy.IGNORE

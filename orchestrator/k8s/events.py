@@ -28,7 +28,11 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from orchestrator.events import EventType as JobEventType
+from orchestrator.events import LoggingEventSink
 from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
+from orchestrator.k8s.informer import Cache
+from orchestrator.model import JobKey
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +252,41 @@ class EventRecorder:
         if resource is EVENTS:
             return {"series": {"count": count, "lastObservedTime": _micro(now)}}
         return {"count": count, "lastTimestamp": _seconds(now)}
+
+
+class JobEventSink:
+    """The reconciler's ``orchestrator.events.EventSink`` on Kubernetes: Events on the SpotJob, and
+    on the Node the Event names (a notice for it, a worker lost with it), each pointing at the other
+    (``related``), so ``kubectl describe node`` tells which jobs a node's preemption moved.
+
+    The SpotJob's uid comes from the informer's cache (an Event without it still lands, matched by
+    name). Also logs each Event. Never raises.
+    """
+
+    def __init__(self, recorder: EventRecorder, jobs: Cache, nodes: Cache) -> None:
+        """``jobs`` and ``nodes``: the SpotJob and Node informers' caches."""
+        self._recorder = recorder
+        self._jobs = jobs
+        self._nodes = nodes
+        self._log = LoggingEventSink()
+
+    def emit(self, key: JobKey, type: JobEventType, reason: str, message: str, *, node: str | None = None) -> None:
+        self._log.emit(key, type, reason, message, node=node)
+        kind = EventType(str(type))
+        try:
+            cached = self._jobs.get(key.namespace, key.name)
+            job = (
+                ObjectRef.of(cached)
+                if cached is not None
+                else ObjectRef("SpotJob", key.name, key.namespace, api_version="spotjob.dev/v1alpha1")
+            )
+            node_ref: ObjectRef | None = None
+            if node:
+                cached_node = self._nodes.get("", node)
+                node_ref = ObjectRef.of(cached_node) if cached_node is not None else ObjectRef("Node", node)
+        except Exception:
+            log.exception("could not describe event %s of job %s", reason, key)
+            return
+        self._recorder.event(job, kind, reason, message, related=node_ref)
+        if node_ref is not None:
+            self._recorder.event(node_ref, kind, reason, f"SpotJob {key}: {message}", related=job)

@@ -9,6 +9,7 @@ shutdown.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -18,16 +19,18 @@ from collections.abc import Sequence
 from types import FrameType
 from urllib.parse import urlparse
 
+from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
 from orchestrator.k8s.cluster_signals import RebalancePolicy
-from orchestrator.k8s.controller import Controller, ControllerOptions, ReconcileFactory, reconcile_not_wired
+from orchestrator.k8s.controller import Controller, ControllerOptions, ReconcileFactory
 from orchestrator.k8s.leader import LeaseTiming, default_identity
 from orchestrator.k8s.metrics import ControllerMetrics
+from orchestrator.k8s.wiring import spotjob_reconcile
 
 log = logging.getLogger("spotjob.controller")
 
-RECONCILE_FACTORY: ReconcileFactory = reconcile_not_wired
-"""The reconcile seam: the SpotJob reconciler's factory goes here once it exists."""
+RECONCILE_FACTORY: ReconcileFactory = spotjob_reconcile
+"""The reconcile seam: the SpotJob reconciler (tests may pass another to ``main``)."""
 
 EXIT_USAGE = 2
 _SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -86,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the Kubernetes backend gives each job a NetworkPolicy admitting only the controller and the job's pods "
         "(default on; $SPOTJOB_NETWORK_POLICY)",
+    )
+    p.add_argument(
+        "--controller-pod-labels",
+        metavar="K=V,...",
+        help="labels of the controller's own pods: the per-job NetworkPolicies admit them to the agents' port "
+        "(the chart sets it; without it, every pod of the controller's namespace is admitted; "
+        "$SPOTJOB_CONTROLLER_POD_LABELS)",
+    )
+    p.add_argument(
+        "--controller-namespace",
+        metavar="NS",
+        help="the namespace the controller's pods run in, for the NetworkPolicies (default $POD_NAMESPACE, "
+        "else the pod's own namespace)",
+    )
+    p.add_argument(
+        "--agent-token-key-file",
+        metavar="PATH",
+        help="the key (32+ bytes) each job's agent token is derived from; every replica needs the same one "
+        "(the chart mounts it from a Secret; default: a random key, lost on restart; $SPOTJOB_AGENT_TOKEN_KEY_FILE)",
     )
     p.add_argument(
         "--interruption-queue-url", help="SQS queue of EC2 interruption events ($SPOTJOB_INTERRUPTION_QUEUE_URL)"
@@ -160,6 +182,11 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     network_policy = (
         args.network_policy if args.network_policy is not None else _bool_env("SPOTJOB_NETWORK_POLICY", True)
     )
+    pod_labels = _labels(args.controller_pod_labels or _env("SPOTJOB_CONTROLLER_POD_LABELS") or "")
+    controller_namespace = args.controller_namespace or _env("POD_NAMESPACE") or _service_account_namespace() or ""
+    if controller_namespace and not _DNS_LABEL.match(controller_namespace):
+        raise ValueError(f"--controller-namespace {controller_namespace!r} is not a namespace name")
+    token_key_file = args.agent_token_key_file or _env("SPOTJOB_AGENT_TOKEN_KEY_FILE")
     queue_url = args.interruption_queue_url or _env("SPOTJOB_INTERRUPTION_QUEUE_URL")
     if queue_url:
         parsed = urlparse(queue_url)
@@ -187,12 +214,32 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         http_port=http_port,
         agent_port=agent_port,
         network_policy=network_policy,
+        controller_namespace=controller_namespace,
+        controller_pod_labels=pod_labels,
+        agent_token_key_file=token_key_file,
         interruption_queue_url=queue_url,
         aws_region=region,
         rebalance=rebalance,
         node_lost_grace_seconds=grace,
         workers=workers,
     )
+
+
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k=v`` as label pairs; ValueError naming the flag and the bad pair."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
+            raise ValueError(f"--controller-pod-labels: {part!r} is not a label (key=value)")
+        out.append((key, value))
+    return tuple(out)
 
 
 def _int(value: int | None, env: str, default: int, flag: str) -> int:
@@ -245,8 +292,17 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
             "--interruption-queue-url is accepted, but this build has no interruption-queue reader: "
             "notices come from node taints and pod conditions only"
         )
+    if options.network_policy and not options.controller_namespace:
+        log.warning(
+            "--network-policy: the controller's namespace is unknown (no --controller-namespace, $POD_NAMESPACE "
+            "or service account), so no NetworkPolicy could admit it to the agents: none is created"
+        )
+        options = dataclasses.replace(options, network_policy=False)
     try:
         controller = Controller(client, options, reconcile_factory or RECONCILE_FACTORY, metrics=metrics)
+    except TokenKeyError as e:
+        print(f"spotjob-controller: --agent-token-key-file: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as e:
         print(f"spotjob-controller: cannot serve on --http-port {options.http_port}: {e}", file=sys.stderr)
         return EXIT_USAGE

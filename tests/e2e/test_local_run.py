@@ -3,8 +3,9 @@
 Each test runs examples/train.py (2 ranks, 60 steps) under spotjob's local backend and checks
 what the job ends with, never how long anything took: the final state bit-identical to an
 uninterrupted run after notices at random steps, during saves and during a restart; a crashing
-script failing the job once ``--max-restarts`` is used; a flush that storage refuses timing out
-and the job resuming from the checkpoint before it.
+script failing the job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``,
+the identity the agents got); a flush that storage refuses timing out and the job resuming from the
+checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
 
-from orchestrator.backends.local import ENV_NODE, EventKind, Timeline, marked_pids
+from agent.catalog import list_checkpoints
+from agent.control_channel import EXIT_STOPPED
+from agent.ownership import attempt_records, read_owner
+from agent.storage import open_storage
+from orchestrator.backends.base import Placement
+from orchestrator.backends.local import ENV_NODE, EventKind, LocalBackend, LocalOptions, Timeline, marked_pids
 from orchestrator.cli_run import LocalRun, RunConfig
-from orchestrator.model import Phase, WorkerPhase
+from orchestrator.events import events_path, read_events
+from orchestrator.model import CheckpointSpec, JobKey, JobSpec, Phase, WorkerPhase
 
 try:
     from faults import FaultProxy
@@ -52,6 +59,12 @@ def wait_for(predicate: Callable[[], bool], what: str, *, done: threading.Event 
         time.sleep(0.05)
 
 
+def run_files(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """The job file and the Events file of run ``name`` under ``tmp_path/spotjob-runs``."""
+    run = tmp_path / "spotjob-runs" / name
+    return run / "local" / f"{name}.json", Path(events_path(str(run), JobKey.local(name)))
+
+
 def read_status(path: Path) -> dict[str, Any] | None:
     try:
         return dict(json.loads(path.read_text()).get("status") or {})
@@ -59,8 +72,8 @@ def read_status(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def event_reasons(status: dict[str, Any]) -> list[str]:
-    return [e["reason"] for e in status.get("events", [])]
+def event_reasons(events_file: Path) -> list[str]:
+    return [e.reason for e in read_events(str(events_file))]
 
 
 # -- preemptions at random moments --------------------------------------------------------------
@@ -82,24 +95,24 @@ def test_a_job_preempted_at_random_steps_during_saves_and_during_a_restart_ends_
         flush_timeout=60.0,
     )
     run = LocalRun(config)
-    backend, spec = run.backend, run.spec
+    backend, spec, key = run.backend, run.spec, run.key
     done = threading.Event()
     failures: list[BaseException] = []
     starting_when_noticed: list[bool] = []
 
     def attempts() -> set[int]:
-        return {w.attempt for w in backend.list_workers(spec)}
+        return {w.attempt for w in backend.list_workers(key, spec)}
 
     def drive() -> None:
         try:
-            wait_for(lambda: (backend.observed_step(spec.name) or 0) >= first, f"step {first}", done=done)
+            wait_for(lambda: (backend.observed_step(key) or 0) >= first, f"step {first}", done=done)
             assert backend.preempt(why=f"the test: step {first}") is not None
             wait_for(lambda: 1 in attempts(), "attempt 1's worker", done=done)
-            starting = [w for w in backend.list_workers(spec) if w.attempt == 1]
+            starting = [w for w in backend.list_workers(key, spec) if w.attempt == 1]
             starting_when_noticed.append(all(w.phase is WorkerPhase.PENDING for w in starting))
             assert backend.preempt(why="the test: attempt 1 is still starting") is not None
             wait_for(
-                lambda: max(attempts(), default=0) >= 2 and (backend.observed_step(spec.name) or 0) >= third,
+                lambda: max(attempts(), default=0) >= 2 and (backend.observed_step(key) or 0) >= third,
                 f"attempt 2 at step {third}",
                 done=done,
             )
@@ -121,7 +134,7 @@ def test_a_job_preempted_at_random_steps_during_saves_and_during_a_restart_ends_
     # No assertion on steps lost: with a save every step, a periodic commit that lands between the
     # notice and the flush is taken for the flush (storage holds a newer manifest), and the gang is
     # stopped a step or two before its own flush commits. The final state is what must not change.
-    reasons = [e.reason for e in status.events]
+    reasons = [e.reason for e in run.events]
     assert reasons.count("FlushCommitted") >= 2, reasons
     assert "WorkersExited" in reasons, "attempt 1 had no running worker to flush"
 
@@ -157,18 +170,34 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     assert "crashing failed: RestartBudgetExhausted" in proc.stderr
     assert "Failed" in proc.stdout  # the summary
 
-    status = read_status(tmp_path / "spotjob-runs" / "crashing" / "crashing.json")
+    job_file, events_file = run_files(tmp_path, "crashing")
+    status = read_status(job_file)
     assert status is not None
     assert (status["phase"], status["reason"]) == ("Failed", "RestartBudgetExhausted")
     assert "all 1 restart(s) are used" in status["message"]
     assert (status["restarts"], status["preemptions"]) == (1, 0)
-    assert event_reasons(status).count("WorkerFailed") == 1
+    assert event_reasons(events_file).count("WorkerFailed") == 1
     assert status["attempt"]["number"] == 1 and status["attempt"]["resumedFromStep"] in (5, 10)
+    assert [(h["attempt"], h["cause"], h["reason"]) for h in status["restartHistory"]] == [
+        (0, "Failure", "WorkerFailed")
+    ]
+
+    # The job's identity is local/crashing end to end: the controller claimed the URI and recorded
+    # the attempts under it, and the agents' Checkpointers wrote their manifests as it.
+    storage = open_storage(str(tmp_path / "spotjob-runs" / "crashing" / "checkpoints"))
+    owner = read_owner(storage)
+    assert owner is not None and owner.job == "local/crashing"
+    assert [r.attempt for r in attempt_records(storage, "local/crashing")] == [0, 1]
+    manifests = [c.manifest for c in list_checkpoints(storage) if c.manifest is not None]
+    assert manifests and {m.job for m in manifests} == {"local/crashing"}
 
     listing = spotjob("status", cwd=tmp_path)
     assert listing.returncode == 0 and "crashing" in listing.stdout and "Failed" in listing.stdout
     detail = spotjob("status", "crashing", cwd=tmp_path)
     assert detail.returncode == 0 and "RestartBudgetExhausted" in detail.stdout
+    assert "WorkerFailed" in detail.stdout, "the Events, read from the run's events file"
+    as_json = json.loads(spotjob("status", "crashing", "--json", cwd=tmp_path).stdout)
+    assert [e["reason"] for e in as_json["events"]] == event_reasons(events_file)
 
 
 # -- storage refuses the flush ------------------------------------------------------------------
@@ -179,7 +208,7 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
 ) -> None:
     bucket = f"spotjob-e2e-{uuid.uuid4().hex[:10]}"
     s3_client.create_bucket(Bucket=bucket)
-    status_file = tmp_path / "spotjob-runs" / "storage-down" / "storage-down.json"
+    status_file, events_file = run_files(tmp_path, "storage-down")
     with FaultProxy(moto_server, dialect="s3") as proxy:
         # Step 10 commits; every other checkpoint's writes are refused (503 SlowDown) until cleared,
         # and the agents keep retrying: whatever step the flush picks, it cannot commit.
@@ -201,7 +230,7 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
                 status = read_status(status_file)
                 if proc.poll() is not None:
                     raise AssertionError(f"spotjob run exited {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-                return status is not None and "FlushTimedOut" in event_reasons(status)
+                return status is not None and "FlushTimedOut" in event_reasons(events_file)
 
             wait_for(timed_out, "the flush to time out")
             proxy.clear()  # storage is back
@@ -216,9 +245,34 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
 
     status = read_status(status_file)
     assert status is not None and status["phase"] == "Succeeded"
-    timed_out_event = next(e for e in status["events"] if e["reason"] == "FlushTimedOut")
-    assert timed_out_event["message"].endswith("resuming from step 10"), timed_out_event
+    timed_out_event = next(e for e in read_events(str(events_file)) if e.reason == "FlushTimedOut")
+    assert timed_out_event.message.endswith("resuming from step 10"), timed_out_event
     assert status["preemptions"] == 1 and status["restarts"] == 0
-    assert status["stepsLostToPreemptions"] > 0
+    assert status["lostSteps"] > 0
     assert "resumed from step 10" in output or "from step 10" in output
     assert_same_final_state(tmp_path / "final", uninterrupted)
+
+
+# -- a gang stopped without a flush -------------------------------------------------------------
+
+
+def test_a_gang_stopped_without_a_flush_is_told_post_stop_and_exits_79(tmp_path: Path) -> None:
+    key = JobKey.local("stopped")
+    spec = JobSpec(
+        command=[str(TRAIN), "--steps", "100000", "--step-sleep", "0.2"],
+        nproc_per_node=1,
+        checkpoint=CheckpointSpec(uri=str(tmp_path / "ckpt")),
+    )
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        backend.start_workers(key, spec, 0, Placement())
+        wait_for(
+            lambda: any(w.phase is WorkerPhase.RUNNING for w in backend.list_workers(key, spec)),
+            "the worker to train",
+        )
+
+        backend.stop_workers(key, spec, flush=False)
+        wait_for(lambda: not backend.list_workers(key, spec), "the worker to be gone")
+
+    exits = [e for e in Timeline.read(str(tmp_path / "run" / "timeline.jsonl")) if e.kind == EventKind.WORKER_EXITED]
+    assert [(e.data["worker"], e.data["code"]) for e in exits] == [("stopped-0-0", EXIT_STOPPED)]
+    assert list_checkpoints(open_storage(str(tmp_path / "ckpt"))) == [], "stopped, not flushed"

@@ -102,21 +102,22 @@ def test_the_reconciler_runs_a_job_through_a_preemption_without_torch(
     code = textwrap.dedent(
         f"""
         from fakes import FakeBackend, FakeClock, FlakyStorage
-        from orchestrator.model import JobSpec, Phase
+        from orchestrator.model import JobKey, JobSpec, Phase
         from orchestrator.reconciler import Controller, Reconciler
         from orchestrator.store import JsonFileJobStore
         clock = FakeClock()
         storage = FlakyStorage({str(tmp_path / "ckpt")!r})
-        spec = JobSpec.model_validate({{"name": "train", "command": ["python", "t.py"], "replicas": 2,
+        spec = JobSpec.model_validate({{"command": ["python", "t.py"], "replicas": 2,
                                         "checkpoint": {{"uri": storage.uri}}}})
         from test_reconciler import NODES
         backend = FakeBackend(clock, storage, list(NODES), total_steps=300)
         store = JsonFileJobStore({str(tmp_path / "jobs")!r}, fsync=False)
-        store.create(spec)
+        key = JobKey("team-a", "train")
+        store.create(key, spec)
         controller = Controller(Reconciler(store, backend, clock, storage_factory=lambda uri: storage), clock)
-        controller.run("train", max_passes=5)
+        controller.run(key, max_passes=5)
         backend.notice("n0")
-        status = controller.run("train")
+        status = controller.run(key)
         assert status.phase is Phase.SUCCEEDED and status.preemptions == 1, status
         print("ok")
         """
@@ -141,11 +142,11 @@ def test_spotjob_ckpt_list_verify_and_show_read_a_real_checkpoint_without_torch(
 def test_spotjob_status_without_torch(blocked_env: dict[str, str], tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
-        from orchestrator.model import JobSpec
+        from orchestrator.model import JobKey, JobSpec
         from orchestrator.store import JsonFileJobStore
-        spec = JobSpec.model_validate({{"name": "demo", "command": ["python", "t.py"],
+        spec = JobSpec.model_validate({{"command": ["python", "t.py"],
                                         "checkpoint": {{"uri": {str(tmp_path / "ckpt")!r}}}}})
-        JsonFileJobStore({str(tmp_path / "runs" / "demo")!r}).create(spec)
+        JsonFileJobStore({str(tmp_path / "runs" / "demo")!r}).create(JobKey.local("demo"), spec)
         """
     )
     assert run(blocked_env, "-c", code).returncode == 0

@@ -48,9 +48,9 @@ def test_a_429_is_retried_after_the_servers_retry_after(test_api: TestApi) -> No
 
 def test_a_dropped_connection_is_retried(test_api: TestApi) -> None:
     client = test_api.client()
-    test_api.fault(verb="get", resource="nodes", name="n1", count=1, action="drop")
-    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
-    assert client.get(NODES, "n1")["metadata"]["name"] == "n1"
+    test_api.fault(verb="get", resource="leases", name="l", count=1, action="drop")
+    test_api.admin.create(LEASES, lease(), "default")
+    assert client.get(LEASES, "l", "default")["metadata"]["name"] == "l"
 
 
 def test_retries_give_up_with_a_typed_transient_error(test_api: TestApi) -> None:
@@ -80,7 +80,7 @@ def test_a_stale_update_is_a_conflict_and_a_second_create_already_exists(test_ap
 def test_a_missing_object_is_not_found_and_deleting_it_is_done(test_api: TestApi) -> None:
     client = test_api.client()
     with pytest.raises(NotFound):
-        client.get(PODS, "nope", "default")
+        client.get(LEASES, "nope", "default")
     assert client.delete(PODS, "nope", "default") is False
 
 
@@ -120,7 +120,7 @@ def test_kubeconfig_comes_from_the_environment_when_no_flag_names_one(test_api: 
 def test_a_request_that_hangs_times_out_and_is_retried(test_api: TestApi) -> None:
     retries: list[tuple[str, str, str]] = []
     client = test_api.client(request_timeout=0.5, on_retry=lambda *a: retries.append(a))
-    test_api.admin.create(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "slow"}})
-    test_api.fault(verb="get", resource="nodes", name="slow", count=1, action="timeout", delay=5)
-    assert client.get(NODES, "slow")["metadata"]["name"] == "slow"
-    assert retries == [("get", "nodes", "network")]
+    test_api.admin.create(LEASES, lease("slow"), "default")
+    test_api.fault(verb="get", resource="leases", name="slow", count=1, action="timeout", delay=5)
+    assert client.get(LEASES, "slow", "default")["metadata"]["name"] == "slow"
+    assert retries == [("get", "leases.coordination.k8s.io", "network")]

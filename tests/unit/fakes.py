@@ -5,7 +5,9 @@ The fake backend's workers evolve lazily from the fake clock whenever the backen
 a started worker runs ``start_seconds`` after it was created, trains ``steps_per_second`` from the
 step it resumed from (the newest valid checkpoint, read from storage as a real agent would), and a
 flush request freezes its step; ``flush_seconds`` later rank 0 commits a manifest at that step and
-every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says).
+every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says). ``flush_answers``
+scripts what ``request_flush`` answers per worker (pending, then accepted or failed), as the
+Kubernetes backend's background requests would; an unscripted request is accepted at once.
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, rank_file_name
 from agent.storage import AlreadyExistsError, ObjectInfo, Storage, TransientStorageError
 from agent.storage.file import FileStorage
-from orchestrator.backends.base import BackendError, Placement, WorkerObservation, worker_name
-from orchestrator.model import JobSpec, WorkerPhase
+from orchestrator.backends.base import (
+    BackendError,
+    FlushRequestOutcome,
+    FlushRequestState,
+    Placement,
+    WorkerObservation,
+    worker_name,
+)
+from orchestrator.events import EventType
+from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
+KEY = JobKey("team-a", "train")
+"""The job the tests run; its identity in storage is ``team-a/train``."""
 
 
 class FakeClock:
@@ -84,7 +96,7 @@ def commit_checkpoint(
     step: int,
     created_at: datetime,
     *,
-    job: str | None = "train",
+    job: str | None = str(KEY),
     trigger: str | None = None,
     attempt: int | None = None,
 ) -> None:
@@ -127,7 +139,7 @@ class FakeWorker:
     node: FakeNode | None
     created_at: datetime
     resumed_from: int
-    job: str = "train"
+    job: JobKey = KEY
     running_at: datetime | None = None
     exit_code: int | None = None
     exited_at: datetime | None = None
@@ -160,22 +172,33 @@ class FakeBackend:
     start_calls: list[tuple[int, Placement]] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     stop_calls: list[int | None] = field(default_factory=list)
+    """``keep_attempt`` of each ``stop_workers`` call."""
+    stop_flushes: list[bool] = field(default_factory=list)
+    """``flush`` of each ``stop_workers`` call."""
+    stopped_without_flush: list[str] = field(default_factory=list)
+    """Workers alive when a ``flush=False`` stop reached them (their agents got POST /stop)."""
     flush_calls: list[tuple[str, str, datetime | None]] = field(default_factory=list)
+    flush_answers: dict[str, list[FlushRequestState]] = field(default_factory=dict)
     commits: list[int] = field(default_factory=list)
     unreachable_agents: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+    """What ``spec_problems`` answers."""
     hidden_once: set[str] = field(default_factory=set)
     fail_calls: int = 0
     list_calls: int = 0
 
     # -- the Backend protocol ----------------------------------------------------------------
-    def start_workers(self, job: JobSpec, attempt: int, placement: Placement) -> None:
+    def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
+        return list(self.problems)
+
+    def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         self._maybe_fail()
         self.start_calls.append((attempt, placement))
         self._evolve()
         resumed = latest_valid(self.storage)
         taken: set[str] = set()
-        for index in range(job.replicas):
-            name = worker_name(job.name, attempt, index)
+        for index in range(spec.replicas):
+            name = worker_name(key, attempt, index)
             if name in self.workers:
                 continue  # idempotent: this attempt's worker exists
             node = self._place(placement, taken)
@@ -188,28 +211,31 @@ class FakeBackend:
                 node=node,
                 created_at=self.clock.now(),
                 resumed_from=resumed.ref.step if resumed else 0,
-                job=job.name,
+                job=key,
             )
             self.created.append(name)
 
-    def stop_workers(self, job: JobSpec, *, keep_attempt: int | None = None) -> None:
+    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
         self._maybe_fail()
         self.stop_calls.append(keep_attempt)
+        self.stop_flushes.append(flush)
         for w in list(self.workers.values()):
-            if w.attempt == keep_attempt or w.job != job.name:
+            if w.attempt == keep_attempt or w.job != key:
                 continue
+            if not flush and w.exit_code is None and w.stopping_at is None:
+                self.stopped_without_flush.append(w.name)
             if self.stop_seconds <= 0:
                 del self.workers[w.name]
             elif w.stopping_at is None:
                 w.stopping_at = self.clock.now()
 
-    def list_workers(self, job: JobSpec) -> list[WorkerObservation]:
+    def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         self._maybe_fail()
         self.list_calls += 1
         self._evolve()
         out = []
         for w in self.workers.values():
-            if w.job != job.name:
+            if w.job != key:
                 continue
             if w.name in self.hidden_once:
                 self.hidden_once.discard(w.name)
@@ -229,19 +255,26 @@ class FakeBackend:
             )
         return out
 
-    def signals(self, job: JobSpec) -> list[Signal]:
+    def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
         self._maybe_fail()
         return list(self.notices)
 
-    def request_flush(self, job: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None) -> None:
+    def request_flush(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
+    ) -> FlushRequestState:
         self.flush_calls.append((worker.name, reason, deadline))
         if worker.name in self.unreachable_agents:
             raise BackendError(f"agent of {worker.name} did not answer POST /flush")
+        scripted = self.flush_answers.get(worker.name)
+        answer = scripted.pop(0) if scripted else FlushRequestState.accepted()
+        if answer.outcome is not FlushRequestOutcome.ACCEPTED:
+            return answer
         self._evolve()
         w = self.workers[worker.name]
         if w.flush_requested_at is None:  # an agent keeps its first request
             w.flush_requested_at = self.clock.now()
             w.frozen_step = self.step_of(w)
+        return answer
 
     # -- what the tests do to the world ------------------------------------------------------
     def notice(
@@ -252,7 +285,7 @@ class FakeBackend:
         self.notices.append(signal)
         return signal
 
-    def worker(self, attempt: int, index: int, *, job: str = "train") -> FakeWorker:
+    def worker(self, attempt: int, index: int, *, job: JobKey = KEY) -> FakeWorker:
         return next(w for w in self.workers.values() if (w.attempt, w.index, w.job) == (attempt, index, job))
 
     def exit(self, attempt: int, index: int, code: int) -> None:
@@ -315,9 +348,11 @@ class FakeBackend:
                     w.frozen_step = self.total_steps
                     w.exit_code, w.exited_at = 0, now
 
-    def _commit(self, step: int, *, at: datetime | None = None, attempt: int | None = None, job: str = "train") -> None:
+    def _commit(self, step: int, *, at: datetime | None = None, attempt: int | None = None, job: JobKey = KEY) -> None:
         try:
-            commit_checkpoint(self.storage, step, at or self.clock.now(), job=job, trigger="flush", attempt=attempt)
+            commit_checkpoint(
+                self.storage, step, at or self.clock.now(), job=str(job), trigger="flush", attempt=attempt
+            )
         except AlreadyExistsError:
             return  # another agent of the gang committed this step already
         self.commits.append(step)
@@ -336,3 +371,62 @@ class FakeBackend:
         if self.fail_calls > 0:
             self.fail_calls -= 1
             raise BackendError("the API server answered 503")
+
+
+@dataclass(frozen=True)
+class EmittedEvent:
+    key: JobKey
+    type: EventType
+    reason: str
+    message: str
+    node: str | None
+
+
+@dataclass
+class RecordingEventSink:
+    """An ``EventSink`` that keeps every Event in order."""
+
+    emitted: list[EmittedEvent] = field(default_factory=list)
+
+    def emit(self, key: JobKey, type: EventType, reason: str, message: str, *, node: str | None = None) -> None:
+        self.emitted.append(EmittedEvent(key, type, reason, message, node))
+
+    def reasons(self, key: JobKey | None = None) -> list[str]:
+        return [e.reason for e in self.emitted if key is None or e.key == key]
+
+
+@dataclass
+class RecordingMetrics:
+    """A ``JobMetrics`` that keeps every call as ``(method, args)``."""
+
+    calls: list[tuple[str, tuple[object, ...]]] = field(default_factory=list)
+
+    def _record(self, name: str, *args: object) -> None:
+        self.calls.append((name, args))
+
+    def signal(self, kind: str, source: str) -> None:
+        self._record("signal", kind, source)
+
+    def flush_request(self, outcome: str) -> None:
+        self._record("flush_request", outcome)
+
+    def notice_to_commit(self, seconds: float) -> None:
+        self._record("notice_to_commit", seconds)
+
+    def preemption(self) -> None:
+        self._record("preemption")
+
+    def restart(self, cause: str) -> None:
+        self._record("restart", cause)
+
+    def lost_steps(self, steps: int) -> None:
+        self._record("lost_steps", steps)
+
+    def goodput(self, namespace: str, name: str, ratio: float) -> None:
+        self._record("goodput", namespace, name, ratio)
+
+    def job_deleted(self, namespace: str, name: str) -> None:
+        self._record("job_deleted", namespace, name)
+
+    def named(self, name: str) -> list[tuple[object, ...]]:
+        return [args for n, args in self.calls if n == name]

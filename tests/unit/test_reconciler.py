@@ -17,16 +17,39 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from fakes import EPOCH, FakeBackend, FakeClock, FakeNode, FlakyStorage, commit_checkpoint
+from fakes import (
+    EPOCH,
+    KEY,
+    FakeBackend,
+    FakeClock,
+    FakeNode,
+    FlakyStorage,
+    RecordingEventSink,
+    RecordingMetrics,
+    commit_checkpoint,
+)
+from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
-from agent.storage import Storage, TransientStorageError
+from agent.storage import Storage, TransientStorageError, open_storage
+from orchestrator.backends.base import FlushRequestState
 from orchestrator.cli import main as cli_main
-from orchestrator.model import Cause, CheckpointSpec, JobSpec, JobStatus, Phase, SpotJob
-from orchestrator.reconciler import Controller, Reconciler, ReconcileResult, ReconcilerOptions
+from orchestrator.events import EventType
+from orchestrator.model import (
+    MAX_RESTART_HISTORY,
+    Cause,
+    CheckpointSpec,
+    JobKey,
+    JobSpec,
+    JobStatus,
+    Phase,
+    describe_validation_error,
+    job_name_problem,
+)
+from orchestrator.reconciler import Controller, Reconciler, ReconcileResult, ReconcilerOptions, job_identity
 from orchestrator.signals import Signal, SignalKind
-from orchestrator.store import ConflictError, JobStore, JsonFileJobStore, StoredJob, StoreError
+from orchestrator.store import ConflictError, JobExistsError, JobStore, JsonFileJobStore, StoredJob, StoreError
 
 NODES = [
     FakeNode("n0", "zone-a", "g5.xlarge"),
@@ -39,7 +62,8 @@ NODES = [
 
 @dataclass
 class World:
-    """One job, its store, its storage and its backend, all on one fake clock."""
+    """One job (``KEY``: team-a/train), its store, its storage and its backend, all on one fake
+    clock; the Events and metrics every reconciler of the world emitted."""
 
     tmp: str
     spec: JobSpec
@@ -47,6 +71,10 @@ class World:
     storage: FlakyStorage
     backend: FakeBackend
     store: JobStore
+    key: JobKey = KEY
+    events: RecordingEventSink = field(default_factory=RecordingEventSink)
+    metrics: RecordingMetrics = field(default_factory=RecordingMetrics)
+    options: ReconcilerOptions = field(default_factory=ReconcilerOptions)
     reconciler: Reconciler = field(init=False)
     results: list[ReconcileResult] = field(default_factory=list)
     next_at: float = 0.0
@@ -59,14 +87,26 @@ class World:
     def restart_orchestrator(self) -> None:
         """A new controller process: fresh store object, fresh storage client, fresh reconciler."""
         self.store = JsonFileJobStore(os.path.join(self.tmp, "jobs"), fsync=False)
-        self.reconciler = Reconciler(self.store, self.backend, self.clock, storage_factory=self._open)
+        self.new_reconciler()
+
+    def new_reconciler(self, store: JobStore | None = None) -> None:
+        self.store = store or self.store
+        self.reconciler = Reconciler(
+            self.store,
+            self.backend,
+            self.clock,
+            events=self.events,
+            metrics=self.metrics,
+            storage_factory=self._open,
+            options=self.options,
+        )
 
     def _open(self, uri: str) -> Storage:
-        assert uri == self.spec.checkpoint.uri
-        return self.storage
+        # The world's job gets the flaky storage; another job of the same store a real folder.
+        return self.storage if uri == self.spec.checkpoint.uri else open_storage(uri)
 
     def reconcile(self) -> ReconcileResult:
-        result = self.reconciler.reconcile(self.spec.name)
+        result = self.reconciler.reconcile(self.key)
         self.results.append(result)
         self.last_pass_at = self.clock.at()
         self.next_at = self.last_pass_at + (result.requeue_after if result.requeue_after is not None else math.inf)
@@ -80,7 +120,7 @@ class World:
 
     @property
     def status(self) -> JobStatus:
-        stored = self.store.get(self.spec.name)
+        stored = self.store.get(self.key)
         assert stored is not None and stored.status is not None
         return stored.status
 
@@ -100,14 +140,13 @@ class World:
         return self.status
 
     def event_reasons(self) -> list[str]:
-        return [e.reason for e in self.status.events]
+        return self.events.reasons(self.key)
 
 
 def make_world(tmp_path: Any, backend_options: dict[str, Any] | None = None, **spec: Any) -> World:
     clock = FakeClock()
     storage = FlakyStorage(str(tmp_path / "ckpt"))
     fields: dict[str, Any] = {
-        "name": "train",
         "command": ["python", "train.py"],
         "replicas": 2,
         "checkpoint": {"uri": storage.uri},
@@ -118,7 +157,7 @@ def make_world(tmp_path: Any, backend_options: dict[str, Any] | None = None, **s
     job = JobSpec.model_validate(fields)
     backend = FakeBackend(clock, storage, list(NODES), **(backend_options or {}))
     store = JsonFileJobStore(str(tmp_path / "jobs"), fsync=False)
-    store.create(job)
+    store.create(KEY, job)
     return World(str(tmp_path), job, clock, storage, backend, store)
 
 
@@ -160,7 +199,9 @@ def test_starts_the_first_attempt_and_stays_pending_until_every_worker_runs(worl
     assert status.condition("Ready").status == "True"  # type: ignore[union-attr]
     assert status.start_time == EPOCH + timedelta(seconds=6)
     assert [w.node for w in status.workers] == ["n0", "n1"]
-    assert world.backend.start_calls == [(0, world.backend.start_calls[0][1])]
+    # Asked again on every pass while starting (idempotent), the same placement each time.
+    assert {call for call in world.backend.start_calls} == {(0, world.backend.start_calls[0][1])}
+    assert world.backend.created == ["train-0-0", "train-0-1"], "each worker created once"
 
 
 def test_succeeds_when_every_worker_exits_zero(tmp_path: Any) -> None:
@@ -181,7 +222,7 @@ def test_flushes_every_agent_when_a_spot_interruption_names_a_node_of_the_job(wo
 
     status = world.run_until(phase_is(Phase.FLUSHING))
 
-    assert status.reason == "PreemptionNotice"
+    assert status.reason == "SpotInterrupted"
     assert status.preemptions == 1 and status.restarts == 0
     assert status.condition("Flushing").status == "True"  # type: ignore[union-attr]
     assert sorted(world.backend.flushes_asked()) == ["train-0-0", "train-0-1"]
@@ -286,7 +327,7 @@ def test_treats_an_agent_that_exits_75_on_its_own_as_a_preemption(world: World) 
 
     status = world.run_until(phase_is(Phase.RESCHEDULING))
 
-    assert world.event_reasons()[-3:] == ["AgentPreempted", "FlushCommitted", "Rescheduling"]
+    assert world.event_reasons()[-3:] == ["AgentPreempted", "FlushCommitted", "Rescheduled"]
     assert (status.preemptions, status.restarts) == (1, 0)
     assert status.recovery is not None and status.recovery.cause is Cause.PREEMPTION
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 95
@@ -476,7 +517,7 @@ def test_unreachable_storage_shows_in_degraded_and_holds_the_restart_with_backof
         delays.append(world._next_pass().requeue_after)
     assert world.status.phase is Phase.RESCHEDULING and world.status.attempt.started_at is None
     assert delays == [4.0, 8.0, 16.0, 32.0, 60.0]
-    assert world.backend.start_calls == [(0, world.backend.start_calls[0][1])], "no attempt starts blind"
+    assert {a for a, _ in world.backend.start_calls} == {0}, "no attempt starts blind"
 
     world.storage.down = False
     status = world.run_until(running_attempt(1))
@@ -551,6 +592,21 @@ def test_an_agent_stopped_through_its_api_is_neither_a_failure_nor_the_users_fau
     assert status.restarts == 0
 
 
+def test_a_worker_stopped_through_its_api_beside_a_failed_peer_is_that_failures_not_a_preemption(
+    tmp_path: Any,
+) -> None:
+    w = make_world(tmp_path, maxRestarts=2)
+    w.run_to(100)
+    w.backend.exit(0, 0, 1)  # the user's code failed ...
+    w.backend.exit(0, 1, 79)  # ... and this controller stopped the survivor (a pass whose write was lost)
+
+    status = w.run_until(lambda s: s.phase is not Phase.RUNNING)
+
+    assert status.phase is Phase.RESCHEDULING and status.reason == "Rescheduled"
+    assert (status.restarts, status.preemptions) == (1, 0)
+    assert status.restart_history[-1].reason == "WorkerFailed"
+
+
 def test_a_failing_backend_is_retried_with_backoff_without_changing_the_phase(world: World) -> None:
     world.run_to(50)
     world.backend.fail_calls = 3
@@ -569,7 +625,7 @@ def test_a_failing_backend_is_retried_with_backoff_without_changing_the_phase(wo
 def test_an_invalid_checkpoint_uri_fails_the_job_at_once(tmp_path: Any) -> None:
     w = make_world(tmp_path)
     w.reconciler = Reconciler(w.store, w.backend, w.clock)  # the real open_storage
-    store_path = os.path.join(w.tmp, "jobs", "train.json")
+    store_path = os.path.join(w.tmp, "jobs", "team-a", "train.json")
     with open(store_path) as f:
         doc = json.load(f)
     doc["spec"]["checkpoint"]["uri"] = "ftp://example/ckpt"
@@ -623,7 +679,7 @@ def preemption_to_success(w: World, *, interrupt: Callable[[World], bool] | None
         phase=s.phase,
         restarts=s.restarts,
         preemptions=s.preemptions,
-        steps_lost=s.steps_lost_to_preemptions,
+        steps_lost=s.lost_steps,
         last_step=s.last_checkpoint.step if s.last_checkpoint else None,
         attempts=sorted(w.backend.created),
         flushes=sorted(set(w.backend.flushes_asked())),
@@ -658,7 +714,7 @@ def test_a_new_reconciler_carries_on_from_the_persisted_status_in_every_phase(tm
     assert outcome.phase is Phase.SUCCEEDED and (outcome.preemptions, outcome.restarts) == (1, 0)
     assert outcome.attempts == ["train-0-0", "train-0-1", "train-1-0", "train-1-1"]
     assert sorted(w.backend.flushes_asked()) == ["train-0-0", "train-0-1"], "no agent is asked twice"
-    assert len(w.backend.start_calls) == 2, "each attempt is started exactly once"
+    assert sorted(w.backend.created) == outcome.attempts, "each worker is created exactly once"
 
 
 class LosesOneWrite(JsonFileJobStore):
@@ -669,13 +725,13 @@ class LosesOneWrite(JsonFileJobStore):
         self.lose: Callable[[JobStatus, JobStatus], bool] | None = lose
         self.lost = 0
 
-    def update_status(self, name: str, status: JobStatus, *, version: str) -> StoredJob:
-        stored = self.get(name)
+    def update_status(self, key: JobKey, status: JobStatus, *, version: str) -> StoredJob:
+        stored = self.get(key)
         old = stored.status if stored is not None and stored.status is not None else JobStatus()
         if self.lose is not None and self.lose(old, status):
             self.lose, self.lost = None, 1
             raise StoreError("the controller was killed before its status write")
-        return super().update_status(name, status, version=version)
+        return super().update_status(key, status, version=version)
 
 
 def changes(before: Phase, after: Phase) -> Callable[[JobStatus, JobStatus], bool]:
@@ -701,8 +757,7 @@ def test_a_pass_whose_status_write_is_lost_is_replayed_without_counting_anything
     expected = preemption_to_success(make_world(tmp_path / "clean", backend_options={"total_steps": 300}))
     w = make_world(tmp_path / "lossy", backend_options={"total_steps": 300})
     lossy = LosesOneWrite(os.path.join(w.tmp, "jobs"), LOST_WRITES[moment])
-    w.store = lossy
-    w.reconciler = Reconciler(w.store, w.backend, w.clock, storage_factory=lambda uri: w.storage)
+    w.new_reconciler(lossy)
 
     outcome = preemption_to_success(w)
 
@@ -724,7 +779,7 @@ def test_counts_the_steps_lost_when_the_flush_times_out_and_the_time_to_train_th
     status = w.run_until(running_attempt(1))
 
     # Last step seen 101 (the flush froze it at 106), committed 50: 51 steps at 1 step/s.
-    assert status.steps_lost_to_preemptions == 51
+    assert status.lost_steps == 51
     assert status.retraining_seconds == pytest.approx(51.0)
 
 
@@ -733,12 +788,20 @@ def test_counts_no_steps_lost_when_the_flush_commits_the_last_step_seen(world: W
 
     status = world.run_until(running_attempt(1))
 
-    assert status.steps_lost_to_preemptions == 0 and status.retraining_seconds == 0
+    assert status.lost_steps == 0 and status.retraining_seconds == 0
     assert world.backend.worker(1, 0).resumed_from == 101
 
 
+def every_pass_writes(w: World) -> World:
+    """Goodput written on every pass, not only with a change or every minute (what the goodput
+    tests read back from the stored status)."""
+    w.options = ReconcilerOptions(status_refresh_seconds=0)
+    w.new_reconciler()
+    return w
+
+
 def test_goodput_subtracts_flushing_restarting_and_retraining_time_from_wall_time(tmp_path: Any) -> None:
-    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w = every_pass_writes(make_world(tmp_path, backend_options={"flush_outcome": "hang"}))
     w.run_to(60)
     commit_checkpoint(w.storage, 50, w.clock.now())
     preempt_running_job(w)
@@ -756,6 +819,7 @@ def test_goodput_subtracts_flushing_restarting_and_retraining_time_from_wall_tim
 
 
 def test_goodput_counts_a_recovery_in_progress_up_to_now(world: World) -> None:
+    every_pass_writes(world)
     preempt_running_job(world)
     world.run_until(phase_is(Phase.FLUSHING))  # at 106
     world.run_to(107)
@@ -777,21 +841,37 @@ def test_last_checkpoint_names_the_newest_valid_manifest_its_uri_and_time(world:
     assert status.last_checkpoint.time == EPOCH + timedelta(seconds=25)
 
 
-def test_keeps_a_bounded_list_of_events_coalescing_repeats(tmp_path: Any) -> None:
-    w = make_world(tmp_path, replicas=1, cooldown={"seconds": 0})
-    w.reconciler = Reconciler(
-        w.store, w.backend, w.clock, storage_factory=lambda uri: w.storage, options=ReconcilerOptions(max_events=5)
-    )
-    for attempt in range(4):
-        w.run_until(running_attempt(attempt))
-        w.backend.agent_hears_notice(attempt, 0)
-    w.storage.down = True
-    for _ in range(3):
-        w._next_pass()
+def test_remembers_why_each_restart_happened_the_newest_twenty(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, maxRestarts=30, cooldown={"seconds": 0})
+    stopped_at = []
+    w.run_until(running_attempt(0))
+    for attempt, hit in enumerate(
+        (
+            lambda: w.backend.agent_hears_notice(0, 0),
+            lambda: w.backend.exit(1, 0, 3),
+            lambda: w.backend.exit(2, 0, 74),
+        )
+    ):
+        hit()
+        w.run_until(phase_is(Phase.RESCHEDULING))
+        stopped_at.append(w.clock.now())
+        w.run_until(running_attempt(attempt + 1))
 
-    events = w.status.events
-    assert len(events) == 5
-    assert events[-1].reason == "StorageUnreachable" and events[-1].count == 3
+    status = w.status
+    assert [(h.attempt, h.cause, h.reason) for h in status.restart_history] == [
+        (0, Cause.PREEMPTION, "AgentPreempted"),
+        (1, Cause.FAILURE, "WorkerFailed"),
+        (2, Cause.INFRASTRUCTURE, "WorkerInfraError"),
+    ]
+    assert [h.time for h in status.restart_history] == stopped_at
+    assert status.restart_history[1].message == "worker train-1-0 exited with code 3; restart 1 of 30"
+
+    for attempt in range(3, 3 + MAX_RESTART_HISTORY):
+        w.backend.exit(attempt, 0, 1)
+        w.run_until(running_attempt(attempt + 1))
+    history = w.status.restart_history
+    assert len(history) == MAX_RESTART_HISTORY
+    assert [h.attempt for h in history] == list(range(3, 3 + MAX_RESTART_HISTORY)), "the newest, oldest first"
 
 
 # -- the loop, the model, the store -------------------------------------------------------------
@@ -803,52 +883,120 @@ def test_the_controller_runs_a_job_through_preemptions_to_success_without_really
     controller = Controller(w.reconciler, w.clock)
 
     began = time.monotonic()
-    status = controller.run("train")
+    status = controller.run(KEY)
 
     assert status.phase is Phase.SUCCEEDED and status.preemptions == 1
     assert w.clock.slept > 1000, "a quarter of an hour of fake time"
     assert time.monotonic() - began < 10, "and no real sleeping"
 
 
-def test_the_status_is_written_with_the_crds_camel_case_field_names(world: World) -> None:
+def test_the_job_is_stored_as_the_resource_with_the_crds_camel_case_field_names(world: World) -> None:
     preempt_running_job(world)
     world.run_until(phase_is(Phase.RESCHEDULING))
 
-    with open(os.path.join(world.tmp, "jobs", "train.json")) as f:
+    with open(os.path.join(world.tmp, "jobs", "team-a", "train.json")) as f:
         doc = json.load(f)
 
-    assert doc["resourceVersion"].isdigit()
+    assert (doc["apiVersion"], doc["kind"]) == ("spotjob.dev/v1alpha1", "SpotJob")
+    meta = doc["metadata"]
+    assert (meta["namespace"], meta["name"], meta["generation"]) == ("team-a", "train", 1)
+    assert meta["resourceVersion"].isdigit() and meta["uid"]
     assert doc["spec"]["flushTimeoutSeconds"] == 30
     assert doc["spec"]["restartBackoff"] == {"initialSeconds": 10, "maxSeconds": 80, "resetAfterSeconds": 600}
     status = doc["status"]
-    assert {"phase", "conditions", "restarts", "preemptions", "lastCheckpoint", "stepsLostToPreemptions"} <= set(status)
-    assert {"flushingSeconds", "restartingSeconds", "goodput", "events", "avoid", "recovery"} <= set(status)
+    assert {"phase", "conditions", "restarts", "preemptions", "lastCheckpoint", "lostSteps"} <= set(status)
+    assert {"flushingSeconds", "restartingSeconds", "goodput", "avoid", "recovery", "restartHistory"} <= set(status)
+    assert status["observedGeneration"] == 1
+    assert "events" not in status, "Events go to the event sink, not into the status"
     assert set(status["conditions"][0]) == {"type", "status", "reason", "message", "lastTransitionTime"}
     assert status["recovery"]["restartAt"].endswith("Z")
-    assert SpotJob.model_validate({k: v for k, v in doc.items() if k != "resourceVersion"}).status == world.status
+    assert JobStatus.model_validate(status) == world.status
 
 
-def test_a_spec_with_a_bad_name_or_backoff_is_refused_up_front() -> None:
-    base = {"command": ["x"], "checkpoint": {"uri": "/tmp/c"}}
-    with pytest.raises(ValueError, match="lowercase letters"):
-        JobSpec.model_validate({**base, "name": "Train_1"})
-    with pytest.raises(ValueError, match="maxSeconds"):
-        JobSpec.model_validate({**base, "name": "t", "restartBackoff": {"initialSeconds": 60, "maxSeconds": 10}})
-    with pytest.raises(ValueError, match="not permitted"):
-        JobSpec.model_validate({**base, "name": "t", "maxRestart": 3})
+def test_a_spec_with_a_bad_backoff_or_pod_template_is_refused_naming_the_field() -> None:
+    base: dict[str, Any] = {"command": ["x"], "checkpoint": {"uri": "/tmp/c"}}
+
+    def problem(**fields: Any) -> str:
+        with pytest.raises(ValueError) as e:
+            JobSpec.model_validate({**base, **fields})
+        assert isinstance(e.value, ValidationError)
+        return describe_validation_error(e.value, "spec")
+
+    assert "maxSeconds" in problem(restartBackoff={"initialSeconds": 60, "maxSeconds": 10})
+    assert problem(maxRestart=3).startswith("spec.maxRestart: Extra inputs are not permitted")
+    assert problem(name="train").startswith("spec.name: Extra inputs"), "the name is metadata.name"
+    assert problem(template={"spec": {"containers": []}}).startswith(
+        "spec.template: spec.containers must list at least one container"
+    )
+    assert "spec.containers[1].name is required" in problem(
+        template={"spec": {"containers": [{"name": "a", "image": "i"}, {"image": "i"}]}}
+    )
+    assert "has no image: set spec.image or template.spec.containers[0].image" in problem(
+        template={"spec": {"containers": [{"name": "trainer"}]}}
+    )
+    assert "containerName 'main' names no container" in problem(
+        template={"spec": {"containers": [{"name": "trainer", "image": "i"}]}}, containerName="main"
+    )
+    assert job_name_problem("Train_1") is not None and job_name_problem("x" * 41) is not None
+    assert job_name_problem("x" * 40) is None
+
+    spec = JobSpec.model_validate(
+        {
+            **base,
+            "image": "registry/train:1",
+            "containerName": "trainer",
+            "template": {"spec": {"containers": [{"name": "sidecar", "image": "s"}, {"name": "trainer"}]}},
+        }
+    )
+    assert spec.training_container() == (1, {"name": "trainer"})
 
 
 def test_the_store_refuses_a_status_write_from_a_stale_read(tmp_path: Any) -> None:
     store = JsonFileJobStore(str(tmp_path))
-    created = store.create(JobSpec(name="t", command=["x"], checkpoint=CheckpointSpec(uri="/tmp/c")))
-    store.update_status("t", JobStatus(restarts=1), version=created.version)
+    key = JobKey("team-a", "t")
+    created = store.create(key, JobSpec(command=["x"], checkpoint=CheckpointSpec(uri="/tmp/c")))
+    store.update_status(key, JobStatus(restarts=1), version=created.version)
 
     with pytest.raises(ConflictError):
-        store.update_status("t", JobStatus(restarts=2), version=created.version)
-    stored = store.get("t")
+        store.update_status(key, JobStatus(restarts=2), version=created.version)
+    stored = store.get(key)
     assert stored is not None and stored.status is not None and stored.status.restarts == 1
-    assert store.names() == ["t"]
-    assert sorted(os.listdir(tmp_path)) == [".t.lock", "t.json"], "no temp files left behind"
+    assert (stored.key, stored.generation, stored.uid, stored.invalid) == (key, 1, created.uid, None)
+    assert store.keys() == [key]
+    assert sorted(os.listdir(tmp_path / "team-a")) == [".t.lock", "t.json"], "no temp files left behind"
+    with pytest.raises(JobExistsError):
+        store.create(key, JobSpec(command=["x"], checkpoint=CheckpointSpec(uri="/tmp/c")))
+    with pytest.raises(StoreError, match="DNS labels"):
+        store.get(JobKey("..", "t"))
+
+
+def test_the_store_hands_back_a_job_whose_spec_or_status_does_not_validate_naming_the_field(tmp_path: Any) -> None:
+    store = JsonFileJobStore(str(tmp_path))
+    good, bad_spec, bad_status = JobKey("a", "good"), JobKey("a", "bad-spec"), JobKey("a", "bad-status")
+    spec = JobSpec(command=["x"], checkpoint=CheckpointSpec(uri="/tmp/c"))
+    for key in (good, bad_spec, bad_status):
+        store.create(key, spec)
+    edit_document(store, bad_spec, lambda doc: doc["spec"].update(replicas=0))
+    edit_document(store, bad_status, lambda doc: doc.update(status={"phase": "Sleeping"}))
+
+    assert store.keys() == [bad_spec, bad_status, good]
+    broken = store.get(bad_spec)
+    assert broken is not None and broken.spec is None
+    assert broken.invalid == "spec.replicas: Input should be greater than or equal to 1"
+    unreadable = store.get(bad_status)
+    assert unreadable is not None and unreadable.spec == spec and unreadable.status is None
+    assert unreadable.invalid is not None and unreadable.invalid.startswith("status.phase: Input should be")
+    fine = store.get(good)
+    assert fine is not None and fine.invalid is None and fine.spec == spec
+
+
+def edit_document(store: JsonFileJobStore, key: JobKey, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change a stored job's document behind the store's back (a user's edit, a bad write)."""
+    with open(store.path(key)) as f:
+        doc = json.load(f)
+    change(doc)
+    with open(store.path(key), "w") as f:
+        json.dump(doc, f)
 
 
 # -- ownership and fencing ----------------------------------------------------------------------
@@ -857,14 +1005,15 @@ def test_the_store_refuses_a_status_write_from_a_stale_read(tmp_path: Any) -> No
 def test_claims_the_uri_for_the_job_and_records_each_attempt_with_what_it_resumes_from(world: World) -> None:
     world.reconcile()
     owner = read_owner(world.storage)
-    assert owner is not None and owner.job == "train"
-    [first] = attempt_records(world.storage, "train")
+    assert job_identity(KEY) == "team-a/train"
+    assert owner is not None and owner.job == "team-a/train", "the job's identity is namespace/name"
+    [first] = attempt_records(world.storage, "team-a/train")
     assert (first.attempt, first.fence) == (0, None)
 
     preempt_running_job(world)
     world.run_until(running_attempt(1))
 
-    records = attempt_records(world.storage, "train")
+    records = attempt_records(world.storage, "team-a/train")
     assert [(r.attempt, r.fence) for r in records] == [(0, None), (1, CheckpointRef(101))]
     assert world.backend.worker(1, 0).resumed_from == 101
 
@@ -872,31 +1021,31 @@ def test_claims_the_uri_for_the_job_and_records_each_attempt_with_what_it_resume
 def test_a_second_job_on_the_uri_fails_naming_the_owner_until_the_uri_is_adopted(world: World) -> None:
     world.run_to(60)
     commit_checkpoint(world.storage, 50, world.clock.now())
-    other = JobSpec.model_validate({**world.spec.model_dump(by_alias=True), "name": "finetune"})
-    world.store.create(other)
+    finetune = JobKey("team-a", "finetune")
+    world.store.create(finetune, world.spec)
 
-    world.reconciler.reconcile("finetune")
+    world.reconciler.reconcile(finetune)
 
-    stored = world.store.get("finetune")
+    stored = world.store.get(finetune)
     assert stored is not None and stored.status is not None
     status = stored.status
     assert status.phase is Phase.FAILED and status.reason == "CheckpointURIOwned"
-    assert "belongs to job 'train'" in status.message
-    assert f"spotjob ckpt adopt {world.storage.uri} --job finetune" in status.message
+    assert "belongs to job 'team-a/train'" in status.message
+    assert f"spotjob ckpt adopt {world.storage.uri} --job team-a/finetune" in status.message
     assert "fresh checkpoint URI" in status.message
-    assert [n for n, _ in world.backend.start_calls] == [0], "finetune started nothing"
+    assert not any(name.startswith("finetune") for name in world.backend.created), "finetune started nothing"
     assert world.status.phase is Phase.RUNNING, "the owner runs on"
 
-    world.backend.stop_workers(world.spec)  # the operator stops train, then takes its URI over
-    assert cli_main(["ckpt", "adopt", world.storage.uri, "--job", "finetune"]) == 0
-    world.store.delete("finetune")
-    world.store.create(other)
-    world.reconciler.reconcile("finetune")
+    world.backend.stop_workers(KEY, world.spec)  # the operator stops train, then takes its URI over
+    assert cli_main(["ckpt", "adopt", world.storage.uri, "--job", "team-a/finetune"]) == 0
+    world.store.delete(finetune)
+    world.store.create(finetune, world.spec)
+    world.reconciler.reconcile(finetune)
 
-    stored = world.store.get("finetune")
+    stored = world.store.get(finetune)
     assert stored is not None and stored.status is not None
     assert stored.status.phase is Phase.PENDING
-    assert world.backend.worker(0, 0, job="finetune").resumed_from == 50
+    assert world.backend.worker(0, 0, job=finetune).resumed_from == 50
 
 
 def test_a_transient_storage_error_while_claiming_is_retried_not_a_failure(world: World) -> None:
@@ -937,7 +1086,7 @@ def test_an_attempt_whose_record_cannot_be_written_does_not_start(
 
     monkeypatch.setattr(world.storage, "put_bytes_if_absent", original)
     world.run_until(running_attempt(0))
-    assert [r.attempt for r in attempt_records(world.storage, "train")] == [0]
+    assert [r.attempt for r in attempt_records(world.storage, "team-a/train")] == [0]
 
 
 def test_a_zombie_of_the_previous_attempt_can_neither_end_the_flush_nor_be_resumed(tmp_path: Any) -> None:
@@ -958,29 +1107,259 @@ def test_a_zombie_of_the_previous_attempt_can_neither_end_the_flush_nor_be_resum
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 50
     status = w.run_until(running_attempt(2))
     assert w.backend.worker(2, 0).resumed_from == 50
-    assert [r.fence for r in attempt_records(w.storage, "train")][1:] == [CheckpointRef(50), CheckpointRef(50)]
+    assert [r.fence for r in attempt_records(w.storage, "team-a/train")][1:] == [CheckpointRef(50), CheckpointRef(50)]
 
 
 def test_a_job_created_again_under_its_name_numbers_attempts_past_the_ones_in_storage(world: World) -> None:
     for n in range(3):  # the records of an earlier job of this name on this URI
-        record_attempt(world.storage, "train", n, None)
+        record_attempt(world.storage, "team-a/train", n, None)
 
     world.reconcile()
 
     assert world.status.attempt.number == 3
     assert world.backend.created == ["train-3-0", "train-3-1"]
     assert "AttemptRenumbered" in world.event_reasons()
-    assert [r.attempt for r in attempt_records(world.storage, "train")] == [0, 1, 2, 3]
+    assert [r.attempt for r in attempt_records(world.storage, "team-a/train")] == [0, 1, 2, 3]
 
 
 def test_replaying_a_pass_whose_status_write_was_lost_keeps_the_attempts_record(world: World) -> None:
     world.reconcile()
-    [record] = attempt_records(world.storage, "train")
+    [record] = attempt_records(world.storage, "team-a/train")
     world.restart_orchestrator()
-    world.store.delete("train")
-    world.store.create(world.spec)  # the first status write never happened
+    world.store.delete(KEY)
+    world.store.create(KEY, world.spec)  # the first status write never happened
 
     world.reconcile()
 
     assert world.status.attempt.number == 0
-    assert attempt_records(world.storage, "train") == [record]
+    assert attempt_records(world.storage, "team-a/train") == [record]
+
+
+# -- status writes, Events and metrics -----------------------------------------------------------
+
+
+class CountingStore(JsonFileJobStore):
+    """Counts status writes; ``conflict_next`` makes the next one fail as a stale read would."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, fsync=False)
+        self.writes = 0
+        self.conflict_next = False
+
+    def update_status(self, key: JobKey, status: JobStatus, *, version: str) -> StoredJob:
+        if self.conflict_next:
+            self.conflict_next = False
+            raise ConflictError(f"job {key} changed since it was read")
+        self.writes += 1
+        return super().update_status(key, status, version=version)
+
+
+def counting(w: World) -> CountingStore:
+    store = CountingStore(os.path.join(w.tmp, "jobs"))
+    w.new_reconciler(store)
+    return store
+
+
+def test_writes_no_status_while_a_running_job_changes_nothing_but_refreshes_goodput_every_minute(world: World) -> None:
+    store = counting(world)
+    world.run_to(30)
+    writes, passes = store.writes, len(world.results)
+    written = world.status
+
+    world.run_to(55)  # passes at 36, 46 (every 10 s): the step hints move, nothing else does
+
+    assert len(world.results) - passes == 2
+    assert store.writes == writes, "no write per pass"
+    assert world.status == written
+
+    world.run_to(95)  # a minute after the last write: the step hints and goodput are refreshed
+    assert store.writes == writes + 1
+    assert world.status.attempt.observed_step is not None
+    assert world.status.attempt.observed_step > (written.attempt.observed_step or 0)
+
+    world.backend.notice("n0")
+    world._next_pass()
+    assert world.status.phase is Phase.FLUSHING, "a decision is written at once"
+    assert store.writes == writes + 2
+
+
+def test_observed_generation_is_the_spec_generation_the_pass_acted_on(world: World) -> None:
+    world.reconcile()
+    assert world.status.observed_generation == 1
+    assert isinstance(world.store, JsonFileJobStore)
+
+    def new_generation(doc: dict[str, Any]) -> None:
+        doc["spec"]["maxRestarts"] = 5
+        doc["metadata"]["generation"] = 2
+
+    edit_document(world.store, KEY, new_generation)
+    world.clock.sleep(2)
+    world.reconcile()
+
+    assert world.status.observed_generation == 2
+
+
+def test_an_invalid_job_gets_a_condition_and_a_warning_naming_the_field_while_another_job_runs_on(
+    world: World, tmp_path: Any
+) -> None:
+    assert isinstance(world.store, JsonFileJobStore)
+    broken = JobKey("team-b", "broken")
+    world.store.create(broken, world.spec)
+    uri = str(tmp_path / "broken-ckpt")
+    edit_document(world.store, broken, lambda doc: doc["spec"]["checkpoint"].update(uri=uri, everySteps=0))
+
+    result = world.reconciler.reconcile(broken)
+    world.run_until(running_attempt(0))
+
+    assert result.requeue_after is None, "nothing to do until the spec changes"
+    stored = world.store.get(broken)
+    assert stored is not None and stored.status is not None
+    invalid = stored.status.condition("Invalid")
+    assert invalid is not None and invalid.status == "True" and invalid.reason == "InvalidSpec"
+    assert invalid.message.startswith("spec.checkpoint.everySteps: Input should be greater than or equal to 1")
+    [warning] = [e for e in world.events.emitted if e.key == broken]
+    assert (warning.type, warning.reason) == (EventType.WARNING, "InvalidSpec")
+    assert "spec.checkpoint.everySteps" in warning.message
+    assert not any(n.startswith("broken") for n in world.backend.created), "an invalid job starts nothing"
+    assert world.status.phase is Phase.RUNNING, "the other job is served as usual"
+
+    # Fixed: the condition clears and the job starts.
+    edit_document(world.store, broken, lambda doc: doc["spec"]["checkpoint"].update(everySteps=10))
+    world.reconciler.reconcile(broken)
+    stored = world.store.get(broken)
+    assert stored is not None and stored.status is not None
+    assert stored.status.condition("Invalid").status == "False"  # type: ignore[union-attr]
+    assert "broken-0-0" in world.backend.created
+
+
+def test_a_name_too_long_for_pod_names_or_a_spec_the_backend_cannot_run_is_invalid(world: World) -> None:
+    long_name = JobKey("team-a", "x" * 41)
+    world.store.create(long_name, world.spec)
+    world.reconciler.reconcile(long_name)
+    stored = world.store.get(long_name)
+    assert stored is not None and stored.status is not None
+    assert stored.status.condition("Invalid").message.startswith("metadata.name: job name")  # type: ignore[union-attr]
+
+    world.backend.problems = ["spec.image: no image for the training container 'trainer'"]
+    world.reconcile()
+    status = world.status
+    assert status.condition("Invalid").message.startswith("spec.image: no image")  # type: ignore[union-attr]
+    assert world.backend.created == [], "nothing started"
+    assert world.event_reasons() == ["InvalidSpec"]
+
+
+def test_an_unreadable_status_is_left_alone_with_a_warning_not_overwritten(world: World) -> None:
+    world.run_to(30)
+    assert isinstance(world.store, JsonFileJobStore)
+    edit_document(world.store, KEY, lambda doc: doc["status"].update(phase="Sleeping"))
+    store = counting(world)
+
+    result = world.reconcile()
+
+    assert result == ReconcileResult(None, None)
+    assert store.writes == 0
+    assert world.events.emitted[-1].reason == "InvalidStatus"
+    assert "status.phase" in world.events.emitted[-1].message
+
+
+def test_events_and_metrics_follow_only_a_status_write_that_succeeded(world: World) -> None:
+    store = counting(world)
+    world.run_to(50)
+    world.backend.notice("n0")
+    told = len(world.events.emitted), len(world.metrics.calls)
+
+    store.conflict_next = True
+    result = world.reconcile()  # decides Flushing, asks the agents, but cannot write it
+
+    assert result.requeue_after == 0.0, "re-read at once"
+    assert (len(world.events.emitted), len(world.metrics.calls)) == told, "nothing told of a pass not written"
+    assert world.status.phase is Phase.RUNNING
+
+    world.reconcile()
+    assert world.status.phase is Phase.FLUSHING
+    [interrupted] = [e for e in world.events.emitted if e.reason == "SpotInterrupted"]
+    assert interrupted.node == "n0", "the Event names the node (a Kubernetes sink records it there too)"
+    assert world.metrics.named("preemption") == [()]
+    assert world.metrics.named("signal") == [("SpotInterruption", "fake")]
+
+
+def test_counts_preemptions_restarts_flush_requests_lost_steps_and_notice_to_commit(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+
+    w.run_until(running_attempt(1))
+
+    assert w.metrics.named("flush_request") == [("accepted",), ("accepted",)]
+    assert w.metrics.named("restart") == [("preemption",)]
+    assert w.metrics.named("lost_steps") == [(51,)]
+    assert w.metrics.named("notice_to_commit") == [], "the flush timed out: nothing committed"
+    goodputs = w.metrics.named("goodput")
+    assert goodputs and all(args[:2] == ("team-a", "train") for args in goodputs)
+
+    w.backend.flush_outcome = "commit"
+    preempt_running_job(w, at=w.clock.at() + 30, node=w.status.workers[0].node or "")
+    w.run_until(phase_is(Phase.RESCHEDULING))
+    assert w.metrics.named("notice_to_commit") == [(3.0,)]
+
+
+def test_a_deleted_job_is_forgotten(world: World) -> None:
+    world.run_to(10)
+    world.store.delete(KEY)
+
+    assert world.reconcile() == ReconcileResult(None, None)
+    assert world.metrics.named("job_deleted") == [("team-a", "train")]
+
+
+# -- flush requests that do not block a pass ----------------------------------------------------
+
+
+def test_a_pending_flush_request_is_asked_again_until_accepted_and_never_after(world: World) -> None:
+    pending, accepted = FlushRequestState.pending(), FlushRequestState.accepted()
+    world.backend.flush_answers = {
+        "train-0-0": [pending, pending, accepted],
+        "train-0-1": [FlushRequestState.failed("connection refused"), accepted],
+    }
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))  # pass 1: pending and failed
+    recovery = world.status.recovery
+    assert recovery is not None and recovery.flush_requested == []
+    assert world.event_reasons()[-1] == "FlushRequestFailed"
+    failed = world.events.emitted[-1]
+    assert failed.type is EventType.WARNING and "connection refused" in failed.message
+
+    world._next_pass()  # pass 2: pending and accepted
+    recovery = world.status.recovery
+    assert recovery is not None and recovery.flush_requested == ["train-0-1"]
+    world._next_pass()  # pass 3: accepted
+    world._next_pass()
+    world._next_pass()
+
+    asked = world.backend.flushes_asked()
+    assert asked.count("train-0-0") == 3 and asked.count("train-0-1") == 2, "never asked again once accepted"
+    assert world.event_reasons().count("FlushRequested") == 2
+    assert world.metrics.named("flush_request") == [("failed",), ("accepted",), ("accepted",)]
+
+
+# -- how the gang is stopped --------------------------------------------------------------------
+
+
+def test_after_a_failure_of_the_users_code_the_healthy_workers_are_stopped_without_a_flush(world: World) -> None:
+    world.run_to(100)
+    world.backend.exit(0, 1, 1)
+
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert world.backend.stop_flushes == [False]
+    assert world.backend.stopped_without_flush == ["train-0-0"], "the survivor is told POST /stop"
+    assert world.backend.flush_calls == []
+
+
+def test_after_a_preemption_the_gang_is_stopped_the_way_the_capacity_going_away_would(world: World) -> None:
+    preempt_running_job(world)
+
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert world.backend.stop_flushes == [True]
+    assert world.backend.stopped_without_flush == []

@@ -1,0 +1,489 @@
+"""The Kubernetes backend: a job's workers are Pods, observed through the controller's informer caches.
+
+What each call does (``orchestrator.backends.base`` has the contract; ``orchestrator.k8s.pods``
+builds the objects):
+
+- ``start_workers``: once per job (per uid, per process), create the job's token Secret, its
+  headless Service and, with ``--network-policy``, its NetworkPolicy (create-only: "already
+  exists" is done). Then create the attempt's missing pods: replica 0 first; the others once
+  replica 0 has a pod IP, which they get as torchrun's ``--master-addr`` (the reconciler calls
+  ``start_workers`` every pass while the attempt starts). Every pod keeps off the nodes in
+  cool-down and off nodes that are being taken away right now (a preemption taint, an interruption
+  notice, NotReady): a NoExecute preemption taint is tolerated for the flush window, so without
+  that exclusion a new worker could be scheduled onto the very node being reclaimed.
+- ``stop_workers``: delete the pods (their grace period covers a flush: SIGTERM is a notice to
+  the agent). With ``flush=False`` each live agent is first told ``POST /stop`` (in the
+  background) and its pod is deleted once the agent answered or could not be reached. A pod
+  stuck terminating on a node that is lost (deleted, or NotReady past ``--node-lost-grace-seconds``,
+  its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
+  processes still run behind a partition, fencing keeps what they write from counting.
+- ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
+  ranks train, not when its container starts: replica 0 once its pod is Ready (the agent's
+  /readyz: global rank 0 trains, which needs every rank of the gang joined and restored), the
+  other replicas once their container runs and replica 0 is Running. The training
+  container's exit code is the agent's; a pod that failed without one (deleted with its node,
+  evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
+  past the grace): its object may say Running for minutes, but no kubelet reports for it and no
+  flush can reach it.
+- ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
+- ``request_flush``: ``POST /flush`` to the agent on the pod's IP, in the background
+  (``orchestrator.k8s.agents``): pending, then accepted or failed.
+
+Nothing here blocks on the network in a pass except the writes (pod creates and deletes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator.backends.base import (
+    BackendError,
+    FlushRequestOutcome,
+    FlushRequestState,
+    Placement,
+    WorkerObservation,
+    worker_name,
+)
+from orchestrator.k8s import pods
+from orchestrator.k8s.agents import AgentCalls, CallResult, CallState, Endpoint, derive_token
+from orchestrator.k8s.api import (
+    NETWORK_POLICIES,
+    PODS,
+    SECRETS,
+    SERVICES,
+    AlreadyExists,
+    KubeClient,
+    KubeError,
+    NotFound,
+    Object,
+)
+from orchestrator.k8s.cluster_signals import (
+    ClusterSignals,
+    annotation_signal,
+    taint_signals,
+)
+from orchestrator.k8s.informer import Cache
+from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase
+from orchestrator.signals import Signal
+
+log = logging.getLogger(__name__)
+
+NODE_ZONE_LABEL = "topology.kubernetes.io/zone"
+NODE_INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The Kubernetes backend's settings (``spotjob-controller`` flags)."""
+
+    workers: pods.WorkerOptions = field(default_factory=pods.WorkerOptions)
+    network_policy: bool = True
+
+
+class KubernetesBackend:
+    """Workers as Pods; see the module docstring. Thread-safe across jobs (one pass per job at a time)."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        *,
+        jobs: Cache,
+        pods_cache: Cache,
+        nodes: Cache,
+        signals: ClusterSignals,
+        token_key: bytes,
+        options: BackendOptions | None = None,
+        agents: AgentCalls | None = None,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._client = client
+        self._jobs = jobs
+        self._pods = pods_cache
+        self._nodes = nodes
+        self._signals = signals
+        self._key = token_key
+        self.options = options or BackendOptions()
+        self.agents = agents or AgentCalls(port=self.options.workers.agent_port)
+        self._now = now
+        self._ensured: set[str] = set()
+        """uids of jobs whose Secret, Service and NetworkPolicy this process created (or found)."""
+        self._no_flush: set[str] = set()
+        """uids of pods to stop without a flush (POST /stop before the delete)."""
+
+    def close(self) -> None:
+        self.agents.close()
+
+    def pod_deleted(self, pod: Object) -> None:
+        """The Pod informer saw a pod go: forget what was remembered about it."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        self.agents.forget(uid)
+        self._no_flush.discard(uid)
+
+    # -- the Backend protocol ---------------------------------------------------------------------
+
+    def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
+        index = _training_container(spec)[0]
+        return pods.template_problems(spec.template, index)
+
+    def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
+        owner = self._owner(key)
+        self._ensure_job_objects(owner)
+        existing = {_name(p): p for p in self._job_pods(key) if _attempt(p) == attempt}
+        view = _worker_spec(spec)
+        where = pods.WorkerPlacement(
+            avoid_nodes=frozenset(placement.avoid_nodes) | self._doomed_nodes(),
+            avoid_zones=frozenset(placement.avoid_zones),
+            avoid_instance_types=frozenset(placement.avoid_instance_types),
+        )
+        first = worker_name(key, attempt, 0)
+        if first not in existing:
+            self._create_pod(owner, key, view, attempt, 0, None, where)
+            return  # the others need its pod IP: next pass
+        master = (existing[first].get("status") or {}).get("podIP")
+        if not master or _deleting(existing[first]):
+            return
+        for index in range(1, spec.replicas):
+            if worker_name(key, attempt, index) not in existing:
+                self._create_pod(owner, key, view, attempt, index, str(master), where)
+
+    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+        token: str | None = None
+        for pod in self._job_pods(key):
+            if keep_attempt is not None and _attempt(pod) == keep_attempt:
+                continue
+            meta = pod.get("metadata") or {}
+            uid = str(meta.get("uid") or "")
+            if _deleting(pod):
+                self._maybe_force_delete(pod)
+                continue
+            if not flush:
+                self._no_flush.add(uid)
+            if uid in self._no_flush and _alive(pod) and _pod_ip(pod):
+                token = token or self._token(key)
+                answer = self.agents.stop(self._endpoint(pod, token), "the gang is stopping without a flush")
+                if answer.state is CallState.PENDING:
+                    continue  # deleted once the agent answered (or could not be reached)
+            self._delete_pod(pod)
+
+    def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
+        token: str | None = None
+        job_pods = self._job_pods(key)
+        phases: dict[tuple[int, int], tuple[WorkerPhase, int | None]] = {}
+        for pod in job_pods:
+            attempt, index = _attempt(pod), _index(pod)
+            if attempt is None or index is None:
+                continue
+            phase, exit_code = _phase(pod)
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            if phase.alive and node_name and self._node_lost(node_name):
+                # Its kubelet is gone: the pod object still says Running, but nothing there can be
+                # reached or flushed (and if processes run on behind a partition, fencing holds).
+                phase, exit_code = WorkerPhase.FAILED, None
+            phases[(attempt, index)] = (phase, exit_code)
+        out = []
+        for pod in job_pods:
+            attempt, index = _attempt(pod), _index(pod)
+            if attempt is None or index is None:
+                continue
+            phase, exit_code = phases[(attempt, index)]
+            if (
+                index > 0
+                and phase is WorkerPhase.PENDING
+                and _container_running(pod)
+                and phases.get((attempt, 0), (None, None))[0] is WorkerPhase.RUNNING
+            ):
+                # Replica 0's rank 0 trains only once this replica's ranks joined and restored.
+                phase = WorkerPhase.RUNNING
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            labels = self._node_labels(node_name)
+            step = None
+            if phase is WorkerPhase.RUNNING and _pod_ip(pod):
+                token = token or self._token_or_none(key)
+                if token is not None:
+                    step = self.agents.step(self._endpoint(pod, token))
+            out.append(
+                WorkerObservation(
+                    name=_name(pod),
+                    attempt=attempt,
+                    index=index,
+                    phase=phase,
+                    node=node_name or None,
+                    zone=labels.get(NODE_ZONE_LABEL),
+                    instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
+                    exit_code=exit_code,
+                    step=step,
+                )
+            )
+        return sorted(out, key=lambda w: (w.attempt, w.index))
+
+    def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
+        live = [p for p in self._job_pods(key) if _alive(p)]
+        return self._signals.for_workers(live, lambda name: self._nodes.get("", name))
+
+    def request_flush(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
+    ) -> FlushRequestState:
+        pod = next((p for p in self._job_pods(key) if _name(p) == worker.name), None)
+        if pod is None:
+            return FlushRequestState.failed(f"worker {worker.name} has no pod")
+        if not _pod_ip(pod):
+            return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
+        answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline)
+        return _flush_state(answer)
+
+    # -- inside ---------------------------------------------------------------------------------
+
+    def _job_pods(self, key: JobKey) -> list[Object]:
+        return self._pods.by_index("job", str(key))
+
+    def _owner(self, key: JobKey) -> pods.Owner:
+        job = self._jobs.get(key.namespace, key.name)
+        uid = str(((job or {}).get("metadata") or {}).get("uid") or "")
+        if not uid:
+            raise BackendError(f"SpotJob {key} is not in the controller's cache (yet)")
+        return pods.Owner(key.namespace, key.name, uid)
+
+    def _token(self, key: JobKey) -> str:
+        owner = self._owner(key)
+        return derive_token(self._key, owner.namespace, owner.name, owner.uid)
+
+    def _token_or_none(self, key: JobKey) -> str | None:
+        try:
+            return self._token(key)
+        except BackendError:
+            return None
+
+    def _endpoint(self, pod: Object, token: str) -> Endpoint:
+        meta = pod.get("metadata") or {}
+        return Endpoint(str(meta.get("uid") or ""), _name(pod), str(_pod_ip(pod)), token)
+
+    def _ensure_job_objects(self, owner: pods.Owner) -> None:
+        if owner.uid in self._ensured:
+            return
+        token = derive_token(self._key, owner.namespace, owner.name, owner.uid)
+        objects: list[tuple[Any, Object]] = [
+            (SECRETS, pods.token_secret(owner, token)),
+            (SERVICES, pods.headless_service(owner, self.options.workers.agent_port)),
+        ]
+        if self.options.network_policy:
+            objects.append((NETWORK_POLICIES, pods.network_policy(owner, self.options.workers)))
+        for resource, body in objects:
+            try:
+                self._client.create(resource, body, owner.namespace)
+                log.info(
+                    "job %s/%s: created %s %s", owner.namespace, owner.name, resource.kind, body["metadata"]["name"]
+                )
+            except AlreadyExists:
+                pass  # created by an earlier pass or leader; its content is derived, hence the same
+            except KubeError as e:
+                raise BackendError(
+                    f"cannot create the {resource.kind} of SpotJob {owner.namespace}/{owner.name}: {e}"
+                ) from e
+        self._ensured.add(owner.uid)
+
+    def _create_pod(
+        self,
+        owner: pods.Owner,
+        key: JobKey,
+        view: pods.WorkerSpec,
+        attempt: int,
+        index: int,
+        master: str | None,
+        where: pods.WorkerPlacement,
+    ) -> None:
+        name = worker_name(key, attempt, index)
+        try:
+            body = pods.worker_pod(
+                owner,
+                str(key),
+                view,
+                name=name,
+                attempt=attempt,
+                index=index,
+                master_addr=master,
+                placement=where,
+                options=self.options.workers,
+            )
+        except (pods.TemplateError, ValueError) as e:
+            raise BackendError(f"cannot build pod {name}: {e}") from e
+        try:
+            self._client.create(PODS, body, key.namespace)
+        except AlreadyExists:
+            return  # an earlier pass created it; the cache has not shown it yet
+        except KubeError as e:
+            raise BackendError(f"cannot create pod {key.namespace}/{name}: {e}") from e
+        log.info(
+            "job %s: created pod %s (attempt %d, replica %d%s)",
+            key,
+            name,
+            attempt,
+            index,
+            f", rendezvous at {master}" if master else "",
+        )
+
+    def _delete_pod(self, pod: Object, *, force: bool = False) -> None:
+        meta = pod.get("metadata") or {}
+        try:
+            self._client.delete(
+                PODS,
+                _name(pod),
+                str(meta.get("namespace") or ""),
+                grace_period_seconds=0 if force else None,
+                precondition_uid=str(meta.get("uid") or "") or None,
+            )
+        except NotFound:
+            return
+        except KubeError as e:
+            if getattr(e, "status", 0) == 409:
+                return  # the precondition: a newer pod of that name; not ours to delete
+            raise BackendError(f"cannot delete pod {meta.get('namespace')}/{_name(pod)}: {e}") from e
+
+    def _node_lost(self, name: str) -> str | None:
+        """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""
+        return self._signals.tracker.observe(name, self._nodes.get("", name))
+
+    def _maybe_force_delete(self, pod: Object) -> None:
+        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it."""
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        if not node_name:
+            return
+        lost = self._node_lost(node_name)
+        if lost is None:
+            return
+        log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
+        self._delete_pod(pod, force=True)
+
+    def _doomed_nodes(self) -> frozenset[str]:
+        """Nodes a new worker must not land on: a preemption taint or an interruption notice on them.
+
+        (NotReady nodes are not listed: the scheduler keeps pods off them by their not-ready
+        taint, and a required exclusion would outlive a node that recovers.)"""
+        now = self._now()
+        out = set()
+        for node in self._nodes.list():
+            name = str((node.get("metadata") or {}).get("name") or "")
+            found = taint_signals(node, rebalance=self._signals.rebalance, now=now)
+            notice = annotation_signal(node, rebalance=self._signals.rebalance, now=now)
+            if notice is not None:
+                found.append(notice)
+            if any(s.kind.is_preemption for s in found):
+                out.add(name)
+        return frozenset(out)
+
+    def _node_labels(self, name: str | None) -> Mapping[str, str]:
+        if not name:
+            return {}
+        node = self._nodes.get("", name)
+        return ((node or {}).get("metadata") or {}).get("labels") or {}
+
+
+# -- reading pods ---------------------------------------------------------------------------------
+
+
+def _name(pod: Object) -> str:
+    return str((pod.get("metadata") or {}).get("name") or "")
+
+
+def _label_int(pod: Object, label: str) -> int | None:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(label)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _attempt(pod: Object) -> int | None:
+    return _label_int(pod, pods.ATTEMPT_LABEL)
+
+
+def _index(pod: Object) -> int | None:
+    return _label_int(pod, pods.INDEX_LABEL)
+
+
+def _pod_ip(pod: Object) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    return str(ip) if ip else None
+
+
+def _deleting(pod: Object) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _trainer_status(pod: Object) -> Mapping[str, Any]:
+    """The status of the container that runs the agent (the one exposing the agent's port)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    name = next(
+        (c.get("name") for c in containers if any(p.get("name") == pods.AGENT_PORT_NAME for p in c.get("ports") or [])),
+        containers[0].get("name") if containers else None,
+    )
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == name:
+            return status
+    return {}
+
+
+def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
+    """The worker's phase and the agent's exit code (see the module docstring)."""
+    status = pod.get("status") or {}
+    terminated = (_trainer_status(pod).get("state") or {}).get("terminated")
+    if terminated is not None and terminated.get("exitCode") is not None:
+        # The agent exited: its code decides, whatever sidecars still run in the pod.
+        code = int(terminated["exitCode"])
+        return (WorkerPhase.SUCCEEDED if code == 0 else WorkerPhase.FAILED), code
+    phase = status.get("phase")
+    if phase == "Succeeded":
+        return WorkerPhase.SUCCEEDED, 0
+    if phase == "Failed":
+        return WorkerPhase.FAILED, None  # no exit code: lost with its node, or evicted before it ran
+    if phase == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    ):
+        return WorkerPhase.RUNNING, None
+    return WorkerPhase.PENDING, None
+
+
+def _container_running(pod: Object) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running" and "running" in (
+        _trainer_status(pod).get("state") or {}
+    )
+
+
+def _alive(pod: Object) -> bool:
+    return _phase(pod)[0].alive
+
+
+def _flush_state(answer: CallResult) -> FlushRequestState:
+    if answer.state is CallState.ACCEPTED:
+        return FlushRequestState.accepted()
+    if answer.state is CallState.FAILED:
+        return FlushRequestState(FlushRequestOutcome.FAILED, answer.detail)
+    return FlushRequestState.pending()
+
+
+def _training_container(spec: JobSpec) -> tuple[int, Mapping[str, Any]]:
+    found = spec.training_container()
+    return found if found is not None else (0, {"name": DEFAULT_CONTAINER_NAME})
+
+
+def _worker_spec(spec: JobSpec) -> pods.WorkerSpec:
+    index, container = _training_container(spec)
+    ck = spec.checkpoint
+    return pods.WorkerSpec(
+        template=spec.template,
+        container=index,
+        container_name=str(container.get("name") or DEFAULT_CONTAINER_NAME),
+        image=spec.image,
+        command=list(spec.command),
+        env=dict(spec.env),
+        replicas=spec.replicas,
+        nproc_per_node=spec.nproc_per_node,
+        checkpoint_uri=ck.uri,
+        every_steps=ck.every_steps,
+        every_seconds=ck.every_seconds,
+        keep=ck.keep,
+        flush_timeout_seconds=spec.flush_timeout_seconds,
+    )

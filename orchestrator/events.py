@@ -1,0 +1,227 @@
+"""Where the reconciler's decisions are told: Events (an ``EventSink``) and metrics (``JobMetrics``).
+
+Both are courtesies next to the record, which is the job's status. Order of use, fixed by the
+reconciler (Karpenter's rule): one pass decides, writes the status once, and only after that write
+succeeded (or when nothing needed writing) emits the pass's Events and metrics, so neither ever
+claims what the status does not show, and a replayed pass is not counted twice.
+
+Homes:
+
+- Kubernetes: a sink on ``orchestrator.k8s.events.EventRecorder`` (Events on the SpotJob, and on
+  the Node when one is named) and ``orchestrator.k8s.metrics.ControllerMetrics`` (Prometheus).
+- Local mode: ``JsonlEventSink`` appends one JSON line per Event to ``<name>.events.jsonl`` next
+  to the job's file in the store's folder, and logs it; ``spotjob status`` and the live view read
+  them back with ``read_events`` (repeats of one Event coalesced into a count). Metrics:
+  ``NULL_METRICS``.
+
+Neither an ``EventSink`` nor a ``JobMetrics`` may raise into the reconciler: a failure to tell is
+logged and dropped. This module imports neither ``kubernetes`` nor ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from orchestrator.model import JobKey
+
+log = logging.getLogger(__name__)
+
+
+class EventType(StrEnum):
+    """Kubernetes' two Event types."""
+
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """Receives the reconciler's Events, after the status write of the pass that decided them."""
+
+    def emit(self, key: JobKey, type: EventType, reason: str, message: str, *, node: str | None = None) -> None:
+        """Record one Event about job ``key``: a CamelCase ``reason`` and a ``message`` for people.
+
+        ``node`` names the Node the Event concerns too (a notice for it, a worker lost with it);
+        a Kubernetes sink may record it on the Node as well. Never raises.
+        """
+        ...
+
+
+@runtime_checkable
+class JobMetrics(Protocol):
+    """What the reconciler counts; ``orchestrator.k8s.metrics.ControllerMetrics`` has this shape.
+
+    - ``signal(kind, source)``: a preemption signal acted on (once per node per recovery);
+    - ``flush_request(outcome)``: an agent's answer to a flush request: ``accepted`` or ``failed``;
+    - ``notice_to_commit(seconds)``: from a preemption's detection to its flushed manifest;
+    - ``preemption()``: a preemption handled; ``restart(cause)``: a gang restarted, by cause
+      (``preemption``, ``failure``, ``infrastructure``);
+    - ``lost_steps(steps)``: steps a restart lost (trained, not committed);
+    - ``goodput(namespace, name, ratio)``: the job's goodput, at each status write;
+    - ``job_deleted(namespace, name)``: forget the job's series.
+    """
+
+    def signal(self, kind: str, source: str) -> None: ...
+    def flush_request(self, outcome: str) -> None: ...
+    def notice_to_commit(self, seconds: float) -> None: ...
+    def preemption(self) -> None: ...
+    def restart(self, cause: str) -> None: ...
+    def lost_steps(self, steps: int) -> None: ...
+    def goodput(self, namespace: str, name: str, ratio: float) -> None: ...
+    def job_deleted(self, namespace: str, name: str) -> None: ...
+
+
+class NullMetrics:
+    """Counts nothing (local mode, tests)."""
+
+    def signal(self, kind: str, source: str) -> None:
+        pass
+
+    def flush_request(self, outcome: str) -> None:
+        pass
+
+    def notice_to_commit(self, seconds: float) -> None:
+        pass
+
+    def preemption(self) -> None:
+        pass
+
+    def restart(self, cause: str) -> None:
+        pass
+
+    def lost_steps(self, steps: int) -> None:
+        pass
+
+    def goodput(self, namespace: str, name: str, ratio: float) -> None:
+        pass
+
+    def job_deleted(self, namespace: str, name: str) -> None:
+        pass
+
+
+NULL_METRICS = NullMetrics()
+
+
+class LoggingEventSink:
+    """Logs each Event (Warning at WARNING, Normal at INFO): what a sink adds to any other."""
+
+    def emit(self, key: JobKey, type: EventType, reason: str, message: str, *, node: str | None = None) -> None:
+        where = f" (node {node})" if node else ""
+        log.log(
+            logging.WARNING if type is EventType.WARNING else logging.INFO,
+            "job %s %s%s: %s",
+            key,
+            reason,
+            where,
+            message,
+        )
+
+
+EVENTS_SUFFIX = ".events.jsonl"
+
+
+def events_path(root: str, key: JobKey) -> str:
+    """Where ``JsonlEventSink(root)`` keeps the Events of ``key``: beside the job's store file."""
+    return os.path.join(os.path.abspath(root), key.namespace, f"{key.name}{EVENTS_SUFFIX}")
+
+
+class JsonlEventSink(LoggingEventSink):
+    """Local mode: appends ``{"time", "type", "reason", "message", "node"?}`` lines to
+    ``events_path(root, key)`` and logs each Event. Thread-safe; each line is written whole."""
+
+    def __init__(self, root: str, *, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self.root = os.path.abspath(root)
+        self._now = now
+        self._lock = threading.Lock()
+
+    def emit(self, key: JobKey, type: EventType, reason: str, message: str, *, node: str | None = None) -> None:
+        super().emit(key, type, reason, message, node=node)
+        record: dict[str, str] = {
+            "time": self._now().isoformat(),
+            "type": str(type),
+            "reason": reason,
+            "message": message,
+        }
+        if node:
+            record["node"] = node
+        path = events_path(self.root, key)
+        try:
+            with self._lock:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            log.warning("could not record event %s of job %s in %s: %s", reason, key, path, e)
+
+
+@dataclass(frozen=True)
+class RecordedEvent:
+    """An Event as ``read_events`` gives it back; ``count`` repeats of it, the last at ``time``."""
+
+    time: datetime
+    first_time: datetime
+    type: EventType
+    reason: str
+    message: str
+    node: str | None = None
+    count: int = 1
+
+
+def read_events(path: str) -> list[RecordedEvent]:
+    """The Events of a ``JsonlEventSink`` file, oldest first; consecutive repeats of one Event
+    (same type, reason, message and node) become one with a count. A torn or foreign line is
+    skipped; a missing file is no Events."""
+    out: list[RecordedEvent] = []
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            raw = json.loads(line)
+            event = RecordedEvent(
+                time=datetime.fromisoformat(raw["time"]),
+                first_time=datetime.fromisoformat(raw["time"]),
+                type=EventType(raw["type"]),
+                reason=str(raw["reason"]),
+                message=str(raw["message"]),
+                node=raw.get("node"),
+            )
+        except (ValueError, KeyError, TypeError):
+            continue
+        last = out[-1] if out else None
+        if last is not None and (last.type, last.reason, last.message, last.node) == (
+            event.type,
+            event.reason,
+            event.message,
+            event.node,
+        ):
+            out[-1] = RecordedEvent(
+                event.time, last.first_time, last.type, last.reason, last.message, last.node, last.count + 1
+            )
+        else:
+            out.append(event)
+    return out
+
+
+__all__ = [
+    "NULL_METRICS",
+    "EventSink",
+    "EventType",
+    "JobMetrics",
+    "JsonlEventSink",
+    "LoggingEventSink",
+    "NullMetrics",
+    "RecordedEvent",
+    "events_path",
+    "read_events",
+]

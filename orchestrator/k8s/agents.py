@@ -1,0 +1,246 @@
+"""Talking to a job's agents: their bearer token, and their control API, off the reconcile path.
+
+**The token** of a job's agents is derived, never stored where the controller must read it back:
+``HMAC-SHA256(key, namespace, name, uid)``, with ``key`` the controller's agent-token key (a file
+the chart mounts from a Secret of its own; ``--agent-token-key-file``). The controller writes it
+once into the job's Secret (create-only: a second create finds the same bytes), the agents read
+it from the mounted file, and any leader recomputes it — so the controller needs no permission to
+read Secrets, and a new leader reaches the agents the old one started. A job created again under
+the same name has a new uid, hence a new token.
+
+**Calls** (``POST /flush``, ``POST /stop``, ``GET /status``) run in background threads, never in a
+reconcile pass: the first ``flush()`` for a pod starts the request and answers PENDING; later
+calls answer how it went (ACCEPTED, or FAILED with why), and after a FAILED the next call tries
+again. Every request has a timeout (``timeout`` seconds to connect and to read), and the pools are
+bounded: a mass preemption queues requests rather than threads. Flushes and stops have their own
+pool, so that step polling never delays them.
+
+``step()`` answers the last step an agent reported (``GET /status``, at most every
+``status_max_age`` seconds per pod, in the background): a hint for the reconciler's accounting,
+never a decision.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KEY_MIN_BYTES = 32
+
+
+class TokenKeyError(ValueError):
+    """The agent-token key file is missing, unreadable or too short."""
+
+
+def load_token_key(path: str | None) -> bytes:
+    """The controller's agent-token key from ``path``; a fresh random key (this process only) if None.
+
+    Without a key file, tokens change when the controller restarts: agents started by an earlier
+    controller refuse the new one's flush requests (they still flush on their own notices).
+    """
+    if path is None:
+        log.warning(
+            "no --agent-token-key-file: agent tokens are derived from a random key that dies with this process; "
+            "after a restart or a leader change the controller cannot ask running agents to flush"
+        )
+        return secrets.token_bytes(KEY_MIN_BYTES)
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise TokenKeyError(f"cannot read the agent-token key {path}: {e}") from e
+    if len(key) < KEY_MIN_BYTES:
+        raise TokenKeyError(f"the agent-token key in {path} has {len(key)} bytes; it needs at least {KEY_MIN_BYTES}")
+    return key
+
+
+def derive_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The bearer token of one job's agents (URL-safe text, 43 characters)."""
+    message = b"spotjob agent token v1\0" + f"{namespace}\0{name}\0{uid}".encode()
+    digest = hmac.new(key, message, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+class CallState(StrEnum):
+    PENDING = "pending"
+    ACCEPTED = "accepted"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class CallResult:
+    state: CallState
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One agent: its pod's uid (the key calls are remembered by), IP and token."""
+
+    pod_uid: str
+    pod: str
+    ip: str
+    token: str
+
+
+@dataclass
+class _Status:
+    step: int | None = None
+    fetched_at: float = float("-inf")
+    future: Future[None] | None = None
+
+
+Transport = Callable[[str, int, str, str, bytes | None, str, float], tuple[int, bytes]]
+"""``(ip, port, method, path, body, token, timeout) -> (status, body)``; raises ``OSError`` on network errors."""
+
+
+def http_transport(
+    ip: str, port: int, method: str, path: str, body: bytes | None, token: str, timeout: float
+) -> tuple[int, bytes]:
+    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        headers = {"Authorization": f"Bearer {token}", "Connection": "close"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read(64 * 1024)
+    finally:
+        connection.close()
+
+
+class AgentCalls:
+    """The controller's side of the agents' control API. Thread-safe; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        port: int,
+        timeout: float = 5.0,
+        workers: int = 8,
+        status_workers: int = 2,
+        status_max_age: float = 5.0,
+        transport: Transport = http_transport,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.port = port
+        self._timeout = timeout
+        self._transport = transport
+        self._clock = clock
+        self._status_max_age = status_max_age
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent-call")
+        self._status_pool = ThreadPoolExecutor(max_workers=status_workers, thread_name_prefix="agent-status")
+        self._lock = threading.Lock()
+        self._calls: dict[tuple[str, str], Future[CallResult]] = {}
+        self._status: dict[str, _Status] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._status_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- flush and stop
+
+    def flush(self, agent: Endpoint, reason: str, deadline: datetime | None) -> CallResult:
+        body = {"reason": reason[:1000] or "flush", "deadline": deadline.timestamp() if deadline else None}
+        return self._call("flush", agent, body)
+
+    def stop(self, agent: Endpoint, reason: str) -> CallResult:
+        return self._call("stop", agent, {"reason": reason[:1000] or "stop"})
+
+    def state(self, what: str, pod_uid: str) -> CallResult | None:
+        """How the last ``what`` ("flush", "stop") request to that pod went, without starting one."""
+        with self._lock:
+            future = self._calls.get((what, pod_uid))
+        if future is None:
+            return None
+        return future.result() if future.done() else CallResult(CallState.PENDING)
+
+    def _call(self, what: str, agent: Endpoint, body: dict[str, Any]) -> CallResult:
+        key = (what, agent.pod_uid)
+        with self._lock:
+            future = self._calls.get(key)
+            if future is not None and future.done() and future.result().state is CallState.FAILED:
+                # Answer the failure once; the next call tries again.
+                del self._calls[key]
+                return future.result()
+            if future is None:
+                self._calls[key] = self._pool.submit(self._post, what, agent, body)
+                return CallResult(CallState.PENDING)
+        return future.result() if future.done() else CallResult(CallState.PENDING)
+
+    def _post(self, what: str, agent: Endpoint, body: dict[str, Any]) -> CallResult:
+        try:
+            status, answer = self._transport(
+                agent.ip, self.port, "POST", f"/{what}", json.dumps(body).encode(), agent.token, self._timeout
+            )
+        except (OSError, http.client.HTTPException) as e:
+            log.warning("POST /%s to the agent of %s (%s) failed: %s", what, agent.pod, agent.ip, e)
+            return CallResult(CallState.FAILED, f"cannot reach the agent at {agent.ip}:{self.port}: {e}")
+        text = answer[:300].decode("utf-8", "replace")
+        if status in (200, 202):
+            created = status == 202
+            log.info("the agent of %s %s the %s", agent.pod, "accepted" if created else "was already doing", what)
+            return CallResult(CallState.ACCEPTED, "accepted" if created else "already under way")
+        if status == 409:
+            # The command has ended: the pod's exit code says how.
+            return CallResult(CallState.ACCEPTED, f"nothing left to {what}: {text}")
+        if status in (401, 403):
+            message = (
+                f"the agent refused the token ({status}): the controller's agent-token key changed since the pod "
+                "started (see --agent-token-key-file)"
+            )
+        else:
+            message = f"the agent answered {status}: {text}"
+        log.warning("POST /%s to the agent of %s: %s", what, agent.pod, message)
+        return CallResult(CallState.FAILED, message)
+
+    # -- steps
+
+    def step(self, agent: Endpoint) -> int | None:
+        """The last step the agent reported; refreshes in the background when older than the max age."""
+        now = self._clock()
+        with self._lock:
+            entry = self._status.setdefault(agent.pod_uid, _Status())
+            stale = now - entry.fetched_at >= self._status_max_age
+            if stale and (entry.future is None or entry.future.done()):
+                entry.fetched_at = now  # also bounds retries of an agent that does not answer
+                entry.future = self._status_pool.submit(self._fetch_status, agent, entry)
+            return entry.step
+
+    def _fetch_status(self, agent: Endpoint, entry: _Status) -> None:
+        try:
+            status, answer = self._transport(agent.ip, self.port, "GET", "/status", None, agent.token, self._timeout)
+            if status != 200:
+                return
+            step = json.loads(answer).get("step")
+        except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+            log.debug("GET /status of the agent of %s failed: %s", agent.pod, e)
+            return
+        if isinstance(step, int):
+            with self._lock:
+                entry.step = step
+
+    # -- housekeeping
+
+    def forget(self, pod_uid: str) -> None:
+        """Drop what is remembered about a pod (the Pod informer saw it deleted)."""
+        with self._lock:
+            for what in ("flush", "stop"):
+                self._calls.pop((what, pod_uid), None)
+            self._status.pop(pod_uid, None)

@@ -1,0 +1,516 @@
+"""The objects a SpotJob owns, built as the JSON the API server takes: worker Pods, the headless
+Service, the agents' token Secret and the NetworkPolicy. Pure functions: no API calls, no clock.
+
+One worker is one Pod running ``spotjob-agent`` wrapping torchrun on one node, named
+``<job>-<attempt>-<index>`` (``worker_name``) and labelled with the job, the attempt and the index,
+owned by the SpotJob (deleting the job deletes its pods, Service, Secret and NetworkPolicy).
+
+What is taken from the user's ``spec.template`` and what spotjob sets:
+
+- the training container (``spec.containerName``, else the template's first) keeps its image
+  (else ``spec.image``), resources, env, volume mounts and security context; its ``command`` and
+  ``args`` must be empty (``spec.command`` is the training command; the container runs the agent);
+- every other container, volume, label, annotation, nodeSelector, affinity, toleration and
+  field of the template is kept as written, and spotjob adds to it: labels
+  ``spotjob.dev/{job,attempt,index}``, a required node affinity that keeps the workers off
+  nodes in cool-down and off nodes that are being taken away, a preferred one away from
+  avoided zones and instance types, a required pod anti-affinity (one worker of an attempt per
+  node), tolerations that keep a worker on a node whose preemption taint is ``NoExecute`` long
+  enough to flush, ``restartPolicy: Never`` (an attempt's pod is never restarted in place: the
+  reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush,
+  and the agent's probes (liveness on /healthz; readiness on /readyz for replica 0, Ready once
+  global rank 0 trains, i.e. once the whole gang joined and restored);
+- three volumes: ``spotjob-token`` (the per-job Secret, for ``--token-file``), ``spotjob-control``
+  (the agent <-> ranks folder) and ``spotjob-staging`` (``SPOTJOB_STAGING_DIR``, an emptyDir on
+  the node; a volume of that name in the template replaces it, e.g. a local NVMe disk).
+
+The rendezvous needs no DNS. Replica 0 runs torchrun's store on its own pod IP (``$(POD_IP)``
+from the downward API); the other replicas are created only once replica 0 has a pod IP, and get
+that IP as ``--master-addr`` (``start_workers`` is called again while an attempt starts). A pod's
+IP never changes while it exists, and an attempt's pods are never recreated, so the address
+holds for the attempt's life. The headless Service still gives each worker the DNS name
+``<pod>.<job>.<namespace>.svc`` for the user's own tools. The store's port is derived from the
+job and the attempt (``rendezvous_port``), so that a worker of an older attempt that trains on
+(a partitioned node), or another job sharing a host network (``hostNetwork: true``), never holds
+the port the new attempt needs.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.k8s.cluster_signals import TAINT_RULES
+
+Object = dict[str, Any]
+
+JOB_LABEL = "spotjob.dev/job"
+"""On every object a SpotJob owns: the job's name (same namespace). The Pod informer selects on it."""
+ATTEMPT_LABEL = "spotjob.dev/attempt"
+INDEX_LABEL = "spotjob.dev/index"
+
+API_VERSION = "spotjob.dev/v1alpha1"
+KIND = "SpotJob"
+
+AGENT_PORT_NAME = "spotjob-agent"
+TOKEN_VOLUME = "spotjob-token"
+CONTROL_VOLUME = "spotjob-control"
+STAGING_VOLUME = "spotjob-staging"
+TOKEN_KEY = "token"
+RUN_DIR = "/var/run/spotjob"
+TOKEN_DIR = f"{RUN_DIR}/token"
+CONTROL_DIR = f"{RUN_DIR}/control"
+STAGING_DIR = f"{RUN_DIR}/staging"
+
+RENDEZVOUS_PORT_BASE = 20000
+RENDEZVOUS_PORT_SPAN = 10000
+"""Rendezvous ports are drawn from [20000, 30000): below the Linux ephemeral range (32768+)."""
+
+EXIT_SLACK_SECONDS = 30
+"""Added to the flush window for the agent to see the result, stop the command and exit."""
+
+_NOT_TOLERATED = {"node.kubernetes.io/out-of-service"}
+"""Declared dead by an operator: nothing there can flush, so its pods must go at once."""
+
+_RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")
+
+
+class TemplateError(ValueError):
+    """The SpotJob's pod template cannot be turned into workers; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The SpotJob that owns what this module builds."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def reference(self) -> Object:
+        # No blockOwnerDeletion: setting it needs update on spotjobs/finalizers (the
+        # OwnerReferencesPermissionEnforcement admission plugin), and nothing here needs the
+        # SpotJob to outlive its pods.
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid, "controller": True}
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How workers are built; the controller's flags set them (``spotjob-controller --agent-port``)."""
+
+    agent_port: int = 8470
+    agent_command: tuple[str, ...] = ("spotjob-agent",)
+    """The agent in the training image (on its PATH)."""
+    torchrun_command: tuple[str, ...] = ("torchrun",)
+    controller_namespace: str = ""
+    """Where the controller's pods run (the NetworkPolicy admits them from there); "": anywhere."""
+    controller_pod_labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where an attempt's workers may not go (required) and would rather not go (preferred)."""
+
+    avoid_nodes: frozenset[str] = frozenset()
+    """Nodes in cool-down and nodes being taken away now: never."""
+    avoid_zones: frozenset[str] = frozenset()
+    avoid_instance_types: frozenset[str] = frozenset()
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+def service_name(job: str) -> str:
+    """The headless Service: the job's own name, so workers resolve as ``<pod>.<job>.<ns>.svc``
+    (prefixed ``sj-`` when the name starts with a digit: a Service name must start with a letter)."""
+    return job if job[:1].isalpha() else f"sj-{job}"
+
+
+def token_secret_name(owner: Owner) -> str:
+    """Per incarnation of the job (its uid): a job deleted and created again under the same name
+    never finds the old, garbage-collected Secret (and its old token) in its way."""
+    return f"{owner.name}-agent-token-{owner.uid[:8]}"
+
+
+def network_policy_name(owner: Owner) -> str:
+    return f"{owner.name}-agents-{owner.uid[:8]}"
+
+
+def rendezvous_port(namespace: str, name: str, attempt: int) -> int:
+    """torchrun's store port for one attempt: stable for the attempt, different from the last one."""
+    digest = hashlib.sha256(f"{namespace}/{name}/{attempt}".encode()).digest()
+    return RENDEZVOUS_PORT_BASE + int.from_bytes(digest[:4], "big") % RENDEZVOUS_PORT_SPAN
+
+
+def flush_window_seconds(flush_timeout_seconds: float) -> int:
+    """How long a worker may take to flush: the spec's flush timeout, in whole seconds."""
+    return max(1, math.ceil(flush_timeout_seconds))
+
+
+# -- the template ---------------------------------------------------------------------------------
+
+
+def template_problems(template: Mapping[str, Any] | None, container: int) -> list[str]:
+    """What makes ``spec.template`` unusable for workers, each naming its field (empty: fine).
+
+    ``container`` is the training container's index. The model checks the template's shape and
+    the image; these are the rules only the pod builder knows.
+    """
+    problems: list[str] = []
+    spec = (template or {}).get("spec") or {}
+    containers = spec.get("containers") or []
+    if 0 <= container < len(containers):
+        trainer = containers[container]
+        where = f"spec.template.spec.containers[{container}]"
+        for key in ("command", "args"):
+            if trainer.get(key):
+                problems.append(
+                    f"{where}.{key} must be empty: the container runs spotjob-agent, and spec.command is the "
+                    "training command it starts under torchrun"
+                )
+        for i, env in enumerate(trainer.get("env") or []):
+            if isinstance(env, Mapping) and env.get("name") in _RESERVED_ENV:
+                problems.append(f"{where}.env[{i}].name: {env.get('name')} is set by spotjob (the downward API)")
+        for i, port in enumerate(trainer.get("ports") or []):
+            if isinstance(port, Mapping) and port.get("name") == AGENT_PORT_NAME:
+                problems.append(f"{where}.ports[{i}].name: {AGENT_PORT_NAME} is reserved for the agent's port")
+    policy = spec.get("restartPolicy")
+    if policy not in (None, "Never"):
+        problems.append(
+            f"spec.template.spec.restartPolicy must be Never or unset, not {policy!r}: spotjob restarts the whole "
+            "gang as a new attempt"
+        )
+    for i, volume in enumerate(spec.get("volumes") or []):
+        if isinstance(volume, Mapping) and volume.get("name") in (TOKEN_VOLUME, CONTROL_VOLUME):
+            problems.append(f"spec.template.spec.volumes[{i}].name: {volume.get('name')} is reserved for spotjob")
+    for key in ("hostname", "subdomain"):
+        if spec.get(key):
+            problems.append(f"spec.template.spec.{key} must be unset: spotjob names each worker")
+    return problems
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker pod needs from the job's spec (a view, so this module does not follow the model)."""
+
+    template: Mapping[str, Any] | None
+    container: int
+    """The training container's index in the template (ignored without a template)."""
+    container_name: str
+    """Its name (the container built without a template gets it)."""
+    image: str | None
+    command: Sequence[str]
+    env: Mapping[str, str]
+    replicas: int
+    nproc_per_node: int
+    checkpoint_uri: str
+    every_steps: int | None
+    every_seconds: float | None
+    keep: int
+    flush_timeout_seconds: float
+
+
+def labels(owner: Owner, attempt: int | None = None, index: int | None = None) -> dict[str, str]:
+    out = {JOB_LABEL: owner.name}
+    if attempt is not None:
+        out[ATTEMPT_LABEL] = str(attempt)
+    if index is not None:
+        out[INDEX_LABEL] = str(index)
+    return out
+
+
+def worker_pod(
+    owner: Owner,
+    job_identity: str,
+    spec: WorkerSpec,
+    *,
+    name: str,
+    attempt: int,
+    index: int,
+    master_addr: str | None,
+    placement: WorkerPlacement,
+    options: WorkerOptions,
+) -> Object:
+    """Worker ``index`` of ``attempt``. ``master_addr`` is replica 0's pod IP (None for replica 0,
+    which uses its own). Raises ``TemplateError`` for a template ``template_problems`` refuses."""
+    problems = template_problems(spec.template, spec.container)
+    if problems:
+        raise TemplateError("; ".join(problems))
+    if index > 0 and not master_addr:
+        raise ValueError("replicas after the first need replica 0's address")
+    template = copy.deepcopy(dict(spec.template or {}))
+    meta = dict(template.get("metadata") or {})
+    pod_spec: Object = dict(template.get("spec") or {})
+
+    pod_labels = {**(meta.get("labels") or {}), **labels(owner, attempt, index)}
+    annotations = dict(meta.get("annotations") or {})
+    window = flush_window_seconds(spec.flush_timeout_seconds)
+
+    containers = [dict(c) for c in pod_spec.get("containers") or []]
+    index_ = spec.container if spec.template is not None else 0
+    if not containers:
+        containers, index_ = [{"name": spec.container_name}], 0
+    trainer = containers[index_]
+    trainer["image"] = trainer.get("image") or spec.image
+    trainer["command"] = list(options.agent_command)
+    trainer["args"] = _agent_args(
+        job_identity, spec, attempt=attempt, index=index, master_addr=master_addr, owner=owner, options=options
+    )
+    trainer["env"] = _env(trainer.get("env") or [], spec.env)
+    trainer["ports"] = [
+        p
+        for p in trainer.get("ports") or []
+        if p.get("name") != AGENT_PORT_NAME and p.get("containerPort") != options.agent_port
+    ] + [{"name": AGENT_PORT_NAME, "containerPort": options.agent_port, "protocol": "TCP"}]
+    trainer["volumeMounts"] = [
+        m
+        for m in trainer.get("volumeMounts") or []
+        if m.get("name") not in (TOKEN_VOLUME, CONTROL_VOLUME, STAGING_VOLUME)
+    ] + [
+        {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+        {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
+        {"name": STAGING_VOLUME, "mountPath": STAGING_DIR},
+    ]
+    if index == 0:
+        # Ready once global rank 0 trains, which it does only once every rank of every replica
+        # joined the rendezvous and restored: replica 0's readiness stands for the gang's. The
+        # agents of the other replicas host no rank 0, whose status their /readyz reads, so their
+        # pods carry no readiness probe (see orchestrator.backends.k8s for how they count).
+        trainer["readinessProbe"] = {
+            "httpGet": {"path": "/readyz", "port": AGENT_PORT_NAME},
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        }
+    else:
+        trainer.pop("readinessProbe", None)
+    trainer["livenessProbe"] = {
+        "httpGet": {"path": "/healthz", "port": AGENT_PORT_NAME},
+        "initialDelaySeconds": 10,
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+        "failureThreshold": 6,
+    }
+    containers[index_] = trainer
+
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (TOKEN_VOLUME, CONTROL_VOLUME)]
+    volumes.append(
+        {
+            "name": TOKEN_VOLUME,
+            # Readable by the container's user whatever it is (no fsGroup needed): only this pod's
+            # own processes see the volume.
+            "secret": {"secretName": token_secret_name(owner), "defaultMode": 0o444},
+        }
+    )
+    volumes.append({"name": CONTROL_VOLUME, "emptyDir": {}})
+    if not any(v.get("name") == STAGING_VOLUME for v in volumes):
+        volumes.append({"name": STAGING_VOLUME, "emptyDir": {}})
+
+    pod_spec["containers"] = containers
+    pod_spec["volumes"] = volumes
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["terminationGracePeriodSeconds"] = max(
+        int(pod_spec.get("terminationGracePeriodSeconds") or 0), window + EXIT_SLACK_SECONDS
+    )
+    pod_spec["hostname"] = name
+    pod_spec["subdomain"] = service_name(owner.name)
+    pod_spec["affinity"] = _affinity(pod_spec.get("affinity"), owner, attempt, placement)
+    pod_spec["tolerations"] = _tolerations(pod_spec.get("tolerations") or [], window + EXIT_SLACK_SECONDS)
+    if not pod_spec["affinity"]:
+        del pod_spec["affinity"]
+
+    metadata: Object = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": pod_labels,
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _agent_args(
+    job_identity: str,
+    spec: WorkerSpec,
+    *,
+    attempt: int,
+    index: int,
+    master_addr: str | None,
+    owner: Owner,
+    options: WorkerOptions,
+) -> list[str]:
+    window = flush_window_seconds(spec.flush_timeout_seconds)
+    args = [
+        "--control-host", "$(POD_IP)",
+        "--control-port", str(options.agent_port),
+        "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}",
+        "--job-name", job_identity,
+        "--checkpoint-uri", spec.checkpoint_uri,
+        "--keep", str(spec.keep),
+        "--attempt", str(attempt),
+        "--staging-dir", STAGING_DIR,
+        "--control-dir", CONTROL_DIR,
+        # A SIGTERM (a drain, a graceful node shutdown) is a notice: flush within the window.
+        "--sigterm-grace", str(window),
+        "--flush-timeout", str(window),
+    ]  # fmt: skip
+    if spec.every_steps is not None:
+        args += ["--every-steps", str(spec.every_steps)]
+    if spec.every_seconds is not None:
+        args += ["--every-seconds", f"{spec.every_seconds:g}"]
+    torchrun = [
+        *options.torchrun_command,
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--nnodes", str(spec.replicas),
+        "--node-rank", str(index),
+        "--master-addr", master_addr if index > 0 and master_addr else "$(POD_IP)",
+        "--master-port", str(rendezvous_port(owner.namespace, owner.name, attempt)),
+        # A rank that fails fails the attempt: the reconciler restarts the whole gang.
+        "--max-restarts", "0",
+    ]  # fmt: skip
+    return [*args, "--", *torchrun, *spec.command]
+
+
+def _env(container_env: Iterable[Mapping[str, Any]], extra: Mapping[str, str]) -> list[Object]:
+    taken = set(extra) | set(_RESERVED_ENV)
+    env: list[Object] = [dict(e) for e in container_env if e.get("name") not in taken]
+    env += [{"name": k, "value": str(v)} for k, v in extra.items()]
+    # Declared last, but $(POD_IP) in args refers to the container's env whatever its order.
+    env += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    return env
+
+
+def _affinity(user: Mapping[str, Any] | None, owner: Owner, attempt: int, placement: WorkerPlacement) -> Object:
+    affinity: Object = copy.deepcopy(dict(user or {}))
+    node_affinity: Object = dict(affinity.get("nodeAffinity") or {})
+    if placement.avoid_nodes:
+        avoid = {"key": "metadata.name", "operator": "NotIn", "values": sorted(placement.avoid_nodes)}
+        required = dict(node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+        terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]
+        for term in terms:  # terms are ORed: every one of them must exclude the nodes
+            term["matchFields"] = [*(term.get("matchFields") or []), avoid]
+        required["nodeSelectorTerms"] = terms
+        node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    preferred = list(node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or [])
+    for key, values in (
+        ("topology.kubernetes.io/zone", placement.avoid_zones),
+        ("node.kubernetes.io/instance-type", placement.avoid_instance_types),
+    ):
+        if values:
+            preferred.append(
+                {
+                    "weight": 100,
+                    "preference": {"matchExpressions": [{"key": key, "operator": "NotIn", "values": sorted(values)}]},
+                }
+            )
+    if preferred:
+        node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    if node_affinity:
+        affinity["nodeAffinity"] = node_affinity
+    # One worker of an attempt per node: torchrun's --nnodes counts nodes, and one node going away
+    # must not take two workers.
+    anti: Object = dict(affinity.get("podAntiAffinity") or {})
+    anti["requiredDuringSchedulingIgnoredDuringExecution"] = [
+        *(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []),
+        {
+            "labelSelector": {"matchLabels": labels(owner, attempt)},
+            "topologyKey": "kubernetes.io/hostname",
+        },
+    ]
+    affinity["podAntiAffinity"] = anti
+    return affinity
+
+
+def _tolerations(user: Iterable[Mapping[str, Any]], seconds: int) -> list[Object]:
+    """The user's tolerations, plus: stay on a node whose preemption taint is NoExecute (NTH can be
+    configured so) for the flush window, instead of being evicted before the flush.
+
+    Only the NoExecute variants are tolerated: the NoSchedule taints these tools set by default
+    still keep new workers off those nodes, and the required node affinity keeps them off nodes
+    tainted NoExecute (a NoExecute toleration would otherwise let the scheduler pick them).
+    """
+    out = [dict(t) for t in user]
+    for rule in TAINT_RULES:
+        if rule.key in _NOT_TOLERATED:
+            continue
+        out.append({"key": rule.key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds})
+    return out
+
+
+# -- the job's other objects -----------------------------------------------------------------------
+
+
+def headless_service(owner: Owner, agent_port: int) -> Object:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": labels(owner),
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(owner),
+            # Workers resolve each other while their ranks restore, before they are Ready.
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": AGENT_PORT_NAME, "port": agent_port, "targetPort": agent_port, "protocol": "TCP"}],
+        },
+    }
+
+
+def token_secret(owner: Owner, token: str) -> Object:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": token_secret_name(owner),
+            "namespace": owner.namespace,
+            "labels": labels(owner),
+            "ownerReferences": [owner.reference()],
+        },
+        "type": "Opaque",
+        # Never changes (the token is derived from the job's uid): kubelets need not watch it.
+        "immutable": True,
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def network_policy(owner: Owner, options: WorkerOptions) -> Object:
+    """Ingress to the job's pods: from each other on every port (torchrun, gloo/NCCL), and from the
+    controller's pods to the agent's port. Everything else is denied; egress is untouched."""
+    controller: Object = {"podSelector": {"matchLabels": dict(options.controller_pod_labels)}}
+    if options.controller_namespace:
+        controller["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": options.controller_namespace}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": network_policy_name(owner),
+            "namespace": owner.namespace,
+            "labels": labels(owner),
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": labels(owner)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": labels(owner)}}]},
+                {"from": [controller], "ports": [{"protocol": "TCP", "port": options.agent_port}]},
+            ],
+        },
+    }

@@ -1,0 +1,142 @@
+"""The Kubernetes ``JobStore``: SpotJob resources, their status written through the status subresource.
+
+Reads come from the SpotJob informer's cache (no request per pass); writes are a PUT to
+``spotjobs/<name>/status`` carrying the ``resourceVersion`` the pass read, so the API server
+does the compare-and-swap: 409 Conflict becomes ``ConflictError`` (the reconciler re-reads).
+
+Two details keep the cache honest:
+
+- *write-through*: after a status write, the cache may still hold the version the write
+  replaced for a few milliseconds; ``get`` returns the written object until the cache moves past
+  that version, so the next pass does not fail its compare-and-swap on its own write;
+- after a conflict, or when the cache does not have the job, the next ``get`` reads it fresh
+  (GET), so a job the cache lags behind on is seen as the server has it, and a job deleted
+  since is confirmed gone (404) rather than guessed.
+
+A spec or status that does not validate is returned as an invalid ``StoredJob``
+(``orchestrator.store.parse_job``): the reconciler says so on that job, every other job is served.
+The controller never creates or deletes SpotJobs (people and their tools do): ``create`` and
+``delete`` refuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from orchestrator.k8s.api import SPOTJOBS, Conflict, KubeClient, KubeError, NotFound, Object, resource_version
+from orchestrator.k8s.informer import Cache
+from orchestrator.model import JobKey, JobSpec, JobStatus
+from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob, StoreError, parse_job
+
+log = logging.getLogger(__name__)
+
+
+class KubeJobStore(JobStore):
+    """SpotJobs through ``KubeClient`` and the SpotJob informer's ``Cache``. Thread-safe."""
+
+    def __init__(self, client: KubeClient, cache: Cache) -> None:
+        self._client = client
+        self._cache = cache
+        self._lock = threading.Lock()
+        self._written: dict[JobKey, tuple[str, Object]] = {}
+        """key -> (the resourceVersion a write replaced, the object the write returned)."""
+        self._fresh: set[JobKey] = set()
+        """Keys to read from the server on their next ``get`` (after a conflict)."""
+
+    def get(self, key: JobKey) -> StoredJob | None:
+        obj = self._object(key)
+        if obj is None:
+            return None
+        return _stored(key, obj)
+
+    def update_status(self, key: JobKey, status: JobStatus, *, version: str) -> StoredJob:
+        current = self._object(key, prefer_cache=True)
+        if current is None:
+            raise JobNotFoundError(str(key))
+        document = status.model_dump(mode="json", exclude_none=True)
+        if resource_version(current) == version and current.get("status") == document:
+            return _stored(key, current)  # nothing changed: no write, no new resourceVersion
+        body: Object = {
+            "apiVersion": SPOTJOBS.api_version,
+            "kind": SPOTJOBS.kind,
+            "metadata": {"name": key.name, "namespace": key.namespace, "resourceVersion": version},
+            # The server keeps its own spec on a status write; sending the one read keeps the
+            # body a whole, valid SpotJob for servers that validate it before merging.
+            "spec": current.get("spec"),
+            "status": document,
+        }
+        try:
+            written = self._client.replace(SPOTJOBS, body, subresource="status")
+        except Conflict as e:
+            with self._lock:
+                self._fresh.add(key)
+                self._written.pop(key, None)
+            raise ConflictError(f"SpotJob {key} changed since it was read: {e}") from e
+        except NotFound as e:
+            raise JobNotFoundError(str(key)) from e
+        except KubeError as e:
+            raise StoreError(f"cannot write the status of SpotJob {key}: {e}") from e
+        written.setdefault("kind", SPOTJOBS.kind)
+        written.setdefault("apiVersion", SPOTJOBS.api_version)
+        with self._lock:
+            self._written[key] = (version, written)
+        return _stored(key, written)
+
+    def keys(self) -> list[JobKey]:
+        return sorted(JobKey(ns, name) for ns, name in self._cache.object_keys())
+
+    def create(self, key: JobKey, spec: JobSpec) -> StoredJob:
+        raise StoreError(f"the controller does not create SpotJobs ({key}): apply one with kubectl")
+
+    def delete(self, key: JobKey) -> None:
+        raise StoreError(f"the controller does not delete SpotJobs ({key}): delete it with kubectl")
+
+    def forget(self, key: JobKey) -> None:
+        """Drop what is remembered about ``key`` (the job was deleted)."""
+        with self._lock:
+            self._written.pop(key, None)
+            self._fresh.discard(key)
+
+    # --
+
+    def _object(self, key: JobKey, *, prefer_cache: bool = False) -> Object | None:
+        with self._lock:
+            fresh = key in self._fresh and not prefer_cache
+            written = self._written.get(key)
+        cached = None if fresh else self._cache.get(key.namespace, key.name)
+        if cached is not None:
+            if written is not None:
+                replaced, obj = written
+                if resource_version(cached) == replaced:
+                    return obj  # the cache has not caught up with our own write yet
+                with self._lock:
+                    self._written.pop(key, None)
+            return cached
+        if prefer_cache and written is not None:
+            return written[1]
+        try:
+            obj = self._client.get(SPOTJOBS, key.name, key.namespace)
+        except NotFound:
+            self.forget(key)
+            return None
+        except KubeError as e:
+            raise StoreError(f"cannot read SpotJob {key}: {e}") from e
+        obj.setdefault("kind", SPOTJOBS.kind)
+        obj.setdefault("apiVersion", SPOTJOBS.api_version)
+        with self._lock:
+            self._fresh.discard(key)
+        return obj
+
+
+def _stored(key: JobKey, obj: Object) -> StoredJob:
+    meta: dict[str, Any] = obj.get("metadata") or {}
+    return parse_job(
+        key,
+        obj.get("spec"),
+        obj.get("status") or None,
+        version=resource_version(obj),
+        generation=int(meta.get("generation") or 1),
+        uid=str(meta.get("uid") or ""),
+    )

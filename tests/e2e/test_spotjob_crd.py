@@ -1,0 +1,226 @@
+"""The generated SpotJob CRD against an API server: tests/k8s's test API server (or the cluster
+``SPOTJOB_TEST_KUBECONFIG`` names), and the real kubectl.
+
+The server takes the CRD (a structural schema), serves SpotJobs with it: the examples are accepted
+and read back as valid jobs, what the schema refuses is answered 422 naming the field, a status as
+the reconciler writes it is stored whole (nothing pruned), and ``kubectl get sj`` shows the
+printer columns.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.crd import CRD_PATH
+from orchestrator.model import (
+    AttemptStatus,
+    Avoidance,
+    Cause,
+    CheckpointInfo,
+    Condition,
+    JobKey,
+    JobStatus,
+    NodeRef,
+    Phase,
+    RecoveryStatus,
+    RestartRecord,
+    WorkerPhase,
+    WorkerStatus,
+)
+from orchestrator.store import parse_job
+from tests.k8s.cluster import ApiCallError, TestCluster
+from tests.k8s.fixtures import cluster, k8s_cluster, namespace
+
+__all__ = ["cluster", "k8s_cluster", "namespace"]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = [REPO / "examples" / "spotjob-eks.yaml", REPO / "examples" / "spotjob-gke.yaml"]
+PATH = "/apis/spotjob.dev/v1alpha1/namespaces/{ns}/spotjobs"
+
+
+@pytest.fixture(scope="module")
+def spotjob_crd(k8s_cluster: TestCluster) -> None:
+    """The generated CRD, installed (replaced if one is there)."""
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    try:
+        k8s_cluster.rest.request("POST", path, crd)
+    except ApiCallError as e:
+        if e.status != 409:
+            raise
+        current = k8s_cluster.rest.get(f"{path}/{crd['metadata']['name']}")
+        crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        k8s_cluster.rest.request("PUT", f"{path}/{crd['metadata']['name']}", crd)
+    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/spotjob.dev/v1alpha1"), 30, "the SpotJob CRD")
+
+
+def example(path: Path, namespace: str, name: str | None = None) -> dict[str, Any]:
+    job = next(d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "SpotJob")
+    job["metadata"]["namespace"] = namespace
+    if name is not None:
+        job["metadata"]["name"] = name
+    return dict(job)
+
+
+def a_status_as_the_reconciler_writes_it() -> JobStatus:
+    """Every field of the status set, the way a job that was preempted and is flushing again has them."""
+    t = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+    return JobStatus(
+        phase=Phase.FLUSHING,
+        reason="SpotInterrupted",
+        message="SpotInterruption for node n2 (from k8s-node): flushing the gang and moving it",
+        observed_generation=1,
+        conditions=[
+            Condition(type="Ready", status="False", reason="SpotInterrupted", message="...", last_transition_time=t),
+            Condition(type="Flushing", status="True", reason="SpotInterrupted", message="", last_transition_time=t),
+            Condition(type="Degraded", status="False", reason="Healthy", message="ok", last_transition_time=t),
+        ],
+        attempt=AttemptStatus(
+            number=2,
+            started_at=t - timedelta(minutes=10),
+            running_at=t - timedelta(minutes=9),
+            resumed_from_step=500,
+            first_step=501,
+            first_step_at=t - timedelta(minutes=9),
+            observed_step=940,
+            observed_step_at=t,
+        ),
+        workers=[
+            WorkerStatus(
+                name="train-eks-2-0",
+                node="n2",
+                zone="us-east-1a",
+                instance_type="g5.xlarge",
+                phase=WorkerPhase.RUNNING,
+                step=940,
+            ),
+            WorkerStatus(name="train-eks-2-1", node="n3", phase=WorkerPhase.FAILED, exit_code=76),
+        ],
+        restarts=1,
+        preemptions=2,
+        consecutive_restarts=2,
+        restart_history=[
+            RestartRecord(
+                time=t - timedelta(hours=1),
+                attempt=0,
+                cause=Cause.PREEMPTION,
+                reason="SpotInterrupted",
+                message="notice",
+            ),
+            RestartRecord(
+                time=t - timedelta(minutes=11), attempt=1, cause=Cause.FAILURE, reason="WorkerFailed", message="exit 1"
+            ),
+        ],
+        recovery=RecoveryStatus(
+            cause=Cause.PREEMPTION,
+            reason="SpotInterrupted",
+            message="notice",
+            detected_at=t,
+            preempted=[NodeRef(node="n2", zone="us-east-1a", instance_type="g5.xlarge")],
+            flush_deadline=t + timedelta(minutes=2),
+            flush_timeout_at=t + timedelta(seconds=90),
+            baseline_step=500,
+            flush_requested=["train-eks-2-0"],
+            flush_failed=["train-eks-2-1"],
+        ),
+        avoid=[Avoidance(kind="node", value="n1", until=t + timedelta(minutes=20), reason="SpotInterrupted")],
+        last_checkpoint=CheckpointInfo(step=500, uri="s3://bucket/ml/train/step-000000500", time=t),
+        lost_steps=12,
+        flushing_seconds=31.5,
+        restarting_seconds=120.25,
+        retraining_seconds=12.0,
+        goodput=0.9312,
+        created_at=t - timedelta(hours=2),
+        start_time=t - timedelta(hours=2),
+        infra_errors=0,
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_the_example_spotjobs_are_accepted_and_read_back_as_valid_jobs(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, path: Path
+) -> None:
+    job = example(path, namespace)
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), job)
+
+    name = created["metadata"]["name"]
+    stored = parse_job(
+        JobKey(namespace, name),
+        created["spec"],
+        created.get("status"),
+        version=created["metadata"]["resourceVersion"],
+        generation=created["metadata"]["generation"],
+        uid=created["metadata"]["uid"],
+    )
+    assert stored.invalid is None and stored.spec is not None
+    assert stored.spec.template == job["spec"]["template"], "the pod template is kept as written"
+    assert stored.spec.replicas == 2 and stored.generation == 1
+
+
+def test_the_api_server_refuses_what_the_schema_rejects_naming_the_field(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    base = example(EXAMPLES[0], namespace, "refused")
+
+    def refused(change: Any) -> str:
+        job = copy.deepcopy(base)
+        change(job["spec"])
+        with pytest.raises(ApiCallError) as e:
+            cluster.rest.request("POST", PATH.format(ns=namespace), job)
+        assert e.value.status == 422
+        return str(e.value)
+
+    assert "spec.replicas" in refused(lambda s: s.update(replicas=0))
+    assert "spec.checkpoint.uri" in refused(lambda s: s["checkpoint"].pop("uri"))
+    assert "spec.flushTimeoutSeconds" in refused(lambda s: s.update(flushTimeoutSeconds=0))
+    assert "spec.command" in refused(lambda s: s.update(command=[]))
+
+
+def test_a_status_as_the_reconciler_writes_it_is_stored_whole_and_shown_in_the_printer_columns(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), example(EXAMPLES[0], namespace, "shown"))
+    status = a_status_as_the_reconciler_writes_it()
+    body = {**created, "status": status.model_dump(mode="json", exclude_none=True)}
+
+    written = cluster.rest.request("PUT", f"{PATH.format(ns=namespace)}/shown/status", body)
+
+    assert written["status"] == body["status"], "nothing pruned, nothing defaulted"
+    assert JobStatus.model_validate(written["status"]) == status
+    bad = copy.deepcopy(written)
+    bad["status"]["phase"] = "Sleeping"
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("PUT", f"{PATH.format(ns=namespace)}/shown/status", bad)
+    assert e.value.status == 422 and "status.phase" in str(e.value)
+
+    headers = dict(cluster.rest.headers, Accept="application/json;as=Table;v=v1;g=meta.k8s.io,application/json")
+    answer = cluster.rest.pool.request("GET", f"{cluster.rest.host}{PATH.format(ns=namespace)}", headers=headers)
+    table = json.loads(answer.data)
+    columns = [c["name"] for c in table["columnDefinitions"] if c["priority"] == 0]
+    assert columns == ["Name", "Phase", "Step", "Checkpoint", "Preemptions", "Restarts", "Goodput", "Age"]
+    [row] = table["rows"]
+    assert row["cells"][:7] == ["shown", "Flushing", 500, row["cells"][3], 2, 1, 0.9312]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_kubectl_get_sj_shows_the_jobs_columns(cluster: TestCluster, namespace: str, spotjob_crd: None) -> None:
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), example(EXAMPLES[1], namespace, "seen"))
+    status = a_status_as_the_reconciler_writes_it()
+    body = {**created, "status": status.model_dump(mode="json", exclude_none=True)}
+    cluster.rest.request("PUT", f"{PATH.format(ns=namespace)}/seen/status", body)
+
+    out = cluster.kubectl("get", "sj", "-n", namespace).stdout
+    header, line = out.splitlines()[:2]
+    assert header.split() == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
+    assert line.split()[:3] == ["seen", "Flushing", "500"] and line.split()[4:7] == ["2", "1", "0.9312"]
+    wide = cluster.kubectl("get", "spotjobs", "-n", namespace, "-o", "wide").stdout
+    assert wide.splitlines()[0].split()[-2:] == ["ATTEMPT", "REASON"]
+    assert wide.splitlines()[1].split()[-2:] == ["2", "SpotInterrupted"]
