@@ -8,6 +8,12 @@ DCP's ``.metadata`` file is a pickle and DCP's default planner unpickles non-ten
 - Non-tensor values load with ``torch.load(weights_only=True)``; tensors already do in DCP.
 - Every shard file is CRC32C-checked against the manifest as it is fetched (object stores) or
   before it is read (filesystem), so a flipped byte fails the load instead of corrupting state.
+
+Writing: DCP's filesystem writer, except that tensors are serialized without torch.save's zip
+CRC-32 (the manifest's CRC32C covers the files), by building the zip writer per file instead of
+switching torch's process-wide option. ``dcp_save``/``dcp_load`` are DCP's save and load without
+the warning their public wrappers emit on every single-process call (silencing it would take the
+process's warning filters, which belong to the user).
 """
 
 from __future__ import annotations

@@ -84,6 +84,8 @@ class CheckpointStatus:
     """Written by a job the URI's owner does not accept: never restored, counted or deleted."""
     fenced: bool = False
     """Written by a stale attempt of the job (``agent.ownership``): never restored or counted."""
+    retired: bool = False
+    """Set aside by a deliberate fresh start (``agent._fresh_start``): kept, never used."""
 
     @property
     def valid(self) -> bool:
@@ -164,6 +166,7 @@ def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = N
 def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
     status.foreign = judgement.kind == "foreign"
     status.fenced = judgement.kind == "fenced"
+    status.retired = judgement.kind == "retired"
     status.problems.append(judgement.reason)
 
 

@@ -96,7 +96,16 @@ from agent.control_channel import (
     RankStatus,
 )
 from agent.crc32c import crc32c_bytes, crc32c_file, to_hex
-from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, ManifestError, now_utc
+from agent.manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    MAX_JSON_DEPTH,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    check_json_depth,
+    now_utc,
+)
 from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
 from agent.storage import (
     AlreadyExistsError,
@@ -114,6 +123,7 @@ T = TypeVar("T")
 _STATUS_INTERVAL_S = 1.0
 _TRUE = ("1", "true", "yes", "on")
 _METADATA = TypeAdapter(dict[str, JsonValue])
+_MAX_METADATA_BYTES = 1 << 20
 
 
 class CheckpointError(Exception):
@@ -138,10 +148,6 @@ class CheckpointOwnershipError(CheckpointError, OwnershipError):
     """The URI belongs to another job; raised on every rank at construction, nothing written."""
 
 
-class MissingStateKeysError(CheckpointError):
-    """``restore`` was handed state keys the checkpoint does not hold."""
-
-
 class RestoreError(CheckpointError):
     """Restore could not leave the job in a consistent state."""
 
@@ -154,6 +160,11 @@ class RestoreRefusedError(RestoreError):
     def __init__(self, message: str, tried: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.tried = list(tried or [])
+
+
+class MissingStateKeysError(RestoreRefusedError):
+    """``restore`` was handed state keys the newest checkpoint does not hold (a refusal: nothing
+    was loaded or deleted)."""
 
 
 class StorageUnavailableError(CheckpointError):
@@ -225,6 +236,15 @@ class _Save:
     thread: threading.Thread | None = None
 
 
+def _is_infrastructure(error: BaseException) -> bool:
+    """A failure of the store or of this node's disk, not of the user's code or of ownership."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    if isinstance(error, AlreadyExistsError | FencedError):
+        return False  # another writer on the URI: ownership, not infrastructure
+    return isinstance(error, StorageError | OSError)
+
+
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -273,8 +293,8 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
         raise TypeError(f"{call}: metadata must be a dict of JSON values, got {type(metadata).__name__}")
     try:
         checked = _METADATA.validate_python(dict(metadata))
-        json.dumps(checked)
-    except (ValidationError, TypeError, ValueError) as e:
+        encoded = json.dumps(checked).encode()
+    except (ValidationError, TypeError, ValueError, RecursionError) as e:
         where = ""
         if isinstance(e, ValidationError) and e.errors():
             loc = e.errors()[0].get("loc", ())
@@ -283,6 +303,15 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
             f"{call}: metadata{where} is not JSON (numbers, strings, bools, None, lists, dicts with str keys); "
             "convert tensors with float(...) or .tolist()"
         ) from None
+    if len(encoded) > _MAX_METADATA_BYTES:
+        raise ValueError(
+            f"{call}: metadata is {len(encoded)} bytes as JSON, more than {_MAX_METADATA_BYTES}; it goes into "
+            "every manifest: keep it to small values (loss, tokens seen) and save bulky data as state"
+        )
+    try:
+        check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
+    except ValueError:
+        raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
     return checked
 
 
@@ -405,12 +434,13 @@ class Checkpointer:
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
     ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
 
-    ``start_fresh``: when committed checkpoints exist but none loads, ``restore`` raises
-    ``RestoreRefusedError`` unless this is set; set, it returns 0 and *retires* the refused
-    checkpoints: they are kept as they are, never restored, never counted or deleted by retention,
-    and their folder names stay taken, so the new run's saves (whose steps start again from 0)
-    can never be mistaken for them. It has no effect when a checkpoint loads, so leaving it set
-    across restarts never throws the new run's own progress away.
+    ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
+    or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
+    committed checkpoints, the refused ones and any older (``agent._fresh_start``): they are kept
+    as they are, never restored, never counted or deleted by retention, and their folder names
+    stay taken, so the new run's saves (whose steps start again from 0, below theirs) can never be
+    mistaken for them. It has no effect when a checkpoint loads, so leaving it set across restarts
+    never throws the new run's own progress away.
     """
 
     def __init__(
@@ -634,13 +664,18 @@ class Checkpointer:
                 continue
             manifest = Manifest.parse(manifest_json.encode())
             missing = sorted(set(state) - set(manifest.state_keys))
-            if missing:
+            if missing and not self.config.start_fresh:
                 raise MissingStateKeysError(
                     f"checkpoint {url(ref.folder)} holds state keys {manifest.state_keys}; "
                     f"it lacks {missing}. Restore with the keys it was saved with, start fresh on purpose "
-                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI."
+                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI.",
+                    [(url(ref.folder), f"lacks state keys {missing}")],
                 )
-            mismatch = self._agree_on_failure(self._incompatibility(manifest, state))
+            mismatch = (
+                (_Failure.INCOMPATIBLE, f"incompatible with the state: it lacks state keys {missing}")
+                if missing
+                else self._agree_on_failure(self._incompatibility(manifest, state))
+            )
             if mismatch is not None:
                 tried.append((ref, mismatch[1]))
                 break  # an older checkpoint would be going back in time on a changed model
@@ -651,7 +686,8 @@ class Checkpointer:
                 return manifest.step
             kind, reason = failure
             if kind == _Failure.UNAVAILABLE:
-                raise self._unavailable(f"reading {url(ref.folder)}: {reason}")
+                mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
+                raise self._unavailable(f"reading {url(ref.folder)}: {reason}{mixed}")
             tried.append((ref, reason))
             if kind == _Failure.INCOMPATIBLE:
                 break  # the checkpoint is not at fault: an older one would be going back in time
@@ -1057,6 +1093,10 @@ class Checkpointer:
     def _write_upload_commit(self, save: _Save) -> None:
         files: list[tuple[str, int, str]] = []
         error: str | None = None
+        # Whether the failure is the infrastructure's (the store, this node's disk), not the
+        # user's code: the agent then exits 74 and the controller retries without spending the
+        # restart budget.
+        infra = False
         try:
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
@@ -1070,6 +1110,7 @@ class Checkpointer:
                 files.append((name, size, to_hex(crc)))
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
+            infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
         if self.rank == 0:
             try:
@@ -1077,7 +1118,8 @@ class Checkpointer:
             except FencedError as e:
                 target = (None, str(e))
             except (StorageError, OSError) as e:
-                error = error or f"rank 0: cannot prepare the checkpoint folder: {e}"
+                if error is None:
+                    error, infra = f"rank 0: cannot prepare the checkpoint folder: {e}", _is_infrastructure(e)
         folder, fenced = self._broadcast(target, group=self._save_pg)
         if error is None and folder is not None:
             try:
@@ -1087,23 +1129,24 @@ class Checkpointer:
                     parallelism=self.config.io_threads,
                 )
             except BaseException as e:
-                error = f"rank {self.rank}: upload failed: {e!r}"
+                error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
-        gathered = self._all_gather((files, error), group=self._save_pg)
-        outcome: tuple[str | None, str | None, bool] = (None, fenced, fenced is not None)
+        gathered = self._all_gather((files, error, infra), group=self._save_pg)
+        outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         if self.rank == 0 and fenced is None:
-            errors = [e for _, e in gathered if e]
+            errors = [e for _, e, _ in gathered if e]
             if errors:
-                outcome = (None, "; ".join(errors), False)
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i in gathered))
             else:
                 try:
-                    outcome = (self._commit(save, folder or "", [f for fs, _ in gathered for f in fs]), None, False)
+                    commit_files = [f for fs, _, _ in gathered for f in fs]
+                    outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
-                    outcome = (None, str(e), True)
+                    outcome = (None, str(e), True, False)
                 except BaseException as e:
-                    outcome = (None, f"rank 0: commit failed: {e!r}", False)
-        uri, failure, was_fenced = self._broadcast(outcome, group=self._save_pg)
+                    outcome = (None, f"rank 0: commit failed: {e!r}", False, _is_infrastructure(e))
+        uri, failure, was_fenced, infra_failure = self._broadcast(outcome, group=self._save_pg)
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
             save.committed_uri = uri
@@ -1129,6 +1172,14 @@ class Checkpointer:
         else:
             save.error = SaveFailedError(failure or "unknown failure")
             log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
+            if infra_failure and self._control is not None:
+                # If the script lets this error end it, the agent reports an infrastructure error.
+                try:
+                    self._control.report_infra_error(
+                        self.rank, f"the checkpoint of step {save.step} failed on {self.storage.uri}: {failure}"
+                    )
+                except OSError as e:
+                    log.debug("could not report the infrastructure error to the agent: %s", e)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
@@ -1242,7 +1293,11 @@ class Checkpointer:
         modules, _, _ = self._classify(state)
         if not modules or not manifest.tensors:
             return None
-        current = {k: v for k, v in get_model_state_dict(_ModuleBag(modules)).items() if isinstance(v, torch.Tensor)}
+        try:
+            model_state = get_model_state_dict(_ModuleBag(modules))
+        except Exception as e:  # reported to every rank, never raised on one alone
+            return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
+        current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
         problems = []
         for fqn, tensor in current.items():
             entry = manifest.tensors.get(fqn)

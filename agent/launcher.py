@@ -232,7 +232,9 @@ def decide_exit_code(
         return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
     if stopped is not None:
         return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
-    if infra_error is not None:
+    if infra_error is not None and (code != 0 or killed):
+        # Only when the command failed: a script that caught a failed save and finished its work
+        # did finish, whatever the store did meanwhile.
         return EXIT_INFRA_ERROR, f"infrastructure error: {infra_error} (command exit code {code})"
     if result is not None:
         # Before the closed-rank check: a script that calls close() in a `finally` marks its

@@ -50,6 +50,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agent import _fresh_start
 from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, read_bounded, read_manifest
 from agent.manifest import MANIFEST_NAME, ManifestError, UntrustedJSONError, loads_bounded, now_utc
 from agent.storage.base import AlreadyExistsError, NotFoundError, Storage, TransientStorageError
@@ -513,7 +514,7 @@ def check_not_fenced(storage: Storage, job: str | None, attempt: int | None) -> 
 class Judgement:
     """Why a committed checkpoint must not be used although its bytes may be fine."""
 
-    kind: Literal["foreign", "fenced", "untrusted"]
+    kind: Literal["foreign", "fenced", "retired", "untrusted"]
     reason: str
 
 
@@ -528,6 +529,8 @@ class Lineage:
     storage: Storage
     owner: Owner | None
     owner_error: str | None = None
+    retired: frozenset[str] = frozenset()
+    """Folders a deliberate fresh start set aside (``agent._fresh_start``): kept, never used."""
     _numbers: dict[str | None, builtins.list[int]] = field(default_factory=dict)
     _records: dict[tuple[str | None, int], AttemptRecord | str] = field(default_factory=dict)
 
@@ -535,16 +538,23 @@ class Lineage:
     def load(cls, storage: Storage) -> Lineage:
         """Read the owner (``StorageError`` when storage fails; an unreadable record is kept as
         ``owner_error`` and makes every checkpoint untrusted)."""
+        retired = frozenset(_fresh_start.retired_folders(storage))
         try:
-            return cls(storage, read_owner(storage))
+            return cls(storage, read_owner(storage), retired=retired)
         except OwnershipError as e:
-            return cls(storage, None, str(e))
+            return cls(storage, None, str(e), retired=retired)
 
     def judge(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
         """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
         used, or None. ``StorageError`` when storage fails."""
         if self.owner_error is not None:
             return Judgement("untrusted", self.owner_error)
+        if ref.folder in self.retired:
+            return Judgement(
+                "retired",
+                "retired by a deliberate fresh start (start_fresh): kept as it is, never restored, counted or "
+                f"deleted (record {_fresh_start.retired_key(ref)})",
+            )
         owner = self.owner
         if owner is not None and not owner.accepts(job, ref):
             adopted = next((a for a in owner.adopted if a.job == job), None)

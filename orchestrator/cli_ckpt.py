@@ -108,7 +108,8 @@ def register(subparsers: Any) -> None:
         description="List every checkpoint folder under URI, newest first: step, folder, creation "
         "time (UTC), world size, bytes stored, and whether it is valid — or why not (uncommitted "
         "leftover, missing file, file of the wrong size, manifest refused, FOREIGN: written by a job "
-        "that does not own the URI, FENCED: written by a stale attempt of the job). Sizes are "
+        "that does not own the URI, FENCED: written by a stale attempt of the job, RETIRED: set aside "
+        "by a fresh start). Sizes are "
         "checked; contents are not (see `verify --deep`).",
         epilog=_EXIT_CODES,
     )
@@ -969,6 +970,8 @@ def _verdict(status: CheckpointStatus) -> str:
         return f"FOREIGN — {status.reason}"
     if status.fenced:
         return f"FENCED — {status.reason}"
+    if status.retired:
+        return f"RETIRED — {status.reason}"
     return f"INVALID — {status.reason}"
 
 

@@ -202,6 +202,12 @@ class GCSStorage(PrefixedKeys, Storage):
         session.mount("http://", adapter)
         self._session = session
         self._client = storage.Client(project=project, credentials=credentials, _http=session)
+        # The client fetches each bucket's metadata (for tracing attributes) in a thread of its
+        # own, retried by google-api-core with jitter drawn from Python's global ``random``: the
+        # training script's stream, shifted at a moment nobody controls. spotjob has no use for
+        # it; switched off for this client only (the environment switch would reach the user's).
+        if getattr(self._client, "_bucket_metadata_cache", None) is not None:
+            self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-gcs")
 

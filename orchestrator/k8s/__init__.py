@@ -10,7 +10,11 @@ Modules, bottom up (each docstring says what runs in order and what in parallel)
 - ``events``: Kubernetes Events about a SpotJob or Node, aggregated on repeats.
 - ``metrics`` and ``health``: Prometheus metrics and the /healthz, /readyz, /metrics server.
 - ``cluster_signals``: Node and Pod objects to ``orchestrator.signals.Signal`` (pure functions).
-- ``controller`` and ``main``: the ``spotjob-controller`` process that wires them together.
+- ``pods``: the objects a SpotJob owns (worker Pods, Service, token Secret, NetworkPolicy), built
+  as JSON (pure functions); ``agents``: the agents' tokens and their control API, in the background.
+- ``store``: the ``JobStore`` on SpotJob resources and their status subresource.
+- ``controller``, ``wiring`` and ``main``: the ``spotjob-controller`` process that wires them
+  together around the shared ``Reconciler`` (with ``orchestrator.backends.k8s``).
 
 This ``__init__`` imports nothing, so that ``metrics``, ``workqueue`` and ``cluster_signals`` (which
 do not need ``kubernetes``) can be imported without pulling the client in.

@@ -17,8 +17,9 @@ and queue them: a SpotJob event queues that job; a worker Pod event queues the j
 cache's node index), and a Node deletion is remembered by the node-loss tracker.
 
 The reconcile seam: ``ReconcileFactory`` builds the per-key reconcile function from a
-``ControllerContext`` (client, caches, Events, metrics, signals, options). The reconciler work
-supplies the real factory; this module knows nothing of what a reconcile does.
+``ControllerContext`` (client, caches, Events, metrics, signals, options), before the informers
+start (so it may add informer handlers). ``orchestrator.k8s.wiring.spotjob_reconcile`` is the real
+one; this module knows nothing of what a reconcile does.
 """
 
 from __future__ import annotations

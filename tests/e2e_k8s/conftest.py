@@ -73,7 +73,7 @@ def start_controller(
 ) -> Iterator[Callable[..., Controller]]:
     started: list[Controller] = []
 
-    def start(namespace: str, *extra: str, leader_elect: bool = False) -> Controller:
+    def start(namespace: str, *extra: str, leader_elect: bool = False, env: dict[str, str] | None = None) -> Controller:
         args = [
             f"--namespace={namespace}",
             "--http-port=0",
@@ -96,7 +96,7 @@ def start_controller(
         else:
             args.append("--no-leader-elect")
         controller = Controller(
-            controller_kubeconfig, tmp_path / f"controller-{len(started)}.log", [*args, *extra]
+            controller_kubeconfig, tmp_path / f"controller-{len(started)}.log", [*args, *extra], env=dict(env or {})
         ).start()
         started.append(controller)
         return controller

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +102,19 @@ class Controller:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def metrics(self) -> dict[str, float]:
+        """Its /metrics (the port it logged), as ``{'name{labels}': value}``."""
+        found = re.search(r"serving /healthz, /readyz and /metrics on port (\d+)", self.log())
+        assert found, "the controller has not said where it serves /metrics"
+        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
 
 
 # -- SpotJobs -------------------------------------------------------------------------------------

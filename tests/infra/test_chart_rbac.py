@@ -1,9 +1,12 @@
 """The controller's RBAC: least privilege, read and write apart, a comment on every rule, and exactly
-the API calls the controller makes (the contract of issue #12, below) — in both directions.
+the API calls the controller makes — in both directions.
 
-When the controller exists, a test derives the calls it really makes from the test API server's
-audit log and compares them with ``controller_rules(render(...))``; this file pins the contract
-until then, and files/rbac.yaml is the one place both sides are written.
+Two sides, one list: ``orchestrator.k8s.api.PERMISSIONS`` is every call the controller may make
+(``KubeClient`` refuses any other before sending it, so every test of the controller proves its
+calls are in it), and files/rbac.yaml is what the chart grants. Here the rendered rules are compared
+with PERMISSIONS for every way the chart can be configured; tests/e2e_k8s/test_k8s_rbac_drift.py
+compares them with the calls the controller really made in the end-to-end scenarios (the test API
+server's audit log).
 """
 
 from __future__ import annotations
@@ -25,60 +28,57 @@ from infra_support import (
     render,
 )
 
+from orchestrator.k8s.api import PERMISSIONS
+
 LEASE = "spotjob-controller"
 QUEUE = {"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"}}
+CLUSTER_SCOPED = {"nodes", "events"}
+"""Nodes are cluster-scoped; a Node's Events live in the default namespace, so Events are granted cluster-wide."""
 
 
-def contract(*, job_namespaces: list[str | None], queue: bool, network_policy: bool, leader: bool) -> set[Grant]:
-    """The calls the controller makes, as the controller contract lists them."""
+def expected(*, job_namespaces: list[str | None], network_policy: bool, leader: bool) -> set[Grant]:
+    """PERMISSIONS as the chart must grant them: cluster-scoped kinds in the ClusterRole, the Lease
+    by name in its namespace (create cannot be narrowed by name), everything else in the namespaces
+    jobs run in (None: all, the ClusterRole); NetworkPolicies only when the controller creates them,
+    the Lease only with leader election."""
     grants: set[Grant] = set()
-
-    def add(namespaces: list[str | None], group: str, resource: str, verbs: str, name: str | None = None) -> None:
-        for ns in namespaces:
-            for verb in verbs.split():
-                grants.add(Grant(ns, group, resource, verb, name))
-
-    add([None], "", "nodes", "get list watch")
-    add(job_namespaces, "spotjob.dev", "spotjobs", "get list watch patch")
-    add(job_namespaces, "", "pods", "get list watch create delete")
-    add(job_namespaces, "", "services", "create")
-    add(job_namespaces, "", "secrets", "create")
-    add(job_namespaces, "spotjob.dev", "spotjobs/status", "update patch")
-    add([None], "", "events", "create patch")
-    add([None], "events.k8s.io", "events", "create patch")
-    if network_policy:
-        add(job_namespaces, "networking.k8s.io", "networkpolicies", "create")
-    if queue:
-        add([None], "", "nodes", "patch")
-    if leader:
-        add([NAMESPACE], "coordination.k8s.io", "leases", "get update", LEASE)
-        add([NAMESPACE], "coordination.k8s.io", "leases", "create")
+    for p in PERMISSIONS:
+        if p.resource == "networkpolicies" and not network_policy:
+            continue
+        if p.resource == "leases":
+            if leader:
+                grants.add(Grant(NAMESPACE, p.group, p.resource, p.verb, None if p.verb == "create" else LEASE))
+        elif p.resource in CLUSTER_SCOPED:
+            grants.add(Grant(None, p.group, p.resource, p.verb, None))
+        else:
+            grants |= {Grant(ns, p.group, p.resource, p.verb, None) for ns in job_namespaces}
     return grants
 
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "defaults": ({}, {"job_namespaces": [None], "queue": False, "network_policy": True, "leader": True}),
-    "queue": (QUEUE, {"job_namespaces": [None], "queue": True, "network_policy": True, "leader": True}),
+    "defaults": ({}, {"job_namespaces": [None], "network_policy": True, "leader": True}),
+    # No interruption-queue reader is built yet: a queue URL grants nothing more.
+    "queue": (QUEUE, {"job_namespaces": [None], "network_policy": True, "leader": True}),
     "no-network-policy": (
         {"networkPolicy": {"enabled": False}},
-        {"job_namespaces": [None], "queue": False, "network_policy": False, "leader": True},
+        {"job_namespaces": [None], "network_policy": False, "leader": True},
     ),
     "one-replica": (
         {"replicas": 1, "leaderElection": {"enabled": False}},
-        {"job_namespaces": [None], "queue": False, "network_policy": True, "leader": False},
+        {"job_namespaces": [None], "network_policy": True, "leader": False},
     ),
     "watch-namespaces": (
         {"watchNamespaces": ["ml-training", "research"], **QUEUE},
-        {"job_namespaces": ["ml-training", "research"], "queue": True, "network_policy": True, "leader": True},
+        {"job_namespaces": ["ml-training", "research"], "network_policy": True, "leader": True},
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_rendered_rules_are_exactly_the_controllers_calls(case: str) -> None:
-    values, expected = CASES[case]
+def test_the_rendered_rules_are_exactly_the_controllers_permission_list(case: str) -> None:
+    values, settings = CASES[case]
     granted = controller_rules(render(values))
-    wanted = contract(**expected)
+    wanted = expected(**settings)
     assert not granted - wanted, f"granted but never called: {sorted(granted - wanted)}"
     assert not wanted - granted, f"called but not granted: {sorted(wanted - granted)}"
 

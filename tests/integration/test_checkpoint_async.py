@@ -45,10 +45,10 @@ def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_pa
     train(state, 1)
     ckpt.save(1, state)  # returns once staged; the upload fails in the background
 
+    n = 2
     with pytest.raises(SaveFailedError, match=r"step 1.*AccessDenied"):
         if next_call == "step":
             deadline = time.monotonic() + BOUND_S
-            n = 2
             while time.monotonic() < deadline:  # the first step() after the failure raises
                 ckpt.step(n, state)
                 n += 1
@@ -63,9 +63,10 @@ def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_pa
     if next_call != "close":
         # Reported once; the job carries on and the next save commits.
         del ckpt.storage.put_file
-        ckpt.save(5, state)
+        later = max(5, n)  # steps never go back: past every step() the loop above reported
+        ckpt.save(later, state)
         ckpt.close()
-        assert committed_steps(ckpt) == [5]
+        assert committed_steps(ckpt) == [later]
 
 
 def test_an_unexpected_error_in_the_save_thread_is_raised_not_hung_on(tmp_path: Path) -> None:

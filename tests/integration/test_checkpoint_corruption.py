@@ -188,7 +188,10 @@ def _metadata_with_payload(folder: Path, marker: Path) -> bytes:
 
 @pytest.mark.parametrize("where", ["bare", "inside-real-metadata"])
 def test_a_malicious_metadata_pickle_is_refused_without_running_it(
-    where: str, store: Path, committed: tuple[Path, dict[str, Any]], marker: Path,
+    where: str,
+    store: Path,
+    committed: tuple[Path, dict[str, Any]],
+    marker: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     folder = store / STEP2
@@ -209,8 +212,13 @@ def test_a_malicious_rank_file_is_refused_by_weights_only_loading(
     store: Path, committed: tuple[Path, dict[str, Any]], marker: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = store / STEP2
-    evil = {"step": 2, "rank": 0, "world_size": 1,
-            "objects": {"counter": RunsShell(f"touch {shlex.quote(str(marker))}")}, "rng": {}}
+    evil = {
+        "step": 2,
+        "rank": 0,
+        "world_size": 1,
+        "objects": {"counter": RunsShell(f"touch {shlex.quote(str(marker))}")},
+        "rng": {},
+    }
     buf = io.BytesIO()
     torch.save(evil, buf)
     replace_sealed(folder, "rank-00000.pt", buf.getvalue())
@@ -223,8 +231,11 @@ def test_a_malicious_rank_file_is_refused_by_weights_only_loading(
 def plant_malicious_value(folder: Path, marker: Path) -> str:
     """Re-point a non-tensor value (an optimizer hyper-parameter) at a pickle that runs code."""
     metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
-    fqn = next(k for k, v in metadata.state_dict_metadata.items()
-               if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr"))
+    fqn = next(
+        k
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr")
+    )
     index = next(i for i in metadata.storage_data if i.fqn == fqn)
     info = metadata.storage_data[index]
     buf = io.BytesIO()

@@ -53,15 +53,15 @@ def kill_save_at(stage: str, uri: str, tmp_path: Path) -> None:
     markers = tmp_path / "markers"
     markers.mkdir()
     log = tmp_path / "job.log"
-    argv = harness.torchrun_argv(RANKS, JOB, ["interrupt", "--uri", uri, "--markers", str(markers),
-                                              "--stage", stage])
+    argv = harness.torchrun_argv(RANKS, JOB, ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", stage])
     proc = harness.start(argv, log)
     # Only rank 0 writes the manifest; the other ranks wait for its answer.
     frozen = ["rank0"] if stage == "manifest" else [f"rank{r}" for r in range(RANKS)]
     expected = [markers / f"{stage}.{r}" for r in frozen] + [markers / f"pid.rank{r}" for r in range(RANKS)]
     try:
-        harness.wait_for(lambda: all(p.exists() for p in expected), f"the ranks to freeze at {stage}",
-                         alive=proc, log_path=log)
+        harness.wait_for(
+            lambda: all(p.exists() for p in expected), f"the ranks to freeze at {stage}", alive=proc, log_path=log
+        )
         pids = harness.read_pids(markers)
         assert len(pids) == RANKS
         assert {int((markers / f"{stage}.{r}").read_text()) for r in frozen} <= set(pids)

@@ -18,6 +18,7 @@ import torch
 
 from agent.catalog import CheckpointRef, inspect, list_checkpoints, verify_deep
 from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.control_channel import ControlDir
 from agent.ownership import claim
 from agent.storage import open_storage
 
@@ -146,12 +147,16 @@ def test_a_save_that_cannot_upload_fails_loudly_and_commits_nothing(
     scheme, uri, proxy = faulty_uri
     broken = proxy.fail(10_000, status, **data_upload(scheme))
     state = make_state(0)
-    ckpt = Checkpointer(uri, keep=3, staging_dir=str(tmp_path))
+    control = ControlDir(str(tmp_path / "control"))
+    ckpt = Checkpointer(uri, keep=3, staging_dir=str(tmp_path), control_dir=control.path)
     train(state, 1)
     ckpt.save(1, state)
     with pytest.raises(SaveFailedError, match="step 1"):
         ckpt.close()
     assert broken.served >= 1
+    # The store failed, not the user's code: the agent is told, so it exits 74 (no restart spent).
+    reported = control.infra_error()
+    assert reported is not None and "step 1" in reported["error"] and uri in reported["error"]
     assert manifest_writes(scheme, proxy) == 0
     assert [s for s in list_checkpoints(open_storage(uri)) if s.committed] == []
     assert restore(uri, tmp_path)[0] == 0

@@ -26,5 +26,5 @@ def widget_crd(k8s_cluster: TestCluster) -> Iterator[None]:
     except Exception as e:
         if getattr(e, "status", None) != 409:
             raise
-    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/test.spotjob.dev/v1"), 10, "the Widget CRD to be served")
+    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/test.spotjob.dev/v1"), 60, "the Widget CRD to be served")
     yield

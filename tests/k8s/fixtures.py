@@ -3,6 +3,7 @@
 - ``k8s_cluster`` (session): a started ``TestCluster``; ``KUBECONFIG`` and ``KUBECACHEDIR`` are set
   in ``os.environ`` for this process and its children while it runs. With
   ``SPOTJOB_TEST_KUBECONFIG`` set it uses that cluster instead of starting the test API server.
+  At the end, a process of any pod still running after the cluster stopped fails the session.
 - ``cluster`` (per test): the same cluster; nodes the test added are deleted afterwards, faults
   cleared, and the test fails if kubernetes-validate (strict) rejected any object it wrote.
 - ``namespace`` (per test): a fresh namespace, deleted afterwards.
@@ -13,8 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +40,12 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluste
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    left = cluster.leftover_processes()
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"processes of pods outlived the test cluster (now killed): {left}")
 
 
 @pytest.fixture
@@ -62,7 +71,7 @@ def namespace(cluster: TestCluster) -> Iterator[str]:
     )
     # Pods need the namespace's default ServiceAccount, which appears with the namespace.
     cluster.wait_for(
-        lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 10, "the default ServiceAccount"
+        lambda: cluster.rest.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60, "the default ServiceAccount"
     )
     yield name
     try:

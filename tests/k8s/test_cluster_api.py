@@ -11,6 +11,7 @@ from kubernetes import client
 from .cluster import Fault, TestCluster
 
 WIDGETS = ("test.spotjob.dev", "v1", "widgets")
+WAIT = 60.0  # generous for a loaded machine: waits end as soon as their condition holds
 
 
 def reason(e: client.ApiException) -> str:
@@ -308,15 +309,17 @@ def test_owner_references_cascade_in_the_background_in_the_foreground_and_orphan
         co.delete_namespaced_custom_object(
             *WIDGETS[:2], namespace, WIDGETS[2], policy.lower(), propagation_policy=policy
         )
-        cluster.wait_for(lambda p=policy: not _widget_exists(co, namespace, p.lower()), 10, f"the {policy} owner to go")
+        cluster.wait_for(
+            lambda p=policy: not _widget_exists(co, namespace, p.lower()), WAIT, f"the {policy} owner to go"
+        )
         if policy == "Orphan":
             orphan = v1.read_namespaced_config_map("orphan-child", namespace)
             assert not orphan.metadata.owner_references
         else:
-            cluster.wait_for(lambda p=policy: not exists(f"{p.lower()}-child"), 10, f"{policy} cascade")
+            cluster.wait_for(lambda p=policy: not exists(f"{p.lower()}-child"), WAIT, f"{policy} cascade")
     # A dependent whose owner never existed is collected too.
     owned({"metadata": {"name": "ghost", "uid": "00000000-0000-0000-0000-000000000000"}}, "ghost-child")
-    cluster.wait_for(lambda: not exists("ghost-child"), 10, "the ghost's child to be collected")
+    cluster.wait_for(lambda: not exists("ghost-child"), WAIT, "the ghost's child to be collected")
 
 
 def _widget_exists(co: Any, namespace: str, name: str) -> bool:

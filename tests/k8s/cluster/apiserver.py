@@ -209,7 +209,7 @@ class ApiServer:
 
         return match
 
-    def list(
+    def list_objects(
         self,
         rt: ResourceType,
         namespace: str | None,
@@ -222,7 +222,7 @@ class ApiServer:
         match = self.matcher(rt, namespace, label_selector, field_selector)
         with self.store.lock:
             rv = self.store.rv
-            items = self.store.list(rt.storage, namespace if rt.namespaced and namespace else None)
+            items = self.store.select(rt.storage, namespace if rt.namespaced and namespace else None)
         items = sorted(
             (o for o in items if match(o)), key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])
         )
@@ -246,7 +246,7 @@ class ApiServer:
         """Start a watch: (watcher, backlog events, initial objects) or None if ``since`` expired."""
         with self.store.lock:
             if not since or since == "0":
-                initial = self.store.list(rt.storage)
+                initial = self.store.select(rt.storage)
                 start = self.store.rv
             else:
                 try:
@@ -1032,7 +1032,7 @@ class ApiServer:
         types = [rt for rt in self.registry.types.values() if rt.crd_name == crd["metadata"]["name"]]
         if types:
             rt = types[0]
-            for obj in self.store.list(rt.storage):
+            for obj in self.store.select(rt.storage):
                 rv = self.store.next_rv()
                 gone = copy.deepcopy(obj)
                 gone["metadata"]["resourceVersion"] = str(rv)
@@ -1081,7 +1081,7 @@ class ApiServer:
             self._after_remove(rt, obj)
 
     def iter_objects(self, storage: str) -> Iterator[Obj]:
-        return iter(self.store.list(storage))
+        return iter(self.store.select(storage))
 
     # OpenAPI -----------------------------------------------------------------------------------
     def openapi_v3_index(self) -> dict[str, Any]:
@@ -1264,9 +1264,21 @@ def evict(api: ApiServer, namespace: str, name: str, eviction: Any, user: str) -
 
 
 def add_pod_condition(
-    api: ApiServer, namespace: str, name: str, ctype: str, status: str, reason: str, message: str, user: str
+    api: ApiServer,
+    namespace: str,
+    name: str,
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    user: str,
+    uid: str | None = None,
 ) -> None:
+    """Set a pod condition (of the pod with ``uid`` only, when given: not a new pod of that name)."""
+
     def change(p: Obj) -> bool:
+        if uid is not None and p["metadata"].get("uid") != uid:
+            return False
         conds = list((p.get("status") or {}).get("conditions") or [])
         for c in conds:
             if c.get("type") == ctype and c.get("status") == status and c.get("reason") == reason:

@@ -32,7 +32,8 @@ class RestClient:
         config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False)
         self.host = cfg.host.rstrip("/")
         self.headers = {"Accept": "application/json", "User-Agent": "spotjob-test-kubelet"}
-        for setting in cfg.auth_settings().values():
+        settings: Any = cfg.auth_settings()
+        for setting in settings.values():
             if setting.get("in") == "header" and setting.get("value"):
                 self.headers[setting["key"]] = setting["value"]
         kwargs: dict[str, Any] = {

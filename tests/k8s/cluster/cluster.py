@@ -372,6 +372,10 @@ class TestCluster:
         w = self.worker(namespace, name)
         return w.pids() if w else []
 
+    def leftover_processes(self) -> list[int]:
+        """Pids of pods' processes still running; none may be left once ``stop()`` has returned."""
+        return self.kubelet.leftover_processes() if self.kubelet is not None else []
+
     def pod_log(self, namespace: str, name: str, container: str) -> str:
         assert self.kubelet is not None
         for path in (self.kubelet.root / "nodes").glob(f"*/pods/{namespace}_{name}_*/logs/{container}.log"):

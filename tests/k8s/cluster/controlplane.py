@@ -17,6 +17,11 @@
 - ``NamespaceController``: a deleted namespace's contents are deleted, then the namespace.
 
 Each loop wakes on store events it cares about (a listener sets a flag) and on its own timers.
+A loop acts on what it read a moment ago while clients keep writing, so every write names the
+object it means by uid (a delete's precondition, a check in the change): an object deleted and
+created again under the same name meanwhile is never the one changed. A write that fails for one
+object (gone, conflicting, invalid) is logged and retried on a later pass; it never ends the pass
+for the other objects, nor the loop.
 """
 
 from __future__ import annotations
@@ -272,8 +277,8 @@ class Scheduler(Loop):
     def step(self) -> None:
         api = self.api
         with api.store.lock:
-            pods = api.store.list("core/pods")
-            nodes = sorted(api.store.list("core/nodes"), key=lambda n: n["metadata"]["name"])
+            pods = api.store.select("core/pods")
+            nodes = sorted(api.store.select("core/nodes"), key=lambda n: n["metadata"]["name"])
         used: dict[str, dict[str, float]] = {n["metadata"]["name"]: {} for n in nodes}
         count: dict[str, int] = dict.fromkeys(used, 0)
         pending = []
@@ -302,28 +307,35 @@ class Scheduler(Loop):
                     reasons[fit.reason] = reasons.get(fit.reason, 0) + 1
             md = pod["metadata"]
             key = f"{md['namespace']}/{md['name']}"
-            if fits:
-                best = max(fits, key=lambda f: (f[0], [-ord(c) for c in f[1]]))[1]
-                if self._bind(pod, best):
-                    count[best] += 1
-                    for k, v in pod_requests(pod).items():
-                        used[best][k] = used[best].get(k, 0.0) + v
-                    self._last_message.pop(key, None)
-                continue
-            detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
-            message = (
-                f"0/{len(nodes)} nodes are available: {detail + '. ' if detail else ''}preemption: "
-                f"0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
-            )
-            if self._last_message.get(key) != message:
-                self._last_message[key] = message
-                self._unschedulable(pod, message)
+            try:
+                if fits:
+                    best = max(fits, key=lambda f: (f[0], [-ord(c) for c in f[1]]))[1]
+                    if self._bind(pod, best):
+                        count[best] += 1
+                        for k, v in pod_requests(pod).items():
+                            used[best][k] = used[best].get(k, 0.0) + v
+                        self._last_message.pop(key, None)
+                    continue
+                detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
+                message = (
+                    f"0/{len(nodes)} nodes are available: {detail + '. ' if detail else ''}preemption: "
+                    f"0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
+                )
+                if self._last_message.get(key) != message:
+                    self._unschedulable(pod, message)
+                    self._last_message[key] = message
+            except ApiError as e:
+                log.debug("test control plane: scheduling %s failed (%s); next pass", key, e)
 
     def _bind(self, pod: Obj, node: str) -> bool:
         md = pod["metadata"]
 
         def assign(p: Obj) -> bool:
-            if (p.get("spec") or {}).get("nodeName") or p["metadata"].get("deletionTimestamp"):
+            if (
+                p["metadata"].get("uid") != md["uid"]
+                or (p.get("spec") or {}).get("nodeName")
+                or p["metadata"].get("deletionTimestamp")
+            ):
                 return False
             p["spec"]["nodeName"] = node
             conds = [c for c in (p.get("status") or {}).get("conditions") or [] if c.get("type") != "PodScheduled"]
@@ -334,7 +346,7 @@ class Scheduler(Loop):
             return True
 
         stored = self.api.mutate("core/pods", md["namespace"], md["name"], assign, user=SCHEDULER)
-        if stored is None or dig(stored, "spec", "nodeName") != node:
+        if stored is None or stored["metadata"].get("uid") != md["uid"] or dig(stored, "spec", "nodeName") != node:
             return False
         record_event(
             self.api,
@@ -349,7 +361,15 @@ class Scheduler(Loop):
     def _unschedulable(self, pod: Obj, message: str) -> None:
         md = pod["metadata"]
         add_pod_condition(
-            self.api, md["namespace"], md["name"], "PodScheduled", "False", "Unschedulable", message, SCHEDULER
+            self.api,
+            md["namespace"],
+            md["name"],
+            "PodScheduled",
+            "False",
+            "Unschedulable",
+            message,
+            SCHEDULER,
+            uid=md["uid"],
         )
         record_event(self.api, pod, "Warning", "FailedScheduling", message, "default-scheduler")
 
@@ -387,9 +407,12 @@ class NodeLifecycle(Loop):
         api = self.api
         now = time.time()
         with api.store.lock:
-            nodes = api.store.list("core/nodes")
+            nodes = api.store.select("core/nodes")
         for node in nodes:
-            self._monitor(node, now)
+            try:
+                self._monitor(node, now)
+            except ApiError as e:
+                log.debug("test control plane: node %s not updated (%s); next pass", node["metadata"]["name"], e)
         self._taint_manager(now)
 
     def _monitor(self, node: Obj, now: float) -> None:
@@ -446,13 +469,16 @@ class NodeLifecycle(Loop):
         self.api.mutate("core/nodes", "", name, change, user=CONTROLLER)
 
     def _mark_pods_not_ready(self, node: str) -> None:
-        for pod in self.api.store.list("core/pods"):
+        for pod in self.api.store.select("core/pods"):
             if dig(pod, "spec", "nodeName") != node or dig(pod, "status", "phase") in TERMINAL:
                 continue
             conds = dig(pod, "status", "conditions") or []
             if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
+                uid = pod["metadata"]["uid"]
 
-                def change(p: Obj) -> None:
+                def change(p: Obj, uid: str = uid) -> bool:
+                    if p["metadata"].get("uid") != uid:
+                        return False
                     now = now_rfc3339()
                     for c in p["status"]["conditions"]:
                         if c.get("type") in ("Ready", "ContainersReady") and c.get("status") == "True":
@@ -463,14 +489,15 @@ class NodeLifecycle(Loop):
                             )
                             if c.get("reason") is None:
                                 c.pop("reason")
+                    return True
 
                 md = pod["metadata"]
                 self.api.mutate("core/pods", md["namespace"], md["name"], change, user=CONTROLLER, subresource="status")
 
     def _taint_manager(self, now: float) -> None:
         api = self.api
-        nodes = {n["metadata"]["name"]: n for n in api.store.list("core/nodes")}
-        for pod in api.store.list("core/pods"):
+        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
+        for pod in api.store.select("core/pods"):
             node = nodes.get(dig(pod, "spec", "nodeName") or "")
             md = pod["metadata"]
             if node is None or md.get("deletionTimestamp") or dig(pod, "status", "phase") in TERMINAL:
@@ -498,29 +525,38 @@ class NodeLifecycle(Loop):
             key = md["uid"]
             if key in self._evicted:
                 continue
-            self._evicted.add(key)
             log.info(
                 "test control plane: taint manager evicts %s/%s from %s",
                 md["namespace"],
                 md["name"],
                 node["metadata"]["name"],
             )
-            add_pod_condition(
-                api,
-                md["namespace"],
-                md["name"],
-                "DisruptionTarget",
-                "True",
-                "DeletionByTaintManager",
-                "Taint manager: deleting due to NoExecute taint",
-                CONTROLLER,
-            )
             try:
-                api.delete(
-                    api.registry.primary("core/pods"), md["namespace"], md["name"], DeleteOptions(), user=CONTROLLER
+                add_pod_condition(
+                    api,
+                    md["namespace"],
+                    md["name"],
+                    "DisruptionTarget",
+                    "True",
+                    "DeletionByTaintManager",
+                    "Taint manager: deleting due to NoExecute taint",
+                    CONTROLLER,
+                    uid=key,
                 )
-            except ApiError:
-                pass
+                api.delete(
+                    api.registry.primary("core/pods"),
+                    md["namespace"],
+                    md["name"],
+                    DeleteOptions(uid=key),
+                    user=CONTROLLER,
+                )
+            except ApiError as e:
+                if e.code not in (404, 409):  # 404/409: gone, or a new pod of that name; nothing to evict
+                    log.debug(
+                        "test control plane: evicting %s/%s failed (%s); next pass", md["namespace"], md["name"], e
+                    )
+                    continue
+            self._evicted.add(key)
             record_event(
                 api,
                 pod,
@@ -550,47 +586,59 @@ class PodGC(Loop):
     def step(self) -> None:
         api = self.api
         now = time.monotonic()
-        nodes = {n["metadata"]["name"]: n for n in api.store.list("core/nodes")}
-        for pod in api.store.list("core/pods"):
-            md = pod["metadata"]
-            node_name = dig(pod, "spec", "nodeName")
-            if not node_name:
-                continue
-            node = nodes.get(node_name)
-            if node is None:
-                first = self._orphaned_since.setdefault(md["uid"], now)
-                if now - first < self.grace:
-                    continue
-                if dig(pod, "status", "phase") not in TERMINAL:
-                    add_pod_condition(
-                        api,
-                        md["namespace"],
-                        md["name"],
-                        "DisruptionTarget",
-                        "True",
-                        "DeletionByPodGC",
-                        "PodGC: node no longer exists",
-                        CONTROLLER,
-                    )
+        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
+        for pod in api.store.select("core/pods"):
+            try:
+                self._collect(pod, nodes, now)
+            except ApiError as e:
+                md = pod["metadata"]
+                log.debug("test control plane: pod GC of %s/%s failed (%s); next pass", md["namespace"], md["name"], e)
 
-                    def fail(p: Obj) -> None:
-                        p.setdefault("status", {})["phase"] = "Failed"
-
-                    api.mutate("core/pods", md["namespace"], md["name"], fail, user=CONTROLLER, subresource="status")
-                log.info(
-                    "test control plane: pod GC force-deletes %s/%s (node %s is gone)",
+    def _collect(self, pod: Obj, nodes: dict[str, Obj], now: float) -> None:
+        api = self.api
+        md = pod["metadata"]
+        node_name = dig(pod, "spec", "nodeName")
+        if not node_name:
+            return
+        node = nodes.get(node_name)
+        if node is None:
+            first = self._orphaned_since.setdefault(md["uid"], now)
+            if now - first < self.grace:
+                return
+            if dig(pod, "status", "phase") not in TERMINAL:
+                add_pod_condition(
+                    api,
                     md["namespace"],
                     md["name"],
-                    node_name,
+                    "DisruptionTarget",
+                    "True",
+                    "DeletionByPodGC",
+                    "PodGC: node no longer exists",
+                    CONTROLLER,
+                    uid=md["uid"],
                 )
-                self._force_delete(pod)
-                self._orphaned_since.pop(md["uid"], None)
-            elif (
-                md.get("deletionTimestamp")
-                and node_ready(node) != "True"
-                and any(t.get("key") == OUT_OF_SERVICE for t in dig(node, "spec", "taints") or [])
-            ):
-                self._force_delete(pod)
+
+                def fail(p: Obj) -> bool:
+                    if p["metadata"].get("uid") != md["uid"]:
+                        return False
+                    p.setdefault("status", {})["phase"] = "Failed"
+                    return True
+
+                api.mutate("core/pods", md["namespace"], md["name"], fail, user=CONTROLLER, subresource="status")
+            log.info(
+                "test control plane: pod GC force-deletes %s/%s (node %s is gone)",
+                md["namespace"],
+                md["name"],
+                node_name,
+            )
+            self._force_delete(pod)
+            self._orphaned_since.pop(md["uid"], None)
+        elif (
+            md.get("deletionTimestamp")
+            and node_ready(node) != "True"
+            and any(t.get("key") == OUT_OF_SERVICE for t in dig(node, "spec", "taints") or [])
+        ):
+            self._force_delete(pod)
 
     def _force_delete(self, pod: Obj) -> None:
         md = pod["metadata"]
@@ -599,11 +647,11 @@ class PodGC(Loop):
                 self.api.registry.primary("core/pods"),
                 md["namespace"],
                 md["name"],
-                DeleteOptions(grace_period=0),
+                DeleteOptions(grace_period=0, uid=md["uid"]),
                 user=CONTROLLER,
             )
         except ApiError:
-            pass
+            pass  # gone already, or a new pod of that name (the uid precondition): not ours to delete
 
 
 # Garbage collector -------------------------------------------------------------------------
@@ -652,9 +700,19 @@ class GarbageCollector(Loop):
             dirty, self._dirty = self._dirty, set()
             new, self._new = self._new, set()
         for uid in dirty:
-            self._process_owner(uid)
+            try:
+                self._process_owner(uid)
+            except ApiError as e:
+                log.debug("test control plane: garbage collection of owner %s failed (%s); next pass", uid, e)
+                with self._lock:
+                    self._dirty.add(uid)
         for key in new:
-            self._check_owners(key)
+            try:
+                self._check_owners(key)
+            except ApiError as e:
+                log.debug("test control plane: owners of %s/%s not checked (%s); next pass", key[1], key[2], e)
+                with self._lock:
+                    self._new.add(key)
 
     def _process_owner(self, uid: str) -> None:
         api = self.api
@@ -675,24 +733,23 @@ class GarbageCollector(Loop):
                 api.mutate(dep[0], dep[1], dep[2], lambda d: _drop_owner(d, uid), user=CONTROLLER)
             self._remove_finalizer(owner_key, "orphan")  # type: ignore[arg-type]
         elif "foregroundDeletion" in finalizers:
-            blocking = [d for d in dependents if api.store.get(*d) is not None]
-            for dep in blocking:
-                obj = api.store.get(*dep)
-                if obj is not None and not obj["metadata"].get("deletionTimestamp"):
-                    self._delete(dep, "Foreground")
+            blocking = [(d, o) for d in dependents if (o := api.store.get(*d)) is not None and _owned_by(o, uid)]
+            for dep, obj in blocking:
+                if not obj["metadata"].get("deletionTimestamp"):
+                    self._delete(dep, obj, "Foreground", owner=uid)
             if not blocking:
                 self._remove_finalizer(owner_key, "foregroundDeletion")  # type: ignore[arg-type]
 
     def _dangling(self, dep: tuple[str, str, str], gone_uid: str) -> None:
         obj = self.api.store.get(*dep)
-        if obj is None:
-            return
+        if obj is None or not _owned_by(obj, gone_uid):
+            return  # gone, or a new object of that name (a new node's Lease): not a dependent of it
         refs = obj["metadata"].get("ownerReferences") or []
         alive = [r for r in refs if r.get("uid") != gone_uid and self._owner_exists(dep, r)]
         if alive:
             self.api.mutate(dep[0], dep[1], dep[2], lambda d: _drop_owner(d, gone_uid), user=CONTROLLER)
         elif not obj["metadata"].get("deletionTimestamp"):
-            self._delete(dep, "Background")
+            self._delete(dep, obj, "Background")
 
     def _owner_exists(self, dep: tuple[str, str, str], ref: dict[str, Any]) -> bool:
         with self._lock:
@@ -706,14 +763,26 @@ class GarbageCollector(Loop):
         refs = obj["metadata"].get("ownerReferences") or []
         if refs and not any(self._owner_exists(dep, r) for r in refs):
             log.info("test control plane: garbage collector deletes %s/%s: its owners are gone", dep[1], dep[2])
-            self._delete(dep, "Background")
+            self._delete(dep, obj, "Background")
 
-    def _delete(self, dep: tuple[str, str, str], propagation: str) -> None:
-        rt = self.api.registry.primary(dep[0])
+    def _delete(self, dep: tuple[str, str, str], obj: Obj, propagation: str, owner: str = "") -> None:
+        """Delete the object as read: its uid and resourceVersion are the preconditions, so an
+        object written meanwhile (a new node taking over the Lease of an earlier node of its name,
+        a new object of that name) is not deleted on a stale reading. It is checked again on the
+        next pass instead (and its foreground ``owner`` with it)."""
+        md = obj["metadata"]
+        opts = DeleteOptions(propagation=propagation, uid=md["uid"], resource_version=md["resourceVersion"])
         try:
-            self.api.delete(rt, dep[1], dep[2], DeleteOptions(propagation=propagation), user=CONTROLLER)
-        except ApiError:
-            pass
+            self.api.delete(self.api.registry.primary(dep[0]), dep[1], dep[2], opts, user=CONTROLLER)
+        except ApiError as e:
+            if e.code == 409:
+                with self._lock:
+                    self._new.add(dep)
+                    if owner:
+                        self._dirty.add(owner)
+                self._wake.set()
+            elif e.code != 404:  # 404: gone already
+                raise
 
     def _remove_finalizer(self, key: tuple[str, str, str], finalizer: str) -> None:
         def change(o: Obj) -> None:
@@ -722,6 +791,10 @@ class GarbageCollector(Loop):
                 del o["metadata"]["finalizers"]
 
         self.api.mutate(key[0], key[1], key[2], change, user=CONTROLLER)
+
+
+def _owned_by(obj: Obj, uid: str) -> bool:
+    return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
 
 
 def _drop_owner(obj: Obj, uid: str) -> bool:
@@ -743,7 +816,7 @@ class NamespaceController(Loop):
 
     def step(self) -> None:
         api = self.api
-        for ns in api.store.list("core/namespaces"):
+        for ns in api.store.select("core/namespaces"):
             if not ns["metadata"].get("deletionTimestamp"):
                 continue
             name = ns["metadata"]["name"]
@@ -752,7 +825,7 @@ class NamespaceController(Loop):
                 rt = types[0]
                 if not rt.namespaced:
                     continue
-                for obj in api.store.list(storage, name):
+                for obj in api.store.select(storage, name):
                     remaining += 1
                     if not obj["metadata"].get("deletionTimestamp"):
                         try:

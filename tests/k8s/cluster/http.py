@@ -454,10 +454,12 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/apis/") and not info.is_resource:
             parts = path.strip("/").split("/")
             if len(parts) == 2:
-                group = next((g for g in self._group_list()["groups"] if g["name"] == parts[1]), None)
-                if group is None:
+                found: dict[str, Any] | None = next(
+                    (g for g in self._group_list()["groups"] if g["name"] == parts[1]), None
+                )
+                if found is None:
                     raise ApiError(404, "NotFound", "the server could not find the requested resource")
-                self._send(200, {"kind": "APIGroup", "apiVersion": "v1", **group})
+                self._send(200, {"kind": "APIGroup", "apiVersion": "v1", **found})
                 return 200
         if not info.is_resource:
             self._send(200, self._resource_list(info.group, info.version))
@@ -490,7 +492,7 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     self._send(200, obj)
                 return 200
-            items, meta = api.list(
+            items, meta = api.list_objects(
                 rt,
                 info.namespace or None,
                 label_selector=query.get("labelSelector"),
@@ -561,7 +563,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             opts = DeleteOptions.parse(body if isinstance(body, dict) else None, query)
             if not info.name:
-                items, _ = api.list(
+                items, _ = api.list_objects(
                     rt,
                     info.namespace or None,
                     label_selector=query.get("labelSelector"),
@@ -696,9 +698,9 @@ class _Handler(BaseHTTPRequestHandler):
                     self._chunk(encode("ADDED", obj, None))
             if query.get("sendInitialEvents") == "true" and bookmarks:
                 self._bookmark(rt, api.store.rv, initial_end=True)
-            for ev in backlog:
-                deliver(ev)
-                last_rv = ev.rv
+            for past in backlog:
+                deliver(past)
+                last_rv = past.rv
             next_bookmark = time.monotonic() + api.bookmark_interval
             while not self.front.stopping:
                 remaining = deadline - time.monotonic()

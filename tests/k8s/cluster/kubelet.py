@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MARKER = "SPOTJOB_TEST_POD_UID"
 CONTAINER_MARKER = "SPOTJOB_TEST_CONTAINER"
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 Obj = dict[str, Any]
 
 # The environment a container gets from the node (besides its own env): a real container starts
@@ -89,12 +90,64 @@ def kill_all(marker: str, sig: int) -> int:
     return n
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (exited, not yet reaped) or a vanished pid does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]  # the field after "(comm)"
+    return state not in (b"Z", b"X", b"x", b"")
+
+
+def kill_and_wait(marker: str, timeout: float = 10.0) -> bool:
+    """SIGKILL every process carrying ``marker`` and wait until each has exited (a zombie or gone),
+    as a container runtime reports a container stopped only once its processes are. A SIGKILLed
+    process takes a moment to exit, longer on a loaded machine; one that appears meanwhile (a fork
+    in flight) is killed too. False if some still ran after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    seen: set[int] = set()
+    while True:
+        found = processes_with(marker)
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        seen.update(found)
+        running = [pid for pid in seen if _running(pid)]
+        if not found and not running:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("test kubelet: processes %s (%s) still run after SIGKILL", running or found, marker)
+            return False
+        time.sleep(0.02)
+
+
+def claim_loopback_block() -> tuple[socket.socket, int]:
+    """A second octet ``N`` of 127.N.x.y that no other test kubelet on this machine uses, for
+    its host and pod IPs. The claim is a socket bound to 127.N.0.1:10250 (the kubelet's port, an
+    address no pod gets): the kernel refuses a second bind, whichever process asks, and frees it
+    when the kubelet stops or its process dies. A random pick alone let two clusters (two test
+    sessions at once, or two clusters in one session) share pod IPs now and then."""
+    octets = list(range(64, 251))
+    random.SystemRandom().shuffle(octets)
+    for octet in octets:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((f"127.{octet}.0.1", 10250))
+        except OSError:
+            sock.close()
+            continue
+        return sock, octet
+    raise RuntimeError("every loopback block 127.64-250.x.y is taken by other test kubelets")
+
+
 def rewrite_paths(value: str, mounts: list[tuple[str, str]]) -> str:
     """Replace each mountPath standing as a whole path prefix with its host folder."""
     for mount_path, host in mounts:
         mp = mount_path.rstrip("/") or "/"
         pattern = re.compile(r"(?<![\w./-])" + re.escape(mp) + r"(?=/|$|[^\w.-])")
-        value = pattern.sub(lambda _m, h=host: h, value)
+        value = pattern.sub(host.replace("\\", "\\\\"), value)
     return value
 
 
@@ -155,6 +208,13 @@ class Node:
         self.dir = kubelet.root / "nodes" / config.name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pods: dict[str, PodWorker] = {}  # by pod uid
+        self.uid = ""  # the Node object's uid, which its Lease names as owner
+        # The Ready condition this kubelet reports: set_ready changes it, every status post repeats it.
+        self.ready: tuple[str, str, str] = ("True", "KubeletReady", "kubelet is posting ready status")
+        # Serialises the node's own API writes (Lease, status) and its state flags: the heartbeat
+        # thread and a test's call (add_node, set_ready, partition, heal, delete) never interleave
+        # their read-modify-writes, and once such a call returns no older write is still in flight.
+        self.lock = threading.RLock()
 
 
 class Kubelet:
@@ -183,12 +243,13 @@ class Kubelet:
         self.nodes: dict[str, Node] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        # Loopback addresses for this kubelet: a random second octet keeps parallel test runs apart.
-        self._octet = random.randint(64, 250)
+        # Loopback addresses for this kubelet: a second octet of its own keeps parallel clusters apart.
+        self._claim, self._octet = claim_loopback_block()
         self._next_pod_ip = 0
         self._next_host_ip = 0
         self._threads: list[threading.Thread] = []
         self._pods: dict[str, Obj] = {}  # latest pod object by uid, from the watch
+        self._ran: set[str] = set()  # uid of every pod this kubelet ran, for leftover_processes()
 
     # Lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -199,13 +260,14 @@ class Kubelet:
 
     def stop(self) -> None:
         """Stop every node: kill all pod processes at once (the test session is over)."""
-        self._stop.set()
+        self._stop.set()  # before taking the list: _on_pod starts no worker once it is set
         with self._lock:
             workers = [w for n in self.nodes.values() for w in n.pods.values()]
         for w in workers:
             w.halt(kill=True)
         for t in self._threads:
             t.join(timeout=5)
+        self._claim.close()
 
     def _pod_ip(self) -> str:
         with self._lock:
@@ -242,12 +304,11 @@ class Kubelet:
         if config.taints:
             body["spec"]["taints"] = config.taints
         created = self.api.request("POST", "/api/v1/nodes", body)
-        with self._lock:
-            self.nodes[config.name] = node
+        node.uid = created["metadata"]["uid"]
         status = {
             "capacity": capacity,
             "allocatable": capacity,
-            "conditions": self._conditions("True", "KubeletReady", "kubelet is posting ready status"),
+            "conditions": self._conditions(*node.ready),
             "addresses": [{"type": "InternalIP", "address": host_ip}, {"type": "Hostname", "address": config.name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
             "nodeInfo": {
@@ -263,13 +324,18 @@ class Kubelet:
                 "architecture": "amd64",
             },
         }
-        self.api.request(
-            "PATCH",
-            f"/api/v1/nodes/{config.name}/status",
-            {"status": status},
-            content_type="application/merge-patch+json",
-        )
-        self._renew_lease(node, created)
+        # Pods may bind to the node from now on, so the pod watch must know it at once; the
+        # heartbeat thread sees it too, but writes for it only after the node's lock is released.
+        with node.lock:
+            with self._lock:
+                self.nodes[config.name] = node
+            self.api.request(
+                "PATCH",
+                f"/api/v1/nodes/{config.name}/status",
+                {"status": status},
+                content_type="application/merge-patch+json",
+            )
+            self._renew_lease(node)
         return created
 
     @staticmethod
@@ -309,45 +375,54 @@ class Kubelet:
         reason: str = "KubeletNotReady",
         message: str = "container runtime is down",
     ) -> None:
-        """Post the node's Ready condition (``False`` makes the node controller taint it not-ready)."""
+        """Report the node's Ready condition from now on (``False`` makes the node controller taint
+        it not-ready). The kubelet stays alive: its Lease is still renewed, as a real kubelet whose
+        container runtime is down renews it; ``stop_heartbeats`` is the kubelet that is gone.
+        ``True`` also resumes stopped heartbeats."""
         node = self.nodes[name]
-        node.heartbeats = status == "True"
+        if status == "True":
+            reason, message = "KubeletReady", "kubelet is posting ready status"
+        with node.lock:
+            node.ready = (status, reason, message)
+            if status == "True":
+                node.heartbeats = True
+            self._post_ready(node, self._conditions(status, reason, message))
+
+    def _post_ready(self, node: Node, conditions: list[Obj]) -> None:
         self.api.request(
             "PATCH",
-            f"/api/v1/nodes/{name}/status",
-            {
-                "status": {
-                    "conditions": self._conditions(
-                        status,
-                        reason if status != "True" else "KubeletReady",
-                        message if status != "True" else "kubelet is posting ready status",
-                    )
-                }
-            },
+            f"/api/v1/nodes/{node.name}/status",
+            {"status": {"conditions": conditions}},
             content_type="application/strategic-merge-patch+json",
         )
 
     def stop_heartbeats(self, name: str) -> None:
-        self.nodes[name].heartbeats = False
+        node = self.nodes[name]
+        with node.lock:  # a renewal in flight ends first: none follows this call
+            node.heartbeats = False
 
     def resume_heartbeats(self, name: str) -> None:
         node = self.nodes[name]
-        node.heartbeats = True
-        self._renew_lease(node)
-        self.set_ready(name, "True")
+        with node.lock:
+            node.heartbeats = True
+            self._renew_lease(node)
+            self.set_ready(name, "True")
 
     def partition(self, name: str) -> None:
         """Cut the node off the API server: no heartbeats, no status, no pod updates; its
         processes keep running."""
-        self.nodes[name].partitioned = True
+        node = self.nodes[name]
+        with node.lock:
+            node.partitioned = True
         log.info("test kubelet: node %s partitioned", name)
 
     def heal(self, name: str) -> None:
         """Reconnect: pods deleted meanwhile are killed, the others report status again."""
         node = self.nodes[name]
-        node.partitioned = False
-        self._renew_lease(node)
-        self.set_ready(name, "True")
+        with node.lock:
+            node.partitioned = False
+            self._renew_lease(node)
+            self.set_ready(name, "True")
         pods = self.api.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}")["items"]
         alive = {p["metadata"]["uid"] for p in pods}
         for uid, worker in list(node.pods.items()):
@@ -359,38 +434,68 @@ class Kubelet:
 
     def delete_node(self, name: str) -> None:
         """The VM is gone: its processes die at once, then the Node object is deleted."""
-        with self._lock:
+        with self._lock:  # from here on the pod watch starts no worker on the node
             node = self.nodes.pop(name)
-        node.deleted = True
+        with node.lock:  # a heartbeat in flight ends first; none follows
+            node.deleted = True
         for worker in list(node.pods.values()):
             worker.halt(kill=True)
         with contextlib.suppress(ApiCallError):
-            self.api.request("DELETE", f"/api/v1/nodes/{name}")
+            self.api.request(
+                "DELETE",
+                f"/api/v1/nodes/{name}",
+                {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": node.uid}},
+            )
         log.info("test kubelet: node %s deleted", name)
 
-    def _renew_lease(self, node: Node, node_obj: Obj | None = None) -> None:
-        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node.name}"
-        try:
-            lease = self.api.get(path)
-            lease["spec"]["renewTime"] = now_micro()
-            self.api.request("PUT", path, lease)
-        except ApiCallError as e:
-            if e.status != 404:
-                raise
-            owner = node_obj or self.api.get(f"/api/v1/nodes/{node.name}")
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {
-                    "name": node.name,
-                    "namespace": "kube-node-lease",
-                    "ownerReferences": [
-                        {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["metadata"]["uid"]}
-                    ],
-                },
-                "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
-            }
-            self.api.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", body)
+    def _renew_lease(self, node: Node) -> None:
+        """Create or renew the node's Lease in ``kube-node-lease``, owned by its Node.
+
+        A read-modify-write that others may interleave with: the garbage collector deletes the
+        Lease of an earlier node of the same name (its owner is gone), a test or controller may
+        write it. So a Lease that vanished (404 on the PUT), was created meanwhile (409 on the
+        POST) or changed (409 on the PUT) is read again and the write retried, as client-go's
+        lease controller does; an earlier node's Lease is taken over (its owner reference becomes
+        this Node). Our own writers are serialised by the node's lock."""
+        path = f"{LEASES}/{node.name}"
+        owner = {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid}
+        last: ApiCallError | None = None
+        with node.lock:
+            for _ in range(10):
+                if node.deleted:
+                    return
+                try:
+                    lease = self.api.get(path)
+                except ApiCallError as e:
+                    if e.status != 404:
+                        raise
+                    body = {
+                        "apiVersion": "coordination.k8s.io/v1",
+                        "kind": "Lease",
+                        "metadata": {"name": node.name, "namespace": "kube-node-lease", "ownerReferences": [owner]},
+                        "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
+                    }
+                    try:
+                        self.api.request("POST", LEASES, body)
+                        return
+                    except ApiCallError as e:
+                        if e.status != 409:
+                            raise
+                        last = e
+                        continue
+                refs = lease["metadata"].get("ownerReferences") or []
+                if [r.get("uid") for r in refs] != [node.uid]:
+                    lease["metadata"]["ownerReferences"] = [owner]
+                lease["spec"]["holderIdentity"] = node.name
+                lease["spec"]["renewTime"] = now_micro()
+                try:
+                    self.api.request("PUT", path, lease)
+                    return
+                except ApiCallError as e:
+                    if e.status not in (404, 409):
+                        raise
+                    last = e
+        raise RuntimeError(f"the Lease of node {node.name} changed under every one of 10 renewals; last: {last}")
 
     def _heartbeat_loop(self) -> None:
         last_status: dict[str, float] = {}
@@ -398,32 +503,20 @@ class Kubelet:
             with self._lock:
                 nodes = list(self.nodes.values())
             for node in nodes:
-                if node.partitioned or not node.heartbeats or node.deleted:
-                    continue
-                try:
-                    self._renew_lease(node)
-                    if time.monotonic() - last_status.get(node.name, 0) > self.status_interval:
-                        last_status[node.name] = time.monotonic()
-                        self.api.request(
-                            "PATCH",
-                            f"/api/v1/nodes/{node.name}/status",
-                            {
-                                "status": {
-                                    "conditions": [
-                                        {
-                                            "type": "Ready",
-                                            "status": "True",
-                                            "reason": "KubeletReady",
-                                            "message": "kubelet is posting ready status",
-                                            "lastHeartbeatTime": now_rfc3339(),
-                                        }
-                                    ]
-                                }
-                            },
-                            content_type="application/strategic-merge-patch+json",
-                        )
-                except (ApiCallError, OSError, Exception) as e:
-                    log.debug("test kubelet: heartbeat of %s failed: %s", node.name, e)
+                if self._stop.is_set():
+                    return
+                with node.lock:
+                    if node.partitioned or not node.heartbeats or node.deleted:
+                        continue
+                    try:
+                        self._renew_lease(node)
+                        if time.monotonic() - last_status.get(node.name, 0) > self.status_interval:
+                            last_status[node.name] = time.monotonic()
+                            status, reason, message = node.ready
+                            ready = {"type": "Ready", "status": status, "reason": reason, "message": message}
+                            self._post_ready(node, [{**ready, "lastHeartbeatTime": now_rfc3339()}])
+                    except Exception as e:  # the next beat tries again; the thread must not die
+                        log.debug("test kubelet: heartbeat of %s failed: %s", node.name, e)
 
     # Pods --------------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -452,9 +545,9 @@ class Kubelet:
                     if ev["type"] == "BOOKMARK":
                         continue
                     if ev["type"] == "DELETED":
-                        node = self.nodes.get(dig(obj, "spec", "nodeName") or "")
-                        if node is not None and not node.partitioned:
-                            self._on_gone(node, obj["metadata"]["uid"])
+                        owner = self.nodes.get(dig(obj, "spec", "nodeName") or "")
+                        if owner is not None and not owner.partitioned:
+                            self._on_gone(owner, obj["metadata"]["uid"])
                     else:
                         self._on_pod(obj)
             except Exception as e:
@@ -465,11 +558,11 @@ class Kubelet:
                 time.sleep(0.2)
 
     def _on_pod(self, pod: Obj) -> None:
-        node = self.nodes.get(dig(pod, "spec", "nodeName") or "")
-        if node is None or node.partitioned or node.deleted:
-            return
         uid = pod["metadata"]["uid"]
-        with self._lock:
+        with self._lock:  # delete_node and stop() take the lock too: no worker starts after them
+            node = self.nodes.get(dig(pod, "spec", "nodeName") or "")
+            if node is None or node.partitioned or node.deleted or self._stop.is_set():
+                return
             worker = node.pods.get(uid)
             if worker is None:
                 if (
@@ -479,6 +572,7 @@ class Kubelet:
                     return
                 worker = PodWorker(self, node, pod)
                 node.pods[uid] = worker
+                self._ran.add(uid)
                 worker.start()
             else:
                 worker.update(pod)
@@ -491,6 +585,27 @@ class Kubelet:
     def workers(self) -> list[PodWorker]:
         with self._lock:
             return [w for n in self.nodes.values() for w in n.pods.values()]
+
+    def leftover_processes(self) -> list[int]:
+        """Pids still running of any pod this kubelet ran: after ``stop()`` there must be none."""
+        with self._lock:
+            uids = set(self._ran)
+        prefix = MARKER.encode() + b"="
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            for var in env.split(b"\0"):
+                if var.startswith(prefix) and var[len(prefix) :].decode(errors="replace") in uids:
+                    if _running(int(entry)):
+                        found.append(int(entry))
+                    break
+        return sorted(found)
 
 
 class PodWorker:
@@ -520,6 +635,8 @@ class PodWorker:
         self.finished = False
         self.halted = False
         self._lock = threading.Lock()
+        # Held while a process starts, so that once halt() has it no new process can appear.
+        self._spawn_lock = threading.Lock()
         self._last_status: Obj | None = None
         self._thread = threading.Thread(target=self._run, name=f"test-pod-{self.name}", daemon=True)
 
@@ -538,14 +655,17 @@ class PodWorker:
         return processes_with(self.marker)
 
     def halt(self, kill: bool) -> None:
-        """Stop managing the pod; ``kill`` SIGKILLs its processes now (a node gone, a force delete)."""
-        self.halted = True
-        if kill:
-            kill_all(self.marker, signal.SIGKILL)
+        """Stop managing the pod; ``kill`` SIGKILLs its processes now (a node gone, a force delete)
+        and returns once they have exited."""
+        with self._spawn_lock:  # a container start in flight in the worker's thread ends first
+            self.halted = True
+        if kill and self.node.config.run_containers:  # a node without containers has no process to find
+            kill_and_wait(self.marker)
             for c in self.init + self.containers:
-                if c.proc is not None:
+                proc = c.proc
+                if proc is not None:
                     with contextlib.suppress(Exception):
-                        c.proc.wait(timeout=5)
+                        proc.wait(timeout=5)
 
     # The loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -616,8 +736,9 @@ class PodWorker:
         code = c.proc.poll()
         if code is None:
             return
-        # The container's main process exited: kill whatever it left in its session.
-        kill_all(f"{CONTAINER_MARKER}={self.uid}/{c.name}", signal.SIGKILL)
+        # The container's main process exited: kill whatever it left, and let it go before a restart
+        # (a leftover child holding the container's port would fail the next start).
+        kill_and_wait(f"{CONTAINER_MARKER}={self.uid}/{c.name}")
         state = {
             "exitCode": code if code >= 0 else 128 - code,
             "reason": "Completed" if code == 0 else "Error",
@@ -797,15 +918,18 @@ class PodWorker:
         Path(cwd).mkdir(parents=True, exist_ok=True)
         logf = open(self.dir / "logs" / f"{c.name}.log", "ab")  # noqa: SIM115 - handed to the child
         try:
-            c.proc = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            with self._spawn_lock:
+                if self.halted:  # halted while we prepared: a process started now would be left behind
+                    return
+                c.proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         except OSError as e:
             c.waiting = ("RunContainerError", str(e))
             c.restart_at = time.monotonic() + 1.0
@@ -895,14 +1019,32 @@ class PodWorker:
         if "exec" in probe:
             env = self._env(pod, c.spec)
             argv = [rewrite_paths(a, self.mounts) for a in probe["exec"].get("command") or []]
-            try:
-                return (
-                    subprocess.run(argv, env=env, cwd=str(self.dir), timeout=timeout, capture_output=True).returncode
-                    == 0
-                )
-            except (subprocess.TimeoutExpired, OSError):
-                return False
+            return self._exec(argv, env, timeout) == 0
         return True
+
+    def _exec(self, argv: list[str], env: dict[str, str], timeout: float) -> int | None:
+        """Run a probe's or hook's command in the pod (its exit code; None if it could not run or
+        timed out). Started under the spawn lock like a container, so a halted pod starts none."""
+        with self._spawn_lock:
+            if self.halted:
+                return None
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=str(self.dir),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            except OSError:
+                return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
 
     @staticmethod
     def _port(c: ContainerRun, port: Any) -> int:
@@ -919,7 +1061,7 @@ class PodWorker:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and processes_with(marker):
             time.sleep(0.05)
-        kill_all(marker, signal.SIGKILL)
+        kill_and_wait(marker)
 
     # Termination -------------------------------------------------------------------------------
     def _terminate(self, pod: Obj) -> None:
@@ -932,20 +1074,17 @@ class PodWorker:
         for c in self.containers:
             hook = dig(c.spec, "lifecycle", "preStop", "exec", "command")
             if hook and c.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                    subprocess.run(
-                        [rewrite_paths(a, self.mounts) for a in hook],
-                        env=self._env(pod, c.spec),
-                        cwd=str(self.dir),
-                        timeout=max(0.1, grace),
-                        capture_output=True,
-                    )
-        kill_all(self.marker, signal.SIGTERM)
-        while time.monotonic() < deadline and self.pids() and not self.halted:
+                self._exec([rewrite_paths(a, self.mounts) for a in hook], self._env(pod, c.spec), max(0.1, grace))
+        runs = self.node.config.run_containers  # a node without containers has no process to find
+        if runs:
+            kill_all(self.marker, signal.SIGTERM)
+        while runs and time.monotonic() < deadline and self.pids() and not self.halted:
             time.sleep(0.05)
         if self.halted:
             return
-        kill_all(self.marker, signal.SIGKILL)
+        # The pod is gone only once every process is: the final status and the deletion follow.
+        if runs:
+            kill_and_wait(self.marker)
         for c in self.init + self.containers:
             if c.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):

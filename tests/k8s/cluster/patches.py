@@ -103,7 +103,8 @@ def _smp_map(original: dict[str, Any] | None, patch: dict[str, Any], schema: dic
         elif isinstance(value, dict):
             result[key] = _smp_map(result.get(key) if isinstance(result.get(key), dict) else None, value, sub)
         elif isinstance(value, list):
-            result[key] = _smp_list(result.get(key) if isinstance(result.get(key), list) else [], value, sub)
+            current = result.get(key)
+            result[key] = _smp_list(current if isinstance(current, list) else [], value, sub)
         else:
             result[key] = value
     if isinstance(retain, list):

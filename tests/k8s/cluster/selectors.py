@@ -43,7 +43,9 @@ class Requirement:
 
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside parentheses."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in text:
         if ch == "(":
             depth += 1

@@ -87,7 +87,7 @@ class Store:
     def get(self, resource: str, namespace: str, name: str) -> Obj | None:
         return self._objects[resource].get((namespace, name))
 
-    def list(self, resource: str, namespace: str | None = None) -> list[Obj]:
+    def select(self, resource: str, namespace: str | None = None) -> list[Obj]:
         with self.lock:
             items = self._objects[resource]
             if namespace is None:

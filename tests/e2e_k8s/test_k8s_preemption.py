@@ -47,7 +47,7 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
 ) -> None:
     cluster.add_node(f"{namespace}-a", zone="us-east-1a")
     cluster.add_node(f"{namespace}-b", zone="us-east-1b")
-    start_controller(namespace)
+    controller = start_controller(namespace)
     history = PodHistory(cluster, namespace)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
@@ -71,6 +71,14 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
         assert reason in reasons, reasons
     assert all(len(uids) == 1 for uids in history.uids_by_name().values()), history.uids_by_name()
     assert not history.attempts_alive_together()
+    metrics = controller.metrics()
+    assert metrics['spotjob_signals_total{kind="SpotInterruption",source="k8s-node"}'] >= 1
+    assert metrics['spotjob_flush_requests_total{outcome="accepted"}'] >= 1
+    assert metrics["spotjob_notice_to_commit_seconds_count"] == 1
+    assert metrics["spotjob_preemptions_total"] == 1
+    assert metrics['spotjob_restarts_total{cause="preemption"}'] == 1
+    goodput = {k: v for k, v in metrics.items() if k.startswith("spotjob_job_goodput_ratio")}
+    assert goodput == {f'spotjob_job_goodput_ratio{{name="train",namespace="{namespace}"}}': final["goodput"]}
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
 
 

@@ -1,0 +1,127 @@
+"""What a user sees through the real ``kubectl`` (the binary on these machines, not ours):
+``apply -f examples/spotjob.yaml``, ``get sj`` with the CRD's printer columns and live values,
+``describe sj`` with the Events, ``delete sj`` cascading to everything the job owns — and a
+SpotJob the schema lets through but the controller cannot run, named as such while the first job
+keeps running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_support import (
+    REPO,
+    TRAIN,
+    Controller,
+    job_events,
+    job_pods,
+    status,
+    wait,
+    wait_phase,
+)
+
+from tests.k8s.cluster import TestCluster
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples" / "spotjob.yaml"
+
+
+def _example_for_this_machine(checkpoints: Path) -> str:
+    """examples/spotjob.yaml with what must differ here: the script's path (no image: the test
+    kubelet runs this machine's Python), the checkpoint URI (a folder, not a bucket), fewer steps
+    at a pace a test can watch, and no cloud metadata to probe."""
+    job = yaml.safe_load(EXAMPLE.read_text())
+    spec = job["spec"]
+    spec["command"] = [str(TRAIN), "--steps", "400", "--step-sleep", "0.1"]
+    spec["checkpoint"]["uri"] = str(checkpoints)
+    spec["checkpoint"]["everySteps"] = 10
+    spec["env"].update(SPOTJOB_CLOUD="none", PYTHONUNBUFFERED="1")
+    spec["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
+    return yaml.safe_dump(job)
+
+
+def _columns(table: str) -> tuple[list[str], dict[str, list[str]]]:
+    lines = [ln for ln in table.splitlines() if ln.strip()]
+    header = lines[0].split()
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    return header, rows
+
+
+def test_kubectl_applies_the_example_shows_it_live_describes_its_events_and_deletes_it_with_what_it_owns(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    tmp_path: Path,
+) -> None:
+    cluster.add_node(f"{namespace}-a")
+    start_controller(namespace)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=_example_for_this_machine(tmp_path / "ckpt"))
+    wait_phase(cluster, namespace, "train-demo", "Running")
+    wait(lambda: (status(cluster, namespace, "train-demo").get("lastCheckpoint") or {}).get("step"), "a checkpoint")
+
+    def live_row() -> list[str] | None:
+        header, rows = _columns(cluster.kubectl("get", "sj", "-n", namespace).stdout)
+        row = rows.get("train-demo")
+        return row if row and header[:3] == ["NAME", "PHASE", "STEP"] and row[2].isdigit() else None
+
+    row = wait(live_row, "kubectl get sj to show a committed step")
+    header, _ = _columns(cluster.kubectl("get", "sj", "-n", namespace).stdout)
+    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
+    assert row[1] == "Running" and int(row[2]) >= 10 and row[4] == "0" and row[5] == "0"
+
+    # A job the schema accepts but no pod can be built from: named, while the first job runs on.
+    broken = yaml.safe_load(_example_for_this_machine(tmp_path / "ckpt-broken"))
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "my_own_launcher.py"]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(broken))
+
+    def invalid() -> dict | None:
+        conditions = status(cluster, namespace, "broken").get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Invalid" and c["status"] == "True"), None)
+
+    condition = wait(invalid, "the broken job's Invalid condition")
+    assert "spec.template.spec.containers[0].command" in condition["message"], condition
+    warning = wait(
+        lambda: [e for e in job_events(cluster, namespace, "broken") if e["type"] == "Warning"], "a Warning Event"
+    )
+    assert any("spec.template.spec.containers[0].command" in e.get("note", "") for e in warning), warning
+    # Touched and still broken: the same Warning again is counted on the one Event, not a new one.
+    cluster.kubectl("label", "sj", "broken", "-n", namespace, "touched=yes")
+    repeated = wait(
+        lambda: [e for e in job_events(cluster, namespace, "broken") if (e.get("series") or {}).get("count", 1) >= 2],
+        "the repeated Warning to be counted in its Event's series",
+    )
+    assert len([e for e in job_events(cluster, namespace, "broken") if e["reason"] == repeated[0]["reason"]]) == 1
+    assert not job_pods(cluster, namespace, "broken")
+    step = status(cluster, namespace, "train-demo")["lastCheckpoint"]["step"]
+    wait(
+        lambda: status(cluster, namespace, "train-demo")["lastCheckpoint"]["step"] > step,
+        "the first job to keep committing",
+    )
+    assert status(cluster, namespace, "train-demo")["phase"] == "Running"
+
+    described = cluster.kubectl("describe", "sj", "train-demo", "-n", namespace).stdout
+    assert "Events:" in described and "WorkersRunning" in described and "WorkersStarted" in described, described
+
+    owned = {
+        "pods": lambda: job_pods(cluster, namespace, "train-demo"),
+        "services": lambda: cluster.rest.get(
+            f"/api/v1/namespaces/{namespace}/services", labelSelector="spotjob.dev/job=train-demo"
+        )["items"],
+        "secrets": lambda: cluster.rest.get(
+            f"/api/v1/namespaces/{namespace}/secrets", labelSelector="spotjob.dev/job=train-demo"
+        )["items"],
+        "networkpolicies": lambda: cluster.rest.get(
+            f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+            labelSelector="spotjob.dev/job=train-demo",
+        )["items"],
+    }
+    assert all(list_() for list_ in owned.values()), {k: len(v()) for k, v in owned.items()}
+    cluster.kubectl("delete", "sj", "train-demo", "-n", namespace)
+    for kind, list_ in owned.items():
+        wait(lambda list_=list_: not list_(), f"the job's {kind} to be garbage-collected")
+    assert status(cluster, namespace, "broken").get("conditions")  # the other job is untouched

@@ -1,0 +1,187 @@
+"""Save policy: one trigger makes one save, requests are served once each, flushes are reported
+before retention runs, and bad arguments are refused before any file is written.
+
+The multi-rank cases run two real torchrun ranks (``scripts/ckpt_policy.py``), because the bugs
+they pin down live in the per-step vote, which one process never exercises.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.control_channel import FLUSHED_FILE, ControlDir, FlushRequest
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_state import make_state, train
+
+POLICY = harness.SCRIPTS / "ckpt_policy.py"
+
+
+def commits(uri: str) -> list[tuple[int, str | None]]:
+    """(step, trigger) of every committed checkpoint, oldest first."""
+    found = [s for s in list_checkpoints(open_storage(uri)) if s.valid and s.manifest is not None]
+    return sorted((s.ref.step, s.manifest.trigger) for s in found if s.manifest is not None)
+
+
+def written(root: Path) -> list[str]:
+    """Every checkpoint folder or staged save under a filesystem URI (the owner record aside)."""
+    return sorted(p.name for p in root.rglob("step-*"))
+
+
+# -- one trigger, one save (2 ranks) ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_each_save_early_request_makes_exactly_one_save_and_a_second_request_makes_another(tmp_path: Path) -> None:
+    uri, control = str(tmp_path / "ckpt"), tmp_path / "control"
+    harness.torchrun(2, POLICY, "early", "--uri", uri, "--control", str(control))
+    # Requested during steps 5 and 14, agreed at the end of those steps, served at the next.
+    assert commits(uri) == [(6, "early"), (15, "early")]
+    assert not (control / "save.json").exists(), "a served request must be removed"
+
+
+@pytest.mark.slow
+def test_one_every_seconds_deadline_makes_exactly_one_save(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    # The script's clock jumps past the deadline during steps 6 and 11 and stands still otherwise.
+    harness.torchrun(2, POLICY, "deadline", "--uri", uri)
+    assert commits(uri) == [(7, "policy"), (12, "policy")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", ["step", "save"])
+def test_ranks_that_report_different_steps_are_refused_on_every_rank_before_anything_is_written(
+    tmp_path: Path, call: str
+) -> None:
+    root = tmp_path / "ckpt"
+    out = tmp_path / "outcome"
+    harness.torchrun(2, POLICY, "mismatch", "--uri", str(root), "--out", str(out), "--call", call)
+    for rank in (0, 1):
+        outcome = Path(f"{out}.rank{rank}").read_text()
+        assert outcome.startswith("ValueError") and "different steps" in outcome, f"rank {rank}: {outcome}"
+    assert written(root) == [], "a save went ahead with ranks at different steps"
+
+
+# -- arguments refused up front (one process) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "words"),
+    [(-1, ValueError, "step must be >= 0"), (2.5, TypeError, "step must be an int"), (True, TypeError, "bool")],
+)
+def test_a_save_of_a_step_that_is_not_a_count_is_refused_before_anything_is_written(
+    tmp_path: Path, step: Any, error: type[Exception], words: str
+) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root)) as ckpt:
+        with pytest.raises(error, match=words):
+            ckpt.save(step, make_state(0))
+        with pytest.raises(error, match=words):
+            ckpt.step(step, make_state(0))
+    assert written(root) == []
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"loss": torch.tensor(1.0)}, {"seen": {1, 2}}, {"obj": object()}, {3: "not a str key"}, ["a", "list"]],
+    ids=["tensor", "set", "object", "int-key", "not-a-dict"],
+)
+def test_metadata_that_is_not_json_is_refused_before_anything_is_written(tmp_path: Path, metadata: Any) -> None:
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root), every_steps=1) as ckpt:
+        with pytest.raises(TypeError, match="metadata"):
+            ckpt.save(1, state, metadata=metadata)
+        with pytest.raises(TypeError, match="metadata"):
+            ckpt.step(1, state, metadata=metadata)
+    assert written(root) == []
+
+
+def deeply_nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels):
+        value = {"x": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("metadata", "words"),
+    [({"blob": "x" * (2 << 20)}, "bytes as JSON"), (deeply_nested(100), "levels deep")],
+    ids=["oversized", "too-deep"],
+)
+def test_metadata_no_reader_would_accept_is_refused_before_anything_is_written(
+    tmp_path: Path, metadata: dict[str, Any], words: str
+) -> None:
+    """A manifest readers refuse (too big, nested too deep) would be a checkpoint lost on commit."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root)) as ckpt, pytest.raises(ValueError, match=f"metadata .*{words}"):
+        ckpt.save(1, make_state(0), metadata=metadata)
+    assert written(root) == []
+
+
+def test_a_step_lower_than_the_last_one_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root), every_steps=1, keep=None) as ckpt:
+        train(state, 5)
+        ckpt.step(5, state)
+        ckpt.wait()
+        with pytest.raises(ValueError, match=r"step 3 is lower than the last step \(5\)"):
+            ckpt.step(3, state)
+        with pytest.raises(ValueError, match=r"step 4 is lower than the last step \(5\)"):
+            ckpt.save(4, state)
+        ckpt.step(5, state)  # the same step again is fine (nothing new to save)
+    assert [step for step, _ in commits(str(root))] == [5]
+    assert written(root) == ["step-000000005"]
+
+
+def test_json_metadata_is_recorded(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, make_state(0), metadata={"loss": 0.25, "tags": ["a"], "nested": {"tokens": 10}})
+    (status,) = list_checkpoints(open_storage(uri))
+    assert status.manifest is not None and status.manifest.metadata == {
+        "loss": 0.25,
+        "tags": ["a"],
+        "nested": {"tokens": 10},
+    }
+
+
+# -- the flush is reported before retention runs -------------------------------------------------
+
+
+def test_a_flush_is_reported_before_retention_deletes_anything(tmp_path: Path) -> None:
+    root, control = tmp_path / "ckpt", ControlDir(str(tmp_path / "control"))
+    state = make_state(0)
+    with Checkpointer(str(root), every_steps=1, keep=1, control_dir=control.path) as ckpt:
+        for step in (1, 2):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+        ckpt.wait()
+        deleted: list[tuple[str, bool]] = []
+        delete = ckpt.storage.delete
+
+        def recorded_delete(keys: Any) -> None:
+            keys = list(keys)
+            deleted.extend((k, (Path(control.path) / FLUSHED_FILE).exists()) for k in keys)
+            delete(keys)
+
+        ckpt.storage.delete = recorded_delete  # type: ignore[method-assign]
+        control.request_flush(FlushRequest(reason="test notice"))
+        train(state, 1, start=2)
+        assert ckpt.step(3, state) is True
+    result = json.loads((Path(control.path) / FLUSHED_FILE).read_text())
+    assert result["step"] == 3
+    assert deleted, "retention deleted nothing: the test proves nothing"
+    assert all(reported for _, reported in deleted), f"deleted before the flush was reported: {deleted}"
+    assert [step for step, _ in commits(str(root))] == [3]

@@ -1,0 +1,202 @@
+"""Restore never goes back in time on its own.
+
+- A store that keeps failing (503 past the retries) on the newest checkpoint fails the restore
+  with ``StorageUnavailableError`` — reported to the agent as an infrastructure error — instead of
+  loading an older checkpoint and re-training committed steps.
+- A model whose shapes changed is refused with the first mismatch (``RestoreRefusedError``), not
+  called corrupt, and nothing is deleted.
+- ``start_fresh`` begins at step 0 on purpose: the refused checkpoints are kept, never restored,
+  never counted or deleted by retention, and the new run's own checkpoints are what later
+  restores find, even with ``start_fresh`` still set.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageUnavailableError
+from agent.control_channel import INFRA_ERROR_FILE
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+try:
+    from faults import FaultProxy, Request
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy, Request
+
+
+# -- a store that keeps failing --------------------------------------------------------------------
+
+
+@pytest.fixture(params=["s3", "gs"])
+def two_checkpoints_behind_a_proxy(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    fast_retries: None,
+    tmp_path: Path,
+) -> tuple[str, FaultProxy]:
+    """Steps 1 and 2 committed on a fresh bucket; from then on every request goes through a proxy."""
+    scheme: str = request.param
+    uri = fresh_uri(scheme)
+    state = make_state(0)
+    with Checkpointer(uri, keep=None, staging_dir=str(tmp_path / "staging")) as ckpt:
+        for step in (1, 2):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+    server = request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+    proxy = fault_proxy(server, "s3" if scheme == "s3" else "gcs")
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    return uri, proxy
+
+
+def step2_data(req: Request) -> bool:
+    """A read of one of step 2's data files (shard, per-rank state, DCP metadata), any API."""
+    return re.search(r"step-000000002(%2F|/)(__|rank-|\.metadata)", req.path) is not None
+
+
+def test_restore_fails_loudly_when_the_newest_checkpoints_files_keep_failing_and_loads_nothing_older(
+    two_checkpoints_behind_a_proxy: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    uri, proxy = two_checkpoints_behind_a_proxy
+    unavailable = proxy.fail(10_000, 503, method="GET", match=step2_data)
+    state = make_state(0, seed=9)
+    untouched = snapshot(state)
+    control = tmp_path / "control"
+    with (
+        pytest.raises(StorageUnavailableError, match=re.escape(uri)) as failed,
+        Checkpointer(uri, staging_dir=str(tmp_path / "staging"), control_dir=str(control)) as ckpt,
+    ):
+        ckpt.restore(state)
+    assert unavailable.served >= 5, "the store did not keep failing past the retries"
+    assert "503" in str(failed.value) and "step-000000002" in str(failed.value)
+    assert_same(snapshot(state), untouched, "the state (step 1 must not have been loaded)")
+    report = json.loads((control / INFRA_ERROR_FILE).read_text())
+    assert report["rank"] == 0 and "unavailable" in report["error"]
+
+    proxy.clear()  # the store answers again: the newest checkpoint it is
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as again:
+        assert again.restore(make_state(0, seed=9)) == 2
+
+
+def test_restore_fails_loudly_when_listing_the_checkpoints_keeps_failing(
+    two_checkpoints_behind_a_proxy: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    uri, proxy = two_checkpoints_behind_a_proxy
+    state = make_state(0, seed=9)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        listing = proxy.fail(10_000, 503, method="GET", match=lambda r: "prefix=" in r.path)
+        with pytest.raises(StorageUnavailableError, match="listing the checkpoints"):
+            ckpt.restore(state)
+    assert listing.served >= 5
+
+
+# -- a model that changed -----------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 4)
+
+
+def net_state(features: int, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = Net(features)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def save_steps(uri: str, state: dict[str, Any], steps: list[int], *, keep: int | None, **kw: Any) -> None:
+    with Checkpointer(uri, keep=keep, async_save=False, **kw) as ckpt:
+        for step in steps:
+            with torch.no_grad():
+                state["model"].fc.weight.add_(1.0)
+            ckpt.save(step, state)
+
+
+def folders(uri: str) -> list[str]:
+    return sorted(s.ref.folder for s in list_checkpoints(open_storage(uri)))
+
+
+def test_a_model_whose_shapes_changed_is_refused_naming_the_first_mismatch_and_nothing_is_deleted(
+    tmp_path: Path,
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    save_steps(uri, net_state(8), [5, 6], keep=2)
+    changed = net_state(16)
+    untouched = {k: v.clone() for k, v in changed["model"].state_dict().items()}
+    with Checkpointer(uri, keep=1) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        ckpt.restore(changed)
+    message = str(refused.value)
+    assert "model.fc.weight: the checkpoint holds shape [4, 8], the model [4, 16]" in message
+    assert "incompatible with the model" in message
+    assert "corrupt" not in message and "unreadable" not in message
+    assert "start_fresh=True" in message and "SPOTJOB_START_FRESH=1" in message
+    # Only the newest was tried: an older checkpoint of a changed model would be going back in time.
+    assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == ["step-000000006"]
+    assert_same(changed["model"].state_dict(), untouched, "the model after a refused restore")
+    assert folders(uri) == ["step-000000005", "step-000000006"]
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_start_fresh_keeps_the_refused_checkpoints_out_of_restore_and_retention_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    old = net_state(8)
+    save_steps(uri, old, [5, 6], keep=2)
+    kw: dict[str, Any] = {}
+    if how == "argument":
+        kw["start_fresh"] = True
+    else:
+        monkeypatch.setenv("SPOTJOB_START_FRESH", "1")
+
+    new = net_state(16, seed=1)
+    with Checkpointer(uri, keep=2, **kw) as ckpt:
+        assert ckpt.restore(new) == 0
+    # The new run counts from 0 again, through (and past) the old run's step numbers.
+    save_steps(uri, new, [1, 2, 5, 6, 7], keep=2, **kw)
+    saved_new = {k: v.clone() for k, v in new["model"].state_dict().items()}
+    found = folders(uri)
+    assert "step-000000005" in found and "step-000000006" in found, "retention deleted a retired checkpoint"
+    # Retention counted only the new run's checkpoints: its newest two are kept, the rest removed.
+    assert [f for f in found if f not in ("step-000000005", "step-000000006")] == [
+        "step-000000006.1",
+        "step-000000007",
+    ]
+    retired = sorted(p.name for p in (tmp_path / "ckpt" / ".spotjob" / "retired").iterdir())
+    assert retired == ["step-000000005.json", "step-000000006.json"]
+
+    # A restart with start_fresh still set resumes the new run: the flag never discards progress.
+    again = net_state(16, seed=2)
+    with Checkpointer(uri, **kw) as ckpt:
+        assert ckpt.restore(again) == 7
+    assert_same(again["model"].state_dict(), saved_new, "the new run's newest state")
+
+
+def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_deleting_them(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    save_steps(uri, net_state(8), [3], keep=None)
+    shard = next((tmp_path / "ckpt" / "step-000000003").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with Checkpointer(uri) as ckpt, pytest.raises(RestoreRefusedError, match="corrupt"):
+        ckpt.restore(net_state(8))
+    with Checkpointer(uri, start_fresh=True) as ckpt:
+        assert ckpt.restore(net_state(8)) == 0
+    assert shard.exists() and folders(uri) == ["step-000000003"]

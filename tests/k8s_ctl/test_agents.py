@@ -1,0 +1,170 @@
+"""The controller's side of the agents' control API (orchestrator.k8s.agents): derived tokens, and
+flush/stop/status requests that run in the background against the real agent's API server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from agent.control_api import ControlApi
+from agent.control_channel import ControlDir, RankStatus
+from agent.launcher import Agent, AgentConfig
+from orchestrator.k8s.agents import (
+    AgentCalls,
+    CallResult,
+    CallState,
+    Endpoint,
+    TokenKeyError,
+    derive_token,
+    load_token_key,
+)
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Agent:
+    config = AgentConfig(command=["true"], checkpoint_uri="file:///ckpt", job_name="ml/llama")
+    return Agent(config, ControlDir(str(tmp_path / "control")), env={})
+
+
+@pytest.fixture
+def api(agent: Agent) -> Iterator[ControlApi]:
+    server = ControlApi(agent, token=derive_token(KEY, "ml", "llama", "uid-1"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def calls(api: ControlApi) -> Iterator[AgentCalls]:
+    client = AgentCalls(port=api.port, timeout=5.0, status_max_age=0.0)
+    yield client
+    client.close()
+
+
+def endpoint(uid: str = "pod-uid-1", token: str | None = None) -> Endpoint:
+    return Endpoint(uid, "llama-0-0", "127.0.0.1", token or derive_token(KEY, "ml", "llama", "uid-1"))
+
+
+def settle(calls: AgentCalls, what: str, uid: str = "pod-uid-1") -> CallResult:
+    """The request's outcome once it is done (waits for the background thread, not for time)."""
+    done = threading.Event()
+
+    def poll() -> None:
+        while True:
+            state = calls.state(what, uid)
+            if state is not None and state.state is not CallState.PENDING:
+                done.set()
+                return
+            threading.Event().wait(0.01)
+
+    threading.Thread(target=poll, daemon=True).start()
+    assert done.wait(30), f"the {what} request never finished"
+    result = calls.state(what, uid)
+    assert result is not None
+    return result
+
+
+def test_a_token_is_derived_from_the_key_and_the_jobs_identity_and_incarnation() -> None:
+    token = derive_token(KEY, "ml", "llama", "uid-1")
+    assert token == derive_token(KEY, "ml", "llama", "uid-1")  # any replica computes the same
+    assert len(token) == 43 and token.isascii()
+    others = {
+        derive_token(b"x" * 32, "ml", "llama", "uid-1"),
+        derive_token(KEY, "ml", "llama", "uid-2"),  # the job deleted and created again
+        derive_token(KEY, "ml2", "llama", "uid-1"),
+        derive_token(KEY, "ml", "llama2", "uid-1"),
+    }
+    assert token not in others and len(others) == 4
+
+
+def test_a_token_key_must_be_readable_and_long_enough(tmp_path: Path) -> None:
+    good = tmp_path / "key"
+    good.write_text("a" * 40 + "\n")
+    assert load_token_key(str(good)) == b"a" * 40
+    short = tmp_path / "short"
+    short.write_text("abc")
+    with pytest.raises(TokenKeyError, match="at least 32"):
+        load_token_key(str(short))
+    with pytest.raises(TokenKeyError, match="cannot read"):
+        load_token_key(str(tmp_path / "missing"))
+    assert len(load_token_key(None)) >= 32  # a random one, with a warning
+
+
+def test_a_flush_is_pending_then_accepted_and_the_agent_has_it(agent: Agent, calls: AgentCalls) -> None:
+    deadline = datetime.now(UTC) + timedelta(seconds=60)
+    first = calls.flush(endpoint(), "SpotInterrupted for node a", deadline)
+    assert first.state is CallState.PENDING  # answered at once; the POST runs in the background
+    assert settle(calls, "flush").state is CallState.ACCEPTED
+    flush = agent.control.flush_request()
+    assert flush is not None and flush.reason.endswith("SpotInterrupted for node a")
+    assert flush.deadline == pytest.approx(deadline.timestamp())
+    # Asking again answers the first outcome and sends nothing new.
+    assert calls.flush(endpoint(), "again", None).state is CallState.ACCEPTED
+
+
+def test_a_wrong_token_fails_naming_the_key_and_the_next_call_tries_again(agent: Agent, calls: AgentCalls) -> None:
+    wrong = endpoint(token=derive_token(b"z" * 32, "ml", "llama", "uid-1"))
+    calls.flush(wrong, "notice", None)
+    failed = settle(calls, "flush")
+    assert failed.state is CallState.FAILED and "--agent-token-key-file" in failed.detail
+    assert agent.control.flush_request() is None
+    assert calls.flush(wrong, "notice", None).state is CallState.FAILED  # the failure, answered once
+    assert calls.flush(endpoint(), "notice", None).state is CallState.PENDING  # then a new request
+    assert settle(calls, "flush").state is CallState.ACCEPTED
+
+
+def test_an_agent_that_cannot_be_reached_is_a_failure_not_a_hang() -> None:
+    calls = AgentCalls(port=9, timeout=2.0)  # discard: nothing listens
+    try:
+        assert calls.flush(endpoint(), "notice", None).state is CallState.PENDING
+        result = settle(calls, "flush")
+        assert result.state is CallState.FAILED and "cannot reach the agent" in result.detail
+    finally:
+        calls.close()
+
+
+def test_a_hung_agent_never_blocks_the_caller(calls: AgentCalls) -> None:
+    release = threading.Event()
+
+    def hanging(*_: object) -> tuple[int, bytes]:
+        release.wait(30)
+        return 202, b"{}"
+
+    stuck = AgentCalls(port=calls.port, transport=hanging)
+    try:
+        for _ in range(3):
+            assert stuck.flush(endpoint(), "notice", None).state is CallState.PENDING
+        release.set()
+        assert settle(stuck, "flush").state is CallState.ACCEPTED
+    finally:
+        stuck.close()
+
+
+def test_a_stop_is_sent_without_a_flush(agent: Agent, calls: AgentCalls) -> None:
+    calls.stop(endpoint(), "a peer's code failed")
+    assert settle(calls, "stop").state is CallState.ACCEPTED
+    assert agent.status().stop is not None and agent.control.flush_request() is None
+
+
+def test_the_step_comes_from_the_agents_status_in_the_background(agent: Agent, calls: AgentCalls) -> None:
+    assert calls.step(endpoint()) is None  # nothing known yet; a refresh starts
+    agent.control.write_status(RankStatus(state="training", step=42, world_size=2))
+
+    def step() -> int | None:
+        return calls.step(endpoint())
+
+    seen = None
+    for _ in range(3000):
+        seen = step()
+        if seen == 42:
+            break
+        threading.Event().wait(0.01)
+    assert seen == 42
+    calls.forget("pod-uid-1")
+    assert calls.state("flush", "pod-uid-1") is None

@@ -1,0 +1,286 @@
+"""The Kubernetes backend (orchestrator.backends.k8s) over caches a test fills and a client that
+records what it is asked: how pods read as workers, what is created when, how a gang stops."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from orchestrator.backends.base import FlushRequestOutcome, Placement
+from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
+from orchestrator.k8s.agents import CallResult, CallState, Endpoint
+from orchestrator.k8s.api import AlreadyExists, Resource
+from orchestrator.k8s.cluster_signals import ClusterSignals
+from orchestrator.k8s.informer import Cache
+from orchestrator.model import JobKey, JobSpec, WorkerPhase
+from orchestrator.signals import SignalKind
+
+KEY = JobKey("ml", "llama")
+UID = "11111111-2222-3333-4444-555555555555"
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.created: list[tuple[str, dict[str, Any]]] = []
+        self.deleted: list[tuple[str, str, int | None]] = []
+
+    def create(self, resource: Resource, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        if any(r == resource.plural and b["metadata"]["name"] == name for r, b in self.created):
+            raise AlreadyExists(f"{name} exists", status=409, reason="AlreadyExists")
+        self.created.append((resource.plural, body))
+        return body
+
+    def delete(self, resource: Resource, name: str, namespace: str | None = None, **kw: Any) -> bool:
+        self.deleted.append((resource.plural, name, kw.get("grace_period_seconds")))
+        return True
+
+    def kinds(self) -> list[str]:
+        return [r for r, _ in self.created]
+
+
+class FakeAgents:
+    """Answers as told; records what was asked."""
+
+    def __init__(self) -> None:
+        self.answer = CallResult(CallState.ACCEPTED)
+        self.asked: list[tuple[str, str]] = []
+
+    def flush(self, agent: Endpoint, reason: str, deadline: Any) -> CallResult:
+        self.asked.append(("flush", agent.pod))
+        return self.answer
+
+    def stop(self, agent: Endpoint, reason: str) -> CallResult:
+        self.asked.append(("stop", agent.pod))
+        return self.answer
+
+    def step(self, agent: Endpoint) -> int | None:
+        return 7
+
+    def forget(self, uid: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def spec(**changes: Any) -> JobSpec:
+    raw = {"image": "img:1", "command": ["train.py"], "replicas": 2, "checkpoint": {"uri": "s3://b/llama"}}
+    raw.update(changes)
+    return JobSpec.model_validate(raw)
+
+
+def node(
+    name: str, *, ready: str = "True", taints: list[dict[str, Any]] | None = None, **labels: str
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {"topology.kubernetes.io/zone": "us-east-1a", "node.kubernetes.io/instance-type": "g5", **labels},
+        },
+        "spec": {"taints": taints or []},
+        "status": {"conditions": [{"type": "Ready", "status": ready}]},
+    }
+
+
+def pod(
+    index: int,
+    *,
+    attempt: int = 0,
+    phase: str = "Running",
+    ready: bool = True,
+    exit_code: int | None = None,
+    node_name: str = "n1",
+    ip: str | None = "10.0.0.1",
+    deleting: bool = False,
+    sidecar: bool = False,
+) -> dict[str, Any]:
+    trainer_state: dict[str, Any] = {"running": {}} if exit_code is None else {"terminated": {"exitCode": exit_code}}
+    statuses = [{"name": "trainer", "state": trainer_state}]
+    containers = [{"name": "trainer", "ports": [{"name": "spotjob-agent", "containerPort": 8470}]}]
+    if sidecar:
+        containers.insert(0, {"name": "proxy"})
+        statuses.insert(0, {"name": "proxy", "state": {"running": {}}})
+    obj: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"llama-{attempt}-{index}",
+            "namespace": "ml",
+            "uid": f"uid-{attempt}-{index}",
+            "labels": {
+                "spotjob.dev/job": "llama",
+                "spotjob.dev/attempt": str(attempt),
+                "spotjob.dev/index": str(index),
+            },
+        },
+        "spec": {"nodeName": node_name, "containers": containers},
+        "status": {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": statuses,
+        },
+    }
+    if ip:
+        obj["status"]["podIP"] = ip
+    if deleting:
+        obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return obj
+
+
+def _pod_job(p: dict[str, Any]) -> list[str]:
+    return [f"{p['metadata']['namespace']}/{p['metadata']['labels']['spotjob.dev/job']}"]
+
+
+class World:
+    def __init__(self) -> None:
+        self.client = FakeClient()
+        self.jobs = Cache()
+        self.pods = Cache({"job": _pod_job})
+        self.nodes = Cache()
+        self.signals = ClusterSignals(node_lost_grace_seconds=0)
+        self.agents = FakeAgents()
+        self.jobs._put(
+            {
+                "apiVersion": "spotjob.dev/v1alpha1",
+                "kind": "SpotJob",
+                "metadata": {"name": "llama", "namespace": "ml", "uid": UID},
+            }
+        )
+        self.backend = KubernetesBackend(
+            self.client,  # type: ignore[arg-type]
+            jobs=self.jobs,
+            pods_cache=self.pods,
+            nodes=self.nodes,
+            signals=self.signals,
+            token_key=b"k" * 32,
+            options=BackendOptions(),
+            agents=self.agents,  # type: ignore[arg-type]
+        )
+
+    def add(self, *objects: dict[str, Any]) -> None:
+        for obj in objects:
+            (self.nodes if obj["kind"] == "Node" else self.pods)._put(copy.deepcopy(obj))
+
+    def phases(self) -> dict[str, tuple[WorkerPhase, int | None]]:
+        return {w.name: (w.phase, w.exit_code) for w in self.backend.list_workers(KEY, spec())}
+
+
+@pytest.fixture
+def world() -> World:
+    w = World()
+    w.add(node("n1"), node("n2"))
+    return w
+
+
+def test_a_worker_runs_once_replica_0_is_ready_and_the_others_once_their_container_runs_beside_it(world: World) -> None:
+    world.add(pod(0, ready=False), pod(1, ready=False, ip="10.0.0.2"))
+    assert world.phases() == {"llama-0-0": (WorkerPhase.PENDING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
+    world.add(pod(0, ready=True))
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.RUNNING, None)}
+    steps = {w.name: w.step for w in world.backend.list_workers(KEY, spec())}
+    assert steps == {"llama-0-0": 7, "llama-0-1": 7}
+
+
+def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running(world: World) -> None:
+    world.add(pod(0, exit_code=75, sidecar=True))
+    world.pods._put(
+        {**pod(1, phase="Failed"), "status": {"phase": "Failed", "conditions": [], "containerStatuses": []}}
+    )
+    assert world.phases() == {"llama-0-0": (WorkerPhase.FAILED, 75), "llama-0-1": (WorkerPhase.FAILED, None)}
+    world.add(pod(0, phase="Succeeded", exit_code=0))
+    assert world.phases()["llama-0-0"] == (WorkerPhase.SUCCEEDED, 0)
+
+
+def test_a_pod_on_a_deleted_node_is_a_lost_worker_although_its_object_says_running(world: World) -> None:
+    world.add(pod(0, node_name="n2"), pod(1, ip="10.0.0.2"))
+    world.nodes._remove(("", "n2"))
+    world.signals.node_deleted(node("n2"))
+    assert world.phases()["llama-0-0"] == (WorkerPhase.FAILED, None)
+    assert world.phases()["llama-0-1"] == (WorkerPhase.RUNNING, None)
+    (signal,) = world.backend.signals(KEY, spec())
+    assert signal.kind is SignalKind.NODE_LOST and signal.node == "n2"
+
+
+def test_the_first_start_creates_the_jobs_objects_once_then_replica_0_then_the_others_with_its_ip(
+    world: World,
+) -> None:
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    assert world.client.kinds() == ["secrets", "services", "networkpolicies", "pods"]
+    world.backend.start_workers(KEY, spec(), 0, Placement())  # replica 0 not in the cache yet: nothing new
+    assert world.client.kinds().count("pods") == 1
+    world.add(pod(0, ready=False, ip=None))
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    assert world.client.kinds().count("pods") == 1  # no IP yet
+    world.add(pod(0, ready=False, ip="10.1.2.3"))
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    pods_created = [b for r, b in world.client.created if r == "pods"]
+    assert [p["metadata"]["name"] for p in pods_created] == ["llama-0-0", "llama-0-1"]
+    args = pods_created[1]["spec"]["containers"][0]["args"]
+    assert args[args.index("--master-addr") + 1] == "10.1.2.3"
+    assert world.client.kinds().count("secrets") == 1
+
+
+def test_new_workers_keep_off_nodes_in_cool_down_and_nodes_being_taken_away(world: World) -> None:
+    world.add(
+        node("n3", taints=[{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]),
+        node("n4", taints=[{"key": "aws-node-termination-handler/rebalance-recommendation", "effect": "NoSchedule"}]),
+    )
+    annotated = node("n5")
+    annotated["metadata"]["annotations"] = {
+        "spotjob.dev/interruption": '{"kind": "SpotInterruption", "source": "aws-sqs"}'
+    }
+    world.add(annotated)
+    world.backend.start_workers(KEY, spec(), 0, Placement(avoid_nodes=frozenset({"n1"})))
+    (created,) = [b for r, b in world.client.created if r == "pods"]
+    (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    # n4's rebalance recommendation is advisory (--rebalance ignore): not avoided.
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n3", "n5"]}]
+
+
+def test_a_gang_stopped_without_a_flush_is_told_to_stop_first_and_deleted_once_the_agent_answered(
+    world: World,
+) -> None:
+    world.add(pod(0), pod(1, ip="10.0.0.2"))
+    world.agents.answer = CallResult(CallState.PENDING)
+    world.backend.stop_workers(KEY, spec(), flush=False)
+    assert world.agents.asked == [("stop", "llama-0-0"), ("stop", "llama-0-1")]
+    assert world.client.deleted == []  # not before the agents were told (or could not be reached)
+    world.agents.answer = CallResult(CallState.FAILED, "unreachable")
+    world.backend.stop_workers(KEY, spec())  # a later pass, flush not repeated: the intent is remembered
+    assert [name for _, name, _ in world.client.deleted] == ["llama-0-0", "llama-0-1"]
+
+
+def test_a_gang_stopped_after_a_preemption_is_deleted_at_once_and_the_kept_attempt_left_alone(world: World) -> None:
+    world.add(pod(0), pod(0, attempt=1, ip="10.0.0.9"))
+    world.backend.stop_workers(KEY, spec(), keep_attempt=1)
+    assert world.agents.asked == [] and world.client.deleted == [("pods", "llama-0-0", None)]
+
+
+def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
+    world.add(pod(0, deleting=True, node_name="n1"), pod(1, deleting=True, node_name="n2", ip="10.0.0.2"))
+    world.add(node("n2", ready="Unknown"))
+    world.backend.stop_workers(KEY, spec())
+    assert world.client.deleted == [("pods", "llama-0-1", 0)]
+
+
+def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to_its_agent(world: World) -> None:
+    world.add(pod(0, ip=None), pod(1, ip="10.0.0.2"))
+    workers = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    state = world.backend.request_flush(KEY, spec(), workers["llama-0-0"], "notice", None)
+    assert state.outcome is FlushRequestOutcome.FAILED and "pod IP" in state.error
+    state = world.backend.request_flush(KEY, spec(), workers["llama-0-1"], "notice", None)
+    assert state.outcome is FlushRequestOutcome.ACCEPTED and world.agents.asked == [("flush", "llama-0-1")]
+
+
+def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_field(world: World) -> None:
+    bad = spec(template={"spec": {"containers": [{"name": "t", "image": "i", "args": ["x"]}]}})
+    problems = world.backend.spec_problems(KEY, bad)
+    assert problems and problems[0].startswith("spec.template.spec.containers[0].args")
+    assert world.backend.spec_problems(KEY, spec()) == []

@@ -1,0 +1,298 @@
+"""The objects a SpotJob owns (orchestrator.k8s.pods): valid Kubernetes in strict mode, the user's
+template kept, spotjob's additions merged in, and templates the controller cannot run named."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import itertools
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from orchestrator.k8s import pods
+from orchestrator.k8s.cluster_signals import TAINT_RULES
+
+VERSIONS = ("1.29.0", "1.32.0")
+OWNER = pods.Owner("ml", "llama", "0f4c3a2e-1111-2222-3333-444455556666")
+OPTIONS = pods.WorkerOptions(
+    agent_port=8470,
+    controller_namespace="spotjob-system",
+    controller_pod_labels={"app.kubernetes.io/name": "spotjob", "app.kubernetes.io/instance": "spotjob"},
+)
+
+USER_TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": {"team": "ml", "spotjob.dev/job": "forged"}, "annotations": {"a": "b"}},
+    "spec": {
+        "serviceAccountName": "trainer",
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}
+                            ]
+                        },
+                        {
+                            "matchExpressions": [
+                                {"key": "eks.amazonaws.com/capacityType", "operator": "In", "values": ["SPOT"]}
+                            ]
+                        },
+                    ]
+                },
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 10, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}
+                ],
+            }
+        },
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [{"name": "data", "emptyDir": {}}],
+        "containers": [
+            {"name": "sidecar", "image": "busybox:1", "command": ["sleep", "infinity"]},
+            {
+                "name": "trainer",
+                "image": "registry.example.com/train:1",
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "SHARED", "value": "template"}],
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            },
+        ],
+    },
+}
+
+
+def spec(**changes: Any) -> pods.WorkerSpec:
+    base: dict[str, Any] = dict(
+        template=copy.deepcopy(USER_TEMPLATE),
+        container=1,
+        container_name="trainer",
+        image=None,
+        command=["/workspace/train.py", "--steps", "100"],
+        env={"SHARED": "spec", "OMP_NUM_THREADS": "1"},
+        replicas=2,
+        nproc_per_node=4,
+        checkpoint_uri="s3://bucket/llama",
+        every_steps=50,
+        every_seconds=None,
+        keep=3,
+        flush_timeout_seconds=90.0,
+    )
+    base.update(changes)
+    return pods.WorkerSpec(**base)
+
+
+def pod(index: int = 0, *, placement: pods.WorkerPlacement | None = None, **changes: Any) -> dict[str, Any]:
+    return pods.worker_pod(
+        OWNER,
+        "ml/llama",
+        spec(**changes),
+        name=f"llama-3-{index}",
+        attempt=3,
+        index=index,
+        master_addr="10.0.0.7" if index else None,
+        placement=placement or pods.WorkerPlacement(),
+        options=OPTIONS,
+    )
+
+
+def trainer(p: dict[str, Any]) -> dict[str, Any]:
+    (c,) = [c for c in p["spec"]["containers"] if c["name"] == "trainer"]
+    return c
+
+
+def strict(obj: dict[str, Any]) -> None:
+    for version in VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_every_object_a_job_owns_is_valid_kubernetes_in_strict_mode() -> None:
+    avoid = pods.WorkerPlacement(frozenset({"node-a"}), frozenset({"us-east-1a"}), frozenset({"g5.xlarge"}))
+    for obj in (
+        pod(0, placement=avoid),
+        pod(1, placement=avoid),
+        pod(0, template=None, container=0, image="img:1"),
+        pods.headless_service(OWNER, 8470),
+        pods.token_secret(OWNER, "t0ken"),
+        pods.network_policy(OWNER, OPTIONS),
+    ):
+        strict(obj)
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "spotjob.dev/v1alpha1",
+                "kind": "SpotJob",
+                "name": "llama",
+                "uid": OWNER.uid,
+                "controller": True,
+            }
+        ]
+        assert obj["metadata"]["labels"]["spotjob.dev/job"] == "llama"
+
+
+def test_the_agent_wraps_torchrun_with_the_attempt_the_job_identity_and_the_rendezvous() -> None:
+    first, second = trainer(pod(0)), trainer(pod(1))
+    assert first["command"] == ["spotjob-agent"]
+    args = first["args"]
+    split = args.index("--")
+    agent, torchrun = args[:split], args[split + 1 :]
+    assert agent[agent.index("--attempt") + 1] == "3"
+    assert agent[agent.index("--job-name") + 1] == "ml/llama"
+    assert agent[agent.index("--control-host") + 1] == "$(POD_IP)"
+    assert agent[agent.index("--token-file") + 1] == "/var/run/spotjob/token/token"
+    assert agent[agent.index("--every-steps") + 1] == "50" and "--every-seconds" not in agent
+    assert torchrun[:1] == ["torchrun"] and torchrun[-3:] == ["/workspace/train.py", "--steps", "100"]
+    assert torchrun[torchrun.index("--nnodes") + 1] == "2"
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "4"
+    assert torchrun[torchrun.index("--node-rank") + 1] == "0"
+    assert torchrun[torchrun.index("--master-addr") + 1] == "$(POD_IP)"
+    other = second["args"][second["args"].index("--") + 1 :]
+    assert other[other.index("--node-rank") + 1] == "1"
+    assert other[other.index("--master-addr") + 1] == "10.0.0.7"
+    port = str(pods.rendezvous_port("ml", "llama", 3))
+    assert torchrun[torchrun.index("--master-port") + 1] == port == other[other.index("--master-port") + 1]
+    with pytest.raises(ValueError, match="replica 0's address"):
+        pods.worker_pod(
+            OWNER, "ml/llama", spec(), name="llama-3-1", attempt=3, index=1, master_addr=None,
+            placement=pods.WorkerPlacement(), options=OPTIONS,
+        )  # fmt: skip
+
+
+def test_the_rendezvous_port_is_stable_per_attempt_and_moves_with_the_next_one() -> None:
+    ports = [pods.rendezvous_port("ml", "llama", a) for a in range(50)]
+    assert ports == [pods.rendezvous_port("ml", "llama", a) for a in range(50)]
+    assert all(20000 <= p < 30000 for p in ports)
+    assert sum(a != b for a, b in itertools.pairwise(ports)) >= 45
+
+
+def test_the_users_template_is_kept_and_spotjobs_labels_win() -> None:
+    p = pod(0)
+    assert p["metadata"]["labels"] == {
+        "team": "ml",
+        "spotjob.dev/job": "llama",
+        "spotjob.dev/attempt": "3",
+        "spotjob.dev/index": "0",
+    }
+    assert p["metadata"]["annotations"] == {"a": "b"}
+    s = p["spec"]
+    assert s["serviceAccountName"] == "trainer" and s["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert s["containers"][0] == USER_TEMPLATE["spec"]["containers"][0]  # the sidecar, untouched
+    t = trainer(p)
+    assert t["image"] == "registry.example.com/train:1" and t["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    env = {e["name"]: e for e in t["env"]}
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and env["SHARED"]["value"] == "spec"  # spec.env wins
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert {"name": "data", "mountPath": "/data"} in t["volumeMounts"]
+    assert s["restartPolicy"] == "Never" and s["hostname"] == "llama-3-0" and s["subdomain"] == "llama"
+    assert s["terminationGracePeriodSeconds"] == 90 + pods.EXIT_SLACK_SECONDS
+    assert {v["name"] for v in s["volumes"]} == {"data", "spotjob-token", "spotjob-control", "spotjob-staging"}
+    assert USER_TEMPLATE["spec"]["containers"][1].get("command") is None  # the input is not mutated
+
+
+def test_only_replica_0_is_probed_for_readiness_and_every_replica_for_liveness() -> None:
+    assert trainer(pod(0))["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "spotjob-agent"}
+    assert "readinessProbe" not in trainer(pod(1))
+    for index in (0, 1):
+        assert trainer(pod(index))["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "spotjob-agent"}
+
+
+def test_a_volume_named_spotjob_staging_in_the_template_replaces_the_default_one() -> None:
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["volumes"].append({"name": "spotjob-staging", "hostPath": {"path": "/mnt/nvme/spotjob"}})
+    volumes = {v["name"]: v for v in pod(0, template=template)["spec"]["volumes"]}
+    assert volumes["spotjob-staging"] == {"name": "spotjob-staging", "hostPath": {"path": "/mnt/nvme/spotjob"}}
+
+
+def test_avoided_nodes_are_excluded_from_every_term_and_zones_and_types_are_only_preferred() -> None:
+    placement = pods.WorkerPlacement(frozenset({"b", "a"}), frozenset({"us-east-1a"}), frozenset({"g5.xlarge"}))
+    affinity = pod(0, placement=placement)["spec"]["affinity"]
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert len(terms) == 2  # the user's two alternatives (ORed), each now excluding the nodes
+    for term in terms:
+        assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["a", "b"]}]
+        assert term["matchExpressions"]
+    preferred = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["weight"] == 10  # the user's own preference stays
+    keys = {
+        p["preference"]["matchExpressions"][0]["key"]: p["preference"]["matchExpressions"][0] for p in preferred[1:]
+    }
+    assert keys["topology.kubernetes.io/zone"]["values"] == ["us-east-1a"]
+    assert keys["node.kubernetes.io/instance-type"]["values"] == ["g5.xlarge"]
+    (anti,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"] == {"matchLabels": {"spotjob.dev/job": "llama", "spotjob.dev/attempt": "3"}}
+
+
+def test_without_avoidances_no_required_node_term_is_invented() -> None:
+    s = pod(0, template=None, container=0, image="img:1")["spec"]
+    assert "nodeAffinity" not in s["affinity"]
+    assert s["containers"][0]["name"] == "trainer" and s["containers"][0]["image"] == "img:1"
+
+
+def test_noexecute_preemption_taints_are_tolerated_for_the_flush_window_but_noschedule_ones_are_not() -> None:
+    tolerations = pod(0)["spec"]["tolerations"]
+    assert tolerations[0] == USER_TEMPLATE["spec"]["tolerations"][0]
+    ours = {t["key"]: t for t in tolerations[1:]}
+    assert "node.kubernetes.io/out-of-service" not in ours  # a dead node's pods must go at once
+    assert set(ours) == {r.key for r in TAINT_RULES} - {"node.kubernetes.io/out-of-service"}
+    for t in ours.values():
+        assert t == {
+            "key": t["key"],
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": 90 + pods.EXIT_SLACK_SECONDS,
+        }
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda t: t["spec"]["containers"][1].update(command=["python"]), "spec.template.spec.containers[1].command"),
+        (lambda t: t["spec"]["containers"][1].update(args=["x"]), "spec.template.spec.containers[1].args"),
+        (lambda t: t["spec"].update(restartPolicy="Always"), "spec.template.spec.restartPolicy"),
+        (
+            lambda t: t["spec"]["volumes"].append({"name": "spotjob-token", "emptyDir": {}}),
+            "spec.template.spec.volumes[1]",
+        ),
+        (lambda t: t["spec"].update(hostname="x"), "spec.template.spec.hostname"),
+        (
+            lambda t: t["spec"]["containers"][1]["env"].append({"name": "POD_IP", "value": "1.2.3.4"}),
+            "spec.template.spec.containers[1].env[2].name",
+        ),
+    ],
+)
+def test_a_template_spotjob_cannot_run_is_refused_naming_the_field(change: Any, field: str) -> None:
+    template = copy.deepcopy(USER_TEMPLATE)
+    change(template)
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(field) for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        pod(0, template=template)
+
+
+def test_the_network_policy_admits_the_jobs_pods_on_every_port_and_the_controller_on_the_agents_only() -> None:
+    policy = pods.network_policy(OWNER, OPTIONS)["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"spotjob.dev/job": "llama"}}
+    assert policy["policyTypes"] == ["Ingress"]
+    peers, controller = policy["ingress"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": {"spotjob.dev/job": "llama"}}}]}
+    assert controller["ports"] == [{"protocol": "TCP", "port": 8470}]
+    (source,) = controller["from"]  # one peer: namespace AND pod labels
+    assert source["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "spotjob-system"}}
+    assert source["podSelector"] == {"matchLabels": dict(OPTIONS.controller_pod_labels)}
+
+
+def test_the_token_secret_is_immutable_and_named_for_the_jobs_incarnation() -> None:
+    secret = pods.token_secret(OWNER, "s3cret")
+    assert secret["immutable"] is True and base64.b64decode(secret["data"]["token"]) == b"s3cret"
+    again = pods.Owner("ml", "llama", "99999999-0000-0000-0000-000000000000")
+    assert pods.token_secret_name(again) != pods.token_secret_name(OWNER)
+
+
+def test_a_job_name_starting_with_a_digit_still_gets_a_valid_service_name() -> None:
+    assert pods.service_name("llama") == "llama"
+    owner = pods.Owner("ml", "7b-run", OWNER.uid)
+    service = pods.headless_service(owner, 8470)
+    assert service["metadata"]["name"] == "sj-7b-run"
+    strict(service)

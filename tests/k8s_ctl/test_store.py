@@ -1,0 +1,147 @@
+"""The Kubernetes JobStore (orchestrator.k8s.store) on the test API server with the chart's CRD:
+status through the status subresource with compare-and-swap, invalid specs reported, the cache's
+lag never mistaken for a conflict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from ctl_support import CRDS, REPO, TestApi, wait_for
+
+from orchestrator.k8s.api import SPOTJOBS
+from orchestrator.k8s.informer import Cache
+from orchestrator.k8s.store import KubeJobStore
+from orchestrator.model import JobKey, JobStatus, Phase
+from orchestrator.store import ConflictError, StoreError
+
+CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
+KEY = JobKey("default", "llama")
+
+
+def spotjob(name: str = "llama", **spec: Any) -> dict[str, Any]:
+    body = {
+        "image": "img:1",
+        "command": ["train.py"],
+        "checkpoint": {"uri": "s3://bucket/llama"},
+        **spec,
+    }
+    return {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "metadata": {"name": name}, "spec": body}
+
+
+@pytest.fixture
+def api(test_api: TestApi) -> TestApi:
+    test_api.admin.create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
+    wait_for(lambda: _served(test_api), what="the SpotJob CRD")
+    return test_api
+
+
+def _served(test_api: TestApi) -> bool:
+    try:
+        test_api.admin.list(SPOTJOBS, "default")
+    except Exception:
+        return False
+    return True
+
+
+def cached(api: TestApi, cache: Cache, name: str = "llama") -> dict[str, Any]:
+    obj = api.admin.get(SPOTJOBS, name, "default")
+    obj.setdefault("kind", "SpotJob")
+    obj.setdefault("apiVersion", "spotjob.dev/v1alpha1")
+    cache._put(obj)
+    return obj
+
+
+def status_writes(api: TestApi, since: int = 0) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in api.audit(since)
+        if r["resource"] == "spotjobs" and r["subresource"] == "status" and r["verb"] == "update"
+    ]
+
+
+def test_a_job_is_read_with_its_identity_and_its_status_written_by_compare_and_swap(api: TestApi) -> None:
+    api.admin.create(SPOTJOBS, spotjob(), "default")
+    cache = Cache()
+    store = KubeJobStore(api.client(), cache)
+    obj = cached(api, cache)
+    job = store.get(KEY)
+    assert job is not None and job.spec is not None and job.invalid is None
+    assert (job.uid, job.generation, job.version) == (
+        obj["metadata"]["uid"],
+        1,
+        obj["metadata"]["resourceVersion"],
+    )
+    assert job.status is None and job.spec.image == "img:1"
+
+    written = store.update_status(KEY, JobStatus(phase=Phase.RUNNING, reason="WorkersRunning"), version=job.version)
+    assert written.version != job.version and written.status is not None
+    assert api.admin.get(SPOTJOBS, "llama", "default")["status"]["phase"] == "Running"
+    assert api.admin.get(SPOTJOBS, "llama", "default")["metadata"]["generation"] == 1  # status writes keep it
+
+    # The cache still holds the old object: the store answers with what it wrote, not a conflict.
+    again = store.get(KEY)
+    assert again is not None and again.version == written.version
+    store.update_status(KEY, JobStatus(phase=Phase.FLUSHING), version=again.version)
+
+    with pytest.raises(ConflictError):
+        store.update_status(KEY, JobStatus(phase=Phase.SUCCEEDED), version=job.version)  # stale
+
+
+def test_after_a_conflict_the_next_read_is_fresh_from_the_server(api: TestApi) -> None:
+    api.admin.create(SPOTJOBS, spotjob(), "default")
+    cache = Cache()
+    store = KubeJobStore(api.client(), cache)
+    cached(api, cache)
+    read = store.get(KEY)
+    assert read is not None
+    # Someone else (a user editing the spec) writes; the cache has not seen it.
+    current = api.admin.get(SPOTJOBS, "llama", "default")
+    current["spec"]["maxRestarts"] = 9
+    api.admin.replace(SPOTJOBS, current)
+    with pytest.raises(ConflictError):
+        store.update_status(KEY, JobStatus(), version=read.version)
+    fresh = store.get(KEY)
+    assert fresh is not None and fresh.spec is not None and fresh.spec.max_restarts == 9 and fresh.generation == 2
+    store.update_status(KEY, JobStatus(), version=fresh.version)
+
+
+def test_an_unchanged_status_is_not_written_again(api: TestApi) -> None:
+    api.admin.create(SPOTJOBS, spotjob(), "default")
+    cache = Cache()
+    store = KubeJobStore(api.client(), cache)
+    cached(api, cache)
+    job = store.get(KEY)
+    assert job is not None
+    status = JobStatus(phase=Phase.RUNNING, reason="WorkersRunning")
+    written = store.update_status(KEY, status, version=job.version)
+    mark = len(api.audit())
+    same = store.update_status(KEY, status.model_copy(deep=True), version=written.version)
+    assert same.version == written.version and status_writes(api, mark) == []
+
+
+def test_a_spec_the_model_refuses_is_an_invalid_job_naming_the_field(api: TestApi) -> None:
+    api.admin.create(SPOTJOBS, spotjob("bad", restartBackoff={"initialSeconds": 60, "maxSeconds": 5}), "default")
+    cache = Cache()
+    cached(api, cache, "bad")
+    job = KubeJobStore(api.client(), cache).get(JobKey("default", "bad"))
+    assert job is not None and job.spec is None
+    assert job.invalid is not None and "spec.restartBackoff" in job.invalid, job.invalid
+
+
+def test_a_job_the_cache_does_not_have_is_read_from_the_server_and_a_deleted_one_is_none(api: TestApi) -> None:
+    api.admin.create(SPOTJOBS, spotjob(), "default")
+    store = KubeJobStore(api.client(), Cache())
+    mark = len(api.audit())
+    job = store.get(KEY)
+    assert job is not None and job.spec is not None
+    assert [r["verb"] for r in api.audit(mark) if r["resource"] == "spotjobs"] == ["get"]
+    assert store.get(JobKey("default", "gone")) is None
+    assert store.keys() == []  # keys come from the cache: the jobs this controller serves
+
+
+def test_the_controller_creates_and_deletes_no_spotjobs(api: TestApi) -> None:
+    store = KubeJobStore(api.client(), Cache())
+    with pytest.raises(StoreError, match="kubectl"):
+        store.delete(KEY)
