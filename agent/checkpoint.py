@@ -111,9 +111,11 @@ from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
     NotFoundError,
+    PermanentStorageError,
     StorageError,
     open_storage,
     put_files,
+    translate_os_error,
 )
 
 log = logging.getLogger(__name__)
@@ -237,12 +239,19 @@ class _Save:
 
 
 def _is_infrastructure(error: BaseException) -> bool:
-    """A failure of the store or of this node's disk, not of the user's code or of ownership."""
+    """A failure of the store or of this node's disk that a later attempt may not meet.
+
+    Not the user's code, not ownership, and not a store that refuses for good (permission denied,
+    no space left, read-only, no such bucket): the next attempt would meet that refusal too, so it
+    spends ``maxRestarts`` and the job fails saying why, instead of restarting without end.
+    """
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     if isinstance(error, AlreadyExistsError | FencedError):
         return False  # another writer on the URI: ownership, not infrastructure
-    return isinstance(error, StorageError | OSError)
+    if isinstance(error, OSError):
+        error = translate_os_error(error, "writing the checkpoint")
+    return isinstance(error, StorageError) and not isinstance(error, PermanentStorageError)
 
 
 def _env_int(name: str) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
+from agent.storage._errors import translate_os_error
 from agent.storage.base import (
     AlreadyExistsError,
     CorruptObjectError,
@@ -38,6 +39,7 @@ __all__ = [
     "open_storage",
     "parse_uri",
     "put_files",
+    "translate_os_error",
 ]
 
 

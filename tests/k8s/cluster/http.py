@@ -319,6 +319,9 @@ class _Handler(BaseHTTPRequestHandler):
         )
         user = self._user()
         code = 200
+        # The request is logged as its response starts (send_response), so a client holding its answer
+        # always finds its request in the audit log; the finally logs one that never got that far.
+        self._audit_entry = (user or "system:anonymous", info, path)
         try:
             if path in ("/version", "/healthz", "/readyz", "/livez") and method == "GET":
                 self._send(200, _version() if path == "/version" else "ok")
@@ -350,7 +353,18 @@ class _Handler(BaseHTTPRequestHandler):
             code = 500
             self._send_error(ApiError(500, "InternalError", f"test API server error: {e!r}"))
         finally:
-            self.front._record(user or "system:anonymous", info, code, path)
+            self._audit_now(code)
+
+    _audit_entry: tuple[str, RequestInfo, str] | None = None
+
+    def _audit_now(self, code: int) -> None:
+        entry, self._audit_entry = self._audit_entry, None
+        if entry is not None:
+            self.front._record(entry[0], entry[1], code, entry[2])
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._audit_now(code)
+        super().send_response(code, message)
 
     _body_read = False
 
@@ -365,6 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._body_read = False
+        self._audit_entry = None
         super().handle_one_request()
 
     def _inject(self, fault: Fault) -> int:
