@@ -18,9 +18,8 @@ builds the objects):
   its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
   processes still run behind a partition, fencing keeps what they write from counting.
 - ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
-  ranks train, not when its container starts: replica 0 once its pod is Ready (the agent's
-  /readyz: global rank 0 trains, which needs every rank of the gang joined and restored), the
-  other replicas once their container runs and replica 0 is Running. The training
+  ranks train, not when its container starts: once its pod is Ready (its agent's /readyz: the
+  node's first rank trains, which needs every rank of the gang joined and restored). The training
   container's exit code is the agent's; a pod that failed without one (deleted with its node,
   evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
   past the grace): its object may say Running for minutes, but no kubelet reports for it and no
@@ -171,9 +170,8 @@ class KubernetesBackend:
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         token: str | None = None
-        job_pods = self._job_pods(key)
-        phases: dict[tuple[int, int], tuple[WorkerPhase, int | None]] = {}
-        for pod in job_pods:
+        out = []
+        for pod in self._job_pods(key):
             attempt, index = _attempt(pod), _index(pod)
             if attempt is None or index is None:
                 continue
@@ -183,22 +181,6 @@ class KubernetesBackend:
                 # Its kubelet is gone: the pod object still says Running, but nothing there can be
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
-            phases[(attempt, index)] = (phase, exit_code)
-        out = []
-        for pod in job_pods:
-            attempt, index = _attempt(pod), _index(pod)
-            if attempt is None or index is None:
-                continue
-            phase, exit_code = phases[(attempt, index)]
-            if (
-                index > 0
-                and phase is WorkerPhase.PENDING
-                and _container_running(pod)
-                and phases.get((attempt, 0), (None, None))[0] is WorkerPhase.RUNNING
-            ):
-                # Replica 0's rank 0 trains only once this replica's ranks joined and restored.
-                phase = WorkerPhase.RUNNING
-            node_name = (pod.get("spec") or {}).get("nodeName")
             labels = self._node_labels(node_name)
             step = None
             if phase is WorkerPhase.RUNNING and _pod_ip(pod):
@@ -444,12 +426,6 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
-
-
-def _container_running(pod: Object) -> bool:
-    return (pod.get("status") or {}).get("phase") == "Running" and "running" in (
-        _trainer_status(pod).get("state") or {}
-    )
 
 
 def _alive(pod: Object) -> bool:

@@ -177,10 +177,13 @@ def world() -> World:
     return w
 
 
-def test_a_worker_runs_once_replica_0_is_ready_and_the_others_once_their_container_runs_beside_it(world: World) -> None:
+def test_each_worker_runs_once_its_own_pod_is_ready_whatever_replica_0_says(world: World) -> None:
     world.add(pod(0, ready=False), pod(1, ready=False, ip="10.0.0.2"))
     assert world.phases() == {"llama-0-0": (WorkerPhase.PENDING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
     world.add(pod(0, ready=True))
+    # Replica 1's container runs, but its own agent has not said its ranks train.
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
+    world.add(pod(1, ready=True, ip="10.0.0.2"))
     assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.RUNNING, None)}
     steps = {w.name: w.step for w in world.backend.list_workers(KEY, spec())}
     assert steps == {"llama-0-0": 7, "llama-0-1": 7}
