@@ -25,8 +25,11 @@ builds the objects):
   past the grace): its object may say Running for minutes, but no kubelet reports for it and no
   flush can reach it.
 - ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
-- ``request_flush``: ``POST /flush`` to the agent on the pod's IP, in the background
-  (``orchestrator.k8s.agents``): pending, then accepted or failed.
+- ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
+  IP, in the background (``orchestrator.k8s.agents``): pending, then accepted or failed.
+- A Pending pod the scheduler cannot place (``PodScheduled=False``, reason Unschedulable) is
+  observed with the scheduler's message (``WorkerObservation.unschedulable``): what the spec's
+  ``startTimeoutSeconds`` counts on.
 
 Nothing here blocks on the network in a pass except the writes (pod creates and deletes).
 """
@@ -198,6 +201,7 @@ class KubernetesBackend:
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
                     step=step,
+                    unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
@@ -215,6 +219,17 @@ class KubernetesBackend:
         if not _pod_ip(pod):
             return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
         answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline)
+        return _flush_state(answer)
+
+    def request_save(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, request_id: str, reason: str
+    ) -> FlushRequestState:
+        pod = next((p for p in self._job_pods(key) if _name(p) == worker.name), None)
+        if pod is None:
+            return FlushRequestState.failed(f"worker {worker.name} has no pod")
+        if not _pod_ip(pod):
+            return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
+        answer = self.agents.save(self._endpoint(pod, self._token(key)), request_id, reason)
         return _flush_state(answer)
 
     # -- inside ---------------------------------------------------------------------------------
@@ -426,6 +441,20 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
+
+
+def _unschedulable(pod: Object) -> str | None:
+    """The scheduler's word on a pod it cannot place (``PodScheduled=False``, reason Unschedulable)."""
+    if (pod.get("spec") or {}).get("nodeName"):
+        return None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            return str(condition.get("message") or "no node fits the pod")
+    return None
 
 
 def _alive(pod: Object) -> bool:

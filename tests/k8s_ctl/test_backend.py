@@ -189,6 +189,30 @@ def test_each_worker_runs_once_its_own_pod_is_ready_whatever_replica_0_says(worl
     assert steps == {"llama-0-0": 7, "llama-0-1": 7}
 
 
+def test_a_pod_the_scheduler_cannot_place_is_pending_with_the_schedulers_words(world: World) -> None:
+    unplaced = pod(0, phase="Pending", ready=False, ip=None)
+    unplaced["spec"].pop("nodeName", None)
+    unplaced["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector.",
+            }
+        ],
+    }
+    world.add(unplaced, pod(1, phase="Pending", ready=False))
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    assert observed["llama-0-0"].phase is WorkerPhase.PENDING
+    assert (
+        observed["llama-0-0"].unschedulable
+        == "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+    )
+    assert observed["llama-0-1"].unschedulable is None, "placed: starting, not short of capacity"
+
+
 def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running(world: World) -> None:
     world.add(pod(0, exit_code=75, sidecar=True))
     world.pods._put(
