@@ -95,7 +95,7 @@ class CheckpointStatus:
     def reason(self) -> str:
         """Why the checkpoint cannot be used ("" when it can)."""
         if not self.committed:
-            return "uncommitted: no MANIFEST.json (a save that never finished)"
+            return "uncommitted: no MANIFEST.json (a save still in progress, or one that never finished)"
         return "; ".join(self.problems)
 
 
@@ -189,7 +189,9 @@ def latest_valid(storage: Storage, *, before: CheckpointRef | None = None) -> Ch
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
             return status
-        log.warning("skipping checkpoint %s: %s", storage.url(ref.folder), status.reason)
+        # A folder without a manifest is as likely a save in progress as a leftover: not worth a warning.
+        report = log.warning if status.committed else log.debug
+        report("skipping checkpoint %s: %s", storage.url(ref.folder), status.reason)
     return None
 
 

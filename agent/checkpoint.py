@@ -1160,6 +1160,7 @@ class Checkpointer:
             self._status.last_committed_step = save.step
             self._status.last_committed_uri = uri
             self._status.last_save_seconds = seconds
+            self._status.commits += 1
             if self._status.state == "saving":
                 self._status.state = "training"
             if self.rank == 0:

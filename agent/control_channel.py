@@ -88,6 +88,9 @@ class RankStatus:
     last_committed_uri: str | None = None
     last_save_seconds: float | None = None
     """Wall time of the last save from the start of staging to the committed manifest."""
+    commits: int = 0
+    """Checkpoints this process's Checkpointer committed (a restore is none): how many were, even
+    when several commit between two looks at this file."""
     world_size: int | None = None
     checkpoint_uri: str | None = None
     """The URI the script's Checkpointer writes to (the agent warns when it is not the agent's)."""

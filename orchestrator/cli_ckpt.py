@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -728,18 +729,18 @@ def _write_shards(
 
     from agent._dcp import SafeLoadPlanner
 
-    os.makedirs(out, exist_ok=True)
+    created = not os.path.isdir(out)
     umask = os.umask(0)
     os.umask(umask)
     mode = 0o666 & ~umask
-    if force:
-        _remove_earlier_export(out)
     names = shard_file_names(len(shards))
     totals = _Totals()
     weight_map: dict[str, str] = {}
+    staged: list[tuple[str, str]] = []
     written: list[str] = []
     total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
     try:
+        os.makedirs(out, exist_ok=True)
         with _progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
             for name, shard in zip(names, shards, strict=True):
                 state = {
@@ -757,12 +758,10 @@ def _write_shards(
                         f"{shard[0]!r}: {_first_failure(e)}",
                         EXIT_INVALID,
                     ) from None
-                path = os.path.join(out, name)
                 tmp = os.path.join(out, f".{name}.partial")
                 save_file({fqn[len(prefix) :]: t for fqn, t in state.items()}, tmp, metadata={"format": "pt"})
                 os.chmod(tmp, mode)  # safetensors writes owner-only files; an export is for sharing
-                os.replace(tmp, path)
-                written.append(path)
+                staged.append((tmp, os.path.join(out, name)))
                 shard_bytes = sum(t.nbytes for t in state.values())
                 totals.tensors += len(state)
                 totals.bytes += shard_bytes
@@ -770,19 +769,54 @@ def _write_shards(
                 del state
                 if progress:
                     progress(shard_bytes)
-                log.debug("wrote %s: %d tensors, %d bytes", path, len(shard), shard_bytes)
+                log.debug("wrote %s: %d tensors, %d bytes", tmp, len(shard), shard_bytes)
         index = {"metadata": {"total_size": totals.bytes}, "weight_map": weight_map}
-        # The index goes last: its presence says the export is complete.
         tmp = os.path.join(out, f".{INDEX_NAME}.partial")
         with open(tmp, "w") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        # Everything is written: only now does an earlier export give way (a full disk halfway
+        # through leaves it as it was). The index goes last: its presence says the export is complete.
+        if force:
+            _remove_earlier_export(out)
+        for partial, path in staged:
+            os.replace(partial, path)
+            written.append(path)
         os.replace(tmp, os.path.join(out, INDEX_NAME))
-    except BaseException:
+    except BaseException as e:
         for path in [*written, *(os.path.join(out, f".{n}.partial") for n in [*names, INDEX_NAME])]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)  # only if it is empty: nothing of ours is left in it
+        if isinstance(e, Exception) and not isinstance(e, CommandError):
+            log.debug("writing the export failed", exc_info=True)
+            raise CommandError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
     return names, totals
+
+
+_WRITE_FAILURES = {
+    errno.ENOSPC: "no space left on the device: free some, or export to another folder",
+    errno.EDQUOT: "the disk quota is exceeded: free some, or export to another folder",
+    errno.EFBIG: "a file grew past what this filesystem, or this process's file-size limit (ulimit -f), allows",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+
+
+def _write_failure(e: BaseException) -> str:
+    """What went wrong writing a file, in words: an ``OSError``, or safetensors' error naming one."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    if code in _WRITE_FAILURES:
+        return _WRITE_FAILURES[code]
+    if code is not None:
+        return os.strerror(code)
+    return f"{type(e).__name__}: {e}"
 
 
 def _first_failure(e: BaseException) -> str:

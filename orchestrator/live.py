@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ from rich.text import Text
 
 from orchestrator.backends.local import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
-from orchestrator.model import JobSpec, JobStatus, Phase
+from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class Snapshot:
 def _ago(when: datetime | None, now: datetime | None = None) -> str:
     if when is None:
         return "-"
+    if when.tzinfo is None:  # written without a zone: spotjob writes UTC
+        when = when.replace(tzinfo=UTC)
     seconds = ((now or datetime.now(UTC)) - when).total_seconds()
     return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
@@ -244,7 +246,7 @@ class Summary:
             ("time flushing", f"{self.flushing_seconds:.1f} s"),
             ("time restarting", f"{self.restarting_seconds:.1f} s"),
             ("time retraining", f"{self.retraining_seconds:.1f} s (lost steps, at the observed rate)"),
-            ("checkpoints", f"{self.commits} committed; last: step {self.last_checkpoint}"),
+            ("checkpoints", f"{self.commits} committed; last: {_step_or_none(self.last_checkpoint)}"),
         ]
 
     def text(self) -> str:
@@ -259,6 +261,10 @@ class Summary:
         return {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
 
 
+def _step_or_none(step: int | None) -> str:
+    return "none" if step is None else f"step {step}"
+
+
 def summarize(
     name: str,
     spec: JobSpec,
@@ -266,12 +272,22 @@ def summarize(
     events: Sequence[TimelineEvent],
     *,
     wall_seconds: float | None = None,
+    committed: tuple[int, int | None] | None = None,
 ) -> Summary:
-    """The summary of a run from its final status and its timeline."""
+    """The summary of a run from its final status, its timeline and what storage holds.
+
+    The timeline covers every driver of the run (a resumed run's too): the wall time runs from its
+    first start to its last finish. Commits are counted twice over and the larger count is kept:
+    the timeline's (each worker's own counter, read as it went) and ``committed``, the
+    checkpoints this job wrote during the run that storage holds now (retention deleted the
+    older ones), with the newest valid step there.
+    """
     started = next((e.t for e in events if e.kind == EventKind.RUN_STARTED), None)
     ended = next((e.t for e in reversed(events) if e.kind == EventKind.RUN_FINISHED), None)
     if wall_seconds is None:
-        wall_seconds = (ended or time.time()) - started if started is not None else 0.0
+        wall_seconds = max(0.0, (ended or time.time()) - started) if started is not None else 0.0
+    stored = status.last_checkpoint.step if status.last_checkpoint else None
+    last = committed[1] if committed is not None else stored
     steps = [int(e.data["step"]) for e in events if e.kind == EventKind.STEP and "step" in e.data]
     final = status.attempt.observed_step
     if final is None and steps:
@@ -293,9 +309,19 @@ def summarize(
         flushing_seconds=status.flushing_seconds,
         restarting_seconds=status.restarting_seconds,
         retraining_seconds=status.retraining_seconds,
-        commits=sum(1 for e in events if e.kind == EventKind.COMMIT),
-        last_checkpoint=status.last_checkpoint.step if status.last_checkpoint else None,
+        commits=max(timeline_commits(events), committed[0] if committed else 0),
+        last_checkpoint=last,
     )
+
+
+def timeline_commits(events: Sequence[TimelineEvent]) -> int:
+    """Commits the timeline saw: each commit event counts what its worker reported since the last."""
+    total = 0
+    for e in events:
+        if e.kind == EventKind.COMMIT:
+            count = e.data.get("count", 1)
+            total += count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    return total
 
 
 # -- the plot ---------------------------------------------------------------------------------
@@ -366,6 +392,20 @@ def plot_timeline(events: Sequence[TimelineEvent], path: str, *, title: str) -> 
 
 
 @dataclass(frozen=True)
+class RunTruth:
+    """A run nobody drives, as it is now (its status stopped at its driver's last write)."""
+
+    processes: int
+    """Processes of its workers still alive (a killed driver's agents flush, then stop)."""
+    checkpoint: CheckpointInfo | None
+    """The newest valid checkpoint in storage now."""
+    storage_problem: str | None
+    """Why storage could not be read, if it could not."""
+    reported_step: int | None
+    """The highest step its ranks last wrote in their control folders."""
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """One run folder as ``spotjob status`` finds it."""
 
@@ -374,27 +414,87 @@ class RunRecord:
     spec: JobSpec | None
     status: JobStatus | None
     controller_alive: bool
+    """A process drives the run (``spotjob run``, or ``spotjob run --resume``)."""
     error: str | None = None
+    """Why the run cannot be read, or which stored part does not validate."""
     events: Sequence[RecordedEvent] = ()
+    driver_pid: int | None = None
+    notes: Sequence[str] = ()
+    """Smaller troubles reading the folder (its events file, say)."""
+    truth: RunTruth | None = None
+    """Read from storage and the processes when nobody drives a run that has not ended."""
+
+    def with_truth(
+        self,
+        *,
+        processes: int,
+        checkpoint: CheckpointInfo | None,
+        storage_problem: str | None,
+        reported_step: int | None,
+    ) -> RunRecord:
+        return replace(self, truth=RunTruth(processes, checkpoint, storage_problem, reported_step))
+
+
+def _undriven(r: RunRecord) -> bool:
+    return r.status is not None and not r.status.phase.terminal and not r.controller_alive
+
+
+def _gone_note(r: RunRecord) -> str:
+    """What a run nobody drives is doing now, and how to carry on."""
+    t = r.truth
+    left = (
+        "its processes are stopping (flushing)"
+        if t is not None and t.processes
+        else "none of its processes runs"
+        if t is not None
+        else "its processes were not looked at"
+    )
+    return f"driver gone: {left}; carry on with `spotjob run --resume {r.name}`"
+
+
+def _within(r: RunRecord, text: str) -> str:
+    """``text`` with the run folder's own path left out (the listing names the run already)."""
+    return text.replace(r.path + os.sep, "")
+
+
+def _short(text: str, limit: int = 90) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
     table = Table(box=None, header_style="bold")
     for column in ("NAME", "PHASE", "STEP", "PREEMPTIONS", "RESTARTS", "LAST CHECKPOINT", "GOODPUT", "UPDATED"):
         table.add_column(column, no_wrap=True)
+    table.add_column("NOTE", overflow="fold")
     for r in records:
         st = r.status
         if st is None:
-            table.add_row(r.name, r.error or "(no status yet)", "", "", "", "", "", "")
+            # One unreadable folder is one line that says what is wrong; the table stays a table.
+            what = Text("unreadable" if r.error else "no status yet", style="red" if r.error else "")
+            table.add_row(r.name, what, "", "", "", "", "", "", _short(_within(r, r.error or "")))
             continue
         phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
-        if not st.phase.terminal and not r.controller_alive:
-            phase.append(" (controller gone)", style="red")
+        note = _short(_within(r, r.error)) if r.error else ""
         step = (
             st.attempt.observed_step
             if st.attempt.observed_step is not None
             else max((w.step for w in st.workers if w.step is not None), default=None)
         )
+        checkpoint = checkpoint_text(st)
+        if _undriven(r):
+            phase.append(" (driver gone)", style="red")
+            note = _gone_note(r)
+            t = r.truth
+            if t is not None:
+                step = t.reported_step if t.reported_step is not None else step
+                if t.storage_problem is not None:
+                    checkpoint = "storage unreadable"
+                    note += f"; {_short(t.storage_problem, 60)}"
+                else:
+                    checkpoint = (
+                        "none yet" if t.checkpoint is None else f"step {t.checkpoint.step} ({_ago(t.checkpoint.time)})"
+                    )
         updated = r.events[-1].time if r.events else st.created_at
         table.add_row(
             r.name,
@@ -402,14 +502,15 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
             "-" if step is None else str(step),
             str(st.preemptions),
             f"{st.restarts}/{r.spec.max_restarts if r.spec else '?'}",
-            checkpoint_text(st),
+            checkpoint,
             _goodput(st.goodput),
             _ago(updated),
+            note,
         )
     return table
 
 
-def render_run_detail(r: RunRecord) -> RenderableType:
+def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence[str]]] = ()) -> RenderableType:
     parts: list[RenderableType] = []
     head = Table.grid(padding=(0, 2))
     head.add_column(style="dim", justify="right")
@@ -429,21 +530,45 @@ def render_run_detail(r: RunRecord) -> RenderableType:
         )
         head.add_row("checkpoints", f"{sp.checkpoint.uri}  [dim]{every or 'on notices only'}[/dim]")
         head.add_row("budget", f"maxRestarts {sp.max_restarts}, flush timeout {sp.flush_timeout_seconds:g} s")
+    for note in r.notes:
+        head.add_row("[yellow]note[/yellow]", Text(note, overflow="fold"))
     st = r.status
     if st is None:
-        head.add_row("status", r.error or "no status yet")
+        head.add_row("status", Text(r.error or "no status yet", style="red" if r.error else "", overflow="fold"))
         return head
+    if r.error:
+        head.add_row("[yellow]note[/yellow]", Text(r.error, overflow="fold"))
     phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
-    if not st.phase.terminal and not r.controller_alive:
-        phase.append("  (its spotjob run process is gone: nothing is driving it)", style="red")
+    undriven = _undriven(r)
+    if undriven:
+        phase.append("  (its spotjob run process is gone: nothing drives this run)", style="red")
+    elif not st.phase.terminal and r.driver_pid:
+        phase.append(f"  driven by pid {r.driver_pid}", style="dim")
     head.add_row("phase", phase)
-    head.add_row("reason", Text(f"{st.reason}: {st.message}", overflow="fold"))
+    head.add_row("reason" if not undriven else "last decision", Text(f"{st.reason}: {st.message}", overflow="fold"))
     a = st.attempt
     resumed = "scratch" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
     seen = "-" if a.observed_step is None else str(a.observed_step)
     head.add_row("attempt", f"{a.number}, resumed from {resumed}, step seen {seen}")
-    where = f"  [dim]{st.last_checkpoint.uri}[/dim]" if st.last_checkpoint else ""
-    head.add_row("checkpoint", checkpoint_text(st) + where)
+    t = r.truth
+    if undriven and t is not None:
+        now = "its processes are still stopping (a flush first)" if t.processes else "none of its processes runs"
+        step = "" if t.reported_step is None else f"; its ranks last reported step {t.reported_step}"
+        head.add_row("[red]now[/red]", f"{now} ({t.processes} alive){step}")
+        if t.storage_problem is not None:
+            head.add_row("checkpoint", Text(f"storage cannot be read now: {t.storage_problem}", overflow="fold"))
+        elif t.checkpoint is None:
+            head.add_row("checkpoint", "none in storage yet")
+        else:
+            head.add_row(
+                "checkpoint",
+                f"step {t.checkpoint.step} ({_ago(t.checkpoint.time)}), read from storage now  "
+                f"[dim]{t.checkpoint.uri}[/dim]",
+            )
+        head.add_row("to continue", f"spotjob run --resume {r.name}")
+    else:
+        where = f"  [dim]{st.last_checkpoint.uri}[/dim]" if st.last_checkpoint else ""
+        head.add_row("checkpoint", checkpoint_text(st) + where)
     head.add_row(
         "counts",
         f"preemptions {st.preemptions}, restarts {st.restarts}, steps lost {st.lost_steps}",
@@ -458,7 +583,8 @@ def render_run_detail(r: RunRecord) -> RenderableType:
     parts.append(head)
 
     if st.workers:
-        workers = Table(title="workers", title_justify="left", box=None, header_style="bold")
+        title = "workers (as last seen by its driver)" if undriven else "workers"
+        workers = Table(title=title, title_justify="left", box=None, header_style="bold")
         for column in ("NAME", "NODE", "ZONE", "TYPE", "PHASE", "EXIT", "STEP"):
             workers.add_column(column, no_wrap=True)
         for w in st.workers:
@@ -472,6 +598,9 @@ def render_run_detail(r: RunRecord) -> RenderableType:
                 "-" if w.step is None else str(w.step),
             )
         parts += [Text(""), workers]
+
+    for path, lines in failed_logs:
+        parts += [Text(""), Text(f"the end of {path}:", style="bold"), Text("\n".join(f"  {line}" for line in lines))]
 
     conditions = Table(title="conditions", title_justify="left", box=None, header_style="bold")
     for column in ("TYPE", "STATUS", "REASON", "SINCE", "MESSAGE"):

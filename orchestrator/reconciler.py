@@ -7,8 +7,12 @@ then emit the pass's Events (``orchestrator.events.EventSink``) and metrics (``J
 never sleeps; it returns when to look again. Everything it decided lives in the status, so a new
 ``Reconciler`` reading it carries on, and a pass whose status write is lost is replayed safely:
 every action is idempotent (deterministic worker names per attempt, agents keep their first flush
-request) and every counter moves in the same write as the phase that counted it. Events and
-metrics follow the write (Karpenter): a pass whose write failed tells nothing.
+request) and every counter moves in the same write as the phase that counted it. Stopping the
+gang, the one action that destroys evidence (a failed worker and its exit code), happens only
+after the write that records why: a pass whose write is lost stopped nothing, and the next one
+decides the same failure again rather than finding the gang vanished (a preemption). A Failed
+job's workers are stopped until none is alive. Events and metrics follow the write (Karpenter): a
+pass whose write failed tells nothing.
 
 No status churn: a pass whose decisions change nothing writes nothing. The numbers that move
 without a decision — goodput, the workers' step hints, the attempt's highest observed step — are
@@ -43,6 +47,8 @@ Transitions (``*`` once the next attempt's workers were started)::
                                 Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
     any                         Failed        the checkpoint URI names no store               InvalidCheckpointURI
     any                         Failed        another job owns the checkpoint URI             CheckpointURIOwned
+    Pending, Rescheduling       Failed        storage refuses for good before the attempt     StorageRefused
+                                              starts (no such bucket, access denied)
 
 Entering Rescheduling emits ``Rescheduled`` and appends the restart to ``status.restartHistory``
 (time, stopped attempt, cause, reason, message; the newest 20). It stops the whole gang — with a
@@ -54,19 +60,22 @@ away from the preempted nodes (and zones / instance types, if the spec says so, 
 idempotent: a backend may create its workers over several passes).
 
 Failure classes (DESIGN.md): a *preemption* (any of the Flushing reasons) never consumes
-``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an
-*infrastructure error* (storage or backend unreachable) changes no phase and no budget: it is
-retried with exponential backoff and shown in the Degraded condition. A worker whose agent exits
-74 met one inside the job (storage unreachable during restore, its rendezvous port taken): the
-gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
+``maxRestarts``; a *failure of the user's code* (any other non-zero exit) does; an *infrastructure
+error* (storage or backend unreachable) changes no phase and no budget: it is retried with
+exponential backoff and shown in the Degraded condition. A *permanent* storage refusal
+(``PermanentStorageError``: the bucket does not exist, access is denied) that keeps an attempt from
+starting fails the job at once (``StorageRefused``, with the remedy): retrying cannot help, and
+nothing runs that a failure would stop; while an attempt runs it is Degraded. A worker whose agent
+exits 74 met one inside the job (storage unreachable during restore, its rendezvous port taken):
+the gang is stopped and restarted as a new attempt after the infrastructure backoff, with Degraded
 True (``WorkerInfraError``) until that attempt runs — no budget, no preemption count. An agent
-exiting 79 was stopped through its API by someone else than this pass: like a vanished worker. A worker that vanishes
-without a signal is a preemption: something outside the user's code took it (a node reclaimed
-without notice, a deleted pod), as SkyPilot counts a lost cluster. When one observation holds
-both, the preemption wins: a crash on a node that is going away is the notice's doing. Exits
-while Flushing belong to the preemption too (peers of a stopped rank fail their collectives).
-No attempt starts while storage is unreachable: its workers could not restore, and their crash
-would look like the user's.
+exiting 79 was stopped through its API by someone else than this pass: like a vanished worker. A
+worker that vanishes without a signal is a preemption: something outside the user's code took it (a
+node reclaimed without notice, a deleted pod), as SkyPilot counts a lost cluster. When one
+observation holds both, the preemption wins: a crash on a node that is going away is the notice's
+doing. Exits while Flushing belong to the preemption too (peers of a stopped rank fail their
+collectives). No attempt starts while storage is unreachable: its workers could not restore, and
+their crash would look like the user's.
 
 Capacity (``spec.startTimeoutSeconds``, ``spec.fallback``): an attempt whose workers the backend
 reports unschedulable past the timeout gets ``CapacityUnavailable=True`` and a Warning Event; with
@@ -127,7 +136,7 @@ from typing import Protocol
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
-from agent.storage import Storage, StorageError, TransientStorageError, open_storage
+from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import (
     Backend,
     BackendError,
@@ -246,11 +255,13 @@ RESCHEDULED = Reason(
     "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
 )
 WORKER_FAILED = Reason(
-    "WorkerFailed", "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}", warning=True
+    "WorkerFailed",
+    "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}{detail}",
+    warning=True,
 )
 RESTART_BUDGET_EXHAUSTED = Reason(
     "RestartBudgetExhausted",
-    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used",
+    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used{detail}",
     warning=True,
 )
 WORKER_INFRA_ERROR = Reason(
@@ -267,7 +278,18 @@ ATTEMPT_RENUMBERED = Reason(
     "{attempt}",
 )
 STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {uri}: {error}", warning=True)
-STORAGE_REFUSED = Reason("StorageRefused", "storage refuses to list checkpoints at {uri}: {error}", warning=True)
+STORAGE_REFUSED = Reason(
+    "StorageRefused",
+    "storage refuses to list checkpoints at {uri}: {error}; the running workers are left alone, but no attempt "
+    "can start until the bucket or the credentials are fixed",
+    warning=True,
+)
+STORAGE_REFUSED_FAILED = Reason(
+    "StorageRefused",
+    "storage refuses the checkpoint URI {uri}: {error}. Nothing was started: fix the URI, the bucket or the "
+    "credentials, then submit the job again",
+    warning=True,
+)
 BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
 HEALTHY = Reason("Healthy", "storage and the backend answer")
 INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
@@ -391,12 +413,17 @@ class _Pass:
     """Told once the status is written."""
     metrics: list[methodcaller] = field(default_factory=list)
     """``JobMetrics`` calls, made once the status is written."""
-    stopped: bool = False
-    """This pass already asked the backend to stop the gang."""
+    stop_flush: bool | None = None
+    """The gang is to be stopped once this pass's status is written (with a flush or not); None: no."""
     flush_request: FlushRequest | None = None
     """A person's request to flush (``StoredJob.flush_request``), if the job carries one."""
     flush_request_id: str | None = None
     flush_request_problem: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """This pass decided to stop the gang (``_commit`` acts on it after the write)."""
+        return self.stop_flush is not None
 
     def current(self) -> list[WorkerObservation]:
         return [w for w in self.workers if w.attempt == self.status.attempt.number]
@@ -482,7 +509,7 @@ class Reconciler:
         fresh = stored.status is None
         before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
         if before.phase.terminal:
-            return ReconcileResult(before.phase, None)
+            return self._stop_leftovers(key, stored, before)
 
         problems = self._problems(key, stored)
         if problems is not None or stored.spec is None:
@@ -510,6 +537,20 @@ class Reconciler:
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)
 
+    def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
+        """A Failed job's workers are stopped (without a flush) until none is alive: the pass that
+        decided the failure stops them after its write, and this finishes a stop that failed."""
+        if status.phase is not Phase.FAILED or stored.spec is None:
+            return ReconcileResult(status.phase, None)
+        try:
+            alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive]
+            if alive:
+                self._backend.stop_workers(key, stored.spec, flush=False)
+        except BackendError as e:
+            log.warning("job %s [%s]: cannot stop its workers yet (%s)", key, status.phase, e)
+            return ReconcileResult(status.phase, self._options.infra_delay(1))
+        return ReconcileResult(status.phase, self._options.stopping_poll_seconds if alive else None)
+
     def forget(self, key: JobKey) -> None:
         """Drop what this reconciler remembers of ``key`` (the job was deleted)."""
         self._forget(key)
@@ -526,6 +567,7 @@ class Reconciler:
     ) -> ReconcileResult:
         """Write the status if it changed (or its volatile numbers are due), then emit and count."""
         key, status = p.key, p.status
+        stop_failed = False
         changed = fresh or _significant(status) != _significant(before)
         due = status != before and (
             self._clock.monotonic() - self._written_at.get(key, -math.inf) >= self._options.status_refresh_seconds
@@ -540,6 +582,15 @@ class Reconciler:
                 self._written_at[key] = self._clock.monotonic()
             if status.goodput is not None:
                 p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
+        # Act on a decision only once it is written: a pass whose write is lost stopped nothing, so
+        # the next pass sees what this one saw (a failed worker's exit code, not a vanished gang).
+        if p.stop_flush is not None:
+            try:
+                self._backend.stop_workers(key, p.spec, flush=p.stop_flush)
+            except BackendError as e:
+                log.warning("job %s [%s]: stopping the gang failed (%s); trying again", key, status.phase, e)
+                requeue = self._options.infra_delay(1)
+                stop_failed = True
         for event in p.events:
             self._events.emit(key, event.type, event.reason, event.message, node=event.node)
         for count in p.metrics:
@@ -547,7 +598,10 @@ class Reconciler:
                 count(self._metrics)
             except Exception:  # a metric is a courtesy; the pass is done
                 log.exception("job %s: recording a metric failed", key)
-        requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
+        if stop_failed:
+            requeue_after: float | None = requeue
+        else:
+            requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
         log.debug(
             "job %s [%s]: pass took %.3fs (%s); next in %s",
             key,
@@ -688,6 +742,13 @@ class Reconciler:
             return None
         if p.owned_by_another is not None:
             self._finish(p, Phase.FAILED, CHECKPOINT_URI_OWNED, error=p.owned_by_another)
+            return None
+        if isinstance(p.storage_error, PermanentStorageError) and p.status.attempt.started_at is None:
+            # Retrying cannot help (no such bucket, access denied, a file where a folder belongs) and
+            # no attempt can start without storage: say so now rather than wait forever. While
+            # workers run, the same refusal is only Degraded: they train on with their own access.
+            uri = p.checkpoint_uri or p.spec.checkpoint.uri
+            self._finish(p, Phase.FAILED, STORAGE_REFUSED_FAILED, uri=uri, error=p.storage_error)
             return None
         self._note_flush_request(p)
         for _ in range(len(Phase) + 2):
@@ -980,11 +1041,16 @@ class Reconciler:
                 worker=worker.name,
                 code=worker.exit_code,
                 max_restarts=spec.max_restarts,
+                detail=_detail(worker),
             )
             return
         status.restarts += 1
         message = WORKER_FAILED.message(
-            worker=worker.name, code=worker.exit_code, restarts=status.restarts, max_restarts=spec.max_restarts
+            worker=worker.name,
+            code=worker.exit_code,
+            restarts=status.restarts,
+            max_restarts=spec.max_restarts,
+            detail=_detail(worker),
         )
         status.recovery = RecoveryStatus(
             cause=Cause.FAILURE, reason=WORKER_FAILED.name, message=message, detected_at=p.now
@@ -1025,8 +1091,7 @@ class Reconciler:
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now
-        self._backend.stop_workers(p.key, spec, flush=_stop_with_flush(status))
-        p.stopped = True
+        p.stop_flush = _stop_with_flush(status)
         status.restart_history.append(
             RestartRecord(
                 time=p.now,
@@ -1131,8 +1196,7 @@ class Reconciler:
         message = why.message(**fields)
         if phase is Phase.FAILED:
             # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
-            self._backend.stop_workers(p.key, p.spec, flush=False)
-            p.stopped = True
+            p.stop_flush = False
         if status.recovery is not None and status.recovery.stopped_at is None:
             self._condition(p, FLUSHING, False, why.name, message)
         self._close_recovery(p)
@@ -1525,6 +1589,11 @@ def _is_failure(w: WorkerObservation) -> bool:
         EXIT_INFRA_ERROR,
         EXIT_STOPPED,
     )
+
+
+def _detail(w: WorkerObservation) -> str:
+    """``: <why>`` when the backend could tell why the worker failed, else nothing."""
+    return f": {w.detail}" if w.detail else ""
 
 
 def _nodes(workers: Iterable[_Placed]) -> list[NodeRef]:

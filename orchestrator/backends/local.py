@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -67,6 +68,10 @@ from agent.control_channel import (
     ENV_KEEP,
     ENV_STAGING_DIR,
     ENV_START_FRESH,
+    EXIT_FLUSH_FAILED,
+    EXIT_INFRA_ERROR,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
     STATUS_FILE,
     read_json,
 )
@@ -82,6 +87,10 @@ ENV_NODE = "SPOTJOB_LOCAL_NODE"
 """``<run id>/<node name>`` on every process of a node: what a node's termination kills."""
 ENV_WORKER = "SPOTJOB_LOCAL_WORKER"
 """``<run id>/<worker name>`` on every process of a worker: what ``stop_workers`` stops."""
+ENV_RUN = "SPOTJOB_LOCAL_RUN"
+"""The run folder (absolute) on every process of the run's workers, whichever process drives it:
+how ``spotjob status`` counts what still runs and ``spotjob run --resume`` finds what a killed
+driver left behind (``run_pids``)."""
 
 # The agent reads these from its own flags; the user's shell must not override them underneath.
 _AGENT_OWNED_ENV = (
@@ -103,7 +112,11 @@ _AGENT_OWNED_ENV = (
     "SPOTJOB_CLOUD",
     ENV_NODE,
     ENV_WORKER,
+    ENV_RUN,
 )
+
+_AGENT_EXIT_CODES = (0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED)
+"""Exits that are not a failure of the script (its log has no cause to tell)."""
 
 ZONES = ("local-a", "local-b", "local-c")
 INSTANCE_TYPES = ("local.cpu-small", "local.cpu-large")
@@ -232,25 +245,176 @@ class PreemptionPlan:
 
 
 def load_trace(path: str) -> list[float]:
-    """Notice times in seconds since the start: a JSON list, or one number per line (``#`` comments)."""
-    with open(path) as f:
-        text = f.read()
-    stripped = text.strip()
-    if stripped.startswith("["):
-        values = json.loads(stripped)
-        if not isinstance(values, list):
-            raise ValueError(f"{path}: expected a JSON list of seconds")
-        return [float(v) for v in values]
+    """Notice times in seconds since the start: a JSON list, or one number per line (``#`` comments).
+
+    Every time must be a finite number of seconds >= 0. ``ValueError`` names the file and the line
+    of the first one that is not (``trace.txt:3: 'abc' is not a number of seconds``), or says why
+    the file cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TRACE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_TRACE_BYTES // 1024} KiB; a trace is a list of notice times")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (expected seconds, one a line, or a JSON list)") from None
+    if text.lstrip().startswith("["):
+        return [_trace_time(path, line, value, shown) for line, value, shown in _json_list(path, text)]
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(float(line))
-        except ValueError:
-            raise ValueError(f"{path}:{number}: {line!r} is not a number of seconds") from None
+        if line:
+            out.append(_trace_time(path, number, line))
     return out
+
+
+MAX_TRACE_BYTES = 1024 * 1024
+
+
+def _trace_time(path: str, line: int, value: object, shown: str | None = None) -> float:
+    shown = shown if shown is not None else str(value)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{path}:{line}: {shown!r} is not a number of seconds") from None
+    if value is not shown and isinstance(value, str):
+        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{path}:{line}: {shown} is not a finite number of seconds")
+    if seconds < 0:
+        raise ValueError(f"{path}:{line}: {shown} is before the start; times are seconds >= 0")
+    return seconds
+
+
+def _json_list(path: str, text: str) -> list[tuple[int, object, str]]:
+    """The items of the JSON list ``text``, each with the line it starts on and its text."""
+    decoder = json.JSONDecoder(parse_constant=lambda name: name)  # NaN, Infinity: refused by _trace_time
+
+    def line_of(index: int) -> int:
+        return text.count("\n", 0, index) + 1
+
+    def fail(index: int, what: str) -> ValueError:
+        return ValueError(f"{path}:{line_of(index)}: {what} (a trace is a JSON list of seconds, or one a line)")
+
+    i = text.index("[") + 1
+    items: list[tuple[int, object, str]] = []
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            raise fail(i, "the list is not closed with ']'")
+        if text[i] == "]" and not items:
+            i += 1
+            break
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise fail(e.pos, f"not JSON: {e.msg}") from None
+        items.append((line_of(i), value, text[i:end]))
+        i = end
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            raise fail(i, "the list is not closed with ']'")
+        if text[i] == ",":
+            i += 1
+        elif text[i] == "]":
+            i += 1
+            break
+        else:
+            raise fail(i, "expected ',' or ']' after an item")
+    if text[i:].strip():
+        raise fail(i + len(text[i:]) - len(text[i:].lstrip()), "text after the list")
+    return items
+
+
+# -- why a worker failed ------------------------------------------------------------------------
+
+LOG_TAIL_BYTES = 256 * 1024
+"""How much of the end of a worker's log is read to tell why it failed."""
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+_OS_CAUSE = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|"
+    r"Cannot allocate memory|Out of memory|no space left|the filesystem is read-only|permission denied",
+)
+"""What an operator fixes outside the script, wherever a line says it: it outranks the exception
+it caused (``No space left on device`` rather than ``unexpected pos 704 vs 598``)."""
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+_USAGE = re.compile(r"^\S+: error: .+")
+_TORCHRUN_FAILURE = "ChildFailedError"
+_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
+"""torchrun's own log lines (glog style): how it noticed, not why."""
+MAX_CAUSE_CHARS = 240
+
+
+def _log_lines(path: str) -> list[str]:
+    """The end of a worker's log as lines, without torchrun's ``[rankN]:`` prefixes, the agent's own
+    lines, or torchrun's report of the failure (its traceback and the table after it)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _TORCHRUN_FAILURE in lines[i]:
+            start = max((j for j in range(i) if lines[j].startswith("Traceback (most recent call last)")), default=i)
+            lines = lines[:start]
+            break
+    return [
+        line
+        for line in lines
+        if line.strip() and "spotjob-agent[" not in line and not line.startswith("#") and not _TORCHRUN_LOG.match(line)
+    ]
+
+
+def _shorten(line: str, match: re.Match[str] | None = None) -> str:
+    line = line.strip()
+    if len(line) <= MAX_CAUSE_CHARS:
+        return line
+    if match is None or match.end() <= MAX_CAUSE_CHARS - 20:
+        end = match.end() if match is not None else MAX_CAUSE_CHARS - 20
+        return line[: max(end, MAX_CAUSE_CHARS - 40)].rstrip() + " …"
+    return f"{line[:140].rstrip()} … {line[max(0, match.start() - 40) : match.end() + 10].strip()} …"
+
+
+def failure_cause(log_path: str) -> str | None:
+    """The line of a failed worker's log that says why, or None when none does.
+
+    In order: a cause outside the script (a full disk, a read-only filesystem, permission denied,
+    memory), the last exception a rank raised or the last usage error (``train.py: error: ...``),
+    whichever came later; torchrun's own report of the failure is not the cause.
+    """
+    lines = _log_lines(log_path)
+    for line in reversed(lines):
+        m = _OS_CAUSE.search(line)
+        if m is not None:
+            return _shorten(line, m)
+    for line in reversed(lines):
+        if _EXCEPTION.match(line.strip()) or _USAGE.match(line.strip()):
+            return _shorten(line)
+    return None
+
+
+def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
+    """The last ``lines`` lines of a worker's log that the script wrote (see ``_log_lines``)."""
+    return _log_lines(log_path)[-lines:]
+
+
+def failure_detail(log_path: str) -> str:
+    """What a failed worker's reason carries: the telling line of its log, and the log's path."""
+    cause = failure_cause(log_path)
+    lines = log_excerpt(log_path, 1)
+    said = cause or (f"its log ends: {_shorten(lines[-1])}" if lines else "its log says nothing")
+    return f"{said} (log: {log_path})"
 
 
 # -- nodes and workers --------------------------------------------------------------------------
@@ -299,6 +463,10 @@ class _Worker:
     last_step: int | None = None
     last_step_sample: float = 0.0
     last_commit: int | None = None
+    commits: int = 0
+    """Commits its rank 0 reported so far (``status.json``'s counter)."""
+    detail: str | None = None
+    """Why it failed (``failure_detail``), read once after it exited with a failure."""
 
     def exit_code(self) -> int | None:
         code = self.proc.poll()
@@ -366,6 +534,21 @@ def write_token(path: str) -> str:
             os.unlink(tmp)
         raise
     return token
+
+
+def _next_node_index(nodes_dir: str) -> int:
+    taken = [-1]
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(nodes_dir):
+            prefix, _, index = entry.rpartition("-")
+            if prefix == "local-node" and index.isdigit():
+                taken.append(int(index))
+    return max(taken) + 1
+
+
+def run_pids(run_folder: str) -> list[int]:
+    """Live processes of any worker of the run in ``run_folder``, whichever driver started them."""
+    return marked_pids(ENV_RUN, os.path.abspath(run_folder))
 
 
 def marked_pids(variable: str, value: str) -> list[int]:
@@ -450,7 +633,8 @@ class LocalBackend:
         """Notices the plan said were due that found no live worker yet (their reasons)."""
         self._lock = threading.RLock()
         self._nodes: dict[str, LocalNode] = {}
-        self._node_count = 0
+        # A run driven again (spotjob run --resume) names its nodes past the ones its folder holds.
+        self._node_count = _next_node_index(os.path.join(self.root, "nodes"))
         self._workers: dict[str, _Worker] = {}
         self._ports: dict[tuple[str, int], int] = {}
         self._started = time.monotonic()
@@ -738,7 +922,7 @@ class LocalBackend:
         env["PYTHONUNBUFFERED"] = "1"
         env.update(job.env)
         marker = f"{self.run_id}/{name}"
-        env[ENV_NODE], env[ENV_WORKER] = node.marker, marker
+        env[ENV_NODE], env[ENV_WORKER], env[ENV_RUN] = node.marker, marker, self.root
         command = self._command(key, job, attempt, index, node, control_dir, port)
         try:
             with open(log_path, "ab") as out:
@@ -772,6 +956,8 @@ class LocalBackend:
             phase = WorkerPhase.RUNNING
         else:
             phase = WorkerPhase.PENDING
+        if code is not None and code not in _AGENT_EXIT_CODES and w.detail is None:
+            w.detail = failure_detail(w.log_path)
         return WorkerObservation(
             name=w.name,
             attempt=w.attempt,
@@ -782,6 +968,7 @@ class LocalBackend:
             instance_type=w.node.instance_type,
             exit_code=code,
             step=step if isinstance(step, int) else None,
+            detail=w.detail,
         )
 
     def _stop(self, w: _Worker) -> None:
@@ -827,6 +1014,7 @@ class LocalBackend:
     def _note_exit(self, w: _Worker) -> None:
         if w.exit_seen or w.alive:
             return
+        self._sample(w)  # what it reported last (a flush's commit) before it went
         w.exit_seen = True
         code = None if w.lost else w.exit_code()
         self.timeline.record(EventKind.WORKER_EXITED, worker=w.name, attempt=w.attempt, code=code, lost=w.lost)
@@ -859,8 +1047,17 @@ class LocalBackend:
 
     def _watch(self, w: _Worker) -> None:
         """Timeline samples from one worker's status.json: steps, commits, the first training step, exit."""
+        self._sample(w)
+        if not w.alive:
+            with self._lock:
+                self._note_exit(w)
+
+    def _sample(self, w: _Worker) -> None:
+        """One look at a worker's status.json (under the lock: the monitor and a stop both look)."""
         status = w.rank_status()
-        if status is not None:
+        if status is None:
+            return
+        with self._lock:
             state = status.get("state")
             step = status.get("step")
             committed = status.get("last_committed_step")
@@ -873,19 +1070,25 @@ class LocalBackend:
             if state != "starting" and not w.training_seen:
                 w.training_seen = True
                 self.changed.set()
-            # A restore reports the step it loaded as committed too, but only a save times itself.
-            if isinstance(committed, int) and committed != w.last_commit:
+            # The counter says how many committed since the last look (several may have). From an
+            # agent without it: a restore reports the step it loaded as committed too, but only a
+            # save times itself.
+            count = status.get("commits")
+            if isinstance(count, int) and not isinstance(count, bool):
+                new = count - w.commits
+            else:
+                new = int(committed != w.last_commit and status.get("last_save_seconds") is not None)
+            if isinstance(committed, int):
                 w.last_commit = committed
-                if status.get("last_save_seconds") is not None:
-                    self.timeline.record(EventKind.COMMIT, worker=w.name, attempt=w.attempt, step=committed)
-                    self.changed.set()
-        if not w.alive:
-            with self._lock:
-                self._note_exit(w)
+            if new > 0 and isinstance(committed, int):
+                w.commits += new
+                self.timeline.record(EventKind.COMMIT, worker=w.name, attempt=w.attempt, step=committed, count=new)
+                self.changed.set()
 
 
 __all__ = [
     "ENV_NODE",
+    "ENV_RUN",
     "ENV_WORKER",
     "EventKind",
     "LocalBackend",
@@ -894,5 +1097,9 @@ __all__ = [
     "PreemptionPlan",
     "Timeline",
     "TimelineEvent",
+    "failure_cause",
+    "failure_detail",
     "load_trace",
+    "log_excerpt",
+    "run_pids",
 ]

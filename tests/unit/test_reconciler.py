@@ -32,8 +32,8 @@ from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
-from agent.storage import Storage, TransientStorageError, open_storage
-from orchestrator.backends.base import FlushRequestState
+from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
+from orchestrator.backends.base import BackendError, FlushRequestState
 from orchestrator.cli import main as cli_main
 from orchestrator.events import EventType
 from orchestrator.model import (
@@ -525,6 +525,67 @@ def test_unreachable_storage_shows_in_degraded_and_holds_the_restart_with_backof
     assert status.condition("Degraded").status == "False"  # type: ignore[union-attr]
     assert world.backend.worker(1, 0).resumed_from == 101
     assert "StorageUnreachable" in world.event_reasons() and "Healthy" in world.event_reasons()
+
+
+class RefusingStorage(FlakyStorage):
+    """A real folder store whose listings are refused for good while ``refusal`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.refusal: PermanentStorageError | None = None
+
+    def _check(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+        super()._check()
+
+
+def refusing_world(tmp_path: Any, refusal: PermanentStorageError | None) -> tuple[World, RefusingStorage]:
+    w = make_world(tmp_path)
+    storage = RefusingStorage(str(tmp_path / "ckpt"))
+    storage.refusal = refusal
+    w.storage = storage
+    w.backend.storage = storage
+    w.new_reconciler()
+    return w, storage
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        MissingBucketError("the bucket 'team-a-ckpt' does not exist (spotjob never creates buckets)"),
+        PermanentStorageError("permission denied: s3://team-a-ckpt/train (AccessDenied)"),
+    ],
+    ids=["missing bucket", "access denied"],
+)
+def test_storage_that_refuses_for_good_fails_the_job_at_once_with_the_remedy_before_anything_starts(
+    tmp_path: Any, refusal: PermanentStorageError
+) -> None:
+    w, _ = refusing_world(tmp_path, refusal)
+
+    result = w.reconcile()
+
+    status = w.status
+    assert (status.phase, status.reason) == (Phase.FAILED, "StorageRefused")
+    assert str(refusal) in status.message and "fix the URI, the bucket or the credentials" in status.message
+    assert result.requeue_after is None
+    assert w.backend.start_calls == [], "nothing was started"
+    assert w.event_reasons()[-1] == "StorageRefused"
+
+
+def test_storage_refusing_while_the_workers_run_is_degraded_not_a_failure_and_heals(tmp_path: Any) -> None:
+    w, storage = refusing_world(tmp_path, None)
+    w.run_to(50)
+    storage.refusal = PermanentStorageError("permission denied: the controller's token expired")
+
+    status = w.run_to(80)
+
+    assert status.phase is Phase.RUNNING
+    degraded = status.condition("Degraded")
+    assert degraded is not None and (degraded.status, degraded.reason) == ("True", "StorageRefused")
+    assert "no attempt can start" in degraded.message
+    storage.refusal = None
+    assert w.run_to(120).condition("Degraded").status == "False"  # type: ignore[union-attr]
 
 
 def test_an_agent_exiting_74_restarts_the_gang_after_the_infra_backoff_without_spending_the_budget(
@@ -1363,3 +1424,87 @@ def test_after_a_preemption_the_gang_is_stopped_the_way_the_capacity_going_away_
 
     assert world.backend.stop_flushes == [True]
     assert world.backend.stopped_without_flush == []
+
+
+# -- a failure decided in a pass whose status write is lost ---------------------------------------
+
+
+def failure_decided(old: JobStatus, new: JobStatus) -> bool:
+    return new.restarts > old.restarts or (new.phase is Phase.FAILED and old.phase is not Phase.FAILED)
+
+
+@pytest.mark.parametrize("budget", [2, 0], ids=["restart within the budget", "budget exhausted"])
+def test_a_failure_of_the_users_code_stays_that_failure_when_the_status_write_deciding_it_is_lost(
+    tmp_path: Any, budget: int
+) -> None:
+    w = make_world(tmp_path, maxRestarts=budget)
+    lossy = LosesOneWrite(os.path.join(w.tmp, "jobs"), failure_decided)
+    w.new_reconciler(lossy)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)  # the user's code failed on one worker; its peer still trains
+
+    with pytest.raises(StoreError):
+        w.reconcile()  # decides the failure, but the controller dies before its status write
+    assert lossy.lost == 1
+    assert w.backend.worker(0, 1).exit_code == 1, "nothing was stopped on a decision that was never written"
+    w.restart_orchestrator()
+    status = w.run_until(lambda s: s.phase is not Phase.RUNNING)
+
+    assert status.preemptions == 0, "a lost write must not turn the failure into a preemption"
+    assert w.event_reasons().count("WorkerLost") == 0
+    if budget:
+        assert (status.phase, status.restarts) == (Phase.RESCHEDULING, 1)
+        assert [h.reason for h in status.restart_history] == ["WorkerFailed"]
+    else:
+        assert (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert w.backend.stop_flushes and not any(w.backend.stop_flushes), "stopped without a flush"
+    assert not [x for x in w.backend.workers.values() if x.attempt == 0], "attempt 0 is gone after the write"
+
+
+def test_a_failed_jobs_workers_are_stopped_on_a_later_pass_when_the_stop_after_the_write_fails(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)
+    real_stop = w.backend.stop_workers
+    failures = iter([BackendError("the API server answered 503")])
+
+    def stop_once_failing(*args: Any, **kwargs: Any) -> None:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        real_stop(*args, **kwargs)
+
+    monkeypatch.setattr(w.backend, "stop_workers", stop_once_failing)
+
+    result = w.reconcile()
+
+    assert (w.status.phase, w.status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert result.requeue_after == 1.0, "the stop is tried again"
+    assert w.backend.worker(0, 0).exit_code is None, "the healthy worker still runs"
+    assert w.reconcile().requeue_after == 2.0, "stopping: look again"
+    assert w.backend.stopped_without_flush == ["train-0-0"] and not w.backend.workers
+    assert w.reconcile().requeue_after is None, "nothing left to stop"
+
+
+def test_a_failed_workers_reason_carries_what_the_backend_could_tell_of_its_cause(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_world(tmp_path, maxRestarts=1)
+    why = "OSError: [Errno 28] No space left on device (log: /runs/train/logs/train-0-1.log)"
+    listing = w.backend.list_workers
+
+    def with_detail(key: JobKey, spec: JobSpec) -> list[Any]:
+        return [replace(o, detail=why) if o.exit_code == 1 else o for o in listing(key, spec)]
+
+    monkeypatch.setattr(w.backend, "list_workers", with_detail)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+    assert status.restart_history[-1].message.endswith(f"restart 1 of 1: {why}")
+
+    w.run_until(running_attempt(1))
+    w.backend.exit(1, 0, 1)
+    status = w.run_until(phase_is(Phase.FAILED))
+    assert status.message == f"worker train-1-0 exited with code 1 and all 1 restart(s) are used: {why}"

@@ -1,0 +1,261 @@
+"""Local mode when things go wrong around the training, end to end with real ``spotjob run`` processes.
+
+- The driver is killed with SIGKILL: its workers notice (``spotjob-agent --exit-with-parent``),
+  flush and stop by themselves; ``spotjob status`` shows the truth from storage and the
+  processes; ``spotjob run --resume`` is refused while the run is driven, and afterwards carries
+  the run on to the end under the same job identity (owner, attempts, manifests), bit-identical to
+  an uninterrupted run, with every commit counted.
+- The summary's numbers are exact: every commit counted (a save every step on one rank commits
+  faster than anyone samples), the last checkpoint named, never "None".
+- A failed worker's reason says why (a usage error, a full disk, a read-only filesystem, a full
+  checkpoint disk rather than the exception it caused) and where its log is.
+- Two runs of one name started at once: one runs, the other is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+
+from agent.catalog import list_checkpoints
+from agent.ownership import attempt_records, read_owner
+from agent.storage import open_storage
+from orchestrator.backends.local import run_pids
+from orchestrator.events import events_path, read_events
+from orchestrator.model import JobKey
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+GIVE_UP_S = 240.0
+"""How long a test waits for something to happen before calling the run hung (never asserted on)."""
+FORBIDDEN = ("Traceback", "Input should be", "Value error", "errors.pydantic.dev")
+COMMIT_LINE = re.compile(r"rank0 agent\.checkpoint: (?:committed step \d+|flush: step \d+ committed) at (\S+?)[,\s]")
+"""How rank 0 of examples/train.py logs each checkpoint it commits (a flush's twice), with the
+folder each commit made: the truth the summary must match."""
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    give_up = time.monotonic() + GIVE_UP_S
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def job_document(run: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def commits_logged(run: Path) -> int:
+    """Checkpoints committed, by the workers' own logs: one folder each (a step committed again
+    goes to ``step-N.1``)."""
+    logs = [p.read_text(errors="replace") for p in (run / "logs").glob("*.log")]
+    return len({uri for text in logs for uri in COMMIT_LINE.findall(text)})
+
+
+def spotjob(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([tool("spotjob"), *args], cwd=cwd, env=clean_env(), capture_output=True, text=True)
+
+
+# -- the driver dies ------------------------------------------------------------------------------
+
+
+def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume_carries_to_the_end(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    run = tmp_path / "spotjob-runs" / "orphan"
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "orphan", "--every-steps", "5",
+        str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.15", "--dump", str(tmp_path / "final"),
+    ]  # fmt: skip
+    with open(tmp_path / "driver.log", "wb") as out:
+        driver = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        def trained_a_while() -> bool:
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+            status = job_document(run).get("status") or {}
+            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 12
+
+        wait_for(trained_a_while, "the run to train a dozen steps")
+        refused = spotjob("run", "--resume", "orphan", cwd=tmp_path)
+        assert refused.returncode == 2, refused.stderr
+        assert f"being driven by another spotjob run (pid {driver.pid})" in refused.stderr
+
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+    # The workers notice their driver is gone, flush and stop by themselves.
+    wait_for(lambda: not run_pids(str(run)), "the dead driver's workers to stop")
+    agent_log = (run / "logs" / "orphan-0-0.log").read_text()
+    assert "driver terminate" in agent_log and "exiting 75: the flush committed step" in agent_log
+    flushed = int(re.findall(r"flush: step (\d+) committed at", agent_log)[-1])
+
+    # spotjob status: not "every worker is running", but what storage and the processes say now.
+    detail = spotjob("status", "orphan", cwd=tmp_path)
+    assert detail.returncode == 0, detail.stderr
+    assert "nothing drives this run" in detail.stdout
+    assert "none of its processes runs (0 alive)" in detail.stdout
+    assert f"step {flushed}" in detail.stdout and "read from storage now" in detail.stdout
+    assert "spotjob run --resume orphan" in detail.stdout
+    listing = spotjob("status", cwd=tmp_path)
+    [row] = [line for line in listing.stdout.splitlines() if line.split()[:1] == ["orphan"]]
+    assert "Running (driver gone)" in row and f"step {flushed}" in row
+    as_json = json.loads(spotjob("status", "orphan", "--json", cwd=tmp_path).stdout)
+    assert as_json["now"]["processesAlive"] == 0 and as_json["now"]["lastCheckpoint"]["step"] == flushed
+
+    resumed = spotjob("run", "--no-live", "--resume", "orphan", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert not any(p in resumed.stdout + resumed.stderr for p in FORBIDDEN)
+
+    status = job_document(run)["status"]
+    assert status["phase"] == "Succeeded"
+    assert status["attempt"]["number"] == 1 and status["attempt"]["resumedFromStep"] == flushed
+    assert [(h["attempt"], h["reason"]) for h in status["restartHistory"]] == [(0, "WorkerLost")]
+    assert status["restarts"] == 0, "a lost driver uses none of --max-restarts"
+    reasons = [e.reason for e in read_events(events_path(str(run), JobKey.local("orphan")))]
+    assert reasons.index("Resumed") < reasons.index("WorkerLost") < reasons.index("Completed")
+    # One job identity across both drivers: the URI's owner, the attempts recorded, the manifests.
+    storage = open_storage(str(run / "checkpoints"))
+    owner = read_owner(storage)
+    assert owner is not None and owner.job == "local/orphan"
+    assert [r.attempt for r in attempt_records(storage, "local/orphan")] == [0, 1]
+    assert {c.manifest.job for c in list_checkpoints(storage) if c.manifest} == {"local/orphan"}
+    # Every commit counted, the ones the dead driver never saw included.
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["commits"] == commits_logged(run)
+    assert summary["steps"] == STEPS and summary["last_checkpoint"] == STEPS
+    assert_same_final_state(tmp_path / "final", uninterrupted)
+
+
+# -- the numbers ----------------------------------------------------------------------------------
+
+
+def test_the_summary_counts_every_commit_even_when_they_come_faster_than_anyone_looks(tmp_path: Path) -> None:
+    proc = spotjob(
+        "run", "--no-live", "--name", "counted", "--nproc", "1", "--every-steps", "1", "--keep", "2",
+        str(TRAIN), "--steps", "12",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+    run = tmp_path / "spotjob-runs" / "counted"
+    logged = commits_logged(run)
+    assert logged == 12, "a save every step"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["commits"], summary["last_checkpoint"]) == (12, 12)
+    assert "checkpoints      12 committed; last: step 12" in proc.stdout
+    assert "None" not in proc.stdout
+    assert "a save that never finished" not in proc.stderr, "a save in progress is not a failed one"
+
+
+# -- why a worker failed --------------------------------------------------------------------------
+
+
+def _user_namespaces() -> bool:
+    unshare = shutil.which("unshare")
+    return unshare is not None and subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode == 0
+
+
+def _in_namespace_with(mount: str, argv: list[str]) -> list[str]:
+    """``argv`` run in a user and mount namespace of its own, after ``mount`` (a shell command)."""
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f'{mount} && exec "$@"', "sh", *argv]
+
+
+FAILURES: dict[str, tuple[Callable[[Path], tuple[list[str], list[str]]], str, bool]] = {
+    # name: (the run's options and script arguments, and a wrapper; the words of the cause; needs namespaces)
+    "a usage error of the script": (
+        lambda tmp: ([str(TRAIN), "--bogus"], []),
+        "train.py: error: unrecognized arguments: --bogus",
+        False,
+    ),
+    "a full disk under the script": (
+        lambda tmp: ([str(SCRIPTS / "write_to.py"), "/dev/full"], []),
+        "OSError: [Errno 28] No space left on device",
+        False,
+    ),
+    "a read-only filesystem under the script": (
+        lambda tmp: (
+            [str(SCRIPTS / "write_to.py"), str(tmp / "ro" / "out.bin")],
+            [f'mkdir -p "{tmp}/ro" && mount -t tmpfs -o ro,size=64k tmpfs "{tmp}/ro"'],
+        ),
+        "Read-only file system",
+        True,
+    ),
+    "a full checkpoint disk": (
+        lambda tmp: (
+            ["--checkpoint-uri", str(tmp / "small" / "ckpt"), "--every-steps", "2", str(TRAIN), "--steps", "6",
+             "--hidden", "512"],
+            [f'mkdir -p "{tmp}/small" && mount -t tmpfs -o size=96k tmpfs "{tmp}/small"'],
+        ),
+        "No space left on device",
+        True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, case: str) -> None:
+    arrange, cause, needs_namespaces = FAILURES[case]
+    if needs_namespaces and not _user_namespaces():
+        pytest.skip("no user namespaces here: no tmpfs of the test's own to fill or make read-only")
+    args, mount = arrange(tmp_path)
+    argv = [tool("spotjob"), "run", "--no-live", "--name", "failing", "--nproc", "1", "--max-restarts", "0", *args]
+    if mount:
+        argv = _in_namespace_with(mount[0], argv)
+
+    proc = subprocess.run(argv, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=GIVE_UP_S)
+
+    assert proc.returncode == 1, proc.stderr[-6000:]
+    log = tmp_path / "spotjob-runs" / "failing" / "logs" / "failing-0-0.log"
+    status = job_document(tmp_path / "spotjob-runs" / "failing")["status"]
+    assert status["reason"] == "RestartBudgetExhausted"
+    assert cause in status["message"] and f"(log: {log})" in status["message"], status["message"]
+    assert "unexpected pos" not in status["message"]
+    failed_line = next(line for line in proc.stderr.splitlines() if line.startswith("spotjob run: failing failed"))
+    assert cause in failed_line and str(log) in failed_line
+    assert f"the end of {log}:" in proc.stderr, "and the end of the log, to read on"
+    detail = " ".join(spotjob("status", "failing", cwd=tmp_path).stdout.split())
+    assert cause in detail and f"the end of {log}:" in detail
+
+
+# -- two drivers, one name ------------------------------------------------------------------------
+
+
+def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_in_one_line(tmp_path: Path) -> None:
+    argv = [tool("spotjob"), "run", "--no-live", "--name", "twice", "--nproc", "1", str(TRAIN), "--steps", "3"]
+    procs = [
+        subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=GIVE_UP_S), *p.communicate()) for p in procs]
+
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], [err[-3000:] for _, _, err in results]
+    [(_, _, refused)] = [r for r in results if r[0] == 2]
+    assert not any(p in refused for p in FORBIDDEN), refused
+    assert "a run named 'twice' exists" in refused or "'twice' is being driven by another spotjob run" in refused
+    assert len(refused.strip().splitlines()) == 1, refused
+    status = job_document(tmp_path / "spotjob-runs" / "twice")["status"]
+    assert status["phase"] == "Succeeded" and status["attempt"]["number"] == 0

@@ -1,0 +1,47 @@
+"""spotjob run's own checks of its options, below the command line (tests/e2e/test_cli_errors.py
+runs the real command): what a spec refusal says when a check of ours missed it, and the checks
+of paths that must not create anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.cli_run import checkpoint_uri_problem, describe_option_error, plot_problem
+from orchestrator.model import JobSpec
+
+
+def spec_error(**fields: object) -> ValidationError:
+    base: dict[str, object] = {"command": ["train.py"], "checkpoint": {"uri": "/ckpt"}}
+    base.update(fields)
+    with pytest.raises(ValidationError) as caught:
+        JobSpec.model_validate(base)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"checkpoint": {"uri": "/ckpt", "keep": 0}}, "--keep must be greater than or equal to 1"),
+        ({"nprocPerNode": 0}, "--nproc must be greater than or equal to 1"),
+        ({"maxRestarts": -1}, "--max-restarts must be greater than or equal to 0"),
+        ({"flushTimeoutSeconds": 0}, "--flush-timeout must be greater than 0"),
+        ({"restartBackoff": {"initialSeconds": 90, "maxSeconds": 60}}, "--restart-backoff: restartBackoff.maxSeconds"),
+    ],
+)
+def test_a_spec_refusal_is_said_of_the_option_in_plain_words(fields: dict[str, object], said: str) -> None:
+    message = describe_option_error(spec_error(**fields))
+
+    assert message.startswith(said), message
+    assert "Input should be" not in message and "Value error" not in message and "pydantic" not in message
+
+
+def test_checking_a_checkpoint_folder_or_a_plot_path_leaves_nothing_behind(tmp_path: Path) -> None:
+    assert checkpoint_uri_problem(str(tmp_path / "new" / "ckpt")) is None
+    assert plot_problem(str(tmp_path / "plots" / "run.png")) is None
+    (tmp_path / "afile").write_text("x")
+    assert "regular file" in (checkpoint_uri_problem(str(tmp_path / "afile")) or "")
+    assert "is a file" in (checkpoint_uri_problem(str(tmp_path / "afile" / "ckpt")) or "")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"], "the probes are gone"
