@@ -118,7 +118,9 @@ committed step read in the pass that heard a controller signal, or, when an agen
 own (exit 75/76, lost), the step the status held before that pass (the agent may have committed
 between two passes). Flush requests never block a pass: ``Backend.request_flush`` answers pending
 until the agent answered; each pass asks again the running workers whose agent has not accepted,
-and never asks an agent that accepted.
+and never asks an agent that accepted. The pass that sees the flush committed first takes the
+answers of the requests still in flight (and sends none anew), so a quick flush's requests are
+told (``FlushRequested``) all the same.
 """
 
 from __future__ import annotations
@@ -479,6 +481,9 @@ class Reconciler:
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
         """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
+        self._flush_in_flight: dict[JobKey, set[str]] = {}
+        """Workers whose flush request was sent and not answered yet (their answer is told even if
+        the commit shows first); per job, this process only."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
@@ -616,6 +621,7 @@ class Reconciler:
         identity = job_identity(key)
         with self._lock:
             self._written_at.pop(key, None)
+            self._flush_in_flight.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
         try:
             self._metrics.job_deleted(key.namespace, key.name)
@@ -963,6 +969,7 @@ class Reconciler:
                 recovery.flush_failed.append(w.name)
                 self._event(p, FLUSH_FAILED, worker=w.name)
 
+        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step
         if (
@@ -971,6 +978,9 @@ class Reconciler:
             and p.checkpoint_is_flush
         ):
             assert p.status.last_checkpoint is not None
+            # A quick flush commits before the pass after the request: take the answers of the
+            # requests still in flight first (none is sent anew), so that none goes untold.
+            self._ask_to_flush(p, recovery, running, in_flight_only=True)
             self._enter_rescheduling(
                 p,
                 FLUSH_COMMITTED,
@@ -979,7 +989,6 @@ class Reconciler:
                 seconds=(p.now - recovery.detected_at).total_seconds(),
             )
             return None
-        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         if not running:
             self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
             return None
@@ -989,17 +998,31 @@ class Reconciler:
                 p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
             )
             return None
+        self._ask_to_flush(p, recovery, running)
+        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
+        return min(self._options.flushing_poll_seconds, until_timeout)
 
+    def _ask_to_flush(
+        self, p: _Pass, recovery: RecoveryStatus, running: list[WorkerObservation], *, in_flight_only: bool = False
+    ) -> None:
+        """Ask every running worker's agent that has not accepted yet (``in_flight_only``: only
+        those whose request is in flight, to take their answers); tell the answers that came."""
         asked = []
+        with self._lock:
+            in_flight = self._flush_in_flight.setdefault(p.key, set())
         for w in running:
             if w.name in recovery.flush_requested:
                 continue  # accepted: an agent is never asked twice
+            if in_flight_only and w.name not in in_flight:
+                continue
             try:
                 answer = self._backend.request_flush(p.key, p.spec, w, recovery.message, recovery.flush_deadline)
             except BackendError as e:
                 answer = FlushRequestState.failed(str(e))
             if answer.outcome is FlushRequestOutcome.PENDING:
+                in_flight.add(w.name)
                 continue  # in flight: asked again next pass
+            in_flight.discard(w.name)
             p.metrics.append(methodcaller("flush_request", str(answer.outcome)))
             if answer.outcome is FlushRequestOutcome.FAILED:
                 # Retried next pass; the timeout bounds how long an unreachable agent holds us.
@@ -1010,8 +1033,6 @@ class Reconciler:
         if asked:
             deadline = recovery.flush_deadline.isoformat() if recovery.flush_deadline else "no deadline"
             self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
-        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
-        return min(self._options.flushing_poll_seconds, until_timeout)
 
     def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:
         """Notices for other nodes of the gang while it flushes: avoid those nodes too."""
@@ -1088,6 +1109,8 @@ class Reconciler:
                 p.metrics.append(methodcaller("notice_to_commit", seconds))
 
         stopped = status.attempt
+        with self._lock:
+            self._flush_in_flight.pop(p.key, None)
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now

@@ -108,8 +108,7 @@ def test_a_spot_warning_on_the_eventbridge_bus_flushes_the_job_and_moves_it_bit_
     ]
     assert last["spec"]["nodeName"] != preempted
     reasons = event_reasons(cluster, namespace, "train")
-    # (FlushRequested is told only if a pass sees the agents' answer before the commit.)
-    for reason in ("SpotInterrupted", "FlushCommitted", "Rescheduled"):
+    for reason in ("SpotInterrupted", "FlushRequested", "FlushCommitted", "Rescheduled"):
         assert reason in reasons, reasons
     assert [(h["cause"], h["reason"]) for h in final["restartHistory"]] == [("Preemption", "SpotInterrupted")]
     interrupted = next(e for e in job_events(cluster, namespace, "train") if e["reason"] == "SpotInterrupted")
