@@ -4,6 +4,8 @@ records what it is asked: how pods read as workers, what is created when, how a 
 from __future__ import annotations
 
 import copy
+import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -311,3 +313,20 @@ def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_f
     problems = world.backend.spec_problems(KEY, bad)
     assert problems and problems[0].startswith("spec.template.spec.containers[0].args")
     assert world.backend.spec_problems(KEY, spec()) == []
+
+
+def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_its_node_is(world: World) -> None:
+    """The interruption-queue reader's annotation (what orchestrator.k8s.interruption_queue writes),
+    read from the Node like a taint: only for the jobs with a worker there."""
+    deadline = (datetime.now(UTC) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = json.dumps({"kind": "SpotInterruption", "deadline": deadline, "messageId": "m-1", "source": "aws-sqs"})
+    left = node("n2")
+    left["metadata"]["annotations"] = {"spotjob.dev/interruption": notice}
+    world.add(left, pod(0, node_name="n1"))
+    assert world.backend.signals(KEY, spec()) == [], "a stale notice on a node the job has left changes nothing"
+
+    here = node("n1")
+    here["metadata"]["annotations"] = {"spotjob.dev/interruption": notice}
+    world.add(here)
+    (signal,) = world.backend.signals(KEY, spec())
+    assert (signal.kind, signal.node, signal.source) == (SignalKind.SPOT_INTERRUPTION, "n1", "aws-sqs")
