@@ -489,6 +489,10 @@ class Checkpointer:
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
+        self._node_reporter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        """This rank is its node's first (local rank 0): it writes the node's status.json and flush
+        result, which that node's agent reads (its readiness, its step, its exit code). Every rank
+        knows the same state and the commit's outcome, so each node's first rank can tell it."""
         self._staging_root = staging_dir or self._default_staging()
         # Before the groups: creating them waits for every rank, so no rank can start a save
         # while local rank 0 is still clearing the staging folder.
@@ -977,7 +981,7 @@ class Checkpointer:
         except SaveFailedError as e:
             self._status.state = "flush-failed"
             self._report(force=True)
-            if self._control is not None and self.rank == 0:
+            if self._control is not None and self._node_reporter:
                 self._control.write_flush_result(
                     FlushResult(
                         step=None,
@@ -994,7 +998,7 @@ class Checkpointer:
         self._last_step = step
         self._status.state = "flushed"
         self._report(force=True)
-        if self._control is not None and self.rank == 0:
+        if self._control is not None and self._node_reporter:
             latency = time.time() - request.requested_at if request else None
             self._control.write_flush_result(
                 FlushResult(
@@ -1610,7 +1614,9 @@ class Checkpointer:
         return int(flag.item()) == 0
 
     def _report(self, force: bool = False) -> None:
-        if self._control is None or self.rank != 0:
+        """(each node's local rank 0) Write the node's ``status.json`` for its agent (at most every
+        second unless forced): every agent serves /readyz and /status from its own node's file."""
+        if self._control is None or not self._node_reporter:
             return
         now = time.monotonic()
         if not force and now - self._status_written < _STATUS_INTERVAL_S:

@@ -1,8 +1,9 @@
-"""The agent's HTTP control API: ``/healthz``, ``/readyz``, ``/status``, ``/flush``, ``/stop``.
+"""The agent's HTTP control API: ``/healthz``, ``/readyz``, ``/status``, ``/flush``, ``/save``, ``/stop``.
 
 The controller POSTs ``/flush`` to every agent of a job when it hears of a preemption the node
-itself may not (a node taint, a queue message), and ``/stop`` when it stops a gang for a reason
-that needs no checkpoint (a peer's code failed); Kubernetes probes ``/healthz`` (liveness) and
+itself may not (a node taint, a queue message), ``/save`` when someone asks for a checkpoint now
+without stopping (``kubectl spotjob flush --mode checkpoint``), and ``/stop`` when it stops a gang
+for a reason that needs no checkpoint (a peer's code failed); Kubernetes probes ``/healthz`` (liveness) and
 ``/readyz`` (readiness: the ranks train); tools read ``/status``. The server is stdlib
 ``ThreadingHTTPServer`` — a handful of requests per job, nothing that justifies a framework —
 with pydantic models for every body, so the wire format is written down once, here.
@@ -23,7 +24,9 @@ Anything a client sent reaches the log escaped (``safe``): no forged lines, no t
 
 ``POST /flush`` is idempotent: the first one writes ``flush.json`` and answers 202; any later
 one answers 200 with the flush already under way, and starts nothing. ``POST /stop`` is
-idempotent too (202, then 200).
+idempotent too (202, then 200). ``POST /save`` is idempotent per request ``id``: the first one
+with an id writes ``save.json`` (the same early save an AWS rebalance recommendation asks for)
+and answers 202; the same id again answers 200 and starts nothing; a new id asks for a new save.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ MAX_DEADLINE_DISTANCE = 24 * 3600.0
 
 AgentState = Literal["starting", "running", "flushing", "flushed", "flush-failed", "stopping", "exited"]
 
-_ALLOWED = {"/healthz": "GET", "/readyz": "GET", "/status": "GET", "/flush": "POST", "/stop": "POST"}
+_ALLOWED = {"/healthz": "GET", "/readyz": "GET", "/status": "GET", "/flush": "POST", "/save": "POST", "/stop": "POST"}
 _OPEN = ("/healthz", "/readyz")
 """Endpoints without a token: probes carry none, and they reveal nothing but up/ready."""
 
@@ -126,6 +129,17 @@ class StopBody(BaseModel):
     reason: str = Field(default="stop requested through the control API", min_length=1, max_length=1000)
 
 
+class SaveBody(BaseModel):
+    """``POST /save``: commit a checkpoint now and keep training. ``id`` names the request: the
+    agent serves each id once, so a caller that retries (a lost answer, a new leader) starts no
+    second save."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    reason: str = Field(default="checkpoint requested through the control API", min_length=1, max_length=1000)
+
+
 class NoticeInfo(BaseModel):
     source: str
     kind: NoticeKind
@@ -159,6 +173,20 @@ class FlushResponse(BaseModel):
     flush: FlushInfo
 
 
+class SaveInfo(BaseModel):
+    """The save request as written to ``save.json`` (``id`` is the caller's request id)."""
+
+    id: str
+    reason: str
+    requested_at: float
+
+
+class SaveResponse(BaseModel):
+    created: bool
+    """False when this request id was taken before (this call started nothing)."""
+    save: SaveInfo
+
+
 class StopInfo(BaseModel):
     reason: str
     requested_at: float
@@ -171,7 +199,7 @@ class StopResponse(BaseModel):
 
 
 class ReadyResponse(BaseModel):
-    """``GET /readyz``: 200 once rank 0 reports training, else 503."""
+    """``GET /readyz``: 200 once the node's first rank reports training, else 503."""
 
     ready: bool
     reason: str
@@ -188,14 +216,14 @@ class StatusResponse(BaseModel):
     control_dir: str
     checkpoint_uri: str | None = Field(description="the agent's --checkpoint-uri (what the controller watches)")
     attempt: int | None = Field(description="the attempt number the controller gave (--attempt)")
-    rank_state: str | None = Field(description="status.json state from rank 0 (training, saving, ...)")
+    rank_state: str | None = Field(description="status.json state from the node's first rank (training, saving, ...)")
     rank_checkpoint_uri: str | None = Field(description="where the script's Checkpointer says it writes")
     step: int | None
     world_size: int | None
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
-    status_updated_at: float | None = Field(description="when rank 0 last wrote status.json")
+    status_updated_at: float | None = Field(description="when the node's first rank last wrote status.json")
     ranks_connected: bool = Field(description="whether a rank has written status.json since the start")
     problems: list[str] = Field(description="what the agent warned about: no rank connected, URI mismatch")
     notice: NoticeInfo | None = Field(description="the notice that started the flush (the first one)")
@@ -235,6 +263,10 @@ class ControlHandler(Protocol):
 
     def request_stop(self, body: StopBody) -> tuple[StopInfo, bool]:
         """The stop now under way and whether this call created it."""
+        ...
+
+    def request_save(self, body: SaveBody) -> tuple[SaveInfo, bool]:
+        """The save asked for under ``body.id`` and whether this call asked for it."""
         ...
 
 
@@ -559,6 +591,8 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self._read_body()
             if path == "/flush":
                 return self._flush(api, raw)
+            if path == "/save":
+                return self._save(api, raw)
             return self._stop(api, raw)
         except _BadRequest as e:
             return self._send(e.status, ErrorResponse(error=e.error))
@@ -611,6 +645,17 @@ class _Handler(BaseHTTPRequestHandler):
         except FlushRefused as e:
             return self._send(409, ErrorResponse(error=str(e)))
         return self._send(202 if created else 200, FlushResponse(created=created, flush=flush))
+
+    def _save(self, api: ControlApi, raw: bytes) -> None:
+        try:
+            body = SaveBody.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            return self._send(400, ErrorResponse(error="invalid save body", detail=_problems(e)))
+        try:
+            save, created = api.handler.request_save(body)
+        except FlushRefused as e:
+            return self._send(409, ErrorResponse(error=str(e)))
+        return self._send(202 if created else 200, SaveResponse(created=created, save=save))
 
     def _stop(self, api: ControlApi, raw: bytes) -> None:
         try:

@@ -143,12 +143,13 @@ class ControlDir:
         write_json_atomic(self._flush_path, asdict(request))
         return request
 
-    def request_save(self, reason: str) -> FlushRequest:
-        """Ask the ranks for an early checkpoint without stopping (a soft notice)."""
+    def request_save(self, reason: str, request_id: str | None = None) -> FlushRequest:
+        """Ask the ranks for an early checkpoint without stopping (a soft notice). A request still
+        waiting for the ranks is kept and returned: one save serves both."""
         existing = self.save_request()
         if existing is not None:
             return existing
-        request = FlushRequest(reason=reason)
+        request = FlushRequest(reason=reason) if request_id is None else FlushRequest(reason=reason, id=request_id)
         write_json_atomic(self._p(SAVE_FILE), asdict(request))
         return request
 

@@ -34,6 +34,7 @@ for; else the command's own code — 1 if that is one of 74/75/76/79, which mean
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import shutil
@@ -61,6 +62,8 @@ from agent.control_api import (
     FlushResultInfo,
     NoticeInfo,
     ReadyResponse,
+    SaveBody,
+    SaveInfo,
     StatusResponse,
     StopBody,
     StopInfo,
@@ -111,6 +114,8 @@ RebalancePolicy = Literal["ignore", "save-early", "flush"]
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 WATCH_TICK = 0.1
+MAX_SAVE_IDS = 64
+"""How many ``POST /save`` request ids an agent remembers (a retry of an older one saves again)."""
 TREE_SCAN_EVERY = 0.5
 
 
@@ -305,6 +310,8 @@ class Agent:
         self._problems: dict[str, str] = {}
         """What the agent warned about, by topic (shown in /status)."""
         self._rendezvous: Rendezvous | None = None
+        self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
+        """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
 
     # -- notices (any thread) ------------------------------------------------------------------
@@ -347,8 +354,32 @@ class Agent:
         log.warning("stop asked through the control API: %s; stopping the command without a flush", safe(body.reason))
         return self._stop, True
 
+    def request_save(self, body: SaveBody) -> tuple[SaveInfo, bool]:
+        """``POST /save`` (a control-API thread): an early checkpoint, training goes on.
+
+        The same ``save.json`` an AWS rebalance recommendation writes (``--rebalance save-early``);
+        the ranks serve it at an agreed step. Idempotent per request id: an id seen before starts
+        nothing. A flush under way, or a command that has ended, refuses it (409): a flush commits
+        a checkpoint anyway.
+        """
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            if self._flush is not None or self._stop is not None:
+                raise FlushRefused(f"the agent is {self._state}: no early save now")
+            known = self._saves.get(body.id)
+            if known is not None:
+                return known, False
+            request = self.control.request_save(safe(body.reason, 1000), body.id)
+            info = SaveInfo(id=body.id, reason=request.reason, requested_at=request.requested_at)
+            self._saves[body.id] = info
+            while len(self._saves) > MAX_SAVE_IDS:
+                self._saves.popitem(last=False)
+        log.info("early checkpoint asked through the control API (save %s): %s", safe(body.id), safe(body.reason))
+        return info, True
+
     def ready(self) -> ReadyResponse:
-        """``GET /readyz``: ready once rank 0 trains (status.json past "starting")."""
+        """``GET /readyz``: ready once the node's ranks train (its first rank's status.json past "starting")."""
         with self._lock:
             state = self._state
         if state in ("stopping", "exited"):
@@ -357,8 +388,8 @@ class Agent:
         if rank is None:
             return ReadyResponse(ready=False, reason="no rank has reported yet")
         if rank.state == "starting":
-            return ReadyResponse(ready=False, reason="rank 0 is starting (restoring)")
-        return ReadyResponse(ready=True, reason=f"rank 0 is {rank.state} at step {rank.step}")
+            return ReadyResponse(ready=False, reason="the ranks are starting (rendezvous, restore)")
+        return ReadyResponse(ready=True, reason=f"the ranks are {rank.state} at step {rank.step}")
 
     def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
         with self._lock:

@@ -77,6 +77,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.goodput",
         "description": "productive time over wall time",
     },
+    {
+        "name": "Capacity",
+        "type": "string",
+        "jsonPath": ".status.capacity",
+        "description": "spot (the job's own template) or fallback (spec.fallback merged in)",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {
         "name": "Attempt",

@@ -15,6 +15,7 @@ each restart happened. Events are not status: they go to an ``orchestrator.event
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -138,6 +139,55 @@ class CooldownSpec(_Resource):
     seconds: float = Field(default=1800.0, ge=0, description="how long an avoidance lasts")
 
 
+class FallbackSpec(_Resource):
+    """Where the job runs when its own capacity (spot) cannot be had within ``startTimeoutSeconds``.
+
+    ``template`` is merged into ``spec.template`` for the fallback's attempts (``merge_template``):
+    objects merge key by key and a ``null`` removes a key (JSON merge patch, RFC 7386); lists are
+    replaced whole, except ``containers``, ``initContainers`` and ``volumes``, whose items are
+    matched by ``name`` (an item of a known name is merged into it by these same rules, a new one is
+    appended). So ``{spec: {nodeSelector: {karpenter.sh/capacity-type: on-demand}}}`` moves the job
+    to on-demand nodes, and ``tolerations: [...]`` replaces the template's tolerations.
+    """
+
+    template: dict[str, Any] = Field(
+        description="merged into spec.template for the fallback's attempts: objects key by key (null removes a "
+        "key), containers, initContainers and volumes by name, other lists replaced whole"
+    )
+    return_after_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="after running this long on the fallback without a preemption, the job's next attempt goes "
+        "back to its own capacity",
+    )
+
+
+_MERGED_BY_NAME = ("containers", "initContainers", "volumes")
+
+
+def merge_template(base: Any, patch: Any, key: str | None = None) -> Any:
+    """``patch`` merged into ``base`` by the rules of ``FallbackSpec`` (neither is modified)."""
+    if isinstance(patch, dict):
+        out = dict(base) if isinstance(base, dict) else {}
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = merge_template(out.get(k), v, k)
+        return out
+    if isinstance(patch, list) and key in _MERGED_BY_NAME and isinstance(base, list):
+        merged = [dict(item) if isinstance(item, dict) else item for item in base]
+        index = {item.get("name"): i for i, item in enumerate(merged) if isinstance(item, dict)}
+        for item in patch:
+            name = item.get("name") if isinstance(item, dict) else None
+            if name is not None and name in index:
+                merged[index[name]] = merge_template(merged[index[name]], item)
+            else:
+                merged.append(item)
+        return merged
+    return patch
+
+
 DEFAULT_CONTAINER_NAME = "trainer"
 """The training container's name in the pods built when the spec has no ``template``."""
 
@@ -185,6 +235,17 @@ class JobSpec(_Resource):
     )
     restart_backoff: BackoffSpec = Field(default_factory=BackoffSpec)
     cooldown: CooldownSpec = Field(default_factory=CooldownSpec)
+    start_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="how long an attempt's pods may stay unschedulable (no capacity) before the job says "
+        "CapacityUnavailable and, with spec.fallback, starts its next attempt there; unset: wait for ever",
+    )
+    fallback: FallbackSpec | None = Field(
+        default=None,
+        description="the capacity to use when the job's own cannot be had within startTimeoutSeconds (e.g. an "
+        "on-demand node selector): a patch of spec.template",
+    )
 
     @field_validator("template")
     @classmethod
@@ -195,6 +256,28 @@ class JobSpec(_Resource):
         if problem is not None:
             raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _fallback_needs_a_timeout(self) -> JobSpec:
+        if self.fallback is None:
+            return self
+        if self.start_timeout_seconds is None:
+            raise ValueError(
+                "spec.fallback needs spec.startTimeoutSeconds: how long to wait for the job's own capacity first"
+            )
+        if self.template is None:
+            raise ValueError("spec.fallback patches spec.template: the job has none")
+        merged = merge_template(self.template, self.fallback.template)
+        problem = _template_problem(merged)
+        if problem is not None:
+            raise ValueError(f"spec.template merged with spec.fallback.template: {problem}")
+        return self
+
+    def on_fallback(self) -> JobSpec:
+        """This spec with ``fallback.template`` merged into its template (itself without a fallback)."""
+        if self.fallback is None or self.template is None:
+            return self
+        return self.model_copy(update={"template": merge_template(self.template, self.fallback.template)})
 
     @model_validator(mode="after")
     def _training_container(self) -> JobSpec:
@@ -320,6 +403,12 @@ class Cause(StrEnum):
     INFRASTRUCTURE = "Infrastructure"
     """Not the user's fault (an agent exited 74: storage unreachable, rendezvous port taken):
     restarted after the infrastructure backoff; consumes no budget, is no preemption."""
+    CAPACITY = "Capacity"
+    """The attempt's pods found no capacity within startTimeoutSeconds: restarted at once on the
+    fallback capacity; no budget, no preemption."""
+    REQUESTED = "Requested"
+    """Someone asked for it (the ``spotjob.dev/flush-request`` annotation, mode restart): the gang
+    flushes and restarts; no budget, no preemption, no cool-down."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -328,7 +417,7 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 class Condition(_Resource):
     """One aspect of the job (Kubernetes condition conventions)."""
 
-    type: str = Field(description="Ready | Flushing | Degraded | Invalid")
+    type: str = Field(description="Ready | Flushing | Degraded | Invalid | CapacityUnavailable")
     status: ConditionStatus = Field(description="True | False | Unknown")
     reason: str = Field(description="CamelCase, machine-readable")
     message: str = Field(default="", description="what it means, for people")
@@ -394,7 +483,7 @@ class NodeRef(_Resource):
 class RecoveryStatus(_Resource):
     """The recovery in progress (Flushing, then Rescheduling until the next attempt runs)."""
 
-    cause: Cause = Field(description="Preemption | Failure | Infrastructure")
+    cause: Cause = Field(description="Preemption | Failure | Infrastructure | Capacity | Requested")
     reason: str = Field(description="the CamelCase reason that started it")
     message: str = Field(description="what started it, for people")
     detected_at: datetime = Field(description="when the reconciler noticed")
@@ -435,9 +524,75 @@ class RestartRecord(_Resource):
 
     time: datetime = Field(description="when the gang was stopped")
     attempt: int = Field(description="the attempt that was stopped")
-    cause: Cause = Field(description="Preemption | Failure | Infrastructure")
+    cause: Cause = Field(description="Preemption | Failure | Infrastructure | Capacity | Requested")
     reason: str = Field(description="the CamelCase reason (SpotInterrupted, WorkerFailed, ...)")
     message: str = Field(default="", description="what happened, for people")
+
+
+class CapacityType(StrEnum):
+    """Which capacity the job's attempts use."""
+
+    SPOT = "spot"
+    """The job's own template (typically spot nodes)."""
+    FALLBACK = "fallback"
+    """The template merged with spec.fallback (typically on-demand nodes)."""
+
+
+FLUSH_REQUEST_ANNOTATION = "spotjob.dev/flush-request"
+"""On a SpotJob: a person's (``kubectl spotjob flush``) request to flush, JSON ``FlushRequest``."""
+
+FlushMode = Literal["restart", "checkpoint"]
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class FlushRequest(_Resource):
+    """The ``spotjob.dev/flush-request`` annotation's value: ``{"id", "mode", "reason", "requestedAt"}``.
+
+    ``restart``: every agent flushes at one step and the gang restarts from that checkpoint, as
+    after a preemption, but nothing counts as a preemption or a restart and no node is avoided.
+    ``checkpoint``: a checkpoint now, training goes on. Each ``id`` is handled once.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(pattern=_REQUEST_ID_RE.pattern, description="unique per request: letters, digits, ._:-")
+    mode: FlushMode = Field(description="restart | checkpoint")
+    reason: str = Field(default="", max_length=1000, description="why, for people")
+    requested_at: datetime | None = Field(default=None, description="when it was asked for (RFC 3339)")
+
+
+def parse_flush_request(raw: str) -> FlushRequest:
+    """The annotation's value as a ``FlushRequest``; ValueError naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{FLUSH_REQUEST_ANNOTATION} is not JSON: {e}") from None
+    try:
+        return FlushRequest.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(describe_validation_error(e, FLUSH_REQUEST_ANNOTATION)) from None
+
+
+FlushRequestOutcomeName = Literal["InProgress", "Committed", "NotCommitted", "Skipped", "Invalid"]
+
+
+class FlushRequestStatus(_Resource):
+    """The last ``spotjob.dev/flush-request`` the controller handled (each id is handled once)."""
+
+    id: str = Field(description="the request's id (for an annotation that does not parse: invalid-<hash>)")
+    mode: FlushMode | None = Field(default=None, description="restart | checkpoint")
+    outcome: FlushRequestOutcomeName = Field(
+        description="InProgress | Committed (step holds the checkpoint) | NotCommitted | Skipped | Invalid"
+    )
+    message: str = Field(default="", description="what happened, for people")
+    step: int | None = Field(default=None, description="the checkpoint committed for it")
+    time: datetime = Field(description="when the outcome was last set")
+    requested_at: datetime | None = Field(default=None, description="when it was asked for (from the annotation)")
+    started_at: datetime | None = Field(default=None, description="when the controller took it up")
+    baseline_step: int | None = Field(default=None, description="the newest committed step when it was taken up")
+    save_requested: list[str] = Field(
+        default_factory=list, description="checkpoint mode: workers whose agent accepted the save"
+    )
 
 
 class JobStatus(_Resource):
@@ -466,7 +621,9 @@ class JobStatus(_Resource):
     observed_generation: int | None = Field(
         default=None, description="the spec's metadata.generation this status was decided from"
     )
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Flushing, Degraded, Invalid")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Flushing, Degraded, Invalid, CapacityUnavailable"
+    )
     attempt: AttemptStatus = Field(default_factory=AttemptStatus, description="the current attempt")
     workers: list[WorkerStatus] = Field(default_factory=list, description="the current attempt's workers")
     restarts: int = Field(
@@ -492,6 +649,15 @@ class JobStatus(_Resource):
     start_time: datetime | None = Field(default=None, description="when every worker first ran")
     completion_time: datetime | None = Field(default=None, description="when the job Succeeded or Failed")
     infra_errors: int = Field(default=0, description="consecutive passes that storage or the backend failed")
+    capacity: CapacityType = Field(
+        default=CapacityType.SPOT, description="spot (the job's own template) | fallback (with spec.fallback)"
+    )
+    fallback_since: datetime | None = Field(
+        default=None, description="since when the job has run on the fallback without a preemption"
+    )
+    last_flush_request: FlushRequestStatus | None = Field(
+        default=None, description="the last spotjob.dev/flush-request handled, and how it went"
+    )
 
     def condition(self, type_: str) -> Condition | None:
         for c in self.conditions:

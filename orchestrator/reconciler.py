@@ -39,6 +39,9 @@ Transitions (``*`` once the next attempt's workers were started)::
     Flushing                    Rescheduling  storage holds a manifest newer than before      FlushCommitted
                                               no worker is left running to flush              WorkersExited
                                               flushTimeoutSeconds passed                      FlushTimedOut
+    Running                     Flushing      a person asked for a restart (flush request)    FlushRequestedByUser
+    Pending, Rescheduling*      Rescheduling  the attempt's workers stayed unschedulable      CapacityUnavailable
+                                              past startTimeoutSeconds; spec.fallback is next
     Pending, Running, Resch.*   Rescheduling  a worker's agent exited 74                      WorkerInfraError
                                 Rescheduling  a worker exited non-zero (not 74/75/76/79)      WorkerFailed
                                 Failed        … and maxRestarts restarts are used             RestartBudgetExhausted
@@ -74,6 +77,25 @@ doing. Exits while Flushing belong to the preemption too (peers of a stopped ran
 collectives). No attempt starts while storage is unreachable: its workers could not restore, and
 their crash would look like the user's.
 
+Capacity (``spec.startTimeoutSeconds``, ``spec.fallback``): an attempt whose workers the backend
+reports unschedulable past the timeout gets ``CapacityUnavailable=True`` and a Warning Event; with
+a fallback not in use, it is stopped at once (cause ``Capacity``: no budget, no preemption, no
+backoff) and the next attempts are built from the template merged with ``spec.fallback``
+(``status.capacity: fallback``). Once the job has run ``fallback.returnAfterSeconds`` on the
+fallback without a preemption, the next attempt it starts (whatever restarts it) goes back to its
+own template (``ReturningToSpot``). Without a fallback, or already on it, the job keeps waiting.
+
+Flush requests (``StoredJob.flush_request``: on Kubernetes the ``spotjob.dev/flush-request``
+annotation a person writes): each id is handled once, recorded in ``status.lastFlushRequest``
+(``InProgress``, then ``Committed`` with the step, ``NotCommitted``, ``Skipped`` or ``Invalid``)
+in the pass that takes it, so neither a replayed pass nor a new leader handles it twice. Only a
+Running job takes one. ``restart`` enters Flushing like a preemption (cause ``Requested``): every
+agent flushes at one step, storage shows the commit, the gang restarts from it after the initial
+backoff — no preemption or restart counted, no node avoided (a real notice arriving meanwhile
+turns it into a preemption). ``checkpoint`` asks every agent for an early save
+(``Backend.request_save``) and training goes on; the first valid checkpoint committed after the
+request ends it, the flush timeout or a stopped gang ends it NotCommitted.
+
 Guarding against false alarms (SkyPilot): a signal is acted on only if it names a node or worker
 of the current attempt in this pass's fresh listing — a stale queue message, a notice for a node
 the job has left, or for another job's node changes nothing; advisory signals (Rebalance) stop
@@ -96,7 +118,9 @@ committed step read in the pass that heard a controller signal, or, when an agen
 own (exit 75/76, lost), the step the status held before that pass (the agent may have committed
 between two passes). Flush requests never block a pass: ``Backend.request_flush`` answers pending
 until the agent answered; each pass asks again the running workers whose agent has not accepted,
-and never asks an agent that accepted.
+and never asks an agent that accepted. The pass that sees the flush committed first takes the
+answers of the requests still in flight (and sends none anew), so a quick flush's requests are
+told (``FlushRequested``) all the same.
 """
 
 from __future__ import annotations
@@ -129,11 +153,15 @@ from orchestrator.model import (
     AttemptStatus,
     Avoidance,
     AvoidKind,
+    CapacityType,
     Cause,
     CheckpointInfo,
     CheckpointSpec,
     Condition,
     ConditionStatus,
+    FlushRequest,
+    FlushRequestOutcomeName,
+    FlushRequestStatus,
     JobKey,
     JobSpec,
     JobStatus,
@@ -274,10 +302,38 @@ INVALID_STATUS = Reason(
     warning=True,
 )
 
+CAPACITY_UNAVAILABLE = Reason(
+    "CapacityUnavailable",
+    "{workers} found no capacity within startTimeoutSeconds ({timeout:.0f}s): {why}; {then}",
+    warning=True,
+)
+CAPACITY_FOUND = Reason("CapacityFound", "every worker of attempt {attempt} runs on {capacity} capacity")
+RETURNING_TO_SPOT = Reason(
+    "ReturningToSpot",
+    "{seconds:.0f}s on the fallback capacity without a preemption (fallback.returnAfterSeconds {period:.0f}s): "
+    "attempt {attempt} uses the job's own template again",
+)
+FLUSH_REQUESTED_BY_USER = Reason(
+    "FlushRequestedByUser", "flush request {id} (restart{reason}): flushing the gang and restarting it"
+)
+CHECKPOINT_REQUESTED_BY_USER = Reason(
+    "CheckpointRequestedByUser", "flush request {id} (checkpoint{reason}): {count} agent(s) asked for a checkpoint"
+)
+FLUSH_REQUEST_COMMITTED = Reason("FlushRequestCommitted", "flush request {id} ({mode}): step {step} committed")
+FLUSH_REQUEST_NOT_COMMITTED = Reason("FlushRequestNotCommitted", "flush request {id} ({mode}): {why}", warning=True)
+FLUSH_REQUEST_SKIPPED = Reason("FlushRequestSkipped", "flush request {id} ({mode}): {why}")
+SAVE_REQUEST_FAILED = Reason(
+    "SaveRequestFailed", "could not ask the agent of {worker} for a checkpoint: {error}", warning=True
+)
+FLUSH_REQUEST_INVALID = Reason(
+    "FlushRequestInvalid", "{problem}; the request is ignored (write a new one with a new id)", warning=True
+)
+
 READY = "Ready"
 FLUSHING = "Flushing"
 DEGRADED = "Degraded"
 INVALID = "Invalid"
+CAPACITY = "CapacityUnavailable"
 
 
 # -- the reconciler ---------------------------------------------------------------------------
@@ -361,6 +417,10 @@ class _Pass:
     """``JobMetrics`` calls, made once the status is written."""
     stop_flush: bool | None = None
     """The gang is to be stopped once this pass's status is written (with a flush or not); None: no."""
+    flush_request: FlushRequest | None = None
+    """A person's request to flush (``StoredJob.flush_request``), if the job carries one."""
+    flush_request_id: str | None = None
+    flush_request_problem: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -421,6 +481,9 @@ class Reconciler:
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
         """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
+        self._flush_in_flight: dict[JobKey, set[str]] = {}
+        """Workers whose flush request was sent and not answered yet (their answer is told even if
+        the commit shows first); per job, this process only."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
@@ -460,6 +523,8 @@ class Reconciler:
             return self._commit(p, stored, before, fresh, None, started)
 
         p = self._new_pass(key, stored.spec, before, now)
+        p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
+        p.flush_request_problem = stored.flush_request_problem
         try:
             self._observe(p)
             requeue = self._decide(p)
@@ -556,6 +621,7 @@ class Reconciler:
         identity = job_identity(key)
         with self._lock:
             self._written_at.pop(key, None)
+            self._flush_in_flight.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
         try:
             self._metrics.job_deleted(key.namespace, key.name)
@@ -574,6 +640,11 @@ class Reconciler:
         else:
             try:
                 problems += self._backend.spec_problems(key, stored.spec)
+                if stored.spec.fallback is not None:
+                    problems += [
+                        f"with spec.fallback.template merged in, {problem}"
+                        for problem in self._backend.spec_problems(key, stored.spec.on_fallback())
+                    ]
             except BackendError as e:
                 log.warning("job %s: the backend could not check the spec: %s", key, e)
         return "; ".join(problems) or None
@@ -685,6 +756,7 @@ class Reconciler:
             uri = p.checkpoint_uri or p.spec.checkpoint.uri
             self._finish(p, Phase.FAILED, STORAGE_REFUSED_FAILED, uri=uri, error=p.storage_error)
             return None
+        self._note_flush_request(p)
         for _ in range(len(Phase) + 2):
             if p.status.phase.terminal:
                 return None
@@ -703,10 +775,13 @@ class Reconciler:
             if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
                 return None
+            capacity_wait = self._check_capacity(p)
+            if capacity_wait is None:
+                return None
             # Idempotent: a backend may create the attempt's workers over several passes (a
             # rendezvous address known only once the first one runs).
-            self._backend.start_workers(p.key, spec, attempt.number, self._placement(status))
-            return self._options.starting_poll_seconds
+            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, self._placement(status))
+            return min(self._options.starting_poll_seconds, capacity_wait)
 
         leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]
         if leftovers:
@@ -724,8 +799,9 @@ class Reconciler:
 
         if not self._record_attempt(p):
             return self._options.infra_delay(status.infra_errors)
+        self._maybe_return_to_spot(p)
         placement = self._placement(status)
-        self._backend.start_workers(p.key, spec, attempt.number, placement)
+        self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
         attempt.started_at = p.now
         attempt.resumed_from_step = p.checkpoint_step
         if recovery is not None:
@@ -766,6 +842,10 @@ class Reconciler:
     def _running(self, p: _Pass) -> float | None:
         if self._watch(p):
             return None
+        if self._take_flush_request(p):
+            return None
+        if self._checkpoint_request_in_progress(p):
+            return self._options.flushing_poll_seconds
         return self._options.running_poll_seconds
 
     def _watch(self, p: _Pass) -> bool:
@@ -869,6 +949,8 @@ class Reconciler:
             flush_failed=[w.name for w in p.current() if w.exit_code == EXIT_FLUSH_FAILED],
         )
         status.preemptions += 1
+        if status.capacity is CapacityType.FALLBACK and not self._fallback_served(p):
+            status.fallback_since = None  # the preemption-free period starts again
         self._set_phase(p, Phase.FLUSHING, preemption.reason.name, preemption.message)
         self._condition(p, READY, False, preemption.reason.name, preemption.message)
         self._condition(p, FLUSHING, True, preemption.reason.name, preemption.message)
@@ -887,6 +969,7 @@ class Reconciler:
                 recovery.flush_failed.append(w.name)
                 self._event(p, FLUSH_FAILED, worker=w.name)
 
+        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step
         if (
@@ -895,6 +978,9 @@ class Reconciler:
             and p.checkpoint_is_flush
         ):
             assert p.status.last_checkpoint is not None
+            # A quick flush commits before the pass after the request: take the answers of the
+            # requests still in flight first (none is sent anew), so that none goes untold.
+            self._ask_to_flush(p, recovery, running, in_flight_only=True)
             self._enter_rescheduling(
                 p,
                 FLUSH_COMMITTED,
@@ -903,7 +989,6 @@ class Reconciler:
                 seconds=(p.now - recovery.detected_at).total_seconds(),
             )
             return None
-        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         if not running:
             self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
             return None
@@ -913,17 +998,31 @@ class Reconciler:
                 p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
             )
             return None
+        self._ask_to_flush(p, recovery, running)
+        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
+        return min(self._options.flushing_poll_seconds, until_timeout)
 
+    def _ask_to_flush(
+        self, p: _Pass, recovery: RecoveryStatus, running: list[WorkerObservation], *, in_flight_only: bool = False
+    ) -> None:
+        """Ask every running worker's agent that has not accepted yet (``in_flight_only``: only
+        those whose request is in flight, to take their answers); tell the answers that came."""
         asked = []
+        with self._lock:
+            in_flight = self._flush_in_flight.setdefault(p.key, set())
         for w in running:
             if w.name in recovery.flush_requested:
                 continue  # accepted: an agent is never asked twice
+            if in_flight_only and w.name not in in_flight:
+                continue
             try:
                 answer = self._backend.request_flush(p.key, p.spec, w, recovery.message, recovery.flush_deadline)
             except BackendError as e:
                 answer = FlushRequestState.failed(str(e))
             if answer.outcome is FlushRequestOutcome.PENDING:
+                in_flight.add(w.name)
                 continue  # in flight: asked again next pass
+            in_flight.discard(w.name)
             p.metrics.append(methodcaller("flush_request", str(answer.outcome)))
             if answer.outcome is FlushRequestOutcome.FAILED:
                 # Retried next pass; the timeout bounds how long an unreachable agent holds us.
@@ -934,8 +1033,6 @@ class Reconciler:
         if asked:
             deadline = recovery.flush_deadline.isoformat() if recovery.flush_deadline else "no deadline"
             self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
-        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
-        return min(self._options.flushing_poll_seconds, until_timeout)
 
     def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:
         """Notices for other nodes of the gang while it flushes: avoid those nodes too."""
@@ -947,6 +1044,11 @@ class Reconciler:
                 recovery.preempted += _nodes([w])
                 known.add(w.node)
                 p.metrics.append(methodcaller("signal", str(s.kind), s.source))
+                if recovery.cause is Cause.REQUESTED:
+                    # A requested flush overtaken by the capacity going away: a preemption after all.
+                    recovery.cause = Cause.PREEMPTION
+                    p.status.preemptions += 1
+                    p.metrics.append(methodcaller("preemption"))
 
     def _on_failure(self, p: _Pass, worker: WorkerObservation) -> None:
         """The user's code failed: restart within the budget, or fail the job."""
@@ -1002,11 +1104,13 @@ class Reconciler:
             self._event(p, why, message=message)
             if status.start_time is not None:
                 status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
-            if why is FLUSH_COMMITTED:
+            if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION:
                 seconds = (p.now - recovery.detected_at).total_seconds()
                 p.metrics.append(methodcaller("notice_to_commit", seconds))
 
         stopped = status.attempt
+        with self._lock:
+            self._flush_in_flight.pop(p.key, None)
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now
@@ -1026,11 +1130,17 @@ class Reconciler:
         if recovery.cause is Cause.PREEMPTION:
             self._avoid(p, recovery)
         backoff = spec.restart_backoff
-        ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
-        status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
-        delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
+        if recovery.cause is Cause.CAPACITY:
+            delay = 0.0  # other capacity: nothing to wait for, and no restart in a row is counted
+        elif recovery.cause is Cause.REQUESTED:
+            delay = backoff.initial_seconds  # asked for: not a restart in a row either
+        else:
+            ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
+            status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
+            delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
         if recovery.cause is Cause.INFRASTRUCTURE:
             delay = self._options.infra_delay(status.consecutive_restarts)
+        self._end_requested_flush(p, why)
         recovery.restart_at = p.now + timedelta(seconds=delay)
         status.attempt = AttemptStatus(number=stopped.number + 1)
 
@@ -1079,6 +1189,17 @@ class Reconciler:
         status.attempt.running_at = p.now
         if status.start_time is None:
             status.start_time = p.now
+        if status.capacity is CapacityType.FALLBACK and status.fallback_since is None:
+            status.fallback_since = p.now
+        stuck = status.condition(CAPACITY)
+        if stuck is not None and stuck.status == "True":
+            self._condition(
+                p,
+                CAPACITY,
+                False,
+                CAPACITY_FOUND.name,
+                CAPACITY_FOUND.message(attempt=status.attempt.number, capacity=status.capacity),
+            )
         message = WORKERS_RUNNING.message(attempt=status.attempt.number)
         self._set_phase(p, Phase.RUNNING, WORKERS_RUNNING.name, message)
         self._condition(p, READY, True, WORKERS_RUNNING.name, message)
@@ -1106,6 +1227,250 @@ class Reconciler:
         self._set_phase(p, phase, why.name, message)
         self._condition(p, READY, False, why.name, message)
         self._event(p, why, message=message)
+
+    # -- capacity ----------------------------------------------------------------------------
+    def _effective_spec(self, p: _Pass) -> JobSpec:
+        """The spec the attempt's workers are built from: with ``spec.fallback`` merged in on the
+        fallback capacity."""
+        return p.spec.on_fallback() if p.status.capacity is CapacityType.FALLBACK else p.spec
+
+    def _check_capacity(self, p: _Pass) -> float | None:
+        """An attempt whose workers stay unschedulable past ``startTimeoutSeconds``: say so
+        (``CapacityUnavailable``) and, with a fallback not in use yet, stop it and start the next
+        attempt there. None when the phase changed; else how long until the timeout matters."""
+        spec, status = p.spec, p.status
+        timeout = spec.start_timeout_seconds
+        started = status.attempt.started_at
+        if timeout is None or started is None:
+            return math.inf
+        left = (started + timedelta(seconds=timeout) - p.now).total_seconds()
+        if left > 0:
+            return left
+        stuck = [w for w in p.current() if w.phase is WorkerPhase.PENDING and w.unschedulable]
+        if not stuck:
+            return math.inf  # placed and starting (an image pull, a restore): not a matter of capacity
+        on_fallback = status.capacity is CapacityType.FALLBACK
+        falls_back = spec.fallback is not None and not on_fallback
+        if falls_back:
+            then = "the next attempt uses spec.fallback"
+        elif on_fallback:
+            then = "already on the fallback capacity: waiting for it"
+        else:
+            then = "waiting for capacity (the spec has no fallback)"
+        message = CAPACITY_UNAVAILABLE.message(
+            workers=", ".join(w.name for w in stuck), timeout=timeout, why=stuck[0].unschedulable, then=then
+        )
+        before = status.condition(CAPACITY)
+        if before is None or before.status != "True":
+            self._event(p, CAPACITY_UNAVAILABLE, message=message)
+        self._condition(p, CAPACITY, True, CAPACITY_UNAVAILABLE.name, message)
+        if not falls_back:
+            return self._options.starting_poll_seconds
+        self._close_recovery(p)
+        status.capacity, status.fallback_since = CapacityType.FALLBACK, None
+        status.recovery = RecoveryStatus(
+            cause=Cause.CAPACITY, reason=CAPACITY_UNAVAILABLE.name, message=message, detected_at=p.now
+        )
+        self._enter_rescheduling(p, None)
+        return None
+
+    def _fallback_served(self, p: _Pass) -> bool:
+        """The job has run ``fallback.returnAfterSeconds`` on the fallback without a preemption."""
+        since, fallback = p.status.fallback_since, p.spec.fallback
+        return (
+            since is not None
+            and fallback is not None
+            and (p.now - since).total_seconds() >= fallback.return_after_seconds
+        )
+
+    def _maybe_return_to_spot(self, p: _Pass) -> None:
+        """(before an attempt starts) After ``fallback.returnAfterSeconds`` on the fallback without a
+        preemption, the job's own capacity gets the next attempt, whatever restarted it."""
+        spec, status = p.spec, p.status
+        if status.capacity is not CapacityType.FALLBACK:
+            return
+        since = status.fallback_since
+        if spec.fallback is not None:
+            if since is None or not self._fallback_served(p):
+                return
+            ran = (p.now - since).total_seconds()
+            self._event(
+                p,
+                RETURNING_TO_SPOT,
+                seconds=ran,
+                period=spec.fallback.return_after_seconds,
+                attempt=status.attempt.number,
+            )
+        status.capacity, status.fallback_since = CapacityType.SPOT, None
+
+    # -- flush requests (spotjob.dev/flush-request) ---------------------------------------------
+    def _note_flush_request(self, p: _Pass) -> None:
+        """Every pass: a checkpoint request in progress ends when storage shows its commit, when
+        the gang stops, or at the flush timeout; a new request that cannot be read, or that comes
+        while the job cannot take it, is answered at once. Each id is handled once: the status
+        records the last one."""
+        status = p.status
+        last = status.last_flush_request
+        if last is not None and last.outcome == "InProgress" and last.mode == "checkpoint":
+            self._progress_checkpoint_request(p, last)
+        rid = p.flush_request_id
+        if rid is None or (last is not None and last.id == rid):
+            return
+        if p.flush_request_problem is not None:
+            message = FLUSH_REQUEST_INVALID.message(problem=p.flush_request_problem)
+            status.last_flush_request = FlushRequestStatus(id=rid, outcome="Invalid", message=message, time=p.now)
+            self._event(p, FLUSH_REQUEST_INVALID, message=message)
+            return
+        request = p.flush_request
+        assert request is not None, "a request id without a request"
+        if last is not None and last.outcome == "InProgress":
+            why = f"request {last.id} ({last.mode}) is still in progress"
+        elif status.phase is Phase.RUNNING:
+            return  # taken by _running, after the pass has looked at the workers
+        elif status.phase is Phase.FLUSHING and status.recovery is not None:
+            why = f"the job is flushing already ({status.recovery.reason}): that flush commits a checkpoint"
+        else:
+            why = f"the job is {status.phase}: no running gang to flush"
+        message = FLUSH_REQUEST_SKIPPED.message(id=request.id, mode=request.mode, why=why)
+        status.last_flush_request = self._request_status(p, request, "Skipped", message)
+        self._event(p, FLUSH_REQUEST_SKIPPED, message=message)
+
+    def _take_flush_request(self, p: _Pass) -> bool:
+        """(Running) Take a new request: ``restart`` flushes the gang and restarts it (True: the
+        phase changed); ``checkpoint`` asks every agent for a save and training goes on."""
+        request, status = p.flush_request, p.status
+        last = status.last_flush_request
+        if request is None or (last is not None and last.id == request.id):
+            return False
+        because = f": {request.reason}" if request.reason else ""
+        baseline = p.checkpoint_step if p.storage_error is None else p.previous_checkpoint_step
+        if request.mode == "checkpoint":
+            message = CHECKPOINT_REQUESTED_BY_USER.message(
+                id=request.id, reason=because, count=len([w for w in p.current() if w.phase is WorkerPhase.RUNNING])
+            )
+            status.last_flush_request = self._request_status(p, request, "InProgress", message, baseline=baseline)
+            self._event(p, CHECKPOINT_REQUESTED_BY_USER, message=message)
+            self._ask_for_saves(p, status.last_flush_request)
+            return False
+        message = FLUSH_REQUESTED_BY_USER.message(id=request.id, reason=because)
+        status.last_flush_request = self._request_status(p, request, "InProgress", message, baseline=baseline)
+        self._close_recovery(p)
+        # Like a preemption's flush (every agent flushes at one step, the gang restarts from the
+        # commit), but nothing is counted as a preemption or a restart, and no node is avoided.
+        status.recovery = RecoveryStatus(
+            cause=Cause.REQUESTED,
+            reason=FLUSH_REQUESTED_BY_USER.name,
+            message=message,
+            detected_at=p.now,
+            flush_timeout_at=p.now + timedelta(seconds=p.spec.flush_timeout_seconds),
+            baseline_step=baseline,
+        )
+        self._set_phase(p, Phase.FLUSHING, FLUSH_REQUESTED_BY_USER.name, message)
+        self._condition(p, READY, False, FLUSH_REQUESTED_BY_USER.name, message)
+        self._condition(p, FLUSHING, True, FLUSH_REQUESTED_BY_USER.name, message)
+        self._event(p, FLUSH_REQUESTED_BY_USER, message=message)
+        return True
+
+    def _checkpoint_request_in_progress(self, p: _Pass) -> bool:
+        """(Running) Ask the agents not yet asked for the request's save; True while it is in progress."""
+        last = p.status.last_flush_request
+        if last is None or last.outcome != "InProgress" or last.mode != "checkpoint":
+            return False
+        self._ask_for_saves(p, last)
+        return True
+
+    def _ask_for_saves(self, p: _Pass, request: FlushRequestStatus) -> None:
+        reason = f"flush request {request.id} (checkpoint)"
+        for w in p.current():
+            if w.phase is not WorkerPhase.RUNNING or w.name in request.save_requested:
+                continue
+            try:
+                answer = self._backend.request_save(p.key, p.spec, w, request.id, reason)
+            except BackendError as e:
+                answer = FlushRequestState.failed(str(e))
+            if answer.outcome is FlushRequestOutcome.PENDING:
+                continue  # in flight: asked again next pass
+            if answer.outcome is FlushRequestOutcome.FAILED:
+                self._event(p, SAVE_REQUEST_FAILED, worker=w.name, error=answer.error, node=w.node)
+                continue
+            request.save_requested.append(w.name)
+
+    def _progress_checkpoint_request(self, p: _Pass, request: FlushRequestStatus) -> None:
+        """The first valid checkpoint committed after the request was taken up ends it (its own
+        early save, or any save that committed since: a checkpoint no older than the request)."""
+        step = p.checkpoint_step
+        manifest = p.checkpoint.manifest if p.checkpoint is not None else None
+        newer = step is not None and (request.baseline_step is None or step > request.baseline_step)
+        after = (
+            manifest is None
+            or manifest.trigger == "early"
+            or (request.started_at is not None and manifest.created_at >= request.started_at)
+        )
+        mode = request.mode or "checkpoint"
+        if newer and after:
+            message = FLUSH_REQUEST_COMMITTED.message(id=request.id, mode=mode, step=step)
+            self._end_request(p, request, "Committed", message, FLUSH_REQUEST_COMMITTED, step=step)
+            return
+        timeout_at = (request.started_at or p.now) + timedelta(seconds=p.spec.flush_timeout_seconds)
+        if p.status.phase is not Phase.RUNNING:
+            why = f"the gang stopped ({p.status.reason}) before a checkpoint for it committed"
+        elif p.now >= timeout_at:
+            since = f"step {request.baseline_step}" if request.baseline_step is not None else "nothing"
+            why = f"nothing newer than {since} committed within {p.spec.flush_timeout_seconds:.0f}s"
+        else:
+            return
+        message = FLUSH_REQUEST_NOT_COMMITTED.message(id=request.id, mode=mode, why=why)
+        self._end_request(p, request, "NotCommitted", message, FLUSH_REQUEST_NOT_COMMITTED)
+
+    def _end_requested_flush(self, p: _Pass, why: Reason | None) -> None:
+        """(entering Rescheduling after a requested restart) How the request's flush ended."""
+        request = p.status.last_flush_request
+        if request is None or request.outcome != "InProgress" or request.mode != "restart":
+            return
+        mode = request.mode
+        if why is FLUSH_COMMITTED:
+            step = p.checkpoint_step
+            message = FLUSH_REQUEST_COMMITTED.message(id=request.id, mode=mode, step=step)
+            self._end_request(p, request, "Committed", message, FLUSH_REQUEST_COMMITTED, step=step)
+            return
+        reason = why.name if why is not None else "stopped"
+        message = FLUSH_REQUEST_NOT_COMMITTED.message(
+            id=request.id, mode=mode, why=f"{reason}: the gang restarts from {p.resume_point()}"
+        )
+        self._end_request(p, request, "NotCommitted", message, FLUSH_REQUEST_NOT_COMMITTED)
+
+    def _end_request(
+        self,
+        p: _Pass,
+        request: FlushRequestStatus,
+        outcome: FlushRequestOutcomeName,
+        message: str,
+        why: Reason,
+        *,
+        step: int | None = None,
+    ) -> None:
+        request.outcome, request.message, request.step, request.time = outcome, message, step, p.now
+        self._event(p, why, message=message)
+
+    def _request_status(
+        self,
+        p: _Pass,
+        request: FlushRequest,
+        outcome: FlushRequestOutcomeName,
+        message: str,
+        *,
+        baseline: int | None = None,
+    ) -> FlushRequestStatus:
+        return FlushRequestStatus(
+            id=request.id,
+            mode=request.mode,
+            outcome=outcome,
+            message=message,
+            time=p.now,
+            requested_at=request.requested_at,
+            started_at=p.now,
+            baseline_step=baseline,
+        )
 
     # -- infrastructure health ---------------------------------------------------------------
     def _note_health(self, p: _Pass) -> None:
@@ -1215,7 +1580,7 @@ def _stop_with_flush(status: JobStatus) -> bool:
     """Whether stopping the gang now may flush: not after a failure of the user's code or an
     infrastructure error, when the healthy ranks would wait for their dead peers."""
     recovery = status.recovery
-    return recovery is None or recovery.cause is Cause.PREEMPTION
+    return recovery is None or recovery.cause in (Cause.PREEMPTION, Cause.REQUESTED)
 
 
 def _status_unreadable(stored: StoredJob) -> bool:

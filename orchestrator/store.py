@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.model import JobKey, JobSpec, JobStatus, describe_validation_error
+from orchestrator.model import FlushRequest, JobKey, JobSpec, JobStatus, describe_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,12 @@ class StoredJob:
     """The spec's generation (``metadata.generation``)."""
     uid: str = ""
     invalid: str | None = None
+    flush_request: FlushRequest | None = None
+    """A person's request to flush (Kubernetes: the ``spotjob.dev/flush-request`` annotation)."""
+    flush_request_problem: str | None = None
+    """Why that request could not be read; ``flush_request_id`` then names it."""
+    flush_request_id: str | None = None
+    """The id the request is known by: its own, or for one that cannot be read a digest of it."""
 
 
 def parse_job(key: JobKey, spec: Any, status: Any, *, version: str, generation: int = 1, uid: str = "") -> StoredJob:

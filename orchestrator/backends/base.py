@@ -12,7 +12,8 @@ Call order (the reconciler, one job at a time, never concurrently for one job):
 1. every pass: ``spec_problems`` (a spec this backend cannot run makes the job Invalid), then
    ``list_workers`` and ``signals`` (observations; no side effects);
 2. a preemption: ``request_flush`` for every running worker whose agent has not accepted one yet,
-   every pass until it answers ``accepted`` (never again after that);
+   every pass until it answers ``accepted`` (never again after that); a person's request for a
+   checkpoint without a stop: ``request_save`` the same way;
 3. a restart: ``stop_workers`` (the whole gang) until ``list_workers`` shows none alive, then
    ``start_workers`` for the next attempt, away from the placements to avoid;
 4. a failed job: ``stop_workers``.
@@ -31,6 +32,8 @@ Contract of every backend:
 - ``list_workers`` reports every worker of the job it still knows, of any attempt, including those
   that exited (phase Succeeded/Failed with their exit code) until ``stop_workers`` removes them.
   A worker of the current attempt missing from the list has vanished (its node went away).
+- ``request_save`` is ``request_flush``'s sibling (same answers, never blocking): a checkpoint now,
+  training goes on; idempotent per ``request_id`` at the agent.
 - ``request_flush`` never blocks a pass: a backend that must reach the agent over a network sends
   the request in the background (bounded, concurrent, timed out) and answers ``PENDING`` until it
   knows, then ``ACCEPTED`` or ``FAILED`` with the error (a later call after ``FAILED`` sends
@@ -115,6 +118,9 @@ class WorkerObservation:
     step: int | None = None
     """The training step the agent last reported (GET /status): a hint for steps lost and the step
     rate, never for what is committed (storage decides that)."""
+    unschedulable: str | None = None
+    """Why a Pending worker cannot be placed (no node has room, none matches its selector), in the
+    scheduler's words; None while it is placed or placing. The start timeout counts on it."""
     detail: str | None = None
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
@@ -192,5 +198,14 @@ class Backend(Protocol):
         ``deadline`` is when the capacity goes away. Never blocks: answers ``PENDING`` while the
         request is in flight, then ``ACCEPTED`` or ``FAILED`` (see the module docstring). The
         agent keeps the first request it accepted, so a repeat is harmless.
+        """
+        ...
+
+    def request_save(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, request_id: str, reason: str
+    ) -> FlushRequestState:
+        """Ask ``worker``'s agent to commit a checkpoint now and train on (POST /save with the job's
+        token): the early save of a rebalance recommendation. Never blocks, answers like
+        ``request_flush``. The agent serves each ``request_id`` once, so a repeat is harmless.
         """
         ...

@@ -18,16 +18,18 @@ builds the objects):
   its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
   processes still run behind a partition, fencing keeps what they write from counting.
 - ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
-  ranks train, not when its container starts: replica 0 once its pod is Ready (the agent's
-  /readyz: global rank 0 trains, which needs every rank of the gang joined and restored), the
-  other replicas once their container runs and replica 0 is Running. The training
+  ranks train, not when its container starts: once its pod is Ready (its agent's /readyz: the
+  node's first rank trains, which needs every rank of the gang joined and restored). The training
   container's exit code is the agent's; a pod that failed without one (deleted with its node,
   evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
   past the grace): its object may say Running for minutes, but no kubelet reports for it and no
   flush can reach it.
 - ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
-- ``request_flush``: ``POST /flush`` to the agent on the pod's IP, in the background
-  (``orchestrator.k8s.agents``): pending, then accepted or failed.
+- ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
+  IP, in the background (``orchestrator.k8s.agents``): pending, then accepted or failed.
+- A Pending pod the scheduler cannot place (``PodScheduled=False``, reason Unschedulable) is
+  observed with the scheduler's message (``WorkerObservation.unschedulable``): what the spec's
+  ``startTimeoutSeconds`` counts on.
 
 Nothing here blocks on the network in a pass except the writes (pod creates and deletes).
 """
@@ -171,9 +173,8 @@ class KubernetesBackend:
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         token: str | None = None
-        job_pods = self._job_pods(key)
-        phases: dict[tuple[int, int], tuple[WorkerPhase, int | None]] = {}
-        for pod in job_pods:
+        out = []
+        for pod in self._job_pods(key):
             attempt, index = _attempt(pod), _index(pod)
             if attempt is None or index is None:
                 continue
@@ -183,22 +184,6 @@ class KubernetesBackend:
                 # Its kubelet is gone: the pod object still says Running, but nothing there can be
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
-            phases[(attempt, index)] = (phase, exit_code)
-        out = []
-        for pod in job_pods:
-            attempt, index = _attempt(pod), _index(pod)
-            if attempt is None or index is None:
-                continue
-            phase, exit_code = phases[(attempt, index)]
-            if (
-                index > 0
-                and phase is WorkerPhase.PENDING
-                and _container_running(pod)
-                and phases.get((attempt, 0), (None, None))[0] is WorkerPhase.RUNNING
-            ):
-                # Replica 0's rank 0 trains only once this replica's ranks joined and restored.
-                phase = WorkerPhase.RUNNING
-            node_name = (pod.get("spec") or {}).get("nodeName")
             labels = self._node_labels(node_name)
             step = None
             if phase is WorkerPhase.RUNNING and _pod_ip(pod):
@@ -216,6 +201,7 @@ class KubernetesBackend:
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
                     step=step,
+                    unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
@@ -233,6 +219,17 @@ class KubernetesBackend:
         if not _pod_ip(pod):
             return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
         answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline)
+        return _flush_state(answer)
+
+    def request_save(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, request_id: str, reason: str
+    ) -> FlushRequestState:
+        pod = next((p for p in self._job_pods(key) if _name(p) == worker.name), None)
+        if pod is None:
+            return FlushRequestState.failed(f"worker {worker.name} has no pod")
+        if not _pod_ip(pod):
+            return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
+        answer = self.agents.save(self._endpoint(pod, self._token(key)), request_id, reason)
         return _flush_state(answer)
 
     # -- inside ---------------------------------------------------------------------------------
@@ -446,10 +443,18 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     return WorkerPhase.PENDING, None
 
 
-def _container_running(pod: Object) -> bool:
-    return (pod.get("status") or {}).get("phase") == "Running" and "running" in (
-        _trainer_status(pod).get("state") or {}
-    )
+def _unschedulable(pod: Object) -> str | None:
+    """The scheduler's word on a pod it cannot place (``PodScheduled=False``, reason Unschedulable)."""
+    if (pod.get("spec") or {}).get("nodeName"):
+        return None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            return str(condition.get("message") or "no node fits the pod")
+    return None
 
 
 def _alive(pod: Object) -> bool:

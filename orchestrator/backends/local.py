@@ -749,6 +749,20 @@ class LocalBackend:
         )
         return FlushRequestState.accepted()
 
+    def request_save(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, request_id: str, reason: str
+    ) -> FlushRequestState:
+        """POST /save to the worker's agent on loopback: a checkpoint now, training goes on."""
+        with self._lock:
+            w = self._workers.get(worker.name)
+        if w is None or w.job != key:
+            return FlushRequestState.failed(f"no worker {worker.name} to ask for a checkpoint")
+        try:
+            self._post(w, "/save", {"id": request_id, "reason": reason})
+        except BackendError as e:
+            return FlushRequestState.failed(str(e))
+        return FlushRequestState.accepted()
+
     def _post(
         self, w: _Worker, path: str, body: dict[str, Any], timeout: float = FLUSH_REQUEST_TIMEOUT
     ) -> dict[str, Any] | None:

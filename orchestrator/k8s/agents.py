@@ -8,8 +8,8 @@ it from the mounted file, and any leader recomputes it — so the controller nee
 read Secrets, and a new leader reaches the agents the old one started. A job created again under
 the same name has a new uid, hence a new token.
 
-**Calls** (``POST /flush``, ``POST /stop``, ``GET /status``) run in background threads, never in a
-reconcile pass: the first ``flush()`` for a pod starts the request and answers PENDING; later
+**Calls** (``POST /flush``, ``POST /save``, ``POST /stop``, ``GET /status``) run in background
+threads, never in a reconcile pass: the first ``flush()`` for a pod starts the request and answers PENDING; later
 calls answer how it went (ACCEPTED, or FAILED with why), and after a FAILED the next call tries
 again. Every request has a timeout (``timeout`` seconds to connect and to read), and the pools are
 bounded: a mass preemption queues requests rather than threads. Flushes and stops have their own
@@ -147,7 +147,8 @@ class AgentCalls:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent-call")
         self._status_pool = ThreadPoolExecutor(max_workers=status_workers, thread_name_prefix="agent-status")
         self._lock = threading.Lock()
-        self._calls: dict[tuple[str, str], Future[CallResult]] = {}
+        self._calls: dict[tuple[str, str, str], Future[CallResult]] = {}
+        """(what, pod uid, request tag) -> the call in flight or answered."""
         self._status: dict[str, _Status] = {}
 
     def close(self) -> None:
@@ -163,16 +164,21 @@ class AgentCalls:
     def stop(self, agent: Endpoint, reason: str) -> CallResult:
         return self._call("stop", agent, {"reason": reason[:1000] or "stop"})
 
-    def state(self, what: str, pod_uid: str) -> CallResult | None:
-        """How the last ``what`` ("flush", "stop") request to that pod went, without starting one."""
+    def save(self, agent: Endpoint, request_id: str, reason: str) -> CallResult:
+        """``POST /save``: a checkpoint now, training goes on; one call per (pod, request id)."""
+        return self._call("save", agent, {"id": request_id, "reason": reason[:1000] or "save"}, tag=request_id)
+
+    def state(self, what: str, pod_uid: str, tag: str = "") -> CallResult | None:
+        """How the last ``what`` ("flush", "stop"; "save" with its request id as ``tag``) request to
+        that pod went, without starting one."""
         with self._lock:
-            future = self._calls.get((what, pod_uid))
+            future = self._calls.get((what, pod_uid, tag))
         if future is None:
             return None
         return future.result() if future.done() else CallResult(CallState.PENDING)
 
-    def _call(self, what: str, agent: Endpoint, body: dict[str, Any]) -> CallResult:
-        key = (what, agent.pod_uid)
+    def _call(self, what: str, agent: Endpoint, body: dict[str, Any], *, tag: str = "") -> CallResult:
+        key = (what, agent.pod_uid, tag)
         with self._lock:
             future = self._calls.get(key)
             if future is not None and future.done() and future.result().state is CallState.FAILED:
@@ -241,6 +247,6 @@ class AgentCalls:
     def forget(self, pod_uid: str) -> None:
         """Drop what is remembered about a pod (the Pod informer saw it deleted)."""
         with self._lock:
-            for what in ("flush", "stop"):
-                self._calls.pop((what, pod_uid), None)
+            for key in [k for k in self._calls if k[1] == pod_uid]:
+                del self._calls[key]
             self._status.pop(pod_uid, None)

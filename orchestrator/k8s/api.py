@@ -124,6 +124,8 @@ PERMISSIONS: tuple[Permission, ...] = (
     # Writes.
     Permission("", "pods", "create", "start a worker"),
     Permission("", "pods", "delete", "stop a worker (force-delete one stuck on a lost node)"),
+    Permission("", "pods", "patch", "the checkpoint hints: a worker's last-checkpoint annotations"),
+    Permission("", "nodes", "patch", "the interruption queue: a notice becomes an annotation on its Node"),
     Permission("", "services", "create", "the job's headless rendezvous Service"),
     Permission("", "secrets", "create", "the job's agent token Secret (never read back: the token is derived)"),
     Permission("networking.k8s.io", "networkpolicies", "create", "the job's NetworkPolicy (--network-policy)"),

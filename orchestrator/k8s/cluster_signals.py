@@ -18,8 +18,12 @@ Node taints (each key checked against its project's own docs or code, cited besi
 - ``node.kubernetes.io/out-of-service``: an operator (or cloud provider) declared the node shut
   down without grace: nothing on it can flush; it is lost.
 
-Node annotation ``spotjob.dev/interruption`` (JSON ``{kind, deadline, messageId, source}``): written by
-the leader's interruption-queue reader from a cloud message, before the message is deleted.
+Node annotation ``spotjob.dev/interruption`` (JSON ``{kind, deadline, messageId, source, time, …}``):
+written by the leader's interruption-queue reader (``orchestrator.k8s.interruption_queue``) from a
+cloud message, before the message is deleted. ``kind`` is a ``SignalKind`` value; ``deadline`` and
+``time`` are RFC 3339. A notice older than ``INTERRUPTION_TTL_SECONDS`` (its deadline, else its
+time) no longer counts: EC2 has long acted on it, and a node stopped and started again under the
+same name must not carry it for ever.
 
 Node loss: a Node deleted, or NotReady/Unknown (or missing from the cache) for longer than a grace
 period. One look at a cache proves nothing (a kubelet can miss a heartbeat), so
@@ -54,7 +58,10 @@ Object = dict[str, Any]
 
 SOURCE_NODE = "k8s-node"
 SOURCE_POD = "k8s-pod"
+SOURCE_QUEUE = "aws-sqs"
 INTERRUPTION_ANNOTATION = "spotjob.dev/interruption"
+INTERRUPTION_TTL_SECONDS = 3600.0
+"""How long after its deadline (or, without one, its time) an interruption annotation counts."""
 
 
 class RebalancePolicy(StrEnum):
@@ -161,28 +168,74 @@ def taint_signals(node: Object, *, rebalance: RebalancePolicy, now: datetime) ->
     return out
 
 
-def annotation_signal(node: Object, *, rebalance: RebalancePolicy, now: datetime) -> Signal | None:
-    """The interruption-queue reader's notice on ``node``, if any. A malformed one is logged and ignored."""
-    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(INTERRUPTION_ANNOTATION)
-    if not raw:
-        return None
-    name = _name(node)
+@dataclass(frozen=True)
+class Interruption:
+    """The ``spotjob.dev/interruption`` annotation, read."""
+
+    kind: SignalKind
+    source: str
+    deadline: datetime | None
+    time: datetime | None
+    message_id: str | None
+    detail: str
+
+
+def read_interruption(raw: str) -> Interruption | None:
+    """The annotation's value parsed; None when it is not a notice (a malformed value)."""
     try:
         notice = json.loads(raw)
         kind = SignalKind(notice["kind"])
     except (ValueError, KeyError, TypeError):
-        log.warning("node %s: ignoring malformed %s annotation %r", name, INTERRUPTION_ANNOTATION, raw[:200])
         return None
+    message = notice.get("messageId")
+    return Interruption(
+        kind=kind,
+        source=str(notice.get("source") or "interruption-queue"),
+        deadline=_parse_time(notice.get("deadline")),
+        time=_parse_time(notice.get("time")),
+        message_id=str(message) if message else None,
+        detail=str(notice.get("detail") or ""),
+    )
+
+
+def notice_expired(notice: Interruption, now: datetime) -> bool:
+    """Whether a notice is older than ``INTERRUPTION_TTL_SECONDS`` (past its deadline, else its time)."""
+    when = notice.deadline or notice.time
+    return when is not None and (now - when).total_seconds() > INTERRUPTION_TTL_SECONDS
+
+
+def severity(kind: SignalKind) -> int:
+    """How grave a kind is (a node gone > an interruption > a termination > a disruption > advice)."""
+    return _SEVERITY[kind]
+
+
+def annotation_signal(node: Object, *, rebalance: RebalancePolicy, now: datetime) -> Signal | None:
+    """The interruption-queue reader's notice on ``node``, if any and not expired. A malformed one
+    is logged and ignored."""
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(INTERRUPTION_ANNOTATION)
+    if not raw:
+        return None
+    name = _name(node)
+    notice = read_interruption(str(raw))
+    if notice is None:
+        log.warning("node %s: ignoring malformed %s annotation %r", name, INTERRUPTION_ANNOTATION, str(raw)[:200])
+        return None
+    if notice_expired(notice, now):
+        log.debug("node %s: ignoring an expired %s annotation (%s)", name, INTERRUPTION_ANNOTATION, notice.kind)
+        return None
+    kind = notice.kind
     if kind is SignalKind.REBALANCE and rebalance is RebalancePolicy.FLUSH:
         kind = SignalKind.SPOT_INTERRUPTION
-    source = str(notice.get("source") or "interruption-queue")
-    message = notice.get("messageId")
-    detail = f"{INTERRUPTION_ANNOTATION} from {source}" + (f" (message {message})" if message else "")
+    detail = f"{INTERRUPTION_ANNOTATION} from {notice.source}"
+    if notice.detail:
+        detail += f": {notice.detail}"
+    if notice.message_id:
+        detail += f" (message {notice.message_id})"
     return Signal(
         kind=kind,
-        source=source,
+        source=notice.source,
         node=name,
-        deadline=_parse_time(notice.get("deadline")),
+        deadline=notice.deadline,
         detail=detail,
         observed_at=now,
     )

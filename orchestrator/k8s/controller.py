@@ -5,10 +5,14 @@ In order, on the main thread (``Controller.run``):
 1. the HTTP server starts (/healthz answers at once; /readyz fails until step 2 is done);
 2. the informers (SpotJobs, the workers' Pods, Nodes) start and sync their caches;
 3. leader election starts; non-leaders stay here, ready but idle, their caches warm;
-4. on becoming the leader: every cached SpotJob is queued and the workers start reconciling;
-5. on SIGTERM: the workers finish the reconcile they are in, the lease is released, the informers
-   and the server stop, and the process exits 0. A leader that loses its lease exits at once with
-   ``EXIT_LEADERSHIP_LOST`` instead (no reconcile of a deposed leader may run on).
+4. on becoming the leader: every cached SpotJob is queued and the workers start reconciling; with
+   ``--interruption-queue-url``, the leader alone starts reading the queue
+   (``orchestrator.k8s.interruption_queue``: a message becomes an annotation on its Node, whose
+   update queues the jobs on that node like any Node event);
+5. on SIGTERM: the workers finish the reconcile they are in, the queue reader stops, the lease is
+   released, the informers and the server stop, and the process exits 0. A leader that loses its
+   lease exits at once with ``EXIT_LEADERSHIP_LOST`` instead (no reconcile of a deposed leader may
+   run on, nor any read of the queue).
 
 In parallel: one thread per informer (and namespace), ``--workers`` reconcile threads, the leader
 elector and its watchdog, the HTTP server's threads. Informer handlers only map events to job keys
@@ -35,6 +39,7 @@ from orchestrator.k8s.cluster_signals import ClusterSignals, RebalancePolicy
 from orchestrator.k8s.events import EventRecorder
 from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.informer import EventHandler, Informer
+from orchestrator.k8s.interruption_queue import INSTANCE_INDEX, InterruptionQueueReader, Queue, SqsQueue, instance_id
 from orchestrator.k8s.leader import LeaderElector, LeaseTiming
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.k8s.pods import JOB_LABEL
@@ -122,7 +127,10 @@ class Controller:
         *,
         metrics: ControllerMetrics | None = None,
         on_leadership_lost: Callable[[str], None] = _exit_process,
+        interruption_queue: Queue | None = None,
     ) -> None:
+        """``interruption_queue`` replaces the SQS queue ``options.interruption_queue_url`` names
+        (tests); without either, no queue is read."""
         self.options = options
         self.client = client
         self.metrics = metrics or ControllerMetrics()
@@ -133,7 +141,7 @@ class Controller:
         self.pods = Informer(
             client, PODS, namespaces=namespaces, label_selector=JOB_LABEL, indexers={"job": _pod_job, "node": _pod_node}
         )
-        self.nodes = Informer(client, NODES)
+        self.nodes = Informer(client, NODES, indexers={INSTANCE_INDEX: instance_id})
         self.queue = WorkQueue(on_depth=self.metrics.queue_depth)
         self.signals = ClusterSignals(
             rebalance=options.rebalance, node_lost_grace_seconds=options.node_lost_grace_seconds
@@ -151,6 +159,13 @@ class Controller:
             options=options,
         )
         self.workers = Workers(self.queue, reconcile_factory(self.context), count=options.workers, metrics=self.metrics)
+        self.queue_reader: InterruptionQueueReader | None = None
+        if interruption_queue is None and options.interruption_queue_url:
+            interruption_queue = SqsQueue(options.interruption_queue_url, options.aws_region)
+        if interruption_queue is not None:
+            self.queue_reader = InterruptionQueueReader(
+                client, self.nodes.cache, interruption_queue, metrics=self.metrics
+            )
         self._workers_started = threading.Event()
         self.elector: LeaderElector | None = None
         if options.leader_elect:
@@ -213,6 +228,8 @@ class Controller:
             self.queue.add(ObjectKey(ns, name))
         self.workers.start()
         self._workers_started.set()
+        if self.queue_reader is not None:
+            self.queue_reader.start()
 
     def _leadership_lost(self, why: str) -> None:
         self.metrics.leader(False)
@@ -230,6 +247,8 @@ class Controller:
             dead.append("leader election")
         if self._workers_started.is_set() and not self.workers.alive() and not self._stop.is_set():
             dead.append("reconcile workers")
+        if self.queue_reader is not None and not self.queue_reader.alive():
+            dead.append("interruption-queue reader")
         return f"not running: {', '.join(dead)}" if dead else None
 
     def _check_synced(self) -> str | None:
@@ -268,6 +287,8 @@ class Controller:
 
     def _shutdown(self) -> None:
         log.info("shutting down")
+        if self.queue_reader is not None:
+            self.queue_reader.stop()
         if self._workers_started.is_set():
             self.workers.stop()
         else:

@@ -23,6 +23,7 @@ from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
 from orchestrator.k8s.cluster_signals import RebalancePolicy
 from orchestrator.k8s.controller import Controller, ControllerOptions, ReconcileFactory
+from orchestrator.k8s.interruption_queue import region_of
 from orchestrator.k8s.leader import LeaseTiming, default_identity
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.k8s.wiring import spotjob_reconcile
@@ -110,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(the chart mounts it from a Secret; default: a random key, lost on restart; $SPOTJOB_AGENT_TOKEN_KEY_FILE)",
     )
     p.add_argument(
-        "--interruption-queue-url", help="SQS queue of EC2 interruption events ($SPOTJOB_INTERRUPTION_QUEUE_URL)"
+        "--interruption-queue-url",
+        help="spotjob's own SQS queue of EC2 interruption events (EventBridge), read by the leader; never "
+        "Karpenter's or aws-node-termination-handler's: a message is consumed once ($SPOTJOB_INTERRUPTION_QUEUE_URL)",
     )
-    p.add_argument("--aws-region", help="region of the interruption queue ($AWS_REGION)")
+    p.add_argument("--aws-region", help="region of the interruption queue (default: the one in its URL; $AWS_REGION)")
     p.add_argument(
         "--rebalance",
         choices=[r.value for r in RebalancePolicy],
@@ -193,6 +196,10 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         if parsed.scheme not in ("https", "http") or not parsed.netloc or not parsed.path.strip("/"):
             raise ValueError(f"--interruption-queue-url {queue_url!r} is not a queue URL (https://host/account/queue)")
     region = args.aws_region or _env("AWS_REGION") or _env("AWS_DEFAULT_REGION")
+    if queue_url and not (region or region_of(queue_url)):
+        raise ValueError(
+            f"--interruption-queue-url {queue_url!r} names no region: pass --aws-region (or set AWS_REGION)"
+        )
     rebalance_text = args.rebalance or _env("SPOTJOB_REBALANCE", "ignore") or "ignore"
     try:
         rebalance = RebalancePolicy(rebalance_text)
@@ -280,6 +287,9 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         build_parser().error(f"$SPOTJOB_LOG_LEVEL must be debug, info, warning or error, not {level.lower()!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for chatty in ("botocore", "boto3"):
+        # Their debug output is every request's headers and hooks: ours says what matters.
+        logging.getLogger(chatty).setLevel(max(logging.INFO, logging.getLevelName(level)))
     try:
         configuration = load_config(args.kubeconfig)
     except ConfigError as e:
@@ -287,11 +297,6 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
         return EXIT_USAGE
     metrics = ControllerMetrics()
     client = KubeClient(configuration, on_retry=metrics.api_retry)
-    if options.interruption_queue_url:
-        log.warning(
-            "--interruption-queue-url is accepted, but this build has no interruption-queue reader: "
-            "notices come from node taints and pod conditions only"
-        )
     if options.network_policy and not options.controller_namespace:
         log.warning(
             "--network-policy: the controller's namespace is unknown (no --controller-namespace, $POD_NAMESPACE "
@@ -314,10 +319,11 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info(
-        "spotjob-controller %s: namespaces %s, leader election %s",
+        "spotjob-controller %s: namespaces %s, leader election %s, interruption queue %s",
         options.identity,
         ", ".join(options.namespaces) or "all",
         f"on lease {options.lease_namespace}/{options.lease_name}" if options.leader_elect else "off",
+        options.interruption_queue_url or "none",
     )
     controller.run()
     return 0

@@ -15,6 +15,11 @@ not collide. Families (all prefixed ``spotjob_``):
 - ``workqueue_depth``                              keys ready to reconcile
 - ``api_retries_total{verb,resource,reason}``      API requests retried (5xx, 429, network)
 - ``leader``                                       1 while this replica leads
+- ``interruption_messages_total{kind,outcome}``    interruption-queue messages, by what became of
+                                                   them (annotated, duplicate, unknown_node,
+                                                   ignored, unparsable, retry)
+- ``interruption_queue_errors_total``              failed receives or deletes on the queue
+- ``checkpoint_hint_patches_total{outcome}``       pod annotation patches of the checkpoint hints
 """
 
 from __future__ import annotations
@@ -85,6 +90,21 @@ class ControllerMetrics:
             registry=r,
         )
         self._leader = Gauge("spotjob_leader", "1 while this replica is the leader.", registry=r)
+        self._queue_messages = Counter(
+            "spotjob_interruption_messages",
+            "Interruption-queue messages, by kind and by what became of them.",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self._queue_errors = Counter(
+            "spotjob_interruption_queue_errors", "Failed receives or deletes on the interruption queue.", registry=r
+        )
+        self._hint_patches = Counter(
+            "spotjob_checkpoint_hint_patches",
+            "Patches of the pods' checkpoint-hint annotations, by outcome (ok, failed).",
+            ["outcome"],
+            registry=r,
+        )
         self._jobs_lock = threading.Lock()
         self._jobs: set[tuple[str, str]] = set()
 
@@ -136,6 +156,15 @@ class ControllerMetrics:
 
     def leader(self, leading: bool) -> None:
         self._leader.set(1 if leading else 0)
+
+    def interruption_message(self, kind: str, outcome: str) -> None:
+        self._queue_messages.labels(kind=kind, outcome=outcome).inc()
+
+    def interruption_queue_error(self) -> None:
+        self._queue_errors.inc()
+
+    def checkpoint_hint_patch(self, outcome: str) -> None:
+        self._hint_patches.labels(outcome=outcome).inc()
 
     def exposition(self) -> bytes:
         """The text format served at /metrics."""

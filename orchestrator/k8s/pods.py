@@ -18,8 +18,8 @@ What is taken from the user's ``spec.template`` and what spotjob sets:
   node), tolerations that keep a worker on a node whose preemption taint is ``NoExecute`` long
   enough to flush, ``restartPolicy: Never`` (an attempt's pod is never restarted in place: the
   reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush,
-  and the agent's probes (liveness on /healthz; readiness on /readyz for replica 0, Ready once
-  global rank 0 trains, i.e. once the whole gang joined and restored);
+  and the agent's probes (liveness on /healthz; readiness on /readyz, Ready once the node's ranks
+  train, i.e. once the whole gang joined and restored);
 - three volumes: ``spotjob-token`` (the per-job Secret, for ``--token-file``), ``spotjob-control``
   (the agent <-> ranks folder) and ``spotjob-staging`` (``SPOTJOB_STAGING_DIR``, an emptyDir on
   the node; a volume of that name in the template replaces it, e.g. a local NVMe disk).
@@ -279,19 +279,14 @@ def worker_pod(
         {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
         {"name": STAGING_VOLUME, "mountPath": STAGING_DIR},
     ]
-    if index == 0:
-        # Ready once global rank 0 trains, which it does only once every rank of every replica
-        # joined the rendezvous and restored: replica 0's readiness stands for the gang's. The
-        # agents of the other replicas host no rank 0, whose status their /readyz reads, so their
-        # pods carry no readiness probe (see orchestrator.backends.k8s for how they count).
-        trainer["readinessProbe"] = {
-            "httpGet": {"path": "/readyz", "port": AGENT_PORT_NAME},
-            "periodSeconds": 2,
-            "timeoutSeconds": 2,
-            "failureThreshold": 3,
-        }
-    else:
-        trainer.pop("readinessProbe", None)
+    # Ready once the node's ranks train (its first rank reports past "starting"), which they do
+    # only once every rank of every replica joined the rendezvous and restored.
+    trainer["readinessProbe"] = {
+        "httpGet": {"path": "/readyz", "port": AGENT_PORT_NAME},
+        "periodSeconds": 2,
+        "timeoutSeconds": 2,
+        "failureThreshold": 3,
+    }
     trainer["livenessProbe"] = {
         "httpGet": {"path": "/healthz", "port": AGENT_PORT_NAME},
         "initialDelaySeconds": 10,

@@ -13,6 +13,10 @@ Two details keep the cache honest:
   (GET), so a job the cache lags behind on is seen as the server has it, and a job deleted
   since is confirmed gone (404) rather than guessed.
 
+The annotation ``spotjob.dev/flush-request`` (a person asking for a flush, ``kubectl spotjob
+flush``) is read into ``StoredJob.flush_request``; the controller never writes it (only people do,
+with ``patch`` on spotjobs), and records in the status which request it handled.
+
 A spec or status that does not validate is returned as an invalid ``StoredJob``
 (``orchestrator.store.parse_job``): the reconciler says so on that job, every other job is served.
 The controller never creates or deletes SpotJobs (people and their tools do): ``create`` and
@@ -21,13 +25,15 @@ The controller never creates or deletes SpotJobs (people and their tools do): ``
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import threading
 from typing import Any
 
 from orchestrator.k8s.api import SPOTJOBS, Conflict, KubeClient, KubeError, NotFound, Object, resource_version
 from orchestrator.k8s.informer import Cache
-from orchestrator.model import JobKey, JobSpec, JobStatus
+from orchestrator.model import FLUSH_REQUEST_ANNOTATION, JobKey, JobSpec, JobStatus, parse_flush_request
 from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob, StoreError, parse_job
 
 log = logging.getLogger(__name__)
@@ -132,7 +138,7 @@ class KubeJobStore(JobStore):
 
 def _stored(key: JobKey, obj: Object) -> StoredJob:
     meta: dict[str, Any] = obj.get("metadata") or {}
-    return parse_job(
+    stored = parse_job(
         key,
         obj.get("spec"),
         obj.get("status") or None,
@@ -140,3 +146,13 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         generation=int(meta.get("generation") or 1),
         uid=str(meta.get("uid") or ""),
     )
+    raw = (meta.get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
+    if not raw:
+        return stored
+    try:
+        request = parse_flush_request(str(raw))
+    except ValueError as e:
+        # Handled once too: known by a digest of what was written.
+        digest = hashlib.sha256(str(raw).encode()).hexdigest()[:16]
+        return dataclasses.replace(stored, flush_request_problem=str(e), flush_request_id=f"invalid-{digest}")
+    return dataclasses.replace(stored, flush_request=request, flush_request_id=request.id)

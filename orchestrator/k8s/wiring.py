@@ -6,7 +6,8 @@ before the informers start: the Kubernetes store (``orchestrator.k8s.store``), t
 (``ControllerMetrics``) around one ``Reconciler`` — the same state machine local mode runs. Each
 call reconciles one job key and answers when to look again; the work queue runs at most one call
 per key at a time, and informer events (a pod became Ready, a node was tainted) bring a job's
-next pass forward.
+next pass forward. After each pass, the job's running pods get its newest checkpoint as hint
+annotations (``orchestrator.k8s.hints``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.agents import load_token_key
 from orchestrator.k8s.controller import ControllerContext
 from orchestrator.k8s.events import JobEventSink
+from orchestrator.k8s.hints import CheckpointHints
 from orchestrator.k8s.informer import EventHandler
 from orchestrator.k8s.pods import WorkerOptions
 from orchestrator.k8s.store import KubeJobStore
@@ -49,7 +51,9 @@ def spotjob_reconcile(context: ControllerContext, *, options: ReconcilerOptions 
             network_policy=opts.network_policy,
         ),
     )
+    hints = CheckpointHints(context.client, context.pods.cache, metrics=context.metrics)
     context.pods.add_handler(EventHandler(on_delete=backend.pod_deleted))
+    context.pods.add_handler(EventHandler(on_delete=hints.forget))
     store = KubeJobStore(context.client, context.jobs.cache)
     reconciler = Reconciler(
         store,
@@ -60,6 +64,20 @@ def spotjob_reconcile(context: ControllerContext, *, options: ReconcilerOptions 
     )
 
     def reconcile(key: ObjectKey) -> float | None:
-        return reconciler.reconcile(JobKey(key.namespace, key.name)).requeue_after
+        job = JobKey(key.namespace, key.name)
+        requeue = reconciler.reconcile(job).requeue_after
+        _sync_hints(hints, store, job)
+        return requeue
 
     return reconcile
+
+
+def _sync_hints(hints: CheckpointHints, store: KubeJobStore, job: JobKey) -> None:
+    """After a pass: the running workers' checkpoint hints follow the status it wrote (or kept)."""
+    try:
+        stored = store.get(job)
+        if stored is None or stored.status is None or stored.status.phase.terminal:
+            return
+        hints.sync(job, stored.status.last_checkpoint, stored.status.attempt.number)
+    except Exception:  # a hint is a courtesy: never fail the pass for it
+        log.exception("job %s: updating the checkpoint hints failed", job)

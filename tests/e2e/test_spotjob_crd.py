@@ -205,7 +205,7 @@ def test_a_status_as_the_reconciler_writes_it_is_stored_whole_and_shown_in_the_p
     answer = cluster.rest.pool.request("GET", f"{cluster.rest.host}{PATH.format(ns=namespace)}", headers=headers)
     table = json.loads(answer.data)
     columns = [c["name"] for c in table["columnDefinitions"] if c["priority"] == 0]
-    assert columns == ["Name", "Phase", "Step", "Checkpoint", "Preemptions", "Restarts", "Goodput", "Age"]
+    assert columns == ["Name", "Phase", "Step", "Checkpoint", "Preemptions", "Restarts", "Goodput", "Capacity", "Age"]
     [row] = table["rows"]
     assert row["cells"][:7] == ["shown", "Flushing", 500, row["cells"][3], 2, 1, 0.9312]
 
@@ -219,7 +219,9 @@ def test_kubectl_get_sj_shows_the_jobs_columns(cluster: TestCluster, namespace: 
 
     out = cluster.kubectl("get", "sj", "-n", namespace).stdout
     header, line = out.splitlines()[:2]
-    assert header.split() == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
+    assert header.split() == [
+        "NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "CAPACITY", "AGE"
+    ]  # fmt: skip
     assert line.split()[:3] == ["seen", "Flushing", "500"] and line.split()[4:7] == ["2", "1", "0.9312"]
     wide = cluster.kubectl("get", "spotjobs", "-n", namespace, "-o", "wide").stdout
     assert wide.splitlines()[0].split()[-2:] == ["ATTEMPT", "REASON"]

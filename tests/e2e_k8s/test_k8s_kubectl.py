@@ -70,8 +70,8 @@ def test_kubectl_applies_the_example_shows_it_live_describes_its_events_and_dele
 
     row = wait(live_row, "kubectl get sj to show a committed step")
     header, _ = _columns(cluster.kubectl("get", "sj", "-n", namespace).stdout)
-    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
-    assert row[1] == "Running" and int(row[2]) >= 10 and row[4] == "0" and row[5] == "0"
+    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "CAPACITY", "AGE"]
+    assert row[1] == "Running" and int(row[2]) >= 10 and row[4] == "0" and row[5] == "0" and row[7] == "spot"
 
     # A job the schema accepts but no pod can be built from: named, while the first job runs on.
     broken = yaml.safe_load(_example_for_this_machine(tmp_path / "ckpt-broken"))

@@ -172,7 +172,7 @@ def test_a_zombie_of_the_old_attempt_that_trains_on_behind_a_partition_never_cou
     storage.close()
 
 
-def test_two_replicas_of_one_rank_each_rendezvous_without_dns_and_survive_a_preemption_bit_identical(
+def test_two_replicas_rendezvous_without_dns_each_turn_ready_each_agent_exits_75_after_a_flush_bit_identical(
     cluster: TestCluster,
     namespace: str,
     start_controller: Callable[..., Controller],
@@ -188,6 +188,7 @@ def test_two_replicas_of_one_rank_each_rendezvous_without_dns_and_survive_a_pree
         cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, replicas=2, nproc=1)
     )
     wait_phase(cluster, namespace, "train", "Running")
+    # Every replica's own agent says its ranks train (each node's first rank reports to it).
     pods = running_pods(cluster, namespace, "train", 0)
     assert len(pods) == 2
     master = pods[0]["status"]["podIP"]
@@ -203,6 +204,11 @@ def test_two_replicas_of_one_rank_each_rendezvous_without_dns_and_survive_a_pree
         key=lambda p: p["metadata"]["name"],
     )
     assert len(last) == 2 and preempted not in {_node_of(p) for p in last}
+    # Every agent of attempt 0 saw the flush's result on its own node and exited 75, not only
+    # replica 0's (whose node hosts global rank 0).
+    for index in (0, 1):
+        agent_log = cluster.pod_log(namespace, f"train-0-{index}", "trainer")
+        assert "exiting 75: the flush committed step" in agent_log, agent_log[-3000:]
     # One rank per pod: rank r of the world is replica r's only rank.
     for rank, pod in enumerate(last):
         got = dumps / f"{pod['metadata']['name']}.rank{rank}.pt"

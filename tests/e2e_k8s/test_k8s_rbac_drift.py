@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 
+WITH_QUEUE = {"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"}}
+"""test_k8s_interruption_queue.py runs a controller with a queue: the chart grants the Node patch only then."""
+
 NOT_CALLED_HERE = {
     ("", "events", "create"): "core v1 Events: the recorder's fallback where events.k8s.io/v1 is not served "
     "(tests/k8s_ctl/test_k8s_events.py exercises it)",
@@ -60,10 +63,11 @@ def test_the_chart_grants_exactly_the_calls_the_controller_made(
     records = [r for r in k8s_cluster.audit_log() if r.user == CONTROLLER_USER and r.resource]
     if not records:
         pytest.skip("no scenario of tests/e2e_k8s ran in this session: this test reads their audit log")
-    # The defaults: all namespaces (a ClusterRole), leader election, per-job NetworkPolicies — as the
-    # scenarios ran the controller. The Lease lives in the release namespace in the chart and in the
-    # test's namespace here: names are compared, namespaces are not.
-    granted = controller_rules(render())
+    # The defaults plus an interruption queue: all namespaces (a ClusterRole), leader election,
+    # per-job NetworkPolicies, the queue reader — as the scenarios ran the controller. The Lease
+    # lives in the release namespace in the chart and in the test's namespace here: names are
+    # compared, namespaces are not.
+    granted = controller_rules(render(WITH_QUEUE))
 
     refused = sorted(
         {

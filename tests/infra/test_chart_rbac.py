@@ -36,14 +36,16 @@ CLUSTER_SCOPED = {"nodes", "events"}
 """Nodes are cluster-scoped; a Node's Events live in the default namespace, so Events are granted cluster-wide."""
 
 
-def expected(*, job_namespaces: list[str | None], network_policy: bool, leader: bool) -> set[Grant]:
+def expected(*, job_namespaces: list[str | None], network_policy: bool, leader: bool, queue: bool) -> set[Grant]:
     """PERMISSIONS as the chart must grant them: cluster-scoped kinds in the ClusterRole, the Lease
     by name in its namespace (create cannot be narrowed by name), everything else in the namespaces
     jobs run in (None: all, the ClusterRole); NetworkPolicies only when the controller creates them,
-    the Lease only with leader election."""
+    the Lease only with leader election, the patch of Nodes only with an interruption queue."""
     grants: set[Grant] = set()
     for p in PERMISSIONS:
         if p.resource == "networkpolicies" and not network_policy:
+            continue
+        if (p.resource, p.verb) == ("nodes", "patch") and not queue:
             continue
         if p.resource == "leases":
             if leader:
@@ -56,20 +58,20 @@ def expected(*, job_namespaces: list[str | None], network_policy: bool, leader: 
 
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "defaults": ({}, {"job_namespaces": [None], "network_policy": True, "leader": True}),
-    # No interruption-queue reader is built yet: a queue URL grants nothing more.
-    "queue": (QUEUE, {"job_namespaces": [None], "network_policy": True, "leader": True}),
+    "defaults": ({}, {"job_namespaces": [None], "network_policy": True, "leader": True, "queue": False}),
+    # The queue reader annotates Nodes: only then may the controller patch them.
+    "queue": (QUEUE, {"job_namespaces": [None], "network_policy": True, "leader": True, "queue": True}),
     "no-network-policy": (
         {"networkPolicy": {"enabled": False}},
-        {"job_namespaces": [None], "network_policy": False, "leader": True},
+        {"job_namespaces": [None], "network_policy": False, "leader": True, "queue": False},
     ),
     "one-replica": (
         {"replicas": 1, "leaderElection": {"enabled": False}},
-        {"job_namespaces": [None], "network_policy": True, "leader": False},
+        {"job_namespaces": [None], "network_policy": True, "leader": False, "queue": False},
     ),
     "watch-namespaces": (
         {"watchNamespaces": ["ml-training", "research"], **QUEUE},
-        {"job_namespaces": ["ml-training", "research"], "network_policy": True, "leader": True},
+        {"job_namespaces": ["ml-training", "research"], "network_policy": True, "leader": True, "queue": True},
     ),
 }
 

@@ -1,7 +1,7 @@
 """terraform/examples/eks (the AWS module, without the node group) applied and destroyed against
 moto's server, and what it created checked with boto3: the bucket's settings, the roles' reach,
 the queue's policy, and EventBridge delivering EC2 events to the queue in the envelope the
-controller's queue reader (issue #8) will parse. Then the module's outputs feed the chart.
+controller's queue reader parses (its parser is handed what arrived). Then the module's outputs feed the chart.
 
 moto does not enforce IAM, bucket or queue policies: the policies are read back and evaluated here
 (``_allowed``), not exercised by a denied request. The EKS node group is not applied (moto has no
@@ -15,7 +15,7 @@ import json
 import shutil
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ import boto3
 import pytest
 import yaml
 from infra_support import TERRAFORM, container_args, one, render, terraform
+
+from orchestrator.k8s.interruption_queue import parse_message
+from orchestrator.signals import SignalKind
 
 pytestmark = pytest.mark.slow
 
@@ -299,9 +302,8 @@ def _drain(stack: Stack) -> list[dict[str, Any]]:
 
 
 def test_a_spot_interruption_warning_reaches_the_queue_in_the_envelope_the_queue_reader_parses(stack: Stack) -> None:
-    """Issue #8: the controller's queue reader parses this body. Until it exists, the envelope
-    fields it needs are asserted here; when it does, hand ``body`` to it and assert the Signal
-    (kind spot interruption, instance i-…, the deadline two minutes after ``time``)."""
+    """The body EventBridge delivered is handed to the controller's queue reader's parser: a spot
+    interruption of that instance, its deadline two minutes after the event's ``time``."""
     _drain(stack)
     instance = f"i-{uuid.uuid4().hex[:17]}"
     detail = {"instance-id": instance, "instance-action": "terminate"}
@@ -318,6 +320,14 @@ def test_a_spot_interruption_warning_reaches_the_queue_in_the_envelope_the_queue
     assert body["resources"] == [f"arn:aws:ec2:us-east-1b:instance/{instance}"]
     assert {"version", "id"} <= set(body)  # EventBridge also sends "account"; moto leaves it out
 
+    message = parse_message(json.dumps(body))
+    assert (message.kind, message.instance_id, message.message_id) == (
+        SignalKind.SPOT_INTERRUPTION,
+        instance,
+        body["id"],
+    )
+    assert message.time == issued and message.deadline == issued + timedelta(minutes=2)
+
 
 def test_rebalance_and_terminating_state_changes_arrive_other_ec2_events_do_not(stack: Stack) -> None:
     _drain(stack)
@@ -326,11 +336,14 @@ def test_rebalance_and_terminating_state_changes_arrive_other_ec2_events_do_not(
     _put(stack, "EC2 Instance State-change Notification", {"instance-id": b, "state": "shutting-down"}, b)
     _put(stack, "EC2 Instance State-change Notification", {"instance-id": c, "state": "running"}, c)
     _put(stack, "EC2 AMI State Change", {"ImageId": "ami-0123456789abcdef0", "State": "available"}, d)
-    arrived = {(m["detail-type"], m["detail"].get("instance-id")) for m in _drain(stack)}
+    bodies = _drain(stack)
+    arrived = {(m["detail-type"], m["detail"].get("instance-id")) for m in bodies}
     assert arrived == {
         ("EC2 Instance Rebalance Recommendation", a),
         ("EC2 Instance State-change Notification", b),
     }
+    parsed = {parse_message(json.dumps(m)).instance_id: parse_message(json.dumps(m)).kind for m in bodies}
+    assert parsed == {a: SignalKind.REBALANCE, b: SignalKind.TERMINATING}
 
 
 # -- the chart takes the module's outputs ------------------------------------------------------------

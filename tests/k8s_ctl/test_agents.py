@@ -51,13 +51,13 @@ def endpoint(uid: str = "pod-uid-1", token: str | None = None) -> Endpoint:
     return Endpoint(uid, "llama-0-0", "127.0.0.1", token or derive_token(KEY, "ml", "llama", "uid-1"))
 
 
-def settle(calls: AgentCalls, what: str, uid: str = "pod-uid-1") -> CallResult:
+def settle(calls: AgentCalls, what: str, uid: str = "pod-uid-1", tag: str = "") -> CallResult:
     """The request's outcome once it is done (waits for the background thread, not for time)."""
     done = threading.Event()
 
     def poll() -> None:
         while True:
-            state = calls.state(what, uid)
+            state = calls.state(what, uid, tag)
             if state is not None and state.state is not CallState.PENDING:
                 done.set()
                 return
@@ -65,7 +65,7 @@ def settle(calls: AgentCalls, what: str, uid: str = "pod-uid-1") -> CallResult:
 
     threading.Thread(target=poll, daemon=True).start()
     assert done.wait(30), f"the {what} request never finished"
-    result = calls.state(what, uid)
+    result = calls.state(what, uid, tag)
     assert result is not None
     return result
 
@@ -168,3 +168,18 @@ def test_the_step_comes_from_the_agents_status_in_the_background(agent: Agent, c
     assert seen == 42
     calls.forget("pod-uid-1")
     assert calls.state("flush", "pod-uid-1") is None
+
+
+def test_a_save_is_asked_once_per_request_id_and_a_new_id_asks_again(agent: Agent, calls: AgentCalls) -> None:
+    assert calls.save(endpoint(), "req-1", "kubectl spotjob flush").state is CallState.PENDING
+    assert settle(calls, "save", tag="req-1").state is CallState.ACCEPTED
+    written = agent.control.save_request()
+    assert written is not None and written.id == "req-1" and not agent.control.flush_requested()
+
+    agent.control.clear_save_request()  # the ranks served it
+    assert calls.save(endpoint(), "req-1", "again").state is CallState.ACCEPTED  # remembered: no second call
+    assert agent.control.save_request() is None
+
+    calls.save(endpoint(), "req-2", "another")
+    assert settle(calls, "save", tag="req-2").state is CallState.ACCEPTED
+    assert agent.control.save_request().id == "req-2"  # type: ignore[union-attr]

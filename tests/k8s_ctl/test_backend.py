@@ -4,6 +4,8 @@ records what it is asked: how pods read as workers, what is created when, how a 
 from __future__ import annotations
 
 import copy
+import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -177,13 +179,40 @@ def world() -> World:
     return w
 
 
-def test_a_worker_runs_once_replica_0_is_ready_and_the_others_once_their_container_runs_beside_it(world: World) -> None:
+def test_each_worker_runs_once_its_own_pod_is_ready_whatever_replica_0_says(world: World) -> None:
     world.add(pod(0, ready=False), pod(1, ready=False, ip="10.0.0.2"))
     assert world.phases() == {"llama-0-0": (WorkerPhase.PENDING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
     world.add(pod(0, ready=True))
+    # Replica 1's container runs, but its own agent has not said its ranks train.
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
+    world.add(pod(1, ready=True, ip="10.0.0.2"))
     assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.RUNNING, None)}
     steps = {w.name: w.step for w in world.backend.list_workers(KEY, spec())}
     assert steps == {"llama-0-0": 7, "llama-0-1": 7}
+
+
+def test_a_pod_the_scheduler_cannot_place_is_pending_with_the_schedulers_words(world: World) -> None:
+    unplaced = pod(0, phase="Pending", ready=False, ip=None)
+    unplaced["spec"].pop("nodeName", None)
+    unplaced["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector.",
+            }
+        ],
+    }
+    world.add(unplaced, pod(1, phase="Pending", ready=False))
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    assert observed["llama-0-0"].phase is WorkerPhase.PENDING
+    assert (
+        observed["llama-0-0"].unschedulable
+        == "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+    )
+    assert observed["llama-0-1"].unschedulable is None, "placed: starting, not short of capacity"
 
 
 def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running(world: World) -> None:
@@ -284,3 +313,20 @@ def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_f
     problems = world.backend.spec_problems(KEY, bad)
     assert problems and problems[0].startswith("spec.template.spec.containers[0].args")
     assert world.backend.spec_problems(KEY, spec()) == []
+
+
+def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_its_node_is(world: World) -> None:
+    """The interruption-queue reader's annotation (what orchestrator.k8s.interruption_queue writes),
+    read from the Node like a taint: only for the jobs with a worker there."""
+    deadline = (datetime.now(UTC) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = json.dumps({"kind": "SpotInterruption", "deadline": deadline, "messageId": "m-1", "source": "aws-sqs"})
+    left = node("n2")
+    left["metadata"]["annotations"] = {"spotjob.dev/interruption": notice}
+    world.add(left, pod(0, node_name="n1"))
+    assert world.backend.signals(KEY, spec()) == [], "a stale notice on a node the job has left changes nothing"
+
+    here = node("n1")
+    here["metadata"]["annotations"] = {"spotjob.dev/interruption": notice}
+    world.add(here)
+    (signal,) = world.backend.signals(KEY, spec())
+    assert (signal.kind, signal.node, signal.source) == (SignalKind.SPOT_INTERRUPTION, "n1", "aws-sqs")

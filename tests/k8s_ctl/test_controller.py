@@ -5,13 +5,16 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from ctl_support import TestApi, wait_for
 
-from orchestrator.k8s.api import NODES, PODS, Resource
+from orchestrator.k8s.api import LEASES, NODES, PODS, Resource
 from orchestrator.k8s.controller import JOB_LABEL, Controller, ControllerContext, ControllerOptions
+from orchestrator.k8s.interruption_queue import QueueMessage
+from orchestrator.k8s.leader import LeaseTiming
 from orchestrator.k8s.workqueue import ObjectKey, Reconcile
 
 SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
@@ -77,3 +80,55 @@ def test_job_pod_and_node_events_reconcile_the_job_they_concern(test_api: TestAp
     )
     assert signal.kind.value == "SpotInterruption" and signal.node == "n1"
     assert [k for k in seen.calls if k != job] == []  # nothing else was reconciled
+
+
+class RecordingQueue:
+    """An interruption queue that is always empty, and says when it was first read."""
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._stop = threading.Event()
+
+    def receive(self, max_messages: int, wait_seconds: int) -> list[QueueMessage]:
+        self.received.set()
+        self._stop.wait(0.05)
+        return []
+
+    def delete(self, message: QueueMessage) -> None:
+        raise AssertionError("nothing was received")
+
+
+def test_only_the_leader_reads_the_interruption_queue(test_api: TestApi) -> None:
+    test_api.install_spotjob_crd()
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    lease = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "spotjob-controller", "namespace": "default"},
+        "spec": {"holderIdentity": "another-replica", "leaseDurationSeconds": 3600, "renewTime": now},
+    }
+    test_api.admin.create(LEASES, lease, "default")
+    queue = RecordingQueue()
+    options = ControllerOptions(
+        leader_elect=True,
+        lease_namespace="default",
+        identity="candidate",
+        lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2),
+        http_port=0,
+        workers=1,
+    )
+    controller = Controller(test_api.client(), options, Seen().factory, interruption_queue=queue)
+    thread = threading.Thread(target=controller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: controller.elector is not None and controller.elector.alive(), what="the campaign")
+        # Campaigning against a live leader: no reconcile workers, no queue reader.
+        assert controller.queue_reader is not None and not controller.is_leader
+        assert not queue.received.is_set()
+        test_api.admin.delete(LEASES, "spotjob-controller", "default")  # the other replica is gone
+        wait_for(lambda: controller.is_leader, what="the candidate to lead")
+        wait_for(queue.received.is_set, what="the leader to read the queue")
+    finally:
+        controller.stop()
+        thread.join(30)
+    assert not thread.is_alive()

@@ -89,6 +89,8 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--rebalance=sometimes"], {}, "--rebalance"),
         (["--node-lost-grace-seconds=-1"], {}, "--node-lost-grace-seconds"),
         (["--interruption-queue-url=sqs-queue"], {}, "--interruption-queue-url"),
+        # A queue URL that names no region (a VPC endpoint), and no region given: which one?
+        (["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"], {}, "--aws-region"),
         (["--leader-elect-lease-duration=2"], {}, "--leader-elect"),
         ([], {}, "--lease-namespace"),  # leader election on, and no namespace for the Lease
         (["--lease-namespace=x", "--bogus"], {}, "--bogus"),

@@ -190,10 +190,9 @@ def test_the_users_template_is_kept_and_spotjobs_labels_win() -> None:
     assert USER_TEMPLATE["spec"]["containers"][1].get("command") is None  # the input is not mutated
 
 
-def test_only_replica_0_is_probed_for_readiness_and_every_replica_for_liveness() -> None:
-    assert trainer(pod(0))["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "spotjob-agent"}
-    assert "readinessProbe" not in trainer(pod(1))
+def test_every_replica_is_probed_for_readiness_and_for_liveness() -> None:
     for index in (0, 1):
+        assert trainer(pod(index))["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "spotjob-agent"}
         assert trainer(pod(index))["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "spotjob-agent"}
 
 

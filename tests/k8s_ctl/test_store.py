@@ -4,6 +4,7 @@ lag never mistaken for a conflict."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -145,3 +146,33 @@ def test_the_controller_creates_and_deletes_no_spotjobs(api: TestApi) -> None:
     store = KubeJobStore(api.client(), Cache())
     with pytest.raises(StoreError, match="kubectl"):
         store.delete(KEY)
+
+
+def test_a_flush_request_annotation_is_read_with_the_job_and_a_bad_one_is_known_by_a_stable_digest(
+    api: TestApi,
+) -> None:
+    request = {"id": "req-7", "mode": "checkpoint", "reason": "before the eval", "requestedAt": "2026-03-01T10:00:00Z"}
+    body = spotjob()
+    body["metadata"]["annotations"] = {"spotjob.dev/flush-request": json.dumps(request)}
+    api.admin.create(SPOTJOBS, body, "default")
+    cache = Cache()
+    cached(api, cache)
+    job = KubeJobStore(api.client(), cache).get(KEY)
+    assert job is not None and job.flush_request is not None and job.flush_request_problem is None
+    assert (job.flush_request_id, job.flush_request.mode, job.flush_request.reason) == (
+        "req-7",
+        "checkpoint",
+        "before the eval",
+    )
+
+    # What a person wrote wrong: named, and known by the same id at every read (handled once).
+    current = api.admin.get(SPOTJOBS, "llama", "default")
+    current["metadata"]["annotations"] = {"spotjob.dev/flush-request": json.dumps({"id": "r", "mode": "reboot"})}
+    api.admin.replace(SPOTJOBS, current)
+    cached(api, cache)
+    store = KubeJobStore(api.client(), cache)
+    first, second = store.get(KEY), store.get(KEY)
+    assert first is not None and second is not None and first.flush_request is None
+    assert first.flush_request_problem is not None and "spotjob.dev/flush-request.mode" in first.flush_request_problem
+    assert first.flush_request_id == second.flush_request_id and str(first.flush_request_id).startswith("invalid-")
+    assert first.spec is not None, "a bad request does not make the job invalid"

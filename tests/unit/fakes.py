@@ -7,7 +7,11 @@ step it resumed from (the newest valid checkpoint, read from storage as a real a
 flush request freezes its step; ``flush_seconds`` later rank 0 commits a manifest at that step and
 every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says). ``flush_answers``
 scripts what ``request_flush`` answers per worker (pending, then accepted or failed), as the
-Kubernetes backend's background requests would; an unscripted request is accepted at once.
+Kubernetes backend's background requests would; an unscripted request is accepted at once. A save
+request (``request_save``) is served ``flush_seconds`` later by an early commit of the worker's
+step, and the worker trains on. Nodes have a capacity type; a template's ``nodeSelector``
+``capacity-type`` keeps workers to nodes of that type, and a worker no node takes stays Pending,
+unschedulable.
 """
 
 from __future__ import annotations
@@ -126,6 +130,11 @@ class FakeNode:
     name: str
     zone: str
     instance_type: str
+    capacity: str = "spot"
+
+
+CAPACITY_SELECTOR = "capacity-type"
+"""The nodeSelector key the fake scheduler honours (its value: a ``FakeNode.capacity``)."""
 
 
 FlushOutcome = Literal["commit", "fail", "hang"]
@@ -146,6 +155,8 @@ class FakeWorker:
     flush_requested_at: datetime | None = None
     frozen_step: int | None = None
     stopping_at: datetime | None = None
+    save_requested_at: datetime | None = None
+    saves_served: set[str] = field(default_factory=set)
 
     @property
     def phase(self) -> WorkerPhase:
@@ -186,6 +197,10 @@ class FakeBackend:
     hidden_once: set[str] = field(default_factory=set)
     fail_calls: int = 0
     list_calls: int = 0
+    save_calls: list[tuple[str, str]] = field(default_factory=list)
+    """(worker, request id) of each ``request_save`` call."""
+    start_specs: list[JobSpec] = field(default_factory=list)
+    """The spec of each ``start_workers`` call (the fallback's template merged in or not)."""
 
     # -- the Backend protocol ----------------------------------------------------------------
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
@@ -194,14 +209,22 @@ class FakeBackend:
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         self._maybe_fail()
         self.start_calls.append((attempt, placement))
+        self.start_specs.append(spec)
         self._evolve()
         resumed = latest_valid(self.storage)
         taken: set[str] = set()
+        wanted = ((spec.template or {}).get("spec") or {}).get("nodeSelector", {}).get(CAPACITY_SELECTOR)
         for index in range(spec.replicas):
             name = worker_name(key, attempt, index)
             if name in self.workers:
+                w = self.workers[name]
+                if w.node is None:  # the scheduler tries again: capacity may have appeared
+                    w.node = self._place(placement, taken, wanted)
+                    if w.node is not None:
+                        taken.add(w.node.name)
+                        w.created_at = self.clock.now()
                 continue  # idempotent: this attempt's worker exists
-            node = self._place(placement, taken)
+            node = self._place(placement, taken, wanted)
             if node is not None:
                 taken.add(node.name)
             self.workers[name] = FakeWorker(
@@ -251,6 +274,7 @@ class FakeBackend:
                     instance_type=w.node.instance_type if w.node else None,
                     exit_code=w.exit_code,
                     step=self.step_of(w),
+                    unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
                 )
             )
         return out
@@ -275,6 +299,17 @@ class FakeBackend:
             w.flush_requested_at = self.clock.now()
             w.frozen_step = self.step_of(w)
         return answer
+
+    def request_save(
+        self, key: JobKey, spec: JobSpec, worker: WorkerObservation, request_id: str, reason: str
+    ) -> FlushRequestState:
+        self.save_calls.append((worker.name, request_id))
+        self._evolve()
+        w = self.workers[worker.name]
+        if request_id not in w.saves_served and w.save_requested_at is None:  # once per request id
+            w.saves_served.add(request_id)
+            w.save_requested_at = self.clock.now()
+        return FlushRequestState.accepted()
 
     # -- what the tests do to the world ------------------------------------------------------
     def notice(
@@ -332,6 +367,16 @@ class FakeBackend:
                 w.running_at = w.created_at + timedelta(seconds=self.start_seconds)
             if w.running_at is None:
                 continue
+            if (
+                w.save_requested_at is not None
+                and self.flush_outcome != "hang"
+                and now >= w.save_requested_at + timedelta(seconds=self.flush_seconds)
+            ):
+                saved_at = w.save_requested_at + timedelta(seconds=self.flush_seconds)
+                w.save_requested_at = None
+                step = self.step_of(w)
+                assert step is not None
+                self._commit(step, at=saved_at, attempt=w.attempt, job=w.job, trigger="early")
             if w.flush_requested_at is not None:
                 done_at = w.flush_requested_at + timedelta(seconds=self.flush_seconds)
                 if self.flush_outcome != "hang" and now >= done_at:
@@ -348,17 +393,29 @@ class FakeBackend:
                     w.frozen_step = self.total_steps
                     w.exit_code, w.exited_at = 0, now
 
-    def _commit(self, step: int, *, at: datetime | None = None, attempt: int | None = None, job: JobKey = KEY) -> None:
+    def _commit(
+        self,
+        step: int,
+        *,
+        at: datetime | None = None,
+        attempt: int | None = None,
+        job: JobKey = KEY,
+        trigger: str = "flush",
+    ) -> None:
         try:
             commit_checkpoint(
-                self.storage, step, at or self.clock.now(), job=str(job), trigger="flush", attempt=attempt
+                self.storage, step, at or self.clock.now(), job=str(job), trigger=trigger, attempt=attempt
             )
         except AlreadyExistsError:
             return  # another agent of the gang committed this step already
         self.commits.append(step)
 
-    def _place(self, placement: Placement, taken: set[str]) -> FakeNode | None:
-        free = [n for n in self.nodes if n.name not in placement.avoid_nodes and n.name not in taken]
+    def _place(self, placement: Placement, taken: set[str], capacity: str | None = None) -> FakeNode | None:
+        free = [
+            n
+            for n in self.nodes
+            if n.name not in placement.avoid_nodes and n.name not in taken and capacity in (None, n.capacity)
+        ]
         preferred = [
             n
             for n in free

@@ -397,13 +397,13 @@ class TestLogInjection:
 
 
 class TestReadyz:
-    def test_needs_no_token_and_is_ready_only_once_rank_0_trains(self, api: ControlApi, agent: Agent) -> None:
+    def test_needs_no_token_and_is_ready_only_once_the_nodes_ranks_train(self, api: ControlApi, agent: Agent) -> None:
         status, body = call(api, "GET", "/readyz")
         assert status == 503 and body["ready"] is False and "no rank" in body["reason"]
         agent.control.write_status(RankStatus(state="starting"))
         assert call(api, "GET", "/readyz")[0] == 503
         agent.control.write_status(RankStatus(state="training", step=3))
-        assert call(api, "GET", "/readyz") == (200, {"ready": True, "reason": "rank 0 is training at step 3"})
+        assert call(api, "GET", "/readyz") == (200, {"ready": True, "reason": "the ranks are training at step 3"})
 
 
 class TestStop:
@@ -424,3 +424,40 @@ class TestStop:
     def test_an_invalid_body_is_400(self, api: ControlApi, agent: Agent) -> None:
         assert call(api, "POST", "/stop", token=TOKEN, raw=b'{"reason": ""}')[0] == 400
         assert agent.status().stop is None
+
+
+class TestSave:
+    def test_needs_the_token(self, api: ControlApi, agent: Agent) -> None:
+        assert call(api, "POST", "/save", body={"id": "req-1"})[0] == 401
+        assert agent.control.save_request() is None
+
+    def test_writes_the_same_save_json_as_a_rebalance_once_per_request_id(self, api: ControlApi, agent: Agent) -> None:
+        status, body = call(api, "POST", "/save", token=TOKEN, body={"id": "req-1", "reason": "kubectl spotjob flush"})
+        assert status == 202 and body["created"] is True and body["save"]["id"] == "req-1"
+        written = agent.control.save_request()
+        assert written is not None and written.id == "req-1" and written.reason == "kubectl spotjob flush"
+        assert not agent.control.flush_requested(), "a save keeps training: no flush"
+
+        # The ranks served it (local rank 0 removes save.json): the same id again starts nothing.
+        agent.control.clear_save_request()
+        again = call(api, "POST", "/save", token=TOKEN, body={"id": "req-1", "reason": "retried"})
+        assert again == (200, {"created": False, "save": body["save"]})
+        assert agent.control.save_request() is None
+
+        # A new id is a new save.
+        status, body = call(api, "POST", "/save", token=TOKEN, body={"id": "req-2"})
+        assert status == 202 and agent.control.save_request().id == "req-2"  # type: ignore[union-attr]
+
+    @pytest.mark.parametrize("raw", [b"{}", b'{"id": ""}', b'{"id": "a b"}', b'{"id": "x", "reason": ""}', b"[1]"])
+    def test_an_invalid_body_is_400_and_writes_nothing(self, api: ControlApi, agent: Agent, raw: bytes) -> None:
+        assert call(api, "POST", "/save", token=TOKEN, raw=raw)[0] == 400
+        assert agent.control.save_request() is None
+
+    def test_a_flush_under_way_refuses_it_with_409(self, api: ControlApi, agent: Agent) -> None:
+        assert call(api, "POST", "/flush", token=TOKEN, body={"reason": "spot"})[0] == 202
+        status, body = call(api, "POST", "/save", token=TOKEN, body={"id": "req-1"})
+        assert status == 409 and "flushing" in body["error"]
+        assert agent.control.save_request() is None
+
+    def test_wrong_method_is_405(self, api: ControlApi) -> None:
+        assert call(api, "GET", "/save", token=TOKEN)[0] == 405

@@ -72,7 +72,7 @@ def test_the_resource_is_spotjob_dev_v1alpha1_namespaced_with_the_status_subreso
     assert version["subresources"] == {"status": {}}
 
 
-def test_kubectl_get_shows_phase_step_checkpoint_age_preemptions_restarts_goodput_and_age() -> None:
+def test_kubectl_get_shows_phase_step_checkpoint_age_preemptions_restarts_goodput_capacity_and_age() -> None:
     [version] = crd()["spec"]["versions"]
     columns = [
         (c["name"], c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")
@@ -84,6 +84,7 @@ def test_kubectl_get_shows_phase_step_checkpoint_age_preemptions_restarts_goodpu
         ("Preemptions", "integer", ".status.preemptions"),
         ("Restarts", "integer", ".status.restarts"),
         ("Goodput", "number", ".status.goodput"),
+        ("Capacity", "string", ".status.capacity"),
         ("Age", "date", ".metadata.creationTimestamp"),
     ]
     schema = version["schema"]["openAPIV3Schema"]

@@ -1403,6 +1403,23 @@ def test_a_pending_flush_request_is_asked_again_until_accepted_and_never_after(w
     assert world.metrics.named("flush_request") == [("failed",), ("accepted",), ("accepted",)]
 
 
+def test_an_answer_in_flight_when_the_flush_commits_is_still_told(world: World) -> None:
+    """A quick flush commits before the pass after the request: the answers then in flight are
+    taken before the flush ends (FlushRequested, the metric), and no agent is asked anew."""
+    pending, accepted = FlushRequestState.pending(), FlushRequestState.accepted()
+    world.backend.flush_answers = {"train-0-0": [pending, accepted], "train-0-1": [pending, accepted]}
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))  # the requests are in flight
+    commit_checkpoint(world.storage, 200, world.clock.now(), trigger="flush")  # the ranks were quick
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushCommitted"  # type: ignore[union-attr]
+    assert world.event_reasons()[-3:] == ["FlushRequested", "FlushCommitted", "Rescheduled"]
+    assert world.metrics.named("flush_request") == [("accepted",), ("accepted",)]
+    assert sorted(world.backend.flushes_asked()) == ["train-0-0", "train-0-0", "train-0-1", "train-0-1"]
+
+
 # -- how the gang is stopped --------------------------------------------------------------------
 
 

@@ -1,0 +1,119 @@
+"""Capacity fallback on the test cluster: a job that selects spot nodes finds none it may use, says
+CapacityUnavailable after its start timeout, moves to the fallback (on-demand) pool once one
+appears, and after the preemption-free period its next restart — here a person's flush request —
+brings it back to spot. Bit-identical at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_support import (
+    Controller,
+    assert_same_final_state,
+    create_job,
+    event_reasons,
+    job_pods,
+    jobs_path,
+    spotjob_body,
+    status,
+    wait,
+    wait_phase,
+)
+
+from tests.k8s.cluster import TestCluster
+
+pytestmark = pytest.mark.slow
+
+CAPACITY_TYPE = "karpenter.sh/capacity-type"
+RETURN_AFTER = 8.0
+
+
+def _condition(s: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in s.get("conditions") or [] if c["type"] == kind), None)
+
+
+def _pods_of(cluster: TestCluster, namespace: str, attempt: int) -> list[dict[str, Any]]:
+    pods = job_pods(cluster, namespace, "train")
+    return [p for p in pods if p["metadata"]["labels"]["spotjob.dev/attempt"] == str(attempt)]
+
+
+def test_no_spot_capacity_moves_the_job_to_the_fallback_pool_and_after_the_period_a_restart_brings_it_back(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    uninterrupted: Path,
+    tmp_path: Path,
+) -> None:
+    spot = f"{namespace}-spot"
+    on_demand = f"{namespace}-od"
+    # The spot pool has a node, but it takes no new pods (reserved): no spot capacity for the job.
+    cluster.add_node(spot, capacity_type="spot", taints=[{"key": "example.com/reserved", "effect": "NoSchedule"}])
+    start_controller(namespace)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.5)
+    body["spec"]["template"]["spec"]["nodeSelector"] = {CAPACITY_TYPE: "spot"}
+    body["spec"]["startTimeoutSeconds"] = 5
+    body["spec"]["fallback"] = {
+        "template": {"spec": {"nodeSelector": {CAPACITY_TYPE: "on-demand"}}},
+        "returnAfterSeconds": RETURN_AFTER,
+    }
+    create_job(cluster, body)
+
+    # No spot capacity: after the start timeout the job says so and its next attempt is the fallback's.
+    def fell_back() -> dict[str, Any] | None:
+        s = status(cluster, namespace, "train")
+        c = _condition(s, "CapacityUnavailable")
+        return s if c and c["status"] == "True" and s.get("capacity") == "fallback" else None
+
+    s = wait(fell_back, "CapacityUnavailable and the fallback")
+    assert "found no capacity within startTimeoutSeconds" in _condition(s, "CapacityUnavailable")["message"]  # type: ignore[index]
+    assert s["phase"] in ("Rescheduling", "Pending") and s["preemptions"] == 0 and s["restarts"] == 0
+
+    # The fallback pool appears; the job runs there.
+    cluster.add_node(on_demand, capacity_type="on-demand", zone="us-east-1b")
+    s = wait_phase(cluster, namespace, "train", "Running")
+    assert s["capacity"] == "fallback" and s["attempt"]["number"] == 1
+    (worker,) = _pods_of(cluster, namespace, 1)
+    assert worker["spec"]["nodeName"] == on_demand
+    assert worker["spec"]["nodeSelector"] == {CAPACITY_TYPE: "on-demand"}
+    assert _condition(s, "CapacityUnavailable")["status"] == "False"  # type: ignore[index]
+    header, row = cluster.kubectl("get", "sj", "train", "-n", namespace).stdout.splitlines()[:2]
+    at = header.index("CAPACITY")  # columns are aligned; empty cells (no checkpoint yet) are blank
+    assert row[at:].split()[0] == "fallback", (header, row)
+
+    # Spot capacity comes back; nothing moves the job for that alone. After the preemption-free
+    # period, the next restart (a person's flush request) goes back to spot.
+    cluster.untaint_node(spot, "example.com/reserved")
+    since = datetime.fromisoformat(str(s["fallbackSince"]).replace("Z", "+00:00"))
+    while datetime.now(UTC) < since + timedelta(seconds=RETURN_AFTER + 1):
+        time.sleep(0.2)
+    request = {"id": "back-to-spot", "mode": "restart", "reason": "spot is back", "requestedAt": "2026-03-01T10:00:00Z"}
+    cluster.rest.request(
+        "PATCH",
+        jobs_path(namespace, "train"),
+        {"metadata": {"annotations": {"spotjob.dev/flush-request": json.dumps(request)}}},
+        content_type="application/merge-patch+json",
+    )
+
+    final = wait_phase(cluster, namespace, "train", "Succeeded")
+    assert final["capacity"] == "spot" and final["attempt"]["number"] == 2
+    (last,) = _pods_of(cluster, namespace, 2)
+    assert last["spec"]["nodeName"] == spot and last["spec"]["nodeSelector"] == {CAPACITY_TYPE: "spot"}
+    assert (final["preemptions"], final["restarts"]) == (0, 0)
+    assert [(h["cause"], h["reason"]) for h in final["restartHistory"]] == [
+        ("Capacity", "CapacityUnavailable"),
+        ("Requested", "FlushRequestedByUser"),
+    ]
+    assert final["lastFlushRequest"]["outcome"] == "Committed"
+    reasons = event_reasons(cluster, namespace, "train")
+    for reason in ("CapacityUnavailable", "ReturningToSpot", "FlushRequestedByUser", "FlushRequestCommitted"):
+        assert reason in reasons, reasons
+    assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)

@@ -1,0 +1,188 @@
+"""A person's flush request (``spotjob.dev/flush-request`` on Kubernetes; ``StoredJob.flush_request``
+here), on the fake clock: ``restart`` flushes the gang and restarts it without counting a
+preemption or a restart; ``checkpoint`` gets a checkpoint and training goes on; each id is handled
+once, by this reconciler and by a new one (a new leader) alike.
+
+Timeline: attempt 0 runs from 6 (two workers, one step per second from 0); a request comes at 100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fakes import EPOCH, commit_checkpoint
+from test_reconciler import World, make_world, phase_is, running_attempt
+
+from orchestrator.model import Cause, FlushRequest, JobKey, Phase
+from orchestrator.store import JsonFileJobStore, StoredJob
+
+
+class RequestStore(JsonFileJobStore):
+    """The local store plus the annotation a person wrote (what ``KubeJobStore`` reads)."""
+
+    request: FlushRequest | None = None
+    problem: str | None = None
+
+    def get(self, key: JobKey) -> StoredJob | None:
+        stored = super().get(key)
+        if stored is None or (self.request is None and self.problem is None):
+            return stored
+        rid = self.request.id if self.request is not None else "invalid-0123456789abcdef"
+        return dataclasses.replace(
+            stored, flush_request=self.request, flush_request_id=rid, flush_request_problem=self.problem
+        )
+
+
+def request_world(tmp_path: Any, **options: Any) -> tuple[World, RequestStore]:
+    w = make_world(tmp_path, **options)
+    store = RequestStore(os.path.join(w.tmp, "jobs"), fsync=False)
+    w.new_reconciler(store)
+    return w, store
+
+
+def ask(store: RequestStore, rid: str, mode: str, reason: str = "") -> None:
+    store.request = FlushRequest.model_validate(
+        {"id": rid, "mode": mode, "reason": reason, "requestedAt": (EPOCH + timedelta(seconds=99)).isoformat()}
+    )
+
+
+def test_a_restart_request_flushes_every_agent_and_restarts_from_the_commit_counting_nothing(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    ask(store, "r-1", "restart", "new learning rate schedule")
+
+    status = w.run_until(phase_is(Phase.FLUSHING))
+    assert status.reason == "FlushRequestedByUser" and "new learning rate schedule" in status.message
+    assert sorted(w.backend.flushes_asked()) == ["train-0-0", "train-0-1"]
+    assert all(deadline is None for _, _, deadline in w.backend.flush_calls), "no capacity is going away"
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "InProgress"
+    assert status.recovery is not None and status.recovery.cause is Cause.REQUESTED
+
+    status = w.run_until(running_attempt(1))
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.mode, request.outcome) == ("r-1", "restart", "Committed")
+    assert request.step == w.backend.commits[0] and status.attempt.resumed_from_step == request.step
+    assert (status.preemptions, status.restarts, status.consecutive_restarts) == (0, 0, 0)
+    assert status.avoid == [], "the nodes are fine: no cool-down"
+    assert [(r.cause, r.reason) for r in status.restart_history] == [(Cause.REQUESTED, "FlushRequestedByUser")]
+    reasons = w.event_reasons()
+    for reason in ("FlushRequestedByUser", "FlushCommitted", "Rescheduled", "FlushRequestCommitted"):
+        assert reason in reasons, reasons
+    assert w.metrics.named("preemption") == [] and w.metrics.named("notice_to_commit") == []
+
+
+def test_a_handled_request_is_never_handled_again_not_even_by_a_new_reconciler(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+    w.run_until(running_attempt(1))
+    flushes = len(w.backend.flush_calls)
+
+    w.run_to(300)
+    w.new_reconciler(RequestStore(os.path.join(w.tmp, "jobs"), fsync=False))  # a new leader, same annotation
+    w.reconciler.store.request = store.request  # type: ignore[attr-defined]
+    status = w.run_to(500)
+
+    assert (status.phase, status.attempt.number) == (Phase.RUNNING, 1)
+    assert len(w.backend.flush_calls) == flushes
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "Committed"
+
+
+def test_a_checkpoint_request_saves_on_every_agent_once_and_training_goes_on(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    ask(store, "c-1", "checkpoint")
+
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
+
+    request = status.last_flush_request
+    assert request is not None and (request.mode, request.outcome) == ("checkpoint", "Committed")
+    assert request.step is not None and request.step >= 94
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == request.step
+    assert (status.phase, status.attempt.number) == (Phase.RUNNING, 0), "no stop, no restart"
+    assert sorted(w.backend.save_calls) == [("train-0-0", "c-1"), ("train-0-1", "c-1")]
+    assert w.backend.flush_calls == [] and w.backend.stop_calls == []
+    assert [r for r in w.event_reasons() if r in ("CheckpointRequestedByUser", "FlushRequestCommitted")] == [
+        "CheckpointRequestedByUser",
+        "FlushRequestCommitted",
+    ]
+
+    w.run_to(200)  # the same annotation stays: nothing more
+    assert len(w.backend.save_calls) == 2
+    ask(store, "c-2", "checkpoint")
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.id == "c-2")
+    w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome == "Committed")
+    assert [rid for _, rid in w.backend.save_calls].count("c-2") == 2
+
+
+def test_a_checkpoint_that_does_not_come_within_the_flush_timeout_is_not_committed(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(100)
+    ask(store, "c-1", "checkpoint")
+
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
+
+    request = status.last_flush_request
+    assert request is not None and request.outcome == "NotCommitted" and "within 30s" in request.message
+    assert w.clock.at() >= 130 and status.phase is Phase.RUNNING
+    assert "FlushRequestNotCommitted" in w.event_reasons()
+
+
+def test_a_periodic_commit_made_before_the_request_does_not_end_it(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(100)
+    commit_checkpoint(w.storage, 90, EPOCH + timedelta(seconds=95), trigger="policy")
+    ask(store, "c-1", "checkpoint")
+    w.reconcile()  # takes it up, with step 90 as its baseline
+    commit_checkpoint(w.storage, 80, EPOCH + timedelta(seconds=101), trigger="policy")  # older step: no
+
+    status = w.run_to(120)
+
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "InProgress"
+    assert status.last_flush_request.baseline_step == 90
+
+
+@pytest.mark.parametrize("mode", ["restart", "checkpoint"])
+def test_a_request_while_the_job_cannot_take_it_is_skipped_and_says_why(tmp_path: Any, mode: str) -> None:
+    w, store = request_world(tmp_path)
+    ask(store, "early", mode)
+
+    w.reconcile()  # attempt 0 just started: nothing runs yet
+
+    request = w.status.last_flush_request
+    assert request is not None and request.outcome == "Skipped" and "the job is Pending" in request.message
+    status = w.run_until(running_attempt(0))
+    assert status.last_flush_request == request and w.backend.flush_calls == [] and w.backend.save_calls == []
+    assert "FlushRequestSkipped" in w.event_reasons()
+
+
+def test_a_request_that_cannot_be_read_is_invalid_once(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    store.problem = "spotjob.dev/flush-request.mode: Input should be 'restart' or 'checkpoint'"
+
+    status = w.run_to(150)
+
+    request = status.last_flush_request
+    assert request is not None and request.outcome == "Invalid" and "mode" in request.message
+    assert w.event_reasons().count("FlushRequestInvalid") == 1
+    assert status.phase is Phase.RUNNING and w.backend.flush_calls == []
+
+
+def test_a_notice_during_a_requested_restart_makes_it_a_preemption(tmp_path: Any) -> None:
+    w, store = request_world(tmp_path, backend_options={"flush_seconds": 10.0})
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+    w.run_until(phase_is(Phase.FLUSHING))
+    w.backend.notice("n0")
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.preemptions == 1 and status.restart_history[-1].cause is Cause.PREEMPTION
+    assert [a.value for a in status.avoid] == ["n0"], "the node going away is avoided"
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "Committed"
