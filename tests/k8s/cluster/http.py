@@ -73,7 +73,8 @@ class AuditRecord:
 class Fault:
     """Make the next ``count`` requests that match fail with ``status`` (500, 429, 503, …), hang for
     ``delay`` seconds and then drop the connection (``action="timeout"``), or drop it at once
-    (``action="drop"``). Empty matcher fields match anything."""
+    (``action="drop"``). Empty matcher fields match anything; ``path`` matches the request's path
+    exactly (discovery, e.g. ``/apis/events.k8s.io/v1``, has no resource to match on)."""
 
     verb: str = ""
     resource: str = ""
@@ -81,6 +82,7 @@ class Fault:
     namespace: str = ""
     name: str = ""
     user: str = ""
+    path: str = ""
     count: int = 1
     action: str = "status"  # status | timeout | drop
     status: int = 500
@@ -88,7 +90,9 @@ class Fault:
     delay: float = 30.0
     hits: int = 0
 
-    def matches(self, user: str, verb: str, resource: str, subresource: str, namespace: str, name: str) -> bool:
+    def matches(
+        self, user: str, verb: str, resource: str, subresource: str, namespace: str, name: str, path: str = ""
+    ) -> bool:
         return all(
             not want or want == got
             for want, got in (
@@ -98,6 +102,7 @@ class Fault:
                 (self.namespace, namespace),
                 (self.name, name),
                 (self.user, user),
+                (self.path, path),
             )
         )
 
@@ -210,11 +215,11 @@ class HttpFront:
                 )
             )
 
-    def _take_fault(self, user: str, info: RequestInfo) -> Fault | None:
+    def _take_fault(self, user: str, info: RequestInfo, path: str = "") -> Fault | None:
         with self._fault_lock:
             for f in self.faults:
                 if f.count > 0 and f.matches(
-                    user, info.verb, info.resource, info.subresource, info.namespace, info.name
+                    user, info.verb, info.resource, info.subresource, info.namespace, info.name, path
                 ):
                     f.count -= 1
                     f.hits += 1
@@ -331,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._test_hook(method, path, query)
                 return
             self._parse(path, method, query, info)
-            fault = self.front._take_fault(user, info)
+            fault = self.front._take_fault(user, info, path)
             if fault is not None:
                 code = self._inject(fault)
                 return
