@@ -384,19 +384,28 @@ class SpotJobClient:
 
     def job_events(self, job: Object) -> list[JobEvent]:
         """The Events about ``job`` (this incarnation of it: same uid, or none recorded), oldest
-        first by their latest occurrence. events.k8s.io/v1 where served, else core v1."""
+        first by their latest occurrence. events.k8s.io/v1 where served and allowed (the built-in
+        ``view`` role grants only core Events), else core v1: the same Events either way."""
         meta = job.get("metadata") or {}
         namespace, name, uid = str(meta.get("namespace") or ""), str(meta["name"]), str(meta.get("uid") or "")
+        kind = str(job.get("kind") or "SpotJob")
         try:
             served = self._client.api_group_served(EVENTS.group, EVENTS.version)
         except KubeError as e:
             raise self._translate(e, "get", EVENTS, namespace) from e
-        resource, prefix, convert = (
-            (EVENTS, "regarding", _v1_event) if served else (CORE_EVENTS, "involvedObject", _core_event)
-        )
-        selector = f"{prefix}.kind={job.get('kind') or 'SpotJob'},{prefix}.name={name}"
+        if served:
+            try:
+                return self._events(EVENTS, namespace, kind, name, uid)
+            except AccessDenied:
+                pass  # allowed core Events only, perhaps: the same objects
+        return self._events(CORE_EVENTS, namespace, kind, name, uid)
+
+    def _events(self, resource: Resource, namespace: str, kind: str, name: str, uid: str) -> list[JobEvent]:
+        prefix, convert = ("regarding", _v1_event) if resource is EVENTS else ("involvedObject", _core_event)
         try:
-            items, _ = self._client.list(resource, namespace, field_selector=selector)
+            items, _ = self._client.list(
+                resource, namespace, field_selector=f"{prefix}.kind={kind},{prefix}.name={name}"
+            )
         except KubeError as e:
             raise self._translate(e, "list", resource, namespace) from e
         mine = [e for e in items if (e.get(prefix) or {}).get("uid") in (None, "", uid)]

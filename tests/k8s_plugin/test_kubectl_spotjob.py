@@ -389,6 +389,22 @@ def test_events_fall_back_to_core_v1_where_events_k8s_io_is_not_served(
     assert listed == [("", "events")]
 
 
+def test_events_read_core_v1_when_rbac_allows_only_those_as_the_builtin_view_role_does(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    job = create_job(cluster, namespace, "viewer")
+    write_event(cluster, namespace, job, "Rescheduled", "attempt 1 starts", at=datetime.now(UTC))
+    path = f"/apis/events.k8s.io/v1/namespaces/{namespace}/events"
+    cluster.add_fault(Fault(user=USER, verb="list", path=path, status=403))
+    mark = cluster.audit_mark()
+
+    out = ok(kubectl_spotjob("events", "viewer", "-n", namespace))
+
+    assert out.splitlines()[1].split()[1:4] == ["Normal", "Rescheduled", "1"]
+    listed = [(r.api_group, r.code) for r in cluster.audit_log(mark) if r.user == USER and r.verb == "list"]
+    assert listed == [("events.k8s.io", 403), ("", 200)]
+
+
 # -- errors, flags and the kubeconfig ----------------------------------------------------------------
 
 
