@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient, Object, object_key
-from orchestrator.k8s.cluster_signals import ClusterSignals, RebalancePolicy
+from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, RebalancePolicy, notice_index
 from orchestrator.k8s.events import EventRecorder
 from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.informer import EventHandler, Informer
@@ -133,12 +133,12 @@ class Controller:
         self.pods = Informer(
             client, PODS, namespaces=namespaces, label_selector=JOB_LABEL, indexers={"job": _pod_job, "node": _pod_node}
         )
-        self.nodes = Informer(client, NODES)
+        self.nodes = Informer(client, NODES, indexers={NOTICE_INDEX: notice_index})
         self.queue = WorkQueue(on_depth=self.metrics.queue_depth)
         self.signals = ClusterSignals(
             rebalance=options.rebalance, node_lost_grace_seconds=options.node_lost_grace_seconds
         )
-        self.events = EventRecorder(client, instance=options.identity)
+        self.events = EventRecorder(client, instance=options.identity, background=True)
         self.context = ControllerContext(
             client=client,
             jobs=self.jobs,
@@ -275,6 +275,7 @@ class Controller:
         if self.elector is not None:
             self.elector.stop(release=True)
         self.metrics.leader(False)
+        self.events.close(timeout=5.0)
         for informer in (self.jobs, self.pods, self.nodes):
             informer.stop()
         self.http.stop()

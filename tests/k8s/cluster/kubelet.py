@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import datetime
 import logging
 import os
@@ -209,6 +210,7 @@ class Node:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pods: dict[str, PodWorker] = {}  # by pod uid
         self.uid = ""  # the Node object's uid, which its Lease names as owner
+        self.lease: Obj | None = None  # the Lease as last written: a renewal is one PUT, as client-go's
         # The Ready condition this kubelet reports: set_ready changes it, every status post repeats it.
         self.ready: tuple[str, str, str] = ("True", "KubeletReady", "kubelet is posting ready status")
         # Serialises the node's own API writes (Lease, status) and its state flags: the heartbeat
@@ -465,7 +467,8 @@ class Kubelet:
                 if node.deleted:
                     return
                 try:
-                    lease = self.api.get(path)
+                    lease = node.lease if node.lease is not None else self.api.get(path)
+                    node.lease = None  # read again if this write fails
                 except ApiCallError as e:
                     if e.status != 404:
                         raise
@@ -476,7 +479,7 @@ class Kubelet:
                         "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
                     }
                     try:
-                        self.api.request("POST", LEASES, body)
+                        node.lease = self.api.request("POST", LEASES, body)
                         return
                     except ApiCallError as e:
                         if e.status != 409:
@@ -489,7 +492,7 @@ class Kubelet:
                 lease["spec"]["holderIdentity"] = node.name
                 lease["spec"]["renewTime"] = now_micro()
                 try:
-                    self.api.request("PUT", path, lease)
+                    node.lease = self.api.request("PUT", path, lease)
                     return
                 except ApiCallError as e:
                     if e.status not in (404, 409):
@@ -1204,7 +1207,9 @@ class PodWorker:
         }
         if self.init:
             status["initContainerStatuses"] = [self._container_status(c) for c in self.init]
-        key = {"status": status, "conditions": conditions}
+        # A copy: the conditions and the status are completed below, in place, before they are sent;
+        # comparing with those completed dicts made every pass differ (a PATCH every sync period).
+        key = copy.deepcopy({"status": status, "conditions": conditions})
         if key == self._last_status and not force:
             return
         # lastTransitionTime only for conditions that changed, as the kubelet keeps them.
