@@ -564,14 +564,21 @@ def run_size(config: ScaleConfig, root: Path) -> SizeResult:
             add_node()
         log(f"{config.nodes} nodes registered in {time.monotonic() - started:.1f}s")
 
-        key = secrets.token_bytes(32)
+        key = secrets.token_urlsafe(48).encode()  # text, as the chart's Secret holds it
         key_file = root / "agent-token-key"
         key_file.write_bytes(key)
         key_file.chmod(0o600)
         agents = Agents(cluster, key, config.flush_seconds)
         kubeconfig = cluster.kubeconfig_for(CONTROLLER_USER)
         controller = ControllerProcess(kubeconfig, root, key_file, config.controller_workers)
-        wait(controller.ready, config.wait_seconds, "the controller's caches to sync", 0.2)
+        ctl = controller
+
+        def ready() -> bool:
+            if ctl.proc.poll() is not None:
+                raise RuntimeError(f"spotjob-controller exited with {ctl.proc.returncode}: {ctl.log_tail(2000)}")
+            return ctl.ready()
+
+        wait(ready, config.wait_seconds, "the controller's caches to sync", 0.2)
         synced_mark = cluster.audit_mark()
 
         started = time.monotonic()

@@ -220,6 +220,37 @@ def nodes_being_taken(nodes: Iterable[Object], *, rebalance: RebalancePolicy, no
     return frozenset(out)
 
 
+def node_change_matters(old: Object, new: Object) -> bool:
+    """Whether a Node update changed what a job's reconcile reads of it: its taints, its
+    interruption notice, its Ready status, its labels (zone, instance type) or its deletion. A
+    kubelet's periodic status post (heartbeat times only) changes none of them, and a thousand
+    nodes post one every few minutes each: those wake no job."""
+
+    def view(node: Object) -> tuple[Any, ...]:
+        meta = node.get("metadata") or {}
+        return (
+            (node.get("spec") or {}).get("taints") or [],
+            (meta.get("annotations") or {}).get(INTERRUPTION_ANNOTATION),
+            meta.get("labels") or {},
+            meta.get("deletionTimestamp"),
+            node_ready(node),
+        )
+
+    return view(old) != view(new)
+
+
+def new_node_notice(old: Object | None, new: Object) -> bool:
+    """Whether a preemption taint or the interruption annotation is on Node ``new`` and was not on
+    ``old``: the moment the flush of its jobs becomes urgent."""
+    return bool(notice_index(new)) and not (old is not None and notice_index(old))
+
+
+def new_pod_notice(old: Object | None, new: Object) -> bool:
+    """Whether Pod ``new`` carries DisruptionTarget=True and ``old`` did not."""
+    now = datetime.now(UTC)
+    return bool(pod_signals(new, now=now)) and not (old is not None and pod_signals(old, now=now))
+
+
 def pod_signals(pod: Object, *, now: datetime) -> list[Signal]:
     """A DisruptionTarget=True condition on ``pod``, as a signal naming the worker and its node."""
     for condition in (pod.get("status") or {}).get("conditions") or []:

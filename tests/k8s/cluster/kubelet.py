@@ -640,6 +640,9 @@ class PodWorker:
         self._lock = threading.Lock()
         # Held while a process starts, so that once halt() has it no new process can appear.
         self._spawn_lock = threading.Lock()
+        # Set when the pod object changes: a worker on a node without containers has nothing to
+        # poll (no process, no probe), so it sleeps until then instead of every sync period.
+        self._changed = threading.Event()
         self._last_status: Obj | None = None
         self._thread = threading.Thread(target=self._run, name=f"test-pod-{self.name}", daemon=True)
 
@@ -653,6 +656,7 @@ class PodWorker:
     def update(self, pod: Obj) -> None:
         with self._lock:
             self.pod = pod
+        self._changed.set()
 
     def pids(self) -> list[int]:
         return processes_with(self.marker)
@@ -662,6 +666,7 @@ class PodWorker:
         and returns once they have exited."""
         with self._spawn_lock:  # a container start in flight in the worker's thread ends first
             self.halted = True
+        self._changed.set()
         if kill and self.node.config.run_containers:  # a node without containers has no process to find
             kill_and_wait(self.marker)
             for c in self.init + self.containers:
@@ -682,7 +687,11 @@ class PodWorker:
                 if not self.finished:
                     self._sync(pod)
                 self._report()
-                time.sleep(self.kubelet.sync_period)
+                if self.node.config.run_containers:
+                    time.sleep(self.kubelet.sync_period)
+                else:  # a failed status write is retried within a second
+                    self._changed.wait(1.0)
+                    self._changed.clear()
         except Exception:
             log.exception("test kubelet: pod %s/%s worker failed", self.namespace, self.name)
 
