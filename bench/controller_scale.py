@@ -775,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=50)
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--workers", type=int, default=4, help="the controller's --workers")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (the controller's log, checkpoints)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
@@ -794,7 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             results.append(run_size(config, root))
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            if args.keep:
+                log(f"kept {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)
     text = report(results)
     print(text)
     write_results(
