@@ -145,6 +145,8 @@ class SizeResult:
     burst_peak_reconciles_per_second: float
     lists_after_sync: int
     errors: list[str]
+    load_average: tuple[float, float] = (0.0, 0.0)
+    """The machine's 1-minute load average when this size started and when it ended."""
 
     def latencies(self, phase: str | None = None) -> list[float]:
         return sorted(
@@ -191,6 +193,7 @@ class SizeResult:
             "startup_seconds": self.startup_seconds,
             "controller_rss_mib": self.controller_rss_bytes / 2**20,
             "controller_peak_rss_mib": self.controller_peak_rss_bytes / 2**20,
+            "load_average_start_end": self.load_average,
             "errors": self.errors,
         }
 
@@ -530,6 +533,7 @@ def run_size(config: ScaleConfig, root: Path) -> SizeResult:
     """Start everything for ``config.nodes`` nodes, measure, stop everything (see the module docstring)."""
     rng = random.Random(config.seed)
     errors: list[str] = []
+    load_start = os.getloadavg()[0]
     cluster = TestCluster(
         root / "cluster",
         validate="off",
@@ -715,6 +719,7 @@ def run_size(config: ScaleConfig, root: Path) -> SizeResult:
             burst_peak_reconciles_per_second=peak,
             lists_after_sync=lists_after_sync,
             errors=errors,
+            load_average=(load_start, os.getloadavg()[0]),
         )
     except BaseException:
         if controller is not None:
@@ -761,8 +766,27 @@ def report(results: list[SizeResult]) -> str:
         )
     for s in rows:
         lines.append(f"\n{s['nodes']} nodes, calls per preemption by call: {s['calls_per_preemption_by_call']}")
+        lines.append(f"{s['nodes']} nodes, load average at start and end: {s['load_average_start_end']}")
         if s["errors"]:
             lines.append(f"{s['nodes']} nodes, errors: {s['errors']}")
+    lines.append("")
+    for s in rows:
+        p99 = s["flush_latency_p99_s"]
+        verdict = "met" if p99 is not None and p99 < TARGET_P99_SECONDS else "missed"
+        lines.append(
+            f"{s['nodes']} nodes: signal → flush p99 {_fmt(p99, ' s')} (< {TARGET_P99_SECONDS:g} s: {verdict})"
+        )
+        lines.append(f"{s['nodes']} nodes: list calls after the informers synced: {s['lists_after_sync']} (0: "
+                     f"{'met' if s['lists_after_sync'] == 0 else 'missed'})")  # fmt: skip
+    if len(rows) > 1:
+        small, large = rows[0], rows[-1]
+        a, b = small["calls_per_reconcile"], large["calls_per_reconcile"]
+        if a and b:
+            grows = b > a * 1.25
+            lines.append(
+                f"API calls per reconcile, {small['nodes']} → {large['nodes']} nodes: {a:.2f} → {b:.2f} "
+                f"({'grows' if grows else 'does not grow'} with the cluster)"
+            )
     return "\n".join(lines)
 
 
