@@ -274,15 +274,33 @@ def flush_annotation(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def answer_flush_requests(
-    cluster: TestCluster, namespace: str, name: str, answer: dict[str, Any], *, stop: Any, timeout: float = 60
+    cluster: TestCluster,
+    namespace: str,
+    name: str,
+    answer: dict[str, Any],
+    *,
+    stop: Any,
+    timeout: float = 60,
+    break_watches: bool = False,
 ) -> None:
     """Play the controller's side of a flush: once the annotation holds a request, record
-    ``answer`` (plus the request's id and mode) in ``status.lastFlushRequest``."""
+    ``answer`` (plus the request's id and mode) in ``status.lastFlushRequest``. ``break_watches``:
+    first expire the watch history and cut the open SpotJob watch (the plugin's), so the plugin
+    must watch again from a version the server no longer keeps, be told 410 Gone and read the
+    job afresh."""
     deadline = time.monotonic() + timeout
     while not stop.is_set() and time.monotonic() < deadline:
         job = cluster.rest.get(jobs_path(namespace, name))
         request = flush_annotation(job)
         if request is not None:
+            if break_watches:
+                # A write elsewhere first, so the version the plugin watches from is older than
+                # everything the server keeps once the history is expired.
+                config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "tick-"}}
+                cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/configmaps", config_map)
+                cluster.expire_watch_history()
+                while cluster.drop_watches("spotjobs") == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
             status = dict(job.get("status") or {})
             status["lastFlushRequest"] = {"id": request["id"], "mode": request["mode"], **answer}
             set_status(cluster, namespace, name, status)

@@ -271,6 +271,33 @@ def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_wa
     assert status["id"] in proc.stdout  # the request it waited for is the one the status answers
 
 
+def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    create_job(cluster, namespace, "resilient")
+    set_status(cluster, namespace, "resilient", running_status())
+    stop = threading.Event()
+    answer = {"outcome": "Committed", "step": 1500, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "resilient", answer),
+        kwargs={"stop": stop, "break_watches": True},
+    )
+    mark = cluster.audit_mark()
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "resilient", "-n", namespace, "--wait", "--timeout", "90")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == 0, proc.stderr
+    assert "Committed, step 1500 committed" in proc.stdout
+    mine = [(r.verb, r.name) for r in cluster.audit_log(mark) if r.user == USER]
+    assert ("watch", "") in mine  # (a watch's record is written when it ends: the last one may still run)
+    assert mine.count(("get", "resilient")) >= 2  # read afresh after its watch was told 410 Gone
+
+
 def test_flush_wait_without_a_controller_gives_up_after_the_timeout_naming_what_to_check(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:
