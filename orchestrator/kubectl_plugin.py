@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.catalog import CheckpointStatus, list_checkpoints
+from agent.ownership import OwnershipError
 from agent.storage import StorageError
 from orchestrator.cli_ckpt import LIST_HEADERS, CommandError, checkpoint_json, list_rows, opened_storage, print_table
 from orchestrator.k8s.plugin_client import (
@@ -658,8 +659,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 "(read it where it is mounted, e.g. spotjob ckpt list PATH)"
             ) from e
         raise
-    except StorageError as e:
+    except (StorageError, OwnershipError, OSError) as e:
         raise PluginError(f"cannot read the checkpoints at {uri} with this machine's credentials: {e}") from e
+    except ValueError as e:  # a URI no store answers to (ManifestError is one too, but inspect keeps those)
+        raise PluginError(f"SpotJob {namespace}/{args.name}: spec.checkpoint.uri {uri!r}: {e}") from e
     resume = next((s for s in statuses if s.valid), None)
     if args.output == "json":
         for doc, s in zip(docs, statuses, strict=True):

@@ -194,6 +194,17 @@ def test_checkpoints_of_a_path_that_is_not_on_this_machine_says_where_it_is(
     assert "no such folder" in proc.stderr and "a path on the cluster's nodes" in proc.stderr
 
 
+def test_checkpoints_of_a_uri_no_store_answers_to_names_the_field(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "odd", uri="ftp://bucket/odd")
+
+    proc = kubectl_spotjob("checkpoints", "odd", "-n", namespace)
+
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"SpotJob {namespace}/odd: spec.checkpoint.uri 'ftp://bucket/odd'" in proc.stderr
+
+
 # -- flush ----------------------------------------------------------------------------------------
 
 
