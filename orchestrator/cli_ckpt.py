@@ -291,14 +291,24 @@ def _error(name: str, message: str) -> None:
 # the commands
 # ------------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
-    with _opened(args.uri) as storage:
+    with opened_storage(args.uri) as storage:
         refs = _require_checkpoints(storage)
         lineage = Lineage.load(storage)
         statuses = [inspect(storage, ref, lineage=lineage) for ref in refs]
     if args.json:
-        _print_json([_status_json(storage, s) for s in statuses])
+        _print_json([checkpoint_json(storage, s) for s in statuses])
         return EXIT_OK
-    rows = [
+    print_table(LIST_HEADERS, list_rows(statuses))
+    return EXIT_OK
+
+
+LIST_HEADERS = ["STEP", "FOLDER", "CREATED (UTC)", "RANKS", "SIZE", "STATUS"]
+"""The columns of ``spotjob ckpt list`` (and ``kubectl spotjob checkpoints``)."""
+
+
+def list_rows(statuses: Iterable[CheckpointStatus]) -> list[list[str]]:
+    """One row of ``LIST_HEADERS`` per checkpoint folder."""
+    return [
         [
             str(s.ref.step),
             s.ref.folder,
@@ -309,12 +319,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         ]
         for s in statuses
     ]
-    _print_table(["STEP", "FOLDER", "CREATED (UTC)", "RANKS", "SIZE", "STATUS"], rows)
-    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    with _opened(args.uri) as storage:
+    with opened_storage(args.uri) as storage:
         status = select_checkpoint(storage, args.step)
         checked_bytes = 0
         if args.deep and status.manifest is not None:
@@ -324,7 +332,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     valid = status.valid
     problems = list(status.problems) if status.committed else [status.reason]
     if args.json:
-        doc = _status_json(storage, status)
+        doc = checkpoint_json(storage, status)
         doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=bool(args.deep))
         _print_json(doc)
         return EXIT_OK if valid else EXIT_INVALID
@@ -355,7 +363,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _opened(args.uri) as storage:
+    with opened_storage(args.uri) as storage:
         status = select_checkpoint(storage, args.step)
     manifest = _require_manifest(status)
     tensors = manifest.tensors
@@ -363,7 +371,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         _require_state_key(manifest, args.key)
         tensors = {k: v for k, v in tensors.items() if k.startswith(args.key + ".")}
     if args.json:
-        doc = _status_json(storage, status)
+        doc = checkpoint_json(storage, status)
         doc["manifest"] = json.loads(manifest.model_dump_json())
         doc["manifest"]["tensors"] = {k: v.model_dump() for k, v in tensors.items()}
         _print_json(doc)
@@ -383,7 +391,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for name, value in fields:
         print(f"{name + ':':<12}{value}")
     print()
-    _print_table(
+    print_table(
         ["TENSOR", "SHAPE", "DTYPE", "FILES"],
         [[fqn, _shape(t.shape), t.dtype, ",".join(t.files)] for fqn, t in tensors.items()],
     )
@@ -394,7 +402,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     _check_out(out, force=args.force)
     started = time.monotonic()
-    with _opened(args.uri) as storage:
+    with opened_storage(args.uri) as storage:
         status = select_checkpoint(storage, args.step) if args.step is not None else newest_valid(storage)
         manifest = _require_manifest(status)
         if not status.valid:
@@ -413,7 +421,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     job: str | None = None if args.unnamed else args.job
     if job is not None and not job.strip():
         raise CommandError("--job needs a name (or pass --unnamed for a job without one)")
-    with _opened(args.uri) as storage:
+    with opened_storage(args.uri) as storage:
         try:
             before = read_owner(storage)
         except OwnershipError as e:
@@ -438,7 +446,8 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 # choosing a checkpoint
 # ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _opened(uri: str) -> Iterator[Storage]:
+def opened_storage(uri: str) -> Iterator[Storage]:
+    """The store at ``uri``, closed afterwards; ``CommandError`` when a filesystem URI names no folder."""
     storage = open_storage(uri)
     try:
         root = storage.local_path("")
@@ -937,7 +946,8 @@ def _progress_bar(description: str, total: int) -> Iterator[ProgressFn | None]:
         yield lambda n: bar.advance(task, n)
 
 
-def _status_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any]:
+def checkpoint_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any]:
+    """One checkpoint folder and its validity as JSON (``--json`` of ``list``, ``verify``, ``show``)."""
     m = status.manifest
     return {
         "uri": storage.url(status.ref.folder),
@@ -989,7 +999,7 @@ def _human(n: int) -> str:
     return decimal(n)
 
 
-def _print_table(headers: list[str], rows: list[list[str]]) -> None:
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
     """Plain aligned columns (greppable, no colour); the last column is not padded."""
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     for row in [headers, *rows]:

@@ -30,7 +30,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -144,9 +144,15 @@ PERMISSIONS: tuple[Permission, ...] = (
 _ALLOWED = frozenset((p.group, p.resource, p.verb) for p in PERMISSIONS)
 
 
-def allowed(resource: Resource, verb: Verb, subresource: str | None = None) -> bool:
+def allowed(
+    resource: Resource,
+    verb: Verb,
+    subresource: str | None = None,
+    grants: frozenset[tuple[str, str, str]] = _ALLOWED,
+) -> bool:
+    """Whether ``grants`` (default: the controller's ``PERMISSIONS``) hold ``verb`` on the resource."""
     name = f"{resource.plural}/{subresource}" if subresource else resource.plural
-    return (resource.group, name, verb) in _ALLOWED
+    return (resource.group, name, verb) in grants
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,17 +318,24 @@ class KubeClient:
         on_retry: RetryHook | None = None,
         sleep: Callable[[float], None] | None = None,
         restricted: bool = True,
+        permissions: Iterable[Permission] | None = None,
+        user_agent: str = "spotjob-controller",
     ) -> None:
-        """``restricted=False`` lifts the ``PERMISSIONS`` check: for tests and tools acting as an
-        administrator, never for the controller."""
+        """``restricted=False`` lifts the permissions check: for tests and tools acting as an
+        administrator, never for the controller. ``permissions``: the list checked instead of the
+        controller's ``PERMISSIONS`` (another tool's own, e.g. ``kubectl spotjob``'s)."""
         configuration.retries = False  # the client must not retry underneath ours
         self._api = k8s_client.ApiClient(configuration)
-        self._api.user_agent = "spotjob-controller"
+        self._api.user_agent = user_agent
         self._retry = retry or RetryPolicy()
         self._timeout = request_timeout
         self._on_retry = on_retry
         self._sleep = sleep
         self._restricted = restricted
+        self._grants = (
+            _ALLOWED if permissions is None else frozenset((p.group, p.resource, p.verb) for p in permissions)
+        )
+        self._grants_name = "orchestrator.k8s.api.PERMISSIONS" if permissions is None else "this client's permissions"
         self._watches: set[WatchStream] = set()
         self._lock = threading.Lock()
 
@@ -383,8 +396,8 @@ class KubeClient:
         Opening is retried like any call; once open, a dropped connection raises ``TransientError``
         from the iterator, and an expired version raises ``Gone`` (the caller re-lists).
         """
-        if self._restricted and not allowed(resource, "watch"):
-            raise NotPermitted(f"watch {resource} is not in orchestrator.k8s.api.PERMISSIONS")
+        if self._restricted and not allowed(resource, "watch", grants=self._grants):
+            raise NotPermitted(f"watch {resource} is not in {self._grants_name}")
         query = _query(
             watch="true",
             resourceVersion=resource_version,
@@ -519,9 +532,9 @@ class KubeClient:
         subresource: str | None = None,
         timeout: float | tuple[float, float] | None = None,
     ) -> Any:
-        if self._restricted and not allowed(resource, verb, subresource):
+        if self._restricted and not allowed(resource, verb, subresource, self._grants):
             target = f"{resource}/{subresource}" if subresource else str(resource)
-            raise NotPermitted(f"{verb} {target} is not in orchestrator.k8s.api.PERMISSIONS")
+            raise NotPermitted(f"{verb} {target} is not in {self._grants_name}")
         what = f"{verb} {resource}{'/' + subresource if subresource else ''}"
 
         def attempt() -> Any:

@@ -241,6 +241,69 @@ def annotation_signal(node: Object, *, rebalance: RebalancePolicy, now: datetime
     )
 
 
+NOTICE_INDEX = "notice"
+"""The Node informer's index (and its one value) of nodes that carry a known preemption taint or
+the interruption annotation: the few nodes a pass must look at, out of possibly thousands."""
+
+
+def notice_index(node: Object) -> list[str]:
+    """The Node informer's indexer: ``[NOTICE_INDEX]`` for a node with a taint of ``TAINT_RULES``
+    or the ``spotjob.dev/interruption`` annotation (whatever its content), else ``[]``."""
+    taints = (node.get("spec") or {}).get("taints") or []
+    if any(str(t.get("key") or "") in _RULES for t in taints):
+        return [NOTICE_INDEX]
+    if INTERRUPTION_ANNOTATION in ((node.get("metadata") or {}).get("annotations") or {}):
+        return [NOTICE_INDEX]
+    return []
+
+
+def nodes_being_taken(nodes: Iterable[Object], *, rebalance: RebalancePolicy, now: datetime) -> frozenset[str]:
+    """The names of ``nodes`` being taken away now: a preemption signal (a taint of ``TAINT_RULES``
+    or an interruption notice) on them. Hand it the Node cache's ``by_index(NOTICE_INDEX,
+    NOTICE_INDEX)``: every other node has neither, and copying a thousand of them per pass is what
+    made a reconcile's cost grow with the cluster."""
+    out = set()
+    for node in nodes:
+        found = taint_signals(node, rebalance=rebalance, now=now)
+        notice = annotation_signal(node, rebalance=rebalance, now=now)
+        if notice is not None:
+            found.append(notice)
+        if any(s.kind.is_preemption for s in found):
+            out.add(_name(node))
+    return frozenset(out)
+
+
+def node_change_matters(old: Object, new: Object) -> bool:
+    """Whether a Node update changed what a job's reconcile reads of it: its taints, its
+    interruption notice, its Ready status, its labels (zone, instance type) or its deletion. A
+    kubelet's periodic status post (heartbeat times only) changes none of them, and a thousand
+    nodes post one every few minutes each: those wake no job."""
+
+    def view(node: Object) -> tuple[Any, ...]:
+        meta = node.get("metadata") or {}
+        return (
+            (node.get("spec") or {}).get("taints") or [],
+            (meta.get("annotations") or {}).get(INTERRUPTION_ANNOTATION),
+            meta.get("labels") or {},
+            meta.get("deletionTimestamp"),
+            node_ready(node),
+        )
+
+    return view(old) != view(new)
+
+
+def new_node_notice(old: Object | None, new: Object) -> bool:
+    """Whether a preemption taint or the interruption annotation is on Node ``new`` and was not on
+    ``old``: the moment the flush of its jobs becomes urgent."""
+    return bool(notice_index(new)) and not (old is not None and notice_index(old))
+
+
+def new_pod_notice(old: Object | None, new: Object) -> bool:
+    """Whether Pod ``new`` carries DisruptionTarget=True and ``old`` did not."""
+    now = datetime.now(UTC)
+    return bool(pod_signals(new, now=now)) and not (old is not None and pod_signals(old, now=now))
+
+
 def pod_signals(pod: Object, *, now: datetime) -> list[Signal]:
     """A DisruptionTarget=True condition on ``pod``, as a signal naming the worker and its node."""
     for condition in (pod.get("status") or {}).get("conditions") or []:

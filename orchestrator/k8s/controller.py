@@ -18,7 +18,9 @@ In parallel: one thread per informer (and namespace), ``--workers`` reconcile th
 elector and its watchdog, the HTTP server's threads. Informer handlers only map events to job keys
 and queue them: a SpotJob event queues that job; a worker Pod event queues the job named by its
 ``spotjob.dev/job`` label; a Node event queues every job with a worker on that node (via the Pod
-cache's node index), and a Node deletion is remembered by the node-loss tracker.
+cache's node index) — only when the update changed what a reconcile reads (taints, the
+interruption notice, Ready, labels), and ahead of every other key when a notice first appears
+(``WorkQueue.add(urgent=True)``) — and a Node deletion is remembered by the node-loss tracker.
 
 The reconcile seam: ``ReconcileFactory`` builds the per-key reconcile function from a
 ``ControllerContext`` (client, caches, Events, metrics, signals, options), before the informers
@@ -35,7 +37,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient, Object, object_key
-from orchestrator.k8s.cluster_signals import ClusterSignals, RebalancePolicy
+from orchestrator.k8s.cluster_signals import (
+    NOTICE_INDEX,
+    ClusterSignals,
+    RebalancePolicy,
+    new_node_notice,
+    new_pod_notice,
+    node_change_matters,
+    notice_index,
+)
 from orchestrator.k8s.events import EventRecorder
 from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.informer import EventHandler, Informer
@@ -141,12 +151,12 @@ class Controller:
         self.pods = Informer(
             client, PODS, namespaces=namespaces, label_selector=JOB_LABEL, indexers={"job": _pod_job, "node": _pod_node}
         )
-        self.nodes = Informer(client, NODES, indexers={INSTANCE_INDEX: instance_id})
+        self.nodes = Informer(client, NODES, indexers={INSTANCE_INDEX: instance_id, NOTICE_INDEX: notice_index})
         self.queue = WorkQueue(on_depth=self.metrics.queue_depth)
         self.signals = ClusterSignals(
             rebalance=options.rebalance, node_lost_grace_seconds=options.node_lost_grace_seconds
         )
-        self.events = EventRecorder(client, instance=options.identity)
+        self.events = EventRecorder(client, instance=options.identity, background=True)
         self.context = ControllerContext(
             client=client,
             jobs=self.jobs,
@@ -199,25 +209,39 @@ class Controller:
             EventHandler(on_add=job_key, on_update=lambda _old, new: job_key(new), on_delete=job_deleted)
         )
 
-        def pod_changed(pod: Object) -> None:
+        def pod_changed(pod: Object, urgent: bool = False) -> None:
             for key in _pod_job(pod):
-                self.queue.add(ObjectKey.parse(key))
+                self.queue.add(ObjectKey.parse(key), urgent=urgent)
 
         self.pods.add_handler(
-            EventHandler(on_add=pod_changed, on_update=lambda _old, new: pod_changed(new), on_delete=pod_changed)
+            EventHandler(
+                on_add=pod_changed,
+                on_update=lambda old, new: pod_changed(new, new_pod_notice(old, new)),
+                on_delete=pod_changed,
+            )
         )
 
-        def node_changed(node: Object) -> None:
+        # A notice that appears on a node makes its jobs urgent (their flush must not queue behind
+        # routine passes); an update that changes nothing a reconcile reads (a heartbeat) wakes none.
+        def node_changed(node: Object, urgent: bool = False) -> None:
             _, name = object_key(node)
             for pod in self.pods.cache.by_index("node", name):
-                pod_changed(pod)
+                pod_changed(pod, urgent)
+
+        def node_updated(old: Object, new: Object) -> None:
+            if node_change_matters(old, new):
+                node_changed(new, new_node_notice(old, new))
 
         def node_deleted(node: Object) -> None:
             self.signals.node_deleted(node)
-            node_changed(node)
+            node_changed(node, urgent=True)
 
         self.nodes.add_handler(
-            EventHandler(on_add=node_changed, on_update=lambda _old, new: node_changed(new), on_delete=node_deleted)
+            EventHandler(
+                on_add=lambda node: node_changed(node, new_node_notice(None, node)),
+                on_update=node_updated,
+                on_delete=node_deleted,
+            )
         )
 
     # -- leadership
@@ -296,6 +320,7 @@ class Controller:
         if self.elector is not None:
             self.elector.stop(release=True)
         self.metrics.leader(False)
+        self.events.close(timeout=5.0)
         for informer in (self.jobs, self.pods, self.nodes):
             informer.stop()
         self.http.stop()

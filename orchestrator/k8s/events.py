@@ -12,13 +12,18 @@ leaves one Event with a count, not thousands. The recorder remembers the Events 
 bounded LRU; a forgotten or expired one (404 on the PATCH) is simply created again.
 
 The API group is chosen once, on the first Event: events.k8s.io/v1 where served, core v1 Events
-otherwise. Emitting is synchronous on the caller's thread and never raises: an Event that cannot be
-written is logged (an Event is a courtesy; the status is the record).
+otherwise. Emitting never raises: an Event that cannot be written is logged (an Event is a
+courtesy; the status is the record). By default an Event is written on the caller's thread; with
+``background=True`` (the controller) ``event()`` only queues it, and one thread writes the queue in
+order, as client-go's event broadcaster does: a reconcile worker never waits on Event writes (a
+preemption writes half a dozen), so it is free for the next job's flush sooner. The time of an
+Event is when it was queued; ``close()`` writes what is queued, within a timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import uuid
 from collections import OrderedDict
@@ -113,7 +118,11 @@ class EventRecorder:
         series_window: float = 3600.0,
         cache_size: int = 4096,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        background: bool = False,
+        queue_size: int = 10000,
     ) -> None:
+        """``background``: queue Events and write them from a thread of the recorder's own (see
+        the module docstring); ``queue_size`` bounds that queue (a full queue drops an Event, logged)."""
         self._client = client
         self._instance = instance
         self._cluster_namespace = events_namespace_for_cluster_objects
@@ -123,6 +132,12 @@ class EventRecorder:
         self._lock = threading.Lock()
         self._written: OrderedDict[tuple[Any, ...], _Written] = OrderedDict()
         self._resource: Resource | None = None
+        self._queue: queue.Queue[tuple[Any, ...] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=queue_size)
+            self._thread = threading.Thread(target=self._drain, name="event-recorder", daemon=True)
+            self._thread.start()
 
     def event(
         self,
@@ -134,9 +149,39 @@ class EventRecorder:
         action: str | None = None,
         related: ObjectRef | None = None,
     ) -> None:
-        """Record one Event (or count a repeat). Never raises."""
+        """Record one Event (or count a repeat), or queue it (``background``). Never raises."""
+        item = (regarding, type, reason, note, action or reason, related, self._now())
+        if self._queue is None:
+            self._write(item)
+            return
         try:
-            self._event(regarding, type, reason, note, action or reason, related)
+            self._queue.put_nowait(item)
+        except queue.Full:
+            log.warning("event queue full: dropped event %s on %s %s", reason, regarding.kind, regarding.name)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write the Events still queued (at most ``timeout`` seconds), then stop the writer thread."""
+        if self._queue is None or self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("event queue full at shutdown: queued Events are dropped")
+            return
+        self._thread.join(timeout)
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._write(item)
+
+    def _write(self, item: tuple[Any, ...]) -> None:
+        regarding, reason = item[0], item[2]
+        try:
+            self._event(*item)
         except KubeError as e:
             log.warning("could not record event %s on %s %s: %s", reason, regarding.kind, regarding.name, e)
         except Exception:
@@ -151,14 +196,20 @@ class EventRecorder:
     # --
 
     def _event(
-        self, regarding: ObjectRef, type: EventType, reason: str, note: str, action: str, related: ObjectRef | None
+        self,
+        regarding: ObjectRef,
+        type: EventType,
+        reason: str,
+        note: str,
+        action: str,
+        related: ObjectRef | None,
+        now: datetime,
     ) -> None:
         if not reason or len(reason) > _REASON_LIMIT or not reason[0].isupper():
             raise ValueError(f"an Event reason is CamelCase and at most {_REASON_LIMIT} characters: {reason!r}")
         note = _truncate(note, _NOTE_LIMIT)
         namespace = regarding.namespace or self._cluster_namespace
         resource = self._group()
-        now = self._now()
         key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, note)
         with self._lock:
             seen = self._written.get(key)

@@ -24,11 +24,11 @@ with a fresh read.
 from __future__ import annotations
 
 import builtins
-import copy
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.k8s.api import (
     Gone,
@@ -60,10 +60,22 @@ class EventHandler:
     on_delete: Callable[[Object], None] | None = None
 
 
+def _copy(value: Any) -> Any:
+    """A deep copy of a JSON tree (dicts, lists and immutable scalars): what the API server sends,
+    at about twice the speed of ``copy.deepcopy``, which a cache of a thousand Nodes feels."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
 class Cache:
     """Objects of one kind by (namespace, name), with optional secondary indexes. Thread-safe.
 
-    Reads return deep copies: callers may mutate what they get without corrupting the cache.
+    Reads return deep copies: callers may mutate what they get without corrupting the cache. A
+    cached object is never changed in place (an event replaces it whole), so copies are made
+    outside the lock: a reader copying a thousand objects does not hold up the informer.
     """
 
     def __init__(self, indexers: dict[str, Indexer] | None = None) -> None:
@@ -75,11 +87,12 @@ class Cache:
     def get(self, namespace: str, name: str) -> Object | None:
         with self._lock:
             obj = self._objects.get((namespace, name))
-            return copy.deepcopy(obj) if obj is not None else None
+        return _copy(obj) if obj is not None else None
 
     def list(self, namespace: str | None = None) -> builtins.list[Object]:
         with self._lock:
-            return [copy.deepcopy(o) for (ns, _), o in self._objects.items() if namespace is None or ns == namespace]
+            found = [o for (ns, _), o in self._objects.items() if namespace is None or ns == namespace]
+        return [_copy(o) for o in found]
 
     def object_keys(self) -> builtins.list[Key]:
         with self._lock:
@@ -88,7 +101,8 @@ class Cache:
     def by_index(self, index: str, value: str) -> builtins.list[Object]:
         with self._lock:
             keys = self._indexes[index].get(value, set())
-            return [copy.deepcopy(self._objects[k]) for k in sorted(keys)]
+            found = [self._objects[k] for k in sorted(keys)]
+        return [_copy(o) for o in found]
 
     def __len__(self) -> int:
         with self._lock:

@@ -11,6 +11,10 @@ Modelled on client-go's workqueue, which every Kubernetes controller relies on f
   reconciler's "look again in N s"); an earlier request for the same key wins.
 - *Backoff*: a reconcile that raised is retried after a per-key exponential delay, reset when
   the key next succeeds.
+- *Urgent keys first*: ``add(key, urgent=True)`` puts the key at the front of the queue (or
+  moves it there), and one being processed goes to the front when it is done. The controller
+  marks a job urgent when a preemption notice for one of its nodes or pods first appears: its
+  flush request must not wait behind the routine passes of a hundred other jobs in a burst.
 
 In parallel: any number of producers (informer handlers) call ``add``; ``Workers`` runs a bounded
 number of threads that take keys and call the reconcile function. ``shut_down()`` wakes them all;
@@ -83,6 +87,7 @@ class WorkQueue:
         self._queue: deque[ObjectKey] = deque()
         self._dirty: set[ObjectKey] = set()  # waiting to be handed out (in _queue, or back after processing)
         self._processing: set[ObjectKey] = set()
+        self._urgent: set[ObjectKey] = set()  # processing now, to the front of the queue when done
         self._delayed: list[tuple[float, int, ObjectKey]] = []  # heap of (ready at, seq, key)
         self._ready_at: dict[ObjectKey, float] = {}
         self._seq = 0
@@ -94,9 +99,10 @@ class WorkQueue:
 
     # -- producers
 
-    def add(self, key: ObjectKey) -> None:
+    def add(self, key: ObjectKey, *, urgent: bool = False) -> None:
+        """Queue ``key`` (once); ``urgent``: at the front, ahead of the keys already waiting."""
         with self._cond:
-            self._add_locked(key)
+            self._add_locked(key, urgent=urgent)
 
     def add_after(self, key: ObjectKey, delay: float) -> None:
         if delay <= 0:
@@ -160,8 +166,13 @@ class WorkQueue:
         """Processing of ``key`` finished; if it was added meanwhile, it is queued again now."""
         with self._cond:
             self._processing.discard(key)
+            urgent = key in self._urgent
+            self._urgent.discard(key)
             if key in self._dirty and not self._shutting_down:
-                self._queue.append(key)
+                if urgent:
+                    self._queue.appendleft(key)
+                else:
+                    self._queue.append(key)
                 self._report_depth()
                 self._cond.notify()
 
@@ -187,13 +198,26 @@ class WorkQueue:
 
     # -- internals (lock held)
 
-    def _add_locked(self, key: ObjectKey) -> None:
-        if self._shutting_down or key in self._dirty:
+    def _add_locked(self, key: ObjectKey, *, urgent: bool = False) -> None:
+        if self._shutting_down:
+            return
+        if key in self._dirty:
+            if urgent:
+                if key in self._processing:
+                    self._urgent.add(key)
+                elif key in self._queue:
+                    self._queue.remove(key)  # O(queue), and only for a notice's first sight
+                    self._queue.appendleft(key)
             return
         self._dirty.add(key)
         if key in self._processing:
+            if urgent:
+                self._urgent.add(key)
             return  # done() queues it again
-        self._queue.append(key)
+        if urgent:
+            self._queue.appendleft(key)
+        else:
+            self._queue.append(key)
         self._report_depth()
         self._cond.notify()
 

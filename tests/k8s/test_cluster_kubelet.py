@@ -360,7 +360,15 @@ def test_a_partitioned_node_goes_unknown_while_its_zombie_pod_keeps_running(
         WAIT,
         "Ready=Unknown",
     )
-    assert {"node.kubernetes.io/unreachable"} <= {t["key"] for t in node["spec"].get("taints", [])}
+    assert node
+    # The node controller writes the Unknown condition and the taint in two updates, as kube's does.
+    cluster.wait_for(
+        lambda: (
+            "node.kubernetes.io/unreachable" in {t["key"] for t in cluster.node("p-node")["spec"].get("taints", [])}
+        ),
+        WAIT,
+        "the unreachable taint",
+    )
     cluster.wait_for(
         lambda: condition(get(cluster, namespace, "zombie"), "Ready").get("status") == "False",
         WAIT,

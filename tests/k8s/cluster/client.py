@@ -37,7 +37,9 @@ class RestClient:
             if setting.get("in") == "header" and setting.get("value"):
                 self.headers[setting["key"]] = setting["value"]
         kwargs: dict[str, Any] = {
-            "maxsize": 32,
+            # A pod worker thread per pod reports at once when many pods start: a connection the
+            # pool cannot keep is closed, and the next request pays a TLS handshake on both sides.
+            "maxsize": 128,
             "block": False,
             "retries": False,
             "timeout": urllib3.Timeout(connect=5, read=timeout),

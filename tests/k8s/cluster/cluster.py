@@ -75,7 +75,8 @@ def write_kubeconfig(
 class TestCluster:
     """A cluster for tests. Timings default to short, test-friendly values; a real cluster's
     defaults are in brackets: ``node_monitor_grace`` (40 s), ``pod_gc_grace`` (40 s),
-    ``default_toleration_seconds`` (300 s), ``heartbeat_interval`` (10 s)."""
+    ``default_toleration_seconds`` (300 s), ``heartbeat_interval`` (the Lease, 10 s),
+    ``status_interval`` (a Node status post when nothing changed: 5 min since Kubernetes 1.17)."""
 
     __test__ = False  # not a pytest test class
 
@@ -89,6 +90,7 @@ class TestCluster:
         pod_gc_grace: float = 1.0,
         default_toleration_seconds: int = 300,
         heartbeat_interval: float = 0.5,
+        status_interval: float = 10.0,
         bookmark_interval: float = 1.0,
         restart_backoff: tuple[float, float] = (0.2, 5.0),
         history_size: int = 20000,
@@ -109,6 +111,7 @@ class TestCluster:
             pod_gc_grace=pod_gc_grace,
             default_toleration_seconds=default_toleration_seconds,
             heartbeat_interval=heartbeat_interval,
+            status_interval=status_interval,
             bookmark_interval=bookmark_interval,
             restart_backoff=restart_backoff,
             history_size=history_size,
@@ -169,6 +172,7 @@ class TestCluster:
             kubelet_config,
             self.root / "kubelet",
             heartbeat_interval=float(s["heartbeat_interval"]),  # type: ignore[arg-type]
+            status_interval=float(s["status_interval"]),  # type: ignore[arg-type]
             restart_backoff=s["restart_backoff"],  # type: ignore[arg-type]
             extra_env=self._extra_env,
         )

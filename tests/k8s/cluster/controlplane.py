@@ -278,6 +278,8 @@ class Scheduler(Loop):
         api = self.api
         with api.store.lock:
             pods = api.store.select("core/pods")
+            if not any(not dig(p, "spec", "nodeName") for p in pods):
+                return  # nothing to schedule: no pass over every node
             nodes = sorted(api.store.select("core/nodes"), key=lambda n: n["metadata"]["name"])
         used: dict[str, dict[str, float]] = {n["metadata"]["name"]: {} for n in nodes}
         count: dict[str, int] = dict.fromkeys(used, 0)
@@ -388,11 +390,28 @@ def node_ready(node: Obj) -> str:
     return "Unknown"
 
 
+def _wanted_taints(taints: list[dict[str, Any]], want: str | None) -> list[dict[str, Any]] | None:
+    """The node's taints with only ``want`` of the not-ready/unreachable ones; None when they are
+    already so (a pass over a thousand healthy nodes then copies and writes nothing)."""
+    keep = [t for t in taints if t.get("key") not in (UNREACHABLE, NOT_READY) or t.get("key") == want]
+    if want:
+        for effect in ("NoSchedule", "NoExecute"):
+            if not any(t.get("key") == want and t.get("effect") == effect for t in keep):
+                t: dict[str, Any] = {"key": want, "effect": effect}
+                if effect == "NoExecute":
+                    t["timeAdded"] = now_rfc3339()
+                keep.append(t)
+    return None if keep == list(taints) else keep
+
+
 class NodeLifecycle(Loop):
     name = "node-lifecycle"
     watches = ("core/nodes", "core/pods")
 
     def __init__(self, api: ApiServer, node_monitor_grace: float = 40.0, period: float = 0.5) -> None:
+        self._changed: set[str] = set()
+        self._changed_lock = threading.Lock()
+        self._next_full = 0.0
         super().__init__(api)
         self.node_monitor_grace = node_monitor_grace
         self.period = period
@@ -403,17 +422,46 @@ class NodeLifecycle(Loop):
             return True
         return event.type == "ADDED" or dig(event.obj, "spec", "nodeName") != dig(event.prev or {}, "spec", "nodeName")
 
+    def _on_event(self, event: Event) -> None:
+        # A change wakes a pass over the nodes it touched only; every ``period`` a pass covers
+        # them all (a Lease that stopped being renewed changes no Node). A cluster of a thousand
+        # nodes then costs per change, not per node and change.
+        if event.resource in self.watches and self.wants(event):
+            name = (
+                event.obj["metadata"]["name"] if event.resource == "core/nodes" else dig(event.obj, "spec", "nodeName")
+            )
+            if name:
+                with self._changed_lock:
+                    self._changed.add(str(name))
+            self._wake.set()
+
+    def wake(self) -> None:
+        self._next_full = 0.0  # a timer of the taint manager: every pod is due a look
+        super().wake()
+
+    def next_wait(self) -> float:
+        return max(0.0, self._next_full - time.monotonic())
+
     def step(self) -> None:
         api = self.api
         now = time.time()
+        full = time.monotonic() >= self._next_full
+        if full:
+            self._next_full = time.monotonic() + self.period
+        with self._changed_lock:
+            changed, self._changed = self._changed, set()
         with api.store.lock:
-            nodes = api.store.select("core/nodes")
+            if full:
+                nodes = api.store.select("core/nodes")
+            else:
+                found = (api.store.get("core/nodes", "", name) for name in sorted(changed))
+                nodes = [n for n in found if n is not None]
         for node in nodes:
             try:
                 self._monitor(node, now)
             except ApiError as e:
                 log.debug("test control plane: node %s not updated (%s); next pass", node["metadata"]["name"], e)
-        self._taint_manager(now)
+        self._taint_manager(now, None if full else changed)
 
     def _monitor(self, node: Obj, now: float) -> None:
         name = node["metadata"]["name"]
@@ -429,7 +477,8 @@ class NodeLifecycle(Loop):
             self._mark_unknown(name)
             status = "Unknown"
         want = {"Unknown": UNREACHABLE, "False": NOT_READY}.get(status)
-        self._set_taints(name, want)
+        if _wanted_taints(dig(node, "spec", "taints") or [], want) is not None:
+            self._set_taints(name, want)  # re-checked on a fresh copy under the store's lock
         if status != "True":
             self._mark_pods_not_ready(name)
 
@@ -450,16 +499,8 @@ class NodeLifecycle(Loop):
 
     def _set_taints(self, name: str, want: str | None) -> None:
         def change(n: Obj) -> bool:
-            taints = list(dig(n, "spec", "taints") or [])
-            keep = [t for t in taints if t.get("key") not in (UNREACHABLE, NOT_READY) or t.get("key") == want]
-            if want:
-                for effect in ("NoSchedule", "NoExecute"):
-                    if not any(t.get("key") == want and t.get("effect") == effect for t in keep):
-                        t: dict[str, Any] = {"key": want, "effect": effect}
-                        if effect == "NoExecute":
-                            t["timeAdded"] = now_rfc3339()
-                        keep.append(t)
-            if keep == taints:
+            keep = _wanted_taints(dig(n, "spec", "taints") or [], want)
+            if keep is None:
                 return False
             n.setdefault("spec", {})["taints"] = keep
             if not keep:
@@ -494,11 +535,14 @@ class NodeLifecycle(Loop):
                 md = pod["metadata"]
                 self.api.mutate("core/pods", md["namespace"], md["name"], change, user=CONTROLLER, subresource="status")
 
-    def _taint_manager(self, now: float) -> None:
+    def _taint_manager(self, now: float, only: set[str] | None = None) -> None:
+        """Evict pods that do not tolerate their node's NoExecute taints (of the nodes ``only``, if given)."""
         api = self.api
-        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
         for pod in api.store.select("core/pods"):
-            node = nodes.get(dig(pod, "spec", "nodeName") or "")
+            node_name = dig(pod, "spec", "nodeName") or ""
+            if only is not None and node_name not in only:
+                continue
+            node = api.store.get("core/nodes", "", node_name) if node_name else None
             md = pod["metadata"]
             if node is None or md.get("deletionTimestamp") or dig(pod, "status", "phase") in TERMINAL:
                 continue
@@ -586,21 +630,20 @@ class PodGC(Loop):
     def step(self) -> None:
         api = self.api
         now = time.monotonic()
-        nodes = {n["metadata"]["name"]: n for n in api.store.select("core/nodes")}
         for pod in api.store.select("core/pods"):
             try:
-                self._collect(pod, nodes, now)
+                self._collect(pod, now)
             except ApiError as e:
                 md = pod["metadata"]
                 log.debug("test control plane: pod GC of %s/%s failed (%s); next pass", md["namespace"], md["name"], e)
 
-    def _collect(self, pod: Obj, nodes: dict[str, Obj], now: float) -> None:
+    def _collect(self, pod: Obj, now: float) -> None:
         api = self.api
         md = pod["metadata"]
         node_name = dig(pod, "spec", "nodeName")
         if not node_name:
             return
-        node = nodes.get(node_name)
+        node = api.store.get("core/nodes", "", node_name)
         if node is None:
             first = self._orphaned_since.setdefault(md["uid"], now)
             if now - first < self.grace:

@@ -62,6 +62,8 @@ class AuditRecord:
     code: int
     path: str
     time: float = field(default_factory=time.time)
+    created: str = ""
+    """The name of the object a create made (RBAC sees a create without a name; its body has one)."""
 
     @property
     def resource_path(self) -> str:
@@ -73,7 +75,8 @@ class AuditRecord:
 class Fault:
     """Make the next ``count`` requests that match fail with ``status`` (500, 429, 503, …), hang for
     ``delay`` seconds and then drop the connection (``action="timeout"``), or drop it at once
-    (``action="drop"``). Empty matcher fields match anything."""
+    (``action="drop"``). Empty matcher fields match anything; ``path`` matches the request's path
+    exactly (discovery, e.g. ``/apis/events.k8s.io/v1``, has no resource to match on)."""
 
     verb: str = ""
     resource: str = ""
@@ -81,6 +84,7 @@ class Fault:
     namespace: str = ""
     name: str = ""
     user: str = ""
+    path: str = ""
     count: int = 1
     action: str = "status"  # status | timeout | drop
     status: int = 500
@@ -88,7 +92,9 @@ class Fault:
     delay: float = 30.0
     hits: int = 0
 
-    def matches(self, user: str, verb: str, resource: str, subresource: str, namespace: str, name: str) -> bool:
+    def matches(
+        self, user: str, verb: str, resource: str, subresource: str, namespace: str, name: str, path: str = ""
+    ) -> bool:
         return all(
             not want or want == got
             for want, got in (
@@ -98,6 +104,7 @@ class Fault:
                 (self.namespace, namespace),
                 (self.name, name),
                 (self.user, user),
+                (self.path, path),
             )
         )
 
@@ -113,6 +120,7 @@ class RequestInfo:
     name: str = ""
     is_resource: bool = False
     rt: ResourceType | None = None
+    created: str = ""
 
 
 class HttpFront:
@@ -207,14 +215,15 @@ class HttpFront:
                     info.name,
                     code,
                     path,
+                    created=info.created,
                 )
             )
 
-    def _take_fault(self, user: str, info: RequestInfo) -> Fault | None:
+    def _take_fault(self, user: str, info: RequestInfo, path: str = "") -> Fault | None:
         with self._fault_lock:
             for f in self.faults:
                 if f.count > 0 and f.matches(
-                    user, info.verb, info.resource, info.subresource, info.namespace, info.name
+                    user, info.verb, info.resource, info.subresource, info.namespace, info.name, path
                 ):
                     f.count -= 1
                     f.hits += 1
@@ -244,6 +253,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     front: HttpFront
     server_version = "spotjob-test-apiserver"
+    # An answer is written as headers, then body: without TCP_NODELAY the body waits for the
+    # client's delayed ACK of the headers (40 ms on Linux) on every keep-alive request.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -334,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._test_hook(method, path, query)
                 return
             self._parse(path, method, query, info)
-            fault = self.front._take_fault(user, info)
+            fault = self.front._take_fault(user, info, path)
             if fault is not None:
                 code = self._inject(fault)
                 return
@@ -541,6 +553,7 @@ class _Handler(BaseHTTPRequestHandler):
             if info.name:
                 raise ApiError(405, "MethodNotAllowed", f"POST is not supported on a named {rt.plural}")
             result = api.create(rt, info.namespace, body, user=user, dry_run=dry_run, field_validation=validation)
+            info.created = str(result.obj.get("metadata", {}).get("name") or "")
             self._send(201, result.obj, self._warnings(result.warnings))
             return 201
         if method == "PUT":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import datetime
 import logging
 import os
@@ -209,6 +210,7 @@ class Node:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pods: dict[str, PodWorker] = {}  # by pod uid
         self.uid = ""  # the Node object's uid, which its Lease names as owner
+        self.lease: Obj | None = None  # the Lease as last written: a renewal is one PUT, as client-go's
         # The Ready condition this kubelet reports: set_ready changes it, every status post repeats it.
         self.ready: tuple[str, str, str] = ("True", "KubeletReady", "kubelet is posting ready status")
         # Serialises the node's own API writes (Lease, status) and its state flags: the heartbeat
@@ -465,7 +467,8 @@ class Kubelet:
                 if node.deleted:
                     return
                 try:
-                    lease = self.api.get(path)
+                    lease = node.lease if node.lease is not None else self.api.get(path)
+                    node.lease = None  # read again if this write fails
                 except ApiCallError as e:
                     if e.status != 404:
                         raise
@@ -476,7 +479,7 @@ class Kubelet:
                         "spec": {"holderIdentity": node.name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
                     }
                     try:
-                        self.api.request("POST", LEASES, body)
+                        node.lease = self.api.request("POST", LEASES, body)
                         return
                     except ApiCallError as e:
                         if e.status != 409:
@@ -489,7 +492,7 @@ class Kubelet:
                 lease["spec"]["holderIdentity"] = node.name
                 lease["spec"]["renewTime"] = now_micro()
                 try:
-                    self.api.request("PUT", path, lease)
+                    node.lease = self.api.request("PUT", path, lease)
                     return
                 except ApiCallError as e:
                     if e.status not in (404, 409):
@@ -637,6 +640,9 @@ class PodWorker:
         self._lock = threading.Lock()
         # Held while a process starts, so that once halt() has it no new process can appear.
         self._spawn_lock = threading.Lock()
+        # Set when the pod object changes: a worker on a node without containers has nothing to
+        # poll (no process, no probe), so it sleeps until then instead of every sync period.
+        self._changed = threading.Event()
         self._last_status: Obj | None = None
         self._thread = threading.Thread(target=self._run, name=f"test-pod-{self.name}", daemon=True)
 
@@ -650,6 +656,7 @@ class PodWorker:
     def update(self, pod: Obj) -> None:
         with self._lock:
             self.pod = pod
+        self._changed.set()
 
     def pids(self) -> list[int]:
         return processes_with(self.marker)
@@ -659,6 +666,7 @@ class PodWorker:
         and returns once they have exited."""
         with self._spawn_lock:  # a container start in flight in the worker's thread ends first
             self.halted = True
+        self._changed.set()
         if kill and self.node.config.run_containers:  # a node without containers has no process to find
             kill_and_wait(self.marker)
             for c in self.init + self.containers:
@@ -679,7 +687,11 @@ class PodWorker:
                 if not self.finished:
                     self._sync(pod)
                 self._report()
-                time.sleep(self.kubelet.sync_period)
+                if self.node.config.run_containers:
+                    time.sleep(self.kubelet.sync_period)
+                else:  # a failed status write is retried within a second
+                    self._changed.wait(1.0)
+                    self._changed.clear()
         except Exception:
             log.exception("test kubelet: pod %s/%s worker failed", self.namespace, self.name)
 
@@ -1204,7 +1216,9 @@ class PodWorker:
         }
         if self.init:
             status["initContainerStatuses"] = [self._container_status(c) for c in self.init]
-        key = {"status": status, "conditions": conditions}
+        # A copy: the conditions and the status are completed below, in place, before they are sent;
+        # comparing with those completed dicts made every pass differ (a PATCH every sync period).
+        key = copy.deepcopy({"status": status, "conditions": conditions})
         if key == self._last_status and not force:
             return
         # lastTransitionTime only for conditions that changed, as the kubelet keeps them.

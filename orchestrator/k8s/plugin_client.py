@@ -1,0 +1,478 @@
+"""The Kubernetes side of ``kubectl spotjob``: the user's kubeconfig and context, and every call it makes.
+
+The plugin acts as the person running it, never as the controller: it loads the kubeconfig the
+way kubectl does (``--kubeconfig``, else ``$KUBECONFIG`` — a list of files, merged — else
+``~/.kube/config``, else the pod's service account), picks the context (``--context``, else the
+current one) and its namespace, and reaches the API server through ``KubeClient`` with its own
+short list of permissions, ``PLUGIN_PERMISSIONS``: what a team needs RBAC for, and nothing else
+(the README prints it as a Role). Reads: the SpotJobs (get, list, watch), the job's pods (list)
+and its Events (list). The one write: a flush request, a merge patch of the SpotJob's
+``spotjob.dev/flush-request`` annotation — so RBAC on ``patch spotjobs`` decides who may flush.
+
+Errors leave this module as ``PluginError``s that say what to do: ``NotServed`` (spotjob is not
+installed), ``JobNotFound``, ``AccessDenied`` (naming the verb, resource and namespace RBAC
+refused), ``Unreachable`` (no API server answered), ``ServerError``; configuration problems are
+``ContextError``. A command line tool has a person waiting, so transient failures are retried
+briefly (three tries, well under two seconds), not for minutes like the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.config.config_exception import ConfigException
+
+from orchestrator.k8s.api import (
+    CORE_EVENTS,
+    EVENTS,
+    PODS,
+    SPOTJOBS,
+    Forbidden,
+    Gone,
+    KubeClient,
+    KubeError,
+    NotFound,
+    Object,
+    Permission,
+    Resource,
+    RetryPolicy,
+    TransientError,
+    Verb,
+    resource_version,
+)
+from orchestrator.k8s.pods import JOB_LABEL
+
+__all__ = [
+    "FLUSH_REQUEST_ANNOTATION",
+    "PLUGIN_PERMISSIONS",
+    "AccessDenied",
+    "ContextError",
+    "JobDeleted",
+    "JobEvent",
+    "JobNotFound",
+    "NotServed",
+    "PluginError",
+    "ServerError",
+    "SpotJobClient",
+    "Unreachable",
+    "UserContext",
+    "load_user_context",
+]
+
+FLUSH_REQUEST_ANNOTATION = "spotjob.dev/flush-request"
+"""The annotation ``kubectl spotjob flush`` writes; the controller answers in ``status.lastFlushRequest``."""
+
+PLUGIN_PERMISSIONS: tuple[Permission, ...] = (
+    Permission("spotjob.dev", "spotjobs", "get", "status NAME, checkpoints, events, flush: read the job"),
+    Permission("spotjob.dev", "spotjobs", "list", "status: the table of jobs"),
+    Permission("spotjob.dev", "spotjobs", "watch", "flush --wait: the job's status until the controller answers"),
+    Permission("spotjob.dev", "spotjobs", "patch", "flush: the spotjob.dev/flush-request annotation"),
+    Permission("", "pods", "list", "status NAME: the job's pods (without it, the controller's last view)"),
+    Permission("events.k8s.io", "events", "list", "events: the job's Events"),
+    Permission("", "events", "list", "events, where events.k8s.io/v1 is not served"),
+)
+"""Every (group, resource, verb) ``kubectl spotjob`` may call: the RBAC a team needs for it."""
+
+_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+_SPOTJOBS = f"{SPOTJOBS.plural}.{SPOTJOBS.group}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+class PluginError(Exception):
+    """A reason a command stopped, worded for the person who ran it."""
+
+
+class ContextError(PluginError):
+    """No usable kubeconfig or context."""
+
+
+class NotServed(PluginError):
+    """The cluster does not serve the SpotJob API: spotjob's CRD is not installed."""
+
+
+class JobNotFound(PluginError):
+    """No SpotJob of that name in that namespace."""
+
+
+class JobDeleted(PluginError):
+    """The SpotJob was deleted while the command waited on it."""
+
+
+class AccessDenied(PluginError):
+    """RBAC (or the credentials) refused a request; says which verb on which resource."""
+
+    def __init__(self, message: str, *, verb: str, resource: str, namespace: str | None, status: int) -> None:
+        super().__init__(message)
+        self.verb = verb
+        self.resource = resource
+        self.namespace = namespace
+        self.status = status
+
+
+class Unreachable(PluginError):
+    """No API server answered at the context's address."""
+
+
+class ServerError(PluginError):
+    """The API server answered with an error that is not the user's to fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The user's kubeconfig and context
+
+
+@dataclass(frozen=True)
+class UserContext:
+    """Where the plugin talks to, and as whom: what kubectl would use with the same flags."""
+
+    configuration: k8s_client.Configuration
+    namespace: str
+    """The context's namespace (``default`` when it names none): the default for ``-n``."""
+    context: str
+    """The context's name ("" for the in-cluster service account)."""
+    source: str
+    """Where the configuration came from (files, or the service account), for messages."""
+
+    @property
+    def server(self) -> str:
+        return str(self.configuration.host)
+
+
+def load_user_context(kubeconfig: str | None = None, context: str | None = None) -> UserContext:
+    """The kubeconfig and context kubectl would pick: ``kubeconfig`` (``--kubeconfig``), else
+    ``$KUBECONFIG`` (files joined by ``:``, merged), else ``~/.kube/config``, else the pod's
+    service account; ``context`` (``--context``), else the current context."""
+    path = kubeconfig or os.environ.get("KUBECONFIG") or None
+    if path is None:
+        default = os.path.expanduser("~/.kube/config")
+        if os.path.exists(default):
+            path = default
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            return _in_cluster(context)
+        else:
+            raise ContextError(
+                "no kubeconfig: pass --kubeconfig PATH or set KUBECONFIG (kubectl spotjob uses the same "
+                "configuration as kubectl)"
+            )
+    if kubeconfig and not os.path.exists(kubeconfig):
+        raise ContextError(f"--kubeconfig {kubeconfig}: no such file")
+    configuration = k8s_client.Configuration()
+    try:
+        contexts, current = k8s_config.list_kube_config_contexts(config_file=path)
+        chosen = context or (current or {}).get("name")
+        if not chosen:
+            raise ContextError(f"{path} has no current context: pass --context NAME")
+        found = next((c for c in contexts or [] if c.get("name") == chosen), None)
+        if found is None:
+            names = ", ".join(sorted(str(c.get("name")) for c in contexts or [])) or "none"
+            raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
+        k8s_config.load_kube_config(config_file=path, context=chosen, client_configuration=configuration)
+    except ContextError:
+        raise
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError) as e:
+        raise ContextError(f"cannot use the kubeconfig {path}: {e}") from e
+    namespace = str(((found or {}).get("context") or {}).get("namespace") or "default")
+    return UserContext(configuration, namespace, str(chosen), path)
+
+
+def _in_cluster(context: str | None) -> UserContext:
+    if context:
+        raise ContextError(f"--context {context}: no kubeconfig to find it in (running with a pod's service account)")
+    configuration = k8s_client.Configuration()
+    try:
+        k8s_config.load_incluster_config(client_configuration=configuration)
+        with open(os.path.join(_SERVICE_ACCOUNT, "namespace")) as f:
+            namespace = f.read().strip() or "default"
+    except (ConfigException, OSError) as e:
+        raise ContextError(f"no kubeconfig, and the pod's service account cannot be used: {e}") from e
+    return UserContext(configuration, namespace, "", "the pod's service account")
+
+
+# ----------------------------------------------------------------------------------------------
+# Events, as both APIs serve them
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One Event about a job, the same whichever API group served it."""
+
+    type: str
+    reason: str
+    note: str
+    count: int
+    """How many times it happened (a series' count; 1 for a single occurrence)."""
+    first: datetime | None
+    last: datetime | None
+    """The latest occurrence (the series' last observation)."""
+    reporter: str
+    """``reportingController``/``reportingInstance`` (or the core Event's source)."""
+    related: str
+    """``kind/name`` of the related object (e.g. the Node a notice came from), or ""."""
+
+
+def _time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _related(ref: Any) -> str:
+    if not isinstance(ref, dict) or not ref.get("name"):
+        return ""
+    return f"{ref.get('kind') or '?'}/{ref['name']}"
+
+
+def _v1_event(e: Object) -> JobEvent:
+    series = e.get("series") or {}
+    first = _time(e.get("eventTime")) or _time(e.get("deprecatedFirstTimestamp"))
+    first = first or _time((e.get("metadata") or {}).get("creationTimestamp"))
+    last = _time(series.get("lastObservedTime")) or _time(e.get("deprecatedLastTimestamp")) or first
+    count = int(series.get("count") or e.get("deprecatedCount") or 1)
+    reporter = "/".join(x for x in (e.get("reportingController"), e.get("reportingInstance")) if x)
+    return JobEvent(
+        type=str(e.get("type") or ""),
+        reason=str(e.get("reason") or ""),
+        note=str(e.get("note") or ""),
+        count=max(count, 1),
+        first=first,
+        last=last,
+        reporter=reporter,
+        related=_related(e.get("related")),
+    )
+
+
+def _core_event(e: Object) -> JobEvent:
+    series = e.get("series") or {}
+    first = _time(e.get("firstTimestamp")) or _time(e.get("eventTime"))
+    first = first or _time((e.get("metadata") or {}).get("creationTimestamp"))
+    last = _time(series.get("lastObservedTime")) or _time(e.get("lastTimestamp")) or first
+    count = int(series.get("count") or e.get("count") or 1)
+    source = (e.get("source") or {}).get("component")
+    reporter = "/".join(x for x in (e.get("reportingComponent") or source, e.get("reportingInstance")) if x)
+    return JobEvent(
+        type=str(e.get("type") or ""),
+        reason=str(e.get("reason") or ""),
+        note=str(e.get("message") or ""),
+        count=max(count, 1),
+        first=first,
+        last=last,
+        reporter=reporter,
+        related=_related(e.get("related")),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The client
+
+
+class SpotJobClient:
+    """The calls ``kubectl spotjob`` makes, each checked against ``PLUGIN_PERMISSIONS``."""
+
+    def __init__(self, user: UserContext, *, request_timeout: float = 30.0) -> None:
+        self.user = user
+        self._client = KubeClient(
+            user.configuration,
+            retry=RetryPolicy(attempts=3, initial=0.2, maximum=1.0, max_retry_after=5.0),
+            request_timeout=request_timeout,
+            permissions=PLUGIN_PERMISSIONS,
+            user_agent="kubectl-spotjob",
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> SpotJobClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- SpotJobs
+
+    def list_jobs(self, namespace: str | None) -> list[Object]:
+        """The SpotJobs of ``namespace`` (None: every namespace), sorted by namespace and name."""
+        try:
+            items, _ = self._client.list(SPOTJOBS, namespace)
+        except NotFound:
+            raise self._not_served() from None
+        except KubeError as e:
+            raise self._translate(e, "list", SPOTJOBS, namespace) from e
+        return sorted(items, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+
+    def get_job(self, namespace: str, name: str) -> Object:
+        try:
+            return self._client.get(SPOTJOBS, name, namespace)
+        except NotFound:
+            if not self._spotjobs_served():
+                raise self._not_served() from None
+            raise JobNotFound(f'{_SPOTJOBS} "{name}" not found in namespace "{namespace}"') from None
+        except KubeError as e:
+            raise self._translate(e, "get", SPOTJOBS, namespace) from e
+
+    def request_flush(self, namespace: str, name: str, request: dict[str, Any]) -> Object:
+        """Write ``request`` (JSON) into the job's flush-request annotation; the patched job."""
+        patch = {"metadata": {"annotations": {FLUSH_REQUEST_ANNOTATION: json.dumps(request, separators=(",", ":"))}}}
+        try:
+            return self._client.patch(SPOTJOBS, name, patch, namespace)
+        except NotFound:
+            raise JobNotFound(f'{_SPOTJOBS} "{name}" not found in namespace "{namespace}"') from None
+        except KubeError as e:
+            raise self._translate(e, "patch", SPOTJOBS, namespace) from e
+
+    def follow_job(self, namespace: str, name: str, since: str, timeout: float) -> Iterator[Object]:
+        """Each new version of the job after resourceVersion ``since``, for up to ``timeout`` seconds.
+
+        A watch on the job alone (``metadata.name``); a watch the server ends or drops is opened
+        again from the last version seen, and an expired version (410) is read afresh. Raises
+        ``JobDeleted`` when the job is deleted. Returns when the time is up.
+        """
+        deadline = time.monotonic() + timeout
+        rv = since
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                with self._client.watch(
+                    SPOTJOBS,
+                    namespace,
+                    resource_version=rv,
+                    field_selector=f"metadata.name={name}",
+                    timeout_seconds=max(1, min(int(left + 0.999), 300)),
+                ) as stream:
+                    for event in stream:
+                        rv = resource_version(event.object) or rv
+                        if event.type == "DELETED":
+                            raise JobDeleted(f'{_SPOTJOBS} "{name}" was deleted in namespace "{namespace}"')
+                        if event.type in ("ADDED", "MODIFIED"):
+                            yield event.object
+                        if time.monotonic() >= deadline:
+                            return
+            except Gone:
+                job = self.get_job(namespace, name)
+                rv = resource_version(job)
+                yield job
+            except TransientError:
+                continue  # a dropped watch: open it again from the last version seen
+            except KubeError as e:
+                raise self._translate(e, "watch", SPOTJOBS, namespace) from e
+
+    # -- what belongs to a job
+
+    def job_pods(self, namespace: str, name: str) -> list[Object]:
+        """The job's pods (by the ``spotjob.dev/job`` label), sorted by name."""
+        try:
+            items, _ = self._client.list(PODS, namespace, label_selector=f"{JOB_LABEL}={name}")
+        except KubeError as e:
+            raise self._translate(e, "list", PODS, namespace) from e
+        return sorted(items, key=lambda p: p["metadata"]["name"])
+
+    def job_events(self, job: Object) -> list[JobEvent]:
+        """The Events about ``job`` (this incarnation of it: same uid, or none recorded), oldest
+        first by their latest occurrence. events.k8s.io/v1 where served and allowed (the built-in
+        ``view`` role grants only core Events), else core v1: the same Events either way."""
+        meta = job.get("metadata") or {}
+        namespace, name, uid = str(meta.get("namespace") or ""), str(meta["name"]), str(meta.get("uid") or "")
+        kind = str(job.get("kind") or "SpotJob")
+        try:
+            served = self._client.api_group_served(EVENTS.group, EVENTS.version)
+        except KubeError as e:
+            raise self._translate(e, "get", EVENTS, namespace) from e
+        if served:
+            try:
+                return self._events(EVENTS, namespace, kind, name, uid)
+            except AccessDenied:
+                pass  # allowed core Events only, perhaps: the same objects
+        return self._events(CORE_EVENTS, namespace, kind, name, uid)
+
+    def _events(self, resource: Resource, namespace: str, kind: str, name: str, uid: str) -> list[JobEvent]:
+        prefix, convert = ("regarding", _v1_event) if resource is EVENTS else ("involvedObject", _core_event)
+        try:
+            items, _ = self._client.list(
+                resource, namespace, field_selector=f"{prefix}.kind={kind},{prefix}.name={name}"
+            )
+        except KubeError as e:
+            raise self._translate(e, "list", resource, namespace) from e
+        mine = [e for e in items if (e.get(prefix) or {}).get("uid") in (None, "", uid)]
+        events = [convert(e) for e in mine]
+        never = datetime.min.replace(tzinfo=UTC)
+        return sorted(events, key=lambda e: (e.last or never, e.first or never))
+
+    # -- errors
+
+    def _spotjobs_served(self) -> bool:
+        try:
+            return self._client.api_group_served(SPOTJOBS.group, SPOTJOBS.version)
+        except KubeError:
+            return True  # cannot tell: report the job as not found rather than guess
+
+    def _not_served(self) -> NotServed:
+        return NotServed(
+            f"the cluster at {self.user.server} does not serve {SPOTJOBS.group}/{SPOTJOBS.version} SpotJobs: "
+            "spotjob is not installed there (helm install spotjob charts/spotjob), or this is another cluster "
+            "than you meant (check --context)"
+        )
+
+    def _translate(self, error: KubeError, verb: Verb | str, resource: Resource, namespace: str | None) -> PluginError:
+        what = f"{resource.plural}.{resource.group}" if resource.group else resource.plural
+        where = f' in namespace "{namespace}"' if namespace and resource.namespaced else ""
+        if resource.namespaced and namespace is None:
+            where = " at the cluster scope (all namespaces)"
+        if isinstance(error, Forbidden):
+            detail = _server_message(error)
+            if error.status == 401:
+                message = (
+                    f"the API server at {self.user.server} did not accept your credentials (401 Unauthorized): "
+                    f"log in again or check the user of context {self.user.context or '(in-cluster)'}"
+                )
+            else:
+                message = (
+                    f"forbidden: RBAC does not let you {verb} {what}{where}"
+                    + (f" ({detail})" if detail else "")
+                    + f". Ask your cluster admin for a Role granting {verb} on {what}"
+                    + ' (the README\'s "kubectl spotjob" section lists what each command needs)'
+                )
+            return AccessDenied(message, verb=str(verb), resource=what, namespace=namespace, status=error.status)
+        if isinstance(error, TransientError) and error.status == 0:
+            return Unreachable(
+                f"cannot reach the API server at {self.user.server} (context {self.user.context or '(in-cluster)'} "
+                f"from {self.user.source}): {_cause(error)}"
+            )
+        return ServerError(f"{verb} {what}{where}: {error}")
+
+
+def _server_message(error: KubeError) -> str:
+    """The server's own message of an error ("403 Forbidden: <message>"), without the prefix."""
+    text = str(error)
+    _, sep, message = text.partition(": ")
+    return message.strip() if sep and message.strip() != "(no message)" else ""
+
+
+def _cause(error: BaseException) -> str:
+    """The root of a network error, in words ("Connection refused", a TLS failure, a timeout)."""
+    seen: BaseException = error
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    reason = getattr(seen, "reason", None)
+    text = str(reason or seen)
+    for marker in ("Connection refused", "timed out", "Name or service not known", "CERTIFICATE_VERIFY_FAILED"):
+        if marker in text:
+            return {"CERTIFICATE_VERIFY_FAILED": "its TLS certificate is not trusted (certificate verify failed)"}.get(
+                marker, marker.lower()
+            )
+    return text[:300]

@@ -1,0 +1,527 @@
+"""``kubectl spotjob`` as a user runs it: the real kubectl binary finds ``kubectl-spotjob`` on PATH and
+runs it against the test API server with the user's kubeconfig; each test checks what it prints,
+its exit code and, for a flush, the request the API server received (the audit log).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from plugin_support import (
+    USER,
+    answer_flush_requests,
+    create_job,
+    create_pod,
+    flush_annotation,
+    jobs_path,
+    running_status,
+    set_status,
+    wait_pod_running,
+    write_event,
+)
+
+from agent.ownership import claim
+from agent.storage import open_storage
+from tests.k8s.cluster import Fault, TestCluster
+from tests.unit.fakes import commit_checkpoint
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def rows(table: str) -> dict[str, list[str]]:
+    """A printed table as {first cell: cells}; the header row is keyed by its first column's name."""
+    return {line.split()[0]: line.split() for line in table.splitlines() if line.strip()}
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+
+def test_status_lists_the_namespaces_jobs_with_phase_step_checkpoint_age_counters_and_goodput(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "train-demo")
+    set_status(cluster, namespace, "train-demo", running_status(step=1400, checkpoint_age=41, preemptions=1))
+    create_job(cluster, namespace, "fresh", max_restarts=5)  # no controller has written a status yet
+
+    table = rows(ok(kubectl_spotjob("status", "-n", namespace)))
+
+    assert table["NAME"] == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
+    _, phase, step, age, preemptions, restarts, goodput, _ = table["train-demo"]
+    assert (phase, step, preemptions, restarts, goodput) == ("Running", "1400", "1", "0/3", "98.1%")
+    assert re.fullmatch(r"4\ds", age), age  # 41s, a second or two later
+    assert table["fresh"][1:3] == ["<no", "status>"]
+
+
+def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "on-fallback")
+    set_status(cluster, namespace, "on-fallback", running_status(capacity="fallback"))
+
+    out = ok(kubectl_spotjob("status", "-A"))
+
+    header, *lines = [ln.split() for ln in out.splitlines()]
+    assert header[0] == "NAMESPACE" and "CAPACITY" in header
+    row = next(ln for ln in lines if ln[:2] == [namespace, "on-fallback"])
+    assert row[header.index("CAPACITY")] == "fallback"
+
+
+def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush_and_conditions(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    cluster.add_node(f"{namespace}-b", zone="us-east-1b", run_containers=False)
+    create_job(cluster, namespace, "llama", max_restarts=3)
+    pod = create_pod(cluster, namespace, "llama", 1, 0, f"{namespace}-b")
+    wait_pod_running(cluster, namespace, pod["metadata"]["name"])
+    worker = {"name": "llama-1-0", "node": f"{namespace}-b", "zone": "us-east-1b", "phase": "Running", "step": 1420}
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    flush = {"id": "0b7c", "mode": "checkpoint", "outcome": "Committed", "step": 1400, "time": now}
+    set_status(
+        cluster,
+        namespace,
+        "llama",
+        running_status(workers=[worker], restarts=1, capacity="spot", lastFlushRequest=flush),
+    )
+
+    out = ok(kubectl_spotjob("status", "llama", "-n", namespace))
+
+    fields = dict(line.split(":", 1) for line in out.splitlines() if re.match(r"^[A-Z][a-z ]+:", line))
+    fields = {k: v.strip() for k, v in fields.items()}
+    assert fields["Phase"] == "Running (AttemptRunning: every worker of attempt 1 runs)"
+    assert fields["Step"].startswith("1420")
+    assert re.fullmatch(r"step 1400, 4\ds ago \(s3://bucket/jobs/step-000001400\)", fields["Checkpoint"])
+    assert fields["Preemptions"] == "1"
+    assert fields["Restarts"].startswith("1 of 3")
+    assert fields["Goodput"] == "98.1% (12 step(s) lost to preemptions)"
+    assert fields["Capacity"] == "spot"
+    assert "Preemption SpotInterrupted — node spot-a is reclaimed" in fields["Last restart"]
+    assert fields["Last flush"].startswith("checkpoint request 0b7c: Committed, step 1400")
+    pods = rows(out.split("Pods:", 1)[1].split("Conditions:", 1)[0])
+    assert pods["llama-1-0"] == ["llama-1-0", "1", "Running", "true", f"{namespace}-b", "us-east-1b", "-"]
+    conditions = rows(out.split("Conditions:", 1)[1])
+    assert conditions["Ready"][:3] == ["Ready", "True", "AttemptRunning"]
+
+
+def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: str, kubectl_spotjob: Run) -> None:
+    create_job(cluster, namespace, "j")
+    set_status(cluster, namespace, "j", running_status(step=700, goodput=0.5))
+
+    (listed,) = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+    one = json.loads(ok(kubectl_spotjob("-n", namespace, "status", "j", "--output=json")))  # flags before or after
+
+    assert (listed["name"], listed["phase"], listed["step"], listed["goodput"]) == ("j", "Running", 700, 0.5)
+    assert listed["restarts"] == 0 and listed["maxRestarts"] == 3
+    assert one["lastRestart"]["reason"] == "SpotInterrupted" and one["pods"] == []
+    assert one["checkpointUri"] == "s3://bucket/jobs"
+
+
+def test_status_of_a_pending_job_without_pods_says_so(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "new")
+
+    out = ok(kubectl_spotjob("status", "new", "-n", namespace))
+
+    assert "<no status yet>" in out and f"serving namespace {namespace}" in out
+    assert "Pods:\n  <none>" in out
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restore_would(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, tmp_path: Path
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    job_id = f"{namespace}/gpt"
+    storage = open_storage(uri)
+    claim(storage, job_id)
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    commit_checkpoint(storage, 100, when, job=job_id)
+    commit_checkpoint(storage, 200, when + timedelta(minutes=5), job=job_id)
+    commit_checkpoint(storage, 300, when + timedelta(minutes=10), job="someone/else")  # FOREIGN
+    commit_checkpoint(storage, 400, when + timedelta(minutes=15), job=job_id)
+    for f in (tmp_path / "ckpt" / "step-000000400").iterdir():
+        if f.name != "MANIFEST.json":
+            f.unlink()  # a committed checkpoint that lost a file: invalid
+    storage.put_bytes("step-000000500/__0_0.distcp", b"half")  # a save that never committed
+    create_job(cluster, namespace, "gpt", uri=uri)
+
+    proc = kubectl_spotjob("checkpoints", "gpt", "-n", namespace)
+
+    table = rows(ok(proc))
+    assert [k for k in table if k != "STEP"] == ["500", "400", "300", "200", "100"]
+    assert " ".join(table["500"]).endswith(
+        "uncommitted leftover — uncommitted: no MANIFEST.json (a save that never finished)"
+    )
+    assert "INVALID — file" in " ".join(table["400"]) and "is missing" in " ".join(table["400"])
+    assert "FOREIGN" in " ".join(table["300"])
+    assert table["200"][-1] == "valid" and table["100"][-1] == "valid"
+    assert "resumes from step-000000200 (step 200)" in proc.stderr
+
+    docs = json.loads(ok(kubectl_spotjob("checkpoints", "gpt", "-n", namespace, "-o", "json")))
+    assert [(d["step"], d["valid"], d["foreign"], d["resumesFromThis"]) for d in docs] == [
+        (500, False, False, False),
+        (400, False, False, False),
+        (300, False, True, False),
+        (200, True, False, True),
+        (100, True, False, False),
+    ]
+
+
+def test_checkpoints_of_a_path_that_is_not_on_this_machine_says_where_it_is(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, tmp_path: Path
+) -> None:
+    create_job(cluster, namespace, "remote", uri=str(tmp_path / "on-the-nodes"))
+
+    proc = kubectl_spotjob("checkpoints", "remote", "-n", namespace)
+
+    assert proc.returncode == 1
+    assert "no such folder" in proc.stderr and "a path on the cluster's nodes" in proc.stderr
+
+
+def test_checkpoints_of_a_uri_no_store_answers_to_names_the_field(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "odd", uri="ftp://bucket/odd")
+
+    proc = kubectl_spotjob("checkpoints", "odd", "-n", namespace)
+
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"SpotJob {namespace}/odd: spec.checkpoint.uri 'ftp://bucket/odd'" in proc.stderr
+
+
+# -- flush ----------------------------------------------------------------------------------------
+
+
+def test_flush_asks_through_an_annotation_patch_that_the_audit_log_records_under_the_users_name(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    create_job(cluster, namespace, "bert")
+    set_status(cluster, namespace, "bert", running_status())
+    mark = cluster.audit_mark()
+
+    proc = kubectl_spotjob("flush", "bert", "-n", namespace, "--reason", "before the maintenance window")
+
+    out = ok(proc)
+    request = flush_annotation(cluster.rest.get(jobs_path(namespace, "bert")))
+    assert request is not None
+    assert set(request) == {"id", "mode", "reason", "requestedAt"}
+    assert request["mode"] == "restart" and request["reason"] == "before the maintenance window"
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", request["id"])
+    requested = datetime.strptime(request["requestedAt"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert abs((datetime.now(UTC) - requested).total_seconds()) < 120
+    assert f"flush request {request['id']} sent to SpotJob {namespace}/bert" in out
+    mine = [(r.verb, r.api_group, r.resource_path, r.name, r.code) for r in cluster.audit_log(mark) if r.user == USER]
+    assert mine == [
+        ("get", "spotjob.dev", "spotjobs", "bert", 200),
+        ("patch", "spotjob.dev", "spotjobs", "bert", 200),
+    ]
+
+
+def test_flush_keep_running_asks_for_a_checkpoint_only(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "t5")
+    set_status(cluster, namespace, "t5", running_status())
+
+    ok(kubectl_spotjob("flush", "t5", "-n", namespace, "--keep-running"))
+
+    request = flush_annotation(cluster.rest.get(jobs_path(namespace, "t5")))
+    assert request is not None and request["mode"] == "checkpoint"
+    assert request["reason"] == "requested with kubectl spotjob flush"
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "printed"),
+    [
+        ({"outcome": "Committed", "step": 1450}, 0, "flush (restart): Committed, step 1450 committed"),
+        ({"outcome": "FlushFailed"}, 1, "flush (restart): FlushFailed; no checkpoint was committed"),
+    ],
+)
+def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_was_committed(
+    cluster: TestCluster,
+    namespace: str,
+    kubectl_spotjob: Run,
+    answer: dict[str, Any],
+    code: int,
+    printed: str,
+) -> None:
+    create_job(cluster, namespace, "opt")
+    set_status(cluster, namespace, "opt", running_status())
+    stop = threading.Event()
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "opt", {**answer, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}),
+        kwargs={"stop": stop},
+    )
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "opt", "-n", namespace, "--wait", "--timeout", "90s")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == code, proc.stderr
+    assert printed in proc.stdout
+    status = cluster.rest.get(jobs_path(namespace, "opt"))["status"]["lastFlushRequest"]
+    assert status["id"] in proc.stdout  # the request it waited for is the one the status answers
+
+
+def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    create_job(cluster, namespace, "resilient")
+    set_status(cluster, namespace, "resilient", running_status())
+    stop = threading.Event()
+    answer = {"outcome": "Committed", "step": 1500, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "resilient", answer),
+        kwargs={"stop": stop, "break_watches": True},
+    )
+    mark = cluster.audit_mark()
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "resilient", "-n", namespace, "--wait", "--timeout", "90")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == 0, proc.stderr
+    assert "Committed, step 1500 committed" in proc.stdout
+    mine = [(r.verb, r.name) for r in cluster.audit_log(mark) if r.user == USER]
+    assert ("watch", "") in mine  # (a watch's record is written when it ends: the last one may still run)
+    assert mine.count(("get", "resilient")) >= 2  # read afresh after its watch was told 410 Gone
+
+
+def test_flush_wait_without_a_controller_gives_up_after_the_timeout_naming_what_to_check(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "alone")
+    set_status(cluster, namespace, "alone", running_status())
+
+    proc = kubectl_spotjob("flush", "alone", "-n", namespace, "--wait", "--timeout", "2")
+
+    assert proc.returncode == 1
+    assert "no answer to flush request" in proc.stderr
+    assert f"is spotjob-controller running and serving namespace {namespace}?" in proc.stderr
+
+
+def test_flush_of_a_finished_job_is_refused_without_writing(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "done")
+    set_status(cluster, namespace, "done", {**running_status(), "phase": "Succeeded"})
+
+    proc = kubectl_spotjob("flush", "done", "-n", namespace)
+
+    assert proc.returncode == 1 and "has succeeded: there is nothing to flush" in proc.stderr
+    assert flush_annotation(cluster.rest.get(jobs_path(namespace, "done"))) is None
+
+
+def test_a_user_rbac_refuses_to_patch_hears_which_verb_on_which_resource(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    create_job(cluster, namespace, "guarded")
+    set_status(cluster, namespace, "guarded", running_status())
+    cluster.add_fault(Fault(user=USER, verb="patch", resource="spotjobs", namespace=namespace, status=403))
+
+    proc = kubectl_spotjob("flush", "guarded", "-n", namespace)
+
+    assert proc.returncode == 1
+    assert f'forbidden: RBAC does not let you patch spotjobs.spotjob.dev in namespace "{namespace}"' in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert flush_annotation(cluster.rest.get(jobs_path(namespace, "guarded"))) is None
+
+
+def test_a_user_who_may_not_list_pods_still_gets_the_status_from_the_controllers_view(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    create_job(cluster, namespace, "quiet")
+    worker = {"name": "quiet-1-0", "node": "spot-z", "zone": "us-east-1c", "phase": "Running"}
+    set_status(cluster, namespace, "quiet", running_status(workers=[worker]))
+    cluster.add_fault(Fault(user=USER, verb="list", resource="pods", namespace=namespace, status=403))
+
+    out = ok(kubectl_spotjob("status", "quiet", "-n", namespace))
+
+    assert "you may not list pods" in out
+    assert rows(out.split("Pods:", 1)[1].split("Conditions:", 1)[0])["quiet-1-0"][2:6] == [
+        "Running", "-", "spot-z", "us-east-1c",
+    ]  # fmt: skip
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+def test_events_oldest_first_with_repeats_counted_and_only_this_incarnations(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    job = create_job(cluster, namespace, "vit")
+    now = datetime.now(UTC)
+    write_event(
+        cluster, namespace, job, "FlushRequested", "1 agent(s) accepted the request", at=now - timedelta(minutes=9)
+    )
+    write_event(
+        cluster,
+        namespace,
+        job,
+        "SpotInterrupted",
+        "node spot-a is reclaimed",
+        type="Warning",
+        at=now - timedelta(minutes=10),
+    )
+    write_event(
+        cluster, namespace, job, "CheckpointStale", "no commit for 20m", type="Warning",
+        at=now - timedelta(minutes=30), count=4, last=now - timedelta(minutes=1),
+    )  # fmt: skip
+    write_event(cluster, namespace, job, "Rescheduled", "an older job of that name", at=now, uid="an-older-uid")
+
+    proc = kubectl_spotjob("events", "vit", "-n", namespace)
+
+    lines = ok(proc).splitlines()
+    assert lines[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "COUNT", "NOTE"]
+    reasons = [ln.split()[2] for ln in lines[1:]]
+    assert reasons == ["SpotInterrupted", "FlushRequested", "CheckpointStale"]
+    stale = lines[3].split()
+    assert re.fullmatch(r"6\ds", stale[0]) and stale[1] == "Warning"
+    assert " ".join(stale[3:6]) == "4 over 30m"
+
+    docs = json.loads(ok(kubectl_spotjob("events", "vit", "-n", namespace, "-o", "json")))
+    assert [(d["reason"], d["count"], d["type"]) for d in docs] == [
+        ("SpotInterrupted", 1, "Warning"),
+        ("FlushRequested", 1, "Normal"),
+        ("CheckpointStale", 4, "Warning"),
+    ]
+    assert docs[0]["reporter"] == "spotjob.dev/controller/spotjob-controller-0"
+
+
+def test_events_fall_back_to_core_v1_where_events_k8s_io_is_not_served(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    job = create_job(cluster, namespace, "old-cluster")
+    now = datetime.now(UTC)
+    write_event(cluster, namespace, job, "Rescheduled", "attempt 1 starts", at=now - timedelta(minutes=2), core=True)
+    cluster.add_fault(Fault(user=USER, path="/apis/events.k8s.io/v1", status=404))
+    mark = cluster.audit_mark()
+
+    out = ok(kubectl_spotjob("events", "old-cluster", "-n", namespace))
+
+    (line,) = out.splitlines()[1:]
+    assert re.fullmatch(r"2m(\d+s)?", line.split()[0]) and line.split()[1:4] == ["Normal", "Rescheduled", "1"]
+    listed = [(r.api_group, r.resource) for r in cluster.audit_log(mark) if r.user == USER and r.verb == "list"]
+    assert listed == [("", "events")]
+
+
+def test_events_read_core_v1_when_rbac_allows_only_those_as_the_builtin_view_role_does(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+) -> None:
+    job = create_job(cluster, namespace, "viewer")
+    write_event(cluster, namespace, job, "Rescheduled", "attempt 1 starts", at=datetime.now(UTC))
+    path = f"/apis/events.k8s.io/v1/namespaces/{namespace}/events"
+    cluster.add_fault(Fault(user=USER, verb="list", path=path, status=403))
+    mark = cluster.audit_mark()
+
+    out = ok(kubectl_spotjob("events", "viewer", "-n", namespace))
+
+    assert out.splitlines()[1].split()[1:4] == ["Normal", "Rescheduled", "1"]
+    listed = [(r.api_group, r.code) for r in cluster.audit_log(mark) if r.user == USER and r.verb == "list"]
+    assert listed == [("events.k8s.io", 403), ("", 200)]
+
+
+# -- errors, flags and the kubeconfig ----------------------------------------------------------------
+
+
+def test_no_such_job_is_named_with_its_namespace(cluster: TestCluster, namespace: str, kubectl_spotjob: Run) -> None:
+    for command in ("status", "checkpoints", "flush", "events"):
+        proc = kubectl_spotjob(command, "ghost", "-n", namespace)
+        assert proc.returncode == 1, command
+        assert proc.stderr.strip() == f'error: spotjobs.spotjob.dev "ghost" not found in namespace "{namespace}"'
+
+
+def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: Run, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "gone.kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": "https://127.0.0.1:9", "insecure-skip-tls-verify": True}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "gone", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "gone",
+            }
+        )
+    )
+
+    proc = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
+
+    assert proc.returncode == 1
+    assert "cannot reach the API server at https://127.0.0.1:9 (context gone" in proc.stderr
+    assert "connection refused" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    create_job(cluster, namespace, "ctx-job")
+    config = yaml.safe_load(Path(user_kubeconfig).read_text())
+    base = config["contexts"][0]["context"]
+    config["contexts"].append({"name": "team", "context": {**base, "namespace": namespace}})
+    config["contexts"].append({"name": "elsewhere", "context": {**base, "namespace": "kube-system"}})
+    config["current-context"] = "elsewhere"
+    kubeconfig = tmp_path / "two-contexts"
+    kubeconfig.write_text(yaml.safe_dump(config))
+
+    by_context = rows(ok(kubectl_spotjob("status", "--context", "team", kubeconfig=str(kubeconfig))))
+    by_flag = rows(ok(kubectl_spotjob("status", "--kubeconfig", str(kubeconfig), "--context=team")))
+    current = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
+    unknown = kubectl_spotjob("status", "--context", "nope", kubeconfig=str(kubeconfig))
+
+    assert "ctx-job" in by_context and "ctx-job" in by_flag
+    assert current.returncode == 0 and 'No SpotJobs in namespace "kube-system"' in current.stderr
+    assert unknown.returncode == 1 and 'context "nope" is not in' in unknown.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", "x", "-A"], "a NAME and -A/--all-namespaces do not go together"),
+        (["flush", "x", "--timeout", "5"], "--timeout goes with --wait"),
+        (["flush", "x", "--wait", "--timeout", "soon"], "'soon' is not a duration"),
+        (["status", "Bad_Name"], "is not a SpotJob name"),
+        (["events"], "the following arguments are required: NAME"),
+        (["status", "-o", "yaml"], "invalid choice: 'yaml'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_a_bad_command_line_exits_2_naming_the_problem(kubectl_spotjob: Run, args: list[str], message: str) -> None:
+    proc = kubectl_spotjob(*args)
+
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["status"], ["checkpoints"], ["flush"], ["events"]])
+def test_help_is_there_for_every_command(kubectl_spotjob: Run, command: list[str]) -> None:
+    proc = kubectl_spotjob(*command, "--help")
+
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: kubectl spotjob")
+    assert "--kubeconfig" in proc.stdout and "--context" in proc.stdout

@@ -1,0 +1,60 @@
+"""The scale benchmark in small, so that it cannot rot: the same code as ``make bench`` runs (a real
+``spotjob-controller``, the test API server, simulated agents on the real control API), with 8
+nodes and 4 jobs. It asserts what the benchmark counts — every preemption flushed and recovered,
+the API calls each one took, no list after the informers synced — never how long anything took.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.controller_scale import ScaleConfig, SizeResult, run_size
+
+pytestmark = pytest.mark.slow
+
+ROUNDS, PER_ROUND, BURST = 2, 1, 2
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> SizeResult:
+    config = ScaleConfig(
+        nodes=8, jobs=4, rounds=ROUNDS, per_round=PER_ROUND, burst=BURST, idle_seconds=3.0, wait_seconds=240.0
+    )
+    return run_size(config, Path(tmp_path_factory.mktemp("scale")))
+
+
+def test_every_preemption_reached_its_agent_and_the_job_ran_again_elsewhere(result: SizeResult) -> None:
+    assert result.errors == []
+    assert len(result.preemptions) >= ROUNDS * PER_ROUND + BURST
+    for p in result.preemptions:
+        assert p.flush_at is not None and p.recovered_at is not None, p
+        assert p.flush_at >= p.signal_at  # the flush followed the taint
+
+
+def test_no_list_after_the_informers_synced(result: SizeResult) -> None:
+    assert result.lists_after_sync == 0
+    assert all(w.lists == 0 for w in result.windows)
+
+
+def test_a_preemption_costs_one_pod_deleted_one_created_a_few_status_writes_and_its_events(result: SizeResult) -> None:
+    for name in ("rounds", "burst"):
+        window = next(w for w in result.windows if w.name == name)
+        n = window.preemptions
+        calls = window.attributed_by_call
+        assert set(calls) <= {"create events", "patch events", "create pods", "delete pods", "update spotjobs/status"}
+        assert calls["delete pods"] == n and calls["create pods"] == n, calls
+        assert n * 2 <= calls["update spotjobs/status"] <= n * 10, calls
+        assert n * 3 <= calls.get("create events", 0) + calls.get("patch events", 0) <= n * 10, calls
+
+
+def test_nothing_happening_costs_at_most_a_status_refresh_per_job(result: SizeResult) -> None:
+    idle = next(w for w in result.windows if w.name == "idle")
+    assert set(idle.by_call) <= {"update spotjobs/status", "watch nodes", "watch pods", "watch spotjobs"}
+    assert idle.calls <= result.config.jobs
+
+
+def test_a_reconcile_makes_few_calls(result: SizeResult) -> None:
+    summary = result.summary()
+    assert summary["calls_per_reconcile"] is not None and summary["calls_per_reconcile"] <= 4
