@@ -68,14 +68,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from agent import _fresh_start, _rank_state
 from agent._dcp import (
+    ChecksummedFile,
     SafeEmptyLoadPlanner,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     VerifiedReader,
     dcp_load,
     dcp_save,
+    load_dcp_metadata,
     make_stager,
     make_writer,
+    sync_files,
     tensor_index,
 )
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
@@ -95,7 +98,7 @@ from agent.control_channel import (
     FlushResult,
     RankStatus,
 )
-from agent.crc32c import crc32c_bytes, crc32c_file, to_hex
+from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -199,6 +202,10 @@ class CheckpointConfig:
     """Start from step 0 when committed checkpoints exist but none loads (they are retired)."""
     io_threads: int = 8
     """Parallel transfers per rank."""
+    release_staging: bool = False
+    """Free the host buffers an async save staged into as soon as that save is committed, instead of
+    keeping them for the next save. Gives a state-sized block of memory back between saves, at the
+    price of allocating (first-touching; pinning, with CUDA) it again on the next one."""
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -226,6 +233,8 @@ class _Save:
     state_keys: list[str]
     rank_bytes: bytes
     writer: Any = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
     staged: Any = None
     """The staged DCP state the background thread writes (None: written already, or none)."""
     flush: FlushRequest | None = None
@@ -411,6 +420,22 @@ def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
+    """True when DCP loaded every tensor of the modules' state straight into their own tensors
+    (plain modules: ``get_model_state_dict`` hands out the parameters' storage), so applying
+    ``loaded`` again would only copy each tensor onto itself."""
+    current = bag.state_dict()
+    if set(current) != set(loaded):
+        return False
+    for key, tensor in current.items():
+        value = loaded[key]
+        if not isinstance(tensor, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return False
+        if value.data_ptr() != tensor.data_ptr() or value.shape != tensor.shape or value.dtype != tensor.dtype:
+            return False
+    return True
+
+
 def _is_shape_or_key_mismatch(e: BaseException) -> bool:
     """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
     text = str(e).lower()
@@ -457,6 +482,7 @@ class Checkpointer:
         attempt: int | None = None,
         start_fresh: bool | None = None,
         io_threads: int = 8,
+        release_staging: bool = False,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         control_dir = control_dir or os.environ.get(ENV_CONTROL_DIR) or None
@@ -475,6 +501,7 @@ class Checkpointer:
             attempt=attempt,
             start_fresh=start_fresh,
             io_threads=io_threads,
+            release_staging=release_staging,
         )
         self.storage = open_storage(uri)
         self._dist = dist.is_available() and dist.is_initialized()
@@ -960,7 +987,7 @@ class Checkpointer:
                 inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
                 self.wait()
             else:
-                self.wait()
+                self._supersede(inflight)
                 # The loop stops after this save anyway: write straight from the live tensors
                 # instead of staging a copy first (saves a full memcpy of the state).
                 self._start_save(step, state, metadata, flush=request, blocking=True)
@@ -1006,6 +1033,28 @@ class Checkpointer:
         if self.rank == 0 and self.last_committed_uri is not None:
             self._retain(CheckpointRef.parse(self.last_committed_uri.rsplit("/", 1)[-1]) or CheckpointRef(step))
 
+    def _supersede(self, inflight: _Save | None) -> None:
+        """(every rank, at the flush's step) Give up the save in flight, if it is still writing.
+
+        It holds an older step than the flush is about to commit, and the disk cannot write both
+        in the time the notice leaves: waiting for it would about double the time to the flush's
+        commit. Every rank stops writing at its next block; the save then fails on every rank
+        alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
+        until the flush's. A save whose writing was already done goes on to its commit.
+        """
+        if inflight is None:
+            return
+        if not inflight.done.is_set():
+            inflight.cancel.set()
+        try:
+            self.wait()
+        except FencedSaveError:
+            raise
+        except SaveFailedError as e:
+            if not inflight.cancel.is_set():
+                raise
+            log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
+
     # ------------------------------------------------------------------------------------------
     # saving
     # ------------------------------------------------------------------------------------------
@@ -1050,7 +1099,7 @@ class Checkpointer:
         )
         background = self.config.async_save and not blocking
         if dcp_state:
-            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None)
+            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None, cancel=save.cancel)
             if background:
                 if self._stager is None:
                     self._stager = make_stager()
@@ -1088,6 +1137,10 @@ class Checkpointer:
             shutil.rmtree(save.local_dir, ignore_errors=True)
         finally:
             save.staged = None  # the staged tensors are the stager's to reuse
+            if self.config.release_staging and self._stager is not None:
+                # The next save waits for this one before it stages, so nothing else uses the stager.
+                self._stager.close()
+                self._stager = None
             save.done.set()
 
     def _write_upload_commit(self, save: _Save) -> None:
@@ -1098,16 +1151,18 @@ class Checkpointer:
         # restart budget.
         infra = False
         try:
+            written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
-            path = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
-            with open(path, "wb") as f:
+                written.update(save.writer.written)
+            name = _rank_state.rank_file_name(self.rank)
+            with ChecksummedFile(os.path.join(save.local_dir, name)) as f:
                 f.write(save.rank_bytes)
-                f.flush()
-                os.fsync(f.fileno())
-            for name in sorted(os.listdir(save.local_dir)):
-                crc, size = crc32c_file(os.path.join(save.local_dir, name))
-                files.append((name, size, to_hex(crc)))
+            written[name] = (f.crc, f.size)
+            if save.writer is not None and save.writer.durable:
+                # One wait for the disk, for every file of this rank, after the last is written.
+                sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
+            files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
             infra = _is_infrastructure(e)
@@ -1169,6 +1224,9 @@ class Checkpointer:
                 f"({self.config.attempt}) of {self.config.job!r} and must stop"
             )
             log.error("checkpoint of step %d not committed: %s", save.step, failure)
+        elif save.cancel.is_set():
+            save.error = SaveFailedError(f"given up for a flush: {failure}")
+            log.info("checkpoint of step %d given up for a flush, nothing committed", save.step)
         else:
             save.error = SaveFailedError(failure or "unknown failure")
             log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
@@ -1214,9 +1272,9 @@ class Checkpointer:
         """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""
         metadata_path = os.path.join(save.local_dir, DCP_METADATA_NAME)
         tensors = {}
-        if os.path.exists(metadata_path):
-            from agent._dcp import load_dcp_metadata
-
+        if save.writer is not None and save.writer.metadata is not None:
+            tensors = tensor_index(save.writer.metadata)  # as written, without reading it back
+        elif os.path.exists(metadata_path):
             with open(metadata_path, "rb") as f:
                 tensors = tensor_index(load_dcp_metadata(f.read()))
         manifest = Manifest(
@@ -1435,8 +1493,9 @@ class Checkpointer:
     ) -> None:
         modules, optims, others = self._classify(state)
         bag = _ModuleBag(modules)
-        if modules:
-            set_model_state_dict(bag, {k: v for k, v in dcp_state.items() if k not in optims})
+        model_state = {k: v for k, v in dcp_state.items() if k not in optims}
+        if modules and not _loaded_in_place(bag, model_state):
+            set_model_state_dict(bag, model_state)
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):
                 _load_optimizer_directly(bag, opt, dcp_state[key].state)

@@ -1,33 +1,41 @@
-"""Every process the agent's command started, and how to stop all of them. Linux ``/proc`` only.
+"""Every process the agent's command started, and how to stop all of them. Through psutil.
 
 Killing the command's process group is not enough: torchrun starts each worker with
 ``start_new_session=True``, so the workers have process groups (and sessions) of their own, and
 a worker may start helpers (dataloader workers, a compile server) that do the same. Three layers
 find them, each covering a gap of the one before:
 
-1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
-   descendant is re-parented to the agent instead of to init, so it stays in the agent's tree.
-2. ``refresh()`` walks ``/proc/<pid>/stat`` ppid links down from the agent a few times a second
-   and remembers every descendant with its start time (so a recycled pid is never mistaken for
-   one of ours).
+1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux): an
+   orphaned descendant is re-parented to the agent instead of to init, so it stays in the tree.
+2. ``refresh()`` walks the parent links down from the agent a few times a second and remembers
+   every descendant with its creation time (so a recycled pid is never mistaken for one of ours).
 3. The command runs with ``SPOTJOB_AGENT_ID=<id>`` in its environment, inherited by everything it
-   starts; ``stop_all`` also scans ``/proc/*/environ`` for it, which finds a process that escaped
-   both of the above (re-parented to init before the agent saw it, subreaper unavailable).
+   starts; ``stop_all`` also looks for it in every process's environment (``marked``), which finds
+   a process that escaped both of the above (re-parented to init before the agent saw it,
+   subreaper unavailable).
 
 ``stop_all`` sends SIGTERM to every one, gives them ``grace`` seconds, then SIGKILLs whatever is
-left — re-scanning each round, since a dying process may still fork. The agent reaps the zombies
-it inherits as a subreaper (``reap``), but never the command itself: that one's status belongs
-to ``subprocess.Popen``.
+left — re-scanning each round, since a dying process may still fork. Signals go through psutil's
+``Process``, which refuses to signal a pid that now belongs to another process. The agent reaps
+the zombies it inherits as a subreaper (``reap``), but never the command itself: that one's status
+belongs to ``subprocess.Popen``.
+
+psutil reads ``/proc`` for us (parsing ``stat`` and ``environ``, telling a vanished process from
+one we may not read); the subreaper ``prctl`` is the one thing it does not offer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -35,45 +43,73 @@ ENV_AGENT_ID = "SPOTJOB_AGENT_ID"
 """Marks every process of one agent's command (inherited through fork/exec)."""
 
 _PR_SET_CHILD_SUBREAPER = 36
+_ATTRS = ["pid", "ppid", "status", "create_time", "name"]
+_GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
 @dataclass(frozen=True)
 class ProcInfo:
     pid: int
     ppid: int
-    pgid: int
     state: str
-    """One letter from /proc/<pid>/stat; ``Z`` is a zombie (dead, not yet reaped)."""
-    start_ticks: int
-    """Start time since boot in clock ticks: with the pid, a unique identity."""
+    """``Z`` for a zombie (dead, not yet reaped), ``R`` otherwise."""
+    created: float
+    """Creation time: with the pid, a unique identity."""
     comm: str
+
+    @classmethod
+    def of(cls, info: dict[str, object]) -> ProcInfo:
+        zombie = info.get("status") == psutil.STATUS_ZOMBIE
+        return cls(
+            pid=int(info["pid"]),  # type: ignore[call-overload]
+            ppid=int(info.get("ppid") or 0),  # type: ignore[call-overload]
+            state="Z" if zombie else "R",
+            created=float(info.get("create_time") or 0.0),  # type: ignore[arg-type]
+            comm=str(info.get("name") or "?"),
+        )
 
 
 def read_proc(pid: int) -> ProcInfo | None:
-    """``/proc/<pid>/stat`` parsed, or None if the process is gone."""
+    """One process, or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm is in parentheses and may itself contain spaces and ')': split at the last one.
-    head, _, rest = raw.rpartition(")")
-    comm = head.partition("(")[2]
-    fields = rest.split()
-    try:
-        return ProcInfo(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[19]), comm)
-    except (IndexError, ValueError):
+        return ProcInfo.of(psutil.Process(pid).as_dict(_ATTRS))
+    except _GONE:
         return None
 
 
 def all_processes() -> list[ProcInfo]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            info = read_proc(int(name))
-            if info is not None:
-                out.append(info)
-    return out
+    return [ProcInfo.of(p.info) for p in psutil.process_iter(_ATTRS)]
+
+
+def has_marker(pid: int, variable: str, value: str) -> bool:
+    """Whether ``variable=value`` is in the environment of process ``pid`` (False if gone or not ours)."""
+    try:
+        return psutil.Process(pid).environ().get(variable) == value
+    except (*_GONE, OSError):
+        return False
+
+
+def marked(variable: str, value: str, *, among: Iterable[ProcInfo] | None = None) -> list[ProcInfo]:
+    """Live (non-zombie) processes, other than this one, whose environment holds ``variable=value``:
+    wherever they were re-parented, whichever session they made for themselves."""
+    me = os.getpid()
+    procs = all_processes() if among is None else among
+    return [p for p in procs if p.state != "Z" and p.pid != me and has_marker(p.pid, variable, value)]
+
+
+def signal_process(info: ProcInfo, sig: int) -> bool:
+    """Send ``sig`` to ``info``'s process if it is still that process (same creation time); False if
+    it is gone. ``PermissionError`` if it is not ours to signal."""
+    try:
+        proc = psutil.Process(info.pid)
+        if proc.create_time() != info.created:
+            return False  # the pid was recycled: not ours any more
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied as e:
+        raise PermissionError(f"not permitted to signal process {info.pid}") from e
+    return True
 
 
 def become_subreaper() -> bool:
@@ -89,14 +125,6 @@ def become_subreaper() -> bool:
     return True
 
 
-def _has_marker(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return marker in f.read().split(b"\0")
-    except OSError:  # gone, or not ours to read
-        return False
-
-
 class ProcessTree:
     """The command's processes: everything below ``root_pid`` (the agent) plus the marked ones."""
 
@@ -105,9 +133,8 @@ class ProcessTree:
         self.root_pid = os.getpid() if root_pid is None else root_pid
         self.command_pid: int | None = None
         """Never reaped here: ``subprocess.Popen`` owns its exit status."""
-        self._known: dict[int, int] = {}
-        """pid → start ticks of every descendant seen so far."""
-        self._marker = f"{ENV_AGENT_ID}={agent_id}".encode()
+        self._known: dict[int, float] = {}
+        """pid → creation time of every descendant seen so far."""
 
     def refresh(self, scan_environ: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones."""
@@ -124,16 +151,16 @@ class ProcessTree:
                     members[child.pid] = child
                     stack.append(child.pid)
         # Seen before under the same identity, but no longer below us (re-parented to init).
-        for pid, ticks in self._known.items():
+        for pid, created in self._known.items():
             known = by_pid.get(pid)
-            if known is not None and known.start_ticks == ticks:
+            if known is not None and known.created == created:
                 members.setdefault(pid, known)
         if scan_environ:
-            for p in procs:
-                if p.pid not in members and p.pid != self.root_pid and _has_marker(p.pid, self._marker):
-                    members[p.pid] = p
+            others = [p for p in procs if p.pid not in members and p.pid != self.root_pid]
+            for p in marked(ENV_AGENT_ID, self.agent_id, among=others):
+                members[p.pid] = p
         for p in members.values():
-            self._known.setdefault(p.pid, p.start_ticks)
+            self._known.setdefault(p.pid, p.created)
         self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
         return [p for p in members.values() if p.state != "Z"]
 
@@ -141,10 +168,8 @@ class ProcessTree:
         """Collect the exit status of inherited orphans (they are our children as a subreaper)."""
         for p in all_processes():
             if p.ppid == self.root_pid and p.state == "Z" and p.pid != self.command_pid:
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(p.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
@@ -173,9 +198,7 @@ class ProcessTree:
                     log.info("%s: SIGTERM %s", reason, _describe(fresh))
                 for p in fresh:
                     try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                        signal_process(p, sig)
                     except PermissionError:
                         log.error("%s: not permitted to signal %s", reason, _describe([p]))
                     done.add(p.pid)

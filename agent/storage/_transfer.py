@@ -25,7 +25,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from agent.crc32c import crc32c_bytes, to_hex
+from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -135,63 +135,6 @@ def crc_to_b64(crc: int) -> str:
 
 def crc_from_b64(text: str) -> int:
     return int.from_bytes(base64.b64decode(text), "big")
-
-
-# -- CRC32C of a concatenation ---------------------------------------------------------------
-# Parts and ranges are checksummed independently and in parallel; the object's CRC32C is then
-# combined from them (zlib's crc32_combine, for the Castagnoli polynomial) instead of re-reading
-# the whole file. _ZERO_OPS[k] is the GF(2) matrix that advances a CRC register over 2**k zero
-# bytes; combining costs one matrix-vector product per set bit of the second part's length.
-
-_CRC32C_POLY_REFLECTED = 0x82F63B78
-
-
-def _gf2_times(mat: Sequence[int], vec: int) -> int:
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: Sequence[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def _zero_ops() -> list[list[int]]:
-    one_bit = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]
-    op = one_bit
-    for _ in range(3):  # 1 -> 2 -> 4 -> 8 zero bits: one zero byte
-        op = _gf2_square(op)
-    ops = [op]
-    for _ in range(63):
-        ops.append(_gf2_square(ops[-1]))
-    return ops
-
-
-_ZERO_OPS = _zero_ops()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len2 = len(B)``."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-def crc32c_concat(parts: Sequence[tuple[int, int]]) -> int:
-    """CRC32C of consecutive pieces given as ``(crc32c, length)``, in order."""
-    crc = 0
-    for part_crc, length in parts:
-        crc = crc32c_combine(crc, part_crc, length)
-    return crc
 
 
 # -- the pool --------------------------------------------------------------------------------
