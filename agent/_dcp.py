@@ -300,7 +300,9 @@ class _Writer(FileSystemWriter):
         future.set_result(results)
         return future
 
-    def _write_file(self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]) -> list[WriteResult]:
+    def _write_file(
+        self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]
+    ) -> list[WriteResult]:
         results = []
         with ChecksummedFile(path, writeback=self.durable, cancel=self.cancel) as stream:
             for item in items:

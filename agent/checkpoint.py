@@ -83,15 +83,7 @@ from agent._dcp import (
 )
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.control_channel import (
-    ENV_ASYNC,
-    ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
-    ENV_CONTROL_DIR,
-    ENV_EVERY_SECONDS,
-    ENV_EVERY_STEPS,
-    ENV_JOB_NAME,
-    ENV_KEEP,
-    ENV_STAGING_DIR,
     ENV_START_FRESH,
     ControlDir,
     FlushRequest,
@@ -110,6 +102,7 @@ from agent.manifest import (
     now_utc,
 )
 from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
+from agent.settings import CheckpointerEnv, load
 from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
@@ -124,7 +117,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STATUS_INTERVAL_S = 1.0
-_TRUE = ("1", "true", "yes", "on")
 _METADATA = TypeAdapter(dict[str, JsonValue])
 _MAX_METADATA_BYTES = 1 << 20
 
@@ -252,20 +244,6 @@ def _is_infrastructure(error: BaseException) -> bool:
     if isinstance(error, AlreadyExistsError | FencedError):
         return False  # another writer on the URI: ownership, not infrastructure
     return isinstance(error, StorageError | OSError)
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
 def normalise_uri(uri: str) -> str:
@@ -485,10 +463,11 @@ class Checkpointer:
         release_staging: bool = False,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
-        control_dir = control_dir or os.environ.get(ENV_CONTROL_DIR) or None
-        job = job if job is not None else (os.environ.get(ENV_JOB_NAME) or None)
-        attempt = attempt if attempt is not None else _env_int(ENV_ATTEMPT)
-        start_fresh = _env_flag(ENV_START_FRESH) if start_fresh is None else bool(start_fresh)
+        env = load(CheckpointerEnv)
+        control_dir = control_dir or env.control_dir
+        job = job if job is not None else env.job_name
+        attempt = attempt if attempt is not None else env.attempt
+        start_fresh = env.start_fresh if start_fresh is None else bool(start_fresh)
         self.config = CheckpointConfig(
             uri=uri,
             every_steps=every_steps,
@@ -545,32 +524,23 @@ class Checkpointer:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Checkpointer:
-        """Build from the variables spotjob-agent sets; keyword arguments win over them."""
-        env = os.environ
-        uri = overrides.pop("uri", None) or env.get(ENV_CHECKPOINT_URI)
+        """Build from the variables spotjob-agent sets (``agent.settings.CheckpointerEnv``); keyword
+        arguments win over them."""
+        env = load(CheckpointerEnv)
+        uri = overrides.pop("uri", None) or env.checkpoint_uri
         if not uri:
             raise ValueError(
                 f"no checkpoint URI: set {ENV_CHECKPOINT_URI} (spotjob-agent --checkpoint-uri does) or pass uri=..."
             )
-
-        def num(name: str, kind: type) -> Any:
-            raw = env.get(name)
-            if raw in (None, ""):
-                return None
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
         kwargs: dict[str, Any] = {
-            "every_steps": num(ENV_EVERY_STEPS, int),
-            "every_seconds": num(ENV_EVERY_SECONDS, float),
-            "async_save": env.get(ENV_ASYNC, "1").lower() not in ("0", "false", "no"),
-            "staging_dir": env.get(ENV_STAGING_DIR) or None,
+            "every_steps": env.every_steps,
+            "every_seconds": env.every_seconds,
+            "async_save": env.async_save,
+            "staging_dir": env.staging_dir,
+            "release_staging": env.release_staging,
         }
-        keep = num(ENV_KEEP, int)
-        if keep is not None:
-            kwargs["keep"] = keep if keep > 0 else None
+        if env.keep is not None:
+            kwargs["keep"] = env.keep if env.keep > 0 else None
         kwargs.update(overrides)
         return cls(uri, **kwargs)
 

@@ -61,7 +61,9 @@ def crc32c_file(path: str | os.PathLike[str]) -> tuple[int, int]:
         return crc32c_stream(f)
 
 
-def crc32c_file_parallel(path: str | os.PathLike[str], parallelism: int = 4, piece: int = 64 * 1024 * 1024) -> tuple[int, int]:
+def crc32c_file_parallel(
+    path: str | os.PathLike[str], parallelism: int = 4, piece: int = 64 * 1024 * 1024
+) -> tuple[int, int]:
     """(crc32c, size) of a local file read in ``piece``-sized ranges by up to ``parallelism`` threads,
     their CRCs combined: the disk gets several reads in flight and the checksum runs on every core
     (awscrt releases the GIL), so a cold file is checked at the speed it can be read."""

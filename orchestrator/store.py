@@ -39,7 +39,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from agent.atomic_file import write_atomic
-
 from orchestrator.model import JobKey, JobSpec, JobStatus, describe_validation_error
 
 log = logging.getLogger(__name__)

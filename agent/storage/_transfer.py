@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import re
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
+from agent.settings import StorageEnv, load
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -87,40 +87,19 @@ class TransferSettings:
     @classmethod
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD``
-        (bytes, or with a KiB/MiB/GiB suffix), ``SPOTJOB_STORAGE_CONCURRENCY``,
-        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S``."""
+        (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
+        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` (``agent.settings``)."""
+        env = load(StorageEnv)
         d = cls()
         return cls(
-            part_size=_env_size("SPOTJOB_STORAGE_PART_SIZE", d.part_size),
-            multipart_threshold=_env_size("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", d.multipart_threshold),
-            concurrency=int(_env_size("SPOTJOB_STORAGE_CONCURRENCY", d.concurrency)),
-            connect_timeout_s=_env_float("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", d.connect_timeout_s),
-            read_timeout_s=_env_float("SPOTJOB_STORAGE_READ_TIMEOUT_S", d.read_timeout_s),
+            part_size=int(env.part_size) if env.part_size is not None else d.part_size,
+            multipart_threshold=int(env.multipart_threshold)
+            if env.multipart_threshold is not None
+            else d.multipart_threshold,
+            concurrency=env.concurrency if env.concurrency is not None else d.concurrency,
+            connect_timeout_s=env.connect_timeout_s if env.connect_timeout_s is not None else d.connect_timeout_s,
+            read_timeout_s=env.read_timeout_s if env.read_timeout_s is not None else d.read_timeout_s,
         )
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
-_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
-
-
-def _env_size(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    m = _SIZE_RE.match(raw)
-    if not m:
-        raise ValueError(f"{name}={raw!r}: expected a whole number of bytes, optionally with KiB/MiB/GiB")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
 def spans(size: int, part_size: int) -> list[tuple[int, int]]:

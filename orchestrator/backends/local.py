@@ -55,6 +55,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
 
+from agent.atomic_file import write_atomic
 from agent.control_api import ENV_AGENT_TOKEN
 from agent.control_channel import (
     AGENT_FILE,
@@ -76,7 +77,6 @@ from agent.control_channel import (
     read_json,
 )
 from agent.notices.emulators import ImdsEmulator
-from agent.atomic_file import write_atomic
 from agent.process_tree import ENV_AGENT_ID, marked, signal_process
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
