@@ -22,7 +22,6 @@ import builtins
 import collections
 import contextlib
 import ctypes
-import fcntl
 import io
 import logging
 import os
@@ -44,6 +43,7 @@ from torch.futures import Future
 from agent._rank_state import refusal_reason
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
+from agent.restore_cache import fetch_verified
 from agent.storage.base import CorruptObjectError, Storage, parallel_map
 
 log = logging.getLogger(__name__)
@@ -192,18 +192,7 @@ class VerifiedReader(FileSystemReader):
                     relative_path,
                 )
         else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                ok_marker = path + ".verified"
-                if not os.path.exists(ok_marker):
-                    self.storage.get_file(
-                        f"{self.folder}/{relative_path}",
-                        path,
-                        size=entry.size,
-                        crc32c=from_hex(entry.crc32c),
-                    )
-                    open(ok_marker, "w").close()
+            fetch_verified(self.storage, self.folder, entry, self.local_dir)
         self._verified.add(relative_path)
         return path
 

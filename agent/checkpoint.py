@@ -45,7 +45,6 @@ import operator
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -90,7 +89,7 @@ from agent.control_channel import (
     FlushResult,
     RankStatus,
 )
-from agent.crc32c import crc32c_bytes, to_hex
+from agent.crc32c import to_hex
 from agent.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -102,6 +101,7 @@ from agent.manifest import (
     now_utc,
 )
 from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
+from agent.restore_cache import RESTORE_FOLDER, default_staging
 from agent.settings import CheckpointerEnv, load
 from agent.storage import (
     AlreadyExistsError,
@@ -1351,7 +1351,7 @@ class Checkpointer:
         local_dir = self.storage.local_path(ref.folder)
         cache = None
         if local_dir is None:
-            cache = os.path.join(self._staging_root, "restore", ref.folder)
+            cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
             local_dir = cache
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
         failure: tuple[str, str] | None = None
@@ -1487,10 +1487,14 @@ class Checkpointer:
                 "the per-rank state of %d ranks that no longer exist was dropped", manifest.world_size - self.world_size
             )
 
-    @staticmethod
-    def _cleanup_cache(cache: str | None) -> None:
-        if cache is not None:
-            shutil.rmtree(cache, ignore_errors=True)
+    def _cleanup_cache(self, cache: str | None) -> None:
+        """(every rank, after the agreement that ends a load) Remove the node's restore cache: this
+        checkpoint's files, and any left by an earlier restore or prefetch that was killed."""
+        if cache is None:
+            return
+        shutil.rmtree(cache, ignore_errors=True)
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            shutil.rmtree(os.path.join(self._staging_root, RESTORE_FOLDER), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------
     # state handling
@@ -1594,19 +1598,15 @@ class Checkpointer:
             entries = list(os.scandir(self._staging_root))
         except FileNotFoundError:
             return
+        # ``restore/`` stays: spotjob-agent may be filling it for this very restore
+        # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
         for entry in entries:
-            if entry.is_dir() and (entry.name.startswith("step-") or entry.name == "restore"):
+            if entry.is_dir() and entry.name.startswith("step-"):
                 log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def _default_staging(self) -> str:
-        local = self.storage.local_path("")
-        if local is not None:
-            # Same filesystem as the destination: committing links the files instead of copying.
-            return os.path.join(local, ".spotjob-staging")
-        # Deterministic across ranks, so the ranks of a node share one restore cache.
-        name = (self.config.job or "job") + "-" + to_hex(crc32c_bytes(self.storage.uri.encode()))
-        return os.path.join(tempfile.gettempdir(), "spotjob-staging", name)
+        return default_staging(self.storage, self.config.job)
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:
