@@ -20,8 +20,9 @@ left — re-scanning each round, since a dying process may still fork. Signals g
 the zombies it inherits as a subreaper (``reap``), but never the command itself: that one's status
 belongs to ``subprocess.Popen``.
 
-psutil reads ``/proc`` for us (parsing ``stat`` and ``environ``, telling a vanished process from
-one we may not read); the subreaper ``prctl`` is the one thing it does not offer.
+psutil lists the pids, reads each process's environment (telling a vanished process from one we
+may not read) and sends the signals; the ten-times-a-second walk reads ``/proc/<pid>/stat`` itself
+(``read_proc`` says why), and the subreaper ``prctl`` is not something psutil offers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ ENV_AGENT_ID = "SPOTJOB_AGENT_ID"
 """Marks every process of one agent's command (inherited through fork/exec)."""
 
 _PR_SET_CHILD_SUBREAPER = 36
-_ATTRS = ["pid", "ppid", "status", "create_time", "name"]
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
@@ -52,33 +52,42 @@ class ProcInfo:
     pid: int
     ppid: int
     state: str
-    """``Z`` for a zombie (dead, not yet reaped), ``R`` otherwise."""
-    created: float
-    """Creation time: with the pid, a unique identity."""
+    """One letter from /proc/<pid>/stat; ``Z`` is a zombie (dead, not yet reaped)."""
+    start_ticks: int
+    """Start time since boot in clock ticks: with the pid, a unique identity."""
     comm: str
-
-    @classmethod
-    def of(cls, info: dict[str, object]) -> ProcInfo:
-        zombie = info.get("status") == psutil.STATUS_ZOMBIE
-        return cls(
-            pid=int(info["pid"]),  # type: ignore[call-overload]
-            ppid=int(info.get("ppid") or 0),  # type: ignore[call-overload]
-            state="Z" if zombie else "R",
-            created=float(info.get("create_time") or 0.0),  # type: ignore[arg-type]
-            comm=str(info.get("name") or "?"),
-        )
 
 
 def read_proc(pid: int) -> ProcInfo | None:
-    """One process, or None if it is gone."""
+    """``/proc/<pid>/stat`` parsed, or None if the process is gone.
+
+    The one thing not through psutil: the watch loop walks every process ten times a second, and
+    one read of each ``stat`` costs a quarter of what ``psutil.process_iter`` does for the same
+    fields here (1.6 ms against 6 ms a pass with ~90 processes: 1.6% of a core against 6% while
+    nothing happens).
+    """
     try:
-        return ProcInfo.of(psutil.Process(pid).as_dict(_ATTRS))
-    except _GONE:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm is in parentheses and may itself contain spaces and ')': split at the last one.
+    head, _, rest = raw.rpartition(")")
+    comm = head.partition("(")[2]
+    fields = rest.split()
+    try:
+        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm)
+    except (IndexError, ValueError):
         return None
 
 
 def all_processes() -> list[ProcInfo]:
-    return [ProcInfo.of(p.info) for p in psutil.process_iter(_ATTRS)]
+    out = []
+    for pid in psutil.pids():
+        info = read_proc(pid)
+        if info is not None:
+            out.append(info)
+    return out
 
 
 def has_marker(pid: int, variable: str, value: str) -> bool:
@@ -98,13 +107,13 @@ def marked(variable: str, value: str, *, among: Iterable[ProcInfo] | None = None
 
 
 def signal_process(info: ProcInfo, sig: int) -> bool:
-    """Send ``sig`` to ``info``'s process if it is still that process (same creation time); False if
-    it is gone. ``PermissionError`` if it is not ours to signal."""
+    """Send ``sig`` to ``info``'s process if it is still that process (same start time); False if
+    it is gone or its pid now belongs to another process. ``PermissionError`` if not ours to signal."""
+    now = read_proc(info.pid)
+    if now is None or now.start_ticks != info.start_ticks:
+        return False  # gone, or the pid was recycled: not ours any more
     try:
-        proc = psutil.Process(info.pid)
-        if proc.create_time() != info.created:
-            return False  # the pid was recycled: not ours any more
-        proc.send_signal(sig)
+        psutil.Process(info.pid).send_signal(sig)
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
     except psutil.AccessDenied as e:
@@ -133,8 +142,8 @@ class ProcessTree:
         self.root_pid = os.getpid() if root_pid is None else root_pid
         self.command_pid: int | None = None
         """Never reaped here: ``subprocess.Popen`` owns its exit status."""
-        self._known: dict[int, float] = {}
-        """pid → creation time of every descendant seen so far."""
+        self._known: dict[int, int] = {}
+        """pid → start ticks of every descendant seen so far."""
 
     def refresh(self, scan_environ: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones."""
@@ -151,16 +160,16 @@ class ProcessTree:
                     members[child.pid] = child
                     stack.append(child.pid)
         # Seen before under the same identity, but no longer below us (re-parented to init).
-        for pid, created in self._known.items():
+        for pid, ticks in self._known.items():
             known = by_pid.get(pid)
-            if known is not None and known.created == created:
+            if known is not None and known.start_ticks == ticks:
                 members.setdefault(pid, known)
         if scan_environ:
             others = [p for p in procs if p.pid not in members and p.pid != self.root_pid]
             for p in marked(ENV_AGENT_ID, self.agent_id, among=others):
                 members[p.pid] = p
         for p in members.values():
-            self._known.setdefault(p.pid, p.created)
+            self._known.setdefault(p.pid, p.start_ticks)
         self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
         return [p for p in members.values() if p.state != "Z"]
 
