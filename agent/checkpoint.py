@@ -49,6 +49,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -396,6 +397,14 @@ def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
             f"the checkpoint's optimizer state names parameter {e.args[0]!r}, which the model does not have"
         ) from None
     opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """``fn(*args)``'s result or exception into ``future`` (a thread's whole work)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
 
 
 def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
@@ -1120,6 +1129,14 @@ class Checkpointer:
         # user's code: the agent then exits 74 and the controller retries without spending the
         # restart budget.
         infra = False
+        # (rank 0) Naming the checkpoint folder takes a few round trips to the store (the fence, a
+        # listing); they run while the shards are written, not after.
+        naming: Future[str] | None = None
+        if self.rank == 0:
+            naming = Future()
+            threading.Thread(
+                target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+            ).start()
         try:
             written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
@@ -1137,9 +1154,9 @@ class Checkpointer:
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
             infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
-        if self.rank == 0:
+        if naming is not None:
             try:
-                target = (self._target_folder(save.step), None)
+                target = (naming.result(), None)
             except FencedError as e:
                 target = (None, str(e))
             except (StorageError, OSError) as e:

@@ -293,6 +293,8 @@ class CheckpointBench:
                     self._dcp_baseline(w, result, size_dir)
                     root = os.path.join(size_dir, "ckpt")
                     self._checkpointer(w, result, "file", root, None, step, checkpointers)
+                    self._memcpy_floor(w, result)
+                    self._released(w, result, root, None, step, checkpointers)
                     self._diagnostics(w, result, root)
                 if "s3" in backends:
                     self._s3_floor(w, result, size_dir, raw_for_s3)
@@ -412,6 +414,44 @@ class CheckpointBench:
             s.rss_growth.append(max(peak - before, 0))
         s = result.samples(f"{backend}.ckpt.async.last_blocking_seconds")
         s.seconds.append(float(ck.last_blocking_seconds or 0.0))
+        result.samples(f"{backend}.ckpt.async.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
+
+    def _memcpy_floor(self, w: Workload, result: SizeResult) -> None:
+        """The floor of an async save's blocking on CPU tensors: one memcpy of the state's bytes into
+        buffers that already exist (what staging into kept buffers is, minus DCP's bookkeeping)."""
+        tensors = state_tensors(w.model, w.optim)
+        buffers = [torch.empty_like(t) for t in tensors]
+        for b, t in zip(buffers, tensors, strict=True):
+            b.copy_(t)  # first touch outside the measurement, as kept staging buffers are
+
+        def copy() -> None:
+            for b, t in zip(buffers, tensors, strict=True):
+                b.copy_(t)
+
+        measure(result.samples("floor.memcpy"), copy)
+        buffers.clear()
+
+    def _released(self, w: Workload, result: SizeResult, uri: str, staging: str | None, step: int,
+                  checkpointers: dict[str, Checkpointer]) -> None:
+        """An async save with ``release_staging=True``: how long it blocks and what it keeps afterwards."""
+        if "file.release" not in checkpointers:
+            checkpointers["file.release"] = Checkpointer(
+                uri + "/release", every_steps=1, keep=1, async_save=True, staging_dir=staging, release_staging=True)
+        ck = checkpointers["file.release"]
+        before = current_rss_bytes()
+        reset_peak_rss()
+        start = time.monotonic()
+        ck.step(step, w.state())
+        blocked = time.monotonic() - start
+        ck.wait()
+        peak = peak_rss_bytes()
+        for name, seconds in (("file.ckpt.release.step", blocked),
+                              ("file.ckpt.release.commit", ck.last_save_seconds or 0.0)):
+            s = result.samples(name)
+            s.seconds.append(float(seconds))
+            s.peak_rss.append(peak)
+            s.rss_growth.append(max(peak - before, 0))
+        result.samples("file.ckpt.release.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
 
     def _diagnostics(self, w: Workload, result: SizeResult, root: str) -> None:
         """The pieces of an async save timed alone, to see where the blocking time and the commit go."""
@@ -515,6 +555,8 @@ def evaluate(result: SizeResult, backend: str) -> dict[str, Any]:
         "deserialise": deser,
         "floor_restore": floor_restore,
     }
+    out["memcpy"] = m("floor.memcpy")
+    out["async_block_vs_memcpy"] = _ratio(out["async_step"], out["memcpy"])
     out["async_block_vs_sync"] = _ratio(out["async_step"], out["sync_step"])
     out["commit_vs_floor"] = _ratio(out["async_commit"], floor_save)
     out["sync_vs_floor"] = _ratio(out["sync_step"], floor_save)
@@ -558,7 +600,10 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
     # (op, label, what it is compared with: "save", "restore", "sync" or "")
     "file": [
         ("file.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        ("floor.memcpy", "floor of the blocking: memcpy of the state into existing buffers", "sync"),
         ("file.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        ("file.ckpt.release.step", "… with `release_staging=True`: `step()` blocks", "sync"),
+        ("file.ckpt.release.commit", "… with `release_staging=True`: save call → commit", "save"),
         ("file.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
         ("file.floor.write", "floor: raw write of the state's bytes + fsync", "save"),
         ("torch.save", "torch.save, one file + fsync", "save"),
@@ -584,7 +629,7 @@ _DIAG_ROWS = [
     ("diag.get_state_dict", "get_model_state_dict + get_optimizer_state_dict"),
     ("diag.stage.fresh_buffers", "stage to CPU, new buffers (DCP's default, every save)"),
     ("diag.stage.reused_buffers", "stage to CPU, reused buffers (one stager kept across saves)"),
-    ("diag.crc32c.warm", "CRC32C of the shard file (page cache warm)"),
+    ("diag.crc32c.warm", "CRC32C of the shard file, page cache warm (the restore's check; saves compute it inline)"),
     ("diag.dcp_write.no_fsync", "dcp.save without fsync, torch.save's zip CRC-32 on (DCP's default)"),
     ("diag.dcp_write.no_fsync.no_torch_crc32", "dcp.save without fsync, zip CRC-32 off (as spotjob's saves run)"),
     ("diag.init_fresh_optim_state", "plain DCP restore: fresh Adam initialised by a zero-grad step "
@@ -595,22 +640,24 @@ _DIAG_ROWS = [
 def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends: list[str]) -> str:
     lines: list[str] = []
     lines.append("### Against the targets (medians)\n")
-    lines.append("| backend | state | async `step()` blocks | sync save | blocks / sync (target ≤ 5%) "
+    lines.append("| backend | state | async `step()` blocks | memcpy floor | blocks / memcpy | sync save "
+                 "| blocks / sync (target ≤ 5%) "
                  "| save call → commit (async) | floor | commit / floor (target ≤ "
                  f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3) "
                  "| restore | floor read + deserialise | restore / floor (target ≤ 1.25x) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in backends:
         for r in results:
             if backend in r.skipped:
                 lines.append(f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} | skipped: see below "
-                             "| | | | | | | | |")
+                             "| | | | | | | | | | |")
                 continue
             e = evaluate(r, backend)
             t = e["targets"]
             lines.append(
                 f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} "
-                f"| {_s(e['async_step'])} s | {_s(e['sync_step'])} s "
+                f"| {_s(e['async_step'])} s | {_s(e['memcpy'])} s | {_x(e['async_block_vs_memcpy'])} "
+                f"| {_s(e['sync_step'])} s "
                 f"| {_pct(e['async_block_vs_sync'])} {_mark(t['async_block_vs_sync']['met'])} "
                 f"| {_s(e['async_commit'])} s | {_s(e['floor_save'])} s "
                 f"| {_x(e['commit_vs_floor'])} {_mark(t['commit_vs_floor']['met'])} "
@@ -657,6 +704,26 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
                 med = r.median(op)
                 cells.append("—" if med is None else f"{_s(med)} s ({r.state_bytes / GB / med:.1f} GB/s)")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if "file" in backends:
+        lines.append("\n### Memory (filesystem, medians): peak resident growth during each operation, and what "
+                     "stays resident after it\n")
+        lines.append("| state | sync save | async save (peak) | async save: kept after | `release_staging=True` "
+                     "(peak) | `release_staging=True`: kept after | restore (peak) |")
+        lines.append("|---|---|---|---|---|---|---|")
+
+        def growth(r: SizeResult, op: str) -> str:
+            s = r.ops.get(op)
+            return fmt_bytes(statistics.median(s.rss_growth)) if s and s.rss_growth else "—"
+
+        def kept(r: SizeResult, op: str) -> str:
+            s = r.ops.get(op)
+            return fmt_bytes(statistics.median(s.seconds)) if s and s.seconds else "—"
+
+        for r in results:
+            lines.append(f"| {fmt_bytes(r.state_bytes)} | {growth(r, 'file.ckpt.sync.step')} "
+                         f"| {growth(r, 'file.ckpt.async.commit')} | {kept(r, 'file.ckpt.async.kept')} "
+                         f"| {growth(r, 'file.ckpt.release.commit')} | {kept(r, 'file.ckpt.release.kept')} "
+                         f"| {growth(r, 'file.ckpt.restore.cold')} |")
     sizes = [(r, r.committed_bytes) for r in results]
     lines.append("\n### Bytes written\n")
     lines.append("| state | tensors' bytes | torch.save file | dcp.save files | Checkpointer files |")

@@ -80,7 +80,22 @@ def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None
     ``op`` names the operation and key for the log ("PUT s3://b/k"); it must not carry secrets
     (signed or session URLs), because it is logged on every retry.
     """
+    # The common case, one attempt that succeeds, costs no more than the call: tenacity (and its
+    # per-call setup) comes in only once an attempt has failed, and then sees that failure as
+    # its first attempt, so the count, the backoff and the log lines are the same.
+    try:
+        return fn()
+    except TransientStorageError as e:
+        first: TransientStorageError | None = e
     tries, base, cap = policy()
+
+    def again() -> T:
+        nonlocal first
+        if first is not None:
+            failed, first = first, None
+            raise failed
+        return fn()
+
     retrying = Retrying(
         retry=retry_if_exception_type(TransientStorageError),
         stop=stop_after_attempt(attempts or tries),
@@ -88,7 +103,7 @@ def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None
         before_sleep=lambda s: _log_retry_named(op, s),
         reraise=True,
     )
-    return retrying(fn)
+    return retrying(again)
 
 
 def _log_retry_named(op: str, state: RetryCallState) -> None:
