@@ -38,6 +38,7 @@ bench: venv
 	$(PY) -m bench.checkpoint
 	$(PY) -m bench.notice
 	$(PY) -m bench.goodput
+	$(PY) -m bench.libraries
 
 # ruff, mypy, and the layering contracts of .importlinter (docs/architecture.md says why).
 lint: venv
