@@ -311,11 +311,14 @@ class _Writer(FileSystemWriter):
     def _write_item(self, stream: Any, data: Any, item: WriteItem, storage_key: str) -> WriteResult:
         offset = stream.tell()
         target, descriptors = self.transforms.transform_save_stream(item, stream)
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelledError(f"writing {stream.path} was given up: a newer save superseded it")
         if item.type == WriteItemType.BYTE_IO:
             target.write(data.getbuffer())
         else:
             save_tensor_without_crc(data, target)
         target.close()
+        stream.check()  # a failure inside torch's writer is raised here, once the writer is done
         length = stream.tell() - offset
         return WriteResult(
             index=item.index,
@@ -355,6 +358,7 @@ class ChecksummedFile:
         self._writeback = writeback
         self._written_back = 0
         self._cancel = cancel
+        self.error: BaseException | None = None
 
     def __enter__(self) -> ChecksummedFile:
         return self
@@ -369,17 +373,31 @@ class ChecksummedFile:
         return self.size + len(self._pending)
 
     def write(self, data: Any) -> int:
+        """Never raises: torch.save's zip writer calls it, and an exception thrown into that writer
+        leaves it inconsistent, so that finishing it later aborts the whole process. A failure (an
+        ``OSError``, or ``SaveCancelledError``) is kept, the rest of the bytes are dropped, and
+        ``check()`` (called after each record) or ``close()`` raises it."""
         view = memoryview(data).cast("B")
         n = view.nbytes
-        if n < self._SMALL:
-            self._pending += view
-            if len(self._pending) >= self._SMALL:
-                self.flush()
+        if self.error is not None:
             return n
-        self.flush()
-        for start in range(0, n, self.BLOCK):
-            self._out(view[start : start + self.BLOCK])
+        try:
+            if n < self._SMALL:
+                self._pending += view
+                if len(self._pending) >= self._SMALL:
+                    self.flush()
+                return n
+            self.flush()
+            for start in range(0, n, self.BLOCK):
+                self._out(view[start : start + self.BLOCK])
+        except BaseException as e:
+            self.error = e
         return n
+
+    def check(self) -> None:
+        """Raise the failure a ``write`` kept, if any."""
+        if self.error is not None:
+            raise self.error
 
     def flush(self) -> None:
         if self._pending:
@@ -405,6 +423,7 @@ class ChecksummedFile:
         if self._fd < 0:
             return
         try:
+            self.check()
             self.flush()
         except BaseException:
             self.abort()

@@ -92,3 +92,51 @@ class TestWriteAtomic:
     def test_a_crc_continues_across_pieces(self) -> None:
         data = os.urandom(10_000)
         assert crc32c_bytes(data[5000:], crc32c_bytes(data[:5000])) == crc32c_bytes(data)
+
+
+FAIL_INSIDE_TORCH_SAVE = """
+import os, sys, threading, torch
+from agent._dcp import ChecksummedFile, SaveCancelledError, save_tensor_without_crc
+
+kind = sys.argv[2]
+cancel = threading.Event()
+
+class Failing(ChecksummedFile):
+    def _out(self, view):
+        if self.size >= self.BLOCK:  # the second block of the tensor's storage
+            if kind == "cancel":
+                cancel.set()
+            else:
+                raise OSError(28, "No space left on device")
+        super()._out(view)
+
+tensor = torch.zeros(12 * 1024 * 1024)  # 48 MB: several blocks
+try:
+    with Failing(sys.argv[1], cancel=cancel) as f:
+        save_tensor_without_crc(tensor, f)
+        f.check()
+except SaveCancelledError:
+    print("cancelled")
+except OSError as e:
+    print("failed:", e.strerror)
+print("file left:", os.path.exists(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("kind", "said"), [("cancel", "cancelled"), ("enospc", "failed: No space left on device")])
+def test_a_failure_in_the_middle_of_a_tensor_is_raised_after_torchs_writer_not_into_it(
+    tmp_path: Path, kind: str, said: str
+) -> None:
+    """An exception thrown into torch.save's zip writer used to abort the process when the writer
+    was finished later ("terminate called ... unexpected pos"); it is kept and raised afterwards."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FAIL_INSIDE_TORCH_SAVE, str(tmp_path / "shard"), kind],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [said, "file left: False"]
