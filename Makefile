@@ -39,6 +39,7 @@ bench: venv
 	$(PY) -m bench.notice
 	$(PY) -m bench.goodput
 	$(PY) -m bench.controller_scale
+	$(PY) -m bench.libraries
 
 # ruff, mypy, and the layering contracts of .importlinter (docs/architecture.md says why).
 lint: venv

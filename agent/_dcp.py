@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import builtins
 import collections
-import fcntl
+import contextlib
+import ctypes
 import io
 import logging
 import os
 import pathlib
 import pickle
 import queue
+import threading
 from typing import IO, Any
 
 import torch
@@ -39,8 +41,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from agent._rank_state import refusal_reason
-from agent.crc32c import crc32c_file, from_hex, to_hex
+from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
+from agent.restore_cache import fetch_verified
 from agent.storage.base import CorruptObjectError, Storage, parallel_map
 
 log = logging.getLogger(__name__)
@@ -181,7 +184,7 @@ class VerifiedReader(FileSystemReader):
         if relative_path in self._verified:
             return path
         if self.in_place:
-            crc, size = crc32c_file(path)
+            crc, size = crc32c_file_parallel(path, self.parallelism)
             if size != entry.size or crc != from_hex(entry.crc32c):
                 raise CorruptObjectError(
                     f"{self.storage.url(self.folder + '/' + relative_path)} has size {size} and CRC32C "
@@ -189,18 +192,7 @@ class VerifiedReader(FileSystemReader):
                     relative_path,
                 )
         else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                ok_marker = path + ".verified"
-                if not os.path.exists(ok_marker):
-                    self.storage.get_file(
-                        f"{self.folder}/{relative_path}",
-                        path,
-                        size=entry.size,
-                        crc32c=from_hex(entry.crc32c),
-                    )
-                    open(ok_marker, "w").close()
+            fetch_verified(self.storage, self.folder, entry, self.local_dir)
         self._verified.add(relative_path)
         return path
 
@@ -255,13 +247,35 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     stream.flush()
 
 
-class _Writer(FileSystemWriter):
-    """DCP's filesystem writer, single-threaded, writing tensors without the zip CRC-32.
+class SaveCancelledError(Exception):
+    """The save was given up while it was writing (a flush superseded it); nothing was committed."""
 
-    Only ``_write_data`` differs from DCP's: the same file layout, the same records in the same
-    places (bytes values first, then tensors), the same ``WriteResult``s; the tensors go through
-    ``save_tensor_without_crc`` instead of ``torch.save``.
+
+class _Writer(FileSystemWriter):
+    """DCP's filesystem writer, single-threaded, in one pass over the bytes.
+
+    The same file layout and records as DCP's (bytes values first, then tensors, one file per
+    rank), so plain ``dcp.load`` reads the result; what differs is how the bytes go out:
+
+    - tensors are serialized without torch.save's zip CRC-32 (``save_tensor_without_crc``);
+    - every byte goes through a ``ChecksummedFile``: its CRC32C is computed as it is written, so
+      the manifest's CRC needs no read-back pass, and for a durable save the kernel is told to
+      start writing each block back to disk as soon as it is written, so the disk works while
+      the next block is serialized instead of all at the final fsync;
+    - nothing is fsynced here: the Checkpointer fsyncs every file of a save together
+      (``sync_files``), after the last one is written.
+
+    ``written`` maps each file's name to its (CRC32C, size); ``metadata`` is DCP's metadata as the
+    coordinator wrote it. ``cancel``, when set, makes the write stop at the next block with
+    ``SaveCancelledError``.
     """
+
+    def __init__(self, path: str, *, durable: bool, cancel: threading.Event | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
+        self.durable = durable
+        self.cancel = cancel
+        self.written: dict[str, tuple[int, int]] = {}
+        self.metadata: Metadata | None = None
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
         results: list[WriteResult] = []
@@ -270,16 +284,16 @@ class _Writer(FileSystemWriter):
                 path, storage_key, items = file_queue.get_nowait()
             except queue.Empty:
                 break
-            results += self._write_file(planner, path, storage_key, items)
+            results += self._write_file(planner, str(path), storage_key, items)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def _write_file(
-        self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]
+        self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]
     ) -> list[WriteResult]:
         results = []
-        with self.fs.create_stream(path, "wb") as stream:
+        with ChecksummedFile(path, writeback=self.durable, cancel=self.cancel) as stream:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(self._write_item(stream, planner.resolve_data(item), item, storage_key))
@@ -291,19 +305,20 @@ class _Writer(FileSystemWriter):
                     if tensor.untyped_storage().size() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: save only its own elements, as DCP does
                     results.append(self._write_item(stream, tensor, item, storage_key))
-            if self.sync_files:
-                stream.flush()
-                os.fsync(stream.fileno())
+        self.written[os.path.basename(path)] = (stream.crc, stream.size)
         return results
 
     def _write_item(self, stream: Any, data: Any, item: WriteItem, storage_key: str) -> WriteResult:
         offset = stream.tell()
         target, descriptors = self.transforms.transform_save_stream(item, stream)
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelledError(f"writing {stream.path} was given up: a newer save superseded it")
         if item.type == WriteItemType.BYTE_IO:
             target.write(data.getbuffer())
         else:
             save_tensor_without_crc(data, target)
         target.close()
+        stream.check()  # a failure inside torch's writer is raised here, once the writer is done
         length = stream.tell() - offset
         return WriteResult(
             index=item.index,
@@ -311,15 +326,163 @@ class _Writer(FileSystemWriter):
             storage_data=_StorageInfo(storage_key, offset, length, transform_descriptors=descriptors or None),
         )
 
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) DCP's own ``finish`` writes ``.metadata`` (a few KB); its CRC32C is taken from
+        the file just written, while it is still in the page cache."""
+        super().finish(metadata, results)
+        self.metadata = metadata
+        path = os.path.join(str(self.path), DCP_METADATA_NAME)
+        self.written[DCP_METADATA_NAME] = crc32c_file(path)
 
-def make_writer(path: str, *, durable: bool) -> FileSystemWriter:
+
+class ChecksummedFile:
+    """A new file written through its descriptor, its CRC32C computed from the bytes as they go out.
+
+    Small writes (torch.save's headers and pickles) are gathered into blocks; big ones (tensor
+    storage, handed over as a memoryview of the tensor's own memory) go straight to ``os.write``
+    in blocks of ``BLOCK`` bytes. With ``writeback``, each block is handed to the kernel's
+    writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so by the time the
+    file is fsynced most of it is on disk already. ``cancel`` is checked before every block.
+    Closing does not fsync (see ``sync_files``); a failure removes the file.
+    """
+
+    BLOCK = 16 * 1024 * 1024
+    _SMALL = 1024 * 1024
+
+    def __init__(self, path: str, *, writeback: bool = False, cancel: threading.Event | None = None) -> None:
+        self.path = path
+        self.crc = 0
+        self.size = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._pending = bytearray()
+        self._writeback = writeback
+        self._written_back = 0
+        self._cancel = cancel
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> ChecksummedFile:
+        return self
+
+    def __exit__(self, kind: object, value: object, tb: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def tell(self) -> int:
+        return self.size + len(self._pending)
+
+    def write(self, data: Any) -> int:
+        """Never raises: torch.save's zip writer calls it, and an exception thrown into that writer
+        leaves it inconsistent, so that finishing it later aborts the whole process. A failure (an
+        ``OSError``, or ``SaveCancelledError``) is kept, the rest of the bytes are dropped, and
+        ``check()`` (called after each record) or ``close()`` raises it."""
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self.error is not None:
+            return n
+        try:
+            if n < self._SMALL:
+                self._pending += view
+                if len(self._pending) >= self._SMALL:
+                    self.flush()
+                return n
+            self.flush()
+            for start in range(0, n, self.BLOCK):
+                self._out(view[start : start + self.BLOCK])
+        except BaseException as e:
+            self.error = e
+        return n
+
+    def check(self) -> None:
+        """Raise the failure a ``write`` kept, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def flush(self) -> None:
+        if self._pending:
+            block, self._pending = self._pending, bytearray()
+            self._out(memoryview(block))
+
+    def _out(self, view: memoryview) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise SaveCancelledError(f"writing {self.path} was given up: a newer save superseded it")
+        self.crc = crc32c_bytes(view, self.crc)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+            self.size += written
+        if self._writeback and self.size - self._written_back >= self.BLOCK:
+            start_writeback(self._fd, self._written_back, self.size - self._written_back)
+            self._written_back = self.size
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            self.check()
+            self.flush()
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._fd = -1
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_libc: Any = None
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing these bytes of ``fd`` to disk now, without waiting (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op where it does not exist. It makes no
+    promise of durability: the fsync that follows does."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def sync_files(paths: list[str], parallelism: int = 4) -> None:
+    """fsync these files together, after the last one is written (their writeback started as they
+    were written): one wait for the disk per save, not one per file. Their folder is not synced:
+    the store links them into the checkpoint folder and syncs that one (``FileStorage.put_files``).
+    """
+
+    def fsync(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    parallel_map(fsync, [(p,) for p in paths], parallelism)
+
+
+def make_writer(path: str, *, durable: bool, cancel: threading.Event | None = None) -> _Writer:
     """DCP's writer into a rank's staging folder (one file per rank, no zip CRC-32: see ``_Writer``).
 
-    ``durable``: fsync every file — needed when the staged files become the checkpoint (a
-    filesystem store links them into place). For an object store they are only an upload buffer:
-    a crash loses them along with the upload, and no manifest is ever written for them.
+    ``durable``: the staged files become the checkpoint (a filesystem store links them into
+    place), so their writeback starts as they are written and the Checkpointer fsyncs them. For
+    an object store they are only an upload buffer: a crash loses them along with the upload, and
+    no manifest is ever written for them.
     """
-    return _Writer(path, single_file_per_rank=True, sync_files=durable, thread_count=1)
+    return _Writer(path, durable=durable, cancel=cancel)
 
 
 # -- DCP's save and load, minus their single-process warning ------------------------------------
@@ -349,19 +512,29 @@ def dcp_load(
     state.update(ordered)
 
 
-def make_stager() -> Any:
-    """One stager for the Checkpointer's lifetime: it keeps its CPU buffers between saves, so a
-    save copies into memory that is already there instead of allocating (and first-touching) a
-    state-sized buffer every time. Safe because a save is staged only after the previous one is
-    done with its buffers. Pinned memory when CUDA is present, for fast device-to-host copies."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+def staging_options(cuda: bool) -> Any:
+    """How a save stages its tensors in host memory, torchtitan's way on GPUs.
 
-    cuda = torch.cuda.is_available()
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-        )
+    With CUDA: host buffers pinned (page-locked, so device-to-host copies run as DMA at full link
+    speed) and kept between saves, the copies enqueued without blocking and waited for once at
+    the end. Without it: plain host buffers, kept between saves, filled by a memcpy.
+    """
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
     )
+
+
+def make_stager(cuda: bool | None = None) -> Any:
+    """One stager for the Checkpointer's lifetime: it keeps its host buffers between saves (DCP's
+    ``StateDictStager`` caches one per source storage), so a save copies into memory that is
+    already there instead of allocating (and first-touching, or pinning) a state-sized buffer
+    every time. Safe because a save is staged only after the previous one is done with its
+    buffers. ``close()`` frees them."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    return DefaultStager(staging_options(torch.cuda.is_available() if cuda is None else cuda))
 
 
 def tensor_index(metadata: Metadata) -> dict[str, TensorEntry]:

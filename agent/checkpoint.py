@@ -45,11 +45,11 @@ import operator
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -68,34 +68,29 @@ from torch.distributed.checkpoint.state_dict import (
 
 from agent import _fresh_start, _rank_state
 from agent._dcp import (
+    ChecksummedFile,
     SafeEmptyLoadPlanner,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     VerifiedReader,
     dcp_load,
     dcp_save,
+    load_dcp_metadata,
     make_stager,
     make_writer,
+    sync_files,
     tensor_index,
 )
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.control_channel import (
-    ENV_ASYNC,
-    ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
-    ENV_CONTROL_DIR,
-    ENV_EVERY_SECONDS,
-    ENV_EVERY_STEPS,
-    ENV_JOB_NAME,
-    ENV_KEEP,
-    ENV_STAGING_DIR,
     ENV_START_FRESH,
     ControlDir,
     FlushRequest,
     FlushResult,
     RankStatus,
 )
-from agent.crc32c import crc32c_bytes, crc32c_file, to_hex
+from agent.crc32c import to_hex
 from agent.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -107,6 +102,8 @@ from agent.manifest import (
     now_utc,
 )
 from agent.ownership import FencedError, Lineage, OwnershipError, check_not_fenced, claim
+from agent.restore_cache import RESTORE_FOLDER, default_staging
+from agent.settings import CheckpointerEnv, load
 from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
@@ -123,7 +120,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STATUS_INTERVAL_S = 1.0
-_TRUE = ("1", "true", "yes", "on")
 _METADATA = TypeAdapter(dict[str, JsonValue])
 _MAX_METADATA_BYTES = 1 << 20
 
@@ -201,6 +197,10 @@ class CheckpointConfig:
     """Start from step 0 when committed checkpoints exist but none loads (they are retired)."""
     io_threads: int = 8
     """Parallel transfers per rank."""
+    release_staging: bool = False
+    """Free the host buffers an async save staged into as soon as that save is committed, instead of
+    keeping them for the next save. Gives a state-sized block of memory back between saves, at the
+    price of allocating (first-touching; pinning, with CUDA) it again on the next one."""
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -228,6 +228,8 @@ class _Save:
     state_keys: list[str]
     rank_bytes: bytes
     writer: Any = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
     staged: Any = None
     """The staged DCP state the background thread writes (None: written already, or none)."""
     flush: FlushRequest | None = None
@@ -252,20 +254,6 @@ def _is_infrastructure(error: BaseException) -> bool:
     if isinstance(error, OSError):
         error = translate_os_error(error, "writing the checkpoint")
     return isinstance(error, StorageError) and not isinstance(error, PermanentStorageError)
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
 def normalise_uri(uri: str) -> str:
@@ -420,6 +408,30 @@ def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """``fn(*args)``'s result or exception into ``future`` (a thread's whole work)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+
+
+def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
+    """True when DCP loaded every tensor of the modules' state straight into their own tensors
+    (plain modules: ``get_model_state_dict`` hands out the parameters' storage), so applying
+    ``loaded`` again would only copy each tensor onto itself."""
+    current = bag.state_dict()
+    if set(current) != set(loaded):
+        return False
+    for key, tensor in current.items():
+        value = loaded[key]
+        if not isinstance(tensor, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return False
+        if value.data_ptr() != tensor.data_ptr() or value.shape != tensor.shape or value.dtype != tensor.dtype:
+            return False
+    return True
+
+
 def _is_shape_or_key_mismatch(e: BaseException) -> bool:
     """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
     text = str(e).lower()
@@ -466,12 +478,14 @@ class Checkpointer:
         attempt: int | None = None,
         start_fresh: bool | None = None,
         io_threads: int = 8,
+        release_staging: bool = False,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
-        control_dir = control_dir or os.environ.get(ENV_CONTROL_DIR) or None
-        job = job if job is not None else (os.environ.get(ENV_JOB_NAME) or None)
-        attempt = attempt if attempt is not None else _env_int(ENV_ATTEMPT)
-        start_fresh = _env_flag(ENV_START_FRESH) if start_fresh is None else bool(start_fresh)
+        env = load(CheckpointerEnv)
+        control_dir = control_dir or env.control_dir
+        job = job if job is not None else env.job_name
+        attempt = attempt if attempt is not None else env.attempt
+        start_fresh = env.start_fresh if start_fresh is None else bool(start_fresh)
         self.config = CheckpointConfig(
             uri=uri,
             every_steps=every_steps,
@@ -484,6 +498,7 @@ class Checkpointer:
             attempt=attempt,
             start_fresh=start_fresh,
             io_threads=io_threads,
+            release_staging=release_staging,
         )
         self.storage = open_storage(uri)
         self._dist = dist.is_available() and dist.is_initialized()
@@ -531,32 +546,23 @@ class Checkpointer:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Checkpointer:
-        """Build from the variables spotjob-agent sets; keyword arguments win over them."""
-        env = os.environ
-        uri = overrides.pop("uri", None) or env.get(ENV_CHECKPOINT_URI)
+        """Build from the variables spotjob-agent sets (``agent.settings.CheckpointerEnv``); keyword
+        arguments win over them."""
+        env = load(CheckpointerEnv)
+        uri = overrides.pop("uri", None) or env.checkpoint_uri
         if not uri:
             raise ValueError(
                 f"no checkpoint URI: set {ENV_CHECKPOINT_URI} (spotjob-agent --checkpoint-uri does) or pass uri=..."
             )
-
-        def num(name: str, kind: type) -> Any:
-            raw = env.get(name)
-            if raw in (None, ""):
-                return None
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
         kwargs: dict[str, Any] = {
-            "every_steps": num(ENV_EVERY_STEPS, int),
-            "every_seconds": num(ENV_EVERY_SECONDS, float),
-            "async_save": env.get(ENV_ASYNC, "1").lower() not in ("0", "false", "no"),
-            "staging_dir": env.get(ENV_STAGING_DIR) or None,
+            "every_steps": env.every_steps,
+            "every_seconds": env.every_seconds,
+            "async_save": env.async_save,
+            "staging_dir": env.staging_dir,
+            "release_staging": env.release_staging,
         }
-        keep = num(ENV_KEEP, int)
-        if keep is not None:
-            kwargs["keep"] = keep if keep > 0 else None
+        if env.keep is not None:
+            kwargs["keep"] = env.keep if env.keep > 0 else None
         kwargs.update(overrides)
         return cls(uri, **kwargs)
 
@@ -973,7 +979,7 @@ class Checkpointer:
                 inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
                 self.wait()
             else:
-                self.wait()
+                self._supersede(inflight)
                 # The loop stops after this save anyway: write straight from the live tensors
                 # instead of staging a copy first (saves a full memcpy of the state).
                 self._start_save(step, state, metadata, flush=request, blocking=True)
@@ -1019,6 +1025,28 @@ class Checkpointer:
         if self.rank == 0 and self.last_committed_uri is not None:
             self._retain(CheckpointRef.parse(self.last_committed_uri.rsplit("/", 1)[-1]) or CheckpointRef(step))
 
+    def _supersede(self, inflight: _Save | None) -> None:
+        """(every rank, at the flush's step) Give up the save in flight, if it is still writing.
+
+        It holds an older step than the flush is about to commit, and the disk cannot write both
+        in the time the notice leaves: waiting for it would about double the time to the flush's
+        commit. Every rank stops writing at its next block; the save then fails on every rank
+        alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
+        until the flush's. A save whose writing was already done goes on to its commit.
+        """
+        if inflight is None:
+            return
+        if not inflight.done.is_set():
+            inflight.cancel.set()
+        try:
+            self.wait()
+        except FencedSaveError:
+            raise
+        except SaveFailedError as e:
+            if not inflight.cancel.is_set():
+                raise
+            log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
+
     # ------------------------------------------------------------------------------------------
     # saving
     # ------------------------------------------------------------------------------------------
@@ -1063,7 +1091,7 @@ class Checkpointer:
         )
         background = self.config.async_save and not blocking
         if dcp_state:
-            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None)
+            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None, cancel=save.cancel)
             if background:
                 if self._stager is None:
                     self._stager = make_stager()
@@ -1101,6 +1129,10 @@ class Checkpointer:
             shutil.rmtree(save.local_dir, ignore_errors=True)
         finally:
             save.staged = None  # the staged tensors are the stager's to reuse
+            if self.config.release_staging and self._stager is not None:
+                # The next save waits for this one before it stages, so nothing else uses the stager.
+                self._stager.close()
+                self._stager = None
             save.done.set()
 
     def _write_upload_commit(self, save: _Save) -> None:
@@ -1110,24 +1142,34 @@ class Checkpointer:
         # user's code: the agent then exits 74 and the controller retries without spending the
         # restart budget.
         infra = False
+        # (rank 0) Naming the checkpoint folder takes a few round trips to the store (the fence, a
+        # listing); they run while the shards are written, not after.
+        naming: Future[str] | None = None
+        if self.rank == 0:
+            naming = Future()
+            threading.Thread(
+                target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+            ).start()
         try:
+            written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
-            path = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
-            with open(path, "wb") as f:
+                written.update(save.writer.written)
+            name = _rank_state.rank_file_name(self.rank)
+            with ChecksummedFile(os.path.join(save.local_dir, name)) as f:
                 f.write(save.rank_bytes)
-                f.flush()
-                os.fsync(f.fileno())
-            for name in sorted(os.listdir(save.local_dir)):
-                crc, size = crc32c_file(os.path.join(save.local_dir, name))
-                files.append((name, size, to_hex(crc)))
+            written[name] = (f.crc, f.size)
+            if save.writer is not None and save.writer.durable:
+                # One wait for the disk, for every file of this rank, after the last is written.
+                sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
+            files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
             infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
-        if self.rank == 0:
+        if naming is not None:
             try:
-                target = (self._target_folder(save.step), None)
+                target = (naming.result(), None)
             except FencedError as e:
                 target = (None, str(e))
             except (StorageError, OSError) as e:
@@ -1182,6 +1224,9 @@ class Checkpointer:
                 f"({self.config.attempt}) of {self.config.job!r} and must stop"
             )
             log.error("checkpoint of step %d not committed: %s", save.step, failure)
+        elif save.cancel.is_set():
+            save.error = SaveFailedError(f"given up for a flush: {failure}")
+            log.info("checkpoint of step %d given up for a flush, nothing committed", save.step)
         else:
             save.error = SaveFailedError(failure or "unknown failure")
             log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
@@ -1227,9 +1272,9 @@ class Checkpointer:
         """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""
         metadata_path = os.path.join(save.local_dir, DCP_METADATA_NAME)
         tensors = {}
-        if os.path.exists(metadata_path):
-            from agent._dcp import load_dcp_metadata
-
+        if save.writer is not None and save.writer.metadata is not None:
+            tensors = tensor_index(save.writer.metadata)  # as written, without reading it back
+        elif os.path.exists(metadata_path):
             with open(metadata_path, "rb") as f:
                 tensors = tensor_index(load_dcp_metadata(f.read()))
         manifest = Manifest(
@@ -1336,7 +1381,7 @@ class Checkpointer:
         local_dir = self.storage.local_path(ref.folder)
         cache = None
         if local_dir is None:
-            cache = os.path.join(self._staging_root, "restore", ref.folder)
+            cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
             local_dir = cache
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
         failure: tuple[str, str] | None = None
@@ -1448,8 +1493,9 @@ class Checkpointer:
     ) -> None:
         modules, optims, others = self._classify(state)
         bag = _ModuleBag(modules)
-        if modules:
-            set_model_state_dict(bag, {k: v for k, v in dcp_state.items() if k not in optims})
+        model_state = {k: v for k, v in dcp_state.items() if k not in optims}
+        if modules and not _loaded_in_place(bag, model_state):
+            set_model_state_dict(bag, model_state)
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):
                 _load_optimizer_directly(bag, opt, dcp_state[key].state)
@@ -1471,10 +1517,14 @@ class Checkpointer:
                 "the per-rank state of %d ranks that no longer exist was dropped", manifest.world_size - self.world_size
             )
 
-    @staticmethod
-    def _cleanup_cache(cache: str | None) -> None:
-        if cache is not None:
-            shutil.rmtree(cache, ignore_errors=True)
+    def _cleanup_cache(self, cache: str | None) -> None:
+        """(every rank, after the agreement that ends a load) Remove the node's restore cache: this
+        checkpoint's files, and any left by an earlier restore or prefetch that was killed."""
+        if cache is None:
+            return
+        shutil.rmtree(cache, ignore_errors=True)
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            shutil.rmtree(os.path.join(self._staging_root, RESTORE_FOLDER), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------
     # state handling
@@ -1578,19 +1628,15 @@ class Checkpointer:
             entries = list(os.scandir(self._staging_root))
         except FileNotFoundError:
             return
+        # ``restore/`` stays: spotjob-agent may be filling it for this very restore
+        # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
         for entry in entries:
-            if entry.is_dir() and (entry.name.startswith("step-") or entry.name == "restore"):
+            if entry.is_dir() and entry.name.startswith("step-"):
                 log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def _default_staging(self) -> str:
-        local = self.storage.local_path("")
-        if local is not None:
-            # Same filesystem as the destination: committing links the files instead of copying.
-            return os.path.join(local, ".spotjob-staging")
-        # Deterministic across ranks, so the ranks of a node share one restore cache.
-        name = (self.config.job or "job") + "-" + to_hex(crc32c_bytes(self.storage.uri.encode()))
-        return os.path.join(tempfile.gettempdir(), "spotjob-staging", name)
+        return default_staging(self.storage, self.config.job)
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:

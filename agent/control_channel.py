@@ -31,6 +31,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agent.atomic_file import write_atomic
+
 ENV_CHECKPOINT_URI = "SPOTJOB_CHECKPOINT_URI"
 ENV_JOB_NAME = "SPOTJOB_JOB_NAME"
 ENV_EVERY_STEPS = "SPOTJOB_EVERY_STEPS"
@@ -108,10 +110,8 @@ class FlushResult:
 
 
 def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)
+    """All or nothing, not durable: these files are rewritten often and worth nothing after a crash."""
+    write_atomic(path, json.dumps(payload).encode(), durable=False)
 
 
 def read_json(path: str) -> dict[str, Any] | None:

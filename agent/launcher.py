@@ -97,7 +97,8 @@ from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
 from agent.notices.detect import ENV_CLOUD, Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
-from agent.storage import parse_uri
+from agent.restore_cache import default_staging, prefetch_in_background
+from agent.storage import Storage, open_storage, parse_uri
 from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_nproc
 
 log = logging.getLogger(__name__)
@@ -524,6 +525,7 @@ class Agent:
             child = self._start_command()
             if isinstance(child, int):
                 return child
+            self._prefetch()
             tree.command_pid = child.pid
             returncode = self._watch(child, tree)
             return self._finish(returncode, tree)
@@ -567,6 +569,22 @@ class Agent:
                 self._state = "running"
         log.info("started %s (pid %d)", " ".join(self.config.command), child.pid)
         return child
+
+    def _prefetch(self) -> None:
+        """While torchrun starts and the ranks import torch and meet, fetch the newest checkpoint
+        into the node's restore cache (``agent.restore_cache``): their restore then finds it there."""
+        uri = self.checkpoint_uri
+        if not uri:
+            return
+        job = self.config.job_name
+
+        def open_store() -> Storage:
+            return open_storage(uri)
+
+        def staging(storage: Storage) -> str:
+            return self.config.staging_dir or default_staging(storage, job)
+
+        prefetch_in_background(open_store, staging)
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""

@@ -1,33 +1,42 @@
-"""Every process the agent's command started, and how to stop all of them. Linux ``/proc`` only.
+"""Every process the agent's command started, and how to stop all of them. Through psutil.
 
 Killing the command's process group is not enough: torchrun starts each worker with
 ``start_new_session=True``, so the workers have process groups (and sessions) of their own, and
 a worker may start helpers (dataloader workers, a compile server) that do the same. Three layers
 find them, each covering a gap of the one before:
 
-1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
-   descendant is re-parented to the agent instead of to init, so it stays in the agent's tree.
-2. ``refresh()`` walks ``/proc/<pid>/stat`` ppid links down from the agent a few times a second
-   and remembers every descendant with its start time (so a recycled pid is never mistaken for
-   one of ours).
+1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux): an
+   orphaned descendant is re-parented to the agent instead of to init, so it stays in the tree.
+2. ``refresh()`` walks the parent links down from the agent a few times a second and remembers
+   every descendant with its creation time (so a recycled pid is never mistaken for one of ours).
 3. The command runs with ``SPOTJOB_AGENT_ID=<id>`` in its environment, inherited by everything it
-   starts; ``stop_all`` also scans ``/proc/*/environ`` for it, which finds a process that escaped
-   both of the above (re-parented to init before the agent saw it, subreaper unavailable).
+   starts; ``stop_all`` also looks for it in every process's environment (``marked``), which finds
+   a process that escaped both of the above (re-parented to init before the agent saw it,
+   subreaper unavailable).
 
 ``stop_all`` sends SIGTERM to every one, gives them ``grace`` seconds, then SIGKILLs whatever is
-left — re-scanning each round, since a dying process may still fork. The agent reaps the zombies
-it inherits as a subreaper (``reap``), but never the command itself: that one's status belongs
-to ``subprocess.Popen``.
+left — re-scanning each round, since a dying process may still fork. Signals go through psutil's
+``Process``, which refuses to signal a pid that now belongs to another process. The agent reaps
+the zombies it inherits as a subreaper (``reap``), but never the command itself: that one's status
+belongs to ``subprocess.Popen``.
+
+psutil lists the pids, reads each process's environment (telling a vanished process from one we
+may not read) and sends the signals; the ten-times-a-second walk reads ``/proc/<pid>/stat`` itself
+(``read_proc`` says why), and the subreaper ``prctl`` is not something psutil offers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +44,13 @@ ENV_AGENT_ID = "SPOTJOB_AGENT_ID"
 """Marks every process of one agent's command (inherited through fork/exec)."""
 
 _PR_SET_CHILD_SUBREAPER = 36
+_GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
 @dataclass(frozen=True)
 class ProcInfo:
     pid: int
     ppid: int
-    pgid: int
     state: str
     """One letter from /proc/<pid>/stat; ``Z`` is a zombie (dead, not yet reaped)."""
     start_ticks: int
@@ -50,7 +59,13 @@ class ProcInfo:
 
 
 def read_proc(pid: int) -> ProcInfo | None:
-    """``/proc/<pid>/stat`` parsed, or None if the process is gone."""
+    """``/proc/<pid>/stat`` parsed, or None if the process is gone.
+
+    The one thing not through psutil: the watch loop walks every process ten times a second, and
+    one read of each ``stat`` costs a quarter of what ``psutil.process_iter`` does for the same
+    fields here (1.6 ms against 6 ms a pass with ~90 processes: 1.6% of a core against 6% while
+    nothing happens).
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
@@ -61,19 +76,49 @@ def read_proc(pid: int) -> ProcInfo | None:
     comm = head.partition("(")[2]
     fields = rest.split()
     try:
-        return ProcInfo(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[19]), comm)
+        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm)
     except (IndexError, ValueError):
         return None
 
 
 def all_processes() -> list[ProcInfo]:
     out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            info = read_proc(int(name))
-            if info is not None:
-                out.append(info)
+    for pid in psutil.pids():
+        info = read_proc(pid)
+        if info is not None:
+            out.append(info)
     return out
+
+
+def has_marker(pid: int, variable: str, value: str) -> bool:
+    """Whether ``variable=value`` is in the environment of process ``pid`` (False if gone or not ours)."""
+    try:
+        return psutil.Process(pid).environ().get(variable) == value
+    except (*_GONE, OSError):
+        return False
+
+
+def marked(variable: str, value: str, *, among: Iterable[ProcInfo] | None = None) -> list[ProcInfo]:
+    """Live (non-zombie) processes, other than this one, whose environment holds ``variable=value``:
+    wherever they were re-parented, whichever session they made for themselves."""
+    me = os.getpid()
+    procs = all_processes() if among is None else among
+    return [p for p in procs if p.state != "Z" and p.pid != me and has_marker(p.pid, variable, value)]
+
+
+def signal_process(info: ProcInfo, sig: int) -> bool:
+    """Send ``sig`` to ``info``'s process if it is still that process (same start time); False if
+    it is gone or its pid now belongs to another process. ``PermissionError`` if not ours to signal."""
+    now = read_proc(info.pid)
+    if now is None or now.start_ticks != info.start_ticks:
+        return False  # gone, or the pid was recycled: not ours any more
+    try:
+        psutil.Process(info.pid).send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied as e:
+        raise PermissionError(f"not permitted to signal process {info.pid}") from e
+    return True
 
 
 def become_subreaper() -> bool:
@@ -89,14 +134,6 @@ def become_subreaper() -> bool:
     return True
 
 
-def _has_marker(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return marker in f.read().split(b"\0")
-    except OSError:  # gone, or not ours to read
-        return False
-
-
 class ProcessTree:
     """The command's processes: everything below ``root_pid`` (the agent) plus the marked ones."""
 
@@ -107,7 +144,6 @@ class ProcessTree:
         """Never reaped here: ``subprocess.Popen`` owns its exit status."""
         self._known: dict[int, int] = {}
         """pid → start ticks of every descendant seen so far."""
-        self._marker = f"{ENV_AGENT_ID}={agent_id}".encode()
 
     def refresh(self, scan_environ: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones."""
@@ -129,9 +165,9 @@ class ProcessTree:
             if known is not None and known.start_ticks == ticks:
                 members.setdefault(pid, known)
         if scan_environ:
-            for p in procs:
-                if p.pid not in members and p.pid != self.root_pid and _has_marker(p.pid, self._marker):
-                    members[p.pid] = p
+            others = [p for p in procs if p.pid not in members and p.pid != self.root_pid]
+            for p in marked(ENV_AGENT_ID, self.agent_id, among=others):
+                members[p.pid] = p
         for p in members.values():
             self._known.setdefault(p.pid, p.start_ticks)
         self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
@@ -141,10 +177,8 @@ class ProcessTree:
         """Collect the exit status of inherited orphans (they are our children as a subreaper)."""
         for p in all_processes():
             if p.ppid == self.root_pid and p.state == "Z" and p.pid != self.command_pid:
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(p.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
@@ -173,9 +207,7 @@ class ProcessTree:
                     log.info("%s: SIGTERM %s", reason, _describe(fresh))
                 for p in fresh:
                     try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                        signal_process(p, sig)
                     except PermissionError:
                         log.error("%s: not permitted to signal %s", reason, _describe([p]))
                     done.add(p.pid)

@@ -62,8 +62,11 @@ class Samples:
         return statistics.median(self.seconds)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"seconds": self.seconds, "peak_rss_bytes": self.peak_rss,
-                               "rss_growth_bytes": self.rss_growth}
+        out: dict[str, Any] = {
+            "seconds": self.seconds,
+            "peak_rss_bytes": self.peak_rss,
+            "rss_growth_bytes": self.rss_growth,
+        }
         if self.seconds:
             out.update(median=self.median, min=min(self.seconds), max=max(self.seconds))
         return out
@@ -199,7 +202,10 @@ def describe_disk(path: str) -> dict[str, Any]:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             info["lsblk"] = subprocess.run(
                 ["lsblk", "-dno", "NAME,TYPE,ROTA,SIZE,MODEL", f"/dev/{block}"],
-                capture_output=True, text=True, timeout=10, check=False,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
             ).stdout.strip()
     usage = shutil.disk_usage(path)
     info["free_bytes"] = usage.free
@@ -316,8 +322,9 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
 
 def log(message: str, *args: object) -> None:
     """A progress line on stderr, stamped with the seconds since the benchmark started."""
-    print(f"[{time.monotonic() - _STARTED:7.1f}s] " + (message % args if args else message),
-          file=sys.stderr, flush=True)
+    print(
+        f"[{time.monotonic() - _STARTED:7.1f}s] " + (message % args if args else message), file=sys.stderr, flush=True
+    )
 
 
 _STARTED = time.monotonic()

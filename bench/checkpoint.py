@@ -70,6 +70,7 @@ from bench._common import (
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
+
 def layer_width(size_gb: float) -> int:
     """Features of every Linear layer; the number of layers then sets the state's size.
 
@@ -79,6 +80,7 @@ def layer_width(size_gb: float) -> int:
     recycled from the heap.
     """
     return 4096 if size_gb >= 0.5 else 2048
+
 
 S3_BUCKET = "spotjob-bench"
 
@@ -175,7 +177,7 @@ def write_raw(path: str, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy().data)
             while view:
-                view = view[f.write(view):]
+                view = view[f.write(view) :]
         os.fsync(f.fileno())
 
 
@@ -264,8 +266,15 @@ class CheckpointBench:
         w = build_workload(size_gb, width or layer_width(size_gb))
         repeat = self.args.repeat_large if size_gb >= self.args.large_gb else self.args.repeat
         result = SizeResult(size_gb, w.layers, w.width, w.state_bytes, w.tensor_count, repeat)
-        log("state: %s in %d tensors (%d Linear layers of %dx%d); %d repetitions",
-            fmt_bytes(w.state_bytes), w.tensor_count, w.layers, w.width, w.width, repeat)
+        log(
+            "state: %s in %d tensors (%d Linear layers of %dx%d); %d repetitions",
+            fmt_bytes(w.state_bytes),
+            w.tensor_count,
+            w.layers,
+            w.width,
+            w.width,
+            repeat,
+        )
         if "s3" in backends and size_gb > self.args.s3_max_gb:
             result.skipped["s3"] = (
                 f"state larger than --s3-max-gb={self.args.s3_max_gb}: moto answers each ranged GET by "
@@ -293,6 +302,8 @@ class CheckpointBench:
                     self._dcp_baseline(w, result, size_dir)
                     root = os.path.join(size_dir, "ckpt")
                     self._checkpointer(w, result, "file", root, None, step, checkpointers)
+                    self._memcpy_floor(w, result)
+                    self._released(w, result, root, None, step, checkpointers)
                     self._diagnostics(w, result, root)
                 if "s3" in backends:
                     self._s3_floor(w, result, size_dir, raw_for_s3)
@@ -347,23 +358,36 @@ class CheckpointBench:
 
     def _s3_floor(self, w: Workload, result: SizeResult, size_dir: str, raw: str) -> None:
         key = f"floor/{w.size_gb:g}gb.bin"
-        measure(result.samples("s3.floor.upload"),
-                lambda: self.s3.upload_file(raw, S3_BUCKET, key, Config=self.transfer_config))
+        measure(
+            result.samples("s3.floor.upload"),
+            lambda: self.s3.upload_file(raw, S3_BUCKET, key, Config=self.transfer_config),
+        )
         local = os.path.join(size_dir, "raw-downloaded.bin")
-        measure(result.samples("s3.floor.download"),
-                lambda: self.s3.download_file(S3_BUCKET, key, local, Config=self.transfer_config))
+        measure(
+            result.samples("s3.floor.download"),
+            lambda: self.s3.download_file(S3_BUCKET, key, local, Config=self.transfer_config),
+        )
         assert os.path.getsize(local) == w.state_bytes
         remove(local)
         self.s3.delete_object(Bucket=S3_BUCKET, Key=key)
 
     # -- the Checkpointer --------------------------------------------------------------------
-    def _checkpointer(self, w: Workload, result: SizeResult, backend: str, uri: str, staging: str | None,
-                      step: int, checkpointers: dict[str, Checkpointer]) -> None:
+    def _checkpointer(
+        self,
+        w: Workload,
+        result: SizeResult,
+        backend: str,
+        uri: str,
+        staging: str | None,
+        step: int,
+        checkpointers: dict[str, Checkpointer],
+    ) -> None:
         state = w.state()
         # Sync: step() is the whole save, commit included.
         if f"{backend}.sync" not in checkpointers:
             checkpointers[f"{backend}.sync"] = Checkpointer(
-                uri + "/sync", every_steps=1, keep=1, async_save=False, staging_dir=staging)
+                uri + "/sync", every_steps=1, keep=1, async_save=False, staging_dir=staging
+            )
         ck = checkpointers[f"{backend}.sync"]
         measure(result.samples(f"{backend}.ckpt.sync.step"), lambda: ck.step(step, state))
         assert ck.last_committed_step == step and ck.last_committed_uri is not None
@@ -377,8 +401,10 @@ class CheckpointBench:
         model, optim = w.fresh()
         reader = Checkpointer(uri + "/sync", keep=1, staging_dir=staging)
         try:
-            got = measure(result.samples(f"{backend}.ckpt.restore.cold"),
-                          partial(reader.restore, {"model": model, "optim": optim}))
+            got = measure(
+                result.samples(f"{backend}.ckpt.restore.cold"),
+                partial(reader.restore, {"model": model, "optim": optim}),
+            )
         finally:
             reader.close()
             reader.storage.close()
@@ -390,7 +416,8 @@ class CheckpointBench:
         # Async: step() blocks while staging; the commit happens in the background.
         if f"{backend}.async" not in checkpointers:
             checkpointers[f"{backend}.async"] = Checkpointer(
-                uri + "/async", every_steps=1, keep=1, async_save=True, staging_dir=staging)
+                uri + "/async", every_steps=1, keep=1, async_save=True, staging_dir=staging
+            )
         ck = checkpointers[f"{backend}.async"]
         before = current_rss_bytes()
         reset_peak_rss()
@@ -412,6 +439,54 @@ class CheckpointBench:
             s.rss_growth.append(max(peak - before, 0))
         s = result.samples(f"{backend}.ckpt.async.last_blocking_seconds")
         s.seconds.append(float(ck.last_blocking_seconds or 0.0))
+        result.samples(f"{backend}.ckpt.async.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
+
+    def _memcpy_floor(self, w: Workload, result: SizeResult) -> None:
+        """The floor of an async save's blocking on CPU tensors: one memcpy of the state's bytes into
+        buffers that already exist (what staging into kept buffers is, minus DCP's bookkeeping)."""
+        tensors = state_tensors(w.model, w.optim)
+        buffers = [torch.empty_like(t) for t in tensors]
+        for b, t in zip(buffers, tensors, strict=True):
+            b.copy_(t)  # first touch outside the measurement, as kept staging buffers are
+
+        def copy() -> None:
+            for b, t in zip(buffers, tensors, strict=True):
+                b.copy_(t)
+
+        measure(result.samples("floor.memcpy"), copy)
+        buffers.clear()
+
+    def _released(
+        self,
+        w: Workload,
+        result: SizeResult,
+        uri: str,
+        staging: str | None,
+        step: int,
+        checkpointers: dict[str, Checkpointer],
+    ) -> None:
+        """An async save with ``release_staging=True``: how long it blocks and what it keeps afterwards."""
+        if "file.release" not in checkpointers:
+            checkpointers["file.release"] = Checkpointer(
+                uri + "/release", every_steps=1, keep=1, async_save=True, staging_dir=staging, release_staging=True
+            )
+        ck = checkpointers["file.release"]
+        before = current_rss_bytes()
+        reset_peak_rss()
+        start = time.monotonic()
+        ck.step(step, w.state())
+        blocked = time.monotonic() - start
+        ck.wait()
+        peak = peak_rss_bytes()
+        for name, seconds in (
+            ("file.ckpt.release.step", blocked),
+            ("file.ckpt.release.commit", ck.last_save_seconds or 0.0),
+        ):
+            s = result.samples(name)
+            s.seconds.append(float(seconds))
+            s.peak_rss.append(peak)
+            s.rss_growth.append(max(peak - before, 0))
+        result.samples("file.ckpt.release.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
 
     def _diagnostics(self, w: Workload, result: SizeResult, root: str) -> None:
         """The pieces of an async save timed alone, to see where the blocking time and the commit go."""
@@ -439,8 +514,12 @@ class CheckpointBench:
         staged.clear()
         sd.clear()
         gc.collect()
-        shards = [os.path.join(folder, n) for folder, _, names in os.walk(os.path.join(root, "async"))
-                  for n in names if n.endswith(".distcp")]
+        shards = [
+            os.path.join(folder, n)
+            for folder, _, names in os.walk(os.path.join(root, "async"))
+            for n in names
+            if n.endswith(".distcp")
+        ]
         if shards:
             shard = max(shards, key=os.path.getsize)
             crc32c_file(shard)  # make sure it is in the page cache, as it is right after DCP writes it
@@ -455,8 +534,7 @@ class CheckpointBench:
             previous = serialization_config.save.compute_crc32
             serialization_config.save.compute_crc32 = crc
             try:
-                state = {"model": get_model_state_dict(w.model),
-                         "optim": get_optimizer_state_dict(w.model, w.optim)}
+                state = {"model": get_model_state_dict(w.model), "optim": get_optimizer_state_dict(w.model, w.optim)}
                 measure(result.samples(name), partial(dcp.save, state, storage_writer=writer, no_dist=True))
                 del state
             finally:
@@ -515,6 +593,8 @@ def evaluate(result: SizeResult, backend: str) -> dict[str, Any]:
         "deserialise": deser,
         "floor_restore": floor_restore,
     }
+    out["memcpy"] = m("floor.memcpy")
+    out["async_block_vs_memcpy"] = _ratio(out["async_step"], out["memcpy"])
     out["async_block_vs_sync"] = _ratio(out["async_step"], out["sync_step"])
     out["commit_vs_floor"] = _ratio(out["async_commit"], floor_save)
     out["sync_vs_floor"] = _ratio(out["sync_step"], floor_save)
@@ -558,7 +638,10 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
     # (op, label, what it is compared with: "save", "restore", "sync" or "")
     "file": [
         ("file.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        ("floor.memcpy", "floor of the blocking: memcpy of the state into existing buffers", "sync"),
         ("file.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        ("file.ckpt.release.step", "… with `release_staging=True`: `step()` blocks", "sync"),
+        ("file.ckpt.release.commit", "… with `release_staging=True`: save call → commit", "save"),
         ("file.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
         ("file.floor.write", "floor: raw write of the state's bytes + fsync", "save"),
         ("torch.save", "torch.save, one file + fsync", "save"),
@@ -584,33 +667,41 @@ _DIAG_ROWS = [
     ("diag.get_state_dict", "get_model_state_dict + get_optimizer_state_dict"),
     ("diag.stage.fresh_buffers", "stage to CPU, new buffers (DCP's default, every save)"),
     ("diag.stage.reused_buffers", "stage to CPU, reused buffers (one stager kept across saves)"),
-    ("diag.crc32c.warm", "CRC32C of the shard file (page cache warm)"),
+    ("diag.crc32c.warm", "CRC32C of the shard file, page cache warm (the restore's check; saves compute it inline)"),
     ("diag.dcp_write.no_fsync", "dcp.save without fsync, torch.save's zip CRC-32 on (DCP's default)"),
     ("diag.dcp_write.no_fsync.no_torch_crc32", "dcp.save without fsync, zip CRC-32 off (as spotjob's saves run)"),
-    ("diag.init_fresh_optim_state", "plain DCP restore: fresh Adam initialised by a zero-grad step "
-     "(spotjob skips it for unsharded modules)"),
+    (
+        "diag.init_fresh_optim_state",
+        "plain DCP restore: fresh Adam initialised by a zero-grad step (spotjob skips it for unsharded modules)",
+    ),
 ]
 
 
 def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends: list[str]) -> str:
     lines: list[str] = []
     lines.append("### Against the targets (medians)\n")
-    lines.append("| backend | state | async `step()` blocks | sync save | blocks / sync (target ≤ 5%) "
-                 "| save call → commit (async) | floor | commit / floor (target ≤ "
-                 f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3) "
-                 "| restore | floor read + deserialise | restore / floor (target ≤ 1.25x) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append(
+        "| backend | state | async `step()` blocks | memcpy floor | blocks / memcpy | sync save "
+        "| blocks / sync (target ≤ 5%) "
+        "| save call → commit (async) | floor | commit / floor (target ≤ "
+        f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3) "
+        "| restore | floor read + deserialise | restore / floor (target ≤ 1.25x) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in backends:
         for r in results:
             if backend in r.skipped:
-                lines.append(f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} | skipped: see below "
-                             "| | | | | | | | |")
+                lines.append(
+                    f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} | skipped: see below "
+                    "| | | | | | | | | | |"
+                )
                 continue
             e = evaluate(r, backend)
             t = e["targets"]
             lines.append(
                 f"| {_BACKEND_NAMES[backend]} | {fmt_bytes(r.state_bytes)} "
-                f"| {_s(e['async_step'])} s | {_s(e['sync_step'])} s "
+                f"| {_s(e['async_step'])} s | {_s(e['memcpy'])} s | {_x(e['async_block_vs_memcpy'])} "
+                f"| {_s(e['sync_step'])} s "
                 f"| {_pct(e['async_block_vs_sync'])} {_mark(t['async_block_vs_sync']['met'])} "
                 f"| {_s(e['async_commit'])} s | {_s(e['floor_save'])} s "
                 f"| {_x(e['commit_vs_floor'])} {_mark(t['commit_vs_floor']['met'])} "
@@ -619,9 +710,11 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
             )
     for backend in backends:
         for r in results:
-            lines.append(f"\n### {_BACKEND_NAMES[backend]}, {fmt_bytes(r.state_bytes)} "
-                         f"({r.tensor_count} tensors, {r.layers} Linear layers of {r.width}x{r.width}), "
-                         f"median of {r.repeat}\n")
+            lines.append(
+                f"\n### {_BACKEND_NAMES[backend]}, {fmt_bytes(r.state_bytes)} "
+                f"({r.tensor_count} tensors, {r.layers} Linear layers of {r.width}x{r.width}), "
+                f"median of {r.repeat}\n"
+            )
             if backend in r.skipped:
                 lines.append(f"Skipped: {r.skipped[backend]}.")
                 continue
@@ -657,13 +750,41 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
                 med = r.median(op)
                 cells.append("—" if med is None else f"{_s(med)} s ({r.state_bytes / GB / med:.1f} GB/s)")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if "file" in backends:
+        lines.append(
+            "\n### Memory (filesystem, medians): peak resident growth during each operation, and what "
+            "stays resident after it\n"
+        )
+        lines.append(
+            "| state | sync save | async save (peak) | async save: kept after | `release_staging=True` "
+            "(peak) | `release_staging=True`: kept after | restore (peak) |"
+        )
+        lines.append("|---|---|---|---|---|---|---|")
+
+        def growth(r: SizeResult, op: str) -> str:
+            s = r.ops.get(op)
+            return fmt_bytes(statistics.median(s.rss_growth)) if s and s.rss_growth else "—"
+
+        def kept(r: SizeResult, op: str) -> str:
+            s = r.ops.get(op)
+            return fmt_bytes(statistics.median(s.seconds)) if s and s.seconds else "—"
+
+        for r in results:
+            lines.append(
+                f"| {fmt_bytes(r.state_bytes)} | {growth(r, 'file.ckpt.sync.step')} "
+                f"| {growth(r, 'file.ckpt.async.commit')} | {kept(r, 'file.ckpt.async.kept')} "
+                f"| {growth(r, 'file.ckpt.release.commit')} | {kept(r, 'file.ckpt.release.kept')} "
+                f"| {growth(r, 'file.ckpt.restore.cold')} |"
+            )
     sizes = [(r, r.committed_bytes) for r in results]
     lines.append("\n### Bytes written\n")
     lines.append("| state | tensors' bytes | torch.save file | dcp.save files | Checkpointer files |")
     lines.append("|---|---|---|---|---|")
     for r, c in sizes:
-        lines.append(f"| {fmt_bytes(r.state_bytes)} | {r.state_bytes} | {c.get('torch.save', '—')} "
-                     f"| {c.get('dcp.save', '—')} | {c.get('ckpt.file', c.get('ckpt.s3', '—'))} |")
+        lines.append(
+            f"| {fmt_bytes(r.state_bytes)} | {r.state_bytes} | {c.get('torch.save', '—')} "
+            f"| {c.get('dcp.save', '—')} | {c.get('ckpt.file', c.get('ckpt.s3', '—'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -685,18 +806,34 @@ def _backends(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=_floats, default=[0.1, 1.0, 4.0],
-                   help="state sizes in GB (model + Adam), comma-separated (default 0.1,1,4)")
-    p.add_argument("--backends", type=_backends, default=["file", "s3"],
-                   help="comma-separated: file, s3 (default both)")
+    p.add_argument(
+        "--sizes",
+        type=_floats,
+        default=[0.1, 1.0, 4.0],
+        help="state sizes in GB (model + Adam), comma-separated (default 0.1,1,4)",
+    )
+    p.add_argument(
+        "--backends", type=_backends, default=["file", "s3"], help="comma-separated: file, s3 (default both)"
+    )
     p.add_argument("--repeat", type=int, default=3, help="repetitions per size; medians are reported (default 3)")
-    p.add_argument("--repeat-large", type=int, default=2,
-                   help="repetitions for sizes >= --large-gb, to keep the run short (default 2)")
+    p.add_argument(
+        "--repeat-large",
+        type=int,
+        default=2,
+        help="repetitions for sizes >= --large-gb, to keep the run short (default 2)",
+    )
     p.add_argument("--large-gb", type=float, default=2.0, help="what counts as large for --repeat-large")
-    p.add_argument("--s3-max-gb", type=float, default=1.5,
-                   help="skip S3 above this size: moto cannot serve multi-GB objects (default 1.5)")
-    p.add_argument("--scratch", default=str(OUT_DIR / "scratch"),
-                   help="folder for the files written (removed afterwards; default bench/out/scratch)")
+    p.add_argument(
+        "--s3-max-gb",
+        type=float,
+        default=1.5,
+        help="skip S3 above this size: moto cannot serve multi-GB objects (default 1.5)",
+    )
+    p.add_argument(
+        "--scratch",
+        default=str(OUT_DIR / "scratch"),
+        help="folder for the files written (removed afterwards; default bench/out/scratch)",
+    )
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed tiny pass first")
     args = p.parse_args(argv)
     if args.repeat < 1 or args.repeat_large < 1:
@@ -728,9 +865,11 @@ def _s3_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
         )
         bench.s3 = boto3.session.Session().client(
             "s3",
-            config=Config(request_checksum_calculation="when_required",
-                          response_checksum_validation="when_required",
-                          max_pool_connections=settings.concurrency + 2),
+            config=Config(
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                max_pool_connections=settings.concurrency + 2,
+            ),
         )
         bench.s3.create_bucket(Bucket=S3_BUCKET)
         try:
@@ -745,9 +884,14 @@ def main(argv: list[str] | None = None) -> int:
     started_wall = time.time()
     started = time.monotonic()
     machine = describe_machine(args.scratch)
-    log("machine: %d cores, %s RAM, disk %s (%s), torch %s", machine["cores"],
-        fmt_bytes(machine["memory_bytes"] or 0), machine["disk"].get("block_device"),
-        machine["disk"]["fstype"], machine["torch"])
+    log(
+        "machine: %d cores, %s RAM, disk %s (%s), torch %s",
+        machine["cores"],
+        fmt_bytes(machine["memory_bytes"] or 0),
+        machine["disk"].get("block_device"),
+        machine["disk"]["fstype"],
+        machine["torch"],
+    )
     bench = CheckpointBench(args, args.scratch)
     results: list[SizeResult] = []
     with _s3_if(args.backends, bench) as endpoint:
@@ -774,8 +918,12 @@ def main(argv: list[str] | None = None) -> int:
     md = render_markdown(payload, results, args.backends)
     (OUT_DIR / "checkpoint-latest.md").write_text(md)
     print(md)
-    log("done in %.0f s; raw results in %s, tables in %s", payload["wall_seconds"], path,
-        OUT_DIR / "checkpoint-latest.md")
+    log(
+        "done in %.0f s; raw results in %s, tables in %s",
+        payload["wall_seconds"],
+        path,
+        OUT_DIR / "checkpoint-latest.md",
+    )
     return 0
 
 

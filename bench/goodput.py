@@ -52,6 +52,9 @@ from orchestrator.backends.local import EventKind, Timeline, TimelineEvent
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
+PROBE = REPO / "bench" / "_restart_probe.py"
+"""examples/train.py's job with a clock at every phase (start, torch imported, rendezvous, restore,
+each step): what every strategy runs, so each restart can be broken down."""
 RESULTS_MD = Path(__file__).resolve().parent / "goodput-results.md"
 
 REAL_GAP_S = (60.0, 120.0)
@@ -106,6 +109,8 @@ class Outcome:
     first_startup_seconds: float
     rate: float
     run_folder: str
+    restarts_detail: list[dict[str, float]] | None = None
+    """Per restart of the first notices: the phases of the restart overhead (``restart_phases``)."""
 
     @property
     def lost_per_preemption(self) -> float | None:
@@ -160,6 +165,111 @@ def analyse(events: list[TimelineEvent], horizon: float) -> dict[str, Any]:
     }
 
 
+def read_timings(folder: Path) -> list[dict[str, Any]]:
+    """Every rank's probe records (``bench/_restart_probe.py``), in time order."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of a killed rank
+    return sorted(out, key=lambda r: r["t"])
+
+
+PHASES = (
+    ("flush", "notice heard → flush committed (last step before the notice to the loop stopping)"),
+    ("handover", "commit → the next attempt's workers started (agent exit, reconciler, new agent)"),
+    ("launch", "workers started → the training script runs (torchrun, a Python interpreter)"),
+    ("import", "import torch"),
+    ("rendezvous", "init_process_group"),
+    ("restore", "Checkpointer() + restore()"),
+    ("first_step", "the first step after the restore"),
+)
+
+
+def restart_phases(
+    events: list[TimelineEvent], timings: list[dict[str, Any]], horizon: float
+) -> list[dict[str, float]]:
+    """For each notice followed by a restore: the restart overhead (the last step before the notice to
+    the first step after the resume, from rank 0's own clock) and its phases (``PHASES``)."""
+    t0 = next(e.t for e in events if e.kind == EventKind.RUN_STARTED)
+    notices = [e.t for e in events if e.kind == EventKind.NOTICE and e.t <= t0 + horizon]
+    starts = sorted(e.t for e in events if e.kind == EventKind.WORKER_STARTED)
+    rank0 = [r for r in timings if r.get("rank") == 0]
+    out: list[dict[str, float]] = []
+    for notice in notices:
+        before = [r for r in rank0 if r["t"] <= notice and r["event"] == "step"]
+        later_starts = [t for t in starts if t > notice]
+        if not before or not later_starts:
+            continue
+        attempt_start = later_starts[0]
+
+        def first(event: str, after: float) -> float | None:
+            return next((r["t"] for r in rank0 if r["event"] == event and r["t"] > after), None)
+
+        stopped = next((r["t"] for r in rank0 if r["t"] > notice and r["event"] in ("stop",)), None)
+        launched = first("start", attempt_start - 0.001)
+        if launched is None:
+            continue
+        torch_at, rdzv = first("torch", launched), first("rendezvous", launched)
+        ck, restored = first("checkpointer", launched), first("restored", launched)
+        stepped = first("step", launched)
+        if None in (torch_at, rdzv, ck, restored, stepped):
+            continue
+        last = before[-1]["t"]
+        flush_end = stopped if stopped is not None else attempt_start
+        assert torch_at and rdzv and restored and stepped
+        out.append(
+            {
+                "overhead": stepped - last,
+                "flush": max(0.0, flush_end - last),
+                "handover": max(0.0, attempt_start - flush_end),
+                "launch": launched - attempt_start,
+                "import": torch_at - launched,
+                "rendezvous": rdzv - torch_at,
+                "restore": restored - rdzv,
+                "first_step": stepped - restored,
+            }
+        )
+    return out
+
+
+def restart_floor(uri: str, job: str, repeat: int, folder: Path) -> dict[str, Any]:
+    """The restart's floor, timed alone: 2 fresh ranks import torch, meet, restore ``uri``'s newest checkpoint."""
+    import socket
+    import statistics
+
+    runs: list[dict[str, float]] = []
+    for i in range(repeat):
+        timings = folder / f"floor-{i}"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTJOB_", "TORCHELASTIC_"))}
+        env.update(OMP_NUM_THREADS="1", SPOTJOB_CHECKPOINT_URI=uri, SPOTJOB_JOB_NAME=job)
+        argv = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(port),
+                str(PROBE), "--restore-only", "--timings", str(timings)]  # fmt: skip
+        subprocess.run(argv, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+        recs = read_timings(timings)
+        per_rank = {}
+        for rank in (0, 1):
+            mine = {r["event"]: r["t"] for r in recs if r["rank"] == rank}
+            per_rank[rank] = mine
+        start = min(r["start"] for r in per_rank.values())
+        runs.append(
+            {
+                "import": max(r["torch"] - r["start"] for r in per_rank.values()),
+                "rendezvous": max(r["rendezvous"] for r in per_rank.values())
+                - max(r["torch"] for r in per_rank.values()),
+                "restore": max(r["restored"] for r in per_rank.values())
+                - max(r["rendezvous"] for r in per_rank.values()),
+                "total": max(r["restored"] for r in per_rank.values()) - start,
+            }
+        )
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"runs": runs}
+
+
 def run_strategy(
     strategy: Strategy, *, runs_dir: Path, trace_file: Path, window: float, horizon: float, step_sleep: float, seed: int
 ) -> Outcome:
@@ -168,7 +278,8 @@ def run_strategy(
         str(Path(sys.executable).with_name("spotjob")), "run", "--name", name, "--runs-dir", str(runs_dir),
         "--trace", str(trace_file), "--notice", f"{window:g}", "--seed", str(seed), "--no-live",
         "--plot", str(runs_dir / name / "timeline.png"), *strategy.args,
-        str(TRAIN), "--steps", "10000000", "--step-sleep", f"{step_sleep:g}",
+        str(PROBE), "--timings", str(runs_dir / name / "timings"),
+        "--steps", "10000000", "--step-sleep", f"{step_sleep:g}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTJOB_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -211,6 +322,9 @@ def run_strategy(
         first_startup_seconds=numbers["startup"],
         rate=numbers["rate"],
         run_folder=str(runs_dir / name),
+        restarts_detail=restart_phases(
+            Timeline.read(str(timeline_path)), read_timings(runs_dir / name / "timings"), horizon
+        ),
     )
     log(
         "%s: step %d of %.0f uninterrupted (goodput %.0f%%); %d notice(s), %d restart(s), steps lost %s",
@@ -220,7 +334,48 @@ def run_strategy(
     return outcome
 
 
-def render(outcomes: list[Outcome], settings: dict[str, Any], machine: dict[str, Any]) -> str:
+def render_restarts(outcomes: list[Outcome], floor: dict[str, Any] | None) -> list[str]:
+    """The restart overhead of the spotjob strategy, phase by phase, against its floor."""
+    import statistics
+
+    spotjob = next((o for o in outcomes if o.strategy == "spotjob"), None)
+    if spotjob is None or not spotjob.restarts_detail:
+        return []
+    rows = spotjob.restarts_detail
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    lines = [
+        "",
+        "## Restart overhead (spotjob strategy)",
+        "",
+        "From the last step before the notice to the first step after the resume, on rank 0's own clock "
+        f"(`bench/_restart_probe.py`), median of {len(rows)} restarts. The floor is a fresh pair of ranks "
+        "started by torchrun that import torch, rendezvous and restore the same checkpoint, timed alone "
+        "after the runs (median of 3).",
+        "",
+        "| phase | median s | floor s |",
+        "|---|---:|---:|",
+    ]
+    floor_of = {"import": "import", "rendezvous": "rendezvous", "restore": "restore"}
+    for key, label in PHASES:
+        f = floor.get(floor_of[key]) if floor and key in floor_of else None
+        lines.append(f"| {label} | {med[key]:.2f} | {'' if f is None else f'{f:.2f}'} |")
+    total = floor["total"] if floor else None
+    ratio = f"{med['overhead'] / total:.1f}x the floor (target ≤ 1.5x)" if total else ""
+    lines.append(
+        f"| **restart overhead** | **{med['overhead']:.2f}** | **{total:.2f}** |"
+        if total
+        else f"| **restart overhead** | **{med['overhead']:.2f}** | |"
+    )
+    lines += [
+        "",
+        f"Restart overhead: {ratio}. Each restart: " + ", ".join(f"{r['overhead']:.1f} s" for r in rows) + ".",
+    ]
+    return lines
+
+
+def render(
+    outcomes: list[Outcome], settings: dict[str, Any], machine: dict[str, Any], floor: dict[str, Any] | None = None
+) -> str:
     s = settings
     lines = [
         "# Goodput under one preemption trace",
@@ -271,6 +426,7 @@ def render(outcomes: list[Outcome], settings: dict[str, Any], machine: dict[str,
         "",
         f"Raw numbers: `bench/out/goodput-latest.json`; each run's logs, timeline and plot: `{s['runs_dir']}`. "
         + (f"The benchmark took {s['elapsed_seconds'] / 60:.1f} minutes." if "elapsed_seconds" in s else ""),
+        *render_restarts(outcomes, floor),
     ]
     return "\n".join(lines) + "\n"
 
@@ -306,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         for s in chosen
     ]  # fmt: skip
+    floor = None
+    if any(o.strategy == "spotjob" for o in outcomes):
+        log("restart floor: fresh ranks import torch, rendezvous and restore, timed alone")
+        floor = restart_floor(str(runs_dir / "goodput-spotjob" / "checkpoints"), "local/goodput-spotjob", 3, runs_dir)
+        log("restart floor: %.2f s (import %.2f, rendezvous %.2f, restore %.2f)", floor["total"], floor["import"],
+            floor["rendezvous"], floor["restore"])  # fmt: skip
     settings = {
         "horizon": args.horizon,
         "scale": args.scale,
@@ -318,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_seconds": round(time.monotonic() - started, 1),
     }
     machine = describe_machine(str(runs_dir))
-    path = write_results("goodput", {"settings": settings, "machine": machine,
+    path = write_results("goodput", {"settings": settings, "machine": machine, "restart_floor": floor,
                                      "outcomes": [asdict(o) for o in outcomes]})  # fmt: skip
-    Path(args.out).write_text(render(outcomes, settings, machine))
+    Path(args.out).write_text(render(outcomes, settings, machine, floor))
     log("results: %s and %s", args.out, path)
     print(Path(args.out).read_text())
     return 0

@@ -38,6 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agent.atomic_file import write_atomic
 from orchestrator.model import FlushRequest, JobKey, JobSpec, JobStatus, describe_validation_error
 
 log = logging.getLogger(__name__)
@@ -265,24 +266,9 @@ class JsonFileJobStore(JobStore):
 
     def _write(self, key: JobKey, document: dict[str, Any]) -> None:
         dest = self.path(key)
-        folder = os.path.dirname(dest)
-        tmp = os.path.join(folder, f".{key.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(json.dumps(document, indent=2).encode() + b"\n")
-                f.flush()
-                if self._fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, dest)
-            if self._fsync:
-                dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+            write_atomic(dest, json.dumps(document, indent=2).encode() + b"\n", durable=self._fsync)
         except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
             raise StoreError(f"cannot write {dest}: {e}") from e
         log.debug("job %s: stored version %s", key, document["metadata"]["resourceVersion"])
 

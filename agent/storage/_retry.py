@@ -12,6 +12,7 @@ that sets ``SPOTJOB_STORAGE_MAX_ATTEMPTS`` / ``SPOTJOB_STORAGE_BASE_BACKOFF_S`` 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -26,6 +27,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from agent.settings import StorageEnv, load
 from agent.storage.base import TransientStorageError
 
 log = logging.getLogger(__name__)
@@ -37,22 +39,28 @@ DEFAULT_MAX_BACKOFF_S = 8.0
 DEFAULT_BASE_BACKOFF_S = 0.2
 
 
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
+_POLICY_VARIABLES = ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "SPOTJOB_STORAGE_BASE_BACKOFF_S", "SPOTJOB_STORAGE_MAX_BACKOFF_S")
+
+
+@functools.lru_cache(maxsize=8)
+def _policy(raw: tuple[str | None, ...]) -> tuple[int, float, float]:
+    """(attempts, base backoff, cap) for these raw values of ``_POLICY_VARIABLES``: validated once
+    per distinct setting, not on every storage operation."""
+    env = load(StorageEnv)
+    attempts = DEFAULT_MAX_ATTEMPTS if env.max_attempts is None else max(1, int(env.max_attempts))
+    base = DEFAULT_BASE_BACKOFF_S if env.base_backoff_s is None else env.base_backoff_s
+    cap = DEFAULT_MAX_BACKOFF_S if env.max_backoff_s is None else env.max_backoff_s
+    return attempts, base, cap
+
+
+def policy() -> tuple[int, float, float]:
+    """The retry policy the environment sets now (``agent.settings.StorageEnv``)."""
+    return _policy(tuple(os.environ.get(name) for name in _POLICY_VARIABLES))
 
 
 def max_attempts() -> int:
     """Attempts per operation (first try included): ``SPOTJOB_STORAGE_MAX_ATTEMPTS``, default 6."""
-    return max(1, int(_env_number("SPOTJOB_STORAGE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)))
+    return policy()[0]
 
 
 class _FullJitter(wait_exponential):
@@ -72,16 +80,30 @@ def retry_transient(op: str, fn: Callable[[], T], *, attempts: int | None = None
     ``op`` names the operation and key for the log ("PUT s3://b/k"); it must not carry secrets
     (signed or session URLs), because it is logged on every retry.
     """
-    base = _env_number("SPOTJOB_STORAGE_BASE_BACKOFF_S", DEFAULT_BASE_BACKOFF_S)
-    cap = _env_number("SPOTJOB_STORAGE_MAX_BACKOFF_S", DEFAULT_MAX_BACKOFF_S)
+    # The common case, one attempt that succeeds, costs no more than the call: tenacity (and its
+    # per-call setup) comes in only once an attempt has failed, and then sees that failure as
+    # its first attempt, so the count, the backoff and the log lines are the same.
+    try:
+        return fn()
+    except TransientStorageError as e:
+        first: TransientStorageError | None = e
+    tries, base, cap = policy()
+
+    def again() -> T:
+        nonlocal first
+        if first is not None:
+            failed, first = first, None
+            raise failed
+        return fn()
+
     retrying = Retrying(
         retry=retry_if_exception_type(TransientStorageError),
-        stop=stop_after_attempt(attempts or max_attempts()),
+        stop=stop_after_attempt(attempts or tries),
         wait=_FullJitter(multiplier=base, max=cap),
         before_sleep=lambda s: _log_retry_named(op, s),
         reraise=True,
     )
-    return retrying(fn)
+    return retrying(again)
 
 
 def _log_retry_named(op: str, state: RetryCallState) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import re
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +24,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from agent.crc32c import crc32c_bytes, to_hex
+from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
+from agent.settings import StorageEnv, load
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -87,40 +87,19 @@ class TransferSettings:
     @classmethod
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD``
-        (bytes, or with a KiB/MiB/GiB suffix), ``SPOTJOB_STORAGE_CONCURRENCY``,
-        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S``."""
+        (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
+        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` (``agent.settings``)."""
+        env = load(StorageEnv)
         d = cls()
         return cls(
-            part_size=_env_size("SPOTJOB_STORAGE_PART_SIZE", d.part_size),
-            multipart_threshold=_env_size("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", d.multipart_threshold),
-            concurrency=int(_env_size("SPOTJOB_STORAGE_CONCURRENCY", d.concurrency)),
-            connect_timeout_s=_env_float("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", d.connect_timeout_s),
-            read_timeout_s=_env_float("SPOTJOB_STORAGE_READ_TIMEOUT_S", d.read_timeout_s),
+            part_size=int(env.part_size) if env.part_size is not None else d.part_size,
+            multipart_threshold=int(env.multipart_threshold)
+            if env.multipart_threshold is not None
+            else d.multipart_threshold,
+            concurrency=env.concurrency if env.concurrency is not None else d.concurrency,
+            connect_timeout_s=env.connect_timeout_s if env.connect_timeout_s is not None else d.connect_timeout_s,
+            read_timeout_s=env.read_timeout_s if env.read_timeout_s is not None else d.read_timeout_s,
         )
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
-_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
-
-
-def _env_size(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    m = _SIZE_RE.match(raw)
-    if not m:
-        raise ValueError(f"{name}={raw!r}: expected a whole number of bytes, optionally with KiB/MiB/GiB")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
 def spans(size: int, part_size: int) -> list[tuple[int, int]]:
@@ -135,63 +114,6 @@ def crc_to_b64(crc: int) -> str:
 
 def crc_from_b64(text: str) -> int:
     return int.from_bytes(base64.b64decode(text), "big")
-
-
-# -- CRC32C of a concatenation ---------------------------------------------------------------
-# Parts and ranges are checksummed independently and in parallel; the object's CRC32C is then
-# combined from them (zlib's crc32_combine, for the Castagnoli polynomial) instead of re-reading
-# the whole file. _ZERO_OPS[k] is the GF(2) matrix that advances a CRC register over 2**k zero
-# bytes; combining costs one matrix-vector product per set bit of the second part's length.
-
-_CRC32C_POLY_REFLECTED = 0x82F63B78
-
-
-def _gf2_times(mat: Sequence[int], vec: int) -> int:
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: Sequence[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def _zero_ops() -> list[list[int]]:
-    one_bit = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]
-    op = one_bit
-    for _ in range(3):  # 1 -> 2 -> 4 -> 8 zero bits: one zero byte
-        op = _gf2_square(op)
-    ops = [op]
-    for _ in range(63):
-        ops.append(_gf2_square(ops[-1]))
-    return ops
-
-
-_ZERO_OPS = _zero_ops()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len2 = len(B)``."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-def crc32c_concat(parts: Sequence[tuple[int, int]]) -> int:
-    """CRC32C of consecutive pieces given as ``(crc32c, length)``, in order."""
-    crc = 0
-    for part_crc, length in parts:
-        crc = crc32c_combine(crc, part_crc, length)
-    return crc
 
 
 # -- the pool --------------------------------------------------------------------------------

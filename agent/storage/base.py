@@ -111,6 +111,21 @@ class Storage(abc.ABC):
         Atomic against concurrent writers: of two racing calls, exactly one succeeds.
         """
 
+    def put_files(
+        self,
+        files: Sequence[tuple[str, str, int | None]],
+        *,
+        progress: ProgressFn | None = None,
+        parallelism: int = DEFAULT_PARALLELISM,
+    ) -> None:
+        """``put_file`` for each ``(local_path, key, crc32c)``, in parallel; every object is whole
+        once this returns. A store may do it as one batch (``FileStorage``: one folder sync)."""
+        parallel_map(
+            lambda local, key, crc: self.put_file(local, key, crc32c=crc, progress=progress),
+            files,
+            parallelism,
+        )
+
     # -- reads -------------------------------------------------------------------------------
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes:
@@ -196,12 +211,8 @@ def put_files(
     progress: ProgressFn | None = None,
     parallelism: int = DEFAULT_PARALLELISM,
 ) -> None:
-    """Upload ``(local_path, key, crc32c)`` triples in parallel."""
-    parallel_map(
-        lambda local, key, crc: storage.put_file(local, key, crc32c=crc, progress=progress),
-        files,
-        parallelism,
-    )
+    """Upload ``(local_path, key, crc32c)`` triples in parallel (``Storage.put_files``)."""
+    storage.put_files(files, progress=progress, parallelism=parallelism)
 
 
 def get_files(

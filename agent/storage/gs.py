@@ -16,9 +16,17 @@ chunk retry does, and what also works on fake-gcs-server (whose status query,
 ``Content-Range: bytes */N``, finalizes the upload instead of reporting it). The last chunk
 carries the file's CRC32C in ``x-goog-hash`` so GCS rejects a corrupt assembly, and the CRC32C
 GCS reports back is compared too. A resumable upload is sequential; files go up in parallel
-through ``put_files``. (GCS's XML multipart API would parallelise one object, but fake-gcs-server
-lacks it, so it could not be tested here; parallel composite uploads leave temporary objects that
-soft delete keeps billing.) The session URL is a bearer capability, so it is never logged.
+through ``put_files``. The session URL is a bearer capability, so it is never logged.
+
+Why not ``google.cloud.storage.transfer_manager`` (3.x): ``upload_chunks_concurrently`` speaks
+GCS's XML multipart API, which fake-gcs-server lacks, so a fallback to this resumable upload
+would be the only path the tests could run — the library path would ship untested; its retries
+(google-api-core) draw their jitter from Python's global ``random``, the training script's stream,
+and the XML upload draws a boundary from it too (``_media._upload``); with retries off, one failed
+chunk restarts the file. ``download_chunks_concurrently`` writes straight into the destination,
+so a failed or corrupt download would leave a partial file where the contract says nothing is
+left, and its chunk retries have the same jitter. Parallel composite uploads leave temporary
+objects that soft delete keeps billing.
 
 Create-only: a simple upload with ``ifGenerationMatch=0``, answered 412 when the object exists.
 fake-gcs-server enforces the precondition on simple uploads only, which is why the manifest (a

@@ -21,6 +21,15 @@ ETag seen first, so an object replaced mid-download fails instead of mixing two 
 Create-only: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists. moto
 enforces it too (tested). moto does not verify checksums we send, hence ``get_file`` verifies
 every byte itself.
+
+Why not boto3's transfer manager (s3transfer 0.19, which does forward a full-object CRC32C on a
+multipart upload, and moto accepts it): its per-part retries are botocore's, whose jitter draws
+from Python's global ``random`` — the training script's stream, shifted from a save thread at
+moments nobody controls — and its downloads name their temporary file from the same stream
+(``s3transfer.utils.random_file_extension``); switching botocore's retries off instead would make
+one throttled part restart a whole multi-GB upload. Its ranged downloads also carry no checksum,
+so the manifest's CRC32C would need a second pass over the file, where ``download_verified``
+checks the bytes as they arrive.
 """
 
 from __future__ import annotations

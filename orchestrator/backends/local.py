@@ -55,6 +55,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
 
+from agent.atomic_file import write_atomic
 from agent.control_api import ENV_AGENT_TOKEN
 from agent.control_channel import (
     AGENT_FILE,
@@ -76,7 +77,7 @@ from agent.control_channel import (
     read_json,
 )
 from agent.notices.emulators import ImdsEmulator
-from agent.process_tree import ENV_AGENT_ID, all_processes
+from agent.process_tree import ENV_AGENT_ID, marked, signal_process
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
@@ -521,18 +522,7 @@ def write_token(path: str) -> str:
     the owner read it, whether ``path`` existed before or not.
     """
     token = secrets.token_urlsafe(32)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, (token + "\n").encode(), mode=0o600)
     return token
 
 
@@ -553,25 +543,14 @@ def run_pids(run_folder: str) -> list[int]:
 
 def marked_pids(variable: str, value: str) -> list[int]:
     """Live processes whose environment holds ``variable=value`` (wherever they were re-parented)."""
-    marker = f"{variable}={value}".encode()
-    me = os.getpid()
-    out = []
-    for p in all_processes():
-        if p.state == "Z" or p.pid == me:
-            continue
-        try:
-            with open(f"/proc/{p.pid}/environ", "rb") as f:
-                if marker in f.read().split(b"\0"):
-                    out.append(p.pid)
-        except OSError:  # gone, or not ours to read
-            continue
-    return out
+    return [p.pid for p in marked(variable, value)]
 
 
 def kill_marked(variable: str, value: str, *, grace: float, reason: str, give_up: float = 10.0) -> int:
     """SIGTERM every marked process (none if ``grace`` is 0), SIGKILL what is left; how many were found.
 
-    Re-scans every round: a dying torchrun may still start or re-parent a rank.
+    Re-scans every round: a dying torchrun may still start or re-parent a rank. A process is
+    signalled only while it is still the one found (``signal_process`` checks its creation time).
     """
     seen: set[int] = set()
     termed: set[int] = set()
@@ -579,23 +558,23 @@ def kill_marked(variable: str, value: str, *, grace: float, reason: str, give_up
     kill_at = time.monotonic() + grace
     stop_at = kill_at + give_up
     while True:
-        pids = marked_pids(variable, value)
-        if not pids:
+        procs = marked(variable, value)
+        if not procs:
             break
-        seen.update(pids)
+        seen.update(p.pid for p in procs)
         now = time.monotonic()
         if now >= stop_at:
-            log.error("%s: processes %s still alive after SIGKILL", reason, pids)
+            log.error("%s: processes %s still alive after SIGKILL", reason, [p.pid for p in procs])
             break
         escalate = grace <= 0 or now >= kill_at
         done = killed if escalate else termed
         sig = signal.SIGKILL if escalate else signal.SIGTERM
-        for pid in pids:
-            if pid in done:
+        for p in procs:
+            if p.pid in done:
                 continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-            done.add(pid)
+            with contextlib.suppress(PermissionError):
+                signal_process(p, sig)
+            done.add(p.pid)
         time.sleep(0.05)
     return len(seen)
 

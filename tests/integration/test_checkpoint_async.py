@@ -207,3 +207,63 @@ def test_a_rank_is_reported_closed_only_if_nothing_raised_after_close(tmp_path: 
     else:
         assert proc.returncode != 0 and "writing the results failed" in proc.stderr
         assert closed == []
+
+
+def test_a_flush_gives_up_a_save_still_writing_and_commits_its_own_step(tmp_path: Path, monkeypatch: Any) -> None:
+    """The save in flight holds an older step; the flush does not wait for it to finish writing."""
+    from agent import _dcp
+    from agent.control_channel import ControlDir, FlushRequest
+
+    state = make_state(0)
+    control = tmp_path / "control"
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None, control_dir=str(control))
+    write_block = _dcp.ChecksummedFile._out
+    held = threading.Event()
+
+    def held_until_given_up(self: Any, view: memoryview) -> None:
+        # The background save of step 1 cannot get past its first block unless it is given up.
+        if self._cancel is not None and "step-000000001" in self.path:
+            held.set()
+            deadline = time.monotonic() + BOUND_S
+            while not self._cancel.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        write_block(self, view)
+
+    monkeypatch.setattr(_dcp.ChecksummedFile, "_out", held_until_given_up)
+    train(state, 1)
+    ckpt.save(1, state)
+    assert held.wait(BOUND_S), "the save of step 1 never started writing"
+    ControlDir(str(control)).request_flush(FlushRequest(reason="test notice"))
+    train(state, 1, start=1)
+    assert ckpt.step(2, state) is True
+    saved = snapshot(state)
+    ckpt.close()
+
+    assert committed_steps(ckpt) == [2]
+    flushed = ControlDir(str(control)).flush_result()
+    assert flushed is not None and flushed.step == 2 and flushed.error is None
+    fresh = make_state(0, seed=5)
+    with Checkpointer(str(tmp_path / "ckpt")) as again:
+        assert again.restore(fresh) == 2
+    assert_same(snapshot(fresh), saved, "the flushed state")
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, release: bool) -> None:
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt"), keep=None, release_staging=release) as ckpt:
+        train(state, 1)
+        ckpt.save(1, state)
+        ckpt.wait()
+        kept = ckpt._stager
+        assert (kept is None) == release
+        train(state, 1, start=1)
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert ckpt._stager is (None if release else kept)
+        saved = snapshot(state)
+    assert committed_steps(ckpt) == [1, 2]
+    fresh = make_state(0, seed=6)
+    with Checkpointer(str(tmp_path / "ckpt")) as again:
+        assert again.restore(fresh) == 2
+    assert_same(snapshot(fresh), saved, "the state staged into released buffers")

@@ -13,6 +13,7 @@ import pytest
 import requests
 from google.api_core import exceptions as api_exceptions
 
+from agent.crc32c import crc32c_bytes, crc32c_combine, crc32c_concat
 from agent.storage import MissingBucketError, NotFoundError, PermanentStorageError, TransientStorageError
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
@@ -21,8 +22,6 @@ from agent.storage._transfer import (
     MiB,
     RangeSink,
     TransferSettings,
-    crc32c_combine,
-    crc32c_concat,
     crc_from_b64,
     crc_to_b64,
     spans,
@@ -30,6 +29,7 @@ from agent.storage._transfer import (
 
 
 def crc(data: bytes) -> int:
+    """An independent implementation (google-crc32c) to check awscrt's against."""
     return int(google_crc32c.value(data))
 
 
@@ -46,6 +46,12 @@ class TestCrcCombine:
         parts = [rng.randbytes(n) for n in (5, 0, 1000, 3, 70_000, 1)]
         assert crc32c_concat([(crc(p), len(p)) for p in parts]) == crc(b"".join(parts))
         assert crc32c_concat([]) == 0
+
+    def test_awscrt_agrees_with_google_crc32c_on_bytes_and_on_views_of_live_buffers(self) -> None:
+        data = bytearray(random.Random(3).randbytes(300_001))
+        view = memoryview(data)
+        assert crc32c_bytes(data) == crc(bytes(data))
+        assert crc32c_bytes(view[1000:], crc32c_bytes(view[:1000])) == crc(bytes(data))
 
     def test_base64_form_is_the_big_endian_bytes(self) -> None:
         assert crc_to_b64(crc(b"xyz")) == "JSNohQ=="  # as S3 and GCS report it

@@ -1,0 +1,71 @@
+"""Writing a small file so that a reader sees the old one or the new one, never a part of either.
+
+The one way spotjob does it (the storage's objects, the agent's control files, the controller's
+job records, the run token): the bytes go to a temporary file in the destination's own folder
+(created exclusively, with the file's final mode from the start), are fsynced when the write must
+survive a crash, and are renamed over the destination; a durable write then syncs the folder, so
+the rename itself survives. A failure removes the temporary file. No torch, no cloud SDK: both
+halves of spotjob use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def temp_name(path: str, mark: str = "") -> str:
+    """A fresh hidden name beside ``path`` for its temporary file: ``<mark><name>.<random>.tmp``
+    (``mark`` defaults to ``.``; a store that lists its folder skips names that start with it)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f"{mark or '.'}{name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_temp(path: str, data: bytes, *, durable: bool = True, mode: int = 0o644, mark: str = "") -> str:
+    """Write ``data`` to a new temporary file beside ``path`` and return its name; the caller renames
+    (``os.replace``) or links it into place. Created exclusively with ``mode`` (never a file that
+    was there, never readable more widely than ``mode`` at any moment); fsynced when ``durable``."""
+    tmp = temp_name(path, mark)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def sync_folder(path: str) -> None:
+    """fsync a folder, so that names created, renamed or removed in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int = 0o644, mark: str = "") -> None:
+    """Replace ``path`` with ``data`` in one rename (see the module docstring).
+
+    ``durable=False`` keeps the all-or-nothing rename but skips both fsyncs: for files rewritten
+    every second whose loss in a crash costs nothing (status files). Raises ``OSError``.
+    """
+    tmp = write_temp(path, data, durable=durable, mode=mode, mark=mark)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        sync_folder(os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,131 @@
+"""The node's restore cache, and filling it before the ranks ask. No torch import.
+
+A rank restoring from an object store reads every file from ``<staging>/restore/<step folder>/``:
+each file is downloaded once per node (the ranks of a node take a lock per file), verified
+against the manifest's size and CRC32C as it arrives, and marked ``<file>.verified``; a file with
+its marker is trusted by every rank of the node without a second download (``fetch_verified``).
+
+``prefetch`` is what spotjob-agent does while torchrun starts, torch imports and the ranks meet
+— seconds the restore would otherwise wait for: it finds the job's newest valid checkpoint the way
+``Checkpointer.restore`` does and fetches its files into the same cache, through the same locks
+and markers, so a rank that arrives first waits for the file in flight instead of fetching it
+again. On a filesystem store there is nothing to fetch; ``prefetch`` reads (and CRC-checks) the
+files once so the restore finds them in the page cache. A failed prefetch is logged and
+harmless: the restore fetches what it lacks and checks everything itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from agent import _fresh_start
+from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.crc32c import crc32c_bytes, crc32c_file_parallel, from_hex, to_hex
+from agent.manifest import FileEntry, Manifest
+from agent.ownership import Lineage, OwnershipError
+from agent.storage import CorruptObjectError, Storage, StorageError
+from agent.storage.base import parallel_map
+
+log = logging.getLogger(__name__)
+
+RESTORE_FOLDER = "restore"
+VERIFIED_SUFFIX = ".verified"
+
+
+def default_staging(storage: Storage, job: str | None) -> str:
+    """Where a rank stages its saves and caches restores when no staging folder is given.
+
+    A filesystem store: a folder beside the checkpoints (same filesystem, so committing links the
+    files instead of copying them). An object store: a folder under the node's temp folder named
+    after the job and the URI, the same for every rank of the node, so they share one cache.
+    """
+    local = storage.local_path("")
+    if local is not None:
+        return os.path.join(local, ".spotjob-staging")
+    name = (job or "job") + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
+    return os.path.join(tempfile.gettempdir(), "spotjob-staging", name)
+
+
+def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: str) -> str:
+    """``entry`` of the checkpoint in ``folder`` under ``local_dir``, downloaded and verified once per
+    node (see the module docstring); returns its local path. ``CorruptObjectError`` on a mismatch
+    (nothing is left behind), ``StorageError`` when the store fails."""
+    path = os.path.join(local_dir, entry.path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marker = path + VERIFIED_SUFFIX
+        if not os.path.exists(marker):
+            storage.get_file(f"{folder}/{entry.path}", path, size=entry.size, crc32c=from_hex(entry.crc32c))
+            open(marker, "w").close()
+    return path
+
+
+def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:
+    """The newest committed checkpoint ``Checkpointer.restore`` would try first (valid, not retired
+    by a fresh start, written by the URI's own lineage), with its manifest; None if there is none."""
+    retired = _fresh_start.retired_folders(storage)
+    lineage = Lineage.load(storage)
+    for ref in find_checkpoints(storage):
+        if ref.folder in retired:
+            continue
+        status = inspect(storage, ref, lineage=lineage)
+        if status.valid and status.manifest is not None:
+            return ref, status.manifest
+    return None
+
+
+def prefetch(storage: Storage, staging_root: str, *, parallelism: int = 8) -> str | None:
+    """Fetch (object store) or read once (filesystem) the newest valid checkpoint's files; returns
+    its folder, or None when there is none. Raises ``StorageError`` / ``OSError`` on failure."""
+    found = newest_valid(storage)
+    if found is None:
+        return None
+    ref, manifest = found
+    folder = ref.folder
+    local = storage.local_path(folder)
+    if local is not None:
+
+        def check(entry: FileEntry) -> None:
+            crc, size = crc32c_file_parallel(os.path.join(local, entry.path), parallelism)
+            if size != entry.size or crc != from_hex(entry.crc32c):
+                raise CorruptObjectError(f"{storage.url(folder + '/' + entry.path)} does not match its manifest")
+
+        parallel_map(check, [(e,) for e in manifest.files], parallelism)
+        return folder
+    cache = os.path.join(staging_root, RESTORE_FOLDER, folder)
+    parallel_map(lambda e: fetch_verified(storage, folder, e, cache), [(e,) for e in manifest.files], parallelism)
+    return folder
+
+
+def prefetch_in_background(
+    open_store: Callable[[], Storage], staging_root: Callable[[Storage], str], *, parallelism: int = 8
+) -> threading.Thread:
+    """``prefetch`` in a daemon thread (the agent's, while torchrun starts); failures are logged.
+    ``staging_root`` names the node's staging folder for the opened store."""
+
+    def run() -> None:
+        started = time.monotonic()
+        storage = None
+        try:
+            storage = open_store()
+            folder = prefetch(storage, staging_root(storage), parallelism=parallelism)
+            if folder is not None:
+                log.info("prefetched %s in %.2fs", storage.url(folder), time.monotonic() - started)
+        except (StorageError, OSError, OwnershipError, ValueError) as e:
+            log.info("prefetching the newest checkpoint failed (the ranks' restore will fetch it): %s", e)
+        except Exception as e:  # never let a prefetch take the agent down
+            log.warning("prefetching the newest checkpoint failed unexpectedly: %r", e)
+        finally:
+            if storage is not None:
+                storage.close()
+
+    thread = threading.Thread(target=run, name="spotjob-prefetch", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,78 @@
+"""What the agent's side of spotjob reads from the environment, declared once (pydantic-settings).
+
+``CheckpointerEnv``: the ``SPOTJOB_*`` variables spotjob-agent sets for its ranks, which
+``Checkpointer`` and ``Checkpointer.from_env()`` read. ``StorageEnv``: the ``SPOTJOB_STORAGE_*``
+tuning of transfers and retries, read whenever a store is opened (and the retry policy on every
+retried operation, so a variable set after import still counts). An empty variable counts as
+unset; a malformed one is a ``ValueError`` that names the variable, its value and what it must be.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import ByteSize, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load(cls: type[S]) -> S:
+    """``cls`` read from the process's environment now, or a ``ValueError`` in plain words."""
+    try:
+        return cls()
+    except ValidationError as e:
+        raise ValueError(_in_words(cls, e)) from None
+
+
+def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
+    prefix = cls.model_config.get("env_prefix", "")
+    problems = []
+    for err in e.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        field = cls.model_fields.get(name)
+        variable = (
+            field.validation_alias
+            if field is not None and isinstance(field.validation_alias, str)
+            else (name if name.startswith(prefix) else prefix + name.upper())
+        )
+        what = (field.description if field is not None else None) or "a valid value"
+        problems.append(f"{variable}={err.get('input')!r} is not {what}")
+    return "; ".join(problems)
+
+
+class CheckpointerEnv(BaseSettings):
+    """The variables spotjob-agent sets for its ranks (``agent.control_channel``'s ``ENV_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPOTJOB_", env_ignore_empty=True, extra="ignore")
+
+    checkpoint_uri: str | None = Field(None, description="a checkpoint URI")
+    job_name: str | None = Field(None, description="a job name")
+    every_steps: int | None = Field(None, description="a whole number of steps")
+    every_seconds: float | None = Field(None, description="a number of seconds")
+    keep: int | None = Field(None, description="a whole number (0 keeps every checkpoint)")
+    async_save: bool = Field(True, validation_alias="SPOTJOB_ASYNC", description="a boolean (1/0, true/false)")
+    staging_dir: str | None = Field(None, description="a folder")
+    control_dir: str | None = Field(None, description="a folder")
+    attempt: int | None = Field(None, description="a whole number")
+    start_fresh: bool = Field(False, description="a boolean (1/0, true/false)")
+    release_staging: bool = Field(False, description="a boolean (1/0, true/false)")
+
+
+class StorageEnv(BaseSettings):
+    """Transfer and retry tuning for every store (``agent.storage``); unset fields keep the defaults
+    of ``TransferSettings`` and of the retry policy."""
+
+    model_config = SettingsConfigDict(env_prefix="SPOTJOB_STORAGE_", env_ignore_empty=True, extra="ignore")
+
+    part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)")
+    multipart_threshold: ByteSize | None = Field(
+        None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)"
+    )
+    concurrency: int | None = Field(None, ge=1, description="a whole number >= 1")
+    connect_timeout_s: float | None = Field(None, gt=0, description="a positive number of seconds")
+    read_timeout_s: float | None = Field(None, gt=0, description="a positive number of seconds")
+    max_attempts: float | None = Field(None, ge=0, description="a number >= 0")
+    base_backoff_s: float | None = Field(None, ge=0, description="a number of seconds >= 0")
+    max_backoff_s: float | None = Field(None, ge=0, description="a number of seconds >= 0")

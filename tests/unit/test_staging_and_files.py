@@ -1,0 +1,142 @@
+"""How a save stages tensors and writes files, without torchrun: the stager's options (pinned
+memory and non-blocking copies with CUDA, decided here without a GPU), buffers kept between
+saves, the checksumming writer, and the one atomic-write helper."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent._dcp import ChecksummedFile, SaveCancelledError, make_stager, staging_options
+from agent.atomic_file import write_atomic
+from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel
+
+
+class TestStaging:
+    def test_with_cuda_host_buffers_are_pinned_and_copies_do_not_block_until_the_end(self) -> None:
+        options = staging_options(cuda=True)
+        assert options.use_pinned_memory and options.use_non_blocking_copy
+        assert not options.use_shared_memory and not options.use_async_staging
+
+    def test_without_cuda_a_plain_memcpy_into_host_buffers(self) -> None:
+        options = staging_options(cuda=False)
+        assert not options.use_pinned_memory and not options.use_non_blocking_copy
+
+    def test_the_second_save_copies_into_the_buffers_of_the_first(self) -> None:
+        state = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+        stager = make_stager(cuda=False)
+        try:
+            first = stager.stage(state)
+            pointers = {k: v.data_ptr() for k, v in first.items()}
+            state["w"].add_(1.0)
+            second = stager.stage(state)
+            assert {k: v.data_ptr() for k, v in second.items()} == pointers
+            assert torch.equal(second["w"], state["w"])  # the new values, in the old buffer
+            assert all(v.data_ptr() != state[k].data_ptr() for k, v in second.items())
+        finally:
+            stager.close()
+
+
+class TestChecksummedFile:
+    def test_the_crc_of_what_it_wrote_is_the_crc_of_the_file(self, tmp_path: Path) -> None:
+        path = str(tmp_path / "shard")
+        big = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: written as blocks from its own memory
+        with ChecksummedFile(path, writeback=True) as f:
+            f.write(b"header")
+            f.write(memoryview(big.numpy()).cast("B"))
+            f.write(b"x" * 1000)
+            assert f.tell() == 6 + big.nbytes + 1000
+        assert (f.crc, f.size) == crc32c_file(path)
+        assert crc32c_file_parallel(path, parallelism=4, piece=1 << 20) == crc32c_file(path)
+
+    def test_a_cancelled_write_stops_and_leaves_no_file(self, tmp_path: Path) -> None:
+        path = tmp_path / "shard"
+        cancel = threading.Event()
+        with pytest.raises(SaveCancelledError), ChecksummedFile(str(path), cancel=cancel) as f:
+            f.write(b"a" * (2 << 20))
+            cancel.set()
+            f.write(b"b" * (2 << 20))
+        assert not path.exists()
+
+
+class TestWriteAtomic:
+    def test_replaces_the_file_whole_with_the_mode_asked_for_and_leaves_no_temp_file(self, tmp_path: Path) -> None:
+        path = tmp_path / "token"
+        path.write_text("old")
+        os.chmod(path, 0o644)
+        write_atomic(str(path), b"secret\n", mode=0o600)
+        assert path.read_bytes() == b"secret\n"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert os.listdir(tmp_path) == ["token"]
+
+    def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        path = tmp_path / "status.json"
+        path.write_bytes(b"old")
+
+        def failing_fsync(fd: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        with pytest.raises(OSError, match="Input/output error"):
+            write_atomic(str(path), b"new")
+        assert path.read_bytes() == b"old"
+        assert os.listdir(tmp_path) == ["status.json"]
+
+    def test_a_crc_continues_across_pieces(self) -> None:
+        data = os.urandom(10_000)
+        assert crc32c_bytes(data[5000:], crc32c_bytes(data[:5000])) == crc32c_bytes(data)
+
+
+FAIL_INSIDE_TORCH_SAVE = """
+import os, sys, threading, torch
+from agent._dcp import ChecksummedFile, SaveCancelledError, save_tensor_without_crc
+
+kind = sys.argv[2]
+cancel = threading.Event()
+
+class Failing(ChecksummedFile):
+    def _out(self, view):
+        if self.size >= self.BLOCK:  # the second block of the tensor's storage
+            if kind == "cancel":
+                cancel.set()
+            else:
+                raise OSError(28, "No space left on device")
+        super()._out(view)
+
+tensor = torch.zeros(12 * 1024 * 1024)  # 48 MB: several blocks
+try:
+    with Failing(sys.argv[1], cancel=cancel) as f:
+        save_tensor_without_crc(tensor, f)
+        f.check()
+except SaveCancelledError:
+    print("cancelled")
+except OSError as e:
+    print("failed:", e.strerror)
+print("file left:", os.path.exists(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("kind", "said"), [("cancel", "cancelled"), ("enospc", "failed: No space left on device")])
+def test_a_failure_in_the_middle_of_a_tensor_is_raised_after_torchs_writer_not_into_it(
+    tmp_path: Path, kind: str, said: str
+) -> None:
+    """An exception thrown into torch.save's zip writer used to abort the process when the writer
+    was finished later ("terminate called ... unexpected pos"); it is kept and raised afterwards."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FAIL_INSIDE_TORCH_SAVE, str(tmp_path / "shard"), kind],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [said, "file left: False"]
