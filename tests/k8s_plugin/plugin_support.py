@@ -259,12 +259,14 @@ def answer_flush_requests(
     stop: Any,
     timeout: float = 60,
     break_watches: bool = False,
+    in_progress: str | None = None,
 ) -> None:
     """Play the controller's side of a flush: once the annotation holds a request, record
     ``answer`` (plus the request's id and mode) in ``status.lastFlushRequest``. ``break_watches``:
     first expire the watch history and cut the open SpotJob watch (the plugin's), so the plugin
     must watch again from a version the server no longer keeps, be told 410 Gone and read the
-    job afresh."""
+    job afresh. ``in_progress``: first record the request as taken (outcome ``InProgress`` with
+    this message), as the real controller does, then the answer."""
     deadline = time.monotonic() + timeout
     while not stop.is_set() and time.monotonic() < deadline:
         job = cluster.rest.get(jobs_path(namespace, name))
@@ -279,6 +281,10 @@ def answer_flush_requests(
                 while cluster.drop_watches("spotjobs") == 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
             status = dict(job.get("status") or {})
+            if in_progress is not None:
+                taken = {"outcome": "InProgress", "message": in_progress, "time": answer["time"]}
+                status["lastFlushRequest"] = {"id": request["id"], "mode": request["mode"], **taken}
+                status = dict(set_status(cluster, namespace, name, status)["status"])
             status["lastFlushRequest"] = {"id": request["id"], "mode": request["mode"], **answer}
             set_status(cluster, namespace, name, status)
             return
