@@ -166,7 +166,7 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
     table = rows(ok(proc))
     assert [k for k in table if k != "STEP"] == ["500", "400", "300", "200", "100"]
     assert " ".join(table["500"]).endswith(
-        "uncommitted leftover — uncommitted: no MANIFEST.json (a save that never finished)"
+        "uncommitted leftover — uncommitted: no MANIFEST.json (a save still in progress, or one that never finished)"
     )
     assert "INVALID — file" in " ".join(table["400"]) and "is missing" in " ".join(table["400"])
     assert "FOREIGN" in " ".join(table["300"])
