@@ -4,12 +4,16 @@ The plugin only reads what the controller writes (and writes one annotation), so
 no controller: the test writes a SpotJob and its status (as the controller would), the job's pods
 (bound to nodes that run no containers, which the test kubelet reports Running), its Events and
 its checkpoints, then checks what ``kubectl spotjob`` shows. ``install_crd`` installs the CRD
-exactly as the chart ships it.
+exactly as the chart ships it. ``run_kubectl_spotjob`` runs the real kubectl binary, which finds
+``kubectl-spotjob`` in the venv's bin on PATH (tests/e2e_k8s uses it too, against a real controller).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -26,6 +30,31 @@ CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjob
 GROUP_PATH = "/apis/spotjob.dev/v1alpha1"
 USER = "jane@example.com"
 """The person running ``kubectl spotjob`` (an identity of its own in the audit log)."""
+
+
+def run_kubectl_spotjob(
+    cluster: TestCluster,
+    kubeconfig: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``kubectl spotjob ARGS`` as a user runs it: the kubectl binary on PATH, the venv's bin (where
+    ``kubectl-spotjob`` is installed) first on PATH, ``kubeconfig`` as $KUBECONFIG."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None, "kubectl is not on PATH"
+    assert (BIN / "kubectl-spotjob").exists(), "the plugin is not installed in the venv (make venv)"
+    full = {
+        **os.environ,
+        **cluster.env(),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "KUBECONFIG": kubeconfig,
+        **(env or {}),
+    }
+    return subprocess.run(
+        [kubectl, "spotjob", *args], capture_output=True, text=True, env=full, timeout=timeout, check=False
+    )
+
 
 def jobs_path(namespace: str, name: str = "") -> str:
     return f"{GROUP_PATH}/namespaces/{namespace}/spotjobs" + (f"/{name}" if name else "")
