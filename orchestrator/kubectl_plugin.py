@@ -747,11 +747,19 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: str, since: str, timeout: float) -> int:
-    """Follow the job until ``status.lastFlushRequest`` answers ``wanted`` (or a request that replaced it)."""
+    """Follow the job until ``status.lastFlushRequest`` answers ``wanted`` (or a request that replaced it)
+    with an outcome: the controller first records the request it took as ``InProgress`` (a restart
+    flushes, stops and starts the gang before it commits), which is not an answer yet."""
     waiting = {wanted}
+    taken: set[str] = set()
     for job in client.follow_job(namespace, name, since, timeout):
         answer = (job.get("status") or {}).get("lastFlushRequest") or {}
-        if answer.get("id") in waiting:
+        rid = answer.get("id")
+        if rid in waiting and answer.get("outcome") == "InProgress":
+            if rid not in taken:
+                taken.add(rid)
+                print(f"the controller took request {rid}: {answer.get('message') or 'in progress'}", file=sys.stderr)
+        elif rid in waiting:
             return _report_flush(answer, wanted)
         current = _annotation_id(job)
         if current is not None and current not in waiting:

@@ -89,10 +89,11 @@ Flush requests (``StoredJob.flush_request``: on Kubernetes the ``spotjob.dev/flu
 annotation a person writes): each id is handled once, recorded in ``status.lastFlushRequest``
 (``InProgress``, then ``Committed`` with the step, ``NotCommitted``, ``Skipped`` or ``Invalid``)
 in the pass that takes it, so neither a replayed pass nor a new leader handles it twice. Only a
-Running job takes one. ``restart`` enters Flushing like a preemption (cause ``Requested``): every
-agent flushes at one step, storage shows the commit, the gang restarts from it after the initial
-backoff — no preemption or restart counted, no node avoided (a real notice arriving meanwhile
-turns it into a preemption). ``checkpoint`` asks every agent for an early save
+Running job takes one; one written while another is in progress is handled once that one ends.
+``restart`` enters Flushing like a preemption (cause ``Requested``): every agent flushes at one
+step, storage shows the commit, the gang restarts from it after the initial backoff — no
+preemption or restart counted, no node avoided (a real notice arriving meanwhile turns it into a
+preemption). ``checkpoint`` asks every agent for an early save
 (``Backend.request_save``) and training goes on; the first valid checkpoint committed after the
 request ends it, the flush timeout or a stopped gang ends it NotCommitted.
 
@@ -1308,13 +1309,17 @@ class Reconciler:
         """Every pass: a checkpoint request in progress ends when storage shows its commit, when
         the gang stops, or at the flush timeout; a new request that cannot be read, or that comes
         while the job cannot take it, is answered at once. Each id is handled once: the status
-        records the last one."""
+        records the last one; a request written while another is in progress waits for it to end."""
         status = p.status
         last = status.last_flush_request
         if last is not None and last.outcome == "InProgress" and last.mode == "checkpoint":
             self._progress_checkpoint_request(p, last)
         rid = p.flush_request_id
         if rid is None or (last is not None and last.id == rid):
+            return
+        if last is not None and last.outcome == "InProgress":
+            # Answered once that one ends: recording it now would write over the request in
+            # progress, whose outcome would then never be told.
             return
         if p.flush_request_problem is not None:
             message = FLUSH_REQUEST_INVALID.message(problem=p.flush_request_problem)
@@ -1323,11 +1328,9 @@ class Reconciler:
             return
         request = p.flush_request
         assert request is not None, "a request id without a request"
-        if last is not None and last.outcome == "InProgress":
-            why = f"request {last.id} ({last.mode}) is still in progress"
-        elif status.phase is Phase.RUNNING:
+        if status.phase is Phase.RUNNING:
             return  # taken by _running, after the pass has looked at the workers
-        elif status.phase is Phase.FLUSHING and status.recovery is not None:
+        if status.phase is Phase.FLUSHING and status.recovery is not None:
             why = f"the job is flushing already ({status.recovery.reason}): that flush commits a checkpoint"
         else:
             why = f"the job is {status.phase}: no running gang to flush"
@@ -1340,7 +1343,7 @@ class Reconciler:
         phase changed); ``checkpoint`` asks every agent for a save and training goes on."""
         request, status = p.flush_request, p.status
         last = status.last_flush_request
-        if request is None or (last is not None and last.id == request.id):
+        if request is None or (last is not None and (last.id == request.id or last.outcome == "InProgress")):
             return False
         because = f": {request.reason}" if request.reason else ""
         baseline = p.checkpoint_step if p.storage_error is None else p.previous_checkpoint_step

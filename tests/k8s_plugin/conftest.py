@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from plugin_support import BIN, USER, install_crd
+from plugin_support import USER, install_crd, run_kubectl_spotjob
 
 from tests.k8s.cluster import TestCluster
 from tests.k8s.fixtures import cluster, k8s_cluster, namespace, test_apiserver_only
@@ -51,20 +50,10 @@ def kubectl_spotjob(spotjob_crd: None, user_kubeconfig: str, cluster: TestCluste
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not on PATH")
-    assert (BIN / "kubectl-spotjob").exists(), "the plugin is not installed in the venv (make venv)"
 
     def run(
         *args: str, kubeconfig: str | None = None, env: dict[str, str] | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        full = {
-            **os.environ,
-            **cluster.env(),
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "KUBECONFIG": kubeconfig or user_kubeconfig,
-            **(env or {}),
-        }
-        return subprocess.run(
-            [kubectl, "spotjob", *args], capture_output=True, text=True, env=full, timeout=timeout, check=False
-        )
+        return run_kubectl_spotjob(cluster, kubeconfig or user_kubeconfig, *args, env=env, timeout=timeout)
 
     return run

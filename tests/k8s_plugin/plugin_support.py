@@ -4,12 +4,16 @@ The plugin only reads what the controller writes (and writes one annotation), so
 no controller: the test writes a SpotJob and its status (as the controller would), the job's pods
 (bound to nodes that run no containers, which the test kubelet reports Running), its Events and
 its checkpoints, then checks what ``kubectl spotjob`` shows. ``install_crd`` installs the CRD
-exactly as the chart ships it.
+exactly as the chart ships it. ``run_kubectl_spotjob`` runs the real kubectl binary, which finds
+``kubectl-spotjob`` in the venv's bin on PATH (tests/e2e_k8s uses it too, against a real controller).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -26,6 +30,31 @@ CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjob
 GROUP_PATH = "/apis/spotjob.dev/v1alpha1"
 USER = "jane@example.com"
 """The person running ``kubectl spotjob`` (an identity of its own in the audit log)."""
+
+
+def run_kubectl_spotjob(
+    cluster: TestCluster,
+    kubeconfig: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``kubectl spotjob ARGS`` as a user runs it: the kubectl binary on PATH, the venv's bin (where
+    ``kubectl-spotjob`` is installed) first on PATH, ``kubeconfig`` as $KUBECONFIG."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None, "kubectl is not on PATH"
+    assert (BIN / "kubectl-spotjob").exists(), "the plugin is not installed in the venv (make venv)"
+    full = {
+        **os.environ,
+        **cluster.env(),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "KUBECONFIG": kubeconfig,
+        **(env or {}),
+    }
+    return subprocess.run(
+        [kubectl, "spotjob", *args], capture_output=True, text=True, env=full, timeout=timeout, check=False
+    )
+
 
 def jobs_path(namespace: str, name: str = "") -> str:
     return f"{GROUP_PATH}/namespaces/{namespace}/spotjobs" + (f"/{name}" if name else "")
@@ -259,12 +288,14 @@ def answer_flush_requests(
     stop: Any,
     timeout: float = 60,
     break_watches: bool = False,
+    in_progress: str | None = None,
 ) -> None:
     """Play the controller's side of a flush: once the annotation holds a request, record
     ``answer`` (plus the request's id and mode) in ``status.lastFlushRequest``. ``break_watches``:
     first expire the watch history and cut the open SpotJob watch (the plugin's), so the plugin
     must watch again from a version the server no longer keeps, be told 410 Gone and read the
-    job afresh."""
+    job afresh. ``in_progress``: first record the request as taken (outcome ``InProgress`` with
+    this message), as the real controller does, then the answer."""
     deadline = time.monotonic() + timeout
     while not stop.is_set() and time.monotonic() < deadline:
         job = cluster.rest.get(jobs_path(namespace, name))
@@ -279,6 +310,10 @@ def answer_flush_requests(
                 while cluster.drop_watches("spotjobs") == 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
             status = dict(job.get("status") or {})
+            if in_progress is not None:
+                taken = {"outcome": "InProgress", "message": in_progress, "time": answer["time"]}
+                status["lastFlushRequest"] = {"id": request["id"], "mode": request["mode"], **taken}
+                status = dict(set_status(cluster, namespace, name, status)["status"])
             status["lastFlushRequest"] = {"id": request["id"], "mode": request["mode"], **answer}
             set_status(cluster, namespace, name, status)
             return

@@ -166,7 +166,7 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
     table = rows(ok(proc))
     assert [k for k in table if k != "STEP"] == ["500", "400", "300", "200", "100"]
     assert " ".join(table["500"]).endswith(
-        "uncommitted leftover — uncommitted: no MANIFEST.json (a save that never finished)"
+        "uncommitted leftover — uncommitted: no MANIFEST.json (a save still in progress, or one that never finished)"
     )
     assert "INVALID — file" in " ".join(table["400"]) and "is missing" in " ".join(table["400"])
     assert "FOREIGN" in " ".join(table["300"])
@@ -250,7 +250,7 @@ def test_flush_keep_running_asks_for_a_checkpoint_only(
     ("answer", "code", "printed"),
     [
         ({"outcome": "Committed", "step": 1450}, 0, "flush (restart): Committed, step 1450 committed"),
-        ({"outcome": "FlushFailed"}, 1, "flush (restart): FlushFailed; no checkpoint was committed"),
+        ({"outcome": "NotCommitted"}, 1, "flush (restart): NotCommitted; no checkpoint was committed"),
     ],
 )
 def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_was_committed(
@@ -280,6 +280,32 @@ def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_wa
     assert printed in proc.stdout
     status = cluster.rest.get(jobs_path(namespace, "opt"))["status"]["lastFlushRequest"]
     assert status["id"] in proc.stdout  # the request it waited for is the one the status answers
+
+
+def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_for_the_answer(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """The controller records the request it takes as InProgress first (a restart commits only
+    once the gang has flushed): --wait reports the outcome that follows, not that record."""
+    create_job(cluster, namespace, "slow")
+    set_status(cluster, namespace, "slow", running_status())
+    stop = threading.Event()
+    answer = {"outcome": "Committed", "step": 1460, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "slow", answer),
+        kwargs={"stop": stop, "in_progress": "flushing the gang and restarting it"},
+    )
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "slow", "-n", namespace, "--wait", "--timeout", "90s")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "flush (restart): Committed, step 1460 committed" in proc.stdout
+    assert "the controller took request" in proc.stderr and "flushing the gang and restarting it" in proc.stderr
 
 
 def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(

@@ -186,3 +186,21 @@ def test_a_notice_during_a_requested_restart_makes_it_a_preemption(tmp_path: Any
     assert status.preemptions == 1 and status.restart_history[-1].cause is Cause.PREEMPTION
     assert [a.value for a in status.avoid] == ["n0"], "the node going away is avoided"
     assert status.last_flush_request is not None and status.last_flush_request.outcome == "Committed"
+
+
+def test_a_request_written_while_another_is_in_progress_waits_for_it_and_loses_nothing(tmp_path: Any) -> None:
+    """A second request (another person, a retried kubectl with a new id) while a restart is in
+    progress: the first still gets its outcome in the status, the second is handled after it."""
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+    w.run_until(phase_is(Phase.FLUSHING))
+    ask(store, "c-2", "checkpoint")
+
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.id == "c-2")
+
+    notes = [e.message for e in w.events.emitted if e.reason == "FlushRequestCommitted"]
+    assert any("r-1" in n for n in notes), w.event_reasons()
+    assert status.attempt.number == 1 and status.restart_history[-1].reason == "FlushRequestedByUser"
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
+    assert status.last_flush_request is not None and status.last_flush_request.id == "c-2"
