@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,14 @@ pytestmark = pytest.mark.slow
 SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
 
 
-def _queue_fed_by_eventbridge(endpoint: str) -> tuple[Any, Any, str]:
+@pytest.fixture
+def queue_fed_by_eventbridge(moto_server: str) -> Iterator[tuple[Any, Any, str]]:
     """spotjob's own queue and the EventBridge rule that feeds it spot warnings (as
-    terraform/modules/aws sets them up)."""
+    terraform/modules/aws sets them up); both removed afterwards, since the moto server is shared
+    with other tests (the Terraform test checks that its destroy leaves no ``spotjob-`` rule)."""
     import boto3
 
+    endpoint = moto_server
     session = boto3.session.Session()
     sqs = session.client("sqs", endpoint_url=endpoint, region_name="us-east-1")
     events = session.client("events", endpoint_url=endpoint, region_name="us-east-1")
@@ -51,7 +54,10 @@ def _queue_fed_by_eventbridge(endpoint: str) -> tuple[Any, Any, str]:
         Name=rule, EventPattern=json.dumps({"source": ["aws.ec2"], "detail-type": [SPOT_WARNING]}), State="ENABLED"
     )
     events.put_targets(Rule=rule, Targets=[{"Id": "spotjob", "Arn": arn}])
-    return sqs, events, url
+    yield sqs, events, url
+    events.remove_targets(Rule=rule, Ids=["spotjob"])
+    events.delete_rule(Name=rule)
+    sqs.delete_queue(QueueUrl=url)
 
 
 def test_a_spot_warning_on_the_eventbridge_bus_flushes_the_job_and_moves_it_bit_identical(
@@ -59,10 +65,10 @@ def test_a_spot_warning_on_the_eventbridge_bus_flushes_the_job_and_moves_it_bit_
     namespace: str,
     start_controller: Callable[..., Controller],
     uninterrupted: Path,
-    moto_server: str,
+    queue_fed_by_eventbridge: tuple[Any, Any, str],
     tmp_path: Path,
 ) -> None:
-    sqs, events, url = _queue_fed_by_eventbridge(moto_server)
+    sqs, events, url = queue_fed_by_eventbridge
     instances = {f"{namespace}-a": f"i-{secrets.token_hex(8)}", f"{namespace}-b": f"i-{secrets.token_hex(8)}"}
     for name, zone in ((f"{namespace}-a", "us-east-1a"), (f"{namespace}-b", "us-east-1b")):
         cluster.add_node(name, zone=zone, provider_id=f"aws:///{zone}/{instances[name]}")
