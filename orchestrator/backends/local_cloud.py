@@ -7,12 +7,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import time
 from dataclasses import dataclass
 
 from agent.notices.emulators import ImdsEmulator
-from agent.process_tree import marked, signal_process
+from agent.process_tree import marked, stop_processes
 from orchestrator.backends.base import Placement
 
 log = logging.getLogger(__name__)
@@ -125,33 +123,6 @@ def marked_pids(variable: str, value: str) -> list[int]:
 
 
 def kill_marked(variable: str, value: str, *, grace: float, reason: str, give_up: float = 10.0) -> int:
-    """SIGTERM every marked process (none if ``grace`` is 0), SIGKILL what is left; how many were found.
-
-    Re-scans every round: a dying torchrun may still start or re-parent a rank. A process is
-    signalled only while it is still the one found (``signal_process`` checks its creation time).
-    """
-    seen: set[int] = set()
-    termed: set[int] = set()
-    killed: set[int] = set()
-    kill_at = time.monotonic() + grace
-    stop_at = kill_at + give_up
-    while True:
-        procs = marked(variable, value)
-        if not procs:
-            break
-        seen.update(p.pid for p in procs)
-        now = time.monotonic()
-        if now >= stop_at:
-            log.error("%s: processes %s still alive after SIGKILL", reason, [p.pid for p in procs])
-            break
-        escalate = grace <= 0 or now >= kill_at
-        done = killed if escalate else termed
-        sig = signal.SIGKILL if escalate else signal.SIGTERM
-        for p in procs:
-            if p.pid in done:
-                continue
-            with contextlib.suppress(PermissionError):
-                signal_process(p, sig)
-            done.add(p.pid)
-        time.sleep(0.05)
-    return len(seen)
+    """SIGTERM every marked process (none if ``grace`` is 0), SIGKILL what is left; how many were found
+    (``agent.process_tree.stop_processes``, quietly: the caller logs what it stopped)."""
+    return stop_processes(lambda: marked(variable, value), grace=grace, reason=reason, give_up=give_up, verbose=False)
