@@ -29,11 +29,14 @@ any rank reported while another process holds its rendezvous port; else 76 if th
 else 0 if the command succeeded or every rank wrote ``closed-rank-<r>`` (a finished job whose
 interpreter aborted at exit is not a failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
 for; else the command's own code — 1 if that is one of 74/75/76/79, which mean what the agent saw.
+
+The rest of spotjob-agent: its command line (``AgentConfig``, ``parse_args``) is
+``agent.launcher_cli``, the exit-code rule (``decide_exit_code``) ``agent.exit_codes``; both names
+stay importable from here.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import os
@@ -48,9 +51,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Any
 
 from agent.control_api import (
     ENV_AGENT_TOKEN,
@@ -82,19 +83,27 @@ from agent.control_channel import (
     ENV_KEEP,
     ENV_STAGING_DIR,
     ENV_START_FRESH,
-    EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
-    EXIT_STOPPED,
     ControlDir,
     FlushRequest,
     FlushResult,
     RankStatus,
     write_json_atomic,
 )
+from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
+from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
+from agent.exit_codes import command_exit_code, decide_exit_code
+from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
+from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
+from agent.launcher_cli import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL
+from agent.launcher_cli import ENV_POLL_INTERVAL, AgentConfig, parse_args
+from agent.launcher_cli import NOTICE_SOURCES as NOTICE_SOURCES
+from agent.launcher_cli import RebalancePolicy as RebalancePolicy
+from agent.launcher_cli import build_parser as build_parser
 from agent.notices import aws, azure, gcp
 from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
-from agent.notices.detect import ENV_CLOUD, Cloud, detect_cloud
+from agent.notices.detect import Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.restore_cache import default_staging, prefetch_in_background
@@ -103,75 +112,12 @@ from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_np
 
 log = logging.getLogger(__name__)
 
-ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
-ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
-ENV_AZURE_METADATA_URL = "SPOTJOB_AZURE_METADATA_URL"
-ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
-"""Hidden: a poll interval outside 1-5 s, for tests against emulators."""
-
-NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
-RebalancePolicy = Literal["ignore", "save-early", "flush"]
-
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 WATCH_TICK = 0.1
 MAX_SAVE_IDS = 64
 """How many ``POST /save`` request ids an agent remembers (a retry of an older one saves again)."""
 TREE_SCAN_EVERY = 0.5
-
-
-class AgentConfig(BaseModel):
-    """Everything ``spotjob-agent`` was told; checked once, at start-up."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    command: list[str] = Field(min_length=1)
-    """The command after ``--``, run in a session of its own."""
-    checkpoint_uri: str | None = None
-    """Passed as SPOTJOB_CHECKPOINT_URI; None keeps the one already in the environment."""
-    job_name: str | None = None
-    every_steps: int | None = Field(default=None, ge=1)
-    every_seconds: float | None = Field(default=None, gt=0)
-    keep: int | None = Field(default=None, ge=1)
-    async_save: bool | None = None
-    staging_dir: str | None = None
-    control_dir: str | None = None
-    """None: a fresh temporary folder, removed at exit."""
-    control_host: str = "127.0.0.1"
-    control_port: int = Field(default=0, ge=0, le=65535)
-    token_file: str | None = None
-    notices: tuple[str, ...] | None = None
-    """Exactly these sources; None: SIGTERM plus the detected cloud, minus the ``--no-*`` ones."""
-    disabled: frozenset[str] = frozenset()
-    cloud: Cloud | None = None
-    """None: auto-detect (or SPOTJOB_CLOUD)."""
-    aws_metadata_url: str = aws.DEFAULT_BASE_URL
-    gcp_metadata_url: str = gcp.DEFAULT_BASE_URL
-    azure_metadata_url: str = azure.DEFAULT_BASE_URL
-    poll_interval: float = Field(default=2.0, gt=0)
-    rebalance: RebalancePolicy = "save-early"
-    sigterm_grace: float = Field(default=30.0, ge=0)
-    gcp_notice_seconds: float = Field(default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0)
-    safety_margin: float = Field(default=1.5, ge=1.0)
-    """A flush "fits" when the time left >= last save duration x this."""
-    exit_timeout: float = Field(default=30.0, ge=0)
-    """After a flush result, how long the command gets to exit before it is killed."""
-    flush_timeout: float = Field(default=600.0, gt=0)
-    """For a flush without a deadline: how long before the agent gives up and kills the command."""
-    kill_grace: float = Field(default=5.0, ge=0)
-    """SIGTERM → SIGKILL when killing the command's processes."""
-    expected_ranks: int | None = Field(default=None, ge=1)
-    """Ranks on this node that must write closed-rank-<r> for a finished job."""
-    attempt: int | None = Field(default=None, ge=0)
-    """The attempt number the controller recorded before starting this worker (SPOTJOB_ATTEMPT)."""
-    start_fresh: bool = False
-    """SPOTJOB_START_FRESH=1: the ranks start from step 0 on purpose although checkpoints exist."""
-    exit_with_parent: bool = False
-    """Flush and stop when the process that started the agent (the driver) is gone."""
-    parent_grace: float = Field(default=30.0, gt=0)
-    """The deadline of the flush after the parent is gone, in seconds."""
-    rank_connect_timeout: float = Field(default=120.0, gt=0)
-    """Warn when no rank has written status.json this long after the start."""
 
 
 # -- the flush window ------------------------------------------------------------------------------
@@ -200,67 +146,6 @@ def flush_window(deadline: float | None, last_save_seconds: float | None, margin
             f"(x{margin:g} = {need:.1f} s): the flush may not commit in time",
         )
     return Window(True, f"{left:.1f} s left; the last save took {last_save_seconds:.1f} s (x{margin:g} = {need:.1f} s)")
-
-
-# -- the exit code ---------------------------------------------------------------------------------
-
-
-def command_exit_code(returncode: int) -> int:
-    """Popen's returncode as a shell reports it (killed by signal N → 128 + N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-RESERVED_EXIT_CODES = frozenset({EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED})
-"""Codes only the agent reports, for what it saw itself; a command's own use of one is remapped."""
-EXIT_COMMAND_USED_RESERVED = 1
-"""What the agent reports for a command that exited 74/75/76/79 by itself: a plain failure."""
-
-
-def decide_exit_code(
-    returncode: int,
-    *,
-    flush_requested: bool,
-    result: FlushResult | None,
-    closed_ranks: set[int],
-    expected_ranks: int | None,
-    killed: bool,
-    stopped: str | None = None,
-    infra_error: str | None = None,
-) -> tuple[int, str]:
-    """The agent's exit code for a command that ended with ``returncode``, and why.
-
-    ``stopped``: why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
-    error a rank reported (or the agent found), if any. 75, 76, 74 and 79 are reported only for
-    what this agent saw: a command that exits with one of them by itself gets 1.
-    """
-    code = command_exit_code(returncode)
-    if result is not None and result.error is None:
-        return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
-    if stopped is not None:
-        return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
-    if infra_error is not None and (code != 0 or killed):
-        # Only when the command failed: a script that caught a failed save and finished its work
-        # did finish, whatever the store did meanwhile.
-        return EXIT_INFRA_ERROR, f"infrastructure error: {infra_error} (command exit code {code})"
-    if result is not None:
-        # Before the closed-rank check: a script that calls close() in a `finally` marks its
-        # ranks closed after a failed flush too, and that job did not finish.
-        return EXIT_FLUSH_FAILED, f"the flush failed: {result.error} (command exit code {code})"
-    if expected_ranks and len(closed_ranks) >= expected_ranks:
-        # The known abort at interpreter exit ("terminate called without an active exception")
-        # after every rank finished its work: the job is done, whatever torchrun says.
-        return 0, f"every rank closed ({len(closed_ranks)}/{expected_ranks}); the command exited {code}"
-    if code == 0 and not killed:
-        return 0, "the command finished"
-    if flush_requested:
-        return EXIT_FLUSH_FAILED, f"no checkpoint was committed (command exit code {code})"
-    if code in RESERVED_EXIT_CODES:
-        return EXIT_COMMAND_USED_RESERVED, (
-            f"the command exited {code} by itself, a code spotjob-agent reserves for what it saw itself "
-            f"(74 infrastructure error, 75 committed flush, 76 failed flush, 79 stopped): "
-            f"reporting {EXIT_COMMAND_USED_RESERVED}, a failure of the command"
-        )
-    return code, f"the command exited {code}"
 
 
 # -- the agent -------------------------------------------------------------------------------------
@@ -951,218 +836,6 @@ def _poll_interval(config: AgentConfig, env: Mapping[str, str]) -> float:
     if override:
         return float(override)
     return config.poll_interval
-
-
-# -- command line ----------------------------------------------------------------------------------
-
-
-def _interval(value: str) -> float:
-    seconds = float(value)
-    if not 1.0 <= seconds <= 5.0:
-        raise argparse.ArgumentTypeError("must be between 1 and 5 seconds")
-    return seconds
-
-
-def _notice_list(value: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
-    unknown = [n for n in names if n not in NOTICE_SOURCES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown source(s) {', '.join(unknown)}; choose from {', '.join(NOTICE_SOURCES)}"
-        )
-    return names
-
-
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="spotjob-agent",
-        usage="spotjob-agent [OPTIONS] -- COMMAND [ARGS...]",
-        description="Run a training command (e.g. torchrun ... train.py); on a preemption notice, tell its "
-        "ranks to flush a checkpoint. Exits 75 after a committed flush, 76 when a flush could not commit, "
-        "74 on an infrastructure error (storage unreachable, rendezvous port taken), 79 when stopped through "
-        "POST /stop, else with the command's own code (1 if that is one of these).",
-    )
-    ck = p.add_argument_group("checkpoint (passed to the ranks as SPOTJOB_* variables)")
-    ck.add_argument("--checkpoint-uri", help=f"where checkpoints go (required unless {ENV_CHECKPOINT_URI} is set)")
-    ck.add_argument("--job-name")
-    ck.add_argument("--every-steps", type=int, help="save every N steps")
-    ck.add_argument("--every-seconds", type=float, help="save every N seconds")
-    ck.add_argument("--keep", type=int, help="checkpoints to keep")
-    ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
-    ck.add_argument("--staging-dir")
-    ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
-    ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
-    ck.add_argument(
-        "--attempt", type=int, help=f"the attempt number the controller recorded for this start (sets {ENV_ATTEMPT})"
-    )
-    ck.add_argument(
-        "--start-fresh",
-        action="store_true",
-        help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
-    )
-
-    api = p.add_argument_group("control API")
-    api.add_argument("--control-host", default="127.0.0.1", help="default 127.0.0.1; other hosts need a token")
-    api.add_argument("--control-port", type=int, default=0, help="0 (default): a free port, written to agent.json")
-    api.add_argument("--token-file", help=f"file holding the bearer token (else {ENV_AGENT_TOKEN})")
-
-    no = p.add_argument_group("notices")
-    no.add_argument("--notices", type=_notice_list, help=f"exactly these sources: {','.join(NOTICE_SOURCES)}")
-    no.add_argument(
-        "--cloud",
-        choices=("auto", *[c.value for c in Cloud]),
-        default=env.get(ENV_CLOUD) or "auto",
-        help=f"skip detection (also {ENV_CLOUD})",
-    )
-    for name in ("aws", "gcp", "azure"):
-        no.add_argument(f"--no-{name}", action="store_true", help=f"do not listen for {name} notices")
-    no.add_argument(
-        "--no-sigterm",
-        action="store_true",
-        help="SIGTERM/SIGINT/SIGHUP are no notices: they stop the command without a flush",
-    )
-    no.add_argument(
-        "--aws-metadata-url",
-        default=env.get(ENV_AWS_METADATA_URL) or aws.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_AWS_METADATA_URL})",
-    )
-    no.add_argument(
-        "--gcp-metadata-url",
-        default=env.get(ENV_GCP_METADATA_URL) or gcp.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_GCP_METADATA_URL})",
-    )
-    no.add_argument(
-        "--azure-metadata-url",
-        default=env.get(ENV_AZURE_METADATA_URL) or azure.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_AZURE_METADATA_URL})",
-    )
-    no.add_argument("--poll-interval", type=_interval, default=2.0, help="metadata poll interval, 1-5 s (default 2)")
-    no.add_argument(
-        "--rebalance",
-        choices=("ignore", "save-early", "flush"),
-        default="save-early",
-        help="what an AWS rebalance recommendation does (default save-early)",
-    )
-    no.add_argument("--sigterm-grace", type=float, default=30.0, help="deadline after SIGTERM/SIGINT (default 30 s)")
-    no.add_argument(
-        "--gcp-notice-seconds",
-        type=float,
-        default=gcp.PREEMPTION_NOTICE_SECONDS,
-        help="deadline after GCE preempted=TRUE (default 30 s)",
-    )
-
-    st = p.add_argument_group("stopping")
-    st.add_argument("--safety-margin", type=float, default=1.5, help="a flush fits if time left >= last save x this")
-    st.add_argument(
-        "--exit-timeout",
-        type=float,
-        default=30.0,
-        help="after the flush result, seconds the command gets to exit before it is killed (default 30)",
-    )
-    st.add_argument(
-        "--flush-timeout",
-        type=float,
-        default=600.0,
-        help="a flush without a deadline is given up after this (default 600 s)",
-    )
-    st.add_argument("--kill-grace", type=float, default=5.0, help="SIGTERM to SIGKILL when killing (default 5 s)")
-    st.add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="when the process that started the agent dies (e.g. a killed `spotjob run`), flush and stop",
-    )
-    st.add_argument(
-        "--parent-grace",
-        type=float,
-        default=30.0,
-        help="the deadline of that flush, in seconds after the parent is found gone (default 30)",
-    )
-    st.add_argument(
-        "--rank-connect-timeout",
-        type=float,
-        default=120.0,
-        help="warn when no rank has connected to the control folder this long after the start (default 120 s)",
-    )
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return p
-
-
-def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig, str]:
-    """``(config, log level)``; exits 2 with a usage message on bad arguments."""
-    parser = build_parser(env)
-    argv = list(argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    ns = parser.parse_args(argv[:split])  # before the check below, so that --help works
-    if split == len(argv):
-        parser.error("the command goes after '--': spotjob-agent [OPTIONS] -- torchrun ... train.py")
-    command = argv[split + 1 :]
-    if not command:
-        parser.error("no command after '--'")
-    if ns.cloud not in ("auto", *[c.value for c in Cloud]):
-        parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
-    if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
-        parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
-    uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
-    try:
-        parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
-    except ValueError as e:
-        parser.error(f"{uri_option}: {e}")
-    disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
-    try:
-        config = AgentConfig(
-            command=command,
-            checkpoint_uri=ns.checkpoint_uri,
-            job_name=ns.job_name,
-            every_steps=ns.every_steps,
-            every_seconds=ns.every_seconds,
-            keep=ns.keep,
-            async_save=None if ns.async_save is None else ns.async_save == "on",
-            staging_dir=ns.staging_dir,
-            control_dir=ns.control_dir,
-            control_host=ns.control_host,
-            control_port=ns.control_port,
-            token_file=ns.token_file,
-            notices=ns.notices,
-            disabled=disabled,
-            cloud=None if ns.cloud == "auto" else Cloud(ns.cloud),
-            aws_metadata_url=ns.aws_metadata_url,
-            gcp_metadata_url=ns.gcp_metadata_url,
-            azure_metadata_url=ns.azure_metadata_url,
-            poll_interval=ns.poll_interval,
-            rebalance=ns.rebalance,
-            sigterm_grace=ns.sigterm_grace,
-            gcp_notice_seconds=ns.gcp_notice_seconds,
-            safety_margin=ns.safety_margin,
-            exit_timeout=ns.exit_timeout,
-            flush_timeout=ns.flush_timeout,
-            kill_grace=ns.kill_grace,
-            expected_ranks=ns.expected_ranks,
-            attempt=ns.attempt,
-            start_fresh=ns.start_fresh,
-            exit_with_parent=ns.exit_with_parent,
-            parent_grace=ns.parent_grace,
-            rank_connect_timeout=ns.rank_connect_timeout,
-        )
-    except ValidationError as e:
-        problems = "; ".join(
-            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {_plain(err)}" for err in e.errors()
-        )
-        parser.error(problems)
-    return config, ns.log_level
-
-
-def _plain(err: Any) -> str:
-    """A pydantic error in an operator's words (no "Input should be", no documentation URL)."""
-    ctx = err.get("ctx") or {}
-    words = {
-        "greater_than_equal": "must be at least {ge}",
-        "greater_than": "must be more than {gt}",
-        "less_than_equal": "must be at most {le}",
-        "less_than": "must be less than {lt}",
-    }.get(err.get("type", ""))
-    if words is not None:
-        return words.format(**ctx)
-    return str(err.get("msg", "invalid value")).removeprefix("Value error, ")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -182,38 +182,60 @@ class ProcessTree:
 
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
-        termed: set[int] = set()
-        killed: set[int] = set()
-        kill_at = time.monotonic() + grace
-        give_up_at = kill_at + 10.0
-        while True:
+
+        def alive() -> list[ProcInfo]:
             self.reap()
-            alive = self.refresh(scan_environ=True)
-            if not alive:
-                break
-            now = time.monotonic()
-            if now >= give_up_at:
-                # D-state (stuck in the kernel) or not ours to signal: nothing more we can do.
-                log.error("%s: %s still alive after SIGKILL", reason, _describe(alive))
-                break
-            escalate = now >= kill_at
-            done = killed if escalate else termed
-            fresh = [p for p in alive if p.pid not in done]
-            if fresh:
-                sig = signal.SIGKILL if escalate else signal.SIGTERM
-                if escalate:
-                    log.warning("%s: still running %.1f s after SIGTERM, SIGKILL %s", reason, grace, _describe(fresh))
-                else:
-                    log.info("%s: SIGTERM %s", reason, _describe(fresh))
-                for p in fresh:
-                    try:
-                        signal_process(p, sig)
-                    except PermissionError:
-                        log.error("%s: not permitted to signal %s", reason, _describe([p]))
-                    done.add(p.pid)
-            time.sleep(0.05)
+            return self.refresh(scan_environ=True)
+
+        stopped = stop_processes(alive, grace=grace, reason=reason)
         self.reap()
-        return len(termed | killed)
+        return stopped
+
+
+def stop_processes(
+    find: Callable[[], list[ProcInfo]], *, grace: float, reason: str, give_up: float = 10.0, verbose: bool = True
+) -> int:
+    """SIGTERM every process ``find()`` returns (none if ``grace`` is 0), SIGKILL what is left after
+    ``grace`` s, until ``find()`` returns none or ``give_up`` s after the SIGKILL; how many were found.
+
+    The one way every process of a command, a worker or a node is stopped. Re-scans every round: a
+    dying process may still fork, a dying torchrun start or re-parent a rank. A process is signalled
+    only while it is still the one found (``signal_process`` checks its creation time). ``verbose``
+    logs each round's signals and a process not ours to signal.
+    """
+    seen: set[int] = set()
+    termed: set[int] = set()
+    killed: set[int] = set()
+    kill_at = time.monotonic() + grace
+    give_up_at = kill_at + give_up
+    while True:
+        alive = find()
+        if not alive:
+            break
+        seen.update(p.pid for p in alive)
+        now = time.monotonic()
+        if now >= give_up_at:
+            # D-state (stuck in the kernel) or not ours to signal: nothing more we can do.
+            log.error("%s: %s still alive after SIGKILL", reason, _describe(alive))
+            break
+        escalate = grace <= 0 or now >= kill_at
+        done = killed if escalate else termed
+        fresh = [p for p in alive if p.pid not in done]
+        if fresh:
+            sig = signal.SIGKILL if escalate else signal.SIGTERM
+            if verbose and escalate:
+                log.warning("%s: still running %.1f s after SIGTERM, SIGKILL %s", reason, grace, _describe(fresh))
+            elif verbose:
+                log.info("%s: SIGTERM %s", reason, _describe(fresh))
+            for p in fresh:
+                try:
+                    signal_process(p, sig)
+                except PermissionError:
+                    if verbose:
+                        log.error("%s: not permitted to signal %s", reason, _describe([p]))
+                done.add(p.pid)
+        time.sleep(0.05)
+    return len(seen)
 
 
 def _describe(procs: list[ProcInfo]) -> str:

@@ -32,31 +32,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import functools
 import json
 import logging
 import os
 import re
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
+from agent.export import INDEX_NAME, ExportError, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
 from agent.storage import StorageError, open_storage
-from agent.storage.base import ObjectInfo, ProgressFn, Storage
+from agent.storage.base import ProgressFn, Storage
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import Metadata
 
-    from agent._dcp import VerifiedReader
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +63,7 @@ EXIT_INVALID = 1
 EXIT_ERROR = 2
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE_NAME = "model.safetensors"
 _NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
-_SHARD_NAME_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
@@ -408,7 +403,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not status.valid:
             raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
         _require_state_key(manifest, args.key)
-        files, total = _export_safetensors(storage, status, manifest, args.key, out, args.max_shard_size, args.force)
+        try:
+            files, total = export_safetensors(
+                storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
+            )
+        except ExportError as e:
+            raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
     print(
         f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
         f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
@@ -549,7 +549,7 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
     assert status.manifest is not None
     manifest = status.manifest
     problems: list[str] = []
-    with _reader(storage, status) as reader:
+    with checkpoint_reader(storage, status) as reader:
         if manifest.file(DCP_METADATA_NAME) is not None and DCP_METADATA_NAME not in skip:
             try:
                 metadata = reader.read_metadata()
@@ -590,322 +590,14 @@ def _cross_check(manifest: Manifest, metadata: Metadata, index: dict[str, Any]) 
     return problems
 
 
-@contextlib.contextmanager
-def _reader(storage: Storage, status: CheckpointStatus) -> Iterator[VerifiedReader]:
-    """A VerifiedReader for ``status``: in place on a filesystem, else via a temporary cache."""
-    from agent._dcp import VerifiedReader
-
-    assert status.manifest is not None
-    folder = status.ref.folder
-    local = storage.local_path(folder)
-    if local is not None:
-        yield VerifiedReader(storage, folder, status.manifest, local)
-        return
-    with tempfile.TemporaryDirectory(prefix="spotjob-ckpt-") as cache:
-        yield VerifiedReader(storage, folder, status.manifest, cache)
-
-
 # ------------------------------------------------------------------------------------------------
 # export
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class _Totals:
-    tensors: int = 0
-    bytes: int = 0
-
-
 def _check_out(out: str, *, force: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CommandError(f"{out} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise CommandError(f"{out} is not empty; choose a new folder or pass --force to replace an export there")
-
-
-def _export_safetensors(
-    storage: Storage,
-    status: CheckpointStatus,
-    manifest: Manifest,
-    key: str,
-    out: str,
-    max_shard_size: int,
-    force: bool,
-) -> tuple[list[str], _Totals]:
-    """Load the tensors under ``key`` shard by shard through DCP and write them as safetensors.
-
-    Nothing is read that the manifest does not vouch for: the metadata and every shard file go
-    through ``VerifiedReader`` (fetched and CRC-checked once each, before DCP reads them), and
-    the target state dict is built from DCP's metadata, so no model is needed. The index is
-    written last: an export that died part-way has no index and the files it wrote are removed.
-    """
-    from agent._dcp import UnsafeCheckpointError
-
-    prefix = key + "."
-    folder = status.ref.folder
-    # Fetches from an object store report progress through the wrapper; DCP never sees it.
-    fetching = _ProgressStorage(storage)
-    with _reader(fetching, status) as reader:
-        try:
-            metadata = reader.read_metadata()
-        except (UnsafeCheckpointError, StorageError) as e:
-            raise CommandError(f"{folder}: refusing to export: {e}", EXIT_INVALID) from None
-        tensors = _tensors_under(metadata, prefix)
-        if not tensors:
-            raise CommandError(
-                f"state key {key!r} holds no tensors in the DCP shards of {folder} (only modules and "
-                "optimizers are saved through DCP; other state is per-rank and not exported)"
-            )
-        needed = sorted(
-            {info.relative_path for idx, info in (metadata.storage_data or {}).items() if idx.fqn in tensors}
-        )
-        _fetch(reader, fetching, needed)
-        return _write_shards(reader, tensors, plan_shards(tensors, max_shard_size), prefix, out, force)
-
-
-def _tensors_under(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    return {
-        fqn: md
-        for fqn, md in metadata.state_dict_metadata.items()
-        if fqn.startswith(prefix) and len(fqn) > len(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-
-
-def _nbytes(md: TensorStorageMetadata) -> int:
-    numel = 1
-    for n in md.size:
-        numel *= n
-    return numel * md.properties.dtype.itemsize
-
-
-def plan_shards(tensors: dict[str, TensorStorageMetadata], max_shard_size: int) -> list[list[str]]:
-    """Split names, in checkpoint order, into shards of at most ``max_shard_size`` tensor bytes.
-
-    Greedy in order, as Hugging Face does; a tensor larger than the limit gets a shard to itself.
-    """
-    shards: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for fqn, md in tensors.items():
-        n = _nbytes(md)
-        if current and size + n > max_shard_size:
-            shards.append(current)
-            current, size = [], 0
-        current.append(fqn)
-        size += n
-    if current:
-        shards.append(current)
-    return shards
-
-
-def shard_file_names(count: int) -> list[str]:
-    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-00003.safetensors``."""
-    if count == 1:
-        return [SINGLE_FILE_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def _fetch(reader: VerifiedReader, fetching: _ProgressStorage, paths: Sequence[str]) -> None:
-    """Make every shard file local and verified before DCP opens any of them.
-
-    Verifying up front turns a corrupt or missing file into one clear error naming it, instead of
-    a failure deep inside DCP's read plan.
-    """
-    total = sum(e.size for e in (reader.manifest.file(p) for p in paths) if e is not None)
-    # In place (a filesystem store) the reader CRCs files without reporting bytes: no bar then.
-    with _progress_bar(f"fetching {len(paths)} shard file(s)", 0 if reader.in_place else total) as progress:
-        fetching.progress = progress
-        try:
-            for path in paths:
-                reader.ensure_local(path)
-        except StorageError as e:
-            raise CommandError(f"{reader.folder}: {e}", EXIT_INVALID) from None
-        finally:
-            fetching.progress = None
-
-
-def _write_shards(
-    reader: VerifiedReader,
-    tensors: dict[str, TensorStorageMetadata],
-    shards: list[list[str]],
-    prefix: str,
-    out: str,
-    force: bool,
-) -> tuple[list[str], _Totals]:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-
-    from agent._dcp import SafeLoadPlanner
-
-    created = not os.path.isdir(out)
-    umask = os.umask(0)
-    os.umask(umask)
-    mode = 0o666 & ~umask
-    names = shard_file_names(len(shards))
-    totals = _Totals()
-    weight_map: dict[str, str] = {}
-    staged: list[tuple[str, str]] = []
-    written: list[str] = []
-    total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
-    try:
-        os.makedirs(out, exist_ok=True)
-        with _progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
-            for name, shard in zip(names, shards, strict=True):
-                state = {
-                    fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in shard
-                }
-                try:
-                    with warnings.catch_warnings():
-                        # no_dist is the point here; DCP warns about it on every call.
-                        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-                except Exception as e:  # DCP wraps whatever failed in its own exception types
-                    log.debug("dcp.load failed", exc_info=True)
-                    raise CommandError(
-                        f"{reader.folder}: DCP could not load {len(shard)} tensor(s) starting at "
-                        f"{shard[0]!r}: {_first_failure(e)}",
-                        EXIT_INVALID,
-                    ) from None
-                tmp = os.path.join(out, f".{name}.partial")
-                save_file({fqn[len(prefix) :]: t for fqn, t in state.items()}, tmp, metadata={"format": "pt"})
-                os.chmod(tmp, mode)  # safetensors writes owner-only files; an export is for sharing
-                staged.append((tmp, os.path.join(out, name)))
-                shard_bytes = sum(t.nbytes for t in state.values())
-                totals.tensors += len(state)
-                totals.bytes += shard_bytes
-                weight_map.update({fqn[len(prefix) :]: name for fqn in shard})
-                del state
-                if progress:
-                    progress(shard_bytes)
-                log.debug("wrote %s: %d tensors, %d bytes", tmp, len(shard), shard_bytes)
-        index = {"metadata": {"total_size": totals.bytes}, "weight_map": weight_map}
-        tmp = os.path.join(out, f".{INDEX_NAME}.partial")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        # Everything is written: only now does an earlier export give way (a full disk halfway
-        # through leaves it as it was). The index goes last: its presence says the export is complete.
-        if force:
-            _remove_earlier_export(out)
-        for partial, path in staged:
-            os.replace(partial, path)
-            written.append(path)
-        os.replace(tmp, os.path.join(out, INDEX_NAME))
-    except BaseException as e:
-        for path in [*written, *(os.path.join(out, f".{n}.partial") for n in [*names, INDEX_NAME])]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if created:
-            with contextlib.suppress(OSError):
-                os.rmdir(out)  # only if it is empty: nothing of ours is left in it
-        if isinstance(e, Exception) and not isinstance(e, CommandError):
-            log.debug("writing the export failed", exc_info=True)
-            raise CommandError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
-        raise
-    return names, totals
-
-
-_WRITE_FAILURES = {
-    errno.ENOSPC: "no space left on the device: free some, or export to another folder",
-    errno.EDQUOT: "the disk quota is exceeded: free some, or export to another folder",
-    errno.EFBIG: "a file grew past what this filesystem, or this process's file-size limit (ulimit -f), allows",
-    errno.EROFS: "the filesystem is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-}
-
-
-def _write_failure(e: BaseException) -> str:
-    """What went wrong writing a file, in words: an ``OSError``, or safetensors' error naming one."""
-    code = e.errno if isinstance(e, OSError) else None
-    if code is None:
-        found = re.search(r"os error (\d+)", str(e))
-        code = int(found.group(1)) if found else None
-    if code in _WRITE_FAILURES:
-        return _WRITE_FAILURES[code]
-    if code is not None:
-        return os.strerror(code)
-    return f"{type(e).__name__}: {e}"
-
-
-def _first_failure(e: BaseException) -> str:
-    """DCP's CheckpointException holds a per-rank map of failures; the first one is the story."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        if isinstance(first, BaseException):
-            return f"{type(first).__name__}: {first}"
-    return f"{type(e).__name__}: {e}"
-
-
-def _remove_earlier_export(out: str) -> None:
-    for entry in os.listdir(out):
-        if _SHARD_NAME_RE.match(entry) or entry == INDEX_NAME:
-            os.unlink(os.path.join(out, entry))
-            log.info("--force: removed %s of an earlier export", os.path.join(out, entry))
-
-
-class _ProgressStorage(Storage):
-    """Delegates to ``inner``, adding ``progress`` to downloads that come without one.
-
-    ``VerifiedReader`` fetches files without a progress callback; wrapping the store it reads
-    from is how an export shows its transfers without changing the reader.
-    """
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.progress: ProgressFn | None = None
-
-    def get_file(
-        self,
-        key: str,
-        local_path: str,
-        *,
-        size: int | None = None,
-        crc32c: int | None = None,
-        progress: ProgressFn | None = None,
-    ) -> None:
-        self.inner.get_file(key, local_path, size=size, crc32c=crc32c, progress=progress or self.progress)
-
-    def put_file(
-        self, local_path: str, key: str, *, crc32c: int | None = None, progress: ProgressFn | None = None
-    ) -> None:
-        self.inner.put_file(local_path, key, crc32c=crc32c, progress=progress)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self.inner.put_bytes(key, data)
-
-    def put_bytes_if_absent(self, key: str, data: bytes) -> None:
-        self.inner.put_bytes_if_absent(key, data)
-
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
-
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        return self.inner.list_dirs(prefix)
-
-    def delete(self, keys: Iterable[str]) -> None:
-        self.inner.delete(keys)
-
-    def delete_prefix(self, prefix: str) -> None:
-        self.inner.delete_prefix(prefix)
-
-    def url(self, key: str = "") -> str:
-        return self.inner.url(key)
-
-    def local_path(self, key: str) -> str | None:
-        return self.inner.local_path(key)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    # Last: inside the class body, ``list`` names this method from here on.
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -923,14 +615,7 @@ def _progress_bar(description: str, total: int) -> Iterator[ProgressFn | None]:
         yield None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(
         TextColumn("{task.description}"),

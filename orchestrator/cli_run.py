@@ -71,6 +71,7 @@ from orchestrator.backends.local import (
     log_excerpt,
     run_pids,
 )
+from orchestrator.controller_loop import Controller
 from orchestrator.events import EventType, JsonlEventSink, RecordedEvent, events_path, read_events
 from orchestrator.live import (
     LiveView,
@@ -97,7 +98,7 @@ from orchestrator.model import (
     Phase,
     job_name_problem,
 )
-from orchestrator.reconciler import Controller, Reconciler, ReconcilerOptions, SystemClock
+from orchestrator.reconciler import Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.backends.local import EventKind, TimelineEvent
+from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
 

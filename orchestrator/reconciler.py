@@ -148,6 +148,7 @@ from orchestrator.backends.base import (
     Placement,
     WorkerObservation,
 )
+from orchestrator.controller_loop import Controller as Controller  # its home before it had its own module
 from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
 from orchestrator.model import (
     MAX_RESTART_HISTORY,
@@ -175,7 +176,7 @@ from orchestrator.model import (
     job_name_problem,
 )
 from orchestrator.signals import Signal, SignalKind
-from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob
+from orchestrator.store import ConflictError, JobStore, StoredJob
 
 log = logging.getLogger(__name__)
 
@@ -1630,47 +1631,3 @@ def _nodes(workers: Iterable[_Placed]) -> list[NodeRef]:
         if ref not in out:
             out.append(ref)
     return out
-
-
-# -- the loop ---------------------------------------------------------------------------------
-
-
-class Controller:
-    """Runs a job to Succeeded or Failed: reconcile, wait the requeue delay, again.
-
-    The local CLI runs it with ``SystemClock``; tests with a fake clock whose ``sleep`` only moves
-    time. ``wait`` replaces ``clock.sleep`` when the caller can wake early (a worker exited).
-    ``max_wait_seconds`` bounds each wait so that level-triggered checks keep happening.
-    """
-
-    def __init__(
-        self,
-        reconciler: Reconciler,
-        clock: Clock,
-        *,
-        wait: Callable[[float], None] | None = None,
-        max_wait_seconds: float = 30.0,
-    ) -> None:
-        self._reconciler = reconciler
-        self._wait = wait or clock.sleep
-        self._max_wait = max_wait_seconds
-
-    def run(self, key: JobKey, *, max_passes: int | None = None) -> JobStatus:
-        """Reconcile ``key`` until it needs no more passes — Succeeded, Failed, or Invalid (its spec
-        cannot change in local mode) — or ``max_passes`` passes; return its status.
-
-        ``JobNotFoundError`` if the job is not in the store (or has no readable status).
-        """
-        passes = 0
-        while True:
-            result = self._reconciler.reconcile(key)
-            passes += 1
-            if result.phase is None:
-                break
-            if result.requeue_after is None or (max_passes is not None and passes >= max_passes):
-                break
-            self._wait(min(result.requeue_after, self._max_wait))
-        stored = self._reconciler.store.get(key)
-        if stored is None or stored.status is None:
-            raise JobNotFoundError(str(key))
-        return stored.status

@@ -28,6 +28,10 @@ rank 0's first training step (``status.json`` past "starting"), so that start-up
 restart time in goodput, not as training; Succeeded/Failed with the agent's exit code; Failed
 without one when its node was terminated under it (the reconciler's "lost"). A command that
 never reports a step (no ``Checkpointer``) stays Pending until it exits, which still ends the job.
+
+Beside this module: ``local_cloud`` (the nodes, and finding and killing a node's processes),
+``local_plan`` (when to preempt), ``local_timeline`` (what happened when), ``local_failure`` (why a
+worker failed, from its log). Their public names stay importable from here.
 """
 
 from __future__ import annotations
@@ -37,11 +41,8 @@ import json
 import logging
 import math
 import os
-import random
-import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
@@ -77,21 +78,27 @@ from agent.control_channel import (
     read_json,
 )
 from agent.notices.emulators import ImdsEmulator
-from agent.process_tree import ENV_AGENT_ID, marked, signal_process
+from agent.process_tree import ENV_AGENT_ID
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
+from orchestrator.backends.local_cloud import (
+    ENV_NODE,
+    ENV_RUN,
+    ENV_WORKER,
+    INSTANCE_TYPES,
+    ZONES,
+    LocalNode,
+    SimulatedCloud,
+    kill_marked,
+    marked_pids,
+    run_pids,
+)
+from orchestrator.backends.local_failure import failure_cause, failure_detail, log_excerpt
+from orchestrator.backends.local_plan import PreemptionPlan, load_trace
+from orchestrator.backends.local_timeline import EventKind, Timeline, TimelineEvent
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
 
 log = logging.getLogger(__name__)
-
-ENV_NODE = "SPOTJOB_LOCAL_NODE"
-"""``<run id>/<node name>`` on every process of a node: what a node's termination kills."""
-ENV_WORKER = "SPOTJOB_LOCAL_WORKER"
-"""``<run id>/<worker name>`` on every process of a worker: what ``stop_workers`` stops."""
-ENV_RUN = "SPOTJOB_LOCAL_RUN"
-"""The run folder (absolute) on every process of the run's workers, whichever process drives it:
-how ``spotjob status`` counts what still runs and ``spotjob run --resume`` finds what a killed
-driver left behind (``run_pids``)."""
 
 # The agent reads these from its own flags; the user's shell must not override them underneath.
 _AGENT_OWNED_ENV = (
@@ -119,328 +126,11 @@ _AGENT_OWNED_ENV = (
 _AGENT_EXIT_CODES = (0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED)
 """Exits that are not a failure of the script (its log has no cause to tell)."""
 
-ZONES = ("local-a", "local-b", "local-c")
-INSTANCE_TYPES = ("local.cpu-small", "local.cpu-large")
-
 MONITOR_TICK = 0.25
 STEP_SAMPLE_SECONDS = 0.5
 """At most one step sample per worker this often in the timeline (the plot's resolution)."""
 FLUSH_REQUEST_TIMEOUT = 5.0
 STOP_REQUEST_TIMEOUT = 5.0
-
-
-# -- the timeline -------------------------------------------------------------------------------
-
-
-class EventKind:
-    """What the timeline records (``Timeline``); plain strings in the JSON lines."""
-
-    RUN_STARTED = "run-started"
-    WORKER_STARTED = "worker-started"
-    STEP = "step"
-    COMMIT = "commit"
-    NOTICE = "notice"
-    NODE_TERMINATED = "node-terminated"
-    WORKER_EXITED = "worker-exited"
-    PHASE = "phase"
-    RUN_FINISHED = "run-finished"
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    t: float
-    """Unix time."""
-    kind: str
-    data: dict[str, Any]
-
-
-class Timeline:
-    """An append-only JSON-lines record of what happened in the local world, for the plot and summary.
-
-    One line per event: ``{"t": <unix time>, "kind": "...", ...}``. Written from several threads;
-    each line is appended whole under a lock. Readers skip a torn last line.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def record(self, kind: str, **data: Any) -> None:
-        line = json.dumps({"t": round(time.time(), 3), "kind": kind, **data}, default=str)
-        with self._lock, open(self.path, "a") as f:
-            f.write(line + "\n")
-
-    @staticmethod
-    def read(path: str) -> list[TimelineEvent]:
-        events: list[TimelineEvent] = []
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return events
-        for line in lines:
-            try:
-                raw = json.loads(line)
-                events.append(TimelineEvent(float(raw.pop("t")), str(raw.pop("kind")), raw))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return events
-
-
-# -- when to preempt ----------------------------------------------------------------------------
-
-
-@dataclass
-class PreemptionPlan:
-    """When the simulated cloud sends notices: every N seconds (jittered), at steps, at trace times.
-
-    Example: ``every=60, jitter=0.25`` sends one 45-75 s after the start, the next 45-75 s after
-    that one was due, and so on (seeded, so a rerun sees the same gaps). ``at_steps=[100, 200]``
-    sends one when a live worker first reports step 100 or more, and one at 200. ``trace=[30.0,
-    95.5]`` sends them that many seconds after the start. A notice due while no worker runs waits
-    for the next one to start (``LocalBackend`` keeps it pending), so every notice lands.
-    """
-
-    every: float | None = None
-    jitter: float = 0.25
-    at_steps: list[int] = field(default_factory=list)
-    trace: list[float] = field(default_factory=list)
-    seed: int | None = None
-    _rng: random.Random = field(init=False, repr=False)
-    _next_every: float | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.every is not None and self.every <= 0:
-            raise ValueError(f"--preempt-every must be positive, got {self.every}")
-        if not 0 <= self.jitter < 1:
-            raise ValueError(f"the jitter must be in [0, 1), got {self.jitter}")
-        self._rng = random.Random(self.seed)
-        self.at_steps = sorted(self.at_steps)
-        self.trace = sorted(self.trace)
-        if self.every is not None:
-            self._next_every = self._gap()
-
-    @property
-    def empty(self) -> bool:
-        return self.every is None and not self.at_steps and not self.trace
-
-    def _gap(self) -> float:
-        assert self.every is not None
-        return self.every * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
-
-    def due(self, elapsed: float, step: int | None) -> list[str]:
-        """The notices due at ``elapsed`` seconds since the start with ``step`` observed; each once."""
-        out: list[str] = []
-        while self.trace and self.trace[0] <= elapsed:
-            out.append(f"trace time {self.trace.pop(0):g} s")
-        while self._next_every is not None and self._next_every <= elapsed:
-            out.append(f"every {self.every:g} s (due at {self._next_every:.1f} s)")
-            self._next_every += self._gap()
-        while step is not None and self.at_steps and self.at_steps[0] <= step:
-            out.append(f"step {self.at_steps.pop(0)} reached (at {step})")
-        return out
-
-    def random(self) -> random.Random:
-        """The plan's seeded generator (which node a notice hits)."""
-        return self._rng
-
-
-def load_trace(path: str) -> list[float]:
-    """Notice times in seconds since the start: a JSON list, or one number per line (``#`` comments).
-
-    Every time must be a finite number of seconds >= 0. ``ValueError`` names the file and the line
-    of the first one that is not (``trace.txt:3: 'abc' is not a number of seconds``), or says why
-    the file cannot be read.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TRACE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
-    if len(raw) > MAX_TRACE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_TRACE_BYTES // 1024} KiB; a trace is a list of notice times")
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text file (expected seconds, one a line, or a JSON list)") from None
-    if text.lstrip().startswith("["):
-        return [_trace_time(path, line, value, shown) for line, value, shown in _json_list(path, text)]
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if line:
-            out.append(_trace_time(path, number, line))
-    return out
-
-
-MAX_TRACE_BYTES = 1024 * 1024
-
-
-def _trace_time(path: str, line: int, value: object, shown: str | None = None) -> float:
-    shown = shown if shown is not None else str(value)
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{path}:{line}: {shown!r} is not a number of seconds") from None
-    if value is not shown and isinstance(value, str):
-        raise ValueError(f"{path}:{line}: {shown} is not a number of seconds")
-    if not math.isfinite(seconds):
-        raise ValueError(f"{path}:{line}: {shown} is not a finite number of seconds")
-    if seconds < 0:
-        raise ValueError(f"{path}:{line}: {shown} is before the start; times are seconds >= 0")
-    return seconds
-
-
-def _json_list(path: str, text: str) -> list[tuple[int, object, str]]:
-    """The items of the JSON list ``text``, each with the line it starts on and its text."""
-    decoder = json.JSONDecoder(parse_constant=lambda name: name)  # NaN, Infinity: refused by _trace_time
-
-    def line_of(index: int) -> int:
-        return text.count("\n", 0, index) + 1
-
-    def fail(index: int, what: str) -> ValueError:
-        return ValueError(f"{path}:{line_of(index)}: {what} (a trace is a JSON list of seconds, or one a line)")
-
-    i = text.index("[") + 1
-    items: list[tuple[int, object, str]] = []
-    while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i >= len(text):
-            raise fail(i, "the list is not closed with ']'")
-        if text[i] == "]" and not items:
-            i += 1
-            break
-        try:
-            value, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise fail(e.pos, f"not JSON: {e.msg}") from None
-        items.append((line_of(i), value, text[i:end]))
-        i = end
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i >= len(text):
-            raise fail(i, "the list is not closed with ']'")
-        if text[i] == ",":
-            i += 1
-        elif text[i] == "]":
-            i += 1
-            break
-        else:
-            raise fail(i, "expected ',' or ']' after an item")
-    if text[i:].strip():
-        raise fail(i + len(text[i:]) - len(text[i:].lstrip()), "text after the list")
-    return items
-
-
-# -- why a worker failed ------------------------------------------------------------------------
-
-LOG_TAIL_BYTES = 256 * 1024
-"""How much of the end of a worker's log is read to tell why it failed."""
-_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
-_OS_CAUSE = re.compile(
-    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|"
-    r"Cannot allocate memory|Out of memory|no space left|the filesystem is read-only|permission denied",
-)
-"""What an operator fixes outside the script, wherever a line says it: it outranks the exception
-it caused (``No space left on device`` rather than ``unexpected pos 704 vs 598``)."""
-_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
-_USAGE = re.compile(r"^\S+: error: .+")
-_TORCHRUN_FAILURE = "ChildFailedError"
-_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
-"""torchrun's own log lines (glog style): how it noticed, not why."""
-MAX_CAUSE_CHARS = 240
-
-
-def _log_lines(path: str) -> list[str]:
-    """The end of a worker's log as lines, without torchrun's ``[rankN]:`` prefixes, the agent's own
-    lines, or torchrun's report of the failure (its traceback and the table after it)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if _TORCHRUN_FAILURE in lines[i]:
-            start = max((j for j in range(i) if lines[j].startswith("Traceback (most recent call last)")), default=i)
-            lines = lines[:start]
-            break
-    return [
-        line
-        for line in lines
-        if line.strip() and "spotjob-agent[" not in line and not line.startswith("#") and not _TORCHRUN_LOG.match(line)
-    ]
-
-
-def _shorten(line: str, match: re.Match[str] | None = None) -> str:
-    line = line.strip()
-    if len(line) <= MAX_CAUSE_CHARS:
-        return line
-    if match is None or match.end() <= MAX_CAUSE_CHARS - 20:
-        end = match.end() if match is not None else MAX_CAUSE_CHARS - 20
-        return line[: max(end, MAX_CAUSE_CHARS - 40)].rstrip() + " …"
-    return f"{line[:140].rstrip()} … {line[max(0, match.start() - 40) : match.end() + 10].strip()} …"
-
-
-def failure_cause(log_path: str) -> str | None:
-    """The line of a failed worker's log that says why, or None when none does.
-
-    In order: a cause outside the script (a full disk, a read-only filesystem, permission denied,
-    memory), the last exception a rank raised or the last usage error (``train.py: error: ...``),
-    whichever came later; torchrun's own report of the failure is not the cause.
-    """
-    lines = _log_lines(log_path)
-    for line in reversed(lines):
-        m = _OS_CAUSE.search(line)
-        if m is not None:
-            return _shorten(line, m)
-    for line in reversed(lines):
-        if _EXCEPTION.match(line.strip()) or _USAGE.match(line.strip()):
-            return _shorten(line)
-    return None
-
-
-def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
-    """The last ``lines`` lines of a worker's log that the script wrote (see ``_log_lines``)."""
-    return _log_lines(log_path)[-lines:]
-
-
-def failure_detail(log_path: str) -> str:
-    """What a failed worker's reason carries: the telling line of its log, and the log's path."""
-    cause = failure_cause(log_path)
-    lines = log_excerpt(log_path, 1)
-    said = cause or (f"its log ends: {_shorten(lines[-1])}" if lines else "its log says nothing")
-    return f"{said} (log: {log_path})"
-
-
-# -- nodes and workers --------------------------------------------------------------------------
-
-
-@dataclass
-class LocalNode:
-    """A simulated spot instance."""
-
-    name: str
-    zone: str
-    instance_type: str
-    path: str
-    imds: ImdsEmulator
-    marker: str
-    worker: str | None = None
-    """The worker placed here, until ``stop_workers`` removes it."""
-    noticed_at: float | None = None
-    deadline: float | None = None
-    """Unix time the node goes away (a notice is on); None: no notice."""
-    terminated: bool = False
-
-    @property
-    def noticed(self) -> bool:
-        return self.deadline is not None
 
 
 @dataclass
@@ -526,59 +216,6 @@ def write_token(path: str) -> str:
     return token
 
 
-def _next_node_index(nodes_dir: str) -> int:
-    taken = [-1]
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(nodes_dir):
-            prefix, _, index = entry.rpartition("-")
-            if prefix == "local-node" and index.isdigit():
-                taken.append(int(index))
-    return max(taken) + 1
-
-
-def run_pids(run_folder: str) -> list[int]:
-    """Live processes of any worker of the run in ``run_folder``, whichever driver started them."""
-    return marked_pids(ENV_RUN, os.path.abspath(run_folder))
-
-
-def marked_pids(variable: str, value: str) -> list[int]:
-    """Live processes whose environment holds ``variable=value`` (wherever they were re-parented)."""
-    return [p.pid for p in marked(variable, value)]
-
-
-def kill_marked(variable: str, value: str, *, grace: float, reason: str, give_up: float = 10.0) -> int:
-    """SIGTERM every marked process (none if ``grace`` is 0), SIGKILL what is left; how many were found.
-
-    Re-scans every round: a dying torchrun may still start or re-parent a rank. A process is
-    signalled only while it is still the one found (``signal_process`` checks its creation time).
-    """
-    seen: set[int] = set()
-    termed: set[int] = set()
-    killed: set[int] = set()
-    kill_at = time.monotonic() + grace
-    stop_at = kill_at + give_up
-    while True:
-        procs = marked(variable, value)
-        if not procs:
-            break
-        seen.update(p.pid for p in procs)
-        now = time.monotonic()
-        if now >= stop_at:
-            log.error("%s: processes %s still alive after SIGKILL", reason, [p.pid for p in procs])
-            break
-        escalate = grace <= 0 or now >= kill_at
-        done = killed if escalate else termed
-        sig = signal.SIGKILL if escalate else signal.SIGTERM
-        for p in procs:
-            if p.pid in done:
-                continue
-            with contextlib.suppress(PermissionError):
-                signal_process(p, sig)
-            done.add(p.pid)
-        time.sleep(0.05)
-    return len(seen)
-
-
 # -- the backend --------------------------------------------------------------------------------
 
 
@@ -611,9 +248,8 @@ class LocalBackend:
         self._pending: list[str] = []
         """Notices the plan said were due that found no live worker yet (their reasons)."""
         self._lock = threading.RLock()
-        self._nodes: dict[str, LocalNode] = {}
-        # A run driven again (spotjob run --resume) names its nodes past the ones its folder holds.
-        self._node_count = _next_node_index(os.path.join(self.root, "nodes"))
+        self._cloud = SimulatedCloud(self.root, self.run_id)
+        self._nodes = self._cloud.nodes
         self._workers: dict[str, _Worker] = {}
         self._ports: dict[tuple[str, int], int] = {}
         self._started = time.monotonic()
@@ -665,7 +301,7 @@ class LocalBackend:
                 if existing is not None and existing.job == key:
                     taken.add(existing.node.name)
                     continue  # idempotent: this attempt's worker exists
-                node = self._place(placement, taken)
+                node = self._cloud.place(placement, taken)
                 taken.add(node.name)
                 self._workers[name] = self._spawn(key, spec, attempt, index, node, port)
         self.changed.set()
@@ -816,46 +452,6 @@ class LocalBackend:
         return max(steps) if steps else None
 
     # -- inside -----------------------------------------------------------------------------------
-    def _place(self, placement: Placement, taken: set[str]) -> LocalNode:
-        """A free node that is not avoided (preferring unavoided zones and types), else a new one."""
-        free = [
-            n
-            for n in self._nodes.values()
-            if n.worker is None
-            and not n.noticed
-            and not n.terminated
-            and n.name not in placement.avoid_nodes
-            and n.name not in taken
-        ]
-        preferred = [
-            n
-            for n in free
-            if n.zone not in placement.avoid_zones and n.instance_type not in placement.avoid_instance_types
-        ]
-        if preferred:
-            return preferred[0]
-        combos = [(z, t) for t in INSTANCE_TYPES for z in ZONES]
-        start = self._node_count % len(combos)
-        ordered = combos[start:] + combos[:start]
-        good = [
-            (z, t) for z, t in ordered if z not in placement.avoid_zones and t not in placement.avoid_instance_types
-        ]
-        if free and not good:
-            return free[0]  # avoided zones and types are preferences, never a reason to strand the job
-        zone, instance_type = (good or ordered)[0]
-        return self._provision(zone, instance_type)
-
-    def _provision(self, zone: str, instance_type: str) -> LocalNode:
-        name = f"local-node-{self._node_count}"
-        self._node_count += 1
-        path = os.path.join(self.root, "nodes", name)
-        os.makedirs(path, exist_ok=True)
-        imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._node_count:04x}").start()
-        node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}")
-        self._nodes[name] = node
-        log.info("provisioned %s (%s, %s); its IMDS is %s", name, zone, instance_type, imds.url)
-        return node
-
     def _command(
         self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
     ) -> list[str]:
@@ -1065,10 +661,13 @@ class LocalBackend:
                 self.changed.set()
 
 
+# What moved to the sibling modules stays importable from here.
 __all__ = [
     "ENV_NODE",
     "ENV_RUN",
     "ENV_WORKER",
+    "INSTANCE_TYPES",
+    "ZONES",
     "EventKind",
     "LocalBackend",
     "LocalNode",
@@ -1078,7 +677,9 @@ __all__ = [
     "TimelineEvent",
     "failure_cause",
     "failure_detail",
+    "kill_marked",
     "load_trace",
     "log_excerpt",
+    "marked_pids",
     "run_pids",
 ]

@@ -1,9 +1,9 @@
 """The controller's Prometheus metrics, behind methods that say what happened.
 
 The reconciler and the Kubernetes backend record through ``ControllerMetrics`` (or anything with
-the same methods, ``JobMetrics``); they never import prometheus_client. Every family lives in the
-instance's own registry (not the process-global one), so two controllers in one test process do
-not collide. Families (all prefixed ``spotjob_``):
+the same methods, ``orchestrator.events.JobMetrics``); they never import prometheus_client. Every
+family lives in the instance's own registry (not the process-global one), so two controllers in
+one test process do not collide. Families (all prefixed ``spotjob_``):
 
 - ``signals_total{kind,source}``                   preemption signals seen, by kind and source
 - ``flush_requests_total{outcome}``                flush requests sent to agents: accepted, failed
@@ -25,25 +25,13 @@ not collide. Families (all prefixed ``spotjob_``):
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from orchestrator.events import JobMetrics
+
 __all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics", "JobMetrics"]
-
-
-class JobMetrics(Protocol):
-    """What the reconciler and the backend record. ``ControllerMetrics`` implements it."""
-
-    def signal(self, kind: str, source: str) -> None: ...
-    def flush_request(self, outcome: str) -> None: ...
-    def notice_to_commit(self, seconds: float) -> None: ...
-    def preemption(self) -> None: ...
-    def restart(self, cause: str) -> None: ...
-    def lost_steps(self, steps: int) -> None: ...
-    def goodput(self, namespace: str, name: str, ratio: float) -> None: ...
-    def job_deleted(self, namespace: str, name: str) -> None: ...
 
 
 class ControllerMetrics:

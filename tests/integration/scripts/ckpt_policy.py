@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 from ckpt_state import make_state, train
 
-import agent.checkpoint
+import agent.checkpoint._vote
 from agent.checkpoint import Checkpointer
 from agent.control_channel import ControlDir
 
@@ -33,8 +33,9 @@ log = logging.getLogger("ckpt_policy")
 
 
 class MovedClock:
-    """Stands in for the ``time`` module inside ``agent.checkpoint``: its monotonic clock moves
-    only when the script says so, so "a deadline passed" happens at a chosen step and nowhere else."""
+    """Stands in for the ``time`` module of ``agent.checkpoint._vote`` (where the every_seconds deadline
+    is kept): its monotonic clock moves only when the script says so, so "a deadline passed" happens
+    at a chosen step and nowhere else."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -70,7 +71,7 @@ def early(args: argparse.Namespace, rank: int) -> None:
 
 def deadline(args: argparse.Namespace, rank: int) -> None:
     clock = MovedClock()
-    agent.checkpoint.time = clock  # type: ignore[attr-defined]
+    agent.checkpoint._vote.time = clock  # type: ignore[assignment]
     state = make_state(rank)
     with Checkpointer(args.uri, keep=None, every_seconds=5.0) as ckpt:
         for step in range(1, 16):

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.process_tree import ProcInfo, marked, signal_process, stop_processes
+
 from .client import ApiCallError, RestClient
 from .selectors import dig
 
@@ -82,12 +84,17 @@ def processes_with(marker: str) -> list[int]:
     return out
 
 
+def _marked(marker: str) -> list[ProcInfo]:
+    name, _, value = marker.partition("=")
+    return marked(name, value)
+
+
 def kill_all(marker: str, sig: int) -> int:
+    """Send ``sig`` once to every process carrying ``marker`` (``NAME=value``); how many got it."""
     n = 0
-    for pid in processes_with(marker):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-            n += 1
+    for p in _marked(marker):
+        with contextlib.suppress(PermissionError):
+            n += signal_process(p, sig)
     return n
 
 
@@ -106,22 +113,10 @@ def kill_and_wait(marker: str, timeout: float = 10.0) -> bool:
     """SIGKILL every process carrying ``marker`` and wait until each has exited (a zombie or gone),
     as a container runtime reports a container stopped only once its processes are. A SIGKILLed
     process takes a moment to exit, longer on a loaded machine; one that appears meanwhile (a fork
-    in flight) is killed too. False if some still ran after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    seen: set[int] = set()
-    while True:
-        found = processes_with(marker)
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        seen.update(found)
-        running = [pid for pid in seen if _running(pid)]
-        if not found and not running:
-            return True
-        if time.monotonic() > deadline:
-            log.warning("test kubelet: processes %s (%s) still run after SIGKILL", running or found, marker)
-            return False
-        time.sleep(0.02)
+    in flight) is killed too. False if some still ran after ``timeout`` seconds. The product's own
+    way of stopping every process of a node (``agent.process_tree.stop_processes``)."""
+    stop_processes(lambda: _marked(marker), grace=0, reason=f"test kubelet: {marker}", give_up=timeout, verbose=False)
+    return not _marked(marker)
 
 
 def claim_loopback_block() -> tuple[socket.socket, int]:
@@ -1069,11 +1064,7 @@ class PodWorker:
 
     def _stop_container(self, c: ContainerRun, grace: float) -> None:
         marker = f"{CONTAINER_MARKER}={self.uid}/{c.name}"
-        kill_all(marker, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and processes_with(marker):
-            time.sleep(0.05)
-        kill_and_wait(marker)
+        stop_processes(lambda: _marked(marker), grace=grace, reason=f"test kubelet: stopping {marker}", verbose=False)
 
     # Termination -------------------------------------------------------------------------------
     def _terminate(self, pod: Obj) -> None:

@@ -1,0 +1,158 @@
+"""What every part of the Checkpointer shares: its state (set by ``Checkpointer.__init__``) and the
+plumbing — collectives on the checkpoint's own groups, rank 0's errands, the fence, the node's
+status for the agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from agent.checkpoint.config import CheckpointConfig
+from agent.checkpoint.errors import RestoreError, StorageUnavailableError
+from agent.control_channel import ControlDir, RankStatus
+from agent.ownership import check_not_fenced
+from agent.restore_cache import default_staging
+from agent.storage import Storage, StorageError
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+T = TypeVar("T")
+
+
+_STATUS_INTERVAL_S = 1.0
+
+
+class _Core:
+    """The Checkpointer's shared state and plumbing; the parts (``_State``, ``_Retention``,
+    ``_Voting``, ``_Saving``, ``_Restoring``) build on it and ``Checkpointer`` joins them."""
+
+    config: CheckpointConfig
+    storage: Storage
+    rank: int
+    world_size: int
+    _dist: bool
+    _node_reporter: bool
+    _staging_root: str
+    _save_pg: Any
+    _ctl_pg: Any
+    _control: ControlDir | None
+    _status: RankStatus
+    _status_written: float
+    _last_step: int | None
+    _last_saved_step: int | None
+    _flushed: bool
+    _stager: Any
+    _checked_rank_bytes: bool
+    last_committed_step: int | None
+    last_committed_uri: str | None
+    last_save_seconds: float | None
+    last_blocking_seconds: float | None
+
+    def _unavailable(self, message: str) -> StorageUnavailableError:
+        """The error for a store that still fails after its retries, reported to the agent."""
+        error = StorageUnavailableError(
+            f"the checkpoint store {self.storage.uri} is unavailable: {message}. Not falling back to an "
+            "older checkpoint (that would re-train committed steps); retry when the store answers."
+        )
+        if self._control is not None:
+            try:
+                self._control.report_infra_error(self.rank, str(error))
+            except OSError as e:
+                log.debug("could not report the infrastructure error to the agent: %s", e)
+        return error
+
+    def _check_fence(self) -> None:
+        """(rank 0) Before every commit and every delete: this attempt may still write here."""
+        check_not_fenced(self.storage, self.config.job, self.config.attempt)
+
+    def _on_rank0(self, what: str, fn: Callable[[], T]) -> T:
+        """(collective) Run ``fn`` on rank 0 and hand every rank its result, or its failure: a
+        storage failure as ``StorageUnavailableError``, anything else as ``RestoreError``."""
+        payload: tuple[str, Any] = ("", None)
+        if self.rank == 0:
+            try:
+                payload = ("ok", fn())
+            except StorageError as e:
+                payload = ("storage", f"{what}: {e}")
+            except Exception as e:
+                log.debug("%s failed", what, exc_info=e)
+                payload = ("error", f"{what}: {type(e).__name__}: {e}")
+        kind, value = self._broadcast(payload)
+        if kind == "storage":
+            raise self._unavailable(value)
+        if kind == "error":
+            raise RestoreError(value)
+        return value
+
+    def _destroy_groups(self) -> None:
+        for pg in (self._save_pg, self._ctl_pg):
+            if pg is not None:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as e:  # a torn-down default group already took it
+                    log.debug("destroying a checkpoint process group: %s", e)
+        self._save_pg = self._ctl_pg = None
+
+    def _clean_stale_staging(self) -> None:
+        """(local rank 0, at construction) Remove what killed saves and restores left staged.
+
+        No save of this job can be in flight yet, so every ``step-*`` folder there is garbage —
+        on a filesystem store a full copy of a rank's shards beside the checkpoints.
+        """
+        if int(os.environ.get("LOCAL_RANK", self.rank)) != 0:
+            return
+        try:
+            entries = list(os.scandir(self._staging_root))
+        except FileNotFoundError:
+            return
+        # ``restore/`` stays: spotjob-agent may be filling it for this very restore
+        # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
+        for entry in entries:
+            if entry.is_dir() and entry.name.startswith("step-"):
+                log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _default_staging(self) -> str:
+        return default_staging(self.storage, self.config.job)
+
+    def _broadcast(self, obj: Any, group: Any = None) -> Any:
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group if group is not None else self._ctl_pg)
+        return box[0]
+
+    def _all_gather(self, obj: Any, group: Any) -> list[Any]:
+        if not self._dist:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self._dist:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return int(flag.item()) == 0
+
+    def _report(self, force: bool = False) -> None:
+        """(each node's local rank 0) Write the node's ``status.json`` for its agent (at most every
+        second unless forced): every agent serves /readyz and /status from its own node's file."""
+        if self._control is None or not self._node_reporter:
+            return
+        now = time.monotonic()
+        if not force and now - self._status_written < _STATUS_INTERVAL_S:
+            return
+        self._status_written = now
+        try:
+            self._control.write_status(self._status)
+        except OSError as e:
+            log.debug("could not write status for the agent: %s", e)

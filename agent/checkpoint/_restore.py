@@ -1,0 +1,450 @@
+"""The restore walk: newest committed checkpoint first, skipping only those proven bad; each file
+verified as it is read, the state changed only once every rank has read its part."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+from agent import _fresh_start, _rank_state
+from agent._dcp import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
+from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.checkpoint._state import _ModuleBag
+from agent.checkpoint._vote import _Voting
+from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
+from agent.control_channel import ENV_START_FRESH
+from agent.manifest import DCP_METADATA_NAME, Manifest, ManifestError
+from agent.ownership import Lineage
+from agent.restore_cache import RESTORE_FOLDER
+from agent.storage import CorruptObjectError, NotFoundError, StorageError
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+class _Failure:
+    """How one attempt to load a checkpoint failed, worst first when ranks disagree."""
+
+    UNAVAILABLE = "unavailable"  # storage failed, or something that proves nothing about the checkpoint
+    INCOMPATIBLE = "incompatible"  # the checkpoint is fine; this script's state cannot take it
+    BAD = "bad"  # proven bad: skip it for an older one
+    SEVERITY = (UNAVAILABLE, INCOMPATIBLE, BAD)
+
+
+# What proves a checkpoint bad (restore may then fall back to an older one); any other storage
+# error proves nothing about it and stops the restore instead.
+_PROVEN_BAD = (
+    CorruptObjectError,
+    NotFoundError,
+    ManifestError,
+    UnsafeCheckpointError,
+    _rank_state.RefusedPickleError,
+    _rank_state.RankStateError,
+)
+
+
+@dataclass
+class _DirectOptimState:
+    """Optimizer state rebuilt from a checkpoint, keyed by parameter name, for the fast path."""
+
+    state: dict[str, Any]
+
+
+def _plain_modules(bag: nn.Module) -> bool:
+    """True when no parameter is sharded (no DTensor, no FSDP): names map 1:1 to parameters."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in bag.parameters()):
+        return False
+    return not any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in bag.modules())
+
+
+def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """What ``set_optimizer_state_dict`` does for plain modules, minus its initialising step."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    by_name: dict[str, int] = {}
+    for name, param in bag.named_parameters():
+        if id(param) in index:
+            for fqn in _get_fqns(bag, name):
+                by_name[fqn] = index[id(param)]
+    try:
+        state = {by_name[fqn]: value for fqn, value in saved.get("state", {}).items()}
+        groups = [{**g, "params": [by_name[fqn] for fqn in g["params"]]} for g in saved["param_groups"]]
+    except KeyError as e:
+        raise MissingStateKeysError(
+            f"the checkpoint's optimizer state names parameter {e.args[0]!r}, which the model does not have"
+        ) from None
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
+    """True when DCP loaded every tensor of the modules' state straight into their own tensors
+    (plain modules: ``get_model_state_dict`` hands out the parameters' storage), so applying
+    ``loaded`` again would only copy each tensor onto itself."""
+    current = bag.state_dict()
+    if set(current) != set(loaded):
+        return False
+    for key, tensor in current.items():
+        value = loaded[key]
+        if not isinstance(tensor, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return False
+        if value.data_ptr() != tensor.data_ptr() or value.shape != tensor.shape or value.dtype != tensor.dtype:
+            return False
+    return True
+
+
+def _is_shape_or_key_mismatch(e: BaseException) -> bool:
+    """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
+    text = str(e).lower()
+    return any(w in text for w in ("size mismatch", "missing key", "unexpected key", "shape mismatch"))
+
+
+class _Restoring(_Voting):
+    """``restore()`` and how one checkpoint is judged, loaded and applied on every rank."""
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
+
+        Walks this job's committed checkpoints newest to oldest. Skips (and logs) those proven bad
+        — a CRC32C or size mismatch, a missing file, a manifest or metadata that does not parse or
+        is unsafe — and those another job or a superseded attempt wrote, or a fresh start retired.
+        Never falls back past anything else:
+
+        - ``StorageUnavailableError`` when the store keeps failing (after its retries): an older
+          checkpoint would silently re-train committed steps;
+        - ``RestoreRefusedError`` when the newest checkpoint does not fit ``state`` (changed
+          shapes), or when committed checkpoints exist and none loads — unless ``start_fresh``;
+        - ``MissingStateKeysError`` when the checkpoint lacks keys of ``state``.
+
+        Nothing is deleted on any of these paths.
+        """
+        self._check_state(state)
+        self._drain_votes()
+        url = self.storage.url
+        refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
+        retired: set[str] = (
+            self._on_rank0("reading the fresh-start records", lambda: _fresh_start.retired_folders(self.storage))
+            if refs
+            else set()
+        )
+        lineage: Lineage | None = None
+        tried: list[tuple[CheckpointRef, str]] = []
+        partially_loaded = False
+        for ref in refs:
+            if ref.folder in retired:
+                if self.rank == 0:
+                    log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
+                continue
+
+            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool]:
+                """(rank 0) (the manifest if usable, why not, whether it is this job's own)."""
+                nonlocal lineage
+                lineage = lineage or Lineage.load(self.storage)
+                status = inspect(self.storage, ref, lineage=lineage)
+                if status.valid and status.manifest is not None:
+                    return status.manifest.to_json().decode(), "", True
+                return None, status.reason, status.committed and not (status.foreign or status.fenced)
+
+            manifest_json, reason, ours = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            if manifest_json is None:
+                if self.rank == 0:
+                    log.warning("restore: skipping %s: %s", url(ref.folder), reason)
+                if ours:
+                    tried.append((ref, reason))
+                continue
+            manifest = Manifest.parse(manifest_json.encode())
+            missing = sorted(set(state) - set(manifest.state_keys))
+            if missing and not self.config.start_fresh:
+                raise MissingStateKeysError(
+                    f"checkpoint {url(ref.folder)} holds state keys {manifest.state_keys}; "
+                    f"it lacks {missing}. Restore with the keys it was saved with, start fresh on purpose "
+                    f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI.",
+                    [(url(ref.folder), f"lacks state keys {missing}")],
+                )
+            mismatch = (
+                (_Failure.INCOMPATIBLE, f"incompatible with the state: it lacks state keys {missing}")
+                if missing
+                else self._agree_on_failure(self._incompatibility(manifest, state))
+            )
+            if mismatch is not None:
+                tried.append((ref, mismatch[1]))
+                break  # an older checkpoint would be going back in time on a changed model
+            failure, loaded = self._try_load(ref, manifest, state)
+            partially_loaded = partially_loaded or loaded
+            if failure is None:
+                self._restored(ref, manifest)
+                return manifest.step
+            kind, reason = failure
+            if kind == _Failure.UNAVAILABLE:
+                mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
+                raise self._unavailable(f"reading {url(ref.folder)}: {reason}{mixed}")
+            tried.append((ref, reason))
+            if kind == _Failure.INCOMPATIBLE:
+                break  # the checkpoint is not at fault: an older one would be going back in time
+        if not tried:
+            if refs and self.rank == 0:
+                log.info(
+                    "restore: no committed checkpoint of this job under %s; starting from step 0", self.storage.uri
+                )
+            return 0
+        return self._refuse_or_start_fresh(tried, partially_loaded)
+
+    def _refuse_or_start_fresh(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> int:
+        """Committed checkpoints exist and none can be used: raise, or (``start_fresh``) retire them."""
+        url = self.storage.url
+        listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
+        if partially_loaded:
+            raise RestoreRefusedError(
+                f"restore refused: a checkpoint failed after part of it was loaded into the state, and no "
+                f"older one loads:\n{listing}\nThe state now mixes checkpoint and initial values; nothing was "
+                "deleted. Fix the cause, or re-create the model and optimizer before training from step 0.",
+                [(url(r.folder), why) for r, why in tried],
+            )
+        if not self.config.start_fresh:
+            raise RestoreRefusedError(
+                f"restore refused: {len(tried)} committed checkpoint(s) under {self.storage.uri} tried, none can be "
+                f"loaded into this state; the first failure: {tried[0][1]}\n{listing}\n"
+                "Nothing was deleted and the state is unchanged. Restore with the model they were saved with; or "
+                f"start from step 0 on purpose with Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1 "
+                "(spotjob-agent --start-fresh), which keeps these checkpoints, never restores them and never lets "
+                "retention delete them; or use a new URI.",
+                [(url(r.folder), why) for r, why in tried],
+            )
+        reasons = {ref: why for ref, why in tried}
+
+        def retire_all() -> int:
+            older = "not tried: older than a checkpoint the fresh start refused"
+            doomed: list[tuple[CheckpointRef, str]] = []
+            retired = _fresh_start.retired_folders(self.storage)
+            lineage = Lineage.load(self.storage)
+            for ref in find_checkpoints(self.storage):
+                if ref.folder in retired:
+                    continue
+                if ref in reasons:
+                    doomed.append((ref, reasons[ref]))
+                    continue
+                status = inspect(self.storage, ref, lineage=lineage)
+                if status.committed and not (status.foreign or status.fenced):
+                    doomed.append((ref, status.reason or older))
+            _fresh_start.retire(self.storage, doomed, job=self.config.job, attempt=self.config.attempt)
+            return len(doomed)
+
+        count = self._on_rank0("retiring the refused checkpoints", retire_all)
+        if self.rank == 0:
+            log.warning(
+                "restore: starting from step 0 on purpose (start_fresh): %d committed checkpoint(s) under %s are "
+                "retired — kept, never restored, never counted or deleted by retention. The first failure: %s",
+                count,
+                self.storage.uri,
+                tried[0][1],
+            )
+        self._last_step = 0
+        return 0
+
+    def _restored(self, ref: CheckpointRef, manifest: Manifest) -> None:
+        self.last_committed_step = manifest.step
+        self.last_committed_uri = self.storage.url(ref.folder)
+        self._last_saved_step = manifest.step
+        self._last_step = manifest.step
+        self._status.last_committed_step = manifest.step
+        self._status.last_committed_uri = self.last_committed_uri
+        self._status.step = manifest.step
+        self._report(force=True)
+        log.info(
+            "restored step %d from %s (saved by %d ranks, restored on %d)",
+            manifest.step,
+            self.last_committed_uri,
+            manifest.world_size,
+            self.world_size,
+        )
+
+    def _incompatibility(self, manifest: Manifest, state: Mapping[str, Any]) -> tuple[str, str] | None:
+        """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
+        tensors added or removed), from the manifest alone — before anything is read or loaded."""
+        modules, _, _ = self._classify(state)
+        if not modules or not manifest.tensors:
+            return None
+        try:
+            model_state = get_model_state_dict(_ModuleBag(modules))
+        except Exception as e:  # reported to every rank, never raised on one alone
+            return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
+        current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+        problems = []
+        for fqn, tensor in current.items():
+            entry = manifest.tensors.get(fqn)
+            if entry is None:
+                problems.append(f"{fqn}: the model has it, the checkpoint does not")
+            elif list(entry.shape) != list(tensor.shape):
+                problems.append(
+                    f"{fqn}: the checkpoint holds shape {list(entry.shape)}, the model {list(tensor.shape)}"
+                )
+        prefixes = tuple(f"{key}." for key in modules)
+        for fqn in manifest.tensors:
+            if fqn.startswith(prefixes) and fqn not in current:
+                problems.append(f"{fqn}: the checkpoint holds it, the model does not")
+        if not problems:
+            return None
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return _Failure.INCOMPATIBLE, f"incompatible with the model: {problems[0]}{more}"
+
+    def _try_load(
+        self, ref: CheckpointRef, manifest: Manifest, state: Mapping[str, Any]
+    ) -> tuple[tuple[str, str] | None, bool]:
+        """Load one checkpoint on every rank. Returns (the agreed failure or None, anything was loaded)."""
+        local_dir = self.storage.local_path(ref.folder)
+        cache = None
+        if local_dir is None:
+            cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
+            local_dir = cache
+        reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
+        failure: tuple[str, str] | None = None
+        rank_payload: dict[str, Any] | None = None
+        # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
+        # the metadata here (the reader caches it) turns a corrupt or crafted .metadata into one
+        # clear reason instead of DCP's retries and tracebacks.
+        try:
+            if manifest.file(DCP_METADATA_NAME) is not None:
+                reader.read_metadata()
+            src = _rank_state.source_rank(self.rank, manifest.world_size)
+            path = reader.ensure_local(_rank_state.rank_file_name(src))
+            with open(path, "rb") as f:
+                rank_payload = _rank_state.decode(f.read())
+        except Exception as e:
+            failure = self._load_failure(ref, e)
+        failure = self._agree_on_failure(failure)
+        if failure is not None:
+            self._cleanup_cache(cache)
+            return failure, False
+        # Phase 2: modules and optimizers through DCP (each file verified before it is read).
+        dcp_state: dict[str, Any] = {}
+        try:
+            dcp_state = self._load_dcp(reader, state)
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            failure = self._load_failure(ref, e)
+        failure = self._agree_on_failure(failure)
+        if failure is not None:
+            self._cleanup_cache(cache)
+            # Did any rank's live state change before the failure? Then none may carry on from it.
+            return failure, not self._all_ok(not reader.data_read_started)
+        try:
+            self._apply(state, dcp_state, rank_payload or {}, manifest)
+        except Exception as e:
+            failure = (_Failure.INCOMPATIBLE, f"incompatible with this state on rank {self.rank}: {e!r}")
+        failure = self._agree_on_failure(failure)
+        self._cleanup_cache(cache)
+        return failure, failure is not None
+
+    def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Load modules (in place) and optimizer state; returns the state dicts to apply.
+
+        For plain and DDP modules the optimizer state is rebuilt from the checkpoint's metadata
+        and handed to the optimizer directly: DCP's generic path first initialises a fresh
+        optimizer with a zero-gradient step, which costs as much as a training step over every
+        parameter. Sharded (DTensor/FSDP) modules take the generic path, which reshards.
+        """
+        modules, optims, _ = self._classify(state)
+        if not modules:
+            return {}
+        bag = _ModuleBag(modules)
+        no_dist = not self._dist
+        if not _plain_modules(bag):
+            dcp_state, _ = self._split_state(state)
+            dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
+            return dcp_state
+        dcp_state = dict(get_model_state_dict(bag))
+        dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
+        if optims:
+            # An empty target is filled from the checkpoint's metadata, as dcp_to_torch_save does.
+            saved: dict[str, Any] = {}
+            dcp_load(saved, reader, SafeEmptyLoadPlanner(keys=set(optims)), process_group=self._ctl_pg, no_dist=no_dist)
+            missing = sorted(set(optims) - set(saved))
+            if missing:
+                raise MissingStateKeysError(f"the checkpoint holds no optimizer state for {missing}")
+            dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
+        return dcp_state
+
+    def _load_failure(self, ref: CheckpointRef, e: BaseException) -> tuple[str, str]:
+        """Classify a failure to load ``ref`` on this rank (see ``_Failure``) and say what it was."""
+        if isinstance(e, CheckpointException) and e.failures:
+            # DCP wraps every rank's failure; the first one says what went wrong.
+            e = next(iter(e.failures.values()))[0]
+        if isinstance(e, _PROVEN_BAD):
+            if isinstance(e, CorruptObjectError):
+                what = "corrupt"
+            elif isinstance(e, NotFoundError):
+                what = "missing a file"
+            elif isinstance(e, UnsafeCheckpointError | _rank_state.RefusedPickleError):
+                what = "unsafe"
+            else:
+                what = "unreadable"
+            kind, msg = _Failure.BAD, f"{what} on rank {self.rank}: {e}"
+        elif isinstance(e, StorageError | OSError):
+            # A store that kept failing (or a local disk) proves nothing about the checkpoint.
+            kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"
+        elif isinstance(e, MissingStateKeysError) or _is_shape_or_key_mismatch(e):
+            kind, msg = _Failure.INCOMPATIBLE, f"incompatible with the model on rank {self.rank}: {e}"
+        else:
+            # Verified bytes that still fail to load: not proven bad, so never skipped for an
+            # older checkpoint (that would go back in time); refused with the error instead.
+            kind, msg = _Failure.INCOMPATIBLE, f"cannot be loaded on rank {self.rank}: {type(e).__name__}: {e}"
+            log.debug("restore failure detail", exc_info=e)
+        if kind == _Failure.BAD:
+            log.warning("restore: skipping %s: it is %s", self.storage.url(ref.folder), msg)
+        else:
+            log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
+        return kind, msg
+
+    def _agree_on_failure(self, failure: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Every rank's failure (or None), gathered: the worst one, identical on every rank."""
+        failures = [f for f in self._all_gather(failure, self._ctl_pg) if f is not None]
+        if not failures:
+            return None
+        return min(failures, key=lambda f: _Failure.SEVERITY.index(f[0]))
+
+    def _apply(
+        self, state: Mapping[str, Any], dcp_state: dict[str, Any], payload: dict[str, Any], manifest: Manifest
+    ) -> None:
+        modules, optims, others = self._classify(state)
+        bag = _ModuleBag(modules)
+        model_state = {k: v for k, v in dcp_state.items() if k not in optims}
+        if modules and not _loaded_in_place(bag, model_state):
+            set_model_state_dict(bag, model_state)
+        for key, opt in optims.items():
+            if isinstance(dcp_state[key], _DirectOptimState):
+                _load_optimizer_directly(bag, opt, dcp_state[key].state)
+            else:
+                set_optimizer_state_dict(bag, opt, dcp_state[key])
+        objects = payload.get("objects", {})
+        for key, obj in others.items():
+            obj.load_state_dict(objects[key])
+        if self.rank < manifest.world_size:
+            _rank_state.restore_rng(payload["rng"])
+        else:
+            log.info(
+                "rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams",
+                self.rank,
+                manifest.world_size,
+            )
+        if self.rank == 0 and manifest.world_size > self.world_size:
+            log.info(
+                "the per-rank state of %d ranks that no longer exist was dropped", manifest.world_size - self.world_size
+            )
+
+    def _cleanup_cache(self, cache: str | None) -> None:
+        """(every rank, after the agreement that ends a load) Remove the node's restore cache: this
+        checkpoint's files, and any left by an earlier restore or prefetch that was killed."""
+        if cache is None:
+            return
+        shutil.rmtree(cache, ignore_errors=True)
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            shutil.rmtree(os.path.join(self._staging_root, RESTORE_FOLDER), ignore_errors=True)

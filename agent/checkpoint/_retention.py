@@ -1,0 +1,57 @@
+"""Retention: after a commit, keep the newest ``keep`` valid checkpoints of this job."""
+
+from __future__ import annotations
+
+import logging
+
+from agent import _fresh_start
+from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.checkpoint._state import _State
+from agent.manifest import MANIFEST_NAME
+from agent.ownership import FencedError, Lineage, OwnershipError
+from agent.storage import StorageError
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+class _Retention(_State):
+    def _retain(self, committed: CheckpointRef) -> None:
+        """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
+
+        Never touches anything newer than the checkpoint just committed, nor another job's, a
+        superseded attempt's or a retired checkpoint (they are not counted either). Checks the
+        fence before every delete. A failed delete is a warning, never a failed save.
+        """
+        url = self.storage.url
+        try:
+            retired = _fresh_start.retired_folders(self.storage)
+            older = [r for r in find_checkpoints(self.storage) if r < committed and r.folder not in retired]
+            lineage = Lineage.load(self.storage)
+            doomed: list[CheckpointRef] = []
+            kept = 0
+            for ref in older:  # newest first
+                status = inspect(self.storage, ref, lineage=lineage)
+                if not status.committed:
+                    doomed.append(ref)  # a save that never finished
+                    continue
+                if status.foreign or status.fenced:
+                    continue  # not this job's history: never counted, never deleted
+                if self.config.keep is None:
+                    continue
+                # Only valid checkpoints count towards ``keep``: a refused one kept in place of a
+                # valid one would leave fewer to fall back to than asked for. Broken folders newer
+                # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
+                if kept >= self.config.keep - 1:
+                    doomed.append(ref)
+                elif status.valid:
+                    kept += 1
+            for ref in doomed:
+                self._check_fence()
+                # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
+                self.storage.delete([ref.key(MANIFEST_NAME)])
+                self.storage.delete_prefix(ref.folder + "/")
+                log.info("retention: removed %s", url(ref.folder))
+        except FencedError as e:
+            log.error("retention: deleting nothing: %s", e)
+        except (StorageError, OwnershipError, OSError) as e:
+            log.warning("retention: could not remove old checkpoints (will retry next save): %s", e)

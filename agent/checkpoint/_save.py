@@ -1,0 +1,431 @@
+"""The save pipeline: stage, then in the background write and checksum each rank's files, upload
+them, and (rank 0) commit MANIFEST.json create-only unless fenced; and the preemption flush."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from agent import _rank_state
+from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
+from agent.catalog import CheckpointRef, find_checkpoints
+from agent.checkpoint._vote import _Voting
+from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
+from agent.control_channel import FlushRequest, FlushResult
+from agent.crc32c import to_hex
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
+from agent.ownership import FencedError
+from agent.storage import AlreadyExistsError, StorageError, put_files
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Save:
+    """One save in flight."""
+
+    step: int
+    started: float
+    local_dir: str
+    metadata: dict[str, Any]
+    state_keys: list[str]
+    rank_bytes: bytes
+    writer: Any = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
+    staged: Any = None
+    """The staged DCP state the background thread writes (None: written already, or none)."""
+    flush: FlushRequest | None = None
+    trigger: str = "save"
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    committed_uri: str | None = None
+    thread: threading.Thread | None = None
+
+
+def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """``fn(*args)``'s result or exception into ``future`` (a thread's whole work)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+
+
+class _Saving(_Voting):
+    """One save at a time: started by ``step()``/``save()``/a flush, finished in the background."""
+
+    _inflight: _Save | None
+    _fenced: FencedSaveError | None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise if it failed."""
+        save = self._inflight
+        if save is None:
+            return
+        save.done.wait()
+        if save.thread is not None:
+            save.thread.join()
+        self._inflight = None
+        if save.error is not None:
+            kind = type(save.error) if isinstance(save.error, SaveFailedError) else SaveFailedError
+            error = kind(f"checkpoint of step {save.step} failed: {save.error}")
+            if isinstance(error, FencedSaveError):
+                self._fenced = error
+            raise error from save.error
+
+    def _flush(self, step: int, state: Mapping[str, Any], metadata: dict[str, Any]) -> None:
+        request = self._control.flush_request() if self._control is not None else None
+        reason = request.reason if request else "a peer rank's notice"
+        log.warning("flush: %s; committing step %d on all %d ranks", reason, step, self.world_size)
+        self._status.state = "flushing"
+        self._status.step = step
+        self._report(force=True)
+        if request and request.deadline and self.last_save_seconds:
+            left = request.deadline - time.time()
+            if left < self.last_save_seconds:
+                log.warning(
+                    "flush: %.1fs left before the deadline but the last save took %.1fs; trying anyway "
+                    "(an unfinished save leaves no manifest, so restore cannot mistake it for a checkpoint)",
+                    left,
+                    self.last_save_seconds,
+                )
+        try:
+            inflight = self._inflight
+            if inflight is not None and inflight.step == step:
+                inflight.flush = request
+                inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
+                self.wait()
+            else:
+                self._supersede(inflight)
+                # The loop stops after this save anyway: write straight from the live tensors
+                # instead of staging a copy first (saves a full memcpy of the state).
+                self._start_save(step, state, metadata, flush=request, blocking=True)
+                self.wait()
+        except SaveFailedError as e:
+            self._status.state = "flush-failed"
+            self._report(force=True)
+            if self._control is not None and self._node_reporter:
+                self._control.write_flush_result(
+                    FlushResult(
+                        step=None,
+                        uri=None,
+                        request_id=request.id if request else None,
+                        notice_to_commit_seconds=None,
+                        error=str(e),
+                    )
+                )
+            if isinstance(e, FencedSaveError):
+                raise
+            raise FlushFailedError(f"flush at step {step} could not commit: {e}") from e
+        self._flushed = True
+        self._last_step = step
+        self._status.state = "flushed"
+        self._report(force=True)
+        if self._control is not None and self._node_reporter:
+            latency = time.time() - request.requested_at if request else None
+            self._control.write_flush_result(
+                FlushResult(
+                    step=step,
+                    uri=self.last_committed_uri,
+                    request_id=request.id if request else None,
+                    notice_to_commit_seconds=latency,
+                )
+            )
+            log.warning(
+                "flush: step %d committed at %s%s",
+                step,
+                self.last_committed_uri,
+                f", {latency:.2f}s after the notice" if latency is not None else "",
+            )
+        # Only now, with the commit reported: retention must not stand between a flush and the
+        # controller that is waiting for it.
+        if self.rank == 0 and self.last_committed_uri is not None:
+            self._retain(CheckpointRef.parse(self.last_committed_uri.rsplit("/", 1)[-1]) or CheckpointRef(step))
+
+    def _supersede(self, inflight: _Save | None) -> None:
+        """(every rank, at the flush's step) Give up the save in flight, if it is still writing.
+
+        It holds an older step than the flush is about to commit, and the disk cannot write both
+        in the time the notice leaves: waiting for it would about double the time to the flush's
+        commit. Every rank stops writing at its next block; the save then fails on every rank
+        alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
+        until the flush's. A save whose writing was already done goes on to its commit.
+        """
+        if inflight is None:
+            return
+        if not inflight.done.is_set():
+            inflight.cancel.set()
+        try:
+            self.wait()
+        except FencedSaveError:
+            raise
+        except SaveFailedError as e:
+            if not inflight.cancel.is_set():
+                raise
+            log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
+
+    def _start_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metadata: dict[str, Any],
+        flush: FlushRequest | None = None,
+        blocking: bool = False,
+        trigger: str = "save",
+    ) -> None:
+        self._raise_if_failed()
+        self.wait()  # at most one save in flight
+        self._check_state(state)
+        self._agree_on_step(step)
+        started = time.monotonic()
+        self._restart_deadline()
+        dcp_state, objects = self._split_state(state)
+        rank_bytes = _rank_state.encode(
+            {
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "objects": objects,
+                "rng": _rank_state.capture_rng(),
+            }
+        )
+        if not self._checked_rank_bytes:
+            self._check_rank_bytes(rank_bytes)
+        local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
+        os.makedirs(local_dir, exist_ok=True)
+        save = _Save(
+            step=step,
+            started=started,
+            local_dir=local_dir,
+            metadata=metadata,
+            state_keys=list(state.keys()),
+            rank_bytes=rank_bytes,
+            flush=flush,
+            trigger="flush" if flush is not None or blocking else trigger,
+        )
+        background = self.config.async_save and not blocking
+        if dcp_state:
+            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None, cancel=save.cancel)
+            if background:
+                if self._stager is None:
+                    self._stager = make_stager()
+                staged = self._stager.stage(dcp_state)
+                save.staged = staged.result() if hasattr(staged, "result") else staged
+                if getattr(self._stager, "should_synchronize_after_execute", False):
+                    self._stager.synchronize_staging()
+            else:
+                save.staged = dcp_state  # written below, from the live tensors
+        self.last_blocking_seconds = time.monotonic() - started
+        self._last_saved_step = step
+        self._inflight = save
+        self._status.state = "saving" if self._status.state != "flushing" else "flushing"
+        if background:
+            save.thread = threading.Thread(target=self._finish_save, args=(save,), name="spotjob-save", daemon=False)
+            save.thread.start()
+        else:
+            self._finish_save(save)
+            self.wait()  # a synchronous save reports its failure from the call that made it
+
+    def _finish_save(self, save: _Save) -> None:
+        """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective.
+
+        Whatever happens, ``save.done`` is set: a save thread that died without it would leave
+        ``wait()`` (and ``close()``) blocked forever and the failure unreported.
+        """
+        try:
+            self._write_upload_commit(save)
+        except BaseException as e:
+            if save.committed_uri is None and save.error is None:
+                save.error = SaveFailedError(f"rank {self.rank}: the save stopped unexpectedly: {e!r}")
+                log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
+            elif save.committed_uri is not None:
+                log.warning("after committing step %d: %r", save.step, e, exc_info=e)
+            shutil.rmtree(save.local_dir, ignore_errors=True)
+        finally:
+            save.staged = None  # the staged tensors are the stager's to reuse
+            if self.config.release_staging and self._stager is not None:
+                # The next save waits for this one before it stages, so nothing else uses the stager.
+                self._stager.close()
+                self._stager = None
+            save.done.set()
+
+    def _write_upload_commit(self, save: _Save) -> None:
+        files: list[tuple[str, int, str]] = []
+        error: str | None = None
+        # Whether the failure is the infrastructure's (the store, this node's disk), not the
+        # user's code: the agent then exits 74 and the controller retries without spending the
+        # restart budget.
+        infra = False
+        # (rank 0) Naming the checkpoint folder takes a few round trips to the store (the fence, a
+        # listing); they run while the shards are written, not after.
+        naming: Future[str] | None = None
+        if self.rank == 0:
+            naming = Future()
+            threading.Thread(
+                target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+            ).start()
+        try:
+            written: dict[str, tuple[int, int]] = {}
+            if save.staged is not None:
+                dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
+                written.update(save.writer.written)
+            name = _rank_state.rank_file_name(self.rank)
+            with ChecksummedFile(os.path.join(save.local_dir, name)) as f:
+                f.write(save.rank_bytes)
+            written[name] = (f.crc, f.size)
+            if save.writer is not None and save.writer.durable:
+                # One wait for the disk, for every file of this rank, after the last is written.
+                sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
+            files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
+        except BaseException as e:  # reported to every rank below, never swallowed
+            error = f"rank {self.rank}: writing the shards failed: {e!r}"
+            infra = _is_infrastructure(e)
+        target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
+        if naming is not None:
+            try:
+                target = (naming.result(), None)
+            except FencedError as e:
+                target = (None, str(e))
+            except (StorageError, OSError) as e:
+                if error is None:
+                    error, infra = f"rank 0: cannot prepare the checkpoint folder: {e}", _is_infrastructure(e)
+        folder, fenced = self._broadcast(target, group=self._save_pg)
+        if error is None and folder is not None:
+            try:
+                put_files(
+                    self.storage,
+                    [(os.path.join(save.local_dir, n), f"{folder}/{n}", int(c, 16)) for n, _, c in files],
+                    parallelism=self.config.io_threads,
+                )
+            except BaseException as e:
+                error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
+        elif error is None and fenced is None:
+            error = "rank 0 could not name the checkpoint folder"
+        gathered = self._all_gather((files, error, infra), group=self._save_pg)
+        outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
+        if self.rank == 0 and fenced is None:
+            errors = [e for _, e, _ in gathered if e]
+            if errors:
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i in gathered))
+            else:
+                try:
+                    commit_files = [f for fs, _, _ in gathered for f in fs]
+                    outcome = (self._commit(save, folder or "", commit_files), None, False, False)
+                except FencedError as e:
+                    outcome = (None, str(e), True, False)
+                except BaseException as e:
+                    outcome = (None, f"rank 0: commit failed: {e!r}", False, _is_infrastructure(e))
+        uri, failure, was_fenced, infra_failure = self._broadcast(outcome, group=self._save_pg)
+        seconds = time.monotonic() - save.started
+        if failure is None and uri is not None:
+            save.committed_uri = uri
+            self.last_committed_step = save.step
+            self.last_committed_uri = uri
+            self.last_save_seconds = seconds
+            self._status.last_committed_step = save.step
+            self._status.last_committed_uri = uri
+            self._status.last_save_seconds = seconds
+            self._status.commits += 1
+            if self._status.state == "saving":
+                self._status.state = "training"
+            if self.rank == 0:
+                log.info("committed step %d at %s in %.2fs", save.step, uri, seconds)
+                if save.trigger != "flush":  # a flush reports its commit first, then retains
+                    self._retain(CheckpointRef.parse(uri.rsplit("/", 1)[-1]) or CheckpointRef(save.step))
+        elif was_fenced:
+            save.error = FencedSaveError(
+                f"nothing committed or deleted: {failure}. This worker belongs to a superseded attempt "
+                f"({self.config.attempt}) of {self.config.job!r} and must stop"
+            )
+            log.error("checkpoint of step %d not committed: %s", save.step, failure)
+        elif save.cancel.is_set():
+            save.error = SaveFailedError(f"given up for a flush: {failure}")
+            log.info("checkpoint of step %d given up for a flush, nothing committed", save.step)
+        else:
+            save.error = SaveFailedError(failure or "unknown failure")
+            log.error("checkpoint of step %d failed, nothing committed: %s", save.step, failure)
+            if infra_failure and self._control is not None:
+                # If the script lets this error end it, the agent reports an infrastructure error.
+                try:
+                    self._control.report_infra_error(
+                        self.rank, f"the checkpoint of step {save.step} failed on {self.storage.uri}: {failure}"
+                    )
+                except OSError as e:
+                    log.debug("could not report the infrastructure error to the agent: %s", e)
+        shutil.rmtree(save.local_dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
+        except OSError:
+            pass
+        self._report(force=True)
+        save.done.set()
+
+    def _target_folder(self, step: int) -> str:
+        """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there.
+
+        Raises ``FencedError`` (before anything is written) when this attempt is superseded.
+        """
+        self._check_fence()
+        suffix = 0
+        for ref in find_checkpoints(self.storage):
+            if ref.step != step:
+                continue
+            if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
+                suffix = max(suffix, ref.attempt + 1)
+            else:
+                log.info("removing leftover of an unfinished save in %s", self.storage.url(ref.folder))
+                self._check_fence()
+                self.storage.delete_prefix(ref.folder + "/")
+        return CheckpointRef(step, suffix).folder
+
+    def _commit(self, save: _Save, folder: str, files: list[tuple[str, int, str]]) -> str:
+        """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""
+        metadata_path = os.path.join(save.local_dir, DCP_METADATA_NAME)
+        tensors = {}
+        if save.writer is not None and save.writer.metadata is not None:
+            tensors = tensor_index(save.writer.metadata)  # as written, without reading it back
+        elif os.path.exists(metadata_path):
+            with open(metadata_path, "rb") as f:
+                tensors = tensor_index(load_dcp_metadata(f.read()))
+        manifest = Manifest(
+            step=save.step,
+            world_size=self.world_size,
+            created_at=now_utc(),
+            torch_version=torch.__version__,
+            job=self.config.job,
+            attempt=self.config.attempt,
+            state_keys=save.state_keys,
+            files=sorted((FileEntry(path=n, size=s, crc32c=c) for n, s, c in files), key=lambda f: f.path),
+            tensors=tensors,
+            metadata=save.metadata,
+            trigger=save.trigger,
+        )
+        data = manifest.to_json()
+        self._check_fence()
+        try:
+            self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
+        except AlreadyExistsError:
+            raise SaveFailedError(
+                f"{self.storage.url(folder)} was committed by someone else meanwhile; "
+                "is another job writing to the same URI?"
+            ) from None
+        return self.storage.url(folder)
+
+    def _raise_if_failed(self) -> None:
+        if self._fenced is not None:
+            raise self._fenced
+        save = self._inflight
+        if save is not None and save.done.is_set() and save.error is not None:
+            self.wait()

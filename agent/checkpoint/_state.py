@@ -1,0 +1,79 @@
+"""What a state dict may hold, and how it splits into DCP state (modules and optimizers, which
+reshard) and per-rank objects."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from agent import _rank_state
+from agent.checkpoint._core import _Core
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+class _ModuleBag(nn.Module):
+    """Holds the job's modules under their state keys, so tensor names read "model.fc.weight"."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        for key, module in modules.items():
+            self.add_module(key, module)
+
+
+class _State(_Core):
+    """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
+
+    @staticmethod
+    def _classify(
+        state: Mapping[str, Any],
+    ) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer], dict[str, Any]]:
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        optims = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        others = {k: v for k, v in state.items() if k not in modules and k not in optims}
+        return modules, optims, others
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        if not state:
+            raise ValueError("state is empty: pass e.g. {'model': model, 'optim': optimizer}")
+        for key, value in state.items():
+            if not isinstance(key, str) or not key or "." in key or "/" in key:
+                raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
+            if key.startswith("__"):
+                raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
+            if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
+                callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+            ):
+                raise TypeError(
+                    f"state[{key!r}] is a {type(value).__name__}; values must be modules, optimizers, "
+                    "or objects with state_dict()/load_state_dict()"
+                )
+
+    def _split_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DCP state (modules + optimizers, resharded on load) and per-rank plain objects."""
+        modules, optims, others = self._classify(state)
+        dcp_state: dict[str, Any] = {}
+        if modules:
+            bag = _ModuleBag(modules)
+            dcp_state.update(get_model_state_dict(bag))
+            for key, opt in optims.items():
+                dcp_state[key] = get_optimizer_state_dict(bag, opt)
+        elif optims:
+            raise ValueError("optimizers need their modules in the same state dict to be saved by name")
+        objects = {key: obj.state_dict() for key, obj in others.items()}
+        return dcp_state, objects
+
+    def _check_rank_bytes(self, data: bytes) -> None:
+        try:
+            _rank_state.decode(data)
+        except Exception as e:
+            raise TypeError(
+                "a state_dict() in the per-rank state holds something that cannot be restored safely "
+                f"(weights_only loading): {e}. Convert it to tensors and plain Python values."
+            ) from None
+        self._checked_rank_bytes = True

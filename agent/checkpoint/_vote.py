@@ -1,0 +1,121 @@
+"""The per-step vote: every rank acts on the same flags (flush, save early, every_seconds due) at
+the same step, read one step late so the loop never waits on the network; ranks that count steps
+differently are caught."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.checkpoint._retention import _Retention
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+@dataclass(frozen=True)
+class _Vote:
+    """What every rank agreed on for one step: identical on all ranks, or collectives diverge."""
+
+    flush: bool = False
+    save_early: bool = False
+    time_due: bool = False
+    lowest_step: int | None = None
+    highest_step: int | None = None
+
+    @classmethod
+    def reduced(cls, values: list[int]) -> _Vote:
+        flush, early, due, high, neg_low = values
+        return cls(bool(flush), bool(early), bool(due), -neg_low, high)
+
+
+class _Voting(_Retention):
+    """The vote's collectives, and the clock of the ``every_seconds`` deadline."""
+
+    _votes: list[tuple[Any, torch.Tensor]]
+    _handled_save_mtime: int | None
+    _last_save_started: float
+
+    def _restart_deadline(self) -> None:
+        """A save starts (or the Checkpointer is built): ``every_seconds`` counts from now."""
+        self._last_save_started = time.monotonic()
+
+    def _local_flags(self) -> list[int]:
+        """[flush requested, save-early requested, every_seconds due]."""
+        flush = save_early = 0
+        if self._control is not None:
+            flush = int(self._control.flush_requested())
+            mtime = self._save_request_mtime()
+            if mtime is not None and mtime != self._handled_save_mtime:
+                save_early = 1
+        time_due = int(
+            self.config.every_seconds is not None
+            and time.monotonic() - self._last_save_started >= self.config.every_seconds
+        )
+        return [flush, save_early, time_due]
+
+    def _save_request_mtime(self) -> int | None:
+        assert self._control is not None
+        try:
+            return os.stat(os.path.join(self._control.path, "save.json")).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def _consume_save_request(self) -> None:
+        """A save-early request is being served: this rank stops voting for it, and the node's
+        first rank removes it, so the agent's next request is a new file (and a new save)."""
+        if self._control is None:
+            return
+        self._handled_save_mtime = self._save_request_mtime() or self._handled_save_mtime
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            self._control.clear_save_request()
+
+    def _read_vote(self, step: int) -> _Vote:
+        """What every rank agreed on at the previous step (this step's flags when alone)."""
+        if not self._dist or self.world_size == 1:
+            return _Vote.reduced([*self._local_flags(), step, -step])
+        if not self._votes:
+            return _Vote()
+        work, buf = self._votes.pop(0)
+        work.wait()
+        vote = _Vote.reduced([int(v) for v in buf.tolist()])
+        self._check_same_step(vote, "step()")
+        return vote
+
+    def _launch_vote(self, step: int) -> None:
+        """Launch this step's vote; its result is read by the next ``step()``."""
+        if not self._dist or self.world_size == 1:
+            return
+        buf = torch.tensor([*self._local_flags(), step, -step], dtype=torch.int64)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
+        self._votes.append((work, buf))
+
+    def _agree_on_step(self, step: int) -> None:
+        """(every rank, before a save writes anything) Same step everywhere, or raise everywhere.
+
+        Shaped like the per-step vote, so that a rank that skipped this save (it saw another
+        step) pairs it with its next vote, and both sides see the difference.
+        """
+        if not self._dist or self.world_size == 1:
+            return
+        buf = torch.tensor([0, 0, 0, step, -step], dtype=torch.int64)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        self._check_same_step(_Vote.reduced([int(v) for v in buf.tolist()]), "save")
+
+    def _check_same_step(self, vote: _Vote, call: str) -> None:
+        if vote.lowest_step != vote.highest_step:
+            self._drain_votes()
+            raise ValueError(
+                f"{call}: the ranks passed different steps to the same call (lowest {vote.lowest_step}, highest "
+                f"{vote.highest_step}); every rank must count completed steps the same way"
+            )
+
+    def _drain_votes(self) -> None:
+        while self._votes:
+            work, _ = self._votes.pop(0)
+            work.wait()

@@ -1,0 +1,294 @@
+"""``Checkpointer``: what the training script calls (see the package docstring for the call order).
+
+The class joins the parts: ``_Saving`` (the save pipeline and the flush, ``wait()``) and
+``_Restoring`` (``restore()``), both on ``_Voting`` (the per-step vote), ``_Retention``, ``_State``
+and ``_Core`` (shared state and plumbing)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.checkpoint._restore import _Restoring
+from agent.checkpoint._save import _Save, _Saving
+from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
+from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError
+from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
+from agent.ownership import OwnershipError, claim
+from agent.settings import CheckpointerEnv, load
+from agent.storage import StorageError, open_storage
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
+    """If the script dies of an unhandled exception after close(), remove the "closed" marker.
+
+    The marker lets the agent forgive an abort at interpreter exit after the work is done; a
+    traceback after close() (writing results, say) is a real failure and must stay one. A
+    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it).
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        control.unmark_closed(rank)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _exception_in_flight() -> bool:
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return False
+    return not (isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
+class Checkpointer(_Saving, _Restoring):
+    """Save and restore a training job's full state; see ``agent.checkpoint`` for the call order.
+
+    Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
+    channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
+    ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
+
+    ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
+    or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
+    committed checkpoints, the refused ones and any older (``agent._fresh_start``): they are kept
+    as they are, never restored, never counted or deleted by retention, and their folder names
+    stay taken, so the new run's saves (whose steps start again from 0, below theirs) can never be
+    mistaken for them. It has no effect when a checkpoint loads, so leaving it set across restarts
+    never throws the new run's own progress away.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        every_steps: int | None = None,
+        keep: int | None = 3,
+        *,
+        every_seconds: float | None = None,
+        async_save: bool = True,
+        staging_dir: str | None = None,
+        control_dir: str | None = None,
+        job: str | None = None,
+        attempt: int | None = None,
+        start_fresh: bool | None = None,
+        io_threads: int = 8,
+        release_staging: bool = False,
+    ) -> None:
+        # Under an agent, the channel and the job's identity come from it, whatever the script passed.
+        env = load(CheckpointerEnv)
+        control_dir = control_dir or env.control_dir
+        job = job if job is not None else env.job_name
+        attempt = attempt if attempt is not None else env.attempt
+        start_fresh = env.start_fresh if start_fresh is None else bool(start_fresh)
+        self.config = CheckpointConfig(
+            uri=uri,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            keep=keep,
+            async_save=async_save,
+            staging_dir=staging_dir,
+            control_dir=control_dir,
+            job=job,
+            attempt=attempt,
+            start_fresh=start_fresh,
+            io_threads=io_threads,
+            release_staging=release_staging,
+        )
+        self.storage = open_storage(uri)
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist else 0
+        self.world_size = dist.get_world_size() if self._dist else 1
+        self._node_reporter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        """This rank is its node's first (local rank 0): it writes the node's status.json and flush
+        result, which that node's agent reads (its readiness, its step, its exit code). Every rank
+        knows the same state and the commit's outcome, so each node's first rank can tell it."""
+        self._staging_root = staging_dir or self._default_staging()
+        # Before the groups: creating them waits for every rank, so no rank can start a save
+        # while local rank 0 is still clearing the staging folder.
+        self._clean_stale_staging()
+        self._save_pg: Any = None
+        self._ctl_pg: Any = None
+        if self._dist:
+            self._save_pg = dist.new_group(backend="gloo")
+            self._ctl_pg = dist.new_group(backend="gloo")
+        self._control = ControlDir(control_dir) if control_dir else None
+        self._inflight: _Save | None = None
+        self._last_saved_step: int | None = None
+        self._last_step: int | None = None
+        """The highest step seen by step(), save() or restore(): steps never go back."""
+        self._restart_deadline()
+        self.last_committed_step: int | None = None
+        self.last_committed_uri: str | None = None
+        self.last_save_seconds: float | None = None
+        self.last_blocking_seconds: float | None = None
+        self._flushed = False
+        self._fenced: FencedSaveError | None = None
+        self._stager: Any = None
+        self._handled_save_mtime: int | None = None
+        self._votes: list[tuple[Any, torch.Tensor]] = []
+        self._status = RankStatus(state="starting", world_size=self.world_size, checkpoint_uri=self.storage.uri)
+        self._status_written = 0.0
+        self._checked_rank_bytes = False
+        self._closed = False
+        self._warn_if_not_the_agents_uri()
+        try:
+            self._claim()
+        except BaseException:
+            self._destroy_groups()
+            raise
+        self._report(force=True)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Checkpointer:
+        """Build from the variables spotjob-agent sets (``agent.settings.CheckpointerEnv``); keyword
+        arguments win over them."""
+        env = load(CheckpointerEnv)
+        uri = overrides.pop("uri", None) or env.checkpoint_uri
+        if not uri:
+            raise ValueError(
+                f"no checkpoint URI: set {ENV_CHECKPOINT_URI} (spotjob-agent --checkpoint-uri does) or pass uri=..."
+            )
+        kwargs: dict[str, Any] = {
+            "every_steps": env.every_steps,
+            "every_seconds": env.every_seconds,
+            "async_save": env.async_save,
+            "staging_dir": env.staging_dir,
+            "release_staging": env.release_staging,
+        }
+        if env.keep is not None:
+            kwargs["keep"] = env.keep if env.keep > 0 else None
+        kwargs.update(overrides)
+        return cls(uri, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # the training-side API
+    # ------------------------------------------------------------------------------------------
+    def step(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> bool:
+        """Record that ``step`` steps are done; save per policy. True means "stop now".
+
+        ``step`` must not be lower than the last step seen, and every rank must pass the same
+        one (checked through the per-step vote: a difference raises ``ValueError`` on every rank
+        at the next call, and before any file of a save is written).
+        """
+        step = self._check_next_step(step, "step()")
+        metadata = _check_metadata(metadata, "step()")
+        self._raise_if_failed()
+        if self._flushed:
+            return True
+        vote = self._read_vote(step)
+        if vote.flush:
+            self._flush(step, state, metadata)
+            return True
+        due = vote.time_due or bool(self.config.every_steps and step % self.config.every_steps == 0)
+        if vote.save_early:
+            log.info("saving early at step %d: the agent asked for a checkpoint without stopping", step)
+            self._consume_save_request()
+        if (vote.save_early or due) and self._last_saved_step != step:
+            # At most one save in flight: a policy save waits for the previous one. Deterministic
+            # checkpoints every N steps are worth more than never blocking; a hung store is
+            # bounded by the storage retries and, above them, the controller's flush timeout.
+            self._start_save(step, state, metadata, trigger="early" if vote.save_early else "policy")
+        self._last_step = step
+        self._status.step = step
+        if self._status.state == "starting":
+            self._status.state = "training"
+        # Launched after this step's save started: a deadline or request it just served is not
+        # voted on again (one trigger, one save).
+        self._launch_vote(step)
+        self._report()
+        return False
+
+    def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
+        """Save ``state`` as the checkpoint of ``step`` now (asynchronously unless configured not).
+
+        Waits for a save still in flight first (at most one is in flight). ``step`` is a whole
+        number not lower than the last step seen; ``metadata`` a dict of JSON values.
+        """
+        step = self._check_next_step(step, "save()")
+        metadata = _check_metadata(metadata, "save()")
+        self._start_save(step, state, metadata, trigger="save")
+        self._last_step = step
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the process groups. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._drain_votes()
+            self._closed = True
+            # "closed" tells the agent this rank finished its work, so an abort at interpreter exit
+            # is not a failure. Not while an exception propagates (close() in a finally or a with
+            # block during a crash): that must stay a failure.
+            if self._control is not None and not _exception_in_flight():
+                self._control.mark_closed(self.rank)
+                _take_back_closed_on_crash(self._control, self.rank)
+            if self._status.state not in ("flushed", "flush-failed"):
+                self._status.state = "closed"
+            self._report(force=True)
+            self._destroy_groups()
+            if self._stager is not None:
+                self._stager.close()  # frees the staging buffers kept between saves
+                self._stager = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _warn_if_not_the_agents_uri(self) -> None:
+        """(rank 0) The controller watches the agent's URI for flush commits: a script writing
+        elsewhere would flush where nobody looks."""
+        agents = os.environ.get(ENV_CHECKPOINT_URI)
+        if self._control is None or not agents or self.rank != 0:
+            return
+        try:
+            differs = normalise_uri(agents) != normalise_uri(self.storage.uri)
+        except ValueError:
+            differs = True
+        if differs:
+            log.error(
+                "this Checkpointer writes to %s but spotjob-agent watches %s (%s): flushes would be "
+                "committed where the controller never looks. Pass the agent's URI, or use "
+                "Checkpointer.from_env().",
+                self.storage.uri,
+                agents,
+                ENV_CHECKPOINT_URI,
+            )
+
+    def _claim(self) -> None:
+        """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""
+        outcome: tuple[str, str, str | None] = ("", "", None)
+        if self.rank == 0:
+            try:
+                claim(self.storage, self.config.job)
+                outcome = ("ok", "", None)
+            except OwnershipError as e:
+                outcome = ("owner", str(e), e.owner)
+            except StorageError as e:
+                outcome = ("storage", str(e), None)
+        kind, message, owner = self._broadcast(outcome)
+        if kind == "owner":
+            raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
+        if kind == "storage":
+            raise self._unavailable(f"claiming the URI for the job: {message}")
+
+    def _check_next_step(self, step: Any, call: str) -> int:
+        value = _check_step(step, call)
+        if self._last_step is not None and value < self._last_step:
+            raise ValueError(
+                f"{call}: step {value} is lower than the last step ({self._last_step}); steps count completed "
+                "training steps and never go back (a checkpoint of a lower step would sort below the newer ones)"
+            )
+        return value

@@ -1,0 +1,125 @@
+"""How and where to checkpoint (``CheckpointConfig``), one spelling per URI, and the checks on
+what the training script passes (steps, metadata) before anything is written."""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import JsonValue, TypeAdapter, ValidationError
+
+from agent.manifest import MAX_JSON_DEPTH, check_json_depth
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+_METADATA = TypeAdapter(dict[str, JsonValue])
+_MAX_METADATA_BYTES = 1 << 20
+
+
+@dataclass
+class CheckpointConfig:
+    """How and where to checkpoint. Cross-field checks run at construction, not deep in DCP."""
+
+    uri: str
+    """Where checkpoints go: s3://bucket/prefix, gs://bucket/prefix, file:///path or a path."""
+    every_steps: int | None = None
+    """Save every N completed steps (None: only on request or flush)."""
+    every_seconds: float | None = None
+    """Save when this much wall time has passed since the last save started (ranks agree)."""
+    keep: int | None = 3
+    """Committed checkpoints to keep (None: all). The newest valid one is never deleted."""
+    async_save: bool = True
+    """Block the loop only while staging to CPU memory; write and upload in the background."""
+    staging_dir: str | None = None
+    """Node-local folder ranks write to before uploading (the node's NVMe in production)."""
+    control_dir: str | None = None
+    """The folder shared with spotjob-agent (flush requests, status); None: no agent."""
+    job: str | None = None
+    """The job's name: the URI's owner (``agent.ownership``), recorded in manifests and logs."""
+    attempt: int | None = None
+    """The controller's attempt number for these workers (fencing); None: not fenced."""
+    start_fresh: bool = False
+    """Start from step 0 when committed checkpoints exist but none loads (they are retired)."""
+    io_threads: int = 8
+    """Parallel transfers per rank."""
+    release_staging: bool = False
+    """Free the host buffers an async save staged into as soon as that save is committed, instead of
+    keeping them for the next save. Gives a state-sized block of memory back between saves, at the
+    price of allocating (first-touching; pinning, with CUDA) it again on the next one."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1 (or None to disable), got {self.every_steps}")
+        if self.every_seconds is not None and self.every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0 (or None to disable), got {self.every_seconds}")
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"keep must be >= 1 (or None to keep everything), got {self.keep}")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)):
+            raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
+        if self.attempt is not None and self.attempt < 0:
+            raise ValueError(f"attempt must be >= 0 (or None), got {self.attempt}")
+
+
+def normalise_uri(uri: str) -> str:
+    """One spelling per location: ``s3://b/p``, ``gs://b/p``, ``file:///abs/path``."""
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("s3", "gs"):
+        prefix = "/".join(p for p in parsed.path.split("/") if p)
+        return f"{scheme}://{parsed.netloc}/{prefix}".rstrip("/")
+    path = parsed.path if scheme == "file" else uri
+    return "file://" + os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _check_step(step: Any, call: str) -> int:
+    """A step is a whole number of completed steps, >= 0."""
+    if isinstance(step, bool):
+        raise TypeError(f"{call}: step must be an int (completed steps), got the bool {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(
+            f"{call}: step must be an int (completed steps), got {step!r} ({type(step).__name__})"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{call}: step must be >= 0 (completed steps), got {value}")
+    return value
+
+
+def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
+    """User metadata goes into MANIFEST.json: a dict of JSON values, checked before anything is written."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"{call}: metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        checked = _METADATA.validate_python(dict(metadata))
+        encoded = json.dumps(checked).encode()
+    except (ValidationError, TypeError, ValueError, RecursionError) as e:
+        where = ""
+        if isinstance(e, ValidationError) and e.errors():
+            loc = e.errors()[0].get("loc", ())
+            where = "".join(f"[{p!r}]" for p in loc[:1]) or ""
+        raise TypeError(
+            f"{call}: metadata{where} is not JSON (numbers, strings, bools, None, lists, dicts with str keys); "
+            "convert tensors with float(...) or .tolist()"
+        ) from None
+    if len(encoded) > _MAX_METADATA_BYTES:
+        raise ValueError(
+            f"{call}: metadata is {len(encoded)} bytes as JSON, more than {_MAX_METADATA_BYTES}; it goes into "
+            "every manifest: keep it to small values (loss, tokens seen) and save bulky data as state"
+        )
+    try:
+        check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
+    except ValueError:
+        raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
+    return checked

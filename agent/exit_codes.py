@@ -1,0 +1,69 @@
+"""The agent's exit code: what the command's end, the flush and the ranks' reports add up to.
+
+Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
+else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error and the command failed; else
+76 if the flush failed; else 0 if the command succeeded or every rank wrote ``closed-rank-<r>``;
+else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code — 1 if that is
+one of 74/75/76/79, which mean what the agent saw (``agent.launcher`` adds the rendezvous case)."""
+
+from __future__ import annotations
+
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, FlushResult
+
+
+def command_exit_code(returncode: int) -> int:
+    """Popen's returncode as a shell reports it (killed by signal N → 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+RESERVED_EXIT_CODES = frozenset({EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED})
+"""Codes only the agent reports, for what it saw itself; a command's own use of one is remapped."""
+EXIT_COMMAND_USED_RESERVED = 1
+"""What the agent reports for a command that exited 74/75/76/79 by itself: a plain failure."""
+
+
+def decide_exit_code(
+    returncode: int,
+    *,
+    flush_requested: bool,
+    result: FlushResult | None,
+    closed_ranks: set[int],
+    expected_ranks: int | None,
+    killed: bool,
+    stopped: str | None = None,
+    infra_error: str | None = None,
+) -> tuple[int, str]:
+    """The agent's exit code for a command that ended with ``returncode``, and why.
+
+    ``stopped``: why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
+    error a rank reported (or the agent found), if any. 75, 76, 74 and 79 are reported only for
+    what this agent saw: a command that exits with one of them by itself gets 1.
+    """
+    code = command_exit_code(returncode)
+    if result is not None and result.error is None:
+        return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
+    if stopped is not None:
+        return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
+    if infra_error is not None and (code != 0 or killed):
+        # Only when the command failed: a script that caught a failed save and finished its work
+        # did finish, whatever the store did meanwhile.
+        return EXIT_INFRA_ERROR, f"infrastructure error: {infra_error} (command exit code {code})"
+    if result is not None:
+        # Before the closed-rank check: a script that calls close() in a `finally` marks its
+        # ranks closed after a failed flush too, and that job did not finish.
+        return EXIT_FLUSH_FAILED, f"the flush failed: {result.error} (command exit code {code})"
+    if expected_ranks and len(closed_ranks) >= expected_ranks:
+        # The known abort at interpreter exit ("terminate called without an active exception")
+        # after every rank finished its work: the job is done, whatever torchrun says.
+        return 0, f"every rank closed ({len(closed_ranks)}/{expected_ranks}); the command exited {code}"
+    if code == 0 and not killed:
+        return 0, "the command finished"
+    if flush_requested:
+        return EXIT_FLUSH_FAILED, f"no checkpoint was committed (command exit code {code})"
+    if code in RESERVED_EXIT_CODES:
+        return EXIT_COMMAND_USED_RESERVED, (
+            f"the command exited {code} by itself, a code spotjob-agent reserves for what it saw itself "
+            f"(74 infrastructure error, 75 committed flush, 76 failed flush, 79 stopped): "
+            f"reporting {EXIT_COMMAND_USED_RESERVED}, a failure of the command"
+        )
+    return code, f"the command exited {code}"

@@ -1,0 +1,290 @@
+"""spotjob-agent's command line: its options, checked once into an ``AgentConfig``.
+
+``agent.launcher.main`` parses with ``parse_args`` and runs the ``Agent``; the names here stay
+importable from ``agent.launcher``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agent.control_api import ENV_AGENT_TOKEN
+from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRESH
+from agent.notices import aws, azure, gcp
+from agent.notices.detect import ENV_CLOUD, Cloud
+from agent.storage import parse_uri
+
+ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
+ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
+ENV_AZURE_METADATA_URL = "SPOTJOB_AZURE_METADATA_URL"
+ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
+"""Hidden: a poll interval outside 1-5 s, for tests against emulators."""
+
+NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
+RebalancePolicy = Literal["ignore", "save-early", "flush"]
+
+
+class AgentConfig(BaseModel):
+    """Everything ``spotjob-agent`` was told; checked once, at start-up."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    command: list[str] = Field(min_length=1)
+    """The command after ``--``, run in a session of its own."""
+    checkpoint_uri: str | None = None
+    """Passed as SPOTJOB_CHECKPOINT_URI; None keeps the one already in the environment."""
+    job_name: str | None = None
+    every_steps: int | None = Field(default=None, ge=1)
+    every_seconds: float | None = Field(default=None, gt=0)
+    keep: int | None = Field(default=None, ge=1)
+    async_save: bool | None = None
+    staging_dir: str | None = None
+    control_dir: str | None = None
+    """None: a fresh temporary folder, removed at exit."""
+    control_host: str = "127.0.0.1"
+    control_port: int = Field(default=0, ge=0, le=65535)
+    token_file: str | None = None
+    notices: tuple[str, ...] | None = None
+    """Exactly these sources; None: SIGTERM plus the detected cloud, minus the ``--no-*`` ones."""
+    disabled: frozenset[str] = frozenset()
+    cloud: Cloud | None = None
+    """None: auto-detect (or SPOTJOB_CLOUD)."""
+    aws_metadata_url: str = aws.DEFAULT_BASE_URL
+    gcp_metadata_url: str = gcp.DEFAULT_BASE_URL
+    azure_metadata_url: str = azure.DEFAULT_BASE_URL
+    poll_interval: float = Field(default=2.0, gt=0)
+    rebalance: RebalancePolicy = "save-early"
+    sigterm_grace: float = Field(default=30.0, ge=0)
+    gcp_notice_seconds: float = Field(default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0)
+    safety_margin: float = Field(default=1.5, ge=1.0)
+    """A flush "fits" when the time left >= last save duration x this."""
+    exit_timeout: float = Field(default=30.0, ge=0)
+    """After a flush result, how long the command gets to exit before it is killed."""
+    flush_timeout: float = Field(default=600.0, gt=0)
+    """For a flush without a deadline: how long before the agent gives up and kills the command."""
+    kill_grace: float = Field(default=5.0, ge=0)
+    """SIGTERM → SIGKILL when killing the command's processes."""
+    expected_ranks: int | None = Field(default=None, ge=1)
+    """Ranks on this node that must write closed-rank-<r> for a finished job."""
+    attempt: int | None = Field(default=None, ge=0)
+    """The attempt number the controller recorded before starting this worker (SPOTJOB_ATTEMPT)."""
+    start_fresh: bool = False
+    """SPOTJOB_START_FRESH=1: the ranks start from step 0 on purpose although checkpoints exist."""
+    exit_with_parent: bool = False
+    """Flush and stop when the process that started the agent (the driver) is gone."""
+    parent_grace: float = Field(default=30.0, gt=0)
+    """The deadline of the flush after the parent is gone, in seconds."""
+    rank_connect_timeout: float = Field(default=120.0, gt=0)
+    """Warn when no rank has written status.json this long after the start."""
+
+
+def _interval(value: str) -> float:
+    seconds = float(value)
+    if not 1.0 <= seconds <= 5.0:
+        raise argparse.ArgumentTypeError("must be between 1 and 5 seconds")
+    return seconds
+
+
+def _notice_list(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in NOTICE_SOURCES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown source(s) {', '.join(unknown)}; choose from {', '.join(NOTICE_SOURCES)}"
+        )
+    return names
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spotjob-agent",
+        usage="spotjob-agent [OPTIONS] -- COMMAND [ARGS...]",
+        description="Run a training command (e.g. torchrun ... train.py); on a preemption notice, tell its "
+        "ranks to flush a checkpoint. Exits 75 after a committed flush, 76 when a flush could not commit, "
+        "74 on an infrastructure error (storage unreachable, rendezvous port taken), 79 when stopped through "
+        "POST /stop, else with the command's own code (1 if that is one of these).",
+    )
+    ck = p.add_argument_group("checkpoint (passed to the ranks as SPOTJOB_* variables)")
+    ck.add_argument("--checkpoint-uri", help=f"where checkpoints go (required unless {ENV_CHECKPOINT_URI} is set)")
+    ck.add_argument("--job-name")
+    ck.add_argument("--every-steps", type=int, help="save every N steps")
+    ck.add_argument("--every-seconds", type=float, help="save every N seconds")
+    ck.add_argument("--keep", type=int, help="checkpoints to keep")
+    ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
+    ck.add_argument("--staging-dir")
+    ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
+    ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
+    ck.add_argument(
+        "--attempt", type=int, help=f"the attempt number the controller recorded for this start (sets {ENV_ATTEMPT})"
+    )
+    ck.add_argument(
+        "--start-fresh",
+        action="store_true",
+        help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
+    )
+
+    api = p.add_argument_group("control API")
+    api.add_argument("--control-host", default="127.0.0.1", help="default 127.0.0.1; other hosts need a token")
+    api.add_argument("--control-port", type=int, default=0, help="0 (default): a free port, written to agent.json")
+    api.add_argument("--token-file", help=f"file holding the bearer token (else {ENV_AGENT_TOKEN})")
+
+    no = p.add_argument_group("notices")
+    no.add_argument("--notices", type=_notice_list, help=f"exactly these sources: {','.join(NOTICE_SOURCES)}")
+    no.add_argument(
+        "--cloud",
+        choices=("auto", *[c.value for c in Cloud]),
+        default=env.get(ENV_CLOUD) or "auto",
+        help=f"skip detection (also {ENV_CLOUD})",
+    )
+    for name in ("aws", "gcp", "azure"):
+        no.add_argument(f"--no-{name}", action="store_true", help=f"do not listen for {name} notices")
+    no.add_argument(
+        "--no-sigterm",
+        action="store_true",
+        help="SIGTERM/SIGINT/SIGHUP are no notices: they stop the command without a flush",
+    )
+    no.add_argument(
+        "--aws-metadata-url",
+        default=env.get(ENV_AWS_METADATA_URL) or aws.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_AWS_METADATA_URL})",
+    )
+    no.add_argument(
+        "--gcp-metadata-url",
+        default=env.get(ENV_GCP_METADATA_URL) or gcp.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_GCP_METADATA_URL})",
+    )
+    no.add_argument(
+        "--azure-metadata-url",
+        default=env.get(ENV_AZURE_METADATA_URL) or azure.DEFAULT_BASE_URL,
+        help=f"metadata base URL (also {ENV_AZURE_METADATA_URL})",
+    )
+    no.add_argument("--poll-interval", type=_interval, default=2.0, help="metadata poll interval, 1-5 s (default 2)")
+    no.add_argument(
+        "--rebalance",
+        choices=("ignore", "save-early", "flush"),
+        default="save-early",
+        help="what an AWS rebalance recommendation does (default save-early)",
+    )
+    no.add_argument("--sigterm-grace", type=float, default=30.0, help="deadline after SIGTERM/SIGINT (default 30 s)")
+    no.add_argument(
+        "--gcp-notice-seconds",
+        type=float,
+        default=gcp.PREEMPTION_NOTICE_SECONDS,
+        help="deadline after GCE preempted=TRUE (default 30 s)",
+    )
+
+    st = p.add_argument_group("stopping")
+    st.add_argument("--safety-margin", type=float, default=1.5, help="a flush fits if time left >= last save x this")
+    st.add_argument(
+        "--exit-timeout",
+        type=float,
+        default=30.0,
+        help="after the flush result, seconds the command gets to exit before it is killed (default 30)",
+    )
+    st.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=600.0,
+        help="a flush without a deadline is given up after this (default 600 s)",
+    )
+    st.add_argument("--kill-grace", type=float, default=5.0, help="SIGTERM to SIGKILL when killing (default 5 s)")
+    st.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="when the process that started the agent dies (e.g. a killed `spotjob run`), flush and stop",
+    )
+    st.add_argument(
+        "--parent-grace",
+        type=float,
+        default=30.0,
+        help="the deadline of that flush, in seconds after the parent is found gone (default 30)",
+    )
+    st.add_argument(
+        "--rank-connect-timeout",
+        type=float,
+        default=120.0,
+        help="warn when no rank has connected to the control folder this long after the start (default 120 s)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig, str]:
+    """``(config, log level)``; exits 2 with a usage message on bad arguments."""
+    parser = build_parser(env)
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    ns = parser.parse_args(argv[:split])  # before the check below, so that --help works
+    if split == len(argv):
+        parser.error("the command goes after '--': spotjob-agent [OPTIONS] -- torchrun ... train.py")
+    command = argv[split + 1 :]
+    if not command:
+        parser.error("no command after '--'")
+    if ns.cloud not in ("auto", *[c.value for c in Cloud]):
+        parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
+    if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
+        parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
+    uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
+    try:
+        parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
+    except ValueError as e:
+        parser.error(f"{uri_option}: {e}")
+    disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
+    try:
+        config = AgentConfig(
+            command=command,
+            checkpoint_uri=ns.checkpoint_uri,
+            job_name=ns.job_name,
+            every_steps=ns.every_steps,
+            every_seconds=ns.every_seconds,
+            keep=ns.keep,
+            async_save=None if ns.async_save is None else ns.async_save == "on",
+            staging_dir=ns.staging_dir,
+            control_dir=ns.control_dir,
+            control_host=ns.control_host,
+            control_port=ns.control_port,
+            token_file=ns.token_file,
+            notices=ns.notices,
+            disabled=disabled,
+            cloud=None if ns.cloud == "auto" else Cloud(ns.cloud),
+            aws_metadata_url=ns.aws_metadata_url,
+            gcp_metadata_url=ns.gcp_metadata_url,
+            azure_metadata_url=ns.azure_metadata_url,
+            poll_interval=ns.poll_interval,
+            rebalance=ns.rebalance,
+            sigterm_grace=ns.sigterm_grace,
+            gcp_notice_seconds=ns.gcp_notice_seconds,
+            safety_margin=ns.safety_margin,
+            exit_timeout=ns.exit_timeout,
+            flush_timeout=ns.flush_timeout,
+            kill_grace=ns.kill_grace,
+            expected_ranks=ns.expected_ranks,
+            attempt=ns.attempt,
+            start_fresh=ns.start_fresh,
+            exit_with_parent=ns.exit_with_parent,
+            parent_grace=ns.parent_grace,
+            rank_connect_timeout=ns.rank_connect_timeout,
+        )
+    except ValidationError as e:
+        problems = "; ".join(
+            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {_plain(err)}" for err in e.errors()
+        )
+        parser.error(problems)
+    return config, ns.log_level
+
+
+def _plain(err: Any) -> str:
+    """A pydantic error in an operator's words (no "Input should be", no documentation URL)."""
+    ctx = err.get("ctx") or {}
+    words = {
+        "greater_than_equal": "must be at least {ge}",
+        "greater_than": "must be more than {gt}",
+        "less_than_equal": "must be at most {le}",
+        "less_than": "must be less than {lt}",
+    }.get(err.get("type", ""))
+    if words is not None:
+        return words.format(**ctx)
+    return str(err.get("msg", "invalid value")).removeprefix("Value error, ")

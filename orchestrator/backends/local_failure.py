@@ -1,0 +1,86 @@
+"""Why a local worker failed, told from the end of its log: the line that says why."""
+
+from __future__ import annotations
+
+import os
+import re
+
+LOG_TAIL_BYTES = 256 * 1024
+"""How much of the end of a worker's log is read to tell why it failed."""
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+_OS_CAUSE = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|"
+    r"Cannot allocate memory|Out of memory|no space left|the filesystem is read-only|permission denied",
+)
+"""What an operator fixes outside the script, wherever a line says it: it outranks the exception
+it caused (``No space left on device`` rather than ``unexpected pos 704 vs 598``)."""
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+_USAGE = re.compile(r"^\S+: error: .+")
+_TORCHRUN_FAILURE = "ChildFailedError"
+_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
+"""torchrun's own log lines (glog style): how it noticed, not why."""
+MAX_CAUSE_CHARS = 240
+
+
+def _log_lines(path: str) -> list[str]:
+    """The end of a worker's log as lines, without torchrun's ``[rankN]:`` prefixes, the agent's own
+    lines, or torchrun's report of the failure (its traceback and the table after it)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _TORCHRUN_FAILURE in lines[i]:
+            start = max((j for j in range(i) if lines[j].startswith("Traceback (most recent call last)")), default=i)
+            lines = lines[:start]
+            break
+    return [
+        line
+        for line in lines
+        if line.strip() and "spotjob-agent[" not in line and not line.startswith("#") and not _TORCHRUN_LOG.match(line)
+    ]
+
+
+def _shorten(line: str, match: re.Match[str] | None = None) -> str:
+    line = line.strip()
+    if len(line) <= MAX_CAUSE_CHARS:
+        return line
+    if match is None or match.end() <= MAX_CAUSE_CHARS - 20:
+        end = match.end() if match is not None else MAX_CAUSE_CHARS - 20
+        return line[: max(end, MAX_CAUSE_CHARS - 40)].rstrip() + " …"
+    return f"{line[:140].rstrip()} … {line[max(0, match.start() - 40) : match.end() + 10].strip()} …"
+
+
+def failure_cause(log_path: str) -> str | None:
+    """The line of a failed worker's log that says why, or None when none does.
+
+    In order: a cause outside the script (a full disk, a read-only filesystem, permission denied,
+    memory), the last exception a rank raised or the last usage error (``train.py: error: ...``),
+    whichever came later; torchrun's own report of the failure is not the cause.
+    """
+    lines = _log_lines(log_path)
+    for line in reversed(lines):
+        m = _OS_CAUSE.search(line)
+        if m is not None:
+            return _shorten(line, m)
+    for line in reversed(lines):
+        if _EXCEPTION.match(line.strip()) or _USAGE.match(line.strip()):
+            return _shorten(line)
+    return None
+
+
+def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
+    """The last ``lines`` lines of a worker's log that the script wrote (see ``_log_lines``)."""
+    return _log_lines(log_path)[-lines:]
+
+
+def failure_detail(log_path: str) -> str:
+    """What a failed worker's reason carries: the telling line of its log, and the log's path."""
+    cause = failure_cause(log_path)
+    lines = log_excerpt(log_path, 1)
+    said = cause or (f"its log ends: {_shorten(lines[-1])}" if lines else "its log says nothing")
+    return f"{said} (log: {log_path})"

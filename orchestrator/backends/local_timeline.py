@@ -1,0 +1,65 @@
+"""The local run's timeline: what happened when (notices, steps, commits, workers, nodes), one
+JSON line an event, read back by ``spotjob status``, the live view and the goodput benchmark."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+class EventKind:
+    """What the timeline records (``Timeline``); plain strings in the JSON lines."""
+
+    RUN_STARTED = "run-started"
+    WORKER_STARTED = "worker-started"
+    STEP = "step"
+    COMMIT = "commit"
+    NOTICE = "notice"
+    NODE_TERMINATED = "node-terminated"
+    WORKER_EXITED = "worker-exited"
+    PHASE = "phase"
+    RUN_FINISHED = "run-finished"
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    t: float
+    """Unix time."""
+    kind: str
+    data: dict[str, Any]
+
+
+class Timeline:
+    """An append-only JSON-lines record of what happened in the local world, for the plot and summary.
+
+    One line per event: ``{"t": <unix time>, "kind": "...", ...}``. Written from several threads;
+    each line is appended whole under a lock. Readers skip a torn last line.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, **data: Any) -> None:
+        line = json.dumps({"t": round(time.time(), 3), "kind": kind, **data}, default=str)
+        with self._lock, open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    @staticmethod
+    def read(path: str) -> list[TimelineEvent]:
+        events: list[TimelineEvent] = []
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return events
+        for line in lines:
+            try:
+                raw = json.loads(line)
+                events.append(TimelineEvent(float(raw.pop("t")), str(raw.pop("kind")), raw))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return events
