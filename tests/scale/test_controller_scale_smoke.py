@@ -43,7 +43,14 @@ def test_a_preemption_costs_one_pod_deleted_one_created_a_few_status_writes_and_
         window = next(w for w in result.windows if w.name == name)
         n = window.preemptions
         calls = window.attributed_by_call
-        allowed = {"create events", "patch events", "create pods", "delete pods", "update spotjobs/status", "patch pods"}
+        allowed = {
+            "create events",
+            "patch events",
+            "create pods",
+            "delete pods",
+            "update spotjobs/status",
+            "patch pods",
+        }
         assert set(calls) <= allowed, calls
         # The checkpoint hints: one patch per pod per commit. A preemption brings the flush's commit,
         # hinted on the old pod while it still runs and on the new one once it runs (one pod per job).
