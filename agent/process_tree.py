@@ -7,8 +7,10 @@ find them, each covering a gap of the one before:
 
 1. The agent makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux): an
    orphaned descendant is re-parented to the agent instead of to init, so it stays in the tree.
-2. ``refresh()`` walks the parent links down from the agent a few times a second and remembers
-   every descendant with its creation time (so a recycled pid is never mistaken for one of ours).
+2. ``refresh()`` walks the parent links down from the command (and from the agent's children
+   that were seen below it, or carry its marker) a few times a second and remembers every
+   descendant with its creation time (so a recycled pid is never mistaken for one of ours). The
+   agent's process's other children are not the command's and are left alone.
 3. The command runs with ``SPOTJOB_AGENT_ID=<id>`` in its environment, inherited by everything it
    starts; ``stop_all`` also looks for it in every process's environment (``marked``), which finds
    a process that escaped both of the above (re-parented to init before the agent saw it,
@@ -135,7 +137,12 @@ def become_subreaper() -> bool:
 
 
 class ProcessTree:
-    """The command's processes: everything below ``root_pid`` (the agent) plus the marked ones."""
+    """The command's processes: everything below the command (``command_pid``), the orphans of it
+    re-parented to ``root_pid`` (the agent, a subreaper), and the marked ones.
+
+    Another child of the agent's process is none of its business: a process that embeds the agent
+    (a test, a user's own launcher) may have started servers of its own, and they are left alone.
+    """
 
     def __init__(self, agent_id: str, root_pid: int | None = None) -> None:
         self.agent_id = agent_id
@@ -144,6 +151,8 @@ class ProcessTree:
         """Never reaped here: ``subprocess.Popen`` owns its exit status."""
         self._known: dict[int, int] = {}
         """pid → start ticks of every descendant seen so far."""
+        self._foreign: set[tuple[int, int]] = set()
+        """(pid, start ticks) of the root's children that are not the command's (no marker)."""
 
     def refresh(self, scan_environ: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones."""
@@ -153,7 +162,12 @@ class ProcessTree:
         for p in procs:
             children.setdefault(p.ppid, []).append(p)
         members: dict[int, ProcInfo] = {}
-        stack = [self.root_pid]
+        # The root's children that are ours: the command, a descendant seen before (re-parented to
+        # the root), or one carrying the command's marker (an orphan never seen below it).
+        for child in children.get(self.root_pid, []):
+            if self._ours(child):
+                members[child.pid] = child
+        stack = list(members)
         while stack:
             for child in children.get(stack.pop(), []):
                 if child.pid not in members and child.pid != self.root_pid:
@@ -171,12 +185,30 @@ class ProcessTree:
         for p in members.values():
             self._known.setdefault(p.pid, p.start_ticks)
         self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
+        self._foreign = {(pid, t) for pid, t in self._foreign if pid in by_pid}
         return [p for p in members.values() if p.state != "Z"]
 
+    def _ours(self, child: ProcInfo) -> bool:
+        if child.pid == self.command_pid or self._known.get(child.pid) == child.start_ticks:
+            return True
+        identity = (child.pid, child.start_ticks)
+        if identity in self._foreign or child.state == "Z":
+            return False
+        if has_marker(child.pid, ENV_AGENT_ID, self.agent_id):
+            return True
+        self._foreign.add(identity)
+        return False
+
     def reap(self) -> None:
-        """Collect the exit status of inherited orphans (they are our children as a subreaper)."""
+        """Collect the exit status of inherited orphans (they are our children as a subreaper): the
+        zombies among the root's children that were members, never another child's status."""
         for p in all_processes():
-            if p.ppid == self.root_pid and p.state == "Z" and p.pid != self.command_pid:
+            if (
+                p.ppid == self.root_pid
+                and p.state == "Z"
+                and p.pid != self.command_pid
+                and self._known.get(p.pid) == p.start_ticks
+            ):
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(p.pid, os.WNOHANG)
 

@@ -311,16 +311,19 @@ class TestProcessTree:
 
     def test_finds_descendants_through_parent_links(self) -> None:
         # A stand-in agent as the root (never pytest itself, whose other children are the
-        # session's servers): it starts the "command", which starts a grandchild.
+        # session's servers): it starts the "command" (known to the tree by its marker, as the pid
+        # is not), which starts a grandchild, found through its parent link.
+        agent_id = uuid.uuid4().hex
         root = subprocess.Popen(
             [
                 sys.executable,
                 "-c",
                 "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
                 "\"import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)\"]); time.sleep(60)",
-            ]
+            ],
+            env={**os.environ, ENV_AGENT_ID: agent_id},
         )
-        tree = ProcessTree(uuid.uuid4().hex, root_pid=root.pid)
+        tree = ProcessTree(agent_id, root_pid=root.pid)
         try:
             deadline = time.monotonic() + 10
             while len(tree.refresh()) < 2 and time.monotonic() < deadline:
@@ -333,6 +336,31 @@ class TestProcessTree:
         finally:
             root.kill()
             root.wait()
+
+    def test_another_child_of_the_agents_process_is_left_alone(self) -> None:
+        # The agent embedded in a process with children of its own (here: pytest, whose children
+        # are this session's servers, such as fake-gcs-server): only the command's tree is stopped.
+        # Rooted at the agent's process, the walk used to take every child of it, and an in-process
+        # Agent.run() in a test killed the session's fake-gcs-server.
+        bystander = subprocess.Popen(["sleep", "60"])
+        command = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '61']); time.sleep(60)"]
+        )
+        tree = ProcessTree(uuid.uuid4().hex)  # rooted at this process, as Agent.run() roots it
+        tree.command_pid = command.pid
+        try:
+            deadline = time.monotonic() + 10
+            while len(tree.refresh()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            members = {p.pid for p in tree.refresh(scan_environ=True)}
+            assert command.pid in members and bystander.pid not in members and len(members) == 2
+            tree.stop_all(grace=1.0, reason="test")
+            assert command.wait(10) is not None
+            assert bystander.poll() is None, "a child that is not the command's was stopped"
+        finally:
+            for p in (bystander, command):
+                p.kill()
+                p.wait()
 
 
 class RecordingSource(NoticeSource):
