@@ -129,6 +129,8 @@ class Window:
     attributed: int = 0
     """Calls naming the preempted jobs, their pods, Events and their nodes' Events."""
     attributed_by_call: dict[str, int] = field(default_factory=dict)
+    pods_deleted: int = 0
+    """Distinct pods among the attributed deletes (a delete may be sent again on a stale cache)."""
     preemptions: int = 0
 
 
@@ -525,6 +527,7 @@ def controller_window(
         picked = [r for r in mine if about(r)]
         window.attributed = len(picked)
         window.attributed_by_call = dict(sorted(Counter(f"{r.verb} {r.resource_path}" for r in picked).items()))
+        window.pods_deleted = len({r.name for r in picked if r.verb == "delete" and r.resource == "pods"})
         window.preemptions = len(preempted)
     return window
 

@@ -55,7 +55,10 @@ def test_a_preemption_costs_one_pod_deleted_one_created_a_few_status_writes_and_
         # The checkpoint hints: one patch per pod per commit. A preemption brings the flush's commit,
         # hinted on the old pod while it still runs and on the new one once it runs (one pod per job).
         assert calls.get("patch pods", 0) <= n * 2, calls
-        assert calls["delete pods"] == n and calls["create pods"] == n, calls
+        assert window.pods_deleted == n and calls["create pods"] == n, (window.pods_deleted, calls)
+        # A delete may go out again when the next pass still finds the pod in its cache (seen once in
+        # CI on a loaded machine): idempotent, and bounded.
+        assert n <= calls["delete pods"] <= 2 * n, calls
         assert n * 2 <= calls["update spotjobs/status"] <= n * 10, calls
         assert n * 3 <= calls.get("create events", 0) + calls.get("patch events", 0) <= n * 10, calls
 
