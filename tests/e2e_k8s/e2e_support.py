@@ -37,14 +37,13 @@ from local_run_support import BIN, NPROC, STEPS, TRAIN, assert_same_final_state 
 
 from tests.k8s.cluster import TestCluster  # noqa: E402
 from tests.k8s.cluster.client import ApiCallError  # noqa: E402
+from tests.k8s.spotjob_crd import GROUP_PATH, install_crd  # noqa: E402,F401
 
 __all__ = ["BIN", "NPROC", "STEPS", "TRAIN", "assert_same_final_state"]
 
 CONTROLLER_NAMESPACE = "spotjob-system"
 CONTROLLER_USER = f"system:serviceaccount:{CONTROLLER_NAMESPACE}:spotjob"
 CONTROLLER_LABELS = "app.kubernetes.io/name=spotjob,app.kubernetes.io/instance=spotjob"
-CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
-GROUP_PATH = "/apis/spotjob.dev/v1alpha1"
 WAIT = 240.0
 """Generous: a loaded 2-core machine starts torch slowly. Only a hang ever reaches it."""
 
@@ -241,22 +240,6 @@ def event_reasons(cluster: TestCluster, namespace: str, name: str) -> list[str]:
 def create_job(cluster: TestCluster, body: dict[str, Any]) -> dict[str, Any]:
     created: dict[str, Any] = cluster.rest.request("POST", jobs_path(body["metadata"]["namespace"]), body)
     return created
-
-
-def install_crd(cluster: TestCluster) -> None:
-    import yaml
-
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    try:
-        cluster.rest.request("POST", path, crd)
-    except ApiCallError as e:
-        if e.status != 409:
-            raise
-        current = cluster.rest.get(f"{path}/{crd['metadata']['name']}")
-        crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        cluster.rest.request("PUT", f"{path}/{crd['metadata']['name']}", crd)
-    cluster.wait_for(lambda: cluster.rest.get(GROUP_PATH), 30, "the SpotJob CRD to be served")
 
 
 # -- what happened -------------------------------------------------------------------------------

@@ -23,11 +23,10 @@ from typing import Any
 
 from tests.k8s.cluster import TestCluster
 from tests.k8s.cluster.client import ApiCallError
+from tests.k8s.spotjob_crd import GROUP_PATH, install_crd  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
-GROUP_PATH = "/apis/spotjob.dev/v1alpha1"
 USER = "jane@example.com"
 """The person running ``kubectl spotjob`` (an identity of its own in the audit log)."""
 
@@ -58,22 +57,6 @@ def run_kubectl_spotjob(
 
 def jobs_path(namespace: str, name: str = "") -> str:
     return f"{GROUP_PATH}/namespaces/{namespace}/spotjobs" + (f"/{name}" if name else "")
-
-
-def install_crd(cluster: TestCluster) -> None:
-    import yaml
-
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    try:
-        cluster.rest.request("POST", path, crd)
-    except ApiCallError as e:
-        if e.status != 409:
-            raise
-        current = cluster.rest.get(f"{path}/{crd['metadata']['name']}")
-        crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        cluster.rest.request("PUT", f"{path}/{crd['metadata']['name']}", crd)
-    cluster.wait_for(lambda: cluster.rest.get(GROUP_PATH), 30, "the SpotJob CRD to be served")
 
 
 def rfc3339(t: datetime) -> str:
