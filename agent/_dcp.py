@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from agent._direct_io import open_direct
 from agent._rank_state import refusal_reason
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
@@ -259,9 +260,11 @@ class _Writer(FileSystemWriter):
 
     - tensors are serialized without torch.save's zip CRC-32 (``save_tensor_without_crc``);
     - every byte goes through a ``ChecksummedFile``: its CRC32C is computed as it is written, so
-      the manifest's CRC needs no read-back pass, and for a durable save the kernel is told to
-      start writing each block back to disk as soon as it is written, so the disk works while
-      the next block is serialized instead of all at the final fsync;
+      the manifest's CRC needs no read-back pass. For a durable save the blocks go to the disk
+      with ``O_DIRECT`` when ``direct`` is set (``agent._direct_io``: no page cache, the disk
+      writing one block while the next is serialized); otherwise the kernel is told to start
+      writing each block back as soon as it is written, so the disk works while the next block
+      is serialized instead of all at the final fsync;
     - nothing is fsynced here: the Checkpointer fsyncs every file of a save together
       (``sync_files``), after the last one is written.
 
@@ -270,9 +273,12 @@ class _Writer(FileSystemWriter):
     ``SaveCancelledError``.
     """
 
-    def __init__(self, path: str, *, durable: bool, cancel: threading.Event | None = None) -> None:
+    def __init__(
+        self, path: str, *, durable: bool, direct: bool = False, cancel: threading.Event | None = None
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
         self.durable = durable
+        self.direct = direct
         self.cancel = cancel
         self.written: dict[str, tuple[int, int]] = {}
         self.metadata: Metadata | None = None
@@ -293,7 +299,7 @@ class _Writer(FileSystemWriter):
         self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]
     ) -> list[WriteResult]:
         results = []
-        with ChecksummedFile(path, writeback=self.durable, cancel=self.cancel) as stream:
+        with ChecksummedFile(path, writeback=self.durable, direct=self.direct, cancel=self.cancel) as stream:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(self._write_item(stream, planner.resolve_data(item), item, storage_key))
@@ -342,18 +348,32 @@ class ChecksummedFile:
     storage, handed over as a memoryview of the tensor's own memory) go straight to ``os.write``
     in blocks of ``BLOCK`` bytes. With ``writeback``, each block is handed to the kernel's
     writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so by the time the
-    file is fsynced most of it is on disk already. ``cancel`` is checked before every block.
-    Closing does not fsync (see ``sync_files``); a failure removes the file.
+    file is fsynced most of it is on disk already. With ``direct``, the blocks go to the disk
+    with ``O_DIRECT`` instead, through ``agent._direct_io.DirectWriter`` (where the filesystem
+    refuses ``O_DIRECT``, the file is written as without it). ``cancel`` is checked before every
+    block. Closing does not fsync (see ``sync_files``); a failure removes the file.
     """
 
     BLOCK = 16 * 1024 * 1024
     _SMALL = 1024 * 1024
 
-    def __init__(self, path: str, *, writeback: bool = False, cancel: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        writeback: bool = False,
+        direct: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.path = path
         self.crc = 0
         self.size = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._direct = open_direct(path) if direct else None
+        self._fd = (
+            self._direct.fd
+            if self._direct is not None
+            else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        )
         self._pending = bytearray()
         self._writeback = writeback
         self._written_back = 0
@@ -408,6 +428,10 @@ class ChecksummedFile:
         if self._cancel is not None and self._cancel.is_set():
             raise SaveCancelledError(f"writing {self.path} was given up: a newer save superseded it")
         self.crc = crc32c_bytes(view, self.crc)
+        if self._direct is not None:
+            self._direct.write(view)
+            self.size += view.nbytes
+            return
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
@@ -416,8 +440,14 @@ class ChecksummedFile:
             start_writeback(self._fd, self._written_back, self.size - self._written_back)
             self._written_back = self.size
 
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes went to the disk with ``O_DIRECT`` (all of them, or up to where the
+        filesystem refused it)."""
+        return self._direct is not None
+
     def fileno(self) -> int:
-        return self._fd
+        return self._direct.fd if self._direct is not None else self._fd
 
     def close(self) -> None:
         if self._fd < 0:
@@ -425,16 +455,25 @@ class ChecksummedFile:
         try:
             self.check()
             self.flush()
+            if self._direct is not None:
+                self._direct.finish(self.size)
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+        elif self._fd >= 0:
+            os.close(self._fd)
         self._fd = -1
 
     def abort(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            if self._direct is not None:
+                self._direct.abort()
+            self._close_fd()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -474,15 +513,16 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
     parallel_map(fsync, [(p,) for p in paths], parallelism)
 
 
-def make_writer(path: str, *, durable: bool, cancel: threading.Event | None = None) -> _Writer:
+def make_writer(path: str, *, durable: bool, direct: bool = False, cancel: threading.Event | None = None) -> _Writer:
     """DCP's writer into a rank's staging folder (one file per rank, no zip CRC-32: see ``_Writer``).
 
     ``durable``: the staged files become the checkpoint (a filesystem store links them into
     place), so their writeback starts as they are written and the Checkpointer fsyncs them. For
     an object store they are only an upload buffer: a crash loses them along with the upload, and
-    no manifest is ever written for them.
+    no manifest is ever written for them. ``direct``: the shards go to the disk with ``O_DIRECT``
+    (``agent._direct_io``), for a durable save only.
     """
-    return _Writer(path, durable=durable, cancel=cancel)
+    return _Writer(path, durable=durable, direct=direct and durable, cancel=cancel)
 
 
 # -- DCP's save and load, minus their single-process warning ------------------------------------

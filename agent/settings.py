@@ -58,6 +58,7 @@ class CheckpointerEnv(BaseSettings):
     attempt: int | None = Field(None, description="a whole number")
     start_fresh: bool = Field(False, description="a boolean (1/0, true/false)")
     release_staging: bool = Field(False, description="a boolean (1/0, true/false)")
+    direct_io: bool | None = Field(None, description="a boolean (1/0, true/false)")
 
 
 class StorageEnv(BaseSettings):

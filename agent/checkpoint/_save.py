@@ -18,6 +18,7 @@ import torch
 
 from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
+from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
@@ -68,6 +69,7 @@ class _Saving(_Voting):
 
     _inflight: _Save | None
     _fenced: FencedSaveError | None
+    _direct_io: bool
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -217,7 +219,12 @@ class _Saving(_Voting):
         )
         background = self.config.async_save and not blocking
         if dcp_state:
-            save.writer = make_writer(local_dir, durable=self.storage.local_path("") is not None, cancel=save.cancel)
+            save.writer = make_writer(
+                local_dir,
+                durable=self.storage.local_path("") is not None,
+                direct=self._direct_io,
+                cancel=save.cancel,
+            )
             if background:
                 if self._stager is None:
                     self._stager = make_stager()
@@ -259,6 +266,7 @@ class _Saving(_Voting):
                 # The next save waits for this one before it stages, so nothing else uses the stager.
                 self._stager.close()
                 self._stager = None
+                release_buffers()
             save.done.set()
 
     def _write_upload_commit(self, save: _Save) -> None:

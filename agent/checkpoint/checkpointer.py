@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agent._direct_io import suits_direct_io
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
@@ -82,6 +83,7 @@ class Checkpointer(_Saving, _Restoring):
         start_fresh: bool | None = None,
         io_threads: int = 8,
         release_staging: bool = False,
+        direct_io: bool | None = None,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
@@ -102,6 +104,7 @@ class Checkpointer(_Saving, _Restoring):
             start_fresh=start_fresh,
             io_threads=io_threads,
             release_staging=release_staging,
+            direct_io=env.direct_io if direct_io is None else direct_io,
         )
         self.storage = open_storage(uri)
         self._dist = dist.is_available() and dist.is_initialized()
@@ -112,6 +115,10 @@ class Checkpointer(_Saving, _Restoring):
         result, which that node's agent reads (its readiness, its step, its exit code). Every rank
         knows the same state and the commit's outcome, so each node's first rank can tell it."""
         self._staging_root = staging_dir or self._default_staging()
+        self._direct_io = self.storage.local_path("") is not None and (
+            self.config.direct_io if self.config.direct_io is not None else suits_direct_io(self._staging_root)
+        )
+        """Shards go to the disk with O_DIRECT (a filesystem store: the staged files are the checkpoint)."""
         # Before the groups: creating them waits for every rank, so no rank can start a save
         # while local rank 0 is still clearing the staging folder.
         self._clean_stale_staging()

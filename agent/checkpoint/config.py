@@ -53,6 +53,11 @@ class CheckpointConfig:
     """Free the host buffers an async save staged into as soon as that save is committed, instead of
     keeping them for the next save. Gives a state-sized block of memory back between saves, at the
     price of allocating (first-touching; pinning, with CUDA) it again on the next one."""
+    direct_io: bool | None = None
+    """Write a filesystem store's shards with ``O_DIRECT`` (from memory to the disk, without the
+    page cache; ``agent._direct_io``). None: where the staging folder is on a local block
+    filesystem (ext4, XFS, btrfs, f2fs), not on NFS, FUSE, overlay or tmpfs. Object stores' staged
+    files are upload buffers read straight back, and always go through the page cache."""
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
