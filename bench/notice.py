@@ -5,9 +5,10 @@ per-step flush check costs the training loop.
    (moto on loopback), in one process: the notice is the agent's ``flush.json`` (written through
    ``ControlDir.request_flush``, exactly what spotjob-agent does), and the clock stops when
    ``Checkpointer.step()`` returns True, i.e. when MANIFEST.json is committed. Two cases:
-   *idle* (no save in flight) and *busy* (the notice lands right after an async save started, so
-   the flush first waits for it — the worst case). Next to it, the raw floor for the same bytes:
-   one file of that size written with fsync (filesystem) or ``upload_file`` with boto3 (S3).
+   *idle* (no save in flight) and *busy* (the notice lands right after an async save started: the
+   flush gives that save up at its next block and writes its own — the worst case). Next to it,
+   the raw floor for the same bytes: one file of that size written with fsync (filesystem) or
+   ``upload_file`` with boto3 (S3).
 2. The flush check: 2 torchrun ranks (gloo, CPU) train the smallest model; each rank times its
    training steps and, separately, ``Checkpointer.step()`` on steps where nothing is due (one
    ``stat`` plus the asynchronous vote). Reported as a fraction of the step time (target ≤ 1%).
@@ -240,7 +241,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{payload.get('load_average_at_end', ['?'])[0]:.1f} at the end. Single process; the notice is the agent's "
         "`flush.json`; the clock",
         "stops when `step()` returns True (MANIFEST.json committed). *busy*: the notice lands right after an",
-        f"async save started, so the flush first waits for it. Medians of {payload['repeat']} runs.",
+        "async save started; the flush gives that save up at its next block and writes its own. "
+        f"Medians of {payload['repeat']} runs.",
         "",
         "| backend | state | idle | busy (worst case) | raw floor | idle / floor (target ≤ 1.25x) "
         "| busy / floor (target ≤ 2x) | fits 30 s | fits 120 s |",
