@@ -22,8 +22,10 @@ import builtins
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import io
 import logging
+import mmap
 import os
 import pathlib
 import pickle
@@ -36,7 +38,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -175,6 +185,8 @@ class VerifiedReader(FileSystemReader):
         self._metadata: Metadata | None = None
         self.data_read_started = False
         """True once DCP began copying verified bytes into the target state."""
+        self.read_in_place = 0
+        """Tensors read straight into their targets (``_read_in_place``)."""
 
     def ensure_local(self, relative_path: str) -> str:
         """Make ``relative_path`` available under ``local_dir``, verified; return its path."""
@@ -213,9 +225,111 @@ class VerifiedReader(FileSystemReader):
         needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
         # Fetch (object stores) or CRC-check (filesystem) every file this rank needs, in
         # parallel, before DCP copies a single byte into the live state.
-        parallel_map(self.ensure_local, [(p,) for p in sorted(needed)], self.parallelism)
+        # Meanwhile, have the kernel map the CPU targets' pages (a fresh model's memory is not
+        # there yet until first touched), so the copies below only copy. Nothing is written.
+        targets = [planner.resolve_tensor(i) for i in plan.items if i.type == LoadItemType.TENSOR]
+        mapping = threading.Thread(target=map_for_writing, args=(targets,), name="spotjob-map", daemon=True)
+        mapping.start()
+        try:
+            parallel_map(self.ensure_local, [(p,) for p in sorted(needed)], self.parallelism)
+        finally:
+            mapping.join()
         self.data_read_started = True  # from here on, live tensors may change
-        return super().read_data(plan, planner)
+        rest = [item for item in plan.items if not self._read_in_place(item, planner)]
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _read_in_place(self, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Read one saved tensor's bytes straight into its target, when nothing needs converting.
+
+        DCP's own path ``torch.load``s each tensor into fresh memory and then copies it into the
+        target: two passes over the bytes and a state-sized allocation. When the record holds one
+        whole contiguous tensor of the target's dtype and shape and the target is a contiguous CPU
+        tensor, its bytes are read from the (already verified) file into the target instead. The
+        record is inspected without reading its data (``torch.serialization.skip_data``, a
+        thread-local switch; ``weights_only`` as everywhere). False: DCP's path reads the item.
+        """
+        if item.type != LoadItemType.TENSOR:
+            return False
+        info = self.storage_data[item.storage_index]
+        if info.transform_descriptors or any(item.storage_offsets):
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or list(item.lengths) != list(target.shape):
+            return False
+        path = os.path.join(self.local_dir, info.relative_path)
+        try:
+            with open(path, "rb") as stream:
+                with torch.serialization.skip_data():
+                    saved = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+                if not (
+                    isinstance(saved, torch.Tensor)
+                    and saved.dtype == target.dtype
+                    and saved.shape == target.shape
+                    and saved.is_contiguous()
+                    and saved.storage_offset() == 0
+                    and saved.untyped_storage().nbytes() == target.nbytes
+                ):
+                    return False
+                records = torch._C.PyTorchFileReader(self._slice_file(stream, info))
+                data = [name for name in records.get_all_records() if name.startswith("data/")]
+                if len(data) != 1 or records.get_record_size(data[0]) != target.nbytes:
+                    return False
+                offset = int(records.get_record_offset(data[0]))  # type: ignore[attr-defined]
+        except Exception:  # DCP's path reads it, and reports what is wrong with it as it always did
+            return False
+        if offset + target.nbytes > info.length:
+            return False
+        _read_exactly(path, info.offset + offset, target)
+        planner.commit_tensor(item, target)
+        self.read_in_place += 1
+        return True
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_madvise: Any = None
+
+
+def map_for_writing(tensors: list[torch.Tensor]) -> None:
+    """Fault in the pages of these CPU tensors' memory, writable, without changing a byte
+    (``madvise(MADV_POPULATE_WRITE)``); a no-op where the kernel lacks it. Memory the process has
+    not touched yet (a model built for the restore) is otherwise mapped page by page during the
+    copy into it, which on a VM can cost more than the copy itself."""
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = libc.madvise
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.nbytes < page:
+            continue
+        storage = tensor.untyped_storage()
+        start = -(-storage.data_ptr() // page) * page
+        end = (storage.data_ptr() + storage.nbytes()) // page * page
+        if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+            return  # EINVAL: an older kernel; nothing else to try
+
+
+def _read_exactly(path: str, offset: int, target: torch.Tensor) -> None:
+    """``target.nbytes`` bytes of ``path`` from ``offset`` into ``target``'s memory."""
+    if not target.nbytes:
+        return
+    view = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise CorruptObjectError(f"{path} ended before the tensor it records", os.path.basename(path))
+            view = view[n:]
+            offset += n
+    finally:
+        os.close(fd)
 
 
 # -- writing without the zip CRC-32, for spotjob's own files only ------------------------------

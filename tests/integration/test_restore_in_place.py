@@ -1,0 +1,106 @@
+"""A filesystem restore reads each verified tensor's bytes straight into its parameter or optimizer
+state when nothing needs converting (``VerifiedReader._read_in_place``), and leaves every other
+item to DCP's own path: non-tensor values, non-contiguous tensors, a tensor of another dtype.
+Either way the state comes back exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from agent import _dcp
+from agent.checkpoint import Checkpointer
+
+
+@pytest.fixture
+def in_place(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(tensors read in place, items in the plan) per read_data call."""
+    seen: list[tuple[int, int]] = []
+    original = _dcp.VerifiedReader.read_data
+
+    def counted(self: _dcp.VerifiedReader, plan: Any, planner: Any) -> Any:
+        before = self.read_in_place
+        result = original(self, plan, planner)
+        seen.append((self.read_in_place - before, len(plan.items)))
+        return result
+
+    monkeypatch.setattr(_dcp.VerifiedReader, "read_data", counted)
+    return seen
+
+
+def trained(seed: int, *, transposed: bool = False) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    if transposed:  # a parameter whose memory is not in row order
+        model[1].weight = nn.Parameter(torch.randn(4, 32).t().contiguous().t())
+        assert not model[1].weight.is_contiguous()
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 16)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def layers(model: nn.Sequential) -> tuple[nn.Linear, nn.Linear]:
+    first, second = model
+    assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)
+    return first, second
+
+
+def same(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        for key, value in oa.state[pa].items():
+            assert torch.equal(value, ob.state[pb][key]), key
+
+
+def test_every_tensor_of_a_plain_model_is_read_straight_into_place(
+    tmp_path: Path, in_place: list[tuple[int, int]]
+) -> None:
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
+    same(model, fresh, optim, fresh_optim)
+    tensors = 4 + 4 * 3  # 4 parameters; Adam's exp_avg, exp_avg_sq and step for each
+    read, items = (sum(column) for column in zip(*in_place, strict=True))  # model and optimizer loads
+    assert read == tensors and items > tensors  # the rest are the param groups' plain values
+
+
+def test_a_non_contiguous_parameter_goes_through_dcps_path_and_comes_back_exactly(
+    tmp_path: Path, in_place: list[tuple[int, int]]
+) -> None:
+    model, optim = trained(0, transposed=True)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1, transposed=True)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
+    same(model, fresh, optim, fresh_optim)
+    read = sum(r for r, _ in in_place)
+    # All but the transposed weight and its two Adam moments (created with the weight's strides).
+    assert read == 4 + 4 * 3 - 3
+
+
+def test_a_parameter_of_another_dtype_is_converted_by_dcps_path(
+    tmp_path: Path, in_place: list[tuple[int, int]]
+) -> None:
+    model, _ = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": model})
+    fresh, _ = trained(1)
+    fresh[0].to(torch.float64)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+    (saved_first, saved_second), (first, second) = (layers(model), layers(fresh))
+    assert first.weight.dtype == torch.float64
+    assert torch.equal(first.weight, saved_first.weight.double())
+    assert torch.equal(second.weight, saved_second.weight)
+    ((read, _),) = in_place
+    assert read == 2  # the second layer's weight and bias; the first layer's two are converted
