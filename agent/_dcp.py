@@ -275,9 +275,9 @@ class VerifiedReader(FileSystemReader):
                 if len(data) != 1 or records.get_record_size(data[0]) != target.nbytes:
                     return False
                 offset = int(records.get_record_offset(data[0]))  # type: ignore[attr-defined]
+                if offset + target.nbytes > info.length:
+                    return False
         except Exception:  # DCP's path reads it, and reports what is wrong with it as it always did
-            return False
-        if offset + target.nbytes > info.length:
             return False
         _read_exactly(path, info.offset + offset, target)
         planner.commit_tensor(item, target)

@@ -28,6 +28,8 @@ import os
 import queue
 import threading
 
+from agent.mounts import mount_of
+
 ALIGN = 4096
 """Offsets and lengths of direct writes are multiples of this (the largest common logical block)."""
 BLOCK = 16 * 1024 * 1024
@@ -41,25 +43,9 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def filesystem_type(path: str, mounts: str | None = None) -> str | None:
-    """The type of the filesystem holding ``path`` (the longest mount point above it), from
-    ``/proc/self/mounts`` (or ``mounts``, its text); None where it cannot be told."""
-    if mounts is None:
-        try:
-            with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-                mounts = f.read()
-        except OSError:
-            return None
-    path = os.path.realpath(path)
-    best: tuple[int, str] | None = None
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1].replace("\\040", " ")
-        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-        if inside and (best is None or len(mount) >= best[0]):
-            best = (len(mount), parts[2])
-    return best[1] if best else None
+    """The type of the filesystem holding ``path`` (``agent.mounts.mount_of``); None where it cannot be told."""
+    mount = mount_of(path, mounts)
+    return mount.fstype if mount else None
 
 
 def suits_direct_io(path: str, mounts: str | None = None) -> bool:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.mounts import mount_of
+
 T = TypeVar("T")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -169,16 +171,7 @@ def _read(path: str) -> str | None:
 
 def _mount_of(path: str) -> tuple[str, str, str]:
     """(device, mount point, filesystem type) of the filesystem holding ``path``."""
-    path = os.path.realpath(path)
-    best = ("?", "/", "?")
-    for line in (_read("/proc/mounts") or "").splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        device, mount, fstype = parts[0], parts[1], parts[2]
-        if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[1]):
-            best = (device, mount, fstype)
-    return best
+    return mount_of(path) or ("?", "/", "?")
 
 
 def describe_disk(path: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.crd import CRD_PATH
 from orchestrator.model import (
     AttemptStatus,
     Avoidance,
@@ -38,6 +37,7 @@ from orchestrator.model import (
 from orchestrator.store import parse_job
 from tests.k8s.cluster import ApiCallError, TestCluster
 from tests.k8s.fixtures import cluster, k8s_cluster, namespace
+from tests.k8s.spotjob_crd import install_crd
 
 __all__ = ["cluster", "k8s_cluster", "namespace"]
 
@@ -49,17 +49,7 @@ PATH = "/apis/spotjob.dev/v1alpha1/namespaces/{ns}/spotjobs"
 @pytest.fixture(scope="module")
 def spotjob_crd(k8s_cluster: TestCluster) -> None:
     """The generated CRD, installed (replaced if one is there)."""
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    try:
-        k8s_cluster.rest.request("POST", path, crd)
-    except ApiCallError as e:
-        if e.status != 409:
-            raise
-        current = k8s_cluster.rest.get(f"{path}/{crd['metadata']['name']}")
-        crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        k8s_cluster.rest.request("PUT", f"{path}/{crd['metadata']['name']}", crd)
-    k8s_cluster.wait_for(lambda: k8s_cluster.rest.get("/apis/spotjob.dev/v1alpha1"), 30, "the SpotJob CRD")
+    install_crd(k8s_cluster)
 
 
 def example(path: Path, namespace: str, name: str | None = None) -> dict[str, Any]:

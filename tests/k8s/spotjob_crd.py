@@ -3,20 +3,18 @@ end-to-end and the plugin tests)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import yaml
 
+from orchestrator.crd import CRD_PATH
 from tests.k8s.cluster import TestCluster
 from tests.k8s.cluster.client import ApiCallError
 
-CRD_FILE = Path(__file__).resolve().parents[2] / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 GROUP_PATH = "/apis/spotjob.dev/v1alpha1"
 
 
 def install_crd(cluster: TestCluster) -> None:
     """Create (or replace) the CRD and wait until its group is served."""
-    crd = yaml.safe_load(CRD_FILE.read_text())
+    crd = yaml.safe_load(CRD_PATH.read_text())
     path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     try:
         cluster.rest.request("POST", path, crd)
