@@ -68,6 +68,8 @@ class CheckpointConfig:
             raise ValueError(f"keep must be >= 1 (or None to keep everything), got {self.keep}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise TypeError(f"direct_io must be True, False or None (choose by filesystem), got {self.direct_io!r}")
         if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)):
             raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
         if self.attempt is not None and self.attempt < 0:

@@ -84,3 +84,9 @@ def test_the_environment_turns_o_direct_off_and_an_argument_wins_over_it(
     monkeypatch.setenv("SPOTJOB_DIRECT_IO", "sometimes")
     with pytest.raises(ValueError, match="SPOTJOB_DIRECT_IO='sometimes' is not a boolean"):
         Checkpointer(str(tmp_path / "c"))
+
+
+def test_a_direct_io_that_is_not_a_bool_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="direct_io must be True, False or None"):
+        Checkpointer(str(tmp_path / "ckpt"), direct_io="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists()
