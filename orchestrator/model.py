@@ -110,7 +110,9 @@ class BackoffSpec(_Resource):
     """How long to wait before starting the workers again: ``initial * 2**(n-1)`` capped at ``max``.
 
     ``n`` counts consecutive restarts (preemptions and failures alike); an attempt that ran for
-    ``resetAfterSeconds`` resets it, so a job preempted once a day always restarts quickly.
+    ``resetAfterSeconds`` resets it, so a job preempted once a day always restarts quickly. A
+    preemption counts one less: the first in a row waits for nothing (its checkpoint is committed
+    and the next attempt goes to other capacity), a second one ``initial``, then doubling.
     """
 
     initial_seconds: float = Field(default=10.0, ge=0, description="wait before the first restart")

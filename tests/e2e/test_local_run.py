@@ -253,6 +253,34 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
+# -- starting an attempt, pass after pass ----------------------------------------------------------
+
+
+def test_starting_an_attempt_again_spawns_nothing_and_does_not_wake_the_controller(tmp_path: Path) -> None:
+    """The reconciler calls start_workers on every pass while an attempt starts. Each call used to
+    wake the controller again at once, so `spotjob run` spun at a full core (thousands of passes)
+    exactly while the ranks imported torch, and took a fresh port each time."""
+    key = JobKey.local("again")
+    spec = JobSpec(
+        command=[str(TRAIN), "--steps", "100000", "--step-sleep", "0.2"],
+        nproc_per_node=1,
+        checkpoint=CheckpointSpec(uri=str(tmp_path / "ckpt")),
+    )
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        backend.start_workers(key, spec, 0, Placement())
+        assert backend.changed.is_set(), "a worker started: the controller looks again"
+        backend.changed.clear()
+        ports = dict(backend._ports)
+        for _ in range(5):
+            backend.start_workers(key, spec, 0, Placement())
+        assert not backend.changed.is_set(), "nothing new happened"
+        assert backend._ports == ports
+        timeline = Timeline.read(str(tmp_path / "run" / "timeline.jsonl"))
+        started = [e for e in timeline if e.kind == EventKind.WORKER_STARTED]
+        assert [e.data["worker"] for e in started] == ["again-0-0"]
+        backend.stop_workers(key, spec, flush=False)
+
+
 # -- a gang stopped without a flush -------------------------------------------------------------
 
 
