@@ -428,7 +428,7 @@ def test_asks_an_unreachable_agent_again_but_never_asks_an_agent_twice(world: Wo
 # -- budgets ------------------------------------------------------------------------------------
 
 
-def test_preemptions_never_consume_max_restarts_and_a_run_of_them_backs_off_exponentially_up_to_the_cap(tmp_path: Any) -> None:
+def test_preemptions_never_consume_max_restarts_and_a_run_of_them_backs_off_exponentially(tmp_path: Any) -> None:
     w = make_world(tmp_path, replicas=1, maxRestarts=0, cooldown={"seconds": 0})
     stops: list[float] = []
     starts: list[float] = []
