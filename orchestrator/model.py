@@ -111,8 +111,8 @@ class BackoffSpec(_Resource):
 
     ``n`` counts consecutive restarts (preemptions and failures alike); an attempt that ran for
     ``resetAfterSeconds`` resets it, so a job preempted once a day always restarts quickly. A
-    preemption counts one less: the first in a row waits for nothing (its checkpoint is committed
-    and the next attempt goes to other capacity), a second one ``initial``, then doubling.
+    preempted attempt that committed progress (a checkpoint past the one it resumed from) waits
+    for nothing: it is no loop, and the next attempt goes to other capacity.
     """
 
     initial_seconds: float = Field(default=10.0, ge=0, description="wait before the first restart")

@@ -54,8 +54,8 @@ Entering Rescheduling emits ``Rescheduled`` and appends the restart to ``status.
 (time, stopped attempt, cause, reason, message; the newest 20). It stops the whole gang — with a
 flush after a preemption, without one (``flush=False``: the agents' ``POST /stop``) after a failure
 of the user's code or an infrastructure error, because the healthy ranks would wait for their dead
-peers — waits until none of it is alive and the backoff has passed (none for the first preemption
-in a row), then starts the next attempt
+peers — waits until none of it is alive and the backoff has passed (none after a preemption whose
+attempt committed progress), then starts the next attempt
 away from the preempted nodes (and zones / instance types, if the spec says so, for
 ``cooldown.seconds``). While the attempt starts, every pass calls ``start_workers`` again (it is
 idempotent: a backend may create its workers over several passes).
@@ -1144,9 +1144,13 @@ class Reconciler:
         else:
             ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
             status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
-            # A preemption is not a crash loop: the first one in a row restarts at once, onto other
-            # capacity, from the checkpoint it just committed; only a run of them backs off.
-            waits = status.consecutive_restarts - (1 if recovery.cause is Cause.PREEMPTION else 0)
+            waits = status.consecutive_restarts
+            step, resumed = p.checkpoint_step, stopped.resumed_from_step
+            if recovery.cause is Cause.PREEMPTION and step is not None and (resumed is None or step > resumed):
+                # Not a loop: the attempt committed progress and the next one goes to other
+                # capacity, so waiting would only lose time. A preempted attempt that committed
+                # nothing past its start (nodes taken away as fast as they come) backs off.
+                waits = 0
             delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (waits - 1)) if waits else 0.0
         if recovery.cause is Cause.INFRASTRUCTURE:
             delay = self._options.infra_delay(status.consecutive_restarts)

@@ -428,41 +428,59 @@ def test_asks_an_unreachable_agent_again_but_never_asks_an_agent_twice(world: Wo
 # -- budgets ------------------------------------------------------------------------------------
 
 
-def test_preemptions_never_consume_max_restarts_and_a_run_of_them_backs_off_exponentially(tmp_path: Any) -> None:
-    w = make_world(tmp_path, replicas=1, maxRestarts=0, cooldown={"seconds": 0})
+def preempt_five_times(w: World, *, commit: bool) -> list[float]:
+    """Five preemptions in a row, each heard by the running attempt's agent; the delay from each
+    Rescheduling to the next attempt's workers."""
     stops: list[float] = []
     starts: list[float] = []
     w.run_until(phase_is(Phase.RUNNING))
     for n in range(1, 6):
-        w.backend.agent_hears_notice(n - 1, 0)
+        w.backend.agent_hears_notice(n - 1, 0, commit=commit)
         w.run_until(phase_is(Phase.RESCHEDULING))
         stops.append(w.clock.at())
         w.run_until(running_attempt(n))
         starts.append((w.backend.worker(n, 0).created_at - EPOCH).total_seconds())
+    return [s - t for s, t in zip(starts, stops, strict=True)]
+
+
+def test_preemptions_never_consume_max_restarts_and_restart_at_once_when_they_committed_progress(
+    tmp_path: Any,
+) -> None:
+    w = make_world(tmp_path, replicas=1, maxRestarts=0, cooldown={"seconds": 0})
+
+    delays = preempt_five_times(w, commit=True)
 
     status = w.status
-    assert (status.preemptions, status.restarts) == (5, 0)
+    assert (status.preemptions, status.restarts, status.consecutive_restarts) == (5, 0, 5)
     assert status.phase is Phase.RUNNING
-    # The first preemption in a row restarts at once (the pass after the one that stopped the gang);
-    # the ones after it wait 10 s, doubling up to the cap.
-    assert [s - t for s, t in zip(starts, stops, strict=True)] == [0, 10, 20, 40, 80]
+    # Each flush committed a step past the attempt's start: no loop, the pass after the stop starts it.
+    assert delays == [0, 0, 0, 0, 0]
+
+
+def test_preemptions_that_committed_nothing_back_off_exponentially_up_to_the_cap(tmp_path: Any) -> None:
+    w = make_world(tmp_path, replicas=1, maxRestarts=0, cooldown={"seconds": 0})
+
+    delays = preempt_five_times(w, commit=False)
+
+    assert (w.status.preemptions, w.status.restarts) == (5, 0)
+    assert delays == [10, 20, 40, 80, 80]
 
 
 def test_an_attempt_that_ran_long_enough_resets_the_backoff(tmp_path: Any) -> None:
     w = make_world(tmp_path, replicas=1, cooldown={"seconds": 0})
     w.run_until(phase_is(Phase.RUNNING))
-    w.backend.agent_hears_notice(0, 0)
+    w.backend.agent_hears_notice(0, 0, commit=False)
     w.run_until(running_attempt(1))
-    w.backend.agent_hears_notice(1, 0)
+    w.backend.agent_hears_notice(1, 0, commit=False)
     w.run_until(running_attempt(2))
     assert w.status.consecutive_restarts == 2
 
     w.run_to(w.clock.at() + 700)
-    w.backend.agent_hears_notice(2, 0)
+    w.backend.agent_hears_notice(2, 0, commit=False)
     status = w.run_until(phase_is(Phase.RESCHEDULING))
 
     assert status.consecutive_restarts == 1
-    assert status.recovery is not None and status.recovery.restart_at == w.clock.now(), "the first in a row: no wait"
+    assert status.recovery is not None and status.recovery.restart_at == w.clock.now() + timedelta(seconds=10)
 
 
 def test_crashes_of_the_users_code_consume_max_restarts_and_back_off_too(tmp_path: Any) -> None:
