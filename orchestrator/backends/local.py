@@ -294,26 +294,29 @@ class LocalBackend:
         return []
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
-        started = False
         with self._lock:
-            port = self._ports.get((str(key), attempt))
-            if port is None:
-                port = self._ports[(str(key), attempt)] = free_port()
             taken: set[str] = set()
+            placed: list[tuple[int, LocalNode]] = []
             for index in range(spec.replicas):
-                name = worker_name(key, attempt, index)
-                existing = self._workers.get(name)
+                existing = self._workers.get(worker_name(key, attempt, index))
                 if existing is not None and existing.job == key:
                     taken.add(existing.node.name)
                     continue  # idempotent: this attempt's worker exists
                 node = self._cloud.place(placement, taken)
                 taken.add(node.name)
-                self._workers[name] = self._spawn(key, spec, attempt, index, node, port)
-                started = True
-        # Only news wakes the controller: the reconciler calls this on every pass while an attempt
-        # starts, and waking it each time spun the driver at a full core while ranks imported torch.
-        if started:
-            self.changed.set()
+                placed.append((index, node))
+            if not placed:
+                # Only news wakes the controller: the reconciler calls this on every pass while
+                # an attempt starts, and waking it each time spun the driver at a full core.
+                return
+            # Chosen once the nodes exist: a new node's IMDS server binds an ephemeral port too, and
+            # a port chosen (and let go) before it could be handed to that server.
+            port = self._ports.get((str(key), attempt))
+            if port is None:
+                port = self._ports[(str(key), attempt)] = free_port()
+            for index, node in placed:
+                self._workers[worker_name(key, attempt, index)] = self._spawn(key, spec, attempt, index, node, port)
+        self.changed.set()
 
     def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
         with self._lock:
