@@ -115,7 +115,11 @@ class BackoffSpec(_Resource):
     for nothing: it is no loop, and the next attempt goes to other capacity.
     """
 
-    initial_seconds: float = Field(default=10.0, ge=0, description="wait before the first restart")
+    initial_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="wait before the first restart (none after a preemption that committed progress)",
+    )
     max_seconds: float = Field(default=300.0, ge=0, description="the cap on the wait")
     reset_after_seconds: float = Field(
         default=600.0, ge=0, description="an attempt running this long resets the backoff to initialSeconds"
