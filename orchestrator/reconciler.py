@@ -800,7 +800,7 @@ class Reconciler:
         if recovery is not None and recovery.restart_at is not None and p.now < recovery.restart_at:
             return (recovery.restart_at - p.now).total_seconds()
 
-        if p.stop_flush is not None:
+        if p.stopped:
             # This pass stopped the gang; the stop goes out once the status is written, and would
             # take down an attempt started in the same pass. Start it on the next one.
             return 0.0
@@ -1144,14 +1144,16 @@ class Reconciler:
         else:
             ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
             status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
-            waits = status.consecutive_restarts
             step, resumed = p.checkpoint_step, stopped.resumed_from_step
-            if recovery.cause is Cause.PREEMPTION and step is not None and (resumed is None or step > resumed):
-                # Not a loop: the attempt committed progress and the next one goes to other
-                # capacity, so waiting would only lose time. A preempted attempt that committed
-                # nothing past its start (nodes taken away as fast as they come) backs off.
-                waits = 0
-            delay = min(backoff.max_seconds, backoff.initial_seconds * 2 ** (waits - 1)) if waits else 0.0
+            # A preempted attempt that committed progress is no loop, and the next one goes to
+            # other capacity: waiting would only lose time. One that committed nothing past its
+            # start (nodes taken away as fast as they come) backs off.
+            progressed = recovery.cause is Cause.PREEMPTION and step is not None and (resumed is None or step > resumed)
+            delay = (
+                0.0
+                if progressed
+                else min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
+            )
         if recovery.cause is Cause.INFRASTRUCTURE:
             delay = self._options.infra_delay(status.consecutive_restarts)
         self._end_requested_flush(p, why)

@@ -31,6 +31,7 @@ from agent.catalog import list_checkpoints
 from agent.control_channel import EXIT_STOPPED
 from agent.ownership import attempt_records, read_owner
 from agent.storage import open_storage
+from orchestrator.backends import local
 from orchestrator.backends.base import Placement
 from orchestrator.backends.local import ENV_NODE, EventKind, LocalBackend, LocalOptions, Timeline, marked_pids
 from orchestrator.cli_run import LocalRun, RunConfig
@@ -256,16 +257,21 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
 # -- starting an attempt, pass after pass ----------------------------------------------------------
 
 
-def test_starting_an_attempt_again_spawns_nothing_and_does_not_wake_the_controller(tmp_path: Path) -> None:
-    """The reconciler calls start_workers on every pass while an attempt starts. Each call used to
-    wake the controller again at once, so `spotjob run` spun at a full core (thousands of passes)
-    exactly while the ranks imported torch, and took a fresh port each time."""
-    key = JobKey.local("again")
+def one_rank_job(tmp_path: Path, name: str) -> tuple[JobKey, JobSpec]:
+    """A one-rank job that trains for as long as the test lets it, checkpointing under ``tmp_path``."""
     spec = JobSpec(
         command=[str(TRAIN), "--steps", "100000", "--step-sleep", "0.2"],
         nproc_per_node=1,
         checkpoint=CheckpointSpec(uri=str(tmp_path / "ckpt")),
     )
+    return JobKey.local(name), spec
+
+
+def test_starting_an_attempt_again_spawns_nothing_and_does_not_wake_the_controller(tmp_path: Path) -> None:
+    """The reconciler calls start_workers on every pass while an attempt starts. Each call used to
+    wake the controller again at once, so `spotjob run` spun at a full core (thousands of passes)
+    exactly while the ranks imported torch, and took a fresh port each time."""
+    key, spec = one_rank_job(tmp_path, "again")
     with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
         backend.start_workers(key, spec, 0, Placement())
         assert backend.changed.is_set(), "a worker started: the controller looks again"
@@ -287,14 +293,7 @@ def test_the_rendezvous_port_is_chosen_once_the_nodes_metadata_servers_hold_thei
     """A new node's IMDS server binds an ephemeral port. A rendezvous port chosen (and let go)
     before the node was provisioned could be handed to that server, and the agent then exited 74
     (port taken): seen in a goodput run, 8 s lost. Each port must be chosen after placement."""
-    import orchestrator.backends.local as local
-
-    key = JobKey.local("ports")
-    spec = JobSpec(
-        command=[str(TRAIN), "--steps", "100000", "--step-sleep", "0.2"],
-        nproc_per_node=1,
-        checkpoint=CheckpointSpec(uri=str(tmp_path / "ckpt")),
-    )
+    key, spec = one_rank_job(tmp_path, "ports")
     with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
         bound_when_chosen: list[set[str]] = []
         real_free_port = local.free_port
@@ -317,12 +316,7 @@ def test_the_rendezvous_port_is_chosen_once_the_nodes_metadata_servers_hold_thei
 
 
 def test_a_gang_stopped_without_a_flush_is_told_post_stop_and_exits_79(tmp_path: Path) -> None:
-    key = JobKey.local("stopped")
-    spec = JobSpec(
-        command=[str(TRAIN), "--steps", "100000", "--step-sleep", "0.2"],
-        nproc_per_node=1,
-        checkpoint=CheckpointSpec(uri=str(tmp_path / "ckpt")),
-    )
+    key, spec = one_rank_job(tmp_path, "stopped")
     with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
         backend.start_workers(key, spec, 0, Placement())
         wait_for(
