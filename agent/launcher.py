@@ -105,10 +105,10 @@ from agent.notices import aws, azure, gcp
 from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
 from agent.notices.detect import Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
-from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
+from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper, read_proc, signal_process
 from agent.restore_cache import default_staging, prefetch_in_background
 from agent.storage import Storage, open_storage, parse_uri
-from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_nproc
+from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_args, torchrun_nproc
 
 log = logging.getLogger(__name__)
 
@@ -521,6 +521,14 @@ class Agent:
                     time.sleep(WATCH_TICK)
                     continue
                 return returncode
+            if self._only_torchrun_left(child, tree):
+                # Its ranks are gone and the flush committed: what torchrun does next (report the
+                # failed workers, close its rendezvous, exit; 0.5-1 s) would only delay the restart.
+                log.info("the ranks exited after the committed flush: ending torchrun (pid %d) now", child.pid)
+                info = read_proc(child.pid)
+                if info is not None:
+                    signal_process(info, signal.SIGKILL)
+                return child.wait()
             if self._terminate_requested is not None:
                 kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
                 kill_at = now
@@ -535,6 +543,20 @@ class Agent:
                 tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
                 return child.wait()
             time.sleep(WATCH_TICK)
+
+    def _only_torchrun_left(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool:
+        """Whether the command is torchrun, this agent's flush committed, and torchrun is the only
+        process of the command still running (its ranks exited: nothing of the job's is left in it).
+
+        Scans the process tree on every tick, but only once the flush has committed.
+        """
+        with self._lock:
+            flush = self._flush
+        if flush is None or flush.result is None or flush.result.error is not None:
+            return False
+        if torchrun_args(self.config.command) is None:
+            return False
+        return [p.pid for p in tree.refresh()] == [child.pid]
 
     def _check_ranks(self, now: float) -> None:
         """Warn once when no rank connected in time, and when the ranks write somewhere else."""

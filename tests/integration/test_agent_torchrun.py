@@ -88,7 +88,13 @@ class AgentRun:
 
 
 def start_agent(
-    tmp: Path, name: str, uri: str, agent_args: list[str], train_args: list[str], token: str | None = TOKEN
+    tmp: Path,
+    name: str,
+    uri: str,
+    agent_args: list[str],
+    train_args: list[str],
+    token: str | None = TOKEN,
+    torchrun_args: tuple[str, ...] = (),
 ) -> AgentRun:
     control = tmp / f"control-{name}"
     log_path = tmp / f"{name}.log"
@@ -119,6 +125,7 @@ def start_agent(
         "2",
         "--master-port",
         str(free_port()),
+        *torchrun_args,
         str(TRAIN),
         "--steps",
         str(STEPS),
@@ -239,6 +246,34 @@ def test_a_notice_from_each_source_commits_one_step_on_both_ranks_and_the_restar
     assert resumed.wait() == 0, resumed.log()
     assert f"starting at step {flushed} of {STEPS}" in resumed.log()
     assert_bit_identical(reference, tmp_path / "resumed")
+
+
+def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
+    tmp_path: Path,
+) -> None:
+    """torchrun notices its ranks' exit only at its next monitor tick (60 s here), then reports the
+    failed workers and closes its rendezvous: the agent does not wait for any of it once the flush
+    committed and no rank is left, so torchrun never gets to print its failure report."""
+    uri = str(tmp_path / "ckpt")
+    run = start_agent(
+        tmp_path,
+        "teardown",
+        uri,
+        ["--cloud", "none"],
+        ["--step-sleep", "0.05", "--every-steps", "25"],
+        torchrun_args=("--monitor-interval", "60"),
+    )
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    assert post_flush(run, TOKEN) in (200, 202)
+    rc = run.wait(timeout=50)  # torchrun alone would take 60 s to notice
+    log = run.log()
+    assert rc == EXIT_PREEMPTED, log
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None
+    assert committed_steps_per_rank(uri, result.step) == {result.step}
+    assert "the ranks exited after the committed flush: ending torchrun" in log, log
+    assert "ChildFailedError" not in log, log
+    assert "exiting 75: the flush committed step" in log, log
 
 
 def test_a_notice_during_an_async_save_commits_the_flush_after_the_save_in_flight(
