@@ -106,7 +106,6 @@ from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
 from agent.notices.detect import Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper, read_proc, signal_process
-from agent.restore_cache import default_staging, prefetch_in_background
 from agent.storage import Storage, open_storage, parse_uri
 from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_args, torchrun_nproc
 
@@ -461,6 +460,10 @@ class Agent:
         uri = self.checkpoint_uri
         if not uri:
             return
+        # Imported here, once the command runs: the checksum and catalog modules it needs are not
+        # on the way to starting torchrun.
+        from agent.restore_cache import default_staging, prefetch_in_background
+
         job = self.config.job_name
 
         def open_store() -> Storage:
