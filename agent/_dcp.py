@@ -184,7 +184,11 @@ class VerifiedReader(FileSystemReader):
         self._verified: set[str] = set()
         self._metadata: Metadata | None = None
         self.data_read_started = False
-        """True once DCP began copying verified bytes into the target state."""
+        """True once DCP began copying verified bytes into live tensors (``into_live`` loads)."""
+        self.into_live = True
+        """Whether the next load's targets are the caller's live tensors (False: fresh ones)."""
+        self.prefault: list[torch.Tensor] = []
+        """Tensors a later load will copy into: their pages are mapped along with this load's."""
         self.read_in_place = 0
         """Tensors read straight into their targets (``_read_in_place``)."""
 
@@ -228,13 +232,16 @@ class VerifiedReader(FileSystemReader):
         # Meanwhile, have the kernel map the CPU targets' pages (a fresh model's memory is not
         # there yet until first touched), so the copies below only copy. Nothing is written.
         targets = [planner.resolve_tensor(i) for i in plan.items if i.type == LoadItemType.TENSOR]
+        targets += self.prefault
+        self.prefault = []
         mapping = threading.Thread(target=map_for_writing, args=(targets,), name="spotjob-map", daemon=True)
         mapping.start()
         try:
             parallel_map(self.ensure_local, [(p,) for p in sorted(needed)], self.parallelism)
         finally:
             mapping.join()
-        self.data_read_started = True  # from here on, live tensors may change
+        if self.into_live:
+            self.data_read_started = True  # from here on, live tensors may change
         rest = [item for item in plan.items if not self._read_in_place(item, planner)]
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 

@@ -362,15 +362,20 @@ class _Restoring(_Voting):
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
         dcp_state = dict(get_model_state_dict(bag))
-        dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
+        saved: dict[str, Any] = {}
         if optims:
-            # An empty target is filled from the checkpoint's metadata, as dcp_to_torch_save does.
-            saved: dict[str, Any] = {}
+            # The optimizer state first, into fresh tensors built from the checkpoint's metadata (as
+            # dcp_to_torch_save does): nothing live changes, and while its files are checked the
+            # pages of those tensors and of the model's (loaded next) are mapped, in one overlap.
+            reader.into_live = False
+            reader.prefault = [t for t in dcp_state.values() if isinstance(t, torch.Tensor)]
             dcp_load(saved, reader, SafeEmptyLoadPlanner(keys=set(optims)), process_group=self._ctl_pg, no_dist=no_dist)
             missing = sorted(set(optims) - set(saved))
             if missing:
                 raise MissingStateKeysError(f"the checkpoint holds no optimizer state for {missing}")
-            dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
+            reader.into_live = True
+        dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
+        dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
         return dcp_state
 
     def _load_failure(self, ref: CheckpointRef, e: BaseException) -> tuple[str, str]:

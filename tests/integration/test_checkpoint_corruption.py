@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from agent._dcp import load_dcp_metadata
 from agent.catalog import CheckpointRef, inspect, verify_deep
@@ -228,14 +228,23 @@ def test_a_malicious_rank_file_is_refused_by_weights_only_loading(
     assert not marker.exists()
 
 
-def plant_malicious_value(folder: Path, marker: Path) -> str:
-    """Re-point a non-tensor value (an optimizer hyper-parameter) at a pickle that runs code."""
+def plant_malicious_value(folder: Path, marker: Path, *, in_model: bool = False) -> str:
+    """Re-point a value at a pickle that runs code: an optimizer hyper-parameter, or (``in_model``)
+    the model's last tensor, whose record then no longer reads in place and goes through DCP's
+    ``torch.load`` after the model's other tensors were read into the live model."""
     metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
-    fqn = next(
-        k
-        for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr")
-    )
+    if in_model:
+        fqn = [
+            k
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and k.startswith("model")
+        ][-1]
+    else:
+        fqn = next(
+            k
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, BytesStorageMetadata) and k.startswith("optim") and k.endswith(".lr")
+        )
     index = next(i for i in metadata.storage_data if i.fqn == fqn)
     info = metadata.storage_data[index]
     buf = io.BytesIO()
@@ -281,12 +290,32 @@ def test_when_every_checkpoint_is_corrupt_restore_refuses_and_touches_nothing(
 def test_restore_refuses_to_go_on_when_every_checkpoint_failed_after_a_partial_load(
     store: Path, marker: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The model's tensors load before the optimizer's refused hyper-parameter is read: continuing
-    # from step 0 with them would be a silent mix, so restore refuses.
+    # The model's other tensors are read into it before the refused one: continuing from step 0
+    # with them would be a silent mix, so restore refuses and says the state is mixed.
+    for step in (1, 2):
+        plant_malicious_value(store / f"step-{step:09d}", marker, in_model=True)
+    caplog.set_level(logging.INFO, logger="agent")
+    with pytest.raises(RestoreRefusedError) as refused:
+        restore(store)
+    # Verified bytes that fail to load are not proven bad, so no older checkpoint is tried.
+    assert "after part of it was loaded into the state" in str(refused.value)
+    assert "Weights only load failed" in str(refused.value)
+    assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == [STEP2]
+    assert not marker.exists()
+
+
+def test_a_refused_optimizer_value_is_found_before_the_model_changes(
+    store: Path, marker: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The optimizer's state is read (into fresh tensors) before anything goes into the live model:
+    # when every checkpoint carries a refused value there, the state is left as it was.
     for step in (1, 2):
         plant_malicious_value(store / f"step-{step:09d}", marker)
     caplog.set_level(logging.INFO, logger="agent")
-    with pytest.raises(RestoreError):
-        restore(store)
+    state = make_state(0, seed=9)
+    with Checkpointer(str(store), keep=None) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        ckpt.restore(state)
+    assert "Nothing was deleted and the state is unchanged" in str(refused.value)
+    assert_same(snapshot(state), snapshot(make_state(0, seed=9)), "the untouched initial state")
     assert len(skip_reasons(caplog).splitlines()) == 1
     assert not marker.exists()

@@ -104,3 +104,29 @@ def test_a_parameter_of_another_dtype_is_converted_by_dcps_path(
     assert torch.equal(second.weight, saved_second.weight)
     ((read, _),) = in_place
     assert read == 2  # the second layer's weight and bias; the first layer's two are converted
+
+
+def test_the_models_pages_are_mapped_while_the_files_are_first_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The optimizer state loads first (into fresh tensors); the model's tensors, loaded next, are
+    # mapped in that same pass, while the shard is read and CRC-checked, not alone afterwards.
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    mapped: list[set[int]] = []
+    original = _dcp.map_for_writing
+
+    def spy(tensors: list[torch.Tensor]) -> None:
+        mapped.append({t.data_ptr() for t in tensors})
+        original(tensors)
+
+    monkeypatch.setattr(_dcp, "map_for_writing", spy)
+    fresh, fresh_optim = trained(1)
+    params = {p.data_ptr() for p in fresh.parameters()}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
+    same(model, fresh, optim, fresh_optim)
+    assert len(mapped) == 2  # the optimizer's load, then the model's
+    moments = {v.data_ptr() for s in fresh_optim.state.values() for k, v in s.items() if k != "step"}
+    assert params <= mapped[0] and moments <= mapped[0]
