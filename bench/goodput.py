@@ -359,9 +359,8 @@ def render_restarts(outcomes: list[Outcome], floor: dict[str, Any] | None) -> li
         "| phase | median s | floor s |",
         "|---|---:|---:|",
     ]
-    floor_of = {"launch": "launch", "import": "import", "rendezvous": "rendezvous", "restore": "restore"}
     for key, label in PHASES:
-        f = floor.get(floor_of[key]) if floor and key in floor_of else None
+        f = floor.get(key) if floor and key in ("launch", "import", "rendezvous", "restore") else None
         lines.append(f"| {label} | {med[key]:.2f} | {'' if f is None else f'{f:.2f}'} |")
     total = floor["total"] if floor else None
     ratio = f"{med['overhead'] / total:.1f}x the floor (target ≤ 1.5x)" if total else ""
