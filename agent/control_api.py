@@ -31,6 +31,7 @@ and answers 202; the same id again answers 200 and starts nothing; a new id asks
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -59,6 +60,8 @@ MAX_CONNECTIONS = 32
 """Connections served at once; a 33rd is answered 503 and closed."""
 REQUEST_TIMEOUT = 10.0
 """Seconds a connection has, from accept, to deliver its whole request."""
+SERVE_POLL = 0.1
+"""How often the serving loop wakes with nothing to accept, to cut off overdue requests."""
 MAX_DEADLINE_DISTANCE = 24 * 3600.0
 """A flush ``deadline`` more than this far from now (either way) is not a unix time in seconds."""
 
@@ -465,13 +468,19 @@ class ControlApi:
         self._server = server
         self.port = int(server.server_address[1])
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="spotjob-control-api", daemon=True
+            target=server.serve_forever, kwargs={"poll_interval": SERVE_POLL}, name="spotjob-control-api", daemon=True
         )
         self._thread.start()
         log.info("control API listening on %s (%s)", self.url, "bearer token required" if self._token else "no auth")
 
     def stop(self) -> None:
         if self._server is not None:
+            # The serving loop would notice the shutdown only at its next poll (up to SERVE_POLL, which
+            # every restart waits for when the agent exits). A listening socket shut down reads
+            # as ready at once (Linux; accept then fails, which socketserver ignores), so the
+            # loop wakes and sees the request; where shutting it down fails, the poll still ends it.
+            with contextlib.suppress(OSError):
+                self._server.socket.shutdown(socket.SHUT_RDWR)
             self._server.shutdown()
             self._server.server_close()
             self._server = None

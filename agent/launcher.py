@@ -18,7 +18,9 @@ The watch loop, every 0.1 s: note new descendants (``agent.process_tree``), look
 deadline passes, or at once after ``POST /stop``. Every 0.5 s it also checks that a rank has
 connected (``status.json``) and writes where the agent said (a warning, an error), and, with
 ``--exit-with-parent``, that the process that started it is still its parent (if not: a notice
-from the source ``driver``). When the command ends, stray descendants are stopped too.
+from the source ``driver``). When the command ends, stray descendants are stopped too. Once a
+flush has committed under torchrun, the loop ticks every 0.02 s, looking only at the ranks it
+knows, and ends torchrun as soon as they are gone.
 
 Before starting a torchrun command, the rendezvous port this host must bind is checked
 (``agent.torchrun``): taken means exit 74 without starting anything.
@@ -38,6 +40,7 @@ stay importable from here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -51,7 +54,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from agent.control_api import (
     ENV_AGENT_TOKEN,
@@ -117,6 +120,8 @@ WATCH_TICK = 0.1
 MAX_SAVE_IDS = 64
 """How many ``POST /save`` request ids an agent remembers (a retry of an older one saves again)."""
 TREE_SCAN_EVERY = 0.5
+AFTER_COMMIT_TICK = 0.02
+"""The watch loop's tick between a committed flush and the ranks' exit (torchrun commands)."""
 
 
 # -- the flush window ------------------------------------------------------------------------------
@@ -524,13 +529,12 @@ class Agent:
                     time.sleep(WATCH_TICK)
                     continue
                 return returncode
-            if self._only_torchrun_left(child, tree):
+            alone = self._torchrun_alone(child, tree)
+            if alone:
                 # Its ranks are gone and the flush committed: what torchrun does next (report the
                 # failed workers, close its rendezvous, exit; 0.5-1 s) would only delay the restart.
                 log.info("the ranks exited after the committed flush: ending torchrun (pid %d) now", child.pid)
-                info = read_proc(child.pid)
-                if info is not None:
-                    signal_process(info, signal.SIGKILL)
+                _kill_now(child)
                 return child.wait()
             if self._terminate_requested is not None:
                 kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
@@ -543,21 +547,32 @@ class Agent:
                 with self._lock:
                     self._state = "stopping"
                     self._killed = True
+                if alone is not None:
+                    # The flush committed and the ranks are on their way out: torchrun's own
+                    # SIGTERM handling (stop the ranks, wait, report, close its rendezvous; 0.7 s
+                    # here) holds nothing of the job's. The ranks get SIGTERM and the grace.
+                    log.info("the flush committed: ending torchrun (pid %d) at once", child.pid)
+                    _kill_now(child)
                 tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
                 return child.wait()
-            time.sleep(WATCH_TICK)
+            # Between a committed flush and the ranks' exit, the restart waits on this loop noticing.
+            time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
 
-    def _only_torchrun_left(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool:
-        """Whether the command is torchrun, this agent's flush committed, and torchrun is the only
-        process of the command still running (its ranks exited: nothing of the job's is left in it).
+    def _torchrun_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool | None:
+        """Whether torchrun is the only process of the command still running (its ranks exited:
+        nothing of the job's is left in it); None unless the command is torchrun and this agent's
+        flush committed.
 
-        Scans the process tree on every tick, but only once the flush has committed.
+        Looks first at the processes already known (a few ``/proc/<pid>/stat`` reads), and walks
+        every process only once none of them is left.
         """
         with self._lock:
             flush = self._flush
         if flush is None or flush.result is None or flush.result.error is not None:
-            return False
+            return None
         if torchrun_args(self.config.command) is None:
+            return None
+        if tree.known_alive(besides=child.pid):
             return False
         return [p.pid for p in tree.refresh()] == [child.pid]
 
@@ -767,6 +782,13 @@ class Agent:
         return previous
 
 
+def _kill_now(child: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the command's own process (if it is still the one started)."""
+    info = read_proc(child.pid)
+    if info is not None:
+        signal_process(info, signal.SIGKILL)
+
+
 def canonical_uri(uri: str) -> str:
     """One spelling per location, to compare two URIs: ``s3://b/p``, ``gs://b/p``, ``file:///abs``."""
     try:
@@ -889,5 +911,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def cli() -> NoReturn:
+    """The ``spotjob-agent`` command: ``main()``, then exit without the interpreter's teardown.
+
+    By the time ``main()`` returns, everything the agent owns has stopped (the command and every
+    process of it, the control API, the notice threads; only daemon threads are left, which die at
+    exit either way) and its files are written. What remains is Python freeing its modules, 0.1 s
+    here, which every restart waits for: the controller starts the next attempt once the old agents
+    are gone. The logs and the standard streams are flushed first. An exception leaves the normal
+    way, with its traceback.
+    """
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 ENV_AGENT_ID = "SPOTJOB_AGENT_ID"
 """Marks every process of one agent's command (inherited through fork/exec)."""
 
+STOP_POLL_FIRST = 0.01
+STOP_POLL_MAX = 0.05
+"""``stop_processes`` looks for what is left after STOP_POLL_FIRST s, doubling up to this."""
+
 _PR_SET_CHILD_SUBREAPER = 36
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
@@ -188,6 +192,17 @@ class ProcessTree:
         self._foreign = {(pid, t) for pid, t in self._foreign if pid in by_pid}
         return [p for p in members.values() if p.state != "Z"]
 
+    def known_alive(self, besides: int | None = None) -> bool:
+        """Whether a member seen before (other than ``besides``) still runs: a look at the few pids
+        already known, under the identity they had, without walking every process."""
+        for pid, ticks in self._known.items():
+            if pid == besides:
+                continue
+            info = read_proc(pid)
+            if info is not None and info.start_ticks == ticks and info.state != "Z":
+                return True
+        return False
+
     def _ours(self, child: ProcInfo) -> bool:
         if child.pid == self.command_pid or self._known.get(child.pid) == child.start_ticks:
             return True
@@ -240,6 +255,9 @@ def stop_processes(
     killed: set[int] = set()
     kill_at = time.monotonic() + grace
     give_up_at = kill_at + give_up
+    # Most processes leave within milliseconds of the signal (and every restart waits for the
+    # last one): look again soon, then every STOP_POLL_MAX.
+    pause = STOP_POLL_FIRST
     while True:
         alive = find()
         if not alive:
@@ -266,7 +284,8 @@ def stop_processes(
                     if verbose:
                         log.error("%s: not permitted to signal %s", reason, _describe([p]))
                 done.add(p.pid)
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(pause * 2, STOP_POLL_MAX)
     return len(seen)
 
 

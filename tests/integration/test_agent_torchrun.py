@@ -95,6 +95,7 @@ def start_agent(
     train_args: list[str],
     token: str | None = TOKEN,
     torchrun_args: tuple[str, ...] = (),
+    script: Path = TRAIN,
 ) -> AgentRun:
     control = tmp / f"control-{name}"
     log_path = tmp / f"{name}.log"
@@ -126,7 +127,7 @@ def start_agent(
         "--master-port",
         str(free_port()),
         *torchrun_args,
-        str(TRAIN),
+        str(script),
         "--steps",
         str(STEPS),
         *train_args,
@@ -274,6 +275,50 @@ def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_w
     assert "the ranks exited after the committed flush: ending torchrun" in log, log
     assert "ChildFailedError" not in log, log
     assert "exiting 75: the flush committed step" in log, log
+
+
+def test_a_sigterm_after_the_committed_flush_ends_torchrun_at_once_and_stops_the_ranks(tmp_path: Path) -> None:
+    """The controller deletes the old pods as soon as the flush committed, so the agent's SIGTERM
+    often lands while the ranks are still leaving (here: a script that lingers after training, as
+    one uploading its logs would). torchrun's own SIGTERM handling (stop the ranks, wait, report,
+    close its rendezvous) holds nothing of the job's by then: the agent SIGKILLs it first, and the
+    ranks get the SIGTERM and the grace."""
+    uri = str(tmp_path / "ckpt")
+    lingering = tmp_path / "lingering_train.py"
+    lingering.write_text(
+        "import runpy, sys, time\n"
+        f"sys.argv[0] = {str(TRAIN)!r}\n"
+        "try:\n"
+        f"    runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n"
+        "finally:\n"
+        "    print('lingering after training', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    run = start_agent(
+        tmp_path,
+        "lingering",
+        uri,
+        ["--cloud", "none", "--no-sigterm"],
+        ["--step-sleep", "0.05", "--every-steps", "25"],
+        script=lingering,
+    )
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    assert post_flush(run, TOKEN) in (200, 202)
+    wait_until(lambda: "lingering after training" in run.log(), "the ranks to stop training", run.proc)
+    wait_until(
+        lambda: any("agent.launcher: flush" in line and "committed step" in line for line in run.log().splitlines()),
+        "the agent to see the commit",
+        run.proc,
+    )
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.wait(timeout=60)  # the ranks linger for 120 s unless stopped
+    log = run.log()
+    assert rc == EXIT_PREEMPTED, log
+    assert "the flush committed: ending torchrun" in log, log
+    assert "Received 15 death signal" not in log, log  # torchrun never ran its SIGTERM handling
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None
+    assert committed_steps_per_rank(uri, result.step) == {result.step}
 
 
 def test_a_notice_during_an_async_save_commits_the_flush_after_the_save_in_flight(

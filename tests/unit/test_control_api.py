@@ -6,6 +6,7 @@ import json
 import logging
 import socket
 import struct
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from agent import control_api
 from agent.control_api import MAX_BODY_BYTES, ControlApi, load_token
 from agent.control_channel import ControlDir, RankStatus
 from agent.launcher import Agent, AgentConfig
@@ -306,6 +308,24 @@ class TestConnections:
             wait_until(lambda: api.open_connections == 0, "both connections to end")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert "Traceback" not in capfd.readouterr().err
+
+
+class TestServerStop:
+    def test_stop_does_not_wait_for_the_serving_loops_next_poll(
+        self, agent: Agent, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # An agent's exit (and so every restart) waits for stop(); with a poll of a minute, a stop
+        # that waited for the loop's next poll would take up to that minute.
+        monkeypatch.setattr(control_api, "SERVE_POLL", 60.0)
+        server = ControlApi(agent, token=TOKEN)
+        server.start()
+        assert call(server, "GET", "/healthz")[0] == 200
+        stopper = threading.Thread(target=server.stop, daemon=True)
+        stopper.start()
+        stopper.join(timeout=20)
+        assert not stopper.is_alive(), "stop() waited for the serving loop's poll"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
 
 
 class TestRequests:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import launcher
 from agent.control_channel import (
     EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
@@ -362,6 +364,29 @@ class TestProcessTree:
                 p.kill()
                 p.wait()
 
+    def test_known_alive_looks_at_the_members_seen_and_counts_no_zombie(self) -> None:
+        # What the agent checks 50 times a second after a committed flush, before walking every
+        # process: whether a member it saw (a rank) still runs.
+        agent_id = uuid.uuid4().hex
+        command = subprocess.Popen(["sleep", "60"])
+        rank = subprocess.Popen(["sleep", "61"], env={**os.environ, ENV_AGENT_ID: agent_id})
+        tree = ProcessTree(agent_id)  # rooted at this process; the rank is found by its marker
+        tree.command_pid = command.pid
+        try:
+            assert not tree.known_alive()  # nothing seen yet
+            assert {p.pid for p in tree.refresh()} == {command.pid, rank.pid}
+            assert tree.known_alive(besides=command.pid)
+            rank.kill()
+            deadline = time.monotonic() + 10
+            while (info := read_proc(rank.pid)) is not None and info.state != "Z" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not tree.known_alive(besides=command.pid), "a zombie is no running member"
+            assert tree.known_alive()  # the command itself still runs
+        finally:
+            for p in (command, rank):
+                p.kill()
+                p.wait()
+
 
 class RecordingSource(NoticeSource):
     name = "recording"
@@ -415,6 +440,31 @@ class TestAgentRun:
             "SPOTJOB_CONTROL_DIR": str(tmp_path / "ctl"),
         }
         assert env["KEEP_ME"] == "1" and env["SPOTJOB_AGENT_ID"] == agent.agent_id
+
+    def test_the_command_exits_with_mains_code_after_flushing_what_was_written(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # spotjob-agent skips the interpreter's teardown (os._exit): what sat in a buffer must be
+        # written first, and the code must be main()'s.
+        out = io.BytesIO()
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, write_through=False))
+
+        def main() -> int:
+            print("the last words")
+            return EXIT_PREEMPTED
+
+        class Exited(Exception):
+            pass
+
+        def exit_now(code: int) -> None:
+            raise Exited(code)
+
+        monkeypatch.setattr(launcher, "main", main)
+        monkeypatch.setattr(launcher.os, "_exit", exit_now)
+        with pytest.raises(Exited) as exited:
+            launcher.cli()
+        assert exited.value.args == (EXIT_PREEMPTED,)
+        assert out.getvalue() == b"the last words\n"
 
 
 def test_the_agent_imports_no_torch_and_no_cloud_sdk() -> None:
