@@ -66,7 +66,12 @@ def test_kubectl_applies_the_example_shows_it_live_describes_its_events_and_dele
     def live_row() -> list[str] | None:
         header, rows = _columns(cluster.kubectl("get", "sj", "-n", namespace).stdout)
         row = rows.get("train-demo")
-        return row if row and header[:3] == ["NAME", "PHASE", "STEP"] and row[2].isdigit() else None
+        # kubectl leaves a cell blank while its field is unset (GOODPUT until the reconciler's
+        # first estimate, which can come a pass after the first checkpoint): a whitespace split
+        # then shifts the columns after it, so only a full row is read.
+        if row is None or len(row) != len(header) or header[:3] != ["NAME", "PHASE", "STEP"]:
+            return None
+        return row if row[2].isdigit() else None
 
     row = wait(live_row, "kubectl get sj to show a committed step")
     header, _ = _columns(cluster.kubectl("get", "sj", "-n", namespace).stdout)

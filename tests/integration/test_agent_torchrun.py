@@ -278,9 +278,10 @@ def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_w
 
 
 def test_a_sigterm_after_the_committed_flush_ends_torchrun_at_once_and_stops_the_ranks(tmp_path: Path) -> None:
-    """The controller deletes the old pods as soon as the flush committed, so the agent's SIGTERM
-    often lands while the ranks are still leaving (here: a script that lingers after training, as
-    one uploading its logs would). torchrun's own SIGTERM handling (stop the ranks, wait, report,
+    """Local mode's controller stops the old gang as soon as the flush committed, and its agents
+    take SIGTERM as a stop (signals are not notices there), so the SIGTERM often lands while the
+    ranks are still leaving (here: a script that lingers after training, as one uploading its logs
+    would). torchrun's own SIGTERM handling (stop the ranks, wait, report,
     close its rendezvous) holds nothing of the job's by then: the agent SIGKILLs it first, and the
     ranks get the SIGTERM and the grace."""
     uri = str(tmp_path / "ckpt")
