@@ -108,7 +108,7 @@ from agent.notices import aws, azure, gcp
 from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
 from agent.notices.detect import Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
-from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper, read_proc, signal_process
+from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
 from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_args, torchrun_nproc
 
@@ -200,6 +200,7 @@ class Agent:
         self._problems: dict[str, str] = {}
         """What the agent warned about, by topic (shown in /status)."""
         self._rendezvous: Rendezvous | None = None
+        self._torchrun = torchrun_args(config.command) is not None
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -534,7 +535,7 @@ class Agent:
                 # Its ranks are gone and the flush committed: what torchrun does next (report the
                 # failed workers, close its rendezvous, exit; 0.5-1 s) would only delay the restart.
                 log.info("the ranks exited after the committed flush: ending torchrun (pid %d) now", child.pid)
-                _kill_now(child)
+                child.kill()  # not waited for yet: its pid is still its own
                 return child.wait()
             if self._terminate_requested is not None:
                 kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
@@ -552,7 +553,7 @@ class Agent:
                     # SIGTERM handling (stop the ranks, wait, report, close its rendezvous; 0.7 s
                     # here) holds nothing of the job's. The ranks get SIGTERM and the grace.
                     log.info("the flush committed: ending torchrun (pid %d) at once", child.pid)
-                    _kill_now(child)
+                    child.kill()  # not waited for yet: its pid is still its own
                 tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
                 return child.wait()
             # Between a committed flush and the ranks' exit, the restart waits on this loop noticing.
@@ -570,7 +571,7 @@ class Agent:
             flush = self._flush
         if flush is None or flush.result is None or flush.result.error is not None:
             return None
-        if torchrun_args(self.config.command) is None:
+        if not self._torchrun:
             return None
         if tree.known_alive(besides=child.pid):
             return False
@@ -780,13 +781,6 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             previous[sig] = signal.signal(sig, handle)
         return previous
-
-
-def _kill_now(child: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the command's own process (if it is still the one started)."""
-    info = read_proc(child.pid)
-    if info is not None:
-        signal_process(info, signal.SIGKILL)
 
 
 def canonical_uri(uri: str) -> str:
