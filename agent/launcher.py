@@ -110,7 +110,15 @@ from agent.notices.detect import Cloud, detect_cloud
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
-from agent.torchrun import Rendezvous, local_rendezvous, port_taken, torchrun_args, torchrun_nproc
+from agent.torchrun import (
+    DirectLaunch,
+    Rendezvous,
+    direct_launch,
+    local_rendezvous,
+    port_taken,
+    torchrun_args,
+    torchrun_nproc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +209,8 @@ class Agent:
         """What the agent warned about, by topic (shown in /status)."""
         self._rendezvous: Rendezvous | None = None
         self._torchrun = torchrun_args(config.command) is not None
+        self._runner = "torchrun"
+        """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -444,12 +454,16 @@ class Agent:
         env.pop(ENV_AGENT_TOKEN, None)  # the ranks never need the API token
         env.update(self.rank_env())
         env[ENV_AGENT_ID] = self.agent_id
+        command, direct = self.config.command, self._direct_launch()
+        if direct is not None:
+            command = [sys.executable, "-m", "agent.ranks", direct.to_json()]
+            self._runner = "the agent's launcher"
         try:
             # A session of its own: a Ctrl-C or SIGTERM meant for the agent does not reach the
             # ranks directly; the agent decides (flush first).
-            child = subprocess.Popen(self.config.command, env=env, start_new_session=True)
+            child = subprocess.Popen(command, env=env, start_new_session=True)
         except OSError as e:
-            log.error("cannot start %s: %s", self.config.command[0], e)
+            log.error("cannot start %s: %s", command[0], e)
             with self._lock:
                 self._state = "exited"
             return 127 if isinstance(e, FileNotFoundError) else 126
@@ -457,8 +471,26 @@ class Agent:
             self._child = child
             if self._state == "starting":
                 self._state = "running"
-        log.info("started %s (pid %d)", " ".join(self.config.command), child.pid)
+        if direct is not None:
+            log.info(
+                "started the %d rank(s) of %s directly, without torchrun's own start (launcher pid %d)",
+                direct.nproc,
+                " ".join(self.config.command),
+                child.pid,
+            )
+        else:
+            log.info("started %s (pid %d)", " ".join(command), child.pid)
         return child
+
+    def _direct_launch(self) -> DirectLaunch | None:
+        """With ``--launcher direct``: how ``agent.ranks`` starts the command's ranks, or None (run it as written)."""
+        if self.config.launcher != "direct":
+            return None
+        launch = direct_launch(self.config.command, self.env)
+        if isinstance(launch, str):
+            log.warning("--launcher direct: running the command as written, because %s", launch)
+            return None
+        return launch
 
     def _prefetch(self) -> None:
         """While torchrun starts and the ranks import torch and meet, fetch the newest checkpoint
@@ -534,7 +566,7 @@ class Agent:
             if alone:
                 # Its ranks are gone and the flush committed: what torchrun does next (report the
                 # failed workers, close its rendezvous, exit; 0.5-1 s) would only delay the restart.
-                log.info("the ranks exited after the committed flush: ending torchrun (pid %d) now", child.pid)
+                log.info("the ranks exited after the committed flush: ending %s (pid %d) now", self._runner, child.pid)
                 child.kill()  # not waited for yet: its pid is still its own
                 return child.wait()
             if self._terminate_requested is not None:
@@ -552,7 +584,7 @@ class Agent:
                     # The flush committed and the ranks are on their way out: torchrun's own
                     # SIGTERM handling (stop the ranks, wait, report, close its rendezvous; 0.7 s
                     # here) holds nothing of the job's. The ranks get SIGTERM and the grace.
-                    log.info("the flush committed: ending torchrun (pid %d) at once", child.pid)
+                    log.info("the flush committed: ending %s (pid %d) at once", self._runner, child.pid)
                     child.kill()  # not waited for yet: its pid is still its own
                 tree.stop_all(self.config.kill_grace, f"{kill_reason}, command still running")
                 return child.wait()

@@ -25,6 +25,9 @@ ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
 
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
+Launcher = Literal["torchrun", "direct"]
+LAUNCHERS = ("torchrun", "direct")
+ENV_LAUNCHER = "SPOTJOB_AGENT_LAUNCHER"
 
 
 class AgentConfig(BaseModel):
@@ -79,6 +82,8 @@ class AgentConfig(BaseModel):
     """The deadline of the flush after the parent is gone, in seconds."""
     rank_connect_timeout: float = Field(default=120.0, gt=0)
     """Warn when no rank has written status.json this long after the start."""
+    launcher: Launcher = "torchrun"
+    """``direct``: start a torchrun command's ranks without torchrun, where ``agent.torchrun.direct_launch`` can."""
 
 
 def _interval(value: str) -> float:
@@ -124,6 +129,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--start-fresh",
         action="store_true",
         help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
+    )
+
+    ck.add_argument(
+        "--launcher",
+        default=env.get(ENV_LAUNCHER) or "torchrun",
+        help="torchrun (default): run the command as written; direct: start a torchrun command's ranks "
+        "the way torchrun would, without torchrun's own start (a second or more of every restart), where "
+        f"its options allow (single node or static rendezvous, no redirects; else torchrun runs). Also {ENV_LAUNCHER}",
     )
 
     api = p.add_argument_group("control API")
@@ -225,6 +238,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
         parser.error("no command after '--'")
     if ns.cloud not in ("auto", *[c.value for c in Cloud]):
         parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
+    if ns.launcher not in LAUNCHERS:
+        where = "--launcher" if "--launcher" in " ".join(argv[:split]) else ENV_LAUNCHER
+        parser.error(f"{where} {ns.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
         parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
     uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
@@ -267,6 +283,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             exit_with_parent=ns.exit_with_parent,
             parent_grace=ns.parent_grace,
             rank_connect_timeout=ns.rank_connect_timeout,
+            launcher=ns.launcher,
         )
     except ValidationError as e:
         problems = "; ".join(

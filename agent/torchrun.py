@@ -1,7 +1,7 @@
-"""What spotjob-agent reads from a torchrun command line: ranks per node and the rendezvous port.
+"""What spotjob-agent reads from a torchrun command line: ranks per node, the rendezvous port, and
+whether the agent can start the ranks itself.
 
-The agent never changes the command; it only looks at it, so that it can say two things before
-and after running it:
+The agent looks at the command so that it can say two things before and after running it:
 
 - how many ranks this node runs (``--nproc-per-node``), for "every rank closed";
 - which rendezvous port *this host* must bind, if any. torchrun's rendezvous store listens on one
@@ -12,6 +12,13 @@ and after running it:
   would look like a failure of the user's code; the agent checks the port first and exits
   ``EXIT_INFRA_ERROR`` instead.
 
+With ``--launcher direct`` it also asks ``direct_launch`` whether it can start the ranks the way
+torchrun would without running torchrun (``agent.ranks``, which does not import torch): that saves
+torchrun's own start, most of it importing torch, on every start and restart. Only a fixed set of
+ranks is launched that way (``--standalone``, or the default static rendezvous with a fixed
+``--nnodes``, no restarts of its own, output not redirected); for any other option the answer is
+why not, and the agent runs torchrun as written.
+
 Options are read as torchrun reads them: ``--name value``, ``--name=value``, either spelling
 (``--master-port`` / ``--master_port``), and the ``PET_*`` environment variables torchrun takes
 as defaults. Parsing stops at the first argument that is not an option: the training script.
@@ -21,10 +28,14 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import json
 import os
+import shlex
+import shutil
 import socket
+import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 STATIC_DEFAULT_PORT = 29500
 C10D_DEFAULT_PORT = 29400
@@ -34,18 +45,25 @@ _FLAGS = {"--standalone", "--run-path", "--module", "-m", "--no-python", "--virt
 _MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
+def _program_length(command: Sequence[str]) -> int:
+    """How many leading words name torchrun: 1 (``torchrun``), 3 (``python -m torch.distributed.run``), or 0."""
+    if not command:
+        return 0
+    program = os.path.basename(command[0])
+    if program == "torchrun":
+        return 1
+    if program.startswith("python") and len(command) >= 3 and command[1] == "-m" and command[2] in _MODULES:
+        return 3
+    return 0
+
+
 def torchrun_args(command: Sequence[str]) -> list[str] | None:
     """The arguments of a torchrun command (``torchrun …`` or ``python -m torch.distributed.run …``),
     up to its script; None if ``command`` is not torchrun."""
-    if not command:
+    skip = _program_length(command)
+    if not skip:
         return None
-    program = os.path.basename(command[0])
-    if program == "torchrun":
-        rest = list(command[1:])
-    elif program.startswith("python") and len(command) >= 3 and command[1] == "-m" and command[2] in _MODULES:
-        rest = list(command[3:])
-    else:
-        return None
+    rest = list(command[skip:])
     out = []
     i = 0
     while i < len(rest):
@@ -171,3 +189,144 @@ def port_taken(port: int) -> bool:
         except OSError as e:
             return e.errno == errno.EADDRINUSE
     return False
+
+
+# -- starting the ranks without torchrun -----------------------------------------------------------
+
+_DIRECT_OPTIONS = frozenset(
+    {
+        "--nproc-per-node",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--standalone",
+        "--rdzv-backend",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+        "--max-restarts",
+        "--monitor-interval",
+        "--start-method",
+        "--role",
+        "--module",
+        "-m",
+        "--no-python",
+    }
+)
+"""torchrun options ``direct_launch`` takes; any other one (redirects, log folders, elastic sizes,
+NUMA binding, ...) is torchrun's own business, and the agent runs torchrun for it."""
+
+
+@dataclass(frozen=True)
+class DirectLaunch:
+    """What ``agent.ranks`` needs to start one node's ranks as torchrun's static rendezvous would."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    """0: a free port, picked when the ranks start (``--standalone``)."""
+    run_id: str
+    role: str
+    command: list[str]
+    """One rank's command: torchrun's interpreter, ``-u`` and the script (or ``-m`` and the module),
+    then its arguments; ``${local_rank}`` is replaced per rank, as torchrun does."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DirectLaunch:
+        return cls(**json.loads(text))
+
+
+def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) -> DirectLaunch | str:
+    """How ``agent.ranks`` would start this torchrun command's ranks on this node, or, as a string,
+    why it cannot (the agent then runs torchrun as written)."""
+    env = dict(os.environ if env is None else env)
+    skip = _program_length(command)
+    options = torchrun_options(command, env)
+    args = torchrun_args(command)
+    if not skip or options is None or args is None:
+        return "the command is not torchrun"
+    other = sorted(set(options) - _DIRECT_OPTIONS)
+    if other:
+        return f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} torchrun's own"
+    rest = list(command[skip + len(args) :])
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if not rest:
+        return "torchrun is given no script"
+    nproc_text = options.get("--nproc-per-node", "1")
+    if not nproc_text.isdigit() or int(nproc_text) < 1:
+        return f"--nproc-per-node {nproc_text} is not a number of ranks"
+    low, _, high = options.get("--nnodes", "1").partition(":")
+    if not low.isdigit() or (high and high != low) or int(low) < 1:
+        return f"--nnodes {options['--nnodes']} is an elastic range, which torchrun's rendezvous handles"
+    if options.get("--max-restarts", "0") != "0":
+        return f"--max-restarts {options['--max-restarts']}: torchrun restarts its ranks itself"
+    nnodes = int(low)
+    backend = options.get("--rdzv-backend", "static")
+    try:
+        if "--standalone" in options:
+            if nnodes != 1:
+                return "--standalone with more than one node"
+            addr, port, run_id = "127.0.0.1", 0, str(uuid.uuid4())
+        elif backend == "static":
+            addr = options.get("--master-addr", "127.0.0.1")
+            port = int(options.get("--master-port", STATIC_DEFAULT_PORT))
+            if options.get("--rdzv-endpoint"):
+                addr, port = _split_endpoint(options["--rdzv-endpoint"], STATIC_DEFAULT_PORT)
+            run_id = options.get("--rdzv-id", "none")
+        else:
+            return f"--rdzv-backend {backend}: its rendezvous is torchrun's"
+        node_rank = int(options.get("--node-rank", "0"))
+    except ValueError as e:
+        return f"an option is not what torchrun takes: {e}"
+    if not 0 <= node_rank < nnodes:
+        return f"--node-rank {node_rank} is not one of the {nnodes} nodes"
+    if "--no-python" in options:
+        if "-m" in options or "--module" in options:
+            return "--no-python with --module"
+        program: list[str] = []
+    else:
+        interpreter = _interpreter(command, env)
+        if isinstance(interpreter, str):
+            return interpreter
+        program = [*interpreter, "-u"]
+        if "-m" in options or "--module" in options:
+            program.append("-m")
+    return DirectLaunch(
+        nproc=int(nproc_text),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=port,
+        run_id=run_id,
+        role=options.get("--role", "default"),
+        command=[*program, *rest],
+    )
+
+
+def _interpreter(command: Sequence[str], env: Mapping[str, str]) -> list[str] | str:
+    """The Python torchrun would run its ranks with (its own ``sys.executable``), or why it is unknown."""
+    path = env.get("PATH", os.defpath)
+    if os.path.basename(command[0]).startswith("python"):
+        found = shutil.which(command[0], path=path)
+        return [found] if found else f"{command[0]} is not on PATH"
+    script = shutil.which(command[0], path=path)
+    if script is None:
+        return f"{command[0]} is not on PATH"
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(512).decode("utf-8", "replace").strip()
+    except OSError as e:
+        return f"cannot read {script}: {e}"
+    words = shlex.split(first[2:]) if first.startswith("#!") else []
+    if words and os.path.basename(words[0]) == "env" and len(words) == 2:
+        found = shutil.which(words[1], path=path)
+        return [found] if found else f"{script} runs {words[1]}, which is not on PATH"
+    if len(words) == 1 and os.path.basename(words[0]).startswith("python") and os.access(words[0], os.X_OK):
+        return [words[0]]
+    return f"cannot tell which Python {script} runs (its first line is {first[:80]!r})"

@@ -4,7 +4,9 @@ For each notice source in turn (AWS IMDSv2, GCE, Azure emulators; SIGTERM; POST 
 must commit one checkpoint at the same step on both ranks, exit 75, and a restart must resume from
 that step and end bit-identical to an uninterrupted run. Then the awkward cases: a notice during
 an async save, two notices in a row, a window too short to hold a flush, and the control API
-without a token and with a wrong one.
+without a token and with a wrong one. Last, ``--launcher direct`` (the agent starts the ranks
+without torchrun): the ranks' environment against real torchrun's, a flush and a bit-identical
+restart, a failing rank, and options it leaves to torchrun.
 """
 
 from __future__ import annotations
@@ -433,3 +435,82 @@ def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp
     assert run.proc.poll() is None, "the job must keep training"
     assert post_flush(run, TOKEN) in (200, 202)
     assert run.wait() == EXIT_PREEMPTED, run.log()
+
+
+# -- --launcher direct: the agent starts the ranks itself, without torchrun ------------------------
+
+RANK_ENV = REPO / "tests" / "integration" / "scripts" / "rank_env.py"
+DIRECT = ["--cloud", "none", "--launcher", "direct"]
+
+
+def read_ranks(prefix: Path) -> list[dict[str, Any]]:
+    return [json.loads(Path(f"{prefix}.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_direct_launch_gives_each_rank_what_torchrun_gives_it_and_they_meet(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    plain = subprocess.run([*torchrun, str(RANK_ENV), str(tmp_path / "torchrun")], env=env, capture_output=True)
+    assert plain.returncode == 0, plain.stderr.decode()[-3000:]
+    run = start_agent(tmp_path, "direct", str(tmp_path / "ckpt"), DIRECT, [str(tmp_path / "direct")], script=RANK_ENV)
+    assert run.wait() == 0, run.log()
+    assert "started the 2 rank(s) of" in run.log() and "directly, without torchrun's own start" in run.log()
+    # Only what differs by design: the port, who hosts the store, torchrun's error file for @record.
+    differ = {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "argv", "pid"}
+    for by_torchrun, direct in zip(read_ranks(tmp_path / "torchrun"), read_ranks(tmp_path / "direct"), strict=True):
+        assert direct["sum"] == 2.0, "the ranks met and all-reduced"
+        assert {k: v for k, v in direct.items() if k not in differ} == {
+            k: v for k, v in by_torchrun.items() if k not in differ
+        }
+        assert (by_torchrun["TORCHELASTIC_USE_AGENT_STORE"], direct["TORCHELASTIC_USE_AGENT_STORE"]) == (
+            "True",
+            "False",
+        )
+        assert direct["TORCHELASTIC_ERROR_FILE"] is None
+    # The ranks run on the interpreter torchrun's own first line names, as torchrun runs them.
+    assert {seen["executable"] for seen in read_ranks(tmp_path / "direct")} == {
+        seen["executable"] for seen in read_ranks(tmp_path / "torchrun")
+    }
+
+
+def test_direct_launch_a_notice_commits_on_both_ranks_and_the_restart_is_bit_identical(
+    tmp_path: Path, reference: Path
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    args = ["--notices", "sigterm", "--launcher", "direct"]
+    run = start_agent(tmp_path, "preempted", uri, args, ["--step-sleep", "0.05", "--every-steps", "25"])
+    wait_until(lambda: run.step() >= 30, "training to pass step 30", run.proc)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None
+    assert 30 < result.step < STEPS
+    assert committed_steps_per_rank(uri, result.step) == {result.step}
+    resumed = start_agent(tmp_path, "resumed", uri, DIRECT, ["--dump", str(tmp_path / "resumed")])
+    assert resumed.wait() == 0, resumed.log()
+    assert f"starting at step {result.step} of {STEPS}" in resumed.log()
+    assert_bit_identical(reference, tmp_path / "resumed")
+
+
+def test_direct_launch_a_failing_rank_stops_the_other_and_the_agent_exits_with_its_code(tmp_path: Path) -> None:
+    prefix = tmp_path / "failing"
+    run = start_agent(
+        tmp_path, "failing", str(tmp_path / "ckpt"), DIRECT, [str(prefix), "--fail-rank", "1"], script=RANK_ENV
+    )
+    assert run.wait() == 3, run.log()
+    log = run.log()
+    assert "rank 1 (pid" in log and "exited 3: stopping the other 1 rank(s)" in log
+    survivor = read_ranks(prefix)[0]["pid"]
+    assert not Path(f"/proc/{survivor}").exists(), "rank 0 was left running"
+
+
+def test_direct_launch_leaves_a_command_with_torchruns_own_options_to_torchrun(tmp_path: Path) -> None:
+    logs = tmp_path / "torchrun-logs"
+    run = start_agent(
+        tmp_path, "own", str(tmp_path / "ckpt"), DIRECT, [str(tmp_path / "own")],
+        torchrun_args=("--log-dir", str(logs)), script=RANK_ENV,
+    )  # fmt: skip
+    assert run.wait() == 0, run.log()
+    assert "running the command as written, because --log-dir is torchrun's own" in run.log()
+    assert read_ranks(tmp_path / "own")[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torchrun's store: torchrun ran
+    assert any(logs.iterdir()), "torchrun wrote its log folder"

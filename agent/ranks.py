@@ -1,0 +1,189 @@
+"""spotjob-agent's own launcher: one node's training ranks started as torchrun would, without torch.
+
+``spotjob-agent --launcher direct -- torchrun …`` runs ``python -m agent.ranks SPEC`` in
+torchrun's place when ``agent.torchrun.direct_launch`` can read the command (SPEC is its JSON).
+torchrun imports torch before it starts any rank, which is a second or more of every start and
+every restart; this module imports nothing but the standard library.
+
+Each rank gets the environment torchrun's static rendezvous gives its workers (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the ``TORCHELASTIC_*`` values,
+``OMP_NUM_THREADS=1`` when several ranks share the node and it is unset) and torchrun's command
+for it (its interpreter with ``-u``). Two differences: torchrun hosts the rendezvous store itself
+(``TORCHELASTIC_USE_AGENT_STORE=True``); here nobody does before the ranks start, so rank 0's
+``init_process_group`` hosts it at ``MASTER_ADDR:MASTER_PORT``, as with a plain ``env://`` start
+(``TORCHELASTIC_USE_AGENT_STORE=False``). And no ``TORCHELASTIC_ERROR_FILE``: a rank's ``@record``
+logs its error instead of writing it for torchrun's report.
+
+Like torchrun: the first rank to fail (a non-zero exit, or a signal) has the others sent SIGTERM,
+then SIGKILL after ``STOP_GRACE`` seconds, and this process exits with that rank's code (a shell's
+128 + N for signal N; torchrun would say 1). SIGTERM, SIGINT or SIGHUP sent here are passed on to
+every rank, and this process exits once they have.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from agent.torchrun import DirectLaunch
+
+STOP_GRACE = 30.0
+"""Seconds the other ranks get after one failed, before SIGKILL (torchrun waits as long)."""
+_POLL = 0.05
+
+_DROPPED = ("TORCHELASTIC_ERROR_FILE",)
+"""torchrun's per-rank error file for ``@record``: without it, ``@record`` logs the error instead."""
+
+
+def _say(message: str) -> None:
+    print(f"spotjob-agent launcher: {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (``--standalone``: torchrun picks one the same way)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(spec: DirectLaunch, local_rank: int, base: dict[str, str], port: int) -> dict[str, str]:
+    """One rank's environment: ``base`` plus what torchrun's static rendezvous sets."""
+    env = {k: v for k, v in base.items() if k not in _DROPPED}
+    rank = spec.node_rank * spec.nproc + local_rank
+    world = spec.nnodes * spec.nproc
+    env.update(
+        {
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),
+            "GROUP_RANK": str(spec.node_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.nproc),
+            "WORLD_SIZE": str(world),
+            "GROUP_WORLD_SIZE": str(spec.nnodes),
+            "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": spec.master_addr,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": spec.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0 hosts the store
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+    )
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def shell_code(returncode: int) -> int:
+    """A Popen returncode as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Ranks:
+    """The ranks of one node, started together; ``wait()`` returns the launcher's exit code."""
+
+    def __init__(self, spec: DirectLaunch, env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        base = dict(os.environ if env is None else env)
+        port = spec.master_port or free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._signalled: int | None = None
+        try:
+            for local_rank in range(spec.nproc):
+                command = [a.replace("${local_rank}", str(local_rank)) for a in spec.command]
+                self.procs.append(subprocess.Popen(command, env=rank_env(spec, local_rank, base, port)))
+        except BaseException:
+            self._stop(f"could not start rank {len(self.procs)}")
+            raise
+
+    def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
+        """SIGTERM/SIGINT/SIGHUP: passed on to every rank still running."""
+        self._signalled = signum
+        for proc in self.procs:
+            if proc.poll() is None:
+                _kill(proc, signal.SIGTERM)
+
+    def wait(self) -> int:
+        by_pid = {p.pid: p for p in self.procs}
+        while True:
+            running = [p for p in self.procs if p.returncode is None]
+            failed = next((p for p in self.procs if p.returncode not in (None, 0)), None)
+            if failed is not None and self._signalled is None:
+                rank = self.spec.node_rank * self.spec.nproc + self.procs.index(failed)
+                code = shell_code(failed.returncode or 0)
+                if running:
+                    self._stop(f"rank {rank} (pid {failed.pid}) exited {code}")
+                return code
+            if not running:
+                return 128 + self._signalled if self._signalled is not None else 0
+            # Blocks until a rank exits (a signal's handler runs meanwhile): the last rank's exit
+            # ends this process at once.
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:  # reaped meanwhile (the signal handler polls)
+                for proc in running:
+                    proc.poll()
+                continue
+            exited = by_pid.get(pid)
+            if exited is not None and exited.returncode is None:
+                exited.returncode = os.waitstatus_to_exitcode(status)
+
+    def _stop(self, why: str) -> None:
+        running = [p for p in self.procs if p.poll() is None]
+        if not running:
+            return
+        _say(f"{why}: stopping the other {len(running)} rank(s) (SIGTERM, then SIGKILL after {STOP_GRACE:g} s)")
+        for proc in running:
+            _kill(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        for proc in running:
+            if proc.poll() is None:
+                _kill(proc, signal.SIGKILL)
+                proc.wait()
+
+
+def _kill(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        _say("usage: python -m agent.ranks SPEC (SPEC: the JSON spotjob-agent --launcher direct writes)")
+        return 2
+    try:
+        spec = DirectLaunch.from_json(args[0])
+    except (ValueError, TypeError) as e:
+        _say(f"cannot read the launch spec: {e}")
+        return 2
+    ranks: Ranks | None = None
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if ranks is not None:
+            ranks.on_signal(signum, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handle)
+    try:
+        ranks = Ranks(spec)
+    except OSError as e:
+        _say(f"cannot start {spec.command[0]}: {e}")
+        return 127 if isinstance(e, FileNotFoundError) else 126
+    return ranks.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
