@@ -232,6 +232,8 @@ class RunConfig:
     seed: int | None = None
     ignore_notices: bool = False
     """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
+    launcher: str = "direct"
+    """How each agent starts the ranks (spotjob-agent --launcher): direct, or torchrun itself."""
     plot: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
@@ -489,7 +491,12 @@ class LocalRun:
             if resume:
                 self.takeover = self._take_over(status, version)
             self.backend = LocalBackend(
-                LocalOptions(root=self.path, notice_seconds=config.notice, hear_notices=not config.ignore_notices),
+                LocalOptions(
+                    root=self.path,
+                    notice_seconds=config.notice,
+                    hear_notices=not config.ignore_notices,
+                    launcher=config.launcher,
+                ),
                 plan=self.plan,
                 timeline=self.timeline,
             )
@@ -877,6 +884,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "trace": trace,
         "seed": args.seed,
         "ignore_notices": args.ignore_notices,
+        "launcher": args.launcher,
         "plot": args.plot,
     }
 
@@ -1273,6 +1281,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inj.add_argument(
         "--ignore-notices", action="store_true",
         help="a baseline: nobody listens for notices (no flush); a noticed node just dies at the window's end",
+    )  # fmt: skip
+    run.add_argument(
+        "--launcher", choices=("direct", "torchrun"), default="direct",
+        help="direct (default): each agent starts the ranks itself, as torchrun would, without torchrun's own "
+        "start (a second or more of every restart); torchrun: run torchrun (spotjob-agent --launcher)",
     )  # fmt: skip
     out = run.add_argument_group("output")
     out.add_argument("--plot", metavar="FILE", help="draw a PNG timeline: steps, notices, commits, restarts")

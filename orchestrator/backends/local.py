@@ -192,6 +192,9 @@ class LocalOptions:
     """SIGTERM to SIGKILL when stopping a worker (a pod's termination grace period)."""
     workdir: str | None = None
     """The workers' working directory (default: this process's)."""
+    launcher: str = "direct"
+    """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
+    torchrun's own start) or torchrun."""
 
 
 def _tool(name: str, module: str) -> list[str]:
@@ -480,6 +483,7 @@ class LocalBackend:
             "--keep", str(ck.keep),
             "--control-dir", control_dir,
             "--kill-grace", f"{self.options.kill_grace:g}",
+            "--launcher", self.options.launcher,
             "--attempt", str(attempt),
             # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
             "--exit-with-parent",

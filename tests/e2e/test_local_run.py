@@ -2,7 +2,8 @@
 
 Each test runs examples/train.py (2 ranks, 60 steps) under spotjob's local backend and checks
 what the job ends with, never how long anything took: the final state bit-identical to an
-uninterrupted run after notices at random steps, during saves and during a restart; a crashing
+uninterrupted run after notices at random steps, during saves and during a restart (the agents
+starting the ranks themselves, ``spotjob run``'s default, and under torchrun); a crashing
 script failing the job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``,
 the identity the agents got); a flush that storage refuses timing out and the job resuming from the
 checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``.
@@ -153,6 +154,38 @@ def test_a_job_preempted_at_random_steps_during_saves_and_during_a_restart_ends_
 
     for node in backend.nodes():
         assert marked_pids(ENV_NODE, node.marker) == [], f"a process of {node.name} outlived the run"
+    assert_same_final_state(tmp_path / "final", uninterrupted)
+    starts = started_lines(Path(run.path))
+    assert len(starts) >= 3, starts  # attempt 1's agent may be killed before it starts anything
+    assert all("directly, without torchrun's own start" in line for line in starts), (
+        "spotjob run's agents start the ranks themselves by default"
+    )
+
+
+def started_lines(run_path: Path) -> list[str]:
+    """Every agent's "started ..." line in the run's worker logs."""
+    texts = [p.read_text(errors="replace") for p in sorted((run_path / "logs").glob("*.log"))]
+    return [line for text in texts for line in text.splitlines() if "agent.launcher: started" in line]
+
+
+def test_with_launcher_torchrun_the_agents_run_torchrun_and_a_preempted_job_still_ends_bit_identical(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    config = RunConfig(
+        script=str(TRAIN),
+        args=["--steps", str(STEPS), "--step-sleep", "0.05", "--dump", str(tmp_path / "final")],
+        name="under-torchrun",
+        runs_dir=str(tmp_path / "runs"),
+        every_steps=10,
+        preempt_at_steps=[25],
+        launcher="torchrun",
+    )
+    run = LocalRun(config)
+    status = run.run()
+    assert status.phase is Phase.SUCCEEDED, f"{status.reason}: {status.message}"
+    assert (status.preemptions, status.restarts) == (1, 0)
+    starts = started_lines(Path(run.path))
+    assert len(starts) == 2 and all("/torchrun --nproc-per-node" in line and "directly" not in line for line in starts)
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
