@@ -473,6 +473,28 @@ def test_direct_launch_gives_each_rank_what_torchrun_gives_it_and_they_meet(tmp_
     }
 
 
+def test_direct_launch_on_two_nodes_numbers_the_ranks_across_them_and_they_meet(tmp_path: Path) -> None:
+    """Two agents, one rank each, torchrun's static rendezvous on two nodes: rank 0 hosts the store."""
+    port = str(free_port())
+
+    def node(index: int) -> AgentRun:
+        two_nodes = ("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(index))
+        return start_agent(
+            tmp_path, f"node{index}", str(tmp_path / "ckpt"), DIRECT, [str(tmp_path / "two")], script=RANK_ENV,
+            torchrun_args=(*two_nodes, "--master-addr", "127.0.0.1", "--master-port", port),
+        )  # fmt: skip
+
+    runs = [node(1), node(0)]  # the second node first: its rank waits for the store rank 0 hosts
+    assert [run.wait() for run in runs] == [0, 0], [run.log() for run in runs]
+    seen = read_ranks(tmp_path / "two")
+    assert [(s["RANK"], s["LOCAL_RANK"], s["GROUP_RANK"], s["WORLD_SIZE"], s["GROUP_WORLD_SIZE"]) for s in seen] == [
+        ("0", "0", "0", "2", "2"),
+        ("1", "0", "1", "2", "2"),
+    ]
+    assert [s["sum"] for s in seen] == [2.0, 2.0]
+    assert all("started the 1 rank(s) of" in run.log() for run in runs)
+
+
 def test_direct_launch_a_notice_commits_on_both_ranks_and_the_restart_is_bit_identical(
     tmp_path: Path, reference: Path
 ) -> None:
