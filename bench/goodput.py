@@ -180,7 +180,7 @@ def read_timings(folder: Path) -> list[dict[str, Any]]:
 PHASES = (
     ("flush", "notice heard → flush committed (last step before the notice to the loop stopping)"),
     ("handover", "commit → the next attempt's workers started (agent exit, reconciler, new agent)"),
-    ("launch", "workers started → the training script runs (torchrun, a Python interpreter)"),
+    ("launch", "workers started → the training script runs (the agent, its launcher, a Python interpreter)"),
     ("import", "import torch"),
     ("rendezvous", "init_process_group"),
     ("restore", "Checkpointer() + restore()"),
@@ -235,14 +235,20 @@ def restart_phases(
     return out
 
 
-def restart_floor(uri: str, job: str, repeat: int, folder: Path) -> dict[str, Any]:
-    """The restart's floor, timed alone: 2 fresh ranks import torch, meet, restore ``uri``'s newest checkpoint."""
+def restart_floor(uri: str, job: str, repeat: int, folder: Path, launcher: str = "direct") -> dict[str, Any]:
+    """The restart's floor, timed alone: 2 fresh ranks import torch, meet, restore ``uri``'s newest checkpoint.
+
+    ``launcher``: who starts the ranks. ``direct``, as the spotjob strategy's agents do
+    (``spotjob-agent --launcher direct``: ``agent.ranks``, which imports no torch), or ``torchrun``.
+    The floor's total starts when the ranks do; the launcher's own start is its ``launch`` row."""
     import socket
     import statistics
 
+    from agent.torchrun import direct_launch
+
     runs: list[dict[str, float]] = []
     for i in range(repeat):
-        timings = folder / f"floor-{i}"
+        timings = folder / f"floor-{launcher}-{i}"
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -250,6 +256,10 @@ def restart_floor(uri: str, job: str, repeat: int, folder: Path) -> dict[str, An
         env.update(OMP_NUM_THREADS="1", SPOTJOB_CHECKPOINT_URI=uri, SPOTJOB_JOB_NAME=job)
         argv = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(port),
                 str(PROBE), "--restore-only", "--timings", str(timings)]  # fmt: skip
+        if launcher == "direct":
+            spec = direct_launch(argv, env)
+            assert not isinstance(spec, str), spec
+            argv = [sys.executable, "-m", "agent.ranks", spec.to_json()]
         launched = time.time()  # the ranks' clocks are wall clocks too
         subprocess.run(argv, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
         recs = read_timings(timings)
@@ -260,8 +270,8 @@ def restart_floor(uri: str, job: str, repeat: int, folder: Path) -> dict[str, An
         start = min(r["start"] for r in per_rank.values())
         runs.append(
             {
-                # Not part of the floor as the issue defines it: torchrun's own start (it imports
-                # torch before it starts the ranks), which every restart under torchrun pays too.
+                # Not part of the floor as the issue defines it: the launcher's own start (torchrun
+                # imports torch before it starts the ranks; the agent's launcher does not).
                 "launch": start - launched,
                 "import": max(r["torch"] - r["start"] for r in per_rank.values()),
                 "rendezvous": max(r["rendezvous"] for r in per_rank.values())
@@ -353,8 +363,8 @@ def render_restarts(outcomes: list[Outcome], floor: dict[str, Any] | None) -> li
         "",
         "From the last step before the notice to the first step after the resume, on rank 0's own clock "
         f"(`bench/_restart_probe.py`), median of {len(rows)} restarts. The floor is a fresh pair of ranks "
-        "started by torchrun that import torch, rendezvous and restore the same checkpoint, timed alone "
-        "after the runs (median of 3).",
+        "started by the agent's launcher (`spotjob-agent --launcher direct`, as in the runs) that import torch, "
+        "rendezvous and restore the same checkpoint, timed alone after the runs (median of 3).",
         "",
         "| phase | median s | floor s |",
         "|---|---:|---:|",
@@ -377,9 +387,17 @@ def render_restarts(outcomes: list[Outcome], floor: dict[str, Any] | None) -> li
         with_launch = total + floor["launch"]
         lines += [
             "",
-            f"The floor's total leaves out torchrun's own start ({floor['launch']:.2f} s in its row: torchrun "
-            f"imports torch before it starts the ranks), which a restart under torchrun cannot skip: with it the "
-            f"floor is {with_launch:.2f} s, and the restart {med['overhead'] / with_launch:.2f}x that.",
+            f"The floor's total leaves out the launcher's own start ({floor['launch']:.2f} s in its row); with it "
+            f"the floor is {with_launch:.2f} s, and the restart {med['overhead'] / with_launch:.2f}x that.",
+        ]
+    torchrun = (floor or {}).get("torchrun")
+    if torchrun:
+        lines += [
+            "",
+            f"The same floor under torchrun (`--launcher torchrun`), timed alongside: torchrun's own start "
+            f"{torchrun['launch']:.2f} s (it imports torch before it starts the ranks), import "
+            f"{torchrun['import']:.2f} s, rendezvous {torchrun['rendezvous']:.2f} s, restore "
+            f"{torchrun['restore']:.2f} s, total {torchrun['total']:.2f} s.",
         ]
     return lines
 
@@ -476,9 +494,17 @@ def main(argv: list[str] | None = None) -> int:
     floor = None
     if any(o.strategy == "spotjob" for o in outcomes):
         log("restart floor: fresh ranks import torch, rendezvous and restore, timed alone")
-        floor = restart_floor(str(runs_dir / "goodput-spotjob" / "checkpoints"), "local/goodput-spotjob", 3, runs_dir)
-        log("restart floor: %.2f s (import %.2f, rendezvous %.2f, restore %.2f; torchrun's own start %.2f)",
+        uri, job = str(runs_dir / "goodput-spotjob" / "checkpoints"), "local/goodput-spotjob"
+        floor = restart_floor(uri, job, 3, runs_dir)
+        log("restart floor: %.2f s (import %.2f, rendezvous %.2f, restore %.2f; the launcher's own start %.2f)",
             floor["total"], floor["import"], floor["rendezvous"], floor["restore"], floor["launch"])  # fmt: skip
+        under_torchrun = restart_floor(uri, job, 3, runs_dir, launcher="torchrun")
+        floor["torchrun"] = {k: v for k, v in under_torchrun.items() if k != "runs"}
+        log(
+            "the same under torchrun: %.2f s, torchrun's own start %.2f",
+            under_torchrun["total"],
+            under_torchrun["launch"],
+        )
     settings = {
         "horizon": args.horizon,
         "scale": args.scale,
