@@ -250,6 +250,8 @@ def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) 
     args = torchrun_args(command)
     if not skip or options is None or args is None:
         return "the command is not torchrun"
+    if skip == 3 and command[2] == "torch.distributed.launch":
+        return "torch.distributed.launch (deprecated) passes --local-rank its own way"
     other = sorted(set(options) - _DIRECT_OPTIONS)
     if other:
         return f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} torchrun's own"
@@ -310,8 +312,11 @@ def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) 
 
 
 def _interpreter(command: Sequence[str], env: Mapping[str, str]) -> list[str] | str:
-    """The Python torchrun would run its ranks with (its own ``sys.executable``), or why it is unknown."""
+    """The Python torchrun would run its ranks with (``PYTHON_EXEC``, else its own ``sys.executable``),
+    or why it is unknown."""
     path = env.get("PATH", os.defpath)
+    if env.get("PYTHON_EXEC"):
+        return [env["PYTHON_EXEC"]]
     if os.path.basename(command[0]).startswith("python"):
         found = shutil.which(command[0], path=path)
         return [found] if found else f"{command[0]} is not on PATH"

@@ -87,6 +87,10 @@ class TestWhatIsLaunchedDirectly:
         dash_m = launch([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "t.py"], bin_dir)
         assert isinstance(dash_m, DirectLaunch) and dash_m.command == [str(bin_dir / python), "-u", "t.py"]
 
+    def test_python_exec_names_the_ranks_interpreter_as_it_does_for_torchrun(self, bin_dir: Path) -> None:
+        got = launch(["torchrun", "train.py"], bin_dir, PYTHON_EXEC="/opt/py/bin/python3")
+        assert isinstance(got, DirectLaunch) and got.command == ["/opt/py/bin/python3", "-u", "train.py"]
+
     def test_the_interpreter_of_an_env_shebang_is_looked_up_on_path(self, bin_dir: Path) -> None:
         python = bin_dir / "python3"
         os.symlink(sys.executable, python)
@@ -107,6 +111,7 @@ class TestWhatIsLaunchedDirectly:
             (["torchrun", "--nnodes", "2", "--node-rank", "2", "train.py"], "not one of the 2 nodes"),
             (["torchrun", "--standalone", "--nnodes", "2", "train.py"], "more than one node"),
             (["torchrun", "--nproc-per-node", "2"], "no script"),
+            (["python", "-m", "torch.distributed.launch", "train.py"], "deprecated"),
         ],
     )
     def test_anything_else_is_left_to_torchrun_with_the_reason(
