@@ -89,6 +89,8 @@ class ControllerOptions:
     node_lost_grace_seconds: float = 60.0
     workers: int = 4
     sync_timeout_seconds: float = 300.0
+    agent_launcher: str = "direct"
+    """How the worker pods' agents start the ranks (``spotjob-agent --launcher``): direct or torchrun."""
 
 
 @dataclass

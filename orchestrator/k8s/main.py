@@ -39,6 +39,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
+AGENT_LAUNCHERS = ("direct", "torchrun")
+"""``spotjob-agent --launcher`` values (``--agent-launcher``)."""
+
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
@@ -123,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         "$SPOTJOB_REBALANCE)",
     )
     p.add_argument(
+        "--agent-launcher",
+        choices=AGENT_LAUNCHERS,
+        help="how the worker pods' agents start the ranks (spotjob-agent --launcher): direct, as torchrun would "
+        "without torchrun's own start (a second or more off every restart; torchrun's own options keep torchrun), "
+        "or torchrun (default direct; $SPOTJOB_AGENT_LAUNCHER)",
+    )
+    p.add_argument(
         "--node-lost-grace-seconds",
         type=float,
         metavar="S",
@@ -205,6 +215,9 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         rebalance = RebalancePolicy(rebalance_text)
     except ValueError:
         raise ValueError(f"--rebalance must be ignore or flush, not {rebalance_text!r}") from None
+    launcher = args.agent_launcher or _env("SPOTJOB_AGENT_LAUNCHER", "direct") or "direct"
+    if launcher not in AGENT_LAUNCHERS:
+        raise ValueError(f"SPOTJOB_AGENT_LAUNCHER must be {' or '.join(AGENT_LAUNCHERS)}, not {launcher!r}")
     grace = _float(args.node_lost_grace_seconds, "SPOTJOB_NODE_LOST_GRACE_SECONDS", 60.0, "--node-lost-grace-seconds")
     if grace < 0:
         raise ValueError(f"--node-lost-grace-seconds cannot be negative ({grace})")
@@ -229,6 +242,7 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         rebalance=rebalance,
         node_lost_grace_seconds=grace,
         workers=workers,
+        agent_launcher=launcher,
     )
 
 

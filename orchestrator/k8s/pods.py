@@ -107,6 +107,9 @@ class WorkerOptions:
     agent_command: tuple[str, ...] = ("spotjob-agent",)
     """The agent in the training image (on its PATH)."""
     torchrun_command: tuple[str, ...] = ("torchrun",)
+    agent_launcher: str = "direct"
+    """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
+    torchrun's own start; options that are torchrun's own keep torchrun) or torchrun."""
     controller_namespace: str = ""
     """Where the controller's pods run (the NetworkPolicy admits them from there); "": anywhere."""
     controller_pod_labels: Mapping[str, str] = field(default_factory=dict)
@@ -357,6 +360,7 @@ def _agent_args(
         # A SIGTERM (a drain, a graceful node shutdown) is a notice: flush within the window.
         "--sigterm-grace", str(window),
         "--flush-timeout", str(window),
+        "--launcher", options.agent_launcher,
     ]  # fmt: skip
     if spec.every_steps is not None:
         args += ["--every-steps", str(spec.every_steps)]

@@ -45,6 +45,7 @@ def spotjob_reconcile(context: ControllerContext, *, options: ReconcilerOptions 
         options=BackendOptions(
             workers=WorkerOptions(
                 agent_port=opts.agent_port,
+                agent_launcher=opts.agent_launcher,
                 controller_namespace=opts.controller_namespace,
                 controller_pod_labels=dict(opts.controller_pod_labels),
             ),

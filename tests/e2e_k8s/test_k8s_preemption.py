@@ -209,6 +209,9 @@ def test_two_replicas_rendezvous_without_dns_each_turn_ready_each_agent_exits_75
     for index in (0, 1):
         agent_log = cluster.pod_log(namespace, f"train-0-{index}", "trainer")
         assert "exiting 75: the flush committed step" in agent_log, agent_log[-3000:]
+        # The controller's default --agent-launcher direct: the agents started the ranks themselves,
+        # replica 0's rank hosting the rendezvous store on its pod IP.
+        assert "started the 1 rank(s) of torchrun" in agent_log and "directly" in agent_log, agent_log[:3000]
     # One rank per pod: rank r of the world is replica r's only rank.
     for rank, pod in enumerate(last):
         got = dumps / f"{pod['metadata']['name']}.rank{rank}.pt"

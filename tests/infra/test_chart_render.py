@@ -174,6 +174,7 @@ def test_defaults_run_two_leader_elected_replicas_with_the_crd_kept() -> None:
     assert "--lease-name=spotjob-controller" in args
     assert f"--lease-namespace={NAMESPACE}" in args
     assert "--http-port=8080" in args and "--agent-port=8470" in args and "--log-level=info" in args
+    assert "--agent-launcher=direct" in args
     assert not [a for a in args if a.startswith(("--namespace", "--interruption-queue-url", "--aws-region"))]
     assert one(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
     assert one(objects, "ServiceAccount")["metadata"].get("annotations") is None

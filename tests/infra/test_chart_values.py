@@ -116,6 +116,7 @@ WRONG_TYPES = [
     ({"watchNamespaces": "ml-training"}, "/watchNamespaces"),
     ({"watchNamespaces": ["Not_A_Namespace"]}, "/watchNamespaces/0"),
     ({"httpPort": 70000}, "/httpPort"),
+    ({"agentLauncher": "fast"}, "/agentLauncher"),
     ({"serviceAccount": {"aws": {"roleArn": "spotjob-controller"}}}, "/serviceAccount/aws/roleArn"),
     ({"serviceAccount": {"gcp": {"serviceAccount": "controller@example.com"}}}, "/serviceAccount/gcp/serviceAccount"),
     ({"logLevel": "verbose"}, "/logLevel"),

@@ -41,6 +41,7 @@ def test_the_defaults_are_what_the_chart_expects(monkeypatch: pytest.MonkeyPatch
     assert (o.http_port, o.agent_port, o.workers) == (8080, 8470, 4)
     assert o.network_policy and o.rebalance is RebalancePolicy.IGNORE and o.node_lost_grace_seconds == 60
     assert o.interruption_queue_url is None
+    assert o.agent_launcher == "direct"
 
 
 def test_every_flag_the_chart_passes_is_accepted() -> None:
@@ -53,6 +54,7 @@ def test_every_flag_the_chart_passes_is_accepted() -> None:
             "--lease-name=ctl",
             "--http-port=9090",
             "--agent-port=9470",
+            "--agent-launcher=torchrun",
             "--no-network-policy",
             "--interruption-queue-url=https://sqs.us-east-1.example/123456789012/spotjob",
             "--aws-region=us-east-1",
@@ -66,6 +68,7 @@ def test_every_flag_the_chart_passes_is_accepted() -> None:
     assert (o.http_port, o.agent_port, o.workers, o.node_lost_grace_seconds) == (9090, 9470, 8, 30.0)
     assert not o.network_policy and o.rebalance is RebalancePolicy.FLUSH
     assert o.aws_region == "us-east-1" and o.interruption_queue_url is not None
+    assert o.agent_launcher == "torchrun"
 
 
 def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,11 +76,13 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SPOTJOB_LEADER_ELECT", "false")
     monkeypatch.setenv("SPOTJOB_REBALANCE", "flush")
     monkeypatch.setenv("SPOTJOB_WORKERS", "2")
+    monkeypatch.setenv("SPOTJOB_AGENT_LAUNCHER", "torchrun")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     _, o = parse_options(["--workers=3"])
     assert o.namespaces == ("team-a", "team-b") and not o.leader_elect
     assert o.rebalance is RebalancePolicy.FLUSH and o.aws_region == "eu-west-1"
     assert o.workers == 3  # the flag wins
+    assert o.agent_launcher == "torchrun"
 
 
 @pytest.mark.parametrize(
@@ -87,6 +92,8 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--http-port=70000"], {}, "--http-port"),
         (["--namespace=Team_A"], {}, "--namespace"),
         (["--rebalance=sometimes"], {}, "--rebalance"),
+        (["--agent-launcher=fast"], {}, "--agent-launcher"),
+        (["--lease-namespace=x"], {"SPOTJOB_AGENT_LAUNCHER": "fast"}, "SPOTJOB_AGENT_LAUNCHER"),
         (["--node-lost-grace-seconds=-1"], {}, "--node-lost-grace-seconds"),
         (["--interruption-queue-url=sqs-queue"], {}, "--interruption-queue-url"),
         # A queue URL that names no region (a VPC endpoint), and no region given: which one?
