@@ -170,10 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"cannot read the launch spec: {e}")
         return 2
     ranks: Ranks | None = None
+    early: list[int] = []  # signals that came while the ranks were being started
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if ranks is not None:
             ranks.on_signal(signum, frame)
+        else:
+            early.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handle)
@@ -182,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         _say(f"cannot start {spec.command[0]}: {e}")
         return 127 if isinstance(e, FileNotFoundError) else 126
+    if early:
+        ranks.on_signal(early[-1])
     return ranks.wait()
 
 

@@ -196,6 +196,24 @@ class TestRanks:
             timer.cancel()
         assert [p.returncode for p in ranks.procs] == [-signal.SIGTERM, -signal.SIGTERM]
 
+    def test_a_signal_that_comes_while_the_ranks_start_still_reaches_them(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        started = Ranks.__init__
+
+        def start_then_signalled(self: Ranks, *args: object, **kw: object) -> None:
+            started(self, *args, **kw)  # type: ignore[arg-type]
+            os.kill(os.getpid(), signal.SIGTERM)  # handled here, before main() holds the ranks
+
+        monkeypatch.setattr(Ranks, "__init__", start_then_signalled)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            # Without the signal passed on, the ranks sleep their 30 s and the launcher exits 0.
+            assert main([spec(command=python("import time; time.sleep(30)")).to_json()]) == 128 + signal.SIGTERM
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def test_the_module_entry_point_refuses_a_bad_spec_and_reports_a_missing_program(
         self, capsys: pytest.CaptureFixture[str]
     ) -> None:
