@@ -469,7 +469,11 @@ class ChecksummedFile:
     storage, handed over as a memoryview of the tensor's own memory) go straight to ``os.write``
     in blocks of ``BLOCK`` bytes. With ``writeback``, each block is handed to the kernel's
     writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so by the time the
-    file is fsynced most of it is on disk already. With ``direct``, the blocks go to the disk
+    file is fsynced most of it is on disk already; and once ``WRITEBACK_LAG`` blocks are on their
+    way, the oldest is waited for and dropped from the page cache (``finish_writeback``), so a
+    save holds at most that much of the page cache however big it is: the kernel hands the same
+    pages back for the next blocks instead of allocating (and, on a VM, first-touching) fresh
+    ones, which is what made long buffered writes slow. With ``direct``, the blocks go to the disk
     with ``O_DIRECT`` instead, through ``agent._direct_io.DirectWriter`` (where the filesystem
     refuses ``O_DIRECT``, the file is written as without it). ``cancel`` is checked before every
     block. Closing does not fsync (see ``sync_files``); a failure removes the file.
@@ -477,6 +481,8 @@ class ChecksummedFile:
 
     BLOCK = 16 * 1024 * 1024
     _SMALL = 1024 * 1024
+    WRITEBACK_LAG = 4
+    """Blocks in writeback at once before the oldest is waited for and dropped from the page cache."""
 
     def __init__(
         self,
@@ -498,6 +504,7 @@ class ChecksummedFile:
         self._pending = bytearray()
         self._writeback = writeback
         self._written_back = 0
+        self._in_writeback: collections.deque[tuple[int, int]] = collections.deque()
         self._cancel = cancel
         self.error: BaseException | None = None
 
@@ -559,7 +566,10 @@ class ChecksummedFile:
             self.size += written
         if self._writeback and self.size - self._written_back >= self.BLOCK:
             start_writeback(self._fd, self._written_back, self.size - self._written_back)
+            self._in_writeback.append((self._written_back, self.size - self._written_back))
             self._written_back = self.size
+            while len(self._in_writeback) > self.WRITEBACK_LAG:
+                finish_writeback(self._fd, *self._in_writeback.popleft())
 
     @property
     def direct(self) -> bool:
@@ -600,13 +610,12 @@ class ChecksummedFile:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: written, and waited for
 _libc: Any = None
 
 
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing these bytes of ``fd`` to disk now, without waiting (Linux's
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op where it does not exist. It makes no
-    promise of durability: the fsync that follows does."""
+def _sync_file_range(fd: int, offset: int, length: int, flags: int) -> bool:
+    """Linux's ``sync_file_range``; False where it does not exist."""
     global _libc
     if _libc is None:
         try:
@@ -614,13 +623,31 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
             _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         except (OSError, AttributeError):
             _libc = False
-    if _libc:
-        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    if not _libc:
+        return False
+    _libc.sync_file_range(fd, offset, length, flags)
+    return True
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing these bytes of ``fd`` to disk now, without waiting (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op where it does not exist. It makes no
+    promise of durability: the fsync that follows does."""
+    _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def finish_writeback(fd: int, offset: int, length: int) -> None:
+    """Wait until these bytes of ``fd`` are written out, then drop them from the page cache
+    (``POSIX_FADV_DONTNEED``: clean pages only, so nothing unwritten is lost); a no-op where either
+    call does not exist. It makes no promise of durability either: the fsync that follows does."""
+    if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WAIT) and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def sync_files(paths: list[str], parallelism: int = 4) -> None:
     """fsync these files together, after the last one is written (their writeback started as they
-    were written): one wait for the disk per save, not one per file. Their folder is not synced:
+    were written): one wait for the disk per save, not one per file; then drop what is left of them
+    in the page cache (clean by then). Their folder is not synced:
     the store links them into the checkpoint folder and syncs that one (``FileStorage.put_files``).
     """
 
@@ -628,6 +655,8 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):  # the last blocks, written back by now (see ChecksummedFile)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 

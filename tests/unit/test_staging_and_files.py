@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent import _dcp
 from agent._dcp import ChecksummedFile, SaveCancelledError, make_stager, staging_options
 from agent.atomic_file import write_atomic
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel
@@ -53,6 +54,39 @@ class TestChecksummedFile:
             assert f.tell() == 6 + big.nbytes + 1000
         assert (f.crc, f.size) == crc32c_file(path)
         assert crc32c_file_parallel(path, parallelism=4, piece=1 << 20) == crc32c_file(path)
+
+    def test_a_buffered_write_keeps_only_a_few_blocks_in_the_page_cache(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each block's writeback starts as it is written; once WRITEBACK_LAG blocks are on their
+        way, the oldest is waited for and dropped, so the page cache a save holds stays bounded."""
+        started: list[tuple[int, int]] = []
+        finished: list[tuple[int, int]] = []
+        real_finish = _dcp.finish_writeback
+
+        def record_start(fd: int, offset: int, length: int) -> None:
+            started.append((offset, length))
+
+        def record_finish(fd: int, offset: int, length: int) -> None:
+            assert (offset, length) in started and finished == started[: len(finished)], "oldest first"
+            finished.append((offset, length))
+            real_finish(fd, offset, length)  # the real calls, on a real file
+
+        monkeypatch.setattr(_dcp, "start_writeback", record_start)
+        monkeypatch.setattr(_dcp, "finish_writeback", record_finish)
+        block, lag = ChecksummedFile.BLOCK, ChecksummedFile.WRITEBACK_LAG
+        data = torch.arange((lag + 3) * block // 4, dtype=torch.float32)  # lag + 3 blocks
+        path = str(tmp_path / "shard")
+        with ChecksummedFile(path, writeback=True) as f:
+            f.write(memoryview(data.numpy()).cast("B"))
+        assert started == [(i * block, block) for i in range(lag + 3)]
+        assert finished == started[:3]
+        assert (f.crc, f.size) == crc32c_file(path) and f.size == data.nbytes
+        assert torch.equal(torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.float32), data)
+        finished.clear()
+        with ChecksummedFile(str(tmp_path / "staged"), writeback=False) as f:  # an upload buffer: left alone
+            f.write(memoryview(data.numpy()).cast("B"))
+        assert finished == []
 
     def test_a_cancelled_write_stops_and_leaves_no_file(self, tmp_path: Path) -> None:
         path = tmp_path / "shard"
