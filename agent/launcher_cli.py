@@ -131,7 +131,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
     )
 
-    ck.add_argument(
+    p.add_argument(
         "--launcher",
         default=env.get(ENV_LAUNCHER) or "torchrun",
         help="torchrun (default): run the command as written; direct: start a torchrun command's ranks "
