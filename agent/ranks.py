@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from agent.exit_codes import command_exit_code
 from agent.torchrun import DirectLaunch
 
 STOP_GRACE = 30.0
@@ -82,11 +83,6 @@ def rank_env(spec: DirectLaunch, local_rank: int, base: dict[str, str], port: in
     return env
 
 
-def shell_code(returncode: int) -> int:
-    """A Popen returncode as a shell reports it (killed by signal N: 128 + N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 class Ranks:
     """The ranks of one node, started together; ``wait()`` returns the launcher's exit code."""
 
@@ -118,7 +114,7 @@ class Ranks:
             failed = next((p for p in self.procs if p.returncode not in (None, 0)), None)
             if failed is not None and self._signalled is None:
                 rank = self.spec.node_rank * self.spec.nproc + self.procs.index(failed)
-                code = shell_code(failed.returncode or 0)
+                code = command_exit_code(failed.returncode or 0)
                 if running:
                     self._stop(f"rank {rank} (pid {failed.pid}) exited {code}")
                 return code

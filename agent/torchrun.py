@@ -36,6 +36,11 @@ import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Literal, get_args
+
+Launcher = Literal["torchrun", "direct"]
+"""How spotjob-agent starts a torchrun command's ranks (``--launcher``)."""
+LAUNCHERS: tuple[str, ...] = get_args(Launcher)
 
 STATIC_DEFAULT_PORT = 29500
 C10D_DEFAULT_PORT = 29400

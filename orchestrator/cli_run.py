@@ -58,6 +58,7 @@ from rich.console import Console
 from agent.catalog import latest_valid, list_checkpoints
 from agent.control_channel import STATUS_FILE, read_json
 from agent.storage import StorageError, open_storage, parse_uri
+from agent.torchrun import LAUNCHERS
 from orchestrator.backends.local import (
     ENV_RUN,
     EventKind,
@@ -1283,7 +1284,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a baseline: nobody listens for notices (no flush); a noticed node just dies at the window's end",
     )  # fmt: skip
     run.add_argument(
-        "--launcher", choices=("direct", "torchrun"), default="direct",
+        "--launcher", choices=LAUNCHERS, default="direct",
         help="direct (default): each agent starts the ranks itself, as torchrun would, without torchrun's own "
         "start (a second or more of every restart); torchrun: run torchrun (spotjob-agent --launcher)",
     )  # fmt: skip

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from types import FrameType
 from urllib.parse import urlparse
 
+from agent.torchrun import LAUNCHERS
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
 from orchestrator.k8s.cluster_signals import RebalancePolicy
@@ -38,9 +39,6 @@ _SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/name
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
-
-AGENT_LAUNCHERS = ("direct", "torchrun")
-"""``spotjob-agent --launcher`` values (``--agent-launcher``)."""
 
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
@@ -127,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--agent-launcher",
-        choices=AGENT_LAUNCHERS,
+        choices=LAUNCHERS,
         help="how the worker pods' agents start the ranks (spotjob-agent --launcher): direct, as torchrun would "
         "without torchrun's own start (a second or more off every restart; torchrun's own options keep torchrun), "
         "or torchrun (default direct; $SPOTJOB_AGENT_LAUNCHER)",
@@ -216,8 +214,8 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     except ValueError:
         raise ValueError(f"--rebalance must be ignore or flush, not {rebalance_text!r}") from None
     launcher = args.agent_launcher or _env("SPOTJOB_AGENT_LAUNCHER", "direct") or "direct"
-    if launcher not in AGENT_LAUNCHERS:
-        raise ValueError(f"SPOTJOB_AGENT_LAUNCHER must be {' or '.join(AGENT_LAUNCHERS)}, not {launcher!r}")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"SPOTJOB_AGENT_LAUNCHER must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
     grace = _float(args.node_lost_grace_seconds, "SPOTJOB_NODE_LOST_GRACE_SECONDS", 60.0, "--node-lost-grace-seconds")
     if grace < 0:
         raise ValueError(f"--node-lost-grace-seconds cannot be negative ({grace})")

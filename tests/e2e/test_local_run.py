@@ -74,6 +74,17 @@ def read_status(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def dumped_run(tmp_path: Path, name: str, step_sleep: float, **options: Any) -> RunConfig:
+    """examples/train.py for STEPS steps, paced, its final state dumped to ``tmp_path/final``."""
+    return RunConfig(
+        script=str(TRAIN),
+        args=["--steps", str(STEPS), "--step-sleep", f"{step_sleep:g}", "--dump", str(tmp_path / "final")],
+        name=name,
+        runs_dir=str(tmp_path / "runs"),
+        **options,
+    )
+
+
 def event_reasons(events_file: Path) -> list[str]:
     return [e.reason for e in read_events(str(events_file))]
 
@@ -86,16 +97,8 @@ def test_a_job_preempted_at_random_steps_during_saves_and_during_a_restart_ends_
 ) -> None:
     rng = random.Random(SEED)
     first, third = rng.randint(10, 25), rng.randint(38, 50)
-    config = RunConfig(
-        script=str(TRAIN),
-        args=["--steps", str(STEPS), "--step-sleep", "0.1", "--dump", str(tmp_path / "final")],
-        name="preempted",
-        runs_dir=str(tmp_path / "runs"),
-        # A save every step, and at most one in flight: whenever a notice lands, a save is under way.
-        every_steps=1,
-        notice=6.0,
-        flush_timeout=60.0,
-    )
+    # A save every step, and at most one in flight: whenever a notice lands, a save is under way.
+    config = dumped_run(tmp_path, "preempted", 0.1, every_steps=1, notice=6.0, flush_timeout=60.0)
     run = LocalRun(config)
     backend, spec, key = run.backend, run.spec, run.key
     done = threading.Event()
@@ -171,15 +174,7 @@ def started_lines(run_path: Path) -> list[str]:
 def test_with_launcher_torchrun_the_agents_run_torchrun_and_a_preempted_job_still_ends_bit_identical(
     tmp_path: Path, uninterrupted: Path
 ) -> None:
-    config = RunConfig(
-        script=str(TRAIN),
-        args=["--steps", str(STEPS), "--step-sleep", "0.05", "--dump", str(tmp_path / "final")],
-        name="under-torchrun",
-        runs_dir=str(tmp_path / "runs"),
-        every_steps=10,
-        preempt_at_steps=[25],
-        launcher="torchrun",
-    )
+    config = dumped_run(tmp_path, "under-torchrun", 0.05, every_steps=10, preempt_at_steps=[25], launcher="torchrun")
     run = LocalRun(config)
     status = run.run()
     assert status.phase is Phase.SUCCEEDED, f"{status.reason}: {status.message}"

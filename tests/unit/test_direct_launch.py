@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.exit_codes import command_exit_code
 from agent.launcher import parse_args
-from agent.ranks import Ranks, main, rank_env, shell_code
+from agent.ranks import Ranks, main, rank_env
 from agent.torchrun import DirectLaunch, direct_launch
 
 BOUND_S = 60.0  # only stops a hung test; nothing here asserts how long anything took
@@ -184,7 +185,7 @@ class TestRanks:
     def test_a_rank_killed_by_a_signal_reports_it_as_a_shell_does(self) -> None:
         code = "import os,signal,time; os.kill(os.getpid(), 9) if os.environ['RANK'] == '0' else time.sleep(600)"
         assert Ranks(spec(command=python(code)), env={}).wait() == 128 + signal.SIGKILL
-        assert shell_code(-6) == 134 and shell_code(3) == 3
+        assert command_exit_code(-6) == 134 and command_exit_code(3) == 3
 
     def test_a_signal_is_passed_on_to_every_rank_and_ends_the_launcher_once_they_exit(self) -> None:
         ranks = Ranks(spec(command=python("import time; time.sleep(600)")), env={})
