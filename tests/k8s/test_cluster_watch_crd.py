@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -227,3 +229,50 @@ def test_a_crd_that_is_not_structural_is_rejected(cluster: TestCluster) -> None:
         e.value.status == 422
         and "spec.versions[0].schema.openAPIV3Schema.properties[spec].type" in e.value.body["message"]
     )
+
+
+def test_a_watch_cut_with_the_history_never_saw_a_version_the_server_still_keeps(
+    kube_client: Any, namespace: str, cluster: TestCluster, test_apiserver_only: None
+) -> None:
+    """The one-step hook (a write elsewhere, the history expired, open watches cut) leaves every
+    client behind: not even a bookmark sent while the hook held the store reaches a cut watch with
+    the new version, so the client's next watch is told 410 Gone. Bookmarks come every few
+    milliseconds here, so a bookmark racing the cut is likely in some of the rounds."""
+    assert cluster.front is not None
+    api = cluster.front.api
+    v1 = client.CoreV1Api(kube_client)
+    interval, api.bookmark_interval = api.bookmark_interval, 0.002
+    try:
+        for _ in range(25):
+            rv = v1.list_namespaced_config_map(namespace).metadata.resource_version
+            seen: list[int] = []
+
+            def consume(since: str = rv, seen: list[int] = seen) -> None:
+                with contextlib.suppress(Exception):
+                    for ev in watch.Watch().stream(
+                        v1.list_namespaced_config_map,
+                        namespace,
+                        resource_version=since,
+                        allow_watch_bookmarks=True,
+                        timeout_seconds=30,
+                    ):
+                        seen.append(int(ev["raw_object"]["metadata"]["resourceVersion"]))
+
+            t = threading.Thread(target=consume)
+            t.start()
+            cluster.wait_for(lambda seen=seen: len(seen) >= 3, WAIT, "bookmarks")
+            time.sleep(0.01)
+            assert cluster.expire_watch_history_and_drop_watches("configmaps") >= 1
+            floor = api.store.history_floor
+            t.join(WAIT)
+            assert not t.is_alive()
+            assert max(seen) < floor, f"a cut watch saw version {max(seen)}, which the server still keeps ({floor})"
+            with pytest.raises(client.ApiException) as gone:
+                list(
+                    watch.Watch().stream(
+                        v1.list_namespaced_config_map, namespace, resource_version=str(max(seen)), timeout_seconds=1
+                    )
+                )
+            assert gone.value.status == 410
+    finally:
+        api.bookmark_interval = interval

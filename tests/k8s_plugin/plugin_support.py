@@ -285,12 +285,10 @@ def answer_flush_requests(
         request = flush_annotation(job)
         if request is not None:
             if break_watches:
-                # A write elsewhere first, so the version the plugin watches from is older than
-                # everything the server keeps once the history is expired.
-                config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "tick-"}}
-                cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/configmaps", config_map)
-                cluster.expire_watch_history()
-                while cluster.drop_watches("spotjobs") == 0 and time.monotonic() < deadline:
+                # One step on the server (a write elsewhere, the history expired, the watch cut), so
+                # no bookmark can carry the plugin past the expiry: whatever it saw is now too old.
+                # Repeated until the plugin's watch was open to be cut.
+                while cluster.expire_watch_history_and_drop_watches("spotjobs") == 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
             status = dict(job.get("status") or {})
             if in_progress is not None:

@@ -408,6 +408,18 @@ class TestCluster:
         front = self._front()
         front.api.store.expire_history()
 
+    def expire_watch_history_and_drop_watches(self, resource: str = "") -> int:
+        """In one step, as no client can observe in between: a write elsewhere (etcd's revision is
+        global), the history expired, and every open watch (of ``resource``) cut. Every version a
+        client has seen, bookmarks included, is then older than the server keeps: its next watch is
+        told 410 Gone. Returns how many watches were cut."""
+        front = self._front()
+        store = front.api.store
+        with store.lock:
+            store.next_rv()
+            store.expire_history()
+            return front.drop_watches(resource)
+
     @property
     def validation_failures(self) -> list[ValidationFailure]:
         return self._front().api.validation_failures

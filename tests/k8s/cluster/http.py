@@ -745,6 +745,8 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 if bookmarks and time.monotonic() >= next_bookmark:
                     with api.store.lock:
+                        if watcher.closed:  # cut while the bookmark waited for the lock: it sees no newer version
+                            continue
                         rv = api.store.rv if watcher.idle() else last_rv
                     if rv >= last_rv:  # sent every interval, as the watch cache's progress notifications are
                         self._bookmark(rt, rv)
