@@ -16,7 +16,7 @@ from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRE
 from agent.notices import aws, azure, gcp
 from agent.notices.detect import ENV_CLOUD, Cloud
 from agent.storage import parse_uri
-from agent.torchrun import LAUNCHERS, Launcher
+from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 
 ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
 ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
@@ -26,7 +26,6 @@ ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
 
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
-ENV_LAUNCHER = "SPOTJOB_AGENT_LAUNCHER"
 
 
 class AgentConfig(BaseModel):

@@ -41,6 +41,8 @@ from typing import Literal, get_args
 Launcher = Literal["torchrun", "direct"]
 """How spotjob-agent starts a torchrun command's ranks (``--launcher``)."""
 LAUNCHERS: tuple[str, ...] = get_args(Launcher)
+ENV_LAUNCHER = "SPOTJOB_AGENT_LAUNCHER"
+"""The agent's ``--launcher`` default; the controller reads it too, for the agents of its pods."""
 
 STATIC_DEFAULT_PORT = 29500
 C10D_DEFAULT_PORT = 29400

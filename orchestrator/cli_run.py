@@ -58,7 +58,7 @@ from rich.console import Console
 from agent.catalog import latest_valid, list_checkpoints
 from agent.control_channel import STATUS_FILE, read_json
 from agent.storage import StorageError, open_storage, parse_uri
-from agent.torchrun import LAUNCHERS
+from agent.torchrun import LAUNCHERS, Launcher
 from orchestrator.backends.local import (
     ENV_RUN,
     EventKind,
@@ -233,7 +233,7 @@ class RunConfig:
     seed: int | None = None
     ignore_notices: bool = False
     """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
-    launcher: str = "direct"
+    launcher: Launcher = "direct"
     """How each agent starts the ranks (spotjob-agent --launcher): direct, or torchrun itself."""
     plot: str | None = None
     env: dict[str, str] = field(default_factory=dict)

@@ -79,6 +79,7 @@ from agent.control_channel import (
 )
 from agent.notices.emulators import ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID
+from agent.torchrun import Launcher
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
 from orchestrator.backends.local_cloud import (
     ENV_NODE,
@@ -192,7 +193,7 @@ class LocalOptions:
     """SIGTERM to SIGKILL when stopping a worker (a pod's termination grace period)."""
     workdir: str | None = None
     """The workers' working directory (default: this process's)."""
-    launcher: str = "direct"
+    launcher: Launcher = "direct"
     """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
     torchrun's own start) or torchrun."""
 

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from agent.torchrun import Launcher
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient, Object, object_key
 from orchestrator.k8s.cluster_signals import (
     NOTICE_INDEX,
@@ -89,7 +90,7 @@ class ControllerOptions:
     node_lost_grace_seconds: float = 60.0
     workers: int = 4
     sync_timeout_seconds: float = 300.0
-    agent_launcher: str = "direct"
+    agent_launcher: Launcher = "direct"
     """How the worker pods' agents start the ranks (``spotjob-agent --launcher``): direct or torchrun."""
 
 

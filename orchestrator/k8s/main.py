@@ -17,9 +17,10 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import cast
 from urllib.parse import urlparse
 
-from agent.torchrun import LAUNCHERS
+from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
 from orchestrator.k8s.cluster_signals import RebalancePolicy
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LAUNCHERS,
         help="how the worker pods' agents start the ranks (spotjob-agent --launcher): direct, as torchrun would "
         "without torchrun's own start (a second or more off every restart; torchrun's own options keep torchrun), "
-        "or torchrun (default direct; $SPOTJOB_AGENT_LAUNCHER)",
+        f"or torchrun (default direct; ${ENV_LAUNCHER})",
     )
     p.add_argument(
         "--node-lost-grace-seconds",
@@ -213,9 +214,9 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         rebalance = RebalancePolicy(rebalance_text)
     except ValueError:
         raise ValueError(f"--rebalance must be ignore or flush, not {rebalance_text!r}") from None
-    launcher = args.agent_launcher or _env("SPOTJOB_AGENT_LAUNCHER", "direct") or "direct"
+    launcher = args.agent_launcher or _env(ENV_LAUNCHER, "direct")
     if launcher not in LAUNCHERS:
-        raise ValueError(f"SPOTJOB_AGENT_LAUNCHER must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
+        raise ValueError(f"{ENV_LAUNCHER} must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
     grace = _float(args.node_lost_grace_seconds, "SPOTJOB_NODE_LOST_GRACE_SECONDS", 60.0, "--node-lost-grace-seconds")
     if grace < 0:
         raise ValueError(f"--node-lost-grace-seconds cannot be negative ({grace})")
@@ -240,7 +241,7 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         rebalance=rebalance,
         node_lost_grace_seconds=grace,
         workers=workers,
-        agent_launcher=launcher,
+        agent_launcher=cast(Launcher, launcher),
     )
 
 

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.torchrun import Launcher
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -107,7 +108,7 @@ class WorkerOptions:
     agent_command: tuple[str, ...] = ("spotjob-agent",)
     """The agent in the training image (on its PATH)."""
     torchrun_command: tuple[str, ...] = ("torchrun",)
-    agent_launcher: str = "direct"
+    agent_launcher: Launcher = "direct"
     """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
     torchrun's own start; options that are torchrun's own keep torchrun) or torchrun."""
     controller_namespace: str = ""
