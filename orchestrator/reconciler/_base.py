@@ -1,0 +1,67 @@
+"""What every concern of the reconciler writes into a pass: the phase, conditions (changed only when
+their value changes, as JobSet's ``ensureCondition``), queued Events, the end of a recovery."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from orchestrator.backends.base import Backend, Placement
+from orchestrator.events import EventType
+from orchestrator.model import Condition, ConditionStatus, JobKey, JobStatus, Phase
+from orchestrator.reconciler._pass import ReconcilerOptions, _Event, _Pass
+from orchestrator.reconciler._reasons import Reason
+
+log = logging.getLogger("orchestrator.reconciler")  # one logger for the package, as before it was split
+
+
+class _Base:
+    """The state every concern reads (set by ``Reconciler.__init__``) and the pass helpers."""
+
+    _backend: Backend
+    _options: ReconcilerOptions
+    _lock: threading.Lock
+    _flush_in_flight: dict[JobKey, set[str]]
+
+    def _close_recovery(self, p: _Pass) -> None:
+        """The recovery in progress ends (the attempt runs, or fails or is preempted while starting)."""
+        recovery = p.status.recovery
+        if recovery is None:
+            return
+        if recovery.stopped_at is not None and p.status.start_time is not None:
+            p.status.restarting_seconds += (p.now - recovery.stopped_at).total_seconds()
+        p.status.recovery = None
+
+    def _placement(self, status: JobStatus) -> Placement:
+        def values(kind: str) -> frozenset[str]:
+            return frozenset(a.value for a in status.avoid if a.kind == kind)
+
+        return Placement(values("node"), values("zone"), values("instanceType"))
+
+    def _set_phase(self, p: _Pass, phase: Phase, reason: str, message: str) -> None:
+        if phase is not p.status.phase:
+            log.info("job %s [%s] -> %s (%s): %s", p.key, p.status.phase, phase, reason, message)
+        p.status.phase, p.status.reason, p.status.message = phase, reason, message
+
+    def _condition(self, p: _Pass, type_: str, value: bool, reason: str, message: str) -> None:
+        text: ConditionStatus = "True" if value else "False"
+        existing = p.status.condition(type_)
+        if existing is None:
+            p.status.conditions.append(
+                Condition(type=type_, status=text, reason=reason, message=message, last_transition_time=p.now)
+            )
+            return
+        if existing.status != text:
+            existing.status, existing.last_transition_time = text, p.now
+        existing.reason, existing.message = reason, message
+
+    def _event(
+        self, p: _Pass, why: Reason, *, message: str | None = None, node: str | None = None, **fields: object
+    ) -> None:
+        """Queue an Event of this pass; ``_commit`` emits it once the status is written."""
+        text = message if message is not None else why.message(**fields)
+        kind = EventType.WARNING if why.warning else EventType.NORMAL
+        p.events.append(_Event(kind, why.name, text, node))
+
+    def _debug(self, p: _Pass, message: str, *args: object) -> None:
+        log.debug("job %s [%s]: " + message, p.key, p.status.phase, *args)

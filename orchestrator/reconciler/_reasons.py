@@ -1,0 +1,128 @@
+"""Why a job is where it is: each Reason is a CamelCase name (status reason, condition reason, Event
+reason) next to its message, and whether its Event is a Warning; and the condition types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A CamelCase reason and the message that goes with it (``str.format`` fields)."""
+
+    name: str
+    template: str
+    warning: bool = False
+
+    def message(self, **fields: object) -> str:
+        return self.template.format(**fields)
+
+
+WORKERS_STARTED = Reason(
+    "WorkersStarted", "started {replicas} worker(s) of attempt {attempt} from {resume}, avoiding {avoid}"
+)
+WORKERS_RUNNING = Reason("WorkersRunning", "every worker of attempt {attempt} is running")
+COMPLETED = Reason("Completed", "every worker exited 0 (last step seen {step})")
+SPOT_INTERRUPTED = Reason("SpotInterrupted", "{signal}: flushing the gang and moving it")
+NODE_LOST = Reason("NodeLost", "{signal}: flushing what is left of the gang and moving it")
+AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node} heard a notice itself and exited 75")
+AGENT_FLUSH_FAILED = Reason(
+    "AgentFlushFailed", "the agent of {worker} on node {node} exited 76: its flush committed nothing", warning=True
+)
+WORKER_LOST = Reason("WorkerLost", "worker {worker} on node {node} is gone without an exit code or a notice")
+FLUSH_REQUESTED = Reason("FlushRequested", "{count} agent(s) accepted the request to flush by {deadline}: {workers}")
+FLUSH_REQUEST_FAILED = Reason(
+    "FlushRequestFailed", "could not ask the agent of {worker} to flush: {error}", warning=True
+)
+FLUSH_FAILED = Reason("FlushFailed", "the agent of {worker} exited 76: its flush committed nothing", warning=True)
+FLUSH_COMMITTED = Reason("FlushCommitted", "step {step} committed at {uri} {seconds:.1f}s after the notice")
+WORKERS_EXITED = Reason(
+    "WorkersExited",
+    "no worker is left to flush and nothing newer than {baseline} was committed; resuming from {resume}",
+)
+FLUSH_TIMED_OUT = Reason(
+    "FlushTimedOut",
+    "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}",
+    warning=True,
+)
+RESCHEDULED = Reason(
+    "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
+)
+WORKER_FAILED = Reason(
+    "WorkerFailed",
+    "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}{detail}",
+    warning=True,
+)
+RESTART_BUDGET_EXHAUSTED = Reason(
+    "RestartBudgetExhausted",
+    "worker {worker} exited with code {code} and all {max_restarts} restart(s) are used{detail}",
+    warning=True,
+)
+WORKER_INFRA_ERROR = Reason(
+    "WorkerInfraError",
+    "the agent of {worker} on node {node} exited {code}: an infrastructure error, not the user's code "
+    "(storage unreachable, rendezvous port taken); restarting after the infrastructure backoff, no restart counted",
+    warning=True,
+)
+INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
+CHECKPOINT_URI_OWNED = Reason("CheckpointURIOwned", "{error}", warning=True)
+ATTEMPT_RENUMBERED = Reason(
+    "AttemptRenumbered",
+    "storage records attempt {recorded} of this job already (an earlier job of this name): the next attempt is "
+    "{attempt}",
+)
+STORAGE_UNREACHABLE = Reason("StorageUnreachable", "cannot read checkpoints at {uri}: {error}", warning=True)
+STORAGE_REFUSED = Reason(
+    "StorageRefused",
+    "storage refuses to list checkpoints at {uri}: {error}; the running workers are left alone, but no attempt "
+    "can start until the bucket or the credentials are fixed",
+    warning=True,
+)
+STORAGE_REFUSED_FAILED = Reason(
+    "StorageRefused",
+    "storage refuses the checkpoint URI {uri}: {error}. Nothing was started: fix the URI, the bucket or the "
+    "credentials, then submit the job again",
+    warning=True,
+)
+BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
+HEALTHY = Reason("Healthy", "storage and the backend answer")
+INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
+SPEC_VALID = Reason("SpecValid", "the spec is valid")
+INVALID_STATUS = Reason(
+    "InvalidStatus",
+    "the stored status cannot be read ({problems}); the job is left alone rather than restarted from nothing",
+    warning=True,
+)
+
+CAPACITY_UNAVAILABLE = Reason(
+    "CapacityUnavailable",
+    "{workers} found no capacity within startTimeoutSeconds ({timeout:.0f}s): {why}; {then}",
+    warning=True,
+)
+CAPACITY_FOUND = Reason("CapacityFound", "every worker of attempt {attempt} runs on {capacity} capacity")
+RETURNING_TO_SPOT = Reason(
+    "ReturningToSpot",
+    "{seconds:.0f}s on the fallback capacity without a preemption (fallback.returnAfterSeconds {period:.0f}s): "
+    "attempt {attempt} uses the job's own template again",
+)
+FLUSH_REQUESTED_BY_USER = Reason(
+    "FlushRequestedByUser", "flush request {id} (restart{reason}): flushing the gang and restarting it"
+)
+CHECKPOINT_REQUESTED_BY_USER = Reason(
+    "CheckpointRequestedByUser", "flush request {id} (checkpoint{reason}): {count} agent(s) asked for a checkpoint"
+)
+FLUSH_REQUEST_COMMITTED = Reason("FlushRequestCommitted", "flush request {id} ({mode}): step {step} committed")
+FLUSH_REQUEST_NOT_COMMITTED = Reason("FlushRequestNotCommitted", "flush request {id} ({mode}): {why}", warning=True)
+FLUSH_REQUEST_SKIPPED = Reason("FlushRequestSkipped", "flush request {id} ({mode}): {why}")
+SAVE_REQUEST_FAILED = Reason(
+    "SaveRequestFailed", "could not ask the agent of {worker} for a checkpoint: {error}", warning=True
+)
+FLUSH_REQUEST_INVALID = Reason(
+    "FlushRequestInvalid", "{problem}; the request is ignored (write a new one with a new id)", warning=True
+)
+
+READY = "Ready"
+FLUSHING = "Flushing"
+DEGRADED = "Degraded"
+INVALID = "Invalid"
+CAPACITY = "CapacityUnavailable"

@@ -1,0 +1,541 @@
+"""``Reconciler``: one pass for one job, and what only the pass as a whole does.
+
+Each pass observes (the backend's workers and signals, the newest valid checkpoint in storage),
+runs the phase handlers until one waits, writes the status once, then emits Events and metrics
+(see the package docstring). The concerns it joins are the layers below it (``_requests``,
+``_recovery``, ``_capacity``); what is left here: validity, ownership and fencing, starting an
+attempt, infrastructure health and goodput.
+
+Ownership and fencing (``agent.ownership``): the first pass that reaches the job's storage claims
+the URI for the job (``job_identity``: ``namespace/name``, the same string the agents get as their
+job name); a URI another job owns fails the job at once, naming the
+owner and the remedy (a transient storage error does not: it is retried like any other). Before
+an attempt's workers start, the attempt is recorded in storage with its fence (the newest valid
+checkpoint, what it resumes from), create-only and replay-safe; an attempt that cannot be
+recorded does not start. A job whose storage holds records of a newer attempt (a job deleted and
+created again under its name) numbers its next attempt past them. ``latest_valid`` never counts a
+foreign or fenced checkpoint, so a stale worker's commit can neither end a flush nor be resumed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from operator import methodcaller
+
+from agent.catalog import latest_valid
+from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
+from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
+from orchestrator.backends.base import Backend, BackendError
+from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
+from orchestrator.model import (
+    Cause,
+    CheckpointInfo,
+    JobKey,
+    JobSpec,
+    JobStatus,
+    Phase,
+    WorkerPhase,
+    WorkerStatus,
+    job_name_problem,
+)
+from orchestrator.reconciler._base import log
+from orchestrator.reconciler._capacity import _Capacity
+from orchestrator.reconciler._pass import (
+    _PLACEHOLDER_SPEC,
+    Clock,
+    ReconcileResult,
+    ReconcilerOptions,
+    SystemClock,
+    _Pass,
+    _significant,
+    _status_unreadable,
+    _stop_with_flush,
+    job_identity,
+)
+from orchestrator.reconciler._reasons import (
+    ATTEMPT_RENUMBERED,
+    BACKEND_UNAVAILABLE,
+    CHECKPOINT_URI_OWNED,
+    DEGRADED,
+    HEALTHY,
+    INVALID,
+    INVALID_CHECKPOINT_URI,
+    INVALID_SPEC,
+    INVALID_STATUS,
+    READY,
+    SPEC_VALID,
+    STORAGE_REFUSED,
+    STORAGE_REFUSED_FAILED,
+    STORAGE_UNREACHABLE,
+    WORKER_INFRA_ERROR,
+    WORKERS_STARTED,
+    Reason,
+)
+from orchestrator.store import ConflictError, JobStore, StoredJob
+
+
+class Reconciler(_Capacity):
+    """Drives jobs, one pass for one job at a time, through the state machine of the package docstring.
+
+    One instance serves every job of its store: per-job memory (the URIs it claimed, when it last
+    wrote each status) is keyed by ``JobKey`` and dropped when a job is gone. ``reconcile`` is not
+    reentrant for one key (the work queue guarantees one pass per key at a time); passes for
+    different keys may run on different threads.
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        backend: Backend,
+        clock: Clock | None = None,
+        *,
+        events: EventSink | None = None,
+        metrics: JobMetrics | None = None,
+        storage_factory: Callable[[str], Storage] = open_storage,
+        options: ReconcilerOptions | None = None,
+    ) -> None:
+        self.store = store
+        self._backend = backend
+        self._clock: Clock = clock or SystemClock()
+        self._events: EventSink = events or LoggingEventSink()
+        self._metrics: JobMetrics = metrics or NULL_METRICS
+        self._storage_factory = storage_factory
+        self._options = options or ReconcilerOptions()
+        self._lock = threading.Lock()
+        self._storages: dict[str, Storage] = {}
+        self._claimed: set[tuple[str, str]] = set()
+        """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
+        self._written_at: dict[JobKey, float] = {}
+        """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
+        self._flush_in_flight: dict[JobKey, set[str]] = {}
+        """Workers whose flush request was sent and not answered yet (their answer is told even if
+        the commit shows first); per job, this process only."""
+        self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
+            Phase.PENDING: self._bring_up,
+            Phase.RUNNING: self._running,
+            Phase.FLUSHING: self._flushing,
+            Phase.RESCHEDULING: self._bring_up,
+        }
+
+    def reconcile(self, key: JobKey) -> ReconcileResult:
+        """One pass for job ``key``: observe, decide, act, write the status if it changed, then tell.
+
+        A job gone from the store is forgotten (``JobMetrics.job_deleted``) and answers
+        ``ReconcileResult(None, None)``. A status write that conflicts (the job changed since it
+        was read) answers a requeue of 0 and tells nothing. Raises ``StoreError`` if the store
+        fails; backend and storage errors are retried (``_recovery``, failure classes).
+        """
+        started = self._clock.monotonic()
+        stored = self.store.get(key)
+        if stored is None:
+            self._forget(key)
+            return ReconcileResult(None, None)
+        now = self._clock.now()
+        if stored.status is None and _status_unreadable(stored):
+            # The status cannot be read: writing one would restart the job from nothing.
+            self._events.emit(
+                key, EventType.WARNING, INVALID_STATUS.name, INVALID_STATUS.message(problems=stored.invalid)
+            )
+            return ReconcileResult(None, None)
+        fresh = stored.status is None
+        before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
+        if before.phase.terminal:
+            return self._stop_leftovers(key, stored, before)
+
+        problems = self._problems(key, stored)
+        if problems is not None or stored.spec is None:
+            p = _Pass(key, stored.spec or _PLACEHOLDER_SPEC, before.model_copy(deep=True), now, None, set())
+            self._invalid(p, problems or stored.invalid or "the spec is invalid", stored.generation)
+            return self._commit(p, stored, before, fresh, None, started)
+
+        p = self._new_pass(key, stored.spec, before, now)
+        p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
+        p.flush_request_problem = stored.flush_request_problem
+        try:
+            self._observe(p)
+            requeue = self._decide(p)
+        except BackendError as e:
+            # Forget this pass's decisions: their actions are idempotent and replayed next time.
+            p = self._new_pass(key, stored.spec, before, now)
+            p.status.infra_errors += 1
+            self._degraded(p, BACKEND_UNAVAILABLE, error=e)
+            requeue = self._options.infra_delay(p.status.infra_errors)
+        else:
+            self._note_health(p)
+            self._record_workers(p)
+        self._valid(p)
+        p.status.observed_generation = stored.generation
+        self._account(p)
+        return self._commit(p, stored, before, fresh, requeue, started)
+
+    def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
+        """A Failed job's workers are stopped (without a flush) until none is alive: the pass that
+        decided the failure stops them after its write, and this finishes a stop that failed."""
+        if status.phase is not Phase.FAILED or stored.spec is None:
+            return ReconcileResult(status.phase, None)
+        try:
+            alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive]
+            if alive:
+                self._backend.stop_workers(key, stored.spec, flush=False)
+        except BackendError as e:
+            log.warning("job %s [%s]: cannot stop its workers yet (%s)", key, status.phase, e)
+            return ReconcileResult(status.phase, self._options.infra_delay(1))
+        return ReconcileResult(status.phase, self._options.stopping_poll_seconds if alive else None)
+
+    def forget(self, key: JobKey) -> None:
+        """Drop what this reconciler remembers of ``key`` (the job was deleted)."""
+        self._forget(key)
+
+    # -- write, then tell ---------------------------------------------------------------------
+    def _commit(
+        self,
+        p: _Pass,
+        stored: StoredJob,
+        before: JobStatus,
+        fresh: bool,
+        requeue: float | None,
+        started: float,
+    ) -> ReconcileResult:
+        """Write the status if it changed (or its volatile numbers are due), then emit and count."""
+        key, status = p.key, p.status
+        stop_failed = False
+        changed = fresh or _significant(status) != _significant(before)
+        due = status != before and (
+            self._clock.monotonic() - self._written_at.get(key, -math.inf) >= self._options.status_refresh_seconds
+        )
+        if changed or due:
+            try:
+                self.store.update_status(key, status, version=stored.version)
+            except ConflictError as e:
+                log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
+                return ReconcileResult(before.phase, 0.0)
+            with self._lock:
+                self._written_at[key] = self._clock.monotonic()
+            if status.goodput is not None:
+                p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
+        # Act on a decision only once it is written: a pass whose write is lost stopped nothing, so
+        # the next pass sees what this one saw (a failed worker's exit code, not a vanished gang).
+        if p.stop_flush is not None:
+            try:
+                self._backend.stop_workers(key, p.spec, flush=p.stop_flush)
+            except BackendError as e:
+                log.warning("job %s [%s]: stopping the gang failed (%s); trying again", key, status.phase, e)
+                requeue = self._options.infra_delay(1)
+                stop_failed = True
+        for event in p.events:
+            self._events.emit(key, event.type, event.reason, event.message, node=event.node)
+        for count in p.metrics:
+            try:
+                count(self._metrics)
+            except Exception:  # a metric is a courtesy; the pass is done
+                log.exception("job %s: recording a metric failed", key)
+        if stop_failed:
+            requeue_after: float | None = requeue
+        else:
+            requeue_after = None if status.phase.terminal or requeue is None else max(0.0, requeue)
+        log.debug(
+            "job %s [%s]: pass took %.3fs (%s); next in %s",
+            key,
+            status.phase,
+            self._clock.monotonic() - started,
+            "written" if changed or due else "nothing to write",
+            "never" if requeue_after is None else f"{requeue_after:.1f}s",
+        )
+        return ReconcileResult(status.phase, requeue_after)
+
+    def _forget(self, key: JobKey) -> None:
+        identity = job_identity(key)
+        with self._lock:
+            self._written_at.pop(key, None)
+            self._flush_in_flight.pop(key, None)
+            self._claimed = {c for c in self._claimed if c[1] != identity}
+        try:
+            self._metrics.job_deleted(key.namespace, key.name)
+        except Exception:
+            log.exception("job %s: forgetting its metrics failed", key)
+
+    # -- validity ----------------------------------------------------------------------------
+    def _problems(self, key: JobKey, stored: StoredJob) -> str | None:
+        """Why the job cannot run as stored (naming the fields), or None."""
+        problems: list[str] = []
+        name = job_name_problem(key.name)
+        if name is not None:
+            problems.append(f"metadata.name: {name}")
+        if stored.spec is None:
+            problems.append(stored.invalid or "spec: does not validate")
+        else:
+            try:
+                problems += self._backend.spec_problems(key, stored.spec)
+                if stored.spec.fallback is not None:
+                    problems += [
+                        f"with spec.fallback.template merged in, {problem}"
+                        for problem in self._backend.spec_problems(key, stored.spec.on_fallback())
+                    ]
+            except BackendError as e:
+                log.warning("job %s: the backend could not check the spec: %s", key, e)
+        return "; ".join(problems) or None
+
+    def _invalid(self, p: _Pass, problems: str, generation: int) -> None:
+        message = INVALID_SPEC.message(problems=problems)
+        self._condition(p, INVALID, True, INVALID_SPEC.name, message)
+        p.status.observed_generation = generation
+        self._event(p, INVALID_SPEC, message=message)
+
+    def _valid(self, p: _Pass) -> None:
+        """Clear a past Invalid condition (the spec was fixed); no condition at all for a job never invalid."""
+        c = p.status.condition(INVALID)
+        if c is not None and c.status == "True":
+            self._condition(p, INVALID, False, SPEC_VALID.name, SPEC_VALID.message())
+            self._event(p, SPEC_VALID)
+
+    # -- observe ---------------------------------------------------------------------------
+    def _new_pass(self, key: JobKey, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
+        status = before.model_copy(deep=True)
+        return _Pass(
+            key=key,
+            spec=spec,
+            status=status,
+            now=now,
+            previous_checkpoint_step=status.last_checkpoint.step if status.last_checkpoint else None,
+            seen={w.name for w in status.workers},
+        )
+
+    def _observe(self, p: _Pass) -> None:
+        spec, status = p.spec, p.status
+        p.workers = self._backend.list_workers(p.key, spec)
+        try:
+            p.signals = self._backend.signals(p.key, spec)
+        except BackendError as e:
+            # Exits and lost workers still reveal preemptions; carry on without notices.
+            p.signals_error = e
+        try:
+            storage = self._storage(spec.checkpoint.uri)
+        except ValueError as e:
+            p.invalid_uri = str(e)
+            return
+        p.checkpoint_uri = storage.url()
+        p.storage = storage
+        try:
+            self._claim(p, storage)
+            if p.owned_by_another is None:
+                p.checkpoint = latest_valid(storage)
+        except StorageError as e:
+            p.storage_error = e
+        if p.checkpoint is not None and p.checkpoint.manifest is not None:
+            status.last_checkpoint = CheckpointInfo(
+                step=p.checkpoint.ref.step,
+                uri=storage.url(p.checkpoint.ref.folder),
+                time=p.checkpoint.manifest.created_at,
+            )
+        if p.storage_error is not None or p.signals_error is not None:
+            status.infra_errors += 1
+        status.avoid = [a for a in status.avoid if a.until > p.now]
+        self._track_steps(p)
+
+    def _claim(self, p: _Pass, storage: Storage) -> None:
+        """Make the URI the job's (create-only, first look only); note another owner."""
+        claimed = (storage.uri, job_identity(p.key))
+        with self._lock:
+            if claimed in self._claimed:
+                return
+        try:
+            claim(storage, claimed[1])
+        except OwnershipError as e:
+            p.owned_by_another = str(e)
+            return
+        with self._lock:
+            self._claimed.add(claimed)
+
+    def _storage(self, uri: str) -> Storage:
+        with self._lock:
+            storage = self._storages.get(uri)
+        if storage is None:
+            storage = self._storage_factory(uri)
+            with self._lock:
+                storage = self._storages.setdefault(uri, storage)
+        return storage
+
+    def _track_steps(self, p: _Pass) -> None:
+        """Follow the attempt's step hints: the highest one, and the first one for the step rate."""
+        steps = [w.step for w in p.current() if w.step is not None]
+        if not steps:
+            return
+        attempt, step = p.status.attempt, max(steps)
+        if attempt.first_step is None:
+            attempt.first_step, attempt.first_step_at = step, p.now
+        if attempt.observed_step is None or step > attempt.observed_step:
+            attempt.observed_step, attempt.observed_step_at = step, p.now
+
+    # -- decide and act --------------------------------------------------------------------
+    def _decide(self, p: _Pass) -> float | None:
+        """Run phase handlers until one waits; a handler returns None when it changed the phase."""
+        if p.invalid_uri is not None:
+            self._finish(p, Phase.FAILED, INVALID_CHECKPOINT_URI, error=p.invalid_uri)
+            return None
+        if p.owned_by_another is not None:
+            self._finish(p, Phase.FAILED, CHECKPOINT_URI_OWNED, error=p.owned_by_another)
+            return None
+        if isinstance(p.storage_error, PermanentStorageError) and p.status.attempt.started_at is None:
+            # Retrying cannot help (no such bucket, access denied, a file where a folder belongs) and
+            # no attempt can start without storage: say so now rather than wait forever. While
+            # workers run, the same refusal is only Degraded: they train on with their own access.
+            uri = p.checkpoint_uri or p.spec.checkpoint.uri
+            self._finish(p, Phase.FAILED, STORAGE_REFUSED_FAILED, uri=uri, error=p.storage_error)
+            return None
+        self._note_flush_request(p)
+        for _ in range(len(Phase) + 2):
+            if p.status.phase.terminal:
+                return None
+            wait = self._handlers[p.status.phase](p)
+            if wait is not None:
+                return wait
+        raise RuntimeError(f"job {p.key}: no stable decision after {len(Phase) + 2} transitions")
+
+    def _bring_up(self, p: _Pass) -> float | None:
+        """Pending and Rescheduling: start the attempt once nothing holds it back; wait until it runs."""
+        spec, status, attempt = p.spec, p.status, p.status.attempt
+        if attempt.started_at is not None:
+            if self._watch(p):
+                return None
+            current = p.current()
+            if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
+                self._enter_running(p)
+                return None
+            capacity_wait = self._check_capacity(p)
+            if capacity_wait is None:
+                return None
+            # Idempotent: a backend may create the attempt's workers over several passes (a
+            # rendezvous address known only once the first one runs).
+            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, self._placement(status))
+            return min(self._options.starting_poll_seconds, capacity_wait)
+
+        leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]
+        if leftovers:
+            # Never two attempts at once: their ranks would meet in one rendezvous.
+            self._debug(p, "waiting for %s to stop before attempt %d", ", ".join(leftovers), attempt.number)
+            if not p.stopped:
+                self._backend.stop_workers(p.key, spec, keep_attempt=attempt.number, flush=_stop_with_flush(status))
+            return self._options.stopping_poll_seconds
+        if p.storage_error is not None:
+            self._debug(p, "not starting attempt %d while storage is unreachable", attempt.number)
+            return self._options.infra_delay(status.infra_errors)
+        recovery = status.recovery
+        if recovery is not None and recovery.restart_at is not None and p.now < recovery.restart_at:
+            return (recovery.restart_at - p.now).total_seconds()
+
+        if p.stopped:
+            # This pass stopped the gang; the stop goes out once the status is written, and would
+            # take down an attempt started in the same pass. Start it on the next one.
+            return 0.0
+        if not self._record_attempt(p):
+            return self._options.infra_delay(status.infra_errors)
+        self._maybe_return_to_spot(p)
+        placement = self._placement(status)
+        self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
+        attempt.started_at = p.now
+        attempt.resumed_from_step = p.checkpoint_step
+        if recovery is not None:
+            self._count_lost_steps(p, recovery)
+        message = WORKERS_STARTED.message(
+            replicas=spec.replicas, attempt=attempt.number, resume=p.resume_point(), avoid=placement.describe()
+        )
+        self._condition(p, READY, False, WORKERS_STARTED.name, message)
+        self._event(p, WORKERS_STARTED, message=message)
+        return self._options.starting_poll_seconds
+
+    def _record_attempt(self, p: _Pass) -> bool:
+        """Record the attempt about to start, fenced at the newest valid checkpoint (see the module
+        docstring); False (and Degraded) when storage cannot take the record."""
+        attempt, storage, job = p.status.attempt, p.storage, job_identity(p.key)
+        assert storage is not None, "starting an attempt without storage"
+        fence = p.checkpoint.ref if p.checkpoint is not None else None
+        try:
+            recorded = newest_attempt(storage, job)
+            if recorded is not None and recorded > attempt.number:
+                self._renumber(p, recorded)
+            record_attempt(storage, job, attempt.number, fence)
+        except FencedError:
+            # Another controller recorded a newer attempt since we looked: number past it next pass.
+            self._debug(p, "attempt %d was overtaken in storage; renumbering next pass", attempt.number)
+            return False
+        except StorageError as e:
+            p.storage_error = e
+            p.status.infra_errors += 1
+            self._debug(p, "not starting attempt %d: it could not be recorded (%s)", attempt.number, e)
+            return False
+        return True
+
+    def _renumber(self, p: _Pass, recorded: int) -> None:
+        p.status.attempt.number = recorded + 1
+        self._event(p, ATTEMPT_RENUMBERED, recorded=recorded, attempt=p.status.attempt.number)
+
+    def _running(self, p: _Pass) -> float | None:
+        if self._watch(p):
+            return None
+        if self._take_flush_request(p):
+            return None
+        if self._checkpoint_request_in_progress(p):
+            return self._options.flushing_poll_seconds
+        return self._options.running_poll_seconds
+
+    # -- infrastructure health ---------------------------------------------------------------
+    def _note_health(self, p: _Pass) -> None:
+        status = p.status
+        if p.storage_error is not None:
+            reason = STORAGE_UNREACHABLE if isinstance(p.storage_error, TransientStorageError) else STORAGE_REFUSED
+            uri = p.checkpoint_uri or p.spec.checkpoint.uri
+            self._degraded(p, reason, uri=uri, error=p.storage_error)
+        elif p.signals_error is not None:
+            self._degraded(p, BACKEND_UNAVAILABLE, error=p.signals_error)
+        elif status.recovery is not None and status.recovery.cause is Cause.INFRASTRUCTURE:
+            # Degraded until the next attempt runs (its event was logged when the worker exited).
+            status.infra_errors = 0
+            self._condition(p, DEGRADED, True, WORKER_INFRA_ERROR.name, status.recovery.message)
+        else:
+            status.infra_errors = 0
+            before = status.condition(DEGRADED)
+            message = HEALTHY.message()
+            if before is not None and before.status == "True":
+                self._event(p, HEALTHY, message=message)
+            self._condition(p, DEGRADED, False, HEALTHY.name, message)
+
+    def _degraded(self, p: _Pass, why: Reason, **fields: object) -> None:
+        """An infrastructure error: shown, retried with backoff, never a phase change or a budget."""
+        message = why.message(**fields)
+        tries = p.status.infra_errors
+        self._condition(p, DEGRADED, True, why.name, f"{message} ({tries} pass(es) in a row)")
+        # The count stays out of the event, so that repeats coalesce into one event's count.
+        self._event(p, why, message=message)
+
+    # -- status helpers ------------------------------------------------------------------------
+    def _record_workers(self, p: _Pass) -> None:
+        p.status.workers = [
+            WorkerStatus(
+                name=w.name,
+                node=w.node,
+                zone=w.zone,
+                instance_type=w.instance_type,
+                phase=w.phase,
+                exit_code=w.exit_code,
+                step=w.step,
+            )
+            for w in sorted(p.current(), key=lambda w: w.index)
+        ]
+
+    def _account(self, p: _Pass) -> None:
+        """Recompute goodput (defined on ``JobStatus``), counting a recovery in progress up to now."""
+        status = p.status
+        if status.start_time is None:
+            status.goodput = None
+            return
+        end = status.completion_time or p.now
+        wall = (end - status.start_time).total_seconds()
+        lost = status.flushing_seconds + status.restarting_seconds + status.retraining_seconds
+        recovery = status.recovery
+        if recovery is not None:
+            # Flushing counts from the notice; once stopped, the flush is in flushing_seconds already.
+            lost += (p.now - (recovery.stopped_at or recovery.detected_at)).total_seconds()
+        status.goodput = round(min(1.0, max(0.0, (wall - lost) / wall)), 4) if wall > 0 else None

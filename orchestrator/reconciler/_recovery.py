@@ -1,0 +1,486 @@
+"""Preemptions and failures: Flushing, Rescheduling, and the end of a recovery.
+
+Entering Rescheduling emits ``Rescheduled`` and appends the restart to ``status.restartHistory``
+(time, stopped attempt, cause, reason, message; the newest 20). It stops the whole gang — with a
+flush after a preemption, without one (``flush=False``: the agents' ``POST /stop``) after a failure
+of the user's code or an infrastructure error, because the healthy ranks would wait for their dead
+peers — waits until none of it is alive and the backoff has passed (none after a preemption whose
+attempt committed progress), then starts the next attempt away from the preempted nodes (and zones /
+instance types, if the spec says so, for ``cooldown.seconds``). While the attempt starts, every pass
+calls ``start_workers`` again (it is idempotent: a backend may create its workers over several
+passes).
+
+Failure classes (docs/architecture.md, "Failure classes"): a *preemption* (any of the Flushing
+reasons) never consumes ``maxRestarts``; a *failure of the user's code* (any other non-zero exit)
+does; an *infrastructure error* (storage or backend unreachable) changes no phase and no budget: it
+is retried with exponential backoff and shown in the Degraded condition. A *permanent* storage
+refusal (``PermanentStorageError``: the bucket does not exist, access is denied) that keeps an
+attempt from starting fails the job at once (``StorageRefused``, with the remedy): retrying cannot
+help, and nothing runs that a failure would stop; while an attempt runs it is Degraded. A worker
+whose agent exits 74 met one inside the job (storage unreachable during restore, its rendezvous port
+taken): the gang is stopped and restarted as a new attempt after the infrastructure backoff, with
+Degraded True (``WorkerInfraError``) until that attempt runs — no budget, no preemption count. An
+agent exiting 79 was stopped through its API by someone else than this pass: like a vanished worker.
+A worker that vanishes without a signal is a preemption: something outside the user's code took it
+(a node reclaimed without notice, a deleted pod), as SkyPilot counts a lost cluster. When one
+observation holds both, the preemption wins: a crash on a node that is going away is the notice's
+doing. Exits while Flushing belong to the preemption too (peers of a stopped rank fail their
+collectives). No attempt starts while storage is unreachable: its workers could not restore, and
+their crash would look like the user's.
+
+Guarding against false alarms (SkyPilot): a signal is acted on only if it names a node or worker of
+the current attempt in this pass's fresh listing — a stale queue message, a notice for a node the
+job has left, or for another job's node changes nothing; advisory signals (Rebalance) stop nothing;
+a worker missing from the listing is declared lost only if a second listing agrees.
+
+The flush is done when storage — the source of truth, never an agent's word — holds a valid manifest
+written by the flush (``trigger: flush``; a periodic save that commits while the ranks are still
+agreeing on the flush step does not count) newer than the *baseline*: the newest committed step read
+in the pass that heard a controller signal, or, when an agent acted on its own (exit 75/76, lost),
+the step the status held before that pass (the agent may have committed between two passes). Flush
+requests never block a pass: ``Backend.request_flush`` answers pending until the agent answered;
+each pass asks again the running workers whose agent has not accepted, and never asks an agent that
+accepted. The pass that sees the flush committed first takes the answers of the requests still in
+flight (and sends none anew), so a quick flush's requests are told (``FlushRequested``) all the
+same.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from operator import methodcaller
+
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from orchestrator.backends.base import BackendError, FlushRequestOutcome, FlushRequestState, WorkerObservation
+from orchestrator.model import (
+    MAX_RESTART_HISTORY,
+    AttemptStatus,
+    Avoidance,
+    AvoidKind,
+    CapacityType,
+    Cause,
+    Phase,
+    RecoveryStatus,
+    RestartRecord,
+    WorkerPhase,
+)
+from orchestrator.reconciler._pass import (
+    _detail,
+    _fallback_served,
+    _is_failure,
+    _nodes,
+    _Pass,
+    _Placed,
+    _Preemption,
+    _stop_with_flush,
+)
+from orchestrator.reconciler._reasons import (
+    AGENT_FLUSH_FAILED,
+    AGENT_PREEMPTED,
+    CAPACITY,
+    CAPACITY_FOUND,
+    COMPLETED,
+    FLUSH_COMMITTED,
+    FLUSH_FAILED,
+    FLUSH_REQUEST_FAILED,
+    FLUSH_REQUESTED,
+    FLUSH_TIMED_OUT,
+    FLUSHING,
+    NODE_LOST,
+    READY,
+    RESCHEDULED,
+    RESTART_BUDGET_EXHAUSTED,
+    SPOT_INTERRUPTED,
+    WORKER_FAILED,
+    WORKER_INFRA_ERROR,
+    WORKER_LOST,
+    WORKERS_EXITED,
+    WORKERS_RUNNING,
+    Reason,
+)
+from orchestrator.reconciler._requests import _FlushRequests
+from orchestrator.signals import Signal, SignalKind
+
+
+class _Recovery(_FlushRequests):
+    """React to what the attempt's workers and the signals say; flush, stop and restart the gang."""
+
+    def _watch(self, p: _Pass) -> bool:
+        """React to what the current attempt's workers did; True if the phase changed."""
+        current = p.current()
+        preemption = self._preemption(p, current)
+        if preemption is not None:
+            self._enter_flushing(p, preemption)
+            return True
+        # Before failures: the peers of a worker that stopped for an infrastructure error fail too.
+        infra = [w for w in current if w.exit_code == EXIT_INFRA_ERROR]
+        if infra:
+            self._on_infra_error(p, infra[0])
+            return True
+        failed = [w for w in current if _is_failure(w)]
+        if failed:
+            self._on_failure(p, failed[0])
+            return True
+        if len(current) >= p.spec.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
+            return True
+        return False
+
+    def _preemption(self, p: _Pass, current: list[WorkerObservation]) -> _Preemption | None:
+        """The evidence that the attempt's capacity is going away, strongest first, or None."""
+        by_name = {w.name: w for w in current}
+        by_node = {w.node: w for w in current if w.node is not None}
+        heard: list[tuple[Signal, WorkerObservation]] = []
+        for s in p.signals:
+            w = by_name.get(s.worker) if s.worker is not None else by_node.get(s.node or "")
+            if not s.kind.is_preemption or w is None:
+                # Advisory, or for a node this attempt does not use (stale, or another job's).
+                self._debug(p, "ignoring %s: %s", s.describe(), "advisory" if w else "not a node of this attempt")
+                continue
+            heard.append((s, w))
+        if heard:
+            deadlines = [s.deadline for s, _ in heard if s.deadline is not None]
+            if deadlines:
+                deadline: datetime | None = min(deadlines)
+            elif p.spec.notice_seconds is not None:
+                deadline = p.now + timedelta(seconds=p.spec.notice_seconds)
+            else:
+                deadline = None
+            # A notice (taint, queue message, DisruptionTarget, ...) is a spot interruption: the
+            # capacity goes away and a flush can still run. A node already gone is said as such.
+            why = NODE_LOST if all(s.kind is SignalKind.NODE_LOST for s, _ in heard) else SPOT_INTERRUPTED
+            return _Preemption(
+                why,
+                why.message(signal="; ".join(s.describe() for s, _ in heard)),
+                _nodes(w for _, w in heard),
+                deadline,
+                heard_by_controller=True,
+                signals=tuple(s for s, _ in heard),
+            )
+
+        for code, reason in ((EXIT_PREEMPTED, AGENT_PREEMPTED), (EXIT_FLUSH_FAILED, AGENT_FLUSH_FAILED)):
+            exited = [w for w in current if w.exit_code == code]
+            if exited:
+                first = exited[0]
+                return _Preemption(
+                    reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
+                )
+
+        # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
+        # failed (or whose agent met an infrastructure error) is this controller's own stop of the
+        # healthy workers, seen again after its status write was lost: that failure decides.
+        broken = any(_is_failure(w) or w.exit_code == EXIT_INFRA_ERROR for w in current)
+        gone = (None,) if broken else (None, EXIT_STOPPED)
+        lost: list[_Placed] = [w for w in current if w.phase is WorkerPhase.FAILED and w.exit_code in gone]
+        missing = p.seen - set(by_name)
+        if missing:
+            # A listing can miss a worker for a moment (a cache resync): ask again before believing it.
+            again = self._backend.list_workers(p.key, p.spec)
+            missing -= {w.name for w in again}
+            if not missing:
+                p.workers = again
+            lost += [w for w in p.status.workers if w.name in missing]
+        if lost:
+            first_lost = lost[0]
+            message = WORKER_LOST.message(worker=first_lost.name, node=first_lost.node)
+            return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
+        return None
+
+    def _enter_flushing(self, p: _Pass, preemption: _Preemption) -> None:
+        status = p.status
+        self._close_recovery(p)
+        baseline = (
+            p.checkpoint_step
+            if preemption.heard_by_controller and p.storage_error is None
+            else p.previous_checkpoint_step
+        )
+        status.recovery = RecoveryStatus(
+            cause=Cause.PREEMPTION,
+            reason=preemption.reason.name,
+            message=preemption.message,
+            detected_at=p.now,
+            preempted=preemption.nodes,
+            flush_deadline=preemption.deadline,
+            flush_timeout_at=p.now + timedelta(seconds=p.spec.flush_timeout_seconds),
+            baseline_step=baseline,
+            flush_failed=[w.name for w in p.current() if w.exit_code == EXIT_FLUSH_FAILED],
+        )
+        status.preemptions += 1
+        if status.capacity is CapacityType.FALLBACK and not _fallback_served(p):
+            status.fallback_since = None  # the preemption-free period starts again
+        self._set_phase(p, Phase.FLUSHING, preemption.reason.name, preemption.message)
+        self._condition(p, READY, False, preemption.reason.name, preemption.message)
+        self._condition(p, FLUSHING, True, preemption.reason.name, preemption.message)
+        self._event(p, preemption.reason, message=preemption.message, node=preemption.nodes[0].node)
+        p.metrics.append(methodcaller("preemption"))
+        for s in preemption.signals:
+            p.metrics.append(methodcaller("signal", str(s.kind), s.source))
+
+    def _flushing(self, p: _Pass) -> float | None:
+        recovery = p.status.recovery
+        assert recovery is not None, "Flushing without a recovery"
+        self._note_more_preempted(p, recovery)
+        current = p.current()
+        for w in current:
+            if w.exit_code == EXIT_FLUSH_FAILED and w.name not in recovery.flush_failed:
+                recovery.flush_failed.append(w.name)
+                self._event(p, FLUSH_FAILED, worker=w.name)
+
+        running = [w for w in current if w.phase is WorkerPhase.RUNNING]
+        baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
+        step = p.checkpoint_step
+        if (
+            step is not None
+            and (recovery.baseline_step is None or step > recovery.baseline_step)
+            and p.checkpoint_is_flush
+        ):
+            assert p.status.last_checkpoint is not None
+            # A quick flush commits before the pass after the request: take the answers of the
+            # requests still in flight first (none is sent anew), so that none goes untold.
+            self._ask_to_flush(p, recovery, running, in_flight_only=True)
+            self._enter_rescheduling(
+                p,
+                FLUSH_COMMITTED,
+                step=step,
+                uri=p.status.last_checkpoint.uri,
+                seconds=(p.now - recovery.detected_at).total_seconds(),
+            )
+            return None
+        if not running:
+            self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
+            return None
+        assert recovery.flush_timeout_at is not None
+        if p.now >= recovery.flush_timeout_at:
+            self._enter_rescheduling(
+                p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
+            )
+            return None
+        self._ask_to_flush(p, recovery, running)
+        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
+        return min(self._options.flushing_poll_seconds, until_timeout)
+
+    def _ask_to_flush(
+        self, p: _Pass, recovery: RecoveryStatus, running: list[WorkerObservation], *, in_flight_only: bool = False
+    ) -> None:
+        """Ask every running worker's agent that has not accepted yet (``in_flight_only``: only
+        those whose request is in flight, to take their answers); tell the answers that came."""
+        asked = []
+        with self._lock:
+            in_flight = self._flush_in_flight.setdefault(p.key, set())
+        for w in running:
+            if w.name in recovery.flush_requested:
+                continue  # accepted: an agent is never asked twice
+            if in_flight_only and w.name not in in_flight:
+                continue
+            try:
+                answer = self._backend.request_flush(p.key, p.spec, w, recovery.message, recovery.flush_deadline)
+            except BackendError as e:
+                answer = FlushRequestState.failed(str(e))
+            if answer.outcome is FlushRequestOutcome.PENDING:
+                in_flight.add(w.name)
+                continue  # in flight: asked again next pass
+            in_flight.discard(w.name)
+            p.metrics.append(methodcaller("flush_request", str(answer.outcome)))
+            if answer.outcome is FlushRequestOutcome.FAILED:
+                # Retried next pass; the timeout bounds how long an unreachable agent holds us.
+                self._event(p, FLUSH_REQUEST_FAILED, worker=w.name, error=answer.error, node=w.node)
+                continue
+            recovery.flush_requested.append(w.name)
+            asked.append(w.name)
+        if asked:
+            deadline = recovery.flush_deadline.isoformat() if recovery.flush_deadline else "no deadline"
+            self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
+
+    def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        """Notices for other nodes of the gang while it flushes: avoid those nodes too."""
+        known = {n.node for n in recovery.preempted}
+        by_node = {w.node: w for w in p.current() if w.node is not None}
+        for s in p.signals:
+            w = by_node.get(s.node or "")
+            if s.kind.is_preemption and w is not None and w.node not in known:
+                recovery.preempted += _nodes([w])
+                known.add(w.node)
+                p.metrics.append(methodcaller("signal", str(s.kind), s.source))
+                if recovery.cause is Cause.REQUESTED:
+                    # A requested flush overtaken by the capacity going away: a preemption after all.
+                    recovery.cause = Cause.PREEMPTION
+                    p.status.preemptions += 1
+                    p.metrics.append(methodcaller("preemption"))
+
+    def _on_failure(self, p: _Pass, worker: WorkerObservation) -> None:
+        """The user's code failed: restart within the budget, or fail the job."""
+        spec, status = p.spec, p.status
+        self._close_recovery(p)
+        if status.restarts >= spec.max_restarts:
+            self._finish(
+                p,
+                Phase.FAILED,
+                RESTART_BUDGET_EXHAUSTED,
+                worker=worker.name,
+                code=worker.exit_code,
+                max_restarts=spec.max_restarts,
+                detail=_detail(worker),
+            )
+            return
+        status.restarts += 1
+        message = WORKER_FAILED.message(
+            worker=worker.name,
+            code=worker.exit_code,
+            restarts=status.restarts,
+            max_restarts=spec.max_restarts,
+            detail=_detail(worker),
+        )
+        status.recovery = RecoveryStatus(
+            cause=Cause.FAILURE, reason=WORKER_FAILED.name, message=message, detected_at=p.now
+        )
+        self._event(p, WORKER_FAILED, message=message)
+        self._enter_rescheduling(p, None)
+
+    def _on_infra_error(self, p: _Pass, worker: WorkerObservation) -> None:
+        """An agent exited 74: restart the gang after the infrastructure backoff, budget untouched."""
+        status = p.status
+        self._close_recovery(p)
+        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code)
+        status.recovery = RecoveryStatus(
+            cause=Cause.INFRASTRUCTURE, reason=WORKER_INFRA_ERROR.name, message=message, detected_at=p.now
+        )
+        self._event(p, WORKER_INFRA_ERROR, message=message)
+        self._enter_rescheduling(p, None)
+
+    def _enter_rescheduling(self, p: _Pass, why: Reason | None, **fields: object) -> None:
+        """Stop the gang, remember where not to go, and set the next attempt's backoff.
+
+        ``why`` ends the flush (FlushCommitted, WorkersExited, FlushTimedOut); None after a failure.
+        """
+        spec, status = p.spec, p.status
+        recovery = status.recovery
+        assert recovery is not None, "Rescheduling without a recovery"
+        if why is not None:
+            message = why.message(**fields)
+            self._condition(p, FLUSHING, False, why.name, message)
+            self._event(p, why, message=message)
+            if status.start_time is not None:
+                status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
+            if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION:
+                seconds = (p.now - recovery.detected_at).total_seconds()
+                p.metrics.append(methodcaller("notice_to_commit", seconds))
+
+        stopped = status.attempt
+        with self._lock:
+            self._flush_in_flight.pop(p.key, None)
+        recovery.last_step = stopped.observed_step
+        recovery.step_rate = stopped.step_rate()
+        recovery.stopped_at = p.now
+        p.stop_flush = _stop_with_flush(status)
+        status.restart_history.append(
+            RestartRecord(
+                time=p.now,
+                attempt=stopped.number,
+                cause=recovery.cause,
+                reason=recovery.reason,
+                message=recovery.message,
+            )
+        )
+        del status.restart_history[:-MAX_RESTART_HISTORY]
+        p.metrics.append(methodcaller("restart", recovery.cause.value.lower()))
+
+        if recovery.cause is Cause.PREEMPTION:
+            self._avoid(p, recovery)
+        backoff = spec.restart_backoff
+        if recovery.cause is Cause.CAPACITY:
+            delay = 0.0  # other capacity: nothing to wait for, and no restart in a row is counted
+        elif recovery.cause is Cause.REQUESTED:
+            delay = backoff.initial_seconds  # asked for: not a restart in a row either
+        else:
+            ran = (p.now - stopped.running_at).total_seconds() if stopped.running_at is not None else 0.0
+            status.consecutive_restarts = 1 if ran >= backoff.reset_after_seconds else status.consecutive_restarts + 1
+            step, resumed = p.checkpoint_step, stopped.resumed_from_step
+            # A preempted attempt that committed progress is no loop, and the next one goes to
+            # other capacity: waiting would only lose time. One that committed nothing past its
+            # start (nodes taken away as fast as they come) backs off.
+            progressed = recovery.cause is Cause.PREEMPTION and step is not None and (resumed is None or step > resumed)
+            delay = (
+                0.0
+                if progressed
+                else min(backoff.max_seconds, backoff.initial_seconds * 2 ** (status.consecutive_restarts - 1))
+            )
+        if recovery.cause is Cause.INFRASTRUCTURE:
+            delay = self._options.infra_delay(status.consecutive_restarts)
+        self._end_requested_flush(p, why)
+        recovery.restart_at = p.now + timedelta(seconds=delay)
+        status.attempt = AttemptStatus(number=stopped.number + 1)
+
+        message = RESCHEDULED.message(
+            attempt=stopped.number,
+            cause=recovery.reason,
+            next=status.attempt.number,
+            delay=delay,
+            avoid=self._placement(status).describe(),
+        )
+        self._set_phase(p, Phase.RESCHEDULING, RESCHEDULED.name, message)
+        self._condition(p, READY, False, RESCHEDULED.name, message)
+        self._event(p, RESCHEDULED, message=message)
+
+    def _avoid(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        cooldown = p.spec.cooldown
+        until = p.now + timedelta(seconds=cooldown.seconds)
+        wanted: list[tuple[AvoidKind, str | None, bool]] = []
+        for n in recovery.preempted:
+            wanted += [
+                ("node", n.node, cooldown.avoid_node),
+                ("zone", n.zone, cooldown.avoid_zone),
+                ("instanceType", n.instance_type, cooldown.avoid_instance_type),
+            ]
+        for kind, value, enabled in wanted:
+            if not enabled or value is None or cooldown.seconds <= 0:
+                continue
+            p.status.avoid = [a for a in p.status.avoid if (a.kind, a.value) != (kind, value)]
+            p.status.avoid.append(Avoidance(kind=kind, value=value, until=until, reason=recovery.reason))
+
+    def _count_lost_steps(self, p: _Pass, recovery: RecoveryStatus) -> None:
+        """Steps the stopped attempt trained that no committed checkpoint holds, at this restart."""
+        if recovery.last_step is None:
+            return
+        lost = max(0, recovery.last_step - (p.checkpoint_step or 0))
+        if recovery.cause is Cause.PREEMPTION:
+            p.status.lost_steps += lost
+        if lost:
+            p.metrics.append(methodcaller("lost_steps", lost))
+        if lost and recovery.step_rate and p.status.start_time is not None:
+            p.status.retraining_seconds += lost / recovery.step_rate
+
+    def _enter_running(self, p: _Pass) -> None:
+        status = p.status
+        self._close_recovery(p)
+        status.attempt.running_at = p.now
+        if status.start_time is None:
+            status.start_time = p.now
+        if status.capacity is CapacityType.FALLBACK and status.fallback_since is None:
+            status.fallback_since = p.now
+        stuck = status.condition(CAPACITY)
+        if stuck is not None and stuck.status == "True":
+            self._condition(
+                p,
+                CAPACITY,
+                False,
+                CAPACITY_FOUND.name,
+                CAPACITY_FOUND.message(attempt=status.attempt.number, capacity=status.capacity),
+            )
+        message = WORKERS_RUNNING.message(attempt=status.attempt.number)
+        self._set_phase(p, Phase.RUNNING, WORKERS_RUNNING.name, message)
+        self._condition(p, READY, True, WORKERS_RUNNING.name, message)
+        self._event(p, WORKERS_RUNNING, message=message)
+
+    def _finish(self, p: _Pass, phase: Phase, why: Reason, **fields: object) -> None:
+        status = p.status
+        message = why.message(**fields)
+        if phase is Phase.FAILED:
+            # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
+            p.stop_flush = False
+        if status.recovery is not None and status.recovery.stopped_at is None:
+            self._condition(p, FLUSHING, False, why.name, message)
+        self._close_recovery(p)
+        status.completion_time = p.now
+        self._set_phase(p, phase, why.name, message)
+        self._condition(p, READY, False, why.name, message)
+        self._event(p, why, message=message)
