@@ -1,7 +1,7 @@
 """``spotjob``: the command line. Each command group lives in its own module and registers itself.
 
 - ``spotjob ckpt list|verify|show|export`` — orchestrator/cli_ckpt.py
-- ``spotjob run`` / ``spotjob status`` — orchestrator/cli_run.py (local mode)
+- ``spotjob run`` — orchestrator/cli_run.py, ``spotjob status`` — orchestrator/cli_status.py (local mode)
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestrator import cli_ckpt
 
     cli_ckpt.register(sub)
-    try:
-        from orchestrator import cli_run
-    except ImportError:  # pragma: no cover - present once local mode lands
-        pass
-    else:
-        cli_run.register(sub)
+    from orchestrator import cli_run, cli_status
+
+    cli_run.register(sub)
+    cli_status.register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""``spotjob run`` and ``spotjob status``: a job on this machine, driven by the real reconciler.
+"""``spotjob run``: a job on this machine, driven by the real reconciler.
 
 ``spotjob run [OPTIONS] SCRIPT [ARGS...]`` runs ``spotjob-agent -- torchrun --nproc-per-node N
 SCRIPT ARGS`` on a simulated spot node (``orchestrator.backends.local``), injects the preemptions
@@ -25,46 +25,36 @@ Exit status: 0 the job Succeeded; 1 it Failed (the reason is printed, with the e
 worker's log); 2 bad arguments, a run that exists (or is driven by another process), nothing to
 resume; 130 interrupted (Ctrl-C or SIGTERM: every process of the run is stopped first).
 
-``spotjob status`` lists the runs under ``./spotjob-runs``; ``spotjob status NAME`` shows one. A
-run whose driver is gone is shown as storage and the processes say it is now, not as its status
-last said.
+``spotjob status`` reads the run folder: ``orchestrator.cli_status``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import logging
-import math
 import os
 import re
 import signal
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
-from pydantic import ValidationError
-from rich.console import Console
-
-from agent.catalog import latest_valid, list_checkpoints
+from agent.catalog import list_checkpoints
 from agent.control_channel import STATUS_FILE, read_json
-from agent.storage import StorageError, open_storage, parse_uri
-from agent.torchrun import LAUNCHERS, Launcher
+from agent.storage import StorageError, open_storage
+from agent.torchrun import LAUNCHERS
 from orchestrator.backends.local import (
     ENV_RUN,
     EventKind,
     LocalBackend,
     LocalOptions,
-    PreemptionPlan,
     Timeline,
     TimelineEvent,
     kill_marked,
@@ -78,36 +68,43 @@ from orchestrator.live import (
     LiveView,
     LogView,
     NoticeView,
-    RunRecord,
     RunView,
     Snapshot,
     Summary,
     plot_timeline,
-    render_run_detail,
-    render_run_list,
     summarize,
     timeline_commits,
 )
 from orchestrator.model import (
     MAX_NAME_LENGTH,
-    BackoffSpec,
-    CheckpointInfo,
-    CheckpointSpec,
     JobKey,
     JobSpec,
     JobStatus,
     Phase,
-    job_name_problem,
 )
 from orchestrator.reconciler import Reconciler, ReconcilerOptions, SystemClock
+from orchestrator.run_config import (
+    RunConfig,
+    checkpoint_uri_problem,
+    describe_option_error,
+    folder_problem,
+    name_problem,
+    plot_problem,
+)
+from orchestrator.run_folder import (
+    AGENT_EXITS,
+    LOG_EXCERPT_LINES,
+    RUN_FILE,
+    RUNS_DIR,
+    SUMMARY_FILE,
+    TIMELINE_FILE,
+    DriverLock,
+    run_file_pid,
+)
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
 log = logging.getLogger(__name__)
 
-RUNS_DIR = "spotjob-runs"
-RUN_FILE = "run.json"
-SUMMARY_FILE = "summary.json"
-TIMELINE_FILE = "timeline.jsonl"
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -121,11 +118,6 @@ STATUS_REFRESH_SECONDS = 5.0
 LEFTOVER_WAIT_SECONDS = 45.0
 """How long ``--resume`` waits for a killed driver's workers to finish their flush and stop (their
 agents' ``--parent-grace`` is 30 s) before it stops what is left."""
-LOG_EXCERPT_LINES = 12
-"""How much of a failed worker's log ``spotjob run`` and ``spotjob status NAME`` show."""
-
-PLOT_FORMATS = frozenset({"png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"})
-"""The file types ``--plot`` writes (matplotlib's Agg, PDF, SVG and PS backends)."""
 
 
 class RunError(Exception):
@@ -141,292 +133,6 @@ class RunDrivenError(RunError):
 
 
 # -- one driver per run ---------------------------------------------------------------------------
-
-
-class DriverLock:
-    """``<run>/driver.lock``: an exclusive ``flock`` held by the process that drives the run.
-
-    The kernel drops it when that process dies, however it dies (SIGKILL included), so a lock held
-    means a live driver, with no pid to misread. The file holds the holder's pid for messages.
-    """
-
-    FILE = "driver.lock"
-
-    def __init__(self, folder: str) -> None:
-        self.path = os.path.join(folder, self.FILE)
-        self._fd: int | None = None
-
-    def acquire(self, *, tries: int = 5) -> bool:
-        """Take the lock (a few tries: ``spotjob status`` may hold a shared one for an instant)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        for attempt in range(tries):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if attempt + 1 < tries:
-                    time.sleep(0.1)
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            self._fd = fd
-            return True
-        os.close(fd)
-        return False
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the lock
-            self._fd = None
-
-    @classmethod
-    def holder(cls, folder: str) -> int | None:
-        """The pid of the process driving the run in ``folder`` (0 if it did not say), or None."""
-        path = os.path.join(folder, cls.FILE)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                return int(text) if text.isdigit() else 0
-            return None
-        finally:
-            os.close(fd)  # and with it the shared lock, if taken
-
-
-# -- what spotjob run is told ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything ``spotjob run`` was told; checked up front (``JobSpec`` checks the rest)."""
-
-    script: str
-    """The training script, as torchrun takes it (made absolute)."""
-    args: list[str]
-    """The script's own arguments."""
-    name: str
-    runs_dir: str = RUNS_DIR
-    """Where run folders go (``./spotjob-runs``)."""
-    nproc: int = 2
-    """Ranks per node (torchrun --nproc-per-node)."""
-    checkpoint_uri: str | None = None
-    """None: ``<runs_dir>/<name>/checkpoints``."""
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    keep: int = 3
-    max_restarts: int = 3
-    """Restarts after failures of the user's code (preemptions never consume it)."""
-    flush_timeout: float = 120.0
-    """How long the reconciler waits for a flush to commit before restarting from what is there."""
-    notice: float = 30.0
-    """The window of each injected notice, from the notice to the node's termination."""
-    restart_backoff: float = 1.0
-    """The first restart's delay (doubling, capped at max(this, 60 s)); a local node is there at once."""
-    preempt_every: float | None = None
-    preempt_jitter: float = 0.25
-    preempt_at_steps: list[int] = field(default_factory=list)
-    trace: list[float] = field(default_factory=list)
-    seed: int | None = None
-    ignore_notices: bool = False
-    """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
-    launcher: Launcher = "direct"
-    """How each agent starts the ranks (spotjob-agent --launcher): direct, or torchrun itself."""
-    plot: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        problem = next((p for p in self.problems()), None)
-        if problem is not None:
-            raise ValueError(problem)
-
-    def problems(self) -> list[str]:
-        """What is wrong with the numbers and the name, each naming its option."""
-        out = [
-            _at_least("--nproc", self.nproc, 1),
-            _at_least("--every-steps", self.every_steps, 1),
-            _positive("--every-seconds", self.every_seconds),
-            _at_least("--keep", self.keep, 1),
-            _at_least("--max-restarts", self.max_restarts, 0),
-            _positive("--flush-timeout", self.flush_timeout),
-            _positive("--notice", self.notice),
-            _not_negative("--restart-backoff", self.restart_backoff),
-            _positive("--preempt-every", self.preempt_every),
-            None
-            if math.isfinite(self.preempt_jitter) and 0 <= self.preempt_jitter < 1
-            else f"--preempt-jitter must be at least 0 and below 1, got {self.preempt_jitter:g}",
-            None if all(s >= 0 for s in self.preempt_at_steps) else "--preempt-at-step takes steps >= 0",
-            None if all(math.isfinite(t) and t >= 0 for t in self.trace) else "--trace times must be >= 0 seconds",
-            _name_problem(self.name),
-        ]
-        return [p for p in out if p is not None]
-
-    @property
-    def path(self) -> str:
-        return os.path.abspath(os.path.join(self.runs_dir, self.name))
-
-    @property
-    def key(self) -> JobKey:
-        """The job's key: ``local/<name>`` (``orchestrator.model.LOCAL_NAMESPACE``)."""
-        return JobKey.local(self.name)
-
-    def job_spec(self) -> JobSpec:
-        """The job's spec; ``ValueError`` naming the option when one does not fit it."""
-        uri = self.checkpoint_uri or os.path.join(self.path, "checkpoints")
-        if "://" not in uri:
-            uri = os.path.abspath(uri)
-        try:
-            return JobSpec(
-                command=[self.script, *self.args],
-                env=self.env,
-                replicas=1,
-                nproc_per_node=self.nproc,
-                checkpoint=CheckpointSpec(
-                    uri=uri, every_steps=self.every_steps, every_seconds=self.every_seconds, keep=self.keep
-                ),
-                max_restarts=self.max_restarts,
-                flush_timeout_seconds=self.flush_timeout,
-                notice_seconds=self.notice,
-                restart_backoff=BackoffSpec(
-                    initial_seconds=self.restart_backoff, max_seconds=max(self.restart_backoff, 60.0)
-                ),
-            )
-        except ValidationError as e:
-            raise ValueError(describe_option_error(e)) from None
-
-    def plan(self) -> PreemptionPlan:
-        return PreemptionPlan(
-            every=self.preempt_every,
-            jitter=self.preempt_jitter,
-            at_steps=list(self.preempt_at_steps),
-            trace=list(self.trace),
-            seed=self.seed,
-        )
-
-
-def _at_least(option: str, value: int | None, low: int) -> str | None:
-    return None if value is None or value >= low else f"{option} must be at least {low}, got {value}"
-
-
-def _positive(option: str, value: float | None) -> str | None:
-    if value is None or (math.isfinite(value) and value > 0):
-        return None
-    return f"{option} must be a positive number of seconds, got {value:g}"
-
-
-def _not_negative(option: str, value: float) -> str | None:
-    if math.isfinite(value) and value >= 0:
-        return None
-    return f"{option} must be a number of seconds >= 0, got {value:g}"
-
-
-def _name_problem(name: str) -> str | None:
-    if job_name_problem(name) is None:
-        return None
-    return (
-        f"--name {name!r}: a run's name is a DNS label: lowercase letters, digits and '-', starting and ending "
-        f"with a letter or digit, at most {MAX_NAME_LENGTH} characters"
-    )
-
-
-_OPTION_OF_FIELD = {
-    ("nprocPerNode",): "--nproc",
-    ("checkpoint", "uri"): "--checkpoint-uri",
-    ("checkpoint", "everySteps"): "--every-steps",
-    ("checkpoint", "everySeconds"): "--every-seconds",
-    ("checkpoint", "keep"): "--keep",
-    ("maxRestarts",): "--max-restarts",
-    ("flushTimeoutSeconds",): "--flush-timeout",
-    ("noticeSeconds",): "--notice",
-    ("restartBackoff", "initialSeconds"): "--restart-backoff",
-    ("restartBackoff", "maxSeconds"): "--restart-backoff",
-    ("restartBackoff",): "--restart-backoff",
-    ("command",): "SCRIPT",
-    ("env",): "the environment",
-}
-
-
-def describe_option_error(error: ValidationError) -> str:
-    """pydantic's complaint about the spec, said of the option it came from, in plain words."""
-    parts = []
-    for item in error.errors():
-        loc = tuple(str(x) for x in item["loc"])
-        option = next(
-            (o for fields, o in _OPTION_OF_FIELD.items() if loc[: len(fields)] == fields), ".".join(loc) or "the spec"
-        )
-        message = str(item["msg"]).removeprefix("Value error, ")
-        message = message.replace("Input should be", "must be").replace("Input", "the value")
-        parts.append(f"{option} {message}" if message.startswith("must") else f"{option}: {message}")
-    return "; ".join(parts)
-
-
-def checkpoint_uri_problem(uri: str) -> str | None:
-    """Why ``--checkpoint-uri`` cannot work, said before anything is created; None if it may.
-
-    Object stores are not contacted here (the reconciler fails the job at once with
-    ``StorageRefused`` when the bucket does not exist or access is denied); a path is checked
-    on this machine: it must be a folder, or creatable where a folder can be created.
-    """
-    try:
-        scheme, _, path = parse_uri(uri)
-    except ValueError as e:
-        return f"--checkpoint-uri: {e}"
-    if scheme != "file":
-        return None
-    folder = os.path.abspath(path)
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        return (
-            f"--checkpoint-uri {uri}: {folder} is a regular file, not a folder; a checkpoint URI names a folder "
-            "(a new or an existing one)"
-        )
-    problem = _folder_problem(folder)
-    return f"--checkpoint-uri {uri}: {problem}" if problem else None
-
-
-def plot_problem(path: str) -> str | None:
-    """Why ``--plot`` could not be written at the end of the run; None if it can."""
-    target = os.path.abspath(path)
-    if os.path.isdir(target):
-        return f"--plot {path}: that is a folder; name the image file (e.g. {os.path.join(path, 'run.png')})"
-    kind = os.path.splitext(target)[1].lower().lstrip(".")
-    if kind not in PLOT_FORMATS:
-        what = f"'.{kind}' file" if kind else "file without an extension"
-        return f"--plot {path}: cannot draw a {what}; use .png, .svg or .pdf"
-    try:
-        import matplotlib  # noqa: F401  (lazily: the controller's image carries no matplotlib)
-    except ImportError:
-        return "--plot needs matplotlib: pip install 'spotjob[plot]'"
-    if os.path.exists(target) and not os.access(target, os.W_OK):
-        return f"--plot {path}: permission denied (the file exists and this user may not write it)"
-    problem = _folder_problem(os.path.dirname(target))
-    return f"--plot {path}: {problem}" if problem else None
-
-
-def _folder_problem(folder: str) -> str | None:
-    """Why ``folder`` could not be created or written by this process; None if it can. Creates
-    nothing that stays: the nearest existing ancestor is probed with a file made and removed."""
-    existing = folder
-    while not os.path.exists(existing):
-        parent = os.path.dirname(existing)
-        if parent == existing:
-            break
-        existing = parent
-    if not os.path.isdir(existing):
-        if existing == folder:
-            return f"{folder} is a file, not a folder"
-        return f"{existing} is a file, so no folder can be made under it"
-    probe = os.path.join(existing, f".spotjob-probe-{uuid.uuid4().hex[:8]}")
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except OSError as e:
-        why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or str(e)).lower()
-        return f"cannot write in {existing}: {why}"
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
-    return None
 
 
 # -- one run ----------------------------------------------------------------------------------------
@@ -527,7 +233,7 @@ class LocalRun:
     def resume(cls, runs_dir: str, name: str, **plan: Any) -> LocalRun:
         """Take over the run ``name`` under ``runs_dir`` with its stored spec (``plan``: the
         injected preemptions of this driver, ``RunConfig``'s fields of that group)."""
-        problem = _name_problem(name)
+        problem = name_problem(name)
         if problem is not None:
             raise RunError(problem.replace("--name", "--resume", 1))
         path = os.path.abspath(os.path.join(runs_dir, name))
@@ -600,7 +306,7 @@ class LocalRun:
     def _take_over(self, status: JobStatus | None, version: str) -> Takeover:
         """Wait for what the dead driver left running (its agents flush, then stop), stop the rest,
         count the time nobody drove the run, and say so in an Event."""
-        previous = _run_file_pid(self.path)
+        previous = run_file_pid(self.path)
         pids = run_pids(self.path)
         stopped = 0
         if pids:
@@ -793,8 +499,7 @@ class LocalRun:
 
     def failed_worker_logs(self) -> list[str]:
         """The logs of the workers whose failure ended the run (their exit was the script's)."""
-        agent_codes = {0, 74, 75, 76, 79, None}
-        names = [w.name for w in self.status.workers if w.exit_code not in agent_codes]
+        names = [w.name for w in self.status.workers if w.exit_code not in AGENT_EXITS]
         return [p for p in (os.path.join(self.path, "logs", f"{n}.log") for n in names) if os.path.isfile(p)]
 
 
@@ -834,15 +539,6 @@ def _events(path: str) -> list[RecordedEvent]:
     except (OSError, ValueError) as e:
         log.warning("cannot read the run's events %s: %s", path, e)
         return []
-
-
-def _run_file_pid(path: str) -> int | None:
-    try:
-        with open(os.path.join(path, RUN_FILE)) as f:
-            pid = json.load(f)["pid"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
 # -- spotjob run ----------------------------------------------------------------------------------
@@ -901,7 +597,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         problem = checkpoint_uri_problem(args.checkpoint_uri)
         if problem is not None:
             raise ValueError(problem)
-    problem = _folder_problem(os.path.abspath(args.runs_dir))
+    problem = folder_problem(os.path.abspath(args.runs_dir))
     if problem is not None:
         raise ValueError(f"--runs-dir {args.runs_dir}: {problem}")
     if args.plot is not None and (problem := plot_problem(args.plot)) is not None:
@@ -1000,212 +696,6 @@ def run_command(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
-# -- spotjob status -------------------------------------------------------------------------------
-
-
-def _driver_pid(path: str) -> int | None:
-    """The pid of the live process driving the run in ``path`` (0: alive, pid unknown), or None."""
-    if os.path.exists(os.path.join(path, DriverLock.FILE)):
-        return DriverLock.holder(path)
-    # A run folder from before the driver lock: the pid in run.json, if it is still a spotjob.
-    pid = _run_file_pid(path)
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return pid if b"spotjob" in f.read() or pid == os.getpid() else None
-    except OSError:
-        return None
-
-
-def _reported_step(path: str, status: JobStatus) -> int | None:
-    """The highest step the current attempt's ranks last wrote in their control folders."""
-    steps = []
-    for w in status.workers:
-        if w.node is None:
-            continue
-        data = read_json(os.path.join(path, "nodes", w.node, w.name, STATUS_FILE))
-        step = data.get("step") if data else None
-        if isinstance(step, int) and not isinstance(step, bool):
-            steps.append(step)
-    return max(steps, default=None)
-
-
-def _storage_now(spec: JobSpec) -> tuple[CheckpointInfo | None, str | None]:
-    """The newest valid checkpoint in storage now, or why it cannot be read."""
-    try:
-        storage = open_storage(spec.checkpoint.uri)
-        found = latest_valid(storage)
-    except (StorageError, ValueError) as e:
-        return None, str(e)
-    if found is None or found.manifest is None:
-        return None, None
-    return CheckpointInfo(step=found.ref.step, uri=storage.url(found.ref.folder), time=found.manifest.created_at), None
-
-
-def read_run(runs_dir: str, name: str) -> RunRecord | None:
-    """The run folder ``<runs_dir>/<name>`` as ``spotjob status`` shows it; None if it holds no run.
-
-    Never raises for what a folder holds: a run that cannot be read comes back with ``error``
-    saying why. A run whose driver is gone is read from storage and the processes as they are now.
-    """
-    path = os.path.abspath(os.path.join(runs_dir, name))
-    if job_name_problem(name) is not None:
-        return None
-    key = JobKey.local(name)
-    store = JsonFileJobStore(path, fsync=False, create=False)
-    if not os.path.lexists(store.path(key)):
-        if os.path.isfile(os.path.join(path, f"{name}.json")):  # the layout before jobs had namespaces
-            return RunRecord(name, path, None, None, False, error="a run folder of an older spotjob (not read)")
-        return None
-    try:
-        return _read_run(path, key, store)
-    except Exception as e:  # one folder never takes the whole listing down
-        log.debug("reading the run folder %s failed", path, exc_info=True)
-        return RunRecord(name, path, None, None, False, error=f"cannot read this run folder: {type(e).__name__}: {e}")
-
-
-def _read_run(path: str, key: JobKey, store: JsonFileJobStore) -> RunRecord:
-    notes: list[str] = []
-    try:
-        events = read_events(events_path(path, key))
-    except (OSError, ValueError) as e:
-        events = []
-        notes.append(f"its events cannot be read: {e}")
-    events = [e if e.time.tzinfo else _aware(e) for e in events]
-    driver = _driver_pid(path)
-    try:
-        stored = store.get(key)
-    except StoreError as e:
-        return RunRecord(key.name, path, None, None, driver is not None, error=str(e), events=events, notes=notes)
-    if stored is None:
-        return RunRecord(key.name, path, None, None, driver is not None, error="its job file is gone", events=events)
-    record = RunRecord(
-        key.name,
-        path,
-        stored.spec,
-        stored.status,
-        driver is not None,
-        error=_plain(stored.invalid) if stored.invalid else None,
-        events=events,
-        driver_pid=driver or None,
-        notes=notes,
-    )
-    status = stored.status
-    if driver is None and status is not None and not status.phase.terminal and stored.spec is not None:
-        checkpoint, problem = _storage_now(stored.spec)
-        record = record.with_truth(
-            processes=len(run_pids(path)),
-            checkpoint=checkpoint,
-            storage_problem=problem,
-            reported_step=_reported_step(path, status),
-        )
-    return record
-
-
-def _plain(problems: str) -> str:
-    """A stored part that does not validate, said without pydantic's turns of phrase."""
-    return problems.replace("Input should be", "must be").replace("Value error, ", "")
-
-
-def _aware(e: RecordedEvent) -> RecordedEvent:
-    """An Event whose time was written without a zone: UTC, as spotjob writes them."""
-    return RecordedEvent(
-        e.time.replace(tzinfo=UTC),
-        e.first_time.replace(tzinfo=UTC) if e.first_time.tzinfo is None else e.first_time,
-        e.type,
-        e.reason,
-        e.message,
-        e.node,
-        e.count,
-    )
-
-
-def list_runs(runs_dir: str) -> list[RunRecord]:
-    try:
-        names = sorted(e.name for e in os.scandir(runs_dir) if e.is_dir())
-    except FileNotFoundError:
-        return []
-    return [r for r in (read_run(runs_dir, n) for n in names) if r is not None]
-
-
-def status_command(args: argparse.Namespace) -> int:
-    # Piped or captured: wide lines rather than rich's 80 columns of ellipses.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    if args.name is None:
-        if os.path.exists(args.runs_dir) and not os.path.isdir(args.runs_dir):
-            print(f"spotjob status: --runs-dir {args.runs_dir} is a file, not a folder", file=sys.stderr)
-            return EXIT_USAGE
-        try:
-            runs = list_runs(args.runs_dir)
-        except OSError as e:
-            print(f"spotjob status: cannot list {os.path.abspath(args.runs_dir)}: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        if args.json:
-            print(json.dumps([_record_json(r) for r in runs], indent=2))
-        elif not runs:
-            console.print(f"no runs under {os.path.abspath(args.runs_dir)}")
-        else:
-            console.print(render_run_list(runs))
-        return 0
-    record = read_run(args.runs_dir, args.name)
-    if record is None:
-        print(f"spotjob status: no run named {args.name!r} under {os.path.abspath(args.runs_dir)}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.json:
-        print(json.dumps(_record_json(record), indent=2))
-    else:
-        console.print(render_run_detail(record, failed_logs=_failed_logs(record)))
-    return 0
-
-
-def _failed_logs(r: RunRecord) -> list[tuple[str, list[str]]]:
-    """The end of each log of a worker whose own exit failed the current attempt."""
-    if r.status is None:
-        return []
-    agent_codes = {0, 74, 75, 76, 79, None}
-    out = []
-    for w in r.status.workers:
-        path = os.path.join(r.path, "logs", f"{w.name}.log")
-        if w.exit_code not in agent_codes and os.path.isfile(path):
-            out.append((path, [line[:300] for line in log_excerpt(path, LOG_EXCERPT_LINES)]))
-    return out
-
-
-def _record_json(r: RunRecord) -> dict[str, object]:
-    doc: dict[str, object] = {
-        "name": r.name,
-        "path": r.path,
-        "controllerAlive": r.controller_alive,
-        "driverPid": r.driver_pid,
-        "spec": r.spec.model_dump(mode="json") if r.spec else None,
-        "status": r.status.model_dump(mode="json", exclude_none=True) if r.status else None,
-        "events": [
-            {
-                "time": e.time.isoformat(),
-                "firstTime": e.first_time.isoformat(),
-                "type": str(e.type),
-                "reason": e.reason,
-                "message": e.message,
-                "count": e.count,
-                **({"node": e.node} if e.node else {}),
-            }
-            for e in r.events
-        ],
-        "error": r.error,
-        "notes": list(r.notes),
-    }
-    if r.truth is not None:
-        t = r.truth
-        doc["now"] = {
-            "processesAlive": t.processes,
-            "reportedStep": t.reported_step,
-            "lastCheckpoint": t.checkpoint.model_dump(mode="json") if t.checkpoint else None,
-            "storageProblem": t.storage_problem,
-        }
-    return doc
-
-
 # -- registration ---------------------------------------------------------------------------------
 
 
@@ -1294,17 +784,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     out.add_argument("--no-live", action="store_true", help="log lines even on a terminal")
     run.set_defaults(func=run_command)
 
-    status = sub.add_parser(
-        "status",
-        help="list local runs, or show one",
-        description=f"Without NAME: every run under ./{RUNS_DIR}. With NAME: its phase, conditions and events. "
-        "A run whose spotjob run process is gone is shown as storage and its processes are now.",
-    )
-    status.add_argument("name", metavar="NAME", nargs="?", help="a run's name")
-    status.add_argument("--runs-dir", default=RUNS_DIR, help=f"default ./{RUNS_DIR}")
-    status.add_argument("--json", action="store_true", help="the stored spec and status as JSON")
-    status.set_defaults(func=status_command)
-
 
 __all__ = [
     "DriverLock",
@@ -1314,6 +793,7 @@ __all__ = [
     "RunError",
     "RunExistsError",
     "checkpoint_uri_problem",
+    "describe_option_error",
     "plot_problem",
     "register",
 ]

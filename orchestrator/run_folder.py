@@ -1,0 +1,89 @@
+"""A local run's folder, ``./spotjob-runs/<name>/``: what it holds, and the one process driving it.
+
+``spotjob run`` creates and drives it (``orchestrator.cli_run``); ``spotjob status`` reads it
+(``orchestrator.cli_status``), telling a live driver from a dead one by the driver lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+
+RUNS_DIR = "spotjob-runs"
+RUN_FILE = "run.json"
+SUMMARY_FILE = "summary.json"
+TIMELINE_FILE = "timeline.jsonl"
+
+LOG_EXCERPT_LINES = 12
+"""How much of a failed worker's log ``spotjob run`` and ``spotjob status NAME`` show."""
+
+AGENT_EXITS = frozenset({0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED, None})
+"""A worker's exit that is not its script's failure: success, the agent's own codes, or none yet."""
+
+
+class DriverLock:
+    """``<run>/driver.lock``: an exclusive ``flock`` held by the process that drives the run.
+
+    The kernel drops it when that process dies, however it dies (SIGKILL included), so a lock held
+    means a live driver, with no pid to misread. The file holds the holder's pid for messages.
+    """
+
+    FILE = "driver.lock"
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, self.FILE)
+        self._fd: int | None = None
+
+    def acquire(self, *, tries: int = 5) -> bool:
+        """Take the lock (a few tries: ``spotjob status`` may hold a shared one for an instant)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        for attempt in range(tries):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if attempt + 1 < tries:
+                    time.sleep(0.1)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            return True
+        os.close(fd)
+        return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing releases the lock
+            self._fd = None
+
+    @classmethod
+    def holder(cls, folder: str) -> int | None:
+        """The pid of the process driving the run in ``folder`` (0 if it did not say), or None."""
+        path = os.path.join(folder, cls.FILE)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                return int(text) if text.isdigit() else 0
+            return None
+        finally:
+            os.close(fd)  # and with it the shared lock, if taken
+
+
+def run_file_pid(path: str) -> int | None:
+    """The pid ``run.json`` names (run folders from before the driver lock), or None."""
+    try:
+        with open(os.path.join(path, RUN_FILE)) as f:
+            pid = json.load(f)["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
