@@ -85,12 +85,16 @@ def start_controller(
             f"--agent-token-key-file={token_key}",
         ]
         if leader_elect:
+            # Short enough that a killed leader is replaced within seconds, long enough that a
+            # leader whose renewals wait behind a busy test server (2 loaded cores) keeps its
+            # lease: with a 3 s renew deadline, one stalled renewal in a full run on a loaded machine
+            # made the only leader give up, and the job waited for a controller that never came.
             args += [
                 "--leader-elect",
                 f"--lease-namespace={namespace}",
                 "--lease-name=spotjob-controller",
-                "--leader-elect-lease-duration=4",
-                "--leader-elect-renew-deadline=3",
+                "--leader-elect-lease-duration=8",
+                "--leader-elect-renew-deadline=6",
                 "--leader-elect-retry-period=0.5",
             ]
         else:
