@@ -122,6 +122,7 @@ _UNPRIVILEGED = textwrap.dedent(
     from agent.storage.file import FileStorage
     from orchestrator.cli import main
     import rich.filesize  # what `ckpt list` imports lazily; the interpreter's own files are root's
+    import orchestrator.cli_run, orchestrator.cli_status  # what main() imports to register every command
 
     root, hidden, scratch = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if os.geteuid() == 0:
