@@ -50,7 +50,6 @@ Transitions (``*`` once the next attempt's workers were started)::
     Pending, Rescheduling       Failed        storage refuses for good before the attempt     StorageRefused
                                               starts (no such bucket, access denied)
 
-
 The package, one concern a module (``Reconciler`` joins them, each a layer on the one before):
 
 - ``_pass``: one pass's working state (``_Pass``), the clock, the options, the verdicts shared by

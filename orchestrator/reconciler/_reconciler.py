@@ -8,13 +8,13 @@ attempt, infrastructure health and goodput.
 
 Ownership and fencing (``agent.ownership``): the first pass that reaches the job's storage claims
 the URI for the job (``job_identity``: ``namespace/name``, the same string the agents get as their
-job name); a URI another job owns fails the job at once, naming the
-owner and the remedy (a transient storage error does not: it is retried like any other). Before
-an attempt's workers start, the attempt is recorded in storage with its fence (the newest valid
-checkpoint, what it resumes from), create-only and replay-safe; an attempt that cannot be
-recorded does not start. A job whose storage holds records of a newer attempt (a job deleted and
-created again under its name) numbers its next attempt past them. ``latest_valid`` never counts a
-foreign or fenced checkpoint, so a stale worker's commit can neither end a flush nor be resumed.
+job name); a URI another job owns fails the job at once, naming the owner and the remedy (a
+transient storage error does not: it is retried like any other). Before an attempt's workers start,
+the attempt is recorded in storage with its fence (the newest valid checkpoint, what it resumes
+from), create-only and replay-safe; an attempt that cannot be recorded does not start. A job whose
+storage holds records of a newer attempt (a job deleted and created again under its name) numbers
+its next attempt past them. ``latest_valid`` never counts a foreign or fenced checkpoint, so a stale
+worker's commit can neither end a flush nor be resumed.
 """
 
 from __future__ import annotations
