@@ -68,6 +68,7 @@ class StorageEnv(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPOTJOB_STORAGE_", env_ignore_empty=True, extra="ignore")
 
     part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)")
+    upload_part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 8388608 or 8MiB)")
     multipart_threshold: ByteSize | None = Field(
         None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)"
     )

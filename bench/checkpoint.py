@@ -259,6 +259,7 @@ class CheckpointBench:
         self.scratch = scratch
         self.s3: Any = None
         self.transfer_config: Any = None
+        self.download_config: Any = None
 
     # -- one size --------------------------------------------------------------------------
     def run_size(self, size_gb: float, backends: list[str], width: int | None = None) -> SizeResult:
@@ -365,7 +366,7 @@ class CheckpointBench:
         local = os.path.join(size_dir, "raw-downloaded.bin")
         measure(
             result.samples("s3.floor.download"),
-            lambda: self.s3.download_file(S3_BUCKET, key, local, Config=self.transfer_config),
+            lambda: self.s3.download_file(S3_BUCKET, key, local, Config=self.download_config),
         )
         assert os.path.getsize(local) == w.state_bytes
         remove(local)
@@ -876,10 +877,17 @@ def _s3_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         log("moto S3 listening at %s (its own process)", endpoint)
-        # The floor: boto3's transfer manager with spotjob's part size and parallelism, and no
-        # checksum work (spotjob's CRC32C is the only checksum it pays for; a floor pays none).
+        # The floor: boto3's transfer manager with spotjob's part sizes (upload parts, download
+        # ranges) and parallelism, and no checksum work (spotjob's CRC32C is the only checksum it
+        # pays for; a floor pays none).
         settings = TransferSettings.from_env()
         bench.transfer_config = TransferConfig(
+            multipart_threshold=settings.multipart_threshold,
+            multipart_chunksize=settings.upload_part_size,
+            max_concurrency=settings.concurrency,
+            use_threads=True,
+        )
+        bench.download_config = TransferConfig(
             multipart_threshold=settings.multipart_threshold,
             multipart_chunksize=settings.part_size,
             max_concurrency=settings.concurrency,

@@ -8,8 +8,8 @@ against the caller's, and only then is the temp file renamed into place, so a fa
 download leaves nothing at the destination.
 
 Each storage object owns one ``TransferPool``: it bounds the parts / ranges in flight across all
-the files that object is moving at once, and so the memory they hold (``concurrency x part_size``
-for uploads, which read a part into memory before sending it).
+the files that object is moving at once, and so the memory they hold (``concurrency x
+upload_part_size`` for S3 uploads, which read a part into memory before sending it).
 """
 
 from __future__ import annotations
@@ -59,8 +59,13 @@ class TransferSettings:
     """
 
     part_size: int = 64 * MiB
-    """Bytes per multipart part, resumable-upload chunk and ranged GET. S3 raises it to 5 MiB
-    (its minimum part) and to size/10000 (its part-count limit); GCS rounds it up to 256 KiB."""
+    """Bytes per ranged GET and per GCS resumable-upload chunk (rounded up to 256 KiB)."""
+
+    upload_part_size: int = 8 * MiB
+    """Bytes per S3 multipart part; S3 raises it to 5 MiB (its minimum part) and to size/10000 (its
+    part-count limit). Smaller than ``part_size``: a flush's shard goes up in more parts at once
+    (boto3 and the AWS CLI send 8 MiB parts too), and the parts in flight hold
+    ``concurrency x upload_part_size`` of memory (64 MiB) rather than 512 MiB."""
 
     multipart_threshold: int = 64 * MiB
     """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT."""
@@ -77,6 +82,8 @@ class TransferSettings:
     def __post_init__(self) -> None:
         if self.part_size < 1:
             raise ValueError(f"part_size must be positive, got {self.part_size}")
+        if self.upload_part_size < 1:
+            raise ValueError(f"upload_part_size must be positive, got {self.upload_part_size}")
         if self.multipart_threshold < 1:
             raise ValueError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
         if self.concurrency < 1:
@@ -86,13 +93,14 @@ class TransferSettings:
 
     @classmethod
     def from_env(cls) -> TransferSettings:
-        """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD``
-        (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
+        """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_UPLOAD_PART_SIZE``,
+        ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD`` (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
         ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` (``agent.settings``)."""
         env = load(StorageEnv)
         d = cls()
         return cls(
             part_size=int(env.part_size) if env.part_size is not None else d.part_size,
+            upload_part_size=int(env.upload_part_size) if env.upload_part_size is not None else d.upload_part_size,
             multipart_threshold=int(env.multipart_threshold)
             if env.multipart_threshold is not None
             else d.multipart_threshold,

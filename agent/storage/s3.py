@@ -302,7 +302,7 @@ class S3Storage(PrefixedKeys, Storage):
     ) -> None:
         obj = self._object_key(key)
         url = self.url(key)
-        part_size = max(self.settings.part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
+        part_size = max(self.settings.upload_part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
         parts = spans(size, part_size)
         upload = self._retrying(
             f"CreateMultipartUpload {url}",

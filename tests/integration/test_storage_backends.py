@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 from urllib.parse import urlparse
 
 import pytest
@@ -49,6 +49,7 @@ RETRY_LOGGER = "agent.storage._retry"
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts of 5 MiB from 5 MiB up, so an ~10 MiB file goes up in parts and comes down in ranges."""
     monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", str(PART))
     monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
     monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "4")
 
@@ -308,6 +309,32 @@ class TestObjectStores:
         assert [o.key for o in store.list()] == ["step-1/MANIFEST.json"]
         store.delete_prefix("step-1/")
         assert neighbour.get_bytes("step-1/MANIFEST.json") == b"n"
+
+
+def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    s3_client: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", str(4 * PART))  # ranges: the object in one
+    uri = fresh_uri("s3")
+    bucket = urlparse(uri).netloc
+    src = tmp_path / "src.bin"
+    crc, size = write_random(src, 2 * 8 * MiB + 123)
+    store = make_storage(uri)  # the default upload part size: 8 MiB
+    store.put_file(str(src), "step-1/shard", crc32c=crc)
+    # A multipart object's ETag ends with its part count.
+    assert s3_client.head_object(Bucket=bucket, Key="jobs/run1/step-1/shard")["ETag"].strip('"').endswith("-3")
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", str(PART))
+    smaller = make_storage(uri)
+    smaller.put_file(str(src), "step-1/again", crc32c=crc)
+    assert s3_client.head_object(Bucket=bucket, Key="jobs/run1/step-1/again")["ETag"].strip('"').endswith("-4")
+    ranges: list[int] = []
+    smaller.get_file("step-1/again", str(tmp_path / "back.bin"), size=size, crc32c=crc, progress=ranges.append)
+    assert ranges == [size], "read back in one range of SPOTJOB_STORAGE_PART_SIZE"
 
 
 def put_files_bytes(store: Storage, keys: list[str]) -> None:
