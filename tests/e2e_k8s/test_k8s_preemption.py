@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_support import (
@@ -51,11 +52,11 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
     history = PodHistory(cluster, namespace)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps))
+    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
 
     wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
-    (first,) = running_pods(cluster, namespace, "train", 0)
+    _wait_for_a_commit(str(tmp_path / "ckpt"))
+    (first,) = _still_running(cluster, namespace)
     preempted = _node_of(first)
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
 
@@ -82,6 +83,18 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
 
 
+def _wait_for_a_commit(uri: str) -> None:
+    """Storage holds a committed checkpoint. Read from storage, not the job's status, which a
+    Running job refreshes every 10 s: a short job on a slow machine could end before it shows."""
+    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
+
+
+def _still_running(cluster: TestCluster, namespace: str) -> list[dict[str, Any]]:
+    pods = running_pods(cluster, namespace, "train", 0)
+    assert pods, f"the job ended before it could be preempted ({status(cluster, namespace, 'train').get('phase')})"
+    return pods
+
+
 def _aws_env() -> dict[str, str]:
     """moto's endpoint and fake credentials (set by the moto_server fixture), for the pods."""
     return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
@@ -101,11 +114,11 @@ def test_a_node_deleted_without_notice_loses_its_worker_and_the_job_resumes_from
     start_controller(namespace)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, env=_aws_env()))
+    create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, env=_aws_env(), step_sleep=0.3))
 
     wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
-    (first,) = running_pods(cluster, namespace, "train", 0)
+    _wait_for_a_commit(uri)
+    (first,) = _still_running(cluster, namespace)
     lost = _node_of(first)
     cluster.delete_node(lost)  # the VM is gone: its processes die at once, no notice, no flush
 
