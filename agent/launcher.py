@@ -32,14 +32,20 @@ else 0 if the command succeeded or every rank wrote ``closed-rank-<r>`` (a finis
 interpreter aborted at exit is not a failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
 for; else the command's own code — 1 if that is one of 74/75/76/79, which mean what the agent saw.
 
-The rest of spotjob-agent: its command line (``AgentConfig``, ``parse_args``) is
-``agent.launcher_cli``, the exit-code rule (``decide_exit_code``) ``agent.exit_codes``; both names
-stay importable from here.
+The rest of spotjob-agent, each in its own module:
+
+- ``agent.launcher_requests``: the agent's state and what changes it from any thread (``on_notice``,
+  the control API's requests, ``/status``, the flush window): ``AgentRequests``, which ``Agent``
+  extends with the running of the command here;
+- ``agent.launcher_sources``: which notice sources run (``build_sources``);
+- ``agent.launcher_cli``: the command line (``AgentConfig``, ``parse_args``);
+- ``agent.exit_codes``: the exit-code rule (``decide_exit_code``).
+
+Their public names stay importable from here.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -48,32 +54,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from agent.control_api import (
-    ENV_AGENT_TOKEN,
-    AgentState,
-    ControlApi,
-    FlushBody,
-    FlushInfo,
-    FlushRefused,
-    FlushResultInfo,
-    NoticeInfo,
-    ReadyResponse,
-    SaveBody,
-    SaveInfo,
-    StatusResponse,
-    StopBody,
-    StopInfo,
-    load_token,
-    safe,
-)
+from agent.control_api import ENV_AGENT_TOKEN, ControlApi, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
@@ -89,8 +75,6 @@ from agent.control_channel import (
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
     ControlDir,
-    FlushRequest,
-    FlushResult,
     RankStatus,
     write_json_atomic,
 )
@@ -100,313 +84,35 @@ from agent.exit_codes import command_exit_code, decide_exit_code
 from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
 from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
 from agent.launcher_cli import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL
-from agent.launcher_cli import ENV_POLL_INTERVAL, AgentConfig, parse_args
 from agent.launcher_cli import NOTICE_SOURCES as NOTICE_SOURCES
+from agent.launcher_cli import AgentConfig as AgentConfig
 from agent.launcher_cli import RebalancePolicy as RebalancePolicy
 from agent.launcher_cli import build_parser as build_parser
-from agent.notices import aws, azure, gcp
-from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
-from agent.notices.detect import Cloud, detect_cloud
+from agent.launcher_cli import parse_args
+from agent.launcher_requests import MAX_SAVE_IDS as MAX_SAVE_IDS
+from agent.launcher_requests import AgentRequests, infra_error_text
+from agent.launcher_requests import Window as Window
+from agent.launcher_requests import flush_window as flush_window
+from agent.launcher_sources import build_sources
+from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
-from agent.torchrun import (
-    DirectLaunch,
-    Rendezvous,
-    direct_launch,
-    local_rendezvous,
-    port_taken,
-    torchrun_args,
-    torchrun_nproc,
-)
+from agent.torchrun import DirectLaunch, direct_launch, local_rendezvous, port_taken, torchrun_nproc
 
 log = logging.getLogger(__name__)
 
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 WATCH_TICK = 0.1
-MAX_SAVE_IDS = 64
-"""How many ``POST /save`` request ids an agent remembers (a retry of an older one saves again)."""
 TREE_SCAN_EVERY = 0.5
 AFTER_COMMIT_TICK = 0.02
 """The watch loop's tick between a committed flush and the ranks' exit (torchrun commands)."""
 
 
-# -- the flush window ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Window:
-    ok: bool
-    message: str
-
-
-def flush_window(deadline: float | None, last_save_seconds: float | None, margin: float, now: float) -> Window:
-    """Can the time left before ``deadline`` hold a flush as long as the last save (x ``margin``)?"""
-    if deadline is None:
-        return Window(True, "no deadline")
-    left = deadline - now
-    if left <= 0:
-        return Window(False, f"the deadline passed {-left:.1f} s ago")
-    if last_save_seconds is None:
-        return Window(True, f"{left:.1f} s left; no save timed yet, so no estimate of a flush")
-    need = last_save_seconds * margin
-    if left < need:
-        return Window(
-            False,
-            f"{left:.1f} s left but the last save took {last_save_seconds:.1f} s "
-            f"(x{margin:g} = {need:.1f} s): the flush may not commit in time",
-        )
-    return Window(True, f"{left:.1f} s left; the last save took {last_save_seconds:.1f} s (x{margin:g} = {need:.1f} s)")
-
-
-# -- the agent -------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Flush:
-    request: FlushRequest
-    notice: Notice
-    deadline: float | None
-    """The earliest deadline heard (a later notice may bring it forward; flush.json keeps its own)."""
-    kill_at: float
-    """Monotonic time at which the command's processes are killed if still running."""
-    kill_reason: str
-    result: FlushResult | None = None
-
-
-class Agent:
-    """One command under one agent. ``run()`` on the main thread; the rest is thread-safe."""
-
-    def __init__(
-        self,
-        config: AgentConfig,
-        control: ControlDir,
-        sources: Sequence[NoticeSource] = (),
-        *,
-        token: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.config = config
-        self.control = control
-        self.sources = list(sources)
-        self.token = token
-        self.env = dict(os.environ if env is None else env)
-        self.agent_id = uuid.uuid4().hex
-        self._lock = threading.RLock()
-        self._state: AgentState = "starting"
-        self._flush: _Flush | None = None
-        self._child: subprocess.Popen[bytes] | None = None
-        self._returncode: int | None = None
-        self._killed = False
-        self._started_monotonic = time.monotonic()
-        self._terminate_requested: int | None = None
-        self._stop: StopInfo | None = None
-        self._parent_pid = os.getppid()
-        self._parent_gone = False
-        self._rank_seen = False
-        self._problems: dict[str, str] = {}
-        """What the agent warned about, by topic (shown in /status)."""
-        self._rendezvous: Rendezvous | None = None
-        self._torchrun = torchrun_args(config.command) is not None
-        self._runner = "torchrun"
-        """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
-        self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
-        """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
-        self.api: ControlApi | None = None
-
-    # -- notices (any thread) ------------------------------------------------------------------
-    def on_notice(self, notice: Notice) -> None:
-        """The callback every notice source calls."""
-        if notice.kind is NoticeKind.REBALANCE and self.config.rebalance != "flush":
-            if self.config.rebalance == "ignore":
-                log.info("rebalance recommendation from %s ignored (--rebalance ignore)", notice.source)
-                return
-            request = self.control.request_save(f"{notice.source} {notice.kind.value}: {notice.detail}")
-            log.info("rebalance recommendation: asked the ranks for an early checkpoint (save %s)", request.id)
-            return
-        try:
-            self._start_flush(notice)
-        except FlushRefused as e:
-            log.info("notice from %s ignored: %s", notice.source, e)
-
-    def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
-        """``POST /flush`` (a control-API thread)."""
-        notice = Notice(source="api", kind=body.kind, deadline=body.deadline, detail=safe(body.reason, 1000))
-        log.info(
-            "flush asked through the control API: %s, deadline %s", safe(body.reason), format_deadline(body.deadline)
-        )
-        request, created = self._start_flush(notice)
-        return _flush_info(request), created
-
-    def request_stop(self, body: StopBody) -> tuple[StopInfo, bool]:
-        """``POST /stop`` (a control-API thread): stop the command without a flush.
-
-        The controller stops the healthy workers of a gang this way after a peer's code failed:
-        a flush would wait for ranks that are gone. The watch loop does the stopping.
-        """
-        with self._lock:
-            if self._state == "exited" or self._returncode is not None:
-                raise FlushRefused("the command has already ended")
-            if self._stop is not None:
-                return self._stop, False
-            self._stop = StopInfo(reason=safe(body.reason, 1000), requested_at=time.time())
-            self._state = "stopping"
-        log.warning("stop asked through the control API: %s; stopping the command without a flush", safe(body.reason))
-        return self._stop, True
-
-    def request_save(self, body: SaveBody) -> tuple[SaveInfo, bool]:
-        """``POST /save`` (a control-API thread): an early checkpoint, training goes on.
-
-        The same ``save.json`` an AWS rebalance recommendation writes (``--rebalance save-early``);
-        the ranks serve it at an agreed step. Idempotent per request id: an id seen before starts
-        nothing. A flush under way, or a command that has ended, refuses it (409): a flush commits
-        a checkpoint anyway.
-        """
-        with self._lock:
-            if self._state == "exited" or self._returncode is not None:
-                raise FlushRefused("the command has already ended")
-            if self._flush is not None or self._stop is not None:
-                raise FlushRefused(f"the agent is {self._state}: no early save now")
-            known = self._saves.get(body.id)
-            if known is not None:
-                return known, False
-            request = self.control.request_save(safe(body.reason, 1000), body.id)
-            info = SaveInfo(id=body.id, reason=request.reason, requested_at=request.requested_at)
-            self._saves[body.id] = info
-            while len(self._saves) > MAX_SAVE_IDS:
-                self._saves.popitem(last=False)
-        log.info("early checkpoint asked through the control API (save %s): %s", safe(body.id), safe(body.reason))
-        return info, True
-
-    def ready(self) -> ReadyResponse:
-        """``GET /readyz``: ready once the node's ranks train (its first rank's status.json past "starting")."""
-        with self._lock:
-            state = self._state
-        if state in ("stopping", "exited"):
-            return ReadyResponse(ready=False, reason=f"the agent is {state}")
-        rank = self.control.status()
-        if rank is None:
-            return ReadyResponse(ready=False, reason="no rank has reported yet")
-        if rank.state == "starting":
-            return ReadyResponse(ready=False, reason="the ranks are starting (rendezvous, restore)")
-        return ReadyResponse(ready=True, reason=f"the ranks are {rank.state} at step {rank.step}")
-
-    def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
-        with self._lock:
-            if self._state == "exited" or self._returncode is not None:
-                raise FlushRefused("the command has already ended")
-            flush = self._flush
-            if flush is not None:
-                if (
-                    notice.deadline is not None
-                    and notice.deadline > time.time()
-                    and (flush.deadline is None or notice.deadline < flush.deadline)
-                ):
-                    flush.deadline = notice.deadline
-                    kill_at = _monotonic_at(notice.deadline)
-                    if kill_at < flush.kill_at:
-                        flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"
-                    log.warning(
-                        "%s brings the deadline forward to %s (flush.json keeps its own)",
-                        notice.source,
-                        format_deadline(notice.deadline),
-                    )
-                log.info(
-                    "%s notice (%s) while flush %s from %s is under way: no second flush",
-                    notice.source,
-                    notice.detail,
-                    flush.request.id,
-                    flush.notice.source,
-                )
-                return flush.request, False
-            request = self.control.request_flush(
-                FlushRequest(reason=f"{notice.source} {notice.kind.value}: {notice.detail}", deadline=notice.deadline)
-            )
-            if notice.deadline is not None and notice.deadline <= time.time():
-                # A deadline already gone: flush now, bounded like a flush without one; killing
-                # at once would throw away the one chance this job has to commit.
-                kill_at = time.monotonic() + self.config.flush_timeout
-                kill_reason = (
-                    f"the deadline had passed when the notice came; no flush result within "
-                    f"--flush-timeout {self.config.flush_timeout:g} s"
-                )
-                log.warning(
-                    "the %s notice's deadline passed %.1f s ago: flushing now anyway",
-                    notice.source,
-                    time.time() - notice.deadline,
-                )
-            elif notice.deadline is not None:
-                kill_at, kill_reason = _monotonic_at(notice.deadline), "the deadline passed"
-            else:
-                kill_at = time.monotonic() + self.config.flush_timeout
-                kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
-            self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
-            self._state = "flushing"
-        window = self._window()
-        log.warning(
-            "flush %s requested: %s; deadline %s; %s",
-            request.id,
-            request.reason,
-            format_deadline(notice.deadline),
-            window.message,
-        )
-        if not window.ok:
-            log.warning("the time left may not hold a flush: %s", window.message)
-        return request, True
-
-    # -- status (any thread) -------------------------------------------------------------------
-    def _window(self) -> Window:
-        with self._lock:
-            deadline = self._flush.deadline if self._flush is not None else None
-        if deadline is None and self._flush is None:
-            return Window(True, "no notice")
-        rank = self.control.status()
-        last = rank.last_save_seconds if rank is not None else None
-        return flush_window(deadline, last, self.config.safety_margin, time.time())
-
-    def status(self) -> StatusResponse:
-        rank = self.control.status()
-        window = self._window()
-        with self._lock:
-            flush = self._flush
-            state = self._state
-            child_pid = self._child.pid if self._child is not None else None
-            returncode = self._returncode
-            stop = self._stop
-            problems = list(self._problems.values())
-        result = flush.result if flush is not None else None
-        deadline = flush.deadline if flush is not None else None
-        return StatusResponse(
-            state=state,
-            pid=os.getpid(),
-            command_pid=child_pid,
-            uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
-            job_name=self.config.job_name,
-            control_dir=self.control.path,
-            checkpoint_uri=self.checkpoint_uri,
-            attempt=self.config.attempt,
-            rank_state=rank.state if rank else None,
-            rank_checkpoint_uri=rank.checkpoint_uri if rank else None,
-            step=rank.step if rank else None,
-            world_size=rank.world_size if rank else None,
-            last_committed_step=rank.last_committed_step if rank else None,
-            last_committed_uri=rank.last_committed_uri if rank else None,
-            last_save_seconds=rank.last_save_seconds if rank else None,
-            status_updated_at=rank.updated_at if rank else None,
-            ranks_connected=rank is not None,
-            problems=problems,
-            notice=_notice_info(flush.notice) if flush is not None else None,
-            flush=_flush_info(flush.request) if flush is not None else None,
-            deadline=deadline,
-            seconds_left=round(deadline - time.time(), 3) if deadline is not None else None,
-            window_ok=window.ok,
-            window_message=window.message,
-            flush_result=_result_info(result) if result is not None else None,
-            stop=stop,
-            infra_error=_infra_text(self.control.infra_error()),
-            command_exit_code=command_exit_code(returncode) if returncode is not None else None,
-        )
+class Agent(AgentRequests):
+    """One command under one agent. ``run()`` on the main thread; the rest (``AgentRequests``) is
+    thread-safe."""
 
     # -- running (main thread) -----------------------------------------------------------------
     def run(self) -> int:
@@ -529,11 +235,6 @@ class Agent:
         }
         env.update({k: str(v) for k, v in optional.items() if v is not None})
         return env
-
-    @property
-    def checkpoint_uri(self) -> str | None:
-        """Where the ranks are told to write: --checkpoint-uri, else the inherited variable."""
-        return self.config.checkpoint_uri or self.env.get(ENV_CHECKPOINT_URI) or None
 
     def _watch(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> int:
         next_scan = 0.0
@@ -733,7 +434,7 @@ class Agent:
         while its rendezvous port is held by a process that is not this job's (by now every
         process of the job has been stopped, so whoever holds the port is someone else).
         """
-        reported = _infra_text(self.control.infra_error())
+        reported = infra_error_text(self.control.infra_error())
         if reported is not None:
             return reported
         rdzv = self._rendezvous
@@ -825,90 +526,6 @@ def canonical_uri(uri: str) -> str:
         return "file://" + os.path.normpath(os.path.abspath(path))
     prefix = "/".join(part for part in path.split("/") if part)
     return f"{scheme}://{bucket}/{prefix}".rstrip("/")
-
-
-def _infra_text(report: dict[str, Any] | None) -> str | None:
-    if report is None:
-        return None
-    return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
-
-
-def _monotonic_at(unix_time: float) -> float:
-    return time.monotonic() + (unix_time - time.time())
-
-
-def _flush_info(request: FlushRequest) -> FlushInfo:
-    return FlushInfo(id=request.id, reason=request.reason, deadline=request.deadline, requested_at=request.requested_at)
-
-
-def _notice_info(notice: Notice) -> NoticeInfo:
-    return NoticeInfo(
-        source=notice.source,
-        kind=notice.kind,
-        deadline=notice.deadline,
-        detail=notice.detail,
-        received_at=notice.received_at,
-    )
-
-
-def _result_info(result: FlushResult) -> FlushResultInfo:
-    return FlushResultInfo(
-        committed=result.error is None,
-        step=result.step,
-        uri=result.uri,
-        request_id=result.request_id,
-        notice_to_commit_seconds=result.notice_to_commit_seconds,
-        error=result.error,
-        finished_at=result.finished_at,
-    )
-
-
-# -- notice sources --------------------------------------------------------------------------------
-
-
-def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSource]:
-    """The sources to run: ``--notices`` exactly, else SIGTERM + the detected cloud, minus ``--no-*``."""
-    if config.notices is not None:
-        wanted = [n for n in config.notices if n not in config.disabled]
-    else:
-        cloud = config.cloud
-        if cloud is None:
-            cloud = detect_cloud(
-                aws_url=config.aws_metadata_url,
-                gcp_url=config.gcp_metadata_url,
-                azure_url=config.azure_metadata_url,
-                env=env,
-            )
-        wanted = ["sigterm"] + ([cloud.value] if cloud is not Cloud.NONE else [])
-        wanted = [n for n in wanted if n not in config.disabled]
-    interval = _poll_interval(config, env)
-    sources: list[NoticeSource] = []
-    for name in wanted:
-        if name == "aws":
-            sources.append(
-                aws.AwsImdsSource(
-                    config.aws_metadata_url, interval=interval, watch_rebalance=config.rebalance != "ignore"
-                )
-            )
-        elif name == "gcp":
-            sources.append(
-                gcp.GceMetadataSource(
-                    config.gcp_metadata_url, notice_seconds=config.gcp_notice_seconds, interval=interval
-                )
-            )
-        elif name == "azure":
-            sources.append(azure.AzureScheduledEventsSource(config.azure_metadata_url, interval=interval))
-        elif name == "sigterm":
-            sources.append(SignalSource(grace_seconds=config.sigterm_grace))
-    log.info("notice sources: %s (and the control API)", ", ".join(wanted) or "none")
-    return sources
-
-
-def _poll_interval(config: AgentConfig, env: Mapping[str, str]) -> float:
-    override = env.get(ENV_POLL_INTERVAL)
-    if override:
-        return float(override)
-    return config.poll_interval
 
 
 def main(argv: Sequence[str] | None = None) -> int:

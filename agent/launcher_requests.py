@@ -1,0 +1,373 @@
+"""The agent's state and the requests that change it, from any thread.
+
+``AgentRequests`` holds everything an agent knows (its flush, its stop, the early saves asked for,
+the problems it warned about, the command's pid and exit code) behind one lock, and answers the
+callers that are not the watch loop: every notice source (``on_notice``), the control API
+(``request_flush``, ``request_stop``, ``request_save``, ``ready``, ``status``). The first notice
+that means "this node is going" writes ``flush.json`` once; later ones only log, and may bring the
+kill time forward. ``agent.launcher.Agent`` builds on it with the running of the command (start,
+watch, finish), on the main thread.
+
+``flush_window`` says whether the time before a notice's deadline can hold a flush as long as the
+last save; ``/status`` and the log show its answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.control_api import (
+    AgentState,
+    ControlApi,
+    FlushBody,
+    FlushInfo,
+    FlushRefused,
+    FlushResultInfo,
+    NoticeInfo,
+    ReadyResponse,
+    SaveBody,
+    SaveInfo,
+    StatusResponse,
+    StopBody,
+    StopInfo,
+    safe,
+)
+from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, FlushRequest, FlushResult
+from agent.exit_codes import command_exit_code
+from agent.launcher_cli import AgentConfig
+from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
+from agent.torchrun import Rendezvous, torchrun_args
+
+log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
+
+MAX_SAVE_IDS = 64
+"""How many ``POST /save`` request ids an agent remembers (a retry of an older one saves again)."""
+
+
+# -- the flush window ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    ok: bool
+    message: str
+
+
+def flush_window(deadline: float | None, last_save_seconds: float | None, margin: float, now: float) -> Window:
+    """Can the time left before ``deadline`` hold a flush as long as the last save (x ``margin``)?"""
+    if deadline is None:
+        return Window(True, "no deadline")
+    left = deadline - now
+    if left <= 0:
+        return Window(False, f"the deadline passed {-left:.1f} s ago")
+    if last_save_seconds is None:
+        return Window(True, f"{left:.1f} s left; no save timed yet, so no estimate of a flush")
+    need = last_save_seconds * margin
+    if left < need:
+        return Window(
+            False,
+            f"{left:.1f} s left but the last save took {last_save_seconds:.1f} s "
+            f"(x{margin:g} = {need:.1f} s): the flush may not commit in time",
+        )
+    return Window(True, f"{left:.1f} s left; the last save took {last_save_seconds:.1f} s (x{margin:g} = {need:.1f} s)")
+
+
+# -- the agent -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Flush:
+    request: FlushRequest
+    notice: Notice
+    deadline: float | None
+    """The earliest deadline heard (a later notice may bring it forward; flush.json keeps its own)."""
+    kill_at: float
+    """Monotonic time at which the command's processes are killed if still running."""
+    kill_reason: str
+    result: FlushResult | None = None
+
+
+class AgentRequests:
+    """The agent's state, and what changes it from any thread: the notice sources' callback, the
+    control API's requests, ``/status``. ``agent.launcher.Agent`` adds the running of the command."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        control: ControlDir,
+        sources: Sequence[NoticeSource] = (),
+        *,
+        token: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.sources = list(sources)
+        self.token = token
+        self.env = dict(os.environ if env is None else env)
+        self.agent_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._state: AgentState = "starting"
+        self._flush: _Flush | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._returncode: int | None = None
+        self._killed = False
+        self._started_monotonic = time.monotonic()
+        self._terminate_requested: int | None = None
+        self._stop: StopInfo | None = None
+        self._parent_pid = os.getppid()
+        self._parent_gone = False
+        self._rank_seen = False
+        self._problems: dict[str, str] = {}
+        """What the agent warned about, by topic (shown in /status)."""
+        self._rendezvous: Rendezvous | None = None
+        self._torchrun = torchrun_args(config.command) is not None
+        self._runner = "torchrun"
+        """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
+        self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
+        """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
+        self.api: ControlApi | None = None
+
+    # -- notices (any thread) ------------------------------------------------------------------
+    def on_notice(self, notice: Notice) -> None:
+        """The callback every notice source calls."""
+        if notice.kind is NoticeKind.REBALANCE and self.config.rebalance != "flush":
+            if self.config.rebalance == "ignore":
+                log.info("rebalance recommendation from %s ignored (--rebalance ignore)", notice.source)
+                return
+            request = self.control.request_save(f"{notice.source} {notice.kind.value}: {notice.detail}")
+            log.info("rebalance recommendation: asked the ranks for an early checkpoint (save %s)", request.id)
+            return
+        try:
+            self._start_flush(notice)
+        except FlushRefused as e:
+            log.info("notice from %s ignored: %s", notice.source, e)
+
+    def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
+        """``POST /flush`` (a control-API thread)."""
+        notice = Notice(source="api", kind=body.kind, deadline=body.deadline, detail=safe(body.reason, 1000))
+        log.info(
+            "flush asked through the control API: %s, deadline %s", safe(body.reason), format_deadline(body.deadline)
+        )
+        request, created = self._start_flush(notice)
+        return _flush_info(request), created
+
+    def request_stop(self, body: StopBody) -> tuple[StopInfo, bool]:
+        """``POST /stop`` (a control-API thread): stop the command without a flush.
+
+        The controller stops the healthy workers of a gang this way after a peer's code failed:
+        a flush would wait for ranks that are gone. The watch loop does the stopping.
+        """
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            if self._stop is not None:
+                return self._stop, False
+            self._stop = StopInfo(reason=safe(body.reason, 1000), requested_at=time.time())
+            self._state = "stopping"
+        log.warning("stop asked through the control API: %s; stopping the command without a flush", safe(body.reason))
+        return self._stop, True
+
+    def request_save(self, body: SaveBody) -> tuple[SaveInfo, bool]:
+        """``POST /save`` (a control-API thread): an early checkpoint, training goes on.
+
+        The same ``save.json`` an AWS rebalance recommendation writes (``--rebalance save-early``);
+        the ranks serve it at an agreed step. Idempotent per request id: an id seen before starts
+        nothing. A flush under way, or a command that has ended, refuses it (409): a flush commits
+        a checkpoint anyway.
+        """
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            if self._flush is not None or self._stop is not None:
+                raise FlushRefused(f"the agent is {self._state}: no early save now")
+            known = self._saves.get(body.id)
+            if known is not None:
+                return known, False
+            request = self.control.request_save(safe(body.reason, 1000), body.id)
+            info = SaveInfo(id=body.id, reason=request.reason, requested_at=request.requested_at)
+            self._saves[body.id] = info
+            while len(self._saves) > MAX_SAVE_IDS:
+                self._saves.popitem(last=False)
+        log.info("early checkpoint asked through the control API (save %s): %s", safe(body.id), safe(body.reason))
+        return info, True
+
+    def ready(self) -> ReadyResponse:
+        """``GET /readyz``: ready once the node's ranks train (its first rank's status.json past "starting")."""
+        with self._lock:
+            state = self._state
+        if state in ("stopping", "exited"):
+            return ReadyResponse(ready=False, reason=f"the agent is {state}")
+        rank = self.control.status()
+        if rank is None:
+            return ReadyResponse(ready=False, reason="no rank has reported yet")
+        if rank.state == "starting":
+            return ReadyResponse(ready=False, reason="the ranks are starting (rendezvous, restore)")
+        return ReadyResponse(ready=True, reason=f"the ranks are {rank.state} at step {rank.step}")
+
+    def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
+        with self._lock:
+            if self._state == "exited" or self._returncode is not None:
+                raise FlushRefused("the command has already ended")
+            flush = self._flush
+            if flush is not None:
+                if (
+                    notice.deadline is not None
+                    and notice.deadline > time.time()
+                    and (flush.deadline is None or notice.deadline < flush.deadline)
+                ):
+                    flush.deadline = notice.deadline
+                    kill_at = _monotonic_at(notice.deadline)
+                    if kill_at < flush.kill_at:
+                        flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"
+                    log.warning(
+                        "%s brings the deadline forward to %s (flush.json keeps its own)",
+                        notice.source,
+                        format_deadline(notice.deadline),
+                    )
+                log.info(
+                    "%s notice (%s) while flush %s from %s is under way: no second flush",
+                    notice.source,
+                    notice.detail,
+                    flush.request.id,
+                    flush.notice.source,
+                )
+                return flush.request, False
+            request = self.control.request_flush(
+                FlushRequest(reason=f"{notice.source} {notice.kind.value}: {notice.detail}", deadline=notice.deadline)
+            )
+            if notice.deadline is not None and notice.deadline <= time.time():
+                # A deadline already gone: flush now, bounded like a flush without one; killing
+                # at once would throw away the one chance this job has to commit.
+                kill_at = time.monotonic() + self.config.flush_timeout
+                kill_reason = (
+                    f"the deadline had passed when the notice came; no flush result within "
+                    f"--flush-timeout {self.config.flush_timeout:g} s"
+                )
+                log.warning(
+                    "the %s notice's deadline passed %.1f s ago: flushing now anyway",
+                    notice.source,
+                    time.time() - notice.deadline,
+                )
+            elif notice.deadline is not None:
+                kill_at, kill_reason = _monotonic_at(notice.deadline), "the deadline passed"
+            else:
+                kill_at = time.monotonic() + self.config.flush_timeout
+                kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
+            self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
+            self._state = "flushing"
+        window = self._window()
+        log.warning(
+            "flush %s requested: %s; deadline %s; %s",
+            request.id,
+            request.reason,
+            format_deadline(notice.deadline),
+            window.message,
+        )
+        if not window.ok:
+            log.warning("the time left may not hold a flush: %s", window.message)
+        return request, True
+
+    # -- status (any thread) -------------------------------------------------------------------
+    def _window(self) -> Window:
+        with self._lock:
+            deadline = self._flush.deadline if self._flush is not None else None
+        if deadline is None and self._flush is None:
+            return Window(True, "no notice")
+        rank = self.control.status()
+        last = rank.last_save_seconds if rank is not None else None
+        return flush_window(deadline, last, self.config.safety_margin, time.time())
+
+    def status(self) -> StatusResponse:
+        rank = self.control.status()
+        window = self._window()
+        with self._lock:
+            flush = self._flush
+            state = self._state
+            child_pid = self._child.pid if self._child is not None else None
+            returncode = self._returncode
+            stop = self._stop
+            problems = list(self._problems.values())
+        result = flush.result if flush is not None else None
+        deadline = flush.deadline if flush is not None else None
+        return StatusResponse(
+            state=state,
+            pid=os.getpid(),
+            command_pid=child_pid,
+            uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
+            job_name=self.config.job_name,
+            control_dir=self.control.path,
+            checkpoint_uri=self.checkpoint_uri,
+            attempt=self.config.attempt,
+            rank_state=rank.state if rank else None,
+            rank_checkpoint_uri=rank.checkpoint_uri if rank else None,
+            step=rank.step if rank else None,
+            world_size=rank.world_size if rank else None,
+            last_committed_step=rank.last_committed_step if rank else None,
+            last_committed_uri=rank.last_committed_uri if rank else None,
+            last_save_seconds=rank.last_save_seconds if rank else None,
+            status_updated_at=rank.updated_at if rank else None,
+            ranks_connected=rank is not None,
+            problems=problems,
+            notice=_notice_info(flush.notice) if flush is not None else None,
+            flush=_flush_info(flush.request) if flush is not None else None,
+            deadline=deadline,
+            seconds_left=round(deadline - time.time(), 3) if deadline is not None else None,
+            window_ok=window.ok,
+            window_message=window.message,
+            flush_result=_result_info(result) if result is not None else None,
+            stop=stop,
+            infra_error=infra_error_text(self.control.infra_error()),
+            command_exit_code=command_exit_code(returncode) if returncode is not None else None,
+        )
+
+    @property
+    def checkpoint_uri(self) -> str | None:
+        """Where the ranks are told to write: --checkpoint-uri, else the inherited variable."""
+        return self.config.checkpoint_uri or self.env.get(ENV_CHECKPOINT_URI) or None
+
+
+def infra_error_text(report: dict[str, Any] | None) -> str | None:
+    """A rank's ``infra-error.json`` report as one line for ``/status`` and the exit message."""
+    if report is None:
+        return None
+    return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
+
+
+def _monotonic_at(unix_time: float) -> float:
+    return time.monotonic() + (unix_time - time.time())
+
+
+def _flush_info(request: FlushRequest) -> FlushInfo:
+    return FlushInfo(id=request.id, reason=request.reason, deadline=request.deadline, requested_at=request.requested_at)
+
+
+def _notice_info(notice: Notice) -> NoticeInfo:
+    return NoticeInfo(
+        source=notice.source,
+        kind=notice.kind,
+        deadline=notice.deadline,
+        detail=notice.detail,
+        received_at=notice.received_at,
+    )
+
+
+def _result_info(result: FlushResult) -> FlushResultInfo:
+    return FlushResultInfo(
+        committed=result.error is None,
+        step=result.step,
+        uri=result.uri,
+        request_id=result.request_id,
+        notice_to_commit_seconds=result.notice_to_commit_seconds,
+        error=result.error,
+        finished_at=result.finished_at,
+    )
