@@ -8,7 +8,11 @@ per-step flush check costs the training loop.
    *idle* (no save in flight) and *busy* (the notice lands right after an async save started: the
    flush gives that save up at its next block and writes its own — the worst case). Next to it,
    the raw floor for the same bytes: one file of that size written with fsync (filesystem) or
-   ``upload_file`` with boto3 (S3).
+   ``upload_file`` with boto3 (S3). On S3 a second floor is timed beside it: ``upload_file`` asked
+   for the same full-object CRC32C that spotjob sends (``ChecksumCRC32C``, which s3transfer turns
+   into a ``FULL_OBJECT`` multipart upload), so that S3 checks the assembled object in both. The
+   plain floor asks for a composite checksum, which moto assembles far faster; the two floors
+   together show how much of a ratio is that server-side check.
 2. The flush check: 2 torchrun ranks (gloo, CPU) train the smallest model; each rank times its
    training steps and, separately, ``Checkpointer.step()`` on steps where nothing is due (one
    ``stat`` plus the asynchronous vote). Reported as a fraction of the step time (target ≤ 1%).
@@ -38,6 +42,8 @@ import torch
 
 from agent.checkpoint import Checkpointer
 from agent.control_channel import ControlDir, FlushRequest
+from agent.crc32c import crc32c_file
+from agent.storage._transfer import crc_to_b64
 from bench._common import (
     OUT_DIR,
     describe_machine,
@@ -69,14 +75,15 @@ def _fresh_uri(backend: str, scratch: str, tag: str) -> str:
     return f"s3://{bucket}/run"
 
 
-def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int) -> float:
+def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int) -> tuple[float, float | None]:
+    """(the floor, the S3 floor with a full-object CRC32C or None): seconds."""
     raw = os.path.join(scratch, "raw.bin")
     t0 = time.monotonic()
     write_raw(raw, tensors)
     write_s = time.monotonic() - t0
     if backend == "file":
         os.unlink(raw)
-        return write_s
+        return write_s, None
     import boto3
 
     s3 = boto3.client("s3")
@@ -85,9 +92,20 @@ def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int)
     t0 = time.monotonic()
     s3.upload_file(raw, bucket, "raw.bin")
     up = time.monotonic() - t0
+    s3.delete_object(Bucket=bucket, Key="raw.bin")
+    # The same upload asked to have S3 check the whole object's CRC32C, as spotjob's is. The CRC
+    # is computed before the clock starts: a floor has it for free (spotjob's is computed while
+    # the shard is written).
+    whole = crc_to_b64(crc32c_file(raw)[0])
+    t0 = time.monotonic()
+    s3.upload_file(raw, bucket, "raw.bin", ExtraArgs={"ChecksumCRC32C": whole})
+    checked = time.monotonic() - t0
+    kind = s3.head_object(Bucket=bucket, Key="raw.bin", ChecksumMode="ENABLED").get("ChecksumType")
+    if nbytes >= 8 * 2**20 and kind != "FULL_OBJECT":  # boto3 uploads 8 MiB and up in parts
+        raise RuntimeError(f"the checked floor's upload got a {kind!r} checksum, not FULL_OBJECT")
     os.unlink(raw)
     s3.delete_object(Bucket=bucket, Key="raw.bin")
-    return up
+    return up, checked
 
 
 def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) -> dict[str, Any]:
@@ -101,6 +119,7 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         "idle_s": [],
         "busy_s": [],
         "floor_s": [],
+        "floor_checked_s": [],
     }
     for i in range(repeat):
         uri = _fresh_uri(backend, scratch, f"{backend}-{size_gb}-{i}")
@@ -127,21 +146,29 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         shutil.rmtree(control, ignore_errors=True)
         if backend == "file":
             shutil.rmtree(uri, ignore_errors=True)
-        out["floor_s"].append(_floor(backend, scratch, tensors, work.state_bytes))
+        floor, checked = _floor(backend, scratch, tensors, work.state_bytes)
+        out["floor_s"].append(floor)
+        if checked is not None:
+            out["floor_checked_s"].append(checked)
         log(
-            "notice→commit %s %.1f GB #%d: idle %.2fs busy %.2fs floor %.2fs",
+            "notice→commit %s %.1f GB #%d: idle %.2fs busy %.2fs floor %.2fs%s",
             backend,
             size_gb,
             i + 1,
             out["idle_s"][-1],
             out["busy_s"][-1],
-            out["floor_s"][-1],
+            floor,
+            "" if checked is None else f" (with the full-object CRC32C: {checked:.2f}s)",
         )
         gc.collect()
     for k in ("idle_s", "busy_s", "floor_s"):
         out[k + "_median"] = statistics.median(out[k])
     out["idle_vs_floor"] = out["idle_s_median"] / out["floor_s_median"]
     out["busy_vs_floor"] = out["busy_s_median"] / out["floor_s_median"]
+    if out["floor_checked_s"]:
+        out["floor_checked_s_median"] = statistics.median(out["floor_checked_s"])
+        out["idle_vs_checked_floor"] = out["idle_s_median"] / out["floor_checked_s_median"]
+        out["busy_vs_checked_floor"] = out["busy_s_median"] / out["floor_checked_s_median"]
     out["fits"] = {str(int(w)): out["busy_s_median"] < w for w in WINDOWS}
     del work, state, tensors
     gc.collect()
@@ -248,6 +275,7 @@ def render(payload: dict[str, Any]) -> str:
         "| busy / floor (target ≤ 2x) | fits 30 s | fits 120 s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    checked_rows = [r for r in payload["notice"] if r.get("floor_checked_s_median") is not None]
 
     def verdict(value: float, target: float) -> str:
         return f"{value:.2f}x {'met' if value <= target else '**missed**'}"
@@ -260,6 +288,20 @@ def render(payload: dict[str, Any]) -> str:
             f" | {verdict(r['busy_vs_floor'], TARGETS['busy_vs_floor'])}"
             f" | {'yes' if r['fits']['30'] else 'no'} | {'yes' if r['fits']['120'] else 'no'} |"
         )
+    if checked_rows:
+        lines += [
+            "",
+            "S3 against a floor that asks for the same check: `upload_file` with the whole object's",
+            "CRC32C (`ChecksumCRC32C`, a `FULL_OBJECT` multipart upload, as spotjob's), beside the plain floor:",
+            "",
+            "| backend | state | floor with full-object CRC32C | idle / that floor | busy / that floor |",
+            "|---|---|---|---|---|",
+        ]
+        for r in checked_rows:
+            lines.append(
+                f"| {r['backend']} | {fmt_bytes(r['state_bytes'])} | {r['floor_checked_s_median']:.2f} s"
+                f" | {r['idle_vs_checked_floor']:.2f}x | {r['busy_vs_checked_floor']:.2f}x |"
+            )
     c = payload.get("flush_check")
     if c:
         lines += [
