@@ -1,0 +1,235 @@
+"""``kubectl spotjob checkpoints``, ``flush`` and ``events``.
+
+- ``checkpoints NAME``: the checkpoints under the job's ``spec.checkpoint.uri``, read from
+  storage with the user's own cloud credentials and judged exactly as a restore would
+  (``agent.catalog``), newest first;
+- ``flush NAME``: asks the controller for a flush through the API (an annotation on the SpotJob),
+  so RBAC on ``patch spotjobs`` decides who may; ``--wait`` follows the job until the controller
+  records the outcome in ``status.lastFlushRequest``;
+- ``events NAME``: the job's Events, oldest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from agent.catalog import CheckpointStatus, list_checkpoints
+from agent.ownership import OwnershipError
+from agent.storage import StorageError
+from orchestrator.cli_ckpt import LIST_HEADERS, CommandError, checkpoint_json, list_rows, opened_storage, print_table
+from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, JobEvent, PluginError, SpotJobClient
+from orchestrator.kubectl_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    PROG,
+    TERMINAL_PHASES,
+    UsageError,
+    age,
+    connect,
+    human_duration,
+    print_json,
+)
+
+FLUSH_WAIT_MARGIN = 60.0
+"""``flush --wait`` waits the job's ``flushTimeoutSeconds`` plus this, unless ``--timeout`` says otherwise."""
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    client, namespace = connect(args)
+    with client:
+        job = client.get_job(namespace, args.name)
+    uri = str(((job.get("spec") or {}).get("checkpoint") or {}).get("uri") or "")
+    if not uri:
+        raise PluginError(f"SpotJob {namespace}/{args.name} names no spec.checkpoint.uri")
+    try:
+        with opened_storage(uri) as storage:
+            statuses = list_checkpoints(storage)
+            docs = [checkpoint_json(storage, s) for s in statuses]
+    except CommandError as e:
+        if "://" not in uri or uri.startswith("file://"):
+            raise PluginError(
+                f"{e}: the job's checkpoint URI is a path on the cluster's nodes, not on this machine "
+                "(read it where it is mounted, e.g. spotjob ckpt list PATH)"
+            ) from e
+        raise
+    except (StorageError, OwnershipError, OSError) as e:
+        raise PluginError(f"cannot read the checkpoints at {uri} with this machine's credentials: {e}") from e
+    except ValueError as e:  # a URI no store answers to (ManifestError is one too, but inspect keeps those)
+        raise PluginError(f"SpotJob {namespace}/{args.name}: spec.checkpoint.uri {uri!r}: {e}") from e
+    resume = next((s for s in statuses if s.valid), None)
+    if args.output == "json":
+        for doc, s in zip(docs, statuses, strict=True):
+            doc["resumesFromThis"] = s is resume
+        print_json(docs)
+        return EXIT_OK
+    if not statuses:
+        print(f"No checkpoints under {uri} yet.", file=sys.stderr)
+        return EXIT_OK
+    print_table(LIST_HEADERS, list_rows(statuses))
+    print(file=sys.stderr)
+    print(_resume_line(uri, resume), file=sys.stderr)
+    return EXIT_OK
+
+
+def _resume_line(uri: str, resume: CheckpointStatus | None) -> str:
+    if resume is None:
+        return f"None of the checkpoints under {uri} is valid: the next attempt would start from scratch."
+    return f"The next attempt resumes from {resume.ref.folder} (step {resume.ref.step}), the newest valid one."
+
+
+# ----------------------------------------------------------------------------------------------
+# flush
+
+
+def flush_request(mode: str, reason: str, now: datetime | None = None) -> dict[str, str]:
+    """The annotation's JSON: a unique id, the mode, why, and when (RFC 3339, UTC)."""
+    when = (now or datetime.now(UTC)).astimezone(UTC)
+    return {
+        "id": str(uuid.uuid4()),
+        "mode": mode,
+        "reason": reason,
+        "requestedAt": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _annotation_id(job: dict[str, Any]) -> str | None:
+    raw = ((job.get("metadata") or {}).get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return str(value.get("id")) if isinstance(value, dict) and value.get("id") else None
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    if args.timeout is not None and not args.wait:
+        raise UsageError("--timeout goes with --wait")
+    client, namespace = connect(args)
+    with client:
+        job = client.get_job(namespace, args.name)
+        phase = (job.get("status") or {}).get("phase")
+        if phase in TERMINAL_PHASES:
+            raise PluginError(f"SpotJob {namespace}/{args.name} has {phase.lower()}: there is nothing to flush")
+        mode = "checkpoint" if args.keep_running else "restart"
+        reason = " ".join(args.reason.split()) or f"requested with {PROG} flush"
+        request = flush_request(mode, reason)
+        pending = _annotation_id(job)
+        answered = ((job.get("status") or {}).get("lastFlushRequest") or {}).get("id")
+        if pending is not None and pending != answered:
+            print(
+                f"(this replaces flush request {pending}, which the controller has not answered yet)", file=sys.stderr
+            )
+        patched = client.request_flush(namespace, args.name, request)
+        what = (
+            "flush a checkpoint and keep training" if mode == "checkpoint" else "flush a checkpoint and restart from it"
+        )
+        print(f"flush request {request['id']} sent to SpotJob {namespace}/{args.name}: {what}")
+        if not args.wait:
+            print(
+                f"The controller records the outcome in status.lastFlushRequest: {PROG} status {args.name}",
+                file=sys.stderr,
+            )
+            return EXIT_OK
+        timeout = args.timeout
+        if timeout is None:
+            timeout = float((job.get("spec") or {}).get("flushTimeoutSeconds") or 120.0) + FLUSH_WAIT_MARGIN
+        print(f"waiting up to {human_duration(timeout)} for the controller's answer...", file=sys.stderr)
+        return _wait_for_flush(
+            client, namespace, args.name, request["id"], str(patched["metadata"]["resourceVersion"]), timeout
+        )
+
+
+def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: str, since: str, timeout: float) -> int:
+    """Follow the job until ``status.lastFlushRequest`` answers ``wanted`` (or a request that replaced it)
+    with an outcome: the controller first records the request it took as ``InProgress`` (a restart
+    flushes, stops and starts the gang before it commits), which is not an answer yet."""
+    waiting = {wanted}
+    taken: set[str] = set()
+    for job in client.follow_job(namespace, name, since, timeout):
+        answer = (job.get("status") or {}).get("lastFlushRequest") or {}
+        rid = answer.get("id")
+        if rid in waiting and answer.get("outcome") == "InProgress":
+            if rid not in taken:
+                taken.add(rid)
+                print(f"the controller took request {rid}: {answer.get('message') or 'in progress'}", file=sys.stderr)
+        elif rid in waiting:
+            return _report_flush(answer, wanted)
+        current = _annotation_id(job)
+        if current is not None and current not in waiting:
+            # Another flush request replaced ours before the controller read it: it answers that one.
+            print(
+                f"request {wanted} was replaced by another flush request, {current}: waiting for that one",
+                file=sys.stderr,
+            )
+            waiting.add(current)
+        phase = (job.get("status") or {}).get("phase")
+        if phase in TERMINAL_PHASES:
+            raise PluginError(
+                f"SpotJob {namespace}/{name} {phase.lower()} before the controller answered the flush request"
+            )
+    raise PluginError(
+        f"no answer to flush request {wanted} within {human_duration(timeout)}: is spotjob-controller running and "
+        f"serving namespace {namespace}? ({PROG} events {name} shows what it did)"
+    )
+
+
+def _report_flush(answer: dict[str, Any], wanted: str) -> int:
+    """Print the controller's answer; exit 0 when it committed a checkpoint, 1 when not."""
+    outcome = answer.get("outcome") or "no outcome given"
+    step = answer.get("step")
+    head = f"flush ({answer['mode']})" if answer.get("mode") else "flush"
+    if answer.get("id") != wanted:
+        head += f", request {answer.get('id')} (which replaced yours)"
+    if step is not None:
+        print(f"{head}: {outcome}, step {step} committed")
+        return EXIT_OK
+    print(f"{head}: {outcome}; no checkpoint was committed")
+    return EXIT_FAILED
+
+
+# ----------------------------------------------------------------------------------------------
+# events
+
+
+def event_json(e: JobEvent) -> dict[str, Any]:
+    return {
+        "type": e.type,
+        "reason": e.reason,
+        "note": e.note,
+        "count": e.count,
+        "firstTime": e.first.isoformat() if e.first else None,
+        "lastTime": e.last.isoformat() if e.last else None,
+        "reporter": e.reporter or None,
+        "related": e.related or None,
+    }
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    client, namespace = connect(args)
+    with client:
+        job = client.get_job(namespace, args.name)
+        events = client.job_events(job)
+    if args.output == "json":
+        print_json([event_json(e) for e in events])
+        return EXIT_OK
+    if not events:
+        print(f"No events for SpotJob {namespace}/{args.name}.", file=sys.stderr)
+        return EXIT_OK
+    now = datetime.now(UTC)
+    rows = []
+    for e in events:
+        count = str(e.count)
+        if e.count > 1 and e.first is not None:
+            count += f" over {age(e.first, now)}"
+        rows.append([age(e.last, now), e.type, e.reason, count, e.note])
+    print_table(["LAST SEEN", "TYPE", "REASON", "COUNT", "NOTE"], rows)
+    return EXIT_OK

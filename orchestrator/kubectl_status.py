@@ -1,0 +1,334 @@
+"""``kubectl spotjob status``: a table of jobs, or one job in detail.
+
+One job's detail: its phase and why, step and checkpoint age, preemptions, restarts of
+maxRestarts, goodput, capacity, its pods and their nodes, zones and phases, the last restart's
+reason, the last flush request, and its conditions. Status is read as raw JSON, not through the
+model: an older plugin must still show what a newer controller writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator.cli_ckpt import print_table
+from orchestrator.k8s.plugin_client import AccessDenied, SpotJobClient
+from orchestrator.kubectl_common import (
+    EXIT_OK,
+    UsageError,
+    age,
+    age_seconds,
+    connect,
+    dash,
+    percent,
+    print_json,
+)
+
+# ----------------------------------------------------------------------------------------------
+# status
+
+
+def _training_step(status: dict[str, Any]) -> int | None:
+    observed = (status.get("attempt") or {}).get("observedStep")
+    if isinstance(observed, int):
+        return observed
+    steps = [w.get("step") for w in status.get("workers") or [] if isinstance(w.get("step"), int)]
+    return max(steps) if steps else None
+
+
+def job_summary(job: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """What the table shows of one job, as JSON (camelCase, like the resource)."""
+    meta = job.get("metadata") or {}
+    spec = job.get("spec") or {}
+    status = job.get("status") or {}
+    checkpoint = status.get("lastCheckpoint") or None
+    return {
+        "namespace": meta.get("namespace"),
+        "name": meta.get("name"),
+        "phase": status.get("phase"),
+        "reason": status.get("reason") or None,
+        "message": status.get("message") or None,
+        "step": (checkpoint or {}).get("step"),
+        "trainingStep": _training_step(status),
+        "lastCheckpoint": checkpoint,
+        "checkpointAgeSeconds": age_seconds((checkpoint or {}).get("time"), now),
+        "preemptions": status.get("preemptions", 0) if status else None,
+        "restarts": status.get("restarts", 0) if status else None,
+        "maxRestarts": spec.get("maxRestarts"),
+        "goodput": status.get("goodput"),
+        "capacity": status.get("capacity"),
+        "attempt": (status.get("attempt") or {}).get("number") if status else None,
+        "creationTimestamp": meta.get("creationTimestamp"),
+        "ageSeconds": age_seconds(meta.get("creationTimestamp"), now),
+    }
+
+
+def _restarts_text(summary: dict[str, Any]) -> str:
+    if summary["restarts"] is None:
+        return "-"
+    limit = summary["maxRestarts"]
+    return f"{summary['restarts']}/{limit}" if limit is not None else str(summary["restarts"])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.name and args.all_namespaces:
+        raise UsageError("a NAME and -A/--all-namespaces do not go together: name a job, or list them all")
+    client, namespace = connect(args)
+    with client:
+        if args.name:
+            return _status_one(client, namespace, args.name, args.output)
+        jobs = client.list_jobs(None if args.all_namespaces else namespace)
+    now = datetime.now(UTC)
+    summaries = [job_summary(j, now) for j in jobs]
+    if args.output == "json":
+        print_json(summaries)
+        return EXIT_OK
+    if not summaries:
+        where = "any namespace" if args.all_namespaces else f'namespace "{namespace}"'
+        print(f"No SpotJobs in {where}.", file=sys.stderr)
+        return EXIT_OK
+    with_capacity = any(s["capacity"] for s in summaries)
+    headers = ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT"]
+    headers += ["CAPACITY"] if with_capacity else []
+    headers += ["AGE"]
+    if args.all_namespaces:
+        headers.insert(0, "NAMESPACE")
+    rows = []
+    for s, job in zip(summaries, jobs, strict=True):
+        row = [
+            s["name"],
+            dash(s["phase"]) if job.get("status") else "<no status>",
+            dash(s["step"]),
+            age((s["lastCheckpoint"] or {}).get("time"), now),
+            dash(s["preemptions"]),
+            _restarts_text(s),
+            percent(s["goodput"]),
+        ]
+        row += [dash(s["capacity"])] if with_capacity else []
+        row += [age(s["creationTimestamp"], now)]
+        if args.all_namespaces:
+            row.insert(0, s["namespace"])
+        rows.append(row)
+    print_table(headers, rows)
+    return EXIT_OK
+
+
+def _pod_phase(pod: dict[str, Any]) -> str:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return "Terminating"
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return False
+
+
+def _pod_exit_code(pod: dict[str, Any]) -> int | None:
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        code = ((c.get("state") or {}).get("terminated") or {}).get("exitCode")
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def job_pods_view(job: dict[str, Any], pods: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The job's pods as the API shows them now, with zones from the controller's view of its
+    workers; without ``pods`` (not allowed to list them), the controller's view alone."""
+    workers = {str(w.get("name")): w for w in (job.get("status") or {}).get("workers") or []}
+    if pods is None:
+        return [
+            {
+                "name": name,
+                "attempt": None,
+                "phase": w.get("phase"),
+                "ready": None,
+                "node": w.get("node"),
+                "zone": w.get("zone"),
+                "instanceType": w.get("instanceType"),
+                "podIP": None,
+                "exitCode": w.get("exitCode"),
+            }
+            for name, w in workers.items()
+        ]
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        w = workers.get(str(meta.get("name")), {})
+        out.append(
+            {
+                "name": meta.get("name"),
+                "attempt": (meta.get("labels") or {}).get("spotjob.dev/attempt"),
+                "phase": _pod_phase(pod),
+                "ready": _pod_ready(pod),
+                "node": (pod.get("spec") or {}).get("nodeName") or w.get("node"),
+                "zone": w.get("zone"),
+                "instanceType": w.get("instanceType"),
+                "podIP": (pod.get("status") or {}).get("podIP"),
+                "exitCode": _pod_exit_code(pod),
+            }
+        )
+    return out
+
+
+def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -> int:
+    job = client.get_job(namespace, name)
+    pods_note = ""
+    try:
+        pods: list[dict[str, Any]] | None = client.job_pods(namespace, name)
+    except AccessDenied as e:
+        pods, pods_note = (
+            None,
+            f"you may not list pods in {namespace} ({e.verb} {e.resource}): the controller's last view",
+        )
+    now = datetime.now(UTC)
+    meta, spec, status = job.get("metadata") or {}, job.get("spec") or {}, job.get("status") or {}
+    summary = job_summary(job, now)
+    view = job_pods_view(job, pods)
+    history = status.get("restartHistory") or []
+    if output == "json":
+        summary.update(
+            pods=view,
+            conditions=status.get("conditions") or [],
+            lastRestart=history[-1] if history else None,
+            lastFlushRequest=status.get("lastFlushRequest"),
+            recovery=status.get("recovery"),
+            lostSteps=status.get("lostSteps"),
+            generation=meta.get("generation"),
+            observedGeneration=status.get("observedGeneration"),
+            checkpointUri=(spec.get("checkpoint") or {}).get("uri"),
+        )
+        print_json(summary)
+        return EXIT_OK
+
+    lines: list[tuple[str, str]] = [("Name", str(meta.get("name"))), ("Namespace", str(meta.get("namespace")))]
+    if not status:
+        lines.append(
+            (
+                "Phase",
+                "<no status yet>: no controller has written one — is spotjob-controller running and serving "
+                f"namespace {namespace}?",
+            )
+        )
+    else:
+        why = ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
+        lines.append(("Phase", f"{status.get('phase', '-')}" + (f" ({why})" if why else "")))
+        generation, observed = meta.get("generation"), status.get("observedGeneration")
+        if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
+            lines.append(("Spec", f"generation {generation}; the controller has acted on {observed} so far"))
+    replicas, nproc = spec.get("replicas", 1), spec.get("nprocPerNode", 1)
+    lines.append(("Workers", f"{replicas} pod(s) x {nproc} rank(s)"))
+    attempt = status.get("attempt") or {}
+    if status:
+        resumed = attempt.get("resumedFromStep")
+        running = attempt.get("runningAt")
+        text = f"{attempt.get('number', 0)}"
+        text += f", running for {age(running, now)}" if running else ""
+        text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
+        lines.append(("Attempt", text))
+    step = summary["trainingStep"]
+    lines.append(("Step", "-" if step is None else f"{step} (the agents' last report)"))
+    ckpt = status.get("lastCheckpoint")
+    lines.append(
+        (
+            "Checkpoint",
+            f"step {ckpt.get('step')}, {age(ckpt.get('time'), now)} ago ({ckpt.get('uri')})"
+            if ckpt
+            else f"none committed yet (under {(spec.get('checkpoint') or {}).get('uri', '-')})",
+        )
+    )
+    if status:
+        lines.append(("Preemptions", str(status.get("preemptions", 0))))
+        lines.append(
+            (
+                "Restarts",
+                f"{status.get('restarts', 0)} of {spec.get('maxRestarts', '-')} "
+                "(failures of your code; preemptions never count)",
+            )
+        )
+        lost = status.get("lostSteps")
+        lines.append(
+            ("Goodput", percent(status.get("goodput")) + (f" ({lost} step(s) lost to preemptions)" if lost else ""))
+        )
+        if status.get("capacity"):
+            lines.append(("Capacity", str(status["capacity"])))
+    if history:
+        last = history[-1]
+        lines.append(
+            (
+                "Last restart",
+                f"{age(last.get('time'), now)} ago, attempt {last.get('attempt')}: {last.get('cause', '-')} "
+                f"{last.get('reason', '')}" + (f" — {last['message']}" if last.get("message") else ""),
+            )
+        )
+    recovery = status.get("recovery")
+    if recovery:
+        lines.append(
+            (
+                "Recovery",
+                f"{recovery.get('cause', '-')} {recovery.get('reason', '')} since "
+                f"{age(recovery.get('detectedAt'), now)} ago"
+                + (f" — {recovery['message']}" if recovery.get("message") else ""),
+            )
+        )
+    flush = status.get("lastFlushRequest")
+    if flush:
+        lines.append(("Last flush", _flush_text(flush, now)))
+    width = max(len(k) for k, _ in lines) + 2
+    for key, value in lines:
+        print(f"{key + ':':<{width}}{value}")
+
+    print("Pods:" + (f"  ({pods_note})" if pods_note else ""))
+    if view:
+        rows = [
+            [
+                str(p["name"]),
+                dash(p["attempt"]),
+                dash(p["phase"]),
+                "-" if p["ready"] is None else str(p["ready"]).lower(),
+                dash(p["node"]),
+                dash(p["zone"]),
+                dash(p["exitCode"]),
+            ]
+            for p in view
+        ]
+        _print_indented(["NAME", "ATTEMPT", "PHASE", "READY", "NODE", "ZONE", "EXIT"], rows)
+    else:
+        print("  <none>")
+    conditions = status.get("conditions") or []
+    print("Conditions:")
+    if conditions:
+        rows = [
+            [
+                str(c.get("type")),
+                str(c.get("status")),
+                dash(c.get("reason")),
+                age(c.get("lastTransitionTime"), now),
+                str(c.get("message") or ""),
+            ]
+            for c in conditions
+        ]
+        _print_indented(["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"], rows)
+    else:
+        print("  <none>")
+    return EXIT_OK
+
+
+def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    for row in [headers, *rows]:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]
+        print(("  " + "  ".join(cells)).rstrip())
+
+
+def _flush_text(flush: dict[str, Any], now: datetime) -> str:
+    text = f"{flush.get('mode', '?')} request {flush.get('id', '?')}: {flush.get('outcome') or 'no outcome'}"
+    if flush.get("step") is not None:
+        text += f", step {flush['step']}"
+    if flush.get("time"):
+        text += f", {age(flush.get('time'), now)} ago"
+    return text
