@@ -69,6 +69,9 @@ class StorageEnv(BaseSettings):
 
     part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)")
     upload_part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 8388608 or 8MiB)")
+    upload_chunk_size: ByteSize | None = Field(
+        None, gt=0, description="a positive size in bytes (e.g. 104857600 or 100MiB)"
+    )
     multipart_threshold: ByteSize | None = Field(
         None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)"
     )

@@ -9,7 +9,9 @@ download leaves nothing at the destination.
 
 Each storage object owns one ``TransferPool``: it bounds the parts / ranges in flight across all
 the files that object is moving at once, and so the memory they hold (``concurrency x
-upload_part_size`` for S3 uploads, which read a part into memory before sending it).
+upload_part_size`` for S3 uploads, which read a part into memory before sending it). A GCS
+resumable upload sends its chunks in order, one at a time: it holds one ``upload_chunk_size``
+chunk per file.
 """
 
 from __future__ import annotations
@@ -59,13 +61,19 @@ class TransferSettings:
     """
 
     part_size: int = 64 * MiB
-    """Bytes per ranged GET and per GCS resumable-upload chunk (rounded up to 256 KiB)."""
+    """Bytes per ranged GET (S3 and GCS downloads)."""
 
     upload_part_size: int = 8 * MiB
     """Bytes per S3 multipart part; S3 raises it to 5 MiB (its minimum part) and to size/10000 (its
     part-count limit). Smaller than ``part_size``: a flush's shard goes up in more parts at once
     (boto3 and the AWS CLI send 8 MiB parts too), and the parts in flight hold
     ``concurrency x upload_part_size`` of memory (64 MiB) rather than 512 MiB."""
+
+    upload_chunk_size: int = 100 * MiB
+    """Bytes per GCS resumable-upload chunk (rounded up to 256 KiB, GCS's granularity). An object's
+    chunks go up one after another, each a request of its own, so fewer, bigger chunks are faster:
+    100 MiB is google-cloud-storage's own default. A file being uploaded holds one chunk in
+    memory."""
 
     multipart_threshold: int = 64 * MiB
     """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT."""
@@ -84,6 +92,8 @@ class TransferSettings:
             raise ValueError(f"part_size must be positive, got {self.part_size}")
         if self.upload_part_size < 1:
             raise ValueError(f"upload_part_size must be positive, got {self.upload_part_size}")
+        if self.upload_chunk_size < 1:
+            raise ValueError(f"upload_chunk_size must be positive, got {self.upload_chunk_size}")
         if self.multipart_threshold < 1:
             raise ValueError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
         if self.concurrency < 1:
@@ -94,6 +104,7 @@ class TransferSettings:
     @classmethod
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_UPLOAD_PART_SIZE``,
+        ``SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE``,
         ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD`` (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
         ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` (``agent.settings``)."""
         env = load(StorageEnv)
@@ -101,6 +112,7 @@ class TransferSettings:
         return cls(
             part_size=int(env.part_size) if env.part_size is not None else d.part_size,
             upload_part_size=int(env.upload_part_size) if env.upload_part_size is not None else d.upload_part_size,
+            upload_chunk_size=int(env.upload_chunk_size) if env.upload_chunk_size is not None else d.upload_chunk_size,
             multipart_threshold=int(env.multipart_threshold)
             if env.multipart_threshold is not None
             else d.multipart_threshold,

@@ -10,8 +10,9 @@ one delete — is a unit under ``retry_transient``, as in the S3 backend.
 
 Uploads: objects smaller than ``multipart_threshold`` (and than 8 MiB, the library's limit for a
 one-request upload) go up in one request carrying their CRC32C, which GCS checks. Bigger ones use a
-resumable upload driven here: chunks of ``part_size`` are sent in order, and a failed chunk is
-simply sent again from the last offset the server confirmed — what google-cloud-storage's own
+resumable upload driven here: chunks of ``upload_chunk_size`` (100 MiB, the library's own default;
+bigger chunks mean fewer sequential requests) are sent in order, and a failed chunk is simply sent
+again from the last offset the server confirmed — what google-cloud-storage's own
 chunk retry does, and what also works on fake-gcs-server (whose status query,
 ``Content-Range: bytes */N``, finalizes the upload instead of reporting it). The last chunk
 carries the file's CRC32C in ``x-goog-hash`` so GCS rejects a corrupt assembly, and the CRC32C
@@ -356,7 +357,7 @@ class GCSStorage(PrefixedKeys, Storage):
     ) -> None:
         url = self.url(key)
         name = self._object_key(key)
-        chunk = -(-self.settings.part_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
+        chunk = -(-self.settings.upload_chunk_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
         session_url: str = self._writing(
             f"start resumable upload {url}",
             key,

@@ -50,6 +50,7 @@ def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts of 5 MiB from 5 MiB up, so an ~10 MiB file goes up in parts and comes down in ranges."""
     monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", str(PART))
     monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
     monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
     monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "4")
 
@@ -335,6 +336,34 @@ def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_siz
     ranges: list[int] = []
     smaller.get_file("step-1/again", str(tmp_path / "back.bin"), size=size, crc32c=crc, progress=ranges.append)
     assert ranges == [size], "read back in one range of SPOTJOB_STORAGE_PART_SIZE"
+
+
+def test_gcs_sends_chunks_of_the_upload_chunk_size_and_reads_ranges_of_the_part_size(
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    gcs_client: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", str(PART))  # ranges: not what sizes the chunks
+    uri = fresh_uri("gs")
+    src = tmp_path / "src.bin"
+    crc, size = write_random(src, 2 * 8 * MiB + 123)
+    # A resumable upload reports progress once per chunk the server confirmed.
+    chunks: list[int] = []
+    make_storage(uri).put_file(str(src), "step-1/shard", crc32c=crc, progress=chunks.append)
+    assert chunks == [size], "the default 100 MiB chunk takes the whole object at once"
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    smaller = make_storage(uri)
+    chunks.clear()
+    smaller.put_file(str(src), "step-1/again", crc32c=crc, progress=chunks.append)
+    assert chunks == [PART, PART, PART, size - 3 * PART]
+    bucket = gcs_client.bucket(urlparse(uri).netloc)
+    assert bucket.get_blob("jobs/run1/step-1/again").size == size
+    ranges: list[int] = []
+    smaller.get_file("step-1/again", str(tmp_path / "back.bin"), size=size, crc32c=crc, progress=ranges.append)
+    assert len(ranges) == 4, "read back in ranges of SPOTJOB_STORAGE_PART_SIZE"
 
 
 def put_files_bytes(store: Storage, keys: list[str]) -> None:

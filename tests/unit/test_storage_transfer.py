@@ -66,13 +66,21 @@ def test_spans_cover_the_object_with_a_short_last_part() -> None:
 
 class TestSettings:
     def test_environment_overrides_the_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        assert (TransferSettings().part_size, TransferSettings().upload_part_size) == (64 * MiB, 8 * MiB)
+        d = TransferSettings()
+        assert (d.part_size, d.upload_part_size, d.upload_chunk_size) == (64 * MiB, 8 * MiB, 100 * MiB)
         monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "16MiB")
         monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", "6MiB")
+        monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "32MiB")
         monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1048576")
         monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "3")
         s = TransferSettings.from_env()
-        assert (s.part_size, s.upload_part_size, s.multipart_threshold, s.concurrency) == (16 * MiB, 6 * MiB, MiB, 3)
+        assert (s.part_size, s.upload_part_size, s.upload_chunk_size, s.multipart_threshold, s.concurrency) == (
+            16 * MiB,
+            6 * MiB,
+            32 * MiB,
+            MiB,
+            3,
+        )
 
     def test_nonsense_is_refused_up_front(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "lots")
@@ -82,6 +90,12 @@ class TestSettings:
             TransferSettings(concurrency=0)
         with pytest.raises(ValueError, match="upload_part_size"):
             TransferSettings(upload_part_size=0)
+        with pytest.raises(ValueError, match="upload_chunk_size"):
+            TransferSettings(upload_chunk_size=0)
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "64MiB")
+        monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "-1")
+        with pytest.raises(ValueError, match="SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE"):
+            TransferSettings.from_env()
 
 
 class TestRetryPolicy:
