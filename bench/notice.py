@@ -1,23 +1,24 @@
 """Notice benchmark: how long from a preemption notice to a committed checkpoint, and what the
 per-step flush check costs the training loop.
 
-1. Notice to commit, for the checkpoint benchmark's state sizes, on the filesystem and on S3
-   (moto on loopback), in one process: the notice is the agent's ``flush.json`` (written through
-   ``ControlDir.request_flush``, exactly what spotjob-agent does), and the clock stops when
-   ``Checkpointer.step()`` returns True, i.e. when MANIFEST.json is committed. Two cases:
-   *idle* (no save in flight) and *busy* (the notice lands right after an async save started: the
-   flush gives that save up at its next block and writes its own — the worst case). Next to it,
-   the raw floor for the same bytes: one file of that size written with fsync (filesystem) or
-   ``upload_file`` with boto3 (S3). On S3 a second floor is timed beside it: ``upload_file`` asked
-   for the same full-object CRC32C that spotjob sends (``ChecksumCRC32C``, which s3transfer turns
-   into a ``FULL_OBJECT`` multipart upload), so that S3 checks the assembled object in both. The
-   plain floor asks for a composite checksum, which moto assembles far faster; the two floors
-   together show how much of a ratio is that server-side check.
+1. Notice to commit, for the checkpoint benchmark's state sizes, on the filesystem, on S3 (moto
+   on loopback) and on GCS (fake-gcs-server on loopback), in one process: the notice is the
+   agent's ``flush.json`` (written through ``ControlDir.request_flush``, exactly what
+   spotjob-agent does), and the clock stops when ``Checkpointer.step()`` returns True, i.e. when
+   MANIFEST.json is committed. Two cases: *idle* (no save in flight) and *busy* (the notice lands
+   right after an async save started: the flush gives that save up at its next block and writes
+   its own — the worst case). Next to it, the raw floor for the same bytes: one file of that size
+   written with fsync (filesystem), ``upload_file`` with boto3 (S3), or google-cloud-storage's
+   ``upload_from_filename`` with its CRC32C check (GCS). On S3 a second floor is timed beside it:
+   ``upload_file`` asked for the same full-object CRC32C that spotjob sends (``ChecksumCRC32C``,
+   which s3transfer turns into a ``FULL_OBJECT`` multipart upload), so that S3 checks the
+   assembled object in both. The plain floor asks for a composite checksum, which moto assembles
+   far faster; the two floors together show how much of a ratio is that server-side check.
 2. The flush check: 2 torchrun ranks (gloo, CPU) train the smallest model; each rank times its
    training steps and, separately, ``Checkpointer.step()`` on steps where nothing is due (one
    ``stat`` plus the asynchronous vote). Reported as a fraction of the step time (target ≤ 1%).
 
-``python -m bench.notice [--sizes 0.1,1,4] [--backends file,s3] [--repeat 3]``; results to
+``python -m bench.notice [--sizes 0.1,1,4] [--backends file,s3,gs] [--repeat 3]``; results to
 ``bench/out/notice-*.json`` and ``bench/out/notice-latest.md``.
 """
 
@@ -47,6 +48,7 @@ from agent.storage._transfer import crc_to_b64
 from bench._common import (
     OUT_DIR,
     describe_machine,
+    fake_gcs_server,
     fmt_bytes,
     log,
     moto_s3_server,
@@ -68,9 +70,14 @@ def _fresh_uri(backend: str, scratch: str, tag: str) -> str:
         path = os.path.join(scratch, f"ckpt-{tag}")
         shutil.rmtree(path, ignore_errors=True)
         return path
+    bucket = f"notice-{tag.replace('.', '-')}-{int(time.time() * 1000) % 10**9}"
+    if backend == "gs":
+        from google.cloud import storage
+
+        storage.Client().create_bucket(bucket)
+        return f"gs://{bucket}/run"
     import boto3
 
-    bucket = f"notice-{tag}-{int(time.time() * 1000) % 10**9}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/run"
 
@@ -84,6 +91,8 @@ def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int)
     if backend == "file":
         os.unlink(raw)
         return write_s, None
+    if backend == "gs":
+        return _gcs_floor(raw), None
     import boto3
 
     s3 = boto3.client("s3")
@@ -106,6 +115,23 @@ def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int)
     os.unlink(raw)
     s3.delete_object(Bucket=bucket, Key="raw.bin")
     return up, checked
+
+
+def _gcs_floor(raw: str) -> float:
+    """google-cloud-storage's own upload of the file, with its defaults (a resumable upload in
+    100 MiB chunks) and the CRC32C that GCS checks at the end, as spotjob's uploads carry."""
+    from google.cloud import storage
+
+    client = storage.Client()
+    bucket = client.create_bucket(f"notice-floor-{int(time.time() * 1000) % 10**9}")
+    blob = bucket.blob("raw.bin")
+    t0 = time.monotonic()
+    blob.upload_from_filename(raw, checksum="crc32c")
+    up = time.monotonic() - t0
+    os.unlink(raw)
+    blob.delete()
+    client.close()
+    return up
 
 
 def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) -> dict[str, Any]:
@@ -324,7 +350,7 @@ def render(payload: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="0.1,1,4", help="state sizes in GB (default 0.1,1,4)")
-    p.add_argument("--backends", default="file,s3")
+    p.add_argument("--backends", default="file,s3,gs", help="comma-separated: file, s3, gs (default all three)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--scratch", default=None, help="folder on the disk to measure (default: a temp folder)")
     p.add_argument("--skip-check", action="store_true", help="skip the per-step flush check measurement")
@@ -332,7 +358,7 @@ def main() -> int:
         "--s3-max-gb",
         type=float,
         default=1.5,
-        help="skip S3 above this size: moto cannot hold multi-GB objects (default 1.5)",
+        help="skip S3 and GCS above this size: moto and fake-gcs-server hold objects in memory (default 1.5)",
     )
     args = p.parse_args()
     sizes = [float(s) for s in args.sizes.split(",") if s]
@@ -351,6 +377,14 @@ def main() -> int:
                                 args.s3_max_gb)  # fmt: skip
                             continue
                         payload["notice"].append(notice_to_commit("s3", size, args.repeat, scratch))
+            elif backend == "gs":
+                with fake_gcs_server():
+                    for size in sizes:
+                        if size > args.s3_max_gb:
+                            log("GCS at %.1f GB skipped (--s3-max-gb %.1f): fake-gcs-server holds objects in memory",
+                                size, args.s3_max_gb)  # fmt: skip
+                            continue
+                        payload["notice"].append(notice_to_commit("gs", size, args.repeat, scratch))
             else:
                 for size in sizes:
                     payload["notice"].append(notice_to_commit("file", size, args.repeat, scratch))
