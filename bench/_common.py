@@ -316,7 +316,12 @@ def fake_gcs_server() -> Iterator[str]:
     # The wrapper pipes the server's request log and never reads it: once the pipe fills, the
     # server blocks mid-request. Drain it.
     stderr = server._process.stderr
-    threading.Thread(target=lambda: [None for _ in iter(stderr.readline, b"")], daemon=True).start()
+
+    def drain() -> None:
+        for _ in iter(stderr.readline, b""):
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
     os.environ["GOOGLE_CLOUD_PROJECT"] = "bench"
     try:
         yield server.url

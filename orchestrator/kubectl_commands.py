@@ -1,12 +1,9 @@
-"""``kubectl spotjob checkpoints``, ``flush`` and ``events``.
+"""``kubectl spotjob checkpoints``, ``flush`` and ``events`` (what each does for the user:
+``orchestrator.kubectl_plugin``).
 
-- ``checkpoints NAME``: the checkpoints under the job's ``spec.checkpoint.uri``, read from
-  storage with the user's own cloud credentials and judged exactly as a restore would
-  (``agent.catalog``), newest first;
-- ``flush NAME``: asks the controller for a flush through the API (an annotation on the SpotJob),
-  so RBAC on ``patch spotjobs`` decides who may; ``--wait`` follows the job until the controller
-  records the outcome in ``status.lastFlushRequest``;
-- ``events NAME``: the job's Events, oldest first.
+``checkpoints`` reads storage with the user's own cloud credentials and judges each checkpoint as
+a restore would (``agent.catalog``); ``flush`` writes the request annotation and, with ``--wait``,
+follows ``status.lastFlushRequest``; ``events`` lists the job's Events.
 """
 
 from __future__ import annotations

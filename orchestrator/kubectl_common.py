@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from orchestrator.k8s.plugin_client import SpotJobClient, load_user_context
+from orchestrator.model import parse_timestamp
 
 PROG = "kubectl spotjob"
 EXIT_OK = 0
@@ -68,23 +69,13 @@ def human_duration(seconds: float) -> str:
     return f"{years}y{rest}d" if years < 8 and rest else f"{years}y"
 
 
-def parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
 def age(value: Any, now: datetime) -> str:
-    t = parse_time(value) if not isinstance(value, datetime) else value
+    t = parse_timestamp(value) if not isinstance(value, datetime) else value
     return human_duration((now - t).total_seconds()) if t is not None else "-"
 
 
 def age_seconds(value: Any, now: datetime) -> float | None:
-    t = parse_time(value)
+    t = parse_timestamp(value)
     return round((now - t).total_seconds(), 3) if t is not None else None
 
 

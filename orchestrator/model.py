@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -33,6 +33,18 @@ LOCAL_NAMESPACE = "local"
 """The namespace of every job in local mode (``spotjob run``): its identity is ``local/<name>``."""
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def parse_timestamp(value: Any) -> datetime | None:
+    """A Kubernetes or cloud timestamp (RFC 3339, ``Z`` or an offset) as an aware datetime; None for
+    anything else. A time without a zone is taken as UTC."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def job_name_problem(name: str) -> str | None:

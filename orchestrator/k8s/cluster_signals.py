@@ -50,6 +50,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from orchestrator.model import parse_timestamp
 from orchestrator.signals import Signal, SignalKind
 
 log = logging.getLogger(__name__)
@@ -133,16 +134,6 @@ def _name(obj: Object) -> str:
     return str((obj.get("metadata") or {}).get("name") or "")
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
 def node_ready(node: Object) -> str | None:
     """The node's Ready condition status: "True", "False", "Unknown", or None if it reports none."""
     for condition in (node.get("status") or {}).get("conditions") or []:
@@ -191,8 +182,8 @@ def read_interruption(raw: str) -> Interruption | None:
     return Interruption(
         kind=kind,
         source=str(notice.get("source") or "interruption-queue"),
-        deadline=_parse_time(notice.get("deadline")),
-        time=_parse_time(notice.get("time")),
+        deadline=parse_timestamp(notice.get("deadline")),
+        time=parse_timestamp(notice.get("time")),
         message_id=str(message) if message else None,
         detail=str(notice.get("detail") or ""),
     )

@@ -63,6 +63,7 @@ from orchestrator.k8s.cluster_signals import (
     severity,
 )
 from orchestrator.k8s.informer import Cache
+from orchestrator.model import parse_timestamp
 from orchestrator.signals import SignalKind
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
     event_id = event.get("id")
     if not isinstance(event_id, str) or not event_id:
         raise MessageRejected(Outcome.UNPARSABLE, f"{detail_type} for {instance} without an event id")
-    when = _parse_time(event.get("time"))
+    when = parse_timestamp(event.get("time"))
     if when is None:
         raise MessageRejected(
             Outcome.UNPARSABLE, f"{detail_type} for {instance}: time {event.get('time')!r} is not ISO 8601"
@@ -198,16 +199,6 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
     return InterruptionMessage(
         kind=kind, instance_id=instance, time=when, deadline=deadline, message_id=event_id, detail=text
     )
-
-
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def instance_id(node: Object) -> list[str]:

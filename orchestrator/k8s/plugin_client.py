@@ -49,6 +49,7 @@ from orchestrator.k8s.api import (
     resource_version,
 )
 from orchestrator.k8s.pods import JOB_LABEL
+from orchestrator.model import parse_timestamp
 
 __all__ = [
     "FLUSH_REQUEST_ANNOTATION",
@@ -221,16 +222,6 @@ class JobEvent:
     """``kind/name`` of the related object (e.g. the Node a notice came from), or ""."""
 
 
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
 def _related(ref: Any) -> str:
     if not isinstance(ref, dict) or not ref.get("name"):
         return ""
@@ -239,9 +230,9 @@ def _related(ref: Any) -> str:
 
 def _v1_event(e: Object) -> JobEvent:
     series = e.get("series") or {}
-    first = _time(e.get("eventTime")) or _time(e.get("deprecatedFirstTimestamp"))
-    first = first or _time((e.get("metadata") or {}).get("creationTimestamp"))
-    last = _time(series.get("lastObservedTime")) or _time(e.get("deprecatedLastTimestamp")) or first
+    first = parse_timestamp(e.get("eventTime")) or parse_timestamp(e.get("deprecatedFirstTimestamp"))
+    first = first or parse_timestamp((e.get("metadata") or {}).get("creationTimestamp"))
+    last = parse_timestamp(series.get("lastObservedTime")) or parse_timestamp(e.get("deprecatedLastTimestamp")) or first
     count = int(series.get("count") or e.get("deprecatedCount") or 1)
     reporter = "/".join(x for x in (e.get("reportingController"), e.get("reportingInstance")) if x)
     return JobEvent(
@@ -258,9 +249,9 @@ def _v1_event(e: Object) -> JobEvent:
 
 def _core_event(e: Object) -> JobEvent:
     series = e.get("series") or {}
-    first = _time(e.get("firstTimestamp")) or _time(e.get("eventTime"))
-    first = first or _time((e.get("metadata") or {}).get("creationTimestamp"))
-    last = _time(series.get("lastObservedTime")) or _time(e.get("lastTimestamp")) or first
+    first = parse_timestamp(e.get("firstTimestamp")) or parse_timestamp(e.get("eventTime"))
+    first = first or parse_timestamp((e.get("metadata") or {}).get("creationTimestamp"))
+    last = parse_timestamp(series.get("lastObservedTime")) or parse_timestamp(e.get("lastTimestamp")) or first
     count = int(series.get("count") or e.get("count") or 1)
     source = (e.get("source") or {}).get("component")
     reporter = "/".join(x for x in (e.get("reportingComponent") or source, e.get("reportingInstance")) if x)
