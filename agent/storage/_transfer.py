@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
@@ -103,23 +103,15 @@ class TransferSettings:
 
     @classmethod
     def from_env(cls) -> TransferSettings:
-        """Defaults, overridden by ``SPOTJOB_STORAGE_PART_SIZE``, ``SPOTJOB_STORAGE_UPLOAD_PART_SIZE``,
-        ``SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE``,
-        ``SPOTJOB_STORAGE_MULTIPART_THRESHOLD`` (bytes, or with a unit: 64MiB), ``SPOTJOB_STORAGE_CONCURRENCY``,
-        ``SPOTJOB_STORAGE_CONNECT_TIMEOUT_S`` and ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` (``agent.settings``)."""
+        """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
+        ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD`` (bytes, or with a unit:
+        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S`` and ``READ_TIMEOUT_S`` (``agent.settings``
+        checks each value)."""
         env = load(StorageEnv)
-        d = cls()
-        return cls(
-            part_size=int(env.part_size) if env.part_size is not None else d.part_size,
-            upload_part_size=int(env.upload_part_size) if env.upload_part_size is not None else d.upload_part_size,
-            upload_chunk_size=int(env.upload_chunk_size) if env.upload_chunk_size is not None else d.upload_chunk_size,
-            multipart_threshold=int(env.multipart_threshold)
-            if env.multipart_threshold is not None
-            else d.multipart_threshold,
-            concurrency=env.concurrency if env.concurrency is not None else d.concurrency,
-            connect_timeout_s=env.connect_timeout_s if env.connect_timeout_s is not None else d.connect_timeout_s,
-            read_timeout_s=env.read_timeout_s if env.read_timeout_s is not None else d.read_timeout_s,
-        )
+        defaults = cls()
+        given = {f.name: getattr(env, f.name) for f in fields(cls)}
+        # Each value as the type of its default: a ByteSize becomes a plain int.
+        return cls(**{k: type(getattr(defaults, k))(v) for k, v in given.items() if v is not None})
 
 
 def spans(size: int, part_size: int) -> list[tuple[int, int]]:
