@@ -7,8 +7,9 @@ does the compare-and-swap: 409 Conflict becomes ``ConflictError`` (the reconcile
 Two details keep the cache honest:
 
 - *write-through*: after a status write, the cache may still hold the version the write
-  replaced for a few milliseconds; ``get`` returns the written object until the cache moves past
-  that version, so the next pass does not fail its compare-and-swap on its own write;
+  replaced, or on a loaded node one a write before it replaced (two writes in a row, the watch
+  behind both); ``get`` returns the last written object until the cache moves past every version
+  our own writes replaced, so the next pass does not fail its compare-and-swap on its own write;
 - after a conflict, or when the cache does not have the job, the next ``get`` reads it fresh
   (GET), so a job the cache lags behind on is seen as the server has it, and a job deleted
   since is confirmed gone (404) rather than guessed.
@@ -46,8 +47,8 @@ class KubeJobStore(JobStore):
         self._client = client
         self._cache = cache
         self._lock = threading.Lock()
-        self._written: dict[JobKey, tuple[str, Object]] = {}
-        """key -> (the resourceVersion a write replaced, the object the write returned)."""
+        self._written: dict[JobKey, tuple[frozenset[str], Object]] = {}
+        """key -> (the resourceVersions our writes in a row replaced, the object the last returned)."""
         self._fresh: set[JobKey] = set()
         """Keys to read from the server on their next ``get`` (after a conflict)."""
 
@@ -87,7 +88,11 @@ class KubeJobStore(JobStore):
         written.setdefault("kind", SPOTJOBS.kind)
         written.setdefault("apiVersion", SPOTJOBS.api_version)
         with self._lock:
-            self._written[key] = (version, written)
+            before = self._written.get(key)
+            replaced = frozenset({version})
+            if before is not None and resource_version(before[1]) == version:
+                replaced |= before[0]  # a write on top of our own: the cache may lag behind both
+            self._written[key] = (replaced, written)
         return _stored(key, written)
 
     def keys(self) -> list[JobKey]:
@@ -115,8 +120,8 @@ class KubeJobStore(JobStore):
         if cached is not None:
             if written is not None:
                 replaced, obj = written
-                if resource_version(cached) == replaced:
-                    return obj  # the cache has not caught up with our own write yet
+                if resource_version(cached) in replaced:
+                    return obj  # the cache has not caught up with our own writes yet
                 with self._lock:
                     self._written.pop(key, None)
             return cached
