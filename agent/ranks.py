@@ -23,6 +23,7 @@ every rank, and this process exits once they have.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -46,10 +47,47 @@ def _say(message: str) -> None:
     print(f"spotjob-agent launcher: {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (``--standalone``: torchrun picks one the same way)."""
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_BELOW_EPHEMERAL = 16384
+"""How many ports under the kernel's ephemeral range ``free_port`` draws from."""
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for ``bind(0)`` and outgoing connections."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, and below the IANA range macOS uses (49152-65535)
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port for a rendezvous, free now and chosen where no one else is handed ports.
+
+    A port from ``bind(0)`` (what torchrun's ``--standalone`` does) is let go before the ranks
+    bind it, and in that gap the kernel may give the same port to any other process's outgoing
+    connection or ``bind(0)``: the ranks then cannot meet (seen on a busy test machine; the agent
+    exits 74 and the attempt is retried). Ports under the ephemeral range go only to whoever asks
+    for them by number, so one drawn at random there that binds now is still free when the ranks
+    start, short of another program picking the same number. Falls back to ``bind(0)``.
+    """
+    low = _ephemeral_low()
+    start = max(1024, low - _BELOW_EPHEMERAL)
+    for _ in range(64 if low > start else 0):
+        port = start + secrets.randbelow(low - start)
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

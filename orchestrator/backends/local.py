@@ -43,7 +43,6 @@ import math
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -79,6 +78,7 @@ from agent.control_channel import (
 )
 from agent.notices.emulators import ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID
+from agent.ranks import free_port
 from agent.torchrun import Launcher
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
 from orchestrator.backends.local_cloud import (
@@ -204,12 +204,6 @@ def _tool(name: str, module: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", module]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_token(path: str) -> str:
     """A fresh random bearer token in a file readable by its owner only; returns the token.
 
@@ -313,11 +307,11 @@ class LocalBackend:
                 # Only news wakes the controller: the reconciler calls this on every pass while
                 # an attempt starts, and waking it each time spun the driver at a full core.
                 return
-            # Chosen once the nodes exist: a new node's IMDS server binds an ephemeral port too, and
-            # a port chosen (and let go) before it could be handed to that server.
+            # Chosen once the nodes exist (a new node's IMDS server binds a port too), and under the
+            # ephemeral range, where no bind(0) or outgoing connection can be handed it meanwhile.
             port = self._ports.get((str(key), attempt))
             if port is None:
-                port = self._ports[(str(key), attempt)] = free_port()
+                port = self._ports[(str(key), attempt)] = free_port("127.0.0.1")
             for index, node in placed:
                 self._workers[worker_name(key, attempt, index)] = self._spawn(key, spec, attempt, index, node, port)
         self.changed.set()

@@ -205,11 +205,15 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     assert (status["phase"], status["reason"]) == ("Failed", "RestartBudgetExhausted")
     assert "all 1 restart(s) are used" in status["message"]
     assert (status["restarts"], status["preemptions"]) == (1, 0)
-    assert event_reasons(events_file).count("WorkerFailed") == 1
-    assert status["attempt"]["number"] == 1 and status["attempt"]["resumedFromStep"] in (5, 10)
-    assert [(h["attempt"], h["cause"], h["reason"]) for h in status["restartHistory"]] == [
-        (0, "Failure", "WorkerFailed")
-    ]
+    reasons = event_reasons(events_file)
+    assert reasons.count("WorkerFailed") == 1
+    # An attempt whose agent exits 74 (the infrastructure's fault, e.g. a rendezvous port another
+    # process took: seen once in CI on a loaded machine) is retried without spending the budget.
+    infra = reasons.count("WorkerInfraError")
+    assert status["attempt"]["number"] == 1 + infra and status["attempt"]["resumedFromStep"] in (5, 10)
+    history = [(h["cause"], h["reason"]) for h in status["restartHistory"]]
+    assert sorted(history) == sorted([("Failure", "WorkerFailed")] + [("Infrastructure", "WorkerInfraError")] * infra)
+    assert [h["attempt"] for h in status["restartHistory"]] == list(range(1 + infra))
 
     # The job's identity is local/crashing end to end: the controller claimed the URI and recorded
     # the attempts under it, and the agents' Checkpointers wrote their manifests as it.

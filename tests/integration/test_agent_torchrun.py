@@ -34,6 +34,7 @@ from agent.catalog import list_checkpoints
 from agent.control_channel import EXIT_INFRA_ERROR, EXIT_PREEMPTED, ControlDir
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+from agent.ranks import free_port
 from agent.storage import open_storage
 
 pytestmark = pytest.mark.slow
@@ -43,12 +44,6 @@ TRAIN = REPO / "examples" / "train.py"
 BIN = Path(sys.executable).parent
 STEPS = 120
 TOKEN = "torchrun-e2e-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(

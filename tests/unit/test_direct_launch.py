@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from agent import ranks
 from agent.exit_codes import command_exit_code
 from agent.launcher import parse_args
-from agent.ranks import Ranks, main, rank_env
+from agent.ranks import Ranks, free_port, main, rank_env
 from agent.torchrun import DirectLaunch, direct_launch
 
 BOUND_S = 60.0  # only stops a hung test; nothing here asserts how long anything took
@@ -251,3 +253,37 @@ class TestOption:
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert named in err and "torchrun, direct" in err
+
+
+def test_a_rendezvous_port_is_drawn_under_the_kernels_ephemeral_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bind(0) port is let go before the ranks bind it, and the kernel may hand it to any other
+    # process meanwhile (seen in CI: the ranks could not meet). Ports under the range are not.
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("40000\t50000\n")
+    monkeypatch.setattr(ranks, "_EPHEMERAL_RANGE", str(range_file))
+    for _ in range(20):
+        port = free_port("127.0.0.1")
+        assert 40000 - ranks._BELOW_EPHEMERAL <= port < 40000
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
+
+
+def test_a_taken_port_is_never_chosen_and_without_a_free_one_the_kernel_picks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        range_file = tmp_path / "ip_local_port_range"
+        range_file.write_text(f"{taken + 1} 60999")
+        monkeypatch.setattr(ranks, "_EPHEMERAL_RANGE", str(range_file))
+        monkeypatch.setattr(ranks, "_BELOW_EPHEMERAL", 1)  # the only port to draw is the taken one
+        port = free_port("127.0.0.1")
+        assert port != taken and 0 < port < 65536
+
+    range_file.write_text("not a range")  # unreadable: drawn under the range Linux has by default
+    monkeypatch.setattr(ranks, "_BELOW_EPHEMERAL", 16384)
+    assert 32768 - 16384 <= free_port("127.0.0.1") < 32768

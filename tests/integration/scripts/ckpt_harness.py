@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from agent.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = Path(__file__).resolve().parent
@@ -23,12 +24,6 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # Generous bounds for a loaded 2-core machine; they only stop a hung test, nothing asserts speed.
 RUN_TIMEOUT_S = 180.0
 MARKER_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def job_env(**extra: str) -> dict[str, str]:
