@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from local_run_support import NPROC, REPO, STEPS, TRAIN, clean_env, free_port, run, tool
+from local_run_support import NPROC, REPO, STEPS, TRAIN, clean_env, run, tool
+
+from agent.ranks import free_port
 
 
 @pytest.fixture(scope="session")

@@ -330,9 +330,9 @@ def test_the_rendezvous_port_is_chosen_once_the_nodes_metadata_servers_hold_thei
         bound_when_chosen: list[set[str]] = []
         real_free_port = local.free_port
 
-        def free_port() -> int:
+        def free_port(host: str = "") -> int:
             bound_when_chosen.append({n.imds.url for n in backend.nodes()})
-            return real_free_port()
+            return real_free_port(host)
 
         monkeypatch.setattr(local, "free_port", free_port)
         for attempt in (0, 1):

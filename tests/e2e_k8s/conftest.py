@@ -35,8 +35,9 @@ from e2e_support import (
     Controller,
     install_crd,
 )
-from local_run_support import REPO, clean_env, free_port, run, tool
+from local_run_support import REPO, clean_env, run, tool
 
+from agent.ranks import free_port
 from tests.k8s.cluster import TestCluster
 from tests.k8s.fixtures import cluster, k8s_cluster, namespace, test_apiserver_only
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from ctl_support import CONTROLLER_USER, TestApi, wait_for
 
+from agent.ranks import free_port
 from orchestrator.k8s.api import EVENTS, LEASES, PERMISSIONS, NotFound, Resource
 from orchestrator.k8s.leader import LeaderElector, LeaseTiming
 
@@ -95,12 +95,6 @@ def test_lease_timings_must_leave_the_leader_time_to_give_up_first() -> None:
 
 
 # -- real replicas
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Replica:
