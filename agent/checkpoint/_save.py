@@ -33,6 +33,53 @@ log = logging.getLogger("agent.checkpoint")  # one logger for the package, as be
 T = TypeVar("T")
 
 
+_in_flight: dict[int, _Save] = {}
+"""Background saves not yet done, by ``id``: the interpreter's exit waits for them."""
+_in_flight_lock = threading.Lock()
+_exit_hook = False
+
+
+def _wait_at_exit(save: _Save) -> None:
+    """Have the interpreter's exit wait for ``save`` before thread pools stop taking work.
+
+    When the main thread ends (a crash, or a script without ``close()``), Python first stops every
+    ``concurrent.futures`` pool from taking new work, then joins the save thread, which is not a
+    daemon: the save then failed at its next pool ("cannot schedule new futures after interpreter
+    shutdown") and a checkpoint already staged was lost. ``threading``'s exit hooks run in reverse
+    order of registration, so this one, registered after the pools', waits for the save first.
+    Without that hook (another Python), the exit behaves as before.
+    """
+    global _exit_hook
+    with _in_flight_lock:
+        _in_flight[id(save)] = save
+        if _exit_hook:
+            return
+        _exit_hook = True
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            return
+        import concurrent.futures.thread  # noqa: F401  # its hook registered first, so it runs last
+
+        try:
+            register(_finish_saves_in_flight)
+        except RuntimeError:  # the interpreter is already exiting
+            pass
+
+
+def _finish_saves_in_flight() -> None:
+    with _in_flight_lock:
+        saves = list(_in_flight.values())
+    for save in saves:
+        if not save.done.is_set():
+            log.info("the script ended with the save of step %d in flight: finishing it before exit", save.step)
+            save.done.wait()
+
+
+def _done_at_exit(save: _Save) -> None:
+    with _in_flight_lock:
+        _in_flight.pop(id(save), None)
+
+
 @dataclass
 class _Save:
     """One save in flight."""
@@ -240,6 +287,7 @@ class _Saving(_Voting):
         self._status.state = "saving" if self._status.state != "flushing" else "flushing"
         if background:
             save.thread = threading.Thread(target=self._finish_save, args=(save,), name="spotjob-save", daemon=False)
+            _wait_at_exit(save)
             save.thread.start()
         else:
             self._finish_save(save)
@@ -268,6 +316,7 @@ class _Saving(_Voting):
                 self._stager = None
                 release_buffers()
             save.done.set()
+            _done_at_exit(save)
 
     def _write_upload_commit(self, save: _Save) -> None:
         files: list[tuple[str, int, str]] = []

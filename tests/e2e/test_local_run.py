@@ -210,7 +210,9 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     # An attempt whose agent exits 74 (the infrastructure's fault, e.g. a rendezvous port another
     # process took: seen once in CI on a loaded machine) is retried without spending the budget.
     infra = reasons.count("WorkerInfraError")
-    assert status["attempt"]["number"] == 1 + infra and status["attempt"]["resumedFromStep"] in (5, 10)
+    # Step 10's save was committed before the crash at step 12, or was in flight and finished
+    # before the ranks exited: never lost for an older one.
+    assert status["attempt"]["number"] == 1 + infra and status["attempt"]["resumedFromStep"] == 10
     history = [(h["cause"], h["reason"]) for h in status["restartHistory"]]
     assert sorted(history) == sorted([("Failure", "WorkerFailed")] + [("Infrastructure", "WorkerInfraError")] * infra)
     assert [h["attempt"] for h in status["restartHistory"]] == list(range(1 + infra))

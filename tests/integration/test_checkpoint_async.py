@@ -267,3 +267,48 @@ def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, 
     with Checkpointer(str(tmp_path / "ckpt")) as again:
         assert again.restore(fresh) == 2
     assert_same(snapshot(fresh), saved, "the state staged into released buffers")
+
+
+EXIT_WITH_A_SAVE_IN_FLIGHT = """
+import sys, time, torch
+from agent import Checkpointer
+from agent.checkpoint import _save
+
+real_dcp_save = _save.dcp_save
+
+def dcp_save_later(*args, **kwargs):
+    time.sleep(1.0)  # the main thread is past its last line by now
+    return real_dcp_save(*args, **kwargs)
+
+_save.dcp_save = dcp_save_later
+ckpt = Checkpointer(sys.argv[1], every_steps=1)
+ckpt.step(1, {"model": torch.nn.Linear(2, 2)})
+if sys.argv[2] == "crash":
+    raise RuntimeError("the training loop crashed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["crash", "no-close"])
+def test_a_save_in_flight_when_the_script_ends_is_committed_before_the_process_exits(
+    tmp_path: Path, ending: str
+) -> None:
+    """Python refuses new thread-pool work once it starts to exit, before it joins the save thread:
+    the save in flight then failed ("cannot schedule new futures after interpreter shutdown", seen
+    in CI after a crash at step 12 with step 10's save writing) and the run resumed from an older
+    checkpoint. The save is waited for first, whether the script crashed or forgot close()."""
+    import subprocess
+
+    uri = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(uri), ending],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    if ending == "crash":
+        assert proc.returncode == 1 and "the training loop crashed" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+    assert "cannot schedule new futures" not in proc.stderr, proc.stderr
+    with Checkpointer(str(uri)) as again:
+        assert committed_steps(again) == [1], proc.stderr
