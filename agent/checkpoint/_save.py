@@ -47,7 +47,8 @@ def _wait_at_exit(save: _Save) -> None:
     daemon: the save then failed at its next pool ("cannot schedule new futures after interpreter
     shutdown") and a checkpoint already staged was lost. ``threading``'s exit hooks run in reverse
     order of registration, so this one, registered after the pools', waits for the save first.
-    Without that hook (another Python), the exit behaves as before.
+    Without that hook (another Python), the exit behaves as before. A forked child (a data-loader
+    worker) inherits the hook but not the save thread: it waits for nothing.
     """
     global _exit_hook
     with _in_flight_lock:
@@ -58,6 +59,7 @@ def _wait_at_exit(save: _Save) -> None:
         register = getattr(threading, "_register_atexit", None)
         if register is None:
             return
+        os.register_at_fork(after_in_child=_forget_in_child)
         import concurrent.futures.thread  # noqa: F401  # its hook registered first, so it runs last
 
         try:
@@ -70,9 +72,18 @@ def _finish_saves_in_flight() -> None:
     with _in_flight_lock:
         saves = list(_in_flight.values())
     for save in saves:
-        if not save.done.is_set():
-            log.info("the script ended with the save of step %d in flight: finishing it before exit", save.step)
-            save.done.wait()
+        if save.done.is_set() or save.thread is None:
+            continue
+        log.info("the script ended with the save of step %d in flight: finishing it before exit", save.step)
+        while not save.done.wait(0.5) and save.thread.is_alive():
+            pass
+
+
+def _forget_in_child() -> None:
+    """(a forked child) The saves are the parent's threads' to finish; the lock may have been held."""
+    global _in_flight_lock
+    _in_flight_lock = threading.Lock()
+    _in_flight.clear()
 
 
 def _done_at_exit(save: _Save) -> None:

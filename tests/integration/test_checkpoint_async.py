@@ -312,3 +312,46 @@ def test_a_save_in_flight_when_the_script_ends_is_committed_before_the_process_e
     assert "cannot schedule new futures" not in proc.stderr, proc.stderr
     with Checkpointer(str(uri)) as again:
         assert committed_steps(again) == [1], proc.stderr
+
+
+FORK_WITH_A_SAVE_IN_FLIGHT = """
+import multiprocessing, sys, time, torch
+from agent import Checkpointer
+from agent.checkpoint import _save
+
+real_dcp_save = _save.dcp_save
+
+def dcp_save_later(*args, **kwargs):
+    time.sleep(2.0)
+    return real_dcp_save(*args, **kwargs)
+
+def worker():
+    pass  # a data-loader worker, say: forked while the save writes, ends at once
+
+if __name__ == "__main__":
+    _save.dcp_save = dcp_save_later
+    ckpt = Checkpointer(sys.argv[1], every_steps=1)
+    ckpt.step(1, {"model": torch.nn.Linear(2, 2)})
+    child = multiprocessing.get_context("fork").Process(target=worker)
+    child.start()
+    child.join(60)  # only stops a hung child
+    if child.is_alive():
+        child.kill()
+        child.join()
+    print("child exit code", child.exitcode, flush=True)
+    ckpt.close()
+"""
+
+
+def test_a_process_forked_while_a_save_is_in_flight_does_not_wait_for_it_at_its_exit(tmp_path: Path) -> None:
+    """A forked child (a data-loader worker) inherits the exit hook but not the save thread: it
+    must not wait for a save that only its parent runs."""
+    import subprocess
+
+    script = tmp_path / "fork_during_save.py"
+    script.write_text(FORK_WITH_A_SAVE_IN_FLIGHT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=BOUND_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child exit code 0" in proc.stdout, (proc.stdout, proc.stderr)
