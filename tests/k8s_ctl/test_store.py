@@ -15,7 +15,7 @@ from orchestrator.k8s.api import SPOTJOBS
 from orchestrator.k8s.informer import Cache
 from orchestrator.k8s.store import KubeJobStore
 from orchestrator.model import JobKey, JobStatus, Phase
-from orchestrator.store import ConflictError, StoreError
+from orchestrator.store import ConflictError, StoredJob, StoreError
 
 CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 KEY = JobKey("default", "llama")
@@ -52,6 +52,17 @@ def cached(api: TestApi, cache: Cache, name: str = "llama") -> dict[str, Any]:
     obj.setdefault("apiVersion", "spotjob.dev/v1alpha1")
     cache._put(obj)
     return obj
+
+
+def served_job(api: TestApi) -> tuple[KubeJobStore, Cache, StoredJob]:
+    """The store, its cache holding the job "llama" as created, and the job as the store reads it."""
+    api.admin.create(SPOTJOBS, spotjob(), "default")
+    cache = Cache()
+    store = KubeJobStore(api.client(), cache)
+    cached(api, cache)
+    job = store.get(KEY)
+    assert job is not None
+    return store, cache, job
 
 
 def status_writes(api: TestApi, since: int = 0) -> list[dict[str, Any]]:
@@ -94,12 +105,7 @@ def test_a_cache_two_own_writes_behind_is_not_mistaken_for_a_conflict(api: TestA
     # Seen in CI on a loaded machine: two status writes in a row, the watch behind both. The cache
     # still holds the version the first write replaced; the next pass must get the last written
     # object from the store, not the stale one (a 409, then a GET to recover).
-    api.admin.create(SPOTJOBS, spotjob(), "default")
-    cache = Cache()
-    store = KubeJobStore(api.client(), cache)
-    cached(api, cache)
-    job = store.get(KEY)
-    assert job is not None
+    store, cache, job = served_job(api)
     first = store.update_status(KEY, JobStatus(phase=Phase.RUNNING), version=job.version)
     second = store.update_status(KEY, JobStatus(phase=Phase.FLUSHING), version=first.version)
     mark = len(api.audit())
@@ -117,12 +123,7 @@ def test_a_cache_two_own_writes_behind_is_not_mistaken_for_a_conflict(api: TestA
 
 
 def test_after_a_conflict_the_next_read_is_fresh_from_the_server(api: TestApi) -> None:
-    api.admin.create(SPOTJOBS, spotjob(), "default")
-    cache = Cache()
-    store = KubeJobStore(api.client(), cache)
-    cached(api, cache)
-    read = store.get(KEY)
-    assert read is not None
+    store, _, read = served_job(api)
     # Someone else (a user editing the spec) writes; the cache has not seen it.
     current = api.admin.get(SPOTJOBS, "llama", "default")
     current["spec"]["maxRestarts"] = 9
@@ -135,12 +136,7 @@ def test_after_a_conflict_the_next_read_is_fresh_from_the_server(api: TestApi) -
 
 
 def test_an_unchanged_status_is_not_written_again(api: TestApi) -> None:
-    api.admin.create(SPOTJOBS, spotjob(), "default")
-    cache = Cache()
-    store = KubeJobStore(api.client(), cache)
-    cached(api, cache)
-    job = store.get(KEY)
-    assert job is not None
+    store, _, job = served_job(api)
     status = JobStatus(phase=Phase.RUNNING, reason="WorkersRunning")
     written = store.update_status(KEY, status, version=job.version)
     mark = len(api.audit())
