@@ -108,7 +108,9 @@ class Storage(abc.ABC):
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
         """Create ``key`` only if it does not exist; raise ``AlreadyExistsError`` otherwise.
 
-        Atomic against concurrent writers: of two racing calls, exactly one succeeds.
+        Atomic against concurrent writers: of two racing calls, exactly one succeeds. A retry
+        after an attempt that failed ambiguously (it may have created the key: a lost reply, a
+        failed folder sync) reads the key back and succeeds when it holds exactly ``data``.
         """
 
     def put_files(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import errno
 import functools
+import logging
 import os
 import shutil
 import stat
@@ -36,6 +37,8 @@ from agent.storage.base import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _TMP_MARK = ".spotjob-tmp-"
 _ABSENT = (errno.ENOENT, errno.ENOTDIR)
@@ -173,18 +176,31 @@ class FileStorage(Storage):
         self._run(f"cannot write {self.url(key)}", key, put)
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
+        """Create-only: link a temp file to the final name, which fails if the name exists.
+
+        An attempt that fails once it has tried the link (the folder's sync failing, an NFS
+        reply lost) may have created the file. If a later attempt's link then finds the name
+        taken, the file is read back: holding exactly ``data``, it is our own earlier write and
+        the call succeeds, as in ``S3Storage``; anything else is ``AlreadyExistsError``.
+        """
         dest = self._path(key)
+        linked = False  # some attempt got as far as the link, so the file may be ours
 
         def put() -> None:
+            nonlocal linked
+            ours_maybe = linked
             self._makedirs(os.path.dirname(dest))
             tmp = self._write_tmp(dest, data)
             try:
+                linked = True
                 os.link(tmp, dest)  # fails with EEXIST if the name exists: the create-only commit
             except FileExistsError:
-                raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+                if not (ours_maybe and _holds(dest, data)):
+                    raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+                log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
             finally:
                 os.unlink(tmp)
-            _fsync_dir(os.path.dirname(dest))
+            _fsync_dir(os.path.dirname(dest))  # also when an earlier attempt linked it: its sync failed
 
         self._run(f"cannot write {self.url(key)}", key, put)
 
@@ -346,6 +362,17 @@ class FileStorage(Storage):
         # Remove the emptied folders too (and any temp files a killed writer left behind).
         folder = self._path(prefix.rstrip("/"))
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """After an ambiguous create-only failure: is the file there with exactly our bytes?"""
+    try:
+        with open(path, "rb") as f:
+            return f.read() == data
+    except OSError as e:
+        if e.errno in (*_ABSENT, errno.EISDIR):
+            return False
+        raise
 
 
 def _unlink_absent_ok(path: str) -> None:

@@ -7,6 +7,7 @@ server and proves what is retried, what is not, and that every retry is logged.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -559,6 +560,60 @@ class TestFaults:
         assert throttled.served == 2
         assert faulty.store.stat("step-1/nothing") is None
         assert len(retry_lines(caplog)) == 2
+
+
+@pytest.mark.usefixtures("fast_retries")
+def test_a_file_commit_whose_folder_sync_failed_once_is_not_mistaken_for_someone_elses(
+    tmp_path: Path, make_storage: Callable[[str], Storage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file store's lost last answer: the link landed, the folder's sync (an NFS reply) failed,
+    and the retry's link finds the name taken by our own write."""
+    from agent.storage import file as file_backend
+
+    store = make_storage(f"file://{tmp_path / 'ckpt'}")
+    sync = file_backend._fsync_dir
+    failed = []
+
+    def sync_failing_once(path: str) -> None:
+        if not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error", path)
+        sync(path)
+
+    monkeypatch.setattr(file_backend, "_fsync_dir", sync_failing_once)
+
+    store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1}')
+
+    assert failed
+    assert store.get_bytes("step-1/MANIFEST.json") == b'{"step": 1}'
+    assert leftovers(tmp_path / "ckpt" / "step-1") == ["MANIFEST.json"]
+    with pytest.raises(AlreadyExistsError):
+        store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1, "other": true}')
+
+
+def test_a_file_commit_retried_after_a_failed_sync_still_refuses_someone_elses_bytes(
+    tmp_path: Path, make_storage: Callable[[str], Storage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading back is no licence to overwrite: when the name a retry finds holds other bytes (a
+    writer that got in between), the commit is still someone else's."""
+    from agent.storage import file as file_backend
+
+    monkeypatch.setenv("SPOTJOB_STORAGE_BASE_BACKOFF_S", "0")
+    store = make_storage(f"file://{tmp_path / 'ckpt'}")
+    sync = file_backend._fsync_dir
+
+    def sync_then_someone_else_wins(path: str) -> None:
+        monkeypatch.setattr(file_backend, "_fsync_dir", sync)
+        other = tmp_path / "other-writer"
+        other.write_bytes(b'{"step": 1, "other": true}')
+        os.replace(other, os.path.join(path, "MANIFEST.json"))
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(file_backend, "_fsync_dir", sync_then_someone_else_wins)
+
+    with pytest.raises(AlreadyExistsError):
+        store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1}')
+    assert store.get_bytes("step-1/MANIFEST.json") == b'{"step": 1, "other": true}'
 
 
 def _is_last_chunk(headers: Message) -> bool:
