@@ -61,6 +61,13 @@ class CheckpointerEnv(BaseSettings):
     direct_io: bool | None = Field(None, description="a boolean (1/0, true/false)")
 
 
+MAX_TIMEOUT_S = 86400.0
+"""The longest connect or read timeout a store accepts: a day without a byte is a dead connection."""
+
+MAX_BACKOFF_S = 3600.0
+"""The longest wait between two attempts of a storage operation."""
+
+
 class StorageEnv(BaseSettings):
     """Transfer and retry tuning for every store (``agent.storage``); unset fields keep the defaults
     of ``TransferSettings`` and of the retry policy."""
@@ -76,8 +83,19 @@ class StorageEnv(BaseSettings):
         None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)"
     )
     concurrency: int | None = Field(None, ge=1, description="a whole number >= 1")
-    connect_timeout_s: float | None = Field(None, gt=0, description="a positive number of seconds")
-    read_timeout_s: float | None = Field(None, gt=0, description="a positive number of seconds")
-    max_attempts: float | None = Field(None, ge=0, description="a number >= 0")
-    base_backoff_s: float | None = Field(None, ge=0, description="a number of seconds >= 0")
-    max_backoff_s: float | None = Field(None, ge=0, description="a number of seconds >= 0")
+    # Finite and bounded: an infinite timeout or backoff reaches the clients and time.sleep as a
+    # timestamp they cannot represent, failing every request (retried forever as a transient fault)
+    # instead of being refused here, where the message names the variable.
+    connect_timeout_s: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="a positive number of seconds up to 86400"
+    )
+    read_timeout_s: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="a positive number of seconds up to 86400"
+    )
+    max_attempts: int | None = Field(None, ge=0, description="a whole number >= 0")
+    base_backoff_s: float | None = Field(
+        None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"
+    )
+    max_backoff_s: float | None = Field(
+        None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"
+    )

@@ -47,7 +47,7 @@ def _policy(raw: tuple[str | None, ...]) -> tuple[int, float, float]:
     """(attempts, base backoff, cap) for these raw values of ``_POLICY_VARIABLES``: validated once
     per distinct setting, not on every storage operation."""
     env = load(StorageEnv)
-    attempts = DEFAULT_MAX_ATTEMPTS if env.max_attempts is None else max(1, int(env.max_attempts))
+    attempts = DEFAULT_MAX_ATTEMPTS if env.max_attempts is None else max(1, env.max_attempts)
     base = DEFAULT_BASE_BACKOFF_S if env.base_backoff_s is None else env.base_backoff_s
     cap = DEFAULT_MAX_BACKOFF_S if env.max_backoff_s is None else env.max_backoff_s
     return attempts, base, cap

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
-from agent.settings import StorageEnv, load
+from agent.settings import MAX_TIMEOUT_S, StorageEnv, load
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -98,8 +98,8 @@ class TransferSettings:
             raise ValueError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
+        if not (0 < self.connect_timeout_s <= MAX_TIMEOUT_S and 0 < self.read_timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeouts must be positive and at most {MAX_TIMEOUT_S:g} seconds")
 
     @classmethod
     def from_env(cls) -> TransferSettings:

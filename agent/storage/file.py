@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from agent.atomic_file import sync_folder, temp_name, write_atomic, write_temp
 from agent.crc32c import CHUNK, crc32c_bytes, to_hex
+from agent.settings import StorageEnv, load
 from agent.storage._errors import local_file, translate_os_error
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -53,6 +54,9 @@ class FileStorage(Storage):
     (``agent.storage._errors``): a root that is a regular file, permission denied, a full disk."""
 
     def __init__(self, root: str) -> None:
+        # The retry policy is read at the first transient fault, mid-save: refuse a malformed
+        # SPOTJOB_STORAGE_* now, by name, as the object stores do when they read their settings.
+        load(StorageEnv)
         self.root = os.path.abspath(root)
         self.uri = "file://" + self.root
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from pathlib import Path
 
 import botocore.exceptions
 import google_crc32c
@@ -14,7 +15,13 @@ import requests
 from google.api_core import exceptions as api_exceptions
 
 from agent.crc32c import crc32c_bytes, crc32c_combine, crc32c_concat
-from agent.storage import MissingBucketError, NotFoundError, PermanentStorageError, TransientStorageError
+from agent.storage import (
+    MissingBucketError,
+    NotFoundError,
+    PermanentStorageError,
+    TransientStorageError,
+    open_storage,
+)
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
 from agent.storage._retry import max_attempts, retry_transient
@@ -96,6 +103,39 @@ class TestSettings:
         monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "-1")
         with pytest.raises(ValueError, match="SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE"):
             TransferSettings.from_env()
+
+    @pytest.mark.parametrize(
+        ("variable", "value"),
+        [
+            ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "inf"),
+            ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "2.5"),
+            ("SPOTJOB_STORAGE_READ_TIMEOUT_S", "inf"),
+            ("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", "nan"),
+            ("SPOTJOB_STORAGE_READ_TIMEOUT_S", "1e12"),
+            ("SPOTJOB_STORAGE_BASE_BACKOFF_S", "nan"),
+            ("SPOTJOB_STORAGE_MAX_BACKOFF_S", "inf"),
+        ],
+    )
+    def test_numbers_a_client_cannot_use_are_refused_up_front(
+        self, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+    ) -> None:
+        """Not at the first retry (``int(inf)``) or on every request (a timeout past time_t),
+        where the failure names no variable and an infinite timeout retries forever."""
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=f"{variable}='{value}'"):
+            TransferSettings.from_env()
+        with pytest.raises(ValueError, match=variable):
+            max_attempts()
+
+    @pytest.mark.parametrize("variable", ["SPOTJOB_STORAGE_MAX_ATTEMPTS", "SPOTJOB_STORAGE_PART_SIZE"])
+    def test_a_file_store_refuses_nonsense_when_opened(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str
+    ) -> None:
+        """A folder has no transfer settings of its own but retries like every store: a malformed
+        value is refused when the store is opened, not at the first NFS hiccup mid-save."""
+        monkeypatch.setenv(variable, "lots")
+        with pytest.raises(ValueError, match=f"{variable}='lots'"):
+            open_storage(f"file://{tmp_path}")
 
 
 class TestRetryPolicy:
