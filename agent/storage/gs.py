@@ -1,8 +1,9 @@
 """Google Cloud Storage as a checkpoint store, through google-cloud-storage.
 
 Credentials: Application Default Credentials (workload identity, a service-account key, gcloud
-login). When ``STORAGE_EMULATOR_HOST`` is set (fake-gcs-server), the client talks to it with
-anonymous credentials and the project from ``GOOGLE_CLOUD_PROJECT`` (default "test").
+login). When ``STORAGE_EMULATOR_HOST`` is set (fake-gcs-server; a URL, ``http://host:port``), the
+client talks to it with anonymous credentials and the project from ``GOOGLE_CLOUD_PROJECT``
+(default "test").
 
 Retries: the library's own retries are off (``retry=None`` on every call); each request — one
 simple upload, one chunk of a resumable upload, one range of a download, one page of a listing,
@@ -147,6 +148,16 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         return TransientStorageError(f"{what}: {type(e).__name__}: {e}", key)
     if isinstance(e, auth_exceptions.GoogleAuthError):
         return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
+    if isinstance(e, requests.HTTPError):
+        status = int(getattr(e.response, "status_code", 0) or 0)
+        if status in _TRANSIENT_STATUS or status >= 500:
+            return TransientStorageError(f"{what}: HTTP {status}", key)
+        return PermanentStorageError(f"{what}: HTTP {status}", key)
+    if isinstance(e, requests.RequestException):
+        # What is left is the request itself being wrong (a URL without a scheme, a redirect
+        # loop, a bad header): sending it again fails the same way. (ContentDecodingError, a
+        # body garbled on the way, is a urllib3 HTTPError: transient, above.)
+        return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
     raise e
 
 
@@ -175,6 +186,17 @@ _TRANSLATED = (
 )
 
 
+def _emulator_host() -> str | None:
+    """``STORAGE_EMULATOR_HOST``, which google-cloud-storage uses as the endpoint URL as it is:
+    without a scheme every request would fail as a URL with no connection adapter."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if host and not host.lower().startswith(("http://", "https://")):
+        raise ValueError(
+            f"STORAGE_EMULATOR_HOST={host!r} needs a scheme: write it as a URL, e.g. http://{host.strip('/')}"
+        )
+    return host
+
+
 class GCSStorage(PrefixedKeys, Storage):
     """``gs://bucket/prefix``. Thread-safe: one client and one HTTP session per object."""
 
@@ -190,7 +212,7 @@ class GCSStorage(PrefixedKeys, Storage):
         credentials: Credentials
         session: requests.Session
         project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
-        if os.environ.get("STORAGE_EMULATOR_HOST"):
+        if _emulator_host():
             credentials = AnonymousCredentials()
             session = requests.Session()
             project = project or "test"

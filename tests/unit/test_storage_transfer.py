@@ -182,6 +182,12 @@ class TestRetryPolicy:
         assert calls == [1]
 
 
+def http_error(status: int) -> requests.HTTPError:
+    response = requests.Response()
+    response.status_code = status
+    return requests.HTTPError(f"{status}", response=response)
+
+
 def client_error(status: int, code: str) -> botocore.exceptions.ClientError:
     return botocore.exceptions.ClientError(
         {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
@@ -228,11 +234,30 @@ def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
         (api_exceptions.Unauthorized("who"), PermanentStorageError),
         (requests.ConnectionError("reset"), TransientStorageError),
         (requests.exceptions.ChunkedEncodingError("cut"), TransientStorageError),
+        (requests.exceptions.ContentDecodingError("garbled"), TransientStorageError),
+        (http_error(503), TransientStorageError),
+        (http_error(400), PermanentStorageError),
+        # The request itself is wrong: sending it again fails the same way.
+        (requests.exceptions.InvalidSchema("No connection adapters were found"), PermanentStorageError),
+        (requests.exceptions.MissingSchema("Invalid URL"), PermanentStorageError),
+        (requests.exceptions.TooManyRedirects("Exceeded 30 redirects"), PermanentStorageError),
+        (requests.exceptions.InvalidHeader("bad header"), PermanentStorageError),
     ],
 )
 def test_gcs_errors_are_classified_by_whether_retrying_can_help(error: Exception, kind: type[Exception]) -> None:
     classified = gs_backend._storage_error(error, "GET gs://b/k", "k")
     assert type(classified) is kind
+    assert classified.key == "k"
+
+
+def test_a_gcs_emulator_host_without_a_scheme_is_refused_when_the_store_opens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """google-cloud-storage takes the variable as the endpoint URL: without ``http://`` every
+    request would fail as a URL with no connection adapter, mid-save."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
+    with pytest.raises(ValueError, match=r"STORAGE_EMULATOR_HOST='127.0.0.1:4443'.*http://127.0.0.1:4443"):
+        open_storage("gs://b/run")
 
 
 def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
