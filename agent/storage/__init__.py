@@ -48,10 +48,19 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
 
     ``scheme`` is ``s3``, ``gs`` or ``file``; ``bucket`` is empty for ``file``; ``path`` is the
     prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
-    ``ValueError`` with what to write instead when the URI is not one spotjob knows.
+    ``ValueError`` with what to write instead when the URI is not one spotjob knows, or holds a
+    ``#`` or ``?``.
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    if "#" in uri or "?" in uri:
+        # A URL parser reads them as a fragment or a query and drops them, so s3://b/run#1 would
+        # silently be s3://b/run, another run's prefix. A plain path is refused too: spotjob spells
+        # it as a file:// URI again (a store's uri, the comparisons of two URIs).
+        raise ValueError(
+            f"{uri!r}: '#' and '?' are not supported in checkpoint URIs (a URI would drop what "
+            "follows them); choose a prefix or folder name without them"
+        )
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
     if scheme in ("s3", "gs"):

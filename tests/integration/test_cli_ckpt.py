@@ -496,6 +496,7 @@ def test_progress_bars_render_on_a_terminal(
     [
         ("ftp://host/ckpts", "unsupported checkpoint URI scheme 'ftp'"),
         ("s3:///ckpts", "names no bucket"),
+        ("s3://b/ckpts#1", "'#' and '?' are not supported in checkpoint URIs"),
         ("{tmp}/no-such-folder", "no such folder"),
         ("{tmp}", "no checkpoints under"),
     ],

@@ -1,0 +1,46 @@
+"""``parse_uri``: which store a checkpoint URI names, and the URIs it refuses. No servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.storage import open_storage, parse_uri
+
+
+@pytest.mark.parametrize(
+    ("uri", "parsed"),
+    [
+        ("s3://b/run/1", ("s3", "b", "run/1")),
+        ("gs://b/run/", ("gs", "b", "run")),
+        ("file:///data/ckpt", ("file", "", "/data/ckpt")),
+        ("file://localhost/data/ckpt", ("file", "", "/data/ckpt")),
+        ("/data/ckpt", ("file", "", "/data/ckpt")),
+        ("ckpt/run-1", ("file", "", "ckpt/run-1")),
+    ],
+)
+def test_a_uri_names_its_scheme_bucket_and_path(uri: str, parsed: tuple[str, str, str]) -> None:
+    assert parse_uri(uri) == parsed
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://b/run#1",
+        "s3://b/run?v=1",
+        "s3://b#1/run",
+        "gs://b/run#1",
+        "gs://b/run?versions=true",
+        "file:///data/ckpt#1",
+        "file:///data/ckpt?x",
+        "/data/ckpt#1",
+        "ckpt?",
+    ],
+)
+def test_a_hash_or_question_mark_is_refused_not_dropped(uri: str) -> None:
+    """A URL parser reads them as a fragment or a query and drops them: ``s3://b/run#1`` would
+    silently be ``s3://b/run``, another run's prefix."""
+    with pytest.raises(ValueError, match=r"'#' and '\?' are not supported in checkpoint URIs") as caught:
+        parse_uri(uri)
+    assert repr(uri) in str(caught.value)
+    with pytest.raises(ValueError, match="not supported in checkpoint URIs"):
+        open_storage(uri)
