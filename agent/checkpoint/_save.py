@@ -26,7 +26,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, StorageError, put_files
+from agent.storage import AlreadyExistsError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -140,7 +140,7 @@ class _Saving(_Voting):
         self._inflight = None
         if save.error is not None:
             kind = type(save.error) if isinstance(save.error, SaveFailedError) else SaveFailedError
-            error = kind(f"checkpoint of step {save.step} failed: {save.error}")
+            error = kind(f"checkpoint of step {save.step} in {self.storage.uri} failed: {save.error}")
             if isinstance(error, FencedSaveError):
                 self._fenced = error
             raise error from save.error
@@ -366,9 +366,11 @@ class _Saving(_Voting):
                 target = (naming.result(), None)
             except FencedError as e:
                 target = (None, str(e))
-            except (StorageError, OSError) as e:
+            except BaseException as e:  # any error at all: the other ranks wait in the broadcast below
                 if error is None:
-                    error, infra = f"rank 0: cannot prepare the checkpoint folder: {e}", _is_infrastructure(e)
+                    where = f"the folder of step {save.step} in {self.storage.uri}"
+                    error = f"rank 0: cannot prepare {where}: {type(e).__name__}: {e}"
+                    infra = _is_infrastructure(e)
         folder, fenced = self._broadcast(target, group=self._save_pg)
         if error is None and folder is not None:
             try:
@@ -393,8 +395,10 @@ class _Saving(_Voting):
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
-                except BaseException as e:
-                    outcome = (None, f"rank 0: commit failed: {e!r}", False, _is_infrastructure(e))
+                except BaseException as e:  # any error at all: the other ranks wait for the outcome
+                    where = self.storage.url(folder or "")
+                    why = f"rank 0: committing {where} failed: {type(e).__name__}: {e}"
+                    outcome = (None, why, False, _is_infrastructure(e))
         uri, failure, was_fenced, infra_failure = self._broadcast(outcome, group=self._save_pg)
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
