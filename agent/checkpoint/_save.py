@@ -495,6 +495,21 @@ class _Saving(_Voting):
             ) from None
         return self.storage.url(folder)
 
+    def _save_failed_here(self) -> bool:
+        save = self._inflight
+        return save is not None and save.done.is_set() and save.error is not None
+
+    def _raise_agreed_failure(self) -> None:
+        """(every rank, at the step the vote says some rank's background save failed) Raise it.
+
+        Each rank's save ends with the same outcome (the failure is gathered), but each save
+        thread finishes at its own moment; raising at the vote's step, not at each rank's next
+        call after its thread finished, keeps a rank from training on (or waiting in the next
+        collective) while its peer has stopped.
+        """
+        self.wait()  # this rank's save holds the same failure: raises it
+        raise SaveFailedError("a background save failed on another rank; nothing was committed for it")
+
     def _raise_if_failed(self) -> None:
         if self._fenced is not None:
             raise self._fenced

@@ -188,10 +188,13 @@ class Checkpointer(_Saving, _Restoring):
         """
         step = self._check_next_step(step, "step()")
         metadata = _check_metadata(metadata, "step()")
-        self._raise_if_failed()
+        if self._fenced is not None:
+            raise self._fenced
         if self._flushed:
             return True
         vote = self._read_vote(step)
+        if vote.save_failed:
+            self._raise_agreed_failure()
         if vote.flush:
             self._flush(step, state, metadata)
             return True
