@@ -49,7 +49,7 @@ class _Core:
     _last_saved_step: int | None
     _flushed: bool
     _stager: Any
-    _checked_rank_bytes: bool
+    _closed: bool
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None

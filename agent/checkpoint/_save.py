@@ -261,8 +261,6 @@ class _Saving(_Voting):
                 "rng": _rank_state.capture_rng(),
             }
         )
-        if not self._checked_rank_bytes:
-            self._check_rank_bytes(rank_bytes)
         local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
         os.makedirs(local_dir, exist_ok=True)
         save = _Save(
@@ -344,15 +342,15 @@ class _Saving(_Voting):
             threading.Thread(
                 target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
             ).start()
+        rank_file = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
                 written.update(save.writer.written)
-            name = _rank_state.rank_file_name(self.rank)
-            with ChecksummedFile(os.path.join(save.local_dir, name)) as f:
+            with ChecksummedFile(rank_file) as f:
                 f.write(save.rank_bytes)
-            written[name] = (f.crc, f.size)
+            written[os.path.basename(rank_file)] = (f.crc, f.size)
             if save.writer is not None and save.writer.durable:
                 # One wait for the disk, for every file of this rank, after the last is written.
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
@@ -360,6 +358,16 @@ class _Saving(_Voting):
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
             infra = _is_infrastructure(e)
+        if error is None:
+            # Every save, on every rank, off the training's path: a checkpoint whose per-rank state
+            # would not load is never committed. Its verdict rides on the save's one gather below.
+            try:
+                self._check_rank_file(rank_file, written[os.path.basename(rank_file)][1])
+            except SaveFailedError as e:
+                error = f"rank {self.rank}: {e}"
+            except BaseException as e:
+                error = f"rank {self.rank}: reading back {rank_file} failed: {e!r}"
+                infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
         if naming is not None:
             try:

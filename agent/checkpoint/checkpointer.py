@@ -144,7 +144,6 @@ class Checkpointer(_Saving, _Restoring):
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._status = RankStatus(state="starting", world_size=self.world_size, checkpoint_uri=self.storage.uri)
         self._status_written = 0.0
-        self._checked_rank_bytes = False
         self._closed = False
         self._warn_if_not_the_agents_uri()
         try:
