@@ -185,6 +185,7 @@ class Checkpointer(_Saving, _Restoring):
         one (checked through the per-step vote: a difference raises ``ValueError`` on every rank
         at the next call, and before any file of a save is written).
         """
+        self._check_open("step()")
         step = self._check_next_step(step, "step()")
         metadata = _check_metadata(metadata, "step()")
         if self._fenced is not None:
@@ -222,6 +223,7 @@ class Checkpointer(_Saving, _Restoring):
         Waits for a save still in flight first (at most one is in flight). ``step`` is a whole
         number not lower than the last step seen; ``metadata`` a dict of JSON values.
         """
+        self._check_open("save()")
         step = self._check_next_step(step, "save()")
         metadata = _check_metadata(metadata, "save()")
         self._start_save(step, state, metadata, trigger="save")
