@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,10 @@ class RefusedPickleError(ValueError):
 
 def refusal_reason(e: BaseException) -> str:
     """The useful part of torch's weights_only refusal, without its advice to turn the check off."""
+    # An allowed module's class: torch folds what it refused into its advice paragraph.
+    found = re.search(r"WeightsUnpickler error: (.+?)(?: Please use|$)", str(e), re.MULTILINE)
+    if found:
+        return found.group(1).strip()
     advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
     paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
     useful = [p for p in paragraphs if not p.startswith(advice)]

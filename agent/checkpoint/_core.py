@@ -49,7 +49,7 @@ class _Core:
     _last_saved_step: int | None
     _flushed: bool
     _stager: Any
-    _checked_rank_bytes: bool
+    _closed: bool
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
@@ -67,6 +67,15 @@ class _Core:
             except OSError as e:
                 log.debug("could not report the infrastructure error to the agent: %s", e)
         return error
+
+    def _check_open(self, call: str) -> None:
+        """(every rank, first thing in every collective call) ``close()`` released the process
+        groups: a call after it would wait on groups that are gone, or on the training's own."""
+        if self._closed:
+            raise RuntimeError(
+                f"{call}: the Checkpointer is closed; close() is the last call. Build a new "
+                "Checkpointer to save or restore again"
+            )
 
     def _check_fence(self) -> None:
         """(rank 0) Before every commit and every delete: this attempt may still write here."""

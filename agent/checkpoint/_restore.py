@@ -128,6 +128,7 @@ class _Restoring(_Voting):
 
         Nothing is deleted on any of these paths.
         """
+        self._check_open("restore()")
         self._check_state(state)
         self._drain_votes()
         url = self.storage.url

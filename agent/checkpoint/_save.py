@@ -26,7 +26,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, StorageError, put_files
+from agent.storage import AlreadyExistsError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -140,7 +140,7 @@ class _Saving(_Voting):
         self._inflight = None
         if save.error is not None:
             kind = type(save.error) if isinstance(save.error, SaveFailedError) else SaveFailedError
-            error = kind(f"checkpoint of step {save.step} failed: {save.error}")
+            error = kind(f"checkpoint of step {save.step} in {self.storage.uri} failed: {save.error}")
             if isinstance(error, FencedSaveError):
                 self._fenced = error
             raise error from save.error
@@ -261,8 +261,6 @@ class _Saving(_Voting):
                 "rng": _rank_state.capture_rng(),
             }
         )
-        if not self._checked_rank_bytes:
-            self._check_rank_bytes(rank_bytes)
         local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
         os.makedirs(local_dir, exist_ok=True)
         save = _Save(
@@ -344,15 +342,15 @@ class _Saving(_Voting):
             threading.Thread(
                 target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
             ).start()
+        rank_file = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
                 dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
                 written.update(save.writer.written)
-            name = _rank_state.rank_file_name(self.rank)
-            with ChecksummedFile(os.path.join(save.local_dir, name)) as f:
+            with ChecksummedFile(rank_file) as f:
                 f.write(save.rank_bytes)
-            written[name] = (f.crc, f.size)
+            written[os.path.basename(rank_file)] = (f.crc, f.size)
             if save.writer is not None and save.writer.durable:
                 # One wait for the disk, for every file of this rank, after the last is written.
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
@@ -360,15 +358,27 @@ class _Saving(_Voting):
         except BaseException as e:  # reported to every rank below, never swallowed
             error = f"rank {self.rank}: writing the shards failed: {e!r}"
             infra = _is_infrastructure(e)
+        if error is None:
+            # Every save, on every rank, off the training's path: a checkpoint whose per-rank state
+            # would not load is never committed. Its verdict rides on the save's one gather below.
+            try:
+                self._check_rank_file(rank_file, written[os.path.basename(rank_file)][1])
+            except SaveFailedError as e:
+                error = f"rank {self.rank}: {e}"
+            except BaseException as e:
+                error = f"rank {self.rank}: reading back {rank_file} failed: {e!r}"
+                infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
         if naming is not None:
             try:
                 target = (naming.result(), None)
             except FencedError as e:
                 target = (None, str(e))
-            except (StorageError, OSError) as e:
+            except BaseException as e:  # any error at all: the other ranks wait in the broadcast below
                 if error is None:
-                    error, infra = f"rank 0: cannot prepare the checkpoint folder: {e}", _is_infrastructure(e)
+                    where = f"the folder of step {save.step} in {self.storage.uri}"
+                    error = f"rank 0: cannot prepare {where}: {type(e).__name__}: {e}"
+                    infra = _is_infrastructure(e)
         folder, fenced = self._broadcast(target, group=self._save_pg)
         if error is None and folder is not None:
             try:
@@ -393,8 +403,10 @@ class _Saving(_Voting):
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
-                except BaseException as e:
-                    outcome = (None, f"rank 0: commit failed: {e!r}", False, _is_infrastructure(e))
+                except BaseException as e:  # any error at all: the other ranks wait for the outcome
+                    where = self.storage.url(folder or "")
+                    why = f"rank 0: committing {where} failed: {type(e).__name__}: {e}"
+                    outcome = (None, why, False, _is_infrastructure(e))
         uri, failure, was_fenced, infra_failure = self._broadcast(outcome, group=self._save_pg)
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
@@ -490,6 +502,21 @@ class _Saving(_Voting):
                 "is another job writing to the same URI?"
             ) from None
         return self.storage.url(folder)
+
+    def _save_failed_here(self) -> bool:
+        save = self._inflight
+        return save is not None and save.done.is_set() and save.error is not None
+
+    def _raise_agreed_failure(self) -> None:
+        """(every rank, at the step the vote says some rank's background save failed) Raise it.
+
+        Each rank's save ends with the same outcome (the failure is gathered), but each save
+        thread finishes at its own moment; raising at the vote's step, not at each rank's next
+        call after its thread finished, keeps a rank from training on (or waiting in the next
+        collective) while its peer has stopped.
+        """
+        self.wait()  # this rank's save holds the same failure: raises it
+        raise SaveFailedError("a background save failed on another rank; nothing was committed for it")
 
     def _raise_if_failed(self) -> None:
         if self._fenced is not None:

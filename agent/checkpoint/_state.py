@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from agent import _rank_state
 from agent.checkpoint._core import _Core
+from agent.checkpoint.errors import SaveFailedError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -68,12 +69,18 @@ class _State(_Core):
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
 
-    def _check_rank_bytes(self, data: bytes) -> None:
+    def _check_rank_file(self, path: str, size: int) -> None:
+        """(every rank, in the save's background thread, every save) The rank file as written
+        loads back the way restore loads it (``weights_only``); raises ``SaveFailedError`` naming
+        the problem. Its bytes come from the page cache: this costs no disk read."""
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != size:
+            raise SaveFailedError(f"{path} holds {len(data)} bytes after {size} were written")
         try:
             _rank_state.decode(data)
         except Exception as e:
-            raise TypeError(
-                "a state_dict() in the per-rank state holds something that cannot be restored safely "
-                f"(weights_only loading): {e}. Convert it to tensors and plain Python values."
+            raise SaveFailedError(
+                "the per-rank state cannot be restored: a state_dict() in it holds something that "
+                f"weights_only loading refuses: {e}. Convert it to tensors and plain Python values."
             ) from None
-        self._checked_rank_bytes = True

@@ -1,6 +1,6 @@
-"""The per-step vote: every rank acts on the same flags (flush, save early, every_seconds due) at
-the same step, read one step late so the loop never waits on the network; ranks that count steps
-differently are caught."""
+"""The per-step vote: every rank acts on the same flags (flush, save early, every_seconds due, a
+background save failed) at the same step, read one step late so the loop never waits on the
+network; ranks that count steps differently are caught."""
 
 from __future__ import annotations
 
@@ -25,13 +25,15 @@ class _Vote:
     flush: bool = False
     save_early: bool = False
     time_due: bool = False
+    save_failed: bool = False
+    """Some rank's background save is done and failed: every rank raises it at this step."""
     lowest_step: int | None = None
     highest_step: int | None = None
 
     @classmethod
     def reduced(cls, values: list[int]) -> _Vote:
-        flush, early, due, high, neg_low = values
-        return cls(bool(flush), bool(early), bool(due), -neg_low, high)
+        flush, early, due, failed, high, neg_low = values
+        return cls(bool(flush), bool(early), bool(due), bool(failed), -neg_low, high)
 
 
 class _Voting(_Retention):
@@ -46,7 +48,7 @@ class _Voting(_Retention):
         self._last_save_started = time.monotonic()
 
     def _local_flags(self) -> list[int]:
-        """[flush requested, save-early requested, every_seconds due]."""
+        """[flush requested, save-early requested, every_seconds due, this rank's save failed]."""
         flush = save_early = 0
         if self._control is not None:
             flush = int(self._control.flush_requested())
@@ -57,7 +59,14 @@ class _Voting(_Retention):
             self.config.every_seconds is not None
             and time.monotonic() - self._last_save_started >= self.config.every_seconds
         )
-        return [flush, save_early, time_due]
+        return [flush, save_early, time_due, int(self._save_failed_here())]
+
+    def _save_failed_here(self) -> bool:
+        """This rank's background save is done and failed (``_Saving`` knows its save).
+
+        The failure itself reaches every rank through the save's own gather; the vote only makes
+        every rank raise it at the same step, whenever each one's save thread finishes."""
+        raise NotImplementedError
 
     def _save_request_mtime(self) -> int | None:
         assert self._control is not None
@@ -103,7 +112,7 @@ class _Voting(_Retention):
         """
         if not self._dist or self.world_size == 1:
             return
-        buf = torch.tensor([0, 0, 0, step, -step], dtype=torch.int64)
+        buf = torch.tensor([0, 0, 0, 0, step, -step], dtype=torch.int64)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg)
         self._check_same_step(_Vote.reduced([int(v) for v in buf.tolist()]), "save")
 

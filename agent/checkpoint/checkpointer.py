@@ -144,7 +144,6 @@ class Checkpointer(_Saving, _Restoring):
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._status = RankStatus(state="starting", world_size=self.world_size, checkpoint_uri=self.storage.uri)
         self._status_written = 0.0
-        self._checked_rank_bytes = False
         self._closed = False
         self._warn_if_not_the_agents_uri()
         try:
@@ -186,12 +185,16 @@ class Checkpointer(_Saving, _Restoring):
         one (checked through the per-step vote: a difference raises ``ValueError`` on every rank
         at the next call, and before any file of a save is written).
         """
+        self._check_open("step()")
         step = self._check_next_step(step, "step()")
         metadata = _check_metadata(metadata, "step()")
-        self._raise_if_failed()
+        if self._fenced is not None:
+            raise self._fenced
         if self._flushed:
             return True
         vote = self._read_vote(step)
+        if vote.save_failed:
+            self._raise_agreed_failure()
         if vote.flush:
             self._flush(step, state, metadata)
             return True
@@ -220,6 +223,7 @@ class Checkpointer(_Saving, _Restoring):
         Waits for a save still in flight first (at most one is in flight). ``step`` is a whole
         number not lower than the last step seen; ``metadata`` a dict of JSON values.
         """
+        self._check_open("save()")
         step = self._check_next_step(step, "save()")
         metadata = _check_metadata(metadata, "save()")
         self._start_save(step, state, metadata, trigger="save")

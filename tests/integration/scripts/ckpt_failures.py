@@ -1,0 +1,205 @@
+"""Rank-side half of the save-failure tests; run under torchrun (2 ranks, gloo).
+
+    ckpt_failures.py commit-error --uri U --out O --where {naming,commit} --error {runtime,oserror}
+        rank 0's store raises an unexpected error (not a StorageError) while rank 0 names the
+        checkpoint folder or commits its manifest; every rank saves step 1, then closes
+    ckpt_failures.py async-one-rank --uri U --out O
+        every_steps=3; rank 1's upload of step 3 fails (its folder refuses the files); rank 0
+        trains slowly, so the ranks reach their next step() at different times
+    ckpt_failures.py unrestorable --uri U --out O --from-save N
+        rank 1's per-rank object holds something weights_only loading refuses from its N-th save on
+    ckpt_failures.py after-close --uri U --out O
+        step(), save() and restore() after close(), each on every rank
+
+Each rank writes what happened to ``O.rank<r>`` (``<ErrorClass> at step <s>: <message>``, or
+``no error``), then meets the others in a barrier on the default group (``BARRIER_TIMEOUT``), so
+the test sees what every rank raised, and a rank left behind fails the job instead of hanging
+it. ``async-one-rank`` then re-raises, so the job exits non-zero, as a script that lets the
+error end it does.
+
+Faults are injected by replacing methods on the Checkpointer's own Storage object (the seam every
+backend shares), on one rank only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from ckpt_state import make_state, train
+
+from agent.checkpoint import Checkpointer
+
+log = logging.getLogger("ckpt_failures")
+
+BARRIER_TIMEOUT = timedelta(seconds=90)
+"""The default group's timeout: bounds the final barrier, where a rank left behind shows."""
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def outcome(e: BaseException | None, step: int | None) -> str:
+    if e is None:
+        return "no error"
+    return f"{type(e).__name__} at step {step}: {e}"
+
+
+def commit_error(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None)
+    if rank == 0:
+        unexpected: Exception = (
+            RuntimeError("the storage client blew up")
+            if args.error == "runtime"
+            else OSError(errno.EIO, "Input/output error (injected)")
+        )
+
+        def broken(*a: Any, **kw: Any) -> Any:
+            raise unexpected
+
+        if args.where == "naming":
+            ckpt.storage.list_dirs = broken  # type: ignore[method-assign]
+        else:
+            ckpt.storage.put_bytes_if_absent = broken  # type: ignore[method-assign]
+    error: BaseException | None = None
+    try:
+        train(state, 1)
+        ckpt.save(1, state)  # returns once staged; the failure comes from the background
+        ckpt.close()
+    except Exception as e:
+        error = e
+    write(Path(f"{args.out}.rank{rank}"), outcome(error, 1))
+    # Both ranks must get here: a rank left hanging in the save's collectives never would.
+    dist.barrier()
+
+
+def async_one_rank(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    out = Path(f"{args.out}.rank{rank}")
+    ckpt = Checkpointer(args.uri, keep=None, every_steps=3)
+    if rank == 1:
+        put_file = ckpt.storage.put_file
+
+        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
+            if key.startswith("step-000000003/"):
+                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
+            put_file(local_path, key, **kw)
+
+        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+    step = 0
+    try:
+        with ckpt:
+            for step in range(1, 31):
+                train(state, 1, start=step - 1)
+                if rank == 0:
+                    time.sleep(0.1)  # the ranks call step() at different moments
+                ckpt.step(step, state)
+    except Exception as e:
+        write(out, outcome(e, step))
+        # Both ranks report before either exits (torchrun stops the others when one does); a rank
+        # still training on or waiting in the next vote never gets here, and the barrier times out.
+        dist.barrier()
+        raise
+    write(out, outcome(None, step))
+
+
+class Opaque:
+    """Not plain data: weights_only loading refuses to build it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class Progress:
+    """A per-rank object; on rank 1, from its ``bad_from``-th save on, its state holds an ``Opaque``."""
+
+    def __init__(self, rank: int, bad_from: int) -> None:
+        self.rank = rank
+        self.bad_from = bad_from
+        self.saves = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saves += 1
+        state: dict[str, Any] = OrderedDict(saves=self.saves)
+        if self.rank == 1 and self.saves >= self.bad_from:
+            state["extra"] = Opaque(self.saves)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saves = int(state["saves"])
+
+
+def unrestorable(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    state["progress"] = Progress(rank, args.from_save)
+    error: BaseException | None = None
+    step = 0
+    try:
+        with Checkpointer(args.uri, keep=None) as ckpt:
+            for step in (1, 2):
+                train(state, 1, start=step - 1)
+                ckpt.save(step, state)
+                ckpt.wait()
+    except Exception as e:
+        error = e
+    write(Path(f"{args.out}.rank{rank}"), outcome(error, step))
+    dist.barrier()
+
+
+def after_close(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None, every_steps=1)
+    ckpt.step(1, state)
+    ckpt.close()
+    lines = []
+    for call in ("step", "save", "restore"):
+        try:
+            if call == "step":
+                ckpt.step(2, state)
+            elif call == "save":
+                ckpt.save(2, state)
+            else:
+                ckpt.restore(state)
+            lines.append(f"{call}: no error")
+        except Exception as e:
+            lines.append(f"{call}: {type(e).__name__}: {e}")
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=["commit-error", "async-one-rank", "unrestorable", "after-close"])
+    p.add_argument("--uri", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--where", choices=["naming", "commit"], default="commit")
+    p.add_argument("--error", choices=["runtime", "oserror"], default="runtime")
+    p.add_argument("--from-save", type=int, default=1)
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
+    modes = {
+        "commit-error": commit_error,
+        "async-one-rank": async_one_rank,
+        "unrestorable": unrestorable,
+        "after-close": after_close,
+    }
+    modes[args.command](args, rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Save failures reach every rank, at the same step, and commit nothing.
+
+Two real torchrun ranks (``scripts/ckpt_failures.py``): every bug pinned down here is one rank
+learning of a failure that its peer does not (a peer left hanging in the save's collectives, or
+training on while the other rank raised), which one process never shows.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.catalog import list_checkpoints
+from agent.manifest import MANIFEST_NAME
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+
+FAILURES = harness.SCRIPTS / "ckpt_failures.py"
+pytestmark = pytest.mark.slow
+
+
+def outcomes(out: Path) -> list[str]:
+    """What each rank reported; a rank that never reported fails the test with the others' word."""
+    seen = {}
+    for rank in (0, 1):
+        path = Path(f"{out}.rank{rank}")
+        seen[rank] = path.read_text() if path.exists() else None
+    missing = [r for r, text in seen.items() if text is None]
+    assert not missing, f"rank(s) {missing} never learned the outcome; the others said: {seen}"
+    return [text for text in seen.values() if text is not None]
+
+
+def committed_steps(uri: str) -> list[int]:
+    return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.committed)
+
+
+@pytest.mark.parametrize(
+    ("where", "error"), [("naming", "runtime"), ("naming", "oserror"), ("commit", "runtime"), ("commit", "oserror")]
+)
+def test_an_unexpected_error_on_rank_0_fails_the_save_on_every_rank_naming_the_checkpoint(
+    tmp_path: Path, where: str, error: str
+) -> None:
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "commit-error", "--uri", uri, "--out", str(out), "--where", where, "--error", error)
+    words = "blew up" if error == "runtime" else "Input/output error"
+    problems = []
+    for rank, text in enumerate(outcomes(out)):
+        if not text.startswith("SaveFailedError at step 1"):
+            problems.append(f"rank {rank} did not fail the save: {text}")
+        elif words not in text:
+            problems.append(f"rank {rank} was not told why: {text}")
+        # Which checkpoint failed, in words the user can look up: the URI, and the folder once named.
+        elif uri not in text or (where == "commit" and f"{uri}/step-000000001" not in text):
+            problems.append(f"rank {rank}: the error does not name the checkpoint: {text}")
+    assert not problems, "\n".join(problems)
+    assert committed_steps(uri) == []
+
+
+def test_a_background_save_that_fails_on_one_rank_is_raised_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    proc = harness.torchrun(2, FAILURES, "async-one-rank", "--uri", uri, "--out", str(out), check=False)
+    assert proc.returncode != 0, "the job went on after its save failed"
+    reported = outcomes(out)
+    steps = set()
+    for rank, text in enumerate(reported):
+        found = re.match(
+            rf"SaveFailedError at step (\d+): checkpoint of step 3 in file://{re.escape(uri)} failed", text
+        )
+        assert found, f"rank {rank}: {text}"
+        assert "Permission denied (injected)" in text, f"rank {rank} was not told why: {text}"
+        steps.add(int(found.group(1)))
+    assert len(steps) == 1, f"the ranks raised at different steps: {reported}"
+    assert steps.pop() <= 6, "the failure must be raised no later than the next save"
+    assert 3 not in committed_steps(uri)
+    assert not (tmp_path / "ckpt" / "step-000000003" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("from_save", [1, 2])
+def test_a_save_whose_per_rank_state_cannot_be_restored_fails_on_every_rank_and_commits_nothing(
+    tmp_path: Path, from_save: int
+) -> None:
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "unrestorable", "--uri", uri, "--out", str(out), "--from-save", str(from_save))
+    for rank, text in enumerate(outcomes(out)):
+        assert text.startswith(f"SaveFailedError at step {from_save}"), f"rank {rank}: {text}"
+        assert "rank 1" in text and "cannot be restored" in text, f"rank {rank}: {text}"
+        assert "__main__.Opaque" in text, f"rank {rank}: the error does not name the value: {text}"
+    assert committed_steps(uri) == list(range(1, from_save))
+
+
+def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -> None:
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "after-close", "--uri", uri, "--out", str(out))
+    for rank, text in enumerate(outcomes(out)):
+        for call in ("step", "save", "restore"):
+            assert f"{call}: RuntimeError: {call}(): the Checkpointer is closed" in text, f"rank {rank}: {text}"
+    assert committed_steps(uri) == [1]
