@@ -24,7 +24,8 @@ builds the objects):
   evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
   past the grace): its object may say Running for minutes, but no kubelet reports for it and no
   flush can reach it.
-- ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
+- ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes: the live and
+  the failed ones (a pod its node took down failed), never the succeeded ones.
 - ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
   IP, in the background (``orchestrator.k8s.agents``): pending, then accepted or failed.
 - A Pending pod the scheduler cannot place (``PodScheduled=False``, reason Unschedulable) is
@@ -207,8 +208,11 @@ class KubernetesBackend:
         return sorted(out, key=lambda w: (w.attempt, w.index))
 
     def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
-        live = [p for p in self._job_pods(key) if _alive(p)]
-        return self._signals.for_workers(live, lambda name: self._nodes.get("", name))
+        # A worker that failed is evidence too: a pod killed by its node going away (a taint, a
+        # DisruptionTarget, a notice on the node) was preempted, not failed by the user's code. A
+        # worker that succeeded finished its work: nothing about its node concerns the job.
+        watched = [p for p in self._job_pods(key) if _phase(p)[0] is not WorkerPhase.SUCCEEDED]
+        return self._signals.for_workers(watched, lambda name: self._nodes.get("", name))
 
     def request_flush(
         self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
