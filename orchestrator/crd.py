@@ -13,7 +13,8 @@ and model docstrings. The pod ``template`` is ``type: object`` with
 ``x-kubernetes-preserve-unknown-fields: true``: it is kept as written (the controller validates
 every pod it builds instead); it is not an ``x-kubernetes-embedded-resource``, because a
 PodTemplateSpec has no apiVersion and kind. Spec fields keep their scalar defaults (the API server
-fills them in); the status has none (the controller writes it whole).
+fills them in); the status has none (the controller writes it whole). Durations carry their
+``maximum`` (``model.MAX_DURATION_SECONDS``).
 
 The file's metadata holds only the name: the chart adds its labels and annotations after the
 top-level ``metadata:`` line. The first line says how the file was made.
