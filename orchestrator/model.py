@@ -663,6 +663,11 @@ class JobStatus(_Resource):
     )
     recovery: RecoveryStatus | None = Field(default=None, description="the recovery in progress, if any")
     avoid: list[Avoidance] = Field(default_factory=list, description="placements in cool-down")
+    checkpoint_uri: str | None = Field(
+        default=None,
+        description="the spec.checkpoint.uri the job's checkpoints live in, recorded on its first pass: the URI is "
+        "immutable, and a spec that names another makes the job Invalid",
+    )
     last_checkpoint: CheckpointInfo | None = Field(default=None, description="the newest valid checkpoint")
     lost_steps: int = Field(
         default=0,

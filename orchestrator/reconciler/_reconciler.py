@@ -145,13 +145,15 @@ class Reconciler(_Capacity):
         if before.phase.terminal:
             return self._stop_leftovers(key, stored, before)
 
-        problems = self._problems(key, stored)
+        problems = self._problems(key, stored, before)
         if problems is not None or stored.spec is None:
             p = _Pass(key, stored.spec or _PLACEHOLDER_SPEC, before.model_copy(deep=True), now, None, set())
             self._invalid(p, problems or stored.invalid or "the spec is invalid", stored.generation)
             return self._commit(p, stored, before, fresh, None, started)
 
         p = self._new_pass(key, stored.spec, before, now)
+        if p.status.checkpoint_uri is None:
+            p.status.checkpoint_uri = stored.spec.checkpoint.uri  # from now on, the job's store for good
         p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
         p.flush_request_problem = stored.flush_request_problem
         try:
@@ -258,7 +260,7 @@ class Reconciler(_Capacity):
             log.exception("job %s: forgetting its metrics failed", key)
 
     # -- validity ----------------------------------------------------------------------------
-    def _problems(self, key: JobKey, stored: StoredJob) -> str | None:
+    def _problems(self, key: JobKey, stored: StoredJob, status: JobStatus) -> str | None:
         """Why the job cannot run as stored (naming the fields), or None."""
         problems: list[str] = []
         name = job_name_problem(key.name)
@@ -267,6 +269,15 @@ class Reconciler(_Capacity):
         if stored.spec is None:
             problems.append(stored.invalid or "spec: does not validate")
         else:
+            recorded = status.checkpoint_uri
+            if recorded is not None and stored.spec.checkpoint.uri != recorded:
+                # The CRD's CEL rule refuses this change; an API server without CEL lets it through.
+                # Resuming from another store, or starting fresh there, would lose what was committed.
+                problems.append(
+                    f"spec.checkpoint.uri: changed from {recorded!r} to {stored.spec.checkpoint.uri!r}, but the "
+                    f"job's checkpoints are in {recorded!r} (status.checkpointUri) and the URI is immutable: set it "
+                    "back, or create a new SpotJob for the new location"
+                )
             try:
                 problems += self._backend.spec_problems(key, stored.spec)
                 if stored.spec.fallback is not None:

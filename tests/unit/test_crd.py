@@ -167,3 +167,10 @@ def test_every_duration_of_the_spec_has_a_maximum_of_a_year_in_the_crd() -> None
     for path in DURATIONS:
         assert numbers[path]["maximum"] == MAX_DURATION_SECONDS == 365 * 24 * 3600, path
 
+
+def test_the_checkpoint_uri_cannot_change_once_the_job_exists() -> None:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    uri = schema["properties"]["spec"]["properties"]["checkpoint"]["properties"]["uri"]
+    [rule] = uri["x-kubernetes-validations"]
+    assert rule["rule"] == "self == oldSelf" and "immutable" in rule["message"]
+
