@@ -100,6 +100,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
         "description": "why the job is in its phase",
     },
+    {
+        "name": "Not-Starting",
+        "type": "string",
+        "jsonPath": ".status.attempt.notStarting.reason",
+        "priority": 1,
+        "description": "why a worker of the attempt is not starting (ErrImagePull, Unschedulable, ...)",
+    },
 ]
 
 

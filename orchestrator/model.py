@@ -473,6 +473,18 @@ class WorkerStatus(_Resource):
     step: int | None = Field(default=None, description="the agent's training step (a hint)")
 
 
+class NotStarting(_Resource):
+    """A worker of the attempt that was placed or tried to be, and is not starting: the first one seen."""
+
+    worker: str = Field(description="the worker's name")
+    reason: str = Field(
+        description="the kubelet's or the scheduler's reason: ErrImagePull, ImagePullBackOff, "
+        "CreateContainerConfigError, Unschedulable, ..."
+    )
+    message: str = Field(default="", description="what it says, for people")
+    since: datetime = Field(description="when the reconciler first saw the attempt not starting")
+
+
 class AttemptStatus(_Resource):
     """One start of the gang. Workers are named after it, so starting it twice starts nothing new."""
 
@@ -484,6 +496,11 @@ class AttemptStatus(_Resource):
     first_step_at: datetime | None = Field(default=None, description="when firstStep was observed")
     observed_step: int | None = Field(default=None, description="highest step observed in this attempt")
     observed_step_at: datetime | None = Field(default=None, description="when observedStep was observed")
+    not_starting: NotStarting | None = Field(
+        default=None,
+        description="why a worker of the attempt is not starting (an image it cannot pull, no node for it), as "
+        "last seen; cleared once every worker runs. The WorkerNotStarting Event is emitted once per attempt",
+    )
 
     def step_rate(self) -> float | None:
         """Observed training steps per second of this attempt, or None until there are two observations."""

@@ -30,7 +30,9 @@ builds the objects):
   IP, in the background (``orchestrator.k8s.agents``): pending, then accepted or failed.
 - A Pending pod the scheduler cannot place (``PodScheduled=False``, reason Unschedulable) is
   observed with the scheduler's message (``WorkerObservation.unschedulable``): what the spec's
-  ``startTimeoutSeconds`` counts on.
+  ``startTimeoutSeconds`` counts on. A placed Pending pod with a container waiting for a reason it
+  will not get past alone (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...) is
+  observed with it (``WorkerObservation.not_starting``).
 
 Nothing here blocks on the network in a pass except the writes (pod creates and deletes).
 """
@@ -203,6 +205,7 @@ class KubernetesBackend:
                     exit_code=exit_code,
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
+                    not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
@@ -458,6 +461,35 @@ def _unschedulable(pod: Object) -> str | None:
             and condition.get("reason") == "Unschedulable"
         ):
             return str(condition.get("message") or "no node fits the pod")
+    return None
+
+
+_NOT_STARTING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+"""A container's waiting reasons that mean it will not start by itself (containerCreating and
+PodInitializing are a start in progress)."""
+
+
+def _not_starting(pod: Object) -> tuple[str, str] | None:
+    """The first container (init containers first) waiting for a reason it will not get past alone."""
+    status = pod.get("status") or {}
+    for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = str(waiting.get("reason") or "")
+        if reason in _NOT_STARTING:
+            message = str(waiting.get("message") or "")
+            where = f"container {container.get('name')}"
+            return reason, f"{where}: {message}" if message else where
     return None
 
 

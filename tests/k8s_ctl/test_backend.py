@@ -349,3 +349,28 @@ def test_a_failed_pod_carries_its_preemption_signal_and_a_succeeded_one_carries_
         (SignalKind.DISRUPTION_TARGET, "llama-0-0"),
     }
 
+
+def test_a_placed_pod_whose_image_cannot_be_pulled_is_a_worker_not_starting_and_one_creating_is_not(
+    world: World,
+) -> None:
+    pulling = pod(0, phase="Pending", ready=False, ip=None)
+    pulling["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling "x"'}}}
+    ]
+    creating = pod(1, phase="Pending", ready=False, ip=None, node_name="n2")
+    creating["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}
+    ]
+    bad_init = pod(2, phase="Pending", ready=False, ip=None, node_name="n3")
+    bad_init["status"]["initContainerStatuses"] = [
+        {"name": "fetch", "state": {"waiting": {"reason": "CreateContainerConfigError", "message": "no secret s"}}}
+    ]
+    world.add(pulling, creating, bad_init, node("n1"), node("n2"), node("n3"))
+
+    observed = {w.name: w.not_starting for w in world.backend.list_workers(KEY, spec())}
+
+    assert observed == {
+        "llama-0-0": ("ImagePullBackOff", 'container trainer: Back-off pulling "x"'),
+        "llama-0-1": None,
+        "llama-0-2": ("CreateContainerConfigError", "container fetch: no secret s"),
+    }

@@ -174,3 +174,11 @@ def test_the_checkpoint_uri_cannot_change_once_the_job_exists() -> None:
     [rule] = uri["x-kubernetes-validations"]
     assert rule["rule"] == "self == oldSelf" and "immutable" in rule["message"]
 
+
+def test_kubectl_get_wide_shows_why_a_worker_is_not_starting() -> None:
+    [version] = crd()["spec"]["versions"]
+    [column] = [c for c in version["additionalPrinterColumns"] if c["name"] == "Not-Starting"]
+    assert column["jsonPath"] == ".status.attempt.notStarting.reason" and column["priority"] == 1
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["attempt"]["properties"]["notStarting"]["properties"]["reason"]["type"] == "string"
+    assert status["checkpointUri"]["type"] == "string"
