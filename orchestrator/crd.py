@@ -13,7 +13,9 @@ and model docstrings. The pod ``template`` is ``type: object`` with
 ``x-kubernetes-preserve-unknown-fields: true``: it is kept as written (the controller validates
 every pod it builds instead); it is not an ``x-kubernetes-embedded-resource``, because a
 PodTemplateSpec has no apiVersion and kind. Spec fields keep their scalar defaults (the API server
-fills them in); the status has none (the controller writes it whole).
+fills them in); the status has none (the controller writes it whole). Durations carry their
+``maximum`` (``model.MAX_DURATION_SECONDS``); ``spec.checkpoint.uri`` carries a CEL transition rule
+that keeps it from changing.
 
 The file's metadata holds only the name: the chart adds its labels and annotations after the
 top-level ``metadata:`` line. The first line says how the file was made.
@@ -97,6 +99,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.reason",
         "priority": 1,
         "description": "why the job is in its phase",
+    },
+    {
+        "name": "Not-Starting",
+        "type": "string",
+        "jsonPath": ".status.attempt.notStarting.reason",
+        "priority": 1,
+        "description": "why a worker of the attempt is not starting (ErrImagePull, Unschedulable, ...)",
     },
 ]
 
@@ -200,6 +209,20 @@ def _conditions_as_map(status: dict[str, Any]) -> None:
     conditions["x-kubernetes-list-map-keys"] = ["type"]
 
 
+def _checkpoint_uri_immutable(spec: dict[str, Any]) -> None:
+    """A CEL transition rule: ``spec.checkpoint.uri`` cannot change once the job exists (its committed
+    checkpoints are there). The controller checks the same against ``status.checkpointUri`` on
+    clusters that do not evaluate CEL."""
+    uri = spec["properties"]["checkpoint"]["properties"]["uri"]
+    uri["x-kubernetes-validations"] = [
+        {
+            "rule": "self == oldSelf",
+            "message": "spec.checkpoint.uri is immutable: the job's checkpoints are committed there; create a new "
+            "SpotJob for another location",
+        }
+    ]
+
+
 def openapi_schema() -> dict[str, Any]:
     """The CRD version's ``openAPIV3Schema``."""
     raw = SpotJob.model_json_schema(by_alias=True, mode="validation")
@@ -208,6 +231,7 @@ def openapi_schema() -> dict[str, Any]:
     spec = converter.convert(raw["properties"]["spec"], defaults=True)
     status = converter.convert(raw["properties"]["status"], defaults=False)
     status.pop("nullable", None)
+    _checkpoint_uri_immutable(spec)
     _conditions_as_map(status)
     return {
         "type": "object",

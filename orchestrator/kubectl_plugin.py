@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
+MAX_WAIT_SECONDS = 7 * 24 * 3600
+"""The longest ``--timeout`` or ``--request-timeout`` (a week): longer is a typo, not a wait."""
 _NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt", "orchestrator.k8s.api")
 
 _EXIT_CODES = (
@@ -61,7 +64,8 @@ _EXIT_CODES = (
 
 
 def _duration(text: str) -> float:
-    """Seconds from ``90``, ``90s``, ``5m``, ``1h30m`` (kubectl's duration style)."""
+    """Seconds from ``90``, ``90s``, ``5m``, ``1h30m`` (kubectl's duration style): positive, finite and at
+    most ``MAX_WAIT_SECONDS`` (a week; ``inf``, ``nan`` or ``1e400`` would wait for ever or overflow)."""
     value = text.strip()
     try:
         seconds = float(value)
@@ -71,8 +75,14 @@ def _duration(text: str) -> float:
             raise argparse.ArgumentTypeError(f"{text!r} is not a duration: write e.g. 90, 90s, 5m or 1h30m") from None
         h, mins, s = (float(g) if g else 0.0 for g in m.groups())
         seconds = h * 3600 + mins * 60 + s
+    if not math.isfinite(seconds):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite duration: write e.g. 90, 90s, 5m or 1h30m")
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a timeout must be positive")
+    if seconds > MAX_WAIT_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than a week ({MAX_WAIT_SECONDS // 3600}h): write a shorter duration"
+        )
     return seconds
 
 

@@ -230,6 +230,10 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
         text += f", running for {age(running, now)}" if running else ""
         text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
         lines.append(("Attempt", text))
+        stuck = attempt.get("notStarting")
+        if isinstance(stuck, dict):
+            said = ": ".join(str(x) for x in (stuck.get("reason"), stuck.get("message")) if x)
+            lines.append(("Not starting", f"{stuck.get('worker')}, for {age(stuck.get('since'), now)}: {said}"))
     step = summary["trainingStep"]
     lines.append(("Step", "-" if step is None else f"{step} (the agents' last report)"))
     ckpt = status.get("lastCheckpoint")

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -33,6 +33,15 @@ LOCAL_NAMESPACE = "local"
 """The namespace of every job in local mode (``spotjob run``): its identity is ``local/<name>``."""
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+MAX_DURATION_SECONDS = 365 * 24 * 3600
+"""The longest duration a spec field takes (one year, in seconds). Longer is a typo or a unit
+mix-up, and a deadline that far off (or infinite) overflows the datetimes it is added to."""
+
+Duration = Annotated[float, Field(le=MAX_DURATION_SECONDS, allow_inf_nan=False)]
+"""Seconds, finite and at most ``MAX_DURATION_SECONDS``: the type of every duration of the spec
+(grace periods, timeouts, backoffs, intervals); each field adds its own lower bound. The CRD
+carries the same ``maximum``."""
 
 
 def parse_timestamp(value: Any) -> datetime | None:
@@ -112,7 +121,7 @@ class CheckpointSpec(_Resource):
         "for what is committed",
     )
     every_steps: int | None = Field(default=None, ge=1, description="save every N training steps")
-    every_seconds: float | None = Field(default=None, gt=0, description="save at least this often (wall time)")
+    every_seconds: Duration | None = Field(default=None, gt=0, description="save at least this often (wall time)")
     keep: int = Field(
         default=3, ge=1, description="committed checkpoints to keep; the newest valid one is never deleted"
     )
@@ -127,13 +136,13 @@ class BackoffSpec(_Resource):
     for nothing: it is no loop, and the next attempt goes to other capacity.
     """
 
-    initial_seconds: float = Field(
+    initial_seconds: Duration = Field(
         default=10.0,
         ge=0,
         description="wait before the first restart (none after a preemption that committed progress)",
     )
-    max_seconds: float = Field(default=300.0, ge=0, description="the cap on the wait")
-    reset_after_seconds: float = Field(
+    max_seconds: Duration = Field(default=300.0, ge=0, description="the cap on the wait")
+    reset_after_seconds: Duration = Field(
         default=600.0, ge=0, description="an attempt running this long resets the backoff to initialSeconds"
     )
 
@@ -154,7 +163,7 @@ class CooldownSpec(_Resource):
     avoid_instance_type: bool = Field(
         default=False, description="prefer other instance types than the preempted node's"
     )
-    seconds: float = Field(default=1800.0, ge=0, description="how long an avoidance lasts")
+    seconds: Duration = Field(default=1800.0, ge=0, description="how long an avoidance lasts")
 
 
 class FallbackSpec(_Resource):
@@ -172,7 +181,7 @@ class FallbackSpec(_Resource):
         description="merged into spec.template for the fallback's attempts: objects key by key (null removes a "
         "key), containers, initContainers and volumes by name, other lists replaced whole"
     )
-    return_after_seconds: float = Field(
+    return_after_seconds: Duration = Field(
         default=3600.0,
         gt=0,
         description="after running this long on the fallback without a preemption, the job's next attempt goes "
@@ -243,17 +252,17 @@ class JobSpec(_Resource):
     max_restarts: int = Field(
         default=3, ge=0, description="restarts after failures of the user's code; preemptions never consume it"
     )
-    flush_timeout_seconds: float = Field(
+    flush_timeout_seconds: Duration = Field(
         default=120.0, gt=0, description="how long to wait for a flush to commit before restarting from what is there"
     )
-    notice_seconds: float | None = Field(
+    notice_seconds: Duration | None = Field(
         default=None,
         gt=0,
         description="the notice the capacity gives (AWS: 120); the flush deadline when a signal carries none",
     )
     restart_backoff: BackoffSpec = Field(default_factory=BackoffSpec)
     cooldown: CooldownSpec = Field(default_factory=CooldownSpec)
-    start_timeout_seconds: float | None = Field(
+    start_timeout_seconds: Duration | None = Field(
         default=None,
         gt=0,
         description="how long an attempt's pods may stay unschedulable (no capacity) before the job says "
@@ -464,6 +473,18 @@ class WorkerStatus(_Resource):
     step: int | None = Field(default=None, description="the agent's training step (a hint)")
 
 
+class NotStarting(_Resource):
+    """A worker of the attempt that was placed or tried to be, and is not starting: the first one seen."""
+
+    worker: str = Field(description="the worker's name")
+    reason: str = Field(
+        description="the kubelet's or the scheduler's reason: ErrImagePull, ImagePullBackOff, "
+        "CreateContainerConfigError, Unschedulable, ..."
+    )
+    message: str = Field(default="", description="what it says, for people")
+    since: datetime = Field(description="when the reconciler first saw the attempt not starting")
+
+
 class AttemptStatus(_Resource):
     """One start of the gang. Workers are named after it, so starting it twice starts nothing new."""
 
@@ -475,6 +496,11 @@ class AttemptStatus(_Resource):
     first_step_at: datetime | None = Field(default=None, description="when firstStep was observed")
     observed_step: int | None = Field(default=None, description="highest step observed in this attempt")
     observed_step_at: datetime | None = Field(default=None, description="when observedStep was observed")
+    not_starting: NotStarting | None = Field(
+        default=None,
+        description="why a worker of the attempt is not starting (an image it cannot pull, no node for it), as "
+        "last seen; cleared once every worker runs. The WorkerNotStarting Event is emitted once per attempt",
+    )
 
     def step_rate(self) -> float | None:
         """Observed training steps per second of this attempt, or None until there are two observations."""
@@ -654,6 +680,11 @@ class JobStatus(_Resource):
     )
     recovery: RecoveryStatus | None = Field(default=None, description="the recovery in progress, if any")
     avoid: list[Avoidance] = Field(default_factory=list, description="placements in cool-down")
+    checkpoint_uri: str | None = Field(
+        default=None,
+        description="the spec.checkpoint.uri the job's checkpoints live in, recorded on its first pass: the URI is "
+        "immutable, and a spec that names another makes the job Invalid",
+    )
     last_checkpoint: CheckpointInfo | None = Field(default=None, description="the newest valid checkpoint")
     lost_steps: int = Field(
         default=0,

@@ -14,7 +14,15 @@ from pydantic import ValidationError
 from agent.storage import parse_uri
 from agent.torchrun import Launcher
 from orchestrator.backends.local import PreemptionPlan
-from orchestrator.model import MAX_NAME_LENGTH, BackoffSpec, CheckpointSpec, JobKey, JobSpec, job_name_problem
+from orchestrator.model import (
+    MAX_DURATION_SECONDS,
+    MAX_NAME_LENGTH,
+    BackoffSpec,
+    CheckpointSpec,
+    JobKey,
+    JobSpec,
+    job_name_problem,
+)
 from orchestrator.run_folder import RUNS_DIR
 
 PLOT_FORMATS = frozenset({"png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"})
@@ -133,15 +141,18 @@ def _at_least(option: str, value: int | None, low: int) -> str | None:
 
 
 def _positive(option: str, value: float | None) -> str | None:
-    if value is None or (math.isfinite(value) and value > 0):
+    if value is None or (math.isfinite(value) and 0 < value <= MAX_DURATION_SECONDS):
         return None
-    return f"{option} must be a positive number of seconds, got {value:g}"
+    return f"{option} must be a positive number of seconds, at most {_MAX_DURATION}, got {value:g}"
 
 
 def _not_negative(option: str, value: float) -> str | None:
-    if math.isfinite(value) and value >= 0:
+    if math.isfinite(value) and 0 <= value <= MAX_DURATION_SECONDS:
         return None
-    return f"{option} must be a number of seconds >= 0, got {value:g}"
+    return f"{option} must be a number of seconds >= 0, at most {_MAX_DURATION}, got {value:g}"
+
+
+_MAX_DURATION = f"{MAX_DURATION_SECONDS} (one year)"
 
 
 def name_problem(name: str) -> str | None:

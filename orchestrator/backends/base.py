@@ -121,6 +121,10 @@ class WorkerObservation:
     unschedulable: str | None = None
     """Why a Pending worker cannot be placed (no node has room, none matches its selector), in the
     scheduler's words; None while it is placed or placing. The start timeout counts on it."""
+    not_starting: tuple[str, str] | None = None
+    """Why a Pending worker's containers cannot start, as (reason, message) in the kubelet's words
+    (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...); None while it starts normally
+    or is not placed yet (``unschedulable`` says that)."""
     detail: str | None = None
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the

@@ -24,12 +24,15 @@ builds the objects):
   evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
   past the grace): its object may say Running for minutes, but no kubelet reports for it and no
   flush can reach it.
-- ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes.
+- ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes: the live and
+  the failed ones (a pod its node took down failed), never the succeeded ones.
 - ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
   IP, in the background (``orchestrator.k8s.agents``): pending, then accepted or failed.
 - A Pending pod the scheduler cannot place (``PodScheduled=False``, reason Unschedulable) is
   observed with the scheduler's message (``WorkerObservation.unschedulable``): what the spec's
-  ``startTimeoutSeconds`` counts on.
+  ``startTimeoutSeconds`` counts on. A placed Pending pod with a container waiting for a reason it
+  will not get past alone (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...) is
+  observed with it (``WorkerObservation.not_starting``).
 
 Nothing here blocks on the network in a pass except the writes (pod creates and deletes).
 """
@@ -202,13 +205,17 @@ class KubernetesBackend:
                     exit_code=exit_code,
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
+                    not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
 
     def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
-        live = [p for p in self._job_pods(key) if _alive(p)]
-        return self._signals.for_workers(live, lambda name: self._nodes.get("", name))
+        # A worker that failed is evidence too: a pod killed by its node going away (a taint, a
+        # DisruptionTarget, a notice on the node) was preempted, not failed by the user's code. A
+        # worker that succeeded finished its work: nothing about its node concerns the job.
+        watched = [p for p in self._job_pods(key) if _phase(p)[0] is not WorkerPhase.SUCCEEDED]
+        return self._signals.for_workers(watched, lambda name: self._nodes.get("", name))
 
     def request_flush(
         self, key: JobKey, spec: JobSpec, worker: WorkerObservation, reason: str, deadline: datetime | None
@@ -454,6 +461,35 @@ def _unschedulable(pod: Object) -> str | None:
             and condition.get("reason") == "Unschedulable"
         ):
             return str(condition.get("message") or "no node fits the pod")
+    return None
+
+
+_NOT_STARTING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+"""A container's waiting reasons that mean it will not start by itself (containerCreating and
+PodInitializing are a start in progress)."""
+
+
+def _not_starting(pod: Object) -> tuple[str, str] | None:
+    """The first container (init containers first) waiting for a reason it will not get past alone."""
+    status = pod.get("status") or {}
+    for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = str(waiting.get("reason") or "")
+        if reason in _NOT_STARTING:
+            message = str(waiting.get("message") or "")
+            where = f"container {container.get('name')}"
+            return reason, f"{where}: {message}" if message else where
     return None
 
 

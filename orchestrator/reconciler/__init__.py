@@ -20,8 +20,10 @@ written with the next change, or on their own at most every ``status_refresh_sec
 ``kubectl get sj`` stays current without a write per pass. ``observedGeneration`` is the spec
 generation the pass acted on.
 
-An invalid job — a stored spec that does not validate, a name too long for its pods' names, or a
-spec the backend says it cannot run (``Backend.spec_problems``) — gets ``Invalid=True`` naming
+An invalid job — a stored spec that does not validate, a name too long for its pods' names, a
+``spec.checkpoint.uri`` other than the ``status.checkpointUri`` its first pass recorded (the URI
+is immutable: its checkpoints are there), or a spec the backend says it cannot run
+(``Backend.spec_problems``) — gets ``Invalid=True`` naming
 the field and a Warning Event (``InvalidSpec``); nothing else happens to it (its workers, if any,
 are left as they are) until its spec changes, and every other job is served as usual.
 
@@ -29,6 +31,9 @@ Transitions (``*`` once the next attempt's workers were started)::
 
     from                        to            when                                            reason
     (new)                       Pending       storage answers; attempt 0 started              WorkersStarted
+    Pending, Rescheduling*      (same)        a worker does not start (an image it cannot     WorkerNotStarting
+                                              pull, no node): status.attempt.notStarting;     (Event, once
+                                              a Warning Event                                 per attempt)
     Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
     Running                     Succeeded     every worker exited 0                           Completed
     Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt SpotInterrupted

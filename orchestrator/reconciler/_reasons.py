@@ -21,6 +21,12 @@ class Reason:
 WORKERS_STARTED = Reason(
     "WorkersStarted", "started {replicas} worker(s) of attempt {attempt} from {resume}, avoiding {avoid}"
 )
+WORKER_NOT_STARTING = Reason(
+    "WorkerNotStarting",
+    "{worker} of attempt {attempt} is not starting: {reason}{detail} (told once per attempt; "
+    "status.attempt.notStarting follows it)",
+    warning=True,
+)
 WORKERS_RUNNING = Reason("WorkersRunning", "every worker of attempt {attempt} is running")
 COMPLETED = Reason("Completed", "every worker exited 0 (last step seen {step})")
 SPOT_INTERRUPTED = Reason("SpotInterrupted", "{signal}: flushing the gang and moving it")

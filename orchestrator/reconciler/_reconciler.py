@@ -28,7 +28,7 @@ from operator import methodcaller
 from agent.catalog import latest_valid
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
-from orchestrator.backends.base import Backend, BackendError
+from orchestrator.backends.base import Backend, BackendError, WorkerObservation
 from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
 from orchestrator.model import (
     Cause,
@@ -36,6 +36,7 @@ from orchestrator.model import (
     JobKey,
     JobSpec,
     JobStatus,
+    NotStarting,
     Phase,
     WorkerPhase,
     WorkerStatus,
@@ -71,6 +72,7 @@ from orchestrator.reconciler._reasons import (
     STORAGE_REFUSED_FAILED,
     STORAGE_UNREACHABLE,
     WORKER_INFRA_ERROR,
+    WORKER_NOT_STARTING,
     WORKERS_STARTED,
     Reason,
 )
@@ -145,13 +147,15 @@ class Reconciler(_Capacity):
         if before.phase.terminal:
             return self._stop_leftovers(key, stored, before)
 
-        problems = self._problems(key, stored)
+        problems = self._problems(key, stored, before)
         if problems is not None or stored.spec is None:
             p = _Pass(key, stored.spec or _PLACEHOLDER_SPEC, before.model_copy(deep=True), now, None, set())
             self._invalid(p, problems or stored.invalid or "the spec is invalid", stored.generation)
             return self._commit(p, stored, before, fresh, None, started)
 
         p = self._new_pass(key, stored.spec, before, now)
+        if p.status.checkpoint_uri is None:
+            p.status.checkpoint_uri = stored.spec.checkpoint.uri  # from now on, the job's store for good
         p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
         p.flush_request_problem = stored.flush_request_problem
         try:
@@ -258,7 +262,7 @@ class Reconciler(_Capacity):
             log.exception("job %s: forgetting its metrics failed", key)
 
     # -- validity ----------------------------------------------------------------------------
-    def _problems(self, key: JobKey, stored: StoredJob) -> str | None:
+    def _problems(self, key: JobKey, stored: StoredJob, status: JobStatus) -> str | None:
         """Why the job cannot run as stored (naming the fields), or None."""
         problems: list[str] = []
         name = job_name_problem(key.name)
@@ -267,6 +271,15 @@ class Reconciler(_Capacity):
         if stored.spec is None:
             problems.append(stored.invalid or "spec: does not validate")
         else:
+            recorded = status.checkpoint_uri
+            if recorded is not None and stored.spec.checkpoint.uri != recorded:
+                # The CRD's CEL rule refuses this change; an API server without CEL lets it through.
+                # Resuming from another store, or starting fresh there, would lose what was committed.
+                problems.append(
+                    f"spec.checkpoint.uri: changed from {recorded!r} to {stored.spec.checkpoint.uri!r}, but the "
+                    f"job's checkpoints are in {recorded!r} (status.checkpointUri) and the URI is immutable: set it "
+                    "back, or create a new SpotJob for the new location"
+                )
             try:
                 problems += self._backend.spec_problems(key, stored.spec)
                 if stored.spec.fallback is not None:
@@ -404,6 +417,7 @@ class Reconciler(_Capacity):
             if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
                 return None
+            self._note_not_starting(p, current)
             capacity_wait = self._check_capacity(p)
             if capacity_wait is None:
                 return None
@@ -442,9 +456,40 @@ class Reconciler(_Capacity):
         message = WORKERS_STARTED.message(
             replicas=spec.replicas, attempt=attempt.number, resume=p.resume_point(), avoid=placement.describe()
         )
+        if status.phase is Phase.PENDING:
+            self._set_phase(p, Phase.PENDING, WORKERS_STARTED.name, message)
         self._condition(p, READY, False, WORKERS_STARTED.name, message)
         self._event(p, WORKERS_STARTED, message=message)
         return self._options.starting_poll_seconds
+
+    def _note_not_starting(self, p: _Pass, current: list[WorkerObservation]) -> None:
+        """A worker of the started attempt that cannot start (an image it cannot pull, no node for it)
+        goes into ``status.attempt.notStarting``; the Warning Event is told once per attempt."""
+        attempt = p.status.attempt
+        for w in current:
+            if w.phase is not WorkerPhase.PENDING:
+                continue
+            why = w.not_starting or (("Unschedulable", w.unschedulable) if w.unschedulable else None)
+            if why is None:
+                continue
+            reason, message = why
+            before = attempt.not_starting
+            if before is not None and (before.worker, before.reason) == (w.name, reason):
+                return
+            attempt.not_starting = NotStarting(
+                worker=w.name, reason=reason, message=message, since=before.since if before else p.now
+            )
+            if before is None:
+                self._event(
+                    p,
+                    WORKER_NOT_STARTING,
+                    node=w.node,
+                    worker=w.name,
+                    attempt=attempt.number,
+                    reason=reason,
+                    detail=f": {message}" if message else "",
+                )
+            return
 
     def _record_attempt(self, p: _Pass) -> bool:
         """Record the attempt about to start, fenced at the newest valid checkpoint (see the module

@@ -453,6 +453,7 @@ class _Recovery(_FlushRequests):
         status = p.status
         self._close_recovery(p)
         status.attempt.running_at = p.now
+        status.attempt.not_starting = None
         if status.start_time is None:
             status.start_time = p.now
         if status.capacity is CapacityType.FALLBACK and status.fallback_since is None:

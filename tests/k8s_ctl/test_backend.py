@@ -330,3 +330,47 @@ def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_
     world.add(here)
     (signal,) = world.backend.signals(KEY, spec())
     assert (signal.kind, signal.node, signal.source) == (SignalKind.SPOT_INTERRUPTION, "n1", "aws-sqs")
+
+
+def test_a_failed_pod_carries_its_preemption_signal_and_a_succeeded_one_carries_none(world: World) -> None:
+    """A worker killed by its node going away fails: the taint or DisruptionTarget on it says it was a
+    preemption, not the user's code. A worker that finished has no signal to give."""
+    failed = pod(0, phase="Failed", exit_code=143, node_name="n1")
+    failed["status"]["conditions"].append(
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
+    )
+    done = pod(1, phase="Succeeded", exit_code=0, node_name="n2", ip="10.0.0.2")
+    tainted = [{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]
+    world.add(failed, done, node("n1", taints=tainted), node("n2", taints=tainted))
+    signals = world.backend.signals(KEY, spec())
+    assert {s.node for s in signals} == {"n1"}, "nothing about n2, where a worker finished"
+    assert {(s.kind, s.worker) for s in signals} == {
+        (SignalKind.SPOT_INTERRUPTION, None),
+        (SignalKind.DISRUPTION_TARGET, "llama-0-0"),
+    }
+
+
+def test_a_placed_pod_whose_image_cannot_be_pulled_is_a_worker_not_starting_and_one_creating_is_not(
+    world: World,
+) -> None:
+    pulling = pod(0, phase="Pending", ready=False, ip=None)
+    pulling["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling "x"'}}}
+    ]
+    creating = pod(1, phase="Pending", ready=False, ip=None, node_name="n2")
+    creating["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}
+    ]
+    bad_init = pod(2, phase="Pending", ready=False, ip=None, node_name="n3")
+    bad_init["status"]["initContainerStatuses"] = [
+        {"name": "fetch", "state": {"waiting": {"reason": "CreateContainerConfigError", "message": "no secret s"}}}
+    ]
+    world.add(pulling, creating, bad_init, node("n1"), node("n2"), node("n3"))
+
+    observed = {w.name: w.not_starting for w in world.backend.list_workers(KEY, spec())}
+
+    assert observed == {
+        "llama-0-0": ("ImagePullBackOff", 'container trainer: Back-off pulling "x"'),
+        "llama-0-1": None,
+        "llama-0-2": ("CreateContainerConfigError", "container fetch: no secret s"),
+    }

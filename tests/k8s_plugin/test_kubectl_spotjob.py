@@ -18,6 +18,7 @@ import pytest
 import yaml
 from plugin_support import (
     USER,
+    ago,
     answer_flush_requests,
     create_job,
     create_pod,
@@ -114,6 +115,30 @@ def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush
     assert pods["llama-1-0"] == ["llama-1-0", "1", "Running", "true", f"{namespace}-b", "us-east-1b", "-"]
     conditions = rows(out.split("Conditions:", 1)[1])
     assert conditions["Ready"][:3] == ["Ready", "True", "AttemptRunning"]
+
+
+def test_status_of_a_job_whose_worker_does_not_start_says_which_and_why(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "pull")
+    status = running_status(attempt=0)
+    status.update(phase="Pending", reason="WorkersStarted", message="started 1 worker(s) of attempt 0")
+    status["attempt"] = {
+        "number": 0,
+        "startedAt": ago(120),
+        "notStarting": {
+            "worker": "pull-0-0",
+            "reason": "ImagePullBackOff",
+            "message": 'container trainer: Back-off pulling image "train:typo"',
+            "since": ago(100),
+        },
+    }
+    set_status(cluster, namespace, "pull", status)
+
+    out = ok(kubectl_spotjob("status", "pull", "-n", namespace))
+
+    [line] = [line for line in out.splitlines() if line.startswith("Not starting:")]
+    assert re.search(r"pull-0-0, for 1\d\ds: ImagePullBackOff: container trainer: Back-off pulling image", line), line
 
 
 def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: str, kubectl_spotjob: Run) -> None:
@@ -531,6 +556,11 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
         (["status", "x", "-A"], "a NAME and -A/--all-namespaces do not go together"),
         (["flush", "x", "--timeout", "5"], "--timeout goes with --wait"),
         (["flush", "x", "--wait", "--timeout", "soon"], "'soon' is not a duration"),
+        (["flush", "x", "--wait", "--timeout", "inf"], "'inf' is not a finite duration"),
+        (["flush", "x", "--wait", "--timeout", "nan"], "'nan' is not a finite duration"),
+        (["flush", "x", "--wait", "--timeout", "1e400"], "'1e400' is not a finite duration"),
+        (["flush", "x", "--wait", "--timeout", "169h"], "'169h' is longer than a week (168h)"),
+        (["status", "--request-timeout", "inf"], "'inf' is not a finite duration"),
         (["status", "Bad_Name"], "is not a SpotJob name"),
         (["events"], "the following arguments are required: NAME"),
         (["status", "-o", "yaml"], "invalid choice: 'yaml'"),

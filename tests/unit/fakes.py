@@ -201,6 +201,9 @@ class FakeBackend:
     """(worker, request id) of each ``request_save`` call."""
     start_specs: list[JobSpec] = field(default_factory=list)
     """The spec of each ``start_workers`` call (the fallback's template merged in or not)."""
+    not_starting: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Workers (by name) placed but not starting, with the kubelet's (reason, message): an image
+    that cannot be pulled. They stay Pending while they are named here."""
 
     # -- the Backend protocol ----------------------------------------------------------------
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
@@ -275,6 +278,7 @@ class FakeBackend:
                     exit_code=w.exit_code,
                     step=self.step_of(w),
                     unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
+                    not_starting=self.not_starting.get(w.name) if w.phase is WorkerPhase.PENDING else None,
                 )
             )
         return out
@@ -362,6 +366,8 @@ class FakeBackend:
                 del self.workers[w.name]
                 continue
             if w.exit_code is not None or w.node is None:
+                continue
+            if w.name in self.not_starting:
                 continue
             if w.running_at is None and now >= w.created_at + timedelta(seconds=self.start_seconds):
                 w.running_at = w.created_at + timedelta(seconds=self.start_seconds)

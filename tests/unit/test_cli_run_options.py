@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from orchestrator.cli_run import checkpoint_uri_problem, describe_option_error, plot_problem
 from orchestrator.model import JobSpec
+from orchestrator.run_config import RunConfig
 
 
 def spec_error(**fields: object) -> ValidationError:
@@ -29,6 +30,8 @@ def spec_error(**fields: object) -> ValidationError:
         ({"maxRestarts": -1}, "--max-restarts must be greater than or equal to 0"),
         ({"flushTimeoutSeconds": 0}, "--flush-timeout must be greater than 0"),
         ({"restartBackoff": {"initialSeconds": 90, "maxSeconds": 60}}, "--restart-backoff: restartBackoff.maxSeconds"),
+        ({"flushTimeoutSeconds": 400 * 24 * 3600}, "--flush-timeout must be less than or equal to 31536000"),
+        ({"noticeSeconds": float("inf")}, "--notice must be a finite number"),
     ],
 )
 def test_a_spec_refusal_is_said_of_the_option_in_plain_words(fields: dict[str, object], said: str) -> None:
@@ -45,3 +48,51 @@ def test_checking_a_checkpoint_folder_or_a_plot_path_leaves_nothing_behind(tmp_p
     assert "regular file" in (checkpoint_uri_problem(str(tmp_path / "afile")) or "")
     assert "is a file" in (checkpoint_uri_problem(str(tmp_path / "afile" / "ckpt")) or "")
     assert [p.name for p in tmp_path.iterdir()] == ["afile"], "the probes are gone"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"flushTimeoutSeconds": float("inf")},
+        {"flushTimeoutSeconds": float("nan")},
+        {"noticeSeconds": 10**9},
+        {"startTimeoutSeconds": float("inf")},
+        {"checkpoint": {"uri": "/ckpt", "everySeconds": float("inf")}},
+        {"restartBackoff": {"initialSeconds": 1, "maxSeconds": float("inf")}},
+        {"restartBackoff": {"resetAfterSeconds": 1e12}},
+        {"cooldown": {"seconds": float("inf")}},
+        {
+            "template": {"spec": {"containers": [{"name": "t", "image": "i"}]}},
+            "startTimeoutSeconds": 60,
+            "fallback": {"template": {}, "returnAfterSeconds": float("inf")},
+        },
+    ],
+)
+def test_every_duration_of_the_spec_is_finite_and_at_most_a_year(fields: dict[str, object]) -> None:
+    spec_error(**fields)
+
+
+def test_a_year_is_still_a_duration() -> None:
+    spec = JobSpec.model_validate(
+        {"command": ["train.py"], "checkpoint": {"uri": "/ckpt"}, "flushTimeoutSeconds": 365 * 24 * 3600}
+    )
+    assert spec.flush_timeout_seconds == 365 * 24 * 3600
+
+
+@pytest.mark.parametrize(
+    ("option", "change"),
+    [
+        ("--flush-timeout", {"flush_timeout": float("inf")}),
+        ("--flush-timeout", {"flush_timeout": 1e9}),
+        ("--notice", {"notice": float("nan")}),
+        ("--every-seconds", {"every_seconds": 1e12}),
+        ("--restart-backoff", {"restart_backoff": float("inf")}),
+        ("--restart-backoff", {"restart_backoff": 4e7}),
+        ("--preempt-every", {"preempt_every": float("inf")}),
+    ],
+)
+def test_a_local_duration_that_is_not_finite_or_over_a_year_is_refused_naming_the_option(
+    option: str, change: dict[str, object]
+) -> None:
+    with pytest.raises(ValueError, match=f"^{option} must be .*at most 31536000 \\(one year\\)"):
+        RunConfig(script="/train.py", args=[], name="run", **change)  # type: ignore[arg-type]

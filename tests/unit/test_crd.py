@@ -14,7 +14,7 @@ import yaml
 
 from orchestrator import crd as crd_module
 from orchestrator.crd import CRD_PATH, crd, main, render
-from orchestrator.model import JobSpec
+from orchestrator.model import MAX_DURATION_SECONDS, JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,7 @@ def test_the_schema_is_structural_typed_everywhere_with_no_refs_and_described_fr
         "type": "number",
         "minimum": 0,
         "exclusiveMinimum": True,
+        "maximum": MAX_DURATION_SECONDS,
         "default": 120.0,
         "description": "",
     }
@@ -144,3 +145,40 @@ def test_a_union_the_schema_cannot_express_is_refused() -> None:
     converter = crd_module._Converter({})
     with pytest.raises(ValueError, match="union of 2 types"):
         converter.convert({"anyOf": [{"type": "string"}, {"type": "integer"}]}, defaults=False)
+
+
+DURATIONS = [
+    ".spec.checkpoint.everySeconds",
+    ".spec.flushTimeoutSeconds",
+    ".spec.noticeSeconds",
+    ".spec.restartBackoff.initialSeconds",
+    ".spec.restartBackoff.maxSeconds",
+    ".spec.restartBackoff.resetAfterSeconds",
+    ".spec.cooldown.seconds",
+    ".spec.startTimeoutSeconds",
+    ".spec.fallback.returnAfterSeconds",
+]
+
+
+def test_every_duration_of_the_spec_has_a_maximum_of_a_year_in_the_crd() -> None:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    numbers = {path: node for path, node in nodes(schema) if path.startswith(".spec.") and node.get("type") == "number"}
+    assert sorted(numbers) == sorted(DURATIONS), "a new number in the spec: is it a duration?"
+    for path in DURATIONS:
+        assert numbers[path]["maximum"] == MAX_DURATION_SECONDS == 365 * 24 * 3600, path
+
+
+def test_the_checkpoint_uri_cannot_change_once_the_job_exists() -> None:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    uri = schema["properties"]["spec"]["properties"]["checkpoint"]["properties"]["uri"]
+    [rule] = uri["x-kubernetes-validations"]
+    assert rule["rule"] == "self == oldSelf" and "immutable" in rule["message"]
+
+
+def test_kubectl_get_wide_shows_why_a_worker_is_not_starting() -> None:
+    [version] = crd()["spec"]["versions"]
+    [column] = [c for c in version["additionalPrinterColumns"] if c["name"] == "Not-Starting"]
+    assert column["jsonPath"] == ".status.attempt.notStarting.reason" and column["priority"] == 1
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["attempt"]["properties"]["notStarting"]["properties"]["reason"]["type"] == "string"
+    assert status["checkpointUri"]["type"] == "string"

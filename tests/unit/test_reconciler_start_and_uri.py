@@ -1,0 +1,87 @@
+"""Two guards of the reconciler, on the fake clock: a started attempt whose workers do not start
+says so once (``WorkerNotStarting``, ``status.attempt.notStarting``), and a job whose
+``spec.checkpoint.uri`` changed under it (a cluster that does not evaluate the CRD's CEL rule) is
+Invalid rather than resumed from, or started fresh in, another store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_reconciler import edit_document, make_world, phase_is, running_attempt
+
+from orchestrator.events import EventType
+from orchestrator.model import Phase
+from orchestrator.store import JsonFileJobStore
+
+PULL = ("ImagePullBackOff", 'Back-off pulling image "train:typo"')
+
+
+def test_a_pending_job_says_its_workers_started_and_once_per_attempt_why_one_does_not(tmp_path: Any) -> None:
+    w = make_world(tmp_path)
+    w.backend.not_starting["train-0-1"] = PULL
+
+    w.reconcile()
+    status = w.status
+    assert (status.phase, status.reason) == (Phase.PENDING, "WorkersStarted")
+    assert "started 2 worker(s) of attempt 0" in status.message
+
+    status = w.run_to(120)
+    assert status.phase is Phase.PENDING
+    stuck = status.attempt.not_starting
+    assert stuck is not None and (stuck.worker, stuck.reason) == ("train-0-1", "ImagePullBackOff")
+    assert "train:typo" in stuck.message
+    warnings = [e for e in w.events.emitted if e.reason == "WorkerNotStarting"]
+    assert len(warnings) == 1, "once per attempt, not once per pass"
+    assert warnings[0].type is EventType.WARNING and "ImagePullBackOff" in warnings[0].message
+
+    w.backend.not_starting["train-0-1"] = ("ErrImagePull", "manifest unknown")
+    status = w.run_to(200)
+    assert status.attempt.not_starting is not None and status.attempt.not_starting.reason == "ErrImagePull"
+    assert status.attempt.not_starting.since == stuck.since, "the same trouble, still"
+    assert w.event_reasons().count("WorkerNotStarting") == 1
+
+    del w.backend.not_starting["train-0-1"]  # the image was fixed (pushed)
+    status = w.run_until(running_attempt(0))
+    assert status.attempt.not_starting is None
+
+
+def test_the_next_attempt_that_does_not_start_says_so_again(tmp_path: Any) -> None:
+    w = make_world(tmp_path)
+    w.run_until(running_attempt(0))
+    w.backend.notice("n0")
+    w.run_until(phase_is(Phase.RESCHEDULING))
+    w.backend.not_starting["train-1-0"] = PULL
+    status = w.run_to(w.clock.at() + 120)
+    assert status.attempt.number == 1 and status.attempt.not_starting is not None
+    assert status.reason != "WorkersStarted", "a restart is Rescheduling, and says why"
+    assert w.event_reasons().count("WorkerNotStarting") == 1
+
+
+def test_a_checkpoint_uri_changed_under_the_job_makes_it_invalid_and_touches_neither_store(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    status = world.run_until(running_attempt(0))
+    assert status.checkpoint_uri == world.spec.checkpoint.uri
+    assert isinstance(world.store, JsonFileJobStore)
+    elsewhere = str(tmp_path / "elsewhere")
+    edit_document(world.store, world.key, lambda doc: doc["spec"]["checkpoint"].update(uri=elsewhere))
+
+    created = list(world.backend.created)
+    world.clock.sleep(10)
+    result = world.reconcile()
+
+    status = world.status
+    invalid = status.condition("Invalid")
+    assert invalid is not None and invalid.status == "True" and invalid.reason == "InvalidSpec"
+    assert "spec.checkpoint.uri: changed from" in invalid.message and elsewhere in invalid.message
+    assert "immutable" in invalid.message
+    assert status.checkpoint_uri == world.spec.checkpoint.uri, "the job's store is still the first one"
+    assert result.requeue_after is None and world.backend.created == created and world.backend.stop_calls == []
+    assert not (tmp_path / "elsewhere").exists(), "nothing claimed or started in the new store"
+    assert world.event_reasons()[-1] == "InvalidSpec"
+
+    # Set back: the job carries on where it was.
+    edit_document(world.store, world.key, lambda doc: doc["spec"]["checkpoint"].update(uri=world.spec.checkpoint.uri))
+    world.clock.sleep(10)
+    world.reconcile()
+    assert world.status.condition("Invalid").status == "False"  # type: ignore[union-attr]
+    assert world.status.phase is Phase.RUNNING
