@@ -107,6 +107,10 @@ class TestWhatIsLaunchedDirectly:
             (["python", "train.py"], "not torchrun"),
             (["torchrun", "--tee", "3", "train.py"], "--tee is torchrun's own"),
             (["torchrun", "--log-dir", "/l", "--redirects", "3", "t.py"], "--log-dir, --redirects are torchrun's own"),
+            # torchrun's short spellings (-r, -t) are its options too, with the value apart or attached.
+            (["torchrun", "-r", "3", "--nproc-per-node", "2", "train.py"], "--redirects is torchrun's own"),
+            (["torchrun", "-t=3", "train.py"], "--tee is torchrun's own"),
+            (["torchrun", "-r3", "train.py"], "--redirects is torchrun's own"),
             (["torchrun", "--nnodes", "1:4", "train.py"], "elastic range"),
             (["torchrun", "--max-restarts", "2", "train.py"], "restarts its ranks itself"),
             (["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "t.py"], "rendezvous is torchrun's"),

@@ -193,6 +193,9 @@ class TestOptions:
         assert torchrun_nproc(["python", "train.py", "--nproc-per-node", "2"]) is None
         assert torchrun_nproc(["python3", "-m", "torch.distributed.run", "--nproc-per-node", "3", "t.py"]) == 3
         assert torchrun_nproc(["torchrun", "t.py"], {"PET_NPROC_PER_NODE": "5"}) == 5
+        # A short option's attached value is no reason to take the script for it, nor to stop reading.
+        assert torchrun_nproc(["torchrun", "-r3", "--nproc-per-node", "2", "t.py"]) == 2
+        assert torchrun_nproc(["torchrun", "-t", "3", "--nproc-per-node=6", "t.py"]) == 6
 
 
 class TestRendezvous:
