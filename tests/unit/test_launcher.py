@@ -34,6 +34,7 @@ from agent.launcher import (
     torchrun_nproc,
 )
 from agent.notices import Cloud, NoticeCallback, NoticeSource
+from agent.notices.base import Notice, NoticeKind
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
@@ -255,6 +256,48 @@ class TestCheckpointUri:
         status = agent.status()
         assert status.rank_checkpoint_uri == "s3://bucket/jobs/b" and status.checkpoint_uri == "s3://bucket/jobs/a"
         assert len(status.problems) == 1 and "controller" in status.problems[0]
+
+
+def notice(deadline: float | None, source: str = "aws") -> Notice:
+    return Notice(source=source, kind=NoticeKind.PREEMPTION, deadline=deadline, detail="test")
+
+
+class TestKillTime:
+    """A later notice may only bring the kill time forward: the earliest one wins."""
+
+    def agent(self, tmp_path: Path) -> Agent:
+        config = AgentConfig(command=["x"], checkpoint_uri="file:///c", flush_timeout=600)
+        return Agent(config, ControlDir(str(tmp_path)), env={})
+
+    def test_a_sooner_deadline_brings_the_kill_time_forward_and_a_later_one_does_not(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        now = time.time()
+        agent.on_notice(notice(now + 100))
+        agent.on_notice(notice(now + 20, "gcp"))
+        agent.on_notice(notice(now + 50, "azure"))
+        assert agent._flush is not None
+        assert agent.status().deadline == now + 20
+        assert agent._flush.kill_at < time.monotonic() + 21
+
+    def test_a_notice_with_a_deadline_ends_the_wait_of_one_whose_deadline_had_passed(self, tmp_path: Path) -> None:
+        """The first notice came too late (flush now, bounded by --flush-timeout 600 s); a second
+        one with a deadline 20 s away sets the kill time: the node goes then, not in 600 s."""
+        agent = self.agent(tmp_path)
+        now = time.time()
+        agent.on_notice(notice(now - 5))
+        assert agent._flush is not None and agent._flush.kill_at > time.monotonic() + 500
+        agent.on_notice(notice(now + 20, "gcp"))
+        assert agent._flush.kill_at < time.monotonic() + 21
+        assert agent.status().deadline == now + 20
+        assert agent._flush.kill_reason == "the deadline passed"
+
+    def test_a_deadline_later_than_the_flush_timeout_leaves_the_kill_time(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        agent.on_notice(notice(None, "api"))
+        assert agent._flush is not None
+        kill_at, reason = agent._flush.kill_at, agent._flush.kill_reason
+        agent.on_notice(notice(time.time() + 3600))
+        assert (agent._flush.kill_at, agent._flush.kill_reason) == (kill_at, reason)
 
 
 class TestRanksConnect:
