@@ -452,16 +452,19 @@ class Agent(AgentRequests):
         return None
 
     def _expected_ranks(self) -> int | None:
+        """How many ``closed-rank-<r>`` marks make this node's job finished: ``--expected-ranks``,
+        else the local world size the ranks report, else torchrun's ``--nproc-per-node``; None
+        when nothing says (then no abort at exit is forgiven).
+
+        Never the world size: on a node of a multi-node job it counts the other nodes' ranks too,
+        whose marks are in their own control folders, and the job would never count as finished.
+        """
         if self.config.expected_ranks:
             return self.config.expected_ranks
-        nproc = torchrun_nproc(self.config.command, self.env)
-        if nproc:
-            return nproc
         rank = self.control.status()
-        if rank is not None and rank.world_size:
-            return rank.world_size
-        world = self.env.get("WORLD_SIZE", "")
-        return int(world) if world.isdigit() else None
+        if rank is not None and rank.local_world_size:
+            return rank.local_world_size
+        return torchrun_nproc(self.config.command, self.env)
 
     def _shutdown(self, tree: ProcessTree) -> None:
         with self._lock:

@@ -119,7 +119,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
     ck.add_argument("--staging-dir")
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
-    ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
+    ck.add_argument(
+        "--expected-ranks",
+        type=int,
+        help="ranks on this node (default: the local world size the ranks report, else torchrun's --nproc-per-node)",
+    )
     ck.add_argument(
         "--attempt", type=int, help=f"the attempt number the controller recorded for this start (sets {ENV_ATTEMPT})"
     )

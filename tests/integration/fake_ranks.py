@@ -59,7 +59,13 @@ def parse() -> argparse.Namespace:
 def launcher(args: argparse.Namespace) -> int:
     workers = []
     for rank in range(args.nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(args.nproc),
+            "LOCAL_WORLD_SIZE": str(args.nproc),
+        }
         workers.append(
             subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, start_new_session=True)
         )
@@ -101,7 +107,8 @@ def worker(args: argparse.Namespace) -> int:
     uri = os.environ.get(ENV_CHECKPOINT_URI, "file:///nowhere")
     if args.mode == "orphan" and rank == 0:
         start_orphan(args.pid_file)
-    status = RankStatus(state="training", world_size=world, last_save_seconds=0.1)
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    status = RankStatus(state="training", world_size=world, local_world_size=local_world, last_save_seconds=0.1)
     step = 0
     while True:
         step += 1

@@ -492,6 +492,29 @@ class TestAgentRun:
         }
         assert env["KEEP_ME"] == "1" and env["SPOTJOB_AGENT_ID"] == agent.agent_id
 
+    @pytest.mark.parametrize(("closed", "code"), [((2, 3), 0), ((2,), 134)])
+    def test_every_rank_closed_counts_the_ranks_of_this_node_the_ranks_report(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closed: tuple[int, ...], code: int
+    ) -> None:
+        """Node 1 of two, two ranks each, started by a wrapper script the agent cannot read: its
+        ranks 2 and 3 close and the interpreter aborts at exit. The global world size (4) would
+        wait for ranks that run on the other node; the local one the ranks report (2) is this node's."""
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        ctl = tmp_path / "ctl"
+        code_text = (
+            "import json, os, resource\n"
+            "folder = os.environ['SPOTJOB_CONTROL_DIR']\n"
+            "status = {'state': 'closed', 'world_size': 4, 'local_world_size': 2}\n"
+            "json.dump(status, open(os.path.join(folder, 'status.json'), 'w'))\n"
+            f"for rank in {closed!r}:\n"
+            "    open(os.path.join(folder, f'closed-rank-{rank}'), 'w').close()\n"
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+            "os.abort()\n"
+        )
+        config = AgentConfig(command=[sys.executable, "-c", code_text], checkpoint_uri=f"file://{tmp_path}/c")
+        agent = Agent(config, ControlDir(str(ctl)), env={})
+        assert agent.run() == code
+
     def test_the_command_exits_with_mains_code_after_flushing_what_was_written(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
