@@ -34,7 +34,8 @@ from agent.launcher import (
     torchrun_nproc,
 )
 from agent.notices import Cloud, NoticeCallback, NoticeSource
-from agent.notices.base import Notice, NoticeKind
+from agent.notices.base import Notice, NoticeKind, PollingNoticeSource
+from agent.launcher_sources import build_sources
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
@@ -152,6 +153,50 @@ class TestOptions:
         for bad in (["--poll-interval", "0.5"], ["--notices", "oracle"], ["--control-port", "70000"]):
             with pytest.raises(SystemExit):
                 parse_args(["--checkpoint-uri", "s3://b", *bad, "--", "x"], {})
+
+    @pytest.mark.parametrize(
+        ("argv", "env", "named"),
+        [
+            (["--aws-metadata-url", "ftp://169.254.169.254"], {}, "--aws-metadata-url"),
+            (["--gcp-metadata-url", "http://metadata:99999"], {}, "--gcp-metadata-url"),
+            ([], {"SPOTJOB_AZURE_METADATA_URL": "http://127.0.0.1:port"}, "SPOTJOB_AZURE_METADATA_URL"),
+            ([], {"SPOTJOB_AWS_METADATA_URL": "169.254.169.254"}, "SPOTJOB_AWS_METADATA_URL"),
+            ([], {"SPOTJOB_GCP_METADATA_URL": "http://127.0.0.1:0"}, "SPOTJOB_GCP_METADATA_URL"),
+        ],
+    )
+    def test_a_metadata_url_that_cannot_be_polled_exits_2_naming_where_it_came_from(
+        self, argv: list[str], env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", *argv, "--", "x"], env)
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert named in err and "http(s)://host[:port]" in err and "Traceback" not in err
+
+    @pytest.mark.parametrize("value", ["fast", "0", "-1", "inf", "nan", "1e308", "3600"])
+    def test_a_poll_interval_override_that_is_no_usable_number_of_seconds_exits_2_naming_it(
+        self, value: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--", "x"], {"SPOTJOB_AGENT_POLL_INTERVAL": value})
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert f"SPOTJOB_AGENT_POLL_INTERVAL={value!r}" in err and "unset it" in err
+
+    def test_the_poll_interval_override_reaches_the_sources(self) -> None:
+        env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--notices", "aws", "--", "x"], env)
+        assert config.poll_interval == 0.05
+        (source,) = build_sources(config, env)
+        assert isinstance(source, PollingNoticeSource) and source.interval == 0.05
+
+    @pytest.mark.parametrize("port", ["-1", "65536", "http", "8470.5"])
+    def test_a_control_port_that_is_no_port_exits_2_naming_it(
+        self, port: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--control-port", port, "--", "x"], {})
+        assert e.value.code == 2 and "--control-port" in capsys.readouterr().err
 
     @pytest.mark.parametrize(
         ("argv", "env"),
