@@ -23,7 +23,9 @@ flush has committed under torchrun, the loop ticks every 0.02 s, looking only at
 knows, and ends torchrun as soon as they are gone.
 
 Before starting a torchrun command, the rendezvous port this host must bind is checked
-(``agent.torchrun``): taken means exit 74 without starting anything.
+(``agent.torchrun``): taken means exit 74 without starting anything. So does a control-API port
+taken by another process; a ``--control-host`` that is no address of this machine (or a port it
+may not bind) exits 2, the code of every other bad option.
 
 Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
 else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error, or torchrun failed before
@@ -59,7 +61,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from agent.control_api import ENV_AGENT_TOKEN, ControlApi, load_token, safe
+from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
@@ -80,7 +82,7 @@ from agent.control_channel import (
 )
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
 from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
-from agent.exit_codes import command_exit_code, decide_exit_code
+from agent.exit_codes import EXIT_USAGE, command_exit_code, decide_exit_code
 from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
 from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
 from agent.launcher_cli import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL
@@ -123,8 +125,12 @@ class Agent(AgentRequests):
         previous_handlers = self._install_fallback_signals()
         try:
             self.control.reset()
-            self.api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
-            self.api.start()
+            api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
+            try:
+                api.start()
+            except ControlApiBindError as e:
+                return self._cannot_start(EXIT_USAGE if e.usage else EXIT_INFRA_ERROR, str(e))
+            self.api = api
             self._write_agent_file()
             for source in self.sources:
                 source.start(self.on_notice)
@@ -139,6 +145,13 @@ class Agent(AgentRequests):
             self._shutdown(tree)
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+
+    def _cannot_start(self, code: int, why: str) -> int:
+        """``code`` for a command that was never started, and why, in the log."""
+        log.error("exiting %d: %s", code, why)
+        with self._lock:
+            self._state = "exited"
+        return code
 
     def _start_command(self) -> subprocess.Popen[bytes] | int:
         """The running command, or the exit code for one that cannot start: the shell's 127/126,
@@ -544,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = load_token(config.token_file, env)
     except (OSError, ValueError) as e:
         log.error("cannot read the API token: %s", e)
-        return 2
+        return EXIT_USAGE
     own_dir = config.control_dir is None
     path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
     control = ControlDir(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -536,6 +537,44 @@ class TestAgentRun:
             "SPOTJOB_CONTROL_DIR": str(tmp_path / "ctl"),
         }
         assert env["KEEP_ME"] == "1" and env["SPOTJOB_AGENT_ID"] == agent.agent_id
+
+    def test_a_control_port_in_use_exits_74_naming_the_port_and_the_option_before_the_command_starts(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        started = tmp_path / "started"
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            config = AgentConfig(
+                command=[sys.executable, "-c", f"open({str(started)!r}, 'w')"],
+                checkpoint_uri="file:///c",
+                control_port=port,
+            )
+            agent = Agent(config, ControlDir(str(tmp_path / "ctl")), env={})
+            with caplog.at_level("ERROR"):
+                assert agent.run() == EXIT_INFRA_ERROR
+        assert not started.exists()
+        assert f"port {port}" in caplog.text and "in use" in caplog.text and "--control-port" in caplog.text
+        assert agent.status().state == "exited"
+
+    @pytest.mark.parametrize("host", ["203.0.113.7", "2001:db8::7"])
+    def test_a_control_host_that_is_no_address_of_this_machine_is_a_usage_error(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, host: str
+    ) -> None:
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        started = tmp_path / "started"
+        config = AgentConfig(
+            command=[sys.executable, "-c", f"open({str(started)!r}, 'w')"],
+            checkpoint_uri="file:///c",
+            control_host=host,
+        )
+        agent = Agent(config, ControlDir(str(tmp_path / "ctl")), token="t", env={})
+        with caplog.at_level("ERROR"):
+            assert agent.run() == 2
+        assert not started.exists()
+        assert host in caplog.text and "--control-host" in caplog.text
 
     @pytest.mark.parametrize(("closed", "code"), [((2, 3), 0), ((2,), 134)])
     def test_every_rank_closed_counts_the_ranks_of_this_node_the_ranks_report(
