@@ -268,13 +268,23 @@ class Agent(AgentRequests):
                 kill_at = flush.kill_at if flush is not None else None
                 kill_reason = flush.kill_reason if flush is not None else ""
             if returncode is not None:
-                # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill time.
+                # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill
+                # time, unless a stop (or a SIGTERM with signals not taken as notices) says otherwise.
                 if pending and kill_at is not None and now < kill_at and tree.refresh():
+                    halt = self._halt_reason()
+                    if halt is not None:
+                        with self._lock:
+                            self._state = "stopping"
+                            self._killed = True
+                        tree.stop_all(self.config.kill_grace, f"{halt}, the command gone, its ranks still flushing")
+                        return returncode
                     if not waiting_logged:
                         log.warning("the command exited (%d) while its ranks are still flushing: waiting", returncode)
                         waiting_logged = True
                     time.sleep(WATCH_TICK)
                     continue
+                with self._lock:
+                    self._returncode = returncode  # from now on a stop or a flush is answered 409: nothing runs
                 return returncode
             alone = self._torchrun_alone(child, tree)
             if alone:
@@ -283,13 +293,9 @@ class Agent(AgentRequests):
                 log.info("the ranks exited after the committed flush: ending %s (pid %d) now", self._runner, child.pid)
                 child.kill()  # not waited for yet: its pid is still its own
                 return child.wait()
-            if self._terminate_requested is not None:
-                kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
-                kill_at = now
-            with self._lock:
-                stop = self._stop
-            if stop is not None:
-                kill_reason, kill_at = f"stop requested: {stop.reason}", now
+            halt = self._halt_reason()
+            if halt is not None:
+                kill_reason, kill_at = halt, now
             if kill_at is not None and now >= kill_at:
                 with self._lock:
                     self._state = "stopping"
@@ -304,6 +310,17 @@ class Agent(AgentRequests):
                 return child.wait()
             # Between a committed flush and the ranks' exit, the restart waits on this loop noticing.
             time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
+
+    def _halt_reason(self) -> str | None:
+        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, or a
+        SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if neither came."""
+        with self._lock:
+            stop = self._stop
+        if stop is not None:
+            return f"stop requested: {stop.reason}"
+        if self._terminate_requested is not None:
+            return f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
+        return None
 
     def _torchrun_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool | None:
         """Whether torchrun is the only process of the command still running (its ranks exited:

@@ -24,7 +24,8 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
                          unreachable) and every rank exits 1, as the Checkpointer does during restore
 
 ``--hold-file PATH``: rank 0 waits for PATH to exist before committing a flush (lets a test send
-a second notice while the first flush is surely in progress). ``--events PATH``: rank 0 appends
+a second notice while the first flush is surely in progress). ``--launcher-exits-on-flush``: the
+launcher exits 1 as soon as ``flush.json`` appears, its workers flushing on (a torchrun that died). ``--events PATH``: rank 0 appends
 one line per flush / early save it handled.
 """
 
@@ -53,6 +54,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-file")
     p.add_argument("--events")
     p.add_argument("--pid-file")
+    p.add_argument("--launcher-exits-on-flush", action="store_true")
     return p.parse_args()
 
 
@@ -69,6 +71,11 @@ def launcher(args: argparse.Namespace) -> int:
         workers.append(
             subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, start_new_session=True)
         )
+    if args.launcher_exits_on_flush:
+        control = ControlDir(os.environ[ENV_CONTROL_DIR])
+        while not control.flush_requested():
+            time.sleep(0.01)
+        return 1
     codes = [w.wait() for w in workers]
     failed = [c for c in codes if c != 0]
     if not failed:
