@@ -375,6 +375,14 @@ def alive(pid: int) -> bool:
     return info is not None and info.state != "Z"
 
 
+def wait_for_zombies(*pids: int, bound: float = 60.0) -> None:
+    """Until every one of ``pids`` has exited and waits, unreaped, for its parent."""
+    give_up = time.monotonic() + bound
+    while any((info := read_proc(pid)) is not None and info.state != "Z" for pid in pids):
+        assert time.monotonic() < give_up, "a child did not exit"
+        time.sleep(0.01)
+
+
 class TestProcessTree:
     def test_finds_and_kills_a_descendant_in_its_own_session_that_ignores_sigterm_and_escaped_to_init(self) -> None:
         agent_id = uuid.uuid4().hex
@@ -451,6 +459,24 @@ class TestProcessTree:
             tree.stop_all(grace=1.0, reason="test")
             assert command.wait(10) is not None
             assert bystander.poll() is None, "a child that is not the command's was stopped"
+        finally:
+            for p in (bystander, command):
+                p.kill()
+                p.wait()
+
+    def test_reap_leaves_the_exit_status_of_the_command_and_of_another_child_to_their_owners(self) -> None:
+        """Only inherited orphans of the command are reaped: a waitpid(-1) would take the status of
+        the command (Popen's) and of any other child of the agent's process (here: pytest's)."""
+        bystander = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        command = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+        tree = ProcessTree(uuid.uuid4().hex)
+        tree.command_pid = command.pid
+        try:
+            tree.refresh()
+            wait_for_zombies(bystander.pid, command.pid)
+            tree.refresh()
+            tree.reap()
+            assert (bystander.wait(10), command.wait(10)) == (3, 5)
         finally:
             for p in (bystander, command):
                 p.kill()
