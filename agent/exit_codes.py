@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, FlushResult
 
-
 EXIT_USAGE = 2
 """Bad options or settings, found before the command starts (argparse's own code for a usage error)."""
 

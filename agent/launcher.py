@@ -81,8 +81,8 @@ from agent.control_channel import (
     write_json_atomic,
 )
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
-from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
 from agent.exit_codes import EXIT_USAGE, command_exit_code, decide_exit_code
+from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
 from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
 from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
 from agent.launcher_cli import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL

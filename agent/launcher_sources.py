@@ -56,4 +56,3 @@ def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSou
             sources.append(SignalSource(grace_seconds=config.sigterm_grace))
     log.info("notice sources: %s (and the control API)", ", ".join(wanted) or "none")
     return sources
-

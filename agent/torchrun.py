@@ -21,7 +21,8 @@ why not, and the agent runs torchrun as written.
 
 Options are read as torchrun reads them: ``--name value``, ``--name=value``, either spelling
 (``--master-port`` / ``--master_port``), the one-letter ones (``-m``, ``-r 3``, ``-r3``, ``-t=3``),
-and the ``PET_*`` environment variables torchrun takes as defaults. Parsing stops at the first argument that is not an option: the training script.
+and the ``PET_*`` environment variables torchrun takes as defaults. Parsing stops at the first
+argument that is not an option: the training script.
 """
 
 from __future__ import annotations
@@ -115,12 +116,11 @@ def torchrun_options(command: Sequence[str], env: Mapping[str, str] | None = Non
             options["--" + key[4:].lower().replace("_", "-")] = value
     i = 0
     while i < len(args):
-        name, value = _option(args[i])
-        if value is None:
-            value = ""
-            if name not in _FLAGS and i + 1 < len(args):
-                value = args[i + 1]
-                i += 1
+        name, attached = _option(args[i])
+        value = attached or ""
+        if attached is None and name not in _FLAGS and i + 1 < len(args):
+            value = args[i + 1]
+            i += 1
         options[name] = value
         i += 1
     return options

@@ -135,6 +135,7 @@ class HttpClient:
         if problem is not None:
             raise ValueError(f"metadata URL {base_url!r}: {problem}")
         parts = urllib.parse.urlsplit(base_url)
+        assert parts.hostname is not None  # metadata_url_problem said so
         self.base_url = base_url.rstrip("/")
         self._https = parts.scheme == "https"
         self._host = parts.hostname

@@ -24,9 +24,9 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
                          unreachable) and every rank exits 1, as the Checkpointer does during restore
 
 ``--hold-file PATH``: rank 0 waits for PATH to exist before committing a flush (lets a test send
-a second notice while the first flush is surely in progress). ``--launcher-exits-on-flush``: the
-launcher exits 1 as soon as ``flush.json`` appears, its workers flushing on (a torchrun that died). ``--events PATH``: rank 0 appends
-one line per flush / early save it handled.
+a second notice while the first flush is surely in progress). ``--events PATH``: rank 0 appends
+one line per flush / early save it handled. ``--launcher-exits-on-flush``: the launcher exits 1 as
+soon as ``flush.json`` appears, its workers flushing on (a torchrun that died).
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ from agent.launcher import (
     parse_args,
     torchrun_nproc,
 )
+from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
 from agent.notices.base import Notice, NoticeKind, PollingNoticeSource
-from agent.launcher_sources import build_sources
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
