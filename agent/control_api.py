@@ -32,6 +32,7 @@ and answers 202; the same id again answers 200 and starts nothing; a new id asks
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import ipaddress
 import json
@@ -253,6 +254,40 @@ class FlushRefused(Exception):
     """The agent cannot take a flush or a stop now (the command has already ended): answered 409."""
 
 
+class ControlApiBindError(Exception):
+    """The control API cannot listen where it was told. ``usage``: the address or port asked for
+    can never work here (no address of this machine, a privileged port), a fault of the options;
+    else the port is taken (or another fault of the machine), which a later attempt may not meet."""
+
+    def __init__(self, message: str, *, usage: bool) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+def _bind_error(host: str, port: int, error: OSError | OverflowError) -> ControlApiBindError:
+    where = f"the control API cannot listen on {host}:{port}"
+    number = getattr(error, "errno", None)
+    if number == errno.EADDRINUSE:
+        return ControlApiBindError(
+            f"{where}: port {port} is in use by another process; free it, or choose another port "
+            f"with --control-port (0 picks a free one)",
+            usage=False,
+        )
+    if number == errno.EACCES:
+        return ControlApiBindError(
+            f"{where}: not permitted to bind port {port} (ports under 1024 need privileges); "
+            f"choose another with --control-port",
+            usage=True,
+        )
+    if isinstance(error, (socket.gaierror, OverflowError)) or number in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+        return ControlApiBindError(
+            f"{where}: {host!r} is no address of this machine ({error}); pass one with --control-host "
+            f"(127.0.0.1, 0.0.0.0, or the pod's IP)",
+            usage=True,
+        )
+    return ControlApiBindError(f"{where}: {error}", usage=False)
+
+
 class ControlHandler(Protocol):
     """What the API needs from the agent; called from server threads."""
 
@@ -463,8 +498,12 @@ class ControlApi:
         return self._server.open_connections if self._server is not None else 0
 
     def start(self) -> None:
+        """Listen and serve on a thread of its own; ``ControlApiBindError`` when it cannot listen."""
         server_type = _Server6 if ":" in self.host else _Server
-        server = server_type((self.host, self.port), self)
+        try:
+            server = server_type((self.host, self.port), self)
+        except (OSError, OverflowError) as e:
+            raise _bind_error(self.host, self.port, e) from e
         self._server = server
         self.port = int(server.server_address[1])
         self._thread = threading.Thread(

@@ -94,6 +94,9 @@ class RankStatus:
     """Checkpoints this process's Checkpointer committed (a restore is none): how many were, even
     when several commit between two looks at this file."""
     world_size: int | None = None
+    local_world_size: int | None = None
+    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``): how many ``closed-rank-<r>`` marks
+    the node's agent counts for a finished job. None where the rank cannot tell."""
     checkpoint_uri: str | None = None
     """The URI the script's Checkpointer writes to (the agent warns when it is not the agent's)."""
     updated_at: float = field(default_factory=time.time)

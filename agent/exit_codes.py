@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, FlushResult
 
+EXIT_USAGE = 2
+"""Bad options or settings, found before the command starts (argparse's own code for a usage error)."""
+
 
 def command_exit_code(returncode: int) -> int:
     """Popen's returncode as a shell reports it (killed by signal N → 128 + N)."""

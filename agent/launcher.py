@@ -23,7 +23,9 @@ flush has committed under torchrun, the loop ticks every 0.02 s, looking only at
 knows, and ends torchrun as soon as they are gone.
 
 Before starting a torchrun command, the rendezvous port this host must bind is checked
-(``agent.torchrun``): taken means exit 74 without starting anything.
+(``agent.torchrun``): taken means exit 74 without starting anything. So does a control-API port
+taken by another process; a ``--control-host`` that is no address of this machine (or a port it
+may not bind) exits 2, the code of every other bad option.
 
 Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
 else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error, or torchrun failed before
@@ -59,7 +61,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from agent.control_api import ENV_AGENT_TOKEN, ControlApi, load_token, safe
+from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
@@ -79,8 +81,8 @@ from agent.control_channel import (
     write_json_atomic,
 )
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
+from agent.exit_codes import EXIT_USAGE, command_exit_code, decide_exit_code
 from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
-from agent.exit_codes import command_exit_code, decide_exit_code
 from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
 from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
 from agent.launcher_cli import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL
@@ -123,8 +125,12 @@ class Agent(AgentRequests):
         previous_handlers = self._install_fallback_signals()
         try:
             self.control.reset()
-            self.api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
-            self.api.start()
+            api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
+            try:
+                api.start()
+            except ControlApiBindError as e:
+                return self._cannot_start(EXIT_USAGE if e.usage else EXIT_INFRA_ERROR, str(e))
+            self.api = api
             self._write_agent_file()
             for source in self.sources:
                 source.start(self.on_notice)
@@ -139,6 +145,13 @@ class Agent(AgentRequests):
             self._shutdown(tree)
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+
+    def _cannot_start(self, code: int, why: str) -> int:
+        """``code`` for a command that was never started, and why, in the log."""
+        log.error("exiting %d: %s", code, why)
+        with self._lock:
+            self._state = "exited"
+        return code
 
     def _start_command(self) -> subprocess.Popen[bytes] | int:
         """The running command, or the exit code for one that cannot start: the shell's 127/126,
@@ -255,13 +268,23 @@ class Agent(AgentRequests):
                 kill_at = flush.kill_at if flush is not None else None
                 kill_reason = flush.kill_reason if flush is not None else ""
             if returncode is not None:
-                # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill time.
+                # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill
+                # time, unless a stop (or a SIGTERM with signals not taken as notices) says otherwise.
                 if pending and kill_at is not None and now < kill_at and tree.refresh():
+                    halt = self._halt_reason()
+                    if halt is not None:
+                        with self._lock:
+                            self._state = "stopping"
+                            self._killed = True
+                        tree.stop_all(self.config.kill_grace, f"{halt}, the command gone, its ranks still flushing")
+                        return returncode
                     if not waiting_logged:
                         log.warning("the command exited (%d) while its ranks are still flushing: waiting", returncode)
                         waiting_logged = True
                     time.sleep(WATCH_TICK)
                     continue
+                with self._lock:
+                    self._returncode = returncode  # from now on a stop or a flush is answered 409: nothing runs
                 return returncode
             alone = self._torchrun_alone(child, tree)
             if alone:
@@ -270,13 +293,9 @@ class Agent(AgentRequests):
                 log.info("the ranks exited after the committed flush: ending %s (pid %d) now", self._runner, child.pid)
                 child.kill()  # not waited for yet: its pid is still its own
                 return child.wait()
-            if self._terminate_requested is not None:
-                kill_reason = f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
-                kill_at = now
-            with self._lock:
-                stop = self._stop
-            if stop is not None:
-                kill_reason, kill_at = f"stop requested: {stop.reason}", now
+            halt = self._halt_reason()
+            if halt is not None:
+                kill_reason, kill_at = halt, now
             if kill_at is not None and now >= kill_at:
                 with self._lock:
                     self._state = "stopping"
@@ -291,6 +310,17 @@ class Agent(AgentRequests):
                 return child.wait()
             # Between a committed flush and the ranks' exit, the restart waits on this loop noticing.
             time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
+
+    def _halt_reason(self) -> str | None:
+        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, or a
+        SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if neither came."""
+        with self._lock:
+            stop = self._stop
+        if stop is not None:
+            return f"stop requested: {stop.reason}"
+        if self._terminate_requested is not None:
+            return f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
+        return None
 
     def _torchrun_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool | None:
         """Whether torchrun is the only process of the command still running (its ranks exited:
@@ -452,16 +482,19 @@ class Agent(AgentRequests):
         return None
 
     def _expected_ranks(self) -> int | None:
+        """How many ``closed-rank-<r>`` marks make this node's job finished: ``--expected-ranks``,
+        else the local world size the ranks report, else torchrun's ``--nproc-per-node``; None
+        when nothing says (then no abort at exit is forgiven).
+
+        Never the world size: on a node of a multi-node job it counts the other nodes' ranks too,
+        whose marks are in their own control folders, and the job would never count as finished.
+        """
         if self.config.expected_ranks:
             return self.config.expected_ranks
-        nproc = torchrun_nproc(self.config.command, self.env)
-        if nproc:
-            return nproc
         rank = self.control.status()
-        if rank is not None and rank.world_size:
-            return rank.world_size
-        world = self.env.get("WORLD_SIZE", "")
-        return int(world) if world.isdigit() else None
+        if rank is not None and rank.local_world_size:
+            return rank.local_world_size
+        return torchrun_nproc(self.config.command, self.env)
 
     def _shutdown(self, tree: ProcessTree) -> None:
         with self._lock:
@@ -541,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = load_token(config.token_file, env)
     except (OSError, ValueError) as e:
         log.error("cannot read the API token: %s", e)
-        return 2
+        return EXIT_USAGE
     own_dir = config.control_dir is None
     path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
     control = ControlDir(path)

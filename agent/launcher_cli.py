@@ -6,6 +6,7 @@ importable from ``agent.launcher``."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agent.control_api import ENV_AGENT_TOKEN
 from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRESH
 from agent.notices import aws, azure, gcp
+from agent.notices.base import metadata_url_problem
 from agent.notices.detect import ENV_CLOUD, Cloud
 from agent.storage import parse_uri
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
@@ -23,6 +25,10 @@ ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
 ENV_AZURE_METADATA_URL = "SPOTJOB_AZURE_METADATA_URL"
 ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
 """Hidden: a poll interval outside 1-5 s, for tests against emulators."""
+MIN_POLL_INTERVAL = 0.01
+MAX_POLL_INTERVAL = 60.0
+"""The range ``SPOTJOB_AGENT_POLL_INTERVAL`` takes: past a minute, a two-minute notice may be
+heard too late to flush; under 10 ms the agent would only spin on the metadata server."""
 
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
@@ -56,7 +62,8 @@ class AgentConfig(BaseModel):
     aws_metadata_url: str = aws.DEFAULT_BASE_URL
     gcp_metadata_url: str = gcp.DEFAULT_BASE_URL
     azure_metadata_url: str = azure.DEFAULT_BASE_URL
-    poll_interval: float = Field(default=2.0, gt=0)
+    poll_interval: float = Field(default=2.0, ge=MIN_POLL_INTERVAL, le=MAX_POLL_INTERVAL, allow_inf_nan=False)
+    """Seconds between two polls of a metadata endpoint: ``--poll-interval``, or ``SPOTJOB_AGENT_POLL_INTERVAL``."""
     rebalance: RebalancePolicy = "save-early"
     sigterm_grace: float = Field(default=30.0, ge=0)
     gcp_notice_seconds: float = Field(default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0)
@@ -119,7 +126,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
     ck.add_argument("--staging-dir")
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
-    ck.add_argument("--expected-ranks", type=int, help="ranks on this node (default: from torchrun or status.json)")
+    ck.add_argument(
+        "--expected-ranks",
+        type=int,
+        help="ranks on this node (default: the local world size the ranks report, else torchrun's --nproc-per-node)",
+    )
     ck.add_argument(
         "--attempt", type=int, help=f"the attempt number the controller recorded for this start (sets {ENV_ATTEMPT})"
     )
@@ -159,18 +170,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     no.add_argument(
         "--aws-metadata-url",
-        default=env.get(ENV_AWS_METADATA_URL) or aws.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_AWS_METADATA_URL})",
+        help=f"metadata base URL (also {ENV_AWS_METADATA_URL}; default {aws.DEFAULT_BASE_URL})",
     )
     no.add_argument(
         "--gcp-metadata-url",
-        default=env.get(ENV_GCP_METADATA_URL) or gcp.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_GCP_METADATA_URL})",
+        help=f"metadata base URL (also {ENV_GCP_METADATA_URL}; default {gcp.DEFAULT_BASE_URL})",
     )
     no.add_argument(
         "--azure-metadata-url",
-        default=env.get(ENV_AZURE_METADATA_URL) or azure.DEFAULT_BASE_URL,
-        help=f"metadata base URL (also {ENV_AZURE_METADATA_URL})",
+        help=f"metadata base URL (also {ENV_AZURE_METADATA_URL}; default {azure.DEFAULT_BASE_URL})",
     )
     no.add_argument("--poll-interval", type=_interval, default=2.0, help="metadata poll interval, 1-5 s (default 2)")
     no.add_argument(
@@ -247,6 +255,8 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     except ValueError as e:
         parser.error(f"{uri_option}: {e}")
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
+    metadata_urls = {cloud: _metadata_url(parser, ns, env, cloud) for cloud in _METADATA_URLS}
+    poll_interval = _poll_interval(parser, env) or ns.poll_interval
     try:
         config = AgentConfig(
             command=command,
@@ -264,10 +274,10 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             notices=ns.notices,
             disabled=disabled,
             cloud=None if ns.cloud == "auto" else Cloud(ns.cloud),
-            aws_metadata_url=ns.aws_metadata_url,
-            gcp_metadata_url=ns.gcp_metadata_url,
-            azure_metadata_url=ns.azure_metadata_url,
-            poll_interval=ns.poll_interval,
+            aws_metadata_url=metadata_urls["aws"],
+            gcp_metadata_url=metadata_urls["gcp"],
+            azure_metadata_url=metadata_urls["azure"],
+            poll_interval=poll_interval,
             rebalance=ns.rebalance,
             sigterm_grace=ns.sigterm_grace,
             gcp_notice_seconds=ns.gcp_notice_seconds,
@@ -289,6 +299,52 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
         )
         parser.error(problems)
     return config, ns.log_level
+
+
+_METADATA_URLS = {
+    "aws": (ENV_AWS_METADATA_URL, aws.DEFAULT_BASE_URL),
+    "gcp": (ENV_GCP_METADATA_URL, gcp.DEFAULT_BASE_URL),
+    "azure": (ENV_AZURE_METADATA_URL, azure.DEFAULT_BASE_URL),
+}
+
+
+def _metadata_url(parser: argparse.ArgumentParser, ns: argparse.Namespace, env: Mapping[str, str], cloud: str) -> str:
+    """``--<cloud>-metadata-url``, else its variable, else the cloud's own address; a URL no
+    source could poll is a usage error that names where it came from (not a traceback later)."""
+    variable, default = _METADATA_URLS[cloud]
+    option = f"--{cloud}-metadata-url"
+    given = getattr(ns, f"{cloud}_metadata_url")
+    url, where = (given, option) if given is not None else (env.get(variable) or None, variable)
+    if url is None:
+        return default
+    problem = metadata_url_problem(url)
+    if problem is not None:
+        fix = "pass" if where == option else "set it to"
+        parser.error(
+            f"{where}={url!r}: {problem}; {fix} the metadata server's base URL, "
+            f"http(s)://host[:port][/prefix] (the default is {default})"
+            + (", or unset it" if where == variable else "")
+        )
+    return url
+
+
+def _poll_interval(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> float | None:
+    """``SPOTJOB_AGENT_POLL_INTERVAL`` in seconds, None when unset; a usage error when it is no
+    number of seconds in range (a non-number, 0 or less, inf, nan, hours)."""
+    text = env.get(ENV_POLL_INTERVAL, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not MIN_POLL_INTERVAL <= seconds <= MAX_POLL_INTERVAL:  # nan fails every comparison
+        parser.error(
+            f"{ENV_POLL_INTERVAL}={env[ENV_POLL_INTERVAL]!r} is not a number of seconds from "
+            f"{MIN_POLL_INTERVAL:g} to {MAX_POLL_INTERVAL:g}: set it to one (e.g. 2), or unset it "
+            f"and use --poll-interval (1-5 s)"
+        )
+    return seconds
 
 
 def _plain(err: Any) -> str:

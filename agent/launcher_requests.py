@@ -220,20 +220,7 @@ class AgentRequests:
                 raise FlushRefused("the command has already ended")
             flush = self._flush
             if flush is not None:
-                if (
-                    notice.deadline is not None
-                    and notice.deadline > time.time()
-                    and (flush.deadline is None or notice.deadline < flush.deadline)
-                ):
-                    flush.deadline = notice.deadline
-                    kill_at = _monotonic_at(notice.deadline)
-                    if kill_at < flush.kill_at:
-                        flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"
-                    log.warning(
-                        "%s brings the deadline forward to %s (flush.json keeps its own)",
-                        notice.source,
-                        format_deadline(notice.deadline),
-                    )
+                self._bring_forward(flush, notice)
                 log.info(
                     "%s notice (%s) while flush %s from %s is under way: no second flush",
                     notice.source,
@@ -276,6 +263,30 @@ class AgentRequests:
         if not window.ok:
             log.warning("the time left may not hold a flush: %s", window.message)
         return request, True
+
+    def _bring_forward(self, flush: _Flush, notice: Notice) -> None:
+        """(lock held) A notice during a flush: its deadline, if still ahead, may only make the
+        command's kill time sooner, never later; the earliest wins.
+
+        The kill time, not the deadline heard before, is what a new deadline is measured against:
+        a flush that began on a deadline already gone is bounded by ``--flush-timeout`` (600 s by
+        default), and a later notice saying the node goes in 20 s must end that wait then. A flush
+        result has its own kill time (``--exit-timeout``), which a later deadline leaves alone.
+        """
+        now = time.time()
+        if notice.deadline is None or notice.deadline <= now:
+            return
+        kill_at = _monotonic_at(notice.deadline)
+        if kill_at < flush.kill_at:
+            flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"
+            flush.deadline = notice.deadline
+            log.warning(
+                "%s brings the deadline forward to %s (flush.json keeps its own)",
+                notice.source,
+                format_deadline(notice.deadline),
+            )
+        elif flush.deadline is None or notice.deadline < flush.deadline:
+            flush.deadline = notice.deadline  # the earliest heard, for /status and the window
 
     # -- status (any thread) -------------------------------------------------------------------
     def _window(self) -> Window:

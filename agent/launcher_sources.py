@@ -2,7 +2,8 @@
 
 ``build_sources`` turns the agent's configuration into the running sources (``agent.notices``):
 the cloud's metadata endpoint (AWS IMDS, GCE metadata, Azure Scheduled Events) polled every
-``--poll-interval`` (``SPOTJOB_AGENT_POLL_INTERVAL`` overrides it), and SIGTERM.
+``--poll-interval`` (``SPOTJOB_AGENT_POLL_INTERVAL`` overrides it; ``parse_args`` has checked both),
+and SIGTERM.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from agent.launcher_cli import ENV_POLL_INTERVAL, AgentConfig
+from agent.launcher_cli import AgentConfig
 from agent.notices import aws, azure, gcp
 from agent.notices.base import NoticeSource
 from agent.notices.detect import Cloud, detect_cloud
@@ -34,7 +35,7 @@ def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSou
             )
         wanted = ["sigterm"] + ([cloud.value] if cloud is not Cloud.NONE else [])
         wanted = [n for n in wanted if n not in config.disabled]
-    interval = _poll_interval(config, env)
+    interval = config.poll_interval
     sources: list[NoticeSource] = []
     for name in wanted:
         if name == "aws":
@@ -55,10 +56,3 @@ def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSou
             sources.append(SignalSource(grace_seconds=config.sigterm_grace))
     log.info("notice sources: %s (and the control API)", ", ".join(wanted) or "none")
     return sources
-
-
-def _poll_interval(config: AgentConfig, env: Mapping[str, str]) -> float:
-    override = env.get(ENV_POLL_INTERVAL)
-    if override:
-        return float(override)
-    return config.poll_interval

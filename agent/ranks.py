@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -146,29 +147,22 @@ class Ranks:
                 _kill(proc, signal.SIGTERM)
 
     def wait(self) -> int:
-        by_pid = {p.pid: p for p in self.procs}
-        while True:
-            running = [p for p in self.procs if p.returncode is None]
-            failed = next((p for p in self.procs if p.returncode not in (None, 0)), None)
-            if failed is not None and self._signalled is None:
-                rank = self.spec.node_rank * self.spec.nproc + self.procs.index(failed)
-                code = command_exit_code(failed.returncode or 0)
-                if running:
-                    self._stop(f"rank {rank} (pid {failed.pid}) exited {code}")
-                return code
-            if not running:
-                return 128 + self._signalled if self._signalled is not None else 0
-            # Blocks until a rank exits (a signal's handler runs meanwhile): the last rank's exit
-            # ends this process at once.
-            try:
-                pid, status = os.waitpid(-1, 0)
-            except ChildProcessError:  # reaped meanwhile (the signal handler polls)
-                for proc in running:
-                    proc.poll()
-                continue
-            exited = by_pid.get(pid)
-            if exited is not None and exited.returncode is None:
-                exited.returncode = os.waitstatus_to_exitcode(status)
+        exits = _Exits(self.procs)
+        try:
+            while True:
+                running = [p for p in self.procs if p.returncode is None]
+                failed = next((p for p in self.procs if p.returncode not in (None, 0)), None)
+                if failed is not None and self._signalled is None:
+                    rank = self.spec.node_rank * self.spec.nproc + self.procs.index(failed)
+                    code = command_exit_code(failed.returncode or 0)
+                    if running:
+                        self._stop(f"rank {rank} (pid {failed.pid}) exited {code}")
+                    return code
+                if not running:
+                    return 128 + self._signalled if self._signalled is not None else 0
+                exits.wait(running)
+        finally:
+            exits.close()
 
     def _stop(self, why: str) -> None:
         running = [p for p in self.procs if p.poll() is None]
@@ -184,6 +178,49 @@ class Ranks:
             if proc.poll() is None:
                 _kill(proc, signal.SIGKILL)
                 proc.wait()
+
+
+class _Exits:
+    """Waits for the ranks' exits, and only theirs.
+
+    Never ``waitpid(-1)``: that reaps whichever child exited, and a child that is not a rank (of a
+    process that runs ``Ranks`` among children of its own) would lose its exit status: its
+    ``Popen`` then finds no child to wait for and reports 0. And a rank reaped that way, if the
+    signal handler's ``poll()`` comes first, reads 0 too. Each rank is collected by its own
+    ``Popen`` (which serialises its waits); a pidfd per rank (Linux 5.3+) turns readable when it
+    exits, so the wait blocks until then (a signal's handler runs meanwhile) and the last rank's
+    exit ends this process at once. Without pidfds, each rank is polled every ``_POLL`` s.
+    """
+
+    def __init__(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        self._fds: dict[int, int] = {}
+        open_pidfd = getattr(os, "pidfd_open", None)
+        if open_pidfd is None:
+            return
+        for proc in procs:
+            try:
+                self._fds[proc.pid] = open_pidfd(proc.pid)
+            except OSError:  # pidfds refused here (an old kernel, a sandbox): poll every rank
+                self.close()
+                return
+
+    def wait(self, running: Sequence[subprocess.Popen[bytes]]) -> None:
+        """Return once one of ``running`` may have exited, with its ``returncode`` set."""
+        fds = [self._fds[p.pid] for p in running if p.pid in self._fds]
+        if len(fds) == len(running):
+            poller = select.poll()  # not select(): a descriptor past 1023 is fine
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            poller.poll()
+        else:
+            time.sleep(_POLL)
+        for proc in running:
+            proc.poll()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _kill(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -20,8 +20,9 @@ ranks is launched that way (``--standalone``, or the default static rendezvous w
 why not, and the agent runs torchrun as written.
 
 Options are read as torchrun reads them: ``--name value``, ``--name=value``, either spelling
-(``--master-port`` / ``--master_port``), and the ``PET_*`` environment variables torchrun takes
-as defaults. Parsing stops at the first argument that is not an option: the training script.
+(``--master-port`` / ``--master_port``), the one-letter ones (``-m``, ``-r 3``, ``-r3``, ``-t=3``),
+and the ``PET_*`` environment variables torchrun takes as defaults. Parsing stops at the first
+argument that is not an option: the training script.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ STATIC_DEFAULT_PORT = 29500
 C10D_DEFAULT_PORT = 29400
 
 # torchrun options that take no value; every other option takes one.
-_FLAGS = {"--standalone", "--run-path", "--module", "-m", "--no-python", "--virtual-local-rank"}
+_FLAGS = {"--standalone", "--run-path", "--module", "--no-python", "--virtual-local-rank"}
+_SHORT = {"-m": "--module", "-r": "--redirects", "-t": "--tee"}
+"""torchrun's one-letter spellings and the options they are (``-r3``, ``-r=3`` and ``-r 3`` alike)."""
 _MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
@@ -78,17 +81,32 @@ def torchrun_args(command: Sequence[str]) -> list[str] | None:
         if arg == "--" or not arg.startswith("-"):
             break
         out.append(arg)
-        name = arg.split("=", 1)[0].replace("_", "-")
-        if "=" not in arg and name not in _FLAGS and i + 1 < len(rest):
+        name, attached = _option(arg)
+        if attached is None and name not in _FLAGS and i + 1 < len(rest):
             out.append(rest[i + 1])
             i += 1
         i += 1
     return out
 
 
+def _option(arg: str) -> tuple[str, str | None]:
+    """One option word as ``(its long name, the value written into it or None)``, as torchrun's
+    argparse reads it: ``--master_port=1`` is ``("--master-port", "1")``, ``-r3`` and ``-r=3`` are
+    ``("--redirects", "3")``, ``-m`` is ``("--module", None)``."""
+    if arg.startswith("--"):
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-"), value if eq else None
+    short, attached = arg[:2], arg[2:]
+    name = _SHORT.get(short, short)
+    if not attached:
+        return name, None
+    return name, attached.removeprefix("=")
+
+
 def torchrun_options(command: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """torchrun's options as ``{"--master-port": "29500", "--standalone": "", ...}`` (dashes, not
-    underscores), with ``PET_*`` environment defaults; None if ``command`` is not torchrun."""
+    underscores; a one-letter spelling under its long name: ``-r 3`` is ``--redirects``), with
+    ``PET_*`` environment defaults; None if ``command`` is not torchrun."""
     args = torchrun_args(command)
     if args is None:
         return None
@@ -98,13 +116,12 @@ def torchrun_options(command: Sequence[str], env: Mapping[str, str] | None = Non
             options["--" + key[4:].lower().replace("_", "-")] = value
     i = 0
     while i < len(args):
-        name, eq, value = args[i].partition("=")
-        name = name.replace("_", "-")
-        if name.startswith("--") or name in _FLAGS:
-            if not eq and name not in _FLAGS and i + 1 < len(args):
-                value = args[i + 1]
-                i += 1
-            options[name] = value
+        name, attached = _option(args[i])
+        value = attached or ""
+        if attached is None and name not in _FLAGS and i + 1 < len(args):
+            value = args[i + 1]
+            i += 1
+        options[name] = value
         i += 1
     return options
 
@@ -216,7 +233,6 @@ _DIRECT_OPTIONS = frozenset(
         "--start-method",
         "--role",
         "--module",
-        "-m",
         "--no-python",
     }
 )
@@ -296,7 +312,7 @@ def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) 
     if not 0 <= node_rank < nnodes:
         return f"--node-rank {node_rank} is not one of the {nnodes} nodes"
     if "--no-python" in options:
-        if "-m" in options or "--module" in options:
+        if "--module" in options:
             return "--no-python with --module"
         program: list[str] = []
     else:
@@ -304,7 +320,7 @@ def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) 
         if isinstance(interpreter, str):
             return interpreter
         program = [*interpreter, "-u"]
-        if "-m" in options or "--module" in options:
+        if "--module" in options:
             program.append("-m")
     return DirectLaunch(
         nproc=int(nproc_text),

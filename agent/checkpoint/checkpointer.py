@@ -51,6 +51,15 @@ def _exception_in_flight() -> bool:
     return not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
+def _local_world_size(world_size: int) -> int | None:
+    """The ranks on this node, for its agent: torchrun's (and ``agent.ranks``') ``LOCAL_WORLD_SIZE``,
+    else 1 for a single process, else None (a launcher that does not say)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    return 1 if world_size == 1 else None
+
+
 class Checkpointer(_Saving, _Restoring):
     """Save and restore a training job's full state; see ``agent.checkpoint`` for the call order.
 
@@ -142,7 +151,12 @@ class Checkpointer(_Saving, _Restoring):
         self._stager: Any = None
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
-        self._status = RankStatus(state="starting", world_size=self.world_size, checkpoint_uri=self.storage.uri)
+        self._status = RankStatus(
+            state="starting",
+            world_size=self.world_size,
+            local_world_size=_local_world_size(self.world_size),
+            checkpoint_uri=self.storage.uri,
+        )
         self._status_written = 0.0
         self._closed = False
         self._warn_if_not_the_agents_uri()

@@ -105,6 +105,23 @@ class HttpResponse:
         return self.body.decode("utf-8", errors="replace")
 
 
+def metadata_url_problem(base_url: str) -> str | None:
+    """Why ``base_url`` cannot be a metadata endpoint's base URL (``http(s)://host[:port][/prefix]``),
+    or None. The one check: the agent's start-up (which names the option) and ``HttpClient``."""
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+        port = parts.port
+    except ValueError as e:  # a port that is no number or past 65535, a broken [IPv6] literal
+        return f"not a URL with a usable host and port ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "it does not start with http:// or https:// and a host"
+    if port == 0:
+        return "port 0 is no port to connect to"
+    if parts.query or parts.fragment:
+        return "a base URL takes no ?query or #fragment"
+    return None
+
+
 class HttpClient:
     """Blocking HTTP/1.1 to one metadata base URL, one request at a time per client.
 
@@ -114,9 +131,11 @@ class HttpClient:
     """
 
     def __init__(self, base_url: str) -> None:
+        problem = metadata_url_problem(base_url)
+        if problem is not None:
+            raise ValueError(f"metadata URL {base_url!r}: {problem}")
         parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"metadata URL must be http(s)://host[:port][/prefix], got {base_url!r}")
+        assert parts.hostname is not None  # metadata_url_problem said so
         self.base_url = base_url.rstrip("/")
         self._https = parts.scheme == "https"
         self._host = parts.hostname

@@ -25,7 +25,8 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
 
 ``--hold-file PATH``: rank 0 waits for PATH to exist before committing a flush (lets a test send
 a second notice while the first flush is surely in progress). ``--events PATH``: rank 0 appends
-one line per flush / early save it handled.
+one line per flush / early save it handled. ``--launcher-exits-on-flush``: the launcher exits 1 as
+soon as ``flush.json`` appears, its workers flushing on (a torchrun that died).
 """
 
 from __future__ import annotations
@@ -53,16 +54,28 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-file")
     p.add_argument("--events")
     p.add_argument("--pid-file")
+    p.add_argument("--launcher-exits-on-flush", action="store_true")
     return p.parse_args()
 
 
 def launcher(args: argparse.Namespace) -> int:
     workers = []
     for rank in range(args.nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(args.nproc),
+            "LOCAL_WORLD_SIZE": str(args.nproc),
+        }
         workers.append(
             subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, start_new_session=True)
         )
+    if args.launcher_exits_on_flush:
+        control = ControlDir(os.environ[ENV_CONTROL_DIR])
+        while not control.flush_requested():
+            time.sleep(0.01)
+        return 1
     codes = [w.wait() for w in workers]
     failed = [c for c in codes if c != 0]
     if not failed:
@@ -101,7 +114,8 @@ def worker(args: argparse.Namespace) -> int:
     uri = os.environ.get(ENV_CHECKPOINT_URI, "file:///nowhere")
     if args.mode == "orphan" and rank == 0:
         start_orphan(args.pid_file)
-    status = RankStatus(state="training", world_size=world, last_save_seconds=0.1)
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    status = RankStatus(state="training", world_size=world, local_world_size=local_world, last_save_seconds=0.1)
     step = 0
     while True:
         step += 1

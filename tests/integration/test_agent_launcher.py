@@ -366,6 +366,32 @@ def test_post_stop_stops_every_process_without_a_flush_and_exits_79(start: Calla
     assert "worker 1 of the gang failed" in run.log()
 
 
+def test_post_stop_after_the_command_exited_with_its_ranks_still_flushing_stops_them_and_exits_79(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """torchrun died during a flush whose deadline is ten minutes away; its ranks flush on. A
+    second flush request is the same flush; a stop is not left waiting for the deadline: the
+    ranks are stopped, nothing is committed, and the agent exits 79."""
+    hold = tmp_path / "never"  # rank 0 never commits
+    run = start(
+        env={"SPOTJOB_AGENT_TOKEN": TOKEN},
+        fake_args=("--hold-file", str(hold), "--launcher-exits-on-flush"),
+    )
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    body = {"reason": "spot", "deadline": time.time() + 600}
+    assert run.post_flush(body, token=TOKEN)[0] == 202
+    wait_until(lambda: "still flushing" in run.log(), "the command's exit with its ranks flushing", run)
+    assert marked_processes(agent_id), "the ranks should still be running"
+    status, again = run.post_flush(body, token=TOKEN)
+    assert status == 200 and again["created"] is False
+    status, stopped = run.post("/stop", {"reason": "worker 1 of the gang failed"}, token=TOKEN)
+    assert status == 202 and stopped["created"] is True
+    assert run.exit_code() == EXIT_STOPPED, run.log()
+    assert marked_processes(agent_id) == []
+    assert run.control.flush_result() is None and "Traceback" not in run.log()
+
+
 # -- the rendezvous port --------------------------------------------------------------------------------
 
 

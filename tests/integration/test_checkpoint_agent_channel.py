@@ -117,6 +117,23 @@ def test_under_an_agent_a_checkpointer_joins_its_channel_and_takes_the_jobs_iden
     assert status is not None and status.state == "flushed"
 
 
+@pytest.mark.parametrize(("local_world_size", "reported"), [(None, 1), ("2", 2)])
+def test_the_ranks_tell_the_agent_how_many_of_them_run_on_its_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_world_size: str | None, reported: int
+) -> None:
+    """What the agent counts ``closed-rank-<r>`` marks against: torchrun's LOCAL_WORLD_SIZE, or
+    1 for a script run on its own."""
+    control = tmp_path / "control"
+    monkeypatch.setenv("SPOTJOB_CONTROL_DIR", str(control))
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    with Checkpointer(str(tmp_path / "ckpt")):
+        status = ControlDir(str(control)).status()
+        assert status is not None and status.local_world_size == reported
+
+
 def test_a_script_writing_elsewhere_than_the_agent_watches_is_called_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

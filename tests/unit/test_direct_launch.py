@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from agent import ranks
 from agent.exit_codes import command_exit_code
 from agent.launcher import parse_args
+from agent.process_tree import read_proc
 from agent.ranks import Ranks, free_port, main, rank_env
 from agent.torchrun import DirectLaunch, direct_launch
 
@@ -107,6 +110,10 @@ class TestWhatIsLaunchedDirectly:
             (["python", "train.py"], "not torchrun"),
             (["torchrun", "--tee", "3", "train.py"], "--tee is torchrun's own"),
             (["torchrun", "--log-dir", "/l", "--redirects", "3", "t.py"], "--log-dir, --redirects are torchrun's own"),
+            # torchrun's short spellings (-r, -t) are its options too, with the value apart or attached.
+            (["torchrun", "-r", "3", "--nproc-per-node", "2", "train.py"], "--redirects is torchrun's own"),
+            (["torchrun", "-t=3", "train.py"], "--tee is torchrun's own"),
+            (["torchrun", "-r3", "train.py"], "--redirects is torchrun's own"),
             (["torchrun", "--nnodes", "1:4", "train.py"], "elastic range"),
             (["torchrun", "--max-restarts", "2", "train.py"], "restarts its ranks itself"),
             (["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "t.py"], "rendezvous is torchrun's"),
@@ -183,6 +190,21 @@ class TestRanks:
         ranks = Ranks(spec(command=python(code)), env={})
         assert ranks.wait() == 5
         assert [p.returncode for p in ranks.procs] == [-signal.SIGTERM, 5]
+
+    def test_the_launcher_waits_for_its_own_ranks_and_leaves_another_childs_exit_status(self) -> None:
+        """Ranks run inside a process with a child of its own (a test, a user's launcher): a
+        waitpid(-1) would reap that child, whose owner then reads exit 0 instead of its 3."""
+        other = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        try:
+            give_up = time.monotonic() + BOUND_S
+            while (info := read_proc(other.pid)) is not None and info.state != "Z":  # exited, not reaped
+                assert time.monotonic() < give_up
+                time.sleep(0.01)
+            assert Ranks(spec(nproc=2, command=python("pass")), env={}).wait() == 0
+            assert other.wait(timeout=BOUND_S) == 3
+        finally:
+            other.kill()
+            other.wait()
 
     def test_a_rank_killed_by_a_signal_reports_it_as_a_shell_does(self) -> None:
         code = "import os,signal,time; os.kill(os.getpid(), 9) if os.environ['RANK'] == '0' else time.sleep(600)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +34,9 @@ from agent.launcher import (
     parse_args,
     torchrun_nproc,
 )
+from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
+from agent.notices.base import Notice, NoticeKind, PollingNoticeSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
@@ -153,6 +156,50 @@ class TestOptions:
                 parse_args(["--checkpoint-uri", "s3://b", *bad, "--", "x"], {})
 
     @pytest.mark.parametrize(
+        ("argv", "env", "named"),
+        [
+            (["--aws-metadata-url", "ftp://169.254.169.254"], {}, "--aws-metadata-url"),
+            (["--gcp-metadata-url", "http://metadata:99999"], {}, "--gcp-metadata-url"),
+            ([], {"SPOTJOB_AZURE_METADATA_URL": "http://127.0.0.1:port"}, "SPOTJOB_AZURE_METADATA_URL"),
+            ([], {"SPOTJOB_AWS_METADATA_URL": "169.254.169.254"}, "SPOTJOB_AWS_METADATA_URL"),
+            ([], {"SPOTJOB_GCP_METADATA_URL": "http://127.0.0.1:0"}, "SPOTJOB_GCP_METADATA_URL"),
+        ],
+    )
+    def test_a_metadata_url_that_cannot_be_polled_exits_2_naming_where_it_came_from(
+        self, argv: list[str], env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", *argv, "--", "x"], env)
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert named in err and "http(s)://host[:port]" in err and "Traceback" not in err
+
+    @pytest.mark.parametrize("value", ["fast", "0", "-1", "inf", "nan", "1e308", "3600"])
+    def test_a_poll_interval_override_that_is_no_usable_number_of_seconds_exits_2_naming_it(
+        self, value: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--", "x"], {"SPOTJOB_AGENT_POLL_INTERVAL": value})
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert f"SPOTJOB_AGENT_POLL_INTERVAL={value!r}" in err and "unset it" in err
+
+    def test_the_poll_interval_override_reaches_the_sources(self) -> None:
+        env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--notices", "aws", "--", "x"], env)
+        assert config.poll_interval == 0.05
+        (source,) = build_sources(config, env)
+        assert isinstance(source, PollingNoticeSource) and source.interval == 0.05
+
+    @pytest.mark.parametrize("port", ["-1", "65536", "http", "8470.5"])
+    def test_a_control_port_that_is_no_port_exits_2_naming_it(
+        self, port: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--control-port", port, "--", "x"], {})
+        assert e.value.code == 2 and "--control-port" in capsys.readouterr().err
+
+    @pytest.mark.parametrize(
         ("argv", "env"),
         [
             (["--checkpoint-uri", "ftp://x"], {}),
@@ -193,6 +240,9 @@ class TestOptions:
         assert torchrun_nproc(["python", "train.py", "--nproc-per-node", "2"]) is None
         assert torchrun_nproc(["python3", "-m", "torch.distributed.run", "--nproc-per-node", "3", "t.py"]) == 3
         assert torchrun_nproc(["torchrun", "t.py"], {"PET_NPROC_PER_NODE": "5"}) == 5
+        # A short option's attached value is no reason to take the script for it, nor to stop reading.
+        assert torchrun_nproc(["torchrun", "-r3", "--nproc-per-node", "2", "t.py"]) == 2
+        assert torchrun_nproc(["torchrun", "-t", "3", "--nproc-per-node=6", "t.py"]) == 6
 
 
 class TestRendezvous:
@@ -254,6 +304,48 @@ class TestCheckpointUri:
         assert len(status.problems) == 1 and "controller" in status.problems[0]
 
 
+def notice(deadline: float | None, source: str = "aws") -> Notice:
+    return Notice(source=source, kind=NoticeKind.PREEMPTION, deadline=deadline, detail="test")
+
+
+class TestKillTime:
+    """A later notice may only bring the kill time forward: the earliest one wins."""
+
+    def agent(self, tmp_path: Path) -> Agent:
+        config = AgentConfig(command=["x"], checkpoint_uri="file:///c", flush_timeout=600)
+        return Agent(config, ControlDir(str(tmp_path)), env={})
+
+    def test_a_sooner_deadline_brings_the_kill_time_forward_and_a_later_one_does_not(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        now = time.time()
+        agent.on_notice(notice(now + 100))
+        agent.on_notice(notice(now + 20, "gcp"))
+        agent.on_notice(notice(now + 50, "azure"))
+        assert agent._flush is not None
+        assert agent.status().deadline == now + 20
+        assert agent._flush.kill_at < time.monotonic() + 21
+
+    def test_a_notice_with_a_deadline_ends_the_wait_of_one_whose_deadline_had_passed(self, tmp_path: Path) -> None:
+        """The first notice came too late (flush now, bounded by --flush-timeout 600 s); a second
+        one with a deadline 20 s away sets the kill time: the node goes then, not in 600 s."""
+        agent = self.agent(tmp_path)
+        now = time.time()
+        agent.on_notice(notice(now - 5))
+        assert agent._flush is not None and agent._flush.kill_at > time.monotonic() + 500
+        agent.on_notice(notice(now + 20, "gcp"))
+        assert agent._flush.kill_at < time.monotonic() + 21
+        assert agent.status().deadline == now + 20
+        assert agent._flush.kill_reason == "the deadline passed"
+
+    def test_a_deadline_later_than_the_flush_timeout_leaves_the_kill_time(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        agent.on_notice(notice(None, "api"))
+        assert agent._flush is not None
+        kill_at, reason = agent._flush.kill_at, agent._flush.kill_reason
+        agent.on_notice(notice(time.time() + 3600))
+        assert (agent._flush.kill_at, agent._flush.kill_reason) == (kill_at, reason)
+
+
 class TestRanksConnect:
     def test_no_rank_after_the_timeout_is_a_warning_and_a_status_field(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -281,6 +373,14 @@ NO_SUCH_PID = 2**22 + 1
 def alive(pid: int) -> bool:
     info = read_proc(pid)
     return info is not None and info.state != "Z"
+
+
+def wait_for_zombies(*pids: int, bound: float = 60.0) -> None:
+    """Until every one of ``pids`` has exited and waits, unreaped, for its parent."""
+    give_up = time.monotonic() + bound
+    while any((info := read_proc(pid)) is not None and info.state != "Z" for pid in pids):
+        assert time.monotonic() < give_up, "a child did not exit"
+        time.sleep(0.01)
 
 
 class TestProcessTree:
@@ -359,6 +459,24 @@ class TestProcessTree:
             tree.stop_all(grace=1.0, reason="test")
             assert command.wait(10) is not None
             assert bystander.poll() is None, "a child that is not the command's was stopped"
+        finally:
+            for p in (bystander, command):
+                p.kill()
+                p.wait()
+
+    def test_reap_leaves_the_exit_status_of_the_command_and_of_another_child_to_their_owners(self) -> None:
+        """Only inherited orphans of the command are reaped: a waitpid(-1) would take the status of
+        the command (Popen's) and of any other child of the agent's process (here: pytest's)."""
+        bystander = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        command = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+        tree = ProcessTree(uuid.uuid4().hex)
+        tree.command_pid = command.pid
+        try:
+            tree.refresh()
+            wait_for_zombies(bystander.pid, command.pid)
+            tree.refresh()
+            tree.reap()
+            assert (bystander.wait(10), command.wait(10)) == (3, 5)
         finally:
             for p in (bystander, command):
                 p.kill()
@@ -445,6 +563,67 @@ class TestAgentRun:
             "SPOTJOB_CONTROL_DIR": str(tmp_path / "ctl"),
         }
         assert env["KEEP_ME"] == "1" and env["SPOTJOB_AGENT_ID"] == agent.agent_id
+
+    def test_a_control_port_in_use_exits_74_naming_the_port_and_the_option_before_the_command_starts(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        started = tmp_path / "started"
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            config = AgentConfig(
+                command=[sys.executable, "-c", f"open({str(started)!r}, 'w')"],
+                checkpoint_uri="file:///c",
+                control_port=port,
+            )
+            agent = Agent(config, ControlDir(str(tmp_path / "ctl")), env={})
+            with caplog.at_level("ERROR"):
+                assert agent.run() == EXIT_INFRA_ERROR
+        assert not started.exists()
+        assert f"port {port}" in caplog.text and "in use" in caplog.text and "--control-port" in caplog.text
+        assert agent.status().state == "exited"
+
+    @pytest.mark.parametrize("host", ["203.0.113.7", "2001:db8::7"])
+    def test_a_control_host_that_is_no_address_of_this_machine_is_a_usage_error(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, host: str
+    ) -> None:
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        started = tmp_path / "started"
+        config = AgentConfig(
+            command=[sys.executable, "-c", f"open({str(started)!r}, 'w')"],
+            checkpoint_uri="file:///c",
+            control_host=host,
+        )
+        agent = Agent(config, ControlDir(str(tmp_path / "ctl")), token="t", env={})
+        with caplog.at_level("ERROR"):
+            assert agent.run() == 2
+        assert not started.exists()
+        assert host in caplog.text and "--control-host" in caplog.text
+
+    @pytest.mark.parametrize(("closed", "code"), [((2, 3), 0), ((2,), 134)])
+    def test_every_rank_closed_counts_the_ranks_of_this_node_the_ranks_report(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closed: tuple[int, ...], code: int
+    ) -> None:
+        """Node 1 of two, two ranks each, started by a wrapper script the agent cannot read: its
+        ranks 2 and 3 close and the interpreter aborts at exit. The global world size (4) would
+        wait for ranks that run on the other node; the local one the ranks report (2) is this node's."""
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        ctl = tmp_path / "ctl"
+        code_text = (
+            "import json, os, resource\n"
+            "folder = os.environ['SPOTJOB_CONTROL_DIR']\n"
+            "status = {'state': 'closed', 'world_size': 4, 'local_world_size': 2}\n"
+            "json.dump(status, open(os.path.join(folder, 'status.json'), 'w'))\n"
+            f"for rank in {closed!r}:\n"
+            "    open(os.path.join(folder, f'closed-rank-{rank}'), 'w').close()\n"
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+            "os.abort()\n"
+        )
+        config = AgentConfig(command=[sys.executable, "-c", code_text], checkpoint_uri=f"file://{tmp_path}/c")
+        agent = Agent(config, ControlDir(str(ctl)), env={})
+        assert agent.run() == code
 
     def test_the_command_exits_with_mains_code_after_flushing_what_was_written(
         self, monkeypatch: pytest.MonkeyPatch
