@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from agent.checkpoint import Checkpointer
-from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, prefetch
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.manifest import Manifest
+from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch
 from agent.storage import CorruptObjectError
 from agent.storage.file import FileStorage
 
@@ -85,3 +87,72 @@ def test_a_prefetch_of_a_filesystem_store_checks_every_file_and_refuses_a_flippe
 
 def test_nothing_to_prefetch_under_a_new_uri(tmp_path: Path) -> None:
     assert prefetch(ObjectStoreLike(str(tmp_path / "empty")), str(tmp_path / "staging")) is None
+
+
+# -- the <file>.verified marker vouches for one file of one checkpoint ---------------------------
+
+
+def test_a_file_staged_for_another_checkpoint_under_the_same_name_is_fetched_again(tmp_path: Path) -> None:
+    """Checkpoint A's files, staged and marked verified; checkpoint B of another URI has the same
+    folder and file names under the same staging folder. B's fetch must hand out B's bytes."""
+    staging = str(tmp_path / "staging")
+    a = ObjectStoreLike(committed(tmp_path / "a")[0])
+    b = ObjectStoreLike(committed_other(tmp_path / "b"))
+    assert prefetch(a, staging) == "step-000000003"
+    cache = os.path.join(staging, RESTORE_FOLDER, "step-000000003")
+
+    manifest = Manifest.parse(b.get_bytes("step-000000003/MANIFEST.json"))
+    shards = [e for e in manifest.files if e.path.endswith(".distcp")]
+    assert shards
+    for entry in shards:
+        staged_a = Path(cache, entry.path).read_bytes()
+        path = fetch_verified(b, "step-000000003", entry, cache)
+        got = Path(path).read_bytes()
+        assert got != staged_a, f"{entry.path}: checkpoint A's staged bytes were handed out for checkpoint B"
+        assert len(got) == entry.size and to_hex(crc32c_bytes(got)) == entry.crc32c
+    assert sorted(b.fetched) == sorted(f"step-000000003/{e.path}" for e in shards)
+
+    # B's files are now what the markers vouch for: fetched once, not again.
+    b.fetched.clear()
+    for entry in shards:
+        fetch_verified(b, "step-000000003", entry, cache)
+    assert b.fetched == []
+
+
+def test_a_marker_that_does_not_say_what_it_verified_is_not_trusted(tmp_path: Path) -> None:
+    """An empty marker (what earlier versions wrote) beside a file of the right name proves nothing."""
+    root, _ = committed(tmp_path)
+    store = ObjectStoreLike(root)
+    entry = next(e for e in Manifest.parse(store.get_bytes("step-000000003/MANIFEST.json")).files)
+    cache = tmp_path / "staging" / RESTORE_FOLDER / "step-000000003"
+    cache.mkdir(parents=True)
+    (cache / entry.path).write_bytes(b"x" * entry.size)
+    (cache / (entry.path + VERIFIED_SUFFIX)).write_bytes(b"")
+    path = fetch_verified(store, "step-000000003", entry, str(cache))
+    assert Path(path).read_bytes() == Path(root, "step-000000003", entry.path).read_bytes()
+    assert store.fetched == [f"step-000000003/{entry.path}"]
+
+
+def test_the_restore_never_loads_a_file_staged_for_another_checkpoint(tmp_path: Path) -> None:
+    staging = str(tmp_path / "staging")
+    root_a, _ = committed(tmp_path / "a")
+    root_b = committed_other(tmp_path / "b")
+    assert prefetch(ObjectStoreLike(root_a), staging) == "step-000000003"
+    with Checkpointer(root_b, keep=None) as ckpt:
+        expected = make_state(0, seed=5)
+        assert ckpt.restore(expected) == 3  # B restored straight from its folder: the reference
+    fresh = make_state(0, seed=9)
+    with Checkpointer(root_b, staging_dir=staging) as again:
+        again.storage = ObjectStoreLike(root_b)
+        assert again.restore(fresh) == 3
+    assert_same(snapshot(fresh), snapshot(expected), "the state restored through a cache that held A's files")
+
+
+def committed_other(tmp_path: Path) -> str:
+    """Another job's step 3 at ``tmp_path``: other weights, so every shard differs from ``committed``'s."""
+    state = make_state(0, seed=7)
+    train(state, 4)
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(3, state)
+    return root
