@@ -24,6 +24,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -44,6 +45,21 @@ RESTORE_FOLDER = "restore"
 VERIFIED_SUFFIX = ".verified"
 
 
+def staging_root(storage: Storage, job: str | None, staging_dir: str | None = None) -> str:
+    """The node's staging folder of ``job`` on ``storage``: where its ranks stage saves and cache
+    restores, and where spotjob-agent's prefetch puts the files. The Checkpointer and the agent
+    both ask here, so they agree.
+
+    ``staging_dir`` given (``Checkpointer(staging_dir=...)``, ``SPOTJOB_STAGING_DIR``,
+    ``spotjob-agent --staging-dir``): a folder inside it named after the job and the URI, so jobs
+    sharing one staging disk on a node never touch each other's files — a job clears only its own
+    stale saves and its own restore cache. None: ``default_staging``.
+    """
+    if not staging_dir:
+        return default_staging(storage, job)
+    return os.path.join(staging_dir, _job_folder(storage, job))
+
+
 def default_staging(storage: Storage, job: str | None) -> str:
     """Where a rank stages its saves and caches restores when no staging folder is given.
 
@@ -54,8 +70,14 @@ def default_staging(storage: Storage, job: str | None) -> str:
     local = storage.local_path("")
     if local is not None:
         return os.path.join(local, ".spotjob-staging")
-    name = (job or "job") + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
-    return os.path.join(tempfile.gettempdir(), "spotjob-staging", name)
+    return os.path.join(tempfile.gettempdir(), "spotjob-staging", _job_folder(storage, job))
+
+
+def _job_folder(storage: Storage, job: str | None) -> str:
+    """One folder name per job and URI: the job's name made safe for a path (``ns/name`` is
+    ``ns_name``), then the URI's CRC32C, which tells apart jobs of one name on other URIs."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", job or "job")[:100].lstrip(".") or "job"
+    return name + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
 
 
 def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: str) -> str:
