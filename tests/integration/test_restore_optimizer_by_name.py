@@ -22,7 +22,10 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
 from ckpt_compare import assert_same
+
+JOB = harness.SCRIPTS / "ckpt_optim_groups.py"
 
 HYPER = ("lr", "weight_decay", "betas", "eps", "amsgrad")
 
@@ -156,3 +159,21 @@ def test_an_optimizer_holding_a_parameter_outside_the_modules_is_refused_on_save
         pytest.raises(ValueError, match="not a parameter of the modules"),
     ):
         ckpt.save(1, {"model": model, "optim": optim})
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_restore_by_name_and_refuse_a_regrouped_optimizer_together(tmp_path: Path) -> None:
+    """Real torchrun ranks (DDP over gloo): every rank loads by name, and a refusal reaches every
+    rank — none is left waiting in a load the others never start."""
+    uri = str(tmp_path / "ckpt")
+    harness.torchrun(2, JOB, "save", "--uri", uri)
+    harness.torchrun(2, JOB, "restore", "--uri", uri, "--groups", "reordered", "--dump", str(tmp_path / "reordered"))
+    harness.torchrun(2, JOB, "restore", "--uri", uri, "--groups", "moved", "--dump", str(tmp_path / "moved"))
+    for rank in range(2):
+        saved = torch.load(f"{uri}.saved.rank{rank}.pt", weights_only=False)["saved"]
+        reordered = torch.load(tmp_path / f"reordered.rank{rank}.pt", weights_only=False)
+        assert reordered["outcome"] == 3
+        assert_same(reordered["after"], saved, f"rank {rank}'s state by name")
+        moved = torch.load(tmp_path / f"moved.rank{rank}.pt", weights_only=False)
+        assert isinstance(moved["outcome"], str) and "groups its parameters otherwise" in moved["outcome"]
+        assert_same(moved["after"], moved["before"], f"rank {rank}'s state after the refusal")
