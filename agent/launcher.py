@@ -219,7 +219,7 @@ class Agent(AgentRequests):
             return
         # Imported here, once the command runs: the checksum and catalog modules it needs are not
         # on the way to starting torchrun.
-        from agent.restore_cache import default_staging, prefetch_in_background
+        from agent.restore_cache import prefetch_in_background, staging_root
 
         job = self.config.job_name
 
@@ -227,7 +227,7 @@ class Agent(AgentRequests):
             return open_storage(uri)
 
         def staging(storage: Storage) -> str:
-            return self.config.staging_dir or default_staging(storage, job)
+            return staging_root(storage, job, self.config.staging_dir)
 
         prefetch_in_background(open_store, staging)
 

@@ -124,7 +124,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--every-seconds", type=float, help="save every N seconds")
     ck.add_argument("--keep", type=int, help="checkpoints to keep")
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
-    ck.add_argument("--staging-dir")
+    ck.add_argument(
+        "--staging-dir", help="node-local staging folder; each job stages (and prefetches) in a folder of its own in it"
+    )
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
     ck.add_argument(
         "--expected-ranks",

@@ -2,8 +2,11 @@
 
 A rank restoring from an object store reads every file from ``<staging>/restore/<step folder>/``:
 each file is downloaded once per node (the ranks of a node take a lock per file), verified
-against the manifest's size and CRC32C as it arrives, and marked ``<file>.verified``; a file with
-its marker is trusted by every rank of the node without a second download (``fetch_verified``).
+against the manifest's size and CRC32C as it arrives, and marked ``<file>.verified``. The marker
+says what was verified — the file's URL in the store, its size and CRC32C from the manifest — and
+a file is trusted without a second download only when its marker says exactly that of the entry
+asked for now (``fetch_verified``): a file another checkpoint, URI or job left under the same
+name is fetched and verified again, never handed out.
 
 ``prefetch`` is what spotjob-agent does while torchrun starts, torch imports and the ranks meet
 — seconds the restore would otherwise wait for: it finds the job's newest valid checkpoint the way
@@ -16,15 +19,19 @@ harmless: the restore fetches what it lacks and checks everything itself.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 from agent import _fresh_start
+from agent.atomic_file import write_atomic
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.crc32c import crc32c_bytes, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import FileEntry, Manifest
@@ -38,6 +45,21 @@ RESTORE_FOLDER = "restore"
 VERIFIED_SUFFIX = ".verified"
 
 
+def staging_root(storage: Storage, job: str | None, staging_dir: str | None = None) -> str:
+    """The node's staging folder of ``job`` on ``storage``: where its ranks stage saves and cache
+    restores, and where spotjob-agent's prefetch puts the files. The Checkpointer and the agent
+    both ask here, so they agree.
+
+    ``staging_dir`` given (``Checkpointer(staging_dir=...)``, ``SPOTJOB_STAGING_DIR``,
+    ``spotjob-agent --staging-dir``): a folder inside it named after the job and the URI, so jobs
+    sharing one staging disk on a node never touch each other's files — a job clears only its own
+    stale saves and its own restore cache. None: ``default_staging``.
+    """
+    if not staging_dir:
+        return default_staging(storage, job)
+    return os.path.join(staging_dir, _job_folder(storage, job))
+
+
 def default_staging(storage: Storage, job: str | None) -> str:
     """Where a rank stages its saves and caches restores when no staging folder is given.
 
@@ -48,8 +70,14 @@ def default_staging(storage: Storage, job: str | None) -> str:
     local = storage.local_path("")
     if local is not None:
         return os.path.join(local, ".spotjob-staging")
-    name = (job or "job") + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
-    return os.path.join(tempfile.gettempdir(), "spotjob-staging", name)
+    return os.path.join(tempfile.gettempdir(), "spotjob-staging", _job_folder(storage, job))
+
+
+def _job_folder(storage: Storage, job: str | None) -> str:
+    """One folder name per job and URI: the job's name made safe for a path (``ns/name`` is
+    ``ns_name``), then the URI's CRC32C, which tells apart jobs of one name on other URIs."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", job or "job")[:100].lstrip(".") or "job"
+    return name + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
 
 
 def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: str) -> str:
@@ -58,13 +86,36 @@ def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: s
     (nothing is left behind), ``StorageError`` when the store fails."""
     path = os.path.join(local_dir, entry.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    key = f"{folder}/{entry.path}"
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = path + VERIFIED_SUFFIX
-        if not os.path.exists(marker):
-            storage.get_file(f"{folder}/{entry.path}", path, size=entry.size, crc32c=from_hex(entry.crc32c))
-            open(marker, "w").close()
+        vouches = _marker_text(storage.url(key), entry)
+        if not _verified_as(path, marker, vouches, entry.size):
+            # The marker goes first: a download that fails half way leaves no marker beside it.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+            storage.get_file(key, path, size=entry.size, crc32c=from_hex(entry.crc32c))
+            write_atomic(marker, vouches, durable=False)
     return path
+
+
+def _marker_text(url: str, entry: FileEntry) -> bytes:
+    """What a ``.verified`` marker holds: which file of which store was verified, against what."""
+    return json.dumps({"source": url, "size": entry.size, "crc32c": entry.crc32c}, sort_keys=True).encode()
+
+
+def _verified_as(path: str, marker: str, vouches: bytes, size: int) -> bool:
+    """True when ``path`` is there at ``size`` bytes and its marker vouches for exactly ``vouches``
+    (a marker of another file, of another version of it, or of an earlier spotjob: fetch again)."""
+    try:
+        with open(marker, "rb") as f:
+            if f.read() != vouches:
+                log.info("restore cache: %s was verified as another file; fetching it again", path)
+                return False
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
 
 
 def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:

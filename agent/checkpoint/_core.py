@@ -18,7 +18,6 @@ from agent.checkpoint.config import CheckpointConfig
 from agent.checkpoint.errors import RestoreError, StorageUnavailableError
 from agent.control_channel import ControlDir, RankStatus
 from agent.ownership import check_not_fenced
-from agent.restore_cache import default_staging
 from agent.storage import Storage, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -113,7 +112,8 @@ class _Core:
         """(local rank 0, at construction) Remove what killed saves and restores left staged.
 
         No save of this job can be in flight yet, so every ``step-*`` folder there is garbage —
-        on a filesystem store a full copy of a rank's shards beside the checkpoints.
+        on a filesystem store a full copy of a rank's shards beside the checkpoints. The folder is
+        this job's own (``agent.restore_cache.staging_root``): another job's saves are elsewhere.
         """
         if int(os.environ.get("LOCAL_RANK", self.rank)) != 0:
             return
@@ -127,9 +127,6 @@ class _Core:
             if entry.is_dir() and entry.name.startswith("step-"):
                 log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
-
-    def _default_staging(self) -> str:
-        return default_staging(self.storage, self.config.job)
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:

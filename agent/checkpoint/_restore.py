@@ -53,7 +53,8 @@ _PROVEN_BAD = (
 
 @dataclass
 class _DirectOptimState:
-    """Optimizer state rebuilt from a checkpoint, keyed by parameter name, for the fast path."""
+    """What the fast path hands ``Optimizer.load_state_dict``: the checkpoint's optimizer state,
+    already matched to this optimizer's parameters and groups by name (``_optimizer_state_by_name``)."""
 
     state: dict[str, Any]
 
@@ -67,24 +68,78 @@ def _plain_modules(bag: nn.Module) -> bool:
     return not any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in bag.modules())
 
 
-def _load_optimizer_directly(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """What ``set_optimizer_state_dict`` does for plain modules, minus its initialising step."""
+def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """The state dict for ``opt.load_state_dict``, built from ``saved`` (keyed by parameter name, as
+    ``get_optimizer_state_dict`` writes it) — what ``set_optimizer_state_dict`` loads for plain
+    modules, minus its initialising step. Checked before anything live changes.
+
+    ``Optimizer.load_state_dict`` pairs groups, and parameters within them, by position. So every
+    group here lists its parameters in this optimizer's order, with the hyperparameters (lr,
+    weight_decay, ...) of the saved group that holds the same names: groups built in another order
+    load as DCP loads them. An optimizer that groups its parameters otherwise than the saved one (a
+    parameter moved to another group, a group added or removed) has no such match — the saved
+    per-group hyperparameters could only land on other parameters — and is refused
+    (``RestoreRefusedError``); a saved name the model lacks raises ``MissingStateKeysError``.
+    """
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    by_name: dict[str, int] = {}
+    name_of: dict[int, str] = {}
     for name, param in bag.named_parameters():
-        if id(param) in index:
-            for fqn in _get_fqns(bag, name):
-                by_name[fqn] = index[id(param)]
-    try:
-        state = {by_name[fqn]: value for fqn, value in saved.get("state", {}).items()}
-        groups = [{**g, "params": [by_name[fqn] for fqn in g["params"]]} for g in saved["param_groups"]]
-    except KeyError as e:
-        raise MissingStateKeysError(
-            f"the checkpoint's optimizer state names parameter {e.args[0]!r}, which the model does not have"
-        ) from None
-    opt.load_state_dict({"state": state, "param_groups": groups})
+        for fqn in _get_fqns(bag, name):
+            name_of[id(param)] = fqn
+    current = [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]  # _check_state: all named
+    saved_groups: list[dict[str, Any]] = saved["param_groups"]
+    known = set(name_of.values())
+    saved_group_of: dict[str, int] = {}
+    for j, group in enumerate(saved_groups):
+        for fqn in group["params"]:
+            if fqn not in known:
+                raise MissingStateKeysError(
+                    f"the checkpoint's optimizer state names parameter {fqn!r}, which the model does not have"
+                )
+            saved_group_of[fqn] = j
+
+    def refuse(problem: str) -> RestoreRefusedError:
+        def listing(groups: list[list[str]]) -> str:
+            def names(g: list[str]) -> str:
+                more = f" and {len(g) - 3} more" if len(g) > 3 else ""
+                return (", ".join(g[:3]) + more) or "(empty)"
+
+            return "; ".join(f"[{i}] {names(g)}" for i, g in enumerate(groups))
+
+        return RestoreRefusedError(
+            f"the optimizer groups its parameters otherwise than the checkpoint: {problem}. The checkpoint's "
+            f"param_groups: {listing([list(g['params']) for g in saved_groups])}; this optimizer's: "
+            f"{listing(current)}. Restoring would put one group's lr and weight_decay on another's parameters: "
+            "build the optimizer with the parameter groups it was saved with (their order may differ)"
+        )
+
+    if len(current) != len(saved_groups):
+        raise refuse(f"it has {len(current)} parameter group(s), the checkpoint {len(saved_groups)}")
+    matched: list[int] = []
+    for i, names in enumerate(current):
+        if names:
+            if names[0] not in saved_group_of:
+                raise refuse(f"parameter {names[0]!r} is in no saved parameter group")
+            j = saved_group_of[names[0]]
+        else:  # DCP's rule: at most one group without parameters, matched to the saved empty one
+            empty = [j for j, g in enumerate(saved_groups) if not g["params"]]
+            if len(empty) != 1 or sum(not g for g in current) != 1:
+                raise refuse("groups without parameters cannot be told apart by name")
+            j = empty[0]
+        if set(names) != set(saved_groups[j]["params"]) or len(names) != len(saved_groups[j]["params"]):
+            raise refuse(f"parameter group {i} does not hold the same parameters as the saved group {j}")
+        if j in matched:
+            raise refuse(f"saved parameter group {j} matches more than one of this optimizer's groups")
+        matched.append(j)
+
+    index = {fqn: n for n, fqn in enumerate(fqn for names in current for fqn in names)}
+    state = {index[fqn]: value for fqn, value in saved.get("state", {}).items()}
+    groups = [
+        {**{k: v for k, v in saved_groups[j].items() if k != "params"}, "params": [index[fqn] for fqn in names]}
+        for names, j in zip(current, matched, strict=True)
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
@@ -364,6 +419,7 @@ class _Restoring(_Voting):
             return dcp_state
         dcp_state = dict(get_model_state_dict(bag))
         saved: dict[str, Any] = {}
+        direct: dict[str, _DirectOptimState] = {}
         if optims:
             # The optimizer state first, into fresh tensors built from the checkpoint's metadata (as
             # dcp_to_torch_save does): nothing live changes, and while its files are checked the
@@ -374,9 +430,24 @@ class _Restoring(_Voting):
             missing = sorted(set(optims) - set(saved))
             if missing:
                 raise MissingStateKeysError(f"the checkpoint holds no optimizer state for {missing}")
+            # Matched to the optimizers by name now, while nothing live has changed: a refusal
+            # leaves the model and optimizers as they were. Agreed first, so that no rank waits in
+            # the next load for one that refused.
+            problem: Exception | None = None
+            try:
+                direct = {
+                    key: _DirectOptimState(_optimizer_state_by_name(bag, opt, saved[key]))
+                    for key, opt in optims.items()
+                }
+            except Exception as e:
+                problem = e
+            if not self._all_ok(problem is None):
+                raise problem or RestoreRefusedError(
+                    "another rank's optimizer does not match the checkpoint (see its log)"
+                )
             reader.into_live = True
         dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
-        dcp_state.update({key: _DirectOptimState(saved[key]) for key in optims})
+        dcp_state.update(direct)
         return dcp_state
 
     def _load_failure(self, ref: CheckpointRef, e: BaseException) -> tuple[str, str]:
@@ -397,7 +468,7 @@ class _Restoring(_Voting):
         elif isinstance(e, StorageError | OSError):
             # A store that kept failing (or a local disk) proves nothing about the checkpoint.
             kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"
-        elif isinstance(e, MissingStateKeysError) or _is_shape_or_key_mismatch(e):
+        elif isinstance(e, RestoreRefusedError) or _is_shape_or_key_mismatch(e):
             kind, msg = _Failure.INCOMPATIBLE, f"incompatible with the model on rank {self.rank}: {e}"
         else:
             # Verified bytes that still fail to load: not proven bad, so never skipped for an
@@ -427,7 +498,7 @@ class _Restoring(_Voting):
             set_model_state_dict(bag, model_state)
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):
-                _load_optimizer_directly(bag, opt, dcp_state[key].state)
+                opt.load_state_dict(dcp_state[key].state)
             else:
                 set_optimizer_state_dict(bag, opt, dcp_state[key])
         objects = payload.get("objects", {})

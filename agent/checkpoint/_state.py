@@ -54,6 +54,27 @@ class _State(_Core):
                     f"state[{key!r}] is a {type(value).__name__}; values must be modules, optimizers, "
                     "or objects with state_dict()/load_state_dict()"
                 )
+        self._check_optimizers_own_modules(state)
+
+    def _check_optimizers_own_modules(self, state: Mapping[str, Any]) -> None:
+        """Optimizer state is saved and restored under its parameters' names in the state's modules:
+        a parameter outside them has no name, and its state (and its place in its group) could only
+        be dropped or put on another parameter."""
+        modules, optims, _ = self._classify(state)
+        if not optims:
+            return
+        named = {id(p) for module in modules.values() for p in module.parameters()}
+        for key, opt in optims.items():
+            for i, group in enumerate(opt.param_groups):
+                for j, param in enumerate(group["params"]):
+                    if id(param) not in named:
+                        raise ValueError(
+                            f"state[{key!r}] optimizes a tensor (param_groups[{i}]['params'][{j}], shape "
+                            f"{list(param.shape)}) that is not a parameter of the modules in the state "
+                            f"({', '.join(sorted(modules)) or 'none'}): its state could not be saved or restored "
+                            "by name. Put the module that owns it in the same state dict, or leave it out of the "
+                            "optimizer"
+                        )
 
     def _split_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """DCP state (modules + optimizers, resharded on load) and per-rank plain objects."""

@@ -22,6 +22,7 @@ from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_st
 from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError
 from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim
+from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
 from agent.storage import StorageError, open_storage
 
@@ -123,7 +124,7 @@ class Checkpointer(_Saving, _Restoring):
         """This rank is its node's first (local rank 0): it writes the node's status.json and flush
         result, which that node's agent reads (its readiness, its step, its exit code). Every rank
         knows the same state and the commit's outcome, so each node's first rank can tell it."""
-        self._staging_root = staging_dir or self._default_staging()
+        self._staging_root = staging_root(self.storage, self.config.job, staging_dir)
         self._direct_io = self.storage.local_path("") is not None and (
             self.config.direct_io if self.config.direct_io is not None else suits_direct_io(self._staging_root)
         )

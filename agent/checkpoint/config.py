@@ -38,7 +38,9 @@ class CheckpointConfig:
     async_save: bool = True
     """Block the loop only while staging to CPU memory; write and upload in the background."""
     staging_dir: str | None = None
-    """Node-local folder ranks write to before uploading (the node's NVMe in production)."""
+    """Node-local folder ranks write to before uploading (the node's NVMe in production). The job
+    stages in a folder of its own inside it (``agent.restore_cache.staging_root``), so jobs sharing
+    it never touch each other's files. None: ``agent.restore_cache.default_staging``."""
     control_dir: str | None = None
     """The folder shared with spotjob-agent (flush requests, status); None: no agent."""
     job: str | None = None

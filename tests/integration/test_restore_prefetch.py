@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent import launcher
 from agent.checkpoint import Checkpointer
-from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, prefetch
+from agent.control_channel import ControlDir
+from agent.crc32c import crc32c_bytes, to_hex
+from agent.launcher import Agent, parse_args
+from agent.manifest import Manifest
+from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch, staging_root
 from agent.storage import CorruptObjectError
 from agent.storage.file import FileStorage
 
@@ -54,8 +60,9 @@ def committed(tmp_path: Path) -> tuple[str, dict[str, Any]]:
 
 def test_the_restore_reads_the_prefetched_files_without_fetching_them_again(tmp_path: Path) -> None:
     root, saved = committed(tmp_path)
-    staging = str(tmp_path / "staging")
+    staging_dir = str(tmp_path / "staging")
     store = ObjectStoreLike(root)
+    staging = staging_root(store, None, staging_dir)  # where the agent prefetches for the job
     assert prefetch(store, staging) == "step-000000003"
     cache = Path(staging, RESTORE_FOLDER, "step-000000003")
     names = sorted(p.name for p in cache.iterdir() if not p.name.endswith((".lock", VERIFIED_SUFFIX)))
@@ -63,7 +70,7 @@ def test_the_restore_reads_the_prefetched_files_without_fetching_them_again(tmp_
     assert all((cache / (n + VERIFIED_SUFFIX)).exists() for n in names)
 
     fresh = make_state(0, seed=9)
-    with Checkpointer(root, staging_dir=staging) as again:
+    with Checkpointer(root, staging_dir=staging_dir) as again:
         again.storage = ObjectStoreLike(root)
         assert again.restore(fresh) == 3
         assert again.storage.fetched == [], "the restore fetched a file the prefetch had verified"  # type: ignore[attr-defined]
@@ -85,3 +92,116 @@ def test_a_prefetch_of_a_filesystem_store_checks_every_file_and_refuses_a_flippe
 
 def test_nothing_to_prefetch_under_a_new_uri(tmp_path: Path) -> None:
     assert prefetch(ObjectStoreLike(str(tmp_path / "empty")), str(tmp_path / "staging")) is None
+
+
+# -- the <file>.verified marker vouches for one file of one checkpoint ---------------------------
+
+
+def test_a_file_staged_for_another_checkpoint_under_the_same_name_is_fetched_again(tmp_path: Path) -> None:
+    """Checkpoint A's files, staged and marked verified; checkpoint B of another URI has the same
+    folder and file names under the same staging folder. B's fetch must hand out B's bytes."""
+    staging = str(tmp_path / "staging")
+    a = ObjectStoreLike(committed(tmp_path / "a")[0])
+    b = ObjectStoreLike(committed_other(tmp_path / "b"))
+    assert prefetch(a, staging) == "step-000000003"
+    cache = os.path.join(staging, RESTORE_FOLDER, "step-000000003")
+
+    manifest = Manifest.parse(b.get_bytes("step-000000003/MANIFEST.json"))
+    shards = [e for e in manifest.files if e.path.endswith(".distcp")]
+    assert shards
+    for entry in shards:
+        staged_a = Path(cache, entry.path).read_bytes()
+        path = fetch_verified(b, "step-000000003", entry, cache)
+        got = Path(path).read_bytes()
+        assert got != staged_a, f"{entry.path}: checkpoint A's staged bytes were handed out for checkpoint B"
+        assert len(got) == entry.size and to_hex(crc32c_bytes(got)) == entry.crc32c
+    assert sorted(b.fetched) == sorted(f"step-000000003/{e.path}" for e in shards)
+
+    # B's files are now what the markers vouch for: fetched once, not again.
+    b.fetched.clear()
+    for entry in shards:
+        fetch_verified(b, "step-000000003", entry, cache)
+    assert b.fetched == []
+
+
+def test_a_marker_that_does_not_say_what_it_verified_is_not_trusted(tmp_path: Path) -> None:
+    """An empty marker (what earlier versions wrote) beside a file of the right name proves nothing."""
+    root, _ = committed(tmp_path)
+    store = ObjectStoreLike(root)
+    entry = next(e for e in Manifest.parse(store.get_bytes("step-000000003/MANIFEST.json")).files)
+    cache = tmp_path / "staging" / RESTORE_FOLDER / "step-000000003"
+    cache.mkdir(parents=True)
+    (cache / entry.path).write_bytes(b"x" * entry.size)
+    (cache / (entry.path + VERIFIED_SUFFIX)).write_bytes(b"")
+    path = fetch_verified(store, "step-000000003", entry, str(cache))
+    assert Path(path).read_bytes() == Path(root, "step-000000003", entry.path).read_bytes()
+    assert store.fetched == [f"step-000000003/{entry.path}"]
+
+
+def test_the_restore_never_loads_a_file_staged_for_another_checkpoint(tmp_path: Path) -> None:
+    staging_dir = str(tmp_path / "staging")
+    root_a, _ = committed(tmp_path / "a")
+    root_b = committed_other(tmp_path / "b")
+    # A's files where B's restore will look (one staging folder for both: the marker must tell them apart).
+    assert (
+        prefetch(ObjectStoreLike(root_a), staging_root(ObjectStoreLike(root_b), None, staging_dir)) == "step-000000003"
+    )
+    with Checkpointer(root_b, keep=None) as ckpt:
+        expected = make_state(0, seed=5)
+        assert ckpt.restore(expected) == 3  # B restored straight from its folder: the reference
+    fresh = make_state(0, seed=9)
+    with Checkpointer(root_b, staging_dir=staging_dir) as again:
+        again.storage = ObjectStoreLike(root_b)
+        assert again.restore(fresh) == 3
+    assert_same(snapshot(fresh), snapshot(expected), "the state restored through a cache that held A's files")
+
+
+def committed_other(tmp_path: Path) -> str:
+    """Another job's step 3 at ``tmp_path``: other weights, so every shard differs from ``committed``'s."""
+    state = make_state(0, seed=7)
+    train(state, 4)
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(3, state)
+    return root
+
+
+# -- the agent's prefetch and the ranks' Checkpointer agree on the staging folder ------------------
+
+
+def test_the_agents_prefetch_lands_where_the_ranks_checkpointer_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``spotjob-agent --staging-dir S --job-name J`` prefetches; a rank's ``Checkpointer.from_env()``
+    (the environment the agent gives it) restores from what it fetched, fetching nothing again."""
+    root = str(tmp_path / "ckpt")
+    state = make_state(0)
+    train(state, 3)
+    with Checkpointer(root, keep=None, job="team/train") as ckpt:
+        ckpt.save(3, state)
+    saved = snapshot(state)
+
+    stores: list[ObjectStoreLike] = []
+
+    def open_store(uri: str) -> ObjectStoreLike:
+        stores.append(ObjectStoreLike(root))
+        return stores[-1]
+
+    argv = ["--checkpoint-uri", root, "--job-name", "team/train", "--staging-dir", str(tmp_path / "nvme"), "--", "x"]
+    config, _ = parse_args(argv, {})
+    agent = Agent(config, ControlDir(str(tmp_path / "control")), env={})
+    monkeypatch.setattr(launcher, "open_storage", open_store)
+    agent._prefetch()
+    for thread in threading.enumerate():
+        if thread.name == "spotjob-prefetch":
+            thread.join()
+    assert len(stores) == 1 and stores[0].fetched, "the agent's prefetch fetched nothing"
+
+    for name, value in agent.rank_env().items():
+        monkeypatch.setenv(name, value)
+    fresh = make_state(0, seed=9)
+    with Checkpointer.from_env() as rank:
+        rank.storage = ObjectStoreLike(root)
+        assert rank.restore(fresh) == 3
+        assert rank.storage.fetched == [], "the rank fetched files the agent had prefetched elsewhere"  # type: ignore[attr-defined]
+    assert_same(snapshot(fresh), saved, "the state restored from the agent's prefetch")

@@ -1,0 +1,179 @@
+"""The restore's fast path for plain modules hands each parameter its own optimizer state and its
+own group's hyperparameters, by name — as ``set_optimizer_state_dict`` (DCP's generic path) does —
+or refuses before anything live changes.
+
+The model has two layers of one shape, so the saved groups are the same size and every tensor of
+one layer fits the other: a restore that matched groups or parameters by position would load
+without an error and train layer 0 with layer 1's learning rate and moments.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from agent.checkpoint import Checkpointer, RestoreRefusedError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+
+JOB = harness.SCRIPTS / "ckpt_optim_groups.py"
+
+HYPER = ("lr", "weight_decay", "betas", "eps", "amsgrad")
+
+
+def make_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def layer(model: nn.Sequential, index: int) -> list[nn.Parameter]:
+    return list(model[index].parameters())
+
+
+def adam(groups: list[tuple[list[nn.Parameter], float, float]]) -> torch.optim.Adam:
+    """Adam over (params, lr, weight_decay) groups."""
+    return torch.optim.Adam([{"params": p, "lr": lr, "weight_decay": wd} for p, lr, wd in groups])
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+        optim.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        optim.step()
+
+
+def by_name(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """Each parameter's optimizer state and its group's hyperparameters, under the parameter's name."""
+    group_of = {id(p): g for g in optim.param_groups for p in g["params"]}
+    out: dict[str, dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        group = group_of[id(param)]
+        out[name] = {
+            "state": copy.deepcopy(optim.state.get(param, {})),
+            **{k: group[k] for k in HYPER if k in group},
+        }
+    return out
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+    """Step 3 committed: layer 0 at lr 0.1 without weight decay, layer 2 at lr 0.01 with 0.5.
+    Returns the URI, the state by name, and DCP's own optimizer state dict of the trained model."""
+    model = make_model(0)
+    optim = adam([(layer(model, 0), 0.1, 0.0), (layer(model, 2), 0.01, 0.5)])
+    train(model, optim, 3)
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim})
+    return uri, by_name(model, optim), copy.deepcopy(get_optimizer_state_dict(model, optim))
+
+
+def restore(uri: str, model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    with Checkpointer(uri, keep=None) as ckpt:
+        return ckpt.restore({"model": model, "optim": optim})
+
+
+def test_groups_built_in_another_order_get_each_parameters_state_and_lr_by_name(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]],
+) -> None:
+    uri, expected, dcp_osd = saved
+    model = make_model(1)
+    optim = adam([(layer(model, 2), 1.0, 0.0), (layer(model, 0), 1.0, 0.0)])
+    assert restore(uri, model, optim) == 3
+    assert optim.param_groups[0]["lr"] == 0.01 and optim.param_groups[1]["lr"] == 0.1
+    assert_same(by_name(model, optim), expected, "the optimizer state by parameter name")
+
+    # DCP's generic path, handed the same state for the same optimizer, gives the same result.
+    reference_model = make_model(1)
+    reference = adam([(layer(reference_model, 2), 1.0, 0.0), (layer(reference_model, 0), 1.0, 0.0)])
+    set_optimizer_state_dict(reference_model, reference, copy.deepcopy(dcp_osd))
+    assert_same(by_name(model, optim), by_name(reference_model, reference), "the fast path against DCP's")
+
+
+def test_a_save_and_restore_brings_every_parameters_moments_back_under_its_name(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]],
+) -> None:
+    uri, expected, _ = saved
+    model = make_model(1)
+    optim = adam([(layer(model, 0), 1.0, 0.0), (layer(model, 2), 1.0, 0.0)])
+    assert restore(uri, model, optim) == 3
+    restored = by_name(model, optim)
+    for name, entry in expected.items():
+        for moment in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(restored[name]["state"][moment], entry["state"][moment]), f"{name}: {moment}"
+        assert restored[name]["lr"] == entry["lr"] and restored[name]["weight_decay"] == entry["weight_decay"]
+
+
+@pytest.mark.parametrize(
+    "regroup",
+    [
+        # bias 0 moved into layer 2's group
+        lambda m: [([m[0].weight], 1.0, 0.0), ([m[0].bias, *layer(m, 2)], 1.0, 0.0)],
+        # same group sizes, different members: weights together, biases together
+        lambda m: [([m[0].weight, m[2].weight], 1.0, 0.0), ([m[0].bias, m[2].bias], 1.0, 0.0)],
+        # a group added
+        lambda m: [([m[0].weight], 1.0, 0.0), ([m[0].bias], 1.0, 0.0), (layer(m, 2), 1.0, 0.0)],
+        # a group removed
+        lambda m: [([*layer(m, 0), *layer(m, 2)], 1.0, 0.0)],
+    ],
+    ids=["param-moved", "same-sizes-other-members", "group-added", "group-removed"],
+)
+def test_an_optimizer_grouped_otherwise_is_refused_and_left_unchanged(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]], regroup: Any
+) -> None:
+    uri, _, _ = saved
+    model = make_model(1)
+    optim = adam(regroup(model))
+    train(model, optim, 1)
+    before_model = copy.deepcopy(model.state_dict())
+    before_optim = copy.deepcopy(optim.state_dict())
+    with pytest.raises(RestoreRefusedError, match="groups its parameters otherwise than the checkpoint"):
+        restore(uri, model, optim)
+    assert_same(model.state_dict(), before_model, "the model after a refused restore")
+    assert_same(optim.state_dict(), before_optim, "the optimizer after a refused restore")
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_modules_is_refused_on_save_and_restore(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]], tmp_path: Path
+) -> None:
+    uri, _, _ = saved
+    model = make_model(1)
+    stray = nn.Parameter(torch.zeros(4))
+    optim = adam([(layer(model, 0), 1.0, 0.0), ([*layer(model, 2), stray], 1.0, 0.0)])
+    with pytest.raises(ValueError, match="not a parameter of the modules"):
+        restore(uri, model, optim)
+    train(model, optim, 1)
+    with (
+        Checkpointer(str(tmp_path / "other"), keep=None) as ckpt,
+        pytest.raises(ValueError, match="not a parameter of the modules"),
+    ):
+        ckpt.save(1, {"model": model, "optim": optim})
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_restore_by_name_and_refuse_a_regrouped_optimizer_together(tmp_path: Path) -> None:
+    """Real torchrun ranks (DDP over gloo): every rank loads by name, and a refusal reaches every
+    rank — none is left waiting in a load the others never start."""
+    uri = str(tmp_path / "ckpt")
+    harness.torchrun(2, JOB, "save", "--uri", uri)
+    harness.torchrun(2, JOB, "restore", "--uri", uri, "--groups", "reordered", "--dump", str(tmp_path / "reordered"))
+    harness.torchrun(2, JOB, "restore", "--uri", uri, "--groups", "moved", "--dump", str(tmp_path / "moved"))
+    for rank in range(2):
+        saved = torch.load(f"{uri}.saved.rank{rank}.pt", weights_only=False)["saved"]
+        reordered = torch.load(tmp_path / f"reordered.rank{rank}.pt", weights_only=False)
+        assert reordered["outcome"] == 3
+        assert_same(reordered["after"], saved, f"rank {rank}'s state by name")
+        moved = torch.load(tmp_path / f"moved.rank{rank}.pt", weights_only=False)
+        assert isinstance(moved["outcome"], str) and "groups its parameters otherwise" in moved["outcome"]
+        assert_same(moved["after"], moved["before"], f"rank {rank}'s state after the refusal")
