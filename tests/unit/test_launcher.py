@@ -427,11 +427,16 @@ class TestProcessTree:
         )
         tree = ProcessTree(agent_id, root_pid=root.pid)
         try:
-            deadline = time.monotonic() + 10
-            while len(tree.refresh()) < 2 and time.monotonic() < deadline:
+            # Until the grandchild has exec'd sleep: forked, it is still named python for a moment.
+            def found() -> bool:
+                members = tree.refresh()
+                return len(members) == 2 and "sleep" in {p.comm for p in members}
+
+            deadline = time.monotonic() + 60
+            while not found() and time.monotonic() < deadline:
                 time.sleep(0.02)
             members = tree.refresh()
-            assert len(members) == 2 and "sleep" in {p.comm for p in members}
+            assert len(members) == 2 and "sleep" in {p.comm for p in members}, members
             tree.stop_all(grace=1.0, reason="test")
             assert not tree.refresh()
             assert all(not alive(p.pid) for p in members)
