@@ -247,49 +247,38 @@ class _Saving(_Voting):
     ) -> None:
         self._raise_if_failed()
         self.wait()  # at most one save in flight
-        self._check_state(state)
-        self._agree_on_step(step)
         started = time.monotonic()
-        self._restart_deadline()
-        dcp_state, objects = self._split_state(state)
-        rank_bytes = _rank_state.encode(
-            {
-                "step": step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "objects": objects,
-                "rng": _rank_state.capture_rng(),
-            }
-        )
-        local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
-        os.makedirs(local_dir, exist_ok=True)
-        save = _Save(
-            step=step,
-            started=started,
-            local_dir=local_dir,
-            metadata=metadata,
-            state_keys=list(state.keys()),
-            rank_bytes=rank_bytes,
-            flush=flush,
-            trigger="flush" if flush is not None or blocking else trigger,
-        )
-        background = self.config.async_save and not blocking
-        if dcp_state:
-            save.writer = make_writer(
-                local_dir,
-                durable=self.storage.local_path("") is not None,
-                direct=self._direct_io,
-                cancel=save.cancel,
+        # Everything a rank does alone before the save's collectives (check the state, serialise its
+        # own objects, make its folder, stage the tensors) is done first, and its outcome rides on
+        # the step agreement: a rank that failed here raises, and so does every other rank, instead
+        # of leaving them in the save's collectives waiting for a rank that never joins.
+        save: _Save | None = None
+        problem: Exception | None = None
+        try:
+            save = self._prepare_save(step, state, metadata, flush, blocking, trigger, started)
+        except Exception as e:
+            problem = e
+        try:
+            failed_rank = self._agree_on_step(step, failed=problem is not None)
+        except BaseException:
+            self._discard_prepared(save)
+            raise
+        if problem is not None or failed_rank is not None:
+            self._discard_prepared(save)
+            if isinstance(problem, ValueError | TypeError):
+                raise problem  # the state handed in does not fit: the caller's to mend
+            if problem is not None:
+                raise SaveFailedError(
+                    f"rank {self.rank}: preparing the checkpoint of step {step} in {self.storage.uri} failed: "
+                    f"{problem!r}; nothing was written"
+                ) from problem
+            raise SaveFailedError(
+                f"rank {failed_rank} could not prepare the checkpoint of step {step} in {self.storage.uri} "
+                "(see its log); nothing was written"
             )
-            if background:
-                if self._stager is None:
-                    self._stager = make_stager()
-                staged = self._stager.stage(dcp_state)
-                save.staged = staged.result() if hasattr(staged, "result") else staged
-                if getattr(self._stager, "should_synchronize_after_execute", False):
-                    self._stager.synchronize_staging()
-            else:
-                save.staged = dcp_state  # written below, from the live tensors
+        assert save is not None
+        self._restart_deadline()
+        background = self.config.async_save and not blocking
         self.last_blocking_seconds = time.monotonic() - started
         self._last_saved_step = step
         self._inflight = save
@@ -301,6 +290,66 @@ class _Saving(_Voting):
         else:
             self._finish_save(save)
             self.wait()  # a synchronous save reports its failure from the call that made it
+
+    @staticmethod
+    def _discard_prepared(save: _Save | None) -> None:
+        """A prepared save that will not run: its folder goes, its staged tensors are let go."""
+        if save is not None:
+            shutil.rmtree(os.path.dirname(save.local_dir), ignore_errors=True)
+            save.staged = None
+
+    def _prepare_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metadata: dict[str, Any],
+        flush: FlushRequest | None,
+        blocking: bool,
+        trigger: str,
+        started: float,
+    ) -> _Save:
+        """(every rank, alone) The save of ``step``: the state checked, this rank's objects
+        serialised, its folder made and (in the background case) its tensors staged."""
+        self._check_state(state)
+        dcp_state, objects = self._split_state(state)
+        rank_bytes = _rank_state.encode(
+            {
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "objects": objects,
+                "rng": _rank_state.capture_rng(),
+            }
+        )
+        local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
+        save = _Save(
+            step=step,
+            started=started,
+            local_dir=local_dir,
+            metadata=metadata,
+            state_keys=list(state.keys()),
+            rank_bytes=rank_bytes,
+            flush=flush,
+            trigger="flush" if flush is not None or blocking else trigger,
+        )
+        os.makedirs(local_dir, exist_ok=True)
+        if dcp_state:
+            save.writer = make_writer(
+                local_dir,
+                durable=self.storage.local_path("") is not None,
+                direct=self._direct_io,
+                cancel=save.cancel,
+            )
+            if self.config.async_save and not blocking:
+                if self._stager is None:
+                    self._stager = make_stager()
+                staged = self._stager.stage(dcp_state)
+                save.staged = staged.result() if hasattr(staged, "result") else staged
+                if getattr(self._stager, "should_synchronize_after_execute", False):
+                    self._stager.synchronize_staging()
+            else:
+                save.staged = dcp_state  # written below, from the live tensors
+        return save
 
     def _finish_save(self, save: _Save) -> None:
         """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective.

@@ -104,17 +104,21 @@ class _Voting(_Retention):
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
         self._votes.append((work, buf))
 
-    def _agree_on_step(self, step: int) -> None:
-        """(every rank, before a save writes anything) Same step everywhere, or raise everywhere.
+    def _agree_on_step(self, step: int, failed: bool = False) -> int | None:
+        """(every rank, before a save writes anything) Same step everywhere, or raise everywhere;
+        returns the highest rank that ``failed`` to prepare its part of the save (None: none did).
 
         Shaped like the per-step vote, so that a rank that skipped this save (it saw another
-        step) pairs it with its next vote, and both sides see the difference.
+        step) pairs it with its next vote, and both sides see the difference. The failure rides in
+        the vote's "save failed" slot, as rank + 1.
         """
         if not self._dist or self.world_size == 1:
-            return
-        buf = torch.tensor([0, 0, 0, 0, step, -step], dtype=torch.int64)
+            return self.rank if failed else None
+        buf = torch.tensor([0, 0, 0, self.rank + 1 if failed else 0, step, -step], dtype=torch.int64)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        self._check_same_step(_Vote.reduced([int(v) for v in buf.tolist()]), "save")
+        values = [int(v) for v in buf.tolist()]
+        self._check_same_step(_Vote.reduced(values), "save")
+        return values[3] - 1 if values[3] else None
 
     def _check_same_step(self, vote: _Vote, call: str) -> None:
         if vote.lowest_step != vote.highest_step:

@@ -93,6 +93,25 @@ def test_a_save_whose_per_rank_state_cannot_be_restored_fails_on_every_rank_and_
     assert committed_steps(uri) == list(range(1, from_save))
 
 
+def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_commits(tmp_path: Path) -> None:
+    """Rank 1 fails before the save's collectives (its state_dict() raises): rank 0 must not go on
+    into them alone, and the ranks' next save must pair up as usual."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "prepare-one-rank", "--uri", uri, "--out", str(out))
+    for rank, text in enumerate(outcomes(out)):
+        lines = text.splitlines()
+        assert lines[0] == "step 1: no error", f"rank {rank}: {text}"
+        assert lines[1].startswith("step 2: SaveFailedError:"), f"rank {rank}: {text}"
+        assert "rank 1" in lines[1] and "step 2" in lines[1] and uri in lines[1], f"rank {rank}: {text}"
+        if rank == 1:
+            assert "state_dict blew up (injected)" in lines[1], f"rank 1 was not told why: {text}"
+        assert lines[2] == "step 3: no error", f"rank {rank}: {text}"
+    assert committed_steps(uri) == [1, 3]
+    staging = tmp_path / "ckpt" / ".spotjob-staging"
+    left = sorted(p.name for p in staging.glob("step-000000002-*")) if staging.exists() else []
+    assert left == [], f"the failed save left its staging folders: {left}"
+
+
 def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -> None:
     uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
     harness.torchrun(2, FAILURES, "after-close", "--uri", uri, "--out", str(out))

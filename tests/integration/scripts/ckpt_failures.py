@@ -8,6 +8,10 @@
         trains slowly, so the ranks reach their next step() at different times
     ckpt_failures.py unrestorable --uri U --out O --from-save N
         rank 1's per-rank object holds something weights_only loading refuses from its N-th save on
+    ckpt_failures.py prepare-one-rank --uri U --out O
+        saves steps 1, 2 and 3 (each waited for); rank 1's per-rank object raises from its
+        state_dict() at the second save, before any of that save's collectives; every rank records
+        each save's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
 
@@ -158,6 +162,40 @@ def unrestorable(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+class FailsOnce:
+    """A per-rank object whose ``state_dict()`` raises at its second save, on rank 1 only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.saves = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saves += 1
+        if self.rank == 1 and self.saves == 2:
+            raise RuntimeError("state_dict blew up (injected)")
+        return {"saves": self.saves}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saves = int(state["saves"])
+
+
+def prepare_one_rank(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    state["progress"] = FailsOnce(rank)
+    lines = []
+    with Checkpointer(args.uri, keep=None) as ckpt:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            try:
+                ckpt.save(step, state)
+                ckpt.wait()
+                lines.append(f"step {step}: no error")
+            except Exception as e:
+                lines.append(f"step {step}: {type(e).__name__}: {e}")
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
 def after_close(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     ckpt = Checkpointer(args.uri, keep=None, every_steps=1)
@@ -181,7 +219,9 @@ def after_close(args: argparse.Namespace, rank: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["commit-error", "async-one-rank", "unrestorable", "after-close"])
+    p.add_argument(
+        "command", choices=["commit-error", "async-one-rank", "unrestorable", "prepare-one-rank", "after-close"]
+    )
     p.add_argument("--uri", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--where", choices=["naming", "commit"], default="commit")
@@ -195,6 +235,7 @@ def main() -> None:
         "commit-error": commit_error,
         "async-one-rank": async_one_rank,
         "unrestorable": unrestorable,
+        "prepare-one-rank": prepare_one_rank,
         "after-close": after_close,
     }
     modes[args.command](args, rank)
