@@ -185,3 +185,26 @@ def test_a_flush_is_reported_before_retention_deletes_anything(tmp_path: Path) -
     assert deleted, "retention deleted nothing: the test proves nothing"
     assert all(reported for _, reported in deleted), f"deleted before the flush was reported: {deleted}"
     assert [step for step, _ in commits(str(root))] == [3]
+
+
+def test_a_flush_whose_retention_fails_unexpectedly_still_ends_as_flushed(tmp_path: Path) -> None:
+    """Retention after a flush runs on rank 0 alone: an error from it, of any kind, must not turn
+    the committed flush into a failed step() (on rank 0 only: its peers would wait for it)."""
+    root, control = tmp_path / "ckpt", ControlDir(str(tmp_path / "control"))
+    state = make_state(0)
+    with Checkpointer(str(root), every_steps=1, keep=1, control_dir=control.path) as ckpt:
+        for step in (1, 2):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+        ckpt.wait()
+
+        def broken_delete(keys: Any) -> None:
+            raise RuntimeError("the storage client blew up (injected)")
+
+        ckpt.storage.delete = broken_delete  # type: ignore[method-assign]
+        control.request_flush(FlushRequest(reason="test notice"))
+        train(state, 1, start=2)
+        assert ckpt.step(3, state) is True
+    assert json.loads((Path(control.path) / FLUSHED_FILE).read_text())["step"] == 3
+    # keep=1: step 2 would have gone after the flush; it stays for the next save's retention.
+    assert [step for step, _ in commits(str(root))] == [2, 3]
