@@ -28,6 +28,7 @@ from orchestrator.model import (
     JobKey,
     JobStatus,
     NodeRef,
+    NotStarting,
     Phase,
     RecoveryStatus,
     RestartRecord,
@@ -82,6 +83,12 @@ def a_status_as_the_reconciler_writes_it() -> JobStatus:
             first_step_at=t - timedelta(minutes=9),
             observed_step=940,
             observed_step_at=t,
+            not_starting=NotStarting(
+                worker="train-eks-2-1",
+                reason="ImagePullBackOff",
+                message="container trainer: Back-off pulling image",
+                since=t - timedelta(minutes=10),
+            ),
         ),
         workers=[
             WorkerStatus(
@@ -122,6 +129,7 @@ def a_status_as_the_reconciler_writes_it() -> JobStatus:
             flush_failed=["train-eks-2-1"],
         ),
         avoid=[Avoidance(kind="node", value="n1", until=t + timedelta(minutes=20), reason="SpotInterrupted")],
+        checkpoint_uri="s3://bucket/ml/train",
         last_checkpoint=CheckpointInfo(step=500, uri="s3://bucket/ml/train/step-000000500", time=t),
         lost_steps=12,
         flushing_seconds=31.5,
@@ -214,5 +222,5 @@ def test_kubectl_get_sj_shows_the_jobs_columns(cluster: TestCluster, namespace: 
     ]  # fmt: skip
     assert line.split()[:3] == ["seen", "Flushing", "500"] and line.split()[4:7] == ["2", "1", "0.9312"]
     wide = cluster.kubectl("get", "spotjobs", "-n", namespace, "-o", "wide").stdout
-    assert wide.splitlines()[0].split()[-2:] == ["ATTEMPT", "REASON"]
-    assert wide.splitlines()[1].split()[-2:] == ["2", "SpotInterrupted"]
+    assert wide.splitlines()[0].split()[-3:] == ["ATTEMPT", "REASON", "NOT-STARTING"]
+    assert wide.splitlines()[1].split()[-3:] == ["2", "SpotInterrupted", "ImagePullBackOff"]
