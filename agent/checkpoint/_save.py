@@ -104,6 +104,9 @@ class _Save:
     writer: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
+    given_up: bool = False
+    """Some rank had set ``cancel`` when the save gathered its ranks' outcomes: the same on every
+    rank, so every rank judges the save's failure alike (``_supersede``), whatever its own flag."""
     staged: Any = None
     """The staged DCP state the background thread writes (None: written already, or none)."""
     flush: FlushRequest | None = None
@@ -222,6 +225,11 @@ class _Saving(_Voting):
         commit. Every rank stops writing at its next block; the save then fails on every rank
         alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
         until the flush's. A save whose writing was already done goes on to its commit.
+
+        Whether a failed save was given up is what its ranks agreed when they gathered their
+        outcomes (``_Save.given_up``), not this rank's own flag: a rank whose save thread finished
+        before it reached this step set no flag, while its peer, there earlier, did. Judged apart,
+        one raised and the other went on into the flush's collectives alone.
         """
         if inflight is None:
             return
@@ -232,7 +240,7 @@ class _Saving(_Voting):
         except FencedSaveError:
             raise
         except SaveFailedError as e:
-            if not inflight.cancel.is_set():
+            if not inflight.given_up:
                 raise
             log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
 
@@ -440,15 +448,16 @@ class _Saving(_Voting):
                 error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
-        gathered = self._all_gather((files, error, infra), group=self._save_pg)
+        gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
+        save.given_up = any(cancelled for _, _, _, cancelled in gathered)
         outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         if self.rank == 0 and fenced is None:
-            errors = [e for _, e, _ in gathered if e]
+            errors = [e for _, e, _, _ in gathered if e]
             if errors:
-                outcome = (None, "; ".join(errors), False, any(i for _, _, i in gathered))
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i, _ in gathered))
             else:
                 try:
-                    commit_files = [f for fs, _, _ in gathered for f in fs]
+                    commit_files = [f for fs, _, _, _ in gathered for f in fs]
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
@@ -479,7 +488,7 @@ class _Saving(_Voting):
                 f"({self.config.attempt}) of {self.config.job!r} and must stop"
             )
             log.error("checkpoint of step %d not committed: %s", save.step, failure)
-        elif save.cancel.is_set():
+        elif save.given_up:
             save.error = SaveFailedError(f"given up for a flush: {failure}")
             log.info("checkpoint of step %d given up for a flush, nothing committed", save.step)
         else:
