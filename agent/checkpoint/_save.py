@@ -104,6 +104,9 @@ class _Save:
     writer: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
+    number: int = 0
+    """Which save of this Checkpointer it is (1, 2, ...): the same on every rank, as every rank
+    starts the same saves (numbered once they agreed on it)."""
     given_up: bool = False
     """Some rank had set ``cancel`` when the save gathered its ranks' outcomes: the same on every
     rank, so every rank judges the save's failure alike (``_supersede``), whatever its own flag."""
@@ -129,6 +132,7 @@ class _Saving(_Voting):
     """One save at a time: started by ``step()``/``save()``/a flush, finished in the background."""
 
     _inflight: _Save | None
+    _saves_started: int
     _fenced: FencedSaveError | None
     _direct_io: bool
 
@@ -285,6 +289,8 @@ class _Saving(_Voting):
                 "(see its log); nothing was written"
             )
         assert save is not None
+        self._saves_started += 1
+        save.number = self._saves_started
         self._restart_deadline()
         background = self.config.async_save and not blocking
         self.last_blocking_seconds = time.monotonic() - started
@@ -561,20 +567,27 @@ class _Saving(_Voting):
             ) from None
         return self.storage.url(folder)
 
-    def _save_failed_here(self) -> bool:
+    def _failed_save_here(self) -> int | None:
         save = self._inflight
-        return save is not None and save.done.is_set() and save.error is not None
+        return save.number if save is not None and save.done.is_set() and save.error is not None else None
 
-    def _raise_agreed_failure(self) -> None:
+    def _raise_agreed_failure(self, number: int) -> None:
         """(every rank, at the step the vote says some rank's background save failed) Raise it.
 
         Each rank's save ends with the same outcome (the failure is gathered), but each save
         thread finishes at its own moment; raising at the vote's step, not at each rank's next
         call after its thread finished, keeps a rank from training on (or waiting in the next
         collective) while its peer has stopped.
+
+        Unless it was raised already: a ``save()``, ``wait()`` or ``close()`` between the vote and
+        this step raised it on every rank (the save's outcome is gathered), and its save is no
+        longer in flight, here or anywhere. A later save in flight is not that save.
         """
+        save = self._inflight
+        if save is None or save.number != number:
+            return
         self.wait()  # this rank's save holds the same failure: raises it
-        raise SaveFailedError("a background save failed on another rank; nothing was committed for it")
+        raise SaveFailedError(f"the save of step {save.step} failed on another rank; nothing was committed for it")
 
     def _raise_if_failed(self) -> None:
         if self._fenced is not None:

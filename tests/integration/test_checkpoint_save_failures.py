@@ -133,6 +133,23 @@ def test_a_flush_over_a_save_in_flight_acts_alike_on_ranks_whose_save_threads_fi
     assert committed_steps(uri) == committed
 
 
+def test_a_failure_raised_before_the_vote_that_carries_it_is_not_raised_again(tmp_path: Path) -> None:
+    """save(3) raised the failed save of step 2 on every rank before step(3) read the vote that
+    flags it: that vote must not raise it a second time (after waiting for the retried save,
+    which committed)."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "failure-raised-before-its-vote", "--uri", uri, "--out", str(out))
+    for rank, text in enumerate(outcomes(out)):
+        lines = text.splitlines()
+        assert lines[0] == "save(2): no error", f"rank {rank}: {text}"
+        assert lines[1] == "step(2): no error", f"rank {rank}: {text}"
+        assert lines[2].startswith("save(3): SaveFailedError: checkpoint of step 2"), f"rank {rank}: {text}"
+        assert lines[3:] == ["save(3) again: no error", "step(3): no error", "close(): no error"], (
+            f"rank {rank}: {text}"
+        )
+    assert committed_steps(uri) == [3]
+
+
 def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -> None:
     uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
     harness.torchrun(2, FAILURES, "after-close", "--uri", uri, "--out", str(out))

@@ -18,6 +18,10 @@
         reached it and gave the save up. failed: rank 1's upload of step 2 fails, after the
         shards are written (its thread is held in its last report); cancelled: rank 1 starts
         writing only once it gave the save up, so the save fails as given up for the flush.
+    ckpt_failures.py failure-raised-before-its-vote --uri U --out O
+        rank 1's upload of step 2 fails; the vote of step(2) carries the failure (rank 0 waited for
+        it); save(3) raises it first, and is retried; step(3) then reads that vote; every rank
+        records each call's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
 
@@ -270,6 +274,40 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+def failure_raised_before_its_vote(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None)
+    if rank == 1:
+        put_file = ckpt.storage.put_file
+
+        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
+            if key.startswith("step-000000002/"):
+                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
+            put_file(local_path, key, **kw)
+
+        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+    lines = []
+    calls: list[tuple[str, Any]] = [
+        ("save(2)", lambda: ckpt.save(2, state)),
+        ("step(2)", lambda: ckpt.step(2, state)),  # its vote carries rank 0's failed save
+        ("save(3)", lambda: ckpt.save(3, state)),  # raises that failure, on every rank
+        ("save(3) again", lambda: ckpt.save(3, state)),
+        ("step(3)", lambda: ckpt.step(3, state)),  # reads the vote of step(2)
+        ("close()", ckpt.close),
+    ]
+    for name, call in calls:
+        try:
+            call()
+            lines.append(f"{name}: no error")
+        except Exception as e:
+            lines.append(f"{name}: {type(e).__name__}: {e}")
+        if name == "save(2)" and rank == 0:
+            assert ckpt._inflight is not None
+            ckpt._inflight.done.wait()  # failed before step(2) votes
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
 def after_close(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     ckpt = Checkpointer(args.uri, keep=None, every_steps=1)
@@ -302,6 +340,7 @@ def main() -> None:
             "prepare-one-rank",
             "after-close",
             "flush-over-save",
+            "failure-raised-before-its-vote",
         ],
     )
     p.add_argument("--uri", required=True)
@@ -321,6 +360,7 @@ def main() -> None:
         "prepare-one-rank": prepare_one_rank,
         "after-close": after_close,
         "flush-over-save": flush_over_save,
+        "failure-raised-before-its-vote": failure_raised_before_its_vote,
     }
     modes[args.command](args, rank)
     dist.destroy_process_group()
