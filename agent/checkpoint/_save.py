@@ -104,6 +104,12 @@ class _Save:
     writer: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
+    number: int = 0
+    """Which save of this Checkpointer it is (1, 2, ...): the same on every rank, as every rank
+    starts the same saves (numbered once they agreed on it)."""
+    given_up: bool = False
+    """Some rank had set ``cancel`` when the save gathered its ranks' outcomes: the same on every
+    rank, so every rank judges the save's failure alike (``_supersede``), whatever its own flag."""
     staged: Any = None
     """The staged DCP state the background thread writes (None: written already, or none)."""
     flush: FlushRequest | None = None
@@ -126,6 +132,7 @@ class _Saving(_Voting):
     """One save at a time: started by ``step()``/``save()``/a flush, finished in the background."""
 
     _inflight: _Save | None
+    _saves_started: int
     _fenced: FencedSaveError | None
     _direct_io: bool
 
@@ -222,6 +229,11 @@ class _Saving(_Voting):
         commit. Every rank stops writing at its next block; the save then fails on every rank
         alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
         until the flush's. A save whose writing was already done goes on to its commit.
+
+        Whether a failed save was given up is what its ranks agreed when they gathered their
+        outcomes (``_Save.given_up``), not this rank's own flag: a rank whose save thread finished
+        before it reached this step set no flag, while its peer, there earlier, did. Judged apart,
+        one raised and the other went on into the flush's collectives alone.
         """
         if inflight is None:
             return
@@ -232,7 +244,7 @@ class _Saving(_Voting):
         except FencedSaveError:
             raise
         except SaveFailedError as e:
-            if not inflight.cancel.is_set():
+            if not inflight.given_up:
                 raise
             log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
 
@@ -277,6 +289,8 @@ class _Saving(_Voting):
                 "(see its log); nothing was written"
             )
         assert save is not None
+        self._saves_started += 1
+        save.number = self._saves_started
         self._restart_deadline()
         background = self.config.async_save and not blocking
         self.last_blocking_seconds = time.monotonic() - started
@@ -440,15 +454,16 @@ class _Saving(_Voting):
                 error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
-        gathered = self._all_gather((files, error, infra), group=self._save_pg)
+        gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
+        save.given_up = any(cancelled for _, _, _, cancelled in gathered)
         outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         if self.rank == 0 and fenced is None:
-            errors = [e for _, e, _ in gathered if e]
+            errors = [e for _, e, _, _ in gathered if e]
             if errors:
-                outcome = (None, "; ".join(errors), False, any(i for _, _, i in gathered))
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i, _ in gathered))
             else:
                 try:
-                    commit_files = [f for fs, _, _ in gathered for f in fs]
+                    commit_files = [f for fs, _, _, _ in gathered for f in fs]
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
@@ -479,7 +494,7 @@ class _Saving(_Voting):
                 f"({self.config.attempt}) of {self.config.job!r} and must stop"
             )
             log.error("checkpoint of step %d not committed: %s", save.step, failure)
-        elif save.cancel.is_set():
+        elif save.given_up:
             save.error = SaveFailedError(f"given up for a flush: {failure}")
             log.info("checkpoint of step %d given up for a flush, nothing committed", save.step)
         else:
@@ -552,20 +567,27 @@ class _Saving(_Voting):
             ) from None
         return self.storage.url(folder)
 
-    def _save_failed_here(self) -> bool:
+    def _failed_save_here(self) -> int | None:
         save = self._inflight
-        return save is not None and save.done.is_set() and save.error is not None
+        return save.number if save is not None and save.done.is_set() and save.error is not None else None
 
-    def _raise_agreed_failure(self) -> None:
+    def _raise_agreed_failure(self, number: int) -> None:
         """(every rank, at the step the vote says some rank's background save failed) Raise it.
 
         Each rank's save ends with the same outcome (the failure is gathered), but each save
         thread finishes at its own moment; raising at the vote's step, not at each rank's next
         call after its thread finished, keeps a rank from training on (or waiting in the next
         collective) while its peer has stopped.
+
+        Unless it was raised already: a ``save()``, ``wait()`` or ``close()`` between the vote and
+        this step raised it on every rank (the save's outcome is gathered), and its save is no
+        longer in flight, here or anywhere. A later save in flight is not that save.
         """
+        save = self._inflight
+        if save is None or save.number != number:
+            return
         self.wait()  # this rank's save holds the same failure: raises it
-        raise SaveFailedError("a background save failed on another rank; nothing was committed for it")
+        raise SaveFailedError(f"the save of step {save.step} failed on another rank; nothing was committed for it")
 
     def _raise_if_failed(self) -> None:
         if self._fenced is not None:

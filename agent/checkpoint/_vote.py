@@ -25,15 +25,16 @@ class _Vote:
     flush: bool = False
     save_early: bool = False
     time_due: bool = False
-    save_failed: bool = False
-    """Some rank's background save is done and failed: every rank raises it at this step."""
+    failed_save: int | None = None
+    """The number (``_Save.number``) of a background save that some rank saw done and failed: every
+    rank raises it at this step, unless it was raised already (by a ``save()`` or ``wait()`` since)."""
     lowest_step: int | None = None
     highest_step: int | None = None
 
     @classmethod
     def reduced(cls, values: list[int]) -> _Vote:
         flush, early, due, failed, high, neg_low = values
-        return cls(bool(flush), bool(early), bool(due), bool(failed), -neg_low, high)
+        return cls(bool(flush), bool(early), bool(due), failed - 1 if failed else None, -neg_low, high)
 
 
 class _Voting(_Retention):
@@ -48,7 +49,8 @@ class _Voting(_Retention):
         self._last_save_started = time.monotonic()
 
     def _local_flags(self) -> list[int]:
-        """[flush requested, save-early requested, every_seconds due, this rank's save failed]."""
+        """[flush requested, save-early requested, every_seconds due, 1 + the number of this rank's
+        failed save (0: none)]."""
         flush = save_early = 0
         if self._control is not None:
             flush = int(self._control.flush_requested())
@@ -59,10 +61,11 @@ class _Voting(_Retention):
             self.config.every_seconds is not None
             and time.monotonic() - self._last_save_started >= self.config.every_seconds
         )
-        return [flush, save_early, time_due, int(self._save_failed_here())]
+        failed = self._failed_save_here()
+        return [flush, save_early, time_due, 0 if failed is None else failed + 1]
 
-    def _save_failed_here(self) -> bool:
-        """This rank's background save is done and failed (``_Saving`` knows its save).
+    def _failed_save_here(self) -> int | None:
+        """The number of this rank's background save, if it is done and failed (``_Saving`` knows it).
 
         The failure itself reaches every rank through the save's own gather; the vote only makes
         every rank raise it at the same step, whenever each one's save thread finishes."""

@@ -152,6 +152,7 @@ class Checkpointer(_Saving, _Restoring):
         self._stager: Any = None
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
+        self._saves_started = 0
         self._status = RankStatus(
             state="starting",
             world_size=self.world_size,
@@ -208,8 +209,8 @@ class Checkpointer(_Saving, _Restoring):
         if self._flushed:
             return True
         vote = self._read_vote(step)
-        if vote.save_failed:
-            self._raise_agreed_failure()
+        if vote.failed_save is not None:
+            self._raise_agreed_failure(vote.failed_save)
         if vote.flush:
             self._flush(step, state, metadata)
             return True

@@ -112,6 +112,44 @@ def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_co
     assert left == [], f"the failed save left its staging folders: {left}"
 
 
+@pytest.mark.parametrize(("variant", "committed"), [("failed", []), ("cancelled", [3])])
+def test_a_flush_over_a_save_in_flight_acts_alike_on_ranks_whose_save_threads_finish_apart(
+    tmp_path: Path, variant: str, committed: list[int]
+) -> None:
+    """Rank 0's save thread finished before rank 0 reached the flush's step, rank 1's only after
+    rank 1 gave the save up there: both must judge the save's failure alike, never one raising
+    while the other goes on into the flush's collectives alone. A save that failed on its own fails
+    the flush on every rank; one given up for the flush (on any rank) lets every rank flush."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "flush-over-save", "--uri", uri, "--out", str(out), "--variant", variant, check=False)
+    for rank, text in enumerate(outcomes(out)):
+        if variant == "failed":
+            assert text.startswith("FlushFailedError at step 3: flush at step 3 could not commit"), (
+                f"rank {rank}: {text}"
+            )
+            assert "Permission denied (injected)" in text, f"rank {rank} was not told why: {text}"
+        else:
+            assert text == "no error", f"rank {rank}: {text}"
+    assert committed_steps(uri) == committed
+
+
+def test_a_failure_raised_before_the_vote_that_carries_it_is_not_raised_again(tmp_path: Path) -> None:
+    """save(3) raised the failed save of step 2 on every rank before step(3) read the vote that
+    flags it: that vote must not raise it a second time (after waiting for the retried save,
+    which committed)."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "failure-raised-before-its-vote", "--uri", uri, "--out", str(out))
+    for rank, text in enumerate(outcomes(out)):
+        lines = text.splitlines()
+        assert lines[0] == "save(2): no error", f"rank {rank}: {text}"
+        assert lines[1] == "step(2): no error", f"rank {rank}: {text}"
+        assert lines[2].startswith("save(3): SaveFailedError: checkpoint of step 2"), f"rank {rank}: {text}"
+        assert lines[3:] == ["save(3) again: no error", "step(3): no error", "close(): no error"], (
+            f"rank {rank}: {text}"
+        )
+    assert committed_steps(uri) == [3]
+
+
 def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -> None:
     uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
     harness.torchrun(2, FAILURES, "after-close", "--uri", uri, "--out", str(out))

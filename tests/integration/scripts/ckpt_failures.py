@@ -12,6 +12,16 @@
         saves steps 1, 2 and 3 (each waited for); rank 1's per-rank object raises from its
         state_dict() at the second save, before any of that save's collectives; every rank records
         each save's outcome
+    ckpt_failures.py flush-over-save --uri U --out O --variant {failed,cancelled}
+        the save of step 2 is in flight when the vote of step 2 asks for a flush; rank 0's save
+        thread finishes before rank 0 reaches the flush's step (3), rank 1's only after rank 1
+        reached it and gave the save up. failed: rank 1's upload of step 2 fails, after the
+        shards are written (its thread is held in its last report); cancelled: rank 1 starts
+        writing only once it gave the save up, so the save fails as given up for the flush.
+    ckpt_failures.py failure-raised-before-its-vote --uri U --out O
+        rank 1's upload of step 2 fails; the vote of step(2) carries the failure (rank 0 waited for
+        it); save(3) raises it first, and is retried; step(3) then reads that vote; every rank
+        records each call's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
 
@@ -31,6 +41,7 @@ import argparse
 import errno
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from datetime import timedelta
@@ -196,6 +207,107 @@ def prepare_one_rank(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+def flush_over_save(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None)
+    gate = Path(f"{args.out}.gate")
+    if rank == 1 and args.variant == "failed":
+        put_file = ckpt.storage.put_file
+
+        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
+            if key.startswith("step-000000002/"):
+                while not gate.exists():  # until the vote of step 2 is launched, on every rank
+                    time.sleep(0.01)
+                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
+            put_file(local_path, key, **kw)
+
+        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+        report = ckpt._report
+
+        def held_report(force: bool = False) -> None:
+            save = ckpt._inflight
+            if threading.current_thread().name == "spotjob-save" and save is not None and save.step == 2:
+                save.cancel.wait(60)  # this rank's thread finishes only once the flush gives it up
+            report(force=force)
+
+        ckpt._report = held_report  # type: ignore[method-assign]
+    if rank == 1 and args.variant == "cancelled":
+        finish = ckpt._finish_save
+
+        def held_finish(save: Any) -> None:
+            save.cancel.wait(60)  # this rank writes only once the flush gives the save up
+            finish(save)
+
+        ckpt._finish_save = held_finish  # type: ignore[method-assign]
+    flags = ckpt._local_flags
+
+    def flush_at_step_2() -> list[int]:
+        local = flags()
+        if ckpt._last_step == 2:
+            local[0] = 1  # a flush is requested (as the agent's notice would)
+        return local
+
+    ckpt._local_flags = flush_at_step_2  # type: ignore[method-assign]
+    error: BaseException | None = None
+    step = 0
+    try:
+        for step in (1, 2):
+            train(state, 1, start=step - 1)
+            if step == 2:
+                ckpt.save(2, state)
+            ckpt.step(step, state)
+        if args.variant == "failed":
+            dist.barrier()  # both votes of step 2 launched: the save may now fail
+            gate.touch()
+        if rank == 0:
+            assert ckpt._inflight is not None
+            ckpt._inflight.done.wait()  # this rank's save thread is done before the flush's step
+        if args.variant == "failed":
+            dist.barrier()  # and rank 1's has gathered the failure, but not finished
+        step = 3
+        train(state, 1, start=2)
+        ckpt.step(3, state)
+        ckpt.close()
+    except Exception as e:
+        error = e
+    write(Path(f"{args.out}.rank{rank}"), outcome(error, step))
+    dist.barrier()
+
+
+def failure_raised_before_its_vote(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None)
+    if rank == 1:
+        put_file = ckpt.storage.put_file
+
+        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
+            if key.startswith("step-000000002/"):
+                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
+            put_file(local_path, key, **kw)
+
+        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+    lines = []
+    calls: list[tuple[str, Any]] = [
+        ("save(2)", lambda: ckpt.save(2, state)),
+        ("step(2)", lambda: ckpt.step(2, state)),  # its vote carries rank 0's failed save
+        ("save(3)", lambda: ckpt.save(3, state)),  # raises that failure, on every rank
+        ("save(3) again", lambda: ckpt.save(3, state)),
+        ("step(3)", lambda: ckpt.step(3, state)),  # reads the vote of step(2)
+        ("close()", ckpt.close),
+    ]
+    for name, call in calls:
+        try:
+            call()
+            lines.append(f"{name}: no error")
+        except Exception as e:
+            lines.append(f"{name}: {type(e).__name__}: {e}")
+        if name == "save(2)" and rank == 0:
+            assert ckpt._inflight is not None
+            ckpt._inflight.done.wait()  # failed before step(2) votes
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
 def after_close(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     ckpt = Checkpointer(args.uri, keep=None, every_steps=1)
@@ -220,13 +332,23 @@ def after_close(args: argparse.Namespace, rank: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
-        "command", choices=["commit-error", "async-one-rank", "unrestorable", "prepare-one-rank", "after-close"]
+        "command",
+        choices=[
+            "commit-error",
+            "async-one-rank",
+            "unrestorable",
+            "prepare-one-rank",
+            "after-close",
+            "flush-over-save",
+            "failure-raised-before-its-vote",
+        ],
     )
     p.add_argument("--uri", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--where", choices=["naming", "commit"], default="commit")
     p.add_argument("--error", choices=["runtime", "oserror"], default="runtime")
     p.add_argument("--from-save", type=int, default=1)
+    p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
     rank = dist.get_rank()
@@ -237,6 +359,8 @@ def main() -> None:
         "unrestorable": unrestorable,
         "prepare-one-rank": prepare_one_rank,
         "after-close": after_close,
+        "flush-over-save": flush_over_save,
+        "failure-raised-before-its-vote": failure_raised_before_its_vote,
     }
     modes[args.command](args, rank)
     dist.destroy_process_group()
