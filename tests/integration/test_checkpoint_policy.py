@@ -160,14 +160,18 @@ def test_json_metadata_is_recorded(tmp_path: Path) -> None:
 # -- the flush is reported before retention runs -------------------------------------------------
 
 
+def commit_steps_1_and_2(ckpt: Checkpointer, state: dict[str, Any]) -> None:
+    for step in (1, 2):
+        train(state, 1, start=step - 1)
+        ckpt.step(step, state)
+    ckpt.wait()
+
+
 def test_a_flush_is_reported_before_retention_deletes_anything(tmp_path: Path) -> None:
     root, control = tmp_path / "ckpt", ControlDir(str(tmp_path / "control"))
     state = make_state(0)
     with Checkpointer(str(root), every_steps=1, keep=1, control_dir=control.path) as ckpt:
-        for step in (1, 2):
-            train(state, 1, start=step - 1)
-            ckpt.step(step, state)
-        ckpt.wait()
+        commit_steps_1_and_2(ckpt, state)
         deleted: list[tuple[str, bool]] = []
         delete = ckpt.storage.delete
 
@@ -193,10 +197,7 @@ def test_a_flush_whose_retention_fails_unexpectedly_still_ends_as_flushed(tmp_pa
     root, control = tmp_path / "ckpt", ControlDir(str(tmp_path / "control"))
     state = make_state(0)
     with Checkpointer(str(root), every_steps=1, keep=1, control_dir=control.path) as ckpt:
-        for step in (1, 2):
-            train(state, 1, start=step - 1)
-            ckpt.step(step, state)
-        ckpt.wait()
+        commit_steps_1_and_2(ckpt, state)
 
         def broken_delete(keys: Any) -> None:
             raise RuntimeError("the storage client blew up (injected)")

@@ -100,19 +100,25 @@ def commit_error(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+def refuse_uploads(ckpt: Checkpointer, step: int) -> None:
+    """This rank's store refuses every file of ``step``'s folder (as a folder without write access does)."""
+    put_file = ckpt.storage.put_file
+    folder = f"step-{step:09d}/"
+
+    def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
+        if key.startswith(folder):
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
+        put_file(local_path, key, **kw)
+
+    ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+
+
 def async_one_rank(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     out = Path(f"{args.out}.rank{rank}")
     ckpt = Checkpointer(args.uri, keep=None, every_steps=3)
     if rank == 1:
-        put_file = ckpt.storage.put_file
-
-        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
-            if key.startswith("step-000000003/"):
-                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
-            put_file(local_path, key, **kw)
-
-        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+        refuse_uploads(ckpt, 3)
     step = 0
     try:
         with ckpt:
@@ -278,14 +284,7 @@ def failure_raised_before_its_vote(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     ckpt = Checkpointer(args.uri, keep=None)
     if rank == 1:
-        put_file = ckpt.storage.put_file
-
-        def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
-            if key.startswith("step-000000002/"):
-                raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
-            put_file(local_path, key, **kw)
-
-        ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
+        refuse_uploads(ckpt, 2)
     lines = []
     calls: list[tuple[str, Any]] = [
         ("save(2)", lambda: ckpt.save(2, state)),
