@@ -255,8 +255,7 @@ class Agent(AgentRequests):
         while True:
             now = time.monotonic()
             if now >= next_scan:
-                tree.refresh()
-                tree.reap()
+                tree.refresh(reap=True)
                 self._check_ranks(now)
                 self._check_parent()
                 next_scan = now + TREE_SCAN_EVERY

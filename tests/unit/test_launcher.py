@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import launcher
+from agent import launcher, process_tree
 from agent.control_channel import (
     EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
@@ -568,6 +568,39 @@ class TestAgentRun:
             "SPOTJOB_CONTROL_DIR": str(tmp_path / "ctl"),
         }
         assert env["KEEP_ME"] == "1" and env["SPOTJOB_AGENT_ID"] == agent.agent_id
+
+    def test_each_scan_of_the_watch_loop_walks_every_process_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """While nothing happens the agent's cost is its scans: one walk of /proc each, the reaping
+        of inherited orphans taken from the same walk (it used to walk again: 2x the idle cost)."""
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)
+        go = tmp_path / "go"
+        walks: list[int] = []
+        scans: list[float] = []
+        real_walk = process_tree.all_processes
+
+        def counted_walk() -> list[process_tree.ProcInfo]:
+            walks.append(1)
+            return real_walk()
+
+        real_check = Agent._check_ranks
+
+        def counted_check(self: Agent, now: float) -> None:
+            scans.append(now)
+            if len(scans) == 6:
+                go.touch()  # the command ends after six scans, however long they take
+            real_check(self, now)
+
+        monkeypatch.setattr(process_tree, "all_processes", counted_walk)
+        monkeypatch.setattr(Agent, "_check_ranks", counted_check)
+        code = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"
+        config = AgentConfig(command=[sys.executable, "-c", code], checkpoint_uri="file:///c")
+        agent = Agent(config, ControlDir(str(tmp_path / "ctl")), env={})
+        assert agent.run() == 0
+        assert len(scans) >= 6
+        # One walk a scan, plus the few of the start and the end (the last look for strays).
+        assert len(walks) <= len(scans) + 3, (len(walks), len(scans))
 
     def test_a_control_port_in_use_exits_74_naming_the_port_and_the_option_before_the_command_starts(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
