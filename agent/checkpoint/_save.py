@@ -170,12 +170,11 @@ class _Saving(_Voting):
                 )
         try:
             inflight = self._inflight
-            if inflight is not None and inflight.step == step:
+            same_step = inflight is not None and inflight.step == step
+            if inflight is not None and same_step:
                 inflight.flush = request
                 inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
-                self.wait()
-            else:
-                self._supersede(inflight)
+            if not self._supersede(inflight, give_up=not same_step) or not same_step:
                 # The loop stops after this save anyway: write straight from the live tensors
                 # instead of staging a copy first (saves a full memcpy of the state).
                 self._start_save(step, state, metadata, flush=request, blocking=True)
@@ -221,32 +220,37 @@ class _Saving(_Voting):
         if self.rank == 0 and self.last_committed_uri is not None:
             self._retain(CheckpointRef.parse(self.last_committed_uri.rsplit("/", 1)[-1]) or CheckpointRef(step))
 
-    def _supersede(self, inflight: _Save | None) -> None:
-        """(every rank, at the flush's step) Give up the save in flight, if it is still writing.
+    def _supersede(self, inflight: _Save | None, *, give_up: bool = True) -> bool:
+        """(every rank, at the flush's step) Settle the save in flight before the flush writes;
+        whether it committed.
 
-        It holds an older step than the flush is about to commit, and the disk cannot write both
-        in the time the notice leaves: waiting for it would about double the time to the flush's
-        commit. Every rank stops writing at its next block; the save then fails on every rank
-        alike (DCP gathers the failure) and commits nothing; the previous commit stays the newest
-        until the flush's. A save whose writing was already done goes on to its commit.
+        ``give_up``: it holds an older step than the flush is about to commit, and the disk cannot
+        write both in the time the notice leaves: waiting for it would about double the time to
+        the flush's commit. Every rank stops writing at its next block; the save then fails on
+        every rank alike (DCP gathers the failure) and commits nothing; the previous commit stays
+        the newest until the flush's. A save whose writing was already done goes on to its commit.
 
-        Whether a failed save was given up is what its ranks agreed when they gathered their
-        outcomes (``_Save.given_up``), not this rank's own flag: a rank whose save thread finished
-        before it reached this step set no flag, while its peer, there earlier, did. Judged apart,
-        one raised and the other went on into the flush's collectives alone.
+        A save that failed, given up or on its own (a store that refused it, a rank's per-rank
+        state), is logged and the flush goes on: the notice is the moment that matters, the flush
+        writes the newer state, and if the store still refuses, the flush fails with its own
+        error. Every rank holds the save's gathered outcome, so every rank goes on alike, whenever
+        its own save thread finished. Only a fenced save (another writer owns the URI) stops it.
         """
         if inflight is None:
-            return
-        if not inflight.done.is_set():
+            return False
+        if give_up and not inflight.done.is_set():
             inflight.cancel.set()
         try:
             self.wait()
         except FencedSaveError:
             raise
         except SaveFailedError as e:
-            if not inflight.given_up:
-                raise
-            log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
+            if inflight.given_up:
+                log.info("flush: the save of step %d in flight was given up for the flush (%s)", inflight.step, e)
+            else:
+                log.error("flush: the save of step %d failed (%s); the flush writes its step anyway", inflight.step, e)
+            return False
+        return True
 
     def _start_save(
         self,

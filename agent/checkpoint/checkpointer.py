@@ -209,11 +209,13 @@ class Checkpointer(_Saving, _Restoring):
         if self._flushed:
             return True
         vote = self._read_vote(step)
-        if vote.failed_save is not None:
-            self._raise_agreed_failure(vote.failed_save)
         if vote.flush:
+            # Before any failed save is raised: the flush settles (and logs) a save in flight that
+            # failed, and writes this step anyway.
             self._flush(step, state, metadata)
             return True
+        if vote.failed_save is not None:
+            self._raise_agreed_failure(vote.failed_save)
         due = vote.time_due or bool(self.config.every_steps and step % self.config.every_steps == 0)
         if vote.save_early:
             log.info("saving early at step %d: the agent asked for a checkpoint without stopping", step)

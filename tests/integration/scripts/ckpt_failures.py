@@ -18,6 +18,11 @@
         reached it and gave the save up. failed: rank 1's upload of step 2 fails, after the
         shards are written (its thread is held in its last report); cancelled: rank 1 starts
         writing only once it gave the save up, so the save fails as given up for the flush.
+        Each rank records whether step(3) said stop.
+    ckpt_failures.py flush-with-failed-save --uri U --out O [--same-step]
+        rank 1's upload of step 2 fails; both ranks' save threads are done before step(2) votes,
+        with a flush requested: step(3) reads one vote carrying both. --same-step: the flush is
+        read by step(2) itself, and rank 1's store takes step 2's files once it is flushing
     ckpt_failures.py failure-raised-before-its-vote --uri U --out O
         rank 1's upload of step 2 fails; the vote of step(2) carries the failure (rank 0 waited for
         it); save(3) raises it first, and is retried; step(3) then reads that vote; every rank
@@ -100,13 +105,14 @@ def commit_error(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
-def refuse_uploads(ckpt: Checkpointer, step: int) -> None:
-    """This rank's store refuses every file of ``step``'s folder (as a folder without write access does)."""
+def refuse_uploads(ckpt: Checkpointer, step: int, *, until_flush: bool = False) -> None:
+    """This rank's store refuses every file of ``step``'s folder (as a folder without write access
+    does); ``until_flush``: only until this rank is flushing."""
     put_file = ckpt.storage.put_file
     folder = f"step-{step:09d}/"
 
     def refusing_put_file(local_path: str, key: str, **kw: Any) -> None:
-        if key.startswith(folder):
+        if key.startswith(folder) and not (until_flush and ckpt._status.state == "flushing"):
             raise PermissionError(errno.EACCES, "Permission denied (injected)", key)
         put_file(local_path, key, **kw)
 
@@ -255,6 +261,7 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
 
     ckpt._local_flags = flush_at_step_2  # type: ignore[method-assign]
     error: BaseException | None = None
+    stop = False
     step = 0
     try:
         for step in (1, 2):
@@ -272,11 +279,51 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
             dist.barrier()  # and rank 1's has gathered the failure, but not finished
         step = 3
         train(state, 1, start=2)
-        ckpt.step(3, state)
+        stop = ckpt.step(3, state)
         ckpt.close()
     except Exception as e:
         error = e
-    write(Path(f"{args.out}.rank{rank}"), outcome(error, step))
+    text = outcome(error, step)
+    write(Path(f"{args.out}.rank{rank}"), text if error else f"{text}, {'stop' if stop else 'go on'} at step 3")
+    dist.barrier()
+
+
+def flush_with_failed_save(args: argparse.Namespace, rank: int) -> None:
+    """Without ``--same-step``: the vote of step(2) carries both the flush and the failed save of
+    step 2, read by step(3). With it: the vote of step(1) carries the flush, read by step(2) after
+    save(2) failed, so the flush meets the failed save of its own step and writes it again."""
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None)
+    if rank == 1:
+        refuse_uploads(ckpt, 2, until_flush=args.same_step)
+    flags = ckpt._local_flags
+    flush_vote = 1 if args.same_step else 2
+
+    def flush_at_step() -> list[int]:
+        local = flags()
+        if ckpt._last_step == flush_vote:
+            local[0] = 1  # a flush is requested (as the agent's notice would)
+        return local
+
+    ckpt._local_flags = flush_at_step  # type: ignore[method-assign]
+    error: BaseException | None = None
+    stop = False
+    step = 0
+    try:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            if step == 2:
+                ckpt.save(2, state)
+                assert ckpt._inflight is not None
+                ckpt._inflight.done.wait()  # failed on every rank before step(2) votes
+            stop = ckpt.step(step, state)
+            if stop:
+                break
+        ckpt.close()
+    except Exception as e:
+        error = e
+    text = outcome(error, step)
+    write(Path(f"{args.out}.rank{rank}"), text if error else f"{text}, {'stop' if stop else 'go on'} at step {step}")
     dist.barrier()
 
 
@@ -340,6 +387,7 @@ def main() -> None:
             "after-close",
             "flush-over-save",
             "failure-raised-before-its-vote",
+            "flush-with-failed-save",
         ],
     )
     p.add_argument("--uri", required=True)
@@ -348,6 +396,7 @@ def main() -> None:
     p.add_argument("--error", choices=["runtime", "oserror"], default="runtime")
     p.add_argument("--from-save", type=int, default=1)
     p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
+    p.add_argument("--same-step", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
     rank = dist.get_rank()
@@ -360,6 +409,7 @@ def main() -> None:
         "after-close": after_close,
         "flush-over-save": flush_over_save,
         "failure-raised-before-its-vote": failure_raised_before_its_vote,
+        "flush-with-failed-save": flush_with_failed_save,
     }
     modes[args.command](args, rank)
     dist.destroy_process_group()
