@@ -483,6 +483,11 @@ class NotStarting(_Resource):
     )
     message: str = Field(default="", description="what it says, for people")
     since: datetime = Field(description="when the reconciler first saw the attempt not starting")
+    warned: bool = Field(
+        default=False,
+        description="whether the WorkerNotStarting Warning was told (for an Unschedulable worker only once it "
+        "waited 10 minutes for a node, and never with startTimeoutSeconds, whose CapacityUnavailable tells it)",
+    )
 
 
 class AttemptStatus(_Resource):

@@ -33,7 +33,7 @@ Transitions (``*`` once the next attempt's workers were started)::
     (new)                       Pending       storage answers; attempt 0 started              WorkersStarted
     Pending, Rescheduling*      (same)        a worker does not start (an image it cannot     WorkerNotStarting
                                               pull, no node): status.attempt.notStarting;     (Event, once
-                                              a Warning Event                                 per attempt)
+                                              a Warning Event (no node: after 10 minutes)     per attempt)
     Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
     Running                     Succeeded     every worker exited 0                           Completed
     Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt SpotInterrupted

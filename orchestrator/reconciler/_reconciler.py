@@ -78,6 +78,10 @@ from orchestrator.reconciler._reasons import (
 )
 from orchestrator.store import ConflictError, JobStore, StoredJob
 
+UNSCHEDULABLE_WARNING_AFTER = 600.0
+"""Seconds a worker waits for a node before ``WorkerNotStarting`` warns about it (without
+``startTimeoutSeconds``): longer than an autoscaler takes to bring up a node, spot GPUs included."""
+
 
 class Reconciler(_Capacity):
     """Drives jobs, one pass for one job at a time, through the state machine of the package docstring.
@@ -464,7 +468,12 @@ class Reconciler(_Capacity):
 
     def _note_not_starting(self, p: _Pass, current: list[WorkerObservation]) -> None:
         """A worker of the started attempt that cannot start (an image it cannot pull, no node for it)
-        goes into ``status.attempt.notStarting``; the Warning Event is told once per attempt."""
+        goes into ``status.attempt.notStarting``; the Warning Event is told once per attempt.
+
+        Waiting for a node is what an autoscaling cluster does on every restart, so an Unschedulable
+        worker is warned about only once it waited ``UNSCHEDULABLE_WARNING_AFTER`` (and never with
+        ``startTimeoutSeconds``: ``CapacityUnavailable`` tells it then); a reason that follows it
+        (the node came, the image cannot be pulled) is warned about at once."""
         attempt = p.status.attempt
         for w in current:
             if w.phase is not WorkerPhase.PENDING:
@@ -474,21 +483,33 @@ class Reconciler(_Capacity):
                 continue
             reason, message = why
             before = attempt.not_starting
-            if before is not None and (before.worker, before.reason) == (w.name, reason):
-                return
-            attempt.not_starting = NotStarting(
-                worker=w.name, reason=reason, message=message, since=before.since if before else p.now
-            )
-            if before is None:
-                self._event(
-                    p,
-                    WORKER_NOT_STARTING,
-                    node=w.node,
+            if before is None or (before.worker, before.reason) != (w.name, reason):
+                attempt.not_starting = NotStarting(
                     worker=w.name,
-                    attempt=attempt.number,
                     reason=reason,
-                    detail=f": {message}" if message else "",
+                    message=message,
+                    since=before.since if before else p.now,
+                    warned=before.warned if before else False,
                 )
+            stuck = attempt.not_starting
+            assert stuck is not None
+            if stuck.warned:
+                return
+            if reason == "Unschedulable":
+                waited = (p.now - stuck.since).total_seconds()
+                if p.spec.start_timeout_seconds is not None or waited < UNSCHEDULABLE_WARNING_AFTER:
+                    return
+                message = f"{message} (for {waited / 60:.0f} min)" if message else f"for {waited / 60:.0f} min"
+            stuck.warned = True
+            self._event(
+                p,
+                WORKER_NOT_STARTING,
+                node=w.node,
+                worker=w.name,
+                attempt=attempt.number,
+                reason=reason,
+                detail=f": {message}" if message else "",
+            )
             return
 
     def _record_attempt(self, p: _Pass) -> bool:

@@ -57,6 +57,61 @@ def test_the_next_attempt_that_does_not_start_says_so_again(tmp_path: Any) -> No
     assert w.event_reasons().count("WorkerNotStarting") == 1
 
 
+def not_starting_warnings(w: Any) -> list[str]:
+    return [e.message for e in w.events.emitted if e.reason == "WorkerNotStarting"]
+
+
+def test_waiting_for_a_node_is_no_warning_until_it_lasts_ten_minutes(tmp_path: Any) -> None:
+    """An autoscaling cluster brings a node up for every restart: the worker is Unschedulable for a
+    minute or two, every attempt. That shows in the status, but a Warning Event only once the wait
+    is longer than a node takes to come (it used to be told at once, on every attempt)."""
+    w = make_world(tmp_path)
+    nodes, w.backend.nodes = list(w.backend.nodes), []
+    status = w.run_to(120)
+    stuck = status.attempt.not_starting
+    assert stuck is not None and stuck.reason == "Unschedulable" and not stuck.warned
+    assert not_starting_warnings(w) == []
+    w.backend.nodes = nodes  # the autoscaler's node came
+    w.run_until(running_attempt(0))
+    assert not_starting_warnings(w) == []
+
+    w.backend.notice("n0")
+    w.run_until(phase_is(Phase.RESCHEDULING))
+    w.backend.nodes = []
+    status = w.run_to(w.clock.at() + 660)
+    assert status.attempt.number == 1
+    warnings = not_starting_warnings(w)
+    assert len(warnings) == 1 and "Unschedulable" in warnings[0] and "min)" in warnings[0], warnings
+    assert status.attempt.not_starting is not None and status.attempt.not_starting.warned
+    w.run_to(w.clock.at() + 600)
+    assert len(not_starting_warnings(w)) == 1, "once per attempt"
+
+
+def test_an_image_that_cannot_be_pulled_once_a_node_came_is_warned_about(tmp_path: Any) -> None:
+    """The worker waited for a node (no Warning yet), then the node came and its image cannot be
+    pulled: that is what the Warning names (it used to name the wait, told at once, and the pull
+    failure was never told)."""
+    w = make_world(tmp_path)
+    nodes, w.backend.nodes = list(w.backend.nodes), []
+    w.run_to(90)
+    w.backend.nodes = nodes
+    w.backend.not_starting["train-0-0"] = PULL
+    status = w.run_to(200)
+    warnings = not_starting_warnings(w)
+    assert len(warnings) == 1 and "ImagePullBackOff" in warnings[0] and "train:typo" in warnings[0], warnings
+    stuck = status.attempt.not_starting
+    assert stuck is not None and stuck.reason == "ImagePullBackOff" and stuck.warned
+
+
+def test_with_a_start_timeout_capacity_unavailable_tells_the_wait_not_worker_not_starting(tmp_path: Any) -> None:
+    w = make_world(tmp_path, startTimeoutSeconds=60)
+    w.backend.nodes = []
+    status = w.run_to(900)
+    assert status.condition("CapacityUnavailable") is not None
+    assert w.event_reasons().count("CapacityUnavailable") == 1
+    assert not_starting_warnings(w) == []
+
+
 def test_a_checkpoint_uri_changed_under_the_job_makes_it_invalid_and_touches_neither_store(tmp_path: Any) -> None:
     world = make_world(tmp_path)
     status = world.run_until(running_attempt(0))
