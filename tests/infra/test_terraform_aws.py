@@ -24,7 +24,7 @@ import pytest
 import yaml
 from infra_support import TERRAFORM, container_args, one, render, terraform
 
-from orchestrator.k8s.interruption_queue import parse_message
+from orchestrator.k8s.interruption_queue import SqsQueue, parse_message
 from orchestrator.signals import SignalKind
 
 pytestmark = pytest.mark.slow
@@ -232,6 +232,35 @@ def test_the_controller_role_reads_manifests_keeps_records_and_reads_its_queue(s
         assert _allowed(policy, action, queue), action
         assert not _allowed(policy, action, queue.replace("spotjob-interruptions", "Karpenter-training")), action
     assert not _allowed(policy, "sqs:SendMessage", queue)
+
+
+def test_the_controller_role_grants_exactly_the_sqs_calls_the_queue_reader_makes(stack: Stack) -> None:
+    """The reader is run against the queue and its requests recorded: the role allows each of them,
+    and no other SQS action (the reader is handed the URL: it never looks the queue up)."""
+    url = stack.output("interruption_queue_url")
+    queue_arn = stack.client("sqs").get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    _drain(stack)
+    stack.client("sqs").send_message(QueueUrl=url, MessageBody="{}")
+    reader = SqsQueue(url, "us-east-1")
+    called: set[str] = set()
+    reader._client.meta.events.register("before-call.sqs", lambda model, **_: called.add(f"sqs:{model.name}"))
+    messages = reader.receive(10, 1)
+    assert messages
+    for message in messages:
+        reader.delete(message)
+    assert called == {"sqs:ReceiveMessage", "sqs:DeleteMessage"}
+
+    policy = _role_policy(stack, "spotjob-controller")
+    granted = {
+        action
+        for s in policy["Statement"]
+        if _matches(s["Resource"], queue_arn)
+        for action in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+        if action.startswith("sqs:")
+    }
+    assert granted == called, f"granted but never called: {sorted(granted - called)}"
 
 
 # -- the queue and its rules -------------------------------------------------------------------------

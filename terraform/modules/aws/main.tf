@@ -313,11 +313,13 @@ data "aws_iam_policy_document" "controller" {
     resources = ["${local.bucket_arn}/.spotjob/*", "${local.bucket_arn}/*/.spotjob/*"]
   }
 
+  # The two calls the queue reader makes (orchestrator/k8s/interruption_queue.py SqsQueue): it is
+  # given the queue's URL, so it never looks the queue up or reads its attributes.
   dynamic "statement" {
     for_each = var.create_interruption_queue ? [aws_sqs_queue.this[0].arn] : []
     content {
       sid       = "ReadInterruptionQueue"
-      actions   = ["sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"]
+      actions   = ["sqs:ReceiveMessage", "sqs:DeleteMessage"]
       resources = [statement.value]
     }
   }
