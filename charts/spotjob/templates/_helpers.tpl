@@ -72,6 +72,9 @@ Settings that no schema can check alone; failing here names the values to change
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
+{{- if and (not .Values.serviceAccount.create) (or .Values.serviceAccount.annotations .Values.serviceAccount.aws.roleArn .Values.serviceAccount.gcp.serviceAccount) }}
+{{- fail "serviceAccount.create is false, so the chart annotates no ServiceAccount: serviceAccount.annotations, .aws.roleArn and .gcp.serviceAccount would be ignored, and the controller would run without its cloud identity. Annotate your ServiceAccount yourself and leave them empty, or set serviceAccount.create=true." }}
+{{- end }}
 {{- if and .Values.interruptionQueue.region (not .Values.interruptionQueue.url) }}
 {{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}
 {{- end }}
