@@ -69,3 +69,25 @@ def test_the_install_command_finds_the_chart_and_names_the_image(doc: str, cwd: 
         f"{doc}: `{' '.join(words)}` leaves the controller image at the chart's default "
         f"{yaml.safe_load((CHART / 'values.yaml').read_text())['image']['repository']}, which is not published"
     )
+
+
+def _watched_namespaces(example: Path) -> list[str]:
+    """The namespaces an example's helm values name in watchNamespaces (its main.tf)."""
+    match = re.search(r"watchNamespaces\s*=\s*\[([^\]]*)\]", (example / "main.tf").read_text())
+    return re.findall(r'"([^"]+)"', match.group(1)) if match else []
+
+
+@pytest.mark.parametrize("doc", [str(p.relative_to(REPO)) for p in DOCS])
+def test_the_watched_namespaces_exist_before_helm_install(doc: str) -> None:
+    """With watchNamespaces the chart puts a Role and a RoleBinding in each of those namespaces, so
+    `helm install` fails on one that does not exist yet ("namespaces ... not found")."""
+    commands = _commands(REPO / doc)
+    (at,) = [i for i, (_, c) in enumerate(commands) if c.startswith("helm install ")]
+    example = commands[at][0]
+    watched = _watched_namespaces(example)
+    assert watched, f"{example} sets no watchNamespaces"
+    created = {
+        shlex.split(c)[3] for _, c in commands[:at] if c.startswith(("kubectl create namespace ", "kubectl create ns "))
+    }
+    missing = [ns for ns in watched if ns not in created]
+    assert not missing, f"{doc}: `helm install` with watchNamespaces {watched} runs before {missing} is created"
