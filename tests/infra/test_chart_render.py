@@ -4,6 +4,7 @@ cluster read it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -342,6 +343,45 @@ def test_an_identity_for_a_service_account_the_chart_does_not_create_is_refused(
     objects = render({"serviceAccount": {"create": False, "name": "spotjob-controller"}})
     assert not find(objects, "ServiceAccount")
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "spotjob-controller"
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+@pytest.mark.parametrize(
+    ("release", "values"),
+    [
+        ("a" * 53, {}),  # the longest release name helm accepts
+        ("team-a", {"fullnameOverride": "f" * 63}),
+    ],
+    ids=["long-release-name", "long-fullname-override"],
+)
+def test_object_names_stay_valid_with_the_longest_names(release: str, values: dict[str, Any], tmp_path: Any) -> None:
+    """The API server checks name lengths, not kubernetes-validate: a Service is named by a DNS
+    label (63 characters), everything else here by a DNS subdomain (253)."""
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    proc = helm(
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "-f",
+        str(values_file),
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    )
+    assert proc.returncode == 0, proc.stderr
+    for obj in (o for o in yaml.safe_load_all(proc.stdout) if o):
+        name = obj["metadata"]["name"]
+        pattern = DNS_LABEL if obj["kind"] == "Service" else DNS_SUBDOMAIN
+        assert pattern.match(name), f"{obj['kind']} name {name!r} ({len(name)} characters) is invalid"
+    notes = helm("install", release, str(CHART), "--namespace", NAMESPACE, "-f", str(values_file), "--dry-run=client")
+    assert notes.returncode == 0, notes.stderr
+    services = [o["metadata"]["name"] for o in yaml.safe_load_all(proc.stdout) if o and o["kind"] == "Service"]
+    assert f"port-forward service/{services[0]} " in notes.stdout
 
 
 def test_notes_tell_how_to_check_the_install(helm_bin: str) -> None:

@@ -45,6 +45,12 @@ app.kubernetes.io/part-of: spotjob
 {{- join "," (sortAlpha $pairs) }}
 {{- end }}
 
+{{/* The metrics Service's name: a Service name is a DNS label (63 characters), so the full name
+is cut to leave room for the suffix. */}}
+{{- define "spotjob.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "spotjob.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
 {{- define "spotjob.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "spotjob.fullname" .) .Values.serviceAccount.name }}
