@@ -131,6 +131,9 @@ WRONG_TYPES = [
     # The controller refuses a queue URL without the account and queue (it would crash-loop, exit 2).
     ({"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/"}}, "/interruptionQueue/url"),
     ({"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com"}}, "/interruptionQueue/url"),
+    # They name every object: the API server would refuse them one object at a time.
+    ({"fullnameOverride": "My_Controller"}, "/fullnameOverride"),
+    ({"nameOverride": "Spot.Job"}, "/nameOverride"),
 ]
 
 
