@@ -4,6 +4,7 @@ cluster read it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -22,6 +23,8 @@ from infra_support import (
     render,
     template,
 )
+
+from orchestrator.k8s.main import parse_options
 
 SELECTOR = {
     "app.kubernetes.io/name": "spotjob",
@@ -69,7 +72,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "podAnnotations": {"example.com/team": "ml-platform"},
         "podLabels": {"team": "ml-platform", "app.kubernetes.io/name": "overridden"},
-        "extraArgs": ["--rebalance-advisory"],
+        "extraArgs": ["--rebalance=flush"],
         "extraEnv": [{"name": "AWS_STS_REGIONAL_ENDPOINTS", "value": "regional"}],
         "securityContext": {"runAsUser": None, "runAsGroup": None},
         "metrics": {"service": {"annotations": {"prometheus.io/scrape": "true"}}},
@@ -303,12 +306,82 @@ def test_the_everything_value_set_reaches_the_pod() -> None:
     assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "spotjob"
     assert pod["metadata"]["annotations"] == {"example.com/team": "ml-platform"}
     args = container_args(objects)
-    assert args[-1] == "--rebalance-advisory"
+    assert args[-1] == "--rebalance=flush"
     assert "--lease-namespace=kube-system" in args and "--lease-name=spotjob-leader" in args
     lease_role = one(objects, "Role", f"{RELEASE}-leader-election")
     assert lease_role["metadata"]["namespace"] == "kube-system"
     assert {"name": "AWS_STS_REGIONAL_ENDPOINTS", "value": "regional"} in spec["containers"][0]["env"]
     assert not [r for r in find(objects, "ClusterRole") if r["metadata"]["name"].endswith(("-view", "-edit"))]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_the_controller_accepts_the_flags_the_chart_renders(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's args, parsed by the controller's own parser (a flag it refuses exits 2: a
+    crash-looping install that `helm install` reported as deployed)."""
+    monkeypatch.setenv("POD_NAMESPACE", NAMESPACE)  # the downward API's, as the Deployment sets it
+    values = VALUE_SETS[name]
+    args = container_args(render(values))
+    try:
+        _, options = parse_options(args)
+    except SystemExit as e:
+        raise AssertionError(f"spotjob-controller exits {e.code} on the args the chart renders: {args}") from None
+    assert options.leader_elect == values.get("leaderElection", {}).get("enabled", True)
+    assert options.namespaces == tuple(values.get("watchNamespaces", ()))
+    assert options.network_policy == values.get("networkPolicy", {}).get("enabled", True)
+    assert options.interruption_queue_url == (values.get("interruptionQueue", {}).get("url") or None)
+
+
+def test_an_identity_for_a_service_account_the_chart_does_not_create_is_refused() -> None:
+    for identity in (
+        {"aws": {"roleArn": ROLE_ARN}},
+        {"gcp": {"serviceAccount": GSA}},
+        {"annotations": {"example.com/owner": "ml-platform"}},
+    ):
+        proc = template({"serviceAccount": {"create": False, "name": "spotjob-controller", **identity}})
+        assert proc.returncode != 0, f"{identity} was ignored"
+        assert "serviceAccount.create is false" in proc.stderr, proc.stderr
+    objects = render({"serviceAccount": {"create": False, "name": "spotjob-controller"}})
+    assert not find(objects, "ServiceAccount")
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "spotjob-controller"
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+@pytest.mark.parametrize(
+    ("release", "values"),
+    [
+        ("a" * 53, {}),  # the longest release name helm accepts
+        ("team-a", {"fullnameOverride": "f" * 63}),
+    ],
+    ids=["long-release-name", "long-fullname-override"],
+)
+def test_object_names_stay_valid_with_the_longest_names(release: str, values: dict[str, Any], tmp_path: Any) -> None:
+    """The API server checks name lengths, not kubernetes-validate: a Service is named by a DNS
+    label (63 characters), everything else here by a DNS subdomain (253)."""
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    proc = helm(
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "-f",
+        str(values_file),
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    )
+    assert proc.returncode == 0, proc.stderr
+    for obj in (o for o in yaml.safe_load_all(proc.stdout) if o):
+        name = obj["metadata"]["name"]
+        pattern = DNS_LABEL if obj["kind"] == "Service" else DNS_SUBDOMAIN
+        assert pattern.match(name), f"{obj['kind']} name {name!r} ({len(name)} characters) is invalid"
+    notes = helm("install", release, str(CHART), "--namespace", NAMESPACE, "-f", str(values_file), "--dry-run=client")
+    assert notes.returncode == 0, notes.stderr
+    services = [o["metadata"]["name"] for o in yaml.safe_load_all(proc.stdout) if o and o["kind"] == "Service"]
+    assert f"port-forward service/{services[0]} " in notes.stdout
 
 
 def test_notes_tell_how_to_check_the_install(helm_bin: str) -> None:

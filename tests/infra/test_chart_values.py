@@ -125,6 +125,15 @@ WRONG_TYPES = [
     ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
     ({"extraArgs": ["leader-elect"]}, "/extraArgs/0"),
     ({"podDisruptionBudget": {"maxUnavailable": "half"}}, "/podDisruptionBudget/maxUnavailable"),
+    # 0 would block every drain of the controller's nodes (and node group upgrades with them).
+    ({"podDisruptionBudget": {"maxUnavailable": 0}}, "/podDisruptionBudget/maxUnavailable"),
+    ({"podDisruptionBudget": {"maxUnavailable": "0%"}}, "/podDisruptionBudget/maxUnavailable"),
+    # The controller refuses a queue URL without the account and queue (it would crash-loop, exit 2).
+    ({"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/"}}, "/interruptionQueue/url"),
+    ({"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com"}}, "/interruptionQueue/url"),
+    # They name every object: the API server would refuse them one object at a time.
+    ({"fullnameOverride": "My_Controller"}, "/fullnameOverride"),
+    ({"nameOverride": "Spot.Job"}, "/nameOverride"),
 ]
 
 

@@ -10,6 +10,7 @@ EC2 capacity to back it); `terraform validate` covers it.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import shutil
@@ -22,9 +23,9 @@ from typing import Any
 import boto3
 import pytest
 import yaml
-from infra_support import TERRAFORM, container_args, one, render, terraform
+from infra_support import REPO, TERRAFORM, container_args, one, render, terraform
 
-from orchestrator.k8s.interruption_queue import parse_message
+from orchestrator.k8s.interruption_queue import SqsQueue, parse_message
 from orchestrator.signals import SignalKind
 
 pytestmark = pytest.mark.slow
@@ -209,6 +210,53 @@ def test_the_training_role_is_trusted_by_its_namespace_and_reaches_only_its_pref
     assert not _allowed(policy, "sqs:ReceiveMessage", stack.output("interruption_queue_url"))
 
 
+# Each S3 call of agent/storage/s3.py and the IAM action that authorises it
+# (https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazons3.html).
+S3_CALL_ACTIONS = {
+    "put_object": "s3:PutObject",
+    "create_multipart_upload": "s3:PutObject",
+    "upload_part": "s3:PutObject",
+    "complete_multipart_upload": "s3:PutObject",
+    "abort_multipart_upload": "s3:AbortMultipartUpload",
+    "get_object": "s3:GetObject",
+    "head_object": "s3:GetObject",
+    "list_objects_v2": "s3:ListBucket",
+    "head_bucket": "s3:ListBucket",
+    "delete_objects": "s3:DeleteObject",
+}
+
+
+def _s3_calls() -> set[str]:
+    """Every method the storage calls on its boto3 client (``self._client.<method>``), read from its source."""
+    source = (REPO / "agent" / "storage" / "s3.py").read_text()
+    calls = {
+        node.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "_client"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+    }
+    return calls - {"close"}
+
+
+def test_the_training_role_grants_exactly_what_the_s3_storage_calls(stack: Stack) -> None:
+    calls = _s3_calls()
+    unknown = calls - set(S3_CALL_ACTIONS)
+    assert not unknown, f"agent/storage/s3.py calls {sorted(unknown)}: add their IAM actions to S3_CALL_ACTIONS"
+    needed = {S3_CALL_ACTIONS[c] for c in calls}
+    role = stack.output("training_role_arns")["ml-training"].rsplit("/", 1)[1]
+    granted = {
+        action
+        for s in _role_policy(stack, role)["Statement"]
+        for action in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+        if action.startswith("s3:")
+    }
+    assert not granted - needed, f"granted but never called: {sorted(granted - needed)}"
+    assert not needed - granted, f"called but not granted: {sorted(needed - granted)}"
+
+
 def test_the_controller_role_reads_manifests_keeps_records_and_reads_its_queue(stack: Stack) -> None:
     role = "spotjob-controller"
     (statement,) = _trust(stack, role)["Statement"]
@@ -232,6 +280,35 @@ def test_the_controller_role_reads_manifests_keeps_records_and_reads_its_queue(s
         assert _allowed(policy, action, queue), action
         assert not _allowed(policy, action, queue.replace("spotjob-interruptions", "Karpenter-training")), action
     assert not _allowed(policy, "sqs:SendMessage", queue)
+
+
+def test_the_controller_role_grants_exactly_the_sqs_calls_the_queue_reader_makes(stack: Stack) -> None:
+    """The reader is run against the queue and its requests recorded: the role allows each of them,
+    and no other SQS action (the reader is handed the URL: it never looks the queue up)."""
+    url = stack.output("interruption_queue_url")
+    queue_arn = stack.client("sqs").get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    _drain(stack)
+    stack.client("sqs").send_message(QueueUrl=url, MessageBody="{}")
+    reader = SqsQueue(url, "us-east-1")
+    called: set[str] = set()
+    reader._client.meta.events.register("before-call.sqs", lambda model, **_: called.add(f"sqs:{model.name}"))
+    messages = reader.receive(10, 1)
+    assert messages
+    for message in messages:
+        reader.delete(message)
+    assert called == {"sqs:ReceiveMessage", "sqs:DeleteMessage"}
+
+    policy = _role_policy(stack, "spotjob-controller")
+    granted = {
+        action
+        for s in policy["Statement"]
+        if _matches(s["Resource"], queue_arn)
+        for action in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+        if action.startswith("sqs:")
+    }
+    assert granted == called, f"granted but never called: {sorted(granted - called)}"
 
 
 # -- the queue and its rules -------------------------------------------------------------------------

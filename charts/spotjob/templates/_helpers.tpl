@@ -45,6 +45,12 @@ app.kubernetes.io/part-of: spotjob
 {{- join "," (sortAlpha $pairs) }}
 {{- end }}
 
+{{/* The metrics Service's name: a Service name is a DNS label (63 characters), so the full name
+is cut to leave room for the suffix. */}}
+{{- define "spotjob.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "spotjob.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
 {{- define "spotjob.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "spotjob.fullname" .) .Values.serviceAccount.name }}
@@ -71,6 +77,9 @@ Settings that no schema can check alone; failing here names the values to change
 {{- define "spotjob.validate" -}}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
+{{- end }}
+{{- if and (not .Values.serviceAccount.create) (or .Values.serviceAccount.annotations .Values.serviceAccount.aws.roleArn .Values.serviceAccount.gcp.serviceAccount) }}
+{{- fail "serviceAccount.create is false, so the chart annotates no ServiceAccount: serviceAccount.annotations, .aws.roleArn and .gcp.serviceAccount would be ignored, and the controller would run without its cloud identity. Annotate your ServiceAccount yourself and leave them empty, or set serviceAccount.create=true." }}
 {{- end }}
 {{- if and .Values.interruptionQueue.region (not .Values.interruptionQueue.url) }}
 {{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}

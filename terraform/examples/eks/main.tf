@@ -2,7 +2,9 @@
 #
 #   terraform apply -var oidc_provider_arn=arn:aws:iam::111122223333:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE
 #   terraform output -raw helm_values_yaml > spotjob-values.yaml
-#   helm install spotjob charts/spotjob -n spotjob-system --create-namespace -f spotjob-values.yaml
+#   kubectl create namespace ml-training   # watchNamespaces below: the chart puts a Role there
+#   helm install spotjob ../../../charts/spotjob -n spotjob-system --create-namespace -f spotjob-values.yaml \
+#     --set image.repository=REGISTRY/spotjob-controller
 
 provider "aws" {
   region = var.region

@@ -2,7 +2,9 @@
 #
 #   terraform apply -var project_id=example-project -var cluster=training
 #   terraform output -raw helm_values_yaml > spotjob-values.yaml
-#   helm install spotjob charts/spotjob -n spotjob-system --create-namespace -f spotjob-values.yaml
+#   kubectl create namespace ml-training   # watchNamespaces below: the chart puts a Role there
+#   helm install spotjob ../../../charts/spotjob -n spotjob-system --create-namespace -f spotjob-values.yaml \
+#     --set image.repository=REGISTRY/spotjob-controller
 
 provider "google" {
   project = var.project_id

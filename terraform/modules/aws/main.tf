@@ -224,8 +224,9 @@ data "aws_iam_policy_document" "training" {
     }
   }
 
-  # Shards, per-rank state and manifests (create-only commits are PutObject with If-None-Match),
-  # retention's deletes, and the cleanup of multipart uploads.
+  # Shards, per-rank state and manifests (create-only commits are PutObject with If-None-Match;
+  # multipart uploads are PutObject too), retention's deletes, and the abort of a multipart upload
+  # that failed. agent/storage/s3.py never lists an upload's parts.
   statement {
     sid = "ReadWriteJobPrefix"
     actions = [
@@ -233,7 +234,6 @@ data "aws_iam_policy_document" "training" {
       "s3:PutObject",
       "s3:DeleteObject",
       "s3:AbortMultipartUpload",
-      "s3:ListMultipartUploadParts",
     ]
     resources = ["${local.bucket_arn}/${each.value.prefix}/*"]
   }
@@ -313,11 +313,13 @@ data "aws_iam_policy_document" "controller" {
     resources = ["${local.bucket_arn}/.spotjob/*", "${local.bucket_arn}/*/.spotjob/*"]
   }
 
+  # The two calls the queue reader makes (orchestrator/k8s/interruption_queue.py SqsQueue): it is
+  # given the queue's URL, so it never looks the queue up or reads its attributes.
   dynamic "statement" {
     for_each = var.create_interruption_queue ? [aws_sqs_queue.this[0].arn] : []
     content {
       sid       = "ReadInterruptionQueue"
-      actions   = ["sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"]
+      actions   = ["sqs:ReceiveMessage", "sqs:DeleteMessage"]
       resources = [statement.value]
     }
   }
