@@ -351,6 +351,13 @@ class TestRequests:
         assert raw(api, post("/flush", b"{}", "Content-Length: 2", "Content-Length: 0"))[0] == 400
         assert not agent.control.flush_requested()
 
+    def test_a_post_without_content_length_has_an_empty_body_a_flush_without_deadline(
+        self, api: ControlApi, agent: Agent
+    ) -> None:
+        got, _, body = raw(api, post("/flush", b""))  # what `curl -X POST .../flush` sends
+        assert got == 202 and json.loads(body)["flush"]["deadline"] is None
+        assert agent.control.flush_requested()
+
     def test_a_body_shorter_than_its_length_is_400(self, api: ControlApi, agent: Agent) -> None:
         with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
             sock.sendall(post("/flush", b"{}", "Content-Length: 10"))
