@@ -91,6 +91,19 @@ def test_a_save_of_a_step_that_is_not_a_count_is_refused_before_anything_is_writ
     assert written(root) == []
 
 
+@pytest.mark.parametrize("state", [[torch.nn.Linear(2, 2)], None], ids=["list", "none"])
+def test_a_state_that_is_not_a_dict_is_a_type_error_naming_it_before_anything_is_written(
+    tmp_path: Path, state: Any
+) -> None:
+    """Not an AttributeError wrapped in SaveFailedError: the mistake is the caller's, named as such."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root), every_steps=1) as ckpt:
+        for call in (lambda: ckpt.restore(state), lambda: ckpt.save(1, state), lambda: ckpt.step(1, state)):
+            with pytest.raises(TypeError, match=r"state must be a dict of names to what to save, e\.g\."):
+                call()
+    assert written(root) == []
+
+
 @pytest.mark.parametrize(
     ("policy", "error", "words"),
     [
