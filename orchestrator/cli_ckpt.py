@@ -270,6 +270,8 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         except CommandError as e:
             _error(name, str(e))
             return e.exit_code
+        except BrokenPipeError:
+            raise  # the reader of stdout left (`| head`): spotjob's main says nothing
         except (ValueError, StorageError, OSError, OwnershipError) as e:  # ManifestError is a ValueError
             log.debug("%s failed", name, exc_info=True)
             _error(name, str(e) or type(e).__name__)

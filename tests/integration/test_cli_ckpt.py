@@ -589,6 +589,22 @@ def test_list_show_and_plain_verify_never_import_torch(saved: Saved) -> None:
         assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["ckpt", "list"], ["ckpt", "show", "--json"], ["status", "--json"]])
+def test_a_reader_that_left_the_pipe_is_no_error(saved: Saved, tmp_path: Path, argv: list[str]) -> None:
+    """`spotjob ckpt list URI | head -1`: the reader may close the pipe before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once `head` has left
+    target = [saved.uri] if argv[0] == "ckpt" else ["--runs-dir", str(tmp_path)]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *argv, *target],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + 13 and proc.stderr == "", proc.stderr
+
+
 # -- on every store ---------------------------------------------------------------------------------
 
 
