@@ -191,6 +191,9 @@ class TestToken:
             load_token(str(path), {})
         with pytest.raises(ValueError, match="empty"):
             load_token(None, {"SPOTJOB_AGENT_TOKEN": " "})
+        # Unlike every other SPOTJOB_* setting, an empty token is no "unset": that would mean no auth.
+        with pytest.raises(ValueError, match="set but empty"):
+            load_token(None, {"SPOTJOB_AGENT_TOKEN": ""})
 
 
 # -- facing a pod network ---------------------------------------------------------------------------
