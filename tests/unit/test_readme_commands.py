@@ -1,4 +1,5 @@
-"""Every ``kubectl spotjob`` command line the README and docs show is one the plugin accepts.
+"""What the README names exists: every ``kubectl spotjob`` command line it and the docs show is one
+the plugin accepts, and every error of the training-side API it names is importable.
 
 A flag the docs name that the plugin lacks (``flush --mode restart``) sends a reader to an
 argparse error; this reads each invocation out of the Markdown and parses it with the plugin's
@@ -50,3 +51,15 @@ def test_every_kubectl_spotjob_command_in_the_docs_parses(doc: str, line: str) -
     assert _parses(argv) or _parses([*argv, "train-demo"]), (
         f"{doc}: `kubectl spotjob {line}` is refused by the plugin: run it with --help for its options"
     )
+
+
+def test_every_error_the_training_side_api_names_is_importable_from_agent_checkpoint() -> None:
+    import builtins
+
+    import agent.checkpoint
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## The training-side API", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([A-Z][A-Za-z]*Error)`", section)) - set(dir(builtins))
+    assert named >= {"RestoreRefusedError", "SaveFailedError", "StorageUnavailableError"}
+    assert {n for n in named if n not in agent.checkpoint.__all__} == set()
