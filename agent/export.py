@@ -4,7 +4,9 @@ that ``spotjob ckpt verify --deep`` and ``export`` read a checkpoint through.
 The engine behind ``spotjob ckpt export`` (``orchestrator.cli_ckpt`` keeps the command line): it
 lives beside the Checkpointer because it needs torch, DCP and safetensors, which it imports only
 when it runs, so importing this module costs nothing. Its refusals are ``ExportError``s, one line
-each, ``invalid`` when the checkpoint itself is at fault.
+each, ``invalid`` when the checkpoint itself is at fault, ``proven_bad`` when it is so in a way a
+restore would skip it for an older one (a corrupt, missing or unsafe file). A store that fails
+(unreachable, throttled past the retries, permission denied) proves nothing about the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from agent.catalog import CheckpointStatus
 from agent.manifest import Manifest
-from agent.storage import StorageError
+from agent.storage import CorruptObjectError, NotFoundError, StorageError
 from agent.storage.base import ObjectInfo, ProgressFn, Storage
 
 if TYPE_CHECKING:
@@ -50,11 +52,20 @@ def no_progress(description: str, total: int) -> Iterator[ProgressFn | None]:
 
 class ExportError(Exception):
     """Why an export stopped, in one line; ``invalid``: the checkpoint is at fault (not the arguments,
-    the store or the target folder). Nothing of the export is left behind."""
+    the store or the target folder); ``proven_bad``: at fault the way a restore skips a checkpoint
+    for an older one (implies ``invalid``). Nothing of the export is left behind."""
 
-    def __init__(self, message: str, *, invalid: bool = False) -> None:
+    def __init__(self, message: str, *, invalid: bool = False, proven_bad: bool = False) -> None:
         super().__init__(message)
-        self.invalid = invalid
+        self.invalid = invalid or proven_bad
+        self.proven_bad = proven_bad
+
+
+def _read_failure(folder: str, e: Exception, what: str) -> ExportError:
+    """A failure to read ``folder``'s files: proven bad (restore would skip the checkpoint) or the store's."""
+    if isinstance(e, CorruptObjectError | NotFoundError) or not isinstance(e, StorageError):
+        return ExportError(f"{folder}: {what}{e}", proven_bad=True)  # not a StorageError: the unsafe pickle
+    return ExportError(f"cannot read {folder}: {e}")
 
 
 @contextlib.contextmanager
@@ -108,7 +119,7 @@ def export_safetensors(
         try:
             metadata = reader.read_metadata()
         except (UnsafeCheckpointError, StorageError) as e:
-            raise ExportError(f"{folder}: refusing to export: {e}", invalid=True) from None
+            raise _read_failure(folder, e, "refusing to export: ") from None
         tensors = _tensors_under(metadata, prefix)
         if not tensors:
             raise ExportError(
@@ -181,7 +192,7 @@ def _fetch(reader: VerifiedReader, fetching: _ProgressStorage, paths: Sequence[s
             for path in paths:
                 reader.ensure_local(path)
         except StorageError as e:
-            raise ExportError(f"{reader.folder}: {e}", invalid=True) from None
+            raise _read_failure(reader.folder, e, "") from None
         finally:
             fetching.progress = None
 

@@ -45,7 +45,7 @@ class AgentConfig(BaseModel):
     """Passed as SPOTJOB_CHECKPOINT_URI; None keeps the one already in the environment."""
     job_name: str | None = None
     every_steps: int | None = Field(default=None, ge=1)
-    every_seconds: float | None = Field(default=None, gt=0)
+    every_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     keep: int | None = Field(default=None, ge=1)
     async_save: bool | None = None
     staging_dir: str | None = None
@@ -357,6 +357,7 @@ def _plain(err: Any) -> str:
         "greater_than": "must be more than {gt}",
         "less_than_equal": "must be at most {le}",
         "less_than": "must be less than {lt}",
+        "finite_number": "must be a finite number",
     }.get(err.get("type", ""))
     if words is not None:
         return words.format(**ctx)

@@ -49,9 +49,11 @@ class CheckpointerEnv(BaseSettings):
 
     checkpoint_uri: str | None = Field(None, description="a checkpoint URI")
     job_name: str | None = Field(None, description="a job name")
-    every_steps: int | None = Field(None, description="a whole number of steps")
-    every_seconds: float | None = Field(None, description="a number of seconds")
-    keep: int | None = Field(None, description="a whole number (0 keeps every checkpoint)")
+    every_steps: int | None = Field(None, ge=1, description="a whole number of steps, at least 1")
+    every_seconds: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="a positive, finite number of seconds"
+    )
+    keep: int | None = Field(None, ge=0, description="a whole number, at least 0 (0 keeps every checkpoint)")
     async_save: bool = Field(True, validation_alias="SPOTJOB_ASYNC", description="a boolean (1/0, true/false)")
     staging_dir: str | None = Field(None, description="a folder")
     control_dir: str | None = Field(None, description="a folder")

@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
-from agent.export import INDEX_NAME, ExportError, checkpoint_reader, export_safetensors
+from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
 from agent.storage import StorageError, open_storage
@@ -270,6 +270,8 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         except CommandError as e:
             _error(name, str(e))
             return e.exit_code
+        except BrokenPipeError:
+            raise  # the reader of stdout left (`| head`): spotjob's main says nothing
         except (ValueError, StorageError, OSError, OwnershipError) as e:  # ManifestError is a ValueError
             log.debug("%s failed", name, exc_info=True)
             _error(name, str(e) or type(e).__name__)
@@ -398,23 +400,55 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_out(out, force=args.force)
     started = time.monotonic()
     with opened_storage(args.uri) as storage:
-        status = select_checkpoint(storage, args.step) if args.step is not None else newest_valid(storage)
-        manifest = _require_manifest(status)
-        if not status.valid:
-            raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
-        _require_state_key(manifest, args.key)
-        try:
-            files, total = export_safetensors(
-                storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
-            )
-        except ExportError as e:
-            raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
+        if args.step is not None:
+            status = select_checkpoint(storage, args.step)
+            files, total = _export(storage, status, args, out)
+        else:
+            # As a restore walks them: one whose bytes prove it bad (a CRC32C mismatch, an unsafe
+            # .metadata) is passed over for the next valid one; any other failure stops the export.
+            passed: list[tuple[str, str]] = []
+            status = newest_valid(storage)
+            while True:
+                try:
+                    files, total = _export(storage, status, args, out)
+                    break
+                except _ProvenBad as e:
+                    reason = str(e.error).removeprefix(f"{status.ref.folder}: ")
+                    print(f"spotjob ckpt export: passing over {status.ref.folder}: {reason}", file=sys.stderr)
+                    passed.append((status.ref.folder, reason))
+                    status = newest_valid(storage, below=status.ref, passed=passed)
     print(
         f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
         f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
         f"in {time.monotonic() - started:.1f}s"
     )
     return EXIT_OK
+
+
+class _ProvenBad(Exception):
+    """An export stopped by reading a checkpoint that is proven bad (``ExportError.proven_bad``)."""
+
+    def __init__(self, error: ExportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _export(
+    storage: Storage, status: CheckpointStatus, args: argparse.Namespace, out: str
+) -> tuple[list[str], ExportTotals]:
+    """Export ``status``; ``_ProvenBad`` when reading it proved it bad, else ``CommandError`` on failure."""
+    manifest = _require_manifest(status)
+    if not status.valid:
+        raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
+    _require_state_key(manifest, args.key)
+    try:
+        return export_safetensors(
+            storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
+        )
+    except ExportError as e:
+        if e.proven_bad and args.step is None:
+            raise _ProvenBad(e) from None
+        raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
@@ -492,22 +526,30 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
     return next((s for s in statuses if s.committed), statuses[0])
 
 
-def newest_valid(storage: Storage) -> CheckpointStatus:
-    """The checkpoint a restore would load; ``CommandError`` naming every one passed over and why."""
+def newest_valid(
+    storage: Storage, *, below: CheckpointRef | None = None, passed: list[tuple[str, str]] | None = None
+) -> CheckpointStatus:
+    """The checkpoint a restore would load; ``CommandError`` naming every one passed over and why.
+
+    ``below``: walk on from the checkpoint after that one (``passed``: the folders already passed
+    over and why, for the error when none is left).
+    """
     refs = _require_checkpoints(storage)
+    if below is not None:
+        refs = [r for r in refs if r < below]
     lineage = Lineage.load(storage)
-    passed: list[CheckpointStatus] = []
+    skipped: list[CheckpointStatus] = []
     for ref in refs:
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
-            for skipped in (p for p in passed if p.committed):  # the operator asked for "the latest"
+            for s in (p for p in skipped if p.committed):  # the operator asked for "the latest"
                 print(
-                    f"spotjob ckpt export: passing over {skipped.ref.folder}: {' '.join(skipped.reason.split())}",
-                    file=sys.stderr,
+                    f"spotjob ckpt export: passing over {s.ref.folder}: {' '.join(s.reason.split())}", file=sys.stderr
                 )
             return status
-        passed.append(status)
-    listing = "; ".join(f"{s.ref.folder}: {s.reason}" for s in passed[:8]) + ("; …" if len(passed) > 8 else "")
+        skipped.append(status)
+    reasons = [*(passed or []), *((s.ref.folder, s.reason) for s in skipped)]
+    listing = "; ".join(f"{folder}: {reason}" for folder, reason in reasons[:8]) + ("; …" if len(reasons) > 8 else "")
     raise CommandError(f"no valid checkpoint under {storage.uri} to export — {listing}", EXIT_INVALID)
 
 

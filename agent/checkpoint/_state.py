@@ -40,6 +40,11 @@ class _State(_Core):
         return modules, optims, others
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) and not callable(getattr(state, "items", None)):  # a ModuleDict will do
+            raise TypeError(
+                f"state must be a dict of names to what to save, e.g. {{'model': model, 'optim': optimizer}}; "
+                f"got a {type(state).__name__}"
+            )
         if not state:
             raise ValueError("state is empty: pass e.g. {'model': model, 'optim': optimizer}")
         for key, value in state.items():

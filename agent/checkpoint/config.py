@@ -3,8 +3,11 @@ what the training script passes (steps, metadata) before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import numbers
 import operator
 import os
 from collections.abc import Mapping
@@ -62,6 +65,22 @@ class CheckpointConfig:
     files are upload buffers read straight back, and always go through the page cache."""
 
     def __post_init__(self) -> None:
+        # Types first: a string or a float would pass (or crash) the comparisons below and then
+        # schedule saves at the wrong steps, or never ("5" < 1 raises; 2.5 saves at step 5 only).
+        self.every_steps = _whole_or_none(self.every_steps, "every_steps", "(or None to disable)")
+        self.keep = _whole_or_none(self.keep, "keep", "(or None to keep everything)")
+        self.io_threads = _whole(self.io_threads, "io_threads", "")
+        if self.every_seconds is not None:
+            if isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, numbers.Real):
+                raise TypeError(
+                    f"every_seconds must be a number of seconds (or None to disable), got {self.every_seconds!r}"
+                )
+            self.every_seconds = float(self.every_seconds)
+            if not math.isfinite(self.every_seconds):  # nan never comes due: no periodic save, silently
+                raise ValueError(
+                    "every_seconds must be a finite number of seconds > 0 (or None to disable), "
+                    f"got {self.every_seconds}"
+                )
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 (or None to disable), got {self.every_steps}")
         if self.every_seconds is not None and self.every_seconds <= 0:
@@ -76,6 +95,19 @@ class CheckpointConfig:
             raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
         if self.attempt is not None and self.attempt < 0:
             raise ValueError(f"attempt must be >= 0 (or None), got {self.attempt}")
+
+
+def _whole(value: Any, name: str, none: str) -> int:
+    """``value`` as an int (NumPy's integers too); ``TypeError`` naming ``name`` for anything else."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    what = f"a whole number {none}".rstrip()
+    raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _whole_or_none(value: Any, name: str, none: str) -> int | None:
+    return None if value is None else _whole(value, name, none)
 
 
 def normalise_uri(uri: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 import signal
@@ -177,6 +178,13 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         )
     if lease_namespace and not _DNS_LABEL.match(lease_namespace):
         raise ValueError(f"--lease-namespace {lease_namespace!r} is not a namespace name")
+    for flag, value in (
+        ("--leader-elect-lease-duration", args.leader_elect_lease_duration),
+        ("--leader-elect-renew-deadline", args.leader_elect_renew_deadline),
+        ("--leader-elect-retry-period", args.leader_elect_retry_period),
+    ):
+        if value is not None and not math.isfinite(value):  # an endless Lease is never taken over
+            raise ValueError(f"{flag} must be a finite number of seconds, not {value}")
     try:
         timing = LeaseTiming(
             lease_duration=args.leader_elect_lease_duration or 15.0,
@@ -218,8 +226,8 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     if launcher not in LAUNCHERS:
         raise ValueError(f"{ENV_LAUNCHER} must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
     grace = _float(args.node_lost_grace_seconds, "SPOTJOB_NODE_LOST_GRACE_SECONDS", 60.0, "--node-lost-grace-seconds")
-    if grace < 0:
-        raise ValueError(f"--node-lost-grace-seconds cannot be negative ({grace})")
+    if not math.isfinite(grace) or grace < 0:  # nan: no NotReady node would ever count as lost
+        raise ValueError(f"--node-lost-grace-seconds must be a finite number of seconds >= 0, not {grace}")
     workers = _int(args.workers, "SPOTJOB_WORKERS", 4, "--workers")
     if not 1 <= workers <= 256:
         raise ValueError(f"--workers must be between 1 and 256, not {workers}")

@@ -91,6 +91,77 @@ def test_a_save_of_a_step_that_is_not_a_count_is_refused_before_anything_is_writ
     assert written(root) == []
 
 
+@pytest.mark.parametrize("state", [[torch.nn.Linear(2, 2)], None], ids=["list", "none"])
+def test_a_state_that_is_not_a_dict_is_a_type_error_naming_it_before_anything_is_written(
+    tmp_path: Path, state: Any
+) -> None:
+    """Not an AttributeError wrapped in SaveFailedError: the mistake is the caller's, named as such."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root), every_steps=1) as ckpt:
+        for call in (lambda: ckpt.restore(state), lambda: ckpt.save(1, state), lambda: ckpt.step(1, state)):
+            with pytest.raises(TypeError, match=r"state must be a dict of names to what to save, e\.g\."):
+                call()
+    assert written(root) == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "error", "words"),
+    [
+        ({"every_seconds": float("nan")}, ValueError, "every_seconds must be a finite number"),
+        ({"every_seconds": float("inf")}, ValueError, "every_seconds must be a finite number"),
+        ({"every_seconds": "60"}, TypeError, "every_seconds must be a number of seconds"),
+        ({"every_steps": "5"}, TypeError, r"every_steps must be a whole number .*'5' \(str\)"),
+        ({"every_steps": 2.5}, TypeError, "every_steps must be a whole number"),
+        ({"keep": 1.5}, TypeError, "keep must be a whole number"),
+        ({"keep": True}, TypeError, "keep must be a whole number"),
+    ],
+    ids=[
+        "every_seconds-nan",
+        "every_seconds-inf",
+        "every_seconds-str",
+        "every_steps-str",
+        "every_steps-float",
+        "keep-float",
+        "keep-bool",
+    ],
+)
+def test_a_policy_that_is_not_a_count_or_a_finite_time_is_refused_when_the_checkpointer_is_built(
+    tmp_path: Path, policy: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    """A NaN every_seconds never comes due, and every_steps=2.5 saves at step 5 only: no periodic
+    save would happen as asked, silently. The constructor names the argument instead."""
+    root = tmp_path / "ckpt"
+    with pytest.raises(error, match=words):
+        Checkpointer(str(root), **policy)
+    assert written(root) == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("SPOTJOB_EVERY_SECONDS", "nan"),
+        ("SPOTJOB_EVERY_SECONDS", "inf"),
+        ("SPOTJOB_EVERY_STEPS", "0"),
+        ("SPOTJOB_KEEP", "-1"),
+    ],
+)
+def test_from_env_names_a_policy_variable_that_would_never_save_or_keep_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv("SPOTJOB_CHECKPOINT_URI", str(tmp_path / "ckpt"))
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}='{value}' is not"):
+        Checkpointer.from_env()
+    assert written(tmp_path / "ckpt") == []
+
+
+def test_numpy_integers_are_whole_numbers_of_steps(tmp_path: Path) -> None:
+    numpy = pytest.importorskip("numpy")
+    with Checkpointer(str(tmp_path / "ckpt"), every_steps=numpy.int64(5), keep=numpy.int32(2)) as ckpt:
+        assert (ckpt.config.every_steps, ckpt.config.keep) == (5, 2)
+        assert type(ckpt.config.every_steps) is int
+
+
 @pytest.mark.parametrize(
     "metadata",
     [{"loss": torch.tensor(1.0)}, {"seen": {1, 2}}, {"obj": object()}, {3: "not a str key"}, ["a", "list"]],

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from agent.catalog import CheckpointRef, inspect, latest_valid
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
 from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
-from agent.storage import Storage, open_storage
+from agent.storage import Storage, TransientStorageError, open_storage
 from agent.storage.file import FileStorage
 from orchestrator import cli_ckpt
 from orchestrator.cli import main
@@ -227,6 +228,28 @@ def test_a_flipped_shard_byte_passes_plain_verify_and_fails_deep_naming_the_file
     assert f"file {saved.shard(3)} is corrupt" in out and "CRC32C" in out
 
 
+def test_export_passes_over_a_shard_whose_crc32c_proves_it_corrupt_as_restore_does(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(saved.storage, saved.key(3, saved.shard(3)), offset=1000)  # same size: only its CRC32C tells
+    out = tmp_path / "hf"
+
+    rc, stdout, err = ckpt(capsys, "export", saved.uri, str(out))
+
+    assert rc == 0 and saved.folder(2) in stdout
+    assert "passing over step-000000003: " in err and "CRC32C" in err
+    model = _model()
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    with Checkpointer(saved.uri, keep=None, async_save=False) as restoring:
+        assert restoring.restore(state) == 2  # the one restore loads is the one exported
+    _, exported = _read_export(out)
+    assert exported.keys() == saved.weights[2].keys()
+    assert all(torch.equal(exported[k], saved.weights[2][k]) for k in exported)
+    # Asked for by its step, the corrupt one is refused, and nothing is written.
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf3"), "--step", "3")
+    assert rc == 1 and "CRC32C" in err and not (tmp_path / "hf3").exists()
+
+
 def test_a_flipped_metadata_byte_fails_deep_verify_naming_metadata(
     saved: Saved, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -290,8 +313,12 @@ def test_an_unsafe_metadata_pickle_is_flagged_by_deep_verify_and_refused_by_expo
     assert rc_plain == 0  # the manifest vouches for it; only unpickling reveals it
     assert rc == 1 and f"file {DCP_METADATA_NAME} is unsafe" in out and "not a DCP metadata class" in out
 
-    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"))
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"), "--step", "3")
     assert rc == 1 and "refusing to export" in err
+    # Without --step, export takes what a restore would load: restore skips an unsafe .metadata.
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"))
+    assert rc == 0 and saved.folder(2) in out
+    assert "passing over step-000000003" in err and "refusing to export" in err
     assert not marker.exists()
 
 
@@ -488,6 +515,28 @@ def test_progress_bars_render_on_a_terminal(
     assert ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))[0] == 0
 
 
+class _ShardsUnreachable(_ObjectStoreLike):
+    """An object store that still fails every shard download after its retries (503s, say)."""
+
+    def get_file(self, key: str, local_path: str, **kwargs: Any) -> None:
+        if key.endswith(".distcp"):
+            raise TransientStorageError(f"{self.url(key)}: 503 Slow Down, still failing after 6 attempts", key)
+        super().get_file(key, local_path, **kwargs)
+
+
+def test_an_unreachable_store_stops_export_with_exit_2_and_never_exports_an_older_checkpoint(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ShardsUnreachable(uri))
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
+
+    # A store that fails proves nothing about the checkpoint: not "invalid" (1), and no going back in time.
+    assert rc == 2 and out == ""
+    assert "503 Slow Down" in err and saved.folder(3) in err and "passing over" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
@@ -538,6 +587,22 @@ def test_list_show_and_plain_verify_never_import_torch(saved: Saved) -> None:
             capture_output=True, text=True, cwd=REPO, timeout=120,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "list"], ["ckpt", "show", "--json"], ["status", "--json"]])
+def test_a_reader_that_left_the_pipe_is_no_error(saved: Saved, tmp_path: Path, argv: list[str]) -> None:
+    """`spotjob ckpt list URI | head -1`: the reader may close the pipe before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once `head` has left
+    target = [saved.uri] if argv[0] == "ckpt" else ["--runs-dir", str(tmp_path)]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *argv, *target],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + 13 and proc.stderr == "", proc.stderr
 
 
 # -- on every store ---------------------------------------------------------------------------------

@@ -95,6 +95,11 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--agent-launcher=fast"], {}, "--agent-launcher"),
         (["--lease-namespace=x"], {"SPOTJOB_AGENT_LAUNCHER": "fast"}, "SPOTJOB_AGENT_LAUNCHER"),
         (["--node-lost-grace-seconds=-1"], {}, "--node-lost-grace-seconds"),
+        # nan: a NotReady node would never count as lost, its workers never restarted elsewhere.
+        (["--lease-namespace=x", "--node-lost-grace-seconds=nan"], {}, "--node-lost-grace-seconds"),
+        (["--lease-namespace=x"], {"SPOTJOB_NODE_LOST_GRACE_SECONDS": "inf"}, "--node-lost-grace-seconds"),
+        # inf: the leader's Lease would never expire, so no standby takes over when it dies.
+        (["--lease-namespace=x", "--leader-elect-lease-duration=inf"], {}, "--leader-elect-lease-duration"),
         (["--interruption-queue-url=sqs-queue"], {}, "--interruption-queue-url"),
         # A queue URL that names no region (a VPC endpoint), and no region given: which one?
         (["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"], {}, "--aws-region"),

@@ -191,6 +191,9 @@ class TestToken:
             load_token(str(path), {})
         with pytest.raises(ValueError, match="empty"):
             load_token(None, {"SPOTJOB_AGENT_TOKEN": " "})
+        # Unlike every other SPOTJOB_* setting, an empty token is no "unset": that would mean no auth.
+        with pytest.raises(ValueError, match="set but empty"):
+            load_token(None, {"SPOTJOB_AGENT_TOKEN": ""})
 
 
 # -- facing a pod network ---------------------------------------------------------------------------
@@ -350,6 +353,13 @@ class TestRequests:
     def test_two_different_content_lengths_are_refused(self, api: ControlApi, agent: Agent) -> None:
         assert raw(api, post("/flush", b"{}", "Content-Length: 2", "Content-Length: 0"))[0] == 400
         assert not agent.control.flush_requested()
+
+    def test_a_post_without_content_length_has_an_empty_body_a_flush_without_deadline(
+        self, api: ControlApi, agent: Agent
+    ) -> None:
+        got, _, body = raw(api, post("/flush", b""))  # what `curl -X POST .../flush` sends
+        assert got == 202 and json.loads(body)["flush"]["deadline"] is None
+        assert agent.control.flush_requested()
 
     def test_a_body_shorter_than_its_length_is_400(self, api: ControlApi, agent: Agent) -> None:
         with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:

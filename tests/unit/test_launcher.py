@@ -233,6 +233,16 @@ class TestOptions:
         err = capsys.readouterr().err
         assert "--attempt: must be at least 0" in err and "Input should" not in err and "http" not in err
 
+    @pytest.mark.parametrize("seconds", ["inf", "nan"])
+    def test_an_every_seconds_that_never_comes_due_is_refused(
+        self, capsys: pytest.CaptureFixture[str], seconds: str
+    ) -> None:
+        # The ranks' Checkpointer refuses it too: passed on, every rank would fail at start-up.
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--checkpoint-uri", "s3://b", "--every-seconds", seconds, "--", "x"], {})
+        assert exc.value.code == 2
+        assert "--every-seconds: must be a finite number" in capsys.readouterr().err
+
     def test_ranks_per_node_from_a_torchrun_command(self) -> None:
         assert torchrun_nproc(["torchrun", "--nproc-per-node", "4", "train.py"]) == 4
         assert torchrun_nproc(["torchrun", "--nproc_per_node=8", "train.py", "--nproc-per-node", "2"]) == 8
