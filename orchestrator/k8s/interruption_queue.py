@@ -156,6 +156,8 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
         event = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise MessageRejected(Outcome.UNPARSABLE, f"not JSON: {e}") from None
+    except RecursionError:
+        raise MessageRejected(Outcome.UNPARSABLE, "not JSON this reader takes: nested too deeply") from None
     if not isinstance(event, dict):
         raise MessageRejected(Outcome.UNPARSABLE, "not a JSON object")
     detail_type = event.get("detail-type")
@@ -178,12 +180,21 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
         raise MessageRejected(
             Outcome.UNPARSABLE, f"{detail_type} for {instance}: time {event.get('time')!r} is not ISO 8601"
         )
+    try:
+        # In UTC, and with room for its deadline: a time at the ends of the calendar (year 1 with an
+        # offset east of UTC, 9999-12-31) has neither, and must not stop the reader at every delivery.
+        when = when.astimezone(UTC)
+        two_minutes_later = when + timedelta(seconds=SPOT_NOTICE_SECONDS)
+    except OverflowError:
+        raise MessageRejected(
+            Outcome.UNPARSABLE, f"{detail_type} for {instance}: time {event.get('time')!r} is out of range"
+        ) from None
 
     deadline: datetime | None = None
     if detail_type == SPOT_WARNING:
         kind = SignalKind.SPOT_INTERRUPTION
         action = detail.get("instance-action")
-        deadline = when + timedelta(seconds=SPOT_NOTICE_SECONDS)
+        deadline = two_minutes_later
         if action == "hibernate":
             deadline = when  # hibernation begins at once: no two minutes
         text = f"{detail_type} (instance-action {action})" if isinstance(action, str) else detail_type
@@ -353,7 +364,15 @@ class InterruptionQueueReader:
         """One receive and the handling of what it brought (``QueueError`` if SQS fails)."""
         outcomes = []
         for message in self._queue.receive(self._max, self._wait):
-            outcome, kind = self.handle(message)
+            try:
+                outcome, kind = self.handle(message)
+            except QueueError:
+                raise
+            except Exception:
+                # One message this reader cannot handle must not hold back the others of its batch
+                # (a spot warning among them has two minutes): it stays on the queue.
+                log.exception("interruption queue: cannot handle message %s; leaving it for redelivery", message.id)
+                outcome, kind = Outcome.RETRY, "unknown"
             outcomes.append(outcome)
             if self._metrics is not None:
                 self._metrics.interruption_message(kind, str(outcome))

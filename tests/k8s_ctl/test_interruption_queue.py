@@ -130,6 +130,9 @@ def test_a_state_change_to_starting_or_running_asks_for_nothing(state: str) -> N
         json.dumps({**rebalance("i-0abc"), "id": ""}),
         json.dumps(rebalance("i-0abc", time="yesterday")),
         json.dumps(event("EC2 Instance State-change Notification", {"instance-id": "i-0abc"})),
+        json.dumps(spot_warning("i-0abc", time="9999-12-31T23:59:59Z")),  # no room for its two minutes
+        json.dumps(rebalance("i-0abc", time="0001-01-01T00:00:00+14:00")),  # before year 1 in UTC
+        "[" * 100_000,  # nested past what the JSON parser recurses into
     ],
 )
 def test_what_is_not_a_well_formed_ec2_interruption_event_is_unparsable(body: str) -> None:
@@ -296,6 +299,23 @@ def test_messages_for_unknown_instances_unparsable_ones_and_idle_states_are_coun
     assert reader.metrics.messages == Counter(
         {("SpotInterruption", "unknown_node"): 1, ("unknown", "unparsable"): 1, ("unknown", "ignored"): 1}
     )
+
+
+def test_a_message_dated_at_the_ends_of_the_calendar_is_deleted_and_holds_back_no_spot_warning(
+    reader: Reader,
+) -> None:
+    reader.add_node("ip-10-0-1-6", "i-0eee")
+    reader.send(spot_warning("i-0eee", time="9999-12-31T23:59:59Z"))
+    reader.send(spot_warning("i-0eee", time=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")))
+
+    outcomes: list[Outcome] = []
+    while len(outcomes) < 2:
+        outcomes += reader.reader.poll_once()
+
+    assert sorted(outcomes) == sorted([Outcome.UNPARSABLE, Outcome.ANNOTATED])
+    notice = reader.annotation("ip-10-0-1-6")
+    assert notice is not None and notice["kind"] == "SpotInterruption"
+    assert reader.left_on_queue() == 0, "the malformed message must not come back at every visibility timeout"
 
 
 def test_a_weaker_notice_after_a_stronger_one_writes_nothing(reader: Reader) -> None:
