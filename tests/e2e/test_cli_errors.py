@@ -112,6 +112,14 @@ TABLE: dict[str, Case] = {
         files={"trace.txt": "-3\n"},
     ),
     "a trace that does not exist": Case(["run", "--trace", "nope.txt", T], 2, ["--trace nope.txt", "cannot read"]),
+    "a JSON trace of lists nested past what the parser recurses into": Case(
+        ["run", "--trace", "trace.json", T], 2, ["--trace trace.json:1", "nested too deeply"],
+        files={"trace.json": "[" * 100_000},
+    ),
+    "a JSON trace near the size limit whose last item is no number": Case(  # read in one pass, not minutes
+        ["run", "--trace", "trace.json", T], 2, ["--trace trace.json:340001", "'\"x\"' is not a number"],
+        files={"trace.json": "[" + "0,\n" * 340_000 + '"x"]'},
+    ),
     # -- the plot ---------------------------------------------------------------------------------
     "a plot path that cannot be written": Case(
         ["run", "--plot", "/proc/spotjob-nope/run.png", T], 2, ["--plot /proc/spotjob-nope/run.png", "cannot write"]
