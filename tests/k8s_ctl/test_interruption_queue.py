@@ -341,6 +341,40 @@ def test_a_weaker_notice_after_a_stronger_one_writes_nothing(reader: Reader) -> 
     assert reader.annotation("ip-10-0-1-9")["kind"] == "NodeLost"  # type: ignore[index]
 
 
+def test_an_instance_stopped_and_started_again_loses_the_notice_of_its_stop_and_only_that_one(
+    reader: Reader,
+) -> None:
+    def at(seconds_ago: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def state(instance: str, name: str, time: str) -> dict[str, Any]:
+        return event("EC2 Instance State-change Notification", {"instance-id": instance, "state": name}, time=time)
+
+    def annotation_cached(present: bool) -> None:
+        def check() -> bool:
+            node = reader.nodes.cache.get("", "ip-10-0-1-5") or {}
+            return (INTERRUPTION_ANNOTATION in ((node.get("metadata") or {}).get("annotations") or {})) is present
+
+        wait_for(check, what=f"the annotation {'in' if present else 'gone from'} the cache")
+
+    reader.add_node("ip-10-0-1-5", "i-0fab")
+    reader.send(state("i-0fab", "stopped", at(600)))  # a spot instance whose interruption stops it
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    annotation_cached(True)
+
+    reader.send(state("i-0fab", "running", at(900)))  # its start before the stop, delivered late
+    assert reader.reader.poll_once() == [Outcome.IGNORED]
+    assert reader.annotation("ip-10-0-1-5")["kind"] == "NodeLost"  # type: ignore[index]
+
+    reader.send(state("i-0fab", "running", at(60)))  # capacity came back: it runs again
+    assert reader.reader.poll_once() == [Outcome.CLEARED]
+    assert reader.annotation("ip-10-0-1-5") is None, "a node running again must not read as lost for an hour"
+    assert reader.left_on_queue() == 0
+    annotation_cached(False)
+    node = reader.nodes.cache.get("", "ip-10-0-1-5")
+    assert node is not None and annotation_signal(node, rebalance=RebalancePolicy.IGNORE, now=datetime.now(UTC)) is None
+
+
 def test_a_node_that_cannot_be_written_leaves_its_message_for_redelivery(reader: Reader) -> None:
     reader.add_node("ip-10-0-2-1", "i-0ddd")
     reader.test_api.fault(verb="patch", resource="nodes", status=500, count=100)
