@@ -774,7 +774,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     job = run.add_argument_group("the job (fixed once the run exists)")
     job.add_argument("--name", help="the run's name, a DNS label (default: <script>-<date>-<time>)")
-    job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2)")
+    job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2; at most 4 per CPU)")
     job.add_argument(
         "--checkpoint-uri",
         help=f"where checkpoints go: a path, s3://, gs:// (default: ./{RUNS_DIR}/<name>/checkpoints)",

@@ -137,6 +137,9 @@ TABLE: dict[str, Case] = {
     "--flush-timeout nan": Case(["run", "--flush-timeout", "nan", T], 2, ["--flush-timeout must be a positive"]),
     "--restart-backoff -1": Case(["run", "--restart-backoff", "-1", T], 2, ["--restart-backoff must be"]),
     "--nproc 0": Case(["run", "--nproc", "0", T], 2, ["--nproc must be at least 1"]),
+    "--nproc more than the machine can run": Case(
+        ["run", "--nproc", "99999999999999999999", T], 2, ["--nproc must be at most", "ranks per CPU"]
+    ),
     "--nproc abc": Case(["run", "--nproc", "abc", T], 2, ["--nproc", "must be a whole number", "'abc'"]),
     "--preempt-every 0": Case(["run", "--preempt-every", "0", T], 2, ["--preempt-every must be a positive"]),
     "--preempt-jitter 1.5": Case(["run", "--preempt-jitter", "1.5", T], 2, ["--preempt-jitter must be"]),
