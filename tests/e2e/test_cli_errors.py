@@ -73,6 +73,10 @@ TABLE: dict[str, Case] = {
     "an ftp:// checkpoint URI": Case(["run", "--checkpoint-uri", "ftp://x/y", T], 2, ["--checkpoint-uri", "'ftp'"]),
     "s3:// without a bucket": Case(["run", "--checkpoint-uri", "s3://", T], 2, ["--checkpoint-uri", "names no bucket"]),
     "gs:// without a bucket": Case(["run", "--checkpoint-uri", "gs://", T], 2, ["--checkpoint-uri", "names no bucket"]),
+    "credentials in a checkpoint URI": Case(
+        ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
+        ["--checkpoint-uri", "takes no credentials", "the URI is not repeated here"],
+    ),
     "a relative file:// URI": Case(
         ["run", "--checkpoint-uri", "file://rel/ckpt", T], 2, ["--checkpoint-uri", "absolute path"]
     ),
@@ -180,7 +184,7 @@ def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(tmp_p
     assert proc.returncode == c.code, f"{case}: exit {proc.returncode}\n{err[-3000:]}"
     for word in c.words:
         assert word.format(tmp=tmp_path) in err, f"{case}: {word!r} not in:\n{err[-3000:]}"
-    for phrase in FORBIDDEN:
+    for phrase in (*FORBIDDEN, "wJalrXUtnFEMI"):  # the last: the secret of the credentials case
         assert phrase not in err + proc.stdout, f"{case}: {phrase!r} reached the user:\n{err[-3000:]}"
     assert tree(tmp_path) == set(c.files), f"{case}: created {sorted(tree(tmp_path) - set(c.files))}"
 
