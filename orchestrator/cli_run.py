@@ -222,6 +222,8 @@ class LocalRun:
         self.status = status or JobStatus()
         self.events: list[RecordedEvent] = []
         self._view: RunView | None = None
+        self.stopping = False
+        """``run()`` is stopping every process of the run (its end, or an interrupt's)."""
         self._started = time.monotonic()
         self._ended: float | None = None
         self._rate: deque[tuple[float, int]] = deque()
@@ -400,6 +402,7 @@ class LocalRun:
             self.status = controller.run(self.key)
             self._note_status(self.status)
         finally:
+            self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
             self.backend.close()
             self.events = _events(self.events_path)
@@ -633,8 +636,25 @@ def prepare(args: argparse.Namespace) -> LocalRun:
     return LocalRun.resume(args.runs_dir, args.resume, **plan_options(args))
 
 
-def _interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class _Interrupts:
+    """Ctrl-C and SIGTERM while ``spotjob run`` drives ``run``: the first one ends the controller
+    loop (``KeyboardInterrupt``); once the run is stopping its processes, none interrupts that. A
+    second Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close`` short and
+    leave the run's processes running after the driver said it had stopped them."""
+
+    def __init__(self, run: LocalRun) -> None:
+        self.run = run
+        self.received = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
+        if self.received == 1 and not self.run.stopping:
+            raise KeyboardInterrupt(f"signal {signum}")
+        log.warning(
+            "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
+            signal.Signals(signum).name,
+            self.run.name,
+        )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -647,9 +667,21 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"spotjob run: cannot create the run: {e}", file=sys.stderr)
         return EXIT_USAGE
 
+    if threading.current_thread() is not threading.main_thread():
+        return _drive(run, args)  # only the main thread can take signals
+    interrupts = _Interrupts(run)
+    saved = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _drive(run, args)
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(signum, handler)
+
+
+def _drive(run: LocalRun, args: argparse.Namespace) -> int:
+    """Run it, then tell: the summary, the plot, the exit status."""
     live = sys.stderr.isatty() and not args.no_live
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     interrupted = False
     try:
         if live:
@@ -742,7 +774,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     job = run.add_argument_group("the job (fixed once the run exists)")
     job.add_argument("--name", help="the run's name, a DNS label (default: <script>-<date>-<time>)")
-    job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2)")
+    job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2; at most 4 per CPU)")
     job.add_argument(
         "--checkpoint-uri",
         help=f"where checkpoints go: a path, s3://, gs:// (default: ./{RUNS_DIR}/<name>/checkpoints)",

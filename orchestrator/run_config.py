@@ -76,6 +76,7 @@ class RunConfig:
         """What is wrong with the numbers and the name, each naming its option."""
         out = [
             _at_least("--nproc", self.nproc, 1),
+            _nproc_within_machine(self.nproc),
             _at_least("--every-steps", self.every_steps, 1),
             _positive("--every-seconds", self.every_seconds),
             _at_least("--keep", self.keep, 1),
@@ -134,6 +135,20 @@ class RunConfig:
             trace=list(self.trace),
             seed=self.seed,
         )
+
+
+RANKS_PER_CPU = 4
+"""``--nproc`` at most this many ranks per CPU of the machine: every rank is a process of its own
+(and a PyTorch import), so more only compete for the CPUs, and a mistyped ``--nproc 20000`` would
+start processes until the machine gives out."""
+
+
+def _nproc_within_machine(nproc: int) -> str | None:
+    cpus = os.cpu_count() or 1
+    limit = RANKS_PER_CPU * cpus
+    if nproc <= limit:
+        return None
+    return f"--nproc must be at most {limit} ({RANKS_PER_CPU} ranks per CPU; this machine has {cpus}), got {nproc}"
 
 
 def _at_least(option: str, value: int | None, low: int) -> str | None:

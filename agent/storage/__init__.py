@@ -43,6 +43,12 @@ __all__ = [
 ]
 
 
+_CREDENTIAL_SOURCES = {
+    "s3": "AWS credential chain (environment, profile, IRSA, instance role)",
+    "gs": "Application Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, Workload Identity)",
+}
+
+
 def parse_uri(uri: str) -> tuple[str, str, str]:
     """``(scheme, bucket, path)`` of a checkpoint URI by ``open_storage``'s rules, opening nothing.
 
@@ -53,6 +59,15 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    head = urlparse(uri)
+    if head.scheme.lower() in ("s3", "gs") and any(c in head.netloc for c in ":@"):
+        # No bucket name holds ':' or '@': this is user:secret@bucket. Said without the URI, which
+        # would otherwise be repeated in every log line, Event and status that names it.
+        raise ValueError(
+            f"a {head.scheme.lower()}:// checkpoint URI takes no credentials (user:secret@ before the bucket; "
+            f"the URI is not repeated here): spotjob reaches storage with the "
+            f"{_CREDENTIAL_SOURCES[head.scheme.lower()]}; write {head.scheme.lower()}://BUCKET/PREFIX"
+        )
     if "#" in uri or "?" in uri:
         # A URL parser reads them as a fragment or a query and drops them, so s3://b/run#1 would
         # silently be s3://b/run, another run's prefix. A plain path is refused too: spotjob spells

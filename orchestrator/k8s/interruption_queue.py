@@ -22,7 +22,8 @@ the annotation into a ``Signal`` for the jobs that have a worker on that node, i
 is no more severe than the annotation there (a rebalance recommendation arriving after the spot
 warning; SQS does not keep order) writes nothing. An annotation older than
 ``cluster_signals.INTERRUPTION_TTL_SECONDS`` no longer counts (a node that was stopped and started
-again keeps its name).
+again keeps its name), and a state change to ``pending`` or ``running`` later than the notice's event
+removes it at once (the instance runs again; its jobs must not read the node as lost).
 
 The queue must be spotjob's own. A queue message is consumed once: a queue that Karpenter or
 aws-node-termination-handler also reads would split the notices between them.
@@ -83,6 +84,9 @@ STATE_KINDS = {
 }
 """Instance states that mean the node is going (a flush may still run) or gone (nothing to flush)."""
 
+STARTING_STATES = ("pending", "running")
+"""Instance states that mean it runs again (after a stop): an older notice on its Node is stale."""
+
 INSTANCE_INDEX = "instance-id"
 """The Node informer's index of EC2 instance ids (from ``spec.providerID``)."""
 
@@ -98,6 +102,8 @@ class Outcome(StrEnum):
     """No Node of this cluster runs the instance; deleted."""
     IGNORED = "ignored"
     """A well-formed event that asks for nothing (an instance starting); deleted."""
+    CLEARED = "cleared"
+    """An instance started again after the notice on its Node: the notice removed; deleted."""
     UNPARSABLE = "unparsable"
     """Not an EC2 event this reader knows, or malformed; deleted."""
     RETRY = "retry"
@@ -105,11 +111,13 @@ class Outcome(StrEnum):
 
 
 class MessageRejected(ValueError):
-    """A message this reader will not act on; ``outcome`` says which kind of rejection it is."""
+    """A message this reader will not act on; ``outcome`` says which kind of rejection it is. An
+    instance starting (``IGNORED``) names the instance and when it started (``started``)."""
 
-    def __init__(self, outcome: Outcome, message: str) -> None:
+    def __init__(self, outcome: Outcome, message: str, *, started: tuple[str, datetime] | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
+        self.started = started
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,8 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
         event = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise MessageRejected(Outcome.UNPARSABLE, f"not JSON: {e}") from None
+    except RecursionError:
+        raise MessageRejected(Outcome.UNPARSABLE, "not JSON this reader takes: nested too deeply") from None
     if not isinstance(event, dict):
         raise MessageRejected(Outcome.UNPARSABLE, "not a JSON object")
     detail_type = event.get("detail-type")
@@ -178,12 +188,21 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
         raise MessageRejected(
             Outcome.UNPARSABLE, f"{detail_type} for {instance}: time {event.get('time')!r} is not ISO 8601"
         )
+    try:
+        # In UTC, and with room for its deadline: a time at the ends of the calendar (year 1 with an
+        # offset east of UTC, 9999-12-31) has neither, and must not stop the reader at every delivery.
+        when = when.astimezone(UTC)
+        two_minutes_later = when + timedelta(seconds=SPOT_NOTICE_SECONDS)
+    except OverflowError:
+        raise MessageRejected(
+            Outcome.UNPARSABLE, f"{detail_type} for {instance}: time {event.get('time')!r} is out of range"
+        ) from None
 
     deadline: datetime | None = None
     if detail_type == SPOT_WARNING:
         kind = SignalKind.SPOT_INTERRUPTION
         action = detail.get("instance-action")
-        deadline = when + timedelta(seconds=SPOT_NOTICE_SECONDS)
+        deadline = two_minutes_later
         if action == "hibernate":
             deadline = when  # hibernation begins at once: no two minutes
         text = f"{detail_type} (instance-action {action})" if isinstance(action, str) else detail_type
@@ -194,7 +213,11 @@ def parse_message(body: str | bytes) -> InterruptionMessage:
         if not isinstance(state, str):
             raise MessageRejected(Outcome.UNPARSABLE, f"{detail_type} for {instance} without a state")
         if state not in STATE_KINDS:
-            raise MessageRejected(Outcome.IGNORED, f"{detail_type} for {instance}: state {state} asks for nothing")
+            raise MessageRejected(
+                Outcome.IGNORED,
+                f"{detail_type} for {instance}: state {state} asks for nothing",
+                started=(instance, when) if state in STARTING_STATES else None,
+            )
         kind, text = STATE_KINDS[state], f"{detail_type} (state {state})"
     return InterruptionMessage(
         kind=kind, instance_id=instance, time=when, deadline=deadline, message_id=event_id, detail=text
@@ -353,7 +376,15 @@ class InterruptionQueueReader:
         """One receive and the handling of what it brought (``QueueError`` if SQS fails)."""
         outcomes = []
         for message in self._queue.receive(self._max, self._wait):
-            outcome, kind = self.handle(message)
+            try:
+                outcome, kind = self.handle(message)
+            except QueueError:
+                raise
+            except Exception:
+                # One message this reader cannot handle must not hold back the others of its batch
+                # (a spot warning among them has two minutes): it stays on the queue.
+                log.exception("interruption queue: cannot handle message %s; leaving it for redelivery", message.id)
+                outcome, kind = Outcome.RETRY, "unknown"
             outcomes.append(outcome)
             if self._metrics is not None:
                 self._metrics.interruption_message(kind, str(outcome))
@@ -364,10 +395,16 @@ class InterruptionQueueReader:
         try:
             parsed = parse_message(message.body)
         except MessageRejected as e:
+            outcome = e.outcome
+            if e.started is not None:
+                cleared = self._clear_older_notices(*e.started, message)
+                if cleared is None:
+                    return Outcome.RETRY, "unknown"
+                outcome = Outcome.CLEARED if cleared else outcome
             level = logging.INFO if e.outcome is Outcome.IGNORED else logging.WARNING
-            log.log(level, "interruption queue: message %s %s: %s; deleting it", message.id, e.outcome, e)
+            log.log(level, "interruption queue: message %s %s: %s; deleting it", message.id, outcome, e)
             self._queue.delete(message)
-            return e.outcome, "unknown"
+            return outcome, "unknown"
         nodes = self._nodes.by_index(INSTANCE_INDEX, parsed.instance_id)
         if not nodes:
             log.info(
@@ -413,6 +450,43 @@ class InterruptionQueueReader:
             )
         self._queue.delete(message)
         return (Outcome.ANNOTATED if written else Outcome.DUPLICATE), str(parsed.kind)
+
+    def _clear_older_notices(self, instance: str, started: datetime, message: QueueMessage) -> bool | None:
+        """Remove the notice from the Nodes of ``instance`` when the instance (pending or running
+        again at ``started``) was stopped and started after the notice's event: a notice about its
+        previous run would otherwise make every job placed there flush and move, for as long as the
+        notice counts (``INTERRUPTION_TTL_SECONDS``). A notice newer than the start (SQS keeps no
+        order) stays. Whether one was removed; None when a Node could not be written (the message
+        stays for redelivery)."""
+        cleared = False
+        for node in self._nodes.by_index(INSTANCE_INDEX, instance):
+            name = str((node.get("metadata") or {}).get("name") or "")
+            raw = ((node.get("metadata") or {}).get("annotations") or {}).get(INTERRUPTION_ANNOTATION)
+            existing = read_interruption(raw) if raw else None
+            if existing is None or existing.time is None or existing.time >= started:
+                continue
+            patch = {"metadata": {"annotations": {INTERRUPTION_ANNOTATION: None}}}
+            try:
+                self._client.patch(NODES, name, patch)
+            except KubeError as e:
+                log.warning(
+                    "interruption queue: cannot remove the stale notice from node %s (message %s), leaving the "
+                    "message for redelivery: %s",
+                    name,
+                    message.id,
+                    e,
+                )
+                return None
+            cleared = True
+            log.warning(
+                "interruption queue: instance %s of node %s runs again since %s: its %s notice of %s is removed",
+                instance,
+                name,
+                _rfc3339(started),
+                existing.kind,
+                _rfc3339(existing.time),
+            )
+        return cleared
 
     def _covered(self, node: Object, message: InterruptionMessage) -> bool:
         """The node carries a live notice at least as severe (and no later) than ``message``."""

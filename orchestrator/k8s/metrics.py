@@ -17,7 +17,7 @@ one test process do not collide. Families (all prefixed ``spotjob_``):
 - ``leader``                                       1 while this replica leads
 - ``interruption_messages_total{kind,outcome}``    interruption-queue messages, by what became of
                                                    them (annotated, duplicate, unknown_node,
-                                                   ignored, unparsable, retry)
+                                                   ignored, cleared, unparsable, retry)
 - ``interruption_queue_errors_total``              failed receives or deletes on the queue
 - ``checkpoint_hint_patches_total{outcome}``       pod annotation patches of the checkpoint hints
 """

@@ -73,6 +73,10 @@ TABLE: dict[str, Case] = {
     "an ftp:// checkpoint URI": Case(["run", "--checkpoint-uri", "ftp://x/y", T], 2, ["--checkpoint-uri", "'ftp'"]),
     "s3:// without a bucket": Case(["run", "--checkpoint-uri", "s3://", T], 2, ["--checkpoint-uri", "names no bucket"]),
     "gs:// without a bucket": Case(["run", "--checkpoint-uri", "gs://", T], 2, ["--checkpoint-uri", "names no bucket"]),
+    "credentials in a checkpoint URI": Case(
+        ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
+        ["--checkpoint-uri", "takes no credentials", "the URI is not repeated here"],
+    ),
     "a relative file:// URI": Case(
         ["run", "--checkpoint-uri", "file://rel/ckpt", T], 2, ["--checkpoint-uri", "absolute path"]
     ),
@@ -112,6 +116,14 @@ TABLE: dict[str, Case] = {
         files={"trace.txt": "-3\n"},
     ),
     "a trace that does not exist": Case(["run", "--trace", "nope.txt", T], 2, ["--trace nope.txt", "cannot read"]),
+    "a JSON trace of lists nested past what the parser recurses into": Case(
+        ["run", "--trace", "trace.json", T], 2, ["--trace trace.json:1", "nested too deeply"],
+        files={"trace.json": "[" * 100_000},
+    ),
+    "a JSON trace near the size limit whose last item is no number": Case(  # read in one pass, not minutes
+        ["run", "--trace", "trace.json", T], 2, ["--trace trace.json:340001", "'\"x\"' is not a number"],
+        files={"trace.json": "[" + "0,\n" * 340_000 + '"x"]'},
+    ),
     # -- the plot ---------------------------------------------------------------------------------
     "a plot path that cannot be written": Case(
         ["run", "--plot", "/proc/spotjob-nope/run.png", T], 2, ["--plot /proc/spotjob-nope/run.png", "cannot write"]
@@ -129,6 +141,9 @@ TABLE: dict[str, Case] = {
     "--flush-timeout nan": Case(["run", "--flush-timeout", "nan", T], 2, ["--flush-timeout must be a positive"]),
     "--restart-backoff -1": Case(["run", "--restart-backoff", "-1", T], 2, ["--restart-backoff must be"]),
     "--nproc 0": Case(["run", "--nproc", "0", T], 2, ["--nproc must be at least 1"]),
+    "--nproc more than the machine can run": Case(
+        ["run", "--nproc", "99999999999999999999", T], 2, ["--nproc must be at most", "ranks per CPU"]
+    ),
     "--nproc abc": Case(["run", "--nproc", "abc", T], 2, ["--nproc", "must be a whole number", "'abc'"]),
     "--preempt-every 0": Case(["run", "--preempt-every", "0", T], 2, ["--preempt-every must be a positive"]),
     "--preempt-jitter 1.5": Case(["run", "--preempt-jitter", "1.5", T], 2, ["--preempt-jitter must be"]),
@@ -169,7 +184,7 @@ def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(tmp_p
     assert proc.returncode == c.code, f"{case}: exit {proc.returncode}\n{err[-3000:]}"
     for word in c.words:
         assert word.format(tmp=tmp_path) in err, f"{case}: {word!r} not in:\n{err[-3000:]}"
-    for phrase in FORBIDDEN:
+    for phrase in (*FORBIDDEN, "wJalrXUtnFEMI"):  # the last: the secret of the credentials case
         assert phrase not in err + proc.stdout, f"{case}: {phrase!r} reached the user:\n{err[-3000:]}"
     assert tree(tmp_path) == set(c.files), f"{case}: created {sorted(tree(tmp_path) - set(c.files))}"
 

@@ -5,6 +5,8 @@
   processes; ``spotjob run --resume`` is refused while the run is driven, and afterwards carries
   the run on to the end under the same job identity (owner, attempts, manifests), bit-identical to
   an uninterrupted run, with every commit counted.
+- The driver is told to stop (SIGTERM) again and again while it stops: no process of the run
+  outlives it.
 - The summary's numbers are exact: every commit counted (a save every step on one rank commits
   faster than anyone samples), the last checkpoint named, never "None".
 - A failed worker's reason says why (a usage error, a full disk, a read-only filesystem, a full
@@ -147,6 +149,41 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     assert summary["commits"] == commits_logged(run)
     assert summary["steps"] == STEPS and summary["last_checkpoint"] == STEPS
     assert_same_final_state(tmp_path / "final", uninterrupted)
+
+
+def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
+    tmp_path: Path,
+) -> None:
+    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short."""
+    run = tmp_path / "spotjob-runs" / "stop"
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "stop", "--every-steps", "5",
+        str(TRAIN), "--steps", "100000", "--step-sleep", "0.15",
+    ]  # fmt: skip
+    with open(tmp_path / "driver.log", "wb") as out:
+        driver = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        def training() -> bool:
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+            status = job_document(run).get("status") or {}
+            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 5
+
+        wait_for(training, "the run to train")
+        assert run_pids(str(run)), "the run's processes should be running"
+        while driver.poll() is None:  # until it exits: every one after the first lands in its stop
+            driver.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+    left = run_pids(str(run))
+    assert not left, f"processes of the run outlived its driver: {left}"
+    log = (tmp_path / "driver.log").read_text()
+    assert "spotjob run: interrupted; every process of stop was stopped" in log, log[-4000:]
+    assert "Traceback" not in log
 
 
 # -- the numbers ----------------------------------------------------------------------------------

@@ -130,6 +130,9 @@ def test_a_state_change_to_starting_or_running_asks_for_nothing(state: str) -> N
         json.dumps({**rebalance("i-0abc"), "id": ""}),
         json.dumps(rebalance("i-0abc", time="yesterday")),
         json.dumps(event("EC2 Instance State-change Notification", {"instance-id": "i-0abc"})),
+        json.dumps(spot_warning("i-0abc", time="9999-12-31T23:59:59Z")),  # no room for its two minutes
+        json.dumps(rebalance("i-0abc", time="0001-01-01T00:00:00+14:00")),  # before year 1 in UTC
+        "[" * 100_000,  # nested past what the JSON parser recurses into
     ],
 )
 def test_what_is_not_a_well_formed_ec2_interruption_event_is_unparsable(body: str) -> None:
@@ -298,6 +301,23 @@ def test_messages_for_unknown_instances_unparsable_ones_and_idle_states_are_coun
     )
 
 
+def test_a_message_dated_at_the_ends_of_the_calendar_is_deleted_and_holds_back_no_spot_warning(
+    reader: Reader,
+) -> None:
+    reader.add_node("ip-10-0-1-6", "i-0eee")
+    reader.send(spot_warning("i-0eee", time="9999-12-31T23:59:59Z"))
+    reader.send(spot_warning("i-0eee", time=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")))
+
+    outcomes: list[Outcome] = []
+    while len(outcomes) < 2:
+        outcomes += reader.reader.poll_once()
+
+    assert sorted(outcomes) == sorted([Outcome.UNPARSABLE, Outcome.ANNOTATED])
+    notice = reader.annotation("ip-10-0-1-6")
+    assert notice is not None and notice["kind"] == "SpotInterruption"
+    assert reader.left_on_queue() == 0, "the malformed message must not come back at every visibility timeout"
+
+
 def test_a_weaker_notice_after_a_stronger_one_writes_nothing(reader: Reader) -> None:
     reader.add_node("ip-10-0-1-9", "i-0ccc")
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -319,6 +339,40 @@ def test_a_weaker_notice_after_a_stronger_one_writes_nothing(reader: Reader) -> 
     reader.send(state_change("i-0ccc", "terminated"))  # the node is gone: graver, written
     assert reader.reader.poll_once() == [Outcome.ANNOTATED]
     assert reader.annotation("ip-10-0-1-9")["kind"] == "NodeLost"  # type: ignore[index]
+
+
+def test_an_instance_stopped_and_started_again_loses_the_notice_of_its_stop_and_only_that_one(
+    reader: Reader,
+) -> None:
+    def at(seconds_ago: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def state(instance: str, name: str, time: str) -> dict[str, Any]:
+        return event("EC2 Instance State-change Notification", {"instance-id": instance, "state": name}, time=time)
+
+    def annotation_cached(present: bool) -> None:
+        def check() -> bool:
+            node = reader.nodes.cache.get("", "ip-10-0-1-5") or {}
+            return (INTERRUPTION_ANNOTATION in ((node.get("metadata") or {}).get("annotations") or {})) is present
+
+        wait_for(check, what=f"the annotation {'in' if present else 'gone from'} the cache")
+
+    reader.add_node("ip-10-0-1-5", "i-0fab")
+    reader.send(state("i-0fab", "stopped", at(600)))  # a spot instance whose interruption stops it
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    annotation_cached(True)
+
+    reader.send(state("i-0fab", "running", at(900)))  # its start before the stop, delivered late
+    assert reader.reader.poll_once() == [Outcome.IGNORED]
+    assert reader.annotation("ip-10-0-1-5")["kind"] == "NodeLost"  # type: ignore[index]
+
+    reader.send(state("i-0fab", "running", at(60)))  # capacity came back: it runs again
+    assert reader.reader.poll_once() == [Outcome.CLEARED]
+    assert reader.annotation("ip-10-0-1-5") is None, "a node running again must not read as lost for an hour"
+    assert reader.left_on_queue() == 0
+    annotation_cached(False)
+    node = reader.nodes.cache.get("", "ip-10-0-1-5")
+    assert node is not None and annotation_signal(node, rebalance=RebalancePolicy.IGNORE, now=datetime.now(UTC)) is None
 
 
 def test_a_node_that_cannot_be_written_leaves_its_message_for_redelivery(reader: Reader) -> None:

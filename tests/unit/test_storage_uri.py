@@ -44,3 +44,22 @@ def test_a_hash_or_question_mark_is_refused_not_dropped(uri: str) -> None:
     assert repr(uri) in str(caught.value)
     with pytest.raises(ValueError, match="not supported in checkpoint URIs"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run",
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@bucket/run",  # a '/' in the secret
+        "gs://user:wJalrXUtnFEMI@bucket/run",
+        "s3://wJalrXUtnFEMI@bucket/run#1",
+    ],
+)
+def test_credentials_in_a_uri_are_refused_without_repeating_them(uri: str) -> None:
+    """No bucket name holds ':' or '@'. Taken as a bucket, the secret would be in every log line,
+    Event and status that names the URI."""
+    with pytest.raises(ValueError, match="takes no credentials") as caught:
+        parse_uri(uri)
+    assert "wJalrXUtnFEMI" not in str(caught.value)
+    with pytest.raises(ValueError, match="takes no credentials"):
+        open_storage(uri)
