@@ -25,7 +25,7 @@ import pytest
 import yaml
 from infra_support import REPO, TERRAFORM, container_args, one, render, terraform
 
-from orchestrator.k8s.interruption_queue import SqsQueue, parse_message
+from orchestrator.k8s.interruption_queue import MessageRejected, Outcome, SqsQueue, parse_message
 from orchestrator.signals import SignalKind
 
 pytestmark = pytest.mark.slow
@@ -406,21 +406,30 @@ def test_a_spot_interruption_warning_reaches_the_queue_in_the_envelope_the_queue
     assert message.time == issued and message.deadline == issued + timedelta(minutes=2)
 
 
-def test_rebalance_and_terminating_state_changes_arrive_other_ec2_events_do_not(stack: Stack) -> None:
+def test_rebalance_terminating_and_running_again_arrive_other_ec2_events_do_not(stack: Stack) -> None:
+    """Running arrives too: an instance stopped and started again keeps its Node name, and the
+    reader removes the notice of its stop from that Node when it hears it runs again."""
     _drain(stack)
-    a, b, c, d = (f"i-{uuid.uuid4().hex[:17]}" for _ in range(4))
+    a, b, c, d, e = (f"i-{uuid.uuid4().hex[:17]}" for _ in range(5))
     _put(stack, "EC2 Instance Rebalance Recommendation", {"instance-id": a}, a)
     _put(stack, "EC2 Instance State-change Notification", {"instance-id": b, "state": "shutting-down"}, b)
     _put(stack, "EC2 Instance State-change Notification", {"instance-id": c, "state": "running"}, c)
+    _put(stack, "EC2 Instance State-change Notification", {"instance-id": e, "state": "pending"}, e)
     _put(stack, "EC2 AMI State Change", {"ImageId": "ami-0123456789abcdef0", "State": "available"}, d)
     bodies = _drain(stack)
     arrived = {(m["detail-type"], m["detail"].get("instance-id")) for m in bodies}
     assert arrived == {
         ("EC2 Instance Rebalance Recommendation", a),
         ("EC2 Instance State-change Notification", b),
+        ("EC2 Instance State-change Notification", c),
     }
-    parsed = {parse_message(json.dumps(m)).instance_id: parse_message(json.dumps(m)).kind for m in bodies}
+    by_instance = {m["detail"]["instance-id"]: json.dumps(m) for m in bodies}
+    parsed = {i: parse_message(by_instance[i]).kind for i in (a, b)}
     assert parsed == {a: SignalKind.REBALANCE, b: SignalKind.TERMINATING}
+    with pytest.raises(MessageRejected) as running:
+        parse_message(by_instance[c])
+    assert running.value.outcome is Outcome.IGNORED and running.value.started is not None
+    assert running.value.started[0] == c
 
 
 # -- the chart takes the module's outputs ------------------------------------------------------------

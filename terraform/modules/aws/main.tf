@@ -33,11 +33,13 @@ locals {
       })
     }
     state-change = {
-      description = "EC2 Instance State-change Notification: the instance is stopping or gone"
+      description = "EC2 Instance State-change Notification: the instance is stopping or gone, or runs again"
+      # running: an instance stopped (a spot interruption set to stop) and started again keeps its
+      # Node name; the controller removes the notice of its stop from that Node.
       pattern = jsonencode({
         source      = ["aws.ec2"]
         detail-type = ["EC2 Instance State-change Notification"]
-        detail      = { state = ["stopping", "stopped", "shutting-down", "terminated"] }
+        detail      = { state = ["stopping", "stopped", "shutting-down", "terminated", "running"] }
       })
     }
   }
