@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+
+from orchestrator.cli_pipe import reader_gone
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -55,24 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        return _reader_gone()
+        return reader_gone()
     return rc
-
-
-EXIT_READER_GONE = 128 + 13
-"""What a shell pipeline's writer exits with when its reader left (128 + SIGPIPE)."""
-
-
-def _reader_gone() -> int:
-    """The reader of stdout went away (``spotjob status --json | head``): no error, no traceback.
-
-    stdout then points at /dev/null, so the interpreter's last flush of it cannot fail again.
-    """
-    with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (tests) needs none
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

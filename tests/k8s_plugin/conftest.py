@@ -52,8 +52,14 @@ def kubectl_spotjob(spotjob_crd: None, user_kubeconfig: str, cluster: TestCluste
         pytest.skip("kubectl is not on PATH")
 
     def run(
-        *args: str, kubeconfig: str | None = None, env: dict[str, str] | None = None, timeout: float = 120
+        *args: str,
+        kubeconfig: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+        stdout: int | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        return run_kubectl_spotjob(cluster, kubeconfig or user_kubeconfig, *args, env=env, timeout=timeout)
+        return run_kubectl_spotjob(
+            cluster, kubeconfig or user_kubeconfig, *args, env=env, timeout=timeout, stdout=stdout
+        )
 
     return run

@@ -37,9 +37,11 @@ def run_kubectl_spotjob(
     *args: str,
     env: dict[str, str] | None = None,
     timeout: float = 120,
+    stdout: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``kubectl spotjob ARGS`` as a user runs it: the kubectl binary on PATH, the venv's bin (where
-    ``kubectl-spotjob`` is installed) first on PATH, ``kubeconfig`` as $KUBECONFIG."""
+    ``kubectl-spotjob`` is installed) first on PATH, ``kubeconfig`` as $KUBECONFIG. ``stdout``: a
+    file descriptor to write the output to (else it is captured)."""
     kubectl = shutil.which("kubectl")
     assert kubectl is not None, "kubectl is not on PATH"
     assert (BIN / "kubectl-spotjob").exists(), "the plugin is not installed in the venv (make venv)"
@@ -50,6 +52,16 @@ def run_kubectl_spotjob(
         "KUBECONFIG": kubeconfig,
         **(env or {}),
     }
+    if stdout is not None:
+        return subprocess.run(
+            [kubectl, "spotjob", *args],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full,
+            timeout=timeout,
+            check=False,
+        )
     return subprocess.run(
         [kubectl, "spotjob", *args], capture_output=True, text=True, env=full, timeout=timeout, check=False
     )

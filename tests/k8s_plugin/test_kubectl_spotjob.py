@@ -6,6 +6,7 @@ its exit code and, for a flush, the request the API server received (the audit l
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -65,6 +66,23 @@ def test_status_lists_the_namespaces_jobs_with_phase_step_checkpoint_age_counter
     assert (phase, step, preemptions, restarts, goodput) == ("Running", "1400", "1", "0/3", "98.1%")
     assert re.fullmatch(r"4\ds", age), age  # 41s, a second or two later
     assert table["fresh"][1:3] == ["<no", "status>"]
+
+
+@pytest.mark.parametrize("output", [[], ["-o", "json"]])
+def test_a_reader_that_left_the_pipe_is_no_error(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, output: list[str]
+) -> None:
+    """`kubectl spotjob status | head -1`: the reader may close the pipe before the output is
+    written; that is exit 141 (as a shell pipeline's writer) and nothing on stderr, not a traceback."""
+    create_job(cluster, namespace, "piped")
+    set_status(cluster, namespace, "piped", running_status(step=7))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once `head` has left
+    try:
+        proc = kubectl_spotjob("status", "-n", namespace, *output, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + 13 and proc.stderr == "", proc.stderr
 
 
 def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(

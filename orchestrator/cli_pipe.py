@@ -1,0 +1,22 @@
+"""A command's stdout whose reader went away (``spotjob status --json | head``, ``kubectl spotjob
+status | head -1``): no error and no traceback, the exit status a shell pipeline's writer has."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+EXIT_READER_GONE = 128 + 13
+"""What a shell pipeline's writer exits with when its reader left (128 + SIGPIPE)."""
+
+
+def reader_gone() -> int:
+    """Point stdout at /dev/null, so the interpreter's last flush of it cannot fail again, and
+    return ``EXIT_READER_GONE``. For ``except BrokenPipeError`` around a command that has flushed
+    its stdout inside the ``try``."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (tests) needs none
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_READER_GONE
