@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ from agent.notices import (
     SignalSource,
     detect_cloud,
 )
-from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
 
 FAST = 0.05
 WAIT = 10.0
@@ -330,6 +331,40 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_a_name_read_that_failed_once_is_read_again_and_other_vms_events_stay_ignored(self) -> None:
+        # IMDS throttles (429) past 5 requests a second: the first name read failing must not
+        # make every VM's events this VM's for the rest of the job.
+        with NameFailsFirst(vm_name="vm-7") as azure:
+            source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+            try:
+                wait_until(lambda: azure.count("GET", "/metadata/scheduledevents") >= 2, "a poll after the failed read")
+                azure.add_event(EventType="Preempt", Resources=["vm-other"])
+                ours = azure.add_event(EventType="Terminate", Resources=["vm-7"])
+                notice = got.next()
+                assert notice.event_id == ours
+                source.flush_finished()
+                assert azure.wait_for_start_request(ours)
+                assert got.notices.empty() and azure.start_requests == [ours]
+            finally:
+                source.stop()
+
+    def test_while_the_name_is_unknown_events_count_but_only_this_vms_are_acknowledged(self) -> None:
+        # A needless flush is safe; acknowledging another VM's event starts its eviction now.
+        with NameFailsFirst(vm_name="vm-7", failures=10**6) as azure:
+            source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+            try:
+                other = azure.add_event(EventType="Preempt", Resources=["vm-other"])
+                assert got.next().event_id == other
+                unnamed = azure.add_event(EventType="Terminate", Resources=[])
+                assert got.next().event_id == unnamed
+                source.flush_finished()
+                assert azure.wait_for_start_request(unnamed)
+                polls = azure.count("GET", "/metadata/scheduledevents")
+                wait_until(lambda: azure.count("GET", "/metadata/scheduledevents") >= polls + 3, "three more polls")
+                assert azure.start_requests == [unnamed]
+            finally:
+                source.stop()
+
     def test_a_pending_acknowledgement_is_sent_on_stop(self, azure: AzureScheduledEventsEmulator) -> None:
         source = AzureScheduledEventsSource(azure.url, interval=60)  # polls once, then only on wake
         got = Collector()
@@ -339,6 +374,20 @@ class TestAzureSource:
         source.flush_finished()
         source.stop()
         assert azure.start_requests == [event_id]
+
+
+class NameFailsFirst(AzureScheduledEventsEmulator):
+    """Azure IMDS that throttles (429) the first ``failures`` reads of this VM's name."""
+
+    def __init__(self, *, vm_name: str, failures: int = 1) -> None:
+        super().__init__(vm_name=vm_name)
+        self.name_failures = failures
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        if path == "/metadata/instance/compute/name" and self.name_failures > 0:
+            self.name_failures -= 1
+            return _Reply.json(429, {"error": "Too many requests"})
+        return super()._handle(method, path, query, headers, body)
 
 
 class TestSignalSource:
