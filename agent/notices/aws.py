@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
+META_DATA_PATH = "/latest/meta-data/"
 INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"

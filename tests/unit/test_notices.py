@@ -131,6 +131,15 @@ class TestImdsEmulator:
         imds.clear()
         assert http(action_url, headers=headers)[0] == 404
 
+    def test_behind_a_hop_limit_of_one_the_token_put_is_not_answered_but_reads_are(self) -> None:
+        with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
+            req = urllib.request.Request(
+                imds.url + "/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
+            )
+            with pytest.raises((TimeoutError, urllib.error.URLError)):
+                urllib.request.urlopen(req, timeout=0.3)
+            assert http(imds.url + "/latest/meta-data/")[0] == 401
+
     def test_expired_tokens_get_401_and_a_new_token_works(self, imds: ImdsEmulator) -> None:
         def token() -> dict[str, str]:
             raw = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
@@ -428,6 +437,20 @@ class TestDetectCloud:
         # A server of the wrong dialect is not mistaken for its own cloud.
         assert detect_cloud(aws_url=gce.url, gcp_url=azure.url, azure_url=imds.url, env={}) is Cloud.NONE
         assert detect_cloud(aws_url=nothing, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.NONE
+
+    def test_aws_is_recognised_from_a_container_whose_token_put_gets_no_answer(self, caplog: Any) -> None:
+        # HttpPutResponseHopLimit 1: the token PUT's answer dies on its way into the pod, the
+        # tokenless GET's 401 does not. Detecting "no cloud" here would run without spot notices.
+        nothing = closed_port_url()
+        with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
+            assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
+            source = AwsImdsSource(imds.url, interval=FAST, timeout=0.2)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
+                finally:
+                    source.stop()
 
 
 # -- what a notice does in the agent ---------------------------------------------------------------
