@@ -31,6 +31,7 @@ from agent.notices import (
     SignalSource,
     detect_cloud,
 )
+from agent.notices.base import HttpClient
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
 
 FAST = 0.05
@@ -212,6 +213,38 @@ class TestAzureEmulator:
 
 
 # -- each source turns its cloud's message into the right notice ----------------------------------------
+
+
+class TestHttpClient:
+    def test_an_ipv6_base_url_without_a_port_reaches_port_80_of_that_address(self) -> None:
+        # AWS's IPv6 IMDS endpoint is http://[fd00:ec2::254]: no port, colons in the host.
+        listener = socket.socket(socket.AF_INET6)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("::1", 80))
+        except OSError:  # not allowed to listen on port 80 here, or taken: the address is what counts
+            listener.close()
+            try:
+                HttpClient("http://[::1]").request("GET", "/latest/meta-data/", timeout=WAIT)
+            except socket.gaierror as e:
+                pytest.fail(f"the IPv6 host was taken apart as host:port: {e}")
+            except OSError:
+                pass  # refused or reset by [::1]:80: it was reached
+            return
+        with listener:
+            listener.listen(1)
+
+            def answer() -> None:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.0 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
+                    conn.recv(1)  # the client closes first, so no TIME_WAIT holds port 80 after the test
+
+            server = threading.Thread(target=answer, daemon=True)
+            server.start()
+            assert HttpClient("http://[::1]").request("GET", "/latest/meta-data/", timeout=WAIT).status == 401
+            server.join(WAIT)
 
 
 class TestAwsSource:
