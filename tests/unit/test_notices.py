@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -291,6 +292,24 @@ class TestAwsSource:
             source.stop()
         assert imds.count("GET", "/latest/meta-data/events/recommendations/rebalance") == 0
 
+    def test_an_unreadable_instance_action_or_rebalance_is_one_notice_and_one_warning(self, caplog: Any) -> None:
+        # AWS serves both until the instance goes (a rebalance recommendation for hours).
+        with Garbled() as imds:
+            imds.set_spot_action()
+            imds.set_rebalance()
+            source, got = running(AwsImdsSource(imds.url, interval=FAST))
+            try:
+                with caplog.at_level("WARNING", logger="agent.notices.aws"):
+                    kinds = {got.next().kind, got.next().kind}
+                    polls = imds.count("GET", INSTANCE_ACTION)
+                    wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= polls + 5, "five more polls")
+            finally:
+                source.stop()
+        assert kinds == {NoticeKind.PREEMPTION, NoticeKind.REBALANCE} and got.notices.empty()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([w for w in warnings if "unreadable spot instance-action" in w]) == 1, warnings
+        assert len([w for w in warnings if "unreadable rebalance recommendation" in w]) == 1, warnings
+
 
 class TestGcpSource:
     def test_a_preemption_arrives_through_the_held_long_poll_with_a_30_s_deadline(
@@ -416,6 +435,18 @@ class TestAzureSource:
         source.flush_finished()
         source.stop()
         assert azure.start_requests == [event_id]
+
+
+class Garbled(ImdsEmulator):
+    """IMDS whose instance-action and rebalance documents, once set, are not what AWS documents."""
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        reply = super()._handle(method, path, query, headers, body)
+        if reply.status == 200 and path == self.INSTANCE_ACTION_PATH:
+            return _Reply.text(200, '{"action": "terminate", "time": "soon"}')
+        if reply.status == 200 and path == self.REBALANCE_PATH:
+            return _Reply.text(200, "<html>oops</html>")
+        return reply
 
 
 class NameFailsFirst(AzureScheduledEventsEmulator):
