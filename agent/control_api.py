@@ -23,7 +23,8 @@ a larger body 413 (unread). A client that hangs up is logged at debug level, nev
 Anything a client sent reaches the log escaped (``safe``): no forged lines, no terminal escapes.
 
 ``POST /flush`` is idempotent: the first one writes ``flush.json`` and answers 202; any later
-one answers 200 with the flush already under way, and starts nothing. ``POST /stop`` is
+one answers 200 with the flush already under way, and starts nothing. After ``POST /stop`` a
+flush not already under way is refused (409): the stop ends the ranks without one. ``POST /stop`` is
 idempotent too (202, then 200). ``POST /save`` is idempotent per request ``id``: the first one
 with an id writes ``save.json`` (the same early save an AWS rebalance recommendation asks for)
 and answers 202; the same id again answers 200 and starts nothing; a new id asks for a new save.
@@ -251,7 +252,8 @@ class ErrorResponse(BaseModel):
 
 
 class FlushRefused(Exception):
-    """The agent cannot take a flush or a stop now (the command has already ended): answered 409."""
+    """The agent cannot take a flush or a stop now (the command has already ended, or a new flush
+    after ``POST /stop``): answered 409."""
 
 
 class ControlApiBindError(Exception):

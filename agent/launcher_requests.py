@@ -229,6 +229,10 @@ class AgentRequests:
                     flush.notice.source,
                 )
                 return flush.request, False
+            if self._stop is not None:
+                # The stop ends the ranks now, without a flush: a flush.json they will never serve
+                # would only make /status say "flushing" and the caller wait for a checkpoint.
+                raise FlushRefused(f"the agent is stopping on request ({self._stop.reason}): no flush")
             request = self.control.request_flush(
                 FlushRequest(reason=f"{notice.source} {notice.kind.value}: {notice.detail}", deadline=notice.deadline)
             )

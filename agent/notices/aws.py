@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
+META_DATA_PATH = "/latest/meta-data/"
 INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
@@ -100,15 +101,20 @@ class AwsImdsSource(PollingNoticeSource):
 
     # -- poll ----------------------------------------------------------------------------------
     def _poll(self) -> None:
+        # Both documents stay served until the instance goes (a rebalance recommendation for
+        # hours): one already delivered is not read again, so an unreadable one is warned about
+        # once, not at every poll.
         status, body = self._get(INSTANCE_ACTION_PATH)
-        if status == 200:
-            self._emit("instance-action:" + body, self._instance_action_notice(body))
+        key = "instance-action:" + body
+        if status == 200 and key not in self._seen:
+            self._emit(key, self._instance_action_notice(body))
         if self.watch_rebalance and not self.stopping:
             status, body = self._get(REBALANCE_PATH)
-            if status == 200:
-                self._emit("rebalance:" + body, self._rebalance_notice(body))
-            else:
+            key = "rebalance:" + body
+            if status != 200:
                 self._forget("rebalance:")
+            elif key not in self._seen:
+                self._emit(key, self._rebalance_notice(body))
 
     def _instance_action_notice(self, body: str) -> Notice:
         # The presence of an instance-action is the notice; a body we cannot read still means the

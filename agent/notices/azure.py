@@ -7,8 +7,12 @@ the earliest time the platform acts: it is the deadline. Spot eviction is ``Pree
 30 s ahead); ``Terminate`` (VMSS scale-in), ``Reboot`` and ``Redeploy`` also stop the job;
 ``Freeze`` pauses the VM for seconds and is only logged.
 
-Events list every VM of an availability set or scale set. When this VM's name can be read from
-``/metadata/instance/compute/name`` an event whose ``Resources`` do not name it is ignored.
+Events list every VM of an availability set or scale set. An event whose ``Resources`` do not
+name this VM (``/metadata/instance/compute/name``) is ignored. The name is read again at every
+poll until it is known (IMDS throttles with 429, and may answer 5xx while it starts); until then
+every event counts — a needless flush is safe, a missed preemption is not — but an event naming
+VMs is never acknowledged, because it may be another VM's: acknowledging it would start that
+VM's maintenance or eviction at once.
 
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
 ``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
@@ -66,7 +70,10 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self.timeout = timeout
         self._incarnation: int | None = None
         self._vm_name: str | None = None
-        self._vm_name_tried = False
+        self._vm_name_problem: str | None = None
+        """Why the name could not be read, once it was logged (logged once, not at every poll)."""
+        self._resources: dict[str, list[str]] = {}
+        """The ``Resources`` of each event turned into a notice: what decides whether to acknowledge it."""
         self._lock = threading.Lock()
         self._to_ack: list[str] = []
         self._acked: set[str] = set()
@@ -84,10 +91,9 @@ class AzureScheduledEventsSource(PollingNoticeSource):
 
     # -- poll ----------------------------------------------------------------------------------
     def _poll(self) -> None:
-        self._send_ack()
-        if not self._vm_name_tried:
-            self._vm_name_tried = True
+        if self._vm_name is None:
             self._vm_name = self._read_vm_name()
+        self._send_ack()
         resp = self.client.request("GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=self.timeout)
         if resp.status != 200:
             raise SourceError(f"GET {self.client.url(EVENTS_PATH)} answered {resp.status}")
@@ -138,24 +144,60 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if not self._emit(event_id, notice):
             return False
         with self._lock:
+            self._resources[event_id] = resources
             self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
         return True
 
     def _read_vm_name(self) -> str | None:
+        """This VM's name, or None (logged once) when IMDS did not give it this time."""
+        problem = None
         try:
             resp = self.client.request("GET", VM_NAME_PATH, headers=METADATA_HEADERS, timeout=self.timeout)
         except OSError as e:
-            log.debug("cannot read this VM's name (%s): every scheduled event counts", e)
-            return None
-        name = resp.text().strip() if resp.status == 200 else ""
-        return name or None
+            problem = str(e)
+        else:
+            name = resp.text().strip() if resp.status == 200 else ""
+            if name:
+                if self._vm_name_problem is not None:
+                    log.info("read this VM's name (%s): events for other VMs are ignored from now on", name)
+                return name
+            problem = f"GET {self.client.url(VM_NAME_PATH)} answered {resp.status}" + (
+                " (empty)" if resp.status == 200 else ""
+            )
+        if self._vm_name_problem is None:
+            log.warning(
+                "cannot read this VM's name (%s): until it is read every scheduled event counts, "
+                "and none that names VMs is acknowledged (will keep trying)",
+                problem,
+            )
+        self._vm_name_problem = problem
+        return None
+
+    def _is_for_this_vm(self, event_id: str) -> bool:
+        """Whether acknowledging ``event_id`` can only affect this VM (it names no VMs, or this one)."""
+        resources = self._resources.get(event_id, [])
+        return not resources or (self._vm_name is not None and self._vm_name in resources)
 
     # -- acknowledgement -----------------------------------------------------------------------
     def _send_ack(self) -> None:
         with self._lock:
             if not self._ack_wanted:
                 return
-            ids = [i for i in self._to_ack if i not in self._acked]
+            pending = [i for i in self._to_ack if i not in self._acked]
+        if self._vm_name is None and any(self._resources.get(i) for i in pending):
+            self._vm_name = self._read_vm_name()
+        ids = [i for i in pending if self._is_for_this_vm(i)]
+        unsure = [i for i in pending if i not in ids]
+        if unsure:
+            with self._lock:
+                self._to_ack = [i for i in self._to_ack if i not in unsure]
+            log.warning(
+                "not acknowledging Azure scheduled event(s) %s: they name %s, and this VM's name is %s; "
+                "Azure proceeds at their NotBefore",
+                ", ".join(unsure),
+                sorted({r for i in unsure for r in self._resources.get(i, [])}),
+                "unknown" if self._vm_name is None else repr(self._vm_name),
+            )
         if not ids:
             return
         body = json.dumps({"StartRequests": [{"EventId": i} for i in ids]}).encode()

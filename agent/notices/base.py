@@ -139,7 +139,9 @@ class HttpClient:
         self.base_url = base_url.rstrip("/")
         self._https = parts.scheme == "https"
         self._host = parts.hostname
-        self._port = parts.port
+        # Always a number: given None, http.client reads a port off the host's last colon, which
+        # turns an IPv6 literal (AWS's http://[fd00:ec2::254]) into host "fd00:ec2:", port 254.
+        self._port = parts.port if parts.port is not None else (443 if self._https else 80)
         self._prefix = parts.path.rstrip("/")
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None

@@ -1,7 +1,11 @@
 """Which cloud is this node on? One short probe of each metadata endpoint, all at once.
 
 All three clouds serve metadata on a link-local address, but each answers only its own dialect:
-AWS issues an IMDSv2 token for a ``PUT /latest/api/token``; GCE answers ``/computeMetadata/v1/``
+AWS answers a tokenless ``GET /latest/meta-data/`` with 401 where IMDSv2 is required, and issues an
+IMDSv2 token for a ``PUT /latest/api/token``. The GET comes first: in a container on an instance
+whose ``HttpPutResponseHopLimit`` is 1 the token PUT's answer never arrives, but the GET's does,
+so the node is still known as AWS and the AWS source's warning names the hop limit, instead of
+the agent quietly running without spot notices. GCE answers ``/computeMetadata/v1/``
 with a ``Metadata-Flavor: Google`` response header; Azure answers ``/metadata/instance`` with
 ``Metadata: true`` and a JSON document. Off-cloud the probes fail or time out, so each gets at
 most ``timeout`` (0.3 s) and they run in parallel: start-up pays 0.3 s at worst.
@@ -36,7 +40,11 @@ class Cloud(enum.StrEnum):
 
 
 def _probe_aws(base_url: str, timeout: float) -> bool:
-    resp = HttpClient(base_url).request("PUT", aws.TOKEN_PATH, headers={aws.TOKEN_TTL_HEADER: "60"}, timeout=timeout)
+    client = HttpClient(base_url)
+    resp = client.request("GET", aws.META_DATA_PATH, timeout=timeout)
+    if resp.status == 401:  # IMDSv2 required: only AWS answers a tokenless read so
+        return True
+    resp = client.request("PUT", aws.TOKEN_PATH, headers={aws.TOKEN_TTL_HEADER: "60"}, timeout=timeout)
     return resp.status == 200 and bool(resp.body.strip())
 
 

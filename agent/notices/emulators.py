@@ -10,7 +10,9 @@ What each enforces, because the real one does and a client that skips it would b
 - ``ImdsEmulator`` (AWS IMDSv2 only): ``PUT /latest/api/token`` needs
   ``X-aws-ec2-metadata-token-ttl-seconds`` in 1..21600 (else 400) and no ``X-Forwarded-For``
   (else 403); every ``GET`` needs a live ``X-aws-ec2-metadata-token`` (else 401). Tokens expire
-  after their TTL or at ``expire_tokens()``. ``spot/instance-action`` and
+  after their TTL or at ``expire_tokens()``. ``put_hop_limit_exceeded=True`` models a container
+  behind an instance whose ``HttpPutResponseHopLimit`` is 1: a token PUT is never answered (held
+  until the emulator stops), while GETs still are. ``spot/instance-action`` and
   ``events/recommendations/rebalance`` are 404 until set.
 - ``GceMetadataEmulator``: every request needs ``Metadata-Flavor: Google`` (else 403); answers
   carry that header and an ``ETag``. ``?wait_for_change=true`` returns at once when ``last_etag``
@@ -203,9 +205,17 @@ class ImdsEmulator(MetadataEmulator):
     REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
     MAX_TTL = 21600
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, instance_id: str = "i-0spotjob0emulator0") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        instance_id: str = "i-0spotjob0emulator0",
+        put_hop_limit_exceeded: bool = False,
+    ) -> None:
         super().__init__(host, port)
         self.instance_id = instance_id
+        self.put_hop_limit_exceeded = put_hop_limit_exceeded
         self._tokens: dict[str, float] = {}
         self._instance_action: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
@@ -278,6 +288,11 @@ class ImdsEmulator(MetadataEmulator):
             return _Reply.text(405, "Method Not Allowed")
         if "x-forwarded-for" in headers:
             return _Reply.text(403, "Forbidden")
+        if self.put_hop_limit_exceeded:
+            # The answer's IP TTL runs out on the way into the container: the client hears nothing.
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing)
+            return _Reply.text(200, "")
         try:
             ttl = int(headers["x-aws-ec2-metadata-token-ttl-seconds"])
         except (KeyError, ValueError):

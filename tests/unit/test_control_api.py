@@ -451,6 +451,24 @@ class TestStop:
         assert status_body["state"] == "stopping" and status_body["stop"]["reason"] == "worker 1 failed"
         assert call(api, "GET", "/readyz")[0] == 503
 
+    def test_a_flush_after_the_stop_is_refused_with_409_and_writes_no_flush(
+        self, api: ControlApi, agent: Agent
+    ) -> None:
+        # The stop ends the ranks now: a 202 would promise a checkpoint that nobody will write.
+        assert call(api, "POST", "/stop", token=TOKEN, body={"reason": "worker 1 failed"})[0] == 202
+        status, body = call(api, "POST", "/flush", token=TOKEN, body={"reason": "node drained"})
+        assert status == 409 and "stop" in body["error"], body
+        assert not agent.control.flush_requested()
+        status_body = call(api, "GET", "/status", token=TOKEN)[1]
+        assert (status_body["state"], status_body["flush"]) == ("stopping", None)
+
+    def test_a_stop_during_a_flush_keeps_answering_that_flush(self, api: ControlApi, agent: Agent) -> None:
+        first = call(api, "POST", "/flush", token=TOKEN, body={"reason": "spot"})
+        assert first[0] == 202
+        assert call(api, "POST", "/stop", token=TOKEN, body={"reason": "worker 1 failed"})[0] == 202
+        again = call(api, "POST", "/flush", token=TOKEN, body={"reason": "spot again"})
+        assert again == (200, {"created": False, "flush": first[1]["flush"]})
+
     def test_an_invalid_body_is_400(self, api: ControlApi, agent: Agent) -> None:
         assert call(api, "POST", "/stop", token=TOKEN, raw=b'{"reason": ""}')[0] == 400
         assert agent.status().stop is None

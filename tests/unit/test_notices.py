@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -14,6 +15,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +32,8 @@ from agent.notices import (
     SignalSource,
     detect_cloud,
 )
-from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
+from agent.notices.base import HttpClient
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
 
 FAST = 0.05
 WAIT = 10.0
@@ -130,6 +133,15 @@ class TestImdsEmulator:
         imds.clear()
         assert http(action_url, headers=headers)[0] == 404
 
+    def test_behind_a_hop_limit_of_one_the_token_put_is_not_answered_but_reads_are(self) -> None:
+        with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
+            req = urllib.request.Request(
+                imds.url + "/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
+            )
+            with pytest.raises((TimeoutError, urllib.error.URLError)):
+                urllib.request.urlopen(req, timeout=0.3)
+            assert http(imds.url + "/latest/meta-data/")[0] == 401
+
     def test_expired_tokens_get_401_and_a_new_token_works(self, imds: ImdsEmulator) -> None:
         def token() -> dict[str, str]:
             raw = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
@@ -204,6 +216,38 @@ class TestAzureEmulator:
 # -- each source turns its cloud's message into the right notice ----------------------------------------
 
 
+class TestHttpClient:
+    def test_an_ipv6_base_url_without_a_port_reaches_port_80_of_that_address(self) -> None:
+        # AWS's IPv6 IMDS endpoint is http://[fd00:ec2::254]: no port, colons in the host.
+        listener = socket.socket(socket.AF_INET6)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("::1", 80))
+        except OSError:  # not allowed to listen on port 80 here, or taken: the address is what counts
+            listener.close()
+            try:
+                HttpClient("http://[::1]").request("GET", "/latest/meta-data/", timeout=WAIT)
+            except socket.gaierror as e:
+                pytest.fail(f"the IPv6 host was taken apart as host:port: {e}")
+            except OSError:
+                pass  # refused or reset by [::1]:80: it was reached
+            return
+        with listener:
+            listener.listen(1)
+
+            def answer() -> None:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.0 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
+                    conn.recv(1)  # the client closes first, so no TIME_WAIT holds port 80 after the test
+
+            server = threading.Thread(target=answer, daemon=True)
+            server.start()
+            assert HttpClient("http://[::1]").request("GET", "/latest/meta-data/", timeout=WAIT).status == 401
+            server.join(WAIT)
+
+
 class TestAwsSource:
     def test_turns_a_spot_instance_action_into_one_preemption_notice_with_its_time(self, imds: ImdsEmulator) -> None:
         source, got = running(AwsImdsSource(imds.url, interval=FAST))
@@ -247,6 +291,24 @@ class TestAwsSource:
         finally:
             source.stop()
         assert imds.count("GET", "/latest/meta-data/events/recommendations/rebalance") == 0
+
+    def test_an_unreadable_instance_action_or_rebalance_is_one_notice_and_one_warning(self, caplog: Any) -> None:
+        # AWS serves both until the instance goes (a rebalance recommendation for hours).
+        with Garbled() as imds:
+            imds.set_spot_action()
+            imds.set_rebalance()
+            source, got = running(AwsImdsSource(imds.url, interval=FAST))
+            try:
+                with caplog.at_level("WARNING", logger="agent.notices.aws"):
+                    kinds = {got.next().kind, got.next().kind}
+                    polls = imds.count("GET", INSTANCE_ACTION)
+                    wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= polls + 5, "five more polls")
+            finally:
+                source.stop()
+        assert kinds == {NoticeKind.PREEMPTION, NoticeKind.REBALANCE} and got.notices.empty()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([w for w in warnings if "unreadable spot instance-action" in w]) == 1, warnings
+        assert len([w for w in warnings if "unreadable rebalance recommendation" in w]) == 1, warnings
 
 
 class TestGcpSource:
@@ -330,6 +392,40 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_a_name_read_that_failed_once_is_read_again_and_other_vms_events_stay_ignored(self) -> None:
+        # IMDS throttles (429) past 5 requests a second: the first name read failing must not
+        # make every VM's events this VM's for the rest of the job.
+        with NameFailsFirst(vm_name="vm-7") as azure:
+            source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+            try:
+                wait_until(lambda: azure.count("GET", "/metadata/scheduledevents") >= 2, "a poll after the failed read")
+                azure.add_event(EventType="Preempt", Resources=["vm-other"])
+                ours = azure.add_event(EventType="Terminate", Resources=["vm-7"])
+                notice = got.next()
+                assert notice.event_id == ours
+                source.flush_finished()
+                assert azure.wait_for_start_request(ours)
+                assert got.notices.empty() and azure.start_requests == [ours]
+            finally:
+                source.stop()
+
+    def test_while_the_name_is_unknown_events_count_but_only_this_vms_are_acknowledged(self) -> None:
+        # A needless flush is safe; acknowledging another VM's event starts its eviction now.
+        with NameFailsFirst(vm_name="vm-7", failures=10**6) as azure:
+            source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+            try:
+                other = azure.add_event(EventType="Preempt", Resources=["vm-other"])
+                assert got.next().event_id == other
+                unnamed = azure.add_event(EventType="Terminate", Resources=[])
+                assert got.next().event_id == unnamed
+                source.flush_finished()
+                assert azure.wait_for_start_request(unnamed)
+                polls = azure.count("GET", "/metadata/scheduledevents")
+                wait_until(lambda: azure.count("GET", "/metadata/scheduledevents") >= polls + 3, "three more polls")
+                assert azure.start_requests == [unnamed]
+            finally:
+                source.stop()
+
     def test_a_pending_acknowledgement_is_sent_on_stop(self, azure: AzureScheduledEventsEmulator) -> None:
         source = AzureScheduledEventsSource(azure.url, interval=60)  # polls once, then only on wake
         got = Collector()
@@ -339,6 +435,32 @@ class TestAzureSource:
         source.flush_finished()
         source.stop()
         assert azure.start_requests == [event_id]
+
+
+class Garbled(ImdsEmulator):
+    """IMDS whose instance-action and rebalance documents, once set, are not what AWS documents."""
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        reply = super()._handle(method, path, query, headers, body)
+        if reply.status == 200 and path == self.INSTANCE_ACTION_PATH:
+            return _Reply.text(200, '{"action": "terminate", "time": "soon"}')
+        if reply.status == 200 and path == self.REBALANCE_PATH:
+            return _Reply.text(200, "<html>oops</html>")
+        return reply
+
+
+class NameFailsFirst(AzureScheduledEventsEmulator):
+    """Azure IMDS that throttles (429) the first ``failures`` reads of this VM's name."""
+
+    def __init__(self, *, vm_name: str, failures: int = 1) -> None:
+        super().__init__(vm_name=vm_name)
+        self.name_failures = failures
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        if path == "/metadata/instance/compute/name" and self.name_failures > 0:
+            self.name_failures -= 1
+            return _Reply.json(429, {"error": "Too many requests"})
+        return super()._handle(method, path, query, headers, body)
 
 
 class TestSignalSource:
@@ -379,6 +501,20 @@ class TestDetectCloud:
         # A server of the wrong dialect is not mistaken for its own cloud.
         assert detect_cloud(aws_url=gce.url, gcp_url=azure.url, azure_url=imds.url, env={}) is Cloud.NONE
         assert detect_cloud(aws_url=nothing, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.NONE
+
+    def test_aws_is_recognised_from_a_container_whose_token_put_gets_no_answer(self, caplog: Any) -> None:
+        # HttpPutResponseHopLimit 1: the token PUT's answer dies on its way into the pod, the
+        # tokenless GET's 401 does not. Detecting "no cloud" here would run without spot notices.
+        nothing = closed_port_url()
+        with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
+            assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
+            source = AwsImdsSource(imds.url, interval=FAST, timeout=0.2)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
+                finally:
+                    source.stop()
 
 
 # -- what a notice does in the agent ---------------------------------------------------------------
