@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.crd import CRD_PATH
 from orchestrator.model import (
     AttemptStatus,
     Avoidance,
@@ -180,6 +181,87 @@ def test_the_api_server_refuses_what_the_schema_rejects_naming_the_field(
     assert "spec.checkpoint.uri" in refused(lambda s: s["checkpoint"].pop("uri"))
     assert "spec.flushTimeoutSeconds" in refused(lambda s: s.update(flushTimeoutSeconds=0))
     assert "spec.command" in refused(lambda s: s.update(command=[]))
+
+
+def crd_rule(*properties: str) -> dict[str, Any]:
+    """The one CEL rule the shipped CRD puts on the node the property names lead to."""
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    node = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for name in properties:
+        node = node["properties"][name]
+    [rule] = node["x-kubernetes-validations"]
+    return dict(rule)
+
+
+def test_the_checkpoint_uri_cannot_change_by_update_or_merge_patch_while_the_rest_of_the_spec_can(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    path = PATH.format(ns=namespace)
+    message = crd_rule("spec", "checkpoint", "uri")["message"]
+    created = cluster.rest.request("POST", path, example(EXAMPLES[0], namespace, "pinned"))
+    immutable = {
+        "reason": "FieldValueInvalid",
+        "field": "spec.checkpoint.uri",
+        "message": f'Invalid value: "string": {message}',
+    }
+
+    moved = copy.deepcopy(created)
+    moved["spec"]["checkpoint"]["uri"] = "s3://another-bucket/ml-training/train-eks"
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("PUT", f"{path}/pinned", moved)
+    assert e.value.status == 422 and e.value.body["details"]["causes"] == [immutable]
+    patch: dict[str, Any] = {"spec": {"checkpoint": {"uri": "s3://another-bucket/x"}}}
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("PATCH", f"{path}/pinned", patch, content_type="application/merge-patch+json")
+    assert e.value.status == 422 and e.value.body["details"]["causes"] == [immutable]
+    assert cluster.rest.get(f"{path}/pinned")["spec"]["checkpoint"]["uri"] == created["spec"]["checkpoint"]["uri"]
+
+    # The same URI written again, and every other field, still go through.
+    edited = copy.deepcopy(created)
+    edited["spec"]["checkpoint"]["everySteps"] = 250
+    assert cluster.rest.request("PUT", f"{path}/pinned", edited)["spec"]["checkpoint"]["everySteps"] == 250
+    patch = {"spec": {"replicas": 3, "checkpoint": {"uri": created["spec"]["checkpoint"]["uri"]}}}
+    patched = cluster.rest.request("PATCH", f"{path}/pinned", patch, content_type="application/merge-patch+json")
+    assert patched["spec"]["replicas"] == 3 and patched["metadata"]["generation"] == 3
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_kubectl_apply_of_a_new_checkpoint_uri_is_refused_with_the_crds_message(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, tmp_path: Path
+) -> None:
+    message = crd_rule("spec", "checkpoint", "uri")["message"]
+    job = example(EXAMPLES[1], namespace, "applied")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    assert "created" in cluster.kubectl("apply", "-f", str(manifest)).stdout
+
+    job["spec"]["checkpoint"]["uri"] = "gs://another-bucket/applied"
+    manifest.write_text(yaml.safe_dump(job))
+    out = cluster.kubectl("apply", "-f", str(manifest), check=False)
+    assert out.returncode != 0
+    assert f'spec.checkpoint.uri: Invalid value: "string": {message}' in out.stderr
+
+    job = example(EXAMPLES[1], namespace, "applied")
+    job["spec"]["replicas"] = 3
+    manifest.write_text(yaml.safe_dump(job))
+    assert "configured" in cluster.kubectl("apply", "-f", str(manifest)).stdout
+    assert cluster.rest.get(f"{PATH.format(ns=namespace)}/applied")["spec"]["replicas"] == 3
+
+
+def test_a_name_over_40_characters_is_refused_at_create(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    message = crd_rule()["message"]
+    path = PATH.format(ns=namespace)
+    long_name = "a" * 41
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", path, example(EXAMPLES[0], namespace, long_name))
+    assert e.value.status == 422
+    assert e.value.body["details"]["causes"] == [
+        {"reason": "FieldValueInvalid", "field": "<nil>", "message": f'Invalid value: "object": {message}'}
+    ]
+    assert f'SpotJob.spotjob.dev "{long_name}" is invalid: <nil>: Invalid value: "object": {message}' in str(e.value)
+    assert cluster.rest.request("POST", path, example(EXAMPLES[0], namespace, "a" * 40))["metadata"]["name"] == "a" * 40
 
 
 def test_a_status_as_the_reconciler_writes_it_is_stored_whole_and_shown_in_the_printer_columns(

@@ -116,3 +116,13 @@ def test_kubectl_applies_gets_describes_and_deletes_a_custom_resource_with_its_p
         "the owned pod to be deleted",
     )
     assert "No resources found" in cluster.kubectl("get", "wd", "-n", namespace).stderr
+
+
+def test_kubectl_prints_the_servers_warnings_even_when_they_quote(
+    cluster: TestCluster, namespace: str, widget_crd: None, tmp_path: Path
+) -> None:
+    """A Warning header's text is a quoted-string: an unescaped quote in it makes kubectl drop it."""
+    manifest = tmp_path / "widget.yaml"
+    manifest.write_text((MANIFESTS / "widget.yaml").read_text().replace("  color: blue", "  color: blue\n  bogus: 1"))
+    out = cluster.kubectl("create", "-n", namespace, "--validate=warn", "-f", str(manifest))
+    assert 'Warning: unknown field "spec.bogus"' in out.stderr

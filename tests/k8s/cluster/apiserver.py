@@ -4,7 +4,7 @@
 here, and the control-plane loops (``controlplane.py``) call the same methods as internal clients.
 Modeled as the Kubernetes API documents it ("API Concepts", "API Conventions", "Custom Resources"):
 resourceVersion and generation, 409 on a stale update, finalizers and graceful deletion, status
-subresources, the three patch formats, CRDs served on creation with structural schemas, and the
+subresources, the three patch formats, CRDs served on creation with structural schemas and CEL rules (cel.py), and the
 admission defaults a controller's pods meet on a real server (service account lookup, the default
 not-ready/unreachable tolerations).
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import resources as res
+from .cel import crd_rule_errors
 from .errors import ApiError, already_exists, bad_request, conflict, invalid, not_found
 from .patches import PatchError, json_patch, merge_patch, strategic_merge_patch
 from .resources import ResourceType
@@ -324,11 +325,20 @@ class ApiServer:
         return f"{rt.kind}.{rt.group}" if rt.group else rt.kind
 
     def _validate(
-        self, rt: ResourceType, obj: Obj, user: str, verb: str, field_validation: str, warnings: list[str]
+        self,
+        rt: ResourceType,
+        obj: Obj,
+        user: str,
+        verb: str,
+        field_validation: str,
+        warnings: list[str],
+        old: Obj | None = None,
     ) -> None:
+        """Check what is about to be stored; ``old`` is the stored object on update (CEL's oldSelf)."""
         name = obj["metadata"].get("name", "")
         if rt.crd is not None:
-            result = rt.crd.process(obj)
+            result = rt.crd.process(obj, old=old)
+            warnings.extend(result.warnings)
             if result.unknown:
                 unknown = [f'unknown field "{u}"' for u in result.unknown]
                 if field_validation == "Strict":
@@ -453,7 +463,9 @@ class ApiServer:
         for i, v in enumerate(versions):
             schema = (v.get("schema") or {}).get("openAPIV3Schema")
             if schema is not None:
-                errors.extend(structural_errors(schema, f"spec.versions[{i}].schema.openAPIV3Schema"))
+                where = f"spec.versions[{i}].schema.openAPIV3Schema"
+                errors.extend(structural_errors(schema, where))
+                errors.extend(crd_rule_errors(schema, where))
         return errors
 
     def _admit_pod(self, pod: Obj, user: str) -> None:
@@ -689,7 +701,7 @@ class ApiServer:
                 _fold_string_data(merged)
             self._validate_update(rt, old, merged)
             self._check_labels(rt, merged)
-            self._validate(rt, merged, user, verb, field_validation, warnings)
+            self._validate(rt, merged, user, verb, field_validation, warnings, old=old)
             return self._commit_update(rt, old, merged, dry_run, warnings)
 
     def _merge_update(self, rt: ResourceType, old: Obj, new: Obj, subresource: str) -> Obj:

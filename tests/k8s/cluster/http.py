@@ -634,7 +634,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _warnings(self, warnings: list[str]) -> dict[str, str]:
         if not warnings:
             return {}
-        return {"Warning": ", ".join(f'299 - "{w}"' for w in warnings)}
+        # RFC 7234 warn-text is a quoted-string: a quote or backslash in the text is escaped
+        # (a CEL rule's warning quotes the value's type), or clients drop the header.
+        quoted = (w.replace("\\", "\\\\").replace('"', '\\"') for w in warnings)
+        return {"Warning": ", ".join(f'299 - "{w}"' for w in quoted)}
 
     def _wants_table(self) -> bool:
         accept = self.headers.get("Accept", "")

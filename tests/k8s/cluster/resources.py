@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cel import RuleValidator
 from .schema import StructuralSchema
 from .selectors import FieldGetter, dig, field_getter
 
@@ -594,7 +595,7 @@ def crd_types(crd: Obj) -> list[ResourceType]:
                 subresources=["status"] if "status" in (dig(v, "subresources") or {}) else [],
                 status_subresource="status" in (dig(v, "subresources") or {}),
                 columns=cols,
-                crd=StructuralSchema(schema),
+                crd=StructuralSchema(schema, RuleValidator(schema)),
                 crd_name=crd["metadata"]["name"],
                 to_view=_with_api_version(f"{spec['group']}/{v['name']}"),
                 from_view=_with_api_version(f"{spec['group']}/{v['name']}"),

@@ -2,8 +2,10 @@
 
 Custom resources (the CRD's ``openAPIV3Schema``), in the API server's order: prune unknown fields
 (unless ``x-kubernetes-preserve-unknown-fields``), apply ``default``s, then validate, collecting
-every error as a field path (``spec.replicas``) the way a 422 ``Invalid`` names it. CEL rules
-(``x-kubernetes-validations``) and ``format`` checks are not modeled.
+every error as a field path (``spec.replicas``) the way a 422 ``Invalid`` names it; then, when
+none of those errors blocks them, the CEL rules (``x-kubernetes-validations``, see cel.py for what
+of them is modeled), with the stored object as ``oldSelf`` on update. ``format`` checks are not
+modeled.
 
 Built-in kinds: the definitions bundled with kubernetes-validate (the Kubernetes OpenAPI with the
 patch-strategy extensions), used for strategic-merge patches, strict validation and the OpenAPI
@@ -19,7 +21,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cel import RuleValidator
 
 KUBERNETES_VERSION = "1.32"
 
@@ -40,6 +45,20 @@ class FieldError:
 class SchemaResult:
     errors: list[FieldError] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # pruned field paths (fieldValidation)
+    warnings: list[str] = field(default_factory=list)  # ratcheted CEL rule failures
+
+
+# OpenAPI errors after which the server does not run the CEL rules (apiextensions' hasBlockingErr):
+# a rule written for the schema's types could not run on a value of another type.
+_BLOCKING = frozenset(
+    {"FieldValueNotSupported", "FieldValueRequired", "FieldValueTooLong", "FieldValueTooMany", "FieldValueTypeInvalid"}
+)
+_RULES_NOT_CHECKED = FieldError(
+    "FieldValueInvalid",
+    "<nil>",
+    'Invalid value: "null": some validation rules were not checked because the object was invalid; '
+    "correct the existing errors to complete validation",
+)
 
 
 def _json(value: Any) -> str:
@@ -69,13 +88,19 @@ def _child(path: str, key: str) -> str:
 
 
 class StructuralSchema:
-    """One version's ``openAPIV3Schema`` of a CRD."""
+    """One version's ``openAPIV3Schema`` of a CRD, and its CEL rules (``rules``) if it has any."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], rules: RuleValidator | None = None) -> None:
         self.schema = schema
+        self.rules = rules
 
-    def process(self, obj: dict[str, Any], *, status_only: bool = False) -> SchemaResult:
-        """Prune, default and validate ``obj`` in place (apiVersion/kind/metadata are kept)."""
+    def process(
+        self, obj: dict[str, Any], *, old: dict[str, Any] | None = None, status_only: bool = False
+    ) -> SchemaResult:
+        """Prune, default and validate ``obj`` in place (apiVersion/kind/metadata are kept).
+
+        ``old`` is the stored object on an update (None on create): the CEL rules' ``oldSelf``.
+        """
         result = SchemaResult()
         props = self.schema.get("properties", {})
         for key in list(obj):
@@ -100,6 +125,13 @@ class StructuralSchema:
             if key in ("apiVersion", "kind", "metadata") or key not in obj:
                 continue
             self._validate(sub, obj[key], key, result)
+        if self.rules is not None and self.rules.has_rules:
+            if any(e.reason in _BLOCKING for e in result.errors):
+                result.errors.append(_RULES_NOT_CHECKED)
+            else:
+                outcome = self.rules.validate(obj, old)
+                result.errors.extend(outcome.errors)
+                result.warnings.extend(outcome.warnings)
         return result
 
     # Pruning -------------------------------------------------------------------------------
