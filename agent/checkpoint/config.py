@@ -98,10 +98,13 @@ class CheckpointConfig:
 
 
 def _whole(value: Any, name: str, none: str) -> int:
-    """``value`` as an int (NumPy's integers too); ``TypeError`` naming ``name`` for anything else."""
+    """``value`` as an int (NumPy's integers too, and a float that is whole: ``total_steps / 10``
+    is 100.0); ``TypeError`` naming ``name`` for anything else (2.5, "5", True)."""
     if not isinstance(value, bool):
         with contextlib.suppress(TypeError):
             return operator.index(value)
+        if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+            return int(value)
     what = f"a whole number {none}".rstrip()
     raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 

@@ -162,6 +162,20 @@ def test_numpy_integers_are_whole_numbers_of_steps(tmp_path: Path) -> None:
         assert type(ckpt.config.every_steps) is int
 
 
+def test_a_whole_float_is_a_whole_number_of_steps_and_saves_at_its_multiples(tmp_path: Path) -> None:
+    """``every_steps=total_steps / 10`` is a float, and 100.0 is a whole number: it saved at every
+    multiple before the types were checked, and "must be a whole number, got 100.0" would be
+    wrong. Only a fractional one (2.5: step 5 only) is refused."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, every_steps=20 / 10, keep=6.0, async_save=False) as ckpt:
+        assert (type(ckpt.config.every_steps), type(ckpt.config.keep)) == (int, int)
+        for step in range(1, 5):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+    assert [step for step, _ in commits(uri)] == [2, 4]
+
+
 @pytest.mark.parametrize(
     "metadata",
     [{"loss": torch.tensor(1.0)}, {"seen": {1, 2}}, {"obj": object()}, {3: "not a str key"}, ["a", "list"]],
