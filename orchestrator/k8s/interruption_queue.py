@@ -55,7 +55,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from orchestrator.k8s.api import NODES, KubeClient, KubeError, Object
+from orchestrator.k8s.api import NODES, Conflict, KubeClient, KubeError, Object
 from orchestrator.k8s.cluster_signals import (
     INTERRUPTION_ANNOTATION,
     SOURCE_QUEUE,
@@ -456,8 +456,8 @@ class InterruptionQueueReader:
         again at ``started``) was stopped and started after the notice's event: a notice about its
         previous run would otherwise make every job placed there flush and move, for as long as the
         notice counts (``INTERRUPTION_TTL_SECONDS``). A notice newer than the start (SQS keeps no
-        order) stays. Whether one was removed; None when a Node could not be written (the message
-        stays for redelivery)."""
+        order) stays. Whether one was removed; None when a Node could not be written, or changed
+        since the cache showed it (the message stays for redelivery)."""
         cleared = False
         for node in self._nodes.by_index(INSTANCE_INDEX, instance):
             name = str((node.get("metadata") or {}).get("name") or "")
@@ -465,9 +465,24 @@ class InterruptionQueueReader:
             existing = read_interruption(raw) if raw else None
             if existing is None or existing.time is None or existing.time >= started:
                 continue
-            patch = {"metadata": {"annotations": {INTERRUPTION_ANNOTATION: None}}}
+            # Only the Node as the cache shows it: the cache may not hold yet a newer notice this
+            # reader wrote a moment ago (a batch is faster than the watch). Changed since, the
+            # patch is a Conflict and the message comes back once the cache has caught up.
+            patch: Object = {"metadata": {"annotations": {INTERRUPTION_ANNOTATION: None}}}
+            version = (node.get("metadata") or {}).get("resourceVersion")
+            if version:
+                patch["metadata"]["resourceVersion"] = version
             try:
                 self._client.patch(NODES, name, patch)
+            except Conflict:
+                log.info(
+                    "interruption queue: node %s changed since the cache showed its %s notice (message %s): "
+                    "leaving the message for redelivery",
+                    name,
+                    existing.kind,
+                    message.id,
+                )
+                return None
             except KubeError as e:
                 log.warning(
                     "interruption queue: cannot remove the stale notice from node %s (message %s), leaving the "

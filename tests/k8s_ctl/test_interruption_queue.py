@@ -375,6 +375,44 @@ def test_an_instance_stopped_and_started_again_loses_the_notice_of_its_stop_and_
     assert node is not None and annotation_signal(node, rebalance=RebalancePolicy.IGNORE, now=datetime.now(UTC)) is None
 
 
+def test_a_start_never_removes_a_notice_newer_than_the_cache_shows(reader: Reader) -> None:
+    """SQS keeps no order, and the reader works through a batch faster than its own writes come
+    back through the Node watch: a spot warning of the instance's new run (just written) and the
+    start of that run (delivered after it) must not remove that warning because the cache still
+    shows only the notice of the stop before. Frozen here by stopping the informer: the cache
+    keeps showing the stop's notice while the reader writes the warning."""
+
+    def at(seconds_ago: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    reader.add_node("ip-10-0-1-8", "i-0fac")
+    reader.send(
+        event("EC2 Instance State-change Notification", {"instance-id": "i-0fac", "state": "stopping"}, time=at(900))
+    )
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    wait_for(
+        lambda: (
+            INTERRUPTION_ANNOTATION
+            in (((reader.nodes.cache.get("", "ip-10-0-1-8") or {}).get("metadata") or {}).get("annotations") or {})
+        ),
+        what="the stop's notice in the cache",
+    )
+    reader.nodes.stop()  # the watch lags behind the reader's own writes from here on
+
+    reader.send(spot_warning("i-0fac", time=at(10)))  # the new run is warned ...
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    reader.send(
+        event("EC2 Instance State-change Notification", {"instance-id": "i-0fac", "state": "running"}, time=at(300))
+    )
+    outcomes = reader.reader.poll_once()  # ... and its start, older, is delivered after the warning
+
+    notice = reader.annotation("ip-10-0-1-8")
+    assert notice is not None and notice["kind"] == "SpotInterruption", (
+        f"the live spot warning was removed by the start before it ({outcomes}): {notice}"
+    )
+    assert outcomes == [Outcome.RETRY], "the start is read again once the cache has caught up"
+
+
 def test_a_node_that_cannot_be_written_leaves_its_message_for_redelivery(reader: Reader) -> None:
     reader.add_node("ip-10-0-2-1", "i-0ddd")
     reader.test_api.fault(verb="patch", resource="nodes", status=500, count=100)
