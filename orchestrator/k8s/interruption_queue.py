@@ -20,7 +20,10 @@ The reconciler never sees a message: ``orchestrator.k8s.cluster_signals.annotati
 the annotation into a ``Signal`` for the jobs that have a worker on that node, in their next pass
 (a Node update queues them). A notice already on the node is never weakened: a message whose kind
 is no more severe than the annotation there (a rebalance recommendation arriving after the spot
-warning; SQS does not keep order) writes nothing. An annotation older than
+warning; SQS does not keep order) writes nothing, except over a ``NodeLost`` of a stop: a message
+dated after it is of the instance's next run (it was started again), and replaces it. A start
+removes a notice only from the Node as the cache showed it (its resourceVersion): a notice this
+reader wrote a moment before may not be in the cache yet. An annotation older than
 ``cluster_signals.INTERRUPTION_TTL_SECONDS`` no longer counts (a node that was stopped and started
 again keeps its name), and a state change to ``pending`` or ``running`` later than the notice's event
 removes it at once (the instance runs again; its jobs must not read the node as lost).
@@ -508,6 +511,10 @@ class InterruptionQueueReader:
         raw = ((node.get("metadata") or {}).get("annotations") or {}).get(INTERRUPTION_ANNOTATION)
         existing = read_interruption(raw) if raw else None
         if existing is None or notice_expired(existing, self._now()):
+            return False
+        if existing.kind is SignalKind.NODE_LOST and existing.time is not None and message.time > existing.time:
+            # An event after the instance stopped is of a run after it (it was started again): the
+            # stop's notice says nothing about that run, and the start may remove it any moment.
             return False
         if severity(existing.kind) != severity(message.kind):
             return severity(existing.kind) > severity(message.kind)

@@ -413,6 +413,46 @@ def test_a_start_never_removes_a_notice_newer_than_the_cache_shows(reader: Reade
     assert outcomes == [Outcome.RETRY], "the start is read again once the cache has caught up"
 
 
+def test_a_warning_of_a_run_after_the_stop_is_not_covered_by_the_notice_of_the_stop(reader: Reader) -> None:
+    """An instance stopped (NodeLost), started again and warned: the warning, dated after the
+    stop, is about the new run. Read as covered by the stop's notice it was dropped, and the
+    start, delivered after it (SQS keeps no order), then removed the stop's notice: the node
+    carried no notice at all while its instance had two minutes left."""
+
+    def at(seconds_ago: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def state(name: str, time: str) -> dict[str, Any]:
+        return event("EC2 Instance State-change Notification", {"instance-id": "i-0fad", "state": name}, time=time)
+
+    reader.add_node("ip-10-0-1-7", "i-0fad")
+    reader.send(state("stopped", at(900)))
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    wait_for(lambda: (reader.annotation("ip-10-0-1-7") or {}).get("kind") == "NodeLost", what="the stop's notice")
+    wait_for(
+        lambda: (
+            INTERRUPTION_ANNOTATION
+            in (((reader.nodes.cache.get("", "ip-10-0-1-7") or {}).get("metadata") or {}).get("annotations") or {})
+        ),
+        what="the stop's notice in the cache",
+    )
+
+    reader.send(spot_warning("i-0fad", time=at(10)))
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED], "the new run's warning is not the stop's"
+    notice = reader.annotation("ip-10-0-1-7")
+    assert notice is not None and notice["kind"] == "SpotInterruption", notice
+
+    reader.send(state("running", at(300)))  # the start, between the two, delivered last
+    outcomes: list[Outcome] = []
+    for _ in range(30):  # a Conflict (RETRY) until the cache has caught up with the warning
+        outcomes += reader.reader.poll_once()
+        if outcomes and outcomes[-1] is not Outcome.RETRY:
+            break
+    assert outcomes[-1:] == [Outcome.IGNORED], outcomes
+    notice = reader.annotation("ip-10-0-1-7")
+    assert notice is not None and notice["kind"] == "SpotInterruption", notice
+
+
 def test_a_node_that_cannot_be_written_leaves_its_message_for_redelivery(reader: Reader) -> None:
     reader.add_node("ip-10-0-2-1", "i-0ddd")
     reader.test_api.fault(verb="patch", resource="nodes", status=500, count=100)
