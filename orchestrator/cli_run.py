@@ -89,6 +89,7 @@ from orchestrator.run_config import (
     describe_option_error,
     folder_problem,
     name_problem,
+    nproc_within_machine,
     plot_problem,
 )
 from orchestrator.run_folder import (
@@ -606,6 +607,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.plot is not None and (problem := plot_problem(args.plot)) is not None:
         raise ValueError(problem)
     given = {k: getattr(args, k) for k in _SPEC_OPTIONS if getattr(args, k) is not None}
+    if "nproc" in given and (problem := nproc_within_machine(given["nproc"])) is not None:
+        raise ValueError(problem)
     name = given.pop("name", None)
     return RunConfig(
         script=os.path.abspath(script),

@@ -76,7 +76,6 @@ class RunConfig:
         """What is wrong with the numbers and the name, each naming its option."""
         out = [
             _at_least("--nproc", self.nproc, 1),
-            _nproc_within_machine(self.nproc),
             _at_least("--every-steps", self.every_steps, 1),
             _positive("--every-seconds", self.every_seconds),
             _at_least("--keep", self.keep, 1),
@@ -143,7 +142,9 @@ RANKS_PER_CPU = 4
 start processes until the machine gives out."""
 
 
-def _nproc_within_machine(nproc: int) -> str | None:
+def nproc_within_machine(nproc: int) -> str | None:
+    """What is wrong with a new run's ``--nproc`` on this machine. Not a check of ``RunConfig``:
+    a run made on a larger machine is resumed with the spec it has, which --resume cannot change."""
     cpus = os.cpu_count() or 1
     limit = RANKS_PER_CPU * cpus
     if nproc <= limit:

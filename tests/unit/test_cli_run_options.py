@@ -96,3 +96,27 @@ def test_a_local_duration_that_is_not_finite_or_over_a_year_is_refused_naming_th
 ) -> None:
     with pytest.raises(ValueError, match=f"^{option} must be .*at most 31536000 \\(one year\\)"):
         RunConfig(script="/train.py", args=[], name="run", **change)  # type: ignore[arg-type]
+
+
+def test_a_run_is_resumed_with_its_own_nproc_on_a_machine_with_fewer_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--nproc is bounded by the CPUs when a run is made (a mistyped 20000), but a run made on a
+    larger machine (a shared runs folder, a VM resized smaller) keeps its spec, which --resume
+    cannot change: it used to be refused with '--nproc must be at most ...', an option the
+    resumed run does not take."""
+    from orchestrator.cli_run import LocalRun
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = str(tmp_path / "runs")
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    made = LocalRun(RunConfig(script=str(script), args=[], name="big", runs_dir=runs, nproc=16))
+    made.close()
+
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    resumed = LocalRun.resume(runs, "big")
+    try:
+        assert resumed.config.nproc == 16
+    finally:
+        resumed.close()
