@@ -104,7 +104,7 @@ def _whole(value: Any, name: str, none: str) -> int:
         with contextlib.suppress(TypeError):
             return operator.index(value)
         if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-            return int(value)
+            return int(float(value))
     what = f"a whole number {none}".rstrip()
     raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
