@@ -270,7 +270,9 @@ def test_new_workers_keep_off_nodes_in_cool_down_and_nodes_being_taken_away(worl
         "nodeSelectorTerms"
     ]
     # n4's rebalance recommendation is advisory (--rebalance ignore): not avoided.
-    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n3", "n5"]}]
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n3", "n5")
+    ]
 
 
 def test_a_gang_stopped_without_a_flush_is_told_to_stop_first_and_deleted_once_the_agent_answered(
@@ -374,3 +376,31 @@ def test_a_placed_pod_whose_image_cannot_be_pulled_is_a_worker_not_starting_and_
         "llama-0-1": None,
         "llama-0-2": ("CreateContainerConfigError", "container fetch: no secret s"),
     }
+
+
+def test_workers_avoiding_several_nodes_are_accepted_by_the_api_server(test_api: Any) -> None:
+    """A node field selector takes one value per NotIn: the API server refuses a list of nodes."""
+    from orchestrator.k8s.api import PODS
+
+    namespaces = Resource("", "v1", "namespaces", "Namespace", namespaced=False)
+    test_api.admin.create(namespaces, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}})
+    w = World()
+    w.backend = KubernetesBackend(
+        test_api.admin,
+        jobs=w.jobs,
+        pods_cache=w.pods,
+        nodes=w.nodes,
+        signals=w.signals,
+        token_key=b"k" * 32,
+        options=BackendOptions(network_policy=False),
+        agents=w.agents,  # type: ignore[arg-type]
+    )
+    w.add(node("n3", taints=[{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]))
+    w.backend.start_workers(KEY, spec(), 0, Placement(avoid_nodes=frozenset({"n1", "n2"})))
+    created = test_api.admin.get(PODS, "llama-0-0", "ml")
+    (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n2", "n3")
+    ]
