@@ -7,7 +7,9 @@ builds the objects):
   headless Service and, with ``--network-policy``, its NetworkPolicy (create-only: "already
   exists" is done). Then create the attempt's missing pods: replica 0 first; the others once
   replica 0 has a pod IP, which they get as torchrun's ``--master-addr`` (the reconciler calls
-  ``start_workers`` every pass while the attempt starts). Every pod keeps off the nodes in
+  ``start_workers`` every pass while the attempt starts). Pods of earlier attempts whose agent
+  exited and that are still there (a stop cut short by a leader change or an API error) are
+  deleted. Every pod keeps off the nodes in
   cool-down and off nodes that are being taken away right now (a preemption taint, an interruption
   notice, NotReady): a NoExecute preemption taint is tolerated for the flush window, so without
   that exclusion a new worker could be scheduled onto the very node being reclaimed.
@@ -137,7 +139,9 @@ class KubernetesBackend:
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         owner = self._owner(key)
         self._ensure_job_objects(owner)
-        existing = {_name(p): p for p in self._job_pods(key) if _attempt(p) == attempt}
+        job_pods = self._job_pods(key)
+        self._delete_finished_leftovers(job_pods, attempt)
+        existing = {_name(p): p for p in job_pods if _attempt(p) == attempt}
         view = _worker_spec(spec)
         where = pods.WorkerPlacement(
             avoid_nodes=frozenset(placement.avoid_nodes) | self._doomed_nodes(),
@@ -345,6 +349,21 @@ class KubernetesBackend:
             if getattr(e, "status", 0) == 409:
                 return  # the precondition: a newer pod of that name; not ours to delete
             raise BackendError(f"cannot delete pod {meta.get('namespace')}/{_name(pod)}: {e}") from e
+
+    def _delete_finished_leftovers(self, job_pods: list[Object], attempt: int) -> None:
+        """Delete the pods of earlier attempts whose agent has exited.
+
+        The stop that ends an attempt deletes its pods once, in the pass that decided it; a
+        leader that died before that stop went out, or a stop the API server refused, leaves them
+        behind, and the reconciler only waits for workers still alive. An exited agent's pod
+        would stay for good: clutter when it completed, and a node held by its other containers
+        (a sidecar keeps a pod Running after the agent exits)."""
+        for pod in job_pods:
+            earlier = _attempt(pod)
+            if earlier is None or earlier == attempt or _deleting(pod) or _alive(pod):
+                continue
+            log.info("pod %s of attempt %d is left from an earlier stop: deleting it", _name(pod), earlier)
+            self._delete_pod(pod)
 
     def _node_lost(self, name: str) -> str | None:
         """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""

@@ -294,6 +294,23 @@ def test_a_gang_stopped_after_a_preemption_is_deleted_at_once_and_the_kept_attem
     assert world.agents.asked == [] and world.client.deleted == [("pods", "llama-0-0", None)]
 
 
+def test_starting_an_attempt_deletes_what_an_interrupted_stop_left_of_earlier_ones_but_never_a_live_agent(
+    world: World,
+) -> None:
+    # Attempt 0 stopped without its delete going out (the leader died after writing the status):
+    # replica 0 completed, replica 1's agent exited but a sidecar keeps its pod Running.
+    world.add(
+        pod(0, phase="Succeeded", ready=False, exit_code=75),
+        pod(1, exit_code=75, sidecar=True, ip="10.0.0.2"),
+        pod(0, attempt=1, phase="Pending", ready=False, ip=None),
+    )
+    world.backend.start_workers(KEY, spec(), 2, Placement())
+    assert sorted(name for _, name, _ in world.client.deleted) == ["llama-0-0", "llama-0-1"]
+    # A live agent of another attempt (attempt 1, still pending) is the reconciler's to stop, with
+    # or without a flush: starting never deletes it.
+    assert "llama-1-0" not in [name for _, name, _ in world.client.deleted]
+
+
 def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
     world.add(pod(0, deleting=True, node_name="n1"), pod(1, deleting=True, node_name="n2", ip="10.0.0.2"))
     world.add(node("n2", ready="Unknown"))
