@@ -19,6 +19,9 @@ builds the objects):
   stuck terminating on a node that is lost (deleted, or NotReady past ``--node-lost-grace-seconds``,
   its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
   processes still run behind a partition, fencing keeps what they write from counting.
+- Every call reads the pods of this incarnation of the job only (their owner reference names
+  its uid): a job deleted and created again under the same name finds its predecessor's pods
+  still terminating under the same names, and waits for them to go instead of adopting them.
 - ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
   ranks train, not when its container starts: once its pod is Ready (its agent's /readyz: the
   node's first rank trains, which needs every rank of the gang joined and restored). The training
@@ -246,7 +249,15 @@ class KubernetesBackend:
     # -- inside ---------------------------------------------------------------------------------
 
     def _job_pods(self, key: JobKey) -> list[Object]:
-        return self._pods.by_index("job", str(key))
+        """The pods of this incarnation of the job. A SpotJob deleted and created again under the
+        same name leaves its pods terminating for their flush window, with the same labels and
+        names: those belong to the old uid, and are neither its workers nor its to stop."""
+        found = self._pods.by_index("job", str(key))
+        job = self._jobs.get(key.namespace, key.name)
+        uid = str(((job or {}).get("metadata") or {}).get("uid") or "")
+        if not uid:
+            return found
+        return [p for p in found if _owner_uid(p) in (None, uid)]
 
     def _owner(self, key: JobKey) -> pods.Owner:
         job = self._jobs.get(key.namespace, key.name)
@@ -409,6 +420,14 @@ class KubernetesBackend:
 
 def _name(pod: Object) -> str:
     return str((pod.get("metadata") or {}).get("name") or "")
+
+
+def _owner_uid(pod: Object) -> str | None:
+    """The uid of the SpotJob that controls the pod (None: no such owner reference)."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == pods.KIND and ref.get("controller"):
+            return str(ref.get("uid") or "")
+    return None
 
 
 def _label_int(pod: Object, label: str) -> int | None:

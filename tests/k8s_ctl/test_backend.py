@@ -311,6 +311,26 @@ def test_starting_an_attempt_deletes_what_an_interrupted_stop_left_of_earlier_on
     assert "llama-1-0" not in [name for _, name, _ in world.client.deleted]
 
 
+def test_a_job_created_again_under_its_name_never_takes_its_predecessors_terminating_pods_for_its_own(
+    world: World,
+) -> None:
+    # kubectl delete sj llama; kubectl apply: the old incarnation's pods flush for their grace
+    # period under the same names and labels; one of them already exited (SIGTERM: 143).
+    old = [pod(0, deleting=True), pod(1, exit_code=143, ip="10.0.0.2")]
+    for p in old:
+        p["metadata"]["ownerReferences"] = [
+            {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "name": "llama", "uid": "old", "controller": True}
+        ]
+    world.add(*old)
+    assert world.backend.list_workers(KEY, spec()) == []
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    world.backend.stop_workers(KEY, spec(), flush=False)
+    assert world.client.deleted == [] and world.agents.asked == []
+    # Replica 0 is asked for (the API server answers AlreadyExists until the old pod is gone; the
+    # next pass asks again), and no other replica is created against the old pod's address.
+    assert [b["metadata"]["name"] for r, b in world.client.created if r == "pods"] == ["llama-0-0"]
+
+
 def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
     world.add(pod(0, deleting=True, node_name="n1"), pod(1, deleting=True, node_name="n2", ip="10.0.0.2"))
     world.add(node("n2", ready="Unknown"))
