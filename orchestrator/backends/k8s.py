@@ -213,6 +213,7 @@ class KubernetesBackend:
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
+                    holds_node=exit_code is not None and _still_running(pod),
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
@@ -486,6 +487,11 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
+
+
+def _still_running(pod: Object) -> bool:
+    """The pod itself has not ended (a sidecar runs on after the agent exited) and is not going."""
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed") and not _deleting(pod)
 
 
 def _unschedulable(pod: Object) -> str | None:

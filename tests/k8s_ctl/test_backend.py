@@ -225,6 +225,12 @@ def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running
     assert world.phases()["llama-0-0"] == (WorkerPhase.SUCCEEDED, 0)
 
 
+def test_an_exited_agent_whose_sidecar_runs_on_holds_its_node_and_a_completed_pod_does_not(world: World) -> None:
+    world.add(pod(0, exit_code=0, sidecar=True), pod(1, phase="Succeeded", exit_code=0, ip="10.0.0.2"))
+    holding = {w.name: w.holds_node for w in world.backend.list_workers(KEY, spec())}
+    assert holding == {"llama-0-0": True, "llama-0-1": False}
+
+
 def test_a_pod_on_a_deleted_node_is_a_lost_worker_although_its_object_says_running(world: World) -> None:
     world.add(pod(0, node_name="n2"), pod(1, ip="10.0.0.2"))
     world.nodes._remove(("", "n2"))
