@@ -129,6 +129,9 @@ class WorkerObservation:
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
     failure's message."""
+    holds_node: bool = False
+    """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
+    exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ builds the objects):
   headless Service and, with ``--network-policy``, its NetworkPolicy (create-only: "already
   exists" is done). Then create the attempt's missing pods: replica 0 first; the others once
   replica 0 has a pod IP, which they get as torchrun's ``--master-addr`` (the reconciler calls
-  ``start_workers`` every pass while the attempt starts). Every pod keeps off the nodes in
+  ``start_workers`` every pass while the attempt starts). Pods of earlier attempts whose agent
+  exited and that are still there (a stop cut short by a leader change or an API error) are
+  deleted. Every pod keeps off the nodes in
   cool-down and off nodes that are being taken away right now (a preemption taint, an interruption
   notice, NotReady): a NoExecute preemption taint is tolerated for the flush window, so without
   that exclusion a new worker could be scheduled onto the very node being reclaimed.
@@ -17,6 +19,9 @@ builds the objects):
   stuck terminating on a node that is lost (deleted, or NotReady past ``--node-lost-grace-seconds``,
   its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
   processes still run behind a partition, fencing keeps what they write from counting.
+- Every call reads the pods of this incarnation of the job only (their owner reference names
+  its uid): a job deleted and created again under the same name finds its predecessor's pods
+  still terminating under the same names, and waits for them to go instead of adopting them.
 - ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
   ranks train, not when its container starts: once its pod is Ready (its agent's /readyz: the
   node's first rank trains, which needs every rank of the gang joined and restored). The training
@@ -137,7 +142,9 @@ class KubernetesBackend:
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         owner = self._owner(key)
         self._ensure_job_objects(owner)
-        existing = {_name(p): p for p in self._job_pods(key) if _attempt(p) == attempt}
+        job_pods = self._job_pods(key)
+        self._delete_finished_leftovers(job_pods, attempt)
+        existing = {_name(p): p for p in job_pods if _attempt(p) == attempt}
         view = _worker_spec(spec)
         where = pods.WorkerPlacement(
             avoid_nodes=frozenset(placement.avoid_nodes) | self._doomed_nodes(),
@@ -206,6 +213,7 @@ class KubernetesBackend:
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
+                    holds_node=exit_code is not None and _still_running(pod),
                 )
             )
         return sorted(out, key=lambda w: (w.attempt, w.index))
@@ -242,7 +250,15 @@ class KubernetesBackend:
     # -- inside ---------------------------------------------------------------------------------
 
     def _job_pods(self, key: JobKey) -> list[Object]:
-        return self._pods.by_index("job", str(key))
+        """The pods of this incarnation of the job. A SpotJob deleted and created again under the
+        same name leaves its pods terminating for their flush window, with the same labels and
+        names: those belong to the old uid, and are neither its workers nor its to stop."""
+        found = self._pods.by_index("job", str(key))
+        job = self._jobs.get(key.namespace, key.name)
+        uid = str(((job or {}).get("metadata") or {}).get("uid") or "")
+        if not uid:
+            return found
+        return [p for p in found if _owner_uid(p) in (None, uid)]
 
     def _owner(self, key: JobKey) -> pods.Owner:
         job = self._jobs.get(key.namespace, key.name)
@@ -346,6 +362,21 @@ class KubernetesBackend:
                 return  # the precondition: a newer pod of that name; not ours to delete
             raise BackendError(f"cannot delete pod {meta.get('namespace')}/{_name(pod)}: {e}") from e
 
+    def _delete_finished_leftovers(self, job_pods: list[Object], attempt: int) -> None:
+        """Delete the pods of earlier attempts whose agent has exited.
+
+        The stop that ends an attempt deletes its pods once, in the pass that decided it; a
+        leader that died before that stop went out, or a stop the API server refused, leaves them
+        behind, and the reconciler only waits for workers still alive. An exited agent's pod
+        would stay for good: clutter when it completed, and a node held by its other containers
+        (a sidecar keeps a pod Running after the agent exits)."""
+        for pod in job_pods:
+            earlier = _attempt(pod)
+            if earlier is None or earlier == attempt or _deleting(pod) or _alive(pod):
+                continue
+            log.info("pod %s of attempt %d is left from an earlier stop: deleting it", _name(pod), earlier)
+            self._delete_pod(pod)
+
     def _node_lost(self, name: str) -> str | None:
         """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""
         return self._signals.tracker.observe(name, self._nodes.get("", name))
@@ -390,6 +421,14 @@ class KubernetesBackend:
 
 def _name(pod: Object) -> str:
     return str((pod.get("metadata") or {}).get("name") or "")
+
+
+def _owner_uid(pod: Object) -> str | None:
+    """The uid of the SpotJob that controls the pod (None: no such owner reference)."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == pods.KIND and ref.get("controller"):
+            return str(ref.get("uid") or "")
+    return None
 
 
 def _label_int(pod: Object, label: str) -> int | None:
@@ -448,6 +487,11 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
+
+
+def _still_running(pod: Object) -> bool:
+    """The pod itself has not ended (a sidecar runs on after the agent exited) and is not going."""
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed") and not _deleting(pod)
 
 
 def _unschedulable(pod: Object) -> str | None:

@@ -397,11 +397,14 @@ def _affinity(user: Mapping[str, Any] | None, owner: Owner, attempt: int, placem
     affinity: Object = copy.deepcopy(dict(user or {}))
     node_affinity: Object = dict(affinity.get("nodeAffinity") or {})
     if placement.avoid_nodes:
-        avoid = {"key": "metadata.name", "operator": "NotIn", "values": sorted(placement.avoid_nodes)}
+        # A node field selector takes exactly one value per In/NotIn requirement (the API server
+        # refuses more: "must be only one value ... for node field selector"): one requirement per
+        # node, ANDed within a term.
+        avoid = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in sorted(placement.avoid_nodes)]
         required = dict(node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
         terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]
         for term in terms:  # terms are ORed: every one of them must exclude the nodes
-            term["matchFields"] = [*(term.get("matchFields") or []), avoid]
+            term["matchFields"] = [*(term.get("matchFields") or []), *avoid]
         required["nodeSelectorTerms"] = terms
         node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = required
     preferred = list(node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or [])

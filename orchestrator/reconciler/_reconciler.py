@@ -180,12 +180,13 @@ class Reconciler(_Capacity):
         return self._commit(p, stored, before, fresh, requeue, started)
 
     def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
-        """A Failed job's workers are stopped (without a flush) until none is alive: the pass that
-        decided the failure stops them after its write, and this finishes a stop that failed."""
-        if status.phase is not Phase.FAILED or stored.spec is None:
+        """A Failed job's workers are stopped (without a flush) until none is alive, and a finished
+        job's exited workers that still hold their node (a sidecar) until none does: the pass that
+        decided the end stops them after its write, and this finishes a stop that failed."""
+        if status.phase not in (Phase.FAILED, Phase.SUCCEEDED) or stored.spec is None:
             return ReconcileResult(status.phase, None)
         try:
-            alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive]
+            alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive or w.holds_node]
             if alive:
                 self._backend.stop_workers(key, stored.spec, flush=False)
         except BackendError as e:

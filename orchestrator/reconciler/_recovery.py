@@ -478,6 +478,9 @@ class _Recovery(_FlushRequests):
         if phase is Phase.FAILED:
             # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
             p.stop_flush = False
+        elif any(w.holds_node for w in p.workers):
+            # Done, but a worker's sidecar runs on and holds its node for good: stop what is left.
+            p.stop_flush = False
         if status.recovery is not None and status.recovery.stopped_at is None:
             self._condition(p, FLUSHING, False, why.name, message)
         self._close_recovery(p)

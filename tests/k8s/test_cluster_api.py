@@ -389,3 +389,20 @@ def test_faults_fail_the_next_matching_requests(
     cluster.add_fault(Fault(verb="get", resource="configmaps", action="timeout", delay=1, count=4))
     with pytest.raises(Exception):  # noqa: B017 - urllib3 raises its own timeout type
         v1.read_namespaced_config_map("x", namespace, _request_timeout=0.5)
+
+
+def test_a_node_field_selector_takes_one_value_per_requirement(kube_client: Any, namespace: str) -> None:
+    v1 = client.CoreV1Api(kube_client)
+
+    def affinity(*requirements: dict[str, Any]) -> dict[str, Any]:
+        term = {"matchFields": list(requirements)}
+        return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+    two = {"key": "metadata.name", "operator": "NotIn", "values": ["a", "b"]}
+    with pytest.raises(client.ApiException) as e:
+        v1.create_namespaced_pod(namespace, pod_body("two", affinity=affinity(two)))
+    body = json.loads(e.value.body)
+    assert e.value.status == 422 and body["reason"] == "Invalid"
+    assert body["details"]["causes"][0]["field"].endswith("nodeSelectorTerms[0].matchFields[0].values")
+    one_each = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("a", "b")]
+    v1.create_namespaced_pod(namespace, pod_body("one-each", affinity=affinity(*one_each)))

@@ -225,6 +225,12 @@ def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running
     assert world.phases()["llama-0-0"] == (WorkerPhase.SUCCEEDED, 0)
 
 
+def test_an_exited_agent_whose_sidecar_runs_on_holds_its_node_and_a_completed_pod_does_not(world: World) -> None:
+    world.add(pod(0, exit_code=0, sidecar=True), pod(1, phase="Succeeded", exit_code=0, ip="10.0.0.2"))
+    holding = {w.name: w.holds_node for w in world.backend.list_workers(KEY, spec())}
+    assert holding == {"llama-0-0": True, "llama-0-1": False}
+
+
 def test_a_pod_on_a_deleted_node_is_a_lost_worker_although_its_object_says_running(world: World) -> None:
     world.add(pod(0, node_name="n2"), pod(1, ip="10.0.0.2"))
     world.nodes._remove(("", "n2"))
@@ -270,7 +276,9 @@ def test_new_workers_keep_off_nodes_in_cool_down_and_nodes_being_taken_away(worl
         "nodeSelectorTerms"
     ]
     # n4's rebalance recommendation is advisory (--rebalance ignore): not avoided.
-    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n3", "n5"]}]
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n3", "n5")
+    ]
 
 
 def test_a_gang_stopped_without_a_flush_is_told_to_stop_first_and_deleted_once_the_agent_answered(
@@ -290,6 +298,43 @@ def test_a_gang_stopped_after_a_preemption_is_deleted_at_once_and_the_kept_attem
     world.add(pod(0), pod(0, attempt=1, ip="10.0.0.9"))
     world.backend.stop_workers(KEY, spec(), keep_attempt=1)
     assert world.agents.asked == [] and world.client.deleted == [("pods", "llama-0-0", None)]
+
+
+def test_starting_an_attempt_deletes_what_an_interrupted_stop_left_of_earlier_ones_but_never_a_live_agent(
+    world: World,
+) -> None:
+    # Attempt 0 stopped without its delete going out (the leader died after writing the status):
+    # replica 0 completed, replica 1's agent exited but a sidecar keeps its pod Running.
+    world.add(
+        pod(0, phase="Succeeded", ready=False, exit_code=75),
+        pod(1, exit_code=75, sidecar=True, ip="10.0.0.2"),
+        pod(0, attempt=1, phase="Pending", ready=False, ip=None),
+    )
+    world.backend.start_workers(KEY, spec(), 2, Placement())
+    assert sorted(name for _, name, _ in world.client.deleted) == ["llama-0-0", "llama-0-1"]
+    # A live agent of another attempt (attempt 1, still pending) is the reconciler's to stop, with
+    # or without a flush: starting never deletes it.
+    assert "llama-1-0" not in [name for _, name, _ in world.client.deleted]
+
+
+def test_a_job_created_again_under_its_name_never_takes_its_predecessors_terminating_pods_for_its_own(
+    world: World,
+) -> None:
+    # kubectl delete sj llama; kubectl apply: the old incarnation's pods flush for their grace
+    # period under the same names and labels; one of them already exited (SIGTERM: 143).
+    old = [pod(0, deleting=True), pod(1, exit_code=143, ip="10.0.0.2")]
+    for p in old:
+        p["metadata"]["ownerReferences"] = [
+            {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "name": "llama", "uid": "old", "controller": True}
+        ]
+    world.add(*old)
+    assert world.backend.list_workers(KEY, spec()) == []
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    world.backend.stop_workers(KEY, spec(), flush=False)
+    assert world.client.deleted == [] and world.agents.asked == []
+    # Replica 0 is asked for (the API server answers AlreadyExists until the old pod is gone; the
+    # next pass asks again), and no other replica is created against the old pod's address.
+    assert [b["metadata"]["name"] for r, b in world.client.created if r == "pods"] == ["llama-0-0"]
 
 
 def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
@@ -374,3 +419,31 @@ def test_a_placed_pod_whose_image_cannot_be_pulled_is_a_worker_not_starting_and_
         "llama-0-1": None,
         "llama-0-2": ("CreateContainerConfigError", "container fetch: no secret s"),
     }
+
+
+def test_workers_avoiding_several_nodes_are_accepted_by_the_api_server(test_api: Any) -> None:
+    """A node field selector takes one value per NotIn: the API server refuses a list of nodes."""
+    from orchestrator.k8s.api import PODS
+
+    namespaces = Resource("", "v1", "namespaces", "Namespace", namespaced=False)
+    test_api.admin.create(namespaces, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}})
+    w = World()
+    w.backend = KubernetesBackend(
+        test_api.admin,
+        jobs=w.jobs,
+        pods_cache=w.pods,
+        nodes=w.nodes,
+        signals=w.signals,
+        token_key=b"k" * 32,
+        options=BackendOptions(network_policy=False),
+        agents=w.agents,  # type: ignore[arg-type]
+    )
+    w.add(node("n3", taints=[{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]))
+    w.backend.start_workers(KEY, spec(), 0, Placement(avoid_nodes=frozenset({"n1", "n2"})))
+    created = test_api.admin.get(PODS, "llama-0-0", "ml")
+    (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n2", "n3")
+    ]

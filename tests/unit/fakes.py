@@ -178,6 +178,9 @@ class FakeBackend:
     flush_outcome: FlushOutcome = "commit"
     total_steps: int | None = None
     stop_seconds: float = 0.0
+    sidecars: bool = False
+    """Every worker has a sidecar that runs on after it exited: an exited worker holds its node
+    until it is stopped (``WorkerObservation.holds_node``)."""
     workers: dict[str, FakeWorker] = field(default_factory=dict)
     notices: list[Signal] = field(default_factory=list)
     start_calls: list[tuple[int, Placement]] = field(default_factory=list)
@@ -279,6 +282,7 @@ class FakeBackend:
                     step=self.step_of(w),
                     unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
                     not_starting=self.not_starting.get(w.name) if w.phase is WorkerPhase.PENDING else None,
+                    holds_node=self.sidecars and w.exit_code is not None and w.stopping_at is None,
                 )
             )
         return out

@@ -217,6 +217,19 @@ def test_succeeds_when_every_worker_exits_zero(tmp_path: Any) -> None:
     assert w.reconcile().requeue_after is None, "a finished job needs no more passes"
 
 
+def test_a_finished_job_stops_the_workers_whose_sidecars_would_hold_their_nodes_for_good(tmp_path: Any) -> None:
+    plain = make_world(tmp_path / "plain", backend_options={"total_steps": 50})
+    assert plain.run_until(lambda s: s.phase.terminal).phase is Phase.SUCCEEDED
+    assert plain.backend.stop_calls == [], "nothing holds a node: the exited workers are left as they are"
+
+    w = make_world(tmp_path / "sidecars", backend_options={"total_steps": 50, "sidecars": True})
+    status = w.run_until(lambda s: s.phase.terminal)
+    assert status.phase is Phase.SUCCEEDED and status.reason == "Completed"
+    assert (w.backend.stop_calls, w.backend.stop_flushes) == ([None], [False])
+    assert w.backend.workers == {}
+    assert w.reconcile().requeue_after is None, "nothing left to stop"
+
+
 def test_flushes_every_agent_when_a_spot_interruption_names_a_node_of_the_job(world: World) -> None:
     notice = preempt_running_job(world)
 

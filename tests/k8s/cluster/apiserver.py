@@ -415,6 +415,7 @@ class ApiServer:
                 seen.add(cname)
                 if not c.get("image"):
                     errors.append(FieldError("FieldValueRequired", f"spec.containers[{i}].image", "Required value"))
+            errors.extend(_node_field_selector_errors(obj.get("spec") or {}))
             volumes = {v.get("name") for v in (obj.get("spec") or {}).get("volumes") or []}
             for i, c in enumerate(containers):
                 for j, m in enumerate(c.get("volumeMounts") or []):
@@ -1310,3 +1311,42 @@ def add_pod_condition(
         return True
 
     api.mutate("core/pods", namespace, name, change, user=user, subresource="status")
+
+
+def _node_field_selector_errors(spec: Obj) -> list[FieldError]:
+    """kube-apiserver's ``ValidateNodeFieldSelectorRequirement``: a required node affinity's
+    ``matchFields`` take key ``metadata.name`` and operator In or NotIn with exactly one value."""
+    errors: list[FieldError] = []
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    base = "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
+    for i, term in enumerate(required.get("nodeSelectorTerms") or []):
+        for j, req in enumerate((term or {}).get("matchFields") or []):
+            where = f"{base}[{i}].matchFields[{j}]"
+            if req.get("operator") not in ("In", "NotIn"):
+                errors.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        f"{where}.operator",
+                        f'Invalid value: "{req.get("operator")}": not a valid selector operator',
+                    )
+                )
+            elif len(req.get("values") or []) != 1:
+                errors.append(
+                    FieldError(
+                        "FieldValueRequired",
+                        f"{where}.values",
+                        "Required value: must be only one value when `operator` is 'In' or 'NotIn' for node field "
+                        "selector",
+                    )
+                )
+            if req.get("key") != "metadata.name":
+                errors.append(
+                    FieldError(
+                        "FieldValueInvalid",
+                        f"{where}.key",
+                        f'Invalid value: "{req.get("key")}": not a valid field selector key',
+                    )
+                )
+    return errors
