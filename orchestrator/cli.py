@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from orchestrator.cli_pipe import reader_gone
+from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        if not stdout_reader_left():
+            raise
         return reader_gone()
     return rc
 

@@ -51,6 +51,7 @@ from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ProgressFn, Storage
+from orchestrator.cli_pipe import stdout_reader_left
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -270,9 +271,9 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         except CommandError as e:
             _error(name, str(e))
             return e.exit_code
-        except BrokenPipeError:
-            raise  # the reader of stdout left (`| head`): spotjob's main says nothing
         except (ValueError, StorageError, OSError, OwnershipError) as e:  # ManifestError is a ValueError
+            if isinstance(e, BrokenPipeError) and stdout_reader_left():
+                raise  # the reader of stdout left (`| head`): spotjob's main says nothing
             log.debug("%s failed", name, exc_info=True)
             _error(name, str(e) or type(e).__name__)
             return EXIT_ERROR

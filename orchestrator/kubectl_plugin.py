@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 from agent.storage import StorageError
 from orchestrator.cli_ckpt import CommandError
-from orchestrator.cli_pipe import reader_gone
+from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
 from orchestrator.kubectl_commands import FLUSH_WAIT_MARGIN, cmd_checkpoints, cmd_events, cmd_flush
 from orchestrator.kubectl_common import EXIT_FAILED, EXIT_USAGE, PROG, UsageError, print_error
@@ -241,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at the interpreter's exit, where a reader gone is a traceback
         return rc
     except BrokenPipeError:
+        if not stdout_reader_left():
+            raise
         return reader_gone()  # the reader of stdout left (`| head`): no error
     except UsageError as e:
         parser.exit(EXIT_USAGE, f"{PROG} {args.command}: error: {e}\n")
