@@ -7,8 +7,9 @@ whose ``HttpPutResponseHopLimit`` is 1 the token PUT's answer never arrives, but
 so the node is still known as AWS and the AWS source's warning names the hop limit, instead of
 the agent quietly running without spot notices. GCE answers ``/computeMetadata/v1/``
 with a ``Metadata-Flavor: Google`` response header; Azure answers ``/metadata/instance`` with
-``Metadata: true`` and a JSON document. Off-cloud the probes fail or time out, so each gets at
-most ``timeout`` (0.3 s) and they run in parallel: start-up pays 0.3 s at worst.
+``Metadata: true`` and a JSON document. Off-cloud the probes fail or time out, so each request
+gets at most ``timeout`` (0.3 s) and the probes run in parallel: start-up pays 0.3 s at worst off
+AWS, and 0.6 s where AWS's GET is answered and its token PUT is not.
 
 ``SPOTJOB_CLOUD=aws|gcp|azure|none`` skips probing (``auto`` or unset probes) (tests, air-gapped nodes, an emulator).
 """
