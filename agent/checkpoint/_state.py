@@ -95,6 +95,20 @@ class _State(_Core):
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
 
+    def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
+        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp.RankZeroSavePlanner``): the
+        modules' state that is not a parameter — buffers and extra state. Those may differ between
+        ranks that keep their parameters identical (each DDP rank's BatchNorm statistics follow its
+        own batch until DDP's next forward overwrites them with rank 0's)."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        modules, optims, _ = self._classify(state)
+        if not modules:
+            return frozenset()
+        bag = _ModuleBag(modules)
+        params = {fqn for name, _ in bag.named_parameters(remove_duplicate=False) for fqn in _get_fqns(bag, name)}
+        return frozenset(k for k in dcp_state if k not in optims and k not in params)
+
     def _check_rank_file(self, path: str, size: int) -> None:
         """(every rank, in the save's background thread, every save) The rank file as written
         loads back the way restore loads it (``weights_only``); raises ``SaveFailedError`` naming
