@@ -142,10 +142,27 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
     return {"state": state, "param_groups": groups}
 
 
+def _runs_code_on_load(bag: nn.Module) -> bool:
+    """True when loading a state dict into the modules does more than copy tensors: a module has
+    load_state_dict pre- or post-hooks, or a ``_load_from_state_dict`` of its own (one outside
+    ``torch.nn``'s modules, whose overrides only read older key layouts) — e.g. one that rebuilds
+    a cache (a transposed weight, a non-persistent buffer) from the loaded parameters."""
+    for module in bag.modules():
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return True
+        load = type(module)._load_from_state_dict
+        if load is not nn.Module._load_from_state_dict and not load.__module__.startswith("torch.nn.modules."):
+            return True
+    return False
+
+
 def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
     """True when DCP loaded every tensor of the modules' state straight into their own tensors
     (plain modules: ``get_model_state_dict`` hands out the parameters' storage), so applying
-    ``loaded`` again would only copy each tensor onto itself."""
+    ``loaded`` again would only copy each tensor onto itself — and no module runs code of its own
+    when loaded (``_runs_code_on_load``), which ``load_state_dict`` must then call."""
+    if _runs_code_on_load(bag):
+        return False
     current = bag.state_dict()
     if set(current) != set(loaded):
         return False
