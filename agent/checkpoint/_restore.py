@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, _rank_state
 from agent._dcp import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
-from agent.checkpoint._state import _ModuleBag
+from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
@@ -345,10 +345,10 @@ class _Restoring(_Voting):
         """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
         tensors added or removed), from the manifest alone — before anything is read or loaded."""
         modules, _, _ = self._classify(state)
-        if not modules or not manifest.tensors:
-            return None
+        if not modules or (not manifest.tensors and manifest.file(DCP_METADATA_NAME) is not None):
+            return None  # no tensor index to compare with: DCP's load checks what it reads
         try:
-            model_state = get_model_state_dict(_ModuleBag(modules))
+            model_state = _model_state(_ModuleBag(modules))
         except Exception as e:  # reported to every rank, never raised on one alone
             return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
         current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
@@ -429,12 +429,14 @@ class _Restoring(_Voting):
         if not modules:
             return {}
         bag = _ModuleBag(modules)
+        if not optims and not bag.state_dict():
+            return {}  # modules without state (an nn.Identity): nothing of them was saved
         no_dist = not self._dist
         if not _plain_modules(bag):
             dcp_state, _ = self._split_state(state)
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
-        dcp_state = dict(get_model_state_dict(bag))
+        dcp_state = dict(_model_state(bag))
         saved: dict[str, Any] = {}
         direct: dict[str, _DirectOptimState] = {}
         if optims:
@@ -511,7 +513,7 @@ class _Restoring(_Voting):
         modules, optims, others = self._classify(state)
         bag = _ModuleBag(modules)
         model_state = {k: v for k, v in dcp_state.items() if k not in optims}
-        if modules and not _loaded_in_place(bag, model_state):
+        if model_state and not _loaded_in_place(bag, model_state):
             set_model_state_dict(bag, model_state)
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):

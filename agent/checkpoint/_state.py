@@ -27,6 +27,14 @@ class _ModuleBag(nn.Module):
             self.add_module(key, module)
 
 
+def _model_state(bag: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(bag)``, or {} for modules without any state (an ``nn.Identity``):
+    torch refuses those with an error about a process group instead."""
+    if not bag.state_dict():
+        return {}
+    return get_model_state_dict(bag)
+
+
 class _State(_Core):
     """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
 
@@ -87,7 +95,7 @@ class _State(_Core):
         dcp_state: dict[str, Any] = {}
         if modules:
             bag = _ModuleBag(modules)
-            dcp_state.update(get_model_state_dict(bag))
+            dcp_state.update(_model_state(bag))
             for key, opt in optims.items():
                 dcp_state[key] = get_optimizer_state_dict(bag, opt)
         elif optims:
