@@ -184,6 +184,10 @@ def _is_shape_or_key_mismatch(e: BaseException) -> bool:
 class _Restoring(_Voting):
     """``restore()`` and how one checkpoint is judged, loaded and applied on every rank."""
 
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise if it failed (``_Saving``)."""
+        raise NotImplementedError
+
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
 
@@ -199,9 +203,14 @@ class _Restoring(_Voting):
         - ``MissingStateKeysError`` when the checkpoint lacks keys of ``state``.
 
         Nothing is deleted on any of these paths.
+
+        A save still in flight is waited for first (its failure raised, as ``wait()`` raises it):
+        otherwise the restore would load an older checkpoint than the one just saved, which
+        then commits beside the restored run.
         """
         self._check_open("restore()")
         self._check_state(state)
+        self.wait()
         self._drain_votes()
         url = self.storage.url
         refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
