@@ -35,7 +35,12 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -43,6 +48,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
@@ -678,15 +684,67 @@ def make_writer(path: str, *, durable: bool, direct: bool = False, cancel: threa
 # -- DCP's save and load, minus their single-process warning ------------------------------------
 
 
-def dcp_save(state: dict[str, Any], writer: FileSystemWriter, *, process_group: Any, no_dist: bool) -> None:
-    """What ``dcp.save`` does with a storage writer given, without its warning.
+class RankZeroSavePlanner(DefaultSavePlanner):
+    """DCP's save planner, except that the values under ``from_rank0`` are written from the lowest
+    rank that holds them.
+
+    DCP keeps one copy of a value every rank holds under the same name, and by default takes it
+    from whichever rank has the least to write so far: fine for what the ranks keep identical
+    (DDP's parameters and optimizer state), wrong for what only looks replicated. A module's
+    buffers under DDP are the case: each rank's forward updates its BatchNorm running statistics
+    from its own batch, and DDP's next forward overwrites them all with rank 0's. A checkpoint
+    holding rank 1's copy resumes on other statistics than the uninterrupted run goes on with.
+    ``from_rank0`` names such values by their flattened name, or a prefix of it (``model.bn``
+    covers ``model.bn.running_mean``); everything else is spread over the ranks as DCP does.
+    """
+
+    def __init__(self, from_rank0: frozenset[str]) -> None:
+        super().__init__()
+        self._from_rank0 = from_rank0
+
+    def _takes_rank0(self, fqn: str) -> bool:
+        if fqn in self._from_rank0:
+            return True
+        parts = fqn.split(".")
+        return any(".".join(parts[:n]) in self._from_rank0 for n in range(1, len(parts)))
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        def part(rank0: bool) -> list[SavePlan]:
+            return [
+                dataclasses.replace(p, items=[i for i in p.items if self._takes_rank0(i.index.fqn) == rank0])
+                for p in all_plans
+            ]
+
+        lowest = dedup_save_plans(part(True), save_to_lowest_rank=True)
+        spread = dedup_save_plans(part(False), save_to_lowest_rank=False)
+        return [
+            dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, lowest, spread, strict=True)
+        ]
+
+
+def dcp_save(
+    state: dict[str, Any],
+    writer: FileSystemWriter,
+    *,
+    process_group: Any,
+    no_dist: bool,
+    from_rank0: frozenset[str] = frozenset(),
+) -> None:
+    """What ``dcp.save`` does with a storage writer given, without its warning; the values named
+    in ``from_rank0`` are written from the lowest rank (``RankZeroSavePlanner``).
 
     ``dcp.save`` warns on every single-process call; silencing that would mean editing the
     process's warning filters, which belong to the user. The function below it does the work.
     """
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    _save_state_dict(state_dict=state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    _save_state_dict(
+        state_dict=state,
+        storage_writer=writer,
+        process_group=process_group,
+        no_dist=no_dist,
+        planner=RankZeroSavePlanner(from_rank0),
+    )
 
 
 def dcp_load(

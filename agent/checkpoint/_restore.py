@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, _rank_state
 from agent._dcp import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
-from agent.checkpoint._state import _ModuleBag
+from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
@@ -142,10 +142,27 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
     return {"state": state, "param_groups": groups}
 
 
+def _runs_code_on_load(bag: nn.Module) -> bool:
+    """True when loading a state dict into the modules does more than copy tensors: a module has
+    load_state_dict pre- or post-hooks, or a ``_load_from_state_dict`` of its own (one outside
+    ``torch.nn``'s modules, whose overrides only read older key layouts) — e.g. one that rebuilds
+    a cache (a transposed weight, a non-persistent buffer) from the loaded parameters."""
+    for module in bag.modules():
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return True
+        load = type(module)._load_from_state_dict
+        if load is not nn.Module._load_from_state_dict and not load.__module__.startswith("torch.nn.modules."):
+            return True
+    return False
+
+
 def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
     """True when DCP loaded every tensor of the modules' state straight into their own tensors
     (plain modules: ``get_model_state_dict`` hands out the parameters' storage), so applying
-    ``loaded`` again would only copy each tensor onto itself."""
+    ``loaded`` again would only copy each tensor onto itself — and no module runs code of its own
+    when loaded (``_runs_code_on_load``), which ``load_state_dict`` must then call."""
+    if _runs_code_on_load(bag):
+        return False
     current = bag.state_dict()
     if set(current) != set(loaded):
         return False
@@ -167,6 +184,10 @@ def _is_shape_or_key_mismatch(e: BaseException) -> bool:
 class _Restoring(_Voting):
     """``restore()`` and how one checkpoint is judged, loaded and applied on every rank."""
 
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise if it failed (``_Saving``)."""
+        raise NotImplementedError
+
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
 
@@ -182,9 +203,14 @@ class _Restoring(_Voting):
         - ``MissingStateKeysError`` when the checkpoint lacks keys of ``state``.
 
         Nothing is deleted on any of these paths.
+
+        A save still in flight is waited for first (its failure raised, as ``wait()`` raises it):
+        otherwise the restore would load an older checkpoint than the one just saved, which
+        then commits beside the restored run.
         """
         self._check_open("restore()")
         self._check_state(state)
+        self.wait()
         self._drain_votes()
         url = self.storage.url
         refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
@@ -328,10 +354,10 @@ class _Restoring(_Voting):
         """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
         tensors added or removed), from the manifest alone — before anything is read or loaded."""
         modules, _, _ = self._classify(state)
-        if not modules or not manifest.tensors:
-            return None
+        if not modules or (not manifest.tensors and manifest.file(DCP_METADATA_NAME) is not None):
+            return None  # no tensor index to compare with: DCP's load checks what it reads
         try:
-            model_state = get_model_state_dict(_ModuleBag(modules))
+            model_state = _model_state(_ModuleBag(modules))
         except Exception as e:  # reported to every rank, never raised on one alone
             return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
         current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
@@ -412,12 +438,14 @@ class _Restoring(_Voting):
         if not modules:
             return {}
         bag = _ModuleBag(modules)
+        if not optims and not bag.state_dict():
+            return {}  # modules without state (an nn.Identity): nothing of them was saved
         no_dist = not self._dist
         if not _plain_modules(bag):
             dcp_state, _ = self._split_state(state)
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
-        dcp_state = dict(get_model_state_dict(bag))
+        dcp_state = dict(_model_state(bag))
         saved: dict[str, Any] = {}
         direct: dict[str, _DirectOptimState] = {}
         if optims:
@@ -494,7 +522,7 @@ class _Restoring(_Voting):
         modules, optims, others = self._classify(state)
         bag = _ModuleBag(modules)
         model_state = {k: v for k, v in dcp_state.items() if k not in optims}
-        if modules and not _loaded_in_place(bag, model_state):
+        if model_state and not _loaded_in_place(bag, model_state):
             set_model_state_dict(bag, model_state)
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):

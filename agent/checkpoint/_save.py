@@ -112,6 +112,8 @@ class _Save:
     rank, so every rank judges the save's failure alike (``_supersede``), whatever its own flag."""
     staged: Any = None
     """The staged DCP state the background thread writes (None: written already, or none)."""
+    from_rank0: frozenset[str] = frozenset()
+    """Names in ``staged`` written from rank 0's copy (``_State._from_rank0``)."""
     flush: FlushRequest | None = None
     trigger: str = "save"
     done: threading.Event = field(default_factory=threading.Event)
@@ -349,6 +351,7 @@ class _Saving(_Voting):
             rank_bytes=rank_bytes,
             flush=flush,
             trigger="flush" if flush is not None or blocking else trigger,
+            from_rank0=self._from_rank0(state, dcp_state),
         )
         os.makedirs(local_dir, exist_ok=True)
         if dcp_state:
@@ -413,7 +416,13 @@ class _Saving(_Voting):
         try:
             written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:
-                dcp_save(save.staged, save.writer, process_group=self._save_pg, no_dist=not self._dist)
+                dcp_save(
+                    save.staged,
+                    save.writer,
+                    process_group=self._save_pg,
+                    no_dist=not self._dist,
+                    from_rank0=save.from_rank0,
+                )
                 written.update(save.writer.written)
             with ChecksummedFile(rank_file) as f:
                 f.write(save.rank_bytes)

@@ -27,6 +27,14 @@ class _ModuleBag(nn.Module):
             self.add_module(key, module)
 
 
+def _model_state(bag: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(bag)``, or {} for modules without any state (an ``nn.Identity``):
+    torch refuses those with an error about a process group instead."""
+    if not bag.state_dict():
+        return {}
+    return get_model_state_dict(bag)
+
+
 class _State(_Core):
     """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
 
@@ -87,13 +95,27 @@ class _State(_Core):
         dcp_state: dict[str, Any] = {}
         if modules:
             bag = _ModuleBag(modules)
-            dcp_state.update(get_model_state_dict(bag))
+            dcp_state.update(_model_state(bag))
             for key, opt in optims.items():
                 dcp_state[key] = get_optimizer_state_dict(bag, opt)
         elif optims:
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
+
+    def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
+        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp.RankZeroSavePlanner``): the
+        modules' state that is not a parameter — buffers and extra state. Those may differ between
+        ranks that keep their parameters identical (each DDP rank's BatchNorm statistics follow its
+        own batch until DDP's next forward overwrites them with rank 0's)."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        modules, optims, _ = self._classify(state)
+        if not modules:
+            return frozenset()
+        bag = _ModuleBag(modules)
+        params = {fqn for name, _ in bag.named_parameters(remove_duplicate=False) for fqn in _get_fqns(bag, name)}
+        return frozenset(k for k in dcp_state if k not in optims and k not in params)
 
     def _check_rank_file(self, path: str, size: int) -> None:
         """(every rank, in the save's background thread, every save) The rank file as written

@@ -37,7 +37,7 @@ def committed_steps(ckpt: Checkpointer) -> list[int]:
     return sorted(s.ref.step for s in list_checkpoints(ckpt.storage) if s.committed)
 
 
-@pytest.mark.parametrize("next_call", ["step", "save", "close"])
+@pytest.mark.parametrize("next_call", ["step", "save", "restore", "close"])
 def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_path: Path) -> None:
     state = make_state(0)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None)
@@ -55,6 +55,8 @@ def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_pa
                 time.sleep(0.01)
         elif next_call == "save":
             ckpt.save(2, state)
+        elif next_call == "restore":
+            ckpt.restore(make_state(0, seed=5))
         else:
             ckpt.close()
 
@@ -67,6 +69,36 @@ def test_a_failed_background_save_raises_on_the_next_call(next_call: str, tmp_pa
         ckpt.save(later, state)
         ckpt.close()
         assert committed_steps(ckpt) == [later]
+
+
+def test_a_restore_right_after_a_save_waits_for_it_and_loads_it(tmp_path: Path) -> None:
+    """The save of step 2 is still uploading when restore() is called: loading step 1 then would
+    roll the state back while step 2 commits beside it, so a later restart resumes from step 2 of
+    the abandoned timeline."""
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None)
+    train(state, 1)
+    ckpt.save(1, state)
+    ckpt.wait()
+    train(state, 1, start=1)
+    saved = snapshot(state)
+    released = threading.Event()
+    put_file = ckpt.storage.put_file
+
+    def held_put_file(*args: Any, **kwargs: Any) -> None:
+        released.wait(BOUND_S)
+        put_file(*args, **kwargs)
+
+    ckpt.storage.put_file = held_put_file  # type: ignore[method-assign]
+    ckpt.save(2, state)  # returns once staged; the upload waits for the timer below
+    threading.Timer(0.5, released.set).start()  # not an assertion: only lets the upload go on
+    fresh = make_state(0, seed=5)
+    try:
+        assert ckpt.restore(fresh) == 2
+    finally:
+        released.set()
+        ckpt.close()
+    assert_same(snapshot(fresh), saved, "the state restored right after saving it")
 
 
 def test_an_unexpected_error_in_the_save_thread_is_raised_not_hung_on(tmp_path: Path) -> None:

@@ -200,3 +200,42 @@ def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_de
     with Checkpointer(uri, start_fresh=True) as ckpt:
         assert ckpt.restore(net_state(8)) == 0
     assert shard.exists() and folders(uri) == ["step-000000003"]
+
+
+# -- modules without state ---------------------------------------------------------------------------
+
+
+class Tally:
+    """A per-rank object beside the modules."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_module_without_state_saves_and_restores_as_nothing(tmp_path: Path, async_save: bool) -> None:
+    """An ``nn.Identity`` holds nothing to save (torch refuses such a module with an error about a
+    process group); the rest of the state round-trips."""
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=async_save) as ckpt:
+        ckpt.save(3, {"head": nn.Identity(), "tally": Tally(7)})
+    tally = Tally(0)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore({"head": nn.Identity(), "tally": tally}) == 3
+    assert tally.count == 7
+
+
+def test_a_model_with_tensors_is_refused_by_a_checkpoint_that_holds_none(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False) as ckpt:
+        ckpt.save(3, {"head": nn.Identity(), "tally": Tally(7)})
+    head = nn.Linear(2, 2)
+    with Checkpointer(uri) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        ckpt.restore({"head": head, "tally": Tally(0)})
+    assert "head.weight: the model has it, the checkpoint does not" in str(refused.value)

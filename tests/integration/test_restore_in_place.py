@@ -130,3 +130,45 @@ def test_the_models_pages_are_mapped_while_the_files_are_first_checked(
     assert len(mapped) == 2  # the optimizer's load, then the model's
     moments = {v.data_ptr() for s in fresh_optim.state.values() for k, v in s.items() if k != "step"}
     assert params <= mapped[0] and moments <= mapped[0]
+
+
+class CachedTranspose(nn.Module):
+    """Keeps its weight's transpose in a non-persistent buffer, rebuilt whenever it is loaded:
+    by a load_state_dict post-hook, or (``override``) by its own ``_load_from_state_dict``."""
+
+    def __init__(self, seed: int, *, override: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(4, 6))
+        self.register_buffer("weight_t", self.weight.detach().t().contiguous(), persistent=False)
+        if not override:
+            self.register_load_state_dict_post_hook(lambda module, _: module.rebuild())
+
+    def rebuild(self) -> None:
+        self.weight_t.copy_(self.weight.detach().t())
+
+
+class CachedTransposeOverride(CachedTranspose):
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed, override=True)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.rebuild()
+
+
+@pytest.mark.parametrize("kind", [CachedTranspose, CachedTransposeOverride], ids=["post-hook", "override"])
+def test_a_module_that_rebuilds_a_cache_when_loaded_gets_its_load_code_run(
+    tmp_path: Path, kind: type[CachedTranspose], in_place: list[tuple[int, int]]
+) -> None:
+    """Reading the bytes straight into the parameters loads them; the module's own code that
+    runs when a state dict is loaded must still run, as ``load_state_dict`` would run it."""
+    saved = kind(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": saved})
+    fresh = kind(1)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+    assert sum(read for read, _ in in_place) == 1  # the fast path still read the weight in place
+    assert torch.equal(fresh.weight, saved.weight)
+    assert torch.equal(fresh.weight_t, saved.weight_t), "the cache still holds the initial weight's transpose"

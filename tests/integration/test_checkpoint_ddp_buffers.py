@@ -1,0 +1,40 @@
+"""A DDP job with BatchNorm resumes bit-identical to an uninterrupted run.
+
+Each DDP rank's forward updates its BatchNorm running statistics from its own batch; DDP's next
+forward overwrites every rank's with rank 0's. So the checkpoint must hold rank 0's buffers: DCP
+keeps one copy of a name every rank holds, and left alone takes it from whichever rank has the
+least to write, which for a buffer may be rank 1's statistics: the resumed run then continues on
+statistics the uninterrupted one never had.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+
+pytestmark = pytest.mark.slow
+
+JOB = harness.SCRIPTS / "ckpt_ddp_buffers.py"
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_a_ddp_job_with_batchnorm_resumes_bit_identical_to_an_uninterrupted_one(tmp_path: Path, sync: bool) -> None:
+    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
+    flags = ["--sync"] if sync else []
+    harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", dump, *flags)
+    harness.torchrun(2, JOB, "resume", "--uri", uri, "--dump", dump, *flags)
+    full = [torch.load(f"{dump}.full.rank{r}.pt") for r in range(2)]
+    resumed = [torch.load(f"{dump}.resume.rank{r}.pt") for r in range(2)]
+    saved0, saved1 = full[0]["saved"], full[1]["saved"]
+    # What makes the case: the ranks' statistics differed when the save was taken.
+    assert not torch.equal(saved0["1.running_mean"], saved1["1.running_mean"])
+    for rank in range(2):
+        assert resumed[rank]["start"] == 3
+        assert_same(resumed[rank]["final"], full[rank]["final"], f"rank {rank}'s model after resuming")
