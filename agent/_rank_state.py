@@ -15,6 +15,7 @@ Policy when the world size changes (restore with W' ranks from a checkpoint of W
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import random
 import re
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 RNG_KEY = "__rng__"
+
+log = logging.getLogger("agent.checkpoint")
 
 
 def rank_file_name(rank: int) -> str:
@@ -58,10 +61,21 @@ def restore_rng(rng: dict[str, Any]) -> None:
         (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     )
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
+    if "cuda" in rng:
         states = rng["cuda"]
-        if len(states) == torch.cuda.device_count():
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(states) == devices:
             torch.cuda.set_rng_state_all(states)
+        else:
+            # Another node type (or no GPU): which saved stream would belong to which device is
+            # anyone's guess. Said, not silently skipped: training goes on, not bit-identical.
+            log.warning(
+                "the checkpoint holds the CUDA RNG streams of %d device(s) and this process sees %d: "
+                "they are not restored (the CPU, Python and NumPy streams are), so GPU randomness "
+                "(dropout on CUDA tensors) differs from the uninterrupted run",
+                len(states),
+                devices,
+            )
 
 
 def _to_tuple(value: Any) -> Any:
