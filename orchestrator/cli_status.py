@@ -159,9 +159,17 @@ def list_runs(runs_dir: str) -> list[RunRecord]:
     return [r for r in (read_run(runs_dir, n) for n in names) if r is not None]
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of stdout left (``| head``): up to ``spotjob``'s main, which exits 141 as
+        for every command, instead of rich's own exit 1."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def status_command(args: argparse.Namespace) -> int:
     # Piped or captured: wide lines rather than rich's 80 columns of ellipses.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console = _Console() if sys.stdout.isatty() else _Console(width=200)
     if args.name is None:
         if os.path.exists(args.runs_dir) and not os.path.isdir(args.runs_dir):
             print(f"spotjob status: --runs-dir {args.runs_dir} is a file, not a folder", file=sys.stderr)

@@ -15,6 +15,7 @@ not exist (moto).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -398,3 +399,21 @@ def test_a_run_against_a_bucket_that_does_not_exist_fails_at_once_saying_so(tmp_
     status = json.loads((run / "local" / "nobucket.json").read_text())["status"]
     assert (status["phase"], status["reason"]) == ("Failed", "StorageRefused")
     assert not list((run / "logs").iterdir()), "no worker was started"
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_status_table_whose_reader_left_the_pipe_is_exit_141_without_a_word(tmp_path: Path, named: bool) -> None:
+    """`spotjob status | head -1`: rich's own answer to a broken pipe was exit 1; every other
+    command of spotjob exits 141, as a shell pipeline's writer does."""
+    runs = tmp_path / "spotjob-runs"
+    make_run(runs, "r1")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once `head` has left
+    try:
+        proc = subprocess.run(
+            [tool("spotjob"), "status", *(["r1"] if named else []), "--runs-dir", str(runs)],
+            cwd=tmp_path, env=clean_env(), stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + 13 and proc.stderr == "", proc.stderr
