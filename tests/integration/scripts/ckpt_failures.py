@@ -119,6 +119,26 @@ def refuse_uploads(ckpt: Checkpointer, step: int, *, until_flush: bool = False) 
     ckpt.storage.put_file = refusing_put_file  # type: ignore[method-assign]
 
 
+def flush_at_vote(ckpt: Checkpointer, step: int) -> None:
+    """The vote this rank launches at ``step`` asks for a flush (as the agent's notice would)."""
+    flags = ckpt._local_flags
+
+    def flagged() -> list[int]:
+        local = flags()
+        if ckpt._last_step == step:
+            local[0] = 1
+        return local
+
+    ckpt._local_flags = flagged  # type: ignore[method-assign]
+
+
+def write_stop_outcome(args: argparse.Namespace, rank: int, error: BaseException | None, step: int, stop: bool) -> None:
+    """What happened, and whether the last ``step()`` said stop; then meet the other ranks."""
+    text = outcome(error, step)
+    write(Path(f"{args.out}.rank{rank}"), text if error else f"{text}, {'stop' if stop else 'go on'} at step {step}")
+    dist.barrier()
+
+
 def async_one_rank(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     out = Path(f"{args.out}.rank{rank}")
@@ -251,15 +271,7 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
             finish(save)
 
         ckpt._finish_save = held_finish  # type: ignore[method-assign]
-    flags = ckpt._local_flags
-
-    def flush_at_step_2() -> list[int]:
-        local = flags()
-        if ckpt._last_step == 2:
-            local[0] = 1  # a flush is requested (as the agent's notice would)
-        return local
-
-    ckpt._local_flags = flush_at_step_2  # type: ignore[method-assign]
+    flush_at_vote(ckpt, 2)
     error: BaseException | None = None
     stop = False
     step = 0
@@ -283,9 +295,7 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
         ckpt.close()
     except Exception as e:
         error = e
-    text = outcome(error, step)
-    write(Path(f"{args.out}.rank{rank}"), text if error else f"{text}, {'stop' if stop else 'go on'} at step 3")
-    dist.barrier()
+    write_stop_outcome(args, rank, error, step, stop)
 
 
 def flush_with_failed_save(args: argparse.Namespace, rank: int) -> None:
@@ -296,16 +306,7 @@ def flush_with_failed_save(args: argparse.Namespace, rank: int) -> None:
     ckpt = Checkpointer(args.uri, keep=None)
     if rank == 1:
         refuse_uploads(ckpt, 2, until_flush=args.same_step)
-    flags = ckpt._local_flags
-    flush_vote = 1 if args.same_step else 2
-
-    def flush_at_step() -> list[int]:
-        local = flags()
-        if ckpt._last_step == flush_vote:
-            local[0] = 1  # a flush is requested (as the agent's notice would)
-        return local
-
-    ckpt._local_flags = flush_at_step  # type: ignore[method-assign]
+    flush_at_vote(ckpt, 1 if args.same_step else 2)
     error: BaseException | None = None
     stop = False
     step = 0
@@ -322,9 +323,7 @@ def flush_with_failed_save(args: argparse.Namespace, rank: int) -> None:
         ckpt.close()
     except Exception as e:
         error = e
-    text = outcome(error, step)
-    write(Path(f"{args.out}.rank{rank}"), text if error else f"{text}, {'stop' if stop else 'go on'} at step {step}")
-    dist.barrier()
+    write_stop_outcome(args, rank, error, step, stop)
 
 
 def failure_raised_before_its_vote(args: argparse.Namespace, rank: int) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import celpy
 import lark
 
-from .schema import FieldError
+from .schema import FieldError, subschemas
 
 # The CEL macros whose first argument names a variable bound in the rest of the call.
 _MACROS = frozenset({"all", "exists", "exists_one", "map", "filter"})
@@ -155,12 +155,8 @@ def crd_rule_errors(schema: dict[str, Any], path: str) -> list[FieldError]:
                     f"FieldPath:{_go_repr(entry.get('fieldPath', ''))}, OptionalOldSelf:(*bool){optional}}}"
                 )
                 errors.append(FieldError("FieldValueInvalid", where, f"Invalid value: {bad}: {e}"))
-        for key, sub in (node.get("properties") or {}).items():
-            walk(sub, f"{here}.properties[{key}]")
-        if isinstance(node.get("items"), dict):
-            walk(node["items"], f"{here}.items")
-        if isinstance(node.get("additionalProperties"), dict):
-            walk(node["additionalProperties"], f"{here}.additionalProperties")
+        for sub, where in subschemas(node, here):
+            walk(sub, where)
 
     walk(schema, path)
     return errors

@@ -370,6 +370,19 @@ class StructuralSchema:
                 )
 
 
+def subschemas(node: dict[str, Any], here: str) -> list[tuple[Any, str]]:
+    """The schemas right below ``node`` (properties, items, additionalProperties), each with its
+    path in a CRD (``here.properties[name]``): what a walk over a CRD's schema descends into."""
+    out: list[tuple[Any, str]] = [
+        (sub, f"{here}.properties[{key}]") for key, sub in (node.get("properties") or {}).items()
+    ]
+    if isinstance(node.get("items"), dict):
+        out.append((node["items"], f"{here}.items"))
+    if isinstance(node.get("additionalProperties"), dict):
+        out.append((node["additionalProperties"], f"{here}.additionalProperties"))
+    return out
+
+
 def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> list[FieldError]:
     """The CRD-level check a real server does: every node has a type unless it says why not."""
     errors: list[FieldError] = []
@@ -394,12 +407,8 @@ def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> 
                     f"Invalid value: {_json(node.get('type'))}: must be object at the root",
                 )
             )
-        for key, sub in (node.get("properties") or {}).items():
-            walk(sub, f"{here}.properties[{key}]")
-        if isinstance(node.get("items"), dict):
-            walk(node["items"], f"{here}.items")
-        if isinstance(node.get("additionalProperties"), dict):
-            walk(node["additionalProperties"], f"{here}.additionalProperties")
+        for sub, where in subschemas(node, here):
+            walk(sub, where)
         if node.get("properties") and isinstance(node.get("additionalProperties"), dict):
             errors.append(
                 FieldError(
