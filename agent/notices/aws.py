@@ -1,4 +1,4 @@
-"""AWS EC2 spot notices from the instance metadata service (IMDSv2 only).
+"""AWS EC2 spot notices from the instance metadata service (IMDSv2; IMDSv1 where allowed).
 
 Every poll: (1) a session token — ``PUT /latest/api/token`` with
 ``X-aws-ec2-metadata-token-ttl-seconds``, reused until shortly before it expires and renewed at
@@ -9,7 +9,10 @@ once on a 401; (2) ``GET /latest/meta-data/spot/instance-action`` with
 signal that comes earlier than the instance-action, if it comes at all.
 
 In a container the token PUT needs the instance's ``HttpPutResponseHopLimit`` ≥ 2, otherwise it
-times out; the warning says so, because that is the usual reason this source hears nothing.
+times out. Where the instance still allows IMDSv1 (``HttpTokens: optional``) the source then reads
+without a token, as the AWS SDKs do, and says so once; a tokenless read answered 401 later (IMDSv2
+made required) sends it back to tokens. Where IMDSv1 is not allowed the warning names the hop
+limit, because that is the usual reason this source hears nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import time
 from datetime import UTC, datetime
 
-from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
+from agent.notices.base import HttpClient, HttpResponse, Notice, NoticeKind, PollingNoticeSource, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ def parse_aws_time(value: str) -> float:
 
 
 class AwsImdsSource(PollingNoticeSource):
-    """Spot instance-action (and, if asked, rebalance recommendations) from IMDSv2."""
+    """Spot instance-action (and, if asked, rebalance recommendations) from IMDS."""
 
     name = "aws"
 
@@ -63,9 +66,11 @@ class AwsImdsSource(PollingNoticeSource):
         self.timeout = timeout
         self._token: str | None = None
         self._token_expires = 0.0
+        self._tokenless = False  # IMDSv1 reads, after a token PUT that got no answer
 
     # -- token ---------------------------------------------------------------------------------
-    def _get_token(self, renew: bool = False) -> str:
+    def _get_token(self, renew: bool = False) -> str | None:
+        """A live IMDSv2 token; ``None`` once the token PUT went unanswered on an IMDSv1 instance."""
         # Renew a minute early so a poll never races the token's expiry.
         if not renew and self._token is not None and time.monotonic() < self._token_expires - 60:
             return self._token
@@ -77,6 +82,8 @@ class AwsImdsSource(PollingNoticeSource):
                 timeout=self.timeout,
             )
         except TimeoutError as e:
+            if self._imdsv1_answers():
+                return None
             raise SourceError(
                 f"IMDSv2 token request timed out ({e}); in a container, check the instance's "
                 "HttpPutResponseHopLimit (needs 2 or more)"
@@ -88,16 +95,40 @@ class AwsImdsSource(PollingNoticeSource):
         log.debug("IMDSv2 token %s", "renewed" if renew else "obtained")
         return self._token
 
+    def _imdsv1_answers(self) -> bool:
+        """After a token PUT that timed out: does this instance answer reads without a token?"""
+        try:
+            resp = self.client.request("GET", META_DATA_PATH, timeout=self.timeout)
+        except (OSError, ValueError):
+            return False
+        if resp.status != 200:
+            return False
+        log.warning(
+            "IMDSv2 token request got no answer (in a container, the instance's HttpPutResponseHopLimit "
+            "needs 2 or more); this instance allows IMDSv1, so spot notices are read without a token"
+        )
+        self._tokenless = True
+        return True
+
     def _get(self, path: str) -> tuple[int, str]:
-        token = self._get_token()
-        resp = self.client.request("GET", path, headers={TOKEN_HEADER: token}, timeout=self.timeout)
+        token = None if self._tokenless else self._get_token()
+        resp = self._read(path, token)
         if resp.status == 401:
+            if token is None:
+                log.warning("IMDS answered a read without a token 401 (IMDSv2 now required): asking for a token")
+                self._tokenless = False
             # Expired or revoked (IMDS restarted, instance stopped/started): renew once and retry.
             token = self._get_token(renew=True)
-            resp = self.client.request("GET", path, headers={TOKEN_HEADER: token}, timeout=self.timeout)
+            if token is None:
+                raise SourceError(f"GET {self.client.url(path)} answered 401 without a token, and no token came")
+            resp = self._read(path, token)
         if resp.status not in (200, 404):
             raise SourceError(f"GET {self.client.url(path)} answered {resp.status}")
         return resp.status, resp.text()
+
+    def _read(self, path: str, token: str | None) -> HttpResponse:
+        headers = {} if token is None else {TOKEN_HEADER: token}
+        return self.client.request("GET", path, headers=headers, timeout=self.timeout)
 
     # -- poll ----------------------------------------------------------------------------------
     def _poll(self) -> None:

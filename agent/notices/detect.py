@@ -5,7 +5,9 @@ AWS answers a tokenless ``GET /latest/meta-data/`` with 401 where IMDSv2 is requ
 IMDSv2 token for a ``PUT /latest/api/token``. The GET comes first: in a container on an instance
 whose ``HttpPutResponseHopLimit`` is 1 the token PUT's answer never arrives, but the GET's does,
 so the node is still known as AWS and the AWS source's warning names the hop limit, instead of
-the agent quietly running without spot notices. GCE answers ``/computeMetadata/v1/``
+the agent quietly running without spot notices. Where the instance still allows IMDSv1, the same
+GET is answered 200 with the metadata listing (``instance-id`` among its lines): AWS too, and the
+source then reads without a token if the token never comes. GCE answers ``/computeMetadata/v1/``
 with a ``Metadata-Flavor: Google`` response header; Azure answers ``/metadata/instance`` with
 ``Metadata: true`` and a JSON document. Off-cloud the probes fail or time out, so each request
 gets at most ``timeout`` (0.3 s) and the probes run in parallel: start-up pays 0.3 s at worst off
@@ -44,6 +46,8 @@ def _probe_aws(base_url: str, timeout: float) -> bool:
     client = HttpClient(base_url)
     resp = client.request("GET", aws.META_DATA_PATH, timeout=timeout)
     if resp.status == 401:  # IMDSv2 required: only AWS answers a tokenless read so
+        return True
+    if resp.status == 200 and "instance-id" in resp.text().split():  # IMDSv1 still allowed
         return True
     resp = client.request("PUT", aws.TOKEN_PATH, headers={aws.TOKEN_TTL_HEADER: "60"}, timeout=timeout)
     return resp.status == 200 and bool(resp.body.strip())

@@ -12,7 +12,9 @@ What each enforces, because the real one does and a client that skips it would b
   (else 403); every ``GET`` needs a live ``X-aws-ec2-metadata-token`` (else 401). Tokens expire
   after their TTL or at ``expire_tokens()``. ``put_hop_limit_exceeded=True`` models a container
   behind an instance whose ``HttpPutResponseHopLimit`` is 1: a token PUT is never answered (held
-  until the emulator stops), while GETs still are. ``spot/instance-action`` and
+  until the emulator stops), while GETs still are. ``http_tokens="optional"`` models an instance
+  that still allows IMDSv1 (``HttpTokens: optional``): a ``GET`` without a token is answered, one
+  with an invalid token still gets 401. ``spot/instance-action`` and
   ``events/recommendations/rebalance`` are 404 until set.
 - ``GceMetadataEmulator``: every request needs ``Metadata-Flavor: Google`` (else 403); answers
   carry that header and an ``ETag``. ``?wait_for_change=true`` returns at once when ``last_etag``
@@ -198,7 +200,7 @@ def _unix(when: float | datetime) -> float:
 
 
 class ImdsEmulator(MetadataEmulator):
-    """AWS EC2 instance metadata, IMDSv2 (tokens required)."""
+    """AWS EC2 instance metadata: IMDSv2, and IMDSv1 too where ``http_tokens="optional"``."""
 
     TOKEN_PATH = "/latest/api/token"
     INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
@@ -212,10 +214,14 @@ class ImdsEmulator(MetadataEmulator):
         *,
         instance_id: str = "i-0spotjob0emulator0",
         put_hop_limit_exceeded: bool = False,
+        http_tokens: str = "required",
     ) -> None:
+        if http_tokens not in ("required", "optional"):
+            raise ValueError(f"http_tokens={http_tokens!r}: expected 'required' or 'optional'")
         super().__init__(host, port)
         self.instance_id = instance_id
         self.put_hop_limit_exceeded = put_hop_limit_exceeded
+        self.http_tokens = http_tokens
         self._tokens: dict[str, float] = {}
         self._instance_action: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
@@ -266,8 +272,10 @@ class ImdsEmulator(MetadataEmulator):
         if method != "GET":
             return _Reply.text(405, "Method Not Allowed")
         with self._cond:
-            expiry = self._tokens.get(headers.get("x-aws-ec2-metadata-token", ""))
-            if expiry is None or expiry < time.monotonic():
+            presented = headers.get("x-aws-ec2-metadata-token")
+            expiry = self._tokens.get(presented or "")
+            v1_read = presented is None and self.http_tokens == "optional"
+            if not v1_read and (expiry is None or expiry < time.monotonic()):
                 return _Reply.text(401, "Unauthorized")
             if path == self.INSTANCE_ACTION_PATH:
                 document = self._instance_action

@@ -142,6 +142,14 @@ class TestImdsEmulator:
                 urllib.request.urlopen(req, timeout=0.3)
             assert http(imds.url + "/latest/meta-data/")[0] == 401
 
+    def test_where_imdsv1_is_allowed_a_tokenless_read_is_answered_and_a_bad_token_is_not(self) -> None:
+        with ImdsEmulator(http_tokens="optional") as imds:
+            status, _, body = http(imds.url + "/latest/meta-data/instance-id")
+            assert (status, body) == (200, imds.instance_id.encode())
+            assert http(imds.url + "/latest/meta-data/instance-id", headers={"X-aws-ec2-metadata-token": "x"})[0] == 401
+        with pytest.raises(ValueError, match="http_tokens"):
+            ImdsEmulator(http_tokens="sometimes")
+
     def test_expired_tokens_get_401_and_a_new_token_works(self, imds: ImdsEmulator) -> None:
         def token() -> dict[str, str]:
             raw = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
@@ -515,6 +523,41 @@ class TestDetectCloud:
                     wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
                 finally:
                     source.stop()
+
+    def test_aws_with_imdsv1_allowed_is_recognised_when_the_token_put_gets_no_answer(self) -> None:
+        # HttpTokens optional and hop limit 1: the tokenless GET is answered 200 (not 401), the
+        # token PUT never. Before, the node counted as off-cloud, and the AWS source, if forced,
+        # failed every poll, so a spot interruption reached nobody.
+        nothing = closed_port_url()
+        with ImdsEmulator(put_hop_limit_exceeded=True, http_tokens="optional") as imds:
+            assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
+
+    def test_the_aws_source_reads_without_a_token_where_imdsv1_is_allowed_and_the_token_put_gets_no_answer(
+        self, caplog: Any
+    ) -> None:
+        with ImdsEmulator(put_hop_limit_exceeded=True, http_tokens="optional") as imds:
+            with caplog.at_level("WARNING"):
+                source, got = running(AwsImdsSource(imds.url, interval=FAST, timeout=0.2))
+                try:
+                    imds.set_spot_action("terminate", AT_2030)
+                    notice = got.next()
+                    assert (notice.kind, notice.deadline) == (NoticeKind.PREEMPTION, AT_2030.timestamp())
+                    polls = imds.count("GET", INSTANCE_ACTION)
+                    wait_until(lambda: imds.count("GET", INSTANCE_ACTION) >= polls + 3, "three more polls")
+                    # One tokenless listing read, when the token PUT went unanswered, and no other:
+                    # the PUT is not tried again at every poll.
+                    assert imds.count("GET", "/latest/meta-data/") == 1
+                    assert caplog.text.count("allows IMDSv1") == 1
+                    # IMDSv2 made required later: the tokenless read gets 401, and a token is asked for.
+                    imds.put_hop_limit_exceeded = False
+                    imds.http_tokens = "required"
+                    imds.clear()
+                    wait_until(lambda: imds.token_requests >= 1, "a token once IMDSv2 is required")
+                    imds.set_spot_action("stop", AT_2030)
+                    assert "stop" in got.next().detail
+                finally:
+                    source.stop()
+            assert "IMDSv2 now required" in caplog.text
 
 
 # -- what a notice does in the agent ---------------------------------------------------------------
