@@ -209,6 +209,7 @@ def _write_shards(
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from agent._dcp import SafeLoadPlanner
 
@@ -234,7 +235,7 @@ def _write_shards(
                         # no_dist is the point here; DCP warns about it on every call.
                         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-                except Exception as e:  # DCP wraps whatever failed in its own exception types
+                except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
                     log.debug("dcp.load failed", exc_info=True)
                     raise ExportError(
                         f"{reader.folder}: DCP could not load {len(shard)} tensor(s) starting at "
@@ -303,12 +304,23 @@ def _write_failure(e: BaseException) -> str:
 
 
 def _first_failure(e: BaseException) -> str:
-    """DCP's CheckpointException holds a per-rank map of failures; the first one is the story."""
+    """DCP's CheckpointException holds a per-rank map of failures; the first one is the story.
+
+    Each is an ``(exception, traceback)`` pair. A tensor record that weights_only loading refused
+    is said as refused, without torch's advice to switch the check off.
+    """
+    import pickle
+
+    from agent._rank_state import refusal_reason
+
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
+        first = first[0] if isinstance(first, tuple) and first else first
         if isinstance(first, BaseException):
-            return f"{type(first).__name__}: {first}"
+            e = first
+    if isinstance(e, pickle.UnpicklingError):
+        return f"a record is not plain data, refused without running it: {refusal_reason(e)}"
     return f"{type(e).__name__}: {e}"
 
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -64,13 +65,44 @@ def default_staging(storage: Storage, job: str | None) -> str:
     """Where a rank stages its saves and caches restores when no staging folder is given.
 
     A filesystem store: a folder beside the checkpoints (same filesystem, so committing links the
-    files instead of copying them). An object store: a folder under the node's temp folder named
+    files instead of copying them). An object store: a folder in ``private_temp_folder`` named
     after the job and the URI, the same for every rank of the node, so they share one cache.
     """
     local = storage.local_path("")
     if local is not None:
         return os.path.join(local, ".spotjob-staging")
-    return os.path.join(tempfile.gettempdir(), "spotjob-staging", _job_folder(storage, job))
+    return os.path.join(private_temp_folder(), _job_folder(storage, job))
+
+
+class StagingFolderError(PermissionError):
+    """The default staging folder under the shared temp folder is not this user's alone."""
+
+
+def private_temp_folder() -> str:
+    """``<temp folder>/spotjob-staging-<uid>``: this user's staging folders on the node.
+
+    The node's temp folder is shared and the name is predictable, and what lies inside is trusted
+    (staged saves; restore-cache files a ``.verified`` marker vouches for). So the folder is made
+    here 0700, and one that is there already is used only when it is a real folder (not a
+    symlink) of this user that nobody else can read or write; otherwise ``StagingFolderError``.
+    """
+    path = os.path.join(tempfile.gettempdir(), f"spotjob-staging-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "not a folder but a symlink" if stat.S_ISLNK(info.st_mode) else "not a folder"
+    elif info.st_uid != os.getuid():
+        problem = f"owned by user id {info.st_uid}, not by this user ({os.getuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"open to other users (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return path
+    raise StagingFolderError(
+        f"the default staging folder {path} is {problem}; spotjob stages checkpoints only in a folder "
+        "nobody else can read or replace. Remove it if it is yours, or give a staging folder "
+        "(Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent --staging-dir)"
+    )
 
 
 def _job_folder(storage: Storage, job: str | None) -> str:

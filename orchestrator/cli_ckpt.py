@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
+from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
@@ -282,7 +283,7 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 
 
 def _error(name: str, message: str) -> None:
-    print(f"{name}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"{name}: error: {shown(' '.join(message.split()))}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(f"{folder}: INVALID — {len(problems)} problem(s)")
     for problem in problems:
-        print(f"  {problem}")
+        print(f"  {shown(problem)}")
     return EXIT_INVALID
 
 
@@ -387,7 +388,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("metadata", json.dumps(manifest.metadata, sort_keys=True) if manifest.metadata else "-"),
     ]
     for name, value in fields:
-        print(f"{name + ':':<12}{value}")
+        print(f"{name + ':':<12}{shown(value)}")
     print()
     print_table(
         ["TENSOR", "SHAPE", "DTYPE", "FILES"],
@@ -415,7 +416,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                     break
                 except _ProvenBad as e:
                     reason = str(e.error).removeprefix(f"{status.ref.folder}: ")
-                    print(f"spotjob ckpt export: passing over {status.ref.folder}: {reason}", file=sys.stderr)
+                    print(f"spotjob ckpt export: passing over {status.ref.folder}: {shown(reason)}", file=sys.stderr)
                     passed.append((status.ref.folder, reason))
                     status = newest_valid(storage, below=status.ref, passed=passed)
     print(
@@ -727,8 +728,16 @@ def _human(n: int) -> str:
     return decimal(n)
 
 
+def shown(text: str) -> str:
+    """Text that may come from storage (a manifest's fields, a reason naming them), fit for a
+    terminal: control characters escaped, so a crafted checkpoint cannot retitle the window, move
+    the cursor or erase what an operator reads."""
+    return safe(text, limit=len(text))
+
+
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
     """Plain aligned columns (greppable, no colour); the last column is not padded."""
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     for row in [headers, *rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]

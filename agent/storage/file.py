@@ -357,14 +357,24 @@ class FileStorage(Storage):
         return self._run(f"cannot list {self.url(prefix)}", None, scan)
 
     # -- deletes -----------------------------------------------------------------------------
+    # Deleting never follows a symlink: whoever can write in a shared checkpoint folder could
+    # plant ``step-…`` links into folders only the job's user may change. A key behind a symlinked
+    # folder is no object of this store; a symlinked folder itself is removed as the link it is.
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
-            self._run(f"cannot delete {self.url(key)}", key, functools.partial(_unlink_absent_ok, self._path(key)))
+            self._path(key)  # refuses a key that escapes the root
+            self._run(
+                f"cannot delete {self.url(key)}", key, functools.partial(_unlink_not_through_links, self.root, key)
+            )
 
     def delete_prefix(self, prefix: str) -> None:
-        super().delete_prefix(prefix)
-        # Remove the emptied folders too (and any temp files a killed writer left behind).
         folder = self._path(prefix.rstrip("/"))
+        if os.path.islink(folder):
+            self._run(f"cannot delete {self.url(prefix)}", None, functools.partial(_unlink_absent_ok, folder))
+            return
+        super().delete_prefix(prefix)
+        # Remove the emptied folders too (and any temp files a killed writer left behind). rmtree
+        # removes a symlink inside as a link, never what it points at.
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -385,6 +395,35 @@ def _unlink_absent_ok(path: str) -> None:
     except OSError as e:
         if e.errno not in _ABSENT:
             raise
+
+
+def _unlink_not_through_links(root: str, key: str) -> None:
+    """Unlink ``root/key``, opening each folder of ``key`` with ``O_NOFOLLOW``: a folder on the way
+    that is a symlink (or gone) means the key is not there, and nothing behind it is touched."""
+    *folders, name = key.split("/")
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return
+        raise
+    try:
+        for folder in folders:
+            try:
+                inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (*_ABSENT, errno.ELOOP):
+                    return
+                raise
+            os.close(fd)
+            fd = inner
+        try:
+            os.unlink(name, dir_fd=fd)
+        except OSError as e:
+            if e.errno not in _ABSENT:
+                raise
+    finally:
+        os.close(fd)
 
 
 def _unlink_quiet(path: str) -> None:

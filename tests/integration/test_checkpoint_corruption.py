@@ -319,3 +319,30 @@ def test_a_refused_optimizer_value_is_found_before_the_model_changes(
     assert_same(snapshot(state), snapshot(make_state(0, seed=9)), "the untouched initial state")
     assert len(skip_reasons(caplog).splitlines()) == 1
     assert not marker.exists()
+
+
+def test_spotjob_ckpt_commands_never_run_a_malicious_tensor_record_and_export_refuses_it_in_one_line(
+    store: Path, marker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Export loads the model's tensors (through DCP's own tensor path and the in-place one); the
+    # other commands read the manifest, .metadata and the per-rank files.
+    from orchestrator.cli import main
+
+    plant_malicious_value(store / STEP2, marker, in_model=True)
+    for argv in (
+        ["list", str(store)],
+        ["show", str(store), "--step", "2"],
+        ["verify", str(store), "--step", "2", "--deep"],
+    ):
+        main(["ckpt", *argv])
+    capsys.readouterr()
+    out = tmp_path / "export"
+
+    rc = main(["ckpt", "export", str(store), str(out), "--step", "2"])
+
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert rc == 1 and "Traceback" not in err, err
+    assert "could not load" in err and "refused without running it" in err and "posix.system" in err
+    assert "weights_only` set to `False`" not in err, "the refusal passes on torch's advice to turn the check off"
+    assert not out.exists(), "export left a folder behind for a refused checkpoint"

@@ -91,3 +91,31 @@ def test_newer_corrupt_checkpoints_never_cost_the_newest_valid_one(tmp_path: Pat
     with Checkpointer(str(root), keep=keep) as again:
         assert again.restore(fresh) == 3
     assert again.last_committed_uri is not None and again.last_committed_uri.endswith("/step-000000003.1")
+
+
+@pytest.mark.parametrize("planted", ["a folder without a manifest", "another job's checkpoint"])
+def test_retention_removes_a_symlinked_step_folder_from_the_uri_and_nothing_where_it_points(
+    tmp_path: Path, planted: str
+) -> None:
+    """Whoever can write in a shared checkpoint folder could plant ``step-…`` symlinks into folders
+    only the job's user may change; retention deleting through them would wipe those."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1], keep=None)
+    elsewhere = tmp_path / "elsewhere"
+    if planted == "a folder without a manifest":
+        elsewhere.mkdir()
+        (elsewhere / "notes.txt").write_text("keep me")
+        (elsewhere / "deeper").mkdir()
+        (elsewhere / "deeper" / "data.bin").write_bytes(b"keep me too")
+    else:
+        save_steps(elsewhere, [7], keep=None)
+        elsewhere = elsewhere / "step-000000007"  # a valid checkpoint, of step 7 (refused as step 2)
+    before = sorted((p.relative_to(elsewhere), p.read_bytes()) for p in elsewhere.rglob("*") if p.is_file())
+    (root / "step-000000002").symlink_to(elsewhere, target_is_directory=True)
+
+    save_steps(root, [3, 4], keep=1)
+
+    after = sorted((p.relative_to(elsewhere), p.read_bytes()) for p in elsewhere.rglob("*") if p.is_file())
+    assert after == before, "retention deleted files outside the checkpoint URI through a symlink"
+    assert sorted(statuses(root)) == ["step-000000004"]
+    assert not (root / "step-000000002").is_symlink(), "the planted link is still a folder of the URI"

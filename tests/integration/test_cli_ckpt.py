@@ -351,6 +351,40 @@ def test_show_prints_the_tensor_index_and_the_checkpoint_facts(
     assert "optim.state.model.0.weight.exp_avg" in rows
 
 
+# An OSC 0 (retitle the window) and a CSI that erases the line and moves the cursor up: what a
+# crafted manifest would use to rewrite what an operator reads.
+ESCAPES = "\x1b]0;owned\x07\x1b[2K\x1b[1A"
+
+
+def test_text_from_a_crafted_manifest_reaches_the_terminal_with_its_control_characters_escaped(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def craft(raw: dict[str, object]) -> None:
+        raw["torch_version"] = f"2.13{ESCAPES}"
+        raw["job"] = f"train{ESCAPES}"
+        raw["state_keys"] = ["model", f"optim{ESCAPES}"]
+        tensors = raw["tensors"]
+        assert isinstance(tensors, dict)
+        fqn = next(iter(tensors))
+        tensors[f"{fqn}{ESCAPES}"] = tensors.pop(fqn)
+
+    rewrite_manifest(saved, 3, craft)
+
+    outputs = []
+    for argv in (["show", saved.uri, "--step", "3"], ["list", saved.uri], ["verify", saved.uri, "--step", "3"]):
+        _, out, err = ckpt(capsys, *argv)
+        outputs.append(out + err)
+    rewrite_manifest(saved, 3, lambda raw: raw["files"][0].update(path=f"gone{ESCAPES}"))  # type: ignore[index]
+    for argv in (["list", saved.uri], ["verify", saved.uri, "--step", "3"], ["show", saved.uri, "--step", "3"]):
+        _, out, err = ckpt(capsys, *argv)
+        outputs.append(out + err)
+
+    for argv, text in zip(["show", "list", "verify"] * 2, outputs, strict=True):
+        assert "\x1b" not in text and "\x07" not in text, f"spotjob ckpt {argv} printed a raw control character"
+    assert "2.13\\x1b]0;owned\\x07" in outputs[0], "the escaped value is still shown"
+    assert "gone\\x1b" in outputs[4], "the escaped path is still named"
+
+
 def test_show_json_can_narrow_to_one_state_key(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = ckpt(capsys, "show", saved.uri, "--json", "--key", "model")
 
