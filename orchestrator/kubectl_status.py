@@ -25,6 +25,7 @@ from orchestrator.kubectl_common import (
     percent,
     print_json,
 )
+from orchestrator.model import parse_timestamp
 
 # ----------------------------------------------------------------------------------------------
 # status
@@ -227,7 +228,10 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
         resumed = attempt.get("resumedFromStep")
         running = attempt.get("runningAt")
         text = f"{attempt.get('number', 0)}"
-        text += f", running for {age(running, now)}" if running else ""
+        if running:
+            # A finished job's attempt ran until the job ended, not until now.
+            ended = parse_timestamp(status.get("completionTime"))
+            text += f", ran for {age(running, ended)}" if ended else f", running for {age(running, now)}"
         text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
         lines.append(("Attempt", text))
         stuck = attempt.get("notStarting")

@@ -172,6 +172,22 @@ def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: 
     assert one["checkpointUri"] == "s3://bucket/jobs"
 
 
+def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_grows(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "done")
+    status = running_status(step=2000, completionTime=ago(86400))
+    status.update(phase="Succeeded", reason="Completed", message="every worker exited 0 (last step seen 2000)")
+    status["attempt"]["runningAt"] = ago(86400 + 600)
+    set_status(cluster, namespace, "done", status)
+
+    out = ok(kubectl_spotjob("status", "done", "-n", namespace))
+
+    [line] = [line for line in out.splitlines() if line.startswith("Attempt:")]
+    assert ", ran for 10m, resumed from step 1300" in line, line
+    assert "running for" not in line
+
+
 def test_status_of_a_pending_job_without_pods_says_so(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:
