@@ -348,6 +348,10 @@ class Reconciler(_Capacity):
                 uri=storage.url(p.checkpoint.ref.folder),
                 time=p.checkpoint.manifest.created_at,
             )
+        elif p.storage_error is None and p.owned_by_another is None:
+            # Storage answered and holds none (a fresh start retired them, the URI was emptied):
+            # the status must not name one the next attempt cannot resume from.
+            status.last_checkpoint = None
         if p.storage_error is not None or p.signals_error is not None:
             status.infra_errors += 1
         status.avoid = [a for a in status.avoid if a.until > p.now]

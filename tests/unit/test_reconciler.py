@@ -936,6 +936,22 @@ def test_last_checkpoint_names_the_newest_valid_manifest_its_uri_and_time(world:
     assert status.last_checkpoint.time == EPOCH + timedelta(seconds=25)
 
 
+
+def test_last_checkpoint_is_cleared_once_storage_holds_no_valid_one(world: World) -> None:
+    """A fresh start retired every checkpoint (or someone emptied the URI): the status, and the
+    STEP and CHECKPOINT columns of ``kubectl get sj``, must not go on naming one the job cannot
+    resume from."""
+    from agent._fresh_start import retire
+
+    world.run_to(30)
+    commit_checkpoint(world.storage, 20, EPOCH + timedelta(seconds=25))
+    assert world.run_to(50).last_checkpoint is not None
+
+    retire(world.storage, [(CheckpointRef(20), "the model changed shape")], job=str(KEY), attempt=0)
+    status = world.run_to(70)
+
+    assert status.last_checkpoint is None
+
 def test_remembers_why_each_restart_happened_the_newest_twenty(tmp_path: Any) -> None:
     w = make_world(tmp_path, replicas=1, maxRestarts=30, cooldown={"seconds": 0})
     stopped_at = []
