@@ -137,6 +137,12 @@ def _pod_exit_code(pod: dict[str, Any]) -> int | None:
     return None
 
 
+def _attempt_label(meta: dict[str, Any]) -> int | None:
+    """The pod's attempt (its ``spotjob.dev/attempt`` label) as the number the status says."""
+    label = str((meta.get("labels") or {}).get("spotjob.dev/attempt") or "")
+    return int(label) if label.isdigit() else None
+
+
 def job_pods_view(job: dict[str, Any], pods: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The job's pods as the API shows them now, with zones from the controller's view of its
     workers; without ``pods`` (not allowed to list them), the controller's view alone."""
@@ -163,7 +169,7 @@ def job_pods_view(job: dict[str, Any], pods: list[dict[str, Any]] | None) -> lis
         out.append(
             {
                 "name": meta.get("name"),
-                "attempt": (meta.get("labels") or {}).get("spotjob.dev/attempt"),
+                "attempt": _attempt_label(meta),
                 "phase": _pod_phase(pod),
                 "ready": _pod_ready(pod),
                 "node": (pod.get("spec") or {}).get("nodeName") or w.get("node"),
