@@ -89,7 +89,17 @@ def _ago(when: datetime | None, now: datetime | None = None) -> str:
     if when.tzinfo is None:  # written without a zone: spotjob writes UTC
         when = when.replace(tzinfo=UTC)
     seconds = ((now or datetime.now(UTC)) - when).total_seconds()
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+    if seconds < -60:
+        # Written by a clock ahead of this one (another machine's): not a negative age.
+        return f"{-seconds / 60:.0f} min ahead of this clock"
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 120 * 60:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.0f} h ago"
+    return f"{seconds / 86400:.0f} d ago"
 
 
 def _clock(seconds: float) -> str:
