@@ -58,6 +58,7 @@ def _documented() -> dict[str, str]:
 
 def test_every_event_reason_is_documented_with_its_type_and_only_those() -> None:
     assert _documented() == _emitted()
+    assert all(re.fullmatch(r"[A-Z][a-z]+(?:[A-Z]+[a-z]*)*", reason) for reason in _emitted())  # CamelCase
 
 
 def test_the_events_the_readme_shows_have_the_type_the_reconciler_gives_them() -> None:
