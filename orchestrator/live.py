@@ -309,7 +309,8 @@ def summarize(
         message=status.message,
         wall_seconds=wall_seconds,
         steps=final,
-        attempts=status.attempt.number + 1,
+        # The attempt a run stopped in Rescheduling numbered, but never started, did not run.
+        attempts=status.attempt.number + (1 if status.attempt.started_at is not None else 0),
         preemptions=status.preemptions,
         notices_sent=sum(1 for e in events if e.kind == EventKind.NOTICE),
         restarts=status.restarts,
