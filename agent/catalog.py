@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, folder_name, read_manifest
@@ -176,8 +177,14 @@ def list_checkpoints(storage: Storage) -> list[CheckpointStatus]:
     return [inspect(storage, ref, lineage=lineage) for ref in find_checkpoints(storage)]
 
 
-def latest_valid(storage: Storage, *, before: CheckpointRef | None = None) -> CheckpointStatus | None:
-    """The newest valid checkpoint (older than ``before`` if given), logging each one skipped.
+def latest_valid(
+    storage: Storage,
+    *,
+    before: CheckpointRef | None = None,
+    on_skip: Callable[[CheckpointStatus], None] | None = None,
+) -> CheckpointStatus | None:
+    """The newest valid checkpoint (older than ``before`` if given), logging each one skipped
+    (or handing it to ``on_skip``: a caller that asks again and again says each skip once).
 
     Foreign and fenced checkpoints are skipped like broken ones: they never outrank what this
     job's current attempts wrote. ``StorageError`` when storage cannot be read.
@@ -189,6 +196,9 @@ def latest_valid(storage: Storage, *, before: CheckpointRef | None = None) -> Ch
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
             return status
+        if on_skip is not None:
+            on_skip(status)
+            continue
         # A folder without a manifest is as likely a save in progress as a leftover: not worth a warning.
         report = log.warning if status.committed else log.debug
         report("skipping checkpoint %s: %s", storage.url(ref.folder), status.reason)

@@ -59,7 +59,7 @@ class EventSink(Protocol):
 class JobMetrics(Protocol):
     """What the reconciler counts; ``orchestrator.k8s.metrics.ControllerMetrics`` has this shape.
 
-    - ``signal(kind, source)``: a preemption signal acted on (once per node per recovery);
+    - ``signal(kind, source)``: a preemption signal acted on (each once per recovery);
     - ``flush_request(outcome)``: an agent's answer to a flush request: ``accepted`` or ``failed``;
     - ``notice_to_commit(seconds)``: from a preemption's detection to its flushed manifest;
     - ``preemption()``: a preemption handled; ``restart(cause)``: a gang restarted, by cause

@@ -25,6 +25,7 @@ from orchestrator.kubectl_common import (
     percent,
     print_json,
 )
+from orchestrator.model import parse_timestamp
 
 # ----------------------------------------------------------------------------------------------
 # status
@@ -136,6 +137,12 @@ def _pod_exit_code(pod: dict[str, Any]) -> int | None:
     return None
 
 
+def _attempt_label(meta: dict[str, Any]) -> int | None:
+    """The pod's attempt (its ``spotjob.dev/attempt`` label) as the number the status says."""
+    label = str((meta.get("labels") or {}).get("spotjob.dev/attempt") or "")
+    return int(label) if label.isdigit() else None
+
+
 def job_pods_view(job: dict[str, Any], pods: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The job's pods as the API shows them now, with zones from the controller's view of its
     workers; without ``pods`` (not allowed to list them), the controller's view alone."""
@@ -162,7 +169,7 @@ def job_pods_view(job: dict[str, Any], pods: list[dict[str, Any]] | None) -> lis
         out.append(
             {
                 "name": meta.get("name"),
-                "attempt": (meta.get("labels") or {}).get("spotjob.dev/attempt"),
+                "attempt": _attempt_label(meta),
                 "phase": _pod_phase(pod),
                 "ready": _pod_ready(pod),
                 "node": (pod.get("spec") or {}).get("nodeName") or w.get("node"),
@@ -227,7 +234,10 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
         resumed = attempt.get("resumedFromStep")
         running = attempt.get("runningAt")
         text = f"{attempt.get('number', 0)}"
-        text += f", running for {age(running, now)}" if running else ""
+        if running:
+            # A finished job's attempt ran until the job ended, not until now.
+            ended = parse_timestamp(status.get("completionTime"))
+            text += f", ran for {age(running, ended)}" if ended else f", running for {age(running, now)}"
         text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
         lines.append(("Attempt", text))
         stuck = attempt.get("notStarting")

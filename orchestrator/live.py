@@ -89,7 +89,17 @@ def _ago(when: datetime | None, now: datetime | None = None) -> str:
     if when.tzinfo is None:  # written without a zone: spotjob writes UTC
         when = when.replace(tzinfo=UTC)
     seconds = ((now or datetime.now(UTC)) - when).total_seconds()
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+    if seconds < -60:
+        # Written by a clock ahead of this one (another machine's): not a negative age.
+        return f"{-seconds / 60:.0f} min ahead of this clock"
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 120 * 60:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.0f} h ago"
+    return f"{seconds / 86400:.0f} d ago"
 
 
 def _clock(seconds: float) -> str:
@@ -299,7 +309,8 @@ def summarize(
         message=status.message,
         wall_seconds=wall_seconds,
         steps=final,
-        attempts=status.attempt.number + 1,
+        # The attempt a run stopped in Rescheduling numbered, but never started, did not run.
+        attempts=status.attempt.number + (1 if status.attempt.started_at is not None else 0),
         preemptions=status.preemptions,
         notices_sent=sum(1 for e in events if e.kind == EventKind.NOTICE),
         restarts=status.restarts,

@@ -28,6 +28,18 @@ T = TypeVar("T")
 _STATUS_INTERVAL_S = 1.0
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes in decimal units, as ``spotjob ckpt list`` shows sizes: ``512 bytes``, ``4.2 MB``."""
+    if n < 1000:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
+
+
 class _Core:
     """The Checkpointer's shared state and plumbing; the parts (``_State``, ``_Retention``,
     ``_Voting``, ``_Saving``, ``_Restoring``) build on it and ``Checkpointer`` joins them."""

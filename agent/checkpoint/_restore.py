@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from agent import _fresh_start, _rank_state
 from agent._dcp import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.checkpoint._core import size_text
 from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
@@ -211,6 +213,7 @@ class _Restoring(_Voting):
         self._check_open("restore()")
         self._check_state(state)
         self.wait()
+        started = time.monotonic()
         self._drain_votes()
         url = self.storage.url
         refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
@@ -264,7 +267,7 @@ class _Restoring(_Voting):
             failure, loaded = self._try_load(ref, manifest, state)
             partially_loaded = partially_loaded or loaded
             if failure is None:
-                self._restored(ref, manifest)
+                self._restored(ref, manifest, time.monotonic() - started)
                 return manifest.step
             kind, reason = failure
             if kind == _Failure.UNAVAILABLE:
@@ -274,10 +277,9 @@ class _Restoring(_Voting):
             if kind == _Failure.INCOMPATIBLE:
                 break  # the checkpoint is not at fault: an older one would be going back in time
         if not tried:
-            if refs and self.rank == 0:
-                log.info(
-                    "restore: no committed checkpoint of this job under %s; starting from step 0", self.storage.uri
-                )
+            if self.rank == 0:
+                what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
+                log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
             return 0
         return self._refuse_or_start_fresh(tried, partially_loaded)
 
@@ -333,7 +335,7 @@ class _Restoring(_Voting):
         self._last_step = 0
         return 0
 
-    def _restored(self, ref: CheckpointRef, manifest: Manifest) -> None:
+    def _restored(self, ref: CheckpointRef, manifest: Manifest, seconds: float) -> None:
         self.last_committed_step = manifest.step
         self.last_committed_uri = self.storage.url(ref.folder)
         self._last_saved_step = manifest.step
@@ -342,13 +344,17 @@ class _Restoring(_Voting):
         self._status.last_committed_uri = self.last_committed_uri
         self._status.step = manifest.step
         self._report(force=True)
-        log.info(
-            "restored step %d from %s (saved by %d ranks, restored on %d)",
-            manifest.step,
-            self.last_committed_uri,
-            manifest.world_size,
-            self.world_size,
-        )
+        if self._node_reporter:  # once per node, as the flush's outcome: every rank restored the same
+            log.info(
+                "restored step %d from %s in %.2fs (%s in %d files; saved by %d ranks, restored on %d)",
+                manifest.step,
+                self.last_committed_uri,
+                seconds,
+                size_text(manifest.total_bytes),
+                len(manifest.files),
+                manifest.world_size,
+                self.world_size,
+            )
 
     def _incompatibility(self, manifest: Manifest, state: Mapping[str, Any]) -> tuple[str, str] | None:
         """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,

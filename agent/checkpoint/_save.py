@@ -20,6 +20,7 @@ from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
+from agent.checkpoint._core import size_text
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
 from agent.control_channel import FlushRequest, FlushResult
@@ -470,6 +471,8 @@ class _Saving(_Voting):
         gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
         save.given_up = any(cancelled for _, _, _, cancelled in gathered)
         outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
+        commit_files: list[tuple[str, int, str]] = []
+        committed_bytes = 0
         if self.rank == 0 and fenced is None:
             errors = [e for _, e, _, _ in gathered if e]
             if errors:
@@ -477,6 +480,7 @@ class _Saving(_Voting):
             else:
                 try:
                     commit_files = [f for fs, _, _, _ in gathered for f in fs]
+                    committed_bytes = sum(size for _, size, _ in commit_files)
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
@@ -498,7 +502,14 @@ class _Saving(_Voting):
             if self._status.state == "saving":
                 self._status.state = "training"
             if self.rank == 0:
-                log.info("committed step %d at %s in %.2fs", save.step, uri, seconds)
+                log.info(
+                    "committed step %d at %s in %.2fs (%s in %d files)",
+                    save.step,
+                    uri,
+                    seconds,
+                    size_text(committed_bytes),
+                    len(commit_files),
+                )
                 if save.trigger != "flush":  # a flush reports its commit first, then retains
                     self._retain(CheckpointRef.parse(uri.rsplit("/", 1)[-1]) or CheckpointRef(save.step))
         elif was_fenced:

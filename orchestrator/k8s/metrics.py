@@ -8,7 +8,8 @@ one test process do not collide. Families (all prefixed ``spotjob_``):
 - ``signals_total{kind,source}``                   preemption signals seen, by kind and source
 - ``flush_requests_total{outcome}``                flush requests sent to agents: accepted, failed
 - ``notice_to_commit_seconds``                     histogram: from a notice to the flushed manifest
-- ``preemptions_total``, ``restarts_total{cause}``  preemptions handled; gang restarts (preemption, failure)
+- ``preemptions_total``, ``restarts_total{cause}``  preemptions handled; gang restarts (preemption, failure,
+                                                   infrastructure, capacity, requested)
 - ``lost_steps_total``                             training steps redone after restarts
 - ``job_goodput_ratio{namespace,name}``            per job; removed when the job is deleted
 - ``reconcile_errors_total``, ``reconcile_duration_seconds``
@@ -20,6 +21,8 @@ one test process do not collide. Families (all prefixed ``spotjob_``):
                                                    ignored, cleared, unparsable, retry)
 - ``interruption_queue_errors_total``              failed receives or deletes on the queue
 - ``checkpoint_hint_patches_total{outcome}``       pod annotation patches of the checkpoint hints
+
+README.md, "Events and metrics", documents each family; a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ class ControllerMetrics:
         )
         self._preemptions = Counter("spotjob_preemptions", "Preemptions handled.", registry=r)
         self._restarts = Counter(
-            "spotjob_restarts", "Gang restarts, by cause (preemption, failure).", ["cause"], registry=r
+            "spotjob_restarts",
+            "Gang restarts, by cause (preemption, failure, infrastructure, capacity, requested).",
+            ["cause"],
+            registry=r,
         )
         self._lost_steps = Counter("spotjob_lost_steps", "Training steps redone after restarts.", registry=r)
         self._goodput = Gauge(

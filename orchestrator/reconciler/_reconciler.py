@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import datetime
 from operator import methodcaller
 
-from agent.catalog import latest_valid
+from agent.catalog import CheckpointStatus, latest_valid
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import Backend, BackendError, WorkerObservation
@@ -116,6 +116,9 @@ class Reconciler(_Capacity):
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
         """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
+        self._skipped: dict[JobKey, set[tuple[str, str]]] = {}
+        """(folder, why) of the checkpoints each job's passes skipped and said so: once each, not
+        every pass (a fenced or retired folder stays newest for as long as the job runs)."""
         self._flush_in_flight: dict[JobKey, set[str]] = {}
         """Workers whose flush request was sent and not answered yet (their answer is told even if
         the commit shows first); per job, this process only."""
@@ -260,6 +263,7 @@ class Reconciler(_Capacity):
         with self._lock:
             self._written_at.pop(key, None)
             self._flush_in_flight.pop(key, None)
+            self._skipped.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
         try:
             self._metrics.job_deleted(key.namespace, key.name)
@@ -339,7 +343,7 @@ class Reconciler(_Capacity):
         try:
             self._claim(p, storage)
             if p.owned_by_another is None:
-                p.checkpoint = latest_valid(storage)
+                p.checkpoint = latest_valid(storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped))
         except StorageError as e:
             p.storage_error = e
         if p.checkpoint is not None and p.checkpoint.manifest is not None:
@@ -348,10 +352,27 @@ class Reconciler(_Capacity):
                 uri=storage.url(p.checkpoint.ref.folder),
                 time=p.checkpoint.manifest.created_at,
             )
+        elif p.storage_error is None and p.owned_by_another is None:
+            # Storage answered and holds none (a fresh start retired them, the URI was emptied):
+            # the status must not name one the next attempt cannot resume from.
+            status.last_checkpoint = None
         if p.storage_error is not None or p.signals_error is not None:
             status.infra_errors += 1
         status.avoid = [a for a in status.avoid if a.until > p.now]
         self._track_steps(p)
+
+    def _note_skipped(self, p: _Pass, storage: Storage, skipped: CheckpointStatus) -> None:
+        """Say once per job why a checkpoint is not the one it resumes from (a folder without a
+        manifest, as likely a save in progress, only at debug level)."""
+        said = (skipped.ref.folder, skipped.reason)
+        with self._lock:
+            known = self._skipped.setdefault(p.key, set())
+            first = said not in known
+            known.add(said)
+        if first and skipped.committed:
+            log.warning("job %s: skipping checkpoint %s: %s", p.key, storage.url(skipped.ref.folder), skipped.reason)
+        else:
+            log.debug("job %s: skipping checkpoint %s: %s", p.key, storage.url(skipped.ref.folder), skipped.reason)
 
     def _claim(self, p: _Pass, storage: Storage) -> None:
         """Make the URI the job's (create-only, first look only); note another owner."""

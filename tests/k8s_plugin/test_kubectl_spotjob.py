@@ -172,6 +172,59 @@ def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: 
     assert one["checkpointUri"] == "s3://bucket/jobs"
 
 
+def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_grows(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    create_job(cluster, namespace, "done")
+    status = running_status(step=2000, completionTime=ago(86400))
+    status.update(phase="Succeeded", reason="Completed", message="every worker exited 0 (last step seen 2000)")
+    status["attempt"]["runningAt"] = ago(86400 + 600)
+    set_status(cluster, namespace, "done", status)
+
+    out = ok(kubectl_spotjob("status", "done", "-n", namespace))
+
+    [line] = [line for line in out.splitlines() if line.startswith("Attempt:")]
+    assert ", ran for 10m, resumed from step 1300" in line, line
+    assert "running for" not in line
+
+
+def _documented_json_keys() -> dict[str, list[str]]:
+    """The README's table of ``kubectl spotjob … -o json`` keys: {row: keys, in order}."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| `-o json` of | keys |")
+    out = {}
+    for line in readme[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        what, keys = (cell.strip() for cell in line.strip("|").split(" | "))
+        # Keys are the backticked names outside parentheses (those say what is in them).
+        out[what] = re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", keys))
+    return out
+
+
+def test_status_and_events_as_json_have_the_keys_the_readme_lists(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    cluster.add_node(f"{namespace}-j", zone="us-east-1a", run_containers=False)
+    job = create_job(cluster, namespace, "keys")
+    pod = create_pod(cluster, namespace, "keys", 1, 0, f"{namespace}-j")
+    wait_pod_running(cluster, namespace, pod["metadata"]["name"])
+    set_status(cluster, namespace, "keys", running_status())
+    write_event(cluster, namespace, job, "WorkersRunning", "every worker of attempt 1 is running", at=datetime.now(UTC))
+    documented = _documented_json_keys()
+
+    (listed,) = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+    one = json.loads(ok(kubectl_spotjob("status", "keys", "-n", namespace, "-o", "json")))
+    (event,) = json.loads(ok(kubectl_spotjob("events", "keys", "-n", namespace, "-o", "json")))
+
+    assert list(listed) == documented["`status`"]
+    assert list(one) == documented["`status`"] + documented["`status NAME`"]  # "the same keys", then its own
+    (pod_json,) = one["pods"]
+    assert list(pod_json) == documented["`status NAME`, each of `pods`"]
+    assert pod_json["attempt"] == one["attempt"] == 1  # a number, as the status has it: scripts compare them
+    assert list(event) == documented["`events NAME`"]
+
+
 def test_status_of_a_pending_job_without_pods_says_so(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:

@@ -71,3 +71,17 @@ def test_a_save_in_progress_is_not_called_one_that_never_finished_nor_warned_abo
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     reason = inspect(storage, CheckpointRef(20)).reason
     assert "in progress" in reason and reason.startswith("uncommitted")
+
+
+def test_attempts_counts_those_that_started_not_the_next_one_waiting_to() -> None:
+    """Stopped (Ctrl-C) while Rescheduling: attempt 2 is numbered but never started; two ran."""
+    started = datetime(2026, 1, 1, tzinfo=UTC)
+    waiting = JobStatus.model_validate(
+        {"phase": "Rescheduling", "reason": "Rescheduled", "attempt": {"number": 2}, "preemptions": 2}
+    )
+    running = JobStatus.model_validate(
+        {"phase": "Succeeded", "reason": "Completed", "attempt": {"number": 2, "startedAt": started.isoformat()}}
+    )
+
+    assert summarize("r", SPEC, waiting, TIMELINE).attempts == 2
+    assert summarize("r", SPEC, running, TIMELINE).attempts == 3

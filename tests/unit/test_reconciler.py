@@ -8,6 +8,7 @@ they train one step per second, so the step hint at time t is t - 5.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -934,6 +935,42 @@ def test_last_checkpoint_names_the_newest_valid_manifest_its_uri_and_time(world:
     assert status.last_checkpoint.step == 20
     assert status.last_checkpoint.uri == world.storage.url("step-000000020")
     assert status.last_checkpoint.time == EPOCH + timedelta(seconds=25)
+
+
+def test_last_checkpoint_is_cleared_once_storage_holds_no_valid_one(world: World) -> None:
+    """A fresh start retired every checkpoint (or someone emptied the URI): the status, and the
+    STEP and CHECKPOINT columns of ``kubectl get sj``, must not go on naming one the job cannot
+    resume from."""
+    from agent._fresh_start import retire
+
+    world.run_to(30)
+    commit_checkpoint(world.storage, 20, EPOCH + timedelta(seconds=25))
+    assert world.run_to(50).last_checkpoint is not None
+
+    retire(world.storage, [(CheckpointRef(20), "the model changed shape")], job=str(KEY), attempt=0)
+    status = world.run_to(70)
+
+    assert status.last_checkpoint is None
+
+
+def test_a_checkpoint_it_cannot_resume_from_is_warned_about_once_not_every_pass(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retired (or fenced, or foreign) folder stays the newest in storage for as long as the job
+    trains below its step: a warning every pass would bury the controller's log."""
+    from agent._fresh_start import retire
+
+    world.run_to(30)
+    commit_checkpoint(world.storage, 900, EPOCH + timedelta(seconds=25))
+    retire(world.storage, [(CheckpointRef(900), "the model changed shape")], job=str(KEY), attempt=0)
+
+    with caplog.at_level(logging.WARNING):
+        world.run_to(200)
+
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(world.results) > 5  # passes ran meanwhile
+    assert len(skipped) == 1, skipped
+    assert str(KEY) in skipped[0] and "step-000000900" in skipped[0] and "fresh start" in skipped[0]
 
 
 def test_remembers_why_each_restart_happened_the_newest_twenty(tmp_path: Any) -> None:

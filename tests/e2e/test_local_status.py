@@ -1,0 +1,95 @@
+"""``spotjob status`` of runs whose times are far back or ahead: ages a person reads at a glance.
+
+A run folder written through the store as ``spotjob run`` leaves it (no training), its times set
+back three days (a run from last week is "3 d ago", not "4320 min ago"), or its checkpoint's
+time ahead of this clock (a manifest written on another machine: not "-600 s ago").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from local_run_support import TRAIN, clean_env, tool
+
+from orchestrator.model import CheckpointInfo, CheckpointSpec, JobKey, JobSpec, JobStatus, Phase
+from orchestrator.store import JsonFileJobStore
+
+
+def make_run(
+    runs: Path, name: str, *, created: datetime, checkpoint_at: datetime, phase: Phase = Phase.SUCCEEDED
+) -> None:
+    folder = runs / name
+    store = JsonFileJobStore(str(folder), fsync=False)
+    key = JobKey.local(name)
+    stored = store.create(key, JobSpec(command=[str(TRAIN)], checkpoint=CheckpointSpec(uri=str(folder / "ckpt"))))
+    status = JobStatus(
+        phase=phase,
+        reason="Completed",
+        message="every worker exited 0",
+        created_at=created,
+        last_checkpoint=CheckpointInfo(step=400, uri=f"file://{folder}/ckpt/step-000000400", time=checkpoint_at),
+    )
+    store.update_status(key, status, version=stored.version)
+
+
+def test_ages_of_old_runs_are_in_days_and_a_time_ahead_of_this_clock_is_said_so(tmp_path: Path) -> None:
+    runs = tmp_path / "spotjob-runs"
+    now = datetime.now(UTC)
+    make_run(runs, "old", created=now - timedelta(days=3), checkpoint_at=now - timedelta(days=3))
+    make_run(runs, "skewed", created=now, checkpoint_at=now + timedelta(minutes=10))
+
+    proc = subprocess.run(
+        [tool("spotjob"), "status", "--runs-dir", str(runs)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert "step 400 (3 d ago)" in rows["old"] and rows["old"].rstrip().endswith("3 d ago"), proc.stdout
+    assert "step 400 (10 min ahead of this clock)" in rows["skewed"], proc.stdout
+
+
+def _documented_keys() -> tuple[list[str], list[str], list[str]]:
+    """The README's keys of ``spotjob status --json``: a run's, an Event's, and those of ``now``."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("`spotjob status --json` prints")
+    text = " ".join(readme[start : readme.index("\n\n", start)].split())
+    events = text[text.index("`events` (") : text.index("`error`")]
+    now = text[text.index("`now` when") :]
+    run = text[: text.index("`events` (")] + "`events` " + text[text.index("`error`") : text.index("`now` when")]
+    keys = lambda part: re.findall(r"`(\w+)`", part)  # noqa: E731
+    return keys(run), keys(events)[1:], keys(now)[1:]  # [0]: "events" and "now" themselves
+
+
+def test_status_as_json_has_the_keys_the_readme_lists(tmp_path: Path) -> None:
+    runs = tmp_path / "spotjob-runs"
+    now = datetime.now(UTC)
+    make_run(runs, "done", created=now, checkpoint_at=now)
+    (runs / "done" / "local" / "done.events.jsonl").write_text(
+        json.dumps({"time": now.isoformat(), "type": "Normal", "reason": "Completed", "message": "done"})
+        + "\n"
+        + json.dumps({"time": now.isoformat(), "type": "Normal", "reason": "NodeLost", "message": "x", "node": "n"})
+        + "\n"
+    )
+    run_keys, event_keys, now_keys = _documented_keys()
+
+    proc = subprocess.run(
+        [tool("spotjob"), "status", "done", "--json", "--runs-dir", str(runs)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+
+    doc = json.loads(proc.stdout)
+    assert list(doc) == run_keys
+    assert [list(e) for e in doc["events"]] == [event_keys[:-1], event_keys]  # `node` only when named
+
+    make_run(runs, "gone", created=now, checkpoint_at=now, phase=Phase.RUNNING)  # its driver is gone
+    proc = subprocess.run(
+        [tool("spotjob"), "status", "--json", "--runs-dir", str(runs)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    gone = {r["name"]: r for r in json.loads(proc.stdout)}["gone"]
+    assert list(gone) == [*run_keys, "now"]
+    assert list(gone["now"]) == now_keys
