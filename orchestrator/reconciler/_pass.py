@@ -157,6 +157,11 @@ class _Pass:
         """This pass decided to stop the gang (``_commit`` acts on it after the write)."""
         return self.stop_flush is not None
 
+    @property
+    def replicas(self) -> int:
+        """The attempt's gang size: what it was started with, else the spec's (not started yet)."""
+        return self.status.attempt.replicas or self.spec.replicas
+
     def current(self) -> list[WorkerObservation]:
         return [w for w in self.workers if w.attempt == self.status.attempt.number]
 

@@ -419,7 +419,7 @@ class Reconciler(_Capacity):
             if self._watch(p):
                 return None
             current = p.current()
-            if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
+            if len(current) >= p.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
                 return None
             self._note_not_starting(p, current)
@@ -455,6 +455,7 @@ class Reconciler(_Capacity):
         placement = self._placement(status)
         self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
         attempt.started_at = p.now
+        attempt.replicas = spec.replicas
         attempt.resumed_from_step = p.checkpoint_step
         if recovery is not None:
             self._count_lost_steps(p, recovery)

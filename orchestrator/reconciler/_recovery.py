@@ -121,7 +121,7 @@ class _Recovery(_FlushRequests):
         if failed:
             self._on_failure(p, failed[0])
             return True
-        if len(current) >= p.spec.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+        if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
             self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
             return True
         return False
