@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from operator import methodcaller
 
 from agent.catalog import latest_valid
@@ -312,6 +312,7 @@ class Reconciler(_Capacity):
     # -- observe ---------------------------------------------------------------------------
     def _new_pass(self, key: JobKey, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
         status = before.model_copy(deep=True)
+        self._distrust_the_future(key, spec, status, now)
         return _Pass(
             key=key,
             spec=spec,
@@ -320,6 +321,49 @@ class Reconciler(_Capacity):
             previous_checkpoint_step=status.last_checkpoint.step if status.last_checkpoint else None,
             seen={w.name for w in status.workers},
         )
+
+    def _distrust_the_future(self, key: JobKey, spec: JobSpec, status: JobStatus, now: datetime) -> None:
+        """Bring the status's times back within what this pass's clock allows.
+
+        A status written by a controller whose wall clock ran ahead (an old leader on a skewed
+        node) holds times in the future: a backoff that would hold the restart for hours, a flush
+        timeout that would never come, negative flushing seconds. What was noticed happened by now
+        at the latest; a deadline is at most the spec's own duration away (so that lowering the
+        duration in the spec also takes effect on the wait in progress)."""
+        moved: list[str] = []
+
+        def at_most(name: str, when: datetime | None, limit: datetime) -> datetime | None:
+            if when is None or when <= limit:
+                return when
+            moved.append(f"{name} {when.isoformat()}")
+            return limit
+
+        attempt, recovery = status.attempt, status.recovery
+        status.start_time = at_most("startTime", status.start_time, now)
+        status.fallback_since = at_most("fallbackSince", status.fallback_since, now)
+        attempt.started_at = at_most("attempt.startedAt", attempt.started_at, now)
+        attempt.running_at = at_most("attempt.runningAt", attempt.running_at, now)
+        if attempt.not_starting is not None:
+            attempt.not_starting.since = at_most("attempt.notStarting.since", attempt.not_starting.since, now) or now
+        if recovery is not None:
+            recovery.detected_at = at_most("recovery.detectedAt", recovery.detected_at, now) or now
+            recovery.stopped_at = at_most("recovery.stoppedAt", recovery.stopped_at, now)
+            flush_timeout = now + timedelta(seconds=spec.flush_timeout_seconds)
+            recovery.flush_timeout_at = at_most("recovery.flushTimeoutAt", recovery.flush_timeout_at, flush_timeout)
+            longest = max(spec.restart_backoff.max_seconds, self._options.infra_backoff_max_seconds)
+            recovery.restart_at = at_most("recovery.restartAt", recovery.restart_at, now + timedelta(seconds=longest))
+        cooldown_end = now + timedelta(seconds=spec.cooldown.seconds)
+        for avoided in status.avoid:
+            avoided.until = at_most(f"avoid[{avoided.value}].until", avoided.until, cooldown_end) or cooldown_end
+        if moved:
+            log.warning(
+                "job %s [%s]: the status holds times past what this controller's clock (%s) and the spec allow, "
+                "written by a controller whose clock ran ahead or under an older spec: %s; brought back",
+                key,
+                status.phase,
+                now.isoformat(),
+                ", ".join(moved),
+            )
 
     def _observe(self, p: _Pass) -> None:
         spec, status = p.spec, p.status

@@ -7,13 +7,14 @@ from 5 and the reconciler sees them at 6; each trains one step per second.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from fakes import KEY
 from test_reconciler import World, edit_document, make_world, phase_is, preempt_running_job, running_attempt
 
 from orchestrator.model import Phase
+from orchestrator.reconciler import Reconciler
 
 # -- a spec edited while an attempt runs -------------------------------------------------------
 
@@ -54,3 +55,68 @@ def test_replicas_raised_while_an_attempt_starts_add_no_worker_to_its_gang_and_c
         "train-1-2",
     ]
 
+
+
+# -- a status written by a controller whose clock ran ahead ----------------------------------------
+
+
+class ClockAhead:
+    """The world's clock as seen by a controller on a node whose wall clock runs ``seconds`` ahead."""
+
+    def __init__(self, world: World, seconds: float) -> None:
+        self._clock, self._ahead = world.clock, timedelta(seconds=seconds)
+
+    def now(self) -> datetime:
+        return self._clock.now() + self._ahead
+
+    def monotonic(self) -> float:
+        return self._clock.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+
+def one_pass_by_a_leader_an_hour_ahead(world: World) -> None:
+    """One pass of a leader whose clock is an hour ahead; then it dies and a leader with the right
+    time takes over (a fresh ``Reconciler`` on the same store)."""
+    skewed = Reconciler(world.store, world.backend, ClockAhead(world, HOUR), storage_factory=lambda _: world.storage)
+    skewed.reconcile(world.key)
+    world.new_reconciler()
+
+
+HOUR = 3600.0
+
+
+def test_a_flush_timeout_written_by_a_leader_whose_clock_ran_ahead_ends_the_flush_after_flush_timeout_seconds(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    preempt_running_job(world, at=100)
+    one_pass_by_a_leader_an_hour_ahead(world)  # it heard the notice at 100 and entered Flushing
+    assert world.status.phase is Phase.FLUSHING
+    taken_over_at = world.next_at  # the new leader's first pass
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert world.clock.at() <= taken_over_at + 30  # flushTimeoutSeconds, not an hour more
+    assert status.flushing_seconds >= 0
+
+
+def test_a_restart_backoff_written_by_a_leader_whose_clock_ran_ahead_holds_the_restart_at_most_its_max(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path)
+    world.run_until(running_attempt(0))
+    world.clock.advance(1)
+    world.backend.exit(0, 1, 1)  # the user's code fails: a restart with the backoff (10 s, at most 80)
+    one_pass_by_a_leader_an_hour_ahead(world)
+    status = world.status
+    assert status.phase is Phase.RESCHEDULING and status.restarts == 1
+    taken_over_at = world.next_at  # the new leader's first pass
+
+    status = world.run_until(running_attempt(1))
+
+    # At most restartBackoff.maxSeconds from then, not an hour more; then 5 s to run, seen within 2 s.
+    assert world.clock.at() <= taken_over_at + 80 + 5 + 2
+    assert status.restarts == 1
