@@ -151,6 +151,8 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         generation=int(meta.get("generation") or 1),
         uid=str(meta.get("uid") or ""),
     )
+    if meta.get("deletionTimestamp"):
+        stored = dataclasses.replace(stored, deleting=True)
     raw = (meta.get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
     if not raw:
         return stored

@@ -130,7 +130,8 @@ class Reconciler(_Capacity):
         """One pass for job ``key``: observe, decide, act, write the status if it changed, then tell.
 
         A job gone from the store is forgotten (``JobMetrics.job_deleted``) and answers
-        ``ReconcileResult(None, None)``. A status write that conflicts (the job changed since it
+        ``ReconcileResult(None, None)``; one being deleted (``StoredJob.deleting``) is left alone:
+        no attempt, no stop, no status write. A status write that conflicts (the job changed since it
         was read) answers a requeue of 0 and tells nothing. Raises ``StoreError`` if the store
         fails; backend and storage errors are retried (``_recovery``, failure classes).
         """
@@ -139,6 +140,12 @@ class Reconciler(_Capacity):
         if stored is None:
             self._forget(key)
             return ReconcileResult(None, None)
+        if stored.deleting:
+            # Its pods go with it (the garbage collector's work, or kept: --cascade=orphan). A pass
+            # that took their deletion for a lost worker would start the next attempt, whose pods a
+            # foreground deletion then waits for in turn.
+            log.info("job %s is being deleted: no pass, its workers are left to the garbage collector", key)
+            return ReconcileResult(stored.status.phase if stored.status else None, None)
         now = self._clock.now()
         if stored.status is None and _status_unreadable(stored):
             # The status cannot be read: writing one would restart the job from nothing.
