@@ -359,6 +359,9 @@ class Reconciler(_Capacity):
             recovery.flush_timeout_at = at_most("recovery.flushTimeoutAt", recovery.flush_timeout_at, flush_timeout)
             longest = max(spec.restart_backoff.max_seconds, self._options.infra_backoff_max_seconds)
             recovery.restart_at = at_most("recovery.restartAt", recovery.restart_at, now + timedelta(seconds=longest))
+        request = status.last_flush_request
+        if request is not None and request.outcome == "InProgress":
+            request.started_at = at_most("lastFlushRequest.startedAt", request.started_at, now)
         cooldown_end = now + timedelta(seconds=spec.cooldown.seconds)
         for avoided in status.avoid:
             avoided.until = at_most(f"avoid[{avoided.value}].until", avoided.until, cooldown_end) or cooldown_end

@@ -40,7 +40,9 @@ class Parts:
     def __init__(self, api: TestApi, tmp_path: Path) -> None:
         self.client: KubeClient = api.client()
         self.jobs = Informer(self.client, SPOTJOBS, namespaces=["default"])
-        self.pods = Informer(self.client, PODS, namespaces=["default"], label_selector=JOB_LABEL, indexers={"job": _pod_job})
+        self.pods = Informer(
+            self.client, PODS, namespaces=["default"], label_selector=JOB_LABEL, indexers={"job": _pod_job}
+        )
         self.nodes = Informer(self.client, NODES)
         for informer in (self.jobs, self.pods, self.nodes):
             informer.start()

@@ -12,6 +12,7 @@ from typing import Any
 
 from fakes import KEY
 from test_reconciler import World, edit_document, make_world, phase_is, preempt_running_job, running_attempt
+from test_reconciler_flush_request import ask, request_world
 
 from orchestrator.model import Phase
 from orchestrator.reconciler import Reconciler
@@ -120,3 +121,19 @@ def test_a_restart_backoff_written_by_a_leader_whose_clock_ran_ahead_holds_the_r
     # At most restartBackoff.maxSeconds from then, not an hour more; then 5 s to run, seen within 2 s.
     assert world.clock.at() <= taken_over_at + 80 + 5 + 2
     assert status.restarts == 1
+
+
+def test_a_checkpoint_request_taken_by_a_leader_whose_clock_ran_ahead_ends_within_the_flush_timeout(
+    tmp_path: Any,
+) -> None:
+    world, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})  # no save ever commits
+    world.run_to(100)
+    ask(store, "c-1", "checkpoint")
+    one_pass_by_a_leader_an_hour_ahead(world)  # it took the request up, an hour "later"
+    assert world.status.last_flush_request is not None and world.status.last_flush_request.outcome == "InProgress"
+    taken_over_at = world.next_at
+
+    status = world.run_until(lambda s: s.last_flush_request is None or s.last_flush_request.outcome != "InProgress")
+
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "NotCommitted"
+    assert world.clock.at() <= taken_over_at + 30 + 10  # flushTimeoutSeconds, seen within a running poll

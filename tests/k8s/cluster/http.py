@@ -77,8 +77,9 @@ class Fault:
     """Make the next ``count`` requests that match fail with ``status`` (500, 429, 503, …), hang for
     ``delay`` seconds and then drop the connection (``action="timeout"``), drop it at once
     (``action="drop"``), or serve them and drop the connection instead of answering
-    (``action="lost-answer"``: the write happened, the client cannot know). Empty matcher fields match anything; ``path`` matches the request's path
-    exactly (discovery, e.g. ``/apis/events.k8s.io/v1``, has no resource to match on)."""
+    (``action="lost-answer"``: the write happened, the client cannot know). Empty matcher fields
+    match anything; ``path`` matches the request's path exactly (discovery, e.g.
+    ``/apis/events.k8s.io/v1``, has no resource to match on)."""
 
     verb: str = ""
     resource: str = ""
