@@ -57,7 +57,6 @@ def test_replicas_raised_while_an_attempt_starts_add_no_worker_to_its_gang_and_c
     ]
 
 
-
 # -- a status written by a controller whose clock ran ahead ----------------------------------------
 
 
