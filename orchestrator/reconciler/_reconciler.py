@@ -112,6 +112,8 @@ class Reconciler(_Capacity):
         self._options = options or ReconcilerOptions()
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
+        self._uris: dict[JobKey, str] = {}
+        """The checkpoint URI each job's passes opened: its store is closed once no job uses it."""
         self._claimed: set[tuple[str, str]] = set()
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
@@ -264,10 +266,20 @@ class Reconciler(_Capacity):
 
     def _forget(self, key: JobKey) -> None:
         identity = job_identity(key)
+        unused: Storage | None = None
         with self._lock:
             self._written_at.pop(key, None)
             self._flush_in_flight.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
+            uri = self._uris.pop(key, None)
+            if uri is not None and uri not in self._uris.values():
+                unused = self._storages.pop(uri, None)
+        if unused is not None:
+            # An S3 or GCS store holds a client and its connections: one per job ever served, else.
+            try:
+                unused.close()
+            except Exception:
+                log.exception("job %s: closing its checkpoint store failed", key)
         try:
             self._metrics.job_deleted(key.namespace, key.name)
         except Exception:
@@ -384,7 +396,7 @@ class Reconciler(_Capacity):
             # Exits and lost workers still reveal preemptions; carry on without notices.
             p.signals_error = e
         try:
-            storage = self._storage(spec.checkpoint.uri)
+            storage = self._storage(p.key, spec.checkpoint.uri)
         except ValueError as e:
             p.invalid_uri = str(e)
             return
@@ -421,13 +433,19 @@ class Reconciler(_Capacity):
         with self._lock:
             self._claimed.add(claimed)
 
-    def _storage(self, uri: str) -> Storage:
+    def _storage(self, key: JobKey, uri: str) -> Storage:
+        """The store of ``uri``, opened once and shared by the jobs that use it (``key`` among them)."""
         with self._lock:
             storage = self._storages.get(uri)
-        if storage is None:
-            storage = self._storage_factory(uri)
-            with self._lock:
-                storage = self._storages.setdefault(uri, storage)
+            if storage is not None:
+                self._uris[key] = uri
+                return storage
+        opened = self._storage_factory(uri)
+        with self._lock:
+            storage = self._storages.setdefault(uri, opened)
+            self._uris[key] = uri
+        if storage is not opened:
+            opened.close()  # another pass opened it meanwhile
         return storage
 
     def _track_steps(self, p: _Pass) -> None:

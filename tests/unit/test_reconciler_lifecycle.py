@@ -14,7 +14,8 @@ from fakes import KEY
 from test_reconciler import World, edit_document, make_world, phase_is, preempt_running_job, running_attempt
 from test_reconciler_flush_request import ask, request_world
 
-from orchestrator.model import Phase
+from agent.storage.file import FileStorage
+from orchestrator.model import CheckpointSpec, JobKey, Phase
 from orchestrator.reconciler import Reconciler
 
 # -- a spec edited while an attempt runs -------------------------------------------------------
@@ -136,3 +137,42 @@ def test_a_checkpoint_request_taken_by_a_leader_whose_clock_ran_ahead_ends_withi
 
     assert status.last_flush_request is not None and status.last_flush_request.outcome == "NotCommitted"
     assert world.clock.at() <= taken_over_at + 30 + 10  # flushTimeoutSeconds, seen within a running poll
+
+
+# -- many jobs over a controller's life --------------------------------------------------------------
+
+
+class ClosingStorage(FileStorage):
+    """A folder store that says whether it was closed (an S3 or GCS store holds a client until then)."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_deleted_jobs_storage_client_is_closed_and_let_go_and_another_jobs_is_kept(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    opened: dict[str, list[ClosingStorage]] = {}
+
+    def open_storage(uri: str) -> ClosingStorage:
+        storage = ClosingStorage(uri)
+        opened.setdefault(uri, []).append(storage)
+        return storage
+
+    other = JobKey("team-a", "finetune")
+    other_uri = str(tmp_path / "ckpt-finetune")
+    world.store.create(other, world.spec.model_copy(update={"checkpoint": CheckpointSpec(uri=other_uri)}))
+    reconciler = Reconciler(world.store, world.backend, world.clock, storage_factory=open_storage)
+    reconciler.reconcile(KEY)
+    reconciler.reconcile(other)
+
+    world.store.delete(KEY)
+    assert reconciler.reconcile(KEY).phase is None  # the pass that finds it gone forgets it
+
+    (train,) = opened[world.spec.checkpoint.uri]
+    assert train.closed
+    (finetune,) = opened[other_uri]
+    assert not finetune.closed
+    reconciler.reconcile(other)
+    assert len(opened[other_uri]) == 1  # still the one it had
