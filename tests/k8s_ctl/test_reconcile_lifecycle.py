@@ -16,7 +16,7 @@ from ctl_support import CRDS, REPO, TestApi, wait_for
 
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient
-from orchestrator.k8s.cluster_signals import ClusterSignals
+from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
 from orchestrator.k8s.informer import Informer
 from orchestrator.k8s.pods import JOB_LABEL
 from orchestrator.k8s.store import KubeJobStore
@@ -43,7 +43,7 @@ class Parts:
         self.pods = Informer(
             self.client, PODS, namespaces=["default"], label_selector=JOB_LABEL, indexers={"job": _pod_job}
         )
-        self.nodes = Informer(self.client, NODES)
+        self.nodes = Informer(self.client, NODES, indexers={NOTICE_INDEX: notice_index})
         for informer in (self.jobs, self.pods, self.nodes):
             informer.start()
         for informer in (self.jobs, self.pods, self.nodes):
