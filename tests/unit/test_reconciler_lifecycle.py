@@ -7,16 +7,29 @@ from 5 and the reconciler sees them at 6; each trains one step per second.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timedelta
 from typing import Any
 
+import pytest
 from fakes import KEY
-from test_reconciler import World, edit_document, make_world, phase_is, preempt_running_job, running_attempt
-from test_reconciler_flush_request import ask, request_world
+from test_reconciler import (
+    LosesOneWrite,
+    World,
+    changes,
+    edit_document,
+    make_world,
+    phase_is,
+    preempt_running_job,
+    running_attempt,
+)
+from test_reconciler_flush_request import RequestStore, ask, request_world
 
+from agent.storage import parse_uri
 from agent.storage.file import FileStorage
-from orchestrator.model import CheckpointSpec, JobKey, Phase
+from orchestrator.model import Cause, CheckpointSpec, JobKey, Phase
 from orchestrator.reconciler import Reconciler
+from orchestrator.store import StoreError
 
 # -- a spec edited while an attempt runs -------------------------------------------------------
 
@@ -156,7 +169,7 @@ def test_a_deleted_jobs_storage_client_is_closed_and_let_go_and_another_jobs_is_
     opened: dict[str, list[ClosingStorage]] = {}
 
     def open_storage(uri: str) -> ClosingStorage:
-        storage = ClosingStorage(uri)
+        storage = ClosingStorage(parse_uri(uri)[2])
         opened.setdefault(uri, []).append(storage)
         return storage
 
@@ -176,3 +189,58 @@ def test_a_deleted_jobs_storage_client_is_closed_and_let_go_and_another_jobs_is_
     assert not finetune.closed
     reconciler.reconcile(other)
     assert len(opened[other_uri]) == 1  # still the one it had
+
+
+# -- a leader that asked for the flush and died before it wrote Flushing ------------------------------
+
+
+class LossyRequestStore(RequestStore, LosesOneWrite):
+    """A person's flush request on the job, and the first status write matching ``lose`` lost."""
+
+
+def leader_dies_after_asking(world: World, store: LosesOneWrite) -> None:
+    """Passes until the one whose write is lost (it asked the agents to flush), then no leader for
+    15 s (the Lease expiring: the flush commits meanwhile) and a new one."""
+    with pytest.raises(StoreError):
+        for _ in range(100):
+            world.run_to(world.next_at)
+    assert store.lost == 1 and world.backend.flushes_asked()
+    world.clock.sleep(15)
+    world.restart_orchestrator()
+    world.new_reconciler(store)
+    world.next_at = world.clock.at()
+
+
+def test_a_flush_committed_while_no_leader_ran_is_told_as_committed_by_the_next_leader(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    store = LosesOneWrite(os.path.join(world.tmp, "jobs"), changes(Phase.RUNNING, Phase.FLUSHING))
+    world.new_reconciler(store)
+    world.run_to(100)
+    world.backend.notice("n0")
+    leader_dies_after_asking(world, store)  # the flush it asked for commits step 101 meanwhile
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushCommitted", status.condition("Flushing")  # type: ignore[union-attr]
+    assert "FlushCommitted" in world.event_reasons() and "WorkersExited" not in world.event_reasons()
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert world.backend.commits == [101]
+    assert world.run_until(running_attempt(1)).attempt.resumed_from_step == 101
+
+
+def test_a_requested_restart_whose_flush_committed_while_no_leader_ran_is_answered_committed(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    store = LossyRequestStore(os.path.join(world.tmp, "jobs"), changes(Phase.RUNNING, Phase.FLUSHING))
+    world.new_reconciler(store)
+    world.run_to(100)
+    ask(store, "r-1", "restart")
+    leader_dies_after_asking(world, store)
+
+    status = world.run_until(running_attempt(1))
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("r-1", "Committed"), request
+    assert request.step == world.backend.commits[0] == status.attempt.resumed_from_step
+    # The agents exited 75 because the dead leader asked them to: no preemption, no node avoided.
+    assert (status.preemptions, status.restarts) == (0, 0) and status.avoid == []
+    assert [r.cause for r in status.restart_history] == [Cause.REQUESTED]
