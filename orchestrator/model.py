@@ -495,6 +495,12 @@ class AttemptStatus(_Resource):
 
     number: int = Field(default=0, ge=0, description="attempts are numbered from 0; each restart starts the next")
     started_at: datetime | None = Field(default=None, description="when start_workers was called; None: not yet")
+    replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="the gang size the attempt was started with: an edit of spec.replicas takes effect at the "
+        "next attempt (a gang cannot change its size while it runs); None: spec.replicas",
+    )
     running_at: datetime | None = Field(default=None, description="when every worker was first seen running")
     resumed_from_step: int | None = Field(default=None, description="the committed step the attempt resumes from")
     first_step: int | None = Field(default=None, description="first step observed while running (for the step rate)")

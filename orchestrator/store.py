@@ -84,6 +84,9 @@ class StoredJob:
     """Why that request could not be read; ``flush_request_id`` then names it."""
     flush_request_id: str | None = None
     """The id the request is known by: its own, or for one that cannot be read a digest of it."""
+    deleting: bool = False
+    """The job is being deleted (Kubernetes: ``metadata.deletionTimestamp``; a finalizer, or a
+    foreground deletion waiting for the pods, keeps it readable meanwhile)."""
 
 
 def parse_job(key: JobKey, spec: Any, status: Any, *, version: str, generation: int = 1, uid: str = "") -> StoredJob:

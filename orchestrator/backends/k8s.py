@@ -71,11 +71,7 @@ from orchestrator.k8s.api import (
     NotFound,
     Object,
 )
-from orchestrator.k8s.cluster_signals import (
-    ClusterSignals,
-    annotation_signal,
-    taint_signals,
-)
+from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, nodes_being_taken
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal
@@ -110,6 +106,7 @@ class KubernetesBackend:
         agents: AgentCalls | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """``nodes``: the Node informer's cache, with the ``cluster_signals.NOTICE_INDEX`` index."""
         self._client = client
         self._jobs = jobs
         self._pods = pods_cache
@@ -395,19 +392,14 @@ class KubernetesBackend:
     def _doomed_nodes(self) -> frozenset[str]:
         """Nodes a new worker must not land on: a preemption taint or an interruption notice on them.
 
-        (NotReady nodes are not listed: the scheduler keeps pods off them by their not-ready
-        taint, and a required exclusion would outlive a node that recovers.)"""
-        now = self._now()
-        out = set()
-        for node in self._nodes.list():
-            name = str((node.get("metadata") or {}).get("name") or "")
-            found = taint_signals(node, rebalance=self._signals.rebalance, now=now)
-            notice = annotation_signal(node, rebalance=self._signals.rebalance, now=now)
-            if notice is not None:
-                found.append(notice)
-            if any(s.kind.is_preemption for s in found):
-                out.add(name)
-        return frozenset(out)
+        Read from the Node cache's notice index, never from every Node: this runs on every pass
+        while an attempt starts, and copying a thousand Nodes each time is what made a reconcile's
+        cost grow with the cluster (bench/README.md). (NotReady nodes are not listed: the scheduler
+        keeps pods off them by their not-ready taint, and a required exclusion would outlive a node
+        that recovers.)"""
+        return nodes_being_taken(
+            self._nodes.by_index(NOTICE_INDEX, NOTICE_INDEX), rebalance=self._signals.rebalance, now=self._now()
+        )
 
     def _node_labels(self, name: str | None) -> Mapping[str, str]:
         if not name:

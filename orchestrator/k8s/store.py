@@ -12,7 +12,10 @@ Two details keep the cache honest:
   our own writes replaced, so the next pass does not fail its compare-and-swap on its own write;
 - after a conflict, or when the cache does not have the job, the next ``get`` reads it fresh
   (GET), so a job the cache lags behind on is seen as the server has it, and a job deleted
-  since is confirmed gone (404) rather than guessed.
+  since is confirmed gone (404) rather than guessed;
+- a conflict whose fresh read holds exactly the status written is our own write, whose answer
+  was lost (a reset connection; the client's retry met it as a 409): it is a success, so the
+  pass tells what it wrote.
 
 The annotation ``spotjob.dev/flush-request`` (a person asking for a flush, ``kubectl spotjob
 flush``) is read into ``StoredJob.flush_request``; the controller never writes it (only people do,
@@ -77,10 +80,16 @@ class KubeJobStore(JobStore):
         try:
             written = self._client.replace(SPOTJOBS, body, subresource="status")
         except Conflict as e:
-            with self._lock:
-                self._fresh.add(key)
-                self._written.pop(key, None)
-            raise ConflictError(f"SpotJob {key} changed since it was read: {e}") from e
+            landed = self._landed(key, document)
+            if landed is None:
+                with self._lock:
+                    self._fresh.add(key)
+                    self._written.pop(key, None)
+                raise ConflictError(f"SpotJob {key} changed since it was read: {e}") from e
+            # Our own write: it landed and its answer was lost (the client's retry met it as a
+            # 409). Taken for a conflict, the pass would tell none of what it wrote.
+            log.info("SpotJob %s: the answer to its status write was lost; the status it wrote is there", key)
+            written = landed
         except NotFound as e:
             raise JobNotFoundError(str(key)) from e
         except KubeError as e:
@@ -94,6 +103,14 @@ class KubeJobStore(JobStore):
                 replaced |= before[0]  # a write on top of our own: the cache may lag behind both
             self._written[key] = (replaced, written)
         return _stored(key, written)
+
+    def _landed(self, key: JobKey, document: Object) -> Object | None:
+        """The job as the server has it now, if its status is ``document``; else (or unreadable) None."""
+        try:
+            obj = self._client.get(SPOTJOBS, key.name, key.namespace)
+        except KubeError:
+            return None
+        return obj if obj.get("status") == document else None
 
     def keys(self) -> list[JobKey]:
         return sorted(JobKey(ns, name) for ns, name in self._cache.object_keys())
@@ -151,6 +168,8 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         generation=int(meta.get("generation") or 1),
         uid=str(meta.get("uid") or ""),
     )
+    if meta.get("deletionTimestamp"):
+        stored = dataclasses.replace(stored, deleting=True)
     raw = (meta.get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
     if not raw:
         return stored

@@ -23,8 +23,12 @@ class _Capacity(_Recovery):
 
     def _effective_spec(self, p: _Pass) -> JobSpec:
         """The spec the attempt's workers are built from: with ``spec.fallback`` merged in on the
-        fallback capacity."""
-        return p.spec.on_fallback() if p.status.capacity is CapacityType.FALLBACK else p.spec
+        fallback capacity, and the attempt's own gang size (an edit of ``spec.replicas`` while its
+        workers are being created must not add a worker that expects another gang)."""
+        spec = p.spec.on_fallback() if p.status.capacity is CapacityType.FALLBACK else p.spec
+        if spec.replicas != p.replicas:
+            spec = spec.model_copy(update={"replicas": p.replicas})
+        return spec
 
     def _check_capacity(self, p: _Pass) -> float | None:
         """An attempt whose workers stay unschedulable past ``startTimeoutSeconds``: say so

@@ -157,6 +157,11 @@ class _Pass:
         """This pass decided to stop the gang (``_commit`` acts on it after the write)."""
         return self.stop_flush is not None
 
+    @property
+    def replicas(self) -> int:
+        """The attempt's gang size: what it was started with, else the spec's (not started yet)."""
+        return self.status.attempt.replicas or self.spec.replicas
+
     def current(self) -> list[WorkerObservation]:
         return [w for w in self.workers if w.attempt == self.status.attempt.number]
 
@@ -172,6 +177,32 @@ class _Pass:
         """
         manifest = self.checkpoint.manifest if self.checkpoint is not None else None
         return manifest is None or manifest.trigger in (None, "flush")
+
+    @property
+    def flushed_unrecorded(self) -> bool:
+        """The newest checkpoint is a flush the current attempt's gang committed since the status last
+        recorded one: the gang flushed, and no status says why yet — a flush this controller asked
+        for in a pass whose status write was lost (the leader died while its write hung), seen by
+        the next leader once it committed. It is that flush, not the baseline of a new one.
+
+        Only an explicit ``trigger: flush`` of this attempt counts (a periodic or early save never
+        does, nor a manifest from before spotjob recorded the trigger or the writer's attempt)."""
+        manifest = self.checkpoint.manifest if self.checkpoint is not None else None
+        step, before = self.checkpoint_step, self.previous_checkpoint_step
+        return (
+            manifest is not None
+            and manifest.trigger == "flush"
+            and manifest.attempt == self.status.attempt.number
+            and step is not None
+            and (before is None or step > before)
+        )
+
+    def flush_baseline(self, *, heard_by_controller: bool) -> int | None:
+        """What a flush that starts in this pass must commit past (see ``_recovery``): the step
+        read now when the controller heard the signal itself, else the one the status held."""
+        if heard_by_controller and self.storage_error is None and not self.flushed_unrecorded:
+            return self.checkpoint_step
+        return self.previous_checkpoint_step
 
     def resume_point(self) -> str:
         step = self.checkpoint_step

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from operator import methodcaller
 
 from agent.catalog import CheckpointStatus, latest_valid
@@ -112,6 +112,8 @@ class Reconciler(_Capacity):
         self._options = options or ReconcilerOptions()
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
+        self._uris: dict[JobKey, str] = {}
+        """The checkpoint URI each job's passes opened: its store is closed once no job uses it."""
         self._claimed: set[tuple[str, str]] = set()
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
@@ -133,7 +135,8 @@ class Reconciler(_Capacity):
         """One pass for job ``key``: observe, decide, act, write the status if it changed, then tell.
 
         A job gone from the store is forgotten (``JobMetrics.job_deleted``) and answers
-        ``ReconcileResult(None, None)``. A status write that conflicts (the job changed since it
+        ``ReconcileResult(None, None)``; one being deleted (``StoredJob.deleting``) is left alone:
+        no attempt, no stop, no status write. A status write that conflicts (the job changed since it
         was read) answers a requeue of 0 and tells nothing. Raises ``StoreError`` if the store
         fails; backend and storage errors are retried (``_recovery``, failure classes).
         """
@@ -142,6 +145,12 @@ class Reconciler(_Capacity):
         if stored is None:
             self._forget(key)
             return ReconcileResult(None, None)
+        if stored.deleting:
+            # Its pods go with it (the garbage collector's work, or kept: --cascade=orphan). A pass
+            # that took their deletion for a lost worker would start the next attempt, whose pods a
+            # foreground deletion then waits for in turn.
+            log.info("job %s is being deleted: no pass, its workers are left to the garbage collector", key)
+            return ReconcileResult(stored.status.phase if stored.status else None, None)
         now = self._clock.now()
         if stored.status is None and _status_unreadable(stored):
             # The status cannot be read: writing one would restart the job from nothing.
@@ -260,11 +269,21 @@ class Reconciler(_Capacity):
 
     def _forget(self, key: JobKey) -> None:
         identity = job_identity(key)
+        unused: Storage | None = None
         with self._lock:
             self._written_at.pop(key, None)
             self._flush_in_flight.pop(key, None)
             self._skipped.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
+            uri = self._uris.pop(key, None)
+            if uri is not None and uri not in self._uris.values():
+                unused = self._storages.pop(uri, None)
+        if unused is not None:
+            # An S3 or GCS store holds a client and its connections: one per job ever served, else.
+            try:
+                unused.close()
+            except Exception:
+                log.exception("job %s: closing its checkpoint store failed", key)
         try:
             self._metrics.job_deleted(key.namespace, key.name)
         except Exception:
@@ -316,6 +335,7 @@ class Reconciler(_Capacity):
     # -- observe ---------------------------------------------------------------------------
     def _new_pass(self, key: JobKey, spec: JobSpec, before: JobStatus, now: datetime) -> _Pass:
         status = before.model_copy(deep=True)
+        self._distrust_the_future(key, spec, status, now)
         return _Pass(
             key=key,
             spec=spec,
@@ -324,6 +344,52 @@ class Reconciler(_Capacity):
             previous_checkpoint_step=status.last_checkpoint.step if status.last_checkpoint else None,
             seen={w.name for w in status.workers},
         )
+
+    def _distrust_the_future(self, key: JobKey, spec: JobSpec, status: JobStatus, now: datetime) -> None:
+        """Bring the status's times back within what this pass's clock allows.
+
+        A status written by a controller whose wall clock ran ahead (an old leader on a skewed
+        node) holds times in the future: a backoff that would hold the restart for hours, a flush
+        timeout that would never come, negative flushing seconds. What was noticed happened by now
+        at the latest; a deadline is at most the spec's own duration away (so that lowering the
+        duration in the spec also takes effect on the wait in progress)."""
+        moved: list[str] = []
+
+        def at_most(name: str, when: datetime | None, limit: datetime) -> datetime | None:
+            if when is None or when <= limit:
+                return when
+            moved.append(f"{name} {when.isoformat()}")
+            return limit
+
+        attempt, recovery = status.attempt, status.recovery
+        status.start_time = at_most("startTime", status.start_time, now)
+        status.fallback_since = at_most("fallbackSince", status.fallback_since, now)
+        attempt.started_at = at_most("attempt.startedAt", attempt.started_at, now)
+        attempt.running_at = at_most("attempt.runningAt", attempt.running_at, now)
+        if attempt.not_starting is not None:
+            attempt.not_starting.since = at_most("attempt.notStarting.since", attempt.not_starting.since, now) or now
+        if recovery is not None:
+            recovery.detected_at = at_most("recovery.detectedAt", recovery.detected_at, now) or now
+            recovery.stopped_at = at_most("recovery.stoppedAt", recovery.stopped_at, now)
+            flush_timeout = now + timedelta(seconds=spec.flush_timeout_seconds)
+            recovery.flush_timeout_at = at_most("recovery.flushTimeoutAt", recovery.flush_timeout_at, flush_timeout)
+            longest = max(spec.restart_backoff.max_seconds, self._options.infra_backoff_max_seconds)
+            recovery.restart_at = at_most("recovery.restartAt", recovery.restart_at, now + timedelta(seconds=longest))
+        request = status.last_flush_request
+        if request is not None and request.outcome == "InProgress":
+            request.started_at = at_most("lastFlushRequest.startedAt", request.started_at, now)
+        cooldown_end = now + timedelta(seconds=spec.cooldown.seconds)
+        for avoided in status.avoid:
+            avoided.until = at_most(f"avoid[{avoided.value}].until", avoided.until, cooldown_end) or cooldown_end
+        if moved:
+            log.warning(
+                "job %s [%s]: the status holds times past what this controller's clock (%s) and the spec allow, "
+                "written by a controller whose clock ran ahead or under an older spec: %s; brought back",
+                key,
+                status.phase,
+                now.isoformat(),
+                ", ".join(moved),
+            )
 
     def _observe(self, p: _Pass) -> None:
         spec, status = p.spec, p.status
@@ -334,7 +400,7 @@ class Reconciler(_Capacity):
             # Exits and lost workers still reveal preemptions; carry on without notices.
             p.signals_error = e
         try:
-            storage = self._storage(spec.checkpoint.uri)
+            storage = self._storage(p.key, spec.checkpoint.uri)
         except ValueError as e:
             p.invalid_uri = str(e)
             return
@@ -388,13 +454,19 @@ class Reconciler(_Capacity):
         with self._lock:
             self._claimed.add(claimed)
 
-    def _storage(self, uri: str) -> Storage:
+    def _storage(self, key: JobKey, uri: str) -> Storage:
+        """The store of ``uri``, opened once and shared by the jobs that use it (``key`` among them)."""
         with self._lock:
             storage = self._storages.get(uri)
-        if storage is None:
-            storage = self._storage_factory(uri)
-            with self._lock:
-                storage = self._storages.setdefault(uri, storage)
+            if storage is not None:
+                self._uris[key] = uri
+                return storage
+        opened = self._storage_factory(uri)
+        with self._lock:
+            storage = self._storages.setdefault(uri, opened)
+            self._uris[key] = uri
+        if storage is not opened:
+            opened.close()  # another pass opened it meanwhile
         return storage
 
     def _track_steps(self, p: _Pass) -> None:
@@ -440,7 +512,7 @@ class Reconciler(_Capacity):
             if self._watch(p):
                 return None
             current = p.current()
-            if len(current) >= spec.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
+            if len(current) >= p.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
                 return None
             self._note_not_starting(p, current)
@@ -476,6 +548,7 @@ class Reconciler(_Capacity):
         placement = self._placement(status)
         self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
         attempt.started_at = p.now
+        attempt.replicas = spec.replicas
         attempt.resumed_from_step = p.checkpoint_step
         if recovery is not None:
             self._count_lost_steps(p, recovery)

@@ -121,7 +121,7 @@ class _Recovery(_FlushRequests):
         if failed:
             self._on_failure(p, failed[0])
             return True
-        if len(current) >= p.spec.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+        if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
             self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
             return True
         return False
@@ -160,6 +160,8 @@ class _Recovery(_FlushRequests):
 
         for code, reason in ((EXIT_PREEMPTED, AGENT_PREEMPTED), (EXIT_FLUSH_FAILED, AGENT_FLUSH_FAILED)):
             exited = [w for w in current if w.exit_code == code]
+            if exited and code == EXIT_PREEMPTED and self._requested_restart_flushed(p):
+                continue  # the agents flushed because a leader asked them to: the request takes it
             if exited:
                 first = exited[0]
                 return _Preemption(
@@ -186,14 +188,18 @@ class _Recovery(_FlushRequests):
             return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
         return None
 
+    def _requested_restart_flushed(self, p: _Pass) -> bool:
+        """A restart request no status has taken up yet, and the gang's flush committed: a leader
+        took the request and asked the agents, and its status write was lost. Their exit 75 is
+        that request's doing, not a preemption (no node to avoid, nothing to count)."""
+        request, last = p.flush_request, p.status.last_flush_request
+        pending = request is not None and request.mode == "restart" and (last is None or last.id != request.id)
+        return pending and p.status.phase is Phase.RUNNING and p.flushed_unrecorded
+
     def _enter_flushing(self, p: _Pass, preemption: _Preemption) -> None:
         status = p.status
         self._close_recovery(p)
-        baseline = (
-            p.checkpoint_step
-            if preemption.heard_by_controller and p.storage_error is None
-            else p.previous_checkpoint_step
-        )
+        baseline = p.flush_baseline(heard_by_controller=preemption.heard_by_controller)
         status.recovery = RecoveryStatus(
             cause=Cause.PREEMPTION,
             reason=preemption.reason.name,

@@ -86,7 +86,7 @@ class _FlushRequests(_Base):
         if request is None or (last is not None and (last.id == request.id or last.outcome == "InProgress")):
             return False
         because = f": {request.reason}" if request.reason else ""
-        baseline = p.checkpoint_step if p.storage_error is None else p.previous_checkpoint_step
+        baseline = p.flush_baseline(heard_by_controller=True)
         if request.mode == "checkpoint":
             message = CHECKPOINT_REQUESTED_BY_USER.message(
                 id=request.id, reason=because, count=len([w for w in p.current() if w.phase is WorkerPhase.RUNNING])

@@ -14,7 +14,7 @@ from orchestrator.backends.base import FlushRequestOutcome, Placement
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.agents import CallResult, CallState, Endpoint
 from orchestrator.k8s.api import AlreadyExists, Resource
-from orchestrator.k8s.cluster_signals import ClusterSignals
+from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import SignalKind
@@ -143,7 +143,7 @@ class World:
         self.client = FakeClient()
         self.jobs = Cache()
         self.pods = Cache({"job": _pod_job})
-        self.nodes = Cache()
+        self.nodes = Cache({NOTICE_INDEX: notice_index})  # as the controller's Node informer
         self.signals = ClusterSignals(node_lost_grace_seconds=0)
         self.agents = FakeAgents()
         self.jobs._put(

@@ -157,6 +157,45 @@ def test_the_notice_index_finds_the_same_nodes_a_scan_of_every_node_does() -> No
     assert len(cache.by_index(NOTICE_INDEX, NOTICE_INDEX)) == 3  # of 200: only these are copied
 
 
+class EveryNodeRefused(Cache):
+    """The Node cache of a thousand-node cluster, as a pass must read it: never whole."""
+
+    def list(self, namespace: str | None = None) -> list[Object]:
+        raise AssertionError("a pass copied every Node of the cluster")
+
+
+def test_starting_workers_reads_only_the_nodes_that_carry_a_notice_and_keeps_off_them() -> None:
+    from test_backend import KEY, UID, FakeAgents, FakeClient, _pod_job, spec
+
+    from orchestrator.backends.base import Placement
+    from orchestrator.backends.k8s import KubernetesBackend
+    from orchestrator.k8s.cluster_signals import ClusterSignals
+
+    nodes = EveryNodeRefused(indexers={NOTICE_INDEX: notice_index})
+    for i in range(1000):
+        nodes._put(node(f"n{i}", taints=[SPOT_ITN] if i in (3, 500) else None))
+    jobs = Cache()
+    jobs._put({"kind": "SpotJob", "metadata": {"name": KEY.name, "namespace": KEY.namespace, "uid": UID}})
+    client = FakeClient()
+    backend = KubernetesBackend(
+        client,  # type: ignore[arg-type]
+        jobs=jobs,
+        pods_cache=Cache({"job": _pod_job}),
+        nodes=nodes,
+        signals=ClusterSignals(),
+        token_key=b"k" * 32,
+        agents=FakeAgents(),  # type: ignore[arg-type]
+    )
+
+    backend.start_workers(KEY, spec(), 0, Placement())
+
+    (pod,) = [body for kind, body in client.created if kind == "pods"]
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n3", "n500")]
+
+
 def test_cache_reads_are_copies_the_caller_may_change() -> None:
     cache = Cache(indexers={NOTICE_INDEX: notice_index})
     cache._put(node("n1", taints=[SPOT_ITN]))

@@ -135,6 +135,23 @@ def test_after_a_conflict_the_next_read_is_fresh_from_the_server(api: TestApi) -
     store.update_status(KEY, JobStatus(), version=fresh.version)
 
 
+def test_a_status_write_whose_answer_was_lost_is_not_taken_for_a_conflict(api: TestApi) -> None:
+    store, _, read = served_job(api)
+    # The write lands, its answer is lost on the way back (a connection reset); the client's
+    # retry of the same compare-and-swap then meets its own write as a 409.
+    api.fault(verb="update", resource="spotjobs", subresource="status", action="lost-answer")
+    status = JobStatus(phase=Phase.RESCHEDULING, reason="Rescheduled", restarts=1)
+    since = len(api.audit())
+
+    written = store.update_status(KEY, status, version=read.version)
+
+    assert written.status == status
+    assert [r["code"] for r in status_writes(api, since)] == [200, 409]
+    latest = store.get(KEY)
+    assert latest is not None and latest.status == status
+    store.update_status(KEY, status.model_copy(update={"restarts": 2}), version=latest.version)
+
+
 def test_an_unchanged_status_is_not_written_again(api: TestApi) -> None:
     store, _, job = served_job(api)
     status = JobStatus(phase=Phase.RUNNING, reason="WorkersRunning")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import logging
 import re
@@ -74,9 +75,11 @@ class AuditRecord:
 @dataclass
 class Fault:
     """Make the next ``count`` requests that match fail with ``status`` (500, 429, 503, …), hang for
-    ``delay`` seconds and then drop the connection (``action="timeout"``), or drop it at once
-    (``action="drop"``). Empty matcher fields match anything; ``path`` matches the request's path
-    exactly (discovery, e.g. ``/apis/events.k8s.io/v1``, has no resource to match on)."""
+    ``delay`` seconds and then drop the connection (``action="timeout"``), drop it at once
+    (``action="drop"``), or serve them and drop the connection instead of answering
+    (``action="lost-answer"``: the write happened, the client cannot know). Empty matcher fields
+    match anything; ``path`` matches the request's path exactly (discovery, e.g.
+    ``/apis/events.k8s.io/v1``, has no resource to match on)."""
 
     verb: str = ""
     resource: str = ""
@@ -86,7 +89,7 @@ class Fault:
     user: str = ""
     path: str = ""
     count: int = 1
-    action: str = "status"  # status | timeout | drop
+    action: str = "status"  # status | timeout | drop | lost-answer
     status: int = 500
     retry_after: int = 1
     delay: float = 30.0
@@ -347,6 +350,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._parse(path, method, query, info)
             fault = self.front._take_fault(user, info, path)
+            if fault is not None and fault.action == "lost-answer":
+                code = self._serve_answer_lost(method, path, query, info, user)
+                return
             if fault is not None:
                 code = self._inject(fault)
                 return
@@ -393,6 +399,19 @@ class _Handler(BaseHTTPRequestHandler):
         self._body_read = False
         self._audit_entry = None
         super().handle_one_request()
+
+    def _serve_answer_lost(self, method: str, path: str, query: dict[str, str], info: RequestInfo, user: str) -> int:
+        """Serve the request, then drop the connection where its answer would go."""
+        answer, self.wfile = self.wfile, io.BytesIO()
+        try:
+            self._serve(method, path, query, info, user)
+        except ApiError:
+            pass  # refused: nothing happened, and the client hears nothing of it either
+        finally:
+            self.wfile = answer
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+        return 0
 
     def _inject(self, fault: Fault) -> int:
         self._read_body_if_unread()

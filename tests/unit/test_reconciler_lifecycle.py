@@ -1,0 +1,246 @@
+"""The controller's lifecycle on the fake clock: a spec edited while an attempt runs, and status
+timestamps written by a controller whose wall clock ran ahead (a leader on a skewed node).
+
+Timeline of the default world (``test_reconciler``): attempt 0 starts at 0, its two workers run
+from 5 and the reconciler sees them at 6; each trains one step per second.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from fakes import KEY
+from test_reconciler import (
+    LosesOneWrite,
+    World,
+    changes,
+    edit_document,
+    make_world,
+    phase_is,
+    preempt_running_job,
+    running_attempt,
+)
+from test_reconciler_flush_request import RequestStore, ask, request_world
+
+from agent.storage import parse_uri
+from agent.storage.file import FileStorage
+from orchestrator.model import Cause, CheckpointSpec, JobKey, Phase
+from orchestrator.reconciler import Reconciler
+from orchestrator.store import StoreError
+
+# -- a spec edited while an attempt runs -------------------------------------------------------
+
+
+def set_replicas(world: World, replicas: int) -> None:
+    edit_document(world.store, KEY, lambda doc: doc["spec"].update(replicas=replicas))  # type: ignore[arg-type]
+
+
+def test_a_job_whose_replicas_were_raised_while_it_ran_succeeds_when_its_gang_finishes(tmp_path: Any) -> None:
+    world = make_world(tmp_path, backend_options={"total_steps": 40})
+    world.run_until(running_attempt(0))
+
+    set_replicas(world, 3)
+    status = world.run_until(lambda s: s.phase.terminal or world.clock.at() > 600)
+
+    assert status.phase is Phase.SUCCEEDED, (status.phase, status.reason)
+    assert status.attempt.replicas == 2
+    assert world.backend.created == ["train-0-0", "train-0-1"]
+
+
+def test_replicas_raised_while_an_attempt_starts_add_no_worker_to_its_gang_and_count_from_the_next_attempt(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path)
+    world.reconcile()  # attempt 0 is started with 2 workers; they run from 5
+    set_replicas(world, 3)
+
+    world.run_until(running_attempt(0))
+    assert world.backend.created == ["train-0-0", "train-0-1"]  # no worker expecting a gang of 3
+    assert all(spec.replicas == 2 for spec in world.backend.start_specs)
+
+    preempt_running_job(world, at=60, node="n0")
+    status = world.run_until(running_attempt(1))
+    assert status.attempt.replicas == 3
+    assert [name for name in world.backend.created if name.startswith("train-1-")] == [
+        "train-1-0",
+        "train-1-1",
+        "train-1-2",
+    ]
+
+
+# -- a status written by a controller whose clock ran ahead ----------------------------------------
+
+
+class ClockAhead:
+    """The world's clock as seen by a controller on a node whose wall clock runs ``seconds`` ahead."""
+
+    def __init__(self, world: World, seconds: float) -> None:
+        self._clock, self._ahead = world.clock, timedelta(seconds=seconds)
+
+    def now(self) -> datetime:
+        return self._clock.now() + self._ahead
+
+    def monotonic(self) -> float:
+        return self._clock.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+
+def one_pass_by_a_leader_an_hour_ahead(world: World) -> None:
+    """One pass of a leader whose clock is an hour ahead; then it dies and a leader with the right
+    time takes over (a fresh ``Reconciler`` on the same store)."""
+    skewed = Reconciler(world.store, world.backend, ClockAhead(world, HOUR), storage_factory=lambda _: world.storage)
+    skewed.reconcile(world.key)
+    world.new_reconciler()
+
+
+HOUR = 3600.0
+
+
+def test_a_flush_timeout_written_by_a_leader_whose_clock_ran_ahead_ends_the_flush_after_flush_timeout_seconds(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    preempt_running_job(world, at=100)
+    one_pass_by_a_leader_an_hour_ahead(world)  # it heard the notice at 100 and entered Flushing
+    assert world.status.phase is Phase.FLUSHING
+    taken_over_at = world.next_at  # the new leader's first pass
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert world.clock.at() <= taken_over_at + 30  # flushTimeoutSeconds, not an hour more
+    assert status.flushing_seconds >= 0
+
+
+def test_a_restart_backoff_written_by_a_leader_whose_clock_ran_ahead_holds_the_restart_at_most_its_max(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path)
+    world.run_until(running_attempt(0))
+    world.clock.advance(1)
+    world.backend.exit(0, 1, 1)  # the user's code fails: a restart with the backoff (10 s, at most 80)
+    one_pass_by_a_leader_an_hour_ahead(world)
+    status = world.status
+    assert status.phase is Phase.RESCHEDULING and status.restarts == 1
+    taken_over_at = world.next_at  # the new leader's first pass
+
+    status = world.run_until(running_attempt(1))
+
+    # At most restartBackoff.maxSeconds from then, not an hour more; then 5 s to run, seen within 2 s.
+    assert world.clock.at() <= taken_over_at + 80 + 5 + 2
+    assert status.restarts == 1
+
+
+def test_a_checkpoint_request_taken_by_a_leader_whose_clock_ran_ahead_ends_within_the_flush_timeout(
+    tmp_path: Any,
+) -> None:
+    world, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})  # no save ever commits
+    world.run_to(100)
+    ask(store, "c-1", "checkpoint")
+    one_pass_by_a_leader_an_hour_ahead(world)  # it took the request up, an hour "later"
+    assert world.status.last_flush_request is not None and world.status.last_flush_request.outcome == "InProgress"
+    taken_over_at = world.next_at
+
+    status = world.run_until(lambda s: s.last_flush_request is None or s.last_flush_request.outcome != "InProgress")
+
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "NotCommitted"
+    assert world.clock.at() <= taken_over_at + 30 + 10  # flushTimeoutSeconds, seen within a running poll
+
+
+# -- many jobs over a controller's life --------------------------------------------------------------
+
+
+class ClosingStorage(FileStorage):
+    """A folder store that says whether it was closed (an S3 or GCS store holds a client until then)."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_deleted_jobs_storage_client_is_closed_and_let_go_and_another_jobs_is_kept(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    opened: dict[str, list[ClosingStorage]] = {}
+
+    def open_storage(uri: str) -> ClosingStorage:
+        storage = ClosingStorage(parse_uri(uri)[2])
+        opened.setdefault(uri, []).append(storage)
+        return storage
+
+    other = JobKey("team-a", "finetune")
+    other_uri = str(tmp_path / "ckpt-finetune")
+    world.store.create(other, world.spec.model_copy(update={"checkpoint": CheckpointSpec(uri=other_uri)}))
+    reconciler = Reconciler(world.store, world.backend, world.clock, storage_factory=open_storage)
+    reconciler.reconcile(KEY)
+    reconciler.reconcile(other)
+
+    world.store.delete(KEY)
+    assert reconciler.reconcile(KEY).phase is None  # the pass that finds it gone forgets it
+
+    (train,) = opened[world.spec.checkpoint.uri]
+    assert train.closed
+    (finetune,) = opened[other_uri]
+    assert not finetune.closed
+    reconciler.reconcile(other)
+    assert len(opened[other_uri]) == 1  # still the one it had
+
+
+# -- a leader that asked for the flush and died before it wrote Flushing ------------------------------
+
+
+class LossyRequestStore(RequestStore, LosesOneWrite):
+    """A person's flush request on the job, and the first status write matching ``lose`` lost."""
+
+
+def leader_dies_after_asking(world: World, store: LosesOneWrite) -> None:
+    """Passes until the one whose write is lost (it asked the agents to flush), then no leader for
+    15 s (the Lease expiring: the flush commits meanwhile) and a new one."""
+    with pytest.raises(StoreError):
+        for _ in range(100):
+            world.run_to(world.next_at)
+    assert store.lost == 1 and world.backend.flushes_asked()
+    world.clock.sleep(15)
+    world.restart_orchestrator()
+    world.new_reconciler(store)
+    world.next_at = world.clock.at()
+
+
+def test_a_flush_committed_while_no_leader_ran_is_told_as_committed_by_the_next_leader(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    store = LosesOneWrite(os.path.join(world.tmp, "jobs"), changes(Phase.RUNNING, Phase.FLUSHING))
+    world.new_reconciler(store)
+    world.run_to(100)
+    world.backend.notice("n0")
+    leader_dies_after_asking(world, store)  # the flush it asked for commits step 101 meanwhile
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushCommitted", status.condition("Flushing")  # type: ignore[union-attr]
+    assert "FlushCommitted" in world.event_reasons() and "WorkersExited" not in world.event_reasons()
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert world.backend.commits == [101]
+    assert world.run_until(running_attempt(1)).attempt.resumed_from_step == 101
+
+
+def test_a_requested_restart_whose_flush_committed_while_no_leader_ran_is_answered_committed(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    store = LossyRequestStore(os.path.join(world.tmp, "jobs"), changes(Phase.RUNNING, Phase.FLUSHING))
+    world.new_reconciler(store)
+    world.run_to(100)
+    ask(store, "r-1", "restart")
+    leader_dies_after_asking(world, store)
+
+    status = world.run_until(running_attempt(1))
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("r-1", "Committed"), request
+    assert request.step == world.backend.commits[0] == status.attempt.resumed_from_step
+    # The agents exited 75 because the dead leader asked them to: no preemption, no node avoided.
+    assert (status.preemptions, status.restarts) == (0, 0) and status.avoid == []
+    assert [r.cause for r in status.restart_history] == [Cause.REQUESTED]
