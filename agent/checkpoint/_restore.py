@@ -222,22 +222,33 @@ class _Restoring(_Voting):
         lineage: Lineage | None = None
         tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
+        remedy = "Restore with the model they were saved with"
         for ref in refs:
             if ref.folder in retired:
                 if self.rank == 0:
                     log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
                 continue
 
-            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool]:
-                """(rank 0) (the manifest if usable, why not, whether it is this job's own)."""
+            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool, bool]:
+                """(rank 0) (the manifest if usable, why not, whether it is this job's own, whether
+                a newer spotjob wrote it)."""
                 nonlocal lineage
                 lineage = lineage or Lineage.load(self.storage)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
-                    return status.manifest.to_json().decode(), "", True
-                return None, status.reason, status.committed and not (status.foreign or status.fenced)
+                    return status.manifest.to_json().decode(), "", True, False
+                ours = status.committed and not (status.foreign or status.fenced)
+                return None, status.reason, ours, status.newer_format
 
-            manifest_json, reason, ours = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            manifest_json, reason, ours, newer = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            if newer:
+                # Not proven bad: only this spotjob cannot read it. An older checkpoint would be
+                # going back in time past a newer one that an upgraded spotjob restores.
+                if self.rank == 0:
+                    log.error("restore: stopping at %s: %s", url(ref.folder), reason)
+                tried.append((ref, reason))
+                remedy = "Upgrade spotjob where the job runs to the version that wrote it"
+                break
             if manifest_json is None:
                 if self.rank == 0:
                     log.warning("restore: skipping %s: %s", url(ref.folder), reason)
@@ -279,9 +290,11 @@ class _Restoring(_Voting):
                     "restore: no committed checkpoint of this job under %s; starting from step 0", self.storage.uri
                 )
             return 0
-        return self._refuse_or_start_fresh(tried, partially_loaded)
+        return self._refuse_or_start_fresh(tried, partially_loaded, remedy)
 
-    def _refuse_or_start_fresh(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> int:
+    def _refuse_or_start_fresh(
+        self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool, remedy: str
+    ) -> int:
         """Committed checkpoints exist and none can be used: raise, or (``start_fresh``) retire them."""
         url = self.storage.url
         listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
@@ -296,7 +309,7 @@ class _Restoring(_Voting):
             raise RestoreRefusedError(
                 f"restore refused: {len(tried)} committed checkpoint(s) under {self.storage.uri} tried, none can be "
                 f"loaded into this state; the first failure: {tried[0][1]}\n{listing}\n"
-                "Nothing was deleted and the state is unchanged. Restore with the model they were saved with; or "
+                f"Nothing was deleted and the state is unchanged. {remedy}; or "
                 f"start from step 0 on purpose with Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1 "
                 "(spotjob-agent --start-fresh), which keeps these checkpoints, never restores them and never lets "
                 "retention delete them; or use a new URI.",
