@@ -455,7 +455,11 @@ class _Restoring(_Voting):
             return {}  # modules without state (an nn.Identity): nothing of them was saved
         no_dist = not self._dist
         if not _plain_modules(bag):
-            dcp_state, _ = self._split_state(state)
+            # An optimizer saved before its first step has no state in the checkpoint: its target
+            # gets none either, so the load leaves it as it was saved.
+            held = reader.read_metadata().state_dict_metadata
+            stepped = frozenset(k for k in optims if any(fqn.startswith(f"{k}.state.") for fqn in held))
+            dcp_state, _ = self._split_state(state, initialise=stepped)
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
         dcp_state = dict(_model_state(bag))
