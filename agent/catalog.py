@@ -41,6 +41,7 @@ from agent.manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
+    NewerFormatError,
     rank_file_name,
 )
 from agent.ownership import Judgement, Lineage
@@ -87,6 +88,9 @@ class CheckpointStatus:
     """Written by a stale attempt of the job (``agent.ownership``): never restored or counted."""
     retired: bool = False
     """Set aside by a deliberate fresh start (``agent._fresh_start``): kept, never used."""
+    newer_format: bool = False
+    """Its manifest is in a format newer than this spotjob reads (``NewerFormatError``): not proven
+    bad, so never restored past (restore refuses), never counted or deleted by retention."""
 
     @property
     def valid(self) -> bool:
@@ -142,6 +146,10 @@ def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = N
     except NotFoundError:
         # Listed a moment ago but gone now: deleted by retention under our feet.
         status.committed = False
+        return status
+    except NewerFormatError as e:
+        status.problems.append(str(e))
+        status.newer_format = True
         return status
     except ManifestError as e:
         status.problems.append(str(e))

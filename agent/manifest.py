@@ -52,6 +52,12 @@ class ManifestError(ValueError):
     """A manifest that cannot be trusted: unparsable, a newer format, or unsafe paths."""
 
 
+class NewerFormatError(ManifestError):
+    """A manifest in a format newer than ``FORMAT_VERSION``: written by a newer spotjob. It proves
+    nothing bad about the checkpoint, only that this spotjob cannot read it: restore stops there
+    (an older checkpoint would be going back in time) and retention leaves it alone."""
+
+
 class UntrustedJSONError(ValueError):
     """Bytes read from storage that are not JSON within spotjob's bounds (size, depth)."""
 
@@ -185,11 +191,18 @@ class Manifest(BaseModel):
 
     @classmethod
     def parse(cls, data: bytes) -> Manifest:
-        """Parse and validate; raise ``ManifestError`` saying what is wrong (never anything else)."""
+        """Parse and validate; raise ``ManifestError`` saying what is wrong (never anything else):
+        ``NewerFormatError`` for a manifest a newer spotjob wrote."""
         try:
             raw: Any = loads_bounded(data, max_bytes=MAX_MANIFEST_BYTES)
         except UntrustedJSONError as e:
             raise ManifestError(f"MANIFEST.json is refused: {e}") from None
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise NewerFormatError(
+                f"MANIFEST.json is in format {version}, newer than this spotjob reads ({FORMAT_VERSION}): "
+                "it was written by a newer spotjob; upgrade spotjob to restore it"
+            )
         try:
             return cls.model_validate(raw)
         except ValidationError as e:

@@ -225,22 +225,33 @@ class _Restoring(_Voting):
         lineage: Lineage | None = None
         tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
+        remedy = "Restore with the model they were saved with"
         for ref in refs:
             if ref.folder in retired:
                 if self.rank == 0:
                     log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
                 continue
 
-            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool]:
-                """(rank 0) (the manifest if usable, why not, whether it is this job's own)."""
+            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool, bool]:
+                """(rank 0) (the manifest if usable, why not, whether it is this job's own, whether
+                a newer spotjob wrote it)."""
                 nonlocal lineage
                 lineage = lineage or Lineage.load(self.storage)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
-                    return status.manifest.to_json().decode(), "", True
-                return None, status.reason, status.committed and not (status.foreign or status.fenced)
+                    return status.manifest.to_json().decode(), "", True, False
+                ours = status.committed and not (status.foreign or status.fenced)
+                return None, status.reason, ours, status.newer_format
 
-            manifest_json, reason, ours = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            manifest_json, reason, ours, newer = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            if newer:
+                # Not proven bad: only this spotjob cannot read it. An older checkpoint would be
+                # going back in time past a newer one that an upgraded spotjob restores.
+                if self.rank == 0:
+                    log.error("restore: stopping at %s: %s", url(ref.folder), reason)
+                tried.append((ref, reason))
+                remedy = "Upgrade spotjob where the job runs to the version that wrote it"
+                break
             if manifest_json is None:
                 if self.rank == 0:
                     log.warning("restore: skipping %s: %s", url(ref.folder), reason)
@@ -281,9 +292,11 @@ class _Restoring(_Voting):
                 what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
                 log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
             return 0
-        return self._refuse_or_start_fresh(tried, partially_loaded)
+        return self._refuse_or_start_fresh(tried, partially_loaded, remedy)
 
-    def _refuse_or_start_fresh(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> int:
+    def _refuse_or_start_fresh(
+        self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool, remedy: str
+    ) -> int:
         """Committed checkpoints exist and none can be used: raise, or (``start_fresh``) retire them."""
         url = self.storage.url
         listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
@@ -298,7 +311,7 @@ class _Restoring(_Voting):
             raise RestoreRefusedError(
                 f"restore refused: {len(tried)} committed checkpoint(s) under {self.storage.uri} tried, none can be "
                 f"loaded into this state; the first failure: {tried[0][1]}\n{listing}\n"
-                "Nothing was deleted and the state is unchanged. Restore with the model they were saved with; or "
+                f"Nothing was deleted and the state is unchanged. {remedy}; or "
                 f"start from step 0 on purpose with Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1 "
                 "(spotjob-agent --start-fresh), which keeps these checkpoints, never restores them and never lets "
                 "retention delete them; or use a new URI.",
@@ -448,7 +461,11 @@ class _Restoring(_Voting):
             return {}  # modules without state (an nn.Identity): nothing of them was saved
         no_dist = not self._dist
         if not _plain_modules(bag):
-            dcp_state, _ = self._split_state(state)
+            # An optimizer saved before its first step has no state in the checkpoint: its target
+            # gets none either, so the load leaves it as it was saved.
+            held = reader.read_metadata().state_dict_metadata
+            stepped = frozenset(k for k in optims if any(fqn.startswith(f"{k}.state.") for fqn in held))
+            dcp_state, _ = self._split_state(state, initialise=stepped)
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
         dcp_state = dict(_model_state(bag))

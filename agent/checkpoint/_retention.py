@@ -19,8 +19,9 @@ class _Retention(_State):
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
 
         Never touches anything newer than the checkpoint just committed, nor another job's, a
-        superseded attempt's or a retired checkpoint (they are not counted either). Checks the
-        fence before every delete. A failed delete, whatever the error, is logged, never a failed save.
+        superseded attempt's, a retired checkpoint or one a newer spotjob wrote (they are not
+        counted either). Checks the fence before every delete. A failed delete, whatever the
+        error, is logged, never a failed save.
         """
         url = self.storage.url
         try:
@@ -36,6 +37,8 @@ class _Retention(_State):
                     continue
                 if status.foreign or status.fenced:
                     continue  # not this job's history: never counted, never deleted
+                if status.newer_format:
+                    continue  # a newer spotjob's checkpoint: not proven bad, so not ours to delete
                 if self.config.keep is None:
                     continue
                 # Only valid checkpoints count towards ``keep``: a refused one kept in place of a

@@ -35,6 +35,28 @@ def _model_state(bag: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(bag)
 
 
+def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: bool) -> dict[str, Any]:
+    """``get_optimizer_state_dict(bag, opt)``; unless ``initialise``, an optimizer that has no state
+    yet (it has not stepped) is taken as it is, its state empty.
+
+    For such an optimizer torch first runs a step with zero gradients and lr 0 on it, to create the
+    state it then hands out: the live optimizer keeps it (Adam's step 1 and zero moments, so the
+    first real step runs as its second) and the optimizer's step hooks run. A save before the first
+    step would change the training after it, and a restore from that save would too. Torch skips
+    that step when any parameter has a gradient: one gets a zero gradient for the call. Restore's
+    generic path initialises on purpose: the state created is what DCP loads into.
+    """
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if initialise or opt.state or not params or any(p.grad is not None for p in params):
+        return get_optimizer_state_dict(bag, opt)
+    smallest = min(params, key=lambda p: p.numel())
+    smallest.grad = torch.zeros_like(smallest)
+    try:
+        return get_optimizer_state_dict(bag, opt)
+    finally:
+        smallest.grad = None
+
+
 class _State(_Core):
     """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
 
@@ -89,15 +111,21 @@ class _State(_Core):
                             "optimizer"
                         )
 
-    def _split_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """DCP state (modules + optimizers, resharded on load) and per-rank plain objects."""
+    def _split_state(
+        self, state: Mapping[str, Any], *, initialise: frozenset[str] = frozenset()
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DCP state (modules + optimizers, resharded on load) and per-rank plain objects.
+
+        ``initialise``: the optimizers (by state key) whose state is created first if they have
+        none (``_optimizer_state``): the targets of a load; a save takes every optimizer as it is.
+        """
         modules, optims, others = self._classify(state)
         dcp_state: dict[str, Any] = {}
         if modules:
             bag = _ModuleBag(modules)
             dcp_state.update(_model_state(bag))
             for key, opt in optims.items():
-                dcp_state[key] = get_optimizer_state_dict(bag, opt)
+                dcp_state[key] = _optimizer_state(bag, opt, initialise=key in initialise)
         elif optims:
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}

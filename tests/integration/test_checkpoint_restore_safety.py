@@ -26,6 +26,7 @@ from torch import nn
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageUnavailableError
 from agent.control_channel import INFRA_ERROR_FILE
+from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -200,6 +201,40 @@ def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_de
     with Checkpointer(uri, start_fresh=True) as ckpt:
         assert ckpt.restore(net_state(8)) == 0
     assert shard.exists() and folders(uri) == ["step-000000003"]
+
+
+# -- a checkpoint a newer spotjob wrote --------------------------------------------------------------
+
+
+def written_by_a_newer_spotjob(folder: Path) -> None:
+    """The manifest of ``folder`` as a spotjob with the next manifest format would have written it."""
+    manifest = folder / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps(doc))
+
+
+def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keeps_it(tmp_path: Path) -> None:
+    """Its manifest is not proven bad, only unreadable here: loading the older checkpoint would go
+    back in time past it (and retention would then delete the newest progress); the restore is
+    refused, saying to upgrade, and nothing is deleted."""
+    uri = str(tmp_path / "ckpt")
+    save_steps(uri, net_state(8), [5, 6], keep=None)
+    written_by_a_newer_spotjob(tmp_path / "ckpt" / "step-000000006")
+    state = net_state(8, seed=3)
+    untouched = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with Checkpointer(uri, keep=1) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        ckpt.restore(state)
+    message = str(refused.value)
+    assert f"format {FORMAT_VERSION + 1}, newer than this spotjob reads ({FORMAT_VERSION})" in message
+    assert "Upgrade spotjob" in message
+    assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == ["step-000000006"]
+    assert_same(state["model"].state_dict(), untouched, "the model after a refused restore")
+
+    # A run that saves without restoring (keep=1): the newer spotjob's checkpoint is neither
+    # counted nor deleted; the old format's step 5 goes as usual.
+    save_steps(uri, net_state(8), [7, 8], keep=1)
+    assert folders(uri) == ["step-000000006", "step-000000008"]
 
 
 # -- modules without state ---------------------------------------------------------------------------

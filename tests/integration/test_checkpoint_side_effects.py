@@ -1,6 +1,7 @@
 """The Checkpointer changes nothing the process owns: torch's serialization options, the warning
-filters. spotjob's own files skip torch.save's zip CRC-32 (the manifest's CRC32C covers them),
-but only spotjob's: a ``torch.save`` the user makes meanwhile, in any thread, keeps its CRC-32.
+filters, the state it saves. spotjob's own files skip torch.save's zip CRC-32 (the manifest's
+CRC32C covers them), but only spotjob's: a ``torch.save`` the user makes meanwhile, in any thread,
+keeps its CRC-32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from agent._dcp import save_tensor_without_crc
 from agent.checkpoint import Checkpointer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from ckpt_state import make_state, train
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
 
 # torch.distributed.checkpoint itself installs a filter at import (sympy's, through torch's
 # symbolic shapes): imported first, so that only what spotjob adds is compared.
@@ -57,6 +59,36 @@ def test_saving_and_restoring_alone_warns_nothing_and_changes_no_filter_or_optio
     assert [str(w.message) for w in caught] == []
     assert warnings.filters == filters
     assert torch.serialization.get_crc32_options() is True
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_save_before_the_optimizers_first_step_changes_nothing_of_the_training(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """For an optimizer without state, torch's ``get_optimizer_state_dict`` first runs a step with
+    zero gradients and lr 0 on it: Adam then holds step 1 and zero moments (its first real step
+    runs as its second) and its step hooks run. A save of step 0 must change nothing, and a run
+    resumed from it must train as one that never saved."""
+    uri = str(tmp_path / "ckpt")
+    uninterrupted = make_state(0)
+    train(uninterrupted, 3)
+
+    saved = make_state(0)
+    hooked: list[int] = []
+    saved["optim"].register_step_post_hook(lambda *_: hooked.append(1))
+    with Checkpointer(uri, async_save=async_save) as ckpt:
+        ckpt.save(0, saved)
+    assert saved["optim"].state_dict()["state"] == {} and hooked == []
+    assert all(p.grad is None for p in saved["model"].parameters())
+    train(saved, 3)
+    assert_same(snapshot(saved), snapshot(uninterrupted), "a run that saved step 0")
+
+    resumed = make_state(0, seed=3)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(resumed) == 0
+    assert resumed["optim"].state_dict()["state"] == {}
+    train(resumed, 3)
+    assert_same(snapshot(resumed), snapshot(uninterrupted), "a run resumed from step 0")
 
 
 def zip_crcs_hold(path: Path) -> bool:

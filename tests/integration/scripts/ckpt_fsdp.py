@@ -1,0 +1,87 @@
+"""Rank side of the FSDP2 checkpoint tests (CPU, gloo); run under torchrun.
+
+    ckpt_fsdp.py --dump D [--uri U] [--restore] [--save-at S ...] [--steps N]
+
+Builds a small FSDP2-sharded model and Adam on a mesh of every rank, restores from ``U`` if asked,
+then trains up to ``N`` steps on data that depends on the step only, saving the steps listed. Rank
+0 dumps the full (unsharded) model and optimizer state to ``D.<label>.pt``: ``restored`` after
+the restore, ``step<S>`` at each save, ``end`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from agent.checkpoint import Checkpointer
+
+
+def build(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, object]:
+    """(collective) The whole state, gathered from the shards."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, optim, options=options) if optim.state else {},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dump", required=True)
+    p.add_argument("--uri")
+    p.add_argument("--restore", action="store_true")
+    p.add_argument("--save-at", type=int, nargs="*", default=[])
+    p.add_argument("--steps", type=int, default=0)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = build(world, seed=1 if args.restore else 0)
+    state = {"model": model, "optim": optim}
+
+    def dump(label: str) -> None:
+        full = full_state(model, optim)
+        if rank == 0:
+            torch.save(full, f"{args.dump}.{label}.pt")
+
+    ckpt = Checkpointer(args.uri, keep=None) if args.uri else None
+    start = 0
+    if ckpt is not None and args.restore:
+        start = ckpt.restore(state)
+        dump("restored")
+    for step in range(start, args.steps + 1):
+        if ckpt is not None and step in args.save_at:
+            ckpt.save(step, state)
+            ckpt.wait()
+            dump(f"step{step}")
+        if step == args.steps:
+            break
+        g = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(4, 6, generator=g)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    if ckpt is not None:
+        ckpt.close()
+    dump("end")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
