@@ -53,7 +53,8 @@ class ManifestError(ValueError):
 
 
 class NewerFormatError(ManifestError):
-    """A manifest in a format newer than ``FORMAT_VERSION``: written by a newer spotjob. It proves
+    """A manifest in a format newer than ``FORMAT_VERSION``, or with fields this spotjob does not
+    know (and nothing else wrong): written by a newer spotjob. It proves
     nothing bad about the checkpoint, only that this spotjob cannot read it: restore stops there
     (an older checkpoint would be going back in time) and retention leaves it alone."""
 
@@ -206,7 +207,17 @@ class Manifest(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            first = e.errors()[0]
+            errors = e.errors()
+            if all(err["type"] == "extra_forbidden" for err in errors):
+                # Fields this spotjob does not know: a newer one wrote them, and what they say (a
+                # file's encoding, say) may change how the bytes read. Not proven bad: never
+                # restored past, never deleted, as for a newer format_version.
+                unknown = ", ".join(".".join(str(p) for p in err.get("loc", ())) for err in errors[:5])
+                raise NewerFormatError(
+                    f"MANIFEST.json has fields this spotjob does not know ({unknown}): it was written by a "
+                    "newer spotjob; upgrade spotjob to restore it"
+                ) from None
+            first = errors[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise ManifestError(f"MANIFEST.json is invalid at {where or 'top level'}: {first['msg']}") from None
 

@@ -549,6 +549,13 @@ def newest_valid(
                     f"spotjob ckpt export: passing over {s.ref.folder}: {' '.join(s.reason.split())}", file=sys.stderr
                 )
             return status
+        if status.newer_format:
+            # As restore: an older checkpoint would be going back past progress a newer spotjob saved.
+            raise CommandError(
+                f"{status.ref.folder}, the newest checkpoint a restore would consider, was written by a newer "
+                f"spotjob ({' '.join(status.reason.split())}); upgrade spotjob to export it, or name an older "
+                "one with --step"
+            )
         skipped.append(status)
     reasons = [*(passed or []), *((s.ref.folder, s.reason) for s in skipped)]
     listing = "; ".join(f"{folder}: {reason}" for folder, reason in reasons[:8]) + ("; …" if len(reasons) > 8 else "")

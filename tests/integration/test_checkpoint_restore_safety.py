@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -206,30 +207,58 @@ def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_de
 # -- a checkpoint a newer spotjob wrote --------------------------------------------------------------
 
 
-def written_by_a_newer_spotjob(folder: Path) -> None:
-    """The manifest of ``folder`` as a spotjob with the next manifest format would have written it."""
+NEWER_WRITES = {
+    # the next manifest format
+    "format": lambda doc: doc.update(format_version=FORMAT_VERSION + 1),
+    # a field this spotjob does not know, at the top or in a file's entry (a file's encoding, say)
+    "field": lambda doc: doc.update(encryption={"scheme": "x"}),
+    "file field": lambda doc: doc["files"][0].update(compression="zstd"),
+}
+NEWER_SAYS = {
+    "format": f"format {FORMAT_VERSION + 1}, newer than this spotjob reads ({FORMAT_VERSION})",
+    "field": "fields this spotjob does not know (encryption)",
+    "file field": "fields this spotjob does not know (files.0.compression)",
+}
+
+
+def written_by_a_newer_spotjob(folder: Path, how: str = "format") -> None:
+    """The manifest of ``folder`` as a newer spotjob would have written it (``NEWER_WRITES``)."""
     manifest = folder / MANIFEST_NAME
     doc = json.loads(manifest.read_text())
-    doc["format_version"] = FORMAT_VERSION + 1
+    NEWER_WRITES[how](doc)
     manifest.write_text(json.dumps(doc))
 
 
-def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keeps_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", sorted(NEWER_WRITES))
+def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keeps_it(tmp_path: Path, how: str) -> None:
     """Its manifest is not proven bad, only unreadable here: loading the older checkpoint would go
     back in time past it (and retention would then delete the newest progress); the restore is
-    refused, saying to upgrade, and nothing is deleted."""
+    refused, saying to upgrade, and nothing is deleted. A field this spotjob does not know counts
+    as a newer spotjob's too: before, it was a broken manifest, skipped and then deleted."""
     uri = str(tmp_path / "ckpt")
     save_steps(uri, net_state(8), [5, 6], keep=None)
-    written_by_a_newer_spotjob(tmp_path / "ckpt" / "step-000000006")
+    written_by_a_newer_spotjob(tmp_path / "ckpt" / "step-000000006", how)
     state = net_state(8, seed=3)
     untouched = {k: v.clone() for k, v in state["model"].state_dict().items()}
     with Checkpointer(uri, keep=1) as ckpt, pytest.raises(RestoreRefusedError) as refused:
         ckpt.restore(state)
     message = str(refused.value)
-    assert f"format {FORMAT_VERSION + 1}, newer than this spotjob reads ({FORMAT_VERSION})" in message
+    assert NEWER_SAYS[how] in message
     assert "Upgrade spotjob" in message
     assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == ["step-000000006"]
     assert_same(state["model"].state_dict(), untouched, "the model after a refused restore")
+
+    # `spotjob ckpt export` stops there as restore does, instead of exporting the older step 5.
+    out = tmp_path / "export"
+    run = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "ckpt", "export", uri, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "step-000000006" in run.stderr and "newer spotjob" in run.stderr and "--step" in run.stderr
+    assert not out.exists()
 
     # A run that saves without restoring (keep=1): the newer spotjob's checkpoint is neither
     # counted nor deleted; the old format's step 5 goes as usual.
