@@ -116,8 +116,9 @@ class KubernetesBackend:
         self.options = options or BackendOptions()
         self.agents = agents or AgentCalls(port=self.options.workers.agent_port)
         self._now = now
-        self._ensured: set[str] = set()
-        """uids of jobs whose Secret, Service and NetworkPolicy this process created (or found)."""
+        self._ensured: dict[tuple[str, str], str] = {}
+        """(namespace, name) → uid of each job whose Secret, Service and NetworkPolicy this process
+        created (or found); a job gone from the SpotJob cache is dropped at the next creation."""
         self._no_flush: set[str] = set()
         """uids of pods to stop without a flush (POST /stop before the delete)."""
 
@@ -279,7 +280,7 @@ class KubernetesBackend:
         return Endpoint(str(meta.get("uid") or ""), _name(pod), str(_pod_ip(pod)), token)
 
     def _ensure_job_objects(self, owner: pods.Owner) -> None:
-        if owner.uid in self._ensured:
+        if self._ensured.get((owner.namespace, owner.name)) == owner.uid:
             return
         token = derive_token(self._key, owner.namespace, owner.name, owner.uid)
         objects: list[tuple[Any, Object]] = [
@@ -300,7 +301,12 @@ class KubernetesBackend:
                 raise BackendError(
                     f"cannot create the {resource.kind} of SpotJob {owner.namespace}/{owner.name}: {e}"
                 ) from e
-        self._ensured.add(owner.uid)
+        # One entry per job that exists, not one per job ever started: a job deleted (or replaced
+        # under its name) is forgotten here, as the reconciler forgets it.
+        known = set(self._jobs.object_keys())
+        for gone in [k for k in self._ensured if k not in known]:
+            del self._ensured[gone]
+        self._ensured[(owner.namespace, owner.name)] = owner.uid
 
     def _create_pod(
         self,

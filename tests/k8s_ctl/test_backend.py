@@ -260,6 +260,30 @@ def test_the_first_start_creates_the_jobs_objects_once_then_replica_0_then_the_o
     assert world.client.kinds().count("secrets") == 1
 
 
+def test_what_the_backend_remembers_of_created_job_objects_is_one_entry_per_existing_job(world: World) -> None:
+    # Before, it kept the uid of every job it ever started, for the controller's life.
+    def job(name: str, uid: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "spotjob.dev/v1alpha1",
+            "kind": "SpotJob",
+            "metadata": {"name": name, "namespace": "ml", "uid": uid},
+        }
+
+    for n in range(5):
+        world.jobs._put(job(f"j{n}", f"uid-{n}"))
+        world.backend.start_workers(JobKey("ml", f"j{n}"), spec(), 0, Placement())
+        world.jobs._remove(("ml", f"j{n}"))  # deleted once it ran
+    world.backend.start_workers(KEY, spec(), 0, Placement())
+    assert world.backend._ensured == {("ml", "llama"): UID}
+    # The same name again with a new uid: its objects are created again (the old ones went with
+    # their owner), and only the new incarnation is remembered.
+    secrets = world.client.kinds().count("secrets")
+    world.jobs._put(job("llama", "uid-new"))
+    world.backend.start_workers(KEY, spec(), 1, Placement())
+    assert world.client.kinds().count("secrets") == secrets + 1
+    assert world.backend._ensured == {("ml", "llama"): "uid-new"}
+
+
 def test_new_workers_keep_off_nodes_in_cool_down_and_nodes_being_taken_away(world: World) -> None:
     world.add(
         node("n3", taints=[{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]),
