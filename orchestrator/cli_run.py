@@ -272,7 +272,9 @@ class LocalRun:
         return cls(config, resume=True)
 
     def close(self) -> None:
-        """Give up the driver lock (idempotent)."""
+        """Stop the backend (its monitor thread, its nodes), if ``run()`` has not, and give up the
+        driver lock (idempotent): a run made or resumed and then closed unrun leaves nothing behind."""
+        self.backend.close()
         self.lock.release()
 
     # -- creating and taking over -------------------------------------------------------------------

@@ -120,3 +120,21 @@ def test_a_run_is_resumed_with_its_own_nproc_on_a_machine_with_fewer_cpus(
         assert resumed.config.nproc == 16
     finally:
         resumed.close()
+
+
+def test_a_run_made_and_closed_without_running_leaves_no_thread_behind(tmp_path: Path) -> None:
+    """Before, close() only gave up the driver lock: the backend's monitor thread ran on (and, in a
+    test process, broke a later test's check that an agent leaves no spotjob thread behind)."""
+    import threading
+
+    from orchestrator.cli_run import LocalRun
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    before = set(threading.enumerate())
+    made = LocalRun(RunConfig(script=str(script), args=[], name="unrun", runs_dir=str(tmp_path / "runs"), nproc=1))
+    made.close()
+    resumed = LocalRun.resume(str(tmp_path / "runs"), "unrun")
+    resumed.close()
+    resumed.close()  # idempotent
+    assert not [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
