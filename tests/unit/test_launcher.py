@@ -243,6 +243,34 @@ class TestOptions:
         assert exc.value.code == 2
         assert "--every-seconds: must be a finite number" in capsys.readouterr().err
 
+    @pytest.mark.parametrize(
+        "option",
+        [
+            "--sigterm-grace",
+            "--gcp-notice-seconds",
+            "--exit-timeout",
+            "--flush-timeout",
+            "--kill-grace",
+            "--parent-grace",
+            "--rank-connect-timeout",
+        ],
+    )
+    @pytest.mark.parametrize("seconds", ["inf", "nan", "1e300"])
+    def test_a_grace_or_timeout_that_is_endless_or_huge_exits_2_naming_it(
+        self, capsys: pytest.CaptureFixture[str], option: str, seconds: str
+    ) -> None:
+        # `--sigterm-grace inf` used to start: the SIGTERM's deadline then overflowed the clock in
+        # the notice thread (a traceback), and the SIGTERM was lost while the command ran on.
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--checkpoint-uri", "s3://b", option, seconds, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert f"{option}: must be" in err and "Traceback" not in err
+
+    def test_a_grace_of_a_day_is_accepted(self) -> None:
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--sigterm-grace", "86400", "--", "x"], {})
+        assert config.sigterm_grace == 86400.0
+
     def test_ranks_per_node_from_a_torchrun_command(self) -> None:
         assert torchrun_nproc(["torchrun", "--nproc-per-node", "4", "train.py"]) == 4
         assert torchrun_nproc(["torchrun", "--nproc_per_node=8", "train.py", "--nproc-per-node", "2"]) == 8
