@@ -133,6 +133,27 @@ def test_the_console_script_exits_2_without_a_cluster(tmp_path) -> None:
     assert "cannot load the cluster configuration" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("clusters: [\n", "no YAML"), ("- just\n- a list\n", "a list"), ("just a string\n", "a string")],
+)
+def test_a_kubeconfig_that_is_no_kubeconfig_exits_2_in_one_line(tmp_path, text: str, why: str) -> None:
+    # Malformed YAML used to end in a yaml.parser.ParserError traceback, and a list in a TypeError.
+    kubeconfig = tmp_path / "bad kubeconfig ü.yaml"
+    kubeconfig.write_text(text)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={kubeconfig}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2, why
+    assert "Traceback" not in result.stderr, why
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"spotjob-controller: cannot load the cluster configuration from {kubeconfig}: "), why
+
+
 def test_the_network_policy_settings_and_the_token_key_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAMESPACE", "spotjob-system")
     _, o = parse_options(
