@@ -50,13 +50,16 @@ class Case:
     tool: str = "spotjob"
     files: dict[str, str] = field(default_factory=dict)
     """Files to write in the folder first (they are the only things allowed to be there after)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set for the command, on top of a clean environment."""
 
 
 def run_case(c: Case, tmp: Path) -> tuple[subprocess.CompletedProcess[str], str]:
     for name, text in c.files.items():
         (tmp / name).write_text(text)
     argv = [a.format(tmp=tmp, train=TRAIN) for a in c.argv]
-    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=clean_env(), capture_output=True, text=True, timeout=120)
+    env = {**clean_env(), **c.env}
+    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
     return proc, proc.stderr
 
 
@@ -164,6 +167,14 @@ TABLE: dict[str, Case] = {
     "resuming a name that is no DNS label": Case(["run", "--resume", "Nope!"], 2, ["--resume 'Nope!'", "DNS label"]),
     # -- status -----------------------------------------------------------------------------------
     "the status of a run that does not exist": Case(["status", "nope"], 2, ["no run named 'nope'"]),
+    # -- the environment --------------------------------------------------------------------------
+    "a log level that is no level": Case(
+        ["status"], 2, ["SPOTJOB_LOG_LEVEL='loud'", "debug, info, warning, error"], env={"SPOTJOB_LOG_LEVEL": "loud"}
+    ),
+    "an empty log level": Case(["status", "nope"], 2, ["no run named 'nope'"], env={"SPOTJOB_LOG_LEVEL": ""}),
+    "a log level in lower case": Case(
+        ["status", "nope"], 2, ["no run named 'nope'"], env={"SPOTJOB_LOG_LEVEL": "debug"}
+    ),
     # -- the agent --------------------------------------------------------------------------------
     "spotjob-agent with an ftp:// URI": Case(
         ["--checkpoint-uri", "ftp://x", "--", "true"], 2, ["--checkpoint-uri", "'ftp'"], tool="spotjob-agent"
