@@ -191,6 +191,17 @@ class TestOptions:
         (source,) = build_sources(config, env)
         assert isinstance(source, PollingNoticeSource) and source.interval == 0.05
 
+    def test_the_poll_interval_variable_overrides_the_option_as_the_readme_says(self) -> None:
+        # The README said every option wins over its variable; this one is the exception by design
+        # (spotjob run always passes --poll-interval 1, and tests need less than a second).
+        env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--poll-interval", "3", "--", "x"], env)
+        assert config.poll_interval == 0.05
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        (row,) = [line for line in readme.splitlines() if line.startswith("| `SPOTJOB_AGENT_POLL_INTERVAL`")]
+        assert "**overrides** its option" in row
+        assert "an option of the same name wins, except over\n`SPOTJOB_AGENT_POLL_INTERVAL`" in readme
+
     @pytest.mark.parametrize("port", ["-1", "65536", "http", "8470.5"])
     def test_a_control_port_that_is_no_port_exits_2_naming_it(
         self, port: str, capsys: pytest.CaptureFixture[str]
