@@ -37,6 +37,8 @@ RECONCILE_FACTORY: ReconcileFactory = spotjob_reconcile
 """The reconcile seam: the SpotJob reconciler (tests may pass another to ``main``)."""
 
 EXIT_USAGE = 2
+MAX_LEASE_SECONDS = 2**31 - 1
+"""The longest lease duration: a Lease stores it as an int32 number of seconds."""
 _SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -185,11 +187,15 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     ):
         if value is not None and not math.isfinite(value):  # an endless Lease is never taken over
             raise ValueError(f"{flag} must be a finite number of seconds, not {value}")
+        if value is not None and value > MAX_LEASE_SECONDS:  # the Lease's int32 leaseDurationSeconds
+            raise ValueError(f"{flag} must be at most {MAX_LEASE_SECONDS} seconds, not {value:g}")
+    defaults = LeaseTiming()
     try:
+        # `is None`, not `or`: a 0 given on the command line is refused below, not taken for the default.
         timing = LeaseTiming(
-            lease_duration=args.leader_elect_lease_duration or 15.0,
-            renew_deadline=args.leader_elect_renew_deadline or 10.0,
-            retry_period=args.leader_elect_retry_period or 2.0,
+            lease_duration=_given(args.leader_elect_lease_duration, defaults.lease_duration),
+            renew_deadline=_given(args.leader_elect_renew_deadline, defaults.renew_deadline),
+            retry_period=_given(args.leader_elect_retry_period, defaults.retry_period),
         )
     except ValueError as e:
         raise ValueError(f"--leader-elect-*: {e}") from e
@@ -268,6 +274,10 @@ def _labels(text: str) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"--controller-pod-labels: {part!r} is not a label (key=value)")
         out.append((key, value))
     return tuple(out)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _int(value: int | None, env: str, default: int, flag: str) -> int:

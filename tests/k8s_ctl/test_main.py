@@ -104,6 +104,16 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         # A queue URL that names no region (a VPC endpoint), and no region given: which one?
         (["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"], {}, "--aws-region"),
         (["--leader-elect-lease-duration=2"], {}, "--leader-elect"),
+        # A 0 used to be taken for "not given" and replaced by the default, without a word.
+        (["--lease-namespace=x", "--leader-elect-retry-period=0"], {}, "got 0.0, 10.0, 15.0"),
+        (["--lease-namespace=x", "--leader-elect-renew-deadline=0"], {}, "got 2.0, 0.0, 15.0"),
+        (["--lease-namespace=x", "--leader-elect-lease-duration=0"], {}, "got 2.0, 10.0, 0.0"),
+        # More seconds than the Lease's int32 leaseDurationSeconds holds: every write would be refused.
+        (
+            ["--lease-namespace=x", "--leader-elect-lease-duration=1e300"],
+            {},
+            "--leader-elect-lease-duration must be at most",
+        ),
         ([], {}, "--lease-namespace"),  # leader election on, and no namespace for the Lease
         (["--lease-namespace=x", "--bogus"], {}, "--bogus"),
         (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "many"}, "SPOTJOB_WORKERS"),
