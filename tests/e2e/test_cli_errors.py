@@ -179,6 +179,14 @@ TABLE: dict[str, Case] = {
     "spotjob-agent with an ftp:// URI": Case(
         ["--checkpoint-uri", "ftp://x", "--", "true"], 2, ["--checkpoint-uri", "'ftp'"], tool="spotjob-agent"
     ),
+    "spotjob-agent with a control folder that is a file": Case(  # was a FileExistsError traceback, exit 1
+        ["--notices", "none", "--checkpoint-uri", "s3://b/p", "--control-dir", "{tmp}/afile", "--", "true"], 2,
+        ["--control-dir {tmp}/afile", "a file, not a folder"], tool="spotjob-agent", files={"afile": "x"},
+    ),
+    "spotjob-agent with a control folder that cannot be made": Case(
+        ["--notices", "none", "--checkpoint-uri", "s3://b/p", "--control-dir", "/proc/spotjob-nope/c", "--", "true"],
+        2, ["--control-dir /proc/spotjob-nope/c", "No such file or directory"], tool="spotjob-agent",
+    ),
     "a command that exits 75 by itself under spotjob-agent": Case(
         ["--notices", "none", "--checkpoint-uri", "{tmp}/ckpt", "--", sys.executable, "-c", "raise SystemExit(75)"],
         1,
