@@ -118,6 +118,20 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--lease-namespace=x", "--bogus"], {}, "--bogus"),
         (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "many"}, "SPOTJOB_WORKERS"),
         (["--lease-namespace=x"], {"SPOTJOB_LEADER_ELECT": "maybe"}, "SPOTJOB_LEADER_ELECT"),
+        # A bad value from a variable is said of the variable, not of a flag that was never given.
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_NAMESPACES": "ml,Team_A"},
+            "$SPOTJOB_NAMESPACES (for --namespace) 'Team_A'",
+        ),
+        (["--lease-namespace=x"], {"SPOTJOB_LEASE_NAME": "Lease!"}, "$SPOTJOB_LEASE_NAME (for --lease-name) 'Lease!'"),
+        (["--lease-namespace=x"], {"SPOTJOB_REBALANCE": "move"}, "$SPOTJOB_REBALANCE (for --rebalance) must be"),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_CONTROLLER_POD_LABELS": "app"},
+            "$SPOTJOB_CONTROLLER_POD_LABELS (for --controller-pod-labels): 'app'",
+        ),
+        (["--lease-namespace=x", "--namespace=Team_A"], {}, "--namespace 'Team_A'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(
