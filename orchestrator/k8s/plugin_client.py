@@ -154,7 +154,10 @@ class UserContext:
 def load_user_context(kubeconfig: str | None = None, context: str | None = None) -> UserContext:
     """The kubeconfig and context kubectl would pick: ``kubeconfig`` (``--kubeconfig``), else
     ``$KUBECONFIG`` (files joined by ``:``, merged), else ``~/.kube/config``, else the pod's
-    service account; ``context`` (``--context``), else the current context."""
+    service account; ``context`` (``--context``), else the current context. A ``~`` in
+    ``--kubeconfig`` is the home folder, as the loader reads it (``--kubeconfig=~/x`` reaches us
+    unexpanded by the shell)."""
+    kubeconfig = os.path.expanduser(kubeconfig) if kubeconfig else kubeconfig
     path = kubeconfig or os.environ.get("KUBECONFIG") or None
     if path is None:
         default = os.path.expanduser("~/.kube/config")

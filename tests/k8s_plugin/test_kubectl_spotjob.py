@@ -617,6 +617,30 @@ def test_a_kubeconfig_that_is_no_kubeconfig_is_one_error_line(tmp_path: Path, te
     assert line.startswith(f"error: cannot use the kubeconfig {kubeconfig}: ")
 
 
+def test_a_kubeconfig_under_the_home_folder_may_be_named_with_a_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--kubeconfig=~/x` reaches the plugin unexpanded; it used to say "no such file" for a file
+    # its loader (and the controller) reads. No cluster is needed: nothing is contacted.
+    from orchestrator.k8s.plugin_client import load_user_context
+
+    (tmp_path / "team.kubeconfig").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "team", "context": {"cluster": "c", "user": "u", "namespace": "ml"}}],
+                "current-context": "team",
+            }
+        )
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))
+    user = load_user_context("~/team.kubeconfig")
+    assert (user.namespace, user.context) == ("ml", "team")
+
+
 def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
