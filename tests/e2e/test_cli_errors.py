@@ -81,6 +81,9 @@ TABLE: dict[str, Case] = {
         ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
         ["--checkpoint-uri", "takes no credentials", "the URI is not repeated here"],
     ),
+    "a checkpoint path starting with ~": Case(  # was ./~/ckpt under the working directory
+        ["run", "--checkpoint-uri=~/ckpt", T], 2, ["--checkpoint-uri", "'~' is not expanded", "full path"]
+    ),
     "a relative file:// URI": Case(
         ["run", "--checkpoint-uri", "file://rel/ckpt", T], 2, ["--checkpoint-uri", "absolute path"]
     ),
