@@ -161,6 +161,12 @@ TABLE: dict[str, Case] = {
     "a runs folder that is a file": Case(
         ["run", "--runs-dir", "runs", T], 2, ["--runs-dir runs", "is a file, not a folder"], files={"runs": "x"}
     ),
+    "an empty runs folder": Case(  # was the working directory itself
+        ["run", "--runs-dir", "", T], 2, ["--runs-dir is empty", "./spotjob-runs"]
+    ),
+    "an export to an empty OUT": Case(  # was the working directory itself (an unset "$OUT")
+        ["ckpt", "export", "{tmp}", "", "--force"], 2, ["OUT is empty", "name the folder"]
+    ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
     "resuming with a script": Case(["run", "--resume", "nope", T], 2, ["--resume nope takes no SCRIPT"]),
