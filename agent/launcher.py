@@ -576,7 +576,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     own_dir = config.control_dir is None
     path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
-    control = ControlDir(path)
+    try:
+        control = ControlDir(path)
+    except OSError as e:  # a regular file there, no permission, a read-only filesystem
+        log.error(
+            "--control-dir %s: cannot use it as the folder shared with the ranks (%s); pass a folder this user "
+            "can create or write, or leave the option out for a fresh temporary one",
+            path,
+            "a file, not a folder" if os.path.exists(path) and not os.path.isdir(path) else e.strerror or e,
+        )
+        return EXIT_USAGE
     try:
         sources = build_sources(config, env)
         agent = Agent(config, control, sources, token=token, env=env)

@@ -30,6 +30,10 @@ MAX_POLL_INTERVAL = 60.0
 """The range ``SPOTJOB_AGENT_POLL_INTERVAL`` takes: past a minute, a two-minute notice may be
 heard too late to flush; under 10 ms the agent would only spin on the metadata server."""
 
+MAX_WAIT_SECONDS = 86400.0
+"""The longest of the agent's graces, timeouts and deadlines (a day): longer is a typo, and ``inf``
+or ``1e300`` seconds would overflow the clock arithmetic of the notice that uses it."""
+
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
 
@@ -65,15 +69,17 @@ class AgentConfig(BaseModel):
     poll_interval: float = Field(default=2.0, ge=MIN_POLL_INTERVAL, le=MAX_POLL_INTERVAL, allow_inf_nan=False)
     """Seconds between two polls of a metadata endpoint: ``--poll-interval``, or ``SPOTJOB_AGENT_POLL_INTERVAL``."""
     rebalance: RebalancePolicy = "save-early"
-    sigterm_grace: float = Field(default=30.0, ge=0)
-    gcp_notice_seconds: float = Field(default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0)
-    safety_margin: float = Field(default=1.5, ge=1.0)
+    sigterm_grace: float = Field(default=30.0, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
+    gcp_notice_seconds: float = Field(
+        default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False
+    )
+    safety_margin: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
     """A flush "fits" when the time left >= last save duration x this."""
-    exit_timeout: float = Field(default=30.0, ge=0)
+    exit_timeout: float = Field(default=30.0, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """After a flush result, how long the command gets to exit before it is killed."""
-    flush_timeout: float = Field(default=600.0, gt=0)
+    flush_timeout: float = Field(default=600.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """For a flush without a deadline: how long before the agent gives up and kills the command."""
-    kill_grace: float = Field(default=5.0, ge=0)
+    kill_grace: float = Field(default=5.0, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """SIGTERM → SIGKILL when killing the command's processes."""
     expected_ranks: int | None = Field(default=None, ge=1)
     """Ranks on this node that must write closed-rank-<r> for a finished job."""
@@ -83,9 +89,9 @@ class AgentConfig(BaseModel):
     """SPOTJOB_START_FRESH=1: the ranks start from step 0 on purpose although checkpoints exist."""
     exit_with_parent: bool = False
     """Flush and stop when the process that started the agent (the driver) is gone."""
-    parent_grace: float = Field(default=30.0, gt=0)
+    parent_grace: float = Field(default=30.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """The deadline of the flush after the parent is gone, in seconds."""
-    rank_connect_timeout: float = Field(default=120.0, gt=0)
+    rank_connect_timeout: float = Field(default=120.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """Warn when no rank has written status.json this long after the start."""
     launcher: Launcher = "torchrun"
     """``direct``: start a torchrun command's ranks without torchrun, where ``agent.torchrun.direct_launch`` can."""

@@ -41,15 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENV_LOG_LEVEL = "SPOTJOB_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level(parser: argparse.ArgumentParser, verbose: bool) -> str:
+    """``-v``: DEBUG; else ``SPOTJOB_LOG_LEVEL`` in any case (empty counts as unset), else INFO. Any
+    other value is a usage error naming the variable (it used to be a traceback)."""
+    if verbose:
+        return "DEBUG"
+    value = os.environ.get(ENV_LOG_LEVEL, "").strip()
+    if not value:
+        return "INFO"
+    if value.upper() not in LOG_LEVELS:
+        parser.error(
+            f"{ENV_LOG_LEVEL}={value!r}: expected one of {', '.join(n.lower() for n in LOG_LEVELS)}; "
+            "set it to one, or unset it"
+        )
+    return value.upper()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = log_level(parser, args.verbose)
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("SPOTJOB_LOG_LEVEL", "INFO")),
-        handlers=[handler],
-    )
+    logging.basicConfig(level=level, handlers=[handler])
     try:
         rc: int = args.func(args)
         sys.stdout.flush()  # here, not at the interpreter's exit, where a reader gone is a traceback

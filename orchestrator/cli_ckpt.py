@@ -398,6 +398,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if not args.out.strip():
+        # os.path.abspath("") is the working directory: an unset "$OUT" would export into it.
+        raise CommandError("OUT is empty: name the folder to write the export in (e.g. ./export)")
     out = os.path.abspath(args.out)
     _check_out(out, force=args.force)
     started = time.monotonic()

@@ -603,6 +603,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         problem = checkpoint_uri_problem(args.checkpoint_uri)
         if problem is not None:
             raise ValueError(problem)
+    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory
+        raise ValueError(f"--runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}")
     problem = folder_problem(os.path.abspath(args.runs_dir))
     if problem is not None:
         raise ValueError(f"--runs-dir {args.runs_dir}: {problem}")

@@ -87,6 +87,13 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
             raise ValueError(f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt")
         return "file", "", parsed.path
     if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
+        if uri.startswith("~"):
+            # Nothing expands it here (the shell leaves --checkpoint-uri=~/x alone): it would be a
+            # folder named '~' in the working directory, not the home folder.
+            raise ValueError(
+                f"{uri!r}: '~' is not expanded in a checkpoint URI; write the full path "
+                f"({os.path.expanduser(uri)!r} for your home folder) or ./{uri} for a folder named '~'"
+            )
         return "file", "", uri
     raise ValueError(
         f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "

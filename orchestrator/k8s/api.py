@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import tenacity
 import urllib3
+import yaml
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client import exceptions as k8s_exceptions
@@ -272,9 +273,11 @@ def load_config(kubeconfig: str | None = None, *, context: str | None = None) ->
                     "controller in a pod with a service account"
                 )
             k8s_config.load_kube_config(config_file=default, context=context, client_configuration=configuration)
-    except (ConfigException, OSError, ValueError) as e:
+    except (ConfigException, OSError, ValueError, yaml.YAMLError, TypeError, AttributeError) as e:
+        # YAMLError: a file that is no YAML; TypeError/AttributeError: YAML that is no kubeconfig
+        # (a list, a string), which the client reads without checking its shape.
         where = path or "the in-cluster service account"
-        raise ConfigError(f"cannot load the cluster configuration from {where}: {e}") from e
+        raise ConfigError(f"cannot load the cluster configuration from {where}: {' '.join(str(e).split())}") from e
     return configuration
 
 

@@ -37,6 +37,8 @@ RECONCILE_FACTORY: ReconcileFactory = spotjob_reconcile
 """The reconcile seam: the SpotJob reconciler (tests may pass another to ``main``)."""
 
 EXIT_USAGE = 2
+MAX_LEASE_SECONDS = 2**31 - 1
+"""The longest lease duration: a Lease stores it as an int32 number of seconds."""
 _SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -165,11 +167,13 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     namespaces = args.namespaces or [n.strip() for n in (_env("SPOTJOB_NAMESPACES") or "").split(",") if n.strip()]
     for ns in namespaces:
         if not _DNS_LABEL.match(ns):
-            raise ValueError(f"--namespace {ns!r} is not a namespace name (lower-case letters, digits, '-')")
+            where = _source("--namespace", args.namespaces, "SPOTJOB_NAMESPACES")
+            raise ValueError(f"{where} {ns!r} is not a namespace name (lower-case letters, digits, '-')")
     leader_elect = args.leader_elect if args.leader_elect is not None else _bool_env("SPOTJOB_LEADER_ELECT", True)
     lease_name = args.lease_name or _env("SPOTJOB_LEASE_NAME", "spotjob-controller") or ""
     if not _DNS_SUBDOMAIN.match(lease_name):
-        raise ValueError(f"--lease-name {lease_name!r} is not a valid object name")
+        where = _source("--lease-name", args.lease_name, "SPOTJOB_LEASE_NAME")
+        raise ValueError(f"{where} {lease_name!r} is not a valid object name")
     lease_namespace = args.lease_namespace or _env("POD_NAMESPACE") or _service_account_namespace() or ""
     if leader_elect and not lease_namespace:
         raise ValueError(
@@ -185,11 +189,15 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     ):
         if value is not None and not math.isfinite(value):  # an endless Lease is never taken over
             raise ValueError(f"{flag} must be a finite number of seconds, not {value}")
+        if value is not None and value > MAX_LEASE_SECONDS:  # the Lease's int32 leaseDurationSeconds
+            raise ValueError(f"{flag} must be at most {MAX_LEASE_SECONDS} seconds, not {value:g}")
+    defaults = LeaseTiming()
     try:
+        # `is None`, not `or`: a 0 given on the command line is refused below, not taken for the default.
         timing = LeaseTiming(
-            lease_duration=args.leader_elect_lease_duration or 15.0,
-            renew_deadline=args.leader_elect_renew_deadline or 10.0,
-            retry_period=args.leader_elect_retry_period or 2.0,
+            lease_duration=_given(args.leader_elect_lease_duration, defaults.lease_duration),
+            renew_deadline=_given(args.leader_elect_renew_deadline, defaults.renew_deadline),
+            retry_period=_given(args.leader_elect_retry_period, defaults.retry_period),
         )
     except ValueError as e:
         raise ValueError(f"--leader-elect-*: {e}") from e
@@ -202,7 +210,10 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     network_policy = (
         args.network_policy if args.network_policy is not None else _bool_env("SPOTJOB_NETWORK_POLICY", True)
     )
-    pod_labels = _labels(args.controller_pod_labels or _env("SPOTJOB_CONTROLLER_POD_LABELS") or "")
+    pod_labels = _labels(
+        args.controller_pod_labels or _env("SPOTJOB_CONTROLLER_POD_LABELS") or "",
+        _source("--controller-pod-labels", args.controller_pod_labels, "SPOTJOB_CONTROLLER_POD_LABELS"),
+    )
     controller_namespace = args.controller_namespace or _env("POD_NAMESPACE") or _service_account_namespace() or ""
     if controller_namespace and not _DNS_LABEL.match(controller_namespace):
         raise ValueError(f"--controller-namespace {controller_namespace!r} is not a namespace name")
@@ -221,7 +232,8 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     try:
         rebalance = RebalancePolicy(rebalance_text)
     except ValueError:
-        raise ValueError(f"--rebalance must be ignore or flush, not {rebalance_text!r}") from None
+        where = _source("--rebalance", args.rebalance, "SPOTJOB_REBALANCE")
+        raise ValueError(f"{where} must be ignore or flush, not {rebalance_text!r}") from None
     launcher = args.agent_launcher or _env(ENV_LAUNCHER, "direct")
     if launcher not in LAUNCHERS:
         raise ValueError(f"{ENV_LAUNCHER} must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
@@ -257,17 +269,26 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
-def _labels(text: str) -> tuple[tuple[str, str], ...]:
-    """``k=v,k=v`` as label pairs; ValueError naming the flag and the bad pair."""
+def _source(flag: str, given: object, env: str) -> str:
+    """What a bad value is said to come from: the flag when it was given, else its variable."""
+    return flag if given else f"${env} (for {flag})"
+
+
+def _labels(text: str, where: str = "--controller-pod-labels") -> tuple[tuple[str, str], ...]:
+    """``k=v,k=v`` as label pairs; ValueError naming ``where`` (the flag or variable) and the bad pair."""
     out = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         key, sep, value = part.partition("=")
         if not sep or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
-            raise ValueError(f"--controller-pod-labels: {part!r} is not a label (key=value)")
+            raise ValueError(f"{where}: {part!r} is not a label (key=value)")
         out.append((key, value))
     return tuple(out)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _int(value: int | None, env: str, default: int, flag: str) -> int:

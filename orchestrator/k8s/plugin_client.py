@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import yaml
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.config.config_exception import ConfigException
@@ -153,7 +154,10 @@ class UserContext:
 def load_user_context(kubeconfig: str | None = None, context: str | None = None) -> UserContext:
     """The kubeconfig and context kubectl would pick: ``kubeconfig`` (``--kubeconfig``), else
     ``$KUBECONFIG`` (files joined by ``:``, merged), else ``~/.kube/config``, else the pod's
-    service account; ``context`` (``--context``), else the current context."""
+    service account; ``context`` (``--context``), else the current context. A ``~`` in
+    ``--kubeconfig`` is the home folder, as the loader reads it (``--kubeconfig=~/x`` reaches us
+    unexpanded by the shell)."""
+    kubeconfig = os.path.expanduser(kubeconfig) if kubeconfig else kubeconfig
     path = kubeconfig or os.environ.get("KUBECONFIG") or None
     if path is None:
         default = os.path.expanduser("~/.kube/config")
@@ -181,10 +185,15 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         k8s_config.load_kube_config(config_file=path, context=chosen, client_configuration=configuration)
     except ContextError:
         raise
-    except (ConfigException, OSError, ValueError, TypeError, AttributeError) as e:
-        raise ContextError(f"cannot use the kubeconfig {path}: {e}") from e
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as e:
+        raise ContextError(f"cannot use the kubeconfig {path}: {_one_line(e)}") from e
     namespace = str(((found or {}).get("context") or {}).get("namespace") or "default")
     return UserContext(configuration, namespace, str(chosen), path)
+
+
+def _one_line(error: Exception) -> str:
+    """An error on one line: a YAML error's own text spans several ("in <file>, line 2, column 1")."""
+    return " ".join(str(error).split())
 
 
 def _in_cluster(context: str | None) -> UserContext:

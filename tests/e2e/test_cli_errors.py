@@ -50,13 +50,16 @@ class Case:
     tool: str = "spotjob"
     files: dict[str, str] = field(default_factory=dict)
     """Files to write in the folder first (they are the only things allowed to be there after)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set for the command, on top of a clean environment."""
 
 
 def run_case(c: Case, tmp: Path) -> tuple[subprocess.CompletedProcess[str], str]:
     for name, text in c.files.items():
         (tmp / name).write_text(text)
     argv = [a.format(tmp=tmp, train=TRAIN) for a in c.argv]
-    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=clean_env(), capture_output=True, text=True, timeout=120)
+    env = {**clean_env(), **c.env}
+    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
     return proc, proc.stderr
 
 
@@ -77,6 +80,9 @@ TABLE: dict[str, Case] = {
     "credentials in a checkpoint URI": Case(
         ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
         ["--checkpoint-uri", "takes no credentials", "the URI is not repeated here"],
+    ),
+    "a checkpoint path starting with ~": Case(  # was ./~/ckpt under the working directory
+        ["run", "--checkpoint-uri=~/ckpt", T], 2, ["--checkpoint-uri", "'~' is not expanded", "full path"]
     ),
     "a relative file:// URI": Case(
         ["run", "--checkpoint-uri", "file://rel/ckpt", T], 2, ["--checkpoint-uri", "absolute path"]
@@ -155,6 +161,12 @@ TABLE: dict[str, Case] = {
     "a runs folder that is a file": Case(
         ["run", "--runs-dir", "runs", T], 2, ["--runs-dir runs", "is a file, not a folder"], files={"runs": "x"}
     ),
+    "an empty runs folder": Case(  # was the working directory itself
+        ["run", "--runs-dir", "", T], 2, ["--runs-dir is empty", "./spotjob-runs"]
+    ),
+    "an export to an empty OUT": Case(  # was the working directory itself (an unset "$OUT")
+        ["ckpt", "export", "{tmp}", "", "--force"], 2, ["OUT is empty", "name the folder"]
+    ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
     "resuming with a script": Case(["run", "--resume", "nope", T], 2, ["--resume nope takes no SCRIPT"]),
@@ -164,9 +176,25 @@ TABLE: dict[str, Case] = {
     "resuming a name that is no DNS label": Case(["run", "--resume", "Nope!"], 2, ["--resume 'Nope!'", "DNS label"]),
     # -- status -----------------------------------------------------------------------------------
     "the status of a run that does not exist": Case(["status", "nope"], 2, ["no run named 'nope'"]),
+    # -- the environment --------------------------------------------------------------------------
+    "a log level that is no level": Case(
+        ["status"], 2, ["SPOTJOB_LOG_LEVEL='loud'", "debug, info, warning, error"], env={"SPOTJOB_LOG_LEVEL": "loud"}
+    ),
+    "an empty log level": Case(["status", "nope"], 2, ["no run named 'nope'"], env={"SPOTJOB_LOG_LEVEL": ""}),
+    "a log level in lower case": Case(
+        ["status", "nope"], 2, ["no run named 'nope'"], env={"SPOTJOB_LOG_LEVEL": "debug"}
+    ),
     # -- the agent --------------------------------------------------------------------------------
     "spotjob-agent with an ftp:// URI": Case(
         ["--checkpoint-uri", "ftp://x", "--", "true"], 2, ["--checkpoint-uri", "'ftp'"], tool="spotjob-agent"
+    ),
+    "spotjob-agent with a control folder that is a file": Case(  # was a FileExistsError traceback, exit 1
+        ["--notices", "none", "--checkpoint-uri", "s3://b/p", "--control-dir", "{tmp}/afile", "--", "true"], 2,
+        ["--control-dir {tmp}/afile", "a file, not a folder"], tool="spotjob-agent", files={"afile": "x"},
+    ),
+    "spotjob-agent with a control folder that cannot be made": Case(
+        ["--notices", "none", "--checkpoint-uri", "s3://b/p", "--control-dir", "/proc/spotjob-nope/c", "--", "true"],
+        2, ["--control-dir /proc/spotjob-nope/c", "No such file or directory"], tool="spotjob-agent",
     ),
     "a command that exits 75 by itself under spotjob-agent": Case(
         ["--notices", "none", "--checkpoint-uri", "{tmp}/ckpt", "--", sys.executable, "-c", "raise SystemExit(75)"],

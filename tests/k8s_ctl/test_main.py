@@ -104,10 +104,34 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         # A queue URL that names no region (a VPC endpoint), and no region given: which one?
         (["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"], {}, "--aws-region"),
         (["--leader-elect-lease-duration=2"], {}, "--leader-elect"),
+        # A 0 used to be taken for "not given" and replaced by the default, without a word.
+        (["--lease-namespace=x", "--leader-elect-retry-period=0"], {}, "got 0.0, 10.0, 15.0"),
+        (["--lease-namespace=x", "--leader-elect-renew-deadline=0"], {}, "got 2.0, 0.0, 15.0"),
+        (["--lease-namespace=x", "--leader-elect-lease-duration=0"], {}, "got 2.0, 10.0, 0.0"),
+        # More seconds than the Lease's int32 leaseDurationSeconds holds: every write would be refused.
+        (
+            ["--lease-namespace=x", "--leader-elect-lease-duration=1e300"],
+            {},
+            "--leader-elect-lease-duration must be at most",
+        ),
         ([], {}, "--lease-namespace"),  # leader election on, and no namespace for the Lease
         (["--lease-namespace=x", "--bogus"], {}, "--bogus"),
         (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "many"}, "SPOTJOB_WORKERS"),
         (["--lease-namespace=x"], {"SPOTJOB_LEADER_ELECT": "maybe"}, "SPOTJOB_LEADER_ELECT"),
+        # A bad value from a variable is said of the variable, not of a flag that was never given.
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_NAMESPACES": "ml,Team_A"},
+            "$SPOTJOB_NAMESPACES (for --namespace) 'Team_A'",
+        ),
+        (["--lease-namespace=x"], {"SPOTJOB_LEASE_NAME": "Lease!"}, "$SPOTJOB_LEASE_NAME (for --lease-name) 'Lease!'"),
+        (["--lease-namespace=x"], {"SPOTJOB_REBALANCE": "move"}, "$SPOTJOB_REBALANCE (for --rebalance) must be"),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_CONTROLLER_POD_LABELS": "app"},
+            "$SPOTJOB_CONTROLLER_POD_LABELS (for --controller-pod-labels): 'app'",
+        ),
+        (["--lease-namespace=x", "--namespace=Team_A"], {}, "--namespace 'Team_A'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(
@@ -131,6 +155,27 @@ def test_the_console_script_exits_2_without_a_cluster(tmp_path) -> None:
     )
     assert result.returncode == 2
     assert "cannot load the cluster configuration" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("clusters: [\n", "no YAML"), ("- just\n- a list\n", "a list"), ("just a string\n", "a string")],
+)
+def test_a_kubeconfig_that_is_no_kubeconfig_exits_2_in_one_line(tmp_path, text: str, why: str) -> None:
+    # Malformed YAML used to end in a yaml.parser.ParserError traceback, and a list in a TypeError.
+    kubeconfig = tmp_path / "bad kubeconfig ü.yaml"
+    kubeconfig.write_text(text)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={kubeconfig}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2, why
+    assert "Traceback" not in result.stderr, why
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"spotjob-controller: cannot load the cluster configuration from {kubeconfig}: "), why
 
 
 def test_the_network_policy_settings_and_the_token_key_are_read(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -597,6 +598,47 @@ def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: 
     assert proc.returncode == 1
     assert "cannot reach the API server at https://127.0.0.1:9 (context gone" in proc.stderr
     assert "connection refused" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("text", ["clusters: [\n", "- just\n- a list\n"])
+def test_a_kubeconfig_that_is_no_kubeconfig_is_one_error_line(tmp_path: Path, text: str) -> None:
+    # Malformed YAML used to end in a yaml.parser.ParserError traceback. No cluster is needed.
+    kubeconfig = tmp_path / "bad.kubeconfig"
+    kubeconfig.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.kubectl_plugin", "status", "--kubeconfig", str(kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: cannot use the kubeconfig {kubeconfig}: ")
+
+
+def test_a_kubeconfig_under_the_home_folder_may_be_named_with_a_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--kubeconfig=~/x` reaches the plugin unexpanded; it used to say "no such file" for a file
+    # its loader (and the controller) reads. No cluster is needed: nothing is contacted.
+    from orchestrator.k8s.plugin_client import load_user_context
+
+    (tmp_path / "team.kubeconfig").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "team", "context": {"cluster": "c", "user": "u", "namespace": "ml"}}],
+                "current-context": "team",
+            }
+        )
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))
+    user = load_user_context("~/team.kubeconfig")
+    assert (user.namespace, user.context) == ("ml", "team")
 
 
 def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(

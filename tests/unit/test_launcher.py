@@ -191,6 +191,17 @@ class TestOptions:
         (source,) = build_sources(config, env)
         assert isinstance(source, PollingNoticeSource) and source.interval == 0.05
 
+    def test_the_poll_interval_variable_overrides_the_option_as_the_readme_says(self) -> None:
+        # The README said every option wins over its variable; this one is the exception by design
+        # (spotjob run always passes --poll-interval 1, and tests need less than a second).
+        env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--poll-interval", "3", "--", "x"], env)
+        assert config.poll_interval == 0.05
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        (row,) = [line for line in readme.splitlines() if line.startswith("| `SPOTJOB_AGENT_POLL_INTERVAL`")]
+        assert "**overrides** its option" in row
+        assert "an option of the same name wins, except over\n`SPOTJOB_AGENT_POLL_INTERVAL`" in readme
+
     @pytest.mark.parametrize("port", ["-1", "65536", "http", "8470.5"])
     def test_a_control_port_that_is_no_port_exits_2_naming_it(
         self, port: str, capsys: pytest.CaptureFixture[str]
@@ -242,6 +253,34 @@ class TestOptions:
             parse_args(["--checkpoint-uri", "s3://b", "--every-seconds", seconds, "--", "x"], {})
         assert exc.value.code == 2
         assert "--every-seconds: must be a finite number" in capsys.readouterr().err
+
+    @pytest.mark.parametrize(
+        "option",
+        [
+            "--sigterm-grace",
+            "--gcp-notice-seconds",
+            "--exit-timeout",
+            "--flush-timeout",
+            "--kill-grace",
+            "--parent-grace",
+            "--rank-connect-timeout",
+        ],
+    )
+    @pytest.mark.parametrize("seconds", ["inf", "nan", "1e300"])
+    def test_a_grace_or_timeout_that_is_endless_or_huge_exits_2_naming_it(
+        self, capsys: pytest.CaptureFixture[str], option: str, seconds: str
+    ) -> None:
+        # `--sigterm-grace inf` used to start: the SIGTERM's deadline then overflowed the clock in
+        # the notice thread (a traceback), and the SIGTERM was lost while the command ran on.
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--checkpoint-uri", "s3://b", option, seconds, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert f"{option}: must be" in err and "Traceback" not in err
+
+    def test_a_grace_of_a_day_is_accepted(self) -> None:
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--sigterm-grace", "86400", "--", "x"], {})
+        assert config.sigterm_grace == 86400.0
 
     def test_ranks_per_node_from_a_torchrun_command(self) -> None:
         assert torchrun_nproc(["torchrun", "--nproc-per-node", "4", "train.py"]) == 4

@@ -63,3 +63,12 @@ def test_credentials_in_a_uri_are_refused_without_repeating_them(uri: str) -> No
     assert "wJalrXUtnFEMI" not in str(caught.value)
     with pytest.raises(ValueError, match="takes no credentials"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize("uri", ["~/ckpt", "~", "~other/ckpt"])
+def test_a_tilde_path_is_refused_not_made_a_folder_named_tilde(uri: str) -> None:
+    # `spotjob run --checkpoint-uri=~/ckpt` (the shell leaves that ~ alone) used to write the
+    # checkpoints to ./~/ckpt under the working directory.
+    with pytest.raises(ValueError, match="'~' is not expanded in a checkpoint URI; write the full path"):
+        parse_uri(uri)
+    assert parse_uri(f"./{uri}") == ("file", "", f"./{uri}")
