@@ -2,8 +2,9 @@
 
 Used by the tests and by the local backend (one emulator per simulated node; injecting a
 preemption is ``set_spot_action`` / ``set_preempted`` / ``add_event``). Each one listens on
-``127.0.0.1:<free port>`` (``.url``), runs in daemon threads, records every request for
-assertions (``.requests``, ``.count(...)``) and is a context manager.
+``127.0.0.1:<free port>`` (``.url``), runs in daemon threads, records requests for assertions
+(``.count(...)`` counts every one; ``.requests`` holds the newest ``HISTORY``: an agent polls
+its node's emulator every second for as long as a local run lasts) and is a context manager.
 
 What each enforces, because the real one does and a client that skips it would break in the cloud:
 
@@ -28,6 +29,7 @@ What each enforces, because the real one does and a client that skips it would b
 from __future__ import annotations
 
 import abc
+import collections
 import email.utils
 import hashlib
 import json
@@ -44,6 +46,10 @@ from types import TracebackType
 from typing import Any, Self
 
 log = logging.getLogger(__name__)
+
+
+HISTORY = 1000
+"""Requests an emulator keeps for ``.requests`` (the newest); ``.count`` counts them all."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,9 @@ class MetadataEmulator(abc.ABC):
         self._cond = threading.Condition()
         """Guards the state; notified on every change so held long polls can re-check."""
         self._closing = False
-        self._requests: list[RecordedRequest] = []
+        self._requests: collections.deque[RecordedRequest] = collections.deque(maxlen=HISTORY)
+        self._counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        """Every request served, by (method, path, status): counted, not kept."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -163,13 +171,13 @@ class MetadataEmulator(abc.ABC):
             return list(self._requests)
 
     def count(self, method: str | None = None, path: str | None = None, status: int | None = None) -> int:
-        """How many requests matched (``None`` matches anything)."""
+        """How many requests matched (``None`` matches anything), of all the emulator served."""
+        with self._cond:
+            counts = list(self._counts.items())
         return sum(
-            1
-            for r in self.requests
-            if (method is None or r.method == method)
-            and (path is None or r.path == path)
-            and (status is None or r.status == status)
+            n
+            for (m, p, st), n in counts
+            if (method is None or m == method) and (path is None or p == path) and (status is None or st == status)
         )
 
     # -- serving -------------------------------------------------------------------------------
@@ -181,6 +189,7 @@ class MetadataEmulator(abc.ABC):
             reply = _Reply.text(500, "internal error")
         with self._cond:
             self._requests.append(RecordedRequest(method, path, query, headers, body, reply.status, time.time()))
+            self._counts[(method, path, reply.status)] += 1
         return reply
 
     @abc.abstractmethod
