@@ -113,15 +113,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MetadataEmulator(abc.ABC):
-    """A fake metadata server. ``start()`` (or ``with``) binds; ``stop()`` releases long polls."""
+    """A fake metadata server. ``start()`` (or ``with``) binds; ``stop()`` releases long polls.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``history``: how many of the newest requests ``.requests`` keeps (default ``HISTORY``; 0: none,
+    for a server nobody inspects, like a local run's nodes); ``.count`` counts every one either way."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, history: int | None = None) -> None:
         self._host = host
         self._port = port
         self._cond = threading.Condition()
         """Guards the state; notified on every change so held long polls can re-check."""
         self._closing = False
-        self._requests: collections.deque[RecordedRequest] = collections.deque(maxlen=HISTORY)
+        self._requests: collections.deque[RecordedRequest] = collections.deque(
+            maxlen=HISTORY if history is None else history
+        )
         self._counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
         """Every request served, by (method, path, status): counted, not kept."""
         self._server: _Server | None = None
@@ -224,10 +229,11 @@ class ImdsEmulator(MetadataEmulator):
         instance_id: str = "i-0spotjob0emulator0",
         put_hop_limit_exceeded: bool = False,
         http_tokens: str = "required",
+        history: int | None = None,
     ) -> None:
         if http_tokens not in ("required", "optional"):
             raise ValueError(f"http_tokens={http_tokens!r}: expected 'required' or 'optional'")
-        super().__init__(host, port)
+        super().__init__(host, port, history=history)
         self.instance_id = instance_id
         self.put_hop_limit_exceeded = put_hop_limit_exceeded
         self.http_tokens = http_tokens
@@ -331,8 +337,10 @@ class GceMetadataEmulator(MetadataEmulator):
     PREFIX = "/computeMetadata/v1/"
     MAX_WAIT_SECONDS = 300
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, instance_name: str = "spotjob-vm-0") -> None:
-        super().__init__(host, port)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, instance_name: str = "spotjob-vm-0", history: int | None = None
+    ) -> None:
+        super().__init__(host, port, history=history)
         self._values: dict[str, str] = {
             "instance/preempted": "FALSE",
             "instance/maintenance-event": "NONE",
@@ -422,8 +430,10 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
 
     EVENTS_PATH = "/metadata/scheduledevents"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, vm_name: str = "spotjob-vm-0") -> None:
-        super().__init__(host, port)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, vm_name: str = "spotjob-vm-0", history: int | None = None
+    ) -> None:
+        super().__init__(host, port, history=history)
         self.vm_name = vm_name
         self._incarnation = 1
         self._events: list[dict[str, Any]] = []
