@@ -63,7 +63,7 @@ from orchestrator.backends.local import (
     run_pids,
 )
 from orchestrator.controller_loop import Controller
-from orchestrator.events import EventType, JsonlEventSink, RecordedEvent, events_path, read_events
+from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import (
     LiveView,
     LogView,
@@ -194,6 +194,7 @@ class LocalRun:
                     raise RunExistsError(self._exists_message()) from None
                 self.spec, status, version = spec, JobStatus(), ""
             self.events_path = events_path(self.path, self.key)
+            self._event_log = EventLog(self.events_path)
             self.timeline = Timeline(os.path.join(self.path, TIMELINE_FILE))
             self.sink = JsonlEventSink(self.path)
             if resume:
@@ -406,7 +407,7 @@ class LocalRun:
             self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
             self.backend.close()
-            self.events = _events(self.events_path)
+            self.events = _events(self._event_log)
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
             self.close()
@@ -433,7 +434,7 @@ class LocalRun:
             return
         if stored is not None and stored.status is not None:
             self._note_status(stored.status)
-        self.events = _events(self.events_path)
+        self.events = _events(self._event_log)
 
     def _note_status(self, status: JobStatus) -> None:
         if status.phase is not self.status.phase or status.reason != self.status.reason:
@@ -537,11 +538,11 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _events(path: str) -> list[RecordedEvent]:
+def _events(events: EventLog) -> list[RecordedEvent]:
     try:
-        return read_events(path)
+        return events.read()
     except (OSError, ValueError) as e:
-        log.warning("cannot read the run's events %s: %s", path, e)
+        log.warning("cannot read the run's events %s: %s", events.path, e)
         return []
 
 
