@@ -167,6 +167,7 @@ class Checkpointer(_Saving, _Restoring):
             self._claim()
         except BaseException:
             self._destroy_groups()
+            self._close_storage()
             raise
         self._report(force=True)
 
@@ -249,7 +250,8 @@ class Checkpointer(_Saving, _Restoring):
         self._last_step = step
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the process groups. Idempotent."""
+        """Wait for the save in flight, then release the process groups, the staging buffers and
+        the store's transfer threads and connections. Idempotent."""
         if self._closed:
             return
         try:
@@ -270,6 +272,15 @@ class Checkpointer(_Saving, _Restoring):
             if self._stager is not None:
                 self._stager.close()  # frees the staging buffers kept between saves
                 self._stager = None
+            self._close_storage()
+
+    def _close_storage(self) -> None:
+        """An object store's transfer pool (up to ``concurrency`` threads) and its connections would
+        otherwise outlive ``close()`` for as long as anything holds the Checkpointer."""
+        try:
+            self.storage.close()
+        except Exception as e:  # nothing is left to write; a failed close costs nothing more
+            log.debug("closing the checkpoint store: %r", e)
 
     def __enter__(self) -> Checkpointer:
         return self
