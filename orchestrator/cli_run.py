@@ -62,6 +62,7 @@ from orchestrator.backends.local import (
     log_excerpt,
     run_pids,
 )
+from orchestrator.backends.local_timeline import TimelineTail
 from orchestrator.controller_loop import Controller
 from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import (
@@ -196,6 +197,7 @@ class LocalRun:
             self.events_path = events_path(self.path, self.key)
             self._event_log = EventLog(self.events_path)
             self.timeline = Timeline(os.path.join(self.path, TIMELINE_FILE))
+            self._timeline_tail = TimelineTail(self.timeline.path)
             self.sink = JsonlEventSink(self.path)
             if resume:
                 self.takeover = self._take_over(status, version)
@@ -482,11 +484,13 @@ class LocalRun:
         )
 
     def _commits(self) -> int:
-        """Commits in the timeline, re-counted at most once a second (the file only grows)."""
+        """Commits in the timeline, counted on from what was appended since the last look, at most
+        once a second (the file only grows)."""
         now = time.monotonic()
         if self._ended is not None or now - self._commits_read_at >= 1.0:
             self._commits_read_at = now
-            self._commit_count = timeline_commits(Timeline.read(self.timeline.path))
+            new, from_start = self._timeline_tail.read_new()
+            self._commit_count = timeline_commits(new) + (0 if from_start else self._commit_count)
         return self._commit_count
 
     def summary(self) -> Summary:

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from orchestrator import events
+from orchestrator.backends import local_timeline
+from orchestrator.backends.local_timeline import EventKind
 from orchestrator.cli_run import LocalRun
 from orchestrator.events import EventType, read_events
 from orchestrator.run_config import RunConfig
@@ -55,3 +57,34 @@ def test_a_line_still_being_written_is_read_once_whole_and_a_replaced_file_from_
     assert [e.reason for e in log.read()] == ["Started", "Running"] == [e.reason for e in read_events(str(path))]
     path.write_text(line % "Again")
     assert [e.reason for e in log.read()] == ["Again"]
+
+
+def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline grows by about two lines a second per training worker: re-reading it all
+    every second made the driver's cost grow with the run's age until it filled a core."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    run = LocalRun(RunConfig(script=str(script), args=[], name="aged", runs_dir=str(tmp_path / "runs")))
+    try:
+        for step in range(300):
+            run.timeline.record(EventKind.STEP, worker="w-1-0", attempt=1, step=step, state="training")
+        run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=299, count=2)
+        run._commits_read_at = float("-inf")  # the once-a-second look is due
+        assert run._commits() == 2
+        parsed = {"n": 0}
+        real = local_timeline.TimelineEvent
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            parsed["n"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(local_timeline, "TimelineEvent", counting)
+        run.timeline.record(EventKind.STEP, worker="w-1-0", attempt=1, step=300, state="training")
+        run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=300)
+        run._commits_read_at = float("-inf")
+        assert run._commits() == 3
+        assert parsed["n"] <= 2, f"{parsed['n']} timeline lines parsed for 2 new ones"
+    finally:
+        run.close()
