@@ -29,20 +29,31 @@ from agent.storage import StorageError, open_storage
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
 
+_closed_marks: dict[tuple[str, int], ControlDir] = {}
+"""The "closed" markers this process wrote, by (control folder, rank): taken back on a crash."""
+_crash_hook: Any = None
+
+
 def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
     """If the script dies of an unhandled exception after close(), remove the "closed" marker.
 
     The marker lets the agent forgive an abort at interpreter exit after the work is done; a
     traceback after close() (writing results, say) is a real failure and must stay one. A
-    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it).
+    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it). One hook for
+    every Checkpointer the process closes: a hook per close made a chain that grew with each one.
     """
+    global _crash_hook
+    _closed_marks[(control.path, rank)] = control
+    if _crash_hook is not None and sys.excepthook is _crash_hook:
+        return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        control.unmark_closed(rank)
+        for (_, marked_rank), marked in list(_closed_marks.items()):
+            marked.unmark_closed(marked_rank)
         previous(kind, value, tb)
 
-    sys.excepthook = hook
+    _crash_hook = sys.excepthook = hook
 
 
 def _exception_in_flight() -> bool:
