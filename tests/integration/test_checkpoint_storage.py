@@ -8,8 +8,8 @@ retry budget, fails the save loudly on the next call, and no manifest is ever wr
 from __future__ import annotations
 
 import re
-import threading
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

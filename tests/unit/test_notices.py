@@ -31,9 +31,9 @@ from agent.notices import (
     NoticeSource,
     SignalSource,
     detect_cloud,
+    emulators,
 )
 from agent.notices.base import HttpClient
-from agent.notices import emulators
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
 
 FAST = 0.05
