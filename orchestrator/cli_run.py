@@ -275,8 +275,12 @@ class LocalRun:
         return cls(config, resume=True)
 
     def close(self) -> None:
-        """Give up the driver lock (idempotent)."""
-        self.lock.release()
+        """Stop the backend's threads (``run()`` has, if it ran) and give up the driver lock
+        (idempotent): a run made and closed without running left its monitor thread behind."""
+        try:
+            self.backend.close()
+        finally:
+            self.lock.release()
 
     # -- creating and taking over -------------------------------------------------------------------
     def _exists_message(self) -> str:

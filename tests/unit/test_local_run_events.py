@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,11 @@ def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines
         assert parsed["n"] <= 2, f"{parsed['n']} timeline lines parsed for 2 new ones"
     finally:
         run.close()
+
+
+def test_a_run_made_and_closed_without_running_leaves_no_thread(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    for n in range(2):
+        LocalRun(RunConfig(script=str(script), args=[], name=f"idle{n}", runs_dir=str(tmp_path / "runs"))).close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("spotjob")] == []
