@@ -7,7 +7,8 @@ JSON file replaced atomically (temp + rename), so a reader never sees half a fil
   ``os.stat`` per step — no network call — and agree on one step through an asynchronous
   collective (see ``agent.checkpoint``). Written once; a second notice does not rewrite it.
 - ``save.json`` (agent → ranks): "save early, keep training" (e.g. an AWS rebalance
-  recommendation). Handled once per request id at an agreed step; rank 0 then removes it.
+  recommendation): one more ``os.stat`` per step. Handled once per request at an agreed step;
+  the node's first rank then removes it.
 - ``status.json`` (rank 0 → agent): the training state the agent serves on ``GET /status``.
 - ``flushed.json`` (rank 0 → agent): the flush committed; step, URI and notice-to-commit time.
 - ``flush-failed.json`` (rank 0 → agent): a flush was attempted and nothing could be committed.

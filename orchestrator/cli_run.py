@@ -62,8 +62,9 @@ from orchestrator.backends.local import (
     log_excerpt,
     run_pids,
 )
+from orchestrator.backends.local_timeline import TimelineTail
 from orchestrator.controller_loop import Controller
-from orchestrator.events import EventType, JsonlEventSink, RecordedEvent, events_path, read_events
+from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import (
     LiveView,
     LogView,
@@ -194,7 +195,9 @@ class LocalRun:
                     raise RunExistsError(self._exists_message()) from None
                 self.spec, status, version = spec, JobStatus(), ""
             self.events_path = events_path(self.path, self.key)
+            self._event_log = EventLog(self.events_path)
             self.timeline = Timeline(os.path.join(self.path, TIMELINE_FILE))
+            self._timeline_tail = TimelineTail(self.timeline.path)
             self.sink = JsonlEventSink(self.path)
             if resume:
                 self.takeover = self._take_over(status, version)
@@ -272,10 +275,12 @@ class LocalRun:
         return cls(config, resume=True)
 
     def close(self) -> None:
-        """Stop the backend (its monitor thread, its nodes), if ``run()`` has not, and give up the
-        driver lock (idempotent): a run made or resumed and then closed unrun leaves nothing behind."""
-        self.backend.close()
-        self.lock.release()
+        """Stop the backend's threads (``run()`` has, if it ran) and give up the driver lock
+        (idempotent): a run made and closed without running left its monitor thread behind."""
+        try:
+            self.backend.close()
+        finally:
+            self.lock.release()
 
     # -- creating and taking over -------------------------------------------------------------------
     def _exists_message(self) -> str:
@@ -408,7 +413,7 @@ class LocalRun:
             self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
             self.backend.close()
-            self.events = _events(self.events_path)
+            self.events = _events(self._event_log)
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
             self.close()
@@ -435,7 +440,7 @@ class LocalRun:
             return
         if stored is not None and stored.status is not None:
             self._note_status(stored.status)
-        self.events = _events(self.events_path)
+        self.events = _events(self._event_log)
 
     def _note_status(self, status: JobStatus) -> None:
         if status.phase is not self.status.phase or status.reason != self.status.reason:
@@ -483,11 +488,13 @@ class LocalRun:
         )
 
     def _commits(self) -> int:
-        """Commits in the timeline, re-counted at most once a second (the file only grows)."""
+        """Commits in the timeline, counted on from what was appended since the last look, at most
+        once a second (the file only grows)."""
         now = time.monotonic()
         if self._ended is not None or now - self._commits_read_at >= 1.0:
             self._commits_read_at = now
-            self._commit_count = timeline_commits(Timeline.read(self.timeline.path))
+            new, from_start = self._timeline_tail.read_new()
+            self._commit_count = timeline_commits(new) + (0 if from_start else self._commit_count)
         return self._commit_count
 
     def summary(self) -> Summary:
@@ -539,11 +546,11 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _events(path: str) -> list[RecordedEvent]:
+def _events(events: EventLog) -> list[RecordedEvent]:
     try:
-        return read_events(path)
+        return events.read()
     except (OSError, ValueError) as e:
-        log.warning("cannot read the run's events %s: %s", path, e)
+        log.warning("cannot read the run's events %s: %s", events.path, e)
         return []
 
 

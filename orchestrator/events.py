@@ -185,6 +185,40 @@ def read_events(path: str) -> list[RecordedEvent]:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return out
+    _add_lines(out, lines)
+    return out
+
+
+class EventLog:
+    """``read_events`` of one ``JsonlEventSink`` file that a run keeps appending to: each ``read``
+    parses only the whole lines appended since the last one, so what a look costs does not grow
+    with the run (``spotjob run`` looks after every reconcile pass). A file that got shorter (it
+    was replaced) is read again from its start."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offset = 0
+        self._events: list[RecordedEvent] = []
+
+    def read(self) -> list[RecordedEvent]:
+        """Every Event so far, as ``read_events`` gives them. Raises ``OSError`` (not for a missing file)."""
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:
+                    self._offset, self._events = 0, []
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            self._offset, self._events = 0, []
+            return []
+        whole = data.rfind(b"\n") + 1  # a line still being written is read once it is whole
+        _add_lines(self._events, data[:whole].decode(errors="replace").splitlines())
+        self._offset += whole
+        return list(self._events)
+
+
+def _add_lines(out: list[RecordedEvent], lines: list[str]) -> None:
+    """Append the Events of ``lines`` to ``out``, a repeat of the last one counted on it."""
     for line in lines:
         try:
             raw = json.loads(line)
@@ -210,11 +244,11 @@ def read_events(path: str) -> list[RecordedEvent]:
             )
         else:
             out.append(event)
-    return out
 
 
 __all__ = [
     "NULL_METRICS",
+    "EventLog",
     "EventSink",
     "EventType",
     "JobMetrics",

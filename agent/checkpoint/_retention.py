@@ -15,6 +15,12 @@ log = logging.getLogger("agent.checkpoint")  # one logger for the package, as be
 
 
 class _Retention(_State):
+    _swept_through: CheckpointRef | None
+    """(rank 0, ``keep`` None) The checkpoint whose retention pass last went through without an
+    error: every folder older than it was then committed (and stays: nothing is deleted with
+    ``keep`` None) or removed, so later passes look only at folders newer than it. Without it,
+    every save read the manifest of every checkpoint ever kept: a save's cost grew with the run."""
+
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
 
@@ -26,7 +32,12 @@ class _Retention(_State):
         url = self.storage.url
         try:
             retired = _fresh_start.retired_folders(self.storage)
-            older = [r for r in find_checkpoints(self.storage) if r < committed and r.folder not in retired]
+            swept = self._swept_through if self.config.keep is None else None
+            older = [
+                r
+                for r in find_checkpoints(self.storage)
+                if r < committed and r.folder not in retired and (swept is None or swept < r)
+            ]
             lineage = Lineage.load(self.storage)
             doomed: list[CheckpointRef] = []
             kept = 0
@@ -54,6 +65,8 @@ class _Retention(_State):
                 self.storage.delete([ref.key(MANIFEST_NAME)])
                 self.storage.delete_prefix(ref.folder + "/")
                 log.info("retention: removed %s", url(ref.folder))
+            if self.config.keep is None:
+                self._swept_through = committed
         except FencedError as e:
             log.error("retention: deleting nothing: %s", e)
         except (StorageError, OwnershipError, OSError) as e:

@@ -29,20 +29,31 @@ from agent.storage import StorageError, open_storage
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
 
+_closed_marks: dict[tuple[str, int], ControlDir] = {}
+"""The "closed" markers this process wrote, by (control folder, rank): taken back on a crash."""
+_crash_hook: Any = None
+
+
 def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
     """If the script dies of an unhandled exception after close(), remove the "closed" marker.
 
     The marker lets the agent forgive an abort at interpreter exit after the work is done; a
     traceback after close() (writing results, say) is a real failure and must stay one. A
-    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it).
+    ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it). One hook for
+    every Checkpointer the process closes: a hook per close made a chain that grew with each one.
     """
+    global _crash_hook
+    _closed_marks[(control.path, rank)] = control
+    if _crash_hook is not None and sys.excepthook is _crash_hook:
+        return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        control.unmark_closed(rank)
+        for (_, marked_rank), marked in list(_closed_marks.items()):
+            marked.unmark_closed(marked_rank)
         previous(kind, value, tb)
 
-    sys.excepthook = hook
+    _crash_hook = sys.excepthook = hook
 
 
 def _exception_in_flight() -> bool:
@@ -153,6 +164,7 @@ class Checkpointer(_Saving, _Restoring):
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._saves_started = 0
+        self._swept_through = None
         self._status = RankStatus(
             state="starting",
             world_size=self.world_size,
@@ -166,6 +178,7 @@ class Checkpointer(_Saving, _Restoring):
             self._claim()
         except BaseException:
             self._destroy_groups()
+            self._close_storage()
             raise
         self._report(force=True)
 
@@ -248,7 +261,8 @@ class Checkpointer(_Saving, _Restoring):
         self._last_step = step
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the process groups. Idempotent."""
+        """Wait for the save in flight, then release the process groups, the staging buffers and
+        the store's transfer threads and connections. Idempotent."""
         if self._closed:
             return
         try:
@@ -269,6 +283,15 @@ class Checkpointer(_Saving, _Restoring):
             if self._stager is not None:
                 self._stager.close()  # frees the staging buffers kept between saves
                 self._stager = None
+            self._close_storage()
+
+    def _close_storage(self) -> None:
+        """An object store's transfer pool (up to ``concurrency`` threads) and its connections would
+        otherwise outlive ``close()`` for as long as anything holds the Checkpointer."""
+        try:
+            self.storage.close()
+        except Exception as e:  # nothing is left to write; a failed close costs nothing more
+            log.debug("closing the checkpoint store: %r", e)
 
     def __enter__(self) -> Checkpointer:
         return self

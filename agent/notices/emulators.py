@@ -2,8 +2,9 @@
 
 Used by the tests and by the local backend (one emulator per simulated node; injecting a
 preemption is ``set_spot_action`` / ``set_preempted`` / ``add_event``). Each one listens on
-``127.0.0.1:<free port>`` (``.url``), runs in daemon threads, records every request for
-assertions (``.requests``, ``.count(...)``) and is a context manager.
+``127.0.0.1:<free port>`` (``.url``), runs in daemon threads, records requests for assertions
+(``.count(...)`` counts every one; ``.requests`` holds the newest ``HISTORY``: an agent polls
+its node's emulator every second for as long as a local run lasts) and is a context manager.
 
 What each enforces, because the real one does and a client that skips it would break in the cloud:
 
@@ -28,6 +29,7 @@ What each enforces, because the real one does and a client that skips it would b
 from __future__ import annotations
 
 import abc
+import collections
 import email.utils
 import hashlib
 import json
@@ -44,6 +46,10 @@ from types import TracebackType
 from typing import Any, Self
 
 log = logging.getLogger(__name__)
+
+
+HISTORY = 1000
+"""Requests an emulator keeps for ``.requests`` (the newest); ``.count`` counts them all."""
 
 
 @dataclass(frozen=True)
@@ -107,15 +113,22 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MetadataEmulator(abc.ABC):
-    """A fake metadata server. ``start()`` (or ``with``) binds; ``stop()`` releases long polls."""
+    """A fake metadata server. ``start()`` (or ``with``) binds; ``stop()`` releases long polls.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``history``: how many of the newest requests ``.requests`` keeps (default ``HISTORY``; 0: none,
+    for a server nobody inspects, like a local run's nodes); ``.count`` counts every one either way."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, history: int | None = None) -> None:
         self._host = host
         self._port = port
         self._cond = threading.Condition()
         """Guards the state; notified on every change so held long polls can re-check."""
         self._closing = False
-        self._requests: list[RecordedRequest] = []
+        self._requests: collections.deque[RecordedRequest] = collections.deque(
+            maxlen=HISTORY if history is None else history
+        )
+        self._counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        """Every request served, by (method, path, status): counted, not kept."""
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -163,13 +176,13 @@ class MetadataEmulator(abc.ABC):
             return list(self._requests)
 
     def count(self, method: str | None = None, path: str | None = None, status: int | None = None) -> int:
-        """How many requests matched (``None`` matches anything)."""
+        """How many requests matched (``None`` matches anything), of all the emulator served."""
+        with self._cond:
+            counts = list(self._counts.items())
         return sum(
-            1
-            for r in self.requests
-            if (method is None or r.method == method)
-            and (path is None or r.path == path)
-            and (status is None or r.status == status)
+            n
+            for (m, p, st), n in counts
+            if (method is None or m == method) and (path is None or p == path) and (status is None or st == status)
         )
 
     # -- serving -------------------------------------------------------------------------------
@@ -181,6 +194,7 @@ class MetadataEmulator(abc.ABC):
             reply = _Reply.text(500, "internal error")
         with self._cond:
             self._requests.append(RecordedRequest(method, path, query, headers, body, reply.status, time.time()))
+            self._counts[(method, path, reply.status)] += 1
         return reply
 
     @abc.abstractmethod
@@ -215,10 +229,11 @@ class ImdsEmulator(MetadataEmulator):
         instance_id: str = "i-0spotjob0emulator0",
         put_hop_limit_exceeded: bool = False,
         http_tokens: str = "required",
+        history: int | None = None,
     ) -> None:
         if http_tokens not in ("required", "optional"):
             raise ValueError(f"http_tokens={http_tokens!r}: expected 'required' or 'optional'")
-        super().__init__(host, port)
+        super().__init__(host, port, history=history)
         self.instance_id = instance_id
         self.put_hop_limit_exceeded = put_hop_limit_exceeded
         self.http_tokens = http_tokens
@@ -322,8 +337,10 @@ class GceMetadataEmulator(MetadataEmulator):
     PREFIX = "/computeMetadata/v1/"
     MAX_WAIT_SECONDS = 300
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, instance_name: str = "spotjob-vm-0") -> None:
-        super().__init__(host, port)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, instance_name: str = "spotjob-vm-0", history: int | None = None
+    ) -> None:
+        super().__init__(host, port, history=history)
         self._values: dict[str, str] = {
             "instance/preempted": "FALSE",
             "instance/maintenance-event": "NONE",
@@ -413,8 +430,10 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
 
     EVENTS_PATH = "/metadata/scheduledevents"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, vm_name: str = "spotjob-vm-0") -> None:
-        super().__init__(host, port)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, vm_name: str = "spotjob-vm-0", history: int | None = None
+    ) -> None:
+        super().__init__(host, port, history=history)
         self.vm_name = vm_name
         self._incarnation = 1
         self._events: list[dict[str, Any]] = []

@@ -326,7 +326,9 @@ class LocalBackend:
                     self._remove(w)  # exited, and nothing of it is left (no stray rank)
                     continue
                 t = threading.Thread(target=self._stop, args=(w,), name=f"stop-{w.name}", daemon=True)
-                self._threads.append(t)
+                # Only the stops still running are close()'s to wait for: one more per preemption
+                # otherwise, for as long as the run lasts.
+                self._threads = [*(other for other in self._threads if other.is_alive()), t]
                 t.start()
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:

@@ -95,7 +95,9 @@ class SimulatedCloud:
         self._count += 1
         path = os.path.join(self.root, "nodes", name)
         os.makedirs(path, exist_ok=True)
-        imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._count:04x}").start()
+        # Nobody reads back what the node's agent asked (a poll a second for as long as the node
+        # lives, and every terminated node stays listed): count it, keep none of it.
+        imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._count:04x}", history=0).start()
         node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}")
         self.nodes[name] = node
         log.info("provisioned %s (%s, %s); its IMDS is %s", name, zone, instance_type, imds.url)

@@ -364,3 +364,18 @@ def test_a_gang_stopped_without_a_flush_is_told_post_stop_and_exits_79(tmp_path:
     exits = [e for e in Timeline.read(str(tmp_path / "run" / "timeline.jsonl")) if e.kind == EventKind.WORKER_EXITED]
     assert [(e.data["worker"], e.data["code"]) for e in exits] == [("stopped-0-0", EXIT_STOPPED)]
     assert list_checkpoints(open_storage(str(tmp_path / "ckpt"))) == [], "stopped, not flushed"
+
+
+def test_stopping_gang_after_gang_keeps_only_the_stops_still_running(tmp_path: Path) -> None:
+    """Every gang stopped (a peer preempted, a peer failed) has a thread per live worker; the
+    backend kept every one of them for close() to join, one more per restart for the whole run."""
+    key, spec = one_rank_job(tmp_path, "gangs")
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"), kill_grace=0.5)) as backend:
+        for attempt in range(4):
+            backend.start_workers(key, spec, attempt, Placement())
+            backend.stop_workers(key, spec, flush=False)
+            give_up = time.monotonic() + 120
+            while backend._workers:
+                assert time.monotonic() < give_up, "a stopped worker was never removed"
+                time.sleep(0.05)
+        assert len(backend._threads) <= 1, f"{len(backend._threads)} stop threads kept after 4 gangs"

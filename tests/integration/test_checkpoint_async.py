@@ -6,6 +6,8 @@ Checkpointer's own Storage object, the seam every backend shares.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import threading
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, MissingStateKeysError, SaveFailedError
@@ -239,6 +242,31 @@ def test_a_rank_is_reported_closed_only_if_nothing_raised_after_close(tmp_path: 
     else:
         assert proc.returncode != 0 and "writing the results failed" in proc.stderr
         assert closed == []
+
+
+def test_closing_many_checkpointers_under_an_agent_adds_one_exception_hook(tmp_path: Path, monkeypatch: Any) -> None:
+    """A script that builds a Checkpointer per phase (or per evaluation) under spotjob-agent
+    chained one more hook per close(); every one of them runs on a crash, nested, and past
+    Python's recursion limit the hook itself fails."""
+    from agent.checkpoint import checkpointer
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    monkeypatch.setattr(checkpointer, "_closed_marks", {}, raising=False)
+    monkeypatch.setattr(checkpointer, "_crash_hook", None, raising=False)
+    control = tmp_path / "control"
+    hooks = []
+    for n in range(3):
+        with Checkpointer(str(tmp_path / "ckpt"), control_dir=str(control)) as ckpt:
+            ckpt.save(n, {"model": torch.nn.Linear(2, 2)})
+        hooks.append(sys.excepthook)
+    assert hooks[0] is hooks[1] is hooks[2], "each close() added an exception hook"
+    assert sorted(p.name for p in control.glob("closed-rank-*")) == ["closed-rank-0"]
+    try:
+        raise OSError("writing the results failed")
+    except OSError as e:
+        with contextlib.redirect_stderr(io.StringIO()):
+            sys.excepthook(type(e), e, e.__traceback__)
+    assert list(control.glob("closed-rank-*")) == [], "a crash after close() must stay a failure"
 
 
 def test_a_flush_gives_up_a_save_still_writing_and_commits_its_own_step(tmp_path: Path, monkeypatch: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,35 @@ def test_retention_removes_a_symlinked_step_folder_from_the_uri_and_nothing_wher
     assert after == before, "retention deleted files outside the checkpoint URI through a symlink"
     assert sorted(statuses(root)) == ["step-000000004"]
     assert not (root / "step-000000002").is_symlink(), "the planted link is still a folder of the URI"
+
+
+def test_keeping_every_checkpoint_a_save_reads_only_what_is_new_since_the_last_one(tmp_path: Path) -> None:
+    """A run that keeps everything saves hundreds of times: the 11th save must read the store no
+    more than the 3rd (each read every manifest ever committed), and a later one still removes a
+    leftover newer than the last commit."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    reads: dict[int, int] = {}
+    with Checkpointer(str(root), every_steps=1, keep=None, async_save=False) as ckpt:
+        counted = {"n": 0}
+        for name in ("list", "get_bytes"):
+            original = getattr(ckpt.storage, name)
+
+            def counting(*args: object, _original: Any = original, **kwargs: object) -> Any:
+                counted["n"] += 1
+                return _original(*args, **kwargs)
+
+            setattr(ckpt.storage, name, counting)
+        for step in range(1, 13):
+            if step == 12:  # a save that died before its manifest, newer than the last commit
+                (root / "step-000000011.1").mkdir()
+                (root / "step-000000011.1" / "__0_0.distcp").write_bytes(b"partial")
+            train(state, 1, start=step - 1)
+            counted["n"] = 0
+            ckpt.step(step, state)
+            reads[step] = counted["n"]
+    assert reads[11] == reads[3], f"store reads per save grew with the run: {reads}"
+    found = statuses(root)
+    assert "step-000000011.1" not in found, "the leftover of an unfinished save was not removed"
+    assert sorted(found) == [f"step-{n:09d}" for n in range(1, 13)]
+    assert all(s.valid for s in found.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,28 @@ def test_a_save_that_cannot_upload_fails_loudly_and_commits_nothing(
     assert manifest_writes(scheme, proxy) == 0
     assert [s for s in list_checkpoints(open_storage(uri)) if s.committed] == []
     assert restore(uri, tmp_path)[0] == 0
+
+
+def test_close_lets_the_object_stores_transfer_threads_go(
+    fresh_uri: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed Checkpointer still held (a script's variable, a list of them) kept its store's
+    pool of transfer threads, up to ``concurrency`` of them each."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1MiB")  # 5 MiB parts: several per shard
+    monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "1MiB")
+    uri = fresh_uri("s3")
+    state = {"model": torch.nn.Linear(1800, 1800)}  # a 13 MB shard
+
+    def transfer_threads() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("spotjob-s3"))
+
+    held = []
+    for step in (1, 2):
+        with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+            ckpt.restore(state)
+            ckpt.save(step, state)
+            ckpt.wait()
+            assert transfer_threads(), "the shard went up in one request: nothing to check"
+        held.append(ckpt)
+        assert transfer_threads() == [], f"after close(): {transfer_threads()}"
+    assert [s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid] == [2, 1]

@@ -31,6 +31,7 @@ from agent.notices import (
     NoticeSource,
     SignalSource,
     detect_cloud,
+    emulators,
 )
 from agent.notices.base import HttpClient
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
@@ -160,6 +161,20 @@ class TestImdsEmulator:
         assert http(imds.url + "/latest/meta-data/instance-id", headers=old)[0] == 401
         assert http(imds.url + "/latest/meta-data/instance-id", headers=token())[0] == 200
         assert imds.count("GET", status=401) == 1 and imds.token_requests == 2
+
+    def test_an_agent_polling_for_a_long_run_costs_it_no_memory_per_request(self, monkeypatch: Any) -> None:
+        """A local run's node answers its agent every second for as long as the run lasts: it
+        keeps the newest requests for assertions, counting (not keeping) the rest."""
+        monkeypatch.setattr(emulators, "HISTORY", 20, raising=False)
+        with ImdsEmulator() as imds:
+            token = http(imds.url + "/latest/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})[2]
+            headers = {"X-aws-ec2-metadata-token": token.decode()}
+            for _ in range(60):
+                assert http(imds.url + "/latest/meta-data/spot/instance-action", headers=headers)[0] == 404
+            kept = imds.requests
+            assert len(kept) == 20 and all(r.path.endswith("/instance-action") for r in kept)
+            assert imds.count("GET", "/latest/meta-data/spot/instance-action", status=404) == 60
+            assert imds.token_requests == 1 and imds.count() == 61
 
 
 class TestGceEmulator:

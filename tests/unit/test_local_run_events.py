@@ -1,0 +1,90 @@
+"""What ``spotjob run`` costs after each reconcile pass, however long the run has been going."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import events
+from orchestrator.backends import local_timeline
+from orchestrator.backends.local_timeline import EventKind
+from orchestrator.cli_run import LocalRun
+from orchestrator.events import EventType, read_events
+from orchestrator.run_config import RunConfig
+
+
+def test_a_look_at_the_runs_events_after_a_pass_parses_only_the_new_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run preempted for days has thousands of Events: each pass re-read them all."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    run = LocalRun(RunConfig(script=str(script), args=[], name="long", runs_dir=str(tmp_path / "runs")))
+    try:
+        for n in range(200):
+            run.sink.emit(run.key, EventType.NORMAL, "Rescheduled", f"attempt {n} on local-node-{n}")
+        run._after_pass()
+        parsed = {"n": 0}
+        real = events.RecordedEvent
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            parsed["n"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(events, "RecordedEvent", counting)
+        run.sink.emit(run.key, EventType.WARNING, "SpotInterrupted", "local-node-199 goes away", node="local-node-199")
+        run.sink.emit(run.key, EventType.WARNING, "SpotInterrupted", "local-node-199 goes away", node="local-node-199")
+        run._after_pass()
+        assert parsed["n"] <= 3, f"{parsed['n']} Events parsed for 2 new ones"
+        monkeypatch.setattr(events, "RecordedEvent", real)
+        assert run.events == read_events(run.events_path)
+        assert len(run.events) == 201 and run.events[-1].count == 2
+    finally:
+        run.close()
+
+
+def test_a_line_still_being_written_is_read_once_whole_and_a_replaced_file_from_its_start(tmp_path: Path) -> None:
+    path = tmp_path / "job.events.jsonl"
+    line = '{"time": "2026-01-01T00:00:00+00:00", "type": "Normal", "reason": "%s", "message": "m"}\n'
+    log = events.EventLog(str(path))
+    assert log.read() == []
+    path.write_text(line % "Started" + (line % "Running")[:20])
+    assert [e.reason for e in log.read()] == ["Started"]
+    with path.open("a") as f:
+        f.write((line % "Running")[20:])
+    assert [e.reason for e in log.read()] == ["Started", "Running"] == [e.reason for e in read_events(str(path))]
+    path.write_text(line % "Again")
+    assert [e.reason for e in log.read()] == ["Again"]
+
+
+def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline grows by about two lines a second per training worker: re-reading it all
+    every second made the driver's cost grow with the run's age until it filled a core."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    run = LocalRun(RunConfig(script=str(script), args=[], name="aged", runs_dir=str(tmp_path / "runs")))
+    try:
+        for step in range(300):
+            run.timeline.record(EventKind.STEP, worker="w-1-0", attempt=1, step=step, state="training")
+        run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=299, count=2)
+        run._commits_read_at = float("-inf")  # the once-a-second look is due
+        assert run._commits() == 2
+        parsed = {"n": 0}
+        real = local_timeline.TimelineEvent
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            parsed["n"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(local_timeline, "TimelineEvent", counting)
+        run.timeline.record(EventKind.STEP, worker="w-1-0", attempt=1, step=300, state="training")
+        run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=300)
+        run._commits_read_at = float("-inf")
+        assert run._commits() == 3
+        assert parsed["n"] <= 2, f"{parsed['n']} timeline lines parsed for 2 new ones"
+    finally:
+        run.close()
