@@ -12,7 +12,11 @@ A call, in order:
    Helm chart's RBAC rules, so a call that RBAC would refuse fails in every test first;
 2. the request is sent with the client's own auth, TLS and token refresh (``ApiClient``);
 3. 5xx, 429 and timeouts / dropped connections are retried with exponential backoff (tenacity),
-   honouring ``Retry-After``; after the last try, ``TransientError``;
+   honouring ``Retry-After``, within one deadline for the whole call (``RetryPolicy.deadline``: no
+   attempt outlives it, and no retry starts that would begin past it); after the last try, or at
+   the deadline, ``TransientError``. A reconcile worker is the caller: a call that cannot finish
+   in tens of seconds (a hanging admission webhook) gives the thread back, and the work queue
+   retries the job with backoff, rather than hold it for minutes while other jobs wait;
 4. other answers map to typed errors: 404 ``NotFound`` (``delete`` treats it as done), 409
    ``Conflict`` (re-read and retry) or ``AlreadyExists``, 410 ``Gone`` (re-list), 422 ``Invalid``,
    401/403 ``Forbidden``; all but the transient ones derive from ``PermanentError``: retrying the
@@ -30,6 +34,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -287,13 +292,24 @@ def load_config(kubeconfig: str | None = None, *, context: str | None = None) ->
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How transient failures are retried (exponential backoff with jitter, capped)."""
+    """How transient failures are retried (exponential backoff with jitter, capped), within a deadline."""
 
     attempts: int = 6
     initial: float = 0.2
     maximum: float = 10.0
     max_retry_after: float = 60.0
     """A longer Retry-After is capped here so one overloaded answer cannot stall a worker for long."""
+    deadline: float = 30.0
+    """Seconds one call may take, all its attempts and waits together: each attempt's timeout is cut
+    to what is left, and a retry whose wait would end past it is not made. Without it, six attempts
+    of the 30 s request timeout (or six 60 s Retry-Afters) held the calling reconcile worker for
+    minutes. A watch's stream, once open, is not bound by it (its own read timeout applies)."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be at least 1, not {self.attempts}")
+        if not self.deadline > 0:
+            raise ValueError(f"RetryPolicy.deadline must be a positive number of seconds, not {self.deadline}")
 
 
 @dataclass(frozen=True)
@@ -320,6 +336,7 @@ class KubeClient:
         request_timeout: float = 30.0,
         on_retry: RetryHook | None = None,
         sleep: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         restricted: bool = True,
         permissions: Iterable[Permission] | None = None,
         user_agent: str = "spotjob-controller",
@@ -334,6 +351,7 @@ class KubeClient:
         self._timeout = request_timeout
         self._on_retry = on_retry
         self._sleep = sleep
+        self._clock = clock
         self._restricted = restricted
         self._grants = (
             _ALLOWED if permissions is None else frozenset((p.group, p.resource, p.verb) for p in permissions)
@@ -539,8 +557,12 @@ class KubeClient:
             target = f"{resource}/{subresource}" if subresource else str(resource)
             raise NotPermitted(f"{verb} {target} is not in {self._grants_name}")
         what = f"{verb} {resource}{'/' + subresource if subresource else ''}"
+        ends_at = self._clock() + self._retry.deadline
 
         def attempt() -> Any:
+            left = ends_at - self._clock()
+            if left <= 0:
+                raise TransientError(f"{what}: no answer within the call's {self._retry.deadline:g}s deadline")
             try:
                 response = self._send(
                     method,
@@ -548,7 +570,7 @@ class KubeClient:
                     query=query or [],
                     body=body,
                     content_type=content_type,
-                    timeout=timeout or self._timeout,
+                    timeout=_within(timeout or self._timeout, left),
                 )
             except _NETWORK_ERRORS as e:
                 raise TransientError(f"{what}: {type(e).__name__}: {e}") from e
@@ -570,7 +592,7 @@ class KubeClient:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            stop=tenacity.stop_after_attempt(self._retry.attempts),
+            stop=tenacity.stop_after_attempt(self._retry.attempts) | _PastDeadline(ends_at, self._clock),
             wait=self._wait,
             before_sleep=before_sleep,
             reraise=True,
@@ -612,6 +634,26 @@ class KubeClient:
     def _forget(self, stream: WatchStream) -> None:
         with self._lock:
             self._watches.discard(stream)
+
+
+class _PastDeadline(tenacity.stop.stop_base):
+    """Stop when the wait before the next attempt would end at or past ``ends_at``: a retry that
+    would start too late to be worth it is not made. (tenacity computes the wait, then asks.)"""
+
+    def __init__(self, ends_at: float, clock: Callable[[], float]) -> None:
+        self._ends_at = ends_at
+        self._clock = clock
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._clock() + retry_state.upcoming_sleep >= self._ends_at
+
+
+def _within(timeout: float | tuple[float, float], left: float) -> float | tuple[float, float]:
+    """``timeout`` cut to the ``left`` seconds of the call's deadline; a watch's (connect, read)
+    keeps its read timeout, which bounds each read of the stream, not the call."""
+    if isinstance(timeout, tuple):
+        return (min(timeout[0], left), timeout[1])
+    return min(timeout, left)
 
 
 def _query(**params: Any) -> list[tuple[str, str]]:

@@ -141,7 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a node may be NotReady before its jobs count it lost (60; $SPOTJOB_NODE_LOST_GRACE_SECONDS)",
     )
     p.add_argument(
-        "--workers", type=int, metavar="N", help="concurrent reconciles, one per job at a time (4; $SPOTJOB_WORKERS)"
+        "--workers",
+        type=int,
+        metavar="N",
+        help="concurrent reconciles, one per job at a time, besides one kept for jobs with a new preemption notice "
+        "(4; $SPOTJOB_WORKERS)",
     )
     p.add_argument(
         "--log-level",

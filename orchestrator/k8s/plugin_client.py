@@ -287,7 +287,11 @@ class SpotJobClient:
         self.user = user
         self._client = KubeClient(
             user.configuration,
-            retry=RetryPolicy(attempts=3, initial=0.2, maximum=1.0, max_retry_after=5.0),
+            # A person's --request-timeout bounds each request; the call's deadline must not cut it
+            # shorter: three attempts of it and the two waits between them (5 s at most each).
+            retry=RetryPolicy(
+                attempts=3, initial=0.2, maximum=1.0, max_retry_after=5.0, deadline=3 * request_timeout + 10.0
+            ),
             request_timeout=request_timeout,
             permissions=PLUGIN_PERMISSIONS,
             user_agent="kubectl-spotjob",

@@ -15,6 +15,9 @@ Modelled on client-go's workqueue, which every Kubernetes controller relies on f
   moves it there), and one being processed goes to the front when it is done. The controller
   marks a job urgent when a preemption notice for one of its nodes or pods first appears: its
   flush request must not wait behind the routine passes of a hundred other jobs in a burst.
+  Nor behind jobs whose API calls hang: ``Workers`` keeps a thread of its own for urgent keys
+  (``get(urgent_only=True)``), so a flush starts even while every routine worker is stuck in
+  another job's call (each bounded by the client's deadline, ``api.RetryPolicy.deadline``).
 
 In parallel: any number of producers (informer handlers) call ``add``; ``Workers`` runs a bounded
 number of threads that take keys and call the reconcile function. ``shut_down()`` wakes them all;
@@ -88,6 +91,7 @@ class WorkQueue:
         self._dirty: set[ObjectKey] = set()  # waiting to be handed out (in _queue, or back after processing)
         self._processing: set[ObjectKey] = set()
         self._urgent: set[ObjectKey] = set()  # processing now, to the front of the queue when done
+        self._urgent_waiting: set[ObjectKey] = set()  # in _queue, put at its front as urgent (a prefix of it)
         self._delayed: list[tuple[float, int, ObjectKey]] = []  # heap of (ready at, seq, key)
         self._ready_at: dict[ObjectKey, float] = {}
         self._seq = 0
@@ -140,14 +144,16 @@ class WorkQueue:
 
     # -- consumers
 
-    def get(self, timeout: float | None = None) -> ObjectKey | None:
-        """The next key to process (now marked processing), or None on shutdown or timeout."""
+    def get(self, timeout: float | None = None, *, urgent_only: bool = False) -> ObjectKey | None:
+        """The next key to process (now marked processing), or None on shutdown or timeout.
+        ``urgent_only``: only a key added urgent (the urgent worker's call)."""
         end = None if timeout is None else self._clock() + timeout
         with self._cond:
             while True:
                 self._promote_due()
-                if self._queue:
+                if self._queue and (not urgent_only or self._queue[0] in self._urgent_waiting):
                     key = self._queue.popleft()
+                    self._urgent_waiting.discard(key)
                     self._dirty.discard(key)
                     self._processing.add(key)
                     self._report_depth()
@@ -171,10 +177,11 @@ class WorkQueue:
             if key in self._dirty and not self._shutting_down:
                 if urgent:
                     self._queue.appendleft(key)
+                    self._urgent_waiting.add(key)
                 else:
                     self._queue.append(key)
                 self._report_depth()
-                self._cond.notify()
+                self._cond.notify_all()  # the waiters differ (urgent-only or not): wake them all
 
     def shut_down(self) -> None:
         with self._cond:
@@ -208,6 +215,8 @@ class WorkQueue:
                 elif key in self._queue:
                     self._queue.remove(key)  # O(queue), and only for a notice's first sight
                     self._queue.appendleft(key)
+                    self._urgent_waiting.add(key)
+                    self._cond.notify_all()
             return
         self._dirty.add(key)
         if key in self._processing:
@@ -216,10 +225,11 @@ class WorkQueue:
             return  # done() queues it again
         if urgent:
             self._queue.appendleft(key)
+            self._urgent_waiting.add(key)
         else:
             self._queue.append(key)
         self._report_depth()
-        self._cond.notify()
+        self._cond.notify_all()  # the waiters differ (urgent-only or not): wake them all
 
     def _promote_due(self) -> None:
         now = self._clock()
@@ -243,7 +253,9 @@ class WorkQueue:
 
 
 class Workers:
-    """``count`` threads that take keys from ``queue`` and reconcile them.
+    """``count`` threads that take keys from ``queue`` and reconcile them, and ``urgent`` more that
+    take only the keys added urgent (a preemption notice's flush): however long other jobs' calls
+    hold the ``count`` threads, an urgent key finds one free unless urgent work fills it.
 
     A reconcile that returns a delay is queued after it; one that raises is retried with the
     key's backoff (and counted as an error); one that returns None is forgotten until an event
@@ -256,21 +268,27 @@ class Workers:
         reconcile: Reconcile,
         *,
         count: int = 4,
+        urgent: int = 1,
         metrics: QueueMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if count < 1:
             raise ValueError("at least one worker is needed")
+        if urgent < 0:
+            raise ValueError(f"the number of urgent workers cannot be negative ({urgent})")
         self._queue = queue
         self._reconcile = reconcile
         self._count = count
+        self._urgent_count = urgent
         self._metrics = metrics
         self._clock = clock
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        for i in range(self._count):
-            thread = threading.Thread(target=self._run, name=f"reconcile-{i}", daemon=True)
+        lanes = [(f"reconcile-{i}", False) for i in range(self._count)]
+        lanes += [(f"reconcile-urgent-{i}", True) for i in range(self._urgent_count)]
+        for name, urgent_only in lanes:
+            thread = threading.Thread(target=self._run, args=(urgent_only,), name=name, daemon=True)
             self._threads.append(thread)
             thread.start()
 
@@ -283,9 +301,9 @@ class Workers:
     def alive(self) -> bool:
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
-    def _run(self) -> None:
+    def _run(self, urgent_only: bool = False) -> None:
         while True:
-            key = self._queue.get()
+            key = self._queue.get(urgent_only=urgent_only)
             if key is None:
                 return
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from ctl_support import CONTROLLER_USER, TestApi
 
@@ -22,6 +24,7 @@ from orchestrator.k8s.api import (
     TransientError,
     load_config,
 )
+from tests.k8s.cluster.http import Fault
 
 
 def lease(name: str = "l") -> dict:
@@ -124,3 +127,47 @@ def test_a_request_that_hangs_times_out_and_is_retried(test_api: TestApi) -> Non
     test_api.fault(verb="get", resource="leases", name="slow", count=1, action="timeout", delay=5)
     assert client.get(LEASES, "slow", "default")["metadata"]["name"] == "slow"
     assert retries == [("get", "leases.coordination.k8s.io", "network")]
+
+
+def test_a_call_whose_request_hangs_gives_up_at_its_deadline_while_the_server_still_holds_it(
+    test_api: TestApi,
+) -> None:
+    # A request timeout of 30 s and six attempts: without the deadline the call held its thread
+    # for three minutes. The hang lasts until the test lets it go.
+    client = test_api.client(retry=RetryPolicy(attempts=6, initial=0.01, maximum=0.05, deadline=1.0))
+    hang = test_api.front.add_fault(Fault(verb="create", resource="leases", action="hang", count=100, delay=600))
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.create(LEASES, lease("stuck"), "default")
+        except BaseException as e:  # the outcome is what the test reads
+            outcome.append(e)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(60)  # a failure bound, not a measure
+    try:
+        assert not thread.is_alive(), "the call was still waiting on the hanging request"
+        assert not hang.released.is_set()  # the server still held it: the client gave up on its own
+        assert len(outcome) == 1 and isinstance(outcome[0], TransientError), outcome
+    finally:
+        test_api.clear_faults()
+
+
+def test_a_retry_after_that_would_end_past_the_deadline_is_not_waited_for(test_api: TestApi) -> None:
+    waits: list[float] = []
+    client = test_api.client(sleep=waits.append, retry=RetryPolicy(attempts=6, deadline=20.0))
+    test_api.fault(verb="get", resource="leases", count=10, status=429, retry_after=60)
+    with pytest.raises(TransientError) as error:
+        client.get(LEASES, "l", "default")
+    assert error.value.status == 429
+    assert waits == []  # not five waits of 60 s: the job is retried later, its worker freed now
+    assert len([r for r in test_api.audit() if r["resource"] == "leases" and r["verb"] == "get"]) == 1
+
+
+def test_a_retry_policy_without_attempts_or_time_is_refused() -> None:
+    with pytest.raises(ValueError, match="deadline"):
+        RetryPolicy(deadline=0)
+    with pytest.raises(ValueError, match="attempts"):
+        RetryPolicy(attempts=0)

@@ -161,3 +161,48 @@ def test_shutdown_wakes_idle_workers_and_lets_a_running_reconcile_finish() -> No
 def test_keys_read_as_namespace_slash_name() -> None:
     assert str(ObjectKey("team-a", "llama")) == "team-a/llama"
     assert ObjectKey.parse("team-a/llama") == ObjectKey("team-a", "llama")
+
+
+def test_an_urgent_key_is_reconciled_while_every_routine_worker_is_stuck_in_another_job() -> None:
+    q = WorkQueue()
+    release = threading.Event()
+    order: list[str] = []
+
+    def reconcile(key: ObjectKey) -> float | None:
+        if key == A:
+            order.append("a started")
+            release.wait(60)  # A's API call hangs until the test lets it go
+            order.append("a finished")
+        else:
+            order.append(f"{key.name} reconciled")
+        return None
+
+    workers = Workers(q, reconcile, count=1)
+    workers.start()
+    try:
+        q.add(A)
+        wait_for(lambda: order == ["a started"], what="A's reconcile to hang")
+        q.add(ObjectKey("ns", "routine"))
+        q.add(B, urgent=True)  # B's node got a preemption notice
+        wait_for(lambda: "b reconciled" in order, what="B's urgent reconcile", timeout=30)
+        assert order == ["a started", "b reconciled"]  # the routine key waits for a routine worker
+    finally:
+        release.set()
+        wait_for(lambda: "routine reconciled" in order, what="the routine key after A")
+        workers.stop()
+    assert order == ["a started", "b reconciled", "a finished", "routine reconciled"]
+
+
+def test_the_urgent_worker_takes_only_keys_added_urgent() -> None:
+    q = WorkQueue()
+    q.add(A)
+    assert q.get(timeout=0, urgent_only=True) is None
+    q.add(B, urgent=True)
+    assert q.get(timeout=0, urgent_only=True) == B
+    assert q.get(timeout=0, urgent_only=True) is None
+    q.add(A, urgent=True)  # a waiting routine key made urgent moves to the front, for either worker
+    assert q.get(timeout=0, urgent_only=True) == A
+    q.done(B)
+    q.add(B)
+    q.add(B, urgent=True)
+    assert q.get(timeout=0, urgent_only=True) == B

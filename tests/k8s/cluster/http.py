@@ -75,9 +75,11 @@ class AuditRecord:
 @dataclass
 class Fault:
     """Make the next ``count`` requests that match fail with ``status`` (500, 429, 503, …), hang for
-    ``delay`` seconds and then drop the connection (``action="timeout"``), drop it at once
-    (``action="drop"``), or serve them and drop the connection instead of answering
-    (``action="lost-answer"``: the write happened, the client cannot know). Empty matcher fields
+    ``delay`` seconds and then drop the connection (``action="timeout"``), hang until the faults are
+    cleared (``delay`` seconds at most) and then drop it (``action="hang"``: a stuck admission webhook,
+    a namespace that does not answer), drop it at once (``action="drop"``), or serve them and drop the
+    connection instead of answering (``action="lost-answer"``: the write happened, the client cannot
+    know). ``hits`` counts the requests that met the fault so far (a hanging one as it starts). Empty matcher fields
     match anything; ``path`` matches the request's path exactly (discovery, e.g.
     ``/apis/events.k8s.io/v1``, has no resource to match on)."""
 
@@ -89,11 +91,13 @@ class Fault:
     user: str = ""
     path: str = ""
     count: int = 1
-    action: str = "status"  # status | timeout | drop | lost-answer
+    action: str = "status"  # status | timeout | hang | drop | lost-answer
     status: int = 500
     retry_after: int = 1
     delay: float = 30.0
     hits: int = 0
+    released: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    """Set by ``clear_faults``: the requests a ``hang`` holds are let go."""
 
     def matches(
         self, user: str, verb: str, resource: str, subresource: str, namespace: str, name: str, path: str = ""
@@ -190,6 +194,8 @@ class HttpFront:
 
     def clear_faults(self) -> None:
         with self._fault_lock:
+            for fault in self.faults:
+                fault.released.set()
             self.faults.clear()
 
     def drop_watches(self, resource: str = "") -> int:
@@ -415,8 +421,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _inject(self, fault: Fault) -> int:
         self._read_body_if_unread()
-        if fault.action == "timeout":
-            time.sleep(fault.delay)
+        if fault.action in ("timeout", "hang"):
+            if fault.action == "hang":
+                fault.released.wait(fault.delay)
+            else:
+                time.sleep(fault.delay)
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return 0
@@ -813,7 +822,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"dropped": front.drop_watches(query.get("resource", ""))})
         elif hook == "faults" and method == "POST":
             body = self._body() or {}
-            front.add_fault(Fault(**{k: v for k, v in body.items() if k in Fault.__dataclass_fields__}))
+            front.add_fault(
+                Fault(**{k: v for k, v in body.items() if k in Fault.__dataclass_fields__ and k != "released"})
+            )
             self._send(201, {"faults": len(front.faults)})
         elif hook == "faults" and method == "DELETE":
             front.clear_faults()
