@@ -6,8 +6,9 @@ IMDSv2 token for a ``PUT /latest/api/token``. The GET comes first: in a containe
 whose ``HttpPutResponseHopLimit`` is 1 the token PUT's answer never arrives, but the GET's does,
 so the node is still known as AWS and the AWS source's warning names the hop limit, instead of
 the agent quietly running without spot notices. Where the instance still allows IMDSv1, the same
-GET is answered 200 with the metadata listing (``instance-id`` among its lines): AWS too, and the
-source then reads without a token if the token never comes. GCE answers ``/computeMetadata/v1/``
+GET is answered 200 with the metadata listing (``instance-id`` among its lines): AWS too when the
+token PUT then gets no answer (the source then reads without a token) or a token; not when the PUT
+is answered an error, as EC2-compatible services (OpenStack's) answer it. GCE answers ``/computeMetadata/v1/``
 with a ``Metadata-Flavor: Google`` response header; Azure answers ``/metadata/instance`` with
 ``Metadata: true`` and a JSON document. Off-cloud the probes fail or time out, so each request
 gets at most ``timeout`` (0.3 s) and the probes run in parallel: start-up pays 0.3 s at worst off
@@ -44,12 +45,22 @@ class Cloud(enum.StrEnum):
 
 def _probe_aws(base_url: str, timeout: float) -> bool:
     client = HttpClient(base_url)
+    give_up = time.monotonic() + timeout
     resp = client.request("GET", aws.META_DATA_PATH, timeout=timeout)
     if resp.status == 401:  # IMDSv2 required: only AWS answers a tokenless read so
         return True
-    if resp.status == 200 and "instance-id" in resp.text().split():  # IMDSv1 still allowed
-        return True
-    resp = client.request("PUT", aws.TOKEN_PATH, headers={aws.TOKEN_TTL_HEADER: "60"}, timeout=timeout)
+    # IMDSv1 still allowed: the listing names instance-id. EC2-compatible services (OpenStack's)
+    # answer so too, but answer the token PUT with an error, which every AWS instance grants; so
+    # the listing decides only where the PUT gets no answer (the hop limit in a container).
+    listing = resp.status == 200 and "instance-id" in resp.text().split()
+    # Then within the GET's time: the PUT's answer that never comes must not outlast detect_cloud's bound.
+    put_timeout = max(give_up - time.monotonic(), 0.05) if listing else timeout
+    try:
+        resp = client.request("PUT", aws.TOKEN_PATH, headers={aws.TOKEN_TTL_HEADER: "60"}, timeout=put_timeout)
+    except TimeoutError:
+        if listing:
+            return True
+        raise
     return resp.status == 200 and bool(resp.body.strip())
 
 

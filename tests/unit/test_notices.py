@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -545,6 +546,41 @@ class TestDetectCloud:
         # failed every poll, so a spot interruption reached nobody.
         nothing = closed_port_url()
         with ImdsEmulator(put_hop_limit_exceeded=True, http_tokens="optional") as imds:
+            assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
+
+    def test_an_ec2_compatible_metadata_service_that_refuses_the_token_put_is_not_aws(self) -> None:
+        # OpenStack's metadata service (and other EC2-compatible ones) answers a tokenless
+        # /latest/meta-data/ with a listing that names instance-id, as AWS with IMDSv1 allowed
+        # does, but answers the token PUT with an error: every AWS instance grants tokens. Taken
+        # for AWS, the node would run an AWS source that fails every poll.
+        class Ec2Compatible(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._answer(200, b"ami-id\ninstance-id\nlocal-ipv4\n" if self.path == "/latest/meta-data/" else b"")
+
+            def do_PUT(self) -> None:
+                self._answer(405, b"Method Not Allowed")
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Ec2Compatible)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            nothing = closed_port_url()
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            assert detect_cloud(aws_url=url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.NONE
+        finally:
+            server.shutdown()
+            server.server_close()
+        # AWS with IMDSv1 allowed and the token PUT answered is still AWS.
+        with ImdsEmulator(http_tokens="optional") as imds:
             assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
 
     def test_the_aws_source_reads_without_a_token_where_imdsv1_is_allowed_and_the_token_put_gets_no_answer(
