@@ -152,7 +152,8 @@ def _verified_as(path: str, marker: str, vouches: bytes, size: int) -> bool:
 
 def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:
     """The newest committed checkpoint ``Checkpointer.restore`` would try first (valid, not retired
-    by a fresh start, written by the URI's own lineage), with its manifest; None if there is none."""
+    by a fresh start, written by the URI's own lineage), with its manifest; None if there is none,
+    or if a newer spotjob's checkpoint comes first (the restore stops there, refused)."""
     retired = _fresh_start.retired_folders(storage)
     lineage = Lineage.load(storage)
     for ref in find_checkpoints(storage):
@@ -161,6 +162,8 @@ def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:
         status = inspect(storage, ref, lineage=lineage)
         if status.valid and status.manifest is not None:
             return ref, status.manifest
+        if status.newer_format:
+            return None
     return None
 
 

@@ -9,6 +9,7 @@ network, and the agent process itself (``Agent._prefetch`` only starts ``prefetc
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ from agent.checkpoint import Checkpointer
 from agent.control_channel import ControlDir
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.launcher import Agent, parse_args
-from agent.manifest import Manifest
+from agent.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch, staging_root
 from agent.storage import CorruptObjectError
 from agent.storage.file import FileStorage
@@ -92,6 +93,23 @@ def test_a_prefetch_of_a_filesystem_store_checks_every_file_and_refuses_a_flippe
 
 def test_nothing_to_prefetch_under_a_new_uri(tmp_path: Path) -> None:
     assert prefetch(ObjectStoreLike(str(tmp_path / "empty")), str(tmp_path / "staging")) is None
+
+
+def test_nothing_is_prefetched_past_a_checkpoint_a_newer_spotjob_wrote(tmp_path: Path) -> None:
+    """The restore stops at it (an older one would go back in time) and is refused: fetching the
+    older checkpoint would cost its whole download and cache for a restore that never reads it."""
+    root, _ = committed(tmp_path)
+    state = make_state(0)
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(4, state)
+    manifest = Path(root, "step-000000004", MANIFEST_NAME)
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps(doc))
+    store = ObjectStoreLike(root)
+    staging = str(tmp_path / "staging")
+    assert prefetch(store, staging) is None
+    assert store.fetched == [] and not Path(staging, RESTORE_FOLDER).exists()
 
 
 # -- the <file>.verified marker vouches for one file of one checkpoint ---------------------------
