@@ -215,6 +215,9 @@ class _Restoring(_Voting):
         self.wait()
         started = time.monotonic()
         self._drain_votes()
+        # The run may go back below the last retention pass (a fresh start begins at step 0): the
+        # next pass looks at every folder again, or the new run's leftovers there would stay.
+        self._swept_through = None
         url = self.storage.url
         refs: list[CheckpointRef] = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
         retired: set[str] = (

@@ -152,3 +152,30 @@ def test_keeping_every_checkpoint_a_save_reads_only_what_is_new_since_the_last_o
     assert "step-000000011.1" not in found, "the leftover of an unfinished save was not removed"
     assert sorted(found) == [f"step-{n:09d}" for n in range(1, 13)]
     assert all(s.valid for s in found.values())
+
+
+def test_keeping_every_checkpoint_a_leftover_from_after_a_fresh_start_in_the_same_run_is_removed(
+    tmp_path: Path,
+) -> None:
+    """The pass that skips what an earlier pass went through must not skip, after a restore that
+    starts over from step 0, the leftovers of the new run below the old run's last commit."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root), keep=None, async_save=False, start_fresh=True) as ckpt:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+        for folder in root.glob("step-*"):  # every checkpoint unusable now: a shard of each lost
+            next(folder.glob("*.distcp")).unlink()
+        fresh = make_state(0, seed=5)
+        assert ckpt.restore(fresh) == 0  # start_fresh: they are retired and the run starts over
+        # The first save of the new run died before its manifest ...
+        leftover = root / "step-000000001.1"
+        leftover.mkdir()
+        (leftover / "__0_0.distcp").write_bytes(b"partial")
+        # ... and the next one commits.
+        train(fresh, 2)
+        ckpt.save(2, fresh)
+    found = statuses(root)
+    assert "step-000000001.1" not in found, "the leftover of the new run's unfinished save was not removed"
+    assert found["step-000000002.1"].valid
