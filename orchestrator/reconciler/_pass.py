@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from operator import methodcaller
 from typing import Protocol
 
-from agent.catalog import CheckpointStatus
+from agent.catalog import CheckpointRef, CheckpointStatus
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from agent.storage import Storage, StorageError
 from orchestrator.backends.base import BackendError, WorkerObservation
@@ -135,6 +135,9 @@ class _Pass:
     workers: list[WorkerObservation] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     checkpoint: CheckpointStatus | None = None
+    newer_format: CheckpointRef | None = None
+    """The newest checkpoint above ``checkpoint`` that a newer spotjob wrote (unreadable here): an
+    attempt's fence must not fall below it, or an upgraded worker would take it for a stale one's."""
     checkpoint_uri: str = ""
     storage_error: StorageError | None = None
     invalid_uri: str | None = None

@@ -430,6 +430,8 @@ class Reconciler(_Capacity):
     def _note_skipped(self, p: _Pass, storage: Storage, skipped: CheckpointStatus) -> None:
         """Say once per job why a checkpoint is not the one it resumes from (a folder without a
         manifest, as likely a save in progress, only at debug level)."""
+        if skipped.newer_format and p.newer_format is None:  # newest first: the first is the newest
+            p.newer_format = skipped.ref
         said = (skipped.ref.folder, skipped.reason)
         with self._lock:
             known = self._skipped.setdefault(p.key, set())
@@ -608,11 +610,16 @@ class Reconciler(_Capacity):
             return
 
     def _record_attempt(self, p: _Pass) -> bool:
-        """Record the attempt about to start, fenced at the newest valid checkpoint (see the module
-        docstring); False (and Degraded) when storage cannot take the record."""
+        """Record the attempt about to start, fenced at the newest valid checkpoint, or at a newer
+        spotjob's checkpoint above it (see the module docstring); False (and Degraded) when storage
+        cannot take the record."""
         attempt, storage, job = p.status.attempt, p.storage, job_identity(p.key)
         assert storage is not None, "starting an attempt without storage"
         fence = p.checkpoint.ref if p.checkpoint is not None else None
+        if p.newer_format is not None and (fence is None or fence < p.newer_format):
+            # A newer spotjob's checkpoint (the workers' image is newer than this controller): fenced
+            # below it, the upgraded workers would judge it a stale attempt's and go back past it.
+            fence = p.newer_format
         try:
             recorded = newest_attempt(storage, job)
             if recorded is not None and recorded > attempt.number:

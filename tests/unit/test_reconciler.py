@@ -31,7 +31,8 @@ from fakes import (
 )
 from pydantic import ValidationError
 
-from agent.catalog import CheckpointRef
+from agent.catalog import CheckpointRef, latest_valid
+from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
 from orchestrator.backends.base import BackendError, FlushRequestState
@@ -1240,6 +1241,31 @@ def test_a_zombie_of_the_previous_attempt_can_neither_end_the_flush_nor_be_resum
     status = w.run_until(running_attempt(2))
     assert w.backend.worker(2, 0).resumed_from == 50
     assert [r.fence for r in attempt_records(w.storage, "team-a/train")][1:] == [CheckpointRef(50), CheckpointRef(50)]
+
+
+def test_an_attempt_is_fenced_at_a_newer_spotjobs_checkpoint_not_below_it(tmp_path: Any) -> None:
+    """Workers on a newer spotjob image than the controller commit step 80 in a manifest format
+    this controller cannot read. Fenced at step 50 (the newest it can), attempt 1's upgraded workers
+    would judge step 80 a stale attempt's and go back to 50; fenced at 80, they resume from it."""
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now(), attempt=0)
+    commit_checkpoint(w.storage, 80, w.clock.now(), attempt=0)
+    key = CheckpointRef(80).key(MANIFEST_NAME)
+    readable = w.storage.get_bytes(key)
+    newer = json.loads(readable)
+    newer["format_version"] = FORMAT_VERSION + 1
+    w.storage.delete([key])
+    w.storage.put_bytes(key, json.dumps(newer).encode())
+    preempt_running_job(w)
+    w.run_until(running_attempt(1))  # the flush hung; nothing newer this controller reads
+    assert [r.fence for r in attempt_records(w.storage, "team-a/train")] == [None, CheckpointRef(80)]
+
+    # What the upgraded workers of attempt 1 see (they read the format): step 80, not fenced.
+    w.storage.delete([key])
+    w.storage.put_bytes(key, readable)
+    newest = latest_valid(w.storage)
+    assert newest is not None and newest.ref == CheckpointRef(80)
 
 
 def test_a_job_created_again_under_its_name_numbers_attempts_past_the_ones_in_storage(world: World) -> None:
