@@ -108,6 +108,13 @@ class _Resource(BaseModel):
         extra="forbid",
     )
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utc_if_zoneless(cls, value: Any) -> Any:
+        """A time written without a zone (by hand, or by another tool) is UTC, as spotjob writes
+        them: left zone-less, each comparison with the controller's clock failed (TypeError)."""
+        return value.replace(tzinfo=UTC) if isinstance(value, datetime) and value.tzinfo is None else value
+
 
 # -- spec ---------------------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ Nothing here blocks on the network in a pass except the writes (pod creates and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -119,6 +120,8 @@ class KubernetesBackend:
         self._ensured: dict[tuple[str, str], str] = {}
         """(namespace, name) → uid of each job whose Secret, Service and NetworkPolicy this process
         created (or found); a job gone from the SpotJob cache is dropped at the next creation."""
+        self._ensured_lock = threading.Lock()
+        """Held to change ``_ensured``: reconcile workers start different jobs at the same time."""
         self._no_flush: set[str] = set()
         """uids of pods to stop without a flush (POST /stop before the delete)."""
 
@@ -304,9 +307,10 @@ class KubernetesBackend:
         # One entry per job that exists, not one per job ever started: a job deleted (or replaced
         # under its name) is forgotten here, as the reconciler forgets it.
         known = set(self._jobs.object_keys())
-        for gone in [k for k in self._ensured if k not in known]:
-            del self._ensured[gone]
-        self._ensured[(owner.namespace, owner.name)] = owner.uid
+        with self._ensured_lock:
+            for gone in [k for k in self._ensured if k not in known]:
+                del self._ensured[gone]
+            self._ensured[(owner.namespace, owner.name)] = owner.uid
 
     def _create_pod(
         self,

@@ -11,9 +11,10 @@ A call, in order:
 1. its (resource, verb) is checked against ``PERMISSIONS`` — the one list a test compares with the
    Helm chart's RBAC rules, so a call that RBAC would refuse fails in every test first;
 2. the request is sent with the client's own auth, TLS and token refresh (``ApiClient``);
-3. 5xx, 429 and timeouts / dropped connections are retried with exponential backoff (tenacity),
-   honouring ``Retry-After``, within one deadline for the whole call (``RetryPolicy.deadline``: no
-   attempt outlives it, and no retry starts that would begin past it); after the last try, or at
+3. 5xx, 429 and timeouts / dropped connections (an answer cut off halfway too: the body is read
+   within the attempt) are retried with exponential backoff (tenacity), honouring ``Retry-After``,
+   within one deadline for the whole call (``RetryPolicy.deadline``: no attempt outlives it, and
+   no retry starts that would begin past it); after the last try, or at
    the deadline, ``TransientError``. A reconcile worker is the caller: a call that cannot finish
    in tens of seconds (a hanging admission webhook) gives the thread back, and the work queue
    retries the job with backoff, rather than hold it for minutes while other jobs wait;
@@ -502,7 +503,10 @@ class KubeClient:
         except _NETWORK_ERRORS as e:
             raise TransientError(f"discovery of {group}/{version} failed: {e}") from e
         try:
-            body = response.read()  # always read: an unread body would poison the pooled connection
+            try:
+                body = response.read()  # always read: an unread body would poison the pooled connection
+            except _NETWORK_ERRORS as e:  # the answer cut off halfway
+                raise TransientError(f"discovery of {group}/{version} failed reading the answer: {e}") from e
             if response.status == 404:
                 return False
             if response.status >= 400:
@@ -525,13 +529,17 @@ class KubeClient:
         content_type: str | None = None,
         subresource: str | None = None,
     ) -> Object:
-        response = self._request(
-            verb, resource, method, path, query=query, body=body, content_type=content_type, subresource=subresource
+        data = self._request(
+            verb,
+            resource,
+            method,
+            path,
+            query=query,
+            body=body,
+            content_type=content_type,
+            subresource=subresource,
+            read=True,
         )
-        try:
-            data = response.read()
-        finally:
-            response.response.release_conn()
         try:
             parsed = json.loads(data) if data else {}
         except ValueError as e:
@@ -552,7 +560,10 @@ class KubeClient:
         content_type: str | None = None,
         subresource: str | None = None,
         timeout: float | tuple[float, float] | None = None,
+        read: bool = False,
     ) -> Any:
+        """The response (``read``: its body, read within the attempt, so that an answer cut off
+        halfway is retried like any dropped connection, within the same deadline)."""
         if self._restricted and not allowed(resource, verb, subresource, self._grants):
             target = f"{resource}/{subresource}" if subresource else str(resource)
             raise NotPermitted(f"{verb} {target} is not in {self._grants_name}")
@@ -576,12 +587,17 @@ class KubeClient:
                 raise TransientError(f"{what}: {type(e).__name__}: {e}") from e
             except k8s_exceptions.ApiException as e:  # the client's own refusals (TLS): not retryable
                 raise PermanentError(f"{what}: {e.reason}", status=int(e.status or 0)) from e
-            if response.status < 400:
-                return response
+            if response.status < 400 and not read:
+                return response  # a watch's stream: its iterator reads it
             try:
-                raise _error_from_status(response.status, response.read(), response.headers)
+                data = response.read()
+            except _NETWORK_ERRORS as e:  # the answer cut off halfway: as a dropped connection
+                raise TransientError(f"{what}: {type(e).__name__} reading the answer: {e}") from e
             finally:
                 response.response.release_conn()
+            if response.status < 400:
+                return data
+            raise _error_from_status(response.status, data, response.headers)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome else None

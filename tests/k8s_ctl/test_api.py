@@ -56,6 +56,26 @@ def test_a_dropped_connection_is_retried(test_api: TestApi) -> None:
     assert client.get(LEASES, "l", "default")["metadata"]["name"] == "l"
 
 
+def test_an_answer_cut_off_in_its_body_is_retried_like_a_dropped_connection(test_api: TestApi) -> None:
+    # The connection drops after the head of the answer (a proxy or API server restarting while it
+    # sends a big LIST page): the body read failed outside the retries, as a bare urllib3 error
+    # that no caller expects (they handle KubeError), and was never retried.
+    retries: list[tuple[str, str, str]] = []
+    client = test_api.client(on_retry=lambda *a: retries.append(a))
+    test_api.admin.create(LEASES, lease("torn"), "default")
+    test_api.fault(verb="get", resource="leases", name="torn", count=1, action="torn-answer")
+    assert client.get(LEASES, "torn", "default")["metadata"]["name"] == "torn"
+    assert retries == [("get", "leases.coordination.k8s.io", "network")]
+
+
+def test_a_discovery_answer_cut_off_in_its_body_is_a_transient_error(test_api: TestApi) -> None:
+    client = test_api.client()
+    test_api.fault(path="/apis/events.k8s.io/v1", count=1, action="torn-answer")
+    with pytest.raises(TransientError):
+        client.api_group_served("events.k8s.io", "v1")
+    assert client.api_group_served("events.k8s.io", "v1")
+
+
 def test_retries_give_up_with_a_typed_transient_error(test_api: TestApi) -> None:
     client = test_api.client(retry=RetryPolicy(attempts=3, initial=0.01, maximum=0.01))
     test_api.fault(verb="list", resource="pods", count=10, status=503)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -282,6 +283,50 @@ def test_what_the_backend_remembers_of_created_job_objects_is_one_entry_per_exis
     world.backend.start_workers(KEY, spec(), 1, Placement())
     assert world.client.kinds().count("secrets") == secrets + 1
     assert world.backend._ensured == {("ml", "llama"): "uid-new"}
+
+
+def test_jobs_started_at_once_by_several_reconcile_workers_all_have_their_objects_remembered(world: World) -> None:
+    # The controller's reconcile workers start different jobs at the same time, and what the
+    # backend remembers of created job objects is one dict they all update. Here a second worker
+    # remembers its job exactly while the first walks that dict to drop the jobs gone: before, the
+    # walk failed ("dictionary changed size during iteration") and the first job's start with it.
+    errors: list[BaseException] = []
+
+    def start(key: JobKey) -> None:
+        try:
+            world.backend.start_workers(key, spec(), 0, Placement())
+        except BaseException as e:
+            errors.append(e)
+
+    for name in ("walked", "first", "second"):
+        world.jobs._put(
+            {
+                "apiVersion": "spotjob.dev/v1alpha1",
+                "kind": "SpotJob",
+                "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}"},
+            }
+        )
+    second = threading.Thread(target=start, args=(JobKey("ml", "second"),))
+
+    class Namespace(str):
+        """The namespace "ml", which starts the second job the moment the first's walk looks at it."""
+
+        armed = False
+
+        def __hash__(self) -> int:
+            if Namespace.armed:
+                Namespace.armed = False
+                second.start()
+                second.join(timeout=2.0)  # done at once if nothing holds it back; else it waits its turn
+            return str.__hash__(self)
+
+    world.backend.start_workers(JobKey(Namespace("ml"), "walked"), spec(), 0, Placement())
+    Namespace.armed = True
+    start(JobKey("ml", "first"))
+    second.join()
+    assert not Namespace.armed, "the walk never looked at the walked job"
+    assert errors == []
+    assert set(world.backend._ensured) == {("ml", "walked"), ("ml", "first"), ("ml", "second")}
 
 
 def test_new_workers_keep_off_nodes_in_cool_down_and_nodes_being_taken_away(world: World) -> None:

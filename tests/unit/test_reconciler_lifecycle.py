@@ -136,6 +136,24 @@ def test_a_restart_backoff_written_by_a_leader_whose_clock_ran_ahead_holds_the_r
     assert status.restarts == 1
 
 
+def test_a_status_whose_times_were_written_without_a_zone_is_read_as_utc_and_the_job_goes_on(tmp_path: Any) -> None:
+    # Written by hand (kubectl edit --subresource=status) or by another tool: each pass compared
+    # them with its clock and failed (TypeError: naive and aware datetimes), so the job never moved.
+    world = make_world(tmp_path)
+    started = world.run_until(running_attempt(0)).start_time
+
+    def without_zone(doc: dict[str, Any]) -> None:
+        for times, name in ((doc["status"], "startTime"), (doc["status"]["attempt"], "runningAt")):
+            times[name] = times[name].removesuffix("Z").split("+")[0]
+
+    edit_document(world.store, KEY, without_zone)  # type: ignore[arg-type]
+    world.clock.advance(1)
+    world.reconcile()
+
+    assert world.status.phase is Phase.RUNNING
+    assert world.status.start_time == started
+
+
 def test_a_checkpoint_request_taken_by_a_leader_whose_clock_ran_ahead_ends_within_the_flush_timeout(
     tmp_path: Any,
 ) -> None:

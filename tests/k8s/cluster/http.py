@@ -79,9 +79,11 @@ class Fault:
     cleared (``delay`` seconds at most) and then drop it (``action="hang"``: a stuck admission webhook,
     a namespace that does not answer), drop it at once (``action="drop"``), or serve them and drop the
     connection instead of answering (``action="lost-answer"``: the write happened, the client cannot
-    know). ``hits`` counts the requests that met the fault so far (a hanging one as it starts). Empty matcher fields
-    match anything; ``path`` matches the request's path exactly (discovery, e.g.
-    ``/apis/events.k8s.io/v1``, has no resource to match on)."""
+    know), or serve them and drop the connection halfway through the answer's body
+    (``action="torn-answer"``: the head arrived, the rest never will). ``hits`` counts the requests
+    that met the fault so far (a hanging one as it starts). Empty matcher fields match anything;
+    ``path`` matches the request's path exactly (discovery, e.g. ``/apis/events.k8s.io/v1``, has no
+    resource to match on)."""
 
     verb: str = ""
     resource: str = ""
@@ -91,7 +93,7 @@ class Fault:
     user: str = ""
     path: str = ""
     count: int = 1
-    action: str = "status"  # status | timeout | hang | drop | lost-answer
+    action: str = "status"  # status | timeout | hang | drop | lost-answer | torn-answer
     status: int = 500
     retry_after: int = 1
     delay: float = 30.0
@@ -359,6 +361,9 @@ class _Handler(BaseHTTPRequestHandler):
             if fault is not None and fault.action == "lost-answer":
                 code = self._serve_answer_lost(method, path, query, info, user)
                 return
+            if fault is not None and fault.action == "torn-answer":
+                code = self._serve_answer_torn(method, path, query, info, user)
+                return
             if fault is not None:
                 code = self._inject(fault)
                 return
@@ -418,6 +423,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self.connection.shutdown(socket.SHUT_RDWR)
         return 0
+
+    def _serve_answer_torn(self, method: str, path: str, query: dict[str, str], info: RequestInfo, user: str) -> int:
+        """Serve the request, send its answer's head and half its body, then drop the connection."""
+        answer, self.wfile = self.wfile, io.BytesIO()
+        try:
+            code = self._serve(method, path, query, info, user)
+        finally:
+            whole, self.wfile = self.wfile.getvalue(), answer  # type: ignore[attr-defined]
+        body_at = whole.find(b"\r\n\r\n") + 4
+        self.wfile.write(whole[: body_at + (len(whole) - body_at) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+        return code
 
     def _inject(self, fault: Fault) -> int:
         self._read_body_if_unread()
