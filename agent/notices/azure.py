@@ -27,7 +27,6 @@ import email.utils
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
@@ -133,7 +132,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         except (ValueError, TypeError) as e:
             log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, event.get("NotBefore"), e)
         if deadline is None:
-            deadline = time.time() + PREEMPT_NOTICE_SECONDS
+            deadline = self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
         notice = Notice(
             source=self.name,
             kind=kind,

@@ -665,10 +665,12 @@ class FailsFirst(Collector):
         super().__init__()
         self.failures = failures
         self.calls = 0
+        self.refused: list[Notice] = []
 
     def __call__(self, notice: Notice) -> None:
         self.calls += 1
         if self.calls <= self.failures:
+            self.refused.append(notice)
             raise OSError("No space left on device")
         super().__call__(notice)
 
@@ -715,6 +717,31 @@ class TestDeliverThenMark:
             assert azure.start_requests == [event_id]
         finally:
             source.stop()
+
+    def test_a_deadline_counted_from_when_the_event_was_seen_is_not_moved_by_a_retry(
+        self, gce: GceMetadataEmulator, imds: ImdsEmulator, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """GCE's preempted=TRUE (30 s from the flip), an unreadable AWS instance-action (AWS's two
+        minutes) and an Azure event without NotBefore (its 30 s minimum): each deadline counts from
+        when the event was first seen. A failed delivery retried at the next poll carries that same
+        deadline, not one counted again from the retry: the node goes when it goes."""
+        gce.set_preempted(True)
+        imds.set_spot_action("terminate", "not a time")
+        azure.add_event(EventType="Preempt", NotBefore="")
+        sources = [
+            GceMetadataSource(gce.url, interval=FAST, watch_maintenance=False),
+            AwsImdsSource(imds.url, interval=FAST, watch_rebalance=False),
+            AzureScheduledEventsSource(azure.url, interval=FAST),
+        ]
+        for source in sources:
+            got = FailsFirst(failures=2)
+            source.start(got)
+            try:
+                notice = got.next()
+            finally:
+                source.stop()
+            assert got.calls == 3 and len(got.refused) == 2, source.name
+            assert [n.deadline for n in got.refused] == [notice.deadline] * 2, source.name
 
     def test_a_signal_is_delivered_again_after_a_failed_delivery(self) -> None:
         got = FailsFirst()
