@@ -487,6 +487,30 @@ class NameFailsFirst(AzureScheduledEventsEmulator):
         return super()._handle(method, path, query, headers, body)
 
 
+class TestCloudTimes:
+    @pytest.mark.parametrize("zone", ["America/New_York", "Asia/Kolkata"])
+    def test_a_time_without_a_zone_is_utc_whatever_the_nodes_zone(self, zone: str, monkeypatch: Any) -> None:
+        """IMDS times are UTC; one that does not say so (Azure's ``-0000``, no zone at all) must not
+        be read in the node's own zone, which would move the deadline by hours."""
+        from agent.notices.aws import parse_aws_time
+        from agent.notices.azure import parse_not_before
+
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        try:
+            utc = AT_2030.timestamp()
+            for value in (
+                "Tue, 01 Jan 2030 00:00:00 GMT",
+                "Tue, 01 Jan 2030 00:00:00 -0000",
+                "Tue, 01 Jan 2030 00:00:00",
+            ):
+                assert parse_not_before(value) == utc, value
+            assert parse_aws_time("2030-01-01T00:00:00") == parse_aws_time("2030-01-01T00:00:00Z") == utc
+        finally:
+            monkeypatch.delenv("TZ")
+            time.tzset()
+
+
 class TestSignalSource:
     def test_sigterm_is_a_terminate_notice_with_the_grace_period_as_deadline(self) -> None:
         original = signal.getsignal(signal.SIGTERM)
