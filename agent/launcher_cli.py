@@ -69,7 +69,9 @@ class AgentConfig(BaseModel):
     poll_interval: float = Field(default=2.0, ge=MIN_POLL_INTERVAL, le=MAX_POLL_INTERVAL, allow_inf_nan=False)
     """Seconds between two polls of a metadata endpoint: ``--poll-interval``, or ``SPOTJOB_AGENT_POLL_INTERVAL``."""
     rebalance: RebalancePolicy = "save-early"
-    sigterm_grace: float = Field(default=30.0, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
+    sigterm_grace: float = Field(default=30.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
+    """The deadline of a SIGTERM, in seconds after it arrives. More than 0: a deadline that has passed
+    means "flush now, bounded by --flush-timeout", the longest wait; ``--no-sigterm`` for no flush."""
     gcp_notice_seconds: float = Field(
         default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False
     )

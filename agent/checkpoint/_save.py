@@ -177,7 +177,15 @@ class _Saving(_Voting):
             if inflight is not None and same_step:
                 inflight.flush = request
                 inflight.trigger = "flush"  # read by the commit, which has not happened yet or is this flush
-            if not self._supersede(inflight, give_up=not same_step) or not same_step:
+            # A commit of this very step (a save() the script made, already waited for): the
+            # flush's checkpoint is there. Every rank holds the same last commit (its outcome is
+            # broadcast), so every rank skips alike.
+            already = inflight is None and self.last_committed_step == step and self.last_committed_uri is not None
+            if already:
+                log.info(
+                    "flush: step %d is committed already at %s; nothing more to write", step, self.last_committed_uri
+                )
+            elif not self._supersede(inflight, give_up=not same_step) or not same_step:
                 # The loop stops after this save anyway: write straight from the live tensors
                 # instead of staging a copy first (saves a full memcpy of the state).
                 self._start_save(step, state, metadata, flush=request, blocking=True)

@@ -138,7 +138,7 @@ class AwsImdsSource(PollingNoticeSource):
         status, body = self._get(INSTANCE_ACTION_PATH)
         key = "instance-action:" + body
         if status == 200 and key not in self._seen:
-            self._emit(key, self._instance_action_notice(body))
+            self._emit(key, self._instance_action_notice(body, self._seen_since(key)))
         if self.watch_rebalance and not self.stopping:
             status, body = self._get(REBALANCE_PATH)
             key = "rebalance:" + body
@@ -147,7 +147,7 @@ class AwsImdsSource(PollingNoticeSource):
             elif key not in self._seen:
                 self._emit(key, self._rebalance_notice(body))
 
-    def _instance_action_notice(self, body: str) -> Notice:
+    def _instance_action_notice(self, body: str, seen_at: float) -> Notice:
         # The presence of an instance-action is the notice; a body we cannot read still means the
         # instance is going, so it becomes a notice with AWS's documented two minutes.
         action, when = "unknown", None
@@ -157,7 +157,7 @@ class AwsImdsSource(PollingNoticeSource):
             when = parse_aws_time(str(data["time"]))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("unreadable spot instance-action %r (%s): assuming %.0f s", body, e, SPOT_WARNING_SECONDS)
-        deadline = when if when is not None else time.time() + SPOT_WARNING_SECONDS
+        deadline = when if when is not None else seen_at + SPOT_WARNING_SECONDS
         return Notice(
             source=self.name,
             kind=NoticeKind.PREEMPTION,

@@ -27,7 +27,7 @@ import email.utils
 import json
 import logging
 import threading
-import time
+from datetime import UTC
 from typing import Any
 
 from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
@@ -52,10 +52,16 @@ EVENT_KINDS: dict[str, NoticeKind] = {
 
 
 def parse_not_before(value: str) -> float | None:
-    """RFC 1123 (``Mon, 19 Sep 2016 18:29:47 GMT``) → unix time; ``""`` (started) → None."""
+    """RFC 1123 (``Mon, 19 Sep 2016 18:29:47 GMT``) → unix time; ``""`` (started) → None.
+
+    A time that names no zone (``-0000``, or none at all) is UTC, as IMDS's times are: Python
+    would read it in the node's own zone."""
     if not value.strip():
         return None
-    return email.utils.parsedate_to_datetime(value).timestamp()
+    when = email.utils.parsedate_to_datetime(value)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 class AzureScheduledEventsSource(PollingNoticeSource):
@@ -133,7 +139,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         except (ValueError, TypeError) as e:
             log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, event.get("NotBefore"), e)
         if deadline is None:
-            deadline = time.time() + PREEMPT_NOTICE_SECONDS
+            deadline = self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
         notice = Notice(
             source=self.name,
             kind=kind,

@@ -11,7 +11,8 @@ Threads: every source runs its own thread(s) that poll or long-poll; ``start`` r
 so a stuck one never keeps the process alive). The callback is called from a source's thread,
 so it must be thread-safe; it is called once per distinct cloud event, never again for the same
 one once a call returned. An event is marked as heard only *after* its callback returned: a
-callback that raises is logged and called again with the same event at the next poll. A message
+callback that raises is logged and called again with the same event at the next poll, with the
+same deadline (one counted from when the event was seen is not counted again). A message
 that cannot be reached or parsed is logged and polling goes on: a metadata endpoint that is
 briefly down must not stop the agent from hearing the next notice.
 """
@@ -238,6 +239,8 @@ class PollingNoticeSource(NoticeSource):
         self._thread: threading.Thread | None = None
         self._callback: NoticeCallback | None = None
         self._seen: set[str] = set()
+        self._first_seen: dict[str, float] = {}
+        """When each event not yet delivered was first seen (unix time), by ``_emit``'s key."""
         self._health = _Health(f"{self.name} notices from {client.base_url}")
 
     def start(self, callback: NoticeCallback) -> None:
@@ -308,11 +311,18 @@ class PollingNoticeSource(NoticeSource):
         if not deliver_notice(self.name, self._callback, notice):
             return False
         self._seen.add(key)
+        self._first_seen.pop(key, None)
         return True
+
+    def _seen_since(self, key: str) -> float:
+        """When the event ``key`` was first seen: a deadline counted from then (GCE's 30 s, a
+        default where the cloud gave no time) stays put while a failed delivery is retried."""
+        return self._first_seen.setdefault(key, time.time())
 
     def _forget(self, key_prefix: str) -> None:
         """The cloud withdrew an event: a new one with the same key counts again."""
         self._seen = {k for k in self._seen if not k.startswith(key_prefix)}
+        self._first_seen = {k: t for k, t in self._first_seen.items() if not k.startswith(key_prefix)}
 
 
 def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice) -> bool:

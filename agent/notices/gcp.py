@@ -94,7 +94,7 @@ class _GceWatch(PollingNoticeSource):
                     Notice(
                         source=self.name,
                         kind=NoticeKind.PREEMPTION,
-                        deadline=time.time() + self.notice_seconds,
+                        deadline=self._seen_since("preempted") + self.notice_seconds,
                         detail="instance/preempted=TRUE",
                     ),
                 )
@@ -105,7 +105,7 @@ class _GceWatch(PollingNoticeSource):
                 Notice(
                     source=self.name,
                     kind=NoticeKind.MAINTENANCE,
-                    deadline=time.time() + self.notice_seconds,
+                    deadline=self._seen_since("maintenance") + self.notice_seconds,
                     detail="instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE",
                 ),
             )

@@ -308,6 +308,30 @@ def test_a_flush_gives_up_a_save_still_writing_and_commits_its_own_step(tmp_path
     assert_same(snapshot(fresh), saved, "the flushed state")
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_flush_at_a_step_already_committed_writes_nothing_more(tmp_path: Path, async_save: bool) -> None:
+    """``save(2)`` committed (synchronously, or waited for), then the notice, then ``step(2)``: the
+    checkpoint of step 2 is the flush's; writing the same state again would only spend the
+    notice's window (a second full save, as ``step-000000002.1``)."""
+    from agent.control_channel import ControlDir, FlushRequest
+
+    state = make_state(0)
+    control = tmp_path / "control"
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None, control_dir=str(control), async_save=async_save)
+    train(state, 2)
+    ckpt.save(2, state)
+    ckpt.wait()
+    committed = ckpt.last_committed_uri
+    ControlDir(str(control)).request_flush(FlushRequest(reason="test notice"))
+    assert ckpt.step(2, state) is True
+    ckpt.close()
+
+    assert [s.ref.folder for s in list_checkpoints(ckpt.storage)] == ["step-000000002"]
+    flushed = ControlDir(str(control)).flush_result()
+    assert flushed is not None and flushed.error is None
+    assert (flushed.step, flushed.uri) == (2, committed)
+
+
 @pytest.mark.parametrize("release", [False, True])
 def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, release: bool) -> None:
     state = make_state(0)

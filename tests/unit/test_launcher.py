@@ -278,6 +278,15 @@ class TestOptions:
         assert exc.value.code == 2
         assert f"{option}: must be" in err and "Traceback" not in err
 
+    @pytest.mark.parametrize("option", ["--sigterm-grace", "--parent-grace"])
+    def test_a_notice_grace_of_0_exits_2_naming_it(self, capsys: pytest.CaptureFixture[str], option: str) -> None:
+        """A deadline of 0 s has passed when the notice arrives, and a passed deadline means "flush
+        now, bounded by --flush-timeout" (600 s): `--sigterm-grace 0` made a SIGTERM wait the
+        longest, the opposite of what it says. --no-sigterm is the way to a SIGTERM without a flush."""
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--checkpoint-uri", "s3://b", option, "0", "--", "x"], {})
+        assert exc.value.code == 2 and f"{option}: must be more than 0" in capsys.readouterr().err
+
     def test_a_grace_of_a_day_is_accepted(self) -> None:
         config, _ = parse_args(["--checkpoint-uri", "s3://b", "--sigterm-grace", "86400", "--", "x"], {})
         assert config.sigterm_grace == 86400.0

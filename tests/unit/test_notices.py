@@ -487,6 +487,30 @@ class NameFailsFirst(AzureScheduledEventsEmulator):
         return super()._handle(method, path, query, headers, body)
 
 
+class TestCloudTimes:
+    @pytest.mark.parametrize("zone", ["America/New_York", "Asia/Kolkata"])
+    def test_a_time_without_a_zone_is_utc_whatever_the_nodes_zone(self, zone: str, monkeypatch: Any) -> None:
+        """IMDS times are UTC; one that does not say so (Azure's ``-0000``, no zone at all) must not
+        be read in the node's own zone, which would move the deadline by hours."""
+        from agent.notices.aws import parse_aws_time
+        from agent.notices.azure import parse_not_before
+
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        try:
+            utc = AT_2030.timestamp()
+            for value in (
+                "Tue, 01 Jan 2030 00:00:00 GMT",
+                "Tue, 01 Jan 2030 00:00:00 -0000",
+                "Tue, 01 Jan 2030 00:00:00",
+            ):
+                assert parse_not_before(value) == utc, value
+            assert parse_aws_time("2030-01-01T00:00:00") == parse_aws_time("2030-01-01T00:00:00Z") == utc
+        finally:
+            monkeypatch.delenv("TZ")
+            time.tzset()
+
+
 class TestSignalSource:
     def test_sigterm_is_a_terminate_notice_with_the_grace_period_as_deadline(self) -> None:
         original = signal.getsignal(signal.SIGTERM)
@@ -665,10 +689,12 @@ class FailsFirst(Collector):
         super().__init__()
         self.failures = failures
         self.calls = 0
+        self.refused: list[Notice] = []
 
     def __call__(self, notice: Notice) -> None:
         self.calls += 1
         if self.calls <= self.failures:
+            self.refused.append(notice)
             raise OSError("No space left on device")
         super().__call__(notice)
 
@@ -715,6 +741,31 @@ class TestDeliverThenMark:
             assert azure.start_requests == [event_id]
         finally:
             source.stop()
+
+    def test_a_deadline_counted_from_when_the_event_was_seen_is_not_moved_by_a_retry(
+        self, gce: GceMetadataEmulator, imds: ImdsEmulator, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """GCE's preempted=TRUE (30 s from the flip), an unreadable AWS instance-action (AWS's two
+        minutes) and an Azure event without NotBefore (its 30 s minimum): each deadline counts from
+        when the event was first seen. A failed delivery retried at the next poll carries that same
+        deadline, not one counted again from the retry: the node goes when it goes."""
+        gce.set_preempted(True)
+        imds.set_spot_action("terminate", "not a time")
+        azure.add_event(EventType="Preempt", NotBefore="")
+        sources = [
+            GceMetadataSource(gce.url, interval=FAST, watch_maintenance=False),
+            AwsImdsSource(imds.url, interval=FAST, watch_rebalance=False),
+            AzureScheduledEventsSource(azure.url, interval=FAST),
+        ]
+        for source in sources:
+            got = FailsFirst(failures=2)
+            source.start(got)
+            try:
+                notice = got.next()
+            finally:
+                source.stop()
+            assert got.calls == 3 and len(got.refused) == 2, source.name
+            assert [n.deadline for n in got.refused] == [notice.deadline] * 2, source.name
 
     def test_a_signal_is_delivered_again_after_a_failed_delivery(self) -> None:
         got = FailsFirst()
