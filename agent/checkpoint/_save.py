@@ -532,6 +532,8 @@ class _Saving(_Voting):
                     )
                 except OSError as e:
                     log.debug("could not report the infrastructure error to the agent: %s", e)
+        if save.committed_uri is None and not was_fenced and self.rank == 0 and folder is not None:
+            self._remove_unfinished(folder)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
@@ -557,6 +559,24 @@ class _Saving(_Voting):
                 self._check_fence()
                 self.storage.delete_prefix(ref.folder + "/")
         return CheckpointRef(step, suffix).folder
+
+    def _remove_unfinished(self, folder: str) -> None:
+        """(rank 0, after a save that failed, every rank done with it) Remove what it put in ``folder``.
+
+        On a filesystem store the files are hard links to the staged ones: left there, they keep a
+        whole checkpoint's blocks after staging is cleared, and on a full disk every later save
+        fails for want of the space this one holds. Not when a manifest is there after all (a
+        commit whose answer was lost), nor when fenced (the folder is another attempt's). A failure
+        here is logged: the next save of the step, or retention, removes the folder instead.
+        """
+        try:
+            if self.storage.stat(f"{folder}/{MANIFEST_NAME}") is not None:
+                return
+            self._check_fence()
+            self.storage.delete_prefix(folder + "/")
+            log.info("removed the files of the failed save in %s", self.storage.url(folder))
+        except Exception as e:  # rank 0 alone, after the outcome: never a second failure
+            log.warning("could not remove the failed save's files in %s: %s", self.storage.url(folder), e)
 
     def _commit(self, save: _Save, folder: str, files: list[tuple[str, int, str]]) -> str:
         """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""
