@@ -3,6 +3,7 @@ them, and (rank 0) commit MANIFEST.json create-only unless fenced; and the preem
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
@@ -121,6 +123,22 @@ class _Save:
     error: BaseException | None = None
     committed_uri: str | None = None
     thread: threading.Thread | None = None
+
+
+def _writing_failure(e: BaseException, staging: str) -> str:
+    """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
+    unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota
+    said as such, with where and what to do."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "
+            "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
+            "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+        )
+    return repr(e)
 
 
 def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
@@ -433,7 +451,7 @@ class _Saving(_Voting):
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
             files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
-            error = f"rank {self.rank}: writing the shards failed: {e!r}"
+            error = f"rank {self.rank}: writing the shards failed: {_writing_failure(e, save.local_dir)}"
             infra = _is_infrastructure(e)
         if error is None:
             # Every save, on every rank, off the training's path: a checkpoint whose per-rank state

@@ -88,3 +88,28 @@ def test_a_full_disk_at_the_manifest_fails_the_save_and_leaves_none_of_its_shard
     with Checkpointer(uri) as fresh:
         assert fresh.restore(restored) == 3
     assert_same(snapshot(restored), snapshot(state), "the state restored from step 3")
+
+
+@pytest.mark.parametrize("file", [".distcp", "rank-00000.pt"], ids=["a-shard", "the-per-rank-state"])
+def test_a_full_disk_while_staging_fails_the_save_saying_so_and_removes_what_was_staged(
+    committed_step_1: tuple[str, Checkpointer, dict[str, Any], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    file: str,
+) -> None:
+    uri, ckpt, state, _ = committed_step_1
+    train(state, 1, start=1)
+    with monkeypatch.context() as m:
+        no_space_for(m, file)
+        with pytest.raises(SaveFailedError) as failed:
+            ckpt.save(2, state)
+    said = str(failed.value)
+    # What the disk said, where, and what to do; not DCP's wrapper with a page of stack frames.
+    assert "No space left on device" in said and "full or over its quota" in said, said
+    assert str(Path(uri) / ".spotjob-staging") in said and "staging_dir" in said, said
+    assert "FrameSummary" not in said and "CheckpointException" not in said, said
+    assert files_under(Path(uri) / ".spotjob-staging") == []
+    assert not (Path(uri) / "step-000000002").exists()
+
+    train(state, 1, start=2)
+    ckpt.save(3, state)
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(3, True), (1, True)]
