@@ -3,6 +3,7 @@ them, and (rank 0) commit MANIFEST.json create-only unless fenced; and the preem
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
@@ -121,6 +123,22 @@ class _Save:
     error: BaseException | None = None
     committed_uri: str | None = None
     thread: threading.Thread | None = None
+
+
+def _writing_failure(e: BaseException, staging: str) -> str:
+    """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
+    unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota
+    said as such, with where and what to do."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "
+            "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
+            "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+        )
+    return repr(e)
 
 
 def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
@@ -441,7 +459,7 @@ class _Saving(_Voting):
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
             files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
-            error = f"rank {self.rank}: writing the shards failed: {e!r}"
+            error = f"rank {self.rank}: writing the shards failed: {_writing_failure(e, save.local_dir)}"
             infra = _is_infrastructure(e)
         if error is None:
             # Every save, on every rank, off the training's path: a checkpoint whose per-rank state
@@ -540,6 +558,8 @@ class _Saving(_Voting):
                     )
                 except OSError as e:
                     log.debug("could not report the infrastructure error to the agent: %s", e)
+        if save.committed_uri is None and not was_fenced and self.rank == 0 and folder is not None:
+            self._remove_unfinished(folder)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
@@ -565,6 +585,24 @@ class _Saving(_Voting):
                 self._check_fence()
                 self.storage.delete_prefix(ref.folder + "/")
         return CheckpointRef(step, suffix).folder
+
+    def _remove_unfinished(self, folder: str) -> None:
+        """(rank 0, after a save that failed, every rank done with it) Remove what it put in ``folder``.
+
+        On a filesystem store the files are hard links to the staged ones: left there, they keep a
+        whole checkpoint's blocks after staging is cleared, and on a full disk every later save
+        fails for want of the space this one holds. Not when a manifest is there after all (a
+        commit whose answer was lost), nor when fenced (the folder is another attempt's). A failure
+        here is logged: the next save of the step, or retention, removes the folder instead.
+        """
+        try:
+            if self.storage.stat(f"{folder}/{MANIFEST_NAME}") is not None:
+                return
+            self._check_fence()
+            self.storage.delete_prefix(folder + "/")
+            log.info("removed the files of the failed save in %s", self.storage.url(folder))
+        except Exception as e:  # rank 0 alone, after the outcome: never a second failure
+            log.warning("could not remove the failed save's files in %s: %s", self.storage.url(folder), e)
 
     def _commit(self, save: _Save, folder: str, files: list[tuple[str, int, str]]) -> str:
         """(rank 0) Write MANIFEST.json, create-only, unless fenced. Returns the committed folder's URI."""

@@ -1,0 +1,115 @@
+"""A full disk (or quota) during a save on a filesystem store: the save fails saying so, leaves
+nothing of itself on the disk, the previous checkpoint stays, and training saves again.
+
+The disk fills at the OS call a real full disk fails (``os.write``/``os.pwrite`` return
+``ENOSPC``); everything else is real: one process, real files, the real Checkpointer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+_write, _pwrite = os.write, os.pwrite
+
+
+def no_space_for(m: pytest.MonkeyPatch, name: str) -> None:
+    """From now on, the disk has no room for a file whose name contains ``name``: its
+    ``os.write`` and ``os.pwrite`` (the O_DIRECT writer's) fail with ``ENOSPC``."""
+
+    def full(fd: int) -> None:
+        if name in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def write(fd: int, data: Any) -> int:
+        full(fd)
+        return _write(fd, data)
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        full(fd)
+        return _pwrite(fd, data, offset)
+
+    m.setattr(os, "write", write)
+    m.setattr(os, "pwrite", pwrite)
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def committed_step_1(tmp_path: Path) -> Iterator[tuple[str, Checkpointer, dict[str, Any], dict[str, Any]]]:
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, keep=2, async_save=False) as ckpt:
+        assert ckpt.restore(state) == 0
+        train(state, 1)
+        ckpt.save(1, state)
+        yield uri, ckpt, state, snapshot(state)
+
+
+def test_a_full_disk_at_the_manifest_fails_the_save_and_leaves_none_of_its_shards_on_the_disk(
+    committed_step_1: tuple[str, Checkpointer, dict[str, Any], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri, ckpt, state, step_1 = committed_step_1
+    train(state, 1, start=1)
+    with monkeypatch.context() as m:
+        no_space_for(m, "MANIFEST.json")
+        with pytest.raises(SaveFailedError, match=r"step-000000002.*no space left \(or quota exceeded\)"):
+            ckpt.save(2, state)
+    # The shards were linked into step-000000002 before the manifest failed: left there, they hold
+    # a whole checkpoint's blocks on the full disk, so every later save would fail for want of space.
+    assert not (Path(uri) / "step-000000002").exists(), files_under(Path(uri) / "step-000000002")
+    assert files_under(Path(uri) / ".spotjob-staging") == []
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(1, True)]
+    restored = make_state(0, seed=5)
+    with Checkpointer(uri) as fresh:
+        assert fresh.restore(restored) == 1
+    assert_same(snapshot(restored), step_1, "the state restored from step 1")
+
+    train(state, 1, start=2)
+    ckpt.save(3, state)  # training goes on, and so do its saves
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(3, True), (1, True)]
+    restored = make_state(0, seed=5)
+    with Checkpointer(uri) as fresh:
+        assert fresh.restore(restored) == 3
+    assert_same(snapshot(restored), snapshot(state), "the state restored from step 3")
+
+
+@pytest.mark.parametrize("file", [".distcp", "rank-00000.pt"], ids=["a-shard", "the-per-rank-state"])
+def test_a_full_disk_while_staging_fails_the_save_saying_so_and_removes_what_was_staged(
+    committed_step_1: tuple[str, Checkpointer, dict[str, Any], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    file: str,
+) -> None:
+    uri, ckpt, state, _ = committed_step_1
+    train(state, 1, start=1)
+    with monkeypatch.context() as m:
+        no_space_for(m, file)
+        with pytest.raises(SaveFailedError) as failed:
+            ckpt.save(2, state)
+    said = str(failed.value)
+    # What the disk said, where, and what to do; not DCP's wrapper with a page of stack frames.
+    assert "No space left on device" in said and "full or over its quota" in said, said
+    assert str(Path(uri) / ".spotjob-staging") in said and "staging_dir" in said, said
+    assert "FrameSummary" not in said and "CheckpointException" not in said, said
+    assert files_under(Path(uri) / ".spotjob-staging") == []
+    assert not (Path(uri) / "step-000000002").exists()
+
+    train(state, 1, start=2)
+    ckpt.save(3, state)
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(3, True), (1, True)]
