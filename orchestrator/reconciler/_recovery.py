@@ -35,7 +35,8 @@ a worker missing from the listing is declared lost only if a second listing agre
 
 The flush is done when storage — the source of truth, never an agent's word — holds a valid manifest
 written by the flush (``trigger: flush``; a periodic save that commits while the ranks are still
-agreeing on the flush step does not count) newer than the *baseline*: the newest committed step read
+agreeing on the flush step does not count, unless every worker exited 75 after it: their flush found
+its step committed by the script's own save and wrote nothing more) newer than the *baseline*: the newest committed step read
 in the pass that heard a controller signal, or, when an agent acted on its own (exit 75/76, lost),
 the step the status held before that pass (the agent may have committed between two passes). Flush
 requests never block a pass: ``Backend.request_flush`` answers pending until the agent answered;
@@ -235,10 +236,14 @@ class _Recovery(_FlushRequests):
         running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step
+        # Every worker of the gang exited 75 (flushed) and no flush manifest followed: the agents
+        # found their flush step committed already (the script's own save of it) and wrote nothing
+        # more. That save is the flush's checkpoint; no later flush is coming to wait for.
+        reused = bool(current) and all(w.exit_code == EXIT_PREEMPTED for w in current)
         if (
             step is not None
             and (recovery.baseline_step is None or step > recovery.baseline_step)
-            and p.checkpoint_is_flush
+            and (p.checkpoint_is_flush or reused)
         ):
             assert p.status.last_checkpoint is not None
             # A quick flush commits before the pass after the request: take the answers of the

@@ -5,7 +5,8 @@ The fake backend's workers evolve lazily from the fake clock whenever the backen
 a started worker runs ``start_seconds`` after it was created, trains ``steps_per_second`` from the
 step it resumed from (the newest valid checkpoint, read from storage as a real agent would), and a
 flush request freezes its step; ``flush_seconds`` later rank 0 commits a manifest at that step and
-every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says). ``flush_answers``
+every flushed agent exits 75 (or 76, or never, as ``flush_outcome`` says; ``reused``: exits 75
+having committed nothing more, as an agent whose flush step the script's own save committed). ``flush_answers``
 scripts what ``request_flush`` answers per worker (pending, then accepted or failed), as the
 Kubernetes backend's background requests would; an unscripted request is accepted at once. A save
 request (``request_save``) is served ``flush_seconds`` later by an early commit of the worker's
@@ -137,7 +138,7 @@ CAPACITY_SELECTOR = "capacity-type"
 """The nodeSelector key the fake scheduler honours (its value: a ``FakeNode.capacity``)."""
 
 
-FlushOutcome = Literal["commit", "fail", "hang"]
+FlushOutcome = Literal["commit", "fail", "hang", "reused"]
 
 
 @dataclass
@@ -393,7 +394,7 @@ class FakeBackend:
                     if self.flush_outcome == "commit":
                         assert w.frozen_step is not None
                         self._commit(w.frozen_step, at=done_at, attempt=w.attempt, job=w.job)
-                    w.exit_code = EXIT_PREEMPTED if self.flush_outcome == "commit" else EXIT_FLUSH_FAILED
+                    w.exit_code = EXIT_PREEMPTED if self.flush_outcome in ("commit", "reused") else EXIT_FLUSH_FAILED
                     w.exited_at = done_at
                 continue
             if self.total_steps is not None:

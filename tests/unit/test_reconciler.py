@@ -278,6 +278,23 @@ def test_a_periodic_save_committed_during_the_flush_is_not_taken_for_the_flush(t
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 200
 
 
+def test_a_flush_that_reused_the_scripts_own_save_of_its_step_is_the_flush(tmp_path: Any) -> None:
+    """The script's ``save()`` of the flush step committed (``trigger: save``) after the notice, and
+    the agents' flush, finding that step committed, wrote nothing more and exited 75: that save is
+    the flush's checkpoint, not "nothing newer committed"."""
+    w = make_world(tmp_path, backend_options={"flush_outcome": "reused"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+    w.run_until(phase_is(Phase.FLUSHING))
+    commit_checkpoint(w.storage, 101, w.clock.now(), trigger="save")
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushCommitted"  # type: ignore[union-attr]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 101
+
+
 def test_reschedules_from_the_previous_checkpoint_when_the_flush_times_out(tmp_path: Any) -> None:
     w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
     w.run_to(60)
