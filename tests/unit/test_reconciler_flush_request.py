@@ -76,6 +76,25 @@ def test_a_restart_request_flushes_every_agent_and_restarts_from_the_commit_coun
     assert w.metrics.named("preemption") == [] and w.metrics.named("notice_to_commit") == []
 
 
+def test_a_restart_whose_flush_reused_the_scripts_own_save_is_committed(tmp_path: Any) -> None:
+    """The script's ``save()`` of the step the agents flush at committed (``trigger: save``) after
+    the request was taken up; the agents, finding it committed, wrote nothing more and exited 75.
+    The request is that checkpoint's: Committed, not "nothing newer committed"."""
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "reused"})
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+    w.run_until(phase_is(Phase.FLUSHING))
+    commit_checkpoint(w.storage, 94, w.clock.now(), trigger="save")
+
+    status = w.run_until(running_attempt(1))
+
+    request = status.last_flush_request
+    assert request is not None and (request.outcome, request.step) == ("Committed", 94)
+    assert status.attempt.resumed_from_step == 94
+
+
 def test_a_handled_request_is_never_handled_again_not_even_by_a_new_reconciler(tmp_path: Any) -> None:
     w, store = request_world(tmp_path)
     w.run_to(100)
