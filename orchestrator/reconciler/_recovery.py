@@ -36,14 +36,14 @@ a worker missing from the listing is declared lost only if a second listing agre
 The flush is done when storage — the source of truth, never an agent's word — holds a valid manifest
 written by the flush (``trigger: flush``; a periodic save that commits while the ranks are still
 agreeing on the flush step does not count, unless every worker exited 75 after it: their flush found
-its step committed by the script's own save and wrote nothing more) newer than the *baseline*: the newest committed step read
-in the pass that heard a controller signal, or, when an agent acted on its own (exit 75/76, lost),
-the step the status held before that pass (the agent may have committed between two passes). Flush
-requests never block a pass: ``Backend.request_flush`` answers pending until the agent answered;
-each pass asks again the running workers whose agent has not accepted, and never asks an agent that
-accepted. The pass that sees the flush committed first takes the answers of the requests still in
-flight (and sends none anew), so a quick flush's requests are told (``FlushRequested``) all the
-same.
+its step committed by the script's own save and wrote nothing more) newer than the *baseline*: the
+newest committed step read in the pass that heard a controller signal, or, when an agent acted on
+its own (exit 75/76, lost), the step the status held before that pass (the agent may have committed
+between two passes). Flush requests never block a pass: ``Backend.request_flush`` answers pending
+until the agent answered; each pass asks again the running workers whose agent has not accepted, and
+never asks an agent that accepted. The pass that sees the flush committed first takes the answers of
+the requests still in flight (and sends none anew), so a quick flush's requests are told
+(``FlushRequested``) all the same.
 """
 
 from __future__ import annotations
