@@ -158,6 +158,13 @@ class Manifest(BaseModel):
         "notice), 'early' (the agent's save-early request) or 'save' (an explicit save() call)",
     )
 
+    @field_validator("created_at", mode="after")
+    @classmethod
+    def _utc_if_zoneless(cls, value: datetime) -> datetime:
+        """spotjob writes UTC; a time without a zone (a manifest written by hand or another tool)
+        is read as UTC, so comparing it with the controller's clock cannot fail."""
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         if self.format_version > FORMAT_VERSION:

@@ -199,3 +199,16 @@ def test_a_checkpoint_retired_by_a_fresh_start_is_never_the_newest_valid_one(sto
     assert status.retired and not status.valid
     assert "fresh start" in status.reason
     assert [s.ref for s in list_checkpoints(storage) if s.valid] == [new]
+
+
+def test_a_manifest_time_without_a_zone_is_utc_so_the_controller_can_compare_it() -> None:
+    """A manifest written by hand or by another tool may carry ``created_at`` without a zone. The
+    controller compares it with its own (aware) clock when it judges a checkpoint request; a naive
+    time made that comparison raise TypeError on every pass."""
+    doc = (
+        b'{"step": 1, "world_size": 1, "created_at": "2026-01-01T10:00:00", "torch_version": "x",'
+        b' "state_keys": ["model"], "files": []}'
+    )
+    manifest = Manifest.parse(doc)
+    assert manifest.created_at == datetime(2026, 1, 1, 10, tzinfo=UTC)
+    assert manifest.created_at < datetime(2026, 1, 2, tzinfo=UTC)
