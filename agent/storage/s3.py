@@ -14,9 +14,11 @@ force. Keeping botocore's retries for parts would have given part-level retries 
 Large files (``>= multipart_threshold``) go up as a multipart upload whose parts are read and sent
 in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
 with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
-A failed upload is aborted (best effort: a bucket lifecycle rule should also abort incomplete
-multipart uploads after a day). Downloads are parallel ranged GETs pinned with ``If-Match`` to the
-ETag seen first, so an object replaced mid-download fails instead of mixing two versions.
+A failed upload is aborted, the abort retried like any request (best effort: a bucket lifecycle
+rule should also abort incomplete multipart uploads after a day); so is an upload started by a
+``CreateMultipartUpload`` attempt whose answer was lost. Downloads are parallel ranged GETs
+pinned with ``If-Match`` to the ETag seen first, so an object replaced mid-download fails instead
+of mixing two versions.
 
 Create-only: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists. moto
 enforces it too (tested). moto does not verify checksums we send, hence ``get_file`` verifies
@@ -395,8 +397,22 @@ class S3Storage(PrefixedKeys, Storage):
         retry_transient(what, attempt)
 
     def _abort(self, url: str, obj: str, upload_id: str) -> None:
+        """Abort a multipart upload, retried like any request: the throttling that failed the
+        upload is likely to meet its abort too, and an upload left open bills its parts."""
+        what = f"AbortMultipartUpload {url}"
+
+        def attempt() -> None:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id)
+            except ClientError as e:
+                if _status_and_code(e)[1] == "NoSuchUpload":
+                    return  # already aborted (or completed): nothing left to reclaim
+                raise self._error(e, what, None) from e
+            except BotoCoreError as e:
+                raise self._error(e, what, None) from e
+
         try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id)
+            retry_transient(what, attempt)
         except Exception as e:
             # Not fatal: the parts are invisible and a lifecycle rule reclaims them, but say so.
             log.warning("could not abort the failed multipart upload of %s: %s", url, e)

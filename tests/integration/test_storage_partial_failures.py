@@ -1,0 +1,75 @@
+"""S3 under partial failures: what a failed or retried multipart upload leaves behind, and what a
+store without credentials says.
+
+Every request goes through a fault proxy in front of moto; the bucket's in-progress multipart
+uploads are read straight from moto, not through the proxy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from agent.crc32c import crc32c_file
+from agent.storage import PermanentStorageError, Storage, TransientStorageError
+
+try:
+    from faults import Dialect, FaultProxy
+except ImportError:  # run from the repository root
+    from tests.faults import Dialect, FaultProxy
+
+PART = 5 * 1024 * 1024
+BIG = 2 * PART + 123  # three parts
+
+
+@pytest.fixture
+def s3_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    moto_server: str,
+    fast_retries: None,
+) -> tuple[Storage, FaultProxy, str]:
+    for name, value in {
+        "SPOTJOB_STORAGE_UPLOAD_PART_SIZE": PART,
+        "SPOTJOB_STORAGE_MULTIPART_THRESHOLD": PART,
+        "SPOTJOB_STORAGE_PART_SIZE": PART,
+        "SPOTJOB_STORAGE_CONCURRENCY": 4,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    uri = fresh_uri("s3")  # bucket created directly on moto, not through the proxy
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return make_storage(uri), proxy, urlparse(uri).netloc
+
+
+def in_progress_uploads(s3_client: Any, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def write_random(path: Path, size: int) -> tuple[int, int]:
+    path.write_bytes(os.urandom(size))
+    return crc32c_file(path)
+
+
+def test_a_multipart_upload_given_up_in_a_slowdown_storm_is_still_aborted(
+    s3_behind_proxy: tuple[Storage, FaultProxy, str], s3_client: Any, tmp_path: Path
+) -> None:
+    store, proxy, bucket = s3_behind_proxy
+    proxy.fail(1000, 503, code="SlowDown", method="PUT", path=r"partNumber=")
+    abort_throttled = proxy.fail(2, 503, code="SlowDown", method="DELETE", path=r"uploadId=")
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+
+    with pytest.raises(TransientStorageError):
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert abort_throttled.served == 2
+    assert in_progress_uploads(s3_client, bucket) == []
+    assert store.stat("step-1/shard") is None
