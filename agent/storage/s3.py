@@ -177,7 +177,12 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             )
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
-        return PermanentStorageError(f"{what}: no usable AWS credentials ({type(e).__name__})", key)
+        return PermanentStorageError(
+            f"{what}: no usable AWS credentials ({type(e).__name__}); give the process some: "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
+            "an instance profile)",
+            key,
+        )
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {e}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)

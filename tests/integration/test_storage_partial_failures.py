@@ -89,3 +89,35 @@ def test_a_multipart_upload_whose_creation_answer_was_lost_leaves_no_orphan(
     assert in_progress_uploads(s3_client, bucket) == []
     info = store.stat("step-1/shard")
     assert info is not None and info.size == size
+
+
+def test_an_s3_store_without_credentials_says_where_spotjob_looks_for_them(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, tmp_path: Path
+) -> None:
+    from agent.storage import open_storage
+
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    store = open_storage("s3://some-bucket/run")
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            store.put_bytes("step-1/MANIFEST.json", b"{}")
+    finally:
+        store.close()
+
+    message = str(caught.value)
+    assert "s3://some-bucket/run/step-1/MANIFEST.json" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "AWS_PROFILE" in message
