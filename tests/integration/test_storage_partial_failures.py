@@ -121,3 +121,32 @@ def test_an_s3_store_without_credentials_says_where_spotjob_looks_for_them(
     message = str(caught.value)
     assert "s3://some-bucket/run/step-1/MANIFEST.json" in message
     assert "AWS_ACCESS_KEY_ID" in message and "AWS_PROFILE" in message
+
+
+def test_a_gcs_upload_whose_chunks_the_server_never_keeps_gives_up_within_the_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    gcs_server: str,
+    fast_retries: None,
+    tmp_path: Path,
+) -> None:
+    """Each chunk answered 308 "persisted nothing" is a request that succeeded, so the retry
+    policy never saw a failure: the upload resent the same chunk for as long as that went on."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    stalled = proxy.fail(20, 308, method="PUT", path=r"upload_id=")
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+
+    with pytest.raises(TransientStorageError) as caught:
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert "step-1/shard" in str(caught.value) and "upload_id" not in str(caught.value)
+    assert stalled.served == 5  # SPOTJOB_STORAGE_MAX_ATTEMPTS of fast_retries
+    assert store.stat("step-1/shard") is None
