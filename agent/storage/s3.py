@@ -40,6 +40,7 @@ import builtins
 import functools
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -184,8 +185,17 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             key,
         )
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
-        return TransientStorageError(f"{what}: {e}", key)
-    return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
+        return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
+    return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s\"']+@")
+
+
+def _without_userinfo(text: str) -> str:
+    """``text`` with the ``user:secret@`` of any URL in it masked: botocore's connection errors
+    repeat the endpoint URL whole, and an endpoint behind basic auth carries its password there."""
+    return _USERINFO.sub("***@", text)
 
 
 class S3Storage(PrefixedKeys, Storage):

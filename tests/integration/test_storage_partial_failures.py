@@ -150,3 +150,23 @@ def test_a_gcs_upload_whose_chunks_the_server_never_keeps_gives_up_within_the_at
     assert "step-1/shard" in str(caught.value) and "upload_id" not in str(caught.value)
     assert stalled.served == 5  # SPOTJOB_STORAGE_MAX_ATTEMPTS of fast_retries
     assert store.stat("step-1/shard") is None
+
+
+def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, fast_retries: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An endpoint behind basic auth (``http://user:secret@host``): botocore's connection error
+    repeats the URL whole, and the message is logged on every retry and ends up in Events."""
+    from agent.storage import open_storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://spotjob:hunter2@127.0.0.1:9")
+    store = open_storage("s3://some-bucket/run")
+    try:
+        with pytest.raises(TransientStorageError) as caught:
+            store.put_bytes("step-1/MANIFEST.json", b"{}")
+    finally:
+        store.close()
+
+    assert "127.0.0.1:9" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+    assert not any("hunter2" in r.getMessage() for r in caplog.records)
