@@ -62,7 +62,7 @@ from requests.adapters import HTTPAdapter
 
 from agent.crc32c import crc32c_bytes
 from agent.storage._errors import local_file
-from agent.storage._retry import retry_transient
+from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     KiB,
     MiB,
@@ -390,6 +390,7 @@ class GCSStorage(PrefixedKeys, Storage):
         upload = _ResumableUpload(self, session_url, url, key, size)
         crc = 0  # CRC32C of the file's first crc_end bytes
         crc_end = 0
+        stalls = 0  # chunks in a row the server answered without keeping a byte more
         reading = f"cannot read the local file {local_path} (uploading to {url})"
         with local_file(reading, key), open(local_path, "rb") as f:
             while upload.confirmed < size:
@@ -409,8 +410,20 @@ class GCSStorage(PrefixedKeys, Storage):
                     f"PUT {url} bytes {offset}-{offset + len(data) - 1}/{size}",
                     functools.partial(upload.send, offset, data, crc if last else None),
                 )
-                if progress and upload.confirmed > before:
-                    progress(upload.confirmed - before)
+                if upload.confirmed > before:
+                    stalls = 0
+                    if progress:
+                        progress(upload.confirmed - before)
+                    continue
+                # A 308 that confirms nothing new is an answered request, so retry_transient never
+                # counts it; without this bound such a server would have the chunk resent forever.
+                stalls += 1
+                if stalls >= max_attempts():
+                    raise TransientStorageError(
+                        f"PUT {url}: the server kept none of the bytes {offset}-{offset + len(data) - 1}/{size} "
+                        f"in {stalls} attempts",
+                        key,
+                    )
 
     # -- reads -------------------------------------------------------------------------------
     def get_bytes(self, key: str) -> bytes:

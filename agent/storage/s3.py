@@ -14,9 +14,11 @@ force. Keeping botocore's retries for parts would have given part-level retries 
 Large files (``>= multipart_threshold``) go up as a multipart upload whose parts are read and sent
 in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
 with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
-A failed upload is aborted (best effort: a bucket lifecycle rule should also abort incomplete
-multipart uploads after a day). Downloads are parallel ranged GETs pinned with ``If-Match`` to the
-ETag seen first, so an object replaced mid-download fails instead of mixing two versions.
+A failed upload is aborted, the abort retried like any request (best effort: a bucket lifecycle
+rule should also abort incomplete multipart uploads after a day); so is an upload started by a
+``CreateMultipartUpload`` attempt whose answer was lost. Downloads are parallel ranged GETs
+pinned with ``If-Match`` to the ETag seen first, so an object replaced mid-download fails instead
+of mixing two versions.
 
 Create-only: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists. moto
 enforces it too (tested). moto does not verify checksums we send, hence ``get_file`` verifies
@@ -38,6 +40,7 @@ import builtins
 import functools
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -175,10 +178,24 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             )
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
-        return PermanentStorageError(f"{what}: no usable AWS credentials ({type(e).__name__})", key)
+        return PermanentStorageError(
+            f"{what}: no usable AWS credentials ({type(e).__name__}); give the process some: "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
+            "an instance profile)",
+            key,
+        )
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
-        return TransientStorageError(f"{what}: {e}", key)
-    return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
+        return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
+    return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s\"']+@")
+
+
+def _without_userinfo(text: str) -> str:
+    """``text`` with the ``user:secret@`` of any URL in it masked: botocore's connection errors
+    repeat the endpoint URL whole, and an endpoint behind basic auth carries its password there."""
+    return _USERINFO.sub("***@", text)
 
 
 class S3Storage(PrefixedKeys, Storage):
@@ -304,14 +321,7 @@ class S3Storage(PrefixedKeys, Storage):
         url = self.url(key)
         part_size = max(self.settings.upload_part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
         parts = spans(size, part_size)
-        upload = self._retrying(
-            f"CreateMultipartUpload {url}",
-            key,
-            lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
-            ),
-        )
-        upload_id: str = upload["UploadId"]
+        upload_id = self._create_multipart(url, key, obj)
         log.debug("uploading %s to %s in %d parts of %d bytes", local_path, url, len(parts), part_size)
         reading = f"cannot read the local file {local_path} (uploading to {url})"
         try:
@@ -359,6 +369,52 @@ class S3Storage(PrefixedKeys, Storage):
             self._abort(url, obj, upload_id)
             raise
 
+    def _create_multipart(self, url: str, key: str, obj: str) -> str:
+        """Start a multipart upload of ``obj``; its id.
+
+        An attempt that failed ambiguously (a dropped connection, a 5xx) may have started an
+        upload whose id never reached us: invisible, never completed, and billed for its parts
+        until a lifecycle rule (if any) reclaims it. So after such an attempt the key's other
+        in-progress uploads are aborted once ours exists. Only this rank writes this key of an
+        uncommitted step, so an upload of it that is not ours is one of our lost attempts or a
+        leftover of a writer that died.
+        """
+        what = f"CreateMultipartUpload {url}"
+        ambiguous = False
+
+        def attempt() -> str:
+            nonlocal ambiguous
+            try:
+                resp = self._client.create_multipart_upload(
+                    Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+                )
+            except (ClientError, BotoCoreError) as e:
+                err = self._error(e, what, key)
+                ambiguous = ambiguous or isinstance(err, TransientStorageError)
+                raise err from e
+            return str(resp["UploadId"])
+
+        upload_id = retry_transient(what, attempt)
+        if ambiguous:
+            self._abort_others(url, obj, upload_id)
+        return upload_id
+
+    def _abort_others(self, url: str, obj: str, keep: str) -> None:
+        """Abort the in-progress multipart uploads of exactly ``obj`` other than ``keep`` (best effort)."""
+        try:
+            resp = self._retrying(
+                f"ListMultipartUploads {url}",
+                None,
+                lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=obj),
+            )
+        except StorageError as e:
+            log.warning("could not look for lost multipart uploads of %s: %s", url, e)
+            return
+        for upload in resp.get("Uploads", []):
+            if upload.get("Key") == obj and upload.get("UploadId") != keep:
+                log.info("aborting a multipart upload of %s that a lost attempt started", url)
+                self._abort(url, obj, str(upload["UploadId"]))
+
     def _complete(
         self, url: str, key: str, obj: str, upload_id: str, size: int, parts: list[dict[str, Any]], crc: int
     ) -> None:
@@ -395,8 +451,22 @@ class S3Storage(PrefixedKeys, Storage):
         retry_transient(what, attempt)
 
     def _abort(self, url: str, obj: str, upload_id: str) -> None:
+        """Abort a multipart upload, retried like any request: the throttling that failed the
+        upload is likely to meet its abort too, and an upload left open bills its parts."""
+        what = f"AbortMultipartUpload {url}"
+
+        def attempt() -> None:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id)
+            except ClientError as e:
+                if _status_and_code(e)[1] == "NoSuchUpload":
+                    return  # already aborted (or completed): nothing left to reclaim
+                raise self._error(e, what, None) from e
+            except BotoCoreError as e:
+                raise self._error(e, what, None) from e
+
         try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id)
+            retry_transient(what, attempt)
         except Exception as e:
             # Not fatal: the parts are invisible and a lifecycle rule reclaims them, but say so.
             log.warning("could not abort the failed multipart upload of %s: %s", url, e)

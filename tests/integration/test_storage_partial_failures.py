@@ -1,0 +1,172 @@
+"""S3 under partial failures: what a failed or retried multipart upload leaves behind, and what a
+store without credentials says.
+
+Every request goes through a fault proxy in front of moto; the bucket's in-progress multipart
+uploads are read straight from moto, not through the proxy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from agent.crc32c import crc32c_file
+from agent.storage import PermanentStorageError, Storage, TransientStorageError
+
+try:
+    from faults import Dialect, FaultProxy
+except ImportError:  # run from the repository root
+    from tests.faults import Dialect, FaultProxy
+
+PART = 5 * 1024 * 1024
+BIG = 2 * PART + 123  # three parts
+
+
+@pytest.fixture
+def s3_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    moto_server: str,
+    fast_retries: None,
+) -> tuple[Storage, FaultProxy, str]:
+    for name, value in {
+        "SPOTJOB_STORAGE_UPLOAD_PART_SIZE": PART,
+        "SPOTJOB_STORAGE_MULTIPART_THRESHOLD": PART,
+        "SPOTJOB_STORAGE_PART_SIZE": PART,
+        "SPOTJOB_STORAGE_CONCURRENCY": 4,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    uri = fresh_uri("s3")  # bucket created directly on moto, not through the proxy
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return make_storage(uri), proxy, urlparse(uri).netloc
+
+
+def in_progress_uploads(s3_client: Any, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def write_random(path: Path, size: int) -> tuple[int, int]:
+    path.write_bytes(os.urandom(size))
+    return crc32c_file(path)
+
+
+def test_a_multipart_upload_given_up_in_a_slowdown_storm_is_still_aborted(
+    s3_behind_proxy: tuple[Storage, FaultProxy, str], s3_client: Any, tmp_path: Path
+) -> None:
+    store, proxy, bucket = s3_behind_proxy
+    proxy.fail(1000, 503, code="SlowDown", method="PUT", path=r"partNumber=")
+    abort_throttled = proxy.fail(2, 503, code="SlowDown", method="DELETE", path=r"uploadId=")
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+
+    with pytest.raises(TransientStorageError):
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert abort_throttled.served == 2
+    assert in_progress_uploads(s3_client, bucket) == []
+    assert store.stat("step-1/shard") is None
+
+
+def test_a_multipart_upload_whose_creation_answer_was_lost_leaves_no_orphan(
+    s3_behind_proxy: tuple[Storage, FaultProxy, str], s3_client: Any, tmp_path: Path
+) -> None:
+    store, proxy, bucket = s3_behind_proxy
+    lost = proxy.drop(1, when="after", method="POST", path=r"\?uploads")
+    src = tmp_path / "src.bin"
+    crc, size = write_random(src, BIG)
+
+    store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert lost.served == 1
+    assert in_progress_uploads(s3_client, bucket) == []
+    info = store.stat("step-1/shard")
+    assert info is not None and info.size == size
+
+
+def test_an_s3_store_without_credentials_says_where_spotjob_looks_for_them(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, tmp_path: Path
+) -> None:
+    from agent.storage import open_storage
+
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    store = open_storage("s3://some-bucket/run")
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            store.put_bytes("step-1/MANIFEST.json", b"{}")
+    finally:
+        store.close()
+
+    message = str(caught.value)
+    assert "s3://some-bucket/run/step-1/MANIFEST.json" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "AWS_PROFILE" in message
+
+
+def test_a_gcs_upload_whose_chunks_the_server_never_keeps_gives_up_within_the_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    gcs_server: str,
+    fast_retries: None,
+    tmp_path: Path,
+) -> None:
+    """Each chunk answered 308 "persisted nothing" is a request that succeeded, so the retry
+    policy never saw a failure: the upload resent the same chunk for as long as that went on."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    stalled = proxy.fail(20, 308, method="PUT", path=r"upload_id=")
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+
+    with pytest.raises(TransientStorageError) as caught:
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert "step-1/shard" in str(caught.value) and "upload_id" not in str(caught.value)
+    assert stalled.served == 5  # SPOTJOB_STORAGE_MAX_ATTEMPTS of fast_retries
+    assert store.stat("step-1/shard") is None
+
+
+def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, fast_retries: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An endpoint behind basic auth (``http://user:secret@host``): botocore's connection error
+    repeats the URL whole, and the message is logged on every retry and ends up in Events."""
+    from agent.storage import open_storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://spotjob:hunter2@127.0.0.1:9")
+    store = open_storage("s3://some-bucket/run")
+    try:
+        with pytest.raises(TransientStorageError) as caught:
+            store.put_bytes("step-1/MANIFEST.json", b"{}")
+    finally:
+        store.close()
+
+    assert "127.0.0.1:9" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+    assert not any("hunter2" in r.getMessage() for r in caplog.records)
