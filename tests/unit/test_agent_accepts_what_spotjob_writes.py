@@ -7,20 +7,28 @@ bound changed on either side without the other fails here, not in a pod that exi
 
 from __future__ import annotations
 
+import copy
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from agent.control_api import FlushBody
 from agent.launcher_cli import AgentConfig, parse_args
 from orchestrator.backends.k8s import _worker_spec
 from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.crd import crd
 from orchestrator.k8s import pods
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec
 from orchestrator.run_config import RunConfig
+from orchestrator.store import parse_job
+from tests.k8s.cluster.schema import StructuralSchema
+
+REPO = Path(__file__).resolve().parents[2]
 
 OWNER = pods.Owner("ml", "llama", "0f4c3a2e-1111-2222-3333-444455556666")
 OPTIONS = pods.WorkerOptions(agent_port=8470, controller_namespace="spotjob-system", controller_pod_labels={})
@@ -102,6 +110,55 @@ def test_every_worker_pod_of_a_spec_the_model_takes_starts_its_agent(changes: di
         assert pod["spec"]["terminationGracePeriodSeconds"] > window
 
 
+def documented_spotjobs() -> dict[str, dict[str, Any]]:
+    """Every SpotJob of examples/*.yaml and of README.md's yaml blocks, by where it is."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "SpotJob":
+                found[f"{path.name}:{doc['metadata']['name']}"] = doc
+    readme = (REPO / "README.md").read_text()
+    for block in re.finditer(r"^```ya?ml\n(.*?)^```", readme, re.S | re.M):
+        for doc in yaml.safe_load_all(block.group(1)):
+            if isinstance(doc, dict) and doc.get("kind") == "SpotJob":
+                found[f"README.md:{readme[: block.start()].count(chr(10)) + 1}"] = doc
+    return found
+
+
+DOCUMENTED = documented_spotjobs()
+
+
+def test_the_readme_and_the_examples_hold_spotjobs() -> None:
+    assert {"spotjob.yaml:train-demo", "spotjob-eks.yaml:train-eks", "spotjob-gke.yaml:train-gke"} <= set(DOCUMENTED)
+    assert any(where.startswith("README.md:") for where in DOCUMENTED)
+
+
+@pytest.mark.parametrize("where", sorted(DOCUMENTED))
+def test_every_documented_spotjob_passes_the_crd_and_the_controller_and_starts_its_agents(where: str) -> None:
+    doc = copy.deepcopy(DOCUMENTED[where])
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    result = StructuralSchema(schema).process(doc)
+    assert not result.errors and not result.unknown, (result.errors, result.unknown)
+    stored = parse_job(JobKey("ml", doc["metadata"]["name"]), doc["spec"], None, version="1")
+    assert stored.invalid is None and stored.spec is not None, stored.invalid
+    worker = _worker_spec(stored.spec)
+    pod = pods.worker_pod(
+        OWNER,
+        "ml/job",
+        worker,
+        name="job-0-0",
+        attempt=0,
+        index=0,
+        master_addr=None,
+        placement=pods.WorkerPlacement(),
+        options=OPTIONS,
+    )
+    trainer = pod["spec"]["containers"][worker.container if worker.template is not None else 0]
+    env = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
+    config, _ = parse_args([a.replace("$(POD_IP)", POD_IP) for a in trainer["args"]], env)
+    assert config.checkpoint_uri == stored.spec.checkpoint.uri
+
+
 def test_a_flush_timeout_or_notice_past_what_the_agent_takes_is_refused_by_the_spec() -> None:
     with pytest.raises(ValueError, match="flushTimeoutSeconds"):
         job_spec({"flushTimeoutSeconds": FLUSH_MAX + 1})
@@ -159,4 +216,4 @@ def test_every_local_worker_of_options_spotjob_run_takes_starts_its_agent(
 def test_a_flush_timeout_or_notice_past_a_day_is_refused_naming_the_option(tmp_path: Path) -> None:
     for option, field in (("--flush-timeout", "flush_timeout"), ("--notice", "notice")):
         with pytest.raises(ValueError, match=f"{option} must be .* at most {FLUSH_MAX:g} "):
-            RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path), **{field: FLUSH_MAX + 1})
+            RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path), **{field: FLUSH_MAX + 1})  # type: ignore[arg-type]
