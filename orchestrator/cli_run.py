@@ -799,9 +799,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     job.add_argument(
         "--max-restarts", type=_INT, help="restarts after crashes of the script (default 3); preemptions never use it"
     )
-    job.add_argument("--flush-timeout", type=_SECONDS, help="seconds to wait for a flush to commit (default 120)")
+    job.add_argument(
+        "--flush-timeout", type=_SECONDS, help="seconds to wait for a flush to commit (default 120, at most 86400)"
+    )
     job.add_argument("--restart-backoff", type=_SECONDS, help="seconds before the first restart (default 1; doubles)")
-    job.add_argument("--notice", type=_SECONDS, metavar="SECONDS", help="each notice's window (default 30)")
+    job.add_argument(
+        "--notice", type=_SECONDS, metavar="SECONDS", help="each notice's window (default 30, at most 86400)"
+    )
     inj = run.add_argument_group("injected preemptions")
     inj.add_argument("--preempt-every", type=_SECONDS, metavar="SECONDS", help="a notice about every N seconds")
     inj.add_argument(

@@ -14,7 +14,8 @@ and model docstrings. The pod ``template`` is ``type: object`` with
 every pod it builds instead); it is not an ``x-kubernetes-embedded-resource``, because a
 PodTemplateSpec has no apiVersion and kind. Spec fields keep their scalar defaults (the API server
 fills them in); the status has none (the controller writes it whole). Durations carry their
-``maximum`` (``model.MAX_DURATION_SECONDS``); ``spec.checkpoint.uri`` carries a CEL transition rule
+``maximum`` (``model.MAX_DURATION_SECONDS``, or ``model.MAX_FLUSH_SECONDS`` for the two the agents are
+given); ``spec.checkpoint.uri`` carries a CEL transition rule
 that keeps it from changing.
 
 The file's metadata holds only the name: the chart adds its labels and annotations after the

@@ -43,6 +43,15 @@ Duration = Annotated[float, Field(le=MAX_DURATION_SECONDS, allow_inf_nan=False)]
 (grace periods, timeouts, backoffs, intervals); each field adds its own lower bound. The CRD
 carries the same ``maximum``."""
 
+MAX_FLUSH_SECONDS = 24 * 3600
+"""The longest ``flushTimeoutSeconds`` and ``noticeSeconds`` (a day, in seconds): a worker's
+``spotjob-agent`` is given the flush timeout as ``--sigterm-grace`` and ``--flush-timeout``, and a
+flush deadline ``noticeSeconds`` away in ``POST /flush``, and it refuses any of these past a day
+(``agent.launcher_cli.MAX_WAIT_SECONDS``, ``agent.control_api.MAX_DEADLINE_DISTANCE``)."""
+
+FlushDuration = Annotated[float, Field(le=MAX_FLUSH_SECONDS, allow_inf_nan=False)]
+"""Seconds, finite and at most ``MAX_FLUSH_SECONDS``: the durations the workers' agents are given."""
+
 
 def parse_timestamp(value: Any) -> datetime | None:
     """A Kubernetes or cloud timestamp (RFC 3339, ``Z`` or an offset) as an aware datetime; None for
@@ -259,13 +268,16 @@ class JobSpec(_Resource):
     max_restarts: int = Field(
         default=3, ge=0, description="restarts after failures of the user's code; preemptions never consume it"
     )
-    flush_timeout_seconds: Duration = Field(
-        default=120.0, gt=0, description="how long to wait for a flush to commit before restarting from what is there"
+    flush_timeout_seconds: FlushDuration = Field(
+        default=120.0,
+        gt=0,
+        description="how long to wait for a flush to commit before restarting from what is there (at most a day)",
     )
-    notice_seconds: Duration | None = Field(
+    notice_seconds: FlushDuration | None = Field(
         default=None,
         gt=0,
-        description="the notice the capacity gives (AWS: 120); the flush deadline when a signal carries none",
+        description="the notice the capacity gives (AWS: 120); the flush deadline when a signal carries none (at most "
+        "a day)",
     )
     restart_backoff: BackoffSpec = Field(default_factory=BackoffSpec)
     cooldown: CooldownSpec = Field(default_factory=CooldownSpec)

@@ -16,6 +16,7 @@ from agent.torchrun import Launcher
 from orchestrator.backends.local import PreemptionPlan
 from orchestrator.model import (
     MAX_DURATION_SECONDS,
+    MAX_FLUSH_SECONDS,
     MAX_NAME_LENGTH,
     BackoffSpec,
     CheckpointSpec,
@@ -80,8 +81,8 @@ class RunConfig:
             _positive("--every-seconds", self.every_seconds),
             _at_least("--keep", self.keep, 1),
             _at_least("--max-restarts", self.max_restarts, 0),
-            _positive("--flush-timeout", self.flush_timeout),
-            _positive("--notice", self.notice),
+            _positive("--flush-timeout", self.flush_timeout, _MAX_FLUSH),
+            _positive("--notice", self.notice, _MAX_FLUSH),
             _not_negative("--restart-backoff", self.restart_backoff),
             _positive("--preempt-every", self.preempt_every),
             None
@@ -156,10 +157,12 @@ def _at_least(option: str, value: int | None, low: int) -> str | None:
     return None if value is None or value >= low else f"{option} must be at least {low}, got {value}"
 
 
-def _positive(option: str, value: float | None) -> str | None:
-    if value is None or (math.isfinite(value) and 0 < value <= MAX_DURATION_SECONDS):
+def _positive(option: str, value: float | None, most: tuple[float, str] | None = None) -> str | None:
+    """``most``: the largest value and how it is said (default: ``MAX_DURATION_SECONDS``)."""
+    limit, said = most or (MAX_DURATION_SECONDS, _MAX_DURATION)
+    if value is None or (math.isfinite(value) and 0 < value <= limit):
         return None
-    return f"{option} must be a positive number of seconds, at most {_MAX_DURATION}, got {value:g}"
+    return f"{option} must be a positive number of seconds, at most {said}, got {value:g}"
 
 
 def _not_negative(option: str, value: float) -> str | None:
@@ -169,6 +172,7 @@ def _not_negative(option: str, value: float) -> str | None:
 
 
 _MAX_DURATION = f"{MAX_DURATION_SECONDS} (one year)"
+_MAX_FLUSH = (MAX_FLUSH_SECONDS, f"{MAX_FLUSH_SECONDS} (a day: what spotjob-agent takes)")
 
 
 def name_problem(name: str) -> str | None:

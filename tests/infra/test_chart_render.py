@@ -49,6 +49,24 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "watch-namespaces": {"watchNamespaces": ["ml-training", "research"]},
     "network-policy-off": {"networkPolicy": {"enabled": False}},
+    # Each value the controller is given at the low and the high end of what the schema takes.
+    "bounds-low": {
+        "httpPort": 1,
+        "agentPort": 1,
+        "logLevel": "debug",
+        "leaderElection": {"leaseName": "0", "leaseNamespace": "0"},
+        "watchNamespaces": ["0", "true"],  # names YAML would read as a number and a boolean
+        "nameOverride": "0",
+    },
+    "bounds-high": {
+        "httpPort": 65535,
+        "agentPort": 65535,
+        "logLevel": "error",
+        "agentLauncher": "torchrun",
+        "leaderElection": {"leaseName": "a" * 253, "leaseNamespace": "b" * 63},
+        "watchNamespaces": ["a" * 63, "ml-training"],
+    },
+    "queue-region-in-its-url": {"interruptionQueue": {"url": QUEUE_URL}},
     "everything": {
         "image": {"digest": "sha256:" + "a" * 64},
         "imagePullSecrets": [{"name": "regcred"}],
@@ -260,6 +278,43 @@ def test_irsa_annotates_the_service_account_and_passes_the_queue() -> None:
     args = container_args(objects)
     assert f"--interruption-queue-url={QUEUE_URL}" in args
     assert "--aws-region=us-east-1" in args
+
+
+REGIONLESS_QUEUE_URL = "https://sqs.amazonaws.com/111122223333/spotjob-interruptions"
+
+
+@pytest.mark.parametrize(
+    ("values", "env"),
+    [
+        ({"interruptionQueue": {"url": REGIONLESS_QUEUE_URL, "region": "eu-west-1"}}, {}),
+        (
+            {
+                "interruptionQueue": {"url": REGIONLESS_QUEUE_URL},
+                "extraEnv": [{"name": "AWS_REGION", "value": "eu-west-1"}],
+            },
+            {"AWS_REGION": "eu-west-1"},
+        ),
+    ],
+    ids=["interruptionQueue.region", "AWS_REGION in extraEnv"],
+)
+def test_a_queue_url_naming_no_region_runs_with_a_region_given_elsewhere(
+    values: dict[str, Any], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", NAMESPACE)
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, options = parse_options(container_args(render(values)))
+    assert options.interruption_queue_url == REGIONLESS_QUEUE_URL
+
+
+def test_a_queue_url_naming_no_region_without_one_is_refused_naming_the_value() -> None:
+    """The controller would exit 2 at start (no region for SQS): a crash-looping install."""
+    for url in (REGIONLESS_QUEUE_URL, "http://localhost:9324/000000000000/q"):
+        proc = template({"interruptionQueue": {"url": url}})
+        assert proc.returncode != 0, url
+        assert "interruptionQueue.region" in proc.stderr and url in proc.stderr
 
 
 def test_workload_identity_annotates_the_service_account() -> None:

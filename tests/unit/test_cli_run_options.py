@@ -30,7 +30,8 @@ def spec_error(**fields: object) -> ValidationError:
         ({"maxRestarts": -1}, "--max-restarts must be greater than or equal to 0"),
         ({"flushTimeoutSeconds": 0}, "--flush-timeout must be greater than 0"),
         ({"restartBackoff": {"initialSeconds": 90, "maxSeconds": 60}}, "--restart-backoff: restartBackoff.maxSeconds"),
-        ({"flushTimeoutSeconds": 400 * 24 * 3600}, "--flush-timeout must be less than or equal to 31536000"),
+        ({"flushTimeoutSeconds": 2 * 24 * 3600}, "--flush-timeout must be less than or equal to 86400"),
+        ({"startTimeoutSeconds": 400 * 24 * 3600}, "startTimeoutSeconds must be less than or equal to 31536000"),
         ({"noticeSeconds": float("inf")}, "--notice must be a finite number"),
     ],
 )
@@ -72,19 +73,21 @@ def test_every_duration_of_the_spec_is_finite_and_at_most_a_year(fields: dict[st
     spec_error(**fields)
 
 
-def test_a_year_is_still_a_duration() -> None:
+def test_a_year_is_still_a_duration_and_a_day_a_flush_timeout() -> None:
     spec = JobSpec.model_validate(
-        {"command": ["train.py"], "checkpoint": {"uri": "/ckpt"}, "flushTimeoutSeconds": 365 * 24 * 3600}
+        {
+            "command": ["train.py"],
+            "checkpoint": {"uri": "/ckpt"},
+            "startTimeoutSeconds": 365 * 24 * 3600,
+            "flushTimeoutSeconds": 24 * 3600,
+        }
     )
-    assert spec.flush_timeout_seconds == 365 * 24 * 3600
+    assert spec.start_timeout_seconds == 365 * 24 * 3600 and spec.flush_timeout_seconds == 24 * 3600
 
 
 @pytest.mark.parametrize(
     ("option", "change"),
     [
-        ("--flush-timeout", {"flush_timeout": float("inf")}),
-        ("--flush-timeout", {"flush_timeout": 1e9}),
-        ("--notice", {"notice": float("nan")}),
         ("--every-seconds", {"every_seconds": 1e12}),
         ("--restart-backoff", {"restart_backoff": float("inf")}),
         ("--restart-backoff", {"restart_backoff": 4e7}),
@@ -95,6 +98,22 @@ def test_a_local_duration_that_is_not_finite_or_over_a_year_is_refused_naming_th
     option: str, change: dict[str, object]
 ) -> None:
     with pytest.raises(ValueError, match=f"^{option} must be .*at most 31536000 \\(one year\\)"):
+        RunConfig(script="/train.py", args=[], name="run", **change)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "change"),
+    [
+        ("--flush-timeout", {"flush_timeout": float("inf")}),
+        ("--flush-timeout", {"flush_timeout": 1e9}),
+        ("--notice", {"notice": float("nan")}),
+        ("--notice", {"notice": 2 * 24 * 3600}),
+    ],
+)
+def test_a_local_flush_timeout_or_notice_not_finite_or_over_a_day_is_refused_naming_the_option(
+    option: str, change: dict[str, object]
+) -> None:
+    with pytest.raises(ValueError, match=f"^{option} must be .*at most 86400 \\(a day: what spotjob-agent takes\\)"):
         RunConfig(script="/train.py", args=[], name="run", **change)  # type: ignore[arg-type]
 
 

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.control_api import MAX_DEADLINE_DISTANCE
+from agent.launcher_cli import MAX_WAIT_SECONDS
 from orchestrator import crd as crd_module
 from orchestrator.crd import CRD_PATH, crd, main, render
-from orchestrator.model import MAX_DURATION_SECONDS, JobSpec
+from orchestrator.model import MAX_DURATION_SECONDS, MAX_FLUSH_SECONDS, JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,7 +114,7 @@ def test_the_schema_is_structural_typed_everywhere_with_no_refs_and_described_fr
         "type": "number",
         "minimum": 0,
         "exclusiveMinimum": True,
-        "maximum": MAX_DURATION_SECONDS,
+        "maximum": MAX_FLUSH_SECONDS,
         "default": 120.0,
         "description": "",
     }
@@ -160,12 +162,19 @@ DURATIONS = [
 ]
 
 
-def test_every_duration_of_the_spec_has_a_maximum_of_a_year_in_the_crd() -> None:
+AGENT_DURATIONS = {".spec.flushTimeoutSeconds", ".spec.noticeSeconds"}
+"""Given to the workers' spotjob-agent (--sigterm-grace, --flush-timeout, a POST /flush deadline)."""
+
+
+def test_every_duration_of_the_spec_has_a_maximum_of_a_year_in_the_crd_or_a_day_when_the_agent_takes_it() -> None:
     schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     numbers = {path: node for path, node in nodes(schema) if path.startswith(".spec.") and node.get("type") == "number"}
     assert sorted(numbers) == sorted(DURATIONS), "a new number in the spec: is it a duration?"
     for path in DURATIONS:
-        assert numbers[path]["maximum"] == MAX_DURATION_SECONDS == 365 * 24 * 3600, path
+        if path in AGENT_DURATIONS:
+            assert numbers[path]["maximum"] == MAX_FLUSH_SECONDS == MAX_WAIT_SECONDS == MAX_DEADLINE_DISTANCE, path
+        else:
+            assert numbers[path]["maximum"] == MAX_DURATION_SECONDS == 365 * 24 * 3600, path
 
 
 def test_the_checkpoint_uri_cannot_change_once_the_job_exists() -> None:

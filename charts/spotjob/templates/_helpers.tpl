@@ -84,6 +84,20 @@ Settings that no schema can check alone; failing here names the values to change
 {{- if and .Values.interruptionQueue.region (not .Values.interruptionQueue.url) }}
 {{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}
 {{- end }}
+{{- /* The controller takes the queue's region from --aws-region, AWS_REGION / AWS_DEFAULT_REGION,
+or the URL's host (sqs.REGION.amazonaws.com), and exits at start without one. */ -}}
+{{- with .Values.interruptionQueue.url }}
+{{- $host := regexReplaceAll "^[a-zA-Z]+://([^/?#]*@)?([^/:?#]*).*$" . "${2}" | lower }}
+{{- $parts := splitList "." $host }}
+{{- $inHost := and (ge (len $parts) 4) (eq (first $parts) "sqs") }}
+{{- $inEnv := false }}
+{{- range $.Values.extraEnv }}
+{{- if has .name (list "AWS_REGION" "AWS_DEFAULT_REGION") }}{{ $inEnv = true }}{{ end }}
+{{- end }}
+{{- if not (or $inHost $.Values.interruptionQueue.region $inEnv) }}
+{{- fail (printf "interruptionQueue.url %q names no AWS region (its host is not sqs.REGION.amazonaws.com), so the controller would exit at start: set interruptionQueue.region (e.g. us-east-1)." .) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
