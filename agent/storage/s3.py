@@ -15,8 +15,9 @@ Large files (``>= multipart_threshold``) go up as a multipart upload whose parts
 in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
 with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
 A failed upload is aborted, the abort retried like any request (best effort: a bucket lifecycle
-rule should also abort incomplete multipart uploads after a day); so is an upload started by a
-``CreateMultipartUpload`` attempt whose answer was lost. Downloads are parallel ranged GETs
+rule should also abort incomplete multipart uploads after a day; it alone reclaims an upload that a
+``CreateMultipartUpload`` whose answer was lost started, which listing the bucket's uploads would
+find only with a permission wider than a training role's prefix). Downloads are parallel ranged GETs
 pinned with ``If-Match`` to the ETag seen first, so an object replaced mid-download fails instead
 of mixing two versions.
 
@@ -321,7 +322,14 @@ class S3Storage(PrefixedKeys, Storage):
         url = self.url(key)
         part_size = max(self.settings.upload_part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
         parts = spans(size, part_size)
-        upload_id = self._create_multipart(url, key, obj)
+        upload = self._retrying(
+            f"CreateMultipartUpload {url}",
+            key,
+            lambda: self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+            ),
+        )
+        upload_id: str = upload["UploadId"]
         log.debug("uploading %s to %s in %d parts of %d bytes", local_path, url, len(parts), part_size)
         reading = f"cannot read the local file {local_path} (uploading to {url})"
         try:
@@ -368,52 +376,6 @@ class S3Storage(PrefixedKeys, Storage):
         except BaseException:
             self._abort(url, obj, upload_id)
             raise
-
-    def _create_multipart(self, url: str, key: str, obj: str) -> str:
-        """Start a multipart upload of ``obj``; its id.
-
-        An attempt that failed ambiguously (a dropped connection, a 5xx) may have started an
-        upload whose id never reached us: invisible, never completed, and billed for its parts
-        until a lifecycle rule (if any) reclaims it. So after such an attempt the key's other
-        in-progress uploads are aborted once ours exists. Only this rank writes this key of an
-        uncommitted step, so an upload of it that is not ours is one of our lost attempts or a
-        leftover of a writer that died.
-        """
-        what = f"CreateMultipartUpload {url}"
-        ambiguous = False
-
-        def attempt() -> str:
-            nonlocal ambiguous
-            try:
-                resp = self._client.create_multipart_upload(
-                    Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
-                )
-            except (ClientError, BotoCoreError) as e:
-                err = self._error(e, what, key)
-                ambiguous = ambiguous or isinstance(err, TransientStorageError)
-                raise err from e
-            return str(resp["UploadId"])
-
-        upload_id = retry_transient(what, attempt)
-        if ambiguous:
-            self._abort_others(url, obj, upload_id)
-        return upload_id
-
-    def _abort_others(self, url: str, obj: str, keep: str) -> None:
-        """Abort the in-progress multipart uploads of exactly ``obj`` other than ``keep`` (best effort)."""
-        try:
-            resp = self._retrying(
-                f"ListMultipartUploads {url}",
-                None,
-                lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=obj),
-            )
-        except StorageError as e:
-            log.warning("could not look for lost multipart uploads of %s: %s", url, e)
-            return
-        for upload in resp.get("Uploads", []):
-            if upload.get("Key") == obj and upload.get("UploadId") != keep:
-                log.info("aborting a multipart upload of %s that a lost attempt started", url)
-                self._abort(url, obj, str(upload["UploadId"]))
 
     def _complete(
         self, url: str, key: str, obj: str, upload_id: str, size: int, parts: list[dict[str, Any]], crc: int

@@ -75,22 +75,6 @@ def test_a_multipart_upload_given_up_in_a_slowdown_storm_is_still_aborted(
     assert store.stat("step-1/shard") is None
 
 
-def test_a_multipart_upload_whose_creation_answer_was_lost_leaves_no_orphan(
-    s3_behind_proxy: tuple[Storage, FaultProxy, str], s3_client: Any, tmp_path: Path
-) -> None:
-    store, proxy, bucket = s3_behind_proxy
-    lost = proxy.drop(1, when="after", method="POST", path=r"\?uploads")
-    src = tmp_path / "src.bin"
-    crc, size = write_random(src, BIG)
-
-    store.put_file(str(src), "step-1/shard", crc32c=crc)
-
-    assert lost.served == 1
-    assert in_progress_uploads(s3_client, bucket) == []
-    info = store.stat("step-1/shard")
-    assert info is not None and info.size == size
-
-
 def test_an_s3_store_without_credentials_says_where_spotjob_looks_for_them(
     monkeypatch: pytest.MonkeyPatch, moto_server: str, tmp_path: Path
 ) -> None:
