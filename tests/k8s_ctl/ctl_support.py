@@ -147,3 +147,24 @@ class TestApi:
 
     def namespace(self, name: str) -> None:
         self.admin.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+
+SPOTJOB_CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
+
+
+def install_spotjob_crd(test_api: TestApi) -> None:
+    """Create the chart's SpotJob CRD in the test API server and wait until SpotJobs are served."""
+    import yaml
+
+    from orchestrator.k8s.api import SPOTJOBS
+
+    test_api.admin.create(CRDS, yaml.safe_load(SPOTJOB_CRD_FILE.read_text()))
+
+    def served() -> bool:
+        try:
+            test_api.admin.list(SPOTJOBS, "default")
+        except Exception:
+            return False
+        return True
+
+    wait_for(served, what="the SpotJob CRD")

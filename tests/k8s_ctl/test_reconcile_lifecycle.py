@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from ctl_support import CRDS, REPO, TestApi, wait_for
+from ctl_support import TestApi, install_spotjob_crd, wait_for
 
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient
@@ -23,7 +22,6 @@ from orchestrator.k8s.store import KubeJobStore
 from orchestrator.model import JobKey, Phase
 from orchestrator.reconciler import Reconciler
 
-CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 KEY = JobKey("default", "llama")
 HOLD = "example.com/hold"
 """Another tool's finalizer on the SpotJob: it keeps the job readable, being deleted, until removed."""
@@ -72,19 +70,10 @@ class Parts:
 
 @pytest.fixture
 def parts(test_api: TestApi, tmp_path: Path) -> Iterator[Parts]:
-    test_api.admin.create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
-    wait_for(lambda: _served(test_api), what="the SpotJob CRD")
+    install_spotjob_crd(test_api)
     p = Parts(test_api, tmp_path)
     yield p
     p.stop()
-
-
-def _served(test_api: TestApi) -> bool:
-    try:
-        test_api.admin.list(SPOTJOBS, "default")
-    except Exception:
-        return False
-    return True
 
 
 def spotjob(uri: str) -> dict[str, Any]:

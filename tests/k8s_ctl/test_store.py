@@ -8,8 +8,7 @@ import json
 from typing import Any
 
 import pytest
-import yaml
-from ctl_support import CRDS, REPO, TestApi, wait_for
+from ctl_support import TestApi, install_spotjob_crd
 
 from orchestrator.k8s.api import SPOTJOBS
 from orchestrator.k8s.informer import Cache
@@ -17,7 +16,6 @@ from orchestrator.k8s.store import KubeJobStore
 from orchestrator.model import JobKey, JobStatus, Phase
 from orchestrator.store import ConflictError, StoredJob, StoreError
 
-CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 KEY = JobKey("default", "llama")
 
 
@@ -33,17 +31,8 @@ def spotjob(name: str = "llama", **spec: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def api(test_api: TestApi) -> TestApi:
-    test_api.admin.create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
-    wait_for(lambda: _served(test_api), what="the SpotJob CRD")
+    install_spotjob_crd(test_api)
     return test_api
-
-
-def _served(test_api: TestApi) -> bool:
-    try:
-        test_api.admin.list(SPOTJOBS, "default")
-    except Exception:
-        return False
-    return True
 
 
 def cached(api: TestApi, cache: Cache, name: str = "llama") -> dict[str, Any]:

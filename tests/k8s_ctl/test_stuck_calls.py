@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from ctl_support import CRDS, REPO, TestApi, wait_for
+from ctl_support import TestApi, install_spotjob_crd, wait_for
 
 from orchestrator.k8s.api import NODES, PODS, SPOTJOBS
 from orchestrator.k8s.controller import Controller, ControllerOptions
@@ -29,7 +28,6 @@ from orchestrator.k8s.wiring import spotjob_reconcile
 from tests.k8s.cluster.apiserver import bind
 from tests.k8s.cluster.http import Fault
 
-CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 NS = "default"
 SPOT_ITN = {"key": "aws-node-termination-handler/spot-itn", "value": "true", "effect": "NoSchedule"}
 
@@ -119,8 +117,7 @@ def agents() -> Iterator[Agents]:
 
 @pytest.fixture
 def controller(test_api: TestApi, agents: Agents) -> Iterator[Controller]:
-    test_api.admin.create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
-    wait_for(lambda: _served(test_api), what="the SpotJob CRD")
+    install_spotjob_crd(test_api)
     options = ControllerOptions(
         namespaces=(NS,),
         leader_elect=False,
@@ -141,14 +138,6 @@ def controller(test_api: TestApi, agents: Agents) -> Iterator[Controller]:
     c.stop()
     thread.join(60)
     assert not thread.is_alive()
-
-
-def _served(test_api: TestApi) -> bool:
-    try:
-        test_api.admin.list(SPOTJOBS, NS)
-    except Exception:
-        return False
-    return True
 
 
 def _phase(test_api: TestApi, name: str) -> str | None:

@@ -15,6 +15,20 @@ from orchestrator.events import EventType, read_events
 from orchestrator.run_config import RunConfig
 
 
+def count_constructions(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> dict[str, int]:
+    """Replace ``module.name`` (a class the reader builds per parsed line) by a counting wrapper;
+    ``["n"]`` of the answer is how many were built since."""
+    parsed = {"n": 0}
+    real = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        parsed["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return parsed
+
+
 def test_a_look_at_the_runs_events_after_a_pass_parses_only_the_new_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -26,14 +40,8 @@ def test_a_look_at_the_runs_events_after_a_pass_parses_only_the_new_ones(
         for n in range(200):
             run.sink.emit(run.key, EventType.NORMAL, "Rescheduled", f"attempt {n} on local-node-{n}")
         run._after_pass()
-        parsed = {"n": 0}
         real = events.RecordedEvent
-
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            parsed["n"] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(events, "RecordedEvent", counting)
+        parsed = count_constructions(monkeypatch, events, "RecordedEvent")
         run.sink.emit(run.key, EventType.WARNING, "SpotInterrupted", "local-node-199 goes away", node="local-node-199")
         run.sink.emit(run.key, EventType.WARNING, "SpotInterrupted", "local-node-199 goes away", node="local-node-199")
         run._after_pass()
@@ -73,14 +81,7 @@ def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines
         run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=299, count=2)
         run._commits_read_at = float("-inf")  # the once-a-second look is due
         assert run._commits() == 2
-        parsed = {"n": 0}
-        real = local_timeline.TimelineEvent
-
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            parsed["n"] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(local_timeline, "TimelineEvent", counting)
+        parsed = count_constructions(monkeypatch, local_timeline, "TimelineEvent")
         run.timeline.record(EventKind.STEP, worker="w-1-0", attempt=1, step=300, state="training")
         run.timeline.record(EventKind.COMMIT, worker="w-1-0", attempt=1, step=300)
         run._commits_read_at = float("-inf")
