@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from agent import _direct_io
 from agent._direct_io import open_direct
 from agent._rank_state import refusal_reason
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
@@ -395,17 +396,27 @@ class _Writer(FileSystemWriter):
     - nothing is fsynced here: the Checkpointer fsyncs every file of a save together
       (``sync_files``), after the last one is written.
 
+    A file with fewer than ``direct_min_bytes`` bytes of tensors is written without ``O_DIRECT``
+    even when ``direct`` is set (``agent._direct_io.DIRECT_MIN_BYTES``).
+
     ``written`` maps each file's name to its (CRC32C, size); ``metadata`` is DCP's metadata as the
     coordinator wrote it. ``cancel``, when set, makes the write stop at the next block with
     ``SaveCancelledError``.
     """
 
     def __init__(
-        self, path: str, *, durable: bool, direct: bool = False, cancel: threading.Event | None = None
+        self,
+        path: str,
+        *,
+        durable: bool,
+        direct: bool = False,
+        direct_min_bytes: int = 0,
+        cancel: threading.Event | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
         self.durable = durable
         self.direct = direct
+        self.direct_min_bytes = direct_min_bytes
         self.cancel = cancel
         self.written: dict[str, tuple[int, int]] = {}
         self.metadata: Metadata | None = None
@@ -426,7 +437,8 @@ class _Writer(FileSystemWriter):
         self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]
     ) -> list[WriteResult]:
         results = []
-        with ChecksummedFile(path, writeback=self.durable, direct=self.direct, cancel=self.cancel) as stream:
+        direct = self.direct and tensor_bytes(items) >= self.direct_min_bytes
+        with ChecksummedFile(path, writeback=self.durable, direct=direct, cancel=self.cancel) as stream:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(self._write_item(stream, planner.resolve_data(item), item, storage_key))
@@ -669,16 +681,41 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
     parallel_map(fsync, [(p,) for p in paths], parallelism)
 
 
-def make_writer(path: str, *, durable: bool, direct: bool = False, cancel: threading.Event | None = None) -> _Writer:
+def tensor_bytes(items: list[WriteItem]) -> int:
+    """How many bytes of tensor data these write items hold (their chunks' elements times their
+    dtypes' sizes); bytes values are not counted."""
+    total = 0
+    for item in items:
+        data = item.tensor_data
+        if data is not None:
+            total += data.size.numel() * data.properties.dtype.itemsize
+    return total
+
+
+def make_writer(
+    path: str,
+    *,
+    durable: bool,
+    direct: bool = False,
+    any_size: bool = False,
+    cancel: threading.Event | None = None,
+) -> _Writer:
     """DCP's writer into a rank's staging folder (one file per rank, no zip CRC-32: see ``_Writer``).
 
     ``durable``: the staged files become the checkpoint (a filesystem store links them into
     place), so their writeback starts as they are written and the Checkpointer fsyncs them. For
     an object store they are only an upload buffer: a crash loses them along with the upload, and
     no manifest is ever written for them. ``direct``: the shards go to the disk with ``O_DIRECT``
-    (``agent._direct_io``), for a durable save only.
+    (``agent._direct_io``), for a durable save only; those under ``DIRECT_MIN_BYTES`` of tensors
+    go through the page cache unless ``any_size`` (the user asked for ``O_DIRECT`` outright).
     """
-    return _Writer(path, durable=durable, direct=direct and durable, cancel=cancel)
+    return _Writer(
+        path,
+        durable=durable,
+        direct=direct and durable,
+        direct_min_bytes=0 if any_size else _direct_io.DIRECT_MIN_BYTES,
+        cancel=cancel,
+    )
 
 
 # -- DCP's save and load, minus their single-process warning ------------------------------------

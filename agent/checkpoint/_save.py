@@ -386,6 +386,7 @@ class _Saving(_Voting):
                 local_dir,
                 durable=self.storage.local_path("") is not None,
                 direct=self._direct_io,
+                any_size=self.config.direct_io is True,
                 cancel=save.cancel,
             )
             if self.config.async_save and not blocking:

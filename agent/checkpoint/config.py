@@ -61,8 +61,10 @@ class CheckpointConfig:
     direct_io: bool | None = None
     """Write a filesystem store's shards with ``O_DIRECT`` (from memory to the disk, without the
     page cache; ``agent._direct_io``). None: where the staging folder is on a local block
-    filesystem (ext4, XFS, btrfs, f2fs), not on NFS, FUSE, overlay or tmpfs. Object stores' staged
-    files are upload buffers read straight back, and always go through the page cache."""
+    filesystem (ext4, XFS, btrfs, f2fs), not on NFS, FUSE, overlay or tmpfs, for shards of
+    ``agent._direct_io.DIRECT_MIN_BYTES`` (256 MiB) or more. True: on any filesystem, at any size.
+    Object stores' staged files are upload buffers read straight back, and always go through the
+    page cache."""
 
     def __post_init__(self) -> None:
         # Types first: a string or a float would pass (or crash) the comparisons below and then

@@ -1,5 +1,6 @@
 """The Checkpointer's O_DIRECT saves on the filesystem store: on by default on a local block
-filesystem, off with ``direct_io=False`` or SPOTJOB_DIRECT_IO=0; either way what is committed
+filesystem for shards of ``DIRECT_MIN_BYTES`` or more (any size with ``direct_io=True``), off
+with ``direct_io=False`` or SPOTJOB_DIRECT_IO=0; either way what is committed
 restores bit-exactly, sync and async. What the page cache holds of the committed shard is read
 from the kernel (mincore): nothing either way (direct writes bypass it; buffered ones are dropped
 once written back), so which path wrote it is told by whether a direct writer was opened."""
@@ -13,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from agent import _dcp
+from agent import _dcp, _direct_io
 from agent._direct_io import DirectWriter, suits_direct_io
 from agent.checkpoint import Checkpointer
 
@@ -48,13 +50,8 @@ def shard(ckpt_dir: Path) -> Path:
     return found
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("direct_io", [None, True, False], ids=["default", "direct", "buffered"])
-def test_a_save_restores_bit_exactly_with_or_without_o_direct(
-    tmp_path: Path, direct_io: bool | None, async_save: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if direct_io is not False and not suits_direct_io(str(tmp_path)):
-        pytest.skip(f"{tmp_path} is not on a local block filesystem")
+def spy_on_direct_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files a direct writer is opened for, from now on."""
     opened: list[str] = []
     real_open_direct = _dcp.open_direct
 
@@ -63,6 +60,31 @@ def test_a_save_restores_bit_exactly_with_or_without_o_direct(
         return real_open_direct(path)
 
     monkeypatch.setattr(_dcp, "open_direct", spy)
+    return opened
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize(
+    ("direct_io", "small_shards_direct", "expect_direct"),
+    [(None, True, True), (None, False, False), (True, False, True), (False, True, False)],
+    ids=["default", "default-small-shard", "direct", "buffered"],
+)
+def test_a_save_restores_bit_exactly_with_or_without_o_direct(
+    tmp_path: Path,
+    direct_io: bool | None,
+    small_shards_direct: bool,
+    expect_direct: bool,
+    async_save: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``small_shards_direct``: the size under which the default writes a shard through the page
+    cache is lowered to one byte, so this small state's shard is over it. Without that, the
+    default writes it buffered and only ``direct_io=True`` writes it directly."""
+    if direct_io is not False and not suits_direct_io(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is not on a local block filesystem")
+    if small_shards_direct:
+        monkeypatch.setattr(_direct_io, "DIRECT_MIN_BYTES", 1)
+    opened = spy_on_direct_opens(monkeypatch)
     state = make_state(0)
     train(state, 2)
     with Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=async_save, direct_io=direct_io) as ckpt:
@@ -71,7 +93,7 @@ def test_a_save_restores_bit_exactly_with_or_without_o_direct(
         ckpt.wait()
     saved = snapshot(state)
     written = shard(tmp_path / "ckpt")
-    assert (written.name in opened) is (direct_io is not False)
+    assert (written.name in opened) is expect_direct
     assert cached_pages(written) == 0  # either way, nothing of the checkpoint is left in the cache
     fresh = make_state(0, seed=7)
     with Checkpointer(str(tmp_path / "ckpt")) as again:
@@ -98,3 +120,23 @@ def test_a_direct_io_that_is_not_a_bool_is_refused_before_anything_is_written(tm
     with pytest.raises(TypeError, match="direct_io must be True, False or None"):
         Checkpointer(str(tmp_path / "ckpt"), direct_io="yes")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(("over", "direct"), [(0, True), (1, False)], ids=["at-the-size", "one-byte-under"])
+def test_the_default_writes_a_shard_directly_from_the_size_on_and_through_the_page_cache_under_it(
+    tmp_path: Path, over: int, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's size is its tensors' bytes: a Linear(64, 32) is 64*32 + 32 float32 values."""
+    if not suits_direct_io(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is not on a local block filesystem")
+    monkeypatch.setattr(_direct_io, "DIRECT_MIN_BYTES", (64 * 32 + 32) * 4 + over)
+    opened = spy_on_direct_opens(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    with Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=False) as ckpt:
+        ckpt.save(1, {"model": model})
+    assert (shard(tmp_path / "ckpt").name in opened) is direct
+    fresh = torch.nn.Linear(64, 32)
+    with Checkpointer(str(tmp_path / "ckpt")) as again:
+        assert again.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
