@@ -842,8 +842,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeat-large",
         type=int,
-        default=2,
-        help="repetitions for sizes >= --large-gb, to keep the run short (default 2)",
+        default=3,
+        help="repetitions for sizes >= --large-gb; fewer keep the run short (default 3)",
     )
     p.add_argument("--large-gb", type=float, default=2.0, help="what counts as large for --repeat-large")
     p.add_argument(
