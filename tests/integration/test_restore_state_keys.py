@@ -1,12 +1,19 @@
 """What restore does when the state handed to it is not the one saved, key by key.
 
+- a key the checkpoint holds but the state leaves out (the optimizer forgotten) is not restored,
+  and a warning names it: the run would otherwise resume on a fresh optimizer without a word;
+- a per-rank object whose ``load_state_dict`` refuses its saved state is named in the refusal;
+- a per-rank object under a key the checkpoint saved as a module is refused before anything is
+  loaded, naming the key;
 - a lazy module that has not run a forward yet (no shapes) is refused up front with what to do,
   on save and on restore, instead of torch's shape error from deep inside the restore walk;
-- a bare ``torch.Generator`` is refused with the wrapper to use, and that wrapper resumes its stream.
+- a model saved wrapped (``torch.compile``: ``_orig_mod.``) restores into the bare module and the
+  other way round, exactly (DDP's ``module.``: ``test_checkpoint_ddp_buffers``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, RestoreRefusedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
-from ckpt_state import make_state
+from ckpt_state import make_state, snapshot, train
 
 
 def saved_checkpoint(tmp_path: Path, state: dict[str, Any], step: int = 3) -> str:
@@ -32,6 +39,64 @@ def saved_checkpoint(tmp_path: Path, state: dict[str, Any], step: int = 3) -> st
 def restore(tmp_path: Path, uri: str, state: dict[str, Any]) -> int:
     with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
         return ckpt.restore(state)
+
+
+def test_keys_the_restore_leaves_out_are_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, state)
+    fresh = make_state(0, seed=5)
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    assert restore(tmp_path, uri, {"model": fresh["model"], "counter": fresh["counter"]}) == 3
+    assert_same(fresh["model"].state_dict(), state["model"].state_dict(), "the restored model")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'optim', 'sched'" in w and "leaves out" in w for w in warnings), warnings
+    assert fresh["optim"].state_dict()["state"] == {}  # left as built, as the warning says
+
+
+def test_the_full_state_restores_without_that_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, state)
+    fresh = make_state(0, seed=5)
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    assert restore(tmp_path, uri, fresh) == 3
+    assert_same(snapshot(fresh), snapshot(state), "the restored state")
+    assert not [r for r in caplog.records if "leaves out" in r.getMessage()]
+
+
+class Refusing:
+    """A per-rank object whose load_state_dict rejects what it saved (its format changed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise KeyError("position")
+
+
+def test_an_object_that_refuses_its_saved_state_is_named(tmp_path: Path) -> None:
+    state = make_state(0)
+    uri = saved_checkpoint(tmp_path, {**state, "loader": Refusing()})
+    with pytest.raises(RestoreRefusedError) as caught:
+        restore(tmp_path, uri, {**make_state(0), "loader": Refusing()})
+    assert "state['loader'].load_state_dict() (Refusing) refused the state it saved: KeyError('position')" in str(
+        caught.value
+    )
+
+
+def test_an_object_under_a_key_saved_as_a_module_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    state = make_state(0)
+    train(state, 2)
+    uri = saved_checkpoint(tmp_path, {"model": state["model"], "ema": nn.Linear(2, 2)})
+    fresh = make_state(0, seed=5)
+    before = snapshot(fresh)
+    with pytest.raises(RestoreRefusedError) as caught:
+        restore(tmp_path, uri, {"model": fresh["model"], "ema": fresh["counter"]})
+    message = str(caught.value)
+    assert "state['ema'] is a Counter" in message and "saved 'ema' as a module or optimizer" in message
+    assert "part of it was loaded" not in message
+    assert_same(fresh["model"].state_dict(), before["model"], "the model after the refusal")
 
 
 def lazy_state() -> dict[str, Any]:
@@ -56,6 +121,29 @@ def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do(tmp_p
     unready["model"](torch.randn(3, 8))
     assert restore(tmp_path, uri, unready) == 3
     assert_same(unready["model"].state_dict(), ready["model"].state_dict(), "the restored lazy model")
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    return torch.compile(model, backend="eager")  # the wrapper and its _orig_mod. names, no compiler
+
+
+@pytest.mark.parametrize(
+    ("save_as", "restore_as"),
+    [(compiled, lambda m: m), (lambda m: m, compiled)],
+    ids=["compiled-to-bare", "bare-to-compiled"],
+)
+def test_a_compiled_model_and_its_bare_module_restore_into_each_other(
+    tmp_path: Path, save_as: Any, restore_as: Any
+) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, {**state, "model": save_as(state["model"])})
+    fresh = make_state(0, seed=5)
+    assert restore(tmp_path, uri, {**fresh, "model": restore_as(fresh["model"])}) == 3
+    assert_same(snapshot(fresh), snapshot(state), "the restored state")
+    train(state, 2, start=3)
+    train(fresh, 2, start=3)
+    assert_same(snapshot(fresh), snapshot(state), "the state two steps after the restore")
 
 
 class GeneratorState:
