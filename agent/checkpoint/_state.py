@@ -87,12 +87,18 @@ class _State(_Core):
             if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
                 callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
             ):
-                hint = (
-                    ": wrap it in an object whose state_dict() returns its get_state() and whose "
-                    "load_state_dict() calls set_state()"
-                    if isinstance(value, torch.Generator)
-                    else ""
-                )
+                hint = ""
+                if isinstance(value, torch.Generator):
+                    hint = (
+                        ": wrap it in an object whose state_dict() returns its get_state() and whose "
+                        "load_state_dict() calls set_state()"
+                    )
+                elif isinstance(value, torch.utils.data.DataLoader):
+                    hint = (
+                        ": a DataLoader keeps no position to save. Use torchdata's StatefulDataLoader (its "
+                        "sampler's and workers' state included), or an object of your own whose state_dict() "
+                        "records how far the epoch has gone"
+                    )
                 raise TypeError(
                     f"state[{key!r}] is a {type(value).__name__}; values must be modules, optimizers, "
                     f"or objects with state_dict()/load_state_dict(){hint}"

@@ -175,3 +175,12 @@ def test_a_bare_generator_is_refused_with_the_wrapper_to_use_and_the_wrapper_res
     other = torch.Generator().manual_seed(99)
     assert restore(tmp_path, uri, {**make_state(0, seed=5), "data_rng": GeneratorState(other)}) == 3
     assert torch.equal(torch.rand(5, generator=other), expected)
+
+
+def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path) -> None:
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True)
+    with (
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(TypeError, match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader"),
+    ):
+        ckpt.save(1, {**make_state(0), "loader": loader})
