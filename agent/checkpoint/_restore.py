@@ -282,6 +282,7 @@ class _Restoring(_Voting):
             partially_loaded = partially_loaded or loaded
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started)
+                self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
             if kind == _Failure.UNAVAILABLE:
@@ -372,6 +373,20 @@ class _Restoring(_Voting):
                 self.world_size,
             )
 
+    def _warn_left_out(self, manifest: Manifest, state: Mapping[str, Any]) -> None:
+        """(rank 0) Keys the checkpoint holds that ``state`` left out stay as they were built: a
+        restore without its optimizer, scheduler or loader resumes on fresh ones. Allowed (loading
+        a model alone is a use), but never silent."""
+        left_out = [key for key in manifest.state_keys if key not in state]
+        if left_out and self.rank == 0:
+            log.warning(
+                "restore: the checkpoint of step %d also holds %s, which the state handed to restore() leaves out: "
+                "not restored, so they go on from how the script built them. Add them to the state to resume "
+                "them too",
+                manifest.step,
+                ", ".join(repr(k) for k in left_out),
+            )
+
     def _incompatibility(self, manifest: Manifest, state: Mapping[str, Any]) -> tuple[str, str] | None:
         """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
         tensors added or removed), from the manifest alone — before anything is read or loaded."""
@@ -425,6 +440,8 @@ class _Restoring(_Voting):
                 rank_payload = _rank_state.decode(f.read())
         except Exception as e:
             failure = self._load_failure(ref, e)
+        if failure is None and rank_payload is not None:
+            failure = self._objects_not_saved_as_objects(state, rank_payload)
         failure = self._agree_on_failure(failure)
         if failure is not None:
             self._cleanup_cache(cache)
@@ -443,10 +460,28 @@ class _Restoring(_Voting):
         try:
             self._apply(state, dcp_state, rank_payload or {}, manifest)
         except Exception as e:
-            failure = (_Failure.INCOMPATIBLE, f"incompatible with this state on rank {self.rank}: {e!r}")
+            cause = str(e) if isinstance(e, RestoreRefusedError) else repr(e)
+            failure = (_Failure.INCOMPATIBLE, f"incompatible with this state on rank {self.rank}: {cause}")
         failure = self._agree_on_failure(failure)
         self._cleanup_cache(cache)
         return failure, failure is not None
+
+    def _objects_not_saved_as_objects(
+        self, state: Mapping[str, Any], payload: Mapping[str, Any]
+    ) -> tuple[str, str] | None:
+        """A per-rank object of ``state`` (a scheduler, a loader) under a key the checkpoint saved
+        as a module or optimizer has nothing to load: said before anything is loaded."""
+        _, _, others = self._classify(state)
+        saved = payload.get("objects", {})
+        wrong = [key for key in others if key not in saved]
+        if not wrong:
+            return None
+        key = wrong[0]
+        return _Failure.INCOMPATIBLE, (
+            f"incompatible with the state: state[{key!r}] is a {type(others[key]).__name__}, an object restored "
+            f"through its load_state_dict(), but the checkpoint saved {key!r} as a module or optimizer. Restore "
+            "each key with the kind of value it was saved from"
+        )
 
     def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any]) -> dict[str, Any]:
         """Load modules (in place) and optimizer state; returns the state dicts to apply.
@@ -557,7 +592,12 @@ class _Restoring(_Voting):
                 set_optimizer_state_dict(bag, opt, dcp_state[key])
         objects = payload.get("objects", {})
         for key, obj in others.items():
-            obj.load_state_dict(objects[key])
+            try:
+                obj.load_state_dict(objects[key])
+            except Exception as e:
+                raise RestoreRefusedError(
+                    f"state[{key!r}].load_state_dict() ({type(obj).__name__}) refused the state it saved: {e!r}"
+                ) from e
         if self.rank < manifest.world_size:
             _rank_state.restore_rng(payload["rng"])
         else:

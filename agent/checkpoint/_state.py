@@ -3,6 +3,7 @@ reshard) and per-rank objects."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.nn.parameter import is_lazy
 
 from agent import _rank_state
 from agent.checkpoint._core import _Core
@@ -85,11 +87,42 @@ class _State(_Core):
             if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
                 callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
             ):
+                hint = ""
+                if isinstance(value, torch.Generator):
+                    hint = (
+                        ": wrap it in an object whose state_dict() returns its get_state() and whose "
+                        "load_state_dict() calls set_state()"
+                    )
+                elif isinstance(value, torch.utils.data.DataLoader):
+                    hint = (
+                        ": a DataLoader keeps no position to save. Use torchdata's StatefulDataLoader (its "
+                        "sampler's and workers' state included), or an object of your own whose state_dict() "
+                        "records how far the epoch has gone"
+                    )
                 raise TypeError(
                     f"state[{key!r}] is a {type(value).__name__}; values must be modules, optimizers, "
-                    "or objects with state_dict()/load_state_dict()"
+                    f"or objects with state_dict()/load_state_dict(){hint}"
                 )
+        self._check_no_lazy_tensors(state)
         self._check_optimizers_own_modules(state)
+
+    def _check_no_lazy_tensors(self, state: Mapping[str, Any]) -> None:
+        """A lazy module (``nn.LazyLinear``) has no shapes before its first forward: its tensors
+        cannot be saved, nor compared with a checkpoint's and loaded into."""
+        modules, _, _ = self._classify(state)
+        for key, module in modules.items():
+            lazy = [
+                name
+                for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())
+                if is_lazy(tensor)
+            ]
+            if lazy:
+                more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
+                raise ValueError(
+                    f"state[{key!r}] holds uninitialized lazy parameters ({key}.{lazy[0]}{more}): they have no "
+                    "shape yet to save or restore. Run one forward pass (a sample batch) before save() or restore(), "
+                    "as before building the optimizer"
+                )
 
     def _check_optimizers_own_modules(self, state: Mapping[str, Any]) -> None:
         """Optimizer state is saved and restored under its parameters' names in the state's modules:

@@ -38,3 +38,16 @@ def test_a_ddp_job_with_batchnorm_resumes_bit_identical_to_an_uninterrupted_one(
     for rank in range(2):
         assert resumed[rank]["start"] == 3
         assert_same(resumed[rank]["final"], full[rank]["final"], f"rank {rank}'s model after resuming")
+
+
+def test_a_ddp_checkpoint_restores_into_the_bare_module_on_every_rank(tmp_path: Path) -> None:
+    """DDP's ``module.`` prefix is not part of the saved names: a script that unwraps (evaluation,
+    export, another parallelism) restores the saved parameters and rank 0's buffers exactly."""
+    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
+    harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", dump, "--sync")
+    harness.torchrun(2, JOB, "bare", "--uri", uri, "--dump", dump, "--sync")
+    saved = torch.load(f"{dump}.full.rank0.pt")["saved"]
+    for rank in range(2):
+        bare = torch.load(f"{dump}.bare.rank{rank}.pt")
+        assert bare["start"] == 3
+        assert_same(bare["final"], saved, f"rank {rank}'s bare module after the restore")

@@ -2,6 +2,7 @@
 
     ckpt_ddp_buffers.py full --uri U --dump D     train 6 steps, save step 3 on the way (sync and async)
     ckpt_ddp_buffers.py resume --uri U --dump D   restore step 3 into a fresh model, train to step 6
+    ckpt_ddp_buffers.py bare --uri U --dump D     restore step 3 into the bare module (no DDP), no training
 
 Each rank dumps its module's final state to ``D.<command>.rank<r>.pt`` (``full`` also the state
 it saved). The ranks' BatchNorm running statistics differ after every step (each forward updates
@@ -25,15 +26,24 @@ SAVE_STEP, STEPS = 3, 6
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["full", "resume"])
+    p.add_argument("command", choices=["full", "resume", "bare"])
     p.add_argument("--uri", required=True)
     p.add_argument("--dump", required=True)
     p.add_argument("--sync", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
+    torch.manual_seed(rank + 1 if args.command == "bare" else 0)  # bare: the restore must set every tensor
+    bare = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    if args.command == "bare":
+        optim = torch.optim.SGD(bare.parameters(), lr=0.1)
+        with Checkpointer(args.uri, async_save=not args.sync) as ckpt:
+            start = ckpt.restore({"model": bare, "optim": optim})
+        restored = {k: v.clone() for k, v in bare.state_dict().items()}
+        torch.save({"start": start, "final": restored}, f"{args.dump}.bare.rank{rank}.pt")
+        dist.destroy_process_group()
+        return
+    model = DistributedDataParallel(bare)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optim": optim}
     saved = None

@@ -1,0 +1,186 @@
+"""What restore does when the state handed to it is not the one saved, key by key.
+
+- a key the checkpoint holds but the state leaves out (the optimizer forgotten) is not restored,
+  and a warning names it: the run would otherwise resume on a fresh optimizer without a word;
+- a per-rank object whose ``load_state_dict`` refuses its saved state is named in the refusal;
+- a per-rank object under a key the checkpoint saved as a module is refused before anything is
+  loaded, naming the key;
+- a lazy module that has not run a forward yet (no shapes) is refused up front with what to do,
+  on save and on restore, instead of torch's shape error from deep inside the restore walk;
+- a model saved wrapped (``torch.compile``: ``_orig_mod.``) restores into the bare module and the
+  other way round, exactly (DDP's ``module.``: ``test_checkpoint_ddp_buffers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from agent.checkpoint import Checkpointer, RestoreRefusedError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+def saved_checkpoint(tmp_path: Path, state: dict[str, Any], step: int = 3) -> str:
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(step, state)
+    return uri
+
+
+def restore(tmp_path: Path, uri: str, state: dict[str, Any]) -> int:
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        return ckpt.restore(state)
+
+
+def test_keys_the_restore_leaves_out_are_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, state)
+    fresh = make_state(0, seed=5)
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    assert restore(tmp_path, uri, {"model": fresh["model"], "counter": fresh["counter"]}) == 3
+    assert_same(fresh["model"].state_dict(), state["model"].state_dict(), "the restored model")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'optim', 'sched'" in w and "leaves out" in w for w in warnings), warnings
+    assert fresh["optim"].state_dict()["state"] == {}  # left as built, as the warning says
+
+
+def test_the_full_state_restores_without_that_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, state)
+    fresh = make_state(0, seed=5)
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    assert restore(tmp_path, uri, fresh) == 3
+    assert_same(snapshot(fresh), snapshot(state), "the restored state")
+    assert not [r for r in caplog.records if "leaves out" in r.getMessage()]
+
+
+class Refusing:
+    """A per-rank object whose load_state_dict rejects what it saved (its format changed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise KeyError("position")
+
+
+def test_an_object_that_refuses_its_saved_state_is_named(tmp_path: Path) -> None:
+    state = make_state(0)
+    uri = saved_checkpoint(tmp_path, {**state, "loader": Refusing()})
+    with pytest.raises(RestoreRefusedError) as caught:
+        restore(tmp_path, uri, {**make_state(0), "loader": Refusing()})
+    assert "state['loader'].load_state_dict() (Refusing) refused the state it saved: KeyError('position')" in str(
+        caught.value
+    )
+
+
+def test_an_object_under_a_key_saved_as_a_module_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    state = make_state(0)
+    train(state, 2)
+    uri = saved_checkpoint(tmp_path, {"model": state["model"], "ema": nn.Linear(2, 2)})
+    fresh = make_state(0, seed=5)
+    before = snapshot(fresh)
+    with pytest.raises(RestoreRefusedError) as caught:
+        restore(tmp_path, uri, {"model": fresh["model"], "ema": fresh["counter"]})
+    message = str(caught.value)
+    assert "state['ema'] is a Counter" in message and "saved 'ema' as a module or optimizer" in message
+    assert "part of it was loaded" not in message
+    assert_same(fresh["model"].state_dict(), before["model"], "the model after the refusal")
+
+
+def lazy_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    return {"model": model}
+
+
+def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    ready = lazy_state()
+    ready["model"](torch.randn(3, 8))
+    uri = saved_checkpoint(tmp_path, ready)
+    unready = lazy_state()
+    with pytest.raises(ValueError, match=r"state\['model'\] holds uninitialized lazy parameters \(model\.0\.weight"):
+        restore(tmp_path, uri, unready)
+    with (
+        Checkpointer(str(tmp_path / "other"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match="Run one forward pass"),
+    ):
+        ckpt.save(1, unready)
+    # What the message says to do works.
+    unready["model"](torch.randn(3, 8))
+    assert restore(tmp_path, uri, unready) == 3
+    assert_same(unready["model"].state_dict(), ready["model"].state_dict(), "the restored lazy model")
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    return torch.compile(model, backend="eager")  # the wrapper and its _orig_mod. names, no compiler
+
+
+@pytest.mark.parametrize(
+    ("save_as", "restore_as"),
+    [(compiled, lambda m: m), (lambda m: m, compiled)],
+    ids=["compiled-to-bare", "bare-to-compiled"],
+)
+def test_a_compiled_model_and_its_bare_module_restore_into_each_other(
+    tmp_path: Path, save_as: Any, restore_as: Any
+) -> None:
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, {**state, "model": save_as(state["model"])})
+    fresh = make_state(0, seed=5)
+    assert restore(tmp_path, uri, {**fresh, "model": restore_as(fresh["model"])}) == 3
+    assert_same(snapshot(fresh), snapshot(state), "the restored state")
+    train(state, 2, start=3)
+    train(fresh, 2, start=3)
+    assert_same(snapshot(fresh), snapshot(state), "the state two steps after the restore")
+
+
+class GeneratorState:
+    """The wrapper the README and the error suggest for a torch.Generator of the script's own."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["state"])
+
+
+def test_a_bare_generator_is_refused_with_the_wrapper_to_use_and_the_wrapper_resumes_its_stream(
+    tmp_path: Path,
+) -> None:
+    state = make_state(0)
+    generator = torch.Generator().manual_seed(11)
+    with (
+        Checkpointer(str(tmp_path / "other"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(TypeError, match=r"state\['data_rng'\] is a Generator.*returns its get_state\(\)"),
+    ):
+        ckpt.save(1, {**state, "data_rng": generator})
+    torch.rand(5, generator=generator)
+    uri = saved_checkpoint(tmp_path, {**state, "data_rng": GeneratorState(generator)})
+    expected = torch.rand(5, generator=generator)
+    other = torch.Generator().manual_seed(99)
+    assert restore(tmp_path, uri, {**make_state(0, seed=5), "data_rng": GeneratorState(other)}) == 3
+    assert torch.equal(torch.rand(5, generator=other), expected)
+
+
+def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path) -> None:
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True)
+    with (
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(TypeError, match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader"),
+    ):
+        ckpt.save(1, {**make_state(0), "loader": loader})
