@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.torchrun import Launcher
+from agent.torchrun import ENV_LAUNCHER, Launcher
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -109,7 +109,7 @@ class WorkerOptions:
     """The agent in the training image (on its PATH)."""
     torchrun_command: tuple[str, ...] = ("torchrun",)
     agent_launcher: Launcher = "direct"
-    """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
+    """``spotjob-agent --launcher``, given as ``SPOTJOB_AGENT_LAUNCHER`` in the pod: direct (the agent starts the ranks as torchrun would, without
     torchrun's own start; options that are torchrun's own keep torchrun) or torchrun."""
     controller_namespace: str = ""
     """Where the controller's pods run (the NetworkPolicy admits them from there); "": anywhere."""
@@ -268,7 +268,10 @@ def worker_pod(
     trainer["args"] = _agent_args(
         job_identity, spec, attempt=attempt, index=index, master_addr=master_addr, owner=owner, options=options
     )
-    trainer["env"] = _env(trainer.get("env") or [], spec.env)
+    # The launcher goes in the environment, not as --launcher: an agent older than that flag
+    # (spotjob before 2026-12-02) ignores the variable and runs torchrun, where it would refuse the
+    # flag and exit 2 on every worker. README "Upgrading" has the supported skew.
+    trainer["env"] = _env(trainer.get("env") or [], {**spec.env, ENV_LAUNCHER: options.agent_launcher})
     trainer["ports"] = [
         p
         for p in trainer.get("ports") or []
@@ -361,7 +364,6 @@ def _agent_args(
         # A SIGTERM (a drain, a graceful node shutdown) is a notice: flush within the window.
         "--sigterm-grace", str(window),
         "--flush-timeout", str(window),
-        "--launcher", options.agent_launcher,
     ]  # fmt: skip
     if spec.every_steps is not None:
         args += ["--every-steps", str(spec.every_steps)]
