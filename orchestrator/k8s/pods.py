@@ -265,6 +265,9 @@ def worker_pod(
     trainer = containers[index_]
     trainer["image"] = trainer.get("image") or spec.image
     trainer["command"] = list(options.agent_command)
+    # The tail of the log becomes the termination message of an agent that exits non-zero, so the
+    # backend can say why one refused its options (an image older than the controller).
+    trainer.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     trainer["args"] = _agent_args(
         job_identity, spec, attempt=attempt, index=index, master_addr=master_addr, owner=owner, options=options
     )

@@ -161,6 +161,21 @@ def test_the_agent_wraps_torchrun_with_the_attempt_the_job_identity_and_the_rend
         )  # fmt: skip
 
 
+def test_the_training_container_reports_the_tail_of_its_log_unless_the_template_says_otherwise() -> None:
+    made = pods.worker_pod(
+        OWNER, "ml/llama", spec(), name="llama-3-0", attempt=3, index=0, master_addr=None,
+        placement=pods.WorkerPlacement(), options=OPTIONS,
+    )  # fmt: skip
+    assert trainer(made)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["terminationMessagePolicy"] = "File"
+    kept = pods.worker_pod(
+        OWNER, "ml/llama", spec(template=template), name="llama-3-0", attempt=3, index=0, master_addr=None,
+        placement=pods.WorkerPlacement(), options=OPTIONS,
+    )  # fmt: skip
+    assert trainer(kept)["terminationMessagePolicy"] == "File"
+
+
 def test_the_controllers_agent_launcher_reaches_every_agent() -> None:
     options = pods.WorkerOptions(agent_launcher="torchrun")
     made = pods.worker_pod(
