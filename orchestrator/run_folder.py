@@ -33,7 +33,10 @@ def older_layout_problem(path: str, name: str) -> str | None:
     are read as they are (README "Upgrading")."""
     if not os.path.isfile(os.path.join(path, f"{name}.json")):
         return None
-    return f"run {name!r} in {path} was written by a spotjob from before 2026-12-01, whose run folders this one does not read"
+    return (
+        f"run {name!r} in {path} was written by a spotjob from before 2026-12-01, "
+        "whose run folders this one does not read"
+    )
 
 
 class DriverLock:

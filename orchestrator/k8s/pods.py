@@ -109,8 +109,9 @@ class WorkerOptions:
     """The agent in the training image (on its PATH)."""
     torchrun_command: tuple[str, ...] = ("torchrun",)
     agent_launcher: Launcher = "direct"
-    """``spotjob-agent --launcher``, given as ``SPOTJOB_AGENT_LAUNCHER`` in the pod: direct (the agent starts the ranks as torchrun would, without
-    torchrun's own start; options that are torchrun's own keep torchrun) or torchrun."""
+    """``spotjob-agent --launcher``, given as ``SPOTJOB_AGENT_LAUNCHER`` in the pod: direct (the agent
+    starts the ranks as torchrun would, without torchrun's own start; options that are torchrun's
+    own keep torchrun) or torchrun."""
     controller_namespace: str = ""
     """Where the controller's pods run (the NetworkPolicy admits them from there); "": anywhere."""
     controller_pod_labels: Mapping[str, str] = field(default_factory=dict)

@@ -110,17 +110,49 @@ def test_every_worker_pod_of_a_spec_the_model_takes_starts_its_agent(changes: di
         assert pod["spec"]["terminationGracePeriodSeconds"] > window
 
 
-# The options spotjob-agent accepted at c5f2419 (2026-12-01, the first release with the Helm
+# The options spotjob-agent accepted at c5f2419 (2026-12-01, the first day of the Helm
 # chart), read from its agent.launcher_cli.build_parser: the oldest agent README "Upgrading" says a
 # newer controller still starts. An option the controller adds must be one of these, or go in the
 # environment (which an older agent ignores), else every worker of an older image exits 2.
 OLDEST_SUPPORTED_AGENT_OPTIONS = frozenset(
-    "--async --attempt --aws-metadata-url --azure-metadata-url --checkpoint-uri --cloud --control-dir "
-    "--control-host --control-port --every-seconds --every-steps --exit-timeout --exit-with-parent "
-    "--expected-ranks --flush-timeout --gcp-metadata-url --gcp-notice-seconds --help --job-name --keep "
-    "--kill-grace --log-level --no-aws --no-azure --no-gcp --no-sigterm --notices --parent-grace "
-    "--poll-interval --rank-connect-timeout --rebalance --safety-margin --sigterm-grace --staging-dir "
-    "--start-fresh --token-file".split()
+    {
+        "--async",
+        "--attempt",
+        "--aws-metadata-url",
+        "--azure-metadata-url",
+        "--checkpoint-uri",
+        "--cloud",
+        "--control-dir",
+        "--control-host",
+        "--control-port",
+        "--every-seconds",
+        "--every-steps",
+        "--exit-timeout",
+        "--exit-with-parent",
+        "--expected-ranks",
+        "--flush-timeout",
+        "--gcp-metadata-url",
+        "--gcp-notice-seconds",
+        "--help",
+        "--job-name",
+        "--keep",
+        "--kill-grace",
+        "--log-level",
+        "--no-aws",
+        "--no-azure",
+        "--no-gcp",
+        "--no-sigterm",
+        "--notices",
+        "--parent-grace",
+        "--poll-interval",
+        "--rank-connect-timeout",
+        "--rebalance",
+        "--safety-margin",
+        "--sigterm-grace",
+        "--staging-dir",
+        "--start-fresh",
+        "--token-file",
+    }
 )
 
 
