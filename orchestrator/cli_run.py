@@ -101,6 +101,7 @@ from orchestrator.run_folder import (
     SUMMARY_FILE,
     TIMELINE_FILE,
     DriverLock,
+    older_layout_problem,
     run_file_pid,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
@@ -246,6 +247,14 @@ class LocalRun:
         store = JsonFileJobStore(path, create=False)
         key = JobKey.local(name)
         if not os.path.exists(store.path(key)):
+            older = older_layout_problem(path, name)
+            if older is not None:
+                uri = os.path.join(path, "checkpoints")
+                raise RunError(
+                    f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
+                    f"and start it with the same script and options: `spotjob ckpt adopt {uri} --job local/NEW`, "
+                    f"then `spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ...`"
+                )
             raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
         try:
             stored = store.get(key)
@@ -292,6 +301,9 @@ class LocalRun:
     def _refuse_existing(self) -> None:
         if os.path.exists(self.store.path(self.key)):
             raise RunExistsError(self._exists_message())
+        older = older_layout_problem(self.path, self.name)
+        if older is not None:  # a new run would mix its files (and its checkpoints) with the older run's
+            raise RunExistsError(f"{older}: pick another --name, or move that folder away")
 
     def _read_for_resume(self) -> tuple[JobSpec, JobStatus | None, str]:
         try:

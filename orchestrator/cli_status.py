@@ -24,7 +24,14 @@ from orchestrator.backends.local import log_excerpt, run_pids
 from orchestrator.events import RecordedEvent, events_path, read_events
 from orchestrator.live import RunRecord, render_run_detail, render_run_list
 from orchestrator.model import CheckpointInfo, JobKey, JobSpec, JobStatus, job_name_problem
-from orchestrator.run_folder import AGENT_EXITS, LOG_EXCERPT_LINES, RUNS_DIR, DriverLock, run_file_pid
+from orchestrator.run_folder import (
+    AGENT_EXITS,
+    LOG_EXCERPT_LINES,
+    RUNS_DIR,
+    DriverLock,
+    older_layout_problem,
+    run_file_pid,
+)
 from orchestrator.store import JsonFileJobStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -85,7 +92,7 @@ def read_run(runs_dir: str, name: str) -> RunRecord | None:
     key = JobKey.local(name)
     store = JsonFileJobStore(path, fsync=False, create=False)
     if not os.path.lexists(store.path(key)):
-        if os.path.isfile(os.path.join(path, f"{name}.json")):  # the layout before jobs had namespaces
+        if older_layout_problem(path, name) is not None:  # the layout before jobs had namespaces
             return RunRecord(name, path, None, None, False, error="a run folder of an older spotjob (not read)")
         return None
     try:

@@ -25,6 +25,20 @@ AGENT_EXITS = frozenset({0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR,
 """A worker's exit that is not its script's failure: success, the agent's own codes, or none yet."""
 
 
+def older_layout_problem(path: str, name: str) -> str | None:
+    """Why the run folder ``path`` of run ``name`` is not this spotjob's, or None.
+
+    Before 2026-12-01 jobs had no namespace and the job file was ``<run>/<name>.json``; this
+    spotjob keeps it under ``<run>/local/`` and does not read the older layout. Its checkpoints
+    are read as they are (README "Upgrading")."""
+    if not os.path.isfile(os.path.join(path, f"{name}.json")):
+        return None
+    return (
+        f"run {name!r} in {path} was written by a spotjob from before 2026-12-01, "
+        "whose run folders this one does not read"
+    )
+
+
 class DriverLock:
     """``<run>/driver.lock``: an exclusive ``flock`` held by the process that drives the run.
 

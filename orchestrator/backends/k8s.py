@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.exit_codes import EXIT_USAGE
 from orchestrator.backends.base import (
     BackendError,
     FlushRequestOutcome,
@@ -211,6 +212,7 @@ class KubernetesBackend:
                     zone=labels.get(NODE_ZONE_LABEL),
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
+                    detail=_refused_options(pod) if exit_code == EXIT_USAGE else None,
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
@@ -489,6 +491,25 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     ):
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
+
+
+AGENT_USAGE_ERROR = "spotjob-agent: error:"
+"""How spotjob-agent (argparse) begins the line that says which option or setting it refused."""
+
+
+def _refused_options(pod: Object) -> str | None:
+    """For an agent that exited 2 (``EXIT_USAGE``): the line of its termination message (the tail of
+    its log, ``FallbackToLogsOnError``) saying what it refused, and the likely cause after an
+    upgrade. Only that line: the rest of the log is the user's and stays behind ``kubectl logs``."""
+    terminated = (_trainer_status(pod).get("state") or {}).get("terminated") or {}
+    lines = [line for line in str(terminated.get("message") or "").splitlines() if AGENT_USAGE_ERROR in line]
+    if not lines:
+        return None
+    said = "".join(c if c.isprintable() else "?" for c in lines[-1].strip())[:300]
+    return (
+        f"{said} (the image's spotjob-agent refused the command line the controller gave it: is the "
+        f"image's spotjob older than the controller? See README 'Upgrading'; kubectl logs {_name(pod)})"
+    )
 
 
 def _still_running(pod: Object) -> bool:

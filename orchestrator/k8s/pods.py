@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.torchrun import Launcher
+from agent.torchrun import ENV_LAUNCHER, Launcher
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -109,8 +109,9 @@ class WorkerOptions:
     """The agent in the training image (on its PATH)."""
     torchrun_command: tuple[str, ...] = ("torchrun",)
     agent_launcher: Launcher = "direct"
-    """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
-    torchrun's own start; options that are torchrun's own keep torchrun) or torchrun."""
+    """``spotjob-agent --launcher``, given as ``SPOTJOB_AGENT_LAUNCHER`` in the pod: direct (the agent
+    starts the ranks as torchrun would, without torchrun's own start; options that are torchrun's
+    own keep torchrun) or torchrun."""
     controller_namespace: str = ""
     """Where the controller's pods run (the NetworkPolicy admits them from there); "": anywhere."""
     controller_pod_labels: Mapping[str, str] = field(default_factory=dict)
@@ -265,10 +266,16 @@ def worker_pod(
     trainer = containers[index_]
     trainer["image"] = trainer.get("image") or spec.image
     trainer["command"] = list(options.agent_command)
+    # The tail of the log becomes the termination message of an agent that exits non-zero, so the
+    # backend can say why one refused its options (an image older than the controller).
+    trainer.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     trainer["args"] = _agent_args(
         job_identity, spec, attempt=attempt, index=index, master_addr=master_addr, owner=owner, options=options
     )
-    trainer["env"] = _env(trainer.get("env") or [], spec.env)
+    # The launcher goes in the environment, not as --launcher: an agent older than that flag
+    # (spotjob before 2026-12-02) ignores the variable and runs torchrun, where it would refuse the
+    # flag and exit 2 on every worker. README "Upgrading" has the supported skew.
+    trainer["env"] = _env(trainer.get("env") or [], {**spec.env, ENV_LAUNCHER: options.agent_launcher})
     trainer["ports"] = [
         p
         for p in trainer.get("ports") or []
@@ -361,7 +368,6 @@ def _agent_args(
         # A SIGTERM (a drain, a graceful node shutdown) is a notice: flush within the window.
         "--sigterm-grace", str(window),
         "--flush-timeout", str(window),
-        "--launcher", options.agent_launcher,
     ]  # fmt: skip
     if spec.every_steps is not None:
         args += ["--every-steps", str(spec.every_steps)]

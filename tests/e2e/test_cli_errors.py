@@ -265,6 +265,56 @@ def test_resuming_a_run_that_ended_says_there_is_nothing_to_resume(tmp_path: Pat
     assert {k: v for k, v in snapshot(folder).items() if k != "driver.lock"} == before
 
 
+def older_run(runs: Path, name: str) -> Path:
+    """A run folder as a spotjob from before 2026-12-01 left it (6adcd45's ``spotjob run``, killed
+    mid-run): the job file ``<run>/<name>.json``, no ``local/`` folder, checkpoints under
+    ``checkpoints/`` whose manifests name the job without a namespace."""
+    folder = runs / name
+    (folder / "checkpoints" / "step-000000010").mkdir(parents=True)
+    (folder / "checkpoints" / "step-000000010" / "MANIFEST.json").write_text(json.dumps({"step": 10, "job": name}))
+    spec = {"name": name, "command": [str(TRAIN)], "replicas": 1, "nprocPerNode": 2}
+    status = {"phase": "Running", "reason": "WorkersRunning", "attempt": {"number": 0}}
+    (folder / f"{name}.json").write_text(json.dumps({"spec": spec, "status": status}))
+    (folder / "run.json").write_text(json.dumps({"pid": 2**22 + 1, "argv": ["spotjob", "run"]}))
+    return folder
+
+
+def test_an_older_spotjobs_run_is_not_resumed_and_the_message_says_how_to_carry_on_from_its_checkpoints(
+    tmp_path: Path,
+) -> None:
+    folder = older_run(tmp_path / "spotjob-runs", "old")
+    before = snapshot(folder)
+
+    proc = subprocess.run(
+        [tool("spotjob"), "run", "--resume", "old"], cwd=tmp_path, env=clean_env(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+    assert proc.returncode == 2, proc.stderr
+    assert "no run named" not in proc.stderr
+    assert "written by a spotjob from before 2026-12-01" in proc.stderr and "cannot be resumed" in proc.stderr
+    uri = folder / "checkpoints"
+    assert f"spotjob ckpt adopt {uri} --job local/NEW" in proc.stderr
+    assert f"spotjob run --name NEW --checkpoint-uri {uri}" in proc.stderr
+    assert snapshot(folder) == before
+
+
+def test_a_new_run_under_the_name_of_an_older_spotjobs_run_is_refused_and_its_folder_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    folder = older_run(tmp_path / "spotjob-runs", "old")
+    before = snapshot(folder)
+
+    proc = subprocess.run(
+        [tool("spotjob"), "run", "--name", "old", str(TRAIN)], cwd=tmp_path, env=clean_env(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+    assert proc.returncode == 2, proc.stderr
+    assert "written by a spotjob from before 2026-12-01" in proc.stderr and "pick another --name" in proc.stderr
+    assert snapshot(folder) == before
+
+
 # -- a listing with broken run folders ------------------------------------------------------------
 
 BREAKAGES: dict[str, Callable[[Path, str], None]] = {

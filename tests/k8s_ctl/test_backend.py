@@ -226,6 +226,24 @@ def test_the_agents_exit_code_decides_even_while_a_sidecar_keeps_the_pod_running
     assert world.phases()["llama-0-0"] == (WorkerPhase.SUCCEEDED, 0)
 
 
+def test_an_agent_that_refused_its_options_says_which_and_points_at_an_older_image(world: World) -> None:
+    # What a spotjob-agent older than the controller leaves in its termination message (the tail of
+    # its log, FallbackToLogsOnError) when the controller gives it an option it does not know.
+    refused = pod(0, exit_code=2)
+    refused["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = (
+        "usage: spotjob-agent [OPTIONS] -- COMMAND [ARGS...]\n"
+        "spotjob-agent: error: unrecognized arguments: --some-new-option 1\n"
+    )
+    own = pod(1, exit_code=2, ip="10.0.0.2")  # the training command's own exit 2: nothing to add
+    own["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "Traceback ...\nSystemExit: 2\n"
+    world.add(refused, own)
+    detail = {w.name: w.detail for w in world.backend.list_workers(KEY, spec())}
+    assert detail["llama-0-1"] is None
+    assert detail["llama-0-0"] is not None
+    assert "unrecognized arguments: --some-new-option 1" in detail["llama-0-0"]
+    assert "older than the controller" in detail["llama-0-0"] and "Upgrading" in detail["llama-0-0"]
+
+
 def test_an_exited_agent_whose_sidecar_runs_on_holds_its_node_and_a_completed_pod_does_not(world: World) -> None:
     world.add(pod(0, exit_code=0, sidecar=True), pod(1, phase="Succeeded", exit_code=0, ip="10.0.0.2"))
     holding = {w.name: w.holds_node for w in world.backend.list_workers(KEY, spec())}

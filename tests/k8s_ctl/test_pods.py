@@ -142,7 +142,8 @@ def test_the_agent_wraps_torchrun_with_the_attempt_the_job_identity_and_the_rend
     assert agent[agent.index("--control-host") + 1] == "$(POD_IP)"
     assert agent[agent.index("--token-file") + 1] == "/var/run/spotjob/token/token"
     assert agent[agent.index("--every-steps") + 1] == "50" and "--every-seconds" not in agent
-    assert agent[agent.index("--launcher") + 1] == "direct"  # the controller's --agent-launcher
+    env = {e["name"]: e.get("value") for e in first["env"]}
+    assert env["SPOTJOB_AGENT_LAUNCHER"] == "direct" and "--launcher" not in agent  # the controller's --agent-launcher
     assert torchrun[:1] == ["torchrun"] and torchrun[-3:] == ["/workspace/train.py", "--steps", "100"]
     assert torchrun[torchrun.index("--nnodes") + 1] == "2"
     assert torchrun[torchrun.index("--nproc-per-node") + 1] == "4"
@@ -160,14 +161,29 @@ def test_the_agent_wraps_torchrun_with_the_attempt_the_job_identity_and_the_rend
         )  # fmt: skip
 
 
+def test_the_training_container_reports_the_tail_of_its_log_unless_the_template_says_otherwise() -> None:
+    made = pods.worker_pod(
+        OWNER, "ml/llama", spec(), name="llama-3-0", attempt=3, index=0, master_addr=None,
+        placement=pods.WorkerPlacement(), options=OPTIONS,
+    )  # fmt: skip
+    assert trainer(made)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["terminationMessagePolicy"] = "File"
+    kept = pods.worker_pod(
+        OWNER, "ml/llama", spec(template=template), name="llama-3-0", attempt=3, index=0, master_addr=None,
+        placement=pods.WorkerPlacement(), options=OPTIONS,
+    )  # fmt: skip
+    assert trainer(kept)["terminationMessagePolicy"] == "File"
+
+
 def test_the_controllers_agent_launcher_reaches_every_agent() -> None:
     options = pods.WorkerOptions(agent_launcher="torchrun")
     made = pods.worker_pod(
         OWNER, "ml/llama", spec(), name="llama-3-0", attempt=3, index=0, master_addr=None,
         placement=pods.WorkerPlacement(), options=options,
     )  # fmt: skip
-    args = trainer(made)["args"]
-    assert args[args.index("--launcher") + 1] == "torchrun"
+    env = {e["name"]: e.get("value") for e in trainer(made)["env"]}
+    assert env["SPOTJOB_AGENT_LAUNCHER"] == "torchrun"
 
 
 def test_the_rendezvous_port_is_stable_per_attempt_and_moves_with_the_next_one() -> None:

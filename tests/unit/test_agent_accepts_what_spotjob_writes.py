@@ -110,6 +110,69 @@ def test_every_worker_pod_of_a_spec_the_model_takes_starts_its_agent(changes: di
         assert pod["spec"]["terminationGracePeriodSeconds"] > window
 
 
+# The options spotjob-agent accepted at c5f2419 (2026-12-01, the first day of the Helm
+# chart), read from its agent.launcher_cli.build_parser: the oldest agent README "Upgrading" says a
+# newer controller still starts. An option the controller adds must be one of these, or go in the
+# environment (which an older agent ignores), else every worker of an older image exits 2.
+OLDEST_SUPPORTED_AGENT_OPTIONS = frozenset(
+    {
+        "--async",
+        "--attempt",
+        "--aws-metadata-url",
+        "--azure-metadata-url",
+        "--checkpoint-uri",
+        "--cloud",
+        "--control-dir",
+        "--control-host",
+        "--control-port",
+        "--every-seconds",
+        "--every-steps",
+        "--exit-timeout",
+        "--exit-with-parent",
+        "--expected-ranks",
+        "--flush-timeout",
+        "--gcp-metadata-url",
+        "--gcp-notice-seconds",
+        "--help",
+        "--job-name",
+        "--keep",
+        "--kill-grace",
+        "--log-level",
+        "--no-aws",
+        "--no-azure",
+        "--no-gcp",
+        "--no-sigterm",
+        "--notices",
+        "--parent-grace",
+        "--poll-interval",
+        "--rank-connect-timeout",
+        "--rebalance",
+        "--safety-margin",
+        "--sigterm-grace",
+        "--staging-dir",
+        "--start-fresh",
+        "--token-file",
+    }
+)
+
+
+@pytest.mark.parametrize("launcher", ["direct", "torchrun"])
+@pytest.mark.parametrize("changes", BOUNDARY_SPECS.values(), ids=BOUNDARY_SPECS.keys())
+def test_a_worker_pod_gives_its_agent_only_options_the_oldest_supported_agent_takes(
+    changes: dict[str, Any], launcher: Any
+) -> None:
+    spec = job_spec(changes)
+    options = pods.WorkerOptions(agent_port=8470, agent_launcher=launcher)
+    pod = pods.worker_pod(
+        OWNER, "ml/llama", _worker_spec(spec), name="llama-0-1", attempt=0, index=1, master_addr=POD_IP,
+        placement=pods.WorkerPlacement(), options=options,
+    )  # fmt: skip
+    args = pod["spec"]["containers"][0]["args"]
+    given = {a for a in args[: args.index("--")] if a.startswith("--")}
+    assert given <= OLDEST_SUPPORTED_AGENT_OPTIONS, sorted(given - OLDEST_SUPPORTED_AGENT_OPTIONS)
+    assert agent_of_pod(pod).launcher == launcher  # and today's agent still gets the controller's launcher
+
+
 def documented_spotjobs() -> dict[str, dict[str, Any]]:
     """Every SpotJob of examples/*.yaml and of README.md's yaml blocks, by where it is."""
     found: dict[str, dict[str, Any]] = {}

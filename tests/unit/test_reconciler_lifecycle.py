@@ -262,3 +262,27 @@ def test_a_requested_restart_whose_flush_committed_while_no_leader_ran_is_answer
     # The agents exited 75 because the dead leader asked them to: no preemption, no node avoided.
     assert (status.preemptions, status.restarts) == (0, 0) and status.avoid == []
     assert [r.cause for r in status.restart_history] == [Cause.REQUESTED]
+
+
+# -- a job an older controller stored ------------------------------------------------------------
+
+
+def as_an_older_controller_stored_it(doc: dict[str, Any]) -> None:
+    """The status as the controller of 2026-12-01 wrote it: no ``attempt.replicas`` (2026-12-03),
+    ``attempt.notStarting`` or ``checkpointUri`` (2026-12-02)."""
+    doc["status"].pop("checkpointUri", None)
+    doc["status"]["attempt"].pop("replicas", None)
+    doc["status"]["attempt"].pop("notStarting", None)
+
+
+def test_a_running_job_an_older_controller_stored_runs_to_its_end_under_this_one(tmp_path: Any) -> None:
+    world = make_world(tmp_path, backend_options={"total_steps": 40})
+    world.run_until(running_attempt(0))
+    edit_document(world.store, KEY, as_an_older_controller_stored_it)
+
+    status = world.run_until(lambda s: s.phase.terminal or world.clock.at() > 600)
+
+    assert status.phase is Phase.SUCCEEDED, (status.phase, status.reason)
+    assert status.attempt.number == 0 and status.restarts == 0  # taken over, not restarted
+    assert status.checkpoint_uri == world.store.get(KEY).spec.checkpoint.uri  # type: ignore[union-attr]
+    assert world.backend.created == ["train-0-0", "train-0-1"]

@@ -1,0 +1,79 @@
+"""Checkpoints an older spotjob wrote, read by this one (README "Upgrading").
+
+A spotjob from before 2026-12-01 (6adcd45, checked by writing one with it) wrote the same
+checkpoint as today's but for two things: its manifests have no ``attempt`` and the URI has no
+ownership record (``.spotjob/``). The tests write a checkpoint with today's ``Checkpointer`` and
+take those two away, rather than commit an old one's bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Checkpointer
+from agent.checkpoint.errors import CheckpointOwnershipError
+from agent.manifest import MANIFEST_NAME
+from orchestrator.cli import main
+
+
+def _state() -> tuple[nn.Module, dict[str, object]]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, {"model": model, "optim": optim}
+
+
+def older_spotjobs_checkpoints(root: Path, job: str) -> dict[str, torch.Tensor]:
+    """Steps 1 and 2 of ``job`` as a spotjob from before 2026-12-01 left them; the weights at 2."""
+    model, state = _state()
+    with Checkpointer(str(root), job=job, keep=None, async_save=False) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(2, 8)).sum().backward()
+            state["optim"].step()  # type: ignore[attr-defined]
+            ckpt.save(step, state)
+    for manifest in root.glob(f"step-*/{MANIFEST_NAME}"):
+        doc = json.loads(manifest.read_text())
+        assert "attempt" in doc  # what the older spotjob did not write
+        del doc["attempt"]
+        manifest.write_text(json.dumps(doc, indent=2))
+    shutil.rmtree(root / ".spotjob")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_an_older_spotjobs_checkpoint_restores_under_its_job_and_the_ckpt_commands_read_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    weights = older_spotjobs_checkpoints(root, "ml/train")
+
+    assert main(["ckpt", "list", str(root)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("valid") == 2, listing
+    assert main(["ckpt", "verify", str(root), "--deep"]) == 0
+    assert main(["ckpt", "export", str(root), str(tmp_path / "out")]) == 0
+
+    model, state = _state()
+    with Checkpointer(str(root), job="ml/train", async_save=False) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_older_spotjobs_checkpoint_under_another_job_name_is_refused_naming_adopt(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    older_spotjobs_checkpoints(root, "killed0")  # a local run of then: its job had no namespace
+
+    _, state = _state()
+    with (
+        pytest.raises(CheckpointOwnershipError, match="spotjob ckpt adopt"),
+        Checkpointer(str(root), job="local/new", async_save=False) as ckpt,
+    ):
+        ckpt.restore(state)
+    assert main(["ckpt", "adopt", str(root), "--job", "local/new"]) == 0
+    _, state = _state()
+    with Checkpointer(str(root), job="local/new", async_save=False) as ckpt:
+        assert ckpt.restore(state) == 2
