@@ -24,7 +24,7 @@ from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
-from agent.storage import StorageError, open_storage
+from agent.storage import PermanentStorageError, StorageError, open_storage
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -329,12 +329,12 @@ class Checkpointer(_Saving, _Restoring):
             except OwnershipError as e:
                 outcome = ("owner", str(e), e.owner)
             except StorageError as e:
-                outcome = ("storage", str(e), None)
+                outcome = ("refused" if isinstance(e, PermanentStorageError) else "storage", str(e), None)
         kind, message, owner = self._broadcast(outcome)
         if kind == "owner":
             raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
-        if kind == "storage":
-            raise self._unavailable(f"claiming the URI for the job: {message}")
+        if kind in ("storage", "refused"):
+            raise self._storage_failure(f"claiming the URI for the job: {message}", permanent=kind == "refused")
 
     def _check_next_step(self, step: Any, call: str) -> int:
         value = _check_step(step, call)
