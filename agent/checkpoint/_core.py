@@ -142,7 +142,9 @@ class _Core:
             return
         try:
             entries = list(os.scandir(self._staging_root))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # Nothing staged there. A file in the way of the default staging folder is a URI
+            # that is a file, which claiming the URI reports; of a given one, _check_staging_dir.
             return
         # ``restore/`` stays: spotjob-agent may be filling it for this very restore
         # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
@@ -150,6 +152,27 @@ class _Core:
             if entry.is_dir() and entry.name.startswith("step-"):
                 log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _check_staging_dir(self) -> None:
+        """(every rank, at construction) A given ``staging_dir`` can hold folders: neither it nor a
+        folder above it is a file. Else every save and restore would fail on a bare ``OSError``."""
+        given = self.config.staging_dir
+        if not given:
+            return
+        path = os.path.abspath(given)
+        while not os.path.isdir(path):
+            if os.path.lexists(path):
+                where = "is" if path == os.path.abspath(given) else f"is under {path}, which is"
+                what = "a regular file, not a folder" if os.path.isfile(path) else "not a folder"
+                raise ValueError(
+                    f"staging_dir {given!r} {where} {what}: saves and restores "
+                    "stage their files in it; choose a folder (a new or an existing one) on a local "
+                    "disk (Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent --staging-dir)"
+                )
+            parent = os.path.dirname(path)
+            if parent == path:
+                return
+            path = parent
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:

@@ -142,6 +142,7 @@ class Checkpointer(_Saving, _Restoring):
         """Shards go to the disk with O_DIRECT (a filesystem store: the staged files are the checkpoint)."""
         # Before the groups: creating them waits for every rank, so no rank can start a save
         # while local rank 0 is still clearing the staging folder.
+        self._check_staging_dir()
         self._clean_stale_staging()
         self._save_pg: Any = None
         self._ctl_pg: Any = None
