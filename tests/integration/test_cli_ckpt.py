@@ -506,6 +506,20 @@ def test_export_refuses_what_it_cannot_do_cleanly(
     assert not out.exists() or not os.listdir(out)
 
 
+def test_an_export_folder_under_a_regular_file_is_one_line_naming_it_and_exit_2(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(a_file / "hf"))
+
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"cannot write the export in {a_file / 'hf'}" in err and "a regular file is in the way" in err
+    assert a_file.read_text() == "not a folder"
+
+
 class _ObjectStoreLike(FileStorage):
     """A filesystem store that hides its local paths, so readers download as from S3/GCS."""
 
