@@ -18,6 +18,7 @@ from agent.checkpoint.config import CheckpointConfig
 from agent.checkpoint.errors import CheckpointError, RestoreError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import ControlDir, RankStatus
 from agent.ownership import check_not_fenced
+from agent.restore_cache import staging_dir_problem
 from agent.storage import PermanentStorageError, Storage, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -154,25 +155,14 @@ class _Core:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def _check_staging_dir(self) -> None:
-        """(every rank, at construction) A given ``staging_dir`` can hold folders: neither it nor a
-        folder above it is a file. Else every save and restore would fail on a bare ``OSError``."""
-        given = self.config.staging_dir
-        if not given:
-            return
-        path = os.path.abspath(given)
-        while not os.path.isdir(path):
-            if os.path.lexists(path):
-                where = "is" if path == os.path.abspath(given) else f"is under {path}, which is"
-                what = "a regular file, not a folder" if os.path.isfile(path) else "not a folder"
-                raise ValueError(
-                    f"staging_dir {given!r} {where} {what}: saves and restores "
-                    "stage their files in it; choose a folder (a new or an existing one) on a local "
-                    "disk (Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent --staging-dir)"
-                )
-            parent = os.path.dirname(path)
-            if parent == path:
-                return
-            path = parent
+        """(every rank, at construction) A given ``staging_dir`` can hold folders, else every save
+        and restore would fail on a bare ``OSError``."""
+        problem = staging_dir_problem(self.config.staging_dir)
+        if problem is not None:
+            raise ValueError(
+                f"staging_dir {problem} (Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent "
+                "--staging-dir)"
+            )
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:
