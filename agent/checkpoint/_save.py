@@ -138,6 +138,12 @@ def _writing_failure(e: BaseException, staging: str) -> str:
             "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
             "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
         )
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+        return (
+            f"{e.strerror} ({e.filename or staging}): the staging folder {staging} {why}; stage in a "
+            "folder this process can write (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+        )
     return repr(e)
 
 
@@ -315,7 +321,7 @@ class _Saving(_Voting):
             if problem is not None:
                 raise SaveFailedError(
                     f"rank {self.rank}: preparing the checkpoint of step {step} in {self.storage.uri} failed: "
-                    f"{problem!r}; nothing was written"
+                    f"{_writing_failure(problem, self._staging_root)}; nothing was written"
                 ) from problem
             raise SaveFailedError(
                 f"rank {failed_rank} could not prepare the checkpoint of step {step} in {self.storage.uri} "
