@@ -29,7 +29,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, put_files
+from agent.storage import AlreadyExistsError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -498,7 +498,9 @@ class _Saving(_Voting):
                     parallelism=self.config.io_threads,
                 )
             except BaseException as e:
-                error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
+                # A StorageError already says what, where and what to do; anything else by its type too.
+                said = str(e) if isinstance(e, StorageError) else repr(e)
+                error, infra = f"rank {self.rank}: upload failed: {said}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
         gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
