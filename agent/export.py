@@ -268,7 +268,8 @@ def _write_shards(
         os.replace(tmp, os.path.join(out, INDEX_NAME))
     except BaseException as e:
         for path in [*written, *(os.path.join(out, f".{n}.partial") for n in [*names, INDEX_NAME])]:
-            with contextlib.suppress(FileNotFoundError):
+            # NotADirectoryError: OUT could not be made (a file is in the way), so nothing is in it.
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(path)
         if created:
             with contextlib.suppress(OSError):
@@ -285,6 +286,7 @@ _WRITE_FAILURES = {
     errno.EDQUOT: "the disk quota is exceeded: free some, or export to another folder",
     errno.EFBIG: "a file grew past what this filesystem, or this process's file-size limit (ulimit -f), allows",
     errno.EROFS: "the filesystem is read-only",
+    errno.ENOTDIR: "a regular file is in the way (a folder on the path is a file): export to another folder",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
 }

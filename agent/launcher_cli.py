@@ -17,6 +17,7 @@ from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRE
 from agent.notices import aws, azure, gcp
 from agent.notices.base import metadata_url_problem
 from agent.notices.detect import ENV_CLOUD, Cloud
+from agent.restore_cache import staging_dir_problem
 from agent.storage import parse_uri
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 
@@ -264,6 +265,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
         parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
     except ValueError as e:
         parser.error(f"{uri_option}: {e}")
+    staging_problem = staging_dir_problem(ns.staging_dir)
+    if staging_problem is not None:
+        parser.error(f"--staging-dir {staging_problem}")
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
     metadata_urls = {cloud: _metadata_url(parser, ns, env, cloud) for cloud in _METADATA_URLS}
     poll_interval = _poll_interval(parser, env) or ns.poll_interval

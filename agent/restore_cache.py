@@ -61,6 +61,27 @@ def staging_root(storage: Storage, job: str | None, staging_dir: str | None = No
     return os.path.join(staging_dir, _job_folder(storage, job))
 
 
+def staging_dir_problem(staging_dir: str | None) -> str | None:
+    """What keeps a given staging folder from holding folders, said after its name: it, or a folder
+    above it, is a file. None when there is nothing in the way (or none was given)."""
+    if not staging_dir:
+        return None
+    path = os.path.abspath(staging_dir)
+    while not os.path.isdir(path):
+        if os.path.lexists(path):
+            where = "is" if path == os.path.abspath(staging_dir) else f"is under {path}, which is"
+            what = "a regular file, not a folder" if os.path.isfile(path) else "not a folder"
+            return (
+                f"{staging_dir!r} {where} {what}: saves and restores stage their files in it; choose a "
+                "folder (a new or an existing one) on a local disk"
+            )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None
+
+
 def default_staging(storage: Storage, job: str | None) -> str:
     """Where a rank stages its saves and caches restores when no staging folder is given.
 

@@ -29,7 +29,8 @@ are gathered after the step's own save started, so one trigger makes one save.
 
 Restore never goes back in time on its own: a checkpoint proven bad (CRC mismatch, a missing or
 short file, a manifest or metadata that does not parse or is unsafe) is skipped for an older one;
-a store that keeps failing raises ``StorageUnavailableError``; a checkpoint the model cannot take
+a store that keeps failing raises ``StorageUnavailableError``, one that refuses for good (no such
+bucket, permission denied) ``StorageRefusedError``; a checkpoint the model cannot take
 (changed shapes) raises ``RestoreRefusedError``, as does a URI whose committed checkpoints all
 fail — unless ``start_fresh`` says to begin at step 0, which retires them (``agent._fresh_start``).
 
@@ -53,6 +54,7 @@ from agent.checkpoint.errors import (
     RestoreError,
     RestoreRefusedError,
     SaveFailedError,
+    StorageRefusedError,
     StorageUnavailableError,
 )
 from agent.checkpoint.errors import _is_infrastructure as _is_infrastructure  # tests classify with it
@@ -68,6 +70,7 @@ __all__ = [
     "RestoreError",
     "RestoreRefusedError",
     "SaveFailedError",
+    "StorageRefusedError",
     "StorageUnavailableError",
     "normalise_uri",
 ]

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from agent.checkpoint.config import CheckpointConfig
-from agent.checkpoint.errors import RestoreError, StorageUnavailableError
+from agent.checkpoint.errors import CheckpointError, RestoreError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import ControlDir, RankStatus
 from agent.ownership import check_not_fenced
-from agent.storage import Storage, StorageError
+from agent.restore_cache import staging_dir_problem
+from agent.storage import PermanentStorageError, Storage, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -79,6 +80,16 @@ class _Core:
                 log.debug("could not report the infrastructure error to the agent: %s", e)
         return error
 
+    def _storage_failure(self, message: str, *, permanent: bool) -> CheckpointError:
+        """The error for a store that failed at ``message``: refused for good (no bucket, permission
+        denied; the user's to fix, never reported as an infrastructure error), else unavailable."""
+        if permanent:
+            return StorageRefusedError(
+                f"the checkpoint store {self.storage.uri} refuses this job: {message}. Retrying cannot help: "
+                "fix the store or the checkpoint URI, then start the job again"
+            )
+        return self._unavailable(message)
+
     def _check_open(self, call: str) -> None:
         """(every rank, first thing in every collective call) ``close()`` released the process
         groups: a call after it would wait on groups that are gone, or on the training's own."""
@@ -94,19 +105,20 @@ class _Core:
 
     def _on_rank0(self, what: str, fn: Callable[[], T]) -> T:
         """(collective) Run ``fn`` on rank 0 and hand every rank its result, or its failure: a
-        storage failure as ``StorageUnavailableError``, anything else as ``RestoreError``."""
+        storage failure as ``StorageUnavailableError`` (``StorageRefusedError`` when the store refuses
+        for good), anything else as ``RestoreError``."""
         payload: tuple[str, Any] = ("", None)
         if self.rank == 0:
             try:
                 payload = ("ok", fn())
             except StorageError as e:
-                payload = ("storage", f"{what}: {e}")
+                payload = ("refused" if isinstance(e, PermanentStorageError) else "storage", f"{what}: {e}")
             except Exception as e:
                 log.debug("%s failed", what, exc_info=e)
                 payload = ("error", f"{what}: {type(e).__name__}: {e}")
         kind, value = self._broadcast(payload)
-        if kind == "storage":
-            raise self._unavailable(value)
+        if kind in ("storage", "refused"):
+            raise self._storage_failure(value, permanent=kind == "refused")
         if kind == "error":
             raise RestoreError(value)
         return value
@@ -131,7 +143,9 @@ class _Core:
             return
         try:
             entries = list(os.scandir(self._staging_root))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # Nothing staged there. A file in the way of the default staging folder is a URI
+            # that is a file, which claiming the URI reports; of a given one, _check_staging_dir.
             return
         # ``restore/`` stays: spotjob-agent may be filling it for this very restore
         # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
@@ -139,6 +153,16 @@ class _Core:
             if entry.is_dir() and entry.name.startswith("step-"):
                 log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _check_staging_dir(self) -> None:
+        """(every rank, at construction) A given ``staging_dir`` can hold folders, else every save
+        and restore would fail on a bare ``OSError``."""
+        problem = staging_dir_problem(self.config.staging_dir)
+        if problem is not None:
+            raise ValueError(
+                f"staging_dir {problem} (Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent "
+                "--staging-dir)"
+            )
 
     def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if not self._dist:

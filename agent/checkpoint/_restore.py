@@ -27,7 +27,7 @@ from agent.control_channel import ENV_START_FRESH
 from agent.manifest import DCP_METADATA_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
-from agent.storage import CorruptObjectError, NotFoundError, StorageError
+from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -35,10 +35,11 @@ log = logging.getLogger("agent.checkpoint")  # one logger for the package, as be
 class _Failure:
     """How one attempt to load a checkpoint failed, worst first when ranks disagree."""
 
+    REFUSED = "refused"  # the store refuses for good (permission denied): retrying cannot help
     UNAVAILABLE = "unavailable"  # storage failed, or something that proves nothing about the checkpoint
     INCOMPATIBLE = "incompatible"  # the checkpoint is fine; this script's state cannot take it
     BAD = "bad"  # proven bad: skip it for an older one
-    SEVERITY = (UNAVAILABLE, INCOMPATIBLE, BAD)
+    SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, BAD)
 
 
 # What proves a checkpoint bad (restore may then fall back to an older one); any other storage
@@ -285,9 +286,11 @@ class _Restoring(_Voting):
                 self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
-            if kind == _Failure.UNAVAILABLE:
+            if kind in (_Failure.REFUSED, _Failure.UNAVAILABLE):
                 mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
-                raise self._unavailable(f"reading {url(ref.folder)}: {reason}{mixed}")
+                raise self._storage_failure(
+                    f"reading {url(ref.folder)}: {reason}{mixed}", permanent=kind == _Failure.REFUSED
+                )
             tried.append((ref, reason))
             if kind == _Failure.INCOMPATIBLE:
                 break  # the checkpoint is not at fault: an older one would be going back in time
@@ -554,6 +557,8 @@ class _Restoring(_Voting):
             else:
                 what = "unreadable"
             kind, msg = _Failure.BAD, f"{what} on rank {self.rank}: {e}"
+        elif isinstance(e, PermanentStorageError):
+            kind, msg = _Failure.REFUSED, f"rank {self.rank}: {e}"
         elif isinstance(e, StorageError | OSError):
             # A store that kept failing (or a local disk) proves nothing about the checkpoint.
             kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"

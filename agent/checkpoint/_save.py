@@ -29,7 +29,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, put_files
+from agent.storage import AlreadyExistsError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -137,6 +137,12 @@ def _writing_failure(e: BaseException, staging: str) -> str:
             f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "
             "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
             "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+        )
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+        return (
+            f"{e.strerror} ({e.filename or staging}): the staging folder {staging} {why}; stage in a "
+            "folder this process can write (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
         )
     return repr(e)
 
@@ -315,7 +321,7 @@ class _Saving(_Voting):
             if problem is not None:
                 raise SaveFailedError(
                     f"rank {self.rank}: preparing the checkpoint of step {step} in {self.storage.uri} failed: "
-                    f"{problem!r}; nothing was written"
+                    f"{_writing_failure(problem, self._staging_root)}; nothing was written"
                 ) from problem
             raise SaveFailedError(
                 f"rank {failed_rank} could not prepare the checkpoint of step {step} in {self.storage.uri} "
@@ -492,7 +498,9 @@ class _Saving(_Voting):
                     parallelism=self.config.io_threads,
                 )
             except BaseException as e:
-                error, infra = f"rank {self.rank}: upload failed: {e!r}", _is_infrastructure(e)
+                # A StorageError already says what, where and what to do; anything else by its type too.
+                said = str(e) if isinstance(e, StorageError) else repr(e)
+                error, infra = f"rank {self.rank}: upload failed: {said}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
         gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)

@@ -24,7 +24,7 @@ from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
-from agent.storage import StorageError, open_storage
+from agent.storage import PermanentStorageError, StorageError, open_storage
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -142,6 +142,7 @@ class Checkpointer(_Saving, _Restoring):
         """Shards go to the disk with O_DIRECT (a filesystem store: the staged files are the checkpoint)."""
         # Before the groups: creating them waits for every rank, so no rank can start a save
         # while local rank 0 is still clearing the staging folder.
+        self._check_staging_dir()
         self._clean_stale_staging()
         self._save_pg: Any = None
         self._ctl_pg: Any = None
@@ -329,12 +330,12 @@ class Checkpointer(_Saving, _Restoring):
             except OwnershipError as e:
                 outcome = ("owner", str(e), e.owner)
             except StorageError as e:
-                outcome = ("storage", str(e), None)
+                outcome = ("refused" if isinstance(e, PermanentStorageError) else "storage", str(e), None)
         kind, message, owner = self._broadcast(outcome)
         if kind == "owner":
             raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
-        if kind == "storage":
-            raise self._unavailable(f"claiming the URI for the job: {message}")
+        if kind in ("storage", "refused"):
+            raise self._storage_failure(f"claiming the URI for the job: {message}", permanent=kind == "refused")
 
     def _check_next_step(self, step: Any, call: str) -> int:
         value = _check_step(step, call)

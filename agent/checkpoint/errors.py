@@ -59,6 +59,12 @@ class StorageUnavailableError(CheckpointError):
     user's fault: under spotjob-agent it is reported as an infrastructure error (exit 74)."""
 
 
+class StorageRefusedError(CheckpointError):
+    """The checkpoint store refuses for good (no such bucket, permission denied, a URI that is a
+    regular file): retrying cannot help, so it is the user's to fix and, under spotjob-agent, not
+    reported as an infrastructure error — the script's own exit stands and the job fails saying why."""
+
+
 def _is_infrastructure(error: BaseException) -> bool:
     """A failure of the store or of this node's disk that a later attempt may not meet.
 
@@ -86,5 +92,6 @@ for _error in (
     RestoreRefusedError,
     MissingStateKeysError,
     StorageUnavailableError,
+    StorageRefusedError,
 ):
     _error.__module__ = "agent.checkpoint"

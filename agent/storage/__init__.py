@@ -81,10 +81,16 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     if scheme in ("s3", "gs"):
         if not parsed.netloc:
             raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
-        return scheme, parsed.netloc, parsed.path.strip("/")
+        # One spelling per prefix, as ``agent.launcher.canonical_uri`` and ``normalise_uri`` compare
+        # URIs: s3://b/a//c is s3://b/a/c, never keys under "a//c" that a comparison takes for it.
+        return scheme, parsed.netloc, "/".join(part for part in parsed.path.split("/") if part)
     if scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt")
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            # file:relative would be a folder under the working directory, spelled as a URI.
+            raise ValueError(
+                f"{uri!r}: file URIs take an absolute path, e.g. file:///data/ckpt "
+                "(a folder relative to the working directory is written as a plain path)"
+            )
         return "file", "", parsed.path
     if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
         if uri.startswith("~"):

@@ -45,6 +45,7 @@ import functools
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -145,7 +146,7 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return TransientStorageError(f"{what}: refreshing credentials failed, retryably", key)
         return PermanentStorageError(f"{what}: refreshing credentials failed ({e})", key)
     if isinstance(e, _CONNECTION_ERRORS):
-        return TransientStorageError(f"{what}: {type(e).__name__}: {e}", key)
+        return TransientStorageError(f"{what}: {_connection_failure(e)}", key)
     if isinstance(e, auth_exceptions.GoogleAuthError):
         return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
     if isinstance(e, requests.HTTPError):
@@ -159,6 +160,21 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         # body garbled on the way, is a urllib3 HTTPError: transient, above.)
         return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
     raise e
+
+
+_POOL = re.compile(r"host='([^']+)', port=(\d+)")
+_OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
+
+
+def _connection_failure(e: Exception) -> str:
+    """A connection that failed, in one line: the host, why, and where the endpoint comes from —
+    not urllib3's pool repr with the request's whole path and query."""
+    text = str(e)
+    pool, reason = _POOL.search(text), _OS_ERROR.search(text)
+    if pool is None or reason is None:
+        return f"{type(e).__name__}: {text}"
+    check = "STORAGE_EMULATOR_HOST and the network" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
+    return f"cannot connect to {pool.group(1)}:{pool.group(2)} ({reason.group(1).strip()}); check {check}"
 
 
 def _api_error_detail(e: api_exceptions.GoogleAPICallError) -> str:

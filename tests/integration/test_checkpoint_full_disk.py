@@ -2,7 +2,8 @@
 nothing of itself on the disk, the previous checkpoint stays, and training saves again.
 
 The disk fills at the OS call a real full disk fails (``os.write``/``os.pwrite`` return
-``ENOSPC``); everything else is real: one process, real files, the real Checkpointer.
+``ENOSPC``); everything else is real: one process, real files, the real Checkpointer. A staging
+folder that cannot be made (read-only, another user's) fails the same way, named.
 """
 
 from __future__ import annotations
@@ -113,3 +114,28 @@ def test_a_full_disk_while_staging_fails_the_save_saying_so_and_removes_what_was
     train(state, 1, start=2)
     ckpt.save(3, state)
     assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(3, True), (1, True)]
+
+
+@pytest.mark.parametrize(("code", "says"), [(errno.EROFS, "read-only filesystem"), (errno.EACCES, "not writable")])
+def test_a_staging_folder_that_cannot_be_written_fails_the_save_naming_it_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, says: str
+) -> None:
+    """The rank's staging folder cannot be made (a read-only mount, a folder of another user): the
+    save says where and what to set, not a bare ``OSError(30, ...)`` repr."""
+    staging = tmp_path / "staging"
+    makedirs = os.makedirs
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(staging)):
+            raise OSError(code, os.strerror(code), str(path))
+        makedirs(path, *args, **kwargs)
+
+    with Checkpointer(str(tmp_path / "ckpt"), staging_dir=str(staging), async_save=False) as ckpt:
+        monkeypatch.setattr(os, "makedirs", refused)
+        with pytest.raises(SaveFailedError) as failed:
+            ckpt.save(1, make_state(0))
+        monkeypatch.undo()
+    message = str(failed.value)
+    assert f"the staging folder {staging}" in message and says in message
+    assert "SPOTJOB_STAGING_DIR" in message and "OSError(" not in message
+    assert list_checkpoints(open_storage(str(tmp_path / "ckpt"))) == []

@@ -8,6 +8,8 @@
 - ``start_fresh`` begins at step 0 on purpose: the refused checkpoints are kept, never restored,
   never counted or deleted by retention, and the new run's own checkpoints are what later
   restores find, even with ``start_fresh`` still set.
+- A store that refuses for good (no such bucket, 403) raises ``StorageRefusedError`` and is not
+  reported to the agent as an infrastructure error: a restart would meet the same refusal.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from agent.catalog import list_checkpoints
-from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageUnavailableError
+from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import INFRA_ERROR_FILE
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.storage import open_storage
@@ -105,6 +107,43 @@ def test_restore_fails_loudly_when_listing_the_checkpoints_keeps_failing(
         with pytest.raises(StorageUnavailableError, match="listing the checkpoints"):
             ckpt.restore(state)
     assert listing.served >= 5
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_missing_bucket_is_refused_at_construction_naming_it_and_is_no_infrastructure_error(
+    scheme: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+    control = tmp_path / "control"
+    with pytest.raises(StorageRefusedError) as refused:
+        Checkpointer(
+            f"{scheme}://spotjob-no-such-bucket/run", staging_dir=str(tmp_path / "s"), control_dir=str(control)
+        )
+    message = str(refused.value)
+    assert "'spotjob-no-such-bucket' does not exist" in message and "create it" in message
+    assert "Retrying cannot help" in message and "retry when the store answers" not in message
+    # Reported, spotjob-agent would exit 74 and the job restart without end on a bucket that is not there.
+    assert not (control / INFRA_ERROR_FILE).exists()
+
+
+@pytest.mark.parametrize("what", ["listing", "reading"])
+def test_a_store_that_denies_access_stops_the_restore_without_an_infrastructure_error(
+    two_checkpoints_behind_a_proxy: tuple[str, FaultProxy], tmp_path: Path, what: str
+) -> None:
+    uri, proxy = two_checkpoints_behind_a_proxy
+    state = make_state(0, seed=9)
+    untouched = snapshot(state)
+    control = tmp_path / "control"
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging"), control_dir=str(control)) as ckpt:
+        if what == "listing":
+            proxy.fail(10_000, 403, method="GET", match=lambda r: "prefix=" in r.path)
+        else:
+            proxy.fail(10_000, 403, method="GET", match=step2_data)
+        with pytest.raises(StorageRefusedError, match="permission denied") as refused:
+            ckpt.restore(state)
+    assert uri in str(refused.value) and "Retrying cannot help" in str(refused.value)
+    assert_same(snapshot(state), untouched, "the state (nothing older may be loaded)")
+    assert not (control / INFRA_ERROR_FILE).exists()
 
 
 # -- a model that changed -----------------------------------------------------------------------

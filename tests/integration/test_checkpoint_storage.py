@@ -152,9 +152,12 @@ def test_a_save_that_cannot_upload_fails_loudly_and_commits_nothing(
     ckpt = Checkpointer(uri, keep=3, staging_dir=str(tmp_path), control_dir=control.path)
     train(state, 1)
     ckpt.save(1, state)
-    with pytest.raises(SaveFailedError, match="step 1"):
+    with pytest.raises(SaveFailedError, match="step 1") as failed:
         ckpt.close()
     assert broken.served >= 1
+    # One sentence from the store, not the repr of its exception ("PermanentStorageError('...')").
+    assert f"upload failed: {'permission denied' if status == 403 else ''}" in str(failed.value)
+    assert "StorageError(" not in str(failed.value)
     reported = control.infra_error()
     if status == 503:
         # The store failed for now, not the user's code: the agent is told, so it exits 74 (no restart spent).

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -506,6 +507,20 @@ def test_export_refuses_what_it_cannot_do_cleanly(
     assert not out.exists() or not os.listdir(out)
 
 
+def test_an_export_folder_under_a_regular_file_is_one_line_naming_it_and_exit_2(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(a_file / "hf"))
+
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"cannot write the export in {a_file / 'hf'}" in err and "a regular file is in the way" in err
+    assert a_file.read_text() == "not a folder"
+
+
 class _ObjectStoreLike(FileStorage):
     """A filesystem store that hides its local paths, so readers download as from S3/GCS."""
 
@@ -691,6 +706,23 @@ def test_a_missing_bucket_is_one_line_and_exit_2(
 
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "spotjob-no-such-bucket" in err
+
+
+def test_an_unreachable_gcs_endpoint_is_one_line_naming_the_host_and_the_setting_and_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fast_retries: None
+) -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "test")
+
+    rc, out, err = ckpt(capsys, "list", "gs://spotjob-bucket/jobs/run1")
+
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"cannot connect to 127.0.0.1:{port} (Connection refused); check STORAGE_EMULATOR_HOST" in err
+    assert "HTTPConnectionPool" not in err and "maxResults" not in err
 
 
 # -- one validity, untrusted bytes, ownership ---------------------------------------------------------

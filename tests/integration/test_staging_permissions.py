@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.restore_cache import prefetch, staging_root
 from agent.storage import Storage
 
@@ -106,3 +106,34 @@ def test_a_folder_someone_else_made_at_the_default_staging_name_is_refused_and_n
     assert list(elsewhere.rglob("*")) == [], "the checkpoint went where the planted symlink leads"
     if not parent.is_symlink():
         assert list(parent.rglob("*")) == [], "the checkpoint went into a folder others can reach"
+
+
+# -- a file where a folder is expected ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_staging_dir_that_is_or_lies_under_a_regular_file_is_refused_at_construction_naming_it(
+    tmp_path: Path, under: bool
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    given = a_file / "staging" if under else a_file
+    with pytest.raises(ValueError, match="staging_dir") as refused:
+        Checkpointer(str(tmp_path / "ckpt"), staging_dir=str(given))
+    assert str(given) in str(refused.value) and "a regular file, not a folder" in str(refused.value)
+    assert a_file.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_folder_uri_that_is_or_lies_under_a_regular_file_is_refused_naming_the_uri_with_the_default_staging(
+    tmp_path: Path, under: bool
+) -> None:
+    """The default staging folder of a filesystem store lies inside the URI's folder: the URI's
+    own refusal is what the user sees, not a bare NotADirectoryError from the staging folder."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    uri = a_file / "ckpt" if under else a_file
+    with pytest.raises(StorageRefusedError) as refused:
+        Checkpointer(str(uri))
+    assert str(uri) in str(refused.value) and "Retrying cannot help" in str(refused.value)
+    assert a_file.read_text() == "not a folder"

@@ -217,6 +217,7 @@ class TestOptions:
             (["--checkpoint-uri", "s3://"], {}),
             (["--checkpoint-uri", "gs:///prefix"], {}),
             (["--checkpoint-uri", "file://relative/path"], {}),
+            (["--checkpoint-uri", "file:relative/path"], {}),
             ([], {"SPOTJOB_CHECKPOINT_URI": "ftp://x"}),
         ],
     )
@@ -229,6 +230,19 @@ class TestOptions:
         assert e.value.code == 2
         assert ("--checkpoint-uri" if argv else "SPOTJOB_CHECKPOINT_URI") in err
         assert "s3://bucket/prefix" in err or "BUCKET" in err or "absolute path" in err
+
+    @pytest.mark.parametrize("under", [False, True])
+    def test_a_staging_dir_that_is_or_lies_under_a_file_exits_2_naming_it(
+        self, tmp_path: Path, under: bool, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        a_file = tmp_path / "a-file"
+        a_file.write_text("x")
+        given = str(a_file / "staging" if under else a_file)
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b/p", "--staging-dir", given, "--", "python", "x.py"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert f"--staging-dir {given!r}" in err and "a regular file, not a folder" in err
 
     def test_attempt_and_start_fresh_reach_the_ranks(self, tmp_path: Path) -> None:
         config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--attempt", "3", "--start-fresh", "--", "x"], {})

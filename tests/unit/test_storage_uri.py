@@ -16,6 +16,9 @@ from agent.storage import open_storage, parse_uri
         ("file://localhost/data/ckpt", ("file", "", "/data/ckpt")),
         ("/data/ckpt", ("file", "", "/data/ckpt")),
         ("ckpt/run-1", ("file", "", "ckpt/run-1")),
+        ("gs://b//run", ("gs", "b", "run")),
+        ("s3://b/jobs//run/", ("s3", "b", "jobs/run")),
+        ("file:/data/ckpt", ("file", "", "/data/ckpt")),
     ],
 )
 def test_a_uri_names_its_scheme_bucket_and_path(uri: str, parsed: tuple[str, str, str]) -> None:
@@ -72,3 +75,22 @@ def test_a_tilde_path_is_refused_not_made_a_folder_named_tilde(uri: str) -> None
     with pytest.raises(ValueError, match="'~' is not expanded in a checkpoint URI; write the full path"):
         parse_uri(uri)
     assert parse_uri(f"./{uri}") == ("file", "", f"./{uri}")
+
+
+@pytest.mark.parametrize("uri", ["s3://b/jobs//run", "gs://b//jobs/run/", "S3://b/jobs/run"])
+def test_a_doubled_slash_in_a_prefix_is_the_same_location_for_the_store_and_every_comparison(uri: str) -> None:
+    """``canonical_uri`` (the agent) and ``normalise_uri`` (the Checkpointer) take ``jobs//run`` for
+    ``jobs/run``: the store must write there too, or a flush lands where nobody looks."""
+    from agent.checkpoint.config import normalise_uri
+    from agent.launcher import canonical_uri
+
+    scheme = uri.split(":", 1)[0].lower()
+    assert parse_uri(uri) == (scheme, "b", "jobs/run")
+    assert canonical_uri(uri) == normalise_uri(uri) == f"{scheme}://b/jobs/run"
+
+
+@pytest.mark.parametrize("uri", ["file:relative", "file:ckpt/run", "file:"])
+def test_a_file_uri_without_an_absolute_path_is_refused_naming_what_to_write(uri: str) -> None:
+    with pytest.raises(ValueError, match=r"file URIs take an absolute path, e\.g\. file:///data/ckpt") as caught:
+        parse_uri(uri)
+    assert repr(uri) in str(caught.value) and "plain path" in str(caught.value)
