@@ -81,9 +81,18 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     if scheme in ("s3", "gs"):
         if not parsed.netloc:
             raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
-        # One spelling per prefix, as ``agent.launcher.canonical_uri`` and ``normalise_uri`` compare
-        # URIs: s3://b/a//c is s3://b/a/c, never keys under "a//c" that a comparison takes for it.
-        return scheme, parsed.netloc, "/".join(part for part in parsed.path.split("/") if part)
+        prefix = parsed.path.strip("/")
+        if "//" in prefix:
+            # ``agent.launcher.canonical_uri`` and ``normalise_uri`` compare s3://b/a//c as s3://b/a/c,
+            # and spotjob before 2026-12-03 wrote it under the keys "a//c/": neither spelling can be
+            # picked silently without losing sight of checkpoints written under the other.
+            tidy = f"{scheme}://{parsed.netloc}/" + "/".join(p for p in prefix.split("/") if p)
+            raise ValueError(
+                f"{uri!r} has an empty folder ('//') in its path; write {tidy}. Checkpoints an older spotjob "
+                f"wrote to {uri!r} are under the key prefix {prefix + '/'!r}: copy them under "
+                f"{tidy.split('/', 3)[3] + '/'!r} first to resume from them"
+            )
+        return scheme, parsed.netloc, prefix
     if scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
             # file:relative would be a folder under the working directory, spelled as a URI.

@@ -17,7 +17,7 @@ from agent.storage import open_storage, parse_uri
         ("/data/ckpt", ("file", "", "/data/ckpt")),
         ("ckpt/run-1", ("file", "", "ckpt/run-1")),
         ("gs://b//run", ("gs", "b", "run")),
-        ("s3://b/jobs//run/", ("s3", "b", "jobs/run")),
+        ("s3://b/jobs/run/", ("s3", "b", "jobs/run")),
         ("file:/data/ckpt", ("file", "", "/data/ckpt")),
     ],
 )
@@ -77,16 +77,22 @@ def test_a_tilde_path_is_refused_not_made_a_folder_named_tilde(uri: str) -> None
     assert parse_uri(f"./{uri}") == ("file", "", f"./{uri}")
 
 
-@pytest.mark.parametrize("uri", ["s3://b/jobs//run", "gs://b//jobs/run/", "S3://b/jobs/run"])
-def test_a_doubled_slash_in_a_prefix_is_the_same_location_for_the_store_and_every_comparison(uri: str) -> None:
+@pytest.mark.parametrize("uri", ["s3://b/jobs//run", "gs://b/jobs//run/", "S3://b/jobs///run"])
+def test_a_doubled_slash_inside_a_prefix_is_refused_naming_the_spelling_and_where_old_checkpoints_are(
+    uri: str,
+) -> None:
     """``canonical_uri`` (the agent) and ``normalise_uri`` (the Checkpointer) take ``jobs//run`` for
-    ``jobs/run``: the store must write there too, or a flush lands where nobody looks."""
-    from agent.checkpoint.config import normalise_uri
-    from agent.launcher import canonical_uri
-
+    ``jobs/run``, while spotjob wrote such a URI's checkpoints under the keys ``jobs//run/``: writing
+    to either silently would leave the other out of sight (a flush where the controller never
+    looks, or a resume that misses the checkpoints already there)."""
     scheme = uri.split(":", 1)[0].lower()
-    assert parse_uri(uri) == (scheme, "b", "jobs/run")
-    assert canonical_uri(uri) == normalise_uri(uri) == f"{scheme}://b/jobs/run"
+    with pytest.raises(ValueError, match=r"has an empty folder \('//'\) in its path") as caught:
+        parse_uri(uri)
+    message = str(caught.value)
+    assert f"write {scheme}://b/jobs/run." in message
+    assert "'jobs/run/'" in message and "jobs//run/" in message.replace("///", "//")
+    with pytest.raises(ValueError, match="empty folder"):
+        open_storage(uri)
 
 
 @pytest.mark.parametrize("uri", ["file:relative", "file:ckpt/run", "file:"])
