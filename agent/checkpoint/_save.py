@@ -123,6 +123,16 @@ class _Save:
     error: BaseException | None = None
     committed_uri: str | None = None
     thread: threading.Thread | None = None
+    interrupt: BaseException | None = None
+    """A ``KeyboardInterrupt`` or ``SystemExit`` (a signal handler's) that arrived while the calling
+    thread ran the save (a synchronous save, a flush): the save runs its collectives to the end and
+    commits nothing, then ``wait()`` raises this instead of a ``SaveFailedError``, so the script
+    stops the way the signal asked (exit code, ``except KeyboardInterrupt``)."""
+
+    def note(self, e: BaseException) -> None:
+        """Keep the first interrupt that stopped a part of this save (see ``interrupt``)."""
+        if self.interrupt is None and isinstance(e, KeyboardInterrupt | SystemExit):
+            self.interrupt = e
 
 
 def _writing_failure(e: BaseException, staging: str) -> str:
@@ -172,6 +182,8 @@ class _Saving(_Voting):
         if save.thread is not None:
             save.thread.join()
         self._inflight = None
+        if save.interrupt is not None:
+            raise save.interrupt
         if save.error is not None:
             kind = type(save.error) if isinstance(save.error, SaveFailedError) else SaveFailedError
             error = kind(f"checkpoint of step {save.step} in {self.storage.uri} failed: {save.error}")
@@ -415,6 +427,7 @@ class _Saving(_Voting):
         try:
             self._write_upload_commit(save)
         except BaseException as e:
+            save.note(e)
             if save.committed_uri is None and save.error is None:
                 save.error = SaveFailedError(f"rank {self.rank}: the save stopped unexpectedly: {e!r}")
                 log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
@@ -466,6 +479,7 @@ class _Saving(_Voting):
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
             files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
+            save.note(e)
             error = f"rank {self.rank}: writing the shards failed: {_writing_failure(e, save.local_dir)}"
             infra = _is_infrastructure(e)
         if error is None:
@@ -476,6 +490,7 @@ class _Saving(_Voting):
             except SaveFailedError as e:
                 error = f"rank {self.rank}: {e}"
             except BaseException as e:
+                save.note(e)
                 error = f"rank {self.rank}: reading back {rank_file} failed: {e!r}"
                 infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
@@ -485,6 +500,7 @@ class _Saving(_Voting):
             except FencedError as e:
                 target = (None, str(e))
             except BaseException as e:  # any error at all: the other ranks wait in the broadcast below
+                save.note(e)
                 if error is None:
                     where = f"the folder of step {save.step} in {self.storage.uri}"
                     error = f"rank 0: cannot prepare {where}: {type(e).__name__}: {e}"
@@ -498,6 +514,7 @@ class _Saving(_Voting):
                     parallelism=self.config.io_threads,
                 )
             except BaseException as e:
+                save.note(e)
                 # A StorageError already says what, where and what to do; anything else by its type too.
                 said = str(e) if isinstance(e, StorageError) else repr(e)
                 error, infra = f"rank {self.rank}: upload failed: {said}", _is_infrastructure(e)
@@ -520,6 +537,7 @@ class _Saving(_Voting):
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
                 except BaseException as e:  # any error at all: the other ranks wait for the outcome
+                    save.note(e)
                     where = self.storage.url(folder or "")
                     why = f"rank 0: committing {where} failed: {type(e).__name__}: {e}"
                     outcome = (None, why, False, _is_infrastructure(e))

@@ -268,23 +268,37 @@ class Checkpointer(_Saving, _Restoring):
             return
         try:
             self.wait()
-        finally:
-            self._drain_votes()
-            self._closed = True
-            # "closed" tells the agent this rank finished its work, so an abort at interpreter exit
-            # is not a failure. Not while an exception propagates (close() in a finally or a with
-            # block during a crash): that must stay a failure.
-            if self._control is not None and not _exception_in_flight():
-                self._control.mark_closed(self.rank)
-                _take_back_closed_on_crash(self._control, self.rank)
-            if self._status.state not in ("flushed", "flush-failed"):
-                self._status.state = "closed"
-            self._report(force=True)
-            self._destroy_groups()
-            if self._stager is not None:
-                self._stager.close()  # frees the staging buffers kept between saves
-                self._stager = None
-            self._close_storage()
+        except BaseException:
+            save = self._inflight
+            if save is not None and save.thread is not None and save.thread.is_alive():
+                # Interrupted (Ctrl-C, a signal handler's exit) while the save in flight still
+                # writes: it keeps its process groups, staging buffers and store, which releasing
+                # them now would pull from under it (its collectives would fall back to the
+                # training's default group). The interpreter's exit waits for it; a later close()
+                # waits for it too and then releases them.
+                raise
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        """(close) Mark this rank closed for the agent, then let go of what the Checkpointer holds."""
+        self._drain_votes()
+        self._closed = True
+        # "closed" tells the agent this rank finished its work, so an abort at interpreter exit
+        # is not a failure. Not while an exception propagates (close() in a finally or a with
+        # block during a crash): that must stay a failure.
+        if self._control is not None and not _exception_in_flight():
+            self._control.mark_closed(self.rank)
+            _take_back_closed_on_crash(self._control, self.rank)
+        if self._status.state not in ("flushed", "flush-failed"):
+            self._status.state = "closed"
+        self._report(force=True)
+        self._destroy_groups()
+        if self._stager is not None:
+            self._stager.close()  # frees the staging buffers kept between saves
+            self._stager = None
+        self._close_storage()
 
     def _close_storage(self) -> None:
         """An object store's transfer pool (up to ``concurrency`` threads) and its connections would

@@ -1,0 +1,120 @@
+"""A training process that gets a signal while the Checkpointer works (run by test_checkpoint_signals).
+
+    ckpt_signals.py sync --uri U --signal {INT,TERM} --at {upload,commit} [--carry-on]
+        commits step 1 synchronously, then the process signals itself while the save of step 2
+        uploads a file or writes MANIFEST.json. SIGTERM goes to the script's own handler, which
+        exits 143 (``sys.exit``). Uncaught, the signal ends the process as it would without
+        spotjob; ``--carry-on`` catches the ``KeyboardInterrupt`` and commits step 3 instead.
+    ckpt_signals.py close --uri U
+        an asynchronous save of step 1 is uploading when ``close()`` is interrupted (SIGINT); the
+        script then closes again, as a ``finally`` would, and prints the step committed by then.
+
+The signal comes from a seam outside spotjob's code (the store's ``put_file`` /
+``put_bytes_if_absent``), at the moment the save reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from ckpt_state import make_state, train
+
+from agent.checkpoint import Checkpointer
+
+
+def sync(args: argparse.Namespace) -> None:
+    sig = signal.SIGINT if args.signal == "INT" else signal.SIGTERM
+    if sig == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the script's own handler
+    state = make_state(0)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=False)
+    train(state, 1)
+    ckpt.save(1, state)
+    name = "put_file" if args.at == "upload" else "put_bytes_if_absent"
+    real = getattr(ckpt.storage, name)
+    sent = threading.Event()
+
+    def signal_then_go_on(*a: Any, **kw: Any) -> Any:
+        if not sent.is_set():
+            sent.set()
+            os.kill(os.getpid(), sig)  # the handler runs at the main thread's next bytecode
+        return real(*a, **kw)
+
+    setattr(ckpt.storage, name, signal_then_go_on)
+    train(state, 1, start=1)
+    try:
+        ckpt.save(2, state)
+    except KeyboardInterrupt:
+        if not args.carry_on:
+            raise
+        print("interrupted", flush=True)
+        setattr(ckpt.storage, name, real)
+        ckpt.save(3, state)
+        ckpt.close()
+        print("saved 3", flush=True)
+        return
+    raise AssertionError("the signal did not stop the save of step 2")
+
+
+def close(args: argparse.Namespace) -> None:
+    state = make_state(0)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=True)
+    real = ckpt.storage.put_file
+    uploading, first_close_over, second_close_over = threading.Event(), threading.Event(), threading.Event()
+    main = threading.main_thread().ident
+
+    def closing() -> bool:
+        """The main thread waits in ``close()`` for the save."""
+        frame = sys._current_frames().get(main or 0)
+        names = set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        return {"close", "wait"} <= names
+
+    def interrupt_close_then_go_on(*a: Any, **kw: Any) -> Any:
+        if not uploading.is_set():
+            uploading.set()
+            while not closing():
+                first_close_over.wait(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            first_close_over.wait()
+            # The upload goes on once the second close() waits for it (or has returned without).
+            while not (closing() or second_close_over.is_set()):
+                second_close_over.wait(0.01)
+        return real(*a, **kw)
+
+    ckpt.storage.put_file = interrupt_close_then_go_on  # type: ignore[method-assign]
+    train(state, 1)
+    ckpt.save(1, state)
+    try:
+        ckpt.close()
+    except KeyboardInterrupt:
+        print("close interrupted", flush=True)
+    finally:
+        first_close_over.set()
+        try:
+            ckpt.close()
+        finally:
+            second_close_over.set()
+    print(f"closed after committing {ckpt.last_committed_step}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["sync", "close"])
+    p.add_argument("--uri", required=True)
+    p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
+    p.add_argument("--at", choices=["upload", "commit"], default="upload")
+    p.add_argument("--carry-on", action="store_true")
+    args = p.parse_args()
+    {"sync": sync, "close": close}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

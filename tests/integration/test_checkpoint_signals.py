@@ -1,0 +1,69 @@
+"""A signal that reaches the training process while the Checkpointer works.
+
+Real processes (``scripts/ckpt_signals.py``) signal themselves at a seam of the save: Ctrl-C
+(SIGINT, ``KeyboardInterrupt``) or SIGTERM to the script's own handler (``sys.exit(143)``).
+
+- During a synchronous save: the save commits nothing, the previous checkpoint stays the newest,
+  and the signal's own exception leaves the save (not a ``SaveFailedError``), so the process ends
+  as the signal asked — killed by SIGINT, exit 143 from the handler — or the script catches
+  ``KeyboardInterrupt`` and the Checkpointer saves on.
+- During ``close()`` while an asynchronous save uploads: the save keeps what it uses (its store,
+  its process groups, its staging buffers) and the next ``close()`` waits for its commit.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agent.catalog import list_checkpoints
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+
+SCRIPT = harness.SCRIPTS / "ckpt_signals.py"
+
+
+def committed(uri: str) -> list[int]:
+    storage = open_storage(uri)
+    try:
+        return sorted(s.ref.step for s in list_checkpoints(storage) if s.committed)
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(
+    ("sig", "at", "exit_code"),
+    [("INT", "upload", -signal.SIGINT), ("INT", "commit", -signal.SIGINT), ("TERM", "upload", 143)],
+    ids=["sigint-mid-upload", "sigint-at-commit", "sigterm-handler-mid-upload"],
+)
+def test_a_signal_during_a_synchronous_save_ends_the_process_as_the_signal_asks(
+    sig: str, at: str, exit_code: int, tmp_path: Path
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    done = harness.run([harness.PYTHON, str(SCRIPT), "sync", "--uri", uri, "--signal", sig, "--at", at], check=False)
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    assert "SaveFailedError" not in done.stderr, done.stderr
+    assert committed(uri) == [1]
+
+
+def test_a_script_that_catches_the_keyboard_interrupt_saves_on(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    done = harness.run([harness.PYTHON, str(SCRIPT), "sync", "--uri", uri, "--carry-on"])
+    assert done.stdout.split() == ["interrupted", "saved", "3"], done.stdout + done.stderr
+    assert committed(uri) == [1, 3]
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_an_interrupted_close_leaves_the_save_in_flight_what_it_uses_and_the_next_close_commits_it(
+    scheme: str, fresh_uri: Callable[[str], str]
+) -> None:
+    uri = fresh_uri(scheme)
+    done = harness.run([harness.PYTHON, str(SCRIPT), "close", "--uri", uri])
+    assert done.stdout.splitlines() == ["close interrupted", "closed after committing 1"], done.stdout + done.stderr
+    assert committed(uri) == [1], done.stderr
