@@ -31,6 +31,9 @@ log = logging.getLogger("agent.checkpoint")  # one logger for the package, as be
 
 _closed_marks: dict[tuple[str, int], ControlDir] = {}
 """The "closed" markers this process wrote, by (control folder, rank): taken back on a crash."""
+_closed_marks_pid = 0
+"""The process that wrote them: a child forked after close() (a worker of the script's) inherits
+the hook, and its crash is its own, not the rank's."""
 _crash_hook: Any = None
 
 
@@ -41,16 +44,19 @@ def _take_back_closed_on_crash(control: ControlDir, rank: int) -> None:
     traceback after close() (writing results, say) is a real failure and must stay one. A
     ``sys.exit(non-zero)`` after close() is not seen here (no hook runs for it). One hook for
     every Checkpointer the process closes: a hook per close made a chain that grew with each one.
+    A child forked later (``os.fork`` in the script) that dies of an exception leaves them be.
     """
-    global _crash_hook
+    global _crash_hook, _closed_marks_pid
     _closed_marks[(control.path, rank)] = control
+    _closed_marks_pid = os.getpid()
     if _crash_hook is not None and sys.excepthook is _crash_hook:
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        for (_, marked_rank), marked in list(_closed_marks.items()):
-            marked.unmark_closed(marked_rank)
+        if os.getpid() == _closed_marks_pid:
+            for (_, marked_rank), marked in list(_closed_marks.items()):
+                marked.unmark_closed(marked_rank)
         previous(kind, value, tb)
 
     _crash_hook = sys.excepthook = hook
