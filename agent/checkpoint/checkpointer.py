@@ -317,8 +317,17 @@ class Checkpointer(_Saving, _Restoring):
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> None:
+        """``close()``; when the body raised, a save that failed meanwhile is logged (its thread
+        logged it too) and the body's exception goes on: a ``SaveFailedError`` in its place would
+        hide the script's own error, or turn Ctrl-C into an exit code 1."""
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:
+            log.error("closing the Checkpointer while %s propagates: %s", kind.__name__, e)
 
     def _warn_if_not_the_agents_uri(self) -> None:
         """(rank 0) The controller watches the agent's URI for flush commits: a script writing

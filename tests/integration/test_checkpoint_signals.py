@@ -9,6 +9,8 @@ Real processes (``scripts/ckpt_signals.py``) signal themselves at a seam of the 
   ``KeyboardInterrupt`` and the Checkpointer saves on.
 - During ``close()`` while an asynchronous save uploads: the save keeps what it uses (its store,
   its process groups, its staging buffers) and the next ``close()`` waits for its commit.
+- In the body of ``with Checkpointer(...)`` while a save fails: the body's exception (Ctrl-C, the
+  script's own error) leaves the block, not the save's ``SaveFailedError`` (which is logged).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.catalog import list_checkpoints
-from agent.storage import open_storage
+from agent.checkpoint import Checkpointer
+from agent.storage import StorageError, open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import ckpt_harness as harness
@@ -67,3 +71,27 @@ def test_an_interrupted_close_leaves_the_save_in_flight_what_it_uses_and_the_nex
     done = harness.run([harness.PYTHON, str(SCRIPT), "close", "--uri", uri])
     assert done.stdout.splitlines() == ["close interrupted", "closed after committing 1"], done.stdout + done.stderr
     assert committed(uri) == [1], done.stderr
+
+
+def test_ctrl_c_in_a_with_block_whose_save_failed_ends_the_process_by_sigint(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    done = harness.run([harness.PYTHON, str(SCRIPT), "with-body", "--uri", uri], check=False)
+    assert done.returncode == -signal.SIGINT, done.stdout + done.stderr
+    assert "KeyboardInterrupt" in done.stderr and "the store refuses the upload" in done.stderr, done.stderr
+    assert committed(uri) == []
+
+
+def test_the_scripts_own_error_leaves_a_with_block_whose_save_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError, match="training diverged"):  # noqa: PT012 - the with block is the subject
+        with Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=True) as ckpt:
+
+            def refuse(*a: object, **kw: object) -> None:
+                raise StorageError("the store refuses the upload")
+
+            ckpt.storage.put_file = refuse  # type: ignore[method-assign]
+            ckpt.save(1, {"model": torch.nn.Linear(2, 2)})
+            raise ValueError("training diverged")
+    assert "closing the Checkpointer while ValueError propagates" in caplog.text
+    assert "the store refuses the upload" in caplog.text

@@ -8,6 +8,9 @@
     ckpt_signals.py close --uri U
         an asynchronous save of step 1 is uploading when ``close()`` is interrupted (SIGINT); the
         script then closes again, as a ``finally`` would, and prints the step committed by then.
+    ckpt_signals.py with-body --uri U
+        Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
+        step 1 fails (the store refuses the upload).
 
 The signal comes from a seam outside spotjob's code (the store's ``put_file`` /
 ``put_bytes_if_absent``), at the moment the save reaches it.
@@ -25,6 +28,7 @@ from typing import Any
 from ckpt_state import make_state, train
 
 from agent.checkpoint import Checkpointer
+from agent.storage import StorageError
 
 
 def sync(args: argparse.Namespace) -> None:
@@ -105,15 +109,30 @@ def close(args: argparse.Namespace) -> None:
     print(f"closed after committing {ckpt.last_committed_step}", flush=True)
 
 
+def with_body(args: argparse.Namespace) -> None:
+    state = make_state(0)
+    with Checkpointer(args.uri, keep=None, async_save=True) as ckpt:
+
+        def refuse(*a: Any, **kw: Any) -> None:
+            raise StorageError("the store refuses the upload")
+
+        ckpt.storage.put_file = refuse  # type: ignore[method-assign]
+        train(state, 1)
+        ckpt.save(1, state)
+        os.kill(os.getpid(), signal.SIGINT)
+        train(state, 1, start=1)
+    raise AssertionError("the body went on after Ctrl-C")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["sync", "close"])
+    p.add_argument("mode", choices=["sync", "close", "with-body"])
     p.add_argument("--uri", required=True)
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
     p.add_argument("--at", choices=["upload", "commit"], default="upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
-    {"sync": sync, "close": close}[args.mode](args)
+    {"sync": sync, "close": close, "with-body": with_body}[args.mode](args)
 
 
 if __name__ == "__main__":
