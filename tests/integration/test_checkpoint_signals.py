@@ -63,6 +63,14 @@ def test_a_script_that_catches_the_keyboard_interrupt_saves_on(tmp_path: Path) -
     assert committed(uri) == [1, 3]
 
 
+def test_ctrl_c_on_one_rank_during_a_synchronous_save_reaches_that_rank_and_no_rank_waits(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    done = harness.torchrun(2, SCRIPT, "ranks", "--uri", uri)
+    said = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert said == ["rank0 KeyboardInterrupt", "rank1 SaveFailedError"], done.stdout + done.stderr
+    assert committed(uri) == [1, 3]
+
+
 @pytest.mark.parametrize("scheme", ["file", "s3"])
 def test_an_interrupted_close_leaves_the_save_in_flight_what_it_uses_and_the_next_close_commits_it(
     scheme: str, fresh_uri: Callable[[str], str]
@@ -84,14 +92,16 @@ def test_ctrl_c_in_a_with_block_whose_save_failed_ends_the_process_by_sigint(tmp
 def test_the_scripts_own_error_leaves_a_with_block_whose_save_failed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with pytest.raises(ValueError, match="training diverged"):  # noqa: PT012 - the with block is the subject
-        with Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=True) as ckpt:
+    def refuse(*a: object, **kw: object) -> None:
+        raise StorageError("the store refuses the upload")
 
-            def refuse(*a: object, **kw: object) -> None:
-                raise StorageError("the store refuses the upload")
-
-            ckpt.storage.put_file = refuse  # type: ignore[method-assign]
-            ckpt.save(1, {"model": torch.nn.Linear(2, 2)})
-            raise ValueError("training diverged")
+    # The outer block sees what leaves the Checkpointer's: the body's error, or its own.
+    with (
+        pytest.raises(ValueError, match="training diverged"),
+        Checkpointer(str(tmp_path / "ckpt"), keep=None, async_save=True) as ckpt,
+    ):
+        ckpt.storage.put_file = refuse  # type: ignore[method-assign]
+        ckpt.save(1, {"model": torch.nn.Linear(2, 2)})
+        raise ValueError("training diverged")
     assert "closing the Checkpointer while ValueError propagates" in caplog.text
     assert "the store refuses the upload" in caplog.text

@@ -8,6 +8,9 @@
     ckpt_signals.py close --uri U
         an asynchronous save of step 1 is uploading when ``close()`` is interrupted (SIGINT); the
         script then closes again, as a ``finally`` would, and prints the step committed by then.
+    torchrun --nproc-per-node=2 ckpt_signals.py ranks --uri U
+        rank 0 gets Ctrl-C (SIGINT) while the synchronous save of step 2 uploads, rank 1 does not;
+        each prints what the save raised on it, then both save step 3 and close.
     ckpt_signals.py with-body --uri U
         Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
         step 1 fails (the store refuses the upload).
@@ -25,9 +28,10 @@ import sys
 import threading
 from typing import Any
 
-from ckpt_state import make_state, train
+import torch.distributed as dist
+from ckpt_state import exit_without_teardown, make_state, train
 
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, SaveFailedError
 from agent.storage import StorageError
 
 
@@ -109,6 +113,36 @@ def close(args: argparse.Namespace) -> None:
     print(f"closed after committing {ckpt.last_committed_step}", flush=True)
 
 
+def ranks(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = make_state(rank)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=False)
+    train(state, 1)
+    ckpt.save(1, state)
+    real = ckpt.storage.put_file
+    sent = threading.Event()
+
+    def signal_then_go_on(*a: Any, **kw: Any) -> Any:
+        if rank == 0 and not sent.is_set():
+            sent.set()
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+
+    ckpt.storage.put_file = signal_then_go_on  # type: ignore[method-assign]
+    train(state, 1, start=1)
+    try:
+        ckpt.save(2, state)
+        raised = "nothing"
+    except (KeyboardInterrupt, SaveFailedError) as e:
+        raised = type(e).__name__
+    train(state, 1, start=2)
+    ckpt.save(3, state)
+    ckpt.close()
+    print(f"rank{rank} {raised}", flush=True)
+    exit_without_teardown()
+
+
 def with_body(args: argparse.Namespace) -> None:
     state = make_state(0)
     with Checkpointer(args.uri, keep=None, async_save=True) as ckpt:
@@ -126,13 +160,13 @@ def with_body(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["sync", "close", "with-body"])
+    p.add_argument("mode", choices=["sync", "close", "ranks", "with-body"])
     p.add_argument("--uri", required=True)
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
     p.add_argument("--at", choices=["upload", "commit"], default="upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
-    {"sync": sync, "close": close, "with-body": with_body}[args.mode](args)
+    {"sync": sync, "close": close, "ranks": ranks, "with-body": with_body}[args.mode](args)
 
 
 if __name__ == "__main__":
