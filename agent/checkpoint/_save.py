@@ -315,17 +315,26 @@ class _Saving(_Voting):
         # own objects, make its folder, stage the tensors) is done first, and its outcome rides on
         # the step agreement: a rank that failed here raises, and so does every other rank, instead
         # of leaving them in the save's collectives waiting for a rank that never joins.
+        # A Ctrl-C (or a signal handler's exit) while this rank prepares is a failure to prepare
+        # too: the other ranks learn of it in the agreement instead of waiting there for this one,
+        # and this rank then raises the interrupt itself.
         save: _Save | None = None
         problem: Exception | None = None
+        interrupt: KeyboardInterrupt | SystemExit | None = None
         try:
             save = self._prepare_save(step, state, metadata, flush, blocking, trigger, started)
         except Exception as e:
             problem = e
+        except (KeyboardInterrupt, SystemExit) as e:
+            interrupt = e
         try:
-            failed_rank = self._agree_on_step(step, failed=problem is not None)
+            failed_rank = self._agree_on_step(step, failed=problem is not None or interrupt is not None)
         except BaseException:
             self._discard_prepared(save)
             raise
+        if interrupt is not None:
+            self._discard_prepared(save)
+            raise interrupt
         if problem is not None or failed_rank is not None:
             self._discard_prepared(save)
             if isinstance(problem, ValueError | TypeError):

@@ -3,10 +3,11 @@
 Real processes (``scripts/ckpt_signals.py``) signal themselves at a seam of the save: Ctrl-C
 (SIGINT, ``KeyboardInterrupt``) or SIGTERM to the script's own handler (``sys.exit(143)``).
 
-- During a synchronous save: the save commits nothing, the previous checkpoint stays the newest,
-  and the signal's own exception leaves the save (not a ``SaveFailedError``), so the process ends
-  as the signal asked — killed by SIGINT, exit 143 from the handler — or the script catches
-  ``KeyboardInterrupt`` and the Checkpointer saves on.
+- During a synchronous save, or while a rank prepares one: the save commits nothing, the previous
+  checkpoint stays the newest, and the signal's own exception leaves the save (not a
+  ``SaveFailedError``), so the process ends as the signal asked — killed by SIGINT, exit 143 from
+  the handler — or the script catches ``KeyboardInterrupt`` and the Checkpointer saves on. With
+  two ranks, the one not signalled gets ``SaveFailedError`` instead of waiting for its peer.
 - During ``close()`` while an asynchronous save uploads: the save keeps what it uses (its store,
   its process groups, its staging buffers) and the next ``close()`` waits for its commit.
 - In the body of ``with Checkpointer(...)`` while a save fails: the body's exception (Ctrl-C, the
@@ -63,9 +64,10 @@ def test_a_script_that_catches_the_keyboard_interrupt_saves_on(tmp_path: Path) -
     assert committed(uri) == [1, 3]
 
 
-def test_ctrl_c_on_one_rank_during_a_synchronous_save_reaches_that_rank_and_no_rank_waits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("at", ["staging", "upload"], ids=["while-preparing", "synchronous-mid-upload"])
+def test_ctrl_c_on_one_rank_during_a_save_reaches_that_rank_and_no_rank_waits(at: str, tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
-    done = harness.torchrun(2, SCRIPT, "ranks", "--uri", uri)
+    done = harness.torchrun(2, SCRIPT, "ranks", "--uri", uri, "--at", at)
     said = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
     assert said == ["rank0 KeyboardInterrupt", "rank1 SaveFailedError"], done.stdout + done.stderr
     assert committed(uri) == [1, 3]

@@ -11,6 +11,7 @@
     torchrun --nproc-per-node=2 ckpt_signals.py ranks --uri U
         rank 0 gets Ctrl-C (SIGINT) while the synchronous save of step 2 uploads, rank 1 does not;
         each prints what the save raised on it, then both save step 3 and close.
+        ``--at staging``: rank 0 gets it while it prepares the save (its state's ``state_dict()``).
     ckpt_signals.py with-body --uri U
         Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
         step 1 fails (the store refuses the upload).
@@ -26,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -113,29 +115,53 @@ def close(args: argparse.Namespace) -> None:
     print(f"closed after committing {ckpt.last_committed_step}", flush=True)
 
 
+class _Probe:
+    """Per-rank state whose ``state_dict()`` (run while the rank prepares a save) calls ``hook``."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self.hook = hook
+
+    def state_dict(self) -> dict[str, Any]:
+        self.hook()
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 def ranks(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     state = make_state(rank)
-    ckpt = Checkpointer(args.uri, keep=None, async_save=False)
+    sent, arm = threading.Event(), threading.Event()
+
+    def interrupt_rank0() -> None:
+        if rank == 0 and arm.is_set() and not sent.is_set():
+            sent.set()
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the main thread's next bytecode
+
+    state["probe"] = _Probe(interrupt_rank0 if args.at == "staging" else lambda: None)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=args.at == "staging")
     train(state, 1)
     ckpt.save(1, state)
+    ckpt.wait()
     real = ckpt.storage.put_file
-    sent = threading.Event()
 
     def signal_then_go_on(*a: Any, **kw: Any) -> Any:
-        if rank == 0 and not sent.is_set():
-            sent.set()
-            os.kill(os.getpid(), signal.SIGINT)
+        if args.at == "upload":
+            interrupt_rank0()
         return real(*a, **kw)
 
     ckpt.storage.put_file = signal_then_go_on  # type: ignore[method-assign]
+    arm.set()
     train(state, 1, start=1)
     try:
         ckpt.save(2, state)
+        ckpt.wait()
         raised = "nothing"
     except (KeyboardInterrupt, SaveFailedError) as e:
         raised = type(e).__name__
+    arm.clear()
     train(state, 1, start=2)
     ckpt.save(3, state)
     ckpt.close()
@@ -163,7 +189,7 @@ def main() -> None:
     p.add_argument("mode", choices=["sync", "close", "ranks", "with-body"])
     p.add_argument("--uri", required=True)
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
-    p.add_argument("--at", choices=["upload", "commit"], default="upload")
+    p.add_argument("--at", choices=["staging", "upload", "commit"], default="upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
     {"sync": sync, "close": close, "ranks": ranks, "with-body": with_body}[args.mode](args)
