@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ByteSize, TypeAdapter
 
 from agent import launcher_cli
 from agent.settings import CheckpointerEnv, StorageEnv
@@ -113,3 +114,25 @@ def test_the_controller_table_names_the_variable_of_each_flag(flag: str, variabl
     rows = [variables for flags, variables in _controller_rows() if _named(flags, flag)]
     assert rows, f"{flag} has no row in the README's spotjob-controller table"
     assert any(_named(v, variable) for v in rows), f"the README's row of {flag} does not name ${variable}"
+
+
+def _storage_defaults() -> dict[str, float]:
+    from agent.storage import _retry, _transfer
+
+    transfer = _transfer.TransferSettings()
+    retry = {
+        "max_attempts": _retry.DEFAULT_MAX_ATTEMPTS,
+        "base_backoff_s": _retry.DEFAULT_BASE_BACKOFF_S,
+        "max_backoff_s": _retry.DEFAULT_MAX_BACKOFF_S,
+    }
+    return {name: float(retry.get(name, getattr(transfer, name, 0))) for name in StorageEnv.model_fields}
+
+
+@pytest.mark.parametrize(("name", "default"), sorted(_storage_defaults().items()))
+def test_the_readme_gives_each_storage_variable_its_default(name: str, default: float) -> None:
+    variable = f"SPOTJOB_STORAGE_{name.upper()}"
+    m = re.search(rf"`{variable}`[^`]*?default\s+`?([0-9.]+ ?[KMG]?i?B?)", README)
+    assert m, f"README.md names no default for {variable}"
+    said = m.group(1).replace(" ", "")
+    value = float(TypeAdapter(ByteSize).validate_python(said)) if said[-1] == "B" else float(said)
+    assert value == default, f"README.md says {variable} defaults to {said}; the code's default is {default:g}"
