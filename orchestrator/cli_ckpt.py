@@ -174,7 +174,8 @@ def register(subparsers: Any) -> None:
         "--force",
         action="store_true",
         help="write into a non-empty OUT; an earlier export there (model*.safetensors and its index) "
-        "is removed first, other files are kept",
+        "is replaced once the new one is fully written (a failed export leaves it as it was), other "
+        "files are kept",
     )
     p.set_defaults(func=_boundary(cmd_export))
 
