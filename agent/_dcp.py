@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import io
+import itertools
 import logging
 import mmap
 import os
@@ -188,10 +189,10 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
                 f"{where} places {getattr(index, 'fqn', index)!r} at bytes {offset}..{offset + length} of {path}, "
                 f"which holds {entry.size}"
             )
-        regions.setdefault(path, []).append((offset, length, str(getattr(index, "fqn", index))))
+        regions.setdefault(entry.path, []).append((offset, length, str(getattr(index, "fqn", index))))
     for path, spans in regions.items():
         spans.sort()
-        for (offset, length, fqn), (next_offset, _, next_fqn) in zip(spans, spans[1:], strict=False):
+        for (offset, length, fqn), (next_offset, _, next_fqn) in itertools.pairwise(spans):
             if offset + length > next_offset:
                 raise UnsafeCheckpointError(f"{where} places {fqn!r} and {next_fqn!r} over the same bytes of {path}")
     for fqn, md in state.items():

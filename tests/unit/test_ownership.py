@@ -304,7 +304,9 @@ def test_job_keys_are_distinct_and_path_safe() -> None:
     assert all("/" not in k and not k.startswith(".") for k in keys)
 
 
-@pytest.mark.parametrize("stray", ["attempt-0000000009.json", "attempt-00000000\u0669.json", "attempt-000000009.json\n"])
+@pytest.mark.parametrize(
+    "stray", ["attempt-0000000009.json", "attempt-00000000\u0669.json", "attempt-000000009.json\n"]
+)
 def test_a_file_named_like_an_attempt_record_but_not_spelled_as_spotjob_spells_it_is_no_attempt(
     storage: FileStorage, stray: str
 ) -> None:
