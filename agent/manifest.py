@@ -106,6 +106,10 @@ def check_relative_path(path: str) -> str:
         raise ValueError(f"path {path!r} escapes or is not normalised within the checkpoint folder")
     if "\x00" in path:
         raise ValueError(f"path {path!r} contains a NUL byte")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in path):
+        # spotjob names no file so; each reason naming the file would carry them into the logs (a
+        # newline forging a line of its own) and into terminals (escape sequences).
+        raise ValueError(f"path {path!r} contains a control character")
     return path
 
 

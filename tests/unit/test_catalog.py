@@ -246,3 +246,28 @@ def test_a_manifest_listing_names_that_collide_in_the_restore_cache_is_invalid(
     storage.put_bytes(ref.key(MANIFEST_NAME), json.dumps(doc).encode())
     status = inspect(storage, ref)
     assert not status.valid and said in status.reason
+
+
+@pytest.mark.parametrize("name", ["rank-00001.pt\nrestored step 99", "\x1b]0;owned\x07.distcp", "a\x85b"])
+def test_a_manifest_naming_a_file_with_a_control_character_is_invalid_and_never_echoes_it(
+    name: str, storage: FileStorage
+) -> None:
+    """Every problem with a listed file names it, and restore logs those problems: a newline in a
+    crafted name forged log lines of its own, an escape sequence reached terminals."""
+    ref = CheckpointRef(5)
+    storage.put_bytes(ref.key(rank_file_name(0)), b"r")
+    doc = {
+        "step": 5,
+        "world_size": 1,
+        "created_at": T0.isoformat(),
+        "torch_version": "test",
+        "state_keys": ["model"],
+        "files": [
+            {"path": rank_file_name(0), "size": 1, "crc32c": to_hex(crc32c_bytes(b"r"))},
+            {"path": name, "size": 1, "crc32c": "00000000"},
+        ],
+    }
+    storage.put_bytes(ref.key(MANIFEST_NAME), json.dumps(doc).encode())
+    status = inspect(storage, ref)
+    assert not status.valid and "control character" in status.reason
+    assert name not in status.reason and not any(c in status.reason for c in "\n\x1b\x07\x85")
