@@ -175,11 +175,12 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
             n *= d
         return n
 
+    listed = {f.path: f for f in manifest.files}  # one lookup per region: a big model has 100 000s
     regions: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
         path = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        entry = manifest.file(path) if isinstance(path, str) else None
+        entry = listed.get(path) if isinstance(path, str) else None
         if entry is None:
             raise UnsafeCheckpointError(f"{where} points at {path!r}, which MANIFEST.json does not list")
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
