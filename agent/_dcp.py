@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import io
+import itertools
 import logging
 import mmap
 import os
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -145,6 +146,82 @@ def load_dcp_metadata(data: bytes) -> Metadata:
     return obj
 
 
+def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
+    """Raise ``UnsafeCheckpointError`` unless every tensor ``metadata`` describes fits in the bytes
+    the manifest vouches for.
+
+    A load allocates each tensor at the size ``.metadata`` gives it before reading a byte (an
+    optimizer's state, an export's tensors) and maps its pages ahead of the copy: a crafted size
+    would take the node's memory (or get the rank OOM-killed on every restart) instead of failing.
+    Spotjob's writer stores each chunk once, in its own region of a shard file, as a whole
+    ``torch.save`` record: so a chunk's elements fit in its region, the regions lie inside files
+    the manifest lists and never overlap, and the chunks of a tensor cover at least its size.
+    Nothing allocated then exceeds what the checkpoint's files hold.
+    """
+    where = f"DCP {DCP_METADATA_NAME}"
+    state = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{where} lacks the state or storage index of DCP Metadata")
+
+    def ints(value: Any, what: str) -> list[int]:
+        if not isinstance(value, tuple | list) or not all(type(n) is int and n >= 0 for n in value):
+            raise UnsafeCheckpointError(f"{where} gives {what} as {value!r}, not a list of non-negative integers")
+        return list(value)
+
+    def numel(sizes: list[int]) -> int:
+        n = 1
+        for d in sizes:
+            n *= d
+        return n
+
+    listed = {f.path: f for f in manifest.files}  # one lookup per region: a big model has 100 000s
+    regions: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        path = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        entry = listed.get(path) if isinstance(path, str) else None
+        if entry is None:
+            raise UnsafeCheckpointError(f"{where} points at {path!r}, which MANIFEST.json does not list")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise UnsafeCheckpointError(f"{where} gives {path} a region at {offset!r} of {length!r} bytes")
+        if offset + length > entry.size:
+            raise UnsafeCheckpointError(
+                f"{where} places {getattr(index, 'fqn', index)!r} at bytes {offset}..{offset + length} of {path}, "
+                f"which holds {entry.size}"
+            )
+        regions.setdefault(entry.path, []).append((offset, length, str(getattr(index, "fqn", index))))
+    for path, spans in regions.items():
+        spans.sort()
+        for (offset, length, fqn), (next_offset, _, next_fqn) in itertools.pairwise(spans):
+            if offset + length > next_offset:
+                raise UnsafeCheckpointError(f"{where} places {fqn!r} and {next_fqn!r} over the same bytes of {path}")
+    for fqn, md in state.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnsafeCheckpointError(f"{where} gives tensor {fqn!r} the dtype {dtype!r}")
+        size = ints(md.size, f"the size of tensor {fqn!r}")
+        covered = 0
+        for chunk in md.chunks if isinstance(md.chunks, list) else ():
+            sizes = ints(chunk.sizes, f"a chunk size of tensor {fqn!r}")
+            offsets = ints(chunk.offsets, f"a chunk offset of tensor {fqn!r}")
+            info = storage.get(MetadataIndex(fqn, offsets))
+            if info is None:
+                raise UnsafeCheckpointError(f"{where} stores no bytes for a chunk of tensor {fqn!r}")
+            if numel(sizes) * dtype.itemsize > info.length:
+                raise UnsafeCheckpointError(
+                    f"{where} gives tensor {fqn!r} a chunk of {sizes} {dtype} elements, more than the "
+                    f"{info.length} bytes that hold it in {info.relative_path}"
+                )
+            covered += numel(sizes)
+        if numel(size) > covered:
+            raise UnsafeCheckpointError(
+                f"{where} gives tensor {fqn!r} the size {size}, more than the chunks stored for it hold"
+            )
+
+
 # -- planner and reader ------------------------------------------------------------------------
 
 
@@ -223,7 +300,9 @@ class VerifiedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
-                self._metadata = load_dcp_metadata(f.read())
+                metadata = load_dcp_metadata(f.read())
+            check_metadata_fits(metadata, self.manifest)
+            self._metadata = metadata
         metadata = self._metadata
         from torch.distributed.checkpoint.metadata import StorageMeta
 

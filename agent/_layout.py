@@ -18,7 +18,7 @@ from agent.storage.base import NotFoundError, Storage
 CONTROL_FOLDER = ".spotjob"
 """spotjob's own records under a URI (owner, attempts): never listed as a checkpoint."""
 
-_FOLDER_RE = re.compile(r"^step-(\d{9,})(?:\.(\d+))?$")
+_FOLDER_RE = re.compile(r"step-([0-9]{9,})(?:\.([0-9]+))?")
 
 
 def folder_name(step: int, attempt: int = 0) -> str:
@@ -51,10 +51,15 @@ class CheckpointRef:
 
     @classmethod
     def parse(cls, folder: str) -> CheckpointRef | None:
-        m = _FOLDER_RE.match(folder)
+        """The checkpoint named ``folder``, or None when ``folder`` is not one's name exactly as
+        ``folder_name`` spells it: another spelling of the same number (``step-0000000002``,
+        ``step-000000002.0``, other scripts' digits, a trailing newline) would stand for a real
+        checkpoint's folder, which retention would then count twice and delete."""
+        m = _FOLDER_RE.fullmatch(folder)
         if not m:
             return None
-        return cls(int(m.group(1)), int(m.group(2) or 0))
+        ref = cls(int(m.group(1)), int(m.group(2) or 0))
+        return ref if ref.folder == folder else None
 
 
 def find_checkpoints(storage: Storage) -> list[CheckpointRef]:

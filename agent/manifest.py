@@ -27,6 +27,9 @@ FORMAT_VERSION = 1
 DCP_METADATA_NAME = ".metadata"
 DCP_SHARD_SUFFIX = ".distcp"
 """DCP's shard files (``__<rank>_<n>.distcp``), which only its ``.metadata`` can read."""
+CACHE_SUFFIXES = (".lock", ".verified")
+"""What the node's restore cache keeps beside each file of a checkpoint (``agent.restore_cache``):
+a lock, and the marker saying what the file was verified as. No checkpoint file ends so."""
 RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.pt$")
 
 
@@ -103,6 +106,10 @@ def check_relative_path(path: str) -> str:
         raise ValueError(f"path {path!r} escapes or is not normalised within the checkpoint folder")
     if "\x00" in path:
         raise ValueError(f"path {path!r} contains a NUL byte")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in path):
+        # spotjob names no file so; each reason naming the file would carry them into the logs (a
+        # newline forging a line of its own) and into terminals (escape sequences).
+        raise ValueError(f"path {path!r} contains a control character")
     return path
 
 
@@ -177,6 +184,16 @@ class Manifest(BaseModel):
             raise ValueError("manifest lists a file twice")
         if MANIFEST_NAME in names:
             raise ValueError("manifest lists itself")
+        folders = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)}
+        for name in names:
+            if name in folders:
+                # No filesystem (a restore cache, a file:// store) holds a file and a folder of one name.
+                raise ValueError(f"manifest lists {name!r} both as a file and as a folder of other files")
+            if name.endswith(CACHE_SUFFIXES):
+                raise ValueError(
+                    f"manifest lists {name!r}, a name the restore cache keeps beside a file for itself "
+                    f"(names ending in {' or '.join(CACHE_SUFFIXES)})"
+                )
         known = set(names)
         for fqn, t in self.tensors.items():
             for f in t.files:

@@ -63,7 +63,7 @@ RECORD_FORMAT = 1
 MAX_RECORD_BYTES = 1 << 20
 """owner.json and attempt records are a few hundred bytes; anything past this is refused unread."""
 
-_ATTEMPT_RE = re.compile(r"^attempt-(\d{9,})\.json$")
+_ATTEMPT_RE = re.compile(r"attempt-([0-9]{9,})\.json")
 
 
 class OwnershipError(Exception):
@@ -390,8 +390,11 @@ def recorded_attempts(storage: Storage, job: str | None) -> builtins.list[int]:
     """The attempt numbers recorded for ``job``, ascending (one listing, no record read)."""
     numbers = []
     for info in storage.list(f"{ATTEMPTS_PREFIX}{job_key(job)}/"):
-        m = _ATTEMPT_RE.match(info.key.rsplit("/", 1)[-1])
-        if m:
+        name = info.key.rsplit("/", 1)[-1]
+        m = _ATTEMPT_RE.fullmatch(name)
+        # Only the name attempt_key spells: another spelling of a number (ten digits, non-ASCII
+        # digits) is a stray that names no record, yet would count as a newer attempt.
+        if m and attempt_key(job, int(m.group(1))).endswith("/" + name):
             numbers.append(int(m.group(1)))
     return sorted(numbers)
 

@@ -35,7 +35,7 @@ from agent import _fresh_start
 from agent.atomic_file import write_atomic
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.crc32c import crc32c_bytes, crc32c_file_parallel, from_hex, to_hex
-from agent.manifest import FileEntry, Manifest
+from agent.manifest import CACHE_SUFFIXES, FileEntry, Manifest
 from agent.ownership import Lineage, OwnershipError
 from agent.storage import CorruptObjectError, Storage, StorageError
 from agent.storage.base import parallel_map
@@ -43,7 +43,7 @@ from agent.storage.base import parallel_map
 log = logging.getLogger(__name__)
 
 RESTORE_FOLDER = "restore"
-VERIFIED_SUFFIX = ".verified"
+LOCK_SUFFIX, VERIFIED_SUFFIX = CACHE_SUFFIXES
 
 
 def staging_root(storage: Storage, job: str | None, staging_dir: str | None = None) -> str:
@@ -140,7 +140,7 @@ def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: s
     path = os.path.join(local_dir, entry.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     key = f"{folder}/{entry.path}"
-    with open(path + ".lock", "w") as lock:
+    with open(path + LOCK_SUFFIX, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = path + VERIFIED_SUFFIX
         vouches = _marker_text(storage.url(key), entry)

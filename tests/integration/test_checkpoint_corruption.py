@@ -346,3 +346,54 @@ def test_spotjob_ckpt_commands_never_run_a_malicious_tensor_record_and_export_re
     assert "could not load" in err and "refused without running it" in err and "posix.system" in err
     assert "weights_only` set to `False`" not in err, "the refusal passes on torch's advice to turn the check off"
     assert not out.exists(), "export left a folder behind for a refused checkpoint"
+
+
+def claim_a_huge_tensor(folder: Path, how: str) -> str:
+    """Reseal ``.metadata`` so that an optimizer tensor claims 2**50 elements (4 PiB): only its
+    size (``size``), or its size and its one chunk's (``chunk``), or its region in the shard file
+    (``region``: past the file's end)."""
+    metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+    fqn = next(
+        k
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.startswith("optim") and k.endswith("exp_avg")
+    )
+    md = metadata.state_dict_metadata[fqn]
+    assert isinstance(md, TensorStorageMetadata)
+    huge = torch.Size([2**50])
+    if how == "region":
+        index = next(i for i in metadata.storage_data if i.fqn == fqn)
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = dataclasses.replace(info, length=2**50)
+    else:
+        metadata.state_dict_metadata[fqn] = dataclasses.replace(md, size=huge)
+        if how == "chunk":
+            (chunk,) = md.chunks
+            md.chunks[0] = dataclasses.replace(chunk, sizes=huge)
+    replace_sealed(folder, DCP_METADATA_NAME, pickle.dumps(metadata))
+    return fqn
+
+
+@pytest.mark.parametrize("how", ["size", "chunk", "region"])
+def test_a_metadata_claiming_a_tensor_bigger_than_its_files_is_skipped_before_anything_is_allocated(
+    how: str,
+    store: Path,
+    committed: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A load allocates every optimizer tensor (and an export every tensor) at the size .metadata
+    claims, and maps its pages, before reading a byte: a crafted size failed the allocation (restore
+    refused to go on instead of skipping the checkpoint) or, a little smaller, took the node's memory."""
+    from orchestrator.cli import main
+
+    fqn = claim_a_huge_tensor(store / STEP2, how)
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert "unsafe" in reason and DCP_METADATA_NAME in reason and fqn in reason, reason
+
+    out = tmp_path / "export"
+    rc = main(["ckpt", "export", str(store), str(out), "--step", "2", "--key", "optim"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and fqn in err and DCP_METADATA_NAME in err, err
+    assert not out.exists()

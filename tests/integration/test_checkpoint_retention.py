@@ -179,3 +179,25 @@ def test_keeping_every_checkpoint_a_leftover_from_after_a_fresh_start_in_the_sam
     found = statuses(root)
     assert "step-000000001.1" not in found, "the leftover of the new run's unfinished save was not removed"
     assert found["step-000000002.1"].valid
+
+
+@pytest.mark.parametrize(
+    "alias",
+    ["step-000000002.0", "step-0000000002", "step-00000000\u0662", "step-000000002\n"],
+    ids=["attempt-0", "ten-digits", "arabic-indic-digit", "trailing-newline"],
+)
+def test_a_folder_named_like_a_checkpoint_but_not_spelled_as_spotjob_spells_it_is_never_taken_for_one(
+    tmp_path: Path, alias: str
+) -> None:
+    """A stray folder whose name parses to the step of a real checkpoint (another spelling of the
+    number) was listed as a second copy of it: retention counted it as one more kept checkpoint
+    and then deleted the real folder it stood for."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1, 2], keep=None)
+    (root / alias).mkdir()
+    (root / alias / "notes.txt").write_text("not spotjob's")
+    save_steps(root, [3], keep=2)
+    found = statuses(root)
+    assert sorted(found) == ["step-000000002", "step-000000003"]
+    assert all(s.valid for s in found.values())
+    assert (root / alias / "notes.txt").read_text() == "not spotjob's"

@@ -383,7 +383,8 @@ def test_text_from_a_crafted_manifest_reaches_the_terminal_with_its_control_char
     for argv, text in zip(["show", "list", "verify"] * 2, outputs, strict=True):
         assert "\x1b" not in text and "\x07" not in text, f"spotjob ckpt {argv} printed a raw control character"
     assert "2.13\\x1b]0;owned\\x07" in outputs[0], "the escaped value is still shown"
-    assert "gone\\x1b" in outputs[4], "the escaped path is still named"
+    # A listed path with control characters refuses the manifest, naming the path (escaped).
+    assert "'gone\\\\x1b" in outputs[4] and "contains a control character" in outputs[4], outputs[4]
 
 
 def test_show_json_can_narrow_to_one_state_key(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@ retention, the controller and ``spotjob ckpt`` all ask: can this checkpoint be u
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import UTC, datetime
 from typing import Any
@@ -212,3 +213,61 @@ def test_a_manifest_time_without_a_zone_is_utc_so_the_controller_can_compare_it(
     manifest = Manifest.parse(doc)
     assert manifest.created_at == datetime(2026, 1, 1, 10, tzinfo=UTC)
     assert manifest.created_at < datetime(2026, 1, 2, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("names", "said"),
+    [
+        (["shards", "shards/__0_0.distcp"], "both as a file and as a folder"),
+        (["__0_0.distcp", "__0_0.distcp.lock"], "restore cache keeps beside a file"),
+        (["__0_0.distcp", "__0_0.distcp.verified"], "restore cache keeps beside a file"),
+    ],
+    ids=["file-and-folder", "lock", "verified-marker"],
+)
+def test_a_manifest_listing_names_that_collide_in_the_restore_cache_is_invalid(
+    names: list[str], said: str, storage: FileStorage
+) -> None:
+    """A restore from an object store keeps each file in a node-local folder beside a lock and a
+    .verified marker: a listed name that is one of those (or a file that is also a folder) made
+    the cache clobber one file with another, and the restore fail on the store as unavailable."""
+    doc = {
+        "step": 5,
+        "world_size": 1,
+        "created_at": T0.isoformat(),
+        "torch_version": "test",
+        "state_keys": ["model"],
+        "files": [{"path": n, "size": 1, "crc32c": "00000000"} for n in [rank_file_name(0), *names]],
+    }
+    with pytest.raises(ManifestError, match=said) as refused:
+        Manifest.parse(json.dumps(doc).encode())
+    assert names[0] in str(refused.value) or names[1] in str(refused.value)
+    ref = CheckpointRef(5)
+    storage.put_bytes(ref.key(rank_file_name(0)), b"r")
+    storage.put_bytes(ref.key(MANIFEST_NAME), json.dumps(doc).encode())
+    status = inspect(storage, ref)
+    assert not status.valid and said in status.reason
+
+
+@pytest.mark.parametrize("name", ["rank-00001.pt\nrestored step 99", "\x1b]0;owned\x07.distcp", "a\x85b"])
+def test_a_manifest_naming_a_file_with_a_control_character_is_invalid_and_never_echoes_it(
+    name: str, storage: FileStorage
+) -> None:
+    """Every problem with a listed file names it, and restore logs those problems: a newline in a
+    crafted name forged log lines of its own, an escape sequence reached terminals."""
+    ref = CheckpointRef(5)
+    storage.put_bytes(ref.key(rank_file_name(0)), b"r")
+    doc = {
+        "step": 5,
+        "world_size": 1,
+        "created_at": T0.isoformat(),
+        "torch_version": "test",
+        "state_keys": ["model"],
+        "files": [
+            {"path": rank_file_name(0), "size": 1, "crc32c": to_hex(crc32c_bytes(b"r"))},
+            {"path": name, "size": 1, "crc32c": "00000000"},
+        ],
+    }
+    storage.put_bytes(ref.key(MANIFEST_NAME), json.dumps(doc).encode())
+    status = inspect(storage, ref)
+    assert not status.valid and "control character" in status.reason
+    assert name not in status.reason and not any(c in status.reason for c in "\n\x1b\x07\x85")

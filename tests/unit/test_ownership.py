@@ -302,3 +302,18 @@ def test_job_keys_are_distinct_and_path_safe() -> None:
     keys = {job_key(j) for j in ["ns/train", "ns_train", "ns train", None, "unnamed", "../x", ""]}
     assert len(keys) == 7
     assert all("/" not in k and not k.startswith(".") for k in keys)
+
+
+@pytest.mark.parametrize(
+    "stray", ["attempt-0000000009.json", "attempt-00000000\u0669.json", "attempt-000000009.json\n"]
+)
+def test_a_file_named_like_an_attempt_record_but_not_spelled_as_spotjob_spells_it_is_no_attempt(
+    storage: FileStorage, stray: str
+) -> None:
+    """A stray under the attempts folder whose name parses to a number (another spelling of it)
+    names no record: counted as one, it fenced the job's real attempts below a phantom."""
+    record_attempt(storage, "a", 1, None)
+    storage.put_bytes(attempt_key("a", 1).rsplit("/", 1)[0] + "/" + stray, b"{}")
+    assert newest_attempt(storage, "a") == 1
+    record_attempt(storage, "a", 2, None)
+    check_not_fenced(storage, "a", 2)
