@@ -229,7 +229,12 @@ class Agent(AgentRequests):
         def staging(storage: Storage) -> str:
             return staging_root(storage, job, self.config.staging_dir)
 
-        prefetch_in_background(open_store, staging)
+        def restored() -> bool:
+            """The node's first rank trains (past its restore, which removed the cache)."""
+            status = self.control.status()
+            return status is not None and status.state != "starting"
+
+        prefetch_in_background(open_store, staging, restored=restored)
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""
