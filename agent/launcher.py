@@ -229,7 +229,12 @@ class Agent(AgentRequests):
         def staging(storage: Storage) -> str:
             return staging_root(storage, job, self.config.staging_dir)
 
-        prefetch_in_background(open_store, staging)
+        def restored() -> bool:
+            """The node's first rank trains (past its restore, which removed the cache)."""
+            status = self.control.status()
+            return status is not None and status.state != "starting"
+
+        prefetch_in_background(open_store, staging, restored=restored)
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""
@@ -264,8 +269,12 @@ class Agent(AgentRequests):
             with self._lock:
                 flush = self._flush
                 pending = flush is not None and flush.result is None
-                kill_at = flush.kill_at if flush is not None else None
-                kill_reason = flush.kill_reason if flush is not None else ""
+                kill_at = flush.kill_at if flush is not None else self._peer_kill_at
+                kill_reason = (
+                    flush.kill_reason
+                    if flush is not None
+                    else f"--exit-timeout {self.config.exit_timeout:g} s after another node's flush committed"
+                )
             if returncode is not None:
                 # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill
                 # time, unless a stop (or a SIGTERM with signals not taken as notices) says otherwise.
@@ -323,15 +332,18 @@ class Agent(AgentRequests):
 
     def _torchrun_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool | None:
         """Whether torchrun is the only process of the command still running (its ranks exited:
-        nothing of the job's is left in it); None unless the command is torchrun and this agent's
-        flush committed.
+        nothing of the job's is left in it); None unless the command is torchrun and a flush
+        committed: this agent's, or another node's agent's (``_peer_result``). On a node of a
+        multi-node job whose agent heard no notice, torchrun would otherwise wait in its exit
+        barrier for the notified node's torchrun, which that node's agent has ended: 300 s.
 
         Looks first at the processes already known (a few ``/proc/<pid>/stat`` reads), and walks
         every process only once none of them is left.
         """
         with self._lock:
             flush = self._flush
-        if flush is None or flush.result is None or flush.result.error is not None:
+            result = flush.result if flush is not None else self._peer_result
+        if result is None or result.error is not None:
             return None
         if not self._torchrun:
             return None
@@ -394,7 +406,10 @@ class Agent(AgentRequests):
     def _check_flush_result(self) -> None:
         with self._lock:
             flush = self._flush
-        if flush is None or flush.result is not None:
+        if flush is None:
+            self._check_peer_flush()
+            return
+        if flush.result is not None:
             return
         result = self.control.flush_result()
         if result is None:
@@ -419,6 +434,29 @@ class Agent(AgentRequests):
             log.error("flush %s failed after %.2f s: %s", flush.request.id, own, result.error)
         for source in self.sources:
             source.flush_finished()
+
+    def _check_peer_flush(self) -> None:
+        """No notice here, yet this node's ranks may have committed a flush: on a node of a
+        multi-node job, another node's agent asked and every rank flushed at the same step. Seen
+        once, it counts as this agent's own committed flush for ending the command (the ranks'
+        exit, ``--exit-timeout``)."""
+        with self._lock:
+            if self._peer_result is not None:
+                return
+        result = self.control.flush_result()
+        if result is None or result.error is not None:
+            return
+        with self._lock:
+            self._peer_result = result
+            self._peer_kill_at = time.monotonic() + self.config.exit_timeout
+            if self._state not in ("stopping", "exited"):
+                self._state = "flushed"
+        log.warning(
+            "the ranks committed step %s at %s for a flush another node's agent asked for (no notice here): "
+            "ending the command once they exit",
+            result.step,
+            result.uri,
+        )
 
     def _finish(self, returncode: int, tree: ProcessTree) -> int:
         with self._lock:

@@ -118,6 +118,11 @@ class AgentRequests:
         self._lock = threading.RLock()
         self._state: AgentState = "starting"
         self._flush: _Flush | None = None
+        self._peer_result: FlushResult | None = None
+        """A flush this node's ranks committed without this agent asking: another node's agent did
+        (every rank of the job flushes at the same step), found in the control folder."""
+        self._peer_kill_at: float | None = None
+        """Monotonic time at which the command is killed after ``_peer_result`` (``--exit-timeout``)."""
         self._child: subprocess.Popen[bytes] | None = None
         self._returncode: int | None = None
         self._killed = False

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import tempfile
 import threading
@@ -188,9 +189,18 @@ def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:
     return None
 
 
-def prefetch(storage: Storage, staging_root: str, *, parallelism: int = 8) -> str | None:
+def prefetch(
+    storage: Storage, staging_root: str, *, parallelism: int = 8, restored: Callable[[], bool] | None = None
+) -> str | None:
     """Fetch (object store) or read once (filesystem) the newest valid checkpoint's files; returns
-    its folder, or None when there is none. Raises ``StorageError`` / ``OSError`` on failure."""
+    its folder, or None when there is none. Raises ``StorageError`` / ``OSError`` on failure.
+
+    ``restored``: whether the node's ranks have restored already (they train). From then on no
+    further file is fetched, and what the prefetch fetched is removed once it ends: the ranks'
+    restore removed the cache when it had loaded, and a prefetch still at work (on a node of a
+    multi-node job it fetches the other nodes' shards too, which no rank here waits for) would
+    otherwise fill it again and leave it on the node's disk for the whole attempt.
+    """
     found = newest_valid(storage)
     if found is None:
         return None
@@ -207,22 +217,40 @@ def prefetch(storage: Storage, staging_root: str, *, parallelism: int = 8) -> st
         parallel_map(check, [(e,) for e in manifest.files], parallelism)
         return folder
     cache = os.path.join(staging_root, RESTORE_FOLDER, folder)
-    parallel_map(lambda e: fetch_verified(storage, folder, e, cache), [(e,) for e in manifest.files], parallelism)
+    late = threading.Event()
+
+    def fetch(entry: FileEntry) -> None:
+        if late.is_set() or (restored is not None and restored()):
+            late.set()
+            return
+        fetch_verified(storage, folder, entry, cache)
+
+    try:
+        parallel_map(fetch, [(e,) for e in manifest.files], parallelism)
+    finally:
+        if late.is_set() or (restored is not None and restored()):
+            log.info("the ranks restored before the prefetch ended: removing what it fetched (%s)", cache)
+            shutil.rmtree(cache, ignore_errors=True)
     return folder
 
 
 def prefetch_in_background(
-    open_store: Callable[[], Storage], staging_root: Callable[[Storage], str], *, parallelism: int = 8
+    open_store: Callable[[], Storage],
+    staging_root: Callable[[Storage], str],
+    *,
+    parallelism: int = 8,
+    restored: Callable[[], bool] | None = None,
 ) -> threading.Thread:
     """``prefetch`` in a daemon thread (the agent's, while torchrun starts); failures are logged.
-    ``staging_root`` names the node's staging folder for the opened store."""
+    ``staging_root`` names the node's staging folder for the opened store; ``restored`` is
+    ``prefetch``'s."""
 
     def run() -> None:
         started = time.monotonic()
         storage = None
         try:
             storage = open_store()
-            folder = prefetch(storage, staging_root(storage), parallelism=parallelism)
+            folder = prefetch(storage, staging_root(storage), parallelism=parallelism, restored=restored)
             if folder is not None:
                 log.info("prefetched %s in %.2fs", storage.url(folder), time.monotonic() - started)
         except (StorageError, OSError, OwnershipError, ValueError) as e:

@@ -531,3 +531,30 @@ def test_direct_launch_leaves_a_command_with_torchruns_own_options_to_torchrun(t
     assert "running the command as written, because --log-dir is torchrun's own" in run.log()
     assert read_ranks(tmp_path / "own")[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torchrun's store: torchrun ran
     assert any(logs.iterdir()), "torchrun wrote its log folder"
+
+
+def test_a_notice_on_one_node_of_two_ends_both_torchruns_once_the_flush_committed(tmp_path: Path) -> None:
+    """Two nodes (two agents, torchrun's static rendezvous), a notice reaching node 1 only: every rank
+    commits the flush at one step, and node 0's agent, which heard nothing, still ends its torchrun
+    once its ranks exited. Before, it waited on torchrun, stuck in its exit barrier (300 s) for
+    node 1's torchrun, which node 1's agent had ended right after the commit."""
+    port = str(free_port())
+    uri = str(tmp_path / "ckpt")
+
+    def node(index: int) -> AgentRun:
+        two_nodes = ("--nnodes", "2", "--node-rank", str(index), "--master-addr", "127.0.0.1", "--master-port", port)
+        return start_agent(
+            tmp_path, f"node{index}", uri, ["--notices", "sigterm"], ["--step-sleep", "0.05", "--every-steps", "25"],
+            torchrun_args=two_nodes,
+        )  # fmt: skip
+
+    node1, node0 = node(1), node(0)
+    wait_until(lambda: node0.step() >= 30, "training to pass step 30", node0.proc)
+    node1.proc.send_signal(signal.SIGTERM)  # the notice reaches node 1 only
+    assert node1.wait() == EXIT_PREEMPTED, node1.log()
+    assert node0.wait(timeout=120) == EXIT_PREEMPTED, node0.log()
+    results = [run.control.flush_result() for run in (node0, node1)]
+    assert all(r is not None and r.error is None for r in results)
+    assert results[0] is not None and results[1] is not None and results[0].step == results[1].step
+    assert "for a flush another node's agent asked for (no notice here)" in node0.log()
+    assert "the ranks exited after the committed flush: ending torchrun" in node0.log()

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from agent import launcher
+from agent import launcher, restore_cache
 from agent.checkpoint import Checkpointer
-from agent.control_channel import ControlDir
+from agent.control_channel import ControlDir, RankStatus
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.launcher import Agent, parse_args
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
@@ -223,3 +223,44 @@ def test_the_agents_prefetch_lands_where_the_ranks_checkpointer_looks(
         assert rank.restore(fresh) == 3
         assert rank.storage.fetched == [], "the rank fetched files the agent had prefetched elsewhere"  # type: ignore[attr-defined]
     assert_same(snapshot(fresh), saved, "the state restored from the agent's prefetch")
+
+
+def test_a_prefetch_that_outlasts_the_restore_stops_and_leaves_nothing_on_the_nodes_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node of a multi-node job the agent's prefetch fetches every node's shards, and the
+    node's ranks may restore (waiting only for theirs), remove the cache and train while it still
+    runs. From then on it fetches nothing more and removes what it fetched: before, it went on,
+    refilled the cache, and left it on the node's disk for the whole attempt."""
+    root, _ = committed(tmp_path)
+    control = ControlDir(str(tmp_path / "control"))
+
+    class RestoredMeanwhile(ObjectStoreLike):
+        def get_file(self, key: str, local_path: str, **kw: Any) -> None:
+            super().get_file(key, local_path, **kw)
+            # While this file came in, the ranks restored, cleared the cache and began training.
+            control.write_status(RankStatus(state="training", step=3))
+
+    stores: list[RestoredMeanwhile] = []
+
+    def open_store(uri: str) -> RestoredMeanwhile:
+        stores.append(RestoredMeanwhile(root))
+        return stores[-1]
+
+    staging = tmp_path / "nvme"
+    argv = ["--checkpoint-uri", root, "--job-name", "j", "--staging-dir", str(staging), "--", "x"]
+    config, _ = parse_args(argv, {})
+    agent = Agent(config, control, env={})
+    monkeypatch.setattr(launcher, "open_storage", open_store)
+    # One file at a time, so that "after the first file" is well defined.
+    monkeypatch.setattr(restore_cache, "parallel_map", lambda fn, items, n: [fn(*a) for a in items])
+    agent._prefetch()
+    for thread in threading.enumerate():
+        if thread.name == "spotjob-prefetch":
+            thread.join()
+    folder = stores[0].fetched[0].split("/")[0]
+    manifest = Manifest.parse(stores[0].get_bytes(f"{folder}/{MANIFEST_NAME}"))
+    assert len(manifest.files) > 1, "the test needs a file left to fetch after the first"
+    assert len(stores[0].fetched) == 1, f"fetched after the ranks had restored: {stores[0].fetched}"
+    left = [os.path.join(d, f) for d, _, files in os.walk(staging) for f in files]
+    assert left == [], f"left on the node's disk: {left}"
