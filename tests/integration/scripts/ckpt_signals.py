@@ -165,7 +165,8 @@ def ranks(args: argparse.Namespace) -> None:
     train(state, 1, start=2)
     ckpt.save(3, state)
     ckpt.close()
-    print(f"rank{rank} {raised}", flush=True)
+    # One write per line: two ranks share the pipe, and print()'s text and newline can go out apart.
+    os.write(1, f"rank{rank} {raised}\n".encode())
     exit_without_teardown()
 
 
@@ -192,6 +193,10 @@ def main() -> None:
     p.add_argument("--at", choices=["staging", "upload", "commit"], default="upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
+    # Ctrl-C as a terminal gives it to a foreground script: Python raises KeyboardInterrupt only if
+    # SIGINT was not ignored when it started, and a process started in the background by a
+    # non-interactive shell (a CI runner's `cmd &`) inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     {"sync": sync, "close": close, "ranks": ranks, "with-body": with_body}[args.mode](args)
 
 
