@@ -26,6 +26,7 @@ import dataclasses
 import io
 import itertools
 import logging
+import math
 import mmap
 import os
 import pathlib
@@ -169,12 +170,6 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
             raise UnsafeCheckpointError(f"{where} gives {what} as {value!r}, not a list of non-negative integers")
         return list(value)
 
-    def numel(sizes: list[int]) -> int:
-        n = 1
-        for d in sizes:
-            n *= d
-        return n
-
     listed = {f.path: f for f in manifest.files}  # one lookup per region: a big model has 100 000s
     regions: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
@@ -210,13 +205,13 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
             info = storage.get(MetadataIndex(fqn, offsets))
             if info is None:
                 raise UnsafeCheckpointError(f"{where} stores no bytes for a chunk of tensor {fqn!r}")
-            if numel(sizes) * dtype.itemsize > info.length:
+            if math.prod(sizes) * dtype.itemsize > info.length:
                 raise UnsafeCheckpointError(
                     f"{where} gives tensor {fqn!r} a chunk of {sizes} {dtype} elements, more than the "
                     f"{info.length} bytes that hold it in {info.relative_path}"
                 )
-            covered += numel(sizes)
-        if numel(size) > covered:
+            covered += math.prod(sizes)
+        if math.prod(size) > covered:
             raise UnsafeCheckpointError(
                 f"{where} gives tensor {fqn!r} the size {size}, more than the chunks stored for it hold"
             )
@@ -516,7 +511,8 @@ class _Writer(FileSystemWriter):
         self, planner: SavePlanner, path: str, storage_key: str, items: list[WriteItem]
     ) -> list[WriteResult]:
         results = []
-        direct = self.direct and tensor_bytes(items) >= self.direct_min_bytes
+        tensor_bytes = sum(item.tensor_storage_size() or 0 for item in items)  # bytes values: None
+        direct = self.direct and tensor_bytes >= self.direct_min_bytes
         with ChecksummedFile(path, writeback=self.durable, direct=direct, cancel=self.cancel) as stream:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -758,17 +754,6 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
             os.close(fd)
 
     parallel_map(fsync, [(p,) for p in paths], parallelism)
-
-
-def tensor_bytes(items: list[WriteItem]) -> int:
-    """How many bytes of tensor data these write items hold (their chunks' elements times their
-    dtypes' sizes); bytes values are not counted."""
-    total = 0
-    for item in items:
-        data = item.tensor_data
-        if data is not None:
-            total += data.size.numel() * data.properties.dtype.itemsize
-    return total
 
 
 def make_writer(

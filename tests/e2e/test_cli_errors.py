@@ -237,14 +237,18 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def spotjob_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``spotjob run ARGS`` in ``cwd`` (its runs folder is ``cwd/spotjob-runs``), output captured."""
+    return subprocess.run(
+        [tool("spotjob"), "run", *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+
+
 def test_a_run_name_that_is_taken_is_refused_naming_resume_and_its_folder_is_left_as_it_was(tmp_path: Path) -> None:
     folder = make_run(tmp_path / "spotjob-runs", "taken")
     before = snapshot(folder)
 
-    proc = subprocess.run(
-        [tool("spotjob"), "run", "--name", "taken", str(TRAIN)], cwd=tmp_path, env=clean_env(),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = spotjob_run(tmp_path, "--name", "taken", str(TRAIN))
 
     assert proc.returncode == 2, proc.stderr
     assert "a run named 'taken' exists" in proc.stderr and "spotjob run --resume taken" in proc.stderr
@@ -255,10 +259,7 @@ def test_resuming_a_run_that_ended_says_there_is_nothing_to_resume(tmp_path: Pat
     folder = make_run(tmp_path / "spotjob-runs", "done")
     before = snapshot(folder)
 
-    proc = subprocess.run(
-        [tool("spotjob"), "run", "--resume", "done"], cwd=tmp_path, env=clean_env(),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = spotjob_run(tmp_path, "--resume", "done")
 
     assert proc.returncode == 2, proc.stderr
     assert "run 'done' succeeded already" in proc.stderr and "nothing to resume" in proc.stderr
@@ -285,10 +286,7 @@ def test_an_older_spotjobs_run_is_not_resumed_and_the_message_says_how_to_carry_
     folder = older_run(tmp_path / "spotjob-runs", "old")
     before = snapshot(folder)
 
-    proc = subprocess.run(
-        [tool("spotjob"), "run", "--resume", "old"], cwd=tmp_path, env=clean_env(),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = spotjob_run(tmp_path, "--resume", "old")
 
     assert proc.returncode == 2, proc.stderr
     assert "no run named" not in proc.stderr
@@ -305,10 +303,7 @@ def test_a_new_run_under_the_name_of_an_older_spotjobs_run_is_refused_and_its_fo
     folder = older_run(tmp_path / "spotjob-runs", "old")
     before = snapshot(folder)
 
-    proc = subprocess.run(
-        [tool("spotjob"), "run", "--name", "old", str(TRAIN)], cwd=tmp_path, env=clean_env(),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = spotjob_run(tmp_path, "--name", "old", str(TRAIN))
 
     assert proc.returncode == 2, proc.stderr
     assert "written by a spotjob from before 2026-12-01" in proc.stderr and "pick another --name" in proc.stderr

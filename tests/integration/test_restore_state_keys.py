@@ -41,11 +41,15 @@ def restore(tmp_path: Path, uri: str, state: dict[str, Any]) -> int:
         return ckpt.restore(state)
 
 
-def test_keys_the_restore_leaves_out_are_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def trained_and_fresh(tmp_path: Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A state trained 3 steps and saved at step 3, its checkpoint's URI, and a fresh state to restore into."""
     state = make_state(0)
     train(state, 3)
-    uri = saved_checkpoint(tmp_path, state)
-    fresh = make_state(0, seed=5)
+    return state, saved_checkpoint(tmp_path, state), make_state(0, seed=5)
+
+
+def test_keys_the_restore_leaves_out_are_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state, uri, fresh = trained_and_fresh(tmp_path)
     caplog.set_level(logging.WARNING, logger="agent.checkpoint")
     assert restore(tmp_path, uri, {"model": fresh["model"], "counter": fresh["counter"]}) == 3
     assert_same(fresh["model"].state_dict(), state["model"].state_dict(), "the restored model")
@@ -55,10 +59,7 @@ def test_keys_the_restore_leaves_out_are_named_in_a_warning(tmp_path: Path, capl
 
 
 def test_the_full_state_restores_without_that_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    state = make_state(0)
-    train(state, 3)
-    uri = saved_checkpoint(tmp_path, state)
-    fresh = make_state(0, seed=5)
+    state, uri, fresh = trained_and_fresh(tmp_path)
     caplog.set_level(logging.WARNING, logger="agent.checkpoint")
     assert restore(tmp_path, uri, fresh) == 3
     assert_same(snapshot(fresh), snapshot(state), "the restored state")

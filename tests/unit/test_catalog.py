@@ -53,6 +53,13 @@ def write(
     return ref
 
 
+def manifest_doc(files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON of step 5's manifest listing ``files`` as given: ``Manifest`` itself would refuse
+    the names the tests below craft before they could be written."""
+    doc = {"step": 5, "world_size": 1, "created_at": T0.isoformat(), "torch_version": "test"}
+    return {**doc, "state_keys": ["model"], "files": files}
+
+
 def test_a_complete_checkpoint_is_valid(storage: FileStorage) -> None:
     ref = write(
         storage,
@@ -230,14 +237,7 @@ def test_a_manifest_listing_names_that_collide_in_the_restore_cache_is_invalid(
     """A restore from an object store keeps each file in a node-local folder beside a lock and a
     .verified marker: a listed name that is one of those (or a file that is also a folder) made
     the cache clobber one file with another, and the restore fail on the store as unavailable."""
-    doc = {
-        "step": 5,
-        "world_size": 1,
-        "created_at": T0.isoformat(),
-        "torch_version": "test",
-        "state_keys": ["model"],
-        "files": [{"path": n, "size": 1, "crc32c": "00000000"} for n in [rank_file_name(0), *names]],
-    }
+    doc = manifest_doc([{"path": n, "size": 1, "crc32c": "00000000"} for n in [rank_file_name(0), *names]])
     with pytest.raises(ManifestError, match=said) as refused:
         Manifest.parse(json.dumps(doc).encode())
     assert names[0] in str(refused.value) or names[1] in str(refused.value)
@@ -256,17 +256,12 @@ def test_a_manifest_naming_a_file_with_a_control_character_is_invalid_and_never_
     crafted name forged log lines of its own, an escape sequence reached terminals."""
     ref = CheckpointRef(5)
     storage.put_bytes(ref.key(rank_file_name(0)), b"r")
-    doc = {
-        "step": 5,
-        "world_size": 1,
-        "created_at": T0.isoformat(),
-        "torch_version": "test",
-        "state_keys": ["model"],
-        "files": [
+    doc = manifest_doc(
+        [
             {"path": rank_file_name(0), "size": 1, "crc32c": to_hex(crc32c_bytes(b"r"))},
             {"path": name, "size": 1, "crc32c": "00000000"},
-        ],
-    }
+        ]
+    )
     storage.put_bytes(ref.key(MANIFEST_NAME), json.dumps(doc).encode())
     status = inspect(storage, ref)
     assert not status.valid and "control character" in status.reason
