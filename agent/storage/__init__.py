@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 from agent.storage._errors import translate_os_error
 from agent.storage.base import (
+    MAX_OBJECT_NAME_BYTES,
     AlreadyExistsError,
     CorruptObjectError,
     MissingBucketError,
@@ -26,6 +27,7 @@ from agent.storage.base import (
 )
 
 __all__ = [
+    "MAX_PREFIX_BYTES",
     "AlreadyExistsError",
     "CorruptObjectError",
     "MissingBucketError",
@@ -42,6 +44,13 @@ __all__ = [
     "translate_os_error",
 ]
 
+
+PREFIX_RESERVE_BYTES = 128
+"""Room kept for the names spotjob writes under a URI's prefix (the longest, an attempt record
+``.spotjob/attempts/<job>/attempt-<n>.json``, is about 100 bytes)."""
+
+MAX_PREFIX_BYTES = MAX_OBJECT_NAME_BYTES - 1 - PREFIX_RESERVE_BYTES
+"""The longest ``s3://`` / ``gs://`` prefix accepted, in UTF-8 bytes (895)."""
 
 _CREDENTIAL_SOURCES = {
     "s3": "AWS credential chain (environment, profile, IRSA, instance role)",
@@ -91,6 +100,22 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
                 f"{uri!r} has an empty folder ('//') in its path; write {tidy}. Checkpoints an older spotjob "
                 f"wrote to {uri!r} are under the key prefix {prefix + '/'!r}: copy them under "
                 f"{tidy.split('/', 3)[3] + '/'!r} first to resume from them"
+            )
+        try:
+            uri.encode("utf-8")
+        except UnicodeEncodeError:
+            # Undecodable bytes from the command line or the environment reach Python as lone
+            # surrogates; the client libraries would fail on them with a bare UnicodeEncodeError.
+            raise ValueError(
+                f"{uri!r} is not valid UTF-8 (undecodable bytes in it): S3 and GCS names are UTF-8; "
+                "spell the URI in UTF-8"
+            ) from None
+        prefix_bytes = len(prefix.encode("utf-8"))
+        if prefix_bytes > MAX_PREFIX_BYTES:
+            raise ValueError(
+                f"the prefix of {uri[:80]!r}... is {prefix_bytes} bytes: S3 and GCS take object names of at most "
+                f"{MAX_OBJECT_NAME_BYTES} bytes and spotjob's names under the prefix need up to "
+                f"{PREFIX_RESERVE_BYTES + 1}, so a prefix may have at most {MAX_PREFIX_BYTES}; choose a shorter one"
             )
         return scheme, parsed.netloc, prefix
     if scheme == "file":

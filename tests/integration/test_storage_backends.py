@@ -312,6 +312,28 @@ class TestObjectStores:
         store.delete_prefix("step-1/")
         assert neighbour.get_bytes("step-1/MANIFEST.json") == b"n"
 
+    def test_a_name_s3_or_gcs_would_refuse_is_refused_before_any_request_and_nothing_is_stored(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        """moto and fake-gcs-server store names over 1024 bytes that S3 and GCS refuse mid-save, and
+        a lone surrogate (undecodable bytes from the command line) made the clients raise a bare
+        UnicodeEncodeError, outside the StorageError contract."""
+        store = make_storage(storage_uri)
+        parsed = urlparse(storage_uri)
+        backend = s3_backend.S3Storage if parsed.scheme == "s3" else gs_backend.GCSStorage
+        long_key = "step-000000001/" + "k" * 1100
+        with pytest.raises(PermanentStorageError, match="more than the 1024 S3 and GCS allow"):
+            store.put_bytes(long_key, b"x")
+        stray = backend(parsed.netloc, "jobs/caf\udce9")
+        try:
+            with pytest.raises(PermanentStorageError, match="is not valid UTF-8"):
+                stray.put_bytes("step-000000001/MANIFEST.json", b"x")
+            with pytest.raises(PermanentStorageError, match="is not valid UTF-8"):
+                list(stray.list())
+        finally:
+            stray.close()
+        assert list(store.list()) == []
+
 
 def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(
     fresh_uri: Callable[[str], str],
