@@ -64,10 +64,20 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     ``scheme`` is ``s3``, ``gs`` or ``file``; ``bucket`` is empty for ``file``; ``path`` is the
     prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
     ``ValueError`` with what to write instead when the URI is not one spotjob knows, or holds a
-    ``#`` or ``?``.
+    ``#``, a ``?`` or a control character, or (``s3``, ``gs``) is not UTF-8 or has a prefix longer
+    than ``MAX_PREFIX_BYTES``.
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    control = sorted({c for c in uri if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
+    if control:
+        # A URL parser silently drops tabs and newlines (s3://b/ru\nn is s3://b/run, another run's
+        # prefix), and each log line naming the URI would carry them into the logs. A plain path is
+        # refused too: spotjob spells it as a file:// URI again.
+        raise ValueError(
+            f"{uri!r}: control characters ({', '.join(repr(c) for c in control)}) are not supported in "
+            "checkpoint URIs (a URI parser drops tabs and newlines, naming another location); remove them"
+        )
     head = urlparse(uri)
     if head.scheme.lower() in ("s3", "gs") and any(c in head.netloc for c in ":@"):
         # No bucket name holds ':' or '@': this is user:secret@bucket. Said without the URI, which

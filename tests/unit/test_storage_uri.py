@@ -119,3 +119,16 @@ def test_a_prefix_too_long_for_s3_and_gcs_names_is_refused_up_front() -> None:
         with pytest.raises(ValueError, match=f"may have at most {MAX_PREFIX_BYTES}; choose a shorter one"):
             parse_uri(uri)
     assert parse_uri("/" + "d/" * 600) == ("file", "", "/" + "d/" * 600)  # a folder: the filesystem's limits
+
+
+@pytest.mark.parametrize(
+    "uri", ["s3://b/ru\nn", "gs://b/jobs/ru\tn", "s3://b/run\r", "file:///data/ck\npt", "/data/ck\tpt", "s3://b/x\x01"]
+)
+def test_a_control_character_is_refused_not_dropped(uri: str) -> None:
+    """urlparse drops tabs and newlines: ``s3://b/ru\\nn`` was silently ``s3://b/run``, another
+    run's prefix, in the store and in every comparison of two URIs."""
+    with pytest.raises(ValueError, match="control characters .* are not supported in checkpoint URIs") as caught:
+        parse_uri(uri)
+    assert repr(uri) in str(caught.value)
+    with pytest.raises(ValueError, match="control characters"):
+        open_storage(uri)
