@@ -335,6 +335,25 @@ class TestObjectStores:
         assert list(store.list()) == []
 
 
+@pytest.mark.usefixtures("fast_retries")
+def test_s3_deletes_a_folder_holding_keys_that_xml_cannot_carry(
+    fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], s3_client: Any
+) -> None:
+    """DeleteObjects lists its keys in XML: a key with a control character (or U+FFFE) made the
+    whole batch fail, so retention could never remove a checkpoint folder holding such a stray
+    object; a CR would be read as LF, naming another key."""
+    uri = fresh_uri("s3")
+    parsed = urlparse(uri)
+    store = make_storage(uri)
+    keys = [f"step-000000001/{name}" for name in ("MANIFEST.json", "stray\x01", "stray\ufffe", "stray\rcr")]
+    for key in keys:
+        s3_client.put_object(Bucket=parsed.netloc, Key=f"{parsed.path.strip('/')}/{key}", Body=b"x")
+    store.put_bytes("step-000000002/MANIFEST.json", b"kept")
+    assert sorted(o.key for o in store.list("step-000000001/")) == sorted(keys)
+    store.delete_prefix("step-000000001/")
+    assert [o.key for o in store.list()] == ["step-000000002/MANIFEST.json"]
+
+
 def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(
     fresh_uri: Callable[[str], str],
     make_storage: Callable[[str], Storage],
