@@ -127,7 +127,7 @@ def test_a_prefix_too_long_for_s3_and_gcs_names_is_refused_up_front() -> None:
 def test_a_control_character_is_refused_not_dropped(uri: str) -> None:
     """urlparse drops tabs and newlines: ``s3://b/ru\\nn`` was silently ``s3://b/run``, another
     run's prefix, in the store and in every comparison of two URIs."""
-    with pytest.raises(ValueError, match="control characters .* are not supported in checkpoint URIs") as caught:
+    with pytest.raises(ValueError, match=r"control characters .* are not supported in checkpoint URIs") as caught:
         parse_uri(uri)
     assert repr(uri) in str(caught.value)
     with pytest.raises(ValueError, match="control characters"):
