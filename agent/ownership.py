@@ -101,9 +101,7 @@ def job_name_problem(job: object) -> str | None:
         return f"the job name {job!r} is not valid UTF-8 (undecodable bytes in it); spell it in UTF-8"
     control = sorted({c for c in job if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
     if control:
-        return (
-            f"the job name {job!r} holds control characters ({', '.join(repr(c) for c in control)}); remove them"
-        )
+        return f"the job name {job!r} holds control characters ({', '.join(repr(c) for c in control)}); remove them"
     return None
 
 
