@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from agent.catalog import find_checkpoints
 from agent.crc32c import crc32c_bytes, crc32c_file
 from agent.storage import (
     AlreadyExistsError,
@@ -32,7 +33,7 @@ from agent.storage import (
 )
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
-from agent.storage.base import get_files, put_files
+from agent.storage.base import get_files, parallel_map, put_files
 
 try:
     from faults import Dialect, FaultProxy
@@ -300,6 +301,22 @@ class TestObjectStores:
         assert store.list_dirs() == [k.split("/")[0] for k in keys]
         store.delete(keys[:7])
         assert sorted(o.key for o in store.list()) == keys[7:]
+
+    def test_past_a_real_page_of_1000_every_checkpoint_and_file_is_listed_and_deleted(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        """The page size of the server itself (1000 names), not a patched one: find_checkpoints and
+        inspect see all of 1001 folders and of a folder's 1001 files, and delete_prefix removes
+        more than one DeleteObjects batch."""
+        store = make_storage(storage_uri)
+        folders = [f"step-{i:09d}/MANIFEST.json" for i in range(1001)]
+        files = [f"step-999999999/__{i}_0.distcp" for i in range(1001)]
+        parallel_map(lambda key: store.put_bytes(key, b"x"), [(k,) for k in folders + files], 16)
+        assert len(find_checkpoints(store)) == 1002
+        assert sorted(o.key for o in store.list("step-999999999/")) == sorted(files)
+        store.delete_prefix("step-999999999/")
+        assert list(store.list("step-999999999/")) == []
+        assert sum(1 for _ in store.list()) == 1001
 
     def test_the_uri_prefix_isolates_jobs_in_one_bucket(
         self, storage_uri: str, make_storage: Callable[[str], Storage]
