@@ -17,6 +17,7 @@ from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRE
 from agent.notices import aws, azure, gcp
 from agent.notices.base import metadata_url_problem
 from agent.notices.detect import ENV_CLOUD, Cloud
+from agent.ownership import job_name_problem
 from agent.restore_cache import staging_dir_problem
 from agent.storage import parse_uri
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
@@ -265,6 +266,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
         parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
     except ValueError as e:
         parser.error(f"{uri_option}: {e}")
+    job_problem = None if ns.job_name is None else job_name_problem(ns.job_name)
+    if job_problem is not None:
+        parser.error(f"--job-name: {job_problem}")
     staging_problem = staging_dir_problem(ns.staging_dir)
     if staging_problem is not None:
         parser.error(f"--staging-dir {staging_problem}")

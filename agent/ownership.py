@@ -87,6 +87,24 @@ def describe_job(job: str | None) -> str:
     return f"job {job!r}" if job is not None else "an unnamed job"
 
 
+def job_name_problem(job: object) -> str | None:
+    """Why ``job`` cannot name a job (None when it can): not a string, not UTF-8 (undecodable bytes
+    from the command line or the environment), or holding a control character. A job name goes
+    into the owner record, every manifest and every log line naming the job: the record could not
+    be written (a bare serialisation error at the first claim), and a newline would forge a log
+    line of its own."""
+    if not isinstance(job, str):
+        return f"a job name must be a string, got {job!r} ({type(job).__name__})"
+    try:
+        job.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"the job name {job!r} is not valid UTF-8 (undecodable bytes in it); spell it in UTF-8"
+    control = sorted({c for c in job if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
+    if control:
+        return f"the job name {job!r} holds control characters ({', '.join(repr(c) for c in control)}); remove them"
+    return None
+
+
 def job_key(job: str | None) -> str:
     """The folder name of a job's attempt records: readable, and distinct for distinct jobs.
 

@@ -131,7 +131,9 @@ def _job_folder(storage: Storage, job: str | None) -> str:
     """One folder name per job and URI: the job's name made safe for a path (``ns/name`` is
     ``ns_name``), then the URI's CRC32C, which tells apart jobs of one name on other URIs."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", job or "job")[:100].lstrip(".") or "job"
-    return name + "-" + to_hex(crc32c_bytes(storage.uri.encode()))
+    # surrogateescape: a folder's path need not be UTF-8 (Linux names are bytes; Python hands the
+    # undecodable ones over as lone surrogates), and these are then its bytes as written.
+    return name + "-" + to_hex(crc32c_bytes(storage.uri.encode("utf-8", "surrogateescape")))
 
 
 def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: str) -> str:

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from agent.manifest import MAX_JSON_DEPTH, check_json_depth
+from agent.ownership import job_name_problem
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -97,6 +98,9 @@ class CheckpointConfig:
             raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
         if self.attempt is not None and self.attempt < 0:
             raise ValueError(f"attempt must be >= 0 (or None), got {self.attempt}")
+        problem = None if self.job is None else job_name_problem(self.job)
+        if problem is not None:
+            raise (TypeError if not isinstance(self.job, str) else ValueError)(f"job: {problem}")
 
 
 def _whole(value: Any, name: str, none: str) -> int:

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 from agent.storage._errors import translate_os_error
 from agent.storage.base import (
+    MAX_OBJECT_NAME_BYTES,
     AlreadyExistsError,
     CorruptObjectError,
     MissingBucketError,
@@ -26,6 +27,7 @@ from agent.storage.base import (
 )
 
 __all__ = [
+    "MAX_PREFIX_BYTES",
     "AlreadyExistsError",
     "CorruptObjectError",
     "MissingBucketError",
@@ -43,6 +45,13 @@ __all__ = [
 ]
 
 
+PREFIX_RESERVE_BYTES = 128
+"""Room kept for the names spotjob writes under a URI's prefix (the longest, an attempt record
+``.spotjob/attempts/<job>/attempt-<n>.json``, is about 100 bytes)."""
+
+MAX_PREFIX_BYTES = MAX_OBJECT_NAME_BYTES - 1 - PREFIX_RESERVE_BYTES
+"""The longest ``s3://`` / ``gs://`` prefix accepted, in UTF-8 bytes (895)."""
+
 _CREDENTIAL_SOURCES = {
     "s3": "AWS credential chain (environment, profile, IRSA, instance role)",
     "gs": "Application Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, Workload Identity)",
@@ -55,10 +64,20 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     ``scheme`` is ``s3``, ``gs`` or ``file``; ``bucket`` is empty for ``file``; ``path`` is the
     prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
     ``ValueError`` with what to write instead when the URI is not one spotjob knows, or holds a
-    ``#`` or ``?``.
+    ``#``, a ``?`` or a control character, or (``s3``, ``gs``) is not UTF-8 or has a prefix longer
+    than ``MAX_PREFIX_BYTES``.
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
+    control = sorted({c for c in uri if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
+    if control:
+        # A URL parser silently drops tabs and newlines (s3://b/ru\nn is s3://b/run, another run's
+        # prefix), and each log line naming the URI would carry them into the logs. A plain path is
+        # refused too: spotjob spells it as a file:// URI again.
+        raise ValueError(
+            f"{uri!r}: control characters ({', '.join(repr(c) for c in control)}) are not supported in "
+            "checkpoint URIs (a URI parser drops tabs and newlines, naming another location); remove them"
+        )
     head = urlparse(uri)
     if head.scheme.lower() in ("s3", "gs") and any(c in head.netloc for c in ":@"):
         # No bucket name holds ':' or '@': this is user:secret@bucket. Said without the URI, which
@@ -91,6 +110,22 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
                 f"{uri!r} has an empty folder ('//') in its path; write {tidy}. Checkpoints an older spotjob "
                 f"wrote to {uri!r} are under the key prefix {prefix + '/'!r}: copy them under "
                 f"{tidy.split('/', 3)[3] + '/'!r} first to resume from them"
+            )
+        try:
+            uri.encode("utf-8")
+        except UnicodeEncodeError:
+            # Undecodable bytes from the command line or the environment reach Python as lone
+            # surrogates; the client libraries would fail on them with a bare UnicodeEncodeError.
+            raise ValueError(
+                f"{uri!r} is not valid UTF-8 (undecodable bytes in it): S3 and GCS names are UTF-8; "
+                "spell the URI in UTF-8"
+            ) from None
+        prefix_bytes = len(prefix.encode("utf-8"))
+        if prefix_bytes > MAX_PREFIX_BYTES:
+            raise ValueError(
+                f"the prefix of {uri[:80]!r}... is {prefix_bytes} bytes: S3 and GCS take object names of at most "
+                f"{MAX_OBJECT_NAME_BYTES} bytes and spotjob's names under the prefix need up to "
+                f"{PREFIX_RESERVE_BYTES + 1}, so a prefix may have at most {MAX_PREFIX_BYTES}; choose a shorter one"
             )
         return scheme, parsed.netloc, prefix
     if scheme == "file":

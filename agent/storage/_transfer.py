@@ -31,6 +31,7 @@ from agent.settings import MAX_TIMEOUT_S, StorageEnv, load
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
+    MAX_OBJECT_NAME_BYTES,
     CorruptObjectError,
     MissingBucketError,
     NotFoundError,
@@ -307,6 +308,27 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
+def check_object_name(name: str, key: str | None = None) -> None:
+    """Refuse an object name S3 or GCS would refuse, or the client would fail to send, before
+    any request: one that is not UTF-8 (a lone surrogate, which is how Python passes on
+    undecodable bytes from the command line) or longer than ``MAX_OBJECT_NAME_BYTES``. moto and
+    fake-gcs-server accept longer names, so only this check keeps the tests honest."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise PermanentStorageError(
+            f"the object name {name!r} is not valid UTF-8 (undecodable bytes in the checkpoint URI?); "
+            "S3 and GCS names are UTF-8: spell the URI in UTF-8",
+            key,
+        ) from None
+    if size > MAX_OBJECT_NAME_BYTES:
+        raise PermanentStorageError(
+            f"the object name {name[:80]!r}... is {size} bytes, more than the {MAX_OBJECT_NAME_BYTES} "
+            "S3 and GCS allow; use a shorter checkpoint URI prefix",
+            key,
+        )
+
+
 class PrefixedKeys:
     """Maps checkpoint keys to object names under the store's prefix, refusing keys that escape it.
 
@@ -347,12 +369,16 @@ class PrefixedKeys:
     def _object_key(self, key: str) -> str:
         if not key or key.startswith("/") or ".." in key.split("/"):
             raise PermanentStorageError(f"invalid key {key!r} under {self.uri}", key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+        name = f"{self.prefix}/{key}" if self.prefix else key
+        check_object_name(name, key)
+        return name
 
     def _list_prefix(self, prefix: str) -> str:
         if prefix.startswith("/") or ".." in prefix.split("/"):
             raise PermanentStorageError(f"invalid prefix {prefix!r} under {self.uri}", prefix)
-        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+        name = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        check_object_name(name, prefix)
+        return name
 
     def _relative(self, object_key: str) -> str:
         return object_key[len(self.prefix) + 1 :] if self.prefix else object_key

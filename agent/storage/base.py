@@ -38,6 +38,9 @@ ProgressFn = Callable[[int], None]
 
 DEFAULT_PARALLELISM = 8
 
+MAX_OBJECT_NAME_BYTES = 1024
+"""S3's limit on a key and GCS's on an object name, in UTF-8 bytes."""
+
 # ``Storage.list`` shadows the builtin inside the class body; annotations there use this alias.
 StrList = list[str]
 

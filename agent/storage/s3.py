@@ -190,6 +190,10 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
 
 
+# What an XML 1.0 body cannot carry as written: characters outside XML's set (most controls,
+# U+FFFE/FFFF, lone surrogates) and CR, which an XML parser reads as LF: another key.
+_XML_UNSAFE = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
 _USERINFO = re.compile(r"(?<=://)[^/@\s\"']+@")
 
 
@@ -553,6 +557,15 @@ class S3Storage(PrefixedKeys, Storage):
     # -- deletes -----------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> None:
         objects = [self._object_key(k) for k in keys]
+        # DeleteObjects names its keys in an XML body, which cannot carry every key: a stray object
+        # someone put in a checkpoint folder under such a name goes alone, by DeleteObject.
+        for obj in [o for o in objects if _XML_UNSAFE.search(o)]:
+            self._retrying(
+                f"DELETE {obj!r} in s3://{self.bucket}",  # repr: the key holds control characters
+                None,
+                functools.partial(self._client.delete_object, Bucket=self.bucket, Key=obj),
+            )
+        objects = [o for o in objects if not _XML_UNSAFE.search(o)]
         for start in range(0, len(objects), DELETE_BATCH):
             batch = objects[start : start + DELETE_BATCH]
             what = f"DELETE {len(batch)} objects under {self.uri}"

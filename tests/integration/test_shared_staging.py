@@ -10,6 +10,7 @@ prefetched. An object store is modelled as in test_restore_prefetch.py: a ``File
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -113,3 +114,19 @@ def test_each_job_stages_in_a_folder_of_its_own_inside_the_staging_dir(tmp_path:
     assert mine != Path(staging_root(FileStorage(str(tmp_path / "b")), "team/b", str(shared)))
     assert mine != Path(staging_root(FileStorage(str(tmp_path / "b")), "team/a", str(shared)))
     assert "/" not in mine.name and mine.name.startswith("team_a-")
+
+
+def test_a_checkpoint_folder_whose_name_is_not_utf8_saves_and_restores_with_a_staging_dir(tmp_path: Path) -> None:
+    """Linux folder names are bytes; Python hands undecodable ones over as lone surrogates. Naming
+    the job's staging folder after the URI encoded it as strict UTF-8, so such a folder failed
+    ``Checkpointer(...)`` with a bare UnicodeEncodeError whenever a staging folder was given."""
+    root = str(tmp_path / os.fsdecode(b"caf\xe9-run"))
+    state = make_state(0, seed=1)
+    train(state, 3)
+    with Checkpointer(root, keep=None, staging_dir=str(tmp_path / "nvme"), async_save=False) as ckpt:
+        ckpt.save(3, state)
+    fresh = make_state(0, seed=2)
+    with Checkpointer(root, keep=None, staging_dir=str(tmp_path / "nvme"), async_save=False) as ckpt:
+        assert ckpt.restore(fresh) == 3
+    assert_same(snapshot(fresh), snapshot(state))
+    assert b"caf\xe9-run" in os.listdir(os.fsencode(tmp_path))  # under its own name, bytes and all

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from agent.catalog import find_checkpoints
 from agent.crc32c import crc32c_bytes, crc32c_file
 from agent.storage import (
     AlreadyExistsError,
@@ -32,7 +33,7 @@ from agent.storage import (
 )
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
-from agent.storage.base import get_files, put_files
+from agent.storage.base import get_files, parallel_map, put_files
 
 try:
     from faults import Dialect, FaultProxy
@@ -301,6 +302,22 @@ class TestObjectStores:
         store.delete(keys[:7])
         assert sorted(o.key for o in store.list()) == keys[7:]
 
+    def test_past_a_real_page_of_1000_every_checkpoint_and_file_is_listed_and_deleted(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        """The page size of the server itself (1000 names), not a patched one: find_checkpoints and
+        inspect see all of 1001 folders and of a folder's 1001 files, and delete_prefix removes
+        more than one DeleteObjects batch."""
+        store = make_storage(storage_uri)
+        folders = [f"step-{i:09d}/MANIFEST.json" for i in range(1001)]
+        files = [f"step-999999999/__{i}_0.distcp" for i in range(1001)]
+        parallel_map(lambda key: store.put_bytes(key, b"x"), [(k,) for k in folders + files], 16)
+        assert len(find_checkpoints(store)) == 1002
+        assert sorted(o.key for o in store.list("step-999999999/")) == sorted(files)
+        store.delete_prefix("step-999999999/")
+        assert list(store.list("step-999999999/")) == []
+        assert sum(1 for _ in store.list()) == 1001
+
     def test_the_uri_prefix_isolates_jobs_in_one_bucket(
         self, storage_uri: str, make_storage: Callable[[str], Storage]
     ) -> None:
@@ -311,6 +328,47 @@ class TestObjectStores:
         assert [o.key for o in store.list()] == ["step-1/MANIFEST.json"]
         store.delete_prefix("step-1/")
         assert neighbour.get_bytes("step-1/MANIFEST.json") == b"n"
+
+    def test_a_name_s3_or_gcs_would_refuse_is_refused_before_any_request_and_nothing_is_stored(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        """moto and fake-gcs-server store names over 1024 bytes that S3 and GCS refuse mid-save, and
+        a lone surrogate (undecodable bytes from the command line) made the clients raise a bare
+        UnicodeEncodeError, outside the StorageError contract."""
+        store = make_storage(storage_uri)
+        parsed = urlparse(storage_uri)
+        backend = s3_backend.S3Storage if parsed.scheme == "s3" else gs_backend.GCSStorage
+        long_key = "step-000000001/" + "k" * 1100
+        with pytest.raises(PermanentStorageError, match="more than the 1024 S3 and GCS allow"):
+            store.put_bytes(long_key, b"x")
+        stray = backend(parsed.netloc, "jobs/caf\udce9")
+        try:
+            with pytest.raises(PermanentStorageError, match="is not valid UTF-8"):
+                stray.put_bytes("step-000000001/MANIFEST.json", b"x")
+            with pytest.raises(PermanentStorageError, match="is not valid UTF-8"):
+                list(stray.list())
+        finally:
+            stray.close()
+        assert list(store.list()) == []
+
+
+@pytest.mark.usefixtures("fast_retries")
+def test_s3_deletes_a_folder_holding_keys_that_xml_cannot_carry(
+    fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], s3_client: Any
+) -> None:
+    """DeleteObjects lists its keys in XML: a key with a control character (or U+FFFE) made the
+    whole batch fail, so retention could never remove a checkpoint folder holding such a stray
+    object; a CR would be read as LF, naming another key."""
+    uri = fresh_uri("s3")
+    parsed = urlparse(uri)
+    store = make_storage(uri)
+    keys = [f"step-000000001/{name}" for name in ("MANIFEST.json", "stray\x01", "stray\ufffe", "stray\rcr")]
+    for key in keys:
+        s3_client.put_object(Bucket=parsed.netloc, Key=f"{parsed.path.strip('/')}/{key}", Body=b"x")
+    store.put_bytes("step-000000002/MANIFEST.json", b"kept")
+    assert sorted(o.key for o in store.list("step-000000001/")) == sorted(keys)
+    store.delete_prefix("step-000000001/")
+    assert [o.key for o in store.list()] == ["step-000000002/MANIFEST.json"]
 
 
 def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(

@@ -145,6 +145,17 @@ class TestOptions:
         with pytest.raises(SystemExit):
             parse_args(["--checkpoint-uri", "s3://b", "--"], {})
 
+    @pytest.mark.parametrize(("name", "why"), [("a\nb", "holds control characters"), ("caf\udce9", "not valid UTF-8")])
+    def test_a_job_name_with_a_newline_or_undecodable_bytes_is_refused_naming_why(
+        self, name: str, why: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """It goes into every log line (a newline forges one) and into the URI's owner record."""
+        with pytest.raises(SystemExit):
+            parse_args(["--checkpoint-uri", "s3://b", "--job-name", name, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert f"--job-name: the job name {name!r}" in err and why in err
+        assert parse_args(["--checkpoint-uri", "s3://b", "--job-name", "ns/train ü", "--", "x"], {})[0].job_name
+
     def test_sources_metadata_urls_and_poll_interval(self) -> None:
         env = {"SPOTJOB_CLOUD": "aws", "SPOTJOB_GCP_METADATA_URL": "http://127.0.0.1:9"}
         argv = ["--checkpoint-uri", "s3://b", "--notices", "aws,sigterm", "--no-sigterm", "--poll-interval", "1"]

@@ -4,6 +4,7 @@ which checkpoints a stale attempt's worker can never make count."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -317,3 +318,23 @@ def test_a_file_named_like_an_attempt_record_but_not_spelled_as_spotjob_spells_i
     assert newest_attempt(storage, "a") == 1
     record_attempt(storage, "a", 2, None)
     check_not_fenced(storage, "a", 2)
+
+
+@pytest.mark.parametrize(
+    ("job", "error", "why"),
+    [
+        ("caf\udce9", ValueError, "is not valid UTF-8"),
+        ("ns/train\n2026-12-03 INFO forged", ValueError, "holds control characters ('\\n')"),
+        (7, TypeError, "must be a string"),
+    ],
+)
+def test_a_job_name_the_owner_record_or_a_log_line_cannot_carry_is_refused_up_front(
+    job: object, error: type[Exception], why: str
+) -> None:
+    """A lone surrogate (undecodable bytes from the environment) failed the first claim with a
+    bare serialisation error; a newline forged log lines naming the job."""
+    from agent.checkpoint.config import CheckpointConfig
+
+    with pytest.raises(error, match=re.escape(why)):
+        CheckpointConfig("/tmp/never-written", job=job)  # type: ignore[arg-type]
+    assert CheckpointConfig("/tmp/never-written", job="ns/train ü %+#?=&").job == "ns/train ü %+#?=&"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.storage import open_storage, parse_uri
+from agent.storage import MAX_PREFIX_BYTES, open_storage, parse_uri
 
 
 @pytest.mark.parametrize(
@@ -100,3 +100,35 @@ def test_a_file_uri_without_an_absolute_path_is_refused_naming_what_to_write(uri
     with pytest.raises(ValueError, match=r"file URIs take an absolute path, e\.g\. file:///data/ckpt") as caught:
         parse_uri(uri)
     assert repr(uri) in str(caught.value) and "plain path" in str(caught.value)
+
+
+@pytest.mark.parametrize("uri", ["s3://b/caf\udce9/run", "gs://b/run-\udcff"])
+def test_a_uri_that_is_not_utf8_is_refused_naming_it(uri: str) -> None:
+    """Undecodable bytes on the command line reach Python as lone surrogates; boto3 and
+    google-cloud-storage failed on them at the first write with a bare UnicodeEncodeError."""
+    with pytest.raises(ValueError, match="is not valid UTF-8") as caught:
+        parse_uri(uri)
+    assert repr(uri) in str(caught.value)
+
+
+def test_a_prefix_too_long_for_s3_and_gcs_names_is_refused_up_front() -> None:
+    """S3 keys and GCS object names are at most 1024 bytes; the prefix leaves room for spotjob's own."""
+    longest = "é" * (MAX_PREFIX_BYTES // 2) + "a" * (MAX_PREFIX_BYTES % 2)
+    assert parse_uri(f"s3://b/{longest}") == ("s3", "b", longest)
+    for uri in (f"s3://b/{longest}x", f"gs://b/{'é' * 1000}"):
+        with pytest.raises(ValueError, match=f"may have at most {MAX_PREFIX_BYTES}; choose a shorter one"):
+            parse_uri(uri)
+    assert parse_uri("/" + "d/" * 600) == ("file", "", "/" + "d/" * 600)  # a folder: the filesystem's limits
+
+
+@pytest.mark.parametrize(
+    "uri", ["s3://b/ru\nn", "gs://b/jobs/ru\tn", "s3://b/run\r", "file:///data/ck\npt", "/data/ck\tpt", "s3://b/x\x01"]
+)
+def test_a_control_character_is_refused_not_dropped(uri: str) -> None:
+    """urlparse drops tabs and newlines: ``s3://b/ru\\nn`` was silently ``s3://b/run``, another
+    run's prefix, in the store and in every comparison of two URIs."""
+    with pytest.raises(ValueError, match=r"control characters .* are not supported in checkpoint URIs") as caught:
+        parse_uri(uri)
+    assert repr(uri) in str(caught.value)
+    with pytest.raises(ValueError, match="control characters"):
+        open_storage(uri)
