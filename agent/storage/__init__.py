@@ -78,6 +78,13 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
             f"{uri!r}: control characters ({', '.join(repr(c) for c in control)}) are not supported in "
             "checkpoint URIs (a URI parser drops tabs and newlines, naming another location); remove them"
         )
+    if uri != uri.strip():
+        # Almost always a copy-and-paste or YAML quoting slip: ' /data/ckpt' would be a folder named
+        # ' ' under the working directory, 's3://b/run ' another prefix than 's3://b/run'.
+        raise ValueError(
+            f"{uri!r} begins or ends with white space; checkpoint URIs are taken as written: "
+            f"remove it ({uri.strip()!r})"
+        )
     head = urlparse(uri)
     if head.scheme.lower() in ("s3", "gs") and any(c in head.netloc for c in ":@"):
         # No bucket name holds ':' or '@': this is user:secret@bucket. Said without the URI, which

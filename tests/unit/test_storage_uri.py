@@ -132,3 +132,14 @@ def test_a_control_character_is_refused_not_dropped(uri: str) -> None:
     assert repr(uri) in str(caught.value)
     with pytest.raises(ValueError, match="control characters"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize("uri", [" /data/ckpt", "/data/ckpt ", "s3://b/run ", " gs://b/run", "file:///data/ckpt\u00a0"])
+def test_white_space_around_a_uri_is_refused_naming_the_tidy_spelling(uri: str) -> None:
+    """`` /data/ckpt`` was a folder named ``' '`` under the working directory, ``s3://b/run ``
+    another prefix than ``s3://b/run``: a quoting slip that resumes from nothing."""
+    with pytest.raises(ValueError, match="begins or ends with white space") as caught:
+        parse_uri(uri)
+    assert repr(uri.strip()) in str(caught.value)
+    with pytest.raises(ValueError, match="white space"):
+        open_storage(uri)
