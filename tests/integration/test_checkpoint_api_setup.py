@@ -1,0 +1,40 @@
+"""The Checkpointer used in setups other than "build after init_process_group, call from the
+training process, close before destroy_process_group": each one is a clear error before anything
+is written, never a save or restore that acts as the wrong rank or from the wrong process.
+
+The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.checkpoint.config import MAX_STEP
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_state import make_state, train
+
+
+def committed_steps(uri: str) -> list[int]:
+    return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid)
+
+
+def test_a_step_beyond_int64_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """The ranks agree on steps in int64 tensors: a larger step failed mid-save with torch's
+    "Overflow when unpacking long long"."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, every_steps=1) as ckpt:
+        with pytest.raises(ValueError, match=r"step\(\): step must be at most 9223372036854775807"):
+            ckpt.step(MAX_STEP + 1, state)
+        with pytest.raises(ValueError, match=r"save\(\): step must be at most"):
+            ckpt.save(MAX_STEP + 1, state)
+        ckpt.save(MAX_STEP, state)
+    assert committed_steps(uri) == [MAX_STEP]
