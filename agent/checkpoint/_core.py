@@ -62,6 +62,7 @@ class _Core:
     _flushed: bool
     _stager: Any
     _closed: bool
+    _pid: int
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
@@ -92,11 +93,24 @@ class _Core:
 
     def _check_open(self, call: str) -> None:
         """(every rank, first thing in every collective call) ``close()`` released the process
-        groups: a call after it would wait on groups that are gone, or on the training's own."""
+        groups: a call after it would wait on groups that are gone, or on the training's own. The
+        process is still the one the Checkpointer was built in."""
         if self._closed:
             raise RuntimeError(
                 f"{call}: the Checkpointer is closed; close() is the last call. Build a new "
                 "Checkpointer to save or restore again"
+            )
+        self._check_process(call)
+
+    def _check_process(self, call: str) -> None:
+        """A forked child (a DataLoader worker) holds a copy of the Checkpointer, not its save
+        thread or its peers: its saves would commit its copy of the state as a step of the job, and
+        its waits would wait for a thread that does not exist there."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{call}: called in process {os.getpid()}, forked from the process that built the Checkpointer "
+                f"({self._pid}), e.g. in a DataLoader worker. Only the training process may call the "
+                "Checkpointer: return what you need from the worker and call it in the training loop"
             )
 
     def _check_fence(self) -> None:

@@ -180,6 +180,7 @@ class Checkpointer(_Saving, _Restoring):
         )
         self._status_written = 0.0
         self._closed = False
+        self._pid = os.getpid()
         self._warn_if_not_the_agents_uri()
         try:
             self._claim()
@@ -272,6 +273,7 @@ class Checkpointer(_Saving, _Restoring):
         the store's transfer threads and connections. Idempotent."""
         if self._closed:
             return
+        self._check_process("close()")
         try:
             self.wait()
         except BaseException:

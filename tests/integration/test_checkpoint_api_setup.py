@@ -26,6 +26,39 @@ def committed_steps(uri: str) -> list[int]:
     return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid)
 
 
+class _CallsTheCheckpointer(torch.utils.data.Dataset[str]):
+    """A dataset whose items call the Checkpointer: in a DataLoader worker, a forked copy of it."""
+
+    def __init__(self, ckpt: Checkpointer, state: dict[str, object]) -> None:
+        self.ckpt, self.state = ckpt, state
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:
+        try:
+            self.ckpt.step(100, self.state)
+        except RuntimeError as e:
+            return str(e)
+        return "stepped"
+
+
+def test_a_forked_data_loader_worker_cannot_save_its_copy_of_the_state(tmp_path: Path) -> None:
+    """The worker's copy of the Checkpointer committed step 100 with the worker's copy of the
+    state: a checkpoint of the job, above the training's, that the next restore would load."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, every_steps=1) as ckpt:
+        train(state, 1)
+        loader = torch.utils.data.DataLoader(
+            _CallsTheCheckpointer(ckpt, state), batch_size=None, num_workers=1, multiprocessing_context="fork"
+        )
+        (answer,) = list(loader)
+        assert answer.startswith("step(): called in process ") and "e.g. in a DataLoader worker" in answer
+        ckpt.step(1, state)
+    assert committed_steps(uri) == [1]
+
+
 def test_a_step_beyond_int64_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """The ranks agree on steps in int64 tensors: a larger step failed mid-save with torch's
     "Overflow when unpacking long long"."""
