@@ -94,13 +94,26 @@ class _Core:
     def _check_open(self, call: str) -> None:
         """(every rank, first thing in every collective call) ``close()`` released the process
         groups: a call after it would wait on groups that are gone, or on the training's own. The
-        process is still the one the Checkpointer was built in."""
+        process and its process group are still the ones the Checkpointer was built in."""
         if self._closed:
             raise RuntimeError(
                 f"{call}: the Checkpointer is closed; close() is the last call. Build a new "
                 "Checkpointer to save or restore again"
             )
         self._check_process(call)
+        if not self._dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank would save and restore as the lone rank 0: each commits its own copy of
+            # the same step into one folder, and a restore loads whichever rank's files won.
+            raise RuntimeError(
+                f"{call}: this Checkpointer was built before torch.distributed.init_process_group(), so it "
+                f"works as a lone process (rank 0 of 1), but this process is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}. Build the Checkpointer after init_process_group(), on every rank"
+            )
+        if self._dist and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{call}: torch.distributed's process group was destroyed after this Checkpointer was built, "
+                "and its collectives went with it. Call close() before destroy_process_group()"
+            )
 
     def _check_process(self, call: str) -> None:
         """A forked child (a DataLoader worker) holds a copy of the Checkpointer, not its save

@@ -19,11 +19,41 @@ from agent.checkpoint.config import MAX_STEP
 from agent.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
 from ckpt_state import make_state, train
+
+SETUP = harness.SCRIPTS / "ckpt_api_setup.py"
 
 
 def committed_steps(uri: str) -> list[int]:
     return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid)
+
+
+@pytest.mark.slow
+def test_a_checkpointer_built_before_init_process_group_refuses_to_act_as_rank_0_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Built before the group existed, it took itself for a lone process: every rank saved as
+    rank 0 into the same folder, and a restore loaded whichever rank's files were there."""
+    uri = str(tmp_path / "ckpt")
+    out = harness.torchrun(2, SETUP, "built-before-init", uri).stdout
+    for rank in (0, 1):
+        for call in ("restore", "step", "save"):
+            assert f"rank{rank} {call} RuntimeError: {call}(): this Checkpointer was built before " in out, out
+        assert f"but this process is rank {rank} of 2. Build the Checkpointer after init_process_group()" in out
+    assert committed_steps(uri) == []
+    assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
+@pytest.mark.slow
+def test_destroying_the_process_group_before_close_is_named_in_the_errors(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    out = harness.torchrun(2, SETUP, "destroyed-first", uri).stdout
+    for rank in (0, 1):
+        assert f"rank{rank} step RuntimeError: step(): torch.distributed's process group was destroyed" in out, out
+        assert f"rank{rank} close SaveFailedError: checkpoint of step 2" in out, out
+        assert "call close() before destroy_process_group()" in out.split(f"rank{rank} close ")[1].splitlines()[0]
+    assert committed_steps(uri) == [1], "the save that lost its collectives commits nothing"
 
 
 class _CallsTheCheckpointer(torch.utils.data.Dataset[str]):
