@@ -62,6 +62,7 @@ class _Core:
     _flushed: bool
     _stager: Any
     _closed: bool
+    _pid: int
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
@@ -92,11 +93,37 @@ class _Core:
 
     def _check_open(self, call: str) -> None:
         """(every rank, first thing in every collective call) ``close()`` released the process
-        groups: a call after it would wait on groups that are gone, or on the training's own."""
+        groups: a call after it would wait on groups that are gone, or on the training's own. The
+        process and its process group are still the ones the Checkpointer was built in."""
         if self._closed:
             raise RuntimeError(
                 f"{call}: the Checkpointer is closed; close() is the last call. Build a new "
                 "Checkpointer to save or restore again"
+            )
+        self._check_process(call)
+        if not self._dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank would save and restore as the lone rank 0: each commits its own copy of
+            # the same step into one folder, and a restore loads whichever rank's files won.
+            raise RuntimeError(
+                f"{call}: this Checkpointer was built before torch.distributed.init_process_group(), so it "
+                f"works as a lone process (rank 0 of 1), but this process is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}. Build the Checkpointer after init_process_group(), on every rank"
+            )
+        if self._dist and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{call}: torch.distributed's process group was destroyed after this Checkpointer was built, "
+                "and its collectives went with it. Call close() before destroy_process_group()"
+            )
+
+    def _check_process(self, call: str) -> None:
+        """A forked child (a DataLoader worker) holds a copy of the Checkpointer, not its save
+        thread or its peers: its saves would commit its copy of the state as a step of the job, and
+        its waits would wait for a thread that does not exist there."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{call}: called in process {os.getpid()}, forked from the process that built the Checkpointer "
+                f"({self._pid}), e.g. in a DataLoader worker. Only the training process may call the "
+                "Checkpointer: return what you need from the worker and call it in the training loop"
             )
 
     def _check_fence(self) -> None:

@@ -178,6 +178,7 @@ class _Saving(_Voting):
         save = self._inflight
         if save is None:
             return
+        self._check_process("wait()")
         save.done.wait()
         if save.thread is not None:
             save.thread.join()

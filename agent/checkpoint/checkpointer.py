@@ -19,7 +19,7 @@ from agent._direct_io import suits_direct_io
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
-from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError
+from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
 from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim
 from agent.restore_cache import staging_root
@@ -180,6 +180,7 @@ class Checkpointer(_Saving, _Restoring):
         )
         self._status_written = 0.0
         self._closed = False
+        self._pid = os.getpid()
         self._warn_if_not_the_agents_uri()
         try:
             self._claim()
@@ -272,8 +273,18 @@ class Checkpointer(_Saving, _Restoring):
         the store's transfer threads and connections. Idempotent."""
         if self._closed:
             return
+        self._check_process("close()")
+        destroyed = self._dist and not (dist.is_available() and dist.is_initialized())
         try:
-            self.wait()
+            try:
+                self.wait()
+            except SaveFailedError as e:
+                if not destroyed:
+                    raise
+                raise SaveFailedError(
+                    f"{e}. torch.distributed's process group was destroyed before close(), and the save's "
+                    "collectives with it: call close() before destroy_process_group()"
+                ) from e
         except BaseException:
             save = self._inflight
             if save is not None and save.thread is not None and save.thread.is_alive():

@@ -25,6 +25,8 @@ log = logging.getLogger("agent.checkpoint")  # one logger for the package, as be
 
 _METADATA = TypeAdapter(dict[str, JsonValue])
 _MAX_METADATA_BYTES = 1 << 20
+MAX_STEP = (1 << 63) - 1
+"""The highest step: the per-step vote carries steps in int64 tensors."""
 
 
 @dataclass
@@ -142,6 +144,9 @@ def _check_step(step: Any, call: str) -> int:
         ) from None
     if value < 0:
         raise ValueError(f"{call}: step must be >= 0 (completed steps), got {value}")
+    if value > MAX_STEP:
+        # The ranks agree on steps through int64 collectives: a larger one fails there, mid-save.
+        raise ValueError(f"{call}: step must be at most {MAX_STEP} (2**63 - 1), got {value}")
     return value
 
 

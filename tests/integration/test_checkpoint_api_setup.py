@@ -1,0 +1,103 @@
+"""The Checkpointer used in setups other than "build after init_process_group, call from the
+training process, close before destroy_process_group": each one is a clear error before anything
+is written, never a save or restore that acts as the wrong rank or from the wrong process.
+
+The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.checkpoint.config import MAX_STEP
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_state import make_state, train
+
+SETUP = harness.SCRIPTS / "ckpt_api_setup.py"
+
+
+def committed_steps(uri: str) -> list[int]:
+    return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid)
+
+
+@pytest.mark.slow
+def test_a_checkpointer_built_before_init_process_group_refuses_to_act_as_rank_0_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Built before the group existed, it took itself for a lone process: every rank saved as
+    rank 0 into the same folder, and a restore loaded whichever rank's files were there."""
+    uri = str(tmp_path / "ckpt")
+    out = harness.torchrun(2, SETUP, "built-before-init", uri).stdout
+    for rank in (0, 1):
+        for call in ("restore", "step", "save"):
+            assert f"rank{rank} {call} RuntimeError: {call}(): this Checkpointer was built before " in out, out
+        assert f"but this process is rank {rank} of 2. Build the Checkpointer after init_process_group()" in out
+    assert committed_steps(uri) == []
+    assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
+@pytest.mark.slow
+def test_destroying_the_process_group_before_close_is_named_in_the_errors(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    out = harness.torchrun(2, SETUP, "destroyed-first", uri).stdout
+    for rank in (0, 1):
+        assert f"rank{rank} step RuntimeError: step(): torch.distributed's process group was destroyed" in out, out
+        assert f"rank{rank} close SaveFailedError: checkpoint of step 2" in out, out
+        assert "call close() before destroy_process_group()" in out.split(f"rank{rank} close ")[1].splitlines()[0]
+    assert committed_steps(uri) == [1], "the save that lost its collectives commits nothing"
+
+
+class _CallsTheCheckpointer(torch.utils.data.Dataset[str]):
+    """A dataset whose items call the Checkpointer: in a DataLoader worker, a forked copy of it."""
+
+    def __init__(self, ckpt: Checkpointer, state: dict[str, object]) -> None:
+        self.ckpt, self.state = ckpt, state
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:
+        try:
+            self.ckpt.step(100, self.state)
+        except RuntimeError as e:
+            return str(e)
+        return "stepped"
+
+
+def test_a_forked_data_loader_worker_cannot_save_its_copy_of_the_state(tmp_path: Path) -> None:
+    """The worker's copy of the Checkpointer committed step 100 with the worker's copy of the
+    state: a checkpoint of the job, above the training's, that the next restore would load."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, every_steps=1) as ckpt:
+        train(state, 1)
+        loader = torch.utils.data.DataLoader(
+            _CallsTheCheckpointer(ckpt, state), batch_size=None, num_workers=1, multiprocessing_context="fork"
+        )
+        (answer,) = list(loader)
+        assert answer.startswith("step(): called in process ") and "e.g. in a DataLoader worker" in answer
+        ckpt.step(1, state)
+    assert committed_steps(uri) == [1]
+
+
+def test_a_step_beyond_int64_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """The ranks agree on steps in int64 tensors: a larger step failed mid-save with torch's
+    "Overflow when unpacking long long"."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, every_steps=1) as ckpt:
+        with pytest.raises(ValueError, match=r"step\(\): step must be at most 9223372036854775807"):
+            ckpt.step(MAX_STEP + 1, state)
+        with pytest.raises(ValueError, match=r"save\(\): step must be at most"):
+            ckpt.save(MAX_STEP + 1, state)
+        ckpt.save(MAX_STEP, state)
+    assert committed_steps(uri) == [MAX_STEP]
