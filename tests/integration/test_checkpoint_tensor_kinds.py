@@ -9,6 +9,8 @@
   the save; ``expand()``ed: saved, then never restorable; a subclass the ``weights_only`` restore
   refuses: saved, then a restore that fails halfway) is refused by ``save()`` and ``restore()``
   with a ``ValueError`` naming it and what to do, before anything is written or loaded;
+- ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 (which
+  safetensors cannot store) up front instead of blaming the output folder.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from agent.checkpoint import Checkpointer
+from orchestrator.cli import main
 
 DTYPES = [
     torch.bfloat16,
@@ -203,3 +207,41 @@ def test_optimizer_state_a_checkpoint_cannot_keep_is_refused_naming_it(tmp_path:
         pytest.raises(ValueError, match=refused),
     ):
         ckpt.save(1, {"model": model, "optim": optim})
+
+
+def test_export_writes_every_dtype_safetensors_stores_bit_for_bit(tmp_path: Path) -> None:
+    model = nn.Module()
+    stored = [d for d in DTYPES if d != torch.complex128]
+    for i, dtype in enumerate(stored):
+        model.register_buffer(f"b_{str(dtype)[6:]}", random_bits(dtype, (3, 4), i))
+    model.register_buffer("scalar", torch.tensor(2.5, dtype=torch.bfloat16))
+    model.register_buffer("transposed", random_bits(torch.float16, (3, 4), 99).t())
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": model})
+
+    assert main(["ckpt", "export", uri, str(tmp_path / "out")]) == 0
+
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(exported) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        value = exported[name]
+        assert (value.dtype, value.shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(as_bytes(value), as_bytes(tensor)), name
+
+
+def test_export_refuses_a_dtype_safetensors_cannot_store_before_writing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Linear(2, 2)
+    model.register_buffer("phases", torch.ones(3, dtype=torch.complex128))
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": model})
+
+    assert main(["ckpt", "export", uri, str(tmp_path / "out")]) == 2
+
+    err = capsys.readouterr().err
+    assert "tensor 'model.phases' is complex128, which safetensors cannot store" in err, err
+    assert "view_as_real" in err and "cannot write the export" not in err
+    assert not (tmp_path / "out").exists()
