@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,29 @@ def test_export_refuses_a_dtype_safetensors_cannot_store_before_writing_anything
     assert "tensor 'model.phases' is complex128, which safetensors cannot store" in err, err
     assert "view_as_real" in err and "cannot write the export" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real:UserWarning")
+def test_a_restore_that_converts_dtypes_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved = nn.Linear(3, 2)
+    saved.register_buffer("phases", torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": saved})
+
+    same = nn.Linear(3, 2)
+    same.register_buffer("phases", torch.zeros(2, dtype=torch.complex64))
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"model": same}) == 1
+    assert not [r for r in caplog.records if "another dtype" in r.getMessage()]
+
+    converted = nn.Linear(3, 2).bfloat16()
+    converted.register_buffer("phases", torch.zeros(2))
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"model": converted}) == 1
+    warnings = [r.getMessage() for r in caplog.records if "another dtype" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "model.weight (float32 into bfloat16) and 2 more" in warnings[0], warnings
+    assert torch.equal(converted.weight, saved.weight.detach().bfloat16())  # converted, as load_state_dict does
+    assert torch.equal(converted.phases, torch.tensor([1.0, 3.0]))  # the imaginary part is gone: hence the warning
