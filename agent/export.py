@@ -126,6 +126,7 @@ def export_safetensors(
                 f"state key {key!r} holds no tensors in the DCP shards of {folder} (only modules and "
                 "optimizers are saved through DCP; other state is per-rank and not exported)"
             )
+        _check_dtypes(tensors, folder)
         needed = sorted(
             {info.relative_path for idx, info in (metadata.storage_data or {}).items() if idx.fqn in tensors}
         )
@@ -142,6 +143,32 @@ def _tensors_under(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMe
         for fqn, md in metadata.state_dict_metadata.items()
         if fqn.startswith(prefix) and len(fqn) > len(prefix) and isinstance(md, TensorStorageMetadata)
     }
+
+
+def _check_dtypes(tensors: dict[str, TensorStorageMetadata], folder: str) -> None:
+    """Refuse, before anything is fetched or written, a tensor whose dtype safetensors cannot store
+    (complex128, complex32, ...): each dtype is tried once on an empty tensor."""
+    import torch
+    from safetensors.torch import save
+
+    refused: dict[torch.dtype, str] = {}
+    tried: set[torch.dtype] = set()
+    for fqn, md in tensors.items():
+        dtype = md.properties.dtype
+        if dtype not in tried:
+            tried.add(dtype)
+            try:
+                save({"t": torch.empty(0, dtype=dtype)})
+            except Exception:
+                refused[dtype] = fqn
+    if refused:
+        dtype, fqn = next(iter(refused.items()))
+        name = str(dtype).removeprefix("torch.")
+        raise ExportError(
+            f"{folder}: tensor {fqn!r} is {name}, which safetensors cannot store; nothing was exported. "
+            f"Export another state key, or save such tensors in a dtype safetensors has (a complex128 tensor "
+            "as torch.view_as_real(), float64)"
+        )
 
 
 def _nbytes(md: TensorStorageMetadata) -> int:

@@ -415,9 +415,29 @@ class _Restoring(_Voting):
             if fqn.startswith(prefixes) and fqn not in current:
                 problems.append(f"{fqn}: the checkpoint holds it, the model does not")
         if not problems:
+            self._warn_converted(manifest, current)
             return None
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return _Failure.INCOMPATIBLE, f"incompatible with the model: {problems[0]}{more}"
+
+    def _warn_converted(self, manifest: Manifest, current: Mapping[str, torch.Tensor]) -> None:
+        """(rank 0) Tensors the model holds in another dtype than the checkpoint: loaded, their values
+        are converted as ``load_state_dict`` converts them (rounded to bf16, cut to integers, complex
+        without the imaginary part). Allowed (a change of precision is a use), but never silent."""
+        converted = [
+            f"{fqn} ({manifest.tensors[fqn].dtype} into {str(tensor.dtype).removeprefix('torch.')})"
+            for fqn, tensor in current.items()
+            if fqn in manifest.tensors and manifest.tensors[fqn].dtype != str(tensor.dtype).removeprefix("torch.")
+        ]
+        if converted and self.rank == 0:
+            more = f" and {len(converted) - 1} more" if len(converted) > 1 else ""
+            log.warning(
+                "restore: the checkpoint of step %d holds tensors in another dtype than the model: %s%s; their "
+                "values are converted to the model's dtype. Build the model in the saved dtypes to resume exactly",
+                manifest.step,
+                converted[0],
+                more,
+            )
 
     def _try_load(
         self, ref: CheckpointRef, manifest: Manifest, state: Mapping[str, Any]

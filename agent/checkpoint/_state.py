@@ -3,8 +3,10 @@ reshard) and per-rank objects."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +61,62 @@ def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: 
         smallest.grad = None
 
 
+def _unsaveable(tensor: torch.Tensor) -> str | None:
+    """Why DCP cannot save ``tensor`` and restore it bit for bit, in words (what it is, why, what
+    to do), or None. Tensors from torch's own distributed wrappers (DTensor, FSDP's flat
+    parameters) are DCP's to handle and pass."""
+    kind = type(tensor)
+    if kind.__module__.startswith("torch.") and kind not in (torch.Tensor, nn.Parameter):
+        return None
+    if tensor.is_quantized:
+        return (
+            f"is a quantized tensor ({tensor.dtype}): a checkpoint would keep its integers but not its scale "
+            "and zero point, and restore other values. Save the float model (dequantize()), or keep quantized "
+            "tensors in an object whose state_dict() returns them (saved whole, per rank)"
+        )
+    if tensor.is_nested:
+        return (
+            "is a nested tensor: checkpoints hold dense tensors. Keep its components (unbind()) instead, or "
+            "keep it in an object whose state_dict() returns it (saved whole, per rank)"
+        )
+    if tensor.layout != torch.strided:
+        return (
+            f"is a sparse tensor ({tensor.layout}): checkpoints hold dense tensors. Keep it dense (to_dense()), "
+            "or keep it in an object whose state_dict() returns it (saved whole, per rank)"
+        )
+    if tensor.device.type == "meta":
+        return (
+            "is on the meta device and holds no values: materialise the module first "
+            "(module.to_empty(device=...), then initialise it) before save() or restore()"
+        )
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        return (
+            f"has elements that share memory (an expand()ed view, strides {tuple(tensor.stride())}): a restore "
+            "cannot write into it, so its checkpoint could never load. Register a clone() of it instead"
+        )
+    if kind not in (torch.Tensor, nn.Parameter):
+        # Restore loads every tensor record with weights_only: a class it does not allow fails the
+        # restore halfway. Checked the way restore loads it, without the data.
+        record = io.BytesIO()
+        try:
+            with torch.serialization.skip_data():
+                torch.save(tensor.detach(), record)
+            record.seek(0)
+            with torch.serialization.skip_data():
+                torch.load(record, weights_only=True)
+        except pickle.UnpicklingError as e:
+            reason = _rank_state.refusal_reason(e).rstrip(".")
+            return (
+                f"is a {kind.__module__}.{kind.__qualname__} (a torch.Tensor subclass) that a restore, which loads "
+                f"tensors with weights_only, would refuse ({reason}). Allow the class with "
+                "torch.serialization.add_safe_globals([...]) before save() and restore(), or register a plain "
+                "tensor (as_subclass(torch.Tensor))"
+            )
+        except Exception:  # not this check's to judge: DCP says what it says
+            return None
+    return None
+
+
 class _State(_Core):
     """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
 
@@ -104,6 +162,7 @@ class _State(_Core):
                     f"or objects with state_dict()/load_state_dict(){hint}"
                 )
         self._check_no_lazy_tensors(state)
+        self._check_tensors_saveable(state)
         self._check_optimizers_own_modules(state)
 
     def _check_no_lazy_tensors(self, state: Mapping[str, Any]) -> None:
@@ -123,6 +182,32 @@ class _State(_Core):
                     "shape yet to save or restore. Run one forward pass (a sample batch) before save() or restore(), "
                     "as before building the optimizer"
                 )
+
+    def _check_tensors_saveable(self, state: Mapping[str, Any]) -> None:
+        """Every tensor of the modules' state (parameters, persistent buffers) and the optimizers'
+        state is one DCP saves and restores bit for bit (``_unsaveable``): refused up front, naming
+        it, instead of a save that fails deep in DCP, or one that restores other values or none."""
+        modules, optims, _ = self._classify(state)
+        for key, module in modules.items():
+            for prefix, sub in module.named_modules():
+                saved = itertools.chain(
+                    sub._parameters.items(),
+                    ((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set),
+                )
+                for name, tensor in saved:
+                    why = _unsaveable(tensor) if tensor is not None else None
+                    if why:
+                        raise ValueError(
+                            f"state[{key!r}] holds {key}.{prefix + '.' if prefix else ''}{name}, which {why}"
+                        )
+        for key, opt in optims.items():
+            for i, param_state in enumerate(opt.state.values()):
+                for name, value in param_state.items():
+                    why = _unsaveable(value) if isinstance(value, torch.Tensor) else None
+                    if why:
+                        raise ValueError(
+                            f"state[{key!r}] holds optimizer state {name!r} (of its parameter {i}), which {why}"
+                        )
 
     def _check_optimizers_own_modules(self, state: Mapping[str, Any]) -> None:
         """Optimizer state is saved and restored under its parameters' names in the state's modules:

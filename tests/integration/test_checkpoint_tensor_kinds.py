@@ -1,0 +1,274 @@
+"""Which tensors a checkpoint keeps bit for bit, and which save() and restore() refuse up front.
+
+- every dtype torch has (bf16, fp16, the float8 kinds, complex, bool, signed and unsigned
+  integers) in a module's parameters and buffers, an optimizer's state and an object's
+  ``state_dict()``, with 0-d, empty, transposed, channels-last and storage-sharing tensors, comes
+  back with the same bytes, dtype, strides and ``requires_grad``, saved synchronously or not;
+- a module or optimizer tensor that DCP cannot keep faithfully (quantized: its scale and zero
+  point were dropped and other values restored; sparse, nested, meta: DCP's own error from deep in
+  the save; ``expand()``ed: saved, then never restorable; a subclass the ``weights_only`` restore
+  refuses: saved, then a restore that fails halfway) is refused by ``save()`` and ``restore()``
+  with a ``ValueError`` naming it and what to do, before anything is written or loaded;
+- ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 (which
+  safetensors cannot store) up front instead of blaming the output folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from agent.checkpoint import Checkpointer
+from orchestrator.cli import main
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+
+
+def random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random: NaNs, infinities and -0.0 included."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        data = data % 2
+    return data[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape).clone()
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert (type(a), a.dtype, a.shape, a.stride()) == (type(b), b.dtype, b.shape, b.stride()), what
+    assert a.requires_grad == b.requires_grad, what
+    assert torch.equal(as_bytes(a), as_bytes(b)), what
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so that NaNs and -0.0 compare as what they are."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    model = nn.Module()
+    for i, dtype in enumerate(DTYPES):
+        model.register_buffer(f"b_{str(dtype)[6:]}", random_bits(dtype, (3, 4), seed + i))
+    base = random_bits(torch.float32, (6, 8), seed + 50)
+    model.register_buffer("base", base)
+    model.register_buffer("base_t", base.t())  # views of one storage
+    model.register_buffer("base_slice", base[2:4, 1:5])
+    model.register_buffer("scalar", random_bits(torch.bfloat16, (), seed + 51))
+    model.register_buffer("empty", torch.empty(0))
+    model.register_buffer("empty_2d", torch.empty(3, 0, dtype=torch.float16))
+    model.register_buffer(
+        "channels_last",
+        random_bits(torch.float32, (2, 3, 4, 5), seed + 52).contiguous(memory_format=torch.channels_last),
+    )
+    model.w_bf16 = nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)).bfloat16())
+    model.w_f16 = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(seed + 1)).half())
+    model.frozen = nn.Parameter(torch.randn(2), requires_grad=False)
+    optim = torch.optim.AdamW([model.w_bf16, model.w_f16], lr=0.1)
+
+    class Held:
+        def __init__(self) -> None:
+            self.state = {
+                "nested": {"by_dtype": [random_bits(d, (2,), seed + 100 + i) for i, d in enumerate(DTYPES)]},
+                "transposed": random_bits(torch.bfloat16, (2, 3), seed + 200).t(),
+                "param": nn.Parameter(random_bits(torch.float16, (3,), seed + 201)),
+                "grad": random_bits(torch.float32, (3,), seed + 202).requires_grad_(),
+            }
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.state
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.state = state
+
+    return model, optim, Held()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_every_dtype_and_layout_comes_back_bit_for_bit(tmp_path: Path, async_save: bool) -> None:
+    model, optim, held = build(0)
+    for p in (model.w_bf16, model.w_f16):
+        p.grad = torch.ones_like(p)
+    optim.step()
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=async_save, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim, "held": held})
+
+    fresh_model, fresh_optim, fresh_held = build(1000)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"model": fresh_model, "optim": fresh_optim, "held": fresh_held}) == 1
+
+    restored = dict(fresh_model.named_parameters()) | dict(fresh_model.named_buffers())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert_bits_equal(tensor, restored[name], f"model.{name}")
+    assert fresh_model.base_t.untyped_storage().data_ptr() == fresh_model.base.untyped_storage().data_ptr()
+    saved_state, restored_state = optim.state_dict()["state"], fresh_optim.state_dict()["state"]
+    for i, moments in saved_state.items():
+        for key, value in moments.items():
+            assert_bits_equal(value, restored_state[i][key], f"optim.state[{i}][{key}]")
+    for i, value in enumerate(held.state["nested"]["by_dtype"]):
+        assert_bits_equal(value, fresh_held.state["nested"]["by_dtype"][i], f"held.nested.by_dtype[{i}]")
+    for key in ("transposed", "param", "grad"):
+        assert_bits_equal(held.state[key], fresh_held.state[key], f"held.{key}")
+
+
+class NotAllowed(torch.Tensor):
+    """A tensor subclass that ``torch.load(weights_only=True)`` refuses unless allowed."""
+
+
+def _quantized() -> torch.Tensor:
+    return torch.quantize_per_tensor(torch.tensor([0.5, -1.2, 2.0]), 0.1, 3, torch.qint8)
+
+
+UNSAVEABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "quantized": (_quantized, r"quantized tensor \(torch.qint8\).*scale and zero point.*dequantize\(\)"),
+    "sparse_coo": (lambda: torch.eye(3).to_sparse(), r"sparse tensor \(torch.sparse_coo\).*to_dense\(\)"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), r"sparse tensor \(torch.sparse_csr\).*to_dense\(\)"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), r"nested tensor.*unbind\(\)"),
+    "meta": (lambda: torch.empty(3, device="meta"), r"meta device.*to_empty"),
+    "expanded": (lambda: torch.ones(1, 3).expand(4, 3), r"share memory \(an expand\(\)ed view.*clone\(\)"),
+    "subclass": (
+        lambda: torch.ones(3).as_subclass(NotAllowed),
+        r"NotAllowed \(a torch.Tensor subclass\).*add_safe_globals",
+    ),
+}
+
+
+def module_with(tensor: torch.Tensor) -> nn.Module:
+    model = nn.Linear(2, 2)
+    model.register_buffer("odd", tensor)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's "nested/sparse support is in prototype"
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", sorted(UNSAVEABLE))
+def test_a_module_tensor_a_checkpoint_cannot_keep_is_refused_up_front_naming_it(
+    tmp_path: Path, kind: str, async_save: bool
+) -> None:
+    make, hint = UNSAVEABLE[kind]
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=async_save, staging_dir=str(tmp_path / "staging")) as ckpt:
+        with pytest.raises(ValueError, match=r"state\['model'\] holds model\.odd, which .*" + hint):
+            ckpt.save(1, {"model": module_with(make())})
+        assert not [p.name for p in Path(uri).iterdir() if p.name.startswith("step-")]  # nothing written
+        ckpt.save(2, {"model": module_with(torch.zeros(3))})
+        # A restore into such a tensor is refused before anything is loaded, too.
+        target = module_with(make())
+        before = target.weight.detach().clone()
+        with pytest.raises(ValueError, match=hint):
+            ckpt.restore({"model": target})
+        assert torch.equal(target.weight, before)
+
+
+def test_a_tensor_subclass_allowed_for_weights_only_loading_is_saved_and_restored(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    with torch.serialization.safe_globals([NotAllowed]):
+        saved = module_with(torch.arange(3.0).as_subclass(NotAllowed))
+        with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+            ckpt.save(1, {"model": saved})
+        fresh = module_with(torch.zeros(3).as_subclass(NotAllowed))
+        with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+            assert ckpt.restore({"model": fresh}) == 1
+    assert type(fresh.odd) is NotAllowed and torch.equal(fresh.odd, saved.odd)
+
+
+def test_optimizer_state_a_checkpoint_cannot_keep_is_refused_naming_it(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim.state[model.weight]["codebook"] = _quantized()
+    refused = r"state\['optim'\] holds optimizer state 'codebook'.*quantized"
+    with (
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match=refused),
+    ):
+        ckpt.save(1, {"model": model, "optim": optim})
+
+
+def test_export_writes_every_dtype_safetensors_stores_bit_for_bit(tmp_path: Path) -> None:
+    model = nn.Module()
+    stored = [d for d in DTYPES if d != torch.complex128]
+    for i, dtype in enumerate(stored):
+        model.register_buffer(f"b_{str(dtype)[6:]}", random_bits(dtype, (3, 4), i))
+    model.register_buffer("scalar", torch.tensor(2.5, dtype=torch.bfloat16))
+    model.register_buffer("transposed", random_bits(torch.float16, (3, 4), 99).t())
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": model})
+
+    assert main(["ckpt", "export", uri, str(tmp_path / "out")]) == 0
+
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(exported) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        value = exported[name]
+        assert (value.dtype, value.shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(as_bytes(value), as_bytes(tensor)), name
+
+
+def test_export_refuses_a_dtype_safetensors_cannot_store_before_writing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Linear(2, 2)
+    model.register_buffer("phases", torch.ones(3, dtype=torch.complex128))
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": model})
+
+    assert main(["ckpt", "export", uri, str(tmp_path / "out")]) == 2
+
+    err = capsys.readouterr().err
+    assert "tensor 'model.phases' is complex128, which safetensors cannot store" in err, err
+    assert "view_as_real" in err and "cannot write the export" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real:UserWarning")
+def test_a_restore_that_converts_dtypes_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved = nn.Linear(3, 2)
+    saved.register_buffer("phases", torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {"model": saved})
+
+    same = nn.Linear(3, 2)
+    same.register_buffer("phases", torch.zeros(2, dtype=torch.complex64))
+    caplog.set_level(logging.WARNING, logger="agent.checkpoint")
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"model": same}) == 1
+    assert not [r for r in caplog.records if "another dtype" in r.getMessage()]
+
+    converted = nn.Linear(3, 2).bfloat16()
+    converted.register_buffer("phases", torch.zeros(2))
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"model": converted}) == 1
+    warnings = [r.getMessage() for r in caplog.records if "another dtype" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "model.weight (float32 into bfloat16) and 2 more" in warnings[0], warnings
+    assert torch.equal(converted.weight, saved.weight.detach().bfloat16())  # converted, as load_state_dict does
+    assert torch.equal(converted.phases, torch.tensor([1.0, 3.0]))  # the imaginary part is gone: hence the warning
