@@ -243,6 +243,14 @@ class SafeEmptyLoadPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
     """Rebuilds the chosen top-level keys from the checkpoint's metadata, values loaded safely."""
 
 
+IN_PLACE_MIN_BYTES = 256 * 1024
+"""The smallest tensor ``VerifiedReader`` reads straight into its target. Below it, inspecting the
+record costs more than DCP's own path (load into fresh memory, then copy): 1.2-1.3x slower for
+200 tensors of 16-192 KiB on the test machine, 2-3x quicker from 256 KiB; a model with
+thousands of tiny parameters restored 1.9x slower than plain ``dcp.load`` with every tensor read
+in place."""
+
+
 class VerifiedReader(FileSystemReader):
     """Reads a committed checkpoint, verifying every file it touches against the manifest.
 
@@ -334,7 +342,9 @@ class VerifiedReader(FileSystemReader):
         whole contiguous tensor of the target's dtype and shape and the target is a contiguous CPU
         tensor, its bytes are read from the (already verified) file into the target instead. The
         record is inspected without reading its data (``torch.serialization.skip_data``, a
-        thread-local switch; ``weights_only`` as everywhere). False: DCP's path reads the item.
+        thread-local switch; ``weights_only`` as everywhere). False: DCP's path reads the item;
+        so it does for a tensor under ``IN_PLACE_MIN_BYTES``, whose copy costs less than the
+        inspection.
         """
         if item.type != LoadItemType.TENSOR:
             return False
@@ -343,6 +353,8 @@ class VerifiedReader(FileSystemReader):
             return False
         target = planner.resolve_tensor(item).detach()
         if target.device.type != "cpu" or not target.is_contiguous() or list(item.lengths) != list(target.shape):
+            return False
+        if target.nbytes < IN_PLACE_MIN_BYTES:
             return False
         path = os.path.join(self.local_dir, info.relative_path)
         try:
