@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
+from agent._streams import tolerate_unencodable_output
 from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
@@ -599,6 +600,7 @@ def canonical_uri(uri: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable_output()
     env = dict(os.environ)
     config, level = parse_args(sys.argv[1:] if argv is None else argv, env)
     job = f" job={config.job_name}" if config.job_name else ""

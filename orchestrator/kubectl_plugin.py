@@ -37,6 +37,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+from agent._streams import tolerate_unencodable_output
 from agent.storage import StorageError
 from orchestrator.cli_ckpt import CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
