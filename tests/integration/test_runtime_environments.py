@@ -1,5 +1,6 @@
 """spotjob's commands and the Checkpointer under the environments real users and containers give
-them: a stdout that cannot encode every character (``PYTHONIOENCODING=ascii``, a Latin-1 locale).
+them: a stdout that cannot encode every character (``PYTHONIOENCODING=ascii``, a Latin-1 locale),
+and a C locale with UTF-8 mode off, where a non-ASCII folder name cannot be decoded.
 
 Each test runs the real command in a subprocess with that environment, against checkpoints a real
 ``Checkpointer`` wrote, and checks what the user sees: the whole answer and the command's own
@@ -82,3 +83,17 @@ def test_spotjob_status_prints_a_run_folder_whose_name_is_not_ascii(tmp_path: Pa
     proc = _run(str(BIN / "spotjob"), "status", "toy", cwd=work, **ASCII_STDOUT)
     assert proc.returncode == 0, proc.stderr
     assert "runs-\\xe9" in proc.stdout
+
+
+def test_spotjob_run_in_a_folder_a_c_locale_cannot_decode_says_how_to_run_it(tmp_path: Path) -> None:
+    # Python in a C locale with UTF-8 mode off decodes file names as ASCII: "é" becomes two
+    # surrogates, which no JSON record of the run can hold.
+    work = tmp_path / "runs-é"
+    work.mkdir()
+    script = REPO / "tests/e2e/scripts/write_to.py"
+    proc = _run(str(BIN / "spotjob"), "run", "--name", "toy", str(script), "/dev/null", cwd=work,
+                PYTHONUTF8="0", LC_ALL="C", LANG="C")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "not readable text in this locale" in proc.stderr
+    assert "PYTHONUTF8=1" in proc.stderr and "LANG=C.UTF-8" in proc.stderr
+    assert not (work / "spotjob-runs").exists()
