@@ -61,7 +61,6 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from agent._streams import tolerate_unencodable_output
 from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
@@ -101,6 +100,7 @@ from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
+from agent.streams import tolerate_unencodable_output
 from agent.torchrun import DirectLaunch, direct_launch, local_rendezvous, port_taken, torchrun_nproc
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agent._streams import tolerate_unencodable_output
+from agent.streams import tolerate_unencodable_output
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
 

@@ -37,8 +37,8 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from agent._streams import tolerate_unencodable_output
 from agent.storage import StorageError
+from agent.streams import tolerate_unencodable_output
 from orchestrator.cli_ckpt import CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError

@@ -21,7 +21,7 @@ from types import FrameType
 from typing import cast
 from urllib.parse import urlparse
 
-from agent._streams import tolerate_unencodable_output
+from agent.streams import tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config

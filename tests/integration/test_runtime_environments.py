@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 from agent import Checkpointer
@@ -75,10 +74,8 @@ def test_the_ckpt_commands_finish_on_a_stdout_that_cannot_encode_their_dashes(
 def test_spotjob_status_prints_a_run_folder_whose_name_is_not_ascii(tmp_path: Path) -> None:
     work = tmp_path / "runs-é"
     work.mkdir()
-    run = _run(
-        str(BIN / "spotjob"), "run", "--name", "toy", str(REPO / "tests/e2e/scripts/write_to.py"), "/dev/null", "--bytes", "1",
-        cwd=work,
-    )  # fmt: skip
+    script = REPO / "tests/e2e/scripts/write_to.py"
+    run = _run(str(BIN / "spotjob"), "run", "--name", "toy", str(script), "/dev/null", "--bytes", "1", cwd=work)
     assert run.returncode == 0, run.stderr[-4000:]
     proc = _run(str(BIN / "spotjob"), "status", "toy", cwd=work, **ASCII_STDOUT)
     assert proc.returncode == 0, proc.stderr
