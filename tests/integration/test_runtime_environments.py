@@ -71,12 +71,15 @@ def test_the_ckpt_commands_finish_on_a_stdout_that_cannot_encode_their_dashes(
         assert "step-000000002: valid \\u2014 " in proc.stdout
 
 
-def test_spotjob_status_prints_a_run_folder_whose_name_is_not_ascii(tmp_path: Path) -> None:
+def test_spotjob_run_and_status_print_a_run_folder_whose_name_is_not_ascii(tmp_path: Path) -> None:
     work = tmp_path / "runs-é"
     work.mkdir()
     script = REPO / "tests/e2e/scripts/write_to.py"
-    run = _run(str(BIN / "spotjob"), "run", "--name", "toy", str(script), "/dev/null", "--bytes", "1", cwd=work)
+    run = _run(
+        str(BIN / "spotjob"), "run", "--name", "toy", str(script), "/dev/null", "--bytes", "1", cwd=work, **ASCII_STDOUT
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
+    assert "runs-\\xe9" in run.stdout  # the summary's run folder, after a run that went well
     proc = _run(str(BIN / "spotjob"), "status", "toy", cwd=work, **ASCII_STDOUT)
     assert proc.returncode == 0, proc.stderr
     assert "runs-\\xe9" in proc.stdout
