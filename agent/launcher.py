@@ -100,6 +100,7 @@ from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import SignalSource
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
+from agent.streams import tolerate_unencodable_output
 from agent.torchrun import DirectLaunch, direct_launch, local_rendezvous, port_taken, torchrun_nproc
 
 log = logging.getLogger(__name__)
@@ -599,6 +600,7 @@ def canonical_uri(uri: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable_output()
     env = dict(os.environ)
     config, level = parse_args(sys.argv[1:] if argv is None else argv, env)
     job = f" job={config.job_name}" if config.job_name else ""

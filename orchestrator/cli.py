@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from agent.streams import tolerate_unencodable_output
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
 
@@ -62,6 +63,7 @@ def log_level(parser: argparse.ArgumentParser, verbose: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     level = log_level(parser, args.verbose)

@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent.storage import StorageError
+from agent.streams import tolerate_unencodable_output
 from orchestrator.cli_ckpt import CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -261,6 +262,16 @@ def plot_problem(path: str) -> str | None:
 def folder_problem(folder: str) -> str | None:
     """Why ``folder`` could not be created or written by this process; None if it can. Creates
     nothing that stays: the nearest existing ancestor is probed with a file made and removed."""
+    try:
+        folder.encode("utf-8")
+    except UnicodeEncodeError:
+        # Bytes the file-system encoding could not decode (a C locale with PYTHONUTF8=0 and a
+        # non-ASCII name): the run's records could not hold the path.
+        return (
+            f"{folder!r} is not readable text in this locale (file names decoded as "
+            f"{sys.getfilesystemencoding()}): run with PYTHONUTF8=1 or a UTF-8 locale (LANG=C.UTF-8), "
+            "or use a folder whose name is ASCII"
+        )
     existing = folder
     while not os.path.exists(existing):
         parent = os.path.dirname(existing)

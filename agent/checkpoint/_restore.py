@@ -347,7 +347,7 @@ class _Restoring(_Voting):
         if self.rank == 0:
             log.warning(
                 "restore: starting from step 0 on purpose (start_fresh): %d committed checkpoint(s) under %s are "
-                "retired — kept, never restored, never counted or deleted by retention. The first failure: %s",
+                "retired: kept, never restored, never counted or deleted by retention. The first failure: %s",
                 count,
                 self.storage.uri,
                 tried[0][1],

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import cast
 from urllib.parse import urlparse
 
+from agent.streams import tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
@@ -328,6 +329,7 @@ def _service_account_namespace() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFactory | None = None) -> int:
+    tolerate_unencodable_output()
     args, options = parse_options(argv)
     level = (args.log_level or _env("SPOTJOB_LOG_LEVEL", "info") or "info").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
