@@ -227,6 +227,10 @@ class _Restoring(_Voting):
             else set()
         )
         lineage: Lineage | None = None
+        # Rank 0 keeps the manifest it parsed and checked in judge(): parsing it again from the JSON
+        # sent to the other ranks gives the same Manifest (to_json round-trips), at the cost of a
+        # second parse of a big one (an entry per tensor: a tenth of a restore of tiny tensors).
+        judged: dict[CheckpointRef, Manifest] = {}
         tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
         remedy = "Restore with the model they were saved with"
@@ -243,6 +247,7 @@ class _Restoring(_Voting):
                 lineage = lineage or Lineage.load(self.storage)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
+                    judged[ref] = status.manifest
                     return status.manifest.to_json().decode(), "", True, False
                 ours = status.committed and not (status.foreign or status.fenced)
                 return None, status.reason, ours, status.newer_format
@@ -262,7 +267,7 @@ class _Restoring(_Voting):
                 if ours:
                     tried.append((ref, reason))
                 continue
-            manifest = Manifest.parse(manifest_json.encode())
+            manifest = judged.pop(ref, None) or Manifest.parse(manifest_json.encode())
             missing = sorted(set(state) - set(manifest.state_keys))
             if missing and not self.config.start_fresh:
                 raise MissingStateKeysError(
