@@ -70,6 +70,31 @@ def test_a_restore_parses_the_manifest_once_and_restores_exactly(
     same(model, fresh, optim, fresh_optim)
 
 
+def test_a_restore_reads_the_models_state_once_and_loads_into_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The modules' state read to compare shapes with the manifest is the one loaded into: it used
+    to be read again for the load (``get_model_state_dict`` walks every tensor)."""
+    from agent.checkpoint import _state
+
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1)
+    calls: list[int] = []
+    original = _state.get_model_state_dict
+
+    def counted(module: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(_state, "get_model_state_dict", counted)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 2
+    assert len(calls) == 1
+    same(model, fresh, optim, fresh_optim)
+
+
 def test_the_manifest_other_ranks_parse_from_rank0s_json_equals_the_one_rank0_keeps(tmp_path: Path) -> None:
     """Rank 0 restores with the manifest it parsed from storage; the other ranks with the one parsed
     from its ``to_json()``: the two are equal, for a written manifest and for one written by hand
