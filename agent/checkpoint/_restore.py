@@ -227,6 +227,10 @@ class _Restoring(_Voting):
             else set()
         )
         lineage: Lineage | None = None
+        # Rank 0 keeps the manifest it parsed and checked in judge(): parsing it again from the JSON
+        # sent to the other ranks gives the same Manifest (to_json round-trips), at the cost of a
+        # second parse of a big one (an entry per tensor: a tenth of a restore of tiny tensors).
+        judged: dict[CheckpointRef, Manifest] = {}
         tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
         remedy = "Restore with the model they were saved with"
@@ -243,6 +247,7 @@ class _Restoring(_Voting):
                 lineage = lineage or Lineage.load(self.storage)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
+                    judged[ref] = status.manifest
                     return status.manifest.to_json().decode(), "", True, False
                 ours = status.committed and not (status.foreign or status.fenced)
                 return None, status.reason, ours, status.newer_format
@@ -262,7 +267,7 @@ class _Restoring(_Voting):
                 if ours:
                     tried.append((ref, reason))
                 continue
-            manifest = Manifest.parse(manifest_json.encode())
+            manifest = judged.pop(ref, None) or Manifest.parse(manifest_json.encode())
             missing = sorted(set(state) - set(manifest.state_keys))
             if missing and not self.config.start_fresh:
                 raise MissingStateKeysError(
@@ -271,15 +276,16 @@ class _Restoring(_Voting):
                     f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI.",
                     [(url(ref.folder), f"lacks state keys {missing}")],
                 )
+            read: list[dict[str, Any]] = []  # the modules' state, once read to compare: loaded into next
             mismatch = (
                 (_Failure.INCOMPATIBLE, f"incompatible with the state: it lacks state keys {missing}")
                 if missing
-                else self._agree_on_failure(self._incompatibility(manifest, state))
+                else self._agree_on_failure(self._incompatibility(manifest, state, read))
             )
             if mismatch is not None:
                 tried.append((ref, mismatch[1]))
                 break  # an older checkpoint would be going back in time on a changed model
-            failure, loaded = self._try_load(ref, manifest, state)
+            failure, loaded = self._try_load(ref, manifest, state, read[0] if read else None)
             partially_loaded = partially_loaded or loaded
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started)
@@ -390,9 +396,13 @@ class _Restoring(_Voting):
                 ", ".join(repr(k) for k in left_out),
             )
 
-    def _incompatibility(self, manifest: Manifest, state: Mapping[str, Any]) -> tuple[str, str] | None:
+    def _incompatibility(
+        self, manifest: Manifest, state: Mapping[str, Any], read: list[dict[str, Any]]
+    ) -> tuple[str, str] | None:
         """Why the checkpoint's tensors cannot go into the modules of ``state`` (changed shapes,
-        tensors added or removed), from the manifest alone — before anything is read or loaded."""
+        tensors added or removed), from the manifest alone — before anything is read or loaded.
+        The modules' state read to compare is appended to ``read``: the load goes into it, without
+        reading it again (``get_model_state_dict`` walks every tensor)."""
         modules, _, _ = self._classify(state)
         if not modules or (not manifest.tensors and manifest.file(DCP_METADATA_NAME) is not None):
             return None  # no tensor index to compare with: DCP's load checks what it reads
@@ -400,6 +410,7 @@ class _Restoring(_Voting):
             model_state = _model_state(_ModuleBag(modules))
         except Exception as e:  # reported to every rank, never raised on one alone
             return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
+        read.append(model_state)
         current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
         problems = []
         for fqn, tensor in current.items():
@@ -440,9 +451,14 @@ class _Restoring(_Voting):
             )
 
     def _try_load(
-        self, ref: CheckpointRef, manifest: Manifest, state: Mapping[str, Any]
+        self,
+        ref: CheckpointRef,
+        manifest: Manifest,
+        state: Mapping[str, Any],
+        model_state: dict[str, Any] | None = None,
     ) -> tuple[tuple[str, str] | None, bool]:
-        """Load one checkpoint on every rank. Returns (the agreed failure or None, anything was loaded)."""
+        """Load one checkpoint on every rank. Returns (the agreed failure or None, anything was loaded).
+        ``model_state``: the modules' state as ``_incompatibility`` read it, if it did."""
         local_dir = self.storage.local_path(ref.folder)
         cache = None
         if local_dir is None:
@@ -472,7 +488,7 @@ class _Restoring(_Voting):
         # Phase 2: modules and optimizers through DCP (each file verified before it is read).
         dcp_state: dict[str, Any] = {}
         try:
-            dcp_state = self._load_dcp(reader, state)
+            dcp_state = self._load_dcp(reader, state, model_state)
         except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
             failure = self._load_failure(ref, e)
         failure = self._agree_on_failure(failure)
@@ -506,7 +522,9 @@ class _Restoring(_Voting):
             "each key with the kind of value it was saved from"
         )
 
-    def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any]) -> dict[str, Any]:
+    def _load_dcp(
+        self, reader: VerifiedReader, state: Mapping[str, Any], model_state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Load modules (in place) and optimizer state; returns the state dicts to apply.
 
         For plain and DDP modules the optimizer state is rebuilt from the checkpoint's metadata
@@ -529,7 +547,7 @@ class _Restoring(_Voting):
             dcp_state, _ = self._split_state(state, initialise=stepped)
             dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
             return dcp_state
-        dcp_state = dict(_model_state(bag))
+        dcp_state = dict(_model_state(bag) if model_state is None else model_state)
         saved: dict[str, Any] = {}
         direct: dict[str, _DirectOptimState] = {}
         if optims:

@@ -1,0 +1,165 @@
+"""What spotjob does once per tensor, on top of DCP, stays cheap for a state of thousands of
+tensors, and the shortcuts taken for it give what the long way gave: the manifest parsed once per
+restore (rank 0 keeps the one it checked), small tensors serialized in memory and written in one
+call (the same bytes on disk)."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from agent import _dcp
+from agent.checkpoint import Checkpointer
+from agent.manifest import MANIFEST_NAME, Manifest
+
+
+class Many(nn.Module):
+    """Many tiny parameters, of several dtypes, and a buffer: the per-tensor costs dominate."""
+
+    def __init__(self, n: int = 40) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(2)) for _ in range(n)])
+        self.wide = nn.Parameter(torch.randn(3, 5, dtype=torch.float64))
+        self.big = nn.Parameter(torch.randn(256, 80))  # 80 KiB: above SERIALIZE_IN_MEMORY_BELOW
+        self.register_buffer("count", torch.arange(7))
+
+
+def trained(seed: int) -> tuple[Many, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Many()
+    optim = torch.optim.AdamW(model.parameters())
+    (sum(p.sum() for p in model.ps) + model.wide.sum() + model.big.sum()).backward()
+    optim.step()
+    return model, optim
+
+
+def same(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        for key, value in oa.state[pa].items():
+            assert torch.equal(value, ob.state[pb][key]), key
+
+
+def test_a_restore_parses_the_manifest_once_and_restores_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 used to parse MANIFEST.json in its check, then again from the JSON it sends the other
+    ranks: for a big model each parse (JSON, then validation) costs a tenth of the restore."""
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1)
+    parsed: list[int] = []
+    original = Manifest.parse.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], data: bytes) -> Manifest:
+        parsed.append(len(data))
+        return original(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "parse", classmethod(counted))
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 3
+    assert len(parsed) == 1
+    same(model, fresh, optim, fresh_optim)
+
+
+def test_a_restore_reads_the_models_state_once_and_loads_into_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The modules' state read to compare shapes with the manifest is the one loaded into: it used
+    to be read again for the load (``get_model_state_dict`` walks every tensor)."""
+    from agent.checkpoint import _state
+
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1)
+    calls: list[int] = []
+    original = _state.get_model_state_dict
+
+    def counted(module: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(_state, "get_model_state_dict", counted)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 2
+    assert len(calls) == 1
+    same(model, fresh, optim, fresh_optim)
+
+
+def test_the_manifest_other_ranks_parse_from_rank0s_json_equals_the_one_rank0_keeps(tmp_path: Path) -> None:
+    """Rank 0 restores with the manifest it parsed from storage; the other ranks with the one parsed
+    from its ``to_json()``: the two are equal, for a written manifest and for one written by hand
+    (no time zone, user metadata)."""
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(5, {"model": model, "optim": optim}, metadata={"loss": 0.1 + 0.2, "tags": ["a", 1, None]})
+    (folder,) = [p for p in tmp_path.iterdir() if (p / MANIFEST_NAME).exists()]
+    on_disk = Manifest.parse((folder / MANIFEST_NAME).read_bytes())
+    assert len(on_disk.tensors) > 40
+    assert Manifest.parse(on_disk.to_json()) == on_disk
+    by_hand = on_disk.model_dump(mode="json")
+    by_hand["created_at"] = "2025-01-01T12:00:00"  # no zone: read as UTC
+    kept = Manifest.model_validate(by_hand)
+    assert Manifest.parse(kept.to_json()) == kept
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(3, dtype=torch.int64),
+        torch.randn(2),
+        torch.randn(5, 7, dtype=torch.float64),
+        torch.tensor([True, False, True]),
+        torch.randn(4, dtype=torch.complex64),
+        torch.empty(0, 3),
+        torch.randn(100, 100).to(torch.bfloat16),
+    ],
+)
+def test_a_small_tensor_serialized_in_memory_is_the_record_written_straight_to_the_file(
+    tmp_path: Path, tensor: torch.Tensor
+) -> None:
+    """``_Writer`` serializes a small tensor into memory and writes it in one call; the record is the
+    one torch's writer gives when it writes to the shard file itself, wherever in the file it lands."""
+    memory = io.BytesIO()
+    _dcp.save_tensor_without_crc(tensor, memory)
+    path = str(tmp_path / "shard")
+    prefix = os.urandom(37)  # an odd offset: the record lays itself out from its own start
+    with _dcp.ChecksummedFile(path) as f:
+        f.write(prefix)
+        _dcp.save_tensor_without_crc(tensor, f)
+    assert Path(path).read_bytes() == prefix + memory.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(memory.getvalue()), weights_only=True), tensor)
+
+
+def shard_files(root: Path) -> dict[str, bytes]:
+    (folder,) = [p for p in root.iterdir() if (p / MANIFEST_NAME).exists()]
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".distcp"}
+
+
+def test_a_save_writes_the_same_shard_bytes_with_small_tensors_serialized_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optim = trained(0)
+    state: dict[str, Any] = {"model": model, "optim": optim}
+    monkeypatch.setattr(_dcp, "SERIALIZE_IN_MEMORY_BELOW", 0)  # every tensor straight to the file
+    with Checkpointer(str(tmp_path / "straight"), async_save=False) as ckpt:
+        ckpt.save(1, state)
+    monkeypatch.undo()
+    assert model.ps[0].nbytes < _dcp.SERIALIZE_IN_MEMORY_BELOW
+    with Checkpointer(str(tmp_path / "gathered"), async_save=False) as ckpt:
+        ckpt.save(1, state)
+    straight, gathered = shard_files(tmp_path / "straight"), shard_files(tmp_path / "gathered")
+    assert straight and straight == gathered
+    fresh, fresh_optim = trained(1)
+    with Checkpointer(str(tmp_path / "gathered")) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
+    same(model, fresh, optim, fresh_optim)
