@@ -590,9 +590,12 @@ class _Restoring(_Voting):
             # DCP wraps every rank's failure; the first one says what went wrong.
             e = next(iter(e.failures.values()))[0]
         if self._deleted_under_us(ref, e):
-            kind, msg = _Failure.GONE, (
-                f"deleted while it was read on rank {self.rank} (the retention of a process saving to this URI "
-                f"removed it): {e}"
+            kind, msg = (
+                _Failure.GONE,
+                (
+                    f"deleted while it was read on rank {self.rank} (the retention of a process saving to this URI "
+                    f"removed it): {e}"
+                ),
             )
         elif isinstance(e, _PROVEN_BAD):
             if isinstance(e, CorruptObjectError):

@@ -7,12 +7,12 @@ Each race is made to happen at a chosen point by a hook; nothing waits on time.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from collections.abc import Callable
 
 import pytest
 
@@ -22,6 +22,8 @@ from agent._dcp import VerifiedReader
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 from agent.storage import open_storage
+from orchestrator import cli_ckpt
+from orchestrator.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
@@ -33,8 +35,8 @@ def test_a_second_checkpointer_on_the_uri_does_not_remove_a_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     """A second Checkpointer of the job (an eval script reading its checkpoints, a new attempt) made
-    while the job writes a save: on a filesystem URI both stage in ``<uri>/.spotjob-staging``, and cleaning stale staged saves at construction
-    removed the one in flight, failing it."""
+    while the job writes a save: on a filesystem URI both stage in ``<uri>/.spotjob-staging``, and
+    cleaning stale staged saves at construction removed the one in flight, failing it."""
     root = tmp_path / "ckpt"
     state = make_state(0)
     train(state, 1)
@@ -115,6 +117,122 @@ def test_a_restore_whose_only_checkpoint_vanishes_refuses_and_never_starts_from_
         return real_ensure_local(self, path)
 
     monkeypatch.setattr(restore_module.VerifiedReader, "ensure_local", ensure_local_of_a_deleted_checkpoint)
-    with Checkpointer(str(root), keep=None, job="train", async_save=False) as reader:
-        with pytest.raises(RestoreRefusedError, match="deleted while it was read"):
-            reader.restore(make_state(0, seed=7))
+    with (
+        Checkpointer(str(root), keep=None, job="train", async_save=False) as reader,
+        pytest.raises(RestoreRefusedError, match="deleted while it was read"),
+    ):
+        reader.restore(make_state(0, seed=7))
+
+
+class _SavingOn:
+    """The job that owns the URI (keep=1), saving step 2 the first time it is called: retention
+    then removes step 1, which a reader picked a moment before."""
+
+    def __init__(self, uri: str) -> None:
+        self.state = make_state(0)
+        train(self.state, 1)
+        self.writer = Checkpointer(uri, every_steps=1, keep=1, job="train", async_save=False)
+        self.writer.save(1, self.state)
+        self.saved = False
+
+    def __call__(self) -> None:
+        if not self.saved:
+            self.saved = True
+            train(self.state, 1, start=1)
+            self.writer.save(2, self.state)
+
+
+def _hook_before(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
+    real = getattr(cli_ckpt, name)
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli_ckpt, name, hooked)
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_export_of_the_newest_deleted_under_it_exports_the_newer_one(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    scheme: str,
+) -> None:
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "export_safetensors", job)
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", uri, str(out)]) == 0
+    job.writer.close()
+    err = capsys.readouterr()
+    assert "step-000000001 was deleted while it was read" in err.err
+    assert "from " + open_storage(uri).url("step-000000002") in err.out
+    assert sorted(os.listdir(out)) == ["model.safetensors", "model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_export_of_a_named_step_deleted_under_it_says_so_and_leaves_nothing(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    scheme: str,
+) -> None:
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "export_safetensors", job)
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", "--step", "1", uri, str(out)]) == cli_ckpt.EXIT_ERROR
+    job.writer.close()
+    err = capsys.readouterr().err
+    assert "step-000000001 was deleted while it was being exported" in err
+    assert "--step" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_verify_deep_of_a_checkpoint_deleted_under_it_is_an_error_not_a_verdict(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    scheme: str,
+) -> None:
+    """Not "INVALID — file missing" (exit 1: a broken checkpoint), nor "valid"."""
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "verify_deep", job)
+    assert main(["ckpt", "verify", "--deep", uri]) == cli_ckpt.EXIT_ERROR
+    job.writer.close()
+    captured = capsys.readouterr()
+    assert "step-000000001 was deleted while it was being verified" in captured.err
+    assert "valid" not in captured.out.lower()
+
+
+def test_export_deleted_between_its_shards_leaves_no_partial_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A filesystem store's files are read in place: deleted after the first safetensors file was
+    written, the export removes what it wrote and says why (not "DCP could not load", exit 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "ckpt"
+    job = _SavingOn(str(root))
+    loads = []
+    real_load = dcp.load
+
+    def load_then_the_job_saves_on(*args: Any, **kwargs: Any) -> Any:
+        loads.append(1)
+        if len(loads) == 2:  # the first shard is written (as a .partial file), the second not
+            job()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", load_then_the_job_saves_on)
+    out = tmp_path / "export"
+    code = main(["ckpt", "export", "--step", "1", "--max-shard-size", "200", str(root), str(out)])
+    job.writer.close()
+    assert code == cli_ckpt.EXIT_ERROR
+    assert len(loads) == 2
+    assert "step-000000001 was deleted while it was being exported" in capsys.readouterr().err
+    assert not out.exists()
