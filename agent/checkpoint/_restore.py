@@ -239,7 +239,25 @@ class _Restoring(_Voting):
         remedy = "Restore with the model they were saved with"
         relists = 0
         walk = list(refs)
-        while walk:
+        while True:
+            if not walk:
+                # No committed checkpoint seen, yet folders were listed: between the listing and
+                # the look at each, the job saving to the URI can commit the newest (seen while in
+                # progress) and retention delete the one before it (seen once gone). If the
+                # listing changed since, walk the new one: never start from step 0 over them.
+                if tried or not refs or relists >= _RELISTS:
+                    break
+                fresh = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
+                if fresh == refs:
+                    break
+                relists += 1
+                refs = fresh
+                retired = self._on_rank0(
+                    "reading the fresh-start records", lambda: _fresh_start.retired_folders(self.storage)
+                )
+                lineage = None
+                walk = list(refs)
+                continue
             ref = walk.pop(0)
             if ref.folder in retired:
                 if self.rank == 0:

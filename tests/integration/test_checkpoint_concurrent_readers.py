@@ -236,3 +236,40 @@ def test_export_deleted_between_its_shards_leaves_no_partial_export(
     assert len(loads) == 2
     assert "step-000000001 was deleted while it was being exported" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_restore_that_sees_the_newest_in_progress_and_the_one_before_gone_restores_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing holds step 2 (a save in progress) and step 1; as the restore looks at step 2 it
+    is uncommitted, then it commits and retention deletes step 1 before the restore looks there.
+    No folder read as committed: the restore returned 0, starting over committed checkpoints."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    with Checkpointer(str(root), every_steps=1, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        train(state, 1, start=1)
+        writer.save(2, state)
+    saved = snapshot(state)
+    manifest = root / "step-000000002" / "MANIFEST.json"
+    aside = tmp_path / "MANIFEST.json"
+    manifest.rename(aside)  # step 2: a save in progress
+    real_inspect = restore_module.inspect
+    looked: list[str] = []
+
+    def inspect_as_the_job_commits_and_retention_deletes(storage: Any, ref: Any, **kwargs: Any) -> Any:
+        status = real_inspect(storage, ref, **kwargs)
+        looked.append(ref.folder)
+        if len(looked) == 1:  # step 2 seen uncommitted: it commits, and keep=1 removes step 1
+            aside.rename(manifest)
+            (root / "step-000000001" / "MANIFEST.json").unlink()
+            shutil.rmtree(root / "step-000000001")
+        return status
+
+    monkeypatch.setattr(restore_module, "inspect", inspect_as_the_job_commits_and_retention_deletes)
+    reader_state = make_state(0, seed=7)
+    with Checkpointer(str(root), keep=None, job="train", async_save=False) as reader:
+        assert reader.restore(reader_state) == 2
+    assert looked[:2] == ["step-000000002", "step-000000001"]
+    assert_same(snapshot(reader_state), saved)
