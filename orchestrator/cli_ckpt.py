@@ -564,10 +564,17 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
     refs = _require_checkpoints(storage)
     lineage = Lineage.load(storage)
     if choice is None:
-        for ref in refs:
-            status = inspect(storage, ref, lineage=lineage)
-            if status.committed:
-                return status
+        for _ in range(_RELISTS + 1):
+            for ref in refs:
+                status = inspect(storage, ref, lineage=lineage)
+                if status.committed:
+                    return status
+            # None committed: perhaps the newest committed after we looked and retention deleted the
+            # ones before; the listing then changed (see ``restore()``).
+            fresh = find_checkpoints(storage)
+            if fresh == refs:
+                break
+            refs = fresh
         raise CommandError(
             f"no committed checkpoint under {storage.uri}: {len(refs)} folder(s), none holding "
             "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
@@ -594,7 +601,20 @@ def newest_valid(
         refs = [r for r in refs if r < below]
     lineage = Lineage.load(storage)
     skipped: list[CheckpointStatus] = []
-    for ref in refs:
+    relists = 0
+    walk = list(refs)
+    while walk or (below is None and relists < _RELISTS and not any(s.committed for s in skipped)):
+        if not walk:
+            # None committed: perhaps the newest committed after we looked and retention deleted
+            # the ones before; the listing then changed (see ``restore()``).
+            fresh = find_checkpoints(storage)
+            if fresh == refs:
+                break
+            relists += 1
+            refs, walk = fresh, list(fresh)
+            skipped = []
+            continue
+        ref = walk.pop(0)
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
             for s in (p for p in skipped if p.committed):  # the operator asked for "the latest"

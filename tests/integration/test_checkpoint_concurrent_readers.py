@@ -273,3 +273,37 @@ def test_a_restore_that_sees_the_newest_in_progress_and_the_one_before_gone_rest
         assert reader.restore(reader_state) == 2
     assert looked[:2] == ["step-000000002", "step-000000001"]
     assert_same(snapshot(reader_state), saved)
+
+
+@pytest.mark.parametrize("command", [["export"], ["verify"]])
+def test_ckpt_commands_that_see_the_newest_in_progress_and_the_one_before_gone_use_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """As the restore above: `export` said "no valid checkpoint" (exit 1), `verify` "no committed
+    checkpoint", while step 2 had just been committed."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    with Checkpointer(str(root), every_steps=1, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        writer.save(2, state)
+    manifest = root / "step-000000002" / "MANIFEST.json"
+    aside = tmp_path / "MANIFEST.json"
+    manifest.rename(aside)
+    real_inspect = cli_ckpt.inspect
+    looked: list[str] = []
+
+    def inspect_as_the_job_commits_and_retention_deletes(storage: Any, ref: Any, **kwargs: Any) -> Any:
+        status = real_inspect(storage, ref, **kwargs)
+        looked.append(ref.folder)
+        if len(looked) == 1:
+            aside.rename(manifest)
+            (root / "step-000000001" / "MANIFEST.json").unlink()
+            shutil.rmtree(root / "step-000000001")
+        return status
+
+    monkeypatch.setattr(cli_ckpt, "inspect", inspect_as_the_job_commits_and_retention_deletes)
+    args = [str(root), str(tmp_path / "export")] if command == ["export"] else [str(root)]
+    assert main(["ckpt", *command, *args]) == 0
+    assert looked[:2] == ["step-000000002", "step-000000001"]
+    assert "step-000000002" in capsys.readouterr().out
