@@ -570,11 +570,10 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
                 if status.committed:
                     return status
             # None committed: perhaps the newest committed after we looked and retention deleted the
-            # ones before; the listing then changed (see ``restore()``).
-            fresh = find_checkpoints(storage)
-            if fresh == refs:
+            # ones before: walk again if a folder holds a manifest now (see ``restore()``).
+            refs = find_checkpoints(storage)
+            if not _any_committed(storage, refs):
                 break
-            refs = fresh
         raise CommandError(
             f"no committed checkpoint under {storage.uri}: {len(refs)} folder(s), none holding "
             "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
@@ -586,6 +585,10 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
         raise CommandError(f"no checkpoint {what} under {storage.uri}; there are: {there}")
     statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
     return next((s for s in statuses if s.committed), statuses[0])
+
+
+def _any_committed(storage: Storage, refs: list[CheckpointRef]) -> bool:
+    return any(storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs)
 
 
 def newest_valid(
@@ -606,9 +609,9 @@ def newest_valid(
     while walk or (below is None and relists < _RELISTS and not any(s.committed for s in skipped)):
         if not walk:
             # None committed: perhaps the newest committed after we looked and retention deleted
-            # the ones before; the listing then changed (see ``restore()``).
+            # the ones before: walk again if a folder holds a manifest now (see ``restore()``).
             fresh = find_checkpoints(storage)
-            if fresh == refs:
+            if not _any_committed(storage, fresh):
                 break
             relists += 1
             refs, walk = fresh, list(fresh)

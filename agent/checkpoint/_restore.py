@@ -244,11 +244,11 @@ class _Restoring(_Voting):
                 # No committed checkpoint seen, yet folders were listed: between the listing and
                 # the look at each, the job saving to the URI can commit the newest (seen while in
                 # progress) and retention delete the one before it (seen once gone). If the
-                # listing changed since, walk the new one: never start from step 0 over them.
+                # new listing holds a committed one now, walk it: never start from step 0 over them.
                 if tried or not refs or relists >= _RELISTS:
                     break
-                fresh = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
-                if fresh == refs:
+                fresh, committed = self._on_rank0("listing the checkpoints", self._committed_listing)
+                if not committed:
                     break
                 relists += 1
                 refs = fresh
@@ -644,6 +644,12 @@ class _Restoring(_Voting):
         else:
             log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
         return kind, msg
+
+    def _committed_listing(self) -> tuple[list[CheckpointRef], bool]:
+        """(rank 0) The checkpoint folders, and whether any not retired holds a manifest now."""
+        refs = find_checkpoints(self.storage)
+        retired = _fresh_start.retired_folders(self.storage)
+        return refs, any(r.folder not in retired and self.storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs)
 
     def _deleted_under_us(self, ref: CheckpointRef, e: BaseException) -> bool:
         """A file of ``ref`` was missing because the checkpoint itself is gone (its manifest, which
