@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
 from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
-from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ProgressFn, Storage
@@ -326,7 +326,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
         status = select_checkpoint(storage, args.step)
         checked_bytes = 0
         if args.deep and status.manifest is not None:
-            _verify_deep(storage, status)
+            try:
+                _verify_deep(storage, status)
+            except FileNotFoundError:  # a file read in place, gone since the listing
+                if not _deleted(storage, status):
+                    raise
+                status.problems.append("a file went missing")
+            if status.problems and _deleted(storage, status):
+                raise CommandError(
+                    f"{status.ref.folder} was deleted while it was being verified (the retention of the job "
+                    "saving to this URI removes old checkpoints); nothing is proven about it. Verify again (the "
+                    "newest is checked then), or name a checkpoint retention keeps with --step"
+                )
             checked_bytes = status.manifest.total_bytes
     # One verdict, the catalog's (plus what --deep found, recorded in the same status).
     valid = status.valid
@@ -414,10 +425,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             # .metadata) is passed over for the next valid one; any other failure stops the export.
             passed: list[tuple[str, str]] = []
             status = newest_valid(storage)
+            deleted = 0
             while True:
                 try:
                     files, total = _export(storage, status, args, out)
                     break
+                except _Deleted as e:
+                    deleted += 1
+                    if deleted > _RELISTS:
+                        raise CommandError(str(e)) from None
+                    # Retention removed it as the job saved a newer one: the newest again, from the top.
+                    print(
+                        f"spotjob ckpt export: {status.ref.folder} was deleted while it was read (retention of "
+                        "the job saving to this URI); exporting the newest checkpoint again",
+                        file=sys.stderr,
+                    )
+                    status = newest_valid(storage)
                 except _ProvenBad as e:
                     reason = str(e.error).removeprefix(f"{status.ref.folder}: ")
                     print(f"spotjob ckpt export: passing over {status.ref.folder}: {shown(reason)}", file=sys.stderr)
@@ -429,6 +452,24 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"in {time.monotonic() - started:.1f}s"
     )
     return EXIT_OK
+
+
+_RELISTS = 3
+"""How often an export without --step starts again from the newest checkpoint after the one it was
+reading was deleted under it (as a restore does, ``agent.checkpoint._restore._RELISTS``)."""
+
+
+class _Deleted(Exception):
+    """The checkpoint being exported was deleted while it was read (its manifest is gone now)."""
+
+
+def _deleted(storage: Storage, status: CheckpointStatus) -> bool:
+    """The checkpoint's manifest, which retention deletes first, is gone: a file found missing
+    while reading it means the checkpoint was deleted, not that it is broken."""
+    try:
+        return storage.stat(status.ref.key(MANIFEST_NAME)) is None
+    except StorageError:
+        return False  # not proven gone: reported as it was found
 
 
 class _ProvenBad(Exception):
@@ -451,7 +492,15 @@ def _export(
         return export_safetensors(
             storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
         )
-    except ExportError as e:
+    except (ExportError, FileNotFoundError) as e:  # FileNotFoundError: a file read in place, gone
+        if _deleted(storage, status):
+            raise (_Deleted if args.step is None else CommandError)(
+                f"{status.ref.folder} was deleted while it was being exported (the retention of the job saving "
+                f"to this URI removes old checkpoints); nothing was exported to {out}. Export again, or name a "
+                "checkpoint retention keeps with --step"
+            ) from None
+        if not isinstance(e, ExportError):
+            raise
         if e.proven_bad and args.step is None:
             raise _ProvenBad(e) from None
         raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
@@ -515,10 +564,16 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
     refs = _require_checkpoints(storage)
     lineage = Lineage.load(storage)
     if choice is None:
-        for ref in refs:
-            status = inspect(storage, ref, lineage=lineage)
-            if status.committed:
-                return status
+        for _ in range(_RELISTS + 1):
+            for ref in refs:
+                status = inspect(storage, ref, lineage=lineage)
+                if status.committed:
+                    return status
+            # None committed: perhaps the newest committed after we looked and retention deleted the
+            # ones before: walk again if a folder holds a manifest now (see ``restore()``).
+            refs = find_checkpoints(storage)
+            if not _any_committed(storage, refs):
+                break
         raise CommandError(
             f"no committed checkpoint under {storage.uri}: {len(refs)} folder(s), none holding "
             "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
@@ -530,6 +585,10 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
         raise CommandError(f"no checkpoint {what} under {storage.uri}; there are: {there}")
     statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
     return next((s for s in statuses if s.committed), statuses[0])
+
+
+def _any_committed(storage: Storage, refs: list[CheckpointRef]) -> bool:
+    return any(storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs)
 
 
 def newest_valid(
@@ -545,7 +604,20 @@ def newest_valid(
         refs = [r for r in refs if r < below]
     lineage = Lineage.load(storage)
     skipped: list[CheckpointStatus] = []
-    for ref in refs:
+    relists = 0
+    walk = list(refs)
+    while walk or (below is None and relists < _RELISTS and not any(s.committed for s in skipped)):
+        if not walk:
+            # None committed: perhaps the newest committed after we looked and retention deleted
+            # the ones before: walk again if a folder holds a manifest now (see ``restore()``).
+            fresh = find_checkpoints(storage)
+            if not _any_committed(storage, fresh):
+                break
+            relists += 1
+            refs, walk = fresh, list(fresh)
+            skipped = []
+            continue
+        ref = walk.pop(0)
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
             for s in (p for p in skipped if p.committed):  # the operator asked for "the latest"

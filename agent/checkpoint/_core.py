@@ -4,6 +4,8 @@ status for the agent."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -176,10 +178,20 @@ class _Core:
             return
         # ``restore/`` stays: spotjob-agent may be filling it for this very restore
         # (``agent.restore_cache.prefetch``); a restore clears it once it has loaded.
+        # A folder whose lock is held is a save in flight in another process of the URI (an eval
+        # job, or an older attempt still running, sharing a filesystem URI's ``.spotjob-staging``):
+        # removing it would fail that save.
         for entry in entries:
             if entry.is_dir() and entry.name.startswith("step-"):
-                log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
-                shutil.rmtree(entry.path, ignore_errors=True)
+                fd = lock_staging_folder(entry.path, wait=False)
+                if fd is None:
+                    log.debug("keeping the staging folder of a save in flight: %s", entry.path)
+                    continue
+                try:
+                    log.info("removing a stale staging folder left by an interrupted save: %s", entry.path)
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                finally:
+                    os.close(fd)
 
     def _check_staging_dir(self) -> None:
         """(every rank, at construction) A given ``staging_dir`` can hold folders, else every save
@@ -225,3 +237,32 @@ class _Core:
             self._control.write_status(self._status)
         except OSError as e:
             log.debug("could not write status for the agent: %s", e)
+
+
+def lock_staging_folder(path: str, *, wait: bool = True) -> int | None:
+    """Lock the staging folder ``path`` of one save (``flock`` on the folder itself); return the
+    descriptor that holds the lock until closed. The save holds it while in flight, so that
+    ``_clean_stale_staging`` in another process never removes it. ``wait=False``: None when another
+    process holds it, or when the folder is gone."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            if not wait:
+                return None
+            os.makedirs(path, exist_ok=True)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:  # a filesystem without locks: as before, nothing is protected
+            return fd
+        # Removed (and perhaps made again) between the open and the lock: the lock holds nothing.
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+        if not wait:
+            return None

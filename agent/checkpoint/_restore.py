@@ -24,7 +24,7 @@ from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
-from agent.manifest import DCP_METADATA_NAME, Manifest, ManifestError
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
@@ -38,8 +38,15 @@ class _Failure:
     REFUSED = "refused"  # the store refuses for good (permission denied): retrying cannot help
     UNAVAILABLE = "unavailable"  # storage failed, or something that proves nothing about the checkpoint
     INCOMPATIBLE = "incompatible"  # the checkpoint is fine; this script's state cannot take it
+    GONE = "gone"  # deleted while read (another process's retention): walk again from the newest
     BAD = "bad"  # proven bad: skip it for an older one
-    SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, BAD)
+    SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, GONE, BAD)
+
+
+_RELISTS = 3
+"""How often a restore lists the checkpoints again after one was deleted while it was read (the job
+saving to the URI saves on, and its retention removes old ones): the newest is then newer than the
+one that went. Past that, a checkpoint deleted under the restore is passed over like a bad one."""
 
 
 # What proves a checkpoint bad (restore may then fall back to an older one); any other storage
@@ -234,7 +241,28 @@ class _Restoring(_Voting):
         tried: list[tuple[CheckpointRef, str]] = []
         partially_loaded = False
         remedy = "Restore with the model they were saved with"
-        for ref in refs:
+        relists = 0
+        walk = list(refs)
+        while True:
+            if not walk:
+                # No committed checkpoint seen, yet folders were listed: between the listing and
+                # the look at each, the job saving to the URI can commit the newest (seen while in
+                # progress) and retention delete the one before it (seen once gone). If the
+                # new listing holds a committed one now, walk it: never start from step 0 over them.
+                if tried or not refs or relists >= _RELISTS:
+                    break
+                fresh, committed = self._on_rank0("listing the checkpoints", self._committed_listing)
+                if not committed:
+                    break
+                relists += 1
+                refs = fresh
+                retired = self._on_rank0(
+                    "reading the fresh-start records", lambda: _fresh_start.retired_folders(self.storage)
+                )
+                lineage = None
+                walk = list(refs)
+                continue
+            ref = walk.pop(0)
             if ref.folder in retired:
                 if self.rank == 0:
                     log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
@@ -292,6 +320,18 @@ class _Restoring(_Voting):
                 self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
+            if kind == _Failure.GONE and relists < _RELISTS:
+                # Every rank agreed on it: every rank walks the new listing, from its newest. Kept
+                # in ``tried``: a walk that then finds nothing refuses, never starts from step 0.
+                tried.append((ref, reason))
+                relists += 1
+                refs = self._on_rank0("listing the checkpoints", lambda: find_checkpoints(self.storage))
+                retired = self._on_rank0(
+                    "reading the fresh-start records", lambda: _fresh_start.retired_folders(self.storage)
+                )
+                lineage = None
+                walk = list(refs)
+                continue
             if kind in (_Failure.REFUSED, _Failure.UNAVAILABLE):
                 mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
                 raise self._storage_failure(
@@ -585,7 +625,15 @@ class _Restoring(_Voting):
         if isinstance(e, CheckpointException) and e.failures:
             # DCP wraps every rank's failure; the first one says what went wrong.
             e = next(iter(e.failures.values()))[0]
-        if isinstance(e, _PROVEN_BAD):
+        if self._deleted_under_us(ref, e):
+            kind, msg = (
+                _Failure.GONE,
+                (
+                    f"deleted while it was read on rank {self.rank} (the retention of a process saving to this URI "
+                    f"removed it): {e}"
+                ),
+            )
+        elif isinstance(e, _PROVEN_BAD):
             if isinstance(e, CorruptObjectError):
                 what = "corrupt"
             elif isinstance(e, NotFoundError):
@@ -607,11 +655,29 @@ class _Restoring(_Voting):
             # older checkpoint (that would go back in time); refused with the error instead.
             kind, msg = _Failure.INCOMPATIBLE, f"cannot be loaded on rank {self.rank}: {type(e).__name__}: {e}"
             log.debug("restore failure detail", exc_info=e)
-        if kind == _Failure.BAD:
+        if kind == _Failure.GONE:
+            log.warning("restore: %s was %s; trying the newest checkpoint again", self.storage.url(ref.folder), msg)
+        elif kind == _Failure.BAD:
             log.warning("restore: skipping %s: it is %s", self.storage.url(ref.folder), msg)
         else:
             log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
         return kind, msg
+
+    def _committed_listing(self) -> tuple[list[CheckpointRef], bool]:
+        """(rank 0) The checkpoint folders, and whether any not retired holds a manifest now."""
+        refs = find_checkpoints(self.storage)
+        retired = _fresh_start.retired_folders(self.storage)
+        return refs, any(r.folder not in retired and self.storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs)
+
+    def _deleted_under_us(self, ref: CheckpointRef, e: BaseException) -> bool:
+        """A file of ``ref`` was missing because the checkpoint itself is gone (its manifest, which
+        retention deletes first): not a broken checkpoint, nor an unavailable store."""
+        if not isinstance(e, NotFoundError | FileNotFoundError):
+            return False
+        try:
+            return self.storage.stat(ref.key(MANIFEST_NAME)) is None
+        except StorageError:
+            return False  # not proven gone: judged as before
 
     def _agree_on_failure(self, failure: tuple[str, str] | None) -> tuple[str, str] | None:
         """Every rank's failure (or None), gathered: the worst one, identical on every rank."""

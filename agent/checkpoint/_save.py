@@ -22,7 +22,7 @@ from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
-from agent.checkpoint._core import size_text
+from agent.checkpoint._core import lock_staging_folder, size_text
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
 from agent.control_channel import FlushRequest, FlushResult
@@ -123,6 +123,8 @@ class _Save:
     error: BaseException | None = None
     committed_uri: str | None = None
     thread: threading.Thread | None = None
+    folder_lock: int | None = None
+    """The descriptor holding the lock on this save's staging folder (``lock_staging_folder``)."""
     interrupt: BaseException | None = None
     """A ``KeyboardInterrupt`` or ``SystemExit`` (a signal handler's) that arrived while the calling
     thread ran the save (a synchronous save, a flush): the save runs its collectives to the end and
@@ -133,6 +135,12 @@ class _Save:
         """Keep the first interrupt that stopped a part of this save (see ``interrupt``)."""
         if self.interrupt is None and isinstance(e, KeyboardInterrupt | SystemExit):
             self.interrupt = e
+
+    def unlock(self) -> None:
+        """Let go of the staging folder's lock (the folder is removed, or left to be cleaned)."""
+        if self.folder_lock is not None:
+            os.close(self.folder_lock)
+            self.folder_lock = None
 
 
 def _writing_failure(e: BaseException, staging: str) -> str:
@@ -371,6 +379,7 @@ class _Saving(_Voting):
         """A prepared save that will not run: its folder goes, its staged tensors are let go."""
         if save is not None:
             shutil.rmtree(os.path.dirname(save.local_dir), ignore_errors=True)
+            save.unlock()
             save.staged = None
 
     def _prepare_save(
@@ -408,24 +417,30 @@ class _Saving(_Voting):
             trigger="flush" if flush is not None or blocking else trigger,
             from_rank0=self._from_rank0(state, dcp_state),
         )
-        os.makedirs(local_dir, exist_ok=True)
-        if dcp_state:
-            save.writer = make_writer(
-                local_dir,
-                durable=self.storage.local_path("") is not None,
-                direct=self._direct_io,
-                any_size=self.config.direct_io is True,
-                cancel=save.cancel,
-            )
-            if self.config.async_save and not blocking:
-                if self._stager is None:
-                    self._stager = make_stager()
-                staged = self._stager.stage(dcp_state)
-                save.staged = staged.result() if hasattr(staged, "result") else staged
-                if getattr(self._stager, "should_synchronize_after_execute", False):
-                    self._stager.synchronize_staging()
-            else:
-                save.staged = dcp_state  # written below, from the live tensors
+        # Locked before the rank's folder is made in it: another process's cleaning never removes it.
+        save.folder_lock = lock_staging_folder(os.path.dirname(local_dir))
+        try:
+            os.makedirs(local_dir, exist_ok=True)
+            if dcp_state:
+                save.writer = make_writer(
+                    local_dir,
+                    durable=self.storage.local_path("") is not None,
+                    direct=self._direct_io,
+                    any_size=self.config.direct_io is True,
+                    cancel=save.cancel,
+                )
+                if self.config.async_save and not blocking:
+                    if self._stager is None:
+                        self._stager = make_stager()
+                    staged = self._stager.stage(dcp_state)
+                    save.staged = staged.result() if hasattr(staged, "result") else staged
+                    if getattr(self._stager, "should_synchronize_after_execute", False):
+                        self._stager.synchronize_staging()
+                else:
+                    save.staged = dcp_state  # written below, from the live tensors
+        except BaseException:
+            save.unlock()  # the folder stays, for the next Checkpointer's cleaning
+            raise
         return save
 
     def _finish_save(self, save: _Save) -> None:
@@ -451,6 +466,7 @@ class _Saving(_Voting):
                 self._stager.close()
                 self._stager = None
                 release_buffers()
+            save.unlock()
             save.done.set()
             _done_at_exit(save)
 

@@ -1,0 +1,309 @@
+"""Readers of a checkpoint URI (an eval job's Checkpointer, ``spotjob ckpt ...``) while the job that
+owns it keeps saving and retention removes old checkpoints: the reader never breaks the writer,
+and never passes off a checkpoint deleted under it as broken, nor fails on it with a bare error.
+
+Each race is made to happen at a chosen point by a hook; nothing waits on time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agent.checkpoint._restore as restore_module
+import agent.checkpoint._save as save_module
+from agent._dcp import VerifiedReader
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer, RestoreRefusedError
+from agent.storage import open_storage
+from orchestrator import cli_ckpt
+from orchestrator.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_second_checkpointer_on_the_uri_does_not_remove_a_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A second Checkpointer of the job (an eval script reading its checkpoints, a new attempt) made
+    while the job writes a save: on a filesystem URI both stage in ``<uri>/.spotjob-staging``, and
+    cleaning stale staged saves at construction removed the one in flight, failing it."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    others: list[Checkpointer] = []
+    real_sync_files = save_module.sync_files
+
+    def sync_files_with_a_reader_arriving(*args: Any, **kwargs: Any) -> Any:
+        if not others:  # the save's files are written in its staging folder, not yet committed
+            others.append(Checkpointer(str(root), keep=None, job="train", async_save=False))
+        return real_sync_files(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "sync_files", sync_files_with_a_reader_arriving)
+    with Checkpointer(str(root), every_steps=1, keep=1, job="train", async_save=async_save) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+    assert others, "the hook did not run"
+    others[0].close()
+    found = list_checkpoints(open_storage(str(root)))
+    assert [(s.ref.folder, s.valid) for s in found] == [("step-000000001", True)]
+
+
+def test_a_stale_staging_folder_is_still_removed(tmp_path: Path) -> None:
+    """What the lock must not stop: a folder left by a save that was killed goes at construction."""
+    root = tmp_path / "ckpt"
+    stale = root / ".spotjob-staging" / "step-000000003-deadbeef" / "rank-0"
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    Checkpointer(str(root), keep=None, job="eval", async_save=False).close()
+    assert not stale.parent.exists()
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_a_restore_whose_checkpoint_retention_deletes_under_it_restores_the_newer_one(
+    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """An eval script (or a new attempt) restores while the job saves on with keep=1: the checkpoint
+    it picked is deleted as it reads it. It restores the newer one, never calls the store
+    unavailable (file store: a bare FileNotFoundError) nor the checkpoint missing a file."""
+    uri = fresh_uri(scheme)
+    state = make_state(0)
+    train(state, 1)
+    writer = Checkpointer(uri, every_steps=1, keep=1, job="train", async_save=False)
+    writer.save(1, state)
+    saved: dict[int, Any] = {}
+    real_ensure_local = VerifiedReader.ensure_local
+
+    def ensure_local_as_the_writer_saves_on(self: VerifiedReader, path: str) -> str:
+        if not saved:  # the reader picked step 1 and is about to read its first file
+            train(state, 1, start=1)
+            writer.save(2, state)  # keep=1: retention removes step 1
+            saved[2] = snapshot(state)
+        return real_ensure_local(self, path)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "ensure_local", ensure_local_as_the_writer_saves_on)
+    reader_state = make_state(0, seed=7)
+    with Checkpointer(uri, keep=None, job="train", async_save=False) as reader:
+        assert reader.restore(reader_state) == 2
+    writer.close()
+    assert_same(snapshot(reader_state), saved[2])
+
+
+def test_a_restore_whose_only_checkpoint_vanishes_refuses_and_never_starts_from_step_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint the restore picked is gone when it reads it, and nothing newer came (deleted by
+    hand, say): it refuses, naming what happened, rather than start from step 0."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    with Checkpointer(str(root), every_steps=1, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+    real_ensure_local = VerifiedReader.ensure_local
+
+    def ensure_local_of_a_deleted_checkpoint(self: VerifiedReader, path: str) -> str:
+        folder = root / self.folder
+        (folder / "MANIFEST.json").unlink()  # as retention deletes: the manifest first, then the rest
+        shutil.rmtree(folder)
+        return real_ensure_local(self, path)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "ensure_local", ensure_local_of_a_deleted_checkpoint)
+    with (
+        Checkpointer(str(root), keep=None, job="train", async_save=False) as reader,
+        pytest.raises(RestoreRefusedError, match="deleted while it was read"),
+    ):
+        reader.restore(make_state(0, seed=7))
+
+
+class _SavingOn:
+    """The job that owns the URI (keep=1), saving step 2 the first time it is called: retention
+    then removes step 1, which a reader picked a moment before."""
+
+    def __init__(self, uri: str) -> None:
+        self.state = make_state(0)
+        train(self.state, 1)
+        self.writer = Checkpointer(uri, every_steps=1, keep=1, job="train", async_save=False)
+        self.writer.save(1, self.state)
+        self.saved = False
+
+    def __call__(self) -> None:
+        if not self.saved:
+            self.saved = True
+            train(self.state, 1, start=1)
+            self.writer.save(2, self.state)
+
+
+def _hook_before(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
+    real = getattr(cli_ckpt, name)
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli_ckpt, name, hooked)
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_export_of_the_newest_deleted_under_it_exports_the_newer_one(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    scheme: str,
+) -> None:
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "export_safetensors", job)
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", uri, str(out)]) == 0
+    job.writer.close()
+    err = capsys.readouterr()
+    assert "step-000000001 was deleted while it was read" in err.err
+    assert "from " + open_storage(uri).url("step-000000002") in err.out
+    assert sorted(os.listdir(out)) == ["model.safetensors", "model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_export_of_a_named_step_deleted_under_it_says_so_and_leaves_nothing(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    scheme: str,
+) -> None:
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "export_safetensors", job)
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", "--step", "1", uri, str(out)]) == cli_ckpt.EXIT_ERROR
+    job.writer.close()
+    err = capsys.readouterr().err
+    assert "step-000000001 was deleted while it was being exported" in err
+    assert "--step" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_verify_deep_of_a_checkpoint_deleted_under_it_is_an_error_not_a_verdict(
+    fresh_uri: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    scheme: str,
+) -> None:
+    """Not "INVALID — file missing" (exit 1: a broken checkpoint), nor "valid"."""
+    uri = fresh_uri(scheme)
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, "verify_deep", job)
+    assert main(["ckpt", "verify", "--deep", uri]) == cli_ckpt.EXIT_ERROR
+    job.writer.close()
+    captured = capsys.readouterr()
+    assert "step-000000001 was deleted while it was being verified" in captured.err
+    assert "valid" not in captured.out.lower()
+
+
+def test_export_deleted_between_its_shards_leaves_no_partial_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A filesystem store's files are read in place: deleted after the first safetensors file was
+    written, the export removes what it wrote and says why (not "DCP could not load", exit 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "ckpt"
+    job = _SavingOn(str(root))
+    loads = []
+    real_load = dcp.load
+
+    def load_then_the_job_saves_on(*args: Any, **kwargs: Any) -> Any:
+        loads.append(1)
+        if len(loads) == 2:  # the first shard is written (as a .partial file), the second not
+            job()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", load_then_the_job_saves_on)
+    out = tmp_path / "export"
+    code = main(["ckpt", "export", "--step", "1", "--max-shard-size", "200", str(root), str(out)])
+    job.writer.close()
+    assert code == cli_ckpt.EXIT_ERROR
+    assert len(loads) == 2
+    assert "step-000000001 was deleted while it was being exported" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_restore_that_sees_the_newest_in_progress_and_the_one_before_gone_restores_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing holds step 2 (a save in progress) and step 1; as the restore looks at step 2 it
+    is uncommitted, then it commits and retention deletes step 1 before the restore looks there.
+    No folder read as committed: the restore returned 0, starting over committed checkpoints."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    with Checkpointer(str(root), every_steps=1, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        train(state, 1, start=1)
+        writer.save(2, state)
+    saved = snapshot(state)
+    manifest = root / "step-000000002" / "MANIFEST.json"
+    aside = tmp_path / "MANIFEST.json"
+    manifest.rename(aside)  # step 2: a save in progress
+    real_inspect = restore_module.inspect
+    looked: list[str] = []
+
+    def inspect_as_the_job_commits_and_retention_deletes(storage: Any, ref: Any, **kwargs: Any) -> Any:
+        status = real_inspect(storage, ref, **kwargs)
+        looked.append(ref.folder)
+        if len(looked) == 1:  # step 2 seen uncommitted: it commits, and keep=1 removes step 1
+            aside.rename(manifest)
+            (root / "step-000000001" / "MANIFEST.json").unlink()
+            shutil.rmtree(root / "step-000000001")
+        return status
+
+    monkeypatch.setattr(restore_module, "inspect", inspect_as_the_job_commits_and_retention_deletes)
+    reader_state = make_state(0, seed=7)
+    with Checkpointer(str(root), keep=None, job="train", async_save=False) as reader:
+        assert reader.restore(reader_state) == 2
+    assert looked[:2] == ["step-000000002", "step-000000001"]
+    assert_same(snapshot(reader_state), saved)
+
+
+@pytest.mark.parametrize("command", [["export"], ["verify"]])
+def test_ckpt_commands_that_see_the_newest_in_progress_and_the_one_before_gone_use_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """As the restore above: `export` said "no valid checkpoint" (exit 1), `verify` "no committed
+    checkpoint", while step 2 had just been committed."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    with Checkpointer(str(root), every_steps=1, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        writer.save(2, state)
+    manifest = root / "step-000000002" / "MANIFEST.json"
+    aside = tmp_path / "MANIFEST.json"
+    manifest.rename(aside)
+    real_inspect = cli_ckpt.inspect
+    looked: list[str] = []
+
+    def inspect_as_the_job_commits_and_retention_deletes(storage: Any, ref: Any, **kwargs: Any) -> Any:
+        status = real_inspect(storage, ref, **kwargs)
+        looked.append(ref.folder)
+        if len(looked) == 1:
+            aside.rename(manifest)
+            (root / "step-000000001" / "MANIFEST.json").unlink()
+            shutil.rmtree(root / "step-000000001")
+        return status
+
+    monkeypatch.setattr(cli_ckpt, "inspect", inspect_as_the_job_commits_and_retention_deletes)
+    args = [str(root), str(tmp_path / "export")] if command == ["export"] else [str(root)]
+    assert main(["ckpt", *command, *args]) == 0
+    assert looked[:2] == ["step-000000002", "step-000000001"]
+    assert "step-000000002" in capsys.readouterr().out
