@@ -223,6 +223,7 @@ S3_CALL_ACTIONS = {
     "list_objects_v2": "s3:ListBucket",
     "head_bucket": "s3:ListBucket",
     "delete_objects": "s3:DeleteObject",
+    "delete_object": "s3:DeleteObject",
 }
 
 
