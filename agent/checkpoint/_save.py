@@ -143,6 +143,10 @@ class _Save:
             self.folder_lock = None
 
 
+_WAIT_SLICE_S = 0.25
+"""How often ``wait()`` wakes while a save is in flight, so that a signal's handler runs (see there)."""
+
+
 def _writing_failure(e: BaseException, staging: str) -> str:
     """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
     unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota
@@ -187,7 +191,11 @@ class _Saving(_Voting):
         if save is None:
             return
         self._check_process("wait()")
-        save.done.wait()
+        # In slices: a Ctrl-C the kernel hands to another thread of the process (the save's, a
+        # transfer's) only sets Python's flag, and the main thread blocked in one long wait would
+        # not run the handler until the save is over. Waking each slice, it raises within one.
+        while not save.done.wait(_WAIT_SLICE_S):
+            pass
         if save.thread is not None:
             save.thread.join()
         self._inflight = None

@@ -83,6 +83,16 @@ def test_an_interrupted_close_leaves_the_save_in_flight_what_it_uses_and_the_nex
     assert committed(uri) == [1], done.stderr
 
 
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_close_while_the_save_runs(tmp_path: Path) -> None:
+    """A process-directed SIGINT may land on any thread; Python then only sets a flag, and a main
+    thread blocked in one long wait ran the handler only once the save was over (a hang, when
+    the save waits on the main thread)."""
+    uri = str(tmp_path / "ckpt")
+    done = harness.run([harness.PYTHON, str(SCRIPT), "close-other-thread", "--uri", uri])
+    assert done.stdout.splitlines() == ["close interrupted", "while the save was held: True"], done.stdout + done.stderr
+    assert committed(uri) == [1], done.stderr
+
+
 def test_ctrl_c_in_a_with_block_whose_save_failed_ends_the_process_by_sigint(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     done = harness.run([harness.PYTHON, str(SCRIPT), "with-body", "--uri", uri], check=False)

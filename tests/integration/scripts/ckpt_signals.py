@@ -115,6 +115,47 @@ def close(args: argparse.Namespace) -> None:
     print(f"closed after committing {ckpt.last_committed_step}", flush=True)
 
 
+def close_other_thread(args: argparse.Namespace) -> None:
+    """Ctrl-C handed by the kernel to a thread other than the main one (a process-directed signal
+    may land on any thread) while ``close()`` waits: it must still reach ``close()`` while the
+    save is held, not only once the save is over."""
+    state = make_state(0)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=True)
+    real = ckpt.storage.put_file
+    uploading, close_over = threading.Event(), threading.Event()
+    held: list[bool] = []
+    main = threading.main_thread().ident
+
+    def in_close() -> bool:
+        frame = sys._current_frames().get(main or 0)
+        names = set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        return {"close", "wait"} <= names
+
+    def interrupt_from_this_thread(*a: Any, **kw: Any) -> Any:
+        if not uploading.is_set():
+            uploading.set()
+            while not in_close():
+                close_over.wait(0.01)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # this thread, not the main one
+            held.append(close_over.wait(60))  # the bound keeps a failing run from hanging
+        return real(*a, **kw)
+
+    ckpt.storage.put_file = interrupt_from_this_thread  # type: ignore[method-assign]
+    train(state, 1)
+    ckpt.save(1, state)
+    try:
+        ckpt.close()
+    except KeyboardInterrupt:
+        print("close interrupted", flush=True)
+    finally:
+        close_over.set()
+        ckpt.close()
+    print(f"while the save was held: {held == [True]}", flush=True)
+
+
 class _Probe:
     """Per-rank state whose ``state_dict()`` (run while the rank prepares a save) calls ``hook``."""
 
@@ -187,7 +228,7 @@ def with_body(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["sync", "close", "ranks", "with-body"])
+    p.add_argument("mode", choices=["sync", "close", "close-other-thread", "ranks", "with-body"])
     p.add_argument("--uri", required=True)
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
     p.add_argument("--at", choices=["staging", "upload", "commit"], default="upload")
@@ -197,7 +238,14 @@ def main() -> None:
     # SIGINT was not ignored when it started, and a process started in the background by a
     # non-interactive shell (a CI runner's `cmd &`) inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    {"sync": sync, "close": close, "ranks": ranks, "with-body": with_body}[args.mode](args)
+    modes = {
+        "sync": sync,
+        "close": close,
+        "close-other-thread": close_other_thread,
+        "ranks": ranks,
+        "with-body": with_body,
+    }
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":
