@@ -408,7 +408,7 @@ class TestCluster:
         front = self._front()
         front.api.store.expire_history()
 
-    def expire_watch_history_and_drop_watches(self, resource: str = "") -> int:
+    def expire_watch_history_and_drop_watches(self, resource: str = "", namespace: str | None = None) -> int:
         """In one step, as no client can observe in between: a write elsewhere (etcd's revision is
         global), the history expired, and every open watch (of ``resource``) cut. Every version a
         client has seen, bookmarks included, is then older than the server keeps: its next watch is
@@ -418,7 +418,7 @@ class TestCluster:
         with store.lock:
             store.next_rv()
             store.expire_history()
-            return front.drop_watches(resource)
+            return front.drop_watches(resource, namespace)
 
     @property
     def validation_failures(self) -> list[ValidationFailure]:

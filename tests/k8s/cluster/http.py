@@ -200,10 +200,16 @@ class HttpFront:
                 fault.released.set()
             self.faults.clear()
 
-    def drop_watches(self, resource: str = "") -> int:
-        """Cut every open watch (of ``resource``, a plural, if given) mid-stream."""
+    def drop_watches(self, resource: str = "", namespace: str | None = None) -> int:
+        """Cut every open watch (of ``resource``, a plural, if given; opened in ``namespace``, if
+        given) mid-stream."""
         with self._watch_lock:
-            victims = [w for w in self._watches if not resource or w.resource.endswith("/" + resource)]
+            victims = [
+                w
+                for w in self._watches
+                if (not resource or w.resource.endswith("/" + resource))
+                and (namespace is None or w.namespace == namespace)
+            ]
         for w in victims:
             w.close(dropped=True)
         return len(victims)
@@ -737,6 +743,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             return 200
         watcher, backlog, initial = started
+        watcher.namespace = info.namespace or None
         with self.front._watch_lock:
             self.front._watches.add(watcher)
 

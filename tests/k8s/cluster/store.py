@@ -42,6 +42,8 @@ class Watcher:
 
     def __init__(self, resource: str) -> None:
         self.resource = resource
+        self.namespace: str | None = None
+        """The namespace the watch was opened in (the HTTP layer sets it), None for cluster-wide."""
         self._queue: collections.deque[Event] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
         self.closed = False
