@@ -36,3 +36,14 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 def assert_same(a: Any, b: Any, what: str = "state") -> None:
     diffs = differences(a, b)
     assert not diffs, f"{what} differs in {len(diffs)} place(s):\n  " + "\n  ".join(diffs[:20])
+
+
+def assert_same_training_state(
+    a: torch.nn.Module, b: torch.nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer
+) -> None:
+    """Two modules' state dicts, and their optimizers' per-parameter state, equal bit for bit."""
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        for key, value in oa.state[pa].items():
+            assert torch.equal(value, ob.state[pb][key]), key

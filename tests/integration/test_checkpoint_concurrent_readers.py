@@ -142,6 +142,17 @@ class _SavingOn:
             self.writer.save(2, self.state)
 
 
+def _command_while_the_job_saves(monkeypatch: pytest.MonkeyPatch, uri: str, hooked: str, argv: list[str]) -> int:
+    """``spotjob ckpt ...argv`` on ``uri``, the job saving step 2 (retention deleting step 1) right
+    before the command's ``hooked`` step reads the checkpoint it picked; its exit status."""
+    job = _SavingOn(uri)
+    _hook_before(monkeypatch, hooked, job)
+    try:
+        return main(["ckpt", *argv])
+    finally:
+        job.writer.close()
+
+
 def _hook_before(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
     real = getattr(cli_ckpt, name)
 
@@ -161,11 +172,8 @@ def test_export_of_the_newest_deleted_under_it_exports_the_newer_one(
     scheme: str,
 ) -> None:
     uri = fresh_uri(scheme)
-    job = _SavingOn(uri)
-    _hook_before(monkeypatch, "export_safetensors", job)
     out = tmp_path / "export"
-    assert main(["ckpt", "export", uri, str(out)]) == 0
-    job.writer.close()
+    assert _command_while_the_job_saves(monkeypatch, uri, "export_safetensors", ["export", uri, str(out)]) == 0
     err = capsys.readouterr()
     assert "step-000000001 was deleted while it was read" in err.err
     assert "from " + open_storage(uri).url("step-000000002") in err.out
@@ -181,11 +189,9 @@ def test_export_of_a_named_step_deleted_under_it_says_so_and_leaves_nothing(
     scheme: str,
 ) -> None:
     uri = fresh_uri(scheme)
-    job = _SavingOn(uri)
-    _hook_before(monkeypatch, "export_safetensors", job)
     out = tmp_path / "export"
-    assert main(["ckpt", "export", "--step", "1", uri, str(out)]) == cli_ckpt.EXIT_ERROR
-    job.writer.close()
+    argv = ["export", "--step", "1", uri, str(out)]
+    assert _command_while_the_job_saves(monkeypatch, uri, "export_safetensors", argv) == cli_ckpt.EXIT_ERROR
     err = capsys.readouterr().err
     assert "step-000000001 was deleted while it was being exported" in err
     assert "--step" in err and "Traceback" not in err
@@ -201,10 +207,8 @@ def test_verify_deep_of_a_checkpoint_deleted_under_it_is_an_error_not_a_verdict(
 ) -> None:
     """Not "INVALID — file missing" (exit 1: a broken checkpoint), nor "valid"."""
     uri = fresh_uri(scheme)
-    job = _SavingOn(uri)
-    _hook_before(monkeypatch, "verify_deep", job)
-    assert main(["ckpt", "verify", "--deep", uri]) == cli_ckpt.EXIT_ERROR
-    job.writer.close()
+    status = _command_while_the_job_saves(monkeypatch, uri, "verify_deep", ["verify", "--deep", uri])
+    assert status == cli_ckpt.EXIT_ERROR
     captured = capsys.readouterr()
     assert "step-000000001 was deleted while it was being verified" in captured.err
     assert "valid" not in captured.out.lower()

@@ -17,6 +17,7 @@ from torch import nn
 from agent import _dcp
 from agent.checkpoint import Checkpointer
 from agent.manifest import MANIFEST_NAME, Manifest
+from tests.ckpt_compare import assert_same_training_state
 
 
 class Many(nn.Module):
@@ -39,14 +40,6 @@ def trained(seed: int) -> tuple[Many, torch.optim.Optimizer]:
     return model, optim
 
 
-def same(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-        for key, value in oa.state[pa].items():
-            assert torch.equal(value, ob.state[pb][key]), key
-
-
 def test_a_restore_parses_the_manifest_once_and_restores_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,7 +60,7 @@ def test_a_restore_parses_the_manifest_once_and_restores_exactly(
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 3
     assert len(parsed) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
 
 
 def test_a_restore_reads_the_models_state_once_and_loads_into_it(
@@ -92,7 +85,7 @@ def test_a_restore_reads_the_models_state_once_and_loads_into_it(
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 2
     assert len(calls) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
 
 
 def test_the_manifest_other_ranks_parse_from_rank0s_json_equals_the_one_rank0_keeps(tmp_path: Path) -> None:
@@ -162,4 +155,4 @@ def test_a_save_writes_the_same_shard_bytes_with_small_tensors_serialized_in_mem
     fresh, fresh_optim = trained(1)
     with Checkpointer(str(tmp_path / "gathered")) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)

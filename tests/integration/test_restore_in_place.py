@@ -14,6 +14,7 @@ from torch import nn
 
 from agent import _dcp
 from agent.checkpoint import Checkpointer
+from tests.ckpt_compare import assert_same_training_state
 
 
 @pytest.fixture
@@ -56,14 +57,6 @@ def layers(model: nn.Sequential) -> tuple[nn.Linear, nn.Linear]:
     return first, second
 
 
-def same(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-        for key, value in oa.state[pa].items():
-            assert torch.equal(value, ob.state[pb][key]), key
-
-
 def test_every_tensor_of_a_plain_model_is_read_straight_into_place(
     tmp_path: Path, in_place: list[tuple[int, int]]
 ) -> None:
@@ -73,7 +66,7 @@ def test_every_tensor_of_a_plain_model_is_read_straight_into_place(
     fresh, fresh_optim = trained(1)
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
     tensors = 4 + 4 * 3  # 4 parameters; Adam's exp_avg, exp_avg_sq and step for each
     read, items = (sum(column) for column in zip(*in_place, strict=True))  # model and optimizer loads
     assert read == tensors and items > tensors  # the rest are the param groups' plain values
@@ -88,7 +81,7 @@ def test_a_non_contiguous_parameter_goes_through_dcps_path_and_comes_back_exactl
     fresh, fresh_optim = trained(1, transposed=True)
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
     read = sum(r for r, _ in in_place)
     # All but the transposed weight and its two Adam moments (created with the weight's strides).
     assert read == 4 + 4 * 3 - 3
@@ -132,7 +125,7 @@ def test_the_models_pages_are_mapped_while_the_files_are_first_checked(
     params = {p.data_ptr() for p in fresh.parameters()}
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
     assert len(mapped) == 2  # the optimizer's load, then the model's
     moments = {v.data_ptr() for s in fresh_optim.state.values() for k, v in s.items() if k != "step"}
     assert params <= mapped[0] and moments <= mapped[0]
@@ -200,6 +193,6 @@ def test_only_tensors_from_the_size_limit_up_are_read_in_place_and_all_come_back
     reads = count_reads(monkeypatch)
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    same(model, fresh, optim, fresh_optim)
+    assert_same_training_state(model, fresh, optim, fresh_optim)
     assert model[0].weight.nbytes == _dcp.IN_PLACE_MIN_BYTES
     assert sum(read for read, _ in reads) == 3  # the first weight and its two Adam moments

@@ -71,21 +71,25 @@ def sync(args: argparse.Namespace) -> None:
     raise AssertionError("the signal did not stop the save of step 2")
 
 
+def main_thread_in(*functions: str) -> bool:
+    """Whether the main thread is, right now, inside calls of every one of these function names."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    names = set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    return set(functions) <= names
+
+
 def close(args: argparse.Namespace) -> None:
     state = make_state(0)
     ckpt = Checkpointer(args.uri, keep=None, async_save=True)
     real = ckpt.storage.put_file
     uploading, first_close_over, second_close_over = threading.Event(), threading.Event(), threading.Event()
-    main = threading.main_thread().ident
 
     def closing() -> bool:
         """The main thread waits in ``close()`` for the save."""
-        frame = sys._current_frames().get(main or 0)
-        names = set()
-        while frame is not None:
-            names.add(frame.f_code.co_name)
-            frame = frame.f_back
-        return {"close", "wait"} <= names
+        return main_thread_in("close", "wait")
 
     def interrupt_close_then_go_on(*a: Any, **kw: Any) -> Any:
         if not uploading.is_set():
@@ -124,15 +128,9 @@ def close_other_thread(args: argparse.Namespace) -> None:
     real = ckpt.storage.put_file
     uploading, close_over = threading.Event(), threading.Event()
     held: list[bool] = []
-    main = threading.main_thread().ident
 
     def in_close() -> bool:
-        frame = sys._current_frames().get(main or 0)
-        names = set()
-        while frame is not None:
-            names.add(frame.f_code.co_name)
-            frame = frame.f_back
-        return {"close", "wait"} <= names
+        return main_thread_in("close", "wait")
 
     def interrupt_from_this_thread(*a: Any, **kw: Any) -> Any:
         if not uploading.is_set():
