@@ -464,19 +464,6 @@ def _deleting(pod: Object) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
-def _trainer_status(pod: Object) -> Mapping[str, Any]:
-    """The status of the container that runs the agent (the one exposing the agent's port)."""
-    containers = (pod.get("spec") or {}).get("containers") or []
-    name = next(
-        (c.get("name") for c in containers if any(p.get("name") == pods.AGENT_PORT_NAME for p in c.get("ports") or [])),
-        containers[0].get("name") if containers else None,
-    )
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") == name:
-            return status
-    return {}
-
-
 def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
     """The status of the init container whose failure failed the pod before the agent ran, if any.
 
@@ -501,7 +488,7 @@ def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
 def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     """The worker's phase and the agent's exit code (see the module docstring)."""
     status = pod.get("status") or {}
-    trainer = _trainer_status(pod)
+    trainer = pods.training_container_status(pod)
     terminated = (trainer.get("state") or {}).get("terminated")
     if terminated is not None and terminated.get("exitCode") is not None:
         # The agent exited: its code decides, whatever sidecars still run in the pod.
@@ -534,7 +521,7 @@ def _refused_options(pod: Object) -> str | None:
     """For an agent that exited 2 (``EXIT_USAGE``): the line of its termination message (the tail of
     its log, ``FallbackToLogsOnError``) saying what it refused, and the likely cause after an
     upgrade. Only that line: the rest of the log is the user's and stays behind ``kubectl logs``."""
-    terminated = (_trainer_status(pod).get("state") or {}).get("terminated") or {}
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
     lines = [line for line in str(terminated.get("message") or "").splitlines() if AGENT_USAGE_ERROR in line]
     if not lines:
         return None

@@ -459,6 +459,24 @@ def _tolerations(user: Iterable[Mapping[str, Any]], seconds: int) -> list[Object
     return out
 
 
+# -- reading a worker pod --------------------------------------------------------------------------
+
+
+def training_container_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The status of the container that runs the agent in a worker pod (the one exposing the
+    agent's port, else the first); empty until the kubelet reported it. Its readiness and exit code
+    are the worker's: the template's other containers (sidecars, helpers) say nothing of training."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    name = next(
+        (c.get("name") for c in containers if any(p.get("name") == AGENT_PORT_NAME for p in c.get("ports") or [])),
+        containers[0].get("name") if containers else None,
+    )
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == name:
+            return dict(status)
+    return {}
+
+
 # -- the job's other objects -----------------------------------------------------------------------
 
 
