@@ -17,7 +17,8 @@ What is taken from the user's ``spec.template`` and what spotjob sets:
   avoided zones and instance types, a required pod anti-affinity (one worker of an attempt per
   node), tolerations that keep a worker on a node whose preemption taint is ``NoExecute`` long
   enough to flush, ``restartPolicy: Never`` (an attempt's pod is never restarted in place: the
-  reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush,
+  reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush
+  (and the training container's own ``preStop`` sleep, which holds its SIGTERM back),
   and the agent's probes (liveness on /healthz; readiness on /readyz, Ready once the node's ranks
   train, i.e. once the whole gang joined and restored);
 - three volumes: ``spotjob-token`` (the per-job Secret, for ``--token-file``), ``spotjob-control``
@@ -324,7 +325,8 @@ def worker_pod(
     pod_spec["volumes"] = volumes
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = max(
-        int(pod_spec.get("terminationGracePeriodSeconds") or 0), window + EXIT_SLACK_SECONDS
+        int(pod_spec.get("terminationGracePeriodSeconds") or 0),
+        window + EXIT_SLACK_SECONDS + _pre_stop_sleep_seconds(trainer),
     )
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = service_name(owner.name)
@@ -342,6 +344,16 @@ def worker_pod(
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _pre_stop_sleep_seconds(container: Mapping[str, Any]) -> int:
+    """How long the container's own ``preStop`` sleep action holds back its SIGTERM (0 without one).
+
+    The kubelet runs the hook first and SIGTERMs the agent after it, within the one grace period:
+    the sleep must be added for the flush window to stay whole. An exec or httpGet hook takes an
+    unknown time, out of ``EXIT_SLACK_SECONDS`` (README "Limits on Kubernetes")."""
+    seconds = (((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds")
+    return max(0, int(seconds)) if isinstance(seconds, int) else 0
 
 
 def _agent_args(
