@@ -182,9 +182,16 @@ def template_problems(template: Mapping[str, Any] | None, container: int) -> lis
         for i, env in enumerate(trainer.get("env") or []):
             if isinstance(env, Mapping) and env.get("name") in _RESERVED_ENV:
                 problems.append(f"{where}.env[{i}].name: {env.get('name')} is set by spotjob (the downward API)")
-        for i, port in enumerate(trainer.get("ports") or []):
-            if isinstance(port, Mapping) and port.get("name") == AGENT_PORT_NAME:
-                problems.append(f"{where}.ports[{i}].name: {AGENT_PORT_NAME} is reserved for the agent's port")
+    # The agent's port name marks the training container in the pod (how a worker's readiness and
+    # exit code are found): on another container it would stand for the trainer.
+    for kind in ("initContainers", "containers"):
+        for c_index, c in enumerate(spec.get(kind) or []):
+            for i, port in enumerate((c.get("ports") if isinstance(c, Mapping) else None) or []):
+                if isinstance(port, Mapping) and port.get("name") == AGENT_PORT_NAME:
+                    problems.append(
+                        f"spec.template.spec.{kind}[{c_index}].ports[{i}].name: {AGENT_PORT_NAME} is reserved for "
+                        "the agent's port; name the port otherwise"
+                    )
     policy = spec.get("restartPolicy")
     if policy not in (None, "Never"):
         problems.append(

@@ -287,6 +287,16 @@ def test_noexecute_preemption_taints_are_tolerated_for_the_flush_window_but_nosc
         ),
         (lambda t: t["spec"].update(hostname="x"), "spec.template.spec.hostname"),
         (
+            # On a sidecar it would mark that container as the trainer: its readiness and exit
+            # code would stand for the worker's.
+            lambda t: t["spec"]["containers"][0].update(ports=[{"name": "spotjob-agent", "containerPort": 9}]),
+            "spec.template.spec.containers[0].ports[0].name",
+        ),
+        (
+            lambda t: t["spec"]["containers"][1].update(ports=[{"name": "spotjob-agent", "containerPort": 9}]),
+            "spec.template.spec.containers[1].ports[0].name",
+        ),
+        (
             lambda t: t["spec"]["containers"][1]["env"].append({"name": "POD_IP", "value": "1.2.3.4"}),
             "spec.template.spec.containers[1].env[2].name",
         ),
