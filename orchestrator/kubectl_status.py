@@ -15,6 +15,7 @@ from typing import Any
 
 from orchestrator.cli_ckpt import print_table
 from orchestrator.k8s.plugin_client import AccessDenied, SpotJobClient
+from orchestrator.k8s.pods import training_container_status
 from orchestrator.kubectl_common import (
     EXIT_OK,
     UsageError,
@@ -123,18 +124,15 @@ def _pod_phase(pod: dict[str, Any]) -> str:
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready":
-            return c.get("status") == "True"
-    return False
+    """The training container's readiness (its agent's /readyz: the ranks train), not the pod's: a
+    pod with a helper container that finished is never Ready, yet its worker trains."""
+    return training_container_status(pod).get("ready") is True
 
 
 def _pod_exit_code(pod: dict[str, Any]) -> int | None:
-    for c in (pod.get("status") or {}).get("containerStatuses") or []:
-        code = ((c.get("state") or {}).get("terminated") or {}).get("exitCode")
-        if isinstance(code, int):
-            return code
-    return None
+    """The agent's exit code, not a sidecar's or a helper's (the kubelet lists containers by name)."""
+    code = ((training_container_status(pod).get("state") or {}).get("terminated") or {}).get("exitCode")
+    return code if isinstance(code, int) else None
 
 
 def _attempt_label(meta: dict[str, Any]) -> int | None:

@@ -23,12 +23,16 @@ builds the objects):
   its uid): a job deleted and created again under the same name finds its predecessor's pods
   still terminating under the same names, and waits for them to go instead of adopting them.
 - ``list_workers``: the job's pods from the cache, as observations. A worker is Running once its
-  ranks train, not when its container starts: once its pod is Ready (its agent's /readyz: the
-  node's first rank trains, which needs every rank of the gang joined and restored). The training
-  container's exit code is the agent's; a pod that failed without one (deleted with its node,
-  evicted before it started) was lost, and so is a pod whose node is lost (deleted, or NotReady
-  past the grace): its object may say Running for minutes, but no kubelet reports for it and no
-  flush can reach it.
+  ranks train, not when its container starts: once its training container is ready (its agent's
+  /readyz: the node's first rank trains, which needs every rank of the gang joined and restored).
+  The container's readiness, not the pod's: the pod is Ready only while every container is, and
+  the template's other containers (a helper that finished, a sidecar with a probe of its own) say
+  nothing about training. The training container's exit code is the agent's; a pod that failed
+  because an init container did (the agent never ran) failed with that container's code, a
+  failure of the template like one of the training code; a pod that failed without either
+  (deleted with its node, evicted before it started) was lost, and so is a pod whose node is lost
+  (deleted, or NotReady past the grace): its object may say Running for minutes, but no kubelet
+  reports for it and no flush can reach it.
 - ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes: the live and
   the failed ones (a pod its node took down failed), never the succeeded ones.
 - ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.exit_codes import EXIT_USAGE
+from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
     BackendError,
     FlushRequestOutcome,
@@ -212,7 +216,7 @@ class KubernetesBackend:
                     zone=labels.get(NODE_ZONE_LABEL),
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
-                    detail=_refused_options(pod) if exit_code == EXIT_USAGE else None,
+                    detail=_failure_detail(pod, exit_code),
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
@@ -460,23 +464,32 @@ def _deleting(pod: Object) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
-def _trainer_status(pod: Object) -> Mapping[str, Any]:
-    """The status of the container that runs the agent (the one exposing the agent's port)."""
-    containers = (pod.get("spec") or {}).get("containers") or []
-    name = next(
-        (c.get("name") for c in containers if any(p.get("name") == pods.AGENT_PORT_NAME for p in c.get("ports") or [])),
-        containers[0].get("name") if containers else None,
-    )
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") == name:
-            return status
-    return {}
+def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
+    """The status of the init container whose failure failed the pod before the agent ran, if any.
+
+    With ``restartPolicy: Never`` (what spotjob sets) an init container that exits non-zero fails
+    the pod at once: the template's doing, like a failure of the training code, and no node lost.
+    A native sidecar (an init container with ``restartPolicy: Always``) is not one: the kubelet
+    restarts it, and stops it itself when the pod ends. A pod the kubelet evicted is not one
+    either: its node was short of memory or disk, whatever the container said as it was killed."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Failed" or status.get("reason") == "Evicted":
+        return None
+    sidecars = {
+        c.get("name") for c in (pod.get("spec") or {}).get("initContainers") or [] if c.get("restartPolicy") == "Always"
+    }
+    for container in status.get("initContainerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if container.get("name") not in sidecars and terminated.get("exitCode") not in (None, 0):
+            return container
+    return None
 
 
 def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     """The worker's phase and the agent's exit code (see the module docstring)."""
     status = pod.get("status") or {}
-    terminated = (_trainer_status(pod).get("state") or {}).get("terminated")
+    trainer = pods.training_container_status(pod)
+    terminated = (trainer.get("state") or {}).get("terminated")
     if terminated is not None and terminated.get("exitCode") is not None:
         # The agent exited: its code decides, whatever sidecars still run in the pod.
         code = int(terminated["exitCode"])
@@ -485,10 +498,17 @@ def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     if phase == "Succeeded":
         return WorkerPhase.SUCCEEDED, 0
     if phase == "Failed":
+        init = _failed_init_container(pod)
+        if init is not None:
+            # The codes the agent reserves for what it saw (75: flushed, ...) mean nothing from an
+            # init container: reported as a plain failure, as the agent reports a command's.
+            code = int(init["state"]["terminated"]["exitCode"])
+            return WorkerPhase.FAILED, EXIT_COMMAND_USED_RESERVED if code in RESERVED_EXIT_CODES else code
         return WorkerPhase.FAILED, None  # no exit code: lost with its node, or evicted before it ran
-    if phase == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-    ):
+    # The trainer's own readiness (its agent's /readyz), not the pod's: a pod is Ready only while
+    # every container is, so a helper container that finished, or a sidecar whose own probe
+    # fails, would keep a training worker from ever counting as running (no flush on a notice).
+    if phase == "Running" and trainer.get("ready") is True:
         return WorkerPhase.RUNNING, None
     return WorkerPhase.PENDING, None
 
@@ -501,7 +521,7 @@ def _refused_options(pod: Object) -> str | None:
     """For an agent that exited 2 (``EXIT_USAGE``): the line of its termination message (the tail of
     its log, ``FallbackToLogsOnError``) saying what it refused, and the likely cause after an
     upgrade. Only that line: the rest of the log is the user's and stays behind ``kubectl logs``."""
-    terminated = (_trainer_status(pod).get("state") or {}).get("terminated") or {}
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
     lines = [line for line in str(terminated.get("message") or "").splitlines() if AGENT_USAGE_ERROR in line]
     if not lines:
         return None
@@ -510,6 +530,21 @@ def _refused_options(pod: Object) -> str | None:
         f"{said} (the image's spotjob-agent refused the command line the controller gave it: is the "
         f"image's spotjob older than the controller? See README 'Upgrading'; kubectl logs {_name(pod)})"
     )
+
+
+def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
+    """Why a worker that exited failed, when the pod says: an init container that failed (the
+    agent never ran), or the options an agent refused (exit 2)."""
+    init = _failed_init_container(pod)
+    if init is not None:
+        terminated = init["state"]["terminated"]
+        said = " ".join(str(terminated.get("message") or "").split())[-300:]
+        return (
+            f"init container {init.get('name')} exited {terminated.get('exitCode')}"
+            f"{' (' + str(terminated['reason']) + ')' if terminated.get('reason') else ''} before the training "
+            f"container started{': ' + said if said else ''}; kubectl logs {_name(pod)} -c {init.get('name')}"
+        )
+    return _refused_options(pod) if exit_code == EXIT_USAGE else None
 
 
 def _still_running(pod: Object) -> bool:

@@ -17,7 +17,8 @@ What is taken from the user's ``spec.template`` and what spotjob sets:
   avoided zones and instance types, a required pod anti-affinity (one worker of an attempt per
   node), tolerations that keep a worker on a node whose preemption taint is ``NoExecute`` long
   enough to flush, ``restartPolicy: Never`` (an attempt's pod is never restarted in place: the
-  reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush,
+  reconciler starts the next attempt), ``terminationGracePeriodSeconds`` covering the flush
+  (and the training container's own ``preStop`` sleep, which holds its SIGTERM back),
   and the agent's probes (liveness on /healthz; readiness on /readyz, Ready once the node's ranks
   train, i.e. once the whole gang joined and restored);
 - three volumes: ``spotjob-token`` (the per-job Secret, for ``--token-file``), ``spotjob-control``
@@ -181,9 +182,16 @@ def template_problems(template: Mapping[str, Any] | None, container: int) -> lis
         for i, env in enumerate(trainer.get("env") or []):
             if isinstance(env, Mapping) and env.get("name") in _RESERVED_ENV:
                 problems.append(f"{where}.env[{i}].name: {env.get('name')} is set by spotjob (the downward API)")
-        for i, port in enumerate(trainer.get("ports") or []):
-            if isinstance(port, Mapping) and port.get("name") == AGENT_PORT_NAME:
-                problems.append(f"{where}.ports[{i}].name: {AGENT_PORT_NAME} is reserved for the agent's port")
+    # The agent's port name marks the training container in the pod (how a worker's readiness and
+    # exit code are found): on another container it would stand for the trainer.
+    for kind in ("initContainers", "containers"):
+        for c_index, c in enumerate(spec.get(kind) or []):
+            for i, port in enumerate((c.get("ports") if isinstance(c, Mapping) else None) or []):
+                if isinstance(port, Mapping) and port.get("name") == AGENT_PORT_NAME:
+                    problems.append(
+                        f"spec.template.spec.{kind}[{c_index}].ports[{i}].name: {AGENT_PORT_NAME} is reserved for "
+                        "the agent's port; name the port otherwise"
+                    )
     policy = spec.get("restartPolicy")
     if policy not in (None, "Never"):
         problems.append(
@@ -324,7 +332,8 @@ def worker_pod(
     pod_spec["volumes"] = volumes
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = max(
-        int(pod_spec.get("terminationGracePeriodSeconds") or 0), window + EXIT_SLACK_SECONDS
+        int(pod_spec.get("terminationGracePeriodSeconds") or 0),
+        window + EXIT_SLACK_SECONDS + _pre_stop_sleep_seconds(trainer),
     )
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = service_name(owner.name)
@@ -342,6 +351,16 @@ def worker_pod(
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _pre_stop_sleep_seconds(container: Mapping[str, Any]) -> int:
+    """How long the container's own ``preStop`` sleep action holds back its SIGTERM (0 without one).
+
+    The kubelet runs the hook first and SIGTERMs the agent after it, within the one grace period:
+    the sleep must be added for the flush window to stay whole. An exec or httpGet hook takes an
+    unknown time, out of ``EXIT_SLACK_SECONDS`` (README "Limits on Kubernetes")."""
+    seconds = (((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds")
+    return max(0, int(seconds)) if isinstance(seconds, int) else 0
 
 
 def _agent_args(
@@ -457,6 +476,24 @@ def _tolerations(user: Iterable[Mapping[str, Any]], seconds: int) -> list[Object
             continue
         out.append({"key": rule.key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds})
     return out
+
+
+# -- reading a worker pod --------------------------------------------------------------------------
+
+
+def training_container_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The status of the container that runs the agent in a worker pod (the one exposing the
+    agent's port, else the first); empty until the kubelet reported it. Its readiness and exit code
+    are the worker's: the template's other containers (sidecars, helpers) say nothing of training."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    name = next(
+        (c.get("name") for c in containers if any(p.get("name") == AGENT_PORT_NAME for p in c.get("ports") or [])),
+        containers[0].get("name") if containers else None,
+    )
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == name:
+            return dict(status)
+    return {}
 
 
 # -- the job's other objects -----------------------------------------------------------------------

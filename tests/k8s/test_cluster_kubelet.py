@@ -177,6 +177,101 @@ def test_restart_policies_and_exit_codes(cluster: TestCluster, namespace: str) -
     assert phase(flaky) == "Running" and container(flaky)["lastState"]["terminated"]["exitCode"] == 1
 
 
+SIDECAR = textwrap.dedent(
+    """
+    import pathlib, signal, sys, time
+    data = pathlib.Path("/data")
+    def bye(*_):
+        main_done = (data / "main-done").exists()
+        (data / "sidecar-stopped").write_text("after main" if main_done else "before main")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    (data / "sidecar-started").touch()
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def _with_native_sidecar(name: str, main: str, **spec: Any) -> dict[str, Any]:
+    """A pod whose init containers are a native sidecar, then a regular init container that
+    proves the sidecar started before it; ``main`` is the regular container's script."""
+    mount = [{"name": "data", "mountPath": "/data"}]
+    body = pod(name, ["python", "-c", main], restartPolicy="Never", **spec)
+    body["spec"]["containers"][0]["volumeMounts"] = mount
+    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    body["spec"]["initContainers"] = [
+        {
+            "name": "proxy",
+            "image": "proxy:1",
+            "restartPolicy": "Always",
+            "command": ["python", "-c", SIDECAR],
+            "volumeMounts": mount,
+        },
+        {
+            "name": "setup",
+            "image": "python:3.11",
+            "command": ["python", "-c", "import pathlib; assert pathlib.Path('/data/sidecar-started').exists()"],
+            "volumeMounts": mount,
+        },
+    ]
+    return body
+
+
+def test_a_native_sidecar_starts_before_the_next_init_container_and_is_stopped_after_the_main_one(
+    cluster: TestCluster, namespace: str
+) -> None:
+    cluster.add_node("k-sidecar")
+    main = "import pathlib, time; time.sleep(1); pathlib.Path('/data/main-done').touch()"
+    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", _with_native_sidecar("side", main))
+    done = cluster.wait_for(
+        lambda: phase(p := get(cluster, namespace, "side")) in ("Succeeded", "Failed") and p, WAIT, "the pod to end"
+    )
+    # The sidecar's own exit (SIGTERM from the kubelet) does not decide the phase: main's does.
+    assert phase(done) == "Succeeded", done["status"]
+    proxy, setup = done["status"]["initContainerStatuses"]
+    assert "terminated" in proxy["state"] and setup["state"]["terminated"]["exitCode"] == 0, (proxy, setup)
+    worker = cluster.worker(namespace, "side")
+    assert worker is not None
+    assert Path(dict(worker.mounts)["/data"], "sidecar-stopped").read_text() == "after main"
+
+
+def test_deleting_a_pod_stops_its_native_sidecar_only_after_the_main_container_exited(
+    cluster: TestCluster, namespace: str
+) -> None:
+    cluster.add_node("k-sidecar-del")
+    # The main container takes a moment over its SIGTERM (a flush), then says whether the sidecar
+    # was still there for it.
+    main = textwrap.dedent(
+        """
+        import pathlib, signal, sys, time
+        data = pathlib.Path("/data")
+        def bye(*_):
+            time.sleep(1)
+            alive = not (data / "sidecar-stopped").exists()
+            (data / "main-done").write_text("sidecar alive" if alive else "sidecar gone")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        (data / "main-started").touch()
+        while True:
+            time.sleep(0.1)
+        """
+    )
+    body = _with_native_sidecar("side-del", main, terminationGracePeriodSeconds=30)
+    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+    worker = cluster.wait_for(lambda: cluster.worker(namespace, "side-del"), WAIT, "the pod's worker")
+    cluster.wait_for(
+        lambda: worker.mounts and Path(dict(worker.mounts)["/data"], "main-started").exists(), WAIT, "main to start"
+    )
+    ready = get(cluster, namespace, "side-del")
+    assert phase(ready) == "Running" and condition(ready, "Initialized").get("status") == "True"
+    cluster.rest.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/side-del")
+    cluster.wait_for(lambda: gone(cluster, namespace, "side-del"), WAIT, "the kubelet to finish the deletion")
+    data = Path(dict(worker.mounts)["/data"])
+    assert (data / "main-done").read_text() == "sidecar alive"
+    assert (data / "sidecar-stopped").read_text() == "after main"
+
+
 def test_the_scheduler_honours_selectors_affinity_taints_and_resources(cluster: TestCluster, namespace: str) -> None:
     cluster.add_node("s-spot", zone="us-east-1a", capacity_type="spot", gpus=1, run_containers=False)
     cluster.add_node(

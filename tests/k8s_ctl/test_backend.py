@@ -103,7 +103,7 @@ def pod(
     sidecar: bool = False,
 ) -> dict[str, Any]:
     trainer_state: dict[str, Any] = {"running": {}} if exit_code is None else {"terminated": {"exitCode": exit_code}}
-    statuses = [{"name": "trainer", "state": trainer_state}]
+    statuses = [{"name": "trainer", "state": trainer_state, "ready": ready and exit_code is None}]
     containers = [{"name": "trainer", "ports": [{"name": "spotjob-agent", "containerPort": 8470}]}]
     if sidecar:
         containers.insert(0, {"name": "proxy"})
@@ -534,3 +534,56 @@ def test_workers_avoiding_several_nodes_are_accepted_by_the_api_server(test_api:
     assert term["matchFields"] == [
         {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n2", "n3")
     ]
+
+
+def test_a_worker_runs_once_its_trainer_is_ready_though_a_helper_that_finished_keeps_the_pod_unready(
+    world: World,
+) -> None:
+    # A pod is Ready only while every container is: a helper container that exited 0 (or a
+    # sidecar whose own readiness probe fails) keeps it unready for good. The trainer's own
+    # readiness is its agent's /readyz, and it alone says the ranks train.
+    helped = pod(0, ready=False)
+    helped["spec"]["containers"].append({"name": "warm-cache"})
+    helped["status"]["containerStatuses"][0]["ready"] = True
+    helped["status"]["containerStatuses"].append(
+        {"name": "warm-cache", "ready": False, "state": {"terminated": {"exitCode": 0}}}
+    )
+    starting = pod(1, ready=True, ip="10.0.0.2")  # the pod says Ready, its trainer not (yet)
+    starting["status"]["containerStatuses"][0]["ready"] = False
+    world.add(helped, starting)
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.PENDING, None)}
+
+
+def _failed_by_init(index: int, code: int, **init: Any) -> dict[str, Any]:
+    failed = pod(index, phase="Failed", ready=False, ip=f"10.0.0.{index + 1}")
+    failed["spec"]["initContainers"] = [{"name": "fetch", **init}]
+    failed["status"]["containerStatuses"][0]["state"] = {"waiting": {"reason": "PodInitializing"}}
+    failed["status"]["initContainerStatuses"] = [
+        {"name": "fetch", "state": {"terminated": {"exitCode": code, "reason": "Error", "message": "no dataset\n"}}}
+    ]
+    return failed
+
+
+def test_a_pod_failed_by_its_init_container_is_that_containers_failure_and_no_lost_worker(world: World) -> None:
+    evicted = _failed_by_init(3, 137)
+    evicted["status"]["reason"] = "Evicted"
+    world.add(
+        _failed_by_init(0, 3),
+        _failed_by_init(1, 75),  # an agent's code from another program means nothing: a plain failure
+        _failed_by_init(2, 1, restartPolicy="Always"),  # a native sidecar the kubelet stopped: no verdict
+        evicted,  # the node was short of memory: lost, whatever the container said
+        node("n3"),
+    )
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec(replicas=4))}
+    assert {n: (w.phase, w.exit_code) for n, w in observed.items()} == {
+        "llama-0-0": (WorkerPhase.FAILED, 3),
+        "llama-0-1": (WorkerPhase.FAILED, 1),
+        "llama-0-2": (WorkerPhase.FAILED, None),
+        "llama-0-3": (WorkerPhase.FAILED, None),
+    }
+    assert observed["llama-0-0"].detail == (
+        "init container fetch exited 3 (Error) before the training container started: no dataset; "
+        "kubectl logs llama-0-0 -c fetch"
+    )
+    assert observed["llama-0-1"].detail is not None and "exited 75" in observed["llama-0-1"].detail
+    assert observed["llama-0-2"].detail is None and observed["llama-0-3"].detail is None

@@ -287,6 +287,16 @@ def test_noexecute_preemption_taints_are_tolerated_for_the_flush_window_but_nosc
         ),
         (lambda t: t["spec"].update(hostname="x"), "spec.template.spec.hostname"),
         (
+            # On a sidecar it would mark that container as the trainer: its readiness and exit
+            # code would stand for the worker's.
+            lambda t: t["spec"]["containers"][0].update(ports=[{"name": "spotjob-agent", "containerPort": 9}]),
+            "spec.template.spec.containers[0].ports[0].name",
+        ),
+        (
+            lambda t: t["spec"]["containers"][1].update(ports=[{"name": "spotjob-agent", "containerPort": 9}]),
+            "spec.template.spec.containers[1].ports[0].name",
+        ),
+        (
             lambda t: t["spec"]["containers"][1]["env"].append({"name": "POD_IP", "value": "1.2.3.4"}),
             "spec.template.spec.containers[1].env[2].name",
         ),
@@ -326,3 +336,16 @@ def test_a_job_name_starting_with_a_digit_still_gets_a_valid_service_name() -> N
     service = pods.headless_service(owner, 8470)
     assert service["metadata"]["name"] == "sj-7b-run"
     strict(service)
+
+
+def test_a_pre_stop_sleep_of_the_trainer_is_added_to_the_grace_period_so_the_flush_window_stays_whole() -> None:
+    # The kubelet runs the hook, then SIGTERMs the agent, all within one grace period.
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["lifecycle"] = {"preStop": {"sleep": {"seconds": 20}}}
+    template["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 600}}}  # not the agent's
+    p = pod(0, template=template)
+    assert trainer(p)["lifecycle"] == {"preStop": {"sleep": {"seconds": 20}}}  # the user's hook is kept
+    assert p["spec"]["terminationGracePeriodSeconds"] == 90 + pods.EXIT_SLACK_SECONDS + 20
+    strict(p)
+    template["spec"]["terminationGracePeriodSeconds"] = 3600  # a longer one of the user's stays
+    assert pod(0, template=template)["spec"]["terminationGracePeriodSeconds"] == 3600

@@ -694,3 +694,37 @@ def test_help_is_there_for_every_command(kubectl_spotjob: Run, command: list[str
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: kubectl spotjob")
     assert "--kubeconfig" in proc.stdout and "--context" in proc.stdout
+
+
+def test_status_shows_each_pods_training_container_not_a_helper_that_finished_nor_the_pods_readiness() -> None:
+    """A pod is Ready only while every container is, and the kubelet lists containers by name: a
+    helper that exited 0 ("cache", before "trainer") must not stand for the worker."""
+    from orchestrator.kubectl_status import job_pods_view
+
+    pod = {
+        "metadata": {"name": "llama-0-0", "labels": {"spotjob.dev/attempt": "0"}},
+        "spec": {
+            "nodeName": "n1",
+            "containers": [
+                {"name": "trainer", "ports": [{"name": "spotjob-agent", "containerPort": 8470}]},
+                {"name": "cache"},
+            ],
+        },
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [
+                {"name": "cache", "ready": False, "state": {"terminated": {"exitCode": 0}}},
+                {"name": "trainer", "ready": True, "state": {"running": {}}},
+            ],
+        },
+    }
+    (view,) = job_pods_view({"status": {}}, [pod])
+    assert (view["ready"], view["exitCode"]) == (True, None)
+    pod["status"]["containerStatuses"][1] = {
+        "name": "trainer",
+        "ready": False,
+        "state": {"terminated": {"exitCode": 75}},
+    }
+    (view,) = job_pods_view({"status": {}}, [pod])
+    assert (view["ready"], view["exitCode"]) == (False, 75)

@@ -15,6 +15,16 @@ preceded by a letter, digit, ``.``, ``_``, ``-`` or ``/``; followed by ``/``, th
 or any other character that cannot continue a path segment); longer mountPaths are rewritten first.
 A path a process builds at run time from other pieces is not rewritten.
 
+Init containers run one after the other before the regular ones; with ``restartPolicy: Never`` a
+failed one fails the pod. Native sidecars (init containers with ``restartPolicy: Always``,
+Kubernetes 1.29+) are modeled as the kubelet documents them: the next container starts once the
+sidecar has started (no startup probes), it is restarted whatever the pod's policy, its readiness
+counts towards the pod's, it does not decide the pod's phase, and it is stopped (reverse order,
+preStop hook first) once every regular container has exited, both when they end by themselves and
+when the pod is deleted (SIGTERM to the regular containers first, to the sidecars once those exited,
+all within one grace period). Not modeled: image pulls (no ErrImagePull), startup probes, in-place
+restarts of a sidecar during termination.
+
 Node events tests drive: taints go through the API (as NTH, Karpenter or GKE would do it);
 ``set_ready`` posts Ready=False/True; ``stop_heartbeats`` lets the node controller declare it
 Unknown; ``partition`` stops all of the node's API traffic while its processes run on (a zombie);
@@ -190,6 +200,11 @@ class ContainerRun:
     next_live: float = 0.0
     restart_at: float = 0.0
     backoff: float = 0.0
+
+    @property
+    def sidecar(self) -> bool:
+        """A native sidecar: an init container with ``restartPolicy: Always`` (Kubernetes 1.29+)."""
+        return self.spec.get("restartPolicy") == "Always"
 
 
 class Node:
@@ -707,10 +722,36 @@ class PodWorker:
             return
         for c in self.containers:
             self._sync_container(pod, c, init=False)
-        self._probe(pod)
         policy = (pod.get("spec") or {}).get("restartPolicy", "Always")
-        if all(c.terminated is not None for c in self.containers) and policy != "Always":
+        done = all(c.terminated is not None for c in self.containers) and policy != "Always"
+        if not done:
+            for c in self.sidecars:  # restarted whatever the pod's policy, until the pod is done
+                self._sync_container(pod, c, init=True, policy="Always")
+        self._probe(pod)
+        if done:
+            self._stop_sidecars(pod)
             self.finished = True
+
+    @property
+    def sidecars(self) -> list[ContainerRun]:
+        return [c for c in self.init if c.sidecar]
+
+    def _stop_sidecars(self, pod: Obj) -> None:
+        """Once every regular container has exited, the kubelet stops the native sidecars, in the
+        reverse of their order, each with the pod's grace period; their exit codes do not decide
+        the pod's phase."""
+        grace = float(dig(pod, "spec", "terminationGracePeriodSeconds") or 30)
+        for c in reversed(self.sidecars):
+            if c.proc is not None:
+                self._stop_container(c, grace)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=5)
+                code = c.proc.returncode if c.proc.returncode is not None else -9
+                c.terminated = self._terminated_state(c, code)
+                c.proc = None
+            elif c.terminated is None:  # waiting to be restarted: it stays as it last ended
+                c.terminated = c.last_exit or self._terminated_state(c, 0)
+            c.waiting, c.ready = None, False
 
     def _config_error(self, message: str) -> None:
         self.config_error = message
@@ -721,10 +762,18 @@ class PodWorker:
     def _sync_init(self, pod: Obj) -> None:
         policy = (pod.get("spec") or {}).get("restartPolicy", "Always")
         for c in self.init:
+            if c.sidecar:
+                # A native sidecar: the next container starts once it has started (startup probes
+                # are not modeled); it runs on beside the others.
+                self._sync_container(pod, c, init=True, policy="Always")
+                if c.proc is None and not c.restarts:
+                    return
+                continue
             if c.terminated is not None and c.terminated.get("exitCode") == 0:
                 continue
             self._sync_container(pod, c, init=True, policy="OnFailure" if policy == "Always" else policy)
             if c.terminated is not None and c.terminated.get("exitCode") != 0 and policy == "Never":
+                self._stop_sidecars(pod)  # the pod failed: its sidecars started so far are stopped
                 self.finished = True
             return
         self.init_done = True
@@ -746,13 +795,7 @@ class PodWorker:
         # The container's main process exited: kill whatever it left, and let it go before a restart
         # (a leftover child holding the container's port would fail the next start).
         kill_and_wait(f"{CONTAINER_MARKER}={self.uid}/{c.name}")
-        state = {
-            "exitCode": code if code >= 0 else 128 - code,
-            "reason": "Completed" if code == 0 else "Error",
-            "startedAt": c.started_at,
-            "finishedAt": now_rfc3339(),
-            "containerID": f"local://{self.uid}/{c.name}/{c.restarts}",
-        }
+        state = self._terminated_state(c, code)
         if code < 0:
             state["signal"] = -code
         c.proc = None
@@ -771,6 +814,16 @@ class PodWorker:
             )
         else:
             c.terminated = state
+
+    def _terminated_state(self, c: ContainerRun, code: int) -> Obj:
+        """A container's ``terminated`` state for a process that ended with Popen's ``code``."""
+        return {
+            "exitCode": code if code >= 0 else 128 - code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": c.started_at,
+            "finishedAt": now_rfc3339(),
+            "containerID": f"local://{self.uid}/{c.name}/{c.restarts}",
+        }
 
     def _env(self, pod: Obj, spec: Obj) -> dict[str, str]:
         env: dict[str, str] = {k: os.environ[k] for k in _NODE_ENV if k in os.environ}
@@ -876,7 +929,8 @@ class PodWorker:
                 raise ConfigError(f"volume {name!r}: {kind} volumes are not modeled by the test kubelet")
             volumes[name] = str(path)
         mounts: list[tuple[str, str]] = []
-        for c in (pod.get("spec") or {}).get("containers") or []:
+        spec = pod.get("spec") or {}
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
             for m in c.get("volumeMounts") or []:
                 host = volumes[m["name"]]
                 if m.get("subPath"):
@@ -962,7 +1016,7 @@ class PodWorker:
     # Probes --------------------------------------------------------------------------------------
     def _probe(self, pod: Obj) -> None:
         now = time.monotonic()
-        for c in self.containers:
+        for c in self.containers + self.sidecars:
             if c.proc is None:
                 continue
             rp = c.spec.get("readinessProbe")
@@ -1075,10 +1129,18 @@ class PodWorker:
         deadline = time.monotonic() + grace
         log.info("test kubelet: terminating %s/%s (grace %.0fs)", self.namespace, self.name, grace)
         for c in self.containers:
-            hook = dig(c.spec, "lifecycle", "preStop", "exec", "command")
-            if hook and c.proc is not None:
-                self._exec([rewrite_paths(a, self.mounts) for a in hook], self._env(pod, c.spec), max(0.1, grace))
+            self._pre_stop(pod, c, deadline)
         runs = self.node.config.run_containers  # a node without containers has no process to find
+        if runs and self.sidecars:
+            # Native sidecars outlive the regular containers: SIGTERM to those first, and to each
+            # sidecar (its preStop hook first) once they and the sidecars after it have exited.
+            for c in self.containers:
+                kill_all(self._container_marker(c), signal.SIGTERM)
+            self._wait_gone(self.containers, deadline)
+            for c in reversed(self.sidecars):
+                self._pre_stop(pod, c, deadline)
+                kill_all(self._container_marker(c), signal.SIGTERM)
+                self._wait_gone([c], deadline)
         if runs:
             kill_all(self.marker, signal.SIGTERM)
         while runs and time.monotonic() < deadline and self.pids() and not self.halted:
@@ -1093,13 +1155,7 @@ class PodWorker:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     c.proc.wait(timeout=5)
                 code = c.proc.returncode if c.proc.returncode is not None else -9
-                c.terminated = {
-                    "exitCode": code if code >= 0 else 128 - code,
-                    "reason": "Completed" if code == 0 else "Error",
-                    "startedAt": c.started_at,
-                    "finishedAt": now_rfc3339(),
-                    "containerID": f"local://{self.uid}/{c.name}/{c.restarts}",
-                }
+                c.terminated = self._terminated_state(c, code)
                 c.proc = None
             c.ready = False
             if c.terminated is None and c.waiting:
@@ -1129,6 +1185,23 @@ class PodWorker:
             if e.status not in (404, 409):
                 log.warning("test kubelet: final delete of %s/%s failed: %s", self.namespace, self.name, e)
         self.node.pods.pop(self.uid, None)
+
+    def _container_marker(self, c: ContainerRun) -> str:
+        return f"{CONTAINER_MARKER}={self.uid}/{c.name}"
+
+    def _pre_stop(self, pod: Obj, c: ContainerRun, deadline: float) -> None:
+        """Run the container's exec preStop hook, within what is left of the grace period."""
+        hook = dig(c.spec, "lifecycle", "preStop", "exec", "command")
+        if hook and c.proc is not None:
+            argv = [rewrite_paths(a, self.mounts) for a in hook]
+            self._exec(argv, self._env(pod, c.spec), max(0.1, deadline - time.monotonic()))
+
+    def _wait_gone(self, containers: list[ContainerRun], deadline: float) -> None:
+        """Until no process of ``containers`` runs, the deadline passes or the pod is halted."""
+        while time.monotonic() < deadline and not self.halted:
+            if not any(_marked(self._container_marker(c)) for c in containers):
+                return
+            time.sleep(0.05)
 
     # Status ------------------------------------------------------------------------------------
     def _container_status(self, c: ContainerRun) -> Obj:
@@ -1160,7 +1233,8 @@ class PodWorker:
             if any(c.terminated is not None and c.terminated.get("exitCode") != 0 for c in self.init) and self.finished:
                 return "Failed"
             return "Pending"
-        if all(c.terminated is not None for c in cs):
+        # Native sidecars do not decide the phase, but the pod ends only once they are stopped too.
+        if all(c.terminated is not None for c in cs) and all(c.proc is None for c in self.sidecars):
             return "Succeeded" if all(c.terminated and c.terminated.get("exitCode") == 0 for c in cs) else "Failed"
         if any(c.proc is not None or c.restarts or c.terminated is not None for c in cs):
             return "Running"
@@ -1178,7 +1252,9 @@ class PodWorker:
         if not self.node.config.run_containers:
             for s in statuses:
                 s.update(ready=True, started=True, state={"running": {"startedAt": self.start_time}})
-        ready = phase == "Running" and all(s["ready"] for s in statuses)
+        # Native sidecars count towards the pod's readiness, as regular containers do.
+        sidecar_statuses = [self._container_status(c) for c in self.sidecars]
+        ready = phase == "Running" and all(s["ready"] for s in statuses + sidecar_statuses)
         initialized = self.init_done
 
         def cond(ctype: str, ok: bool, reason: str = "") -> Obj:
