@@ -37,8 +37,10 @@ checks the bytes as they arrive.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -203,6 +205,30 @@ def _without_userinfo(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
+def _content_md5_instead_of_crc32(params: dict[str, Any], **_: Any) -> None:
+    """(botocore ``before-call`` handler) Give a DeleteObjects request ``Content-MD5``, not a CRC32.
+
+    S3 requires an integrity header on DeleteObjects. botocore 1.36 and later send a CRC32
+    (``x-amz-checksum-crc32`` with ``x-amz-sdk-checksum-algorithm``) where it sent ``Content-MD5``
+    before, and many S3-compatible stores refuse that: MinIO and Ceph RGW releases before 2025,
+    Dell PowerScale answer 400 ``MissingContentMD5``, Backblaze B2 "Unsupported header". Every old
+    checkpoint would then be undeletable. S3 itself accepts either, so every store gets the MD5.
+    Where MD5 is unavailable (a FIPS build) botocore's CRC32 is left in place.
+    """
+    body = params.get("body")
+    if not isinstance(body, bytes | bytearray):
+        return
+    try:
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+    except ValueError:  # FIPS: no MD5 at all
+        return
+    checksum = params.get("context", {}).get("checksum")
+    if isinstance(checksum, dict):
+        checksum.pop("request_algorithm", None)
+        checksum.pop("request_algorithm_header", None)
+    params["headers"]["Content-MD5"] = base64.b64encode(digest).decode("ascii")
+
+
 class S3Storage(PrefixedKeys, Storage):
     """``s3://bucket/prefix``. Thread-safe: one botocore client (itself thread-safe) per object."""
 
@@ -226,6 +252,7 @@ class S3Storage(PrefixedKeys, Storage):
             tcp_keepalive=True,
         )
         self._client: Any = _new_session().client("s3", config=config)
+        self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
 
     # -- plumbing ----------------------------------------------------------------------------

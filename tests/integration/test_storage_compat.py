@@ -1,0 +1,106 @@
+"""S3-compatible stores and bucket configurations that differ from AWS S3 and from moto.
+
+moto and fake-gcs-server behave like AWS and GCS at their most accommodating. The stores users
+point spotjob at do not all: this file puts ``tests/faults.py``'s proxy in front of moto (or
+fake-gcs-server) and has it answer the way such a store does, in that store's error dialect:
+
+- ``requires_content_md5``: DeleteObjects without ``Content-MD5`` is refused with 400
+  ``MissingContentMD5`` — MinIO and Ceph RGW releases before 2025, Dell PowerScale. It models
+  that one check only; everything else is moto's.
+- ``rejects_checksum_headers``: any request carrying an ``x-amz-checksum-*`` or
+  ``x-amz-sdk-checksum-*`` header is refused with 400 ``InvalidArgument`` "Unsupported header …"
+  — Backblaze B2's documented behaviour. It does not model B2's other differences (its ETags,
+  its own lifecycle rules).
+
+A retention policy or an object hold on a GCS bucket, which fake-gcs-server does not enforce, is
+modelled the same way: the proxy answers a DELETE with GCS's 403 and its message.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.checkpoint import Checkpointer
+from agent.storage import Storage, open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_state import make_state, snapshot, train
+
+try:
+    from faults import FaultProxy, Request
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy, Request
+
+FOREVER = 1_000_000
+
+
+def _lacks_content_md5(req: Request) -> bool:
+    return req.method == "POST" and req.path.endswith("?delete") and "Content-MD5" not in req.headers
+
+
+def requires_content_md5(proxy: FaultProxy) -> Any:
+    """Refuse DeleteObjects without ``Content-MD5`` as MinIO before 2025 does."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="MissingContentMD5",
+        message="Missing required header for this request: Content-Md5.",
+        match=_lacks_content_md5,
+    )
+
+
+@pytest.fixture
+def s3_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    fast_retries: None,
+    tmp_path: Path,
+) -> tuple[str, FaultProxy]:
+    """An ``s3://`` URI on a fresh moto bucket, reached through the proxy (``AWS_ENDPOINT_URL``)."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("SPOTJOB_STAGING_DIR", str(tmp_path / "staging"))
+    return uri, proxy
+
+
+def save_steps(uri: str, steps: list[int], *, keep: int | None) -> dict[int, dict[str, object]]:
+    state = make_state(0)
+    saved = {}
+    with Checkpointer(uri, every_steps=1, keep=keep) as ckpt:
+        done = 0
+        for step in steps:
+            train(state, step - done, start=done)
+            done = step
+            ckpt.step(step, state)
+            saved[step] = snapshot(state)
+    return saved
+
+
+def folders(storage: Storage) -> list[str]:
+    return [d for d in storage.list_dirs("") if d.startswith("step-")]
+
+
+# -- DeleteObjects and Content-MD5 -----------------------------------------------------------------
+
+
+def test_retention_removes_old_checkpoints_on_a_store_that_requires_content_md5_on_deletes(
+    s3_behind_proxy: tuple[str, FaultProxy],
+) -> None:
+    uri, proxy = s3_behind_proxy
+    refused = requires_content_md5(proxy)
+    save_steps(uri, [1, 2, 3], keep=1)
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000003"]
+    finally:
+        storage.close()
+    assert refused.served == 0
+    assert any(s.method == "POST" and s.path.endswith("?delete") for s in proxy.seen)
