@@ -161,12 +161,32 @@ def _status_and_code(e: ClientError) -> tuple[int, str]:
     return status, code
 
 
+_CHECKSUM_HEADERS_HINT = (
+    "this S3-compatible store does not accept the CRC32C checksum headers spotjob sends so that the "
+    "store checks each upload; set SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0 to send none (spotjob still "
+    "checks every file against the manifest's CRC32C when it reads it back)"
+)
+# Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
+_CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
+
+
+def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
+    """A store's "I do not support this" about the ``x-amz-checksum-*`` headers or a checksum
+    type (Backblaze B2: 400 InvalidArgument "Unsupported header 'x-amz-checksum-crc32c'"; others
+    answer 501 NotImplemented or 400 InvalidRequest about the checksum algorithm or type)."""
+    if status not in (400, 501) or code in _CHECKSUM_MISMATCH_CODES:
+        return False
+    return "checksum" in message.lower()
+
+
 def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     """Translate a boto3 exception into the StorageError that says whether to retry."""
     if isinstance(e, ClientError):
         status, code = _status_and_code(e)
         message = e.response.get("Error", {}).get("Message") or ""
         text = f"{what}: {code} (HTTP {status}){': ' + message if message else ''}"
+        if _refuses_checksum_headers(status, code, message):
+            return PermanentStorageError(f"{text}; {_CHECKSUM_HEADERS_HINT}", key)
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
@@ -254,6 +274,11 @@ class S3Storage(PrefixedKeys, Storage):
         self._client: Any = _new_session().client("s3", config=config)
         self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
+        self._checksums = self.settings.s3_checksum_headers
+
+    def _crc_args(self, crc: int) -> dict[str, str]:
+        """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""
+        return {"ChecksumCRC32C": crc_to_b64(crc)} if self._checksums else {}
 
     # -- plumbing ----------------------------------------------------------------------------
     def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
@@ -304,11 +329,11 @@ class S3Storage(PrefixedKeys, Storage):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         obj = self._object_key(key)
-        crc = crc_to_b64(crc32c_bytes(data))
+        crc = crc32c_bytes(data)
         self._retrying(
             f"PUT {self.url(key)}",
             key,
-            lambda: self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc),
+            lambda: self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, **self._crc_args(crc)),
         )
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
@@ -322,13 +347,15 @@ class S3Storage(PrefixedKeys, Storage):
         """
         obj = self._object_key(key)
         what = f"PUT (create-only) {self.url(key)}"
-        crc = crc_to_b64(crc32c_bytes(data))
+        crc = crc32c_bytes(data)
         ambiguous = False
 
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc, IfNoneMatch="*")
+                self._client.put_object(
+                    Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*", **self._crc_args(crc)
+                )
             except ClientError as e:
                 status, code = _status_and_code(e)
                 if status == 412 or code == "PreconditionFailed":
@@ -357,7 +384,9 @@ class S3Storage(PrefixedKeys, Storage):
             f"CreateMultipartUpload {url}",
             key,
             lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+                Bucket=self.bucket,
+                Key=obj,
+                **({"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"} if self._checksums else {}),
             ),
         )
         upload_id: str = upload["UploadId"]
@@ -382,7 +411,7 @@ class S3Storage(PrefixedKeys, Storage):
                             UploadId=upload_id,
                             PartNumber=number,
                             Body=data,
-                            ChecksumCRC32C=crc_to_b64(crc),
+                            **self._crc_args(crc),
                         ),
                     )
                     if progress:
@@ -398,10 +427,7 @@ class S3Storage(PrefixedKeys, Storage):
                 obj,
                 upload_id,
                 size,
-                [
-                    {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc_to_b64(crc)}
-                    for n, (crc, etag) in enumerate(sent, 1)
-                ],
+                [{"PartNumber": n, "ETag": etag, **self._crc_args(crc)} for n, (crc, etag) in enumerate(sent, 1)],
                 whole,
             )
         except BaseException:
@@ -422,8 +448,7 @@ class S3Storage(PrefixedKeys, Storage):
                     Key=obj,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
-                    ChecksumCRC32C=crc_to_b64(crc),
-                    ChecksumType="FULL_OBJECT",
+                    **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if self._checksums else {}),
                 )
             except ClientError as e:
                 _, code = _status_and_code(e)

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 from agent.checkpoint import Checkpointer
-from agent.storage import Storage, open_storage
+from agent.storage import PermanentStorageError, Storage, open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
 from ckpt_state import make_state, snapshot, train
 
 try:
@@ -104,3 +105,81 @@ def test_retention_removes_old_checkpoints_on_a_store_that_requires_content_md5_
         storage.close()
     assert refused.served == 0
     assert any(s.method == "POST" and s.path.endswith("?delete") for s in proxy.seen)
+
+
+# -- stores that refuse the x-amz-checksum-* headers ------------------------------------------------
+
+
+def _carries_checksum_header(req: Request) -> bool:
+    return any(name.lower().startswith(("x-amz-checksum-", "x-amz-sdk-checksum-")) for name in req.headers)
+
+
+def rejects_checksum_headers(proxy: FaultProxy) -> Any:
+    """Refuse any request with an ``x-amz-checksum-*`` header, as Backblaze B2 does."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="InvalidArgument",
+        message="Unsupported header 'x-amz-checksum-crc32c' received for this API call.",
+        match=_carries_checksum_header,
+    )
+
+
+@pytest.mark.parametrize("size", [100, 6 * 1024 * 1024], ids=["one PUT", "multipart"])
+def test_a_store_that_refuses_checksum_headers_gets_an_error_that_names_the_switch(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, size: int
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1MiB")
+    refused = rejects_checksum_headers(proxy)
+    src = tmp_path / "shard"
+    src.write_bytes(b"x" * size)
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_file(str(src), "step-000000001/shard")
+    finally:
+        storage.close()
+    assert refused.served == 1  # permanent: not retried
+    assert "Unsupported header" in str(caught.value)
+    assert "SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0" in str(caught.value)
+
+
+def test_with_checksum_headers_off_checkpoints_save_restore_and_expire_on_such_a_store(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS", "0")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1KiB")  # the shards go up as multipart
+    refused = rejects_checksum_headers(proxy)
+    saved = save_steps(uri, [1, 2, 3], keep=2)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert_same(snapshot(state), saved[3], "the state restored from step 3")
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000002", "step-000000003"]
+    finally:
+        storage.close()
+    assert refused.served == 0
+    assert any("uploadId=" in s.path for s in proxy.seen)
+
+
+def test_with_checksum_headers_off_a_shard_damaged_in_the_store_is_still_refused_at_restore(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS", "0")
+    rejects_checksum_headers(proxy)
+    saved = save_steps(uri, [1, 2], keep=None)
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-000000002/")["Contents"]
+    shard = next(o["Key"] for o in listed if o["Key"].endswith(".distcp"))
+    data = bytearray(s3_client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+    data[len(data) // 2] ^= 0xFF  # same size: only the CRC32C can tell
+    s3_client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert_same(snapshot(state), saved[1], "the state restored from step 1")
