@@ -113,8 +113,8 @@ class TransferSettings:
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
         ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD`` (bytes, or with a unit:
-        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S`` and ``S3_CHECKSUM_HEADERS`` (``agent.settings``
-        checks each value)."""
+        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S`` and ``S3_CHECKSUM_HEADERS``
+        (``agent.settings`` checks each value)."""
         env = load(StorageEnv)
         defaults = cls()
         given = {f.name: getattr(env, f.name) for f in fields(cls)}
