@@ -9,7 +9,7 @@ from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
-from agent.storage import StorageError
+from agent.storage import RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -20,6 +20,10 @@ class _Retention(_State):
     error: every folder older than it was then committed (and stays: nothing is deleted with
     ``keep`` None) or removed, so later passes look only at folders newer than it. Without it,
     every save read the manifest of every checkpoint ever kept: a save's cost grew with the run."""
+
+    _retained_said = False
+    """(rank 0) Retention has warned once that the bucket keeps what it would delete; later passes
+    that meet the same refusal say so at debug level, not once a save for the retention period."""
 
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
@@ -69,6 +73,17 @@ class _Retention(_State):
                 self._swept_through = committed
         except FencedError as e:
             log.error("retention: deleting nothing: %s", e)
+        except RetainedError as e:
+            if self._retained_said:
+                log.debug("retention: the bucket still keeps old checkpoints: %s", e)
+            else:
+                self._retained_said = True
+                log.warning(
+                    "retention: the bucket keeps old checkpoints that keep=%s would remove; they stay until "
+                    "its retention period ends or the hold is released (retried each save, said once): %s",
+                    self.config.keep,
+                    e,
+                )
         except (StorageError, OwnershipError, OSError) as e:
             log.warning("retention: could not remove old checkpoints (will retry next save): %s", e)
         except Exception as e:

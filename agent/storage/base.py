@@ -69,6 +69,12 @@ class MissingBucketError(PermanentStorageError):
     """The URI's bucket does not exist (never a ``NotFoundError``: no key can exist there)."""
 
 
+class RetainedError(PermanentStorageError):
+    """The bucket keeps the object: a GCS retention policy or object hold, an S3 Object Lock
+    retention or legal hold. It cannot be deleted or replaced until that ends; not a permission
+    problem of the credentials."""
+
+
 class AlreadyExistsError(PermanentStorageError):
     """A create-only write found the key already there (a committed manifest)."""
 

@@ -86,6 +86,7 @@ from agent.storage.base import (
     ObjectInfo,
     PermanentStorageError,
     ProgressFn,
+    RetainedError,
     Storage,
     StorageError,
     TransientStorageError,
@@ -161,6 +162,14 @@ def _status_and_code(e: ClientError) -> tuple[int, str]:
     return status, code
 
 
+# S3's (and MinIO's) refusal to delete or replace a version Object Lock keeps: "Access Denied because
+# object protected by object lock." A delete without a version id is never refused (it adds a
+# delete marker); this is for stores that refuse it anyway and for per-key DeleteObjects errors.
+_OBJECT_LOCK = re.compile(r"object lock|retention|legal hold", re.IGNORECASE)
+_OBJECT_LOCK_HINT = (
+    "the bucket keeps it (Object Lock retention or a legal hold), whatever the credentials: spotjob "
+    "cannot delete it until the retention period ends or the hold is released"
+)
 _CHECKSUM_HEADERS_HINT = (
     "this S3-compatible store does not accept the CRC32C checksum headers spotjob sends so that the "
     "store checks each upload; set SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0 to send none (spotjob still "
@@ -193,6 +202,8 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return _NoSuchBucket(what, key)
         if status == 404 or code in ("NoSuchKey", "NotFound"):
             return NotFoundError(f"{what}: no such object", key)
+        if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
+            return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
         if status == 403 or code in _DENIED_CODES:
             return PermanentStorageError(
                 f"permission denied: {text}; the AWS credentials in use (role, profile or keys) lack the "
@@ -353,9 +364,7 @@ class S3Storage(PrefixedKeys, Storage):
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._client.put_object(
-                    Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*", **self._crc_args(crc)
-                )
+                self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*", **self._crc_args(crc))
             except ClientError as e:
                 status, code = _status_and_code(e)
                 if status == 412 or code == "PreconditionFailed":
@@ -636,6 +645,8 @@ class S3Storage(PrefixedKeys, Storage):
         text = f"{what}: {len(errors)} failed, e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
         if all(e.get("Code") in _TRANSIENT_CODES for e in errors):
             raise TransientStorageError(text)
+        if all(e.get("Code") == "AccessDenied" and _OBJECT_LOCK.search(str(e.get("Message", ""))) for e in errors):
+            raise RetainedError(f"{text}; {_OBJECT_LOCK_HINT}")
         raise PermanentStorageError(text)
 
     def close(self) -> None:

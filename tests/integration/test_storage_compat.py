@@ -18,15 +18,18 @@ modelled the same way: the proxy answers a DELETE with GCS's 403 and its message
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
 from agent.checkpoint import Checkpointer
-from agent.storage import PermanentStorageError, Storage, open_storage
+from agent.storage import PermanentStorageError, RetainedError, Storage, open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
@@ -62,13 +65,11 @@ def s3_behind_proxy(
     fault_proxy: Callable[..., FaultProxy],
     moto_server: str,
     fast_retries: None,
-    tmp_path: Path,
 ) -> tuple[str, FaultProxy]:
     """An ``s3://`` URI on a fresh moto bucket, reached through the proxy (``AWS_ENDPOINT_URL``)."""
     uri = fresh_uri("s3")
     proxy = fault_proxy(moto_server, "s3")
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setenv("SPOTJOB_STAGING_DIR", str(tmp_path / "staging"))
     return uri, proxy
 
 
@@ -183,3 +184,94 @@ def test_with_checksum_headers_off_a_shard_damaged_in_the_store_is_still_refused
     with Checkpointer(uri) as ckpt:
         assert ckpt.restore(state) == 1
     assert_same(snapshot(state), saved[1], "the state restored from step 1")
+
+
+# -- buckets that keep objects: GCS retention policies and holds, S3 Object Lock --------------------
+
+GCS_RETENTION_MESSAGE = (
+    "Object '{bucket}/x' is subject to bucket's retention policy and cannot be deleted, overwritten or "
+    "archived until 2027-01-01T00:00:00.000000-00:00"
+)
+
+
+@pytest.fixture
+def gs_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    gcs_server: str,
+    fast_retries: None,
+) -> tuple[str, FaultProxy]:
+    """A ``gs://`` URI on a fresh fake-gcs-server bucket, reached through the proxy."""
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    return uri, proxy
+
+
+def keeps_objects(proxy: FaultProxy, uri: str, under: str = "") -> Any:
+    """Refuse every DELETE (under ``under``) as a GCS bucket with a retention policy does."""
+    bucket, prefix = uri.removeprefix("gs://").split("/", 1)
+    path = re.escape(quote(f"{prefix}/{under}", safe=""))
+    return proxy.fail(
+        FOREVER, 403, message=GCS_RETENTION_MESSAGE.format(bucket=bucket), method="DELETE", path=f"/o/{path}"
+    )
+
+
+def test_a_gcs_retention_policy_keeps_old_checkpoints_with_one_clear_warning_and_saves_go_on(
+    gs_behind_proxy: tuple[str, FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, proxy = gs_behind_proxy
+    refused = keeps_objects(proxy, uri)
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        saved = save_steps(uri, [1, 2, 3, 4], keep=1)
+    assert refused.served >= 3  # every save after the first tried, and was refused
+    said = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "retention period" in said[0] and "keep=1" in said[0]
+    assert "permission denied" not in said[0] and "credentials in use" not in said[0]
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == [f"step-00000000{n}" for n in (1, 2, 3, 4)]
+    finally:
+        storage.close()
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 4
+    assert_same(snapshot(state), saved[4], "the state restored from step 4")
+
+
+def test_a_leftover_the_bucket_keeps_does_not_stop_that_step_from_being_saved(
+    gs_behind_proxy: tuple[str, FaultProxy], gcs_client: Any
+) -> None:
+    uri, proxy = gs_behind_proxy
+    bucket, prefix = uri.removeprefix("gs://").split("/", 1)
+    leftover = gcs_client.bucket(bucket).blob(f"{prefix}/step-000000002/__0_0.distcp")
+    leftover.upload_from_string(b"half a shard: the save was preempted")  # no manifest: uncommitted
+    generation = gcs_client.bucket(bucket).get_blob(leftover.name).generation
+    keeps_objects(proxy, uri, "step-000000002/")
+    saved = save_steps(uri, [1, 2], keep=None)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000001", "step-000000002", "step-000000002.1"]
+    finally:
+        storage.close()
+    assert gcs_client.bucket(bucket).get_blob(leftover.name).generation == generation  # never overwritten
+
+
+def test_an_s3_object_lock_refusal_is_named_as_such_not_as_missing_permissions(
+    s3_behind_proxy: tuple[str, FaultProxy],
+) -> None:
+    uri, proxy = s3_behind_proxy
+    proxy.fail(FOREVER, 403, code="AccessDenied", message="Access Denied because object protected by object lock.")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(RetainedError) as caught:
+            storage.delete(["step-000000001/MANIFEST.json"])
+    finally:
+        storage.close()
+    assert "Object Lock" in str(caught.value) and "credentials in use" not in str(caught.value)
