@@ -43,12 +43,12 @@ class _Retention(_State):
                 if r < committed and r.folder not in retired and (swept is None or swept < r)
             ]
             lineage = Lineage.load(self.storage)
-            doomed: list[CheckpointRef] = []
+            doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             kept = 0
             for ref in older:  # newest first
                 status = inspect(self.storage, ref, lineage=lineage)
                 if not status.committed:
-                    doomed.append(ref)  # a save that never finished
+                    doomed.append((ref, False))  # a save that never finished
                     continue
                 if status.foreign or status.fenced:
                     continue  # not this job's history: never counted, never deleted
@@ -60,15 +60,23 @@ class _Retention(_State):
                 # valid one would leave fewer to fall back to than asked for. Broken folders newer
                 # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
                 if kept >= self.config.keep - 1:
-                    doomed.append(ref)
+                    doomed.append((ref, True))
                 elif status.valid:
                     kept += 1
-            for ref in doomed:
+            for ref, holds_manifest in doomed:
                 self._check_fence()
-                # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
-                self.storage.delete([ref.key(MANIFEST_NAME)])
-                self.storage.delete_prefix(ref.folder + "/")
-                log.info("retention: removed %s", url(ref.folder))
+                # Nothing listed in an uncommitted folder: on a versioned bucket MinIO (and moto) still
+                # list a folder whose objects are all delete markers. Deleting its manifest would add
+                # one more marker each save, and saying it was removed would repeat every save.
+                empty = not holds_manifest and next(iter(self.storage.list(ref.folder + "/")), None) is None
+                if holds_manifest:
+                    # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
+                    self.storage.delete([ref.key(MANIFEST_NAME)])
+                self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                if empty:
+                    log.debug("retention: %s holds no object (only delete markers?)", url(ref.folder))
+                else:
+                    log.info("retention: removed %s", url(ref.folder))
             if self.config.keep is None:
                 self._swept_through = committed
         except FencedError as e:
