@@ -132,6 +132,12 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
                 "account) lack the permission on the bucket",
                 key,
             )
+        if status == 400 and "requester pays" in text.lower():
+            return PermanentStorageError(
+                f"{text}; spotjob does not support Requester Pays buckets (it sends no billing project): "
+                "turn Requester Pays off on the bucket or use another one",
+                key,
+            )
         return PermanentStorageError(text, key)
     if isinstance(e, gcs_exceptions.DataCorruption):
         # The bytes that arrived do not match the checksum GCS sent with them: damaged in flight.

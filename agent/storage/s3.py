@@ -207,7 +207,8 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         if status == 403 or code in _DENIED_CODES:
             return PermanentStorageError(
                 f"permission denied: {text}; the AWS credentials in use (role, profile or keys) lack the "
-                "permission, or a bucket policy refuses it",
+                "permission, or a bucket policy refuses it (or the bucket is Requester Pays, which spotjob "
+                "does not support)",
                 key,
             )
         return PermanentStorageError(text, key)

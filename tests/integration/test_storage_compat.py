@@ -306,3 +306,30 @@ def test_on_a_versioned_bucket_retention_removes_each_checkpoint_once_and_adds_n
     with Checkpointer(uri) as ckpt:
         assert ckpt.restore(state) == 5
     assert_same(snapshot(state), saved[5], "the state restored from step 5")
+
+
+# -- Requester Pays ---------------------------------------------------------------------------------
+
+
+def test_a_gcs_requester_pays_bucket_is_named_as_unsupported(gs_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = gs_behind_proxy
+    proxy.fail(FOREVER, 400, code="required", message="Bucket is a requester pays bucket but no user project provided.")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    finally:
+        storage.close()
+    assert "does not support Requester Pays" in str(caught.value)
+
+
+def test_an_s3_refusal_mentions_requester_pays_among_its_causes(s3_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = s3_behind_proxy
+    proxy.fail(FOREVER, 403, code="AccessDenied", message="Access Denied")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.get_bytes("step-000000001/MANIFEST.json")
+    finally:
+        storage.close()
+    assert "permission denied" in str(caught.value) and "Requester Pays" in str(caught.value)
