@@ -21,7 +21,9 @@ Contract of every implementation:
   retrying could help (``TransientStorageError``) or not (``PermanentStorageError``). Nothing
   else escapes — not the client library's exceptions, not an ``OSError`` of a local file (a staged
   shard, a download's destination) or of the store's own folder. Permission denied says
-  "permission denied"; a missing bucket is a ``MissingBucketError`` naming it.
+  "permission denied"; a missing bucket is a ``MissingBucketError`` naming it; an object the
+  bucket keeps (retention policy, hold, Object Lock) is a ``RetainedError``, never "permission
+  denied".
 - Implementations are thread-safe: the parallel helpers below call them from a thread pool.
 """
 

@@ -242,8 +242,8 @@ def _content_md5_instead_of_crc32(params: dict[str, Any], **_: Any) -> None:
 
     S3 requires an integrity header on DeleteObjects. botocore 1.36 and later send a CRC32
     (``x-amz-checksum-crc32`` with ``x-amz-sdk-checksum-algorithm``) where it sent ``Content-MD5``
-    before, and many S3-compatible stores refuse that: MinIO and Ceph RGW releases before 2025,
-    Dell PowerScale answer 400 ``MissingContentMD5``, Backblaze B2 "Unsupported header". Every old
+    before, and many S3-compatible stores refuse that: MinIO releases before 2025 and Dell
+    PowerScale answer 400 ``MissingContentMD5``, Backblaze B2 "Unsupported header". Every old
     checkpoint would then be undeletable. S3 itself accepts either, so every store gets the MD5.
     Where MD5 is unavailable (a FIPS build) botocore's CRC32 is left in place.
     """

@@ -5,8 +5,8 @@ point spotjob at do not all: this file puts ``tests/faults.py``'s proxy in front
 fake-gcs-server) and has it answer the way such a store does, in that store's error dialect:
 
 - ``requires_content_md5``: DeleteObjects without ``Content-MD5`` is refused with 400
-  ``MissingContentMD5`` — MinIO and Ceph RGW releases before 2025, Dell PowerScale. It models
-  that one check only; everything else is moto's.
+  ``MissingContentMD5`` — MinIO releases before 2025, Dell PowerScale. It models that one check
+  only; everything else is moto's.
 - ``rejects_checksum_headers``: any request carrying an ``x-amz-checksum-*`` or
   ``x-amz-sdk-checksum-*`` header is refused with 400 ``InvalidArgument`` "Unsupported header …"
   — Backblaze B2's documented behaviour. It does not model B2's other differences (its ETags,
@@ -48,7 +48,7 @@ def _lacks_content_md5(req: Request) -> bool:
 
 
 def requires_content_md5(proxy: FaultProxy) -> Any:
-    """Refuse DeleteObjects without ``Content-MD5`` as MinIO before 2025 does."""
+    """Refuse DeleteObjects without ``Content-MD5`` as MinIO releases before 2025 do."""
     return proxy.fail(
         FOREVER,
         400,
@@ -333,3 +333,18 @@ def test_an_s3_refusal_mentions_requester_pays_among_its_causes(s3_behind_proxy:
     finally:
         storage.close()
     assert "permission denied" in str(caught.value) and "Requester Pays" in str(caught.value)
+
+
+def test_on_a_versioned_bucket_an_unfinished_saves_leftover_goes_once_with_keep_unset(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, _ = s3_behind_proxy
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    s3_client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/step-000000001/__0_0.distcp", Body=b"half a shard")
+    with caplog.at_level(logging.INFO, logger="agent.checkpoint"):
+        save_steps(uri, [2, 3, 4], keep=None)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("retention")]
+    assert said == [(logging.INFO, f"retention: removed {uri}/step-000000001")]
+    versions = s3_client.list_object_versions(Bucket=bucket, Prefix=f"{prefix}/step-000000001/")
+    assert [m["Key"] for m in versions.get("DeleteMarkers", [])] == [f"{prefix}/step-000000001/__0_0.distcp"]
