@@ -9,7 +9,7 @@ from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
-from agent.storage import StorageError
+from agent.storage import RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -20,6 +20,10 @@ class _Retention(_State):
     error: every folder older than it was then committed (and stays: nothing is deleted with
     ``keep`` None) or removed, so later passes look only at folders newer than it. Without it,
     every save read the manifest of every checkpoint ever kept: a save's cost grew with the run."""
+
+    _retained_said = False
+    """(rank 0) Retention has warned once that the bucket keeps what it would delete; later passes
+    that meet the same refusal say so at debug level, not once a save for the retention period."""
 
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
@@ -39,12 +43,12 @@ class _Retention(_State):
                 if r < committed and r.folder not in retired and (swept is None or swept < r)
             ]
             lineage = Lineage.load(self.storage)
-            doomed: list[CheckpointRef] = []
+            doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             kept = 0
             for ref in older:  # newest first
                 status = inspect(self.storage, ref, lineage=lineage)
                 if not status.committed:
-                    doomed.append(ref)  # a save that never finished
+                    doomed.append((ref, False))  # a save that never finished
                     continue
                 if status.foreign or status.fenced:
                     continue  # not this job's history: never counted, never deleted
@@ -56,19 +60,38 @@ class _Retention(_State):
                 # valid one would leave fewer to fall back to than asked for. Broken folders newer
                 # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
                 if kept >= self.config.keep - 1:
-                    doomed.append(ref)
+                    doomed.append((ref, True))
                 elif status.valid:
                     kept += 1
-            for ref in doomed:
+            for ref, holds_manifest in doomed:
                 self._check_fence()
-                # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
-                self.storage.delete([ref.key(MANIFEST_NAME)])
-                self.storage.delete_prefix(ref.folder + "/")
-                log.info("retention: removed %s", url(ref.folder))
+                # Nothing listed in an uncommitted folder: on a versioned bucket MinIO (and moto) still
+                # list a folder whose objects are all delete markers. Deleting its manifest would add
+                # one more marker each save, and saying it was removed would repeat every save.
+                empty = not holds_manifest and next(iter(self.storage.list(ref.folder + "/")), None) is None
+                if holds_manifest:
+                    # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
+                    self.storage.delete([ref.key(MANIFEST_NAME)])
+                self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                if empty:
+                    log.debug("retention: %s holds no object (only delete markers?)", url(ref.folder))
+                else:
+                    log.info("retention: removed %s", url(ref.folder))
             if self.config.keep is None:
                 self._swept_through = committed
         except FencedError as e:
             log.error("retention: deleting nothing: %s", e)
+        except RetainedError as e:
+            if self._retained_said:
+                log.debug("retention: the bucket still keeps old checkpoints: %s", e)
+            else:
+                self._retained_said = True
+                log.warning(
+                    "retention: the bucket keeps old checkpoints that keep=%s would remove; they stay until "
+                    "its retention period ends or the hold is released (retried each save, said once): %s",
+                    self.config.keep,
+                    e,
+                )
         except (StorageError, OwnershipError, OSError) as e:
             log.warning("retention: could not remove old checkpoints (will retry next save): %s", e)
         except Exception as e:

@@ -29,7 +29,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, StorageError, put_files
+from agent.storage import AlreadyExistsError, RetainedError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -632,7 +632,10 @@ class _Saving(_Voting):
     def _target_folder(self, step: int) -> str:
         """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there.
 
-        Raises ``FencedError`` (before anything is written) when this attempt is superseded.
+        A leftover the bucket keeps (a GCS retention policy or hold, S3 Object Lock: it can be
+        neither deleted nor overwritten) is passed over like a committed folder: the save goes to
+        the next suffix, ``step-N.1``. Raises ``FencedError`` (before anything is written) when
+        this attempt is superseded.
         """
         self._check_fence()
         suffix = 0
@@ -644,7 +647,11 @@ class _Saving(_Voting):
             else:
                 log.info("removing leftover of an unfinished save in %s", self.storage.url(ref.folder))
                 self._check_fence()
-                self.storage.delete_prefix(ref.folder + "/")
+                try:
+                    self.storage.delete_prefix(ref.folder + "/")
+                except RetainedError as e:
+                    log.warning("saving step %d next to the leftover the bucket keeps: %s", step, e)
+                    suffix = max(suffix, ref.attempt + 1)
         return CheckpointRef(step, suffix).folder
 
     def _remove_unfinished(self, folder: str) -> None:

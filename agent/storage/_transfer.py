@@ -88,6 +88,13 @@ class TransferSettings:
     read_timeout_s: float = 60.0
     """Seconds without a byte from the server before the attempt counts as a transient failure."""
 
+    s3_checksum_headers: bool = True
+    """Send each S3 upload's CRC32C (``x-amz-checksum-crc32c``, a ``FULL_OBJECT`` CRC32C on
+    multipart uploads) so the store checks the bytes it receives. Off for S3-compatible stores that
+    refuse those headers (Backblaze B2: "Unsupported header"); spotjob still checks every file's
+    CRC32C against the manifest when it reads it back, so a damaged upload is found at restore
+    rather than refused at save."""
+
     def __post_init__(self) -> None:
         if self.part_size < 1:
             raise ValueError(f"part_size must be positive, got {self.part_size}")
@@ -106,8 +113,8 @@ class TransferSettings:
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
         ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD`` (bytes, or with a unit:
-        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S`` and ``READ_TIMEOUT_S`` (``agent.settings``
-        checks each value)."""
+        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S`` and ``S3_CHECKSUM_HEADERS``
+        (``agent.settings`` checks each value)."""
         env = load(StorageEnv)
         defaults = cls()
         given = {f.name: getattr(env, f.name) for f in fields(cls)}

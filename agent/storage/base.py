@@ -21,7 +21,9 @@ Contract of every implementation:
   retrying could help (``TransientStorageError``) or not (``PermanentStorageError``). Nothing
   else escapes — not the client library's exceptions, not an ``OSError`` of a local file (a staged
   shard, a download's destination) or of the store's own folder. Permission denied says
-  "permission denied"; a missing bucket is a ``MissingBucketError`` naming it.
+  "permission denied"; a missing bucket is a ``MissingBucketError`` naming it; an object the
+  bucket keeps (retention policy, hold, Object Lock) is a ``RetainedError``, never "permission
+  denied".
 - Implementations are thread-safe: the parallel helpers below call them from a thread pool.
 """
 
@@ -67,6 +69,12 @@ class NotFoundError(PermanentStorageError):
 
 class MissingBucketError(PermanentStorageError):
     """The URI's bucket does not exist (never a ``NotFoundError``: no key can exist there)."""
+
+
+class RetainedError(PermanentStorageError):
+    """The bucket keeps the object: a GCS retention policy or object hold, an S3 Object Lock
+    retention or legal hold. It cannot be deleted or replaced until that ends; not a permission
+    problem of the credentials."""
 
 
 class AlreadyExistsError(PermanentStorageError):

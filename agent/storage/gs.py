@@ -85,6 +85,7 @@ from agent.storage.base import (
     ObjectInfo,
     PermanentStorageError,
     ProgressFn,
+    RetainedError,
     Storage,
     StorageError,
     TransientStorageError,
@@ -123,10 +124,18 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return TransientStorageError(text, key)
         if status == 404:
             return NotFoundError(f"{what}: no such object", key)
+        if status == 403 and _RETAINED.search(_api_error_detail(e)):
+            return RetainedError(f"{text}; {_RETAINED_HINT}", key)
         if status in (401, 403):
             return PermanentStorageError(
                 f"permission denied: {text}; the Google credentials in use (workload identity, service "
                 "account) lack the permission on the bucket",
+                key,
+            )
+        if status == 400 and "requester pays" in text.lower():
+            return PermanentStorageError(
+                f"{text}; spotjob does not support Requester Pays buckets (it sends no billing project): "
+                "turn Requester Pays off on the bucket or use another one",
                 key,
             )
         return PermanentStorageError(text, key)
@@ -161,6 +170,14 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         return PermanentStorageError(f"{what}: {type(e).__name__}: {e}", key)
     raise e
 
+
+# GCS's 403 for an object it keeps: "Object 'b/o' is subject to bucket's retention policy and cannot
+# be deleted, overwritten or archived until <time>", "... is under active Event-Based hold ...".
+_RETAINED = re.compile(r"retention policy|object retention|active (event-based |temporary )?hold", re.IGNORECASE)
+_RETAINED_HINT = (
+    "the bucket keeps it (a retention policy or an object hold), whatever the credentials: spotjob "
+    "cannot delete or replace it until the retention period ends or the hold is released"
+)
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")

@@ -37,8 +37,10 @@ checks the bytes as they arrive.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -84,6 +86,7 @@ from agent.storage.base import (
     ObjectInfo,
     PermanentStorageError,
     ProgressFn,
+    RetainedError,
     Storage,
     StorageError,
     TransientStorageError,
@@ -159,22 +162,53 @@ def _status_and_code(e: ClientError) -> tuple[int, str]:
     return status, code
 
 
+# S3's (and MinIO's) refusal to delete or replace a version Object Lock keeps: "Access Denied because
+# object protected by object lock." A delete without a version id is never refused (it adds a
+# delete marker); this is for stores that refuse it anyway and for per-key DeleteObjects errors.
+_OBJECT_LOCK = re.compile(r"object lock|retention|legal hold", re.IGNORECASE)
+_OBJECT_LOCK_HINT = (
+    "the bucket keeps it (Object Lock retention or a legal hold), whatever the credentials: spotjob "
+    "cannot delete it until the retention period ends or the hold is released"
+)
+_CHECKSUM_HEADERS_HINT = (
+    "this S3-compatible store does not accept the CRC32C checksum headers spotjob sends so that the "
+    "store checks each upload; set SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0 to send none (spotjob still "
+    "checks every file against the manifest's CRC32C when it reads it back)"
+)
+# Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
+_CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
+
+
+def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
+    """A store's "I do not support this" about the ``x-amz-checksum-*`` headers or a checksum
+    type (Backblaze B2: 400 InvalidArgument "Unsupported header 'x-amz-checksum-crc32c'"; others
+    answer 501 NotImplemented or 400 InvalidRequest about the checksum algorithm or type)."""
+    if status not in (400, 501) or code in _CHECKSUM_MISMATCH_CODES:
+        return False
+    return "checksum" in message.lower()
+
+
 def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     """Translate a boto3 exception into the StorageError that says whether to retry."""
     if isinstance(e, ClientError):
         status, code = _status_and_code(e)
         message = e.response.get("Error", {}).get("Message") or ""
         text = f"{what}: {code} (HTTP {status}){': ' + message if message else ''}"
+        if _refuses_checksum_headers(status, code, message):
+            return PermanentStorageError(f"{text}; {_CHECKSUM_HEADERS_HINT}", key)
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
             return _NoSuchBucket(what, key)
         if status == 404 or code in ("NoSuchKey", "NotFound"):
             return NotFoundError(f"{what}: no such object", key)
+        if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
+            return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
         if status == 403 or code in _DENIED_CODES:
             return PermanentStorageError(
                 f"permission denied: {text}; the AWS credentials in use (role, profile or keys) lack the "
-                "permission, or a bucket policy refuses it",
+                "permission, or a bucket policy refuses it (or the bucket is Requester Pays, which spotjob "
+                "does not support)",
                 key,
             )
         return PermanentStorageError(text, key)
@@ -203,6 +237,30 @@ def _without_userinfo(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
+def _content_md5_instead_of_crc32(params: dict[str, Any], **_: Any) -> None:
+    """(botocore ``before-call`` handler) Give a DeleteObjects request ``Content-MD5``, not a CRC32.
+
+    S3 requires an integrity header on DeleteObjects. botocore 1.36 and later send a CRC32
+    (``x-amz-checksum-crc32`` with ``x-amz-sdk-checksum-algorithm``) where it sent ``Content-MD5``
+    before, and many S3-compatible stores refuse that: MinIO releases before 2025 and Dell
+    PowerScale answer 400 ``MissingContentMD5``, Backblaze B2 "Unsupported header". Every old
+    checkpoint would then be undeletable. S3 itself accepts either, so every store gets the MD5.
+    Where MD5 is unavailable (a FIPS build) botocore's CRC32 is left in place.
+    """
+    body = params.get("body")
+    if not isinstance(body, bytes | bytearray):
+        return
+    try:
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+    except ValueError:  # FIPS: no MD5 at all
+        return
+    checksum = params.get("context", {}).get("checksum")
+    if isinstance(checksum, dict):
+        checksum.pop("request_algorithm", None)
+        checksum.pop("request_algorithm_header", None)
+    params["headers"]["Content-MD5"] = base64.b64encode(digest).decode("ascii")
+
+
 class S3Storage(PrefixedKeys, Storage):
     """``s3://bucket/prefix``. Thread-safe: one botocore client (itself thread-safe) per object."""
 
@@ -226,7 +284,13 @@ class S3Storage(PrefixedKeys, Storage):
             tcp_keepalive=True,
         )
         self._client: Any = _new_session().client("s3", config=config)
+        self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
+        self._checksums = self.settings.s3_checksum_headers
+
+    def _crc_args(self, crc: int) -> dict[str, str]:
+        """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""
+        return {"ChecksumCRC32C": crc_to_b64(crc)} if self._checksums else {}
 
     # -- plumbing ----------------------------------------------------------------------------
     def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
@@ -277,11 +341,11 @@ class S3Storage(PrefixedKeys, Storage):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         obj = self._object_key(key)
-        crc = crc_to_b64(crc32c_bytes(data))
+        crc = crc32c_bytes(data)
         self._retrying(
             f"PUT {self.url(key)}",
             key,
-            lambda: self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc),
+            lambda: self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, **self._crc_args(crc)),
         )
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
@@ -295,13 +359,13 @@ class S3Storage(PrefixedKeys, Storage):
         """
         obj = self._object_key(key)
         what = f"PUT (create-only) {self.url(key)}"
-        crc = crc_to_b64(crc32c_bytes(data))
+        crc = crc32c_bytes(data)
         ambiguous = False
 
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, ChecksumCRC32C=crc, IfNoneMatch="*")
+                self._client.put_object(Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*", **self._crc_args(crc))
             except ClientError as e:
                 status, code = _status_and_code(e)
                 if status == 412 or code == "PreconditionFailed":
@@ -330,7 +394,9 @@ class S3Storage(PrefixedKeys, Storage):
             f"CreateMultipartUpload {url}",
             key,
             lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+                Bucket=self.bucket,
+                Key=obj,
+                **({"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"} if self._checksums else {}),
             ),
         )
         upload_id: str = upload["UploadId"]
@@ -355,7 +421,7 @@ class S3Storage(PrefixedKeys, Storage):
                             UploadId=upload_id,
                             PartNumber=number,
                             Body=data,
-                            ChecksumCRC32C=crc_to_b64(crc),
+                            **self._crc_args(crc),
                         ),
                     )
                     if progress:
@@ -371,10 +437,7 @@ class S3Storage(PrefixedKeys, Storage):
                 obj,
                 upload_id,
                 size,
-                [
-                    {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc_to_b64(crc)}
-                    for n, (crc, etag) in enumerate(sent, 1)
-                ],
+                [{"PartNumber": n, "ETag": etag, **self._crc_args(crc)} for n, (crc, etag) in enumerate(sent, 1)],
                 whole,
             )
         except BaseException:
@@ -395,8 +458,7 @@ class S3Storage(PrefixedKeys, Storage):
                     Key=obj,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
-                    ChecksumCRC32C=crc_to_b64(crc),
-                    ChecksumType="FULL_OBJECT",
+                    **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if self._checksums else {}),
                 )
             except ClientError as e:
                 _, code = _status_and_code(e)
@@ -584,6 +646,8 @@ class S3Storage(PrefixedKeys, Storage):
         text = f"{what}: {len(errors)} failed, e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
         if all(e.get("Code") in _TRANSIENT_CODES for e in errors):
             raise TransientStorageError(text)
+        if all(e.get("Code") == "AccessDenied" and _OBJECT_LOCK.search(str(e.get("Message", ""))) for e in errors):
+            raise RetainedError(f"{text}; {_OBJECT_LOCK_HINT}")
         raise PermanentStorageError(text)
 
     def close(self) -> None:

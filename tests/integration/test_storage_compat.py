@@ -1,0 +1,350 @@
+"""S3-compatible stores and bucket configurations that differ from AWS S3 and from moto.
+
+moto and fake-gcs-server behave like AWS and GCS at their most accommodating. The stores users
+point spotjob at do not all: this file puts ``tests/faults.py``'s proxy in front of moto (or
+fake-gcs-server) and has it answer the way such a store does, in that store's error dialect:
+
+- ``requires_content_md5``: DeleteObjects without ``Content-MD5`` is refused with 400
+  ``MissingContentMD5`` — MinIO releases before 2025, Dell PowerScale. It models that one check
+  only; everything else is moto's.
+- ``rejects_checksum_headers``: any request carrying an ``x-amz-checksum-*`` or
+  ``x-amz-sdk-checksum-*`` header is refused with 400 ``InvalidArgument`` "Unsupported header …"
+  — Backblaze B2's documented behaviour. It does not model B2's other differences (its ETags,
+  its own lifecycle rules).
+
+A retention policy or an object hold on a GCS bucket, which fake-gcs-server does not enforce, is
+modelled the same way: the proxy answers a DELETE with GCS's 403 and its message.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from agent.checkpoint import Checkpointer
+from agent.storage import PermanentStorageError, RetainedError, Storage, open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+try:
+    from faults import FaultProxy, Request
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy, Request
+
+FOREVER = 1_000_000
+
+
+def _lacks_content_md5(req: Request) -> bool:
+    return req.method == "POST" and req.path.endswith("?delete") and "Content-MD5" not in req.headers
+
+
+def requires_content_md5(proxy: FaultProxy) -> Any:
+    """Refuse DeleteObjects without ``Content-MD5`` as MinIO releases before 2025 do."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="MissingContentMD5",
+        message="Missing required header for this request: Content-Md5.",
+        match=_lacks_content_md5,
+    )
+
+
+@pytest.fixture
+def s3_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    fast_retries: None,
+) -> tuple[str, FaultProxy]:
+    """An ``s3://`` URI on a fresh moto bucket, reached through the proxy (``AWS_ENDPOINT_URL``)."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return uri, proxy
+
+
+def save_steps(uri: str, steps: list[int], *, keep: int | None) -> dict[int, dict[str, object]]:
+    state = make_state(0)
+    saved = {}
+    with Checkpointer(uri, every_steps=1, keep=keep) as ckpt:
+        done = 0
+        for step in steps:
+            train(state, step - done, start=done)
+            done = step
+            ckpt.step(step, state)
+            saved[step] = snapshot(state)
+    return saved
+
+
+def folders(storage: Storage) -> list[str]:
+    return [d for d in storage.list_dirs("") if d.startswith("step-")]
+
+
+# -- DeleteObjects and Content-MD5 -----------------------------------------------------------------
+
+
+def test_retention_removes_old_checkpoints_on_a_store_that_requires_content_md5_on_deletes(
+    s3_behind_proxy: tuple[str, FaultProxy],
+) -> None:
+    uri, proxy = s3_behind_proxy
+    refused = requires_content_md5(proxy)
+    save_steps(uri, [1, 2, 3], keep=1)
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000003"]
+    finally:
+        storage.close()
+    assert refused.served == 0
+    assert any(s.method == "POST" and s.path.endswith("?delete") for s in proxy.seen)
+
+
+# -- stores that refuse the x-amz-checksum-* headers ------------------------------------------------
+
+
+def _carries_checksum_header(req: Request) -> bool:
+    return any(name.lower().startswith(("x-amz-checksum-", "x-amz-sdk-checksum-")) for name in req.headers)
+
+
+def rejects_checksum_headers(proxy: FaultProxy) -> Any:
+    """Refuse any request with an ``x-amz-checksum-*`` header, as Backblaze B2 does."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="InvalidArgument",
+        message="Unsupported header 'x-amz-checksum-crc32c' received for this API call.",
+        match=_carries_checksum_header,
+    )
+
+
+@pytest.mark.parametrize("size", [100, 6 * 1024 * 1024], ids=["one PUT", "multipart"])
+def test_a_store_that_refuses_checksum_headers_gets_an_error_that_names_the_switch(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, size: int
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1MiB")
+    refused = rejects_checksum_headers(proxy)
+    src = tmp_path / "shard"
+    src.write_bytes(b"x" * size)
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_file(str(src), "step-000000001/shard")
+    finally:
+        storage.close()
+    assert refused.served == 1  # permanent: not retried
+    assert "Unsupported header" in str(caught.value)
+    assert "SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0" in str(caught.value)
+
+
+def test_with_checksum_headers_off_checkpoints_save_restore_and_expire_on_such_a_store(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS", "0")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1KiB")  # the shards go up as multipart
+    refused = rejects_checksum_headers(proxy)
+    saved = save_steps(uri, [1, 2, 3], keep=2)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert_same(snapshot(state), saved[3], "the state restored from step 3")
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000002", "step-000000003"]
+    finally:
+        storage.close()
+    assert refused.served == 0
+    assert any("uploadId=" in s.path for s in proxy.seen)
+
+
+def test_with_checksum_headers_off_a_shard_damaged_in_the_store_is_still_refused_at_restore(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS", "0")
+    rejects_checksum_headers(proxy)
+    saved = save_steps(uri, [1, 2], keep=None)
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-000000002/")["Contents"]
+    shard = next(o["Key"] for o in listed if o["Key"].endswith(".distcp"))
+    data = bytearray(s3_client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+    data[len(data) // 2] ^= 0xFF  # same size: only the CRC32C can tell
+    s3_client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert_same(snapshot(state), saved[1], "the state restored from step 1")
+
+
+# -- buckets that keep objects: GCS retention policies and holds, S3 Object Lock --------------------
+
+GCS_RETENTION_MESSAGE = (
+    "Object '{bucket}/x' is subject to bucket's retention policy and cannot be deleted, overwritten or "
+    "archived until 2027-01-01T00:00:00.000000-00:00"
+)
+
+
+@pytest.fixture
+def gs_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    gcs_server: str,
+    fast_retries: None,
+) -> tuple[str, FaultProxy]:
+    """A ``gs://`` URI on a fresh fake-gcs-server bucket, reached through the proxy."""
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    return uri, proxy
+
+
+def keeps_objects(proxy: FaultProxy, uri: str, under: str = "") -> Any:
+    """Refuse every DELETE (under ``under``) as a GCS bucket with a retention policy does."""
+    bucket, prefix = uri.removeprefix("gs://").split("/", 1)
+    path = re.escape(quote(f"{prefix}/{under}", safe=""))
+    return proxy.fail(
+        FOREVER, 403, message=GCS_RETENTION_MESSAGE.format(bucket=bucket), method="DELETE", path=f"/o/{path}"
+    )
+
+
+def test_a_gcs_retention_policy_keeps_old_checkpoints_with_one_clear_warning_and_saves_go_on(
+    gs_behind_proxy: tuple[str, FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, proxy = gs_behind_proxy
+    refused = keeps_objects(proxy, uri)
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        saved = save_steps(uri, [1, 2, 3, 4], keep=1)
+    assert refused.served >= 3  # every save after the first tried, and was refused
+    said = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "retention period" in said[0] and "keep=1" in said[0]
+    assert "permission denied" not in said[0] and "credentials in use" not in said[0]
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == [f"step-00000000{n}" for n in (1, 2, 3, 4)]
+    finally:
+        storage.close()
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 4
+    assert_same(snapshot(state), saved[4], "the state restored from step 4")
+
+
+def test_a_leftover_the_bucket_keeps_does_not_stop_that_step_from_being_saved(
+    gs_behind_proxy: tuple[str, FaultProxy], gcs_client: Any
+) -> None:
+    uri, proxy = gs_behind_proxy
+    bucket, prefix = uri.removeprefix("gs://").split("/", 1)
+    leftover = gcs_client.bucket(bucket).blob(f"{prefix}/step-000000002/__0_0.distcp")
+    leftover.upload_from_string(b"half a shard: the save was preempted")  # no manifest: uncommitted
+    generation = gcs_client.bucket(bucket).get_blob(leftover.name).generation
+    keeps_objects(proxy, uri, "step-000000002/")
+    saved = save_steps(uri, [1, 2], keep=None)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000001", "step-000000002", "step-000000002.1"]
+    finally:
+        storage.close()
+    assert gcs_client.bucket(bucket).get_blob(leftover.name).generation == generation  # never overwritten
+
+
+def test_an_s3_object_lock_refusal_is_named_as_such_not_as_missing_permissions(
+    s3_behind_proxy: tuple[str, FaultProxy],
+) -> None:
+    uri, proxy = s3_behind_proxy
+    proxy.fail(FOREVER, 403, code="AccessDenied", message="Access Denied because object protected by object lock.")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(RetainedError) as caught:
+            storage.delete(["step-000000001/MANIFEST.json"])
+    finally:
+        storage.close()
+    assert "Object Lock" in str(caught.value) and "credentials in use" not in str(caught.value)
+
+
+# -- versioned buckets ------------------------------------------------------------------------------
+
+
+def test_on_a_versioned_bucket_retention_removes_each_checkpoint_once_and_adds_no_marker_after(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deletes on a versioned bucket add delete markers and keep the bytes as noncurrent versions
+    (README: Storage). moto, like MinIO, still lists a folder whose objects are all delete
+    markers: retention must see that it holds nothing, not delete its manifest again each save."""
+    uri, _ = s3_behind_proxy
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    s3_client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    with caplog.at_level(logging.INFO, logger="agent.checkpoint"):
+        saved = save_steps(uri, [1, 2, 3, 4, 5], keep=1)
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retention: removed")]
+    assert sorted(removed) == [f"retention: removed {uri}/step-00000000{n}" for n in (1, 2, 3, 4)]
+    storage = open_storage(uri)
+    try:
+        assert {o.key.split("/")[0] for o in storage.list("") if o.key.startswith("step-")} == {"step-000000005"}
+    finally:
+        storage.close()
+    versions = s3_client.list_object_versions(Bucket=bucket, Prefix=f"{prefix}/step-000000001/")
+    markers = [m["Key"] for m in versions.get("DeleteMarkers", [])]
+    assert sorted(markers) == sorted(set(markers)) and f"{prefix}/step-000000001/MANIFEST.json" in markers
+    assert versions.get("Versions")  # the bytes stay, noncurrent, until a lifecycle rule expires them
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 5
+    assert_same(snapshot(state), saved[5], "the state restored from step 5")
+
+
+# -- Requester Pays ---------------------------------------------------------------------------------
+
+
+def test_a_gcs_requester_pays_bucket_is_named_as_unsupported(gs_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = gs_behind_proxy
+    proxy.fail(FOREVER, 400, code="required", message="Bucket is a requester pays bucket but no user project provided.")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    finally:
+        storage.close()
+    assert "does not support Requester Pays" in str(caught.value)
+
+
+def test_an_s3_refusal_mentions_requester_pays_among_its_causes(s3_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = s3_behind_proxy
+    proxy.fail(FOREVER, 403, code="AccessDenied", message="Access Denied")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.get_bytes("step-000000001/MANIFEST.json")
+    finally:
+        storage.close()
+    assert "permission denied" in str(caught.value) and "Requester Pays" in str(caught.value)
+
+
+def test_on_a_versioned_bucket_an_unfinished_saves_leftover_goes_once_with_keep_unset(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, _ = s3_behind_proxy
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    s3_client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/step-000000001/__0_0.distcp", Body=b"half a shard")
+    with caplog.at_level(logging.INFO, logger="agent.checkpoint"):
+        save_steps(uri, [2, 3, 4], keep=None)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("retention")]
+    assert said == [(logging.INFO, f"retention: removed {uri}/step-000000001")]
+    versions = s3_client.list_object_versions(Bucket=bucket, Prefix=f"{prefix}/step-000000001/")
+    assert [m["Key"] for m in versions.get("DeleteMarkers", [])] == [f"{prefix}/step-000000001/__0_0.distcp"]
