@@ -1,0 +1,149 @@
+"""A filesystem store on filesystems other than a local ext4 disk: tmpfs, a staging folder on
+another filesystem than the checkpoints, and filesystems that refuse a call ext4 allows.
+
+Real where the machine has the filesystem: ``/dev/shm`` is a real tmpfs, and a staging folder
+there with the checkpoints under the test's temp folder makes every link cross filesystems
+(``EXDEV``). Filesystems the machine has no mount of (FUSE mounts of buckets, FAT, NFS without
+lockd) are simulated at the one OS call that refuses, for paths under the test's own folder
+only; each such test says so. Everything else is real: one process, real files, the real
+Checkpointer.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import stat
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import list_checkpoints
+from agent.checkpoint import Checkpointer
+from agent.mounts import mount_of
+from agent.storage import PermanentStorageError, open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+def _on_tmpfs(path: str) -> bool:
+    mount = mount_of(path)
+    return mount is not None and mount.fstype == "tmpfs"
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh folder on the real tmpfs at /dev/shm (removed afterwards)."""
+    if not os.path.isdir("/dev/shm") or not _on_tmpfs("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    folder = Path("/dev/shm") / f"spotjob-test-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fd_under(fd: int, folder: Path) -> bool:
+    return os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder) + "/")
+
+
+def save_then_restore(uri: str, **options: Any) -> None:
+    """Save step 1 and restore it in a fresh Checkpointer: every byte of the state comes back."""
+    state = make_state(0)
+    with Checkpointer(uri, keep=2, async_save=False, **options) as ckpt:
+        assert ckpt.restore(state) == 0
+        train(state, 1)
+        ckpt.save(1, state)
+        saved = snapshot(state)
+    restored = make_state(0, seed=5)
+    with Checkpointer(uri, keep=2, async_save=False, **options) as ckpt:
+        assert ckpt.restore(restored) == 1
+    assert_same(snapshot(restored), saved)
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(1, True)]
+
+
+# -- real tmpfs --------------------------------------------------------------------------------
+def test_checkpoints_on_tmpfs_written_with_o_direct_restore_bit_exactly(shm: Path) -> None:
+    """``direct_io=True`` on tmpfs: a kernel before 6.6 refuses ``O_DIRECT`` at open (``EINVAL``) and
+    the shard is written buffered; a later one takes it. Either way the checkpoint is whole."""
+    save_then_restore(str(shm / "ckpt"), direct_io=True)
+
+
+def test_staging_on_tmpfs_and_checkpoints_on_another_filesystem_copy_the_shards_across(
+    shm: Path, tmp_path: Path
+) -> None:
+    """The staged shards cannot be linked into place across filesystems (``EXDEV``): they are
+    copied, and the committed files are their own, not links to the staging folder's."""
+    if _on_tmpfs(str(tmp_path)):
+        pytest.skip("the test's temp folder is on tmpfs too: no second filesystem")
+    uri = str(tmp_path / "ckpt")
+    save_then_restore(uri, staging_dir=str(shm / "staging"))
+    committed = [p for p in (tmp_path / "ckpt" / "step-000000001").iterdir() if p.is_file()]
+    assert committed and all(p.stat().st_nlink == 1 for p in committed)
+
+
+def test_checkpoints_on_tmpfs_with_staging_on_another_filesystem(shm: Path, tmp_path: Path) -> None:
+    save_then_restore(str(shm / "ckpt"), staging_dir=str(tmp_path / "staging"))
+
+
+# -- a filesystem that cannot sync a folder ----------------------------------------------------
+_fsync = os.fsync
+
+
+def folders_cannot_sync(m: pytest.MonkeyPatch, folder: Path) -> None:
+    """Simulated (no such mount here): fsync of a folder under ``folder`` fails with ``EINVAL``,
+    as on some FUSE and network filesystems; fsync of a file works."""
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode) and _fd_under(fd, folder):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        _fsync(fd)
+
+    m.setattr(os, "fsync", fsync)
+
+
+def test_a_filesystem_that_cannot_sync_folders_still_commits_and_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a filesystem makes names durable by the operation itself (or not at all): ``EINVAL``
+    from a folder's fsync is no failure of the save, as in PostgreSQL. Before, claiming the URI
+    already failed ("cannot write .../owner.json: Invalid argument") and no save could start."""
+    folders_cannot_sync(monkeypatch, tmp_path)
+    save_then_restore(str(tmp_path / "ckpt"))
+
+
+def test_another_error_syncing_a_folder_still_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode) and _fd_under(fd, tmp_path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage = open_storage(str(tmp_path / "ckpt"))
+    with pytest.raises(PermanentStorageError, match=r"no space left"):
+        storage.put_bytes("a/b.json", b"{}")
+
+
+# -- a filesystem without locks ----------------------------------------------------------------
+def test_a_staging_folder_without_locks_still_saves_and_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulated (NFS without lockd): ``flock`` fails with ``ENOLCK``; saves go on unlocked."""
+    _flock = fcntl.flock
+
+    def flock(fd: Any, operation: int) -> None:
+        if _fd_under(fd if isinstance(fd, int) else fd.fileno(), tmp_path):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        _flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    save_then_restore(str(tmp_path / "ckpt"))
