@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from agent.atomic_file import sync_folder, temp_name, write_atomic, write_temp
 from agent.crc32c import CHUNK, crc32c_bytes, to_hex
+from agent.mounts import mount_of
 from agent.settings import StorageEnv, load
 from agent.storage._errors import local_file, translate_os_error
 from agent.storage._retry import retry_transient
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 _TMP_MARK = ".spotjob-tmp-"
 _ABSENT = (errno.ENOENT, errno.ENOTDIR)
 """A missing name, or a file where a folder of the path should be: the key does not exist."""
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+"""What ``link(2)`` says on a filesystem without hard links (FAT, FUSE mounts of buckets): ``EPERM``
+("does not support the creation of hard links"), or ``ENOTSUP`` / ``ENOSYS`` from a FUSE server.
+A permission problem would have failed the temp file's creation in the same folder first."""
 
 
 _fsync_dir = sync_folder
@@ -158,7 +163,7 @@ class FileStorage(Storage):
             try:
                 os.link(local_path, tmp)
             except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                if e.errno not in (errno.EXDEV, errno.EMLINK, *_NO_HARD_LINKS):
                     raise
                 shutil.copyfile(local_path, tmp)
             # The link shares the staged file's inode: make sure its bytes are on disk (nearly free
@@ -198,7 +203,11 @@ class FileStorage(Storage):
             try:
                 linked = True
                 os.link(tmp, dest)  # fails with EEXIST if the name exists: the create-only commit
-            except FileExistsError:
+            except OSError as e:
+                if e.errno in _NO_HARD_LINKS:
+                    raise self._no_hard_links(key, e) from e
+                if not isinstance(e, FileExistsError):
+                    raise
                 if not (ours_maybe and _holds(dest, data)):
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
                 log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
@@ -207,6 +216,21 @@ class FileStorage(Storage):
             _fsync_dir(os.path.dirname(dest))  # also when an earlier attempt linked it: its sync failed
 
         self._run(f"cannot write {self.url(key)}", key, put)
+
+    def _no_hard_links(self, key: str, e: OSError) -> PermanentStorageError:
+        """The create-only write needs ``link(2)``: no other call creates a name atomically and
+        only if absent on every filesystem (``O_EXCL`` shows a reader the file before its bytes,
+        and a crash then leaves a half-written manifest that blocks every restore)."""
+        mount = mount_of(self.root)
+        fs = f"a {mount.fstype} filesystem mounted at {mount.mount_point}" if mount else "a filesystem"
+        return PermanentStorageError(
+            f"cannot write {self.url(key)}: {self.root} is on {fs} without hard links "
+            f"({e.strerror or errno.errorcode.get(e.errno or 0, e.errno)}), which spotjob's create-only "
+            "writes (the URI's claim, each checkpoint's commit) need. FUSE mounts of buckets (gcsfuse, "
+            "s3fs, mountpoint-s3) and FAT/exFAT have none: use the bucket's s3:// or gs:// URI instead, "
+            "or a folder on a filesystem with hard links (a local disk, NFS, Lustre, tmpfs)",
+            key,
+        )
 
     def _makedirs(self, folder: str) -> bool:
         """Create ``folder`` (and its parents); True when it did not exist (its parent then needs a sync)."""

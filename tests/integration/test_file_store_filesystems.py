@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agent.catalog import list_checkpoints
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.mounts import mount_of
 from agent.storage import PermanentStorageError, open_storage
 
@@ -131,6 +131,61 @@ def test_another_error_syncing_a_folder_still_fails_the_write(tmp_path: Path, mo
     storage = open_storage(str(tmp_path / "ckpt"))
     with pytest.raises(PermanentStorageError, match=r"no space left"):
         storage.put_bytes("a/b.json", b"{}")
+
+
+# -- a filesystem without hard links -----------------------------------------------------------
+_link = os.link
+
+
+def no_hard_links(m: pytest.MonkeyPatch, folder: Path, code: int) -> None:
+    """Simulated (no such mount here): ``link(2)`` under ``folder`` fails with ``code``, as on FAT
+    (``EPERM``) and FUSE mounts of buckets (``ENOTSUP``, ``ENOSYS``)."""
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(dst).startswith(str(folder) + "/"):
+            raise OSError(code, os.strerror(code), src, None, dst)
+        _link(src, dst, *args, **kwargs)
+
+    m.setattr(os, "link", link)
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.ENOTSUP, errno.ENOSYS], ids=errno.errorcode.get)
+def test_without_hard_links_the_create_only_commit_says_so_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """No other call creates a name only if absent and whole at once, so the store refuses, naming
+    the filesystem and what to use instead. Before, ``EPERM`` read "permission denied ... give uid
+    N access there" (access was never the problem) and ``ENOSYS`` a bare "Function not implemented"."""
+    no_hard_links(monkeypatch, tmp_path, code)
+    storage = open_storage(str(tmp_path / "ckpt"))
+    with pytest.raises(PermanentStorageError, match=r"without hard links") as raised:
+        storage.put_bytes_if_absent("step-000000001/MANIFEST.json", b"{}")
+    message = str(raised.value)
+    assert "permission denied" not in message
+    assert "s3://" in message and "gs://" in message
+    assert os.listdir(tmp_path / "ckpt" / "step-000000001") == []  # no temp file left behind
+
+
+def test_without_hard_links_a_checkpointer_refuses_the_uri_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    no_hard_links(monkeypatch, tmp_path, errno.EPERM)
+    with pytest.raises(StorageRefusedError, match=r"without hard links.*use the bucket's s3:// or gs:// URI"):
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+
+
+def test_a_shard_the_filesystem_cannot_link_into_place_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``put_file`` (a staged shard into the checkpoint folder) copies where a FUSE server answers
+    the link with ``ENOSYS``, as it did for ``EPERM`` and ``ENOTSUP``; before, the save failed."""
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(b"shard" * 1000)
+    no_hard_links(monkeypatch, tmp_path / "ckpt", errno.ENOSYS)
+    storage = open_storage(str(tmp_path / "ckpt"))
+    storage.put_file(str(staged), "step-000000001/shard.bin")
+    assert storage.get_bytes("step-000000001/shard.bin") == staged.read_bytes()
+    assert staged.stat().st_nlink == 1
 
 
 # -- a filesystem without locks ----------------------------------------------------------------
