@@ -202,3 +202,29 @@ def test_a_staging_folder_without_locks_still_saves_and_restores(
 
     monkeypatch.setattr(fcntl, "flock", flock)
     save_then_restore(str(tmp_path / "ckpt"))
+
+
+def test_spotjob_run_on_a_runs_folder_without_locks_says_so_and_leaves_no_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Simulated (NFS without lockd): ``flock`` under the runs folder fails with ``ENOLCK``. The
+    driver lock alone tells a live driver from a dead one, so ``spotjob run`` refuses, naming the
+    filesystem problem and the remedy; before, it said "[Errno 37] No locks available"."""
+    from orchestrator.cli import main
+
+    _flock = fcntl.flock
+
+    def flock(fd: Any, operation: int) -> None:
+        if _fd_under(fd if isinstance(fd, int) else fd.fileno(), tmp_path):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        _flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    runs = tmp_path / "runs"
+    assert main(["run", "--runs-dir", str(runs), "--name", "demo", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "without file locks" in err and "--runs-dir" in err and "No locks available" in err
+    assert "[Errno" not in err
+    assert not (runs / "demo" / "local").exists()  # no job file: the name is not taken for a later run
