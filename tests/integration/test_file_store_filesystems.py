@@ -28,6 +28,7 @@ from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.mounts import mount_of
 from agent.storage import PermanentStorageError, open_storage
+from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
@@ -189,19 +190,57 @@ def test_a_shard_the_filesystem_cannot_link_into_place_is_copied(
 
 
 # -- a filesystem without locks ----------------------------------------------------------------
-def test_a_staging_folder_without_locks_still_saves_and_restores(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Simulated (NFS without lockd): ``flock`` fails with ``ENOLCK``; saves go on unlocked."""
-    _flock = fcntl.flock
+_flock = fcntl.flock
+
+
+def no_locks(m: pytest.MonkeyPatch, folder: Path) -> None:
+    """Simulated (no such mount here): ``flock`` on a file or folder under ``folder`` fails with
+    ``ENOLCK``, as on NFS mounted without lockd."""
 
     def flock(fd: Any, operation: int) -> None:
-        if _fd_under(fd if isinstance(fd, int) else fd.fileno(), tmp_path):
+        if _fd_under(fd if isinstance(fd, int) else fd.fileno(), folder):
             raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
         _flock(fd, operation)
 
-    monkeypatch.setattr(fcntl, "flock", flock)
+    m.setattr(fcntl, "flock", flock)
+
+
+def test_a_staging_folder_without_locks_still_saves_and_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging folder's lock only keeps another process's stale-staging cleanup off a save in
+    flight (README "Known limits"): without it, saves go on unlocked."""
+    no_locks(monkeypatch, tmp_path)
     save_then_restore(str(tmp_path / "ckpt"))
+
+
+class ObjectStoreLike(FileStorage):
+    """A folder the restore must treat like a bucket: every file goes through the node's restore
+    cache in the staging folder (as in test_shared_staging.py)."""
+
+    def local_path(self, key: str) -> str | None:
+        return None
+
+
+def test_a_restore_from_an_object_store_with_its_staging_folder_without_locks_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore cache's per-file lock (``agent.restore_cache.fetch_verified``) only spares a
+    node's ranks a second download: each download lands whole under its final name by rename. A
+    staging folder on NFS without lockd used to fail every restore with "[Errno 37] No locks
+    available", taken for an unavailable store, so the job was restarted into the same failure."""
+    uri = str(tmp_path / "bucket")
+    state = make_state(0)
+    train(state, 3)
+    with Checkpointer(uri, keep=None, async_save=False) as ckpt:
+        ckpt.save(3, state)
+    staging = tmp_path / "nfs-staging"
+    no_locks(monkeypatch, staging)
+    restored = make_state(0, seed=9)
+    with Checkpointer(uri, keep=None, staging_dir=str(staging)) as ckpt:
+        ckpt.storage = ObjectStoreLike(uri)
+        assert ckpt.restore(restored) == 3
+    assert_same(snapshot(restored), snapshot(state))
 
 
 def test_spotjob_run_on_a_runs_folder_without_locks_says_so_and_leaves_no_run(
@@ -212,14 +251,7 @@ def test_spotjob_run_on_a_runs_folder_without_locks_says_so_and_leaves_no_run(
     filesystem problem and the remedy; before, it said "[Errno 37] No locks available"."""
     from orchestrator.cli import main
 
-    _flock = fcntl.flock
-
-    def flock(fd: Any, operation: int) -> None:
-        if _fd_under(fd if isinstance(fd, int) else fd.fileno(), tmp_path):
-            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-        _flock(fd, operation)
-
-    monkeypatch.setattr(fcntl, "flock", flock)
+    no_locks(monkeypatch, tmp_path)
     script = tmp_path / "train.py"
     script.write_text("print('never run')\n")
     runs = tmp_path / "runs"
