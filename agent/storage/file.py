@@ -165,7 +165,14 @@ class FileStorage(Storage):
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EMLINK, *_NO_HARD_LINKS):
                     raise
-                shutil.copyfile(local_path, tmp)
+                try:
+                    shutil.copyfile(local_path, tmp)
+                except OSError as copy_error:
+                    if copy_error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # shutil names the file it read (the staged shard, on another disk) in the
+                    # error; the disk that is full is the one written to.
+                    raise OSError(copy_error.errno, copy_error.strerror, dest) from copy_error
             # The link shares the staged file's inode: make sure its bytes are on disk (nearly free
             # when the writer synced them already, as the Checkpointer does).
             with open(tmp, "rb") as f:

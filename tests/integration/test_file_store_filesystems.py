@@ -16,6 +16,7 @@ import fcntl
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -260,3 +261,47 @@ def test_spotjob_run_on_a_runs_folder_without_locks_says_so_and_leaves_no_run(
     assert "without file locks" in err and "--runs-dir" in err and "No locks available" in err
     assert "[Errno" not in err
     assert not (runs / "demo" / "local").exists()  # no job file: the name is not taken for a later run
+
+
+# -- a full checkpoint disk behind a staging folder on another ---------------------------------
+_SAVE_ONTO = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from ckpt_state import make_state, train
+from agent.checkpoint import Checkpointer, SaveFailedError
+state = make_state(0)
+with Checkpointer(sys.argv[1], async_save=False, staging_dir=sys.argv[2]) as ckpt:
+    train(state, 1)
+    try:
+        ckpt.save(1, state)
+    except SaveFailedError as e:
+        print(e)
+        sys.exit(3)
+"""
+
+
+def test_a_full_checkpoint_disk_is_named_when_the_shards_are_copied_from_another(tmp_path: Path) -> None:
+    """A real ``ENOSPC``: the checkpoints on a 64 KiB tmpfs mounted in a user namespace, the
+    staging folder on the test's temp folder, so every shard is copied across (``EXDEV``). shutil
+    names the file it read in a copy's error, so the message sent the operator to free space on the
+    staging disk; it names the checkpoint's file, on the disk that is full."""
+    unshare = shutil.which("unshare")
+    probe = unshare and subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if not probe or probe.returncode != 0:
+        pytest.skip("no user namespaces here (unshare --user --mount): no small tmpfs to fill")
+    disk, staging = tmp_path / "disk", tmp_path / "staging"
+    disk.mkdir()
+    script = f'mount -t tmpfs -o size=64k tmpfs "{disk}" && exec "$0" -c "$1" "$2" "$3" "$4"'
+    scripts = str(Path(__file__).resolve().parent / "scripts")
+    argv = [sys.executable, _SAVE_ONTO, str(disk / "ckpt"), str(staging), scripts]
+    done = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", script, *argv],
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 3, done.stderr[-3000:]
+    message = done.stdout
+    assert "no space left (or quota exceeded)" in message, message
+    assert f"({disk}/ckpt/step-000000001/" in message, message
+    assert str(staging) not in message, message
