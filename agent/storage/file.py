@@ -162,6 +162,11 @@ class FileStorage(Storage):
         try:
             try:
                 os.link(local_path, tmp)
+            except FileExistsError:
+                # The temp name is fresh: taken, it is this link, made by an NFS server whose reply
+                # was lost (the retransmission found the name).
+                if not _same_file(local_path, tmp):
+                    raise
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EMLINK, *_NO_HARD_LINKS):
                     raise
@@ -194,6 +199,8 @@ class FileStorage(Storage):
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
         """Create-only: link a temp file to the final name, which fails if the name exists.
 
+        A link answered ``EEXIST`` whose name is the temp file's own inode was made by this very
+        call (NFS: the reply was lost and the retransmitted request found the name taken).
         An attempt that fails once it has tried the link (the folder's sync failing, an NFS
         reply lost) may have created the file. If a later attempt's link then finds the name
         taken, the file is read back: holding exactly ``data``, it is our own earlier write and
@@ -215,9 +222,15 @@ class FileStorage(Storage):
                     raise self._no_hard_links(key, e) from e
                 if not isinstance(e, FileExistsError):
                     raise
-                if not (ours_maybe and _holds(dest, data)):
+                if _same_file(tmp, dest):
+                    # NFS: the server made the link, its reply was lost, and the client's retry was
+                    # answered EEXIST. The temp file's inode is the name's: the link is ours (the
+                    # check open(2) gives for NFS).
+                    log.info("create-only write of %s: the link was made, its reply lost; done", self.url(key))
+                elif not (ours_maybe and _holds(dest, data)):
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
-                log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
+                else:
+                    log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
             finally:
                 os.unlink(tmp)
             _fsync_dir(os.path.dirname(dest))  # also when an earlier attempt linked it: its sync failed
@@ -407,6 +420,16 @@ class FileStorage(Storage):
         # Remove the emptied folders too (and any temp files a killed writer left behind). rmtree
         # removes a symlink inside as a link, never what it points at.
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are names of one file (False when either is gone)."""
+    try:
+        return os.path.samestat(os.stat(a), os.stat(b))
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return False
+        raise
 
 
 def _holds(path: str, data: bytes) -> bool:

@@ -28,7 +28,7 @@ import pytest
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.mounts import mount_of
-from agent.storage import PermanentStorageError, open_storage
+from agent.storage import AlreadyExistsError, PermanentStorageError, open_storage
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -188,6 +188,59 @@ def test_a_shard_the_filesystem_cannot_link_into_place_is_copied(
     storage.put_file(str(staged), "step-000000001/shard.bin")
     assert storage.get_bytes("step-000000001/shard.bin") == staged.read_bytes()
     assert staged.stat().st_nlink == 1
+
+
+# -- NFS: a link made, its reply lost ----------------------------------------------------------
+def link_reply_lost(m: pytest.MonkeyPatch, folder: Path) -> None:
+    """Simulated (no NFS server here): ``link(2)`` to a name under ``folder`` makes the link, then
+    answers ``EEXIST``, as an NFS client whose reply was lost and whose retransmission found the
+    name taken (a server without, or past, its duplicate-request cache)."""
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        _link(src, dst, *args, **kwargs)
+        if str(dst).startswith(str(folder) + "/"):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
+
+    m.setattr(os, "link", link)
+
+
+def test_a_commit_whose_link_reply_was_lost_is_committed_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every link into the step's folder (each shard's, then the manifest's) is answered
+    ``EEXIST`` after it was made. The temp file and the name are one inode: the link is this
+    call's own (open(2)'s advice for NFS). Before, a shard's link failed the save ("a file or
+    folder is in the way"), and the manifest's was read as another writer's ("committed by
+    someone else meanwhile") though it had committed."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, keep=2, async_save=False) as ckpt:
+        assert ckpt.restore(state) == 0
+        train(state, 1)
+        with monkeypatch.context() as m:
+            link_reply_lost(m, tmp_path / "ckpt" / "step-000000001")
+            ckpt.save(1, state)
+        assert ckpt.last_committed_step == 1
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(1, True)]
+    assert os.listdir(tmp_path / "ckpt" / "step-000000001").count("MANIFEST.json") == 1
+
+
+def test_a_create_only_write_whose_link_reply_was_lost_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link_reply_lost(monkeypatch, tmp_path / "ckpt")
+    storage = open_storage(str(tmp_path / "ckpt"))
+    storage.put_bytes_if_absent("step-000000001/MANIFEST.json", b"ours")
+    assert storage.get_bytes("step-000000001/MANIFEST.json") == b"ours"
+    assert os.listdir(tmp_path / "ckpt" / "step-000000001") == ["MANIFEST.json"]  # no temp file left
+
+
+def test_a_name_another_writer_made_is_still_refused(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path / "ckpt"))
+    storage.put_bytes_if_absent("step-000000001/MANIFEST.json", b"theirs")
+    with pytest.raises(AlreadyExistsError):
+        storage.put_bytes_if_absent("step-000000001/MANIFEST.json", b"ours")
+    assert storage.get_bytes("step-000000001/MANIFEST.json") == b"theirs"
 
 
 # -- a filesystem without locks ----------------------------------------------------------------
