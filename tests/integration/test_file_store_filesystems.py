@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, StorageRefusedError
@@ -32,6 +33,7 @@ from agent.storage import AlreadyExistsError, PermanentStorageError, open_storag
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
 from ckpt_compare import assert_same
 from ckpt_state import make_state, snapshot, train
 
@@ -91,6 +93,27 @@ def test_staging_on_tmpfs_and_checkpoints_on_another_filesystem_copy_the_shards_
     save_then_restore(uri, staging_dir=str(shm / "staging"))
     committed = [p for p in (tmp_path / "ckpt" / "step-000000001").iterdir() if p.is_file()]
     assert committed and all(p.stat().st_nlink == 1 for p in committed)
+
+
+def test_two_torchrun_ranks_staging_on_tmpfs_commit_to_another_filesystem_and_restore(
+    shm: Path, tmp_path: Path
+) -> None:
+    """Each rank copies its own shards across filesystems (``SPOTJOB_STAGING_DIR`` on tmpfs)."""
+    uri = str(tmp_path / "ckpt")
+    harness.torchrun(
+        2,
+        harness.SCRIPTS / "ckpt_job.py",
+        "save-restore",
+        "--uri",
+        uri,
+        "--dump",
+        str(tmp_path / "d"),
+        env=harness.job_env(SPOTJOB_STAGING_DIR=str(shm / "staging")),
+    )
+    for rank in range(2):
+        d = torch.load(tmp_path / f"d.rank{rank}.pt", weights_only=False)
+        assert_same(d["restored"], d["saved"], f"rank {rank}'s restored state")
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(uri))] == [(7, True)]
 
 
 def test_checkpoints_on_tmpfs_with_staging_on_another_filesystem(shm: Path, tmp_path: Path) -> None:
