@@ -4,9 +4,10 @@ another filesystem than the checkpoints, and filesystems that refuse a call ext4
 Real where the machine has the filesystem: ``/dev/shm`` is a real tmpfs, and a staging folder
 there with the checkpoints under the test's temp folder makes every link cross filesystems
 (``EXDEV``). Filesystems the machine has no mount of (FUSE mounts of buckets, FAT, NFS without
-lockd) are simulated at the one OS call that refuses, for paths under the test's own folder
-only; each such test says so. Everything else is real: one process, real files, the real
-Checkpointer.
+lockd, NFS's lost replies) are simulated at the one OS call that behaves differently there, for
+paths under the test's own folder only; each such test says so. A full disk is real: a small
+tmpfs mounted in a user namespace. Everything else is real: real files, the real Checkpointer,
+in one process or two torchrun ranks.
 """
 
 from __future__ import annotations
@@ -289,6 +290,51 @@ def test_a_staging_folder_without_locks_still_saves_and_restores(
     flight (README "Known limits"): without it, saves go on unlocked."""
     no_locks(monkeypatch, tmp_path)
     save_then_restore(str(tmp_path / "ckpt"))
+
+
+def folder_locks_only_on_this_client(m: pytest.MonkeyPatch, folder: Path) -> None:
+    """Simulated (no NFS here): a ``flock`` on a folder under ``folder`` is granted without locking
+    anything another process sees, as on NFS, whose client keeps a folder's ``flock`` to itself
+    (only a regular file's lock goes to the server, where every node sees it). Both Checkpointers
+    of the test share one kernel, so "another node" is modelled as "never sees the folder's lock"."""
+
+    def flock(fd: Any, operation: int) -> None:
+        raw = fd if isinstance(fd, int) else fd.fileno()
+        if stat.S_ISDIR(os.fstat(raw).st_mode) and _fd_under(raw, folder):
+            return
+        _flock(fd, operation)
+
+    m.setattr(fcntl, "flock", flock)
+
+
+def test_a_checkpointer_on_another_nfs_client_does_not_remove_a_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging lock (a save in flight is no stale folder for another process's Checkpointer,
+    test_checkpoint_concurrent_readers.py) was a ``flock`` on the folder itself: on NFS only the
+    node holding it saw it, so an eval job starting on another node removed the staged files of
+    the save the training job was committing, and that save failed."""
+    import agent.checkpoint._save as save_module
+
+    folder_locks_only_on_this_client(monkeypatch, tmp_path)
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    others: list[Checkpointer] = []
+    real_sync_files = save_module.sync_files
+
+    def sync_files_with_a_reader_arriving(*args: Any, **kwargs: Any) -> Any:
+        if not others:  # the save's files are written in its staging folder, not yet committed
+            others.append(Checkpointer(str(root), keep=None, job="train", async_save=False))
+        return real_sync_files(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "sync_files", sync_files_with_a_reader_arriving)
+    with Checkpointer(str(root), keep=1, job="train", async_save=False) as ckpt:
+        ckpt.save(1, state)
+    assert others, "the hook did not run"
+    others[0].close()
+    assert [(s.ref.step, s.valid) for s in list_checkpoints(open_storage(str(root)))] == [(1, True)]
+    assert list((root / ".spotjob-staging").iterdir()) == []  # nothing of the save left staged
 
 
 class ObjectStoreLike(FileStorage):
