@@ -11,6 +11,7 @@ halves of spotjob use it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 
@@ -46,10 +47,19 @@ def write_temp(path: str, data: bytes, *, durable: bool = True, mode: int = 0o64
 
 
 def sync_folder(path: str) -> None:
-    """fsync a folder, so that names created, renamed or removed in it survive a crash."""
+    """fsync a folder, so that names created, renamed or removed in it survive a crash.
+
+    A filesystem that cannot sync a folder says so with ``EINVAL`` (some FUSE and network
+    filesystems: their names are made durable by the operation itself, on the server, or not at
+    all); that is no failure of the write, as for PostgreSQL's ``fsync_fname``. Any other error is
+    raised.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
     finally:
         os.close(fd)
 

@@ -20,6 +20,7 @@ harmless: the restore fetches what it lacks and checks everything itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -144,7 +145,7 @@ def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: s
     os.makedirs(os.path.dirname(path), exist_ok=True)
     key = f"{folder}/{entry.path}"
     with open(path + LOCK_SUFFIX, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock_unless_unsupported(lock.fileno(), path)
         marker = path + VERIFIED_SUFFIX
         vouches = _marker_text(storage.url(key), entry)
         if not _verified_as(path, marker, vouches, entry.size):
@@ -154,6 +155,34 @@ def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: s
             storage.get_file(key, path, size=entry.size, crc32c=from_hex(entry.crc32c))
             write_atomic(marker, vouches, durable=False)
     return path
+
+
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+"""What ``flock`` says on a filesystem without locks (NFS without lockd, some FUSE mounts)."""
+_warned_no_locks: set[str] = set()
+
+
+def _lock_unless_unsupported(fd: int, path: str) -> None:
+    """``flock`` the cache's lock of ``path``; on a filesystem without locks, go on without it.
+
+    The lock only spares a node's ranks a second download of the same file: ``Storage.get_file``
+    writes to a part file of its own and renames it into place whole, and the marker is written
+    after that, so an unlocked rank may fetch a file again but never hands out a partial one.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+        folder = os.path.dirname(path)
+        if folder not in _warned_no_locks:
+            _warned_no_locks.add(folder)
+            log.warning(
+                "restore cache: %s is on a filesystem without file locks (%s); the ranks of this node "
+                "may each download a file once; stage on a local disk to avoid it",
+                folder,
+                e.strerror,
+            )
 
 
 def _marker_text(url: str, entry: FileEntry) -> bytes:

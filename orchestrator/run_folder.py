@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -39,6 +40,20 @@ def older_layout_problem(path: str, name: str) -> str | None:
     )
 
 
+class NoFileLocksError(OSError):
+    """The run folder's filesystem refuses ``flock`` (NFS mounted without lockd, some FUSE mounts):
+    the driver lock, which alone tells a live driver from a dead one, cannot be taken there."""
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        why = cause.strerror or errno.errorcode.get(cause.errno or 0, str(cause))
+        super().__init__(
+            f"the run folder {os.path.dirname(path)} is on a filesystem without file locks (flock on "
+            f"{os.path.basename(path)}: {why}; an NFS mount without lockd, or a FUSE mount?). spotjob run "
+            "locks its run folder so that only one process drives a run: put the runs on a local disk "
+            "(--runs-dir), or mount the filesystem with locking"
+        )
+
+
 class DriverLock:
     """``<run>/driver.lock``: an exclusive ``flock`` held by the process that drives the run.
 
@@ -62,6 +77,9 @@ class DriverLock:
                 if attempt + 1 < tries:
                     time.sleep(0.1)
                 continue
+            except OSError as e:
+                os.close(fd)
+                raise NoFileLocksError(self.path, e) from e
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self._fd = fd
@@ -88,6 +106,8 @@ class DriverLock:
             except BlockingIOError:
                 text = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 return int(text) if text.isdigit() else 0
+            except OSError:  # no locks there (NoFileLocksError): no spotjob run can drive it
+                return None
             return None
         finally:
             os.close(fd)  # and with it the shared lock, if taken

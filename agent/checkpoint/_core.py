@@ -5,6 +5,7 @@ status for the agent."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -239,17 +240,29 @@ class _Core:
             log.debug("could not write status for the agent: %s", e)
 
 
+STAGING_LOCK = ".lock"
+"""The file in a save's staging folder that its lock is taken on (``lock_staging_folder``)."""
+
+
 def lock_staging_folder(path: str, *, wait: bool = True) -> int | None:
-    """Lock the staging folder ``path`` of one save (``flock`` on the folder itself); return the
+    """Lock the staging folder ``path`` of one save (``flock`` on its ``.lock`` file); return the
     descriptor that holds the lock until closed. The save holds it while in flight, so that
     ``_clean_stale_staging`` in another process never removes it. ``wait=False``: None when another
-    process holds it, or when the folder is gone."""
+    process holds it, or when the folder is gone or no lock file can be opened there.
+
+    The lock is on a regular file opened for writing, not on the folder: NFS takes a regular
+    file's ``flock`` to the server, where the processes of every node see it, but keeps a folder's
+    to the client that took it (and refuses an exclusive lock on a file not open for writing).
+    """
+    lock = os.path.join(path, STAGING_LOCK)
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
             if not wait:
-                return None
+                return None  # gone, or a folder this process cannot write: not its to remove
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
             os.makedirs(path, exist_ok=True)
             continue
         try:
@@ -261,7 +274,7 @@ def lock_staging_folder(path: str, *, wait: bool = True) -> int | None:
             return fd
         # Removed (and perhaps made again) between the open and the lock: the lock holds nothing.
         with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 return fd
         os.close(fd)
         if not wait:

@@ -22,7 +22,7 @@ from agent import _rank_state
 from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
-from agent.checkpoint._core import lock_staging_folder, size_text
+from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
 from agent.control_channel import FlushRequest, FlushResult
@@ -623,7 +623,10 @@ class _Saving(_Voting):
             self._remove_unfinished(folder)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
-            os.rmdir(os.path.dirname(save.local_dir))  # the last rank of the node out removes it
+            # Its lock file first: this save is done with the folder (a cleaner that locks a new one
+            # meanwhile removes nothing of it but the folder).
+            os.unlink(os.path.join(os.path.dirname(save.local_dir), STAGING_LOCK))
+            os.rmdir(os.path.dirname(save.local_dir))
         except OSError:
             pass
         self._report(force=True)

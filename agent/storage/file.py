@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from agent.atomic_file import sync_folder, temp_name, write_atomic, write_temp
 from agent.crc32c import CHUNK, crc32c_bytes, to_hex
+from agent.mounts import mount_of
 from agent.settings import StorageEnv, load
 from agent.storage._errors import local_file, translate_os_error
 from agent.storage._retry import retry_transient
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 _TMP_MARK = ".spotjob-tmp-"
 _ABSENT = (errno.ENOENT, errno.ENOTDIR)
 """A missing name, or a file where a folder of the path should be: the key does not exist."""
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+"""What ``link(2)`` says on a filesystem without hard links (FAT, FUSE mounts of buckets): ``EPERM``
+("does not support the creation of hard links"), or ``ENOTSUP`` / ``ENOSYS`` from a FUSE server.
+A permission problem would have failed the temp file's creation in the same folder first."""
 
 
 _fsync_dir = sync_folder
@@ -157,10 +162,22 @@ class FileStorage(Storage):
         try:
             try:
                 os.link(local_path, tmp)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            except FileExistsError:
+                # The temp name is fresh: taken, it is this link, made by an NFS server whose reply
+                # was lost (the retransmission found the name).
+                if not _same_file(local_path, tmp):
                     raise
-                shutil.copyfile(local_path, tmp)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EMLINK, *_NO_HARD_LINKS):
+                    raise
+                try:
+                    shutil.copyfile(local_path, tmp)
+                except OSError as copy_error:
+                    if copy_error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # shutil names the file it read (the staged shard, on another disk) in the
+                    # error; the disk that is full is the one written to.
+                    raise OSError(copy_error.errno, copy_error.strerror, dest) from copy_error
             # The link shares the staged file's inode: make sure its bytes are on disk (nearly free
             # when the writer synced them already, as the Checkpointer does).
             with open(tmp, "rb") as f:
@@ -182,6 +199,8 @@ class FileStorage(Storage):
     def put_bytes_if_absent(self, key: str, data: bytes) -> None:
         """Create-only: link a temp file to the final name, which fails if the name exists.
 
+        A link answered ``EEXIST`` whose name is the temp file's own inode was made by this very
+        call (NFS: the reply was lost and the retransmitted request found the name taken).
         An attempt that fails once it has tried the link (the folder's sync failing, an NFS
         reply lost) may have created the file. If a later attempt's link then finds the name
         taken, the file is read back: holding exactly ``data``, it is our own earlier write and
@@ -198,15 +217,40 @@ class FileStorage(Storage):
             try:
                 linked = True
                 os.link(tmp, dest)  # fails with EEXIST if the name exists: the create-only commit
-            except FileExistsError:
-                if not (ours_maybe and _holds(dest, data)):
+            except OSError as e:
+                if e.errno in _NO_HARD_LINKS:
+                    raise self._no_hard_links(key, e) from e
+                if not isinstance(e, FileExistsError):
+                    raise
+                if _same_file(tmp, dest):
+                    # NFS: the server made the link, its reply was lost, and the client's retry was
+                    # answered EEXIST. The temp file's inode is the name's: the link is ours (the
+                    # check open(2) gives for NFS).
+                    log.info("create-only write of %s: the link was made, its reply lost; done", self.url(key))
+                elif not (ours_maybe and _holds(dest, data)):
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
-                log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
+                else:
+                    log.info("create-only write of %s: an earlier attempt had already created it; done", self.url(key))
             finally:
                 os.unlink(tmp)
             _fsync_dir(os.path.dirname(dest))  # also when an earlier attempt linked it: its sync failed
 
         self._run(f"cannot write {self.url(key)}", key, put)
+
+    def _no_hard_links(self, key: str, e: OSError) -> PermanentStorageError:
+        """The create-only write needs ``link(2)``: no other call creates a name atomically and
+        only if absent on every filesystem (``O_EXCL`` shows a reader the file before its bytes,
+        and a crash then leaves a half-written manifest that blocks every restore)."""
+        mount = mount_of(self.root)
+        fs = f"a {mount.fstype} filesystem mounted at {mount.mount_point}" if mount else "a filesystem"
+        return PermanentStorageError(
+            f"cannot write {self.url(key)}: {self.root} is on {fs} without hard links "
+            f"({e.strerror or errno.errorcode.get(e.errno or 0, e.errno)}), which spotjob's create-only "
+            "writes (the URI's claim, each checkpoint's commit) need. FUSE mounts of buckets (gcsfuse, "
+            "s3fs, mountpoint-s3) and FAT/exFAT have none: use the bucket's s3:// or gs:// URI instead, "
+            "or a folder on a filesystem with hard links (a local disk, NFS, Lustre, tmpfs)",
+            key,
+        )
 
     def _makedirs(self, folder: str) -> bool:
         """Create ``folder`` (and its parents); True when it did not exist (its parent then needs a sync)."""
@@ -376,6 +420,16 @@ class FileStorage(Storage):
         # Remove the emptied folders too (and any temp files a killed writer left behind). rmtree
         # removes a symlink inside as a link, never what it points at.
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are names of one file (False when either is gone)."""
+    try:
+        return os.path.samestat(os.stat(a), os.stat(b))
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return False
+        raise
 
 
 def _holds(path: str, data: bytes) -> bool:
