@@ -321,12 +321,14 @@ class Agent(AgentRequests):
             time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
 
     def _halt_reason(self) -> str | None:
-        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, or a
-        SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if neither came."""
+        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, a
+        SIGQUIT, or a SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if none came."""
         with self._lock:
             stop = self._stop
         if stop is not None:
             return f"stop requested: {stop.reason}"
+        if self._terminate_requested == signal.SIGQUIT:
+            return "SIGQUIT (quit: stop without a flush)"
         if self._terminate_requested is not None:
             return f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
         return None
@@ -573,16 +575,18 @@ class Agent(AgentRequests):
         )
 
     def _install_fallback_signals(self) -> dict[signal.Signals, _SignalHandler]:
-        """With no signal source: SIGTERM/SIGINT/SIGHUP stop the command (no flush) instead of
-        killing the agent and orphaning the ranks in their own sessions."""
-        if any(isinstance(s, SignalSource) for s in self.sources):
-            return {}
+        """Signals that are no notice stop the command (no flush) instead of killing the agent and
+        orphaning the ranks in their own sessions, where they would train on with nobody to hear
+        a notice: SIGQUIT (Ctrl-\\) always, and SIGTERM/SIGINT/SIGHUP with no signal source."""
+        signals = [signal.SIGQUIT]
+        if not any(isinstance(s, SignalSource) for s in self.sources):
+            signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *signals]
 
         def handle(signum: int, frame: FrameType | None) -> None:
             self._terminate_requested = signum
 
         previous: dict[signal.Signals, _SignalHandler] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in signals:
             previous[sig] = signal.signal(sig, handle)
         return previous
 
