@@ -3,8 +3,8 @@
 A shell around torchrun and a pipe into ``tee`` (the notice still reaches the ranks through the
 control folder, the flush commits, nothing is left behind); SIGQUIT (Ctrl-\\) to the agent, which
 must stop the command rather than die and leave the ranks training with nobody to hear a notice;
-and the zombies of orphans that exited before the agent saw them, which the agent reaps (in its
-own session-less pid namespace too, where it is PID 1 and everyone's init).
+and the zombies of orphans that exited before the agent saw them, which the agent reaps (and, as PID 1
+of a pid namespace, as a container without an init runs it, every orphan, as an init would).
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from agent.control_channel import EXIT_PREEMPTED, ControlDir
-from agent.ranks import free_port
-
 from test_agent_launcher import (  # the helpers of the agent's other end-to-end tests
     FAKE_RANKS,
     WAIT,
@@ -31,6 +27,9 @@ from test_agent_launcher import (  # the helpers of the agent's other end-to-end
     marked_processes,
     wait_until,
 )
+
+from agent.control_channel import EXIT_PREEMPTED, ControlDir
+from agent.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"
