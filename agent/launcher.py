@@ -183,7 +183,7 @@ class Agent(AgentRequests):
             # ranks directly; the agent decides (flush first).
             child = subprocess.Popen(command, env=env, start_new_session=True)
         except OSError as e:
-            log.error("cannot start %s: %s", command[0], e)
+            log.error("cannot start %s: %s", command[0], why_not_started(command[0], e, env.get("PATH", os.defpath)))
             with self._lock:
                 self._state = "exited"
             return 127 if isinstance(e, FileNotFoundError) else 126
@@ -589,6 +589,34 @@ class Agent(AgentRequests):
         for sig in signals:
             previous[sig] = signal.signal(sig, handle)
         return previous
+
+
+def why_not_started(program: str, error: OSError, path: str) -> str:
+    """Why ``program`` could not be started, and what to do, in the user's words. A script whose
+    ``#!`` interpreter is missing fails as ENOENT too: the message must not say the script is."""
+    found = program if os.sep in program else shutil.which(program, mode=os.F_OK, path=path)
+    if isinstance(error, FileNotFoundError):
+        if found is None:
+            here = f"; the one in the working folder is ./{program}" if os.path.exists(program) else ""
+            return f"not found on PATH ({path}); install it, or give its path{here}"
+        if not os.path.exists(found):
+            return f"{found} does not exist"
+        try:
+            with open(found, "rb") as f:
+                first = f.readline(256).decode("utf-8", "replace").strip()
+        except OSError:
+            first = ""
+        if first.startswith("#!"):
+            return (
+                f"{found} exists, but the interpreter its first line names ({first[2:].strip()}) does not; "
+                f"install it or correct the #! line"
+            )
+        return f"{found} exists but could not be run: {error.strerror}"
+    if isinstance(error, PermissionError):
+        if found is not None and os.path.isdir(found):
+            return f"{found} is a folder, not a program"
+        return f"{found or program} is not executable; make it so (chmod +x) or run it through its interpreter"
+    return f"{error.strerror or error}; a script needs a #! line naming its interpreter"
 
 
 def canonical_uri(uri: str) -> str:

@@ -171,3 +171,30 @@ def test_as_pid_1_of_a_pid_namespace_the_agent_reaps_even_orphans_of_other_sessi
         assert run.exit_code() == 0, run.log()
     finally:
         stop(run)
+
+
+def test_a_script_whose_interpreter_is_missing_exits_127_naming_the_interpreter_not_the_script(
+    tmp_path: Path,
+) -> None:
+    # exec() fails with ENOENT for a missing #! interpreter too: the log used to say
+    # "No such file or directory: 'train.sh'" about a script that is right there.
+    script = tmp_path / "train.sh"
+    script.write_text("#!/nonexistent/bin/python3\nprint('never')\n")
+    script.chmod(0o755)
+    run = start_agent(tmp_path, [str(script)])
+    try:
+        assert run.exit_code() == 127, run.log()
+        assert "the interpreter its first line names (/nonexistent/bin/python3) does not" in run.log()
+    finally:
+        stop(run)
+
+
+def test_a_program_not_on_path_exits_127_and_says_where_it_looked(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('here')\n")
+    run = start_agent(tmp_path, ["train.py"])
+    try:
+        assert run.exit_code() == 127, run.log()
+        assert "train.py: not found on PATH (" in run.log()
+        assert "the one in the working folder is ./train.py" in run.log()
+    finally:
+        stop(run)
