@@ -29,6 +29,7 @@ from test_agent_launcher import (  # the helpers of the agent's other end-to-end
 )
 
 from agent.control_channel import EXIT_PREEMPTED, ControlDir
+from agent.launcher import Agent, parse_args
 from agent.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,3 +199,40 @@ def test_a_program_not_on_path_exits_127_and_says_where_it_looked(tmp_path: Path
         assert "the one in the working folder is ./train.py" in run.log()
     finally:
         stop(run)
+
+
+def test_a_hangup_the_agent_was_started_ignoring_stays_ignored(tmp_path: Path) -> None:
+    # `nohup spotjob-agent ... &`: the agent used to install its handler over the inherited
+    # SIG_IGN, so closing the terminal flushed and ended the job nohup was meant to keep running.
+    # The SIGTERM after it is the notice (the two are handled in the order they came).
+    ignoring = ("sh", "-c", 'trap "" HUP; exec "$@"', "sh")
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake, prefix=ignoring)
+    try:
+        run.wait_training(steps=3)
+        run.signal(signal.SIGHUP)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == EXIT_PREEMPTED, run.log()
+        assert "SIGTERM received" in run.flush_reason(), run.log()
+        assert "SIGHUP: ignored when the agent started" in run.log()
+    finally:
+        stop(run)
+
+
+def test_a_quit_or_hangup_ignored_when_the_agent_started_gets_no_stop_handler(tmp_path: Path) -> None:
+    # The handlers that stop the command without a flush (SIGQUIT always; the rest with no signal
+    # source) leave an inherited SIG_IGN of SIGQUIT or SIGHUP alone: a shell's background job
+    # ignores SIGQUIT so that Ctrl-\ at its terminal does not end it. SIGTERM and SIGINT are heard.
+    config, _ = parse_args(["--checkpoint-uri", f"file://{tmp_path}/ckpt", "--no-sigterm", "--", "x"], {})
+    agent = Agent(config, ControlDir(str(tmp_path / "control")), env={})
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        previous = agent._install_fallback_signals()
+        assert set(previous) == {signal.SIGTERM, signal.SIGINT}
+        assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
