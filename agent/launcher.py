@@ -117,6 +117,11 @@ class Agent(AgentRequests):
     """One command under one agent. ``run()`` on the main thread; the rest (``AgentRequests``) is
     thread-safe."""
 
+    keep_signal_handlers = False
+    """``run()`` leaves its signal handlers in place when it returns (``main()``: the process exits
+    right after). Restored, a second SIGTERM or Ctrl-C in the last milliseconds would kill the
+    agent and turn its exit code (75 after a committed flush) into 143 or 130."""
+
     # -- running (main thread) -----------------------------------------------------------------
     def run(self) -> int:
         """Start everything, watch the command, clean up; the agent's exit code."""
@@ -144,8 +149,9 @@ class Agent(AgentRequests):
             return self._finish(returncode, tree)
         finally:
             self._shutdown(tree)
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+            if not self.keep_signal_handlers:
+                for sig, handler in previous_handlers.items():
+                    signal.signal(sig, handler)
 
     def _cannot_start(self, code: int, why: str) -> int:
         """``code`` for a command that was never started, and why, in the log."""
@@ -546,6 +552,8 @@ class Agent(AgentRequests):
             tree.stop_all(self.config.kill_grace, "agent error")
             child.wait()
         for source in self.sources:
+            if self.keep_signal_handlers and isinstance(source, SignalSource):
+                continue  # its handlers stay (a signal now is a notice refused: the command has ended)
             try:
                 source.stop()
             except Exception:
@@ -663,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sources = build_sources(config, env)
         agent = Agent(config, control, sources, token=token, env=env)
+        agent.keep_signal_handlers = True
         return agent.run()
     finally:
         if own_dir:

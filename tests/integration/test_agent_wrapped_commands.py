@@ -236,3 +236,24 @@ def test_a_quit_or_hangup_ignored_when_the_agent_started_gets_no_stop_handler(tm
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_sigterm_or_ctrl_c_while_the_agent_exits_does_not_take_its_exit_code_away(tmp_path: Path) -> None:
+    # The agent restored the default handlers on its way out: a second SIGTERM (or Ctrl-C) in
+    # those last milliseconds, after the flush committed, killed it, and 75 became 143 (or a
+    # KeyboardInterrupt traceback). Here the signals come right after main() returned, in the
+    # same process, where the agent's exit (cli(): os._exit(code)) would come.
+    code = (
+        "import os, signal, sys\n"
+        "from agent.launcher import main\n"
+        f"code = main(['--checkpoint-uri', {f'file://{tmp_path}/ckpt'!r}, '--cloud', 'none', '--', 'true'])\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "os.kill(os.getpid(), signal.SIGQUIT)\n"
+        "print('survived', flush=True)\n"
+        "os._exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=WAIT)
+    assert (done.returncode, done.stdout.strip()) == (0, "survived"), done.stderr
