@@ -1,10 +1,14 @@
-"""What users wrap with ``spotjob-agent --``, end to end with real processes.
+"""What users wrap with ``spotjob-agent --``, and the signals around it, with real processes.
 
-A shell around torchrun and a pipe into ``tee`` (the notice still reaches the ranks through the
-control folder, the flush commits, nothing is left behind); SIGQUIT (Ctrl-\\) to the agent, which
-must stop the command rather than die and leave the ranks training with nobody to hear a notice;
-and the zombies of orphans that exited before the agent saw them, which the agent reaps (and, as PID 1
-of a pid namespace, as a container without an init runs it, every orphan, as an init would).
+- A shell around torchrun and a pipe into ``tee``: the notice still reaches the ranks through
+  the control folder, the flush commits, the agent exits 75, nothing is left behind.
+- SIGQUIT (Ctrl-\\) to the agent stops the command rather than kill the agent alone and leave
+  the ranks training with nobody to hear a notice; a SIGHUP or SIGQUIT inherited ignored (nohup,
+  a shell's background job) stays ignored; a SIGTERM or Ctrl-C while the agent exits cannot
+  change its exit code.
+- The zombies of orphans that exited before the agent saw them are reaped (and, as PID 1 of a pid
+  namespace, as a container without an init runs it, every orphan, as an init would).
+- A command that cannot start says why: a missing ``#!`` interpreter, a program not on PATH.
 """
 
 from __future__ import annotations
