@@ -97,7 +97,7 @@ from agent.launcher_requests import Window as Window
 from agent.launcher_requests import flush_window as flush_window
 from agent.launcher_sources import build_sources
 from agent.notices.base import Notice, NoticeKind
-from agent.notices.sigterm import SignalSource
+from agent.notices.sigterm import SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
 from agent.streams import tolerate_unencodable_output
@@ -116,6 +116,11 @@ AFTER_COMMIT_TICK = 0.02
 class Agent(AgentRequests):
     """One command under one agent. ``run()`` on the main thread; the rest (``AgentRequests``) is
     thread-safe."""
+
+    keep_signal_handlers = False
+    """``run()`` leaves its signal handlers in place when it returns (``main()``: the process exits
+    right after). Restored, a second SIGTERM or Ctrl-C in the last milliseconds would kill the
+    agent and turn its exit code (75 after a committed flush) into 143 or 130."""
 
     # -- running (main thread) -----------------------------------------------------------------
     def run(self) -> int:
@@ -144,8 +149,9 @@ class Agent(AgentRequests):
             return self._finish(returncode, tree)
         finally:
             self._shutdown(tree)
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+            if not self.keep_signal_handlers:
+                for sig, handler in previous_handlers.items():
+                    signal.signal(sig, handler)
 
     def _cannot_start(self, code: int, why: str) -> int:
         """``code`` for a command that was never started, and why, in the log."""
@@ -183,7 +189,7 @@ class Agent(AgentRequests):
             # ranks directly; the agent decides (flush first).
             child = subprocess.Popen(command, env=env, start_new_session=True)
         except OSError as e:
-            log.error("cannot start %s: %s", command[0], e)
+            log.error("cannot start %s: %s", command[0], why_not_started(command[0], e, env.get("PATH", os.defpath)))
             with self._lock:
                 self._state = "exited"
             return 127 if isinstance(e, FileNotFoundError) else 126
@@ -321,12 +327,14 @@ class Agent(AgentRequests):
             time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
 
     def _halt_reason(self) -> str | None:
-        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, or a
-        SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if neither came."""
+        """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, a
+        SIGQUIT, or a SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if none came."""
         with self._lock:
             stop = self._stop
         if stop is not None:
             return f"stop requested: {stop.reason}"
+        if self._terminate_requested == signal.SIGQUIT:
+            return "SIGQUIT (quit: stop without a flush)"
         if self._terminate_requested is not None:
             return f"{signal.Signals(self._terminate_requested).name} with notices from signals off"
         return None
@@ -544,6 +552,8 @@ class Agent(AgentRequests):
             tree.stop_all(self.config.kill_grace, "agent error")
             child.wait()
         for source in self.sources:
+            if self.keep_signal_handlers and isinstance(source, SignalSource):
+                continue  # its handlers stay (a signal now is a notice refused: the command has ended)
             try:
                 source.stop()
             except Exception:
@@ -573,18 +583,50 @@ class Agent(AgentRequests):
         )
 
     def _install_fallback_signals(self) -> dict[signal.Signals, _SignalHandler]:
-        """With no signal source: SIGTERM/SIGINT/SIGHUP stop the command (no flush) instead of
-        killing the agent and orphaning the ranks in their own sessions."""
-        if any(isinstance(s, SignalSource) for s in self.sources):
-            return {}
+        """Signals that are no notice stop the command (no flush) instead of killing the agent and
+        orphaning the ranks in their own sessions, where they would train on with nobody to hear
+        a notice: SIGQUIT (Ctrl-\\), and SIGTERM/SIGINT/SIGHUP with no signal source. A SIGHUP or
+        SIGQUIT the agent was started ignoring (nohup, a shell's background job) stays ignored."""
+        signals = [signal.SIGQUIT]
+        if not any(isinstance(s, SignalSource) for s in self.sources):
+            signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *signals]
+        signals = [sig for sig in signals if not ignored_by_starter(sig)]  # nohup's SIGHUP stays ignored
 
         def handle(signum: int, frame: FrameType | None) -> None:
             self._terminate_requested = signum
 
         previous: dict[signal.Signals, _SignalHandler] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in signals:
             previous[sig] = signal.signal(sig, handle)
         return previous
+
+
+def why_not_started(program: str, error: OSError, path: str) -> str:
+    """Why ``program`` could not be started, and what to do, in the user's words. A script whose
+    ``#!`` interpreter is missing fails as ENOENT too: the message must not say the script is."""
+    found = program if os.sep in program else shutil.which(program, mode=os.F_OK, path=path)
+    if isinstance(error, FileNotFoundError):
+        if found is None:
+            here = f"; the one in the working folder is ./{program}" if os.path.exists(program) else ""
+            return f"not found on PATH ({path}); install it, or give its path{here}"
+        if not os.path.exists(found):
+            return f"{found} does not exist"
+        try:
+            with open(found, "rb") as f:
+                first = f.readline(256).decode("utf-8", "replace").strip()
+        except OSError:
+            first = ""
+        if first.startswith("#!"):
+            return (
+                f"{found} exists, but the interpreter its first line names ({first[2:].strip()}) does not; "
+                f"install it or correct the #! line"
+            )
+        return f"{found} exists but could not be run: {error.strerror}"
+    if isinstance(error, PermissionError):
+        if found is not None and os.path.isdir(found):
+            return f"{found} is a folder, not a program"
+        return f"{found or program} is not executable; make it so (chmod +x) or run it through its interpreter"
+    return f"{error.strerror or error}; a script needs a #! line naming its interpreter"
 
 
 def canonical_uri(uri: str) -> str:
@@ -629,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sources = build_sources(config, env)
         agent = Agent(config, control, sources, token=token, env=env)
+        agent.keep_signal_handlers = True
         return agent.run()
     finally:
         if own_dir:

@@ -20,7 +20,10 @@ find them, each covering a gap of the one before:
 left — re-scanning each round, since a dying process may still fork. Signals go through psutil's
 ``Process``, which refuses to signal a pid that now belongs to another process. The agent reaps
 the zombies it inherits as a subreaper (``reap``), but never the command itself: that one's status
-belongs to ``subprocess.Popen``.
+belongs to ``subprocess.Popen``. An orphan that exited before any walk saw it (``(helper &)`` in a
+shell, a helper that daemonizes) is known by its session, which its zombie keeps: the command's, or
+a member's that made a session of its own. As PID 1 of a container the agent is everyone's init,
+and reaps every zombie child but the command.
 
 psutil lists the pids, reads each process's environment (telling a vanished process from one we
 may not read) and sends the signals; the ten-times-a-second walk reads ``/proc/<pid>/stat`` itself
@@ -62,6 +65,8 @@ class ProcInfo:
     start_ticks: int
     """Start time since boot in clock ticks: with the pid, a unique identity."""
     comm: str
+    session: int = 0
+    """Its session id, which a zombie keeps: who it belonged to once its environment is gone."""
 
 
 def read_proc(pid: int) -> ProcInfo | None:
@@ -82,7 +87,7 @@ def read_proc(pid: int) -> ProcInfo | None:
     comm = head.partition("(")[2]
     fields = rest.split()
     try:
-        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm)
+        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm, int(fields[3]))
     except (IndexError, ValueError):
         return None
 
@@ -220,17 +225,22 @@ class ProcessTree:
 
     def reap(self, among: Iterable[ProcInfo] | None = None) -> None:
         """Collect the exit status of inherited orphans (they are our children as a subreaper): the
-        zombies among the root's children that were members, never another child's status.
-        ``among``: a walk of every process just taken (else one is taken here)."""
+        zombies among the root's children that were members, or that exited unseen in the session
+        of the command or of a member, never another child's status; as PID 1, every zombie child
+        but the command (nothing else would ever reap them). ``among``: a walk of every process
+        just taken (else one is taken here)."""
+        init = self.root_pid == 1
         for p in all_processes() if among is None else among:
-            if (
-                p.ppid == self.root_pid
-                and p.state == "Z"
-                and p.pid != self.command_pid
-                and self._known.get(p.pid) == p.start_ticks
-            ):
+            if p.ppid != self.root_pid or p.state != "Z" or p.pid == self.command_pid:
+                continue
+            if init or self._known.get(p.pid) == p.start_ticks or self._job_session(p.session):
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(p.pid, os.WNOHANG)
+
+    def _job_session(self, session: int) -> bool:
+        """Whether ``session`` is the command's (it runs in a session of its own, whose id is its
+        pid) or a member's that made one of its own (a torchrun worker)."""
+        return session > 0 and (session == self.command_pid or session in self._known)
 
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""

@@ -11,6 +11,10 @@ to call re-entrantly from a handler); the source's own thread turns it into a no
 signal is delivered (the agent's flush is idempotent and logs a repeat); one whose delivery
 failed (the callback raised) is delivered again every ``retry_seconds`` until it succeeds or the
 source stops. ``stop`` restores the previous handlers.
+
+A hangup or a quit the agent was started ignoring (``nohup spotjob-agent ...``, or a non-interactive
+shell's ``spotjob-agent ... &``, which ignores SIGQUIT for its background jobs) stays ignored:
+whoever started it asked for the job to outlive the terminal. SIGTERM and SIGINT are always heard.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ from agent.notices.base import Notice, NoticeCallback, NoticeKind, NoticeSource,
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KEPT_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
+"""Signals that stay ignored when the agent's process started with them ignored (nohup, a shell's
+background job). Never SIGTERM, how the kubelet and schedulers ask for a flush."""
+
+
+def ignored_by_starter(sig: signal.Signals) -> bool:
+    """Whether ``sig`` is one of ``KEPT_IGNORED`` and ignored now (as inherited: nothing in the
+    agent ignores a signal itself), so no handler should be installed for it."""
+    return sig in KEPT_IGNORED and signal.getsignal(sig) == signal.SIG_IGN
+
 
 _STOP = -1
 
@@ -61,9 +75,16 @@ class SignalSource(NoticeSource):
         self._callback = callback
         self._thread = threading.Thread(target=self._run, name="spotjob-notice-signal", daemon=True)
         self._thread.start()
+        kept = [sig for sig in self.signals if ignored_by_starter(sig)]
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        log.info("listening for %s (grace %.0f s)", ", ".join(s.name for s in self.signals), self.grace_seconds)
+            if sig not in kept:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        log.info("listening for %s (grace %.0f s)", ", ".join(s.name for s in self._previous), self.grace_seconds)
+        if kept:
+            log.info(
+                "%s: ignored when the agent started (nohup, a background job), so left ignored",
+                ", ".join(s.name for s in kept),
+            )
 
     def stop(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,263 @@
+"""What users wrap with ``spotjob-agent --``, and the signals around it, with real processes.
+
+- A shell around torchrun and a pipe into ``tee``: the notice still reaches the ranks through
+  the control folder, the flush commits, the agent exits 75, nothing is left behind.
+- SIGQUIT (Ctrl-\\) to the agent stops the command rather than kill the agent alone and leave
+  the ranks training with nobody to hear a notice; a SIGHUP or SIGQUIT inherited ignored (nohup,
+  a shell's background job) stays ignored; a SIGTERM or Ctrl-C while the agent exits cannot
+  change its exit code.
+- The zombies of orphans that exited before the agent saw them are reaped (and, as PID 1 of a pid
+  namespace, as a container without an init runs it, every orphan, as an init would).
+- A command that cannot start says why: a missing ``#!`` interpreter, a program not on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from test_agent_launcher import (  # the helpers of the agent's other end-to-end tests
+    FAKE_RANKS,
+    WAIT,
+    Run,
+    agent_command,
+    marked_processes,
+    wait_until,
+)
+
+from agent.control_channel import EXIT_PREEMPTED, ControlDir
+from agent.launcher import Agent, parse_args
+from agent.ranks import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+BIN = Path(sys.executable).parent
+
+
+def start_agent(tmp: Path, command: list[str], *agent_args: str, prefix: tuple[str, ...] = ()) -> Run:
+    """The agent (after ``prefix``, e.g. ``unshare ...``) running ``command``, logging to tmp/agent.log."""
+    control = tmp / "control"
+    args = [
+        *prefix,
+        *agent_command(),
+        "--checkpoint-uri", f"file://{tmp}/ckpt",
+        "--control-dir", str(control),
+        "--cloud", "none",
+        "--kill-grace", "1",
+        *agent_args,
+        "--",
+        *command,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = tmp / "agent.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
+    return Run(proc, ControlDir(str(control)), log_path, tmp)
+
+
+def agent_id(run: Run) -> str:
+    return str(run.agent_info()["agent_id"])
+
+
+def zombie_children(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children() if c.status() == psutil.STATUS_ZOMBIE]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop(run: Run) -> None:
+    if run.proc.poll() is None:
+        run.proc.kill()
+        run.proc.wait()
+
+
+@pytest.mark.slow
+def test_a_shell_that_pipes_torchrun_into_tee_still_flushes_exits_75_and_leaves_nothing(tmp_path: Path) -> None:
+    torchrun = shlex.join(
+        [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), str(TRAIN)]
+    )
+    script = f"{torchrun} --steps 100000 --step-sleep 0.05 2>&1 | tee train.log; echo wrapper done"
+    run = start_agent(tmp_path, ["sh", "-c", script])
+    try:
+        ident = agent_id(run)
+        run.wait_training(steps=3)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == EXIT_PREEMPTED, run.log()
+        result = run.control.flush_result()
+        assert result is not None and result.error is None and result.step, run.log()
+        assert "wrapper done" in run.log()  # the shell went on after torchrun, as written
+        assert "committed step" in (tmp_path / "train.log").read_text()  # tee got the ranks' output
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
+
+
+def test_sigquit_to_the_agent_stops_every_process_of_the_command_instead_of_orphaning_them(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-\ in a terminal reaches the agent only (the command has a session of its own). Python
+    # leaves SIGQUIT at its default, so the agent used to dump core and leave the launcher and
+    # its ranks training on, with nobody to hear a notice or flush.
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake)
+    ident = ""
+    try:
+        ident = agent_id(run)
+        run.wait_training(steps=3)
+        assert marked_processes(ident), "the command's processes should be running"
+        run.signal(signal.SIGQUIT)
+        code = run.exit_code()
+        assert code >= 0, f"the agent died of signal {-code}\n{run.log()}"
+        assert marked_processes(ident) == [], run.log()
+        assert "SIGQUIT" in run.log()
+        assert run.control.flush_request() is None  # a quit is no notice: no flush was asked for
+    finally:
+        stop(run)
+        for pid in marked_processes(ident) if ident else []:
+            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+
+
+def _orphans_then_wait(go: Path, started: Path, setsid: bool = False) -> list[str]:
+    """A shell that leaves orphans exiting at once (``(/bin/true &)``: they are the agent's
+    children as a subreaper, and exit before its walk can see them), then waits for ``go``."""
+    spawn = "(/bin/true &); (/bin/true &); (/bin/true &)"
+    if setsid:  # a daemon's way: a session of its own, whose leader is gone before anyone saw it
+        spawn = f"setsid sh -c {shlex.quote(spawn)}"
+    script = f"{spawn}; touch {shlex.quote(str(started))}; while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.05; done"
+    return ["sh", "-c", script]
+
+
+def test_orphans_that_exit_before_the_agent_sees_them_are_reaped_not_left_as_zombies(tmp_path: Path) -> None:
+    go, started = tmp_path / "go", tmp_path / "started"
+    run = start_agent(tmp_path, _orphans_then_wait(go, started))
+    try:
+        wait_until(started.exists, "the orphans to be started", run)
+        # Without reaping they stay zombies for the job's whole life (the agent is their parent).
+        wait_until(lambda: zombie_children(run.proc.pid) == [], "the agent to reap its zombie children", run)
+        go.touch()
+        assert run.exit_code() == 0, run.log()
+    finally:
+        stop(run)
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=WAIT)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid --fork --mount-proc (root, or user namespaces)")
+def test_as_pid_1_of_a_pid_namespace_the_agent_reaps_even_orphans_of_other_sessions(tmp_path: Path) -> None:
+    # A container without an init: the agent is PID 1, so every orphan in it is its child,
+    # including a daemon's, whose session (its own, its leader gone) says nothing of the job.
+    go, started = tmp_path / "go", tmp_path / "started"
+    run = start_agent(
+        tmp_path, _orphans_then_wait(go, started, setsid=True), prefix=("unshare", "--pid", "--fork", "--mount-proc")
+    )
+    try:
+        wait_until(started.exists, "the orphans to be started", run)
+        agent = psutil.Process(run.proc.pid).children()  # unshare forks; its child is PID 1 inside
+        assert len(agent) == 1, agent
+        wait_until(lambda: zombie_children(agent[0].pid) == [], "PID 1 (the agent) to reap its zombie children", run)
+        go.touch()
+        assert run.exit_code() == 0, run.log()
+    finally:
+        stop(run)
+
+
+def test_a_script_whose_interpreter_is_missing_exits_127_naming_the_interpreter_not_the_script(
+    tmp_path: Path,
+) -> None:
+    # exec() fails with ENOENT for a missing #! interpreter too: the log used to say
+    # "No such file or directory: 'train.sh'" about a script that is right there.
+    script = tmp_path / "train.sh"
+    script.write_text("#!/nonexistent/bin/python3\nprint('never')\n")
+    script.chmod(0o755)
+    run = start_agent(tmp_path, [str(script)])
+    try:
+        assert run.exit_code() == 127, run.log()
+        assert "the interpreter its first line names (/nonexistent/bin/python3) does not" in run.log()
+    finally:
+        stop(run)
+
+
+def test_a_program_not_on_path_exits_127_and_says_where_it_looked(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('here')\n")
+    run = start_agent(tmp_path, ["train.py"])
+    try:
+        assert run.exit_code() == 127, run.log()
+        assert "train.py: not found on PATH (" in run.log()
+        assert "the one in the working folder is ./train.py" in run.log()
+    finally:
+        stop(run)
+
+
+def test_a_hangup_the_agent_was_started_ignoring_stays_ignored(tmp_path: Path) -> None:
+    # `nohup spotjob-agent ... &`: the agent used to install its handler over the inherited
+    # SIG_IGN, so closing the terminal flushed and ended the job nohup was meant to keep running.
+    # The SIGTERM after it is the notice (the two are handled in the order they came).
+    ignoring = ("sh", "-c", 'trap "" HUP; exec "$@"', "sh")
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake, prefix=ignoring)
+    try:
+        run.wait_training(steps=3)
+        run.signal(signal.SIGHUP)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == EXIT_PREEMPTED, run.log()
+        assert "SIGTERM received" in run.flush_reason(), run.log()
+        assert "SIGHUP: ignored when the agent started" in run.log()
+    finally:
+        stop(run)
+
+
+def test_a_quit_or_hangup_ignored_when_the_agent_started_gets_no_stop_handler(tmp_path: Path) -> None:
+    # The handlers that stop the command without a flush (SIGQUIT always; the rest with no signal
+    # source) leave an inherited SIG_IGN of SIGQUIT or SIGHUP alone: a shell's background job
+    # ignores SIGQUIT so that Ctrl-\ at its terminal does not end it. SIGTERM and SIGINT are heard.
+    config, _ = parse_args(["--checkpoint-uri", f"file://{tmp_path}/ckpt", "--no-sigterm", "--", "x"], {})
+    agent = Agent(config, ControlDir(str(tmp_path / "control")), env={})
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        previous = agent._install_fallback_signals()
+        assert set(previous) == {signal.SIGTERM, signal.SIGINT}
+        assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_sigterm_or_ctrl_c_while_the_agent_exits_does_not_take_its_exit_code_away(tmp_path: Path) -> None:
+    # The agent restored the default handlers on its way out: a second SIGTERM (or Ctrl-C) in
+    # those last milliseconds, after the flush committed, killed it, and 75 became 143 (or a
+    # KeyboardInterrupt traceback). Here the signals come right after main() returned, in the
+    # same process, where the agent's exit (cli(): os._exit(code)) would come.
+    code = (
+        "import os, signal, sys\n"
+        "from agent.launcher import main\n"
+        f"code = main(['--checkpoint-uri', {f'file://{tmp_path}/ckpt'!r}, '--cloud', 'none', '--', 'true'])\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "os.kill(os.getpid(), signal.SIGQUIT)\n"
+        "print('survived', flush=True)\n"
+        "os._exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=WAIT)
+    assert (done.returncode, done.stdout.strip()) == (0, "survived"), done.stderr
