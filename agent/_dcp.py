@@ -61,6 +61,7 @@ from torch.futures import Future
 from agent import _direct_io
 from agent._direct_io import open_direct
 from agent._rank_state import refusal_reason
+from agent.atomic_file import sync_fd
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
 from agent.restore_cache import fetch_verified
@@ -777,7 +778,7 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
     def fsync(path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            os.fsync(fd)
+            sync_fd(fd)
             if hasattr(os, "posix_fadvise"):  # the last blocks, written back by now (see ChecksummedFile)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
