@@ -7,20 +7,30 @@ what it simulates and what it does not model. Nothing here has run on macOS itse
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
+import json
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
+from agent import process_tree
 from agent.atomic_file import write_atomic
 from agent.checkpoint import Checkpointer
+from agent.process_tree import ProcessTree, marked
 from agent.storage.file import FileStorage
+from orchestrator import cli_status
+from orchestrator.backends.local_cloud import kill_marked
 from tests.ckpt_compare import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,3 +156,116 @@ def test_a_full_fsync_that_fails_with_an_io_error_fails_the_write(
         write_atomic(str(tmp_path / "MANIFEST.json"), b"{}")
     assert raised.value.errno == errno.EIO
     assert os.listdir(tmp_path) == []
+
+
+# -- processes without /proc ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_procfs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/proc`` cannot be opened by spotjob's own code, as on macOS."""
+    real_open = builtins.open
+
+    def open_without_proc(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file).startswith("/proc/"):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory (simulated macOS)", str(file))
+        return real_open(file, *args, **kwargs)
+
+    for module in (process_tree, cli_status):
+        monkeypatch.setattr(module, "open", open_without_proc, raising=False)
+    monkeypatch.setattr(process_tree, "_procfs", None, raising=False)
+
+
+CHILD_AND_GRANDCHILD = (
+    "import subprocess, sys, time\n"
+    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    "print(g.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def start_marked_pair(variable: str, value: str) -> tuple[subprocess.Popen[str], int]:
+    """A child, and a grandchild of it in a session of its own (as torchrun starts ranks), both
+    carrying ``variable=value`` in their environment; the child's Popen and the grandchild's pid."""
+    env = {**os.environ, variable: value}
+    child = subprocess.Popen([sys.executable, "-c", CHILD_AND_GRANDCHILD], env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    return child, int(child.stdout.readline())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    """Wait (bounded, generously: a loaded machine) for ``check``; the test is about whether, not when."""
+    deadline = time.monotonic() + 60
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def stop(child: subprocess.Popen[str], grandchild: int) -> None:
+    for pid in (child.pid, grandchild):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    child.wait()
+
+
+def test_local_mode_finds_and_stops_a_nodes_processes_without_proc(no_procfs: None) -> None:
+    """Local mode ends a preempted node by killing every process carrying its marker
+    (``kill_marked``). Without /proc that walk found no process at all: on a Mac the node's
+    ranks outlived its termination, and ``spotjob status`` saw no worker.
+
+    Simulates macOS by making ``/proc`` unopenable for spotjob's code; psutil still reads Linux's
+    /proc underneath, so macOS's psutil backend (sysctl, libproc) is not modelled."""
+    child, grandchild = start_marked_pair("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}")
+    try:
+        found = {p.pid for p in marked("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}")}
+        assert found == {child.pid, grandchild}
+        assert kill_marked("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}", grace=5.0, reason="test") == 2
+        child.wait()
+        wait_until(lambda: gone(grandchild), "the grandchild outlived kill_marked")
+    finally:
+        stop(child, grandchild)
+
+
+def test_the_agent_sees_and_stops_its_commands_processes_without_proc(no_procfs: None) -> None:
+    """The agent's ``ProcessTree`` walks parent links down from the command: without /proc it saw
+    nothing below the command, so ``stop_all`` at the end of a run left the ranks running.
+
+    Simulates macOS by making ``/proc`` unopenable for spotjob's code (psutil still reads Linux's
+    /proc underneath); no subreaper, as on macOS. Does not model macOS's process table itself."""
+    agent_id = f"portability-{os.getpid()}"
+    child, grandchild = start_marked_pair(process_tree.ENV_AGENT_ID, agent_id)
+    try:
+        tree = ProcessTree(agent_id)
+        tree.command_pid = child.pid
+        assert {p.pid for p in tree.refresh()} == {child.pid, grandchild}
+        assert tree.stop_all(grace=5.0, reason="test") == 2
+        child.wait()
+        wait_until(lambda: gone(grandchild), "the grandchild outlived stop_all")
+    finally:
+        stop(child, grandchild)
+
+
+def test_spotjob_status_tells_a_live_driver_of_an_older_run_folder_without_proc(
+    tmp_path: Path, no_procfs: None
+) -> None:
+    """An older run folder names its driver's pid in run.json; ``spotjob status`` checks that the
+    pid is still a spotjob. That read /proc/<pid>/cmdline: on macOS every such driver looked gone.
+
+    Simulates macOS by making ``/proc`` unopenable for spotjob's code (psutil still reads Linux's
+    /proc underneath). Does not model macOS's sysctl(KERN_PROCARGS2)."""
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "spotjob-run-driver"])
+    try:
+        (tmp_path / "run.json").write_text(json.dumps({"pid": driver.pid}))
+        assert cli_status._driver_pid(str(tmp_path)) == driver.pid
+    finally:
+        driver.kill()
+        driver.wait()
