@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import queue
+import sys
 import threading
 from typing import IO, Any
 
@@ -400,9 +401,14 @@ def map_for_writing(tensors: list[torch.Tensor]) -> None:
     """Fault in the pages of these CPU tensors' memory, writable, without changing a byte
     (``madvise(MADV_POPULATE_WRITE)``); a no-op where the kernel lacks it. Memory the process has
     not touched yet (a model built for the restore) is otherwise mapped page by page during the
-    copy into it, which on a VM can cost more than the copy itself."""
+    copy into it, which on a VM can cost more than the copy itself. Never called off Linux: 23 is
+    Linux's number for it, and another kernel's ``madvise`` (macOS has one) gives its own numbers
+    their own meanings, some of which discard the pages' contents."""
     global _madvise
     if _madvise is None:
+        if not sys.platform.startswith("linux"):
+            _madvise = False
+            return
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -35,6 +35,7 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -166,7 +167,10 @@ def signal_process(info: ProcInfo, sig: int) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Ask Linux to re-parent our orphaned descendants to us. False where unavailable."""
+    """Ask Linux to re-parent our orphaned descendants to us. False where unavailable: on another
+    kernel (macOS), whose ``prctl``, if it has one, does not take Linux's option numbers."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:

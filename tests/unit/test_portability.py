@@ -8,6 +8,7 @@ what it simulates and what it does not model. Nothing here has run on macOS itse
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
 import fcntl
 import json
@@ -24,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent import process_tree
+from agent import _dcp, _direct_io, process_tree
 from agent.atomic_file import write_atomic
 from agent.checkpoint import Checkpointer
 from agent.process_tree import ProcessTree, marked
@@ -156,6 +157,88 @@ def test_a_full_fsync_that_fails_with_an_io_error_fails_the_write(
         write_atomic(str(tmp_path / "MANIFEST.json"), b"{}")
     assert raised.value.errno == errno.EIO
     assert os.listdir(tmp_path) == []
+
+
+# -- the rest of the save path without Linux's extras ------------------------------------------------
+
+
+class MacLibc:
+    """macOS's libc as ctypes shows it, as far as these calls go: a ``madvise``, no ``prctl`` and no
+    ``sync_file_range``. Its functions are plain functions, so ``argtypes`` can be set on them
+    as on a ctypes function; each records its calls."""
+
+    def __init__(self) -> None:
+        self.madvise_calls: list[tuple[int, int, int]] = []
+        outer = self
+
+        def madvise(addr: int, length: int, advice: int) -> int:
+            outer.madvise_calls.append((addr, length, advice))
+            return 0
+
+        self.madvise: Any = madvise
+
+
+def test_a_save_and_restore_work_without_o_direct_fadvise_sync_file_range_or_madvise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Checkpointer asked for O_DIRECT on a platform without it, nor posix_fadvise, nor libc's
+    sync_file_range and madvise: the shards are written through the page cache and restore
+    exactly.
+
+    Simulates macOS by removing ``os.O_DIRECT``, ``os.posix_fadvise`` and the two libc symbols (a
+    ``ctypes.CDLL`` without them, as macOS's libc has no ``sync_file_range``) and setting
+    ``sys.platform``. Does not model macOS's page cache or its libc otherwise."""
+
+    libc = MacLibc()
+    for name in ("O_DIRECT", "posix_fadvise"):
+        monkeypatch.delattr(os, name, raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
+    monkeypatch.setattr(_dcp, "_libc", None)
+    monkeypatch.setattr(_dcp, "_madvise", None)
+    assert not _direct_io.suits_direct_io(str(tmp_path))
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False, direct_io=True) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 2
+    assert_same_training_state(model, fresh, optim, fresh_optim)
+    assert libc.madvise_calls == [], "Linux's MADV_POPULATE_WRITE (23) handed to another kernel's madvise"
+
+
+def test_no_linux_madvise_number_reaches_another_kernels_madvise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``map_for_writing`` passes 23, Linux's MADV_POPULATE_WRITE, to libc's madvise. macOS has a
+    madvise whose numbers mean other things (some discard pages): off Linux it must not be called.
+
+    Simulates macOS with ``sys.platform = "darwin"`` and a libc whose madvise records its calls;
+    does not model what macOS's madvise would do with 23. (Linux's own madvise is not simulated
+    away here: ``test_a_save_and_restore_work_without_...`` runs a whole save this way.)"""
+    libc = MacLibc()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
+    monkeypatch.setattr(_dcp, "_madvise", None)
+    _dcp.map_for_writing([torch.empty(1 << 20, dtype=torch.uint8)])
+    assert libc.madvise_calls == []
+
+
+def test_no_linux_prctl_number_reaches_another_kernels_prctl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``become_subreaper`` is Linux's ``prctl(PR_SET_CHILD_SUBREAPER=36)``: off Linux it says False
+    without calling a ``prctl`` of another kernel with Linux's option number.
+
+    Simulates another platform with ``sys.platform = "darwin"`` and a libc that has a ``prctl``
+    (recording its calls); does not model any real kernel's prctl."""
+    calls: list[int] = []
+
+    class Libc:
+        def prctl(self, option: int, *args: int) -> int:
+            calls.append(option)
+            return 0
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
+    assert process_tree.become_subreaper() is False
+    assert calls == []
 
 
 # -- processes without /proc ---------------------------------------------------------------------------
