@@ -11,6 +11,7 @@ import builtins
 import ctypes
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import subprocess
@@ -352,3 +353,31 @@ def test_spotjob_status_tells_a_live_driver_of_an_older_run_folder_without_proc(
     finally:
         driver.kill()
         driver.wait()
+
+
+# -- make test on a Mac: helm ------------------------------------------------------------------------
+
+
+def test_get_helm_uses_the_users_helm_where_the_pinned_one_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make test`` runs scripts/get-helm.py, whose pinned helm is linux/amd64: on a Mac it
+    stopped ``make test`` even with helm installed, as it asked. A helm in $SPOTJOB_HELM (or on
+    PATH) is now what it reports, and the tests use it.
+
+    Simulates macOS with ``platform.system() == "Darwin"`` and ``machine() == "arm64"``; the helm
+    named is a stand-in path (nothing runs it). Does not model Homebrew."""
+    spec = importlib.util.spec_from_file_location("get_helm", REPO / "scripts" / "get-helm.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    theirs = tmp_path / "opt" / "homebrew" / "bin" / "helm"
+    monkeypatch.setattr(script.platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(script.platform, "machine", lambda: "arm64")
+    monkeypatch.setenv("SPOTJOB_HELM", str(theirs))
+    assert script.install(tmp_path / "tools") == theirs
+    assert not (tmp_path / "tools" / "bin" / "helm").exists()
+    monkeypatch.delenv("SPOTJOB_HELM")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match="brew install helm"):
+        script.install(tmp_path / "tools")
