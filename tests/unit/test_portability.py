@@ -12,8 +12,10 @@ import ctypes
 import errno
 import fcntl
 import importlib.util
+import io
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ from agent.process_tree import ProcessTree, marked
 from agent.storage.file import FileStorage
 from orchestrator import cli_status
 from orchestrator.backends.local_cloud import kill_marked
+from orchestrator.cli_pipe import stdout_reader_left
 from tests.ckpt_compare import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,3 +384,53 @@ def test_get_helm_uses_the_users_helm_where_the_pinned_one_cannot_run(
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(SystemExit, match="brew install helm"):
         script.install(tmp_path / "tools")
+
+
+# -- `spotjob status | head` on a Mac -----------------------------------------------------------------
+
+
+LINUX_POLL = select.poll
+
+
+class XnuPoll:
+    """``select.poll`` as macOS's kernel answers it (xnu bsd/kern/sys_generic.c: poll_nocancel
+    registers a kqueue filter only for the events asked; poll_callback turns EV_EOF into POLLHUP,
+    never POLLERR, and a write filter with EV_EOF adds no POLLOUT). Whether the pipe's reader left is
+    read from the real pipe, through Linux's poll (POLLERR there)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+
+    def register(self, fd: int, events: int = select.POLLIN | select.POLLPRI | select.POLLOUT) -> None:
+        self._fds[fd] = events
+
+    def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+        out = []
+        for fd, events in self._fds.items():
+            real = LINUX_POLL()
+            real.register(fd, select.POLLOUT)
+            reader_left = any(e & select.POLLERR for _, e in real.poll(0))
+            if events & select.POLLOUT:  # an EVFILT_WRITE filter
+                out.append((fd, select.POLLHUP if reader_left else select.POLLOUT))
+        return [(fd, e) for fd, e in out if e]
+
+
+def test_a_pipe_whose_reader_left_is_told_as_macos_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spotjob status | head -1``: the BrokenPipeError is taken for the reader leaving only when
+    poll says so. It registered stdout for no events and looked for POLLERR, which is Linux's
+    answer; macOS's poll reports nothing for no events, and POLLHUP for a write end whose reader
+    left: every such pipeline ended in an error there.
+
+    Simulates macOS's poll (``XnuPoll``, from xnu's source) over a real pipe; does not run xnu."""
+    read_end, write_end = os.pipe()
+    try:
+        monkeypatch.setattr(select, "poll", XnuPoll)
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.FileIO(write_end, "w", closefd=False)))
+        assert not stdout_reader_left(), "the reader is still there"
+        os.close(read_end)
+        read_end = -1
+        assert stdout_reader_left()
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
