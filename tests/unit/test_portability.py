@@ -1,8 +1,9 @@
 """spotjob off Linux (a user's macOS laptop): every Linux-only call has a guard, and the path
 taken without it still works. This machine is Linux, so each test simulates the other platform at
-the one seam the code looks at (an attribute that is not there, ``/proc`` that cannot be opened,
-``sys.platform``) and runs the real code and real processes behind it; each test's docstring says
-what it simulates and what it does not model. Nothing here has run on macOS itself.
+the one seam the code looks at (an attribute that is or is not there, ``/proc`` that cannot be
+opened, ``sys.platform``, ``platform.system()``, the answers of ``select.poll``) and runs the real
+code, files and processes behind it; each test's docstring says what it simulates and what it does
+not model. Nothing here has run on macOS itself.
 """
 
 from __future__ import annotations
