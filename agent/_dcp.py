@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import queue
+import sys
 import threading
 from typing import IO, Any
 
@@ -61,6 +62,7 @@ from torch.futures import Future
 from agent import _direct_io
 from agent._direct_io import open_direct
 from agent._rank_state import refusal_reason
+from agent.atomic_file import sync_fd
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel, from_hex, to_hex
 from agent.manifest import DCP_METADATA_NAME, Manifest, TensorEntry
 from agent.restore_cache import fetch_verified
@@ -399,9 +401,14 @@ def map_for_writing(tensors: list[torch.Tensor]) -> None:
     """Fault in the pages of these CPU tensors' memory, writable, without changing a byte
     (``madvise(MADV_POPULATE_WRITE)``); a no-op where the kernel lacks it. Memory the process has
     not touched yet (a model built for the restore) is otherwise mapped page by page during the
-    copy into it, which on a VM can cost more than the copy itself."""
+    copy into it, which on a VM can cost more than the copy itself. Never called off Linux: 23 is
+    Linux's number for it, and another kernel's ``madvise`` (macOS has one) gives its own numbers
+    their own meanings, some of which discard the pages' contents."""
     global _madvise
     if _madvise is None:
+        if not sys.platform.startswith("linux"):
+            _madvise = False
+            return
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -777,7 +784,7 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
     def fsync(path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            os.fsync(fd)
+            sync_fd(fd)
             if hasattr(os, "posix_fadvise"):  # the last blocks, written back by now (see ChecksummedFile)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

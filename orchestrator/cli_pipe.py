@@ -17,8 +17,11 @@ def stdout_reader_left() -> bool:
     else (a socket or pipe of a storage or API client) is an error, never a reader that left."""
     try:
         poller = select.poll()
-        poller.register(sys.stdout.fileno(), 0)  # POLLERR is always reported
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        # Linux reports a pipe whose reader left as POLLERR, whatever was asked; macOS's poll
+        # (kqueue underneath) reports nothing for an fd asked for no events, and a write end whose
+        # reader left as POLLHUP: so ask for POLLOUT and take either.
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (tests)
         return False
 

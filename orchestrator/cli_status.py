@@ -3,7 +3,7 @@ run whose driver is gone is shown as storage and the processes say it is now, no
 last said.
 
 It only reads: the run folder (``orchestrator.run_folder``), its job file and Events, storage, and
-``/proc``. It never takes the driver lock but for an instant (a shared ``flock`` to test it).
+the process table (through psutil). It never takes the driver lock but for an instant (a shared ``flock`` to test it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import sys
 from datetime import UTC
 
+import psutil
 from rich.console import Console
 
 from agent.catalog import latest_valid
@@ -49,10 +50,10 @@ def _driver_pid(path: str) -> int | None:
     if pid is None:
         return None
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return pid if b"spotjob" in f.read() or pid == os.getpid() else None
-    except OSError:
+        command = " ".join(psutil.Process(pid).cmdline())  # psutil: /proc on Linux, sysctl on macOS
+    except (psutil.Error, OSError):
         return None
+    return pid if "spotjob" in command or pid == os.getpid() else None
 
 
 def _reported_step(path: str, status: JobStatus) -> int | None:

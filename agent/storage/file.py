@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from agent.atomic_file import sync_folder, temp_name, write_atomic, write_temp
+from agent.atomic_file import sync_fd, sync_folder, temp_name, write_atomic, write_temp
 from agent.crc32c import CHUNK, crc32c_bytes, to_hex
 from agent.mounts import mount_of
 from agent.settings import StorageEnv, load
@@ -181,7 +181,7 @@ class FileStorage(Storage):
             # The link shares the staged file's inode: make sure its bytes are on disk (nearly free
             # when the writer synced them already, as the Checkpointer does).
             with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+                sync_fd(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
             _unlink_quiet(tmp)
