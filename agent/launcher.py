@@ -97,7 +97,7 @@ from agent.launcher_requests import Window as Window
 from agent.launcher_requests import flush_window as flush_window
 from agent.launcher_sources import build_sources
 from agent.notices.base import Notice, NoticeKind
-from agent.notices.sigterm import SignalSource, ignored_by_starter
+from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
 from agent.streams import tolerate_unencodable_output
@@ -328,7 +328,7 @@ class Agent(AgentRequests):
 
     def _halt_reason(self) -> str | None:
         """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, a
-        SIGQUIT, or a SIGTERM/SIGINT/SIGHUP with signals not taken as notices; None if none came."""
+        SIGQUIT, or a SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 with signals not taken as notices; None if none came."""
         with self._lock:
             stop = self._stop
         if stop is not None:
@@ -585,11 +585,11 @@ class Agent(AgentRequests):
     def _install_fallback_signals(self) -> dict[signal.Signals, _SignalHandler]:
         """Signals that are no notice stop the command (no flush) instead of killing the agent and
         orphaning the ranks in their own sessions, where they would train on with nobody to hear
-        a notice: SIGQUIT (Ctrl-\\), and SIGTERM/SIGINT/SIGHUP with no signal source. A SIGHUP or
+        a notice: SIGQUIT (Ctrl-\\), and SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 with no signal source. A SIGHUP or
         SIGQUIT the agent was started ignoring (nohup, a shell's background job) stays ignored."""
         signals = [signal.SIGQUIT]
         if not any(isinstance(s, SignalSource) for s in self.sources):
-            signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *signals]
+            signals = [*DEFAULT_SIGNALS, *signals]
         signals = [sig for sig in signals if not ignored_by_starter(sig)]  # nohup's SIGHUP stays ignored
 
         def handle(signum: int, frame: FrameType | None) -> None:

@@ -178,7 +178,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     no.add_argument(
         "--no-sigterm",
         action="store_true",
-        help="SIGTERM/SIGINT/SIGHUP are no notices: they stop the command without a flush",
+        help="SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 are no notices: they stop the command without a flush",
     )
     no.add_argument(
         "--aws-metadata-url",

@@ -1,7 +1,9 @@
-"""SIGTERM (and SIGINT, SIGHUP) to the agent as a notice with a grace-period deadline.
+"""SIGTERM (and SIGINT, SIGHUP, SIGUSR1, SIGUSR2) to the agent as a notice with a grace-period deadline.
 
 The kubelet, systemd and most schedulers stop a process with SIGTERM and kill it a grace period
-later; a spot node drained by a termination handler does the same. The agent must not die on it:
+later; a spot node drained by a termination handler does the same. Batch schedulers warn of the
+end of an allocation with SIGUSR1 or SIGUSR2 (SLURM's ``--signal=[B:]USR1@120``): Python leaves
+both at their default, which would end the agent alone. The agent must not die on it:
 the ranks are in sessions of their own and would be orphaned mid-step. So the signal becomes a
 notice, ``deadline = arrival + grace_seconds``, and the flush decides what happens next.
 
@@ -32,7 +34,7 @@ from agent.notices.base import Notice, NoticeCallback, NoticeKind, NoticeSource,
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 KEPT_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 """Signals that stay ignored when the agent's process started with them ignored (nohup, a shell's
 background job). Never SIGTERM, how the kubelet and schedulers ask for a flush."""

@@ -5,7 +5,8 @@
 - SIGQUIT (Ctrl-\\) to the agent stops the command rather than kill the agent alone and leave
   the ranks training with nobody to hear a notice; a SIGHUP or SIGQUIT inherited ignored (nohup,
   a shell's background job) stays ignored; a SIGTERM or Ctrl-C while the agent exits cannot
-  change its exit code.
+  change its exit code; SIGUSR1/SIGUSR2 (a batch scheduler's warning) are notices, not the
+  default that ended the agent alone.
 - The zombies of orphans that exited before the agent saw them are reaped (and, as PID 1 of a pid
   namespace, as a container without an init runs it, every orphan, as an init would).
 - A command that cannot start says why: a missing ``#!`` interpreter, a program not on PATH.
@@ -126,6 +127,29 @@ def test_sigquit_to_the_agent_stops_every_process_of_the_command_instead_of_orph
             os.kill(pid, signal.SIGKILL)  # what a dead agent left running
 
 
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+def test_sigusr1_or_sigusr2_to_the_agent_is_a_notice_the_ranks_flush_on(tmp_path: Path, sig: signal.Signals) -> None:
+    # SLURM's `--signal=[B:]USR1@120` (and other batch schedulers) warn of the end of an allocation
+    # with SIGUSR1 or SIGUSR2. Python leaves both at their default, which ended the agent alone
+    # (-10 / -12) and left the launcher and its ranks training with nobody to hear a notice.
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake)
+    ident = ""
+    try:
+        ident = agent_id(run)
+        run.wait_training(steps=3)
+        run.signal(sig)
+        code = run.exit_code()
+        assert code == EXIT_PREEMPTED, f"exit {code}\n{run.log()}"
+        request = run.control.flush_request()
+        assert request is not None and sig.name in request.reason, run.log()
+        assert marked_processes(ident) == [], run.log()
+    finally:
+        stop(run)
+        for pid in marked_processes(ident) if ident else []:
+            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+
+
 def _orphans_then_wait(go: Path, started: Path, setsid: bool = False) -> list[str]:
     """A shell that leaves orphans exiting at once (``(/bin/true &)``: they are the agent's
     children as a subreaper, and exit before its walk can see them), then waits for ``go``."""
@@ -226,16 +250,17 @@ def test_a_hangup_the_agent_was_started_ignoring_stays_ignored(tmp_path: Path) -
 def test_a_quit_or_hangup_ignored_when_the_agent_started_gets_no_stop_handler(tmp_path: Path) -> None:
     # The handlers that stop the command without a flush (SIGQUIT always; the rest with no signal
     # source) leave an inherited SIG_IGN of SIGQUIT or SIGHUP alone: a shell's background job
-    # ignores SIGQUIT so that Ctrl-\ at its terminal does not end it. SIGTERM and SIGINT are heard.
+    # ignores SIGQUIT so that Ctrl-\ at its terminal does not end it. SIGTERM, SIGINT, SIGUSR1 and
+    # SIGUSR2 are heard.
     config, _ = parse_args(["--checkpoint-uri", f"file://{tmp_path}/ckpt", "--no-sigterm", "--", "x"], {})
     agent = Agent(config, ControlDir(str(tmp_path / "control")), env={})
-    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
     before = {sig: signal.getsignal(sig) for sig in watched}
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGQUIT, signal.SIG_IGN)
         previous = agent._install_fallback_signals()
-        assert set(previous) == {signal.SIGTERM, signal.SIGINT}
+        assert set(previous) == {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
         assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
     finally:
         for sig, handler in before.items():
