@@ -101,7 +101,14 @@ from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_star
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
 from agent.streams import tolerate_unencodable_output
-from agent.torchrun import DirectLaunch, direct_launch, local_rendezvous, port_taken, torchrun_nproc
+from agent.torchrun import (
+    DirectLaunch,
+    direct_launch,
+    in_place_restart_warning,
+    local_rendezvous,
+    port_taken,
+    torchrun_nproc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +188,9 @@ class Agent(AgentRequests):
         env.update(self.rank_env())
         env[ENV_AGENT_ID] = self.agent_id
         command, direct = self.config.command, self._direct_launch()
+        restarts = in_place_restart_warning(self.config.command, self.env)
+        if restarts is not None:
+            log.warning("%s", restarts)
         if direct is not None:
             command = [sys.executable, "-m", "agent.ranks", direct.to_json()]
             self._runner = "the agent's launcher"

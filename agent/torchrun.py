@@ -126,6 +126,22 @@ def torchrun_options(command: Sequence[str], env: Mapping[str, str] | None = Non
     return options
 
 
+def in_place_restart_warning(command: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """What to tell a user whose torchrun restarts its worker group in place (``--max-restarts N``,
+    N > 0, or ``PET_MAX_RESTARTS``); None otherwise. Under torch 2.13 on CPU/gloo a restarted
+    group fails in ``init_process_group`` or hangs in the next ``new_group()`` (the Checkpointer
+    makes two), with or without the agent (README "Known limits"); spotjob's own restarts start a
+    fresh torchrun instead."""
+    restarts = (torchrun_options(command, env) or {}).get("--max-restarts", "0")
+    if restarts in ("", "0"):
+        return None
+    return (
+        f"torchrun --max-restarts {restarts} restarts the worker group in place, which under torch's gloo "
+        "groups can fail or hang in the Checkpointer's process groups; leave it at 0 and let spotjob restart "
+        "the job (spotjob run --max-restarts, the SpotJob's maxRestarts)"
+    )
+
+
 def torchrun_nproc(command: Sequence[str], env: Mapping[str, str] | None = None) -> int | None:
     """``--nproc-per-node N`` from a torchrun command line (the ranks on this node), if an integer."""
     options = torchrun_options(command, env)

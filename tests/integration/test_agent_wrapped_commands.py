@@ -42,7 +42,13 @@ TRAIN = REPO / "examples" / "train.py"
 BIN = Path(sys.executable).parent
 
 
-def start_agent(tmp: Path, command: list[str], *agent_args: str, prefix: tuple[str, ...] = ()) -> Run:
+def start_agent(
+    tmp: Path,
+    command: list[str],
+    *agent_args: str,
+    prefix: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> Run:
     """The agent (after ``prefix``, e.g. ``unshare ...``) running ``command``, logging to tmp/agent.log."""
     control = tmp / "control"
     args = [
@@ -57,7 +63,7 @@ def start_agent(tmp: Path, command: list[str], *agent_args: str, prefix: tuple[s
         *command,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     log_path = tmp / "agent.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
@@ -148,6 +154,26 @@ def test_sigusr1_or_sigusr2_to_the_agent_is_a_notice_the_ranks_flush_on(tmp_path
         stop(run)
         for pid in marked_processes(ident) if ident else []:
             os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+
+
+def test_torchrun_restarting_its_workers_in_place_is_warned_of_at_start_and_a_plain_run_is_not(
+    tmp_path: Path,
+) -> None:
+    # torchrun --max-restarts N restarts a failed worker group in place, which under torch 2.13's
+    # gloo fails or hangs in the Checkpointer's process groups (README "Known limits"): the
+    # agent says so when it starts the command, before any restart could hang it.
+    warned = "restarts the worker group in place"
+    for restarts, env in (("2", {}), ("0", {}), (None, {"PET_MAX_RESTARTS": "1"})):
+        run_dir = tmp_path / f"run-{restarts}-{len(env)}"
+        run_dir.mkdir()
+        option = ["--max-restarts", restarts] if restarts is not None else []
+        torchrun = [str(BIN / "torchrun"), *option, "--nproc-per-node", "1", "--master-port", str(free_port())]
+        run = start_agent(run_dir, [*torchrun, str(TRAIN), "--steps", "3"], extra_env=env)
+        try:
+            assert run.exit_code() == 0, run.log()
+            assert (warned in run.log()) is (restarts != "0"), run.log()
+        finally:
+            stop(run)
 
 
 def _orphans_then_wait(go: Path, started: Path, setsid: bool = False) -> list[str]:
