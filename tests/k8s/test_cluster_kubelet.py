@@ -193,9 +193,23 @@ SIDECAR = textwrap.dedent(
 )
 
 
+SIDECAR_SEEN = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    for _ in range(600):
+        if pathlib.Path("/data/sidecar-started").exists():
+            sys.exit(0)
+        time.sleep(0.05)
+    sys.exit("the sidecar never started beside this init container")
+    """
+)
+
+
 def _with_native_sidecar(name: str, main: str, **spec: Any) -> dict[str, Any]:
     """A pod whose init containers are a native sidecar, then a regular init container that
-    proves the sidecar started before it; ``main`` is the regular container's script."""
+    proves the sidecar runs beside it (it waits up to 30 s for the sidecar's file; an init
+    container started only after the sidecar ended, or a sidecar never started, fails it);
+    ``main`` is the regular container's script."""
     mount = [{"name": "data", "mountPath": "/data"}]
     body = pod(name, ["python", "-c", main], restartPolicy="Never", **spec)
     body["spec"]["containers"][0]["volumeMounts"] = mount
@@ -211,7 +225,9 @@ def _with_native_sidecar(name: str, main: str, **spec: Any) -> dict[str, Any]:
         {
             "name": "setup",
             "image": "python:3.11",
-            "command": ["python", "-c", "import pathlib; assert pathlib.Path('/data/sidecar-started').exists()"],
+            # "Started" is the sidecar's process, not its first line of work (no startup probe
+            # here): what proves it runs beside this container is its file appearing meanwhile.
+            "command": ["python", "-c", SIDECAR_SEEN],
             "volumeMounts": mount,
         },
     ]
