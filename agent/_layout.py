@@ -18,6 +18,9 @@ from agent.storage.base import NotFoundError, Storage
 CONTROL_FOLDER = ".spotjob"
 """spotjob's own records under a URI (owner, attempts): never listed as a checkpoint."""
 
+PROBES_FOLDER = f"{CONTROL_FOLDER}/probes"
+"""Where a writer's short-lived probe objects go (``Storage.check_create_only``), deleted at once."""
+
 _FOLDER_RE = re.compile(r"step-([0-9]{9,})(?:\.([0-9]+))?")
 
 

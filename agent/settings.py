@@ -95,6 +95,7 @@ class StorageEnv(BaseSettings):
         None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="a positive number of seconds up to 86400"
     )
     s3_checksum_headers: bool | None = Field(None, description="a boolean (1/0, true/false)")
+    s3_create_only_check: bool | None = Field(None, description="a boolean (1/0, true/false)")
     max_attempts: int | None = Field(None, ge=0, description="a whole number >= 0")
     base_backoff_s: float | None = Field(
         None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"

@@ -9,7 +9,9 @@ around) the normal forwarding:
   without forwarding — throttling (503 SlowDown, 429), a 500, a 403;
 - ``drop(times, when=...)``: close the connection without an answer — ``"before"`` the request
   reaches the upstream (it never happened), ``"after"`` it did (the write landed but its answer is
-  lost), or ``"mid_body"`` after sending the status, headers and half the body.
+  lost), or ``"mid_body"`` after sending the status, headers and half the body;
+- ``strip_header(name)``: forward the request without that header — a store that does not know a
+  header and ignores it (``If-None-Match`` on an older MinIO).
 
 Every request is recorded in ``seen`` (method, path, the rule that fired), and each rule counts
 ``served``, so a test can assert the faults were really delivered. ``Location`` headers that point
@@ -102,13 +104,14 @@ class Request:
 class FaultRule:
     """One armed fault. ``served`` counts how often it fired; it stops after ``times``."""
 
-    action: Literal["fail", "drop"]
+    action: Literal["fail", "drop", "strip"]
     times: int
     match: Callable[[Request], bool]
     status: int = 503
     code: str = ""
     message: str = ""
     when: DropWhen = "before"
+    header: str = ""
     served: int = 0
 
     @property
@@ -116,6 +119,8 @@ class FaultRule:
         return self.served >= self.times
 
     def describe(self) -> str:
+        if self.action == "strip":
+            return f"strip {self.header}"
         return f"fail {self.status} {self.code}" if self.action == "fail" else f"drop {self.when}"
 
 
@@ -236,6 +241,23 @@ class FaultProxy:
         """Close the connection of the next ``times`` matching requests without a (whole) answer."""
         return self._arm(FaultRule("drop", times, _matcher(method, path, match), when=when))
 
+    def strip_header(
+        self,
+        name: str,
+        times: int = 1_000_000,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        match: Callable[[Request], bool] | None = None,
+    ) -> FaultRule:
+        """Forward the next ``times`` matching requests that carry header ``name`` without it, as a
+        store that ignores the header would handle them. Requests without it are left alone."""
+
+        def carries(req: Request) -> bool:
+            return name in req.headers and (match(req) if match else True)
+
+        return self._arm(FaultRule("strip", times, _matcher(method, path, carries), header=name))
+
     def _arm(self, rule: FaultRule) -> FaultRule:
         with self._state.lock:
             self._state.rules.append(rule)
@@ -300,6 +322,10 @@ class _Handler(BaseHTTPRequestHandler):
         if rule is None:
             self._relay(*self._forward(body))
             return
+        if rule.action == "strip":
+            log.debug("fault proxy: %s on %s %s", rule.describe(), self.command, self.path)
+            self._relay(*self._forward(body, without=rule.header))
+            return
         log.info("fault proxy: %s on %s %s", rule.describe(), self.command, self.path)
         if rule.action == "fail":
             content_type, payload = self.proxy._error_body(rule)
@@ -331,13 +357,13 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    def _forward(self, body: bytes, without: str = "") -> tuple[int, str, list[tuple[str, str]], bytes]:
         host, port = self.proxy._upstream_addr
         conn = http.client.HTTPConnection(host, port, timeout=60)
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
             for name, value in self.headers.items():
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+                if name.lower() not in _HOP_BY_HOP and name.lower() not in ("content-length", without.lower()):
                     conn.putheader(name, value)
             if body or self.command in ("PUT", "POST", "PATCH"):
                 conn.putheader("Content-Length", str(len(body)))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from agent._direct_io import suits_direct_io
+from agent._layout import PROBES_FOLDER
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
@@ -364,18 +365,24 @@ class Checkpointer(_Saving, _Restoring):
         """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""
         outcome: tuple[str, str, str | None] = ("", "", None)
         if self.rank == 0:
+            doing = "checking that the store refuses to overwrite on create-only writes"
             try:
+                # Rank 0 makes every create-only write (the claim, the commits): prove the store
+                # enforces them before the first, not after hours of training.
+                self.storage.check_create_only(PROBES_FOLDER)
+                doing = "claiming the URI for the job"
                 claim(self.storage, self.config.job)
                 outcome = ("ok", "", None)
             except OwnershipError as e:
                 outcome = ("owner", str(e), e.owner)
             except StorageError as e:
-                outcome = ("refused" if isinstance(e, PermanentStorageError) else "storage", str(e), None)
+                kind = "refused" if isinstance(e, PermanentStorageError) else "storage"
+                outcome = (kind, f"{doing}: {e}", None)
         kind, message, owner = self._broadcast(outcome)
         if kind == "owner":
             raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
         if kind in ("storage", "refused"):
-            raise self._storage_failure(f"claiming the URI for the job: {message}", permanent=kind == "refused")
+            raise self._storage_failure(message, permanent=kind == "refused")
 
     def _check_next_step(self, step: Any, call: str) -> int:
         value = _check_step(step, call)

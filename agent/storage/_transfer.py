@@ -95,6 +95,12 @@ class TransferSettings:
     CRC32C against the manifest when it reads it back, so a damaged upload is found at restore
     rather than refused at save."""
 
+    s3_create_only_check: bool = True
+    """Before a job's first create-only write, prove once per process that the store refuses a
+    ``PutObject`` with ``If-None-Match: *`` on a key that exists (``S3Storage.check_create_only``).
+    Off only to accept, knowingly, a store that ignores the header: a committed manifest could
+    then be overwritten."""
+
     def __post_init__(self) -> None:
         if self.part_size < 1:
             raise ValueError(f"part_size must be positive, got {self.part_size}")
@@ -113,8 +119,8 @@ class TransferSettings:
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
         ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD`` (bytes, or with a unit:
-        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S`` and ``S3_CHECKSUM_HEADERS``
-        (``agent.settings`` checks each value)."""
+        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S``, ``S3_CHECKSUM_HEADERS`` and
+        ``S3_CREATE_ONLY_CHECK`` (``agent.settings`` checks each value)."""
         env = load(StorageEnv)
         defaults = cls()
         given = {f.name: getattr(env, f.name) for f in fields(cls)}

@@ -124,6 +124,17 @@ class Storage(abc.ABC):
         failed folder sync) reads the key back and succeeds when it holds exactly ``data``.
         """
 
+    def check_create_only(self, under: str) -> None:  # noqa: B027 - optional hook
+        """(a writer, once, before its first ``put_bytes_if_absent``) Prove that the store refuses
+        a create-only write to a key that exists; raise ``PermanentStorageError`` saying what to do
+        when it does not.
+
+        May write and delete one small probe object under the folder ``under`` (a name listings
+        never take for a checkpoint). The default does nothing: a filesystem's hard link and GCS's
+        ``ifGenerationMatch=0`` are enforced by the store itself. S3 overrides it: an S3-compatible
+        store may accept ``If-None-Match: *`` and overwrite anyway. Readers never call it.
+        """
+
     def put_files(
         self,
         files: Sequence[tuple[str, str, int | None]],

@@ -25,6 +25,12 @@ Create-only: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the ke
 enforces it too (tested). moto does not verify checksums we send, hence ``get_file`` verifies
 every byte itself.
 
+Not every S3-compatible store enforces it: older MinIO and Ceph RGW releases and some gateways
+accept the header and overwrite. ``check_create_only`` (called by the Checkpointer's rank 0 before
+its first create-only write) proves it once per process and endpoint/bucket with a probe object:
+create it, create it again (must be 412), delete it; a store that overwrites is refused, naming
+``SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK=0`` for whoever accepts the risk knowingly.
+
 Why not boto3's transfer manager (s3transfer 0.19, which does forward a full-object CRC32C on a
 multipart upload, and moto accepts it): its per-part retries are botocore's, whose jitter draws
 from Python's global ``random`` — the training script's stream, shifted from a save thread at
@@ -45,6 +51,7 @@ import logging
 import os
 import re
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -175,6 +182,12 @@ _CHECKSUM_HEADERS_HINT = (
     "store checks each upload; set SPOTJOB_STORAGE_S3_CHECKSUM_HEADERS=0 to send none (spotjob still "
     "checks every file against the manifest's CRC32C when it reads it back)"
 )
+_CREATE_ONLY_SWITCH = "SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK=0"
+
+# (endpoint, bucket) pairs whose create-only PUTs this process has seen refused on an existing key.
+_create_only_proven: set[tuple[str, str]] = set()
+_create_only_lock = threading.Lock()
+
 # Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
 _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
 
@@ -287,6 +300,8 @@ class S3Storage(PrefixedKeys, Storage):
         self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
         self._checksums = self.settings.s3_checksum_headers
+        self.endpoint = _without_userinfo(str(self._client.meta.endpoint_url))
+        """The URL requests go to (``AWS_ENDPOINT_URL`` or AWS's own), without any credentials in it."""
 
     def _crc_args(self, crc: int) -> dict[str, str]:
         """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""
@@ -382,6 +397,45 @@ class S3Storage(PrefixedKeys, Storage):
                 raise err from e
 
         retry_transient(what, attempt)
+
+    def check_create_only(self, under: str) -> None:
+        """Prove once per process and endpoint/bucket that ``If-None-Match: *`` is enforced.
+
+        Three requests: a create-only PUT of a fresh probe key under ``under``, a second one of the
+        same key (it must be refused: 412), a delete. A failed delete is only a warning: the probe
+        is a few bytes in a folder no listing of checkpoints reads.
+        """
+        if not self.settings.s3_create_only_check:
+            return
+        proven = (self.endpoint, self.bucket)
+        with _create_only_lock:
+            if proven in _create_only_proven:
+                return
+        key = f"{under.strip('/')}/create-only-probe-{uuid.uuid4().hex}"
+        try:
+            self.put_bytes_if_absent(key, b"spotjob create-only probe: first write\n")
+            try:
+                self.put_bytes_if_absent(key, b"spotjob create-only probe: second write\n")
+            except AlreadyExistsError:
+                pass  # refused, as it must be
+            else:
+                raise PermanentStorageError(
+                    f"the S3 endpoint {self.endpoint} (bucket {self.bucket}) ignores If-None-Match: *: a second "
+                    f"create-only PUT of {self.url(key)} replaced the object instead of being refused (HTTP 412), "
+                    "so a committed MANIFEST.json or the job's owner and attempt records could be silently "
+                    "overwritten. Upgrade the store to a release that supports conditional writes "
+                    "(If-None-Match on PutObject), or, to accept that risk knowingly, set "
+                    f"{_CREATE_ONLY_SWITCH}",
+                    key,
+                )
+        finally:
+            try:
+                self.delete([key])
+            except StorageError as e:
+                log.warning("could not delete the create-only probe %s (harmless, a few bytes): %s", self.url(key), e)
+        with _create_only_lock:
+            _create_only_proven.add(proven)
+        log.debug("%s refuses create-only writes to existing keys, as spotjob needs", self.endpoint)
 
     def _put_multipart(
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None

@@ -203,6 +203,9 @@ def test_the_training_role_is_trusted_by_its_namespace_and_reaches_only_its_pref
         assert _allowed(policy, action, f"{job}/step-000000100/MANIFEST.json"), action
         assert not _allowed(policy, action, f"{bucket}/research/train/step-000000100/MANIFEST.json"), action
         assert not _allowed(policy, action, f"{bucket}/ml-training-other/x"), action
+    # Rank 0's create-only probe (agent/storage/s3.py check_create_only): written twice, deleted.
+    for action in ("s3:PutObject", "s3:DeleteObject"):
+        assert _allowed(policy, action, f"{job}/.spotjob/probes/create-only-probe-0123abcd"), action
     assert _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "ml-training/train-eks/"})
     assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": "research/"})
     assert not _allowed(policy, "s3:ListBucket", bucket, {"s3:prefix": ""})
@@ -239,7 +242,7 @@ def _s3_calls() -> set[str]:
         and isinstance(node.value.value, ast.Name)
         and node.value.value.id == "self"
     }
-    return calls - {"close"}
+    return calls - {"close", "meta"}  # neither sends a request: closing, the client's own metadata
 
 
 def test_the_training_role_grants_exactly_what_the_s3_storage_calls(stack: Stack) -> None:

@@ -92,9 +92,10 @@ def test_two_torchrun_ranks_save_and_restore_on_an_object_store(
 
 
 def data_upload(scheme: str) -> dict[str, Any]:
-    """Rule arguments matching the one-request upload of a shard or rank file, never the manifest."""
+    """Rule arguments matching the one-request upload of a shard or rank file, never the manifest
+    (nor, on S3, the create-only probe under ``.spotjob/`` that the Checkpointer sends first)."""
     if scheme == "s3":
-        return {"method": "PUT", "match": lambda r: "MANIFEST" not in r.path}
+        return {"method": "PUT", "match": lambda r: "MANIFEST" not in r.path and "/.spotjob/" not in r.path}
     return {"method": "POST", "path": r"uploadType=multipart", "match": lambda r: "ifGenerationMatch" not in r.path}
 
 

@@ -11,6 +11,9 @@ fake-gcs-server) and has it answer the way such a store does, in that store's er
   ``x-amz-sdk-checksum-*`` header is refused with 400 ``InvalidArgument`` "Unsupported header …"
   — Backblaze B2's documented behaviour. It does not model B2's other differences (its ETags,
   its own lifecycle rules).
+- ``ignores_if_none_match``: the proxy forwards every request without ``If-None-Match``, so a
+  create-only PUT overwrites like a plain one — MinIO and Ceph RGW releases from before they
+  supported conditional writes, and gateways that pass the header by. It models that one header.
 
 A retention policy or an object hold on a GCS bucket, which fake-gcs-server does not enforce, is
 modelled the same way: the proxy answers a DELETE with GCS's 403 and its message.
@@ -28,8 +31,10 @@ from urllib.parse import quote
 
 import pytest
 
-from agent.checkpoint import Checkpointer
+from agent._layout import PROBES_FOLDER
+from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.storage import PermanentStorageError, RetainedError, Storage, open_storage
+from orchestrator.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
@@ -348,3 +353,92 @@ def test_on_a_versioned_bucket_an_unfinished_saves_leftover_goes_once_with_keep_
     assert said == [(logging.INFO, f"retention: removed {uri}/step-000000001")]
     versions = s3_client.list_object_versions(Bucket=bucket, Prefix=f"{prefix}/step-000000001/")
     assert [m["Key"] for m in versions.get("DeleteMarkers", [])] == [f"{prefix}/step-000000001/__0_0.distcp"]
+
+
+# -- stores that ignore If-None-Match (create-only PUTs) ----------------------------------------------
+
+
+def ignores_if_none_match(proxy: FaultProxy) -> Any:
+    """Forward every request without ``If-None-Match``, as a store that does not support it does."""
+    return proxy.strip_header("If-None-Match")
+
+
+def _probe_requests(proxy: FaultProxy) -> list[str]:
+    return [f"{s.method} {s.path}" for s in proxy.seen if "create-only-probe-" in s.path or s.path.endswith("?delete")]
+
+
+def _keys(s3_client: Any, uri: str) -> list[str]:
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    return sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def test_a_store_that_ignores_if_none_match_is_refused_before_the_first_save_naming_the_endpoint_and_switch(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    stripped = ignores_if_none_match(proxy)
+    with pytest.raises(StorageRefusedError) as caught:
+        Checkpointer(uri, every_steps=1)
+    said = str(caught.value)
+    assert "ignores If-None-Match" in said and proxy.url in said, said
+    assert "SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK=0" in said and "Upgrade the store" in said
+    assert stripped.served == 2  # the probe's two create-only PUTs, nothing more: no claim
+    assert _keys(s3_client, uri) == []  # the probe is deleted, no owner.json was written
+
+
+def test_the_probe_is_refused_on_its_second_put_by_a_store_that_enforces_if_none_match_and_leaves_nothing(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    storage = open_storage(uri)
+    try:
+        storage.check_create_only(PROBES_FOLDER)
+        storage.check_create_only(PROBES_FOLDER)  # proven already in this process: no request
+    finally:
+        storage.close()
+    probe = _probe_requests(proxy)
+    assert [r.split(" ")[0] for r in probe] == ["PUT", "PUT", "POST"], probe
+    assert f"/{PROBES_FOLDER}/create-only-probe-" in probe[0] and probe[0] == probe[1]
+    assert _keys(s3_client, uri) == []
+
+
+def test_checkpoints_save_and_restore_behind_the_probe_once_per_process_and_no_probe_is_left(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any
+) -> None:
+    uri, proxy = s3_behind_proxy
+    saved = save_steps(uri, [1, 2], keep=None)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:  # a second Checkpointer in this process: no second probe
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    assert len([r for r in _probe_requests(proxy) if r.startswith("PUT")]) == 2
+    assert not [k for k in _keys(s3_client, uri) if "probe" in k]
+
+
+def test_with_the_create_only_check_off_a_job_runs_on_such_a_store_and_sends_no_probe(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK", "0")
+    ignores_if_none_match(proxy)
+    saved = save_steps(uri, [1, 2], keep=1)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    assert not [s for s in proxy.seen if "create-only-probe-" in s.path]
+
+
+def test_spotjob_ckpt_list_and_verify_only_read_a_store_that_ignores_if_none_match(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK", "0")
+    ignores_if_none_match(proxy)
+    save_steps(uri, [1], keep=None)
+    monkeypatch.delenv("SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK")
+    before = len(proxy.seen)
+    assert main(["ckpt", "list", uri]) == 0
+    assert main(["ckpt", "verify", uri]) == 0
+    assert "step-000000001" in capsys.readouterr().out
+    assert {s.method for s in proxy.seen[before:]} <= {"GET", "HEAD"}

@@ -127,6 +127,16 @@ class TestSettings:
         with pytest.raises(ValueError, match=variable):
             max_attempts()
 
+    def test_the_create_only_check_is_on_unless_switched_off_and_a_non_boolean_is_refused(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        assert TransferSettings.from_env().s3_create_only_check is True
+        monkeypatch.setenv("SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK", "0")
+        assert TransferSettings.from_env().s3_create_only_check is False
+        monkeypatch.setenv("SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK", "maybe")
+        with pytest.raises(ValueError, match="SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK='maybe'"):
+            TransferSettings.from_env()
+
     @pytest.mark.parametrize("variable", ["SPOTJOB_STORAGE_MAX_ATTEMPTS", "SPOTJOB_STORAGE_PART_SIZE"])
     def test_a_file_store_refuses_nonsense_when_opened(
         self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str

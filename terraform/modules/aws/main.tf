@@ -228,7 +228,9 @@ data "aws_iam_policy_document" "training" {
 
   # Shards, per-rank state and manifests (create-only commits are PutObject with If-None-Match;
   # multipart uploads are PutObject too), retention's deletes, and the abort of a multipart upload
-  # that failed. agent/storage/s3.py never lists an upload's parts.
+  # that failed. agent/storage/s3.py never lists an upload's parts. Rank 0's check that the store
+  # enforces If-None-Match writes and deletes one probe under <prefix>/.spotjob/probes/: no more
+  # than this. (The controller never probes: it has no DeleteObject.)
   statement {
     sid = "ReadWriteJobPrefix"
     actions = [
