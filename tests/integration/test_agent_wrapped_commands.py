@@ -66,8 +66,18 @@ def start_agent(
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     log_path = tmp / "agent.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
+        proc = subprocess.Popen(
+            args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp), preexec_fn=_as_from_a_terminal
+        )
     return Run(proc, ControlDir(str(control)), log_path, tmp)
+
+
+def _as_from_a_terminal() -> None:
+    """(in the child, before exec) SIGQUIT and SIGHUP at their defaults, as a terminal starts a
+    program: pytest run as a shell's background job (``.ci/run &``) inherits them ignored, and the
+    agent rightly keeps an inherited ignore. A ``prefix`` such as ``nohup`` ignores them itself."""
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def agent_id(run: Run) -> str:
