@@ -14,12 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -97,6 +99,25 @@ def stop(run: Run) -> None:
         run.proc.wait()
 
 
+@contextlib.contextmanager
+def fake_ranks_signalled(tmp_path: Path, sig: signal.Signals) -> Iterator[tuple[Run, str, int]]:
+    """The agent over two fake ranks, sent ``sig`` once they train: (the run, its agent id, its
+    exit code). Whatever a dead agent left running is killed afterwards."""
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake)
+    ident = ""
+    try:
+        ident = agent_id(run)
+        run.wait_training(steps=3)
+        assert marked_processes(ident), "the command's processes should be running"
+        run.signal(sig)
+        yield run, ident, run.exit_code()
+    finally:
+        stop(run)
+        for pid in marked_processes(ident) if ident else []:
+            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+
+
 @pytest.mark.slow
 def test_a_shell_that_pipes_torchrun_into_tee_still_flushes_exits_75_and_leaves_nothing(tmp_path: Path) -> None:
     torchrun = shlex.join(
@@ -124,23 +145,11 @@ def test_sigquit_to_the_agent_stops_every_process_of_the_command_instead_of_orph
     # Ctrl-\ in a terminal reaches the agent only (the command has a session of its own). Python
     # leaves SIGQUIT at its default, so the agent used to dump core and leave the launcher and
     # its ranks training on, with nobody to hear a notice or flush.
-    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
-    run = start_agent(tmp_path, fake)
-    ident = ""
-    try:
-        ident = agent_id(run)
-        run.wait_training(steps=3)
-        assert marked_processes(ident), "the command's processes should be running"
-        run.signal(signal.SIGQUIT)
-        code = run.exit_code()
+    with fake_ranks_signalled(tmp_path, signal.SIGQUIT) as (run, ident, code):
         assert code >= 0, f"the agent died of signal {-code}\n{run.log()}"
         assert marked_processes(ident) == [], run.log()
         assert "SIGQUIT" in run.log()
         assert run.control.flush_request() is None  # a quit is no notice: no flush was asked for
-    finally:
-        stop(run)
-        for pid in marked_processes(ident) if ident else []:
-            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
@@ -148,22 +157,11 @@ def test_sigusr1_or_sigusr2_to_the_agent_is_a_notice_the_ranks_flush_on(tmp_path
     # SLURM's `--signal=[B:]USR1@120` (and other batch schedulers) warn of the end of an allocation
     # with SIGUSR1 or SIGUSR2. Python leaves both at their default, which ended the agent alone
     # (-10 / -12) and left the launcher and its ranks training with nobody to hear a notice.
-    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
-    run = start_agent(tmp_path, fake)
-    ident = ""
-    try:
-        ident = agent_id(run)
-        run.wait_training(steps=3)
-        run.signal(sig)
-        code = run.exit_code()
+    with fake_ranks_signalled(tmp_path, sig) as (run, ident, code):
         assert code == EXIT_PREEMPTED, f"exit {code}\n{run.log()}"
         request = run.control.flush_request()
         assert request is not None and sig.name in request.reason, run.log()
         assert marked_processes(ident) == [], run.log()
-    finally:
-        stop(run)
-        for pid in marked_processes(ident) if ident else []:
-            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
 
 
 def test_torchrun_restarting_its_workers_in_place_is_warned_of_at_start_and_a_plain_run_is_not(

@@ -30,6 +30,22 @@ from ckpt_compare import assert_same
 from ckpt_state import make_state, snapshot, train
 
 
+def a_checkpointer_arrives_mid_save(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[Checkpointer]:
+    """Make another Checkpointer of job "train" on ``root`` (as an eval script or a new attempt
+    would) while the next save's files are written in its staging folder, not yet committed;
+    the list it returns holds it once the hook ran (the caller closes it)."""
+    others: list[Checkpointer] = []
+    real_sync_files = save_module.sync_files
+
+    def sync_files_with_a_reader_arriving(*args: Any, **kwargs: Any) -> Any:
+        if not others:
+            others.append(Checkpointer(str(root), keep=None, job="train", async_save=False))
+        return real_sync_files(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "sync_files", sync_files_with_a_reader_arriving)
+    return others
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_second_checkpointer_on_the_uri_does_not_remove_a_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
@@ -40,15 +56,7 @@ def test_a_second_checkpointer_on_the_uri_does_not_remove_a_save_in_flight(
     root = tmp_path / "ckpt"
     state = make_state(0)
     train(state, 1)
-    others: list[Checkpointer] = []
-    real_sync_files = save_module.sync_files
-
-    def sync_files_with_a_reader_arriving(*args: Any, **kwargs: Any) -> Any:
-        if not others:  # the save's files are written in its staging folder, not yet committed
-            others.append(Checkpointer(str(root), keep=None, job="train", async_save=False))
-        return real_sync_files(*args, **kwargs)
-
-    monkeypatch.setattr(save_module, "sync_files", sync_files_with_a_reader_arriving)
+    others = a_checkpointer_arrives_mid_save(monkeypatch, root)
     with Checkpointer(str(root), every_steps=1, keep=1, job="train", async_save=async_save) as ckpt:
         ckpt.save(1, state)
         ckpt.wait()

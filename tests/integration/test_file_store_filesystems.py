@@ -314,21 +314,13 @@ def test_a_checkpointer_on_another_nfs_client_does_not_remove_a_save_in_flight(
     test_checkpoint_concurrent_readers.py) was a ``flock`` on the folder itself: on NFS only the
     node holding it saw it, so an eval job starting on another node removed the staged files of
     the save the training job was committing, and that save failed."""
-    import agent.checkpoint._save as save_module
+    from test_checkpoint_concurrent_readers import a_checkpointer_arrives_mid_save
 
     folder_locks_only_on_this_client(monkeypatch, tmp_path)
     root = tmp_path / "ckpt"
     state = make_state(0)
     train(state, 1)
-    others: list[Checkpointer] = []
-    real_sync_files = save_module.sync_files
-
-    def sync_files_with_a_reader_arriving(*args: Any, **kwargs: Any) -> Any:
-        if not others:  # the save's files are written in its staging folder, not yet committed
-            others.append(Checkpointer(str(root), keep=None, job="train", async_save=False))
-        return real_sync_files(*args, **kwargs)
-
-    monkeypatch.setattr(save_module, "sync_files", sync_files_with_a_reader_arriving)
+    others = a_checkpointer_arrives_mid_save(monkeypatch, root)
     with Checkpointer(str(root), keep=1, job="train", async_save=False) as ckpt:
         ckpt.save(1, state)
     assert others, "the hook did not run"
