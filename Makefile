@@ -30,8 +30,10 @@ $(HELM): scripts/get-helm.py $(STAMP)
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
+# --durations: the slowest tests are listed at the end of every run, so CI's log shows where the
+# suite's time goes.
 test: venv helm
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q $(XDIST) --durations=30 tests
 
 test-fast: venv helm
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
