@@ -73,3 +73,32 @@ def test_the_formatter_every_command_logs_with_says_utc(far_zone: None) -> None:
     record.created = datetime(2030, 1, 1, 23, 59, 58, 250000, tzinfo=UTC).timestamp()
     record.msecs = 250.0
     assert UtcFormatter("%(asctime)s %(message)s").format(record) == "2030-01-01T23:59:58.250Z hello"
+
+
+AT = datetime(2030, 1, 1, 23, 59, 58, tzinfo=UTC)
+"""23:59:58 UTC: 05:29:58 the next day in Kolkata."""
+
+
+def test_spotjob_status_shows_its_times_in_utc_with_the_date(far_zone: None) -> None:
+    """``spotjob status NAME`` showed conditions, restarts, Events and cool-downs as the local time
+    of day alone (``05:29:58``): another day's Event, or the same run folder looked at from a
+    machine in another zone, read as a different time, while ``spotjob ckpt list`` says UTC."""
+    from rich.console import Console
+
+    from orchestrator.events import EventType, RecordedEvent
+    from orchestrator.live import RunRecord, render_run_detail
+    from orchestrator.model import Avoidance, Cause, Condition, JobStatus, RestartRecord
+
+    status = JobStatus(
+        conditions=[Condition(type="Ready", status="True", reason="Running", last_transition_time=AT)],
+        restart_history=[RestartRecord(time=AT, attempt=1, cause=Cause.PREEMPTION, reason="SpotInterrupted")],
+        avoid=[Avoidance(kind="node", value="local-node-1", until=AT, reason="SpotInterrupted")],
+    )
+    event = RecordedEvent(time=AT, first_time=AT, type=EventType.NORMAL, reason="Rescheduled", message="attempt 2")
+    record = RunRecord(name="r", path="/runs/r", spec=None, status=status, controller_alive=True, events=[event])
+    console = Console(record=True, width=200)
+    console.print(render_run_detail(record))
+    text = console.export_text()
+    assert "05:29:58" not in text, text
+    assert text.count("2030-01-01 23:59:58") == 4, text
+    assert "UTC" in text
