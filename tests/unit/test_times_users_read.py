@@ -102,3 +102,16 @@ def test_spotjob_status_shows_its_times_in_utc_with_the_date(far_zone: None) -> 
     assert "05:29:58" not in text, text
     assert text.count("2030-01-01 23:59:58") == 4, text
     assert "UTC" in text
+
+
+def test_a_runs_default_name_is_stamped_in_utc(far_zone: None) -> None:
+    """``spotjob run train.py`` names the run ``train-<yyyymmdd-hhmmss>``; in local time, the hour
+    a zone's clocks go back named a second run like the first (refused: the name exists), and the
+    name's time disagreed with every time stored in the run, which are UTC."""
+    from orchestrator.cli_run import default_name
+
+    before = datetime.now(UTC).replace(microsecond=0)
+    name = default_name("/jobs/train.py")
+    after = datetime.now(UTC)
+    stamp = datetime.strptime(name.removeprefix("train-"), "%Y%m%d-%H%M%S").replace(tzinfo=UTC)
+    assert before <= stamp <= after, (before, name, after)
