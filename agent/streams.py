@@ -30,7 +30,10 @@ def tolerate_unencodable_output() -> None:
 class UtcFormatter(logging.Formatter):
     """``%(asctime)s`` as UTC, ISO 8601, milliseconds and a ``Z``."""
 
-    converter = time.gmtime
+    @staticmethod
+    def converter(secs: float | None = None, /) -> time.struct_time:
+        return time.gmtime(secs)
+
     default_time_format = "%Y-%m-%dT%H:%M:%S"
     default_msec_format = "%s.%03dZ"
 
