@@ -212,6 +212,7 @@ class _Recovery(_FlushRequests):
             baseline_step=baseline,
             flush_failed=[w.name for w in p.current() if w.exit_code == EXIT_FLUSH_FAILED],
         )
+        self._flush_now(p, p.now)  # its timeout counts from now on this process's monotonic clock
         status.preemptions += 1
         if status.capacity is CapacityType.FALLBACK and not _fallback_served(p):
             status.fallback_since = None  # the preemption-free period starts again
