@@ -100,7 +100,7 @@ from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.storage import Storage, open_storage, parse_uri
-from agent.streams import tolerate_unencodable_output
+from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import (
     DirectLaunch,
     direct_launch,
@@ -656,10 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     config, level = parse_args(sys.argv[1:] if argv is None else argv, env)
     job = f" job={config.job_name}" if config.job_name else ""
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s",
-        stream=sys.stderr,
+    log_to_stderr(
+        level, f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s"
     )
     try:
         token = load_token(config.token_file, env)

@@ -44,7 +44,7 @@ from agent.control_api import (
 from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, FlushRequest, FlushResult
 from agent.exit_codes import command_exit_code
 from agent.launcher_cli import AgentConfig
-from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline
+from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline, utc_stamp
 from agent.torchrun import Rendezvous, torchrun_args
 
 log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
@@ -250,9 +250,14 @@ class AgentRequests:
                     f"--flush-timeout {self.config.flush_timeout:g} s"
                 )
                 log.warning(
-                    "the %s notice's deadline passed %.1f s ago: flushing now anyway",
+                    "the %s notice's deadline %s passed %.1f s ago by this node's clock: flushing now anyway, "
+                    "bounded by --flush-timeout %g s. A deadline already past when its notice comes most "
+                    "often means this node's clock runs ahead of the one that set it (the cloud's metadata "
+                    "service, the controller's): check the node's time sync (chronyc tracking, timedatectl)",
                     notice.source,
+                    utc_stamp(notice.deadline),
                     time.time() - notice.deadline,
+                    self.config.flush_timeout,
                 )
             elif notice.deadline is not None:
                 kill_at, kill_reason = _monotonic_at(notice.deadline), "the deadline passed"

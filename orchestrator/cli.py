@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agent.streams import tolerate_unencodable_output
+from agent.streams import log_to_stderr, tolerate_unencodable_output
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
 
@@ -68,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = log_level(parser, args.verbose)
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler])
+    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s", handler)
     try:
         rc: int = args.func(args)
         sys.stdout.flush()  # here, not at the interpreter's exit, where a reader gone is a traceback

@@ -570,9 +570,9 @@ def _events(events: EventLog) -> list[RecordedEvent]:
 
 
 def default_name(script: str) -> str:
-    """``<script stem>-<yyyymmdd-hhmmss>``, made a DNS label."""
+    """``<script stem>-<yyyymmdd-hhmmss>`` (UTC, as every time stored in the run), made a DNS label."""
     stem = re.sub(r"[^a-z0-9-]+", "-", os.path.splitext(os.path.basename(script))[0].lower()).strip("-") or "job"
-    suffix = time.strftime("%Y%m%d-%H%M%S")
+    suffix = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{stem[: MAX_NAME_LENGTH - len(suffix) - 1].rstrip('-')}-{suffix}"
 
 

@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from agent.storage import StorageError
-from agent.streams import tolerate_unencodable_output
+from agent.streams import log_to_stderr, tolerate_unencodable_output
 from orchestrator.cli_ckpt import CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
@@ -227,11 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         # The answer goes to stdout and one error line to stderr; retries and the cloud clients'
         # chatter are not part of it (-v keeps them).

@@ -102,6 +102,12 @@ def _ago(when: datetime | None, now: datetime | None = None) -> str:
     return f"{seconds / 86400:.0f} d ago"
 
 
+def _utc(when: datetime) -> str:
+    """A time people read in ``spotjob status``: UTC with its date, as ``spotjob ckpt list`` shows
+    them (the machine's zone would make one run folder read differently from elsewhere)."""
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _clock(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     return f"{minutes:d}:{s:02d}"
@@ -148,7 +154,7 @@ def render_snapshot(s: Snapshot) -> RenderableType:
         style = "yellow" if e.type is EventType.WARNING else "dim"
         count = f" x{e.count}" if e.count > 1 else ""
         events.add_row(
-            Text(e.time.astimezone().strftime("%H:%M:%S"), style="dim"),
+            Text(e.time.astimezone(UTC).strftime("%H:%M:%SZ"), style="dim"),
             Text(f"{e.reason}{count}", style=style),
             Text(e.message, overflow="ellipsis", no_wrap=True),
         )
@@ -590,7 +596,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         f" retraining {st.retraining_seconds:.1f} s[/dim]",
     )
     for av in st.avoid:
-        head.add_row("avoiding", f"{av.kind} {av.value} until {av.until.astimezone():%H:%M:%S} ({av.reason})")
+        head.add_row("avoiding", f"{av.kind} {av.value} until {_utc(av.until)} UTC ({av.reason})")
     parts.append(head)
 
     if st.workers:
@@ -614,26 +620,26 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         parts += [Text(""), Text(f"the end of {path}:", style="bold"), Text("\n".join(f"  {line}" for line in lines))]
 
     conditions = Table(title="conditions", title_justify="left", box=None, header_style="bold")
-    for column in ("TYPE", "STATUS", "REASON", "SINCE", "MESSAGE"):
+    for column in ("TYPE", "STATUS", "REASON", "SINCE (UTC)", "MESSAGE"):
         conditions.add_column(column, overflow="fold")
     for c in st.conditions:
-        conditions.add_row(c.type, c.status, c.reason, f"{c.last_transition_time.astimezone():%H:%M:%S}", c.message)
+        conditions.add_row(c.type, c.status, c.reason, _utc(c.last_transition_time), c.message)
     parts += [Text(""), conditions]
 
     if st.restart_history:
         history = Table(title="restarts (oldest first)", title_justify="left", box=None, header_style="bold")
-        for column in ("TIME", "ATTEMPT", "CAUSE", "REASON", "MESSAGE"):
+        for column in ("TIME (UTC)", "ATTEMPT", "CAUSE", "REASON", "MESSAGE"):
             history.add_column(column, overflow="fold")
         for h in st.restart_history:
-            history.add_row(f"{h.time.astimezone():%H:%M:%S}", str(h.attempt), str(h.cause), h.reason, h.message)
+            history.add_row(_utc(h.time), str(h.attempt), str(h.cause), h.reason, h.message)
         parts += [Text(""), history]
 
     events = Table(title="events (oldest first)", title_justify="left", box=None, header_style="bold")
-    for column in ("TIME", "TYPE", "REASON", "COUNT", "MESSAGE"):
+    for column in ("TIME (UTC)", "TYPE", "REASON", "COUNT", "MESSAGE"):
         events.add_column(column, overflow="fold")
     for e in r.events:
         events.add_row(
-            f"{e.time.astimezone():%H:%M:%S}",
+            _utc(e.time),
             Text(str(e.type), style="yellow" if e.type is EventType.WARNING else ""),
             e.reason,
             str(e.count),

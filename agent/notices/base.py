@@ -348,5 +348,9 @@ def format_deadline(deadline: float | None, now: float | None = None) -> str:
     if deadline is None:
         return "none"
     left = deadline - (time.time() if now is None else now)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline))
-    return f"{stamp} (in {left:.1f} s)"
+    return f"{utc_stamp(deadline)} (in {left:.1f} s)"
+
+
+def utc_stamp(when: float) -> str:
+    """A unix time as people read it in the log: ``2026-12-04T03:25:00Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))

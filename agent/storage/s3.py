@@ -201,6 +201,17 @@ def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
     return "checksum" in message.lower()
 
 
+def _skew_hint(error: dict[str, Any]) -> str:
+    """What S3's ``RequestTimeTooSkewed`` means, with the two times it gives when it gives them."""
+    times = ""
+    if error.get("RequestTime") and error.get("ServerTime"):
+        times = f" (this node sent {error['RequestTime']}, the store's time was {error['ServerTime']})"
+    return (
+        f"this node's clock is more than 15 minutes away from the store's{times}; the credentials are not "
+        "the problem: set the node's time right (chrony or timedatectl, the cloud's time service)"
+    )
+
+
 def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     """Translate a boto3 exception into the StorageError that says whether to retry."""
     if isinstance(e, ClientError):
@@ -215,13 +226,17 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return _NoSuchBucket(what, key)
         if status == 404 or code in ("NoSuchKey", "NotFound"):
             return NotFoundError(f"{what}: no such object", key)
+        if code == "RequestTimeTooSkewed":
+            return PermanentStorageError(f"{text}; {_skew_hint(e.response.get('Error', {}))}", key)
         if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
             return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
         if status == 403 or code in _DENIED_CODES:
+            # A HEAD's answer has no body, so no code: a refused signature time looks the same.
+            bodiless = " A HEAD's 403 says no reason: a node clock 15 minutes off gets it too." if code == "403" else ""
             return PermanentStorageError(
                 f"permission denied: {text}; the AWS credentials in use (role, profile or keys) lack the "
                 "permission, or a bucket policy refuses it (or the bucket is Requester Pays, which spotjob "
-                "does not support)",
+                f"does not support).{bodiless}",
                 key,
             )
         return PermanentStorageError(text, key)

@@ -21,7 +21,7 @@ from types import FrameType
 from typing import cast
 from urllib.parse import urlparse
 
-from agent.streams import tolerate_unencodable_output
+from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import ConfigError, KubeClient, load_config
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     level = (args.log_level or _env("SPOTJOB_LOG_LEVEL", "info") or "info").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         build_parser().error(f"$SPOTJOB_LOG_LEVEL must be debug, info, warning or error, not {level.lower()!r}")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("botocore", "boto3"):
         # Their debug output is every request's headers and hooks: ours says what matters.
         logging.getLogger(chatty).setLevel(max(logging.INFO, logging.getLevelName(level)))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime, timedelta
 
 from orchestrator.backends.base import Backend, Placement
 from orchestrator.events import EventType
 from orchestrator.model import Condition, ConditionStatus, JobKey, JobStatus, Phase
-from orchestrator.reconciler._pass import ReconcilerOptions, _Event, _Pass
+from orchestrator.reconciler._pass import Clock, ReconcilerOptions, _Event, _Pass
 from orchestrator.reconciler._reasons import Reason
 
 log = logging.getLogger("orchestrator.reconciler")  # one logger for the package, as before it was split
@@ -22,6 +23,23 @@ class _Base:
     _options: ReconcilerOptions
     _lock: threading.Lock
     _flush_in_flight: dict[JobKey, set[str]]
+    _clock: Clock
+    _flush_clock: dict[JobKey, tuple[datetime, datetime, float]]
+
+    def _flush_now(self, p: _Pass, detected_at: datetime) -> datetime:
+        """This pass's now for the flush timeout of the recovery detected at ``detected_at``: the
+        wall clock when this process first saw that recovery, moved on by the monotonic clock since.
+
+        The timeout is a wall time in the status (a new leader takes it over), but within one process
+        a step of the wall clock (NTP correcting a clock that was behind, a VM resumed) must neither
+        end a flush at once nor hold it for the length of the step.
+        """
+        mono = self._clock.monotonic()
+        with self._lock:
+            known = self._flush_clock.get(p.key)
+            if known is None or known[0] != detected_at:
+                known = self._flush_clock[p.key] = (detected_at, p.now, mono)
+        return known[1] + timedelta(seconds=mono - known[2])
 
     def _close_recovery(self, p: _Pass) -> None:
         """The recovery in progress ends (the attempt runs, or fails or is preempted while starting)."""

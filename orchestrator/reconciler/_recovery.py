@@ -212,6 +212,7 @@ class _Recovery(_FlushRequests):
             baseline_step=baseline,
             flush_failed=[w.name for w in p.current() if w.exit_code == EXIT_FLUSH_FAILED],
         )
+        self._flush_now(p, p.now)  # its timeout counts from now on this process's monotonic clock
         status.preemptions += 1
         if status.capacity is CapacityType.FALLBACK and not _fallback_served(p):
             status.fallback_since = None  # the preemption-free period starts again
@@ -261,13 +262,14 @@ class _Recovery(_FlushRequests):
             self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
             return None
         assert recovery.flush_timeout_at is not None
-        if p.now >= recovery.flush_timeout_at:
+        now = self._flush_now(p, recovery.detected_at)
+        if now >= recovery.flush_timeout_at:
             self._enter_rescheduling(
                 p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
             )
             return None
         self._ask_to_flush(p, recovery, running)
-        until_timeout = (recovery.flush_timeout_at - p.now).total_seconds()
+        until_timeout = (recovery.flush_timeout_at - now).total_seconds()
         return min(self._options.flushing_poll_seconds, until_timeout)
 
     def _ask_to_flush(
@@ -379,6 +381,7 @@ class _Recovery(_FlushRequests):
         stopped = status.attempt
         with self._lock:
             self._flush_in_flight.pop(p.key, None)
+            self._flush_clock.pop(p.key, None)
         recovery.last_step = stopped.observed_step
         recovery.step_rate = stopped.step_rate()
         recovery.stopped_at = p.now

@@ -154,10 +154,11 @@ class _FlushRequests(_Base):
             message = FLUSH_REQUEST_COMMITTED.message(id=request.id, mode=mode, step=step)
             self._end_request(p, request, "Committed", message, FLUSH_REQUEST_COMMITTED, step=step)
             return
-        timeout_at = (request.started_at or p.now) + timedelta(seconds=p.spec.flush_timeout_seconds)
+        started = request.started_at or p.now
+        timeout_at = started + timedelta(seconds=p.spec.flush_timeout_seconds)
         if p.status.phase is not Phase.RUNNING:
             why = f"the gang stopped ({p.status.reason}) before a checkpoint for it committed"
-        elif p.now >= timeout_at:
+        elif self._flush_now(p, started) >= timeout_at:
             since = f"step {request.baseline_step}" if request.baseline_step is not None else "nothing"
             why = f"nothing newer than {since} committed within {p.spec.flush_timeout_seconds:.0f}s"
         else:
@@ -204,6 +205,7 @@ class _FlushRequests(_Base):
         *,
         baseline: int | None = None,
     ) -> FlushRequestStatus:
+        self._flush_now(p, p.now)  # its timeout counts from now on this process's monotonic clock
         return FlushRequestStatus(
             id=request.id,
             mode=request.mode,

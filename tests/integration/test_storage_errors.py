@@ -255,6 +255,31 @@ def test_an_object_store_that_refuses_access_says_permission_denied_on_every_ope
         assert "permission denied" in str(error), (name, error)
 
 
+@pytest.mark.parametrize("guarded", ["s3"], indirect=True)
+def test_an_s3_request_refused_for_a_skewed_clock_names_the_clock_not_permissions(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+) -> None:
+    """S3 refuses a request signed more than 15 minutes away from its own time with 403
+    ``RequestTimeTooSkewed``; botocore does not correct for it, and the store said "permission
+    denied: the AWS credentials in use lack the permission", sending the user to IAM for a node
+    whose clock is wrong. The fault proxy gives S3's answer (moto checks no request times)."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    skewed = proxy.fail(
+        1000,
+        403,
+        code="RequestTimeTooSkewed",
+        message="The difference between the request time and the current time is too large.",
+    )
+    results = battery(storage, tmp_path)
+    assert skewed.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError), (name, error)
+        assert "clock" in str(error), (name, error)
+        if "HEAD " not in str(error):  # a HEAD's answer has no body: its 403 cannot say why
+            assert "permission denied" not in str(error) and "RequestTimeTooSkewed" in str(error), (name, error)
+
+
 # -- a missing bucket -----------------------------------------------------------------------------
 
 

@@ -69,6 +69,10 @@ class FakeClock:
         self._now += timedelta(seconds=seconds)
         self._monotonic += seconds
 
+    def step_wall(self, seconds: float) -> None:
+        """An NTP step, or a VM resumed: the wall clock jumps, the monotonic one does not."""
+        self._now += timedelta(seconds=seconds)
+
     def at(self) -> float:
         """Seconds since EPOCH: what the tests' timelines are written in."""
         return (self._now - EPOCH).total_seconds()

@@ -420,6 +420,19 @@ class TestKillTime:
         assert agent.status().deadline == now + 20
         assert agent._flush.kill_reason == "the deadline passed"
 
+    def test_a_deadline_already_past_names_the_likely_cause_and_the_bound(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A notice whose deadline has passed by this node's clock when it comes (an AWS
+        instance-action's ``time``, a controller's deadline) most often means this node's clock runs
+        ahead of the clock that set it; the warning said only "passed 90.0 s ago" and not what bounds
+        the flush now, nor what to look at."""
+        agent = self.agent(tmp_path)
+        with caplog.at_level("WARNING"):
+            agent.on_notice(notice(time.time() - 90))
+        assert "--flush-timeout 600 s" in caplog.text
+        assert "clock" in caplog.text and "time sync" in caplog.text
+
     def test_a_deadline_later_than_the_flush_timeout_leaves_the_kill_time(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path)
         agent.on_notice(notice(None, "api"))

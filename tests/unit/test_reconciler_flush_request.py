@@ -223,3 +223,23 @@ def test_a_request_written_while_another_is_in_progress_waits_for_it_and_loses_n
     assert status.attempt.number == 1 and status.restart_history[-1].reason == "FlushRequestedByUser"
     status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
     assert status.last_flush_request is not None and status.last_flush_request.id == "c-2"
+
+
+def test_a_forward_step_of_the_wall_clock_does_not_end_a_checkpoint_request_at_once(tmp_path: Any) -> None:
+    """``kubectl spotjob flush --keep-running``: the leader's wall clock jumps an hour ahead while the
+    agents save (NTP, a VM resumed); the next pass said NotCommitted at once, though the save had all
+    of ``flushTimeoutSeconds`` to commit. The fake clock moves the wall clock alone (the fake
+    backend's save hangs: its own timing reads the wall clock, not modelled here)."""
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(100)
+    ask(store, "c-1", "checkpoint")
+    w.reconcile()  # takes it up
+    started = w.clock.monotonic()
+
+    w.clock.step_wall(3600)
+    w.reconcile()
+    assert w.status.last_flush_request is not None and w.status.last_flush_request.outcome == "InProgress"
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
+
+    assert status.last_flush_request is not None and status.last_flush_request.outcome == "NotCommitted"
+    assert w.clock.monotonic() >= started + 30

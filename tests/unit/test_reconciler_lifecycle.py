@@ -117,6 +117,42 @@ def test_a_flush_timeout_written_by_a_leader_whose_clock_ran_ahead_ends_the_flus
     assert status.flushing_seconds >= 0
 
 
+def test_a_forward_step_of_the_controllers_wall_clock_does_not_time_out_a_flush_in_progress(tmp_path: Any) -> None:
+    """The leader's wall clock jumps an hour ahead while the gang flushes (NTP correcting a clock
+    that ran behind, a VM resumed): the flush had all of ``flushTimeoutSeconds`` to commit, and the
+    next pass timed it out at once, stopping the gang before its checkpoint could commit. The fake
+    clock moves the wall clock alone; not modelled: the fake backend's own timing reads the wall
+    clock, so its flush hangs here rather than committing later."""
+    world = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))
+    entered = world.clock.monotonic()
+
+    world.clock.step_wall(HOUR)
+    world.reconcile()
+    assert world.status.phase is Phase.FLUSHING, world.status.reason
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert world.clock.monotonic() >= entered + 30
+
+
+def test_a_backward_step_of_the_controllers_wall_clock_does_not_hold_a_flush_past_its_timeout(tmp_path: Any) -> None:
+    """The other way: an hour back, and the flush still times out ``flushTimeoutSeconds`` after it began
+    (pins behaviour that already held within a few seconds, through the status's distrust of the future)."""
+    world = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))
+    entered = world.clock.monotonic()
+
+    world.clock.step_wall(-HOUR)
+    world.reconcile()  # (the world schedules passes by the wall clock: one now, then the requeue's)
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.condition("Flushing").reason == "FlushTimedOut"  # type: ignore[union-attr]
+    assert world.clock.monotonic() <= entered + 30 + 2  # one flushing poll of slack
+
+
 def test_a_restart_backoff_written_by_a_leader_whose_clock_ran_ahead_holds_the_restart_at_most_its_max(
     tmp_path: Any,
 ) -> None:
