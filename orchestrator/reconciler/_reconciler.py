@@ -122,11 +122,11 @@ class Reconciler(_Capacity):
         """(folder, why) of the checkpoints each job's passes skipped and said so: once each, not
         every pass (a fenced or retired folder stays newest for as long as the job runs)."""
         self._flush_in_flight: dict[JobKey, set[str]] = {}
+        """Workers whose flush request was sent and not answered yet (their answer is told even if
+        the commit shows first); per job, this process only."""
         self._flush_clock: dict[JobKey, tuple[datetime, datetime, float]] = {}
         """(the recovery's detectedAt, this process's wall and monotonic clocks when it first saw it)
         per job: what a flush timeout is measured with (``_flush_now``)."""
-        """Workers whose flush request was sent and not answered yet (their answer is told even if
-        the commit shows first); per job, this process only."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
