@@ -15,8 +15,8 @@ import pytest
 
 from orchestrator.backends.local import failure_cause, failure_detail, log_excerpt
 
-AGENT = "2026-12-01 16:34:06,223 INFO spotjob-agent[14303] job=local/x agent.launcher: started torchrun ..."
-AGENT_EXIT = "2026-12-01 16:34:12,838 WARNING spotjob-agent[14303] job=local/x agent.launcher: exiting 1: ..."
+AGENT = "2026-12-01T16:34:06.223Z INFO spotjob-agent[14303] job=local/x agent.launcher: started torchrun ..."
+AGENT_EXIT = "2026-12-01T16:34:12.838Z WARNING spotjob-agent[14303] job=local/x agent.launcher: exiting 1: ..."
 TORCHRUN_REPORT = """\
 E1201 16:34:12.462000 14306 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0
 Traceback (most recent call last):
