@@ -30,6 +30,7 @@ recorder share one.
 from __future__ import annotations
 
 import builtins
+import copy
 import json
 import logging
 import os
@@ -261,27 +262,89 @@ class ConfigError(Exception):
     """No usable cluster configuration: names where it looked and what to do."""
 
 
+_PATH_FIELDS = {
+    "clusters": ("cluster", ("certificate-authority",)),
+    "users": ("user", ("client-certificate", "client-key", "tokenFile")),
+}
+"""The fields of a kubeconfig that name files: kubectl reads a relative one against the folder of the file it is in."""
+
+
+def read_kubeconfig(paths: str) -> dict[str, Any]:
+    """The kubeconfig kubectl would use from ``paths`` (files joined by ``os.pathsep``, as in
+    $KUBECONFIG), merged as kubectl merges them: empty entries and missing files are skipped, an
+    empty file is an empty config, the first file to name a cluster, user or context wins for it, and
+    so does the first to set ``current-context``. Relative file names (``certificate-authority``,
+    ``client-certificate``, ``client-key``, ``tokenFile``, an exec ``command`` with a ``/``) are made
+    absolute against the folder of the file that holds them. Raises ``ConfigException`` (no file at
+    all, or one that is no kubeconfig), ``OSError`` or ``yaml.YAMLError``."""
+    merged: dict[str, Any] = {"apiVersion": "v1", "kind": "Config", "clusters": [], "users": [], "contexts": []}
+    read = 0
+    for path in paths.split(os.pathsep):
+        path = os.path.expanduser(path)
+        if not path or not os.path.exists(path):
+            continue
+        read += 1
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        if doc is None:
+            continue
+        if not isinstance(doc, dict):
+            raise ConfigException(f"{path} is not a kubeconfig (not a YAML mapping)")
+        folder = os.path.dirname(os.path.abspath(path))
+        for section in ("clusters", "users", "contexts"):
+            entries = doc.get(section) or []
+            if not isinstance(entries, list):
+                raise ConfigException(f"{path}: {section} is not a list")
+            for entry in entries:
+                if not isinstance(entry, dict) or not entry.get("name"):
+                    raise ConfigException(f"{path}: an entry of {section} has no name")
+                if any(e["name"] == entry["name"] for e in merged[section]):
+                    continue  # the first file to name it wins
+                merged[section].append(_resolved(section, copy.deepcopy(entry), folder))
+        if not merged.get("current-context") and doc.get("current-context"):
+            merged["current-context"] = doc["current-context"]
+    if not read:
+        raise ConfigException(f"no kubeconfig file found at {paths}")
+    return merged
+
+
+def _resolved(section: str, entry: dict[str, Any], folder: str) -> dict[str, Any]:
+    inner, fields = _PATH_FIELDS.get(section, ("", ()))
+    body = entry.get(inner)
+    if not isinstance(body, dict):
+        return entry
+    for field in fields:
+        if isinstance(body.get(field), str) and body[field]:
+            body[field] = os.path.join(folder, os.path.expanduser(body[field]))
+    command = (body.get("exec") or {}).get("command") if isinstance(body.get("exec"), dict) else None
+    if isinstance(command, str) and "/" in command:
+        body["exec"]["command"] = os.path.join(folder, os.path.expanduser(command))
+    return entry
+
+
 def load_config(kubeconfig: str | None = None, *, context: str | None = None) -> k8s_client.Configuration:
-    """The cluster to talk to: ``kubeconfig`` (``--kubeconfig``), else $KUBECONFIG, else the pod's
-    service account (in-cluster), else ~/.kube/config — the order controller-runtime uses."""
+    """The cluster to talk to: ``kubeconfig`` (``--kubeconfig``), else $KUBECONFIG (files joined by
+    ``:``, merged as kubectl merges them), else the pod's service account (in-cluster), else
+    ~/.kube/config — the order controller-runtime uses."""
     configuration = k8s_client.Configuration()
     path = kubeconfig or os.environ.get("KUBECONFIG")
     try:
-        if path:
-            k8s_config.load_kube_config(config_file=path, context=context, client_configuration=configuration)
-        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if not path and os.environ.get("KUBERNETES_SERVICE_HOST"):
             k8s_config.load_incluster_config(client_configuration=configuration)
-        else:
-            default = os.path.expanduser("~/.kube/config")
-            if not os.path.exists(default):
+            return configuration
+        if not path:
+            path = os.path.expanduser("~/.kube/config")
+            if not os.path.exists(path):
                 raise ConfigError(
                     "no cluster configuration: pass --kubeconfig PATH or set KUBECONFIG, or run the "
                     "controller in a pod with a service account"
                 )
-            k8s_config.load_kube_config(config_file=default, context=context, client_configuration=configuration)
-    except (ConfigException, OSError, ValueError, yaml.YAMLError, TypeError, AttributeError) as e:
-        # YAMLError: a file that is no YAML; TypeError/AttributeError: YAML that is no kubeconfig
-        # (a list, a string), which the client reads without checking its shape.
+        k8s_config.load_kube_config_from_dict(
+            read_kubeconfig(path), context=context, client_configuration=configuration, persist_config=False
+        )
+    except (ConfigException, OSError, ValueError, yaml.YAMLError, TypeError, AttributeError, KeyError) as e:
+        # YAMLError: a file that is no YAML; TypeError/AttributeError/KeyError: YAML that is no
+        # kubeconfig, which the client reads without checking its shape.
         where = path or "the in-cluster service account"
         raise ConfigError(f"cannot load the cluster configuration from {where}: {' '.join(str(e).split())}") from e
     return configuration

@@ -47,6 +47,7 @@ from orchestrator.k8s.api import (
     RetryPolicy,
     TransientError,
     Verb,
+    read_kubeconfig,
     resource_version,
 )
 from orchestrator.k8s.pods import JOB_LABEL
@@ -174,20 +175,23 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         raise ContextError(f"--kubeconfig {kubeconfig}: no such file")
     configuration = k8s_client.Configuration()
     try:
-        contexts, current = k8s_config.list_kube_config_contexts(config_file=path)
-        chosen = context or (current or {}).get("name")
+        merged = read_kubeconfig(path)
+        contexts = merged["contexts"]
+        chosen = context or merged.get("current-context")
         if not chosen:
             raise ContextError(f"{path} has no current context: pass --context NAME")
-        found = next((c for c in contexts or [] if c.get("name") == chosen), None)
+        found = next((c for c in contexts if c.get("name") == chosen), None)
         if found is None:
-            names = ", ".join(sorted(str(c.get("name")) for c in contexts or [])) or "none"
+            names = ", ".join(sorted(str(c.get("name")) for c in contexts)) or "none"
             raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
-        k8s_config.load_kube_config(config_file=path, context=chosen, client_configuration=configuration)
+        k8s_config.load_kube_config_from_dict(
+            merged, context=chosen, client_configuration=configuration, persist_config=False
+        )
     except ContextError:
         raise
-    except (ConfigException, OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as e:
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError, KeyError, yaml.YAMLError) as e:
         raise ContextError(f"cannot use the kubeconfig {path}: {_one_line(e)}") from e
-    namespace = str(((found or {}).get("context") or {}).get("namespace") or "default")
+    namespace = str((found.get("context") or {}).get("namespace") or "default")
     return UserContext(configuration, namespace, str(chosen), path)
 
 
