@@ -29,16 +29,20 @@ recorder share one.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import copy
 import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 import tenacity
@@ -213,6 +217,10 @@ class NotPermitted(PermanentError):
     """The controller tried a call that ``PERMISSIONS`` does not list: a bug, caught before any request."""
 
 
+class CredentialError(PermanentError):
+    """A kubeconfig user's credential plugin (``exec``) gave no credentials: the message says why."""
+
+
 def _error_from_status(code: int, body: bytes | str | None, headers: Mapping[str, str] | None) -> KubeError:
     reason, message = "", ""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
@@ -315,11 +323,200 @@ def _resolved(section: str, entry: dict[str, Any], folder: str) -> dict[str, Any
         return entry
     for field in fields:
         if isinstance(body.get(field), str) and body[field]:
-            body[field] = os.path.join(folder, os.path.expanduser(body[field]))
+            body[field] = os.path.normpath(os.path.join(folder, os.path.expanduser(body[field])))
     command = (body.get("exec") or {}).get("command") if isinstance(body.get("exec"), dict) else None
     if isinstance(command, str) and "/" in command:
-        body["exec"]["command"] = os.path.join(folder, os.path.expanduser(command))
+        body["exec"]["command"] = os.path.normpath(os.path.join(folder, os.path.expanduser(command)))
     return entry
+
+
+_EXEC_API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
+_EXEC_EARLY = 30.0
+"""Seconds before a credential's ``expirationTimestamp`` that the plugin is run again."""
+
+
+class ExecCredential:
+    """A kubeconfig user's client-go credential plugin (``users[].user.exec``: ``aws eks get-token``,
+    ``gke-gcloud-auth-plugin``), run as kubectl runs it: ``args`` and ``env`` added, the request in
+    ``$KUBERNETES_EXEC_INFO`` (with the cluster when ``provideClusterInfo``), interactive (the
+    terminal's stdin, its stderr shown as it comes) when stdin is a terminal and ``interactiveMode``
+    is not ``Never``. Its token is kept until ``expirationTimestamp`` (less ``_EXEC_EARLY``) and
+    then fetched again; ``renew`` runs it again after a 401. Installed as the configuration's
+    ``refresh_api_key_hook``, which the client calls before each request."""
+
+    def __init__(self, spec: Mapping[str, Any], cluster: Mapping[str, Any], *, user: str) -> None:
+        self.command = str(spec.get("command") or "")
+        self.api_version = str(spec.get("apiVersion") or "")
+        if not self.command:
+            raise ConfigException(f'user "{user}": exec has no command')
+        if self.api_version not in _EXEC_API_VERSIONS:
+            raise ConfigException(
+                f'user "{user}": exec apiVersion {self.api_version or "(none)"} is not one of '
+                f"{', '.join(_EXEC_API_VERSIONS)}"
+            )
+        self.user = user
+        self._spec = dict(spec)
+        self._cluster = dict(cluster)
+        self._lock = threading.Lock()
+        self.status: dict[str, Any] = {}
+        self.expiry: float | None = None
+        """When the credential expires (``time.time()``), or None: kept until a 401."""
+        self.runs = 0
+
+    @property
+    def token(self) -> str:
+        return str(self.status.get("token") or "")
+
+    def fetch(self) -> dict[str, Any]:
+        """Run the plugin; its ``status`` (``token``, or ``clientCertificateData`` and ``clientKeyData``).
+        Raises ``CredentialError`` saying why there is none."""
+        interactive = self._interactive()
+        request: dict[str, Any] = {"interactive": interactive}
+        if self._spec.get("provideClusterInfo"):
+            request["cluster"] = self._cluster_info()
+        env = dict(os.environ)
+        for item in self._spec.get("env") or []:
+            env[str(item["name"])] = str(item["value"])
+        env["KUBERNETES_EXEC_INFO"] = json.dumps(
+            {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": request}
+        )
+        argv = [self.command, *(str(a) for a in self._spec.get("args") or [])]
+        self.runs += 1
+        try:
+            process = subprocess.run(
+                argv,
+                env=env,
+                stdin=None if interactive else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=None if interactive else subprocess.PIPE,
+                text=True,
+                check=False,
+            )
+        except FileNotFoundError:
+            hint = str(self._spec.get("installHint") or "").strip()
+            raise CredentialError(
+                f'the credential plugin "{self.command}" of user "{self.user}" is not installed (not found on PATH). '
+                + (hint or "Install it, or fix users[].user.exec.command in the kubeconfig")
+            ) from None
+        except OSError as e:
+            raise CredentialError(
+                f'the credential plugin "{self.command}" of user "{self.user}" cannot be run: {e}'
+            ) from e
+        stderr = (process.stderr or "").strip()
+        if process.returncode != 0:
+            raise CredentialError(
+                f'the credential plugin "{self.command}" of user "{self.user}" failed (exit code '
+                f"{process.returncode})" + (f": {stderr[-2000:]}" if stderr else "")
+            )
+        if stderr:
+            print(stderr, file=sys.stderr)  # what kubectl shows too: a plugin's warnings
+        self.status, self.expiry = self._parse(process.stdout)
+        return self.status
+
+    def _interactive(self) -> bool:
+        mode = str(self._spec.get("interactiveMode") or "IfAvailable")
+        terminal = sys.stdin is not None and sys.stdin.isatty()
+        if mode == "Always" and not terminal:
+            raise CredentialError(
+                f'the credential plugin "{self.command}" of user "{self.user}" needs a terminal '
+                "(interactiveMode: Always), and standard input is not one: run the command in a terminal"
+            )
+        return mode != "Never" and terminal
+
+    def _cluster_info(self) -> dict[str, Any]:
+        c = self._cluster
+        info: dict[str, Any] = {"server": c.get("server")}
+        for key in ("tls-server-name", "insecure-skip-tls-verify", "proxy-url", "disable-compression"):
+            if key in c:
+                info[key] = c[key]
+        if c.get("certificate-authority-data"):
+            info["certificate-authority-data"] = c["certificate-authority-data"]
+        elif c.get("certificate-authority"):
+            with open(c["certificate-authority"], "rb") as f:
+                info["certificate-authority-data"] = base64.b64encode(f.read()).decode()
+        for extension in c.get("extensions") or []:
+            if isinstance(extension, dict) and extension.get("name") == "client.authentication.k8s.io/exec":
+                info["config"] = extension.get("extension")
+        return info
+
+    def _parse(self, stdout: str) -> tuple[dict[str, Any], float | None]:
+        what = f'the credential plugin "{self.command}" of user "{self.user}"'
+        try:
+            answer = json.loads(stdout)
+        except ValueError:
+            raise CredentialError(f"{what} printed no ExecCredential JSON: {stdout.strip()[:200]!r}") from None
+        status = answer.get("status") if isinstance(answer, dict) else None
+        if not isinstance(status, dict) or answer.get("apiVersion") != self.api_version:
+            raise CredentialError(
+                f"{what} answered no {self.api_version} ExecCredential with a status "
+                f"(apiVersion {answer.get('apiVersion') if isinstance(answer, dict) else None})"
+            )
+        if not status.get("token") and not (status.get("clientCertificateData") and status.get("clientKeyData")):
+            raise CredentialError(f"{what} answered neither a token nor a client certificate and key")
+        expires = status.get("expirationTimestamp")
+        if not expires:
+            return status, None
+        try:
+            return status, datetime.fromisoformat(str(expires).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            raise CredentialError(f"{what} answered an expirationTimestamp that is no time: {expires!r}") from None
+
+    def __call__(self, configuration: k8s_client.Configuration) -> None:
+        """The ``refresh_api_key_hook``: the token, fetched again when it is about to expire."""
+        with self._lock:
+            if self.expiry is not None and time.time() >= self.expiry - _EXEC_EARLY:
+                self.fetch()
+            configuration.api_key["BearerToken"] = f"Bearer {self.token}"
+
+    def renew(self) -> bool:
+        """Run the plugin again (the server refused its token): whether it gave another token."""
+        with self._lock:
+            old = self.token
+            self.fetch()
+            return self.token != old
+
+
+def load_kubeconfig_dict(
+    merged: dict[str, Any], context: str | None, configuration: k8s_client.Configuration
+) -> ExecCredential | None:
+    """Load ``merged`` (``read_kubeconfig``) into ``configuration`` for ``context`` (None: the
+    current one). A user whose credentials come from a plugin (``exec``) gets them from
+    ``ExecCredential`` — its failures are errors here, not a request sent without credentials —
+    which stays the configuration's hook for fresh tokens; it is returned (else None)."""
+    name = context or merged.get("current-context")
+    found = next((c for c in merged.get("contexts") or [] if c.get("name") == name), None)
+    ctx = (found or {}).get("context") or {}
+    user_entry: dict[str, Any] | None = next(
+        (u for u in merged.get("users") or [] if u.get("name") == ctx.get("user")), None
+    )
+    body = (user_entry or {}).get("user")
+    credential: ExecCredential | None = None
+    if (
+        isinstance(body, dict)
+        and isinstance(body.get("exec"), dict)
+        and not any(body.get(k) for k in ("token", "tokenFile", "auth-provider"))
+    ):
+        cluster_entry = next((c for c in merged.get("clusters") or [] if c.get("name") == ctx.get("cluster")), None)
+        credential = ExecCredential(body["exec"], (cluster_entry or {}).get("cluster") or {}, user=str(ctx["user"]))
+        status = credential.fetch()
+        replaced = {k: v for k, v in body.items() if k != "exec"}
+        if credential.token:
+            replaced["token"] = credential.token
+        else:
+            for field, key in (
+                ("client-certificate-data", "clientCertificateData"),
+                ("client-key-data", "clientKeyData"),
+            ):
+                replaced[field] = base64.b64encode(str(status[key]).encode()).decode()
+        users = [{"name": ctx["user"], "user": replaced} if u is user_entry else u for u in merged["users"]]
+        merged = {**merged, "users": users}
+    k8s_config.load_kube_config_from_dict(
+        merged, context=name, client_configuration=configuration, persist_config=False
+    )
+    if credential is not None and credential.token:
+        # The client types the hook as None; it calls any callable set there before each request.
+        configuration.refresh_api_key_hook = credential  # type: ignore[assignment]
+    return credential
 
 
 def load_config(kubeconfig: str | None = None, *, context: str | None = None) -> k8s_client.Configuration:
@@ -339,10 +536,17 @@ def load_config(kubeconfig: str | None = None, *, context: str | None = None) ->
                     "no cluster configuration: pass --kubeconfig PATH or set KUBECONFIG, or run the "
                     "controller in a pod with a service account"
                 )
-        k8s_config.load_kube_config_from_dict(
-            read_kubeconfig(path), context=context, client_configuration=configuration, persist_config=False
-        )
-    except (ConfigException, OSError, ValueError, yaml.YAMLError, TypeError, AttributeError, KeyError) as e:
+        load_kubeconfig_dict(read_kubeconfig(path), context, configuration)
+    except (
+        ConfigException,
+        CredentialError,
+        OSError,
+        ValueError,
+        yaml.YAMLError,
+        TypeError,
+        AttributeError,
+        KeyError,
+    ) as e:
         # YAMLError: a file that is no YAML; TypeError/AttributeError/KeyError: YAML that is no
         # kubeconfig, which the client reads without checking its shape.
         where = path or "the in-cluster service account"
@@ -632,8 +836,10 @@ class KubeClient:
             raise NotPermitted(f"{verb} {target} is not in {self._grants_name}")
         what = f"{verb} {resource}{'/' + subresource if subresource else ''}"
         ends_at = self._clock() + self._retry.deadline
+        renewed = False
 
         def attempt() -> Any:
+            nonlocal renewed
             left = ends_at - self._clock()
             if left <= 0:
                 raise TransientError(f"{what}: no answer within the call's {self._retry.deadline:g}s deadline")
@@ -660,6 +866,9 @@ class KubeClient:
                 response.response.release_conn()
             if response.status < 400:
                 return data
+            if response.status == 401 and not renewed and self._renew_credential():
+                renewed = True  # as kubectl: a credential plugin's token refused is fetched again, once
+                return attempt()
             raise _error_from_status(response.status, data, response.headers)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
@@ -678,6 +887,11 @@ class KubeClient:
             sleep=self._sleep or tenacity.nap.sleep,
         )
         return retrying(attempt)
+
+    def _renew_credential(self) -> bool:
+        """After a 401: whether a credential plugin gave a new token to try (``ExecCredential.renew``)."""
+        hook = self._api.configuration.refresh_api_key_hook
+        return isinstance(hook, ExecCredential) and hook.renew()
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome else None

@@ -36,6 +36,7 @@ from orchestrator.k8s.api import (
     EVENTS,
     PODS,
     SPOTJOBS,
+    CredentialError,
     Forbidden,
     Gone,
     KubeClient,
@@ -47,6 +48,7 @@ from orchestrator.k8s.api import (
     RetryPolicy,
     TransientError,
     Verb,
+    load_kubeconfig_dict,
     read_kubeconfig,
     resource_version,
 )
@@ -146,6 +148,8 @@ class UserContext:
     """The context's name ("" for the in-cluster service account)."""
     source: str
     """Where the configuration came from (files, or the service account), for messages."""
+    user: str = ""
+    """The context's user ("" for the in-cluster service account), for messages."""
 
     @property
     def server(self) -> str:
@@ -184,15 +188,16 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         if found is None:
             names = ", ".join(sorted(str(c.get("name")) for c in contexts)) or "none"
             raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
-        k8s_config.load_kube_config_from_dict(
-            merged, context=chosen, client_configuration=configuration, persist_config=False
-        )
+        load_kubeconfig_dict(merged, str(chosen), configuration)
     except ContextError:
         raise
+    except CredentialError as e:
+        raise ContextError(f"{_one_line(e)} (context {chosen} of {path})") from e
     except (ConfigException, OSError, ValueError, TypeError, AttributeError, KeyError, yaml.YAMLError) as e:
         raise ContextError(f"cannot use the kubeconfig {path}: {_one_line(e)}") from e
-    namespace = str((found.get("context") or {}).get("namespace") or "default")
-    return UserContext(configuration, namespace, str(chosen), path)
+    fields = found.get("context") or {}
+    namespace = str(fields.get("namespace") or "default")
+    return UserContext(configuration, namespace, str(chosen), path, str(fields.get("user") or ""))
 
 
 def _one_line(error: Exception) -> str:
@@ -441,12 +446,18 @@ class SpotJobClient:
         where = f' in namespace "{namespace}"' if namespace and resource.namespaced else ""
         if resource.namespaced and namespace is None:
             where = " at the cluster scope (all namespaces)"
+        if isinstance(error, CredentialError):
+            return ContextError(f"{_one_line(error)} (context {self.user.context} of {self.user.source})")
         if isinstance(error, Forbidden):
             detail = _server_message(error)
             if error.status == 401:
+                who = f'user "{self.user.user}" of context {self.user.context}' if self.user.user else "the user"
+                if not self.user.context:
+                    who = "the pod's service account token"
                 message = (
-                    f"the API server at {self.user.server} did not accept your credentials (401 Unauthorized): "
-                    f"log in again or check the user of context {self.user.context or '(in-cluster)'}"
+                    f"the API server at {self.user.server} did not accept the credentials of {who} "
+                    f"(401 Unauthorized, {self.user.source}): log in again, or check that user's token, "
+                    "client certificate or credential plugin"
                 )
             else:
                 message = (

@@ -6,6 +6,9 @@ contacted); the others run the plugin through the real kubectl binary against th
 
 from __future__ import annotations
 
+import json
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import yaml
 
 from orchestrator.k8s.api import load_config
 from orchestrator.k8s.plugin_client import load_user_context
+from tests.k8s.cluster import TestCluster
 
 
 def kubeconfig(
@@ -114,3 +118,150 @@ def test_relative_file_names_are_read_against_the_folder_of_the_file_that_holds_
     assert configuration.key_file == str(tmp_path / "users" / "me.key")
     assert by_token.api_key["BearerToken"] == "Bearer x"
     assert load_config(context="prod").cert_file == str(tmp_path / "users" / "me.crt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Credential plugins (users[].user.exec), as EKS and GKE write them: small scripts stand in.
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def exec_kubeconfig(path: Path, user_kubeconfig: str, exec_spec: dict[str, Any]) -> str:
+    """The test cluster's kubeconfig (its server and CA) with a user whose credentials come from ``exec_spec``."""
+    doc = yaml.safe_load(Path(user_kubeconfig).read_text())
+    doc["users"] = [{"name": "sso", "user": {"exec": exec_spec}}]
+    doc["contexts"][0]["context"]["user"] = "sso"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def credential(token: str, api_version: str = "client.authentication.k8s.io/v1", **status: str) -> str:
+    return json.dumps({"apiVersion": api_version, "kind": "ExecCredential", "status": {"token": token, **status}})
+
+
+@pytest.mark.parametrize("api_version", ["client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"])
+def test_a_credential_plugin_gets_its_args_env_and_cluster_and_its_token_is_used(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path, api_version: str
+) -> None:
+    """Pins what already worked (the client library ran the plugin), but for the cluster handed
+    to it, which is now kubectl's: the CA as ``certificate-authority-data``."""
+    token = cluster.add_user("sso@example.com")
+    seen = tmp_path / "seen"
+    plugin = script(
+        tmp_path / "get-token",
+        f'echo "$*" > {seen}.args; echo "$REGION" > {seen}.env; echo "$KUBERNETES_EXEC_INFO" > {seen}.info\n'
+        f"echo '{credential(token, api_version, expirationTimestamp='2099-01-01T00:00:00Z')}'\n",
+    )
+    spec = {
+        "apiVersion": api_version,
+        "command": plugin,
+        "args": ["eks", "get-token", "--cluster-name", "ml"],
+        "env": [{"name": "REGION", "value": "eu-west-1"}],
+        "interactiveMode": "Never",
+        "provideClusterInfo": True,
+    }
+
+    proc = kubectl_spotjob(
+        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert Path(f"{seen}.args").read_text().strip() == "eks get-token --cluster-name ml"
+    assert Path(f"{seen}.env").read_text().strip() == "eu-west-1"
+    info = json.loads(Path(f"{seen}.info").read_text())
+    assert info["apiVersion"] == api_version and info["spec"]["interactive"] is False
+    assert info["spec"]["cluster"]["server"] == cluster.server_url
+    assert info["spec"]["cluster"]["certificate-authority-data"]
+
+
+def test_a_credential_plugin_that_fails_is_named_with_its_exit_code_and_stderr_not_as_a_401(
+    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    # The client library logged the failure ("ERROR:root:exec: ...") and sent the request without
+    # credentials: the user read "did not accept your credentials (401)" for an expired SSO login.
+    plugin = script(tmp_path / "aws", 'echo "Error when retrieving token from sso: Token has expired" >&2; exit 255\n')
+    spec = {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": plugin, "args": ["eks", "get-token"]}
+
+    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f'error: the credential plugin "{plugin}" of user "sso" failed (exit code 255): ')
+    assert "Token has expired" in line and "401" not in line
+
+
+def test_a_credential_plugin_missing_from_path_prints_its_install_hint(
+    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    hint = "Install gke-gcloud-auth-plugin for use with kubectl by following the GKE documentation"
+    spec = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": "spotjob-test-no-such-auth-plugin",
+        "installHint": hint,
+        "provideClusterInfo": True,
+    }
+
+    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+
+    assert proc.returncode == 1
+    assert 'credential plugin "spotjob-test-no-such-auth-plugin" of user "sso" is not installed' in proc.stderr
+    assert hint in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_token_the_server_refuses_is_fetched_again_once_as_kubectl_does(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    # A token the plugin cached but the server no longer takes (revoked, or the clocks disagree):
+    # kubectl runs the plugin again on a 401 and retries once; the plugin used to fail with 401.
+    token = cluster.add_user("sso@example.com")
+    runs = tmp_path / "runs"
+    plugin = script(
+        tmp_path / "get-token",
+        f"echo run >> {runs}\n"
+        f"if [ $(wc -l < {runs}) -eq 1 ]; then echo '{credential('revoked')}'; else echo '{credential(token)}'; fi\n",
+    )
+    spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "IfAvailable"}
+
+    proc = kubectl_spotjob(
+        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert runs.read_text().count("run") == 2
+
+
+def test_a_token_refused_again_after_a_fresh_one_names_the_user_and_context(
+    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    plugin = script(tmp_path / "get-token", f"echo '{credential('never-valid')}'\n")
+    spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
+
+    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+
+    assert proc.returncode == 1
+    assert 'did not accept the credentials of user "sso" of context spotjob-test (401 Unauthorized' in proc.stderr
+
+
+def test_a_credential_past_its_expiration_is_fetched_again_before_the_next_request(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    """Pins what already worked (the client library re-ran an expired plugin too, 5 minutes early;
+    now 30 seconds early, so a short-lived token is not fetched on every request)."""
+    token = cluster.add_user("sso@example.com")
+    runs = tmp_path / "runs"
+    expired = credential(token, expirationTimestamp="2001-01-01T00:00:00Z")
+    plugin = script(tmp_path / "get-token", f"echo run >> {runs}\necho '{expired}'\n")
+    spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
+
+    proc = kubectl_spotjob(
+        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert runs.read_text().count("run") >= 2
