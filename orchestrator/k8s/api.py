@@ -217,6 +217,11 @@ class NotPermitted(PermanentError):
     """The controller tried a call that ``PERMISSIONS`` does not list: a bug, caught before any request."""
 
 
+class TLSError(PermanentError):
+    """The TLS handshake with the API server failed: its certificate is not trusted for that name
+    (``certificate-authority``, ``tls-server-name``, the server address), or it refused ours."""
+
+
 class CredentialError(PermanentError):
     """A kubeconfig user's credential plugin (``exec``) gave no credentials: the message says why."""
 
@@ -855,7 +860,10 @@ class KubeClient:
             except _NETWORK_ERRORS as e:
                 raise TransientError(f"{what}: {type(e).__name__}: {e}") from e
             except k8s_exceptions.ApiException as e:  # the client's own refusals (TLS): not retryable
-                raise PermanentError(f"{what}: {e.reason}", status=int(e.status or 0)) from e
+                reason = " ".join(str(e.reason).split())
+                if reason.startswith("SSLError"):
+                    raise TLSError(f"{what}: {reason.removeprefix('SSLError').strip()}") from e
+                raise PermanentError(f"{what}: {reason}", status=int(e.status or 0)) from e
             if response.status < 400 and not read:
                 return response  # a watch's stream: its iterator reads it
             try:

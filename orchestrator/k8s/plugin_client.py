@@ -46,6 +46,7 @@ from orchestrator.k8s.api import (
     Permission,
     Resource,
     RetryPolicy,
+    TLSError,
     TransientError,
     Verb,
     load_kubeconfig_dict,
@@ -467,6 +468,13 @@ class SpotJobClient:
                     + ' (the README\'s "kubectl spotjob" section lists what each command needs)'
                 )
             return AccessDenied(message, verb=str(verb), resource=what, namespace=namespace, status=error.status)
+        if isinstance(error, TLSError):
+            context = self.user.context or "(in-cluster)"
+            return Unreachable(
+                f"cannot talk to the API server at {self.user.server} over TLS (context {context} "
+                f"from {self.user.source}): {_server_message(error)}. Check the cluster's certificate-authority, "
+                "tls-server-name and server address in the kubeconfig"
+            )
         if isinstance(error, TransientError) and error.status == 0:
             return Unreachable(
                 f"cannot reach the API server at {self.user.server} (context {self.user.context or '(in-cluster)'} "

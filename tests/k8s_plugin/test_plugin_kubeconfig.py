@@ -265,3 +265,46 @@ def test_a_credential_past_its_expiration_is_fetched_again_before_the_next_reque
 
     assert proc.returncode == 0, proc.stderr
     assert runs.read_text().count("run") >= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# TLS: tls-server-name, and a certificate the kubeconfig does not trust
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"tls-server-name": "kubernetes.default.svc"}, None),
+        ({"tls-server-name": "wrong.example"}, "Hostname mismatch, certificate is not valid for 'wrong.example'"),
+        ({"certificate-authority-data": None}, "certificate verify failed"),
+    ],
+)
+def test_a_tls_failure_names_the_server_the_context_and_what_to_check(
+    namespace: str,
+    kubectl_spotjob: Run,
+    user_kubeconfig: str,
+    tmp_path: Path,
+    change: dict[str, Any],
+    expected: str | None,
+) -> None:
+    # A refused certificate used to be a "server error" that said the request's name twice. The
+    # first case pins what already worked: tls-server-name is the name checked against the
+    # certificate (the test server's is for 127.0.0.1, localhost and kubernetes.default.svc).
+    doc = yaml.safe_load(Path(user_kubeconfig).read_text())
+    server = doc["clusters"][0]["cluster"]
+    for key, value in change.items():
+        if value is None:
+            del server[key]
+        else:
+            server[key] = value
+    (tmp_path / "kc").write_text(yaml.safe_dump(doc))
+
+    proc = kubectl_spotjob("status", "-n", namespace, kubeconfig=str(tmp_path / "kc"))
+
+    if expected is None:
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: cannot talk to the API server at {server['server']} over TLS (context spotjob-test")
+    assert expected in line and "certificate-authority, tls-server-name and server address" in line
