@@ -116,6 +116,12 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
         "--context", default=default, metavar="NAME", help="the kubeconfig context to use (default: the current one)"
     )
     parser.add_argument(
+        "--cluster", default=default, metavar="NAME", help="the kubeconfig cluster to use (default: the context's)"
+    )
+    parser.add_argument(
+        "--user", default=default, metavar="NAME", help="the kubeconfig user to use (default: the context's)"
+    )
+    parser.add_argument(
         "-n",
         "--namespace",
         type=_namespace,

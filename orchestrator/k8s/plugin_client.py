@@ -157,10 +157,17 @@ class UserContext:
         return str(self.configuration.host)
 
 
-def load_user_context(kubeconfig: str | None = None, context: str | None = None) -> UserContext:
+def load_user_context(
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    *,
+    cluster: str | None = None,
+    user: str | None = None,
+) -> UserContext:
     """The kubeconfig and context kubectl would pick: ``kubeconfig`` (``--kubeconfig``), else
     ``$KUBECONFIG`` (files joined by ``:``, merged), else ``~/.kube/config``, else the pod's
-    service account; ``context`` (``--context``), else the current context. A ``~`` in
+    service account; ``context`` (``--context``), else the current context; ``cluster`` and
+    ``user`` (``--cluster``, ``--user``) in place of the context's own. A ``~`` in
     ``--kubeconfig`` is the home folder, as the loader reads it (``--kubeconfig=~/x`` reaches us
     unexpanded by the shell)."""
     kubeconfig = os.path.expanduser(kubeconfig) if kubeconfig else kubeconfig
@@ -170,7 +177,7 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         if os.path.exists(default):
             path = default
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            return _in_cluster(context)
+            return _in_cluster({"--context": context, "--cluster": cluster, "--user": user})
         else:
             raise ContextError(
                 "no kubeconfig: pass --kubeconfig PATH or set KUBECONFIG (kubectl spotjob uses the same "
@@ -189,6 +196,16 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         if found is None:
             names = ", ".join(sorted(str(c.get("name")) for c in contexts)) or "none"
             raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
+        overrides = {"cluster": cluster, "user": user}
+        for key, value in overrides.items():
+            entries = merged[f"{key}s"]
+            if value and not any(e.get("name") == value for e in entries):
+                names = ", ".join(sorted(str(e.get("name")) for e in entries)) or "none"
+                raise ContextError(f'--{key} {value}: {key} "{value}" is not in {path} (it has: {names})')
+        if cluster or user:
+            fields = {**(found.get("context") or {}), **{k: v for k, v in overrides.items() if v}}
+            found = {**found, "context": fields}
+            merged["contexts"] = [found if c.get("name") == chosen else c for c in contexts]
         load_kubeconfig_dict(merged, str(chosen), configuration)
     except ContextError:
         raise
@@ -206,9 +223,11 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _in_cluster(context: str | None) -> UserContext:
-    if context:
-        raise ContextError(f"--context {context}: no kubeconfig to find it in (running with a pod's service account)")
+def _in_cluster(flags: dict[str, str | None]) -> UserContext:
+    """The pod's service account; ``flags`` (``--context`` …) name a kubeconfig's entries: none may be given."""
+    for flag, value in flags.items():
+        if value:
+            raise ContextError(f"{flag} {value}: no kubeconfig to find it in (running with a pod's service account)")
     configuration = k8s_client.Configuration()
     try:
         k8s_config.load_incluster_config(client_configuration=configuration)

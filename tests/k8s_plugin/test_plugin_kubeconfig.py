@@ -308,3 +308,29 @@ def test_a_tls_failure_names_the_server_the_context_and_what_to_check(
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"error: cannot talk to the API server at {server['server']} over TLS (context spotjob-test")
     assert expected in line and "certificate-authority, tls-server-name and server address" in line
+
+
+# ----------------------------------------------------------------------------------------------
+# --cluster and --user, kubectl's flags for another entry than the context's
+
+
+def test_cluster_and_user_flags_replace_the_contexts_own_before_or_after_the_command(
+    namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    # kubectl's --cluster and --user were refused as unknown arguments (exit 2).
+    doc = yaml.safe_load(Path(user_kubeconfig).read_text())
+    real_cluster, real_user = doc["clusters"][0]["name"], doc["users"][0]["name"]
+    doc["clusters"].append({"name": "old", "cluster": {"server": "https://127.0.0.1:9"}})
+    doc["users"].append({"name": "nobody", "user": {"token": "not-a-token"}})
+    doc["contexts"][0]["context"].update({"cluster": "old", "user": "nobody", "namespace": namespace})
+    (tmp_path / "kc").write_text(yaml.safe_dump(doc))
+    kc = str(tmp_path / "kc")
+
+    after = kubectl_spotjob("status", "--cluster", real_cluster, f"--user={real_user}", kubeconfig=kc)
+    before = kubectl_spotjob("--cluster", real_cluster, "--user", real_user, "status", kubeconfig=kc)
+    unknown = kubectl_spotjob("status", "--cluster", "nope", kubeconfig=kc)
+
+    assert after.returncode == 0 and f'No SpotJobs in namespace "{namespace}"' in after.stderr, after.stderr
+    assert before.returncode == 0, before.stderr
+    assert unknown.returncode == 1
+    assert f'error: --cluster nope: cluster "nope" is not in {kc} (it has: old, {real_cluster})' in unknown.stderr
