@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import builtins
 import copy
+import importlib.util
 import json
 import logging
 import os
@@ -518,10 +519,26 @@ def load_kubeconfig_dict(
     k8s_config.load_kube_config_from_dict(
         merged, context=name, client_configuration=configuration, persist_config=False
     )
+    _check_proxy(configuration)
     if credential is not None and credential.token:
         # The client types the hook as None; it calls any callable set there before each request.
         configuration.refresh_api_key_hook = credential  # type: ignore[assignment]
     return credential
+
+
+_SOCKS = ("socks4", "socks4a", "socks5", "socks5h")
+
+
+def _check_proxy(configuration: k8s_client.Configuration) -> None:
+    """A SOCKS proxy (``proxy-url: socks5://…``, as for a bastion's ``ssh -D``, or $HTTPS_PROXY)
+    needs PySocks, which the client imports only when it builds its connection pool: without it,
+    an error that says so here rather than a traceback later."""
+    proxy = str(configuration.proxy or "")
+    if proxy.partition("://")[0].lower() in _SOCKS and importlib.util.find_spec("socks") is None:
+        raise ConfigException(
+            f"the proxy {proxy} (the cluster's proxy-url, or $HTTPS_PROXY) is a SOCKS proxy, which needs the "
+            "PySocks package: pip install PySocks, or use an HTTP proxy"
+        )
 
 
 def load_config(kubeconfig: str | None = None, *, context: str | None = None) -> k8s_client.Configuration:

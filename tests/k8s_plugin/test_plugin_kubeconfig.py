@@ -6,8 +6,11 @@ contacted); the others run the plugin through the real kubectl binary against th
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.k8s.api import load_config
+from orchestrator.k8s.api import ConfigError, load_config
 from orchestrator.k8s.plugin_client import load_user_context
 from tests.k8s.cluster import TestCluster
 
@@ -334,3 +337,33 @@ def test_cluster_and_user_flags_replace_the_contexts_own_before_or_after_the_com
     assert before.returncode == 0, before.stderr
     assert unknown.returncode == 1
     assert f'error: --cluster nope: cluster "nope" is not in {kc} (it has: old, {real_cluster})' in unknown.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# proxy-url
+
+
+@pytest.mark.skipif(importlib.util.find_spec("socks") is not None, reason="PySocks is installed here")
+def test_a_socks_proxy_url_without_pysocks_is_one_error_line_naming_the_package(tmp_path: Path) -> None:
+    # proxy-url: socks5://… (a bastion's `ssh -D`) ended in a ModuleNotFoundError traceback when the
+    # client built its connection pool. No cluster is needed: nothing is contacted.
+    kc = kubeconfig(
+        tmp_path / "kc",
+        {"c": ("c", "u")},
+        "c",
+        clusters={"c": {"server": "https://10.0.0.1:6443", "proxy-url": "socks5://127.0.0.1:1080"}},
+        users={"u": {"token": "t"}},
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.kubectl_plugin", "status", "--kubeconfig", kc],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
+
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert "socks5://127.0.0.1:1080" in line and "needs the PySocks package" in line
+    with pytest.raises(ConfigError, match="needs the PySocks package"):
+        load_config(kc)
