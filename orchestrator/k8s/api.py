@@ -482,13 +482,54 @@ class ExecCredential:
             return self.token != old
 
 
-def load_kubeconfig_dict(
-    merged: dict[str, Any], context: str | None, configuration: k8s_client.Configuration
-) -> ExecCredential | None:
+class TokenFile:
+    """A kubeconfig user's ``tokenFile`` (a projected service-account token, rotated by the
+    kubelet), read again as client-go reads it: once it is a minute old, and at once after a 401.
+    The client library read it once, so a long-running controller kept an expired token."""
+
+    PERIOD = 60.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.token = ""
+        self._lock = threading.Lock()
+        self._read_at = 0.0
+        self._read()
+
+    def _read(self) -> None:
+        with open(self.path) as f:
+            token = f.read().strip()
+        if token:  # an empty file (mid-rotation) keeps the last token
+            self.token = token
+        self._read_at = time.monotonic()
+
+    def __call__(self, configuration: k8s_client.Configuration) -> None:
+        """The ``refresh_api_key_hook``: the file's token, at most ``PERIOD`` seconds old."""
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.PERIOD:
+                try:
+                    self._read()
+                except OSError as e:
+                    log.warning("cannot read the token file %s again, keeping its last token: %s", self.path, e)
+            configuration.api_key["BearerToken"] = f"Bearer {self.token}"
+
+    def renew(self) -> bool:
+        """Read the file again (the server refused its token): whether it holds another token."""
+        with self._lock:
+            old = self.token
+            try:
+                self._read()
+            except OSError:
+                return False
+            return self.token != old
+
+
+def load_kubeconfig_dict(merged: dict[str, Any], context: str | None, configuration: k8s_client.Configuration) -> None:
     """Load ``merged`` (``read_kubeconfig``) into ``configuration`` for ``context`` (None: the
     current one). A user whose credentials come from a plugin (``exec``) gets them from
     ``ExecCredential`` — its failures are errors here, not a request sent without credentials —
-    which stays the configuration's hook for fresh tokens; it is returned (else None)."""
+    and one with a ``tokenFile`` from ``TokenFile``: either stays the configuration's hook for
+    fresh tokens (``KubeClient`` renews it once after a 401)."""
     name = context or merged.get("current-context")
     found = next((c for c in merged.get("contexts") or [] if c.get("name") == name), None)
     ctx = (found or {}).get("context") or {}
@@ -496,7 +537,7 @@ def load_kubeconfig_dict(
         (u for u in merged.get("users") or [] if u.get("name") == ctx.get("user")), None
     )
     body = (user_entry or {}).get("user")
-    credential: ExecCredential | None = None
+    credential: ExecCredential | TokenFile | None = None
     if (
         isinstance(body, dict)
         and isinstance(body.get("exec"), dict)
@@ -516,6 +557,8 @@ def load_kubeconfig_dict(
                 replaced[field] = base64.b64encode(str(status[key]).encode()).decode()
         users = [{"name": ctx["user"], "user": replaced} if u is user_entry else u for u in merged["users"]]
         merged = {**merged, "users": users}
+    elif isinstance(body, dict) and body.get("tokenFile") and not body.get("token") and not body.get("auth-provider"):
+        credential = TokenFile(str(body["tokenFile"]))
     k8s_config.load_kube_config_from_dict(
         merged, context=name, client_configuration=configuration, persist_config=False
     )
@@ -523,7 +566,6 @@ def load_kubeconfig_dict(
     if credential is not None and credential.token:
         # The client types the hook as None; it calls any callable set there before each request.
         configuration.refresh_api_key_hook = credential  # type: ignore[assignment]
-    return credential
 
 
 _SOCKS = ("socks4", "socks4a", "socks5", "socks5h")
@@ -914,9 +956,9 @@ class KubeClient:
         return retrying(attempt)
 
     def _renew_credential(self) -> bool:
-        """After a 401: whether a credential plugin gave a new token to try (``ExecCredential.renew``)."""
+        """After a 401: whether a credential plugin or token file gave a new token to try."""
         hook = self._api.configuration.refresh_api_key_hook
-        return isinstance(hook, ExecCredential) and hook.renew()
+        return isinstance(hook, ExecCredential | TokenFile) and hook.renew()
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome else None
