@@ -34,7 +34,7 @@ def print_error(command: str, message: str) -> None:
 
 def connect(args: argparse.Namespace) -> tuple[SpotJobClient, str]:
     """The client for the user's context, and the namespace the command works in."""
-    user = load_user_context(args.kubeconfig, args.context)
+    user = load_user_context(args.kubeconfig, args.context, cluster=args.cluster, user=args.user)
     client = SpotJobClient(user, request_timeout=args.request_timeout or 30.0)
     return client, args.namespace or user.namespace
 

@@ -16,9 +16,9 @@ PATH: ``kubectl spotjob status`` runs it with ``status``. Commands:
 - ``events NAME``: the job's Events, oldest first.
 
 The flags kubectl users expect work everywhere on the line (``--kubeconfig``, ``--context``,
-``-n/--namespace``, ``-o json``); the cluster is reached through ``orchestrator.k8s.plugin_client``
-only (the plugin imports no ``kubernetes``). Status is read as raw JSON, not through the model:
-an older plugin must still show what a newer controller writes.
+``--cluster``, ``--user``, ``-n/--namespace``, ``-o json``); the cluster is reached through
+``orchestrator.k8s.plugin_client`` only (the plugin imports no ``kubernetes``). Status is read as
+raw JSON, not through the model: an older plugin must still show what a newer controller writes.
 
 This module is the command line (the parser, ``main``); the commands are
 ``orchestrator.kubectl_status`` (``status``) and ``orchestrator.kubectl_commands`` (the others),
@@ -114,6 +114,12 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
     parser.add_argument(
         "--context", default=default, metavar="NAME", help="the kubeconfig context to use (default: the current one)"
+    )
+    parser.add_argument(
+        "--cluster", default=default, metavar="NAME", help="the kubeconfig cluster to use (default: the context's)"
+    )
+    parser.add_argument(
+        "--user", default=default, metavar="NAME", help="the kubeconfig user to use (default: the context's)"
     )
     parser.add_argument(
         "-n",

@@ -36,6 +36,7 @@ from orchestrator.k8s.api import (
     EVENTS,
     PODS,
     SPOTJOBS,
+    CredentialError,
     Forbidden,
     Gone,
     KubeClient,
@@ -45,8 +46,11 @@ from orchestrator.k8s.api import (
     Permission,
     Resource,
     RetryPolicy,
+    TLSError,
     TransientError,
     Verb,
+    load_kubeconfig_dict,
+    read_kubeconfig,
     resource_version,
 )
 from orchestrator.k8s.pods import JOB_LABEL
@@ -145,16 +149,25 @@ class UserContext:
     """The context's name ("" for the in-cluster service account)."""
     source: str
     """Where the configuration came from (files, or the service account), for messages."""
+    user: str = ""
+    """The context's user ("" for the in-cluster service account), for messages."""
 
     @property
     def server(self) -> str:
         return str(self.configuration.host)
 
 
-def load_user_context(kubeconfig: str | None = None, context: str | None = None) -> UserContext:
+def load_user_context(
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    *,
+    cluster: str | None = None,
+    user: str | None = None,
+) -> UserContext:
     """The kubeconfig and context kubectl would pick: ``kubeconfig`` (``--kubeconfig``), else
     ``$KUBECONFIG`` (files joined by ``:``, merged), else ``~/.kube/config``, else the pod's
-    service account; ``context`` (``--context``), else the current context. A ``~`` in
+    service account; ``context`` (``--context``), else the current context; ``cluster`` and
+    ``user`` (``--cluster``, ``--user``) in place of the context's own. A ``~`` in
     ``--kubeconfig`` is the home folder, as the loader reads it (``--kubeconfig=~/x`` reaches us
     unexpanded by the shell)."""
     kubeconfig = os.path.expanduser(kubeconfig) if kubeconfig else kubeconfig
@@ -164,7 +177,7 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         if os.path.exists(default):
             path = default
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            return _in_cluster(context)
+            return _in_cluster({"--context": context, "--cluster": cluster, "--user": user})
         else:
             raise ContextError(
                 "no kubeconfig: pass --kubeconfig PATH or set KUBECONFIG (kubectl spotjob uses the same "
@@ -174,21 +187,35 @@ def load_user_context(kubeconfig: str | None = None, context: str | None = None)
         raise ContextError(f"--kubeconfig {kubeconfig}: no such file")
     configuration = k8s_client.Configuration()
     try:
-        contexts, current = k8s_config.list_kube_config_contexts(config_file=path)
-        chosen = context or (current or {}).get("name")
+        merged = read_kubeconfig(path)
+        contexts = merged["contexts"]
+        chosen = context or merged.get("current-context")
         if not chosen:
             raise ContextError(f"{path} has no current context: pass --context NAME")
-        found = next((c for c in contexts or [] if c.get("name") == chosen), None)
+        found = next((c for c in contexts if c.get("name") == chosen), None)
         if found is None:
-            names = ", ".join(sorted(str(c.get("name")) for c in contexts or [])) or "none"
+            names = ", ".join(sorted(str(c.get("name")) for c in contexts)) or "none"
             raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
-        k8s_config.load_kube_config(config_file=path, context=chosen, client_configuration=configuration)
+        overrides = {"cluster": cluster, "user": user}
+        for key, value in overrides.items():
+            entries = merged[f"{key}s"]
+            if value and not any(e.get("name") == value for e in entries):
+                names = ", ".join(sorted(str(e.get("name")) for e in entries)) or "none"
+                raise ContextError(f'--{key} {value}: {key} "{value}" is not in {path} (it has: {names})')
+        if cluster or user:
+            fields = {**(found.get("context") or {}), **{k: v for k, v in overrides.items() if v}}
+            found = {**found, "context": fields}
+            merged["contexts"] = [found if c.get("name") == chosen else c for c in contexts]
+        load_kubeconfig_dict(merged, str(chosen), configuration)
     except ContextError:
         raise
-    except (ConfigException, OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as e:
+    except CredentialError as e:
+        raise ContextError(f"{_one_line(e)} (context {chosen} of {path})") from e
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError, KeyError, yaml.YAMLError) as e:
         raise ContextError(f"cannot use the kubeconfig {path}: {_one_line(e)}") from e
-    namespace = str(((found or {}).get("context") or {}).get("namespace") or "default")
-    return UserContext(configuration, namespace, str(chosen), path)
+    fields = found.get("context") or {}
+    namespace = str(fields.get("namespace") or "default")
+    return UserContext(configuration, namespace, str(chosen), path, str(fields.get("user") or ""))
 
 
 def _one_line(error: Exception) -> str:
@@ -196,9 +223,11 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _in_cluster(context: str | None) -> UserContext:
-    if context:
-        raise ContextError(f"--context {context}: no kubeconfig to find it in (running with a pod's service account)")
+def _in_cluster(flags: dict[str, str | None]) -> UserContext:
+    """The pod's service account; ``flags`` (``--context`` …) name a kubeconfig's entries: none may be given."""
+    for flag, value in flags.items():
+        if value:
+            raise ContextError(f"{flag} {value}: no kubeconfig to find it in (running with a pod's service account)")
     configuration = k8s_client.Configuration()
     try:
         k8s_config.load_incluster_config(client_configuration=configuration)
@@ -437,12 +466,18 @@ class SpotJobClient:
         where = f' in namespace "{namespace}"' if namespace and resource.namespaced else ""
         if resource.namespaced and namespace is None:
             where = " at the cluster scope (all namespaces)"
+        if isinstance(error, CredentialError):
+            return ContextError(f"{_one_line(error)} (context {self.user.context} of {self.user.source})")
         if isinstance(error, Forbidden):
             detail = _server_message(error)
             if error.status == 401:
+                who = f'user "{self.user.user}" of context {self.user.context}' if self.user.user else "the user"
+                if not self.user.context:
+                    who = "the pod's service account token"
                 message = (
-                    f"the API server at {self.user.server} did not accept your credentials (401 Unauthorized): "
-                    f"log in again or check the user of context {self.user.context or '(in-cluster)'}"
+                    f"the API server at {self.user.server} did not accept the credentials of {who} "
+                    f"(401 Unauthorized, {self.user.source}): log in again, or check that user's token, "
+                    "client certificate or credential plugin"
                 )
             else:
                 message = (
@@ -452,6 +487,13 @@ class SpotJobClient:
                     + ' (the README\'s "kubectl spotjob" section lists what each command needs)'
                 )
             return AccessDenied(message, verb=str(verb), resource=what, namespace=namespace, status=error.status)
+        if isinstance(error, TLSError):
+            context = self.user.context or "(in-cluster)"
+            return Unreachable(
+                f"cannot talk to the API server at {self.user.server} over TLS (context {context} "
+                f"from {self.user.source}): {_server_message(error)}. Check the cluster's certificate-authority, "
+                "tls-server-name and server address in the kubeconfig"
+            )
         if isinstance(error, TransientError) and error.status == 0:
             return Unreachable(
                 f"cannot reach the API server at {self.user.server} (context {self.user.context or '(in-cluster)'} "

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
-from ctl_support import CONTROLLER_USER, TestApi
+from ctl_support import CONTROLLER_TOKEN, CONTROLLER_USER, TestApi
 
 from orchestrator.k8s.api import (
     LEASES,
@@ -17,6 +18,7 @@ from orchestrator.k8s.api import (
     ConfigError,
     Conflict,
     Invalid,
+    KubeClient,
     NotFound,
     NotPermitted,
     PermanentError,
@@ -138,6 +140,35 @@ def test_a_missing_kubeconfig_is_a_config_error_naming_the_file(tmp_path, monkey
 def test_kubeconfig_comes_from_the_environment_when_no_flag_names_one(test_api: TestApi, monkeypatch) -> None:
     monkeypatch.setenv("KUBECONFIG", str(test_api.kubeconfig))
     assert load_config().host == test_api.url
+
+
+def test_a_rotated_token_file_is_read_again_after_a_401(test_api: TestApi, tmp_path, monkeypatch) -> None:
+    # A controller run outside the cluster with a kubeconfig whose user has a tokenFile (a
+    # projected token the kubelet rotates): the client library read the file once and got 401
+    # for ever after the rotation. Now the file is read again (a minute old, or after a 401).
+    token = tmp_path / "token"
+    token.write_text("the-token-before-the-rotation")
+    doc = json.loads(test_api.kubeconfig.read_text())
+    doc["users"][0]["user"] = {"tokenFile": "token"}
+    (tmp_path / "rotating.kubeconfig").write_text(json.dumps(doc))
+    client = KubeClient(load_config(str(tmp_path / "rotating.kubeconfig")))
+    token.write_text(CONTROLLER_TOKEN)  # rotated: the old token is no longer accepted
+
+    assert client.list(NODES)[0] == []
+    client.close()
+
+
+def test_a_token_file_that_ends_in_a_newline_is_read_as_kubectl_reads_it(test_api: TestApi, tmp_path) -> None:
+    # `echo "$TOKEN" > token`: the client library sent the newline in the Authorization header,
+    # and every request failed with "ValueError: Invalid header value".
+    (tmp_path / "token").write_text(CONTROLLER_TOKEN + "\n")
+    doc = json.loads(test_api.kubeconfig.read_text())
+    doc["users"][0]["user"] = {"tokenFile": str(tmp_path / "token")}
+    (tmp_path / "newline.kubeconfig").write_text(json.dumps(doc))
+    client = KubeClient(load_config(str(tmp_path / "newline.kubeconfig")))
+
+    assert client.list(NODES)[0] == []
+    client.close()
 
 
 def test_a_request_that_hangs_times_out_and_is_retried(test_api: TestApi) -> None:
