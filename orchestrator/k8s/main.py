@@ -24,10 +24,11 @@ from urllib.parse import urlparse
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
-from orchestrator.k8s.api import ConfigError, KubeClient, load_config
+from orchestrator.k8s.api import KubeClient
 from orchestrator.k8s.cluster_signals import RebalancePolicy
 from orchestrator.k8s.controller import Controller, ControllerOptions, ReconcileFactory
 from orchestrator.k8s.interruption_queue import region_of
+from orchestrator.k8s.kubeconfig import ConfigError, load_config
 from orchestrator.k8s.leader import LeaseTiming, default_identity
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.k8s.wiring import spotjob_reconcile

@@ -36,7 +36,6 @@ from orchestrator.k8s.api import (
     EVENTS,
     PODS,
     SPOTJOBS,
-    CredentialError,
     Forbidden,
     Gone,
     KubeClient,
@@ -49,10 +48,9 @@ from orchestrator.k8s.api import (
     TLSError,
     TransientError,
     Verb,
-    load_kubeconfig_dict,
-    read_kubeconfig,
     resource_version,
 )
+from orchestrator.k8s.kubeconfig import CredentialError, load_kubeconfig_dict, read_kubeconfig
 from orchestrator.k8s.pods import JOB_LABEL
 from orchestrator.model import parse_timestamp
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from ctl_support import ADMIN_TOKEN, CONTROLLER_TOKEN, CONTROLLER_USER, TestApi, kubeconfig_file
 
-from orchestrator.k8s.api import KubeClient, load_config
+from orchestrator.k8s.api import KubeClient
+from orchestrator.k8s.kubeconfig import load_config
 
 
 @pytest.fixture

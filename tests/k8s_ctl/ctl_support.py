@@ -23,7 +23,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.k8s.api import KubeClient, NotFound, Resource, RetryPolicy, load_config  # noqa: E402
+from orchestrator.k8s.api import KubeClient, NotFound, Resource, RetryPolicy  # noqa: E402
+from orchestrator.k8s.kubeconfig import load_config  # noqa: E402
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
 NAMESPACES = Resource("", "v1", "namespaces", "Namespace", namespaced=False)

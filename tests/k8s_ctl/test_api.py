@@ -15,7 +15,6 @@ from orchestrator.k8s.api import (
     PODS,
     SPOTJOBS,
     AlreadyExists,
-    ConfigError,
     Conflict,
     Invalid,
     KubeClient,
@@ -24,8 +23,8 @@ from orchestrator.k8s.api import (
     PermanentError,
     RetryPolicy,
     TransientError,
-    load_config,
 )
+from orchestrator.k8s.kubeconfig import ConfigError, load_config
 from tests.k8s.cluster.http import Fault
 
 

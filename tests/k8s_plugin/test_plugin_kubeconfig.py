@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.k8s.api import ConfigError, load_config
+from orchestrator.k8s.kubeconfig import ConfigError, load_config
 from orchestrator.k8s.plugin_client import load_user_context
 from tests.k8s.cluster import TestCluster
 
