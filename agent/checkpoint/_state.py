@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parameter import is_lazy
 
 from agent import _rank_state
@@ -142,6 +143,16 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
+            if isinstance(value, ZeroRedundancyOptimizer):
+                raise TypeError(
+                    f"state[{key!r}] is a ZeroRedundancyOptimizer: each rank holds only its own shard of the "
+                    "optimizer state, and its state_dict() first needs consolidate_state_dict(to=r), which gathers "
+                    "the whole state on that one rank only, so it cannot be saved by name on every rank. Keep each "
+                    "rank's shard in an object of your own instead (its state_dict() returns "
+                    f"{key}.optim.state_dict() and the param_groups' hyperparameters; see 'ZeroRedundancyOptimizer' "
+                    "in spotjob's README; it restores on the same number of ranks only), or shard with FSDP, whose "
+                    "optimizer state DCP saves and reshards"
+                )
             if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
                 callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
             ):
