@@ -125,7 +125,12 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         )
 
     if len(current) != len(saved_groups):
-        raise refuse(f"it has {len(current)} parameter group(s), the checkpoint {len(saved_groups)}")
+        raise refuse(
+            f"it has {len(current)} parameter group(s), the checkpoint {len(saved_groups)} (a group added with "
+            "add_param_group() during training belongs in the optimizer from the start, its parameters "
+            "requires_grad=False, or lr=0, until the step that turned them on: a script cannot know before "
+            "restore() which side of that step the checkpoint is)"
+        )
     matched: list[int] = []
     for i, names in enumerate(current):
         if names:
