@@ -47,7 +47,7 @@ class ZeroShard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["world_size"] != dist.get_world_size():
-            raise ValueError(f"saved by {state['world_size']} ranks, not {dist.get_world_size()}: shards do not reshard")
+            raise ValueError(f"saved by {state['world_size']} ranks: ZeRO shards do not reshard")
         self.zero.optim.load_state_dict(state["shard"])
         for group, saved in zip(self.zero.param_groups, state["groups"], strict=True):
             group.update(saved)
@@ -64,7 +64,7 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def zero_refused(args: argparse.Namespace, rank: int) -> None:
-    bare, model = build(0)
+    _, model = build(0)
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
     model(batch(0, 0, rank)).pow(2).mean().backward()
     zero.step()
@@ -72,7 +72,8 @@ def zero_refused(args: argparse.Namespace, rank: int) -> None:
     with Checkpointer(args.uri, async_save=False) as ckpt:
         for call in ("restore", "save"):
             try:
-                ckpt.restore({"model": model, "optim": zero}) if call == "restore" else ckpt.save(1, {"model": model, "optim": zero})
+                state = {"model": model, "optim": zero}
+                ckpt.restore(state) if call == "restore" else ckpt.save(1, state)
             except Exception as e:
                 errors[call] = (type(e).__name__, str(e))
     torch.save(errors, f"{args.dump}.zero-refused.rank{rank}.pt")
@@ -93,7 +94,8 @@ def zero(args: argparse.Namespace, rank: int) -> None:
             if args.phase == "full" and step + 1 == SAVE_STEP:
                 ckpt.save(SAVE_STEP, state)
     final = {k: v.clone() for k, v in bare.state_dict().items()}
-    torch.save({"start": start, "model": final, "lr": optim.param_groups[0]["lr"]}, f"{args.dump}.zero-{args.phase}.rank{rank}.pt")
+    lr = optim.param_groups[0]["lr"]
+    torch.save({"start": start, "model": final, "lr": lr}, f"{args.dump}.zero-{args.phase}.rank{rank}.pt")
 
 
 def accumulate(args: argparse.Namespace, rank: int) -> None:
@@ -116,7 +118,8 @@ def accumulate(args: argparse.Namespace, rank: int) -> None:
                 stopped = step + 1
                 break
     final = {k: v.clone() for k, v in bare.state_dict().items()}
-    torch.save({"start": start, "stopped": stopped, "model": final}, f"{args.dump}.accumulate-{args.phase}.rank{rank}.pt")
+    dump = f"{args.dump}.accumulate-{args.phase}.rank{rank}.pt"
+    torch.save({"start": start, "stopped": stopped, "model": final}, dump)
 
 
 def main() -> None:
