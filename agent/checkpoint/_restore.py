@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -168,6 +169,8 @@ def _runs_code_on_load(bag: nn.Module) -> bool:
 def _module_runs_code_on_load(module: nn.Module) -> bool:
     if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
         return True
+    if type(module).set_extra_state is not nn.Module.set_extra_state:
+        return True  # it may keep more than get_extra_state() hands out (a scale derived from an amax)
     load = type(module)._load_from_state_dict
     return load is not nn.Module._load_from_state_dict and not load.__module__.startswith("torch.nn.modules.")
 
@@ -474,7 +477,9 @@ class _Restoring(_Voting):
         except Exception as e:  # reported to every rank, never raised on one alone
             return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
         read.append(model_state)
-        current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+        # Named as DCP saves them: the tensors in a module's extra state (a dict) have names of their own.
+        flat, _ = flatten_state_dict(model_state)
+        current = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         reshaped = {
             fqn
             for fqn, tensor in current.items()
@@ -483,7 +488,7 @@ class _Restoring(_Voting):
         for fqn in _resized_on_load(_ModuleBag(modules), reshaped) if reshaped else ():
             entry = manifest.tensors[fqn]
             dtype = getattr(torch, entry.dtype, None)
-            if isinstance(dtype, torch.dtype):
+            if isinstance(dtype, torch.dtype) and fqn in model_state:
                 model_state[fqn] = current[fqn] = torch.empty(entry.shape, dtype=dtype, device=current[fqn].device)
         problems = []
         for fqn, tensor in current.items():

@@ -9,6 +9,8 @@
   on save and on restore, instead of torch's shape error from deep inside the restore walk;
 - a quantization-aware model (torch.ao's fake-quantizers, whose per-channel scales take their shape
   from calibration) restores into a freshly prepared one, as ``load_state_dict`` would load it;
+- a module's extra state (``get_extra_state``) comes back through its ``set_extra_state``, a dict
+  holding tensors included;
 - a model saved wrapped (``torch.compile``: ``_orig_mod.``) restores into the bare module and the
   other way round, exactly (DDP's ``module.``: ``test_checkpoint_ddp_buffers``).
 """
@@ -228,3 +230,42 @@ def test_a_quantization_aware_model_restores_into_a_freshly_prepared_one(tmp_pat
     with pytest.raises(RestoreRefusedError, match=r"model\.1\.weight: the checkpoint holds shape \[16, 8\]"):
         restore(tmp_path, uri, other)
     assert_same(other["model"].state_dict(), before, "the QAT model a restore refused")
+
+
+class Calibrated(nn.Module):
+    """Extra state as quantization and fp8 libraries keep it: ``get_extra_state()`` hands out the
+    module's own amax tensor (or a dict of such tensors), and ``set_extra_state()`` derives the
+    scale the forward uses from it."""
+
+    def __init__(self, amax: float, as_dict: bool = False, extra: Any = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.amax = torch.full((2,), amax)
+        self.scale = 1.0 / self.amax
+        self.as_dict, self.extra = as_dict, extra
+
+    def get_extra_state(self) -> Any:
+        if self.extra is not None:
+            return self.extra
+        return {"amax": self.amax, "version": 2} if self.as_dict else self.amax
+
+    def set_extra_state(self, state: Any) -> None:
+        amax = state["amax"] if self.as_dict else state
+        self.amax = amax.clone()
+        self.scale = 1.0 / self.amax
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tensor", "dict"])
+def test_a_modules_extra_state_comes_back_through_set_extra_state(tmp_path: Path, as_dict: bool) -> None:
+    """A tensor handed out by ``get_extra_state()`` was loaded into in place, and the restore then
+    skipped ``load_state_dict`` as a copy onto itself: ``set_extra_state()`` never ran and the
+    scale derived from it stayed the fresh model's. A dict holding tensors was refused as "the
+    checkpoint holds model._extra_state.amax, the model does not", so no checkpoint of such a model
+    could ever be restored."""
+    model = Calibrated(4.0, as_dict)
+    uri = saved_checkpoint(tmp_path, {"model": model})
+    fresh = Calibrated(1.0, as_dict)
+    assert restore(tmp_path, uri, {"model": fresh}) == 3
+    assert torch.equal(fresh.amax, model.amax)
+    assert torch.equal(fresh.scale, model.scale)
+
