@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parameter import is_lazy
@@ -116,6 +117,10 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         except Exception:  # not this check's to judge: DCP says what it says
             return None
     return None
+
+
+_PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+"""Value types that every ``weights_only`` load takes: not checked by ``_check_values_loadable``."""
 
 
 class _State(_Core):
@@ -259,6 +264,37 @@ class _State(_Core):
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
+
+    @staticmethod
+    def _check_values_loadable(dcp_state: Mapping[str, Any]) -> None:
+        """The values of the modules' and optimizers' state that are not tensors (a module's extra
+        state, optimizer hyperparameters) go through DCP pickled, and a restore loads them with
+        ``weights_only``: one it would refuse makes every checkpoint holding it unrestorable, so it
+        is refused here, naming it, before anything is written."""
+        flat, _ = flatten_state_dict(dict(dcp_state))
+        for fqn, value in flat.items():
+            kind = type(value)
+            if (
+                isinstance(value, torch.Tensor)
+                or kind in _PLAIN_VALUES
+                or (kind is tuple and all(type(v) in _PLAIN_VALUES for v in value))
+                or kind.__module__.startswith("torch.distributed.")
+            ):
+                continue
+            record = io.BytesIO()
+            try:
+                torch.save(value, record)
+                record.seek(0)
+                torch.load(record, weights_only=True)
+            except pickle.UnpicklingError as e:
+                reason = _rank_state.refusal_reason(e).rstrip(".")
+                raise ValueError(
+                    f"{fqn} is a {kind.__module__}.{kind.__qualname__}, which a restore (it loads these values with "
+                    f"weights_only) would refuse ({reason}): no checkpoint holding it could be restored. Hand out "
+                    "tensors and plain Python values instead (get_extra_state(): torch.tensor(x), float(x), dicts "
+                    "and lists of them), or allow the class with torch.serialization.add_safe_globals([...]) before "
+                    "save() and restore()"
+                ) from None
 
     def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
         """The names in ``dcp_state`` to save from rank 0 (``agent._dcp.RankZeroSavePlanner``): the

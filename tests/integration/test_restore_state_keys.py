@@ -10,7 +10,7 @@
 - a quantization-aware model (torch.ao's fake-quantizers, whose per-channel scales take their shape
   from calibration) restores into a freshly prepared one, as ``load_state_dict`` would load it;
 - a module's extra state (``get_extra_state``) comes back through its ``set_extra_state``, a dict
-  holding tensors included;
+  holding tensors included, and one a restore could not load is refused when saved;
 - a model saved wrapped (``torch.compile``: ``_orig_mod.``) restores into the bare module and the
   other way round, exactly (DDP's ``module.``: ``test_checkpoint_ddp_buffers``).
 """
@@ -269,3 +269,18 @@ def test_a_modules_extra_state_comes_back_through_set_extra_state(tmp_path: Path
     assert torch.equal(fresh.amax, model.amax)
     assert torch.equal(fresh.scale, model.scale)
 
+
+def test_extra_state_a_restore_could_not_load_is_refused_when_saved(tmp_path: Path) -> None:
+    """Extra state goes through DCP, whose values a restore loads with ``weights_only``: a NumPy
+    scalar saved without a word made every checkpoint of the run unrestorable ("not plain data"),
+    found out only at the restore after a preemption."""
+    import numpy as np
+
+    model = Calibrated(4.0, extra={"amax": np.float32(4.0)})
+    uri = str(tmp_path / "ckpt")
+    with (
+        Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match=r"model\._extra_state\.amax.*numpy.*weights_only.*plain Python values"),
+    ):
+        ckpt.save(1, {"model": model})
+    assert not list(Path(uri).glob("step-*"))
