@@ -184,7 +184,7 @@ def _resized_on_load(bag: nn.Module, fqns: set[str]) -> set[str]:
     shape difference is refused before anything is loaded."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    found = set()
+    found: set[str] = set()
     for name in bag.state_dict(keep_vars=True):
         owner = bag.get_submodule(name.rpartition(".")[0])
         if type(owner).__module__.startswith("torch.ao.") and _module_runs_code_on_load(owner):
@@ -486,10 +486,10 @@ class _Restoring(_Voting):
             if fqn in manifest.tensors and list(manifest.tensors[fqn].shape) != list(tensor.shape)
         }
         for fqn in _resized_on_load(_ModuleBag(modules), reshaped) if reshaped else ():
-            entry = manifest.tensors[fqn]
-            dtype = getattr(torch, entry.dtype, None)
+            saved = manifest.tensors[fqn]
+            dtype = getattr(torch, saved.dtype, None)
             if isinstance(dtype, torch.dtype) and fqn in model_state:
-                model_state[fqn] = current[fqn] = torch.empty(entry.shape, dtype=dtype, device=current[fqn].device)
+                model_state[fqn] = current[fqn] = torch.empty(saved.shape, dtype=dtype, device=current[fqn].device)
         problems = []
         for fqn, tensor in current.items():
             entry = manifest.tensors.get(fqn)
