@@ -7,6 +7,7 @@ import io
 import itertools
 import logging
 import pickle
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parameter import is_lazy
 
 from agent import _rank_state
@@ -22,6 +22,14 @@ from agent.checkpoint._core import _Core
 from agent.checkpoint.errors import SaveFailedError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+def _is_zero_redundancy_optimizer(value: Any) -> bool:
+    """Whether ``value`` is torch's ``ZeroRedundancyOptimizer``, without importing its module (which
+    warns, through torch.jit, in the training process): a script that made one has imported it."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return isinstance(zero, type) and isinstance(value, zero)
 
 
 class _ModuleBag(nn.Module):
@@ -148,7 +156,7 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
-            if isinstance(value, ZeroRedundancyOptimizer):
+            if _is_zero_redundancy_optimizer(value):
                 raise TypeError(
                     f"state[{key!r}] is a ZeroRedundancyOptimizer: each rank holds only its own shard of the "
                     "optimizer state, and its state_dict() first needs consolidate_state_dict(to=r), which gathers "
