@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -125,7 +126,12 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         )
 
     if len(current) != len(saved_groups):
-        raise refuse(f"it has {len(current)} parameter group(s), the checkpoint {len(saved_groups)}")
+        raise refuse(
+            f"it has {len(current)} parameter group(s), the checkpoint {len(saved_groups)} (a group added with "
+            "add_param_group() during training belongs in the optimizer from the start, its parameters "
+            "requires_grad=False, or lr=0, until the step that turned them on: a script cannot know before "
+            "restore() which side of that step the checkpoint is)"
+        )
     matched: list[int] = []
     for i, names in enumerate(current):
         if names:
@@ -157,13 +163,33 @@ def _runs_code_on_load(bag: nn.Module) -> bool:
     load_state_dict pre- or post-hooks, or a ``_load_from_state_dict`` of its own (one outside
     ``torch.nn``'s modules, whose overrides only read older key layouts) — e.g. one that rebuilds
     a cache (a transposed weight, a non-persistent buffer) from the loaded parameters."""
-    for module in bag.modules():
-        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
-            return True
-        load = type(module)._load_from_state_dict
-        if load is not nn.Module._load_from_state_dict and not load.__module__.startswith("torch.nn.modules."):
-            return True
-    return False
+    return any(_module_runs_code_on_load(module) for module in bag.modules())
+
+
+def _module_runs_code_on_load(module: nn.Module) -> bool:
+    if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+        return True
+    if type(module).set_extra_state is not nn.Module.set_extra_state:
+        return True  # it may keep more than get_extra_state() hands out (a scale derived from an amax)
+    load = type(module)._load_from_state_dict
+    return load is not nn.Module._load_from_state_dict and not load.__module__.startswith("torch.nn.modules.")
+
+
+def _resized_on_load(bag: nn.Module, fqns: set[str]) -> set[str]:
+    """Which of ``fqns`` (names as saved) belong to one of torch.ao's observers and fake-quantizers
+    (quantization-aware training), whose ``_load_from_state_dict`` takes the shape of what it
+    loads: a per-channel scale or min_val is [1] or [0] until calibrated, [C] after, so a fresh
+    model never has the shape of a trained one's. Those are loaded into tensors of the saved shape
+    and handed to the module's ``load_state_dict``, as ``model.load_state_dict`` would. Any other
+    shape difference is refused before anything is loaded."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    found: set[str] = set()
+    for name in bag.state_dict(keep_vars=True):
+        owner = bag.get_submodule(name.rpartition(".")[0])
+        if type(owner).__module__.startswith("torch.ao.") and _module_runs_code_on_load(owner):
+            found.update(fqn for fqn in _get_fqns(bag, name) if fqn in fqns)
+    return found
 
 
 def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
@@ -451,7 +477,19 @@ class _Restoring(_Voting):
         except Exception as e:  # reported to every rank, never raised on one alone
             return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
         read.append(model_state)
-        current = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+        # Named as DCP saves them: the tensors in a module's extra state (a dict) have names of their own.
+        flat, _ = flatten_state_dict(model_state)
+        current = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        reshaped = {
+            fqn
+            for fqn, tensor in current.items()
+            if fqn in manifest.tensors and list(manifest.tensors[fqn].shape) != list(tensor.shape)
+        }
+        for fqn in _resized_on_load(_ModuleBag(modules), reshaped) if reshaped else ():
+            saved = manifest.tensors[fqn]
+            dtype = getattr(torch, saved.dtype, None)
+            if isinstance(dtype, torch.dtype) and fqn in model_state:
+                model_state[fqn] = current[fqn] = torch.empty(saved.shape, dtype=dtype, device=current[fqn].device)
         problems = []
         for fqn, tensor in current.items():
             entry = manifest.tensors.get(fqn)

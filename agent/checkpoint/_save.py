@@ -404,6 +404,7 @@ class _Saving(_Voting):
         serialised, its folder made and (in the background case) its tensors staged."""
         self._check_state(state)
         dcp_state, objects = self._split_state(state)
+        self._check_values_loadable(dcp_state)
         rank_bytes = _rank_state.encode(
             {
                 "step": step,

@@ -7,11 +7,13 @@ import io
 import itertools
 import logging
 import pickle
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.nn.parameter import is_lazy
 
@@ -20,6 +22,14 @@ from agent.checkpoint._core import _Core
 from agent.checkpoint.errors import SaveFailedError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+
+def _is_zero_redundancy_optimizer(value: Any) -> bool:
+    """Whether ``value`` is torch's ``ZeroRedundancyOptimizer``, without importing its module (which
+    warns, through torch.jit, in the training process): a script that made one has imported it."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return isinstance(zero, type) and isinstance(value, zero)
 
 
 class _ModuleBag(nn.Module):
@@ -117,6 +127,10 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
     return None
 
 
+_PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+"""Value types that every ``weights_only`` load takes: not checked by ``_check_values_loadable``."""
+
+
 class _State(_Core):
     """What a state dict may hold, and how it splits into DCP state and per-rank objects."""
 
@@ -142,6 +156,16 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
+            if _is_zero_redundancy_optimizer(value):
+                raise TypeError(
+                    f"state[{key!r}] is a ZeroRedundancyOptimizer: each rank holds only its own shard of the "
+                    "optimizer state, and its state_dict() first needs consolidate_state_dict(to=r), which gathers "
+                    "the whole state on that one rank only, so it cannot be saved by name on every rank. Keep each "
+                    "rank's shard in an object of your own instead (its state_dict() returns "
+                    f"{key}.optim.state_dict() and the param_groups' hyperparameters; see 'ZeroRedundancyOptimizer' "
+                    "in spotjob's README; it restores on the same number of ranks only), or shard with FSDP, whose "
+                    "optimizer state DCP saves and reshards"
+                )
             if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
                 callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
             ):
@@ -248,6 +272,37 @@ class _State(_Core):
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
+
+    @staticmethod
+    def _check_values_loadable(dcp_state: Mapping[str, Any]) -> None:
+        """The values of the modules' and optimizers' state that are not tensors (a module's extra
+        state, optimizer hyperparameters) go through DCP pickled, and a restore loads them with
+        ``weights_only``: one it would refuse makes every checkpoint holding it unrestorable, so it
+        is refused here, naming it, before anything is written."""
+        flat, _ = flatten_state_dict(dict(dcp_state))
+        for fqn, value in flat.items():
+            kind = type(value)
+            if (
+                isinstance(value, torch.Tensor)
+                or kind in _PLAIN_VALUES
+                or (kind is tuple and all(type(v) in _PLAIN_VALUES for v in value))
+                or kind.__module__.startswith("torch.distributed.")
+            ):
+                continue
+            record = io.BytesIO()
+            try:
+                torch.save(value, record)
+                record.seek(0)
+                torch.load(record, weights_only=True)
+            except pickle.UnpicklingError as e:
+                reason = _rank_state.refusal_reason(e).rstrip(".")
+                raise ValueError(
+                    f"{fqn} is a {kind.__module__}.{kind.__qualname__}, which a restore (it loads these values with "
+                    f"weights_only) would refuse ({reason}): no checkpoint holding it could be restored. Hand out "
+                    "tensors and plain Python values instead (get_extra_state(): torch.tensor(x), float(x), dicts "
+                    "and lists of them), or allow the class with torch.serialization.add_safe_globals([...]) before "
+                    "save() and restore()"
+                ) from None
 
     def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
         """The names in ``dcp_state`` to save from rank 0 (``agent._dcp.RankZeroSavePlanner``): the

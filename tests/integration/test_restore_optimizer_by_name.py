@@ -177,3 +177,20 @@ def test_two_ddp_ranks_restore_by_name_and_refuse_a_regrouped_optimizer_together
         moved = torch.load(tmp_path / f"moved.rank{rank}.pt", weights_only=False)
         assert isinstance(moved["outcome"], str) and "groups its parameters otherwise" in moved["outcome"]
         assert_same(moved["after"], moved["before"], f"rank {rank}'s state after the refusal")
+
+
+def test_an_optimizer_missing_a_group_added_during_training_is_told_how_to_build_it(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]],
+) -> None:
+    """A group added with ``add_param_group()`` during training (here: layer 2's, saved after it
+    was added) is missing from the optimizer a resumed script builds before ``restore()``, which
+    cannot know which checkpoint it gets. "Build it as it was saved" alone cannot be followed: the
+    refusal says to build every group from the start, and the README's recipe (the later group
+    frozen until it is turned on) restores."""
+    uri, _, _ = saved
+    model = make_model(1)
+    with pytest.raises(RestoreRefusedError, match=r"add_param_group\(\).*from the start.*requires_grad=False"):
+        restore(uri, model, adam([(layer(model, 0), 0.1, 0.0)]))
+    for p in layer(model, 2):
+        p.requires_grad_(False)
+    assert restore(uri, model, adam([(layer(model, 0), 0.1, 0.0), (layer(model, 2), 0.01, 0.5)])) == 3

@@ -7,6 +7,10 @@
   loaded, naming the key;
 - a lazy module that has not run a forward yet (no shapes) is refused up front with what to do,
   on save and on restore, instead of torch's shape error from deep inside the restore walk;
+- a quantization-aware model (torch.ao's fake-quantizers, whose per-channel scales take their shape
+  from calibration) restores into a freshly prepared one, as ``load_state_dict`` would load it;
+- a module's extra state (``get_extra_state``) comes back through its ``set_extra_state``, a dict
+  holding tensors included, and one a restore could not load is refused when saved;
 - a model saved wrapped (``torch.compile``: ``_orig_mod.``) restores into the bare module and the
   other way round, exactly (DDP's ``module.``: ``test_checkpoint_ddp_buffers``).
 """
@@ -185,3 +189,98 @@ def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path
         pytest.raises(TypeError, match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader"),
     ):
         ckpt.save(1, {**make_state(0), "loader": loader})
+
+
+def qat_state(seed: int, hidden: int = 16) -> dict[str, Any]:
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(tq.QuantStub(), nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4), tq.DeQuantStub())
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # per-channel weight fake-quantizers
+    tq.prepare_qat(model, inplace=True)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+
+def train_qat(state: dict[str, Any], steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        state["optim"].zero_grad()
+        state["model"](torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        state["optim"].step()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch.ao's own
+def test_a_quantization_aware_model_restores_into_a_freshly_prepared_one(tmp_path: Path) -> None:
+    """A fresh model's per-channel fake-quant scales have shape [1] (their observers' min_val [0])
+    until a forward calibrates them to [C]: the restore refused every QAT checkpoint as "the
+    checkpoint holds shape [16], the model [1]", though it is the model they were saved from and
+    ``load_state_dict`` takes them."""
+    state = qat_state(0)
+    train_qat(state, 3)
+    uri = saved_checkpoint(tmp_path, state)
+    fresh = qat_state(5)
+    assert fresh["model"].state_dict()["1.weight_fake_quant.scale"].shape == (1,)
+    assert restore(tmp_path, uri, fresh) == 3
+    assert_same(fresh["model"].state_dict(), state["model"].state_dict(), "the restored QAT model")
+    train_qat(state, 2, start=3)
+    train_qat(fresh, 2, start=3)
+    assert_same(fresh["model"].state_dict(), state["model"].state_dict(), "the QAT model two steps on")
+    # A QAT model of another size is still refused before anything is loaded (a pin: it was).
+    other = qat_state(5, hidden=32)
+    before = {k: v.clone() for k, v in other["model"].state_dict().items()}
+    with pytest.raises(RestoreRefusedError, match=r"model\.1\.weight: the checkpoint holds shape \[16, 8\]"):
+        restore(tmp_path, uri, other)
+    assert_same(other["model"].state_dict(), before, "the QAT model a restore refused")
+
+
+class Calibrated(nn.Module):
+    """Extra state as quantization and fp8 libraries keep it: ``get_extra_state()`` hands out the
+    module's own amax tensor (or a dict of such tensors), and ``set_extra_state()`` derives the
+    scale the forward uses from it."""
+
+    def __init__(self, amax: float, as_dict: bool = False, extra: Any = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.amax = torch.full((2,), amax)
+        self.scale = 1.0 / self.amax
+        self.as_dict, self.extra = as_dict, extra
+
+    def get_extra_state(self) -> Any:
+        if self.extra is not None:
+            return self.extra
+        return {"amax": self.amax, "version": 2} if self.as_dict else self.amax
+
+    def set_extra_state(self, state: Any) -> None:
+        amax = state["amax"] if self.as_dict else state
+        self.amax = amax.clone()
+        self.scale = 1.0 / self.amax
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tensor", "dict"])
+def test_a_modules_extra_state_comes_back_through_set_extra_state(tmp_path: Path, as_dict: bool) -> None:
+    """A tensor handed out by ``get_extra_state()`` was loaded into in place, and the restore then
+    skipped ``load_state_dict`` as a copy onto itself: ``set_extra_state()`` never ran and the
+    scale derived from it stayed the fresh model's. A dict holding tensors was refused as "the
+    checkpoint holds model._extra_state.amax, the model does not", so no checkpoint of such a model
+    could ever be restored."""
+    model = Calibrated(4.0, as_dict)
+    uri = saved_checkpoint(tmp_path, {"model": model})
+    fresh = Calibrated(1.0, as_dict)
+    assert restore(tmp_path, uri, {"model": fresh}) == 3
+    assert torch.equal(fresh.amax, model.amax)
+    assert torch.equal(fresh.scale, model.scale)
+
+
+def test_extra_state_a_restore_could_not_load_is_refused_when_saved(tmp_path: Path) -> None:
+    """Extra state goes through DCP, whose values a restore loads with ``weights_only``: a NumPy
+    scalar saved without a word made every checkpoint of the run unrestorable ("not plain data"),
+    found out only at the restore after a preemption."""
+    import numpy as np
+
+    model = Calibrated(4.0, extra={"amax": np.float32(4.0)})
+    uri = str(tmp_path / "ckpt")
+    with (
+        Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match=r"model\._extra_state\.amax.*numpy.*weights_only.*plain Python values"),
+    ):
+        ckpt.save(1, {"model": model})
+    assert not list(Path(uri).glob("step-*"))

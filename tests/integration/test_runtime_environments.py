@@ -97,3 +97,15 @@ def test_spotjob_run_in_a_folder_a_c_locale_cannot_decode_says_how_to_run_it(tmp
     assert "not readable text in this locale" in proc.stderr
     assert "PYTHONUTF8=1" in proc.stderr and "LANG=C.UTF-8" in proc.stderr
     assert not (work / "spotjob-runs").exists()
+
+
+def test_importing_the_checkpointer_raises_no_warning_under_w_error() -> None:
+    """A training script run with ``python -W error`` (its own choice) imports the Checkpointer:
+    spotjob's imports must not make torch warn (importing ``torch.distributed.optim``, for the
+    ZeroRedundancyOptimizer check, runs ``torch.jit.script``, which warns it is deprecated)."""
+    code = "import sys, agent.checkpoint; print('torch.distributed.optim' in sys.modules)"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False"
