@@ -285,7 +285,7 @@ class _State(_Core):
             if (
                 isinstance(value, torch.Tensor)
                 or kind in _PLAIN_VALUES
-                or (kind is tuple and all(type(v) in _PLAIN_VALUES for v in value))
+                or (kind in (tuple, list) and all(type(v) in _PLAIN_VALUES for v in value))
                 or kind.__module__.startswith("torch.distributed.")
             ):
                 continue
