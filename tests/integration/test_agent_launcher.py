@@ -128,8 +128,10 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         nproc: int = 2,
         fake_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        name: str = "",
     ) -> Run:
-        control = tmp_path / "control"
+        """``name``: a second job on this machine, with a control folder, log and events of its own."""
+        control = tmp_path / f"control{name}"
         command = [
             *agent_command(),
             "--checkpoint-uri", f"file://{tmp_path}/ckpt",
@@ -141,12 +143,12 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
             *agent_args,
             "--",
             sys.executable, str(FAKE_RANKS), "--nproc", str(nproc), "--mode", mode,
-            "--events", str(tmp_path / "events"),
+            "--events", str(tmp_path / f"events{name}"),
             *fake_args,
         ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
         full_env.update({"SPOTJOB_AGENT_POLL_INTERVAL": "0.05", **(env or {})})
-        log_path = tmp_path / "agent.log"
+        log_path = tmp_path / f"agent{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
@@ -220,6 +222,31 @@ def test_an_azure_preempt_event_flushes_exits_75_and_is_acknowledged(start: Call
         event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
         assert_preempted(run, "azure preemption")
         assert azure.start_requests == [event_id]
+
+
+def test_two_jobs_on_one_azure_vm_the_first_to_flush_leaves_the_event_to_the_last(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """A Preempt event is the VM's: two jobs on the VM both flush for it. Before, the job that
+    committed first acknowledged it at once, which lets Azure evict the VM while the other job was
+    still flushing (its checkpoint lost). Now the acknowledgement waits for the other job's
+    agent to finish or be gone: the last job acknowledges. Both agents are this user's, in one
+    process namespace and one temp folder (what the register needs: README, "Known limits")."""
+    hold = tmp_path / "hold"
+    with AzureScheduledEventsEmulator() as azure:
+        args = ("--notices", "azure", "--azure-metadata-url", azure.url)
+        quick = start(*args, name="-quick")
+        slow = start(*args, name="-slow", fake_args=("--hold-file", str(hold)))
+        quick.wait_training()
+        slow.wait_training()
+        event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
+        assert quick.exit_code() == EXIT_PREEMPTED, quick.log()
+        assert azure.start_requests == [], "acknowledged while the other job was still flushing"
+        assert f"not acknowledging Azure scheduled event {event_id} yet: the agent(s) of another job" in quick.log()
+        assert slow.proc.poll() is None and slow.control.flush_result() is None
+        hold.touch()
+        assert slow.exit_code() == EXIT_PREEMPTED, slow.log()
+        assert azure.start_requests == [event_id], slow.log()
 
 
 def test_sigterm_to_the_agent_flushes_and_exits_75(start: Callable[..., Run]) -> None:
