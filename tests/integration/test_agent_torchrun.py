@@ -420,6 +420,37 @@ def test_a_taken_rendezvous_port_exits_74_before_torchrun_starts(tmp_path: Path)
     assert f"rendezvous port {port}" in log and ControlDir(str(tmp_path / "control")).status() is None
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "direct"])
+def test_a_one_node_torchrun_without_a_master_port_runs_beside_a_job_holding_29500(
+    tmp_path: Path, launcher: str
+) -> None:
+    """Two jobs on one machine, neither given a port: torchrun (2.13 here) gives a one-node static
+    rendezvous without ``--master-port`` a free port of its own, so the second job runs. Before,
+    the agent checked 29500 anyway and exited 74 ("port taken"), and ``--launcher direct`` bound
+    29500 itself (the same 74). The job holding 29500 is a plain listener here."""
+    with socket.socket() as holder:
+        try:
+            holder.bind(("0.0.0.0", 29500))
+            holder.listen()
+        except OSError:
+            pass  # held already, by another process of this machine: just as good
+        log_path = tmp_path / "agent.log"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(log_path, "wb") as out:
+            rc = subprocess.run(
+                [
+                    str(BIN / "spotjob-agent"), "--checkpoint-uri", str(tmp_path / "ckpt"), "--cloud", "none",
+                    "--launcher", launcher, "--control-dir", str(tmp_path / "control"), "--",
+                    str(BIN / "torchrun"), "--nproc-per-node", "2", str(RANK_ENV), str(tmp_path / "ranks"),
+                ],
+                stdout=out, stderr=subprocess.STDOUT, env=env, timeout=180,
+            ).returncode  # fmt: skip
+    assert rc == 0, log_path.read_text()[-4000:]
+    ranks = read_ranks(tmp_path / "ranks")
+    assert [r["sum"] for r in ranks] == [2.0, 2.0], "the ranks met"
+    assert {r["MASTER_PORT"] for r in ranks} != {"29500"}
+
+
 def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     run = start_agent(tmp_path, "auth", uri, ["--cloud", "none"], ["--step-sleep", "0.05"])
