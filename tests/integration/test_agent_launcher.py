@@ -346,6 +346,29 @@ def test_after_a_commit_the_agent_kills_every_process_even_in_other_sessions_ign
     assert orphan not in {p.pid for p in all_processes() if p.state != "Z"}
 
 
+def test_a_sigterm_to_one_jobs_agent_kills_its_processes_only_and_the_neighbour_trains_on(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Pins behaviour that already worked: two jobs on one machine, run by one user; the agent of
+    the first is sent SIGTERM and, its ranks never answering the flush, kills every process of its
+    job at the deadline, including one it finds by its marker alone. The second job's processes
+    (same user, same fake-ranks program) keep running, and its agent keeps training."""
+    doomed = start("--sigterm-grace", "0.5", "--kill-grace", "0.5", mode="ignore-flush", name="-doomed")
+    neighbour = start(name="-neighbour")
+    doomed.wait_training()
+    neighbour.wait_training()
+    doomed_id, neighbour_id = doomed.agent_info()["agent_id"], neighbour.agent_info()["agent_id"]
+    survivors = marked_processes(neighbour_id)
+    assert survivors and marked_processes(doomed_id)
+    doomed.signal(signal.SIGTERM)
+    assert doomed.exit_code() == EXIT_FLUSH_FAILED, doomed.log()
+    assert marked_processes(doomed_id) == []
+    assert marked_processes(neighbour_id) == survivors, "the neighbour's processes were touched"
+    status = neighbour.control.status()
+    neighbour.wait_training((status.step or 0) + 5 if status else 5)
+    assert neighbour.proc.poll() is None and neighbour.control.flush_request() is None
+
+
 def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exits_76(
     start: Callable[..., Run],
 ) -> None:

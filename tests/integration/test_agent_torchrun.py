@@ -589,3 +589,38 @@ def test_a_notice_on_one_node_of_two_ends_both_torchruns_once_the_flush_committe
     assert results[0] is not None and results[1] is not None and results[0].step == results[1].step
     assert "for a flush another node's agent asked for (no notice here)" in node0.log()
     assert "the ranks exited after the committed flush: ending torchrun" in node0.log()
+
+
+def test_the_readmes_slurm_recipe_each_node_expands_its_own_rank_and_sigusr1_to_every_task_flushes_one_step(
+    tmp_path: Path,
+) -> None:
+    """Pins behaviour that already worked (README, "On bare machines and batch schedulers"): what
+    ``srun bash -c 'exec spotjob-agent ... --node-rank "$SLURM_NODEID" ...'`` starts on each node,
+    two nodes on loopback, and ``--signal=USR1@N`` (every task signalled): both agents flush one
+    step and exit 75, the code the batch script requeues on. No SLURM here: each "task" is that
+    bash line with the variables srun would set (SLURM_NODEID, SLURM_NNODES); what srun itself
+    does (its exit code, its signal delivery) is not modelled."""
+    port, uri = free_port(), str(tmp_path / "ckpt")
+    line = (
+        f"exec {BIN / 'spotjob-agent'} --checkpoint-uri {uri} --job-name slurm --cloud none --control-dir "
+        f'{tmp_path}/control-$SLURM_NODEID --sigterm-grace 60 -- {BIN / "torchrun"} --nnodes "$SLURM_NNODES" '
+        f'--node-rank "$SLURM_NODEID" --nproc-per-node 2 --master-addr "$MASTER_ADDR" --master-port {port} '
+        f"{TRAIN} --steps {STEPS} --step-sleep 0.05 --every-steps 25"
+    )
+    runs = []
+    for node in (1, 0):
+        env = dict(os.environ, OMP_NUM_THREADS="1", SLURM_NODEID=str(node), SLURM_NNODES="2", MASTER_ADDR="127.0.0.1")
+        log_path = tmp_path / f"node{node}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env)
+        runs.append(AgentRun(proc, ControlDir(str(tmp_path / f"control-{node}")), log_path))
+    node1, node0 = runs
+    wait_until(lambda: node0.step() >= 30 and node1.step() >= 30, "both nodes past step 30", node0.proc)
+    for run in runs:
+        run.proc.send_signal(signal.SIGUSR1)  # bash exec'd the agent: the task's pid is the agent's
+    assert [run.wait() for run in runs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], [run.log() for run in runs]
+    steps = {r.step for r in (run.control.flush_result() for run in runs) if r is not None and r.error is None}
+    assert len(steps) == 1 and next(iter(steps)) is not None, [run.log() for run in runs]
+    (step,) = steps
+    committed = next(c for c in list_checkpoints(open_storage(uri)) if c.ref.step == step)
+    assert committed.valid and committed.manifest is not None and committed.manifest.world_size == 4, committed.reason
