@@ -369,6 +369,23 @@ def test_a_sigterm_to_one_jobs_agent_kills_its_processes_only_and_the_neighbour_
     assert neighbour.proc.poll() is None and neighbour.control.flush_request() is None
 
 
+def test_a_second_agent_given_the_control_folder_of_a_running_one_exits_2_and_leaves_it_alone(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Two jobs given one ``--control-dir`` (a fixed path in a script, a shared home): before, the
+    second agent cleared the first one's files and its ranks read the first's ``flush.json``, so a
+    notice to one job flushed and stopped both (the second exited 75). Now it refuses to start."""
+    first = start()
+    first.wait_training()
+    shared = ("--control-dir", first.control.path)
+    second = start(*shared, name="-second")
+    assert second.exit_code() == 2, second.log()
+    assert f"--control-dir {first.control.path} is in use by another agent (pid {first.proc.pid}" in second.log()
+    assert first.agent_info()["pid"] == first.proc.pid
+    first.signal(signal.SIGTERM)
+    assert_preempted(first, "signal terminate")
+
+
 def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exits_76(
     start: Callable[..., Run],
 ) -> None:
