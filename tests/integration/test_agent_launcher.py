@@ -386,6 +386,32 @@ def test_a_second_agent_given_the_control_folder_of_a_running_one_exits_2_and_le
     assert_preempted(first, "signal terminate")
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
+def test_without_a_token_another_user_of_the_machine_cannot_stop_or_flush_the_job(start: Callable[..., Run]) -> None:
+    """A machine shared by users (a batch node): before, any local user could POST /stop or /flush
+    to another user's agent on loopback when it had no token, and end that user's job. Now such a
+    request from another user id gets 403 and changes nothing; the agent's own user still may."""
+    run = start()
+    run.wait_training()
+    url = run.agent_info()["url"]
+    request = (
+        "import sys, urllib.request as u, urllib.error as e\n"
+        "for path in ('/stop', '/flush'):\n"
+        "    try: print(u.urlopen(u.Request(sys.argv[1] + path, data=b'{}', method='POST'), timeout=10).status)\n"
+        "    except e.HTTPError as x: print(x.code)\n"
+    )
+    python = shutil.which("python3", path="/usr/bin:/bin")  # one that user may run (not the venv's)
+    if python is None:
+        pytest.skip("no system python3 for the other user")
+    other = subprocess.run([python, "-c", request, url], user=65534, capture_output=True, text=True, timeout=60)
+    assert other.stdout.split() == ["403", "403"], other.stdout + other.stderr + run.log()
+    assert "refused POST /stop from user id 65534" in run.log()
+    assert run.proc.poll() is None and run.control.flush_request() is None
+    status, _ = run.post("/stop", {"reason": "the owner"})
+    assert status == 202
+    assert run.exit_code() == EXIT_STOPPED
+
+
 def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exits_76(
     start: Callable[..., Run],
 ) -> None:
