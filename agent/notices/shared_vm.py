@@ -53,6 +53,7 @@ class SharedVm:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
         self._path: str | None = None
+        self._finished: set[str] = set()
 
     def join(self) -> None:
         folder = _folder(self.base_url)
@@ -70,8 +71,9 @@ class SharedVm:
 
     def finished(self, event_id: str) -> None:
         """This agent's flush for ``event_id`` has ended."""
-        if self._path is None:
+        if self._path is None or event_id in self._finished:
             return
+        self._finished.add(event_id)
         with contextlib.suppress(OSError), open(self._path, "a") as f:
             f.write(event_id.replace("\n", " ") + "\n")
 
