@@ -10,8 +10,11 @@ with pydantic models for every body, so the wire format is written down once, he
 
 Auth: every request but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <token>``,
 compared in constant time. The token comes from ``SPOTJOB_AGENT_TOKEN`` or a mounted file; it is
-never logged and never passed to the command. Without a token the API is unauthenticated, so it
-binds loopback only, whatever host was asked for. A refused request changes nothing.
+never logged and never passed to the command. Without a token the API binds loopback only,
+whatever host was asked for, and serves only this user's processes (and root's): on a machine
+shared by several users (a batch node) anyone could otherwise stop or flush another user's job.
+The client's user is the owner of its socket in ``/proc/net/tcp`` (``peer_uid``); where there is
+no ``/proc`` (macOS), loopback is all that is checked. A refused request changes nothing.
 
 On a pod network anyone can connect, so the server is bounded: at most ``max_connections``
 connections at once (more get ``503`` and are closed at once), one request per connection, and
@@ -339,6 +342,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def peer_uid(peer: tuple[str, int], server_port: int) -> int | None:
+    """The user owning the loopback client socket ``peer`` connected to ``server_port`` on this
+    machine, from ``/proc/net/tcp`` and ``tcp6``; None where that cannot be read (no ``/proc``)
+    or the socket is not found."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            local, remote = fields[1].rpartition(":")[2], fields[2].rpartition(":")[2]
+            try:
+                if int(local, 16) == peer[1] and int(remote, 16) == server_port:
+                    return int(fields[7])
+            except ValueError:
+                continue
+    return None
+
+
 @dataclass
 class _Connection:
     sock: socket.socket
@@ -612,6 +638,24 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         api = self.server.api
+        if path not in _OPEN and not api.auth_required:
+            uid = peer_uid(self.client_address, api.port)
+            if uid is not None and uid not in (os.getuid(), 0):
+                self._discard_body()
+                log.warning(
+                    "control API: refused %s %s from user id %d: without a token only this user (%d) may use it",
+                    safe(method, 16),
+                    safe(path, 100),
+                    uid,
+                    os.getuid(),
+                )
+                return self._send(
+                    403,
+                    ErrorResponse(
+                        error="this agent has no API token, so only its own user may use it: "
+                        "run as that user, or give the agent a token (--token-file)"
+                    ),
+                )
         if path not in _OPEN and not api.authorized(self.headers.get("Authorization")):
             self._discard_body()
             log.warning(

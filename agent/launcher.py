@@ -53,6 +53,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,8 @@ import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
+
+import psutil
 
 from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
@@ -78,6 +81,7 @@ from agent.control_channel import (
     EXIT_PREEMPTED,
     ControlDir,
     RankStatus,
+    read_json,
     write_json_atomic,
 )
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
@@ -137,6 +141,9 @@ class Agent(AgentRequests):
             log.warning("not a subreaper: orphaned descendants are found through %s only", ENV_AGENT_ID)
         previous_handlers = self._install_fallback_signals()
         try:
+            in_use = self._control_dir_in_use()
+            if in_use is not None:
+                return self._cannot_start(EXIT_USAGE, in_use)
             self.control.reset()
             api = ControlApi(self, host=self.config.control_host, port=self.config.control_port, token=self.token)
             try:
@@ -570,10 +577,9 @@ class Agent(AgentRequests):
                 log.exception("stopping the %s notice source failed", source.name)
         if self.api is not None:
             self.api.stop()
-        try:
-            os.unlink(os.path.join(self.control.path, AGENT_FILE))
-        except FileNotFoundError:
-            pass
+            # Only this agent's: another agent's (a control folder refused as in use) stays.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.control.path, AGENT_FILE))
 
     def _write_agent_file(self) -> None:
         assert self.api is not None
@@ -589,7 +595,33 @@ class Agent(AgentRequests):
                 "control_dir": self.control.path,
                 "job_name": self.config.job_name,
                 "started_at": time.time(),
+                "hostname": socket.gethostname(),
             },
+        )
+
+    def _control_dir_in_use(self) -> str | None:
+        """Why the control folder is not this agent's to use: another agent still running on this
+        machine wrote its ``agent.json`` there (two jobs given one ``--control-dir``). Clearing its
+        files and sharing its ``flush.json`` would let a notice to either job stop both. None for a
+        file an agent left behind (gone, or its pid reused since), or one from another machine
+        (nothing here can tell whether that agent still runs)."""
+        info = read_json(os.path.join(self.control.path, AGENT_FILE)) or {}
+        pid, started = info.get("pid"), info.get("started_at")
+        if type(pid) is not int or pid == os.getpid() or not isinstance(started, int | float):
+            return None
+        if info.get("hostname", socket.gethostname()) != socket.gethostname():
+            return None
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > started + 1:
+                return None
+        except psutil.Error:
+            return None
+        return (
+            f"--control-dir {self.control.path} is in use by another agent (pid {pid}, job "
+            f"{info.get('job_name') or 'unnamed'!r}) still running on this machine: sharing it, each job's ranks "
+            "would act on the other's notices. Give each agent a folder of its own, or leave --control-dir out "
+            "for a fresh one"
         )
 
     def _install_fallback_signals(self) -> dict[signal.Signals, _SignalHandler]:

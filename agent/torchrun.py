@@ -7,7 +7,8 @@ The agent looks at the command so that it can say two things before and after ru
 - which rendezvous port *this host* must bind, if any. torchrun's rendezvous store listens on one
   host: with the default static rendezvous, on node rank 0 at ``--master-port`` (default 29500);
   with ``--rdzv-backend c10d``, on the host named by ``--rdzv-endpoint`` (default port 29400).
-  ``--standalone`` picks a free port itself, and other backends (etcd) bind nothing here. When
+  ``--standalone``, and one node given neither ``--master-port`` nor ``--rdzv-endpoint``, pick a
+  free port themselves, and other backends (etcd) bind nothing here. When
   that port is already taken, torchrun fails with a traceback after its own timeouts and the job
   would look like a failure of the user's code; the agent checks the port first and exits
   ``EXIT_INFRA_ERROR`` instead.
@@ -162,7 +163,7 @@ def local_rendezvous(command: Sequence[str], env: Mapping[str, str] | None = Non
     """The rendezvous port torchrun will bind on this host, or None (not torchrun, standalone,
     not the rendezvous host, or options this function cannot read)."""
     options = torchrun_options(command, env)
-    if options is None or "--standalone" in options:
+    if options is None or "--standalone" in options or _picks_own_port(options):
         return None
     backend = options.get("--rdzv-backend", "static")
     endpoint = options.get("--rdzv-endpoint", "")
@@ -182,6 +183,20 @@ def local_rendezvous(command: Sequence[str], env: Mapping[str, str] | None = Non
     except ValueError:
         return None
     return None
+
+
+def _picks_own_port(options: Mapping[str, str]) -> bool:
+    """Whether torchrun picks a free port itself: ``--standalone``, or one node (``--nnodes 1``,
+    the default) with the default static rendezvous given neither ``--master-port`` nor
+    ``--rdzv-endpoint``, which torchrun (2.13 here) then runs as ``--standalone`` does. Two such
+    jobs on one machine never meet on 29500."""
+    if "--standalone" in options:
+        return True
+    if options.get("--rdzv-backend", "static") != "static" or "--master-port" in options:
+        return False
+    if options.get("--rdzv-endpoint"):
+        return False
+    return options.get("--nnodes", "1").rpartition(":")[2] == "1"
 
 
 def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -310,9 +325,9 @@ def direct_launch(command: Sequence[str], env: Mapping[str, str] | None = None) 
     nnodes = int(low)
     backend = options.get("--rdzv-backend", "static")
     try:
-        if "--standalone" in options:
-            if nnodes != 1:
-                return "--standalone with more than one node"
+        if "--standalone" in options and nnodes != 1:
+            return "--standalone with more than one node"
+        if _picks_own_port(options):
             addr, port, run_id = "127.0.0.1", 0, str(uuid.uuid4())
         elif backend == "static":
             addr = options.get("--master-addr", "127.0.0.1")

@@ -19,6 +19,12 @@ Acknowledgement: after the flush has ended (committed or failed) the agent calls
 events it turned into notices, which tells Azure it may proceed now instead of at ``NotBefore``.
 It is sent from the source's thread, retried each poll until accepted, and attempted once more on
 ``stop`` so a job that ends right after its flush still acknowledges.
+
+An event is the VM's, not the job's: on a VM shared by several jobs (two agents on one machine,
+a job and an eval job) acknowledging it after this job's flush would let Azure evict the VM while
+the other job is still flushing. So each source registers with the other agents on the machine
+(``agent.notices.shared_vm``), and an event is acknowledged once every agent still running there
+has finished its flush for it: the last one acknowledges.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import threading
 from datetime import UTC
 from typing import Any
 
-from agent.notices.base import HttpClient, Notice, NoticeKind, PollingNoticeSource, SourceError
+from agent.notices.base import HttpClient, Notice, NoticeCallback, NoticeKind, PollingNoticeSource, SourceError
+from agent.notices.shared_vm import SharedVm
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +91,19 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self._to_ack: list[str] = []
         self._acked: set[str] = set()
         self._ack_wanted = False
+        self.shared_vm = SharedVm(base_url)
+        """The other agents on this machine: an event is acknowledged once they are done with it."""
+        self._waiting_for: dict[str, list[int]] = {}
+        """The other agents each pending acknowledgement last waited for (logged when it changes)."""
 
     @property
     def acknowledged(self) -> set[str]:
         with self._lock:
             return set(self._acked)
+
+    def start(self, callback: NoticeCallback) -> None:
+        self.shared_vm.join()
+        super().start(callback)
 
     def flush_finished(self) -> None:
         with self._lock:
@@ -204,6 +219,9 @@ class AzureScheduledEventsSource(PollingNoticeSource):
                 sorted({r for i in unsure for r in self._resources.get(i, [])}),
                 "unknown" if self._vm_name is None else repr(self._vm_name),
             )
+        for event_id in pending:
+            self.shared_vm.finished(event_id)
+        ids = [i for i in ids if not self._others_flushing(i)]
         if not ids:
             return
         body = json.dumps({"StartRequests": [{"EventId": i} for i in ids]}).encode()
@@ -215,8 +233,25 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             self._acked.update(ids)
         log.info("acknowledged Azure scheduled event(s) %s: the platform may proceed", ", ".join(ids))
 
+    def _others_flushing(self, event_id: str) -> bool:
+        """Whether another agent on this machine has not finished its flush for ``event_id`` (logged
+        when that changes): acknowledging now would let Azure stop the VM in the middle of it."""
+        others = self.shared_vm.unfinished(event_id)
+        if others and others != self._waiting_for.get(event_id):
+            log.warning(
+                "not acknowledging Azure scheduled event %s yet: the agent(s) of another job on this machine "
+                "(pid %s) may still be flushing for it, and the acknowledgement would let Azure stop the VM under "
+                "them; the last agent to finish acknowledges, else Azure proceeds at its NotBefore",
+                event_id,
+                ", ".join(map(str, others)),
+            )
+        self._waiting_for[event_id] = others
+        return bool(others)
+
     def _on_stopping(self) -> None:
         try:
             self._send_ack()
         except (OSError, SourceError) as e:
             log.warning("could not acknowledge Azure scheduled events on the way out: %s", e)
+        finally:
+            self.shared_vm.leave()

@@ -128,8 +128,10 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         nproc: int = 2,
         fake_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        name: str = "",
     ) -> Run:
-        control = tmp_path / "control"
+        """``name``: a second job on this machine, with a control folder, log and events of its own."""
+        control = tmp_path / f"control{name}"
         command = [
             *agent_command(),
             "--checkpoint-uri", f"file://{tmp_path}/ckpt",
@@ -141,12 +143,12 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
             *agent_args,
             "--",
             sys.executable, str(FAKE_RANKS), "--nproc", str(nproc), "--mode", mode,
-            "--events", str(tmp_path / "events"),
+            "--events", str(tmp_path / f"events{name}"),
             *fake_args,
         ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
         full_env.update({"SPOTJOB_AGENT_POLL_INTERVAL": "0.05", **(env or {})})
-        log_path = tmp_path / "agent.log"
+        log_path = tmp_path / f"agent{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
@@ -220,6 +222,31 @@ def test_an_azure_preempt_event_flushes_exits_75_and_is_acknowledged(start: Call
         event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
         assert_preempted(run, "azure preemption")
         assert azure.start_requests == [event_id]
+
+
+def test_two_jobs_on_one_azure_vm_the_first_to_flush_leaves_the_event_to_the_last(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """A Preempt event is the VM's: two jobs on the VM both flush for it. Before, the job that
+    committed first acknowledged it at once, which lets Azure evict the VM while the other job was
+    still flushing (its checkpoint lost). Now the acknowledgement waits for the other job's
+    agent to finish or be gone: the last job acknowledges. Both agents are this user's, in one
+    process namespace and one temp folder (what the register needs: README, "Known limits")."""
+    hold = tmp_path / "hold"
+    with AzureScheduledEventsEmulator() as azure:
+        args = ("--notices", "azure", "--azure-metadata-url", azure.url)
+        quick = start(*args, name="-quick")
+        slow = start(*args, name="-slow", fake_args=("--hold-file", str(hold)))
+        quick.wait_training()
+        slow.wait_training()
+        event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
+        assert quick.exit_code() == EXIT_PREEMPTED, quick.log()
+        assert azure.start_requests == [], "acknowledged while the other job was still flushing"
+        assert f"not acknowledging Azure scheduled event {event_id} yet: the agent(s) of another job" in quick.log()
+        assert slow.proc.poll() is None and slow.control.flush_result() is None
+        hold.touch()
+        assert slow.exit_code() == EXIT_PREEMPTED, slow.log()
+        assert azure.start_requests == [event_id], slow.log()
 
 
 def test_sigterm_to_the_agent_flushes_and_exits_75(start: Callable[..., Run]) -> None:
@@ -317,6 +344,72 @@ def test_after_a_commit_the_agent_kills_every_process_even_in_other_sessions_ign
     assert "SIGKILL" in run.log()
     assert marked_processes(agent_id) == []
     assert orphan not in {p.pid for p in all_processes() if p.state != "Z"}
+
+
+def test_a_sigterm_to_one_jobs_agent_kills_its_processes_only_and_the_neighbour_trains_on(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Pins behaviour that already worked: two jobs on one machine, run by one user; the agent of
+    the first is sent SIGTERM and, its ranks never answering the flush, kills every process of its
+    job at the deadline, including one it finds by its marker alone. The second job's processes
+    (same user, same fake-ranks program) keep running, and its agent keeps training."""
+    doomed = start("--sigterm-grace", "0.5", "--kill-grace", "0.5", mode="ignore-flush", name="-doomed")
+    neighbour = start(name="-neighbour")
+    doomed.wait_training()
+    neighbour.wait_training()
+    doomed_id, neighbour_id = doomed.agent_info()["agent_id"], neighbour.agent_info()["agent_id"]
+    survivors = marked_processes(neighbour_id)
+    assert survivors and marked_processes(doomed_id)
+    doomed.signal(signal.SIGTERM)
+    assert doomed.exit_code() == EXIT_FLUSH_FAILED, doomed.log()
+    assert marked_processes(doomed_id) == []
+    assert marked_processes(neighbour_id) == survivors, "the neighbour's processes were touched"
+    status = neighbour.control.status()
+    neighbour.wait_training((status.step or 0) + 5 if status else 5)
+    assert neighbour.proc.poll() is None and neighbour.control.flush_request() is None
+
+
+def test_a_second_agent_given_the_control_folder_of_a_running_one_exits_2_and_leaves_it_alone(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Two jobs given one ``--control-dir`` (a fixed path in a script, a shared home): before, the
+    second agent cleared the first one's files and its ranks read the first's ``flush.json``, so a
+    notice to one job flushed and stopped both (the second exited 75). Now it refuses to start."""
+    first = start()
+    first.wait_training()
+    shared = ("--control-dir", first.control.path)
+    second = start(*shared, name="-second")
+    assert second.exit_code() == 2, second.log()
+    assert f"--control-dir {first.control.path} is in use by another agent (pid {first.proc.pid}" in second.log()
+    assert first.agent_info()["pid"] == first.proc.pid
+    first.signal(signal.SIGTERM)
+    assert_preempted(first, "signal terminate")
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
+def test_without_a_token_another_user_of_the_machine_cannot_stop_or_flush_the_job(start: Callable[..., Run]) -> None:
+    """A machine shared by users (a batch node): before, any local user could POST /stop or /flush
+    to another user's agent on loopback when it had no token, and end that user's job. Now such a
+    request from another user id gets 403 and changes nothing; the agent's own user still may."""
+    run = start()
+    run.wait_training()
+    url = run.agent_info()["url"]
+    request = (
+        "import sys, urllib.request as u, urllib.error as e\n"
+        "for path in ('/stop', '/flush'):\n"
+        "    try: print(u.urlopen(u.Request(sys.argv[1] + path, data=b'{}', method='POST'), timeout=10).status)\n"
+        "    except e.HTTPError as x: print(x.code)\n"
+    )
+    python = shutil.which("python3", path="/usr/bin:/bin")  # one that user may run (not the venv's)
+    if python is None:
+        pytest.skip("no system python3 for the other user")
+    other = subprocess.run([python, "-c", request, url], user=65534, capture_output=True, text=True, timeout=60)
+    assert other.stdout.split() == ["403", "403"], other.stdout + other.stderr + run.log()
+    assert "refused POST /stop from user id 65534" in run.log()
+    assert run.proc.poll() is None and run.control.flush_request() is None
+    status, _ = run.post("/stop", {"reason": "the owner"})
+    assert status == 202
+    assert run.exit_code() == EXIT_STOPPED
 
 
 def test_when_the_deadline_passes_with_no_flush_the_agent_kills_the_job_and_exits_76(

@@ -420,6 +420,37 @@ def test_a_taken_rendezvous_port_exits_74_before_torchrun_starts(tmp_path: Path)
     assert f"rendezvous port {port}" in log and ControlDir(str(tmp_path / "control")).status() is None
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "direct"])
+def test_a_one_node_torchrun_without_a_master_port_runs_beside_a_job_holding_29500(
+    tmp_path: Path, launcher: str
+) -> None:
+    """Two jobs on one machine, neither given a port: torchrun (2.13 here) gives a one-node static
+    rendezvous without ``--master-port`` a free port of its own, so the second job runs. Before,
+    the agent checked 29500 anyway and exited 74 ("port taken"), and ``--launcher direct`` bound
+    29500 itself (the same 74). The job holding 29500 is a plain listener here."""
+    with socket.socket() as holder:
+        try:
+            holder.bind(("0.0.0.0", 29500))
+            holder.listen()
+        except OSError:
+            pass  # held already, by another process of this machine: just as good
+        log_path = tmp_path / "agent.log"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(log_path, "wb") as out:
+            rc = subprocess.run(
+                [
+                    str(BIN / "spotjob-agent"), "--checkpoint-uri", str(tmp_path / "ckpt"), "--cloud", "none",
+                    "--launcher", launcher, "--control-dir", str(tmp_path / "control"), "--",
+                    str(BIN / "torchrun"), "--nproc-per-node", "2", str(RANK_ENV), str(tmp_path / "ranks"),
+                ],
+                stdout=out, stderr=subprocess.STDOUT, env=env, timeout=180,
+            ).returncode  # fmt: skip
+    assert rc == 0, log_path.read_text()[-4000:]
+    ranks = read_ranks(tmp_path / "ranks")
+    assert [r["sum"] for r in ranks] == [2.0, 2.0], "the ranks met"
+    assert {r["MASTER_PORT"] for r in ranks} != {"29500"}
+
+
 def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     run = start_agent(tmp_path, "auth", uri, ["--cloud", "none"], ["--step-sleep", "0.05"])
@@ -558,3 +589,38 @@ def test_a_notice_on_one_node_of_two_ends_both_torchruns_once_the_flush_committe
     assert results[0] is not None and results[1] is not None and results[0].step == results[1].step
     assert "for a flush another node's agent asked for (no notice here)" in node0.log()
     assert "the ranks exited after the committed flush: ending torchrun" in node0.log()
+
+
+def test_the_readmes_slurm_recipe_each_node_expands_its_own_rank_and_sigusr1_to_every_task_flushes_one_step(
+    tmp_path: Path,
+) -> None:
+    """Pins behaviour that already worked (README, "On bare machines and batch schedulers"): what
+    ``srun bash -c 'exec spotjob-agent ... --node-rank "$SLURM_NODEID" ...'`` starts on each node,
+    two nodes on loopback, and ``--signal=USR1@N`` (every task signalled): both agents flush one
+    step and exit 75, the code the batch script requeues on. No SLURM here: each "task" is that
+    bash line with the variables srun would set (SLURM_NODEID, SLURM_NNODES); what srun itself
+    does (its exit code, its signal delivery) is not modelled."""
+    port, uri = free_port(), str(tmp_path / "ckpt")
+    line = (
+        f"exec {BIN / 'spotjob-agent'} --checkpoint-uri {uri} --job-name slurm --cloud none --control-dir "
+        f'{tmp_path}/control-$SLURM_NODEID --sigterm-grace 60 -- {BIN / "torchrun"} --nnodes "$SLURM_NNODES" '
+        f'--node-rank "$SLURM_NODEID" --nproc-per-node 2 --master-addr "$MASTER_ADDR" --master-port {port} '
+        f"{TRAIN} --steps {STEPS} --step-sleep 0.05 --every-steps 25"
+    )
+    runs = []
+    for node in (1, 0):
+        env = dict(os.environ, OMP_NUM_THREADS="1", SLURM_NODEID=str(node), SLURM_NNODES="2", MASTER_ADDR="127.0.0.1")
+        log_path = tmp_path / f"node{node}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env)
+        runs.append(AgentRun(proc, ControlDir(str(tmp_path / f"control-{node}")), log_path))
+    node1, node0 = runs
+    wait_until(lambda: node0.step() >= 30 and node1.step() >= 30, "both nodes past step 30", node0.proc)
+    for run in runs:
+        run.proc.send_signal(signal.SIGUSR1)  # bash exec'd the agent: the task's pid is the agent's
+    assert [run.wait() for run in runs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], [run.log() for run in runs]
+    steps = {r.step for r in (run.control.flush_result() for run in runs) if r is not None and r.error is None}
+    assert len(steps) == 1 and next(iter(steps)) is not None, [run.log() for run in runs]
+    (step,) = steps
+    committed = next(c for c in list_checkpoints(open_storage(uri)) if c.ref.step == step)
+    assert committed.valid and committed.manifest is not None and committed.manifest.world_size == 4, committed.reason

@@ -332,7 +332,7 @@ class TestRendezvous:
     @pytest.mark.parametrize(
         ("command", "port"),
         [
-            (["torchrun", "--nproc-per-node", "2", "train.py"], 29500),
+            (["torchrun", "--nproc-per-node", "2", "--nnodes", "2", "train.py"], 29500),
             (["torchrun", "--master-port", "1234", "train.py", "--master-port", "9"], 1234),
             (["torchrun", "--master_port=1235", "--node_rank=0", "--nnodes", "2", "train.py"], 1235),
             (["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1236", "train.py"], 1236),
@@ -348,6 +348,9 @@ class TestRendezvous:
         "command",
         [
             ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py"],
+            # One node, no port given: torchrun picks a free one, as for --standalone.
+            ["torchrun", "--nproc-per-node", "2", "train.py"],
+            ["torchrun", "--nnodes", "1:1", "--master-addr", "127.0.0.1", "train.py"],
             ["torchrun", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234", "train.py"],
             ["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:1236", "train.py"],
             ["python", "train.py", "--master-port", "1234"],
