@@ -504,9 +504,12 @@ class _Saving(_Voting):
         naming: Future[str] | None = None
         if self.rank == 0:
             naming = Future()
-            threading.Thread(
-                target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+                ).start()
+            except RuntimeError:  # "can't start new thread" (a process limit): named before writing instead
+                _run_into(naming, self._target_folder, save.step)
         rank_file = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}

@@ -29,9 +29,10 @@
         records each call's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
-    ckpt_failures.py no-save-thread --uri U --out O
-        async saves of steps 1, 2 and 3 (every_steps=1); on rank 1 the save thread of step 2 cannot
-        start (RuntimeError "can't start new thread", as under a pids or ulimit -u limit); every
+    ckpt_failures.py no-save-thread --uri U --out O --thread {spotjob-save,spotjob-name}
+        async saves of steps 1, 2 and 3 (every_steps=1); the thread of step 2 named --thread cannot
+        start (RuntimeError "can't start new thread", as under a pids or ulimit -u limit): the save
+        thread on rank 1, the thread naming the folder on rank 0 (only rank 0 starts one); every
         rank records each step()'s outcome, closes, and restores
 
 Each rank writes what happened to ``O.rank<r>`` (``<ErrorClass> at step <s>: <message>``, or
@@ -384,9 +385,9 @@ def no_save_thread(args: argparse.Namespace, rank: int) -> None:
     calls = [0]
 
     def start_or_refuse(thread: threading.Thread) -> None:
-        # The one seam: the save thread of the second save, on rank 1 (torch's and gloo's threads,
+        # The one seam: one thread of the second save, on one rank (torch's and gloo's threads,
         # and the pools inside a save, still start).
-        if thread.name == "spotjob-save" and rank == 1:
+        if thread.name == args.thread and rank == (1 if args.thread == "spotjob-save" else 0):
             calls[0] += 1
             if calls[0] == 2:
                 raise RuntimeError("can't start new thread")
@@ -433,6 +434,7 @@ def main() -> None:
     p.add_argument("--from-save", type=int, default=1)
     p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
     p.add_argument("--same-step", action="store_true")
+    p.add_argument("--thread", choices=["spotjob-save", "spotjob-name"], default="spotjob-save")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
     rank = dist.get_rank()
