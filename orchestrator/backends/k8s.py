@@ -556,7 +556,7 @@ def _oom_killed(pod: Object) -> str | None:
     if terminated.get("reason") != "OOMKilled":
         return None
     containers = (pod.get("spec") or {}).get("containers") or []
-    trainer = next((c for c in containers if c.get("name") == status.get("name")), {})
+    trainer: Object = next((c for c in containers if c.get("name") == status.get("name")), {})
     limit = ((trainer.get("resources") or {}).get("limits") or {}).get("memory")
     return (
         f"the training container was killed for running out of memory (OOMKilled, exit "

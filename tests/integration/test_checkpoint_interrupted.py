@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from agent.catalog import CheckpointStatus, list_checkpoints
-from agent.control_channel import EXIT_PREEMPTED
 from agent.checkpoint import Checkpointer
+from agent.control_channel import EXIT_PREEMPTED
 from agent.manifest import MANIFEST_NAME
 from agent.storage import open_storage
 
@@ -135,11 +135,12 @@ def test_an_oom_kill_of_one_rank_during_staging_is_named_and_the_next_attempt_re
     uri, markers = str(tmp_path / "ckpt"), tmp_path / "markers"
     markers.mkdir()
     log = tmp_path / "agent.log"
+    job_args = ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "staging"]
     argv = [
         str(Path(harness.PYTHON).with_name("spotjob-agent")), "--checkpoint-uri", uri, "--job-name", "oom",
         "--control-dir", str(tmp_path / "control"), "--control-port", "0", "--cloud", "none",
         "--launcher", "direct", "--",
-        *harness.torchrun_argv(RANKS, JOB, ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "staging"]),
+        *harness.torchrun_argv(RANKS, JOB, job_args),
     ]  # fmt: skip
     proc = harness.start(argv, log)
     expected = [markers / f"{name}.rank{r}" for name in ("staging", "pid") for r in range(RANKS)]
