@@ -547,14 +547,25 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
     return _refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod)
 
 
+_RANK_KILLED = ") was killed by SIGKILL"
+"""How the agent's direct launcher says a rank was SIGKILLed (``agent.ranks``)."""
+
+
 def _oom_killed(pod: Object) -> str | None:
     """For a training container the kubelet reports ``OOMKilled``: the limit it ran into and what
     takes host memory besides the training (a cgroup v2 node kills the whole container, agent and
-    ranks, so no log line of the agent's says so)."""
+    ranks, so no log line of the agent's says so); for an agent that reported a rank killed by
+    SIGKILL, its line."""
     status = pods.training_container_status(pod)
     terminated = (status.get("state") or {}).get("terminated") or {}
     if terminated.get("reason") != "OOMKilled":
-        return None
+        # The agent outlived a rank the kernel killed (cgroup v1, or a kubelet that kills one
+        # process): its log's tail, the termination message, has the launcher's line on it.
+        killed = [line for line in str(terminated.get("message") or "").splitlines() if _RANK_KILLED in line]
+        if not killed:
+            return None
+        said = "".join(c if c.isprintable() else "?" for c in killed[-1].strip())[:400]
+        return f"{said}; kubectl logs {_name(pod)}"
     containers = (pod.get("spec") or {}).get("containers") or []
     trainer: Object = next((c for c in containers if c.get("name") == status.get("name")), {})
     limit = ((trainer.get("resources") or {}).get("limits") or {}).get("memory")
