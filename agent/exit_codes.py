@@ -8,6 +8,8 @@ one of 74/75/76/79, which mean what the agent saw (``agent.launcher`` adds the r
 
 from __future__ import annotations
 
+import signal
+
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, FlushResult
 
 EXIT_USAGE = 2
@@ -17,6 +19,28 @@ EXIT_USAGE = 2
 def command_exit_code(returncode: int) -> int:
     """Popen's returncode as a shell reports it (killed by signal N → 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+KILLED_BY_SIGKILL = 128 + 9
+OOM_HINT = (
+    "SIGKILL is what the kernel's OOM killer sends when the container or node runs out of memory "
+    "(dmesg, kubectl describe pod); an async save holds a second host copy of the state while it "
+    "stages, so the memory limit must allow it (README 'Staging memory': release_staging=True, "
+    "async_save=False)"
+)
+"""Said with an exit 137: nothing else tells a rank the OOM killer took from one killed by hand."""
+
+
+def describe_exit(returncode: int) -> str:
+    """A process's end in words: ``exited 3``, or ``was killed by SIGKILL (exit 137: ...)``."""
+    if returncode >= 0:
+        return f"exited {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = f": {OOM_HINT}" if -returncode == signal.SIGKILL else ""
+    return f"was killed by {name} (exit {command_exit_code(returncode)}{hint})"
 
 
 RESERVED_EXIT_CODES = frozenset({EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED})
@@ -69,4 +93,6 @@ def decide_exit_code(
             f"(74 infrastructure error, 75 committed flush, 76 failed flush, 79 stopped): "
             f"reporting {EXIT_COMMAND_USED_RESERVED}, a failure of the command"
         )
+    if code == KILLED_BY_SIGKILL:
+        return code, f"the command exited {code}, killed by SIGKILL or reporting a rank that was: {OOM_HINT}"
     return code, f"the command exited {code}"

@@ -697,7 +697,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot read the API token: %s", e)
         return EXIT_USAGE
     own_dir = config.control_dir is None
-    path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
+    try:
+        path = config.control_dir or tempfile.mkdtemp(prefix="spotjob-agent-")
+    except OSError as e:  # no writable temporary folder at all: a read-only root filesystem
+        log.error(
+            "no writable temporary folder for the folder shared with the ranks (%s: a read-only root "
+            "filesystem?); pass --control-dir on a writable volume (an emptyDir on "
+            "Kubernetes), or set TMPDIR",
+            e.strerror or e,
+        )
+        return EXIT_USAGE
     try:
         control = ControlDir(path)
     except OSError as e:  # a regular file there, no permission, a read-only filesystem

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from agent.exit_codes import command_exit_code
+from agent.exit_codes import command_exit_code, describe_exit
 from agent.torchrun import DirectLaunch
 
 STOP_GRACE = 30.0
@@ -155,8 +155,11 @@ class Ranks:
                 if failed is not None and self._signalled is None:
                     rank = self.spec.node_rank * self.spec.nproc + self.procs.index(failed)
                     code = command_exit_code(failed.returncode or 0)
+                    why = f"rank {rank} (pid {failed.pid}) {describe_exit(failed.returncode or 0)}"
                     if running:
-                        self._stop(f"rank {rank} (pid {failed.pid}) exited {code}")
+                        self._stop(why)
+                    else:
+                        _say(why)
                     return code
                 if not running:
                     return 128 + self._signalled if self._signalled is not None else 0

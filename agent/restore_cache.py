@@ -109,9 +109,19 @@ def private_temp_folder() -> str:
     here 0700, and one that is there already is used only when it is a real folder (not a
     symlink) of this user that nobody else can read or write; otherwise ``StagingFolderError``.
     """
-    path = os.path.join(tempfile.gettempdir(), f"spotjob-staging-{os.getuid()}")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
+    try:
+        path = os.path.join(tempfile.gettempdir(), f"spotjob-staging-{os.getuid()}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    except OSError as e:
+        # gettempdir() found no folder it could write (TMPDIR, /tmp, /var/tmp, /usr/tmp, the
+        # working folder): a read-only root filesystem, Kubernetes' readOnlyRootFilesystem.
+        raise StagingFolderError(
+            f"no writable temporary folder for the default staging folder ({e.strerror or e}: a read-only "
+            "root filesystem?); saves and restores of an object store stage their files on a local "
+            "disk. Give a staging folder on a writable volume (an emptyDir on Kubernetes): "
+            "Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent --staging-dir, or set TMPDIR"
+        ) from e
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         problem = "not a folder but a symlink" if stat.S_ISLNK(info.st_mode) else "not a folder"

@@ -377,8 +377,22 @@ class _Saving(_Voting):
         if background:
             save.thread = threading.Thread(target=self._finish_save, args=(save,), name="spotjob-save", daemon=False)
             _wait_at_exit(save)
-            save.thread.start()
-        else:
+            try:
+                save.thread.start()
+            except RuntimeError as e:
+                # "can't start new thread": a pids or ulimit -u limit reached. The save is staged
+                # and the other ranks are in its collectives already: finish it here instead of
+                # raising with a save in flight that no thread runs (every rank then hung).
+                log.warning(
+                    "rank %d: could not start the save thread of step %d (%s: a process or thread limit, "
+                    "ulimit -u or the pod's pids limit, reached?); saving in this thread, the loop waits",
+                    self.rank,
+                    step,
+                    e,
+                )
+                save.thread = None
+                background = False
+        if not background:
             self._finish_save(save)
             self.wait()  # a synchronous save reports its failure from the call that made it
 
@@ -491,9 +505,12 @@ class _Saving(_Voting):
         naming: Future[str] | None = None
         if self.rank == 0:
             naming = Future()
-            threading.Thread(
-                target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+                ).start()
+            except RuntimeError:  # "can't start new thread" (a process limit): named before writing instead
+                _run_into(naming, self._target_folder, save.step)
         rank_file = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}

@@ -544,7 +544,38 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             f"{' (' + str(terminated['reason']) + ')' if terminated.get('reason') else ''} before the training "
             f"container started{': ' + said if said else ''}; kubectl logs {_name(pod)} -c {init.get('name')}"
         )
-    return _refused_options(pod) if exit_code == EXIT_USAGE else None
+    return _refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod)
+
+
+_RANK_KILLED = ") was killed by SIGKILL"
+"""How the agent's direct launcher says a rank was SIGKILLed (``agent.ranks``)."""
+
+
+def _oom_killed(pod: Object) -> str | None:
+    """For a training container the kubelet reports ``OOMKilled``: the limit it ran into and what
+    takes host memory besides the training (a cgroup v2 node kills the whole container, agent and
+    ranks, so no log line of the agent's says so); for an agent that reported a rank killed by
+    SIGKILL, its line."""
+    status = pods.training_container_status(pod)
+    terminated = (status.get("state") or {}).get("terminated") or {}
+    if terminated.get("reason") != "OOMKilled":
+        # The agent outlived a rank the kernel killed (cgroup v1, or a kubelet that kills one
+        # process): its log's tail, the termination message, has the launcher's line on it.
+        killed = [line for line in str(terminated.get("message") or "").splitlines() if _RANK_KILLED in line]
+        if not killed:
+            return None
+        said = "".join(c if c.isprintable() else "?" for c in killed[-1].strip())[:400]
+        return f"{said}; kubectl logs {_name(pod)}"
+    containers = (pod.get("spec") or {}).get("containers") or []
+    trainer: Object = next((c for c in containers if c.get("name") == status.get("name")), {})
+    limit = ((trainer.get("resources") or {}).get("limits") or {}).get("memory")
+    return (
+        f"the training container was killed for running out of memory (OOMKilled, exit "
+        f"{terminated.get('exitCode')}; memory limit {limit or 'none set: the node ran out'}): raise "
+        "resources.limits.memory, or make the checkpoints' share smaller: an async save holds a second host copy "
+        "of the state while it stages (README 'Staging memory': release_staging=True, async_save=False); "
+        f"kubectl describe pod {_name(pod)}"
+    )
 
 
 def _still_running(pod: Object) -> bool:

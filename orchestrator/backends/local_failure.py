@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 LOG_TAIL_BYTES = 256 * 1024
 """How much of the end of a worker's log is read to tell why it failed."""
@@ -20,18 +21,53 @@ _TORCHRUN_FAILURE = "ChildFailedError"
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
 """torchrun's own log lines (glog style): how it noticed, not why."""
 MAX_CAUSE_CHARS = 240
+_LAUNCHER_KILLED = re.compile(r"spotjob-agent launcher: (rank \d+ \(pid \d+\) was killed by SIG\w+)")
+"""The direct launcher's word on a rank a signal ended (``agent.ranks``)."""
+_TORCHRUN_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_TORCHRUN_ROOT_SIGNAL = re.compile(r"^\s*exitcode\s*:\s*-(\d+) \(pid: (\d+)\)")
+_KILLED_HINT = "SIGKILL: out of memory? (the kernel's OOM killer; see README 'Staging memory')"
+
+
+def _killed_rank(text: str) -> str | None:
+    """A rank a signal ended, as the launcher reported it: the direct launcher's line, or the root
+    cause of torchrun's failure table (``exitcode : -9``). The other ranks' errors after it (gloo's
+    "Connection closed by peer") are its consequence, not the cause."""
+    lines = text.splitlines()
+    for line in reversed(lines):
+        m = _LAUNCHER_KILLED.search(line)
+        if m is not None:
+            return m.group(1)
+    root = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Root Cause")), None)
+    if root is None:
+        return None
+    rank = None
+    for line in lines[root + 1 : root + 12]:
+        if (m := _TORCHRUN_ROOT_RANK.match(line)) is not None:
+            rank = m.group(1)
+        elif (m := _TORCHRUN_ROOT_SIGNAL.match(line)) is not None:
+            try:
+                name = signal.Signals(int(m.group(1))).name
+            except ValueError:
+                name = f"signal {m.group(1)}"
+            who = f"rank {rank} (pid {m.group(2)})" if rank is not None else f"pid {m.group(2)}"
+            return f"{who} was killed by {name} (torchrun's report)"
+    return None
+
+
+def _log_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _log_lines(path: str) -> list[str]:
     """The end of a worker's log as lines, without torchrun's ``[rankN]:`` prefixes, the agent's own
     lines, or torchrun's report of the failure (its traceback and the table after it)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
+    text = _log_tail(path)
     lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
     for i in range(len(lines) - 1, -1, -1):
         if _TORCHRUN_FAILURE in lines[i]:
@@ -58,10 +94,15 @@ def _shorten(line: str, match: re.Match[str] | None = None) -> str:
 def failure_cause(log_path: str) -> str | None:
     """The line of a failed worker's log that says why, or None when none does.
 
-    In order: a cause outside the script (a full disk, a read-only filesystem, permission denied,
-    memory), the last exception a rank raised or the last usage error (``train.py: error: ...``),
-    whichever came later; torchrun's own report of the failure is not the cause.
+    In order: a rank a signal ended (SIGKILL: the OOM killer, most likely), as the launcher
+    reported it; a cause outside the script (a full disk, a read-only filesystem, permission
+    denied, memory); the last exception a rank raised or the last usage error (``train.py: error:
+    ...``), whichever came later. torchrun's own report of the failure is not the cause, except for
+    the signal in its root cause.
     """
+    killed = _killed_rank(_log_tail(log_path))
+    if killed is not None:
+        return f"{killed}: {_KILLED_HINT}" if "SIGKILL" in killed else killed
     lines = _log_lines(log_path)
     for line in reversed(lines):
         m = _OS_CAUSE.search(line)

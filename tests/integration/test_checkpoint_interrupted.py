@@ -10,11 +10,15 @@ SIGKILLs every rank, and then:
 - a fresh process (this one) restores step 1;
 - its next save cleans the leftover: a save of the same step replaces it, a later step's
   retention removes it.
+
+Last, the OOM killer's way: one rank of two killed by SIGKILL during the staging of an async save,
+under ``spotjob-agent`` with either launcher.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,8 +26,10 @@ import pytest
 
 from agent.catalog import CheckpointStatus, list_checkpoints
 from agent.checkpoint import Checkpointer
+from agent.control_channel import EXIT_PREEMPTED
 from agent.manifest import MANIFEST_NAME
 from agent.storage import open_storage
+from orchestrator.backends.local_failure import failure_detail
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import ckpt_harness as harness
@@ -117,3 +123,47 @@ def test_kill9_during_a_save_leaves_the_previous_checkpoint_restorable(
         on_disk = {p.name for p in leftover.iterdir()} if leftover.exists() else set()
         assert "stale-part" not in on_disk
         assert on_disk <= kept
+
+
+@pytest.mark.parametrize("launcher", ["direct", "torchrun"])
+def test_an_oom_kill_of_one_rank_during_staging_is_named_and_the_next_attempt_resumes_from_the_last_commit(
+    tmp_path: Path, launcher: str
+) -> None:
+    """What the OOM killer does to a rank whose async save stages a second host copy of the state:
+    SIGKILL, to that rank only. The agent ends the other rank and exits 137 (128 + SIGKILL; torchrun
+    itself exits 1), not 75 (a committed flush) nor 0, and the log says the rank was killed by
+    SIGKILL and what sends it. The direct launcher said only "rank 1 (pid N) exited 137" (and the
+    agent "the command exited 137"), which a user could not tell from a script's own exit code; the
+    cause ``spotjob run`` reports (``failure_detail``) was, under torchrun, the other rank's gloo
+    error ("Connection closed by peer"). Nothing of the half-staged save is used: step 1 restores."""
+    uri, markers = str(tmp_path / "ckpt"), tmp_path / "markers"
+    markers.mkdir()
+    log = tmp_path / "agent.log"
+    job_args = ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "staging"]
+    argv = [
+        str(Path(harness.PYTHON).with_name("spotjob-agent")), "--checkpoint-uri", uri, "--job-name", "oom",
+        "--control-dir", str(tmp_path / "control"), "--control-port", "0", "--cloud", "none",
+        "--launcher", launcher, "--", *harness.torchrun_argv(RANKS, JOB, job_args),
+    ]  # fmt: skip
+    proc = harness.start(argv, log)
+    expected = [markers / f"{name}.rank{r}" for name in ("staging", "pid") for r in range(RANKS)]
+    try:
+        harness.wait_for(lambda: all(p.exists() for p in expected), "the ranks to stage", alive=proc, log_path=log)
+        harness.kill9([int((markers / "staging.rank1").read_text())])
+        rc = harness.reap(proc)
+    finally:
+        harness.kill9(harness.read_pids(markers))
+        harness.stop(proc)
+    said = log.read_text(errors="replace")
+    assert rc == (137 if launcher == "direct" else 1) and rc != EXIT_PREEMPTED, said[-4000:]
+    if launcher == "direct":
+        assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL \(exit 137: .*OOM killer", said), said[-4000:]
+        assert "the command exited 137, killed by SIGKILL" in said, said[-4000:]
+    cause = failure_detail(str(log))
+    assert re.match(r"rank 1 \(pid \d+\) was killed by SIGKILL.*out of memory\?", cause), cause
+    assert not any(harness.pid_alive(p) for p in harness.read_pids(markers)), "a rank was left running"
+
+    assert set(statuses(uri)) == {"step-000000001"}
+    state = make_state(0, seed=3)
+    with Checkpointer(uri, keep=None, job="oom") as ckpt:
+        assert ckpt.restore(state) == 1

@@ -166,3 +166,27 @@ def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -
         for call in ("step", "save", "restore"):
             assert f"{call}: RuntimeError: {call}(): the Checkpointer is closed" in text, f"rank {rank}: {text}"
     assert committed_steps(uri) == [1]
+
+
+@pytest.mark.parametrize("thread", ["spotjob-save", "spotjob-name"])
+def test_a_save_thread_that_cannot_start_runs_its_work_in_the_callers_thread_and_commits(
+    tmp_path: Path, thread: str
+) -> None:
+    """A pids or ``ulimit -u`` limit reached: ``Thread.start()`` raises "can't start new thread".
+    That is simulated at the one seam (that thread's start; this machine runs as root, which such a
+    limit does not bind), for the second save only. spotjob-save (rank 1): the save is staged by
+    then and rank 0 already in its collectives; the RuntimeError came out of rank 1's ``step()``
+    and left the save in flight with a thread that never ran, and the job hung. spotjob-name (rank
+    0, the thread naming the folder while the shards are written): rank 0's save failed before its
+    collectives, which rank 1 waited in. Now the work runs in the caller's thread: every step
+    commits on every rank, and the newest restores."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    argv = ["no-save-thread", "--uri", uri, "--out", str(out), "--thread", thread]
+    proc = harness.torchrun(2, FAILURES, *argv, check=False)
+    said = outcomes(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for text in said:
+        assert text.splitlines() == ["step 1: no error", "step 2: no error", "step 3: no error", "restored: 3"], said
+    assert committed_steps(uri) == [1, 2, 3]
+    if thread == "spotjob-save":
+        assert "could not start the save thread" in proc.stdout + proc.stderr

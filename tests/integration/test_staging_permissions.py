@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -137,3 +138,64 @@ def test_a_folder_uri_that_is_or_lies_under_a_regular_file_is_refused_naming_the
         Checkpointer(str(uri))
     assert str(uri) in str(refused.value) and "Retrying cannot help" in str(refused.value)
     assert a_file.read_text() == "not a folder"
+
+
+# -- no writable temporary folder at all (a read-only root filesystem) ---------------------------
+
+_TEMP_FOLDERS = ("/tmp", "/var/tmp", "/usr/tmp")
+"""Where Python's ``tempfile.gettempdir()`` looks, after TMPDIR and before the working folder."""
+
+_CONSTRUCT = """
+import sys
+from agent.checkpoint import Checkpointer
+try:
+    Checkpointer(sys.argv[1], job="team/a")
+except OSError as e:
+    print(f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+
+def _read_only_temp_folders(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``argv`` with every folder ``gettempdir()`` tries bind-mounted read-only (in a user and mount
+    namespace of its own), TMPDIR unset, and ``cwd`` (under /tmp) read-only with them: what a pod
+    with ``readOnlyRootFilesystem: true`` and no emptyDir at /tmp gives."""
+    unshare = shutil.which("unshare")
+    probe = unshare and subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if not probe or probe.returncode != 0:
+        pytest.skip("no user namespaces here (unshare --user --mount): no read-only mount to make")
+    binds = " && ".join(
+        f"mount --bind {d} {d} && mount -o remount,bind,ro {d}" for d in _TEMP_FOLDERS if os.path.isdir(d)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TMPDIR" and not k.startswith("SPOTJOB_")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
+    script = f'{binds} && exec "$@"'
+    return subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", *argv],
+        cwd=cwd, env=env, text=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_without_a_writable_temp_folder_the_checkpointer_and_the_agent_say_which_folder_to_give(
+    tmp_path: Path, fresh_uri: Callable[[str], str]
+) -> None:
+    """A read-only root filesystem: an object-store job's default staging folder (under the temp
+    folder) and the agent's default control folder have nowhere to go. Both said only Python's
+    ``FileNotFoundError: No usable temporary directory found in [...]``, with a traceback; they
+    name the option that gives them a writable folder instead."""
+    uri = fresh_uri("s3")
+    script = tmp_path / "construct.py"
+    script.write_text(_CONSTRUCT)
+    done = _read_only_temp_folders([sys.executable, str(script), uri], cwd=tmp_path)
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+    said = done.stdout
+    assert said.startswith("StagingFolderError: no writable temporary folder"), said
+    assert "read-only root filesystem" in said and "SPOTJOB_STAGING_DIR" in said and "staging_dir=" in said
+
+    agent = str(Path(sys.executable).parent / "spotjob-agent")
+    done = _read_only_temp_folders(
+        [agent, "--checkpoint-uri", uri, "--control-port", "0", "--", sys.executable, "-c", "pass"], cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "no writable temporary folder" in done.stderr and "--control-dir" in done.stderr, done.stderr[-3000:]

@@ -587,3 +587,34 @@ def test_a_pod_failed_by_its_init_container_is_that_containers_failure_and_no_lo
     )
     assert observed["llama-0-1"].detail is not None and "exited 75" in observed["llama-0-1"].detail
     assert observed["llama-0-2"].detail is None and observed["llama-0-3"].detail is None
+
+
+def test_an_oom_killed_training_container_or_rank_says_so_with_its_memory_limit_and_the_staging_copy(
+    world: World,
+) -> None:
+    """The kubelet's ``OOMKilled`` (a cgroup v2 node kills the whole container: the agent leaves no
+    line about it). The worker read only "exited with code 137", like a script's own exit; the
+    detail now names the out-of-memory kill, the limit, and the async save's staging copy. A 137
+    that is not the kubelet's OOM kill (reason Error) gets no such detail, unless the agent's log
+    tail (the termination message) says its launcher saw a rank killed by SIGKILL: that line."""
+    oom = pod(0, exit_code=137, phase="Failed")
+    oom["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
+    oom["spec"]["containers"][0]["resources"] = {"limits": {"memory": "8Gi"}}
+    killed = pod(1, exit_code=137, phase="Failed", ip="10.0.0.2")
+    killed["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "Error"
+    rank_killed = pod(2, exit_code=137, phase="Failed", ip="10.0.0.3")
+    rank_killed["status"]["containerStatuses"][0]["state"]["terminated"].update(
+        reason="Error",
+        message="step 40\nspotjob-agent launcher: rank 3 (pid 77) was killed by SIGKILL (exit 137: SIGKILL is "
+        "what the kernel's OOM killer sends ...): stopping the other 1 rank(s)\n",
+    )
+    world.add(oom, killed, rank_killed)
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    assert (observed["llama-0-0"].phase, observed["llama-0-0"].exit_code) == (WorkerPhase.FAILED, 137)
+    detail = observed["llama-0-0"].detail
+    assert detail is not None and "out of memory (OOMKilled, exit 137; memory limit 8Gi)" in detail, detail
+    assert "second host copy" in detail and "release_staging=True" in detail, detail
+    assert observed["llama-0-1"].detail is None
+    detail = observed["llama-0-2"].detail
+    assert detail is not None and detail.startswith("spotjob-agent launcher: rank 3 (pid 77) was killed by SIGKILL")
+    assert detail.endswith("kubectl logs llama-0-2"), detail

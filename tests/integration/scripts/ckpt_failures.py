@@ -29,6 +29,11 @@
         records each call's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
+    ckpt_failures.py no-save-thread --uri U --out O --thread {spotjob-save,spotjob-name}
+        async saves of steps 1, 2 and 3 (every_steps=1); the thread of step 2 named --thread cannot
+        start (RuntimeError "can't start new thread", as under a pids or ulimit -u limit): the save
+        thread on rank 1, the thread naming the folder on rank 0 (only rank 0 starts one); every
+        rank records each step()'s outcome, closes, and restores
 
 Each rank writes what happened to ``O.rank<r>`` (``<ErrorClass> at step <s>: <message>``, or
 ``no error``), then meets the others in a barrier on the default group (``BARRIER_TIMEOUT``), so
@@ -374,6 +379,38 @@ def after_close(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+def no_save_thread(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    start = threading.Thread.start
+    calls = [0]
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        # The one seam: one thread of the second save, on one rank (torch's and gloo's threads,
+        # and the pools inside a save, still start).
+        if thread.name == args.thread and rank == (1 if args.thread == "spotjob-save" else 0):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("can't start new thread")
+        start(thread)
+
+    threading.Thread.start = start_or_refuse  # type: ignore[method-assign]
+    lines = []
+    with Checkpointer(args.uri, keep=None, every_steps=1) as ckpt:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            try:
+                ckpt.step(step, state)
+                lines.append(f"step {step}: no error")
+            except Exception as e:
+                lines.append(f"step {step}: {type(e).__name__}: {e}")
+    threading.Thread.start = start  # type: ignore[method-assign]
+    restored = make_state(rank, seed=7)
+    with Checkpointer(args.uri, keep=None) as ckpt:
+        lines.append(f"restored: {ckpt.restore(restored)}")
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
@@ -387,6 +424,7 @@ def main() -> None:
             "flush-over-save",
             "failure-raised-before-its-vote",
             "flush-with-failed-save",
+            "no-save-thread",
         ],
     )
     p.add_argument("--uri", required=True)
@@ -396,6 +434,7 @@ def main() -> None:
     p.add_argument("--from-save", type=int, default=1)
     p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
     p.add_argument("--same-step", action="store_true")
+    p.add_argument("--thread", choices=["spotjob-save", "spotjob-name"], default="spotjob-save")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
     rank = dist.get_rank()
@@ -409,6 +448,7 @@ def main() -> None:
         "flush-over-save": flush_over_save,
         "failure-raised-before-its-vote": failure_raised_before_its_vote,
         "flush-with-failed-save": flush_with_failed_save,
+        "no-save-thread": no_save_thread,
     }
     modes[args.command](args, rank)
     dist.destroy_process_group()
