@@ -6,6 +6,7 @@ and ``_Core`` (shared state and plumbing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -21,8 +22,8 @@ from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
 from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
-from agent.control_channel import ENV_CHECKPOINT_URI, ControlDir, RankStatus
-from agent.ownership import OwnershipError, claim
+from agent.control_channel import ENV_CHECKPOINT_URI, ENV_START_FRESH, ControlDir, RankStatus
+from agent.ownership import OwnershipError, claim, read_owner
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
 from agent.storage import PermanentStorageError, StorageError, open_storage
@@ -94,6 +95,10 @@ class Checkpointer(_Saving, _Restoring):
     stay taken, so the new run's saves (whose steps start again from 0, below theirs) can never be
     mistaken for them. It has no effect when a checkpoint loads, so leaving it set across restarts
     never throws the new run's own progress away.
+
+    ``read_only``: for another program reading the job's checkpoints (an eval script): it restores
+    the URI owner's checkpoints (or ``job``'s) and writes and deletes nothing under the URI (no
+    claim, no probe objects, no staging clean-up); ``save()`` and ``step()`` raise ``RuntimeError``.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class Checkpointer(_Saving, _Restoring):
         io_threads: int = 8,
         release_staging: bool = False,
         direct_io: bool | None = None,
+        read_only: bool = False,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
@@ -119,6 +125,12 @@ class Checkpointer(_Saving, _Restoring):
         job = job if job is not None else env.job_name
         attempt = attempt if attempt is not None else env.attempt
         start_fresh = env.start_fresh if start_fresh is None else bool(start_fresh)
+        if read_only and start_fresh:
+            raise ValueError(
+                "read_only=True with start_fresh: a read-only Checkpointer never retires checkpoints; "
+                f"drop start_fresh (or unset {ENV_START_FRESH} for this process)"
+            )
+        self._read_only = bool(read_only)
         self.config = CheckpointConfig(
             uri=uri,
             every_steps=every_steps,
@@ -135,6 +147,15 @@ class Checkpointer(_Saving, _Restoring):
             direct_io=env.direct_io if direct_io is None else direct_io,
         )
         self.storage = open_storage(uri)
+        if self._read_only and job is None:
+            # Another program reading a job's checkpoints (an eval script) reads them as that job's.
+            try:
+                owner = read_owner(self.storage)
+            except BaseException:
+                self._close_storage()
+                raise
+            if owner is not None:
+                self.config = dataclasses.replace(self.config, job=owner.job)
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
@@ -149,8 +170,9 @@ class Checkpointer(_Saving, _Restoring):
         """Shards go to the disk with O_DIRECT (a filesystem store: the staged files are the checkpoint)."""
         # Before the groups: creating them waits for every rank, so no rank can start a save
         # while local rank 0 is still clearing the staging folder.
-        self._check_staging_dir()
-        self._clean_stale_staging()
+        if not self._read_only:
+            self._check_staging_dir()
+            self._clean_stale_staging()
         self._save_pg: Any = None
         self._ctl_pg: Any = None
         if self._dist:
@@ -184,7 +206,8 @@ class Checkpointer(_Saving, _Restoring):
         self._pid = os.getpid()
         self._warn_if_not_the_agents_uri()
         try:
-            self._claim()
+            if not self._read_only:
+                self._claim()
         except BaseException:
             self._destroy_groups()
             self._close_storage()
@@ -224,6 +247,7 @@ class Checkpointer(_Saving, _Restoring):
         at the next call, and before any file of a save is written).
         """
         self._check_open("step()")
+        self._check_writable("step()")
         step = self._check_next_step(step, "step()")
         metadata = _check_metadata(metadata, "step()")
         if self._fenced is not None:
@@ -264,6 +288,7 @@ class Checkpointer(_Saving, _Restoring):
         number not lower than the last step seen; ``metadata`` a dict of JSON values.
         """
         self._check_open("save()")
+        self._check_writable("save()")
         step = self._check_next_step(step, "save()")
         metadata = _check_metadata(metadata, "save()")
         self._start_save(step, state, metadata, trigger="save")
@@ -361,6 +386,13 @@ class Checkpointer(_Saving, _Restoring):
                 ENV_CHECKPOINT_URI,
             )
 
+    def _check_writable(self, call: str) -> None:
+        if self._read_only:
+            raise RuntimeError(
+                f"{call}: this Checkpointer is read-only (read_only=True): it restores and never writes to "
+                f"{self.storage.uri}. Build one without read_only to save"
+            )
+
     def _claim(self) -> None:
         """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""
         outcome: tuple[str, str, str | None] = ("", "", None)
@@ -374,7 +406,13 @@ class Checkpointer(_Saving, _Restoring):
                 claim(self.storage, self.config.job)
                 outcome = ("ok", "", None)
             except OwnershipError as e:
-                outcome = ("owner", str(e), e.owner)
+                # An eval script reading the job's checkpoints must not take the URI over: adopting
+                # it would stop the job's writers at their next commit.
+                hint = (
+                    "; to only restore its checkpoints in another program (an eval script), build the "
+                    "Checkpointer with read_only=True"
+                )
+                outcome = ("owner", f"{e}{hint}", e.owner)
             except StorageError as e:
                 kind = "refused" if isinstance(e, PermanentStorageError) else "storage"
                 outcome = (kind, f"{doing}: {e}", None)

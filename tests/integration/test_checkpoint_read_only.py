@@ -1,0 +1,63 @@
+"""``Checkpointer(uri, read_only=True)``: another program (an eval script) restoring a job's checkpoint.
+
+Real checkpoints on each store (file, S3 on moto, GCS on fake-gcs-server), written by a named job
+through a real Checkpointer in this process; the reader is a second Checkpointer on the same URI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Checkpointer
+from agent.checkpoint import CheckpointOwnershipError
+from agent.storage import open_storage
+
+JOB = "ml/train"
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _listing(uri: str) -> list[tuple[str, int]]:
+    storage = open_storage(uri)
+    try:
+        return sorted((o.key, o.size) for o in storage.list(""))
+    finally:
+        storage.close()
+
+
+def test_an_eval_script_restores_another_jobs_checkpoint_read_only_and_writes_nothing(storage_uri: str) -> None:
+    """Before ``read_only`` an eval script's Checkpointer on a named job's URI was refused
+    (``CheckpointOwnershipError``, whose advice, ``spotjob ckpt adopt``, would stop the training
+    job), and on S3 every Checkpointer wrote probe objects, so a read-only role could not restore."""
+    trained = _model(0)
+    optim = torch.optim.AdamW(trained.parameters())
+    trained(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    with Checkpointer(storage_uri, job=JOB, async_save=False) as ckpt:
+        ckpt.save(5, {"model": trained, "optim": optim})
+    before = _listing(storage_uri)
+
+    with pytest.raises(CheckpointOwnershipError, match="read_only=True"):
+        Checkpointer(storage_uri)  # the message points an eval script at read_only, not at adopt
+
+    fresh = _model(1)
+    with Checkpointer(storage_uri, read_only=True) as reader:
+        assert reader.restore({"model": fresh}) == 5  # model only: the optimizer stays out
+        with pytest.raises(RuntimeError, match="read-only"):
+            reader.save(6, {"model": fresh})
+        with pytest.raises(RuntimeError, match="read-only"):
+            reader.step(6, {"model": fresh})
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert _listing(storage_uri) == before
+
+
+def test_read_only_refuses_start_fresh(tmp_path: object) -> None:
+    """start_fresh retires checkpoints, a write: a read-only Checkpointer refuses it up front."""
+    with pytest.raises(ValueError, match="read_only=True with start_fresh"):
+        Checkpointer(str(tmp_path), read_only=True, start_fresh=True)
