@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.catalog import CheckpointStatus
@@ -89,6 +89,9 @@ class ExportTotals:
 
     tensors: int = 0
     bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
+    """Entries under the key that are not tensors (a module's ``_extra_state``, an optimizer's
+    ``param_groups``): safetensors holds tensors only, so they are not in the export."""
 
 
 def export_safetensors(
@@ -132,7 +135,30 @@ def export_safetensors(
         )
         _fetch(reader, fetching, needed, progress_bar)
         shards = plan_shards(tensors, max_shard_size)
-        return _write_shards(reader, tensors, shards, prefix, out, force, progress_bar)
+        names, totals = _write_shards(reader, tensors, shards, prefix, out, force, progress_bar)
+        totals.left_out = _left_out(metadata, prefix)
+        return names, totals
+
+
+def _left_out(metadata: Metadata, prefix: str) -> list[str]:
+    """The state dict's own names under ``prefix`` that hold something other than a tensor, without
+    the prefix: DCP flattens a value (``0._extra_state.scale``, ``param_groups.0.lr``), and its
+    ``planner_data`` keeps the path to it, whose first name under the key is the one a user knows."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    names: dict[str, None] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix) or isinstance(md, TensorStorageMetadata):
+            continue
+        path = paths.get(fqn)
+        if isinstance(path, tuple) and path and isinstance(path[0], str) and path[0].startswith(prefix):
+            names[path[0][len(prefix) :]] = None  # a module's: the key and the name are one string
+        elif isinstance(path, tuple) and len(path) > 1 and path[0] == prefix[:-1]:
+            names[str(path[1])] = None  # an optimizer's: ("optim", "param_groups", 0, "lr")
+        else:
+            names[fqn[len(prefix) :]] = None
+    return list(names)
 
 
 def _tensors_under(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:

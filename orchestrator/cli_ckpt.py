@@ -149,7 +149,8 @@ def register(subparsers: Any) -> None:
         "files laid out as Hugging Face does: model-00001-of-0000N.safetensors (model.safetensors when "
         f"everything fits in one shard) plus {INDEX_NAME}, which is written always (harmless for a "
         "single file, and one loading path for every export). Tensor names lose the state key prefix, "
-        "so they match the module's own state_dict(). Tensors load through DCP without a model: every "
+        "so they match the module's own state_dict(); entries that are not tensors (a module's _extra_state, an "
+        "optimizer's param_groups) are left out and named on stderr. Tensors load through DCP without a model: every "
         "file read is CRC32C-checked against the manifest and nothing unsafe is unpickled. Shards are "
         "loaded one at a time, so memory stays near one --max-shard-size; from an object store the shard "
         "files are first downloaded, verified, to a temporary folder: allow local disk for them. "
@@ -446,6 +447,17 @@ def cmd_export(args: argparse.Namespace) -> int:
                     print(f"spotjob ckpt export: passing over {status.ref.folder}: {shown(reason)}", file=sys.stderr)
                     passed.append((status.ref.folder, reason))
                     status = newest_valid(storage, below=status.ref, passed=passed)
+    if total.left_out:
+        named = ", ".join(repr(shown(n)) for n in total.left_out[:_LEFT_OUT_NAMED])
+        more = len(total.left_out) - _LEFT_OUT_NAMED
+        print(
+            f"spotjob ckpt export: {len(total.left_out)} entr{'y' if len(total.left_out) == 1 else 'ies'} of "
+            f"state key {args.key!r} {'is' if len(total.left_out) == 1 else 'are'} not a tensor and not in the "
+            f"export (safetensors holds tensors only): {named}{f' and {more} more' if more > 0 else ''}. "
+            "A module's load_state_dict(strict=True) reports them missing from the export: load with "
+            "strict=False, or restore the checkpoint with Checkpointer(uri, read_only=True) to have them",
+            file=sys.stderr,
+        )
     print(
         f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
         f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
@@ -453,6 +465,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     return EXIT_OK
 
+
+_LEFT_OUT_NAMED = 5
+"""How many of the non-tensor entries an export leaves out it names."""
 
 _RELISTS = 3
 """How often an export without --step starts again from the newest checkpoint after the one it was

@@ -463,6 +463,32 @@ def test_export_of_another_state_key_strips_that_prefix(
     assert "state.model.0.weight.exp_avg" in tensors
 
 
+class _WithExtraState(nn.Linear):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"scale": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+def test_export_names_the_non_tensor_entries_it_leaves_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, a module's ``_extra_state`` (and an optimizer's ``param_groups``) vanished from the
+    export with exit 0 and no word: ``load_state_dict`` then failed on a key the user never saw go."""
+    model = nn.Sequential(_WithExtraState(4, 4), nn.Linear(4, 2))
+    uri = str(tmp_path / "ckpts")
+    with Checkpointer(uri, async_save=False) as ckpt_:
+        ckpt_.save(1, {"model": model})
+
+    rc, stdout, stderr = ckpt(capsys, "export", uri, str(tmp_path / "hf"))
+
+    assert rc == 0 and "exported 4 tensors" in stdout
+    assert "1 entry of state key 'model' is not a tensor and not in the export" in stderr
+    assert "'0._extra_state'" in stderr and "strict=False" in stderr
+    _, tensors = _read_export(tmp_path / "hf")
+    fresh = nn.Sequential(_WithExtraState(4, 4), nn.Linear(4, 2))
+    assert fresh.load_state_dict(tensors, strict=False).missing_keys == ["0._extra_state"]
+
+
 def test_export_refuses_a_non_empty_out_unless_forced(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
