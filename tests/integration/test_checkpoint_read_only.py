@@ -6,6 +6,8 @@ through a real Checkpointer in this process; the reader is a second Checkpointer
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -23,8 +25,14 @@ def _model(seed: int) -> nn.Module:
 
 
 def _listing(uri: str) -> list[tuple[str, int]]:
+    """Every object under ``uri``; on a filesystem every entry, folders (a staging folder) included."""
     storage = open_storage(uri)
     try:
+        local = storage.local_path("")
+        if local is not None:
+            return sorted(
+                (os.path.relpath(os.path.join(d, n), local), 0) for d, ds, fs in os.walk(local) for n in ds + fs
+            )
         return sorted((o.key, o.size) for o in storage.list(""))
     finally:
         storage.close()
