@@ -272,7 +272,8 @@ def flush_over_save(args: argparse.Namespace, rank: int) -> None:
         finish = ckpt._finish_save
 
         def held_finish(save: Any) -> None:
-            save.cancel.wait(60)  # this rank writes only once the flush gives the save up
+            if save.step == 2:  # not the flush's own save, which nothing gives up
+                save.cancel.wait(60)  # this rank writes only once the flush gives the save up
             finish(save)
 
         ckpt._finish_save = held_finish  # type: ignore[method-assign]
