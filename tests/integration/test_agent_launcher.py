@@ -8,6 +8,7 @@ control folder only, exactly as ``Checkpointer`` does. Loopback only; no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -158,8 +159,15 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     yield _start
     for run in runs:
         if run.proc.poll() is None:
+            # A job a test left running (the neighbour of a two-job test): its ranks run in
+            # sessions of their own and outlive a killed agent, so they are found by its marker.
+            info = Path(run.control.path) / "agent.json"
+            agent_id = json.loads(info.read_text()).get("agent_id") if info.exists() else None
             run.proc.kill()
             run.proc.wait()
+            for pid in marked_processes(agent_id) if agent_id else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def events(run: Run) -> list[str]:
