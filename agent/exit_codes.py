@@ -31,16 +31,25 @@ OOM_HINT = (
 """Said with an exit 137: nothing else tells a rank the OOM killer took from one killed by hand."""
 
 
+KILLED_BY = "was killed by"
+"""How ``describe_exit`` says a signal ended a process: what the failure readers look for
+(``orchestrator.backends.local_failure``, ``orchestrator.backends.k8s``)."""
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 99`` for a number no signal has."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def describe_exit(returncode: int) -> str:
     """A process's end in words: ``exited 3``, or ``was killed by SIGKILL (exit 137: ...)``."""
     if returncode >= 0:
         return f"exited {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
     hint = f": {OOM_HINT}" if -returncode == signal.SIGKILL else ""
-    return f"was killed by {name} (exit {command_exit_code(returncode)}{hint})"
+    return f"{KILLED_BY} {signal_name(-returncode)} (exit {command_exit_code(returncode)}{hint})"
 
 
 RESERVED_EXIT_CODES = frozenset({EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_STOPPED})

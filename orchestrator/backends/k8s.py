@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, RESERVED_EXIT_CODES
+from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
     BackendError,
     FlushRequestOutcome,
@@ -547,7 +547,7 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
     return _refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod)
 
 
-_RANK_KILLED = ") was killed by SIGKILL"
+_RANK_KILLED = f") {KILLED_BY} SIGKILL"
 """How the agent's direct launcher says a rank was SIGKILLed (``agent.ranks``)."""
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
+
+from agent.exit_codes import KILLED_BY, signal_name
 
 LOG_TAIL_BYTES = 256 * 1024
 """How much of the end of a worker's log is read to tell why it failed."""
@@ -21,7 +22,7 @@ _TORCHRUN_FAILURE = "ChildFailedError"
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
 """torchrun's own log lines (glog style): how it noticed, not why."""
 MAX_CAUSE_CHARS = 240
-_LAUNCHER_KILLED = re.compile(r"spotjob-agent launcher: (rank \d+ \(pid \d+\) was killed by SIG\w+)")
+_LAUNCHER_KILLED = re.compile(rf"spotjob-agent launcher: (rank \d+ \(pid \d+\) {KILLED_BY} SIG\w+)")
 """The direct launcher's word on a rank a signal ended (``agent.ranks``)."""
 _TORCHRUN_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_ROOT_SIGNAL = re.compile(r"^\s*exitcode\s*:\s*-(\d+) \(pid: (\d+)\)")
@@ -45,12 +46,8 @@ def _killed_rank(text: str) -> str | None:
         if (m := _TORCHRUN_ROOT_RANK.match(line)) is not None:
             rank = m.group(1)
         elif (m := _TORCHRUN_ROOT_SIGNAL.match(line)) is not None:
-            try:
-                name = signal.Signals(int(m.group(1))).name
-            except ValueError:
-                name = f"signal {m.group(1)}"
             who = f"rank {rank} (pid {m.group(2)})" if rank is not None else f"pid {m.group(2)}"
-            return f"{who} was killed by {name} (torchrun's report)"
+            return f"{who} {KILLED_BY} {signal_name(int(m.group(1)))} (torchrun's report)"
     return None
 
 
@@ -64,10 +61,9 @@ def _log_tail(path: str) -> str:
         return ""
 
 
-def _log_lines(path: str) -> list[str]:
-    """The end of a worker's log as lines, without torchrun's ``[rankN]:`` prefixes, the agent's own
-    lines, or torchrun's report of the failure (its traceback and the table after it)."""
-    text = _log_tail(path)
+def _log_lines(text: str) -> list[str]:
+    """The end of a worker's log (``_log_tail``) as lines, without torchrun's ``[rankN]:`` prefixes,
+    the agent's own lines, or torchrun's report of the failure (its traceback and the table after it)."""
     lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
     for i in range(len(lines) - 1, -1, -1):
         if _TORCHRUN_FAILURE in lines[i]:
@@ -100,10 +96,11 @@ def failure_cause(log_path: str) -> str | None:
     ...``), whichever came later. torchrun's own report of the failure is not the cause, except for
     the signal in its root cause.
     """
-    killed = _killed_rank(_log_tail(log_path))
+    text = _log_tail(log_path)
+    killed = _killed_rank(text)
     if killed is not None:
         return f"{killed}: {_KILLED_HINT}" if "SIGKILL" in killed else killed
-    lines = _log_lines(log_path)
+    lines = _log_lines(text)
     for line in reversed(lines):
         m = _OS_CAUSE.search(line)
         if m is not None:
@@ -116,7 +113,7 @@ def failure_cause(log_path: str) -> str | None:
 
 def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
     """The last ``lines`` lines of a worker's log that the script wrote (see ``_log_lines``)."""
-    return _log_lines(log_path)[-lines:]
+    return _log_lines(_log_tail(log_path))[-lines:]
 
 
 def failure_detail(log_path: str) -> str:

@@ -192,14 +192,12 @@ def load_user_context(
             raise ContextError(f"{path} has no current context: pass --context NAME")
         found = next((c for c in contexts if c.get("name") == chosen), None)
         if found is None:
-            names = ", ".join(sorted(str(c.get("name")) for c in contexts)) or "none"
-            raise ContextError(f'context "{chosen}" is not in {path} (it has: {names})')
+            raise ContextError(f'context "{chosen}" is not in {path} (it has: {_names(contexts)})')
         overrides = {"cluster": cluster, "user": user}
         for key, value in overrides.items():
             entries = merged[f"{key}s"]
             if value and not any(e.get("name") == value for e in entries):
-                names = ", ".join(sorted(str(e.get("name")) for e in entries)) or "none"
-                raise ContextError(f'--{key} {value}: {key} "{value}" is not in {path} (it has: {names})')
+                raise ContextError(f'--{key} {value}: {key} "{value}" is not in {path} (it has: {_names(entries)})')
         if cluster or user:
             fields = {**(found.get("context") or {}), **{k: v for k, v in overrides.items() if v}}
             found = {**found, "context": fields}
@@ -214,6 +212,11 @@ def load_user_context(
     fields = found.get("context") or {}
     namespace = str(fields.get("namespace") or "default")
     return UserContext(configuration, namespace, str(chosen), path, str(fields.get("user") or ""))
+
+
+def _names(entries: list[dict[str, Any]]) -> str:
+    """The names of a kubeconfig's contexts, clusters or users, for a message."""
+    return ", ".join(sorted(str(e.get("name")) for e in entries)) or "none"
 
 
 def _one_line(error: Exception) -> str:
