@@ -8,12 +8,11 @@ import itertools
 import logging
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.nn.parameter import is_lazy
 
@@ -129,6 +128,21 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
 
 _PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 """Value types that every ``weights_only`` load takes: not checked by ``_check_values_loadable``."""
+
+
+def _unplain_values(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """The values under ``value`` that are neither tensors nor ``_PLAIN_VALUES``, with their dotted
+    names (``model._extra_state.amax``); dicts, lists and tuples are looked into."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN_VALUES:
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _unplain_values(f"{name}.{key}" if name else str(key), item)
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _unplain_values(f"{name}.{i}", item)
+    else:
+        yield name, value
 
 
 class _State(_Core):
@@ -278,16 +292,11 @@ class _State(_Core):
         """The values of the modules' and optimizers' state that are not tensors (a module's extra
         state, optimizer hyperparameters) go through DCP pickled, and a restore loads them with
         ``weights_only``: one it would refuse makes every checkpoint holding it unrestorable, so it
-        is refused here, naming it, before anything is written."""
-        flat, _ = flatten_state_dict(dict(dcp_state))
-        for fqn, value in flat.items():
+        is refused here, naming it, before anything is written. It runs in every save's blocking
+        part, so it walks the state itself (DCP's ``flatten_state_dict`` cost about 2 µs a tensor)."""
+        for fqn, value in _unplain_values("", dcp_state):
             kind = type(value)
-            if (
-                isinstance(value, torch.Tensor)
-                or kind in _PLAIN_VALUES
-                or (kind in (tuple, list) and all(type(v) in _PLAIN_VALUES for v in value))
-                or kind.__module__.startswith("torch.distributed.")
-            ):
+            if kind.__module__.startswith("torch.distributed."):
                 continue
             record = io.BytesIO()
             try:
