@@ -32,7 +32,7 @@ from agent.storage.base import ObjectInfo, ProgressFn, Storage
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-    from agent._dcp import VerifiedReader
+    from agent.dcp_safe import VerifiedReader
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _read_failure(folder: str, e: Exception, what: str) -> ExportError:
 @contextlib.contextmanager
 def checkpoint_reader(storage: Storage, status: CheckpointStatus) -> Iterator[VerifiedReader]:
     """A VerifiedReader for ``status``: in place on a filesystem, else via a temporary cache."""
-    from agent._dcp import VerifiedReader
+    from agent.dcp_safe import VerifiedReader
 
     assert status.manifest is not None
     folder = status.ref.folder
@@ -112,7 +112,7 @@ def export_safetensors(
     written last: an export that died part-way has no index and the files it wrote are removed.
     ``progress_bar(description, total bytes)`` shows the transfers and the writing.
     """
-    from agent._dcp import UnsafeCheckpointError
+    from agent.dcp_safe import UnsafeCheckpointError
 
     prefix = key + "."
     folder = status.ref.folder
@@ -264,7 +264,7 @@ def _write_shards(
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from agent._dcp import SafeLoadPlanner
+    from agent.dcp_safe import SafeLoadPlanner
 
     created = not os.path.isdir(out)
     umask = os.umask(0)
@@ -366,7 +366,7 @@ def _first_failure(e: BaseException) -> str:
     """
     import pickle
 
-    from agent._rank_state import refusal_reason
+    from agent.rank_state import refusal_reason
 
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:

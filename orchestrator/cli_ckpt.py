@@ -3,7 +3,7 @@
 Every command reads storage through ``agent.storage`` and trusts nothing it has not checked
 against a manifest: ``list``/``verify``/``show`` work from MANIFEST.json and one listing per
 folder; ``verify --deep`` and ``export`` also read the shard bytes, CRC32C-checked as they
-arrive, and unpickle DCP's ``.metadata`` only through the allow-list of ``agent._dcp``.
+arrive, and unpickle DCP's ``.metadata`` only through the allow-list of ``agent.dcp_safe``.
 
 ``list``, ``show`` and plain ``verify`` never import torch (they run in the controller's image,
 which carries none); ``verify --deep`` and ``export`` import it lazily.
@@ -685,8 +685,8 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
     metadata names only files the manifest lists and agrees with the manifest's tensor index,
     which ``show`` and ``export`` rely on.
     """
-    from agent import _rank_state
-    from agent._dcp import UnsafeCheckpointError, tensor_index
+    from agent import rank_state
+    from agent.dcp_safe import UnsafeCheckpointError, tensor_index
 
     assert status.manifest is not None
     manifest = status.manifest
@@ -706,7 +706,7 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
                 with open(reader.ensure_local(f.path), "rb") as fh, warnings.catch_warnings():
                     # torch warns about pickle protocols while refusing; the refusal is reported below.
                     warnings.simplefilter("ignore")
-                    _rank_state.decode(fh.read())
+                    rank_state.decode(fh.read())
             except (UnsafeCheckpointError, StorageError) as e:
                 problems.append(f"file {f.path} is unreadable: {e}")
             except Exception as e:  # torch.load's refusals are UnpicklingError/RuntimeError/ValueError

@@ -17,14 +17,14 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from agent import _fresh_start, _rank_state
-from agent._dcp import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
+from agent import _fresh_start, rank_state
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._core import size_text
 from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
+from agent.dcp_safe import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
@@ -57,8 +57,8 @@ _PROVEN_BAD = (
     NotFoundError,
     ManifestError,
     UnsafeCheckpointError,
-    _rank_state.RefusedPickleError,
-    _rank_state.RankStateError,
+    rank_state.RefusedPickleError,
+    rank_state.RankStateError,
 )
 
 
@@ -551,10 +551,10 @@ class _Restoring(_Voting):
         try:
             if manifest.file(DCP_METADATA_NAME) is not None:
                 reader.read_metadata()
-            src = _rank_state.source_rank(self.rank, manifest.world_size)
-            path = reader.ensure_local(_rank_state.rank_file_name(src))
+            src = rank_state.source_rank(self.rank, manifest.world_size)
+            path = reader.ensure_local(rank_state.rank_file_name(src))
             with open(path, "rb") as f:
-                rank_payload = _rank_state.decode(f.read())
+                rank_payload = rank_state.decode(f.read())
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:
@@ -676,7 +676,7 @@ class _Restoring(_Voting):
                 what = "corrupt"
             elif isinstance(e, NotFoundError):
                 what = "missing a file"
-            elif isinstance(e, UnsafeCheckpointError | _rank_state.RefusedPickleError):
+            elif isinstance(e, UnsafeCheckpointError | rank_state.RefusedPickleError):
                 what = "unsafe"
             else:
                 what = "unreadable"
@@ -746,7 +746,7 @@ class _Restoring(_Voting):
                     f"state[{key!r}].load_state_dict() ({type(obj).__name__}) refused the state it saved: {e!r}"
                 ) from e
         if self.rank < manifest.world_size:
-            _rank_state.restore_rng(payload["rng"])
+            rank_state.restore_rng(payload["rng"])
         else:
             log.info(
                 "rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams",

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agent import _rank_state
-from agent._dcp import ChecksummedFile, dcp_save, load_dcp_metadata, make_stager, make_writer, sync_files, tensor_index
+from agent import rank_state
+from agent._dcp_write import ChecksummedFile, dcp_save, make_stager, make_writer, sync_files
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
@@ -27,6 +27,7 @@ from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
 from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
+from agent.dcp_safe import load_dcp_metadata, tensor_index
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
 from agent.storage import AlreadyExistsError, RetainedError, StorageError, put_files
@@ -419,13 +420,13 @@ class _Saving(_Voting):
         self._check_state(state)
         dcp_state, objects = self._split_state(state)
         self._check_values_loadable(dcp_state)
-        rank_bytes = _rank_state.encode(
+        rank_bytes = rank_state.encode(
             {
                 "step": step,
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "objects": objects,
-                "rng": _rank_state.capture_rng(),
+                "rng": rank_state.capture_rng(),
             }
         )
         local_dir = os.path.join(self._staging_root, f"step-{step:09d}-{uuid.uuid4().hex[:8]}", f"rank-{self.rank}")
@@ -511,7 +512,7 @@ class _Saving(_Voting):
                 ).start()
             except RuntimeError:  # "can't start new thread" (a process limit): named before writing instead
                 _run_into(naming, self._target_folder, save.step)
-        rank_file = os.path.join(save.local_dir, _rank_state.rank_file_name(self.rank))
+        rank_file = os.path.join(save.local_dir, rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}
             if save.staged is not None:

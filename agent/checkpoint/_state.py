@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.nn.parameter import is_lazy
 
-from agent import _rank_state
+from agent import rank_state
 from agent.checkpoint._core import _Core
 from agent.checkpoint.errors import SaveFailedError
 
@@ -114,7 +114,7 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
             with torch.serialization.skip_data():
                 torch.load(record, weights_only=True)
         except pickle.UnpicklingError as e:
-            reason = _rank_state.refusal_reason(e).rstrip(".")
+            reason = rank_state.refusal_reason(e).rstrip(".")
             return (
                 f"is a {kind.__module__}.{kind.__qualname__} (a torch.Tensor subclass) that a restore, which loads "
                 f"tensors with weights_only, would refuse ({reason}). Allow the class with "
@@ -304,7 +304,7 @@ class _State(_Core):
                 record.seek(0)
                 torch.load(record, weights_only=True)
             except pickle.UnpicklingError as e:
-                reason = _rank_state.refusal_reason(e).rstrip(".")
+                reason = rank_state.refusal_reason(e).rstrip(".")
                 raise ValueError(
                     f"{fqn} is a {kind.__module__}.{kind.__qualname__}, which a restore (it loads these values with "
                     f"weights_only) would refuse ({reason}): no checkpoint holding it could be restored. Hand out "
@@ -314,7 +314,7 @@ class _State(_Core):
                 ) from None
 
     def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
-        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp.RankZeroSavePlanner``): the
+        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp_write.RankZeroSavePlanner``): the
         modules' state that is not a parameter — buffers and extra state. Those may differ between
         ranks that keep their parameters identical (each DDP rank's BatchNorm statistics follow its
         own batch until DDP's next forward overwrites them with rank 0's)."""
@@ -336,7 +336,7 @@ class _State(_Core):
         if len(data) != size:
             raise SaveFailedError(f"{path} holds {len(data)} bytes after {size} were written")
         try:
-            _rank_state.decode(data)
+            rank_state.decode(data)
         except Exception as e:
             raise SaveFailedError(
                 "the per-rank state cannot be restored: a state_dict() in it holds something that "

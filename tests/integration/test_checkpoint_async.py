@@ -278,13 +278,13 @@ def test_closing_many_checkpointers_under_an_agent_adds_one_exception_hook(tmp_p
 
 def test_a_flush_gives_up_a_save_still_writing_and_commits_its_own_step(tmp_path: Path, monkeypatch: Any) -> None:
     """The save in flight holds an older step; the flush does not wait for it to finish writing."""
-    from agent import _dcp
+    from agent import _dcp_write
     from agent.control_channel import ControlDir, FlushRequest
 
     state = make_state(0)
     control = tmp_path / "control"
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=None, control_dir=str(control))
-    write_block = _dcp.ChecksummedFile._out
+    write_block = _dcp_write.ChecksummedFile._out
     held = threading.Event()
 
     def held_until_given_up(self: Any, view: memoryview) -> None:
@@ -296,7 +296,7 @@ def test_a_flush_gives_up_a_save_still_writing_and_commits_its_own_step(tmp_path
                 time.sleep(0.01)
         write_block(self, view)
 
-    monkeypatch.setattr(_dcp.ChecksummedFile, "_out", held_until_given_up)
+    monkeypatch.setattr(_dcp_write.ChecksummedFile, "_out", held_until_given_up)
     train(state, 1)
     ckpt.save(1, state)
     assert held.wait(BOUND_S), "the save of step 1 never started writing"

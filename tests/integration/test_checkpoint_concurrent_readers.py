@@ -18,9 +18,9 @@ import pytest
 
 import agent.checkpoint._restore as restore_module
 import agent.checkpoint._save as save_module
-from agent._dcp import VerifiedReader
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, RestoreRefusedError
+from agent.dcp_safe import VerifiedReader
 from agent.storage import open_storage
 from orchestrator import cli_ckpt
 from orchestrator.cli import main

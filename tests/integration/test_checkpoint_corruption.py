@@ -26,10 +26,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from agent._dcp import load_dcp_metadata
 from agent.catalog import CheckpointRef, inspect, verify_deep
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 from agent.crc32c import crc32c_bytes, to_hex
+from agent.dcp_safe import load_dcp_metadata
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME
 from agent.storage import open_storage
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent import _dcp, _direct_io
+from agent import _dcp_write, _direct_io
 from agent._direct_io import DirectWriter, suits_direct_io
 from agent.checkpoint import Checkpointer
 
@@ -53,13 +53,13 @@ def shard(ckpt_dir: Path) -> Path:
 def spy_on_direct_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the files a direct writer is opened for, from now on."""
     opened: list[str] = []
-    real_open_direct = _dcp.open_direct
+    real_open_direct = _dcp_write.open_direct
 
     def spy(path: str) -> DirectWriter | None:
         opened.append(os.path.basename(path))
         return real_open_direct(path)
 
-    monkeypatch.setattr(_dcp, "open_direct", spy)
+    monkeypatch.setattr(_dcp_write, "open_direct", spy)
     return opened
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent import _dcp
+from agent import _dcp_write
 from agent.checkpoint import Checkpointer
 from agent.manifest import MANIFEST_NAME, Manifest
 from tests.ckpt_compare import assert_same_training_state
@@ -123,12 +123,12 @@ def test_a_small_tensor_serialized_in_memory_is_the_record_written_straight_to_t
     """``_Writer`` serializes a small tensor into memory and writes it in one call; the record is the
     one torch's writer gives when it writes to the shard file itself, wherever in the file it lands."""
     memory = io.BytesIO()
-    _dcp.save_tensor_without_crc(tensor, memory)
+    _dcp_write.save_tensor_without_crc(tensor, memory)
     path = str(tmp_path / "shard")
     prefix = os.urandom(37)  # an odd offset: the record lays itself out from its own start
-    with _dcp.ChecksummedFile(path) as f:
+    with _dcp_write.ChecksummedFile(path) as f:
         f.write(prefix)
-        _dcp.save_tensor_without_crc(tensor, f)
+        _dcp_write.save_tensor_without_crc(tensor, f)
     assert Path(path).read_bytes() == prefix + memory.getvalue()
     assert torch.equal(torch.load(io.BytesIO(memory.getvalue()), weights_only=True), tensor)
 
@@ -143,11 +143,11 @@ def test_a_save_writes_the_same_shard_bytes_with_small_tensors_serialized_in_mem
 ) -> None:
     model, optim = trained(0)
     state: dict[str, Any] = {"model": model, "optim": optim}
-    monkeypatch.setattr(_dcp, "SERIALIZE_IN_MEMORY_BELOW", 0)  # every tensor straight to the file
+    monkeypatch.setattr(_dcp_write, "SERIALIZE_IN_MEMORY_BELOW", 0)  # every tensor straight to the file
     with Checkpointer(str(tmp_path / "straight"), async_save=False) as ckpt:
         ckpt.save(1, state)
     monkeypatch.undo()
-    assert model.ps[0].nbytes < _dcp.SERIALIZE_IN_MEMORY_BELOW
+    assert model.ps[0].nbytes < _dcp_write.SERIALIZE_IN_MEMORY_BELOW
     with Checkpointer(str(tmp_path / "gathered"), async_save=False) as ckpt:
         ckpt.save(1, state)
     straight, gathered = shard_files(tmp_path / "straight"), shard_files(tmp_path / "gathered")

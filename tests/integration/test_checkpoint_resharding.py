@@ -1,7 +1,7 @@
 """A checkpoint saved by 2 torchrun ranks restores on 2, 1 and 3 ranks.
 
 Modules and optimizers come back bit-exact whatever the world size (DCP reshards them); per-rank
-state follows the policy in ``agent._rank_state``: rank r < W gets rank r's objects and RNG
+state follows the policy in ``agent.rank_state``: rank r < W gets rank r's objects and RNG
 streams, a new rank gets rank 0's objects but keeps its own RNG, and the state of ranks that are
 gone is dropped with a log line. A corrupt newer checkpoint found mid-load on some ranks is skipped
 by all of them together.

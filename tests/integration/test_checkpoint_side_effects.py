@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from agent._dcp import save_tensor_without_crc
+from agent._dcp_write import save_tensor_without_crc
 from agent.checkpoint import Checkpointer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))

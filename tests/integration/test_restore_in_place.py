@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent import _dcp
+from agent import dcp_safe
 from agent.checkpoint import Checkpointer
 from tests.ckpt_compare import assert_same_training_state
 
@@ -21,21 +21,21 @@ from tests.ckpt_compare import assert_same_training_state
 def in_place(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(tensors read in place, items in the plan) per read_data call; every tensor, however small,
     may take the fast path (these tests' models are small)."""
-    monkeypatch.setattr(_dcp, "IN_PLACE_MIN_BYTES", 0)
+    monkeypatch.setattr(dcp_safe, "IN_PLACE_MIN_BYTES", 0)
     return count_reads(monkeypatch)
 
 
 def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
-    original = _dcp.VerifiedReader.read_data
+    original = dcp_safe.VerifiedReader.read_data
 
-    def counted(self: _dcp.VerifiedReader, plan: Any, planner: Any) -> Any:
+    def counted(self: dcp_safe.VerifiedReader, plan: Any, planner: Any) -> Any:
         before = self.read_in_place
         result = original(self, plan, planner)
         seen.append((self.read_in_place - before, len(plan.items)))
         return result
 
-    monkeypatch.setattr(_dcp.VerifiedReader, "read_data", counted)
+    monkeypatch.setattr(dcp_safe.VerifiedReader, "read_data", counted)
     return seen
 
 
@@ -114,13 +114,13 @@ def test_the_models_pages_are_mapped_while_the_files_are_first_checked(
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
         ckpt.save(1, {"model": model, "optim": optim})
     mapped: list[set[int]] = []
-    original = _dcp.map_for_writing
+    original = dcp_safe.map_for_writing
 
     def spy(tensors: list[torch.Tensor]) -> None:
         mapped.append({t.data_ptr() for t in tensors})
         original(tensors)
 
-    monkeypatch.setattr(_dcp, "map_for_writing", spy)
+    monkeypatch.setattr(dcp_safe, "map_for_writing", spy)
     fresh, fresh_optim = trained(1)
     params = {p.data_ptr() for p in fresh.parameters()}
     with Checkpointer(str(tmp_path)) as ckpt:
@@ -194,5 +194,5 @@ def test_only_tensors_from_the_size_limit_up_are_read_in_place_and_all_come_back
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
     assert_same_training_state(model, fresh, optim, fresh_optim)
-    assert model[0].weight.nbytes == _dcp.IN_PLACE_MIN_BYTES
+    assert model[0].weight.nbytes == dcp_safe.IN_PLACE_MIN_BYTES
     assert sum(read for read, _ in reads) == 3  # the first weight and its two Adam moments

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from agent import _direct_io
-from agent._dcp import ChecksummedFile, SaveCancelledError
+from agent._dcp_write import ChecksummedFile, SaveCancelledError
 from agent._direct_io import ALIGN, BLOCK, filesystem_type, suits_direct_io
 from agent.crc32c import crc32c_bytes, crc32c_file
 

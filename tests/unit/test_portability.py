@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent import _dcp, _direct_io, process_tree
+from agent import _dcp_write, _direct_io, dcp_safe, process_tree
 from agent.atomic_file import write_atomic
 from agent.checkpoint import Checkpointer
 from agent.process_tree import ProcessTree, marked
@@ -199,8 +199,8 @@ def test_a_save_and_restore_work_without_o_direct_fadvise_sync_file_range_or_mad
         monkeypatch.delattr(os, name, raising=False)
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
-    monkeypatch.setattr(_dcp, "_libc", None)
-    monkeypatch.setattr(_dcp, "_madvise", None)
+    monkeypatch.setattr(_dcp_write, "_libc", None)
+    monkeypatch.setattr(dcp_safe, "_madvise", None)
     assert not _direct_io.suits_direct_io(str(tmp_path))
     model, optim = trained(0)
     with Checkpointer(str(tmp_path), async_save=False, direct_io=True) as ckpt:
@@ -222,8 +222,8 @@ def test_no_linux_madvise_number_reaches_another_kernels_madvise(monkeypatch: py
     libc = MacLibc()
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
-    monkeypatch.setattr(_dcp, "_madvise", None)
-    _dcp.map_for_writing([torch.empty(1 << 20, dtype=torch.uint8)])
+    monkeypatch.setattr(dcp_safe, "_madvise", None)
+    dcp_safe.map_for_writing([torch.empty(1 << 20, dtype=torch.uint8)])
     assert libc.madvise_calls == []
 
 

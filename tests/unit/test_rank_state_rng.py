@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from agent import _rank_state
+from agent import rank_state
 
 
 def test_the_cpu_python_and_numpy_streams_come_back_and_cuda_streams_of_other_devices_are_said(
@@ -16,7 +16,7 @@ def test_the_cpu_python_and_numpy_streams_come_back_and_cuda_streams_of_other_de
 ) -> None:
     before = (random.getstate(), torch.get_rng_state())
     try:
-        rng = _rank_state.capture_rng()
+        rng = rank_state.capture_rng()
         rng["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 2  # saved on a node with two GPUs
         expected = (random.random(), float(torch.rand(1)))
         restored: list[object] = []
@@ -24,14 +24,14 @@ def test_the_cpu_python_and_numpy_streams_come_back_and_cuda_streams_of_other_de
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
         with caplog.at_level("WARNING", logger="agent.checkpoint"):
-            _rank_state.restore_rng(rng)
+            rank_state.restore_rng(rng)
         assert (random.random(), float(torch.rand(1))) == expected
         assert restored == [], "a stream per device it cannot pair is not set"
         assert "CUDA RNG streams of 2 device(s) and this process sees 1" in caplog.text
 
         caplog.clear()
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-        _rank_state.restore_rng(rng)
+        rank_state.restore_rng(rng)
         assert len(restored) == 1 and "CUDA RNG" not in caplog.text
     finally:
         random.setstate(before[0])

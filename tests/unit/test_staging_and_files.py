@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent import _dcp
-from agent._dcp import ChecksummedFile, SaveCancelledError, make_stager, staging_options
+from agent import _dcp_write
+from agent._dcp_write import ChecksummedFile, SaveCancelledError, make_stager, staging_options
 from agent.atomic_file import write_atomic
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel
 
@@ -62,7 +62,7 @@ class TestChecksummedFile:
         way, the oldest is waited for and dropped, so the page cache a save holds stays bounded."""
         started: list[tuple[int, int]] = []
         finished: list[tuple[int, int]] = []
-        real_finish = _dcp.finish_writeback
+        real_finish = _dcp_write.finish_writeback
 
         def record_start(fd: int, offset: int, length: int) -> None:
             started.append((offset, length))
@@ -72,8 +72,8 @@ class TestChecksummedFile:
             finished.append((offset, length))
             real_finish(fd, offset, length)  # the real calls, on a real file
 
-        monkeypatch.setattr(_dcp, "start_writeback", record_start)
-        monkeypatch.setattr(_dcp, "finish_writeback", record_finish)
+        monkeypatch.setattr(_dcp_write, "start_writeback", record_start)
+        monkeypatch.setattr(_dcp_write, "finish_writeback", record_finish)
         block, lag = ChecksummedFile.BLOCK, ChecksummedFile.WRITEBACK_LAG
         data = torch.arange((lag + 3) * block // 4, dtype=torch.float32)  # lag + 3 blocks
         path = str(tmp_path / "shard")
@@ -130,7 +130,7 @@ class TestWriteAtomic:
 
 FAIL_INSIDE_TORCH_SAVE = """
 import os, sys, threading, torch
-from agent._dcp import ChecksummedFile, SaveCancelledError, save_tensor_without_crc
+from agent._dcp_write import ChecksummedFile, SaveCancelledError, save_tensor_without_crc
 
 kind = sys.argv[2]
 cancel = threading.Event()

@@ -2,7 +2,7 @@
 
 A small model with a BatchNorm (float and int64 buffers), Adam, a StepLR schedule and ``Counter``,
 a per-rank object (neither module nor optimizer) whose saved state differs on every rank, so the
-per-rank policy of ``agent._rank_state`` is visible in what each rank gets back.
+per-rank policy of ``agent.rank_state`` is visible in what each rank gets back.
 """
 
 from __future__ import annotations
