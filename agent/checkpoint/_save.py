@@ -565,6 +565,7 @@ class _Saving(_Voting):
                     self.storage,
                     [(os.path.join(save.local_dir, n), f"{folder}/{n}", int(c, 16)) for n, _, c in files],
                     parallelism=self.config.io_threads,
+                    synced=save.writer is not None and save.writer.durable,  # by sync_files above
                 )
             except BaseException as e:
                 save.note(e)

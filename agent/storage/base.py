@@ -141,9 +141,14 @@ class Storage(abc.ABC):
         *,
         progress: ProgressFn | None = None,
         parallelism: int = DEFAULT_PARALLELISM,
+        synced: bool = False,
     ) -> None:
         """``put_file`` for each ``(local_path, key, crc32c)``, in parallel; every object is whole
-        once this returns. A store may do it as one batch (``FileStorage``: one folder sync)."""
+        once this returns. A store may do it as one batch (``FileStorage``: one folder sync).
+
+        ``synced``: the caller has made these local files' bytes durable already (the
+        Checkpointer fsyncs its staged shards); a store that links them into place
+        (``FileStorage``) then syncs only its folders. Object stores upload either way."""
         parallel_map(
             lambda local, key, crc: self.put_file(local, key, crc32c=crc, progress=progress),
             files,
@@ -234,9 +239,10 @@ def put_files(
     *,
     progress: ProgressFn | None = None,
     parallelism: int = DEFAULT_PARALLELISM,
+    synced: bool = False,
 ) -> None:
     """Upload ``(local_path, key, crc32c)`` triples in parallel (``Storage.put_files``)."""
-    storage.put_files(files, progress=progress, parallelism=parallelism)
+    storage.put_files(files, progress=progress, parallelism=parallelism, synced=synced)
 
 
 def get_files(

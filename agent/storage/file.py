@@ -115,15 +115,17 @@ class FileStorage(Storage):
         crc32c: int | None = None,
         progress: ProgressFn | None = None,
         sync: bool = True,
+        synced: bool = False,
     ) -> None:
-        """``sync=False`` (``put_files``) leaves the folder's sync to the caller."""
+        """``sync=False`` (``put_files``) leaves the folder's sync to the caller; ``synced``: the
+        caller made ``local_path``'s bytes durable already (see ``_place``)."""
         dest = self._path(key)
         with local_file(f"cannot read the local file {local_path}", key):
             os.stat(local_path)
 
         def put() -> None:
             created = self._makedirs(os.path.dirname(dest))
-            self._place(local_path, dest)
+            self._place(local_path, dest, synced=synced)
             if sync:
                 _fsync_dir(os.path.dirname(dest))
                 if created:
@@ -139,13 +141,15 @@ class FileStorage(Storage):
         *,
         progress: ProgressFn | None = None,
         parallelism: int = DEFAULT_PARALLELISM,
+        synced: bool = False,
     ) -> None:
         """Link (or copy) every file into place, then sync each folder touched once: one journal
-        commit for the batch instead of one per file (a checkpoint's files share a folder)."""
+        commit for the batch instead of one per file (a checkpoint's files share a folder).
+        ``synced`` files (fsynced by the caller) get no sync of their own (see ``_place``)."""
         folders = {os.path.dirname(self._path(key)) for _, key, _ in files}
         new = {f for f in folders if not os.path.isdir(f)}
         for local_path, key, crc in files:
-            self.put_file(local_path, key, crc32c=crc, progress=progress, sync=False)
+            self.put_file(local_path, key, crc32c=crc, progress=progress, sync=False, synced=synced)
 
         def sync() -> None:
             for folder in sorted(folders):
@@ -155,18 +159,27 @@ class FileStorage(Storage):
 
         self._run(f"cannot write {self.uri}", None, sync)
 
-    def _place(self, local_path: str, dest: str) -> None:
+    def _place(self, local_path: str, dest: str, *, synced: bool = False) -> None:
         """Put ``local_path``'s bytes at ``dest`` (a hard link, else a copy), durable, renamed into place.
-        The folder's own sync is the caller's."""
+        The folder's own sync is the caller's.
+
+        A link of a ``synced`` file (its bytes fsynced by the caller) is not synced again: the
+        link changed the inode (its link count), so that sync would wait for a journal commit of
+        its own, one per file, while the folder's sync the caller does next commits the link
+        (the folder entry and the inode's count change in one operation) along with the others.
+        A copy is always synced: its bytes are new."""
         tmp = self._tmp_for(dest)
+        linked = False
         try:
             try:
                 os.link(local_path, tmp)
+                linked = True
             except FileExistsError:
                 # The temp name is fresh: taken, it is this link, made by an NFS server whose reply
                 # was lost (the retransmission found the name).
                 if not _same_file(local_path, tmp):
                     raise
+                linked = True
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EMLINK, *_NO_HARD_LINKS):
                     raise
@@ -178,10 +191,9 @@ class FileStorage(Storage):
                     # shutil names the file it read (the staged shard, on another disk) in the
                     # error; the disk that is full is the one written to.
                     raise OSError(copy_error.errno, copy_error.strerror, dest) from copy_error
-            # The link shares the staged file's inode: make sure its bytes are on disk (nearly free
-            # when the writer synced them already, as the Checkpointer does).
-            with open(tmp, "rb") as f:
-                sync_fd(f.fileno())
+            if not (linked and synced):
+                with open(tmp, "rb") as f:
+                    sync_fd(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
             _unlink_quiet(tmp)
