@@ -348,7 +348,7 @@ class KubernetesBackend:
         except AlreadyExists:
             return  # an earlier pass created it; the cache has not shown it yet
         except KubeError as e:
-            raise BackendError(f"cannot create pod {key.namespace}/{name}: {e}") from e
+            raise BackendError(f"cannot create pod {key.namespace}/{name}: {e}{_refusal_hint(e)}") from e
         log.info(
             "job %s: created pod %s (attempt %d, replica %d%s)",
             key,
@@ -624,6 +624,35 @@ def _not_starting(pod: Object) -> tuple[str, str] | None:
             where = f"container {container.get('name')}"
             return reason, f"{where}: {message}" if message else where
     return None
+
+
+POD_SECURITY_REFUSAL = "violates PodSecurity"
+"""How the API server words a pod that the namespace's Pod Security admission refuses."""
+
+
+def _refusal_hint(error: KubeError) -> str:
+    """What to change when an admission policy of the namespace (Pod Security admission, a
+    validating webhook such as Kyverno's or Gatekeeper's) refuses a worker pod; "" for other errors.
+
+    spotjob adds nothing these policies forbid (README "Locked-down namespaces"): what they name
+    comes from the job's ``spec.template`` (or its absence), and is changed there."""
+    if error.status != 403:
+        return ""
+    said = str(error)
+    if POD_SECURITY_REFUSAL in said:
+        return (
+            ". The namespace's Pod Security admission (label pod-security.kubernetes.io/enforce) refuses the worker "
+            "pod as spec.template describes it: set what it names in spec.template (spec.securityContext and each "
+            "container's securityContext; a job without a template gets none), then the next try creates it "
+            "(README 'Locked-down namespaces')"
+        )
+    if "admission webhook" in said and "denied the request" in said:
+        return (
+            ". An admission policy of the cluster refuses the worker pod as spec.template describes it: change "
+            "spec.template as it says (or have the policy exempt the job), then the next try creates it "
+            "(README 'Locked-down namespaces')"
+        )
+    return ""
 
 
 def _alive(pod: Object) -> bool:

@@ -109,12 +109,21 @@ Transport = Callable[[str, int, str, str, bytes | None, str, float], tuple[int, 
 """``(ip, port, method, path, body, token, timeout) -> (status, body)``; raises ``OSError`` on network errors."""
 
 
+class ConnectTimeout(TimeoutError):
+    """No answer to the connection itself: the packets were dropped on the way (a NetworkPolicy, a
+    firewall), or the node is gone. An agent that is there but not listening refuses at once."""
+
+
 def http_transport(
     ip: str, port: int, method: str, path: str, body: bytes | None, token: str, timeout: float
 ) -> tuple[int, bytes]:
     host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
+        try:
+            connection.connect()
+        except TimeoutError as e:
+            raise ConnectTimeout(f"no answer to the connection within {timeout:g}s") from e
         headers = {"Authorization": f"Bearer {token}", "Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -196,8 +205,17 @@ class AgentCalls:
                 agent.ip, self.port, "POST", f"/{what}", json.dumps(body).encode(), agent.token, self._timeout
             )
         except (OSError, http.client.HTTPException) as e:
-            log.warning("POST /%s to the agent of %s (%s) failed: %s", what, agent.pod, agent.ip, e)
-            return CallResult(CallState.FAILED, f"cannot reach the agent at {agent.ip}:{self.port}: {e}")
+            detail = f"cannot reach the agent at {agent.ip}:{self.port}: {e}"
+            if isinstance(e, ConnectTimeout):
+                detail += (
+                    f" (dropped on the way: is there a NetworkPolicy that does not let the controller's pods reach "
+                    f"port {self.port} of the worker pods? A default-deny egress policy in the controller's namespace, "
+                    "or ingress policies of yours in the job's, must allow it besides the job's own; README "
+                    "'Locked-down namespaces'. Else a firewall between nodes, or a node that is gone. The agent still "
+                    "flushes on its own notices, and on the SIGTERM of its pod's deletion)"
+                )
+            log.warning("POST /%s to the agent of %s (%s) failed: %s", what, agent.pod, agent.ip, detail)
+            return CallResult(CallState.FAILED, detail)
         text = answer[:300].decode("utf-8", "replace")
         if status in (200, 202):
             created = status == 202

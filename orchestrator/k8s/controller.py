@@ -16,9 +16,10 @@ In order, on the main thread (``Controller.run``):
 
 In parallel: one thread per informer (and namespace), ``--workers`` reconcile threads, the leader
 elector and its watchdog, the HTTP server's threads. Informer handlers only map events to job keys
-and queue them: a SpotJob event queues that job; a worker Pod event queues the job named by its
-``spotjob.dev/job`` label; a Node event queues every job with a worker on that node (via the Pod
-cache's node index) — only when the update changed what a reconcile reads (taints, the
+and queue them: a SpotJob event queues that job (except the echo of this process's own status
+write, ``OwnStatusWrites``: the pass that wrote it chose when to look again); a worker Pod event
+queues the job named by its ``spotjob.dev/job`` label; a Node event queues every job with a
+worker on that node (via the Pod cache's node index) — only when the update changed what a reconcile reads (taints, the
 interruption notice, Ready, labels), and ahead of every other key when a notice first appears
 (``WorkQueue.add(urgent=True)``) — and a Node deletion is remembered by the node-loss tracker.
 
@@ -94,6 +95,43 @@ class ControllerOptions:
     """How the worker pods' agents start the ranks (``spotjob-agent --launcher``): direct or torchrun."""
 
 
+class OwnStatusWrites:
+    """The status each SpotJob was last given by this process (``KubeJobStore`` records it before
+    the write goes out). The watch event a status write brings back is no news to the reconcile
+    that wrote it: queueing the job for it would run the next pass at once, whatever delay the pass
+    asked for — a job failing every pass (a pod the namespace refuses, storage down) writes a new
+    failure count each time, and its retry backoff became a loop of passes as fast as the API
+    server answers. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: dict[tuple[str, str], object] = {}
+
+    def writing(self, namespace: str, name: str, status: object) -> None:
+        with self._lock:
+            self._status[(namespace, name)] = status
+
+    def is_own(self, obj: Object) -> bool:
+        """The object's status is the one this process last wrote for it."""
+        with self._lock:
+            written = self._status.get(object_key(obj))
+        return written is not None and written == obj.get("status")
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._status.pop((namespace, name), None)
+
+
+def only_status_changed(old: Object, new: Object) -> bool:
+    """Nothing but the status (and the bookkeeping every write changes) differs."""
+
+    def rest(obj: Object) -> Object:
+        meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")}
+        return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+    return rest(old) == rest(new)
+
+
 @dataclass
 class ControllerContext:
     """Everything a reconcile (and the Kubernetes backend) may use. Built once per process."""
@@ -107,6 +145,8 @@ class ControllerContext:
     signals: ClusterSignals
     queue: WorkQueue
     options: ControllerOptions
+    status_writes: OwnStatusWrites = field(default_factory=OwnStatusWrites)
+    """Recorded by the job store, read by the SpotJob handler: a job is not queued for its own status write."""
 
 
 ReconcileFactory = Callable[[ControllerContext], Reconcile]
@@ -203,14 +243,18 @@ class Controller:
             ns, name = object_key(obj)
             self.queue.add(ObjectKey(ns, name))
 
+        def job_updated(old: Object, new: Object) -> None:
+            if only_status_changed(old, new) and self.context.status_writes.is_own(new):
+                return  # this process's own status write: the pass that wrote it chose when to look again
+            job_key(new)
+
         def job_deleted(obj: Object) -> None:
             ns, name = object_key(obj)
             self.metrics.job_deleted(ns, name)
+            self.context.status_writes.forget(ns, name)
             self.queue.add(ObjectKey(ns, name))
 
-        self.jobs.add_handler(
-            EventHandler(on_add=job_key, on_update=lambda _old, new: job_key(new), on_delete=job_deleted)
-        )
+        self.jobs.add_handler(EventHandler(on_add=job_key, on_update=job_updated, on_delete=job_deleted))
 
         def pod_changed(pod: Object, urgent: bool = False) -> None:
             for key in _pod_job(pod):

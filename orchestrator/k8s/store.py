@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.k8s.api import SPOTJOBS, Conflict, KubeClient, KubeError, NotFound, Object, resource_version
@@ -46,9 +47,14 @@ log = logging.getLogger(__name__)
 class KubeJobStore(JobStore):
     """SpotJobs through ``KubeClient`` and the SpotJob informer's ``Cache``. Thread-safe."""
 
-    def __init__(self, client: KubeClient, cache: Cache) -> None:
+    def __init__(
+        self, client: KubeClient, cache: Cache, *, on_writing: Callable[[str, str, object], None] | None = None
+    ) -> None:
+        """``on_writing(namespace, name, status)`` is told each status just before it is written
+        (``controller.OwnStatusWrites``: the job is not queued again for its own write)."""
         self._client = client
         self._cache = cache
+        self._on_writing = on_writing
         self._lock = threading.Lock()
         self._written: dict[JobKey, tuple[frozenset[str], Object]] = {}
         """key -> (the resourceVersions our writes in a row replaced, the object the last returned)."""
@@ -77,6 +83,8 @@ class KubeJobStore(JobStore):
             "spec": current.get("spec"),
             "status": document,
         }
+        if self._on_writing is not None:
+            self._on_writing(key.namespace, key.name, document)
         try:
             written = self._client.replace(SPOTJOBS, body, subresource="status")
         except Conflict as e:

@@ -55,7 +55,7 @@ def spotjob_reconcile(context: ControllerContext, *, options: ReconcilerOptions 
     hints = CheckpointHints(context.client, context.pods.cache, metrics=context.metrics)
     context.pods.add_handler(EventHandler(on_delete=backend.pod_deleted))
     context.pods.add_handler(EventHandler(on_delete=hints.forget))
-    store = KubeJobStore(context.client, context.jobs.cache)
+    store = KubeJobStore(context.client, context.jobs.cache, on_writing=context.status_writes.writing)
     reconciler = Reconciler(
         store,
         backend,

@@ -219,3 +219,61 @@ def test_a_service_account_that_does_not_exist_leaves_the_job_degraded_with_an_e
     assert s.get("phase") == "Pending" and not job_pods(cluster, namespace, "train"), s
     events = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "BackendUnavailable"]
     assert events and events[0]["type"] == "Warning" and "trainer-sa" in events[0]["note"], events
+
+
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_a_template_pod_security_refuses_leaves_the_job_degraded_saying_what_to_set_and_a_fixed_one_starts(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    tmp_path: Path,
+) -> None:
+    """A namespace at Pod Security ``enforce: restricted`` refuses a worker pod whose template sets no
+    securityContext (403, worded as a real API server words it: tests/k8s/cluster/podsecurity.py).
+    The job says so (Degraded, a Warning Event) naming what to set and where, creates no pod, and
+    starts once spec.template is fixed; the pod keeps the template's securityContext, and nothing
+    spotjob adds (its volumes, port, env, probes) is refused.
+
+    The test API server models only the ``restricted`` level on pod creates; not the ``warn`` and
+    ``audit`` modes, versions other than ``latest``, or exemptions."""
+    cluster.rest.request(
+        "PATCH",
+        f"/api/v1/namespaces/{namespace}",
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+        content_type="application/merge-patch+json",
+    )
+    cluster.add_node(f"{namespace}-a")
+    start_controller(namespace)
+    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path))
+
+    def degraded() -> dict[str, Any] | None:
+        s = status(cluster, namespace, "train")
+        return s if _condition(s, "Degraded").get("status") == "True" else None
+
+    s = wait(degraded, "the job Degraded")
+    message = _condition(s, "Degraded")["message"]
+    assert 'violates PodSecurity "restricted:latest"' in message, s
+    assert 'container "trainer" must set securityContext.allowPrivilegeEscalation=false' in message, s
+    assert "set what it names in spec.template" in message and "Locked-down namespaces" in message, s
+    assert s.get("phase") == "Pending" and not job_pods(cluster, namespace, "train"), s
+    events = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "BackendUnavailable"]
+    assert events and events[0]["type"] == "Warning" and "spec.template" in events[0]["note"], events
+
+    trainer = {
+        "name": "trainer",
+        "image": "spotjob-test:local",
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "securityContext": RESTRICTED_CONTAINER,
+    }
+    cluster.rest.request(
+        "PATCH",
+        f"/apis/spotjob.dev/v1alpha1/namespaces/{namespace}/spotjobs/train",
+        {"spec": {"template": {"spec": {"securityContext": RESTRICTED_POD, "containers": [trainer]}}}},
+        content_type="application/merge-patch+json",
+    )
+    (pod,) = wait(lambda: job_pods(cluster, namespace, "train") or None, "the fixed template's worker pod")
+    assert pod["spec"]["securityContext"] == RESTRICTED_POD
+    assert pod["spec"]["containers"][0]["securityContext"] == RESTRICTED_CONTAINER

@@ -4,6 +4,7 @@ cluster read it."""
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -164,6 +165,30 @@ def test_the_controller_pod_is_hardened(rendered: tuple[str, list[dict[str, Any]
     assert env["POD_NAMESPACE"] == "metadata.namespace"
     if name != "everything":
         assert pod["securityContext"]["runAsUser"] == 65532
+
+
+def test_every_pod_the_chart_renders_meets_pod_security_restricted(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """Pins what already held: with every value set, each pod spec the chart renders (the
+    Deployment's; the chart has no Job, hook or DaemonSet, and none may appear without meeting
+    this) passes the ``restricted`` Pod Security Standard, checked control by control for
+    containers, init containers and ephemeral containers by the test API server's checker."""
+    from tests.k8s.cluster.podsecurity import violations
+
+    name, objects = rendered
+    templates = {"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"}
+    specs = [o["spec"]["template"]["spec"] for o in objects if o["kind"] in templates]
+    specs += [o["spec"]["jobTemplate"]["spec"]["template"]["spec"] for o in objects if o["kind"] == "CronJob"]
+    specs += [o["spec"] for o in objects if o["kind"] == "Pod"]
+    assert specs, name
+    for spec in specs:
+        assert violations(spec) == [], name
+    # The checker can fail: the same pod without the pod-level runAsNonRoot and seccomp profile
+    # still passes (each container sets both), and one whose container may escalate does not.
+    pod = copy.deepcopy(specs[0])
+    del pod["securityContext"]["runAsNonRoot"], pod["securityContext"]["seccompProfile"]
+    assert violations(pod) == []
+    pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    assert [v.split(" (")[0] for v in violations(pod)] == ["allowPrivilegeEscalation != false"]
 
 
 def test_selectors_of_the_pdb_service_and_policy_flag_match_the_controller_pods(

@@ -183,3 +183,39 @@ def test_a_save_is_asked_once_per_request_id_and_a_new_id_asks_again(agent: Agen
     calls.save(endpoint(), "req-2", "another")
     assert settle(calls, "save", tag="req-2").state is CallState.ACCEPTED
     assert agent.control.save_request().id == "req-2"  # type: ignore[union-attr]
+
+
+def test_an_agent_whose_packets_are_dropped_fails_pointing_at_a_network_policy_and_a_refusal_does_not() -> None:
+    """A NetworkPolicy that does not admit the controller drops its packets: the connection times
+    out. Modeled by the kernel itself: a listener whose accept queue is full drops the next SYN, as
+    a policy would. Before, the failure said only "timed out"; it names the policy and the port to
+    open now, and a port nobody listens on (refused at once) is not blamed on one."""
+    import socket
+
+    full = socket.socket()
+    held = socket.socket()
+    try:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        held.connect(full.getsockname())  # fills the accept queue: the next SYN is dropped
+        calls = AgentCalls(port=full.getsockname()[1], timeout=1.0)
+        try:
+            calls.flush(endpoint(), "notice", None)
+            result = settle(calls, "flush")
+        finally:
+            calls.close()
+        assert result.state is CallState.FAILED
+        assert "no answer to the connection within 1s" in result.detail, result.detail
+        assert "NetworkPolicy" in result.detail and f"port {full.getsockname()[1]}" in result.detail, result.detail
+        assert "Locked-down namespaces" in result.detail
+    finally:
+        held.close()
+        full.close()
+
+    refused = AgentCalls(port=9, timeout=2.0)  # discard: nothing listens, the kernel refuses
+    try:
+        refused.flush(endpoint(), "notice", None)
+        detail = settle(refused, "flush").detail
+        assert "cannot reach the agent" in detail and "NetworkPolicy" not in detail, detail
+    finally:
+        refused.close()

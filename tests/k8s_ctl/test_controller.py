@@ -137,3 +137,66 @@ def test_only_the_leader_reads_the_interruption_queue(test_api: TestApi) -> None
         controller.stop()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_jobs_own_status_write_does_not_queue_it_again_and_a_change_of_its_metadata_does(test_api: TestApi) -> None:
+    """A pass that writes the status and asks to look again in an hour is not run again by the watch
+    event its own write brings back: before, every pass that wrote a new failure count (a pod the
+    namespace refuses, storage down) was followed at once by another, and the retry backoff was a
+    loop of passes as fast as the API server answered. An annotation (a flush request) still
+    queues the job at once."""
+    from orchestrator.k8s.informer import EventHandler
+    from orchestrator.k8s.store import KubeJobStore
+    from orchestrator.model import JobKey, JobStatus
+
+    test_api.install_spotjob_crd()
+    job = ObjectKey("default", "llama")
+    calls: Counter[ObjectKey] = Counter()
+
+    def factory(context: ControllerContext) -> Reconcile:
+        store = KubeJobStore(context.client, context.jobs.cache, on_writing=context.status_writes.writing)
+
+        def reconcile(key: ObjectKey) -> float | None:
+            calls[key] += 1
+            stored = store.get(JobKey(key.namespace, key.name))
+            assert stored is not None
+            failing = JobStatus(created_at=datetime.now(UTC), reason="Created", infra_errors=calls[key])
+            store.update_status(stored.key, failing, version=stored.version)
+            return 3600.0
+
+        return reconcile
+
+    options = ControllerOptions(leader_elect=False, http_port=0, workers=2, identity="solo")
+    controller = Controller(test_api.client(), options, factory)
+    queued: Counter[ObjectKey] = Counter()
+    add = controller.queue.add
+
+    def counting_add(key: ObjectKey, *, urgent: bool = False) -> None:
+        queued[key] += 1
+        add(key, urgent=urgent)
+
+    controller.queue.add = counting_add  # type: ignore[method-assign]
+    written: list[int] = []
+    # Handlers run in the order they were added, on the informer's thread: once this one saw the
+    # write come back, the controller's own handler has decided whether to queue the job for it.
+    controller.jobs.add_handler(
+        EventHandler(on_update=lambda _old, new: written.append(int((new.get("status") or {}).get("infraErrors", 0))))
+    )
+    thread = threading.Thread(target=controller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: controller.is_leader, what="the controller to start its workers")
+        test_api.admin.create(
+            SPOTJOBS,
+            {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "metadata": {"name": "llama"}},
+            "default",
+        )
+        wait_for(lambda: 1 in written, what="the first pass's status write to come back")
+        assert (calls[job], queued[job]) == (1, 1)  # queued for its creation only
+
+        test_api.admin.patch(SPOTJOBS, "llama", {"metadata": {"annotations": {"example.com/x": "1"}}}, "default")
+        wait_for(lambda: 2 in written, what="the second pass's status write to come back")
+        assert (calls[job], queued[job]) == (2, 2)  # the annotation queued it; its write did not
+    finally:
+        controller.stop()
+        thread.join(30)

@@ -349,3 +349,49 @@ def test_a_pre_stop_sleep_of_the_trainer_is_added_to_the_grace_period_so_the_flu
     strict(p)
     template["spec"]["terminationGracePeriodSeconds"] = 3600  # a longer one of the user's stays
     assert pod(0, template=template)["spec"]["terminationGracePeriodSeconds"] == 3600
+
+
+def _restricted_template() -> dict[str, Any]:
+    """USER_TEMPLATE made to meet Pod Security ``restricted``: every container (an init container
+    too) non-root, no privilege escalation, all capabilities dropped, seccomp RuntimeDefault."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    hardened = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    template["spec"]["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    template["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox:1", "command": ["true"]}]
+    for c in [*template["spec"]["containers"], *template["spec"]["initContainers"]]:
+        c["securityContext"] = copy.deepcopy(hardened)
+    return template
+
+
+def test_a_template_pod_security_restricted_admits_stays_admitted_with_everything_spotjob_adds() -> None:
+    """Pins what already held: spotjob adds only what ``restricted`` allows (a Secret and emptyDir
+    volumes, a containerPort, downward-API env, probes, affinity, tolerations) and keeps the
+    template's securityContext, pod and containers, as written. The checker is the test API
+    server's (tests/k8s/cluster/podsecurity.py), written from the published standard."""
+    from tests.k8s.cluster.podsecurity import violations
+
+    template = _restricted_template()
+    assert violations(template["spec"]) == []
+    for index in (0, 1):
+        p = pod(index, template=copy.deepcopy(template))
+        assert violations(p["spec"]) == [], index
+        assert p["spec"]["securityContext"] == template["spec"]["securityContext"]
+        for c in p["spec"]["containers"] + p["spec"]["initContainers"]:
+            assert c["securityContext"] == template["spec"]["containers"][0]["securityContext"], c["name"]
+    # The checker can fail: a job without a template gets a container with no securityContext.
+    bare = pod(template=None, container=0, image="img:1")
+    assert [v.split(" (")[0] for v in violations(bare["spec"])] == [
+        "allowPrivilegeEscalation != false",
+        "unrestricted capabilities",
+        "runAsNonRoot != true",
+        "seccompProfile",
+    ]

@@ -6,7 +6,8 @@ Modeled as the Kubernetes API documents it ("API Concepts", "API Conventions", "
 resourceVersion and generation, 409 on a stale update, finalizers and graceful deletion, status
 subresources, the three patch formats, CRDs served on creation with structural schemas and CEL rules (cel.py), and the
 admission defaults a controller's pods meet on a real server (service account lookup, the default
-not-ready/unreachable tolerations).
+not-ready/unreachable tolerations), and Pod Security admission at ``enforce: restricted`` on pod
+creates (podsecurity.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from . import resources as res
 from .cel import crd_rule_errors
 from .errors import ApiError, already_exists, bad_request, conflict, invalid, not_found
 from .patches import PatchError, json_patch, merge_patch, strategic_merge_patch
+from .podsecurity import ENFORCE_LABEL, refusal_message, violations
 from .resources import ResourceType
 from .schema import KUBERNETES_VERSION, FieldError, builtin_definitions, definition_for, structural_errors
 from .selectors import SelectorError, fields_match, labels_match, parse_field_selector, parse_label_selector
@@ -514,6 +516,7 @@ class ApiServer:
                         "tolerationSeconds": self.default_toleration_seconds,
                     }
                 )
+        self._admit_pod_security(pod, ns)
         requests: dict[str, Any] = {}
         for c in spec.get("containers", []):
             if (c.get("resources") or {}).get("requests") or (c.get("resources") or {}).get("limits"):
@@ -528,6 +531,18 @@ class ApiServer:
             )
         )
         pod["status"] = {"phase": "Pending", "qosClass": qos}
+
+    def _admit_pod_security(self, pod: Obj, namespace: str) -> None:
+        """Pod Security admission at ``enforce: restricted`` (the namespace's label): a pod that breaks
+        the profile is refused with a 403 as a real server words it (podsecurity.py). Only the
+        ``restricted`` level is modeled, and only on create."""
+        ns = self.store.get("core/namespaces", "", namespace) or {}
+        if ((ns.get("metadata") or {}).get("labels") or {}).get(ENFORCE_LABEL) != "restricted":
+            return
+        problems = violations(pod.get("spec") or {})
+        if problems:
+            name = pod["metadata"].get("name", "")
+            raise ApiError(403, "Forbidden", refusal_message(name, problems), name=name, kind="pods")
 
     def _admit_service(self, svc: Obj) -> None:
         spec = svc.setdefault("spec", {})
