@@ -19,6 +19,10 @@ from packaging.version import Version
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 FLOORS = {
+    # agent/storage/s3.py: botocore's Config(request_checksum_calculation=..., response_checksum_validation=...)
+    # and ChecksumType="FULL_OBJECT" on multipart uploads are botocore 1.36.0's (1.35.99: TypeError);
+    # boto3 1.36.0 is the first to require botocore 1.36.
+    "boto3": ("1.36.0", "botocore.config.Config(request_checksum_calculation=...)"),
     # agent/storage/gs.py imports google.cloud.storage.exceptions (DataCorruption, InvalidResponse):
     # the module arrived in 3.0.0, when google-resumable-media was folded into the library.
     "google-cloud-storage": ("3.0.0", "google.cloud.storage.exceptions"),
