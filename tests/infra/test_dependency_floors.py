@@ -23,6 +23,10 @@ FLOORS = {
     # and ChecksumType="FULL_OBJECT" on multipart uploads are botocore 1.36.0's (1.35.99: TypeError);
     # boto3 1.36.0 is the first to require botocore 1.36.
     "boto3": ("1.36.0", "botocore.config.Config(request_checksum_calculation=...)"),
+    # agent/crc32c.py: awscrt.checksums.combine_crc32c first shipped in 0.31.0 (0.30.0 lacks it).
+    # A higher floor would also force botocore[crt]'s exact awscrt pin up, refusing images whose
+    # botocore is pinned by something else (aiobotocore, say).
+    "awscrt": ("0.31.0", "awscrt.checksums.combine_crc32c"),
     # agent/storage/gs.py imports google.cloud.storage.exceptions (DataCorruption, InvalidResponse):
     # the module arrived in 3.0.0, when google-resumable-media was folded into the library.
     "google-cloud-storage": ("3.0.0", "google.cloud.storage.exceptions"),
