@@ -45,3 +45,13 @@ def _floor(name: str) -> Version:
 def test_the_declared_floor_is_the_first_release_with_the_api_used(name: str) -> None:
     version, api = FLOORS[name]
     assert _floor(name) == Version(version), f"{name}: {api} needs {version}; pyproject.toml declares {_floor(name)}"
+
+
+def test_the_checkpointers_torch_floor_is_the_torch_extras() -> None:
+    """The Checkpointer refuses an older torch at import (agent.checkpoint._torch_floor); the
+    extra's floor and that check must name the same release."""
+    from agent.checkpoint._torch_floor import MIN_TORCH
+
+    (req,) = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["torch"] if r.startswith("torch")]
+    (low,) = [Version(s.version) for s in req.specifier if s.operator == ">="]
+    assert low.release[:2] == MIN_TORCH

@@ -104,3 +104,30 @@ except SystemExit as e:
     done = _run(["torch", "numpy", "safetensors"], code)
     assert done.returncode == 0, done.stderr
     assert "EXIT 0" in done.stdout
+
+
+AS_TORCH = """
+import torch
+torch.__version__ = {version!r}  # the one seam: the version this torch reports
+try:
+    from agent import Checkpointer
+    print("IMPORTED")
+except ImportError as e:
+    print("REFUSED:", e)
+"""
+
+
+def test_a_torch_older_than_the_extras_floor_is_refused_when_the_checkpointer_is_imported() -> None:
+    """A torch that predates DCP's DefaultStager (2.9) used to import and fail at the first save.
+    Only the reported version is changed: the modules are this machine's torch."""
+    done = _run([], AS_TORCH.format(version="2.8.1+cu126"))
+    assert done.returncode == 0, done.stderr
+    assert "REFUSED: spotjob's Checkpointer needs torch>=2.9" in done.stdout
+    assert "this Python has torch 2.8.1+cu126" in done.stdout
+
+
+def test_a_pre_release_build_of_a_supported_torch_is_accepted() -> None:
+    """Pins that the floor compares release numbers only: NGC containers ship ``2.9.0a0+<git>``."""
+    done = _run([], AS_TORCH.format(version="2.9.0a0+50eac811a6"))
+    assert done.returncode == 0, done.stderr
+    assert "IMPORTED" in done.stdout
