@@ -131,3 +131,29 @@ def test_a_pre_release_build_of_a_supported_torch_is_accepted() -> None:
     done = _run([], AS_TORCH.format(version="2.9.0a0+50eac811a6"))
     assert done.returncode == 0, done.stderr
     assert "IMPORTED" in done.stdout
+
+
+CKPT = """
+from orchestrator.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def test_ckpt_verify_deep_and_export_without_torch_say_what_to_install_before_reading(tmp_path: Path) -> None:
+    """``pip install spotjob`` (no torch extra) on an operator's machine: ``verify --deep`` used to
+    read every byte and then end in a ModuleNotFoundError traceback; ``export`` likewise."""
+    uri = tmp_path / "ckpt"
+    save = f"""
+import torch
+from agent import Checkpointer
+ck = Checkpointer({str(uri)!r}, async_save=False)
+ck.save(1, {{"model": torch.nn.Linear(2, 2)}})
+ck.close()
+"""
+    assert _run([], save).returncode == 0
+    for argv in (["ckpt", "verify", "--deep", str(uri)], ["ckpt", "export", str(uri), str(tmp_path / "out")]):
+        done = _run(["torch", "numpy", "safetensors"], CKPT.format(argv=argv))
+        assert done.returncode == 2, done.stderr  # an error, not verify's 1 ("the checkpoint is invalid")
+        assert "Traceback" not in done.stderr
+        assert "needs torch" in done.stderr and "pip install 'spotjob[torch]'" in done.stderr
+    assert not (tmp_path / "out").exists()
