@@ -21,6 +21,7 @@ from agent.ownership import job_name_problem
 from agent.restore_cache import staging_dir_problem
 from agent.storage import parse_uri
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
+from agent.version import version_line
 
 ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
 ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
@@ -127,6 +128,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "74 on an infrastructure error (storage unreachable, rendezvous port taken), 79 when stopped through "
         "POST /stop, else with the command's own code (1 if that is one of these).",
     )
+    p.add_argument("--version", action="version", version=version_line("spotjob-agent"))
     ck = p.add_argument_group("checkpoint (passed to the ranks as SPOTJOB_* variables)")
     ck.add_argument("--checkpoint-uri", help=f"where checkpoints go (required unless {ENV_CHECKPOINT_URI} is set)")
     ck.add_argument("--job-name")

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from agent.streams import log_to_stderr, tolerate_unencodable_output
+from agent.version import version_line
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
 
@@ -31,6 +32,7 @@ class _StderrHandler(logging.StreamHandler):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotjob", description="Preemption-proof PyTorch training on spot capacity.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line("spotjob"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from orchestrator import cli_ckpt
 

@@ -322,7 +322,27 @@ def list_rows(statuses: Iterable[CheckpointStatus]) -> list[list[str]]:
     ]
 
 
+def _need_torch_extra(command: str, modules: tuple[str, ...]) -> None:
+    """Import what ``command`` needs from the ``torch`` extra before it reads anything: without
+    them it would read every byte and then fail. A ``CommandError`` names what to install."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            missing = (e.name or module).partition(".")[0]
+            if missing not in ("torch", "numpy", "safetensors"):
+                raise
+            raise CommandError(
+                f"{command} needs {missing}, which is not installed here: pip install 'spotjob[torch]' "
+                "(beside the torch this environment already has, if it has one)"
+            ) from e
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.deep:
+        _need_torch_extra("verify --deep", ("torch", "numpy"))
     with opened_storage(args.uri) as storage:
         status = select_checkpoint(storage, args.step)
         checked_bytes = 0
@@ -414,6 +434,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.out.strip():
         # os.path.abspath("") is the working directory: an unset "$OUT" would export into it.
         raise CommandError("OUT is empty: name the folder to write the export in (e.g. ./export)")
+    _need_torch_extra("export", ("torch", "numpy", "safetensors"))
     out = os.path.abspath(args.out)
     _check_out(out, force=args.force)
     started = time.monotonic()

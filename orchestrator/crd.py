@@ -2,7 +2,8 @@
 
 ``python -m orchestrator.crd`` writes ``charts/spotjob/files/crds/spotjob.dev_spotjobs.yaml`` (the
 file the chart installs); ``--check`` only compares and exits 1 when the file and the models have
-drifted (a unit test does the same), ``--stdout`` prints it.
+drifted (a unit test does the same), ``--stdout`` prints it. An installed package has no chart
+beside it: there the default path is refused (``--path`` or ``--stdout`` is needed), never created.
 
 What the generator does to pydantic's JSON Schema to make it a structural OpenAPI v3 schema, the
 form the API server requires: every ``$ref`` is inlined; ``X | None`` becomes ``X`` with
@@ -307,6 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if the file differs from the models; write nothing")
     mode.add_argument("--stdout", action="store_true", help="print the CRD instead of writing it")
     args = parser.parse_args(argv)
+    chart = CRD_PATH.parents[2]
+    if not args.stdout and args.path == CRD_PATH and not (chart / "Chart.yaml").is_file():
+        # An installed package (site-packages) has no chart beside it: never create one there.
+        parser.error(
+            f"no chart at {chart} (orchestrator is installed, not a checkout of the repository): "
+            "pass --path FILE or --stdout"
+        )
     text = render()
     if args.stdout:
         sys.stdout.write(text)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 from agent.storage import StorageError
 from agent.streams import log_to_stderr, tolerate_unencodable_output
+from agent.version import version_line
 from orchestrator.cli_ckpt import CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flush one. Uses your kubeconfig and context, as kubectl does.",
         epilog=_EXIT_CODES,
     )
+    parser.add_argument("--version", action="version", version=version_line(PROG))
     _connection_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

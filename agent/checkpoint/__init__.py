@@ -41,8 +41,13 @@ Where each part lives: ``checkpointer`` (the class and its public calls), ``conf
 and input checks), ``errors``; the parts the class joins: ``_vote`` (the per-step vote),
 ``_save`` (the save pipeline and the flush), ``_restore`` (the restore walk), ``_retention``,
 ``_state`` (what a state dict holds), ``_core`` (shared state and collectives).
+
+Importing this package checks torch's version first (``_torch_floor.MIN_TORCH``): an older torch is an
+``ImportError`` that says so, not a failure inside DCP at the first save.
 """
 
+# First: an older torch is refused before any module below imports DCP.
+from agent.checkpoint import _torch_floor  # noqa: F401  (isort: keep first)
 from agent.checkpoint.checkpointer import Checkpointer
 from agent.checkpoint.config import CheckpointConfig, normalise_uri
 from agent.checkpoint.errors import (

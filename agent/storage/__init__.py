@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import os
+import re
+from importlib import metadata
 from urllib.parse import urlparse
 
 from agent.storage._errors import translate_os_error
@@ -26,6 +28,7 @@ from agent.storage.base import (
     get_files,
     put_files,
 )
+from agent.version import DISTRIBUTION
 
 __all__ = [
     "MAX_PREFIX_BYTES",
@@ -160,18 +163,58 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     )
 
 
+# The distributions each remote scheme needs, as pyproject.toml names them, and the top-level
+# modules they (and what they bring) are imported as.
+_SDKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (("boto3", "awscrt"), ("boto3", "botocore", "s3transfer", "awscrt")),
+    "gs": (("google-cloud-storage",), ("google",)),
+}
+
+
+def _sdk_missing(scheme: str, e: ImportError) -> BaseException:
+    """What to raise when the backend of ``scheme`` cannot be imported: a ``PermanentStorageError``
+    naming the SDK, the version found and the requirement to install, when the SDK is what is
+    missing (or too old to have what the backend imports); ``e`` itself otherwise."""
+    dists, modules = _SDKS[scheme]
+    if (e.name or "").partition(".")[0] not in modules:
+        return e
+    try:
+        declared = [r.split(";")[0].strip() for r in metadata.requires(DISTRIBUTION) or []]
+    except metadata.PackageNotFoundError:  # a checkout that was never installed
+        declared = []
+    wanted = [next((r for r in declared if re.match(rf"{re.escape(d)}\b(?!-)", r)), d) for d in dists]
+    found = []
+    for d in dists:
+        try:
+            found.append(f"{d} {metadata.version(d)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"no {d}")
+    return PermanentStorageError(
+        f"{scheme}:// checkpoint URIs need {' and '.join(wanted)}, which this Python cannot import "
+        f"({e}; installed: {', '.join(found)}). spotjob depends on them, so they were left out "
+        f"(pip install --no-deps) or downgraded after it was installed: pip install {' '.join(repr(w) for w in wanted)}"
+    )
+
+
 def open_storage(uri: str) -> Storage:
     """Open the store a checkpoint URI names.
 
-    Raises ``ValueError`` with what to write instead when the URI is not one spotjob knows.
+    Raises ``ValueError`` with what to write instead when the URI is not one spotjob knows, and
+    ``PermanentStorageError`` naming what to install when the scheme's SDK cannot be imported.
     """
     scheme, bucket, path = parse_uri(uri)
     if scheme == "s3":
-        from agent.storage.s3 import S3Storage
+        try:
+            from agent.storage.s3 import S3Storage
+        except ImportError as e:
+            raise _sdk_missing(scheme, e) from e
 
         return S3Storage(bucket, path)
     if scheme == "gs":
-        from agent.storage.gs import GCSStorage
+        try:
+            from agent.storage.gs import GCSStorage
+        except ImportError as e:
+            raise _sdk_missing(scheme, e) from e
 
         return GCSStorage(bucket, path)
     from agent.storage.file import FileStorage

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
+from agent.version import version_line
 from orchestrator.k8s.agents import TokenKeyError
 from orchestrator.k8s.api import KubeClient
 from orchestrator.k8s.cluster_signals import RebalancePolicy
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs SpotJobs on Kubernetes: watches preemption signals, asks the agents to flush a "
         "checkpoint, and restarts the job's pods elsewhere, where they resume.",
     )
+    p.add_argument("--version", action="version", version=version_line("spotjob-controller"))
     p.add_argument("--kubeconfig", help="kubeconfig file ($KUBECONFIG; default: in-cluster, then ~/.kube/config)")
     p.add_argument(
         "--namespace",
@@ -368,7 +370,8 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info(
-        "spotjob-controller %s: namespaces %s, leader election %s, interruption queue %s",
+        "%s (%s): namespaces %s, leader election %s, interruption queue %s",
+        version_line("spotjob-controller"),
         options.identity,
         ", ".join(options.namespaces) or "all",
         f"on lease {options.lease_namespace}/{options.lease_name}" if options.leader_elect else "off",

@@ -123,7 +123,9 @@ def test_the_agent_image_keeps_the_base_images_torch() -> None:
     instructions = _instructions(AGENT)
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert "version('torch')" in runs and "--constraint /tmp/keep-torch.txt" in runs
-    assert "[torch]" not in runs, "spotjob's torch extra would let pip replace the image's CUDA build"
+    # The extra brings NumPy and safetensors and bounds torch; the constraint keeps the CUDA build.
+    assert "--constraint /tmp/keep-torch.txt '.[torch]'" in runs
+    assert "from agent import Checkpointer" in runs, "the build imports the Checkpointer (the torch floor, NumPy)"
     assert any(image.startswith("pytorch/pytorch:") and "cuda" in image for image in _base_images(AGENT))
     assert ("COPY", "examples/train.py /workspace/train.py") in instructions
     for word, rest in instructions:
