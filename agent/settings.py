@@ -31,7 +31,10 @@ def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
     problems = []
     for err in e.errors():
         name = str(err["loc"][0]) if err["loc"] else "?"
-        field = cls.model_fields.get(name)
+        # A field read under its own alias (SPOTJOB_ASYNC for async_save) is reported by the alias.
+        field = cls.model_fields.get(name) or next(
+            (f for f in cls.model_fields.values() if f.validation_alias == name), None
+        )
         variable = (
             field.validation_alias
             if field is not None and isinstance(field.validation_alias, str)

@@ -294,3 +294,13 @@ def test_a_flush_whose_retention_fails_unexpectedly_still_ends_as_flushed(tmp_pa
     assert json.loads((Path(control.path) / FLUSHED_FILE).read_text())["step"] == 3
     # keep=1: step 2 would have gone after the flush; it stays for the next save's retention.
     assert [step for step, _ in commits(str(root))] == [2, 3]
+
+
+def test_a_malformed_spotjob_async_says_it_takes_a_boolean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPOTJOB_ASYNC is the one variable whose name is not its field's (async_save): its message
+    said only "is not a valid value", without what the variable takes."""
+    monkeypatch.setenv("SPOTJOB_CHECKPOINT_URI", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("SPOTJOB_ASYNC", "maybe")
+    with pytest.raises(ValueError, match=r"SPOTJOB_ASYNC='maybe' is not a boolean \(1/0, true/false\)"):
+        Checkpointer.from_env()
+    assert written(tmp_path / "ckpt") == []
