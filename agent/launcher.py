@@ -67,16 +67,7 @@ import psutil
 from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
-    ENV_ASYNC,
-    ENV_ATTEMPT,
-    ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
-    ENV_EVERY_SECONDS,
-    ENV_EVERY_STEPS,
-    ENV_JOB_NAME,
-    ENV_KEEP,
-    ENV_STAGING_DIR,
-    ENV_START_FRESH,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
     ControlDir,
@@ -94,7 +85,7 @@ from agent.launcher_cli import NOTICE_SOURCES as NOTICE_SOURCES
 from agent.launcher_cli import AgentConfig as AgentConfig
 from agent.launcher_cli import RebalancePolicy as RebalancePolicy
 from agent.launcher_cli import build_parser as build_parser
-from agent.launcher_cli import parse_args
+from agent.launcher_cli import checkpoint_variables, parse_args
 from agent.launcher_requests import MAX_SAVE_IDS as MAX_SAVE_IDS
 from agent.launcher_requests import AgentRequests, infra_error_text
 from agent.launcher_requests import Window as Window
@@ -262,21 +253,7 @@ class Agent(AgentRequests):
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""
-        cfg = self.config
-        env = {ENV_CONTROL_DIR: self.control.path}
-        optional: dict[str, object | None] = {
-            ENV_CHECKPOINT_URI: cfg.checkpoint_uri,
-            ENV_JOB_NAME: cfg.job_name,
-            ENV_EVERY_STEPS: cfg.every_steps,
-            ENV_EVERY_SECONDS: cfg.every_seconds,
-            ENV_KEEP: cfg.keep,
-            ENV_ASYNC: None if cfg.async_save is None else ("1" if cfg.async_save else "0"),
-            ENV_STAGING_DIR: cfg.staging_dir,
-            ENV_ATTEMPT: cfg.attempt,
-            ENV_START_FRESH: "1" if cfg.start_fresh else None,
-        }
-        env.update({k: str(v) for k, v in optional.items() if v is not None})
-        return env
+        return {ENV_CONTROL_DIR: self.control.path, **checkpoint_variables(self.config)}
 
     def _watch(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> int:
         next_scan = 0.0

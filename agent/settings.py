@@ -10,6 +10,7 @@ No torch import.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeVar
 
 from pydantic import ByteSize, Field, ValidationError
@@ -24,6 +25,27 @@ def load(cls: type[S]) -> S:
         return cls()
     except ValidationError as e:
         raise ValueError(_in_words(cls, e)) from None
+
+
+def load_from(cls: type[S], environ: Mapping[str, str]) -> S:
+    """``cls`` read from ``environ`` instead of the process's environment, by the same rules as
+    ``load``: spotjob-agent checks, before it starts anything, what its ranks will read."""
+    values = {}
+    for name, field in cls.model_fields.items():
+        key = field.validation_alias if isinstance(field.validation_alias, str) else name
+        text = environ.get(variable_name(cls, name))
+        if text:  # env_ignore_empty
+            values[key] = text
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise ValueError(_in_words(cls, e)) from None
+
+
+def variable_name(cls: type[BaseSettings], name: str) -> str:
+    """The environment variable field ``name`` of ``cls`` is read from."""
+    alias = cls.model_fields[name].validation_alias
+    return alias if isinstance(alias, str) else str(cls.model_config.get("env_prefix", "")) + name.upper()
 
 
 def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
