@@ -94,6 +94,7 @@ from agent.launcher_sources import build_sources
 from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
+from agent.settings import unknown_variables
 from agent.storage import Storage, open_storage, parse_uri
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import (
@@ -668,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stderr(
         level, f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s"
     )
+    for line in unknown_variables(env):
+        log.warning("%s", line)
     try:
         token = load_token(config.token_file, env)
     except (OSError, ValueError) as e:

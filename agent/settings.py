@@ -10,6 +10,7 @@ No torch import.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -128,3 +129,61 @@ class StorageEnv(BaseSettings):
     max_backoff_s: float | None = Field(
         None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"
     )
+
+
+OTHER_VARIABLES = frozenset(
+    {
+        # spotjob-agent (launcher_cli, control_api, notices.detect, torchrun, launcher)
+        "SPOTJOB_AGENT_TOKEN",
+        "SPOTJOB_CLOUD",
+        "SPOTJOB_AGENT_LAUNCHER",
+        "SPOTJOB_AWS_METADATA_URL",
+        "SPOTJOB_GCP_METADATA_URL",
+        "SPOTJOB_AZURE_METADATA_URL",
+        "SPOTJOB_AGENT_POLL_INTERVAL",
+        "SPOTJOB_AGENT_ID",
+        # spotjob run's workers and their marks (orchestrator.backends.local)
+        "SPOTJOB_LOCAL_NODE",
+        "SPOTJOB_LOCAL_WORKER",
+        "SPOTJOB_LOCAL_RUN",
+        # spotjob, spotjob-controller (orchestrator.cli, orchestrator.k8s.main)
+        "SPOTJOB_LOG_LEVEL",
+        "SPOTJOB_NAMESPACES",
+        "SPOTJOB_LEADER_ELECT",
+        "SPOTJOB_LEASE_NAME",
+        "SPOTJOB_HTTP_PORT",
+        "SPOTJOB_AGENT_PORT",
+        "SPOTJOB_NETWORK_POLICY",
+        "SPOTJOB_CONTROLLER_POD_LABELS",
+        "SPOTJOB_AGENT_TOKEN_KEY_FILE",
+        "SPOTJOB_INTERRUPTION_QUEUE_URL",
+        "SPOTJOB_REBALANCE",
+        "SPOTJOB_NODE_LOST_GRACE_SECONDS",
+        "SPOTJOB_WORKERS",
+        # the repository's tooling (scripts/get-helm.py); its tests' own are _TOOLING_PREFIXES
+        "SPOTJOB_HELM",
+    }
+)
+"""The ``SPOTJOB_*`` variables read outside the settings classes above, by any part of spotjob."""
+
+_TOOLING_PREFIXES = ("SPOTJOB_TEST_", "SPOTJOB_E2E_", "SPOTJOB_TF_")
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``SPOTJOB_*`` variable some part of spotjob reads."""
+    fields = {variable_name(cls, name) for cls in (CheckpointerEnv, StorageEnv) for name in cls.model_fields}
+    return OTHER_VARIABLES | fields
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``SPOTJOB_*`` variable of ``environ`` that no part of spotjob reads (a typo,
+    most likely, whose value would otherwise be silently ignored), naming the closest known one."""
+    known = known_variables()
+    lines = []
+    for variable in sorted(environ):
+        if not variable.startswith("SPOTJOB_") or variable in known or variable.startswith(_TOOLING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(variable, sorted(known), n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]}?" if close else "spotjob's variables are listed in its README"
+        lines.append(f"{variable} is set but no part of spotjob reads it ({hint}); spotjob ignores it")
+    return lines

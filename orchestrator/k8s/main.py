@@ -21,6 +21,7 @@ from types import FrameType
 from typing import cast
 from urllib.parse import urlparse
 
+from agent.settings import unknown_variables
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from orchestrator.k8s.agents import TokenKeyError
@@ -336,6 +337,8 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         build_parser().error(f"$SPOTJOB_LOG_LEVEL must be debug, info, warning or error, not {level.lower()!r}")
     log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in unknown_variables(os.environ):
+        log.warning("%s", line)
     for chatty in ("botocore", "boto3"):
         # Their debug output is every request's headers and hooks: ours says what matters.
         logging.getLogger(chatty).setLevel(max(logging.INFO, logging.getLevelName(level)))

@@ -600,6 +600,24 @@ def test_an_option_replaces_the_malformed_variable_it_sets_for_the_ranks(tmp_pat
     assert started.exists()
 
 
+def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_path: Path) -> None:
+    """SPOTJOB_EVERY_STEP (for SPOTJOB_EVERY_STEPS) used to be ignored without a word: the ranks never
+    saved periodically. The agent warns, naming the known variable it resembles, and runs the command
+    (the variable may be the script's own)."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_EVERY_STEP": "100", "SPOTJOB_STORAGE_CONCURENCY": "4", "SPOTJOB_KEEP": "2"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert started.exists()
+    assert "SPOTJOB_EVERY_STEP is set but no part of spotjob reads it (did you mean SPOTJOB_EVERY_STEPS?)" in out.stderr
+    assert "did you mean SPOTJOB_STORAGE_CONCURRENCY?" in out.stderr
+    assert "SPOTJOB_KEEP is set" not in out.stderr
+
+
 # -- the driver dies ------------------------------------------------------------------------------------
 
 DRIVER = """
