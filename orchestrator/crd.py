@@ -224,6 +224,30 @@ def _checkpoint_uri_immutable(spec: dict[str, Any]) -> None:
     ]
 
 
+def _cross_field_rules(spec: dict[str, Any]) -> None:
+    """CEL rules for what ``JobSpec``'s model validators check across fields, so that the API server
+    refuses at ``kubectl apply`` what the controller would only find invalid later. The API server
+    fills in the schema's defaults first, so ``restartBackoff``'s fields are there when it is."""
+    backoff = spec["properties"]["restartBackoff"]
+    backoff["x-kubernetes-validations"] = [
+        {
+            "rule": "self.maxSeconds >= self.initialSeconds",
+            "message": "restartBackoff.maxSeconds is below initialSeconds (a left-out maxSeconds is 300)",
+        }
+    ]
+    spec["x-kubernetes-validations"] = [
+        {
+            "rule": "!has(self.fallback) || has(self.startTimeoutSeconds)",
+            "message": "spec.fallback needs spec.startTimeoutSeconds: how long to wait for the job's own capacity "
+            "first",
+        },
+        {
+            "rule": "!has(self.fallback) || has(self.template)",
+            "message": "spec.fallback patches spec.template: the job has none",
+        },
+    ]
+
+
 def openapi_schema() -> dict[str, Any]:
     """The CRD version's ``openAPIV3Schema``."""
     raw = SpotJob.model_json_schema(by_alias=True, mode="validation")
@@ -233,6 +257,7 @@ def openapi_schema() -> dict[str, Any]:
     status = converter.convert(raw["properties"]["status"], defaults=False)
     status.pop("nullable", None)
     _checkpoint_uri_immutable(spec)
+    _cross_field_rules(spec)
     _conditions_as_map(status)
     return {
         "type": "object",
