@@ -218,6 +218,46 @@ def test_the_api_server_refuses_what_the_controller_would_find_invalid(
     assert cause["field"] == field and words in cause["message"], cause
 
 
+@pytest.mark.parametrize(
+    ("env", "checkpoint", "words"),
+    [
+        ({"SPOTJOB_KEEP": "10"}, {}, "spec.checkpoint.keep"),
+        ({"SPOTJOB_CHECKPOINT_URI": "s3://elsewhere/x"}, {}, "spec.checkpoint.uri"),
+        ({"SPOTJOB_AGENT_LAUNCHER": "torchrun"}, {}, "agentLauncher"),
+        ({"POD_IP": "10.0.0.1"}, {}, "downward API"),
+        ({"SPOTJOB_EVERY_STEPS": "10"}, {"everySteps": 500}, "spec.checkpoint.everySteps"),
+    ],
+    ids=["keep", "uri", "launcher", "pod-ip", "every-steps-with-the-field"],
+)
+def test_spec_env_cannot_set_what_spotjob_sets_over_it(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, env: dict[str, str], checkpoint: Any, words: str
+) -> None:
+    """The controller passes the agent --keep, --checkpoint-uri, --job-name, --attempt, ... and sets
+    SPOTJOB_AGENT_LAUNCHER and POD_NAME/POD_NAMESPACE/POD_IP itself: the same names in spec.env
+    were accepted and then silently overridden (SPOTJOB_KEEP=10 kept 3 checkpoints). The API server
+    refuses them, naming the field to use instead."""
+    job = example(EXAMPLES[0], namespace, "env-over")
+    job["spec"]["checkpoint"] = {"uri": job["spec"]["checkpoint"]["uri"], **checkpoint}
+    job["spec"]["env"] = env
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == "spec.env" and words in cause["message"], cause
+
+
+def test_spec_env_may_set_the_policy_variables_the_spec_leaves_out(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """Pins what already worked: without spec.checkpoint.everySteps the controller passes no
+    --every-steps, so SPOTJOB_EVERY_STEPS in spec.env reaches the ranks and is accepted."""
+    job = example(EXAMPLES[0], namespace, "env-policy")
+    job["spec"]["checkpoint"] = {"uri": job["spec"]["checkpoint"]["uri"]}
+    job["spec"]["env"] = {"SPOTJOB_EVERY_STEPS": "10", "SPOTJOB_STORAGE_CONCURRENCY": "4"}
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert created["spec"]["env"]["SPOTJOB_EVERY_STEPS"] == "10"
+
+
 def crd_rule(*properties: str) -> dict[str, Any]:
     """The one CEL rule the shipped CRD puts on the node the property names lead to."""
     crd = yaml.safe_load(CRD_PATH.read_text())
