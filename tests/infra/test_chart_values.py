@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from infra_support import CHART, NAMESPACE, RELEASE, helm, template
+from infra_support import CHART, NAMESPACE, RELEASE, helm, render, template
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -148,3 +148,24 @@ def test_a_misspelt_key_fails_helm_install_too() -> None:
     proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", "--set", "replicass=3")
     assert proc.returncode != 0
     assert "'replicass' not allowed" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout"),
+    [("30s", "1m"), ("15s", "15001ms"), ("1m", "1m30s")],
+)
+def test_a_scrape_timeout_longer_than_the_interval_fails_helm_template(interval: str, timeout: str) -> None:
+    """values.yaml says the timeout is at most the interval; Prometheus refuses a scrape config whose
+    timeout is longer. The chart rendered it anyway, for the Prometheus Operator to reject later."""
+    monitor = {"enabled": True, "interval": interval, "scrapeTimeout": timeout}
+    proc = template({"metrics": {"serviceMonitor": monitor}})
+    assert proc.returncode != 0
+    assert f"metrics.serviceMonitor.scrapeTimeout {timeout} is longer than its interval {interval}" in proc.stderr
+
+
+def test_a_scrape_timeout_up_to_the_interval_renders() -> None:
+    """Pins what already worked: a timeout equal to the interval, in other units, is accepted."""
+    monitor = {"enabled": True, "interval": "1m", "scrapeTimeout": "60000ms"}
+    objects = render({"metrics": {"serviceMonitor": monitor}})
+    [sm] = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert sm["spec"]["endpoints"][0]["scrapeTimeout"] == "60000ms"

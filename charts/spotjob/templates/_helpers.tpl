@@ -74,6 +74,19 @@ is cut to leave room for the suffix. */}}
 {{/*
 Settings that no schema can check alone; failing here names the values to change.
 */}}
+{{/*
+A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in milliseconds.
+*/}}
+{{- define "spotjob.durationMs" -}}
+{{- $ms := 0 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $n := regexFind "^[0-9]+" . | atoi }}
+{{- $unit := trimPrefix (regexFind "^[0-9]+" .) . }}
+{{- $ms = add $ms (mul $n (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit)) }}
+{{- end }}
+{{- $ms }}
+{{- end }}
+
 {{- define "spotjob.validate" -}}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
