@@ -63,7 +63,8 @@ class AgentConfig(BaseModel):
     job_name: str | None = None
     every_steps: int | None = Field(default=None, ge=1)
     every_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    keep: int | None = Field(default=None, ge=1)
+    keep: int | None = Field(default=None, ge=0)
+    """Passed as SPOTJOB_KEEP; 0 keeps every checkpoint, as it does for ``Checkpointer.from_env()``."""
     async_save: bool | None = None
     staging_dir: str | None = None
     control_dir: str | None = None
@@ -143,7 +144,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--job-name")
     ck.add_argument("--every-steps", type=int, help="save every N steps")
     ck.add_argument("--every-seconds", type=float, help="save every N seconds")
-    ck.add_argument("--keep", type=int, help="checkpoints to keep")
+    ck.add_argument("--keep", type=int, help="checkpoints to keep (0: every one)")
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
     ck.add_argument(
         "--staging-dir", help="node-local staging folder; each job stages (and prefetches) in a folder of its own in it"

@@ -618,6 +618,24 @@ def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_pa
     assert "SPOTJOB_KEEP is set" not in out.stderr
 
 
+def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
+    """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
+    refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
+    option that stands for it."""
+    seen = tmp_path / "seen"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--keep", "0", "--", sys.executable, "-c",
+        f"import os; open({str(seen)!r}, 'w').write(os.environ['SPOTJOB_KEEP'])",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text() == "0"
+    negative = [*command[:-5], "-1", *command[-4:]]
+    refused = subprocess.run(negative, capture_output=True, text=True, timeout=WAIT)
+    assert refused.returncode == 2 and "--keep: must be at least 0" in refused.stderr, refused.stderr
+
+
 # -- the driver dies ------------------------------------------------------------------------------------
 
 DRIVER = """
