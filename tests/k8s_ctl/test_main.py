@@ -132,6 +132,21 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
             "$SPOTJOB_CONTROLLER_POD_LABELS (for --controller-pod-labels): 'app'",
         ),
         (["--lease-namespace=x", "--namespace=Team_A"], {}, "--namespace 'Team_A'"),
+        # ... also when the variable is a number out of range (these named the flag alone).
+        (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "0"}, "$SPOTJOB_WORKERS (for --workers) must be between"),
+        (["--lease-namespace=x"], {"SPOTJOB_HTTP_PORT": "70000"}, "$SPOTJOB_HTTP_PORT (for --http-port) 70000 is"),
+        (["--lease-namespace=x"], {"SPOTJOB_AGENT_PORT": "0"}, "$SPOTJOB_AGENT_PORT (for --agent-port) 0 is not"),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_NODE_LOST_GRACE_SECONDS": "-1"},
+            "$SPOTJOB_NODE_LOST_GRACE_SECONDS (for --node-lost-grace-seconds) must be",
+        ),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_AGENT_LAUNCHER": "fast"},
+            "$SPOTJOB_AGENT_LAUNCHER (for --agent-launcher) must be",
+        ),
+        (["--lease-namespace=x", "--workers=0"], {"SPOTJOB_WORKERS": "2"}, "error: --workers must be between"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(
