@@ -5,7 +5,9 @@
 tuning of transfers and retries, read whenever a store is opened (and the retry policy on every
 retried operation, so a variable set after import still counts). An empty variable counts as
 unset; a malformed one is a ``ValueError`` that names the variable, its value and what it must be.
-No torch import.
+``load_from`` reads them from a given mapping (spotjob-agent checks what its ranks will read), and
+``unknown_variables`` names the ``SPOTJOB_*`` variables no part of spotjob reads (typos). No torch
+import.
 """
 
 from __future__ import annotations
