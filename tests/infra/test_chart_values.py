@@ -169,3 +169,30 @@ def test_a_scrape_timeout_up_to_the_interval_renders() -> None:
     objects = render({"metrics": {"serviceMonitor": monitor}})
     [sm] = [o for o in objects if o["kind"] == "ServiceMonitor"]
     assert sm["spec"]["endpoints"][0]["scrapeTimeout"] == "60000ms"
+
+
+@pytest.mark.parametrize(
+    ("arg", "value"),
+    [
+        ("--http-port=9090", "httpPort"),
+        ("--no-leader-elect", "leaderElection.enabled"),
+        ("--namespace=ml", "watchNamespaces"),
+        ("--agent-token-key-file=/key", "agentTokenKey.existingSecret"),
+        ("--log-level", "logLevel"),
+        ("--http=9090", "httpPort"),  # argparse takes an unambiguous prefix for the whole flag
+    ],
+)
+def test_extra_args_cannot_repeat_a_flag_the_chart_sets_from_a_value(arg: str, value: str) -> None:
+    """extraArgs come after the chart's own flags, and the last one wins: --http-port=9090 moved the
+    controller off the port its probes, containerPort and Service use (a crash loop), and
+    --no-leader-elect ran two leaders, past the check that refuses replicas > 1 without election."""
+    proc = template({"extraArgs": [arg]})
+    assert proc.returncode != 0
+    assert f"extraArgs: {arg} repeats a flag the chart sets from {value}" in proc.stderr, proc.stderr
+
+
+def test_extra_args_may_carry_the_flags_the_chart_does_not_model() -> None:
+    """Pins what already worked: --workers, --rebalance and the lease timings pass through."""
+    args = ["--workers=8", "--rebalance=flush", "--node-lost-grace-seconds=120", "--leader-elect-lease-duration=30"]
+    [deployment] = [o for o in render({"extraArgs": args}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == args

@@ -88,6 +88,18 @@ A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in mi
 {{- end }}
 
 {{- define "spotjob.validate" -}}
+{{- /* extraArgs come after the chart's own flags and the last one wins: one the chart sets from a
+value would override it behind the rest of the chart's back (probes on the old port, two leaders).
+argparse also takes an unambiguous prefix of a flag, hence the prefix test. */}}
+{{- $modelled := dict "--http-port" "httpPort" "--agent-port" "agentPort" "--agent-launcher" "agentLauncher" "--log-level" "logLevel" "--agent-token-key-file" "agentTokenKey.existingSecret" "--leader-elect" "leaderElection.enabled" "--no-leader-elect" "leaderElection.enabled" "--lease-name" "leaderElection.leaseName" "--lease-namespace" "leaderElection.leaseNamespace" "--namespace" "watchNamespaces" "--network-policy" "networkPolicy.enabled" "--no-network-policy" "networkPolicy.enabled" "--controller-pod-labels" "networkPolicy.enabled" "--interruption-queue-url" "interruptionQueue.url" "--aws-region" "interruptionQueue.region" }}
+{{- range $arg := .Values.extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" $arg "" }}
+{{- range $name := keys $modelled | sortAlpha }}
+{{- if and (gt (len $flag) 2) (hasPrefix $flag $name) }}
+{{- fail (printf "extraArgs: %s repeats a flag the chart sets from %s (%s): set that value instead" $arg (get $modelled $name) $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
