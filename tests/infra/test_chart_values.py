@@ -196,3 +196,29 @@ def test_extra_args_may_carry_the_flags_the_chart_does_not_model() -> None:
     args = ["--workers=8", "--rebalance=flush", "--node-lost-grace-seconds=120", "--leader-elect-lease-duration=30"]
     [deployment] = [o for o in render({"extraArgs": args}) if o["kind"] == "Deployment"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == args
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SPOTJOB_LOG_LEVEL", "logLevel"),
+        ("SPOTJOB_NAMESPACES", "watchNamespaces"),
+        ("SPOTJOB_INTERRUPTION_QUEUE_URL", "interruptionQueue.url"),
+        ("POD_NAMESPACE", "the downward API"),
+    ],
+)
+def test_extra_env_cannot_set_what_the_chart_sets(name: str, value: str) -> None:
+    """A flag wins over its variable, and the chart passes the flags: SPOTJOB_LOG_LEVEL=debug in
+    extraEnv was ignored without a word (--log-level=info). SPOTJOB_NAMESPACES and the queue URL
+    took effect, but without the Roles or the Node patch permission the chart grants from the
+    values; POD_NAMESPACE, listed after the chart's own, replaced the downward API's."""
+    proc = template({"extraEnv": [{"name": name, "value": "x"}]})
+    assert proc.returncode != 0
+    assert f"extraEnv: {name} is set by the chart from {value}" in proc.stderr, proc.stderr
+
+
+def test_extra_env_may_carry_what_the_chart_does_not_set() -> None:
+    """Pins what already worked: AWS_REGION, SPOTJOB_WORKERS and the like pass through."""
+    env = [{"name": "AWS_REGION", "value": "eu-west-1"}, {"name": "SPOTJOB_WORKERS", "value": "8"}]
+    [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env
