@@ -67,16 +67,7 @@ import psutil
 from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, load_token, safe
 from agent.control_channel import (
     AGENT_FILE,
-    ENV_ASYNC,
-    ENV_ATTEMPT,
-    ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
-    ENV_EVERY_SECONDS,
-    ENV_EVERY_STEPS,
-    ENV_JOB_NAME,
-    ENV_KEEP,
-    ENV_STAGING_DIR,
-    ENV_START_FRESH,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
     ControlDir,
@@ -94,7 +85,7 @@ from agent.launcher_cli import NOTICE_SOURCES as NOTICE_SOURCES
 from agent.launcher_cli import AgentConfig as AgentConfig
 from agent.launcher_cli import RebalancePolicy as RebalancePolicy
 from agent.launcher_cli import build_parser as build_parser
-from agent.launcher_cli import parse_args
+from agent.launcher_cli import checkpoint_variables, parse_args
 from agent.launcher_requests import MAX_SAVE_IDS as MAX_SAVE_IDS
 from agent.launcher_requests import AgentRequests, infra_error_text
 from agent.launcher_requests import Window as Window
@@ -103,6 +94,7 @@ from agent.launcher_sources import build_sources
 from agent.notices.base import Notice, NoticeKind
 from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
+from agent.settings import unknown_variables
 from agent.storage import Storage, open_storage, parse_uri
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import (
@@ -262,21 +254,7 @@ class Agent(AgentRequests):
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""
-        cfg = self.config
-        env = {ENV_CONTROL_DIR: self.control.path}
-        optional: dict[str, object | None] = {
-            ENV_CHECKPOINT_URI: cfg.checkpoint_uri,
-            ENV_JOB_NAME: cfg.job_name,
-            ENV_EVERY_STEPS: cfg.every_steps,
-            ENV_EVERY_SECONDS: cfg.every_seconds,
-            ENV_KEEP: cfg.keep,
-            ENV_ASYNC: None if cfg.async_save is None else ("1" if cfg.async_save else "0"),
-            ENV_STAGING_DIR: cfg.staging_dir,
-            ENV_ATTEMPT: cfg.attempt,
-            ENV_START_FRESH: "1" if cfg.start_fresh else None,
-        }
-        env.update({k: str(v) for k, v in optional.items() if v is not None})
-        return env
+        return {ENV_CONTROL_DIR: self.control.path, **checkpoint_variables(self.config)}
 
     def _watch(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> int:
         next_scan = 0.0
@@ -691,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stderr(
         level, f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s"
     )
+    for line in unknown_variables(env):
+        log.warning("%s", line)
     try:
         token = load_token(config.token_file, env)
     except (OSError, ValueError) as e:

@@ -13,12 +13,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.control_api import ENV_AGENT_TOKEN
-from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRESH
+from agent.control_channel import (
+    ENV_ASYNC,
+    ENV_ATTEMPT,
+    ENV_CHECKPOINT_URI,
+    ENV_EVERY_SECONDS,
+    ENV_EVERY_STEPS,
+    ENV_JOB_NAME,
+    ENV_KEEP,
+    ENV_STAGING_DIR,
+    ENV_START_FRESH,
+)
 from agent.notices import aws, azure, gcp
 from agent.notices.base import metadata_url_problem
 from agent.notices.detect import ENV_CLOUD, Cloud
 from agent.ownership import job_name_problem
 from agent.restore_cache import staging_dir_problem
+from agent.settings import CheckpointerEnv, StorageEnv, load_from
 from agent.storage import parse_uri
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from agent.version import version_line
@@ -53,7 +64,8 @@ class AgentConfig(BaseModel):
     job_name: str | None = None
     every_steps: int | None = Field(default=None, ge=1)
     every_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    keep: int | None = Field(default=None, ge=1)
+    keep: int | None = Field(default=None, ge=0)
+    """Passed as SPOTJOB_KEEP; 0 keeps every checkpoint, as it does for ``Checkpointer.from_env()``."""
     async_save: bool | None = None
     staging_dir: str | None = None
     control_dir: str | None = None
@@ -134,7 +146,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--job-name")
     ck.add_argument("--every-steps", type=int, help="save every N steps")
     ck.add_argument("--every-seconds", type=float, help="save every N seconds")
-    ck.add_argument("--keep", type=int, help="checkpoints to keep")
+    ck.add_argument("--keep", type=int, help="checkpoints to keep (0: every one)")
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
     ck.add_argument(
         "--staging-dir", help="node-local staging folder; each job stages (and prefetches) in a folder of its own in it"
@@ -318,7 +330,31 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {_plain(err)}" for err in e.errors()
         )
         parser.error(problems)
+    # What the ranks will read: every Checkpointer and every store refuses a malformed variable,
+    # on every rank, once the script builds one. Refused here instead, before anything starts.
+    ranks_env = {**env, **checkpoint_variables(config)}
+    for settings in (CheckpointerEnv, StorageEnv):
+        try:
+            load_from(settings, ranks_env)
+        except ValueError as e:
+            parser.error(f"{e} (the ranks read it from this environment: fix it or unset it)")
     return config, ns.log_level
+
+
+def checkpoint_variables(config: AgentConfig) -> dict[str, str]:
+    """The checkpoint options as the ``SPOTJOB_*`` variables the ranks read (over the agent's own)."""
+    optional: dict[str, object | None] = {
+        ENV_CHECKPOINT_URI: config.checkpoint_uri,
+        ENV_JOB_NAME: config.job_name,
+        ENV_EVERY_STEPS: config.every_steps,
+        ENV_EVERY_SECONDS: config.every_seconds,
+        ENV_KEEP: config.keep,
+        ENV_ASYNC: None if config.async_save is None else ("1" if config.async_save else "0"),
+        ENV_STAGING_DIR: config.staging_dir,
+        ENV_ATTEMPT: config.attempt,
+        ENV_START_FRESH: "1" if config.start_fresh else None,
+    }
+    return {k: str(v) for k, v in optional.items() if v is not None}
 
 
 _METADATA_URLS = {

@@ -5,11 +5,15 @@
 tuning of transfers and retries, read whenever a store is opened (and the retry policy on every
 retried operation, so a variable set after import still counts). An empty variable counts as
 unset; a malformed one is a ``ValueError`` that names the variable, its value and what it must be.
-No torch import.
+``load_from`` reads them from a given mapping (spotjob-agent checks what its ranks will read), and
+``unknown_variables`` names the ``SPOTJOB_*`` variables no part of spotjob reads (typos). No torch
+import.
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from typing import TypeVar
 
 from pydantic import ByteSize, Field, ValidationError
@@ -26,12 +30,36 @@ def load(cls: type[S]) -> S:
         raise ValueError(_in_words(cls, e)) from None
 
 
+def load_from(cls: type[S], environ: Mapping[str, str]) -> S:
+    """``cls`` read from ``environ`` instead of the process's environment, by the same rules as
+    ``load``: spotjob-agent checks, before it starts anything, what its ranks will read."""
+    values = {}
+    for name, field in cls.model_fields.items():
+        key = field.validation_alias if isinstance(field.validation_alias, str) else name
+        text = environ.get(variable_name(cls, name))
+        if text:  # env_ignore_empty
+            values[key] = text
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise ValueError(_in_words(cls, e)) from None
+
+
+def variable_name(cls: type[BaseSettings], name: str) -> str:
+    """The environment variable field ``name`` of ``cls`` is read from."""
+    alias = cls.model_fields[name].validation_alias
+    return alias if isinstance(alias, str) else str(cls.model_config.get("env_prefix", "")) + name.upper()
+
+
 def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
     prefix = cls.model_config.get("env_prefix", "")
     problems = []
     for err in e.errors():
         name = str(err["loc"][0]) if err["loc"] else "?"
-        field = cls.model_fields.get(name)
+        # A field read under its own alias (SPOTJOB_ASYNC for async_save) is reported by the alias.
+        field = cls.model_fields.get(name) or next(
+            (f for f in cls.model_fields.values() if f.validation_alias == name), None
+        )
         variable = (
             field.validation_alias
             if field is not None and isinstance(field.validation_alias, str)
@@ -103,3 +131,61 @@ class StorageEnv(BaseSettings):
     max_backoff_s: float | None = Field(
         None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"
     )
+
+
+OTHER_VARIABLES = frozenset(
+    {
+        # spotjob-agent (launcher_cli, control_api, notices.detect, torchrun, launcher)
+        "SPOTJOB_AGENT_TOKEN",
+        "SPOTJOB_CLOUD",
+        "SPOTJOB_AGENT_LAUNCHER",
+        "SPOTJOB_AWS_METADATA_URL",
+        "SPOTJOB_GCP_METADATA_URL",
+        "SPOTJOB_AZURE_METADATA_URL",
+        "SPOTJOB_AGENT_POLL_INTERVAL",
+        "SPOTJOB_AGENT_ID",
+        # spotjob run's workers and their marks (orchestrator.backends.local)
+        "SPOTJOB_LOCAL_NODE",
+        "SPOTJOB_LOCAL_WORKER",
+        "SPOTJOB_LOCAL_RUN",
+        # spotjob, spotjob-controller (orchestrator.cli, orchestrator.k8s.main)
+        "SPOTJOB_LOG_LEVEL",
+        "SPOTJOB_NAMESPACES",
+        "SPOTJOB_LEADER_ELECT",
+        "SPOTJOB_LEASE_NAME",
+        "SPOTJOB_HTTP_PORT",
+        "SPOTJOB_AGENT_PORT",
+        "SPOTJOB_NETWORK_POLICY",
+        "SPOTJOB_CONTROLLER_POD_LABELS",
+        "SPOTJOB_AGENT_TOKEN_KEY_FILE",
+        "SPOTJOB_INTERRUPTION_QUEUE_URL",
+        "SPOTJOB_REBALANCE",
+        "SPOTJOB_NODE_LOST_GRACE_SECONDS",
+        "SPOTJOB_WORKERS",
+        # the repository's tooling (scripts/get-helm.py); its tests' own are _TOOLING_PREFIXES
+        "SPOTJOB_HELM",
+    }
+)
+"""The ``SPOTJOB_*`` variables read outside the settings classes above, by any part of spotjob."""
+
+_TOOLING_PREFIXES = ("SPOTJOB_TEST_", "SPOTJOB_E2E_", "SPOTJOB_TF_")
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``SPOTJOB_*`` variable some part of spotjob reads."""
+    fields = {variable_name(cls, name) for cls in (CheckpointerEnv, StorageEnv) for name in cls.model_fields}
+    return OTHER_VARIABLES | fields
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``SPOTJOB_*`` variable of ``environ`` that no part of spotjob reads (a typo,
+    most likely, whose value would otherwise be silently ignored), naming the closest known one."""
+    known = known_variables()
+    lines = []
+    for variable in sorted(environ):
+        if not variable.startswith("SPOTJOB_") or variable in known or variable.startswith(_TOOLING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(variable, sorted(known), n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]}?" if close else "spotjob's variables are listed in its README"
+        lines.append(f"{variable} is set but no part of spotjob reads it ({hint}); spotjob ignores it")
+    return lines

@@ -33,6 +33,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.control_api import ENV_AGENT_TOKEN
+from agent.control_channel import (
+    ENV_ATTEMPT,
+    ENV_CHECKPOINT_URI,
+    ENV_CONTROL_DIR,
+    ENV_EVERY_SECONDS,
+    ENV_EVERY_STEPS,
+    ENV_JOB_NAME,
+    ENV_KEEP,
+    ENV_STAGING_DIR,
+)
+from agent.torchrun import ENV_LAUNCHER
 from orchestrator.model import MAX_NAME_LENGTH, SpotJob
 
 GROUP = "spotjob.dev"
@@ -225,6 +237,76 @@ def _checkpoint_uri_immutable(spec: dict[str, Any]) -> None:
     ]
 
 
+SPOTJOB_SET_ENV: dict[str, str] = {
+    ENV_CHECKPOINT_URI: "spec.checkpoint.uri",
+    ENV_KEEP: "spec.checkpoint.keep",
+    ENV_JOB_NAME: "the job's namespace/name",
+    ENV_ATTEMPT: "the attempt number",
+    ENV_STAGING_DIR: "the staging volume",
+    ENV_CONTROL_DIR: "the control volume",
+    ENV_AGENT_TOKEN: "the job's token Secret",
+    ENV_LAUNCHER: "the controller's --agent-launcher, chart value agentLauncher",
+}
+"""The ``SPOTJOB_*`` variables the controller sets itself in every worker (agent options, or the
+container's environment), over any of ``spec.env``: what each comes from."""
+
+DOWNWARD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")
+"""What the controller sets from the downward API in the training container."""
+
+POLICY_ENV = {ENV_EVERY_STEPS: "everySteps", ENV_EVERY_SECONDS: "everySeconds"}
+"""Variables ``spec.checkpoint`` sets over ``spec.env`` only when its field is set."""
+
+
+def _env_rules() -> list[dict[str, str]]:
+    """``spec.env`` must not name what the controller sets over it: it would be silently replaced."""
+    # One key lookup per name, not a walk over the map: the API server estimates a rule's cost from
+    # the largest map a request could hold, and refuses a CRD whose rule could cost too much.
+    absent = " && ".join(f"!('{n}' in self.env)" for n in (*SPOTJOB_SET_ENV, *DOWNWARD_ENV))
+    rules = [
+        {
+            "rule": f"!has(self.env) || ({absent})",
+            "fieldPath": ".env",
+            "message": "spec.env cannot set what spotjob sets over it in every worker, from: "
+            + "; ".join(f"{n}: {where}" for n, where in SPOTJOB_SET_ENV.items())
+            + f"; {', '.join(DOWNWARD_ENV)}: the downward API. Remove it from spec.env",
+        }
+    ]
+    for variable, field in POLICY_ENV.items():
+        rules.append(
+            {
+                "rule": f"!has(self.env) || !has(self.checkpoint.{field}) || !('{variable}' in self.env)",
+                "fieldPath": ".env",
+                "message": f"spec.env sets {variable}, which spec.checkpoint.{field} replaces: set one of them",
+            }
+        )
+    return rules
+
+
+def _cross_field_rules(spec: dict[str, Any]) -> None:
+    """CEL rules for what ``JobSpec``'s model validators check across fields, so that the API server
+    refuses at ``kubectl apply`` what the controller would only find invalid later. The API server
+    fills in the schema's defaults first, so ``restartBackoff``'s fields are there when it is."""
+    backoff = spec["properties"]["restartBackoff"]
+    backoff["x-kubernetes-validations"] = [
+        {
+            "rule": "self.maxSeconds >= self.initialSeconds",
+            "message": "restartBackoff.maxSeconds is below initialSeconds (a left-out maxSeconds is 300)",
+        }
+    ]
+    spec["x-kubernetes-validations"] = [
+        *_env_rules(),
+        {
+            "rule": "!has(self.fallback) || has(self.startTimeoutSeconds)",
+            "message": "spec.fallback needs spec.startTimeoutSeconds: how long to wait for the job's own capacity "
+            "first",
+        },
+        {
+            "rule": "!has(self.fallback) || has(self.template)",
+            "message": "spec.fallback patches spec.template: the job has none",
+        },
+    ]
+
+
 def openapi_schema() -> dict[str, Any]:
     """The CRD version's ``openAPIV3Schema``."""
     raw = SpotJob.model_json_schema(by_alias=True, mode="validation")
@@ -234,6 +316,7 @@ def openapi_schema() -> dict[str, Any]:
     status = converter.convert(raw["properties"]["status"], defaults=False)
     status.pop("nullable", None)
     _checkpoint_uri_immutable(spec)
+    _cross_field_rules(spec)
     _conditions_as_map(status)
     return {
         "type": "object",

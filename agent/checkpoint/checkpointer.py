@@ -20,7 +20,7 @@ from agent._direct_io import suits_direct_io
 from agent._layout import PROBES_FOLDER
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
-from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri
+from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
 from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
 from agent.control_channel import ENV_CHECKPOINT_URI, ENV_START_FRESH, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim, read_owner
@@ -124,7 +124,8 @@ class Checkpointer(_Saving, _Restoring):
         control_dir = control_dir or env.control_dir
         job = job if job is not None else env.job_name
         attempt = attempt if attempt is not None else env.attempt
-        start_fresh = env.start_fresh if start_fresh is None else bool(start_fresh)
+        start_fresh = env.start_fresh if start_fresh is None else switch(start_fresh, "start_fresh")
+        read_only = switch(read_only, "read_only")
         if read_only and start_fresh:
             raise ValueError(
                 "read_only=True with start_fresh: a read-only Checkpointer never retires checkpoints; "

@@ -94,6 +94,9 @@ class CheckpointConfig:
             raise ValueError(f"keep must be >= 1 (or None to keep everything), got {self.keep}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        self.async_save = switch(self.async_save, "async_save")
+        self.start_fresh = switch(self.start_fresh, "start_fresh")
+        self.release_staging = switch(self.release_staging, "release_staging")
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise TypeError(f"direct_io must be True, False or None (choose by filesystem), got {self.direct_io!r}")
         if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)):
@@ -103,6 +106,18 @@ class CheckpointConfig:
         problem = None if self.job is None else job_name_problem(self.job)
         if problem is not None:
             raise (TypeError if not isinstance(self.job, str) else ValueError)(f"job: {problem}")
+
+
+def switch(value: Any, name: str) -> bool:
+    """``value`` as a bool: True, False, 1, 0 or a NumPy bool; ``TypeError`` naming ``name`` for
+    anything else. A string ("no", "false") is truthy, and would turn the switch on."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _whole(value: Any, name: str, none: str) -> int:

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import cast
 from urllib.parse import urlparse
 
+from agent.settings import unknown_variables
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from agent.version import version_line
@@ -211,10 +212,12 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         raise ValueError(f"--leader-elect-*: {e}") from e
     http_port = _int(args.http_port, "SPOTJOB_HTTP_PORT", 8080, "--http-port")
     if not 0 <= http_port <= 65535:
-        raise ValueError(f"--http-port {http_port} is not a port (0-65535; 0 picks a free one)")
+        where = _source("--http-port", args.http_port is not None, "SPOTJOB_HTTP_PORT")
+        raise ValueError(f"{where} {http_port} is not a port (0-65535; 0 picks a free one)")
     agent_port = _int(args.agent_port, "SPOTJOB_AGENT_PORT", 8470, "--agent-port")
     if not 1 <= agent_port <= 65535:
-        raise ValueError(f"--agent-port {agent_port} is not a port (1-65535)")
+        where = _source("--agent-port", args.agent_port is not None, "SPOTJOB_AGENT_PORT")
+        raise ValueError(f"{where} {agent_port} is not a port (1-65535)")
     network_policy = (
         args.network_policy if args.network_policy is not None else _bool_env("SPOTJOB_NETWORK_POLICY", True)
     )
@@ -243,14 +246,18 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         where = _source("--rebalance", args.rebalance, "SPOTJOB_REBALANCE")
         raise ValueError(f"{where} must be ignore or flush, not {rebalance_text!r}") from None
     launcher = args.agent_launcher or _env(ENV_LAUNCHER, "direct")
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"{ENV_LAUNCHER} must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
+    if launcher not in LAUNCHERS:  # a flag's value argparse checked: this one is the variable's
+        raise ValueError(f"${ENV_LAUNCHER} (for --agent-launcher) must be {' or '.join(LAUNCHERS)}, not {launcher!r}")
     grace = _float(args.node_lost_grace_seconds, "SPOTJOB_NODE_LOST_GRACE_SECONDS", 60.0, "--node-lost-grace-seconds")
     if not math.isfinite(grace) or grace < 0:  # nan: no NotReady node would ever count as lost
-        raise ValueError(f"--node-lost-grace-seconds must be a finite number of seconds >= 0, not {grace}")
+        where = _source(
+            "--node-lost-grace-seconds", args.node_lost_grace_seconds is not None, "SPOTJOB_NODE_LOST_GRACE_SECONDS"
+        )
+        raise ValueError(f"{where} must be a finite number of seconds >= 0, not {grace}")
     workers = _int(args.workers, "SPOTJOB_WORKERS", 4, "--workers")
     if not 1 <= workers <= 256:
-        raise ValueError(f"--workers must be between 1 and 256, not {workers}")
+        where = _source("--workers", args.workers is not None, "SPOTJOB_WORKERS")
+        raise ValueError(f"{where} must be between 1 and 256, not {workers}")
     return ControllerOptions(
         namespaces=tuple(namespaces),
         leader_elect=leader_elect,
@@ -338,6 +345,8 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         build_parser().error(f"$SPOTJOB_LOG_LEVEL must be debug, info, warning or error, not {level.lower()!r}")
     log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in unknown_variables(os.environ):
+        log.warning("%s", line)
     for chatty in ("botocore", "boto3"):
         # Their debug output is every request's headers and hooks: ours says what matters.
         logging.getLogger(chatty).setLevel(max(logging.INFO, logging.getLevelName(level)))

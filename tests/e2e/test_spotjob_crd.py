@@ -183,6 +183,81 @@ def test_the_api_server_refuses_what_the_schema_rejects_naming_the_field(
     assert "spec.command" in refused(lambda s: s.update(command=[]))
 
 
+def _no_template(spec: dict[str, Any]) -> None:
+    spec.pop("template")
+    spec.update(image="registry.example.com/train:1", startTimeoutSeconds=600, fallback={"template": {}})
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (lambda s: s.update(restartBackoff={"initialSeconds": 60, "maxSeconds": 30}), "spec.restartBackoff", "below"),
+        # maxSeconds left out is its default, 300
+        (lambda s: s.update(restartBackoff={"initialSeconds": 400}), "spec.restartBackoff", "below"),
+        (lambda s: s.update(fallback={"template": {}}), "spec", "startTimeoutSeconds"),
+        (_no_template, "spec", "spec.template"),
+    ],
+    ids=["max-below-initial", "default-max-below-initial", "fallback-without-timeout", "fallback-without-template"],
+)
+def test_the_api_server_refuses_what_the_controller_would_find_invalid(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, change: Any, field: str, words: str
+) -> None:
+    """The model's rules across fields (restartBackoff's cap below its start, a fallback without
+    startTimeoutSeconds or without a template to patch) were checked by the controller only: the
+    SpotJob was created, and the job then turned Invalid. The CRD's CEL rules refuse them at
+    ``kubectl apply``, naming the field, as the model does. (The test API server evaluates CEL with
+    cel-python, which does not type-check a rule against the schema as cel-go does.)"""
+    job = example(EXAMPLES[0], namespace, "cross-field")
+    change(job["spec"])
+    model_problem = parse_job(JobKey(namespace, "cross-field"), job["spec"], None, version="1").invalid
+    assert model_problem is not None and words in model_problem
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == field and words in cause["message"], cause
+
+
+@pytest.mark.parametrize(
+    ("env", "checkpoint", "words"),
+    [
+        ({"SPOTJOB_KEEP": "10"}, {}, "spec.checkpoint.keep"),
+        ({"SPOTJOB_CHECKPOINT_URI": "s3://elsewhere/x"}, {}, "spec.checkpoint.uri"),
+        ({"SPOTJOB_AGENT_LAUNCHER": "torchrun"}, {}, "agentLauncher"),
+        ({"POD_IP": "10.0.0.1"}, {}, "downward API"),
+        ({"SPOTJOB_EVERY_STEPS": "10"}, {"everySteps": 500}, "spec.checkpoint.everySteps"),
+    ],
+    ids=["keep", "uri", "launcher", "pod-ip", "every-steps-with-the-field"],
+)
+def test_spec_env_cannot_set_what_spotjob_sets_over_it(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, env: dict[str, str], checkpoint: Any, words: str
+) -> None:
+    """The controller passes the agent --keep, --checkpoint-uri, --job-name, --attempt, ... and sets
+    SPOTJOB_AGENT_LAUNCHER and POD_NAME/POD_NAMESPACE/POD_IP itself: the same names in spec.env
+    were accepted and then silently overridden (SPOTJOB_KEEP=10 kept 3 checkpoints). The API server
+    refuses them, naming the field to use instead."""
+    job = example(EXAMPLES[0], namespace, "env-over")
+    job["spec"]["checkpoint"] = {"uri": job["spec"]["checkpoint"]["uri"], **checkpoint}
+    job["spec"]["env"] = env
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == "spec.env" and words in cause["message"], cause
+
+
+def test_spec_env_may_set_the_policy_variables_the_spec_leaves_out(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """Pins what already worked: without spec.checkpoint.everySteps the controller passes no
+    --every-steps, so SPOTJOB_EVERY_STEPS in spec.env reaches the ranks and is accepted."""
+    job = example(EXAMPLES[0], namespace, "env-policy")
+    job["spec"]["checkpoint"] = {"uri": job["spec"]["checkpoint"]["uri"]}
+    job["spec"]["env"] = {"SPOTJOB_EVERY_STEPS": "10", "SPOTJOB_STORAGE_CONCURRENCY": "4"}
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert created["spec"]["env"]["SPOTJOB_EVERY_STEPS"] == "10"
+
+
 def crd_rule(*properties: str) -> dict[str, Any]:
     """The one CEL rule the shipped CRD puts on the node the property names lead to."""
     crd = yaml.safe_load(CRD_PATH.read_text())

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from infra_support import CHART, NAMESPACE, RELEASE, helm, template
+from infra_support import CHART, NAMESPACE, RELEASE, helm, render, template
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -148,3 +148,77 @@ def test_a_misspelt_key_fails_helm_install_too() -> None:
     proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", "--set", "replicass=3")
     assert proc.returncode != 0
     assert "'replicass' not allowed" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout"),
+    [("30s", "1m"), ("15s", "15001ms"), ("1m", "1m30s")],
+)
+def test_a_scrape_timeout_longer_than_the_interval_fails_helm_template(interval: str, timeout: str) -> None:
+    """values.yaml says the timeout is at most the interval; Prometheus refuses a scrape config whose
+    timeout is longer. The chart rendered it anyway, for the Prometheus Operator to reject later."""
+    monitor = {"enabled": True, "interval": interval, "scrapeTimeout": timeout}
+    proc = template({"metrics": {"serviceMonitor": monitor}})
+    assert proc.returncode != 0
+    assert f"metrics.serviceMonitor.scrapeTimeout {timeout} is longer than its interval {interval}" in proc.stderr
+
+
+def test_a_scrape_timeout_up_to_the_interval_renders() -> None:
+    """Pins what already worked: a timeout equal to the interval, in other units, is accepted."""
+    monitor = {"enabled": True, "interval": "1m", "scrapeTimeout": "60000ms"}
+    objects = render({"metrics": {"serviceMonitor": monitor}})
+    [sm] = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert sm["spec"]["endpoints"][0]["scrapeTimeout"] == "60000ms"
+
+
+@pytest.mark.parametrize(
+    ("arg", "value"),
+    [
+        ("--http-port=9090", "httpPort"),
+        ("--no-leader-elect", "leaderElection.enabled"),
+        ("--namespace=ml", "watchNamespaces"),
+        ("--agent-token-key-file=/key", "agentTokenKey.existingSecret"),
+        ("--log-level", "logLevel"),
+        ("--http=9090", "httpPort"),  # argparse takes an unambiguous prefix for the whole flag
+    ],
+)
+def test_extra_args_cannot_repeat_a_flag_the_chart_sets_from_a_value(arg: str, value: str) -> None:
+    """extraArgs come after the chart's own flags, and the last one wins: --http-port=9090 moved the
+    controller off the port its probes, containerPort and Service use (a crash loop), and
+    --no-leader-elect ran two leaders, past the check that refuses replicas > 1 without election."""
+    proc = template({"extraArgs": [arg]})
+    assert proc.returncode != 0
+    assert f"extraArgs: {arg} repeats a flag the chart sets from {value}" in proc.stderr, proc.stderr
+
+
+def test_extra_args_may_carry_the_flags_the_chart_does_not_model() -> None:
+    """Pins what already worked: --workers, --rebalance and the lease timings pass through."""
+    args = ["--workers=8", "--rebalance=flush", "--node-lost-grace-seconds=120", "--leader-elect-lease-duration=30"]
+    [deployment] = [o for o in render({"extraArgs": args}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == args
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SPOTJOB_LOG_LEVEL", "logLevel"),
+        ("SPOTJOB_NAMESPACES", "watchNamespaces"),
+        ("SPOTJOB_INTERRUPTION_QUEUE_URL", "interruptionQueue.url"),
+        ("POD_NAMESPACE", "the downward API"),
+    ],
+)
+def test_extra_env_cannot_set_what_the_chart_sets(name: str, value: str) -> None:
+    """A flag wins over its variable, and the chart passes the flags: SPOTJOB_LOG_LEVEL=debug in
+    extraEnv was ignored without a word (--log-level=info). SPOTJOB_NAMESPACES and the queue URL
+    took effect, but without the Roles or the Node patch permission the chart grants from the
+    values; POD_NAMESPACE, listed after the chart's own, replaced the downward API's."""
+    proc = template({"extraEnv": [{"name": name, "value": "x"}]})
+    assert proc.returncode != 0
+    assert f"extraEnv: {name} is set by the chart from {value}" in proc.stderr, proc.stderr
+
+
+def test_extra_env_may_carry_what_the_chart_does_not_set() -> None:
+    """Pins what already worked: AWS_REGION, SPOTJOB_WORKERS and the like pass through."""
+    env = [{"name": "AWS_REGION", "value": "eu-west-1"}, {"name": "SPOTJOB_WORKERS", "value": "8"}]
+    [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env

@@ -559,6 +559,83 @@ def test_torchrun_failing_with_a_free_port_is_the_commands_failure(tmp_path: Pat
     assert out.returncode == 3, out.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("SPOTJOB_EVERY_STEPS", "100s", "a whole number of steps"),
+        ("SPOTJOB_KEEP", "-1", "a whole number, at least 0"),
+        ("SPOTJOB_ASYNC", "maybe", "a boolean"),
+        ("SPOTJOB_STORAGE_CONCURRENCY", "0", "a whole number >= 1"),
+        ("SPOTJOB_STORAGE_PART_SIZE", "64 megs", "a positive size in bytes"),
+    ],
+)
+def test_a_malformed_variable_the_ranks_would_read_exits_2_before_the_command_starts(
+    tmp_path: Path, variable: str, value: str, words: str
+) -> None:
+    """The agent passes its SPOTJOB_* variables on to the ranks, whose every Checkpointer (and every
+    store) reads them: a malformed one used to start the command, and every rank then failed with
+    a traceback once its script built a Checkpointer (spending a restart on Kubernetes)."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env={**os.environ, variable: value})
+    assert out.returncode == 2, out.stderr
+    assert f"{variable}={value!r} is not {words}" in out.stderr
+    assert not started.exists()
+
+
+def test_an_option_replaces_the_malformed_variable_it_sets_for_the_ranks(tmp_path: Path) -> None:
+    """Pins what already worked: --every-steps wins over SPOTJOB_EVERY_STEPS, so a malformed
+    variable it replaces is no reason to refuse the start."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--every-steps", "5", "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_EVERY_STEPS": "100s"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert started.exists()
+
+
+def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_path: Path) -> None:
+    """SPOTJOB_EVERY_STEP (for SPOTJOB_EVERY_STEPS) used to be ignored without a word: the ranks never
+    saved periodically. The agent warns, naming the known variable it resembles, and runs the command
+    (the variable may be the script's own)."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_EVERY_STEP": "100", "SPOTJOB_STORAGE_CONCURENCY": "4", "SPOTJOB_KEEP": "2"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert started.exists()
+    assert "SPOTJOB_EVERY_STEP is set but no part of spotjob reads it (did you mean SPOTJOB_EVERY_STEPS?)" in out.stderr
+    assert "did you mean SPOTJOB_STORAGE_CONCURRENCY?" in out.stderr
+    assert "SPOTJOB_KEEP is set" not in out.stderr
+
+
+def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
+    """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
+    refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
+    option that stands for it."""
+    seen = tmp_path / "seen"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--keep", "0", "--", sys.executable, "-c",
+        f"import os; open({str(seen)!r}, 'w').write(os.environ['SPOTJOB_KEEP'])",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text() == "0"
+    negative = [*command[:-5], "-1", *command[-4:]]
+    refused = subprocess.run(negative, capture_output=True, text=True, timeout=WAIT)
+    assert refused.returncode == 2 and "--keep: must be at least 0" in refused.stderr, refused.stderr
+
+
 # -- the driver dies ------------------------------------------------------------------------------------
 
 DRIVER = """

@@ -294,3 +294,34 @@ def test_a_flush_whose_retention_fails_unexpectedly_still_ends_as_flushed(tmp_pa
     assert json.loads((Path(control.path) / FLUSHED_FILE).read_text())["step"] == 3
     # keep=1: step 2 would have gone after the flush; it stays for the next save's retention.
     assert [step for step, _ in commits(str(root))] == [2, 3]
+
+
+def test_a_malformed_spotjob_async_says_it_takes_a_boolean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPOTJOB_ASYNC is the one variable whose name is not its field's (async_save): its message
+    said only "is not a valid value", without what the variable takes."""
+    monkeypatch.setenv("SPOTJOB_CHECKPOINT_URI", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("SPOTJOB_ASYNC", "maybe")
+    with pytest.raises(ValueError, match=r"SPOTJOB_ASYNC='maybe' is not a boolean \(1/0, true/false\)"):
+        Checkpointer.from_env()
+    assert written(tmp_path / "ckpt") == []
+
+
+@pytest.mark.parametrize("flag", ["async_save", "start_fresh", "release_staging", "read_only"])
+@pytest.mark.parametrize("value", ["no", "false", 2, 0.5])
+def test_a_switch_that_is_not_a_bool_is_refused_naming_it(tmp_path: Path, flag: str, value: Any) -> None:
+    """A switch taken from a config file or a command line as a string ("no", "false") was truthy:
+    start_fresh="no" started from step 0 past every checkpoint, async_save="false" saved
+    asynchronously. direct_io already refused anything but True, False or None."""
+    root = tmp_path / "ckpt"
+    with pytest.raises(TypeError, match=rf"^{flag} must be True or False"):
+        Checkpointer(str(root), **{flag: value})
+    assert written(root) == []
+
+
+def test_the_switches_take_numpy_bools_and_0_or_1(tmp_path: Path) -> None:
+    """0 and 1 and NumPy's booleans are unambiguous: accepted, and kept as bools."""
+    numpy = pytest.importorskip("numpy")
+    with Checkpointer(str(tmp_path / "a"), async_save=numpy.bool_(False), release_staging=1) as ckpt:
+        assert ckpt.config.async_save is False and ckpt.config.release_staging is True
+    with Checkpointer(str(tmp_path / "b"), start_fresh=0, read_only=numpy.False_) as ckpt:
+        assert ckpt.config.start_fresh is False

@@ -132,6 +132,21 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
             "$SPOTJOB_CONTROLLER_POD_LABELS (for --controller-pod-labels): 'app'",
         ),
         (["--lease-namespace=x", "--namespace=Team_A"], {}, "--namespace 'Team_A'"),
+        # ... also when the variable is a number out of range (these named the flag alone).
+        (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "0"}, "$SPOTJOB_WORKERS (for --workers) must be between"),
+        (["--lease-namespace=x"], {"SPOTJOB_HTTP_PORT": "70000"}, "$SPOTJOB_HTTP_PORT (for --http-port) 70000 is"),
+        (["--lease-namespace=x"], {"SPOTJOB_AGENT_PORT": "0"}, "$SPOTJOB_AGENT_PORT (for --agent-port) 0 is not"),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_NODE_LOST_GRACE_SECONDS": "-1"},
+            "$SPOTJOB_NODE_LOST_GRACE_SECONDS (for --node-lost-grace-seconds) must be",
+        ),
+        (
+            ["--lease-namespace=x"],
+            {"SPOTJOB_AGENT_LAUNCHER": "fast"},
+            "$SPOTJOB_AGENT_LAUNCHER (for --agent-launcher) must be",
+        ),
+        (["--lease-namespace=x", "--workers=0"], {"SPOTJOB_WORKERS": "2"}, "error: --workers must be between"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(
@@ -202,3 +217,27 @@ def test_a_bad_controller_pod_label_exits_2_naming_the_flag(
     with pytest.raises(SystemExit) as exit_:
         parse_options([f"--controller-pod-labels={labels}"])
     assert exit_.value.code == 2 and "--controller-pod-labels" in capsys.readouterr().err
+
+
+def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_path) -> None:
+    """SPOTJOB_NAMESPACE (for SPOTJOB_NAMESPACES) in the chart's extraEnv used to be ignored without a
+    word: the controller then served every namespace. Its log now names the variable and the known
+    one it resembles (a warning: the variable may be someone else's)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={tmp_path / 'none'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "PYTHONPATH": __import__("os").environ.get("PYTHONPATH", ""),
+            "SPOTJOB_NAMESPACE": "ml",
+            "SPOTJOB_WORKERS": "8",
+        },
+    )
+    assert result.returncode == 2, result.stderr
+    assert "SPOTJOB_NAMESPACE is set but no part of spotjob reads it (did you mean SPOTJOB_NAMESPACES?)" in (
+        result.stderr
+    )
+    assert "SPOTJOB_WORKERS is set" not in result.stderr

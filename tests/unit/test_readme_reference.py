@@ -19,7 +19,7 @@ import pytest
 from pydantic import ByteSize, TypeAdapter
 
 from agent import launcher_cli
-from agent.settings import CheckpointerEnv, StorageEnv
+from agent.settings import CheckpointerEnv, StorageEnv, unknown_variables
 from orchestrator import cli, kubectl_plugin
 from orchestrator.k8s import main as controller_main
 
@@ -136,3 +136,17 @@ def test_the_readme_gives_each_storage_variable_its_default(name: str, default: 
     said = m.group(1).replace(" ", "")
     value = float(TypeAdapter(ByteSize).validate_python(said)) if said[-1] == "B" else float(said)
     assert value == default, f"README.md says {variable} defaults to {said}; the code's default is {default:g}"
+
+
+def test_the_warning_about_unknown_variables_knows_every_variable_spotjob_reads() -> None:
+    """spotjob-agent and spotjob-controller warn about a SPOTJOB_* variable no part of spotjob reads
+    (a typo): every variable the code, the scripts or the tests' tooling reads must be known to it."""
+    read = set(_variables_read())
+    for path in [REPO / "Makefile", *(REPO / "scripts").rglob("*"), *(REPO / "tests").rglob("conftest.py")]:
+        if path.is_file():
+            read.update(re.findall(r"SPOTJOB_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    assert not unknown_variables(dict.fromkeys(read, "1"))
+    assert unknown_variables({"SPOTJOB_EVERY_STEP": "1"}) == [
+        "SPOTJOB_EVERY_STEP is set but no part of spotjob reads it (did you mean SPOTJOB_EVERY_STEPS?); "
+        "spotjob ignores it"
+    ]

@@ -74,7 +74,40 @@ is cut to leave room for the suffix. */}}
 {{/*
 Settings that no schema can check alone; failing here names the values to change.
 */}}
+{{/*
+A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in milliseconds.
+*/}}
+{{- define "spotjob.durationMs" -}}
+{{- $ms := 0 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $n := regexFind "^[0-9]+" . | atoi }}
+{{- $unit := trimPrefix (regexFind "^[0-9]+" .) . }}
+{{- $ms = add $ms (mul $n (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit)) }}
+{{- end }}
+{{- $ms }}
+{{- end }}
+
 {{- define "spotjob.validate" -}}
+{{- /* extraArgs come after the chart's own flags and the last one wins: one the chart sets from a
+value would override it behind the rest of the chart's back (probes on the old port, two leaders).
+argparse also takes an unambiguous prefix of a flag, hence the prefix test. */}}
+{{- $modelled := dict "--http-port" "httpPort" "--agent-port" "agentPort" "--agent-launcher" "agentLauncher" "--log-level" "logLevel" "--agent-token-key-file" "agentTokenKey.existingSecret" "--leader-elect" "leaderElection.enabled" "--no-leader-elect" "leaderElection.enabled" "--lease-name" "leaderElection.leaseName" "--lease-namespace" "leaderElection.leaseNamespace" "--namespace" "watchNamespaces" "--network-policy" "networkPolicy.enabled" "--no-network-policy" "networkPolicy.enabled" "--controller-pod-labels" "networkPolicy.enabled" "--interruption-queue-url" "interruptionQueue.url" "--aws-region" "interruptionQueue.region" }}
+{{- /* A flag wins over its variable, and the chart passes the flags; the rest come with RBAC the
+chart grants from the value, or from the downward API. */}}
+{{- $setEnv := dict "SPOTJOB_HTTP_PORT" "httpPort" "SPOTJOB_AGENT_PORT" "agentPort" "SPOTJOB_AGENT_LAUNCHER" "agentLauncher" "SPOTJOB_LOG_LEVEL" "logLevel" "SPOTJOB_AGENT_TOKEN_KEY_FILE" "agentTokenKey.existingSecret" "SPOTJOB_LEADER_ELECT" "leaderElection.enabled" "SPOTJOB_LEASE_NAME" "leaderElection.leaseName" "SPOTJOB_NAMESPACES" "watchNamespaces" "SPOTJOB_NETWORK_POLICY" "networkPolicy.enabled" "SPOTJOB_CONTROLLER_POD_LABELS" "networkPolicy.enabled" "SPOTJOB_INTERRUPTION_QUEUE_URL" "interruptionQueue.url" "POD_NAME" "the downward API" "POD_NAMESPACE" "the downward API" }}
+{{- range .Values.extraEnv }}
+{{- if hasKey $setEnv (toString .name) }}
+{{- fail (printf "extraEnv: %s is set by the chart from %s: set that instead" .name (get $setEnv (toString .name))) }}
+{{- end }}
+{{- end }}
+{{- range $arg := .Values.extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" $arg "" }}
+{{- range $name := keys $modelled | sortAlpha }}
+{{- if and (gt (len $flag) 2) (hasPrefix $flag $name) }}
+{{- fail (printf "extraArgs: %s repeats a flag the chart sets from %s (%s): set that value instead" $arg (get $modelled $name) $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
