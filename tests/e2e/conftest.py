@@ -16,23 +16,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from local_run_support import NPROC, REPO, STEPS, TRAIN, clean_env, run, tool
-
-from agent.ranks import free_port
+from local_run_support import clean_env, run, tool, uninterrupted_dump
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dump prefix of the job run start to finish with plain torchrun (no spotjob, no notices)."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    argv = [
-        tool("torchrun"), f"--nproc-per-node={NPROC}", "--nnodes=1", "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}", "--max-restarts=0",
-        str(TRAIN), "--steps", str(STEPS), "--uri", str(tmp / "ckpt"), "--dump", str(tmp / "final"),
-    ]  # fmt: skip
-    proc = run(argv, cwd=REPO, env=clean_env())
-    assert proc.returncode == 0, f"the uninterrupted run failed:\n{proc.stderr[-8000:]}"
-    return tmp / "final"
+    """The dump prefix of the job run start to finish with plain torchrun (no spotjob, no notices),
+    shared with the other suite and the other workers of this session."""
+    return uninterrupted_dump(tmp_path_factory)
 
 
 @pytest.fixture

@@ -29,15 +29,11 @@ from e2e_support import (
     CONTROLLER_LABELS,
     CONTROLLER_NAMESPACE,
     CONTROLLER_USER,
-    NPROC,
-    STEPS,
-    TRAIN,
     Controller,
     install_crd,
 )
-from local_run_support import REPO, clean_env, run, tool
+from local_run_support import uninterrupted_dump
 
-from agent.ranks import free_port
 from tests.k8s.cluster import TestCluster
 from tests.k8s.fixtures import cluster, k8s_cluster, namespace, test_apiserver_only
 
@@ -124,13 +120,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dump prefix of the job run start to finish with plain torchrun (no spotjob, no notices)."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    argv = [
-        tool("torchrun"), f"--nproc-per-node={NPROC}", "--nnodes=1", "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}", "--max-restarts=0",
-        str(TRAIN), "--steps", str(STEPS), "--uri", str(tmp / "ckpt"), "--dump", str(tmp / "final"),
-    ]  # fmt: skip
-    proc = run(argv, cwd=REPO, env=clean_env())
-    assert proc.returncode == 0, f"the uninterrupted run failed:\n{proc.stderr[-8000:]}"
-    return tmp / "final"
+    """The dump prefix of the job run start to finish with plain torchrun (no spotjob, no notices),
+    shared with the other suite and the other workers of this session."""
+    return uninterrupted_dump(tmp_path_factory)

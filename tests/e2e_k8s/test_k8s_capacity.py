@@ -32,7 +32,7 @@ from tests.k8s.cluster import TestCluster
 pytestmark = pytest.mark.slow
 
 CAPACITY_TYPE = "karpenter.sh/capacity-type"
-RETURN_AFTER = 8.0
+RETURN_AFTER = 4.0
 
 
 def _condition(s: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -58,7 +58,9 @@ def test_no_spot_capacity_moves_the_job_to_the_fallback_pool_and_after_the_perio
     start_controller(namespace)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.5)
+    # Paced so that the fallback attempt still trains when the test asks for the restart, RETURN_AFTER
+    # + 1 s after it started: about 17 of its 60 steps by then, 13 s of training left at the least.
+    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3)
     body["spec"]["template"]["spec"]["nodeSelector"] = {CAPACITY_TYPE: "spot"}
     body["spec"]["startTimeoutSeconds"] = 5
     body["spec"]["fallback"] = {

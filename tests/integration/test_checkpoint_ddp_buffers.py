@@ -24,13 +24,29 @@ pytestmark = pytest.mark.slow
 JOB = harness.SCRIPTS / "ckpt_ddp_buffers.py"
 
 
+@pytest.fixture(scope="module")
+def full_sync(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The ``full`` run with synchronous saves (its URI and dump prefix), shared by the two tests
+    that restore its step 3: ``resume`` and ``bare`` only restore, neither saves, so each restores
+    the checkpoint this run committed."""
+    tmp = tmp_path_factory.mktemp("full-sync")
+    uri, dump = str(tmp / "ckpt"), str(tmp / "dump")
+    harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", dump, "--sync")
+    return uri, dump
+
+
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
-def test_a_ddp_job_with_batchnorm_resumes_bit_identical_to_an_uninterrupted_one(tmp_path: Path, sync: bool) -> None:
-    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
-    flags = ["--sync"] if sync else []
-    harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", dump, *flags)
-    harness.torchrun(2, JOB, "resume", "--uri", uri, "--dump", dump, *flags)
-    full = [torch.load(f"{dump}.full.rank{r}.pt") for r in range(2)]
+def test_a_ddp_job_with_batchnorm_resumes_bit_identical_to_an_uninterrupted_one(
+    tmp_path: Path, sync: bool, request: pytest.FixtureRequest
+) -> None:
+    if sync:
+        uri, full_dump = request.getfixturevalue("full_sync")
+    else:
+        uri, full_dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
+        harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", full_dump)
+    dump = str(tmp_path / "dump")
+    harness.torchrun(2, JOB, "resume", "--uri", uri, "--dump", dump, *(["--sync"] if sync else []))
+    full = [torch.load(f"{full_dump}.full.rank{r}.pt") for r in range(2)]
     resumed = [torch.load(f"{dump}.resume.rank{r}.pt") for r in range(2)]
     saved0, saved1 = full[0]["saved"], full[1]["saved"]
     # What makes the case: the ranks' statistics differed when the save was taken.
@@ -40,13 +56,15 @@ def test_a_ddp_job_with_batchnorm_resumes_bit_identical_to_an_uninterrupted_one(
         assert_same(resumed[rank]["final"], full[rank]["final"], f"rank {rank}'s model after resuming")
 
 
-def test_a_ddp_checkpoint_restores_into_the_bare_module_on_every_rank(tmp_path: Path) -> None:
+def test_a_ddp_checkpoint_restores_into_the_bare_module_on_every_rank(
+    tmp_path: Path, full_sync: tuple[str, str]
+) -> None:
     """DDP's ``module.`` prefix is not part of the saved names: a script that unwraps (evaluation,
     export, another parallelism) restores the saved parameters and rank 0's buffers exactly."""
-    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
-    harness.torchrun(2, JOB, "full", "--uri", uri, "--dump", dump, "--sync")
+    uri, full_dump = full_sync
+    dump = str(tmp_path / "dump")
     harness.torchrun(2, JOB, "bare", "--uri", uri, "--dump", dump, "--sync")
-    saved = torch.load(f"{dump}.full.rank0.pt")["saved"]
+    saved = torch.load(f"{full_dump}.full.rank0.pt")["saved"]
     for rank in range(2):
         bare = torch.load(f"{dump}.bare.rank{rank}.pt")
         assert bare["start"] == 3

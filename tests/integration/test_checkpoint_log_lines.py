@@ -17,7 +17,7 @@ from agent.checkpoint._core import size_text
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.storage import open_storage
 
-TRAIN = harness.REPO / "examples" / "train.py"
+TRAIN = harness.SCRIPTS / "train_no_teardown.py"  # examples/train.py, without the teardown after it
 COMMON = ["--steps", "12", "--every-steps", "4", "--dim", "8", "--hidden", "16"]
 COMMIT = re.compile(r"committed step (\d+) at (\S+) in [\d.]+s \(([^)]*) in (\d+) files\)")
 RESTORE = re.compile(r"restored step (\d+) from (\S+) in [\d.]+s \(([^;]*) in (\d+) files; saved by 2 ranks")

@@ -7,18 +7,25 @@
 - ``run``: a subprocess to its end, its output captured; the timeout only stops a hung run.
 - ``assert_same_final_state(prefix_a, prefix_b)``: every rank's dump equal, tensors with
   ``torch.equal`` (dtype, shape, every bit), everything else with ``==``.
+- ``uninterrupted_dump(tmp_path_factory)``: the dump prefix of the job run start to finish with
+  plain torchrun, run once per test session (both suites' ``uninterrupted`` fixture).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from ckpt_compare import differences  # tests/ckpt_compare.py, shared by every suite
+
+from agent.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 TRAIN = REPO / "examples" / "train.py"
@@ -63,3 +70,31 @@ def assert_same_final_state(actual: Path, expected: Path) -> None:
         assert want["loader"]["position"] == STEPS
         diffs = differences(got, want)
         assert not diffs, f"rank {rank}'s final state differs in {len(diffs)} place(s): {diffs[:10]}"
+
+
+def uninterrupted_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dump prefix of the job run start to finish with plain torchrun (no spotjob, no notices).
+
+    Run once per test session, not once per pytest-xdist worker and suite (tests/e2e and
+    tests/e2e_k8s both compare against it): it lives in the folder every worker's temporary folder
+    is in, and the first worker to take the lock runs it while the others wait for it. A run that
+    failed is not shared: the next worker runs it again, from scratch, and fails with its own output.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder; each worker's basetemp is root/popen-gw<n>
+    folder = root / "uninterrupted-shared"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not (folder / "done").exists():
+            ckpt = tempfile.mkdtemp(prefix="ckpt-", dir=folder)  # a failed try's checkpoints are not resumed
+            argv = [
+                tool("torchrun"), f"--nproc-per-node={NPROC}", "--nnodes=1", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", "--max-restarts=0",
+                str(TRAIN), "--steps", str(STEPS), "--uri", ckpt, "--dump", str(folder / "final"),
+            ]  # fmt: skip
+            proc = run(argv, cwd=REPO, env=clean_env())
+            assert proc.returncode == 0, f"the uninterrupted run failed:\n{proc.stderr[-8000:]}"
+            (folder / "done").write_text("")
+    return folder / "final"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ckpt_state import SAVE_STEP, make_state, rng_snapshot, seed_rngs, snapshot, train
+from ckpt_state import SAVE_STEP, exit_without_teardown, make_state, rng_snapshot, seed_rngs, snapshot, train
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from agent.checkpoint import Checkpointer
@@ -151,3 +151,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

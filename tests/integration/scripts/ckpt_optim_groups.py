@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ckpt_state import exit_without_teardown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -85,3 +86,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

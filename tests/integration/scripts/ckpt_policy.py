@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from ckpt_state import make_state, train
+from ckpt_state import exit_without_teardown, make_state, train
 
 import agent.checkpoint._vote
 from agent.checkpoint import Checkpointer
@@ -168,3 +168,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
