@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,6 @@ import pytest
 from agent import _dcp_write
 from agent.checkpoint import Checkpointer, SaveFailedError
 from agent.checkpoint import _save as save_module
-from agent.mounts import mount_of
 from agent.storage import file as file_backend
 from agent.storage import put_files
 from agent.storage.file import FileStorage
@@ -162,32 +159,3 @@ def test_a_file_not_synced_by_the_caller_is_synced_after_its_link(tmp_path: Path
     put_files(FileStorage(str(tmp_path / "store")), [(str(src), "a/b", None)])
     assert [e[0] for e in calls if e[0] in ("link", "resync")] == ["link", "resync"]
     assert (tmp_path / "store" / "a" / "b").read_bytes() == b"x" * 4096
-
-
-@pytest.fixture
-def other_filesystem(tmp_path: Path) -> Iterator[Path]:
-    """A folder on the real tmpfs at /dev/shm, when the test's temp folder is on another filesystem."""
-    shm = mount_of("/dev/shm") if os.path.isdir("/dev/shm") else None
-    if shm is None or shm.fstype != "tmpfs" or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("no tmpfs at /dev/shm on another filesystem than the test's temp folder")
-    folder = Path("/dev/shm") / f"spotjob-test-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    try:
-        yield folder
-    finally:
-        for p in folder.iterdir():
-            p.unlink()
-        folder.rmdir()
-
-
-def test_a_synced_file_copied_across_filesystems_is_synced_after_the_copy(
-    tmp_path: Path, other_filesystem: Path, calls: list[Any]
-) -> None:
-    """Pins what already worked: a file the caller synced, copied because it cannot be linked
-    across filesystems (``EXDEV``), has new bytes that are synced."""
-    src = other_filesystem / "local"
-    src.write_bytes(b"y" * 4096)
-    put_files(FileStorage(str(tmp_path / "store")), [(str(src), "a/b", None)], synced=True)
-    resynced = [e[1] for e in calls if e[0] == "resync"]
-    assert len(resynced) == 1 and os.path.dirname(resynced[0]) == os.path.realpath(tmp_path / "store" / "a")
-    assert (tmp_path / "store" / "a" / "b").read_bytes() == b"y" * 4096

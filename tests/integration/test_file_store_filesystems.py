@@ -30,7 +30,8 @@ import torch
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, StorageRefusedError
 from agent.mounts import mount_of
-from agent.storage import AlreadyExistsError, PermanentStorageError, open_storage
+from agent.storage import AlreadyExistsError, PermanentStorageError, open_storage, put_files
+from agent.storage import file as file_backend
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -119,6 +120,29 @@ def test_two_torchrun_ranks_staging_on_tmpfs_commit_to_another_filesystem_and_re
 
 def test_checkpoints_on_tmpfs_with_staging_on_another_filesystem(shm: Path, tmp_path: Path) -> None:
     save_then_restore(str(shm / "ckpt"), staging_dir=str(tmp_path / "staging"))
+
+
+def test_a_synced_file_copied_across_filesystems_is_synced_after_the_copy(
+    shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pins what already worked: a file the caller fsynced (``put_files(synced=True)``, as the
+    Checkpointer does), copied because it cannot be linked across filesystems (``EXDEV``), has new
+    bytes, and they are synced; only a link of it goes without (tests/integration/test_checkpoint_file_sync.py)."""
+    if _on_tmpfs(str(tmp_path)):
+        pytest.skip("the test's temp folder is on tmpfs too: no second filesystem")
+    synced: list[str] = []
+    real_sync = file_backend.sync_fd
+
+    def sync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_sync(fd)
+
+    monkeypatch.setattr(file_backend, "sync_fd", sync)
+    src = shm / "local"
+    src.write_bytes(b"y" * 4096)
+    put_files(FileStorage(str(tmp_path / "store")), [(str(src), "a/b", None)], synced=True)
+    assert len(synced) == 1 and os.path.dirname(synced[0]) == os.path.realpath(tmp_path / "store" / "a")
+    assert (tmp_path / "store" / "a" / "b").read_bytes() == b"y" * 4096
 
 
 # -- a filesystem that cannot sync a folder ----------------------------------------------------
