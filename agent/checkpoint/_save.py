@@ -658,8 +658,7 @@ class _Saving(_Voting):
         A leftover the bucket keeps (a GCS retention policy or hold, S3 Object Lock: it can be
         neither deleted nor overwritten) is passed over like a committed folder: the save goes to
         the next suffix, ``step-N.1``. Raises ``FencedError`` (before anything is written) when
-        this attempt is superseded. The folder is made ready here (on a filesystem: created, its
-        parent synced), while the shards are written, so the commit does not wait for it.
+        this attempt is superseded.
         """
         self._check_fence()
         suffix = 0
@@ -676,9 +675,7 @@ class _Saving(_Voting):
                 except RetainedError as e:
                     log.warning("saving step %d next to the leftover the bucket keeps: %s", step, e)
                     suffix = max(suffix, ref.attempt + 1)
-        folder = CheckpointRef(step, suffix).folder
-        self.storage.prepare_folder(folder)
-        return folder
+        return CheckpointRef(step, suffix).folder
 
     def _remove_unfinished(self, folder: str) -> None:
         """(rank 0, after a save that failed, every rank done with it) Remove what it put in ``folder``.

@@ -124,11 +124,6 @@ class Storage(abc.ABC):
         failed folder sync) reads the key back and succeeds when it holds exactly ``data``.
         """
 
-    def prepare_folder(self, prefix: str) -> None:  # noqa: B027 - optional hook
-        """Make the folder ``prefix`` ready to take objects, durably, ahead of the first write into
-        it (the Checkpointer does it while the shards are still being written). Object stores have
-        no folders: the default does nothing. ``FileStorage`` creates it and syncs its parent."""
-
     def check_create_only(self, under: str) -> None:  # noqa: B027 - optional hook
         """(a writer, once, before its first ``put_bytes_if_absent``) Prove that the store refuses
         a create-only write to a key that exists; raise ``PermanentStorageError`` saying what to do

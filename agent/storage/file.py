@@ -199,15 +199,6 @@ class FileStorage(Storage):
             _unlink_quiet(tmp)
             raise
 
-    def prepare_folder(self, prefix: str) -> None:
-        folder = self._path(prefix.rstrip("/"))
-
-        def prepare() -> None:
-            if self._makedirs(folder):
-                _fsync_dir(os.path.dirname(folder))
-
-        self._run(f"cannot create {self.url(prefix)}", None, prepare)
-
     def put_bytes(self, key: str, data: bytes) -> None:
         dest = self._path(key)
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent import _dcp_write
-from agent.checkpoint import Checkpointer, SaveFailedError
-from agent.checkpoint import _save as save_module
+from agent.checkpoint import Checkpointer
 from agent.storage import file as file_backend
 from agent.storage import put_files
 from agent.storage.file import FileStorage
@@ -37,7 +35,7 @@ def _path_of(fd: int) -> str:
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """``("sync", path)`` for the staging fsyncs, ``("resync", path)`` for a file sync by the store,
-    ``("link", source, dest)`` and ``("dir", folder, thread name)``, in the order they happened."""
+    ``("link", source, dest)`` and ``("dir", folder)``, in the order they happened."""
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc to name the synced files")
     events: list[Any] = []
@@ -61,7 +59,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
         events.append(("link", os.path.realpath(src), os.path.realpath(dst)))
 
     def folder(path: str) -> None:
-        events.append(("dir", os.path.realpath(path), threading.current_thread().name))
+        events.append(("dir", os.path.realpath(path)))
         dir_sync(path)
 
     monkeypatch.setattr(_dcp_write, "sync_fd", sync)
@@ -102,54 +100,6 @@ def test_each_file_is_synced_in_staging_before_its_link_and_not_again(
     with Checkpointer(uri, keep=2) as ckpt:
         assert ckpt.restore(restored) == 1
     assert_same(snapshot(restored), saved)
-
-
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_the_new_folder_is_made_durable_while_the_shards_are_written_not_after(
-    tmp_path: Path, calls: list[Any], async_save: bool
-) -> None:
-    """Fails without the fix: the step folder was created by the first link into it and its
-    parent synced after the last, on the commit's path. Now rank 0's naming thread, which runs
-    while the shards are written, creates it and syncs its parent."""
-    root = os.path.realpath(tmp_path / "ckpt")
-    state = make_state(0)
-    with Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=async_save) as ckpt:
-        train(state, 1)
-        ckpt.save(1, state)
-        ckpt.wait()
-    first_link = next(i for i, e in enumerate(calls) if e[0] == "link" and ".spotjob-staging" in e[1])
-    parent_syncs = [(i, e[2]) for i, e in enumerate(calls) if e[0] == "dir" and e[1] == root]
-    assert parent_syncs, "the checkpoint folder's parent was never synced"
-    assert parent_syncs[0][0] < first_link and parent_syncs[0][1] == "spotjob-name", parent_syncs
-
-
-def test_a_save_that_fails_after_its_folder_was_made_leaves_no_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The folder the naming thread created is removed with the failed save (the writing fails
-    here after the naming; an injected EIO from DCP's save). Before the fix there was no folder
-    to prepare (this test then failed for want of ``prepare_folder``); it pins the cleanup."""
-    named = threading.Event()
-
-    def failing_save(*a: Any, **k: Any) -> None:
-        named.wait(10)
-        raise OSError(5, "Input/output error (injected)")
-
-    real_prepare = FileStorage.prepare_folder
-
-    def prepare(self: FileStorage, prefix: str) -> None:
-        real_prepare(self, prefix)
-        named.set()
-
-    monkeypatch.setattr(save_module, "dcp_save", failing_save)
-    monkeypatch.setattr(FileStorage, "prepare_folder", prepare)
-    state = make_state(0)
-    with Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=False) as ckpt:
-        train(state, 1)
-        with pytest.raises(SaveFailedError, match="injected"):
-            ckpt.save(1, state)
-    assert named.is_set(), "the folder was never prepared"
-    assert not (tmp_path / "ckpt" / "step-000000001").exists()
 
 
 def test_a_file_not_synced_by_the_caller_is_synced_after_its_link(tmp_path: Path, calls: list[Any]) -> None:
