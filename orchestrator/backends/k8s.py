@@ -111,8 +111,11 @@ class KubernetesBackend:
         options: BackendOptions | None = None,
         agents: AgentCalls | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        wake: Callable[[JobKey], None] | None = None,
     ) -> None:
-        """``nodes``: the Node informer's cache, with the ``cluster_signals.NOTICE_INDEX`` index."""
+        """``nodes``: the Node informer's cache, with the ``cluster_signals.NOTICE_INDEX`` index.
+        ``wake(key)`` queues the job's reconcile: called when an agent answers a flush, save or stop
+        request a pass left PENDING, so the next pass takes the answer at once."""
         self._client = client
         self._jobs = jobs
         self._pods = pods_cache
@@ -122,6 +125,7 @@ class KubernetesBackend:
         self.options = options or BackendOptions()
         self.agents = agents or AgentCalls(port=self.options.workers.agent_port)
         self._now = now
+        self._wake = wake
         self._ensured: dict[tuple[str, str], str] = {}
         """(namespace, name) → uid of each job whose Secret, Service and NetworkPolicy this process
         created (or found); a job gone from the SpotJob cache is dropped at the next creation."""
@@ -182,7 +186,9 @@ class KubernetesBackend:
                 self._no_flush.add(uid)
             if uid in self._no_flush and _alive(pod) and _pod_ip(pod):
                 token = token or self._token(key)
-                answer = self.agents.stop(self._endpoint(pod, token), "the gang is stopping without a flush")
+                answer = self.agents.stop(
+                    self._endpoint(pod, token), "the gang is stopping without a flush", answered=self._waker(key)
+                )
                 if answer.state is CallState.PENDING:
                     continue  # deleted once the agent answered (or could not be reached)
             self._delete_pod(pod)
@@ -240,7 +246,7 @@ class KubernetesBackend:
             return FlushRequestState.failed(f"worker {worker.name} has no pod")
         if not _pod_ip(pod):
             return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
-        answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline)
+        answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline, answered=self._waker(key))
         return _flush_state(answer)
 
     def request_save(
@@ -251,10 +257,14 @@ class KubernetesBackend:
             return FlushRequestState.failed(f"worker {worker.name} has no pod")
         if not _pod_ip(pod):
             return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
-        answer = self.agents.save(self._endpoint(pod, self._token(key)), request_id, reason)
+        answer = self.agents.save(self._endpoint(pod, self._token(key)), request_id, reason, answered=self._waker(key))
         return _flush_state(answer)
 
     # -- inside ---------------------------------------------------------------------------------
+
+    def _waker(self, key: JobKey) -> Callable[[], None] | None:
+        wake = self._wake
+        return None if wake is None else (lambda: wake(key))
 
     def _job_pods(self, key: JobKey) -> list[Object]:
         """The pods of this incarnation of the job. A SpotJob deleted and created again under the

@@ -166,16 +166,24 @@ class AgentCalls:
 
     # -- flush and stop
 
-    def flush(self, agent: Endpoint, reason: str, deadline: datetime | None) -> CallResult:
+    # ``answered``, when given, is called (on the call's thread) once a request this call started
+    # has its answer: the reconcile that got PENDING looks again then, not at its next poll.
+
+    def flush(
+        self, agent: Endpoint, reason: str, deadline: datetime | None, *, answered: Callable[[], None] | None = None
+    ) -> CallResult:
         body = {"reason": reason[:1000] or "flush", "deadline": deadline.timestamp() if deadline else None}
-        return self._call("flush", agent, body)
+        return self._call("flush", agent, body, answered=answered)
 
-    def stop(self, agent: Endpoint, reason: str) -> CallResult:
-        return self._call("stop", agent, {"reason": reason[:1000] or "stop"})
+    def stop(self, agent: Endpoint, reason: str, *, answered: Callable[[], None] | None = None) -> CallResult:
+        return self._call("stop", agent, {"reason": reason[:1000] or "stop"}, answered=answered)
 
-    def save(self, agent: Endpoint, request_id: str, reason: str) -> CallResult:
+    def save(
+        self, agent: Endpoint, request_id: str, reason: str, *, answered: Callable[[], None] | None = None
+    ) -> CallResult:
         """``POST /save``: a checkpoint now, training goes on; one call per (pod, request id)."""
-        return self._call("save", agent, {"id": request_id, "reason": reason[:1000] or "save"}, tag=request_id)
+        body = {"id": request_id, "reason": reason[:1000] or "save"}
+        return self._call("save", agent, body, tag=request_id, answered=answered)
 
     def state(self, what: str, pod_uid: str, tag: str = "") -> CallResult | None:
         """How the last ``what`` ("flush", "stop"; "save" with its request id as ``tag``) request to
@@ -186,7 +194,15 @@ class AgentCalls:
             return None
         return future.result() if future.done() else CallResult(CallState.PENDING)
 
-    def _call(self, what: str, agent: Endpoint, body: dict[str, Any], *, tag: str = "") -> CallResult:
+    def _call(
+        self,
+        what: str,
+        agent: Endpoint,
+        body: dict[str, Any],
+        *,
+        tag: str = "",
+        answered: Callable[[], None] | None = None,
+    ) -> CallResult:
         key = (what, agent.pod_uid, tag)
         with self._lock:
             future = self._calls.get(key)
@@ -195,7 +211,9 @@ class AgentCalls:
                 del self._calls[key]
                 return future.result()
             if future is None:
-                self._calls[key] = self._pool.submit(self._post, what, agent, body)
+                future = self._calls[key] = self._pool.submit(self._post, what, agent, body)
+                if answered is not None:
+                    future.add_done_callback(lambda _done: _quietly(answered))
                 return CallResult(CallState.PENDING)
         return future.result() if future.done() else CallResult(CallState.PENDING)
 
@@ -268,3 +286,11 @@ class AgentCalls:
             for key in [k for k in self._calls if k[1] == pod_uid]:
                 del self._calls[key]
             self._status.pop(pod_uid, None)
+
+
+def _quietly(answered: Callable[[], None]) -> None:
+    """Run an ``answered`` callback on a call's thread; its failure is logged, never raised there."""
+    try:
+        answered()
+    except Exception:
+        log.exception("after an agent call was answered")

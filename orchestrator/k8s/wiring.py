@@ -51,6 +51,7 @@ def spotjob_reconcile(context: ControllerContext, *, options: ReconcilerOptions 
             ),
             network_policy=opts.network_policy,
         ),
+        wake=lambda job: context.queue.add(ObjectKey(job.namespace, job.name)),
     )
     hints = CheckpointHints(context.client, context.pods.cache, metrics=context.metrics)
     context.pods.add_handler(EventHandler(on_delete=backend.pod_deleted))

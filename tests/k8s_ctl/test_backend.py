@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.backends.base import FlushRequestOutcome, Placement
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
-from orchestrator.k8s.agents import CallResult, CallState, Endpoint
+from orchestrator.k8s.agents import AgentCalls, CallResult, CallState, Endpoint
 from orchestrator.k8s.api import AlreadyExists, Resource
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
 from orchestrator.k8s.informer import Cache
@@ -51,11 +51,11 @@ class FakeAgents:
         self.answer = CallResult(CallState.ACCEPTED)
         self.asked: list[tuple[str, str]] = []
 
-    def flush(self, agent: Endpoint, reason: str, deadline: Any) -> CallResult:
+    def flush(self, agent: Endpoint, reason: str, deadline: Any, *, answered: Any = None) -> CallResult:
         self.asked.append(("flush", agent.pod))
         return self.answer
 
-    def stop(self, agent: Endpoint, reason: str) -> CallResult:
+    def stop(self, agent: Endpoint, reason: str, *, answered: Any = None) -> CallResult:
         self.asked.append(("stop", agent.pod))
         return self.answer
 
@@ -438,6 +438,54 @@ def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to
     assert state.outcome is FlushRequestOutcome.FAILED and "pod IP" in state.error
     state = world.backend.request_flush(KEY, spec(), workers["llama-0-1"], "notice", None)
     assert state.outcome is FlushRequestOutcome.ACCEPTED and world.agents.asked == [("flush", "llama-0-1")]
+
+
+@pytest.mark.parametrize("what", ["flush", "save"])
+def test_an_agents_answer_to_a_request_a_pass_left_pending_wakes_the_job(world: World, what: str) -> None:
+    """Fails without the fix: the answer waited for the pass's next poll (1 s while flushing). A
+    flush that committed and ended its worker within that second was never told as accepted (no
+    FlushRequested Event), which the job's own status writes had hidden by waking it at once.
+
+    The real ``AgentCalls``, whose transport (no HTTP here) answers once the test lets it."""
+    release, woken = threading.Event(), threading.Event()
+    keys: list[JobKey] = []
+
+    def transport(*_call: Any) -> tuple[int, bytes]:
+        assert release.wait(30), "the test never let the agent answer"
+        return 202, b"{}"
+
+    def wake(key: JobKey) -> None:
+        keys.append(key)
+        woken.set()
+
+    agents = AgentCalls(port=8470, transport=transport)
+    world.backend = KubernetesBackend(
+        world.client,  # type: ignore[arg-type]
+        jobs=world.jobs,
+        pods_cache=world.pods,
+        nodes=world.nodes,
+        signals=world.signals,
+        token_key=b"k" * 32,
+        agents=agents,
+        wake=wake,
+    )
+    try:
+        world.add(pod(0))
+        worker = world.backend.list_workers(KEY, spec())[0]
+
+        def ask() -> FlushRequestOutcome:
+            if what == "flush":
+                return world.backend.request_flush(KEY, spec(), worker, "notice", None).outcome
+            return world.backend.request_save(KEY, spec(), worker, "r-1", "asked").outcome
+
+        assert ask() is FlushRequestOutcome.PENDING
+        assert not woken.is_set(), "woken before the agent answered"
+        release.set()
+        assert woken.wait(30), "the agent's answer did not wake the job"
+        assert keys == [KEY]
+        assert ask() is FlushRequestOutcome.ACCEPTED
+    finally:
+        agents.close()
 
 
 def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_field(world: World) -> None:
