@@ -140,13 +140,14 @@ def _pod_job(p: dict[str, Any]) -> list[str]:
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(self, agents: Any = None, wake: Any = None) -> None:
+        """``agents``: ``FakeAgents`` unless given; ``wake``: the backend's, unless None."""
         self.client = FakeClient()
         self.jobs = Cache()
         self.pods = Cache({"job": _pod_job})
         self.nodes = Cache({NOTICE_INDEX: notice_index})  # as the controller's Node informer
         self.signals = ClusterSignals(node_lost_grace_seconds=0)
-        self.agents = FakeAgents()
+        self.agents = agents or FakeAgents()
         self.jobs._put(
             {
                 "apiVersion": "spotjob.dev/v1alpha1",
@@ -162,7 +163,8 @@ class World:
             signals=self.signals,
             token_key=b"k" * 32,
             options=BackendOptions(),
-            agents=self.agents,  # type: ignore[arg-type]
+            agents=self.agents,
+            wake=wake,
         )
 
     def add(self, *objects: dict[str, Any]) -> None:
@@ -441,7 +443,7 @@ def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to
 
 
 @pytest.mark.parametrize("what", ["flush", "save"])
-def test_an_agents_answer_to_a_request_a_pass_left_pending_wakes_the_job(world: World, what: str) -> None:
+def test_an_agents_answer_to_a_request_a_pass_left_pending_wakes_the_job(what: str) -> None:
     """Fails without the fix: the answer waited for the pass's next poll (1 s while flushing). A
     flush that committed and ended its worker within that second was never told as accepted (no
     FlushRequested Event), which the job's own status writes had hidden by waking it at once.
@@ -459,16 +461,8 @@ def test_an_agents_answer_to_a_request_a_pass_left_pending_wakes_the_job(world: 
         woken.set()
 
     agents = AgentCalls(port=8470, transport=transport)
-    world.backend = KubernetesBackend(
-        world.client,  # type: ignore[arg-type]
-        jobs=world.jobs,
-        pods_cache=world.pods,
-        nodes=world.nodes,
-        signals=world.signals,
-        token_key=b"k" * 32,
-        agents=agents,
-        wake=wake,
-    )
+    world = World(agents, wake)
+    world.add(node("n1"))
     try:
         world.add(pod(0))
         worker = world.backend.list_workers(KEY, spec())[0]
