@@ -72,9 +72,6 @@ is cut to leave room for the suffix. */}}
 {{- end }}
 
 {{/*
-Settings that no schema can check alone; failing here names the values to change.
-*/}}
-{{/*
 A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in milliseconds.
 */}}
 {{- define "spotjob.durationMs" -}}
@@ -87,6 +84,9 @@ A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in mi
 {{- $ms }}
 {{- end }}
 
+{{/*
+Settings that no schema can check alone; failing here names the values to change.
+*/}}
 {{- define "spotjob.validate" -}}
 {{- /* extraArgs come after the chart's own flags and the last one wins: one the chart sets from a
 value would override it behind the rest of the chart's back (probes on the old port, two leaders).
