@@ -327,17 +327,16 @@ def _need_torch_extra(command: str, modules: tuple[str, ...]) -> None:
     them it would read every byte and then fail. A ``CommandError`` names what to install."""
     import importlib
 
+    from agent import torch_extra_missing
+
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            missing = (e.name or module).partition(".")[0]
-            if missing not in ("torch", "numpy", "safetensors"):
+            message = torch_extra_missing(e, command)
+            if message is None:
                 raise
-            raise CommandError(
-                f"{command} needs {missing}, which is not installed here: pip install 'spotjob[torch]' "
-                "(beside the torch this environment already has, if it has one)"
-            ) from e
+            raise CommandError(message) from e
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
