@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.torchrun import ENV_LAUNCHER, Launcher
+from orchestrator.crd import DOWNWARD_ENV
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -78,8 +79,6 @@ EXIT_SLACK_SECONDS = 30
 
 _NOT_TOLERATED = {"node.kubernetes.io/out-of-service"}
 """Declared dead by an operator: nothing there can flush, so its pods must go at once."""
-
-_RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")
 
 
 class TemplateError(ValueError):
@@ -180,7 +179,7 @@ def template_problems(template: Mapping[str, Any] | None, container: int) -> lis
                     "training command it starts under torchrun"
                 )
         for i, env in enumerate(trainer.get("env") or []):
-            if isinstance(env, Mapping) and env.get("name") in _RESERVED_ENV:
+            if isinstance(env, Mapping) and env.get("name") in DOWNWARD_ENV:
                 problems.append(f"{where}.env[{i}].name: {env.get('name')} is set by spotjob (the downward API)")
     # The agent's port name marks the training container in the pod (how a worker's readiness and
     # exit code are found): on another container it would stand for the trainer.
@@ -406,7 +405,7 @@ def _agent_args(
 
 
 def _env(container_env: Iterable[Mapping[str, Any]], extra: Mapping[str, str]) -> list[Object]:
-    taken = set(extra) | set(_RESERVED_ENV)
+    taken = set(extra) | set(DOWNWARD_ENV)
     env: list[Object] = [dict(e) for e in container_env if e.get("name") not in taken]
     env += [{"name": k, "value": str(v)} for k, v in extra.items()]
     # Declared last, but $(POD_IP) in args refers to the container's env whatever its order.
