@@ -133,6 +133,9 @@ _TRANSIENT_CODES = frozenset(
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
 
+_EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
+"""S3's (and STS-aware stores') answer to a request signed with temporary credentials past their end."""
+
 
 class _NoSuchBucket(MissingBucketError):
     """S3 said NoSuchBucket; the store replaces it with a ``MissingBucketError`` naming the bucket."""
@@ -212,14 +215,36 @@ def _skew_hint(error: dict[str, Any]) -> str:
     )
 
 
-def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
-    """Translate a boto3 exception into the StorageError that says whether to retry."""
+def _expired_hint(source: str | None) -> str:
+    """What to do about temporary credentials that ran out; ``source`` is botocore's name for where
+    they came from (``env``, ``shared-credentials-file``, ``assume-role-with-web-identity``...)."""
+    came = f" (botocore read them from {source!r})" if source else ""
+    return (
+        f"temporary AWS credentials have expired{came}. Keys given as fixed values (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN in the environment or a credentials file) are never "
+        "renewed: a job that runs longer than they last fails every save once they end. Give the job a "
+        "source that boto3 renews itself: IRSA / pod identity, an instance profile, or a profile with "
+        "role_arn, credential_process or SSO"
+    )
+
+
+def _storage_error(e: Exception, what: str, key: str | None, source: str | None = None) -> StorageError:
+    """Translate a boto3 exception into the StorageError that says whether to retry. ``source``:
+    where the client's credentials came from (botocore's name), for the message of expired ones."""
     if isinstance(e, ClientError):
         status, code = _status_and_code(e)
         message = e.response.get("Error", {}).get("Message") or ""
         text = f"{what}: {code} (HTTP {status}){': ' + message if message else ''}"
         if _refuses_checksum_headers(status, code, message):
             return PermanentStorageError(f"{text}; {_CHECKSUM_HEADERS_HINT}", key)
+        if code in _EXPIRED_CODES:
+            return PermanentStorageError(f"{text}; {_expired_hint(source)}", key)
+        if code == "400" and what.startswith("HEAD "):
+            # A HEAD's answer has no body, so no code: expired temporary credentials look the same.
+            return PermanentStorageError(
+                f"{text}; a HEAD's 400 says no reason, and one cause is that the {_expired_hint(source)}",
+                key,
+            )
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
@@ -331,8 +356,14 @@ class S3Storage(PrefixedKeys, Storage):
             raise self._error(e, what, key) from e
 
     def _error(self, e: Exception, what: str, key: str | None) -> StorageError:
-        err = _storage_error(e, what, key)
+        err = _storage_error(e, what, key, self._credential_source())
         return self._missing_bucket(what, key) if isinstance(err, _NoSuchBucket) else err
+
+    def _credential_source(self) -> str | None:
+        """botocore's name for where this client's credentials came from, when it says."""
+        credentials = getattr(getattr(self._client, "_request_signer", None), "_credentials", None)
+        method = getattr(credentials, "method", None)
+        return method if isinstance(method, str) and method else None
 
     def _bucket_label(self) -> str:
         return self.bucket

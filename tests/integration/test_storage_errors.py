@@ -280,6 +280,29 @@ def test_an_s3_request_refused_for_a_skewed_clock_names_the_clock_not_permission
             assert "permission denied" not in str(error) and "RequestTimeTooSkewed" in str(error), (name, error)
 
 
+@pytest.mark.parametrize("guarded", ["s3"], indirect=True)
+def test_an_s3_request_refused_for_expired_temporary_credentials_says_so_and_what_lasts(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+) -> None:
+    """A job that runs for days outlives temporary keys (an assumed role's, SSO's) exported into its
+    environment: S3 then answers every request 400 ``ExpiredToken``, and the store said only
+    "ExpiredToken (HTTP 400)", every save failing without a word of why or what to give the job
+    instead. A HEAD's 400 (the stat of a restore) has no body and said even less. The fault proxy
+    gives S3's answer: moto never expires the credentials it issues."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    expired = proxy.fail(1000, 400, code="ExpiredToken", message="The provided token has expired.")
+    results = battery(storage, tmp_path)
+    assert expired.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
+        assert "expired" in str(error) and "AWS_SESSION_TOKEN" in str(error), (name, error)
+        assert "IRSA" in str(error), (name, error)  # what to give a long job instead
+        assert "from 'env'" in str(error), (name, error)  # where these keys came from (conftest's variables)
+        if "HEAD " not in str(error):
+            assert "ExpiredToken" in str(error), (name, error)
+
+
 # -- a missing bucket -----------------------------------------------------------------------------
 
 
