@@ -26,7 +26,8 @@ class _Retention(_State):
     that meet the same refusal say so at debug level, not once a save for the retention period."""
 
     def _retain(self, committed: CheckpointRef) -> None:
-        """(rank 0) Keep the newest ``keep`` valid committed checkpoints; remove old leftovers.
+        """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
+        copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
 
         Never touches anything newer than the checkpoint just committed, nor another job's, a
         superseded attempt's, a retired checkpoint or one a newer spotjob wrote (they are not
@@ -45,6 +46,7 @@ class _Retention(_State):
             lineage = Lineage.load(self.storage)
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             kept = 0
+            kept_steps = {committed.step}
             for ref in older:  # newest first
                 status = inspect(self.storage, ref, lineage=lineage)
                 if not status.committed:
@@ -59,10 +61,14 @@ class _Retention(_State):
                 # Only valid checkpoints count towards ``keep``: a refused one kept in place of a
                 # valid one would leave fewer to fall back to than asked for. Broken folders newer
                 # than the oldest one kept stay (for a post-mortem); older ones go with the rest.
-                if kept >= self.config.keep - 1:
+                # An older copy of a step kept already (``step-N`` beside ``step-N.1``: a script that
+                # saves the step it resumed from, once a restart) is no earlier state to fall back
+                # to: counted, a few restarts left ``keep`` copies of one step and no older one.
+                if kept >= self.config.keep - 1 or (status.valid and ref.step in kept_steps):
                     doomed.append((ref, True))
                 elif status.valid:
                     kept += 1
+                    kept_steps.add(ref.step)
             for ref, holds_manifest in doomed:
                 self._check_fence()
                 # Nothing listed in an uncommitted folder: on a versioned bucket MinIO (and moto) still

@@ -48,6 +48,25 @@ def test_keep_2_leaves_exactly_the_newest_two_committed_checkpoints(tmp_path: Pa
     assert all(s.valid for s in found.values())
 
 
+def test_copies_of_one_step_from_restart_after_restart_count_once_towards_keep(storage_uri: str, tmp_path: Path) -> None:
+    """A script that saves the step it resumed from (``save(start)`` right after ``restore``), and is
+    preempted before its next save, commits that step again on every restart: ``step-N.1``,
+    ``step-N.2``... Each copy counted towards ``keep``, so after a few restarts ``keep=3`` held three
+    copies of one step and had deleted every earlier one: nothing older left to fall back to."""
+    state = make_state(0)
+    staging = str(tmp_path / "staging")
+    with Checkpointer(storage_uri, keep=3, async_save=False, staging_dir=staging) as ckpt:
+        for step in range(1, 6):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+    for _ in range(4):  # four restarts, each preempted right after saving the step it resumed from
+        with Checkpointer(storage_uri, keep=3, async_save=False, staging_dir=staging) as ckpt:
+            ckpt.save(ckpt.restore(state), state)
+    found = {s.ref.folder: s for s in list_checkpoints(open_storage(storage_uri))}
+    assert sorted(found) == ["step-000000003", "step-000000004", "step-000000005.4"]
+    assert all(s.valid for s in found.values())
+
+
 def test_leftovers_older_than_the_latest_commit_are_removed_newer_ones_are_not_touched(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     save_steps(root, [1], keep=None)
