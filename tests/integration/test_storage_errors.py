@@ -303,6 +303,47 @@ def test_an_s3_request_refused_for_expired_temporary_credentials_says_so_and_wha
             assert "ExpiredToken" in str(error), (name, error)
 
 
+_CREDENTIAL_PROCESS = """
+import datetime, os, sys
+folder = sys.argv[1]
+with open(os.path.join(folder, "calls"), "a") as f:
+    f.write("call\\n")
+if os.path.exists(os.path.join(folder, "revoked")):
+    sys.exit("the role's session was revoked")
+ends = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
+print('{"Version": 1, "AccessKeyId": "AKIAEXAMPLE", "SecretAccessKey": "s", "SessionToken": "t", '
+      '"Expiration": "%s"}' % ends.strftime("%Y-%m-%dT%H:%M:%SZ"))
+"""
+
+
+def test_renewable_s3_credentials_are_renewed_in_the_same_store_and_a_failed_renewal_says_why(
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """(Pins behaviour that already worked.) A store is built once and used for days: credentials
+    from a source that renews them (here a real ``credential_process`` handing out keys that end in
+    two minutes, inside botocore's refresh window) must be fetched again as they near their end, not
+    frozen at construction; once the source fails, what the user sees names the source's own
+    reason. moto accepts any keys, so only the renewals are observed, not a refusal."""
+    uri = fresh_uri("s3")
+    script = tmp_path / "creds.py"
+    script.write_text(_CREDENTIAL_PROCESS)
+    config = tmp_path / "config"
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {script} {tmp_path}\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    storage = make_storage(uri)
+    for n in range(3):
+        storage.put_bytes(f"step-000000001/{n}", b"x")
+    assert len((tmp_path / "calls").read_text().split()) >= 3, "the credentials were not renewed"
+    (tmp_path / "revoked").touch()
+    with pytest.raises(PermanentStorageError, match="the role's session was revoked"):
+        storage.put_bytes("step-000000001/late", b"x")
+
+
 # -- a missing bucket -----------------------------------------------------------------------------
 
 
