@@ -48,7 +48,9 @@ def test_keep_2_leaves_exactly_the_newest_two_committed_checkpoints(tmp_path: Pa
     assert all(s.valid for s in found.values())
 
 
-def test_copies_of_one_step_from_restart_after_restart_count_once_towards_keep(storage_uri: str, tmp_path: Path) -> None:
+def test_copies_of_one_step_from_restart_after_restart_count_once_towards_keep(
+    storage_uri: str, tmp_path: Path
+) -> None:
     """A script that saves the step it resumed from (``save(start)`` right after ``restore``), and is
     preempted before its next save, commits that step again on every restart: ``step-N.1``,
     ``step-N.2``... Each copy counted towards ``keep``, so after a few restarts ``keep=3`` held three
