@@ -45,7 +45,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect, verify_deep
+from agent.catalog import (
+    CheckpointRef,
+    CheckpointStatus,
+    Lineage,
+    find_checkpoints,
+    inspect,
+    inspect_all,
+    verify_deep,
+)
 from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, RANK_FILE_RE, Manifest
@@ -294,8 +302,7 @@ def _error(name: str, message: str) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     with opened_storage(args.uri) as storage:
         refs = _require_checkpoints(storage)
-        lineage = Lineage.load(storage)
-        statuses = [inspect(storage, ref, lineage=lineage) for ref in refs]
+        statuses = inspect_all(storage, refs)
     if args.json:
         _print_json([checkpoint_json(storage, s) for s in statuses])
         return EXIT_OK

@@ -16,6 +16,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from agent import Checkpointer
-from agent.catalog import CheckpointRef, inspect, latest_valid
+from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
 from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
@@ -169,6 +170,33 @@ def test_list_shows_valid_invalid_and_uncommitted_rows(saved: Saved, capsys: pyt
     assert "uncommitted" in rows[0] and "no MANIFEST.json" in rows[0]
     assert rows[1].endswith("valid") and rows[3].endswith("valid")
     assert "INVALID" in rows[2] and f"file {saved.shard(2)} is missing" in rows[2]
+
+
+def test_list_reads_the_checkpoint_folders_side_by_side(
+    saved: Saved, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that keeps every checkpoint has hundreds after a few days, and ``ckpt list`` (and
+    ``kubectl spotjob checkpoints``) read them one after another: two requests a folder, each a
+    round trip to the bucket, minutes of silence for a few thousand. The folders are now read side
+    by side. Seen through the store's own ``list`` (the one narrow seam patched): the first two
+    folder listings must be in flight together, which one-at-a-time reading never is (the barrier
+    then breaks after its timeout and the command fails)."""
+    meeting = threading.Barrier(2, timeout=60)
+    met = {"n": 0}
+    original = FileStorage.list
+
+    def listing(self: FileStorage, prefix: str = "") -> Iterator[Any]:
+        if prefix.startswith("step-") and met["n"] < 2:
+            met["n"] += 1
+            meeting.wait()
+        return original(self, prefix)
+
+    monkeypatch.setattr(FileStorage, "list", listing)
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert rc == 0 and [r.split()[0] for r in out.splitlines()[1:]] == ["3", "2", "1"]
+    meeting.reset()
+    met["n"] = 0
+    assert [s.ref.step for s in list_checkpoints(saved.storage)] == [3, 2, 1]
 
 
 def test_list_json_says_why_each_checkpoint_is_invalid(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
