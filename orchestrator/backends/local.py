@@ -132,6 +132,17 @@ MONITOR_TICK = 0.1
 seen within it, which is part of every restart's handover."""
 STEP_SAMPLE_SECONDS = 0.5
 """At most one step sample per worker this often in the timeline (the plot's resolution)."""
+STEP_SAMPLE_FRACTION = 0.001
+"""Past its first few minutes, a worker's step samples are at least this fraction of its age apart:
+a worker that trains for days adds some thousands of lines (a thousand per e-fold of its age), not
+two a second, to the timeline ``spotjob status``, the summary, the plot and a resume read whole."""
+
+
+def step_sample_interval(age: float) -> float:
+    """The least time between two step samples of a worker that has been training ``age`` seconds."""
+    return max(STEP_SAMPLE_SECONDS, age * STEP_SAMPLE_FRACTION)
+
+
 FLUSH_REQUEST_TIMEOUT = 5.0
 STOP_REQUEST_TIMEOUT = 5.0
 
@@ -156,6 +167,8 @@ class _Worker:
     training_seen: bool = False
     last_step: int | None = None
     last_step_sample: float = 0.0
+    first_step_sample: float | None = None
+    """When its first step was sampled: the age its sampling interval grows with."""
     last_commit: int | None = None
     commits: int = 0
     """Commits its rank 0 reported so far (``status.json``'s counter)."""
@@ -652,8 +665,10 @@ class LocalBackend:
             now = time.monotonic()
             if isinstance(step, int) and step != w.last_step:
                 w.last_step = step
-                if now - w.last_step_sample >= STEP_SAMPLE_SECONDS or state == "starting":
+                first = w.first_step_sample if w.first_step_sample is not None else now
+                if now - w.last_step_sample >= step_sample_interval(now - first) or state == "starting":
                     w.last_step_sample = now
+                    w.first_step_sample = first
                     self.timeline.record(EventKind.STEP, worker=w.name, attempt=w.attempt, step=step, state=state)
             if state != "starting" and not w.training_seen:
                 w.training_seen = True

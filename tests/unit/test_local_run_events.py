@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from agent.control_channel import ControlDir, RankStatus
 from orchestrator import events
-from orchestrator.backends import local_timeline
-from orchestrator.backends.local_timeline import EventKind
+from orchestrator.backends import local, local_timeline
+from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.backends.local_timeline import EventKind, Timeline
 from orchestrator.cli_run import LocalRun
 from orchestrator.events import EventType, read_events
+from orchestrator.model import JobKey
 from orchestrator.run_config import RunConfig
 
 
@@ -89,3 +95,43 @@ def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines
         assert parsed["n"] <= 2, f"{parsed['n']} timeline lines parsed for 2 new ones"
     finally:
         run.close()
+
+
+class _Clock:
+    """``time`` as ``orchestrator.backends.local`` sees it, with a monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_worker_that_trains_for_days_adds_a_bounded_number_of_step_samples_to_the_timeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The monitor sampled each worker's step every half second for as long as it trained: 170,000
+    timeline lines a day a worker, all read back by ``spotjob status``, the summary, the plot and a
+    resume. The samples now thin out as the attempt ages (half a second at first, as the plot of a
+    short run needs). Three days of a worker at a step every 10 s are walked through with the
+    monitor's own ``_sample`` on a real status.json; only the monitor's monotonic clock is the
+    test's (three days cannot pass here), so what this does not model is the real pace of reads."""
+    clock = _Clock()
+    monkeypatch.setattr(local, "time", clock)
+    control = ControlDir(str(tmp_path / "control"))
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        worker = local._Worker("w-0-0", JobKey("default", "long"), 0, 0, cast(Any, None), proc, control.path, "", "")
+        step, end = 0, clock.now + 3 * 86400.0
+        while clock.now < end:
+            step += 1
+            control.write_status(RankStatus(state="training", step=step))
+            backend._sample(worker)
+            clock.now += 10.0
+        samples = [e for e in Timeline.read(backend.timeline.path) if e.kind == EventKind.STEP]
+    assert [e.data["step"] for e in samples[:10]] == list(range(1, 11)), "a young attempt is sampled at every look"
+    assert len(samples) < 5000, f"{len(samples)} step samples for 3 days of one worker ({step} looks)"
