@@ -126,7 +126,9 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return NotFoundError(f"{what}: no such object", key)
         if status == 403 and _RETAINED.search(_api_error_detail(e)):
             return RetainedError(f"{text}; {_RETAINED_HINT}", key)
-        if status in (401, 403):
+        if status == 401:
+            return PermanentStorageError(f"{text}; {_INVALID_CREDENTIALS_HINT}", key)
+        if status == 403:
             return PermanentStorageError(
                 f"permission denied: {text}; the Google credentials in use (workload identity, service "
                 "account) lack the permission on the bucket",
@@ -147,7 +149,9 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
         error: StorageError = (
             TransientStorageError(f"{what}: HTTP {status}", key)
             if status in _TRANSIENT_STATUS or status >= 500
-            else PermanentStorageError(f"{what}: HTTP {status}", key)
+            else PermanentStorageError(
+                f"{what}: HTTP {status}" + (f"; {_INVALID_CREDENTIALS_HINT}" if status == 401 else ""), key
+            )
         )
         return error
     if isinstance(e, auth_exceptions.RefreshError):
@@ -177,6 +181,13 @@ _RETAINED = re.compile(r"retention policy|object retention|active (event-based |
 _RETAINED_HINT = (
     "the bucket keeps it (a retention policy or an object hold), whatever the credentials: spotjob "
     "cannot delete or replace it until the retention period ends or the hold is released"
+)
+# GCS's 401 once the client's one refresh and retry did not help.
+_INVALID_CREDENTIALS_HINT = (
+    "the Google credentials in use are not valid (HTTP 401): expired or revoked, and refreshing them did "
+    "not help (a service account key deleted or disabled, a workload identity binding removed). Not a "
+    "permission of the bucket: give the process valid credentials (workload identity, "
+    "GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login)"
 )
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")

@@ -303,6 +303,25 @@ def test_an_s3_request_refused_for_expired_temporary_credentials_says_so_and_wha
             assert "ExpiredToken" in str(error), (name, error)
 
 
+@pytest.mark.parametrize("guarded", ["gs"], indirect=True)
+def test_a_gcs_request_refused_for_credentials_that_are_no_longer_valid_does_not_blame_permissions(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+) -> None:
+    """GCS answers 401 ``Invalid Credentials`` to a token that is expired or revoked (the client has
+    already refreshed once and retried by then): a service account key deleted during the run, a
+    workload identity binding removed. The store said "permission denied ... lack the permission on
+    the bucket", sending the user to the bucket's IAM for credentials that are not valid at all.
+    The fault proxy gives GCS's answer (fake-gcs-server checks no credentials)."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    refused = proxy.fail(1000, 401, code="authError", message="Invalid Credentials")
+    results = battery(storage, tmp_path)
+    assert refused.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
+        assert "permission denied" not in str(error) and "not valid" in str(error), (name, error)
+
+
 _CREDENTIAL_PROCESS = """
 import datetime, os, sys
 folder = sys.argv[1]
