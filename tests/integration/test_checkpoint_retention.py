@@ -69,6 +69,24 @@ def test_copies_of_one_step_from_restart_after_restart_count_once_towards_keep(
     assert all(s.valid for s in found.values())
 
 
+def test_steps_past_the_folder_names_nine_digits_are_ordered_by_number_on_every_store(
+    storage_uri: str, tmp_path: Path
+) -> None:
+    """(Pins behaviour that already worked.) Folder names are zero-padded to nine digits, so after
+    step 999,999,999 they grow longer and sort wrongly as text (``step-1000000000`` before
+    ``step-999999999``), as do listings that are not in name order. Restore and retention order them
+    by number on every store: the newest is step 10**9, and retention removes step 999, not 1000."""
+    state = make_state(0)
+    staging = str(tmp_path / "staging")
+    with Checkpointer(storage_uri, keep=3, async_save=False, staging_dir=staging) as ckpt:
+        for step in (999, 1000, 10**9 - 1, 10**9):
+            train(state, 1)
+            ckpt.save(step, state)
+    assert sorted(s.ref.step for s in list_checkpoints(open_storage(storage_uri))) == [1000, 10**9 - 1, 10**9]
+    with Checkpointer(storage_uri, staging_dir=staging) as again:
+        assert again.restore(make_state(0, seed=1)) == 10**9
+
+
 def test_leftovers_older_than_the_latest_commit_are_removed_newer_ones_are_not_touched(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     save_steps(root, [1], keep=None)
