@@ -228,9 +228,12 @@ def _expired_hint(source: str | None) -> str:
     )
 
 
-def _storage_error(e: Exception, what: str, key: str | None, source: str | None = None) -> StorageError:
+def _storage_error(
+    e: Exception, what: str, key: str | None, source: str | None = None, temporary: bool = False
+) -> StorageError:
     """Translate a boto3 exception into the StorageError that says whether to retry. ``source``:
-    where the client's credentials came from (botocore's name), for the message of expired ones."""
+    where the client's credentials came from (botocore's name), for the message of expired ones;
+    ``temporary``: whether they carry a session token (only such credentials expire)."""
     if isinstance(e, ClientError):
         status, code = _status_and_code(e)
         message = e.response.get("Error", {}).get("Message") or ""
@@ -239,7 +242,7 @@ def _storage_error(e: Exception, what: str, key: str | None, source: str | None 
             return PermanentStorageError(f"{text}; {_CHECKSUM_HEADERS_HINT}", key)
         if code in _EXPIRED_CODES:
             return PermanentStorageError(f"{text}; {_expired_hint(source)}", key)
-        if code == "400" and what.startswith("HEAD "):
+        if code == "400" and what.startswith("HEAD ") and temporary:
             # A HEAD's answer has no body, so no code: expired temporary credentials look the same.
             return PermanentStorageError(
                 f"{text}; a HEAD's 400 says no reason, and one cause is that the {_expired_hint(source)}",
@@ -356,14 +359,19 @@ class S3Storage(PrefixedKeys, Storage):
             raise self._error(e, what, key) from e
 
     def _error(self, e: Exception, what: str, key: str | None) -> StorageError:
-        err = _storage_error(e, what, key, self._credential_source())
+        source, temporary = self._credential_kind()
+        err = _storage_error(e, what, key, source, temporary)
         return self._missing_bucket(what, key) if isinstance(err, _NoSuchBucket) else err
 
-    def _credential_source(self) -> str | None:
-        """botocore's name for where this client's credentials came from, when it says."""
+    def _credential_kind(self) -> tuple[str | None, bool]:
+        """botocore's name for where this client's credentials came from (when it says), and whether
+        they are temporary (carry a session token). The token is read from the object's fields, not
+        its ``token`` property, which would refresh refreshable credentials (a call to their source)."""
         credentials = getattr(getattr(self._client, "_request_signer", None), "_credentials", None)
         method = getattr(credentials, "method", None)
-        return method if isinstance(method, str) and method else None
+        fields = getattr(credentials, "__dict__", {})
+        token = fields.get("token") or fields.get("_token")
+        return (method if isinstance(method, str) and method else None), bool(token)
 
     def _bucket_label(self) -> str:
         return self.bucket

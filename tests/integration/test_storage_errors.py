@@ -280,9 +280,17 @@ def test_an_s3_request_refused_for_a_skewed_clock_names_the_clock_not_permission
             assert "permission denied" not in str(error) and "RequestTimeTooSkewed" in str(error), (name, error)
 
 
+@pytest.fixture
+def session_token(moto_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporary keys in the environment (a session token beside the fixed test keys); request it
+    before ``guarded`` so that the store's client is built with it (after ``moto_server``, whose
+    set-up removes any session token)."""
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token")
+
+
 @pytest.mark.parametrize("guarded", ["s3"], indirect=True)
 def test_an_s3_request_refused_for_expired_temporary_credentials_says_so_and_what_lasts(
-    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+    session_token: None, guarded: tuple[Storage, FaultProxy], tmp_path: Path
 ) -> None:
     """A job that runs for days outlives temporary keys (an assumed role's, SSO's) exported into its
     environment: S3 then answers every request 400 ``ExpiredToken``, and the store said only
@@ -301,6 +309,22 @@ def test_an_s3_request_refused_for_expired_temporary_credentials_says_so_and_wha
         assert "from 'env'" in str(error), (name, error)  # where these keys came from (conftest's variables)
         if "HEAD " not in str(error):
             assert "ExpiredToken" in str(error), (name, error)
+
+
+@pytest.mark.parametrize("guarded", ["s3"], indirect=True)
+def test_a_head_refused_400_does_not_blame_expiry_on_keys_that_cannot_expire(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path
+) -> None:
+    """Only temporary credentials (with a session token) expire. A HEAD's bare 400 under fixed keys
+    (the test's, no token) does not send the user after expired credentials it cannot have."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    proxy.fail(1000, 400, code="ExpiredToken", message="The provided token has expired.")
+    heads = {name: e for name, e in battery(storage, tmp_path).items() if "HEAD " in str(e)}
+    assert heads, "the battery makes no HEAD request"
+    for name, error in heads.items():
+        assert isinstance(error, PermanentStorageError), (name, error)
+        assert "expired" not in str(error), (name, error)
 
 
 @pytest.mark.parametrize("guarded", ["gs"], indirect=True)
