@@ -17,11 +17,14 @@ The client's user is the owner of its socket in ``/proc/net/tcp`` (``peer_uid``)
 no ``/proc`` (macOS), loopback is all that is checked. A refused request changes nothing.
 
 On a pod network anyone can connect, so the server is bounded: at most ``max_connections``
-connections at once (more get ``503`` and are closed at once), one request per connection, and
+connections at once, one request per connection, and
 every connection must deliver its whole request (line, headers, body) within
 ``request_timeout`` seconds of being accepted, or it gets ``408`` and is closed. The bound is
 enforced from the serving thread (``service_actions``), so a client that trickles one byte at a
-time cannot stretch it. Bodies are at most ``MAX_BODY_BYTES``; a bad ``Content-Length`` is 400,
+time cannot stretch it. With every slot taken, a new connection cuts off the one among them that has
+waited longest for its request (``408``), so that no one holding the slots with requests that
+never finish keeps a flush out; only when every slot serves a request that has arrived does a new
+connection get ``503`` and is closed at once. Bodies are at most ``MAX_BODY_BYTES``; a bad ``Content-Length`` is 400,
 a larger body 413 (unread). A client that hangs up is logged at debug level, never as an error.
 Anything a client sent reaches the log escaped (``safe``): no forged lines, no terminal escapes.
 
@@ -62,7 +65,7 @@ log = logging.getLogger(__name__)
 ENV_AGENT_TOKEN = "SPOTJOB_AGENT_TOKEN"
 MAX_BODY_BYTES = 64 * 1024
 MAX_CONNECTIONS = 32
-"""Connections served at once; a 33rd is answered 503 and closed."""
+"""Connections served at once; a 33rd cuts off the oldest unfinished request, or is answered 503."""
 REQUEST_TIMEOUT = 10.0
 """Seconds a connection has, from accept, to deliver its whole request."""
 SERVE_POLL = 0.1
@@ -391,11 +394,32 @@ class _Server(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         sock: socket.socket = request
         peer = str(client_address[0])
+        displaced: _Connection | None = None
         with self._conns_lock:
-            full = len(self._conns) >= self.api.max_connections
+            live = [c for c in self._conns.values() if not c.timed_out]
+            full = len(live) >= self.api.max_connections
+            waiting = [c for c in live if c.reading]
+            if full and waiting:
+                # Every slot taken, some by requests still arriving: the one that has waited
+                # longest makes room. Else whoever holds the slots with unfinished requests (no
+                # token needed for that) would keep the controller's flush out for as long as
+                # it keeps them; a request that has arrived is never cut off.
+                displaced = min(waiting, key=lambda c: c.deadline)
+                displaced.timed_out = True
+                full = False
             if not full:
                 deadline = time.monotonic() + self.api.request_timeout
                 self._conns[id(sock)] = _Connection(sock, peer, deadline)
+        if displaced is not None:
+            with contextlib.suppress(OSError):
+                displaced.sock.shutdown(socket.SHUT_RD)  # its handler answers 408 and closes
+            log.info(
+                "control API: %d connections open, cutting off the oldest unfinished request, from %s (408), "
+                "to serve one from %s",
+                self.api.max_connections,
+                safe(displaced.peer),
+                safe(peer),
+            )
         if full:
             log.warning(
                 "control API: %d connections open, refusing one from %s (503)", self.api.max_connections, safe(peer)
@@ -674,6 +698,8 @@ class _Handler(BaseHTTPRequestHandler):
         if method != allowed:
             self._discard_body()
             return self._send(405, ErrorResponse(error=f"method not allowed; use {allowed}"), {"Allow": allowed})
+        if allowed == "GET":
+            self.server.done_reading(self.connection)  # no body: the whole request has arrived
         try:
             if path == "/healthz":
                 return self._send(200, {"ok": True})

@@ -12,8 +12,12 @@ the same name has a new uid, hence a new token.
 threads, never in a reconcile pass: the first ``flush()`` for a pod starts the request and answers PENDING; later
 calls answer how it went (ACCEPTED, or FAILED with why), and after a FAILED the next call tries
 again. Every request has a timeout (``timeout`` seconds to connect and to read), and the pools are
-bounded: a mass preemption queues requests rather than threads. Flushes and stops have their own
-pool, so that step polling never delays them.
+bounded. Flushes, stops and saves have their own pool, so that step polling never delays them, and
+it is wide (``MAX_FLUSH_CALLS`` threads, started only as requests need them): the agents of nodes
+that are gone answer nothing, and each request to one holds its thread for the whole timeout. A
+narrow pool queued the live agents' flushes behind them: eight dead workers held a reachable one
+back by a timeout each, more than a 30 s notice leaves. Only past ``MAX_FLUSH_CALLS`` at once do
+requests queue.
 
 ``step()`` answers the last step an agent reported (``GET /status``, at most every
 ``status_max_age`` seconds per pod, in the background): a hint for the reconciler's accounting,
@@ -41,6 +45,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 KEY_MIN_BYTES = 32
+MAX_FLUSH_CALLS = 512
+"""Flush, stop and save requests in flight at once (threads, each mostly waiting on the network)."""
 
 
 class TokenKeyError(ValueError):
@@ -142,7 +148,7 @@ class AgentCalls:
         *,
         port: int,
         timeout: float = 5.0,
-        workers: int = 8,
+        workers: int = MAX_FLUSH_CALLS,
         status_workers: int = 2,
         status_max_age: float = 5.0,
         transport: Transport = http_transport,

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from agent import control_api
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, ControlDir
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, all_processes, read_proc
@@ -279,6 +280,30 @@ def test_post_flush_with_the_token_flushes_and_exits_75_and_a_wrong_token_change
     assert status == 202 and body["created"] is True
     assert_preempted(run, "api preemption: node tainted")
     assert TOKEN not in run.log()
+
+
+def test_a_client_holding_every_connection_with_unfinished_requests_cannot_keep_the_flush_out(
+    start: Callable[..., Run],
+) -> None:
+    """A client on the pod network needs no token to open connections: one that opens as many as
+    the API serves and never finishes its requests must not turn the controller's ``POST /flush``
+    away (503) for as long as it keeps them open. The server accepts connections in the order they
+    came, so all of the holder's are registered before the flush's."""
+    run = start(env={"SPOTJOB_AGENT_TOKEN": TOKEN})
+    run.wait_training()
+    port = int(run.agent_info()["port"])
+    held = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(control_api.MAX_CONNECTIONS)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+        status, body = run.post_flush({"reason": "node tainted", "deadline": time.time() + 60}, token=TOKEN)
+        assert status == 202 and body["created"] is True, (status, body)
+        answered = held[0].recv(4096)
+        assert answered.startswith(b"HTTP/1.0 408"), answered  # the oldest unfinished request made room
+    finally:
+        for sock in held:
+            sock.close()
+    assert_preempted(run, "api preemption: node tainted")
 
 
 def test_a_second_notice_during_a_flush_does_not_start_another(start: Callable[..., Run], tmp_path: Path) -> None:

@@ -219,3 +219,40 @@ def test_an_agent_whose_packets_are_dropped_fails_pointing_at_a_network_policy_a
         assert "cannot reach the agent" in detail and "NetworkPolicy" not in detail, detail
     finally:
         refused.close()
+
+
+def test_agents_whose_packets_are_dropped_do_not_hold_up_the_flush_of_a_reachable_one(
+    agent: Agent, api: ControlApi
+) -> None:
+    """A mass preemption: the nodes of many workers are gone (their packets dropped, each request
+    waits out its timeout) while one agent is still there to flush. Before, flush requests ran on a
+    pool of 8 threads: eight dead agents held every thread for their whole timeout, and the live
+    agent's request waited behind them — longer than a 30 s notice allows at the default timeout
+    once a gang has a few dozen dead workers. Now every flush request is sent at once.
+
+    The dead agents are modeled as in the test above (a listener on another loopback address whose
+    accept queue is full drops the SYNs); what is asserted is order: the live agent accepted while
+    the dead ones were still waiting, never a duration."""
+    import socket
+
+    full, held = socket.socket(), socket.socket()
+    calls = AgentCalls(port=api.port, timeout=20.0)
+    try:
+        full.bind(("127.0.0.2", api.port))
+        full.listen(0)
+        held.connect(full.getsockname())  # fills the accept queue: the next SYNs are dropped
+        dead = [Endpoint(f"dead-{i}", f"llama-0-{i + 1}", "127.0.0.2", endpoint().token) for i in range(8)]
+        for e in dead:
+            assert calls.flush(e, "notice", None).state is CallState.PENDING
+        calls.flush(endpoint(), "notice", None)
+        assert settle(calls, "flush").state is CallState.ACCEPTED
+        still = [calls.state("flush", e.pod_uid) for e in dead]
+        assert all(s is not None and s.state is CallState.PENDING for s in still), still
+        assert agent.control.flush_request() is not None
+        held.close()
+        full.close()  # the dead agents' next SYN is refused: their requests end, quietly, before the test does
+        assert all(settle(calls, "flush", e.pod_uid).state is CallState.FAILED for e in dead)
+    finally:
+        calls.close()
+        held.close()
+        full.close()

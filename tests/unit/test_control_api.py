@@ -248,24 +248,52 @@ def make_api(agent: Agent) -> Iterator[Callable[..., ControlApi]]:
 
 
 class TestConnections:
-    def test_connections_beyond_the_bound_get_503_at_once_and_the_held_ones_free_their_slots(
-        self, make_api: Callable[..., ControlApi]
+    def test_with_every_slot_serving_an_arrived_request_a_further_connection_gets_503_at_once(
+        self, make_api: Callable[..., ControlApi], agent: Agent, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """(Pins behaviour that already worked.) ``/status`` is held inside the handler (the one
+        seam patched) so that every slot serves a request that has arrived: none is cut off."""
+        release = threading.Event()
+        served = agent.status
+
+        def held_status() -> Any:
+            release.wait(WAIT)
+            return served()
+
+        monkeypatch.setattr(agent, "status", held_status)
+        api = make_api(max_connections=4, request_timeout=600)
+        holders = [threading.Thread(target=call, args=(api, "GET", "/status"), kwargs={"token": TOKEN}) for _ in range(4)]
+        for t in holders:
+            t.start()
+        try:
+            wait_until(lambda: api.open_connections == 4, "four requests being served")
+            for _ in range(3):
+                status, headers, body = raw(api, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert status == 503 and headers["retry-after"] == "1" and json.loads(body)["error"]
+        finally:
+            release.set()
+            for t in holders:
+                t.join()
+        wait_until(lambda: api.open_connections == 0, "the slots to be freed once answered")
+        assert call(api, "GET", "/healthz") == (200, {"ok": True})
+
+    def test_with_every_slot_held_by_unfinished_requests_a_new_connection_cuts_off_the_oldest(
+        self, make_api: Callable[..., ControlApi], agent: Agent
     ) -> None:
         api = make_api(max_connections=4, request_timeout=600)
-        slow = [socket.create_connection(("127.0.0.1", api.port)) for _ in range(4)]
+        slow = [socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) for _ in range(4)]
         try:
             for s in slow:
                 s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n")  # headers never finish
             wait_until(lambda: api.open_connections == 4, "four connections held")
-            for _ in range(6):
-                status, headers, body = raw(api, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert status == 503 and headers["retry-after"] == "1" and json.loads(body)["error"]
-            assert api.open_connections == 4
+            status, _, body = raw(api, post("/flush", b"{}", "Content-Length: 2"))
+            assert status == 202 and json.loads(body)["created"] is True
+            assert read_response(slow[0])[0] == 408  # the oldest made room; the others wait on
+            assert agent.control.flush_requested()
         finally:
             for s in slow:
                 s.close()
         wait_until(lambda: api.open_connections == 0, "the slots to be freed when the clients hang up")
-        assert call(api, "GET", "/healthz") == (200, {"ok": True})
 
     def test_a_client_trickling_its_headers_is_cut_off_with_408_and_changes_nothing(
         self, make_api: Callable[..., ControlApi], agent: Agent
