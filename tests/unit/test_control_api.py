@@ -262,7 +262,9 @@ class TestConnections:
 
         monkeypatch.setattr(agent, "status", held_status)
         api = make_api(max_connections=4, request_timeout=600)
-        holders = [threading.Thread(target=call, args=(api, "GET", "/status"), kwargs={"token": TOKEN}) for _ in range(4)]
+        holders = [
+            threading.Thread(target=call, args=(api, "GET", "/status"), kwargs={"token": TOKEN}) for _ in range(4)
+        ]
         for t in holders:
             t.start()
         try:
