@@ -204,7 +204,9 @@ class Backend(Protocol):
 
         ``deadline`` is when the capacity goes away. Never blocks: answers ``PENDING`` while the
         request is in flight, then ``ACCEPTED`` or ``FAILED`` (see the module docstring). The
-        agent keeps the first request it accepted, so a repeat is harmless.
+        agent keeps the first request it accepted, so a repeat is harmless. A backend whose
+        workers can be stopped gracefully may do so when the request ``FAILED`` (the Kubernetes
+        one deletes the pod: its SIGTERM is a notice the agent flushes on).
         """
         ...
 

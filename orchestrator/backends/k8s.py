@@ -247,6 +247,15 @@ class KubernetesBackend:
         if not _pod_ip(pod):
             return FlushRequestState.failed(f"worker {worker.name} has no pod IP yet")
         answer = self.agents.flush(self._endpoint(pod, self._token(key)), reason, deadline, answered=self._waker(key))
+        if answer.state is CallState.FAILED and not _deleting(pod):
+            # The agent did not take the request (unreachable, the token refused, an error). Its
+            # pod's deletion reaches it all the same: the SIGTERM is a notice it flushes on, within
+            # the pod's grace period. Waiting for flushTimeoutSeconds instead spent a short notice
+            # (30 s on GCP) before the agent heard of it, and the checkpoint with it.
+            self._delete_pod(pod)
+            return FlushRequestState.failed(
+                f"{answer.detail}; deleted the pod instead, so that the agent flushes on its SIGTERM"
+            )
         return _flush_state(answer)
 
     def request_save(

@@ -295,7 +295,8 @@ class _Recovery(_FlushRequests):
             in_flight.discard(w.name)
             p.metrics.append(methodcaller("flush_request", str(answer.outcome)))
             if answer.outcome is FlushRequestOutcome.FAILED:
-                # Retried next pass; the timeout bounds how long an unreachable agent holds us.
+                # Retried next pass (the Kubernetes backend has deleted the pod meanwhile: its SIGTERM
+                # is a notice too); the timeout bounds how long an unreachable agent holds us.
                 self._event(p, FLUSH_REQUEST_FAILED, worker=w.name, error=answer.error, node=w.node)
                 continue
             recovery.flush_requested.append(w.name)

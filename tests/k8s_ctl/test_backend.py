@@ -660,3 +660,36 @@ def test_an_oom_killed_training_container_or_rank_says_so_with_its_memory_limit_
     detail = observed["llama-0-2"].detail
     assert detail is not None and detail.startswith("spotjob-agent launcher: rank 3 (pid 77) was killed by SIGKILL")
     assert detail.endswith("kubectl logs llama-0-2"), detail
+
+
+def test_a_worker_whose_agent_cannot_be_asked_to_flush_is_deleted_so_that_its_sigterm_flushes() -> None:
+    """Fails without the fix: an agent the controller could not reach (a NetworkPolicy, a refused
+    token) was asked again every pass and its pod left running until flushTimeoutSeconds (90 s by
+    default) — the whole of a 30 s notice, with the agent never told. Its pod is now deleted
+    gracefully at the first failure: the SIGTERM is a notice the agent flushes on. A pod already
+    being deleted is not deleted again.
+
+    The real ``AgentCalls`` against a port nothing listens on (refused); the client is the fake of
+    this file, which records the deletion but models no kubelet sending the SIGTERM."""
+    agents = AgentCalls(port=9, timeout=2.0)
+    world = World(agents, None)
+    world.add(node("n1"))
+    try:
+        world.add(pod(0, ip="127.0.0.1"))
+        worker = world.backend.list_workers(KEY, spec())[0]
+        assert world.backend.request_flush(KEY, spec(), worker, "notice", None).outcome is FlushRequestOutcome.PENDING
+        for _ in range(3000):
+            if agents.state("flush", "uid-0-0") != CallResult(CallState.PENDING):
+                break
+            threading.Event().wait(0.01)
+        state = world.backend.request_flush(KEY, spec(), worker, "notice", None)
+        assert state.outcome is FlushRequestOutcome.FAILED and "cannot reach the agent" in state.error
+        assert "SIGTERM" in state.error
+        assert world.client.deleted == [("pods", "llama-0-0", None)], "deleted gracefully, once"
+
+        world.add(pod(0, ip="127.0.0.1", deleting=True))
+        world.backend.request_flush(KEY, spec(), worker, "notice", None)
+        world.backend.request_flush(KEY, spec(), worker, "notice", None)
+        assert world.client.deleted == [("pods", "llama-0-0", None)], "a pod being deleted is not deleted again"
+    finally:
+        agents.close()
