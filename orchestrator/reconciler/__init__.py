@@ -35,7 +35,7 @@ Transitions (``*`` once the next attempt's workers were started)::
                                               pull, no node): status.attempt.notStarting;     (Event, once
                                               a Warning Event (no node: after 10 minutes)     per attempt)
     Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
-    Running                     Succeeded     every worker exited 0                           Completed
+    Running, Flushing           Succeeded     every worker exited 0                           Completed
     Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt SpotInterrupted
                                               a signal says a node of the attempt is gone     NodeLost
                                               a worker's agent exited 75                      AgentPreempted

@@ -234,6 +234,17 @@ class _Recovery(_FlushRequests):
                 recovery.flush_failed.append(w.name)
                 self._event(p, FLUSH_FAILED, worker=w.name)
 
+        if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+            # The notice came as the training ended: every rank finished before it served the
+            # flush, and every worker exited 0. The job is done; a new attempt would train its
+            # last steps (or, with no checkpoint, all of them) again.
+            with self._lock:
+                self._flush_in_flight.pop(p.key, None)
+                self._flush_clock.pop(p.key, None)
+            if p.status.start_time is not None:
+                p.status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
+            return None
         running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step

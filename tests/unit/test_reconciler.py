@@ -1639,3 +1639,24 @@ def test_a_failed_workers_reason_carries_what_the_backend_could_tell_of_its_caus
     w.backend.exit(1, 0, 1)
     status = w.run_until(phase_is(Phase.FAILED))
     assert status.message == f"worker train-1-0 exited with code 1 and all 1 restart(s) are used: {why}"
+
+
+def test_a_gang_that_finishes_its_training_while_asked_to_flush_succeeds_and_is_not_started_again(
+    world: World,
+) -> None:
+    """The notice came as the training ended: every rank closed before it saw ``flush.json``, and
+    every worker exited 0. That job is done; a new attempt would run its last steps again from the
+    last checkpoint (or the whole training, with none)."""
+    world.backend.flush_answers = {
+        "train-0-0": [FlushRequestState.pending()],
+        "train-0-1": [FlushRequestState.pending()],
+    }
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.FLUSHING))
+    world.backend.exit(0, 0, 0)
+    world.backend.exit(0, 1, 0)
+
+    status = world.run_until(lambda s: s.phase is not Phase.FLUSHING)
+
+    assert status.phase is Phase.SUCCEEDED and status.reason == "Completed", (status.phase, status.reason)
+    assert world.backend.created == ["train-0-0", "train-0-1"], "no second attempt"
