@@ -123,21 +123,9 @@ class _Recovery(_FlushRequests):
             self._on_failure(p, failed[0])
             return True
         if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
-            self._settle_observed_step(p)
             self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
             return True
         return False
-
-    @staticmethod
-    def _settle_observed_step(p: _Pass) -> None:
-        """The attempt trained at least to the newest step it committed: the agents' step hints are
-        sampled (once a minute into a SpotJob's status), so a short attempt may end with only its first
-        hint seen, and the job's last word must not name that one."""
-        attempt, last = p.status.attempt, p.status.last_checkpoint
-        if last is None or (attempt.resumed_from_step is not None and last.step <= attempt.resumed_from_step):
-            return  # nothing committed by this attempt
-        if attempt.observed_step is None or last.step > attempt.observed_step:
-            attempt.observed_step, attempt.observed_step_at = last.step, p.now
 
     def _preemption(self, p: _Pass, current: list[WorkerObservation]) -> _Preemption | None:
         """The evidence that the attempt's capacity is going away, strongest first, or None."""

@@ -8,7 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from e2e_support import STEPS, Controller, create_job, job_events, running_pods, spotjob_body, wait, wait_phase
+from e2e_support import (
+    STEPS,
+    Controller,
+    create_job,
+    job_events,
+    running_pods,
+    spotjob_body,
+    status,
+    wait,
+    wait_phase,
+)
 
 from agent.catalog import list_checkpoints
 from agent.storage import open_storage
@@ -23,15 +33,29 @@ def test_a_completed_job_says_it_reached_its_last_committed_step_not_the_first_s
 ) -> None:
     """The step the agents report reaches the status at most once a minute (a sampled hint), so a
     job shorter than that ends with only its first hint seen. Its ``Completed`` message, Ready
-    condition, Event and ``attempt.observedStep`` said "last step seen 4" of a job that trained and
-    committed all 60 steps; they now say at least the newest step this attempt committed."""
+    condition, Event and ``attempt.observedStep`` (``kubectl spotjob``'s training step) said "last
+    step seen 10" of a job that trained and committed all 60 steps, and while it ran the training
+    step stayed below the newest checkpoint's; they now say at least the newest step this attempt
+    committed."""
     cluster.add_node(f"{namespace}-a")
     start_controller(namespace)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.2))
+    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
 
-    final = wait_phase(cluster, namespace, "train", "Succeeded")
+    seen: list[dict] = []
+
+    def ended() -> dict | None:
+        now = status(cluster, namespace, "train")
+        if now.get("phase") == "Running" and now.get("lastCheckpoint"):
+            seen.append(now)
+        return now if now.get("phase") == "Succeeded" else None
+
+    final = wait(ended, "the job to succeed")
+    # While it runs, the step it trains at is never below the step it has committed.
+    behind = [(s["attempt"].get("observedStep"), s["lastCheckpoint"]["step"]) for s in seen]
+    assert any(committed > 10 for _, committed in behind), behind
+    assert all(trained is not None and trained >= committed for trained, committed in behind), behind
 
     assert final["lastCheckpoint"]["step"] == STEPS, final
     assert final["attempt"]["observedStep"] == STEPS, final["attempt"]
