@@ -1,5 +1,5 @@
-"""What an operator reads in a SpotJob's status and Events once a job ended, on the test cluster with a
-real ``spotjob-controller`` process and real ranks (checkpoints on file://)."""
+"""What an operator reads in a SpotJob's status, Events and metrics through a job's life, on the test
+cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from e2e_support import (
 
 from agent.catalog import list_checkpoints
 from agent.storage import open_storage
-
 from tests.k8s.cluster import TestCluster
 
 pytestmark = pytest.mark.slow

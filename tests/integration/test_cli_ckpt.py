@@ -211,7 +211,6 @@ def test_list_json_says_why_each_checkpoint_is_invalid(saved: Saved, capsys: pyt
     assert rows[1]["valid"] is True and rows[1]["world_size"] == 1 and rows[1]["state_keys"] == ["model", "optim"]
 
 
-
 def test_list_json_tells_a_retired_checkpoint_apart_from_a_broken_one(
     saved: Saved, capsys: pytest.CaptureFixture[str]
 ) -> None:
