@@ -426,7 +426,7 @@ class Agent(AgentRequests):
                 self._state = "flushed" if result.error is None else "flush-failed"
         own = time.monotonic() - flush.notice.received_monotonic
         if result.error is None:
-            log.warning(
+            log.info(
                 "flush %s committed step %s at %s: %.2f s from notice to commit (ranks: %s)",
                 flush.request.id,
                 result.step,
@@ -455,7 +455,7 @@ class Agent(AgentRequests):
             self._peer_kill_at = time.monotonic() + self.config.exit_timeout
             if self._state not in ("stopping", "exited"):
                 self._state = "flushed"
-        log.warning(
+        log.info(
             "the ranks committed step %s at %s for a flush another node's agent asked for (no notice here): "
             "ending the command once they exit",
             result.step,

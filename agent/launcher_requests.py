@@ -267,7 +267,7 @@ class AgentRequests:
             self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
             self._state = "flushing"
         window = self._window()
-        log.warning(
+        log.info(
             "flush %s requested: %s; deadline %s; %s",
             request.id,
             request.reason,

@@ -812,6 +812,8 @@ def checkpoint_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any
         "valid": status.valid,
         "foreign": status.foreign,
         "fenced": status.fenced,
+        "retired": status.retired,
+        "newer_format": status.newer_format,
         "reason": status.reason,
         "problems": list(status.problems),
         "stored_bytes": status.stored_bytes,

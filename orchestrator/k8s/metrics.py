@@ -52,7 +52,7 @@ class ControllerMetrics:
         self._notice_to_commit = Histogram(
             "spotjob_notice_to_commit_seconds",
             "Seconds from a preemption notice to the committed flush manifest.",
-            buckets=(1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300),
+            buckets=(1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 450, 600, 900, 1800),
             registry=r,
         )
         self._preemptions = Counter("spotjob_preemptions", "Preemptions handled.", registry=r)

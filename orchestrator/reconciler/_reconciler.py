@@ -476,11 +476,23 @@ class Reconciler(_Capacity):
         return storage
 
     def _track_steps(self, p: _Pass) -> None:
-        """Follow the attempt's step hints: the highest one, and the first one for the step rate."""
+        """Follow the attempt's step hints: the highest one, and the first one for the step rate.
+
+        The attempt trained at least to the newest step it committed. The hints are sampled (and
+        reach a SpotJob's status once a minute), so without that floor the status could say the
+        job trains at step 16 next to a checkpoint of step 50, and a job that ended name its first
+        hint as the last step seen."""
+        attempt, last = p.status.attempt, p.status.last_checkpoint
         steps = [w.step for w in p.current() if w.step is not None]
+        if (
+            last is not None
+            and attempt.started_at is not None
+            and (attempt.resumed_from_step is None or last.step > attempt.resumed_from_step)
+        ):
+            steps.append(last.step)  # committed by this attempt
         if not steps:
             return
-        attempt, step = p.status.attempt, max(steps)
+        step = max(steps)
         if attempt.first_step is None:
             attempt.first_step, attempt.first_step_at = step, p.now
         if attempt.observed_step is None or step > attempt.observed_step:

@@ -313,7 +313,10 @@ class _Recovery(_FlushRequests):
             recovery.flush_requested.append(w.name)
             asked.append(w.name)
         if asked:
-            deadline = recovery.flush_deadline.isoformat() if recovery.flush_deadline else "no deadline"
+            bound = recovery.flush_deadline or recovery.flush_timeout_at
+            deadline = "no deadline" if bound is None else bound.isoformat()
+            if recovery.flush_deadline is None and bound is not None:
+                deadline += " (flushTimeoutSeconds: the signal gave no deadline)"
             self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
 
     def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:

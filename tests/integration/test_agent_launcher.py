@@ -735,3 +735,19 @@ def test_a_command_whose_ranks_never_connect_is_warned_about_in_the_log_and_stat
     finally:
         done.touch()
     assert run.exit_code() == 0, run.log()
+
+
+def test_a_normal_preemption_flush_is_logged_at_info_not_as_a_warning(start: Callable[..., Run]) -> None:
+    """A notice heard and flushed is the normal path on spot capacity (its Events are Normal), so
+    an alert on the agent's WARNING lines must not fire for each one: the request and the commit
+    were both WARNING lines. Problems around a flush (a window too short, a deadline already past,
+    a failed flush) keep their WARNING or ERROR."""
+    with ImdsEmulator() as imds:
+        run = start("--notices", "aws,sigterm", "--aws-metadata-url", imds.url)
+        run.wait_training()
+        imds.set_spot_action("terminate", time.time() + 60)
+        assert_preempted(run, "aws preemption")
+    lines = [line for line in run.log().splitlines() if " spotjob-agent[" in line]
+    flush_lines = [line for line in lines if " flush " in line]
+    assert any("requested" in line for line in flush_lines) and any("committed" in line for line in flush_lines)
+    assert all(" INFO " in line for line in flush_lines), "\n".join(flush_lines)

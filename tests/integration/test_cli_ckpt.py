@@ -211,6 +211,28 @@ def test_list_json_says_why_each_checkpoint_is_invalid(saved: Saved, capsys: pyt
     assert rows[1]["valid"] is True and rows[1]["world_size"] == 1 and rows[1]["state_keys"] == ["model", "optim"]
 
 
+def test_list_json_tells_a_retired_checkpoint_apart_from_a_broken_one(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh start (``start_fresh``) retires the checkpoints its restore refused: kept, never
+    restored. The table said RETIRED but ``--json`` had no key for it (``foreign`` and ``fenced``
+    had theirs), so a script saw ``valid: false`` and could only grep the reason; nor for a
+    manifest of a newer format (``newer_format``)."""
+    changed = nn.Linear(16, 8)  # another model: the restore refuses every checkpoint there
+    with Checkpointer(saved.uri, keep=None, async_save=False, start_fresh=True) as fresh:
+        assert fresh.restore({"model": changed}) == 0
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+
+    assert rc == 0
+    rows = json.loads(out)
+    assert [(r["step"], r["retired"], r["valid"], r["newer_format"]) for r in rows] == [
+        (3, True, False, False),
+        (2, True, False, False),
+        (1, True, False, False),
+    ], rows
+
+
 # -- verify -----------------------------------------------------------------------------------------
 
 

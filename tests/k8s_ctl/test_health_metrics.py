@@ -85,3 +85,22 @@ def test_a_deleted_jobs_goodput_disappears_from_metrics() -> None:
     metrics.job_deleted("team-a", "never-seen")  # harmless
     text = metrics.exposition().decode()
     assert 'name="llama"' not in text and 'name="gpt"' in text
+
+
+def test_flushes_of_up_to_ten_minutes_land_in_a_bucket_of_their_own_not_in_inf() -> None:
+    """A flush of a large model to a slow store takes minutes (``flushTimeoutSeconds`` may be up to a
+    day): the notice-to-commit histogram resolves durations from 1 s to 10 min, so a 7-minute flush
+    and a 10-minute one are told apart from each other and from one that never fit (``+Inf``)."""
+    metrics = ControllerMetrics()
+    for seconds in (0.8, 420.0, 600.0, 4000.0):
+        metrics.notice_to_commit(seconds)
+    buckets = {}
+    for line in metrics.exposition().decode().splitlines():
+        if line.startswith("spotjob_notice_to_commit_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    assert buckets["1.0"] == 1
+    assert buckets["300.0"] == 1
+    assert buckets["450.0"] == 2
+    assert buckets["600.0"] == 3
+    assert buckets["+Inf"] == 4
