@@ -618,6 +618,33 @@ def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_pa
     assert "SPOTJOB_KEEP is set" not in out.stderr
 
 
+def test_a_variable_named_in_another_case_is_ignored_everywhere_and_named_in_a_warning(tmp_path: Path) -> None:
+    """The ranks' settings were read case-insensitively (pydantic-settings' default) while the agent
+    and every other reader match names exactly: ``spotjob_storage_max_attempts=abc`` was refused
+    under a name the user never set (SPOTJOB_STORAGE_MAX_ATTEMPTS), and ``spotjob_keep=5`` placed
+    after SPOTJOB_KEEP in the environment beat ``--keep 2`` on the ranks, without a word. Names are
+    matched exactly everywhere now, and one that differs only in case is named in a warning."""
+    seen = tmp_path / "seen"
+    rank = (
+        "from agent.settings import CheckpointerEnv, StorageEnv, load; "
+        f"open({str(seen)!r}, 'w').write(f'{{load(CheckpointerEnv).keep}} {{load(StorageEnv).max_attempts}}')"
+    )
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--keep", "2", "--", sys.executable, "-c", rank,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(("SPOTJOB_KEEP", "SPOTJOB_STORAGE_"))}
+    env = {**env, "SPOTJOB_KEEP": "9", "spotjob_keep": "5", "spotjob_storage_max_attempts": "abc"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text() == "2 None"
+    assert (
+        "spotjob_keep is set but spotjob reads only SPOTJOB_KEEP (variable names are case-sensitive); "
+        "spotjob ignores it" in out.stderr
+    )
+    assert "spotjob_storage_max_attempts is set but spotjob reads only SPOTJOB_STORAGE_MAX_ATTEMPTS" in out.stderr
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
