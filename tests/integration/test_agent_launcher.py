@@ -645,6 +645,23 @@ def test_a_variable_named_in_another_case_is_ignored_everywhere_and_named_in_a_w
     assert "spotjob_storage_max_attempts is set but spotjob reads only SPOTJOB_STORAGE_MAX_ATTEMPTS" in out.stderr
 
 
+def test_a_quoted_checkpoint_uri_in_the_environment_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """SPOTJOB_CHECKPOINT_URI='"s3://b/run"' (quoted twice in a Secret or an env file) was taken as a
+    relative path: the agent started the command, and the ranks checkpointed to a local folder
+    named '"s3:' in their working directory, not to the bucket."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--cloud", "none", "--launcher", "direct",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_CHECKPOINT_URI": '"s3://b/run"'}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert not started.exists()
+    assert "SPOTJOB_CHECKPOINT_URI: '\"s3://b/run\"' begins or ends with a quote" in out.stderr
+    assert "remove the quotes ('s3://b/run')" in out.stderr
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
