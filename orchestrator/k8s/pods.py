@@ -203,11 +203,11 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
                         f"spec.template.spec.{kind}[{c_index}].ports[{i}].name: {AGENT_PORT_NAME} is reserved for "
                         "the agent's port; name the port otherwise"
                     )
-    policy = spec.get("restartPolicy")
-    if policy not in (None, "Never"):
+    restart_policy = spec.get("restartPolicy")
+    if restart_policy not in (None, "Never"):
         problems.append(
-            f"spec.template.spec.restartPolicy must be Never or unset, not {policy!r}: spotjob restarts the whole "
-            "gang as a new attempt"
+            f"spec.template.spec.restartPolicy must be Never or unset, not {restart_policy!r}: spotjob restarts "
+            "the whole gang as a new attempt"
         )
     for i, volume in enumerate(spec.get("volumes") or []):
         if isinstance(volume, Mapping) and volume.get("name") in (TOKEN_VOLUME, CONTROL_VOLUME):

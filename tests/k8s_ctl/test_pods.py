@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import base64
 import copy
-import re
 import itertools
+import re
 from typing import Any
 
 import kubernetes_validate
