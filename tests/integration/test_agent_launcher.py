@@ -662,6 +662,23 @@ def test_a_quoted_checkpoint_uri_in_the_environment_exits_2_before_anything_star
     assert "remove the quotes ('s3://b/run')" in out.stderr
 
 
+@pytest.mark.parametrize("option", ["--checkpoint-uri", "--job-name", "--staging-dir"])
+def test_an_empty_option_exits_2_instead_of_blanking_the_variable_the_ranks_read(tmp_path: Path, option: str) -> None:
+    """``--checkpoint-uri ""`` (``--checkpoint-uri=$URI`` with URI unset) let the agent check and use
+    SPOTJOB_CHECKPOINT_URI, but the ranks got SPOTJOB_CHECKPOINT_URI="" over it: every
+    ``Checkpointer.from_env()`` failed with "no checkpoint URI" once the job had started."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--cloud", "none", "--launcher", "direct", option, "",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_CHECKPOINT_URI": f"file://{tmp_path}/ckpt"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 2, out.stderr
+    assert not started.exists()
+    assert f"{option} is empty" in out.stderr
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
