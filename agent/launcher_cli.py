@@ -268,6 +268,12 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     command = argv[split + 1 :]
     if not command:
         parser.error("no command after '--'")
+    for option in ("checkpoint_uri", "job_name", "staging_dir", "control_dir", "token_file"):
+        if getattr(ns, option) == "":
+            # --checkpoint-uri "" fell back to SPOTJOB_CHECKPOINT_URI for the agent's own check, but
+            # reached the ranks as SPOTJOB_CHECKPOINT_URI="" over it: they had no URI at all.
+            flag = "--" + option.replace("_", "-")
+            parser.error(f"{flag} is empty (an unset variable in {flag}=$VAR?): give it a value, or leave it out")
     if ns.cloud not in ("auto", *[c.value for c in Cloud]):
         parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
     if ns.launcher not in LAUNCHERS:

@@ -5,6 +5,9 @@
 tuning of transfers and retries, read whenever a store is opened (and the retry policy on every
 retried operation, so a variable set after import still counts). An empty variable counts as
 unset; a malformed one is a ``ValueError`` that names the variable, its value and what it must be.
+Names are matched exactly, as every other reader of ``SPOTJOB_*`` in spotjob (``os.environ``) does:
+``spotjob_keep`` is not ``SPOTJOB_KEEP`` (pydantic-settings' own reading ignores case: it read it
+on the ranks only, and reported a bad value under the upper-case name the user never set).
 ``load_from`` reads them from a given mapping (spotjob-agent checks what its ranks will read), and
 ``unknown_variables`` names the ``SPOTJOB_*`` variables no part of spotjob reads (typos). No torch
 import.
@@ -13,26 +16,25 @@ import.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from typing import TypeVar
 
 from pydantic import ByteSize, Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
 
 
 def load(cls: type[S]) -> S:
     """``cls`` read from the process's environment now, or a ``ValueError`` in plain words."""
-    try:
-        return cls()
-    except ValidationError as e:
-        raise ValueError(_in_words(cls, e)) from None
+    return load_from(cls, os.environ)
 
 
 def load_from(cls: type[S], environ: Mapping[str, str]) -> S:
-    """``cls`` read from ``environ`` instead of the process's environment, by the same rules as
-    ``load``: spotjob-agent checks, before it starts anything, what its ranks will read."""
+    """``cls`` read from ``environ`` alone (spotjob-agent checks, before it starts anything, what its
+    ranks will read), each field from its exact variable name: the classes' own reading of the
+    environment is switched off (``_ExactNames``)."""
     values = {}
     for name, field in cls.model_fields.items():
         key = field.validation_alias if isinstance(field.validation_alias, str) else name
@@ -70,7 +72,23 @@ def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
     return "; ".join(problems)
 
 
-class CheckpointerEnv(BaseSettings):
+class _ExactNames(BaseSettings):
+    """Settings filled by ``load_from`` only: pydantic-settings' own environment source matches
+    names case-insensitively (and, made case-sensitive, expects lower-case field names)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+class CheckpointerEnv(_ExactNames):
     """The variables spotjob-agent sets for its ranks (``agent.control_channel``'s ``ENV_*``)."""
 
     model_config = SettingsConfigDict(env_prefix="SPOTJOB_", env_ignore_empty=True, extra="ignore")
@@ -98,7 +116,7 @@ MAX_BACKOFF_S = 3600.0
 """The longest wait between two attempts of a storage operation."""
 
 
-class StorageEnv(BaseSettings):
+class StorageEnv(_ExactNames):
     """Transfer and retry tuning for every store (``agent.storage``); unset fields keep the defaults
     of ``TransferSettings`` and of the retry policy."""
 
@@ -183,6 +201,14 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = known_variables()
     lines = []
     for variable in sorted(environ):
+        if variable.upper().startswith("SPOTJOB_") and not variable.startswith("SPOTJOB_"):
+            meant = variable.upper()
+            reads = meant if meant in known else "upper-case SPOTJOB_* names"
+            lines.append(
+                f"{variable} is set but spotjob reads only {reads} (variable names are case-sensitive); "
+                "spotjob ignores it"
+            )
+            continue
         if not variable.startswith("SPOTJOB_") or variable in known or variable.startswith(_TOOLING_PREFIXES):
             continue
         close = difflib.get_close_matches(variable, sorted(known), n=1, cutoff=0.75)

@@ -22,7 +22,7 @@ from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
 from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
-from agent.control_channel import ENV_CHECKPOINT_URI, ENV_START_FRESH, ControlDir, RankStatus
+from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRESH, ControlDir, RankStatus
 from agent.ownership import OwnershipError, claim, read_owner
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
@@ -123,6 +123,14 @@ class Checkpointer(_Saving, _Restoring):
         env = load(CheckpointerEnv)
         control_dir = control_dir or env.control_dir
         job = job if job is not None else env.job_name
+        if attempt is not None and env.attempt is not None and attempt != env.attempt and not read_only:
+            # Fencing compares the attempt each manifest records with the newest the controller
+            # recorded: a script's own number in place of the agent's would fence nothing, silently.
+            raise ValueError(
+                f"attempt={attempt!r} but {ENV_ATTEMPT}={env.attempt} (the attempt this worker runs as, set "
+                "by spotjob-agent --attempt; fencing checks it): drop attempt= and let the Checkpointer "
+                f"take the agent's, or pass the same number"
+            )
         attempt = attempt if attempt is not None else env.attempt
         start_fresh = env.start_fresh if start_fresh is None else switch(start_fresh, "start_fresh")
         read_only = switch(read_only, "read_only")

@@ -90,6 +90,13 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
             f"{uri!r} begins or ends with white space; checkpoint URIs are taken as written: "
             f"remove it ({uri.strip()!r})"
         )
+    if uri[0] in "\"'" or uri[-1] in "\"'":
+        # A value quoted twice (YAML around a Secret's, a shell's inside an env file): '"s3://b/run"'
+        # has no scheme, so it was a relative folder named '"s3:' under the working directory.
+        raise ValueError(
+            f"{uri!r} begins or ends with a quote; checkpoint URIs are taken as written (a value quoted "
+            f"twice, in YAML or an env file?): remove the quotes ({uri.strip(chr(34) + chr(39))!r})"
+        )
     head = urlparse(uri)
     if head.scheme.lower() in ("s3", "gs") and any(c in head.netloc for c in ":@"):
         # No bucket name holds ':' or '@': this is user:secret@bucket. Said without the URI, which

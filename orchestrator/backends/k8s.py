@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
     BackendError,
@@ -147,7 +148,8 @@ class KubernetesBackend:
 
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
         index = _training_container(spec)[0]
-        return pods.template_problems(spec.template, index)
+        every = ((ENV_EVERY_STEPS, spec.checkpoint.every_steps), (ENV_EVERY_SECONDS, spec.checkpoint.every_seconds))
+        return pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         owner = self._owner(key)

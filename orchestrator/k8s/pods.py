@@ -46,8 +46,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS
 from agent.torchrun import ENV_LAUNCHER, Launcher
-from orchestrator.crd import DOWNWARD_ENV
+from orchestrator.crd import DOWNWARD_ENV, POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -160,12 +161,16 @@ def flush_window_seconds(flush_timeout_seconds: float) -> int:
 # -- the template ---------------------------------------------------------------------------------
 
 
-def template_problems(template: Mapping[str, Any] | None, container: int) -> list[str]:
+def template_problems(template: Mapping[str, Any] | None, container: int, *, policy: Iterable[str] = ()) -> list[str]:
     """What makes ``spec.template`` unusable for workers, each naming its field (empty: fine).
 
-    ``container`` is the training container's index. The model checks the template's shape and
-    the image; these are the rules only the pod builder knows.
+    ``container`` is the training container's index; ``policy`` the ``POLICY_ENV`` variables
+    ``spec.checkpoint`` sets (its ``everySteps``, ``everySeconds``). The model checks the
+    template's shape and the image; these are the rules only the pod builder knows, and the ones
+    the CRD's rules on ``spec.env`` cannot see into the template for: a variable of the training
+    container that spotjob sets over it would be replaced without a word.
     """
+    set_by_spec = {v: f"spec.checkpoint.{POLICY_ENV[v]}" for v in policy}
     problems: list[str] = []
     spec = (template or {}).get("spec") or {}
     containers = spec.get("containers") or []
@@ -179,8 +184,15 @@ def template_problems(template: Mapping[str, Any] | None, container: int) -> lis
                     "training command it starts under torchrun"
                 )
         for i, env in enumerate(trainer.get("env") or []):
-            if isinstance(env, Mapping) and env.get("name") in DOWNWARD_ENV:
+            name = env.get("name") if isinstance(env, Mapping) else None
+            if name in DOWNWARD_ENV:
                 problems.append(f"{where}.env[{i}].name: {env.get('name')} is set by spotjob (the downward API)")
+            source = (SPOTJOB_SET_ENV.get(name) or set_by_spec.get(name)) if isinstance(name, str) else None
+            if source:
+                problems.append(
+                    f"{where}.env[{i}].name: {name} is set by spotjob in every worker, from {source}, over "
+                    "this value; remove it from the template's env"
+                )
     # The agent's port name marks the training container in the pod (how a worker's readiness and
     # exit code are found): on another container it would stand for the trainer.
     for kind in ("initContainers", "containers"):
@@ -191,11 +203,11 @@ def template_problems(template: Mapping[str, Any] | None, container: int) -> lis
                         f"spec.template.spec.{kind}[{c_index}].ports[{i}].name: {AGENT_PORT_NAME} is reserved for "
                         "the agent's port; name the port otherwise"
                     )
-    policy = spec.get("restartPolicy")
-    if policy not in (None, "Never"):
+    restart_policy = spec.get("restartPolicy")
+    if restart_policy not in (None, "Never"):
         problems.append(
-            f"spec.template.spec.restartPolicy must be Never or unset, not {policy!r}: spotjob restarts the whole "
-            "gang as a new attempt"
+            f"spec.template.spec.restartPolicy must be Never or unset, not {restart_policy!r}: spotjob restarts "
+            "the whole gang as a new attempt"
         )
     for i, volume in enumerate(spec.get("volumes") or []):
         if isinstance(volume, Mapping) and volume.get("name") in (TOKEN_VOLUME, CONTROL_VOLUME):
@@ -253,7 +265,9 @@ def worker_pod(
 ) -> Object:
     """Worker ``index`` of ``attempt``. ``master_addr`` is replica 0's pod IP (None for replica 0,
     which uses its own). Raises ``TemplateError`` for a template ``template_problems`` refuses."""
-    problems = template_problems(spec.template, spec.container)
+    every = ((ENV_EVERY_STEPS, spec.every_steps), (ENV_EVERY_SECONDS, spec.every_seconds))
+    policy = [v for v, on in every if on is not None]
+    problems = template_problems(spec.template, spec.container, policy=policy)
     if problems:
         raise TemplateError("; ".join(problems))
     if index > 0 and not master_addr:

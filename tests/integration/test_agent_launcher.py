@@ -643,6 +643,67 @@ def test_a_misspelled_spotjob_variable_is_named_with_the_one_it_resembles(tmp_pa
     assert "SPOTJOB_KEEP is set" not in out.stderr
 
 
+def test_a_variable_named_in_another_case_is_ignored_everywhere_and_named_in_a_warning(tmp_path: Path) -> None:
+    """The ranks' settings were read case-insensitively (pydantic-settings' default) while the agent
+    and every other reader match names exactly: ``spotjob_storage_max_attempts=abc`` was refused
+    under a name the user never set (SPOTJOB_STORAGE_MAX_ATTEMPTS), and ``spotjob_keep=5`` placed
+    after SPOTJOB_KEEP in the environment beat ``--keep 2`` on the ranks, without a word. Names are
+    matched exactly everywhere now, and one that differs only in case is named in a warning."""
+    seen = tmp_path / "seen"
+    rank = (
+        "from agent.settings import CheckpointerEnv, StorageEnv, load; "
+        f"open({str(seen)!r}, 'w').write(f'{{load(CheckpointerEnv).keep}} {{load(StorageEnv).max_attempts}}')"
+    )
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+        "--keep", "2", "--", sys.executable, "-c", rank,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(("SPOTJOB_KEEP", "SPOTJOB_STORAGE_"))}
+    env = {**env, "SPOTJOB_KEEP": "9", "spotjob_keep": "5", "spotjob_storage_max_attempts": "abc"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text() == "2 None"
+    assert (
+        "spotjob_keep is set but spotjob reads only SPOTJOB_KEEP (variable names are case-sensitive); "
+        "spotjob ignores it" in out.stderr
+    )
+    assert "spotjob_storage_max_attempts is set but spotjob reads only SPOTJOB_STORAGE_MAX_ATTEMPTS" in out.stderr
+
+
+def test_a_quoted_checkpoint_uri_in_the_environment_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """SPOTJOB_CHECKPOINT_URI='"s3://b/run"' (quoted twice in a Secret or an env file) was taken as a
+    relative path: the agent started the command, and the ranks checkpointed to a local folder
+    named '"s3:' in their working directory, not to the bucket."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--cloud", "none", "--launcher", "direct",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_CHECKPOINT_URI": '"s3://b/run"'}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert not started.exists()
+    assert "SPOTJOB_CHECKPOINT_URI: '\"s3://b/run\"' begins or ends with a quote" in out.stderr
+    assert "remove the quotes ('s3://b/run')" in out.stderr
+
+
+@pytest.mark.parametrize("option", ["--checkpoint-uri", "--job-name", "--staging-dir"])
+def test_an_empty_option_exits_2_instead_of_blanking_the_variable_the_ranks_read(tmp_path: Path, option: str) -> None:
+    """``--checkpoint-uri ""`` (``--checkpoint-uri=$URI`` with URI unset) let the agent check and use
+    SPOTJOB_CHECKPOINT_URI, but the ranks got SPOTJOB_CHECKPOINT_URI="" over it: every
+    ``Checkpointer.from_env()`` failed with "no checkpoint URI" once the job had started."""
+    started = tmp_path / "started"
+    command = [
+        *agent_command(), "--cloud", "none", "--launcher", "direct", option, "",
+        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    env = {**os.environ, "SPOTJOB_CHECKPOINT_URI": f"file://{tmp_path}/ckpt"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+    assert out.returncode == 2, out.stderr
+    assert not started.exists()
+    assert f"{option} is empty" in out.stderr
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the

@@ -143,3 +143,17 @@ def test_a_zombie_attempt_commits_nothing_deletes_nothing_and_stops(tmp_path: Pa
     assert writers == {3: 0, 4: 1, 5: 1}
     with Checkpointer(uri, job=JOB, attempt=1) as ckpt:
         assert ckpt.restore(make_state(0, seed=8)) == 5
+
+
+def test_an_attempt_argument_other_than_the_agents_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argument used to win over SPOTJOB_ATTEMPT without a word: a script passing its own
+    attempt number under spotjob-agent recorded it in every manifest, and fencing (which compares
+    it with the newest attempt the controller recorded) never stopped a superseded worker. The
+    same number, or the argument without the variable, is fine."""
+    uri = str(tmp_path / "ckpt")
+    monkeypatch.setenv("SPOTJOB_ATTEMPT", "4")
+    with pytest.raises(ValueError, match=r"attempt=1 but SPOTJOB_ATTEMPT=4 .*drop attempt="):
+        Checkpointer(uri, job=JOB, attempt=1)
+    Checkpointer(uri, job=JOB, attempt=4).close()
+    monkeypatch.delenv("SPOTJOB_ATTEMPT")
+    Checkpointer(uri, job=JOB, attempt=5).close()

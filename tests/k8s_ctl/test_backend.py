@@ -489,6 +489,18 @@ def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_f
     assert world.backend.spec_problems(KEY, spec()) == []
 
 
+def test_a_template_env_variable_the_checkpoint_spec_sets_over_it_is_a_spec_problem(world: World) -> None:
+    """SPOTJOB_EVERY_STEPS in the training container's env was replaced by spec.checkpoint.everySteps
+    without a word; without everySteps it is the user's to set and stays."""
+    container = {"name": "t", "image": "i", "env": [{"name": "SPOTJOB_EVERY_STEPS", "value": "10"}]}
+    template = {"spec": {"containers": [container]}}
+    with_policy = spec(template=template, checkpoint={"uri": "s3://b/llama", "everySteps": 50})
+    problems = world.backend.spec_problems(KEY, with_policy)
+    assert problems and problems[0].startswith("spec.template.spec.containers[0].env[0].name: SPOTJOB_EVERY_STEPS")
+    assert "spec.checkpoint.everySteps" in problems[0]
+    assert world.backend.spec_problems(KEY, spec(template=template)) == []
+
+
 def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_its_node_is(world: World) -> None:
     """The interruption-queue reader's annotation (what orchestrator.k8s.interruption_queue writes),
     read from the Node like a taint: only for the jobs with a worker there."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import copy
 import itertools
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -395,3 +396,41 @@ def test_a_template_pod_security_restricted_admits_stays_admitted_with_everythin
         "runAsNonRoot != true",
         "seccompProfile",
     ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "source"),
+    [
+        ("SPOTJOB_CHECKPOINT_URI", "spec.checkpoint.uri"),
+        ("SPOTJOB_KEEP", "spec.checkpoint.keep"),
+        ("SPOTJOB_AGENT_LAUNCHER", "agentLauncher"),
+        ("SPOTJOB_EVERY_STEPS", "spec.checkpoint.everySteps"),
+    ],
+)
+def test_a_template_env_variable_spotjob_sets_over_it_is_refused_naming_where_it_comes_from(
+    variable: str, source: str
+) -> None:
+    """The CRD refuses these in spec.env, but cannot see into the template: a training container's
+    SPOTJOB_CHECKPOINT_URI=s3://other was replaced by spec.checkpoint.uri without a word (the
+    worker saved elsewhere than the user's env said). The pod builder refuses it, naming the field."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["env"].append({"name": variable, "value": "1"})
+    field = "spec.template.spec.containers[1].env[2].name"
+    problems = pods.template_problems(template, 1, policy=["SPOTJOB_EVERY_STEPS"])
+    assert any(p.startswith(f"{field}: {variable} is set by spotjob") and source in p for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(field)):
+        pod(0, template=template)
+
+
+def test_a_template_env_variable_spotjob_leaves_alone_reaches_the_worker() -> None:
+    """(Pins what already worked.) SPOTJOB_EVERY_SECONDS without spec.checkpoint.everySeconds, and
+    the SPOTJOB_STORAGE_* tuning, are the user's to set in the template: the agent passes them on."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["env"] += [
+        {"name": "SPOTJOB_EVERY_SECONDS", "value": "600"},
+        {"name": "SPOTJOB_STORAGE_CONCURRENCY", "value": "4"},
+    ]
+    assert pods.template_problems(template, 1, policy=["SPOTJOB_EVERY_STEPS"]) == []
+    env = {e["name"]: e.get("value") for e in pod(0, template=template)["spec"]["containers"][1]["env"]}
+    assert env["SPOTJOB_EVERY_SECONDS"] == "600"
+    assert env["SPOTJOB_STORAGE_CONCURRENCY"] == "4"

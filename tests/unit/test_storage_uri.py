@@ -143,3 +143,15 @@ def test_white_space_around_a_uri_is_refused_naming_the_tidy_spelling(uri: str) 
     assert repr(uri.strip()) in str(caught.value)
     with pytest.raises(ValueError, match="white space"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize("uri", ['"s3://b/run"', "'gs://b/run'", '"/data/ckpt"', "s3://b/run'", '"file:///data/ckpt'])
+def test_quotes_around_a_uri_are_refused_naming_the_unquoted_spelling(uri: str) -> None:
+    """A value quoted twice (YAML around a Secret's value, an env file's quotes kept by docker's
+    --env-file): ``"s3://b/run"`` has no scheme, so it was a folder named ``"s3:`` under the
+    working directory, on local disk, without a word."""
+    with pytest.raises(ValueError, match="begins or ends with a quote") as caught:
+        parse_uri(uri)
+    assert repr(uri.strip("'\"")) in str(caught.value)
+    with pytest.raises(ValueError, match="quote"):
+        open_storage(uri)
