@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -282,10 +283,17 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
         parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
     uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
+    checkpoint_uri = ns.checkpoint_uri or env[ENV_CHECKPOINT_URI]
     try:
-        parse_uri(ns.checkpoint_uri or env[ENV_CHECKPOINT_URI])
+        scheme, _, path = parse_uri(checkpoint_uri)
     except ValueError as e:
         parser.error(f"{uri_option}: {e}")
+    if scheme == "file" and not checkpoint_uri.lower().startswith("file:") and not os.path.isabs(path):
+        # Resolved once, against the agent's working directory, and passed to the ranks so: a script
+        # that changes its own before building its Checkpointer still writes where the agent looks.
+        checkpoint_uri = os.path.abspath(path)
+    elif not ns.checkpoint_uri:
+        checkpoint_uri = None  # the ranks inherit the agent's variable as it is
     job_problem = None if ns.job_name is None else job_name_problem(ns.job_name)
     if job_problem is not None:
         parser.error(f"--job-name: {job_problem}")
@@ -298,7 +306,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     try:
         config = AgentConfig(
             command=command,
-            checkpoint_uri=ns.checkpoint_uri,
+            checkpoint_uri=checkpoint_uri,
             job_name=ns.job_name,
             every_steps=ns.every_steps,
             every_seconds=ns.every_seconds,

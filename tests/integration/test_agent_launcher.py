@@ -704,6 +704,29 @@ def test_an_empty_option_exits_2_instead_of_blanking_the_variable_the_ranks_read
     assert f"{option} is empty" in out.stderr
 
 
+def test_a_relative_checkpoint_path_names_the_agents_folder_on_the_ranks(tmp_path: Path) -> None:
+    """A relative --checkpoint-uri (or SPOTJOB_CHECKPOINT_URI) reached the ranks as written: a script
+    that changes its working directory before building its Checkpointer wrote under another folder
+    than the one the agent watches for commits (a flush then looked like nothing committed). The
+    agent resolves it against its own working directory, once, for itself and its ranks."""
+    seen = tmp_path / "seen"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    rank = (
+        f"import os; os.chdir({str(elsewhere)!r}); from agent.storage import open_storage; "
+        f"open({str(seen)!r}, 'w').write(open_storage(os.environ['SPOTJOB_CHECKPOINT_URI']).uri)"
+    )
+    base = [*agent_command(), "--cloud", "none", "--launcher", "direct"]
+    for how, env in (
+        (["--checkpoint-uri", "ck"], {k: v for k, v in os.environ.items() if k != "SPOTJOB_CHECKPOINT_URI"}),
+        ([], {**os.environ, "SPOTJOB_CHECKPOINT_URI": "ck"}),
+    ):
+        command = [*base, *how, "--", sys.executable, "-c", rank]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert seen.read_text() == f"file://{tmp_path}/ck", how
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the
