@@ -22,7 +22,16 @@ from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
 from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
-from agent.control_channel import ENV_ATTEMPT, ENV_CHECKPOINT_URI, ENV_START_FRESH, ControlDir, RankStatus
+from agent.control_channel import (
+    ENV_ATTEMPT,
+    ENV_CHECKPOINT_URI,
+    ENV_EVERY_SECONDS,
+    ENV_EVERY_STEPS,
+    ENV_KEEP,
+    ENV_START_FRESH,
+    ControlDir,
+    RankStatus,
+)
 from agent.ownership import OwnershipError, claim, read_owner
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
@@ -214,6 +223,7 @@ class Checkpointer(_Saving, _Restoring):
         self._closed = False
         self._pid = os.getpid()
         self._warn_if_not_the_agents_uri()
+        self._warn_if_not_the_agents_policy(env)
         try:
             if not self._read_only:
                 self._claim()
@@ -393,6 +403,30 @@ class Checkpointer(_Saving, _Restoring):
                 self.storage.uri,
                 agents,
                 ENV_CHECKPOINT_URI,
+            )
+
+    def _warn_if_not_the_agents_policy(self, env: CheckpointerEnv) -> None:
+        """(rank 0) Only ``from_env()`` reads the agent's save policy (its --every-steps, --keep;
+        spec.checkpoint on Kubernetes): a Checkpointer built with other values keeps its own, which
+        should not pass unnoticed by whoever set the job's."""
+        if self._control is None or self.rank != 0 or self._read_only:
+            return
+        wanted = {
+            "every_steps": (ENV_EVERY_STEPS, env.every_steps),
+            "every_seconds": (ENV_EVERY_SECONDS, env.every_seconds),
+            "keep": (ENV_KEEP, None if env.keep is None else env.keep or None),
+        }
+        differ = [
+            f"{variable}={os.environ.get(variable)} but {name}={getattr(self.config, name)!r}"
+            for name, (variable, value) in wanted.items()
+            if os.environ.get(variable) and value != getattr(self.config, name)
+        ]
+        if differ:
+            log.warning(
+                "this Checkpointer does not save as the job asks (%s): its own arguments win over what "
+                "spotjob-agent passes (--every-steps, --every-seconds, --keep; spec.checkpoint on Kubernetes). "
+                "Build it with Checkpointer.from_env(), or pass the same values",
+                "; ".join(differ),
             )
 
     def _check_writable(self, call: str) -> None:

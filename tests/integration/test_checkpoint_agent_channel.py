@@ -163,6 +163,31 @@ def test_the_same_uri_spelled_differently_is_not_called_out(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_a_checkpointer_that_saves_otherwise_than_the_job_asks_is_called_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """spec.checkpoint.keep / --keep and --every-steps reach the ranks as variables only
+    ``from_env()`` reads: ``Checkpointer(uri, every_steps=100)`` kept 3 checkpoints and saved every
+    100 steps without a word while the job asked for 10 and 50. Rank 0 now says so; from_env()
+    (and a constructor given the same values) says nothing."""
+    uri = str(tmp_path / "ckpt")
+    monkeypatch.setenv("SPOTJOB_CONTROL_DIR", str(tmp_path / "control"))
+    monkeypatch.setenv("SPOTJOB_CHECKPOINT_URI", uri)
+    monkeypatch.setenv("SPOTJOB_KEEP", "10")
+    monkeypatch.setenv("SPOTJOB_EVERY_STEPS", "50")
+    caplog.set_level(logging.INFO, logger="agent")
+    with Checkpointer(uri, every_steps=100):
+        pass
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("SPOTJOB_KEEP=10 but keep=3" in m and "SPOTJOB_EVERY_STEPS=50 but every_steps=100" in m for m in warned)
+    caplog.clear()
+    with Checkpointer.from_env():
+        pass
+    with Checkpointer(uri, every_steps=50, keep=10):
+        pass
+    assert not [r for r in caplog.records if "does not save as the job asks" in r.getMessage()]
+
+
 def test_without_an_agent_nothing_is_joined(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
     code = (
