@@ -454,7 +454,8 @@ class LocalBackend:
             target.noticed_at, target.deadline = now, deadline
             self.notices_sent += 1
         self.timeline.record(EventKind.NOTICE, node=target.name, deadline=deadline, why=why)
-        log.warning("spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now)
+        # The normal path of spot capacity (an Event of type Normal), as the agent's own flush lines are.
+        log.info("spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now)
         self.changed.set()
         return target.name
 
@@ -608,7 +609,14 @@ class LocalBackend:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
         lost = ", ".join(w.name for w in victims) or "nothing"
-        log.warning("%s is gone (its notice window ended): killed %d process(es); lost %s", node.name, n, lost)
+        # A warning only where the window's end took something with it; a node left empty by a flush is normal.
+        log.log(
+            logging.WARNING if n or victims else logging.INFO,
+            "%s is gone (its notice window ended): killed %d process(es); lost %s",
+            node.name,
+            n,
+            lost,
+        )
         self.timeline.record(EventKind.NODE_TERMINATED, node=node.name, killed=n, lost=[w.name for w in victims])
         self.changed.set()
 

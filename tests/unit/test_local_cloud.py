@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
+import pytest
+
 from agent.notices.aws import AwsImdsSource
 from agent.notices.emulators import ImdsEmulator
+from orchestrator.backends.local import LocalBackend, LocalOptions
 from orchestrator.backends.local_cloud import SimulatedCloud
 
 GIVE_UP_S = 60.0  # only stops a hung test; nothing here asserts how long anything took
@@ -29,3 +33,20 @@ def test_a_nodes_metadata_server_keeps_nothing_of_its_agents_polls(tmp_path: Pat
         node.imds.stop()
     assert node.imds.requests == [], "the node's metadata server kept its agent's requests"
     assert node.imds.token_requests >= 1
+
+
+def test_a_notice_and_the_end_of_a_node_that_lost_nothing_are_logged_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every preemption of a local run is the normal path of spot capacity (the agent logs its
+    flush at INFO, the Events are Normal), yet the simulated cloud logged the notice and the end of
+    a node its flush had already emptied at WARNING, so a run's log had a warning per preemption."""
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        node = backend._cloud.provision("zone-a", "local.cpu-small")
+        with caplog.at_level(logging.INFO, logger="orchestrator.backends.local"):
+            assert backend.preempt(node.name, why="the test") == node.name
+            backend._terminate(node)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "orchestrator.backends.local"]
+    assert any(f"notice for {node.name}" in m for _, m in lines), lines
+    assert any(f"{node.name} is gone" in m and "lost nothing" in m for _, m in lines), lines
+    assert all(level == logging.INFO for level, _ in lines), lines
