@@ -62,6 +62,8 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
@@ -275,9 +277,19 @@ def _storage_error(
             "an instance profile)",
             key,
         )
+    if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
+        return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+def _endpoint_source() -> str:
+    """Where a store that cannot be reached got its endpoint from, for the user to check."""
+    named = [v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)]
+    if named:
+        return f"{named[0]} (the endpoint comes from it) and the network"
+    return "the network, and the endpoint (AWS's own unless the profile's endpoint_url names another)"
 
 
 # What an XML 1.0 body cannot carry as written: characters outside XML's set (most controls,

@@ -154,3 +154,21 @@ def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
     assert "127.0.0.1:9" in str(caught.value)
     assert "hunter2" not in str(caught.value)
     assert not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unreachable_s3_endpoint_names_where_the_endpoint_comes_from(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, fast_retries: None
+) -> None:
+    """A store nobody answers at (a port with no listener): the message said only botocore's
+    "Could not connect to the endpoint URL", while the GCS store's names STORAGE_EMULATOR_HOST, so
+    a stale AWS_ENDPOINT_URL left in a pod's environment was not the first thing a user looked at."""
+    from agent.storage import open_storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    store = open_storage("s3://some-bucket/run")
+    try:
+        with pytest.raises(TransientStorageError) as caught:
+            store.put_bytes("step-1/MANIFEST.json", b"{}")
+    finally:
+        store.close()
+    assert "127.0.0.1:9" in str(caught.value) and "check AWS_ENDPOINT_URL" in str(caught.value), caught.value
