@@ -94,6 +94,11 @@ BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}"
 HEALTHY = Reason("Healthy", "storage and the backend answer")
 INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
+SPEC_CHANGE_IGNORED = Reason(
+    "SpecChangeIgnored",
+    "spec generation {generation} seen, but the job has ended ({phase}): the change runs nothing; "
+    "create a new SpotJob to train again",
+)
 INVALID_STATUS = Reason(
     "InvalidStatus",
     "the stored status cannot be read ({problems}); the job is left alone rather than restarted from nothing",

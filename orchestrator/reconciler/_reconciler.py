@@ -67,6 +67,7 @@ from orchestrator.reconciler._reasons import (
     INVALID_SPEC,
     INVALID_STATUS,
     READY,
+    SPEC_CHANGE_IGNORED,
     SPEC_VALID,
     STORAGE_REFUSED,
     STORAGE_REFUSED_FAILED,
@@ -164,6 +165,8 @@ class Reconciler(_Capacity):
         fresh = stored.status is None
         before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
         if before.phase.terminal:
+            if before.observed_generation is not None and stored.generation != before.observed_generation:
+                return self._note_ended_spec_change(key, stored, before)
             return self._stop_leftovers(key, stored, before)
 
         problems = self._problems(key, stored, before)
@@ -193,6 +196,24 @@ class Reconciler(_Capacity):
         p.status.observed_generation = stored.generation
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)
+
+    def _note_ended_spec_change(self, key: JobKey, stored: StoredJob, before: JobStatus) -> ReconcileResult:
+        """A finished job's spec was edited: nothing runs again, but the status says the new
+        generation was seen. Tools that wait on ``observedGeneration`` (kstatus: Argo CD, Flux,
+        ``kubectl wait``) would otherwise show the job as in progress for as long as it is kept."""
+        status = before.model_copy(update={"observed_generation": stored.generation})
+        try:
+            self.store.update_status(key, status, version=stored.version)
+        except ConflictError as e:
+            log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
+            return ReconcileResult(before.phase, 0.0)
+        self._events.emit(
+            key,
+            EventType.NORMAL,
+            SPEC_CHANGE_IGNORED.name,
+            SPEC_CHANGE_IGNORED.message(generation=stored.generation, phase=before.phase.value),
+        )
+        return ReconcileResult(before.phase, 0.0)
 
     def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
         """A Failed job's workers are stopped (without a flush) until none is alive, and a finished

@@ -322,3 +322,31 @@ def test_a_running_job_an_older_controller_stored_runs_to_its_end_under_this_one
     assert status.attempt.number == 0 and status.restarts == 0  # taken over, not restarted
     assert status.checkpoint_uri == world.store.get(KEY).spec.checkpoint.uri  # type: ignore[union-attr]
     assert world.backend.created == ["train-0-0", "train-0-1"]
+
+
+# -- a finished job's spec edited --------------------------------------------------------------
+
+
+def test_a_finished_job_whose_spec_is_edited_says_it_saw_the_generation_and_runs_nothing(tmp_path: Any) -> None:
+    """Editing a Succeeded job left ``observedGeneration`` behind ``metadata.generation`` for good:
+    tools that judge a resource by it (kstatus, in Argo CD and Flux) showed the job as still in
+    progress. The status takes the generation once, an Event says the change runs nothing, and no
+    worker starts."""
+    world = make_world(tmp_path, backend_options={"total_steps": 10})
+    status = world.run_until(lambda s: s.phase.terminal or world.clock.at() > 600)
+    assert status.phase is Phase.SUCCEEDED, (status.phase, status.reason)
+    created, told = list(world.backend.created), len(world.events.emitted)
+
+    def new_generation(doc: dict[str, Any]) -> None:
+        doc["spec"]["maxRestarts"] = 5
+        doc["metadata"]["generation"] = 2
+
+    edit_document(world.store, KEY, new_generation)  # type: ignore[arg-type]
+    for _ in range(3):
+        world.clock.sleep(2)
+        world.reconcile()
+
+    assert world.status.phase is Phase.SUCCEEDED and world.status.observed_generation == 2
+    assert world.backend.created == created, "a finished job started again"
+    reasons = [e.reason for e in world.events.emitted[told:]]
+    assert reasons == ["SpecChangeIgnored"], reasons
