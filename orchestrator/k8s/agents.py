@@ -250,8 +250,9 @@ class AgentCalls:
             return CallResult(CallState.ACCEPTED, f"nothing left to {what}: {text}")
         if status in (401, 403):
             message = (
-                f"the agent refused the token ({status}): the controller's agent-token key changed since the pod "
-                "started (see --agent-token-key-file)"
+                f"the agent at {agent.ip} refused the token ({status}): the controller's agent-token key changed "
+                "since the pod started (see --agent-token-key-file), or the pod is gone and its IP now serves "
+                "another pod's agent"
             )
         else:
             message = f"the agent answered {status}: {text}"

@@ -113,6 +113,8 @@ def test_a_wrong_token_fails_naming_the_key_and_the_next_call_tries_again(agent:
     calls.flush(wrong, "notice", None)
     failed = settle(calls, "flush")
     assert failed.state is CallState.FAILED and "--agent-token-key-file" in failed.detail
+    # A pod IP reused by another job's pod (whose agent knows another token) is refused the same way.
+    assert "another pod's agent" in failed.detail
     assert agent.control.flush_request() is None
     assert calls.flush(wrong, "notice", None).state is CallState.FAILED  # the failure, answered once
     assert calls.flush(endpoint(), "notice", None).state is CallState.PENDING  # then a new request
