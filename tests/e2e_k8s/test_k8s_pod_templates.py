@@ -128,7 +128,10 @@ def test_an_init_container_that_fails_is_the_jobs_failure_counted_and_named_neve
     assert (final["preemptions"], final["restarts"]) == (0, 1), final
     assert final["reason"] == "RestartBudgetExhausted", final
     assert "init container fetch-dataset exited 3" in final["message"], final["message"]
-    failed = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "WorkerFailed"]
+    failed = wait(
+        lambda: [e for e in job_events(cluster, namespace, "train") if e["reason"] == "WorkerFailed"],
+        "a WorkerFailed Event (emitted after the status write)",
+    )
     assert failed and "init container fetch-dataset exited 3" in failed[0]["note"], failed
     assert "WorkerLost" not in event_reasons(cluster, namespace, "train")
 
@@ -198,6 +201,12 @@ def test_a_secret_the_trainer_needs_that_is_missing_is_told_and_the_job_starts_o
     assert (final["preemptions"], final["restarts"]) == (0, 0), final
 
 
+def backend_unavailable_events(cluster: TestCluster, namespace: str) -> list[dict[str, Any]]:
+    """The job's BackendUnavailable Events. The controller writes the status before it emits the
+    pass's Events, so a test that saw the status must wait for them too, not read them at once."""
+    return [e for e in job_events(cluster, namespace, "train") if e["reason"] == "BackendUnavailable"]
+
+
 def test_a_service_account_that_does_not_exist_leaves_the_job_degraded_with_an_event_naming_it(
     cluster: TestCluster,
     namespace: str,
@@ -217,7 +226,7 @@ def test_a_service_account_that_does_not_exist_leaves_the_job_degraded_with_an_e
     s = wait(degraded, "the job Degraded")
     assert 'serviceaccount "trainer-sa" not found' in _condition(s, "Degraded")["message"], s
     assert s.get("phase") == "Pending" and not job_pods(cluster, namespace, "train"), s
-    events = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "BackendUnavailable"]
+    events = wait(lambda: backend_unavailable_events(cluster, namespace), "a BackendUnavailable Event")
     assert events and events[0]["type"] == "Warning" and "trainer-sa" in events[0]["note"], events
 
 
@@ -259,7 +268,7 @@ def test_a_template_pod_security_refuses_leaves_the_job_degraded_saying_what_to_
     assert 'container "trainer" must set securityContext.allowPrivilegeEscalation=false' in message, s
     assert "set what it names in spec.template" in message and "Locked-down namespaces" in message, s
     assert s.get("phase") == "Pending" and not job_pods(cluster, namespace, "train"), s
-    events = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "BackendUnavailable"]
+    events = wait(lambda: backend_unavailable_events(cluster, namespace), "a BackendUnavailable Event")
     assert events and events[0]["type"] == "Warning" and "spec.template" in events[0]["note"], events
 
     trainer = {

@@ -61,7 +61,10 @@ def test_a_completed_job_says_it_reached_its_last_committed_step_not_the_first_s
     assert final["message"] == f"every worker exited 0 (last step seen {STEPS})", final["message"]
     (ready,) = [c for c in final["conditions"] if c["type"] == "Ready"]
     assert (ready["reason"], ready["message"]) == ("Completed", final["message"])
-    (completed,) = [e for e in job_events(cluster, namespace, "train") if e["reason"] == "Completed"]
+    (completed,) = wait(
+        lambda: [e for e in job_events(cluster, namespace, "train") if e["reason"] == "Completed"],
+        "the Completed Event (emitted after the status write)",
+    )
     assert re.search(rf"last step seen {STEPS}\)", completed["note"]), completed
 
 
@@ -86,7 +89,13 @@ def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_c
 
     final = wait_phase(cluster, namespace, "train", "Succeeded")
 
-    events = job_events(cluster, namespace, "train")
+    # The pass that wrote Succeeded emits its Event after the write: wait for it, not read at once.
+    events = wait(
+        lambda: (lambda es: es if any(e["reason"] == "Completed" for e in es) else None)(
+            job_events(cluster, namespace, "train")
+        ),
+        "the Completed Event",
+    )
     assert [e["reason"] for e in events] == [
         "WorkersStarted",
         "WorkersRunning",
