@@ -414,7 +414,7 @@ class Checkpointer(_Saving, _Restoring):
         wanted = {
             "every_steps": (ENV_EVERY_STEPS, env.every_steps),
             "every_seconds": (ENV_EVERY_SECONDS, env.every_seconds),
-            "keep": (ENV_KEEP, None if env.keep is None else env.keep or None),
+            "keep": (ENV_KEEP, env.keep or None),  # 0: keep every one, as the config says with None
         }
         differ = [
             f"{variable}={os.environ.get(variable)} but {name}={getattr(self.config, name)!r}"
