@@ -1,7 +1,9 @@
 """A throwaway CA and serving certificate for the test API server on loopback.
 
 kubectl sends its bearer token only over TLS, so the test API server speaks HTTPS like a real
-one; the kubeconfig carries the CA (``certificate-authority-data``) and clients verify it.
+one; the kubeconfig carries the CA (``certificate-authority-data``) and clients verify it. The CA
+carries a subject key identifier and the serving certificate an authority key identifier, as a real
+cluster's do: Python 3.13's default verification (``VERIFY_X509_STRICT``) refuses a chain without them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def make_serving_cert(folder: Path, host: str = "127.0.0.1") -> ServingCert:
         .not_valid_after(now + datetime.timedelta(days=2))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
@@ -61,6 +64,7 @@ def make_serving_cert(folder: Path, host: str = "127.0.0.1") -> ServingCert:
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     cert_file, key_file = folder / "apiserver.crt", folder / "apiserver.key"
