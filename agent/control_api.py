@@ -2,7 +2,7 @@
 
 The controller POSTs ``/flush`` to every agent of a job when it hears of a preemption the node
 itself may not (a node taint, a queue message), ``/save`` when someone asks for a checkpoint now
-without stopping (``kubectl spotjob flush --mode checkpoint``), and ``/stop`` when it stops a gang
+without stopping (``kubectl spotjob flush --keep-running``), and ``/stop`` when it stops a gang
 for a reason that needs no checkpoint (a peer's code failed); Kubernetes probes ``/healthz`` (liveness) and
 ``/readyz`` (readiness: the ranks train); tools read ``/status``. The server is stdlib
 ``ThreadingHTTPServer`` — a handful of requests per job, nothing that justifies a framework —

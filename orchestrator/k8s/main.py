@@ -190,7 +190,8 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
             "or --no-leader-elect for a single replica"
         )
     if lease_namespace and not _DNS_LABEL.match(lease_namespace):
-        raise ValueError(f"--lease-namespace {lease_namespace!r} is not a namespace name")
+        where = _namespace_source("--lease-namespace", args.lease_namespace)
+        raise ValueError(f"{where} {lease_namespace!r} is not a namespace name")
     for flag, value in (
         ("--leader-elect-lease-duration", args.leader_elect_lease_duration),
         ("--leader-elect-renew-deadline", args.leader_elect_renew_deadline),
@@ -227,7 +228,8 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
     )
     controller_namespace = args.controller_namespace or _env("POD_NAMESPACE") or _service_account_namespace() or ""
     if controller_namespace and not _DNS_LABEL.match(controller_namespace):
-        raise ValueError(f"--controller-namespace {controller_namespace!r} is not a namespace name")
+        where = _namespace_source("--controller-namespace", args.controller_namespace)
+        raise ValueError(f"{where} {controller_namespace!r} is not a namespace name")
     token_key_file = args.agent_token_key_file or _env("SPOTJOB_AGENT_TOKEN_KEY_FILE")
     queue_url = args.interruption_queue_url or _env("SPOTJOB_INTERRUPTION_QUEUE_URL")
     if queue_url:
@@ -287,6 +289,13 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 def _source(flag: str, given: object, env: str) -> str:
     """What a bad value is said to come from: the flag when it was given, else its variable."""
     return flag if given else f"${env} (for {flag})"
+
+
+def _namespace_source(flag: str, given: str | None) -> str:
+    """Where a namespace flag's value came from: the flag, $POD_NAMESPACE, or the pod's service account."""
+    if given:
+        return flag
+    return f"$POD_NAMESPACE (for {flag})" if _env("POD_NAMESPACE") else f"{_SERVICE_ACCOUNT_NAMESPACE} (for {flag})"
 
 
 def _labels(text: str, where: str = "--controller-pod-labels") -> tuple[tuple[str, str], ...]:

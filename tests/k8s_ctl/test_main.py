@@ -147,6 +147,10 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
             "$SPOTJOB_AGENT_LAUNCHER (for --agent-launcher) must be",
         ),
         (["--lease-namespace=x", "--workers=0"], {"SPOTJOB_WORKERS": "2"}, "error: --workers must be between"),
+        # $POD_NAMESPACE stands in for two flags (README: a bad value names the variable it came from).
+        ([], {"POD_NAMESPACE": "Team_A"}, "$POD_NAMESPACE (for --lease-namespace) 'Team_A'"),
+        (["--lease-namespace=x"], {"POD_NAMESPACE": "Team_A"}, "$POD_NAMESPACE (for --controller-namespace) 'Team_A'"),
+        (["--lease-namespace=Team_A"], {"POD_NAMESPACE": "ops"}, "error: --lease-namespace 'Team_A'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(
