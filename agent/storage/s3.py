@@ -189,6 +189,13 @@ _CHECKSUM_HEADERS_HINT = (
 )
 _CREATE_ONLY_SWITCH = "SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK=0"
 
+
+def _not_implemented_hint(header: object) -> str:
+    """What a 501 ``NotImplemented`` means: the store lacks what the request asks for (S3 names the
+    header in the error's ``Header`` field), for good; retrying, or restarting the job, cannot help."""
+    named = f" (the header {header})" if isinstance(header, str) and header else ""
+    return f"the store does not implement what this request asks of it{named}; retrying cannot help"
+
 # (endpoint, bucket) pairs whose create-only PUTs this process has seen refused on an existing key.
 _create_only_proven: set[tuple[str, str]] = set()
 _create_only_lock = threading.Lock()
@@ -250,6 +257,9 @@ def _storage_error(
                 f"{text}; a HEAD's 400 says no reason, and one cause is that the {_expired_hint(source)}",
                 key,
             )
+        if status == 501 or code == "NotImplemented":
+            hint = _not_implemented_hint(e.response.get("Error", {}).get("Header"))
+            return PermanentStorageError(f"{text}; {hint}", key)
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
@@ -454,6 +464,15 @@ class S3Storage(PrefixedKeys, Storage):
                         log.info("%s: an earlier attempt had already created it; done", what)
                         return
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+                if status == 501 or code == "NotImplemented":
+                    raise PermanentStorageError(
+                        f"{what}: {code} (HTTP {status}): the S3 endpoint {self.endpoint} (bucket {self.bucket}) does "
+                        "not implement conditional writes (If-None-Match: * on PutObject), which spotjob needs to "
+                        "commit a checkpoint's MANIFEST.json and the job's owner and attempt records without ever "
+                        "overwriting one. Upgrade the store to a release that supports them, or use another store; "
+                        f"{_CREATE_ONLY_SWITCH} does not help (every commit sends the header)",
+                        key,
+                    ) from e
                 err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e

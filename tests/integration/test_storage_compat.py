@@ -442,3 +442,47 @@ def test_spotjob_ckpt_list_and_verify_only_read_a_store_that_ignores_if_none_mat
     assert main(["ckpt", "verify", uri]) == 0
     assert "step-000000001" in capsys.readouterr().out
     assert {s.method for s in proxy.seen[before:]} <= {"GET", "HEAD"}
+
+
+# -- stores that refuse If-None-Match outright (501 NotImplemented) ---------------------------------
+
+
+def refuses_if_none_match(proxy: FaultProxy) -> Any:
+    """Answer any request carrying ``If-None-Match`` with 501 ``NotImplemented``, as Alibaba OSS's
+    S3 API does (and AWS itself for a header it does not implement). It models that one header."""
+    return proxy.fail(
+        FOREVER,
+        501,
+        code="NotImplemented",
+        message="A header you provided implies functionality that is not implemented",
+        match=lambda req: "If-None-Match" in req.headers,
+    )
+
+
+def test_a_store_that_answers_if_none_match_with_501_is_refused_at_once_naming_conditional_writes(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any
+) -> None:
+    """A 501 is the store saying it will never do this: not an outage to retry (and, under the
+    agent, to restart on without end), but a refusal that names what the store lacks."""
+    uri, proxy = s3_behind_proxy
+    refused = refuses_if_none_match(proxy)
+    with pytest.raises(StorageRefusedError) as caught:
+        Checkpointer(uri, every_steps=1)
+    said = str(caught.value)
+    assert refused.served == 1, said  # permanent: not retried
+    assert "NotImplemented (HTTP 501)" in said and "If-None-Match" in said, said
+    assert "conditional writes" in said and proxy.url in said, said
+    assert _keys(s3_client, uri) == []
+
+
+def test_a_501_on_any_other_request_is_permanent_too(s3_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = s3_behind_proxy
+    refused = proxy.fail(FOREVER, 501, code="NotImplemented", message="not implemented", method="PUT")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_bytes("step-000000001/x", b"x")
+    finally:
+        storage.close()
+    assert refused.served == 1
+    assert "does not implement" in str(caught.value)
