@@ -14,6 +14,8 @@ force. Keeping botocore's retries for parts would have given part-level retries 
 Large files (``>= multipart_threshold``) go up as a multipart upload whose parts are read and sent
 in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
 with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
+A store that refuses that whole-object checksum (one that only knows composite multipart checksums)
+gets the upload completed without it, once warned per process and bucket.
 A failed upload is aborted, the abort retried like any request (best effort: a bucket lifecycle
 rule should also abort incomplete multipart uploads after a day; it alone reclaims an upload that a
 ``CreateMultipartUpload`` whose answer was lost started, which listing the bucket's uploads would
@@ -202,6 +204,11 @@ _create_only_lock = threading.Lock()
 
 # Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
 _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
+
+# (endpoint, bucket) pairs seen refusing a multipart upload's whole-object CRC32C: stores that only
+# combine the parts' checksums into a composite one (MinIO releases before 2025 ignore
+# ``ChecksumType=FULL_OBJECT`` and compare our whole-file CRC32C with their CRC of the parts' CRCs).
+_full_object_refused: set[tuple[str, str]] = set()
 
 
 def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
@@ -588,17 +595,43 @@ class S3Storage(PrefixedKeys, Storage):
     ) -> None:
         what = f"CompleteMultipartUpload {url}"
         ambiguous = False
+        store = (self.endpoint, self.bucket)
+
+        def send(whole: bool) -> None:
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=obj,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if whole else {}),
+            )
 
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=obj,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                    **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if self._checksums else {}),
-                )
+                whole = self._checksums and store not in _full_object_refused
+                try:
+                    send(whole)
+                except ClientError as e:
+                    if not (whole and self._refuses_full_object_checksum(e)):
+                        raise
+                    # Our CRC32C is the whole file's, combined from the parts the store accepted
+                    # with their own CRC32Cs: a store that disagrees computes another kind of checksum.
+                    with _create_only_lock:
+                        first = store not in _full_object_refused
+                        _full_object_refused.add(store)
+                    if first:
+                        log.warning(
+                            "the S3 endpoint %s (bucket %s) refused the full-object CRC32C of a multipart "
+                            "upload (%s: %s): it supports only per-part checksums (MinIO before 2025 does). "
+                            "Multipart uploads there are completed without it from now on; each part's CRC32C "
+                            "is still checked by the store, and every file by spotjob when it is read back",
+                            self.endpoint,
+                            self.bucket,
+                            _status_and_code(e)[1],
+                            e.response.get("Error", {}).get("Message") or "",
+                        )
+                    send(False)
             except ClientError as e:
                 _, code = _status_and_code(e)
                 # An earlier attempt completed it and only its answer was lost.
@@ -616,6 +649,14 @@ class S3Storage(PrefixedKeys, Storage):
                 raise err from e
 
         retry_transient(what, attempt)
+
+    @staticmethod
+    def _refuses_full_object_checksum(e: ClientError) -> bool:
+        """A CompleteMultipartUpload's refusal of the whole-object checksum it carried: a checksum
+        mismatch, or the store saying it does not support that checksum (type)."""
+        status, code = _status_and_code(e)
+        message = e.response.get("Error", {}).get("Message") or ""
+        return code in _CHECKSUM_MISMATCH_CODES or _refuses_checksum_headers(status, code, message)
 
     def _abort(self, url: str, obj: str, upload_id: str) -> None:
         """Abort a multipart upload, retried like any request: the throttling that failed the

@@ -486,3 +486,46 @@ def test_a_501_on_any_other_request_is_permanent_too(s3_behind_proxy: tuple[str,
         storage.close()
     assert refused.served == 1
     assert "does not implement" in str(caught.value)
+
+
+# -- stores whose multipart checksums are composite only --------------------------------------------
+
+
+def composite_checksums_only(proxy: FaultProxy) -> Any:
+    """Refuse a CompleteMultipartUpload that carries a whole-object ``x-amz-checksum-crc32c``, as
+    MinIO releases before 2025 do: they ignore ``x-amz-checksum-type: FULL_OBJECT``, combine the
+    parts' CRC32Cs into a composite checksum (a CRC of the CRCs) and compare the whole file's CRC32C
+    with that. The same Complete without the header succeeds (the parts' own checksums were checked
+    as each part arrived). It models that one check; the parts and everything else are moto's."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="XAmzContentChecksumMismatch",
+        message="The provided 'x-amz-checksum' header does not match what was computed.",
+        match=lambda req: req.method == "POST" and "uploadId=" in req.path and "x-amz-checksum-crc32c" in req.headers,
+    )
+
+
+def test_a_store_without_full_object_multipart_checksums_still_takes_multipart_checkpoints(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every file at or above the multipart threshold (64 MiB: every real shard) failed its save
+    there with a checksum mismatch that read as damaged data and named no remedy."""
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1KiB")  # the shards go up as multipart
+    refused = composite_checksums_only(proxy)
+    with caplog.at_level(logging.WARNING, logger="agent.storage.s3"):
+        saved = save_steps(uri, [1, 2], keep=None)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    # Learnt once per process and bucket (by the first save's uploads in flight together), not paid
+    # again on every later upload.
+    refusals = [s.path for s in proxy.seen if s.fault is not None]
+    assert refusals and refused.served == len(refusals)
+    assert all("/step-000000001/" in path for path in refusals), refusals
+    completes = [s for s in proxy.seen if s.method == "POST" and "uploadId=" in s.path and s.fault is None]
+    assert len(completes) > 2
+    warned = [r.getMessage() for r in caplog.records if "full-object" in r.getMessage()]
+    assert len(warned) == 1 and proxy.url in warned[0], warned
