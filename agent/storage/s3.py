@@ -828,6 +828,13 @@ class S3Storage(PrefixedKeys, Storage):
             raise TransientStorageError(text)
         if all(e.get("Code") == "AccessDenied" and _OBJECT_LOCK.search(str(e.get("Message", ""))) for e in errors):
             raise RetainedError(f"{text}; {_OBJECT_LOCK_HINT}")
+        if all(e.get("Code") == "AccessDenied" for e in errors):
+            # S3 answers 200 and denies key by key: s3:DeleteObject is checked per object.
+            raise PermanentStorageError(
+                f"permission denied: {text}; the AWS credentials in use lack s3:DeleteObject on these keys, or "
+                "a bucket policy refuses it: nothing committed is lost, but old checkpoints and unfinished "
+                "saves stay until deletes are allowed"
+            )
         raise PermanentStorageError(text)
 
     def close(self) -> None:
