@@ -210,6 +210,14 @@ _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContent
 # ``ChecksumType=FULL_OBJECT`` and compare our whole-file CRC32C with their CRC of the parts' CRCs).
 _full_object_refused: set[tuple[str, str]] = set()
 
+# (endpoint, bucket) pairs that answered DeleteObjects with NotImplemented (GCS's S3 interoperability
+# before it had multi-object delete, some gateways): their deletes go one key a request.
+_multi_delete_refused: set[tuple[str, str]] = set()
+
+
+class _MultiDeleteRefused(PermanentStorageError):
+    """The store does not implement DeleteObjects; ``delete`` then deletes key by key."""
+
 
 def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
     """A store's "I do not support this" about the ``x-amz-checksum-*`` headers or a checksum
@@ -808,15 +816,45 @@ class S3Storage(PrefixedKeys, Storage):
                 functools.partial(self._client.delete_object, Bucket=self.bucket, Key=obj),
             )
         objects = [o for o in objects if not _XML_UNSAFE.search(o)]
+        store = (self.endpoint, self.bucket)
         for start in range(0, len(objects), DELETE_BATCH):
             batch = objects[start : start + DELETE_BATCH]
             what = f"DELETE {len(batch)} objects under {self.uri}"
-            self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
+            if store not in _multi_delete_refused:
+                try:
+                    self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
+                    continue
+                except _MultiDeleteRefused as e:
+                    with _create_only_lock:
+                        first = store not in _multi_delete_refused
+                        _multi_delete_refused.add(store)
+                    if first:
+                        log.info(
+                            "the S3 endpoint %s (bucket %s) does not implement DeleteObjects (%s); deleting one "
+                            "key a request there from now on",
+                            self.endpoint,
+                            self.bucket,
+                            e,
+                        )
+            self._pool.map(self._delete_one, [(o,) for o in batch])
+
+    def _delete_one(self, obj: str) -> None:
+        self._retrying(
+            f"DELETE s3://{self.bucket}/{obj}",
+            None,
+            functools.partial(self._client.delete_object, Bucket=self.bucket, Key=obj),
+        )
 
     def _delete_batch(self, what: str, batch: builtins.list[str]) -> None:
-        resp = self._client.delete_objects(
-            Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-        )
+        try:
+            resp = self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+        except ClientError as e:
+            status, code = _status_and_code(e)
+            if code == "NotImplemented":
+                raise _MultiDeleteRefused(f"{code} (HTTP {status})") from e
+            raise
         # DeleteObjects answers 200 and lists per-key failures; a missing key is not one (S3
         # reports it deleted), so any error here is real. Re-sending the batch is idempotent.
         errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]

@@ -573,3 +573,37 @@ def test_under_a_policy_that_denies_deletes_a_step_with_an_unfinished_saves_left
     assert denied.served > 0
     said = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
     assert said and all("permission denied" in m and "s3:DeleteObject" in m for m in said), said
+
+
+# -- stores without DeleteObjects -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 501])
+def test_retention_frees_space_on_a_store_without_multi_object_delete(
+    s3_behind_proxy: tuple[str, FaultProxy], caplog: pytest.LogCaptureFixture, status: int
+) -> None:
+    """GCS's S3 (XML) interoperability answered ``POST ?delete`` with ``NotImplemented`` (HTTP 400
+    in some reports, 501 in others) until it added multi-object delete; other gateways still do.
+    The proxy models that one refusal: single-key DELETEs reach moto. Retention used to remove
+    nothing there, ever."""
+    uri, proxy = s3_behind_proxy
+    refused = proxy.fail(
+        FOREVER,
+        status,
+        code="NotImplemented",
+        message="A header or query you provided requested a function that is not implemented.",
+        method="POST",
+        match=lambda req: req.path.endswith("?delete"),
+    )
+    with caplog.at_level(logging.INFO, logger="agent.storage.s3"):
+        save_steps(uri, [1, 2, 3], keep=1)
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000003"]
+        assert not [o.key for o in storage.list("") if "create-only-probe-" in o.key]
+    finally:
+        storage.close()
+    assert refused.served == 1  # learnt once per process and bucket
+    assert any(s.method == "DELETE" for s in proxy.seen)
+    said = [r.getMessage() for r in caplog.records if "DeleteObjects" in r.getMessage()]
+    assert len(said) == 1 and proxy.url in said[0], said
