@@ -198,6 +198,7 @@ def _not_implemented_hint(header: object) -> str:
     named = f" (the header {header})" if isinstance(header, str) and header else ""
     return f"the store does not implement what this request asks of it{named}; retrying cannot help"
 
+
 # (endpoint, bucket) pairs whose create-only PUTs this process has seen refused on an existing key.
 _create_only_proven: set[tuple[str, str]] = set()
 _create_only_lock = threading.Lock()
