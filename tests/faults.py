@@ -11,7 +11,9 @@ around) the normal forwarding:
   reaches the upstream (it never happened), ``"after"`` it did (the write landed but its answer is
   lost), or ``"mid_body"`` after sending the status, headers and half the body;
 - ``strip_header(name)``: forward the request without that header — a store that does not know a
-  header and ignores it (``If-None-Match`` on an older MinIO).
+  header and ignores it (``If-None-Match`` on an older MinIO);
+- ``answer(times, status, body)``: answer without forwarding, with a body made from the request's
+  (``body(request_body)``) — a ``DeleteObjects`` that succeeds (200) while listing per-key errors.
 
 Every request is recorded in ``seen`` (method, path, the rule that fired), and each rule counts
 ``served``, so a test can assert the faults were really delivered. ``Location`` headers that point
@@ -104,7 +106,7 @@ class Request:
 class FaultRule:
     """One armed fault. ``served`` counts how often it fired; it stops after ``times``."""
 
-    action: Literal["fail", "drop", "strip"]
+    action: Literal["fail", "drop", "strip", "answer"]
     times: int
     match: Callable[[Request], bool]
     status: int = 503
@@ -112,6 +114,7 @@ class FaultRule:
     message: str = ""
     when: DropWhen = "before"
     header: str = ""
+    body: Callable[[bytes], bytes] | None = None
     served: int = 0
 
     @property
@@ -121,6 +124,8 @@ class FaultRule:
     def describe(self) -> str:
         if self.action == "strip":
             return f"strip {self.header}"
+        if self.action == "answer":
+            return f"answer {self.status}"
         return f"fail {self.status} {self.code}" if self.action == "fail" else f"drop {self.when}"
 
 
@@ -241,6 +246,20 @@ class FaultProxy:
         """Close the connection of the next ``times`` matching requests without a (whole) answer."""
         return self._arm(FaultRule("drop", times, _matcher(method, path, match), when=when))
 
+    def answer(
+        self,
+        times: int,
+        status: int,
+        body: Callable[[bytes], bytes],
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        match: Callable[[Request], bool] | None = None,
+    ) -> FaultRule:
+        """Answer the next ``times`` matching requests with ``status`` and ``body(request body)``
+        (XML for S3) instead of forwarding them."""
+        return self._arm(FaultRule("answer", times, _matcher(method, path, match), status=status, body=body))
+
     def strip_header(
         self,
         name: str,
@@ -327,6 +346,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._relay(*self._forward(body, without=rule.header))
             return
         log.info("fault proxy: %s on %s %s", rule.describe(), self.command, self.path)
+        if rule.action == "answer" and rule.body is not None:
+            self._relay(rule.status, "Answered", [("Content-Type", "application/xml")], rule.body(body))
+            return
         if rule.action == "fail":
             content_type, payload = self.proxy._error_body(rule)
             self._relay(rule.status, rule.code, [("Content-Type", content_type)], payload)

@@ -30,7 +30,7 @@ from agent.crc32c import to_hex
 from agent.dcp_safe import load_dcp_metadata, tensor_index
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
-from agent.storage import AlreadyExistsError, RetainedError, StorageError, put_files
+from agent.storage import AlreadyExistsError, PermanentStorageError, RetainedError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -655,10 +655,11 @@ class _Saving(_Voting):
     def _target_folder(self, step: int) -> str:
         """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there.
 
-        A leftover the bucket keeps (a GCS retention policy or hold, S3 Object Lock: it can be
-        neither deleted nor overwritten) is passed over like a committed folder: the save goes to
-        the next suffix, ``step-N.1``. Raises ``FencedError`` (before anything is written) when
-        this attempt is superseded.
+        A leftover that cannot be deleted — the bucket keeps it (a GCS retention policy or hold, S3
+        Object Lock), or deletes are refused for good (a bucket policy that denies them) — is passed
+        over like a committed folder: the save goes to the next suffix, ``step-N.1``. A transient
+        failure propagates. Raises ``FencedError`` (before anything is written) when this attempt
+        is superseded.
         """
         self._check_fence()
         suffix = 0
@@ -674,6 +675,9 @@ class _Saving(_Voting):
                     self.storage.delete_prefix(ref.folder + "/")
                 except RetainedError as e:
                     log.warning("saving step %d next to the leftover the bucket keeps: %s", step, e)
+                    suffix = max(suffix, ref.attempt + 1)
+                except PermanentStorageError as e:
+                    log.warning("saving step %d next to the leftover that cannot be removed: %s", step, e)
                     suffix = max(suffix, ref.attempt + 1)
         return CheckpointRef(step, suffix).folder
 

@@ -14,6 +14,8 @@ force. Keeping botocore's retries for parts would have given part-level retries 
 Large files (``>= multipart_threshold``) go up as a multipart upload whose parts are read and sent
 in parallel, each with its CRC32C; the upload is declared ``FULL_OBJECT`` CRC32C and completed
 with the whole file's CRC32C, combined from the parts, so S3 itself checks the assembled object.
+A store that refuses that whole-object checksum (one that only knows composite multipart checksums)
+gets the upload completed without it, once warned per process and bucket.
 A failed upload is aborted, the abort retried like any request (best effort: a bucket lifecycle
 rule should also abort incomplete multipart uploads after a day; it alone reclaims an upload that a
 ``CreateMultipartUpload`` whose answer was lost started, which listing the bucket's uploads would
@@ -189,12 +191,33 @@ _CHECKSUM_HEADERS_HINT = (
 )
 _CREATE_ONLY_SWITCH = "SPOTJOB_STORAGE_S3_CREATE_ONLY_CHECK=0"
 
+
+def _not_implemented_hint(header: object) -> str:
+    """What a 501 ``NotImplemented`` means: the store lacks what the request asks for (S3 names the
+    header in the error's ``Header`` field), for good; retrying, or restarting the job, cannot help."""
+    named = f" (the header {header})" if isinstance(header, str) and header else ""
+    return f"the store does not implement what this request asks of it{named}; retrying cannot help"
+
+
 # (endpoint, bucket) pairs whose create-only PUTs this process has seen refused on an existing key.
 _create_only_proven: set[tuple[str, str]] = set()
 _create_only_lock = threading.Lock()
 
 # Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
 _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
+
+# (endpoint, bucket) pairs seen refusing a multipart upload's whole-object CRC32C: stores that only
+# combine the parts' checksums into a composite one (MinIO releases before 2025 ignore
+# ``ChecksumType=FULL_OBJECT`` and compare our whole-file CRC32C with their CRC of the parts' CRCs).
+_full_object_refused: set[tuple[str, str]] = set()
+
+# (endpoint, bucket) pairs that answered DeleteObjects with NotImplemented (GCS's S3 interoperability
+# before it had multi-object delete, some gateways): their deletes go one key a request.
+_multi_delete_refused: set[tuple[str, str]] = set()
+
+
+class _MultiDeleteRefused(PermanentStorageError):
+    """The store does not implement DeleteObjects; ``delete`` then deletes key by key."""
 
 
 def _refuses_checksum_headers(status: int, code: str, message: str) -> bool:
@@ -250,6 +273,9 @@ def _storage_error(
                 f"{text}; a HEAD's 400 says no reason, and one cause is that the {_expired_hint(source)}",
                 key,
             )
+        if status == 501 or code == "NotImplemented":
+            hint = _not_implemented_hint(e.response.get("Error", {}).get("Header"))
+            return PermanentStorageError(f"{text}; {hint}", key)
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
@@ -454,6 +480,15 @@ class S3Storage(PrefixedKeys, Storage):
                         log.info("%s: an earlier attempt had already created it; done", what)
                         return
                     raise AlreadyExistsError(f"{self.url(key)} already exists; refusing to overwrite it", key) from None
+                if status == 501 or code == "NotImplemented":
+                    raise PermanentStorageError(
+                        f"{what}: {code} (HTTP {status}): the S3 endpoint {self.endpoint} (bucket {self.bucket}) does "
+                        "not implement conditional writes (If-None-Match: * on PutObject), which spotjob needs to "
+                        "commit a checkpoint's MANIFEST.json and the job's owner and attempt records without ever "
+                        "overwriting one. Upgrade the store to a release that supports them, or use another store; "
+                        f"{_CREATE_ONLY_SWITCH} does not help (every commit sends the header)",
+                        key,
+                    ) from e
                 err = self._error(e, what, key)
                 ambiguous = ambiguous or isinstance(err, TransientStorageError)
                 raise err from e
@@ -569,17 +604,43 @@ class S3Storage(PrefixedKeys, Storage):
     ) -> None:
         what = f"CompleteMultipartUpload {url}"
         ambiguous = False
+        store = (self.endpoint, self.bucket)
+
+        def send(whole: bool) -> None:
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=obj,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if whole else {}),
+            )
 
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=obj,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                    **(dict(self._crc_args(crc), ChecksumType="FULL_OBJECT") if self._checksums else {}),
-                )
+                whole = self._checksums and store not in _full_object_refused
+                try:
+                    send(whole)
+                except ClientError as e:
+                    if not (whole and self._refuses_full_object_checksum(e)):
+                        raise
+                    # Our CRC32C is the whole file's, combined from the parts the store accepted
+                    # with their own CRC32Cs: a store that disagrees computes another kind of checksum.
+                    with _create_only_lock:
+                        first = store not in _full_object_refused
+                        _full_object_refused.add(store)
+                    if first:
+                        log.warning(
+                            "the S3 endpoint %s (bucket %s) refused the full-object CRC32C of a multipart "
+                            "upload (%s: %s): it supports only per-part checksums (MinIO before 2025 does). "
+                            "Multipart uploads there are completed without it from now on; each part's CRC32C "
+                            "is still checked by the store, and every file by spotjob when it is read back",
+                            self.endpoint,
+                            self.bucket,
+                            _status_and_code(e)[1],
+                            e.response.get("Error", {}).get("Message") or "",
+                        )
+                    send(False)
             except ClientError as e:
                 _, code = _status_and_code(e)
                 # An earlier attempt completed it and only its answer was lost.
@@ -597,6 +658,14 @@ class S3Storage(PrefixedKeys, Storage):
                 raise err from e
 
         retry_transient(what, attempt)
+
+    @staticmethod
+    def _refuses_full_object_checksum(e: ClientError) -> bool:
+        """A CompleteMultipartUpload's refusal of the whole-object checksum it carried: a checksum
+        mismatch, or the store saying it does not support that checksum (type)."""
+        status, code = _status_and_code(e)
+        message = e.response.get("Error", {}).get("Message") or ""
+        return code in _CHECKSUM_MISMATCH_CODES or _refuses_checksum_headers(status, code, message)
 
     def _abort(self, url: str, obj: str, upload_id: str) -> None:
         """Abort a multipart upload, retried like any request: the throttling that failed the
@@ -748,15 +817,45 @@ class S3Storage(PrefixedKeys, Storage):
                 functools.partial(self._client.delete_object, Bucket=self.bucket, Key=obj),
             )
         objects = [o for o in objects if not _XML_UNSAFE.search(o)]
+        store = (self.endpoint, self.bucket)
         for start in range(0, len(objects), DELETE_BATCH):
             batch = objects[start : start + DELETE_BATCH]
             what = f"DELETE {len(batch)} objects under {self.uri}"
-            self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
+            if store not in _multi_delete_refused:
+                try:
+                    self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
+                    continue
+                except _MultiDeleteRefused as e:
+                    with _create_only_lock:
+                        first = store not in _multi_delete_refused
+                        _multi_delete_refused.add(store)
+                    if first:
+                        log.info(
+                            "the S3 endpoint %s (bucket %s) does not implement DeleteObjects (%s); deleting one "
+                            "key a request there from now on",
+                            self.endpoint,
+                            self.bucket,
+                            e,
+                        )
+            self._pool.map(self._delete_one, [(o,) for o in batch])
+
+    def _delete_one(self, obj: str) -> None:
+        self._retrying(
+            f"DELETE s3://{self.bucket}/{obj}",
+            None,
+            functools.partial(self._client.delete_object, Bucket=self.bucket, Key=obj),
+        )
 
     def _delete_batch(self, what: str, batch: builtins.list[str]) -> None:
-        resp = self._client.delete_objects(
-            Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-        )
+        try:
+            resp = self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+        except ClientError as e:
+            status, code = _status_and_code(e)
+            if code == "NotImplemented":
+                raise _MultiDeleteRefused(f"{code} (HTTP {status})") from e
+            raise
         # DeleteObjects answers 200 and lists per-key failures; a missing key is not one (S3
         # reports it deleted), so any error here is real. Re-sending the batch is idempotent.
         errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
@@ -768,6 +867,13 @@ class S3Storage(PrefixedKeys, Storage):
             raise TransientStorageError(text)
         if all(e.get("Code") == "AccessDenied" and _OBJECT_LOCK.search(str(e.get("Message", ""))) for e in errors):
             raise RetainedError(f"{text}; {_OBJECT_LOCK_HINT}")
+        if all(e.get("Code") == "AccessDenied" for e in errors):
+            # S3 answers 200 and denies key by key: s3:DeleteObject is checked per object.
+            raise PermanentStorageError(
+                f"permission denied: {text}; the AWS credentials in use lack s3:DeleteObject on these keys, or "
+                "a bucket policy refuses it: nothing committed is lost, but old checkpoints and unfinished "
+                "saves stay until deletes are allowed"
+            )
         raise PermanentStorageError(text)
 
     def close(self) -> None:

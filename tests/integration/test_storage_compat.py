@@ -442,3 +442,168 @@ def test_spotjob_ckpt_list_and_verify_only_read_a_store_that_ignores_if_none_mat
     assert main(["ckpt", "verify", uri]) == 0
     assert "step-000000001" in capsys.readouterr().out
     assert {s.method for s in proxy.seen[before:]} <= {"GET", "HEAD"}
+
+
+# -- stores that refuse If-None-Match outright (501 NotImplemented) ---------------------------------
+
+
+def refuses_if_none_match(proxy: FaultProxy) -> Any:
+    """Answer any request carrying ``If-None-Match`` with 501 ``NotImplemented``, as Alibaba OSS's
+    S3 API does (and AWS itself for a header it does not implement). It models that one header."""
+    return proxy.fail(
+        FOREVER,
+        501,
+        code="NotImplemented",
+        message="A header you provided implies functionality that is not implemented",
+        match=lambda req: "If-None-Match" in req.headers,
+    )
+
+
+def test_a_store_that_answers_if_none_match_with_501_is_refused_at_once_naming_conditional_writes(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any
+) -> None:
+    """A 501 is the store saying it will never do this: not an outage to retry (and, under the
+    agent, to restart on without end), but a refusal that names what the store lacks."""
+    uri, proxy = s3_behind_proxy
+    refused = refuses_if_none_match(proxy)
+    with pytest.raises(StorageRefusedError) as caught:
+        Checkpointer(uri, every_steps=1)
+    said = str(caught.value)
+    assert refused.served == 1, said  # permanent: not retried
+    assert "NotImplemented (HTTP 501)" in said and "If-None-Match" in said, said
+    assert "conditional writes" in said and proxy.url in said, said
+    assert _keys(s3_client, uri) == []
+
+
+def test_a_501_on_any_other_request_is_permanent_too(s3_behind_proxy: tuple[str, FaultProxy]) -> None:
+    uri, proxy = s3_behind_proxy
+    refused = proxy.fail(FOREVER, 501, code="NotImplemented", message="not implemented", method="PUT")
+    storage = open_storage(uri)
+    try:
+        with pytest.raises(PermanentStorageError) as caught:
+            storage.put_bytes("step-000000001/x", b"x")
+    finally:
+        storage.close()
+    assert refused.served == 1
+    assert "does not implement" in str(caught.value)
+
+
+# -- stores whose multipart checksums are composite only --------------------------------------------
+
+
+def composite_checksums_only(proxy: FaultProxy) -> Any:
+    """Refuse a CompleteMultipartUpload that carries a whole-object ``x-amz-checksum-crc32c``, as
+    MinIO releases before 2025 do: they ignore ``x-amz-checksum-type: FULL_OBJECT``, combine the
+    parts' CRC32Cs into a composite checksum (a CRC of the CRCs) and compare the whole file's CRC32C
+    with that. The same Complete without the header succeeds (the parts' own checksums were checked
+    as each part arrived). It models that one check; the parts and everything else are moto's."""
+    return proxy.fail(
+        FOREVER,
+        400,
+        code="XAmzContentChecksumMismatch",
+        message="The provided 'x-amz-checksum' header does not match what was computed.",
+        match=lambda req: req.method == "POST" and "uploadId=" in req.path and "x-amz-checksum-crc32c" in req.headers,
+    )
+
+
+def test_a_store_without_full_object_multipart_checksums_still_takes_multipart_checkpoints(
+    s3_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every file at or above the multipart threshold (64 MiB: every real shard) failed its save
+    there with a checksum mismatch that read as damaged data and named no remedy."""
+    uri, proxy = s3_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1KiB")  # the shards go up as multipart
+    refused = composite_checksums_only(proxy)
+    with caplog.at_level(logging.WARNING, logger="agent.storage.s3"):
+        saved = save_steps(uri, [1, 2], keep=None)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 2
+    assert_same(snapshot(state), saved[2], "the state restored from step 2")
+    # Learnt once per process and bucket (by the first save's uploads in flight together), not paid
+    # again on every later upload.
+    refusals = [s.path for s in proxy.seen if s.fault is not None]
+    assert refusals and refused.served == len(refusals)
+    assert all("/step-000000001/" in path for path in refusals), refusals
+    completes = [s for s in proxy.seen if s.method == "POST" and "uploadId=" in s.path and s.fault is None]
+    assert len(completes) > 2
+    warned = [r.getMessage() for r in caplog.records if "full-object" in r.getMessage()]
+    assert len(warned) == 1 and proxy.url in warned[0], warned
+
+
+# -- a bucket policy that denies s3:DeleteObject ----------------------------------------------------
+
+
+def denies_deletes(proxy: FaultProxy) -> Any:
+    """Answer every DeleteObjects as S3 does under a bucket policy that denies ``s3:DeleteObject``:
+    HTTP 200, each key listed with ``AccessDenied``. It does not model single-key DELETEs (spotjob
+    sends those only for keys XML cannot carry) nor a policy that denies some keys only."""
+
+    def per_key_denied(request: bytes) -> bytes:
+        keys = re.findall(rb"<Key>(.*?)</Key>", request)
+        errors = b"".join(
+            b"<Error><Key>%s</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>" % k for k in keys
+        )
+        return b'<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult>%s</DeleteResult>' % errors
+
+    return proxy.answer(FOREVER, 200, per_key_denied, method="POST", match=lambda req: req.path.endswith("?delete"))
+
+
+def test_under_a_policy_that_denies_deletes_a_step_with_an_unfinished_saves_leftover_is_still_saved(
+    s3_behind_proxy: tuple[str, FaultProxy], s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leftover (a save cut off before its manifest) cannot be removed there; the save of that
+    step used to fail on it, as it did not for a bucket that keeps objects by Object Lock. Retention
+    keeps everything and says why: permission denied, and what it needs."""
+    uri, proxy = s3_behind_proxy
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/step-000000002/__0_0.distcp", Body=b"cut off")
+    denied = denies_deletes(proxy)
+    with caplog.at_level(logging.WARNING):
+        saved = save_steps(uri, [1, 2, 3], keep=1)
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert_same(snapshot(state), saved[3], "the state restored from step 3")
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000001", "step-000000002", "step-000000002.1", "step-000000003"]
+    finally:
+        storage.close()
+    assert denied.served > 0
+    said = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert said and all("permission denied" in m and "s3:DeleteObject" in m for m in said), said
+
+
+# -- stores without DeleteObjects -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 501])
+def test_retention_frees_space_on_a_store_without_multi_object_delete(
+    s3_behind_proxy: tuple[str, FaultProxy], caplog: pytest.LogCaptureFixture, status: int
+) -> None:
+    """GCS's S3 (XML) interoperability answered ``POST ?delete`` with ``NotImplemented`` (HTTP 400
+    in some reports, 501 in others) until it added multi-object delete; other gateways still do.
+    The proxy models that one refusal: single-key DELETEs reach moto. Retention used to remove
+    nothing there, ever."""
+    uri, proxy = s3_behind_proxy
+    refused = proxy.fail(
+        FOREVER,
+        status,
+        code="NotImplemented",
+        message="A header or query you provided requested a function that is not implemented.",
+        method="POST",
+        match=lambda req: req.path.endswith("?delete"),
+    )
+    with caplog.at_level(logging.INFO, logger="agent.storage.s3"):
+        save_steps(uri, [1, 2, 3], keep=1)
+    storage = open_storage(uri)
+    try:
+        assert folders(storage) == ["step-000000003"]
+        assert not [o.key for o in storage.list("") if "create-only-probe-" in o.key]
+    finally:
+        storage.close()
+    assert refused.served == 1  # learnt once per process and bucket
+    assert any(s.method == "DELETE" for s in proxy.seen)
+    said = [r.getMessage() for r in caplog.records if "DeleteObjects" in r.getMessage()]
+    assert len(said) == 1 and proxy.url in said[0], said
