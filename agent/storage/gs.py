@@ -17,8 +17,11 @@ again from the last offset the server confirmed — what google-cloud-storage's 
 chunk retry does, and what also works on fake-gcs-server (whose status query,
 ``Content-Range: bytes */N``, finalizes the upload instead of reporting it). The last chunk
 carries the file's CRC32C in ``x-goog-hash`` so GCS rejects a corrupt assembly, and the CRC32C
-GCS reports back is compared too. A resumable upload is sequential; files go up in parallel
-through ``put_files``. The session URL is a bearer capability, so it is never logged.
+GCS reports back is compared too. A session GCS no longer has (404 or 410 on a chunk: expired,
+or ended by GCS after a failure of its own) cannot be resumed: the file starts again in a new
+session, up to ``SPOTJOB_STORAGE_MAX_ATTEMPTS`` sessions. A resumable upload is sequential; files
+go up in parallel through ``put_files``. The session URL is a bearer capability, so it is never
+logged.
 
 Why not ``google.cloud.storage.transfer_manager`` (3.x): ``upload_chunks_concurrently`` speaks
 GCS's XML multipart API, which fake-gcs-server lacks, so a fallback to this resumable upload
@@ -421,6 +424,32 @@ class GCSStorage(PrefixedKeys, Storage):
     def _put_resumable(
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
     ) -> None:
+        """The file through resumable upload sessions: a session GCS has lost (404 or 410 on a
+        chunk: the session expired, or GCS ended it after a failure of its own) cannot be resumed,
+        only started again, which is done up to ``max_attempts()`` sessions in all."""
+        reported = 0  # bytes given to ``progress`` so far, over every session
+
+        def report(upto: int) -> None:
+            nonlocal reported
+            if progress and upto > reported:
+                progress(upto - reported)
+            reported = max(reported, upto)
+
+        sessions = max_attempts()
+        for started in range(1, sessions + 1):
+            try:
+                self._put_session(local_path, key, size, crc32c, report)
+                return
+            except _SessionLost as lost:
+                if started == sessions:
+                    raise TransientStorageError(
+                        f"{lost}; GCS ended {sessions} upload sessions of {self.url(key)} in a row", key
+                    ) from None
+                log.warning("%s; starting the upload of %s again in a new session", lost, self.url(key))
+
+    def _put_session(
+        self, local_path: str, key: str, size: int, crc32c: int | None, report: Callable[[int], None]
+    ) -> None:
         url = self.url(key)
         name = self._object_key(key)
         chunk = -(-self.settings.upload_chunk_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
@@ -456,8 +485,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 )
                 if upload.confirmed > before:
                     stalls = 0
-                    if progress:
-                        progress(upload.confirmed - before)
+                    report(upload.confirmed)
                     continue
                 # A 308 that confirms nothing new is an answered request, so retry_transient never
                 # counts it; without this bound such a server would have the chunk resent forever.
@@ -605,6 +633,11 @@ class GCSStorage(PrefixedKeys, Storage):
         self._client.close()
 
 
+class _SessionLost(PermanentStorageError):
+    """GCS no longer knows the resumable upload session (404 or 410 on a chunk): resending the
+    chunk cannot help, a new session can (``GCSStorage._put_resumable``)."""
+
+
 class _ResumableUpload:
     """The client side of one GCS resumable upload session: which bytes the server confirmed.
 
@@ -653,6 +686,8 @@ class _ResumableUpload:
                 log.info("%s: an earlier attempt had already completed the upload; done", what)
                 self.confirmed = self.size
                 return
+        if status in (404, 410):
+            raise _SessionLost(f"{what}: HTTP {status}: the upload session is gone", self._key)
         raise PermanentStorageError(f"{what}: HTTP {status}: {_error_message(resp)}", self._key)
 
     def _finished(self, meta: dict[str, Any], final_crc: int | None) -> None:
