@@ -131,6 +131,9 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return RetainedError(f"{text}; {_RETAINED_HINT}", key)
         if status == 401:
             return PermanentStorageError(f"{text}; {_INVALID_CREDENTIALS_HINT}", key)
+        elsewhere = _refused_elsewhere(_api_error_detail(e)) if status in (400, 403) else None
+        if elsewhere:
+            return PermanentStorageError(f"{'permission denied: ' if status == 403 else ''}{text}; {elsewhere}", key)
         if status == 403:
             return PermanentStorageError(
                 f"permission denied: {text}; the Google credentials in use (workload identity, service "
@@ -192,6 +195,45 @@ _INVALID_CREDENTIALS_HINT = (
     "permission of the bucket: give the process valid credentials (workload identity, "
     "GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login)"
 )
+
+# Refusals whose cause is not the credentials' permission on the bucket, by GCS's message.
+_ELSEWHERE = (
+    (
+        re.compile(r"Cloud KMS|cloudkms", re.IGNORECASE),
+        "the bucket encrypts with a Cloud KMS key (CMEK) that cannot be used: Cloud Storage's service agent "
+        "of the bucket's project (service-<project number>@gs-project-accounts.iam.gserviceaccount.com) needs "
+        "roles/cloudkms.cryptoKeyEncrypterDecrypter on the key, and the key must be enabled; the job's own "
+        "credentials are not the cause",
+    ),
+    (
+        re.compile(r"serviceusage\.services\.use|required permission to use project", re.IGNORECASE),
+        "the credentials carry a quota project (quota_project_id in the application default credentials "
+        "file, or GOOGLE_CLOUD_QUOTA_PROJECT) they may not use: grant them "
+        "roles/serviceusage.serviceUsageConsumer on that project, or use credentials without one; not a "
+        "permission on the bucket",
+    ),
+    (
+        re.compile(r"organization's policy|vpcServiceControls", re.IGNORECASE),
+        "a VPC Service Controls perimeter around the bucket's project refuses requests from this network or "
+        "identity: the perimeter needs an ingress rule or access level that admits them; not the bucket's IAM",
+    ),
+    (
+        re.compile(r"billing account", re.IGNORECASE),
+        "the bucket's project has no active billing account (disabled or closed), and Cloud Storage refuses "
+        "its requests until billing is enabled again; not a permission of the credentials",
+    ),
+)
+
+
+def _refused_elsewhere(detail: str) -> str | None:
+    """What to fix for a 403 (or 400) caused by something other than the bucket's IAM, if GCS's
+    message says which: the bucket's CMEK key, the credentials' quota project, a VPC Service
+    Controls perimeter, the project's billing."""
+    for pattern, hint in _ELSEWHERE:
+        if pattern.search(detail):
+            return hint
+    return None
+
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")

@@ -346,6 +346,52 @@ def test_a_gcs_request_refused_for_credentials_that_are_no_longer_valid_does_not
         assert "permission denied" not in str(error) and "not valid" in str(error), (name, error)
 
 
+# GCS's messages for refusals the bucket's IAM does not cause, and what the error must then name.
+_REFUSED_ELSEWHERE = {
+    "cmek": (
+        403,
+        "Permission denied on Cloud KMS key. Please ensure that your Cloud Storage service account has been "
+        "authorized to use this key.",
+        "cryptoKeyEncrypterDecrypter",
+    ),
+    "quota-project": (
+        403,
+        "spotjob@example.iam.gserviceaccount.com does not have serviceusage.services.use access to the Google "
+        "Cloud project.",
+        "GOOGLE_CLOUD_QUOTA_PROJECT",
+    ),
+    "vpc-sc": (
+        403,
+        "Request is prohibited by organization's policy. vpcServiceControlsUniqueIdentifier: 0123456789abcdef",
+        "VPC Service Controls",
+    ),
+    "billing": (403, "The billing account for the owning project is disabled in state closed", "billing"),
+    "cmek-disabled": (400, "The Cloud KMS key is disabled, destroyed, or scheduled to be destroyed.", "CMEK"),
+}
+
+
+@pytest.mark.parametrize("guarded", ["gs"], indirect=True)
+@pytest.mark.parametrize("cause", sorted(_REFUSED_ELSEWHERE))
+def test_a_gcs_refusal_the_buckets_iam_does_not_cause_names_its_cause(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path, cause: str
+) -> None:
+    """A bucket's CMEK key the Cloud Storage service agent may not use (or a disabled key), a quota
+    project the credentials may not use, a VPC Service Controls perimeter, a project whose billing
+    is off: GCS refuses every request, and the store said "the Google credentials in use lack the
+    permission on the bucket", sending the user to the bucket's IAM, where nothing is wrong. The
+    fault proxy gives GCS's answer (fake-gcs-server has no IAM, KMS, perimeters or billing)."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    status, message, named = _REFUSED_ELSEWHERE[cause]
+    refused = proxy.fail(1000, status, code="forbidden", message=message)
+    results = battery(storage, tmp_path)
+    assert refused.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
+        assert named in str(error) and "lack the permission" not in str(error), (name, error)
+        assert message in str(error), (name, error)  # GCS's own words stay
+
+
 _CREDENTIAL_PROCESS = """
 import datetime, os, sys
 folder = sys.argv[1]
