@@ -730,7 +730,10 @@ class _ResumableUpload:
                 return
         if status in (404, 410):
             raise _SessionLost(f"{what}: HTTP {status}: the upload session is gone", self._key)
-        raise PermanentStorageError(f"{what}: HTTP {status}: {_error_message(resp)}", self._key)
+        # As any other refused request says it (permission denied, credentials not valid, the
+        # bucket keeps it, ...). Not ``from_http_response``: its message has the session URL.
+        refused = api_exceptions.from_http_status(status, resp.reason or f"HTTP {status}", response=resp)
+        raise _storage_error(refused, what, self._key) from None
 
     def _finished(self, meta: dict[str, Any], final_crc: int | None) -> None:
         if final_crc is None:
@@ -745,9 +748,3 @@ class _ResumableUpload:
             raise CorruptObjectError(f"{self._url} was stored with {meta['size']} bytes, not {self.size}", self._key)
         self.confirmed = self.size
 
-
-def _error_message(resp: requests.Response) -> str:
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.reason or ""

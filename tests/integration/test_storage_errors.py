@@ -33,6 +33,7 @@ from agent.storage import (
     MissingBucketError,
     NotFoundError,
     PermanentStorageError,
+    RetainedError,
     Storage,
     StorageError,
     TransientStorageError,
@@ -390,6 +391,48 @@ def test_a_gcs_refusal_the_buckets_iam_does_not_cause_names_its_cause(
         assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
         assert named in str(error) and "lack the permission" not in str(error), (name, error)
         assert message in str(error), (name, error)  # GCS's own words stay
+
+
+@pytest.mark.parametrize("guarded", ["gs"], indirect=True)
+@pytest.mark.parametrize(
+    ("status", "message", "said"),
+    [
+        (403, "spotjob@example.iam.gserviceaccount.com does not have storage.objects.create access", "permission denied"),
+        (401, "Invalid Credentials", "are not valid"),
+        (
+            403,
+            "Object 'b/x' is subject to bucket's retention policy and cannot be deleted, overwritten or archived "
+            "until 2027-01-01T00:00:00.000000-00:00",
+            "the bucket keeps it",
+        ),
+    ],
+)
+def test_a_refused_chunk_of_a_gcs_resumable_upload_says_what_any_other_refused_request_says(
+    guarded: tuple[Storage, FaultProxy],
+    make_storage: Callable[[str], Storage],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    status: int,
+    message: str,
+    said: str,
+) -> None:
+    """A file past the multipart threshold goes up in chunks of a resumable session, whose refusals
+    the store turned into a bare "HTTP 403: <message>": no "permission denied", no word on
+    credentials that are not valid, and a retention policy's refusal was no ``RetainedError``.
+    The fault proxy refuses the chunks (not the session's start) as GCS does."""
+    storage, proxy = guarded
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(256 * 1024))
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(256 * 1024))
+    chunked = make_storage(storage.uri)
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(600 * 1024))
+    refused = proxy.fail(1000, status, code="forbidden", message=message, method="PUT", path=r"upload_id=")
+    with pytest.raises(PermanentStorageError) as caught:
+        chunked.put_file(str(src), "step-000000002/shard")
+    assert refused.served == 1
+    assert said in str(caught.value) and message in str(caught.value), caught.value
+    assert "upload_id" not in str(caught.value)
+    assert isinstance(caught.value, RetainedError) == (said == "the bucket keeps it")
 
 
 _CREDENTIAL_PROCESS = """
