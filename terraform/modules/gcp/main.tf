@@ -53,6 +53,25 @@ resource "google_storage_bucket" "this" {
       default_kms_key_name = encryption.value
     }
   }
+
+  # Cloud Storage itself encrypts with the key: its service agent must be allowed to before the
+  # bucket can be created with it (and before any object can be written or read).
+  depends_on = [google_kms_crypto_key_iam_member.this]
+}
+
+# CMEK: the project's Cloud Storage service agent (not the training or controller identities)
+# uses the key, and needs the role on it; GCS refuses every write and read of the bucket otherwise.
+data "google_storage_project_service_account" "this" {
+  count   = var.kms_key_name == null ? 0 : 1
+  project = var.project_id
+}
+
+resource "google_kms_crypto_key_iam_member" "this" {
+  count = var.kms_key_name == null ? 0 : 1
+
+  crypto_key_id = var.kms_key_name
+  role          = "roles/cloudkms.cryptoKeyEncrypterDecrypter"
+  member        = "serviceAccount:${data.google_storage_project_service_account.this[0].email_address}"
 }
 
 # -- training pods: one service account per identity, limited to its namespace and prefix ------------

@@ -50,7 +50,7 @@ variable "force_destroy" {
 }
 
 variable "kms_key_name" {
-  description = "A Cloud KMS key for the bucket's default encryption (CMEK). Null: Google-managed keys."
+  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
   type        = string
   default     = null
 }
