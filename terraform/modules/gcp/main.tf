@@ -26,6 +26,12 @@ resource "google_storage_bucket" "this" {
     enabled = true
   }
 
+  # Soft delete (7 days unless set) would keep every version the lifecycle below deletes, billed,
+  # that much longer again: versioning already keeps what spotjob deleted recoverable.
+  soft_delete_policy {
+    retention_duration_seconds = var.soft_delete_retention_days * 86400
+  }
+
   # Only what spotjob already let go of expires: noncurrent versions of deleted checkpoints, and
   # uploads a preemption cut off. Live objects never expire.
   lifecycle_rule {

@@ -66,6 +66,17 @@ variable "noncurrent_version_expiration_days" {
   }
 }
 
+variable "soft_delete_retention_days" {
+  description = "Days GCS soft delete keeps (and bills) an object after it was deleted, the lifecycle's deletes of noncurrent versions included. 0 (the default) turns soft delete off: versioning already keeps what spotjob deleted recoverable for noncurrent_version_expiration_days. Otherwise 7 to 90."
+  type        = number
+  default     = 0
+
+  validation {
+    condition     = var.soft_delete_retention_days == 0 || (var.soft_delete_retention_days >= 7 && var.soft_delete_retention_days <= 90 && floor(var.soft_delete_retention_days) == var.soft_delete_retention_days)
+    error_message = "soft_delete_retention_days must be 0 (off) or a whole number of days from 7 to 90."
+  }
+}
+
 variable "abort_incomplete_multipart_upload_days" {
   description = "Days after which an XML API multipart upload that never completed (cut off by a preemption) is aborted."
   type        = number
