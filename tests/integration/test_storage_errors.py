@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from agent.storage import (
     TransientStorageError,
     open_storage,
 )
+from agent.storage import gs
 from agent.storage._errors import translate_os_error
 
 try:
@@ -433,6 +436,71 @@ def test_a_refused_chunk_of_a_gcs_resumable_upload_says_what_any_other_refused_r
     assert said in str(caught.value) and message in str(caught.value), caught.value
     assert "upload_id" not in str(caught.value)
     assert isinstance(caught.value, RetainedError) == (said == "the bucket keeps it")
+
+
+class _MetadataServer(BaseHTTPRequestHandler):
+    """The GCE metadata server's documented contract, as much of it as ``google.auth.default`` and a
+    token refresh use: ``Metadata-Flavor: Google`` on every answer, the default service account's
+    info and token. The first ``failures`` requests for the service account are answered 503. It
+    does not model scopes, identities other than the default, or GKE's own refusals."""
+
+    failures = 0
+    requests: list[str] = []
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        type(self).requests.append(self.path)
+        account = "/computeMetadata/v1/instance/service-accounts/default/"
+        if self.path.startswith(account) and type(self).failures > 0:
+            type(self).failures -= 1
+            self._answer(503, b"")
+        elif self.path.startswith(account + "token"):
+            self._answer(200, json.dumps({"access_token": "t", "expires_in": 3600, "token_type": "Bearer"}).encode())
+        elif self.path.startswith(account):
+            self._answer(200, json.dumps({"email": "spotjob@test.iam.gserviceaccount.com", "aliases": ["default"]}).encode())
+        else:
+            self._answer(200 if self.path == "/" else 404, b"")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_gcs_credentials_the_metadata_server_could_not_refresh_for_a_while_are_retried(
+    monkeypatch: pytest.MonkeyPatch, fresh_uri: Callable[[str], str], fast_retries: None, tmp_path: Path
+) -> None:
+    """Workload identity on GKE (and a GCE VM's service account) gets its token from the metadata
+    server; google-auth retries that five times over about 15 s, then raises a RefreshError the
+    store took for permanent: one metadata server blip (the node's gke-metadata-server restarting)
+    failed the save, though the next request would have worked. The store runs the real ADC path
+    (``google.auth.default`` finds the fake metadata server through ``GCE_METADATA_HOST``); the
+    one seam patched is ``_emulator_host``, so that the client sends those credentials to
+    fake-gcs-server instead of anonymous ones."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MetadataServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("GCE_METADATA_HOST", address)
+    monkeypatch.setenv("GCE_METADATA_IP", address)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    uri = fresh_uri("gs")
+    monkeypatch.setattr(gs, "_emulator_host", lambda: None)
+    _MetadataServer.failures, _MetadataServer.requests = 5, []  # 5: google-auth's attempts for one refresh
+    storage = open_storage(uri)
+    try:
+        storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+        assert storage.get_bytes("step-000000001/MANIFEST.json") == b"{}"
+    finally:
+        storage.close()
+        server.shutdown()
+    assert _MetadataServer.failures == 0
+    assert any(p.endswith("/token") or "/token?" in p for p in _MetadataServer.requests)
 
 
 _CREDENTIAL_PROCESS = """
