@@ -757,4 +757,3 @@ class _ResumableUpload:
         if "size" in meta and int(meta["size"]) != self.size:
             raise CorruptObjectError(f"{self._url} was stored with {meta['size']} bytes, not {self.size}", self._key)
         self.confirmed = self.size
-

@@ -39,9 +39,9 @@ from agent.storage import (
     Storage,
     StorageError,
     TransientStorageError,
+    gs,
     open_storage,
 )
-from agent.storage import gs
 from agent.storage._errors import translate_os_error
 
 try:
@@ -400,7 +400,11 @@ def test_a_gcs_refusal_the_buckets_iam_does_not_cause_names_its_cause(
 @pytest.mark.parametrize(
     ("status", "message", "said"),
     [
-        (403, "spotjob@example.iam.gserviceaccount.com does not have storage.objects.create access", "permission denied"),
+        (
+            403,
+            "spotjob@example.iam.gserviceaccount.com does not have storage.objects.create access",
+            "permission denied",
+        ),
         (401, "Invalid Credentials", "are not valid"),
         (
             403,
@@ -459,7 +463,9 @@ class _MetadataServer(BaseHTTPRequestHandler):
         elif self.path.startswith(account + "token"):
             self._answer(200, json.dumps({"access_token": "t", "expires_in": 3600, "token_type": "Bearer"}).encode())
         elif self.path.startswith(account):
-            self._answer(200, json.dumps({"email": "spotjob@test.iam.gserviceaccount.com", "aliases": ["default"]}).encode())
+            self._answer(
+                200, json.dumps({"email": "spotjob@test.iam.gserviceaccount.com", "aliases": ["default"]}).encode()
+            )
         else:
             self._answer(200 if self.path == "/" else 404, b"")
 
