@@ -228,6 +228,15 @@ _ELSEWHERE = (
         "identity: the perimeter needs an ingress rule or access level that admits them; not the bucket's IAM",
     ),
     (
+        re.compile(
+            r"Insufficient Permission|scope\(s\) are not authorized|insufficient authentication scopes", re.IGNORECASE
+        ),
+        "the access token lacks a Cloud Storage read-write scope: the service account of a GCE VM (or of a GKE "
+        "node, for pods without workload identity) is limited by the VM's access scopes, read-only for storage "
+        "by default: give the VM or node pool the cloud-platform scope (a VM must be stopped to change it), or "
+        "use workload identity; the bucket's IAM is not the cause",
+    ),
+    (
         re.compile(r"billing account", re.IGNORECASE),
         "the bucket's project has no active billing account (disabled or closed), and Cloud Storage refuses "
         "its requests until billing is enabled again; not a permission of the credentials",
@@ -238,7 +247,7 @@ _ELSEWHERE = (
 def _refused_elsewhere(detail: str) -> str | None:
     """What to fix for a 403 (or 400) caused by something other than the bucket's IAM, if GCS's
     message says which: the bucket's CMEK key, the credentials' quota project, a VPC Service
-    Controls perimeter, the project's billing."""
+    Controls perimeter, a VM's access scopes, the project's billing."""
     for pattern, hint in _ELSEWHERE:
         if pattern.search(detail):
             return hint

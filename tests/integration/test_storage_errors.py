@@ -370,6 +370,8 @@ _REFUSED_ELSEWHERE = {
         "VPC Service Controls",
     ),
     "billing": (403, "The billing account for the owning project is disabled in state closed", "billing"),
+    "vm-scopes": (403, "Insufficient Permission", "access scopes"),
+    "vm-scopes-older": (403, "Provided scope(s) are not authorized", "access scopes"),
     "cmek-disabled": (400, "The Cloud KMS key is disabled, destroyed, or scheduled to be destroyed.", "CMEK"),
 }
 
@@ -381,9 +383,10 @@ def test_a_gcs_refusal_the_buckets_iam_does_not_cause_names_its_cause(
 ) -> None:
     """A bucket's CMEK key the Cloud Storage service agent may not use (or a disabled key), a quota
     project the credentials may not use, a VPC Service Controls perimeter, a project whose billing
-    is off: GCS refuses every request, and the store said "the Google credentials in use lack the
-    permission on the bucket", sending the user to the bucket's IAM, where nothing is wrong. The
-    fault proxy gives GCS's answer (fake-gcs-server has no IAM, KMS, perimeters or billing)."""
+    is off, a GCE VM (or GKE node) whose access scopes make storage read-only: GCS refuses every
+    request, and the store said "the Google credentials in use lack the permission on the bucket",
+    sending the user to the bucket's IAM, where nothing is wrong. The fault proxy gives GCS's
+    answer (fake-gcs-server has no IAM, KMS, perimeters, scopes or billing)."""
     storage, proxy = guarded
     storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
     status, message, named = _REFUSED_ELSEWHERE[cause]
