@@ -165,12 +165,13 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return TransientStorageError(f"{what}: refreshing credentials failed, retryably", key)
         cause = e.__cause__
         if isinstance(cause, auth_exceptions.TransportError) and len(cause.args) < 2:
-            # The metadata server (GCE, GKE's workload identity) did not answer, or answered 5xx,
-            # through google-auth's own retries; a TransportError with a response (the second
-            # argument) is a refusal, such as a 403 or 404 for an identity it does not serve.
+            # The token source (the metadata server, for GCE and GKE's workload identity) did not
+            # answer, or answered 5xx, through google-auth's own retries; a TransportError with a
+            # response (the second argument) is a refusal, such as a 403 or 404 for an identity
+            # the metadata server does not serve.
             return TransientStorageError(
-                f"{what}: refreshing credentials failed: the metadata server did not answer ({cause}); on GKE "
-                "with workload identity that is the node's gke-metadata-server",
+                f"{what}: refreshing credentials failed: their token source did not answer ({cause}); on GCE "
+                "and GKE that is the metadata server (with workload identity, the node's gke-metadata-server)",
                 key,
             )
         return PermanentStorageError(f"{what}: refreshing credentials failed ({e})", key)
