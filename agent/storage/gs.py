@@ -497,15 +497,16 @@ class GCSStorage(PrefixedKeys, Storage):
                 progress(upto - reported)
             reported = max(reported, upto)
 
-        sessions = max_attempts()
-        for started in range(1, sessions + 1):
+        lost_sessions = 0
+        while True:
             try:
                 self._put_session(local_path, key, size, crc32c, report)
                 return
             except _SessionLost as lost:
-                if started == sessions:
+                lost_sessions += 1
+                if lost_sessions >= max_attempts():
                     raise TransientStorageError(
-                        f"{lost}; GCS ended {sessions} upload sessions of {self.url(key)} in a row", key
+                        f"{lost}; GCS ended {lost_sessions} upload sessions of {self.url(key)} in a row", key
                     ) from None
                 log.warning("%s; starting the upload of %s again in a new session", lost, self.url(key))
 
