@@ -33,7 +33,8 @@ resource "google_storage_bucket" "this" {
   }
 
   # Only what spotjob already let go of expires: noncurrent versions of deleted checkpoints, and
-  # uploads a preemption cut off. Live objects never expire.
+  # XML API multipart uploads never completed (spotjob's are resumable sessions, which GCS drops a
+  # week after they began). Live objects never expire.
   lifecycle_rule {
     condition {
       days_since_noncurrent_time = var.noncurrent_version_expiration_days

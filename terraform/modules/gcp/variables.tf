@@ -78,7 +78,7 @@ variable "soft_delete_retention_days" {
 }
 
 variable "abort_incomplete_multipart_upload_days" {
-  description = "Days after which an XML API multipart upload that never completed (cut off by a preemption) is aborted."
+  description = "Days after which an XML API multipart upload that never completed is aborted (other tools' uploads: spotjob uploads through JSON API resumable sessions, which GCS drops a week after they began)."
   type        = number
   default     = 1
 
