@@ -17,8 +17,11 @@ again from the last offset the server confirmed — what google-cloud-storage's 
 chunk retry does, and what also works on fake-gcs-server (whose status query,
 ``Content-Range: bytes */N``, finalizes the upload instead of reporting it). The last chunk
 carries the file's CRC32C in ``x-goog-hash`` so GCS rejects a corrupt assembly, and the CRC32C
-GCS reports back is compared too. A resumable upload is sequential; files go up in parallel
-through ``put_files``. The session URL is a bearer capability, so it is never logged.
+GCS reports back is compared too. A session GCS no longer has (404 or 410 on a chunk: expired,
+or ended by GCS after a failure of its own) cannot be resumed: the file starts again in a new
+session, up to ``SPOTJOB_STORAGE_MAX_ATTEMPTS`` sessions. A resumable upload is sequential; files
+go up in parallel through ``put_files``. The session URL is a bearer capability, so it is never
+logged.
 
 Why not ``google.cloud.storage.transfer_manager`` (3.x): ``upload_chunks_concurrently`` speaks
 GCS's XML multipart API, which fake-gcs-server lacks, so a fallback to this resumable upload
@@ -128,6 +131,9 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
             return RetainedError(f"{text}; {_RETAINED_HINT}", key)
         if status == 401:
             return PermanentStorageError(f"{text}; {_INVALID_CREDENTIALS_HINT}", key)
+        elsewhere = _refused_elsewhere(_api_error_detail(e)) if status in (400, 403) else None
+        if elsewhere:
+            return PermanentStorageError(f"{'permission denied: ' if status == 403 else ''}{text}; {elsewhere}", key)
         if status == 403:
             return PermanentStorageError(
                 f"permission denied: {text}; the Google credentials in use (workload identity, service "
@@ -157,6 +163,17 @@ def _storage_error(e: Exception, what: str, key: str | None) -> StorageError:
     if isinstance(e, auth_exceptions.RefreshError):
         if getattr(e, "retryable", False):
             return TransientStorageError(f"{what}: refreshing credentials failed, retryably", key)
+        cause = e.__cause__
+        if isinstance(cause, auth_exceptions.TransportError) and len(cause.args) < 2:
+            # The token source (the metadata server, for GCE and GKE's workload identity) did not
+            # answer, or answered 5xx, through google-auth's own retries; a TransportError with a
+            # response (the second argument) is a refusal, such as a 403 or 404 for an identity
+            # the metadata server does not serve.
+            return TransientStorageError(
+                f"{what}: refreshing credentials failed: their token source did not answer ({cause}); on GCE "
+                "and GKE that is the metadata server (with workload identity, the node's gke-metadata-server)",
+                key,
+            )
         return PermanentStorageError(f"{what}: refreshing credentials failed ({e})", key)
     if isinstance(e, _CONNECTION_ERRORS):
         return TransientStorageError(f"{what}: {_connection_failure(e)}", key)
@@ -189,6 +206,54 @@ _INVALID_CREDENTIALS_HINT = (
     "permission of the bucket: give the process valid credentials (workload identity, "
     "GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login)"
 )
+
+# Refusals whose cause is not the credentials' permission on the bucket, by GCS's message.
+_ELSEWHERE = (
+    (
+        re.compile(r"Cloud KMS|cloudkms", re.IGNORECASE),
+        "the bucket encrypts with a Cloud KMS key (CMEK) that cannot be used: Cloud Storage's service agent "
+        "of the bucket's project (service-<project number>@gs-project-accounts.iam.gserviceaccount.com) needs "
+        "roles/cloudkms.cryptoKeyEncrypterDecrypter on the key, and the key must be enabled; the job's own "
+        "credentials are not the cause",
+    ),
+    (
+        re.compile(r"serviceusage\.services\.use|required permission to use project", re.IGNORECASE),
+        "the credentials carry a quota project (quota_project_id in the application default credentials "
+        "file, or GOOGLE_CLOUD_QUOTA_PROJECT) they may not use: grant them "
+        "roles/serviceusage.serviceUsageConsumer on that project, or use credentials without one; not a "
+        "permission on the bucket",
+    ),
+    (
+        re.compile(r"organization's policy|vpcServiceControls", re.IGNORECASE),
+        "a VPC Service Controls perimeter around the bucket's project refuses requests from this network or "
+        "identity: the perimeter needs an ingress rule or access level that admits them; not the bucket's IAM",
+    ),
+    (
+        re.compile(
+            r"Insufficient Permission|scope\(s\) are not authorized|insufficient authentication scopes", re.IGNORECASE
+        ),
+        "the access token lacks a Cloud Storage read-write scope: the service account of a GCE VM (or of a GKE "
+        "node, for pods without workload identity) is limited by the VM's access scopes, read-only for storage "
+        "by default: give the VM or node pool the cloud-platform scope (a VM must be stopped to change it), or "
+        "use workload identity; the bucket's IAM is not the cause",
+    ),
+    (
+        re.compile(r"billing account", re.IGNORECASE),
+        "the bucket's project has no active billing account (disabled or closed), and Cloud Storage refuses "
+        "its requests until billing is enabled again; not a permission of the credentials",
+    ),
+)
+
+
+def _refused_elsewhere(detail: str) -> str | None:
+    """What to fix for a 403 (or 400) caused by something other than the bucket's IAM, if GCS's
+    message says which: the bucket's CMEK key, the credentials' quota project, a VPC Service
+    Controls perimeter, a VM's access scopes, the project's billing."""
+    for pattern, hint in _ELSEWHERE:
+        if pattern.search(detail):
+            return hint
+    return None
+
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
@@ -421,6 +486,33 @@ class GCSStorage(PrefixedKeys, Storage):
     def _put_resumable(
         self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None
     ) -> None:
+        """The file through resumable upload sessions: a session GCS has lost (404 or 410 on a
+        chunk: the session expired, or GCS ended it after a failure of its own) cannot be resumed,
+        only started again, which is done up to ``max_attempts()`` sessions in all."""
+        reported = 0  # bytes given to ``progress`` so far, over every session
+
+        def report(upto: int) -> None:
+            nonlocal reported
+            if progress and upto > reported:
+                progress(upto - reported)
+            reported = max(reported, upto)
+
+        lost_sessions = 0
+        while True:
+            try:
+                self._put_session(local_path, key, size, crc32c, report)
+                return
+            except _SessionLost as lost:
+                lost_sessions += 1
+                if lost_sessions >= max_attempts():
+                    raise TransientStorageError(
+                        f"{lost}; GCS ended {lost_sessions} upload sessions of {self.url(key)} in a row", key
+                    ) from None
+                log.warning("%s; starting the upload of %s again in a new session", lost, self.url(key))
+
+    def _put_session(
+        self, local_path: str, key: str, size: int, crc32c: int | None, report: Callable[[int], None]
+    ) -> None:
         url = self.url(key)
         name = self._object_key(key)
         chunk = -(-self.settings.upload_chunk_size // CHUNK_GRANULARITY) * CHUNK_GRANULARITY
@@ -456,8 +548,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 )
                 if upload.confirmed > before:
                     stalls = 0
-                    if progress:
-                        progress(upload.confirmed - before)
+                    report(upload.confirmed)
                     continue
                 # A 308 that confirms nothing new is an answered request, so retry_transient never
                 # counts it; without this bound such a server would have the chunk resent forever.
@@ -605,6 +696,11 @@ class GCSStorage(PrefixedKeys, Storage):
         self._client.close()
 
 
+class _SessionLost(PermanentStorageError):
+    """GCS no longer knows the resumable upload session (404 or 410 on a chunk): resending the
+    chunk cannot help, a new session can (``GCSStorage._put_resumable``)."""
+
+
 class _ResumableUpload:
     """The client side of one GCS resumable upload session: which bytes the server confirmed.
 
@@ -653,7 +749,12 @@ class _ResumableUpload:
                 log.info("%s: an earlier attempt had already completed the upload; done", what)
                 self.confirmed = self.size
                 return
-        raise PermanentStorageError(f"{what}: HTTP {status}: {_error_message(resp)}", self._key)
+        if status in (404, 410):
+            raise _SessionLost(f"{what}: HTTP {status}: the upload session is gone", self._key)
+        # As any other refused request says it (permission denied, credentials not valid, the
+        # bucket keeps it, ...). Not ``from_http_response``: its message has the session URL.
+        refused = api_exceptions.from_http_status(status, resp.reason or f"HTTP {status}", response=resp)
+        raise _storage_error(refused, what, self._key) from None
 
     def _finished(self, meta: dict[str, Any], final_crc: int | None) -> None:
         if final_crc is None:
@@ -667,10 +768,3 @@ class _ResumableUpload:
         if "size" in meta and int(meta["size"]) != self.size:
             raise CorruptObjectError(f"{self._url} was stored with {meta['size']} bytes, not {self.size}", self._key)
         self.confirmed = self.size
-
-
-def _error_message(resp: requests.Response) -> str:
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.reason or ""

@@ -30,6 +30,35 @@ def test_the_bucket_is_uniform_private_versioned_and_expires_only_what_spotjob_d
     assert rules["AbortIncompleteMultipartUpload"]["age"] == "${var.abort_incomplete_multipart_upload_days}"
 
 
+def test_soft_delete_does_not_keep_what_versioning_and_the_lifecycle_already_keep() -> None:
+    """GCS soft-deletes for 7 days by default, also the noncurrent versions the lifecycle rule
+    deletes: each checkpoint retention removed was billed noncurrent_version_expiration_days, then
+    7 days more. The module left the default in force; it is now a variable, off unless set."""
+    bucket = RESOURCES[("google_storage_bucket", "this")]
+    (policy,) = _block(bucket, "soft_delete_policy")
+    assert policy["retention_duration_seconds"] == "${var.soft_delete_retention_days * 86400}"
+    variables = {k: v for entry in load_hcl(MODULE / "variables.tf")["variable"] for k, v in entry.items()}
+    assert variables["soft_delete_retention_days"]["default"] == 0
+    assert ">= 5.22" in (MODULE / "versions.tf").read_text()  # the provider release with soft_delete_policy
+
+
+def test_a_cmek_key_is_granted_to_the_cloud_storage_service_agent_before_the_bucket_uses_it() -> None:
+    """With ``kms_key_name`` set, Cloud Storage's service agent of the project encrypts and decrypts
+    with the key, and GCS refuses to create the bucket (403 "Permission denied on Cloud KMS key")
+    until that agent holds roles/cloudkms.cryptoKeyEncrypterDecrypter on it. The module granted
+    nothing, so the CMEK option failed at apply (or every write failed, for a grant made later)."""
+    data = hcl_blocks(load_hcl(MODULE / "main.tf"), "data")
+    agent = data[("google_storage_project_service_account", "this")]
+    assert agent["count"] == "${var.kms_key_name == null ? 0 : 1}"
+    assert agent["project"] == "${var.project_id}"
+    grant = RESOURCES[("google_kms_crypto_key_iam_member", "this")]
+    assert grant["count"] == "${var.kms_key_name == null ? 0 : 1}"
+    assert grant["crypto_key_id"] == "${var.kms_key_name}"
+    assert grant["role"] == "roles/cloudkms.cryptoKeyEncrypterDecrypter"
+    assert grant["member"] == "serviceAccount:${data.google_storage_project_service_account.this[0].email_address}"
+    assert "${google_kms_crypto_key_iam_member.this}" in RESOURCES[("google_storage_bucket", "this")]["depends_on"]
+
+
 def test_workload_identity_is_limited_to_one_service_account_of_one_namespace() -> None:
     for name, ksa in (
         ("training_workload_identity", "${each.value.namespace}/${each.value.service_account}"),

@@ -246,6 +246,23 @@ def test_a_gcs_retention_policy_keeps_old_checkpoints_with_one_clear_warning_and
     assert_same(snapshot(state), saved[4], "the state restored from step 4")
 
 
+def test_a_save_whose_gcs_upload_session_is_lost_still_commits_and_restores(
+    gs_behind_proxy: tuple[str, FaultProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard past the multipart threshold goes up in a resumable session; GCS answers a
+    chunk of a session it has ended with 410. That failed the shard's upload for good, and with it
+    the save: nothing committed. The proxy ends one session (fake-gcs-server never does)."""
+    uri, proxy = gs_behind_proxy
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1")  # every shard: resumable
+    lost = proxy.fail(1, 410, method="PUT", path=r"upload_id=")
+    saved = save_steps(uri, [1], keep=None)
+    assert lost.served == 1
+    state = make_state(0, seed=7)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert_same(snapshot(state), saved[1], "the state restored from step 1")
+
+
 def test_a_leftover_the_bucket_keeps_does_not_stop_that_step_from_being_saved(
     gs_behind_proxy: tuple[str, FaultProxy], gcs_client: Any
 ) -> None:

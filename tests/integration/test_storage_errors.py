@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,11 @@ from agent.storage import (
     MissingBucketError,
     NotFoundError,
     PermanentStorageError,
+    RetainedError,
     Storage,
     StorageError,
     TransientStorageError,
+    gs,
     open_storage,
 )
 from agent.storage._errors import translate_os_error
@@ -344,6 +348,168 @@ def test_a_gcs_request_refused_for_credentials_that_are_no_longer_valid_does_not
     for name, error in results.items():
         assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
         assert "permission denied" not in str(error) and "not valid" in str(error), (name, error)
+
+
+# GCS's messages for refusals the bucket's IAM does not cause, and what the error must then name.
+_REFUSED_ELSEWHERE = {
+    "cmek": (
+        403,
+        "Permission denied on Cloud KMS key. Please ensure that your Cloud Storage service account has been "
+        "authorized to use this key.",
+        "cryptoKeyEncrypterDecrypter",
+    ),
+    "quota-project": (
+        403,
+        "spotjob@example.iam.gserviceaccount.com does not have serviceusage.services.use access to the Google "
+        "Cloud project.",
+        "GOOGLE_CLOUD_QUOTA_PROJECT",
+    ),
+    "vpc-sc": (
+        403,
+        "Request is prohibited by organization's policy. vpcServiceControlsUniqueIdentifier: 0123456789abcdef",
+        "VPC Service Controls",
+    ),
+    "billing": (403, "The billing account for the owning project is disabled in state closed", "billing"),
+    "vm-scopes": (403, "Insufficient Permission", "access scopes"),
+    "vm-scopes-older": (403, "Provided scope(s) are not authorized", "access scopes"),
+    "cmek-disabled": (400, "The Cloud KMS key is disabled, destroyed, or scheduled to be destroyed.", "CMEK"),
+}
+
+
+@pytest.mark.parametrize("guarded", ["gs"], indirect=True)
+@pytest.mark.parametrize("cause", sorted(_REFUSED_ELSEWHERE))
+def test_a_gcs_refusal_the_buckets_iam_does_not_cause_names_its_cause(
+    guarded: tuple[Storage, FaultProxy], tmp_path: Path, cause: str
+) -> None:
+    """A bucket's CMEK key the Cloud Storage service agent may not use (or a disabled key), a quota
+    project the credentials may not use, a VPC Service Controls perimeter, a project whose billing
+    is off, a GCE VM (or GKE node) whose access scopes make storage read-only: GCS refuses every
+    request, and the store said "the Google credentials in use lack the permission on the bucket",
+    sending the user to the bucket's IAM, where nothing is wrong. The fault proxy gives GCS's
+    answer (fake-gcs-server has no IAM, KMS, perimeters, scopes or billing)."""
+    storage, proxy = guarded
+    storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+    status, message, named = _REFUSED_ELSEWHERE[cause]
+    refused = proxy.fail(1000, status, code="forbidden", message=message)
+    results = battery(storage, tmp_path)
+    assert refused.served >= len(results)
+    for name, error in results.items():
+        assert isinstance(error, PermanentStorageError) and not isinstance(error, NotFoundError), (name, error)
+        assert named in str(error) and "lack the permission" not in str(error), (name, error)
+        assert message in str(error), (name, error)  # GCS's own words stay
+
+
+@pytest.mark.parametrize("guarded", ["gs"], indirect=True)
+@pytest.mark.parametrize(
+    ("status", "message", "said"),
+    [
+        (
+            403,
+            "spotjob@example.iam.gserviceaccount.com does not have storage.objects.create access",
+            "permission denied",
+        ),
+        (401, "Invalid Credentials", "are not valid"),
+        (
+            403,
+            "Object 'b/x' is subject to bucket's retention policy and cannot be deleted, overwritten or archived "
+            "until 2027-01-01T00:00:00.000000-00:00",
+            "the bucket keeps it",
+        ),
+    ],
+)
+def test_a_refused_chunk_of_a_gcs_resumable_upload_says_what_any_other_refused_request_says(
+    guarded: tuple[Storage, FaultProxy],
+    make_storage: Callable[[str], Storage],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    status: int,
+    message: str,
+    said: str,
+) -> None:
+    """A file past the multipart threshold goes up in chunks of a resumable session, whose refusals
+    the store turned into a bare "HTTP 403: <message>": no "permission denied", no word on
+    credentials that are not valid, and a retention policy's refusal was no ``RetainedError``.
+    The fault proxy refuses the chunks (not the session's start) as GCS does."""
+    storage, proxy = guarded
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(256 * 1024))
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(256 * 1024))
+    chunked = make_storage(storage.uri)
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(600 * 1024))
+    refused = proxy.fail(1000, status, code="forbidden", message=message, method="PUT", path=r"upload_id=")
+    with pytest.raises(PermanentStorageError) as caught:
+        chunked.put_file(str(src), "step-000000002/shard")
+    assert refused.served == 1
+    assert said in str(caught.value) and message in str(caught.value), caught.value
+    assert "upload_id" not in str(caught.value)
+    assert isinstance(caught.value, RetainedError) == (said == "the bucket keeps it")
+
+
+class _MetadataServer(BaseHTTPRequestHandler):
+    """The GCE metadata server's documented contract, as much of it as ``google.auth.default`` and a
+    token refresh use: ``Metadata-Flavor: Google`` on every answer, the default service account's
+    info and token. The first ``failures`` requests for the service account are answered 503. It
+    does not model scopes, identities other than the default, or GKE's own refusals."""
+
+    failures = 0
+    requests: list[str] = []
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        type(self).requests.append(self.path)
+        account = "/computeMetadata/v1/instance/service-accounts/default/"
+        if self.path.startswith(account) and type(self).failures > 0:
+            type(self).failures -= 1
+            self._answer(503, b"")
+        elif self.path.startswith(account + "token"):
+            self._answer(200, json.dumps({"access_token": "t", "expires_in": 3600, "token_type": "Bearer"}).encode())
+        elif self.path.startswith(account):
+            self._answer(
+                200, json.dumps({"email": "spotjob@test.iam.gserviceaccount.com", "aliases": ["default"]}).encode()
+            )
+        else:
+            self._answer(200 if self.path == "/" else 404, b"")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_gcs_credentials_the_metadata_server_could_not_refresh_for_a_while_are_retried(
+    monkeypatch: pytest.MonkeyPatch, fresh_uri: Callable[[str], str], fast_retries: None, tmp_path: Path
+) -> None:
+    """Workload identity on GKE (and a GCE VM's service account) gets its token from the metadata
+    server; google-auth retries that five times over about 15 s, then raises a RefreshError the
+    store took for permanent: one metadata server blip (the node's gke-metadata-server restarting)
+    failed the save, though the next request would have worked. The store runs the real ADC path
+    (``google.auth.default`` finds the fake metadata server through ``GCE_METADATA_HOST``); the
+    one seam patched is ``_emulator_host``, so that the client sends those credentials to
+    fake-gcs-server instead of anonymous ones."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MetadataServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("GCE_METADATA_HOST", address)
+    monkeypatch.setenv("GCE_METADATA_IP", address)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    uri = fresh_uri("gs")
+    monkeypatch.setattr(gs, "_emulator_host", lambda: None)
+    _MetadataServer.failures, _MetadataServer.requests = 5, []  # 5: google-auth's attempts for one refresh
+    storage = open_storage(uri)
+    try:
+        storage.put_bytes("step-000000001/MANIFEST.json", b"{}")
+        assert storage.get_bytes("step-000000001/MANIFEST.json") == b"{}"
+    finally:
+        storage.close()
+        server.shutdown()
+    assert _MetadataServer.failures == 0
+    assert any(p.endswith("/token") or "/token?" in p for p in _MetadataServer.requests)
 
 
 _CREDENTIAL_PROCESS = """

@@ -1,8 +1,9 @@
-"""S3 under partial failures: what a failed or retried multipart upload leaves behind, and what a
-store without credentials says.
+"""S3 and GCS under partial failures: what a failed or retried multipart upload leaves behind, a
+GCS resumable upload whose chunks are not kept or whose session is lost, and what a store without
+credentials says.
 
-Every request goes through a fault proxy in front of moto; the bucket's in-progress multipart
-uploads are read straight from moto, not through the proxy.
+Every request goes through a fault proxy in front of moto (or fake-gcs-server); the bucket's
+in-progress multipart uploads are read straight from moto, not through the proxy.
 """
 
 from __future__ import annotations
@@ -157,3 +158,67 @@ def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
     assert "127.0.0.1:9" in str(caught.value) and "check AWS_ENDPOINT_URL" in str(caught.value), caught.value
     assert "hunter2" not in str(caught.value)
     assert not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("status", [410, 404])
+def test_a_gcs_upload_whose_session_is_lost_midway_starts_again_in_a_new_session(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    gcs_server: str,
+    fast_retries: None,
+    tmp_path: Path,
+    status: int,
+) -> None:
+    """GCS answers a chunk of a session it no longer has with 410 (it ended the session after a
+    failure of its own) or 404 (the session expired): resending the chunk cannot help, only a new
+    session can. The upload failed permanently, and with it the whole save. fake-gcs-server never
+    loses a session; the proxy answers one chunk as GCS then does, and models nothing else."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    lost = proxy.fail(
+        1, status, method="PUT", match=lambda req: req.headers.get("Content-Range", "").startswith(f"bytes {PART}-")
+    )
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+    reported: list[int] = []
+
+    store.put_file(str(src), "step-1/shard", crc32c=crc, progress=reported.append)
+
+    assert lost.served == 1
+    assert sum(1 for s in proxy.seen if s.method == "POST" and "uploadType=resumable" in s.path) == 2
+    assert store.get_bytes("step-1/shard") == src.read_bytes()
+    assert sum(reported) == BIG  # the chunk sent again in the new session is not counted twice
+
+
+def test_a_gcs_upload_whose_sessions_keep_being_lost_gives_up_as_transient(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    gcs_server: str,
+    fast_retries: None,
+    tmp_path: Path,
+) -> None:
+    """The restart is bounded: a new session per attempt, SPOTJOB_STORAGE_MAX_ATTEMPTS in all."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    lost = proxy.fail(1000, 410, method="PUT", path=r"upload_id=")
+    src = tmp_path / "src.bin"
+    crc, _ = write_random(src, BIG)
+
+    with pytest.raises(TransientStorageError) as caught:
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+
+    assert lost.served == 5  # SPOTJOB_STORAGE_MAX_ATTEMPTS of fast_retries, one per session
+    assert "5 upload sessions" in str(caught.value) and "upload_id" not in str(caught.value)
+    assert store.stat("step-1/shard") is None

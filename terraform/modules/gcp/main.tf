@@ -26,8 +26,15 @@ resource "google_storage_bucket" "this" {
     enabled = true
   }
 
+  # Soft delete (7 days unless set) would keep every version the lifecycle below deletes, billed,
+  # that much longer again: versioning already keeps what spotjob deleted recoverable.
+  soft_delete_policy {
+    retention_duration_seconds = var.soft_delete_retention_days * 86400
+  }
+
   # Only what spotjob already let go of expires: noncurrent versions of deleted checkpoints, and
-  # uploads a preemption cut off. Live objects never expire.
+  # XML API multipart uploads never completed (spotjob's are resumable sessions, which GCS drops a
+  # week after they began). Live objects never expire.
   lifecycle_rule {
     condition {
       days_since_noncurrent_time = var.noncurrent_version_expiration_days
@@ -53,6 +60,25 @@ resource "google_storage_bucket" "this" {
       default_kms_key_name = encryption.value
     }
   }
+
+  # Cloud Storage itself encrypts with the key: its service agent must be allowed to before the
+  # bucket can be created with it (and before any object can be written or read).
+  depends_on = [google_kms_crypto_key_iam_member.this]
+}
+
+# CMEK: the project's Cloud Storage service agent (not the training or controller identities)
+# uses the key, and needs the role on it; GCS refuses every write and read of the bucket otherwise.
+data "google_storage_project_service_account" "this" {
+  count   = var.kms_key_name == null ? 0 : 1
+  project = var.project_id
+}
+
+resource "google_kms_crypto_key_iam_member" "this" {
+  count = var.kms_key_name == null ? 0 : 1
+
+  crypto_key_id = var.kms_key_name
+  role          = "roles/cloudkms.cryptoKeyEncrypterDecrypter"
+  member        = "serviceAccount:${data.google_storage_project_service_account.this[0].email_address}"
 }
 
 # -- training pods: one service account per identity, limited to its namespace and prefix ------------

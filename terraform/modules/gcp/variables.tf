@@ -50,7 +50,7 @@ variable "force_destroy" {
 }
 
 variable "kms_key_name" {
-  description = "A Cloud KMS key for the bucket's default encryption (CMEK). Null: Google-managed keys."
+  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
   type        = string
   default     = null
 }
@@ -66,8 +66,19 @@ variable "noncurrent_version_expiration_days" {
   }
 }
 
+variable "soft_delete_retention_days" {
+  description = "Days GCS soft delete keeps (and bills) an object after it was deleted, the lifecycle's deletes of noncurrent versions included. 0 (the default) turns soft delete off: versioning already keeps what spotjob deleted recoverable for noncurrent_version_expiration_days. Otherwise 7 to 90."
+  type        = number
+  default     = 0
+
+  validation {
+    condition     = var.soft_delete_retention_days == 0 || (var.soft_delete_retention_days >= 7 && var.soft_delete_retention_days <= 90 && floor(var.soft_delete_retention_days) == var.soft_delete_retention_days)
+    error_message = "soft_delete_retention_days must be 0 (off) or a whole number of days from 7 to 90."
+  }
+}
+
 variable "abort_incomplete_multipart_upload_days" {
-  description = "Days after which an XML API multipart upload that never completed (cut off by a preemption) is aborted."
+  description = "Days after which an XML API multipart upload that never completed is aborted (other tools' uploads: spotjob uploads through JSON API resumable sessions, which GCS drops a week after they began)."
   type        = number
   default     = 1
 
