@@ -39,13 +39,15 @@ DEFAULT_MAX_BACKOFF_S = 8.0
 DEFAULT_BASE_BACKOFF_S = 0.2
 
 
-_POLICY_VARIABLES = ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "SPOTJOB_STORAGE_BASE_BACKOFF_S", "SPOTJOB_STORAGE_MAX_BACKOFF_S")
+_POLICY_PREFIX = "SPOTJOB_STORAGE_"
 
 
 @functools.lru_cache(maxsize=8)
-def _policy(raw: tuple[str | None, ...]) -> tuple[int, float, float]:
-    """(attempts, base backoff, cap) for these raw values of ``_POLICY_VARIABLES``: validated once
-    per distinct setting, not on every storage operation."""
+def _policy(raw: tuple[tuple[str, str], ...]) -> tuple[int, float, float]:
+    """(attempts, base backoff, cap) for this setting of the ``SPOTJOB_STORAGE_*`` variables:
+    validated once per distinct setting, not on every storage operation. The key is every such
+    variable, not only the three read here: ``StorageEnv`` refuses any of them that is malformed,
+    and a key of three let a cached answer hide a malformed timeout set later."""
     env = load(StorageEnv)
     attempts = DEFAULT_MAX_ATTEMPTS if env.max_attempts is None else max(1, env.max_attempts)
     base = DEFAULT_BASE_BACKOFF_S if env.base_backoff_s is None else env.base_backoff_s
@@ -55,7 +57,7 @@ def _policy(raw: tuple[str | None, ...]) -> tuple[int, float, float]:
 
 def policy() -> tuple[int, float, float]:
     """The retry policy the environment sets now (``agent.settings.StorageEnv``)."""
-    return _policy(tuple(os.environ.get(name) for name in _POLICY_VARIABLES))
+    return _policy(tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith(_POLICY_PREFIX))))
 
 
 def max_attempts() -> int:

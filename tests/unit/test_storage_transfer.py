@@ -127,6 +127,19 @@ class TestSettings:
         with pytest.raises(ValueError, match=variable):
             max_attempts()
 
+    def test_a_retry_policy_read_before_does_not_hide_a_malformed_timeout_set_after(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The retry policy is validated once per setting and cached; its cache key held only the
+        three retry variables, so after one read a malformed ``SPOTJOB_STORAGE_READ_TIMEOUT_S`` went
+        unrefused by ``max_attempts()`` (the test above passed or failed with the order tests ran in)."""
+        for name in [n for n in os.environ if n.upper().startswith("SPOTJOB_STORAGE_")]:
+            monkeypatch.delenv(name)
+        assert max_attempts() == 6
+        monkeypatch.setenv("SPOTJOB_STORAGE_READ_TIMEOUT_S", "inf")
+        with pytest.raises(ValueError, match="SPOTJOB_STORAGE_READ_TIMEOUT_S"):
+            max_attempts()
+
     def test_the_create_only_check_is_on_unless_switched_off_and_a_non_boolean_is_refused(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
