@@ -95,7 +95,8 @@ class Checkpointer(_Saving, _Restoring):
     Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
     channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
-    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``, ``release_staging`` to
+    ``SPOTJOB_RELEASE_STAGING`` and ``direct_io`` to ``SPOTJOB_DIRECT_IO`` (with or without an agent).
 
     ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
     or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
@@ -124,7 +125,7 @@ class Checkpointer(_Saving, _Restoring):
         attempt: int | None = None,
         start_fresh: bool | None = None,
         io_threads: int = 8,
-        release_staging: bool = False,
+        release_staging: bool | None = None,
         direct_io: bool | None = None,
         read_only: bool = False,
     ) -> None:
@@ -161,7 +162,7 @@ class Checkpointer(_Saving, _Restoring):
             attempt=attempt,
             start_fresh=start_fresh,
             io_threads=io_threads,
-            release_staging=release_staging,
+            release_staging=env.release_staging if release_staging is None else release_staging,
             direct_io=env.direct_io if direct_io is None else direct_io,
         )
         self.storage = open_storage(uri)

@@ -360,6 +360,23 @@ def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, 
     assert_same(snapshot(fresh), saved, "the state staged into released buffers")
 
 
+def test_release_staging_from_the_environment_reaches_a_checkpointer_built_directly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPOTJOB_RELEASE_STAGING=1`` (README "Staging memory", the remedy for a memory limit a
+    save's copy exceeds) frees the buffers of ``Checkpointer(uri, ...)`` as it does those of
+    ``from_env()``, as ``SPOTJOB_DIRECT_IO`` does; an explicit ``release_staging=False`` still wins."""
+    monkeypatch.setenv("SPOTJOB_RELEASE_STAGING", "1")
+    state = make_state(0)
+    for explicit, released in ((None, True), (False, False)):
+        kwargs = {} if explicit is None else {"release_staging": explicit}
+        with Checkpointer(str(tmp_path / f"ckpt-{explicit}"), keep=None, **kwargs) as ckpt:
+            train(state, 1)
+            ckpt.save(1, state)
+            ckpt.wait()
+            assert (ckpt._stager is None) == released, kwargs
+
+
 EXIT_WITH_A_SAVE_IN_FLIGHT = """
 import sys, time, torch
 from agent import Checkpointer
