@@ -95,8 +95,9 @@ class Checkpointer(_Saving, _Restoring):
     Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
     channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
-    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``, ``release_staging`` to
-    ``SPOTJOB_RELEASE_STAGING`` and ``direct_io`` to ``SPOTJOB_DIRECT_IO`` (with or without an agent).
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``; ``staging_dir``, ``release_staging``
+    and ``direct_io`` default to ``SPOTJOB_STAGING_DIR``, ``SPOTJOB_RELEASE_STAGING`` and
+    ``SPOTJOB_DIRECT_IO`` (with or without an agent).
 
     ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
     or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
@@ -132,6 +133,9 @@ class Checkpointer(_Saving, _Restoring):
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
         control_dir = control_dir or env.control_dir
+        # The node's staging folder is the agent's to choose (its prefetch fills the job's folder
+        # there; a Kubernetes worker's staging volume): whatever constructor built this one.
+        staging_dir = staging_dir if staging_dir is not None else env.staging_dir
         job = job if job is not None else env.job_name
         if attempt is not None and env.attempt is not None and attempt != env.attempt and not read_only:
             # Fencing compares the attempt each manifest records with the newest the controller
