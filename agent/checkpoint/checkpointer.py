@@ -95,9 +95,10 @@ class Checkpointer(_Saving, _Restoring):
     Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
     channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
-    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``; ``staging_dir``, ``release_staging``
-    and ``direct_io`` default to ``SPOTJOB_STAGING_DIR``, ``SPOTJOB_RELEASE_STAGING`` and
-    ``SPOTJOB_DIRECT_IO`` (with or without an agent).
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``; ``async_save``, ``staging_dir``,
+    ``release_staging`` and ``direct_io`` default to ``SPOTJOB_ASYNC`` (true when unset),
+    ``SPOTJOB_STAGING_DIR``, ``SPOTJOB_RELEASE_STAGING`` and ``SPOTJOB_DIRECT_IO`` (with or without
+    an agent).
 
     ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
     or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
@@ -119,7 +120,7 @@ class Checkpointer(_Saving, _Restoring):
         keep: int | None = 3,
         *,
         every_seconds: float | None = None,
-        async_save: bool = True,
+        async_save: bool | None = None,
         staging_dir: str | None = None,
         control_dir: str | None = None,
         job: str | None = None,
@@ -159,7 +160,7 @@ class Checkpointer(_Saving, _Restoring):
             every_steps=every_steps,
             every_seconds=every_seconds,
             keep=keep,
-            async_save=async_save,
+            async_save=env.async_save if async_save is None else async_save,
             staging_dir=staging_dir,
             control_dir=control_dir,
             job=job,

@@ -377,6 +377,24 @@ def test_release_staging_from_the_environment_reaches_a_checkpointer_built_direc
             assert (ckpt._stager is None) == released, kwargs
 
 
+def test_spotjob_async_from_the_environment_reaches_a_checkpointer_built_directly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``spotjob-agent --async off`` (``SPOTJOB_ASYNC=0``; the other remedy of README "Staging
+    memory" for a memory limit an async save's copy exceeds) makes the saves of
+    ``Checkpointer(uri, ...)`` synchronous as it does those of ``from_env()``: committed when
+    ``save()`` returns. An explicit ``async_save=True`` still wins."""
+    monkeypatch.setenv("SPOTJOB_ASYNC", "0")
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.config.async_save is False
+        train(state, 1)
+        ckpt.save(1, state)
+        assert ckpt.last_committed_step == 1  # a synchronous save has committed on return
+    with Checkpointer(str(tmp_path / "other"), async_save=True) as ckpt:
+        assert ckpt.config.async_save is True
+
+
 EXIT_WITH_A_SAVE_IN_FLIGHT = """
 import sys, time, torch
 from agent import Checkpointer
