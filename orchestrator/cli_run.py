@@ -806,7 +806,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2; at most 4 per CPU)")
     job.add_argument(
         "--checkpoint-uri",
-        help=f"where checkpoints go: a path, s3://, gs:// (default: ./{RUNS_DIR}/<name>/checkpoints)",
+        help="where checkpoints go: a path, s3://, gs:// (default: <runs-dir>/<name>/checkpoints)",
     )
     job.add_argument("--every-steps", type=_INT, help="save a checkpoint every N steps")
     job.add_argument("--every-seconds", type=_SECONDS, help="save a checkpoint at least this often")
