@@ -1,6 +1,6 @@
 """A small, deterministic training job that uses spotjob's Checkpointer — the one `make demo` runs.
 
-    torchrun --nproc-per-node 2 examples/train.py --steps 200
+    torchrun --nproc-per-node 2 examples/train.py --steps 200 --uri /tmp/ckpt
     spotjob-agent --checkpoint-uri /tmp/ckpt -- torchrun --nproc-per-node 2 examples/train.py
 
 A two-layer MLP with dropout (so the RNG streams matter), Adam and a step LR schedule, trained

@@ -103,6 +103,7 @@ from orchestrator.run_folder import (
     DriverLock,
     older_layout_problem,
     run_file_pid,
+    runs_dir_option,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
@@ -184,7 +185,7 @@ class LocalRun:
             by = f"pid {pid}" if pid else "another process"
             raise RunDrivenError(
                 f"run {self.name!r} is being driven by another spotjob run ({by}); watch it with "
-                f"`spotjob status {self.name}`, or stop that process first"
+                f"`spotjob status{runs_dir_option(self.config.runs_dir)} {self.name}`, or stop that process first"
             )
         try:
             if resume:
@@ -294,7 +295,8 @@ class LocalRun:
     # -- creating and taking over -------------------------------------------------------------------
     def _exists_message(self) -> str:
         return (
-            f"a run named {self.name!r} exists in {self.path}: resume it with `spotjob run --resume {self.name}`, "
+            f"a run named {self.name!r} exists in {self.path}: resume it with "
+            f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`, "
             "or pick another --name"
         )
 
@@ -736,11 +738,12 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
             print(f"  {'plot':<15}  {os.path.abspath(plot)}")
         except Exception as e:  # a missing plot must not turn a finished job into a failure
             log.warning("could not draw the plot %s: %s", plot, e)
-    print(f"  {'run folder':<15}  {run.path}  (spotjob status {run.name})")
+    runs_dir = runs_dir_option(run.config.runs_dir)
+    print(f"  {'run folder':<15}  {run.path}  (spotjob status{runs_dir} {run.name})")
     if interrupted:
         print(
             f"spotjob run: interrupted; every process of {run.name} was stopped "
-            f"(carry on with `spotjob run --resume {run.name}`)",
+            f"(carry on with `spotjob run{runs_dir} --resume {run.name}`)",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
@@ -803,7 +806,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     job.add_argument("--nproc", type=_INT, help="ranks (torchrun --nproc-per-node; default 2; at most 4 per CPU)")
     job.add_argument(
         "--checkpoint-uri",
-        help=f"where checkpoints go: a path, s3://, gs:// (default: ./{RUNS_DIR}/<name>/checkpoints)",
+        help="where checkpoints go: a path, s3://, gs:// (default: <runs-dir>/<name>/checkpoints)",
     )
     job.add_argument("--every-steps", type=_INT, help="save a checkpoint every N steps")
     job.add_argument("--every-seconds", type=_SECONDS, help="save a checkpoint at least this often")

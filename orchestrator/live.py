@@ -31,6 +31,7 @@ from rich.text import Text
 from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
+from orchestrator.run_folder import runs_dir_option
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +467,11 @@ def _gone_note(r: RunRecord) -> str:
         if t is not None
         else "its processes were not looked at"
     )
-    return f"driver gone: {left}; carry on with `spotjob run --resume {r.name}`"
+    return f"driver gone: {left}; carry on with `{_resume_command(r)}`"
+
+
+def _resume_command(r: RunRecord) -> str:
+    return f"spotjob run{runs_dir_option(os.path.dirname(r.path))} --resume {r.name}"
 
 
 def _within(r: RunRecord, text: str) -> str:
@@ -582,7 +587,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
                 f"step {t.checkpoint.step} ({_ago(t.checkpoint.time)}), read from storage now  "
                 f"[dim]{t.checkpoint.uri}[/dim]",
             )
-        head.add_row("to continue", f"spotjob run --resume {r.name}")
+        head.add_row("to continue", _resume_command(r))
     else:
         where = f"  [dim]{st.last_checkpoint.uri}[/dim]" if st.last_checkpoint else ""
         head.add_row("checkpoint", checkpoint_text(st) + where)

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import shlex
 import time
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
@@ -24,6 +25,15 @@ LOG_EXCERPT_LINES = 12
 
 AGENT_EXITS = frozenset({0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED, None})
 """A worker's exit that is not its script's failure: success, the agent's own codes, or none yet."""
+
+
+def runs_dir_option(runs_dir: str) -> str:
+    """`` --runs-dir DIR`` for the commands a run's messages suggest, or nothing for the default
+    ``./spotjob-runs``: without it, ``spotjob status NAME`` or ``spotjob run --resume NAME`` would
+    look in the default folder and say there is no such run."""
+    if os.path.abspath(runs_dir) == os.path.abspath(RUNS_DIR):
+        return ""
+    return f" --runs-dir {shlex.quote(runs_dir)}"
 
 
 def older_layout_problem(path: str, name: str) -> str | None:

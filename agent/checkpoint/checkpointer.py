@@ -95,7 +95,10 @@ class Checkpointer(_Saving, _Restoring):
     Under spotjob-agent (``SPOTJOB_CONTROL_DIR`` set) every Checkpointer joins the agent's control
     channel, whatever constructor built it, and takes ``job`` (``SPOTJOB_JOB_NAME``) and
     ``attempt`` (``SPOTJOB_ATTEMPT``) from the environment when they are not passed;
-    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``.
+    ``start_fresh`` defaults to ``SPOTJOB_START_FRESH=1``; ``async_save``, ``staging_dir``,
+    ``release_staging`` and ``direct_io`` default to ``SPOTJOB_ASYNC`` (true when unset),
+    ``SPOTJOB_STAGING_DIR``, ``SPOTJOB_RELEASE_STAGING`` and ``SPOTJOB_DIRECT_IO`` (with or without
+    an agent).
 
     ``start_fresh``: where ``restore`` would refuse (the newest checkpoint does not fit the state,
     or committed checkpoints exist and none loads) it returns 0 instead and *retires* the job's
@@ -117,20 +120,23 @@ class Checkpointer(_Saving, _Restoring):
         keep: int | None = 3,
         *,
         every_seconds: float | None = None,
-        async_save: bool = True,
+        async_save: bool | None = None,
         staging_dir: str | None = None,
         control_dir: str | None = None,
         job: str | None = None,
         attempt: int | None = None,
         start_fresh: bool | None = None,
         io_threads: int = 8,
-        release_staging: bool = False,
+        release_staging: bool | None = None,
         direct_io: bool | None = None,
         read_only: bool = False,
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
         control_dir = control_dir or env.control_dir
+        # The node's staging folder is the agent's to choose (its prefetch fills the job's folder
+        # there; a Kubernetes worker's staging volume): whatever constructor built this one.
+        staging_dir = staging_dir if staging_dir is not None else env.staging_dir
         job = job if job is not None else env.job_name
         if attempt is not None and env.attempt is not None and attempt != env.attempt and not read_only:
             # Fencing compares the attempt each manifest records with the newest the controller
@@ -154,14 +160,14 @@ class Checkpointer(_Saving, _Restoring):
             every_steps=every_steps,
             every_seconds=every_seconds,
             keep=keep,
-            async_save=async_save,
+            async_save=env.async_save if async_save is None else async_save,
             staging_dir=staging_dir,
             control_dir=control_dir,
             job=job,
             attempt=attempt,
             start_fresh=start_fresh,
             io_threads=io_threads,
-            release_staging=release_staging,
+            release_staging=env.release_staging if release_staging is None else release_staging,
             direct_io=env.direct_io if direct_io is None else direct_io,
         )
         self.storage = open_storage(uri)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -93,3 +94,29 @@ def test_status_as_json_has_the_keys_the_readme_lists(tmp_path: Path) -> None:
     gone = {r["name"]: r for r in json.loads(proc.stdout)}["gone"]
     assert list(gone) == [*run_keys, "now"]
     assert list(gone["now"]) == now_keys
+
+
+def test_the_commands_a_run_suggests_name_its_runs_dir_when_it_is_not_the_default(tmp_path: Path) -> None:
+    """A run under ``--runs-dir elsewhere`` is found only with that option: the commands that
+    ``spotjob run`` and ``spotjob status`` print for it (resume it, watch it) carry it, so running
+    one as printed reaches the run instead of "no run named ..." in ./spotjob-runs."""
+    runs = tmp_path / "elsewhere"
+    now = datetime.now(UTC)
+    make_run(runs, "done", created=now, checkpoint_at=now)
+    make_run(runs, "gone", created=now, checkpoint_at=now, phase=Phase.RUNNING)  # its driver is gone
+
+    def spotjob(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [tool("spotjob"), *args], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120
+        )
+
+    again = spotjob("run", "--runs-dir", str(runs), "--name", "done", str(TRAIN))
+    assert again.returncode == 2, again.stderr
+    suggested = re.search(r"resume it with `(spotjob run [^`]+)`", again.stderr)
+    assert suggested is not None, again.stderr
+    resumed = spotjob(*shlex.split(suggested.group(1))[1:])  # "succeeded already", not "no run named"
+    assert resumed.returncode == 2 and "succeeded already" in resumed.stderr, (suggested.group(1), resumed.stderr)
+
+    shown = spotjob("status", "--runs-dir", str(runs), "gone")
+    assert shown.returncode == 0, shown.stderr
+    assert f"spotjob run --runs-dir {runs} --resume gone" in shown.stdout, shown.stdout

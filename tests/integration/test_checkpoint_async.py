@@ -360,6 +360,41 @@ def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, 
     assert_same(snapshot(fresh), saved, "the state staged into released buffers")
 
 
+def test_release_staging_from_the_environment_reaches_a_checkpointer_built_directly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPOTJOB_RELEASE_STAGING=1`` (README "Staging memory", the remedy for a memory limit a
+    save's copy exceeds) frees the buffers of ``Checkpointer(uri, ...)`` as it does those of
+    ``from_env()``, as ``SPOTJOB_DIRECT_IO`` does; an explicit ``release_staging=False`` still wins."""
+    monkeypatch.setenv("SPOTJOB_RELEASE_STAGING", "1")
+    state = make_state(0)
+    for explicit, released in ((None, True), (False, False)):
+        kwargs = {} if explicit is None else {"release_staging": explicit}
+        with Checkpointer(str(tmp_path / f"ckpt-{explicit}"), keep=None, **kwargs) as ckpt:
+            train(state, 1)
+            ckpt.save(1, state)
+            ckpt.wait()
+            assert (ckpt._stager is None) == released, kwargs
+
+
+def test_spotjob_async_from_the_environment_reaches_a_checkpointer_built_directly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``spotjob-agent --async off`` (``SPOTJOB_ASYNC=0``; the other remedy of README "Staging
+    memory" for a memory limit an async save's copy exceeds) makes the saves of
+    ``Checkpointer(uri, ...)`` synchronous as it does those of ``from_env()``: committed when
+    ``save()`` returns. An explicit ``async_save=True`` still wins."""
+    monkeypatch.setenv("SPOTJOB_ASYNC", "0")
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.config.async_save is False
+        train(state, 1)
+        ckpt.save(1, state)
+        assert ckpt.last_committed_step == 1  # a synchronous save has committed on return
+    with Checkpointer(str(tmp_path / "other"), async_save=True) as ckpt:
+        assert ckpt.config.async_save is True
+
+
 EXIT_WITH_A_SAVE_IN_FLIGHT = """
 import sys, time, torch
 from agent import Checkpointer

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.checkpoint import Checkpointer
 from agent.restore_cache import prefetch, staging_root
 from agent.storage.file import FileStorage
@@ -130,3 +132,26 @@ def test_a_checkpoint_folder_whose_name_is_not_utf8_saves_and_restores_with_a_st
         assert ckpt.restore(fresh) == 3
     assert_same(snapshot(fresh), snapshot(state))
     assert b"caf\xe9-run" in os.listdir(os.fsencode(tmp_path))  # under its own name, bytes and all
+
+
+def test_a_checkpointer_built_directly_stages_where_the_agent_prefetched_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``spotjob-agent --staging-dir`` (a Kubernetes worker: its staging volume) the ranks get
+    ``SPOTJOB_STAGING_DIR``, and the agent prefetches into the job's folder there. A script that
+    builds ``Checkpointer(uri, every_steps=...)``, the README's first example, rather than
+    ``from_env()`` must stage and restore there too: not on the container's own disk, fetching
+    every file again beside the prefetched copy."""
+    shared = str(tmp_path / "nvme")
+    saved = committed(tmp_path / "a", "team/a", seed=1)
+    store = ObjectStoreLike(str(tmp_path / "a"))
+    assert prefetch(store, staging_root(store, "team/a", shared)) == "step-000000003"
+    monkeypatch.setenv("SPOTJOB_STAGING_DIR", shared)
+
+    state = make_state(0, seed=9)
+    with Checkpointer(str(tmp_path / "a"), every_steps=100, job="team/a") as ckpt:
+        ckpt.storage = store
+        store.fetched.clear()
+        assert ckpt.restore(state) == 3
+        assert store.fetched == [], "the restore fetched again what the agent had prefetched"
+    assert_same(snapshot(state), saved, "the state restored from the prefetched files")

@@ -11,6 +11,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +151,37 @@ def test_the_warning_about_unknown_variables_knows_every_variable_spotjob_reads(
         "SPOTJOB_EVERY_STEP is set but no part of spotjob reads it (did you mean SPOTJOB_EVERY_STEPS?); "
         "spotjob ignores it"
     ]
+
+
+def _run_options_table() -> list[tuple[list[str], str]]:
+    """The rows of README "Local mode: `spotjob run`" / "Options": each row's options and default."""
+    start = README.index("| option | default | what it does |")
+    rows = []
+    for line in README[start : README.index("\n\n", start)].splitlines()[2:]:
+        option, default = line.split(" | ")[:2]
+        rows.append((re.findall(r"(--[a-z-]+)", option), default.strip("` ")))
+    return rows
+
+
+def test_the_spotjob_run_table_gives_the_defaults_of_the_code() -> None:
+    """Pins what already held: each default the table gives is ``RunConfig``'s."""
+    from orchestrator.run_config import RunConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    said = {options[0]: default for options, default in _run_options_table()}
+    for option in ("--nproc", "--keep", "--max-restarts", "--flush-timeout", "--restart-backoff", "--notice"):
+        assert float(said[option]) == defaults[option[2:].replace("-", "_")], f"README.md: {option} defaults to {said}"
+    assert said["--launcher"] == defaults["launcher"]
+    assert said["--runs-dir"] == f"./{defaults['runs_dir']}"
+
+
+def test_the_options_a_resumed_run_keeps_are_the_rows_the_readme_names_for_it() -> None:
+    """`--resume` refuses "the options from `--name` to `--notice`" of the table: those rows must be
+    the options that shape the job's spec, not the injected preemptions between them."""
+    from orchestrator.cli_run import _SPEC_OPTIONS
+
+    row = next(line for line in README.splitlines() if line.startswith("| `--resume NAME`"))
+    first, last = re.search(r"from `(--[a-z-]+)` to `(--[a-z-]+)`", row).groups()  # type: ignore[union-attr]
+    options = [o for opts, _ in _run_options_table() for o in opts]
+    named = options[options.index(first) : options.index(last) + 1]
+    assert set(named) == set(_SPEC_OPTIONS.values()), named
