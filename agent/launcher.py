@@ -12,10 +12,10 @@ writes ``flush.json`` once; later ones only log (and may bring the kill time for
 do the flush and report through the control folder (``agent.control_channel``); the agent never
 touches a checkpoint.
 
-The watch loop, every 0.1 s: note new descendants (``agent.process_tree``), look for
-``flushed.json`` / ``flush-failed.json`` (then acknowledge to the cloud and give the command
-``--exit-timeout`` to leave), and kill the whole process tree when that time or the notice's
-deadline passes, or at once after ``POST /stop``. Every 0.5 s it also checks that a rank has
+The watch loop, every 0.1 s: look for ``flushed.json`` / ``flush-failed.json`` (then acknowledge
+to the cloud and give the command ``--exit-timeout`` to leave), and kill the whole process tree
+when that time or the notice's deadline passes, or at once after ``POST /stop``. Every 0.5 s it
+also notes new descendants (``agent.process_tree``), checks that a rank has
 connected (``status.json``) and writes where the agent said (a warning, an error), and, with
 ``--exit-with-parent``, that the process that started it is still its parent (if not: a notice
 from the source ``driver``). When the command ends, stray descendants are stopped too. Once a
