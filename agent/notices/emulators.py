@@ -20,7 +20,10 @@ What each enforces, because the real one does and a client that skips it would b
 - ``GceMetadataEmulator``: every request needs ``Metadata-Flavor: Google`` (else 403); answers
   carry that header and an ``ETag``. ``?wait_for_change=true`` returns at once when ``last_etag``
   differs from the current ETag, else holds the request until the value changes or
-  ``timeout_sec`` passes (then returns the unchanged value).
+  ``timeout_sec`` passes (then returns the unchanged value). ``gke_metadata_server=True`` models
+  what a GKE pod under Workload Identity reaches instead: the ``gke-metadata-server`` serves a
+  subset of ``instance/`` (``attributes/``, ``hostname``, ``id``, ``service-accounts/``, ``zone``)
+  and answers 404 for the rest, ``preempted`` and ``maintenance-event`` among them.
 - ``AzureScheduledEventsEmulator``: every request needs ``Metadata: true`` and an
   ``api-version`` (else 400). ``DocumentIncarnation`` goes up on every change; a POSTed
   ``{"StartRequests": [{"EventId": ...}]}`` is recorded and starts those events.
@@ -336,17 +339,37 @@ class GceMetadataEmulator(MetadataEmulator):
 
     PREFIX = "/computeMetadata/v1/"
     MAX_WAIT_SECONDS = 300
+    GKE_INSTANCE_KEYS = (
+        "instance/attributes/",
+        "instance/hostname",
+        "instance/id",
+        "instance/service-accounts/",
+        "instance/zone",
+    )
+    """What GKE's metadata server serves a Workload Identity pod under ``instance/`` (prefixes)."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, instance_name: str = "spotjob-vm-0", history: int | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        instance_name: str = "spotjob-vm-0",
+        gke_metadata_server: bool = False,
+        history: int | None = None,
     ) -> None:
         super().__init__(host, port, history=history)
+        self.gke_metadata_server = gke_metadata_server
         self._values: dict[str, str] = {
             "instance/preempted": "FALSE",
             "instance/maintenance-event": "NONE",
             "instance/name": instance_name,
+            "instance/hostname": f"{instance_name}.c.spotjob-project.internal",
             "instance/id": "1234567890123456789",
+            "instance/zone": "projects/123456789012/zones/us-central1-a",
+            "instance/attributes/cluster-name": "spotjob",
+            "instance/service-accounts/default/email": "spotjob@spotjob-project.iam.gserviceaccount.com",
             "instance/scheduling/preemptible": "TRUE",
+            "project/project-id": "spotjob-project",
         }
         self._waiting = 0
 
@@ -395,17 +418,24 @@ class GceMetadataEmulator(MetadataEmulator):
             return _Reply.text(405, "Method Not Allowed", **flavor)
         key = path[len(self.PREFIX) :]
         with self._cond:
+            values = {k: v for k, v in self._values.items() if self._served(k)}
             if key == "" or key.endswith("/"):
-                children = sorted({_first_segment(k[len(key) :]) for k in self._values if k.startswith(key)})
+                children = sorted({_first_segment(k[len(key) :]) for k in values if k.startswith(key)})
                 if not children:
                     return _Reply.text(404, "Not Found", **flavor)
                 return _Reply.text(200, "\n".join(children) + "\n", **flavor)
-            if key not in self._values:
+            if key not in values:
                 return _Reply.text(404, "Not Found", **flavor)
             if query.get("wait_for_change", "").lower() == "true":
                 self._wait_for_change(key, query)
             value = self._values[key]
         return _Reply.text(200, value, ETag=self.etag(value), **flavor)
+
+    def _served(self, key: str) -> bool:
+        """Whether this server serves ``key`` at all (GKE's serves a pod a subset of ``instance/``)."""
+        if not self.gke_metadata_server or not key.startswith("instance/"):
+            return True
+        return any(key == k or (k.endswith("/") and key.startswith(k)) for k in self.GKE_INSTANCE_KEYS)
 
     def _wait_for_change(self, key: str, query: dict[str, str]) -> None:
         """With ``self._cond`` held: return once the value's ETag differs from the caller's."""

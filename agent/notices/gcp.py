@@ -13,6 +13,9 @@ Each watch reads the current value and its ETag, then asks ``?wait_for_change=tr
 the server answers at once if the value has moved on, otherwise it holds the request until it
 changes (or ``timeout_sec``). So a notice arrives within one round trip, with no poll interval.
 Every request carries ``Metadata-Flavor: Google``; the server refuses it otherwise.
+
+A GKE pod under Workload Identity reaches the GKE metadata server instead, which serves pods a
+subset of ``instance/`` without either key (404): the warning says so, and what to do.
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ class _GceWatch(PollingNoticeSource):
             timeout = self.long_poll_seconds + 5.0
         started = time.monotonic()
         resp = self.client.request("GET", path, headers=FLAVOR_HEADERS, timeout=timeout)
+        if resp.status == 404:
+            raise SourceError(
+                f"GET {self.client.url(path)} answered 404: this metadata server does not serve "
+                f"instance/{self.key}. In a GKE pod under Workload Identity the GKE metadata server serves pods "
+                "only part of the instance's metadata, without it, so this agent hears a preemption only as the "
+                "SIGTERM of the node's shutdown and from the controller; give the pod hostNetwork: true to reach "
+                "the node's own metadata server, or pass --no-gcp to stop asking"
+            )
         if resp.status != 200:
             raise SourceError(f"GET {self.client.url(path)} answered {resp.status}")
         etag = resp.headers.get("etag")

@@ -209,6 +209,22 @@ class TestGceEmulator:
         assert http(url, headers=FLAVOR)[2] == b"FALSE"
 
 
+    def test_as_gkes_metadata_server_it_serves_a_pod_no_preemption_or_maintenance(self) -> None:
+        with GceMetadataEmulator(gke_metadata_server=True) as gke:
+            status, _, body = http(gke.url + "/computeMetadata/v1/instance/", headers=FLAVOR)
+            assert status == 200 and body.decode().split() == [
+                "attributes/",
+                "hostname",
+                "id",
+                "service-accounts/",
+                "zone",
+            ]
+            for key in ("preempted", "maintenance-event", "name"):
+                assert http(f"{gke.url}/computeMetadata/v1/instance/{key}", headers=FLAVOR)[0] == 404
+            assert http(gke.url + "/computeMetadata/v1/instance/zone", headers=FLAVOR)[0] == 200
+            assert http(gke.url + "/computeMetadata/v1/project/project-id", headers=FLAVOR)[0] == 200
+
+
 class TestAzureEmulator:
     def test_refuses_requests_without_the_metadata_header_or_api_version(
         self, azure: AzureScheduledEventsEmulator
@@ -380,6 +396,27 @@ class TestGcpSource:
         assert gce.wait_for_waiters(2)
         source.stop()
         assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-gcp"]
+
+
+    def test_in_a_gke_pod_under_workload_identity_the_404_says_why_and_what_to_do(self, caplog: Any) -> None:
+        # GKE's metadata server serves a Workload Identity pod no instance/preempted: before, the
+        # agent warned "answered 404 (will keep trying)" and the user could not tell that this pod
+        # will never hear a preemption from the metadata server.
+        with GceMetadataEmulator(gke_metadata_server=True) as gke:
+            nothing = closed_port_url()
+            assert detect_cloud(aws_url=nothing, gcp_url=gke.url, azure_url=nothing, env={}) is Cloud.GCP
+            source = GceMetadataSource(gke.url, interval=FAST)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    path = "/computeMetadata/v1/instance/preempted"
+                    wait_until(lambda: gke.count("GET", path, status=404) >= 2, "two polls of instance/preempted")
+                finally:
+                    source.stop()
+        warnings = [r.getMessage() for r in caplog.records if "instance/preempted" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "Workload Identity" in warnings[0] and "hostNetwork: true" in warnings[0]
+        assert "SIGTERM" in warnings[0] and "--no-gcp" in warnings[0]
 
 
 class TestAzureSource:
