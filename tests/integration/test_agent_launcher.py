@@ -233,6 +233,20 @@ def test_an_azure_preempt_event_flushes_exits_75_and_is_acknowledged(start: Call
         assert azure.start_requests == [event_id]
 
 
+def test_in_a_gke_pod_under_workload_identity_the_agent_says_why_gcp_is_silent_and_sigterm_flushes(
+    start: Callable[..., Run],
+) -> None:
+    """GKE's metadata server serves a Workload Identity pod no instance/preempted (404): before,
+    the agent's warning said only "answered 404"."""
+    with GceMetadataEmulator(gke_metadata_server=True) as gke:
+        run = start("--cloud", "gcp", "--gcp-metadata-url", gke.url, "--sigterm-grace", "20")
+        run.wait_training()
+        wait_until(lambda: "Workload Identity" in run.log(), "the warning naming Workload Identity", run)
+        assert "hostNetwork: true" in run.log()
+        run.signal(signal.SIGTERM)
+        assert_preempted(run, "signal terminate")
+
+
 def test_two_jobs_on_one_azure_vm_the_first_to_flush_leaves_the_event_to_the_last(
     start: Callable[..., Run], tmp_path: Path
 ) -> None:
