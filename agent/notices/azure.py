@@ -14,6 +14,11 @@ every event counts — a needless flush is safe, a missed preemption is not — 
 VMs is never acknowledged, because it may be another VM's: acknowledging it would start that
 VM's maintenance or eviction at once.
 
+Azure enables Scheduled Events on a VM at its first request for them, and answers that request
+within up to two minutes. Until one request has been answered, each waits up to
+``FIRST_CALL_TIMEOUT`` (not the usual 2 s, which would time out and warn at every start); ``stop``
+cuts that wait short.
+
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
 ``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
 events it turned into notices, which tells Azure it may proceed now instead of at ``NotBefore``.
@@ -46,6 +51,10 @@ API_VERSION = "2020-07-01"
 EVENTS_PATH = f"/metadata/scheduledevents?api-version={API_VERSION}"
 VM_NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 METADATA_HEADERS = {"Metadata": "true"}
+
+FIRST_CALL_TIMEOUT = 150.0
+"""How long a scheduled events request waits until the service answered once: Azure enables it on
+the VM at the first request, whose answer can take up to two minutes."""
 
 PREEMPT_NOTICE_SECONDS = 30.0
 """Azure's minimum notice for ``Preempt``: the deadline when ``NotBefore`` is empty or unreadable."""
@@ -82,6 +91,9 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         super().__init__(HttpClient(base_url), interval)
         self.timeout = timeout
         self._incarnation: int | None = None
+        self._enabled = False
+        """Whether scheduled events answered once (the service is up on this VM)."""
+        self._asked = False
         self._vm_name: str | None = None
         self._vm_name_problem: str | None = None
         """Why the name could not be read, once it was logged (logged once, not at every poll)."""
@@ -105,6 +117,13 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self.shared_vm.join()
         super().start(callback)
 
+    def stop(self) -> None:
+        # The first request may wait minutes for the service; nothing is heard yet, so nothing
+        # is left to acknowledge: end it now (later requests are short, and an ack is not cut).
+        if not self._enabled:
+            self.client.abort()
+        super().stop()
+
     def flush_finished(self) -> None:
         with self._lock:
             self._ack_wanted = True
@@ -115,7 +134,24 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if self._vm_name is None:
             self._vm_name = self._read_vm_name()
         self._send_ack()
-        resp = self.client.request("GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=self.timeout)
+        timeout = self.timeout
+        if not self._enabled:
+            timeout = max(timeout, FIRST_CALL_TIMEOUT)
+            if not self._asked:
+                log.info(
+                    "asking for Azure scheduled events: Azure enables them on this VM at the first request, "
+                    "whose answer can take up to two minutes"
+                )
+                self._asked = True
+        try:
+            resp = self.client.request("GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=timeout)
+        except TimeoutError as e:
+            if self._enabled:
+                raise
+            raise SourceError(
+                f"GET {self.client.url(EVENTS_PATH)} got no answer in {timeout:.0f} s, though Azure answers the "
+                "first request within two minutes: is this an Azure VM whose metadata service this process reaches?"
+            ) from e
         if resp.status != 200:
             raise SourceError(f"GET {self.client.url(EVENTS_PATH)} answered {resp.status}")
         try:
@@ -124,6 +160,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             events = list(doc.get("Events") or [])
         except (ValueError, TypeError, AttributeError) as e:
             raise SourceError(f"unreadable scheduled events document: {e}") from e
+        self._enabled = True
         if incarnation == self._incarnation:
             return
         delivered = [self._on_event(event) for event in events if isinstance(event, dict)]

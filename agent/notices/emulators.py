@@ -26,7 +26,10 @@ What each enforces, because the real one does and a client that skips it would b
   and answers 404 for the rest, ``preempted`` and ``maintenance-event`` among them.
 - ``AzureScheduledEventsEmulator``: every request needs ``Metadata: true`` and an
   ``api-version`` (else 400). ``DocumentIncarnation`` goes up on every change; a POSTed
-  ``{"StartRequests": [{"EventId": ...}]}`` is recorded and starts those events.
+  ``{"StartRequests": [{"EventId": ...}]}`` is recorded and starts those events. Azure enables
+  Scheduled Events on a VM at its first request, whose answer can take up to two minutes:
+  ``first_call_delay=N`` holds every scheduled events request until N seconds after the first
+  one arrived (whether or not its client is still waiting), as the service starts.
 """
 
 from __future__ import annotations
@@ -461,10 +464,19 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
     EVENTS_PATH = "/metadata/scheduledevents"
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, vm_name: str = "spotjob-vm-0", history: int | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        vm_name: str = "spotjob-vm-0",
+        first_call_delay: float = 0.0,
+        history: int | None = None,
     ) -> None:
         super().__init__(host, port, history=history)
         self.vm_name = vm_name
+        self.first_call_delay = first_call_delay
+        self._started_at: float | None = None
+        """When the first scheduled events request arrived (monotonic): the service starts then."""
         self._incarnation = 1
         self._events: list[dict[str, Any]] = []
         self._start_requests: list[str] = []
@@ -533,6 +545,7 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
         if not query.get("api-version"):
             return _Reply.json(400, {"error": "Bad request. api-version was not specified in the request."})
         if path == self.EVENTS_PATH:
+            self._wait_until_enabled()
             if method == "GET":
                 return _Reply.json(200, self.document)
             if method == "POST":
@@ -546,6 +559,14 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
         if path == "/metadata/instance/compute/name" and query.get("format") == "text":
             return _Reply.text(200, self.vm_name)
         return _Reply.json(404, {"error": "Not found"})
+
+    def _wait_until_enabled(self) -> None:
+        """Hold a scheduled events request until the service has started on this VM."""
+        with self._cond:
+            if self._started_at is None:
+                self._started_at = time.monotonic()
+            up_at = self._started_at + self.first_call_delay
+            self._cond.wait_for(lambda: self._closing or time.monotonic() >= up_at, max(0.0, up_at - time.monotonic()))
 
     def _start(self, body: bytes) -> _Reply:
         try:

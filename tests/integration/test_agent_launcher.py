@@ -233,6 +233,20 @@ def test_an_azure_preempt_event_flushes_exits_75_and_is_acknowledged(start: Call
         assert azure.start_requests == [event_id]
 
 
+def test_an_azure_agent_waits_out_the_first_scheduled_events_request_and_still_flushes(
+    start: Callable[..., Run],
+) -> None:
+    """Azure answers a VM's first scheduled events request once the service started (up to two
+    minutes): before, the agent gave it 2 s and every Azure job started with a timeout warning."""
+    with AzureScheduledEventsEmulator(first_call_delay=3.0) as azure:
+        run = start("--notices", "azure", "--azure-metadata-url", azure.url)
+        run.wait_training()
+        event_id = azure.add_event(EventType="Preempt", NotBefore=time.time() + 60)
+        assert_preempted(run, "azure preemption")
+        assert azure.start_requests == [event_id]
+        assert "up to two minutes" in run.log() and "timed out" not in run.log()
+
+
 def test_in_a_gke_pod_under_workload_identity_the_agent_says_why_gcp_is_silent_and_sigterm_flushes(
     start: Callable[..., Run],
 ) -> None:

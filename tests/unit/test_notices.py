@@ -256,6 +256,14 @@ class TestAzureEmulator:
 # -- each source turns its cloud's message into the right notice ----------------------------------------
 
 
+    def test_the_first_scheduled_events_request_waits_while_the_service_starts(self) -> None:
+        with AzureScheduledEventsEmulator(first_call_delay=1.0) as azure:
+            asked = time.monotonic()
+            status, _, body = http(azure.url + AZURE_EVENTS, headers={"Metadata": "true"})
+            assert status == 200 and "DocumentIncarnation" in json.loads(body)
+            assert time.monotonic() - asked >= 1.0
+
+
 class TestHttpClient:
     def test_an_ipv6_base_url_without_a_port_reaches_port_80_of_that_address(self) -> None:
         # AWS's IPv6 IMDS endpoint is http://[fd00:ec2::254]: no port, colons in the host.
@@ -452,6 +460,30 @@ class TestAzureSource:
             assert got.notices.empty()
         finally:
             source.stop()
+
+    def test_the_first_request_waits_for_the_service_to_start_instead_of_timing_out(self, caplog: Any) -> None:
+        # Azure enables Scheduled Events at a VM's first request and answers it within two minutes.
+        # Before, the source gave that request its 2 s timeout: every agent on Azure started with
+        # "timed out (will keep trying)", and heard nothing until the service was up.
+        with AzureScheduledEventsEmulator(vm_name="vm-7", first_call_delay=3.0) as azure:
+            event_id = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+            with caplog.at_level("INFO", logger="agent.notices"):
+                source, got = running(AzureScheduledEventsSource(azure.url, interval=30.0, timeout=2.0))
+                try:
+                    assert got.next().event_id == event_id
+                    assert azure.count("GET", "/metadata/scheduledevents") == 1
+                finally:
+                    source.stop()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+        assert "up to two minutes" in caplog.text
+
+    def test_stop_ends_a_first_request_still_waiting_for_the_service(self) -> None:
+        """Pins that the long first request (the fix above) does not hold up ``stop``."""
+        with AzureScheduledEventsEmulator(vm_name="vm-7", first_call_delay=600.0) as azure:
+            source, _ = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+            wait_until(lambda: azure._started_at is not None, "the first scheduled events request")
+            source.stop()
+            assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-azure"]
 
     def test_a_name_read_that_failed_once_is_read_again_and_other_vms_events_stay_ignored(self) -> None:
         # IMDS throttles (429) past 5 requests a second: the first name read failing must not
