@@ -12,7 +12,8 @@ In a container the token PUT needs the instance's ``HttpPutResponseHopLimit`` â‰
 times out. Where the instance still allows IMDSv1 (``HttpTokens: optional``) the source then reads
 without a token, as the AWS SDKs do, and says so once; a tokenless read answered 401 later (IMDSv2
 made required) sends it back to tokens. Where IMDSv1 is not allowed the warning names the hop
-limit, because that is the usual reason this source hears nothing.
+limit, how to raise it, and that only SIGTERM and the controller are heard until then; where the
+read gets no answer either, it says IMDS is off or blocked instead.
 """
 
 from __future__ import annotations
@@ -82,11 +83,21 @@ class AwsImdsSource(PollingNoticeSource):
                 timeout=self.timeout,
             )
         except TimeoutError as e:
-            if self._imdsv1_answers():
+            read = self._imdsv1_answers()
+            if read is True:
                 return None
+            if read is None:
+                raise SourceError(
+                    f"IMDS answered neither the IMDSv2 token request ({e}) nor a read: is the instance's metadata "
+                    "endpoint turned off (HttpEndpoint disabled) or blocked from here? Until it answers, this agent "
+                    "hears a spot interruption only as SIGTERM (a node drain) and from the controller"
+                ) from e
             raise SourceError(
-                f"IMDSv2 token request timed out ({e}); in a container, check the instance's "
-                "HttpPutResponseHopLimit (needs 2 or more)"
+                f"IMDSv2 token request got no answer ({e}) while reads are answered 401 (IMDSv2 required): in a "
+                "container this is the instance's HttpPutResponseHopLimit of 1. Until it is 2 or more (the launch "
+                "template's or Karpenter EC2NodeClass's metadataOptions, or `aws ec2 modify-instance-metadata-options "
+                "--http-put-response-hop-limit 2`), this agent hears a spot interruption only as SIGTERM (a node "
+                "drain) and from the controller"
             ) from e
         if resp.status != 200 or not resp.body:
             raise SourceError(f"IMDSv2 token request answered {resp.status}")
@@ -95,12 +106,13 @@ class AwsImdsSource(PollingNoticeSource):
         log.debug("IMDSv2 token %s", "renewed" if renew else "obtained")
         return self._token
 
-    def _imdsv1_answers(self) -> bool:
-        """After a token PUT that timed out: does this instance answer reads without a token?"""
+    def _imdsv1_answers(self) -> bool | None:
+        """After a token PUT that timed out: does this instance answer reads without a token? None:
+        the read got no answer either (IMDS turned off or blocked, not the hop limit)."""
         try:
             resp = self.client.request("GET", META_DATA_PATH, timeout=self.timeout)
         except (OSError, ValueError):
-            return False
+            return None
         if resp.status != 200:
             return False
         log.warning(

@@ -633,6 +633,39 @@ class TestDetectCloud:
                 finally:
                     source.stop()
 
+    def test_behind_hop_limit_one_with_imdsv2_required_the_warning_says_what_is_still_heard_and_the_fix(
+        self, caplog: Any
+    ) -> None:
+        # Before, it said only "check the instance's HttpPutResponseHopLimit": not how, nor that
+        # the pod then hears a spot interruption only as a SIGTERM.
+        with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
+            source = AwsImdsSource(imds.url, interval=FAST, timeout=0.2)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
+                finally:
+                    source.stop()
+        assert "--http-put-response-hop-limit 2" in caplog.text and "EC2NodeClass" in caplog.text
+        assert "only as SIGTERM" in caplog.text
+
+    def test_an_imds_that_answers_nothing_is_not_blamed_on_the_hop_limit(self, caplog: Any) -> None:
+        # A metadata endpoint turned off or firewalled answers neither the PUT nor the GET: before,
+        # the warning named the hop limit, which was not the cause.
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(16)  # connections complete in the backlog; nothing is ever read or answered
+            url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            source = AwsImdsSource(url, interval=FAST, timeout=0.2)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    wait_until(lambda: "aws notices" in caplog.text, "the AWS source's warning")
+                finally:
+                    source.stop()
+        assert "HttpPutResponseHopLimit" not in caplog.text
+        assert "HttpEndpoint disabled" in caplog.text and "only as SIGTERM" in caplog.text
+
     def test_aws_with_imdsv1_allowed_is_recognised_when_the_token_put_gets_no_answer(self) -> None:
         # HttpTokens optional and hop limit 1: the tokenless GET is answered 200 (not 401), the
         # token PUT never. Before, the node counted as off-cloud, and the AWS source, if forced,
