@@ -208,7 +208,6 @@ class TestGceEmulator:
         url = gce.url + "/computeMetadata/v1/instance/preempted?wait_for_change=true&timeout_sec=0"
         assert http(url, headers=FLAVOR)[2] == b"FALSE"
 
-
     def test_as_gkes_metadata_server_it_serves_a_pod_no_preemption_or_maintenance(self) -> None:
         with GceMetadataEmulator(gke_metadata_server=True) as gke:
             status, _, body = http(gke.url + "/computeMetadata/v1/instance/", headers=FLAVOR)
@@ -252,9 +251,7 @@ class TestAzureEmulator:
         assert azure.document["Events"][0]["EventStatus"] == "Started"
         assert http(azure.url + AZURE_EVENTS, "POST", headers, b"{not json")[0] == 400
 
-
-# -- each source turns its cloud's message into the right notice ----------------------------------------
-
+    # -- each source turns its cloud's message into the right notice ----------------------------------------
 
     def test_the_first_scheduled_events_request_waits_while_the_service_starts(self) -> None:
         with AzureScheduledEventsEmulator(first_call_delay=1.0) as azure:
@@ -404,7 +401,6 @@ class TestGcpSource:
         assert gce.wait_for_waiters(2)
         source.stop()
         assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-gcp"]
-
 
     def test_in_a_gke_pod_under_workload_identity_the_404_says_why_and_what_to_do(self, caplog: Any) -> None:
         # GKE's metadata server serves a Workload Identity pod no instance/preempted: before, the
