@@ -16,8 +16,9 @@ VM's maintenance or eviction at once.
 
 Azure enables Scheduled Events on a VM at its first request for them, and answers that request
 within up to two minutes. Until one request has been answered, each waits up to
-``FIRST_CALL_TIMEOUT`` (not the usual 2 s, which would time out and warn at every start); ``stop``
-cuts that wait short.
+``FIRST_CALL_TIMEOUT`` for its answer (not the usual 2 s, which would time out and warn at every
+start), but its connect only the usual ``timeout`` (an unreachable IMDS, off Azure, is told at
+once); ``stop`` cuts that wait short.
 
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
 ``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
@@ -144,13 +145,15 @@ class AzureScheduledEventsSource(PollingNoticeSource):
                 )
                 self._asked = True
         try:
-            resp = self.client.request("GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=timeout)
+            resp = self.client.request(
+                "GET", EVENTS_PATH, headers=METADATA_HEADERS, timeout=timeout, connect_timeout=self.timeout
+            )
         except TimeoutError as e:
             if self._enabled:
                 raise
             raise SourceError(
-                f"GET {self.client.url(EVENTS_PATH)} got no answer in {timeout:.0f} s, though Azure answers the "
-                "first request within two minutes: is this an Azure VM whose metadata service this process reaches?"
+                f"GET {self.client.url(EVENTS_PATH)} got no answer ({e}), though Azure answers the first request "
+                "within two minutes: is this an Azure VM whose metadata service this process reaches?"
             ) from e
         if resp.status != 200:
             raise SourceError(f"GET {self.client.url(EVENTS_PATH)} answered {resp.status}")

@@ -159,10 +159,14 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         body: bytes | None = None,
         timeout: float = 2.0,
+        connect_timeout: float | None = None,
     ) -> HttpResponse:
-        """One exchange. Transport failures raise ``OSError`` (incl. timeouts and aborts)."""
+        """One exchange. Transport failures raise ``OSError`` (incl. timeouts and aborts).
+
+        ``connect_timeout`` (default ``timeout``) bounds the TCP connect alone: a server known to
+        answer slowly gets a long ``timeout`` without an unreachable one holding on as long."""
         conn_type = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = conn_type(self._host, self._port, timeout=timeout)
+        conn = conn_type(self._host, self._port, timeout=timeout if connect_timeout is None else connect_timeout)
         with self._lock:
             if self._aborted:
                 raise ConnectionAbortedError("client stopped")
@@ -173,6 +177,8 @@ class HttpClient:
                 # An abort() that came while connecting found no socket to shut down.
                 if self._aborted:
                     raise ConnectionAbortedError("client stopped")
+            if connect_timeout is not None and conn.sock is not None:
+                conn.sock.settimeout(timeout)
             conn.request(method, self._prefix + path, body=body, headers=dict(headers or {}))
             resp = conn.getresponse()
             data = resp.read()

@@ -481,6 +481,23 @@ class TestAzureSource:
             source.stop()
             assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-azure"]
 
+    def test_the_long_first_request_still_gives_up_connecting_at_the_usual_timeout(self, caplog: Any) -> None:
+        # An IMDS whose connect hangs (forced --cloud azure off Azure, a firewall dropping packets)
+        # is warned about at once, not after the first call's 150 s, which stop() could not cut.
+        with socket.socket() as full:
+            full.bind(("127.0.0.1", 0))
+            full.listen(0)
+            port = full.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port)):  # fills the backlog: later connects hang
+                source = AzureScheduledEventsSource(f"http://127.0.0.1:{port}", interval=FAST, timeout=0.2)
+                with caplog.at_level("WARNING", logger="agent.notices.base"):
+                    source.start(Collector())
+                    try:
+                        wait_until(lambda: "scheduledevents" in caplog.text, "the scheduled events warning")
+                    finally:
+                        source.stop()
+        assert "is this an Azure VM" in caplog.text
+
     def test_a_name_read_that_failed_once_is_read_again_and_other_vms_events_stay_ignored(self) -> None:
         # IMDS throttles (429) past 5 requests a second: the first name read failing must not
         # make every VM's events this VM's for the rest of the job.
