@@ -13,7 +13,8 @@ times out. Where the instance still allows IMDSv1 (``HttpTokens: optional``) the
 without a token, as the AWS SDKs do, and says so once; a tokenless read answered 401 later (IMDSv2
 made required) sends it back to tokens. Where IMDSv1 is not allowed the warning names the hop
 limit, how to raise it, and that only SIGTERM and the controller are heard until then; where the
-read gets no answer either, it says IMDS is off or blocked instead.
+read gets no answer either, it says IMDS is blocked instead. An IMDS turned off (``HttpEndpoint``
+disabled) answers 403, and the warning says that.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class AwsImdsSource(PollingNoticeSource):
                 return None
             if read is None:
                 raise SourceError(
-                    f"IMDS answered neither the IMDSv2 token request ({e}) nor a read: is the instance's metadata "
-                    "endpoint turned off (HttpEndpoint disabled) or blocked from here? Until it answers, this agent "
-                    "hears a spot interruption only as SIGTERM (a node drain) and from the controller"
+                    f"IMDS answered neither the IMDSv2 token request ({e}) nor a read: is it blocked from here "
+                    "(a NetworkPolicy, a firewall)? Until it answers, this agent hears a spot interruption only as "
+                    "SIGTERM (a node drain) and from the controller"
                 ) from e
             raise SourceError(
                 f"IMDSv2 token request got no answer ({e}) while reads are answered 401 (IMDSv2 required): in a "
@@ -99,6 +100,12 @@ class AwsImdsSource(PollingNoticeSource):
                 "--http-put-response-hop-limit 2`), this agent hears a spot interruption only as SIGTERM (a node "
                 "drain) and from the controller"
             ) from e
+        if resp.status == 403:
+            raise SourceError(
+                "IMDSv2 token request answered 403: the instance's metadata service is turned off (HttpEndpoint "
+                "disabled; `aws ec2 modify-instance-metadata-options --http-endpoint enabled` turns it on). Until "
+                "then this agent hears a spot interruption only as SIGTERM (a node drain) and from the controller"
+            )
         if resp.status != 200 or not resp.body:
             raise SourceError(f"IMDSv2 token request answered {resp.status}")
         self._token = resp.text().strip()

@@ -15,7 +15,8 @@ What each enforces, because the real one does and a client that skips it would b
   behind an instance whose ``HttpPutResponseHopLimit`` is 1: a token PUT is never answered (held
   until the emulator stops), while GETs still are. ``http_tokens="optional"`` models an instance
   that still allows IMDSv1 (``HttpTokens: optional``): a ``GET`` without a token is answered, one
-  with an invalid token still gets 401. ``spot/instance-action`` and
+  with an invalid token still gets 401. ``http_endpoint="disabled"`` models an instance whose IMDS
+  is turned off: every request is answered 403. ``spot/instance-action`` and
   ``events/recommendations/rebalance`` are 404 until set.
 - ``GceMetadataEmulator``: every request needs ``Metadata-Flavor: Google`` (else 403); answers
   carry that header and an ``ETag``. ``?wait_for_change=true`` returns at once when ``last_etag``
@@ -235,10 +236,14 @@ class ImdsEmulator(MetadataEmulator):
         instance_id: str = "i-0spotjob0emulator0",
         put_hop_limit_exceeded: bool = False,
         http_tokens: str = "required",
+        http_endpoint: str = "enabled",
         history: int | None = None,
     ) -> None:
         if http_tokens not in ("required", "optional"):
             raise ValueError(f"http_tokens={http_tokens!r}: expected 'required' or 'optional'")
+        if http_endpoint not in ("enabled", "disabled"):
+            raise ValueError(f"http_endpoint={http_endpoint!r}: expected 'enabled' or 'disabled'")
+        self.http_endpoint = http_endpoint
         super().__init__(host, port, history=history)
         self.instance_id = instance_id
         self.put_hop_limit_exceeded = put_hop_limit_exceeded
@@ -286,6 +291,8 @@ class ImdsEmulator(MetadataEmulator):
         return self.count("PUT", self.TOKEN_PATH, status=200)
 
     def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> _Reply:
+        if self.http_endpoint == "disabled":
+            return _Reply.text(403, "Forbidden")
         if path == self.TOKEN_PATH:
             return self._issue_token(method, headers)
         if not path.startswith("/latest/"):

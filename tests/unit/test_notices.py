@@ -663,8 +663,8 @@ class TestDetectCloud:
         assert "only as SIGTERM" in caplog.text
 
     def test_an_imds_that_answers_nothing_is_not_blamed_on_the_hop_limit(self, caplog: Any) -> None:
-        # A metadata endpoint turned off or firewalled answers neither the PUT nor the GET: before,
-        # the warning named the hop limit, which was not the cause.
+        # A firewalled metadata endpoint answers neither the PUT nor the GET: before, the warning
+        # named the hop limit, which was not the cause.
         with socket.socket() as silent:
             silent.bind(("127.0.0.1", 0))
             silent.listen(16)  # connections complete in the backlog; nothing is ever read or answered
@@ -677,7 +677,20 @@ class TestDetectCloud:
                 finally:
                     source.stop()
         assert "HttpPutResponseHopLimit" not in caplog.text
-        assert "HttpEndpoint disabled" in caplog.text and "only as SIGTERM" in caplog.text
+        assert "blocked from here" in caplog.text and "only as SIGTERM" in caplog.text
+
+    def test_an_imds_turned_off_is_named_as_such(self, caplog: Any) -> None:
+        # AWS answers every request 403 where the instance's HttpEndpoint is disabled: before, the
+        # warning said only "IMDSv2 token request answered 403".
+        with ImdsEmulator(http_endpoint="disabled") as imds:
+            source = AwsImdsSource(imds.url, interval=FAST)
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(Collector())
+                try:
+                    wait_until(lambda: "aws notices" in caplog.text, "the AWS source's warning")
+                finally:
+                    source.stop()
+        assert "turned off" in caplog.text and "--http-endpoint enabled" in caplog.text
 
     def test_aws_with_imdsv1_allowed_is_recognised_when_the_token_put_gets_no_answer(self) -> None:
         # HttpTokens optional and hop limit 1: the tokenless GET is answered 200 (not 401), the
