@@ -115,7 +115,7 @@ class AwsImdsSource(PollingNoticeSource):
 
     def _imdsv1_answers(self) -> bool | None:
         """After a token PUT that timed out: does this instance answer reads without a token? None:
-        the read got no answer either (IMDS turned off or blocked, not the hop limit)."""
+        the read got no answer either (IMDS blocked, not the hop limit)."""
         try:
             resp = self.client.request("GET", META_DATA_PATH, timeout=self.timeout)
         except (OSError, ValueError):
