@@ -742,7 +742,12 @@ def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
     status["message"] = "runs\x1b]0;pwned\x07"
     status["conditions"][0]["message"] = "ok\x1b[2J\rFAKE"
     status["restartHistory"][0]["message"] = "gone\x1b[31m"
-    status["attempt"]["notStarting"] = {"worker": "crafted-1-0", "reason": "Err", "message": "x\x1b[1A", "since": ago(5)}
+    status["attempt"]["notStarting"] = {
+        "worker": "crafted-1-0",
+        "reason": "Err",
+        "message": "x\x1b[1A",
+        "since": ago(5),
+    }
     set_status(cluster, namespace, "crafted", status)
 
     out = ok(kubectl_spotjob("status", "crafted", "-n", namespace))
