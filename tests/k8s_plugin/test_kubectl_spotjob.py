@@ -755,3 +755,32 @@ def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
     assert "\x1b" not in out and "\r" not in out and "\x07" not in out, repr(out)
     assert "runs\\x1b]0;pwned\\x07" in out and "ok\\x1b[2J\\rFAKE" in out and "gone\\x1b[31m" in out
     assert "x\\x1b[1A" in out
+
+
+def test_flush_wait_escapes_control_characters_in_the_controllers_answer(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """The message of the request the controller took is read from the job's status, which more
+    than the controller may write: printed raw, an ANSI escape in it reached the terminal. It is
+    printed escaped, as ``status`` and ``events`` print what they read."""
+    create_job(cluster, namespace, "loud")
+    set_status(cluster, namespace, "loud", running_status())
+    stop = threading.Event()
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    answer = {"outcome": "Committed", "step": 1460, "time": now}
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "loud", answer),
+        kwargs={"stop": stop, "in_progress": "flushing\x1b]0;pwned\x07"},
+    )
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "loud", "-n", namespace, "--wait", "--timeout", "90s")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stderr, (proc.stdout, proc.stderr)
+    assert "Committed, step 1460 committed" in proc.stdout
+    assert "flushing\\x1b]0;pwned\\x07" in proc.stderr
