@@ -10,12 +10,18 @@ such a character, which turned a finished command into a traceback. Writing it a
 Their log lines carry UTC times in ISO 8601 with a ``Z`` (``2026-12-04T03:25:00.123Z``): the same
 on every node and controller whatever its ``TZ``, and comparable with the deadlines they log,
 which are UTC too. Python's default is the machine's local time without a zone.
+
+At debug level (``-v``, ``SPOTJOB_LOG_LEVEL=debug``) the cloud and HTTP clients log every request
+they send: headers, URLs, token responses. The formatter blanks what in them is a credential (an
+``Authorization`` header, an STS session token, a GCS resumable session's ``upload_id``, an OAuth
+token in a response), so that a debug log can be pasted into an issue.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import re
 import sys
 import time
 
@@ -36,6 +42,31 @@ class UtcFormatter(logging.Formatter):
 
     default_time_format = "%Y-%m-%dT%H:%M:%S"
     default_msec_format = "%s.%03dZ"
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+_CREDENTIALS = re.compile(
+    # A header, as botocore's and urllib3's debug lines write them ('Name': b'value' or Name: value).
+    r"""((?:proxy-)?authorization|x-amz-security-token|x-goog-api-key)(['"]?\s*[:=]\s*(?:b?['"])?)[^'"\r\n]+"""
+    # A query parameter: a presigned URL's token or signature, a GCS resumable session's id.
+    r"""|((?:x-amz-security-token|x-amz-signature|x-amz-credential|upload_id|access_token)=)[^&\s'"]+"""
+    # An OAuth token response or a service account key, as JSON.
+    r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+""",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials the clients' debug lines carry replaced by ``<redacted>``."""
+
+    def blank(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return f"{m.group(1)}{m.group(2)}<redacted>"
+        return f"{m.group(3) or m.group(4)}<redacted>"
+
+    return _CREDENTIALS.sub(blank, text)
 
 
 def log_to_stderr(level: int | str, fmt: str, handler: logging.Handler | None = None) -> None:

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from agent.control_api import safe
 from orchestrator.model import JobKey
 
 log = logging.getLogger(__name__)
@@ -114,14 +115,15 @@ class LoggingEventSink:
     """Logs each Event (Warning at WARNING, Normal at INFO): what a sink adds to any other."""
 
     def emit(self, key: JobKey, type: EventType, reason: str, message: str, *, node: str | None = None) -> None:
-        where = f" (node {node})" if node else ""
+        # An Event quotes others (a worker's last words, a store's error): one log line, escaped.
+        where = f" (node {safe(node, len(node))})" if node else ""
         log.log(
             logging.WARNING if type is EventType.WARNING else logging.INFO,
             "job %s %s%s: %s",
             key,
-            reason,
+            safe(reason, len(reason)),
             where,
-            message,
+            safe(message, len(message)),
         )
 
 

@@ -18,7 +18,15 @@ from typing import Any
 from agent.catalog import CheckpointStatus, list_checkpoints
 from agent.ownership import OwnershipError
 from agent.storage import StorageError
-from orchestrator.cli_ckpt import LIST_HEADERS, CommandError, checkpoint_json, list_rows, opened_storage, print_table
+from orchestrator.cli_ckpt import (
+    LIST_HEADERS,
+    CommandError,
+    checkpoint_json,
+    list_rows,
+    opened_storage,
+    print_table,
+    shown,
+)
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, JobEvent, PluginError, SpotJobClient
 from orchestrator.kubectl_common import (
     EXIT_FAILED,
@@ -157,14 +165,15 @@ def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: st
         if rid in waiting and answer.get("outcome") == "InProgress":
             if rid not in taken:
                 taken.add(rid)
-                print(f"the controller took request {rid}: {answer.get('message') or 'in progress'}", file=sys.stderr)
+                said = shown(str(answer.get("message") or "in progress"))  # the status is not only the controller's
+                print(f"the controller took request {shown(str(rid))}: {said}", file=sys.stderr)
         elif rid in waiting:
             return _report_flush(answer, wanted)
         current = _annotation_id(job)
         if current is not None and current not in waiting:
             # Another flush request replaced ours before the controller read it: it answers that one.
             print(
-                f"request {wanted} was replaced by another flush request, {current}: waiting for that one",
+                f"request {wanted} was replaced by another flush request, {shown(current)}: waiting for that one",
                 file=sys.stderr,
             )
             waiting.add(current)
@@ -181,11 +190,11 @@ def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: st
 
 def _report_flush(answer: dict[str, Any], wanted: str) -> int:
     """Print the controller's answer; exit 0 when it committed a checkpoint, 1 when not."""
-    outcome = answer.get("outcome") or "no outcome given"
+    outcome = shown(str(answer.get("outcome") or "no outcome given"))
     step = answer.get("step")
     head = f"flush ({answer['mode']})" if answer.get("mode") else "flush"
     if answer.get("id") != wanted:
-        head += f", request {answer.get('id')} (which replaced yours)"
+        head += f", request {shown(str(answer.get('id')))} (which replaced yours)"
     if step is not None:
         print(f"{head}: {outcome}, step {step} committed")
         return EXIT_OK

@@ -13,7 +13,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from orchestrator.cli_ckpt import print_table
+from orchestrator.cli_ckpt import print_table, shown
 from orchestrator.k8s.plugin_client import AccessDenied, SpotJobClient
 from orchestrator.k8s.pods import training_container_status
 from orchestrator.kubectl_common import (
@@ -292,7 +292,8 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
         lines.append(("Last flush", _flush_text(flush, now)))
     width = max(len(k) for k, _ in lines) + 2
     for key, value in lines:
-        print(f"{key + ':':<{width}}{value}")
+        # Messages come from pods, agents and stores: escaped, as print_table does.
+        print(f"{key + ':':<{width}}{shown(value)}")
 
     print("Pods:" + (f"  ({pods_note})" if pods_note else ""))
     if view:
@@ -331,6 +332,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
 
 
 def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     for row in [headers, *rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]

@@ -24,10 +24,12 @@ from typing import Any, Protocol
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from agent.control_api import safe
 from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
@@ -118,6 +120,24 @@ def _goodput(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+def _raw(value: object) -> str:
+    """Text a run's records carry (names, messages, paths, a store's errors, a log's lines) with
+    its control characters escaped: an ANSI escape in it cannot retitle or clear the terminal."""
+    text = str(value)
+    return safe(text, limit=len(text))
+
+
+def _data(value: object, **kw: Any) -> Text:
+    """Such text as a cell: escaped, and never read as rich markup (a `[/x]` in a message would
+    otherwise stop the command, a `[link=...]` make a hyperlink)."""
+    return Text(_raw(value), **kw)
+
+
+def _mk(value: object) -> str:
+    """Such text inside a string that holds spotjob's own markup."""
+    return escape(_raw(value))
+
+
 def checkpoint_text(status: JobStatus) -> str:
     c = status.last_checkpoint
     return "none yet" if c is None else f"step {c.step} ({_ago(c.time)})"
@@ -131,7 +151,7 @@ def render_snapshot(s: Snapshot) -> RenderableType:
     phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
     phase.append(f"  attempt {st.attempt.number}", style="dim")
     if st.workers:
-        phase.append(f" on {', '.join(w.node or '?' for w in st.workers)}", style="dim")
+        phase.append(f" on {', '.join(_raw(w.node or '?') for w in st.workers)}", style="dim")
     grid.add_row("phase", phase)
     rate = f"  ({s.steps_per_second:.1f} steps/s)" if s.steps_per_second and not st.phase.terminal else ""
     grid.add_row("step", f"{s.step if s.step is not None else '-'}{rate}")
@@ -147,19 +167,19 @@ def render_snapshot(s: Snapshot) -> RenderableType:
         f"{st.restarting_seconds:.1f} s, retraining {st.retraining_seconds:.1f} s[/dim]",
     )
     for n in s.notices:
-        grid.add_row("[red]notice[/red]", f"[red]{n.node} goes away in {max(0.0, n.seconds_left):.0f} s[/red]")
+        grid.add_row("[red]notice[/red]", f"[red]{_mk(n.node)} goes away in {max(0.0, n.seconds_left):.0f} s[/red]")
     if st.message:
-        grid.add_row("why", Text(f"{st.reason}: {st.message}", overflow="fold"))
+        grid.add_row("why", _data(f"{st.reason}: {st.message}", overflow="fold"))
     events = Table.grid(padding=(0, 1))
     for e in s.events[-5:]:
         style = "yellow" if e.type is EventType.WARNING else "dim"
         count = f" x{e.count}" if e.count > 1 else ""
         events.add_row(
             Text(e.time.astimezone(UTC).strftime("%H:%M:%SZ"), style="dim"),
-            Text(f"{e.reason}{count}", style=style),
-            Text(e.message, overflow="ellipsis", no_wrap=True),
+            _data(f"{e.reason}{count}", style=style),
+            _data(e.message, overflow="ellipsis", no_wrap=True),
         )
-    title = f"spotjob run [bold]{s.name}[/bold]  {_clock(s.elapsed)}"
+    title = f"spotjob run [bold]{_mk(s.name)}[/bold]  {_clock(s.elapsed)}"
     return Panel(Group(grid, Text(""), events), title=title, title_align="left")
 
 
@@ -494,7 +514,7 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
         if st is None:
             # One unreadable folder is one line that says what is wrong; the table stays a table.
             what = Text("unreadable" if r.error else "no status yet", style="red" if r.error else "")
-            table.add_row(r.name, what, "", "", "", "", "", "", _short(_within(r, r.error or "")))
+            table.add_row(_data(r.name), what, "", "", "", "", "", "", _data(_short(_within(r, r.error or ""))))
             continue
         phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
         note = _short(_within(r, r.error)) if r.error else ""
@@ -519,7 +539,7 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
                     )
         updated = r.events[-1].time if r.events else st.created_at
         table.add_row(
-            r.name,
+            _data(r.name),
             phase,
             "-" if step is None else str(step),
             str(st.preemptions),
@@ -527,7 +547,7 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
             checkpoint,
             _goodput(st.goodput),
             _ago(updated),
-            note,
+            _data(note),
         )
     return table
 
@@ -537,10 +557,10 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     head = Table.grid(padding=(0, 2))
     head.add_column(style="dim", justify="right")
     head.add_column()
-    head.add_row("run", f"{r.name}  [dim]{r.path}[/dim]")
+    head.add_row("run", f"{_mk(r.name)}  [dim]{_mk(r.path)}[/dim]")
     if r.spec is not None:
         sp = r.spec
-        head.add_row("command", " ".join(sp.command))
+        head.add_row("command", _data(" ".join(sp.command)))
         head.add_row("ranks", f"{sp.replicas} node(s) x {sp.nproc_per_node} rank(s)")
         every = ", ".join(
             x
@@ -550,16 +570,16 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
             )
             if x
         )
-        head.add_row("checkpoints", f"{sp.checkpoint.uri}  [dim]{every or 'on notices only'}[/dim]")
+        head.add_row("checkpoints", f"{_mk(sp.checkpoint.uri)}  [dim]{every or 'on notices only'}[/dim]")
         head.add_row("budget", f"maxRestarts {sp.max_restarts}, flush timeout {sp.flush_timeout_seconds:g} s")
     for note in r.notes:
-        head.add_row("[yellow]note[/yellow]", Text(note, overflow="fold"))
+        head.add_row("[yellow]note[/yellow]", _data(note, overflow="fold"))
     st = r.status
     if st is None:
-        head.add_row("status", Text(r.error or "no status yet", style="red" if r.error else "", overflow="fold"))
+        head.add_row("status", _data(r.error or "no status yet", style="red" if r.error else "", overflow="fold"))
         return head
     if r.error:
-        head.add_row("[yellow]note[/yellow]", Text(r.error, overflow="fold"))
+        head.add_row("[yellow]note[/yellow]", _data(r.error, overflow="fold"))
     phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
     undriven = _undriven(r)
     if undriven:
@@ -567,7 +587,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     elif not st.phase.terminal and r.driver_pid:
         phase.append(f"  driven by pid {r.driver_pid}", style="dim")
     head.add_row("phase", phase)
-    head.add_row("reason" if not undriven else "last decision", Text(f"{st.reason}: {st.message}", overflow="fold"))
+    head.add_row("reason" if not undriven else "last decision", _data(f"{st.reason}: {st.message}", overflow="fold"))
     a = st.attempt
     resumed = "scratch" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
     seen = "-" if a.observed_step is None else str(a.observed_step)
@@ -578,18 +598,18 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         step = "" if t.reported_step is None else f"; its ranks last reported step {t.reported_step}"
         head.add_row("[red]now[/red]", f"{now} ({t.processes} alive){step}")
         if t.storage_problem is not None:
-            head.add_row("checkpoint", Text(f"storage cannot be read now: {t.storage_problem}", overflow="fold"))
+            head.add_row("checkpoint", _data(f"storage cannot be read now: {t.storage_problem}", overflow="fold"))
         elif t.checkpoint is None:
             head.add_row("checkpoint", "none in storage yet")
         else:
             head.add_row(
                 "checkpoint",
                 f"step {t.checkpoint.step} ({_ago(t.checkpoint.time)}), read from storage now  "
-                f"[dim]{t.checkpoint.uri}[/dim]",
+                f"[dim]{_mk(t.checkpoint.uri)}[/dim]",
             )
-        head.add_row("to continue", _resume_command(r))
+        head.add_row("to continue", _data(_resume_command(r)))
     else:
-        where = f"  [dim]{st.last_checkpoint.uri}[/dim]" if st.last_checkpoint else ""
+        where = f"  [dim]{_mk(st.last_checkpoint.uri)}[/dim]" if st.last_checkpoint else ""
         head.add_row("checkpoint", checkpoint_text(st) + where)
     head.add_row(
         "counts",
@@ -601,7 +621,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         f" retraining {st.retraining_seconds:.1f} s[/dim]",
     )
     for av in st.avoid:
-        head.add_row("avoiding", f"{av.kind} {av.value} until {_utc(av.until)} UTC ({av.reason})")
+        head.add_row("avoiding", _data(f"{av.kind} {av.value} until {_utc(av.until)} UTC ({av.reason})"))
     parts.append(head)
 
     if st.workers:
@@ -611,10 +631,10 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
             workers.add_column(column, no_wrap=True)
         for w in st.workers:
             workers.add_row(
-                w.name,
-                w.node or "-",
-                w.zone or "-",
-                w.instance_type or "-",
+                _data(w.name),
+                _data(w.node or "-"),
+                _data(w.zone or "-"),
+                _data(w.instance_type or "-"),
                 str(w.phase),
                 "-" if w.exit_code is None else str(w.exit_code),
                 "-" if w.step is None else str(w.step),
@@ -622,13 +642,19 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         parts += [Text(""), workers]
 
     for path, lines in failed_logs:
-        parts += [Text(""), Text(f"the end of {path}:", style="bold"), Text("\n".join(f"  {line}" for line in lines))]
+        parts += [
+            Text(""),
+            _data(f"the end of {path}:", style="bold"),
+            Text("\n".join(f"  {_raw(line)}" for line in lines)),
+        ]
 
     conditions = Table(title="conditions", title_justify="left", box=None, header_style="bold")
     for column in ("TYPE", "STATUS", "REASON", "SINCE (UTC)", "MESSAGE"):
         conditions.add_column(column, overflow="fold")
     for c in st.conditions:
-        conditions.add_row(c.type, c.status, c.reason, _utc(c.last_transition_time), c.message)
+        conditions.add_row(
+            _data(c.type), str(c.status), _data(c.reason), _utc(c.last_transition_time), _data(c.message)
+        )
     parts += [Text(""), conditions]
 
     if st.restart_history:
@@ -636,7 +662,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         for column in ("TIME (UTC)", "ATTEMPT", "CAUSE", "REASON", "MESSAGE"):
             history.add_column(column, overflow="fold")
         for h in st.restart_history:
-            history.add_row(_utc(h.time), str(h.attempt), str(h.cause), h.reason, h.message)
+            history.add_row(_utc(h.time), str(h.attempt), str(h.cause), _data(h.reason), _data(h.message))
         parts += [Text(""), history]
 
     events = Table(title="events (oldest first)", title_justify="left", box=None, header_style="bold")
@@ -646,9 +672,9 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
         events.add_row(
             _utc(e.time),
             Text(str(e.type), style="yellow" if e.type is EventType.WARNING else ""),
-            e.reason,
+            _data(e.reason),
             str(e.count),
-            e.message,
+            _data(e.message),
         )
     parts += [Text(""), events]
     return Group(*parts)

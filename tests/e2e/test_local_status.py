@@ -16,7 +16,17 @@ from pathlib import Path
 
 from local_run_support import TRAIN, clean_env, tool
 
-from orchestrator.model import CheckpointInfo, CheckpointSpec, JobKey, JobSpec, JobStatus, Phase
+from orchestrator.events import EventType, JsonlEventSink
+from orchestrator.model import (
+    CheckpointInfo,
+    CheckpointSpec,
+    Condition,
+    JobKey,
+    JobSpec,
+    JobStatus,
+    Phase,
+    RestartRecord,
+)
 from orchestrator.store import JsonFileJobStore
 
 
@@ -120,3 +130,42 @@ def test_the_commands_a_run_suggests_name_its_runs_dir_when_it_is_not_the_defaul
     shown = spotjob("status", "--runs-dir", str(runs), "gone")
     assert shown.returncode == 0, shown.stderr
     assert f"spotjob run --runs-dir {runs} --resume gone" in shown.stdout, shown.stdout
+
+
+def test_text_from_a_runs_records_is_shown_as_written_never_as_markup_or_terminal_control(tmp_path: Path) -> None:
+    """A run's records quote what others wrote: a rank's last words, a store's error, a manifest's
+    fields. In ``spotjob status`` such text is shown literally: a ``[/model]`` in a message used to
+    stop the command with rich's MarkupError (a traceback, exit 1), ``[link=...]`` became a
+    hyperlink, and an ANSI escape reached the terminal raw (retitling or clearing it)."""
+    runs = tmp_path / "spotjob-runs"
+    now = datetime.now(UTC)
+    make_run(runs, "crafted", created=now, checkpoint_at=now)
+    store = JsonFileJobStore(str(runs / "crafted"), fsync=False)
+    key = JobKey.local("crafted")
+    stored = store.get(key)
+    assert stored is not None and stored.status is not None
+    said = "KeyError: '[/model]' [link=http://x.invalid]here[/link] \x1b]0;pwned\x07\x1b[2J"
+    status = stored.status.model_copy(
+        update={
+            "message": said,
+            "conditions": [
+                Condition(type="Ready", status="False", reason="Failed", message=said, last_transition_time=now)
+            ],
+            "restart_history": [
+                RestartRecord(time=now, attempt=0, cause="Failure", reason="WorkerFailed", message=said)
+            ],
+        }
+    )
+    store.update_status(key, status, version=stored.version)
+    JsonlEventSink(str(runs / "crafted")).emit(key, EventType.WARNING, "WorkerFailed", said)
+
+    for args in ([], ["crafted"]):
+        proc = subprocess.run(
+            [tool("spotjob"), "status", "--runs-dir", str(runs), *args],
+            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout, repr(proc.stdout)
+    text = " ".join(proc.stdout.split())
+    assert text.count("[/model]") == 4 and text.count("[link=http://x.invalid]here[/link]") == 4, proc.stdout
+    assert "\\x1b]0;pwned\\x07\\x1b[2J" in text, proc.stdout

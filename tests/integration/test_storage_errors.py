@@ -15,8 +15,11 @@ enforce no permissions).
 from __future__ import annotations
 
 import errno
+import io
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +46,7 @@ from agent.storage import (
     open_storage,
 )
 from agent.storage._errors import translate_os_error
+from agent.streams import UtcFormatter
 
 try:
     from faults import Dialect, FaultProxy
@@ -590,3 +594,44 @@ def test_a_file_stores_local_file_errors_name_the_local_file(tmp_path: Path) -> 
     with pytest.raises(PermanentStorageError, match="cannot write the local file") as e:
         storage.get_file("k", str(tmp_path / "no-such-folder" / "out"))
     assert not isinstance(e.value, NotFoundError), "the stored key exists; the destination is the problem"
+
+
+# -- credentials in debug logs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_debug_logs_of_spotjobs_commands_blank_the_credentials_the_clients_log(
+    scheme: str,
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """At debug level (``-v``, ``SPOTJOB_LOG_LEVEL=debug``) botocore logs each request's headers,
+    an STS session token among them, and urllib3 each URL, a GCS resumable session's ``upload_id``
+    (a bearer capability: whoever has it may write the object) among them. The formatter of
+    spotjob's own commands (``log_to_stderr``) blanks them; the lines stay. moto accepts any
+    session token and fake-gcs-server needs no OAuth token, so those two are what is checked."""
+    uri = fresh_uri(scheme)  # starts the server, which clears AWS_SESSION_TOKEN
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "FwoGZXIvYXdzEXAMPLESESSIONTOKEN")
+    big = tmp_path / "shard"
+    big.write_bytes(os.urandom(9 * 1024 * 1024))  # over GCS's simple upload limit: a resumable session
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(UtcFormatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        make_storage(uri).put_file(str(big), "step-000000001/shard")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    text = out.getvalue()
+    if scheme == "s3":
+        assert "X-Amz-Security-Token': b'<redacted>'" in text and "'Authorization': b'<redacted>'" in text, text
+        assert "EXAMPLESESSIONTOKEN" not in text and "Signature=" not in text
+    else:
+        assert "upload_id=<redacted>" in text, text
+        assert not re.search(r"upload_id=(?!<redacted>)", text), text

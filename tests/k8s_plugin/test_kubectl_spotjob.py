@@ -728,3 +728,59 @@ def test_status_shows_each_pods_training_container_not_a_helper_that_finished_no
     }
     (view,) = job_pods_view({"status": {}}, [pod])
     assert (view["ready"], view["exitCode"]) == (False, 75)
+
+
+def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """A status's messages come from pods, agents and stores the reader of ``kubectl spotjob status
+    NAME`` need not trust (a container's waiting message, a restart's cause): an ANSI escape or a
+    carriage return in one is printed escaped, as the tables of ``status`` and ``events`` do, so it
+    cannot retitle the terminal, clear it or overwrite the line an operator reads."""
+    create_job(cluster, namespace, "crafted")
+    status = running_status()
+    status["message"] = "runs\x1b]0;pwned\x07"
+    status["conditions"][0]["message"] = "ok\x1b[2J\rFAKE"
+    status["restartHistory"][0]["message"] = "gone\x1b[31m"
+    status["attempt"]["notStarting"] = {
+        "worker": "crafted-1-0",
+        "reason": "Err",
+        "message": "x\x1b[1A",
+        "since": ago(5),
+    }
+    set_status(cluster, namespace, "crafted", status)
+
+    out = ok(kubectl_spotjob("status", "crafted", "-n", namespace))
+
+    assert "\x1b" not in out and "\r" not in out and "\x07" not in out, repr(out)
+    assert "runs\\x1b]0;pwned\\x07" in out and "ok\\x1b[2J\\rFAKE" in out and "gone\\x1b[31m" in out
+    assert "x\\x1b[1A" in out
+
+
+def test_flush_wait_escapes_control_characters_in_the_controllers_answer(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """The message of the request the controller took is read from the job's status, which more
+    than the controller may write: printed raw, an ANSI escape in it reached the terminal. It is
+    printed escaped, as ``status`` and ``events`` print what they read."""
+    create_job(cluster, namespace, "loud")
+    set_status(cluster, namespace, "loud", running_status())
+    stop = threading.Event()
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    answer = {"outcome": "Committed", "step": 1460, "time": now}
+    controller = threading.Thread(
+        target=answer_flush_requests,
+        args=(cluster, namespace, "loud", answer),
+        kwargs={"stop": stop, "in_progress": "flushing\x1b]0;pwned\x07"},
+    )
+    controller.start()
+    try:
+        proc = kubectl_spotjob("flush", "loud", "-n", namespace, "--wait", "--timeout", "90s")
+    finally:
+        stop.set()
+        controller.join()
+
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stderr, (proc.stdout, proc.stderr)
+    assert "Committed, step 1460 committed" in proc.stdout
+    assert "flushing\\x1b]0;pwned\\x07" in proc.stderr

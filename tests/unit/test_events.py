@@ -68,3 +68,19 @@ def test_the_null_metrics_have_the_job_metrics_shape() -> None:
     from orchestrator.k8s.metrics import ControllerMetrics
 
     assert isinstance(ControllerMetrics(), JobMetrics), "the Prometheus metrics take the reconciler's calls"
+
+
+def test_an_events_text_is_logged_on_one_line_with_its_control_characters_escaped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An Event's message quotes others (a worker's last words, a store's error): logged raw, a
+    newline in it forged a second log line and an ANSI escape reached the operator's terminal.
+    The record on disk keeps the text as it was."""
+    said = "rank 0 failed\n2026-12-04T03:25:00.000Z INFO forged: all good\x1b[2J"
+    with caplog.at_level(logging.INFO, logger="orchestrator.events"):
+        JsonlEventSink(str(tmp_path)).emit(KEY, EventType.WARNING, "WorkerFailed", said, node="n\r1")
+
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line and "\r" not in line, repr(line)
+    assert "failed\\n2026-12-04T03:25:00.000Z INFO forged: all good\\x1b[2J" in line and "n\\r1" in line
+    assert read_events(events_path(str(tmp_path), KEY))[0].message == said
