@@ -80,7 +80,7 @@ from orchestrator.k8s.api import (
 )
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, nodes_being_taken
 from orchestrator.k8s.informer import Cache
-from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase
+from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase, parse_timestamp
 from orchestrator.signals import Signal
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class KubernetesBackend:
                 continue
             phase, exit_code = _phase(pod)
             node_name = (pod.get("spec") or {}).get("nodeName")
-            if phase.alive and node_name and self._node_lost(node_name):
+            if phase.alive and self._lost_node_of(pod):
                 # Its kubelet is gone: the pod object still says Running, but nothing there can be
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
@@ -415,12 +415,23 @@ class KubernetesBackend:
         """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""
         return self._signals.tracker.observe(name, self._nodes.get("", name))
 
-    def _maybe_force_delete(self, pod: Object) -> None:
-        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it."""
+    def _lost_node_of(self, pod: Object) -> str | None:
+        """Why the node ``pod`` ran on is lost: deleted, not Ready past the grace, or replaced by a
+        new Node object under its name (created after the pod was placed). None: not lost, or the
+        pod is on no node yet."""
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name:
-            return
+            return None
         lost = self._node_lost(node_name)
+        if lost is not None:
+            return lost
+        return _replaced_node(pod, self._nodes.get("", node_name))
+
+    def _maybe_force_delete(self, pod: Object) -> None:
+        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it (on a node
+        replaced under its name, the machine that ran it is gone)."""
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        lost = self._lost_node_of(pod)
         if lost is None:
             return
         log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
@@ -483,6 +494,31 @@ def _pod_ip(pod: Object) -> str | None:
 
 def _deleting(pod: Object) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _replaced_node(pod: Object, node: Object | None) -> str | None:
+    """Why ``pod`` ran on an earlier node of its node's name, or None.
+
+    Karpenter names a node after its instance's private DNS name and GKE after its VM: a node
+    deleted and registered again under the same name is a new Node object, created after the pod
+    was placed on the old one (the scheduler binds only to nodes that exist, and its PodScheduled
+    time and the Node's creationTimestamp are both control-plane clocks). A controller that missed
+    the deletion (restarted, or a relist that shows the new Node as an update) would otherwise see
+    a Ready node and the pod still saying Running. Whole seconds: a node replaced within the second
+    its pod was placed is not told apart (a replacement takes a new machine's boot)."""
+    if node is None:
+        return None
+    created = parse_timestamp((node.get("metadata") or {}).get("creationTimestamp"))
+    placed = None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            placed = parse_timestamp(condition.get("lastTransitionTime"))
+    if created is None or placed is None or created <= placed:
+        return None
+    return (
+        f"node {_name(node)} was registered again at {created.isoformat()}, after the pod was placed on the "
+        f"earlier node of that name at {placed.isoformat()}"
+    )
 
 
 def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:

@@ -426,6 +426,42 @@ def test_a_job_created_again_under_its_name_never_takes_its_predecessors_termina
     assert [b["metadata"]["name"] for r, b in world.client.created if r == "pods"] == ["llama-0-0"]
 
 
+def _placed(p: dict[str, Any], at: str) -> dict[str, Any]:
+    p["status"]["conditions"].append({"type": "PodScheduled", "status": "True", "lastTransitionTime": at})
+    return p
+
+
+def _created(n: dict[str, Any], at: str) -> dict[str, Any]:
+    n["metadata"]["creationTimestamp"] = at
+    return n
+
+
+def test_a_pod_placed_on_an_earlier_node_of_its_nodes_name_is_lost_and_force_deleted_when_terminating(
+    world: World,
+) -> None:
+    """Karpenter names nodes after the instance's private DNS name and GKE after its VM, so a node
+    can be deleted and a new one registered under the same name. A controller that did not see the
+    deletion (restarted, a new leader, or its Node watch relisted after 410 Gone: a relist shows
+    the new node as an update of the old) saw a Ready node and the pods bound to that name still
+    saying Running: the worker was never lost and the job waited on a machine that no longer ran it.
+    A pod placed (PodScheduled) before its node's Node object was created ran on an earlier one.
+    What the dicts do not model: what a real new kubelet does with pods bound to its name (it may
+    run them again from the start); that is what stopping them at once avoids."""
+    world.add(
+        _created(node("n1"), "2026-01-01T00:00:00Z"),
+        _created(node("n2"), "2026-01-01T02:00:00Z"),  # replaced under its name after the pod came
+        _placed(pod(0, node_name="n1"), "2026-01-01T00:00:00Z"),  # same second: the node's own pod
+        _placed(pod(1, node_name="n2", ip="10.0.0.2"), "2026-01-01T01:00:00Z"),
+    )
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.FAILED, None)}
+    world.add(
+        _placed(pod(0, node_name="n1", deleting=True), "2026-01-01T00:00:00Z"),
+        _placed(pod(1, node_name="n2", ip="10.0.0.2", deleting=True), "2026-01-01T01:00:00Z"),
+    )
+    world.backend.stop_workers(KEY, spec())
+    assert world.client.deleted == [("pods", "llama-0-1", 0)], "only the pod of the replaced node is forced"
+
+
 def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
     world.add(pod(0, deleting=True, node_name="n1"), pod(1, deleting=True, node_name="n2", ip="10.0.0.2"))
     world.add(node("n2", ready="Unknown"))
