@@ -1,7 +1,8 @@
 """The reconciler on Kubernetes parts (``KubeJobStore``, ``KubernetesBackend``, the informers) over the
 test API server with the chart's CRD, one pass at a time: what a pass does to a SpotJob that is
-being deleted, and to one whose worker's node was replaced under its name. No kubelet: the pods the controller creates stay Pending, and the test plays the
-garbage collector.
+being deleted, and to one whose worker's node was replaced under its name. No kubelet: the pods
+the controller creates stay Pending, and the test plays the garbage collector (and, where it says
+so, the scheduler and the kubelet).
 """
 
 from __future__ import annotations
