@@ -601,7 +601,26 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             f"{' (' + str(terminated['reason']) + ')' if terminated.get('reason') else ''} before the training "
             f"container started{': ' + said if said else ''}; kubectl logs {_name(pod)} -c {init.get('name')}"
         )
-    return _refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod)
+    return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
+
+
+def _evicted(pod: Object) -> str | None:
+    """For a pod the kubelet evicted (status reason Evicted): its message. An eviction for the pod's
+    own ephemeral-storage limit or an emptyDir's sizeLimit kills at once (the trainer ends 137, which
+    would read as an out-of-memory kill) and sets no DisruptionTarget, so it stays the job's failure;
+    the checkpoints staged in the spotjob-staging emptyDir count against that limit."""
+    status = pod.get("status") or {}
+    said = " ".join(str(status.get("message") or "").split())[:300]
+    if status.get("reason") != "Evicted" or not said:
+        return None
+    hint = ""
+    if "ephemeral" in said.lower() or "emptydir" in said.lower():
+        hint = (
+            f"; checkpoints are staged on the node's disk in the {pods.STAGING_VOLUME} emptyDir, which counts "
+            "against it: raise resources.limits.ephemeral-storage (or the emptyDir's sizeLimit), or give the "
+            f"template a volume named {pods.STAGING_VOLUME} (a local disk)"
+        )
+    return f"evicted by the kubelet: {said}{hint}; kubectl describe pod {_name(pod)}"
 
 
 _RANK_KILLED = f") {KILLED_BY} SIGKILL"

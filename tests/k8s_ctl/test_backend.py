@@ -710,6 +710,34 @@ def test_an_oom_killed_training_container_or_rank_says_so_with_its_memory_limit_
     assert detail.endswith("kubectl logs llama-0-2"), detail
 
 
+def test_a_worker_the_kubelet_evicted_for_its_own_storage_limit_says_so_and_names_the_staging_folder(
+    world: World,
+) -> None:
+    """The kubelet evicts a pod past its own ephemeral-storage limit or an emptyDir's sizeLimit at
+    once (grace 0, so the trainer ends 137) with status reason Evicted and its message, and no
+    DisruptionTarget (that condition is for node-pressure evictions): a failure of the job, as
+    before, but the worker read only "exited with code 137", which reads as an out-of-memory kill.
+    Checkpoints staged in the spotjob-staging emptyDir count against that limit. The statuses are
+    the kubelet's as its eviction manager writes them; no kubelet runs here."""
+    evicted = pod(0, exit_code=137, phase="Failed")
+    evicted["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "Error"
+    evicted["status"].update(
+        reason="Evicted", message="Pod ephemeral local storage usage exceeds the total limit of containers 20Gi. "
+    )
+    sized = pod(1, exit_code=137, phase="Failed", ip="10.0.0.2")
+    sized["status"].update(reason="Evicted", message='Usage of EmptyDir volume "data" exceeds the limit "1Gi". ')
+    world.add(evicted, sized)
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    assert (observed["llama-0-0"].phase, observed["llama-0-0"].exit_code) == (WorkerPhase.FAILED, 137)
+    detail = observed["llama-0-0"].detail
+    assert detail is not None and detail.startswith(
+        "evicted by the kubelet: Pod ephemeral local storage usage exceeds the total limit of containers 20Gi."
+    ), detail
+    assert "spotjob-staging" in detail and "ephemeral-storage" in detail, detail
+    detail = observed["llama-0-1"].detail
+    assert detail is not None and 'EmptyDir volume "data" exceeds the limit "1Gi"' in detail, detail
+
+
 def test_a_worker_whose_agent_cannot_be_asked_to_flush_is_deleted_so_that_its_sigterm_flushes() -> None:
     """Fails without the fix: an agent the controller could not reach (a NetworkPolicy, a refused
     token) was asked again every pass and its pod left running until flushTimeoutSeconds (90 s by
