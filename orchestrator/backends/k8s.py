@@ -29,7 +29,9 @@ builds the objects):
   the template's other containers (a helper that finished, a sidecar with a probe of its own) say
   nothing about training. The training container's exit code is the agent's; a pod that failed
   because an init container did (the agent never ran) failed with that container's code, a
-  failure of the template like one of the training code; a pod that failed without either
+  failure of the template like one of the training code; a training container the kubelet ended
+  without finding it (``ContainerStatusUnknown``, exit 137: its node rebooted) has no code of the
+  agent's, and unless the pod was evicted it is lost; a pod that failed without either
   (deleted with its node, evicted before it started) was lost, and so is a pod whose node is lost
   (deleted, or NotReady past the grace): its object may say Running for minutes, but no kubelet
   reports for it and no flush can reach it.
@@ -542,12 +544,21 @@ def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
     return None
 
 
+CONTAINER_STATUS_UNKNOWN = "ContainerStatusUnknown"
+"""The reason the kubelet gives a container it ends without having found it (exit code 137)."""
+
+
 def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     """The worker's phase and the agent's exit code (see the module docstring)."""
     status = pod.get("status") or {}
     trainer = pods.training_container_status(pod)
     terminated = (trainer.get("state") or {}).get("terminated")
     if terminated is not None and terminated.get("exitCode") is not None:
+        if terminated.get("reason") == CONTAINER_STATUS_UNKNOWN and status.get("reason") != "Evicted":
+            # The kubelet found no container to read a code from (its node rebooted, or the
+            # runtime lost it) and wrote 137 itself: no exit of the agent's, a lost worker. An
+            # eviction keeps its code: one for the pod's own storage limit is the job's failure.
+            return WorkerPhase.FAILED, None
         # The agent exited: its code decides, whatever sidecars still run in the pod.
         code = int(terminated["exitCode"])
         return (WorkerPhase.SUCCEEDED if code == 0 else WorkerPhase.FAILED), code

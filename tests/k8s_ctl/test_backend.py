@@ -726,9 +726,12 @@ def test_a_worker_the_kubelet_evicted_for_its_own_storage_limit_says_so_and_name
     )
     sized = pod(1, exit_code=137, phase="Failed", ip="10.0.0.2")
     sized["status"].update(reason="Evicted", message='Usage of EmptyDir volume "data" exceeds the limit "1Gi". ')
+    # As the kubelet often writes it: the container it killed is "not located", 137 all the same.
+    sized["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "ContainerStatusUnknown"
     world.add(evicted, sized)
     observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
     assert (observed["llama-0-0"].phase, observed["llama-0-0"].exit_code) == (WorkerPhase.FAILED, 137)
+    assert (observed["llama-0-1"].phase, observed["llama-0-1"].exit_code) == (WorkerPhase.FAILED, 137)
     detail = observed["llama-0-0"].detail
     assert detail is not None and detail.startswith(
         "evicted by the kubelet: Pod ephemeral local storage usage exceeds the total limit of containers 20Gi."

@@ -168,3 +168,42 @@ def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_wat
         assert status["preemptions"] == 1 and status["restarts"] == 0, status
     finally:
         fresh.stop()
+
+
+def test_a_worker_whose_container_the_kubelet_could_not_find_is_lost_not_failed(
+    test_api: TestApi, parts: Parts
+) -> None:
+    """A node that rebooted (a kernel panic, a GPU's Xid error, host maintenance) and came back
+    before ``--node-lost-grace-seconds``: its kubelet finds no container for a pod that was running
+    and, the pod being ``restartPolicy: Never``, ends it with each container terminated
+    ``ContainerStatusUnknown``, exit 137 (the kubelet's status manager, TerminatePod). That 137 is
+    the kubelet's, not the agent's: the job counted a failure of the user's code and spent a
+    restart. The test writes that status as the kubelet would; no kubelet runs."""
+    _register_node(test_api, "n1")
+    test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
+    wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+    parts.reconciler.reconcile(KEY)
+    wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod in the cache")
+    _run_on(test_api, "llama-0-0", "n1")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Running",
+        what="the pod running in the cache",
+    )
+    assert parts.reconciler.reconcile(KEY).phase is Phase.RUNNING
+
+    pod = test_api.admin.get(PODS, "llama-0-0", "default")
+    unknown = {
+        "exitCode": 137,
+        "reason": "ContainerStatusUnknown",
+        "message": "The container could not be located when the pod was terminated",
+    }
+    pod["status"]["phase"] = "Failed"
+    pod["status"]["containerStatuses"][0].update(ready=False, state={"terminated": unknown})
+    test_api.admin.replace(PODS, pod, subresource="status")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Failed",
+        what="the failed pod in the cache",
+    )
+    parts.reconciler.reconcile(KEY)
+    status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+    assert status["preemptions"] == 1 and status["restarts"] == 0, status
