@@ -161,7 +161,7 @@ class KubernetesBackend:
         existing = {_name(p): p for p in job_pods if _attempt(p) == attempt}
         view = _worker_spec(spec)
         where = pods.WorkerPlacement(
-            avoid_nodes=frozenset(placement.avoid_nodes) | self._doomed_nodes(),
+            avoid_nodes=self._still_avoided(placement) | self._doomed_nodes(),
             avoid_zones=frozenset(placement.avoid_zones),
             avoid_instance_types=frozenset(placement.avoid_instance_types),
         )
@@ -438,6 +438,22 @@ class KubernetesBackend:
             return
         log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
         self._delete_pod(pod, force=True)
+
+    def _still_avoided(self, placement: Placement) -> frozenset[str]:
+        """The nodes in cool-down, less those whose name now names a new machine: a Node object
+        created after the cool-down began (GKE recreates a preempted VM under its instance name,
+        and Karpenter's names come from the instance's private DNS name)."""
+        since = dict(placement.nodes_avoided_since)
+        out = set()
+        for name in placement.avoid_nodes:
+            began = since.get(name)
+            node = self._nodes.get("", name)
+            created = parse_timestamp(((node or {}).get("metadata") or {}).get("creationTimestamp"))
+            if began is not None and created is not None and created > began:
+                log.debug("node %s was registered again since its cool-down began: a new machine, not avoided", name)
+                continue
+            out.add(name)
+        return frozenset(out)
 
     def _doomed_nodes(self) -> frozenset[str]:
         """Nodes a new worker must not land on: a preemption taint or an interruption notice on them.

@@ -444,7 +444,7 @@ class _Recovery(_FlushRequests):
             cause=recovery.reason,
             next=status.attempt.number,
             delay=delay,
-            avoid=self._placement(status).describe(),
+            avoid=self._placement(status, p.spec.cooldown.seconds).describe(),
         )
         self._set_phase(p, Phase.RESCHEDULING, RESCHEDULED.name, message)
         self._condition(p, READY, False, RESCHEDULED.name, message)

@@ -469,6 +469,31 @@ def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_li
     assert world.client.deleted == [("pods", "llama-0-1", 0)]
 
 
+def test_a_node_in_cool_down_registered_again_under_its_name_is_a_new_machine_and_not_avoided(world: World) -> None:
+    """GKE recreates a preempted spot VM of a node pool under the same instance name, and its node
+    registers under the same node name. The cool-down kept the job off that name for
+    ``cooldown.seconds`` (30 minutes by default): on a pool as large as the job, every replacement
+    node stayed out of reach and the attempt waited Unschedulable that long. A name whose Node
+    object was created after the cool-down began is a new machine; one created before stays
+    avoided, and so does a name with no Node object at all."""
+    preempted_at = datetime(2026, 1, 1, 1, 0, tzinfo=UTC)
+    world.add(
+        _created(node("n1"), "2026-01-01T01:02:00Z"),  # recreated after the preemption
+        _created(node("n2"), "2026-01-01T00:00:00Z"),  # the same machine, back
+    )
+    since = tuple((n, preempted_at) for n in ("n1", "n2", "gone"))
+    world.backend.start_workers(
+        KEY, spec(), 0, Placement(avoid_nodes=frozenset({"n1", "n2", "gone"}), nodes_avoided_since=since)
+    )
+    (created,) = [b for r, b in world.client.created if r == "pods"]
+    (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("gone", "n2")
+    ]
+
+
 def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to_its_agent(world: World) -> None:
     world.add(pod(0, ip=None), pod(1, ip="10.0.0.2"))
     workers = {w.name: w for w in world.backend.list_workers(KEY, spec())}
