@@ -560,7 +560,8 @@ class Reconciler(_Capacity):
                 return None
             # Idempotent: a backend may create the attempt's workers over several passes (a
             # rendezvous address known only once the first one runs).
-            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, self._placement(status, p.spec.cooldown.seconds))
+            placement = self._placement(status, p.spec.cooldown.seconds)
+            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
             return min(self._options.starting_poll_seconds, capacity_wait)
 
         leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]

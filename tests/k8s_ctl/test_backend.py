@@ -489,9 +489,7 @@ def test_a_node_in_cool_down_registered_again_under_its_name_is_a_new_machine_an
     (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    assert term["matchFields"] == [
-        {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("gone", "n2")
-    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("gone", "n2")]
 
 
 def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to_its_agent(world: World) -> None:
