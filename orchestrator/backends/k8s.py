@@ -206,7 +206,8 @@ class KubernetesBackend:
                 continue
             phase, exit_code = _phase(pod)
             node_name = (pod.get("spec") or {}).get("nodeName")
-            if phase.alive and self._lost_node_of(pod):
+            lost = self._lost_node_of(pod) if phase.alive else None
+            if lost is not None:
                 # Its kubelet is gone: the pod object still says Running, but nothing there can be
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
@@ -226,7 +227,7 @@ class KubernetesBackend:
                     zone=labels.get(NODE_ZONE_LABEL),
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
-                    detail=_failure_detail(pod, exit_code),
+                    detail=lost or _failure_detail(pod, exit_code),
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
@@ -564,13 +565,22 @@ CONTAINER_STATUS_UNKNOWN = "ContainerStatusUnknown"
 """The reason the kubelet gives a container it ends without having found it (exit code 137)."""
 
 
+def _container_not_found(pod: Object) -> bool:
+    """Whether the kubelet ended the training container without finding it (``ContainerStatusUnknown``:
+    its node rebooted, or the runtime lost it) and wrote exit 137 itself, outside an eviction (one for
+    the pod's own storage limit keeps its code: the job's failure)."""
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
+    evicted = (pod.get("status") or {}).get("reason") == "Evicted"
+    return terminated.get("reason") == CONTAINER_STATUS_UNKNOWN and not evicted
+
+
 def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     """The worker's phase and the agent's exit code (see the module docstring)."""
     status = pod.get("status") or {}
     trainer = pods.training_container_status(pod)
     terminated = (trainer.get("state") or {}).get("terminated")
     if terminated is not None and terminated.get("exitCode") is not None:
-        if terminated.get("reason") == CONTAINER_STATUS_UNKNOWN and status.get("reason") != "Evicted":
+        if _container_not_found(pod):
             # The kubelet found no container to read a code from (its node rebooted, or the
             # runtime lost it) and wrote 137 itself: no exit of the agent's, a lost worker. An
             # eviction keeps its code: one for the pod's own storage limit is the job's failure.
@@ -627,6 +637,11 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             f"init container {init.get('name')} exited {terminated.get('exitCode')}"
             f"{' (' + str(terminated['reason']) + ')' if terminated.get('reason') else ''} before the training "
             f"container started{': ' + said if said else ''}; kubectl logs {_name(pod)} -c {init.get('name')}"
+        )
+    if exit_code is None and _container_not_found(pod):
+        return (
+            "the kubelet could not find the training container (ContainerStatusUnknown): its node restarted, "
+            "or the container runtime lost it"
         )
     return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
 

@@ -166,6 +166,8 @@ def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_wat
         assert fresh.reconciler.reconcile(KEY).phase is not Phase.RUNNING
         status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
         assert status["preemptions"] == 1 and status["restarts"] == 0, status
+        (restart,) = status["restartHistory"]
+        assert "node n1 was registered again" in restart["message"], restart
     finally:
         fresh.stop()
 
@@ -207,3 +209,5 @@ def test_a_worker_whose_container_the_kubelet_could_not_find_is_lost_not_failed(
     parts.reconciler.reconcile(KEY)
     status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
     assert status["preemptions"] == 1 and status["restarts"] == 0, status
+    (restart,) = status["restartHistory"]
+    assert restart["reason"] == "WorkerLost" and "ContainerStatusUnknown" in restart["message"], restart
