@@ -146,6 +146,10 @@ class Placement:
     avoid_nodes: frozenset[str] = frozenset()
     avoid_zones: frozenset[str] = frozenset()
     avoid_instance_types: frozenset[str] = frozenset()
+    nodes_avoided_since: tuple[tuple[str, datetime], ...] = ()
+    """When each avoided node's cool-down began, where known. A backend whose node names are
+    reused (a cloud that registers a new machine under the preempted one's name) may place a worker
+    on an avoided name that now names a machine registered after that: it is not the preempted one."""
 
     def describe(self) -> str:
         parts = [

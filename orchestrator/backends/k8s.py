@@ -29,7 +29,9 @@ builds the objects):
   the template's other containers (a helper that finished, a sidecar with a probe of its own) say
   nothing about training. The training container's exit code is the agent's; a pod that failed
   because an init container did (the agent never ran) failed with that container's code, a
-  failure of the template like one of the training code; a pod that failed without either
+  failure of the template like one of the training code; a training container the kubelet ended
+  without finding it (``ContainerStatusUnknown``, exit 137: its node rebooted) has no code of the
+  agent's, and unless the pod was evicted it is lost; a pod that failed without either
   (deleted with its node, evicted before it started) was lost, and so is a pod whose node is lost
   (deleted, or NotReady past the grace): its object may say Running for minutes, but no kubelet
   reports for it and no flush can reach it.
@@ -80,7 +82,7 @@ from orchestrator.k8s.api import (
 )
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, nodes_being_taken
 from orchestrator.k8s.informer import Cache
-from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase
+from orchestrator.model import DEFAULT_CONTAINER_NAME, JobKey, JobSpec, WorkerPhase, parse_timestamp
 from orchestrator.signals import Signal
 
 log = logging.getLogger(__name__)
@@ -159,7 +161,7 @@ class KubernetesBackend:
         existing = {_name(p): p for p in job_pods if _attempt(p) == attempt}
         view = _worker_spec(spec)
         where = pods.WorkerPlacement(
-            avoid_nodes=frozenset(placement.avoid_nodes) | self._doomed_nodes(),
+            avoid_nodes=self._still_avoided(placement) | self._doomed_nodes(),
             avoid_zones=frozenset(placement.avoid_zones),
             avoid_instance_types=frozenset(placement.avoid_instance_types),
         )
@@ -204,7 +206,8 @@ class KubernetesBackend:
                 continue
             phase, exit_code = _phase(pod)
             node_name = (pod.get("spec") or {}).get("nodeName")
-            if phase.alive and node_name and self._node_lost(node_name):
+            lost = self._lost_node_of(pod) if phase.alive else None
+            if lost is not None:
                 # Its kubelet is gone: the pod object still says Running, but nothing there can be
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
@@ -224,7 +227,7 @@ class KubernetesBackend:
                     zone=labels.get(NODE_ZONE_LABEL),
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
-                    detail=_failure_detail(pod, exit_code),
+                    detail=lost or _failure_detail(pod, exit_code),
                     step=step,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
@@ -415,16 +418,43 @@ class KubernetesBackend:
         """Why node ``name`` counts as lost (deleted, or not Ready past the grace), or None."""
         return self._signals.tracker.observe(name, self._nodes.get("", name))
 
-    def _maybe_force_delete(self, pod: Object) -> None:
-        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it."""
+    def _lost_node_of(self, pod: Object) -> str | None:
+        """Why the node ``pod`` ran on is lost: deleted, not Ready past the grace, or replaced by a
+        new Node object under its name (created after the pod was placed). None: not lost, or the
+        pod is on no node yet."""
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name:
-            return
+            return None
         lost = self._node_lost(node_name)
+        if lost is not None:
+            return lost
+        return _replaced_node(pod, self._nodes.get("", node_name))
+
+    def _maybe_force_delete(self, pod: Object) -> None:
+        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it (on a node
+        replaced under its name, the machine that ran it is gone)."""
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        lost = self._lost_node_of(pod)
         if lost is None:
             return
         log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
         self._delete_pod(pod, force=True)
+
+    def _still_avoided(self, placement: Placement) -> frozenset[str]:
+        """The nodes in cool-down, less those whose name now names a new machine: a Node object
+        created after the cool-down began (GKE recreates a preempted VM under its instance name,
+        and Karpenter's names come from the instance's private DNS name)."""
+        since = dict(placement.nodes_avoided_since)
+        out = set()
+        for name in placement.avoid_nodes:
+            began = since.get(name)
+            node = self._nodes.get("", name)
+            created = parse_timestamp(((node or {}).get("metadata") or {}).get("creationTimestamp"))
+            if began is not None and created is not None and created > began:
+                log.debug("node %s was registered again since its cool-down began: a new machine, not avoided", name)
+                continue
+            out.add(name)
+        return frozenset(out)
 
     def _doomed_nodes(self) -> frozenset[str]:
         """Nodes a new worker must not land on: a preemption taint or an interruption notice on them.
@@ -485,6 +515,31 @@ def _deleting(pod: Object) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def _replaced_node(pod: Object, node: Object | None) -> str | None:
+    """Why ``pod`` ran on an earlier node of its node's name, or None.
+
+    Karpenter names a node after its instance's private DNS name and GKE after its VM: a node
+    deleted and registered again under the same name is a new Node object, created after the pod
+    was placed on the old one (the scheduler binds only to nodes that exist, and its PodScheduled
+    time and the Node's creationTimestamp are both control-plane clocks). A controller that missed
+    the deletion (restarted, or a relist that shows the new Node as an update) would otherwise see
+    a Ready node and the pod still saying Running. Whole seconds: a node replaced within the second
+    its pod was placed is not told apart (a replacement takes a new machine's boot)."""
+    if node is None:
+        return None
+    created = parse_timestamp((node.get("metadata") or {}).get("creationTimestamp"))
+    placed = None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            placed = parse_timestamp(condition.get("lastTransitionTime"))
+    if created is None or placed is None or created <= placed:
+        return None
+    return (
+        f"node {_name(node)} was registered again at {created.isoformat()}, after the pod was placed on the "
+        f"earlier node of that name at {placed.isoformat()}"
+    )
+
+
 def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
     """The status of the init container whose failure failed the pod before the agent ran, if any.
 
@@ -506,12 +561,30 @@ def _failed_init_container(pod: Object) -> Mapping[str, Any] | None:
     return None
 
 
+CONTAINER_STATUS_UNKNOWN = "ContainerStatusUnknown"
+"""The reason the kubelet gives a container it ends without having found it (exit code 137)."""
+
+
+def _container_not_found(pod: Object) -> bool:
+    """Whether the kubelet ended the training container without finding it (``ContainerStatusUnknown``:
+    its node rebooted, or the runtime lost it) and wrote exit 137 itself, outside an eviction (one for
+    the pod's own storage limit keeps its code: the job's failure)."""
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
+    evicted = (pod.get("status") or {}).get("reason") == "Evicted"
+    return terminated.get("reason") == CONTAINER_STATUS_UNKNOWN and not evicted
+
+
 def _phase(pod: Object) -> tuple[WorkerPhase, int | None]:
     """The worker's phase and the agent's exit code (see the module docstring)."""
     status = pod.get("status") or {}
     trainer = pods.training_container_status(pod)
     terminated = (trainer.get("state") or {}).get("terminated")
     if terminated is not None and terminated.get("exitCode") is not None:
+        if _container_not_found(pod):
+            # The kubelet found no container to read a code from (its node rebooted, or the
+            # runtime lost it) and wrote 137 itself: no exit of the agent's, a lost worker. An
+            # eviction keeps its code: one for the pod's own storage limit is the job's failure.
+            return WorkerPhase.FAILED, None
         # The agent exited: its code decides, whatever sidecars still run in the pod.
         code = int(terminated["exitCode"])
         return (WorkerPhase.SUCCEEDED if code == 0 else WorkerPhase.FAILED), code
@@ -565,7 +638,31 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             f"{' (' + str(terminated['reason']) + ')' if terminated.get('reason') else ''} before the training "
             f"container started{': ' + said if said else ''}; kubectl logs {_name(pod)} -c {init.get('name')}"
         )
-    return _refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod)
+    if exit_code is None and _container_not_found(pod):
+        return (
+            "the kubelet could not find the training container (ContainerStatusUnknown): its node restarted, "
+            "or the container runtime lost it"
+        )
+    return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
+
+
+def _evicted(pod: Object) -> str | None:
+    """For a pod the kubelet evicted (status reason Evicted): its message. An eviction for the pod's
+    own ephemeral-storage limit or an emptyDir's sizeLimit kills at once (the trainer ends 137, which
+    would read as an out-of-memory kill) and sets no DisruptionTarget, so it stays the job's failure;
+    the checkpoints staged in the spotjob-staging emptyDir count against that limit."""
+    status = pod.get("status") or {}
+    said = " ".join(str(status.get("message") or "").split())[:300]
+    if status.get("reason") != "Evicted" or not said:
+        return None
+    hint = ""
+    if "ephemeral" in said.lower() or "emptydir" in said.lower():
+        hint = (
+            f"; checkpoints are staged on the node's disk in the {pods.STAGING_VOLUME} emptyDir, which counts "
+            "against it: raise resources.limits.ephemeral-storage (or the emptyDir's sizeLimit), or give the "
+            f"template a volume named {pods.STAGING_VOLUME} (a local disk)"
+        )
+    return f"evicted by the kubelet: {said}{hint}; kubectl describe pod {_name(pod)}"
 
 
 _RANK_KILLED = f") {KILLED_BY} SIGKILL"

@@ -215,6 +215,14 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
     for key in ("hostname", "subdomain"):
         if spec.get(key):
             problems.append(f"spec.template.spec.{key} must be unset: spotjob names each worker")
+    if spec.get("activeDeadlineSeconds") is not None:
+        # The kubelet ends a pod past its deadline (DeadlineExceeded) with a SIGTERM, which the
+        # agent takes as a notice: every attempt would flush and restart as a "preemption", for ever.
+        problems.append(
+            "spec.template.spec.activeDeadlineSeconds must be unset: the kubelet would stop every attempt's "
+            "pods after that long and spotjob would take it for a preemption and start the next attempt, "
+            "without end; stop a job you no longer want with kubectl delete spotjob"
+        )
     return problems
 
 

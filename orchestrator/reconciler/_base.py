@@ -50,11 +50,16 @@ class _Base:
             p.status.restarting_seconds += (p.now - recovery.stopped_at).total_seconds()
         p.status.recovery = None
 
-    def _placement(self, status: JobStatus) -> Placement:
+    def _placement(self, status: JobStatus, cooldown_seconds: float) -> Placement:
         def values(kind: str) -> frozenset[str]:
             return frozenset(a.value for a in status.avoid if a.kind == kind)
 
-        return Placement(values("node"), values("zone"), values("instanceType"))
+        # When each node's cool-down began: its end less the spec's length (an end clamped to a
+        # shorter cool-down only makes that later, never earlier than the preemption).
+        since = tuple(
+            (a.value, a.until - timedelta(seconds=cooldown_seconds)) for a in status.avoid if a.kind == "node"
+        )
+        return Placement(values("node"), values("zone"), values("instanceType"), since)
 
     def _set_phase(self, p: _Pass, phase: Phase, reason: str, message: str) -> None:
         if phase is not p.status.phase:

@@ -560,7 +560,8 @@ class Reconciler(_Capacity):
                 return None
             # Idempotent: a backend may create the attempt's workers over several passes (a
             # rendezvous address known only once the first one runs).
-            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, self._placement(status))
+            placement = self._placement(status, p.spec.cooldown.seconds)
+            self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
             return min(self._options.starting_poll_seconds, capacity_wait)
 
         leftovers = [w.name for w in p.workers if w.attempt != attempt.number and w.phase.alive]
@@ -584,7 +585,7 @@ class Reconciler(_Capacity):
         if not self._record_attempt(p):
             return self._options.infra_delay(status.infra_errors)
         self._maybe_return_to_spot(p)
-        placement = self._placement(status)
+        placement = self._placement(status, p.spec.cooldown.seconds)
         self._backend.start_workers(p.key, self._effective_spec(p), attempt.number, placement)
         attempt.started_at = p.now
         attempt.replicas = spec.replicas

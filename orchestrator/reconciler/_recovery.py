@@ -186,6 +186,8 @@ class _Recovery(_FlushRequests):
         if lost:
             first_lost = lost[0]
             message = WORKER_LOST.message(worker=first_lost.name, node=first_lost.node)
+            if isinstance(first_lost, WorkerObservation):
+                message += _detail(first_lost)  # what the backend knows of why (a node lost, ...)
             return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
         return None
 
@@ -444,7 +446,7 @@ class _Recovery(_FlushRequests):
             cause=recovery.reason,
             next=status.attempt.number,
             delay=delay,
-            avoid=self._placement(status).describe(),
+            avoid=self._placement(status, p.spec.cooldown.seconds).describe(),
         )
         self._set_phase(p, Phase.RESCHEDULING, RESCHEDULED.name, message)
         self._condition(p, READY, False, RESCHEDULED.name, message)

@@ -83,6 +83,42 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
 
 
+def test_a_noexecute_taint_the_worker_does_not_tolerate_is_a_preemption_it_flushes_for_bit_identical(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    uninterrupted: Path,
+    tmp_path: Path,
+) -> None:
+    """Pins what already worked: a ``NoExecute`` taint spotjob does not know (an operator's, or the
+    node lifecycle controller's once its toleration runs out) makes the taint manager mark the
+    worker ``DisruptionTarget``/``DeletionByTaintManager`` and delete it with its grace period. The
+    controller takes the condition as a preemption (no restart counted) and the agent the SIGTERM
+    as a notice: the flush commits and the job moves. The test control plane's taint manager plays
+    the real one (it does not model ``tolerationSeconds`` added by admission)."""
+    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
+    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
+    start_controller(namespace)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
+
+    wait_phase(cluster, namespace, "train", "Running")
+    _wait_for_a_commit(str(tmp_path / "ckpt"))
+    (first,) = _still_running(cluster, namespace)
+    tainted = _node_of(first)
+    cluster.taint_node(tainted, "example.com/maintenance", "true", "NoExecute")
+
+    final = wait_phase(cluster, namespace, "train", "Succeeded")
+    assert final["preemptions"] == 1 and final["restarts"] == 0, final
+    (last,) = [
+        p for p in job_pods(cluster, namespace, "train") if p["metadata"]["labels"]["spotjob.dev/attempt"] == "1"
+    ]
+    assert _node_of(last) != tainted
+    assert "SpotInterrupted" in event_reasons(cluster, namespace, "train")
+    assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
+
+
 def _wait_for_a_commit(uri: str) -> None:
     """Storage holds a committed checkpoint. Read from storage, not the job's status, which a
     Running job refreshes every 10 s: a short job on a slow machine could end before it shows."""

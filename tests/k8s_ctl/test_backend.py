@@ -426,11 +426,70 @@ def test_a_job_created_again_under_its_name_never_takes_its_predecessors_termina
     assert [b["metadata"]["name"] for r, b in world.client.created if r == "pods"] == ["llama-0-0"]
 
 
+def _placed(p: dict[str, Any], at: str) -> dict[str, Any]:
+    p["status"]["conditions"].append({"type": "PodScheduled", "status": "True", "lastTransitionTime": at})
+    return p
+
+
+def _created(n: dict[str, Any], at: str) -> dict[str, Any]:
+    n["metadata"]["creationTimestamp"] = at
+    return n
+
+
+def test_a_pod_placed_on_an_earlier_node_of_its_nodes_name_is_lost_and_force_deleted_when_terminating(
+    world: World,
+) -> None:
+    """Karpenter names nodes after the instance's private DNS name and GKE after its VM, so a node
+    can be deleted and a new one registered under the same name. A controller that did not see the
+    deletion (restarted, a new leader, or its Node watch relisted after 410 Gone: a relist shows
+    the new node as an update of the old) saw a Ready node and the pods bound to that name still
+    saying Running: the worker was never lost and the job waited on a machine that no longer ran it.
+    A pod placed (PodScheduled) before its node's Node object was created ran on an earlier one.
+    What the dicts do not model: what a real new kubelet does with pods bound to its name (it may
+    run them again from the start); that is what stopping them at once avoids."""
+    world.add(
+        _created(node("n1"), "2026-01-01T00:00:00Z"),
+        _created(node("n2"), "2026-01-01T02:00:00Z"),  # replaced under its name after the pod came
+        _placed(pod(0, node_name="n1"), "2026-01-01T00:00:00Z"),  # same second: the node's own pod
+        _placed(pod(1, node_name="n2", ip="10.0.0.2"), "2026-01-01T01:00:00Z"),
+    )
+    assert world.phases() == {"llama-0-0": (WorkerPhase.RUNNING, None), "llama-0-1": (WorkerPhase.FAILED, None)}
+    world.add(
+        _placed(pod(0, node_name="n1", deleting=True), "2026-01-01T00:00:00Z"),
+        _placed(pod(1, node_name="n2", ip="10.0.0.2", deleting=True), "2026-01-01T01:00:00Z"),
+    )
+    world.backend.stop_workers(KEY, spec())
+    assert world.client.deleted == [("pods", "llama-0-1", 0)], "only the pod of the replaced node is forced"
+
+
 def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_live_node_is_not(world: World) -> None:
     world.add(pod(0, deleting=True, node_name="n1"), pod(1, deleting=True, node_name="n2", ip="10.0.0.2"))
     world.add(node("n2", ready="Unknown"))
     world.backend.stop_workers(KEY, spec())
     assert world.client.deleted == [("pods", "llama-0-1", 0)]
+
+
+def test_a_node_in_cool_down_registered_again_under_its_name_is_a_new_machine_and_not_avoided(world: World) -> None:
+    """GKE recreates a preempted spot VM of a node pool under the same instance name, and its node
+    registers under the same node name. The cool-down kept the job off that name for
+    ``cooldown.seconds`` (30 minutes by default): on a pool as large as the job, every replacement
+    node stayed out of reach and the attempt waited Unschedulable that long. A name whose Node
+    object was created after the cool-down began is a new machine; one created before stays
+    avoided, and so does a name with no Node object at all."""
+    preempted_at = datetime(2026, 1, 1, 1, 0, tzinfo=UTC)
+    world.add(
+        _created(node("n1"), "2026-01-01T01:02:00Z"),  # recreated after the preemption
+        _created(node("n2"), "2026-01-01T00:00:00Z"),  # the same machine, back
+    )
+    since = tuple((n, preempted_at) for n in ("n1", "n2", "gone"))
+    world.backend.start_workers(
+        KEY, spec(), 0, Placement(avoid_nodes=frozenset({"n1", "n2", "gone"}), nodes_avoided_since=since)
+    )
+    (created,) = [b for r, b in world.client.created if r == "pods"]
+    (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("gone", "n2")]
 
 
 def test_a_flush_to_a_pod_without_an_ip_fails_at_once_and_one_with_an_ip_goes_to_its_agent(world: World) -> None:
@@ -672,6 +731,37 @@ def test_an_oom_killed_training_container_or_rank_says_so_with_its_memory_limit_
     detail = observed["llama-0-2"].detail
     assert detail is not None and detail.startswith("spotjob-agent launcher: rank 3 (pid 77) was killed by SIGKILL")
     assert detail.endswith("kubectl logs llama-0-2"), detail
+
+
+def test_a_worker_the_kubelet_evicted_for_its_own_storage_limit_says_so_and_names_the_staging_folder(
+    world: World,
+) -> None:
+    """The kubelet evicts a pod past its own ephemeral-storage limit or an emptyDir's sizeLimit at
+    once (grace 0, so the trainer ends 137) with status reason Evicted and its message, and no
+    DisruptionTarget (that condition is for node-pressure evictions): a failure of the job, as
+    before, but the worker read only "exited with code 137", which reads as an out-of-memory kill.
+    Checkpoints staged in the spotjob-staging emptyDir count against that limit. The statuses are
+    the kubelet's as its eviction manager writes them; no kubelet runs here."""
+    evicted = pod(0, exit_code=137, phase="Failed")
+    evicted["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "Error"
+    evicted["status"].update(
+        reason="Evicted", message="Pod ephemeral local storage usage exceeds the total limit of containers 20Gi. "
+    )
+    sized = pod(1, exit_code=137, phase="Failed", ip="10.0.0.2")
+    sized["status"].update(reason="Evicted", message='Usage of EmptyDir volume "data" exceeds the limit "1Gi". ')
+    # As the kubelet often writes it: the container it killed is "not located", 137 all the same.
+    sized["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "ContainerStatusUnknown"
+    world.add(evicted, sized)
+    observed = {w.name: w for w in world.backend.list_workers(KEY, spec())}
+    assert (observed["llama-0-0"].phase, observed["llama-0-0"].exit_code) == (WorkerPhase.FAILED, 137)
+    assert (observed["llama-0-1"].phase, observed["llama-0-1"].exit_code) == (WorkerPhase.FAILED, 137)
+    detail = observed["llama-0-0"].detail
+    assert detail is not None and detail.startswith(
+        "evicted by the kubelet: Pod ephemeral local storage usage exceeds the total limit of containers 20Gi."
+    ), detail
+    assert "spotjob-staging" in detail and "ephemeral-storage" in detail, detail
+    detail = observed["llama-0-1"].detail
+    assert detail is not None and 'EmptyDir volume "data" exceeds the limit "1Gi"' in detail, detail
 
 
 def test_a_worker_whose_agent_cannot_be_asked_to_flush_is_deleted_so_that_its_sigterm_flushes() -> None:

@@ -434,3 +434,16 @@ def test_a_template_env_variable_spotjob_leaves_alone_reaches_the_worker() -> No
     env = {e["name"]: e.get("value") for e in pod(0, template=template)["spec"]["containers"][1]["env"]}
     assert env["SPOTJOB_EVERY_SECONDS"] == "600"
     assert env["SPOTJOB_STORAGE_CONCURRENCY"] == "4"
+
+
+def test_a_template_with_a_pod_deadline_is_refused_naming_the_field() -> None:
+    """``activeDeadlineSeconds`` in the template: on a real cluster the kubelet ends a pod that ran
+    that long (phase Failed, reason DeadlineExceeded) by stopping its containers with their grace
+    period. The agent takes that SIGTERM as a notice, flushes and exits 75, so the job counted a
+    preemption, started the next attempt with the same deadline, and so on for ever: no restart
+    budget spent, never an end. (The test kubelet does not enforce the deadline; this checks the
+    refusal, the rule the controller applies before any pod exists.)"""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["activeDeadlineSeconds"] = 3600
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith("spec.template.spec.activeDeadlineSeconds") for p in problems), problems

@@ -1,11 +1,13 @@
 """The reconciler on Kubernetes parts (``KubeJobStore``, ``KubernetesBackend``, the informers) over the
 test API server with the chart's CRD, one pass at a time: what a pass does to a SpotJob that is
-being deleted. No kubelet: the pods the controller creates stay Pending, and the test plays the
-garbage collector.
+being deleted, and to one whose worker's node was replaced under its name. No kubelet: the pods
+the controller creates stay Pending, and the test plays the garbage collector (and, where it says
+so, the scheduler and the kubelet).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,104 @@ def test_a_spotjob_being_deleted_gets_no_new_attempt_when_its_pods_go(test_api: 
     assert stored.status.phase is Phase.PENDING and stored.status.preemptions == 0, stored.status
     assert stored.status.attempt.number == 0
     assert [p["metadata"]["name"] for p in test_api.admin.list(PODS, "default")[0]] == []
+
+
+def _node(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+
+
+def _register_node(test_api: TestApi, name: str) -> None:
+    """A kubelet registering: the Node, then its Ready condition (the status subresource)."""
+    node = test_api.admin.create(NODES, _node(name))
+    node["status"] = {"conditions": [{"type": "Ready", "status": "True"}]}
+    test_api.admin.replace(NODES, node, subresource="status")
+
+
+def _run_on(test_api: TestApi, pod_name: str, node: str) -> None:
+    """The scheduler's binding (the server stamps PodScheduled), then a kubelet's Running status
+    with the training container ready."""
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod_name}, "target": {"name": node}}
+    path = PODS.path("default", pod_name, "binding")
+    test_api.admin._json("create", PODS, "POST", path, body=binding, subresource="binding")
+    pod = test_api.admin.get(PODS, pod_name, "default")
+    (trainer,) = pod["spec"]["containers"]
+    pod["status"]["phase"] = "Running"
+    pod["status"]["containerStatuses"] = [{"name": trainer["name"], "ready": True, "state": {"running": {}}}]
+    test_api.admin.replace(PODS, pod, subresource="status")
+
+
+def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_watched_is_lost(
+    test_api: TestApi, parts: Parts, tmp_path: Path
+) -> None:
+    """Karpenter and GKE reuse node names. The node of a running worker is deleted and a new one
+    registers under its name while no controller watches (restarted, or a leader change): the new
+    controller lists a Ready node and a pod that still says Running, and kept waiting on a worker
+    no machine ran. The test plays the scheduler (a real binding: the server stamps PodScheduled)
+    and the kubelet (the pod's status); what it does not model is what a real new kubelet does with
+    a pod bound to its name, and the creation times are whole seconds, hence the pause."""
+    _register_node(test_api, "n1")
+    test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
+    wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+    parts.reconciler.reconcile(KEY)
+    wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod in the cache")
+    _run_on(test_api, "llama-0-0", "n1")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Running",
+        what="the pod running in the cache",
+    )
+    assert parts.reconciler.reconcile(KEY).phase is Phase.RUNNING
+    parts.stop()
+
+    test_api.admin.delete(NODES, "n1")
+    time.sleep(1.1)  # a creationTimestamp in a later second than the binding's PodScheduled
+    _register_node(test_api, "n1")
+    fresh = Parts(test_api, tmp_path)
+    try:
+        assert fresh.reconciler.reconcile(KEY).phase is not Phase.RUNNING
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        assert status["preemptions"] == 1 and status["restarts"] == 0, status
+        (restart,) = status["restartHistory"]
+        assert "node n1 was registered again" in restart["message"], restart
+    finally:
+        fresh.stop()
+
+
+def test_a_worker_whose_container_the_kubelet_could_not_find_is_lost_not_failed(
+    test_api: TestApi, parts: Parts
+) -> None:
+    """A node that rebooted (a kernel panic, a GPU's Xid error, host maintenance) and came back
+    before ``--node-lost-grace-seconds``: its kubelet finds no container for a pod that was running
+    and, the pod being ``restartPolicy: Never``, ends it with each container terminated
+    ``ContainerStatusUnknown``, exit 137 (the kubelet's status manager, TerminatePod). That 137 is
+    the kubelet's, not the agent's: the job counted a failure of the user's code and spent a
+    restart. The test writes that status as the kubelet would; no kubelet runs."""
+    _register_node(test_api, "n1")
+    test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
+    wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+    parts.reconciler.reconcile(KEY)
+    wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod in the cache")
+    _run_on(test_api, "llama-0-0", "n1")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Running",
+        what="the pod running in the cache",
+    )
+    assert parts.reconciler.reconcile(KEY).phase is Phase.RUNNING
+
+    pod = test_api.admin.get(PODS, "llama-0-0", "default")
+    unknown = {
+        "exitCode": 137,
+        "reason": "ContainerStatusUnknown",
+        "message": "The container could not be located when the pod was terminated",
+    }
+    pod["status"]["phase"] = "Failed"
+    pod["status"]["containerStatuses"][0].update(ready=False, state={"terminated": unknown})
+    test_api.admin.replace(PODS, pod, subresource="status")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Failed",
+        what="the failed pod in the cache",
+    )
+    parts.reconciler.reconcile(KEY)
+    status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+    assert status["preemptions"] == 1 and status["restarts"] == 0, status
+    (restart,) = status["restartHistory"]
+    assert restart["reason"] == "WorkerLost" and "ContainerStatusUnknown" in restart["message"], restart

@@ -320,6 +320,9 @@ def test_restarts_the_gang_away_from_the_preempted_node(world: World) -> None:
     assert [(a.kind, a.value) for a in status.avoid] == [("node", "n0")]
     placement = world.backend.start_calls[-1][1]
     assert placement.avoid_nodes == {"n0"} and not placement.avoid_zones
+    # When the cool-down began, for a backend whose node names name new machines later.
+    ((name, began),) = placement.nodes_avoided_since
+    assert name == "n0" and began == status.avoid[0].until - timedelta(seconds=1800)  # the default length
     assert status.reason == "WorkersRunning" and status.recovery is None
     assert status.condition("Ready").status == "True"  # type: ignore[union-attr]
 
