@@ -282,12 +282,13 @@ class FileStorage(Storage):
         def read() -> bytes:
             self._check_root()
             try:
-                with open(path, "rb") as f:
-                    return f.read()
+                fd = self._open_regular(path, key)
             except OSError as e:
                 if e.errno in _ABSENT:
                     raise NotFoundError(f"{self.url(key)} does not exist", key) from None
                 raise
+            with open(fd, "rb") as f:
+                return f.read()
 
         return self._run(f"cannot read {self.url(key)}", key, read)
 
@@ -306,7 +307,7 @@ class FileStorage(Storage):
         def open_src() -> int:
             self._check_root()
             try:
-                return os.open(src, os.O_RDONLY)
+                return self._open_regular(src, key)
             except OSError as e:
                 if e.errno in _ABSENT:
                     raise NotFoundError(f"{self.url(key)} does not exist", key) from None
@@ -345,6 +346,25 @@ class FileStorage(Storage):
             )
         with local_file(f"cannot write the local file {local_path}", key):
             os.replace(tmp, local_path)
+
+    def _open_regular(self, path: str, key: str) -> int:
+        """Open ``path`` for reading, refusing anything but a regular file. Whoever can write in
+        the folder could plant a FIFO (a plain ``open`` waits for a writer for ever) or a link to a
+        device where a checkpoint file belongs: opened without blocking, checked, then read."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptObjectError(
+                    f"{self.url(key)} is {_kind(mode)}, not a regular file: spotjob writes no such thing, so "
+                    "someone else put it there; remove it",
+                    key,
+                )
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def stat(self, key: str) -> ObjectInfo | None:
         path = self._path(key)
@@ -390,10 +410,15 @@ class FileStorage(Storage):
                     key = os.path.relpath(full, self.root).replace(os.sep, "/")
                     if key.startswith(prefix):
                         try:
-                            yield ObjectInfo(key, os.path.getsize(full))
+                            info = os.stat(full)
                         except OSError as e:
                             if e.errno not in _ABSENT:
                                 raise
+                            continue
+                        # A FIFO, socket or device (or a link to one) is no object: reading it
+                        # could wait for ever, so no reader is ever pointed at it.
+                        if stat.S_ISREG(info.st_mode):
+                            yield ObjectInfo(key, info.st_size)
         except OSError as e:
             raise self._error(e, what, None) from e
 
@@ -453,6 +478,19 @@ def _holds(path: str, data: bytes) -> bool:
         if e.errno in (*_ABSENT, errno.EISDIR):
             return False
         raise
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "something other than a file"
 
 
 def _unlink_absent_ok(path: str) -> None:

@@ -22,7 +22,7 @@ from agent.manifest import (
     TensorEntry,
     rank_file_name,
 )
-from agent.storage import TransientStorageError
+from agent.storage import CorruptObjectError, TransientStorageError
 from agent.storage.file import FileStorage
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -266,3 +266,33 @@ def test_a_manifest_naming_a_file_with_a_control_character_is_invalid_and_never_
     status = inspect(storage, ref)
     assert not status.valid and "control character" in status.reason
     assert name not in status.reason and not any(c in status.reason for c in "\n\x1b\x07\x85")
+
+
+def test_a_fifo_planted_as_a_manifest_is_no_commit_and_hangs_no_reader(storage: FileStorage) -> None:
+    """Whoever can write in the folder makes ``MANIFEST.json`` a FIFO: opening it would wait for a
+    writer for ever, in ``spotjob ckpt list``, restore, retention and the controller alike. A
+    FIFO is no object of the store: the folder reads as uncommitted."""
+    storage.put_bytes("step-000000005/rank-00000.pt", b"r0")
+    os.mkfifo(storage.local_path("step-000000005/" + MANIFEST_NAME) or "")
+    assert [o.key for o in storage.list("step-000000005/")] == ["step-000000005/rank-00000.pt"]
+    [status] = list_checkpoints(storage)
+    assert not status.committed
+
+
+def test_a_fifo_in_place_of_a_listed_file_makes_the_checkpoint_invalid_and_is_never_read(
+    storage: FileStorage,
+) -> None:
+    """A manifest listing an empty file, then a FIFO put in its place (same size as listed: 0):
+    invalid before anything opens it, and a direct read refuses it rather than waiting for ever."""
+    ref = write(storage, 5, {rank_file_name(0): b"r0", "extra.bin": b""})
+    path = storage.local_path(ref.key("extra.bin")) or ""
+    os.unlink(path)
+    os.mkfifo(path)
+    status = inspect(storage, ref)
+    assert not status.valid and "extra.bin is missing" in status.reason
+    assert "extra.bin is missing" in " ".join(verify_deep(storage, status))
+    with pytest.raises(CorruptObjectError, match="is a FIFO, not a regular file"):
+        storage.get_bytes(ref.key("extra.bin"))
+    with pytest.raises(CorruptObjectError, match="is a FIFO, not a regular file"):
+        storage.get_file(ref.key("extra.bin"), path + ".copy")
+    assert not os.path.exists(path + ".copy")
