@@ -7,6 +7,7 @@ intact checkpoint from a torn or tampered one without trusting anything else in 
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from datetime import UTC, datetime
@@ -97,8 +98,16 @@ def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int = MAX_JSON_DEPT
         raise UntrustedJSONError("nested too deeply") from None
 
 
+MAX_PATH_BYTES = 1024
+"""The longest file name (UTF-8, relative to the checkpoint folder) a manifest may list. S3 and GCS
+refuse object names over 1024 bytes with the URI's prefix included, so no checkpoint a store holds
+lists a longer one; the bound keeps a crafted name from costing time or memory per character."""
+
+
 def check_relative_path(path: str) -> str:
     """Accept only plain relative paths that stay inside the checkpoint folder."""
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise ValueError(f"path {path[:64]!r}... is longer than the {MAX_PATH_BYTES} bytes a file name may have")
     if not path or path.startswith(("/", "\\")) or "\\" in path or ":" in path.split("/")[0]:
         raise ValueError(f"path {path!r} is not relative to the checkpoint folder")
     parts = path.split("/")
@@ -184,9 +193,14 @@ class Manifest(BaseModel):
             raise ValueError("manifest lists a file twice")
         if MANIFEST_NAME in names:
             raise ValueError("manifest lists itself")
-        folders = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)}
+        ordered = sorted(names)
         for name in names:
-            if name in folders:
+            # A name is a folder of another when some name starts with it and "/": in sorted order
+            # the first name at or after ``name + "/"`` does, if any does. (Collecting every folder
+            # of every name instead costs the square of a name's depth: a crafted name of 40 000
+            # levels took 16 s and 1.5 GB.)
+            i = bisect.bisect_left(ordered, name + "/")
+            if i < len(ordered) and ordered[i].startswith(name + "/"):
                 # No filesystem (a restore cache, a file:// store) holds a file and a folder of one name.
                 raise ValueError(f"manifest lists {name!r} both as a file and as a folder of other files")
             if name.endswith(CACHE_SUFFIXES):
