@@ -153,7 +153,9 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
 
     def ints(value: Any, what: str) -> list[int]:
         if not isinstance(value, tuple | list) or not all(type(n) is int and n >= 0 for n in value):
-            raise UnsafeCheckpointError(f"{where} gives {what} as {value!r}, not a list of non-negative integers")
+            raise UnsafeCheckpointError(
+                f"{where} gives {what} as {_short(value)}, not a list of non-negative integers"
+            )
         return list(value)
 
     listed = {f.path: f for f in manifest.files}  # one lookup per region: a big model has 100 000s
@@ -163,12 +165,13 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         entry = listed.get(path) if isinstance(path, str) else None
         if entry is None:
-            raise UnsafeCheckpointError(f"{where} points at {path!r}, which MANIFEST.json does not list")
+            raise UnsafeCheckpointError(f"{where} points at {_short(path)}, which MANIFEST.json does not list")
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise UnsafeCheckpointError(f"{where} gives {path} a region at {offset!r} of {length!r} bytes")
+            raise UnsafeCheckpointError(f"{where} gives {path} a region at {_short(offset)} of {_short(length)} bytes")
         if offset + length > entry.size:
             raise UnsafeCheckpointError(
-                f"{where} places {getattr(index, 'fqn', index)!r} at bytes {offset}..{offset + length} of {path}, "
+                f"{where} places {_short(getattr(index, 'fqn', index))} at bytes {_short(offset)}..{_short(offset + length)} "
+                f"of {path}, "
                 f"which holds {entry.size}"
             )
         regions.setdefault(entry.path, []).append((offset, length, str(getattr(index, "fqn", index))))
@@ -176,31 +179,58 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
         spans.sort()
         for (offset, length, fqn), (next_offset, _, next_fqn) in itertools.pairwise(spans):
             if offset + length > next_offset:
-                raise UnsafeCheckpointError(f"{where} places {fqn!r} and {next_fqn!r} over the same bytes of {path}")
+                raise UnsafeCheckpointError(
+                    f"{where} places {_short(fqn)} and {_short(next_fqn)} over the same bytes of {path}"
+                )
     for fqn, md in state.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         dtype = getattr(getattr(md, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype):
-            raise UnsafeCheckpointError(f"{where} gives tensor {fqn!r} the dtype {dtype!r}")
-        size = ints(md.size, f"the size of tensor {fqn!r}")
+            raise UnsafeCheckpointError(f"{where} gives tensor {_short(fqn)} the dtype {_short(dtype)}")
+        size = ints(md.size, f"the size of tensor {_short(fqn)}")
         covered = 0
         for chunk in md.chunks if isinstance(md.chunks, list) else ():
-            sizes = ints(chunk.sizes, f"a chunk size of tensor {fqn!r}")
-            offsets = ints(chunk.offsets, f"a chunk offset of tensor {fqn!r}")
+            sizes = ints(chunk.sizes, f"a chunk size of tensor {_short(fqn)}")
+            offsets = ints(chunk.offsets, f"a chunk offset of tensor {_short(fqn)}")
             info = storage.get(MetadataIndex(fqn, offsets))
             if info is None:
-                raise UnsafeCheckpointError(f"{where} stores no bytes for a chunk of tensor {fqn!r}")
-            if math.prod(sizes) * dtype.itemsize > info.length:
+                raise UnsafeCheckpointError(f"{where} stores no bytes for a chunk of tensor {_short(fqn)}")
+            elements = _prod_capped(sizes, info.length // dtype.itemsize)
+            if elements * dtype.itemsize > info.length:
                 raise UnsafeCheckpointError(
-                    f"{where} gives tensor {fqn!r} a chunk of {sizes} {dtype} elements, more than the "
+                    f"{where} gives tensor {_short(fqn)} a chunk of {_short(sizes)} {dtype} elements, more than the "
                     f"{info.length} bytes that hold it in {info.relative_path}"
                 )
-            covered += math.prod(sizes)
-        if math.prod(size) > covered:
+            covered += elements
+        if _prod_capped(size, covered) > covered:
             raise UnsafeCheckpointError(
-                f"{where} gives tensor {fqn!r} the size {size}, more than the chunks stored for it hold"
+                f"{where} gives tensor {_short(fqn)} the size {_short(size)}, more than the chunks stored for it hold"
             )
+
+
+def _prod_capped(values: list[int], cap: int) -> int:
+    """The product of ``values``, or some number above ``cap`` once it exceeds it. ``math.prod``
+    of a crafted shape of a million dimensions multiplies ever longer integers: minutes of CPU
+    (quadratic in the dimensions) before the check it serves could refuse the shape."""
+    if 0 in values:
+        return 0
+    product = 1
+    for n in values:
+        product *= n
+        if product > cap:
+            return product
+    return product
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a crafted shape or name echoed whole would
+    put megabytes into every rank's error and log line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python converts to text
+        return "an integer too long to print"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 # -- planner and reader ------------------------------------------------------------------------

@@ -351,7 +351,9 @@ def test_spotjob_ckpt_commands_never_run_a_malicious_tensor_record_and_export_re
 def claim_a_huge_tensor(folder: Path, how: str) -> str:
     """Reseal ``.metadata`` so that an optimizer tensor claims 2**50 elements (4 PiB): only its
     size (``size``), or its size and its one chunk's (``chunk``), or its region in the shard file
-    (``region``: past the file's end)."""
+    (``region``: past the file's end); or a shape of 200 000 dimensions (``dims``: a product of
+    them multiplied ever longer integers, and the reason quoted the shape whole), or a region at an
+    offset of 5 001 digits (``offset``: more than Python turns into text)."""
     metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
     fqn = next(
         k
@@ -361,20 +363,25 @@ def claim_a_huge_tensor(folder: Path, how: str) -> str:
     md = metadata.state_dict_metadata[fqn]
     assert isinstance(md, TensorStorageMetadata)
     huge = torch.Size([2**50])
-    if how == "region":
+    if how == "dims":
+        huge = torch.Size([2] * 200_000)
+    if how in ("region", "offset"):
         index = next(i for i in metadata.storage_data if i.fqn == fqn)
         info = metadata.storage_data[index]
-        metadata.storage_data[index] = dataclasses.replace(info, length=2**50)
+        if how == "offset":
+            metadata.storage_data[index] = dataclasses.replace(info, offset=10**5000)
+        else:
+            metadata.storage_data[index] = dataclasses.replace(info, length=2**50)
     else:
         metadata.state_dict_metadata[fqn] = dataclasses.replace(md, size=huge)
-        if how == "chunk":
+        if how in ("chunk", "dims"):
             (chunk,) = md.chunks
             md.chunks[0] = dataclasses.replace(chunk, sizes=huge)
     replace_sealed(folder, DCP_METADATA_NAME, pickle.dumps(metadata))
     return fqn
 
 
-@pytest.mark.parametrize("how", ["size", "chunk", "region"])
+@pytest.mark.parametrize("how", ["size", "chunk", "region", "dims", "offset"])
 def test_a_metadata_claiming_a_tensor_bigger_than_its_files_is_skipped_before_anything_is_allocated(
     how: str,
     store: Path,
@@ -390,10 +397,11 @@ def test_a_metadata_claiming_a_tensor_bigger_than_its_files_is_skipped_before_an
 
     fqn = claim_a_huge_tensor(store / STEP2, how)
     reason = assert_falls_back_to_step_1(store, committed[1], caplog)
-    assert "unsafe" in reason and DCP_METADATA_NAME in reason and fqn in reason, reason
+    assert "unsafe" in reason and DCP_METADATA_NAME in reason and fqn in reason, reason[:2000]
+    assert len(reason) < 2000, f"the reason quotes crafted values whole ({len(reason)} characters)"
 
     out = tmp_path / "export"
     rc = main(["ckpt", "export", str(store), str(out), "--step", "2", "--key", "optim"])
     err = capsys.readouterr().err
-    assert rc == 1 and "Traceback" not in err and fqn in err and DCP_METADATA_NAME in err, err
+    assert rc == 1 and "Traceback" not in err and fqn in err and DCP_METADATA_NAME in err, err[-2000:]
     assert not out.exists()
