@@ -222,8 +222,12 @@ class ExecCredential:
         what = f'the credential plugin "{self.command}" of user "{self.user}"'
         try:
             answer = json.loads(stdout)
-        except ValueError:
-            raise CredentialError(f"{what} printed no ExecCredential JSON: {stdout.strip()[:200]!r}") from None
+        except ValueError as e:
+            # Never quoted: what it printed may hold the token (a credential, then a line of its own).
+            raise CredentialError(
+                f"{what} printed no ExecCredential JSON on its standard output ({len(stdout)} characters; "
+                f"{e}): run the plugin by hand to see what it prints"
+            ) from None
         status = answer.get("status") if isinstance(answer, dict) else None
         if not isinstance(status, dict) or answer.get("apiVersion") != self.api_version:
             raise CredentialError(

@@ -199,6 +199,23 @@ def test_a_credential_plugin_that_fails_is_named_with_its_exit_code_and_stderr_n
     assert "Token has expired" in line and "401" not in line
 
 
+def test_a_credential_plugin_answer_that_is_no_json_is_refused_without_echoing_the_token_in_it(
+    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+) -> None:
+    """A plugin printing a line of its own after the credential: the answer is no JSON, and the
+    error quoted its first 200 characters, the token among them, onto the terminal (and, for the
+    controller, into its log)."""
+    plugin = script(tmp_path / "get-token", f"echo '{credential('s3cr3t-bearer-token')}'\necho 'token refreshed'\n")
+    spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
+
+    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+
+    assert proc.returncode == 1
+    assert f'credential plugin "{plugin}" of user "sso" printed no ExecCredential JSON' in proc.stderr
+    assert "s3cr3t" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "Extra data: line 2" in proc.stderr, "the error says where the JSON stops"
+
+
 def test_a_credential_plugin_missing_from_path_prints_its_install_hint(
     kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
