@@ -15,7 +15,7 @@ Validity is decided here, once, by ``inspect`` — for restore, retention, the c
 3. it lists the files a restore needs: a per-rank file for every rank of its world, and DCP's
    ``.metadata`` whenever it has a tensor index or shard files;
 4. every listed file is there with its listed size, and (on a filesystem) is not a symlink
-   leading out of the folder;
+   leading out of the folder, nor is the folder one leading out of the URI's;
 5. it is not *foreign* (written by a job the URI's owner does not accept) or *fenced* (written by
    a stale attempt; see ``agent.ownership``).
 
@@ -131,6 +131,18 @@ def _escapes_folder(storage: Storage, ref: CheckpointRef, path: str) -> bool:
     return not os.path.realpath(os.path.join(folder, path)).startswith(root + os.sep)
 
 
+def _folder_escapes(storage: Storage, ref: CheckpointRef) -> bool:
+    """A checkpoint folder that is (or lies behind) a symlink resolving outside the URI's folder:
+    whoever can write in the URI could point ``step-…`` at a folder only this job's user can read
+    (another job's checkpoint), and the restore would load it and the next save store it where
+    they can read it."""
+    root = storage.local_path("")
+    if root is None:
+        return False
+    real_root = os.path.realpath(root)
+    return not os.path.realpath(os.path.join(root, ref.folder)).startswith(real_root + os.sep)
+
+
 def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = None) -> CheckpointStatus:
     """Decide whether the checkpoint in ``ref`` is valid (the module docstring's checks 1-5).
 
@@ -156,6 +168,8 @@ def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = N
         status.problems.append(str(e))
         return status
     status.problems += _required_files(manifest)
+    if _folder_escapes(storage, ref):
+        status.problems.append(f"{ref.folder} is a symlink leading out of {storage.url('')}")
     for f in manifest.files:
         have = sizes.get(f.path)
         if have is None:

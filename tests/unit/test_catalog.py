@@ -150,6 +150,26 @@ def test_a_file_that_is_a_symlink_leaving_its_folder_is_invalid(storage: FileSto
     assert not status.valid and "symlink leading out of step-000000005" in status.reason
 
 
+def test_a_step_folder_that_is_a_symlink_out_of_the_uri_is_invalid(storage: FileStorage, tmp_path: Any) -> None:
+    """Whoever can write in the URI points ``step-…`` at another job's checkpoint, one only this
+    job's user can read: it was valid (every file lay inside the folder the link resolves to), so
+    restore loaded it and the next save put its state where they can read it."""
+    other = FileStorage(str(tmp_path / "private"))
+    write(other, 5, {rank_file_name(0): b"r0"})
+    os.makedirs(storage.root)
+    os.symlink(other.local_path("step-000000005") or "", storage.local_path("step-000000005") or "")
+    status = inspect(storage, CheckpointRef(5))
+    assert not status.valid and f"step-000000005 is a symlink leading out of {storage.uri}" in status.reason
+    assert latest_valid(storage) is None
+
+
+def test_a_uri_that_is_itself_a_symlink_is_fine(storage: FileStorage, tmp_path: Any) -> None:
+    """Pins what already worked: the URI's own folder may be reached through a link."""
+    write(storage, 5, {rank_file_name(0): b"r0"})
+    os.symlink(storage.root, tmp_path / "alias")
+    assert inspect(FileStorage(str(tmp_path / "alias")), CheckpointRef(5)).valid
+
+
 def test_a_symlink_inside_its_folder_is_fine(storage: FileStorage) -> None:
     ref = write(storage, 5, {rank_file_name(0): b"r0", "alias.bin": b"r0"})
     alias = storage.local_path(ref.key("alias.bin")) or ""
