@@ -153,9 +153,7 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
 
     def ints(value: Any, what: str) -> list[int]:
         if not isinstance(value, tuple | list) or not all(type(n) is int and n >= 0 for n in value):
-            raise UnsafeCheckpointError(
-                f"{where} gives {what} as {_short(value)}, not a list of non-negative integers"
-            )
+            raise UnsafeCheckpointError(f"{where} gives {what} as {_short(value)}, not a list of non-negative integers")
         return list(value)
 
     listed = {f.path: f for f in manifest.files}  # one lookup per region: a big model has 100 000s
@@ -170,9 +168,8 @@ def check_metadata_fits(metadata: Metadata, manifest: Manifest) -> None:
             raise UnsafeCheckpointError(f"{where} gives {path} a region at {_short(offset)} of {_short(length)} bytes")
         if offset + length > entry.size:
             raise UnsafeCheckpointError(
-                f"{where} places {_short(getattr(index, 'fqn', index))} at bytes {_short(offset)}..{_short(offset + length)} "
-                f"of {path}, "
-                f"which holds {entry.size}"
+                f"{where} places {_short(getattr(index, 'fqn', index))} at bytes "
+                f"{_short(offset)}..{_short(offset + length)} of {path}, which holds {entry.size}"
             )
         regions.setdefault(entry.path, []).append((offset, length, str(getattr(index, "fqn", index))))
     for path, spans in regions.items():
