@@ -7,14 +7,16 @@ The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``)
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from agent.catalog import list_checkpoints
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, _restore
 from agent.checkpoint.config import MAX_STEP
 from agent.storage import open_storage
 
@@ -111,13 +113,10 @@ def test_a_checkpointer_built_again_without_close_restores_the_save_the_previous
     writing, and loaded the checkpoint before it into the live model (training rolled back by an
     epoch, without a word). The old save's commit is held at one seam (``_commit``) until the new
     restore has listed the checkpoints or said that it waits for that save, so the order is fixed."""
-    import logging
-
-    from agent.checkpoint import _restore
 
     uri = str(tmp_path / "ckpt")
     state = make_state(0)
-    release = __import__("threading").Event()
+    release = threading.Event()
     listing = _restore.find_checkpoints
 
     def listed(storage: object) -> object:
