@@ -230,6 +230,29 @@ def test_a_step_lower_than_the_last_one_is_refused_before_anything_is_written(tm
     assert written(root) == ["step-000000005"]
 
 
+def test_step_called_twice_with_one_step_warns_once_of_per_micro_batch_calls(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that calls ``step(global_step, state)`` per micro-batch of a gradient accumulation
+    cycle passes each step several times, without a word: a flush in the middle of a cycle then
+    saved the loader's position mid-cycle with the model of the cycle before, and the resume
+    skipped those micro-batches. The repeat is the sign of it: it is logged, once."""
+    state = make_state(0)
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "saved"), every_steps=2) as ckpt:
+        ckpt.save(1, state)
+        ckpt.step(1, state)  # after a save() of the same step (the README's save before the loop)
+        ckpt.step(2, state)
+    assert not [r for r in caplog.records if "again with the same step" in r.getMessage()]
+    with Checkpointer(str(tmp_path / "ckpt"), every_steps=2) as ckpt:
+        for micro in range(8):  # 4 micro-batches per optimizer step
+            ckpt.step(micro // 4 + 1, state)
+    repeats = [r.getMessage() for r in caplog.records if "again with the same step" in r.getMessage()]
+    assert len(repeats) == 1, repeats
+    assert "step(1) was called again with the same step" in repeats[0]
+    assert "once per optimizer step" in repeats[0] and "micro-batch" in repeats[0]
+
+
 def test_json_metadata_is_recorded(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     with Checkpointer(uri) as ckpt:
