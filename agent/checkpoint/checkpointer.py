@@ -210,6 +210,7 @@ class Checkpointer(_Saving, _Restoring):
         self._stepped: int | None = None
         """The step of the last step() call: the same one again is logged (``_warn_if_repeated``)."""
         self._warned_repeat = False
+        self._warned_flushed = False
         self._restart_deadline()
         self.last_committed_step: int | None = None
         self.last_committed_uri: str | None = None
@@ -281,6 +282,7 @@ class Checkpointer(_Saving, _Restoring):
         if self._fenced is not None:
             raise self._fenced
         if self._flushed:
+            self._warn_after_flush(step)
             return True
         self._warn_if_repeated(step)
         vote = self._read_vote(step)
@@ -438,6 +440,19 @@ class Checkpointer(_Saving, _Restoring):
                 "Build it with Checkpointer.from_env(), or pass the same values",
                 "; ".join(differ),
             )
+
+    def _warn_after_flush(self, step: int) -> None:
+        """(rank 0, once) The loop goes on after ``step()`` returned True: it saves nothing more."""
+        if self._warned_flushed or self.rank != 0:
+            return
+        self._warned_flushed = True
+        log.warning(
+            "step(%d) after step() returned True: a flush committed step %s (a preemption notice) and nothing "
+            "more is saved. Stop the training loop when step() returns True (`if ckpt.step(...): break`); "
+            "under spotjob-agent a command still running after its flush is killed (--exit-timeout)",
+            step,
+            self.last_committed_step,
+        )
 
     def _warn_if_repeated(self, step: int) -> None:
         """(rank 0, once) ``step()`` twice with one step: most often a call per micro-batch of a

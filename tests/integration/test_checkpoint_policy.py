@@ -253,6 +253,28 @@ def test_step_called_twice_with_one_step_warns_once_of_per_micro_batch_calls(
     assert "once per optimizer step" in repeats[0] and "micro-batch" in repeats[0]
 
 
+def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ckpt.step(n, state)`` without looking at what it returns: after a flush committed, every
+    later ``step()`` returned True and saved nothing, without a word, while the loop trained on
+    until spotjob-agent killed the job (``--exit-timeout``). The first such call says so, once."""
+    state = make_state(0)
+    control = tmp_path / "control"
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "ckpt"), control_dir=str(control)) as ckpt:
+        ckpt.step(1, state)
+        ControlDir(str(control)).request_flush(FlushRequest(reason="test notice"))
+        assert ckpt.step(2, state) is True
+        assert not [r for r in caplog.records if "returned True" in r.getMessage()]
+        assert ckpt.step(3, state) is True
+        assert ckpt.step(4, state) is True
+    told = [r.getMessage() for r in caplog.records if "returned True" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "step(3) after step() returned True" in told[0] and "Stop the training loop when step() returns True" in told[0]
+    assert [step for step, _ in commits(str(tmp_path / "ckpt"))] == [2]
+
+
 def test_json_metadata_is_recorded(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     with Checkpointer(uri) as ckpt:
