@@ -247,6 +247,7 @@ class _Restoring(_Voting):
         """
         self._check_open("restore()")
         self._check_state(state)
+        self._restore_called = True
         self.wait()
         _wait_for_saves_elsewhere(self.storage.uri)
         started = time.monotonic()

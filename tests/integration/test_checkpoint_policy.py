@@ -275,6 +275,31 @@ def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
     assert [step for step, _ in commits(str(tmp_path / "ckpt"))] == [2]
 
 
+def test_a_run_that_never_restored_is_told_its_commits_sort_below_the_jobs_newer_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted script that forgot ``restore()`` (or skipped it) trained from scratch and
+    committed step 5 under a URI holding the job's step 10, without a word: the next restore
+    loaded step 10 and the run's progress was never used. The commit says so, once."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root)) as ckpt:
+        ckpt.save(10, state)
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    with Checkpointer(str(root), every_steps=5, keep=None) as ckpt:
+        for step in range(1, 11):
+            ckpt.step(step, state)
+    told = [r.getMessage() for r in caplog.records if "never called restore()" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "committed step 5" in told[0] and "step 10" in told[0] and "a new URI" in told[0]
+    caplog.clear()
+    with Checkpointer(str(root), every_steps=5) as ckpt:
+        assert ckpt.restore(state) == 10
+        ckpt.save(10, state)  # the step it resumed from, again: nothing newer than it
+        ckpt.step(15, state)
+    assert not [r for r in caplog.records if "never called restore()" in r.getMessage()]
+
+
 def test_json_metadata_is_recorded(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     with Checkpointer(uri) as ckpt:
