@@ -271,7 +271,8 @@ def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
         assert ckpt.step(4, state) is True
     told = [r.getMessage() for r in caplog.records if "returned True" in r.getMessage()]
     assert len(told) == 1, told
-    assert "step(3) after step() returned True" in told[0] and "Stop the training loop when step() returns True" in told[0]
+    assert "step(3) after step() returned True" in told[0]
+    assert "Stop the training loop when step() returns True" in told[0]
     assert [step for step, _ in commits(str(tmp_path / "ckpt"))] == [2]
 
 
