@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from agent import _fresh_start, rank_state
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._core import size_text
+from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
@@ -246,7 +247,9 @@ class _Restoring(_Voting):
         """
         self._check_open("restore()")
         self._check_state(state)
+        self._restore_called = True
         self.wait()
+        _wait_for_saves_elsewhere(self.storage.uri)
         started = time.monotonic()
         self._drain_votes()
         # The run may go back below the last retention pass (a fresh start begins at step 0): the

@@ -25,6 +25,34 @@ class _Retention(_State):
     """(rank 0) Retention has warned once that the bucket keeps what it would delete; later passes
     that meet the same refusal say so at debug level, not once a save for the retention period."""
 
+    _restore_called = False
+    """``restore()`` was called on this Checkpointer (whatever it found)."""
+
+    _below_said = False
+    """(rank 0) A commit below the job's newest checkpoint was looked into (``_say_if_below``)."""
+
+    def _say_if_below(self, committed: CheckpointRef, newer: list[CheckpointRef], lineage: Lineage) -> None:
+        """(rank 0, once) This Checkpointer never restored, and the job's newest checkpoint is above
+        the one just committed: a restarted script that skipped ``restore()`` trains from scratch,
+        and the next restore loads that newer checkpoint, never this run's progress."""
+        if self._restore_called or self._below_said or not newer:
+            return
+        self._below_said = True
+        for ref in newer:  # newest first
+            status = inspect(self.storage, ref, lineage=lineage)
+            if status.committed and status.valid and not (status.foreign or status.fenced):
+                log.error(
+                    "committed step %d at %s, but the job already has a newer checkpoint, of step %d (%s), and "
+                    "this Checkpointer never called restore(): the next restore() loads step %d, not this run's "
+                    "progress. To resume, call restore(state) before training; to start over, use a new URI",
+                    committed.step,
+                    self.storage.url(committed.folder),
+                    ref.step,
+                    self.storage.url(ref.folder),
+                    ref.step,
+                )
+                return
+
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
         copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
@@ -38,12 +66,10 @@ class _Retention(_State):
         try:
             retired = _fresh_start.retired_folders(self.storage)
             swept = self._swept_through if self.config.keep is None else None
-            older = [
-                r
-                for r in find_checkpoints(self.storage)
-                if r < committed and r.folder not in retired and (swept is None or swept < r)
-            ]
+            refs = find_checkpoints(self.storage)
+            older = [r for r in refs if r < committed and r.folder not in retired and (swept is None or swept < r)]
             lineage = Lineage.load(self.storage)
+            self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             kept = 0
             kept_steps = {committed.step}

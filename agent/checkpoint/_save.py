@@ -90,6 +90,26 @@ def _forget_in_child() -> None:
     _in_flight.clear()
 
 
+def _wait_for_saves_elsewhere(uri: str) -> None:
+    """(restore, after its own save) Wait for the saves still in flight to ``uri`` in this process: a
+    Checkpointer on the same URI that was never closed (a script that builds one per epoch).
+    Listing the checkpoints before they commit would restore the one before them into the live
+    state. Their failures are theirs to report (their thread logged them); this only waits."""
+    with _in_flight_lock:
+        saves = [s for s in _in_flight.values() if s.uri == uri and s.thread is not None]
+    for save in saves:
+        if save.done.is_set():
+            continue
+        log.warning(
+            "restore: another Checkpointer on %s in this process has a save in flight (step %d); waiting for "
+            "it to commit first. close() a Checkpointer before building another on the same URI",
+            uri,
+            save.step,
+        )
+        while not save.done.wait(_WAIT_SLICE_S) and save.thread is not None and save.thread.is_alive():
+            pass
+
+
 def _done_at_exit(save: _Save) -> None:
     with _in_flight_lock:
         _in_flight.pop(id(save), None)
@@ -120,6 +140,8 @@ class _Save:
     """Names in ``staged`` written from rank 0's copy (``_State._from_rank0``)."""
     flush: FlushRequest | None = None
     trigger: str = "save"
+    uri: str = ""
+    """The store's URI (``storage.uri``): a restore through another Checkpointer on it waits."""
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     committed_uri: str | None = None
@@ -377,6 +399,7 @@ class _Saving(_Voting):
         self._status.state = "saving" if self._status.state != "flushing" else "flushing"
         if background:
             save.thread = threading.Thread(target=self._finish_save, args=(save,), name="spotjob-save", daemon=False)
+            save.uri = self.storage.uri
             _wait_at_exit(save)
             try:
                 save.thread.start()

@@ -195,6 +195,20 @@ class _State(_Core):
                         "sampler's and workers' state included), or an object of your own whose state_dict() "
                         "records how far the epoch has gone"
                     )
+                elif value is None:
+                    hint = ": leave the key out (a state value is restored in place; None holds nothing)"
+                elif isinstance(value, torch.Tensor):
+                    hint = (
+                        ": restore loads in place and cannot rebind state[key]; make it a buffer of one of the "
+                        "modules (register_buffer), or keep it in an object whose state_dict() returns it and "
+                        "whose load_state_dict() copies it back"
+                    )
+                elif isinstance(value, int | float | str | bytes | list | tuple | dict | set):
+                    hint = (
+                        ": restore loads in place and cannot rebind state[key] to the saved value; keep it in "
+                        "an object whose state_dict() returns it and whose load_state_dict() sets it back "
+                        "(a value only for the record, such as the loss, goes in metadata= instead)"
+                    )
                 raise TypeError(
                     f"state[{key!r}] is a {type(value).__name__}; values must be modules, optimizers, "
                     f"or objects with state_dict()/load_state_dict(){hint}"

@@ -207,6 +207,10 @@ class Checkpointer(_Saving, _Restoring):
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
         """The highest step seen by step(), save() or restore(): steps never go back."""
+        self._stepped: int | None = None
+        """The step of the last step() call: the same one again is logged (``_warn_if_repeated``)."""
+        self._warned_repeat = False
+        self._warned_flushed = False
         self._restart_deadline()
         self.last_committed_step: int | None = None
         self.last_committed_uri: str | None = None
@@ -278,7 +282,9 @@ class Checkpointer(_Saving, _Restoring):
         if self._fenced is not None:
             raise self._fenced
         if self._flushed:
+            self._warn_after_flush(step)
             return True
+        self._warn_if_repeated(step)
         vote = self._read_vote(step)
         if vote.flush:
             # Before any failed save is raised: the flush settles (and logs) a save in flight that
@@ -434,6 +440,36 @@ class Checkpointer(_Saving, _Restoring):
                 "Build it with Checkpointer.from_env(), or pass the same values",
                 "; ".join(differ),
             )
+
+    def _warn_after_flush(self, step: int) -> None:
+        """(rank 0, once) The loop goes on after ``step()`` returned True: it saves nothing more."""
+        if self._warned_flushed or self.rank != 0:
+            return
+        self._warned_flushed = True
+        log.warning(
+            "step(%d) after step() returned True: a flush committed step %s (a preemption notice) and nothing "
+            "more is saved. Stop the training loop when step() returns True (`if ckpt.step(...): break`); "
+            "under spotjob-agent a command still running after its flush is killed (--exit-timeout)",
+            step,
+            self.last_committed_step,
+        )
+
+    def _warn_if_repeated(self, step: int) -> None:
+        """(rank 0, once) ``step()`` twice with one step: most often a call per micro-batch of a
+        gradient accumulation cycle, whose flush would save the data position mid-cycle with the
+        model of the cycle before (the resume skips those micro-batches)."""
+        repeated = step == self._stepped
+        self._stepped = step
+        if not repeated or self._warned_repeat or self.rank != 0:
+            return
+        self._warned_repeat = True
+        log.warning(
+            "step(%d) was called again with the same step: call step() once per optimizer step (after "
+            "optimizer.step()), not per micro-batch; a flush in the middle of a gradient accumulation cycle "
+            "would save the data position mid-cycle with the model of the cycle before, and the resumed run "
+            "would skip those micro-batches. Logged once",
+            step,
+        )
 
     def _check_writable(self, call: str) -> None:
         if self._read_only:

@@ -7,14 +7,16 @@ The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``)
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from agent.catalog import list_checkpoints
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, _restore
 from agent.checkpoint.config import MAX_STEP
 from agent.storage import open_storage
 
@@ -101,3 +103,50 @@ def test_a_step_beyond_int64_is_refused_before_anything_is_written(tmp_path: Pat
             ckpt.save(MAX_STEP + 1, state)
         ckpt.save(MAX_STEP, state)
     assert committed_steps(uri) == [MAX_STEP]
+
+
+def test_a_checkpointer_built_again_without_close_restores_the_save_the_previous_one_has_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that builds a Checkpointer per epoch and never closes the previous one: the new
+    one's restore() listed the URI while the old one's save of the epoch just done was still
+    writing, and loaded the checkpoint before it into the live model (training rolled back by an
+    epoch, without a word). The old save's commit is held at one seam (``_commit``) until the new
+    restore has listed the checkpoints or said that it waits for that save, so the order is fixed."""
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    release = threading.Event()
+    listing = _restore.find_checkpoints
+
+    def listed(storage: object) -> object:
+        release.set()
+        return listing(storage)  # type: ignore[arg-type]
+
+    class _Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has a save in flight" in record.getMessage():
+                release.set()
+
+    handler = _Waiting()
+    logging.getLogger("agent.checkpoint").addHandler(handler)
+    monkeypatch.setattr(_restore, "find_checkpoints", listed)
+    try:
+        old = Checkpointer(uri)
+        commit = old._commit
+
+        def held(*args: object) -> str:
+            release.wait(60)
+            return commit(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(old, "_commit", held)
+        train(state, 1)
+        old.save(1, state)
+        new = Checkpointer(uri)
+        train(state, 1, start=1)  # what the old save holds differs from the live model
+        assert new.restore(state) == 1
+        new.close()
+    finally:
+        logging.getLogger("agent.checkpoint").removeHandler(handler)
+        release.set()
+    assert committed_steps(uri) == [1]

@@ -230,6 +230,77 @@ def test_a_step_lower_than_the_last_one_is_refused_before_anything_is_written(tm
     assert written(root) == ["step-000000005"]
 
 
+def test_step_called_twice_with_one_step_warns_once_of_per_micro_batch_calls(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that calls ``step(global_step, state)`` per micro-batch of a gradient accumulation
+    cycle passes each step several times, without a word: a flush in the middle of a cycle then
+    saved the loader's position mid-cycle with the model of the cycle before, and the resume
+    skipped those micro-batches. The repeat is the sign of it: it is logged, once."""
+    state = make_state(0)
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "saved"), every_steps=2) as ckpt:
+        ckpt.save(1, state)
+        ckpt.step(1, state)  # after a save() of the same step (the README's save before the loop)
+        ckpt.step(2, state)
+    assert not [r for r in caplog.records if "again with the same step" in r.getMessage()]
+    with Checkpointer(str(tmp_path / "ckpt"), every_steps=2) as ckpt:
+        for micro in range(8):  # 4 micro-batches per optimizer step
+            ckpt.step(micro // 4 + 1, state)
+    repeats = [r.getMessage() for r in caplog.records if "again with the same step" in r.getMessage()]
+    assert len(repeats) == 1, repeats
+    assert "step(1) was called again with the same step" in repeats[0]
+    assert "once per optimizer step" in repeats[0] and "micro-batch" in repeats[0]
+
+
+def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ckpt.step(n, state)`` without looking at what it returns: after a flush committed, every
+    later ``step()`` returned True and saved nothing, without a word, while the loop trained on
+    until spotjob-agent killed the job (``--exit-timeout``). The first such call says so, once."""
+    state = make_state(0)
+    control = tmp_path / "control"
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "ckpt"), control_dir=str(control)) as ckpt:
+        ckpt.step(1, state)
+        ControlDir(str(control)).request_flush(FlushRequest(reason="test notice"))
+        assert ckpt.step(2, state) is True
+        assert not [r for r in caplog.records if "returned True" in r.getMessage()]
+        assert ckpt.step(3, state) is True
+        assert ckpt.step(4, state) is True
+    told = [r.getMessage() for r in caplog.records if "returned True" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "step(3) after step() returned True" in told[0]
+    assert "Stop the training loop when step() returns True" in told[0]
+    assert [step for step, _ in commits(str(tmp_path / "ckpt"))] == [2]
+
+
+def test_a_run_that_never_restored_is_told_its_commits_sort_below_the_jobs_newer_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted script that forgot ``restore()`` (or skipped it) trained from scratch and
+    committed step 5 under a URI holding the job's step 10, without a word: the next restore
+    loaded step 10 and the run's progress was never used. The commit says so, once."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root)) as ckpt:
+        ckpt.save(10, state)
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    with Checkpointer(str(root), every_steps=5, keep=None) as ckpt:
+        for step in range(1, 11):
+            ckpt.step(step, state)
+    told = [r.getMessage() for r in caplog.records if "never called restore()" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "committed step 5" in told[0] and "step 10" in told[0] and "a new URI" in told[0]
+    caplog.clear()
+    with Checkpointer(str(root), every_steps=5) as ckpt:
+        assert ckpt.restore(state) == 10
+        ckpt.save(10, state)  # the step it resumed from, again: nothing newer than it
+        ckpt.step(15, state)
+    assert not [r for r in caplog.records if "never called restore()" in r.getMessage()]
+
+
 def test_json_metadata_is_recorded(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     with Checkpointer(uri) as ckpt:

@@ -191,6 +191,29 @@ def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path
         ckpt.save(1, {**make_state(0), "loader": loader})
 
 
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        (7, "an object whose state_dict\\(\\) returns it and whose load_state_dict\\(\\) sets it back"),
+        ({"best_loss": 0.5}, "an object whose state_dict\\(\\) returns it"),
+        ([1, 2], "an object whose state_dict\\(\\) returns it"),
+        (torch.zeros(3), "register_buffer"),
+        (None, "leave the key out"),
+    ],
+    ids=["int", "dict", "list", "tensor", "None"],
+)
+def test_a_plain_value_in_the_state_is_refused_saying_how_to_keep_it(tmp_path: Path, value: Any, hint: str) -> None:
+    """``{"model": m, "epoch": 7}``: the refusal listed what a value may be but not how to keep an
+    epoch count, a dict of counters or a bare tensor (restore loads in place and cannot rebind
+    ``state['epoch']``, so a plain value could never come back)."""
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        for call in (ckpt.save, ckpt.restore):
+            args = (1, {**make_state(0), "extra": value}) if call == ckpt.save else ({**make_state(0), "extra": value},)
+            with pytest.raises(TypeError, match=rf"state\['extra'\] is a {type(value).__name__}.*{hint}"):
+                call(*args)  # type: ignore[operator]
+    assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
 def qat_state(seed: int, hidden: int = 16) -> dict[str, Any]:
     import torch.ao.quantization as tq
 
