@@ -50,6 +50,24 @@ def s3_behind_proxy(
     return make_storage(uri), proxy, urlparse(uri).netloc
 
 
+@pytest.fixture
+def gcs_behind_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    make_storage: Callable[[str], Storage],
+    gcs_server: str,
+    fast_retries: None,
+) -> tuple[Storage, FaultProxy]:
+    """A GCS store on fake-gcs-server behind the fault proxy, uploading in chunks of ``PART``."""
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    return make_storage(uri), proxy
+
+
 def in_progress_uploads(s3_client: Any, bucket: str) -> list[str]:
     return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
@@ -109,22 +127,12 @@ def test_an_s3_store_without_credentials_says_where_spotjob_looks_for_them(
 
 
 def test_a_gcs_upload_whose_chunks_the_server_never_keeps_gives_up_within_the_attempts(
-    monkeypatch: pytest.MonkeyPatch,
-    fresh_uri: Callable[[str], str],
-    fault_proxy: Callable[[str, Dialect], FaultProxy],
-    make_storage: Callable[[str], Storage],
-    gcs_server: str,
-    fast_retries: None,
+    gcs_behind_proxy: tuple[Storage, FaultProxy],
     tmp_path: Path,
 ) -> None:
     """Each chunk answered 308 "persisted nothing" is a request that succeeded, so the retry
     policy never saw a failure: the upload resent the same chunk for as long as that went on."""
-    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
-    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
-    uri = fresh_uri("gs")
-    proxy = fault_proxy(gcs_server, "gcs")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    store = make_storage(uri)
+    store, proxy = gcs_behind_proxy
     stalled = proxy.fail(20, 308, method="PUT", path=r"upload_id=")
     src = tmp_path / "src.bin"
     crc, _ = write_random(src, BIG)
@@ -162,12 +170,7 @@ def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
 
 @pytest.mark.parametrize("status", [410, 404])
 def test_a_gcs_upload_whose_session_is_lost_midway_starts_again_in_a_new_session(
-    monkeypatch: pytest.MonkeyPatch,
-    fresh_uri: Callable[[str], str],
-    fault_proxy: Callable[[str, Dialect], FaultProxy],
-    make_storage: Callable[[str], Storage],
-    gcs_server: str,
-    fast_retries: None,
+    gcs_behind_proxy: tuple[Storage, FaultProxy],
     tmp_path: Path,
     status: int,
 ) -> None:
@@ -175,12 +178,7 @@ def test_a_gcs_upload_whose_session_is_lost_midway_starts_again_in_a_new_session
     failure of its own) or 404 (the session expired): resending the chunk cannot help, only a new
     session can. The upload failed permanently, and with it the whole save. fake-gcs-server never
     loses a session; the proxy answers one chunk as GCS then does, and models nothing else."""
-    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
-    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
-    uri = fresh_uri("gs")
-    proxy = fault_proxy(gcs_server, "gcs")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    store = make_storage(uri)
+    store, proxy = gcs_behind_proxy
     lost = proxy.fail(
         1, status, method="PUT", match=lambda req: req.headers.get("Content-Range", "").startswith(f"bytes {PART}-")
     )
@@ -197,21 +195,11 @@ def test_a_gcs_upload_whose_session_is_lost_midway_starts_again_in_a_new_session
 
 
 def test_a_gcs_upload_whose_sessions_keep_being_lost_gives_up_as_transient(
-    monkeypatch: pytest.MonkeyPatch,
-    fresh_uri: Callable[[str], str],
-    fault_proxy: Callable[[str, Dialect], FaultProxy],
-    make_storage: Callable[[str], Storage],
-    gcs_server: str,
-    fast_retries: None,
+    gcs_behind_proxy: tuple[Storage, FaultProxy],
     tmp_path: Path,
 ) -> None:
     """The restart is bounded: a new session per attempt, SPOTJOB_STORAGE_MAX_ATTEMPTS in all."""
-    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", str(PART))
-    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", str(PART))
-    uri = fresh_uri("gs")
-    proxy = fault_proxy(gcs_server, "gcs")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    store = make_storage(uri)
+    store, proxy = gcs_behind_proxy
     lost = proxy.fail(1000, 410, method="PUT", path=r"upload_id=")
     src = tmp_path / "src.bin"
     crc, _ = write_random(src, BIG)
