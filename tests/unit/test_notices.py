@@ -106,6 +106,16 @@ def running(source: NoticeSource) -> tuple[NoticeSource, Collector]:
     return source, collector
 
 
+def warns_until(source: NoticeSource, caplog: Any, predicate: Callable[[], bool], what: str) -> None:
+    """Run ``source`` with its warnings captured until ``predicate`` holds, then stop it."""
+    with caplog.at_level("WARNING", logger="agent.notices.base"):
+        source.start(Collector())
+        try:
+            wait_until(predicate, what)
+        finally:
+            source.stop()
+
+
 # -- the emulators keep the clouds' contracts --------------------------------------------------------
 
 
@@ -410,13 +420,10 @@ class TestGcpSource:
             nothing = closed_port_url()
             assert detect_cloud(aws_url=nothing, gcp_url=gke.url, azure_url=nothing, env={}) is Cloud.GCP
             source = GceMetadataSource(gke.url, interval=FAST)
-            with caplog.at_level("WARNING", logger="agent.notices.base"):
-                source.start(Collector())
-                try:
-                    path = "/computeMetadata/v1/instance/preempted"
-                    wait_until(lambda: gke.count("GET", path, status=404) >= 2, "two polls of instance/preempted")
-                finally:
-                    source.stop()
+            path = "/computeMetadata/v1/instance/preempted"
+            warns_until(
+                source, caplog, lambda: gke.count("GET", path, status=404) >= 2, "two polls of instance/preempted"
+            )
         warnings = [r.getMessage() for r in caplog.records if "instance/preempted" in r.getMessage()]
         assert len(warnings) == 1, warnings
         assert "Workload Identity" in warnings[0] and "hostNetwork: true" in warnings[0]
@@ -490,12 +497,7 @@ class TestAzureSource:
             port = full.getsockname()[1]
             with socket.create_connection(("127.0.0.1", port)):  # fills the backlog: later connects hang
                 source = AzureScheduledEventsSource(f"http://127.0.0.1:{port}", interval=FAST, timeout=0.2)
-                with caplog.at_level("WARNING", logger="agent.notices.base"):
-                    source.start(Collector())
-                    try:
-                        wait_until(lambda: "scheduledevents" in caplog.text, "the scheduled events warning")
-                    finally:
-                        source.stop()
+                warns_until(source, caplog, lambda: "scheduledevents" in caplog.text, "the scheduled events warning")
         assert "is this an Azure VM" in caplog.text
 
     def test_a_name_read_that_failed_once_is_read_again_and_other_vms_events_stay_ignored(self) -> None:
@@ -639,12 +641,7 @@ class TestDetectCloud:
         with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
             assert detect_cloud(aws_url=imds.url, gcp_url=nothing, azure_url=nothing, env={}) is Cloud.AWS
             source = AwsImdsSource(imds.url, interval=FAST, timeout=0.2)
-            with caplog.at_level("WARNING", logger="agent.notices.base"):
-                source.start(Collector())
-                try:
-                    wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
-                finally:
-                    source.stop()
+            warns_until(source, caplog, lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
 
     def test_behind_hop_limit_one_with_imdsv2_required_the_warning_says_what_is_still_heard_and_the_fix(
         self, caplog: Any
@@ -653,12 +650,7 @@ class TestDetectCloud:
         # the pod then hears a spot interruption only as a SIGTERM.
         with ImdsEmulator(put_hop_limit_exceeded=True) as imds:
             source = AwsImdsSource(imds.url, interval=FAST, timeout=0.2)
-            with caplog.at_level("WARNING", logger="agent.notices.base"):
-                source.start(Collector())
-                try:
-                    wait_until(lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
-                finally:
-                    source.stop()
+            warns_until(source, caplog, lambda: "HttpPutResponseHopLimit" in caplog.text, "the hop-limit warning")
         assert "--http-put-response-hop-limit 2" in caplog.text and "EC2NodeClass" in caplog.text
         assert "only as SIGTERM" in caplog.text
 
@@ -670,12 +662,7 @@ class TestDetectCloud:
             silent.listen(16)  # connections complete in the backlog; nothing is ever read or answered
             url = f"http://127.0.0.1:{silent.getsockname()[1]}"
             source = AwsImdsSource(url, interval=FAST, timeout=0.2)
-            with caplog.at_level("WARNING", logger="agent.notices.base"):
-                source.start(Collector())
-                try:
-                    wait_until(lambda: "aws notices" in caplog.text, "the AWS source's warning")
-                finally:
-                    source.stop()
+            warns_until(source, caplog, lambda: "aws notices" in caplog.text, "the AWS source's warning")
         assert "HttpPutResponseHopLimit" not in caplog.text
         assert "blocked from here" in caplog.text and "only as SIGTERM" in caplog.text
 
@@ -684,12 +671,7 @@ class TestDetectCloud:
         # warning said only "IMDSv2 token request answered 403".
         with ImdsEmulator(http_endpoint="disabled") as imds:
             source = AwsImdsSource(imds.url, interval=FAST)
-            with caplog.at_level("WARNING", logger="agent.notices.base"):
-                source.start(Collector())
-                try:
-                    wait_until(lambda: "aws notices" in caplog.text, "the AWS source's warning")
-                finally:
-                    source.stop()
+            warns_until(source, caplog, lambda: "aws notices" in caplog.text, "the AWS source's warning")
         assert "turned off" in caplog.text and "--http-endpoint enabled" in caplog.text
 
     def test_aws_with_imdsv1_allowed_is_recognised_when_the_token_put_gets_no_answer(self) -> None:
