@@ -666,8 +666,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     config, level = parse_args(sys.argv[1:] if argv is None else argv, env)
     job = f" job={config.job_name}" if config.job_name else ""
+    fields: dict[str, object] = {"command": "spotjob-agent", "pid": os.getpid()}
+    if config.job_name:
+        fields["job"] = config.job_name
     log_to_stderr(
-        level, f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s"
+        level,
+        f"%(asctime)s %(levelname)s spotjob-agent[%(process)d]{job.replace('%', '%%')} %(name)s: %(message)s",
+        kind=config.log_format,
+        fields=fields,
     )
     for line in unknown_variables(env):
         log.warning("%s", line)

@@ -32,6 +32,7 @@ from agent.ownership import job_name_problem
 from agent.restore_cache import staging_dir_problem
 from agent.settings import CheckpointerEnv, StorageEnv, load_from
 from agent.storage import parse_uri
+from agent.streams import ENV_LOG_FORMAT, log_format
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from agent.version import version_line
 
@@ -113,6 +114,8 @@ class AgentConfig(BaseModel):
     """Warn when no rank has written status.json this long after the start."""
     launcher: Launcher = "torchrun"
     """``direct``: start a torchrun command's ranks without torchrun, where ``agent.torchrun.direct_launch`` can."""
+    log_format: Literal["text", "json"] = "text"
+    """The agent's own log lines: text, or one JSON object each (``agent.streams``)."""
 
 
 def _interval(value: str) -> float:
@@ -255,6 +258,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="warn when no rank has connected to the control folder this long after the start (default 120 s)",
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--log-format",
+        default=env.get(ENV_LOG_FORMAT) or "text",
+        help=f"the agent's log lines as text (default) or one JSON object each; also {ENV_LOG_FORMAT}",
+    )
     return p
 
 
@@ -277,6 +285,11 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             parser.error(f"{flag} is empty (an unset variable in {flag}=$VAR?): give it a value, or leave it out")
     if ns.cloud not in ("auto", *[c.value for c in Cloud]):
         parser.error(f"{ENV_CLOUD}={ns.cloud!r}: expected one of auto, {', '.join(c.value for c in Cloud)}")
+    try:
+        ns.log_format = log_format(ns.log_format)
+    except ValueError as e:
+        where = "--log-format" if "--log-format" in " ".join(argv[:split]) else ENV_LOG_FORMAT
+        parser.error(f"{where} {e}")
     if ns.launcher not in LAUNCHERS:
         where = "--launcher" if "--launcher" in " ".join(argv[:split]) else ENV_LAUNCHER
         parser.error(f"{where} {ns.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
@@ -338,6 +351,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             parent_grace=ns.parent_grace,
             rank_connect_timeout=ns.rank_connect_timeout,
             launcher=ns.launcher,
+            log_format=ns.log_format,
         )
     except ValidationError as e:
         problems = "; ".join(

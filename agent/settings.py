@@ -168,6 +168,7 @@ OTHER_VARIABLES = frozenset(
         "SPOTJOB_LOCAL_RUN",
         # spotjob, spotjob-controller (orchestrator.cli, orchestrator.k8s.main)
         "SPOTJOB_LOG_LEVEL",
+        "SPOTJOB_LOG_FORMAT",  # and spotjob-agent
         "SPOTJOB_NAMESPACES",
         "SPOTJOB_LEADER_ELECT",
         "SPOTJOB_LEASE_NAME",

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agent.streams import log_to_stderr, tolerate_unencodable_output
+from agent.streams import ENV_LOG_FORMAT, log_format, log_to_stderr, tolerate_unencodable_output
 from agent.version import version_line
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 
@@ -69,8 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = log_level(parser, args.verbose)
+    try:
+        kind = log_format(os.environ.get(ENV_LOG_FORMAT))
+    except ValueError as e:
+        parser.error(f"{ENV_LOG_FORMAT}={e}; set it to one, or unset it")
     handler = _StderrHandler()
-    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s", handler)
+    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s", handler, kind=kind)
     try:
         rc: int = args.func(args)
         sys.stdout.flush()  # here, not at the interpreter's exit, where a reader gone is a traceback

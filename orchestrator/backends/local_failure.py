@@ -73,8 +73,13 @@ def _log_lines(text: str) -> list[str]:
     return [
         line
         for line in lines
-        if line.strip() and "spotjob-agent[" not in line and not line.startswith("#") and not _TORCHRUN_LOG.match(line)
+        if line.strip() and not _agent_line(line) and not line.startswith("#") and not _TORCHRUN_LOG.match(line)
     ]
+
+
+def _agent_line(line: str) -> bool:
+    """A log line of the agent's own, as text or (``SPOTJOB_LOG_FORMAT=json``) as JSON."""
+    return "spotjob-agent[" in line or (line.startswith("{") and '"command": "spotjob-agent"' in line)
 
 
 def _shorten(line: str, match: re.Match[str] | None = None) -> str:

@@ -22,7 +22,7 @@ from typing import cast
 from urllib.parse import urlparse
 
 from agent.settings import unknown_variables
-from agent.streams import log_to_stderr, tolerate_unencodable_output
+from agent.streams import ENV_LOG_FORMAT, LOG_FORMATS, log_format, log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import ENV_LAUNCHER, LAUNCHERS, Launcher
 from agent.version import version_line
 from orchestrator.k8s.agents import TokenKeyError
@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         type=str.lower,
         help="log level (info; $SPOTJOB_LOG_LEVEL)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=list(LOG_FORMATS),
+        type=str.lower,
+        help="log lines as text, or one JSON object each (text; $SPOTJOB_LOG_FORMAT)",
     )
     return p
 
@@ -353,7 +359,11 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     level = (args.log_level or _env("SPOTJOB_LOG_LEVEL", "info") or "info").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         build_parser().error(f"$SPOTJOB_LOG_LEVEL must be debug, info, warning or error, not {level.lower()!r}")
-    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        kind = log_format(args.log_format or _env(ENV_LOG_FORMAT))
+    except ValueError as e:
+        build_parser().error(f"${ENV_LOG_FORMAT}={e}")
+    log_to_stderr(level, "%(asctime)s %(levelname)s %(name)s: %(message)s", kind=kind)
     for line in unknown_variables(os.environ):
         log.warning("%s", line)
     for chatty in ("botocore", "boto3"):

@@ -63,6 +63,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "httpPort": 65535,
         "agentPort": 65535,
         "logLevel": "error",
+        "logFormat": "json",
         "agentLauncher": "torchrun",
         "leaderElection": {"leaseName": "a" * 253, "leaseNamespace": "b" * 63},
         "watchNamespaces": ["a" * 63, "ml-training"],

@@ -120,6 +120,7 @@ WRONG_TYPES = [
     ({"serviceAccount": {"aws": {"roleArn": "spotjob-controller"}}}, "/serviceAccount/aws/roleArn"),
     ({"serviceAccount": {"gcp": {"serviceAccount": "controller@example.com"}}}, "/serviceAccount/gcp/serviceAccount"),
     ({"logLevel": "verbose"}, "/logLevel"),
+    ({"logFormat": "xml"}, "/logFormat"),
     ({"image": {"digest": "latest"}}, "/image/digest"),
     ({"tolerations": [{"key": "a", "operater": "Exists"}]}, "/tolerations/0"),
     ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
@@ -179,6 +180,7 @@ def test_a_scrape_timeout_up_to_the_interval_renders() -> None:
         ("--namespace=ml", "watchNamespaces"),
         ("--agent-token-key-file=/key", "agentTokenKey.existingSecret"),
         ("--log-level", "logLevel"),
+        ("--log-format=json", "logFormat"),
         ("--http=9090", "httpPort"),  # argparse takes an unambiguous prefix for the whole flag
     ],
 )
@@ -202,6 +204,7 @@ def test_extra_args_may_carry_the_flags_the_chart_does_not_model() -> None:
     ("name", "value"),
     [
         ("SPOTJOB_LOG_LEVEL", "logLevel"),
+        ("SPOTJOB_LOG_FORMAT", "logFormat"),
         ("SPOTJOB_NAMESPACES", "watchNamespaces"),
         ("SPOTJOB_INTERRUPTION_QUEUE_URL", "interruptionQueue.url"),
         ("POD_NAMESPACE", "the downward API"),

@@ -97,3 +97,20 @@ def test_without_a_telling_line_the_detail_quotes_the_last_line_the_script_wrote
 def test_a_missing_log_is_said_so(tmp_path: Path) -> None:
     log = str(tmp_path / "gone.log")
     assert failure_detail(log) == f"its log says nothing (log: {log})"
+
+
+def test_the_agents_json_log_lines_are_not_taken_for_the_scripts(tmp_path: Path) -> None:
+    """With ``SPOTJOB_LOG_FORMAT=json`` the agent's lines are JSON objects: its last line was taken
+    for the last thing the script wrote."""
+    agent = '{"time": "2026-12-04T16:34:12.838Z", "level": "WARNING", "logger": "agent.launcher", '
+    path = tmp_path / "x-0-0.log"
+    path.write_text(
+        "\n".join(
+            [
+                agent + '"message": "started torchrun", "command": "spotjob-agent", "pid": 14303}',
+                "step 10 loss 0.1",
+                agent + '"message": "exiting 1: the command failed", "command": "spotjob-agent", "pid": 14303}',
+            ]
+        )
+    )
+    assert log_excerpt(str(path)) == ["step 10 loss 0.1"]

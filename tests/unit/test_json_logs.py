@@ -1,0 +1,119 @@
+"""``SPOTJOB_LOG_FORMAT=json`` (``--log-format json``): each log line of spotjob's commands one JSON
+object, for log pipelines that index fields; the real commands are run where they log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from agent.streams import JsonFormatter, log_format
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    return {**env, "HOME": str(tmp_path), "PYTHONPATH": str(REPO), **extra}
+
+
+def test_a_record_is_one_json_object_with_the_commands_fields_its_traceback_and_no_credential() -> None:
+    formatter = JsonFormatter({"command": "spotjob-agent", "pid": 7, "job": "ns/train"})
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "agent.launcher", logging.ERROR, __file__, 1, "saving to %s — headers {'Authorization': 'Bearer s3cr3t'}",
+        ("s3://b/x",), exc_info,
+    )  # fmt: skip
+    record.created = datetime(2030, 1, 1, 23, 59, 58, 250000, tzinfo=UTC).timestamp()
+    record.msecs = 250.0
+
+    line = formatter.format(record)
+
+    assert "\n" not in line and line.isascii()
+    doc = json.loads(line)
+    assert doc["time"] == "2030-01-01T23:59:58.250Z"
+    assert (doc["level"], doc["logger"], doc["command"], doc["pid"], doc["job"]) == (
+        "ERROR", "agent.launcher", "spotjob-agent", 7, "ns/train",
+    )  # fmt: skip
+    assert doc["message"].startswith("saving to s3://b/x — headers")
+    assert "s3cr3t" not in line and "<redacted>" in doc["message"]
+    assert doc["exception"].startswith("Traceback") and "RuntimeError: boom" in doc["exception"]
+
+
+@pytest.mark.parametrize(("value", "kind"), [(None, "text"), ("", "text"), ("JSON", "json"), (" text ", "text")])
+def test_the_format_setting_takes_text_or_json_in_any_case(value: str | None, kind: str) -> None:
+    assert log_format(value) == kind
+
+
+def test_the_format_setting_refuses_anything_else_naming_what_it_takes() -> None:
+    with pytest.raises(ValueError, match="'xml': expected text or json"):
+        log_format("xml")
+
+
+def test_spotjob_agent_logs_json_lines_with_its_pid_and_job(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.launcher", "--checkpoint-uri", f"file://{tmp_path}/ck", "--job-name", "ns/train",
+         "--cloud", "none", "--", sys.executable, "-c", "print('the script')"],
+        env=_env(tmp_path, SPOTJOB_LOG_FORMAT="json"), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines, "the agent logged nothing"
+    docs = [json.loads(line) for line in lines]  # every line of the agent's is JSON
+    assert all(d["command"] == "spotjob-agent" and d["job"] == "ns/train" for d in docs), docs
+    assert {d["pid"] for d in docs} == {docs[0]["pid"]} and docs[0]["pid"] != os.getpid()
+    assert any(d["message"].startswith("exiting 0") for d in docs), [d["message"] for d in docs]
+    assert "the script" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--log-format", "xml"], {}, "--log-format 'xml'"),
+        ([], {"SPOTJOB_LOG_FORMAT": "xml"}, "SPOTJOB_LOG_FORMAT 'xml'"),
+    ],
+)
+def test_spotjob_agent_refuses_another_format_naming_where_it_came_from(
+    tmp_path: Path, args: list[str], env: dict[str, str], named: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.launcher", "--checkpoint-uri", f"file://{tmp_path}/ck", *args, "--", "true"],
+        env=_env(tmp_path, **env), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert named in done.stderr and "expected text or json" in done.stderr, done.stderr
+
+
+def test_the_controller_logs_json_lines(tmp_path: Path) -> None:
+    """Its first log line (a misspelled variable, before it reaches for the cluster) as JSON."""
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={tmp_path / 'none'}",
+         "--log-format", "json"],
+        env=_env(tmp_path, SPOTJOB_NAMESPACE="ml"), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2  # no cluster here
+    (doc,) = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert doc["level"] == "WARNING" and "SPOTJOB_NAMESPACE is set" in doc["message"], doc
+
+
+@pytest.mark.parametrize(
+    "command", [["-m", "orchestrator.k8s.main", "--no-leader-elect"], ["-m", "orchestrator.cli", "status"]]
+)
+def test_the_controller_and_spotjob_refuse_another_format_naming_the_variable(
+    tmp_path: Path, command: list[str]
+) -> None:
+    done = subprocess.run(
+        [sys.executable, *command], env=_env(tmp_path, SPOTJOB_LOG_FORMAT="xml"), cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "SPOTJOB_LOG_FORMAT='xml': expected text or json" in done.stderr, done.stderr
