@@ -2,7 +2,8 @@
 
 Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
 else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error and the command failed; else
-76 if the flush failed; else 0 if the command succeeded or every rank wrote ``closed-rank-<r>``;
+76 if the flush failed; else 0 if the command succeeded or every rank wrote ``closed-rank-<r>``
+and the command ended by itself (not killed by the agent);
 else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code — 1 if that is
 one of 74/75/76/79, which mean what the agent saw (``agent.launcher`` adds the rendezvous case)."""
 
@@ -88,10 +89,19 @@ def decide_exit_code(
         # Before the closed-rank check: a script that calls close() in a `finally` marks its
         # ranks closed after a failed flush too, and that job did not finish.
         return EXIT_FLUSH_FAILED, f"the flush failed: {result.error} (command exit code {code})"
-    if expected_ranks and len(closed_ranks) >= expected_ranks:
+    every_rank_closed = bool(expected_ranks) and len(closed_ranks) >= (expected_ranks or 0)
+    if every_rank_closed and not killed:
         # The known abort at interpreter exit ("terminate called without an active exception")
-        # after every rank finished its work: the job is done, whatever torchrun says.
+        # after every rank finished its work: the job is done, whatever torchrun says. Not when
+        # the agent stopped the command itself: the script was still at work after close().
         return 0, f"every rank closed ({len(closed_ranks)}/{expected_ranks}); the command exited {code}"
+    if every_rank_closed and flush_requested:
+        return EXIT_FLUSH_FAILED, (
+            f"no checkpoint was committed: the flush was asked for after every rank closed its Checkpointer "
+            f"({len(closed_ranks)}/{expected_ranks}), so no rank could serve it, and the command, still at work "
+            f"after close() (an export, an eval), was stopped before it finished (command exit code {code}); the "
+            f"restart resumes from the newest checkpoint and runs what follows close() again"
+        )
     if code == 0 and not killed:
         return 0, "the command finished"
     if flush_requested:

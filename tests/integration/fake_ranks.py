@@ -20,6 +20,8 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
 - ``finish``             run --steps steps, mark closed, exit 0
 - ``crash``              run --steps steps, exit --exit-code without closing (a failed job)
 - ``finish-abort``       run --steps steps, mark closed on every rank, then os.abort()
+- ``finish-hold``        run --steps steps, mark closed on every rank, then wait for --hold-file
+                         before exiting 0 (work a script does after close(): an export, an eval)
 - ``infra``              after --steps steps rank 0 reports an infrastructure error (storage
                          unreachable) and every rank exits 1, as the Checkpointer does during restore
 
@@ -139,6 +141,11 @@ def worker(args: argparse.Namespace) -> int:
             control.mark_closed(rank)
             if args.mode == "finish-abort":
                 abort()
+            if args.mode == "finish-hold":
+                if rank == 0:
+                    record(args, "closed")
+                while not os.path.exists(args.hold_file):
+                    time.sleep(0.01)
             return 0
         time.sleep(STEP_SECONDS)
 

@@ -382,6 +382,23 @@ def test_an_abort_at_exit_after_every_rank_closed_is_success(start: Callable[...
     assert "WARNING" in run.log() and "the command exited 1" in run.log()
 
 
+def test_a_command_killed_at_the_deadline_after_every_rank_closed_did_not_finish_and_exits_76(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Every rank closed its Checkpointer, then the script went on with work of its own (an
+    export, an eval) and a notice came: nobody answers the flush, and the agent kills the command
+    at the deadline. That command did not finish: the "every rank closed" forgiveness is for an
+    abort at interpreter exit, not for the agent's own kill, and exit 0 would mark the job done
+    with its last work cut short."""
+    hold = tmp_path / "never"  # the work after close() never ends by itself
+    run = start("--sigterm-grace", "0.5", mode="finish-hold", fake_args=("--steps", "3", "--hold-file", str(hold)))
+    wait_until(lambda: "closed" in events(run), "every rank closed", run)
+    wait_until(lambda: run.control.closed_ranks() == {0, 1}, "both closed marks", run)
+    run.signal(signal.SIGTERM)
+    assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
+    assert "after every rank closed" in run.log()
+
+
 def test_an_abort_at_exit_after_a_committed_flush_is_still_75(start: Callable[..., Run]) -> None:
     run = start(mode="abort-after-flush")
     run.wait_training()

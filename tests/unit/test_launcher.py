@@ -78,6 +78,11 @@ class TestExitCode:
         assert exit_code(1, closed_ranks={0}) == 1  # one rank did not finish
         assert exit_code(1, closed_ranks={0, 1}, expected_ranks=None) == 1  # world size unknown
 
+    def test_a_command_the_agent_killed_after_every_rank_closed_did_not_finish(self) -> None:
+        # Still at work after close() when the deadline came: the agent's kill, not an abort at exit.
+        assert exit_code(-15, flush_requested=True, closed_ranks={0, 1}, killed=True) == EXIT_FLUSH_FAILED
+        assert exit_code(-15, closed_ranks={0, 1}, killed=True) == 143  # SIGQUIT, or signals not notices
+
     def test_a_job_that_finished_while_a_flush_was_asked_for_is_done(self) -> None:
         assert exit_code(0, flush_requested=True) == 0
         assert exit_code(0, flush_requested=True, killed=True) == EXIT_FLUSH_FAILED
