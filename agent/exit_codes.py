@@ -72,7 +72,9 @@ def decide_exit_code(
 ) -> tuple[int, str]:
     """The agent's exit code for a command that ended with ``returncode``, and why.
 
-    ``stopped``: why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
+    ``killed``: the agent stopped the command while more than torchrun was left of it (torchrun
+    alone, waiting in its exit barrier after its ranks exited, is not the job's work); ``stopped``:
+    why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
     error a rank reported (or the agent found), if any. 75, 76, 74 and 79 are reported only for
     what this agent saw: a command that exits with one of them by itself gets 1.
     """

@@ -310,6 +310,7 @@ class Agent(AgentRequests):
                 with self._lock:
                     self._state = "stopping"
                     self._killed = True
+                    self._killed_at_work = not self._launcher_alone(child, tree)
                 if alone is not None:
                     # The flush committed and the ranks are on their way out: torchrun's own
                     # SIGTERM handling (stop the ranks, wait, report, close its rendezvous; 0.7 s
@@ -352,6 +353,14 @@ class Agent(AgentRequests):
         if not self._torchrun:
             return None
         if tree.known_alive(besides=child.pid):
+            return False
+        return [p.pid for p in tree.refresh()] == [child.pid]
+
+    def _launcher_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool:
+        """Whether only torchrun (or the agent's launcher) is left of the command: its ranks have
+        exited, and torchrun waits on something of its own (its exit barrier, for another node's
+        torchrun). False for any other command, whose own process may be the rank."""
+        if not self._torchrun or tree.known_alive(besides=child.pid):
             return False
         return [p.pid for p in tree.refresh()] == [child.pid]
 
@@ -489,7 +498,7 @@ class Agent(AgentRequests):
             result=result,
             closed_ranks=self.control.closed_ranks(),
             expected_ranks=self._expected_ranks(),
-            killed=killed,
+            killed=killed and self._killed_at_work,
             stopped=stop.reason if stop is not None else None,
             infra_error=self._infra_error(returncode),
         )

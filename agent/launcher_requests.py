@@ -126,6 +126,9 @@ class AgentRequests:
         self._child: subprocess.Popen[bytes] | None = None
         self._returncode: int | None = None
         self._killed = False
+        self._killed_at_work = True
+        """When the agent killed the command: whether more than torchrun was left of it (a rank, a
+        script still at work after close()); False when only torchrun waited (its exit barrier)."""
         self._started_monotonic = time.monotonic()
         self._terminate_requested: int | None = None
         self._stop: StopInfo | None = None

@@ -29,6 +29,8 @@ or fails (``flush-failed.json``) and every rank leaves. ``--mode``:
 a second notice while the first flush is surely in progress). ``--events PATH``: rank 0 appends
 one line per flush / early save it handled. ``--launcher-exits-on-flush``: the launcher exits 1 as
 soon as ``flush.json`` appears, its workers flushing on (a torchrun that died).
+``--launcher-waits-for PATH``: once every worker exited, the launcher records ``ranks exited`` in
+``--events`` and waits for PATH (torchrun in its exit barrier, waiting for another node's).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--events")
     p.add_argument("--pid-file")
     p.add_argument("--launcher-exits-on-flush", action="store_true")
+    p.add_argument("--launcher-waits-for")
     return p.parse_args()
 
 
@@ -79,6 +82,10 @@ def launcher(args: argparse.Namespace) -> int:
             time.sleep(0.01)
         return 1
     codes = [w.wait() for w in workers]
+    if args.launcher_waits_for:
+        record(args, "ranks exited")
+        while not os.path.exists(args.launcher_waits_for):
+            time.sleep(0.01)
     failed = [c for c in codes if c != 0]
     if not failed:
         return 0

@@ -592,6 +592,40 @@ def test_a_taken_rendezvous_port_exits_74_before_the_command_starts(tmp_path: Pa
     assert not started.exists()
 
 
+def test_torchrun_killed_at_the_deadline_in_its_exit_barrier_after_every_rank_closed_and_exited_is_success(
+    tmp_path: Path,
+) -> None:
+    """Every rank closed and exited; torchrun waits in its exit barrier (for another node's
+    torchrun) when a notice comes, and the agent kills it at the deadline: the job's work on this
+    node is done, so the agent exits 0, unlike a script still at work after close() (76). Pins
+    behaviour that worked before that case was made 76 (and failed with its first version)."""
+    torchrun = fake_torchrun(tmp_path, "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+    events, never = tmp_path / "events", tmp_path / "never"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--kill-grace", "1",
+        "--sigterm-grace", "0.5", "--control-dir", str(tmp_path / "control"), "--",
+        str(torchrun), str(FAKE_RANKS), "--nproc", "2", "--mode", "finish", "--steps", "3",
+        "--events", str(events), "--launcher-waits-for", str(never),
+    ]  # fmt: skip
+    log_path = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run = Run(proc, ControlDir(str(tmp_path / "control")), log_path, tmp_path)
+    try:
+        wait_until(lambda: "ranks exited" in events_of(events), "the ranks' exit", run)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == 0, run.log()
+        assert "the deadline passed" in run.log() and "every rank closed (2/2)" in run.log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def events_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def test_torchrun_failing_while_another_process_took_its_rendezvous_port_exits_74(tmp_path: Path) -> None:
     go = tmp_path / "go"
     # Free at the agent's check; taken (by the test) before "torchrun" tries to bind and fails.
