@@ -81,7 +81,7 @@ class SignalSource(NoticeSource):
         for sig in self.signals:
             if sig not in kept:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        log.info("listening for %s (grace %.0f s)", ", ".join(s.name for s in self._previous), self.grace_seconds)
+        log.info("listening for %s (grace %g s)", ", ".join(s.name for s in self._previous), self.grace_seconds)
         if kept:
             log.info(
                 "%s: ignored when the agent started (nohup, a background job), so left ignored",

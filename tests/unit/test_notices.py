@@ -610,6 +610,13 @@ class TestSignalSource:
             source.stop()
         assert signal.getsignal(signal.SIGTERM) == original
 
+    def test_the_start_line_names_a_fractional_grace_as_given(self, caplog: pytest.LogCaptureFixture) -> None:
+        """A grace of 0.5 s was logged as "grace 0 s", as if a SIGTERM meant no time at all."""
+        with caplog.at_level(logging.INFO, logger="agent.notices.sigterm"):
+            source, _ = running(SignalSource(grace_seconds=0.5))
+            source.stop()
+        assert "(grace 0.5 s)" in caplog.text
+
 
 # -- which cloud ------------------------------------------------------------------------------------
 
