@@ -68,6 +68,7 @@ from agent.control_api import ENV_AGENT_TOKEN, ControlApi, ControlApiBindError, 
 from agent.control_channel import (
     AGENT_FILE,
     ENV_CONTROL_DIR,
+    EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
     ControlDir,
@@ -502,6 +503,12 @@ class Agent(AgentRequests):
             stopped=stop.reason if stop is not None else None,
             infra_error=self._infra_error(returncode),
         )
+        if code == EXIT_FLUSH_FAILED and result is None and not self._rank_seen and self.control.status() is None:
+            why += (
+                "; no rank had connected to the control folder yet, so none heard the flush (the notice came "
+                "while the ranks were starting: importing torch, meeting, restoring; or the script does not use "
+                "spotjob's Checkpointer)"
+            )
         real = command_exit_code(returncode)
         quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
         log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)

@@ -622,6 +622,33 @@ def test_torchrun_killed_at_the_deadline_in_its_exit_barrier_after_every_rank_cl
             proc.kill()
 
 
+def test_a_notice_whose_deadline_passes_before_any_rank_connected_says_so_at_exit(tmp_path: Path) -> None:
+    """A notice while the ranks are still starting (torch importing, the rendezvous): nothing can
+    flush, and the agent's exit line says that no rank had connected, rather than only "no
+    checkpoint was committed", which reads as a failed save. The command here stands for ranks
+    that never reach their Checkpointer: it waits for a file that never comes."""
+    never = tmp_path / "never"
+    started = tmp_path / "started"
+    body = f"import os, time\nopen({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(never)!r}): time.sleep(0.01)"
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--kill-grace", "1",
+        "--sigterm-grace", "0.5", "--control-dir", str(tmp_path / "control"), "--", sys.executable, "-c", body,
+    ]  # fmt: skip
+    log_path = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run = Run(proc, ControlDir(str(tmp_path / "control")), log_path, tmp_path)
+    try:
+        wait_until(started.exists, "the command's start", run)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
+        assert "no rank had connected" in run.log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def events_of(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
