@@ -592,6 +592,19 @@ def test_a_taken_rendezvous_port_exits_74_before_the_command_starts(tmp_path: Pa
     assert not started.exists()
 
 
+def start_plain(tmp_path: Path, command: list[str]) -> Run:
+    """spotjob-agent with a short SIGTERM grace around ``command`` (not fake_ranks' launcher)."""
+    args = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--kill-grace", "1",
+        "--sigterm-grace", "0.5", "--control-dir", str(tmp_path / "control"), "--", *command,
+    ]  # fmt: skip
+    log_path = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Run(proc, ControlDir(str(tmp_path / "control")), log_path, tmp_path)
+
+
 def test_torchrun_killed_at_the_deadline_in_its_exit_barrier_after_every_rank_closed_and_exited_is_success(
     tmp_path: Path,
 ) -> None:
@@ -599,27 +612,24 @@ def test_torchrun_killed_at_the_deadline_in_its_exit_barrier_after_every_rank_cl
     torchrun) when a notice comes, and the agent kills it at the deadline: the job's work on this
     node is done, so the agent exits 0, unlike a script still at work after close() (76). Pins
     behaviour that worked before that case was made 76 (and failed with its first version)."""
-    torchrun = fake_torchrun(tmp_path, "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
-    events, never = tmp_path / "events", tmp_path / "never"
-    command = [
-        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--kill-grace", "1",
-        "--sigterm-grace", "0.5", "--control-dir", str(tmp_path / "control"), "--",
-        str(torchrun), str(FAKE_RANKS), "--nproc", "2", "--mode", "finish", "--steps", "3",
-        "--events", str(events), "--launcher-waits-for", str(never),
-    ]  # fmt: skip
-    log_path = tmp_path / "agent.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    run = Run(proc, ControlDir(str(tmp_path / "control")), log_path, tmp_path)
+    body = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+    torchrun = fake_torchrun(tmp_path, body)
+    never = tmp_path / "never"
+    run = start_plain(
+        tmp_path,
+        [
+            str(torchrun), str(FAKE_RANKS), "--nproc", "2", "--mode", "finish", "--steps", "3",
+            "--events", str(tmp_path / "events"), "--launcher-waits-for", str(never),
+        ],
+    )  # fmt: skip
     try:
-        wait_until(lambda: "ranks exited" in events_of(events), "the ranks' exit", run)
+        wait_until(lambda: "ranks exited" in events(run), "the ranks' exit", run)
         run.signal(signal.SIGTERM)
         assert run.exit_code() == 0, run.log()
         assert "the deadline passed" in run.log() and "every rank closed (2/2)" in run.log()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if run.proc.poll() is None:
+            run.proc.kill()
 
 
 def test_a_notice_whose_deadline_passes_before_any_rank_connected_says_so_at_exit(tmp_path: Path) -> None:
@@ -627,30 +637,20 @@ def test_a_notice_whose_deadline_passes_before_any_rank_connected_says_so_at_exi
     flush, and the agent's exit line says that no rank had connected, rather than only "no
     checkpoint was committed", which reads as a failed save. The command here stands for ranks
     that never reach their Checkpointer: it waits for a file that never comes."""
-    never = tmp_path / "never"
-    started = tmp_path / "started"
-    body = f"import os, time\nopen({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(never)!r}): time.sleep(0.01)"
-    command = [
-        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--kill-grace", "1",
-        "--sigterm-grace", "0.5", "--control-dir", str(tmp_path / "control"), "--", sys.executable, "-c", body,
-    ]  # fmt: skip
-    log_path = tmp_path / "agent.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    run = Run(proc, ControlDir(str(tmp_path / "control")), log_path, tmp_path)
+    never, started = tmp_path / "never", tmp_path / "started"
+    body = (
+        f"import os, time\nopen({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(never)!r}): time.sleep(0.01)"
+    )
+    run = start_plain(tmp_path, [sys.executable, "-c", body])
     try:
         wait_until(started.exists, "the command's start", run)
         run.signal(signal.SIGTERM)
         assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
         assert "no rank had connected" in run.log()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def events_of(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
+        if run.proc.poll() is None:
+            run.proc.kill()
 
 
 def test_torchrun_failing_while_another_process_took_its_rendezvous_port_exits_74(tmp_path: Path) -> None:
