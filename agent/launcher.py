@@ -31,7 +31,8 @@ Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) afte
 else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error, or torchrun failed before
 any rank reported while another process holds its rendezvous port; else 76 if the flush failed;
 else 0 if the command succeeded or every rank wrote ``closed-rank-<r>`` (a finished job whose
-interpreter aborted at exit is not a failure); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
+interpreter aborted at exit is not a failure; not when the agent killed the command while more
+than torchrun was left of it: work after ``close()``); else 76 (EXIT_FLUSH_FAILED) if a flush was asked
 for; else the command's own code — 1 if that is one of 74/75/76/79, which mean what the agent saw.
 
 The rest of spotjob-agent, each in its own module:
