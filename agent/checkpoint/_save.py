@@ -238,9 +238,15 @@ class _Saving(_Voting):
         self._status.state = "flushing"
         self._status.step = step
         self._report(force=True)
-        if request and request.deadline and self.last_save_seconds:
+        if request and request.deadline:
             left = request.deadline - time.time()
-            if left < self.last_save_seconds:
+            if left <= 0:
+                log.warning(
+                    "flush: the deadline passed %.1fs ago; trying anyway, as long as spotjob-agent lets the ranks "
+                    "run (an unfinished save leaves no manifest, so restore cannot mistake it for a checkpoint)",
+                    -left,
+                )
+            elif self.last_save_seconds and left < self.last_save_seconds:
                 log.warning(
                     "flush: %.1fs left before the deadline but the last save took %.1fs; trying anyway "
                     "(an unfinished save leaves no manifest, so restore cannot mistake it for a checkpoint)",

@@ -8,7 +8,9 @@ they pin down live in the per-step vote, which one process never exercises.
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,24 @@ def test_step_called_twice_with_one_step_warns_once_of_per_micro_batch_calls(
     assert len(repeats) == 1, repeats
     assert "step(1) was called again with the same step" in repeats[0]
     assert "once per optimizer step" in repeats[0] and "micro-batch" in repeats[0]
+
+
+def test_a_flush_whose_deadline_passed_says_so_not_a_negative_time_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A notice whose deadline had passed when the ranks reached the flush (a clock ahead, or a
+    deadline shorter than one step): the rank's warning read "-2.0s left before the deadline"."""
+    state = make_state(0)
+    control = tmp_path / "control"
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "ckpt"), every_steps=1, control_dir=str(control)) as ckpt:
+        ckpt.step(1, state)
+        ckpt.wait()  # a save timed: the flush compares the window with it
+        ControlDir(str(control)).request_flush(FlushRequest(reason="late notice", deadline=time.time() - 2))
+        assert ckpt.step(2, state) is True
+    said = [r.getMessage() for r in caplog.records if "deadline" in r.getMessage()]
+    assert said and all("s left" not in m for m in said), said
+    assert any(re.search(r"the deadline passed \d+\.\ds ago", m) for m in said), said
 
 
 def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
