@@ -1,0 +1,96 @@
+"""``make bench``'s benchmarks at their smallest settings, so that they cannot rot unseen: each runs as
+``make bench`` runs it (``python -m bench.<name>`` in a process of its own, with the real moto and
+torch underneath) and its output must hold the rows ``bench/README.md`` describes. Nothing here
+judges a timing. Results go to a temporary ``$SPOTJOB_BENCH_OUT``, never to ``bench/out/``.
+
+Not here: ``bench.goodput`` (its smallest run with one notice takes over two minutes: a horizon of
+about a minute plus the restart floor's six torch starts) and ``bench.controller_scale``, whose
+smoke test is ``tests/scale/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(module: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """Run ``python -m bench.<module> args`` with its results in ``out``: its latest JSON and Markdown."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(out)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(list(out.glob(f"{module}-2*.json"))) == 1  # the stamped copy beside -latest
+    return json.loads((out / f"{module}-latest.json").read_text()), (out / f"{module}-latest.md").read_text()
+
+
+def test_libraries_reports_each_swap_against_what_it_replaced(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 3 s)."""
+    data, md = run_bench("libraries", tmp_path)
+    whats = [r["what"] for r in data["rows"]]
+    assert len(whats) == 4
+    for start in ("CRC32C of 256 MiB", "combine two CRC32Cs", "one pass over all", "read the Checkpointer's"):
+        assert any(w.startswith(start) for w in whats), whats
+        assert start in md
+
+
+@pytest.mark.slow
+def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 15 s on 2 cores): one repetition of the smallest state
+    (one 2048-wide layer, 50 MB), filesystem only, no warm-up."""
+    data, md = run_bench(
+        "checkpoint", tmp_path / "out", "--sizes", "0.01", "--backends", "file", "--repeat", "1",
+        "--no-warm-up", "--scratch", str(tmp_path / "scratch"),
+    )  # fmt: skip
+    assert [s["size_gb"] for s in data["sizes"]] == [0.01]
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+    for heading in (
+        "### Against the targets",
+        "### Filesystem, 50.36 MB",
+        "### Where an async save's time goes",
+        "### Memory (filesystem, medians)",
+        "### Bytes written",
+    ):
+        assert heading in md, heading
+    for row in (
+        "| Checkpointer async: `step()` blocks |",
+        "| floor of the blocking: memcpy of the state into existing buffers |",
+        "| Checkpointer async: save call → manifest committed |",
+        "| … a Checkpointer's first async save (allocates the buffers): blocks |",
+        "| … with `release_staging=True`: `step()` blocks |",
+        "| Checkpointer sync: `step()` (whole save) |",
+        "| … the same with `direct_io=False` (through the page cache) |",
+        "| floor: raw write of the state's bytes + fsync |",
+        "| torch.save, one file + fsync |",
+        "| plain dcp.save (FileSystemWriter) |",
+        "| Checkpointer `restore()` (cold cache) |",
+        "| floor: raw read (cold cache) |",
+        "| deserialise: torch.load (warm) + load_state_dict |",
+        "| torch.load (cold) + load_state_dict |",
+        "| plain dcp.load (cold) + set_state_dict |",
+    ):
+        assert row in md, row
+
+
+def test_notice_to_commit_on_the_filesystem(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 5 s): one repetition, filesystem only, without the
+    per-step check (2 torchrun ranks, about 25 s more)."""
+    data, md = run_bench(
+        "notice", tmp_path / "out", "--sizes", "0.01", "--backends", "file", "--repeat", "1", "--skip-check",
+        "--scratch", str(tmp_path / "scratch"),
+    )  # fmt: skip
+    [row] = data["notice"]
+    assert row["backend"] == "file" and len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1
+    assert "### Notice to commit" in md
+    assert "| file | 12.60 MB |" in md
