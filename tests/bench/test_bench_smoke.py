@@ -45,6 +45,16 @@ def test_libraries_reports_each_swap_against_what_it_replaced(tmp_path: Path) ->
         assert start in md
 
 
+def test_libraries_names_the_watch_loops_real_walk_interval(tmp_path: Path) -> None:
+    """The psutil row's baseline is the agent's own /proc walk; its label must give the interval the
+    agent walks at (``TREE_SCAN_EVERY``), not a rate it no longer has."""
+    from agent.launcher import TREE_SCAN_EVERY
+
+    data, _ = run_bench("libraries", tmp_path)
+    row = next(r for r in data["rows"] if r["what"].startswith("one pass over all"))
+    assert f"every {TREE_SCAN_EVERY:g} s" in row["before"], row
+
+
 @pytest.mark.slow
 def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> None:
     """Pins behaviour that already worked (about 15 s on 2 cores): one repetition of the smallest state
