@@ -127,7 +127,11 @@ def analyse(events: list[TimelineEvent], horizon: float) -> dict[str, Any]:
     steps = [e for e in events if e.kind == EventKind.STEP]
     warm = [e for e in steps if e.data["attempt"] == 0 and e.data.get("state") != "starting" and e.t <= first_notice]
     if len(warm) < 2:
-        raise RuntimeError("the first attempt trained too little before the first notice to measure its rate")
+        raise RuntimeError(
+            f"the first notice came {first_notice - t0:.1f} s after the start, before the first attempt had "
+            f"trained long enough to measure its step rate ({len(warm)} step report(s)): the trace's first gap is "
+            f"{REAL_GAP_S[0]:g}-{REAL_GAP_S[1]:g} s times --scale, so raise --scale (or pick another --seed)"
+        )
     rate = (warm[-1].data["step"] - warm[0].data["step"]) / (warm[-1].t - warm[0].t)
     # Back-extrapolate to the step-0 moment: start-up ends where the steady line meets step 0.
     startup = warm[0].t - t0 - warm[0].data["step"] / rate

@@ -3,7 +3,7 @@
 torch underneath) and its output must hold the rows ``bench/README.md`` describes. Nothing here
 judges a timing. Results go to a temporary ``$SPOTJOB_BENCH_OUT``, never to ``bench/out/``.
 
-Not here: ``bench.goodput`` (its smallest run with one notice takes over two minutes: a horizon of
+Not here: a run of ``bench.goodput`` (its smallest run with one notice takes over two minutes: a horizon of
 about a minute plus the restart floor's six torch starts) and ``bench.controller_scale``, whose
 smoke test is ``tests/scale/``.
 """
@@ -104,3 +104,21 @@ def test_notice_to_commit_on_the_filesystem(tmp_path: Path) -> None:
     assert row["backend"] == "file" and len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1
     assert "### Notice to commit" in md
     assert "| file | 12.60 MB |" in md
+
+
+def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_early() -> None:
+    """A small ``--scale`` can put the first notice before the first attempt trains (found with
+    ``--scale 0.1``): the run, minutes long, must then say so and name the setting, not only that it
+    "trained too little". The timeline is written by hand: what the run's ``timeline.jsonl`` held then."""
+    from bench.goodput import analyse
+    from orchestrator.backends.local import EventKind, TimelineEvent
+
+    events = [
+        TimelineEvent(100.0, EventKind.RUN_STARTED, {}),
+        TimelineEvent(101.0, EventKind.WORKER_STARTED, {"attempt": 0}),
+        TimelineEvent(107.0, EventKind.STEP, {"attempt": 0, "step": 3}),
+        TimelineEvent(107.4, EventKind.NOTICE, {}),
+        TimelineEvent(108.0, EventKind.STEP, {"attempt": 0, "step": 10}),
+    ]
+    with pytest.raises(RuntimeError, match=r"first notice came 7\.4 s after the start.*raise --scale"):
+        analyse(events, horizon=45.0)
