@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_bench(module: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
-    """Run ``python -m bench.<module> args`` with its results in ``out``: its latest JSON and Markdown."""
+    """Run ``python -m bench.<module> args`` with its results in ``out``: its latest JSON and Markdown
+    (what it printed where it writes no Markdown)."""
     env = {**os.environ, "SPOTJOB_BENCH_OUT": str(out)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
@@ -32,7 +33,8 @@ def run_bench(module: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(list(out.glob(f"{module}-2*.json"))) == 1  # the stamped copy beside -latest
-    return json.loads((out / f"{module}-latest.json").read_text()), (out / f"{module}-latest.md").read_text()
+    md = out / f"{module}-latest.md"
+    return json.loads((out / f"{module}-latest.json").read_text()), md.read_text() if md.exists() else proc.stdout
 
 
 def test_libraries_reports_each_swap_against_what_it_replaced(tmp_path: Path) -> None:
@@ -93,17 +95,37 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
         assert row in md, row
 
 
-def test_notice_to_commit_on_the_filesystem(tmp_path: Path) -> None:
-    """Pins behaviour that already worked (about 5 s): one repetition, filesystem only, without the
-    per-step check (2 torchrun ranks, about 25 s more)."""
+@pytest.mark.slow
+def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 14 s on 2 cores): one repetition of a 12.6 MB state on the
+    filesystem, moto's S3 and fake-gcs-server, without the per-step check (2 torchrun ranks, about
+    25 s more)."""
     data, md = run_bench(
-        "notice", tmp_path / "out", "--sizes", "0.01", "--backends", "file", "--repeat", "1", "--skip-check",
+        "notice", tmp_path / "out", "--sizes", "0.01", "--repeat", "1", "--skip-check",
         "--scratch", str(tmp_path / "scratch"),
     )  # fmt: skip
-    [row] = data["notice"]
-    assert row["backend"] == "file" and len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1
-    assert "### Notice to commit" in md
-    assert "| file | 12.60 MB |" in md
+    assert [r["backend"] for r in data["notice"]] == ["file", "s3", "gs"]
+    for row in data["notice"]:
+        assert len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1, row
+    assert len(data["notice"][1]["floor_checked_s"]) == 1  # S3's second floor, with the full-object CRC32C
+    assert "### Notice to commit" in md and "floor with full-object CRC32C" in md
+    for backend in ("file", "s3", "gs"):
+        assert f"| {backend} | 12.60 MB |" in md, backend
+
+
+@pytest.mark.slow
+def test_controller_scale_from_its_command_line(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 22 s on 2 cores): the command ``make bench`` runs, with 8 nodes,
+    4 jobs and 2 preemptions; ``tests/scale/`` checks the counts, this the report and the JSON."""
+    data, printed = run_bench(
+        "controller_scale", tmp_path, "--nodes", "8", "--jobs", "4", "--rounds", "1", "--per-round", "1",
+        "--burst", "1", "--idle-seconds", "1",
+    )  # fmt: skip
+    [size] = data["sizes"]
+    assert size["config"]["nodes"] == 8 and len(size["preemptions"]) >= 2
+    assert {w["name"] for w in size["windows"]} >= {"idle", "rounds", "burst"}
+    assert "| nodes | jobs | preemptions | flush p50 | flush p99 |" in printed
+    assert "8 nodes: signal → flush p99" in printed
 
 
 def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_early() -> None:
