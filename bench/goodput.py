@@ -476,11 +476,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     started = time.monotonic()
+    window = REAL_WINDOW_S * args.scale
+    trace = make_trace(args.seed, args.scale, args.horizon - window - SETTLE_S)
+    if not trace:
+        p.error(
+            f"--horizon {args.horizon:g} holds no notice: the trace ends {window + SETTLE_S:g} s before the horizon "
+            f"and its first gap (seed {args.seed}) is longer than what is left, so the run would measure no "
+            "preemption; raise --horizon"
+        )
     stamp = time.strftime("%Y%m%dT%H%M%S")
     runs_dir = OUT_DIR / f"goodput-runs-{stamp}"
     runs_dir.mkdir(parents=True)
-    window = REAL_WINDOW_S * args.scale
-    trace = make_trace(args.seed, args.scale, args.horizon - window - SETTLE_S)
     trace_file = runs_dir / "trace.json"
     trace_file.write_text(json.dumps(trace))
     log("trace: notices at %s s, %.0f s windows, horizon %.0f s", trace, window, args.horizon)

@@ -144,3 +144,18 @@ def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_ea
     ]
     with pytest.raises(RuntimeError, match=r"first notice came 7\.4 s after the start.*raise --scale"):
         analyse(events, horizon=45.0)
+
+
+def test_goodput_refuses_a_horizon_that_holds_no_notice(tmp_path: Path) -> None:
+    """``--horizon 35 --scale 0.1`` used to run its whole horizon (and, with the spotjob strategy, the
+    restart floor) and report a goodput under "notices at  s": a run that measured no preemption.
+    It must refuse before starting anything, and say which setting to raise."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.goodput", "--horizon", "35", "--scale", "0.1", "--only", "none",
+         "--out", str(tmp_path / "goodput.md")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "holds no notice" in proc.stderr and "raise --horizon" in proc.stderr, proc.stderr
+    assert not (tmp_path / "goodput.md").exists() and not list(tmp_path.glob("goodput-runs-*"))
