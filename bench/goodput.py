@@ -476,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     started = time.monotonic()
+    chosen = strategies(args.every_steps)
+    if args.only:
+        wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+        names = [s.name for s in chosen]
+        if not wanted or wanted - set(names):
+            p.error(f"--only takes {', '.join(names)}, comma-separated; got {args.only!r}")
+        chosen = [s for s in chosen if s.name in wanted]
     window = REAL_WINDOW_S * args.scale
     trace = make_trace(args.seed, args.scale, args.horizon - window - SETTLE_S)
     if not trace:
@@ -490,10 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     trace_file = runs_dir / "trace.json"
     trace_file.write_text(json.dumps(trace))
     log("trace: notices at %s s, %.0f s windows, horizon %.0f s", trace, window, args.horizon)
-    chosen = strategies(args.every_steps)
-    if args.only:
-        wanted = set(args.only.split(","))
-        chosen = [s for s in chosen if s.name in wanted]
     outcomes = [
         run_strategy(
             s, runs_dir=runs_dir, trace_file=trace_file, window=window, horizon=args.horizon,

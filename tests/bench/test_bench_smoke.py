@@ -172,3 +172,17 @@ def test_notice_refuses_a_backend_it_does_not_know(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "--backends takes file, s3 and gs" in proc.stderr and "'gcs'" in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("notice-*.json"))
+
+
+def test_goodput_refuses_a_strategy_it_does_not_know(tmp_path: Path) -> None:
+    """``--only spotjb`` (a typo) used to run nothing and still write a results table with no row,
+    by default over the tracked ``bench/goodput-results.md``. It must refuse and list the strategies."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
+    out = tmp_path / "goodput.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.goodput", "--only", "spotjb", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--only takes spotjob, periodic, none" in proc.stderr and "'spotjb'" in proc.stderr, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob("goodput-*"))
