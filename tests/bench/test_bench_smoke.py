@@ -37,9 +37,14 @@ def run_bench(module: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
     return json.loads((out / f"{module}-latest.json").read_text()), md.read_text() if md.exists() else proc.stdout
 
 
-def test_libraries_reports_each_swap_against_what_it_replaced(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    return run_bench("libraries", tmp_path_factory.mktemp("libraries"))
+
+
+def test_libraries_reports_each_swap_against_what_it_replaced(libraries: tuple[dict[str, Any], str]) -> None:
     """Pins behaviour that already worked (about 3 s)."""
-    data, md = run_bench("libraries", tmp_path)
+    data, md = libraries
     whats = [r["what"] for r in data["rows"]]
     assert len(whats) == 4
     for start in ("CRC32C of 256 MiB", "combine two CRC32Cs", "one pass over all", "read the Checkpointer's"):
@@ -47,12 +52,12 @@ def test_libraries_reports_each_swap_against_what_it_replaced(tmp_path: Path) ->
         assert start in md
 
 
-def test_libraries_names_the_watch_loops_real_walk_interval(tmp_path: Path) -> None:
+def test_libraries_names_the_watch_loops_real_walk_interval(libraries: tuple[dict[str, Any], str]) -> None:
     """The psutil row's baseline is the agent's own /proc walk; its label must give the interval the
     agent walks at (``TREE_SCAN_EVERY``), not a rate it no longer has."""
     from agent.launcher import TREE_SCAN_EVERY
 
-    data, _ = run_bench("libraries", tmp_path)
+    data, _ = libraries
     row = next(r for r in data["rows"] if r["what"].startswith("one pass over all"))
     assert f"every {TREE_SCAN_EVERY:g} s" in row["before"], row
 
