@@ -34,8 +34,9 @@ from agent.mounts import mount_of
 
 T = TypeVar("T")
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
-"""Where raw results go (gitignored)."""
+OUT_DIR = Path(os.environ.get("SPOTJOB_BENCH_OUT") or Path(__file__).resolve().parent / "out")
+"""Where raw results go: ``bench/out/`` (gitignored), or ``$SPOTJOB_BENCH_OUT`` (the smoke tests' own
+folder, so that a test run never replaces a real run's ``*-latest`` files)."""
 
 GB = 10**9
 MiB = 1024 * 1024

@@ -127,7 +127,11 @@ def analyse(events: list[TimelineEvent], horizon: float) -> dict[str, Any]:
     steps = [e for e in events if e.kind == EventKind.STEP]
     warm = [e for e in steps if e.data["attempt"] == 0 and e.data.get("state") != "starting" and e.t <= first_notice]
     if len(warm) < 2:
-        raise RuntimeError("the first attempt trained too little before the first notice to measure its rate")
+        raise RuntimeError(
+            f"the first notice came {first_notice - t0:.1f} s after the start, before the first attempt had "
+            f"trained long enough to measure its step rate ({len(warm)} step report(s)): the trace's first gap is "
+            f"{REAL_GAP_S[0]:g}-{REAL_GAP_S[1]:g} s times --scale, so raise --scale (or pick another --seed)"
+        )
     rate = (warm[-1].data["step"] - warm[0].data["step"]) / (warm[-1].t - warm[0].t)
     # Back-extrapolate to the step-0 moment: start-up ends where the steady line meets step 0.
     startup = warm[0].t - t0 - warm[0].data["step"] / rate
@@ -472,18 +476,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     started = time.monotonic()
+    chosen = strategies(args.every_steps)
+    if args.only:
+        wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+        names = [s.name for s in chosen]
+        if not wanted or wanted - set(names):
+            p.error(f"--only takes {', '.join(names)}, comma-separated; got {args.only!r}")
+        chosen = [s for s in chosen if s.name in wanted]
+    window = REAL_WINDOW_S * args.scale
+    trace = make_trace(args.seed, args.scale, args.horizon - window - SETTLE_S)
+    if not trace:
+        p.error(
+            f"--horizon {args.horizon:g} holds no notice: the trace ends {window + SETTLE_S:g} s before the horizon "
+            f"and its first gap (seed {args.seed}) is longer than what is left, so the run would measure no "
+            "preemption; raise --horizon"
+        )
     stamp = time.strftime("%Y%m%dT%H%M%S")
     runs_dir = OUT_DIR / f"goodput-runs-{stamp}"
     runs_dir.mkdir(parents=True)
-    window = REAL_WINDOW_S * args.scale
-    trace = make_trace(args.seed, args.scale, args.horizon - window - SETTLE_S)
     trace_file = runs_dir / "trace.json"
     trace_file.write_text(json.dumps(trace))
     log("trace: notices at %s s, %.0f s windows, horizon %.0f s", trace, window, args.horizon)
-    chosen = strategies(args.every_steps)
-    if args.only:
-        wanted = set(args.only.split(","))
-        chosen = [s for s in chosen if s.name in wanted]
     outcomes = [
         run_strategy(
             s, runs_dir=runs_dir, trace_file=trace_file, window=window, horizon=args.horizon,

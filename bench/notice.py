@@ -362,7 +362,10 @@ def main() -> int:
     )
     args = p.parse_args()
     sizes = [float(s) for s in args.sizes.split(",") if s]
-    backends = [b for b in args.backends.split(",") if b]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in ("file", "s3", "gs")]
+    if unknown or not backends:
+        p.error(f"--backends takes file, s3 and gs, comma-separated; got {args.backends!r}")
     scratch = args.scratch or tempfile.mkdtemp(prefix="spotjob-notice-bench-")
     os.makedirs(scratch, exist_ok=True)
     payload: dict[str, Any] = {"machine": describe_machine(scratch), "repeat": args.repeat, "notice": [],

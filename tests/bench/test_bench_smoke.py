@@ -1,0 +1,193 @@
+"""``make bench``'s benchmarks at their smallest settings, so that they cannot rot unseen: each runs as
+``make bench`` runs it (``python -m bench.<name>`` in a process of its own, with the real moto and
+torch underneath) and its output must hold the rows ``bench/README.md`` describes. Nothing here
+judges a timing. Results go to a temporary ``$SPOTJOB_BENCH_OUT``, never to ``bench/out/``.
+
+Not here: a run of ``bench.goodput`` (its smallest run with one notice takes over two minutes: a horizon of
+about a minute plus the restart floor's six torch starts) and ``bench.controller_scale``, whose
+smoke test is ``tests/scale/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(module: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """Run ``python -m bench.<module> args`` with its results in ``out``: its latest JSON and Markdown
+    (what it printed where it writes no Markdown)."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(out)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(list(out.glob(f"{module}-2*.json"))) == 1  # the stamped copy beside -latest
+    md = out / f"{module}-latest.md"
+    return json.loads((out / f"{module}-latest.json").read_text()), md.read_text() if md.exists() else proc.stdout
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    return run_bench("libraries", tmp_path_factory.mktemp("libraries"))
+
+
+def test_libraries_reports_each_swap_against_what_it_replaced(libraries: tuple[dict[str, Any], str]) -> None:
+    """Pins behaviour that already worked (about 3 s)."""
+    data, md = libraries
+    whats = [r["what"] for r in data["rows"]]
+    assert len(whats) == 4
+    for start in ("CRC32C of 256 MiB", "combine two CRC32Cs", "one pass over all", "read the Checkpointer's"):
+        assert any(w.startswith(start) for w in whats), whats
+        assert start in md
+
+
+def test_libraries_names_the_watch_loops_real_walk_interval(libraries: tuple[dict[str, Any], str]) -> None:
+    """The psutil row's baseline is the agent's own /proc walk; its label must give the interval the
+    agent walks at (``TREE_SCAN_EVERY``), not a rate it no longer has."""
+    from agent.launcher import TREE_SCAN_EVERY
+
+    data, _ = libraries
+    row = next(r for r in data["rows"] if r["what"].startswith("one pass over all"))
+    assert f"every {TREE_SCAN_EVERY:g} s" in row["before"], row
+
+
+@pytest.mark.slow
+def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 15 s on 2 cores): one repetition of the smallest state
+    (one 2048-wide layer, 50 MB), filesystem only, no warm-up."""
+    data, md = run_bench(
+        "checkpoint", tmp_path / "out", "--sizes", "0.01", "--backends", "file", "--repeat", "1",
+        "--no-warm-up", "--scratch", str(tmp_path / "scratch"),
+    )  # fmt: skip
+    assert [s["size_gb"] for s in data["sizes"]] == [0.01]
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+    for heading in (
+        "### Against the targets",
+        "### Filesystem, 50.36 MB",
+        "### Where an async save's time goes",
+        "### Memory (filesystem, medians)",
+        "### Bytes written",
+    ):
+        assert heading in md, heading
+    for row in (
+        "| Checkpointer async: `step()` blocks |",
+        "| floor of the blocking: memcpy of the state into existing buffers |",
+        "| Checkpointer async: save call → manifest committed |",
+        "| … a Checkpointer's first async save (allocates the buffers): blocks |",
+        "| … with `release_staging=True`: `step()` blocks |",
+        "| Checkpointer sync: `step()` (whole save) |",
+        "| … the same with `direct_io=False` (through the page cache) |",
+        "| floor: raw write of the state's bytes + fsync |",
+        "| torch.save, one file + fsync |",
+        "| plain dcp.save (FileSystemWriter) |",
+        "| Checkpointer `restore()` (cold cache) |",
+        "| floor: raw read (cold cache) |",
+        "| deserialise: torch.load (warm) + load_state_dict |",
+        "| torch.load (cold) + load_state_dict |",
+        "| plain dcp.load (cold) + set_state_dict |",
+    ):
+        assert row in md, row
+
+
+@pytest.mark.slow
+def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 14 s on 2 cores): one repetition of a 12.6 MB state on the
+    filesystem, moto's S3 and fake-gcs-server, without the per-step check (2 torchrun ranks, about
+    25 s more)."""
+    data, md = run_bench(
+        "notice", tmp_path / "out", "--sizes", "0.01", "--repeat", "1", "--skip-check",
+        "--scratch", str(tmp_path / "scratch"),
+    )  # fmt: skip
+    assert [r["backend"] for r in data["notice"]] == ["file", "s3", "gs"]
+    for row in data["notice"]:
+        assert len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1, row
+    assert len(data["notice"][1]["floor_checked_s"]) == 1  # S3's second floor, with the full-object CRC32C
+    assert "### Notice to commit" in md and "floor with full-object CRC32C" in md
+    for backend in ("file", "s3", "gs"):
+        assert f"| {backend} | 12.60 MB |" in md, backend
+
+
+@pytest.mark.slow
+def test_controller_scale_from_its_command_line(tmp_path: Path) -> None:
+    """Pins behaviour that already worked (about 22 s on 2 cores): the command ``make bench`` runs, with 8 nodes,
+    4 jobs and 2 preemptions; ``tests/scale/`` checks the counts, this the report and the JSON."""
+    data, printed = run_bench(
+        "controller_scale", tmp_path, "--nodes", "8", "--jobs", "4", "--rounds", "1", "--per-round", "1",
+        "--burst", "1", "--idle-seconds", "1",
+    )  # fmt: skip
+    [size] = data["sizes"]
+    assert size["config"]["nodes"] == 8 and len(size["preemptions"]) >= 2
+    assert {w["name"] for w in size["windows"]} >= {"idle", "rounds", "burst"}
+    assert "| nodes | jobs | preemptions | flush p50 | flush p99 |" in printed
+    assert "8 nodes: signal → flush p99" in printed
+
+
+def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_early() -> None:
+    """A small ``--scale`` can put the first notice before the first attempt trains (found with
+    ``--scale 0.1``): the run, minutes long, must then say so and name the setting, not only that it
+    "trained too little". The timeline is written by hand: what the run's ``timeline.jsonl`` held then."""
+    from bench.goodput import analyse
+    from orchestrator.backends.local import EventKind, TimelineEvent
+
+    events = [
+        TimelineEvent(100.0, EventKind.RUN_STARTED, {}),
+        TimelineEvent(101.0, EventKind.WORKER_STARTED, {"attempt": 0}),
+        TimelineEvent(107.0, EventKind.STEP, {"attempt": 0, "step": 3}),
+        TimelineEvent(107.4, EventKind.NOTICE, {}),
+        TimelineEvent(108.0, EventKind.STEP, {"attempt": 0, "step": 10}),
+    ]
+    with pytest.raises(RuntimeError, match=r"first notice came 7\.4 s after the start.*raise --scale"):
+        analyse(events, horizon=45.0)
+
+
+def test_goodput_refuses_a_horizon_that_holds_no_notice(tmp_path: Path) -> None:
+    """``--horizon 35 --scale 0.1`` used to run its whole horizon (and, with the spotjob strategy, the
+    restart floor) and report a goodput under "notices at  s": a run that measured no preemption.
+    It must refuse before starting anything, and say which setting to raise."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.goodput", "--horizon", "35", "--scale", "0.1", "--only", "none",
+         "--out", str(tmp_path / "goodput.md")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "holds no notice" in proc.stderr and "raise --horizon" in proc.stderr, proc.stderr
+    assert not (tmp_path / "goodput.md").exists() and not list(tmp_path.glob("goodput-runs-*"))
+
+
+def test_notice_refuses_a_backend_it_does_not_know(tmp_path: Path) -> None:
+    """``--backends gcs`` (GCS is ``gs`` here) used to run the filesystem benchmark and report it as
+    ``file``: a user asking for GCS got the local disk's numbers. It must refuse and list the names."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.notice", "--sizes", "0.01", "--repeat", "1", "--skip-check", "--backends", "gcs"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--backends takes file, s3 and gs" in proc.stderr and "'gcs'" in proc.stderr, proc.stderr
+    assert not list(tmp_path.glob("notice-*.json"))
+
+
+def test_goodput_refuses_a_strategy_it_does_not_know(tmp_path: Path) -> None:
+    """``--only spotjb`` (a typo) used to run nothing and still write a results table with no row,
+    by default over the tracked ``bench/goodput-results.md``. It must refuse and list the strategies."""
+    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
+    out = tmp_path / "goodput.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.goodput", "--only", "spotjb", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--only takes spotjob, periodic, none" in proc.stderr and "'spotjb'" in proc.stderr, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob("goodput-*"))
