@@ -118,21 +118,6 @@ def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
         assert f"| {backend} | 12.60 MB |" in md, backend
 
 
-@pytest.mark.slow
-def test_controller_scale_from_its_command_line(tmp_path: Path) -> None:
-    """Pins behaviour that already worked (about 22 s on 2 cores): the command ``make bench`` runs, with 8 nodes,
-    4 jobs and 2 preemptions; ``tests/scale/`` checks the counts, this the report and the JSON."""
-    data, printed = run_bench(
-        "controller_scale", tmp_path, "--nodes", "8", "--jobs", "4", "--rounds", "1", "--per-round", "1",
-        "--burst", "1", "--idle-seconds", "1",
-    )  # fmt: skip
-    [size] = data["sizes"]
-    assert size["config"]["nodes"] == 8 and len(size["preemptions"]) >= 2
-    assert {w["name"] for w in size["windows"]} >= {"idle", "rounds", "burst"}
-    assert "| nodes | jobs | preemptions | flush p50 | flush p99 |" in printed
-    assert "8 nodes: signal → flush p99" in printed
-
-
 def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_early() -> None:
     """A small ``--scale`` can put the first notice before the first attempt trains (found with
     ``--scale 0.1``): the run, minutes long, must then say so and name the setting, not only that it
