@@ -136,15 +136,8 @@ def _run_on(test_api: TestApi, pod_name: str, node: str) -> None:
     test_api.admin.replace(PODS, pod, subresource="status")
 
 
-def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_watched_is_lost(
-    test_api: TestApi, parts: Parts, tmp_path: Path
-) -> None:
-    """Karpenter and GKE reuse node names. The node of a running worker is deleted and a new one
-    registers under its name while no controller watches (restarted, or a leader change): the new
-    controller lists a Ready node and a pod that still says Running, and kept waiting on a worker
-    no machine ran. The test plays the scheduler (a real binding: the server stamps PodScheduled)
-    and the kubelet (the pod's status); what it does not model is what a real new kubelet does with
-    a pod bound to its name, and the creation times are whole seconds, hence the pause."""
+def _running_on_n1(test_api: TestApi, parts: Parts) -> None:
+    """The job created and reconciled, its one worker bound to node ``n1`` and running there."""
     _register_node(test_api, "n1")
     test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
     wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
@@ -156,6 +149,18 @@ def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_wat
         what="the pod running in the cache",
     )
     assert parts.reconciler.reconcile(KEY).phase is Phase.RUNNING
+
+
+def test_a_worker_whose_node_was_replaced_under_its_name_while_no_controller_watched_is_lost(
+    test_api: TestApi, parts: Parts, tmp_path: Path
+) -> None:
+    """Karpenter and GKE reuse node names. The node of a running worker is deleted and a new one
+    registers under its name while no controller watches (restarted, or a leader change): the new
+    controller lists a Ready node and a pod that still says Running, and kept waiting on a worker
+    no machine ran. The test plays the scheduler (a real binding: the server stamps PodScheduled)
+    and the kubelet (the pod's status); what it does not model is what a real new kubelet does with
+    a pod bound to its name, and the creation times are whole seconds, hence the pause."""
+    _running_on_n1(test_api, parts)
     parts.stop()
 
     test_api.admin.delete(NODES, "n1")
@@ -181,17 +186,7 @@ def test_a_worker_whose_container_the_kubelet_could_not_find_is_lost_not_failed(
     ``ContainerStatusUnknown``, exit 137 (the kubelet's status manager, TerminatePod). That 137 is
     the kubelet's, not the agent's: the job counted a failure of the user's code and spent a
     restart. The test writes that status as the kubelet would; no kubelet runs."""
-    _register_node(test_api, "n1")
-    test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
-    wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
-    parts.reconciler.reconcile(KEY)
-    wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod in the cache")
-    _run_on(test_api, "llama-0-0", "n1")
-    wait_for(
-        lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Running",
-        what="the pod running in the cache",
-    )
-    assert parts.reconciler.reconcile(KEY).phase is Phase.RUNNING
+    _running_on_n1(test_api, parts)
 
     pod = test_api.admin.get(PODS, "llama-0-0", "default")
     unknown = {
