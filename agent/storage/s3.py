@@ -202,6 +202,7 @@ def _not_implemented_hint(header: object) -> str:
 # (endpoint, bucket) pairs whose create-only PUTs this process has seen refused on an existing key.
 _create_only_proven: set[tuple[str, str]] = set()
 _create_only_lock = threading.Lock()
+"""Guards this set and the other per-store sets below (``_first_seen``)."""
 
 # Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
 _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
@@ -214,6 +215,15 @@ _full_object_refused: set[tuple[str, str]] = set()
 # (endpoint, bucket) pairs that answered DeleteObjects with NotImplemented (GCS's S3 interoperability
 # before it had multi-object delete, some gateways): their deletes go one key a request.
 _multi_delete_refused: set[tuple[str, str]] = set()
+
+
+def _first_seen(stores: set[tuple[str, str]], store: tuple[str, str]) -> bool:
+    """Add ``store`` to one of the sets above; whether it was new (so that what it means is logged
+    once per process and bucket, whichever thread saw it first)."""
+    with _create_only_lock:
+        new = store not in stores
+        stores.add(store)
+    return new
 
 
 class _MultiDeleteRefused(PermanentStorageError):
@@ -626,10 +636,7 @@ class S3Storage(PrefixedKeys, Storage):
                         raise
                     # Our CRC32C is the whole file's, combined from the parts the store accepted
                     # with their own CRC32Cs: a store that disagrees computes another kind of checksum.
-                    with _create_only_lock:
-                        first = store not in _full_object_refused
-                        _full_object_refused.add(store)
-                    if first:
+                    if _first_seen(_full_object_refused, store):
                         log.warning(
                             "the S3 endpoint %s (bucket %s) refused the full-object CRC32C of a multipart "
                             "upload (%s: %s): it supports only per-part checksums (MinIO before 2025 does). "
@@ -826,10 +833,7 @@ class S3Storage(PrefixedKeys, Storage):
                     self._retrying(what, None, functools.partial(self._delete_batch, what, batch))
                     continue
                 except _MultiDeleteRefused as e:
-                    with _create_only_lock:
-                        first = store not in _multi_delete_refused
-                        _multi_delete_refused.add(store)
-                    if first:
+                    if _first_seen(_multi_delete_refused, store):
                         log.info(
                             "the S3 endpoint %s (bucket %s) does not implement DeleteObjects (%s); deleting one "
                             "key a request there from now on",
