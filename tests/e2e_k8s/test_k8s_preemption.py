@@ -46,18 +46,8 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
     uninterrupted: Path,
     tmp_path: Path,
 ) -> None:
-    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
-    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
-    controller = start_controller(namespace)
     history = PodHistory(cluster, namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
-
-    wait_phase(cluster, namespace, "train", "Running")
-    _wait_for_a_commit(str(tmp_path / "ckpt"))
-    (first,) = _still_running(cluster, namespace)
-    preempted = _node_of(first)
+    controller, dumps, preempted = _trained_to_a_commit_on_two_nodes(cluster, namespace, start_controller, tmp_path)
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
 
     final = wait_phase(cluster, namespace, "train", "Succeeded")
@@ -96,17 +86,7 @@ def test_a_noexecute_taint_the_worker_does_not_tolerate_is_a_preemption_it_flush
     controller takes the condition as a preemption (no restart counted) and the agent the SIGTERM
     as a notice: the flush commits and the job moves. The test control plane's taint manager plays
     the real one (it does not model ``tolerationSeconds`` added by admission)."""
-    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
-    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
-    start_controller(namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
-
-    wait_phase(cluster, namespace, "train", "Running")
-    _wait_for_a_commit(str(tmp_path / "ckpt"))
-    (first,) = _still_running(cluster, namespace)
-    tainted = _node_of(first)
+    _, dumps, tainted = _trained_to_a_commit_on_two_nodes(cluster, namespace, start_controller, tmp_path)
     cluster.taint_node(tainted, "example.com/maintenance", "true", "NoExecute")
 
     final = wait_phase(cluster, namespace, "train", "Succeeded")
@@ -117,6 +97,23 @@ def test_a_noexecute_taint_the_worker_does_not_tolerate_is_a_preemption_it_flush
     assert _node_of(last) != tainted
     assert "SpotInterrupted" in event_reasons(cluster, namespace, "train")
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
+
+
+def _trained_to_a_commit_on_two_nodes(
+    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
+) -> tuple[Controller, Path, str]:
+    """Two nodes in two zones, a controller, and job ``train`` running with a committed checkpoint:
+    (the controller, the folder of the workers' final-state dumps, the node its worker runs on)."""
+    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
+    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
+    controller = start_controller(namespace)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
+    wait_phase(cluster, namespace, "train", "Running")
+    _wait_for_a_commit(str(tmp_path / "ckpt"))
+    (first,) = _still_running(cluster, namespace)
+    return controller, dumps, _node_of(first)
 
 
 def _wait_for_a_commit(uri: str) -> None:
