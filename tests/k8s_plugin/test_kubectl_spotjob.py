@@ -50,6 +50,32 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout
 
 
+def flush_wait_answered(
+    cluster: TestCluster,
+    namespace: str,
+    kubectl_spotjob: Run,
+    name: str,
+    answer: dict[str, Any],
+    *,
+    timeout: str = "90s",
+    **answering: Any,
+) -> subprocess.CompletedProcess[str]:
+    """``kubectl spotjob flush NAME --wait`` on a running job ``name`` while a stand-in for the
+    controller answers its request with ``answer`` (``answer_flush_requests``, with ``answering``)."""
+    create_job(cluster, namespace, name)
+    set_status(cluster, namespace, name, running_status())
+    stop = threading.Event()
+    controller = threading.Thread(
+        target=answer_flush_requests, args=(cluster, namespace, name, answer), kwargs={"stop": stop, **answering}
+    )
+    controller.start()
+    try:
+        return kubectl_spotjob("flush", name, "-n", namespace, "--wait", "--timeout", timeout)
+    finally:
+        stop.set()
+        controller.join()
+
+
 # -- status ---------------------------------------------------------------------------------------
 
 
@@ -358,20 +384,9 @@ def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_wa
     code: int,
     printed: str,
 ) -> None:
-    create_job(cluster, namespace, "opt")
-    set_status(cluster, namespace, "opt", running_status())
-    stop = threading.Event()
-    controller = threading.Thread(
-        target=answer_flush_requests,
-        args=(cluster, namespace, "opt", {**answer, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}),
-        kwargs={"stop": stop},
+    proc = flush_wait_answered(
+        cluster, namespace, kubectl_spotjob, "opt", {**answer, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     )
-    controller.start()
-    try:
-        proc = kubectl_spotjob("flush", "opt", "-n", namespace, "--wait", "--timeout", "90s")
-    finally:
-        stop.set()
-        controller.join()
 
     assert proc.returncode == code, proc.stderr
     assert printed in proc.stdout
@@ -384,21 +399,10 @@ def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_fo
 ) -> None:
     """The controller records the request it takes as InProgress first (a restart commits only
     once the gang has flushed): --wait reports the outcome that follows, not that record."""
-    create_job(cluster, namespace, "slow")
-    set_status(cluster, namespace, "slow", running_status())
-    stop = threading.Event()
     answer = {"outcome": "Committed", "step": 1460, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    controller = threading.Thread(
-        target=answer_flush_requests,
-        args=(cluster, namespace, "slow", answer),
-        kwargs={"stop": stop, "in_progress": "flushing the gang and restarting it"},
+    proc = flush_wait_answered(
+        cluster, namespace, kubectl_spotjob, "slow", answer, in_progress="flushing the gang and restarting it"
     )
-    controller.start()
-    try:
-        proc = kubectl_spotjob("flush", "slow", "-n", namespace, "--wait", "--timeout", "90s")
-    finally:
-        stop.set()
-        controller.join()
 
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "flush (restart): Committed, step 1460 committed" in proc.stdout
@@ -408,22 +412,11 @@ def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_fo
 def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
 ) -> None:
-    create_job(cluster, namespace, "resilient")
-    set_status(cluster, namespace, "resilient", running_status())
-    stop = threading.Event()
     answer = {"outcome": "Committed", "step": 1500, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    controller = threading.Thread(
-        target=answer_flush_requests,
-        args=(cluster, namespace, "resilient", answer),
-        kwargs={"stop": stop, "break_watches": True},
-    )
     mark = cluster.audit_mark()
-    controller.start()
-    try:
-        proc = kubectl_spotjob("flush", "resilient", "-n", namespace, "--wait", "--timeout", "90")
-    finally:
-        stop.set()
-        controller.join()
+    proc = flush_wait_answered(
+        cluster, namespace, kubectl_spotjob, "resilient", answer, timeout="90", break_watches=True
+    )
 
     assert proc.returncode == 0, proc.stderr
     assert "Committed, step 1500 committed" in proc.stdout
@@ -763,22 +756,11 @@ def test_flush_wait_escapes_control_characters_in_the_controllers_answer(
     """The message of the request the controller took is read from the job's status, which more
     than the controller may write: printed raw, an ANSI escape in it reached the terminal. It is
     printed escaped, as ``status`` and ``events`` print what they read."""
-    create_job(cluster, namespace, "loud")
-    set_status(cluster, namespace, "loud", running_status())
-    stop = threading.Event()
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     answer = {"outcome": "Committed", "step": 1460, "time": now}
-    controller = threading.Thread(
-        target=answer_flush_requests,
-        args=(cluster, namespace, "loud", answer),
-        kwargs={"stop": stop, "in_progress": "flushing\x1b]0;pwned\x07"},
+    proc = flush_wait_answered(
+        cluster, namespace, kubectl_spotjob, "loud", answer, in_progress="flushing\x1b]0;pwned\x07"
     )
-    controller.start()
-    try:
-        proc = kubectl_spotjob("flush", "loud", "-n", namespace, "--wait", "--timeout", "90s")
-    finally:
-        stop.set()
-        controller.join()
 
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stderr, (proc.stdout, proc.stderr)
