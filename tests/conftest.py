@@ -100,6 +100,24 @@ def _set_env(values: dict[str, str], removed: tuple[str, ...] = ()) -> Callable[
     return restore
 
 
+@pytest.fixture(autouse=True)
+def _logger_levels_restored() -> Iterator[None]:
+    """Put every logger's level back after each test. spotjob's commands, run in-process by tests,
+    quiet the cloud clients' loggers (``botocore``, ``urllib3``, ...) for the process, as a command
+    should; without this, a later test on the same worker that logs at debug level sees nothing
+    from them, and whether it does depends on which files xdist gave that worker."""
+    manager = logging.Logger.manager
+    before = {name: lg.level for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    root_level = logging.getLogger().level
+    disabled = manager.disable
+    yield
+    for name, lg in list(manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            lg.setLevel(before.get(name, logging.NOTSET))
+    logging.getLogger().setLevel(root_level)
+    logging.disable(disabled)
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """moto's S3 on 127.0.0.1:<free port>; yields its endpoint URL (also in AWS_ENDPOINT_URL)."""
