@@ -9,7 +9,7 @@ from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
-from agent.storage import RetainedError, StorageError
+from agent.storage import PermanentStorageError, RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -24,6 +24,9 @@ class _Retention(_State):
     _retained_said = False
     """(rank 0) Retention has warned once that the bucket keeps what it would delete; later passes
     that meet the same refusal say so at debug level, not once a save for the retention period."""
+
+    _refusals_said: set[str]
+    """(rank 0) The kinds of permanent refusal retention has warned of once (``_retain``)."""
 
     _restore_called = False
     """``restore()`` was called on this Checkpointer (whatever it found)."""
@@ -124,6 +127,15 @@ class _Retention(_State):
                     self.config.keep,
                     e,
                 )
+        except PermanentStorageError as e:
+            # A refusal that will not pass by itself (a policy that denies deletes): said once a
+            # kind, then at debug level, not once a save for the rest of the run.
+            kind = f"{type(e).__name__}: {str(e).split(':', 1)[0]}"  # "permission denied", not the keys
+            if kind in self._refusals_said:
+                log.debug("retention: could not remove old checkpoints (retried each save): %s", e)
+            else:
+                self._refusals_said.add(kind)
+                log.warning("retention: could not remove old checkpoints (retried each save, said once): %s", e)
         except (StorageError, OwnershipError, OSError) as e:
             log.warning("retention: could not remove old checkpoints (will retry next save): %s", e)
         except Exception as e:

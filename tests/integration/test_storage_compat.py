@@ -589,7 +589,8 @@ def test_under_a_policy_that_denies_deletes_a_step_with_an_unfinished_saves_left
         storage.close()
     assert denied.served > 0
     said = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
-    assert said and all("permission denied" in m and "s3:DeleteObject" in m for m in said), said
+    # Saves 2 and 3 both met the refusal; the second says it at debug level, not as a warning.
+    assert len(said) == 1 and "permission denied" in said[0] and "s3:DeleteObject" in said[0], said
 
 
 # -- stores without DeleteObjects -------------------------------------------------------------------
