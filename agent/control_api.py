@@ -238,6 +238,10 @@ class StatusResponse(BaseModel):
     ranks_connected: bool = Field(description="whether a rank has written status.json since the start")
     problems: list[str] = Field(description="what the agent warned about: no rank connected, URI mismatch")
     notice: NoticeInfo | None = Field(description="the notice that started the flush (the first one)")
+    held_notice: NoticeInfo | None = Field(
+        default=None, description="a cloud notice far from its deadline: training goes on until flush_at (--flush-lead)"
+    )
+    flush_at: float | None = Field(default=None, description="when the held notice's flush starts (unix time)")
     flush: FlushInfo | None
     deadline: float | None = Field(description="the earliest deadline heard (unix time)")
     seconds_left: float | None

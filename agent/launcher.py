@@ -269,6 +269,7 @@ class Agent(AgentRequests):
                 self._check_parent()
                 next_scan = now + TREE_SCAN_EVERY
             returncode = child.poll()
+            self.release_held()
             self._check_flush_result()
             with self._lock:
                 flush = self._flush

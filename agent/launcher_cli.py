@@ -50,6 +50,10 @@ MAX_WAIT_SECONDS = 86400.0
 """The longest of the agent's graces, timeouts and deadlines (a day): longer is a typo, and ``inf``
 or ``1e300`` seconds would overflow the clock arithmetic of the notice that uses it."""
 
+DEFAULT_FLUSH_LEAD = 300.0
+"""``--flush-lead``: five minutes hold a flush of a large state to a slow store with room to spare,
+and are only held back from notices that give more (no spot preemption does)."""
+
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
 
@@ -92,6 +96,13 @@ class AgentConfig(BaseModel):
     gcp_notice_seconds: float = Field(
         default=gcp.PREEMPTION_NOTICE_SECONDS, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False
     )
+    gcp_maintenance_seconds: float | None = Field(default=None, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
+    """The deadline after GCE's maintenance-event turns TERMINATE_ON_HOST_MAINTENANCE; None: an hour
+    on a machine with an NVIDIA GPU (what GCE gives GPU VMs), else 60 s."""
+    flush_lead: float = Field(default=DEFAULT_FLUSH_LEAD, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
+    """A cloud notice whose deadline is further away than this is held: training goes on and its
+    flush starts this long before the deadline (or as long as the last save x the safety margin,
+    if that is longer). 0: every notice flushes at once."""
     safety_margin: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
     """A flush "fits" when the time left >= last save duration x this."""
     exit_timeout: float = Field(default=30.0, ge=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
@@ -224,6 +235,20 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default=gcp.PREEMPTION_NOTICE_SECONDS,
         help="deadline after GCE preempted=TRUE (default 30 s)",
     )
+    no.add_argument(
+        "--gcp-maintenance-seconds",
+        type=float,
+        help="deadline after GCE maintenance-event=TERMINATE_ON_HOST_MAINTENANCE (default: 3600 s on a "
+        "machine with an NVIDIA GPU, GCE's notice to GPU VMs, else 60 s)",
+    )
+    no.add_argument(
+        "--flush-lead",
+        type=float,
+        default=DEFAULT_FLUSH_LEAD,
+        help="a cloud notice whose deadline is further away than this (GCE host maintenance of a GPU VM, an "
+        f"Azure Reboot or Redeploy) is held, training goes on, and the flush starts this long before the "
+        f"deadline (default {DEFAULT_FLUSH_LEAD:g} s; 0: flush at once)",
+    )
 
     st = p.add_argument_group("stopping")
     st.add_argument("--safety-margin", type=float, default=1.5, help="a flush fits if time left >= last save x this")
@@ -340,6 +365,8 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             rebalance=ns.rebalance,
             sigterm_grace=ns.sigterm_grace,
             gcp_notice_seconds=ns.gcp_notice_seconds,
+            gcp_maintenance_seconds=ns.gcp_maintenance_seconds,
+            flush_lead=ns.flush_lead,
             safety_margin=ns.safety_margin,
             exit_timeout=ns.exit_timeout,
             flush_timeout=ns.flush_timeout,

@@ -47,6 +47,10 @@ from agent.launcher_cli import AgentConfig
 from agent.notices.base import Notice, NoticeKind, NoticeSource, format_deadline, utc_stamp
 from agent.torchrun import Rendezvous, torchrun_args
 
+CLOUD_SOURCES = frozenset({"aws", "gcp", "azure"})
+"""The notice sources whose far deadlines ``--flush-lead`` holds: a SIGTERM, the controller's or a
+user's ``POST /flush`` and the driver's loss ask for a flush now."""
+
 log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
 
 MAX_SAVE_IDS = 64
@@ -141,6 +145,8 @@ class AgentRequests:
         self._torchrun = torchrun_args(config.command) is not None
         self._runner = "torchrun"
         """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
+        self._held: Notice | None = None
+        """A cloud notice far from its deadline, whose flush ``release_held`` starts ``--flush-lead`` before it."""
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -155,10 +161,70 @@ class AgentRequests:
             request = self.control.request_save(f"{notice.source} {notice.kind.value}: {notice.detail}")
             log.info("rebalance recommendation: asked the ranks for an early checkpoint (save %s)", request.id)
             return
+        if self._hold(notice):
+            return
         try:
             self._start_flush(notice)
         except FlushRefused as e:
             log.info("notice from %s ignored: %s", notice.source, e)
+
+    def _flush_at(self, notice: Notice) -> float | None:
+        """When a held notice's flush starts: ``--flush-lead`` before its deadline, or as long before
+        it as the last save took x ``--safety-margin``, whichever is sooner. None: not a notice to
+        hold (no deadline, not a cloud's, or ``--flush-lead 0``)."""
+        lead = self.config.flush_lead
+        if lead <= 0 or notice.deadline is None or notice.source not in CLOUD_SOURCES:
+            return None
+        rank = self.control.status()
+        if rank is not None and rank.last_save_seconds is not None:
+            lead = max(lead, rank.last_save_seconds * self.config.safety_margin)
+        return notice.deadline - lead
+
+    def _hold(self, notice: Notice) -> bool:
+        """Hold a cloud notice whose deadline is further away than ``--flush-lead`` (GCE gives a GPU
+        VM an hour's notice of host maintenance, Azure 10-15 minutes of a Reboot or Redeploy):
+        training goes on and ``release_held`` starts the flush in time. A flush at once would stop
+        the job for the rest of the notice, and a job restarted on the same VM would flush again."""
+        flush_at = self._flush_at(notice)
+        if flush_at is None or flush_at <= time.time():
+            return False
+        with self._lock:
+            if self._flush is not None or self._stop is not None or self._returncode is not None:
+                return False  # _start_flush answers it as it answers any notice now
+            held = self._held
+            if held is not None and held.deadline is not None and held.deadline <= (notice.deadline or 0):
+                log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
+                return True
+            self._held = notice
+        log.warning(
+            "%s notice (%s): deadline %s. Training goes on; the flush starts at %s, %.0f s before it "
+            "(--flush-lead; 0 flushes at once). A nearer notice, a SIGTERM or POST /flush flushes at once",
+            notice.source,
+            notice.detail,
+            format_deadline(notice.deadline),
+            utc_stamp(flush_at),
+            (notice.deadline or flush_at) - flush_at,
+        )
+        return True
+
+    def release_held(self) -> None:
+        """(the watch loop) Start the flush of a held notice once its time has come."""
+        with self._lock:
+            held = self._held
+        if held is None:
+            return
+        flush_at = self._flush_at(held)
+        if flush_at is not None and time.time() < flush_at:
+            return
+        with self._lock:
+            if self._held is not held:
+                return
+            self._held = None
+        log.info("%s notice held until now (deadline %s): flushing", held.source, format_deadline(held.deadline))
+        try:
+            self._start_flush(held)
+        except FlushRefused as e:
+            log.info("held notice from %s dropped: %s", held.source, e)
 
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """``POST /flush`` (a control-API thread)."""
@@ -268,6 +334,9 @@ class AgentRequests:
                 kill_at = time.monotonic() + self.config.flush_timeout
                 kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
             self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
+            if self._held is not None:
+                self._bring_forward(self._flush, self._held)  # its deadline, if sooner, bounds this flush too
+                self._held = None
             self._state = "flushing"
         window = self._window()
         log.info(
@@ -325,6 +394,7 @@ class AgentRequests:
             returncode = self._returncode
             stop = self._stop
             problems = list(self._problems.values())
+            held = self._held
         result = flush.result if flush is not None else None
         deadline = flush.deadline if flush is not None else None
         return StatusResponse(
@@ -347,6 +417,8 @@ class AgentRequests:
             ranks_connected=rank is not None,
             problems=problems,
             notice=_notice_info(flush.notice) if flush is not None else None,
+            held_notice=_notice_info(held) if held is not None else None,
+            flush_at=self._flush_at(held) if held is not None else None,
             flush=_flush_info(flush.request) if flush is not None else None,
             deadline=deadline,
             seconds_left=round(deadline - time.time(), 3) if deadline is not None else None,

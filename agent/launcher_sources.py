@@ -47,7 +47,10 @@ def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSou
         elif name == "gcp":
             sources.append(
                 gcp.GceMetadataSource(
-                    config.gcp_metadata_url, notice_seconds=config.gcp_notice_seconds, interval=interval
+                    config.gcp_metadata_url,
+                    notice_seconds=config.gcp_notice_seconds,
+                    maintenance_notice_seconds=config.gcp_maintenance_seconds or gcp.maintenance_notice_seconds(),
+                    interval=interval,
                 )
             )
         elif name == "azure":

@@ -6,8 +6,11 @@ Two watches, one thread each, on ``/computeMetadata/v1/instance/``:
   spot VM about 30 s between that flip and the stop (ACPI G2), so the deadline is *the time we
   saw it* + ``notice_seconds``.
 - ``maintenance-event`` — ``NONE`` | ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration: the job
-  keeps running, logged only) | ``TERMINATE_ON_HOST_MAINTENANCE`` (GPU VMs cannot migrate; the
-  VM stops about 60 s later).
+  keeps running, logged only) | ``TERMINATE_ON_HOST_MAINTENANCE`` (the VM stops: GCE gives a VM
+  with GPUs, which cannot migrate, an hour's notice, other VMs 60 s). The deadline is an hour on a
+  machine with an NVIDIA GPU (``maintenance_notice_seconds``), else 60 s. A value already
+  TERMINATE_ON_HOST_MAINTENANCE at the first read (the agent started after it was set, e.g. a
+  job restarted on the same VM) is given 60 s, whatever the machine: when it was set is unknown.
 
 Each watch reads the current value and its ETag, then asks ``?wait_for_change=true&last_etag=E``:
 the server answers at once if the value has moved on, otherwise it holds the request until it
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from agent.notices.base import (
     HttpClient,
@@ -41,6 +45,17 @@ FLAVOR_HEADERS = {"Metadata-Flavor": "Google"}
 
 PREEMPTION_NOTICE_SECONDS = 30.0
 MAINTENANCE_NOTICE_SECONDS = 60.0
+GPU_MAINTENANCE_NOTICE_SECONDS = 3600.0
+"""GCE's notice of a host maintenance that stops a VM with GPUs attached (they cannot live-migrate)."""
+
+
+def maintenance_notice_seconds(root: str = "/") -> float:
+    """The deadline of a TERMINATE_ON_HOST_MAINTENANCE: an hour where this machine (or container)
+    sees an NVIDIA GPU (``/dev/nvidia0``…, ``/proc/driver/nvidia/gpus/*``), else 60 s."""
+    base = Path(root)
+    if any(base.joinpath("dev").glob("nvidia[0-9]*")) or any(base.joinpath("proc/driver/nvidia/gpus").glob("*")):
+        return GPU_MAINTENANCE_NOTICE_SECONDS
+    return MAINTENANCE_NOTICE_SECONDS
 
 
 class _GceWatch(PollingNoticeSource):
@@ -111,13 +126,20 @@ class _GceWatch(PollingNoticeSource):
                 )
             self._forget("preempted")
         elif value == "TERMINATE_ON_HOST_MAINTENANCE":
-            return "maintenance" in self._seen or self._emit(
+            if "maintenance" in self._seen:
+                return True
+            seconds, detail = self.notice_seconds, "instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE"
+            if self._value is None and seconds > MAINTENANCE_NOTICE_SECONDS:
+                # Set before this agent looked: how much of the notice is left is unknown.
+                seconds = MAINTENANCE_NOTICE_SECONDS
+                detail += " (already set when the agent started: when is unknown, so 60 s assumed)"
+            return self._emit(
                 "maintenance",
                 Notice(
                     source=self.name,
                     kind=NoticeKind.MAINTENANCE,
-                    deadline=self._seen_since("maintenance") + self.notice_seconds,
-                    detail="instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE",
+                    deadline=self._seen_since("maintenance") + seconds,
+                    detail=detail,
                 ),
             )
         else:

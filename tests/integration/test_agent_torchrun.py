@@ -246,6 +246,34 @@ def test_a_notice_from_each_source_commits_one_step_on_both_ranks_and_the_restar
     assert_bit_identical(reference, tmp_path / "resumed")
 
 
+def test_a_gpu_vms_hour_of_maintenance_notice_is_held_while_training_goes_on_and_a_sigterm_still_flushes(
+    tmp_path: Path, gce: GceMetadataEmulator
+) -> None:
+    """GCE gives a GPU VM an hour's notice of a host maintenance that stops it. Before, the agent
+    flushed at once and the job stood still for the rest of the hour. Now the notice is held
+    (``--flush-lead``): the ranks keep training, ``/status`` shows it, and a SIGTERM (the VM's
+    shutdown coming sooner) flushes at once. That the flush starts by itself ``--flush-lead``
+    before the deadline is tested in tests/unit/test_launcher.py (``TestHeldNotices``)."""
+    uri = str(tmp_path / "ckpt")
+    agent_args = ["--notices", "gcp,sigterm", "--gcp-metadata-url", gce.url, "--gcp-maintenance-seconds", "3600"]
+    run = start_agent(tmp_path, "maintenance", uri, agent_args, ["--step-sleep", "0.05", "--every-steps", "25"])
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
+    held_at = run.step()
+    wait_until(lambda: run.step() >= held_at + 5, "training to go on while the notice is held", run.proc)
+    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["flush"] is None and status["held_notice"]["source"] == "gcp", status
+    assert status["flush_at"] == pytest.approx(status["held_notice"]["deadline"] - 300), status
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None and result.step > held_at
+    assert committed_steps_per_rank(uri, result.step) == {result.step}
+
+
 def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
     tmp_path: Path,
 ) -> None:

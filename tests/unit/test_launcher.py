@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -448,6 +449,75 @@ class TestKillTime:
         kill_at, reason = agent._flush.kill_at, agent._flush.kill_reason
         agent.on_notice(notice(time.time() + 3600))
         assert (agent._flush.kill_at, agent._flush.kill_reason) == (kill_at, reason)
+
+
+class TestHeldNotices:
+    """A cloud notice whose deadline is further away than ``--flush-lead`` (GCE's hour before a GPU
+    VM's host maintenance, Azure's 10-15 minutes before a Reboot) is held: training goes on and the
+    flush starts ``--flush-lead`` before the deadline. Before, every notice flushed at once: the job
+    stood still for the rest of the hour, and one restarted on that VM flushed again."""
+
+    def agent(self, tmp_path: Path, **options: Any) -> Agent:
+        config = AgentConfig(command=["x"], checkpoint_uri="file:///c", **options)
+        return Agent(config, ControlDir(str(tmp_path)), env={})
+
+    def test_a_notice_an_hour_ahead_is_held_and_shown_in_status(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        deadline = time.time() + 3600
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="test"))
+        agent.release_held()
+        status = agent.status()
+        assert agent._flush is None and agent.control.flush_request() is None and status.state != "flushing"
+        assert status.held_notice is not None and status.held_notice.deadline == deadline
+        assert status.flush_at == deadline - 300
+
+    def test_the_flush_starts_when_the_lead_is_reached_bounded_by_the_held_deadline(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path, flush_lead=300)
+        deadline = time.time() + 300.5  # flush_at half a second from now
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="Reboot"))
+        assert agent._flush is None
+        give_up = time.monotonic() + 30
+        while agent._flush is None:
+            assert time.monotonic() < give_up, "the held notice was never released"
+            agent.release_held()
+            time.sleep(0.05)
+        flush = agent.control.flush_request()
+        assert flush is not None and "Reboot" in flush.reason and flush.deadline == deadline
+        assert agent.status().held_notice is None and agent.status().deadline == deadline
+
+    @pytest.mark.parametrize("source", ["signal", "api", "aws"])
+    def test_a_nearer_notice_flushes_at_once_and_the_held_deadline_is_kept(self, tmp_path: Path, source: str) -> None:
+        agent = self.agent(tmp_path)
+        far = time.time() + 3600
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=far, detail="maintenance"))
+        agent.on_notice(Notice(source=source, kind=NoticeKind.PREEMPTION, deadline=time.time() + 100, detail="now"))
+        assert agent._flush is not None and agent._flush.notice.source == source
+        assert agent.status().held_notice is None
+
+    def test_a_signal_or_the_api_is_never_held(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path)
+        agent.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 3600, detail="x"))
+        assert agent._flush is not None
+
+    def test_flush_lead_0_flushes_every_notice_at_once(self, tmp_path: Path) -> None:
+        agent = self.agent(tmp_path, flush_lead=0)
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 3600, detail="x"))
+        assert agent._flush is not None
+
+    def test_a_save_longer_than_the_lead_starts_the_flush_earlier(self, tmp_path: Path) -> None:
+        """The last save took 1000 s (x the safety margin 1.5): a deadline 20 minutes away leaves no
+        time to hold."""
+        agent = self.agent(tmp_path)
+        agent.control.write_status(RankStatus(state="training", last_save_seconds=1000.0))
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 1200, detail="x"))
+        assert agent._flush is not None
+
+    def test_the_option_is_checked(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "file:///c", "--flush-lead", "-1", "--", "x"], {})
+        assert e.value.code == 2 and "--flush-lead" in capsys.readouterr().err
+        config, _ = parse_args(["--checkpoint-uri", "file:///c", "--flush-lead", "600", "--", "x"], {})
+        assert config.flush_lead == 600
 
 
 class TestRanksConnect:

@@ -33,6 +33,7 @@ from agent.notices import (
     SignalSource,
     detect_cloud,
     emulators,
+    gcp,
 )
 from agent.notices.base import HttpClient
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator, _Reply
@@ -395,6 +396,41 @@ class TestGcpSource:
             assert got.notices.empty()
         finally:
             source.stop()
+
+    def test_a_gpu_vms_hour_of_maintenance_notice_is_its_deadline_unless_it_was_set_before_the_agent_looked(
+        self, gce: GceMetadataEmulator
+    ) -> None:
+        """GCE tells a VM with GPUs of a host maintenance that stops it an hour ahead (60 s for other
+        VMs). Heard as it changes, the deadline is the hour; already set at the first read (a job
+        restarted on that VM), how much of it is left is unknown, so 60 s. Before, every
+        TERMINATE_ON_HOST_MAINTENANCE was given 60 s."""
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert gce.wait_for_waiters(2)
+            before = time.time()
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            notice = got.next()
+            assert notice.deadline is not None and before + 3600 <= notice.deadline <= time.time() + 3600
+        finally:
+            source.stop()
+        restarted, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            notice = got.next()
+            assert notice.deadline is not None and notice.deadline <= time.time() + 60
+            assert "already set when the agent started" in notice.detail
+        finally:
+            restarted.stop()
+
+    def test_the_maintenance_deadline_is_an_hour_where_an_nvidia_gpu_is_seen(self, tmp_path: Path) -> None:
+        assert gcp.maintenance_notice_seconds(str(tmp_path)) == 60
+        (tmp_path / "dev").mkdir()
+        (tmp_path / "dev" / "nvidiactl").touch()  # the driver's control node alone is no GPU
+        assert gcp.maintenance_notice_seconds(str(tmp_path)) == 60
+        (tmp_path / "dev" / "nvidia0").touch()
+        assert gcp.maintenance_notice_seconds(str(tmp_path)) == 3600
+        other = tmp_path / "other"
+        (other / "proc/driver/nvidia/gpus/0000:00:04.0").mkdir(parents=True)
+        assert gcp.maintenance_notice_seconds(str(other)) == 3600
 
     def test_a_vm_already_preempted_at_start_is_noticed_without_waiting(self, gce: GceMetadataEmulator) -> None:
         gce.set_preempted(True)
