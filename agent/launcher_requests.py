@@ -154,6 +154,9 @@ class AgentRequests:
     # -- notices (any thread) ------------------------------------------------------------------
     def on_notice(self, notice: Notice) -> None:
         """The callback every notice source calls."""
+        if notice.withdrawn:
+            self._withdraw(notice)
+            return
         if notice.kind is NoticeKind.REBALANCE and self.config.rebalance != "flush":
             if self.config.rebalance == "ignore":
                 log.info("rebalance recommendation from %s ignored (--rebalance ignore)", notice.source)
@@ -206,6 +209,26 @@ class AgentRequests:
             (notice.deadline or flush_at) - flush_at,
         )
         return True
+
+    def _withdraw(self, notice: Notice) -> None:
+        """The cloud withdrew an event: a notice of it the agent holds is dropped. A flush it
+        started already goes on: the ranks may be part-way through it."""
+        with self._lock:
+            held = self._held
+            if held is not None and (held.source, held.kind) == (notice.source, notice.kind):
+                self._held = None
+            else:
+                held = None
+        if held is not None:
+            log.warning(
+                "%s withdrew its %s notice (%s): the flush held for %s is dropped, training goes on",
+                notice.source,
+                notice.kind.value,
+                notice.detail,
+                format_deadline(held.deadline),
+            )
+        else:
+            log.info("%s withdrew its %s notice (%s)", notice.source, notice.kind.value, notice.detail)
 
     def release_held(self) -> None:
         """(the watch loop) Start the flush of a held notice once its time has come."""

@@ -58,6 +58,9 @@ class Notice:
     """The cloud's id of the event, where it has one (Azure EventId): what gets acknowledged."""
     received_at: float = field(default_factory=time.time)
     received_monotonic: float = field(default_factory=time.monotonic)
+    withdrawn: bool = False
+    """The cloud withdrew the event this source announced earlier with this kind (GCE's
+    maintenance-event back to NONE): a notice the agent holds is dropped; a flush under way goes on."""
 
 
 NoticeCallback = Callable[[Notice], None]

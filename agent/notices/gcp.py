@@ -145,6 +145,18 @@ class _GceWatch(PollingNoticeSource):
         else:
             if value.startswith("MIGRATE"):
                 log.info("GCE maintenance-event %s: live migration, the job keeps running", value)
+            if "maintenance" in self._seen and self._callback is not None:
+                withdrawn = Notice(
+                    source=self.name,
+                    kind=NoticeKind.MAINTENANCE,
+                    deadline=None,
+                    detail=f"instance/maintenance-event={value}",
+                    withdrawn=True,
+                )
+                try:
+                    self._callback(withdrawn)
+                except Exception:
+                    log.exception("gcp: the agent failed to take the withdrawal of the maintenance notice")
             self._forget("maintenance")
         return True
 

@@ -494,6 +494,23 @@ class TestHeldNotices:
         assert agent._flush is not None and agent._flush.notice.source == source
         assert agent.status().held_notice is None
 
+    def test_a_withdrawn_notice_drops_the_held_flush_but_not_one_under_way(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        agent = self.agent(tmp_path)
+        far = time.time() + 3600
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=far, detail="TERMINATE"))
+        with caplog.at_level("WARNING"):
+            agent.on_notice(
+                Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True)
+            )
+        assert agent.status().held_notice is None and agent._flush is None
+        assert "withdrew" in caplog.text and "dropped" in caplog.text
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 30, detail="soon"))
+        assert agent._flush is not None
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True))
+        assert agent._flush is not None and agent.control.flush_request() is not None
+
     def test_a_signal_or_the_api_is_never_held(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path)
         agent.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 3600, detail="x"))

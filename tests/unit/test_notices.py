@@ -421,6 +421,22 @@ class TestGcpSource:
         finally:
             restarted.stop()
 
+    def test_a_maintenance_event_back_to_none_withdraws_the_notice_and_a_new_one_counts_again(
+        self, gce: GceMetadataEmulator
+    ) -> None:
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            assert not got.next().withdrawn
+            gce.set_maintenance_event("NONE")
+            withdrawn = got.next()
+            assert withdrawn.withdrawn and withdrawn.kind is NoticeKind.MAINTENANCE and "NONE" in withdrawn.detail
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            assert not got.next().withdrawn
+        finally:
+            source.stop()
+
     def test_the_maintenance_deadline_is_an_hour_where_an_nvidia_gpu_is_seen(self, tmp_path: Path) -> None:
         assert gcp.maintenance_notice_seconds(str(tmp_path)) == 60
         (tmp_path / "dev").mkdir()
