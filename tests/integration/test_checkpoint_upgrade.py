@@ -77,3 +77,41 @@ def test_an_older_spotjobs_checkpoint_under_another_job_name_is_refused_naming_a
     _, state = _state()
     with Checkpointer(str(root), job="local/new", async_save=False) as ckpt:
         assert ckpt.restore(state) == 2
+
+
+@pytest.mark.parametrize(
+    "newer",
+    [{"format": 2}, {"leases": [{"holder": "ml/train"}]}],
+    ids=["a-newer-format", "a-field-this-spotjob-does-not-know"],
+)
+def test_an_owner_record_a_newer_spotjob_wrote_is_neither_restored_past_nor_overwritten_by_adopt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], newer: dict[str, object]
+) -> None:
+    """This spotjob reading the ``.spotjob/owner.json`` of a newer one: ``ckpt adopt`` would rewrite it
+    in this spotjob's format, dropping what the newer one keeps there, so it is refused, and every
+    message says to upgrade spotjob rather than to adopt. The newer record is made by editing today's."""
+    root = tmp_path / "ckpt"
+    older_spotjobs_checkpoints(root, "ml/train")
+    assert main(["ckpt", "adopt", str(root), "--job", "ml/train"]) == 0
+    capsys.readouterr()
+    owner = root / ".spotjob" / "owner.json"
+    owner.write_text(json.dumps({**json.loads(owner.read_text()), **newer}))
+    written = owner.read_bytes()
+
+    assert main(["ckpt", "adopt", str(root), "--job", "ml/train"]) != 0
+    err = capsys.readouterr().err
+    assert "newer spotjob" in err and "upgrade spotjob" in err, err
+    assert owner.read_bytes() == written
+
+    assert main(["ckpt", "list", str(root)]) == 0
+    listing = capsys.readouterr().out
+    assert "newer spotjob" in listing and "makes JOB the owner" not in listing, listing
+
+    _, state = _state()
+    with (
+        pytest.raises(CheckpointOwnershipError, match="newer spotjob") as refused,
+        Checkpointer(str(root), job="ml/train", async_save=False) as ckpt,
+    ):
+        ckpt.restore(state)
+    assert "makes JOB the owner" not in str(refused.value) and "read_only" not in str(refused.value)
+    assert owner.read_bytes() == written
