@@ -30,6 +30,7 @@ from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestE
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
+from agent.version import spotjob_version
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -44,6 +45,8 @@ class _Failure:
     BAD = "bad"  # proven bad: skip it for an older one
     SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, GONE, BAD)
 
+
+NEWER_SPOTJOB = "written by a newer spotjob"
 
 _RELISTS = 3
 """How often a restore lists the checkpoints again after one was deleted while it was read (the job
@@ -344,6 +347,8 @@ class _Restoring(_Voting):
                 break  # an older checkpoint would be going back in time on a changed model
             failure, loaded = self._try_load(ref, manifest, state, read[0] if read else None)
             partially_loaded = partially_loaded or loaded
+            if failure is not None and failure[1].startswith(NEWER_SPOTJOB):
+                remedy = "Upgrade spotjob where the job runs to the version that wrote it"
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started)
                 self._warn_left_out(manifest, state)
@@ -561,7 +566,7 @@ class _Restoring(_Voting):
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:
-            failure = self._objects_not_saved_as_objects(state, rank_payload)
+            failure = self._newer_rank_state(rank_payload) or self._objects_not_saved_as_objects(state, rank_payload)
         failure = self._agree_on_failure(failure)
         if failure is not None:
             self._cleanup_cache(cache)
@@ -585,6 +590,17 @@ class _Restoring(_Voting):
         failure = self._agree_on_failure(failure)
         self._cleanup_cache(cache)
         return failure, failure is not None
+
+    def _newer_rank_state(self, payload: Mapping[str, Any]) -> tuple[str, str] | None:
+        """A rank file holding what this spotjob would not restore: a newer spotjob wrote it, and
+        restoring the rest would be a partial restore, said nowhere. Not proven bad: never skipped."""
+        unknown = rank_state.unknown_entries(dict(payload))
+        if not unknown:
+            return None
+        return _Failure.INCOMPATIBLE, (
+            f"{NEWER_SPOTJOB}: the per-rank state read on rank {self.rank} holds {', '.join(unknown[:5])}, which "
+            f"this spotjob ({spotjob_version()}) does not restore; nothing was loaded from it"
+        )
 
     def _objects_not_saved_as_objects(
         self, state: Mapping[str, Any], payload: Mapping[str, Any]

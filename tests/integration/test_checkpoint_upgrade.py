@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from agent import Checkpointer
-from agent.checkpoint.errors import CheckpointOwnershipError
+from agent.checkpoint.errors import CheckpointOwnershipError, RestoreRefusedError
+from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import MANIFEST_NAME
 from orchestrator.cli import main
 
@@ -115,3 +116,39 @@ def test_an_owner_record_a_newer_spotjob_wrote_is_neither_restored_past_nor_over
         ckpt.restore(state)
     assert "makes JOB the owner" not in str(refused.value) and "read_only" not in str(refused.value)
     assert owner.read_bytes() == written
+
+
+@pytest.mark.parametrize("where", ["top", "rng"])
+def test_a_per_rank_state_file_holding_what_this_spotjob_does_not_restore_refuses_naming_upgrade(
+    tmp_path: Path, where: str
+) -> None:
+    """A newer spotjob that keeps more in ``rank-NNNNN.pt`` (a data loader's position, another device's
+    RNG stream) without a new manifest format: this spotjob would restore all but that, silently.
+    The newer file is today's with one entry added (its manifest's size and CRC32C rewritten)."""
+    root = tmp_path / "ckpt"
+    older_spotjobs_checkpoints(root, "ml/train")
+    for folder in root.glob("step-*"):
+        rank_file = folder / "rank-00000.pt"
+        payload = torch.load(rank_file, weights_only=True)
+        if where == "top":
+            payload["loader"] = {"epoch": 3, "offset": 1200}
+        else:
+            payload["rng"]["xla"] = torch.zeros(4, dtype=torch.uint8)
+        torch.save(payload, rank_file)
+        data = rank_file.read_bytes()
+        manifest = folder / MANIFEST_NAME
+        doc = json.loads(manifest.read_text())
+        entry = next(f for f in doc["files"] if f["path"] == "rank-00000.pt")
+        entry.update(size=len(data), crc32c=to_hex(crc32c_bytes(data)))
+        manifest.write_text(json.dumps(doc))
+
+    model, state = _state()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with (
+        pytest.raises(RestoreRefusedError, match="newer spotjob") as refused,
+        Checkpointer(str(root), job="ml/train", async_save=False) as ckpt,
+    ):
+        ckpt.restore(state)
+    assert ("loader" if where == "top" else "rng.xla") in str(refused.value)
+    assert "Upgrade spotjob" in str(refused.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
