@@ -25,7 +25,14 @@ from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
-from agent.dcp_safe import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
+from agent.dcp_safe import (
+    NewerTorchError,
+    SafeEmptyLoadPlanner,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    VerifiedReader,
+    dcp_load,
+)
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
@@ -47,6 +54,7 @@ class _Failure:
 
 
 NEWER_SPOTJOB = "written by a newer spotjob"
+NEWER_TORCH = "written by a newer torch"
 
 _RELISTS = 3
 """How often a restore lists the checkpoints again after one was deleted while it was read (the job
@@ -349,6 +357,8 @@ class _Restoring(_Voting):
             partially_loaded = partially_loaded or loaded
             if failure is not None and failure[1].startswith(NEWER_SPOTJOB):
                 remedy = "Upgrade spotjob where the job runs to the version that wrote it"
+            elif failure is not None and failure[1].startswith(NEWER_TORCH):
+                remedy = "Restore it under the torch that wrote it, or a newer one"
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started)
                 self._warn_left_out(manifest, state)
@@ -705,6 +715,8 @@ class _Restoring(_Voting):
         elif isinstance(e, StorageError | OSError):
             # A store that kept failing (or a local disk) proves nothing about the checkpoint.
             kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"
+        elif isinstance(e, NewerTorchError):
+            kind, msg = _Failure.INCOMPATIBLE, f"{NEWER_TORCH}, on rank {self.rank}: {e}"
         elif isinstance(e, RestoreRefusedError) or _is_shape_or_key_mismatch(e):
             kind, msg = _Failure.INCOMPATIBLE, f"incompatible with the model on rank {self.rank}: {e}"
         else:

@@ -152,3 +152,41 @@ def test_a_per_rank_state_file_holding_what_this_spotjob_does_not_restore_refuse
     assert ("loader" if where == "top" else "rng.xla") in str(refused.value)
     assert "Upgrade spotjob" in str(refused.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_whose_dcp_metadata_a_newer_torch_wrote_stops_the_restore_instead_of_going_back(
+    tmp_path: Path,
+) -> None:
+    """A training image rolled back to an older torch: DCP's ``.metadata`` of the newest checkpoint
+    names a dtype that torch does not have. It was skipped as a crafted one and the restore went back
+    to the step before. The newer torch's file is today's with its float32 renamed to a dtype no
+    torch has, its manifest saying a torch newer than any."""
+    root = tmp_path / "ckpt"
+    older_spotjobs_checkpoints(root, "ml/train")
+    folder = root / "step-000000002"
+    data = (folder / ".metadata").read_bytes()
+    newer = data.replace(b"\x8c\x07float32", b"\x8c\x0bfloat8_e9m9", 1)
+    assert newer != data
+    (folder / ".metadata").write_bytes(newer)
+    manifest = folder / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    entry = next(f for f in doc["files"] if f["path"] == ".metadata")
+    entry.update(size=len(newer), crc32c=to_hex(crc32c_bytes(newer)))
+    doc["torch_version"] = "99.0.0"
+    manifest.write_text(json.dumps(doc))
+
+    model, state = _state()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with (
+        pytest.raises(RestoreRefusedError, match="torch 99.0.0") as refused,
+        Checkpointer(str(root), job="ml/train", async_save=False) as ckpt,
+    ):
+        ckpt.restore(state)
+    assert "float8_e9m9" in str(refused.value) and torch.__version__ in str(refused.value)
+    assert "Restore it under the torch that wrote it" in str(refused.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    doc["torch_version"] = torch.__version__  # the same torch: a crafted file, skipped as before
+    manifest.write_text(json.dumps(doc))
+    with Checkpointer(str(root), job="ml/train", async_save=False) as ckpt:
+        assert ckpt.restore(state) == 1
