@@ -178,7 +178,7 @@ def test_a_checkpoint_whose_dcp_metadata_a_newer_torch_wrote_stops_the_restore_i
     model, state = _state()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with (
-        pytest.raises(RestoreRefusedError, match="torch 99.0.0") as refused,
+        pytest.raises(RestoreRefusedError, match=r"torch 99\.0\.0") as refused,
         Checkpointer(str(root), job="ml/train", async_save=False) as ckpt,
     ):
         ckpt.restore(state)

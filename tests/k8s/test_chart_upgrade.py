@@ -41,8 +41,13 @@ def older_chart(root: Path) -> Path:
 
 
 def helm(env: dict[str, str], *args: str) -> dict[str, Any]:
-    proc = subprocess.run([helm_binary(), *args, "--namespace", NAMESPACE, "--dry-run=client", "-o", "yaml"],
-                          capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(
+        [helm_binary(), *args, "--namespace", NAMESPACE, "--dry-run=client", "-o", "yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return dict(yaml.safe_load(proc.stdout))
 
@@ -67,9 +72,7 @@ def test_helm_upgrade_reuse_values_from_an_older_chart_renders_flags_the_control
 
     upgraded = helm({**env, "HELM_MEMORY_DRIVER_DATA": str(releases)}, "upgrade", RELEASE, str(CHART), "--reuse-values")
     assert upgraded["version"] == 2
-    deployment = next(
-        doc for doc in yaml.safe_load_all(upgraded["manifest"]) if doc and doc["kind"] == "Deployment"
-    )
+    deployment = next(doc for doc in yaml.safe_load_all(upgraded["manifest"]) if doc and doc["kind"] == "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not [a for a in args if a.endswith("=")], args  # the controller exits 2 on "--agent-launcher="
     parsed, options = parse_options(args)
