@@ -18,7 +18,8 @@ from torch import nn
 from agent import Checkpointer
 from agent.checkpoint.errors import CheckpointOwnershipError, RestoreRefusedError
 from agent.crc32c import crc32c_bytes, to_hex
-from agent.manifest import MANIFEST_NAME
+from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
+from agent.version import spotjob_version
 from orchestrator.cli import main
 
 
@@ -190,3 +191,22 @@ def test_a_checkpoint_whose_dcp_metadata_a_newer_torch_wrote_stops_the_restore_i
     manifest.write_text(json.dumps(doc))
     with Checkpointer(str(root), job="ml/train", async_save=False) as ckpt:
         assert ckpt.restore(state) == 1
+
+
+def test_a_manifest_a_newer_spotjob_wrote_is_refused_naming_this_spotjobs_version_and_format(tmp_path: Path) -> None:
+    """The manifest does not record the spotjob that wrote it (a field would make every older reader
+    refuse it): the refusal names the format it is in, and this spotjob's version and format."""
+    root = tmp_path / "ckpt"
+    older_spotjobs_checkpoints(root, "ml/train")
+    manifest = root / "step-000000002" / MANIFEST_NAME
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": FORMAT_VERSION + 1}))
+
+    _, state = _state()
+    with (
+        pytest.raises(RestoreRefusedError, match="newer spotjob") as refused,
+        Checkpointer(str(root), job="ml/train", async_save=False) as ckpt,
+    ):
+        ckpt.restore(state)
+    message = str(refused.value)
+    assert f"format {FORMAT_VERSION + 1}" in message and f"({FORMAT_VERSION})" in message
+    assert f"spotjob {spotjob_version()}" in message, message
