@@ -29,6 +29,7 @@ import mmap
 import os
 import pathlib
 import pickle
+import re
 import sys
 import threading
 from typing import Any
@@ -107,6 +108,20 @@ def _build_allow_list() -> None:
         pass
 
 
+class _NotInThisTorch(UnsafeCheckpointError):
+    """``.metadata`` names something of torch's own modules this torch does not have (a dtype, a
+    class): a crafted file, or one a newer torch wrote (``VerifiedReader.read_metadata`` tells)."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class NewerTorchError(Exception):
+    """DCP's ``.metadata`` of a checkpoint a newer torch wrote (its manifest says so) names what this
+    torch does not have. Not proven bad: the restore stops there, never going back to an older one."""
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not _ALLOWED_GLOBALS:
@@ -114,10 +129,20 @@ class _AllowListUnpickler(pickle.Unpickler):
         try:
             return _ALLOWED_GLOBALS[(module, name)]
         except KeyError:
-            raise UnsafeCheckpointError(
+            message = (
                 f"DCP .metadata references {module}.{name}, which is not a DCP metadata class; "
                 "refusing to load it (a crafted or foreign checkpoint)"
-            ) from None
+            )
+            loaded = sys.modules.get(module) if module == "torch" or module.startswith("torch.") else None
+            if loaded is not None and not hasattr(loaded, name):
+                raise _NotInThisTorch(message, f"{module}.{name}") from None
+            raise UnsafeCheckpointError(message) from None
+
+
+def _torch_release(version: str) -> tuple[int, ...] | None:
+    """``2.13.0+cpu`` → (2, 13, 0); None for what does not start with a release number."""
+    parts = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return tuple(int(p or 0) for p in parts.groups()) if parts else None
 
 
 def load_dcp_metadata(data: bytes) -> Metadata:
@@ -320,7 +345,18 @@ class VerifiedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
-                metadata = load_dcp_metadata(f.read())
+                data = f.read()
+            try:
+                metadata = load_dcp_metadata(data)
+            except _NotInThisTorch as e:
+                writer, this = _torch_release(self.manifest.torch_version), _torch_release(torch.__version__)
+                if writer is None or this is None or writer <= this:
+                    raise
+                raise NewerTorchError(
+                    f"it was written under torch {self.manifest.torch_version}, and its DCP .metadata names "
+                    f"{e.name}, which this older torch ({torch.__version__}) does not have: restore it with the "
+                    "torch that wrote it or a newer one (the training image's torch went back)"
+                ) from None
             check_metadata_fits(metadata, self.manifest)
             self._metadata = metadata
         metadata = self._metadata

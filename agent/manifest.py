@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from agent.version import spotjob_version
+
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT_VERSION = 1
 DCP_METADATA_NAME = ".metadata"
@@ -240,7 +242,8 @@ class Manifest(BaseModel):
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise NewerFormatError(
                 f"MANIFEST.json is in format {version}, newer than this spotjob reads ({FORMAT_VERSION}): "
-                "it was written by a newer spotjob; upgrade spotjob to restore it"
+                f"it was written by a newer spotjob than this one (spotjob {spotjob_version()}); upgrade spotjob "
+                "to restore it"
             )
         try:
             return cls.model_validate(raw)
@@ -253,7 +256,8 @@ class Manifest(BaseModel):
                 unknown = ", ".join(".".join(str(p) for p in err.get("loc", ())) for err in errors[:5])
                 raise NewerFormatError(
                     f"MANIFEST.json has fields this spotjob does not know ({unknown}): it was written by a "
-                    "newer spotjob; upgrade spotjob to restore it"
+                    f"newer spotjob than this one (spotjob {spotjob_version()}, format {FORMAT_VERSION}); upgrade "
+                    "spotjob to restore it"
                 ) from None
             first = errors[0]
             where = ".".join(str(p) for p in first.get("loc", ()))

@@ -54,6 +54,7 @@ from agent import _fresh_start
 from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, read_bounded, read_manifest
 from agent.manifest import MANIFEST_NAME, ManifestError, UntrustedJSONError, loads_bounded, now_utc
 from agent.storage.base import AlreadyExistsError, NotFoundError, Storage, TransientStorageError
+from agent.version import spotjob_version
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,21 @@ class OwnershipError(Exception):
     """Another job owns the URI (or its owner record is unreadable). The message names the owner
     and the remedy: a fresh URI, or ``spotjob ckpt adopt URI --job JOB`` to take it over."""
 
-    def __init__(self, message: str, *, uri: str, job: str | None, owner: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, uri: str, job: str | None, owner: str | None = None, newer: bool = False
+    ) -> None:
         super().__init__(message)
         self.uri = uri
         self.job = job
         self.owner = owner
+        self.newer = newer
+        """The owner record was written by a newer spotjob: upgrade, never ``adopt`` over it."""
+
+
+class NewerRecordError(ValueError):
+    """A record (``owner.json``, an attempt record) in a newer format, or with fields this spotjob
+    does not know: a newer spotjob wrote it. Nothing bad is proven; this spotjob must neither judge
+    checkpoints by it nor rewrite it in its own, older format (``adopt``)."""
 
 
 class FencedError(Exception):
@@ -180,13 +191,24 @@ def _parse_doc(model: type[_D], data: bytes) -> _D:
     except UntrustedJSONError as e:
         raise ValueError(str(e)) from None
     if isinstance(raw, dict) and isinstance(raw.get("format"), int) and raw["format"] > RECORD_FORMAT:
-        raise ValueError(f"record format {raw['format']} is newer than this spotjob reads; upgrade spotjob")
+        raise NewerRecordError(_by_a_newer_spotjob(f"in record format {raw['format']}"))
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
+        errors = e.errors()
+        if all(err["type"] == "extra_forbidden" for err in errors):
+            unknown = ", ".join(".".join(str(p) for p in err.get("loc", ())) for err in errors[:5])
+            raise NewerRecordError(_by_a_newer_spotjob(f"with fields this spotjob does not know ({unknown})")) from None
+        first = errors[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise ValueError(f"invalid at {where or 'top level'}: {first['msg']}") from None
+
+
+def _by_a_newer_spotjob(what: str) -> str:
+    return (
+        f"{what}: written by a newer spotjob than this one ({spotjob_version()}, which reads record format "
+        f"{RECORD_FORMAT}); upgrade spotjob here (the training image, or the CLI) to the version that wrote it"
+    )
 
 
 # -- owner -------------------------------------------------------------------------------------
@@ -266,6 +288,15 @@ def read_owner(storage: Storage) -> Owner | None:
     if not error:
         try:
             return Owner.parse(data)
+        except NewerRecordError as e:
+            raise OwnershipError(
+                f"{storage.url(OWNER_KEY)}, the record of who owns {storage.uri}, is {e}. Until then nothing "
+                "there is used, and `spotjob ckpt adopt` refuses: rewriting the record in this spotjob's older "
+                "format would drop what the newer one keeps in it",
+                uri=storage.uri,
+                job=None,
+                newer=True,
+            ) from None
         except ValueError as e:
             error = str(e)
     raise OwnershipError(
@@ -352,6 +383,8 @@ def adopt(storage: Storage, job: str | None) -> Owner:
     try:
         old = read_owner(storage)
     except OwnershipError as e:
+        if e.newer:
+            raise
         log.warning("%s", e)
         old = None
     if old is not None and old.job == job:
@@ -428,6 +461,8 @@ def read_attempt(storage: Storage, job: str | None, attempt: int) -> AttemptReco
     key = attempt_key(job, attempt)
     try:
         record = AttemptRecord.parse(read_bounded(storage, key, MAX_RECORD_BYTES))
+    except NewerRecordError as e:
+        raise NewerRecordError(f"{storage.url(key)} is {e}") from None
     except ValueError as e:
         raise ValueError(f"{storage.url(key)} is unreadable: {e}") from None
     if record.attempt != attempt or record.job != job:
@@ -631,6 +666,7 @@ __all__ = [
     "FencedError",
     "Judgement",
     "Lineage",
+    "NewerRecordError",
     "Owner",
     "OwnershipError",
     "adopt",

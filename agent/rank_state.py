@@ -130,6 +130,21 @@ def decode(data: bytes) -> dict[str, Any]:
     return obj
 
 
+PAYLOAD_KEYS = frozenset({"step", "rank", "world_size", "objects", "rng"})
+"""What a rank file holds (``Checkpointer`` writes these, unchanged since the first spotjob)."""
+RNG_KEYS = frozenset({"python", "numpy", "torch", "cuda"})
+
+
+def unknown_entries(payload: dict[str, Any]) -> list[str]:
+    """What a rank file holds that this spotjob would not restore (``loader``, ``rng.xla``): the file
+    has no format number of its own, so a newer spotjob keeping more in it is told by these."""
+    unknown = sorted(str(k) for k in payload if k not in PAYLOAD_KEYS)
+    rng = payload.get("rng")
+    if isinstance(rng, dict):
+        unknown += sorted(f"rng.{k}" for k in rng if k not in RNG_KEYS)
+    return unknown
+
+
 def source_rank(rank: int, saved_world_size: int) -> int:
     """Which saved rank's file ``rank`` restores from (see the module docstring)."""
     return rank if rank < saved_world_size else 0

@@ -556,6 +556,8 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         try:
             before = read_owner(storage)
         except OwnershipError as e:
+            if e.newer:  # adopt() refuses to rewrite it
+                raise CommandError(str(e)) from None
             log.debug("the owner record is unreadable: %s", e)
             before = None
         owner = adopt(storage, job)

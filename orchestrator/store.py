@@ -39,6 +39,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from agent.atomic_file import write_atomic
+from agent.version import spotjob_version
 from orchestrator.model import FlushRequest, JobKey, JobSpec, JobStatus, describe_validation_error
 
 log = logging.getLogger(__name__)
@@ -89,22 +90,33 @@ class StoredJob:
     foreground deletion waiting for the pods, keeps it readable meanwhile)."""
 
 
-def parse_job(key: JobKey, spec: Any, status: Any, *, version: str, generation: int = 1, uid: str = "") -> StoredJob:
+def parse_job(
+    key: JobKey,
+    spec: Any,
+    status: Any,
+    *,
+    version: str,
+    generation: int = 1,
+    uid: str = "",
+    newer: tuple[str, str] | None = None,
+) -> StoredJob:
     """A ``StoredJob`` from a resource's raw ``spec`` and ``status`` (camelCase JSON values): the one
     place both stores turn stored documents into models, with the ``invalid`` rule of the module
-    docstring."""
+    docstring. ``newer``: (spec, status) — what fields this spotjob does not know, and nothing else
+    wrong, mean in this store (on Kubernetes the API server's schema let them in: a newer CRD, a
+    newer controller), said instead of "Extra inputs are not permitted"."""
     problems: list[str] = []
     parsed_spec: JobSpec | None = None
     parsed_status: JobStatus | None = None
     try:
         parsed_spec = JobSpec.model_validate(spec)
     except ValidationError as e:
-        problems.append(describe_validation_error(e, "spec"))
+        problems.append(_describe(e, "spec", newer[0] if newer else None))
     if status is not None:
         try:
             parsed_status = JobStatus.model_validate(status)
         except ValidationError as e:
-            problems.append(describe_validation_error(e, "status"))
+            problems.append(_describe(e, "status", newer[1] if newer else None))
     return StoredJob(
         key=key,
         spec=parsed_spec,
@@ -114,6 +126,14 @@ def parse_job(key: JobKey, spec: Any, status: Any, *, version: str, generation: 
         uid=uid,
         invalid="; ".join(problems) or None,
     )
+
+
+def _describe(error: ValidationError, prefix: str, newer: str | None) -> str:
+    errors = error.errors()
+    if newer is None or not all(item["type"] == "extra_forbidden" for item in errors):
+        return describe_validation_error(error, prefix)
+    fields = ", ".join(prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]) for e in errors)
+    return f"{fields}: not known to this controller (spotjob {spotjob_version()}): {newer}"
 
 
 class JobStore(abc.ABC):

@@ -25,11 +25,19 @@ from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
-from agent.dcp_safe import SafeEmptyLoadPlanner, SafeLoadPlanner, UnsafeCheckpointError, VerifiedReader, dcp_load
+from agent.dcp_safe import (
+    NewerTorchError,
+    SafeEmptyLoadPlanner,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    VerifiedReader,
+    dcp_load,
+)
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
+from agent.version import spotjob_version
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
 
@@ -44,6 +52,9 @@ class _Failure:
     BAD = "bad"  # proven bad: skip it for an older one
     SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, GONE, BAD)
 
+
+NEWER_SPOTJOB = "written by a newer spotjob"
+NEWER_TORCH = "written by a newer torch"
 
 _RELISTS = 3
 """How often a restore lists the checkpoints again after one was deleted while it was read (the job
@@ -344,6 +355,10 @@ class _Restoring(_Voting):
                 break  # an older checkpoint would be going back in time on a changed model
             failure, loaded = self._try_load(ref, manifest, state, read[0] if read else None)
             partially_loaded = partially_loaded or loaded
+            if failure is not None and failure[1].startswith(NEWER_SPOTJOB):
+                remedy = "Upgrade spotjob where the job runs to the version that wrote it"
+            elif failure is not None and failure[1].startswith(NEWER_TORCH):
+                remedy = "Restore it under the torch that wrote it, or a newer one"
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started)
                 self._warn_left_out(manifest, state)
@@ -561,7 +576,7 @@ class _Restoring(_Voting):
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:
-            failure = self._objects_not_saved_as_objects(state, rank_payload)
+            failure = self._newer_rank_state(rank_payload) or self._objects_not_saved_as_objects(state, rank_payload)
         failure = self._agree_on_failure(failure)
         if failure is not None:
             self._cleanup_cache(cache)
@@ -585,6 +600,17 @@ class _Restoring(_Voting):
         failure = self._agree_on_failure(failure)
         self._cleanup_cache(cache)
         return failure, failure is not None
+
+    def _newer_rank_state(self, payload: Mapping[str, Any]) -> tuple[str, str] | None:
+        """A rank file holding what this spotjob would not restore: a newer spotjob wrote it, and
+        restoring the rest would be a partial restore, said nowhere. Not proven bad: never skipped."""
+        unknown = rank_state.unknown_entries(dict(payload))
+        if not unknown:
+            return None
+        return _Failure.INCOMPATIBLE, (
+            f"{NEWER_SPOTJOB}: the per-rank state read on rank {self.rank} holds {', '.join(unknown[:5])}, which "
+            f"this spotjob ({spotjob_version()}) does not restore; nothing was loaded from it"
+        )
 
     def _objects_not_saved_as_objects(
         self, state: Mapping[str, Any], payload: Mapping[str, Any]
@@ -689,6 +715,8 @@ class _Restoring(_Voting):
         elif isinstance(e, StorageError | OSError):
             # A store that kept failing (or a local disk) proves nothing about the checkpoint.
             kind, msg = _Failure.UNAVAILABLE, f"rank {self.rank}: {e}"
+        elif isinstance(e, NewerTorchError):
+            kind, msg = _Failure.INCOMPATIBLE, f"{NEWER_TORCH}, on rank {self.rank}: {e}"
         elif isinstance(e, RestoreRefusedError) or _is_shape_or_key_mismatch(e):
             kind, msg = _Failure.INCOMPATIBLE, f"incompatible with the model on rank {self.rank}: {e}"
         else:

@@ -495,7 +495,9 @@ class Checkpointer(_Saving, _Restoring):
                 # An eval script reading the job's checkpoints must not take the URI over: adopting
                 # it would stop the job's writers at their next commit.
                 hint = (
-                    "; to only restore its checkpoints in another program (an eval script), build the "
+                    ""
+                    if e.newer  # a read-only Checkpointer cannot read it either
+                    else "; to only restore its checkpoints in another program (an eval script), build the "
                     "Checkpointer with read_only=True"
                 )
                 outcome = ("owner", f"{e}{hint}", e.owner)

@@ -43,6 +43,14 @@ from orchestrator.store import ConflictError, JobNotFoundError, JobStore, Stored
 
 log = logging.getLogger(__name__)
 
+NEWER_FIELDS = (
+    "the SpotJob CRD is newer than this controller (the API server's schema let the fields in); "
+    "upgrade the controller to the spotjob whose CRD this is (README 'Upgrading')",
+    "written by a newer spotjob controller; upgrade the controller to it (README 'Upgrading': going back "
+    "to an older controller is not supported)",
+)
+"""What fields the controller's model does not know mean on Kubernetes (``parse_job``'s ``newer``)."""
+
 
 class KubeJobStore(JobStore):
     """SpotJobs through ``KubeClient`` and the SpotJob informer's ``Cache``. Thread-safe."""
@@ -175,6 +183,7 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         version=resource_version(obj),
         generation=int(meta.get("generation") or 1),
         uid=str(meta.get("uid") or ""),
+        newer=NEWER_FIELDS,
     )
     if meta.get("deletionTimestamp"):
         stored = dataclasses.replace(stored, deleting=True)

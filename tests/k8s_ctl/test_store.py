@@ -207,3 +207,35 @@ def test_a_flush_request_annotation_is_read_with_the_job_and_a_bad_one_is_known_
     assert first.flush_request_problem is not None and "spotjob.dev/flush-request.mode" in first.flush_request_problem
     assert first.flush_request_id == second.flush_request_id and str(first.flush_request_id).startswith("invalid-")
     assert first.spec is not None, "a bad request does not make the job invalid"
+
+
+def test_fields_of_a_newer_crd_than_the_controller_make_the_job_invalid_saying_to_upgrade_the_controller(
+    test_api: TestApi,
+) -> None:
+    """A CRD newer than the controller (applied first, or kept after the controller went back): the
+    API server keeps the spec and status fields it declares, this controller's model knows none of
+    them. The newer CRD is the shipped one with one spec and one status field added."""
+    import yaml
+    from ctl_support import CRDS, SPOTJOB_CRD_FILE, wait_for
+
+    crd = yaml.safe_load(SPOTJOB_CRD_FILE.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    schema["spec"]["properties"]["priorityBoost"] = {"type": "integer"}
+    schema["status"]["properties"]["preemptionForecast"] = {"type": "string"}
+    test_api.admin.create(CRDS, crd)
+    wait_for(lambda: test_api.admin.list(SPOTJOBS, "default") is not None, what="the newer SpotJob CRD")
+
+    test_api.admin.create(SPOTJOBS, spotjob("newer", priorityBoost=3), "default")
+    cache = Cache()
+    job = KubeJobStore(test_api.client(), cache).get(JobKey("default", "newer"))
+    assert job is not None and job.spec is None and job.invalid is not None
+    assert "spec.priorityBoost" in job.invalid and "upgrade the controller" in job.invalid, job.invalid
+
+    obj = test_api.admin.get(SPOTJOBS, "newer", "default")
+    obj["spec"].pop("priorityBoost")
+    obj = test_api.admin.replace(SPOTJOBS, obj)
+    obj["status"] = {"phase": "Running", "preemptionForecast": "low"}
+    test_api.admin.replace(SPOTJOBS, obj, subresource="status")
+    job = KubeJobStore(test_api.client(), Cache()).get(JobKey("default", "newer"))
+    assert job is not None and job.spec is not None and job.status is None and job.invalid is not None
+    assert "status.preemptionForecast" in job.invalid and "newer spotjob controller" in job.invalid, job.invalid
