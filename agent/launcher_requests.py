@@ -131,6 +131,8 @@ class AgentRequests:
         script still at work after close()); False when only torchrun waited (its exit barrier)."""
         self._started_monotonic = time.monotonic()
         self._terminate_requested: int | None = None
+        self._suspend_requested = False
+        """SIGTSTP (Ctrl-Z) came: the watch loop pauses the command's processes, then the agent."""
         self._stop: StopInfo | None = None
         self._parent_pid = os.getppid()
         self._parent_gone = False

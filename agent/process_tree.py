@@ -284,6 +284,20 @@ class ProcessTree:
         pid) or a member's that made one of its own (a torchrun worker)."""
         return session > 0 and (session == self.command_pid or session in self._known)
 
+    def signal_all(self, sig: int) -> int:
+        """``sig`` to every member (SIGSTOP, SIGCONT: Ctrl-Z and ``fg``); how many got it. Walks
+        again until a walk finds none it has not signalled: a process may fork meanwhile."""
+        done: set[int] = set()
+        for _ in range(5):
+            fresh = [p for p in self.refresh(scan_environ=True) if p.pid not in done]
+            if not fresh:
+                break
+            for p in fresh:
+                with contextlib.suppress(PermissionError):
+                    signal_process(p, sig)
+                done.add(p.pid)
+        return len(done)
+
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
 
