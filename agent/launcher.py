@@ -517,6 +517,7 @@ class Agent(AgentRequests):
             killed=killed and self._killed_at_work,
             stopped=stop.reason if stop is not None else None,
             infra_error=self._infra_error(returncode),
+            sigkilled_by_agent=self.config.kill_grace if tree.sigkilled else None,
         )
         if code == EXIT_FLUSH_FAILED and result is None and not self._rank_seen and self.control.status() is None:
             why += (

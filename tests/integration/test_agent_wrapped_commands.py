@@ -362,3 +362,24 @@ def test_ctrl_z_pauses_every_process_of_the_command_and_fg_resumes_them(tmp_path
         stop(run)
         for pid in marked_processes(ident) if ident else []:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_command_the_agent_had_to_sigkill_is_not_blamed_on_the_oom_killer(tmp_path: Path) -> None:
+    # A script that ignores SIGTERM, stopped without a flush (here: SIGTERM with --no-sigterm; a
+    # SIGQUIT or POST /stop alike), outlives --kill-grace and the agent SIGKILLs it. The exit line
+    # used to send the user to dmesg for the OOM killer, although the agent had just killed it.
+    ignores = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    )
+    run = start_agent(tmp_path, [sys.executable, "-c", ignores], "--no-sigterm")
+    try:
+        ident = agent_id(run)
+        wait_until(lambda: "up" in run.log().splitlines(), "the command running", run)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == 137, run.log()
+        exit_line = next(line for line in run.log().splitlines() if "exiting 137" in line)
+        assert "OOM" not in exit_line, exit_line
+        assert "--kill-grace" in exit_line and "SIGKILL" in exit_line, exit_line
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
