@@ -232,11 +232,15 @@ class AgentRequests:
             if flush is not None:
                 self._bring_forward(flush, notice)
                 log.info(
-                    "%s notice (%s) while flush %s from %s is under way: no second flush",
+                    "%s notice (%s) while flush %s from %s is under way: no second flush%s",
                     notice.source,
                     notice.detail,
                     flush.request.id,
                     flush.notice.source,
+                    # A repeated Ctrl-C at a terminal: the one way to stop now rather than at the deadline.
+                    "; SIGQUIT (Ctrl-\\) stops the command at once, without a flush"
+                    if notice.source == "signal"
+                    else "",
                 )
                 return flush.request, False
             if self._stop is not None:

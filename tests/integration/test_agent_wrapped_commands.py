@@ -383,3 +383,25 @@ def test_a_command_the_agent_had_to_sigkill_is_not_blamed_on_the_oom_killer(tmp_
         assert marked_processes(ident) == []
     finally:
         stop(run)
+
+
+def test_a_second_ctrl_c_during_a_flush_says_how_to_stop_at_once_and_ctrl_backslash_does(tmp_path: Path) -> None:
+    # At a terminal, a second Ctrl-C while the flush waits for ranks that will not answer (a
+    # script without spotjob's Checkpointer, a hung rank) changes nothing, by design; the log
+    # used to say only "no second flush", leaving the user to wait out --sigterm-grace.
+    loop = "import time\nwhile True: time.sleep(0.05)\n"
+    run = start_agent(tmp_path, [sys.executable, "-c", loop], "--sigterm-grace", "600")
+    try:
+        ident = agent_id(run)
+        wait_until(lambda: bool(marked_processes(ident)), "the command running", run)
+        run.signal(signal.SIGINT)
+        wait_until(lambda: run.control.flush_request() is not None, "the flush", run)
+        run.signal(signal.SIGINT)
+        wait_until(lambda: "no second flush" in run.log(), "the second Ctrl-C logged", run)
+        repeat = next(line for line in run.log().splitlines() if "no second flush" in line)
+        assert "SIGQUIT (Ctrl-\\)" in repeat, repeat
+        run.signal(signal.SIGQUIT)
+        assert run.exit_code() == 76, run.log()
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
