@@ -69,14 +69,17 @@ def decide_exit_code(
     killed: bool,
     stopped: str | None = None,
     infra_error: str | None = None,
+    sigkilled_by_agent: float | None = None,
 ) -> tuple[int, str]:
     """The agent's exit code for a command that ended with ``returncode``, and why.
 
     ``killed``: the agent stopped the command while more than torchrun was left of it (torchrun
     alone, waiting in its exit barrier after its ranks exited, is not the job's work); ``stopped``:
     why ``POST /stop`` stopped the command; ``infra_error``: the infrastructure
-    error a rank reported (or the agent found), if any. 75, 76, 74 and 79 are reported only for
-    what this agent saw: a command that exits with one of them by itself gets 1.
+    error a rank reported (or the agent found), if any; ``sigkilled_by_agent``: the agent's
+    ``--kill-grace`` when it had to SIGKILL the command's processes itself, else None. 75, 76, 74
+    and 79 are reported only for what this agent saw: a command that exits with one of them by
+    itself gets 1.
     """
     code = command_exit_code(returncode)
     if result is not None and result.error is None:
@@ -113,6 +116,12 @@ def decide_exit_code(
             f"the command exited {code} by itself, a code spotjob-agent reserves for what it saw itself "
             f"(74 infrastructure error, 75 committed flush, 76 failed flush, 79 stopped): "
             f"reporting {EXIT_COMMAND_USED_RESERVED}, a failure of the command"
+        )
+    if code == KILLED_BY_SIGKILL and killed and sigkilled_by_agent is not None:
+        return code, (
+            f"the command exited {code}: spotjob-agent stopped it, and it was still running --kill-grace "
+            f"{sigkilled_by_agent:g} s after the agent's SIGTERM, so the agent killed it with SIGKILL (a script that "
+            f"ignores SIGTERM, or whose SIGTERM handler takes longer than that)"
         )
     if code == KILLED_BY_SIGKILL:
         return code, f"the command exited {code}, killed by SIGKILL or reporting a rank that was: {OOM_HINT}"

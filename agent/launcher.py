@@ -262,6 +262,8 @@ class Agent(AgentRequests):
         next_scan = 0.0
         waiting_logged = False
         while True:
+            if self._suspend_requested:
+                self._suspend(tree)
             now = time.monotonic()
             if now >= next_scan:
                 tree.refresh(reap=True)
@@ -324,6 +326,18 @@ class Agent(AgentRequests):
                 return child.wait()
             # Between a committed flush and the ranks' exit, the restart waits on this loop noticing.
             time.sleep(WATCH_TICK if alone is None else AFTER_COMMIT_TICK)
+
+    def _suspend(self, tree: ProcessTree) -> None:
+        """Ctrl-Z (SIGTSTP, which reaches the agent alone: the command has a session of its own):
+        every process of the command stops, then the agent; ``fg`` or ``bg`` (SIGCONT) resumes the
+        agent, which resumes them. Left to the default, the agent alone stopped and the ranks
+        trained on with nobody to hear a notice."""
+        self._suspend_requested = False
+        paused = tree.signal_all(signal.SIGSTOP)
+        log.info("SIGTSTP: paused the command's %d process(es) and the agent; fg or SIGCONT resumes them", paused)
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+        resumed = tree.signal_all(signal.SIGCONT)
+        log.info("continued: resumed the command's %d process(es)", resumed)
 
     def _halt_reason(self) -> str | None:
         """Why the command's processes must be stopped now, whatever the flush: ``POST /stop``, a
@@ -504,6 +518,7 @@ class Agent(AgentRequests):
             killed=killed and self._killed_at_work,
             stopped=stop.reason if stop is not None else None,
             infra_error=self._infra_error(returncode),
+            sigkilled_by_agent=self.config.kill_grace if tree.sigkilled else None,
         )
         if code == EXIT_FLUSH_FAILED and result is None and not self._rank_seen and self.control.status() is None:
             why += (
@@ -624,7 +639,9 @@ class Agent(AgentRequests):
         """Signals that are no notice stop the command (no flush) instead of killing the agent and
         orphaning the ranks in their own sessions, where they would train on with nobody to hear
         a notice: SIGQUIT (Ctrl-\\), and SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 with no signal source. A SIGHUP or
-        SIGQUIT the agent was started ignoring (nohup, a shell's background job) stays ignored."""
+        SIGQUIT the agent was started ignoring (nohup, a shell's background job) stays ignored. And
+        SIGTSTP (Ctrl-Z) pauses the command with the agent (``_suspend``), unless started ignored
+        or PID 1."""
         signals = [signal.SIGQUIT]
         if not any(isinstance(s, SignalSource) for s in self.sources):
             signals = [*DEFAULT_SIGNALS, *signals]
@@ -633,9 +650,16 @@ class Agent(AgentRequests):
         def handle(signum: int, frame: FrameType | None) -> None:
             self._terminate_requested = signum
 
+        def suspend(signum: int, frame: FrameType | None) -> None:
+            self._suspend_requested = True
+
         previous: dict[signal.Signals, _SignalHandler] = {}
         for sig in signals:
             previous[sig] = signal.signal(sig, handle)
+        # An inherited ignore stays. As PID 1 (a container without an init) the kernel ignores the
+        # agent's SIGSTOP to itself, so a pause could not hold: Ctrl-Z stays ignored, as by an init.
+        if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN and os.getpid() != 1:
+            previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspend)
         return previous
 
 

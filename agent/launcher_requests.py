@@ -135,6 +135,8 @@ class AgentRequests:
         script still at work after close()); False when only torchrun waited (its exit barrier)."""
         self._started_monotonic = time.monotonic()
         self._terminate_requested: int | None = None
+        self._suspend_requested = False
+        """SIGTSTP (Ctrl-Z) came: the watch loop pauses the command's processes, then the agent."""
         self._stop: StopInfo | None = None
         self._parent_pid = os.getppid()
         self._parent_gone = False
@@ -319,11 +321,15 @@ class AgentRequests:
             if flush is not None:
                 self._bring_forward(flush, notice)
                 log.info(
-                    "%s notice (%s) while flush %s from %s is under way: no second flush",
+                    "%s notice (%s) while flush %s from %s is under way: no second flush%s",
                     notice.source,
                     notice.detail,
                     flush.request.id,
                     flush.notice.source,
+                    # A repeated Ctrl-C at a terminal: the one way to stop now rather than at the deadline.
+                    "; SIGQUIT (Ctrl-\\) stops the command at once, without a flush"
+                    if notice.source == "signal"
+                    else "",
                 )
                 return flush.request, False
             if self._stop is not None:

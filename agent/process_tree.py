@@ -204,6 +204,8 @@ class ProcessTree:
         """pid → start ticks of every descendant seen so far."""
         self._foreign: set[tuple[int, int]] = set()
         """(pid, start ticks) of the root's children that are not the command's (no marker)."""
+        self.sigkilled: set[int] = set()
+        """Members ``stop_all`` had to SIGKILL (still running ``grace`` s after its SIGTERM)."""
 
     def refresh(self, scan_environ: bool = False, *, reap: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones. ``reap``: also collect the exit
@@ -284,19 +286,39 @@ class ProcessTree:
         pid) or a member's that made one of its own (a torchrun worker)."""
         return session > 0 and (session == self.command_pid or session in self._known)
 
+    def signal_all(self, sig: int) -> int:
+        """``sig`` to every member (SIGSTOP, SIGCONT: Ctrl-Z and ``fg``); how many got it. Walks
+        again until a walk finds none it has not signalled: a process may fork meanwhile."""
+        done: set[int] = set()
+        for _ in range(5):
+            fresh = [p for p in self.refresh(scan_environ=True) if p.pid not in done]
+            if not fresh:
+                break
+            for p in fresh:
+                with contextlib.suppress(PermissionError):
+                    signal_process(p, sig)
+                done.add(p.pid)
+        return len(done)
+
     def stop_all(self, grace: float, reason: str) -> int:
         """SIGTERM every member, SIGKILL what is left after ``grace`` s; how many were signalled."""
 
         def alive() -> list[ProcInfo]:
             return self.refresh(scan_environ=True, reap=True)
 
-        stopped = stop_processes(alive, grace=grace, reason=reason)
+        stopped = stop_processes(alive, grace=grace, reason=reason, sigkilled=self.sigkilled)
         self.reap()
         return stopped
 
 
 def stop_processes(
-    find: Callable[[], list[ProcInfo]], *, grace: float, reason: str, give_up: float = 10.0, verbose: bool = True
+    find: Callable[[], list[ProcInfo]],
+    *,
+    grace: float,
+    reason: str,
+    give_up: float = 10.0,
+    verbose: bool = True,
+    sigkilled: set[int] | None = None,
 ) -> int:
     """SIGTERM every process ``find()`` returns (none if ``grace`` is 0), SIGKILL what is left after
     ``grace`` s, until ``find()`` returns none or ``give_up`` s after the SIGKILL; how many were found.
@@ -304,7 +326,8 @@ def stop_processes(
     The one way every process of a command, a worker or a node is stopped. Re-scans every round: a
     dying process may still fork, a dying torchrun start or re-parent a rank. A process is signalled
     only while it is still the one found (``signal_process`` checks its creation time). ``verbose``
-    logs each round's signals and a process not ours to signal.
+    logs each round's signals and a process not ours to signal. ``sigkilled`` collects the pids
+    sent SIGKILL.
     """
     seen: set[int] = set()
     termed: set[int] = set()
@@ -340,6 +363,8 @@ def stop_processes(
                     if verbose:
                         log.error("%s: not permitted to signal %s", reason, _describe([p]))
                 done.add(p.pid)
+            if escalate and sigkilled is not None:
+                sigkilled.update(p.pid for p in fresh)
         time.sleep(pause)
         pause = min(pause * 2, STOP_POLL_MAX)
     return len(seen)

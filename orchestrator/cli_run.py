@@ -685,6 +685,18 @@ class _Interrupts:
         )
 
 
+def _pause(run: LocalRun) -> None:
+    """Ctrl-Z (SIGTSTP, which reaches the driver alone: its workers run in sessions of their own):
+    each worker's agent pauses its processes and itself, then the driver stops; ``fg`` or ``bg``
+    (SIGCONT) resumes the driver, which resumes them. Left to the default, the driver alone
+    stopped and its workers trained on with nobody driving the run."""
+    paused = run.backend.signal_workers(signal.SIGTSTP, until_stopped=5.0)
+    log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
+    os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+    run.backend.signal_workers(signal.SIGCONT)
+    log.info("resumed %s", run.name)
+
+
 def run_command(args: argparse.Namespace) -> int:
     try:
         run = prepare(args)
@@ -699,6 +711,8 @@ def run_command(args: argparse.Namespace) -> int:
         return _drive(run, args)  # only the main thread can take signals
     interrupts = _Interrupts(run)
     saved = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGTERM, signal.SIGINT)}
+    if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN and os.getpid() != 1:  # as spotjob-agent
+        saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, lambda signum, frame: _pause(run))
     try:
         return _drive(run, args)
     finally:

@@ -77,7 +77,7 @@ from agent.control_channel import (
     read_json,
 )
 from agent.notices.emulators import ImdsEmulator
-from agent.process_tree import ENV_AGENT_ID
+from agent.process_tree import ENV_AGENT_ID, read_proc
 from agent.ranks import free_port
 from agent.torchrun import Launcher
 from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
@@ -478,6 +478,25 @@ class LocalBackend:
         return max(steps) if steps else None
 
     # -- inside -----------------------------------------------------------------------------------
+    def signal_workers(self, sig: int, *, until_stopped: float = 0.0) -> int:
+        """``sig`` to the agent of every worker still running (SIGTSTP, SIGCONT: ``spotjob run``
+        paused with Ctrl-Z and resumed); how many got it. ``until_stopped``: then wait up to that
+        many seconds for each agent to have stopped (it pauses its command first), so that a
+        SIGCONT sent soon after cannot come before its pause and leave it paused."""
+        with self._lock:
+            workers = [w for w in self._workers.values() if w.alive]
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, sig)
+        give_up = time.monotonic() + until_stopped
+        for w in workers:
+            while time.monotonic() < give_up and w.proc.poll() is None:
+                info = read_proc(w.proc.pid)
+                if info is None or info.state in ("T", "t"):
+                    break
+                time.sleep(0.02)
+        return len(workers)
+
     def _command(
         self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
     ) -> list[str]:

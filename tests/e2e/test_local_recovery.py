@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -184,6 +186,51 @@ def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_pr
     log = (tmp_path / "driver.log").read_text()
     assert "spotjob run: interrupted; every process of stop was stopped" in log, log[-4000:]
     assert "Traceback" not in log
+
+
+def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_them(tmp_path: Path) -> None:
+    """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
+    the driver only, its agents and ranks training on with nobody driving the run (its notices,
+    its simulated nodes' metadata servers, its status). Now every process of the run pauses with
+    the driver, and ``fg`` (SIGCONT) resumes them."""
+    run = tmp_path / "spotjob-runs" / "pause"
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "pause", "--every-steps", "5",
+        str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
+    ]  # fmt: skip
+    with open(tmp_path / "driver.log", "wb") as out:
+        driver = subprocess.Popen(
+            argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL),  # as a terminal starts it
+        )  # fmt: skip
+
+    def states() -> set[str]:
+        out = set()
+        for pid in [driver.pid, *run_pids(str(run))]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.add(psutil.Process(pid).status())
+        return out
+
+    try:
+
+        def training() -> bool:
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+            status = job_document(run).get("status") or {}
+            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 5
+
+        wait_for(training, "the run to train")
+        driver.send_signal(signal.SIGTSTP)
+        wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
+        driver.send_signal(signal.SIGCONT)
+        wait_for(lambda: psutil.STATUS_STOPPED not in states(), "the driver and every process of its run resumed")
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=GIVE_UP_S) == 130
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert not run_pids(str(run))
+    assert "Traceback" not in (tmp_path / "driver.log").read_text()
 
 
 # -- the numbers ----------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ def _as_from_a_terminal() -> None:
     agent rightly keeps an inherited ignore. A ``prefix`` such as ``nohup`` ignores them itself."""
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGTSTP, signal.SIG_DFL)
 
 
 def agent_id(run: Run) -> str:
@@ -288,13 +289,16 @@ def test_a_quit_or_hangup_ignored_when_the_agent_started_gets_no_stop_handler(tm
     # SIGUSR2 are heard.
     config, _ = parse_args(["--checkpoint-uri", f"file://{tmp_path}/ckpt", "--no-sigterm", "--", "x"], {})
     agent = Agent(config, ControlDir(str(tmp_path / "control")), env={})
-    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    watched = (
+        signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP
+    )  # fmt: skip
     before = {sig: signal.getsignal(sig) for sig in watched}
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
         previous = agent._install_fallback_signals()
-        assert set(previous) == {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
+        assert set(previous) == {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP}
         assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
     finally:
         for sig, handler in before.items():
@@ -320,3 +324,84 @@ def test_a_sigterm_or_ctrl_c_while_the_agent_exits_does_not_take_its_exit_code_a
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=WAIT)
     assert (done.returncode, done.stdout.strip()) == (0, "survived"), done.stderr
+
+
+def test_ctrl_z_pauses_every_process_of_the_command_and_fg_resumes_them(tmp_path: Path) -> None:
+    # Ctrl-Z at a terminal sends SIGTSTP to the foreground process group: the agent alone, since
+    # the command runs in a session of its own. The agent used to stop by the default and leave
+    # the launcher and its ranks training on, with nobody to hear a notice. Now it stops every
+    # process of the command, then itself; `fg` (SIGCONT) resumes them all and a notice still
+    # flushes. A job of several nodes is not modelled: only this node's processes pause.
+    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
+    run = start_agent(tmp_path, fake)
+    ident = ""
+    try:
+        ident = agent_id(run)
+        run.wait_training(steps=3)
+
+        def states() -> set[str]:
+            out = set()
+            for pid in [run.proc.pid, *marked_processes(ident)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    out.add(psutil.Process(pid).status())
+            return out
+
+        run.signal(signal.SIGTSTP)
+        wait_until(lambda: states() == {psutil.STATUS_STOPPED}, "the agent and its command stopped", run)
+        assert len(marked_processes(ident)) == 3  # the launcher and both ranks, paused, not gone
+        run.signal(signal.SIGCONT)
+        wait_until(lambda: psutil.STATUS_STOPPED not in states(), "the agent and its command resumed", run)
+        status = run.control.status()
+        assert status is not None and status.step is not None
+        run.wait_training(steps=status.step + 3)  # training goes on
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == EXIT_PREEMPTED, run.log()
+        assert "SIGTSTP" in run.log()
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
+        for pid in marked_processes(ident) if ident else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_command_the_agent_had_to_sigkill_is_not_blamed_on_the_oom_killer(tmp_path: Path) -> None:
+    # A script that ignores SIGTERM, stopped without a flush (here: SIGTERM with --no-sigterm; a
+    # SIGQUIT or POST /stop alike), outlives --kill-grace and the agent SIGKILLs it. The exit line
+    # used to send the user to dmesg for the OOM killer, although the agent had just killed it.
+    ignores = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    )
+    run = start_agent(tmp_path, [sys.executable, "-c", ignores], "--no-sigterm")
+    try:
+        ident = agent_id(run)
+        wait_until(lambda: "up" in run.log().splitlines(), "the command running", run)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == 137, run.log()
+        exit_line = next(line for line in run.log().splitlines() if "exiting 137" in line)
+        assert "OOM" not in exit_line, exit_line
+        assert "--kill-grace" in exit_line and "SIGKILL" in exit_line, exit_line
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
+
+
+def test_a_second_ctrl_c_during_a_flush_says_how_to_stop_at_once_and_ctrl_backslash_does(tmp_path: Path) -> None:
+    # At a terminal, a second Ctrl-C while the flush waits for ranks that will not answer (a
+    # script without spotjob's Checkpointer, a hung rank) changes nothing, by design; the log
+    # used to say only "no second flush", leaving the user to wait out --sigterm-grace.
+    loop = "import time\nwhile True: time.sleep(0.05)\n"
+    run = start_agent(tmp_path, [sys.executable, "-c", loop], "--sigterm-grace", "600")
+    try:
+        ident = agent_id(run)
+        wait_until(lambda: bool(marked_processes(ident)), "the command running", run)
+        run.signal(signal.SIGINT)
+        wait_until(lambda: run.control.flush_request() is not None, "the flush", run)
+        run.signal(signal.SIGINT)
+        wait_until(lambda: "no second flush" in run.log(), "the second Ctrl-C logged", run)
+        repeat = next(line for line in run.log().splitlines() if "no second flush" in line)
+        assert "SIGQUIT (Ctrl-\\)" in repeat, repeat
+        run.signal(signal.SIGQUIT)
+        assert run.exit_code() == 76, run.log()
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)
