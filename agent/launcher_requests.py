@@ -176,9 +176,14 @@ class AgentRequests:
     def _flush_at(self, notice: Notice) -> float | None:
         """When a held notice's flush starts: ``--flush-lead`` before its deadline, or as long before
         it as the last save took x ``--safety-margin``, whichever is sooner. None: not a notice to
-        hold (no deadline, not a cloud's, or ``--flush-lead 0``)."""
+        hold (no deadline, not a cloud's, a preemption, or ``--flush-lead 0``)."""
         lead = self.config.flush_lead
         if lead <= 0 or notice.deadline is None or notice.source not in CLOUD_SOURCES:
+            return None
+        if notice.kind is NoticeKind.PREEMPTION:
+            # Spot preemption gives 30 s to 2 minutes. One further away than --flush-lead is this
+            # node's clock running behind the cloud's (AWS and Azure send a time of day): held, the
+            # flush could come after the node is gone.
             return None
         rank = self.control.status()
         if rank is not None and rank.last_save_seconds is not None:

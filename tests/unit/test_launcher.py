@@ -511,6 +511,13 @@ class TestHeldNotices:
         agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True))
         assert agent._flush is not None and agent.control.flush_request() is not None
 
+    def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
+        """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10
+        minutes away says this node's clock runs behind, and holding it would flush too late."""
+        agent = self.agent(tmp_path)
+        agent.on_notice(Notice(source="aws", kind=NoticeKind.PREEMPTION, deadline=time.time() + 600, detail="x"))
+        assert agent._flush is not None
+
     def test_a_signal_or_the_api_is_never_held(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path)
         agent.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 3600, detail="x"))
