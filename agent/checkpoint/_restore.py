@@ -556,8 +556,7 @@ class _Restoring(_Voting):
                 reader.read_metadata()
             src = rank_state.source_rank(self.rank, manifest.world_size)
             path = reader.ensure_local(rank_state.rank_file_name(src))
-            with open(path, "rb") as f:
-                rank_payload = rank_state.decode(f.read())
+            rank_payload = rank_state.decode(path)
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:

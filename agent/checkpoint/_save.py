@@ -124,7 +124,7 @@ class _Save:
     local_dir: str
     metadata: dict[str, Any]
     state_keys: list[str]
-    rank_bytes: bytes
+    rank_bytes: memoryview
     writer: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
