@@ -65,15 +65,20 @@ def _zip_writer_without_crc(stream: IO[bytes]) -> Any:
         return None
 
 
-def save_tensor_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
-    """``torch.save(tensor, stream)`` minus the zip records' CRC-32; ``torch.load`` reads either."""
+def save_without_crc(obj: Any, stream: IO[bytes]) -> None:
+    """``torch.save(obj, stream)`` minus the zip records' CRC-32; ``torch.load`` reads either."""
     writer = _zip_writer_without_crc(stream)
     if writer is None:
-        torch.save(tensor, stream)
+        torch.save(obj, stream)
         return
-    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     stream.flush()
+
+
+def save_tensor_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    """``torch.save(tensor, stream)`` minus the zip records' CRC-32; ``torch.load`` reads either."""
+    save_without_crc(tensor, stream)
 
 
 SERIALIZE_IN_MEMORY_BELOW = 64 * 1024

@@ -85,10 +85,16 @@ def _to_tuple(value: Any) -> Any:
     return value
 
 
-def encode(payload: dict[str, Any]) -> bytes:
+def encode(payload: dict[str, Any]) -> memoryview:
+    """The rank file's bytes: ``payload`` serialized in memory (the save's snapshot of the objects'
+    state), without torch.save's zip CRC-32 (the manifest's CRC32C covers the file). The buffer
+    itself, not a copy: an object's ``state_dict()`` may hold gigabytes of tensors (an EMA of
+    the weights), and ``getvalue()`` held them twice, while the CRC-32 took longer than the copy."""
+    from agent._dcp_write import save_without_crc
+
     buf = io.BytesIO()
-    torch.save(payload, buf)
-    return buf.getvalue()
+    save_without_crc(payload, buf)
+    return buf.getbuffer()
 
 
 class RefusedPickleError(ValueError):
@@ -111,14 +117,19 @@ class RankStateError(ValueError):
     """Stored bytes that are not a per-rank state file (unparseable, or not the expected dict)."""
 
 
-def decode(data: bytes) -> dict[str, Any]:
-    """Load a rank file; plain data and tensors only (``weights_only``).
+def decode(data: bytes | str, *, mmap: bool = False) -> dict[str, Any]:
+    """Load a rank file (its bytes, or its path); plain data and tensors only (``weights_only``).
+
+    A path is read straight into the tensors, without a copy of the whole file in memory first;
+    with ``mmap`` its tensors are views of the file, so checking that a file loads costs no copy
+    of its tensors at all.
 
     Raises ``RefusedPickleError`` for bytes that ask to run code, ``RankStateError`` for bytes
     that are not a rank file at all; both prove the file bad, nothing else does.
     """
+    source: str | io.BytesIO = data if isinstance(data, str) else io.BytesIO(data)
     try:
-        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        obj = torch.load(source, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as e:
         raise RefusedPickleError(
             f"per-rank state is not plain data, refused without running it: {refusal_reason(e)}"

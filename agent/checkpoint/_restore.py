@@ -74,6 +74,11 @@ _PROVEN_BAD = (
 )
 
 
+_NAMED_PER_KIND = 3
+"""How many tensors of each kind of difference (reshaped, only in the model, only in the checkpoint)
+a refused restore names."""
+
+
 @dataclass
 class _DirectOptimState:
     """What the fast path hands ``Optimizer.load_state_dict``: the checkpoint's optimizer state,
@@ -508,24 +513,28 @@ class _Restoring(_Voting):
             dtype = getattr(torch, saved.dtype, None)
             if isinstance(dtype, torch.dtype) and fqn in model_state:
                 model_state[fqn] = current[fqn] = torch.empty(saved.shape, dtype=dtype, device=current[fqn].device)
-        problems = []
+        reshaped_list, added, removed = [], [], []
         for fqn, tensor in current.items():
             entry = manifest.tensors.get(fqn)
             if entry is None:
-                problems.append(f"{fqn}: the model has it, the checkpoint does not")
+                added.append(f"{fqn}: the model has it, the checkpoint does not")
             elif list(entry.shape) != list(tensor.shape):
-                problems.append(
+                reshaped_list.append(
                     f"{fqn}: the checkpoint holds shape {list(entry.shape)}, the model {list(tensor.shape)}"
                 )
         prefixes = tuple(f"{key}." for key in modules)
         for fqn in manifest.tensors:
             if fqn.startswith(prefixes) and fqn not in current:
-                problems.append(f"{fqn}: the checkpoint holds it, the model does not")
-        if not problems:
+                removed.append(f"{fqn}: the checkpoint holds it, the model does not")
+        if not (reshaped_list or added or removed):
             self._warn_converted(manifest, current)
             return None
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return _Failure.INCOMPATIBLE, f"incompatible with the model: {problems[0]}{more}"
+        # A few of each kind: a renamed layer shows up as tensors the model has beside the ones the
+        # checkpoint holds, and naming only the first problem hid the names to rename from.
+        named = [p for kind in (reshaped_list, added, removed) for p in kind[:_NAMED_PER_KIND]]
+        left = len(reshaped_list) + len(added) + len(removed) - len(named)
+        more = f" (and {left} more)" if left else ""
+        return _Failure.INCOMPATIBLE, f"incompatible with the model: {'; '.join(named)}{more}"
 
     def _warn_converted(self, manifest: Manifest, current: Mapping[str, torch.Tensor]) -> None:
         """(rank 0) Tensors the model holds in another dtype than the checkpoint: loaded, their values
@@ -571,8 +580,7 @@ class _Restoring(_Voting):
                 reader.read_metadata()
             src = rank_state.source_rank(self.rank, manifest.world_size)
             path = reader.ensure_local(rank_state.rank_file_name(src))
-            with open(path, "rb") as f:
-                rank_payload = rank_state.decode(f.read())
+            rank_payload = rank_state.decode(path)
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:

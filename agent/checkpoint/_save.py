@@ -28,7 +28,7 @@ from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFaile
 from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.dcp_safe import load_dcp_metadata, tensor_index
-from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest, now_utc
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError
 from agent.storage import AlreadyExistsError, PermanentStorageError, RetainedError, StorageError, put_files
 
@@ -124,7 +124,7 @@ class _Save:
     local_dir: str
     metadata: dict[str, Any]
     state_keys: list[str]
-    rank_bytes: bytes
+    rank_bytes: memoryview
     writer: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set when a flush supersedes this save: its write stops at the next block, nothing is committed."""
@@ -751,6 +751,17 @@ class _Saving(_Voting):
             trigger=save.trigger,
         )
         data = manifest.to_json()
+        if len(data) > MAX_MANIFEST_BYTES:
+            # Every reader refuses a bigger one unread: committed, it would be a checkpoint that
+            # restore skips for an older one (going back in time) and retention never counts.
+            listed = sum(len(t.files) for t in tensors.values())
+            ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+            raise SaveFailedError(
+                f"its MANIFEST.json would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                f"restore reads: its tensor index lists {len(tensors)} tensors in {listed} shard-file entries "
+                f"(from {ranks}). Nothing is committed. Save fewer tensors (flatten or fuse small "
+                "parameters), give them shorter names, or save from fewer ranks"
+            )
         self._check_fence()
         try:
             self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)

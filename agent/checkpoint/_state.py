@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 import pickle
 import sys
 from collections.abc import Iterator, Mapping
@@ -344,13 +345,16 @@ class _State(_Core):
     def _check_rank_file(self, path: str, size: int) -> None:
         """(every rank, in the save's background thread, every save) The rank file as written
         loads back the way restore loads it (``weights_only``); raises ``SaveFailedError`` naming
-        the problem. Its bytes come from the page cache: this costs no disk read."""
-        with open(path, "rb") as f:
-            data = f.read()
-        if len(data) != size:
-            raise SaveFailedError(f"{path} holds {len(data)} bytes after {size} were written")
+        the problem. Its bytes come from the page cache: this costs no disk read, and its tensors
+        are mapped, not copied (a state_dict() holding gigabytes is not held a second time)."""
+        held = os.path.getsize(path)
+        if held != size:
+            raise SaveFailedError(f"{path} holds {held} bytes after {size} were written")
         try:
-            rank_state.decode(data)
+            try:
+                rank_state.decode(path, mmap=True)
+            except rank_state.RankStateError:  # a filesystem that cannot map files (some FUSE ones)
+                rank_state.decode(path)
         except Exception as e:
             raise SaveFailedError(
                 "the per-rank state cannot be restored: a state_dict() in it holds something that "

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from agent import _dcp_write
-from agent.checkpoint import Checkpointer
-from agent.manifest import MANIFEST_NAME, Manifest
+from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from tests.ckpt_compare import assert_same_training_state
 
 
@@ -156,3 +156,20 @@ def test_a_save_writes_the_same_shard_bytes_with_small_tensors_serialized_in_mem
     with Checkpointer(str(tmp_path / "gathered")) as ckpt:
         assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
     assert_same_training_state(model, fresh, optim, fresh_optim)
+
+
+def test_a_save_whose_manifest_no_restore_would_read_fails_and_commits_nothing(tmp_path: Path) -> None:
+    """A manifest over ``MAX_MANIFEST_BYTES`` (a tensor index of thousands of tensors, each listing
+    the shard files of a thousand ranks; here, a few tensors with names of a million characters)
+    used to be committed, and every restore then skipped that checkpoint unread for an older one."""
+    small = nn.Linear(2, 2)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": small})
+        named = nn.Module()
+        for i in range(MAX_MANIFEST_BYTES // 10**6 + 2):
+            named.register_buffer(f"b{i}_" + "x" * 10**6, torch.zeros(1))
+        with pytest.raises(SaveFailedError, match=r"MANIFEST\.json would take \d+ bytes, more than the 67108864"):
+            ckpt.save(2, {"model": small, "named": named})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001"]
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1

@@ -307,3 +307,23 @@ def test_extra_state_a_restore_could_not_load_is_refused_when_saved(tmp_path: Pa
     ):
         ckpt.save(1, {"model": model})
     assert not list(Path(uri).glob("step-*"))
+
+
+def test_a_renamed_layer_is_refused_naming_the_tensors_on_both_sides(tmp_path: Path) -> None:
+    """The refusal named the first difference only ("model.head.weight: the model has it, ... (and 3
+    more)"), hiding the names the checkpoint holds instead: the ones to rename the layer back to."""
+    saved = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    uri = saved_checkpoint(tmp_path, {"model": saved})
+    renamed = nn.Sequential()
+    renamed.add_module("0", nn.Linear(3, 4))
+    renamed.add_module("1", nn.ReLU())
+    renamed.add_module("head", nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in renamed.state_dict().items()}
+    with pytest.raises(RestoreRefusedError) as refused:
+        restore(tmp_path, uri, {"model": renamed})
+    message = str(refused.value)
+    for fqn in ("model.head.weight", "model.head.bias"):
+        assert f"{fqn}: the model has it, the checkpoint does not" in message
+    for fqn in ("model.2.weight", "model.2.bias"):
+        assert f"{fqn}: the checkpoint holds it, the model does not" in message
+    assert_same(renamed.state_dict(), before, "the model after a refused restore")
