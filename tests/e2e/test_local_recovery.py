@@ -74,6 +74,23 @@ def commits_logged(run: Path) -> int:
     return len({uri for text in logs for uri in COMMIT_LINE.findall(text)})
 
 
+def start_driver(tmp_path: Path, argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """``spotjob run`` in the background, its output in ``driver.log``."""
+    with open(tmp_path / "driver.log", "wb") as out:
+        return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, **popen)
+
+
+def wait_training(driver: subprocess.Popen[bytes], run: Path, steps: int) -> None:
+    """Until the run's job document says it runs, past ``steps``; fails if the driver exits first."""
+
+    def training() -> bool:
+        assert driver.poll() is None, (run.parent.parent / "driver.log").read_text()[-4000:]
+        status = job_document(run).get("status") or {}
+        return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= steps
+
+    wait_for(training, f"the run to train {steps} steps")
+
+
 def spotjob(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool("spotjob"), *args], cwd=cwd, env=clean_env(), capture_output=True, text=True)
 
@@ -89,16 +106,9 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
         tool("spotjob"), "run", "--no-live", "--name", "orphan", "--every-steps", "5",
         str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.15", "--dump", str(tmp_path / "final"),
     ]  # fmt: skip
-    with open(tmp_path / "driver.log", "wb") as out:
-        driver = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    driver = start_driver(tmp_path, argv)
     try:
-
-        def trained_a_while() -> bool:
-            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
-            status = job_document(run).get("status") or {}
-            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 12
-
-        wait_for(trained_a_while, "the run to train a dozen steps")
+        wait_training(driver, run, 12)
         refused = spotjob("run", "--resume", "orphan", cwd=tmp_path)
         assert refused.returncode == 2, refused.stderr
         assert f"being driven by another spotjob run (pid {driver.pid})" in refused.stderr
@@ -162,16 +172,9 @@ def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_pr
         tool("spotjob"), "run", "--no-live", "--name", "stop", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.15",
     ]  # fmt: skip
-    with open(tmp_path / "driver.log", "wb") as out:
-        driver = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    driver = start_driver(tmp_path, argv)
     try:
-
-        def training() -> bool:
-            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
-            status = job_document(run).get("status") or {}
-            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 5
-
-        wait_for(training, "the run to train")
+        wait_training(driver, run, 5)
         assert run_pids(str(run)), "the run's processes should be running"
         while driver.poll() is None:  # until it exits: every one after the first lands in its stop
             driver.send_signal(signal.SIGTERM)
@@ -198,11 +201,8 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
         tool("spotjob"), "run", "--no-live", "--name", "pause", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
     ]  # fmt: skip
-    with open(tmp_path / "driver.log", "wb") as out:
-        driver = subprocess.Popen(
-            argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL),  # as a terminal starts it
-        )  # fmt: skip
+    # As a terminal starts it: Ctrl-Z not ignored.
+    driver = start_driver(tmp_path, argv, preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
 
     def states() -> set[str]:
         out = set()
@@ -212,13 +212,7 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
         return out
 
     try:
-
-        def training() -> bool:
-            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
-            status = job_document(run).get("status") or {}
-            return status.get("phase") == "Running" and (status.get("attempt", {}).get("observedStep") or 0) >= 5
-
-        wait_for(training, "the run to train")
+        wait_training(driver, run, 5)
         driver.send_signal(signal.SIGTSTP)
         wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
         driver.send_signal(signal.SIGCONT)

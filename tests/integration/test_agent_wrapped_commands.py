@@ -101,9 +101,9 @@ def stop(run: Run) -> None:
 
 
 @contextlib.contextmanager
-def fake_ranks_signalled(tmp_path: Path, sig: signal.Signals) -> Iterator[tuple[Run, str, int]]:
-    """The agent over two fake ranks, sent ``sig`` once they train: (the run, its agent id, its
-    exit code). Whatever a dead agent left running is killed afterwards."""
+def fake_ranks_training(tmp_path: Path) -> Iterator[tuple[Run, str]]:
+    """The agent over two fake ranks, once they train: (the run, its agent id). Whatever a dead
+    agent left running is killed afterwards."""
     fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
     run = start_agent(tmp_path, fake)
     ident = ""
@@ -111,12 +111,20 @@ def fake_ranks_signalled(tmp_path: Path, sig: signal.Signals) -> Iterator[tuple[
         ident = agent_id(run)
         run.wait_training(steps=3)
         assert marked_processes(ident), "the command's processes should be running"
-        run.signal(sig)
-        yield run, ident, run.exit_code()
+        yield run, ident
     finally:
         stop(run)
         for pid in marked_processes(ident) if ident else []:
             os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+
+
+@contextlib.contextmanager
+def fake_ranks_signalled(tmp_path: Path, sig: signal.Signals) -> Iterator[tuple[Run, str, int]]:
+    """The agent over two fake ranks, sent ``sig`` once they train: (the run, its agent id, its
+    exit code)."""
+    with fake_ranks_training(tmp_path) as (run, ident):
+        run.signal(sig)
+        yield run, ident, run.exit_code()
 
 
 @pytest.mark.slow
@@ -332,12 +340,7 @@ def test_ctrl_z_pauses_every_process_of_the_command_and_fg_resumes_them(tmp_path
     # the launcher and its ranks training on, with nobody to hear a notice. Now it stops every
     # process of the command, then itself; `fg` (SIGCONT) resumes them all and a notice still
     # flushes. A job of several nodes is not modelled: only this node's processes pause.
-    fake = [sys.executable, str(FAKE_RANKS), "--nproc", "2", "--mode", "flush"]
-    run = start_agent(tmp_path, fake)
-    ident = ""
-    try:
-        ident = agent_id(run)
-        run.wait_training(steps=3)
+    with fake_ranks_training(tmp_path) as (run, ident):
 
         def states() -> set[str]:
             out = set()
@@ -358,10 +361,6 @@ def test_ctrl_z_pauses_every_process_of_the_command_and_fg_resumes_them(tmp_path
         assert run.exit_code() == EXIT_PREEMPTED, run.log()
         assert "SIGTSTP" in run.log()
         assert marked_processes(ident) == []
-    finally:
-        stop(run)
-        for pid in marked_processes(ident) if ident else []:
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_command_the_agent_had_to_sigkill_is_not_blamed_on_the_oom_killer(tmp_path: Path) -> None:
