@@ -82,6 +82,16 @@ def test_rank_specific_tensors_under_one_name_are_refused_not_merged(tmp_path: P
     assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
 
 
+def test_pipeline_stages_restore_the_model_by_name_on_another_split(tmp_path: Path) -> None:
+    """Layers saved by stages l0+l1 | l2+l3 restore into stages l0 | l1+l2+l3 by name: every
+    layer lands on the rank that now holds it, with the values it was saved with."""
+    saved = run(2, tmp_path, "saved", "pp", "--optim", "rank")
+    moved = run(2, tmp_path, "moved", "pp", "--optim", "none", "--restore", "--split", "b")
+    assert [d.get("error") for d in moved] == [None, None]
+    assert whole(moved) == {k: v for k, v in whole(saved).items() if k.startswith("model.")}
+    assert sorted(moved[0]["tensors"]) == ["model.l0.bias", "model.l0.weight"]
+
+
 def test_pipeline_stages_with_the_optimizer_saved_by_name_are_refused(tmp_path: Path) -> None:
     """Each stage's optimizer has one parameter group of other parameters, saved under the same
     name (optim.param_groups.0.params): before, one stage's list was kept and the other stages'

@@ -10,7 +10,8 @@ differ per rank), saves step 2 and dumps ``D.r<rank>.json``: the loader position
 draw and a digest (sum) of every model and optimizer tensor by name (DTensors whole). With
 ``--restore`` it builds the model with other weights, restores and dumps the same; an error
 of save() or restore() is dumped as ``{"error": ...}``. ``--optim rank`` keeps the optimizer as
-a per-rank object (``StageOptimizer``, README's recipe for pipeline stages).
+a per-rank object (``StageOptimizer``, README's recipe for pipeline stages), ``--optim none``
+leaves it out of the state.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def main() -> None:
     p.add_argument("--split", default="a")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--sync", action="store_true")
-    p.add_argument("--optim", choices=["dcp", "rank"], default="dcp")
+    p.add_argument("--optim", choices=["dcp", "rank", "none"], default="dcp")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -126,7 +127,9 @@ def main() -> None:
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     loader = Loader()
     names = [n for n, _ in model.named_parameters()]
-    state = {"model": model, "optim": optim if args.optim == "dcp" else StageOptimizer(optim, names), "loader": loader}
+    state: dict[str, Any] = {"model": model, "loader": loader}
+    if args.optim != "none":
+        state["optim"] = optim if args.optim == "dcp" else StageOptimizer(optim, names)
     ckpt = Checkpointer(args.uri, keep=None, async_save=not args.sync)
     result: dict[str, Any] = {}
     try:
