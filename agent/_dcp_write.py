@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import threading
+import zlib
 from typing import IO, Any
 
 import torch
@@ -442,9 +443,57 @@ class RankZeroSavePlanner(DefaultSavePlanner):
     covers ``model.bn.running_mean``); everything else is spread over the ranks as DCP does.
     """
 
-    def __init__(self, from_rank0: frozenset[str]) -> None:
+    def __init__(self, from_rank0: frozenset[str], *, check_replicas: bool = True) -> None:
         super().__init__()
         self._from_rank0 = from_rank0
+        self._check_replicas = check_replicas
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, with a fingerprint of each value the coordinator may keep one copy of
+        (``_fingerprints``) riding beside DCP's own planner data."""
+        plan = super().create_local_plan()
+        if not self._check_replicas:
+            return plan
+        self.plan = plan = dataclasses.replace(plan, planner_data=(plan.planner_data, self._fingerprints(plan)))
+        return plan
+
+    def _fingerprints(self, plan: SavePlan) -> dict[str, int]:
+        """A CRC of a sample of each whole (unsharded) value of ``plan`` by name: the bytes of up to
+        256 elements spread over a tensor, a pickle of a non-tensor value. Values written from rank
+        0 (buffers, which may differ between ranks on purpose) are left out."""
+        out: dict[str, int] = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.SHARD or self._takes_rank0(fqn):
+                continue
+            value = self.state_dict.get(fqn)
+            if isinstance(value, torch.Tensor):
+                out[fqn] = _tensor_fingerprint(value)
+            elif item.type == WriteItemType.BYTE_IO:
+                try:
+                    out[fqn] = zlib.crc32(pickle.dumps(value, protocol=4))
+                except Exception:  # not this check's to judge: DCP writes it as it does
+                    continue
+        return out
+
+    def _check_replicas_agree(self, all_plans: list[SavePlan]) -> None:
+        """(coordinator) Refuse values that several ranks hold under one name with other contents:
+        DCP would keep one rank's copy, and every rank would restore it."""
+        seen: dict[str, tuple[int, int]] = {}
+        differ: list[tuple[str, int, int]] = []
+        for rank, plan in enumerate(all_plans):
+            for fqn, fingerprint in plan.planner_data[1].items():
+                first = seen.setdefault(fqn, (rank, fingerprint))
+                if first[1] != fingerprint and all(d[0] != fqn for d in differ):
+                    differ.append((fqn, first[0], rank))
+        if differ:
+            raise DivergentReplicasError.of(differ)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self._check_replicas:
+            self._check_replicas_agree(all_plans)
+            all_plans = [dataclasses.replace(p, planner_data=p.planner_data[0]) for p in all_plans]
+        return super().create_global_plan(all_plans)
 
     def _takes_rank0(self, fqn: str) -> bool:
         if not self._from_rank0:
@@ -469,6 +518,47 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         ]
 
 
+def _tensor_fingerprint(tensor: torch.Tensor) -> int:
+    """A CRC of the shape, dtype and the bytes of up to 256 elements spread over ``tensor``: equal
+    for equal tensors, and in practice different for tensors that were initialised or trained
+    apart (shards of one layer, different experts). Cheap at any size: one small copy to host."""
+    head = f"{tuple(tensor.shape)}:{tensor.dtype}".encode()
+    n = tensor.numel()
+    if n == 0:
+        return zlib.crc32(head)
+    # Indexed as bytes, one row per element: any dtype (float8, complex, bool) alike.
+    rows = tensor.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    k = min(n, 256)  # the first and the last element among them; integers: exact at any size
+    elements = torch.arange(k, dtype=torch.int64, device=rows.device) * (n - 1) // max(k - 1, 1)
+    sample = rows[elements].cpu()
+    return zlib.crc32(bytes(sample.numpy()), zlib.crc32(head))
+
+
+class DivergentReplicasError(ValueError):
+    """Ranks hold different values under one name (``RankZeroSavePlanner``); nothing is written."""
+
+    @classmethod
+    def of(cls, differ: list[tuple[str, int, int]]) -> DivergentReplicasError:
+        """The error for ``differ``: (name, a rank, another rank holding other contents)."""
+        fqn, a, b = differ[0]
+        more = f" (and {len(differ) - 1} more: {', '.join(d[0] for d in differ[1:4])})" if len(differ) > 1 else ""
+        if ".param_groups." in fqn:
+            how = (
+                "The optimizers of the ranks hold different parameters (pipeline stages): keep each stage's "
+                "optimizer in a per-rank object instead (see 'Pipeline stages' in spotjob's README)"
+            )
+        else:
+            how = (
+                "Keep tensor- or expert-parallel shards as DTensors (parallelize_module, distribute_tensor), "
+                "which are saved shard by shard, or keep each rank's own values in a per-rank object"
+            )
+        return cls(
+            f"ranks {a} and {b} hold different values under the name {fqn}{more}. A checkpoint keeps one copy "
+            "of a name that several ranks hold (data-parallel replicas are identical), so every rank would "
+            f"restore the same rank's values. {how}. Nothing was saved"
+        )
+
+
 def dcp_save(
     state: dict[str, Any],
     writer: FileSystemWriter,
@@ -490,7 +580,7 @@ def dcp_save(
         storage_writer=writer,
         process_group=process_group,
         no_dist=no_dist,
-        planner=RankZeroSavePlanner(from_rank0),
+        planner=RankZeroSavePlanner(from_rank0, check_replicas=not no_dist),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -493,16 +494,27 @@ class _Restoring(_Voting):
         The modules' state read to compare is appended to ``read``: the load goes into it, without
         reading it again (``get_model_state_dict`` walks every tensor)."""
         modules, _, _ = self._classify(state)
-        if not modules or (not manifest.tensors and manifest.file(DCP_METADATA_NAME) is not None):
+        if not manifest.tensors and manifest.file(DCP_METADATA_NAME) is not None:
             return None  # no tensor index to compare with: DCP's load checks what it reads
-        try:
-            model_state = _model_state(_ModuleBag(modules))
-        except Exception as e:  # reported to every rank, never raised on one alone
-            return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {e!r}"
+        current: dict[str, torch.Tensor] = {}
+        unreadable: Exception | None = None
+        model_state: dict[str, Any] = {}
+        if modules:
+            try:
+                model_state = _model_state(_ModuleBag(modules))
+                # Named as DCP saves them: the tensors in a module's extra state (a dict) have names of their own.
+                flat, _ = flatten_state_dict(model_state)
+                current = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+            except Exception as e:  # reported to every rank, never raised on one alone
+                unreadable = e
+        # Every rank takes part (the manifest is the same on all): a layout where each rank holds
+        # other modules (pipeline stages) has each checkpoint tensor on some rank, not on every one.
+        held_somewhere = self._held_on_some_rank(manifest, current)
+        if unreadable is not None:
+            return _Failure.INCOMPATIBLE, f"the model's state cannot be read on rank {self.rank}: {unreadable!r}"
+        if not modules:
+            return None
         read.append(model_state)
-        # Named as DCP saves them: the tensors in a module's extra state (a dict) have names of their own.
-        flat, _ = flatten_state_dict(model_state)
-        current = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         reshaped = {
             fqn
             for fqn, tensor in current.items()
@@ -524,8 +536,9 @@ class _Restoring(_Voting):
                 )
         prefixes = tuple(f"{key}." for key in modules)
         for fqn in manifest.tensors:
-            if fqn.startswith(prefixes) and fqn not in current:
-                removed.append(f"{fqn}: the checkpoint holds it, the model does not")
+            if fqn.startswith(prefixes) and fqn not in held_somewhere:
+                where = "the model does not" if self.world_size == 1 else "the model does not on any rank"
+                removed.append(f"{fqn}: the checkpoint holds it, {where}")
         if not (reshaped_list or added or removed):
             self._warn_converted(manifest, current)
             return None
@@ -535,6 +548,18 @@ class _Restoring(_Voting):
         left = len(reshaped_list) + len(added) + len(removed) - len(named)
         more = f" (and {left} more)" if left else ""
         return _Failure.INCOMPATIBLE, f"incompatible with the model: {'; '.join(named)}{more}"
+
+    def _held_on_some_rank(self, manifest: Manifest, current: Mapping[str, torch.Tensor]) -> set[str]:
+        """(collective) The checkpoint's tensor names that the modules of at least one rank hold.
+
+        Where every rank holds the same modules (data parallel, FSDP, tensor parallel) that is
+        ``current``'s names; where each rank holds its own submodules (pipeline stages), a tensor
+        of another stage is held there, and restored there, by name."""
+        names = sorted(manifest.tensors)
+        held = torch.tensor([name in current for name in names], dtype=torch.uint8)
+        if self._dist and names:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return {name for name, flag in zip(names, held.tolist(), strict=True) if flag}
 
     def _warn_converted(self, manifest: Manifest, current: Mapping[str, torch.Tensor]) -> None:
         """(rank 0) Tensors the model holds in another dtype than the checkpoint: loaded, their values

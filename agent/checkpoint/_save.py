@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import rank_state
-from agent._dcp_write import ChecksummedFile, dcp_save, make_stager, make_writer, sync_files
+from agent._dcp_write import ChecksummedFile, DivergentReplicasError, dcp_save, make_stager, make_writer, sync_files
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
@@ -177,6 +177,8 @@ def _writing_failure(e: BaseException, staging: str) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
+    if isinstance(e, DivergentReplicasError):
+        return str(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
             f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "

@@ -1,0 +1,124 @@
+"""Parallel layouts beyond data parallel and 1-D FSDP2, on torchrun ranks over gloo (CPU): tensor
+parallel (DTensor), 2-D FSDP2 + tensor parallel, and pipeline stages (each rank holds other
+submodules). Every rank must get its own tensors, optimizer state, loader position and RNG back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = harness.SCRIPTS / "ckpt_parallel.py"
+
+
+def run(world: int, tmp: Path, label: str, *args: str) -> list[dict[str, Any]]:
+    """Run the rank script; each rank's dump."""
+    harness.torchrun(world, SCRIPT, *args, "--uri", str(tmp / "ckpt"), "--dump", str(tmp / label))
+    return [json.loads((tmp / f"{label}.r{r}.json").read_text()) for r in range(world)]
+
+
+def whole(dumps: list[dict[str, Any]]) -> dict[str, float]:
+    """Every rank's tensor digests by name, as one model (ranks holding a name agree on it)."""
+    merged: dict[str, float] = {}
+    for dump in dumps:
+        for name, value in dump["tensors"].items():
+            assert merged.setdefault(name, value) == value, f"ranks disagree on {name}"
+    return merged
+
+
+def assert_resumed(saved: list[dict[str, Any]], restored: list[dict[str, Any]]) -> None:
+    for rank, (before, after) in enumerate(zip(saved, restored, strict=True)):
+        assert "error" not in after, f"rank {rank}: {after.get('error')}"
+        assert after["start"] == 2
+        assert (after["pos"], after["rng"]) == (before["pos"], before["rng"]), f"rank {rank}'s own state"
+        assert after["tensors"] == before["tensors"], f"rank {rank}'s tensors"
+
+
+def test_pipeline_stages_restore_on_the_same_layout(tmp_path: Path) -> None:
+    """Each rank holds other layers (no tensor on every rank) and keeps its optimizer as a per-rank
+    object: every rank gets its stage's tensors, optimizer, loader position and RNG back. Before,
+    restore refused the checkpoint it had just saved ("model.l2.weight: the checkpoint holds it,
+    the model does not"), judging each rank's stage against the whole checkpoint."""
+    saved = run(2, tmp_path, "saved", "pp", "--optim", "rank")
+    assert "error" not in saved[0], saved[0]
+    assert_resumed(saved, run(2, tmp_path, "restored", "pp", "--optim", "rank", "--restore"))
+
+
+def test_pipeline_stages_missing_a_layer_on_every_rank_are_refused_naming_it(tmp_path: Path) -> None:
+    """A split that leaves a saved layer on no rank is refused before anything is loaded, naming
+    it; and the per-rank optimizer of a stage that holds other layers refuses, never loads into
+    other parameters (pins behaviour: the recipe's names check)."""
+    run(2, tmp_path, "saved", "pp", "--optim", "rank", "--sync")
+    dropped = run(2, tmp_path, "dropped", "pp", "--optim", "rank", "--restore", "--split", "c")
+    for dump in dropped:
+        assert "RestoreRefusedError" in dump["error"]
+        assert "model.l1.weight: the checkpoint holds it, the model does not on any rank" in dump["error"]
+    moved = run(2, tmp_path, "moved", "pp", "--optim", "rank", "--restore", "--split", "b")
+    for dump in moved:
+        assert "RestoreRefusedError" in dump["error"] and "this stage has" in dump["error"], dump["error"]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_rank_specific_tensors_under_one_name_are_refused_not_merged(tmp_path: Path, sync: bool) -> None:
+    """Tensor-parallel shards kept as plain tensors: every rank's model.l0.weight is its own. DCP
+    keeps one copy of a name several ranks hold, so before, the save committed and every rank
+    restored a mix of rank 0's and rank 1's tensors without a word. Now the save fails on every
+    rank, naming the tensor and the ranks, and commits nothing. (Detected from a sample of each
+    tensor's bytes: tensors that differ in a few elements only may pass, as README says.)"""
+    dumps = run(2, tmp_path, "saved", "shards", *(["--sync"] if sync else []))
+    for dump in dumps:
+        assert "SaveFailedError" in dump["error"], dump
+        assert "ranks 0 and 1 hold different values under the name model.l0.weight" in dump["error"]
+        assert "DTensor" in dump["error"]
+    assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
+
+
+def test_pipeline_stages_restore_the_model_by_name_on_another_split(tmp_path: Path) -> None:
+    """Layers saved by stages l0+l1 | l2+l3 restore into stages l0 | l1+l2+l3 by name: every
+    layer lands on the rank that now holds it, with the values it was saved with."""
+    saved = run(2, tmp_path, "saved", "pp", "--optim", "rank")
+    moved = run(2, tmp_path, "moved", "pp", "--optim", "none", "--restore", "--split", "b")
+    assert [d.get("error") for d in moved] == [None, None]
+    assert whole(moved) == {k: v for k, v in whole(saved).items() if k.startswith("model.")}
+    assert sorted(moved[0]["tensors"]) == ["model.l0.bias", "model.l0.weight"]
+
+
+def test_pipeline_stages_with_the_optimizer_saved_by_name_are_refused(tmp_path: Path) -> None:
+    """Each stage's optimizer has one parameter group of other parameters, saved under the same
+    name (optim.param_groups.0.params): before, one stage's list was kept and the other stages'
+    optimizer state could never be matched on restore. The save now fails naming it and the
+    remedy (a per-rank optimizer, README's 'Pipeline stages')."""
+    for dump in run(2, tmp_path, "saved", "pp"):
+        assert "under the name optim.param_groups.0.params" in dump["error"], dump
+        assert "per-rank object" in dump["error"]
+    assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
+
+
+def test_tensor_parallel_restores_every_shard_and_every_ranks_own_state(tmp_path: Path) -> None:
+    """parallelize_module (Colwise/Rowwise) on a CPU mesh: DTensor parameters and Adam state,
+    saved asynchronously, come back shard for shard; the loader and RNG per rank (pins behaviour
+    that already worked)."""
+    saved = run(2, tmp_path, "saved", "tp")
+    assert "error" not in saved[0], saved[0]
+    assert_resumed(saved, run(2, tmp_path, "restored", "tp", "--restore"))
+
+
+def test_fsdp_and_tensor_parallel_on_a_2d_mesh_restore_with_the_dp_degree_changed(tmp_path: Path) -> None:
+    """FSDP2 over "dp" and tensor parallel over "tp" on a (2, 2) mesh: restores exactly on the same
+    mesh, and on (1, 2) (tp kept, dp halved) with the same whole tensors, ranks 0 and 1 getting
+    their own loader position and RNG back (pins behaviour that already worked)."""
+    saved = run(4, tmp_path, "saved", "dp_tp", "--sync")
+    assert "error" not in saved[0], saved[0]
+    assert_resumed(saved, run(4, tmp_path, "same", "dp_tp", "--restore"))
+    halved = run(2, tmp_path, "halved", "dp_tp", "--restore")
+    assert whole(halved) == whole(saved)
+    assert [(d["start"], d["pos"], d["rng"]) for d in halved] == [(2, d["pos"], d["rng"]) for d in saved[:2]]
