@@ -550,7 +550,9 @@ class DivergentReplicasError(ValueError):
         else:
             how = (
                 "Keep tensor- or expert-parallel shards as DTensors (parallelize_module, distribute_tensor), "
-                "which are saved shard by shard, or keep each rank's own values in a per-rank object"
+                "which are saved shard by shard, or keep each rank's own values in a per-rank object; "
+                'where replicas differ on purpose (local SGD, DiLoCo), Checkpointer(..., replicas="rank0") '
+                "saves rank 0's copy"
             )
         return cls(
             f"ranks {a} and {b} hold different values under the name {fqn}{more}. A checkpoint keeps one copy "

@@ -338,6 +338,8 @@ class _State(_Core):
         modules, optims, _ = self._classify(state)
         if not modules:
             return frozenset()
+        if self.config.replicas == "rank0":
+            return frozenset(dcp_state)  # every copy that is not a shard: rank 0's, unchecked
         bag = _ModuleBag(modules)
         params = {fqn for name, _ in bag.named_parameters(remove_duplicate=False) for fqn in _get_fqns(bag, name)}
         return frozenset(k for k in dcp_state if k not in optims and k not in params)

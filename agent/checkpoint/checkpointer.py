@@ -130,6 +130,7 @@ class Checkpointer(_Saving, _Restoring):
         release_staging: bool | None = None,
         direct_io: bool | None = None,
         read_only: bool = False,
+        replicas: str = "identical",
     ) -> None:
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
@@ -169,6 +170,7 @@ class Checkpointer(_Saving, _Restoring):
             io_threads=io_threads,
             release_staging=env.release_staging if release_staging is None else release_staging,
             direct_io=env.direct_io if direct_io is None else direct_io,
+            replicas=replicas,
         )
         self.storage = open_storage(uri)
         if self._read_only and job is None:

@@ -69,6 +69,13 @@ class CheckpointConfig:
     Object stores' staged files are upload buffers read straight back, and always go through the
     page cache."""
 
+    replicas: str = "identical"
+    """What the ranks' copies of a module's parameters and an optimizer's state are (those not sharded
+    as DTensors). ``"identical"`` (data parallel, DDP): the save checks a sample of each and refuses
+    copies that differ (tensor-parallel shards kept as plain tensors, pipeline stages' optimizers),
+    which one checkpoint copy would silently merge. ``"rank0"``: they may differ on purpose (local SGD,
+    DiLoCo: replicas drift between synchronisations), and rank 0's copy is saved, unchecked."""
+
     def __post_init__(self) -> None:
         # Types first: a string or a float would pass (or crash) the comparisons below and then
         # schedule saves at the wrong steps, or never ("5" < 1 raises; 2.5 saves at step 5 only).
@@ -103,9 +110,14 @@ class CheckpointConfig:
             raise TypeError(f"attempt must be an int (or None), got {self.attempt!r}")
         if self.attempt is not None and self.attempt < 0:
             raise ValueError(f"attempt must be >= 0 (or None), got {self.attempt}")
+        if self.replicas not in REPLICAS:
+            raise ValueError(f"replicas must be one of {', '.join(map(repr, REPLICAS))}, got {self.replicas!r}")
         problem = None if self.job is None else job_name_problem(self.job)
         if problem is not None:
             raise (TypeError if not isinstance(self.job, str) else ValueError)(f"job: {problem}")
+
+
+REPLICAS = ("identical", "rank0")
 
 
 def switch(value: Any, name: str) -> bool:

@@ -82,6 +82,20 @@ def test_rank_specific_tensors_under_one_name_are_refused_not_merged(tmp_path: P
     assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
 
 
+def test_replicas_that_differ_on_purpose_save_rank_0s_copy_with_replicas_rank0(tmp_path: Path) -> None:
+    """Local SGD and DiLoCo let the replicas drift between synchronisations: with replicas="rank0"
+    such a save commits, and every rank restores rank 0's copy of every tensor (a mix of the ranks'
+    copies, as DCP's spreading of the writes would give, is never restored)."""
+    saved = run(2, tmp_path, "saved", "shards", "--replicas", "rank0")
+    assert [d.get("error") for d in saved] == [None, None]
+    assert saved[0]["tensors"] != saved[1]["tensors"], "the replicas should differ"
+    restored = run(2, tmp_path, "restored", "shards", "--replicas", "rank0", "--restore")
+    for dump in restored:
+        assert "error" not in dump, dump.get("error")
+        model = {k: v for k, v in dump["tensors"].items() if k.startswith("model.")}
+        assert model == {k: v for k, v in saved[0]["tensors"].items() if k.startswith("model.")}
+
+
 def test_pipeline_stages_restore_the_model_by_name_on_another_split(tmp_path: Path) -> None:
     """Layers saved by stages l0+l1 | l2+l3 restore into stages l0 | l1+l2+l3 by name: every
     layer lands on the rank that now holds it, with the values it was saved with."""

@@ -397,6 +397,13 @@ def test_a_malformed_spotjob_async_says_it_takes_a_boolean(tmp_path: Path, monke
     assert written(tmp_path / "ckpt") == []
 
 
+@pytest.mark.parametrize("value", ["rank_0", "Identical", None, 0])
+def test_replicas_other_than_identical_or_rank0_is_refused_naming_both(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(ValueError, match=r"^replicas must be one of 'identical', 'rank0'"):
+        Checkpointer(str(tmp_path / "ckpt"), replicas=value)
+    assert written(tmp_path / "ckpt") == []
+
+
 @pytest.mark.parametrize("flag", ["async_save", "start_fresh", "release_staging", "read_only"])
 @pytest.mark.parametrize("value", ["no", "false", 2, 0.5])
 def test_a_switch_that_is_not_a_bool_is_refused_naming_it(tmp_path: Path, flag: str, value: Any) -> None:

@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--sync", action="store_true")
     p.add_argument("--optim", choices=["dcp", "rank", "none"], default="dcp")
+    p.add_argument("--replicas", choices=["identical", "rank0"], default="identical")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +131,7 @@ def main() -> None:
     state: dict[str, Any] = {"model": model, "loader": loader}
     if args.optim != "none":
         state["optim"] = optim if args.optim == "dcp" else StageOptimizer(optim, names)
-    ckpt = Checkpointer(args.uri, keep=None, async_save=not args.sync)
+    ckpt = Checkpointer(args.uri, keep=None, async_save=not args.sync, replicas=args.replicas)
     result: dict[str, Any] = {}
     try:
         if args.restore:
