@@ -202,7 +202,9 @@ class AgentRequests:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
             held = self._held
-            if held is not None and held.deadline is not None and held.deadline <= (notice.deadline or 0):
+            # The cloud moved the held event (same id, new time): its new time counts, later or not.
+            moved = held is not None and held.event_id is not None and held.event_id == notice.event_id
+            if not moved and held is not None and held.deadline is not None and held.deadline <= (notice.deadline or 0):
                 log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
                 return True
             self._held = notice

@@ -511,6 +511,21 @@ class TestHeldNotices:
         agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True))
         assert agent._flush is not None and agent.control.flush_request() is not None
 
+    def test_a_held_event_the_cloud_moves_takes_its_new_time_later_or_sooner(self, tmp_path: Path) -> None:
+        """Azure moved a held Reboot (same EventId, new ``NotBefore``). Before, a later time was
+        dropped as "one is held for an earlier deadline" and the flush came at the old time."""
+        agent = self.agent(tmp_path)
+        first, later = time.time() + 900, time.time() + 1800
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=first, detail="x", event_id="E"))
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=later, detail="y", event_id="E"))
+        status = agent.status()
+        assert status.held_notice is not None and status.held_notice.deadline == later and agent._flush is None
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=first + 3600, detail="z"))
+        assert agent.status().held_notice is not None and agent.status().held_notice.deadline == later  # other event
+        soon = time.time() + 30
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=soon, detail="s", event_id="E"))
+        assert agent._flush is not None and agent._flush.deadline is not None and agent._flush.deadline < first
+
     def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
         """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10
         minutes away says this node's clock runs behind, and holding it would flush too late."""
