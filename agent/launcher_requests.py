@@ -147,8 +147,9 @@ class AgentRequests:
         self._torchrun = torchrun_args(config.command) is not None
         self._runner = "torchrun"
         """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
-        self._held: Notice | None = None
-        """A cloud notice far from its deadline, whose flush ``release_held`` starts ``--flush-lead`` before it."""
+        self._holding: dict[tuple[str, str], Notice] = {}
+        """The cloud notices far from their deadlines, by event (``_held_key``): the earliest
+        (``_held``) decides when ``release_held`` starts the flush, ``--flush-lead`` before it."""
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -201,13 +202,11 @@ class AgentRequests:
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
-            held = self._held
-            # The cloud moved the held event (same id, new time): its new time counts, later or not.
-            moved = held is not None and held.event_id is not None and held.event_id == notice.event_id
-            if not moved and held is not None and held.deadline is not None and held.deadline <= (notice.deadline or 0):
+            # One entry per event: the cloud moving a held event (same id, new time) replaces it.
+            self._holding[_held_key(notice)] = notice
+            if self._held is not notice:
                 log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
                 return True
-            self._held = notice
         log.warning(
             "%s notice (%s): deadline %s. Training goes on; the flush starts at %s, %.0f s before it "
             "(--flush-lead; 0 flushes at once). A nearer notice, a SIGTERM or POST /flush flushes at once",
@@ -223,11 +222,7 @@ class AgentRequests:
         """The cloud withdrew an event: a notice of it the agent holds is dropped. A flush it
         started already goes on: the ranks may be part-way through it."""
         with self._lock:
-            held = self._held
-            if held is not None and (held.source, held.kind) == (notice.source, notice.kind):
-                self._held = None
-            else:
-                held = None
+            held = self._holding.pop(_held_key(notice), None)
         if held is not None:
             log.warning(
                 "%s withdrew its %s notice (%s): the flush held for %s is dropped, training goes on",
@@ -251,12 +246,19 @@ class AgentRequests:
         with self._lock:
             if self._held is not held:
                 return
-            self._held = None
         log.info("%s notice held until now (deadline %s): flushing", held.source, format_deadline(held.deadline))
         try:
             self._start_flush(held)
         except FlushRefused as e:
+            with self._lock:
+                self._holding.clear()
             log.info("held notice from %s dropped: %s", held.source, e)
+
+    @property
+    def _held(self) -> Notice | None:
+        """The held notice with the earliest deadline: the one whose flush comes first."""
+        with self._lock:
+            return min(self._holding.values(), key=lambda n: n.deadline or 0.0, default=None)
 
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """``POST /flush`` (a control-API thread)."""
@@ -370,9 +372,9 @@ class AgentRequests:
                 kill_at = time.monotonic() + self.config.flush_timeout
                 kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
             self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
-            if self._held is not None:
-                self._bring_forward(self._flush, self._held)  # its deadline, if sooner, bounds this flush too
-                self._held = None
+            for held in self._holding.values():
+                self._bring_forward(self._flush, held)  # its deadline, if sooner, bounds this flush too
+            self._holding.clear()
             self._state = "flushing"
         window = self._window()
         log.info(
@@ -477,6 +479,12 @@ def infra_error_text(report: dict[str, Any] | None) -> str | None:
     if report is None:
         return None
     return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
+
+
+def _held_key(notice: Notice) -> tuple[str, str]:
+    """Which event a notice is of: its cloud's id (Azure's EventId), else its source and kind
+    (GCE's one maintenance-event, which a withdrawal names the same way)."""
+    return notice.source, notice.event_id or notice.kind.value
 
 
 def _monotonic_at(unix_time: float) -> float:

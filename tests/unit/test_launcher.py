@@ -526,6 +526,20 @@ class TestHeldNotices:
         agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=soon, detail="s", event_id="E"))
         assert agent._flush is not None and agent._flush.deadline is not None and agent._flush.deadline < first
 
+    def test_every_held_event_is_kept_and_the_earliest_decides(self, tmp_path: Path) -> None:
+        """Azure Reboot A in 30 minutes, Redeploy B in 15, then B moved to 45 (or withdrawn): A's
+        time decides again. Before, B had replaced A and the flush came after A's reboot."""
+        agent = self.agent(tmp_path)
+        a, b = time.time() + 1800, time.time() + 900
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=a, detail="A", event_id="A"))
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=b, detail="B", event_id="B"))
+        held = agent.status().held_notice
+        assert held is not None and held.deadline == b
+        moved = b + 1800
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=moved, detail="B", event_id="B"))
+        held = agent.status().held_notice
+        assert held is not None and held.deadline == a and agent.status().flush_at == a - 300
+
     def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
         """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10
         minutes away says this node's clock runs behind, and holding it would flush too late."""
