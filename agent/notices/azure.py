@@ -23,7 +23,8 @@ once); ``stop`` cuts that wait short.
 An event heard before whose ``NotBefore`` changes (Azure moved it, or it was started: ``Started``
 with an empty ``NotBefore``, the platform acting within seconds) is heard again with its new
 deadline: a flush the agent holds for a Reboot or Redeploy (``--flush-lead``) must not wait for a
-time that no longer holds.
+time that no longer holds. One that leaves the list (Azure cancelled it) is withdrawn
+(``Notice.withdrawn``): a flush held for it is dropped.
 
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
 ``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
@@ -113,6 +114,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         """Why the name could not be read, once it was logged (logged once, not at every poll)."""
         self._not_before: dict[str, str] = {}
         """The ``NotBefore`` each event turned into a notice had when the agent last heard it."""
+        self._kinds: dict[str, NoticeKind] = {}
         self._resources: dict[str, list[str]] = {}
         """The ``Resources`` of each event turned into a notice: what decides whether to acknowledge it."""
         self._lock = threading.Lock()
@@ -182,6 +184,8 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if incarnation == self._incarnation:
             return
         delivered = [self._on_event(event) for event in events if isinstance(event, dict)]
+        listed = {str(event.get("EventId", "")) for event in events if isinstance(event, dict)}
+        delivered += [self._on_gone(event_id) for event_id in list(self._not_before) if event_id not in listed]
         # A document is done only when every notice in it was delivered; otherwise the next poll
         # reads it again (same incarnation) and retries the ones not yet delivered.
         if all(delivered):
@@ -222,6 +226,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if not self._emit(event_id, notice):
             return False
         self._not_before[event_id] = str(event.get("NotBefore") or "")
+        self._kinds[event_id] = kind
         with self._lock:
             self._resources[event_id] = resources
             self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
@@ -256,6 +261,27 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             return False
         self._first_seen.pop(event_id, None)
         self._not_before[event_id] = not_before
+        return True
+
+    def _on_gone(self, event_id: str) -> bool:
+        """An event turned into a notice has left the list: Azure cancelled it (or it is over). The
+        agent drops a flush it holds for it; one under way goes on. False if that delivery failed."""
+        withdrawn = Notice(
+            source=self.name,
+            kind=self._kinds.get(event_id, NoticeKind.MAINTENANCE),
+            deadline=None,
+            detail=f"scheduled event {event_id} left the list",
+            event_id=event_id,
+            withdrawn=True,
+        )
+        if self._callback is not None:
+            try:
+                self._callback(withdrawn)
+            except Exception:
+                log.exception("azure: the agent failed to take the withdrawal of event %s", event_id)
+                return False
+        del self._not_before[event_id]
+        self._seen.discard(event_id)  # listed again, it is heard again
         return True
 
     def _read_vm_name(self) -> str | None:

@@ -525,6 +525,24 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_an_event_that_leaves_the_list_is_withdrawn(self, azure: AzureScheduledEventsEmulator) -> None:
+        """Azure cancelled a Reboot the agent may hold (``--flush-lead``): it must hear so. Before,
+        nothing was said and the held flush stopped the job at the cancelled event's time."""
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            event_id = azure.add_event(EventType="Reboot", NotBefore=AT_2030)
+            assert not got.next().withdrawn
+            azure.clear()
+            gone = got.next()
+            assert (gone.withdrawn, gone.event_id, gone.kind, gone.source) == (
+                True,
+                event_id,
+                NoticeKind.MAINTENANCE,
+                "azure",
+            )
+        finally:
+            source.stop()
+
     def test_events_for_other_vms_and_freezes_are_not_notices(self, azure: AzureScheduledEventsEmulator) -> None:
         source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
         try:
