@@ -51,6 +51,10 @@ CLOUD_SOURCES = frozenset({"aws", "gcp", "azure"})
 """The notice sources whose far deadlines ``--flush-lead`` holds: a SIGTERM, the controller's or a
 user's ``POST /flush`` and the driver's loss ask for a flush now."""
 
+CLOCK_STEP = 1.0
+"""How far back this node's clock must have been stepped since a held notice came to bring its
+flush forward (less is the two clocks' drift)."""
+
 log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
 
 MAX_SAVE_IDS = 64
@@ -189,7 +193,11 @@ class AgentRequests:
         rank = self.control.status()
         if rank is not None and rank.last_save_seconds is not None:
             lead = max(lead, rank.last_save_seconds * self.config.safety_margin)
-        return notice.deadline - lead
+        # The deadline is a time of day (GCE's counts from when the notice came, by this clock): a
+        # clock stepped back since then would flush that much late. The time since the notice
+        # (monotonic) counts too, whichever comes sooner; a clock stepped ahead flushes early.
+        stepped_back = notice.received_at + (time.monotonic() - notice.received_monotonic) - time.time()
+        return notice.deadline - lead - (stepped_back if stepped_back > CLOCK_STEP else 0.0)
 
     def _hold(self, notice: Notice) -> bool:
         """Hold a cloud notice whose deadline is further away than ``--flush-lead`` (GCE gives a GPU

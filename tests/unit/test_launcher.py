@@ -540,6 +540,22 @@ class TestHeldNotices:
         held = agent.status().held_notice
         assert held is not None and held.deadline == a and agent.status().flush_at == a - 300
 
+    def test_a_clock_stepped_back_since_the_notice_does_not_delay_its_flush(self, tmp_path: Path) -> None:
+        """The notice came when this node's clock read 600 s more than it does now (NTP stepped it
+        back since): GCE's hour counts from then. Before, the held flush waited for the time of
+        day, 600 s after the VM was gone; now the time since the notice (monotonic) counts too."""
+        agent = self.agent(tmp_path)
+        heard = time.time() + 600  # the clock's reading when the notice came, before the step
+        notice = Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=heard + 301, detail="x", received_at=heard)
+        agent.on_notice(notice)
+        assert agent._flush is None and agent.status().flush_at is not None
+        assert agent.status().flush_at < time.time() + 5
+        give_up = time.monotonic() + 30
+        while agent._flush is None:
+            assert time.monotonic() < give_up, "the held notice was never released"
+            agent.release_held()
+            time.sleep(0.05)
+
     def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
         """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10
         minutes away says this node's clock runs behind, and holding it would flush too late."""
