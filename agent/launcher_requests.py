@@ -210,6 +210,9 @@ class AgentRequests:
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
+            if self._peer_result is not None:
+                log.info("%s notice (%s): the job has committed a flush already", notice.source, notice.detail)
+                return True  # nothing to hold: the ranks are on their way out
             # One entry per event: the cloud moving a held event (same id, new time) replaces it.
             self._holding[_held_key(notice)] = notice
             if self._held is not notice:

@@ -556,6 +556,20 @@ class TestHeldNotices:
             agent.release_held()
             time.sleep(0.05)
 
+    def test_a_flush_another_node_asked_for_ends_what_this_node_holds(self, tmp_path: Path) -> None:
+        """A node of a multi-node job holds a maintenance notice; another node's preemption makes
+        every rank commit. Before, /status still showed the held notice on a job that had
+        committed, and at its time a second flush.json went to ranks already on their way out."""
+        agent = self.agent(tmp_path)
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 300.2, detail="x"))
+        result = FlushResult(step=5, uri="file:///c/step-5", request_id=None, notice_to_commit_seconds=None)
+        agent.control.write_flush_result(result)
+        agent._check_flush_result()
+        assert agent.status().state == "flushed" and agent.status().held_notice is None
+        time.sleep(0.3)
+        agent.release_held()
+        assert agent.control.flush_request() is None and agent._flush is None
+
     def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
         """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10
         minutes away says this node's clock runs behind, and holding it would flush too late."""
