@@ -428,6 +428,10 @@ class AgentRequests:
         with self._lock:
             deadline = self._flush.deadline if self._flush is not None else None
         if deadline is None and self._flush is None:
+            held = self._held
+            flush_at = self._flush_at(held) if held is not None else None
+            if held is not None and flush_at is not None:
+                return Window(True, f"{held.source} notice held: its flush starts at {utc_stamp(flush_at)}")
             return Window(True, "no notice")
         rank = self.control.status()
         last = rank.last_save_seconds if rank is not None else None

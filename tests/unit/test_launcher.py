@@ -37,7 +37,7 @@ from agent.launcher import (
 )
 from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
-from agent.notices.base import Notice, NoticeKind, PollingNoticeSource
+from agent.notices.base import Notice, NoticeKind, PollingNoticeSource, utc_stamp
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
@@ -470,6 +470,16 @@ class TestHeldNotices:
         assert agent._flush is None and agent.control.flush_request() is None and status.state != "flushing"
         assert status.held_notice is not None and status.held_notice.deadline == deadline
         assert status.flush_at == deadline - 300
+
+    def test_the_status_window_names_the_held_notice(self, tmp_path: Path) -> None:
+        """Before, ``/status`` said ``window_message: "no notice"`` beside its ``held_notice``."""
+        agent = self.agent(tmp_path)
+        deadline = time.time() + 3600
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="Reboot"))
+        status = agent.status()
+        assert status.window_ok and status.window_message == (
+            f"azure notice held: its flush starts at {utc_stamp(deadline - 300)}"
+        )
 
     def test_the_flush_starts_when_the_lead_is_reached_bounded_by_the_held_deadline(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path, flush_lead=300)
