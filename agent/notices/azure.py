@@ -282,6 +282,8 @@ class AzureScheduledEventsSource(PollingNoticeSource):
                 return False
         del self._not_before[event_id]
         self._seen.discard(event_id)  # listed again, it is heard again
+        with self._lock:
+            self._to_ack = [i for i in self._to_ack if i != event_id]  # no longer Azure's to start
         return True
 
     def _read_vm_name(self) -> str | None:

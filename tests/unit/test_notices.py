@@ -543,6 +543,25 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_an_event_that_left_the_list_is_not_acknowledged_after_a_later_flush(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """A held Reboot is cancelled (it leaves the list), then a Preempt flushes the job. Before,
+        the acknowledgement named the cancelled event too: an EventId Azure no longer lists."""
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            azure.add_event(EventType="Reboot", NotBefore=AT_2030)
+            got.next()
+            azure.clear()
+            assert got.next().withdrawn
+            preempt = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+            assert got.next().event_id == preempt
+            source.flush_finished()
+            assert azure.wait_for_start_request(preempt)
+            assert azure.start_requests == [preempt]
+        finally:
+            source.stop()
+
     def test_events_for_other_vms_and_freezes_are_not_notices(self, azure: AzureScheduledEventsEmulator) -> None:
         source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
         try:
