@@ -93,7 +93,7 @@ from agent.launcher_requests import AgentRequests, infra_error_text
 from agent.launcher_requests import Window as Window
 from agent.launcher_requests import flush_window as flush_window
 from agent.launcher_sources import build_sources
-from agent.notices.base import Notice, NoticeKind
+from agent.notices.base import Notice, NoticeKind, format_deadline
 from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_starter
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.settings import unknown_variables
@@ -481,6 +481,10 @@ class Agent(AgentRequests):
             self._peer_kill_at = time.monotonic() + self.config.exit_timeout
             if self._state not in ("stopping", "exited"):
                 self._state = "flushed"
+            held = self._held
+            self._holding.clear()  # the job has committed and is ending: nothing is left to hold
+        if held is not None:
+            log.info("the %s notice held for %s needs no flush of its own", held.source, format_deadline(held.deadline))
         log.info(
             "the ranks committed step %s at %s for a flush another node's agent asked for (no notice here): "
             "ending the command once they exit",

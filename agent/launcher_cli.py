@@ -239,15 +239,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--gcp-maintenance-seconds",
         type=float,
         help="deadline after GCE maintenance-event=TERMINATE_ON_HOST_MAINTENANCE (default: 3600 s on a "
-        "machine with an NVIDIA GPU, GCE's notice to GPU VMs, else 60 s)",
+        "machine with an NVIDIA GPU, GCE's notice to GPU VMs, else 60 s; a value already set when the agent "
+        "starts gets 60 s)",
     )
     no.add_argument(
         "--flush-lead",
         type=float,
         default=DEFAULT_FLUSH_LEAD,
         help="a cloud notice whose deadline is further away than this (GCE host maintenance of a GPU VM, an "
-        f"Azure Reboot or Redeploy) is held, training goes on, and the flush starts this long before the "
-        f"deadline (default {DEFAULT_FLUSH_LEAD:g} s; 0: flush at once)",
+        f"Azure Reboot or Redeploy; never a preemption) is held, training goes on, and the flush starts this "
+        f"long before the deadline (default {DEFAULT_FLUSH_LEAD:g} s; 0: flush at once)",
     )
 
     st = p.add_argument_group("stopping")

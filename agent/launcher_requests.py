@@ -51,6 +51,10 @@ CLOUD_SOURCES = frozenset({"aws", "gcp", "azure"})
 """The notice sources whose far deadlines ``--flush-lead`` holds: a SIGTERM, the controller's or a
 user's ``POST /flush`` and the driver's loss ask for a flush now."""
 
+CLOCK_STEP = 1.0
+"""How far back this node's clock must have been stepped since a held notice came to bring its
+flush forward (less is the two clocks' drift)."""
+
 log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
 
 MAX_SAVE_IDS = 64
@@ -147,8 +151,9 @@ class AgentRequests:
         self._torchrun = torchrun_args(config.command) is not None
         self._runner = "torchrun"
         """What runs the ranks, for messages: torchrun, or (``--launcher direct``) the agent's launcher."""
-        self._held: Notice | None = None
-        """A cloud notice far from its deadline, whose flush ``release_held`` starts ``--flush-lead`` before it."""
+        self._holding: dict[tuple[str, str], Notice] = {}
+        """The cloud notices far from their deadlines, by event (``_held_key``): the earliest
+        (``_held``) decides when ``release_held`` starts the flush, ``--flush-lead`` before it."""
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -188,7 +193,11 @@ class AgentRequests:
         rank = self.control.status()
         if rank is not None and rank.last_save_seconds is not None:
             lead = max(lead, rank.last_save_seconds * self.config.safety_margin)
-        return notice.deadline - lead
+        # The deadline is a time of day (GCE's counts from when the notice came, by this clock): a
+        # clock stepped back since then would flush that much late. The time since the notice
+        # (monotonic) counts too, whichever comes sooner; a clock stepped ahead flushes early.
+        stepped_back = notice.received_at + (time.monotonic() - notice.received_monotonic) - time.time()
+        return notice.deadline - lead - (stepped_back if stepped_back > CLOCK_STEP else 0.0)
 
     def _hold(self, notice: Notice) -> bool:
         """Hold a cloud notice whose deadline is further away than ``--flush-lead`` (GCE gives a GPU
@@ -201,11 +210,14 @@ class AgentRequests:
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
-            held = self._held
-            if held is not None and held.deadline is not None and held.deadline <= (notice.deadline or 0):
+            if self._peer_result is not None:
+                log.info("%s notice (%s): the job has committed a flush already", notice.source, notice.detail)
+                return True  # nothing to hold: the ranks are on their way out
+            # One entry per event: the cloud moving a held event (same id, new time) replaces it.
+            self._holding[_held_key(notice)] = notice
+            if self._held is not notice:
                 log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
                 return True
-            self._held = notice
         log.warning(
             "%s notice (%s): deadline %s. Training goes on; the flush starts at %s, %.0f s before it "
             "(--flush-lead; 0 flushes at once). A nearer notice, a SIGTERM or POST /flush flushes at once",
@@ -221,11 +233,7 @@ class AgentRequests:
         """The cloud withdrew an event: a notice of it the agent holds is dropped. A flush it
         started already goes on: the ranks may be part-way through it."""
         with self._lock:
-            held = self._held
-            if held is not None and (held.source, held.kind) == (notice.source, notice.kind):
-                self._held = None
-            else:
-                held = None
+            held = self._holding.pop(_held_key(notice), None)
         if held is not None:
             log.warning(
                 "%s withdrew its %s notice (%s): the flush held for %s is dropped, training goes on",
@@ -249,12 +257,19 @@ class AgentRequests:
         with self._lock:
             if self._held is not held:
                 return
-            self._held = None
         log.info("%s notice held until now (deadline %s): flushing", held.source, format_deadline(held.deadline))
         try:
             self._start_flush(held)
         except FlushRefused as e:
+            with self._lock:
+                self._holding.clear()
             log.info("held notice from %s dropped: %s", held.source, e)
+
+    @property
+    def _held(self) -> Notice | None:
+        """The held notice with the earliest deadline: the one whose flush comes first."""
+        with self._lock:
+            return min(self._holding.values(), key=lambda n: n.deadline or 0.0, default=None)
 
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """``POST /flush`` (a control-API thread)."""
@@ -368,9 +383,9 @@ class AgentRequests:
                 kill_at = time.monotonic() + self.config.flush_timeout
                 kill_reason = f"no flush result within --flush-timeout {self.config.flush_timeout:g} s"
             self._flush = _Flush(request, notice, notice.deadline, kill_at, kill_reason)
-            if self._held is not None:
-                self._bring_forward(self._flush, self._held)  # its deadline, if sooner, bounds this flush too
-                self._held = None
+            for held in self._holding.values():
+                self._bring_forward(self._flush, held)  # its deadline, if sooner, bounds this flush too
+            self._holding.clear()
             self._state = "flushing"
         window = self._window()
         log.info(
@@ -413,6 +428,10 @@ class AgentRequests:
         with self._lock:
             deadline = self._flush.deadline if self._flush is not None else None
         if deadline is None and self._flush is None:
+            held = self._held
+            flush_at = self._flush_at(held) if held is not None else None
+            if held is not None and flush_at is not None:
+                return Window(True, f"{held.source} notice held: its flush starts at {utc_stamp(flush_at)}")
             return Window(True, "no notice")
         rank = self.control.status()
         last = rank.last_save_seconds if rank is not None else None
@@ -475,6 +494,12 @@ def infra_error_text(report: dict[str, Any] | None) -> str | None:
     if report is None:
         return None
     return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
+
+
+def _held_key(notice: Notice) -> tuple[str, str]:
+    """Which event a notice is of: its cloud's id (Azure's EventId), else its source and kind
+    (GCE's one maintenance-event, which a withdrawal names the same way)."""
+    return notice.source, notice.event_id or notice.kind.value
 
 
 def _monotonic_at(unix_time: float) -> float:

@@ -20,6 +20,12 @@ within up to two minutes. Until one request has been answered, each waits up to
 start), but its connect only the usual ``timeout`` (an unreachable IMDS, off Azure, is told at
 once); ``stop`` cuts that wait short.
 
+An event heard before whose ``NotBefore`` changes (Azure moved it, or it was started: ``Started``
+with an empty ``NotBefore``, the platform acting within seconds) is heard again with its new
+deadline: a flush the agent holds for a Reboot or Redeploy (``--flush-lead``) must not wait for a
+time that no longer holds. One that leaves the list (Azure cancelled it) is withdrawn
+(``Notice.withdrawn``): a flush held for it is dropped.
+
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
 ``flush_finished``; this source then POSTs ``{"StartRequests": [{"EventId": ...}]}`` for the
 events it turned into notices, which tells Azure it may proceed now instead of at ``NotBefore``.
@@ -42,7 +48,15 @@ import threading
 from datetime import UTC
 from typing import Any
 
-from agent.notices.base import HttpClient, Notice, NoticeCallback, NoticeKind, PollingNoticeSource, SourceError
+from agent.notices.base import (
+    HttpClient,
+    Notice,
+    NoticeCallback,
+    NoticeKind,
+    PollingNoticeSource,
+    SourceError,
+    deliver_notice,
+)
 from agent.notices.shared_vm import SharedVm
 
 log = logging.getLogger(__name__)
@@ -98,6 +112,9 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self._vm_name: str | None = None
         self._vm_name_problem: str | None = None
         """Why the name could not be read, once it was logged (logged once, not at every poll)."""
+        self._not_before: dict[str, str] = {}
+        """The ``NotBefore`` each event turned into a notice had when the agent last heard it."""
+        self._kinds: dict[str, NoticeKind] = {}
         self._resources: dict[str, list[str]] = {}
         """The ``Resources`` of each event turned into a notice: what decides whether to acknowledge it."""
         self._lock = threading.Lock()
@@ -167,6 +184,8 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if incarnation == self._incarnation:
             return
         delivered = [self._on_event(event) for event in events if isinstance(event, dict)]
+        listed = {str(event.get("EventId", "")) for event in events if isinstance(event, dict)}
+        delivered += [self._on_gone(event_id) for event_id in list(self._not_before) if event_id not in listed]
         # A document is done only when every notice in it was delivered; otherwise the next poll
         # reads it again (same incarnation) and retries the ones not yet delivered.
         if all(delivered):
@@ -176,8 +195,10 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         """Turn one event into a notice; False if its delivery failed (retried next poll)."""
         event_id = str(event.get("EventId", ""))
         event_type = str(event.get("EventType", ""))
-        if not event_id or event_id in self._seen:
+        if not event_id:
             return True
+        if event_id in self._seen:
+            return self._on_moved(event_id, event)
         resources = [str(r) for r in event.get("Resources") or []]
         if self._vm_name and resources and self._vm_name not in resources:
             self._seen.add(event_id)
@@ -204,9 +225,65 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         )
         if not self._emit(event_id, notice):
             return False
+        self._not_before[event_id] = str(event.get("NotBefore") or "")
+        self._kinds[event_id] = kind
         with self._lock:
             self._resources[event_id] = resources
             self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
+        return True
+
+    def _on_moved(self, event_id: str, event: dict[str, Any]) -> bool:
+        """An event already turned into a notice whose ``NotBefore`` changed: Azure moved it, or it
+        was started (``Started``, ``NotBefore`` empty: the platform acts within seconds, because
+        someone acknowledged it: another container's agent, a user, the platform itself). The
+        agent hears it again with the new deadline, so a flush it holds for the old one starts in
+        time. False if that delivery failed (retried next poll)."""
+        not_before = str(event.get("NotBefore") or "")
+        before = self._not_before.get(event_id)
+        if before is None or before == not_before or event_id in self.acknowledged:
+            return True  # not a notice (another VM's, a Freeze), unchanged, or started by this agent's ack
+        deadline: float | None = None
+        try:
+            deadline = parse_not_before(not_before)
+        except (ValueError, TypeError) as e:
+            log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, not_before, e)
+        if deadline is None:
+            deadline = self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
+        status = event.get("EventStatus", "?")
+        notice = Notice(
+            source=self.name,
+            kind=EVENT_KINDS.get(str(event.get("EventType", "")), NoticeKind.TERMINATE),
+            deadline=deadline,
+            detail=f"scheduled event {event.get('EventType', '?')} {event_id} ({status}; NotBefore was {before!r})",
+            event_id=event_id,
+        )
+        if not deliver_notice(self.name, self._callback, notice):
+            return False
+        self._first_seen.pop(event_id, None)
+        self._not_before[event_id] = not_before
+        return True
+
+    def _on_gone(self, event_id: str) -> bool:
+        """An event turned into a notice has left the list: Azure cancelled it (or it is over). The
+        agent drops a flush it holds for it; one under way goes on. False if that delivery failed."""
+        withdrawn = Notice(
+            source=self.name,
+            kind=self._kinds.get(event_id, NoticeKind.MAINTENANCE),
+            deadline=None,
+            detail=f"scheduled event {event_id} left the list",
+            event_id=event_id,
+            withdrawn=True,
+        )
+        if self._callback is not None:
+            try:
+                self._callback(withdrawn)
+            except Exception:
+                log.exception("azure: the agent failed to take the withdrawal of event %s", event_id)
+                return False
+        del self._not_before[event_id]
+        self._seen.discard(event_id)  # listed again, it is heard again
+        with self._lock:
+            self._to_ack = [i for i in self._to_ack if i != event_id]  # no longer Azure's to start
         return True
 
     def _read_vm_name(self) -> str | None:

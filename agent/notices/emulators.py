@@ -522,6 +522,16 @@ class AzureScheduledEventsEmulator(MetadataEmulator):
             self._changed()
         return event_id
 
+    def move_event(self, event_id: str, NotBefore: float | datetime | str) -> None:
+        """Reschedule an event (a new ``NotBefore``), as the platform may."""
+        not_before = NotBefore if isinstance(NotBefore, str) else email.utils.formatdate(_unix(NotBefore), usegmt=True)
+        with self._cond:
+            for event in self._events:
+                if event["EventId"] == event_id:
+                    event["NotBefore"] = not_before
+            self._incarnation += 1
+            self._changed()
+
     def clear(self) -> None:
         """No events (as after they completed)."""
         with self._cond:

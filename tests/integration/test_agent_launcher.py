@@ -286,6 +286,28 @@ def test_two_jobs_on_one_azure_vm_the_first_to_flush_leaves_the_event_to_the_las
         assert azure.start_requests == [event_id], slow.log()
 
 
+def test_a_reboot_one_job_on_the_vm_holds_is_not_acknowledged_by_the_job_that_flushed_at_once(
+    start: Callable[..., Run],
+) -> None:
+    """Pins behaviour that already worked, with notices now held (``--flush-lead``): two jobs on
+    one Azure VM hear a Reboot 15 minutes ahead; one flushes at once (``--flush-lead 0``), the
+    other holds it and trains on. The first must not acknowledge the event (Azure would reboot
+    the VM under the second); the second acknowledges once its own flush is done."""
+    with AzureScheduledEventsEmulator() as azure:
+        args = ("--notices", "azure,sigterm", "--azure-metadata-url", azure.url)
+        quick = start(*args, "--flush-lead", "0", name="-quick")
+        holding = start(*args, name="-holding")
+        quick.wait_training()
+        holding.wait_training()
+        event_id = azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+        assert quick.exit_code() == EXIT_PREEMPTED, quick.log()
+        assert azure.start_requests == [], "acknowledged while the other job still holds its flush"
+        assert "Training goes on" in holding.log() and holding.proc.poll() is None
+        holding.signal(signal.SIGTERM)
+        assert holding.exit_code() == EXIT_PREEMPTED, holding.log()
+        assert azure.wait_for_start_request(event_id), holding.log()
+
+
 def test_sigterm_to_the_agent_flushes_and_exits_75(start: Callable[..., Run]) -> None:
     run = start("--sigterm-grace", "20")
     run.wait_training()

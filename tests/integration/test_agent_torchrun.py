@@ -274,6 +274,60 @@ def test_a_gpu_vms_hour_of_maintenance_notice_is_held_while_training_goes_on_and
     assert committed_steps_per_rank(uri, result.step) == {result.step}
 
 
+def test_a_held_azure_reboot_that_the_platform_starts_early_flushes_at_once(
+    tmp_path: Path, azure: AzureScheduledEventsEmulator
+) -> None:
+    """An Azure Reboot 15 minutes ahead is held. Then the event is started (``StartRequests`` from
+    someone else: an agent in another container on the VM, a user, the platform): it turns
+    ``Started`` with an empty ``NotBefore``, and the VM reboots in seconds. Before, the source
+    heard each event once: the agent kept holding it until its old flush time, and the reboot
+    came first, losing everything since the last checkpoint."""
+    uri = str(tmp_path / "ckpt")
+    agent_args = ["--notices", "azure", "--azure-metadata-url", azure.url]
+    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
+    run = start_agent(tmp_path, "started", uri, agent_args, train_args)
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    event_id = azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
+    held_at = run.step()
+    body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+    req = urllib.request.Request(
+        azure.url + "/metadata/scheduledevents?api-version=2020-07-01",
+        data=body,
+        method="POST",
+        headers={"Metadata": "true", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10):
+        pass
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    result = run.control.flush_result()
+    assert result is not None and result.error is None and result.step is not None and result.step > held_at
+    assert committed_steps_per_rank(uri, result.step) == {result.step}
+
+
+def test_a_held_azure_reboot_that_leaves_the_list_is_dropped_and_training_goes_on(
+    tmp_path: Path, azure: AzureScheduledEventsEmulator
+) -> None:
+    """Azure cancels a held Reboot: the event leaves the list. Before, the agent went on holding
+    it and stopped the job at its time for nothing; now it drops it, as a GCE maintenance-event
+    back to NONE, and training goes on (ended here by a SIGTERM)."""
+    uri = str(tmp_path / "ckpt")
+    agent_args = ["--notices", "azure,sigterm", "--azure-metadata-url", azure.url]
+    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
+    run = start_agent(tmp_path, "cancelled", uri, agent_args, train_args)
+    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+    azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
+    azure.clear()
+    wait_until(lambda: "is dropped, training goes on" in run.log(), "the held notice to be dropped", run.proc)
+    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["held_notice"] is None and status["flush_at"] is None and status["flush"] is None, status
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+
+
 def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
     tmp_path: Path,
 ) -> None:

@@ -37,7 +37,7 @@ from agent.launcher import (
 )
 from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
-from agent.notices.base import Notice, NoticeKind, PollingNoticeSource
+from agent.notices.base import Notice, NoticeKind, PollingNoticeSource, utc_stamp
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
 from agent.torchrun import local_rendezvous
 
@@ -471,6 +471,16 @@ class TestHeldNotices:
         assert status.held_notice is not None and status.held_notice.deadline == deadline
         assert status.flush_at == deadline - 300
 
+    def test_the_status_window_names_the_held_notice(self, tmp_path: Path) -> None:
+        """Before, ``/status`` said ``window_message: "no notice"`` beside its ``held_notice``."""
+        agent = self.agent(tmp_path)
+        deadline = time.time() + 3600
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="Reboot"))
+        status = agent.status()
+        assert status.window_ok and status.window_message == (
+            f"azure notice held: its flush starts at {utc_stamp(deadline - 300)}"
+        )
+
     def test_the_flush_starts_when_the_lead_is_reached_bounded_by_the_held_deadline(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path, flush_lead=300)
         deadline = time.time() + 300.5  # flush_at half a second from now
@@ -510,6 +520,65 @@ class TestHeldNotices:
         assert agent._flush is not None
         agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True))
         assert agent._flush is not None and agent.control.flush_request() is not None
+
+    def test_a_held_event_the_cloud_moves_takes_its_new_time_later_or_sooner(self, tmp_path: Path) -> None:
+        """Azure moved a held Reboot (same EventId, new ``NotBefore``). Before, a later time was
+        dropped as "one is held for an earlier deadline" and the flush came at the old time."""
+        agent = self.agent(tmp_path)
+        first, later = time.time() + 900, time.time() + 1800
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=first, detail="x", event_id="E"))
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=later, detail="y", event_id="E"))
+        status = agent.status()
+        assert status.held_notice is not None and status.held_notice.deadline == later and agent._flush is None
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=first + 3600, detail="z"))
+        assert agent.status().held_notice is not None and agent.status().held_notice.deadline == later  # other event
+        soon = time.time() + 30
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=soon, detail="s", event_id="E"))
+        assert agent._flush is not None and agent._flush.deadline is not None and agent._flush.deadline < first
+
+    def test_every_held_event_is_kept_and_the_earliest_decides(self, tmp_path: Path) -> None:
+        """Azure Reboot A in 30 minutes, Redeploy B in 15, then B moved to 45 (or withdrawn): A's
+        time decides again. Before, B had replaced A and the flush came after A's reboot."""
+        agent = self.agent(tmp_path)
+        a, b = time.time() + 1800, time.time() + 900
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=a, detail="A", event_id="A"))
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=b, detail="B", event_id="B"))
+        held = agent.status().held_notice
+        assert held is not None and held.deadline == b
+        moved = b + 1800
+        agent.on_notice(Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=moved, detail="B", event_id="B"))
+        held = agent.status().held_notice
+        assert held is not None and held.deadline == a and agent.status().flush_at == a - 300
+
+    def test_a_clock_stepped_back_since_the_notice_does_not_delay_its_flush(self, tmp_path: Path) -> None:
+        """The notice came when this node's clock read 600 s more than it does now (NTP stepped it
+        back since): GCE's hour counts from then. Before, the held flush waited for the time of
+        day, 600 s after the VM was gone; now the time since the notice (monotonic) counts too."""
+        agent = self.agent(tmp_path)
+        heard = time.time() + 600  # the clock's reading when the notice came, before the step
+        notice = Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=heard + 301, detail="x", received_at=heard)
+        agent.on_notice(notice)
+        assert agent._flush is None and agent.status().flush_at is not None
+        assert agent.status().flush_at < time.time() + 5
+        give_up = time.monotonic() + 30
+        while agent._flush is None:
+            assert time.monotonic() < give_up, "the held notice was never released"
+            agent.release_held()
+            time.sleep(0.05)
+
+    def test_a_flush_another_node_asked_for_ends_what_this_node_holds(self, tmp_path: Path) -> None:
+        """A node of a multi-node job holds a maintenance notice; another node's preemption makes
+        every rank commit. Before, /status still showed the held notice on a job that had
+        committed, and at its time a second flush.json went to ranks already on their way out."""
+        agent = self.agent(tmp_path)
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 300.2, detail="x"))
+        result = FlushResult(step=5, uri="file:///c/step-5", request_id=None, notice_to_commit_seconds=None)
+        agent.control.write_flush_result(result)
+        agent._check_flush_result()
+        assert agent.status().state == "flushed" and agent.status().held_notice is None
+        time.sleep(0.3)
+        agent.release_held()
+        assert agent.control.flush_request() is None and agent._flush is None
 
     def test_a_preemption_is_never_held_whatever_its_deadline(self, tmp_path: Path) -> None:
         """Spot preemption gives 30 s to 2 minutes: an AWS instance-action whose ``time`` is 10

@@ -503,6 +503,65 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_an_event_whose_not_before_moves_is_heard_again_until_this_agent_acknowledges_it(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """A Reboot held for its ``NotBefore`` (``--flush-lead``) that Azure moves sooner must reach
+        the agent again, or the held flush starts after the reboot. Before, an event was heard once."""
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            event_id = azure.add_event(EventType="Reboot", NotBefore=AT_2030)
+            assert got.next().deadline == AT_2030.timestamp()
+            sooner = time.time() + 600
+            azure.move_event(event_id, sooner)
+            moved = got.next()
+            assert (moved.event_id, moved.kind, moved.deadline) == (event_id, NoticeKind.MAINTENANCE, int(sooner))
+            assert "NotBefore was" in moved.detail
+            source.flush_finished()
+            assert azure.wait_for_start_request(event_id)  # Started, NotBefore empty: this agent's own doing
+            other = azure.add_event(EventType="Freeze")
+            wait_until(lambda: source._incarnation == azure.document["DocumentIncarnation"], "the Freeze to be read")
+            assert got.notices.empty(), other
+        finally:
+            source.stop()
+
+    def test_an_event_that_leaves_the_list_is_withdrawn(self, azure: AzureScheduledEventsEmulator) -> None:
+        """Azure cancelled a Reboot the agent may hold (``--flush-lead``): it must hear so. Before,
+        nothing was said and the held flush stopped the job at the cancelled event's time."""
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            event_id = azure.add_event(EventType="Reboot", NotBefore=AT_2030)
+            assert not got.next().withdrawn
+            azure.clear()
+            gone = got.next()
+            assert (gone.withdrawn, gone.event_id, gone.kind, gone.source) == (
+                True,
+                event_id,
+                NoticeKind.MAINTENANCE,
+                "azure",
+            )
+        finally:
+            source.stop()
+
+    def test_an_event_that_left_the_list_is_not_acknowledged_after_a_later_flush(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """A held Reboot is cancelled (it leaves the list), then a Preempt flushes the job. Before,
+        the acknowledgement named the cancelled event too: an EventId Azure no longer lists."""
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            azure.add_event(EventType="Reboot", NotBefore=AT_2030)
+            got.next()
+            azure.clear()
+            assert got.next().withdrawn
+            preempt = azure.add_event(EventType="Preempt", NotBefore=AT_2030)
+            assert got.next().event_id == preempt
+            source.flush_finished()
+            assert azure.wait_for_start_request(preempt)
+            assert azure.start_requests == [preempt]
+        finally:
+            source.stop()
+
     def test_events_for_other_vms_and_freezes_are_not_notices(self, azure: AzureScheduledEventsEmulator) -> None:
         source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
         try:
