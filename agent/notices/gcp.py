@@ -10,7 +10,9 @@ Two watches, one thread each, on ``/computeMetadata/v1/instance/``:
   with GPUs, which cannot migrate, an hour's notice, other VMs 60 s). The deadline is an hour on a
   machine with an NVIDIA GPU (``maintenance_notice_seconds``), else 60 s. A value already
   TERMINATE_ON_HOST_MAINTENANCE at the first read (the agent started after it was set, e.g. a
-  job restarted on the same VM) is given 60 s, whatever the machine: when it was set is unknown.
+  job restarted on the same VM) is given 60 s, whatever the machine: when it was set is unknown,
+  unless an earlier agent of this user on this machine, in this boot, saw it change and left a
+  record of when (``MaintenanceRecord``): then the deadline counts from that time.
 
 Each watch reads the current value and its ETag, then asks ``?wait_for_change=true&last_etag=E``:
 the server answers at once if the value has moved on, otherwise it holds the request until it
@@ -23,10 +25,17 @@ subset of ``instance/`` without either key (404): the warning says so, and what 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
+import os
+import stat
+import tempfile
 import time
 from pathlib import Path
 
+from agent.atomic_file import write_atomic
 from agent.notices.base import (
     HttpClient,
     Notice,
@@ -35,7 +44,9 @@ from agent.notices.base import (
     NoticeSource,
     PollingNoticeSource,
     SourceError,
+    utc_stamp,
 )
+from agent.notices.shared_vm import private_folder, url_key
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,115 @@ def maintenance_notice_seconds(root: str = "/") -> float:
     return MAINTENANCE_NOTICE_SECONDS
 
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+"""Linux's id of this boot (the host's, in a container too): a record from another boot is void."""
+
+
+def boot_id() -> str | None:
+    try:
+        with open(BOOT_ID_PATH) as f:
+            return f.read(100).strip() or None
+    except OSError:
+        return None
+
+
+class MaintenanceRecord:
+    """When an agent on this machine saw ``maintenance-event`` turn TERMINATE_ON_HOST_MAINTENANCE.
+
+    One small JSON file per metadata server (``spotjob-gce-<uid>/<url hash>.json`` in the temp
+    folder, beside the Azure agents' register, private to this user, replaced atomically):
+    ``{"boot_id", "etag", "first_seen"}``. Only an agent that saw the value change writes it (an
+    agent that found it set knows no time to record), and only an earlier time replaces a later
+    one. A later agent that finds the value already set with the same ETag counts its deadline
+    from ``first_seen``; a record that is unreadable, not a plain file of this user's, of another
+    boot or ETag, from the future, or whose notice has run out proves nothing, and the agent
+    assumes 60 s as without one. An agent that sees the value leave TERMINATE removes it.
+    """
+
+    MAX_BYTES = 4096
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def _path(self, *, create: bool) -> str | None:
+        """The record's path; ``create`` makes its private folder first (None if it cannot)."""
+        name = url_key(self.base_url) + ".json"
+        if not create:
+            return os.path.join(tempfile.gettempdir(), f"spotjob-gce-{os.getuid()}", name)
+        lacking = "an agent restarted during a maintenance notice cannot learn when it began (60 s assumed)"
+        folder = private_folder("gce", "", lacking)
+        return None if folder is None else os.path.join(folder, name)
+
+    def first_seen(self, etag: str | None, notice_seconds: float, now: float) -> float | None:
+        """When this event (``etag``, this boot) was first seen, if the record proves it and its
+        notice has not run out by ``now``; else None."""
+        boot = boot_id()
+        path = self._path(create=False)
+        if etag is None or boot is None or path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            info = os.fstat(fd)
+            folder = os.lstat(os.path.dirname(path))
+            if (
+                not stat.S_ISREG(info.st_mode)
+                or info.st_uid != os.getuid()
+                or not stat.S_ISDIR(folder.st_mode)
+                or folder.st_uid != os.getuid()
+                or folder.st_mode & 0o077
+            ):
+                log.warning("%s is not a private file of this user: ignored (60 s assumed)", path)
+                return None
+            record = json.loads(os.read(fd, self.MAX_BYTES))
+        except (OSError, ValueError):
+            log.info("the maintenance record %s cannot be read: ignored (60 s assumed)", path)
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(record, dict) or record.get("boot_id") != boot or record.get("etag") != etag:
+            return None
+        seen = record.get("first_seen")
+        if isinstance(seen, bool) or not isinstance(seen, (int, float)) or not math.isfinite(seen):
+            return None
+        if seen > now or seen + notice_seconds <= now:
+            log.info(
+                "the maintenance record %s says first seen at %s, %s: ignored (60 s assumed)",
+                path,
+                utc_stamp(seen),
+                "in the future" if seen > now else "longer ago than the notice",
+            )
+            return None
+        return float(seen)
+
+    def save(self, etag: str | None, seen: float, notice_seconds: float) -> None:
+        """Record that this agent saw the event ``etag`` change at ``seen`` (kept if an earlier
+        time of the same event is there already)."""
+        boot = boot_id()
+        if etag is None or boot is None:
+            return
+        earlier = self.first_seen(etag, notice_seconds, time.time())
+        if earlier is not None and earlier <= seen:
+            return
+        path = self._path(create=True)
+        if path is None:
+            return
+        data = json.dumps({"boot_id": boot, "etag": etag, "first_seen": seen}).encode()
+        try:
+            write_atomic(path, data, durable=False, mode=0o600)
+        except OSError as e:
+            log.warning("cannot write %s (%s): an agent restarted on this machine during the maintenance "
+                        "notice will assume 60 s", path, e)  # fmt: skip
+
+    def remove(self) -> None:
+        path = self._path(create=False)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 class _GceWatch(PollingNoticeSource):
     """Long-polls one metadata key; ``interval`` is only the pause after an error."""
 
@@ -73,6 +193,7 @@ class _GceWatch(PollingNoticeSource):
         self._etag: str | None = None
         self._value: str | None = None
         self._quick = False
+        self._record = MaintenanceRecord(client.base_url)
 
     def _poll(self) -> None:
         path = INSTANCE_PATH + self.key
@@ -97,7 +218,7 @@ class _GceWatch(PollingNoticeSource):
         # A server that answers a wait_for_change at once with the same ETag would make this a
         # busy loop; pause the normal interval then.
         self._quick = etag is None or (etag == self._etag and time.monotonic() - started < 0.5)
-        if value != self._value and not self._on_value(value):
+        if value != self._value and not self._on_value(value, etag):
             # Not delivered: keep the old value and ETag, so that the next poll (after the normal
             # pause) is answered at once with this value and delivers it again.
             self._quick = True
@@ -111,8 +232,8 @@ class _GceWatch(PollingNoticeSource):
     def _pause(self) -> float:
         return self.interval if self._quick else 0.0
 
-    def _on_value(self, value: str) -> bool:
-        """Act on a new value; False if a notice it meant could not be delivered."""
+    def _on_value(self, value: str, etag: str | None) -> bool:
+        """Act on a new value (``etag``: its version); False if a notice it meant could not be delivered."""
         if self.key == "preempted":
             if value.upper() == "TRUE":
                 return "preempted" in self._seen or self._emit(
@@ -129,18 +250,25 @@ class _GceWatch(PollingNoticeSource):
             if "maintenance" in self._seen:
                 return True
             seconds, detail = self.notice_seconds, "instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE"
-            if self._value is None and seconds > MAINTENANCE_NOTICE_SECONDS:
-                # Set before this agent looked: how much of the notice is left is unknown.
-                seconds = MAINTENANCE_NOTICE_SECONDS
-                detail += " (already set when the agent started: when is unknown, so 60 s assumed)"
+            seen = self._seen_since("maintenance")
+            if self._value is not None:
+                self._record.save(etag, seen, seconds)  # seen as it changed: a restart here can count from it
+            elif seconds > MAINTENANCE_NOTICE_SECONDS:
+                # Set before this agent looked: how much of the notice is left is unknown, unless
+                # an earlier agent here saw this very value (ETag) change, in this boot.
+                recorded = self._record.first_seen(etag, seconds, seen)
+                if recorded is None:
+                    seconds = MAINTENANCE_NOTICE_SECONDS
+                    detail += " (already set when the agent started: when is unknown, so 60 s assumed)"
+                else:
+                    seen = recorded
+                    detail += (
+                        f" (already set when the agent started: first seen at {utc_stamp(recorded)} by an earlier "
+                        "agent on this machine)"
+                    )
             return self._emit(
                 "maintenance",
-                Notice(
-                    source=self.name,
-                    kind=NoticeKind.MAINTENANCE,
-                    deadline=self._seen_since("maintenance") + seconds,
-                    detail=detail,
-                ),
+                Notice(source=self.name, kind=NoticeKind.MAINTENANCE, deadline=seen + seconds, detail=detail),
             )
         else:
             if value.startswith("MIGRATE"):
@@ -158,6 +286,8 @@ class _GceWatch(PollingNoticeSource):
                 except Exception:
                     log.exception("gcp: the agent failed to take the withdrawal of the maintenance notice")
             self._forget("maintenance")
+            if self._value == "TERMINATE_ON_HOST_MAINTENANCE":
+                self._record.remove()  # seen to end: a new event with the same value counts afresh
         return True
 
 

@@ -27,24 +27,37 @@ from agent.process_tree import read_proc
 log = logging.getLogger(__name__)
 
 
-def _folder(base_url: str) -> str | None:
-    """This user's folder of agents listening to ``base_url``, made 0700; None if it cannot be
-    made or is not this user's alone (then nothing is coordinated)."""
-    top = os.path.join(tempfile.gettempdir(), f"spotjob-azure-{os.getuid()}")
+def private_folder(cloud: str, base_url: str, lacking: str) -> str | None:
+    """``spotjob-<cloud>-<uid>/`` of this user's temp folder, made 0700 (with ``<url hash>/`` in it
+    for ``base_url``, the metadata server's, when that is not empty); None if it cannot be made or
+    is not this user's alone, after a warning that ends with ``lacking``: what goes without it."""
+    top = os.path.join(tempfile.gettempdir(), f"spotjob-{cloud}-{os.getuid()}")
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(top, 0o700)
         info = os.lstat(top)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            log.warning("%s is not a private folder of this user: Azure acknowledgements are not coordinated", top)
+            log.warning("%s is not a private folder of this user: %s", top, lacking)
             return None
-        path = os.path.join(top, to_hex(crc32c_bytes(base_url.encode())))
+        if not base_url:
+            return top
+        path = os.path.join(top, url_key(base_url))
         os.makedirs(path, exist_ok=True)
         return path
     except OSError as e:
-        log.warning("cannot keep the register of agents on this machine (%s): Azure acknowledgements are not "
-                    "coordinated with other jobs", e)  # fmt: skip
+        log.warning("cannot keep %s (%s): %s", top, e, lacking)
         return None
+
+
+def url_key(base_url: str) -> str:
+    """A metadata URL as a file name: agents that ask one server (one machine's) share its files."""
+    return to_hex(crc32c_bytes(base_url.encode()))
+
+
+def _folder(base_url: str) -> str | None:
+    """This user's folder of agents listening to ``base_url``; None if there is none (then nothing
+    is coordinated)."""
+    return private_folder("azure", base_url, "Azure acknowledgements are not coordinated with other jobs")
 
 
 class SharedVm:

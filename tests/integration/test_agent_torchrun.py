@@ -175,7 +175,9 @@ def imds() -> Iterator[ImdsEmulator]:
 
 
 @pytest.fixture
-def gce() -> Iterator[GceMetadataEmulator]:
+def gce(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[GceMetadataEmulator]:
+    # The agents' maintenance records (TMPDIR) go to a folder of this test's own, not the machine's.
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tempdir")))
     with GceMetadataEmulator() as e:
         yield e
 
@@ -272,6 +274,43 @@ def test_a_gpu_vms_hour_of_maintenance_notice_is_held_while_training_goes_on_and
     result = run.control.flush_result()
     assert result is not None and result.error is None and result.step is not None and result.step > held_at
     assert committed_steps_per_rank(uri, result.step) == {result.step}
+
+
+def held_status(run: AgentRun) -> dict[str, Any]:
+    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        status: dict[str, Any] = json.loads(resp.read())
+    return status
+
+
+def test_a_job_restarted_on_the_vm_during_its_hour_of_maintenance_notice_holds_it_to_the_same_deadline(
+    tmp_path: Path, gce: GceMetadataEmulator
+) -> None:
+    """The first agent hears GCE's hour of notice as it comes and holds it; the job is stopped
+    (a SIGTERM: it flushes and exits) and started again on the same VM during that hour. The new
+    agent finds the value already set: it takes the time the first one recorded on the machine and
+    holds the notice to the same deadline, training on. Before, it assumed 60 s and flushed at
+    once, on every restart until the maintenance."""
+    uri = str(tmp_path / "ckpt")
+    agent_args = ["--notices", "gcp,sigterm", "--gcp-metadata-url", gce.url, "--gcp-maintenance-seconds", "3600"]
+    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
+    first = start_agent(tmp_path, "first", uri, agent_args, train_args)
+    wait_until(lambda: first.step() >= 10, "training to pass step 10", first.proc)
+    gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+    wait_until(lambda: "Training goes on" in first.log(), "the notice to be held", first.proc)
+    deadline = held_status(first)["held_notice"]["deadline"]
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.log()
+
+    again = start_agent(tmp_path, "again", uri, agent_args, train_args)
+    wait_until(lambda: "Training goes on" in again.log(), "the restart to hold the notice", again.proc)
+    resumed_at = again.step()
+    wait_until(lambda: again.step() >= resumed_at + 5, "training to go on after the restart", again.proc)
+    status = held_status(again)
+    assert status["flush"] is None and status["held_notice"]["deadline"] == deadline, status
+    assert "first seen at" in status["held_notice"]["detail"], status
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.wait() == EXIT_PREEMPTED, again.log()
 
 
 def test_a_held_azure_reboot_that_the_platform_starts_early_flushes_at_once(

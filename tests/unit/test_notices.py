@@ -8,6 +8,8 @@ import os
 import queue
 import signal
 import socket
+import stat
+import tempfile
 import threading
 import time
 import urllib.error
@@ -90,7 +92,10 @@ def imds() -> Iterator[ImdsEmulator]:
 
 
 @pytest.fixture
-def gce() -> Iterator[GceMetadataEmulator]:
+def gce(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[GceMetadataEmulator]:
+    # The agents' maintenance records go to a temp folder of this test's own, not the machine's:
+    # an emulator's port is reused by later tests, and its ETags are the same for the same value.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tempdir")))
     with GceMetadataEmulator() as emulator:
         yield emulator
 
@@ -99,6 +104,11 @@ def gce() -> Iterator[GceMetadataEmulator]:
 def azure() -> Iterator[AzureScheduledEventsEmulator]:
     with AzureScheduledEventsEmulator(vm_name="vm-7") as emulator:
         yield emulator
+
+
+def gce_records() -> list[Path]:
+    """The GCE maintenance records in this test's temp folder (``gce`` fixture)."""
+    return sorted(Path(tempfile.gettempdir()).glob(f"spotjob-gce-{os.getuid()}/*.json"))
 
 
 def running(source: NoticeSource) -> tuple[NoticeSource, Collector]:
@@ -397,29 +407,116 @@ class TestGcpSource:
         finally:
             source.stop()
 
-    def test_a_gpu_vms_hour_of_maintenance_notice_is_its_deadline_unless_it_was_set_before_the_agent_looked(
+    def test_a_gpu_vms_hour_of_maintenance_notice_is_its_deadline_and_a_restart_on_the_vm_counts_from_the_first_sight(
         self, gce: GceMetadataEmulator
     ) -> None:
         """GCE tells a VM with GPUs of a host maintenance that stops it an hour ahead (60 s for other
-        VMs). Heard as it changes, the deadline is the hour; already set at the first read (a job
-        restarted on that VM), how much of it is left is unknown, so 60 s. Before, every
-        TERMINATE_ON_HOST_MAINTENANCE was given 60 s."""
+        VMs). Heard as it changes, the deadline is the hour. An agent started later on that VM (a
+        job restarted there) finds it already set: it counts the hour from when the first agent saw
+        it, which that agent recorded on the machine. Before, the restart assumed 60 s and flushed
+        at once, on every restart until the maintenance."""
         source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
         try:
             assert gce.wait_for_waiters(2)
             before = time.time()
             gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
-            notice = got.next()
-            assert notice.deadline is not None and before + 3600 <= notice.deadline <= time.time() + 3600
+            first = got.next()
+            assert first.deadline is not None and before + 3600 <= first.deadline <= time.time() + 3600
         finally:
             source.stop()
+        for _ in range(2):  # a restart's own sight is not recorded over the first one's
+            restarted, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+            try:
+                notice = got.next()
+                assert notice.deadline == first.deadline
+                assert "first seen at" in notice.detail and "earlier agent on this machine" in notice.detail
+            finally:
+                restarted.stop()
+
+    def test_the_maintenance_record_is_private_to_the_user(self, gce: GceMetadataEmulator) -> None:
+        """Pins the record's place and modes (new with it): a 0700 folder of this user's, a 0600 file."""
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            got.next()
+        finally:
+            source.stop()
+        (record,) = gce_records()
+        assert stat.S_IMODE(record.parent.stat().st_mode) == 0o700 and stat.S_IMODE(record.stat().st_mode) == 0o600
+        content = json.loads(record.read_text())
+        assert content["etag"] == gce.etag("TERMINATE_ON_HOST_MAINTENANCE") and content["boot_id"] == gcp.boot_id()
+
+    @pytest.mark.parametrize(
+        "spoil",
+        ["garbage", "other boot", "other etag", "from the future", "notice run out", "symlink", "shared folder"],
+    )
+    def test_a_record_that_proves_nothing_leaves_a_restart_its_60_s(self, gce: GceMetadataEmulator, spoil: str) -> None:
+        """The record is trusted only as far as it proves when this very event was seen: one that
+        cannot be read, of another boot or another ETag (another version of the value), whose time
+        is ahead of the clock or longer ago than the notice, a link, or in a folder others may
+        write, is ignored and the restart gets 60 s, as without a record. (60 s is what every
+        restart got before the record existed: this pins the bounds of the new trust.)"""
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            got.next()
+        finally:
+            source.stop()
+        (record,) = gce_records()
+        content = json.loads(record.read_text())
+        if spoil == "garbage":
+            record.write_bytes(b"\x00{not json")
+        elif spoil == "symlink":
+            target = record.with_name("elsewhere")
+            record.rename(target)
+            record.symlink_to(target)
+        elif spoil == "shared folder":
+            record.parent.chmod(0o777)
+        else:
+            field, value = {
+                "other boot": ("boot_id", "0" * 36),
+                "other etag": ("etag", gce.etag("TERMINATE_ON_HOST_MAINTENANCE ")),
+                "from the future": ("first_seen", time.time() + 120),
+                "notice run out": ("first_seen", time.time() - 3600),
+            }[spoil]
+            record.write_text(json.dumps({**content, field: value}))
         restarted, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
         try:
             notice = got.next()
             assert notice.deadline is not None and notice.deadline <= time.time() + 60
-            assert "already set when the agent started" in notice.detail
+            assert "60 s assumed" in notice.detail
         finally:
             restarted.stop()
+
+    def test_an_agent_that_found_the_value_set_records_nothing_and_a_withdrawal_removes_the_record(
+        self, gce: GceMetadataEmulator
+    ) -> None:
+        """Only an agent that saw the value change knows a time to record: one that found it set
+        leaves none (its time would be later than the truth: a later restart would flush too late).
+        An agent that sees the event end removes the record, so a new event with the same value
+        (and, GCE's ETags being the content's, the same ETag) is not dated by the old one. (New
+        with the record: pins that it never dates an event later than it was seen.)"""
+        gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+        restarted, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert "60 s assumed" in got.next().detail
+        finally:
+            restarted.stop()
+        assert gce_records() == []
+        gce.set_maintenance_event("NONE")
+        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+        try:
+            assert gce.wait_for_waiters(2)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            got.next()
+            assert len(gce_records()) == 1
+            gce.set_maintenance_event("NONE")
+            assert got.next().withdrawn
+        finally:
+            source.stop()
+        assert gce_records() == []
 
     def test_a_maintenance_event_back_to_none_withdraws_the_notice_and_a_new_one_counts_again(
         self, gce: GceMetadataEmulator
