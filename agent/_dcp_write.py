@@ -539,20 +539,37 @@ class DivergentReplicasError(ValueError):
 
     @classmethod
     def of(cls, differ: list[tuple[str, int, int]]) -> DivergentReplicasError:
-        """The error for ``differ``: (name, a rank, another rank holding other contents)."""
+        """The error for ``differ``: (name, a rank, another rank holding other contents). The name
+        that tells the cause comes first: an optimizer's parameter list, then its hyperparameters
+        (a per-rank learning rate makes the parameters it updated differ too), then the rest."""
+
+        def order(d: tuple[str, int, int]) -> int:
+            group = ".param_groups." in d[0]
+            return 0 if group and d[0].endswith(".params") else 1 if group else 2
+
+        differ = sorted(differ, key=order)
         fqn, a, b = differ[0]
         more = f" (and {len(differ) - 1} more: {', '.join(d[0] for d in differ[1:4])})" if len(differ) > 1 else ""
-        if ".param_groups." in fqn:
+        if order(differ[0]) == 0:
             how = (
                 "The optimizers of the ranks hold different parameters (pipeline stages): keep each stage's "
                 "optimizer in a per-rank object instead (see 'Pipeline stages' in spotjob's README)"
             )
+        elif order(differ[0]) == 1:
+            how = (
+                "The ranks' optimizers use different hyperparameters, and the parameters they update drift apart "
+                "with them: an LR scheduler stepped on each rank's own value (ReduceLROnPlateau given a loss or "
+                "metric that was not averaged over the ranks), or a setting changed on some ranks only. Give "
+                "every rank the same value (all-reduce the metric before scheduler.step(metric))"
+            )
         else:
             how = (
-                "Keep tensor- or expert-parallel shards as DTensors (parallelize_module, distribute_tensor), "
-                "which are saved shard by shard, or keep each rank's own values in a per-rank object; "
-                'where replicas differ on purpose (local SGD, DiLoCo), Checkpointer(..., replicas="rank0") '
-                "saves rank 0's copy"
+                "Under DDP, replicas drift apart when weights are set after DistributedDataParallel wrapped the "
+                "model (initialised or loaded on a seed per rank; DDP broadcasts rank 0's only when it wraps) or "
+                "changed outside the optimizer on some ranks: set them before wrapping. Keep tensor- or "
+                "expert-parallel shards as DTensors (parallelize_module, distribute_tensor), which are saved "
+                "shard by shard, or keep each rank's own values in a per-rank object; where replicas differ on "
+                'purpose (local SGD, DiLoCo), Checkpointer(..., replicas="rank0") saves rank 0\'s copy'
             )
         return cls(
             f"ranks {a} and {b} hold different values under the name {fqn}{more}. A checkpoint keeps one copy "

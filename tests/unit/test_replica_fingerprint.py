@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from agent._dcp_write import _tensor_fingerprint
+from agent._dcp_write import DivergentReplicasError, _tensor_fingerprint
 
 
 def test_equal_tensors_agree_in_every_dtype_and_layout() -> None:
@@ -28,3 +28,29 @@ def test_a_tensor_past_float32_precision_is_sampled_within_bounds() -> None:
     before = _tensor_fingerprint(tensor)
     tensor[-1] = 1
     assert _tensor_fingerprint(tensor) != before, "the last element is part of the sample"
+
+
+def test_a_per_rank_learning_rate_is_named_first_with_its_cause() -> None:
+    """ReduceLROnPlateau stepped on each rank's own loss: the learning rates differ, and with them
+    the parameters they updated. The error names the learning rate, not the first parameter, and
+    says why it happens; before, it named model.0.weight and advised DTensors or DiLoCo's option
+    (or, with only the rate differing, pipeline stages)."""
+    error = str(
+        DivergentReplicasError.of(
+            [("model.0.weight", 0, 1), ("model.0.bias", 0, 1), ("optim.param_groups.0.lr", 0, 1)]
+        )
+    )
+    assert error.startswith("ranks 0 and 1 hold different values under the name optim.param_groups.0.lr")
+    assert "ReduceLROnPlateau" in error and "all-reduce" in error
+    assert "pipeline" not in error and "DiLoCo" not in error
+    alone = str(DivergentReplicasError.of([("optim.param_groups.0.lr", 0, 1)]))
+    assert "ReduceLROnPlateau" in alone and "pipeline" not in alone
+
+
+def test_diverged_ddp_parameters_say_what_makes_ddp_replicas_drift() -> None:
+    """Parameters that differ under DDP: the error says what makes replicas drift (weights set
+    after DDP wrapped the model, on a seed per rank), beside the sharded layouts' remedy."""
+    error = str(DivergentReplicasError.of([("model.0.weight", 0, 1)]))
+    assert "after DistributedDataParallel wrapped" in error and "DTensors" in error
+    stages = str(DivergentReplicasError.of([("optim.param_groups.0.lr", 0, 1), ("optim.param_groups.0.params", 0, 1)]))
+    assert "under the name optim.param_groups.0.params" in stages and "Pipeline stages" in stages
