@@ -474,6 +474,10 @@ class RankZeroSavePlanner(DefaultSavePlanner):
             if isinstance(value, torch.Tensor):
                 tensors[fqn] = value
             elif item.type == WriteItemType.BYTE_IO:
+                if isinstance(value, list) and _is_group_params(fqn):
+                    # An optimizer group's parameter names: which, not in what order. Groups built
+                    # from a set list them in another order in each process, and train alike.
+                    value = sorted(value, key=str)
                 try:
                     out[fqn] = zlib.crc32(pickle.dumps(value, protocol=4))
                 except Exception:  # not this check's to judge: DCP writes it as it does
@@ -521,6 +525,13 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         return [
             dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, lowest, spread, strict=True)
         ]
+
+
+def _is_group_params(fqn: str) -> bool:
+    """Whether ``fqn`` names an optimizer group's list of parameter names
+    (``optim.param_groups.0.params``)."""
+    parts = fqn.rsplit(".", 3)
+    return len(parts) == 4 and parts[1] == "param_groups" and parts[2].isdigit() and parts[3] == "params"
 
 
 _SAMPLE = 256
@@ -594,8 +605,7 @@ class DivergentReplicasError(ValueError):
         (a per-rank learning rate makes the parameters it updated differ too), then the rest."""
 
         def order(d: tuple[str, int, int]) -> int:
-            group = ".param_groups." in d[0]
-            return 0 if group and d[0].endswith(".params") else 1 if group else 2
+            return 0 if _is_group_params(d[0]) else 1 if ".param_groups." in d[0] else 2
 
         differ = sorted(differ, key=order)
         fqn, a, b = differ[0]
