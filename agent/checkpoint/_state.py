@@ -329,19 +329,38 @@ class _State(_Core):
                 ) from None
 
     def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
-        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp_write.RankZeroSavePlanner``): the
-        modules' state that is not a parameter — buffers and extra state. Those may differ between
-        ranks that keep their parameters identical (each DDP rank's BatchNorm statistics follow its
-        own batch until DDP's next forward overwrites them with rank 0's)."""
+        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp_write.RankZeroSavePlanner``),
+        unchecked: the modules' state that nothing keeps identical across ranks. That is buffers and
+        extra state (each DDP rank's BatchNorm statistics follow its own batch until DDP's next
+        forward overwrites them with rank 0's), and the plain parameters of a state module that no
+        optimizer in the state trains and that holds no ``DistributedDataParallel``: an EMA of the
+        model or a teacher, kept beside it. timm's recipe copies the EMA before DDP broadcasts rank
+        0's weights, after a seed per rank, so each rank's EMA is its own and never becomes
+        bit-identical to the others'. The parameters of the other modules, frozen ones included
+        (DDP broadcast them), are compared across ranks and their writes spread over the ranks."""
         from torch.distributed.checkpoint.state_dict import _get_fqns
+        from torch.distributed.tensor import DTensor
+        from torch.nn.parallel import DistributedDataParallel
 
         modules, optims, _ = self._classify(state)
         if not modules:
             return frozenset()
         if self.config.replicas == "rank0":
             return frozenset(dcp_state)  # every copy that is not a shard: rank 0's, unchecked
+        trained = {id(p) for opt in optims.values() for group in opt.param_groups for p in group["params"]}
+        kept = {
+            key
+            for key, module in modules.items()
+            if any(isinstance(m, DistributedDataParallel) for m in module.modules())
+            or any(id(p) in trained for p in module.parameters())
+        }
         bag = _ModuleBag(modules)
-        params = {fqn for name, _ in bag.named_parameters(remove_duplicate=False) for fqn in _get_fqns(bag, name)}
+        params = {
+            fqn
+            for name, p in bag.named_parameters(remove_duplicate=False)
+            if name.split(".", 1)[0] in kept or isinstance(p, DTensor)  # DTensors: saved shard by shard
+            for fqn in _get_fqns(bag, name)
+        }
         return frozenset(k for k in dcp_state if k not in optims and k not in params)
 
     def _check_rank_file(self, path: str, size: int) -> None:

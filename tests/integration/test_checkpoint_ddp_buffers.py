@@ -69,3 +69,43 @@ def test_a_ddp_checkpoint_restores_into_the_bare_module_on_every_rank(
         bare = torch.load(f"{dump}.bare.rank{rank}.pt")
         assert bare["start"] == 3
         assert_same(bare["final"], saved, f"rank {rank}'s bare module after the restore")
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_an_ema_copied_before_ddp_is_saved_from_rank0_not_refused(tmp_path: Path, sync: bool) -> None:
+    """timm's recipe (a seed per rank, the EMA copied before DDP wraps the model): each rank's EMA
+    started from its own weights and is never bit-identical to the others'. Parameters that no
+    optimizer in the state trains and no DDP keeps identical are saved from rank 0, as buffers are,
+    and every rank restores rank 0's EMA. Before, every save of such a job failed ("ranks 0 and 1
+    hold different values under the name ema.0.weight"); the model's own parameters, which DDP
+    keeps identical, are still compared."""
+    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
+    harness.torchrun(2, JOB, "ema", "--uri", uri, "--dump", dump, *(["--sync"] if sync else []))
+    ranks = [torch.load(f"{dump}.ema.rank{r}.pt") for r in range(2)]
+    # What makes the case: the ranks' EMAs differed when the save was taken, their models did not.
+    assert not torch.equal(ranks[0]["saved"]["0.weight"], ranks[1]["saved"]["0.weight"])
+    assert_same(ranks[0]["model"], ranks[1]["model"], "the DDP replicas")
+    for rank in range(2):
+        assert ranks[rank]["start"] == 3
+        assert_same(ranks[rank]["restored"], ranks[0]["saved"], f"rank {rank}'s EMA after the restore")
+        assert_same(ranks[rank]["restored_model"], ranks[0]["model"], f"rank {rank}'s model after the restore")
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_optimizer_groups_listing_their_parameters_in_another_order_per_rank_save_and_restore(
+    tmp_path: Path, sync: bool
+) -> None:
+    """Groups built from a set of parameters list them in another order in each process, and the
+    ranks still train alike. The save-time check compared each group's list of names as it was,
+    so every save failed ("ranks 0 and 1 hold different values under the name
+    optim.param_groups.0.params", blaming pipeline stages). A group's names are compared as a set
+    now; every rank restores each parameter's state and its group's weight decay by name."""
+    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
+    harness.torchrun(2, JOB, "order", "--uri", uri, "--dump", dump, *(["--sync"] if sync else []))
+    ranks = [torch.load(f"{dump}.order.rank{r}.pt") for r in range(2)]
+    for rank in range(2):
+        saved, restored = ranks[rank]["saved"], ranks[rank]["restored"]
+        assert ranks[rank]["start"] == 3
+        assert restored["decay"] == saved["decay"] == {"0.weight": 0.1, "2.weight": 0.1, "0.bias": 0.0, "2.bias": 0.0}
+        for name, state in saved["state"].items():
+            assert_same(restored["state"][name], state, f"rank {rank}'s optimizer state of {name}")

@@ -78,6 +78,17 @@ def test_rank_specific_tensors_under_one_name_are_refused_not_merged(tmp_path: P
     for dump in dumps:
         assert "SaveFailedError" in dump["error"], dump
         assert "ranks 0 and 1 hold different values under the name model.l0.weight" in dump["error"]
+
+
+def test_frozen_shards_of_a_trained_module_are_still_compared(tmp_path: Path) -> None:
+    """The same shards with model.l0 frozen and left out of the optimizer: its weights are still
+    compared (and named first), as the module's other layers are trained. Only a state module that
+    nothing trains and no DDP holds (an EMA, a teacher) is saved from rank 0 unchecked; an earlier
+    version of that rule judged each parameter alone and let frozen layers through unchecked."""
+    dumps = run(2, tmp_path, "saved", "shards", "--frozen", "--sync")
+    for dump in dumps:
+        assert "SaveFailedError" in dump["error"], dump
+        assert "ranks 0 and 1 hold different values under the name model.l0.weight" in dump["error"]
         assert "DTensor" in dump["error"]
     assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
 

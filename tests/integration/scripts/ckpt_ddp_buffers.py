@@ -3,6 +3,10 @@
     ckpt_ddp_buffers.py full --uri U --dump D     train 6 steps, save step 3 on the way (sync and async)
     ckpt_ddp_buffers.py resume --uri U --dump D   restore step 3 into a fresh model, train to step 6
     ckpt_ddp_buffers.py bare --uri U --dump D     restore step 3 into the bare module (no DDP), no training
+    ckpt_ddp_buffers.py ema --uri U --dump D      timm's recipe: a seed per rank, an EMA of the model
+                                                  copied before DDP; train 6 steps saving at 3, restore
+    ckpt_ddp_buffers.py order --uri U --dump D    optimizer groups listing their parameters in another
+                                                  order on rank 1; train 3 steps, save, restore
 
 Each rank dumps its module's final state to ``D.<command>.rank<r>.pt`` (``full`` also the state
 it saved). The ranks' BatchNorm running statistics differ after every step (each forward updates
@@ -26,13 +30,17 @@ SAVE_STEP, STEPS = 3, 6
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["full", "resume", "bare"])
+    p.add_argument("command", choices=["full", "resume", "bare", "ema", "order"])
     p.add_argument("--uri", required=True)
     p.add_argument("--dump", required=True)
     p.add_argument("--sync", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.command in ("ema", "order"):
+        (ema_job if args.command == "ema" else order_job)(args.uri, args.dump, rank, sync=args.sync)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(rank + 1 if args.command == "bare" else 0)  # bare: the restore must set every tensor
     bare = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     if args.command == "bare":
@@ -60,6 +68,83 @@ def main() -> None:
     final = {k: v.clone() for k, v in model.module.state_dict().items()}
     torch.save({"start": start, "saved": saved, "final": final}, f"{args.dump}.{args.command}.rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def ema_job(uri: str, dump: str, rank: int, *, sync: bool) -> None:
+    """timm's train.py: a seed per rank (each rank's initial weights its own until DDP broadcasts
+    rank 0's), the EMA copied from the model before DDP wraps it, so each rank's EMA starts from
+    its own weights and never becomes bit-identical to the others'. Saves step 3, restores it into
+    fresh objects; dumps each rank's EMA as saved and as restored."""
+    torch.manual_seed(rank)
+
+    def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        bare = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ema = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).requires_grad_(False)
+        ema.load_state_dict(bare.state_dict())
+        model = DistributedDataParallel(bare)
+        return model, ema, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, ema, optim = build()
+    state = {"model": model, "optim": optim, "ema": ema}
+    out: dict[str, object] = {}
+    with Checkpointer(uri, async_save=not sync) as ckpt:
+        for step in range(STEPS):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
+            optim.zero_grad()
+            model(x).pow(2).mean().backward()
+            optim.step()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.module.parameters(), strict=True):
+                    e.lerp_(p, 0.1)
+            if step + 1 == SAVE_STEP:
+                out["saved"] = {k: v.clone() for k, v in ema.state_dict().items()}
+                out["model"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+                ckpt.save(SAVE_STEP, state)
+    model, ema, optim = build()
+    with Checkpointer(uri, async_save=not sync) as ckpt:
+        out["start"] = ckpt.restore({"model": model, "optim": optim, "ema": ema})
+    out["restored"] = {k: v.clone() for k, v in ema.state_dict().items()}
+    out["restored_model"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+    torch.save(out, f"{dump}.ema.rank{rank}.pt")
+
+
+def order_job(uri: str, dump: str, rank: int, *, sync: bool) -> None:
+    """Weight-decay groups whose parameters rank 1 lists in another order, as groups built from a
+    set do (a set of tensors iterates in an order of their addresses, each process its own): the
+    ranks train alike. Saves step 3, restores it into fresh objects built the same way; dumps each
+    rank's optimizer state and weight decay by parameter name, as saved and as restored."""
+
+    def build() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        named = list(model.module.named_parameters())[:: -1 if rank == 1 else 1]
+        groups = [
+            {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+        ]
+        return model, torch.optim.AdamW(groups, lr=0.01)
+
+    def by_name(model: DistributedDataParallel, optim: torch.optim.Optimizer) -> dict[str, object]:
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        decay = {names[id(p)]: g["weight_decay"] for g in optim.param_groups for p in g["params"]}
+        state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
+        return {"decay": decay, "state": state}
+
+    model, optim = build()
+    out: dict[str, object] = {}
+    with Checkpointer(uri, async_save=not sync) as ckpt:
+        for step in range(SAVE_STEP):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
+            optim.zero_grad()
+            model(x).pow(2).mean().backward()
+            optim.step()
+        out["saved"] = by_name(model, optim)
+        ckpt.save(SAVE_STEP, {"model": model, "optim": optim})
+    model, optim = build()
+    with Checkpointer(uri, async_save=not sync) as ckpt:
+        out["start"] = ckpt.restore({"model": model, "optim": optim})
+    out["restored"] = by_name(model, optim)
+    torch.save(out, f"{dump}.order.rank{rank}.pt")
 
 
 if __name__ == "__main__":

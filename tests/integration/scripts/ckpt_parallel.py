@@ -121,11 +121,14 @@ def main() -> None:
     p.add_argument("--sync", action="store_true")
     p.add_argument("--optim", choices=["dcp", "rank", "none"], default="dcp")
     p.add_argument("--replicas", choices=["identical", "rank0"], default="identical")
+    p.add_argument("--frozen", action="store_true", help="l0 frozen, left out of the optimizer")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, rank, world)
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    if args.frozen:
+        model.l0.requires_grad_(False)
+    optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
     loader = Loader()
     names = [n for n, _ in model.named_parameters()]
     state: dict[str, Any] = {"model": model, "loader": loader}
