@@ -117,6 +117,18 @@ def running(source: NoticeSource) -> tuple[NoticeSource, Collector]:
     return source, collector
 
 
+def agent_saw_maintenance_start(gce: GceMetadataEmulator) -> Notice:
+    """A GCE source of a GPU VM (an hour's notice) watching while maintenance-event turns
+    TERMINATE_ON_HOST_MAINTENANCE, then stopped, as an agent that flushed and exited: its notice."""
+    source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
+    try:
+        assert gce.wait_for_waiters(2)
+        gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+        return got.next()
+    finally:
+        source.stop()
+
+
 def warns_until(source: NoticeSource, caplog: Any, predicate: Callable[[], bool], what: str) -> None:
     """Run ``source`` with its warnings captured until ``predicate`` holds, then stop it."""
     with caplog.at_level("WARNING", logger="agent.notices.base"):
@@ -435,13 +447,7 @@ class TestGcpSource:
 
     def test_the_maintenance_record_is_private_to_the_user(self, gce: GceMetadataEmulator) -> None:
         """Pins the record's place and modes (new with it): a 0700 folder of this user's, a 0600 file."""
-        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
-        try:
-            assert gce.wait_for_waiters(2)
-            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
-            got.next()
-        finally:
-            source.stop()
+        agent_saw_maintenance_start(gce)
         (record,) = gce_records()
         assert stat.S_IMODE(record.parent.stat().st_mode) == 0o700 and stat.S_IMODE(record.stat().st_mode) == 0o600
         content = json.loads(record.read_text())
@@ -457,13 +463,7 @@ class TestGcpSource:
         is ahead of the clock or longer ago than the notice, a link, or in a folder others may
         write, is ignored and the restart gets 60 s, as without a record. (60 s is what every
         restart got before the record existed: this pins the bounds of the new trust.)"""
-        source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
-        try:
-            assert gce.wait_for_waiters(2)
-            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
-            got.next()
-        finally:
-            source.stop()
+        agent_saw_maintenance_start(gce)
         (record,) = gce_records()
         content = json.loads(record.read_text())
         if spoil == "garbage":

@@ -28,6 +28,14 @@ from agent.checkpoint import Checkpointer
 SAVE_STEP, STEPS = 3, 6
 
 
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """One step on this rank's own batch (seeded by step and rank)."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
+    optim.zero_grad()
+    model(x).pow(2).mean().backward()
+    optim.step()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=["full", "resume", "bare", "ema", "order"])
@@ -58,10 +66,7 @@ def main() -> None:
     with Checkpointer(args.uri, async_save=not args.sync) as ckpt:
         start = ckpt.restore(state) if args.command == "resume" else 0
         for step in range(start, STEPS):
-            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
-            optim.zero_grad()
-            model(x).pow(2).mean().backward()
-            optim.step()
+            train_step(model, optim, step, rank)
             if step + 1 == SAVE_STEP and args.command == "full":
                 saved = {k: v.clone() for k, v in model.module.state_dict().items()}
                 ckpt.save(SAVE_STEP, state)
@@ -89,10 +94,7 @@ def ema_job(uri: str, dump: str, rank: int, *, sync: bool) -> None:
     out: dict[str, object] = {}
     with Checkpointer(uri, async_save=not sync) as ckpt:
         for step in range(STEPS):
-            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
-            optim.zero_grad()
-            model(x).pow(2).mean().backward()
-            optim.step()
+            train_step(model, optim, step, rank)
             with torch.no_grad():
                 for e, p in zip(ema.parameters(), model.module.parameters(), strict=True):
                     e.lerp_(p, 0.1)
@@ -134,10 +136,7 @@ def order_job(uri: str, dump: str, rank: int, *, sync: bool) -> None:
     out: dict[str, object] = {}
     with Checkpointer(uri, async_save=not sync) as ckpt:
         for step in range(SAVE_STEP):
-            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * step + rank))
-            optim.zero_grad()
-            model(x).pow(2).mean().backward()
-            optim.step()
+            train_step(model, optim, step, rank)
         out["saved"] = by_name(model, optim)
         ckpt.save(SAVE_STEP, {"model": model, "optim": optim})
     model, optim = build()
