@@ -489,14 +489,14 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         """(coordinator) Refuse values that several ranks hold under one name with other contents:
         DCP would keep one rank's copy, and every rank would restore it."""
         seen: dict[str, tuple[int, int]] = {}
-        differ: list[tuple[str, int, int]] = []
+        differ: dict[str, tuple[str, int, int]] = {}  # by name: the first two ranks that differ
         for rank, plan in enumerate(all_plans):
             for fqn, fingerprint in plan.planner_data[1].items():
                 first = seen.setdefault(fqn, (rank, fingerprint))
-                if first[1] != fingerprint and all(d[0] != fqn for d in differ):
-                    differ.append((fqn, first[0], rank))
+                if first[1] != fingerprint:
+                    differ.setdefault(fqn, (fqn, first[0], rank))
         if differ:
-            raise DivergentReplicasError.of(differ)
+            raise DivergentReplicasError.of(list(differ.values()))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self._check_replicas:
@@ -578,8 +578,7 @@ def _tensor_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
                 index = tuple(torch.from_numpy(d) for d in np.unravel_index(positions, t.shape))
                 out[i] = zlib.crc32(t[index].view(torch.uint8).numpy().tobytes(), head)
             continue
-        k = min(n, _SAMPLE)
-        positions_here = torch.arange(k, dtype=torch.int64, device=t.device) * (n - 1) // max(k - 1, 1)
+        positions_here = torch.from_numpy(_sample_positions(n).copy()).to(t.device)
         on_device.setdefault(t.device, []).append((i, t.reshape(-1)[positions_here].view(torch.uint8)))
     for samples in on_device.values():
         host = torch.cat([sample for _, sample in samples]).cpu().numpy()

@@ -209,17 +209,10 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             self._seen.add(event_id)
             log.info("Azure scheduled event %s (%s): no flush needed", event_id, event_type)
             return True
-        deadline: float | None = None
-        try:
-            deadline = parse_not_before(str(event.get("NotBefore") or ""))
-        except (ValueError, TypeError) as e:
-            log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, event.get("NotBefore"), e)
-        if deadline is None:
-            deadline = self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
         notice = Notice(
             source=self.name,
             kind=kind,
-            deadline=deadline,
+            deadline=self._deadline(event_id, str(event.get("NotBefore") or "")),
             detail=f"scheduled event {event_type} {event_id} ({event.get('EventStatus', '?')})",
             event_id=event_id,
         )
@@ -232,6 +225,16 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
         return True
 
+    def _deadline(self, event_id: str, not_before: str) -> float:
+        """An event's deadline: its ``NotBefore``, else (empty or unreadable, warned) Azure's
+        minimum notice counted from when the event was first seen."""
+        try:
+            deadline = parse_not_before(not_before)
+        except (ValueError, TypeError) as e:
+            log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, not_before, e)
+            deadline = None
+        return deadline if deadline is not None else self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
+
     def _on_moved(self, event_id: str, event: dict[str, Any]) -> bool:
         """An event already turned into a notice whose ``NotBefore`` changed: Azure moved it, or it
         was started (``Started``, ``NotBefore`` empty: the platform acts within seconds, because
@@ -242,18 +245,11 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         before = self._not_before.get(event_id)
         if before is None or before == not_before or event_id in self.acknowledged:
             return True  # not a notice (another VM's, a Freeze), unchanged, or started by this agent's ack
-        deadline: float | None = None
-        try:
-            deadline = parse_not_before(not_before)
-        except (ValueError, TypeError) as e:
-            log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, not_before, e)
-        if deadline is None:
-            deadline = self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
         status = event.get("EventStatus", "?")
         notice = Notice(
             source=self.name,
             kind=EVENT_KINDS.get(str(event.get("EventType", "")), NoticeKind.TERMINATE),
-            deadline=deadline,
+            deadline=self._deadline(event_id, not_before),
             detail=f"scheduled event {event.get('EventType', '?')} {event_id} ({status}; NotBefore was {before!r})",
             event_id=event_id,
         )
@@ -274,12 +270,8 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             event_id=event_id,
             withdrawn=True,
         )
-        if self._callback is not None:
-            try:
-                self._callback(withdrawn)
-            except Exception:
-                log.exception("azure: the agent failed to take the withdrawal of event %s", event_id)
-                return False
+        if not self._withdraw(withdrawn):
+            return False
         del self._not_before[event_id]
         self._seen.discard(event_id)  # listed again, it is heard again
         with self._lock:

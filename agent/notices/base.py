@@ -323,6 +323,18 @@ class PollingNoticeSource(NoticeSource):
         self._first_seen.pop(key, None)
         return True
 
+    def _withdraw(self, notice: Notice) -> bool:
+        """Tell the callback that the cloud withdrew an event delivered before (``notice.withdrawn``);
+        False if the callback raised (logged, never raised)."""
+        if self._callback is None:
+            return True
+        try:
+            self._callback(notice)
+        except Exception:
+            log.exception("%s: the agent failed to take the withdrawal of %s", self.name, notice.detail)
+            return False
+        return True
+
     def _seen_since(self, key: str) -> float:
         """When the event ``key`` was first seen: a deadline counted from then (GCE's 30 s, a
         default where the cloud gave no time) stays put while a failed delivery is retried."""

@@ -273,18 +273,16 @@ class _GceWatch(PollingNoticeSource):
         else:
             if value.startswith("MIGRATE"):
                 log.info("GCE maintenance-event %s: live migration, the job keeps running", value)
-            if "maintenance" in self._seen and self._callback is not None:
-                withdrawn = Notice(
-                    source=self.name,
-                    kind=NoticeKind.MAINTENANCE,
-                    deadline=None,
-                    detail=f"instance/maintenance-event={value}",
-                    withdrawn=True,
+            if "maintenance" in self._seen:
+                self._withdraw(
+                    Notice(
+                        source=self.name,
+                        kind=NoticeKind.MAINTENANCE,
+                        deadline=None,
+                        detail=f"instance/maintenance-event={value}",
+                        withdrawn=True,
+                    )
                 )
-                try:
-                    self._callback(withdrawn)
-                except Exception:
-                    log.exception("gcp: the agent failed to take the withdrawal of the maintenance notice")
             self._forget("maintenance")
             if self._value == "TERMINATE_ON_HOST_MAINTENANCE":
                 self._record.remove()  # seen to end: a new event with the same value counts afresh
