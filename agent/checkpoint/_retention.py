@@ -21,12 +21,10 @@ class _Retention(_State):
     ``keep`` None) or removed, so later passes look only at folders newer than it. Without it,
     every save read the manifest of every checkpoint ever kept: a save's cost grew with the run."""
 
-    _retained_said = False
-    """(rank 0) Retention has warned once that the bucket keeps what it would delete; later passes
-    that meet the same refusal say so at debug level, not once a save for the retention period."""
-
     _refusals_said: set[str]
-    """(rank 0) The kinds of permanent refusal retention has warned of once (``_retain``)."""
+    """(rank 0) The kinds of permanent refusal retention has warned of once (``_retain``): the
+    bucket keeping what it would delete (``RetainedError``), a policy denying deletes. Later passes
+    that meet the same refusal say so at debug level, not once a save for the rest of the run."""
 
     _restore_called = False
     """``restore()`` was called on this Checkpointer (whatever it found)."""
@@ -117,10 +115,10 @@ class _Retention(_State):
         except FencedError as e:
             log.error("retention: deleting nothing: %s", e)
         except RetainedError as e:
-            if self._retained_said:
+            if RetainedError.__name__ in self._refusals_said:
                 log.debug("retention: the bucket still keeps old checkpoints: %s", e)
             else:
-                self._retained_said = True
+                self._refusals_said.add(RetainedError.__name__)
                 log.warning(
                     "retention: the bucket keeps old checkpoints that keep=%s would remove; they stay until "
                     "its retention period ends or the hold is released (retried each save, said once): %s",
