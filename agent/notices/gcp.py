@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import stat
-import tempfile
 import time
 from pathlib import Path
 
@@ -99,21 +98,21 @@ class MaintenanceRecord:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
 
-    def _path(self, *, create: bool) -> str | None:
-        """The record's path; ``create`` makes its private folder first (None if it cannot)."""
-        name = url_key(self.base_url) + ".json"
-        if not create:
-            return os.path.join(tempfile.gettempdir(), f"spotjob-gce-{os.getuid()}", name)
+    def _path(self) -> str | None:
+        """The record's path in this user's private folder (made if need be); None where there is
+        no such folder (``private_folder`` warns: a folder others may write proves nothing)."""
         lacking = "an agent restarted during a maintenance notice cannot learn when it began (60 s assumed)"
         folder = private_folder("gce", "", lacking)
-        return None if folder is None else os.path.join(folder, name)
+        return None if folder is None else os.path.join(folder, url_key(self.base_url) + ".json")
 
     def first_seen(self, etag: str | None, notice_seconds: float, now: float) -> float | None:
         """When this event (``etag``, this boot) was first seen, if the record proves it and its
         notice has not run out by ``now``; else None."""
         boot = boot_id()
-        path = self._path(create=False)
-        if etag is None or boot is None or path is None:
+        if etag is None or boot is None:
+            return None
+        path = self._path()
+        if path is None:
             return None
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
@@ -121,14 +120,7 @@ class MaintenanceRecord:
             return None
         try:
             info = os.fstat(fd)
-            folder = os.lstat(os.path.dirname(path))
-            if (
-                not stat.S_ISREG(info.st_mode)
-                or info.st_uid != os.getuid()
-                or not stat.S_ISDIR(folder.st_mode)
-                or folder.st_uid != os.getuid()
-                or folder.st_mode & 0o077
-            ):
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
                 log.warning("%s is not a private file of this user: ignored (60 s assumed)", path)
                 return None
             record = json.loads(os.read(fd, self.MAX_BYTES))
@@ -161,7 +153,7 @@ class MaintenanceRecord:
         earlier = self.first_seen(etag, notice_seconds, time.time())
         if earlier is not None and earlier <= seen:
             return
-        path = self._path(create=True)
+        path = self._path()
         if path is None:
             return
         data = json.dumps({"boot_id": boot, "etag": etag, "first_seen": seen}).encode()
@@ -172,7 +164,7 @@ class MaintenanceRecord:
                         "notice will assume 60 s", path, e)  # fmt: skip
 
     def remove(self) -> None:
-        path = self._path(create=False)
+        path = self._path()
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
