@@ -200,16 +200,20 @@ class HttpFront:
                 fault.released.set()
             self.faults.clear()
 
-    def drop_watches(self, resource: str = "", namespace: str | None = None) -> int:
-        """Cut every open watch (of ``resource``, a plural, if given; opened in ``namespace``, if
-        given) mid-stream."""
+    def open_watches(self, resource: str = "", namespace: str | None = None) -> list[Watcher]:
+        """The open watches (of ``resource``, a plural, if given; opened in ``namespace``, if given)."""
         with self._watch_lock:
-            victims = [
+            return [
                 w
                 for w in self._watches
                 if (not resource or w.resource.endswith("/" + resource))
                 and (namespace is None or w.namespace == namespace)
             ]
+
+    def drop_watches(self, resource: str = "", namespace: str | None = None) -> int:
+        """Cut every open watch (of ``resource``, a plural, if given; opened in ``namespace``, if
+        given) mid-stream."""
+        victims = self.open_watches(resource, namespace)
         for w in victims:
             w.close(dropped=True)
         return len(victims)
