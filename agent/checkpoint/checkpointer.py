@@ -516,7 +516,7 @@ class Checkpointer(_Saving, _Restoring):
             raise value
         if kind == "error":
             raise RuntimeError(value)
-        return value  # type: ignore[no-any-return]
+        return value
 
     def _claim(self) -> None:
         """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""

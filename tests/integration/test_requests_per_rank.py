@@ -56,7 +56,9 @@ def _requests(
 
 
 def test_listings_and_records_are_read_by_rank_0_alone(
-    fresh_uri: Callable[[str], str], fault_proxy: Callable[..., FaultProxy], request: pytest.FixtureRequest,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    request: pytest.FixtureRequest,
     tmp_path: Path,
 ) -> None:
     """Before the fix every rank of a read-only Checkpointer read the owner record itself (a HEAD
@@ -69,3 +71,15 @@ def test_listings_and_records_are_read_by_rank_0_alone(
     assert at_4 == at_2, f"requests that grew with the ranks: 2 ranks {dict(at_2)}, 4 ranks {dict(at_4)}"
     for data in (data_2, data_4):
         assert data and max(data.values()) == 1, f"a file fetched more than once on one node: {data}"
+
+
+def test_a_reader_whose_owner_record_cannot_be_read_fails_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 reads the owner record for every rank of a read-only Checkpointer: what it raises
+    (here ``OwnershipError``, a record that is not JSON) every rank raises, and none waits for it.
+    Before the fix each rank read the record itself and raised the same; pinned for the broadcast."""
+    uri = tmp_path / "ckpt"
+    (uri / ".spotjob").mkdir(parents=True)
+    (uri / ".spotjob" / "owner.json").write_text("not json")
+    done = harness.torchrun(2, harness.SCRIPTS / "ckpt_requests.py", str(uri), str(tmp_path / "staging"), "--reader")
+    for rank in (0, 1):
+        assert f"rank {rank} raised OwnershipError: " in done.stdout, done.stdout
