@@ -198,7 +198,12 @@ class Checkpointer(_Saving, _Restoring):
         """This rank is its node's first (local rank 0): it writes the node's status.json and flush
         result, which that node's agent reads (its readiness, its step, its exit code). Every rank
         knows the same state and the commit's outcome, so each node's first rank can tell it."""
-        self._staging_root = staging_root(self.storage, self.config.job, staging_dir)
+        try:
+            self._staging_root = staging_root(self.storage, self.config.job, staging_dir)
+        except BaseException:
+            self._destroy_groups()  # a reader's, made above
+            self._close_storage()
+            raise
         self._direct_io = self.storage.local_path("") is not None and (
             self.config.direct_io if self.config.direct_io is not None else suits_direct_io(self._staging_root)
         )
