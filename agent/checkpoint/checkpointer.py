@@ -173,23 +173,37 @@ class Checkpointer(_Saving, _Restoring):
             replicas=replicas,
         )
         self.storage = open_storage(uri)
-        if self._read_only and job is None:
-            # Another program reading a job's checkpoints (an eval script) reads them as that job's.
-            try:
-                owner = read_owner(self.storage)
-            except BaseException:
-                self._close_storage()
-                raise
-            if owner is not None:
-                self.config = dataclasses.replace(self.config, job=owner.job)
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
+        self._save_pg: Any = None
+        self._ctl_pg: Any = None
+        self._control = ControlDir(control_dir) if control_dir else None
+        if self._read_only:
+            # A reader cleans no staging folder, so its groups can come first: rank 0 alone reads
+            # the owner record and hands it on (on every rank, a 1000-rank eval job sent 2000
+            # requests for one small object at once).
+            self._make_groups()
+            if job is None:
+                # Another program reading a job's checkpoints (an eval script) reads them as that job's.
+                try:
+                    found, owner_job = self._owner_from_rank0()
+                except BaseException:
+                    self._destroy_groups()
+                    self._close_storage()
+                    raise
+                if found:
+                    self.config = dataclasses.replace(self.config, job=owner_job)
         self._node_reporter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
         """This rank is its node's first (local rank 0): it writes the node's status.json and flush
         result, which that node's agent reads (its readiness, its step, its exit code). Every rank
         knows the same state and the commit's outcome, so each node's first rank can tell it."""
-        self._staging_root = staging_root(self.storage, self.config.job, staging_dir)
+        try:
+            self._staging_root = staging_root(self.storage, self.config.job, staging_dir)
+        except BaseException:
+            self._destroy_groups()  # a reader's, made above
+            self._close_storage()
+            raise
         self._direct_io = self.storage.local_path("") is not None and (
             self.config.direct_io if self.config.direct_io is not None else suits_direct_io(self._staging_root)
         )
@@ -199,12 +213,7 @@ class Checkpointer(_Saving, _Restoring):
         if not self._read_only:
             self._check_staging_dir()
             self._clean_stale_staging()
-        self._save_pg: Any = None
-        self._ctl_pg: Any = None
-        if self._dist:
-            self._save_pg = dist.new_group(backend="gloo")
-            self._ctl_pg = dist.new_group(backend="gloo")
-        self._control = ControlDir(control_dir) if control_dir else None
+            self._make_groups()
         self._inflight: _Save | None = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
@@ -480,6 +489,39 @@ class Checkpointer(_Saving, _Restoring):
                 f"{call}: this Checkpointer is read-only (read_only=True): it restores and never writes to "
                 f"{self.storage.uri}. Build one without read_only to save"
             )
+
+    def _make_groups(self) -> None:
+        """(collective) The Checkpointer's own gloo groups: saves, and everything else."""
+        if self._dist:
+            self._save_pg = dist.new_group(backend="gloo")
+            self._ctl_pg = dist.new_group(backend="gloo")
+
+    def _owner_from_rank0(self) -> tuple[bool, str | None]:
+        """(collective, read-only) Whether the URI has an owner record, and its job, read by rank 0.
+        Every rank raises what rank 0's read raised: the same ``StorageError`` or ``OwnershipError``."""
+        payload: tuple[str, Any] = ("", None)
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                owner = read_owner(self.storage)
+                payload = ("ok", (owner is not None, None if owner is None else owner.job))
+            except OwnershipError as e:
+                error, payload = e, ("owner", (str(e), e.uri, e.job, e.owner, e.newer))
+            except StorageError as e:
+                error, payload = e, ("storage", e)  # picklable: (message, key)
+            except BaseException as e:
+                error, payload = e, ("error", f"rank 0 could not read the owner record of {self.storage.uri}: {e!r}")
+        kind, value = self._broadcast(payload)
+        if error is not None:
+            raise error
+        if kind == "owner":
+            message, uri, job, owner, newer = value
+            raise OwnershipError(message, uri=uri, job=job, owner=owner, newer=newer)
+        if kind == "storage":
+            raise value
+        if kind == "error":
+            raise RuntimeError(value)
+        return value
 
     def _claim(self) -> None:
         """(rank 0, collective) Make this job the URI's owner, or fail on every rank."""
