@@ -1,8 +1,9 @@
 """``kubectl spotjob status``: a table of jobs, or one job in detail.
 
 One job's detail: its phase and why, step and checkpoint age, preemptions, restarts of
-maxRestarts, goodput, capacity, its pods and their nodes, zones and phases, the last restart's
-reason, the last flush request, and its conditions. Status is read as raw JSON, not through the
+maxRestarts, goodput, capacity, the cloud notices its agents hold (``status.heldNotices``: when
+each flush starts), its pods and their nodes, zones and phases, the last restart's reason, the last
+flush request, and its conditions. Status is read as raw JSON, not through the
 model: an older plugin must still show what a newer controller writes.
 """
 
@@ -201,6 +202,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
             conditions=status.get("conditions") or [],
             lastRestart=history[-1] if history else None,
             lastFlushRequest=status.get("lastFlushRequest"),
+            heldNotices=_held_notices(status),
             recovery=status.get("recovery"),
             lostSteps=status.get("lostSteps"),
             generation=meta.get("generation"),
@@ -277,6 +279,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
                 f"{last.get('reason', '')}" + (f" — {last['message']}" if last.get("message") else ""),
             )
         )
+    lines += [("Held notice", _held_text(h, now)) for h in _held_notices(status)]
     recovery = status.get("recovery")
     if recovery:
         lines.append(
@@ -337,6 +340,31 @@ def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
     for row in [headers, *rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]
         print(("  " + "  ".join(cells)).rstrip())
+
+
+def _held_notices(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """``status.heldNotices`` (absent from a controller older than it, and when none is held)."""
+    held = status.get("heldNotices")
+    return [h for h in held if isinstance(h, dict)] if isinstance(held, list) else []
+
+
+def _when(value: Any, now: datetime) -> str:
+    """A time ahead (a deadline) as ``21:55:00Z (in 52m)``; one passed as ``(2m ago)``."""
+    t = parse_timestamp(value)
+    if t is None:
+        return "an unknown time"
+    ahead = (t - now).total_seconds()
+    when = age(now, t) if ahead >= 0 else age(t, now)
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") + (f" (in {when})" if ahead >= 0 else f" ({when} ago)")
+
+
+def _held_text(held: dict[str, Any], now: datetime) -> str:
+    text = f"{held.get('worker', '?')} on {held.get('node') or '-'}: {held.get('source', '?')} {held.get('kind', '?')}"
+    text += f" ({held['detail']})" if held.get("detail") else ""
+    return (
+        f"{text}, due {_when(held.get('deadline'), now)}; training goes on, the flush starts "
+        f"{_when(held.get('flushAt'), now)}"
+    )
 
 
 def _flush_text(flush: dict[str, Any], now: datetime) -> str:

@@ -554,6 +554,22 @@ class NodeRef(_Resource):
     instance_type: str | None = Field(default=None, description="its instance type")
 
 
+class HeldNotice(_Resource):
+    """A cloud notice a worker's agent holds: its deadline is further away than the agent's
+    --flush-lead (GCE host maintenance of a GPU VM, an Azure Reboot or Redeploy), so training goes
+    on and the agent starts the flush itself at flushAt. Gone once the cloud withdraws it or the
+    flush starts."""
+
+    worker: str = Field(description="the worker (its pod's name) whose agent holds it")
+    node: str | None = Field(default=None, description="the node it runs on")
+    source: str = Field(description="the cloud that sent it: gcp | azure | aws")
+    kind: str = Field(description="maintenance | terminate | ... (the agent's notice kind)")
+    detail: str = Field(default="", description="what the cloud said, for people")
+    deadline: datetime | None = Field(default=None, description="when the node goes, as the notice says")
+    flush_at: datetime | None = Field(default=None, description="when the agent starts the flush (training until then)")
+    heard_at: datetime | None = Field(default=None, description="when the agent heard it")
+
+
 class RecoveryStatus(_Resource):
     """The recovery in progress (Flushing, then Rescheduling until the next attempt runs)."""
 
@@ -700,6 +716,11 @@ class JobStatus(_Resource):
     )
     attempt: AttemptStatus = Field(default_factory=AttemptStatus, description="the current attempt")
     workers: list[WorkerStatus] = Field(default_factory=list, description="the current attempt's workers")
+    held_notices: list[HeldNotice] | None = Field(
+        default=None,
+        description="cloud notices the current attempt's agents hold (deadline further away than their "
+        "--flush-lead): training goes on until each flushAt; absent when none is held",
+    )
     restarts: int = Field(
         default=0, description="restarts after failures of the user's code (counts toward maxRestarts)"
     )

@@ -102,6 +102,23 @@ class FlushRequestState:
 
 
 @dataclass(frozen=True)
+class HeldNoticeReport:
+    """A cloud notice a worker's agent holds (its deadline is further away than the agent's
+    ``--flush-lead``): training goes on, and the agent starts the flush itself at ``flush_at``."""
+
+    source: str
+    """The cloud that sent it (gcp, azure, aws)."""
+    kind: str
+    """maintenance, terminate, ... (the agent's notice kind)."""
+    detail: str
+    """What the cloud said, for people."""
+    deadline: datetime | None
+    flush_at: datetime | None
+    heard_at: datetime | None
+    """When the agent heard it."""
+
+
+@dataclass(frozen=True)
 class WorkerObservation:
     """One worker as the backend sees it now."""
 
@@ -129,6 +146,9 @@ class WorkerObservation:
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
     failure's message."""
+    held_notice: HeldNoticeReport | None = None
+    """The cloud notice the worker's agent holds, as its last report said (GET /status, with the
+    step); None when it holds none, or its agent does not say (an older agent, local mode)."""
     holds_node: bool = False
     """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
     exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""

@@ -34,7 +34,8 @@ builds the objects):
   agent's, and unless the pod was evicted it is lost; a pod that failed without either
   (deleted with its node, evicted before it started) was lost, and so is a pod whose node is lost
   (deleted, or NotReady past the grace): its object may say Running for minutes, but no kubelet
-  reports for it and no flush can reach it.
+  reports for it and no flush can reach it. A running worker's step and the cloud notice its agent
+  holds (``held_notice``) come from its agent's last ``GET /status`` (``AgentCalls.report``).
 - ``signals``: ``orchestrator.k8s.cluster_signals`` over the job's pods and their nodes: the live and
   the failed ones (a pod its node took down failed), never the succeeded ones.
 - ``request_flush`` / ``request_save``: ``POST /flush`` / ``POST /save`` to the agent on the pod's
@@ -68,7 +69,7 @@ from orchestrator.backends.base import (
     worker_name,
 )
 from orchestrator.k8s import pods
-from orchestrator.k8s.agents import AgentCalls, CallResult, CallState, Endpoint, derive_token
+from orchestrator.k8s.agents import AgentCalls, AgentReport, CallResult, CallState, Endpoint, derive_token
 from orchestrator.k8s.api import (
     NETWORK_POLICIES,
     PODS,
@@ -212,11 +213,11 @@ class KubernetesBackend:
                 # reached or flushed (and if processes run on behind a partition, fencing holds).
                 phase, exit_code = WorkerPhase.FAILED, None
             labels = self._node_labels(node_name)
-            step = None
+            report = AgentReport()
             if phase is WorkerPhase.RUNNING and _pod_ip(pod):
                 token = token or self._token_or_none(key)
                 if token is not None:
-                    step = self.agents.step(self._endpoint(pod, token))
+                    report = self.agents.report(self._endpoint(pod, token))
             out.append(
                 WorkerObservation(
                     name=_name(pod),
@@ -228,7 +229,8 @@ class KubernetesBackend:
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
                     detail=lost or _failure_detail(pod, exit_code),
-                    step=step,
+                    step=report.step,
+                    held_notice=report.held_notice,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
                     holds_node=exit_code is not None and _still_running(pod),

@@ -19,9 +19,11 @@ narrow pool queued the live agents' flushes behind them: eight dead workers held
 back by a timeout each, more than a 30 s notice leaves. Only past ``MAX_FLUSH_CALLS`` at once do
 requests queue.
 
-``step()`` answers the last step an agent reported (``GET /status``, at most every
+``report()`` answers the last step an agent reported (``GET /status``, at most every
 ``status_max_age`` seconds per pod, in the background): a hint for the reconciler's accounting,
-never a decision.
+never a decision; and, from the same answer, the cloud notice the agent holds (``held_notice``,
+``flush_at``: a deadline further away than its ``--flush-lead``), for the job's status. An agent
+that does not send those fields (older than them) holds none as far as the controller can tell.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+from orchestrator.backends.base import HeldNoticeReport
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +108,17 @@ class Endpoint:
     token: str
 
 
+@dataclass(frozen=True)
+class AgentReport:
+    """What an agent's last ``GET /status`` said that the controller keeps."""
+
+    step: int | None = None
+    held_notice: HeldNoticeReport | None = None
+
+
 @dataclass
 class _Status:
-    step: int | None = None
+    report: AgentReport = AgentReport()
     fetched_at: float = float("-inf")
     future: Future[None] | None = None
 
@@ -259,10 +271,15 @@ class AgentCalls:
         log.warning("POST /%s to the agent of %s: %s", what, agent.pod, message)
         return CallResult(CallState.FAILED, message)
 
-    # -- steps
+    # -- steps and held notices
 
     def step(self, agent: Endpoint) -> int | None:
         """The last step the agent reported; refreshes in the background when older than the max age."""
+        return self.report(agent).step
+
+    def report(self, agent: Endpoint) -> AgentReport:
+        """The agent's last report (step, held notice); refreshes in the background when older than
+        the max age."""
         now = self._clock()
         with self._lock:
             entry = self._status.setdefault(agent.pod_uid, _Status())
@@ -270,20 +287,24 @@ class AgentCalls:
             if stale and (entry.future is None or entry.future.done()):
                 entry.fetched_at = now  # also bounds retries of an agent that does not answer
                 entry.future = self._status_pool.submit(self._fetch_status, agent, entry)
-            return entry.step
+            return entry.report
 
     def _fetch_status(self, agent: Endpoint, entry: _Status) -> None:
         try:
             status, answer = self._transport(agent.ip, self.port, "GET", "/status", None, agent.token, self._timeout)
             if status != 200:
                 return
-            step = json.loads(answer).get("step")
+            body = json.loads(answer)
+            step = body.get("step")
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
             log.debug("GET /status of the agent of %s failed: %s", agent.pod, e)
             return
-        if isinstance(step, int):
-            with self._lock:
-                entry.step = step
+        held = _held_notice(body)
+        with self._lock:
+            # A step the answer lacks keeps the last one (a hint); the held notice is the answer's
+            # own: one the agent no longer holds (withdrawn, or its flush started) is gone.
+            kept = step if isinstance(step, int) and not isinstance(step, bool) else entry.report.step
+            entry.report = AgentReport(kept, held)
 
     # -- housekeeping
 
@@ -293,6 +314,33 @@ class AgentCalls:
             for key in [k for k in self._calls if k[1] == pod_uid]:
                 del self._calls[key]
             self._status.pop(pod_uid, None)
+
+
+def _held_notice(body: dict[str, Any]) -> HeldNoticeReport | None:
+    """``held_notice`` and ``flush_at`` of an agent's ``/status`` answer; None where it has none, or
+    sends none (an agent older than them), or sends something else than its own shape."""
+    held = body.get("held_notice")
+    if not isinstance(held, dict) or not isinstance(held.get("source"), str):
+        return None
+    return HeldNoticeReport(
+        source=held["source"][:64],
+        kind=str(held.get("kind") or "")[:64],
+        detail=str(held.get("detail") or "")[:300],
+        deadline=_time(held.get("deadline")),
+        flush_at=_time(body.get("flush_at")),
+        heard_at=_time(held.get("received_at")),
+    )
+
+
+def _time(value: object) -> datetime | None:
+    """A unix time of the agent's as a UTC time to the second (a flush time the agent computes anew
+    at each answer must not change the job's status by its fractions); None if it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return datetime.fromtimestamp(round(value), UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 def _quietly(answered: Callable[[], None]) -> None:

@@ -154,6 +154,8 @@ class _Pass:
     """A person's request to flush (``StoredJob.flush_request``), if the job carries one."""
     flush_request_id: str | None = None
     flush_request_problem: str | None = None
+    version: str = ""
+    """The stored job's version this pass read."""
 
     @property
     def stopped(self) -> bool:

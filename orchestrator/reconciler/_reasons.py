@@ -35,6 +35,11 @@ AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node}
 AGENT_FLUSH_FAILED = Reason(
     "AgentFlushFailed", "the agent of {worker} on node {node} exited 76: its flush committed nothing", warning=True
 )
+NOTICE_HELD = Reason(
+    "NoticeHeld",
+    "the agent of {worker} on node {where} holds {source}'s {kind} notice ({detail}), due at {deadline}: "
+    "training goes on, and it starts the flush at {flush_at} (status.heldNotices)",
+)
 WORKER_LOST = Reason("WorkerLost", "worker {worker} on node {node} is gone without an exit code or a notice")
 FLUSH_REQUESTED = Reason("FlushRequested", "{count} agent(s) accepted the request to flush by {deadline}: {workers}")
 FLUSH_REQUEST_FAILED = Reason(

@@ -33,6 +33,7 @@ from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, 
 from orchestrator.model import (
     Cause,
     CheckpointInfo,
+    HeldNotice,
     JobKey,
     JobSpec,
     JobStatus,
@@ -66,6 +67,7 @@ from orchestrator.reconciler._reasons import (
     INVALID_CHECKPOINT_URI,
     INVALID_SPEC,
     INVALID_STATUS,
+    NOTICE_HELD,
     READY,
     SPEC_CHANGE_IGNORED,
     SPEC_VALID,
@@ -119,6 +121,11 @@ class Reconciler(_Capacity):
         """(URI, job identity) pairs this reconciler has claimed: once per process is enough."""
         self._written_at: dict[JobKey, float] = {}
         """When this reconciler last wrote each job's status (monotonic): the refresh of volatile numbers."""
+        self._held_written: dict[JobKey, tuple[str, list[HeldNotice] | None]] = {}
+        """The ``heldNotices`` this reconciler last wrote for each job, and the version its write
+        made. An API server serving a CRD older than the field drops it, so the stored status never
+        has it: compared with the stored one alone, every pass would write the status again and
+        tell the Event again. Trusted only while the job is still at that version."""
         self._skipped: dict[JobKey, set[tuple[str, str]]] = {}
         """(folder, why) of the checkpoints each job's passes skipped and said so: once each, not
         every pass (a fenced or retired folder stays newest for as long as the job runs)."""
@@ -179,6 +186,7 @@ class Reconciler(_Capacity):
         if p.status.checkpoint_uri is None:
             p.status.checkpoint_uri = stored.spec.checkpoint.uri  # from now on, the job's store for good
         p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
+        p.version = stored.version
         p.flush_request_problem = stored.flush_request_problem
         try:
             self._observe(p)
@@ -247,18 +255,22 @@ class Reconciler(_Capacity):
         """Write the status if it changed (or its volatile numbers are due), then emit and count."""
         key, status = p.key, p.status
         stop_failed = False
+        written_held = self._held_notices_written(key, stored.version)
+        if written_held is not None and status.held_notices == written_held:
+            before = before.model_copy(update={"held_notices": status.held_notices})  # dropped by an older CRD
         changed = fresh or _significant(status) != _significant(before)
         due = status != before and (
             self._clock.monotonic() - self._written_at.get(key, -math.inf) >= self._options.status_refresh_seconds
         )
         if changed or due:
             try:
-                self.store.update_status(key, status, version=stored.version)
+                written = self.store.update_status(key, status, version=stored.version)
             except ConflictError as e:
                 log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
                 return ReconcileResult(before.phase, 0.0)
             with self._lock:
                 self._written_at[key] = self._clock.monotonic()
+                self._held_written[key] = (written.version, status.held_notices)
             if status.goodput is not None:
                 p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
         # Act on a decision only once it is written: a pass whose write is lost stopped nothing, so
@@ -296,6 +308,7 @@ class Reconciler(_Capacity):
         unused: Storage | None = None
         with self._lock:
             self._written_at.pop(key, None)
+            self._held_written.pop(key, None)
             self._flush_in_flight.pop(key, None)
             self._flush_clock.pop(key, None)
             self._skipped.pop(key, None)
@@ -730,6 +743,51 @@ class Reconciler(_Capacity):
             )
             for w in sorted(p.current(), key=lambda w: w.index)
         ]
+        self._record_held_notices(p)
+
+    def _held_notices_written(self, key: JobKey, version: str) -> list[HeldNotice] | None:
+        """The held notices this reconciler's last write of the job had, while the job is still at
+        the version that write made (nobody wrote since: what is stored is that status, less what
+        an older CRD dropped); else None."""
+        with self._lock:
+            at, held = self._held_written.get(key, ("", None))
+        return held if at == version else None
+
+    def _record_held_notices(self, p: _Pass) -> None:
+        """The notices the current attempt's agents hold, from their last reports; an Event for each
+        one not held before (or held to another deadline: the cloud moved it). Written with the
+        status's other changes only when the set changes, never for a poll that says the same."""
+        written = self._held_notices_written(p.key, p.version) or []
+        before = {(h.worker, h.source, h.kind, h.deadline) for h in [*(p.status.held_notices or []), *written]}
+        held = [
+            HeldNotice(
+                worker=w.name,
+                node=w.node,
+                source=n.source,
+                kind=n.kind,
+                detail=n.detail,
+                deadline=n.deadline,
+                flush_at=n.flush_at,
+                heard_at=n.heard_at,
+            )
+            for w in sorted(p.current(), key=lambda w: w.index)
+            if (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
+        ]
+        p.status.held_notices = held or None
+        for h in held:
+            if (h.worker, h.source, h.kind, h.deadline) not in before:
+                self._event(
+                    p,
+                    NOTICE_HELD,
+                    node=h.node,
+                    worker=h.worker,
+                    where=h.node or "-",
+                    source=h.source,
+                    kind=h.kind,
+                    detail=h.detail or "-",
+                    deadline=_stamp(h.deadline),
+                    flush_at=_stamp(h.flush_at),
+                )
 
     def _account(self, p: _Pass) -> None:
         """Recompute goodput (defined on ``JobStatus``), counting a recovery in progress up to now."""
@@ -745,3 +803,8 @@ class Reconciler(_Capacity):
             # Flushing counts from the notice; once stopped, the flush is in flushing_seconds already.
             lost += (p.now - (recovery.stopped_at or recovery.detected_at)).total_seconds()
         status.goodput = round(min(1.0, max(0.0, (wall - lost) / wall)), 4) if wall > 0 else None
+
+
+def _stamp(when: datetime | None) -> str:
+    """A time in an Event's message: RFC 3339, UTC; "an unknown time" when the agent gave none."""
+    return when.isoformat().replace("+00:00", "Z") if when is not None else "an unknown time"

@@ -4,11 +4,14 @@ cluster with a real ``spotjob-controller`` process and real ranks (checkpoints o
 from __future__ import annotations
 
 import re
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from e2e_support import (
+    REPO,
     STEPS,
     Controller,
     create_job,
@@ -21,8 +24,13 @@ from e2e_support import (
 )
 
 from agent.catalog import list_checkpoints
+from agent.notices.emulators import AzureScheduledEventsEmulator
 from agent.storage import open_storage
+from orchestrator.model import parse_timestamp
 from tests.k8s.cluster import TestCluster
+
+sys.path.insert(0, str(REPO / "tests" / "k8s_plugin"))
+from plugin_support import run_kubectl_spotjob
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +126,51 @@ def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_c
     assert metrics["spotjob_preemptions_total"] == final["preemptions"]
     assert metrics["spotjob_notice_to_commit_seconds_count"] == 1
     assert metrics['spotjob_restarts_total{cause="preemption"}'] == 1
+
+
+def test_an_azure_reboot_the_agent_holds_is_on_the_spotjob_in_an_event_and_in_kubectl_spotjob_until_withdrawn(
+    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
+) -> None:
+    """Azure announces a Reboot of the worker's VM 15 minutes ahead. The real agent in the pod holds
+    it (``--flush-lead``, 300 s) and trains on. Before, that was in the agent's ``GET /status`` only:
+    the SpotJob's status, its Events and ``kubectl spotjob status`` said nothing. Now the controller
+    takes it from the poll that reads the step: ``status.heldNotices`` names the worker, its node
+    and when the flush starts, a ``NoticeHeld`` Event says so, and ``kubectl spotjob status`` shows
+    it; once Azure cancels the event it is gone from the status, and the job never stopped. The
+    scheduled-events service is the project's emulator on this machine, as the pod's agent is."""
+    cluster.add_node(f"{namespace}-a")
+    start_controller(namespace)
+    with AzureScheduledEventsEmulator() as azure:
+        env = {"SPOTJOB_CLOUD": "azure", "SPOTJOB_AZURE_METADATA_URL": azure.url}
+        body = spotjob_body("held", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path, steps=100000, env=env)
+        create_job(cluster, body)
+        wait_phase(cluster, namespace, "held", "Running")
+        wait(lambda: status(cluster, namespace, "held")["attempt"].get("observedStep"), "a step reported")
+        deadline = time.time() + 900
+        azure.add_event(EventType="Reboot", NotBefore=deadline)
+
+        (held,) = wait(lambda: status(cluster, namespace, "held").get("heldNotices"), "the held notice in the status")
+        (pod,) = running_pods(cluster, namespace, "held", 0)
+        assert (held["worker"], held["node"]) == (pod["metadata"]["name"], pod["spec"]["nodeName"]), held
+        assert (held["source"], held["kind"]) == ("azure", "maintenance"), held
+        assert abs(datetime_of(held["flushAt"]) - (deadline - 300)) <= 2, held
+        (told,) = wait(
+            lambda: [e for e in job_events(cluster, namespace, "held") if e["reason"] == "NoticeHeld"],
+            "the NoticeHeld Event",
+        )
+        assert f"the agent of {held['worker']} on node {held['node']} holds azure's maintenance notice" in told["note"]
+        shown = run_kubectl_spotjob(cluster, cluster.kubeconfig, "status", "held", "-n", namespace)
+        assert shown.returncode == 0, shown.stderr
+        [line] = [x for x in shown.stdout.splitlines() if x.startswith("Held notice:")]
+        assert f"{held['worker']} on {held['node']}: azure maintenance" in line and "the flush starts" in line, line
+
+        azure.clear()
+        wait(lambda: "heldNotices" not in status(cluster, namespace, "held"), "the withdrawn notice gone")
+        now = status(cluster, namespace, "held")
+        assert now["phase"] == "Running" and now["attempt"]["number"] == 0 and now["preemptions"] == 0, now
+
+
+def datetime_of(text: str) -> float:
+    when = parse_timestamp(text)
+    assert when is not None, text
+    return when.timestamp()

@@ -153,13 +153,17 @@ class TestApi:
 SPOTJOB_CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev_spotjobs.yaml"
 
 
-def install_spotjob_crd(test_api: TestApi) -> None:
-    """Create the chart's SpotJob CRD in the test API server and wait until SpotJobs are served."""
+def install_spotjob_crd(test_api: TestApi, *, without_status: tuple[str, ...] = ()) -> None:
+    """Create the chart's SpotJob CRD in the test API server and wait until SpotJobs are served;
+    ``without_status``: status fields to leave out (an older CRD, whose server drops them)."""
     import yaml
 
     from orchestrator.k8s.api import SPOTJOBS
 
-    test_api.admin.create(CRDS, yaml.safe_load(SPOTJOB_CRD_FILE.read_text()))
+    crd = yaml.safe_load(SPOTJOB_CRD_FILE.read_text())
+    for field in without_status:
+        del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][field]
+    test_api.admin.create(CRDS, crd)
 
     def served() -> bool:
         try:

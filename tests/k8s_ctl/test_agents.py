@@ -15,6 +15,7 @@ from agent.control_channel import ControlDir, RankStatus
 from agent.launcher import Agent, AgentConfig
 from orchestrator.k8s.agents import (
     AgentCalls,
+    AgentReport,
     CallResult,
     CallState,
     Endpoint,
@@ -258,3 +259,32 @@ def test_agents_whose_packets_are_dropped_do_not_hold_up_the_flush_of_a_reachabl
         calls.close()
         held.close()
         full.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"state": "running", "step": 7}',
+        b'{"state": "running", "step": 7, "held_notice": "soon", "flush_at": "later"}',
+        b'{"state": "running", "step": 7, "held_notice": {"kind": "maintenance"}, "flush_at": 1}',
+    ],
+    ids=["older-agent", "not-an-object", "no-source"],
+)
+def test_an_agent_whose_status_has_no_held_notice_of_its_shape_reports_its_step_and_none(body: bytes) -> None:
+    """An agent older than ``held_notice``/``flush_at`` (or one answering something else there)
+    still reports its step, and holds no notice as far as the controller can tell. The transport is
+    replaced to answer as such an agent would; what it does not model is the network."""
+
+    def older_agent(*_: object) -> tuple[int, bytes]:
+        return 200, body
+
+    calls = AgentCalls(port=1, status_max_age=0.0, transport=older_agent)
+    try:
+        calls.report(endpoint())
+        for _ in range(3000):
+            if calls.report(endpoint()).step == 7:
+                break
+            threading.Event().wait(0.01)
+        assert calls.report(endpoint()) == AgentReport(step=7, held_notice=None)
+    finally:
+        calls.close()

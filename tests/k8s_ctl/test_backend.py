@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.backends.base import FlushRequestOutcome, Placement
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
-from orchestrator.k8s.agents import AgentCalls, CallResult, CallState, Endpoint
+from orchestrator.k8s.agents import AgentCalls, AgentReport, CallResult, CallState, Endpoint
 from orchestrator.k8s.api import AlreadyExists, Resource
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
 from orchestrator.k8s.informer import Cache
@@ -59,8 +59,8 @@ class FakeAgents:
         self.asked.append(("stop", agent.pod))
         return self.answer
 
-    def step(self, agent: Endpoint) -> int | None:
-        return 7
+    def report(self, agent: Endpoint) -> AgentReport:
+        return AgentReport(step=7)
 
     def forget(self, uid: str) -> None:
         pass

@@ -15,13 +15,19 @@ from typing import Any
 import pytest
 from ctl_support import TestApi, install_spotjob_crd, wait_for
 
+from agent.control_api import ControlApi
+from agent.control_channel import ControlDir
+from agent.launcher import Agent, AgentConfig
+from agent.notices.base import Notice, NoticeKind
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
-from orchestrator.k8s.api import NODES, PODS, SPOTJOBS, KubeClient
+from orchestrator.k8s.agents import AgentCalls, derive_token
+from orchestrator.k8s.api import EVENTS, NODES, PODS, SPOTJOBS, KubeClient
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
+from orchestrator.k8s.events import EventRecorder, JobEventSink
 from orchestrator.k8s.informer import Informer
 from orchestrator.k8s.pods import JOB_LABEL
 from orchestrator.k8s.store import KubeJobStore
-from orchestrator.model import JobKey, Phase
+from orchestrator.model import JobKey, Phase, parse_timestamp
 from orchestrator.reconciler import Reconciler
 
 KEY = JobKey("default", "llama")
@@ -35,9 +41,10 @@ def _pod_job(pod: dict[str, Any]) -> list[str]:
 
 
 class Parts:
-    """The controller's parts for one test, its informers running."""
+    """The controller's parts for one test, its informers running; ``agents`` and ``events`` as the
+    controller wires them when given (else the backend's own and the reconciler's logging sink)."""
 
-    def __init__(self, api: TestApi, tmp_path: Path) -> None:
+    def __init__(self, api: TestApi, tmp_path: Path, *, agents: AgentCalls | None = None, events: bool = False) -> None:
         self.client: KubeClient = api.client()
         self.jobs = Informer(self.client, SPOTJOBS, namespaces=["default"])
         self.pods = Informer(
@@ -56,9 +63,11 @@ class Parts:
             signals=ClusterSignals(),
             token_key=b"k" * 32,
             options=BackendOptions(network_policy=False),
+            agents=agents,
         )
         self.store = KubeJobStore(self.client, self.jobs.cache)
-        self.reconciler = Reconciler(self.store, backend)
+        sink = JobEventSink(EventRecorder(self.client, instance="r"), self.jobs.cache, self.nodes.cache)
+        self.reconciler = Reconciler(self.store, backend, events=sink if events else None)
         self.uri = str(tmp_path / "ckpt")
 
     def stop(self) -> None:
@@ -123,9 +132,9 @@ def _register_node(test_api: TestApi, name: str) -> None:
     test_api.admin.replace(NODES, node, subresource="status")
 
 
-def _run_on(test_api: TestApi, pod_name: str, node: str) -> None:
+def _run_on(test_api: TestApi, pod_name: str, node: str, pod_ip: str | None = None) -> None:
     """The scheduler's binding (the server stamps PodScheduled), then a kubelet's Running status
-    with the training container ready."""
+    with the training container ready (and ``pod_ip``, when given)."""
     binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod_name}, "target": {"name": node}}
     path = PODS.path("default", pod_name, "binding")
     test_api.admin._json("create", PODS, "POST", path, body=binding, subresource="binding")
@@ -133,17 +142,21 @@ def _run_on(test_api: TestApi, pod_name: str, node: str) -> None:
     (trainer,) = pod["spec"]["containers"]
     pod["status"]["phase"] = "Running"
     pod["status"]["containerStatuses"] = [{"name": trainer["name"], "ready": True, "state": {"running": {}}}]
+    if pod_ip is not None:
+        pod["status"]["podIP"] = pod_ip
     test_api.admin.replace(PODS, pod, subresource="status")
 
 
-def _running_on_n1(test_api: TestApi, parts: Parts) -> None:
-    """The job created and reconciled, its one worker bound to node ``n1`` and running there."""
+def _running_on_n1(test_api: TestApi, parts: Parts, pod_ip: str | None = None, *, create: bool = True) -> None:
+    """The job created (unless it is already) and reconciled, its one worker bound to node ``n1``
+    and running there."""
     _register_node(test_api, "n1")
-    test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
+    if create:
+        test_api.admin.create(SPOTJOBS, spotjob(parts.uri), "default")
     wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
     parts.reconciler.reconcile(KEY)
     wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod in the cache")
-    _run_on(test_api, "llama-0-0", "n1")
+    _run_on(test_api, "llama-0-0", "n1", pod_ip)
     wait_for(
         lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Running",
         what="the pod running in the cache",
@@ -206,3 +219,94 @@ def test_a_worker_whose_container_the_kubelet_could_not_find_is_lost_not_failed(
     assert status["preemptions"] == 1 and status["restarts"] == 0, status
     (restart,) = status["restartHistory"]
     assert restart["reason"] == "WorkerLost" and "ContainerStatusUnknown" in restart["message"], restart
+
+
+@pytest.mark.parametrize(("gone", "crd"), [("withdrawn", "shipped"), ("flushing", "shipped"), ("withdrawn", "older")])
+def test_a_notice_an_agent_holds_is_shown_on_the_spotjob_told_once_and_removed_when_it_goes(
+    test_api: TestApi, tmp_path: Path, gone: str, crd: str
+) -> None:
+    """An Azure Reboot 15 minutes ahead: the worker's agent holds it (``--flush-lead``) and trains on.
+    Before, only the agent's own ``GET /status`` said so: the SpotJob's status and Events did not.
+    Now the poll that reads the step takes it: ``status.heldNotices`` names the worker, node,
+    source, kind, deadline and flush time, one ``NoticeHeld`` Event tells it (on the job and the
+    node), passes that find the same notice write nothing, a notice the cloud moves is told again
+    with its new time, and it goes from the status once the cloud withdraws it or the flush
+    starts. Under a CRD older than the field (``crds.enabled=false``, not applied yet) the server
+    drops it: the status is not written again at each pass for that, nor the Event told again.
+    The agent is the real one's state and control API (no ranks, no command); the test plays the
+    kubelet (the pod's Running status and IP)."""
+    install_spotjob_crd(test_api, without_status=("heldNotices",) if crd == "older" else ())
+    agent = Agent(AgentConfig(command=["true"], checkpoint_uri="file:///c"), ControlDir(str(tmp_path / "ctl")), env={})
+    job = test_api.admin.create(SPOTJOBS, spotjob(str(tmp_path / "ckpt")), "default")
+    api = ControlApi(agent, token=derive_token(b"k" * 32, "default", KEY.name, job["metadata"]["uid"]))
+    api.start()
+    calls = AgentCalls(port=api.port, status_max_age=0.0)
+    parts = Parts(test_api, tmp_path, agents=calls, events=True)
+    try:
+        _running_on_n1(test_api, parts, "127.0.0.1", create=False)
+        deadline = time.time() + 900
+        agent.on_notice(
+            Notice(source="azure", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="Reboot e-1", event_id="e-1")
+        )
+
+        def held() -> list[dict[str, Any]] | None:
+            parts.reconciler.reconcile(KEY)
+            found: list[dict[str, Any]] | None = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"].get(
+                "heldNotices"
+            )
+            return found
+
+        if crd == "older":
+            wait_for(lambda: held() is None and told(test_api), what="the NoticeHeld Event")
+        else:
+            (notice,) = wait_for(held, what="the held notice in the SpotJob's status")
+            assert {k: notice[k] for k in ("worker", "node", "source", "kind", "detail")} == {
+                "worker": "llama-0-0",
+                "node": "n1",
+                "source": "azure",
+                "kind": "maintenance",
+                "detail": "Reboot e-1",
+            }, notice
+            assert parse_timestamp(notice["deadline"]).timestamp() == round(deadline)
+            assert parse_timestamp(notice["flushAt"]).timestamp() == round(deadline - 300)
+
+        seen = len(test_api.audit())
+        for _ in range(3):
+            parts.reconciler.reconcile(KEY)
+        writes = [r for r in test_api.audit(seen) if r["resource"] == "spotjobs" and r["verb"] == "update"]
+        assert writes == [], writes  # nothing changed: no status write
+        events = told(test_api)
+        assert sorted(e["regarding"]["kind"] for e in events) == ["Node", "SpotJob"], events
+        assert all(not e.get("series") for e in events), events  # told once, not once per pass
+        assert "llama-0-0 on node n1 holds azure's maintenance notice (Reboot e-1), due at" in events[0]["note"]
+
+        if crd == "older":
+            return  # the server keeps no held notice for it to leave
+        if gone == "withdrawn":
+            # Azure moves the event: the status follows, and the new time is told.
+            later = deadline + 120
+            moved = Notice(
+                source="azure", kind=NoticeKind.MAINTENANCE, deadline=later, detail="Reboot e-1", event_id="e-1"
+            )
+            agent.on_notice(moved)
+            wait_for(
+                lambda: [parse_timestamp(h["deadline"]).timestamp() for h in held() or []] == [round(later)],
+                what="the moved deadline in the status",
+            )
+            assert len([e for e in told(test_api) if e["regarding"]["kind"] == "SpotJob"]) == 2
+            withdrawn = Notice(
+                source="azure", kind=NoticeKind.MAINTENANCE, deadline=None, detail="e-1", event_id="e-1", withdrawn=True
+            )
+            agent.on_notice(withdrawn)
+        else:
+            agent.on_notice(Notice(source="sigterm", kind=NoticeKind.TERMINATE, deadline=time.time() + 30, detail="x"))
+        wait_for(lambda: held() is None, what="the held notice gone from the SpotJob's status")
+    finally:
+        parts.stop()
+        calls.close()
+        api.stop()
+
+
+def told(test_api: TestApi) -> list[dict[str, Any]]:
+    """The ``NoticeHeld`` Events in the namespace."""
+    return [e for e in test_api.admin.list(EVENTS, "default")[0] if e["reason"] == "NoticeHeld"]

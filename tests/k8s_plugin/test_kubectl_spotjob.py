@@ -26,6 +26,7 @@ from plugin_support import (
     create_pod,
     flush_annotation,
     jobs_path,
+    rfc3339,
     running_status,
     set_status,
     wait_pod_running,
@@ -197,6 +198,39 @@ def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: 
     assert listed["restarts"] == 0 and listed["maxRestarts"] == 3
     assert one["lastRestart"]["reason"] == "SpotInterrupted" and one["pods"] == []
     assert one["checkpointUri"] == "s3://bucket/jobs"
+
+
+def test_status_of_one_job_shows_the_notices_its_agents_hold_and_when_each_flush_starts(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """An Azure Reboot the agent of a worker holds (``status.heldNotices``): the job trains on and
+    flushes by itself at ``flushAt``. Before, ``kubectl spotjob status`` said nothing of it."""
+    create_job(cluster, namespace, "held")
+    now = datetime.now(UTC)
+    held = {
+        "worker": "held-1-0",
+        "node": "vm-7",
+        "source": "azure",
+        "kind": "maintenance",
+        "detail": "Reboot 3f2a",
+        "deadline": rfc3339(now + timedelta(seconds=900)),
+        "flushAt": rfc3339(now + timedelta(seconds=600)),
+        "heardAt": ago(5),
+    }
+    set_status(cluster, namespace, "held", running_status(heldNotices=[held]))
+
+    out = ok(kubectl_spotjob("status", "held", "-n", namespace))
+    one = json.loads(ok(kubectl_spotjob("status", "held", "-n", namespace, "-o", "json")))
+
+    [line] = [line for line in out.splitlines() if line.startswith("Held notice:")]
+    assert re.fullmatch(
+        r"Held notice: +held-1-0 on vm-7: azure maintenance \(Reboot 3f2a\), due \S+ \S+Z \(in 1[45]m\); "
+        r"training goes on, the flush starts \S+ \S+Z \(in (9m\d*s?|10m)\)",
+        line,
+    ), line
+    assert one["heldNotices"] == [held]
+    set_status(cluster, namespace, "held", running_status())
+    assert not [line for line in ok(kubectl_spotjob("status", "held", "-n", namespace)).splitlines() if "Held" in line]
 
 
 def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_grows(
