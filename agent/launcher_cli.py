@@ -40,6 +40,17 @@ ENV_AWS_METADATA_URL = "SPOTJOB_AWS_METADATA_URL"
 ENV_GCP_METADATA_URL = "SPOTJOB_GCP_METADATA_URL"
 ENV_AZURE_METADATA_URL = "SPOTJOB_AZURE_METADATA_URL"
 ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
+ENV_FLUSH_LEAD = "SPOTJOB_AGENT_FLUSH_LEAD"
+ENV_GCP_MAINTENANCE_SECONDS = "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS"
+ENV_REBALANCE = "SPOTJOB_AGENT_REBALANCE"
+NOTICE_VARIABLES = {
+    "flush_lead": ENV_FLUSH_LEAD,
+    "gcp_maintenance_seconds": ENV_GCP_MAINTENANCE_SECONDS,
+    "rebalance": ENV_REBALANCE,
+}
+"""The notice options a variable also sets (the option wins): on Kubernetes the controller writes
+the agent's command line, and a SpotJob's ``env`` is how a user reaches these (an agent older
+than the variables ignores them, where an option it lacks would make it exit 2)."""
 """Hidden: a poll interval outside 1-5 s, for tests against emulators."""
 MIN_POLL_INTERVAL = 0.01
 MAX_POLL_INTERVAL = 60.0
@@ -56,6 +67,7 @@ and are only held back from notices that give more (no spot preemption does)."""
 
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
+REBALANCE_POLICIES: tuple[RebalancePolicy, ...] = ("ignore", "save-early", "flush")
 
 
 class AgentConfig(BaseModel):
@@ -224,9 +236,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     no.add_argument("--poll-interval", type=_interval, default=2.0, help="metadata poll interval, 1-5 s (default 2)")
     no.add_argument(
         "--rebalance",
-        choices=("ignore", "save-early", "flush"),
-        default="save-early",
-        help="what an AWS rebalance recommendation does (default save-early)",
+        choices=REBALANCE_POLICIES,
+        help=f"what an AWS rebalance recommendation does (default save-early; also {ENV_REBALANCE})",
     )
     no.add_argument("--sigterm-grace", type=float, default=30.0, help="deadline after SIGTERM/SIGINT (default 30 s)")
     no.add_argument(
@@ -240,15 +251,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         help="deadline after GCE maintenance-event=TERMINATE_ON_HOST_MAINTENANCE (default: 3600 s on a "
         "machine with an NVIDIA GPU, GCE's notice to GPU VMs, else 60 s; a value already set when the agent "
-        "starts gets 60 s)",
+        f"starts gets 60 s; also {ENV_GCP_MAINTENANCE_SECONDS})",
     )
     no.add_argument(
         "--flush-lead",
         type=float,
-        default=DEFAULT_FLUSH_LEAD,
         help="a cloud notice whose deadline is further away than this (GCE host maintenance of a GPU VM, an "
         f"Azure Reboot or Redeploy; never a preemption) is held, training goes on, and the flush starts this "
-        f"long before the deadline (default {DEFAULT_FLUSH_LEAD:g} s; 0: flush at once)",
+        f"long before the deadline (default {DEFAULT_FLUSH_LEAD:g} s; 0: flush at once; also {ENV_FLUSH_LEAD})",
     )
 
     st = p.add_argument_group("stopping")
@@ -339,6 +349,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     staging_problem = staging_dir_problem(ns.staging_dir)
     if staging_problem is not None:
         parser.error(f"--staging-dir {staging_problem}")
+    from_env = _notice_variables(parser, ns, env)
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
     metadata_urls = {cloud: _metadata_url(parser, ns, env, cloud) for cloud in _METADATA_URLS}
     poll_interval = _poll_interval(parser, env) or ns.poll_interval
@@ -363,11 +374,11 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             gcp_metadata_url=metadata_urls["gcp"],
             azure_metadata_url=metadata_urls["azure"],
             poll_interval=poll_interval,
-            rebalance=ns.rebalance,
+            rebalance=ns.rebalance or "save-early",
             sigterm_grace=ns.sigterm_grace,
             gcp_notice_seconds=ns.gcp_notice_seconds,
             gcp_maintenance_seconds=ns.gcp_maintenance_seconds,
-            flush_lead=ns.flush_lead,
+            flush_lead=DEFAULT_FLUSH_LEAD if ns.flush_lead is None else ns.flush_lead,
             safety_margin=ns.safety_margin,
             exit_timeout=ns.exit_timeout,
             flush_timeout=ns.flush_timeout,
@@ -382,9 +393,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             log_format=ns.log_format,
         )
     except ValidationError as e:
-        problems = "; ".join(
-            f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {_plain(err)}" for err in e.errors()
-        )
+        problems = "; ".join(f"{_where(err['loc'], from_env, env)}: {_plain(err)}" for err in e.errors())
         parser.error(problems)
     # What the ranks will read: every Checkpointer and every store refuses a malformed variable,
     # on every rank, once the script builds one. Refused here instead, before anything starts.
@@ -438,6 +447,37 @@ def _metadata_url(parser: argparse.ArgumentParser, ns: argparse.Namespace, env: 
             + (", or unset it" if where == variable else "")
         )
     return url
+
+
+def _notice_variables(parser: argparse.ArgumentParser, ns: argparse.Namespace, env: Mapping[str, str]) -> set[str]:
+    """Fill the notice options not given from their variables (``NOTICE_VARIABLES``); the fields
+    so filled. A value no option would take is a usage error naming the variable."""
+    filled: set[str] = set()
+    for field, variable in NOTICE_VARIABLES.items():
+        text = env.get(variable, "").strip()
+        if getattr(ns, field) is not None or not text:
+            continue
+        if field == "rebalance":
+            if text not in REBALANCE_POLICIES:
+                parser.error(f"{variable}={text!r}: expected one of {', '.join(REBALANCE_POLICIES)}, or unset it")
+            value: object = text
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                parser.error(f"{variable}={text!r} is not a number of seconds: set it to one, or unset it")
+        setattr(ns, field, value)
+        filled.add(field)
+    return filled
+
+
+def _where(loc: Sequence[Any], from_env: set[str], env: Mapping[str, str]) -> str:
+    """Where a refused setting came from: its option, or the variable that set it."""
+    field = "_".join(str(x) for x in loc)
+    if field in from_env:
+        variable = NOTICE_VARIABLES[field]
+        return f"{variable}={env[variable].strip()!r}"
+    return "--" + field.replace("_", "-")
 
 
 def _poll_interval(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> float | None:

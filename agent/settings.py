@@ -161,6 +161,9 @@ OTHER_VARIABLES = frozenset(
         "SPOTJOB_GCP_METADATA_URL",
         "SPOTJOB_AZURE_METADATA_URL",
         "SPOTJOB_AGENT_POLL_INTERVAL",
+        "SPOTJOB_AGENT_FLUSH_LEAD",
+        "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS",
+        "SPOTJOB_AGENT_REBALANCE",
         "SPOTJOB_AGENT_ID",
         # spotjob run's workers and their marks (orchestrator.backends.local)
         "SPOTJOB_LOCAL_NODE",

@@ -110,6 +110,31 @@ def test_every_worker_pod_of_a_spec_the_model_takes_starts_its_agent(changes: di
         assert pod["spec"]["terminationGracePeriodSeconds"] > window
 
 
+def test_a_spotjobs_env_gives_its_agents_the_notice_settings() -> None:
+    """The controller writes the agent's command line; the SpotJob's ``env`` is how a user sets
+    ``--flush-lead``, ``--gcp-maintenance-seconds`` and ``--rebalance`` on Kubernetes (README
+    "Notices far ahead")."""
+    env = {
+        "SPOTJOB_AGENT_FLUSH_LEAD": "0",
+        "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS": "900",
+        "SPOTJOB_AGENT_REBALANCE": "flush",
+    }
+    spec = job_spec({}).model_copy(update={"env": env})
+    pod = pods.worker_pod(
+        OWNER,
+        "ml/llama",
+        _worker_spec(spec),
+        name="llama-0-0",
+        attempt=0,
+        index=0,
+        master_addr=None,
+        placement=pods.WorkerPlacement(),
+        options=OPTIONS,
+    )
+    config = agent_of_pod(pod)
+    assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (0, 900, "flush")
+
+
 # The options spotjob-agent accepted at c5f2419 (2026-12-01, the first day of the Helm
 # chart), read from its agent.launcher_cli.build_parser: the oldest agent README "Upgrading" says a
 # newer controller still starts. An option the controller adds must be one of these, or go in the

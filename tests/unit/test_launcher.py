@@ -612,6 +612,48 @@ class TestHeldNotices:
         config, _ = parse_args(["--checkpoint-uri", "file:///c", "--flush-lead", "600", "--", "x"], {})
         assert config.flush_lead == 600
 
+    def test_the_notice_options_are_also_variables_and_the_option_wins(self) -> None:
+        """On Kubernetes the controller writes the agent's command line: a SpotJob's ``env`` is the
+        only way to give ``--flush-lead``, ``--gcp-maintenance-seconds`` or ``--rebalance``. Before,
+        the variables were read by nothing (the agent warned of unknown variables)."""
+        argv = ["--checkpoint-uri", "file:///c", "--", "x"]
+        env = {
+            "SPOTJOB_AGENT_FLUSH_LEAD": "0",
+            "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS": "1800",
+            "SPOTJOB_AGENT_REBALANCE": "flush",
+        }
+        config, _ = parse_args(argv, env)
+        assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (0, 1800, "flush")
+        options = ["--flush-lead", "120", "--gcp-maintenance-seconds", "60", "--rebalance", "ignore"]
+        config, _ = parse_args([*options, *argv], env)
+        assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (120, 60, "ignore")
+        config, _ = parse_args(argv, {"SPOTJOB_AGENT_FLUSH_LEAD": " "})  # empty counts as unset
+        assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (300, None, "save-early")
+
+    @pytest.mark.parametrize(
+        ("variable", "value", "said"),
+        [
+            ("SPOTJOB_AGENT_FLUSH_LEAD", "5m", "SPOTJOB_AGENT_FLUSH_LEAD='5m' is not a number of seconds"),
+            ("SPOTJOB_AGENT_FLUSH_LEAD", "-1", "SPOTJOB_AGENT_FLUSH_LEAD='-1': must be at least 0"),
+            (
+                "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS",
+                "0",
+                "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS='0': must be more than 0",
+            ),
+            (
+                "SPOTJOB_AGENT_REBALANCE",
+                "save_early",
+                "SPOTJOB_AGENT_REBALANCE='save_early': expected one of ignore, save-early",
+            ),
+        ],
+    )
+    def test_a_malformed_variable_exits_2_naming_it(
+        self, capsys: pytest.CaptureFixture[str], variable: str, value: str, said: str
+    ) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "file:///c", "--", "x"], {variable: value})
+        assert e.value.code == 2 and said in capsys.readouterr().err
+
 
 class TestRanksConnect:
     def test_no_rank_after_the_timeout_is_a_warning_and_a_status_field(
