@@ -40,7 +40,7 @@ class _Retention(_State):
             return
         self._below_said = True
         for ref in newer:  # newest first
-            status = inspect(self.storage, ref, lineage=lineage)
+            status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
             if status.committed and status.valid and not (status.foreign or status.fenced):
                 log.error(
                     "committed step %d at %s, but the job already has a newer checkpoint, of step %d (%s), and "
@@ -75,7 +75,9 @@ class _Retention(_State):
             kept = 0
             kept_steps = {committed.step}
             for ref in older:  # newest first
-                status = inspect(self.storage, ref, lineage=lineage)
+                # An archived manifest (a lifecycle rule's): committed, unusable, deleted as a broken
+                # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
+                status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
                     doomed.append((ref, False))  # a save that never finished
                     continue

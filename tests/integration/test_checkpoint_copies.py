@@ -1,0 +1,119 @@
+"""Checkpoints that operators' tools copied, moved or aged: restore, retention and ``spotjob ckpt``
+afterwards.
+
+S3 archive classes are moto's own: an object copied onto itself with ``StorageClass="GLACIER"`` (what
+a lifecycle transition does) answers ``GetObject`` with 403 ``InvalidObjectState``, as S3 does, and
+is still listed, HEADed and deleted. moto does not model a restore from the archive
+(``RestoreObject``'s temporary copy), nor Intelligent-Tiering's archive tiers.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import find_checkpoints
+from agent.checkpoint import Checkpointer, StorageRefusedError
+from agent.storage import ArchivedError, open_storage, parse_uri
+from orchestrator.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from ckpt_state import make_state, train
+
+
+def save_steps(uri: str, steps: list[int], staging: Path, *, keep: int | None = None) -> None:
+    state = make_state(0)
+    with Checkpointer(uri, keep=keep, async_save=False, staging_dir=str(staging)) as ckpt:
+        done = ckpt.restore(state)
+        for step in steps:
+            train(state, step - done, start=done)
+            done = step
+            ckpt.save(step, state)
+
+
+def archive(s3_client: Any, uri: str, step: int) -> None:
+    """What a lifecycle rule's transition to S3 Glacier Flexible Retrieval does to one checkpoint."""
+    _, bucket, prefix = parse_uri(uri)
+    folder = f"{prefix}/step-{step:09d}/"
+    for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix=folder)["Contents"]:
+        source = {"Bucket": bucket, "Key": obj["Key"]}
+        s3_client.copy_object(Bucket=bucket, Key=obj["Key"], CopySource=source, StorageClass="GLACIER")
+
+
+def steps_in(uri: str) -> list[int]:
+    storage = open_storage(uri)
+    try:
+        return sorted(r.step for r in find_checkpoints(storage))
+    finally:
+        storage.close()
+
+
+@pytest.fixture
+def s3_uri(fresh_uri: Callable[[str], str]) -> str:
+    return fresh_uri("s3")
+
+
+def test_retention_removes_an_old_checkpoint_a_lifecycle_rule_archived(
+    s3_uri: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A lifecycle rule moved step 1 to Glacier. Retention read its manifest, got 403
+    InvalidObjectState, called it "permission denied" and removed nothing at any later save: the
+    bucket grew without bound. An archived checkpoint older than the ``keep`` newest valid ones goes
+    like any other (it can be listed and deleted, only not read)."""
+    save_steps(s3_uri, [1, 2, 3], tmp_path / "staging", keep=None)
+    archive(s3_client, s3_uri, 1)
+    save_steps(s3_uri, [4], tmp_path / "staging", keep=2)
+    assert steps_in(s3_uri) == [3, 4]
+
+
+def test_ckpt_list_shows_an_archived_checkpoint_as_a_row_and_the_others_as_they_are(
+    s3_uri: str, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``spotjob ckpt list`` failed whole (exit 2, "permission denied") when one old checkpoint's
+    manifest was archived; the other checkpoints could not be seen at all."""
+    save_steps(s3_uri, [1, 2], tmp_path / "staging")
+    archive(s3_client, s3_uri, 1)
+    rc = main(["ckpt", "list", s3_uri])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = {line.split()[1]: line for line in out.splitlines()[1:]}
+    assert "valid" in rows["step-000000002"] and "invalid" not in rows["step-000000002"]
+    assert "archived" in rows["step-000000001"] and "restore-object" in rows["step-000000001"]
+    assert "permission denied" not in out
+
+
+def test_restore_stops_at_an_archived_newest_checkpoint_saying_it_is_archived(
+    s3_uri: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A job paused past the lifecycle rule's age finds every checkpoint archived. The restore must
+    neither go back past the newest nor start from step 0, and must say what happened: it said
+    "permission denied ... the AWS credentials lack the permission", which sends the operator to IAM."""
+    save_steps(s3_uri, [1, 2], tmp_path / "staging")
+    archive(s3_client, s3_uri, 1)
+    archive(s3_client, s3_uri, 2)
+    with pytest.raises(StorageRefusedError) as caught:
+        save_steps(s3_uri, [], tmp_path / "staging")
+    message = str(caught.value)
+    assert "step-000000002" in message
+    assert "archived" in message and "restore-object" in message
+    assert "permission denied" not in message
+    assert steps_in(s3_uri) == [1, 2]
+
+
+def test_an_archived_object_is_an_archived_error_on_every_read(s3_uri: str, s3_client: Any, tmp_path: Path) -> None:
+    """The error a store raises for an archived object is its own kind (permanent, not a
+    permission), for the manifest's whole read and a shard's ranged download alike."""
+    save_steps(s3_uri, [1], tmp_path / "staging")
+    archive(s3_client, s3_uri, 1)
+    storage = open_storage(s3_uri)
+    try:
+        with pytest.raises(ArchivedError):
+            storage.get_bytes("step-000000001/MANIFEST.json")
+        with pytest.raises(ArchivedError):
+            storage.get_file("step-000000001/rank-00000.pt", str(tmp_path / "rank.pt"))
+    finally:
+        storage.close()
