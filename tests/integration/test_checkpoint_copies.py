@@ -9,6 +9,8 @@ is still listed, HEADed and deleted. moto does not model a restore from the arch
 
 from __future__ import annotations
 
+import logging
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,14 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_state import make_state, train
 
 
-def save_steps(uri: str, steps: list[int], staging: Path, *, keep: int | None = None) -> None:
+def save_steps(uri: str, steps: list[int], staging: Path, *, keep: int | None = None, job: str | None = None) -> int:
+    """Restore, then train and save each of ``steps``; the step restored."""
     state = make_state(0)
-    with Checkpointer(uri, keep=keep, async_save=False, staging_dir=str(staging)) as ckpt:
-        done = ckpt.restore(state)
+    with Checkpointer(uri, keep=keep, async_save=False, staging_dir=str(staging), job=job) as ckpt:
+        done = restored = ckpt.restore(state)
         for step in steps:
             train(state, step - done, start=done)
             done = step
             ckpt.save(step, state)
+    return restored
 
 
 def archive(s3_client: Any, uri: str, step: int) -> None:
@@ -117,3 +121,23 @@ def test_an_archived_object_is_an_archived_error_on_every_read(s3_uri: str, s3_c
             storage.get_file("step-000000001/rank-00000.pt", str(tmp_path / "rank.pt"))
     finally:
         storage.close()
+
+
+def test_a_checkpoint_copied_into_a_uri_another_job_owns_is_taken_in_by_adopt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cp -r`` of job A's checkpoint into the URI job B already owns (to go on from it): restore
+    passes over it as foreign, rightly, but said nothing of what to do, and ``spotjob ckpt adopt URI
+    --job B`` answered "already belongs to job 'B'; nothing changed": no command could take it in.
+    Now the skip names the command, and adopt takes in the checkpoints other jobs left there."""
+    source, target = tmp_path / "a", tmp_path / "b"
+    save_steps(str(source), [1, 2, 3], tmp_path / "staging-a", job="A")
+    save_steps(str(target), [1], tmp_path / "staging-b", job="B")
+    subprocess.run(["cp", "-r", str(source / "step-000000003"), str(target)], check=True)
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoint"):
+        assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 1
+    assert f"spotjob ckpt adopt file://{target} --job B" in caplog.text
+    assert main(["ckpt", "adopt", str(target), "--job", "B"]) == 0
+    out = capsys.readouterr().out
+    assert "job 'A' up to step-000000003" in out, out
+    assert save_steps(str(target), [4], tmp_path / "staging-b", job="B") == 3
