@@ -336,7 +336,8 @@ def claim(storage: Storage, job: str | None) -> Owner:
 
     Creates ``owner.json`` create-only when absent (of two racing claimers exactly one wins; the
     other re-reads). A URI without an owner record but with checkpoints another job committed
-    (written before spotjob recorded owners) is refused too: those are that job's.
+    (copied there without ``.spotjob/``, or written before spotjob recorded owners) is refused too:
+    those are that job's.
     Raises ``OwnershipError`` (another owner, or an unreadable record) or ``StorageError``.
     """
     owner = read_owner(storage)
@@ -345,7 +346,12 @@ def claim(storage: Storage, job: str | None) -> Owner:
         if others:
             names = ", ".join(describe_job(w) for w in others)
             raise OwnershipError(
-                _owned_message(storage, f"{names} (checkpoints written before spotjob recorded owners)", job),
+                _owned_message(
+                    storage,
+                    f"{names} (checkpoints there with no owner record: copied here without its .spotjob folder, or "
+                    "written before spotjob recorded owners)",
+                    job,
+                ),
                 uri=storage.uri,
                 job=job,
                 owner=others[0],

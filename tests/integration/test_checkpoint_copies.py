@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from agent.catalog import find_checkpoints
-from agent.checkpoint import Checkpointer, StorageRefusedError
+from agent.checkpoint import CheckpointOwnershipError, Checkpointer, StorageRefusedError
 from agent.storage import ArchivedError, open_storage, parse_uri
 from orchestrator.cli import main
 
@@ -141,3 +141,19 @@ def test_a_checkpoint_copied_into_a_uri_another_job_owns_is_taken_in_by_adopt(
     out = capsys.readouterr().out
     assert "job 'A' up to step-000000003" in out, out
     assert save_steps(str(target), [4], tmp_path / "staging-b", job="B") == 3
+
+
+def test_a_checkpoint_copied_without_its_owner_record_is_refused_naming_the_copy_and_adopt(tmp_path: Path) -> None:
+    """``rsync -r`` of a step folder (not ``.spotjob/``) to a fresh folder for another job: refused,
+    rightly, but the error said the checkpoints were "written before spotjob recorded owners", which
+    a copy never was; it now names the copy, and ``adopt`` still makes the URI the new job's."""
+    source, target = tmp_path / "a", tmp_path / "b"
+    save_steps(str(source), [1, 2], tmp_path / "staging-a", job="A")
+    target.mkdir()
+    subprocess.run(["rsync", "-r", str(source / "step-000000002"), str(target)], check=True)
+    with pytest.raises(CheckpointOwnershipError) as caught:
+        save_steps(str(target), [], tmp_path / "staging-b", job="B")
+    assert "copied here without its .spotjob folder" in str(caught.value)
+    assert f"spotjob ckpt adopt file://{target} --job B" in str(caught.value)
+    assert main(["ckpt", "adopt", str(target), "--job", "B"]) == 0
+    assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 2
