@@ -98,20 +98,29 @@ class _Retention(_State):
                 elif status.valid:
                     kept += 1
                     kept_steps.add(ref.step)
+            refused: PermanentStorageError | None = None
             for ref, holds_manifest in doomed:
                 self._check_fence()
                 # Nothing listed in an uncommitted folder: on a versioned bucket MinIO (and moto) still
                 # list a folder whose objects are all delete markers. Deleting its manifest would add
                 # one more marker each save, and saying it was removed would repeat every save.
                 empty = not holds_manifest and next(iter(self.storage.list(ref.folder + "/")), None) is None
-                if holds_manifest:
-                    # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
-                    self.storage.delete([ref.key(MANIFEST_NAME)])
-                self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                try:
+                    if holds_manifest:
+                        # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
+                        self.storage.delete([ref.key(MANIFEST_NAME)])
+                    self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                except PermanentStorageError as e:
+                    # One folder it may not delete (copied in by another user, held by the bucket)
+                    # must not keep every older one for good: go on, and say the refusal below.
+                    refused = refused or e
+                    continue
                 if empty:
                     log.debug("retention: %s holds no object (only delete markers?)", url(ref.folder))
                 else:
                     log.info("retention: removed %s", url(ref.folder))
+            if refused is not None:
+                raise refused
             if self.config.keep is None:
                 self._swept_through = committed
         except FencedError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +157,38 @@ def test_a_checkpoint_copied_without_its_owner_record_is_refused_naming_the_copy
     assert f"spotjob ckpt adopt file://{target} --job B" in str(caught.value)
     assert main(["ckpt", "adopt", str(target), "--job", "B"]) == 0
     assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 2
+
+
+@pytest.fixture
+def undeletable() -> Iterator[Callable[[Path], None]]:
+    """``undeletable(path)``: make a file nobody may delete (``chattr +i``), undone when the test ends.
+
+    Stands in for a checkpoint an administrator copied into the job's folder as root, which the
+    job's own user may not delete: these tests run as root, whom file modes do not stop. What it does
+    not model: the ``EACCES`` a real non-root user gets (the immutable flag answers ``EPERM``; spotjob
+    reads both as "permission denied")."""
+    made: list[Path] = []
+
+    def make(path: Path) -> None:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("this filesystem (or user) cannot mark a file immutable")
+        made.append(path)
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_retention_goes_on_past_a_folder_it_may_not_delete(
+    tmp_path: Path, undeletable: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One old checkpoint retention may not delete (copied in by root, held by the bucket) stopped
+    the whole pass at it, newest first: every checkpoint older than it stayed for good, at every save.
+    The folders it can delete now go, the one it cannot stays, and the refusal is still said."""
+    root = tmp_path / "ckpt"
+    save_steps(str(root), [1, 2, 3, 4, 5], tmp_path / "staging")
+    undeletable(root / "step-000000002" / "MANIFEST.json")
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoint"):
+        save_steps(str(root), [6], tmp_path / "staging", keep=2)
+    assert steps_in(str(root)) == [2, 5, 6]
+    assert "permission denied" in caplog.text and "step-000000002" in caplog.text
