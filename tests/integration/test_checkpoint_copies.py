@@ -192,3 +192,49 @@ def test_retention_goes_on_past_a_folder_it_may_not_delete(
         save_steps(str(root), [6], tmp_path / "staging", keep=2)
     assert steps_in(str(root)) == [2, 5, 6]
     assert "permission denied" in caplog.text and "step-000000002" in caplog.text
+
+
+def copy_tree(request: pytest.FixtureRequest, source: str, target: str, *, skip: str = "") -> None:
+    """Copy every object under ``source`` to ``target`` as an operator's tool does, server-side on
+    the object stores (S3 CopyObject, which gives a new ETag and carries no checksum here; GCS's
+    rewrite), ``cp -r`` on a filesystem; leave out the keys ending in ``skip``."""
+    scheme, bucket, prefix = parse_uri(source)
+    _, target_bucket, target_prefix = parse_uri(target)
+    if scheme == "file":
+        subprocess.run(["cp", "-r", prefix, target_prefix], check=True)
+        if skip:
+            for path in Path(target_prefix).rglob(f"*{skip}"):
+                path.unlink()
+    elif scheme == "s3":
+        client = request.getfixturevalue("s3_client")
+        for obj in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
+            if not (skip and obj["Key"].endswith(skip)):
+                new_key = target_prefix + obj["Key"][len(prefix) :]
+                client.copy_object(Bucket=target_bucket, Key=new_key, CopySource={"Bucket": bucket, "Key": obj["Key"]})
+    else:
+        client = request.getfixturevalue("gcs_client")
+        source_bucket, dest = client.bucket(bucket), client.bucket(target_bucket)
+        for blob in client.list_blobs(bucket, prefix=prefix + "/"):
+            if not (skip and blob.name.endswith(skip)):
+                dest.blob(target_prefix + blob.name[len(prefix) :]).rewrite(source_bucket.blob(blob.name))
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3", "gs"])
+def test_a_copy_to_another_bucket_and_prefix_restores_and_a_partial_one_falls_back(
+    request: pytest.FixtureRequest, fresh_uri: Callable[[str], str], scheme: str, tmp_path: Path
+) -> None:
+    """(Pins behaviour that already worked.) A manifest names its files relative to its folder, and
+    spotjob checks the bytes against its own CRC32C, never a checksum or ETag the store kept: a copy
+    of the whole URI to another bucket and prefix restores its newest checkpoint under the same job.
+    A copy missing one shard of the newest (MANIFEST.json arrived, a shard did not: ``aws s3 sync``
+    sends names in order, and ``MANIFEST.json`` sorts before ``__0_0.distcp``) is passed over for the
+    one before it, never loaded."""
+    source = fresh_uri(scheme)
+    save_steps(source, [1, 2, 3], tmp_path / "staging", job="A")
+    whole, partial = fresh_uri(scheme), fresh_uri(scheme)
+    if scheme == "file":
+        whole, partial = whole + "/moved", partial + "/moved"
+    copy_tree(request, source, whole)
+    copy_tree(request, source, partial, skip="step-000000003/__0_0.distcp")
+    assert save_steps(whole, [], tmp_path / "staging", job="A") == 3
+    assert save_steps(partial, [], tmp_path / "staging", job="A") == 2
