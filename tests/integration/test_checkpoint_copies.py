@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from agent.catalog import find_checkpoints
-from agent.checkpoint import CheckpointOwnershipError, Checkpointer, StorageRefusedError
+from agent.checkpoint import Checkpointer, CheckpointOwnershipError, StorageRefusedError
 from agent.storage import ArchivedError, open_storage, parse_uri
 from orchestrator.cli import main
 
