@@ -238,3 +238,19 @@ def test_a_copy_to_another_bucket_and_prefix_restores_and_a_partial_one_falls_ba
     copy_tree(request, source, partial, skip="step-000000003/__0_0.distcp")
     assert save_steps(whole, [], tmp_path / "staging", job="A") == 3
     assert save_steps(partial, [], tmp_path / "staging", job="A") == 2
+
+
+def test_an_archived_owner_record_stops_the_job_saying_it_is_archived(
+    s3_uri: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """``.spotjob/owner.json`` is the oldest object under the URI, so the first one a lifecycle rule
+    archives; every start and every commit reads it. The job must stop saying so, not
+    "permission denied" (what it said), which sends the operator to IAM."""
+    save_steps(s3_uri, [1], tmp_path / "staging")
+    _, bucket, prefix = parse_uri(s3_uri)
+    key = f"{prefix}/.spotjob/owner.json"
+    s3_client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key}, StorageClass="GLACIER")
+    with pytest.raises(StorageRefusedError, match="the object is archived") as caught:
+        save_steps(s3_uri, [2], tmp_path / "staging")
+    assert "permission denied" not in str(caught.value)
+    assert steps_in(s3_uri) == [1]
