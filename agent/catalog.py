@@ -24,7 +24,8 @@ what fencing needs. ``verify_deep`` also reads every byte and checks every CRC32
 (unreachable, throttled past the retries, permission denied) propagate: a checkpoint is called
 invalid only when it is proven so, never because storage could not be read. One exception, for
 sweeps that must see past it (``inspect_all``, retention): a manifest in an archive storage class
-(``ArchivedError``, a lifecycle rule's doing) makes that one folder unusable, with the reason,
+(``ArchivedError``, a lifecycle rule's doing), or an archived attempt record needed to judge it,
+makes that one folder unusable, with the reason,
 rather than failing the sweep. Restore and ``latest_valid`` still stop there: going back past an
 archived checkpoint would be going back in time, and the older ones are likely archived too.
 """
@@ -155,8 +156,9 @@ def inspect(
 
     ``lineage`` is the URI's owner and attempt records, read once for a sweep over many folders
     (``Lineage.load``); read here when not given. Raises ``StorageError`` when storage cannot be
-    read — never for what the folder holds. ``report_archived``: a manifest in an archive storage
-    class makes the checkpoint invalid, with the reason, instead of raising ``ArchivedError``.
+    read — never for what the folder holds. ``report_archived``: a manifest (or the attempt record
+    that judges it) in an archive storage class makes the checkpoint invalid, with the reason,
+    instead of raising ``ArchivedError``.
     """
     sizes = {o.key[len(ref.folder) + 1 :]: o.size for o in storage.list(ref.folder + "/")}
     status = CheckpointStatus(ref, committed=MANIFEST_NAME in sizes, stored_bytes=sum(sizes.values()))
@@ -194,7 +196,14 @@ def inspect(
         elif _escapes_folder(storage, ref, f.path):
             status.problems.append(f"file {f.path} is a symlink leading out of {ref.folder}")
             status.unusable.add(f.path)
-    judgement = (lineage or Lineage.load(storage)).judge(ref, manifest.job, manifest.attempt)
+    lineage = lineage or Lineage.load(storage)
+    try:
+        judgement = lineage.judge(ref, manifest.job, manifest.attempt)
+    except ArchivedError as e:
+        # The attempt record that judges it (written once, when that attempt started) is archived.
+        if not report_archived:
+            raise
+        judgement = Judgement("untrusted", f"cannot tell whether it is fenced: {e}")
     if judgement is not None:
         _apply(status, judgement)
     return status

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from agent.catalog import find_checkpoints
+from agent.catalog import CheckpointRef, find_checkpoints
 from agent.checkpoint import Checkpointer, CheckpointOwnershipError, StorageRefusedError
+from agent.ownership import attempt_key, record_attempt
 from agent.storage import ArchivedError, open_storage, parse_uri
 from orchestrator.cli import main
 
@@ -254,3 +255,41 @@ def test_an_archived_owner_record_stops_the_job_saying_it_is_archived(
         save_steps(s3_uri, [2], tmp_path / "staging")
     assert "permission denied" not in str(caught.value)
     assert steps_in(s3_uri) == [1]
+
+
+def test_ckpt_list_and_retention_see_past_an_archived_attempt_record(
+    s3_uri: str, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Judging a checkpoint of attempt 0 reads attempt 1's record, written when attempt 1 started and
+    never again: a lifecycle rule archives it while attempt 1 still runs. ``spotjob ckpt list`` then
+    failed whole and retention gave up every pass; now attempt 0's checkpoints cannot be judged (said
+    so, never restored) and the newest, attempt 1's own, still restores."""
+    staging = str(tmp_path / "staging")
+    state = make_state(0)
+    storage = open_storage(s3_uri)
+    try:
+        record_attempt(storage, "J", 0, None)
+        with Checkpointer(s3_uri, job="J", attempt=0, keep=None, async_save=False, staging_dir=staging) as ckpt:
+            for step in (1, 2):
+                train(state, 1, start=step - 1)
+                ckpt.save(step, state)
+        record_attempt(storage, "J", 1, CheckpointRef(2))
+    finally:
+        storage.close()
+    with Checkpointer(s3_uri, job="J", attempt=1, keep=None, async_save=False, staging_dir=staging) as ckpt:
+        train(state, 1, start=ckpt.restore(state))
+        ckpt.save(3, state)
+    _, bucket, prefix = parse_uri(s3_uri)
+    key = f"{prefix}/{attempt_key('J', 1)}"
+    s3_client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key}, StorageClass="GLACIER")
+    rc = main(["ckpt", "list", s3_uri])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = {line.split()[1]: line for line in out.splitlines()[1:]}
+    assert "cannot tell whether it is fenced" in rows["step-000000001"] and "archived" in rows["step-000000001"]
+    assert "invalid" not in rows["step-000000003"].lower()
+    with Checkpointer(s3_uri, job="J", attempt=1, keep=1, async_save=False, staging_dir=staging) as ckpt:
+        assert ckpt.restore(state) == 3
+        train(state, 1, start=3)
+        ckpt.save(4, state)
+    assert steps_in(s3_uri) == [4]
