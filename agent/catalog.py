@@ -25,9 +25,9 @@ what fencing needs. ``verify_deep`` also reads every byte and checks every CRC32
 invalid only when it is proven so, never because storage could not be read. One exception, for
 sweeps that must see past it (``inspect_all``, retention): a manifest in an archive storage class
 (``ArchivedError``, a lifecycle rule's doing), or an archived attempt record needed to judge it,
-makes that one folder unusable, with the reason,
-rather than failing the sweep. Restore and ``latest_valid`` still stop there: going back past an
-archived checkpoint would be going back in time, and the older ones are likely archived too.
+makes that one folder unusable, with the reason, rather than failing the sweep. Restore and
+``latest_valid`` still stop there: going back past an archived checkpoint would be going back in
+time, and the older ones are likely archived too.
 """
 
 from __future__ import annotations
