@@ -22,7 +22,12 @@ Validity is decided here, once, by ``inspect`` — for restore, retention, the c
 Checks 1-5 cost one listing per folder, one manifest read, and per sweep the owner record plus
 what fencing needs. ``verify_deep`` also reads every byte and checks every CRC32C. Storage errors
 (unreachable, throttled past the retries, permission denied) propagate: a checkpoint is called
-invalid only when it is proven so, never because storage could not be read.
+invalid only when it is proven so, never because storage could not be read. One exception, for
+sweeps that must see past it (``inspect_all``, retention): a manifest in an archive storage class
+(``ArchivedError``, a lifecycle rule's doing), or an archived attempt record needed to judge it,
+makes that one folder unusable, with the reason, rather than failing the sweep. Restore and
+``latest_valid`` still stop there: going back past an archived checkpoint would be going back in
+time, and the older ones are likely archived too.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from agent.manifest import (
 )
 from agent.ownership import Judgement, Lineage
 from agent.storage.base import (
+    ArchivedError,
     CorruptObjectError,
     NotFoundError,
     ProgressFn,
@@ -143,12 +149,16 @@ def _folder_escapes(storage: Storage, ref: CheckpointRef) -> bool:
     return not os.path.realpath(os.path.join(root, ref.folder)).startswith(real_root + os.sep)
 
 
-def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = None) -> CheckpointStatus:
+def inspect(
+    storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = None, report_archived: bool = False
+) -> CheckpointStatus:
     """Decide whether the checkpoint in ``ref`` is valid (the module docstring's checks 1-5).
 
     ``lineage`` is the URI's owner and attempt records, read once for a sweep over many folders
     (``Lineage.load``); read here when not given. Raises ``StorageError`` when storage cannot be
-    read — never for what the folder holds.
+    read — never for what the folder holds. ``report_archived``: a manifest (or the attempt record
+    that judges it) in an archive storage class makes the checkpoint invalid, with the reason,
+    instead of raising ``ArchivedError``.
     """
     sizes = {o.key[len(ref.folder) + 1 :]: o.size for o in storage.list(ref.folder + "/")}
     status = CheckpointStatus(ref, committed=MANIFEST_NAME in sizes, stored_bytes=sum(sizes.values()))
@@ -159,6 +169,11 @@ def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = N
     except NotFoundError:
         # Listed a moment ago but gone now: deleted by retention under our feet.
         status.committed = False
+        return status
+    except ArchivedError as e:
+        if not report_archived:
+            raise
+        status.problems.append(f"its MANIFEST.json cannot be read: {e}")
         return status
     except NewerFormatError as e:
         status.problems.append(str(e))
@@ -181,7 +196,14 @@ def inspect(storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = N
         elif _escapes_folder(storage, ref, f.path):
             status.problems.append(f"file {f.path} is a symlink leading out of {ref.folder}")
             status.unusable.add(f.path)
-    judgement = (lineage or Lineage.load(storage)).judge(ref, manifest.job, manifest.attempt)
+    lineage = lineage or Lineage.load(storage)
+    try:
+        judgement = lineage.judge(ref, manifest.job, manifest.attempt)
+    except ArchivedError as e:
+        # The attempt record that judges it (written once, when that attempt started) is archived.
+        if not report_archived:
+            raise
+        judgement = Judgement("untrusted", f"cannot tell whether it is fenced: {e}")
     if judgement is not None:
         _apply(status, judgement)
     return status
@@ -199,12 +221,13 @@ def inspect_all(
 ) -> list[CheckpointStatus]:
     """``inspect`` for each of ``refs`` (in their order), several folders at a time: each costs
     round trips to the store (a listing, the manifest), and a run that keeps every checkpoint has
-    thousands after a few days. ``StorageError`` as ``inspect``."""
+    thousands after a few days. ``StorageError`` as ``inspect``; an archived manifest is that
+    folder's reason, not an error of the whole sweep."""
     lineage = lineage or Lineage.load(storage)
     statuses: list[CheckpointStatus | None] = [None] * len(refs)
 
     def one(i: int, ref: CheckpointRef) -> None:
-        statuses[i] = inspect(storage, ref, lineage=lineage)
+        statuses[i] = inspect(storage, ref, lineage=lineage, report_archived=True)
 
     parallel_map(one, list(enumerate(refs)), parallelism)
     return [s for s in statuses if s is not None]

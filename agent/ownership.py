@@ -336,7 +336,8 @@ def claim(storage: Storage, job: str | None) -> Owner:
 
     Creates ``owner.json`` create-only when absent (of two racing claimers exactly one wins; the
     other re-reads). A URI without an owner record but with checkpoints another job committed
-    (written before spotjob recorded owners) is refused too: those are that job's.
+    (copied there without ``.spotjob/``, or written before spotjob recorded owners) is refused too:
+    those are that job's.
     Raises ``OwnershipError`` (another owner, or an unreadable record) or ``StorageError``.
     """
     owner = read_owner(storage)
@@ -345,7 +346,12 @@ def claim(storage: Storage, job: str | None) -> Owner:
         if others:
             names = ", ".join(describe_job(w) for w in others)
             raise OwnershipError(
-                _owned_message(storage, f"{names} (checkpoints written before spotjob recorded owners)", job),
+                _owned_message(
+                    storage,
+                    f"{names} (checkpoints there with no owner record: copied here without its .spotjob folder, or "
+                    "written before spotjob recorded owners)",
+                    job,
+                ),
                 uri=storage.uri,
                 job=job,
                 owner=others[0],
@@ -378,7 +384,9 @@ def adopt(storage: Storage, job: str | None) -> Owner:
     The one overwrite of ``owner.json``: ``job`` becomes the owner and the previous owner (or,
     with no or an unreadable record, every other job whose checkpoints lie there) joins
     ``adopted`` up to the newest checkpoint folder committed now, so ``job`` resumes from them.
-    Adopting a URI one already owns changes nothing.
+    Adopting a URI one already owns takes in the checkpoints other jobs left there that it does not
+    accept yet (one copied in with ``cp -r`` or ``aws s3 sync``), up to the newest folder committed
+    now; with none, it changes nothing.
     """
     try:
         old = read_owner(storage)
@@ -387,10 +395,22 @@ def adopt(storage: Storage, job: str | None) -> Owner:
             raise
         log.warning("%s", e)
         old = None
-    if old is not None and old.job == job:
-        return old
     now = now_utc()
     upto = _newest_committed(storage)
+    if old is not None and old.job == job:
+        strangers = [w for w, ref in _legacy_writers(storage).items() if not old.accepts(w, ref)]
+        if not strangers:
+            return old
+        taken = Owner(job, old.created_at, (*old.adopted, *(Adoption(w, now, upto) for w in strangers)))
+        storage.put_bytes(OWNER_KEY, taken.to_json())
+        log.info(
+            "%s: %s now takes in the checkpoints of %s up to %s",
+            storage.uri,
+            describe_job(job),
+            ", ".join(describe_job(w) for w in strangers),
+            upto.folder if upto else "(none yet)",
+        )
+        return taken
     if old is not None:
         adopted = [*old.adopted, Adoption(old.job, now, upto)]
     else:
@@ -622,7 +642,14 @@ class Lineage:
                 )
             else:
                 why = f"written by {describe_job(job)}, but {self.storage.uri} belongs to {owner.describe()}"
-            return Judgement("foreign", f"foreign: {why}; never restored, counted or deleted by {owner.describe()}")
+            hint = (
+                ""
+                if adopted is not None
+                else f" (copied here to go on from it? {_adopt_hint(self.storage, owner.job)} takes it in)"
+            )
+            return Judgement(
+                "foreign", f"foreign: {why}; never restored, counted or deleted by {owner.describe()}{hint}"
+            )
         if attempt is None:
             return None
         later = [n for n in self._recorded(job) if n > attempt]

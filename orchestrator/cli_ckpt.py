@@ -562,7 +562,16 @@ def cmd_adopt(args: argparse.Namespace) -> int:
             before = None
         owner = adopt(storage, job)
     if before is not None and before.job == job:
-        print(f"{storage.uri} already belongs to {describe_job(job)}; nothing changed")
+        if owner == before:
+            print(f"{storage.uri} already belongs to {describe_job(job)}; nothing changed")
+            return EXIT_OK
+        added = ", ".join(
+            f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}"
+            for a in owner.adopted[len(before.adopted) :]
+        )
+        print(
+            f"{storage.uri} already belongs to {describe_job(job)}; it now resumes from the checkpoints of {added} too"
+        )
         return EXIT_OK
     taken = ", ".join(
         f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}" for a in owner.adopted

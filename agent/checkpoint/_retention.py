@@ -40,7 +40,7 @@ class _Retention(_State):
             return
         self._below_said = True
         for ref in newer:  # newest first
-            status = inspect(self.storage, ref, lineage=lineage)
+            status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
             if status.committed and status.valid and not (status.foreign or status.fenced):
                 log.error(
                     "committed step %d at %s, but the job already has a newer checkpoint, of step %d (%s), and "
@@ -75,7 +75,9 @@ class _Retention(_State):
             kept = 0
             kept_steps = {committed.step}
             for ref in older:  # newest first
-                status = inspect(self.storage, ref, lineage=lineage)
+                # An archived manifest (a lifecycle rule's): committed, unusable, deleted as a broken
+                # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
+                status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
                     doomed.append((ref, False))  # a save that never finished
                     continue
@@ -96,20 +98,29 @@ class _Retention(_State):
                 elif status.valid:
                     kept += 1
                     kept_steps.add(ref.step)
+            refused: PermanentStorageError | None = None
             for ref, holds_manifest in doomed:
                 self._check_fence()
                 # Nothing listed in an uncommitted folder: on a versioned bucket MinIO (and moto) still
                 # list a folder whose objects are all delete markers. Deleting its manifest would add
                 # one more marker each save, and saying it was removed would repeat every save.
                 empty = not holds_manifest and next(iter(self.storage.list(ref.folder + "/")), None) is None
-                if holds_manifest:
-                    # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
-                    self.storage.delete([ref.key(MANIFEST_NAME)])
-                self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                try:
+                    if holds_manifest:
+                        # Manifest first: a half-deleted folder then reads as uncommitted, not as broken.
+                        self.storage.delete([ref.key(MANIFEST_NAME)])
+                    self.storage.delete_prefix(ref.folder + "/")  # on a filesystem, also the empty folder
+                except PermanentStorageError as e:
+                    # One folder it may not delete (copied in by another user, held by the bucket)
+                    # must not keep every older one for good: go on, and say the refusal below.
+                    refused = refused or e
+                    continue
                 if empty:
                     log.debug("retention: %s holds no object (only delete markers?)", url(ref.folder))
                 else:
                     log.info("retention: removed %s", url(ref.folder))
+            if refused is not None:
+                raise refused
             if self.config.keep is None:
                 self._swept_through = committed
         except FencedError as e:

@@ -16,6 +16,7 @@ from agent.storage._errors import translate_os_error
 from agent.storage.base import (
     MAX_OBJECT_NAME_BYTES,
     AlreadyExistsError,
+    ArchivedError,
     CorruptObjectError,
     MissingBucketError,
     NotFoundError,
@@ -33,6 +34,7 @@ from agent.version import DISTRIBUTION
 __all__ = [
     "MAX_PREFIX_BYTES",
     "AlreadyExistsError",
+    "ArchivedError",
     "CorruptObjectError",
     "MissingBucketError",
     "NotFoundError",

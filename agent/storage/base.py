@@ -77,6 +77,12 @@ class RetainedError(PermanentStorageError):
     problem of the credentials."""
 
 
+class ArchivedError(PermanentStorageError):
+    """The object is in an archive storage class (S3 Glacier Flexible Retrieval or Deep Archive, an
+    Intelligent-Tiering archive tier), most often moved there by a lifecycle rule: it is listed and
+    can be deleted, but not read until it is restored. Not a permission problem of the credentials."""
+
+
 class AlreadyExistsError(PermanentStorageError):
     """A create-only write found the key already there (a committed manifest)."""
 

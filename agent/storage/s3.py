@@ -92,6 +92,7 @@ from agent.storage._transfer import (
 from agent.storage.base import (
     DEFAULT_PARALLELISM,
     AlreadyExistsError,
+    ArchivedError,
     MissingBucketError,
     NotFoundError,
     ObjectInfo,
@@ -183,6 +184,13 @@ _OBJECT_LOCK = re.compile(r"object lock|retention|legal hold", re.IGNORECASE)
 _OBJECT_LOCK_HINT = (
     "the bucket keeps it (Object Lock retention or a legal hold), whatever the credentials: spotjob "
     "cannot delete it until the retention period ends or the hold is released"
+)
+_ARCHIVED_HINT = (
+    "the object is archived (its storage class is S3 Glacier Flexible Retrieval or Deep Archive, or an "
+    "Intelligent-Tiering archive tier; a bucket lifecycle rule usually moved it there), not refused for "
+    "want of a permission: it is listed and can be deleted, but not read until it is restored "
+    "(`aws s3api restore-object`, or S3 Batch Operations for many objects) or copied back to a readable "
+    "storage class. Keep checkpoint prefixes out of lifecycle transitions to those classes"
 )
 _CHECKSUM_HEADERS_HINT = (
     "this S3-compatible store does not accept the CRC32C checksum headers spotjob sends so that the "
@@ -294,6 +302,8 @@ def _storage_error(
             return NotFoundError(f"{what}: no such object", key)
         if code == "RequestTimeTooSkewed":
             return PermanentStorageError(f"{text}; {_skew_hint(e.response.get('Error', {}))}", key)
+        if code == "InvalidObjectState":
+            return ArchivedError(f"{text}; {_ARCHIVED_HINT}", key)
         if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
             return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
         if status == 403 or code in _DENIED_CODES:
