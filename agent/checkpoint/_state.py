@@ -71,6 +71,12 @@ def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: 
         smallest.grad = None
 
 
+_BITS_DTYPES = frozenset(
+    getattr(torch, name) for name in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16") if hasattr(torch, name)
+)
+"""Dtypes that DCP cannot size (its planner asks ``torch.iinfo`` of them, and fails)."""
+
+
 def _unsaveable(tensor: torch.Tensor) -> str | None:
     """Why DCP cannot save ``tensor`` and restore it bit for bit, in words (what it is, why, what
     to do), or None. Tensors from torch's own distributed wrappers (DTensor, FSDP's flat
@@ -93,6 +99,14 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         return (
             f"is a sparse tensor ({tensor.layout}): checkpoints hold dense tensors. Keep it dense (to_dense()), "
             "or keep it in an object whose state_dict() returns it (saved whole, per rank)"
+        )
+    if tensor.dtype in _BITS_DTYPES:
+        name = str(tensor.dtype)
+        as_int = "torch.uint8" if tensor.element_size() == 1 else "torch.int16"
+        return (
+            f"is a {name} tensor: torch's distributed checkpoint cannot save that dtype (it has no integer "
+            f"range). Register a view of it as integers of its size (tensor.view({as_int})) and view it back as "
+            f"{name} where it is used, or keep it in an object whose state_dict() returns it (saved whole, per rank)"
         )
     if tensor.device.type == "meta":
         return (

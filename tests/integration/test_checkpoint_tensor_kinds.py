@@ -7,7 +7,8 @@
 - a module or optimizer tensor that DCP cannot keep faithfully (quantized: its scale and zero
   point were dropped and other values restored; sparse, nested, meta: DCP's own error from deep in
   the save; ``expand()``ed: saved, then never restorable; a subclass the ``weights_only`` restore
-  refuses: saved, then a restore that fails halfway) is refused by ``save()`` and ``restore()``
+  refuses: saved, then a restore that fails halfway; torch's ``bits*`` dtypes: DCP's own error,
+  naming no tensor) is refused by ``save()`` and ``restore()``
   with a ``ValueError`` naming it and what to do, before anything is written or loaded;
 - ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 (which
   safetensors cannot store) up front instead of blaming the output folder.
@@ -152,6 +153,10 @@ UNSAVEABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
     "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), r"nested tensor.*unbind\(\)"),
     "meta": (lambda: torch.empty(3, device="meta"), r"meta device.*to_empty"),
     "expanded": (lambda: torch.ones(1, 3).expand(4, 3), r"share memory \(an expand\(\)ed view.*clone\(\)"),
+    "bits8": (
+        lambda: torch.zeros(3, dtype=torch.uint8).view(torch.bits8),
+        r"torch.bits8 tensor.*cannot save that dtype.*view\(torch.uint8\)",
+    ),
     "subclass": (
         lambda: torch.ones(3).as_subclass(NotAllowed),
         r"NotAllowed \(a torch.Tensor subclass\).*add_safe_globals",
