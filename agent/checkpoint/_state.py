@@ -88,7 +88,8 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         return (
             f"is a quantized tensor ({tensor.dtype}): a checkpoint would keep its integers but not its scale "
             "and zero point, and restore other values. Save the float model (dequantize()), or keep quantized "
-            "tensors in an object whose state_dict() returns them (saved whole, per rank)"
+            "tensors (a torch.ao quantized model) in an object whose state_dict() returns them and whose "
+            "load_state_dict() loads them back (saved whole, per rank)"
         )
     if tensor.is_nested:
         return (
@@ -139,6 +140,32 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         except Exception:  # not this check's to judge: DCP says what it says
             return None
     return None
+
+
+def _tensors_of_own_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that ``module`` adds to its ``state_dict()`` besides its parameters and buffers,
+    by their names under it: a module that overrides ``_save_to_state_dict`` (torch.ao's quantized
+    ones hand out their packed weight and bias as a tuple) is asked, others cost nothing."""
+    if type(module)._save_to_state_dict is nn.Module._save_to_state_dict:
+        return
+    own: dict[str, Any] = {}
+    module._save_to_state_dict(own, "", keep_vars=True)
+    plain = set(module._parameters) | set(module._buffers)
+    for name, value in own.items():
+        if name not in plain:
+            yield from _tensors_under(name, value)
+
+
+def _tensors_under(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in ``value`` (looked into dicts, lists and tuples) with their dotted names."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors_under(f"{name}.{key}", item)
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _tensors_under(f"{name}.{i}", item)
 
 
 _PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -261,7 +288,7 @@ class _State(_Core):
                     sub._parameters.items(),
                     ((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set),
                 )
-                for name, tensor in saved:
+                for name, tensor in itertools.chain(saved, _tensors_of_own_state(sub)):
                     why = _unsaveable(tensor) if tensor is not None else None
                     if why:
                         raise ValueError(

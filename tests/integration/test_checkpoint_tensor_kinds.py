@@ -277,3 +277,63 @@ def test_a_restore_that_converts_dtypes_says_so(tmp_path: Path, caplog: pytest.L
     assert "model.weight (float32 into bfloat16) and 2 more" in warnings[0], warnings
     assert torch.equal(converted.weight, saved.weight.detach().bfloat16())  # converted, as load_state_dict does
     assert torch.equal(converted.phases, torch.tensor([1.0, 3.0]))  # the imaginary part is gone: hence the warning
+
+
+def _quantized_modules() -> nn.Module:
+    """torch.ao's quantized modules: their weights live in packed params that ``state_dict()``
+    hands out as a tuple (weight, bias), neither a parameter nor a buffer."""
+    from torch.ao.nn.quantized import Linear as QuantizedLinear
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    model = nn.Module()
+    model.static = QuantizedLinear(4, 3)
+    model.dynamic = DynamicLinear(4, 3)
+    scales, zero_points = torch.rand(3) + 0.01, torch.zeros(3, dtype=torch.long)
+    per_channel = torch.quantize_per_channel(torch.randn(3, 4), scales, zero_points, 0, torch.qint8)
+    model.dynamic.set_weight_bias(per_channel, torch.randn(3))
+    return model
+
+
+class _Whole:
+    """A module kept as an object: its ``state_dict()`` saved whole, per rank."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's "quantized tensor creation is deprecated"
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_torch_ao_quantized_modules_are_refused_up_front_and_save_whole_as_an_object(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """A quantized module as a state value: a sync save committed a checkpoint whose restore failed
+    halfway (KeyError 'model.weight', the state left mixing checkpoint and initial values), and an
+    async one failed with torch's internal assert 'cannot call qscheme on UnknownQuantizer'. Both
+    are refused before anything is written or loaded, naming the tensor and the way out, which
+    restores the quantized weights and their scales exactly."""
+    uri = str(tmp_path / "ckpt")
+    refused = (
+        r"state\['model'\] holds model\.static\._packed_params\._packed_params\.0, which is a quantized tensor"
+        r".*state_dict\(\)"
+    )
+    with Checkpointer(uri, async_save=async_save, staging_dir=str(tmp_path / "staging")) as ckpt:
+        with pytest.raises(ValueError, match=refused):
+            ckpt.save(1, {"model": _quantized_modules()})
+        assert not [p.name for p in Path(uri).iterdir() if p.name.startswith("step-")]  # nothing written
+        saved = _quantized_modules()
+        ckpt.save(2, {"quantized": _Whole(saved), "model": nn.Linear(2, 2)})
+        with pytest.raises(ValueError, match=refused):
+            ckpt.restore({"model": _quantized_modules()})
+
+    fresh = _quantized_modules()
+    with Checkpointer(uri, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({"quantized": _Whole(fresh), "model": nn.Linear(2, 2)}) == 2
+    for layer in ("static", "dynamic"):
+        want, got = getattr(saved, layer).weight(), getattr(fresh, layer).weight()
+        assert torch.equal(want.int_repr(), got.int_repr()) and torch.equal(want.dequantize(), got.dequantize()), layer
