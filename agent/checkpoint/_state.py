@@ -319,8 +319,10 @@ class _State(_Core):
                             f"state[{key!r}] optimizes a tensor (param_groups[{i}]['params'][{j}], shape "
                             f"{list(param.shape)}) that is not a parameter of the modules in the state "
                             f"({', '.join(sorted(modules)) or 'none'}): its state could not be saved or restored "
-                            "by name. Put the module that owns it in the same state dict, or leave it out of the "
-                            "optimizer"
+                            "by name. Put the module that owns it in the same state dict (fp32 master weights of "
+                            "a lower-precision model: make them a module's parameters, master = "
+                            "copy.deepcopy(model).float(), and put that module in the state too), or leave it out "
+                            "of the optimizer"
                         )
 
     def _split_state(

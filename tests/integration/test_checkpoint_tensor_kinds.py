@@ -1,9 +1,10 @@
 """Which tensors a checkpoint keeps bit for bit, and which save() and restore() refuse up front.
 
 - every dtype torch has (bf16, fp16, the float8 kinds and MX's e8m0 scales, packed float4,
-  complex, bool, signed and unsigned integers) in a module's parameters and buffers, an optimizer's state and an object's
-  ``state_dict()``, with 0-d, empty, transposed, channels-last and storage-sharing tensors, comes
-  back with the same bytes, dtype, strides and ``requires_grad``, saved synchronously or not;
+  complex, bool, signed and unsigned integers) in a module's parameters and buffers, an
+  optimizer's state and an object's ``state_dict()``, with 0-d, empty, transposed, channels-last
+  and storage-sharing tensors, comes back with the same bytes, dtype, strides and
+  ``requires_grad``, saved synchronously or not;
 - a module or optimizer tensor that DCP cannot keep faithfully (quantized: its scale and zero
   point were dropped and other values restored; sparse, nested, meta: DCP's own error from deep in
   the save; ``expand()``ed: saved, then never restorable; a subclass the ``weights_only`` restore
@@ -346,3 +347,47 @@ def test_torch_ao_quantized_modules_are_refused_up_front_and_save_whole_as_an_ob
     for layer in ("static", "dynamic"):
         want, got = getattr(saved, layer).weight(), getattr(fresh, layer).weight()
         assert torch.equal(want.int_repr(), got.int_repr()) and torch.equal(want.dequantize(), got.dequantize()), layer
+
+
+def _mixed_precision(seed: int, *, master_module: bool) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    """A bf16 model whose optimizer steps fp32 master copies of its weights (a module of them, or a
+    plain list), after one step: the master weights and the Adam state are fp32."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).bfloat16()
+    if master_module:
+        master: Any = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        master.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        weights = list(master.parameters())
+    else:
+        master = weights = [p.detach().float().requires_grad_() for p in model.parameters()]
+    optim = torch.optim.AdamW(weights, lr=0.1)
+    for w in weights:
+        w.grad = torch.full_like(w, 0.5)
+    optim.step()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights, strict=True):
+            p.copy_(w)
+    return model, master, optim
+
+
+def test_fp32_master_weights_of_a_bf16_model_restore_exactly_when_a_module_holds_them(tmp_path: Path) -> None:
+    """Master weights kept as a plain list were refused with "put the module that owns it in the
+    same state dict", which such weights have none of: the error now says to make them a module's
+    parameters. Kept so (pins behaviour), the bf16 model, the fp32 master weights and the fp32
+    Adam state all come back bit for bit."""
+    uri = str(tmp_path / "ckpt")
+    model, master, optim = _mixed_precision(0, master_module=False)
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        with pytest.raises(ValueError, match=r"master weights.*copy\.deepcopy\(model\)\.float\(\)"):
+            ckpt.save(1, {"model": model, "optim": optim})
+
+        model, master, optim = _mixed_precision(0, master_module=True)
+        ckpt.save(1, {"model": model, "master": master, "optim": optim})
+        fresh_model, fresh_master, fresh_optim = _mixed_precision(1, master_module=True)
+        assert ckpt.restore({"model": fresh_model, "master": fresh_master, "optim": fresh_optim}) == 1
+    for saved, restored in ((model, fresh_model), (master, fresh_master)):
+        for (name, a), b in zip(saved.state_dict().items(), restored.state_dict().values(), strict=True):
+            assert_bits_equal(a, b, name)
+    for i, moments in optim.state_dict()["state"].items():
+        for key, value in moments.items():
+            assert_bits_equal(value, fresh_optim.state_dict()["state"][i][key], f"optim.state[{i}][{key}]")
