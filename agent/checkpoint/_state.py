@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.nn.parameter import is_lazy
 
 from agent import rank_state
@@ -344,6 +345,19 @@ class _State(_Core):
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
+
+    @staticmethod
+    def _check_extra_state_tensors(dcp_state: Mapping[str, Any]) -> None:
+        """The tensors of the modules' extra state (``get_extra_state()``), neither parameters nor
+        buffers, are refused as theirs are (``_unsaveable``), naming them, before anything is
+        written: DCP saves and loads them the same way."""
+        for fqn, value in dcp_state.items():
+            if fqn.rsplit(".", 1)[-1] != _EXTRA_STATE_KEY_SUFFIX:
+                continue
+            for name, tensor in _tensors_under(fqn, value):
+                why = _unsaveable(tensor)
+                if why:
+                    raise ValueError(f"state[{fqn.split('.', 1)[0]!r}] holds {name}, which {why}")
 
     @staticmethod
     def _check_values_loadable(dcp_state: Mapping[str, Any]) -> None:
