@@ -158,15 +158,16 @@ def _tensors_of_own_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor
 
 
 def _tensors_under(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors in ``value`` (looked into dicts, lists and tuples) with their dotted names."""
+    """The tensors in ``value`` (looked into dicts, lists and tuples) with their dotted names
+    (under ``name``, or none)."""
     if isinstance(value, torch.Tensor):
         yield name, value
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            yield from _tensors_under(f"{name}.{key}", item)
+            yield from _tensors_under(f"{name}.{key}" if name else str(key), item)
     elif type(value) in (list, tuple):
         for i, item in enumerate(value):
-            yield from _tensors_under(f"{name}.{i}", item)
+            yield from _tensors_under(f"{name}.{i}" if name else str(i), item)
 
 
 _PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -297,8 +298,8 @@ class _State(_Core):
                         )
         for key, opt in optims.items():
             for i, param_state in enumerate(opt.state.values()):
-                for name, value in param_state.items():
-                    why = _unsaveable(value) if isinstance(value, torch.Tensor) else None
+                for name, value in _tensors_under("", param_state):
+                    why = _unsaveable(value)
                     if why:
                         raise ValueError(
                             f"state[{key!r}] holds optimizer state {name!r} (of its parameter {i}), which {why}"

@@ -210,11 +210,16 @@ def test_a_tensor_subclass_allowed_for_weights_only_loading_is_saved_and_restore
     assert type(fresh.odd) is NotAllowed and torch.equal(fresh.odd, saved.odd)
 
 
-def test_optimizer_state_a_checkpoint_cannot_keep_is_refused_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nested", [False, True], ids=["direct", "nested"])
+def test_optimizer_state_a_checkpoint_cannot_keep_is_refused_naming_it(tmp_path: Path, nested: bool) -> None:
+    """Nested: a quantized tensor in a dict of an optimizer's state (as preconditioners keep their
+    factors) was not checked, and a sync save committed a checkpoint whose restore failed with
+    torch's internal assert 'cannot call qscheme on UnknownQuantizer'."""
     model = nn.Linear(2, 2)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    optim.state[model.weight]["codebook"] = _quantized()
-    refused = r"state\['optim'\] holds optimizer state 'codebook'.*quantized"
+    optim.state[model.weight]["codebook"] = {"factors": [_quantized()]} if nested else _quantized()
+    name = "codebook.factors.0" if nested else "codebook"
+    refused = rf"state\['optim'\] holds optimizer state '{name}'.*quantized"
     with (
         Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
         pytest.raises(ValueError, match=refused),
