@@ -115,6 +115,13 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
             "is on the meta device and holds no values: materialise the module first "
             "(module.to_empty(device=...), then initialise it) before save() or restore()"
         )
+    if tensor.is_conj() or tensor.is_neg():
+        return (
+            "is a lazily conjugated or negated view (x.conj(), x.mH, x.conj().imag): its memory holds the values "
+            "before the conjugation, which an async save would write, and a restore reading a big one straight "
+            "into that memory fails halfway. Register a tensor of its own instead (x.resolve_conj(), or "
+            "x.resolve_neg() for a negated one)"
+        )
     if torch._debug_has_internal_overlap(tensor) == 1:
         return (
             f"has elements that share memory (an expand()ed view, strides {tuple(tensor.stride())}): a restore "

@@ -9,8 +9,9 @@
   point were dropped and other values restored; sparse, nested, meta: DCP's own error from deep in
   the save; ``expand()``ed: saved, then never restorable; a subclass the ``weights_only`` restore
   refuses: saved, then a restore that fails halfway; torch's ``bits*`` dtypes: DCP's own error,
-  naming no tensor) is refused by ``save()`` and ``restore()``
-  with a ``ValueError`` naming it and what to do, before anything is written or loaded;
+  naming no tensor; a lazily conjugated view: written unconjugated by an async save) is refused
+  by ``save()`` and ``restore()`` with a ``ValueError`` naming it and what to do, before anything
+  is written or loaded;
 - ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 (which
   safetensors cannot store) up front instead of blaming the output folder.
 """
@@ -164,6 +165,9 @@ UNSAVEABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
         lambda: torch.zeros(3, dtype=torch.uint8).view(torch.bits8),
         r"torch.bits8 tensor.*cannot save that dtype.*view\(torch.uint8\)",
     ),
+    # An async save wrote these unconjugated (un-negated), and a restore into one failed halfway.
+    "conj": (lambda: torch.tensor([[1 + 2j, 3 - 4j]]).mH, r"lazily conjugated or negated view.*resolve_conj\(\)"),
+    "neg": (lambda: torch.tensor([1 + 2j]).conj().imag, r"lazily conjugated or negated view.*resolve_neg\(\)"),
     "subclass": (
         lambda: torch.ones(3).as_subclass(NotAllowed),
         r"NotAllowed \(a torch.Tensor subclass\).*add_safe_globals",
