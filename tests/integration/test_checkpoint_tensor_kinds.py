@@ -12,8 +12,11 @@
   naming no tensor; a lazily conjugated view: written unconjugated by an async save) is refused
   by ``save()`` and ``restore()`` with a ``ValueError`` naming it and what to do, before anything
   is written or loaded;
-- ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 (which
-  safetensors cannot store) up front instead of blaming the output folder.
+- so are such tensors where those checks did not look: torch.ao's quantized modules (packed
+  weights), a module's extra state, dicts and lists in an optimizer's state;
+- fp32 master weights of a bf16 model restore bit for bit from a module of their own;
+- ``spotjob ckpt export`` writes each dtype's bytes as saved, and refuses complex128 and
+  complex32 (which safetensors cannot store) up front instead of blaming the output folder.
 """
 
 from __future__ import annotations
