@@ -538,6 +538,11 @@ _SAMPLE = 256
 """Elements of a tensor in its fingerprint, spread over it, the first and the last among them."""
 
 
+_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element size: elements are sampled as the bytes they are, whatever
+their dtype (float4_e2m1fn_x2 has no indexing kernel, on the CPU or an accelerator)."""
+
+
 @functools.lru_cache(maxsize=1024)
 def _sample_positions(n: int) -> np.ndarray:
     """The flat positions of the elements sampled from a tensor of ``n`` elements (integers: exact
@@ -568,6 +573,9 @@ def _tensor_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
         if n == 0:
             continue
         t = tensor.detach()
+        as_integers = _AS_INTEGERS.get(t.element_size())
+        if as_integers is not None and t.dtype != as_integers:
+            t = t.view(as_integers)  # the same bytes, whatever the strides
         if t.device.type == "cpu" and type(t) is torch.Tensor:
             positions = _sample_positions(n)
             if t.is_contiguous():

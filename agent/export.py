@@ -190,10 +190,13 @@ def _check_dtypes(tensors: dict[str, TensorStorageMetadata], folder: str) -> Non
     if refused:
         dtype, fqn = next(iter(refused.items()))
         name = str(dtype).removeprefix("torch.")
+        how = "a dtype safetensors has"
+        if dtype.is_complex:
+            real = str(dtype.to_real()).removeprefix("torch.")
+            how += f" (a {name} tensor as torch.view_as_real(), {real})"
         raise ExportError(
             f"{folder}: tensor {fqn!r} is {name}, which safetensors cannot store; nothing was exported. "
-            f"Export another state key, or save such tensors in a dtype safetensors has (a complex128 tensor "
-            "as torch.view_as_real(), float64)"
+            f"Export another state key, or save such tensors in {how}"
         )
 
 

@@ -450,6 +450,7 @@ class _Saving(_Voting):
         serialised, its folder made and (in the background case) its tensors staged."""
         self._check_state(state)
         dcp_state, objects = self._split_state(state)
+        self._check_extra_state_tensors(dcp_state)
         self._check_values_loadable(dcp_state)
         rank_bytes = rank_state.encode(
             {

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.nn.parameter import is_lazy
 
 from agent import rank_state
@@ -71,6 +72,12 @@ def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: 
         smallest.grad = None
 
 
+_BITS_DTYPES = frozenset(
+    getattr(torch, name) for name in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16") if hasattr(torch, name)
+)
+"""Dtypes that DCP cannot size (its planner asks ``torch.iinfo`` of them, and fails)."""
+
+
 def _unsaveable(tensor: torch.Tensor) -> str | None:
     """Why DCP cannot save ``tensor`` and restore it bit for bit, in words (what it is, why, what
     to do), or None. Tensors from torch's own distributed wrappers (DTensor, FSDP's flat
@@ -82,7 +89,8 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         return (
             f"is a quantized tensor ({tensor.dtype}): a checkpoint would keep its integers but not its scale "
             "and zero point, and restore other values. Save the float model (dequantize()), or keep quantized "
-            "tensors in an object whose state_dict() returns them (saved whole, per rank)"
+            "tensors (a torch.ao quantized model) in an object whose state_dict() returns them and whose "
+            "load_state_dict() loads them back (saved whole, per rank)"
         )
     if tensor.is_nested:
         return (
@@ -94,10 +102,25 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
             f"is a sparse tensor ({tensor.layout}): checkpoints hold dense tensors. Keep it dense (to_dense()), "
             "or keep it in an object whose state_dict() returns it (saved whole, per rank)"
         )
+    if tensor.dtype in _BITS_DTYPES:
+        name = str(tensor.dtype)
+        as_int = "torch.uint8" if tensor.element_size() == 1 else "torch.int16"
+        return (
+            f"is a {name} tensor: torch's distributed checkpoint cannot save that dtype (it has no integer "
+            f"range). Register a view of it as integers of its size (tensor.view({as_int})) and view it back as "
+            f"{name} where it is used, or keep it in an object whose state_dict() returns it (saved whole, per rank)"
+        )
     if tensor.device.type == "meta":
         return (
             "is on the meta device and holds no values: materialise the module first "
             "(module.to_empty(device=...), then initialise it) before save() or restore()"
+        )
+    if tensor.is_conj() or tensor.is_neg():
+        return (
+            "is a lazily conjugated or negated view (x.conj(), x.mH, x.conj().imag): its memory holds the values "
+            "before the conjugation, which an async save would write, and a restore reading a big one straight "
+            "into that memory fails halfway. Register a tensor of its own instead (x.resolve_conj(), or "
+            "x.resolve_neg() for a negated one)"
         )
     if torch._debug_has_internal_overlap(tensor) == 1:
         return (
@@ -125,6 +148,33 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         except Exception:  # not this check's to judge: DCP says what it says
             return None
     return None
+
+
+def _tensors_of_own_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that ``module`` adds to its ``state_dict()`` besides its parameters and buffers,
+    by their names under it: a module that overrides ``_save_to_state_dict`` (torch.ao's quantized
+    ones hand out their packed weight and bias as a tuple) is asked, others cost nothing."""
+    if type(module)._save_to_state_dict is nn.Module._save_to_state_dict:
+        return
+    own: dict[str, Any] = {}
+    module._save_to_state_dict(own, "", keep_vars=True)
+    plain = set(module._parameters) | set(module._buffers)
+    for name, value in own.items():
+        if name not in plain:
+            yield from _tensors_under(name, value)
+
+
+def _tensors_under(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in ``value`` (looked into dicts, lists and tuples) with their dotted names
+    (under ``name``, or none)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors_under(f"{name}.{key}" if name else str(key), item)
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _tensors_under(f"{name}.{i}" if name else str(i), item)
 
 
 _PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -247,7 +297,7 @@ class _State(_Core):
                     sub._parameters.items(),
                     ((n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set),
                 )
-                for name, tensor in saved:
+                for name, tensor in itertools.chain(saved, _tensors_of_own_state(sub)):
                     why = _unsaveable(tensor) if tensor is not None else None
                     if why:
                         raise ValueError(
@@ -255,8 +305,8 @@ class _State(_Core):
                         )
         for key, opt in optims.items():
             for i, param_state in enumerate(opt.state.values()):
-                for name, value in param_state.items():
-                    why = _unsaveable(value) if isinstance(value, torch.Tensor) else None
+                for name, value in _tensors_under("", param_state):
+                    why = _unsaveable(value)
                     if why:
                         raise ValueError(
                             f"state[{key!r}] holds optimizer state {name!r} (of its parameter {i}), which {why}"
@@ -278,8 +328,10 @@ class _State(_Core):
                             f"state[{key!r}] optimizes a tensor (param_groups[{i}]['params'][{j}], shape "
                             f"{list(param.shape)}) that is not a parameter of the modules in the state "
                             f"({', '.join(sorted(modules)) or 'none'}): its state could not be saved or restored "
-                            "by name. Put the module that owns it in the same state dict, or leave it out of the "
-                            "optimizer"
+                            "by name. Put the module that owns it in the same state dict (fp32 master weights of "
+                            "a lower-precision model: make them a module's parameters, master = "
+                            "copy.deepcopy(model).float(), and put that module in the state too), or leave it out "
+                            "of the optimizer"
                         )
 
     def _split_state(
@@ -301,6 +353,19 @@ class _State(_Core):
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}
         return dcp_state, objects
+
+    @staticmethod
+    def _check_extra_state_tensors(dcp_state: Mapping[str, Any]) -> None:
+        """The tensors of the modules' extra state (``get_extra_state()``), neither parameters nor
+        buffers, are refused as theirs are (``_unsaveable``), naming them, before anything is
+        written: DCP saves and loads them the same way."""
+        for fqn, value in dcp_state.items():
+            if fqn.rsplit(".", 1)[-1] != _EXTRA_STATE_KEY_SUFFIX:
+                continue
+            for name, tensor in _tensors_under(fqn, value):
+                why = _unsaveable(tensor)
+                if why:
+                    raise ValueError(f"state[{fqn.split('.', 1)[0]!r}] holds {name}, which {why}")
 
     @staticmethod
     def _check_values_loadable(dcp_state: Mapping[str, Any]) -> None:

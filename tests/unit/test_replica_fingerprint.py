@@ -115,3 +115,18 @@ def test_the_fast_paths_still_tell_different_tensors_apart() -> None:
         a[-1, -1] += 1  # the last element is always sampled
         after = _tensor_fingerprints([wrap(a), wrap(a.t())])
         assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_a_dtype_torch_cannot_index_is_sampled_as_integers_of_its_size() -> None:
+    """float4_e2m1fn_x2 (NVFP4 weights) has no indexing kernel: a transposed one (the CPU's
+    indexed path) or any one on an accelerator (the path ``_Wrapped`` takes) failed every
+    multi-rank save with "index_cpu not implemented". Its elements are sampled as the bytes they
+    are, and equal tensors agree on both paths."""
+    packed = torch.randint(0, 256, (6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    fp4 = packed.view(torch.float4_e2m1fn_x2)
+    for tensor in (fp4, fp4.t(), fp4[::2, 1:]):
+        expected = _reference(tensor)
+        assert _tensor_fingerprint(tensor) == expected
+        assert _tensor_fingerprint(tensor.as_subclass(_Wrapped)) == expected
+        assert _tensor_fingerprint(tensor.clone()) == expected
+    assert _tensor_fingerprint(fp4.t()) != _tensor_fingerprint((packed + 1).view(torch.float4_e2m1fn_x2).t())
