@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slow
 
 OIDC = "arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
 ISSUER = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
-VARS = ["-var", f"oidc_provider_arn={OIDC}", "-var", "force_destroy=true"]
+# As production applies it: force_destroy left false. Stack.destroy sets it first.
+VARS = ["-var", f"oidc_provider_arn={OIDC}"]
+FORCE = ["-var", "force_destroy=true"]
 
 OVERRIDE = """
 provider "aws" {{
@@ -71,9 +73,13 @@ class Stack:
         return self.outputs[name]["value"]
 
     def destroy(self) -> str:
-        proc = terraform(self.workdir, "destroy", "-auto-approve", "-input=false", *VARS)
-        self.destroyed = proc.returncode == 0
-        return proc.stdout + proc.stderr if not self.destroyed else ""
+        """force_destroy applied, then destroyed (a destroy reads force_destroy from the state)."""
+        for step in ("apply", "destroy"):
+            proc = terraform(self.workdir, step, "-auto-approve", "-input=false", *VARS, *FORCE)
+            if proc.returncode != 0:
+                return proc.stdout + proc.stderr
+        self.destroyed = True
+        return ""
 
 
 @pytest.fixture(scope="module")
@@ -473,8 +479,47 @@ def test_variable_validation_refuses_nested_prefixes(stack: Stack, tf_plugin_dir
     assert "inside another's" in plan.stderr, plan.stdout + plan.stderr
 
 
+def _bucket_settings(stack: Stack) -> dict[str, Any]:
+    s3, bucket = stack.client("s3"), stack.output("checkpoint_bucket")
+    return {
+        "versioning": s3.get_bucket_versioning(Bucket=bucket).get("Status"),
+        "public access block": s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"],
+        "ownership": s3.get_bucket_ownership_controls(Bucket=bucket)["OwnershipControls"]["Rules"],
+        "encryption": s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"],
+        "lifecycle": s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"],
+        "policy": json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"]),
+    }
+
+
+def test_destroy_without_force_destroy_is_refused_before_anything_is_removed(stack: Stack) -> None:
+    """S3 refuses to delete a bucket holding checkpoints, but Terraform got there only after removing
+    its policy, public access block, ownership controls, encryption and lifecycle, suspending its
+    versioning and deleting the roles and the queue: the checkpoints were left in an unprotected
+    bucket, and no job could run. (Failed before the guard: the destroy stopped at BucketNotEmpty
+    with all of that gone.) The checkpoint is put into moto's store directly, in-process: the
+    bucket's TLS-only policy refuses moto's plain-HTTP endpoint."""
+    from moto.s3.models import s3_backends
+
+    bucket = stack.output("checkpoint_bucket")
+    key = "ml-training/train-eks/step-000000100/MANIFEST.json"
+    s3_backends["123456789012"]["aws"].put_object(bucket, key, b"{}")
+    before = _bucket_settings(stack)
+    proc = terraform(stack.workdir, "destroy", "-auto-approve", "-input=false", *VARS)
+    assert proc.returncode != 0, proc.stdout
+    assert "refusing to destroy: force_destroy is false" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert _bucket_settings(stack) == before
+    assert before["versioning"] == "Enabled"
+    assert s3_backends["123456789012"]["aws"].get_object(bucket, key) is not None
+    iam = stack.client("iam")
+    for role in ("spotjob-controller", "spotjob-training-ml-training"):
+        assert iam.get_role(RoleName=role)["Role"]["RoleName"] == role
+        assert iam.list_role_policies(RoleName=role)["PolicyNames"]
+    assert stack.client("sqs").get_queue_url(QueueName="spotjob-interruptions")["QueueUrl"]
+    assert stack.client("events").list_targets_by_rule(Rule="spotjob-spot-interruption")["Targets"]
+
+
 def test_destroy_removes_everything(stack: Stack) -> None:
-    """Last in this file: the stack is gone afterwards."""
+    """Last in this file: with force_destroy applied, the stack is gone afterwards, checkpoints and all."""
     error = stack.destroy()
     assert stack.destroyed, error
     s3, sqs, iam = stack.client("s3"), stack.client("sqs"), stack.client("iam")

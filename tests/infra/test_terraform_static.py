@@ -86,3 +86,21 @@ def test_the_modules_never_configure_providers() -> None:
     for folder in ("modules/aws", "modules/gcp"):
         for tf in (TERRAFORM / folder).glob("*.tf"):
             assert not load_hcl(tf).get("provider"), f"{tf}: a module takes its providers from the caller"
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "modules/gcp"])
+def test_the_destroy_guard_comes_before_every_resource(folder: str) -> None:
+    """A destroy the bucket refuses (it holds checkpoints) must stop before anything else goes: the
+    guard depends on every other resource of the module, so Terraform destroys it first, and it
+    fails unless force_destroy is in the state. Before it, Terraform removed the bucket's settings
+    (AWS), the roles or service accounts and the queue, then failed at the bucket.
+    test_terraform_aws.py runs the AWS one; the GCP one is read here only (no google provider)."""
+    resources = hcl_blocks(load_hcl(TERRAFORM / folder / "main.tf"), "resource")
+    guard = resources[("terraform_data", "this")]
+    assert guard["input"] == "${var.force_destroy}"
+    others = {f"${{{type_}.{name}}}" for type_, name in resources if type_ != "terraform_data"}
+    assert set(guard["depends_on"]) == others
+    ((kind, provisioner),) = guard["provisioner"][0].items()
+    assert (kind, provisioner["when"]) == ("local-exec", "destroy")
+    assert provisioner["command"].startswith('${self.input ? "exit 0" : "echo spotjob: refusing to destroy')
+    assert provisioner["command"].endswith('exit 1"}')
