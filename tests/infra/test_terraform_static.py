@@ -104,3 +104,17 @@ def test_the_destroy_guard_comes_before_every_resource(folder: str) -> None:
     assert (kind, provisioner["when"]) == ("local-exec", "destroy")
     assert provisioner["command"].startswith('${self.input ? "exit 0" : "echo spotjob: refusing to destroy')
     assert provisioner["command"].endswith('exit 1"}')
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "modules/gcp"])
+def test_the_readme_states_the_version_floors_of_versions_tf(folder: str) -> None:
+    """The GCP module's README said "the Google provider >= 5.0" after versions.tf had moved to
+    >= 5.22 (soft_delete_policy): an operator pinning 5.x below that failed at plan."""
+    versions = (TERRAFORM / folder / "versions.tf").read_text()
+    readme = (TERRAFORM / folder / "README.md").read_text()
+    requirements = readme[readme.index("## Requirements") :]
+    floors = re.findall(r'version\s*=\s*">=\s*([0-9.]+)"', versions)
+    assert floors
+    for floor in floors:
+        short = re.sub(r"\.0$", "", floor)
+        assert f">= {short}" in requirements or f">= {floor}" in requirements, (folder, floor)
