@@ -3,9 +3,10 @@ moto's server, and what it created checked with boto3: the bucket's settings, th
 the queue's policy, and EventBridge delivering EC2 events to the queue in the envelope the
 controller's queue reader parses (its parser is handed what arrived). Then the module's outputs feed the chart.
 
-moto does not enforce IAM, bucket or queue policies: the policies are read back and evaluated here
-(``_allowed``), not exercised by a denied request. The EKS node group is not applied (moto has no
-EC2 capacity to back it); `terraform validate` covers it.
+moto does not enforce IAM or queue policies: the policies are read back and evaluated here
+(``_allowed``), not exercised by a denied request. Of the bucket policy it enforces the refusal of
+plain HTTP, which its endpoint speaks: nothing here writes to the bucket through it. The EKS node
+group is not applied (moto has no EC2 capacity to back it); `terraform validate` covers it.
 """
 
 from __future__ import annotations
