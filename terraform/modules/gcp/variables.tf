@@ -50,9 +50,14 @@ variable "force_destroy" {
 }
 
 variable "kms_key_name" {
-  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
+  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>, in the bucket's location; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
   type        = string
   default     = null
+
+  validation {
+    condition     = var.kms_key_name == null || can(regex("^projects/[^/]+/locations/[^/]+/keyRings/[^/]+/cryptoKeys/[^/]+$", var.kms_key_name))
+    error_message = "kms_key_name must be a Cloud KMS key's name, projects/PROJECT/locations/LOCATION/keyRings/RING/cryptoKeys/KEY: not a key version (.../cryptoKeyVersions/N), a key ring or a key's URL."
+  }
 }
 
 variable "noncurrent_version_expiration_days" {
