@@ -480,6 +480,41 @@ def test_variable_validation_refuses_nested_prefixes(stack: Stack, tf_plugin_dir
     assert "inside another's" in plan.stderr, plan.stdout + plan.stderr
 
 
+KMS_KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+def test_a_kms_key_encrypts_the_bucket_and_both_roles_may_use_it(stack: Stack, tf_plugin_dir: Path) -> None:
+    """Pins what already worked (a plan, not an apply: moto has no such key): with ``kms_key_arn``
+    the bucket encrypts with it (SSE-KMS and a bucket key), and the training and controller roles
+    get kms:Decrypt and kms:GenerateDataKey on that key alone (a PutObject, a multipart upload and a
+    GetObject of an SSE-KMS object are refused without them). No queue here, so the controller's
+    policy is known at plan."""
+    root = stack.workdir.parent / "kms"
+    root.mkdir()
+    (root / "main.tf").write_text(
+        f'module "spotjob" {{\n  source = "../../modules/aws"\n  oidc_provider_arn = "{OIDC}"\n'
+        f'  kms_key_arn = "{KMS_KEY}"\n  create_interruption_queue = false\n'
+        '  training_identities = { ml = { namespace = "ml", service_account = "t", prefix = "ml" } }\n}\n'
+    )
+    shutil.copy(stack.workdir / "moto_override.tf", root / "provider.tf")
+    init = terraform(root, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    plan = terraform(root, "plan", "-input=false", "-out=plan.bin")
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    show = terraform(root, "show", "-json", "plan.bin")
+    after = {r["address"]: r["change"]["after"] for r in json.loads(show.stdout)["resource_changes"]}
+    (rule,) = after["module.spotjob.aws_s3_bucket_server_side_encryption_configuration.this"]["rule"]
+    (default,) = rule["apply_server_side_encryption_by_default"]
+    assert default == {"kms_master_key_id": KMS_KEY, "sse_algorithm": "aws:kms"}
+    assert rule["bucket_key_enabled"] is True
+    for role in ('training["ml"]', "controller"):
+        policy = json.loads(after[f"module.spotjob.aws_iam_role_policy.{role}"]["policy"])
+        for action in ("kms:Decrypt", "kms:GenerateDataKey"):
+            assert _allowed(policy, action, KMS_KEY), (role, action)
+            assert not _allowed(policy, action, KMS_KEY.replace("1234abcd", "99999999")), (role, action)
+        assert not _allowed(policy, "kms:Encrypt", KMS_KEY), role
+
+
 def _bucket_settings(stack: Stack) -> dict[str, Any]:
     s3, bucket = stack.client("s3"), stack.output("checkpoint_bucket")
     return {
