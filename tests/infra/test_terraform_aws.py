@@ -554,6 +554,26 @@ def test_destroy_without_force_destroy_is_refused_before_anything_is_removed(sta
     assert stack.client("events").list_targets_by_rule(Rule="spotjob-spot-interruption")["Targets"]
 
 
+def test_a_new_bucket_name_is_refused_like_a_destroy(stack: Stack) -> None:
+    """A new ``bucket_name`` (or ``name``, of which the default bucket name is made) replaces the
+    bucket: Terraform destroyed its settings first and then failed at the bucket holding checkpoints,
+    as a destroy did (or, with force_destroy, deleted every checkpoint). The guard is replaced with
+    it, so the apply is refused first and the old bucket keeps its settings and its checkpoint.
+    (Failed before triggers_replace: the apply went ahead.) Runs after the destroy test, which left
+    a checkpoint in the bucket."""
+    override = stack.workdir / "rename_override.tf"
+    override.write_text('module "spotjob" {\n  bucket_name = "spotjob-renamed-checkpoints"\n}\n')
+    before = _bucket_settings(stack)
+    try:
+        proc = terraform(stack.workdir, "apply", "-auto-approve", "-input=false", *VARS)
+    finally:
+        override.unlink()
+    assert proc.returncode != 0, proc.stdout
+    assert "refusing to destroy: force_destroy is false" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert _bucket_settings(stack) == before
+    assert "spotjob-renamed-checkpoints" not in [b["Name"] for b in stack.client("s3").list_buckets()["Buckets"]]
+
+
 def test_destroy_removes_everything(stack: Stack) -> None:
     """Last in this file: with force_destroy applied, the stack is gone afterwards, checkpoints and all."""
     error = stack.destroy()

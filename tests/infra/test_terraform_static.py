@@ -98,6 +98,7 @@ def test_the_destroy_guard_comes_before_every_resource(folder: str) -> None:
     resources = hcl_blocks(load_hcl(TERRAFORM / folder / "main.tf"), "resource")
     guard = resources[("terraform_data", "this")]
     assert guard["input"] == "${var.force_destroy}"
+    assert guard["triggers_replace"] == "${local.bucket_name}"  # a renamed bucket is a destroyed one
     others = {f"${{{type_}.{name}}}" for type_, name in resources if type_ != "terraform_data"}
     assert set(guard["depends_on"]) == others
     ((kind, provisioner),) = guard["provisioner"][0].items()

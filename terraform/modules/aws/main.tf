@@ -518,13 +518,15 @@ resource "aws_eks_node_group" "this" {
 # ownership controls, encryption and lifecycle (versioning is suspended), and the roles and the
 # queue. A refused destroy used to leave the checkpoints in a bucket stripped of all of that. This
 # depends on every resource here, so a destroy removes it first: without force_destroy (as applied,
-# in the state) it fails, and nothing else is touched.
+# in the state) it fails, and nothing else is touched. A new name or bucket_name replaces the
+# bucket, and so this too (triggers_replace): refused the same way.
 resource "terraform_data" "this" {
-  input = var.force_destroy
+  input            = var.force_destroy
+  triggers_replace = local.bucket_name
 
   provisioner "local-exec" {
     when    = destroy
-    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false. To delete the checkpoint bucket and every checkpoint in it, apply force_destroy = true first, then destroy. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
+    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false, and the checkpoint bucket would go, by terraform destroy or by a new name or bucket_name, which replaces it. To delete the bucket and every checkpoint in it, apply force_destroy = true first. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
   }
 
   depends_on = [

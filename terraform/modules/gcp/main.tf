@@ -236,13 +236,15 @@ resource "google_container_node_pool" "this" {
 # deleting the service accounts, their Workload Identity bindings and their bucket roles: a refused
 # destroy left the checkpoints with no identity that could reach them. This depends on every
 # resource here, so a destroy removes it first: without force_destroy (as applied, in the state)
-# it fails, and nothing else is touched.
+# it fails, and nothing else is touched. A new name or bucket_name replaces the bucket, and so
+# this too (triggers_replace): refused the same way.
 resource "terraform_data" "this" {
-  input = var.force_destroy
+  input            = var.force_destroy
+  triggers_replace = local.bucket_name
 
   provisioner "local-exec" {
     when    = destroy
-    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false. To delete the checkpoint bucket and every checkpoint in it, apply force_destroy = true first, then destroy. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
+    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false, and the checkpoint bucket would go, by terraform destroy or by a new name or bucket_name, which replaces it. To delete the bucket and every checkpoint in it, apply force_destroy = true first. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
   }
 
   depends_on = [
