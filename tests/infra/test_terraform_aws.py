@@ -3,9 +3,10 @@ moto's server, and what it created checked with boto3: the bucket's settings, th
 the queue's policy, and EventBridge delivering EC2 events to the queue in the envelope the
 controller's queue reader parses (its parser is handed what arrived). Then the module's outputs feed the chart.
 
-moto does not enforce IAM, bucket or queue policies: the policies are read back and evaluated here
-(``_allowed``), not exercised by a denied request. The EKS node group is not applied (moto has no
-EC2 capacity to back it); `terraform validate` covers it.
+moto does not enforce IAM or queue policies: the policies are read back and evaluated here
+(``_allowed``), not exercised by a denied request. Of the bucket policy it enforces the refusal of
+plain HTTP, which its endpoint speaks: nothing here writes to the bucket through it. The EKS node
+group is not applied (moto has no EC2 capacity to back it); `terraform validate` covers it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ pytestmark = pytest.mark.slow
 
 OIDC = "arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
 ISSUER = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
-VARS = ["-var", f"oidc_provider_arn={OIDC}", "-var", "force_destroy=true"]
+# As production applies it: force_destroy left false. Stack.destroy sets it first.
+VARS = ["-var", f"oidc_provider_arn={OIDC}"]
+FORCE = ["-var", "force_destroy=true"]
 
 OVERRIDE = """
 provider "aws" {{
@@ -71,9 +74,13 @@ class Stack:
         return self.outputs[name]["value"]
 
     def destroy(self) -> str:
-        proc = terraform(self.workdir, "destroy", "-auto-approve", "-input=false", *VARS)
-        self.destroyed = proc.returncode == 0
-        return proc.stdout + proc.stderr if not self.destroyed else ""
+        """force_destroy applied, then destroyed (a destroy reads force_destroy from the state)."""
+        for step in ("apply", "destroy"):
+            proc = terraform(self.workdir, step, "-auto-approve", "-input=false", *VARS, *FORCE)
+            if proc.returncode != 0:
+                return proc.stdout + proc.stderr
+        self.destroyed = True
+        return ""
 
 
 @pytest.fixture(scope="module")
@@ -473,8 +480,102 @@ def test_variable_validation_refuses_nested_prefixes(stack: Stack, tf_plugin_dir
     assert "inside another's" in plan.stderr, plan.stdout + plan.stderr
 
 
+KMS_KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+def test_a_kms_key_encrypts_the_bucket_and_both_roles_may_use_it(stack: Stack, tf_plugin_dir: Path) -> None:
+    """Pins what already worked (a plan, not an apply: moto has no such key): with ``kms_key_arn``
+    the bucket encrypts with it (SSE-KMS and a bucket key), and the training and controller roles
+    get kms:Decrypt and kms:GenerateDataKey on that key alone (a PutObject, a multipart upload and a
+    GetObject of an SSE-KMS object are refused without them). No queue here, so the controller's
+    policy is known at plan."""
+    root = stack.workdir.parent / "kms"
+    root.mkdir()
+    (root / "main.tf").write_text(
+        f'module "spotjob" {{\n  source = "../../modules/aws"\n  oidc_provider_arn = "{OIDC}"\n'
+        f'  kms_key_arn = "{KMS_KEY}"\n  create_interruption_queue = false\n'
+        '  training_identities = { ml = { namespace = "ml", service_account = "t", prefix = "ml" } }\n}\n'
+    )
+    shutil.copy(stack.workdir / "moto_override.tf", root / "provider.tf")
+    init = terraform(root, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    plan = terraform(root, "plan", "-input=false", "-out=plan.bin")
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    show = terraform(root, "show", "-json", "plan.bin")
+    after = {r["address"]: r["change"]["after"] for r in json.loads(show.stdout)["resource_changes"]}
+    (rule,) = after["module.spotjob.aws_s3_bucket_server_side_encryption_configuration.this"]["rule"]
+    (default,) = rule["apply_server_side_encryption_by_default"]
+    assert default == {"kms_master_key_id": KMS_KEY, "sse_algorithm": "aws:kms"}
+    assert rule["bucket_key_enabled"] is True
+    for role in ('training["ml"]', "controller"):
+        policy = json.loads(after[f"module.spotjob.aws_iam_role_policy.{role}"]["policy"])
+        for action in ("kms:Decrypt", "kms:GenerateDataKey"):
+            assert _allowed(policy, action, KMS_KEY), (role, action)
+            assert not _allowed(policy, action, KMS_KEY.replace("1234abcd", "99999999")), (role, action)
+        assert not _allowed(policy, "kms:Encrypt", KMS_KEY), role
+
+
+def _bucket_settings(stack: Stack) -> dict[str, Any]:
+    s3, bucket = stack.client("s3"), stack.output("checkpoint_bucket")
+    return {
+        "versioning": s3.get_bucket_versioning(Bucket=bucket).get("Status"),
+        "public access block": s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"],
+        "ownership": s3.get_bucket_ownership_controls(Bucket=bucket)["OwnershipControls"]["Rules"],
+        "encryption": s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"],
+        "lifecycle": s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"],
+        "policy": json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"]),
+    }
+
+
+def test_destroy_without_force_destroy_is_refused_before_anything_is_removed(stack: Stack) -> None:
+    """S3 refuses to delete a bucket holding checkpoints, but Terraform got there only after removing
+    its policy, public access block, ownership controls, encryption and lifecycle, suspending its
+    versioning and deleting the roles and the queue: the checkpoints were left in an unprotected
+    bucket, and no job could run. (Failed before the guard: the destroy stopped at BucketNotEmpty
+    with all of that gone.) The checkpoint is put into moto's store directly, in-process: the
+    bucket's TLS-only policy refuses moto's plain-HTTP endpoint."""
+    from moto.s3.models import s3_backends
+
+    bucket = stack.output("checkpoint_bucket")
+    key = "ml-training/train-eks/step-000000100/MANIFEST.json"
+    s3_backends["123456789012"]["aws"].put_object(bucket, key, b"{}")
+    before = _bucket_settings(stack)
+    proc = terraform(stack.workdir, "destroy", "-auto-approve", "-input=false", *VARS)
+    assert proc.returncode != 0, proc.stdout
+    assert "refusing to destroy: force_destroy is false" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert _bucket_settings(stack) == before
+    assert before["versioning"] == "Enabled"
+    assert s3_backends["123456789012"]["aws"].get_object(bucket, key) is not None
+    iam = stack.client("iam")
+    for role in ("spotjob-controller", "spotjob-training-ml-training"):
+        assert iam.get_role(RoleName=role)["Role"]["RoleName"] == role
+        assert iam.list_role_policies(RoleName=role)["PolicyNames"]
+    assert stack.client("sqs").get_queue_url(QueueName="spotjob-interruptions")["QueueUrl"]
+    assert stack.client("events").list_targets_by_rule(Rule="spotjob-spot-interruption")["Targets"]
+
+
+def test_a_new_bucket_name_is_refused_like_a_destroy(stack: Stack) -> None:
+    """A new ``bucket_name`` (or ``name``, of which the default bucket name is made) replaces the
+    bucket: Terraform destroyed its settings first and then failed at the bucket holding checkpoints,
+    as a destroy did (or, with force_destroy, deleted every checkpoint). The guard is replaced with
+    it, so the apply is refused first and the old bucket keeps its settings and its checkpoint.
+    (Failed before triggers_replace: the apply went ahead.) Runs after the destroy test, which left
+    a checkpoint in the bucket."""
+    override = stack.workdir / "rename_override.tf"
+    override.write_text('module "spotjob" {\n  bucket_name = "spotjob-renamed-checkpoints"\n}\n')
+    before = _bucket_settings(stack)
+    try:
+        proc = terraform(stack.workdir, "apply", "-auto-approve", "-input=false", *VARS)
+    finally:
+        override.unlink()
+    assert proc.returncode != 0, proc.stdout
+    assert "refusing to destroy: force_destroy is false" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert _bucket_settings(stack) == before
+    assert "spotjob-renamed-checkpoints" not in [b["Name"] for b in stack.client("s3").list_buckets()["Buckets"]]
+
+
 def test_destroy_removes_everything(stack: Stack) -> None:
-    """Last in this file: the stack is gone afterwards."""
+    """Last in this file: with force_destroy applied, the stack is gone afterwards, checkpoints and all."""
     error = stack.destroy()
     assert stack.destroyed, error
     s3, sqs, iam = stack.client("s3"), stack.client("sqs"), stack.client("iam")

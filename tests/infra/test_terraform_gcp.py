@@ -111,3 +111,27 @@ def test_the_helm_values_output_feeds_the_charts_workload_identity_key() -> None
     value = outputs["helm_values"]["value"]
     assert value["serviceAccount"]["gcp"]["serviceAccount"] == "${google_service_account.controller.email}"
     assert value["serviceAccount"]["name"] == "${var.controller_service_account}"
+
+
+def test_kms_key_name_must_name_a_crypto_key() -> None:
+    """A key version, a key ring or a console URL passed as ``kms_key_name`` went unchecked to the
+    KMS grant and the bucket, which fail at apply (after other resources were created). The
+    validation's pattern is read from variables.tf and run here with Python's re (it uses only what
+    RE2 and re share); Terraform itself cannot run the module offline."""
+    import re
+
+    variables = {k: v for entry in load_hcl(MODULE / "variables.tf")["variable"] for k, v in entry.items()}
+    (validation,) = variables["kms_key_name"]["validation"]
+    condition = validation["condition"]
+    assert condition.startswith("${var.kms_key_name == null || can(regex(")
+    (pattern,) = re.findall(r'regex\("(.+?)", var\.kms_key_name\)', condition)
+    key = "projects/example-project/locations/us-central1/keyRings/spotjob/cryptoKeys/checkpoints"
+    assert re.search(pattern, key)
+    for wrong in (
+        f"{key}/cryptoKeyVersions/1",
+        "projects/example-project/locations/us-central1/keyRings/spotjob",
+        f"https://console.cloud.google.com/security/kms/{key}",
+        "checkpoints",
+    ):
+        assert not re.search(pattern, wrong), wrong
+    assert "cryptoKeys/KEY" in validation["error_message"]

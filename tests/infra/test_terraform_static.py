@@ -86,3 +86,36 @@ def test_the_modules_never_configure_providers() -> None:
     for folder in ("modules/aws", "modules/gcp"):
         for tf in (TERRAFORM / folder).glob("*.tf"):
             assert not load_hcl(tf).get("provider"), f"{tf}: a module takes its providers from the caller"
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "modules/gcp"])
+def test_the_destroy_guard_comes_before_every_resource(folder: str) -> None:
+    """A destroy the bucket refuses (it holds checkpoints) must stop before anything else goes: the
+    guard depends on every other resource of the module, so Terraform destroys it first, and it
+    fails unless force_destroy is in the state. Before it, Terraform removed the bucket's settings
+    (AWS), the roles or service accounts and the queue, then failed at the bucket.
+    test_terraform_aws.py runs the AWS one; the GCP one is read here only (no google provider)."""
+    resources = hcl_blocks(load_hcl(TERRAFORM / folder / "main.tf"), "resource")
+    guard = resources[("terraform_data", "this")]
+    assert guard["input"] == "${var.force_destroy}"
+    assert guard["triggers_replace"] == "${local.bucket_name}"  # a renamed bucket is a destroyed one
+    others = {f"${{{type_}.{name}}}" for type_, name in resources if type_ != "terraform_data"}
+    assert set(guard["depends_on"]) == others
+    ((kind, provisioner),) = guard["provisioner"][0].items()
+    assert (kind, provisioner["when"]) == ("local-exec", "destroy")
+    assert provisioner["command"].startswith('${self.input ? "exit 0" : "echo spotjob: refusing to destroy')
+    assert provisioner["command"].endswith('exit 1"}')
+
+
+@pytest.mark.parametrize("folder", ["modules/aws", "modules/gcp"])
+def test_the_readme_states_the_version_floors_of_versions_tf(folder: str) -> None:
+    """The GCP module's README said "the Google provider >= 5.0" after versions.tf had moved to
+    >= 5.22 (soft_delete_policy): an operator pinning 5.x below that failed at plan."""
+    versions = (TERRAFORM / folder / "versions.tf").read_text()
+    readme = (TERRAFORM / folder / "README.md").read_text()
+    requirements = readme[readme.index("## Requirements") :]
+    floors = re.findall(r'version\s*=\s*">=\s*([0-9.]+)"', versions)
+    assert floors
+    for floor in floors:
+        short = re.sub(r"\.0$", "", floor)
+        assert f">= {short}" in requirements or f">= {floor}" in requirements, (folder, floor)

@@ -510,3 +510,42 @@ resource "aws_eks_node_group" "this" {
 
   depends_on = [aws_iam_role_policy_attachment.this]
 }
+
+# -- destroy guard ----------------------------------------------------------------------------------
+
+# S3 refuses to delete a bucket that holds any object version, but `terraform destroy` only gets
+# there after removing everything that depends on the bucket: its policy, public access block,
+# ownership controls, encryption and lifecycle (versioning is suspended), and the roles and the
+# queue. A refused destroy used to leave the checkpoints in a bucket stripped of all of that. This
+# depends on every resource here, so a destroy removes it first: without force_destroy (as applied,
+# in the state) it fails, and nothing else is touched. A new name or bucket_name replaces the
+# bucket, and so this too (triggers_replace): refused the same way.
+resource "terraform_data" "this" {
+  input            = var.force_destroy
+  triggers_replace = local.bucket_name
+
+  provisioner "local-exec" {
+    when    = destroy
+    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false, and the checkpoint bucket would go, by terraform destroy or by a new name or bucket_name, which replaces it. To delete the bucket and every checkpoint in it, apply force_destroy = true first. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
+  }
+
+  depends_on = [
+    aws_s3_bucket.this,
+    aws_s3_bucket_ownership_controls.this,
+    aws_s3_bucket_public_access_block.this,
+    aws_s3_bucket_versioning.this,
+    aws_s3_bucket_server_side_encryption_configuration.this,
+    aws_s3_bucket_lifecycle_configuration.this,
+    aws_s3_bucket_policy.this,
+    aws_iam_role.training,
+    aws_iam_role_policy.training,
+    aws_iam_role.controller,
+    aws_iam_role_policy.controller,
+    aws_sqs_queue.this,
+    aws_cloudwatch_event_rule.this,
+    aws_cloudwatch_event_target.this,
+    aws_iam_role.node,
+    aws_iam_role_policy_attachment.this,
+    aws_eks_node_group.this,
+  ]
+}

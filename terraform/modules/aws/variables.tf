@@ -29,7 +29,7 @@ variable "bucket_name" {
 }
 
 variable "force_destroy" {
-  description = "Let `terraform destroy` delete the bucket with the checkpoints in it. Keep false outside tests."
+  description = "Let `terraform destroy` delete the bucket with the checkpoints in it; false refuses the whole destroy before anything is removed. A destroy reads it from the state: apply it first. Keep false outside tests."
   type        = bool
   default     = false
 }

@@ -229,3 +229,34 @@ resource "google_container_node_pool" "this" {
     resource_labels = var.labels
   }
 }
+
+# -- destroy guard ----------------------------------------------------------------------------------
+
+# GCS refuses to delete a bucket that holds objects, but `terraform destroy` only gets there after
+# deleting the service accounts, their Workload Identity bindings and their bucket roles: a refused
+# destroy left the checkpoints with no identity that could reach them. This depends on every
+# resource here, so a destroy removes it first: without force_destroy (as applied, in the state)
+# it fails, and nothing else is touched. A new name or bucket_name replaces the bucket, and so
+# this too (triggers_replace): refused the same way.
+resource "terraform_data" "this" {
+  input            = var.force_destroy
+  triggers_replace = local.bucket_name
+
+  provisioner "local-exec" {
+    when    = destroy
+    command = self.input ? "exit 0" : "echo spotjob: refusing to destroy: force_destroy is false, and the checkpoint bucket would go, by terraform destroy or by a new name or bucket_name, which replaces it. To delete the bucket and every checkpoint in it, apply force_destroy = true first. To keep the bucket, see Destroying in the module README. 1>&2 && exit 1"
+  }
+
+  depends_on = [
+    google_storage_bucket.this,
+    google_kms_crypto_key_iam_member.this,
+    google_service_account.training,
+    google_service_account_iam_member.training_workload_identity,
+    google_storage_bucket_iam_member.training,
+    google_service_account.controller,
+    google_service_account_iam_member.controller_workload_identity,
+    google_storage_bucket_iam_member.controller_read,
+    google_storage_bucket_iam_member.controller_records,
+    google_container_node_pool.this,
+  ]
+}

@@ -44,15 +44,20 @@ variable "bucket_name" {
 }
 
 variable "force_destroy" {
-  description = "Let `terraform destroy` delete the bucket with the checkpoints in it. Keep false outside tests."
+  description = "Let `terraform destroy` delete the bucket with the checkpoints in it; false refuses the whole destroy before anything is removed. A destroy reads it from the state: apply it first. Keep false outside tests."
   type        = bool
   default     = false
 }
 
 variable "kms_key_name" {
-  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
+  description = "A Cloud KMS key for the bucket's default encryption (CMEK), as projects/<p>/locations/<l>/keyRings/<r>/cryptoKeys/<k>, in the bucket's location; the project's Cloud Storage service agent is granted roles/cloudkms.cryptoKeyEncrypterDecrypter on it. Null: Google-managed keys."
   type        = string
   default     = null
+
+  validation {
+    condition     = var.kms_key_name == null || can(regex("^projects/[^/]+/locations/[^/]+/keyRings/[^/]+/cryptoKeys/[^/]+$", var.kms_key_name))
+    error_message = "kms_key_name must be a Cloud KMS key's name, projects/PROJECT/locations/LOCATION/keyRings/RING/cryptoKeys/KEY: not a key version (.../cryptoKeyVersions/N), a key ring or a key's URL."
+  }
 }
 
 variable "noncurrent_version_expiration_days" {
