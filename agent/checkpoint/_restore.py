@@ -288,6 +288,9 @@ class _Restoring(_Voting):
         partially_loaded = False
         remedy = "Restore with the model they were saved with"
         relists = 0
+        # (rank 0) Committed folders this walk passed over as another job's (foreign or fenced): a
+        # listing that holds only those holds nothing to walk again for.
+        passed: set[str] = set()
         walk = list(refs)
         while True:
             if not walk:
@@ -297,7 +300,7 @@ class _Restoring(_Voting):
                 # new listing holds a committed one now, walk it: never start from step 0 over them.
                 if tried or not refs or relists >= _RELISTS:
                     break
-                fresh, committed = self._on_rank0("listing the checkpoints", self._committed_listing)
+                fresh, committed = self._on_rank0("listing the checkpoints", lambda: self._committed_listing(passed))
                 if not committed:
                     break
                 relists += 1
@@ -324,6 +327,8 @@ class _Restoring(_Voting):
                     judged[ref] = status.manifest
                     return status.manifest.to_json().decode(), "", True, False
                 ours = status.committed and not (status.foreign or status.fenced)
+                if status.committed and (status.foreign or status.fenced):
+                    passed.add(ref.folder)
                 return None, status.reason, ours, status.newer_format
 
             manifest_json, reason, ours, newer = self._on_rank0(f"checking {url(ref.folder)}", judge)
@@ -765,11 +770,14 @@ class _Restoring(_Voting):
             log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
         return kind, msg
 
-    def _committed_listing(self) -> tuple[list[CheckpointRef], bool]:
-        """(rank 0) The checkpoint folders, and whether any not retired holds a manifest now."""
+    def _committed_listing(self, passed: set[str]) -> tuple[list[CheckpointRef], bool]:
+        """(rank 0) The checkpoint folders, and whether any not retired nor ``passed`` (another
+        job's, seen so already) holds a manifest now."""
         refs = find_checkpoints(self.storage)
         retired = _fresh_start.retired_folders(self.storage)
-        return refs, any(r.folder not in retired and self.storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs)
+        return refs, any(
+            r.folder not in retired | passed and self.storage.stat(r.key(MANIFEST_NAME)) is not None for r in refs
+        )
 
     def _deleted_under_us(self, ref: CheckpointRef, e: BaseException) -> bool:
         """A file of ``ref`` was missing because the checkpoint itself is gone (its manifest, which

@@ -293,3 +293,19 @@ def test_ckpt_list_and_retention_see_past_an_archived_attempt_record(
         train(state, 1, start=3)
         ckpt.save(4, state)
     assert steps_in(s3_uri) == [4]
+
+
+def test_a_uri_holding_only_another_jobs_checkpoint_is_walked_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A URI job B owns, holding only a checkpoint copied from job A: the restore passes over it as
+    foreign and starts from step 0. It listed the URI again three times (a committed folder had
+    appeared, it took it, as a commit racing the walk would), and said the skip four times."""
+    source, target = tmp_path / "a", tmp_path / "b"
+    save_steps(str(source), [1, 2, 3], tmp_path / "staging-a", job="A")
+    assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 0  # B owns the URI, no checkpoint
+    subprocess.run(["cp", "-r", str(source / "step-000000003"), str(target)], check=True)
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoint"):
+        assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 0
+    skips = [r for r in caplog.records if "skipping" in r.getMessage() and "step-000000003" in r.getMessage()]
+    assert len(skips) == 1, [r.getMessage()[:120] for r in skips]
