@@ -181,3 +181,24 @@ def test_one_rank_killed_mid_save_leaves_the_newest_committed_checkpoint(
     rc, out, step2 = traced_save(tmp_path, uri, 2, f"{call}:signal=SIGKILL:when={n}", nproc=2, rank=rank)
     assert rc != 0, out
     restores(uri, expected, step2 if expected == 2 else step1)
+
+
+@needs_strace
+@pytest.mark.parametrize("errno_name", ["EIO", "ENOSPC"])
+def test_a_disk_error_syncing_a_staged_shard_fails_the_save_and_says_which_file(
+    tmp_path: Path, errno_name: str
+) -> None:
+    """Fails without the fix for EIO: the save failed as ``OSError(5, 'Input/output error')``,
+    naming neither the file nor the disk nor what to do (fsync(2) names no file). ENOSPC from
+    fsync (NFS, thin volumes) pins behaviour that worked, now with the file named too."""
+    uri = f"file://{tmp_path / 'ckpt'}"
+    committed_before(uri, [1, 2])
+    rc, out, _ = traced_save(tmp_path, uri, 3, f"fsync:error={errno_name}:when=1")
+    assert rc == 3, out
+    assert "nothing committed" in out, out
+    assert ".spotjob-staging/step-000000003" in out, f"the failed file is not named:\n{out}"
+    if errno_name == "EIO":
+        assert "Input/output error" in out and "Check that disk" in out, out
+    else:
+        assert "full or over its quota" in out, out
+    restores(uri, 2, snapshot(state_at(2)))
