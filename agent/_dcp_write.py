@@ -300,7 +300,10 @@ class ChecksummedFile:
             self.size += view.nbytes
             return
         while view:
-            written = os.write(self._fd, view)
+            try:
+                written = os.write(self._fd, view)
+            except OSError as e:  # write(2) names no file: the error says which one failed
+                raise OSError(e.errno, e.strerror, self.path) from e
             view = view[written:]
             self.size += written
         if self._writeback and self.size - self._written_back >= self.BLOCK:
@@ -393,7 +396,10 @@ def sync_files(paths: list[str], parallelism: int = 4) -> None:
     def fsync(path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            sync_fd(fd)
+            try:
+                sync_fd(fd)
+            except OSError as e:  # fsync(2) names no file: the error says which one failed
+                raise OSError(e.errno, e.strerror, path) from e
             if hasattr(os, "posix_fadvise"):  # the last blocks, written back by now (see ChecksummedFile)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

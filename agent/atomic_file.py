@@ -10,6 +10,8 @@ halves of spotjob use it.
 Every fsync of spotjob's commit path goes through ``sync_fd``: on macOS ``fsync(2)`` only hands
 the bytes to the drive, whose cache may still lose them at a power cut; ``fcntl(F_FULLFSYNC)``
 also flushes that cache, and is what SQLite and PostgreSQL use there for durability.
+
+Logs of JSON lines (a local run's Events and timeline) are appended instead (``append_line``).
 """
 
 from __future__ import annotations
@@ -108,3 +110,20 @@ def write_atomic(path: str, data: bytes, *, durable: bool = True, mode: int = 0o
         raise
     if durable:
         sync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` and a newline to the JSON-lines file at ``path``, as one ``write``.
+
+    A line an earlier writer left cut short (a full disk, a file-size limit, a process killed in
+    the middle of a long write) has no newline: it is ended first, so this line is not glued to it
+    and lost with it (readers skip a line that does not parse). Not atomic against a crash, which
+    may still cut this line; its reader skips what is cut. ``OSError``.
+    """
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = False
+        if end:
+            f.seek(end - 1)
+            torn = f.read(1) != b"\n"
+        f.write((("\n" if torn else "") + line + "\n").encode())

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from agent.atomic_file import append_line
 from agent.control_api import safe
 from orchestrator.model import JobKey
 
@@ -137,7 +138,8 @@ def events_path(root: str, key: JobKey) -> str:
 
 class JsonlEventSink(LoggingEventSink):
     """Local mode: appends ``{"time", "type", "reason", "message", "node"?}`` lines to
-    ``events_path(root, key)`` and logs each Event. Thread-safe; each line is written whole."""
+    ``events_path(root, key)`` and logs each Event. Thread-safe; each line is written whole, after
+    ending a line a full disk or a kill cut short (``append_line``)."""
 
     def __init__(self, root: str, *, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.root = os.path.abspath(root)
@@ -158,8 +160,7 @@ class JsonlEventSink(LoggingEventSink):
         try:
             with self._lock:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_line(path, json.dumps(record))
         except OSError as e:
             log.warning("could not record event %s of job %s in %s: %s", reason, key, path, e)
 

@@ -172,8 +172,8 @@ _WAIT_SLICE_S = 0.25
 
 def _writing_failure(e: BaseException, staging: str) -> str:
     """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
-    unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota
-    said as such, with where and what to do."""
+    unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota,
+    a disk's I/O error, a read-only or unwritable folder said as such, with where and what to do."""
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
@@ -184,6 +184,13 @@ def _writing_failure(e: BaseException, staging: str) -> str:
             f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "
             "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
             "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+        )
+    if isinstance(e, OSError) and e.errno == errno.EIO:
+        return (
+            f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} failed to "
+            "write or sync this rank's files, so their bytes cannot be trusted and nothing was committed; "
+            "the checkpoints committed before are untouched. Check that disk (the kernel log names the "
+            "fault), or stage on another one (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
         )
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"

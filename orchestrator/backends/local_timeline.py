@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from agent.atomic_file import append_line
+
 
 class EventKind:
     """What the timeline records (``Timeline``); plain strings in the JSON lines."""
@@ -37,7 +39,8 @@ class Timeline:
     """An append-only JSON-lines record of what happened in the local world, for the plot and summary.
 
     One line per event: ``{"t": <unix time>, "kind": "...", ...}``. Written from several threads;
-    each line is appended whole under a lock. Readers skip a torn last line.
+    each line is appended whole under a lock, after ending a line a full disk or a kill cut short
+    (``append_line``). Readers skip a torn line.
     """
 
     def __init__(self, path: str) -> None:
@@ -46,8 +49,8 @@ class Timeline:
 
     def record(self, kind: str, **data: Any) -> None:
         line = json.dumps({"t": round(time.time(), 3), "kind": kind, **data}, default=str)
-        with self._lock, open(self.path, "a") as f:
-            f.write(line + "\n")
+        with self._lock:
+            append_line(self.path, line)
 
     @staticmethod
     def read(path: str) -> list[TimelineEvent]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -135,3 +136,53 @@ def test_a_worker_that_trains_for_days_adds_a_bounded_number_of_step_samples_to_
         samples = [e for e in Timeline.read(backend.timeline.path) if e.kind == EventKind.STEP]
     assert [e.data["step"] for e in samples[:10]] == list(range(1, 11)), "a young attempt is sampled at every look"
     assert len(samples) < 5000, f"{len(samples)} step samples for 3 days of one worker ({step} looks)"
+
+
+_CUT_SHORT = """
+import sys
+from orchestrator.backends.local_timeline import Timeline
+from orchestrator.events import EventType, JsonlEventSink
+from orchestrator.model import JobKey
+if sys.argv[1] == "events":
+    JsonlEventSink(sys.argv[2]).emit(JobKey.local("train"), EventType.WARNING, "Cut", "x" * 500)
+else:
+    Timeline(sys.argv[2]).record("commit", step=1, note="x" * 500)
+"""
+
+
+@pytest.mark.parametrize("which", ["events", "timeline"])
+def test_a_line_cut_short_by_a_full_disk_loses_only_itself_not_the_next_one(tmp_path: Path, which: str) -> None:
+    """Fails without the fix: the next line was appended to the cut one, and the reader skipped
+    both, so the first Event (or timeline event) after a full disk or a kill mid-write was lost.
+
+    A real cut: a child process writes under a file-size limit (``RLIMIT_FSIZE``) that the kernel
+    enforces with a short write, as a full disk does; Python ignores the SIGXFSZ that comes with it.
+    """
+    import resource
+
+    key = JobKey.local("train")
+    sink = events.JsonlEventSink(str(tmp_path))
+    path = events.events_path(str(tmp_path), key) if which == "events" else str(tmp_path / "timeline.jsonl")
+    timeline = Timeline(path)
+    if which == "events":
+        sink.emit(key, EventType.NORMAL, "Before", "first")
+    else:
+        timeline.record(EventKind.COMMIT, step=0)
+    limit = os.path.getsize(path) + 40
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    # The sink logs the failed write; the timeline raises it (the child exits 1).
+    subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT, which, str(tmp_path) if which == "events" else path],
+        preexec_fn=cap,
+        capture_output=True,
+    )
+    assert os.path.getsize(path) == limit, "the child's line was not cut short"
+    if which == "events":
+        sink.emit(key, EventType.NORMAL, "After", "the disk has room again")
+        assert [e.reason for e in read_events(path)] == ["Before", "After"]
+    else:
+        timeline.record(EventKind.COMMIT, step=2)
+        assert [e.data["step"] for e in Timeline.read(path)] == [0, 2]
