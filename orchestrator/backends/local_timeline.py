@@ -4,6 +4,7 @@ JSON line an event, read back by ``spotjob status``, the live view and the goodp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.atomic_file import append_line
+
+log = logging.getLogger(__name__)
 
 
 class EventKind:
@@ -46,11 +49,26 @@ class Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._failing = False
 
     def record(self, kind: str, **data: Any) -> None:
+        """Append one event. A write that fails (a full disk under the run folder) loses that line
+        only: it is warned once, until a write succeeds again, and never ends the run whose record
+        it is (it was raised into the thread that watched the workers)."""
         line = json.dumps({"t": round(time.time(), 3), "kind": kind, **data}, default=str)
         with self._lock:
-            append_line(self.path, line)
+            try:
+                append_line(self.path, line)
+            except OSError as e:
+                if not self._failing:
+                    log.warning(
+                        "could not record %s in the run's timeline %s: %s (the plot will miss it)", kind, self.path, e
+                    )
+                self._failing = True
+                return
+            if self._failing:
+                log.warning("the run's timeline %s is written again", self.path)
+            self._failing = False
 
     @staticmethod
     def read(path: str) -> list[TimelineEvent]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -173,7 +174,7 @@ def test_a_line_cut_short_by_a_full_disk_loses_only_itself_not_the_next_one(tmp_
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    # The sink logs the failed write; the timeline raises it (the child exits 1).
+    # The sink and the timeline log the failed write.
     subprocess.run(
         [sys.executable, "-c", _CUT_SHORT, which, str(tmp_path) if which == "events" else path],
         preexec_fn=cap,
@@ -186,3 +187,22 @@ def test_a_line_cut_short_by_a_full_disk_loses_only_itself_not_the_next_one(tmp_
     else:
         timeline.record(EventKind.COMMIT, step=2)
         assert [e.data["step"] for e in Timeline.read(path)] == [0, 2]
+
+
+def test_a_timeline_that_cannot_be_written_warns_once_and_raises_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fails without the fix: the OSError of a full run-folder disk was raised into the thread that
+    records (the driver's watch over its workers). A folder where the file should be fails each
+    write as a full disk would."""
+    path = tmp_path / "timeline.jsonl"
+    path.mkdir()
+    timeline = Timeline(str(path))
+    with caplog.at_level(logging.WARNING, logger="orchestrator.backends.local_timeline"):
+        for step in range(3):
+            timeline.record(EventKind.STEP, step=step)
+        path.rmdir()
+        timeline.record(EventKind.COMMIT, step=3)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "could not record step" in said[0] and "written again" in said[1], said
+    assert [e.data["step"] for e in Timeline.read(str(path))] == [3]
