@@ -288,6 +288,7 @@ class _Restoring(_Voting):
         partially_loaded = False
         remedy = "Restore with the model they were saved with"
         relists = 0
+        gone = 0  # how many of ``tried`` were deleted while read
         walk = list(refs)
         while True:
             if not walk:
@@ -370,6 +371,8 @@ class _Restoring(_Voting):
                 self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
+            if kind == _Failure.GONE:
+                gone += 1
             if kind == _Failure.GONE and relists < _RELISTS:
                 # Every rank agreed on it: every rank walks the new listing, from its newest. Kept
                 # in ``tried``: a walk that then finds nothing refuses, never starts from step 0.
@@ -395,7 +398,31 @@ class _Restoring(_Voting):
                 what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
                 log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
             return 0
+        if gone == len(tried):
+            raise self._outrun(tried, partially_loaded)
         return self._refuse_or_start_fresh(tried, partially_loaded, remedy)
+
+    def _outrun(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> RestoreRefusedError:
+        """Every checkpoint tried was deleted while it was read: nothing is wrong with them, the job
+        saving to the URI commits (and its retention deletes) faster than this restore reads. Never
+        a reason to start fresh: its newest checkpoint is there, and retiring it loses the run."""
+        url = self.storage.url
+        listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
+        state = (
+            "The state was partly loaded from one of them on some rank: re-create the model and optimizer before "
+            "retrying."
+            if partially_loaded
+            else "Nothing was loaded: the state is unchanged."
+        )
+        return RestoreRefusedError(
+            f"restore gave up: each of the {len(tried)} checkpoint(s) it picked under {self.storage.uri} was deleted "
+            f"while it was read, by the retention of the job saving to that URI (it committed a newer one each "
+            f"time):\n{listing}\n{state} Nothing is wrong with the checkpoints, and none was deleted by this "
+            "restore. Retry the restore; a reader beside a job that saves this often needs the job to keep more "
+            "checkpoints (keep=2 or more: a checkpoint stays keep saves after it is the newest), or reads from a "
+            "copy (spotjob ckpt export).",
+            [(url(r.folder), why) for r, why in tried],
+        )
 
     def _refuse_or_start_fresh(
         self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool, remedy: str

@@ -319,3 +319,41 @@ def test_ckpt_commands_that_see_the_newest_in_progress_and_the_one_before_gone_u
     assert main(["ckpt", *command, *args]) == 0
     assert looked[:2] == ["step-000000002", "step-000000001"]
     assert "step-000000002" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("start_fresh", [False, True])
+def test_a_restore_outrun_by_the_jobs_retention_says_to_retry_and_never_starts_fresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_fresh: bool
+) -> None:
+    """The job (keep=1) commits a new step each time the restore starts reading the one it picked,
+    so every checkpoint it tries is deleted under it. Before, the refusal read as a model that no
+    longer fits ("Restore with the model they were saved with", "start_fresh"), and with
+    ``start_fresh`` the job's newest checkpoints were retired and the run started from step 0. The
+    hook stands in for a job that saves faster than the restore reads; it does not model a store's
+    own timing."""
+    root = tmp_path / "ckpt"
+    job = _SavingOn(str(root))
+    real_ensure_local = VerifiedReader.ensure_local
+    reads: list[str] = []
+
+    def ensure_local_as_the_job_saves_again(self: VerifiedReader, path: str) -> str:
+        if self.folder not in reads:  # the first read of each checkpoint picked: the job commits the next
+            reads.append(self.folder)
+            step = len(reads) + 1
+            train(job.state, 1, start=step - 1)
+            job.writer.save(step, job.state)
+        return real_ensure_local(self, path)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "ensure_local", ensure_local_as_the_job_saves_again)
+    reader_state = make_state(0, seed=7)
+    before = snapshot(reader_state)
+    with Checkpointer(str(root), keep=None, job="train", async_save=False, start_fresh=start_fresh) as reader:
+        with pytest.raises(RestoreRefusedError) as refused:
+            reader.restore(reader_state)
+    job.writer.close()
+    message = str(refused.value)
+    assert "deleted while it was read" in message and "retry" in message.lower() and "keep" in message
+    assert "saved with" not in message and "start_fresh" not in message
+    assert_same(snapshot(reader_state), before)  # nothing loaded
+    found = list_checkpoints(open_storage(str(root)))
+    assert [(s.ref.folder, s.valid, s.retired) for s in found] == [(f"step-{len(reads) + 1:09d}", True, False)]
