@@ -76,11 +76,12 @@ def checkpoint_reader(storage: Storage, status: CheckpointStatus) -> Iterator[Ve
     assert status.manifest is not None
     folder = status.ref.folder
     local = storage.local_path(folder)
-    if local is not None:
-        yield VerifiedReader(storage, folder, status.manifest, local)
-        return
-    with tempfile.TemporaryDirectory(prefix="spotjob-ckpt-") as cache:
-        yield VerifiedReader(storage, folder, status.manifest, cache)
+    with contextlib.ExitStack() as stack:
+        if local is None:
+            local = stack.enter_context(tempfile.TemporaryDirectory(prefix="spotjob-ckpt-"))
+        reader = VerifiedReader(storage, folder, status.manifest, local)
+        stack.callback(reader.close)  # a filesystem checkpoint's files, held open since their check
+        yield reader
 
 
 @dataclass

@@ -416,8 +416,8 @@ class _Restoring(_Voting):
         )
         return RestoreRefusedError(
             f"restore gave up: each of the {len(tried)} checkpoint(s) it picked under {self.storage.uri} was deleted "
-            f"while it was read, by the retention of the job saving to that URI (it committed a newer one each "
-            f"time):\n{listing}\n{state} Nothing is wrong with the checkpoints, and none was deleted by this "
+            f"while it was read (by the retention of the job saving to that URI as it committed newer ones, or by "
+            f"hand):\n{listing}\n{state} Nothing is wrong with the checkpoints, and none was deleted by this "
             "restore. Retry the restore; a reader beside a job that saves this often needs the job to keep more "
             "checkpoints (keep=2 or more: a checkpoint stays keep saves after it is the newest), or reads from a "
             "copy (spotjob ckpt export).",
@@ -622,6 +622,21 @@ class _Restoring(_Voting):
             cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
             local_dir = cache
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
+        try:
+            return self._load_with(reader, cache, ref, manifest, state, model_state)
+        finally:
+            reader.close()
+
+    def _load_with(
+        self,
+        reader: VerifiedReader,
+        cache: str | None,
+        ref: CheckpointRef,
+        manifest: Manifest,
+        state: Mapping[str, Any],
+        model_state: dict[str, Any] | None,
+    ) -> tuple[tuple[str, str] | None, bool]:
+        """``_try_load`` with its reader made (closed by the caller)."""
         failure: tuple[str, str] | None = None
         rank_payload: dict[str, Any] | None = None
         # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
