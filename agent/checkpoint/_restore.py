@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, rank_state
-from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.catalog import CheckpointRef, find_checkpoints, inspect, latest_valid
 from agent.checkpoint._core import size_text
 from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
@@ -241,6 +241,21 @@ class _Restoring(_Voting):
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed (``_Saving``)."""
         raise NotImplementedError
+
+    def newest_step(self) -> int:
+        """The step of the newest valid checkpoint of this job under the URI (0 when there is none):
+        the one ``restore()`` would load now, judged as it judges, without loading anything (rank 0
+        lists the folders and reads manifests, newest first, until one is valid; an uncommitted
+        save in progress is never it). For a reader polling beside a training job: restore only
+        when this moved past the step it last restored. Collective, like every call."""
+        self._check_open("newest_step()")
+
+        def newest() -> int:
+            status = latest_valid(self.storage, on_skip=lambda _: None)  # restore() says what it skips
+            return status.manifest.step if status is not None and status.manifest is not None else 0
+
+        step: int = self._on_rank0("listing the checkpoints", newest)
+        return step
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).

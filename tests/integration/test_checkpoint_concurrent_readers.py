@@ -411,3 +411,39 @@ def test_a_filesystem_checkpoint_deleted_after_its_check_still_loads_whole(
     assert len(copied) >= 2
     for name, tensor in saved.state_dict().items():
         assert torch.equal(reader_model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_an_eval_loop_polling_newest_step_evaluates_each_new_checkpoint_once_in_order(
+    fresh_uri: Callable[[str], str], scheme: str
+) -> None:
+    """The README's eval loop: ``newest_step()`` (no load) decides whether to ``restore()``. Before
+    it, a reader could only ``restore()`` again and again, reading the whole checkpoint at every
+    poll to learn that nothing was new. A save in progress (a folder without its manifest) is
+    never taken for the newest. The writer runs in this process; saving and polling take turns."""
+    uri = fresh_uri(scheme)
+    state = make_state(0)
+    train(state, 1)
+    writer = Checkpointer(uri, every_steps=1, keep=1, job="train", async_save=False)
+    evaluated: list[int] = []
+    polls = 0
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.newest_step() == 0
+
+        def poll() -> None:
+            nonlocal polls
+            polls += 1
+            if reader.newest_step() > (evaluated[-1] if evaluated else 0):
+                evaluated.append(reader.restore({"model": make_state(0, seed=7)["model"]}))
+
+        for step in range(1, 5):
+            train(state, 1, start=step - 1)
+            writer.save(step, state)
+            poll()
+            poll()  # nothing new: nothing restored
+        storage = open_storage(uri)
+        storage.put_bytes("step-000000009/__0_0.distcp", b"a save in progress")
+        assert reader.newest_step() == 4
+        storage.close()
+    writer.close()
+    assert evaluated == [1, 2, 3, 4] and polls == 8
