@@ -313,7 +313,8 @@ class VerifiedReader(FileSystemReader):
         job's retention deletes after the check (it unlinks the names) is still read whole, never
         half into the model. Files this process cannot keep open (too many open files) are read by
         name, as before."""
-        self.fs = _HeldFiles(self._held, local_dir)
+        self._files = _HeldFiles(self._held, local_dir)
+        self.fs = self._files
         self.parallelism = parallelism
         self.storage = storage
         self.folder = folder
@@ -371,7 +372,7 @@ class VerifiedReader(FileSystemReader):
     def open_verified(self, path: str) -> io.BufferedReader:
         """``path`` (a file ``ensure_local`` returned) for reading, from the descriptor held since
         its check where there is one."""
-        return self.fs.open(path)
+        return self._files.open(path)
 
     def close(self) -> None:
         """Let go of the files held open since their check (idempotent)."""
