@@ -447,3 +447,38 @@ def test_an_eval_loop_polling_newest_step_evaluates_each_new_checkpoint_once_in_
         storage.close()
     writer.close()
     assert evaluated == [1, 2, 3, 4] and polls == 8
+
+
+def test_two_writers_of_one_job_on_one_uri_the_loser_names_both_and_the_winners_commit_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same training script started twice on one URI (no controller, so no attempt numbers to
+    fence either): both save step 1 into one folder and the second to commit fails. It said only
+    "committed by someone else meanwhile; is another job writing to the same URI?", while it was the
+    same job: now it names the writer that committed (its job, attempt and time) and itself, and
+    says to stop one. The hook makes the other commit land just before this one's (the store's
+    create-only write decides, as between two processes); it does not model two hosts' clocks."""
+    from agent.checkpoint import SaveFailedError
+
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    train(state, 1)
+    first = Checkpointer(str(root), keep=1, job="train", attempt=None, async_save=False)
+    second = Checkpointer(str(root), keep=1, job="train", async_save=False)
+    real_put = second.storage.put_bytes_if_absent
+
+    def put_after_the_other_commits(key: str, data: bytes) -> None:
+        if key.endswith("MANIFEST.json"):
+            first.save(1, state)
+        real_put(key, data)
+
+    monkeypatch.setattr(second.storage, "put_bytes_if_absent", put_after_the_other_commits)
+    with pytest.raises(SaveFailedError) as failed:
+        second.save(1, state)
+    message = str(failed.value)
+    assert "step-000000001 was committed meanwhile by job 'train' (attempt none" in message, message
+    assert "this save is job 'train' (attempt none)" in message and "Stop one" in message, message
+    first.close()
+    second.close()
+    found = list_checkpoints(open_storage(str(root)))
+    assert [(s.ref.folder, s.valid) for s in found] == [("step-000000001", True)]
