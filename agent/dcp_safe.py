@@ -297,6 +297,11 @@ _MAX_ITEMSIZE = max(t.itemsize for t in vars(torch).values() if isinstance(t, to
 """The widest element of any dtype (complex128: 16 bytes)."""
 
 
+HOLD_ALL_MAX_FILES = 64
+"""Up to how many files a filesystem checkpoint's are all opened when its read starts
+(``VerifiedReader.hold_all``): two per saving rank, so a job of up to 32 ranks."""
+
+
 class VerifiedReader(FileSystemReader):
     """Reads a committed checkpoint, verifying every file it touches against the manifest.
 
@@ -355,19 +360,29 @@ class VerifiedReader(FileSystemReader):
         return path
 
     def _hold(self, relative_path: str, path: str) -> int | None:
-        """Open ``path`` and keep it open (``_held``); None when the process has no descriptor to
-        spare. A missing file raises, as reading it would."""
+        """Open ``path`` and keep it open (``_held``), unless it is already; None when the process
+        has no descriptor to spare. A missing file raises, as reading it would."""
+        held = self._held.get(relative_path)
+        if held is not None:
+            return held
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 return None
             raise
-        old = self._held.pop(relative_path, None)
-        if old is not None:
-            os.close(old)
         self._held[relative_path] = fd
         return fd
+
+    def hold_all(self) -> None:
+        """(filesystem store) Open every file of the checkpoint now, before any is checked, when it
+        has at most ``HOLD_ALL_MAX_FILES``: from here on the job's retention cannot take it away
+        from this read. A bigger checkpoint's files are held as each is checked. A missing file
+        raises ``FileNotFoundError``."""
+        if not self.in_place or len(self.manifest.files) > HOLD_ALL_MAX_FILES:
+            return
+        for entry in self.manifest.files:
+            self._hold(entry.path, os.path.join(self.local_dir, entry.path))
 
     def open_verified(self, path: str) -> io.BufferedReader:
         """``path`` (a file ``ensure_local`` returned) for reading, from the descriptor held since

@@ -658,11 +658,13 @@ class _Restoring(_Voting):
         # the metadata here (the reader caches it) turns a corrupt or crafted .metadata into one
         # clear reason instead of DCP's retries and tracebacks.
         try:
+            reader.hold_all()
             if manifest.file(DCP_METADATA_NAME) is not None:
                 reader.read_metadata()
             src = rank_state.source_rank(self.rank, manifest.world_size)
             path = reader.ensure_local(rank_state.rank_file_name(src))
-            rank_payload = rank_state.decode(path)
+            with reader.open_verified(path) as stream:  # held open since its check, on a filesystem
+                rank_payload = rank_state.decode(stream)
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:
