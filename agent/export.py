@@ -121,6 +121,7 @@ def export_safetensors(
     fetching = _ProgressStorage(storage)
     with checkpoint_reader(fetching, status) as reader:
         try:
+            reader.hold_all()  # a filesystem checkpoint's files, open from here on: retention cannot take them
             metadata = reader.read_metadata()
         except (UnsafeCheckpointError, StorageError) as e:
             raise _read_failure(folder, e, "refusing to export: ") from None

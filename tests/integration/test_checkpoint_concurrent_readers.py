@@ -515,3 +515,33 @@ def test_a_filesystem_checkpoint_deleted_once_its_read_began_is_still_restored(
         assert reader.restore(reader_state) == 1
     assert deleted == ["step-000000001"]
     assert_same(snapshot(reader_state), saved)
+
+
+def test_export_of_a_named_step_deleted_once_it_began_exports_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ckpt export --step 1` of a filesystem checkpoint of a few files opens them all as it
+    begins: retention deleting the step right after (at the first read of DCP's metadata) no longer
+    fails the export (exit 2, "deleted while it was being exported"); it writes the step it began
+    with. The hook deletes as retention does; a step deleted before the export began still fails it
+    (the named-step test above)."""
+    root = tmp_path / "ckpt"
+    job = _SavingOn(str(root))
+    real_read_metadata = VerifiedReader.read_metadata
+    deleted: list[str] = []
+
+    def read_metadata_then_the_job_saves_on(self: VerifiedReader, *args: Any, **kwargs: Any) -> Any:
+        if not deleted:
+            deleted.append(self.folder)
+            job()  # keep=1: step 1 goes
+        return real_read_metadata(self, *args, **kwargs)
+
+    monkeypatch.setattr(VerifiedReader, "read_metadata", read_metadata_then_the_job_saves_on)
+    out = tmp_path / "export"
+    code = main(["ckpt", "export", "--step", "1", str(root), str(out)])
+    job.writer.close()
+    assert code == 0, capsys.readouterr().err
+    assert deleted == ["step-000000001"] and not (root / "step-000000001").exists()
+    from safetensors.torch import load_file
+
+    assert_same({"model": load_file(out / "model.safetensors")}, {"model": job.saved_model})
