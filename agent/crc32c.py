@@ -62,18 +62,22 @@ def crc32c_file(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def crc32c_file_parallel(
-    path: str | os.PathLike[str], parallelism: int = 4, piece: int = 64 * 1024 * 1024
+    path: str | os.PathLike[str], parallelism: int = 4, piece: int = 64 * 1024 * 1024, *, fd: int | None = None
 ) -> tuple[int, int]:
     """(crc32c, size) of a local file read in ``piece``-sized ranges by up to ``parallelism`` threads,
     their CRCs combined: the disk gets several reads in flight and the checksum runs on every core
-    (awscrt releases the GIL), so a cold file is checked at the speed it can be read."""
+    (awscrt releases the GIL), so a cold file is checked at the speed it can be read. ``fd``: the
+    file already open (read from its start, left open), ``path`` then only names it in errors."""
     from concurrent.futures import ThreadPoolExecutor
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    owned = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
         ranges = [(off, min(piece, size - off)) for off in range(0, size, piece)]
         if len(ranges) <= 1 or parallelism <= 1:
+            os.lseek(fd, 0, os.SEEK_SET)
             with open(fd, "rb", buffering=0, closefd=False) as f:
                 return crc32c_stream(f)
         with contextlib.suppress(OSError, AttributeError):
@@ -98,7 +102,8 @@ def crc32c_file_parallel(
             crcs = list(pool.map(lambda r: one(*r), ranges))
         return crc32c_concat([(c, length) for c, (_, length) in zip(crcs, ranges, strict=True)]), size
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)
 
 
 def to_hex(crc: int) -> str:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import ctypes
 import dataclasses
+import errno
 import io
 import itertools
 import math
@@ -32,6 +34,7 @@ import pickle
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -293,6 +297,11 @@ _MAX_ITEMSIZE = max(t.itemsize for t in vars(torch).values() if isinstance(t, to
 """The widest element of any dtype (complex128: 16 bytes)."""
 
 
+HOLD_ALL_MAX_FILES = 64
+"""Up to how many files a filesystem checkpoint's are all opened when its read starts
+(``VerifiedReader.hold_all``): two per saving rank, so a job of up to 32 ranks."""
+
+
 class VerifiedReader(FileSystemReader):
     """Reads a committed checkpoint, verifying every file it touches against the manifest.
 
@@ -304,6 +313,13 @@ class VerifiedReader(FileSystemReader):
 
     def __init__(self, storage: Storage, folder: str, manifest: Manifest, local_dir: str, parallelism: int = 8) -> None:
         super().__init__(local_dir)
+        self._held: dict[str, int] = {}
+        """(filesystem store) Each file checked, kept open until ``close()``: a checkpoint that the
+        job's retention deletes after the check (it unlinks the names) is still read whole, never
+        half into the model. Files this process cannot keep open (too many open files) are read by
+        name, as before."""
+        self._files = _HeldFiles(self._held, local_dir)
+        self.fs = self._files
         self.parallelism = parallelism
         self.storage = storage
         self.folder = folder
@@ -330,7 +346,8 @@ class VerifiedReader(FileSystemReader):
         if relative_path in self._verified:
             return path
         if self.in_place:
-            crc, size = crc32c_file_parallel(path, self.parallelism)
+            fd = self._hold(relative_path, path)
+            crc, size = crc32c_file_parallel(path, self.parallelism, fd=fd)
             if size != entry.size or crc != from_hex(entry.crc32c):
                 raise CorruptObjectError(
                     f"{self.storage.url(self.folder + '/' + relative_path)} has size {size} and CRC32C "
@@ -342,9 +359,44 @@ class VerifiedReader(FileSystemReader):
         self._verified.add(relative_path)
         return path
 
+    def _hold(self, relative_path: str, path: str) -> int | None:
+        """Open ``path`` and keep it open (``_held``), unless it is already; None when the process
+        has no descriptor to spare. A missing file raises, as reading it would."""
+        held = self._held.get(relative_path)
+        if held is not None:
+            return held
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                return None
+            raise
+        self._held[relative_path] = fd
+        return fd
+
+    def hold_all(self) -> None:
+        """(filesystem store) Open every file of the checkpoint now, before any is checked, when it
+        has at most ``HOLD_ALL_MAX_FILES``: from here on the job's retention cannot take it away
+        from this read. A bigger checkpoint's files are held as each is checked. A missing file
+        raises ``FileNotFoundError``."""
+        if not self.in_place or len(self.manifest.files) > HOLD_ALL_MAX_FILES:
+            return
+        for entry in self.manifest.files:
+            self._hold(entry.path, os.path.join(self.local_dir, entry.path))
+
+    def open_verified(self, path: str) -> io.BufferedReader:
+        """``path`` (a file ``ensure_local`` returned) for reading, from the descriptor held since
+        its check where there is one."""
+        return self._files.open(path)
+
+    def close(self) -> None:
+        """Let go of the files held open since their check (idempotent)."""
+        while self._held:
+            os.close(self._held.popitem()[1])
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            with open(self.ensure_local(DCP_METADATA_NAME), "rb") as f:
+            with self.open_verified(self.ensure_local(DCP_METADATA_NAME)) as f:
                 data = f.read()
             try:
                 metadata = load_dcp_metadata(data)
@@ -413,7 +465,7 @@ class VerifiedReader(FileSystemReader):
             return False
         path = os.path.join(self.local_dir, info.relative_path)
         try:
-            with open(path, "rb") as stream:
+            with self.open_verified(path) as stream:
                 with torch.serialization.skip_data():
                     saved = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
                 if not (
@@ -434,10 +486,37 @@ class VerifiedReader(FileSystemReader):
                     return False
         except Exception:  # DCP's path reads it, and reports what is wrong with it as it always did
             return False
-        _read_exactly(path, info.offset + offset, target)
+        _read_exactly(path, info.offset + offset, target, fd=self._held.get(info.relative_path))
         planner.commit_tensor(item, target)
         self.read_in_place += 1
         return True
+
+
+class _HeldFiles(FileSystem):
+    """DCP's file access for a ``VerifiedReader``: a file held open since its check is read from
+    a duplicate of that descriptor (rewound), never opened again by name."""
+
+    def __init__(self, held: dict[str, int], local_dir: str) -> None:
+        super().__init__()
+        self._held = held
+        self._local_dir = local_dir
+
+    def open(self, path: str | os.PathLike[str]) -> io.BufferedReader:
+        fd = self._held.get(os.path.relpath(os.fspath(path), self._local_dir))
+        if fd is None:
+            return open(path, "rb")
+        stream = os.fdopen(os.dup(fd), "rb")
+        stream.seek(0)
+        return stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.open(path) as stream:
+            yield stream
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -475,12 +554,15 @@ def map_for_writing(tensors: list[torch.Tensor]) -> None:
             return  # EINVAL: an older kernel; nothing else to try
 
 
-def _read_exactly(path: str, offset: int, target: torch.Tensor) -> None:
-    """``target.nbytes`` bytes of ``path`` from ``offset`` into ``target``'s memory."""
+def _read_exactly(path: str, offset: int, target: torch.Tensor, *, fd: int | None = None) -> None:
+    """``target.nbytes`` bytes of ``path`` from ``offset`` into ``target``'s memory (from ``fd``,
+    left open, when given: positional reads, whatever its offset)."""
     if not target.nbytes:
         return
     view = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    owned = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         while view:
             n = os.preadv(fd, [view], offset)
@@ -489,7 +571,8 @@ def _read_exactly(path: str, offset: int, target: torch.Tensor) -> None:
             view = view[n:]
             offset += n
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)
 
 
 # -- DCP's load, minus its single-process warning; the tensor index ----------------------------

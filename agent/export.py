@@ -76,11 +76,12 @@ def checkpoint_reader(storage: Storage, status: CheckpointStatus) -> Iterator[Ve
     assert status.manifest is not None
     folder = status.ref.folder
     local = storage.local_path(folder)
-    if local is not None:
-        yield VerifiedReader(storage, folder, status.manifest, local)
-        return
-    with tempfile.TemporaryDirectory(prefix="spotjob-ckpt-") as cache:
-        yield VerifiedReader(storage, folder, status.manifest, cache)
+    with contextlib.ExitStack() as stack:
+        if local is None:
+            local = stack.enter_context(tempfile.TemporaryDirectory(prefix="spotjob-ckpt-"))
+        reader = VerifiedReader(storage, folder, status.manifest, local)
+        stack.callback(reader.close)  # a filesystem checkpoint's files, held open since their check
+        yield reader
 
 
 @dataclass
@@ -120,6 +121,7 @@ def export_safetensors(
     fetching = _ProgressStorage(storage)
     with checkpoint_reader(fetching, status) as reader:
         try:
+            reader.hold_all()  # a filesystem checkpoint's files, open from here on: retention cannot take them
             metadata = reader.read_metadata()
         except (UnsafeCheckpointError, StorageError) as e:
             raise _read_failure(folder, e, "refusing to export: ") from None

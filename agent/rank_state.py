@@ -19,7 +19,7 @@ import logging
 import pickle
 import random
 import re
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -117,8 +117,9 @@ class RankStateError(ValueError):
     """Stored bytes that are not a per-rank state file (unparseable, or not the expected dict)."""
 
 
-def decode(data: bytes | str, *, mmap: bool = False) -> dict[str, Any]:
-    """Load a rank file (its bytes, or its path); plain data and tensors only (``weights_only``).
+def decode(data: bytes | str | BinaryIO, *, mmap: bool = False) -> dict[str, Any]:
+    """Load a rank file (its bytes, its path, or the file open for reading); plain data and
+    tensors only (``weights_only``).
 
     A path is read straight into the tensors, without a copy of the whole file in memory first;
     with ``mmap`` its tensors are views of the file, so checking that a file loads costs no copy
@@ -127,7 +128,7 @@ def decode(data: bytes | str, *, mmap: bool = False) -> dict[str, Any]:
     Raises ``RefusedPickleError`` for bytes that ask to run code, ``RankStateError`` for bytes
     that are not a rank file at all; both prove the file bad, nothing else does.
     """
-    source: str | io.BytesIO = data if isinstance(data, str) else io.BytesIO(data)
+    source: str | BinaryIO = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         obj = torch.load(source, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as e:

@@ -12,6 +12,9 @@ What the training script calls, in order (every rank calls every method):
    preemption flush committed).
 4. ``close()`` — waits for the save in flight.
 
+A reader beside the job (``read_only=True``: an eval job) calls ``newest_step()`` to learn, without
+loading anything, whether a newer checkpoint than the one it last restored was committed.
+
 One save, from the training loop's point of view: ``state`` is turned into DCP state dicts
 (modules and optimizers, which reshard) and per-rank bytes (everything else and the RNG streams);
 the tensors are staged to CPU memory — the only time the loop is blocked. In a background thread

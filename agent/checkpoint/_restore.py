@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, rank_state
-from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.catalog import CheckpointRef, find_checkpoints, inspect, latest_valid
 from agent.checkpoint._core import size_text
 from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
@@ -242,6 +242,21 @@ class _Restoring(_Voting):
         """Block until the save in flight (if any) is committed; raise if it failed (``_Saving``)."""
         raise NotImplementedError
 
+    def newest_step(self) -> int:
+        """The step of the newest valid checkpoint of this job under the URI (0 when there is none):
+        the one ``restore()`` would load now, judged as it judges, without loading anything (rank 0
+        lists the folders and reads manifests, newest first, until one is valid; an uncommitted
+        save in progress is never it). For a reader polling beside a training job: restore only
+        when this moved past the step it last restored. Collective, like every call."""
+        self._check_open("newest_step()")
+
+        def newest() -> int:
+            status = latest_valid(self.storage, on_skip=lambda _: None)  # restore() says what it skips
+            return status.manifest.step if status is not None and status.manifest is not None else 0
+
+        step: int = self._on_rank0("listing the checkpoints", newest)
+        return step
+
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
 
@@ -291,6 +306,7 @@ class _Restoring(_Voting):
         # (rank 0) Committed folders this walk passed over as another job's (foreign or fenced): a
         # listing that holds only those holds nothing to walk again for.
         passed: set[str] = set()
+        gone = 0  # how many of ``tried`` were deleted while read
         walk = list(refs)
         while True:
             if not walk:
@@ -375,6 +391,8 @@ class _Restoring(_Voting):
                 self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
+            if kind == _Failure.GONE:
+                gone += 1
             if kind == _Failure.GONE and relists < _RELISTS:
                 # Every rank agreed on it: every rank walks the new listing, from its newest. Kept
                 # in ``tried``: a walk that then finds nothing refuses, never starts from step 0.
@@ -400,7 +418,31 @@ class _Restoring(_Voting):
                 what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
                 log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
             return 0
+        if gone == len(tried):
+            raise self._outrun(tried, partially_loaded)
         return self._refuse_or_start_fresh(tried, partially_loaded, remedy)
+
+    def _outrun(self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool) -> RestoreRefusedError:
+        """Every checkpoint tried was deleted while it was read: nothing is wrong with them, the job
+        saving to the URI commits (and its retention deletes) faster than this restore reads. Never
+        a reason to start fresh: its newest checkpoint is there, and retiring it loses the run."""
+        url = self.storage.url
+        listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
+        state = (
+            "The state was partly loaded from one of them on some rank: re-create the model and optimizer before "
+            "retrying."
+            if partially_loaded
+            else "Nothing was loaded: the state is unchanged."
+        )
+        return RestoreRefusedError(
+            f"restore gave up: each of the {len(tried)} checkpoint(s) it picked under {self.storage.uri} was deleted "
+            f"while it was read (by the retention of the job saving to that URI as it committed newer ones, or by "
+            f"hand):\n{listing}\n{state} Nothing is wrong with the checkpoints, and none was deleted by this "
+            "restore. Retry the restore; a reader beside a job that saves this often needs the job to keep more "
+            "checkpoints (keep=2 or more: a checkpoint stays keep saves after it is the newest), or reads from a "
+            "copy (spotjob ckpt export).",
+            [(url(r.folder), why) for r, why in tried],
+        )
 
     def _refuse_or_start_fresh(
         self, tried: list[tuple[CheckpointRef, str]], partially_loaded: bool, remedy: str
@@ -600,17 +642,34 @@ class _Restoring(_Voting):
             cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
             local_dir = cache
         reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
+        try:
+            return self._load_with(reader, cache, ref, manifest, state, model_state)
+        finally:
+            reader.close()
+
+    def _load_with(
+        self,
+        reader: VerifiedReader,
+        cache: str | None,
+        ref: CheckpointRef,
+        manifest: Manifest,
+        state: Mapping[str, Any],
+        model_state: dict[str, Any] | None,
+    ) -> tuple[tuple[str, str] | None, bool]:
+        """``_try_load`` with its reader made (closed by the caller)."""
         failure: tuple[str, str] | None = None
         rank_payload: dict[str, Any] | None = None
         # Phase 1: DCP's metadata and the per-rank state, verified but not yet applied. Reading
         # the metadata here (the reader caches it) turns a corrupt or crafted .metadata into one
         # clear reason instead of DCP's retries and tracebacks.
         try:
+            reader.hold_all()
             if manifest.file(DCP_METADATA_NAME) is not None:
                 reader.read_metadata()
             src = rank_state.source_rank(self.rank, manifest.world_size)
             path = reader.ensure_local(rank_state.rank_file_name(src))
-            rank_payload = rank_state.decode(path)
+            with reader.open_verified(path) as stream:  # held open since its check, on a filesystem
+                rank_payload = rank_state.decode(stream)
         except Exception as e:
             failure = self._load_failure(ref, e)
         if failure is None and rank_payload is not None:

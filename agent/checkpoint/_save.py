@@ -29,7 +29,7 @@ from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
 from agent.dcp_safe import load_dcp_metadata, tensor_index
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, now_utc
-from agent.ownership import FencedError
+from agent.ownership import FencedError, describe_job
 from agent.storage import AlreadyExistsError, PermanentStorageError, RetainedError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -776,11 +776,26 @@ class _Saving(_Voting):
         try:
             self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
         except AlreadyExistsError:
-            raise SaveFailedError(
-                f"{self.storage.url(folder)} was committed by someone else meanwhile; "
-                "is another job writing to the same URI?"
-            ) from None
+            raise SaveFailedError(self._committed_by_another(folder)) from None
         return self.storage.url(folder)
+
+    def _committed_by_another(self, folder: str) -> str:
+        """(rank 0) Why this save's manifest could not be written: another writer committed the
+        folder first. Names that writer from its manifest (best effort) and this one."""
+        mine = self.config.attempt if self.config.attempt is not None else "none"
+        me = f"{describe_job(self.config.job)} (attempt {mine})"
+        try:
+            other = Manifest.parse(self.storage.get_bytes(f"{folder}/{MANIFEST_NAME}"))
+            attempt = other.attempt if other.attempt is not None else "none"
+            who = f"{describe_job(other.job)} (attempt {attempt}, committed at {other.created_at.isoformat()})"
+        except Exception as e:  # the message must not fail: say what is known
+            who = f"another writer (its manifest could not be read: {type(e).__name__})"
+        return (
+            f"{self.storage.url(folder)} was committed meanwhile by {who}; this save is {me}. Two processes "
+            "are saving to this URI: the same script started twice, or a stale copy that no attempt number "
+            "fences (spotjob-agent --attempt, set by the controller). Stop one; a job of its own needs a URI "
+            "of its own"
+        )
 
     def _failed_save_here(self) -> int | None:
         save = self._inflight
