@@ -48,6 +48,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "workload-identity": {"serviceAccount": {"gcp": {"serviceAccount": GSA}}},
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
+    "prometheusrule": {
+        "metrics": {
+            "serviceMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "alertLabels": {"team": "ml"}},
+        }
+    },
     "watch-namespaces": {"watchNamespaces": ["ml-training", "research"]},
     "network-policy-off": {"networkPolicy": {"enabled": False}},
     # Each value the controller is given at the low and the high end of what the schema takes.
