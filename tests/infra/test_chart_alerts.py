@@ -12,35 +12,13 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
-from infra_support import NAMESPACE, REPO, find, helm, one, render, template
+from infra_support import NAMESPACE, REPO, alert_rules, find, helm, one, render, selectors, template
 
 from orchestrator.k8s.metrics import ControllerMetrics
 
 ON = {"metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
 README = (REPO / "README.md").read_text()
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",)}
-
-
-def rules(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    rule = one(objects, "PrometheusRule")
-    found = {}
-    for group in rule["spec"]["groups"]:
-        for r in group["rules"]:
-            assert r["alert"] not in found, f"{r['alert']} twice"
-            found[r["alert"]] = r
-    return found
-
-
-def selectors(expr: str) -> list[tuple[str, str]]:
-    """``(metric name, matchers)`` of every series selector in ``expr``, parsed by a PromQL parser."""
-    names: list[tuple[str, str]] = []
-
-    def visit(node: object) -> None:
-        if isinstance(node, promql_parser.VectorSelector):
-            names.append((node.name, str(node.matchers)))
-
-    promql_parser.walk(promql_parser.parse(expr), visit)
-    return names
 
 
 def exposed_names() -> set[str]:
@@ -60,7 +38,7 @@ def test_nothing_is_rendered_unless_enabled() -> None:
 def test_every_rule_parses_as_promql_and_names_only_metrics_the_controller_exposes() -> None:
     """An expression a parser refuses, or a metric name the controller never exposes (a typo, a
     counter without ``_total``), makes an alert that never fires, and Prometheus says nothing."""
-    found = rules(render(ON))
+    found = alert_rules(render(ON))
     known = exposed_names()
     assert len(found) >= 12
     for name, rule in found.items():
@@ -79,7 +57,7 @@ def test_the_parser_refuses_what_a_broken_rule_would_be() -> None:
 
 
 def test_each_alert_has_a_summary_a_description_naming_the_job_and_a_runbook_in_the_readme() -> None:
-    found = rules(render(ON))
+    found = alert_rules(render(ON))
     section = README.split("\n### Alerts\n", 1)[1].split("\n### ", 1)[0]
     documented = re.findall(r"^#### (SpotJob\w+)$", section, re.M)
     assert sorted(documented) == sorted(found), "README.md, Alerts: one heading per alert, and only those"
@@ -95,7 +73,7 @@ def test_each_alert_has_a_summary_a_description_naming_the_job_and_a_runbook_in_
 
 
 def test_the_controllers_own_alerts_look_at_its_namespace_and_up_is_absent_only_when_no_replica_is_up() -> None:
-    found = rules(render(ON))
+    found = alert_rules(render(ON))
     assert found["SpotJobControllerDown"]["expr"] == f'absent(up{{job="spotjob-metrics",namespace="{NAMESPACE}"}} == 1)'
     assert found["SpotJobControllerDown"]["labels"]["severity"] == "critical"
     for name in ("SpotJobNoLeader", "SpotJobReconcileErrors", "SpotJobInterruptionQueueErrors"):
@@ -132,7 +110,7 @@ def test_custom_values_reach_the_rule() -> None:
     rule = one(objects, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
     assert rule["metadata"]["annotations"] == {"team": "ml-platform"}
-    found = rules(objects)
+    found = alert_rules(objects)
     assert "SpotJobGoodputLow" not in found
     for name, r in found.items():
         assert r["labels"]["team"] == "ml-platform" and r["labels"]["severity"] == "page", name
