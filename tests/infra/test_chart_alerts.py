@@ -7,6 +7,7 @@ controller's /metrics."""
 from __future__ import annotations
 
 import re
+import tomllib
 from typing import Any
 
 import promql_parser
@@ -161,3 +162,14 @@ def test_helm_lint_strict_passes_with_the_rule_on(helm_bin: str, tmp_path: Any) 
     values_file.write_text(yaml.safe_dump(ON))
     proc = helm("lint", "--strict", str(REPO / "charts" / "spotjob"), "--namespace", NAMESPACE, "-f", str(values_file))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+def test_make_venv_installs_the_pinned_promql_parser() -> None:
+    """``make test`` on a fresh clone installs the parser these tests import: the test extra
+    declares it, constraints/dev.txt pins it, and the venv is (re)made from both when either changes."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert any(d.startswith("promql-parser>=") for d in pyproject["project"]["optional-dependencies"]["test"])
+    assert "promql-parser==0.12.0" in (REPO / "constraints" / "dev.txt").read_text().splitlines()
+    makefile = (REPO / "Makefile").read_text()
+    assert "$(STAMP): pyproject.toml constraints/dev.txt" in makefile
+    assert "-c constraints/dev.txt -e '.[torch,test]'" in makefile
