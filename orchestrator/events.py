@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from agent.atomic_file import append_line
 from agent.control_api import safe
-from orchestrator.model import JobKey
+from orchestrator.model import JobKey, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,11 @@ class EventSink(Protocol):
         ...
 
 
+FLUSH_OUTCOMES = ("committed", "workers_exited", "timed_out")
+"""How a flush ends (``JobMetrics.flush_ended``): its checkpoint committed (FlushCommitted), no
+worker left to flush (WorkersExited), or ``flushTimeoutSeconds`` passed (FlushTimedOut)."""
+
+
 @runtime_checkable
 class JobMetrics(Protocol):
     """What the reconciler counts; ``orchestrator.k8s.metrics.ControllerMetrics`` has this shape.
@@ -68,6 +73,11 @@ class JobMetrics(Protocol):
       (``preemption``, ``failure``, ``infrastructure``);
     - ``lost_steps(steps)``: steps a restart lost (trained, not committed);
     - ``goodput(namespace, name, ratio)``: the job's goodput, at each status write;
+    - ``job_state(namespace, name, status, max_restarts)``: the job's status as stored (written by
+      the pass, or unchanged), after every pass that did not conflict, ended jobs' included (a new
+      leader exports them too); ``max_restarts`` is None when the spec does not validate;
+    - ``flush_ended(namespace, name, outcome, agents_failed)``: a flush ended (``FLUSH_OUTCOMES``),
+      ``agents_failed`` of its agents having exited 76;
     - ``job_deleted(namespace, name)``: forget the job's series.
     """
 
@@ -78,6 +88,8 @@ class JobMetrics(Protocol):
     def restart(self, cause: str) -> None: ...
     def lost_steps(self, steps: int) -> None: ...
     def goodput(self, namespace: str, name: str, ratio: float) -> None: ...
+    def job_state(self, namespace: str, name: str, status: JobStatus, max_restarts: int | None) -> None: ...
+    def flush_ended(self, namespace: str, name: str, outcome: str, agents_failed: int) -> None: ...
     def job_deleted(self, namespace: str, name: str) -> None: ...
 
 
@@ -103,6 +115,12 @@ class NullMetrics:
         pass
 
     def goodput(self, namespace: str, name: str, ratio: float) -> None:
+        pass
+
+    def job_state(self, namespace: str, name: str, status: JobStatus, max_restarts: int | None) -> None:
+        pass
+
+    def flush_ended(self, namespace: str, name: str, outcome: str, agents_failed: int) -> None:
         pass
 
     def job_deleted(self, namespace: str, name: str) -> None:

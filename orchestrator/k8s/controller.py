@@ -304,6 +304,7 @@ class Controller:
 
     def _leadership_lost(self, why: str) -> None:
         self.metrics.leader(False)
+        self.metrics.forget_jobs()  # the new leader exports them: no stale copy here to page on
         self._on_lost(why)
 
     @property

@@ -12,6 +12,12 @@ one test process do not collide. Families (all prefixed ``spotjob_``):
                                                    infrastructure, capacity, requested)
 - ``lost_steps_total``                             training steps redone after restarts
 - ``job_goodput_ratio{namespace,name}``            per job; removed when the job is deleted
+- ``job_phase{namespace,name,phase}``              per job: 1 for its phase, 0 for the five others
+- ``job_last_checkpoint_timestamp_seconds``, ``job_last_checkpoint_step``, ``job_start_timestamp_seconds``,
+  ``job_attempt_running_timestamp_seconds``, ``job_restarts``, ``job_max_restarts``
+  (``{namespace,name}``): the job's status, at each pass
+- ``job_flushes_total{namespace,name,outcome}``    flushes ended: committed, workers_exited, timed_out
+- ``job_agent_flush_failures_total{namespace,name}`` agents that exited 76 during a flush
 - ``reconcile_errors_total``, ``reconcile_duration_seconds``
 - ``workqueue_depth``                              keys ready to reconcile
 - ``api_retries_total{verb,resource,reason}``      API requests retried (5xx, 429, network)
@@ -22,17 +28,22 @@ one test process do not collide. Families (all prefixed ``spotjob_``):
 - ``interruption_queue_errors_total``              failed receives or deletes on the queue
 - ``checkpoint_hint_patches_total{outcome}``       pod annotation patches of the checkpoint hints
 
+Every per-job series (``{namespace,name}``) is removed when the job is deleted, and all of them when
+this replica stops leading (a follower exports none: two replicas never page twice for one job).
+
 README.md, "Events and metrics", documents each family; a test keeps the two equal.
 """
 
 from __future__ import annotations
 
 import threading
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from orchestrator.events import JobMetrics
+from orchestrator.events import FLUSH_OUTCOMES, JobMetrics
+from orchestrator.model import JobStatus, Phase
 
 __all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics", "JobMetrics"]
 
@@ -99,6 +110,57 @@ class ControllerMetrics:
             ["outcome"],
             registry=r,
         )
+        job = ["namespace", "name"]
+        self._phase = Gauge(
+            "spotjob_job_phase", "1 for the job's phase, 0 for the others.", [*job, "phase"], registry=r
+        )
+        self._checkpoint_time = Gauge(
+            "spotjob_job_last_checkpoint_timestamp_seconds",
+            "When the job's newest valid checkpoint was committed (its manifest's time), Unix seconds.",
+            job,
+            registry=r,
+        )
+        self._checkpoint_step = Gauge(
+            "spotjob_job_last_checkpoint_step", "The step the job's newest valid checkpoint holds.", job, registry=r
+        )
+        self._start_time = Gauge(
+            "spotjob_job_start_timestamp_seconds",
+            "When every worker of the job first ran (status.startTime), Unix seconds.",
+            job,
+            registry=r,
+        )
+        self._running_time = Gauge(
+            "spotjob_job_attempt_running_timestamp_seconds",
+            "When every worker of the job's current attempt first ran (status.attempt.runningAt), Unix seconds.",
+            job,
+            registry=r,
+        )
+        self._job_restarts = Gauge(
+            "spotjob_job_restarts", "Restarts after failures of the user's code (status.restarts).", job, registry=r
+        )
+        self._max_restarts = Gauge("spotjob_job_max_restarts", "The job's spec.maxRestarts.", job, registry=r)
+        self._job_flushes = Counter(
+            "spotjob_job_flushes",
+            "The job's flushes, by how they ended (committed, workers_exited, timed_out).",
+            [*job, "outcome"],
+            registry=r,
+        )
+        self._agent_flush_failures = Counter(
+            "spotjob_job_agent_flush_failures",
+            "The job's agents that exited 76 during a flush (their flush committed nothing).",
+            job,
+            registry=r,
+        )
+        self._per_job = (
+            self._goodput,
+            self._checkpoint_time,
+            self._checkpoint_step,
+            self._start_time,
+            self._running_time,
+            self._job_restarts,
+            self._max_restarts,
+            self._agent_flush_failures,
+        )
         self._jobs_lock = threading.Lock()
         self._jobs: set[tuple[str, str]] = set()
 
@@ -125,15 +187,68 @@ class ControllerMetrics:
 
     def goodput(self, namespace: str, name: str, ratio: float) -> None:
         with self._jobs_lock:
-            self._jobs.add((namespace, name))
-        self._goodput.labels(namespace=namespace, name=name).set(ratio)
+            self._seen(namespace, name)
+            self._goodput.labels(namespace=namespace, name=name).set(ratio)
+
+    def job_state(self, namespace: str, name: str, status: JobStatus, max_restarts: int | None) -> None:
+        with self._jobs_lock:
+            self._seen(namespace, name)
+            for phase in Phase:
+                self._phase.labels(namespace, name, phase.value).set(1 if status.phase is phase else 0)
+            checkpoint = status.last_checkpoint
+            self._set(self._checkpoint_time, namespace, name, None if checkpoint is None else checkpoint.time)
+            self._set(self._checkpoint_step, namespace, name, None if checkpoint is None else checkpoint.step)
+            self._set(self._start_time, namespace, name, status.start_time)
+            self._set(self._running_time, namespace, name, status.attempt.running_at)
+            self._job_restarts.labels(namespace, name).set(status.restarts)
+            self._set(self._max_restarts, namespace, name, max_restarts)
+            if status.goodput is not None:
+                self._goodput.labels(namespace, name).set(status.goodput)
+
+    def flush_ended(self, namespace: str, name: str, outcome: str, agents_failed: int) -> None:
+        with self._jobs_lock:
+            self._seen(namespace, name)
+            self._job_flushes.labels(namespace, name, outcome).inc()
+            if agents_failed > 0:
+                self._agent_flush_failures.labels(namespace, name).inc(agents_failed)
 
     def job_deleted(self, namespace: str, name: str) -> None:
         with self._jobs_lock:
-            known = (namespace, name) in self._jobs
-            self._jobs.discard((namespace, name))
-        if known:
-            self._goodput.remove(namespace, name)
+            if (namespace, name) in self._jobs:
+                self._jobs.discard((namespace, name))
+                self._remove(namespace, name)
+
+    def forget_jobs(self) -> None:
+        """Remove every job's series (this replica no longer leads: what it knew goes stale)."""
+        with self._jobs_lock:
+            for namespace, name in self._jobs:
+                self._remove(namespace, name)
+            self._jobs.clear()
+
+    def _seen(self, namespace: str, name: str) -> None:
+        """Under the lock: a job's counters start at 0 the first time it is seen, so that
+        ``increase()`` counts its first flush (a series born at 1 shows no increase)."""
+        if (namespace, name) in self._jobs:
+            return
+        self._jobs.add((namespace, name))
+        for outcome in FLUSH_OUTCOMES:
+            self._job_flushes.labels(namespace, name, outcome)
+        self._agent_flush_failures.labels(namespace, name)
+
+    def _remove(self, namespace: str, name: str) -> None:
+        for family in self._per_job:
+            family.remove(namespace, name)
+        for phase in Phase:
+            self._phase.remove(namespace, name, phase.value)
+        for outcome in FLUSH_OUTCOMES:
+            self._job_flushes.remove(namespace, name, outcome)
+
+    @staticmethod
+    def _set(gauge: Gauge, namespace: str, name: str, value: float | datetime | None) -> None:
+        if value is None:
+            gauge.remove(namespace, name)
+        else:
+            gauge.labels(namespace, name).set(value.timestamp() if isinstance(value, datetime) else value)
 
     # -- the machinery's own
 

@@ -174,6 +174,7 @@ class Reconciler(_Capacity):
         if before.phase.terminal:
             if before.observed_generation is not None and stored.generation != before.observed_generation:
                 return self._note_ended_spec_change(key, stored, before)
+            self._tell_state(key, stored, before)  # a new leader exports ended jobs too
             return self._stop_leftovers(key, stored, before)
 
         problems = self._problems(key, stored, before)
@@ -215,6 +216,7 @@ class Reconciler(_Capacity):
         except ConflictError as e:
             log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
             return ReconcileResult(before.phase, 0.0)
+        self._tell_state(key, stored, status)
         self._events.emit(
             key,
             EventType.NORMAL,
@@ -273,6 +275,11 @@ class Reconciler(_Capacity):
                 self._held_written[key] = (written.version, status.held_notices)
             if status.goodput is not None:
                 p.metrics.append(methodcaller("goodput", key.namespace, key.name, status.goodput))
+        # The status as stored: this pass's when written, else the one read (the numbers a pass
+        # does not write are not claimed).
+        max_restarts = stored.spec.max_restarts if stored.spec is not None else None
+        told = status if changed or due else before
+        p.metrics.append(methodcaller("job_state", key.namespace, key.name, told, max_restarts))
         # Act on a decision only once it is written: a pass whose write is lost stopped nothing, so
         # the next pass sees what this one saw (a failed worker's exit code, not a vanished gang).
         if p.stop_flush is not None:
@@ -302,6 +309,15 @@ class Reconciler(_Capacity):
             "never" if requeue_after is None else f"{requeue_after:.1f}s",
         )
         return ReconcileResult(status.phase, requeue_after)
+
+    def _tell_state(self, key: JobKey, stored: StoredJob, status: JobStatus) -> None:
+        """``JobMetrics.job_state`` of a pass that writes nothing more (an ended job)."""
+        try:
+            self._metrics.job_state(
+                key.namespace, key.name, status, stored.spec.max_restarts if stored.spec is not None else None
+            )
+        except Exception:  # a metric is a courtesy
+            log.exception("job %s: recording a metric failed", key)
 
     def _forget(self, key: JobKey) -> None:
         identity = job_identity(key)

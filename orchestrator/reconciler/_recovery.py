@@ -53,6 +53,7 @@ from operator import methodcaller
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, FlushRequestState, WorkerObservation
+from orchestrator.events import FLUSH_OUTCOMES
 from orchestrator.model import (
     MAX_RESTART_HISTORY,
     AttemptStatus,
@@ -101,6 +102,11 @@ from orchestrator.reconciler._reasons import (
 )
 from orchestrator.reconciler._requests import _FlushRequests
 from orchestrator.signals import Signal, SignalKind
+
+_FLUSH_OUTCOME = dict(
+    zip((FLUSH_COMMITTED.name, WORKERS_EXITED.name, FLUSH_TIMED_OUT.name), FLUSH_OUTCOMES, strict=True)
+)
+"""The reason that ends a flush, as ``JobMetrics.flush_ended`` names it."""
 
 
 class _Recovery(_FlushRequests):
@@ -394,6 +400,10 @@ class _Recovery(_FlushRequests):
             if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION:
                 seconds = (p.now - recovery.detected_at).total_seconds()
                 p.metrics.append(methodcaller("notice_to_commit", seconds))
+            outcome = _FLUSH_OUTCOME[why.name]
+            p.metrics.append(
+                methodcaller("flush_ended", p.key.namespace, p.key.name, outcome, len(recovery.flush_failed))
+            )
 
         stopped = status.attempt
         with self._lock:

@@ -82,7 +82,8 @@ def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_c
     """A preemption taint carries no deadline, so the flush is bounded by ``flushTimeoutSeconds``:
     its ``FlushRequested`` Event said "accepted the request to flush by no deadline". It now names
     the time the controller gives up on the flush and why. Also pins (already right) one Event per
-    transition of the cycle, and the controller's counters matching the one preemption."""
+    transition of the cycle, and the controller's counters matching the one preemption (the job's
+    own flush counters too: one committed)."""
     cluster.add_node(f"{namespace}-a", zone="us-east-1a")
     cluster.add_node(f"{namespace}-b", zone="us-east-1b")
     controller = start_controller(namespace)
@@ -126,6 +127,10 @@ def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_c
     assert metrics["spotjob_preemptions_total"] == final["preemptions"]
     assert metrics["spotjob_notice_to_commit_seconds_count"] == 1
     assert metrics['spotjob_restarts_total{cause="preemption"}'] == 1
+    job = f'name="train",namespace="{namespace}"'
+    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="committed"}}'] == 1
+    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="timed_out"}}'] == 0
+    assert metrics[f"spotjob_job_agent_flush_failures_total{{{job}}}"] == 0
 
 
 def test_an_azure_reboot_the_agent_holds_is_on_the_spotjob_in_an_event_and_in_kubectl_spotjob_until_withdrawn(

@@ -88,6 +88,31 @@ def render(values: Mapping[str, Any] | None = None, *extra: str) -> list[dict[st
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
+def alert_rules(objects: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The PrometheusRule's alerting rules by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for group in one(objects, "PrometheusRule")["spec"]["groups"]:
+        for rule in group["rules"]:
+            assert rule["alert"] not in found, f"{rule['alert']} twice"
+            found[rule["alert"]] = rule
+    return found
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """``(metric name, matchers)`` of every series selector in the PromQL ``expr``, as a real PromQL
+    parser (``promql-parser``) reads it; raises ValueError if it does not parse."""
+    import promql_parser  # only the alert rules' tests need it
+
+    named: list[tuple[str, str]] = []
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            named.append((node.name, str(node.matchers)))
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return named
+
+
 def find(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
 

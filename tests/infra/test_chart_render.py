@@ -48,6 +48,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "workload-identity": {"serviceAccount": {"gcp": {"serviceAccount": GSA}}},
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
+    "prometheusrule": {
+        "metrics": {
+            "serviceMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "alertLabels": {"team": "ml"}},
+        }
+    },
     "watch-namespaces": {"watchNamespaces": ["ml-training", "research"]},
     "network-policy-off": {"networkPolicy": {"enabled": False}},
     # Each value the controller is given at the low and the high end of what the schema takes.
@@ -361,10 +367,21 @@ def test_the_service_monitor_scrapes_the_metrics_service() -> None:
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"
     assert set(monitor["spec"]) == {"namespaceSelector", "selector", "endpoints"}
-    assert set(endpoint) == {"port", "path", "interval", "scrapeTimeout"}
+    assert set(endpoint) == {"port", "path", "interval", "scrapeTimeout", "honorLabels"}
     # The Service forwards to the container port the controller serves /metrics on.
     (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+
+
+def test_the_service_monitor_keeps_the_jobs_namespace_label_the_controller_exposes() -> None:
+    """The per-job series (``spotjob_job_goodput_ratio{namespace,name}``, ...) carry the SpotJob's
+    namespace as ``namespace``. A ServiceMonitor adds its own target label ``namespace`` (the
+    controller's), and without ``honorLabels`` Prometheus renames the scraped one to
+    ``exported_namespace``: every job's series arrived labelled ``namespace="spotjob-system"``, and
+    a query for a job by its namespace (as the README's table documents the label) found nothing.
+    The exposed label now wins."""
+    (endpoint,) = one(render(VALUE_SETS["servicemonitor"]), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
 
 
 def test_a_service_monitor_without_the_service_is_refused() -> None:

@@ -16,6 +16,7 @@ from orchestrator.k8s.controller import JOB_LABEL, Controller, ControllerContext
 from orchestrator.k8s.interruption_queue import QueueMessage
 from orchestrator.k8s.leader import LeaseTiming
 from orchestrator.k8s.workqueue import ObjectKey, Reconcile
+from orchestrator.model import JobStatus, Phase
 
 SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
 
@@ -133,6 +134,43 @@ def test_only_the_leader_reads_the_interruption_queue(test_api: TestApi) -> None
         test_api.admin.delete(LEASES, "spotjob-controller", "default")  # the other replica is gone
         wait_for(lambda: controller.is_leader, what="the candidate to lead")
         wait_for(queue.received.is_set, what="the leader to read the queue")
+    finally:
+        controller.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_replica_that_loses_the_lease_stops_exporting_its_jobs_series(test_api: TestApi) -> None:
+    """Only the leader reconciles, so only its job series are current. One that loses its lease
+    (here to a usurper on the test API server) kept exporting what it knew last: a Failed job or a
+    checkpoint age stayed on its /metrics next to the new leader's, and every job alert would fire
+    from both replicas, or keep firing from the stale one. It now drops them as it gives up. The
+    job's series are set through the metrics object directly: this controller's reconcile seam is
+    a recorder (the reconciler's own reporting is tested in tests/unit)."""
+    test_api.install_spotjob_crd()
+    lost: list[str] = []
+    options = ControllerOptions(
+        leader_elect=True,
+        lease_namespace="default",
+        identity="candidate",
+        lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2),
+        http_port=0,
+        workers=1,
+    )
+    controller = Controller(test_api.client(), options, Seen().factory, on_leadership_lost=lost.append)
+    thread = threading.Thread(target=controller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: controller.is_leader, what="the replica to lead")
+        controller.metrics.job_state("team-a", "llama", JobStatus(phase=Phase.FAILED), max_restarts=3)
+        assert 'name="llama"' in controller.metrics.exposition().decode()
+        lease = test_api.admin.get(LEASES, "spotjob-controller", "default")
+        lease["spec"]["holderIdentity"] = "usurper"
+        test_api.admin.replace(LEASES, lease)
+        wait_for(lambda: lost, what="the replica to give up")
+        text = controller.metrics.exposition().decode()
+        assert 'name="llama"' not in text
+        assert "spotjob_leader 0.0" in text
     finally:
         controller.stop()
         thread.join(30)

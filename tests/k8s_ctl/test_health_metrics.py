@@ -5,11 +5,15 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.metrics import ControllerMetrics
+from orchestrator.model import AttemptStatus, CheckpointInfo, JobStatus, Phase
+
+T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def fetch(port: int, path: str) -> tuple[int, str]:
@@ -53,11 +57,13 @@ def test_metrics_exposes_every_family_the_controller_records(served) -> None:
     metrics.preemption()
     metrics.restart("preemption")
     metrics.lost_steps(40)
-    metrics.goodput("team-a", "llama", 0.93)
     metrics.reconciled(0.02, error=True)
     metrics.queue_depth(3)
     metrics.api_retry("list", "nodes", "500")
     metrics.leader(True)
+    metrics.job_state("team-a", "llama", running_with_checkpoint(), max_restarts=3)
+    metrics.flush_ended("team-a", "llama", "timed_out", agents_failed=1)
+    metrics.goodput("team-a", "llama", 0.93)
     code, text = fetch(server.port, "/metrics")
     assert code == 200
     for line in (
@@ -73,6 +79,10 @@ def test_metrics_exposes_every_family_the_controller_records(served) -> None:
         "spotjob_workqueue_depth 3.0",
         'spotjob_api_retries_total{reason="500",resource="nodes",verb="list"} 1.0',
         "spotjob_leader 1.0",
+        'spotjob_job_phase{name="llama",namespace="team-a",phase="Running"} 1.0',
+        'spotjob_job_last_checkpoint_step{name="llama",namespace="team-a"} 1200.0',
+        'spotjob_job_flushes_total{name="llama",namespace="team-a",outcome="timed_out"} 1.0',
+        'spotjob_job_agent_flush_failures_total{name="llama",namespace="team-a"} 1.0',
     ):
         assert line in text, line
 
@@ -104,3 +114,96 @@ def test_flushes_of_up_to_ten_minutes_land_in_a_bucket_of_their_own_not_in_inf()
     assert buckets["450.0"] == 2
     assert buckets["600.0"] == 3
     assert buckets["+Inf"] == 4
+
+
+def running_with_checkpoint(step: int = 1200) -> JobStatus:
+    return JobStatus(
+        phase=Phase.RUNNING,
+        restarts=2,
+        start_time=T0 - timedelta(hours=1),
+        attempt=AttemptStatus(number=1, running_at=T0 - timedelta(minutes=30)),
+        last_checkpoint=CheckpointInfo(step=step, uri="s3://b/ckpt/step-1200", time=T0),
+        goodput=0.9,
+    )
+
+
+def samples(metrics: ControllerMetrics, name: str) -> dict[str, float]:
+    """``{'label="value",...': value}`` of one family's samples (sorted labels, as exposed)."""
+    out = {}
+    for line in metrics.exposition().decode().splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) + 1 :].rpartition("} ")
+            out[labels] = float(value)
+    return out
+
+
+def test_a_jobs_state_is_one_phase_its_newest_checkpoint_and_its_restarts_and_follows_the_status() -> None:
+    """The per-job series the alert rules read: one ``spotjob_job_phase`` per phase (1 for the
+    current one), when the newest checkpoint was committed (Unix seconds, so ``time() - x`` is its
+    age) and its step, when the job and its current attempt first ran, and its restarts against
+    ``maxRestarts``."""
+    metrics = ControllerMetrics()
+    job = 'name="llama",namespace="team-a"'
+    metrics.job_state("team-a", "llama", JobStatus(phase=Phase.PENDING), max_restarts=3)
+    assert samples(metrics, "spotjob_job_phase")[f'{job},phase="Pending"'] == 1
+    assert samples(metrics, "spotjob_job_last_checkpoint_timestamp_seconds") == {}, "no checkpoint yet: no series"
+    assert samples(metrics, "spotjob_job_start_timestamp_seconds") == {}
+
+    metrics.job_state("team-a", "llama", running_with_checkpoint(), max_restarts=3)
+    phases = samples(metrics, "spotjob_job_phase")
+    assert {k.rsplit('phase="', 1)[1].rstrip('"'): v for k, v in phases.items()} == {
+        "Pending": 0,
+        "Running": 1,
+        "Flushing": 0,
+        "Rescheduling": 0,
+        "Succeeded": 0,
+        "Failed": 0,
+    }
+    assert samples(metrics, "spotjob_job_last_checkpoint_timestamp_seconds") == {job: T0.timestamp()}
+    assert samples(metrics, "spotjob_job_last_checkpoint_step") == {job: 1200}
+    assert samples(metrics, "spotjob_job_start_timestamp_seconds") == {job: (T0 - timedelta(hours=1)).timestamp()}
+    assert samples(metrics, "spotjob_job_attempt_running_timestamp_seconds") == {
+        job: (T0 - timedelta(minutes=30)).timestamp()
+    }
+    assert samples(metrics, "spotjob_job_restarts") == {job: 2}
+    assert samples(metrics, "spotjob_job_max_restarts") == {job: 3}
+    assert samples(metrics, "spotjob_job_goodput_ratio") == {job: 0.9}
+
+    metrics.job_state("team-a", "llama", JobStatus(phase=Phase.FAILED), max_restarts=None)  # spec invalid
+    assert samples(metrics, "spotjob_job_phase")[f'{job},phase="Failed"'] == 1
+    assert samples(metrics, "spotjob_job_max_restarts") == {}
+    assert samples(metrics, "spotjob_job_last_checkpoint_step") == {}
+
+
+def test_a_jobs_flush_counters_start_at_zero_so_its_first_flush_is_an_increase() -> None:
+    """A counter series that first appears at 1 shows no ``increase()`` in Prometheus: the first
+    flush that timed out would never page. Each outcome is exposed at 0 once the job is seen."""
+    metrics = ControllerMetrics()
+    metrics.job_state("team-a", "llama", JobStatus(phase=Phase.RUNNING), max_restarts=3)
+    job = 'name="llama",namespace="team-a"'
+    assert samples(metrics, "spotjob_job_flushes_total") == {
+        f'{job},outcome="committed"': 0,
+        f'{job},outcome="workers_exited"': 0,
+        f'{job},outcome="timed_out"': 0,
+    }
+    assert samples(metrics, "spotjob_job_agent_flush_failures_total") == {job: 0}
+    metrics.flush_ended("team-a", "llama", "committed", agents_failed=0)
+    assert samples(metrics, "spotjob_job_flushes_total")[f'{job},outcome="committed"'] == 1
+    assert samples(metrics, "spotjob_job_agent_flush_failures_total") == {job: 0}
+
+
+def test_every_series_of_a_deleted_job_goes_and_a_replica_that_stops_leading_drops_them_all() -> None:
+    metrics = ControllerMetrics()
+    for name in ("llama", "gpt"):
+        metrics.job_state("team-a", name, running_with_checkpoint(), max_restarts=3)
+        metrics.flush_ended("team-a", name, "committed", agents_failed=1)
+    metrics.job_deleted("team-a", "llama")
+    text = metrics.exposition().decode()
+    assert 'name="llama"' not in text
+    assert 'spotjob_job_phase{name="gpt",namespace="team-a",phase="Running"} 1.0' in text
+
+    metrics.forget_jobs()
+    text = metrics.exposition().decode()
+    assert 'namespace="team-a"' not in text, "a follower exports no job: the leader's are the only ones"
+    metrics.job_state("team-a", "gpt", running_with_checkpoint(), max_restarts=3)  # leading again
+    assert samples(metrics, "spotjob_job_last_checkpoint_step") == {'name="gpt",namespace="team-a"': 1200}

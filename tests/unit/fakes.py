@@ -39,7 +39,7 @@ from orchestrator.backends.base import (
     worker_name,
 )
 from orchestrator.events import EventType
-from orchestrator.model import JobKey, JobSpec, WorkerPhase
+from orchestrator.model import JobKey, JobSpec, JobStatus, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
@@ -496,6 +496,12 @@ class RecordingMetrics:
 
     def goodput(self, namespace: str, name: str, ratio: float) -> None:
         self._record("goodput", namespace, name, ratio)
+
+    def job_state(self, namespace: str, name: str, status: JobStatus, max_restarts: int | None) -> None:
+        self._record("job_state", namespace, name, status, max_restarts)
+
+    def flush_ended(self, namespace: str, name: str, outcome: str, agents_failed: int) -> None:
+        self._record("flush_ended", namespace, name, outcome, agents_failed)
 
     def job_deleted(self, namespace: str, name: str) -> None:
         self._record("job_deleted", namespace, name)

@@ -1663,3 +1663,39 @@ def test_a_gang_that_finishes_its_training_while_asked_to_flush_succeeds_and_is_
 
     assert status.phase is Phase.SUCCEEDED and status.reason == "Completed", (status.phase, status.reason)
     assert world.backend.created == ["train-0-0", "train-0-1"], "no second attempt"
+
+
+def test_tells_the_stored_state_after_each_pass_how_each_flush_ended_and_an_ended_job_to_a_new_reconciler(
+    tmp_path: Any,
+) -> None:
+    """What the per-job alerting metrics are fed (``spotjob_job_phase``, the newest checkpoint, the
+    restarts, ``spotjob_job_flushes_total``): the status as stored after every pass, written or not;
+    each flush's end once, with the agents that exited 76 in it; and a job that ended before this
+    reconciler started (a new leader) is told on its first pass too, or it would never be."""
+    w = make_world(tmp_path, backend_options={"flush_outcome": "fail"}, maxRestarts=0)
+    w.run_to(60)
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    preempt_running_job(w)
+    w.run_until(running_attempt(1))
+
+    assert w.metrics.named("flush_ended") == [("team-a", "train", "workers_exited", 2)]
+    *_, (namespace, name, told, max_restarts) = w.metrics.named("job_state")
+    assert (namespace, name, max_restarts) == ("team-a", "train", 0)
+    assert told == w.status and told.last_checkpoint is not None and told.last_checkpoint.step == 50  # type: ignore[attr-defined]
+    passes = len(w.results)
+    assert len(w.metrics.named("job_state")) == passes, "one per pass"
+
+    w.backend.flush_outcome = "commit"
+    preempt_running_job(w, at=w.clock.at() + 30, node=w.status.workers[0].node or "")
+    w.run_until(phase_is(Phase.RESCHEDULING))
+    assert w.metrics.named("flush_ended")[1:] == [("team-a", "train", "committed", 0)]
+
+    w.run_until(running_attempt(2))
+    w.backend.exit(2, 0, 1)
+    w.run_until(phase_is(Phase.FAILED))
+
+    w.metrics = RecordingMetrics()
+    w.restart_orchestrator()
+    w.reconcile()
+    [(_, _, ended, _)] = w.metrics.named("job_state")
+    assert ended == w.status and ended.phase is Phase.FAILED  # type: ignore[attr-defined]

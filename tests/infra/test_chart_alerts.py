@@ -1,0 +1,175 @@
+"""The chart's PrometheusRule (``metrics.prometheusRule``), rendered by the real helm: off by
+default, every expression valid PromQL (the ``promql-parser`` package, a real parser) naming only
+metrics the controller registers, each alert documented in README.md with a runbook, and the values
+reaching the rules. tests/e2e_k8s/test_k8s_alert_metrics.py checks the same names against a real
+controller's /metrics."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+from infra_support import NAMESPACE, REPO, alert_rules, find, helm, one, render, selectors, template
+
+from orchestrator.k8s.metrics import ControllerMetrics
+
+ON = {"metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
+README = (REPO / "README.md").read_text()
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",)}
+
+
+def exposed_names() -> set[str]:
+    """Every series name the controller's registry can expose, and Prometheus' own ``up``."""
+    names = {"up"}
+    for family in ControllerMetrics().registry.collect():
+        names |= {family.name + suffix for suffix in SUFFIXES[family.type]}
+    return names
+
+
+def test_nothing_is_rendered_unless_enabled() -> None:
+    for values in ({}, {"metrics": {"serviceMonitor": {"enabled": True}}}):
+        assert find(render(values), "PrometheusRule") == []
+    assert "kind: PrometheusRule" not in template({}).stdout
+
+
+def test_every_rule_parses_as_promql_and_names_only_metrics_the_controller_exposes() -> None:
+    """An expression a parser refuses, or a metric name the controller never exposes (a typo, a
+    counter without ``_total``), makes an alert that never fires, and Prometheus says nothing."""
+    found = alert_rules(render(ON))
+    known = exposed_names()
+    assert len(found) >= 12
+    for name, rule in found.items():
+        named = selectors(rule["expr"])
+        assert named, f"{name} reads no series"
+        for metric, matchers in named:
+            assert metric in known, f"{name} reads {metric}, which the controller does not expose"
+            assert 'job="spotjob-metrics"' in matchers, f"{name} reads {metric} of any scrape job: {matchers}"
+
+
+def test_the_parser_refuses_what_a_broken_rule_would_be() -> None:
+    """Pins that the check above can fail: the parser refuses a truncated or misspelt expression."""
+    for broken in ("increase(spotjob_job_flushes_total[1h) > 0", "rate(x[5m]", "absnt(up == 1)"):
+        with pytest.raises(ValueError):
+            promql_parser.parse(broken)
+
+
+def test_each_alert_has_a_summary_a_description_naming_the_job_and_a_runbook_in_the_readme() -> None:
+    found = alert_rules(render(ON))
+    section = README.split("\n### Alerts\n", 1)[1].split("\n### ", 1)[0]
+    documented = re.findall(r"^#### (SpotJob\w+)$", section, re.M)
+    assert sorted(documented) == sorted(found), "README.md, Alerts: one heading per alert, and only those"
+    job_groups = {r["alert"] for r in one(render(ON), "PrometheusRule")["spec"]["groups"][0]["rules"]}
+    for name, rule in found.items():
+        notes = rule["annotations"]
+        assert notes["summary"] and notes["description"], name
+        assert notes["runbook"] == f'README.md, "Alerts": {name}', name
+        assert "runbook_url" not in notes, "no URL unless metrics.prometheusRule.runbookUrl gives one"
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        if name in job_groups:
+            assert "{{ $labels.namespace }}/{{ $labels.name }}" in notes["description"], name
+
+
+def test_the_controllers_own_alerts_look_at_its_namespace_and_up_is_absent_only_when_no_replica_is_up() -> None:
+    found = alert_rules(render(ON))
+    assert found["SpotJobControllerDown"]["expr"] == f'absent(up{{job="spotjob-metrics",namespace="{NAMESPACE}"}} == 1)'
+    assert found["SpotJobControllerDown"]["labels"]["severity"] == "critical"
+    for name in ("SpotJobNoLeader", "SpotJobReconcileErrors", "SpotJobInterruptionQueueErrors"):
+        ((_, matchers),) = selectors(found[name]["expr"])
+        assert f'namespace="{NAMESPACE}"' in matchers, name
+    # The per-job series carry the job's namespace (honorLabels): no controller namespace on them.
+    for metric, matchers in selectors(found["SpotJobFailed"]["expr"]):
+        assert "namespace" not in matchers, (metric, matchers)
+
+
+def test_custom_values_reach_the_rule() -> None:
+    values = {
+        "metrics": {
+            "serviceMonitor": {"enabled": False},
+            "prometheusRule": {
+                "enabled": True,
+                "labels": {"release": "kube-prometheus"},
+                "annotations": {"team": "ml-platform"},
+                "alertLabels": {"team": "ml-platform", "severity": "page"},
+                "selector": 'job="spotjob",cluster="gpu-1"',
+                "runbookUrl": "https://wiki.example.com/spotjob/README.md",
+                "disabled": ["SpotJobGoodputLow"],
+                "thresholds": {
+                    "checkpointMaxAgeSeconds": 1000000,
+                    "restartsLeft": 2,
+                    "goodputBelow": 0.5,
+                    "notRunningFor": "2h",
+                    "flushFailureWindow": "30m",
+                },
+            },
+        }
+    }
+    objects = render(values)
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert rule["metadata"]["annotations"] == {"team": "ml-platform"}
+    found = alert_rules(objects)
+    assert "SpotJobGoodputLow" not in found
+    for name, r in found.items():
+        assert r["labels"]["team"] == "ml-platform" and r["labels"]["severity"] == "page", name
+        assert r["annotations"]["runbook_url"] == f"https://wiki.example.com/spotjob/README.md#{name.lower()}"
+        for metric, matchers in selectors(r["expr"]):
+            assert 'job="spotjob"' in matchers and 'cluster="gpu-1"' in matchers, (name, metric, matchers)
+    stale = found["SpotJobCheckpointStale"]["expr"]
+    assert promql_parser.parse(stale) is not None  # a large number is still a PromQL number
+    assert re.search(r"\) > (1e\+06|1000000)\n", stale), stale
+    assert "<= 2\n" in found["SpotJobRestartsNearlySpent"]["expr"]
+    assert found["SpotJobNotRunning"]["for"] == "2h"
+    assert found["SpotJobFlushTimedOut"]["expr"].endswith("[30m]) > 0")
+
+
+def test_a_group_whose_alerts_are_all_disabled_is_left_out() -> None:
+    controller = [
+        "SpotJobControllerDown",
+        "SpotJobNoLeader",
+        "SpotJobReconcileErrors",
+        "SpotJobFlushRequestsFailing",
+        "SpotJobInterruptionQueueErrors",
+    ]
+    values = {"metrics": {**ON["metrics"], "prometheusRule": {"enabled": True, "disabled": controller}}}
+    (group,) = one(render(values), "PrometheusRule")["spec"]["groups"]
+    assert group["name"] == "spotjob.jobs"
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"metrics": {"prometheusRule": {"enabled": True}}}, "metrics.prometheusRule.selector"),
+        (
+            {"metrics": {**ON["metrics"], "prometheusRule": {"enabled": True, "disabled": ["Nope"]}}},
+            "Nope is no alert",
+        ),
+        ({"metrics": {"prometheusRule": {"enabled": True, "thresholds": {"goodputBelow": 2}}}}, "goodputBelow"),
+        ({"metrics": {"prometheusRule": {"enabled": True, "thresholds": {"failedFor": "5 minutes"}}}}, "failedFor"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_naming_them(values: dict[str, Any], named: str) -> None:
+    proc = template(values)
+    assert proc.returncode != 0
+    assert named in proc.stderr, proc.stderr
+
+
+def test_helm_lint_strict_passes_with_the_rule_on(helm_bin: str, tmp_path: Any) -> None:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(ON))
+    proc = helm("lint", "--strict", str(REPO / "charts" / "spotjob"), "--namespace", NAMESPACE, "-f", str(values_file))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+def test_make_venv_installs_the_pinned_promql_parser() -> None:
+    """``make test`` on a fresh clone installs the parser these tests import: the test extra
+    declares it, constraints/dev.txt pins it, and the venv is (re)made from both when either changes."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert any(d.startswith("promql-parser>=") for d in pyproject["project"]["optional-dependencies"]["test"])
+    assert "promql-parser==0.12.0" in (REPO / "constraints" / "dev.txt").read_text().splitlines()
+    makefile = (REPO / "Makefile").read_text()
+    assert "$(STAMP): pyproject.toml constraints/dev.txt" in makefile
+    assert "-c constraints/dev.txt -e '.[torch,test]'" in makefile
