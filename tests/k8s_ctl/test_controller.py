@@ -18,6 +18,16 @@ from orchestrator.k8s.leader import LeaseTiming
 from orchestrator.k8s.workqueue import ObjectKey, Reconcile
 from orchestrator.model import JobStatus, Phase
 
+CANDIDATE = ControllerOptions(
+    leader_elect=True,
+    lease_namespace="default",
+    identity="candidate",
+    lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2),
+    http_port=0,
+    workers=1,
+)
+"""A replica that campaigns for the lease in the default namespace, with short lease times."""
+
 SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
 
 
@@ -115,14 +125,7 @@ def test_only_the_leader_reads_the_interruption_queue(test_api: TestApi) -> None
     }
     test_api.admin.create(LEASES, lease, "default")
     queue = RecordingQueue()
-    options = ControllerOptions(
-        leader_elect=True,
-        lease_namespace="default",
-        identity="candidate",
-        lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2),
-        http_port=0,
-        workers=1,
-    )
+    options = CANDIDATE
     controller = Controller(test_api.client(), options, Seen().factory, interruption_queue=queue)
     thread = threading.Thread(target=controller.run, daemon=True)
     thread.start()
@@ -149,14 +152,7 @@ def test_a_replica_that_loses_the_lease_stops_exporting_its_jobs_series(test_api
     a recorder (the reconciler's own reporting is tested in tests/unit)."""
     test_api.install_spotjob_crd()
     lost: list[str] = []
-    options = ControllerOptions(
-        leader_elect=True,
-        lease_namespace="default",
-        identity="candidate",
-        lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2),
-        http_port=0,
-        workers=1,
-    )
+    options = CANDIDATE
     controller = Controller(test_api.client(), options, Seen().factory, on_leadership_lost=lost.append)
     thread = threading.Thread(target=controller.run, daemon=True)
     thread.start()
