@@ -482,6 +482,19 @@ def test_object_names_stay_valid_with_the_longest_names(release: str, values: di
     assert f"port-forward service/{services[0]} " in notes.stdout
 
 
+def test_notes_say_where_the_alerts_are_or_how_to_turn_them_on(helm_bin: str) -> None:
+    off = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert off.returncode == 0, off.stderr
+    assert "set metrics.prometheusRule.enabled" in off.stdout.split("NOTES:", 1)[1]
+    on = helm(
+        "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+        "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+    )  # fmt: skip
+    assert on.returncode == 0, on.stderr
+    notes = on.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NAMESPACE} get prometheusrules" in notes and "set metrics.prometheusRule" not in notes
+
+
 def test_notes_tell_how_to_check_the_install(helm_bin: str) -> None:
     proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert proc.returncode == 0, proc.stderr
