@@ -695,7 +695,29 @@ def make_stager(cuda: bool | None = None) -> Any:
     ``StateDictStager`` caches one per source storage), so a save copies into memory that is
     already there instead of allocating (and first-touching, or pinning) a state-sized buffer
     every time. Safe because a save is staged only after the previous one is done with its
-    buffers. ``close()`` frees them."""
+    buffers. ``close()`` frees them. A storage resized in place since the last save gets a new
+    buffer of its new size (``_forget_resized``)."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    return DefaultStager(staging_options(torch.cuda.is_available() if cuda is None else cuda))
+    stager = DefaultStager(staging_options(torch.cuda.is_available() if cuda is None else cuda))
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None and hasattr(inner, "_stage_untyped_storage"):
+        inner._stage_untyped_storage = functools.partial(_forget_resized, inner, inner._stage_untyped_storage)
+    return stager
+
+
+def _forget_resized(inner: Any, stage_storage: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+    """DCP's staging of one storage, after dropping its cached buffer if the storage changed size.
+
+    DCP keys its buffers by the source storage and asserts that the size is still the one it
+    staged: a tensor resized in place between saves (``buffer.resize_(n)``, a cache or vocabulary
+    grown where it lies) kept the same storage at a new size, and every async save from then on
+    failed with DCP's "Cached storage size does not match" while a synchronous one worked. The
+    stale buffer is let go here and DCP allocates one of the new size, as for a new tensor.
+    """
+    cache = getattr(inner, "_cached_storage_mapping", None)
+    if cache is not None:
+        cached = cache.get(storage)
+        if cached is not None and cached.size() != storage.size():
+            del cache[storage]
+    return stage_storage(storage, *args, **kwargs)
