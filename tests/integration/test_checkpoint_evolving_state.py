@@ -132,3 +132,15 @@ def test_every_step_restores_what_it_held_while_the_state_changes_between_saves(
         save(6)
         ckpt.wait()
     restore_each(uri, saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--release-staging", None, "--sync"])
+def test_two_ranks_restore_every_step_while_the_state_changes(flag: str | None, tmp_path: Path) -> None:
+    """Two torchrun ranks (gloo), replicated and FSDP2-sharded state, saved back to back while it
+    changes (``scripts/ckpt_evolving.py``). The async run that keeps its buffers (no flag) failed
+    before the in-place ``resize_`` fix; the other two pin behaviour that already worked."""
+    import ckpt_harness as harness
+
+    out = harness.torchrun(2, harness.SCRIPTS / "ckpt_evolving.py", str(tmp_path / "ckpt"), *([flag] if flag else []))
+    assert out.stdout.count(": OK") == 16, out.stdout
