@@ -695,7 +695,61 @@ def make_stager(cuda: bool | None = None) -> Any:
     ``StateDictStager`` caches one per source storage), so a save copies into memory that is
     already there instead of allocating (and first-touching, or pinning) a state-sized buffer
     every time. Safe because a save is staged only after the previous one is done with its
-    buffers. ``close()`` frees them."""
+    buffers. ``close()`` frees them. Stage through ``stage_state`` (see ``_KeptBuffers``)."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    return DefaultStager(staging_options(torch.cuda.is_available() if cuda is None else cuda))
+    stager = DefaultStager(staging_options(torch.cuda.is_available() if cuda is None else cuda))
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None and hasattr(inner, "_stage_untyped_storage"):
+        inner._stage_untyped_storage = _KeptBuffers(inner)
+    return stager
+
+
+def stage_state(stager: Any, state: dict[str, Any]) -> Any:
+    """``state`` staged into ``stager``'s buffers; afterwards it keeps the buffers of this save only."""
+    kept = getattr(getattr(stager, "_state_dict_stager", None), "_stage_untyped_storage", None)
+    if isinstance(kept, _KeptBuffers):
+        kept.used.clear()
+    staged = stager.stage(state)
+    staged = staged.result() if hasattr(staged, "result") else staged
+    if getattr(stager, "should_synchronize_after_execute", False):
+        stager.synchronize_staging()
+    if isinstance(kept, _KeptBuffers):
+        kept.forget_unused()
+    return staged
+
+
+class _KeptBuffers:
+    """DCP's staging of one storage (``StateDictStager._stage_untyped_storage``), with the cache of
+    host buffers it keeps between saves held to what the state holds now.
+
+    - A storage resized in place since the last save (``buffer.resize_(n)``, a cache or vocabulary
+      grown where it lies) keeps its cache key at a new size, and DCP asserted "Cached storage size
+      does not match": every async save from then on failed, while a synchronous one worked. Its
+      stale buffer is dropped and one of the new size allocated, as for a new tensor.
+    - DCP drops a buffer only when its source tensor is freed: a value that left the state but
+      lives on in the script (an EMA saved now and then, an old layer the script still holds)
+      kept its copy in host memory for the Checkpointer's life, beyond the one copy of the state
+      that staging is documented to take. ``forget_unused`` drops every buffer the last save did
+      not use.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.stage_storage = inner._stage_untyped_storage
+        self.cache = getattr(inner, "_cached_storage_mapping", None)
+        self.used: set[int] = set()
+
+    def __call__(self, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.cache is not None:
+            cached = self.cache.get(storage)
+            if cached is not None and cached.size() != storage.size():
+                del self.cache[storage]
+        self.used.add(id(storage))
+        return self.stage_storage(storage, *args, **kwargs)
+
+    def forget_unused(self) -> None:
+        if self.cache is not None:
+            for source in list(self.cache.keys()):
+                if id(source) not in self.used:
+                    del self.cache[source]
+        self.used.clear()

@@ -19,7 +19,15 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import rank_state
-from agent._dcp_write import ChecksummedFile, DivergentReplicasError, dcp_save, make_stager, make_writer, sync_files
+from agent._dcp_write import (
+    ChecksummedFile,
+    DivergentReplicasError,
+    dcp_save,
+    make_stager,
+    make_writer,
+    stage_state,
+    sync_files,
+)
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
@@ -495,10 +503,7 @@ class _Saving(_Voting):
                 if self.config.async_save and not blocking:
                     if self._stager is None:
                         self._stager = make_stager()
-                    staged = self._stager.stage(dcp_state)
-                    save.staged = staged.result() if hasattr(staged, "result") else staged
-                    if getattr(self._stager, "should_synchronize_after_execute", False):
-                        self._stager.synchronize_staging()
+                    save.staged = stage_state(self._stager, dcp_state)
                 else:
                     save.staged = dcp_state  # written below, from the live tensors
         except BaseException:

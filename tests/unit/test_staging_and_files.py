@@ -4,16 +4,18 @@ saves, the checksumming writer, and the one atomic-write helper."""
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from agent import _dcp_write
-from agent._dcp_write import ChecksummedFile, SaveCancelledError, make_stager, staging_options
+from agent._dcp_write import ChecksummedFile, SaveCancelledError, make_stager, stage_state, staging_options
 from agent.atomic_file import write_atomic
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel
 
@@ -39,6 +41,37 @@ class TestStaging:
             assert {k: v.data_ptr() for k, v in second.items()} == pointers
             assert torch.equal(second["w"], state["w"])  # the new values, in the old buffer
             assert all(v.data_ptr() != state[k].data_ptr() for k, v in second.items())
+        finally:
+            stager.close()
+
+    def test_a_tensor_resized_in_place_is_staged_at_its_new_size(self) -> None:
+        """DCP's cache asserted that a storage keeps its size: after ``resize_`` every async save failed."""
+        state = {"w": torch.randn(8), "seen": torch.arange(4.0)}
+        stager = make_stager(cuda=False)
+        try:
+            kept = stage_state(stager, state)["w"].data_ptr()
+            state["seen"].resize_(100)
+            state["seen"].copy_(torch.arange(100.0))
+            second = stage_state(stager, state)
+            assert torch.equal(second["seen"], torch.arange(100.0))
+            assert second["w"].data_ptr() == kept  # the others keep their buffers
+        finally:
+            stager.close()
+
+    def test_a_buffer_the_last_save_did_not_use_is_let_go(self) -> None:
+        """A value that left the state but lives on in the script (an EMA saved now and then) kept
+        its staged copy in host memory for the stager's life; now only the last save's are kept."""
+        state = {"w": torch.randn(8), "ema": torch.randn(1000)}
+        stager = make_stager(cuda=False)
+        try:
+            first = stage_state(stager, state)
+            kept = first["w"].data_ptr()
+            ema_copy = weakref.ref(first["ema"].untyped_storage())
+            del first
+            second = stage_state(stager, {"w": state["w"]})
+            gc.collect()
+            assert ema_copy() is None
+            assert second["w"].data_ptr() == kept
         finally:
             stager.close()
 

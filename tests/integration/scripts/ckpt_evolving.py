@@ -1,0 +1,152 @@
+"""Rank side of the changing-state test (CPU, gloo); run under torchrun.
+
+    ckpt_evolving.py URI [--sync | --release-staging]
+
+Saves steps 0-7 to ``URI`` (back to back, nothing waited for in between) while the state changes:
+a replicated module's buffer grown in place, its weight replaced by one of another shape, a layer
+added, a cast to bfloat16; an FSDP2 model rebuilt wider (resharded); an EMA coming and going; a
+per-rank object changing type. Each rank keeps a copy of what it handed to every save; then every
+step is restored on its own (rank 0 copies its folder to ``URI-alone-<step>``) into a state of the
+same layout and compared bit for bit. Prints ``step S: OK`` or the differences; exits 1 on any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ckpt_state import exit_without_teardown
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ckpt_compare import differences
+
+from agent.checkpoint import Checkpointer
+
+
+class Box:
+    """A per-rank object whose value changes type between saves."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def sharded(mesh: Any, width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, width), nn.Linear(width, 3))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def whole(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """(collective) A copy of the sharded model's and optimizer's whole state."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return copy.deepcopy(
+        {
+            "model": get_model_state_dict(model, options=options),
+            "optim": get_optimizer_state_dict(model, optim, options=options),
+        }
+    )
+
+
+def replicated(step: int) -> nn.Linear:
+    """The replicated module in the layout it has at ``step`` (zeros)."""
+    module = nn.Linear(4, 4)
+    module.register_buffer("seen", torch.zeros(4 if step < 2 else 9))
+    if step >= 3:
+        module.weight = nn.Parameter(torch.zeros(6, 4))
+        module.add_module("extra", nn.Linear(2, 2))
+    if step >= 5:
+        module.to(torch.bfloat16)
+    return module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("uri")
+    p.add_argument("--sync", action="store_true")
+    p.add_argument("--release-staging", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    rep = replicated(0)
+    model, optim = sharded(mesh, 10, 0)
+    saved: dict[int, tuple[dict[str, Any], dict[str, Any], bool]] = {}
+    kw = {"async_save": not args.sync, "release_staging": args.release_staging}
+    with Checkpointer(args.uri, keep=None, **kw) as ckpt:
+        for step in range(8):
+            if step == 2:
+                rep.seen.resize_(9)
+                rep.seen.copy_(torch.arange(9.0))
+            if step == 3:
+                rep.weight = nn.Parameter(torch.randn(6, 4))
+                rep.add_module("extra", nn.Linear(2, 2))
+            if step == 4:
+                model, optim = sharded(mesh, 16, 4)
+            if step == 5:
+                rep.to(torch.bfloat16)
+            train(model, optim, step)
+            value = [rank] * step if step % 2 else {"t": torch.full((step + 1,), rank)}
+            state = {"rep": rep, "model": model, "optim": optim, "per_rank": Box(value)}
+            if step in (2, 3, 6):
+                state["ema"] = copy.deepcopy(rep)
+            ckpt.save(step, state)
+            plain = {k: copy.deepcopy(v.state_dict()) for k, v in state.items() if k not in ("model", "optim")}
+            saved[step] = (plain, whole(model, optim), "ema" in state)
+            with torch.no_grad():  # changed in place while the save is written
+                for param in rep.parameters():
+                    param.add_(1.0)
+    failed = False
+    for step, (plain, sharded_state, ema) in saved.items():
+        alone = f"{args.uri}-alone-{step}"
+        if rank == 0:
+            for folder in glob.glob(f"{args.uri}/step-{step:09d}*"):
+                shutil.copytree(folder, os.path.join(alone, os.path.basename(folder)))
+        dist.barrier()
+        model, optim = sharded(mesh, 10 if step < 4 else 16, 99)
+        train(model, optim, 99)  # Adam's state exists to load into
+        state = {"rep": replicated(step), "model": model, "optim": optim, "per_rank": Box(None)}
+        if ema:
+            state["ema"] = replicated(step)
+        with Checkpointer(alone, read_only=True) as ckpt:
+            restored = ckpt.restore(state)
+        got = {k: v.state_dict() for k, v in state.items() if k not in ("model", "optim")}
+        diffs = [f"restored step {restored}"] if restored != step else []
+        diffs += differences(got, plain) + differences(whole(model, optim), sharded_state)
+        print(f"rank {rank} step {step}: {diffs[:5] if diffs else 'OK'}", flush=True)
+        failed = failed or bool(diffs)
+    dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
+    exit_without_teardown()
