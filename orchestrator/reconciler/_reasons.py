@@ -115,6 +115,11 @@ CAPACITY_UNAVAILABLE = Reason(
     "{workers} found no capacity within startTimeoutSeconds ({timeout:.0f}s): {why}; {then}",
     warning=True,
 )
+GANG_INCOMPLETE = "GangIncomplete"
+"""The reason (in ``status.restartHistory`` and the ``Rescheduled`` Event; no Event of its own: the
+``CapacityUnavailable`` one says it) of a restart with ``Cause.CAPACITY`` that stops a gang only
+partly placed past ``startTimeoutSeconds`` with no fallback to move to: its placed workers would
+hold their nodes in the rendezvous for nothing."""
 CAPACITY_FOUND = Reason("CapacityFound", "every worker of attempt {attempt} runs on {capacity} capacity")
 RETURNING_TO_SPOT = Reason(
     "ReturningToSpot",

@@ -88,6 +88,7 @@ from orchestrator.reconciler._reasons import (
     FLUSH_REQUESTED,
     FLUSH_TIMED_OUT,
     FLUSHING,
+    GANG_INCOMPLETE,
     NODE_LOST,
     READY,
     RESCHEDULED,
@@ -428,7 +429,9 @@ class _Recovery(_FlushRequests):
         if recovery.cause is Cause.PREEMPTION:
             self._avoid(p, recovery)
         backoff = spec.restart_backoff
-        if recovery.cause is Cause.CAPACITY:
+        if recovery.cause is Cause.CAPACITY and recovery.reason == GANG_INCOMPLETE:
+            delay = backoff.initial_seconds  # the same capacity: give it time to come
+        elif recovery.cause is Cause.CAPACITY:
             delay = 0.0  # other capacity: nothing to wait for, and no restart in a row is counted
         elif recovery.cause is Cause.REQUESTED:
             delay = backoff.initial_seconds  # asked for: not a restart in a row either

@@ -223,7 +223,8 @@ class FakeBackend:
         self.start_specs.append(spec)
         self._evolve()
         resumed = latest_valid(self.storage)
-        taken: set[str] = set()
+        # One worker of an attempt per node (the pod anti-affinity), counting those placed earlier.
+        taken = {w.node.name for w in self.workers.values() if (w.job, w.attempt) == (key, attempt) and w.node}
         wanted = ((spec.template or {}).get("spec") or {}).get("nodeSelector", {}).get(CAPACITY_SELECTOR)
         for index in range(spec.replicas):
             name = worker_name(key, attempt, index)
