@@ -72,7 +72,7 @@ RESTART_BUDGET_EXHAUSTED = Reason(
 WORKER_INFRA_ERROR = Reason(
     "WorkerInfraError",
     "the agent of {worker} on node {node} exited {code}: an infrastructure error, not the user's code "
-    "(storage unreachable, rendezvous port taken); restarting after the infrastructure backoff, no restart counted",
+    "({why}); restarting after the infrastructure backoff, no restart counted",
     warning=True,
 )
 INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)

@@ -377,7 +377,9 @@ class _Recovery(_FlushRequests):
         """An agent exited 74: restart the gang after the infrastructure backoff, budget untouched."""
         status = p.status
         self._close_recovery(p)
-        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code)
+        # The agent's own words when its pod has them (which port, which store), else what it can be.
+        why = worker.detail or "storage unreachable, rendezvous port taken"
+        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code, why=why)
         status.recovery = RecoveryStatus(
             cause=Cause.INFRASTRUCTURE, reason=WORKER_INFRA_ERROR.name, message=message, detected_at=p.now
         )
