@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS
+from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_INFRA_ERROR
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
     BackendError,
@@ -628,9 +628,26 @@ def _refused_options(pod: Object) -> str | None:
     )
 
 
+AGENT_INFRA_EXIT = f"exiting {EXIT_INFRA_ERROR}: "
+"""How spotjob-agent begins the log line that says which infrastructure error it exited 74 for."""
+
+
+def _infra_error(pod: Object) -> str | None:
+    """For an agent that exited 74 (``EXIT_INFRA_ERROR``): its line of the termination message (the
+    tail of its log, ``FallbackToLogsOnError``) that says which error (a rendezvous port taken, the
+    store unreachable) and what to do, from ``exiting 74:`` on."""
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
+    lines = [line for line in str(terminated.get("message") or "").splitlines() if AGENT_INFRA_EXIT in line]
+    if not lines:
+        return None
+    line = lines[-1][lines[-1].index(AGENT_INFRA_EXIT) :]
+    said = "".join(c if c.isprintable() else "?" for c in line.strip())[:400]
+    return f"{said}; kubectl logs {_name(pod)}"
+
+
 def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
     """Why a worker that exited failed, when the pod says: an init container that failed (the
-    agent never ran), or the options an agent refused (exit 2)."""
+    agent never ran), the options an agent refused (exit 2), or its infrastructure error (74)."""
     init = _failed_init_container(pod)
     if init is not None:
         terminated = init["state"]["terminated"]
@@ -645,6 +662,8 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             "the kubelet could not find the training container (ContainerStatusUnknown): its node restarted, "
             "or the container runtime lost it"
         )
+    if exit_code == EXIT_INFRA_ERROR:
+        return _evicted(pod) or _infra_error(pod)
     return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
 
 

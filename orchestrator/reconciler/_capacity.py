@@ -4,7 +4,9 @@ a fallback not in use, it is stopped at once (cause ``Capacity``: no budget, no 
 backoff) and the next attempts are built from the template merged with ``spec.fallback``
 (``status.capacity: fallback``). Once the job has run ``fallback.returnAfterSeconds`` on the
 fallback without a preemption, the next attempt it starts (whatever restarts it) goes back to its
-own template (``ReturningToSpot``). Without a fallback, or already on it, the job keeps waiting.
+own template (``ReturningToSpot``). Without a fallback, or already on it, the job keeps waiting;
+but workers of a gang only partly placed are stopped (``GangIncomplete``: they would hold their
+nodes in the rendezvous for nothing) and the next attempt comes after ``restartBackoff.initialSeconds``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from datetime import timedelta
 
 from orchestrator.model import CapacityType, Cause, JobSpec, RecoveryStatus, WorkerPhase
 from orchestrator.reconciler._pass import _fallback_served, _Pass
-from orchestrator.reconciler._reasons import CAPACITY, CAPACITY_UNAVAILABLE, RETURNING_TO_SPOT
+from orchestrator.reconciler._reasons import CAPACITY, CAPACITY_UNAVAILABLE, GANG_INCOMPLETE, RETURNING_TO_SPOT
 from orchestrator.reconciler._recovery import _Recovery
 
 
@@ -42,13 +44,22 @@ class _Capacity(_Recovery):
         left = (started + timedelta(seconds=timeout) - p.now).total_seconds()
         if left > 0:
             return left
-        stuck = [w for w in p.current() if w.phase is WorkerPhase.PENDING and w.unschedulable]
+        current = p.current()
+        stuck = [w for w in current if w.phase is WorkerPhase.PENDING and w.unschedulable]
         if not stuck:
             return math.inf  # placed and starting (an image pull, a restore): not a matter of capacity
+        # Workers placed while their peers are not wait in the rendezvous holding their nodes
+        # (GPUs) for nothing: a gang starts whole or holds no node.
+        holding = [w for w in current if w.node is not None and (w.phase.alive or w.holds_node)]
         on_fallback = status.capacity is CapacityType.FALLBACK
         falls_back = spec.fallback is not None and not on_fallback
         if falls_back:
             then = "the next attempt uses spec.fallback"
+        elif holding:
+            then = (
+                f"stopping {', '.join(w.name for w in holding)} so that they do not hold their nodes; the next "
+                f"attempt tries again after restartBackoff.initialSeconds ({spec.restart_backoff.initial_seconds:.0f}s)"
+            )
         elif on_fallback:
             then = "already on the fallback capacity: waiting for it"
         else:
@@ -60,13 +71,15 @@ class _Capacity(_Recovery):
         if before is None or before.status != "True":
             self._event(p, CAPACITY_UNAVAILABLE, message=message)
         self._condition(p, CAPACITY, True, CAPACITY_UNAVAILABLE.name, message)
-        if not falls_back:
+        if not falls_back and not holding:
             return self._options.starting_poll_seconds
         self._close_recovery(p)
-        status.capacity, status.fallback_since = CapacityType.FALLBACK, None
-        status.recovery = RecoveryStatus(
-            cause=Cause.CAPACITY, reason=CAPACITY_UNAVAILABLE.name, message=message, detected_at=p.now
-        )
+        reason = CAPACITY_UNAVAILABLE.name
+        if falls_back:
+            status.capacity, status.fallback_since = CapacityType.FALLBACK, None
+        else:
+            reason = GANG_INCOMPLETE
+        status.recovery = RecoveryStatus(cause=Cause.CAPACITY, reason=reason, message=message, detected_at=p.now)
         self._enter_rescheduling(p, None)
         return None
 

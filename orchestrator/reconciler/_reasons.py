@@ -72,7 +72,7 @@ RESTART_BUDGET_EXHAUSTED = Reason(
 WORKER_INFRA_ERROR = Reason(
     "WorkerInfraError",
     "the agent of {worker} on node {node} exited {code}: an infrastructure error, not the user's code "
-    "(storage unreachable, rendezvous port taken); restarting after the infrastructure backoff, no restart counted",
+    "({why}); restarting after the infrastructure backoff, no restart counted",
     warning=True,
 )
 INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
@@ -115,6 +115,11 @@ CAPACITY_UNAVAILABLE = Reason(
     "{workers} found no capacity within startTimeoutSeconds ({timeout:.0f}s): {why}; {then}",
     warning=True,
 )
+GANG_INCOMPLETE = "GangIncomplete"
+"""The reason (in ``status.restartHistory`` and the ``Rescheduled`` Event; no Event of its own: the
+``CapacityUnavailable`` one says it) of a restart with ``Cause.CAPACITY`` that stops a gang only
+partly placed past ``startTimeoutSeconds`` with no fallback to move to: its placed workers would
+hold their nodes in the rendezvous for nothing."""
 CAPACITY_FOUND = Reason("CapacityFound", "every worker of attempt {attempt} runs on {capacity} capacity")
 RETURNING_TO_SPOT = Reason(
     "ReturningToSpot",

@@ -88,6 +88,7 @@ from orchestrator.reconciler._reasons import (
     FLUSH_REQUESTED,
     FLUSH_TIMED_OUT,
     FLUSHING,
+    GANG_INCOMPLETE,
     NODE_LOST,
     READY,
     RESCHEDULED,
@@ -376,7 +377,9 @@ class _Recovery(_FlushRequests):
         """An agent exited 74: restart the gang after the infrastructure backoff, budget untouched."""
         status = p.status
         self._close_recovery(p)
-        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code)
+        # The agent's own words when its pod has them (which port, which store), else what it can be.
+        why = worker.detail or "storage unreachable, rendezvous port taken"
+        message = WORKER_INFRA_ERROR.message(worker=worker.name, node=worker.node, code=worker.exit_code, why=why)
         status.recovery = RecoveryStatus(
             cause=Cause.INFRASTRUCTURE, reason=WORKER_INFRA_ERROR.name, message=message, detected_at=p.now
         )
@@ -428,7 +431,9 @@ class _Recovery(_FlushRequests):
         if recovery.cause is Cause.PREEMPTION:
             self._avoid(p, recovery)
         backoff = spec.restart_backoff
-        if recovery.cause is Cause.CAPACITY:
+        if recovery.cause is Cause.CAPACITY and recovery.reason == GANG_INCOMPLETE:
+            delay = backoff.initial_seconds  # the same capacity: give it time to come
+        elif recovery.cause is Cause.CAPACITY:
             delay = 0.0  # other capacity: nothing to wait for, and no restart in a row is counted
         elif recovery.cause is Cause.REQUESTED:
             delay = backoff.initial_seconds  # asked for: not a restart in a row either

@@ -119,3 +119,41 @@ def test_no_spot_capacity_moves_the_job_to_the_fallback_pool_and_after_the_perio
     for reason in ("CapacityUnavailable", "ReturningToSpot", "FlushRequestedByUser", "FlushRequestCommitted"):
         assert reason in reasons, reasons
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
+
+
+def test_a_gang_only_partly_placed_past_the_start_timeout_gives_its_node_back_and_runs_once_whole(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    tmp_path: Path,
+) -> None:
+    """replicas: 2 with room for one worker and no fallback: replica 0 is placed and its agent waits
+    in the rendezvous for replica 1, which no node takes. It used to hold its node for as long as
+    capacity was missing. Past startTimeoutSeconds it is stopped (GangIncomplete), and once a second
+    node comes the gang runs whole. (The test scheduler places one worker a node here through their
+    CPU requests, not the anti-affinity term, which it does not model.)"""
+    pool = {"example.com/pool": namespace}
+    cluster.add_node(f"{namespace}-a", labels=pool, cpu="1")
+    start_controller(namespace)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, replicas=2, nproc=1)
+    body["spec"]["template"]["spec"]["nodeSelector"] = pool
+    body["spec"]["startTimeoutSeconds"] = 5
+    create_job(cluster, body)
+
+    def released() -> dict[str, Any] | None:
+        s = status(cluster, namespace, "train")
+        history = [(h["cause"], h["reason"]) for h in s.get("restartHistory") or []]
+        return s if ("Capacity", "GangIncomplete") in history else None
+
+    s = wait(released, "the partly placed gang stopped")
+    message = _condition(s, "CapacityUnavailable")["message"]  # type: ignore[index]
+    assert "train-0-1 found no capacity" in message and "stopping train-0-0" in message, message
+    wait(lambda: not _pods_of(cluster, namespace, 0), "attempt 0's placed worker gone")
+    assert (s["preemptions"], s["restarts"]) == (0, 0)
+
+    cluster.add_node(f"{namespace}-b", labels=pool, cpu="1", zone="us-east-1b")
+    final = wait_phase(cluster, namespace, "train", "Succeeded")
+    assert (final["preemptions"], final["restarts"]) == (0, 0), final
+    assert _condition(final, "CapacityUnavailable")["status"] == "False"  # type: ignore[index]

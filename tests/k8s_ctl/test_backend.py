@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -244,6 +249,42 @@ def test_an_agent_that_refused_its_options_says_which_and_points_at_an_older_ima
     assert detail["llama-0-0"] is not None
     assert "unrecognized arguments: --some-new-option 1" in detail["llama-0-0"]
     assert "older than the controller" in detail["llama-0-0"] and "Upgrading" in detail["llama-0-0"]
+
+
+def test_an_agent_that_exited_74_says_which_infrastructure_error_from_its_own_log(world: World, tmp_path: Path) -> None:
+    """A real spotjob-agent on node rank 0 of a two-node torchrun whose rendezvous port another
+    process holds exits 74; its log's tail (what FallbackToLogsOnError makes the termination
+    message) is the pod's. The worker's detail is its "exiting 74" line (the port, what to do),
+    which the WorkerInfraError message used to leave out for a generic list of causes."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        command = ["torchrun", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
+        command += ["--master-port", str(port), "--nproc-per-node", "1", "train.py"]
+        agent = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from agent.launcher import cli; cli()",
+                "--checkpoint-uri",
+                str(tmp_path / "ckpt"),
+                "--",
+                *command,
+            ],
+            env={**os.environ, "SPOTJOB_CLOUD": "none"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert agent.returncode == 74, agent.stderr[-2000:]
+    infra = pod(1, exit_code=74)
+    infra["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = agent.stderr[-2048:]
+    world.add(infra)
+    (worker,) = world.backend.list_workers(KEY, spec())
+    assert worker.detail is not None and worker.detail.startswith("exiting 74: "), worker.detail
+    assert f"rendezvous port {port}" in worker.detail and "free the port" in worker.detail
+    assert "kubectl logs llama-0-1" in worker.detail
 
 
 def test_an_exited_agent_whose_sidecar_runs_on_holds_its_node_and_a_completed_pod_does_not(world: World) -> None:

@@ -212,6 +212,8 @@ class FakeBackend:
     not_starting: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Workers (by name) placed but not starting, with the kubelet's (reason, message): an image
     that cannot be pulled. They stay Pending while they are named here."""
+    details: dict[str, str] = field(default_factory=dict)
+    """Workers (by name) whose pods tell why they ended (``WorkerObservation.detail``)."""
 
     # -- the Backend protocol ----------------------------------------------------------------
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
@@ -223,7 +225,8 @@ class FakeBackend:
         self.start_specs.append(spec)
         self._evolve()
         resumed = latest_valid(self.storage)
-        taken: set[str] = set()
+        # One worker of an attempt per node (the pod anti-affinity), counting those placed earlier.
+        taken = {w.node.name for w in self.workers.values() if (w.job, w.attempt) == (key, attempt) and w.node}
         wanted = ((spec.template or {}).get("spec") or {}).get("nodeSelector", {}).get(CAPACITY_SELECTOR)
         for index in range(spec.replicas):
             name = worker_name(key, attempt, index)
@@ -287,6 +290,7 @@ class FakeBackend:
                     step=self.step_of(w),
                     unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
                     not_starting=self.not_starting.get(w.name) if w.phase is WorkerPhase.PENDING else None,
+                    detail=self.details.get(w.name),
                     holds_node=self.sidecars and w.exit_code is not None and w.stopping_at is None,
                 )
             )

@@ -672,6 +672,23 @@ def test_an_agent_exiting_74_restarts_the_gang_after_the_infra_backoff_without_s
     assert w.backend.created[-2:] == ["train-1-0", "train-1-1"]
 
 
+def test_an_agent_exiting_74_is_told_with_what_its_pod_says_of_the_cause(tmp_path: Any) -> None:
+    """The WorkerInfraError message (Event, Degraded, recovery) used to list the possible causes
+    only; it now says the agent's own words when the backend has them (its "exiting 74" line)."""
+    w = make_world(tmp_path)
+    w.run_to(100)
+    said = "exiting 74: torchrun's rendezvous port 29500 (--master-port 29500 on node rank 0) is taken"
+    w.backend.details["train-0-0"] = said
+    w.backend.exit(0, 0, 74)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert status.recovery is not None and said in status.recovery.message, status.recovery.message
+    assert "the agent of train-0-0 on node" in status.recovery.message
+    assert said in status.condition("Degraded").message  # type: ignore[union-attr]
+    assert any(said in e.message for e in w.events.emitted if e.reason == "WorkerInfraError")
+
+
 def test_an_agent_exiting_74_wins_over_its_peers_failing_in_the_same_pass(tmp_path: Any) -> None:
     w = make_world(tmp_path, maxRestarts=0)
     w.run_to(100)

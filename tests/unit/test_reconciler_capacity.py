@@ -136,6 +136,7 @@ def test_a_preemption_on_the_fallback_before_the_period_keeps_the_job_there_and_
     first_since = w.status.fallback_since
 
     w.run_to(300)
+    w.backend.nodes.append(FakeNode("d2", "zone-c", "g5.xlarge", capacity="on-demand"))  # room without d0
     w.backend.notice("d0")
     status = w.run_until(running_attempt(2))
 
@@ -193,3 +194,41 @@ def test_the_fallback_template_merges_objects_by_key_named_lists_by_name_and_rep
     ]
     assert [v["name"] for v in merged["spec"]["volumes"]] == ["data", "scratch"]
     assert base["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] == "spot", "the base is not modified"
+
+
+def test_a_gang_only_partly_placed_past_the_start_timeout_does_not_hold_its_nodes(tmp_path: Any) -> None:
+    """replicas: 2 and one spot node, no fallback: worker 0 is placed and waits in the rendezvous for
+    worker 1, which no node takes. It used to hold its node (a GPU) for as long as capacity was
+    missing, while the job said it was waiting. Past ``startTimeoutSeconds`` the placed worker is
+    stopped, and the next attempt tries again after ``restartBackoff.initialSeconds``. The fake
+    backend does not model the rendezvous itself (its placed worker reports Running on its own)."""
+    w = capacity_world(tmp_path, SPOT[:1], fallback=False)
+
+    w.run_to(59)
+    assert w.backend.nodes_of(0) == ["s0"] and w.backend.stop_calls == []
+
+    status = w.run_until(lambda s: s.attempt.number == 1)
+    assert w.clock.at() == 60.0
+    assert w.backend.stop_calls == [None] and w.backend.stop_flushes == [False]
+    assert "train-0-0" in w.backend.stopped_without_flush, "the placed worker is stopped, not flushed"
+    condition = status.condition("CapacityUnavailable")
+    assert condition is not None and condition.status == "True"
+    assert "train-0-1 found no capacity" in condition.message
+    assert "stopping train-0-0" in condition.message and "hold" in condition.message
+    assert [(r.cause, r.reason) for r in status.restart_history] == [(Cause.CAPACITY, "GangIncomplete")]
+    assert (status.preemptions, status.restarts) == (0, 0), "missing capacity spends no restart"
+    assert status.recovery is not None and status.recovery.restart_at is not None
+    assert (status.recovery.restart_at - status.recovery.stopped_at).total_seconds() == 10  # type: ignore[operator]
+
+    w.backend.nodes += SPOT[1:]  # capacity for the whole gang
+    status = w.run_until(running_attempt(1))
+    assert sorted(w.backend.nodes_of(1)) == ["s0", "s1"]
+    assert status.condition("CapacityUnavailable").status == "False"  # type: ignore[union-attr]
+
+
+def test_a_gang_none_of_which_is_placed_keeps_waiting_in_the_same_attempt(tmp_path: Any) -> None:
+    """Pins behaviour that already worked: with no worker placed nothing holds a node, so the
+    attempt waits on without a restart (the test above stops only a gang that holds nodes)."""
+    w = capacity_world(tmp_path, [], fallback=False)
+    status = w.run_to(600)
+    assert status.attempt.number == 0 and w.backend.stop_calls == [] and status.restart_history == []

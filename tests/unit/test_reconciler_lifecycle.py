@@ -71,6 +71,26 @@ def test_replicas_raised_while_an_attempt_starts_add_no_worker_to_its_gang_and_c
     ]
 
 
+def test_replicas_lowered_while_an_attempt_runs_keep_its_gang_whole_and_the_next_attempt_is_smaller(
+    tmp_path: Any,
+) -> None:
+    """Pins behaviour that already worked: a scale-down is neither refused nor applied in place. The
+    running attempt keeps its two workers (none is stopped, the gang is judged by its own size),
+    and the next attempt, after a preemption, starts one."""
+    world = make_world(tmp_path)
+    world.run_until(running_attempt(0))
+    set_replicas(world, 1)
+
+    status = world.run_to(60)
+    assert (status.phase, status.attempt.replicas) == (Phase.RUNNING, 2)
+    assert world.backend.stop_calls == [] and world.backend.nodes_of(0) == ["n0", "n1"]
+
+    preempt_running_job(world, at=90, node="n0")
+    status = world.run_until(running_attempt(1))
+    assert status.attempt.replicas == 1
+    assert [name for name in world.backend.created if name.startswith("train-1-")] == ["train-1-0"]
+
+
 # -- a status written by a controller whose clock ran ahead ----------------------------------------
 
 
