@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, rank_state
-from agent.catalog import CheckpointRef, find_checkpoints, inspect, latest_valid
+from agent.catalog import CheckpointRef, CheckpointStatus, find_checkpoints, inspect, latest_valid
 from agent.checkpoint._core import size_text
 from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
@@ -229,6 +229,12 @@ def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
     return True
 
 
+def _bad_key(status: CheckpointStatus) -> tuple[str, str]:
+    """How ``_Restoring._proven_bad`` names the checkpoint ``status`` (one with a manifest)."""
+    assert status.manifest is not None
+    return status.ref.folder, status.manifest.created_at.isoformat()
+
+
 def _is_shape_or_key_mismatch(e: BaseException) -> bool:
     """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
     text = str(e).lower()
@@ -238,6 +244,11 @@ def _is_shape_or_key_mismatch(e: BaseException) -> bool:
 class _Restoring(_Voting):
     """``restore()`` and how one checkpoint is judged, loaded and applied on every rank."""
 
+    _proven_bad: set[tuple[str, str]]
+    """The checkpoints (folder, the manifest's ``created_at``) a restore of this Checkpointer found
+    bad only once it read them (a CRC32C mismatch): ``newest_step()`` passes over them, as restore
+    does. The time tells a folder committed again under the same name from the one found bad."""
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed (``_Saving``)."""
         raise NotImplementedError
@@ -246,12 +257,16 @@ class _Restoring(_Voting):
         """The step of the newest valid checkpoint of this job under the URI (0 when there is none):
         the one ``restore()`` would load now, judged as it judges, without loading anything (rank 0
         lists the folders and reads manifests, newest first, until one is valid; an uncommitted
-        save in progress is never it). For a reader polling beside a training job: restore only
+        save in progress is never it). It reads no shard, so a checkpoint whose bytes are corrupt
+        is named until a ``restore()`` of this Checkpointer proves it so; from then on it is passed
+        over, as restore passes over it. For a reader polling beside a training job: restore only
         when this moved past the step it last restored. Collective, like every call."""
         self._check_open("newest_step()")
 
         def newest() -> int:
             status = latest_valid(self.storage, on_skip=lambda _: None)  # restore() says what it skips
+            while status is not None and status.manifest is not None and _bad_key(status) in self._proven_bad:
+                status = latest_valid(self.storage, before=status.ref, on_skip=lambda _: None)
             return status.manifest.step if status is not None and status.manifest is not None else 0
 
         step: int = self._on_rank0("listing the checkpoints", newest)
@@ -413,6 +428,8 @@ class _Restoring(_Voting):
             tried.append((ref, reason))
             if kind == _Failure.INCOMPATIBLE:
                 break  # the checkpoint is not at fault: an older one would be going back in time
+            if kind == _Failure.BAD:
+                self._proven_bad.add((ref.folder, manifest.created_at.isoformat()))
         if not tried:
             if self.rank == 0:
                 what = "no committed checkpoint of this job" if refs else "no checkpoint yet"

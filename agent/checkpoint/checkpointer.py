@@ -235,6 +235,7 @@ class Checkpointer(_Saving, _Restoring):
         self._saves_started = 0
         self._swept_through = None
         self._refusals_said = set()
+        self._proven_bad = set()
         self._status = RankStatus(
             state="starting",
             world_size=self.world_size,

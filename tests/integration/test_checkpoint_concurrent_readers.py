@@ -545,3 +545,37 @@ def test_export_of_a_named_step_deleted_once_it_began_exports_it_whole(
     from safetensors.torch import load_file
 
     assert_same({"model": load_file(out / "model.safetensors")}, {"model": job.saved_model})
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_newest_step_passes_over_a_checkpoint_the_readers_restore_found_corrupt(
+    fresh_uri: Callable[[str], str], scheme: str
+) -> None:
+    """The README's eval loop polls ``newest_step()`` and restores when it moved past ``done``. A
+    newest checkpoint whose shard holds other bytes of the right size (a copy gone wrong, a shard
+    overwritten on a versioned bucket) looks valid to ``newest_step()``, which reads no shard, and
+    ``restore()`` passes over it for the one before. ``newest_step()`` went on naming it, so the loop
+    restored (and evaluated) the older step again at every poll, without ever sleeping, until the
+    job's retention removed the corrupt one. Now ``newest_step()`` passes over a checkpoint this
+    Checkpointer's restore proved corrupt, as restore does; a newer commit is seen as before."""
+    uri = fresh_uri(scheme)
+    state = make_state(0)
+    writer = Checkpointer(uri, every_steps=1, keep=None, job="train", async_save=False)
+    for step in (1, 2, 3):
+        train(state, 1, start=step - 1)
+        writer.save(step, state)
+    storage = open_storage(uri)
+    shard = next(k.key for k in storage.list("step-000000003/") if k.key.endswith(".distcp"))
+    data = bytearray(storage.get_bytes(shard))
+    data[-1] ^= 0xFF
+    storage.put_bytes(shard, bytes(data))
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.newest_step() == 3  # nothing read yet proves it corrupt
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 2
+        assert reader.newest_step() == 2, "newest_step() named the checkpoint restore() just found corrupt"
+        train(state, 1, start=3)
+        writer.save(4, state)
+        assert reader.newest_step() == 4
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 4
+    storage.close()
+    writer.close()
