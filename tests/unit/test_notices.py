@@ -640,6 +640,36 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_the_readmes_held_notice_line_is_what_kubectl_spotjob_status_prints_for_a_reboot(
+        self, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """README.md's `kubectl spotjob status` example shows a held Azure Reboot as
+        "azure maintenance (Reboot 7f3c…)", a detail no agent writes: the agent's is "scheduled event
+        Reboot <EventId> (<EventStatus>)". The notice here is the Azure source's own, from the
+        emulator, rendered by the plugin's code at the example's time (the controller copies it
+        unchanged into status.heldNotices; that copy is not run here)."""
+        from orchestrator.kubectl_status import _held_text
+
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        line = next(x for x in readme.splitlines() if x.startswith("Held notice:  train-demo-1-0"))
+        source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
+        try:
+            deadline = datetime(2026, 6, 1, 12, 20, tzinfo=UTC)
+            azure.add_event(EventType="Reboot", NotBefore=deadline, EventId="7f3c…")
+            notice = got.next()
+        finally:
+            source.stop()
+        held = {
+            "worker": "train-demo-1-0",
+            "node": "ip-10-0-9-2",
+            "source": notice.source,
+            "kind": str(notice.kind),
+            "detail": notice.detail,
+            "deadline": datetime.fromtimestamp(notice.deadline or 0, UTC).isoformat(),
+            "flushAt": datetime(2026, 6, 1, 12, 15, tzinfo=UTC).isoformat(),
+        }
+        assert line == "Held notice:  " + _held_text(held, datetime(2026, 6, 1, 12, 6, tzinfo=UTC))
+
     def test_an_event_that_left_the_list_is_not_acknowledged_after_a_later_flush(
         self, azure: AzureScheduledEventsEmulator
     ) -> None:
