@@ -319,7 +319,7 @@ def _write_shards(
         # Everything is written: only now does an earlier export give way (a full disk halfway
         # through leaves it as it was). The index goes last: its presence says the export is complete.
         if force:
-            _remove_earlier_export(out)
+            _remove_earlier_export(out, ours={os.path.basename(p) for p, _ in staged} | {os.path.basename(tmp)})
         for partial, path in staged:
             os.replace(partial, path)
             written.append(path)
@@ -384,9 +384,12 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _remove_earlier_export(out: str) -> None:
+def _remove_earlier_export(out: str, ours: set[str]) -> None:
+    """An earlier export's shards and index, and the ``.<name>.partial`` files of one killed before
+    its renames; never this export's own ``ours``, still to be renamed into place."""
     for entry in os.listdir(out):
-        if _SHARD_NAME_RE.match(entry) or entry == INDEX_NAME:
+        name = entry[1 : -len(".partial")] if entry.startswith(".") and entry.endswith(".partial") else entry
+        if entry not in ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
             os.unlink(os.path.join(out, entry))
             log.info("--force: removed %s of an earlier export", os.path.join(out, entry))
 

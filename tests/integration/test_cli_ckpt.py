@@ -557,6 +557,27 @@ def test_export_refuses_a_non_empty_out_unless_forced(
     assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
 
 
+def test_export_with_force_removes_the_partial_files_a_killed_export_left(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README "What a crash leaves": an export killed before its renames leaves `.partial` files and
+    is to be exported again with `--force`. `--force` removed the earlier export's shards and index
+    but not those hidden `.…partial` files: one a new export does not write again under its name (a
+    different `--max-shard-size`, another step's sharding) stayed in OUT, a shard's size each. The
+    leftovers here are written by hand under the names a killed export gives them."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    leftovers = [".model-00002-of-00003.safetensors.partial", f".{cli_ckpt.INDEX_NAME}.partial"]
+    for name in leftovers:
+        (out / name).write_bytes(b"cut short")
+    (out / "config.json").write_text("{}")
+
+    rc, _, _ = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+
+    assert rc == 0
+    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "config.json", "model.safetensors"])
+
+
 @pytest.mark.parametrize(
     ("args", "rc", "message"),
     [
