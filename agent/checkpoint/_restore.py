@@ -244,6 +244,9 @@ def _is_shape_or_key_mismatch(e: BaseException) -> bool:
 class _Restoring(_Voting):
     """``restore()`` and how one checkpoint is judged, loaded and applied on every rank."""
 
+    _read_only: bool
+    _left_out_said: set[tuple[str, ...]]
+    """(rank 0, read-only) The sets of state keys a restore left out that were logged already."""
     _proven_bad: set[tuple[str, str]]
     """The checkpoints (folder, the manifest's ``created_at``) a restore of this Checkpointer found
     bad only once it read them (a CRC32C mismatch): ``newest_step()`` passes over them, as restore
@@ -541,7 +544,17 @@ class _Restoring(_Voting):
         restore without its optimizer, scheduler or loader resumes on fresh ones. Allowed (loading
         a model alone is a use), but never silent."""
         left_out = [key for key in manifest.state_keys if key not in state]
-        if left_out and self.rank == 0:
+        if left_out and self.rank == 0 and self._read_only:
+            # A reader (an eval loop) restores the model alone on purpose, and again at every new
+            # checkpoint: said once per set of keys, not as a warning at every restore.
+            if tuple(left_out) not in self._left_out_said:
+                self._left_out_said.add(tuple(left_out))
+                log.info(
+                    "restore: the checkpoints hold %s too, which this read-only Checkpointer's restore() leaves "
+                    "out: not restored (said once)",
+                    ", ".join(repr(k) for k in left_out),
+                )
+        elif left_out and self.rank == 0:
             log.warning(
                 "restore: the checkpoint of step %d also holds %s, which the state handed to restore() leaves out: "
                 "not restored, so they go on from how the script built them. Add them to the state to resume "

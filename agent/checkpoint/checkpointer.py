@@ -236,6 +236,7 @@ class Checkpointer(_Saving, _Restoring):
         self._swept_through = None
         self._refusals_said = set()
         self._proven_bad = set()
+        self._left_out_said = set()
         self._status = RankStatus(
             state="starting",
             world_size=self.world_size,

@@ -579,3 +579,25 @@ def test_newest_step_passes_over_a_checkpoint_the_readers_restore_found_corrupt(
         assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 4
     storage.close()
     writer.close()
+
+
+def test_a_reader_restoring_the_model_alone_again_and_again_says_so_once(
+    fresh_uri: Callable[[str], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The README's eval loop restores ``{"model": model}`` alone at every new checkpoint. Each
+    restore logged a WARNING that the optimizer was left out and to add it "to resume them too":
+    advice for a training script, repeated for every checkpoint an eval job reads. A read-only
+    Checkpointer now says it once, at INFO; a training Checkpointer still warns."""
+    uri = fresh_uri("file")
+    state = make_state(0)
+    writer = Checkpointer(uri, every_steps=1, keep=None, job="train", async_save=False)
+    caplog.set_level("INFO", logger="agent")
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            writer.save(step, state)
+            assert reader.restore({"model": make_state(0, seed=7)["model"]}) == step
+    said = [r for r in caplog.records if "which this read-only Checkpointer's restore() leaves out" in r.message]
+    assert len(said) == 1 and said[0].levelname == "INFO"
+    assert not any("also holds" in r.message for r in caplog.records)
+    writer.close()
