@@ -109,6 +109,30 @@ def test_restore_stops_at_an_archived_newest_checkpoint_saying_it_is_archived(
     assert steps_in(s3_uri) == [1, 2]
 
 
+def test_shards_archived_under_a_readable_manifest_are_listed_valid_and_found_by_verify_deep(
+    s3_uri: str, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pins behaviour that already held, documented as a limit in README "Lifecycle rules that
+    archive": a rule with ``ObjectSizeGreaterThan`` archives the shards and spares a small manifest.
+    ``ckpt list`` (and the controller) read manifests only, so the checkpoint is listed valid;
+    ``ckpt verify --deep`` reads the shards and says they are archived, and a restore stops there
+    saying so rather than going back past it. moto's copy to GLACIER stands in for the rule."""
+    save_steps(s3_uri, [1, 2], tmp_path / "staging")
+    _, bucket, prefix = parse_uri(s3_uri)
+    for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-000000002/")["Contents"]:
+        if not obj["Key"].endswith("MANIFEST.json"):
+            source = {"Bucket": bucket, "Key": obj["Key"]}
+            s3_client.copy_object(Bucket=bucket, Key=obj["Key"], CopySource=source, StorageClass="GLACIER")
+    assert main(["ckpt", "list", s3_uri]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "valid" in rows["step-000000002"] and "invalid" not in rows["step-000000002"]
+    assert main(["ckpt", "verify", s3_uri, "--deep"]) != 0
+    assert "archived" in capsys.readouterr().err
+    with pytest.raises(StorageRefusedError) as caught:
+        save_steps(s3_uri, [], tmp_path / "staging")
+    assert "step-000000002" in str(caught.value) and "archived" in str(caught.value)
+
+
 def test_an_archived_object_is_an_archived_error_on_every_read(s3_uri: str, s3_client: Any, tmp_path: Path) -> None:
     """The error a store raises for an archived object is its own kind (permanent, not a
     permission), for the manifest's whole read and a shard's ranged download alike."""
