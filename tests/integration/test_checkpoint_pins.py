@@ -247,3 +247,40 @@ def test_retention_lists_the_pins_once_per_pass_and_reads_none(tmp_path: Path) -
     assert calls.count(f"list {pins.PINS_PREFIX}") == 4  # the passes after steps 2..5; step 1's had nothing to delete
     assert not [c for c in calls if c.startswith(f"get {pins.PINS_PREFIX}")]
     assert _folders(uri) == ["step-000000005"]
+
+
+def test_a_long_read_renews_its_pin_and_keeps_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that outlasts a pin (pins of 0.3 s here) renews it: a pin with a later expiry comes,
+    the one before goes (never none at a look), and the job's passes meanwhile leave the folder.
+    Before pins, retention removed it at the first pass."""
+    monkeypatch.setattr(pins, "PIN_SECONDS", 0.3)
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    train(state, 1)
+    writer = Checkpointer(uri, keep=1, job="train", async_save=False)
+    writer.save(1, state)
+    real_hold_all = VerifiedReader.hold_all
+    seen: list[str] = []
+
+    def hold_all_through_renewals(self: VerifiedReader) -> None:
+        def renewed_twice() -> bool:
+            found = _pins(uri)  # two for a moment: the new one is written before the old goes
+            assert 1 <= len(found) <= 2, found
+            pin = max(found)
+            if not seen or seen[-1] != pin:
+                seen.append(pin)
+            return len(seen) >= 3
+
+        if not seen:
+            harness.wait_for(renewed_twice, "the reader to renew its pin twice")
+            for step in (2, 3):
+                train(state, 1, start=step - 1)
+                writer.save(step, state)
+        real_hold_all(self)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_through_renewals)
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
+    writer.close()
+    assert all(p.startswith(f"{pins.PINS_PREFIX}{STEP1}_") for p in seen)
+    assert _folders(uri) == [STEP1, "step-000000003"] and _pins(uri) == []
