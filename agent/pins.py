@@ -120,7 +120,8 @@ class Pinner:
             self._refused = True
             log.warning(
                 "reading %s without a pin (said once): could not write under %s (%s). The training job's "
-                "retention may delete a checkpoint while it is read (the read then starts over at the newest); "
+                "retention may delete a checkpoint while it is read (a restore then starts over at the newest, an "
+                "export of a named --step fails); "
                 "give this reader write and delete access to that folder to pin what it reads",
                 self._storage.url(folder),
                 self._storage.url(PINS_PREFIX),
