@@ -58,6 +58,7 @@ from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, RANK_FILE_RE, Manifest
 from agent.ownership import OwnershipError, adopt, describe_job, read_owner
+from agent.pins import pinned
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ProgressFn, Storage
 from orchestrator.cli_pipe import stdout_reader_left
@@ -531,9 +532,10 @@ def _export(
         raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
     _require_state_key(manifest, args.key)
     try:
-        return export_safetensors(
-            storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
-        )
+        with pinned(storage, status.ref.folder):  # the job's retention leaves it while it is read
+            return export_safetensors(
+                storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
+            )
     except (ExportError, FileNotFoundError) as e:  # FileNotFoundError: a file read in place, gone
         if _deleted(storage, status):
             raise (_Deleted if args.step is None else CommandError)(

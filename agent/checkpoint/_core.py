@@ -21,6 +21,7 @@ from agent.checkpoint.config import CheckpointConfig
 from agent.checkpoint.errors import CheckpointError, RestoreError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import ControlDir, RankStatus
 from agent.ownership import check_not_fenced
+from agent.pins import Pinner
 from agent.restore_cache import staging_dir_problem
 from agent.storage import PermanentStorageError, Storage, StorageError
 
@@ -66,6 +67,8 @@ class _Core:
     _stager: Any
     _closed: bool
     _pid: int
+    _pinner: Pinner | None = None
+    """(rank 0 of a read-only Checkpointer) Its pin on the checkpoint a restore reads (``agent.pins``)."""
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None

@@ -295,6 +295,13 @@ class _Restoring(_Voting):
         otherwise the restore would load an older checkpoint than the one just saved, which
         then commits beside the restored run.
         """
+        try:
+            return self._restore(state)
+        finally:
+            if self._pinner is not None:
+                self._pinner.release()  # the read is over, whatever its outcome
+
+    def _restore(self, state: Mapping[str, Any]) -> int:
         self._check_open("restore()")
         self._check_state(state)
         self._restore_called = True
@@ -355,6 +362,10 @@ class _Restoring(_Voting):
                 """(rank 0) (the manifest if usable, why not, whether it is this job's own, whether
                 a newer spotjob wrote it)."""
                 nonlocal lineage
+                if self._pinner is not None:
+                    # Before the look: a folder still committed once pinned stays while it is read
+                    # (unless a retention pass that listed the pins before this one deletes it).
+                    self._pinner.pin(ref.folder)
                 lineage = lineage or Lineage.load(self.storage)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:

@@ -9,6 +9,7 @@ from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
+from agent.pins import pinned_folders
 from agent.storage import PermanentStorageError, RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -98,6 +99,18 @@ class _Retention(_State):
                 elif status.valid:
                     kept += 1
                     kept_steps.add(ref.step)
+            if doomed:
+                # One listing of the readers' pins (``agent.pins``), only when something would go.
+                pinned, expired = pinned_folders(self.storage)
+                for ref in [r for r, _ in doomed if r.folder in pinned]:
+                    log.debug("retention: keeping %s: a reader pinned it", url(ref.folder))
+                doomed = [(r, m) for r, m in doomed if r.folder not in pinned]
+                if expired:
+                    try:
+                        self.storage.delete(expired)
+                        log.debug("retention: removed %d expired pin(s) under %s", len(expired), url(".spotjob/pins"))
+                    except StorageError as e:
+                        log.debug("retention: could not remove expired pins (retried next pass): %s", e)
             refused: PermanentStorageError | None = None
             for ref, holds_manifest in doomed:
                 self._check_fence()

@@ -33,6 +33,7 @@ from agent.control_channel import (
     RankStatus,
 )
 from agent.ownership import OwnershipError, claim, read_owner
+from agent.pins import Pinner
 from agent.restore_cache import staging_root
 from agent.settings import CheckpointerEnv, load
 from agent.storage import PermanentStorageError, StorageError, open_storage
@@ -246,6 +247,7 @@ class Checkpointer(_Saving, _Restoring):
         self._status_written = 0.0
         self._closed = False
         self._pid = os.getpid()
+        self._pinner = Pinner(self.storage) if self._read_only and self.rank == 0 else None
         self._warn_if_not_the_agents_uri()
         self._warn_if_not_the_agents_policy(env)
         try:

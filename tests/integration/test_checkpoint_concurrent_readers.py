@@ -7,6 +7,7 @@ Each race is made to happen at a chosen point by a hook; nothing waits on time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -163,6 +164,12 @@ def _command_while_the_job_saves(monkeypatch: pytest.MonkeyPatch, uri: str, hook
         job.writer.close()
 
 
+def _export_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exports here read unpinned, as one without write access to the URI does (``agent.pins``): a
+    pinned export's step is left alone by retention (tests/integration/test_checkpoint_pins.py)."""
+    monkeypatch.setattr(cli_ckpt, "pinned", lambda storage, folder: contextlib.nullcontext())
+
+
 def _hook_before(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
     real = getattr(cli_ckpt, name)
 
@@ -181,6 +188,7 @@ def test_export_of_the_newest_deleted_under_it_exports_the_newer_one(
     tmp_path: Path,
     scheme: str,
 ) -> None:
+    _export_unpinned(monkeypatch)
     uri = fresh_uri(scheme)
     out = tmp_path / "export"
     assert _command_while_the_job_saves(monkeypatch, uri, "export_safetensors", ["export", uri, str(out)]) == 0
@@ -198,6 +206,7 @@ def test_export_of_a_named_step_deleted_under_it_says_so_and_leaves_nothing(
     tmp_path: Path,
     scheme: str,
 ) -> None:
+    _export_unpinned(monkeypatch)
     uri = fresh_uri(scheme)
     out = tmp_path / "export"
     argv = ["export", "--step", "1", uri, str(out)]
@@ -231,6 +240,7 @@ def test_export_deleted_between_its_shards_is_exported_whole_from_the_files_it_c
     after the first safetensors file was written, the export still writes every file of the step
     it checked (before files were held, it removed what it wrote and exited 2; a file deleted
     before the export first opened it still ends that way, as the test above shows)."""
+    _export_unpinned(monkeypatch)
     import torch.distributed.checkpoint as dcp
 
     root = tmp_path / "ckpt"
@@ -525,6 +535,7 @@ def test_export_of_a_named_step_deleted_once_it_began_exports_it_whole(
     fails the export (exit 2, "deleted while it was being exported"); it writes the step it began
     with. The hook deletes as retention does; a step deleted before the export began still fails it
     (the named-step test above)."""
+    _export_unpinned(monkeypatch)
     root = tmp_path / "ckpt"
     job = _SavingOn(str(root))
     real_read_metadata = VerifiedReader.read_metadata

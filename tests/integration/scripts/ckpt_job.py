@@ -2,6 +2,8 @@
 
     ckpt_job.py save-restore --uri U --dump D   train, save step 7, close; restore into fresh objects
     ckpt_job.py restore --uri U --dump D        restore into fresh objects (any world size)
+    ckpt_job.py saves --uri U --steps A B       job "train" (keep=1) saves steps A..B, one at a time,
+                                                logging retention at debug level
     ckpt_job.py interrupt --uri U --markers M --stage {staging,upload,manifest}
                                                 commit step 1, then freeze the save of step 2 at the
                                                 stage (marker file + sleep forever) for a kill -9
@@ -134,17 +136,30 @@ def interrupt(args: argparse.Namespace, rank: int, world: int) -> None:
     raise AssertionError("the save of step 2 was supposed to freeze")
 
 
+def saves(args: argparse.Namespace, rank: int, world: int) -> None:
+    logging.getLogger("agent.checkpoint").setLevel(logging.DEBUG)
+    state = make_state(rank, seed=0)
+    first, last = args.steps
+    with Checkpointer(args.uri, keep=1, job="train", async_save=False) as ckpt:
+        for step in range(first, last + 1):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["save-restore", "restore", "interrupt"])
+    p.add_argument("command", choices=["save-restore", "restore", "interrupt", "saves"])
     p.add_argument("--uri", required=True)
     p.add_argument("--dump")
     p.add_argument("--markers")
     p.add_argument("--stage", choices=["staging", "upload", "manifest"])
+    p.add_argument("--steps", type=int, nargs=2)
     args = p.parse_args()
     rank, world = _rank()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
-    {"save-restore": save_restore, "restore": restore, "interrupt": interrupt}[args.command](args, rank, world)
+    {"save-restore": save_restore, "restore": restore, "interrupt": interrupt, "saves": saves}[args.command](
+        args, rank, world
+    )
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,0 +1,286 @@
+"""Pins (``agent.pins``): a read-only Checkpointer's restore and ``spotjob ckpt export`` pin the
+checkpoint they read, and the writer's retention leaves a folder with an unexpired pin.
+
+Real stores (file://, moto S3, fake-gcs-server), a real 2-rank writer under torchrun. The read is
+held open at one seam (``VerifiedReader.hold_all``, before the reader opens the files it picked)
+while the writer saves; nothing waits on time except for a crashed reader's pin to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import agent.checkpoint._restore as restore_module
+import agent.pins as pins
+from agent.checkpoint import Checkpointer
+from agent.dcp_safe import VerifiedReader
+from agent.storage import open_storage
+from orchestrator import cli_ckpt
+from orchestrator.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+from ckpt_state import make_state, train
+
+pytestmark = pytest.mark.slow
+
+JOB = harness.SCRIPTS / "ckpt_job.py"
+STEP1 = "step-000000001"
+
+
+def _folders(uri: str) -> list[str]:
+    storage = open_storage(uri)
+    try:
+        return sorted(d.rstrip("/") for d in storage.list_dirs("") if d.startswith("step-"))
+    finally:
+        storage.close()
+
+
+def _pins(uri: str) -> list[str]:
+    storage = open_storage(uri)
+    try:
+        return [i.key for i in storage.list(pins.PINS_PREFIX)]
+    finally:
+        storage.close()
+
+
+def _writer_saves(uri: str, first: int, last: int) -> str:
+    """The 2-rank job "train" (keep=1) saves steps first..last; its output."""
+    done = harness.torchrun(2, JOB, "saves", "--uri", uri, "--steps", str(first), str(last))
+    return done.stdout + done.stderr
+
+
+def _step1(uri: str) -> dict[str, torch.Tensor]:
+    """Step 1's model, as a restore reads it before anything races it."""
+    model = make_state(0, seed=7)["model"]
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": model}) == 1
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3", "gs"])
+def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_released(
+    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """An eval job restores step 1 while the 2-rank job (keep=1) commits steps 2..6: five
+    retention passes, each of which deleted step 1 before (the restore then started over and
+    loaded step 6). Pinned, step 1 stays, is restored whole, and goes at the first pass after the
+    restore released its pin."""
+    uri = fresh_uri(scheme)
+    _writer_saves(uri, 1, 1)
+    step1 = _step1(uri)
+    real_hold_all = VerifiedReader.hold_all
+    during: dict[str, Any] = {}
+
+    def hold_all_while_the_job_saves_on(self: VerifiedReader) -> None:
+        if not during:
+            during["pins"] = _pins(uri)
+            during["log"] = _writer_saves(uri, 2, 6)
+            during["folders"] = _folders(uri)
+        real_hold_all(self)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_while_the_job_saves_on)
+    model = make_state(0, seed=7)["model"]
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": model}) == 1
+    assert_same(dict(model.state_dict()), step1)
+    assert len(during["pins"]) == 1 and during["pins"][0].startswith(f"{pins.PINS_PREFIX}{STEP1}_")
+    assert during["folders"] == [STEP1, "step-000000006"]
+    assert "a reader pinned it" in during["log"]
+    assert _pins(uri) == []  # released when the restore ended
+    _writer_saves(uri, 7, 7)
+    assert _folders(uri) == ["step-000000007"]
+
+
+def test_export_pins_the_step_it_exports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``spotjob ckpt export --step 1`` while the job (keep=1) commits step 2 before the export
+    reads: before, step 1 was deleted and the export failed ("deleted while it was being
+    exported"); pinned, it is exported, and the job's next pass removes it."""
+    uri = str(tmp_path / "ckpt")
+    _writer_saves(uri, 1, 1)
+    step1 = _step1(uri)
+    real = cli_ckpt.export_safetensors
+
+    def export_as_the_job_saves(*args: Any, **kwargs: Any) -> Any:
+        _writer_saves(uri, 2, 2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli_ckpt, "export_safetensors", export_as_the_job_saves)
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", "--step", "1", uri, str(out)]) == 0, capsys.readouterr().err
+    from safetensors.torch import load_file
+
+    assert_same(load_file(out / "model.safetensors"), step1)
+    assert _pins(uri) == []
+    _writer_saves(uri, 3, 3)
+    assert _folders(uri) == ["step-000000003"]
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_reader_without_write_access_reads_unpinned_with_one_warning(
+    fresh_uri: Callable[[str], str],
+    request: pytest.FixtureRequest,
+    fault_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fast_retries: None,
+    scheme: str,
+) -> None:
+    """Read-only credentials: the fault proxy answers every write and delete with 403 (it models
+    the store's refusal, not an IAM policy's finer grain). Two restores both load step 1; one
+    warning says why they read unpinned and what to do. Before, no word was said."""
+    uri = fresh_uri(scheme)
+    _writer_saves(uri, 1, 1)
+    server = request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+    proxy = fault_proxy(server, "s3" if scheme == "s3" else "gcs")
+    denied = proxy.fail(10_000, 403, match=lambda r: r.method in ("PUT", "POST", "DELETE"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    caplog.set_level(logging.INFO)
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        for _ in range(2):
+            assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "agent.pins"]
+    assert len(warnings) == 1, warnings
+    assert (
+        "without a pin" in warnings[0] and "write and delete access" in warnings[0] and ".spotjob/pins" in warnings[0]
+    )
+    assert denied.served >= 1
+
+
+_CRASHING_READER = """
+import sys, time
+import agent.pins as pins
+import agent.checkpoint._restore as restore_module
+from agent.checkpoint import Checkpointer
+from ckpt_compare import assert_same
+from ckpt_state import make_state
+pins.PIN_SECONDS = float(sys.argv[2])
+def hang(self):
+    open(sys.argv[3], "w").close()
+    time.sleep(3600)
+restore_module.VerifiedReader.hold_all = hang
+Checkpointer(sys.argv[1], read_only=True, job="train").restore({"model": make_state(0, seed=7)["model"]})
+"""
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_a_crashed_readers_pin_holds_until_it_expires_then_is_ignored_and_removed(
+    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str
+) -> None:
+    """A reader (a 5-second pin) is killed -9 while it reads step 1. Its pin holds through the
+    job's next pass (the clock margin of a minute covers that pass); once the pin's expiry is past
+    (the margin set to 0 in this process, the writer, to not wait a minute), the next pass removes
+    step 1 and the pin. Without pins, the first pass removed step 1."""
+    uri = fresh_uri(scheme)
+    state = make_state(0)
+    train(state, 1)
+    writer = Checkpointer(uri, keep=1, job="train", async_save=False)
+    writer.save(1, state)
+    marker = tmp_path / "reading"
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_READER, uri, "5", str(marker)],
+        env=harness.job_env(
+            PYTHONPATH=os.pathsep.join(map(str, (harness.REPO, harness.SCRIPTS, harness.REPO / "tests")))
+        ),
+        start_new_session=True,
+    )
+    try:
+        harness.wait_for(marker.exists, "the reader to pin step 1 and read it", alive=reader)
+    finally:
+        os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()
+    (pin,) = _pins(uri)
+    train(state, 1, start=1)
+    writer.save(2, state)
+    assert _folders(uri) == [STEP1, "step-000000002"]
+    expiry = int(pin.rsplit("_", 2)[1])
+    monkeypatch.setattr(pins, "CLOCK_MARGIN_SECONDS", 0.0)
+    harness.wait_for(lambda: time.time() > expiry + 1, "the crashed reader's pin to expire")
+    train(state, 1, start=2)
+    writer.save(3, state)
+    writer.close()
+    assert _folders(uri) == ["step-000000003"]
+    assert _pins(uri) == []
+
+
+def test_retention_lists_the_pins_once_per_pass_and_reads_none(tmp_path: Path) -> None:
+    """Pins cost the writer one listing of ``.spotjob/pins/`` per retention pass that has something
+    to delete, whatever the number of pins, and no read of a pin (their names say it all). It
+    counts the calls at the store's own methods; it pins behaviour of the feature, not a defect."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    writer = Checkpointer(uri, keep=1, job="train", async_save=False)
+    storage = writer.storage
+    for reader in range(3):  # three readers' pins, live, on folders retention would not delete anyway
+        storage.put_bytes(f"{pins.PINS_PREFIX}step-000000100_{int(time.time()) + 600}_{reader:04x}", b"")
+    calls: list[str] = []
+    real_list, real_get = storage.list, storage.get_bytes
+
+    def counting_list(prefix: str = "") -> Any:
+        calls.append(f"list {prefix}")
+        return real_list(prefix)
+
+    def counting_get(key: str) -> bytes:
+        calls.append(f"get {key}")
+        return real_get(key)
+
+    storage.list = counting_list  # type: ignore[method-assign]
+    storage.get_bytes = counting_get  # type: ignore[method-assign]
+    for step in range(1, 6):
+        train(state, 1, start=step - 1)
+        writer.save(step, state)
+    writer.close()
+    assert calls.count(f"list {pins.PINS_PREFIX}") == 4  # the passes after steps 2..5; step 1's had nothing to delete
+    assert not [c for c in calls if c.startswith(f"get {pins.PINS_PREFIX}")]
+    assert _folders(uri) == ["step-000000005"]
+
+
+def test_a_long_read_renews_its_pin_and_keeps_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that outlasts a pin (pins of 0.3 s here) renews it: a pin with a later expiry comes,
+    the one before goes (never none at a look), and the job's passes meanwhile leave the folder.
+    Before pins, retention removed it at the first pass."""
+    monkeypatch.setattr(pins, "PIN_SECONDS", 0.3)
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    train(state, 1)
+    writer = Checkpointer(uri, keep=1, job="train", async_save=False)
+    writer.save(1, state)
+    real_hold_all = VerifiedReader.hold_all
+    seen: list[str] = []
+
+    def hold_all_through_renewals(self: VerifiedReader) -> None:
+        def renewed_twice() -> bool:
+            found = _pins(uri)  # two for a moment: the new one is written before the old goes
+            assert 1 <= len(found) <= 2, found
+            pin = max(found)
+            if not seen or seen[-1] != pin:
+                seen.append(pin)
+            return len(seen) >= 3
+
+        if not seen:
+            harness.wait_for(renewed_twice, "the reader to renew its pin twice")
+            for step in (2, 3):
+                train(state, 1, start=step - 1)
+                writer.save(step, state)
+        real_hold_all(self)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_through_renewals)
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
+    writer.close()
+    assert all(p.startswith(f"{pins.PINS_PREFIX}{STEP1}_") for p in seen)
+    assert _folders(uri) == [STEP1, "step-000000003"] and _pins(uri) == []
