@@ -11,8 +11,10 @@ reader's) is ignored by retention and deleted by it.
 Clocks: the expiry is the reader's clock plus ``PIN_SECONDS``; the writer compares it with its own
 clock less ``CLOCK_MARGIN_SECONDS``. A reader whose clock is behind the writer's by more than the
 margin loses its pin early (the read then starts over at the newest, as without a pin); one ahead
-keeps it that much longer. Nothing makes a pin outlive ``PIN_SECONDS`` plus the skew and margin
-once its reader stops renewing. No torch import.
+keeps it that much longer, up to the margin: a pin due more than ``PIN_SECONDS`` plus the margin
+after the writer's now is not honoured (and is removed), so no pin, however its name was written,
+keeps a folder for good. Nothing makes a pin outlive ``PIN_SECONDS`` plus the margin once its
+reader stops renewing. No torch import.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ def pinned_folders(storage: Storage, *, now: float | None = None) -> tuple[set[s
         m = _NAME_RE.match(info.key[len(PINS_PREFIX) :]) if info.key.startswith(PINS_PREFIX) else None
         if m is None:
             continue  # not a pin this spotjob wrote: never deleted
-        if int(m.group(2)) + CLOCK_MARGIN_SECONDS > now:
+        expires = int(m.group(2))
+        if expires > now + PIN_SECONDS + CLOCK_MARGIN_SECONDS:
+            # No reader writes a pin for longer than PIN_SECONDS: one due later (a reader's clock
+            # far ahead, or a name written by hand) would keep its folder for good. Not honoured.
+            expired.append(info.key)
+        elif expires + CLOCK_MARGIN_SECONDS > now:
             live.add(m.group(1))
         else:
             expired.append(info.key)

@@ -226,7 +226,7 @@ def test_retention_lists_the_pins_once_per_pass_and_reads_none(tmp_path: Path) -
     writer = Checkpointer(uri, keep=1, job="train", async_save=False)
     storage = writer.storage
     for reader in range(3):  # three readers' pins, live, on folders retention would not delete anyway
-        storage.put_bytes(f"{pins.PINS_PREFIX}step-000000100_{int(time.time()) + 600}_{reader:04x}", b"")
+        storage.put_bytes(f"{pins.PINS_PREFIX}step-000000100_{int(time.time()) + 200}_{reader:04x}", b"")
     calls: list[str] = []
     real_list, real_get = storage.list, storage.get_bytes
 
@@ -284,3 +284,22 @@ def test_a_long_read_renews_its_pin_and_keeps_the_folder(tmp_path: Path, monkeyp
     writer.close()
     assert all(p.startswith(f"{pins.PINS_PREFIX}{STEP1}_") for p in seen)
     assert _folders(uri) == [STEP1, "step-000000003"] and _pins(uri) == []
+
+
+def test_a_pin_due_further_ahead_than_any_reader_writes_keeps_nothing(tmp_path: Path) -> None:
+    """Fails without the bound: a pin whose expiry lies a year ahead (a reader's clock far off, or a
+    name written by hand) kept its folder through every retention pass, for good. No reader pins
+    for longer than ``PIN_SECONDS``: such a pin is not honoured, and is removed."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, keep=1, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        far = f"{pins.PINS_PREFIX}{STEP1}_{int(time.time()) + 365 * 86400}_beef"
+        near = f"{pins.PINS_PREFIX}step-000000002_{int(time.time() + pins.PIN_SECONDS)}_cafe"
+        writer.storage.put_bytes(far, b"")
+        writer.storage.put_bytes(near, b"")
+        for step in (2, 3):
+            train(state, 1, start=step - 1)
+            writer.save(step, state)
+    assert _folders(uri) == ["step-000000002", "step-000000003"]  # step 2: its reader's pin holds
+    assert _pins(uri) == [near]
