@@ -23,21 +23,9 @@ from agent.checkpoint import Checkpointer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
+from ckpt_evolving import Box  # a value that is neither module nor optimizer
 
 MODES = {"async": {}, "release": {"release_staging": True}, "sync": {"async_save": False}}
-
-
-class Box:
-    """A value that is neither module nor optimizer (an EMA's bookkeeping, a per-rank object)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value = state["value"]
 
 
 def contents(state: dict[str, Any]) -> dict[str, Any]:
