@@ -382,6 +382,8 @@ class GceMetadataEmulator(MetadataEmulator):
             "project/project-id": "spotjob-project",
         }
         self._waiting = 0
+        self._held: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Long polls held, by (key, the ETag each waits to change from)."""
 
     def set_preempted(self, preempted: bool = True) -> None:
         self.set_value("instance/preempted", "TRUE" if preempted else "FALSE")
@@ -412,6 +414,14 @@ class GceMetadataEmulator(MetadataEmulator):
         """Block until at least ``n`` long polls are held (tests: the client is really waiting)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._waiting >= n, timeout)
+
+    def wait_for_waiter_on(self, key: str, value: str, timeout: float = 10.0) -> bool:
+        """Block until a long poll of ``key`` is held that waits for it to change from ``value``
+        (tests: a client has read that value and waits on it; a stopped client's polls on an
+        earlier value do not count)."""
+        since = self.etag(value)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._held[(key, since)] > 0, timeout)
 
     @staticmethod
     def etag(value: str) -> str:
@@ -455,11 +465,13 @@ class GceMetadataEmulator(MetadataEmulator):
             timeout = self.MAX_WAIT_SECONDS
         since = query.get("last_etag") or self.etag(self._values[key])
         self._waiting += 1
+        self._held[(key, since)] += 1
         self._cond.notify_all()
         try:
             self._cond.wait_for(lambda: self._closing or self.etag(self._values[key]) != since, timeout)
         finally:
             self._waiting -= 1
+            self._held[(key, since)] -= 1
 
 
 # -- Azure -----------------------------------------------------------------------------------------

@@ -508,7 +508,10 @@ class TestGcpSource:
         gce.set_maintenance_event("NONE")
         source, got = running(GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600))
         try:
-            assert gce.wait_for_waiters(2)
+            # This source's own poll on NONE: the stopped one's polls, still held by the server
+            # until a change or their timeout, counted as its waiters, and the event could be set
+            # before it first read the value (then "already set": nothing recorded).
+            assert gce.wait_for_waiter_on("instance/maintenance-event", "NONE")
             gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
             got.next()
             assert len(gce_records()) == 1
