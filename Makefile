@@ -25,9 +25,11 @@ $(HELM): scripts/get-helm.py $(STAMP)
 
 # The tests start the servers they use themselves (moto in server mode, fake-gcs-server,
 # fake cloud metadata endpoints) on loopback ports; nothing needs to run beforehand.
-# pytest-xdist: one worker per core, at most 4 (TEST_WORKERS=0 runs in this process); a file, or a
-# folder that checks itself as a whole, stays on one worker (tests/conftest.py).
-TEST_WORKERS ?= auto
+# pytest-xdist: one worker per core and one more, at most 4 (TEST_WORKERS=0 runs in this process):
+# a third of a worker's time is spent waiting on the processes its tests start (torchrun ranks,
+# agents, servers), and the extra worker fills it. A file, or a folder that checks itself as a
+# whole, stays on one worker (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST := -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # --durations: the slowest tests are listed at the end of every run, so CI's log shows where the
