@@ -77,6 +77,21 @@ def job_spec(changes: dict[str, Any]) -> JobSpec:
     return JobSpec.model_validate(doc)
 
 
+def worker_pod(worker: Any, *, job: str = "ml/llama", attempt: int = 0, index: int = 0) -> dict[str, Any]:
+    """The pod of replica ``index`` of ``attempt``, as the controller makes it (replica 0 first)."""
+    return pods.worker_pod(
+        OWNER,
+        job,
+        worker,
+        name=f"{job.split('/')[1]}-{attempt}-{index}",
+        attempt=attempt,
+        index=index,
+        master_addr=POD_IP if index else None,
+        placement=pods.WorkerPlacement(),
+        options=OPTIONS,
+    )
+
+
 def agent_of_pod(pod: dict[str, Any]) -> AgentConfig:
     """What the pod's agent is told, parsed as it parses it (Kubernetes' $(VAR) expansion done)."""
     [container] = pod["spec"]["containers"]
@@ -91,17 +106,7 @@ def agent_of_pod(pod: dict[str, Any]) -> AgentConfig:
 def test_every_worker_pod_of_a_spec_the_model_takes_starts_its_agent(changes: dict[str, Any], attempt: int) -> None:
     spec = job_spec(changes)
     for index in range(spec.replicas):
-        pod = pods.worker_pod(
-            OWNER,
-            "ml/llama",
-            _worker_spec(spec),
-            name=f"llama-{attempt}-{index}",
-            attempt=attempt,
-            index=index,
-            master_addr=POD_IP if index else None,
-            placement=pods.WorkerPlacement(),
-            options=OPTIONS,
-        )
+        pod = worker_pod(_worker_spec(spec), attempt=attempt, index=index)
         config = agent_of_pod(pod)
         window = pods.flush_window_seconds(spec.flush_timeout_seconds)
         assert config.sigterm_grace == config.flush_timeout == window >= spec.flush_timeout_seconds
@@ -120,17 +125,7 @@ def test_a_spotjobs_env_gives_its_agents_the_notice_settings() -> None:
         "SPOTJOB_AGENT_REBALANCE": "flush",
     }
     spec = job_spec({}).model_copy(update={"env": env})
-    pod = pods.worker_pod(
-        OWNER,
-        "ml/llama",
-        _worker_spec(spec),
-        name="llama-0-0",
-        attempt=0,
-        index=0,
-        master_addr=None,
-        placement=pods.WorkerPlacement(),
-        options=OPTIONS,
-    )
+    pod = worker_pod(_worker_spec(spec))
     config = agent_of_pod(pod)
     assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (0, 900, "flush")
 
@@ -230,17 +225,7 @@ def test_every_documented_spotjob_passes_the_crd_and_the_controller_and_starts_i
     stored = parse_job(JobKey("ml", doc["metadata"]["name"]), doc["spec"], None, version="1")
     assert stored.invalid is None and stored.spec is not None, stored.invalid
     worker = _worker_spec(stored.spec)
-    pod = pods.worker_pod(
-        OWNER,
-        "ml/job",
-        worker,
-        name="job-0-0",
-        attempt=0,
-        index=0,
-        master_addr=None,
-        placement=pods.WorkerPlacement(),
-        options=OPTIONS,
-    )
+    pod = worker_pod(worker, job="ml/job")
     trainer = pod["spec"]["containers"][worker.container if worker.template is not None else 0]
     env = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
     config, _ = parse_args([a.replace("$(POD_IP)", POD_IP) for a in trainer["args"]], env)
