@@ -40,7 +40,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,7 @@ from agent.catalog import (
 from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, RANK_FILE_RE, Manifest
-from agent.ownership import OwnershipError, adopt, describe_job, read_owner
+from agent.ownership import Adoption, OwnershipError, adopt, describe_job, read_owner
 from agent.pins import pinned
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ProgressFn, Storage
@@ -550,6 +550,13 @@ def _export(
         raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
 
 
+def _adoptions(adopted: Sequence[Adoption]) -> str:
+    """``job 'A' up to step-…`` for each of ``adopted``, for people."""
+    return ", ".join(
+        f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}" for a in adopted
+    )
+
+
 def cmd_adopt(args: argparse.Namespace) -> int:
     job: str | None = None if args.unnamed else args.job
     if job is not None and not job.strip():
@@ -567,17 +574,12 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         if owner == before:
             print(f"{storage.uri} already belongs to {describe_job(job)}; nothing changed")
             return EXIT_OK
-        added = ", ".join(
-            f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}"
-            for a in owner.adopted[len(before.adopted) :]
-        )
+        added = _adoptions(owner.adopted[len(before.adopted) :])
         print(
             f"{storage.uri} already belongs to {describe_job(job)}; it now resumes from the checkpoints of {added} too"
         )
         return EXIT_OK
-    taken = ", ".join(
-        f"{describe_job(a.job)} up to {a.upto.folder if a.upto else '(no checkpoint yet)'}" for a in owner.adopted
-    )
+    taken = _adoptions(owner.adopted)
     print(
         f"{storage.uri} now belongs to {describe_job(job)}"
         + (f"; it resumes from the checkpoints of {taken}" if taken else "")
