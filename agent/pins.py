@@ -8,13 +8,17 @@ thread renews the pin every ``PIN_SECONDS / 3``: it writes the name with a later
 deletes the old one (one of them is always there). A pin whose expiry has passed (a crashed
 reader's) is ignored by retention and deleted by it.
 
-Clocks: the expiry is the reader's clock plus ``PIN_SECONDS``; the writer compares it with its own
-clock less ``CLOCK_MARGIN_SECONDS``. A reader whose clock is behind the writer's by more than the
-margin loses its pin early (the read then starts over at the newest, as without a pin); one ahead
-keeps it that much longer, up to the margin: a pin due more than ``PIN_SECONDS`` plus the margin
-after the writer's now is not honoured (and is removed), so no pin, however its name was written,
-keeps a folder for good. Nothing makes a pin outlive ``PIN_SECONDS`` plus the margin once its
-reader stops renewing. No torch import.
+Clocks: the writer dates a pin by the store's own time (S3's LastModified, GCS's ``updated``, a
+file's mtime, which every listing carries): a pin holds ``PIN_SECONDS`` plus
+``CLOCK_MARGIN_SECONDS`` after the store wrote it, compared with the store's time of the manifest
+the writer has just committed. Neither the reader's clock nor the writer's enters, so a reader
+whose clock is minutes off is pinned as long as any. Where the store gives no time (a ``Storage``
+that does not say), the expiry in the name (the reader's clock plus ``PIN_SECONDS``) is compared
+with the writer's clock less the margin: a reader whose clock is behind the writer's by more than
+the margin loses its pin early, and a pin due more than ``PIN_SECONDS`` plus the margin after the
+writer's now is not honoured (and is removed). Either way no pin, however its name was written,
+keeps a folder more than ``PIN_SECONDS`` plus the margin once its reader stops renewing. No torch
+import.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ PINS_PREFIX = f"{CONTROL_FOLDER}/pins/"
 PIN_SECONDS = 300.0
 """How long a pin holds without being renewed (renewed every third of it while the read goes on)."""
 CLOCK_MARGIN_SECONDS = 60.0
-"""How far the writer's clock may be ahead of a reader's before that reader's pins expire early."""
+"""Slack on a pin's lifetime: the store's timestamps' resolution, or (where the store gives no time)
+how far the writer's clock may be ahead of a reader's before that reader's pins expire early."""
 
 _NAME_RE = re.compile(r"^(step-\d+(?:\.\d+)?)_(\d+)_([0-9a-f]+)$")
 
@@ -45,24 +50,44 @@ def _pin_key(folder: str, expires: float, reader: str) -> str:
     return f"{PINS_PREFIX}{folder}_{int(expires)}_{reader}"
 
 
-def pinned_folders(storage: Storage, *, now: float | None = None) -> tuple[set[str], list[str]]:
-    """(folders with an unexpired pin, keys of expired pins): one listing of ``.spotjob/pins/``."""
+def pinned_folders(
+    storage: Storage, *, now: float | None = None, stamp: str | None = None
+) -> tuple[set[str], list[str]]:
+    """(folders with an unexpired pin, keys of expired pins): one listing of ``.spotjob/pins/``.
+
+    ``stamp``: the key of an object the caller has just written (the manifest it committed). When
+    the store dates it and every pin (``ObjectInfo.modified``), a pin's age is the store's own time
+    (one stat, only when there are pins): no clock of a reader or of the writer enters. Otherwise
+    the expiry in a pin's name is compared with ``now`` (the writer's clock) less the margin.
+    """
     now = time.time() if now is None else now
-    live: set[str] = set()
-    expired: list[str] = []
+    found: list[tuple[str, str, int, float | None]] = []  # (key, folder, expiry named, store time)
     for info in storage.list(PINS_PREFIX):
         m = _NAME_RE.match(info.key[len(PINS_PREFIX) :]) if info.key.startswith(PINS_PREFIX) else None
-        if m is None:
-            continue  # not a pin this spotjob wrote: never deleted
-        expires = int(m.group(2))
-        if expires > now + PIN_SECONDS + CLOCK_MARGIN_SECONDS:
+        if m is not None:  # anything else is not a pin this spotjob wrote: never deleted
+            found.append((info.key, m.group(1), int(m.group(2)), info.modified))
+    store_now: float | None = None
+    if found and stamp is not None and all(modified is not None for *_, modified in found):
+        stamped = storage.stat(stamp)
+        if stamped is not None and stamped.modified is not None:
+            # No pin is written after the store's now: the newest of them bounds it too.
+            store_now = max([stamped.modified] + [modified for *_, modified in found if modified is not None])
+    live: set[str] = set()
+    expired: list[str] = []
+    for key, folder, expires, modified in found:
+        if store_now is not None and modified is not None:
+            if modified + PIN_SECONDS + CLOCK_MARGIN_SECONDS > store_now:
+                live.add(folder)
+            else:
+                expired.append(key)
+        elif expires > now + PIN_SECONDS + CLOCK_MARGIN_SECONDS:
             # No reader writes a pin for longer than PIN_SECONDS: one due later (a reader's clock
             # far ahead, or a name written by hand) would keep its folder for good. Not honoured.
-            expired.append(info.key)
+            expired.append(key)
         elif expires + CLOCK_MARGIN_SECONDS > now:
-            live.add(m.group(1))
+            live.add(folder)
         else:
-            expired.append(info.key)
+            expired.append(key)
     return live, expired
 
 

@@ -101,7 +101,7 @@ class _Retention(_State):
                     kept_steps.add(ref.step)
             if doomed:
                 # One listing of the readers' pins (``agent.pins``), only when something would go.
-                pinned, expired = pinned_folders(self.storage)
+                pinned, expired = pinned_folders(self.storage, stamp=committed.key(MANIFEST_NAME))
                 for ref in [r for r, _ in doomed if r.folder in pinned]:
                     log.debug("retention: keeping %s: a reader pinned it", url(ref.folder))
                 doomed = [(r, m) for r, m in doomed if r.folder not in pinned]

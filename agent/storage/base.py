@@ -95,6 +95,15 @@ class CorruptObjectError(StorageError):
 class ObjectInfo:
     key: str
     size: int
+    modified: float | None = None
+    """When the store says the object was written (seconds since the epoch, the store's clock:
+    S3's LastModified, GCS's ``updated``, a file's mtime); None where it does not say."""
+
+
+def store_time(value: object) -> float | None:
+    """A timestamp an object store's client gave (a ``datetime``) as ``ObjectInfo.modified``."""
+    timestamp = getattr(value, "timestamp", None)
+    return float(timestamp()) if callable(timestamp) else None
 
 
 class Storage(abc.ABC):

@@ -377,7 +377,7 @@ class FileStorage(Storage):
                 if e.errno in _ABSENT:
                     return None
                 raise
-            return ObjectInfo(key, st.st_size)
+            return ObjectInfo(key, st.st_size, st.st_mtime)
 
         return self._run(f"cannot read {self.url(key)}", key, stat_key)
 
@@ -418,7 +418,7 @@ class FileStorage(Storage):
                         # A FIFO, socket or device (or a link to one) is no object: reading it
                         # could wait for ever, so no reader is ever pointed at it.
                         if stat.S_ISREG(info.st_mode):
-                            yield ObjectInfo(key, info.st_size)
+                            yield ObjectInfo(key, info.st_size, info.st_mtime)
         except OSError as e:
             raise self._error(e, what, None) from e
 

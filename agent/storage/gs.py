@@ -92,6 +92,7 @@ from agent.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    store_time,
 )
 
 log = logging.getLogger(__name__)
@@ -627,11 +628,11 @@ class GCSStorage(PrefixedKeys, Storage):
 
     def stat(self, key: str) -> ObjectInfo | None:
         blob = self._get_blob(key)
-        return None if blob is None else ObjectInfo(key, int(blob.size or 0))
+        return None if blob is None else ObjectInfo(key, int(blob.size or 0), store_time(blob.updated))
 
     def _pages(
         self, prefix: str, delimiter: str | None
-    ) -> Iterator[tuple[builtins.list[tuple[str, int]], builtins.list[str]]]:
+    ) -> Iterator[tuple[builtins.list[tuple[str, int, float | None]], builtins.list[str]]]:
         """Listing pages, each fetched (and retried) on its own: (objects, sub-prefixes)."""
         what = f"LIST gs://{self.bucket_name}/{prefix}"
         token: str | None = None
@@ -650,7 +651,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 page = next(it.pages, None)
                 if page is None:
                     return [], [], None
-                items = [(b.name, int(b.size or 0)) for b in page]
+                items = [(b.name, int(b.size or 0), store_time(b.updated)) for b in page]
                 return items, list(getattr(page, "prefixes", ())), it.next_page_token
 
             items, prefixes, token = self._writing(what, None, fetch)
@@ -660,8 +661,8 @@ class GCSStorage(PrefixedKeys, Storage):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for items, _ in self._pages(self._list_prefix(prefix), None):
-            for name, size in items:
-                yield ObjectInfo(self._relative(name), size)
+            for name, size, modified in items:
+                yield ObjectInfo(self._relative(name), size, modified)
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         if prefix and not prefix.endswith("/"):

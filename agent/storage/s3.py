@@ -102,6 +102,7 @@ from agent.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    store_time,
 )
 
 log = logging.getLogger(__name__)
@@ -785,7 +786,7 @@ class S3Storage(PrefixedKeys, Storage):
             head = self._head(key)
         except NotFoundError:
             return None
-        return ObjectInfo(key, int(head["ContentLength"]))
+        return ObjectInfo(key, int(head["ContentLength"]), store_time(head.get("LastModified")))
 
     def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
         """ListObjectsV2 pages, each fetched (and retried) on its own."""
@@ -808,7 +809,7 @@ class S3Storage(PrefixedKeys, Storage):
         full = self._list_prefix(prefix)
         for page in self._pages(full, None):
             for item in page.get("Contents", []):
-                yield ObjectInfo(self._relative(item["Key"]), int(item["Size"]))
+                yield ObjectInfo(self._relative(item["Key"]), int(item["Size"]), store_time(item.get("LastModified")))
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         if prefix and not prefix.endswith("/"):

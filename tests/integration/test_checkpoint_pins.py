@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -182,9 +183,10 @@ def test_a_crashed_readers_pin_holds_until_it_expires_then_is_ignored_and_remove
     fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str
 ) -> None:
     """A reader (a 5-second pin) is killed -9 while it reads step 1. Its pin holds through the
-    job's next pass (the clock margin of a minute covers that pass); once the pin's expiry is past
-    (the margin set to 0 in this process, the writer, to not wait a minute), the next pass removes
-    step 1 and the pin. Without pins, the first pass removed step 1."""
+    job's next pass (the clock margin of a minute covers that pass); once 5 s have passed since the
+    store wrote the pin (the writer's pins of 5 s too, the margin set to 0 in this process, the
+    writer, to not wait a minute), the next pass removes step 1 and the pin. Without pins, the
+    first pass removed step 1."""
     uri = fresh_uri(scheme)
     state = make_state(0)
     train(state, 1)
@@ -204,12 +206,14 @@ def test_a_crashed_readers_pin_holds_until_it_expires_then_is_ignored_and_remove
         os.killpg(reader.pid, signal.SIGKILL)
         reader.wait()
     (pin,) = _pins(uri)
+    monkeypatch.setattr(pins, "PIN_SECONDS", 5.0)  # the writer's lifetime of a pin: the reader's
     train(state, 1, start=1)
     writer.save(2, state)
     assert _folders(uri) == [STEP1, "step-000000002"]
-    expiry = int(pin.rsplit("_", 2)[1])
+    written = writer.storage.stat(pin)
+    assert written is not None and written.modified is not None
     monkeypatch.setattr(pins, "CLOCK_MARGIN_SECONDS", 0.0)
-    harness.wait_for(lambda: time.time() > expiry + 1, "the crashed reader's pin to expire")
+    harness.wait_for(lambda: time.time() > written.modified + 5 + 1, "the crashed reader's pin to expire")
     train(state, 1, start=2)
     writer.save(3, state)
     writer.close()
@@ -287,9 +291,11 @@ def test_a_long_read_renews_its_pin_and_keeps_the_folder(tmp_path: Path, monkeyp
 
 
 def test_a_pin_due_further_ahead_than_any_reader_writes_keeps_nothing(tmp_path: Path) -> None:
-    """Fails without the bound: a pin whose expiry lies a year ahead (a reader's clock far off, or a
-    name written by hand) kept its folder through every retention pass, for good. No reader pins
-    for longer than ``PIN_SECONDS``: such a pin is not honoured, and is removed."""
+    """Fails without the bound: a pin whose name says a year ahead (a reader's clock far off, or a
+    name written by hand) kept its folder through every retention pass, for good. The writer dates a
+    pin by the store (here the file's mtime, set 10 minutes back as if written then): whatever its
+    name says, a pin the store wrote more than ``PIN_SECONDS`` plus the margin ago is not honoured,
+    and is removed."""
     uri = str(tmp_path / "ckpt")
     state = make_state(0)
     with Checkpointer(uri, keep=1, job="train", async_save=False) as writer:
@@ -298,8 +304,40 @@ def test_a_pin_due_further_ahead_than_any_reader_writes_keeps_nothing(tmp_path: 
         near = f"{pins.PINS_PREFIX}step-000000002_{int(time.time() + pins.PIN_SECONDS)}_cafe"
         writer.storage.put_bytes(far, b"")
         writer.storage.put_bytes(near, b"")
+        long_ago = time.time() - 600
+        os.utime(Path(uri) / far, (long_ago, long_ago))
         for step in (2, 3):
             train(state, 1, start=step - 1)
             writer.save(step, state)
     assert _folders(uri) == ["step-000000002", "step-000000003"]  # step 2: its reader's pin holds
     assert _pins(uri) == [near]
+
+
+@pytest.mark.parametrize(("scheme", "skew"), [("s3", 180), ("s3", -600), ("gs", 180), ("gs", -600), ("file", -600)])
+def test_a_reader_whose_clock_is_minutes_off_keeps_its_pin(
+    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, scheme: str, skew: int
+) -> None:
+    """A reader whose clock is 3 minutes ahead of the writer's, or 10 behind, restores step 1
+    while the 2-rank job (keep=1, its own process and clock) commits steps 2 and 3. Before, the
+    writer compared the expiry in the pin's name with its own clock: ahead, the pin was "due too
+    far" and removed; behind, already expired; either way step 1 was deleted under the read, which
+    started over at step 3. Now the writer dates the pin by the store's time (S3's LastModified,
+    GCS's ``updated``, a file's mtime), and step 1 is restored. The reader's clock is shifted for
+    ``agent.pins`` alone (the pin's name); the store's and the writer's clocks are real."""
+    uri = fresh_uri(scheme)
+    _writer_saves(uri, 1, 1)
+    real_time = time.time
+    monkeypatch.setattr(pins, "time", SimpleNamespace(time=lambda: real_time() + skew))
+    real_hold_all = VerifiedReader.hold_all
+    during: dict[str, Any] = {}
+
+    def hold_all_while_the_job_saves_on(self: VerifiedReader) -> None:
+        if not during:
+            during["log"] = _writer_saves(uri, 2, 3)
+        real_hold_all(self)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_while_the_job_saves_on)
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
+    assert "a reader pinned it" in during["log"]
+    assert _folders(uri) == [STEP1, "step-000000003"] and _pins(uri) == []
