@@ -73,6 +73,7 @@ class _Retention(_State):
             lineage = Lineage.load(self.storage)
             self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
+            held_for_pin = False  # a folder this pass would remove stays for a reader's pin
             kept = 0
             kept_steps = {committed.step}
             for ref in older:  # newest first
@@ -104,6 +105,7 @@ class _Retention(_State):
                 pinned, expired = pinned_folders(self.storage, stamp=committed.key(MANIFEST_NAME))
                 for ref in [r for r, _ in doomed if r.folder in pinned]:
                     log.debug("retention: keeping %s: a reader pinned it", url(ref.folder))
+                    held_for_pin = True
                 doomed = [(r, m) for r, m in doomed if r.folder not in pinned]
                 if expired:
                     try:
@@ -134,7 +136,9 @@ class _Retention(_State):
                     log.info("retention: removed %s", url(ref.folder))
             if refused is not None:
                 raise refused
-            if self.config.keep is None:
+            if self.config.keep is None and not held_for_pin:
+                # Not past a folder kept for a pin: the next passes look at it again, and remove
+                # it once the pin is gone.
                 self._swept_through = committed
         except FencedError as e:
             log.error("retention: deleting nothing: %s", e)

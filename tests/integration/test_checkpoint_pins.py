@@ -341,3 +341,25 @@ def test_a_reader_whose_clock_is_minutes_off_keeps_its_pin(
         assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
     assert "a reader pinned it" in during["log"]
     assert _folders(uri) == [STEP1, "step-000000003"] and _pins(uri) == []
+
+
+def test_keep_none_removes_a_leftover_once_its_pin_is_gone(tmp_path: Path) -> None:
+    """``keep=None`` deletes only the leftovers of unfinished saves, and each pass looks only at
+    folders newer than the last pass that went through. A leftover kept for a pin (a reader's, on
+    the folder it looked at while walking from the newest) was then behind that mark: it stayed for
+    good, a whole save's bytes. Now a pass that kept something for a pin does not move the mark, and
+    the first pass after the pin is gone removes the leftover."""
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    with Checkpointer(uri, keep=None, job="train", async_save=False) as writer:
+        writer.save(1, state)
+        writer.storage.put_bytes("step-000000002/rank-0/__0_0.distcp", b"unfinished")
+        pin = f"{pins.PINS_PREFIX}step-000000002_{int(time.time() + pins.PIN_SECONDS)}_cafe"
+        writer.storage.put_bytes(pin, b"")
+        train(state, 1, start=1)
+        writer.save(3, state)
+        assert _folders(uri) == [STEP1, "step-000000002", "step-000000003"]  # pinned: kept
+        writer.storage.delete([pin])
+        train(state, 1, start=3)
+        writer.save(4, state)
+    assert _folders(uri) == [STEP1, "step-000000003", "step-000000004"]
