@@ -97,7 +97,8 @@ class Pin:
     def __init__(self, storage: Storage, folder: str, key: str) -> None:
         self._storage = storage
         self.folder = folder
-        self._key = key
+        self._keys = [key]
+        """Every name this pin was written under and not yet deleted (one, but for a failed delete)."""
         self._reader = key.rsplit("_", 1)[1]
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -112,20 +113,37 @@ class Pin:
                 key = _pin_key(self.folder, time.time() + PIN_SECONDS, self._reader)
                 try:
                     self._storage.put_bytes(key, b"")
-                    if key != self._key:
-                        self._storage.delete([self._key])
-                    self._key = key
                 except StorageError as e:
-                    log.warning("could not renew the pin on %s (retried): %s", self._storage.url(self.folder), e)
+                    log.warning(
+                        "could not renew the pin on %s (tried again in %.0f s; a pin lapses %.0f s after the last "
+                        "renewal the store took, and the job's retention may then delete the checkpoint under this "
+                        "read): %s",
+                        self._storage.url(self.folder),
+                        PIN_SECONDS / 3,
+                        PIN_SECONDS + CLOCK_MARGIN_SECONDS,
+                        e,
+                    )
+                    continue
+                if key not in self._keys:
+                    self._keys.append(key)
+                # The names before it, a failed delete's too: one left behind would hold the
+                # folder for minutes after the read ended.
+                stale = [k for k in self._keys if k != key]
+                try:
+                    if stale:
+                        self._storage.delete(stale)
+                    self._keys = [key]
+                except StorageError as e:
+                    log.debug("could not remove the pin's earlier name (tried again at the next renewal): %s", e)
 
     def release(self) -> None:
         """Stop renewing and delete the pin (a failure to delete leaves it to expire)."""
         with self._lock:
             self._stop.set()
             try:
-                self._storage.delete([self._key])
+                self._storage.delete(self._keys)
             except StorageError as e:
-                log.debug("could not remove the pin %s (it expires by itself): %s", self._key, e)
+                log.debug("could not remove the pin %s (it expires by itself): %s", self._keys, e)
         self._thread.join()
 
 

@@ -363,3 +363,39 @@ def test_keep_none_removes_a_leftover_once_its_pin_is_gone(tmp_path: Path) -> No
         train(state, 1, start=3)
         writer.save(4, state)
     assert _folders(uri) == [STEP1, "step-000000003", "step-000000004"]
+
+
+def test_a_renewal_whose_delete_failed_leaves_no_pin_behind(
+    fresh_uri: Callable[[str], str],
+    gcs_server: Any,
+    fault_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A renewal writes the pin's new name, then deletes the old one; the fault proxy refuses that
+    delete once (403). Before, the reader forgot the name it had just written and kept deleting
+    only the other: one name stayed after the read ended, holding the folder from retention for
+    minutes more. Now every name not yet deleted is deleted at the next renewal or at the end.
+    Pins of 3 s here (renewed each second, so each renewal has a name of its own, as with the real
+    100 s); the proxy models the store's refusal, not why it refused."""
+    monkeypatch.setattr(pins, "PIN_SECONDS", 3.0)
+    uri = fresh_uri("gs")
+    with Checkpointer(uri, keep=1, job="train", async_save=False) as writer:
+        writer.save(1, make_state(0))
+    proxy = fault_proxy(gcs_server, "gcs")
+    refused = proxy.fail(1, 403, method="DELETE", path="pins")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    real_hold_all = VerifiedReader.hold_all
+    seen: set[str] = set()
+
+    def hold_all_through_renewals(self: VerifiedReader) -> None:
+        def renewed_after_the_refusal() -> bool:
+            seen.update(_pins(uri))
+            return refused.served == 1 and len(seen) >= 4
+
+        harness.wait_for(renewed_after_the_refusal, "the reader to renew its pin past the refused delete")
+        real_hold_all(self)
+
+    monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_through_renewals)
+    with Checkpointer(uri, read_only=True, job="train") as reader:
+        assert reader.restore({"model": make_state(0, seed=7)["model"]}) == 1
+    assert _pins(uri) == []
