@@ -161,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="a table of jobs, or one job in detail",
         description="Without NAME: one line per SpotJob (phase, committed step and its age, preemptions, restarts "
-        "of maxRestarts, goodput, capacity, age). With NAME: the job in detail — phase and why, the training step "
-        "and the newest checkpoint, preemptions, restarts, goodput, capacity, its pods with their nodes, zones and "
-        "phases, the last restart's reason, the last flush request, and the conditions.",
+        "of maxRestarts, goodput, capacity, when a held cloud notice's flush starts, age). With NAME: the job in "
+        "detail — phase and why, the training step and the newest checkpoint, preemptions, restarts, goodput, "
+        "capacity, the cloud notices its agents hold, its pods with their nodes, zones and phases, the last "
+        "restart's reason, the last flush request, and the conditions.",
         epilog=_EXIT_CODES,
     )
     _connection_flags(p, top=False)

@@ -127,6 +127,47 @@ def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(
     assert row[header.index("CAPACITY")] == "fallback"
 
 
+def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_for_the_others(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """Two workers of one job hold a GCE maintenance notice each, the later one listed first (an
+    older controller wrote them in the workers' order); another job holds none. Before, the table
+    of jobs said nothing of held notices: only ``status NAME`` did, one job at a time. Now a
+    HELD-FLUSH column says when the next flush starts and how many more are held, blank for a job
+    holding none, and ``-o json`` carries each job's ``heldNotices``. A namespace where no job
+    holds one shows no such column (pinned: that worked before)."""
+    now = datetime.now(UTC)
+
+    def held(worker: str, flush_in: float) -> dict[str, Any]:
+        return {
+            "worker": worker,
+            "node": f"vm-{worker}",
+            "source": "gcp",
+            "kind": "maintenance",
+            "detail": "MIGRATE_ON_HOST_MAINTENANCE",
+            "deadline": rfc3339(now + timedelta(seconds=flush_in + 300)),
+            "flushAt": rfc3339(now + timedelta(seconds=flush_in)),
+            "heardAt": ago(5),
+        }
+
+    create_job(cluster, namespace, "plain")
+    set_status(cluster, namespace, "plain", running_status())
+    assert "HELD" not in ok(kubectl_spotjob("status", "-n", namespace)).splitlines()[0]
+    notices = [held("holding-1-0", 3000), held("holding-1-1", 600)]
+    create_job(cluster, namespace, "holding", replicas=2)
+    set_status(cluster, namespace, "holding", running_status(heldNotices=notices))
+
+    header, *lines = ok(kubectl_spotjob("status", "-n", namespace)).splitlines()
+    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+
+    assert header.split()[-2:] == ["HELD-FLUSH", "AGE"], header
+    at, end = header.index("HELD-FLUSH"), header.index("AGE")
+    cells = {line.split()[0]: line[at:end].strip() for line in lines}
+    assert re.fullmatch(r"in (9m\d*s?|10m) \(\+1\)", cells["holding"]), cells
+    assert cells["plain"] == "", cells
+    assert {j["name"]: j["heldNotices"] for j in listed} == {"holding": notices, "plain": []}
+
+
 def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush_and_conditions(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:
