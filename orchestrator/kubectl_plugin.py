@@ -142,8 +142,11 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def _output_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table", help="table (default) or json")
+def _output_flag(parser: argparse.ArgumentParser, *, wide: str = "") -> None:
+    """-o/--output: table or json, and wide where ``wide`` says what it adds."""
+    choices = ["table", "wide", "json"] if wide else ["table", "json"]
+    what = f"table (default), wide ({wide}) or json" if wide else "table (default) or json"
+    parser.add_argument("-o", "--output", choices=choices, default="table", help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_flags(p, top=False)
     p.add_argument("name", nargs="?", type=_job_name, metavar="NAME", help="a SpotJob (default: all of the namespace)")
     p.add_argument("-A", "--all-namespaces", action="store_true", help="jobs of every namespace (without NAME)")
-    _output_flag(p)
+    _output_flag(p, wide="the table adds each job's attempt, reason and why a worker does not start")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser(

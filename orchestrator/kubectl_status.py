@@ -1,7 +1,8 @@
 """``kubectl spotjob status``: a table of jobs, or one job in detail.
 
 The table: phase, committed step and its age, counters, goodput, capacity and HELD-FLUSH (when
-the next flush of a held cloud notice starts) where any job has them, and age.
+the next flush of a held cloud notice starts) where any job has them, and age; ``-o wide`` adds
+the attempt, the reason and why a worker does not start, as ``kubectl get sj -o wide`` does.
 
 One job's detail: its phase and why, step and checkpoint age, preemptions, restarts of
 maxRestarts, goodput, capacity, the cloud notices its agents hold (``status.heldNotices``: when
@@ -102,6 +103,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     headers += ["CAPACITY"] if with_capacity else []
     headers += ["HELD-FLUSH"] if with_held else []
     headers += ["AGE"]
+    wide = args.output == "wide"
+    headers += ["ATTEMPT", "REASON", "NOT-STARTING"] if wide else []  # kubectl get sj -o wide's
     if args.all_namespaces:
         headers.insert(0, "NAMESPACE")
     rows = []
@@ -118,6 +121,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         row += [dash(s["capacity"])] if with_capacity else []
         row += [_held_cell(s["heldNotices"], now)] if with_held else []
         row += [age(s["creationTimestamp"], now)]
+        if wide:
+            stuck = ((job.get("status") or {}).get("attempt") or {}).get("notStarting") or {}
+            row += [dash(s["attempt"]), dash(s["reason"]), dash(stuck.get("reason"))]
         if args.all_namespaces:
             row.insert(0, s["namespace"])
         rows.append(row)

@@ -168,6 +168,35 @@ def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_fo
     assert {j["name"]: j["heldNotices"] for j in listed} == {"holding": notices, "plain": []}
 
 
+def test_status_wide_adds_the_attempt_why_each_job_is_in_its_phase_and_why_a_worker_does_not_start(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """``kubectl get sj -o wide`` adds ATTEMPT, REASON and NOT-STARTING; ``kubectl spotjob status -o
+    wide`` was refused (exit 2, "invalid choice"), so the plugin's table could not say why a job is
+    Flushing or what keeps its workers from starting. Now it adds the same three columns."""
+    create_job(cluster, namespace, "flushing")
+    flushing = running_status(attempt=2)
+    flushing.update(phase="Flushing", reason="SpotInterrupted", message="SpotInterruption for node n2: flushing")
+    set_status(cluster, namespace, "flushing", flushing)
+    create_job(cluster, namespace, "stuck")
+    stuck = running_status(attempt=1)
+    stuck.update(phase="Pending", reason="WorkersStarted", message="attempt 1's workers are created")
+    stuck["attempt"]["notStarting"] = {
+        "worker": "stuck-1-0",
+        "reason": "ImagePullBackOff",
+        "message": "container trainer: Back-off pulling image",
+        "since": ago(60),
+    }
+    set_status(cluster, namespace, "stuck", stuck)
+
+    table = rows(ok(kubectl_spotjob("status", "-n", namespace, "-o", "wide")))
+
+    assert table["NAME"][-4:] == ["AGE", "ATTEMPT", "REASON", "NOT-STARTING"], table["NAME"]
+    assert table["flushing"][1] == "Flushing" and table["flushing"][-3:] == ["2", "SpotInterrupted", "-"]
+    assert table["stuck"][1] == "Pending" and table["stuck"][-3:] == ["1", "WorkersStarted", "ImagePullBackOff"]
+    assert ok(kubectl_spotjob("status", "stuck", "-n", namespace, "-o", "wide")).startswith("Name:")
+
+
 def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush_and_conditions(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:
