@@ -775,6 +775,8 @@ class Reconciler(_Capacity):
         status's other changes only when the set changes, never for a poll that says the same."""
         written = self._held_notices_written(p.key, p.version) or []
         before = {(h.worker, h.source, h.kind, h.deadline) for h in [*(p.status.held_notices or []), *written]}
+        # A finished job is never observed again: the workers this pass stopped hold nothing.
+        ended = p.status.phase.terminal
         held = [
             HeldNotice(
                 worker=w.name,
@@ -787,7 +789,7 @@ class Reconciler(_Capacity):
                 heard_at=n.heard_at,
             )
             for w in sorted(p.current(), key=lambda w: w.index)
-            if (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
+            if not ended and (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
         ]
         # The next flush first: `kubectl get sj` shows heldNotices[0].flushAt (a printer column is
         # JSONPath only). Ties, and notices with no time (last), keep the workers' order.

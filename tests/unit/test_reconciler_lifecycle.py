@@ -397,3 +397,24 @@ def test_the_held_notices_are_listed_earliest_flush_first_so_the_printer_column_
     assert [h.worker for h in status.held_notices or []] == ["train-0-1", "train-0-0"]
     world.backend.held = {"train-0-0": held(3000)}
     assert [h.worker for h in world.run_to(world.clock.at() + 30).held_notices or []] == ["train-0-0"]
+
+
+def test_a_job_that_fails_while_an_agent_holds_a_notice_keeps_no_held_notice(tmp_path: Any) -> None:
+    """Worker 1's agent holds a GCE maintenance notice when worker 0's code fails with no restart
+    left. Before, the pass that failed the job recorded worker 1 (still running then) with its
+    notice, and a finished job is never observed again: the Failed job showed a held notice, "the
+    flush starts ...", in kubectl get sj and kubectl spotjob for good. The fake backend reports
+    what each agent's ``GET /status`` says; it does not model the agents."""
+    world = make_world(tmp_path, maxRestarts=0)
+    world.run_until(running_attempt(0))
+    now = world.clock.now()
+    soon = now + timedelta(minutes=55)
+    world.backend.held = {
+        "train-0-1": HeldNoticeReport("gcp", "maintenance", "x", soon + timedelta(minutes=5), soon, now)
+    }
+    assert world.run_to(world.clock.at() + 30).held_notices
+
+    world.backend.exit(0, 0, 1)
+    status = world.run_until(phase_is(Phase.FAILED))
+
+    assert status.held_notices is None
