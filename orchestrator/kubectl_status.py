@@ -356,7 +356,11 @@ def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
 
 
 def _held_notices(status: dict[str, Any]) -> list[dict[str, Any]]:
-    """``status.heldNotices`` (absent from a controller older than it, and when none is held)."""
+    """``status.heldNotices`` (absent from a controller older than it, and when none is held); none
+    for a job that ended, where a controller before 2026-12-05 could leave the notices of the
+    workers it stopped."""
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return []
     held = status.get("heldNotices")
     return [h for h in held if isinstance(h, dict)] if isinstance(held, list) else []
 

@@ -168,6 +168,35 @@ def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_fo
     assert {j["name"]: j["heldNotices"] for j in listed} == {"holding": notices, "plain": []}
 
 
+def test_a_finished_job_an_earlier_controller_left_with_a_held_notice_shows_none(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """A controller before this release left ``status.heldNotices`` on a job that failed while an
+    agent held a notice (it is never observed again, so the field stays). Before, the plugin showed
+    that notice as due ("training goes on, the flush starts ...") on the Failed job, and in the
+    table's HELD-FLUSH. A job that ended holds no notice: the plugin shows none, in JSON too."""
+    stale = {
+        "worker": "gone-1-1",
+        "node": "vm-1",
+        "source": "gcp",
+        "kind": "maintenance",
+        "deadline": ago(3000),
+        "flushAt": ago(3300),
+    }
+    create_job(cluster, namespace, "gone")
+    failed = running_status(heldNotices=[stale])
+    failed.update(phase="Failed", reason="RestartBudgetExhausted", message="worker gone-1-0 exited with code 1")
+    set_status(cluster, namespace, "gone", failed)
+
+    table = ok(kubectl_spotjob("status", "-n", namespace))
+    one = ok(kubectl_spotjob("status", "gone", "-n", namespace))
+    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+
+    assert "HELD" not in table.splitlines()[0], table
+    assert "Held notice" not in one, one
+    assert listed[0]["heldNotices"] == []
+
+
 def test_status_wide_adds_the_attempt_why_each_job_is_in_its_phase_and_why_a_worker_does_not_start(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:
