@@ -99,6 +99,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.capacity",
         "description": "spot (the job's own template) or fallback (spec.fallback merged in)",
     },
+    {
+        # A string, not a date: kubectl prints a date column as an age, and a time ahead as <invalid>.
+        "name": "Held-Flush-At",
+        "type": "string",
+        "jsonPath": ".status.heldNotices[0].flushAt",
+        "description": "when (UTC) an agent starts the flush for the cloud notice it holds, the next of "
+        "status.heldNotices; empty when none is held",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {
         "name": "Attempt",

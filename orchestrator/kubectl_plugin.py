@@ -142,8 +142,11 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def _output_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table", help="table (default) or json")
+def _output_flag(parser: argparse.ArgumentParser, *, wide: str = "") -> None:
+    """-o/--output: table or json, and wide where ``wide`` says what it adds."""
+    choices = ["table", "wide", "json"] if wide else ["table", "json"]
+    what = f"table (default), wide ({wide}) or json" if wide else "table (default) or json"
+    parser.add_argument("-o", "--output", choices=choices, default="table", help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,15 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="a table of jobs, or one job in detail",
         description="Without NAME: one line per SpotJob (phase, committed step and its age, preemptions, restarts "
-        "of maxRestarts, goodput, capacity, age). With NAME: the job in detail — phase and why, the training step "
-        "and the newest checkpoint, preemptions, restarts, goodput, capacity, its pods with their nodes, zones and "
-        "phases, the last restart's reason, the last flush request, and the conditions.",
+        "of maxRestarts, goodput, capacity, when a held cloud notice's flush starts, age). With NAME: the job in "
+        "detail — phase and why, the training step and the newest checkpoint, preemptions, restarts, goodput, "
+        "capacity, the cloud notices its agents hold, its pods with their nodes, zones and phases, the last "
+        "restart's reason, the last flush request, and the conditions.",
         epilog=_EXIT_CODES,
     )
     _connection_flags(p, top=False)
     p.add_argument("name", nargs="?", type=_job_name, metavar="NAME", help="a SpotJob (default: all of the namespace)")
     p.add_argument("-A", "--all-namespaces", action="store_true", help="jobs of every namespace (without NAME)")
-    _output_flag(p)
+    _output_flag(p, wide="the table adds each job's attempt, reason and why a worker does not start")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser(

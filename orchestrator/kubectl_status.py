@@ -1,5 +1,9 @@
 """``kubectl spotjob status``: a table of jobs, or one job in detail.
 
+The table: phase, committed step and its age, counters, goodput, capacity and HELD-FLUSH (when
+the next flush of a held cloud notice starts) where any job has them, and age; ``-o wide`` adds
+the attempt, the reason and why a worker does not start, as ``kubectl get sj -o wide`` does.
+
 One job's detail: its phase and why, step and checkpoint age, preemptions, restarts of
 maxRestarts, goodput, capacity, the cloud notices its agents hold (``status.heldNotices``: when
 each flush starts), its pods and their nodes, zones and phases, the last restart's reason, the last
@@ -63,6 +67,7 @@ def job_summary(job: dict[str, Any], now: datetime) -> dict[str, Any]:
         "goodput": status.get("goodput"),
         "capacity": status.get("capacity"),
         "attempt": (status.get("attempt") or {}).get("number") if status else None,
+        "heldNotices": _held_notices(status),
         "creationTimestamp": meta.get("creationTimestamp"),
         "ageSeconds": age_seconds(meta.get("creationTimestamp"), now),
     }
@@ -93,9 +98,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"No SpotJobs in {where}.", file=sys.stderr)
         return EXIT_OK
     with_capacity = any(s["capacity"] for s in summaries)
+    with_held = any(s["heldNotices"] for s in summaries)
     headers = ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT"]
     headers += ["CAPACITY"] if with_capacity else []
+    headers += ["HELD-FLUSH"] if with_held else []
     headers += ["AGE"]
+    wide = args.output == "wide"
+    headers += ["ATTEMPT", "REASON", "NOT-STARTING"] if wide else []  # kubectl get sj -o wide's
     if args.all_namespaces:
         headers.insert(0, "NAMESPACE")
     rows = []
@@ -110,7 +119,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             percent(s["goodput"]),
         ]
         row += [dash(s["capacity"])] if with_capacity else []
+        row += [_held_cell(s["heldNotices"], now)] if with_held else []
         row += [age(s["creationTimestamp"], now)]
+        if wide:
+            stuck = ((job.get("status") or {}).get("attempt") or {}).get("notStarting") or {}
+            row += [dash(s["attempt"]), dash(s["reason"]), dash(stuck.get("reason"))]
         if args.all_namespaces:
             row.insert(0, s["namespace"])
         rows.append(row)
@@ -343,9 +356,29 @@ def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
 
 
 def _held_notices(status: dict[str, Any]) -> list[dict[str, Any]]:
-    """``status.heldNotices`` (absent from a controller older than it, and when none is held)."""
+    """``status.heldNotices`` (absent from a controller older than it, and when none is held); none
+    for a job that ended, where a controller before 2026-12-05 could leave the notices of the
+    workers it stopped."""
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return []
     held = status.get("heldNotices")
     return [h for h in held if isinstance(h, dict)] if isinstance(held, list) else []
+
+
+def _held_cell(held: list[dict[str, Any]], now: datetime) -> str:
+    """The table's HELD-FLUSH: when the next held notice's flush starts (``in 9m40s``; its deadline,
+    ``due in 14m``, where the agent gave no flushAt) and how many more are held; blank for none."""
+    if not held:
+        return ""
+    times = [(parse_timestamp(h.get("flushAt")), parse_timestamp(h.get("deadline"))) for h in held]
+    flush_at, deadline = min(times, key=lambda t: t[0] or t[1] or datetime.max.replace(tzinfo=UTC))
+    t = flush_at or deadline
+    if t is None:
+        text = "held"
+    else:
+        text = "" if flush_at is not None else "due "
+        text += f"in {age(now, t)}" if t >= now else f"{age(t, now)} ago"
+    return text + (f" (+{len(held) - 1})" if len(held) > 1 else "")
 
 
 def _when(value: Any, now: datetime) -> str:

@@ -557,8 +557,8 @@ class NodeRef(_Resource):
 class HeldNotice(_Resource):
     """A cloud notice a worker's agent holds: its deadline is further away than the agent's
     --flush-lead (GCE host maintenance of a GPU VM, an Azure Reboot or Redeploy), so training goes
-    on and the agent starts the flush itself at flushAt. Gone once the cloud withdraws it or the
-    flush starts."""
+    on and the agent starts the flush itself at flushAt. Gone once the cloud withdraws it, the
+    flush starts or the job ends."""
 
     worker: str = Field(description="the worker (its pod's name) whose agent holds it")
     node: str | None = Field(default=None, description="the node it runs on")

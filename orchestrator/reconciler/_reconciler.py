@@ -775,6 +775,8 @@ class Reconciler(_Capacity):
         status's other changes only when the set changes, never for a poll that says the same."""
         written = self._held_notices_written(p.key, p.version) or []
         before = {(h.worker, h.source, h.kind, h.deadline) for h in [*(p.status.held_notices or []), *written]}
+        # A finished job is never observed again: the workers this pass stopped hold nothing.
+        ended = p.status.phase.terminal
         held = [
             HeldNotice(
                 worker=w.name,
@@ -787,8 +789,11 @@ class Reconciler(_Capacity):
                 heard_at=n.heard_at,
             )
             for w in sorted(p.current(), key=lambda w: w.index)
-            if (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
+            if not ended and (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
         ]
+        # The next flush first: `kubectl get sj` shows heldNotices[0].flushAt (a printer column is
+        # JSONPath only). Ties, and notices with no time (last), keep the workers' order.
+        held.sort(key=_next_flush_first)
         p.status.held_notices = held or None
         for h in held:
             if (h.worker, h.source, h.kind, h.deadline) not in before:
@@ -819,6 +824,12 @@ class Reconciler(_Capacity):
             # Flushing counts from the notice; once stopped, the flush is in flushing_seconds already.
             lost += (p.now - (recovery.stopped_at or recovery.detected_at)).total_seconds()
         status.goodput = round(min(1.0, max(0.0, (wall - lost) / wall)), 4) if wall > 0 else None
+
+
+def _next_flush_first(held: HeldNotice) -> tuple[bool, float]:
+    """Sorts held notices by when their flush starts (else their deadline); those with neither last."""
+    when = held.flush_at or held.deadline
+    return (when is None, when.timestamp() if when is not None else 0.0)
 
 
 def _stamp(when: datetime | None) -> str:

@@ -26,6 +26,7 @@ from orchestrator.model import (
     Cause,
     CheckpointInfo,
     Condition,
+    HeldNotice,
     JobKey,
     JobStatus,
     NodeRef,
@@ -360,7 +361,9 @@ def test_a_status_as_the_reconciler_writes_it_is_stored_whole_and_shown_in_the_p
     answer = cluster.rest.pool.request("GET", f"{cluster.rest.host}{PATH.format(ns=namespace)}", headers=headers)
     table = json.loads(answer.data)
     columns = [c["name"] for c in table["columnDefinitions"] if c["priority"] == 0]
-    assert columns == ["Name", "Phase", "Step", "Checkpoint", "Preemptions", "Restarts", "Goodput", "Capacity", "Age"]
+    assert columns == [
+        "Name", "Phase", "Step", "Checkpoint", "Preemptions", "Restarts", "Goodput", "Capacity", "Held-Flush-At", "Age"
+    ]  # fmt: skip
     [row] = table["rows"]
     assert row["cells"][:7] == ["shown", "Flushing", 500, row["cells"][3], 2, 1, 0.9312]
 
@@ -375,9 +378,62 @@ def test_kubectl_get_sj_shows_the_jobs_columns(cluster: TestCluster, namespace: 
     out = cluster.kubectl("get", "sj", "-n", namespace).stdout
     header, line = out.splitlines()[:2]
     assert header.split() == [
-        "NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "CAPACITY", "AGE"
+        "NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "CAPACITY", "HELD-FLUSH-AT", "AGE"
     ]  # fmt: skip
     assert line.split()[:3] == ["seen", "Flushing", "500"] and line.split()[4:7] == ["2", "1", "0.9312"]
     wide = cluster.kubectl("get", "spotjobs", "-n", namespace, "-o", "wide").stdout
     assert wide.splitlines()[0].split()[-3:] == ["ATTEMPT", "REASON", "NOT-STARTING"]
     assert wide.splitlines()[1].split()[-3:] == ["2", "SpotInterrupted", "ImagePullBackOff"]
+
+
+def test_kubectl_get_sj_shows_when_the_next_held_notice_flushes_and_nothing_for_a_job_holding_none(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """Two workers' agents hold a GCE maintenance notice each, listed next flush first as the
+    reconciler writes them; another job holds none. Before, ``kubectl get sj`` showed neither: an
+    operator scanning the list could not tell which jobs will flush, nor when. The column is the
+    first notice's ``flushAt`` as written (UTC), and empty for the job that holds none."""
+    t = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+
+    def held(worker: str, flush_at: datetime) -> HeldNotice:
+        return HeldNotice(
+            worker=worker,
+            node=f"node-{worker}",
+            source="gcp",
+            kind="maintenance",
+            deadline=flush_at + timedelta(minutes=5),
+            flush_at=flush_at,
+            heard_at=t,
+        )
+
+    running = a_status_as_the_reconciler_writes_it().model_copy(
+        update={"phase": Phase.RUNNING, "reason": "WorkersRunning", "recovery": None}
+    )
+    statuses = {
+        "holding": running.model_copy(
+            update={"held_notices": [held("w-1", t + timedelta(minutes=10)), held("w-0", t + timedelta(minutes=50))]}
+        ),
+        "plain": running,
+    }
+    for name, status in statuses.items():
+        created = cluster.rest.request("POST", PATH.format(ns=namespace), example(EXAMPLES[0], namespace, name))
+        body = {**created, "status": status.model_dump(mode="json", exclude_none=True)}
+        cluster.rest.request("PUT", f"{PATH.format(ns=namespace)}/{name}/status", body)
+
+    headers = dict(cluster.rest.headers, Accept="application/json;as=Table;v=v1;g=meta.k8s.io,application/json")
+    answer = cluster.rest.pool.request("GET", f"{cluster.rest.host}{PATH.format(ns=namespace)}", headers=headers)
+    table = json.loads(answer.data)
+    column = [c["name"] for c in table["columnDefinitions"]].index("Held-Flush-At")
+    assert {r["cells"][0]: r["cells"][column] for r in table["rows"]} == {
+        "holding": "2026-03-01T12:10:00Z",
+        "plain": None,
+    }
+    if shutil.which("kubectl") is None:
+        return
+    out = cluster.kubectl("get", "sj", "-n", namespace).stdout.splitlines()
+    at = out[0].index("HELD-FLUSH-AT")
+    width = len("2026-03-01T12:10:00Z")
+    assert {line.split()[0]: line[at : at + width].strip() for line in out[1:]} == {
+        "holding": "2026-03-01T12:10:00Z",
+        "plain": "",
+    }, out

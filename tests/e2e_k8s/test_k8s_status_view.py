@@ -168,6 +168,12 @@ def test_an_azure_reboot_the_agent_holds_is_on_the_spotjob_in_an_event_and_in_ku
         assert shown.returncode == 0, shown.stderr
         [line] = [x for x in shown.stdout.splitlines() if x.startswith("Held notice:")]
         assert f"{held['worker']} on {held['node']}: azure maintenance" in line and "the flush starts" in line, line
+        # The list views too: kubectl get sj's HELD-FLUSH-AT, kubectl spotjob status's HELD-FLUSH.
+        header, row = cluster.kubectl("get", "sj", "held", "-n", namespace).stdout.splitlines()[:2]
+        assert row[header.index("HELD-FLUSH-AT") :].split()[0] == held["flushAt"], (header, row)
+        listed = run_kubectl_spotjob(cluster, cluster.kubeconfig, "status", "-n", namespace)
+        header, row = listed.stdout.splitlines()[:2]
+        assert re.match(r"in \d+m", row[header.index("HELD-FLUSH") :]), (header, row)  # about 10m ahead
 
         azure.clear()
         wait(lambda: "heldNotices" not in status(cluster, namespace, "held"), "the withdrawn notice gone")

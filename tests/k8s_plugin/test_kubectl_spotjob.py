@@ -127,6 +127,105 @@ def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(
     assert row[header.index("CAPACITY")] == "fallback"
 
 
+def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_for_the_others(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """Two workers of one job hold a GCE maintenance notice each, the later one listed first (an
+    older controller wrote them in the workers' order); another job holds none. Before, the table
+    of jobs said nothing of held notices: only ``status NAME`` did, one job at a time. Now a
+    HELD-FLUSH column says when the next flush starts and how many more are held, blank for a job
+    holding none, and ``-o json`` carries each job's ``heldNotices``. A namespace where no job
+    holds one shows no such column (pinned: that worked before)."""
+    now = datetime.now(UTC)
+
+    def held(worker: str, flush_in: float) -> dict[str, Any]:
+        return {
+            "worker": worker,
+            "node": f"vm-{worker}",
+            "source": "gcp",
+            "kind": "maintenance",
+            "detail": "MIGRATE_ON_HOST_MAINTENANCE",
+            "deadline": rfc3339(now + timedelta(seconds=flush_in + 300)),
+            "flushAt": rfc3339(now + timedelta(seconds=flush_in)),
+            "heardAt": ago(5),
+        }
+
+    create_job(cluster, namespace, "plain")
+    set_status(cluster, namespace, "plain", running_status())
+    assert "HELD" not in ok(kubectl_spotjob("status", "-n", namespace)).splitlines()[0]
+    notices = [held("holding-1-0", 3000), held("holding-1-1", 600)]
+    create_job(cluster, namespace, "holding", replicas=2)
+    set_status(cluster, namespace, "holding", running_status(heldNotices=notices))
+
+    header, *lines = ok(kubectl_spotjob("status", "-n", namespace)).splitlines()
+    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+
+    assert header.split()[-2:] == ["HELD-FLUSH", "AGE"], header
+    at, end = header.index("HELD-FLUSH"), header.index("AGE")
+    cells = {line.split()[0]: line[at:end].strip() for line in lines}
+    assert re.fullmatch(r"in (9m\d*s?|10m) \(\+1\)", cells["holding"]), cells
+    assert cells["plain"] == "", cells
+    assert {j["name"]: j["heldNotices"] for j in listed} == {"holding": notices, "plain": []}
+
+
+def test_a_finished_job_an_earlier_controller_left_with_a_held_notice_shows_none(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """A controller before this release left ``status.heldNotices`` on a job that failed while an
+    agent held a notice (it is never observed again, so the field stays). Before, the plugin showed
+    that notice as due ("training goes on, the flush starts ...") on the Failed job, and in the
+    table's HELD-FLUSH. A job that ended holds no notice: the plugin shows none, in JSON too."""
+    stale = {
+        "worker": "gone-1-1",
+        "node": "vm-1",
+        "source": "gcp",
+        "kind": "maintenance",
+        "deadline": ago(3000),
+        "flushAt": ago(3300),
+    }
+    create_job(cluster, namespace, "gone")
+    failed = running_status(heldNotices=[stale])
+    failed.update(phase="Failed", reason="RestartBudgetExhausted", message="worker gone-1-0 exited with code 1")
+    set_status(cluster, namespace, "gone", failed)
+
+    table = ok(kubectl_spotjob("status", "-n", namespace))
+    one = ok(kubectl_spotjob("status", "gone", "-n", namespace))
+    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+
+    assert "HELD" not in table.splitlines()[0], table
+    assert "Held notice" not in one, one
+    assert listed[0]["heldNotices"] == []
+
+
+def test_status_wide_adds_the_attempt_why_each_job_is_in_its_phase_and_why_a_worker_does_not_start(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+) -> None:
+    """``kubectl get sj -o wide`` adds ATTEMPT, REASON and NOT-STARTING; ``kubectl spotjob status -o
+    wide`` was refused (exit 2, "invalid choice"), so the plugin's table could not say why a job is
+    Flushing or what keeps its workers from starting. Now it adds the same three columns."""
+    create_job(cluster, namespace, "flushing")
+    flushing = running_status(attempt=2)
+    flushing.update(phase="Flushing", reason="SpotInterrupted", message="SpotInterruption for node n2: flushing")
+    set_status(cluster, namespace, "flushing", flushing)
+    create_job(cluster, namespace, "stuck")
+    stuck = running_status(attempt=1)
+    stuck.update(phase="Pending", reason="WorkersStarted", message="attempt 1's workers are created")
+    stuck["attempt"]["notStarting"] = {
+        "worker": "stuck-1-0",
+        "reason": "ImagePullBackOff",
+        "message": "container trainer: Back-off pulling image",
+        "since": ago(60),
+    }
+    set_status(cluster, namespace, "stuck", stuck)
+
+    table = rows(ok(kubectl_spotjob("status", "-n", namespace, "-o", "wide")))
+
+    assert table["NAME"][-4:] == ["AGE", "ATTEMPT", "REASON", "NOT-STARTING"], table["NAME"]
+    assert table["flushing"][1] == "Flushing" and table["flushing"][-3:] == ["2", "SpotInterrupted", "-"]
+    assert table["stuck"][1] == "Pending" and table["stuck"][-3:] == ["1", "WorkersStarted", "ImagePullBackOff"]
+    assert ok(kubectl_spotjob("status", "stuck", "-n", namespace, "-o", "wide")).startswith("Name:")
+
+
 def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush_and_conditions(
     cluster: TestCluster, namespace: str, kubectl_spotjob: Run
 ) -> None:

@@ -107,14 +107,36 @@ def test_kubectl_get_shows_phase_step_checkpoint_age_preemptions_restarts_goodpu
         ("Restarts", "integer", ".status.restarts"),
         ("Goodput", "number", ".status.goodput"),
         ("Capacity", "string", ".status.capacity"),
+        ("Held-Flush-At", "string", ".status.heldNotices[0].flushAt"),
         ("Age", "date", ".metadata.creationTimestamp"),
     ]
     schema = version["schema"]["openAPIV3Schema"]
     for _, _, path in columns[:-1]:
         node = schema
-        for part in path.strip(".").split("."):
-            node = node["properties"][part]
+        for part in path.strip(".").replace("[0]", ".[0]").split("."):
+            node = node["items"] if part == "[0]" else node["properties"][part]
         assert node["type"] in ("string", "integer", "number"), path
+
+
+def test_kubectl_get_shows_when_the_next_held_notice_flushes_as_a_utc_time_not_an_age() -> None:
+    """A job whose agents hold a cloud notice showed nothing of it in ``kubectl get sj``. The column
+    is the first held notice's ``flushAt`` (the reconciler lists the next flush first), as a string:
+    a ``date`` column shows a time ahead as ``<invalid>`` (it prints ages only)."""
+    [version] = crd()["spec"]["versions"]
+    [column] = [c for c in version["additionalPrinterColumns"] if c["name"] == "Held-Flush-At"]
+    assert (column["type"], column["jsonPath"], column.get("priority", 0)) == (
+        "string",
+        ".status.heldNotices[0].flushAt",
+        0,
+    )
+    assert "UTC" in column["description"] and "empty" in column["description"]
+    held = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["heldNotices"]
+    assert held["items"]["properties"]["flushAt"] | {"description": ""} == {
+        "type": "string",
+        "format": "date-time",
+        "nullable": True,
+        "description": "",
+    }
 
 
 def test_the_schema_is_structural_typed_everywhere_with_no_refs_and_described_from_the_field_docs() -> None:

@@ -27,6 +27,7 @@ from test_reconciler_flush_request import RequestStore, ask, request_world
 
 from agent.storage import parse_uri
 from agent.storage.file import FileStorage
+from orchestrator.backends.base import HeldNoticeReport
 from orchestrator.model import Cause, CheckpointSpec, JobKey, Phase
 from orchestrator.reconciler import Reconciler
 from orchestrator.store import StoreError
@@ -370,3 +371,50 @@ def test_a_finished_job_whose_spec_is_edited_says_it_saw_the_generation_and_runs
     assert world.backend.created == created, "a finished job started again"
     reasons = [e.reason for e in world.events.emitted[told:]]
     assert reasons == ["SpecChangeIgnored"], reasons
+
+
+# -- held notices ----------------------------------------------------------------------------------
+
+
+def test_the_held_notices_are_listed_earliest_flush_first_so_the_printer_column_shows_the_next(
+    tmp_path: Any,
+) -> None:
+    """Two workers' agents hold a GCE maintenance notice each (one per VM, at different times): the
+    second worker's flushes first. Before, ``status.heldNotices`` followed the workers' order, so
+    ``kubectl get sj``'s HELD-NOTICE column (``heldNotices[0].flushAt``) showed the later flush.
+    The fake backend reports what each agent's ``GET /status`` says; it does not model the agents."""
+    world = make_world(tmp_path)
+    world.run_until(running_attempt(0))
+    now = world.clock.now()
+
+    def held(flush_in: float) -> HeldNoticeReport:
+        at = now + timedelta(seconds=flush_in)
+        return HeldNoticeReport("gcp", "maintenance", "MIGRATE_ON_HOST_MAINTENANCE", at + timedelta(minutes=5), at, now)
+
+    world.backend.held = {"train-0-0": held(3000), "train-0-1": held(600)}
+    status = world.run_to(world.clock.at() + 30)
+
+    assert [h.worker for h in status.held_notices or []] == ["train-0-1", "train-0-0"]
+    world.backend.held = {"train-0-0": held(3000)}
+    assert [h.worker for h in world.run_to(world.clock.at() + 30).held_notices or []] == ["train-0-0"]
+
+
+def test_a_job_that_fails_while_an_agent_holds_a_notice_keeps_no_held_notice(tmp_path: Any) -> None:
+    """Worker 1's agent holds a GCE maintenance notice when worker 0's code fails with no restart
+    left. Before, the pass that failed the job recorded worker 1 (still running then) with its
+    notice, and a finished job is never observed again: the Failed job showed a held notice, "the
+    flush starts ...", in kubectl get sj and kubectl spotjob for good. The fake backend reports
+    what each agent's ``GET /status`` says; it does not model the agents."""
+    world = make_world(tmp_path, maxRestarts=0)
+    world.run_until(running_attempt(0))
+    now = world.clock.now()
+    soon = now + timedelta(minutes=55)
+    world.backend.held = {
+        "train-0-1": HeldNoticeReport("gcp", "maintenance", "x", soon + timedelta(minutes=5), soon, now)
+    }
+    assert world.run_to(world.clock.at() + 30).held_notices
+
+    world.backend.exit(0, 0, 1)
+    status = world.run_until(phase_is(Phase.FAILED))
+
+    assert status.held_notices is None
