@@ -231,9 +231,10 @@ class Agent(AgentRequests):
 
     def _prefetch(self) -> None:
         """While torchrun starts and the ranks import torch and meet, fetch the newest checkpoint
-        into the node's restore cache (``agent.restore_cache``): their restore then finds it there."""
+        into the node's restore cache (``agent.restore_cache``): their restore then finds it there.
+        Not with ``--prefetch off``."""
         uri = self.checkpoint_uri
-        if not uri:
+        if not uri or self.config.prefetch == "off":
             return
         # Imported here, once the command runs: the checksum and catalog modules it needs are not
         # on the way to starting torchrun.

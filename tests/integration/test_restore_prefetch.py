@@ -5,6 +5,7 @@ An object store is modelled at the one seam the restore path branches on: a ``Fi
 whose ``local_path`` is None, so every file goes through ``get_file`` and the node's cache (what
 S3 and GCS do; their own transfers are covered by test_storage_backends.py). Not modelled: the
 network, and the agent process itself (``Agent._prefetch`` only starts ``prefetch`` in a thread).
+Turning the prefetch off is counted against moto's S3 behind the recording proxy instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,11 @@ from agent.storage.file import FileStorage
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
 from ckpt_state import make_state, snapshot, train
+
+try:
+    from faults import FaultProxy
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy
 
 
 class ObjectStoreLike(FileStorage):
@@ -264,3 +271,44 @@ def test_a_prefetch_that_outlasts_the_restore_stops_and_leaves_nothing_on_the_no
     assert len(stores[0].fetched) == 1, f"fetched after the ranks had restored: {stores[0].fetched}"
     left = [os.path.join(d, f) for d, _, files in os.walk(staging) for f in files]
     assert left == [], f"left on the node's disk: {left}"
+
+
+def _agents_prefetch(argv: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    """Build the agent ``spotjob-agent ARGV -- x`` would run in ``env`` and run its prefetch to the end."""
+    config, _ = parse_args([*argv, "--", "x"], env)
+    Agent(config, ControlDir(str(tmp_path / "control")), env=env)._prefetch()
+    for thread in threading.enumerate():
+        if thread.name == "spotjob-prefetch":
+            thread.join()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"), [(["--prefetch", "off"], {}), ([], {"SPOTJOB_AGENT_PREFETCH": "off"})], ids=["option", "variable"]
+)
+def test_the_agents_prefetch_can_be_turned_off(
+    argv: list[str],
+    env: dict[str, str],
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted at the store (moto's S3 behind the recording proxy). Before the fix there was no
+    switch: every start of every node's agent fetched the whole newest checkpoint (the control
+    run below), whatever the ranks would read, and `--prefetch off` exited 2."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, make_state(0))
+    common = ["--checkpoint-uri", uri, "--staging-dir", str(tmp_path / "nvme")]
+
+    before = len(proxy.seen)
+    _agents_prefetch(common, {}, tmp_path / "on")
+    fetched = [s.path for s in proxy.seen[before:] if s.method == "GET" and "/step-000000003/" in s.path]
+    assert len(fetched) > 1, f"the control run fetched no checkpoint file: {proxy.seen[before:]}"
+
+    before = len(proxy.seen)
+    _agents_prefetch(common + argv, env, tmp_path / "off")
+    assert proxy.seen[before:] == [], "the agent asked the store for something with its prefetch off"
