@@ -69,8 +69,8 @@ and are only held back from notices that give more (no spot preemption does)."""
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
 REBALANCE_POLICIES: tuple[RebalancePolicy, ...] = ("ignore", "save-early", "flush")
-Prefetch = Literal["all", "off"]
-PREFETCH_MODES: tuple[Prefetch, ...] = ("all", "off")
+Prefetch = Literal["node", "all", "off"]
+PREFETCH_MODES: tuple[Prefetch, ...] = ("node", "all", "off")
 
 
 class AgentConfig(BaseModel):
@@ -138,9 +138,10 @@ class AgentConfig(BaseModel):
     """The deadline of the flush after the parent is gone, in seconds."""
     rank_connect_timeout: float = Field(default=120.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """Warn when no rank has written status.json this long after the start."""
-    prefetch: Prefetch = "all"
-    """What the agent fetches into the node's restore cache while the ranks start: every file of
-    the newest checkpoint (``all``) or nothing (``off``)."""
+    prefetch: Prefetch = "node"
+    """What the agent fetches into the node's restore cache while the ranks start: the files this
+    node's ranks read (``node``; every file where the command does not say which ranks the node
+    runs), every file (``all``) or nothing (``off``)."""
     launcher: Launcher = "torchrun"
     """``direct``: start a torchrun command's ranks without torchrun, where ``agent.torchrun.direct_launch`` can."""
     log_format: Literal["text", "json"] = "text"
@@ -186,9 +187,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     ck.add_argument(
         "--prefetch",
-        default=(env.get(ENV_PREFETCH) or "").strip() or "all",
-        help="while the ranks start, fetch the newest checkpoint's files into the node's restore cache: every "
-        f"file (all, default) or none (off). Also {ENV_PREFETCH}",
+        default=(env.get(ENV_PREFETCH) or "").strip() or "node",
+        help="while the ranks start, fetch the newest checkpoint's files into the node's restore cache: those "
+        "this node's ranks read (node, default; every file where the torchrun command does not number its "
+        f"nodes), every file (all) or none (off). Also {ENV_PREFETCH}",
     )
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
     ck.add_argument(

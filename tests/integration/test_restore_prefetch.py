@@ -312,3 +312,39 @@ def test_the_agents_prefetch_can_be_turned_off(
     before = len(proxy.seen)
     _agents_prefetch(common + argv, env, tmp_path / "off")
     assert proxy.seen[before:] == [], "the agent asked the store for something with its prefetch off"
+
+
+def test_which_files_a_nodes_ranks_read() -> None:
+    """``node_files`` from a 4-rank manifest (new with ``--prefetch node``; the 2-node restart that
+    counts it at the store is test_prefetch_requests.py): a sharded tensor from the node's own
+    files, a tensor in one file (a replicated value, here an older checkpoint's ``step`` in rank
+    1's file) from that file, every file at another world size; an empty shard file never."""
+
+    def entry(path: str, size: int = 8) -> dict[str, Any]:
+        return {"path": path, "size": size, "crc32c": "00000000"}
+
+    shards = [f"__{r}_0.distcp" for r in range(4)]
+    manifest = Manifest.model_validate(
+        {
+            "step": 3,
+            "world_size": 4,
+            "created_at": "2026-12-05T00:00:00Z",
+            "torch_version": "2.13.0",
+            "state_keys": ["model", "optim"],
+            "files": [entry(".metadata"), *map(entry, shards), entry("__4_0.distcp", 0)]
+            + [entry(f"rank-{r:05d}.pt") for r in range(4)],
+            "tensors": {
+                "model.w": {"shape": [8], "dtype": "torch.float32", "files": shards},
+                "optim.state.model.w.step": {"shape": [], "dtype": "torch.float32", "files": ["__1_0.distcp"]},
+            },
+        }
+    )
+    node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
+    assert node1 == {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"} | {
+        "rank-00002.pt",
+        "rank-00003.pt",
+    }
+    del manifest.tensors["optim.state.model.w.step"]
+    node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
+    assert node1 == {".metadata", "__0_0.distcp", "__2_0.distcp", "__3_0.distcp", "rank-00002.pt", "rank-00003.pt"}
+    assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
