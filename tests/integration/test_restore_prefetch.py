@@ -27,7 +27,7 @@ from agent.crc32c import crc32c_bytes, to_hex
 from agent.launcher import Agent, parse_args
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch, staging_root
-from agent.storage import CorruptObjectError
+from agent.storage import CorruptObjectError, open_storage
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -348,3 +348,40 @@ def test_which_files_a_nodes_ranks_read() -> None:
     node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
     assert node1 == {".metadata", "__0_0.distcp", "__2_0.distcp", "__3_0.distcp", "rank-00002.pt", "rank-00003.pt"}
     assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
+
+
+def test_a_file_that_fits_one_part_is_fetched_with_one_request(
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    s3_client: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted at moto's S3 behind the recording proxy: a file no bigger than a part is one ranged
+    GET, its size checked from the answer's Content-Range. Before the fix each file took a HEAD
+    first (two requests a file: every file of a checkpoint here). Another object under the name
+    (longer, shorter, empty) is still refused before a byte of it is kept."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, make_state(0))
+    store = open_storage(uri)
+    before = len(proxy.seen)
+    assert prefetch(store, str(tmp_path / "staging")) == "step-000000003"
+    data = [s for s in proxy.seen[before:] if "/step-000000003/" in s.path and "MANIFEST" not in s.path]
+    manifest = Manifest.parse(store.get_bytes(f"step-000000003/{MANIFEST_NAME}"))
+    assert sorted(s.method for s in data) == ["GET"] * len(manifest.files), data
+
+    entry = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    key = f"{prefix}/step-000000003/{entry.path}"
+    original = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    for other in (original + b"x", original[:-1], b""):
+        s3_client.put_object(Bucket=bucket, Key=key, Body=other)
+        cache = tmp_path / f"cache-{len(other)}"
+        with pytest.raises(CorruptObjectError, match=f"is {len(other)} bytes, the manifest says {entry.size}"):
+            fetch_verified(store, "step-000000003", entry, str(cache))
+        assert not (cache / entry.path).exists()
+    store.close()
