@@ -448,7 +448,8 @@ class RankZeroSavePlanner(DefaultSavePlanner):
     from its own batch, and DDP's next forward overwrites them all with rank 0's. A checkpoint
     holding rank 1's copy resumes on other statistics than the uninterrupted run goes on with.
     ``from_rank0`` names such values by their flattened name, or a prefix of it (``model.bn``
-    covers ``model.bn.running_mean``); everything else is spread over the ranks as DCP does.
+    covers ``model.bn.running_mean``). Scalars and non-tensor values are written from the lowest
+    rank too (``_small_whole_value``); everything else is spread over the ranks as DCP does.
     """
 
     def __init__(self, from_rank0: frozenset[str], *, check_replicas: bool = True) -> None:
@@ -519,7 +520,13 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         return any(".".join(parts[:n]) in self._from_rank0 for n in range(1, len(parts)))
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        takes = {i.index.fqn: self._takes_rank0(i.index.fqn) for p in all_plans for i in p.items}  # once per name
+        # Once per name. Scalars and non-tensor values every rank holds (an optimizer's ``step``
+        # counters and ``param_groups``) go to the lowest rank too: spread, they put a value every rank reads
+        # into nearly every rank's file, and a restore of a sharded state then reads every file on
+        # every node instead of its own shards and rank 0's (``agent.restore_cache.node_files``).
+        takes = {
+            i.index.fqn: self._takes_rank0(i.index.fqn) or _small_whole_value(i) for p in all_plans for i in p.items
+        }
 
         def part(rank0: bool) -> list[SavePlan]:
             return [
@@ -531,6 +538,19 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         return [
             dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, lowest, spread, strict=True)
         ]
+
+
+SCALAR_BYTES = 16
+"""The most bytes a one-element tensor takes (complex128)."""
+
+
+def _small_whole_value(item: WriteItem) -> bool:
+    """Whether ``item`` is a non-tensor value or a whole one-element tensor (an optimizer's ``step``):
+    written from the lowest rank that holds it (``RankZeroSavePlanner._dedup_save_plans``). Bigger
+    replicated tensors (DDP's parameters) stay spread over the ranks, each writing its part."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    return item.type == WriteItemType.TENSOR and (item.tensor_storage_size() or SCALAR_BYTES + 1) <= SCALAR_BYTES
 
 
 def _is_group_params(fqn: str) -> bool:

@@ -104,6 +104,7 @@ from agent.torchrun import (
     direct_launch,
     in_place_restart_warning,
     local_rendezvous,
+    node_ranks,
     port_taken,
     torchrun_nproc,
 )
@@ -231,9 +232,11 @@ class Agent(AgentRequests):
 
     def _prefetch(self) -> None:
         """While torchrun starts and the ranks import torch and meet, fetch the newest checkpoint
-        into the node's restore cache (``agent.restore_cache``): their restore then finds it there."""
+        into the node's restore cache (``agent.restore_cache``): their restore then finds it there.
+        ``--prefetch node``: only the files this node's ranks read, where the torchrun command
+        says which ranks it runs; ``all``: every file; ``off``: nothing."""
         uri = self.checkpoint_uri
-        if not uri:
+        if not uri or self.config.prefetch == "off":
             return
         # Imported here, once the command runs: the checksum and catalog modules it needs are not
         # on the way to starting torchrun.
@@ -252,7 +255,8 @@ class Agent(AgentRequests):
             status = self.control.status()
             return status is not None and status.state != "starting"
 
-        prefetch_in_background(open_store, staging, restored=restored)
+        ranks = node_ranks(self.config.command, self.env) if self.config.prefetch == "node" else None
+        prefetch_in_background(open_store, staging, restored=restored, ranks=ranks)
 
     def rank_env(self) -> dict[str, str]:
         """What ``Checkpointer.from_env()`` reads."""

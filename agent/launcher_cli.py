@@ -43,6 +43,7 @@ ENV_POLL_INTERVAL = "SPOTJOB_AGENT_POLL_INTERVAL"
 ENV_FLUSH_LEAD = "SPOTJOB_AGENT_FLUSH_LEAD"
 ENV_GCP_MAINTENANCE_SECONDS = "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS"
 ENV_REBALANCE = "SPOTJOB_AGENT_REBALANCE"
+ENV_PREFETCH = "SPOTJOB_AGENT_PREFETCH"
 NOTICE_VARIABLES = {
     "flush_lead": ENV_FLUSH_LEAD,
     "gcp_maintenance_seconds": ENV_GCP_MAINTENANCE_SECONDS,
@@ -68,6 +69,8 @@ and are only held back from notices that give more (no spot preemption does)."""
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 RebalancePolicy = Literal["ignore", "save-early", "flush"]
 REBALANCE_POLICIES: tuple[RebalancePolicy, ...] = ("ignore", "save-early", "flush")
+Prefetch = Literal["node", "all", "off"]
+PREFETCH_MODES: tuple[Prefetch, ...] = ("node", "all", "off")
 
 
 class AgentConfig(BaseModel):
@@ -135,6 +138,10 @@ class AgentConfig(BaseModel):
     """The deadline of the flush after the parent is gone, in seconds."""
     rank_connect_timeout: float = Field(default=120.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """Warn when no rank has written status.json this long after the start."""
+    prefetch: Prefetch = "node"
+    """What the agent fetches into the node's restore cache while the ranks start: the files this
+    node's ranks read (``node``; every file where the command does not say which ranks the node
+    runs), every file (``all``) or nothing (``off``)."""
     launcher: Launcher = "torchrun"
     """``direct``: start a torchrun command's ranks without torchrun, where ``agent.torchrun.direct_launch`` can."""
     log_format: Literal["text", "json"] = "text"
@@ -177,6 +184,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument("--async", dest="async_save", choices=("on", "off"), help="asynchronous saves")
     ck.add_argument(
         "--staging-dir", help="node-local staging folder; each job stages (and prefetches) in a folder of its own in it"
+    )
+    ck.add_argument(
+        "--prefetch",
+        default=(env.get(ENV_PREFETCH) or "").strip() or "node",
+        help="while the ranks start, fetch the newest checkpoint's files into the node's restore cache: those "
+        "this node's ranks read (node, default; every file where the torchrun command does not number its "
+        f"nodes), every file (all) or none (off). Also {ENV_PREFETCH}",
     )
     ck.add_argument("--control-dir", help="folder shared with the ranks (default: a fresh temporary folder)")
     ck.add_argument(
@@ -329,6 +343,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     if ns.launcher not in LAUNCHERS:
         where = "--launcher" if "--launcher" in " ".join(argv[:split]) else ENV_LAUNCHER
         parser.error(f"{where} {ns.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+    if ns.prefetch not in PREFETCH_MODES:
+        where = "--prefetch" if "--prefetch" in " ".join(argv[:split]) else ENV_PREFETCH
+        parser.error(f"{where} {ns.prefetch!r}: expected one of {', '.join(PREFETCH_MODES)}")
     if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
         parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")
     uri_option = "--checkpoint-uri" if ns.checkpoint_uri else ENV_CHECKPOINT_URI
@@ -390,6 +407,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             parent_grace=ns.parent_grace,
             rank_connect_timeout=ns.rank_connect_timeout,
             launcher=ns.launcher,
+            prefetch=ns.prefetch,
             log_format=ns.log_format,
         )
     except ValidationError as e:

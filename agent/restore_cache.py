@@ -15,6 +15,10 @@ and markers, so a rank that arrives first waits for the file in flight instead o
 again. On a filesystem store there is nothing to fetch; ``prefetch`` reads (and CRC-checks) the
 files once so the restore finds them in the page cache. A failed prefetch is logged and
 harmless: the restore fetches what it lacks and checks everything itself.
+
+Told which ranks the node runs (``ranks``), the prefetch fetches only what they will read when
+the checkpoint's world size is theirs (``node_files``): a file left out that a rank does read is
+fetched by that rank's restore, as without a prefetch.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from agent import _fresh_start
 from agent.atomic_file import write_atomic
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.crc32c import crc32c_bytes, crc32c_file_parallel, from_hex, to_hex
-from agent.manifest import CACHE_SUFFIXES, FileEntry, Manifest
+from agent.manifest import CACHE_SUFFIXES, DCP_METADATA_NAME, DCP_SHARD_SUFFIX, FileEntry, Manifest, rank_file_name
 from agent.ownership import Lineage, OwnershipError
 from agent.storage import CorruptObjectError, Storage, StorageError
 from agent.storage.base import parallel_map
@@ -230,11 +234,54 @@ def newest_valid(storage: Storage) -> tuple[CheckpointRef, Manifest] | None:
     return None
 
 
+_SHARD_FILE_RE = re.compile(r"^__(\d+)_\d+" + re.escape(DCP_SHARD_SUFFIX) + "$")
+"""DCP's shard file names: ``__<the rank that wrote it>_<n>.distcp``."""
+_RANK_FILE_RE = re.compile(r"^rank-(\d{5,})\.pt$")
+
+
+def node_files(manifest: Manifest, ranks: range, world_size: int) -> list[FileEntry]:
+    """The files of ``manifest`` that the ranks ``ranks`` of a job of ``world_size`` ranks read
+    on restore; every file when the checkpoint was saved at another world size (DCP reshards, and
+    any rank may read any file).
+
+    At the same world size each rank holds the shards it wrote, so of a tensor spread over several
+    files a rank reads the one it wrote (the manifest's tensor index says which files hold what);
+    a tensor in one file only (a replicated value DCP kept one copy of: an optimizer's ``step``
+    counter, a DDP parameter) is read by every rank, from that file. DCP's ``.metadata``, each
+    rank's ``rank-NNNNN.pt``, rank 0's shard files (which hold what the tensor index does not
+    list: an optimizer's ``param_groups``) and any file of another kind are read too. An empty
+    shard file holds nothing to read.
+    """
+    if manifest.world_size != world_size:
+        return list(manifest.files)
+    own: set[str] = set()
+    wanted = {DCP_METADATA_NAME, *(rank_file_name(r) for r in ranks)}
+    for entry in manifest.files:
+        shard = _SHARD_FILE_RE.match(entry.path)
+        if shard is not None and entry.size and (int(shard.group(1)) in ranks or int(shard.group(1)) == 0):
+            own.add(entry.path)
+        elif shard is None and not _RANK_FILE_RE.match(entry.path):
+            wanted.add(entry.path)
+    wanted |= own
+    for tensor in manifest.tensors.values():
+        mine = [f for f in tensor.files if f in own]
+        wanted.update(mine or tensor.files)
+    return [e for e in manifest.files if e.path in wanted]
+
+
 def prefetch(
-    storage: Storage, staging_root: str, *, parallelism: int = 8, restored: Callable[[], bool] | None = None
+    storage: Storage,
+    staging_root: str,
+    *,
+    parallelism: int = 8,
+    restored: Callable[[], bool] | None = None,
+    ranks: tuple[range, int] | None = None,
 ) -> str | None:
     """Fetch (object store) or read once (filesystem) the newest valid checkpoint's files; returns
     its folder, or None when there is none. Raises ``StorageError`` / ``OSError`` on failure.
+
+    ``ranks``: ``(the node's global ranks, the job's world size)``, when known: only the files
+    they read are fetched (``node_files``). None: every file.
 
     ``restored``: whether the node's ranks have restored already (they train). From then on no
     further file is fetched, and what the prefetch fetched is removed once it ends: the ranks'
@@ -247,6 +294,18 @@ def prefetch(
         return None
     ref, manifest = found
     folder = ref.folder
+    files = manifest.files
+    if ranks is not None:
+        files = node_files(manifest, *ranks)
+        log.info(
+            "prefetching the %d of the %d files of %s that this node's ranks (%d-%d of %d) read",
+            len(files),
+            len(manifest.files),
+            storage.url(folder),
+            ranks[0].start,
+            ranks[0].stop - 1,
+            ranks[1],
+        )
     local = storage.local_path(folder)
     if local is not None:
 
@@ -255,7 +314,7 @@ def prefetch(
             if size != entry.size or crc != from_hex(entry.crc32c):
                 raise CorruptObjectError(f"{storage.url(folder + '/' + entry.path)} does not match its manifest")
 
-        parallel_map(check, [(e,) for e in manifest.files], parallelism)
+        parallel_map(check, [(e,) for e in files], parallelism)
         return folder
     cache = os.path.join(staging_root, RESTORE_FOLDER, folder)
     late = threading.Event()
@@ -267,7 +326,7 @@ def prefetch(
         fetch_verified(storage, folder, entry, cache)
 
     try:
-        parallel_map(fetch, [(e,) for e in manifest.files], parallelism)
+        parallel_map(fetch, [(e,) for e in files], parallelism)
     finally:
         if late.is_set() or (restored is not None and restored()):
             log.info("the ranks restored before the prefetch ended: removing what it fetched (%s)", cache)
@@ -281,17 +340,18 @@ def prefetch_in_background(
     *,
     parallelism: int = 8,
     restored: Callable[[], bool] | None = None,
+    ranks: tuple[range, int] | None = None,
 ) -> threading.Thread:
     """``prefetch`` in a daemon thread (the agent's, while torchrun starts); failures are logged.
-    ``staging_root`` names the node's staging folder for the opened store; ``restored`` is
-    ``prefetch``'s."""
+    ``staging_root`` names the node's staging folder for the opened store; ``restored`` and
+    ``ranks`` are ``prefetch``'s."""
 
     def run() -> None:
         started = time.monotonic()
         storage = None
         try:
             storage = open_store()
-            folder = prefetch(storage, staging_root(storage), parallelism=parallelism, restored=restored)
+            folder = prefetch(storage, staging_root(storage), parallelism=parallelism, restored=restored, ranks=ranks)
             if folder is not None:
                 log.info("prefetched %s in %.2fs", storage.url(folder), time.monotonic() - started)
         except (StorageError, OSError, OwnershipError, ValueError) as e:

@@ -150,6 +150,28 @@ def torchrun_nproc(command: Sequence[str], env: Mapping[str, str] | None = None)
     return int(value) if value.isdigit() else None
 
 
+def node_ranks(command: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[range, int] | None:
+    """``(this node's global ranks, the world size)`` of a torchrun command whose rendezvous
+    numbers the nodes as given: one node, or the static rendezvous with a fixed ``--nnodes`` and
+    ``--node-rank`` (what the controller and ``spotjob run`` write). None when the rendezvous
+    assigns them (c10d, elastic sizes), ``--nproc-per-node`` is not a number, or the command is
+    not torchrun: then nobody knows before the ranks meet."""
+    options = torchrun_options(command, env)
+    if options is None:
+        return None
+    nproc, nnodes = options.get("--nproc-per-node", "1"), options.get("--nnodes", "1")
+    low, _, high = nnodes.partition(":")
+    if not nproc.isdigit() or int(nproc) < 1 or not low.isdigit() or (high and high != low) or int(low) < 1:
+        return None
+    per_node, nodes = int(nproc), int(low)
+    if nodes == 1:
+        return range(per_node), per_node
+    node = options.get("--node-rank", "0")
+    if options.get("--rdzv-backend", "static") != "static" or not node.isdigit() or int(node) >= nodes:
+        return None
+    return range(int(node) * per_node, (int(node) + 1) * per_node), nodes * per_node
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """A rendezvous port this host must bind for the command to start."""

@@ -5,6 +5,7 @@ An object store is modelled at the one seam the restore path branches on: a ``Fi
 whose ``local_path`` is None, so every file goes through ``get_file`` and the node's cache (what
 S3 and GCS do; their own transfers are covered by test_storage_backends.py). Not modelled: the
 network, and the agent process itself (``Agent._prefetch`` only starts ``prefetch`` in a thread).
+Turning the prefetch off is counted against moto's S3 behind the recording proxy instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,17 @@ from agent.crc32c import crc32c_bytes, to_hex
 from agent.launcher import Agent, parse_args
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch, staging_root
-from agent.storage import CorruptObjectError
+from agent.storage import CorruptObjectError, open_storage
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
 from ckpt_state import make_state, snapshot, train
+
+try:
+    from faults import FaultProxy
+except ImportError:  # tests/ collected as a package
+    from tests.faults import FaultProxy
 
 
 class ObjectStoreLike(FileStorage):
@@ -264,3 +271,117 @@ def test_a_prefetch_that_outlasts_the_restore_stops_and_leaves_nothing_on_the_no
     assert len(stores[0].fetched) == 1, f"fetched after the ranks had restored: {stores[0].fetched}"
     left = [os.path.join(d, f) for d, _, files in os.walk(staging) for f in files]
     assert left == [], f"left on the node's disk: {left}"
+
+
+def _agents_prefetch(argv: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    """Build the agent ``spotjob-agent ARGV -- x`` would run in ``env`` and run its prefetch to the end."""
+    config, _ = parse_args([*argv, "--", "x"], env)
+    Agent(config, ControlDir(str(tmp_path / "control")), env=env)._prefetch()
+    for thread in threading.enumerate():
+        if thread.name == "spotjob-prefetch":
+            thread.join()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"), [(["--prefetch", "off"], {}), ([], {"SPOTJOB_AGENT_PREFETCH": "off"})], ids=["option", "variable"]
+)
+def test_the_agents_prefetch_can_be_turned_off(
+    argv: list[str],
+    env: dict[str, str],
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted at the store (moto's S3 behind the recording proxy). Before the fix there was no
+    switch: every start of every node's agent fetched the whole newest checkpoint (the control
+    run below), whatever the ranks would read, and `--prefetch off` exited 2."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, make_state(0))
+    common = ["--checkpoint-uri", uri, "--staging-dir", str(tmp_path / "nvme")]
+
+    before = len(proxy.seen)
+    _agents_prefetch(common, {}, tmp_path / "on")
+    fetched = [s.path for s in proxy.seen[before:] if s.method == "GET" and "/step-000000003/" in s.path]
+    assert len(fetched) > 1, f"the control run fetched no checkpoint file: {proxy.seen[before:]}"
+
+    before = len(proxy.seen)
+    _agents_prefetch(common + argv, env, tmp_path / "off")
+    assert proxy.seen[before:] == [], "the agent asked the store for something with its prefetch off"
+
+
+def test_which_files_a_nodes_ranks_read() -> None:
+    """``node_files`` from a 4-rank manifest (new with ``--prefetch node``; the 2-node restart that
+    counts it at the store is test_prefetch_requests.py): a sharded tensor from the node's own
+    files, a tensor in one file (a replicated value, here an older checkpoint's ``step`` in rank
+    1's file) from that file, every file at another world size; an empty shard file never."""
+
+    def entry(path: str, size: int = 8) -> dict[str, Any]:
+        return {"path": path, "size": size, "crc32c": "00000000"}
+
+    shards = [f"__{r}_0.distcp" for r in range(4)]
+    manifest = Manifest.model_validate(
+        {
+            "step": 3,
+            "world_size": 4,
+            "created_at": "2026-12-05T00:00:00Z",
+            "torch_version": "2.13.0",
+            "state_keys": ["model", "optim"],
+            "files": [entry(".metadata"), *map(entry, shards), entry("__4_0.distcp", 0)]
+            + [entry(f"rank-{r:05d}.pt") for r in range(4)],
+            "tensors": {
+                "model.w": {"shape": [8], "dtype": "torch.float32", "files": shards},
+                "optim.state.model.w.step": {"shape": [], "dtype": "torch.float32", "files": ["__1_0.distcp"]},
+            },
+        }
+    )
+    node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
+    assert node1 == {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"} | {
+        "rank-00002.pt",
+        "rank-00003.pt",
+    }
+    del manifest.tensors["optim.state.model.w.step"]
+    node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
+    assert node1 == {".metadata", "__0_0.distcp", "__2_0.distcp", "__3_0.distcp", "rank-00002.pt", "rank-00003.pt"}
+    assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
+
+
+def test_a_file_that_fits_one_part_is_fetched_with_one_request(
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., FaultProxy],
+    moto_server: str,
+    s3_client: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted at moto's S3 behind the recording proxy: a file no bigger than a part is one ranged
+    GET, its size checked from the answer's Content-Range. Before the fix each file took a HEAD
+    first (two requests a file: every file of a checkpoint here). Another object under the name
+    (longer, shorter, empty) is still refused before a byte of it is kept."""
+    uri = fresh_uri("s3")
+    proxy = fault_proxy(moto_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, make_state(0))
+    store = open_storage(uri)
+    before = len(proxy.seen)
+    assert prefetch(store, str(tmp_path / "staging")) == "step-000000003"
+    data = [s for s in proxy.seen[before:] if "/step-000000003/" in s.path and "MANIFEST" not in s.path]
+    manifest = Manifest.parse(store.get_bytes(f"step-000000003/{MANIFEST_NAME}"))
+    assert sorted(s.method for s in data) == ["GET"] * len(manifest.files), data
+
+    entry = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    key = f"{prefix}/step-000000003/{entry.path}"
+    original = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    for other in (original + b"x", original[:-1], b""):
+        s3_client.put_object(Bucket=bucket, Key=key, Body=other)
+        cache = tmp_path / f"cache-{len(other)}"
+        with pytest.raises(CorruptObjectError, match=f"is {len(other)} bytes, the manifest says {entry.size}"):
+            fetch_verified(store, "step-000000003", entry, str(cache))
+        assert not (cache / entry.path).exists()
+    store.close()

@@ -130,6 +130,15 @@ def test_a_spotjobs_env_gives_its_agents_the_notice_settings() -> None:
     assert (config.flush_lead, config.gcp_maintenance_seconds, config.rebalance) == (0, 900, "flush")
 
 
+def test_a_spotjobs_env_turns_its_agents_prefetch_off() -> None:
+    """``SPOTJOB_AGENT_PREFETCH`` reaches every worker's agent through the SpotJob's ``env`` (the
+    controller writes no ``--prefetch``: an agent older than the option would exit 2 on it).
+    Before the fix no variable or option turned the prefetch off."""
+    spec = job_spec({}).model_copy(update={"env": {"SPOTJOB_AGENT_PREFETCH": "off"}})
+    for index in range(spec.replicas):
+        assert agent_of_pod(worker_pod(_worker_spec(spec), index=index)).prefetch == "off"
+
+
 # The options spotjob-agent accepted at c5f2419 (2026-12-01, the first day of the Helm
 # chart), read from its agent.launcher_cli.build_parser: the oldest agent README "Upgrading" says a
 # newer controller still starts. An option the controller adds must be one of these, or go in the

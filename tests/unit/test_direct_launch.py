@@ -19,7 +19,7 @@ from agent.exit_codes import command_exit_code
 from agent.launcher import parse_args
 from agent.process_tree import read_proc
 from agent.ranks import Ranks, free_port, main, rank_env
-from agent.torchrun import DirectLaunch, direct_launch
+from agent.torchrun import DirectLaunch, direct_launch, node_ranks
 
 BOUND_S = 60.0  # only stops a hung test; nothing here asserts how long anything took
 
@@ -309,3 +309,25 @@ def test_a_taken_port_is_never_chosen_and_without_a_free_one_the_kernel_picks(
     range_file.write_text("not a range")  # unreadable: drawn under the range Linux has by default
     monkeypatch.setattr(ranks, "_BELOW_EPHEMERAL", 16384)
     assert 32768 - 16384 <= free_port("127.0.0.1") < 32768
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "expected"),
+    [
+        (["--nproc-per-node", "4"], {}, (range(4), 4)),
+        (["--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2"], {}, (range(4, 6), 6)),
+        (["--nproc-per-node=2", "--nnodes=2:2", "--node_rank=1"], {}, (range(2, 4), 4)),
+        (["--nnodes", "2"], {"PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "1"}, (range(8, 16), 16)),
+        (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d"], {}, None),
+        (["--nproc-per-node", "2", "--nnodes", "1:4"], {}, None),
+        (["--nproc-per-node", "gpu"], {}, None),
+        (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2"], {}, None),
+    ],
+)
+def test_the_ranks_of_this_node_are_known_where_the_command_numbers_its_nodes(
+    options: list[str], env: dict[str, str], expected: tuple[range, int] | None
+) -> None:
+    """What the agent's prefetch is told (``--prefetch node``): new with it, pinned here. A c10d or
+    elastic rendezvous numbers the nodes as they arrive, so nobody knows before the ranks meet."""
+    assert node_ranks(["torchrun", *options, "train.py"], env) == expected
+    assert node_ranks(["python", "train.py"], env) is None

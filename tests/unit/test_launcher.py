@@ -1005,3 +1005,20 @@ def test_the_agent_imports_no_torch_and_no_cloud_sdk() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_prefetch_is_an_option_and_a_variable_and_the_option_wins(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--prefetch`` / ``SPOTJOB_AGENT_PREFETCH`` (the way in on Kubernetes, where the controller
+    writes the command line). Before the fix neither existed: the prefetch could not be turned off."""
+    argv = ["--checkpoint-uri", "file:///c", "--", "x"]
+    assert parse_args(argv, {})[0].prefetch == "node"
+    assert parse_args(argv, {"SPOTJOB_AGENT_PREFETCH": "off"})[0].prefetch == "off"
+    assert parse_args(argv, {"SPOTJOB_AGENT_PREFETCH": " "})[0].prefetch == "node"  # empty counts as unset
+    assert parse_args(["--prefetch", "all", *argv], {"SPOTJOB_AGENT_PREFETCH": "off"})[0].prefetch == "all"
+    for args, env, said in (
+        (["--prefetch", "no"], {}, "--prefetch 'no': expected one of node, all, off"),
+        ([], {"SPOTJOB_AGENT_PREFETCH": "false"}, "SPOTJOB_AGENT_PREFETCH 'false': expected one of node, all, off"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_args([*args, *argv], env)
+        assert e.value.code == 2 and said in capsys.readouterr().err
