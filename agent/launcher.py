@@ -420,10 +420,17 @@ class Agent(AgentRequests):
             self._say_not_connected(message, "")
             return
         host, port = point
+        # Under torchrun, a node that is not the store's host waits in torchrun's own rendezvous,
+        # before any rank starts; with the agent's launcher its ranks wait in init_process_group.
+        timeout = (
+            "torchrun's rendezvous timeout (--rdzv-conf timeout=SECONDS, 600 by default) or init_process_group's"
+            if self._runner == "torchrun"
+            else "init_process_group's timeout"
+        )
         message += (
             f". They meet at {host}:{port}: ranks that never meet (a wrong --master-addr or --master-port, a "
             f"firewall or NetworkPolicy between the nodes, a node that never started) wait there until "
-            f"init_process_group's timeout, then fail"
+            f"{timeout}, then fail"
         )
 
         def check() -> None:
