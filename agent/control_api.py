@@ -237,6 +237,11 @@ class StatusResponse(BaseModel):
     status_updated_at: float | None = Field(description="when the node's first rank last wrote status.json")
     ranks_connected: bool = Field(description="whether a rank has written status.json since the start")
     problems: list[str] = Field(description="what the agent warned about: no rank connected, URI mismatch")
+    ranks_not_meeting: str | None = Field(
+        default=None,
+        description="no rank has connected --rank-connect-timeout after the start (they have not met in "
+        "init_process_group, or build no Checkpointer): the warning, what was checked; None otherwise",
+    )
     notice: NoticeInfo | None = Field(description="the notice that started the flush (the first one)")
     held_notice: NoticeInfo | None = Field(
         default=None, description="a cloud notice far from its deadline: training goes on until flush_at (--flush-lead)"

@@ -58,6 +58,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -104,8 +105,10 @@ from agent.torchrun import (
     direct_launch,
     in_place_restart_warning,
     local_rendezvous,
+    meeting_point,
     node_ranks,
     port_taken,
+    probe_meeting_point,
     torchrun_nproc,
 )
 
@@ -386,24 +389,75 @@ class Agent(AgentRequests):
         return [p.pid for p in tree.refresh()] == [child.pid]
 
     def _check_ranks(self, now: float) -> None:
-        """Warn once when no rank connected in time, and when the ranks write somewhere else."""
+        """Warn when no rank connected in time (the ranks have not met, or build no Checkpointer),
+        and when the ranks write somewhere else."""
         rank = self.control.status()
         if rank is None:
             waited = now - self._started_monotonic
-            if not self._rank_seen and waited >= self.config.rank_connect_timeout and "connect" not in self._problems:
-                message = (
-                    f"no rank has connected to the control folder {waited:.0f} s after the start: a notice "
-                    f"cannot reach the ranks, so nothing would be flushed. Does the script use spotjob's "
-                    f"Checkpointer (it joins the agent's channel through {ENV_CONTROL_DIR})?"
-                )
-                self._problems["connect"] = message
-                log.warning("%s", message)
+            if not self._rank_seen and waited >= self._connect_check_at and not self._connect_checking.is_set():
+                self._connect_check_at = waited + self.config.rank_connect_timeout
+                self._warn_not_connected(waited)
             return
         if not self._rank_seen:
-            self._rank_seen = True
-            if self._problems.pop("connect", None):
+            with self._lock:
+                self._rank_seen = True
+                said = self._problems.pop("connect", None)
+            if said:
                 log.info("a rank has connected to the control folder after all")
+                self._write_agent_file()
         self._check_uri(rank)
+
+    def _warn_not_connected(self, waited: float) -> None:
+        """The warning of ``_check_ranks``, every ``--rank-connect-timeout`` while no rank connected
+        (logged again only when what it found changed): what the ranks may wait for and the usual
+        causes. Where the command says where its ranks meet, a thread tries that address (a dropped
+        connection takes seconds to tell, which the watch loop must not wait for)."""
+        message = (
+            f"no rank has connected to the control folder {waited:.0f} s after the start: the ranks are still "
+            f"starting (importing torch), or wait in init_process_group for peers that do not come, or the script "
+            f"builds no spotjob Checkpointer (Checkpointer.from_env(), after init_process_group; it joins the agent's "
+            f"channel through {ENV_CONTROL_DIR}). Until one connects a notice cannot reach the ranks, so nothing "
+            f"would be flushed"
+        )
+        point = meeting_point(self.config.command, self.env)
+        if point is None:
+            self._say_not_connected(message, "")
+            return
+        host, port = point
+        # Under torchrun, a node that is not the store's host waits in torchrun's own rendezvous,
+        # before any rank starts; with the agent's launcher its ranks wait in init_process_group.
+        timeout = (
+            "torchrun's rendezvous timeout (--rdzv-conf timeout=SECONDS, 600 by default) or init_process_group's"
+            if self._runner == "torchrun"
+            else "init_process_group's timeout"
+        )
+        message += (
+            f". They meet at {host}:{port}: ranks that never meet (a wrong --master-addr or --master-port, a "
+            f"firewall or NetworkPolicy between the nodes, a node that never started) wait there until "
+            f"{timeout}, then fail"
+        )
+
+        def check() -> None:
+            try:
+                found = probe_meeting_point(host, port)
+                self._say_not_connected(f"{message}. Checked from this host: {found}", found)
+            finally:
+                self._connect_checking.clear()
+
+        self._connect_checking.set()
+        threading.Thread(target=check, name="spotjob-rendezvous-check", daemon=True).start()
+
+    def _say_not_connected(self, message: str, found: str) -> None:
+        with self._lock:
+            if self._rank_seen:
+                return
+            self._problems["connect"] = message
+            again = self._connect_found == found
+            self._connect_found = found
+        if not again:
+            log.warning("%s", message)
+        with contextlib.suppress(OSError):
+            self._write_agent_file()
 
     def _check_uri(self, rank: RankStatus) -> None:
         mine = self.checkpoint_uri
@@ -597,10 +651,23 @@ class Agent(AgentRequests):
         if self.api is not None:
             self.api.stop()
             # Only this agent's: another agent's (a control folder refused as in use) stays.
-            with contextlib.suppress(FileNotFoundError):
+            with self._agent_file_lock, contextlib.suppress(FileNotFoundError):
+                self._agent_file_removed = True  # a check still under way writes it no more
                 os.unlink(os.path.join(self.control.path, AGENT_FILE))
 
     def _write_agent_file(self) -> None:
+        """``agent.json``; written again when ``ranks_not_meeting`` (the warning of
+        ``_check_ranks``, which local mode's controller reads here) comes or goes."""
+        if self.api is None:
+            return
+        with self._lock:
+            not_meeting = self._problems.get("connect")
+        with self._agent_file_lock:
+            if self._agent_file_removed:
+                return
+            self._write_agent_json(not_meeting)
+
+    def _write_agent_json(self, not_meeting: str | None) -> None:
         assert self.api is not None
         write_json_atomic(
             os.path.join(self.control.path, AGENT_FILE),
@@ -613,8 +680,9 @@ class Agent(AgentRequests):
                 "auth": self.api.auth_required,
                 "control_dir": self.control.path,
                 "job_name": self.config.job_name,
-                "started_at": time.time(),
+                "started_at": self._started_at,
                 "hostname": socket.gethostname(),
+                "ranks_not_meeting": not_meeting,
             },
         )
 

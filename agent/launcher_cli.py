@@ -44,10 +44,12 @@ ENV_FLUSH_LEAD = "SPOTJOB_AGENT_FLUSH_LEAD"
 ENV_GCP_MAINTENANCE_SECONDS = "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS"
 ENV_REBALANCE = "SPOTJOB_AGENT_REBALANCE"
 ENV_PREFETCH = "SPOTJOB_AGENT_PREFETCH"
+ENV_RANK_CONNECT_TIMEOUT = "SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT"
 NOTICE_VARIABLES = {
     "flush_lead": ENV_FLUSH_LEAD,
     "gcp_maintenance_seconds": ENV_GCP_MAINTENANCE_SECONDS,
     "rebalance": ENV_REBALANCE,
+    "rank_connect_timeout": ENV_RANK_CONNECT_TIMEOUT,
 }
 """The notice options a variable also sets (the option wins): on Kubernetes the controller writes
 the agent's command line, and a SpotJob's ``env`` is how a user reaches these (an agent older
@@ -57,6 +59,10 @@ MIN_POLL_INTERVAL = 0.01
 MAX_POLL_INTERVAL = 60.0
 """The range ``SPOTJOB_AGENT_POLL_INTERVAL`` takes: past a minute, a two-minute notice may be
 heard too late to flush; under 10 ms the agent would only spin on the metadata server."""
+
+DEFAULT_RANK_CONNECT_TIMEOUT = 120.0
+"""``--rank-connect-timeout``: torch's import and a restore fit in it on a healthy start; ranks that
+have not met by then are said to be waiting, not stopped (init_process_group's own timeout does that)."""
 
 MAX_WAIT_SECONDS = 86400.0
 """The longest of the agent's graces, timeouts and deadlines (a day): longer is a typo, and ``inf``
@@ -136,8 +142,11 @@ class AgentConfig(BaseModel):
     """Flush and stop when the process that started the agent (the driver) is gone."""
     parent_grace: float = Field(default=30.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
     """The deadline of the flush after the parent is gone, in seconds."""
-    rank_connect_timeout: float = Field(default=120.0, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False)
-    """Warn when no rank has written status.json this long after the start."""
+    rank_connect_timeout: float = Field(
+        default=DEFAULT_RANK_CONNECT_TIMEOUT, gt=0, le=MAX_WAIT_SECONDS, allow_inf_nan=False
+    )
+    """Warn when no rank has written status.json this long after the start (the ranks have not met, or
+    the script builds no Checkpointer): a log line, ``/status``'s ``ranks_not_meeting``, ``agent.json``."""
     prefetch: Prefetch = "node"
     """What the agent fetches into the node's restore cache while the ranks start: the files this
     node's ranks read (``node``; every file where the command does not say which ranks the node
@@ -304,8 +313,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     st.add_argument(
         "--rank-connect-timeout",
         type=float,
-        default=120.0,
-        help="warn when no rank has connected to the control folder this long after the start (default 120 s)",
+        help="warn when no rank has connected to the control folder this long after the start: the ranks have "
+        f"not met in init_process_group, or build no Checkpointer (default {DEFAULT_RANK_CONNECT_TIMEOUT:g} s; "
+        f"also {ENV_RANK_CONNECT_TIMEOUT})",
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument(
@@ -405,7 +415,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
             start_fresh=ns.start_fresh,
             exit_with_parent=ns.exit_with_parent,
             parent_grace=ns.parent_grace,
-            rank_connect_timeout=ns.rank_connect_timeout,
+            rank_connect_timeout=DEFAULT_RANK_CONNECT_TIMEOUT
+            if ns.rank_connect_timeout is None
+            else ns.rank_connect_timeout,
             launcher=ns.launcher,
             prefetch=ns.prefetch,
             log_format=ns.log_format,

@@ -138,6 +138,7 @@ class AgentRequests:
         """When the agent killed the command: whether more than torchrun was left of it (a rank, a
         script still at work after close()); False when only torchrun waited (its exit barrier)."""
         self._started_monotonic = time.monotonic()
+        self._started_at = time.time()
         self._terminate_requested: int | None = None
         self._suspend_requested = False
         """SIGTSTP (Ctrl-Z) came: the watch loop pauses the command's processes, then the agent."""
@@ -145,6 +146,15 @@ class AgentRequests:
         self._parent_pid = os.getppid()
         self._parent_gone = False
         self._rank_seen = False
+        self._connect_check_at = config.rank_connect_timeout
+        """Seconds after the start at which ``_check_ranks`` next says that no rank connected."""
+        self._connect_checking = threading.Event()
+        """A check of the ranks' meeting point is under way (a thread of ``_warn_not_connected``)."""
+        self._connect_found: str | None = None
+        """What the last such check found (logged again only when it changes)."""
+        self._agent_file_lock = threading.Lock()
+        self._agent_file_removed = False
+        """``agent.json`` is gone with the agent: nothing writes it again (a check's thread)."""
         self._problems: dict[str, str] = {}
         """What the agent warned about, by topic (shown in /status)."""
         self._rendezvous: Rendezvous | None = None
@@ -447,6 +457,7 @@ class AgentRequests:
             returncode = self._returncode
             stop = self._stop
             problems = list(self._problems.values())
+            not_meeting = self._problems.get("connect")
             held = self._held
         result = flush.result if flush is not None else None
         deadline = flush.deadline if flush is not None else None
@@ -469,6 +480,7 @@ class AgentRequests:
             status_updated_at=rank.updated_at if rank else None,
             ranks_connected=rank is not None,
             problems=problems,
+            ranks_not_meeting=not_meeting,
             notice=_notice_info(flush.notice) if flush is not None else None,
             held_notice=_notice_info(held) if held is not None else None,
             flush_at=self._flush_at(held) if held is not None else None,

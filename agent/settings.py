@@ -165,6 +165,7 @@ OTHER_VARIABLES = frozenset(
         "SPOTJOB_AGENT_GCP_MAINTENANCE_SECONDS",
         "SPOTJOB_AGENT_REBALANCE",
         "SPOTJOB_AGENT_PREFETCH",
+        "SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT",
         "SPOTJOB_AGENT_ID",
         # spotjob run's workers and their marks (orchestrator.backends.local)
         "SPOTJOB_LOCAL_NODE",

@@ -207,6 +207,54 @@ def local_rendezvous(command: Sequence[str], env: Mapping[str, str] | None = Non
     return None
 
 
+def meeting_point(command: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """Where the ranks of this torchrun command meet (the rendezvous store's host and port), or None
+    (not torchrun, a port torchrun picks itself, or options this function cannot read)."""
+    options = torchrun_options(command, env)
+    if options is None or _picks_own_port(options):
+        return None
+    backend = options.get("--rdzv-backend", "static")
+    endpoint = options.get("--rdzv-endpoint", "")
+    try:
+        if backend == "static":
+            if endpoint:
+                return _split_endpoint(endpoint, STATIC_DEFAULT_PORT)
+            return options.get("--master-addr", "127.0.0.1"), int(options.get("--master-port", STATIC_DEFAULT_PORT))
+        if endpoint:
+            return _split_endpoint(endpoint, C10D_DEFAULT_PORT)
+    except ValueError:
+        return None
+    return None
+
+
+def probe_meeting_point(host: str, port: int, timeout: float = 3.0) -> str:
+    """What a TCP connection to the rendezvous store at ``host:port`` finds, in words for a log line.
+
+    Opens and closes one connection and sends nothing (the store drops a client that leaves
+    before its handshake)."""
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except ConnectionRefusedError:
+        return (
+            f"nothing accepts connections at {where} (refused): the store's host (node rank 0) has not "
+            "started it, or the address or port is wrong"
+        )
+    except TimeoutError:
+        return (
+            f"{where} did not answer within {timeout:g} s: a firewall or NetworkPolicy drops the packets, "
+            "or the address is wrong"
+        )
+    except OSError as e:
+        return f"{where} cannot be reached ({e.strerror or e}): the address is wrong or unreachable from here"
+    return (
+        f"{where} accepted a connection: if that is the store (and not a proxy on the way, such as a service "
+        "mesh's sidecar), the ranks wait for peers that have not joined (a node that did not start or cannot "
+        "reach it, fewer ranks started than the world size)"
+    )
+
+
 def _picks_own_port(options: Mapping[str, str]) -> bool:
     """Whether torchrun picks a free port itself: ``--standalone``, or one node (``--nnodes 1``,
     the default) with the default static rendezvous given neither ``--master-port`` nor

@@ -498,7 +498,8 @@ class NotStarting(_Resource):
     worker: str = Field(description="the worker's name")
     reason: str = Field(
         description="the kubelet's or the scheduler's reason: ErrImagePull, ImagePullBackOff, "
-        "CreateContainerConfigError, Unschedulable, ..."
+        "CreateContainerConfigError, Unschedulable, ...; RanksNotMeeting: the worker's agent runs, and no rank "
+        "has connected to it past its --rank-connect-timeout (they wait in init_process_group)"
     )
     message: str = Field(default="", description="what it says, for people")
     since: datetime = Field(description="when the reconciler first saw the attempt not starting")

@@ -118,6 +118,12 @@ class HeldNoticeReport:
     """When the agent heard it."""
 
 
+RANKS_NOT_MEETING = "RanksNotMeeting"
+"""``WorkerObservation.not_starting``'s reason for a worker whose agent runs and says that no rank
+has connected to it past its ``--rank-connect-timeout`` (``ranks_not_meeting`` in its ``/status``
+and ``agent.json``): the ranks wait in init_process_group for peers, or build no Checkpointer."""
+
+
 @dataclass(frozen=True)
 class WorkerObservation:
     """One worker as the backend sees it now."""
@@ -140,7 +146,8 @@ class WorkerObservation:
     scheduler's words; None while it is placed or placing. The start timeout counts on it."""
     not_starting: tuple[str, str] | None = None
     """Why a Pending worker's containers cannot start, as (reason, message) in the kubelet's words
-    (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...); None while it starts normally
+    (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...), or ``RANKS_NOT_MEETING`` and
+    its agent's words when it runs but its ranks have not connected; None while it starts normally
     or is not placed yet (``unschedulable`` says that)."""
     detail: str | None = None
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its

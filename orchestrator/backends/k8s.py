@@ -61,6 +61,7 @@ from typing import Any
 from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_INFRA_ERROR
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
+    RANKS_NOT_MEETING,
     BackendError,
     FlushRequestOutcome,
     FlushRequestState,
@@ -214,7 +215,7 @@ class KubernetesBackend:
                 phase, exit_code = WorkerPhase.FAILED, None
             labels = self._node_labels(node_name)
             report = AgentReport()
-            if phase is WorkerPhase.RUNNING and _pod_ip(pod):
+            if (phase is WorkerPhase.RUNNING or _agent_started(pod)) and _pod_ip(pod):
                 token = token or self._token_or_none(key)
                 if token is not None:
                     report = self.agents.report(self._endpoint(pod, token))
@@ -232,7 +233,7 @@ class KubernetesBackend:
                     step=report.step,
                     held_notice=report.held_notice,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
-                    not_starting=_not_starting(pod) if phase is WorkerPhase.PENDING else None,
+                    not_starting=_not_starting(pod, report) if phase is WorkerPhase.PENDING else None,
                     holds_node=exit_code is not None and _still_running(pod),
                 )
             )
@@ -752,8 +753,16 @@ _NOT_STARTING = frozenset(
 PodInitializing are a start in progress)."""
 
 
-def _not_starting(pod: Object) -> tuple[str, str] | None:
-    """The first container (init containers first) waiting for a reason it will not get past alone."""
+def _agent_started(pod: Object) -> bool:
+    """The pod runs and its training container (the agent) is up, though not ready: its ranks have
+    not reported. Its ``/status`` says whether they have been waiting too long (``RANKS_NOT_MEETING``)."""
+    running = (pods.training_container_status(pod).get("state") or {}).get("running")
+    return (pod.get("status") or {}).get("phase") == "Running" and running is not None
+
+
+def _not_starting(pod: Object, report: AgentReport) -> tuple[str, str] | None:
+    """The first container (init containers first) waiting for a reason it will not get past alone;
+    else, for an agent that runs, its word that its ranks have not connected (``RANKS_NOT_MEETING``)."""
     status = pod.get("status") or {}
     for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (container.get("state") or {}).get("waiting") or {}
@@ -762,6 +771,8 @@ def _not_starting(pod: Object) -> tuple[str, str] | None:
             message = str(waiting.get("message") or "")
             where = f"container {container.get('name')}"
             return reason, f"{where}: {message}" if message else where
+    if report.ranks_not_meeting is not None:
+        return RANKS_NOT_MEETING, f"its agent: {report.ranks_not_meeting}"
     return None
 
 

@@ -80,7 +80,14 @@ from agent.notices.emulators import ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, read_proc
 from agent.ranks import free_port
 from agent.torchrun import Launcher
-from orchestrator.backends.base import BackendError, FlushRequestState, Placement, WorkerObservation, worker_name
+from orchestrator.backends.base import (
+    RANKS_NOT_MEETING,
+    BackendError,
+    FlushRequestState,
+    Placement,
+    WorkerObservation,
+    worker_name,
+)
 from orchestrator.backends.local_cloud import (
     ENV_NODE,
     ENV_RUN,
@@ -187,6 +194,11 @@ class _Worker:
 
     def rank_status(self) -> dict[str, Any] | None:
         return read_json(os.path.join(self.control_dir, STATUS_FILE))
+
+    def ranks_not_meeting(self) -> str | None:
+        """The agent's warning that no rank has connected yet (its ``agent.json``), if it gave one."""
+        said = (read_json(os.path.join(self.control_dir, AGENT_FILE)) or {}).get("ranks_not_meeting")
+        return said if isinstance(said, str) and said else None
 
 
 @dataclass(frozen=True)
@@ -590,6 +602,7 @@ class LocalBackend:
             exit_code=code,
             step=step if isinstance(step, int) else None,
             detail=w.detail,
+            not_starting=_not_meeting(w) if phase is WorkerPhase.PENDING else None,
         )
 
     def _stop(self, w: _Worker) -> None:
@@ -738,3 +751,10 @@ __all__ = [
     "marked_pids",
     "run_pids",
 ]
+
+
+def _not_meeting(w: _Worker) -> tuple[str, str] | None:
+    """``RanksNotMeeting`` and the agent's words, while its ranks have not connected past its
+    ``--rank-connect-timeout``: they wait in init_process_group, or build no Checkpointer."""
+    said = w.ranks_not_meeting()
+    return (RANKS_NOT_MEETING, f"its agent: {said[:900]}") if said is not None else None

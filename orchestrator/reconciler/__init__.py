@@ -32,8 +32,9 @@ Transitions (``*`` once the next attempt's workers were started)::
     from                        to            when                                            reason
     (new)                       Pending       storage answers; attempt 0 started              WorkersStarted
     Pending, Rescheduling*      (same)        a worker does not start (an image it cannot     WorkerNotStarting
-                                              pull, no node): status.attempt.notStarting;     (Event, once
-                                              a Warning Event (no node: after 10 minutes)     per attempt)
+                                              pull, no node, its ranks not meeting):          (Event, once
+                                              status.attempt.notStarting; a Warning Event     per attempt)
+                                              (no node: after 10 minutes)
     Pending, Rescheduling*      Running       every worker of the attempt runs                WorkersRunning
     Running, Flushing           Succeeded     every worker exited 0                           Completed
     Pending, Running, Resch.*   Flushing      a preemption signal names a node of the attempt SpotInterrupted

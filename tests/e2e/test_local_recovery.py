@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from local_run_support import REPO, STEPS, TRAIN, assert_same_final_state, clean_env, tool
 
 from agent.catalog import list_checkpoints
 from agent.ownership import attempt_records, read_owner
@@ -74,10 +74,14 @@ def commits_logged(run: Path) -> int:
     return len({uri for text in logs for uri in COMMIT_LINE.findall(text)})
 
 
-def start_driver(tmp_path: Path, argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+def start_driver(
+    tmp_path: Path, argv: list[str], env: dict[str, str] | None = None, **popen: Any
+) -> subprocess.Popen[bytes]:
     """``spotjob run`` in the background, its output in ``driver.log``."""
     with open(tmp_path / "driver.log", "wb") as out:
-        return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, **popen)
+        return subprocess.Popen(
+            argv, cwd=tmp_path, env=env or clean_env(), stdout=out, stderr=subprocess.STDOUT, **popen
+        )
 
 
 def wait_training(driver: subprocess.Popen[bytes], run: Path, steps: int) -> None:
@@ -337,3 +341,36 @@ def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_
     assert len(refused.strip().splitlines()) == 1, refused
     status = job_document(tmp_path / "spotjob-runs" / "twice")["status"]
     assert status["phase"] == "Succeeded" and status["attempt"]["number"] == 0
+
+
+# -- ranks that never meet ------------------------------------------------------------------------
+
+
+def test_ranks_that_never_meet_are_told_as_ranks_not_meeting_while_the_job_stays_pending(tmp_path: Path) -> None:
+    """The script's ranks wait in init_process_group for a rank that never comes. Before, the run
+    said only "Pending" until torch's timeout (the agent's warning stayed in the worker's log);
+    now the agent's warning reaches the job: ``status.attempt.notStarting`` (RanksNotMeeting, with
+    the agent's words) and one WorkerNotStarting Warning Event, the job still Pending."""
+    run = tmp_path / "spotjob-runs" / "stuck"
+    argv = [tool("spotjob"), "run", "--no-live", "--name", "stuck", str(REPO / "tests/e2e/scripts/never_meet.py")]
+    driver = start_driver(tmp_path, argv, env=clean_env(SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT="0.5"))
+    key = JobKey("local", "stuck")
+
+    def told() -> bool:
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+        return any(e.reason == "WorkerNotStarting" for e in read_events(events_path(str(run), key)))
+
+    try:
+        wait_for(told, "the WorkerNotStarting Event")
+        status = job_document(run)["status"]
+        stuck = status["attempt"]["notStarting"]
+        assert status["phase"] == "Pending" and stuck["worker"] == "stuck-0-0" and stuck["reason"] == "RanksNotMeeting"
+        assert "no rank has connected" in stuck["message"] and "They meet at 127.0.0.1:" in stuck["message"]
+        event = next(e for e in read_events(events_path(str(run), key)) if e.reason == "WorkerNotStarting")
+        assert event.type == "Warning" and "stuck-0-0 of attempt 0 is not starting: RanksNotMeeting" in event.message
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=GIVE_UP_S) == 130
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()

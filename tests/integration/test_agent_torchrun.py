@@ -11,6 +11,7 @@ restart, a failing rank, and options it leaves to torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -745,3 +746,94 @@ def test_the_readmes_slurm_recipe_each_node_expands_its_own_rank_and_sigusr1_to_
     (step,) = steps
     committed = next(c for c in list_checkpoints(open_storage(uri)) if c.ref.step == step)
     assert committed.valid and committed.manifest is not None and committed.manifest.world_size == 4, committed.reason
+
+
+# -- ranks that do not meet --------------------------------------------------------------------------
+
+
+def get_status(run: AgentRun) -> dict[str, Any]:
+    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def post_stop(run: AgentRun) -> None:
+    """``POST /stop``: the agent stops its command without a flush and exits 79 (a signal may be
+    ignored: a test runner started in the background by a shell ignores SIGINT and SIGQUIT)."""
+    with contextlib.suppress(OSError):  # gone already (no agent.json): its exit code tells
+        req = urllib.request.Request(
+            run.url() + "/stop", data=b'{"reason": "test"}', method="POST",
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        urllib.request.urlopen(req, timeout=10).close()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "direct"])
+def test_a_node_whose_master_address_nothing_listens_on_is_warned_about_naming_the_address(
+    tmp_path: Path, launcher: str
+) -> None:
+    """Node 1 of 2 given a master port nothing listens on: its rank (or torchrun, for it) waits in
+    the rendezvous. Before, the agent said only, after --rank-connect-timeout, that no rank had
+    connected and asked whether the script used the Checkpointer: nothing named the address, and
+    the controller was told nothing (``/status`` and ``agent.json`` had no field for it)."""
+    port = free_port()
+    run = start_agent(
+        tmp_path, "lonely", str(tmp_path / "ckpt"),
+        ["--cloud", "none", "--launcher", launcher, "--rank-connect-timeout", "0.5"], [str(tmp_path / "never")],
+        torchrun_args=("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", str(port)),
+        script=RANK_ENV,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: "nothing accepts connections" in run.log(), "the warning", run.proc)
+        said = f"They meet at 127.0.0.1:{port}"
+        assert said in run.log() and "WARNING" in run.log()
+        # Under torchrun, node 1 waits in torchrun's own rendezvous (its timeout, not the script's).
+        waits = {"torchrun": "torchrun's rendezvous timeout (--rdzv-conf timeout=", "direct": "init_process_group's"}
+        assert f"wait there until {waits[launcher]}" in run.log()
+        status = get_status(run)
+        assert status["ranks_connected"] is False
+        assert said in status["ranks_not_meeting"] and f"127.0.0.1:{port} (refused)" in status["ranks_not_meeting"]
+        agent_file = json.loads((Path(run.control.path) / "agent.json").read_text())
+        assert agent_file["ranks_not_meeting"] == status["ranks_not_meeting"]
+    finally:
+        post_stop(run)
+    assert run.wait() == 79, run.log()
+
+
+def test_a_node_waiting_for_its_peer_says_the_store_answers_and_the_peer_that_comes_meets_it(tmp_path: Path) -> None:
+    """Node 0 alone: its rank 0 hosts the store and waits for node 1. The agent's check connects to
+    that store (and leaves); the warning says it answered. Node 1 then comes, the ranks meet through
+    the same store, train and finish, and node 0's agent takes the warning back. (What it pins
+    beyond the first test: the check does not disturb a store the ranks then meet through.)"""
+    port = str(free_port())
+    uri = str(tmp_path / "ckpt")
+
+    def node(index: int, *extra: str) -> AgentRun:
+        two_nodes = (
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(index),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+        )
+        return start_agent(
+            tmp_path, f"node{index}", uri, [*DIRECT, *extra], ["--step-sleep", "0.01"], torchrun_args=two_nodes,
+        )  # fmt: skip
+
+    node0 = node(0, "--rank-connect-timeout", "0.5")
+    try:
+        wait_until(lambda: "accepted a connection" in node0.log(), "the warning", node0.proc)
+        assert f"127.0.0.1:{port} accepted a connection" in get_status(node0)["ranks_not_meeting"]
+    except BaseException:
+        post_stop(node0)  # its rank too, without a flush
+        node0.wait(timeout=60)
+        raise
+    node1 = node(1)
+    assert [node0.wait(), node1.wait()] == [0, 0], [node0.log(), node1.log()]
+    assert "a rank has connected to the control folder after all" in node0.log()

@@ -3,6 +3,7 @@ flush/stop/status requests that run in the background against the real agent's A
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -286,5 +287,27 @@ def test_an_agent_whose_status_has_no_held_notice_of_its_shape_reports_its_step_
                 break
             threading.Event().wait(0.01)
         assert calls.report(endpoint()) == AgentReport(step=7, held_notice=None)
+    finally:
+        calls.close()
+
+
+@pytest.mark.parametrize(
+    ("said", "kept"),
+    [(None, None), (5, None), ("", None), ("no rank has connected", "no rank has connected"), ("x" * 5000, "x" * 900)],
+    ids=["older-agent", "not-a-string", "empty", "said", "bounded"],
+)
+def test_the_agents_word_that_its_ranks_have_not_connected_is_kept_bounded(said: object, kept: str | None) -> None:
+    """``ranks_not_meeting`` goes into an Event and the job's status: only a string, at most 900
+    characters (pins the parsing; the field's path end to end is in tests/e2e_k8s). The transport is
+    replaced to answer as such an agent would; what it does not model is the network."""
+    body = json.dumps({"state": "running", "step": 7, "ranks_not_meeting": said}).encode()
+    calls = AgentCalls(port=1, status_max_age=0.0, transport=lambda *_: (200, body))
+    try:
+        calls.report(endpoint())
+        for _ in range(3000):
+            if calls.report(endpoint()).step == 7:
+                break
+            threading.Event().wait(0.01)
+        assert calls.report(endpoint()).ranks_not_meeting == kept
     finally:
         calls.close()

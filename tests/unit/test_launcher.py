@@ -39,7 +39,7 @@ from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
 from agent.notices.base import Notice, NoticeKind, PollingNoticeSource, utc_stamp
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
-from agent.torchrun import local_rendezvous
+from agent.torchrun import local_rendezvous, meeting_point
 
 COMMITTED = FlushResult(step=7, uri="file:///c/step-000000007", request_id="r", notice_to_commit_seconds=1.0)
 FAILED = FlushResult(step=None, uri=None, request_id="r", notice_to_commit_seconds=None, error="bucket gone")
@@ -670,9 +670,58 @@ class TestRanksConnect:
         assert len(caplog.records) == 1 and "no rank has connected" in caplog.text
         status = agent.status()
         assert status.ranks_connected is False and "Checkpointer" in status.problems[0]
+        assert status.ranks_not_meeting == status.problems[0]
         agent.control.write_status(RankStatus(state="training"))
         agent._check_ranks(start + 123)
         assert agent.status().problems == [] and agent.status().ranks_connected is True
+        assert agent.status().ranks_not_meeting is None
+
+    def test_the_warning_is_said_again_only_when_what_it_found_changed(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """(Pins the repeat rule; the first warning's words are in the integration tests.)"""
+        config = AgentConfig(command=["x"], checkpoint_uri="file:///c", rank_connect_timeout=10)
+        agent = Agent(config, ControlDir(str(tmp_path)), env={})
+        start = agent._started_monotonic
+        with caplog.at_level("WARNING"):
+            for waited in (10, 15, 20, 31):
+                agent._check_ranks(start + waited)
+        assert len(caplog.records) == 1
+        assert "31 s after the start" in (agent.status().ranks_not_meeting or ""), "the status follows each check"
+
+    def test_the_threshold_is_also_a_variable_for_a_spotjobs_env(self) -> None:
+        config, _ = parse_args(
+            ["--checkpoint-uri", "file:///c", "--", "x"], {"SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT": "7"}
+        )
+        assert config.rank_connect_timeout == 7
+        config, _ = parse_args(["--checkpoint-uri", "file:///c", "--", "x"], {})
+        assert config.rank_connect_timeout == 120
+
+
+class TestMeetingPoint:
+    @pytest.mark.parametrize(
+        ("args", "env", "point"),
+        [
+            (
+                ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600"],
+                {},
+                ("10.0.0.5", 29600),
+            ),
+            (["--nnodes", "2"], {}, ("127.0.0.1", 29500)),
+            (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29401"], {}, ("head", 29401)),
+            (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "[fd00::1]"], {}, ("fd00::1", 29400)),
+            ([], {"PET_NNODES": "2", "PET_MASTER_ADDR": "h", "PET_MASTER_PORT": "1234"}, ("h", 1234)),
+            (["--standalone"], {}, None),
+            (["--nproc-per-node", "2"], {}, None),  # one node, no port: torchrun picks one
+        ],
+    )
+    def test_where_the_ranks_of_a_torchrun_command_meet(
+        self, args: list[str], env: dict[str, str], point: tuple[str, int] | None
+    ) -> None:
+        assert meeting_point(["torchrun", *args, "train.py"], env) == point
+
+    def test_a_command_that_is_not_torchrun_names_no_meeting_point(self) -> None:
+        assert meeting_point(["python", "train.py"], {}) is None
 
 
 # Above Linux's largest pid_max (2**22): a root with no descendants, for trees found by marker only.
