@@ -6,6 +6,7 @@ import logging
 
 from agent import _fresh_start
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.checkpoint import _claim
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
@@ -80,6 +81,14 @@ class _Retention(_State):
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
                 status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
+                    claim = _claim.read_claim(self.storage, ref.folder)
+                    if claim is not None and claim.writer_alive(self.config.attempt):
+                        # Another process saving to this URI may be writing it now: removed, its
+                        # commit would name files that are gone. Removed once that writer is gone.
+                        log.debug(
+                            "retention: leaving %s: %s may still be saving into it", url(ref.folder), claim.describe()
+                        )
+                        continue
                     doomed.append((ref, False))  # a save that never finished
                     continue
                 if status.foreign or status.fenced:

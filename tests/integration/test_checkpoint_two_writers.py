@@ -1,0 +1,140 @@
+"""Two writers of one job on one URI without attempt numbers (the same script started twice, an old
+node still training after its job was restarted elsewhere, a duplicated SLURM job).
+
+Before each save's folder was claimed (``agent.checkpoint._claim``), both writers of a step
+uploaded into the same ``step-N``: the loser's files replaced the winner's committed ones (every
+file a CRC32C mismatch), and a writer's clean-up of "an unfinished save's leftover" (a save of the
+same step, retention after a later one) removed the other's files in flight, which it then
+committed as a checkpoint with files missing. The invariants held now: nothing committed is
+broken, and the writer that loses a step fails naming the other.
+
+The in-process pairs drive two Checkpointers of one process in a fixed order through one seam (a
+hook on one writer's store, as in test_checkpoint_concurrent_readers.py); their claims name the
+same process, told apart by the saves it has in flight. The last test runs the other writer as a
+real 2-rank torchrun job in processes of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import list_checkpoints, verify_deep
+from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+def committed_and_whole(uri: str) -> dict[str, list[str]]:
+    """Every committed checkpoint's folder, with what a deep check (every CRC32C) finds wrong."""
+    storage = open_storage(uri)
+    try:
+        return {s.ref.folder: verify_deep(storage, s) for s in list_checkpoints(storage) if s.committed}
+    finally:
+        storage.close()
+
+
+def hook(ckpt: Checkpointer, method: str, before: Callable[[], None], when: Callable[..., bool]) -> None:
+    """Run ``before`` once, the first time ``ckpt``'s store calls ``method`` with arguments ``when`` accepts."""
+    real, done = getattr(ckpt.storage, method), []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if not done and when(*args):
+            done.append(True)
+            before()
+        return real(*args, **kwargs)
+
+    setattr(ckpt.storage, method, hooked)
+
+
+def test_the_loser_of_a_step_never_overwrites_the_winners_committed_files(storage_uri: str) -> None:
+    """Writer 1 names step 1's folder; writer 2 saves step 1 whole; then writer 1 uploads. It
+    uploaded into writer 2's committed folder: the checkpoint listed as valid failed every CRC32C
+    (writer 1's commit then failed, too late). Now writer 2 saves beside writer 1's claimed folder
+    and writer 1, the second to commit, fails naming writer 2."""
+    ours, theirs = make_state(0), make_state(0, seed=7)
+    train(ours, 1)
+    train(theirs, 3)
+    one = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    hook(one, "put_files", lambda: two.save(1, theirs), lambda files: True)
+    with pytest.raises(SaveFailedError) as failed:
+        one.save(1, ours)
+    message = str(failed.value)
+    assert "was committed meanwhile by job 'train' (attempt none" in message and "Stop one" in message, message
+    one.close()
+    two.close()
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000001.1": []}, found
+    with Checkpointer(storage_uri, job="train") as reader:
+        restored = make_state(0, seed=5)
+        assert reader.restore(restored) == 1
+    assert_same(snapshot(restored), snapshot(theirs))
+
+
+def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_uri: str) -> None:
+    """Writer 1's save of step 1 is uploaded, its manifest not yet written, when writer 2 (keep=1)
+    commits step 2: its retention removed step 1's folder as an unfinished save's leftover, and
+    writer 1 then committed a manifest whose files were gone. Now retention leaves a folder another
+    live writer claims, and both commits stay whole."""
+    state = make_state(0)
+    train(state, 2)
+    one = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(storage_uri, keep=1, job="train", async_save=False)
+    hook(one, "put_bytes_if_absent", lambda: two.save(2, state), lambda key, data: key.endswith("/MANIFEST.json"))
+    one.save(1, state)
+    one.close()
+    two.close()
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000001": [], "step-000000002": []}, found
+
+
+@pytest.mark.slow
+def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_leftover_goes(tmp_path: Path) -> None:
+    """A 2-rank torchrun job (unnamed, no attempt numbers) commits step 1 and is frozen with step
+    2's files uploaded and its manifest not yet written. A second writer of the job, this process,
+    saved step 2 in the same folder: it removed the live job's files as a leftover. Now it saves
+    beside them (``step-2.1``) and retention leaves them; once the job is killed (-9), its leftover
+    is an unfinished save like any other, and this writer's next save removes it."""
+    uri = str(tmp_path / "ckpt")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    log = tmp_path / "job.log"
+    argv = harness.torchrun_argv(
+        2,
+        harness.SCRIPTS / "ckpt_job.py",
+        ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "manifest"],
+    )
+    proc = harness.start(argv, log)
+    try:
+        expected = [markers / "manifest.rank0", markers / "pid.rank0", markers / "pid.rank1"]
+        harness.wait_for(
+            lambda: all(p.exists() for p in expected), "rank 0 to freeze at the manifest", alive=proc, log_path=log
+        )
+        in_flight = sorted(p.name for p in (Path(uri) / "step-000000002").iterdir())
+        assert "__0_0.distcp" in in_flight, in_flight
+        state = make_state(0, seed=3)
+        second = Checkpointer(uri, keep=1, async_save=False)
+        assert second.restore(state) == 1
+        train(state, 1, start=1)
+        second.save(2, state)
+        assert second.last_committed_uri is not None and second.last_committed_uri.endswith("/step-000000002.1")
+        assert sorted(p.name for p in (Path(uri) / "step-000000002").iterdir()) == in_flight
+        harness.kill9(harness.read_pids(markers))
+        harness.reap(proc)
+        train(state, 1, start=2)
+        second.save(3, state)
+        second.close()
+    finally:
+        harness.kill9(harness.read_pids(markers))
+        harness.stop(proc)
+    assert committed_and_whole(uri) == {"step-000000003": []}
+    assert not (Path(uri) / "step-000000002").exists()
