@@ -752,12 +752,21 @@ class _Saving(_Voting):
                 suffix = max(suffix, ref.attempt + 1)
         save.committed_before = frozenset(committed)
         mine = _claim.Claim.mine(save.claim_id, self.config.job, self.config.attempt).to_json()
+        removed = 0
         while True:
             folder = CheckpointRef(step, suffix).folder
             try:
                 self.storage.put_bytes_if_absent(f"{folder}/{_claim.CLAIM_NAME}", mine)
             except AlreadyExistsError:
                 suffix += 1  # another writer claimed it a moment ago
+                continue
+            except PermanentStorageError as e:
+                # A filesystem store: the folder just made for the claim was removed before the
+                # claim was in it, by another writer's clean-up that took it for an unclaimed
+                # leftover. Claim it again (made anew); the clean-up has passed by then.
+                removed += 1
+                if removed > 3 or not isinstance(e.__cause__, FileNotFoundError):
+                    raise
                 continue
             return folder
 

@@ -138,3 +138,30 @@ def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_lefto
         harness.stop(proc)
     assert committed_and_whole(uri) == {"step-000000003": []}
     assert not (Path(uri) / "step-000000002").exists()
+
+
+def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: Path) -> None:
+    """On a filesystem the claim's folder is made first, and another writer's clean-up can take
+    it, still empty, for an unfinished save's leftover and remove it before the claim is written
+    into it: seen with two 2-rank torchrun jobs saving steps 1-12 into one folder, the save then
+    failed with "cannot write .../WRITER.json: No such file or directory". Now the folder is made
+    and claimed again. The clean-up is injected at one seam (the store writing the claim's temp
+    file removes the folder first), as the other writer's ``delete_prefix`` would."""
+    import shutil
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    write_tmp, removed = ckpt.storage._write_tmp, []  # type: ignore[attr-defined]
+
+    def removed_first(dest: str, data: bytes) -> str:
+        if dest.endswith("WRITER.json") and not removed:
+            removed.append(dest)
+            shutil.rmtree(Path(dest).parent)
+        return write_tmp(dest, data)
+
+    ckpt.storage._write_tmp = removed_first  # type: ignore[attr-defined]
+    ckpt.save(1, state)
+    ckpt.close()
+    assert removed and ckpt.last_committed_uri is not None
+    assert committed_and_whole(uri) == {"step-000000001": []}
