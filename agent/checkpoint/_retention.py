@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from agent import _fresh_start
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
@@ -56,6 +57,34 @@ class _Retention(_State):
                 )
                 return
 
+    _twice_said = False
+    """(rank 0) Another live process's commit of a step this one committed too was named (``_say_if_twice``)."""
+
+    def _say_if_twice(self, committed: CheckpointRef, refs: list[CheckpointRef]) -> None:
+        """(rank 0, once) Another process of this machine or another, still running, committed the
+        step just committed too (``step-N`` beside ``step-N.1``): two writers saving the same steps
+        at the same moments both commit, each copy whole, and otherwise neither would be told."""
+        if self._twice_said:
+            return
+        for ref in refs:
+            if ref.step != committed.step or ref == committed or self.storage.stat(ref.key(MANIFEST_NAME)) is None:
+                continue
+            claim = _claim.read_claim(self.storage, ref.folder)
+            if claim is None or claim.pid == os.getpid() or not claim.writer_alive(self.config.attempt):
+                continue
+            self._twice_said = True
+            log.error(
+                "committed step %d at %s, and %s committed it too, at %s: two processes are saving to this URI "
+                "(the same script started twice, or a stale copy that no attempt number fences). Each copy is "
+                "whole and a restore takes the newest, but each one's retention removes the other's "
+                "checkpoints; stop one (said once)",
+                committed.step,
+                self.storage.url(committed.folder),
+                claim.describe(),
+                self.storage.url(ref.folder),
+            )
+            return
+
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
         copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
@@ -73,6 +102,7 @@ class _Retention(_State):
             older = [r for r in refs if r < committed and r.folder not in retired and (swept is None or swept < r)]
             lineage = Lineage.load(self.storage)
             self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
+            self._say_if_twice(committed, refs)
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             kept = 0
             kept_steps = {committed.step}

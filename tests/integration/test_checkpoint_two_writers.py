@@ -140,6 +140,55 @@ def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_lefto
     assert not (Path(uri) / "step-000000002").exists()
 
 
+def test_a_step_another_running_process_committed_too_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers saving the same steps at the same moments each claim a folder and both commit
+    (``step-N`` and ``step-N.1``, each whole): a duplicated job ran that way to its end with no
+    word of the other. Now the commit's retention pass says so once, naming the other writer, when
+    that writer still runs; a script re-saving a step after a restart (the earlier copy's writer is
+    gone) is not told. The other writer is faked at one seam: the claim of the earlier copy is
+    rewritten to name a process of this machine (a ``sleep``); its saves are not modelled."""
+    import subprocess
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    storage = open_storage(uri)
+
+    def claimed_by(folder: str, pid: int) -> None:
+        started, machine = _claim._started(pid), _claim._machine()
+        claim = _claim.Claim("other", "train", None, "vm", pid, started, machine, time.time())
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    ckpt.save(1, state)
+    gone = subprocess.Popen(["sleep", "600"])
+    claimed_by("step-000000001", gone.pid)
+    gone.kill()
+    gone.wait()
+    ckpt.save(1, state)  # a re-save of the step: its earlier writer is gone
+    assert ckpt.last_committed_uri is not None and ckpt.last_committed_uri.endswith("/step-000000001.1")
+    assert "committed it too" not in caplog.text
+    running = subprocess.Popen(["sleep", "600"])
+    try:
+        claimed_by("step-000000001.1", running.pid)
+        ckpt.save(1, state)
+        ckpt.save(1, state)
+    finally:
+        running.kill()
+        running.wait()
+    ckpt.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records if "committed it too" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"job 'train' (attempt none) on host 'vm', pid {running.pid} committed it too" in said[0], said
+    assert "step-000000001.1: two processes are saving to this URI" in said[0], said
+
+
 def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: Path) -> None:
     """On a filesystem the claim's folder is made first, and another writer's clean-up can take
     it, still empty, for an unfinished save's leftover and remove it before the claim is written
