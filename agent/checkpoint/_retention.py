@@ -60,14 +60,21 @@ class _Retention(_State):
     _twice_said = False
     """(rank 0) Another live process's commit of a step this one committed too was named (``_say_if_twice``)."""
 
+    _committed_beside: frozenset[str] = frozenset()
+    """(rank 0) The folders of its step committed already when the last commit's save named its
+    folder (a restarted script re-saving the step it resumed from): not another writer's commit."""
+
     def _say_if_twice(self, committed: CheckpointRef, refs: list[CheckpointRef]) -> None:
         """(rank 0, once) Another process of this machine or another, still running, committed the
-        step just committed too (``step-N`` beside ``step-N.1``): two writers saving the same steps
-        at the same moments both commit, each copy whole, and otherwise neither would be told."""
+        step just committed too, after this save named its folder (``step-N`` beside ``step-N.1``):
+        two writers saving the same steps at the same moments both commit, each copy whole, and
+        otherwise neither would be told."""
         if self._twice_said:
             return
         for ref in refs:
-            if ref.step != committed.step or ref == committed or self.storage.stat(ref.key(MANIFEST_NAME)) is None:
+            if ref.step != committed.step or ref == committed or ref.folder in self._committed_beside:
+                continue
+            if self.storage.stat(ref.key(MANIFEST_NAME)) is None:
                 continue
             claim = _claim.read_claim(self.storage, ref.folder)
             if claim is None or claim.pid == os.getpid() or not claim.writer_alive(self.config.attempt):

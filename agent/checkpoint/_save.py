@@ -652,6 +652,7 @@ class _Saving(_Voting):
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
             save.committed_uri = uri
+            self._committed_beside = save.committed_before
             self.last_committed_step = save.step
             self.last_committed_uri = uri
             self.last_save_seconds = seconds

@@ -146,9 +146,10 @@ def test_a_step_another_running_process_committed_too_is_said_once(
     """Two writers saving the same steps at the same moments each claim a folder and both commit
     (``step-N`` and ``step-N.1``, each whole): a duplicated job ran that way to its end with no
     word of the other. Now the commit's retention pass says so once, naming the other writer, when
-    that writer still runs; a script re-saving a step after a restart (the earlier copy's writer is
-    gone) is not told. The other writer is faked at one seam: the claim of the earlier copy is
-    rewritten to name a process of this machine (a ``sleep``); its saves are not modelled."""
+    that writer still runs and committed the step after this save named its folder; a script
+    re-saving the step it resumed from (its earlier copy committed before) is not told. The other
+    writer is a second Checkpointer of this process whose claim is rewritten to name another
+    process of this machine (a ``sleep``): its own saves in another process are not modelled."""
     import subprocess
     import time
 
@@ -156,37 +157,42 @@ def test_a_step_another_running_process_committed_too_is_said_once(
 
     uri = str(tmp_path / "ckpt")
     state = make_state(0)
-    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    one = Checkpointer(uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(uri, keep=3, job="train", async_save=False)
     storage = open_storage(uri)
+    running = subprocess.Popen(["sleep", "600"])
 
-    def claimed_by(folder: str, pid: int) -> None:
-        started, machine = _claim._started(pid), _claim._machine()
-        claim = _claim.Claim("other", "train", None, "vm", pid, started, machine, time.time())
+    def claimed_by_running(folder: str) -> None:
+        started, machine = _claim._started(running.pid), _claim._machine()
+        claim = _claim.Claim("other", "train", None, "vm", running.pid, started, machine, time.time())
         storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
 
     caplog.set_level("ERROR", logger="agent.checkpoint")
-    ckpt.save(1, state)
-    gone = subprocess.Popen(["sleep", "600"])
-    claimed_by("step-000000001", gone.pid)
-    gone.kill()
-    gone.wait()
-    ckpt.save(1, state)  # a re-save of the step: its earlier writer is gone
-    assert ckpt.last_committed_uri is not None and ckpt.last_committed_uri.endswith("/step-000000001.1")
-    assert "committed it too" not in caplog.text
-    running = subprocess.Popen(["sleep", "600"])
     try:
-        claimed_by("step-000000001.1", running.pid)
-        ckpt.save(1, state)
-        ckpt.save(1, state)
+        one.save(1, state)
+        claimed_by_running("step-000000001")
+        one.save(1, state)  # a re-save of a step committed before it named its folder
+        assert one.last_committed_uri is not None and one.last_committed_uri.endswith("/step-000000001.1")
+        assert "committed it too" not in caplog.text
+
+        def the_other_commits_step_2() -> None:
+            two.save(2, state)
+            claimed_by_running("step-000000002.1")
+
+        hook(one, "put_bytes_if_absent", the_other_commits_step_2, lambda key, data: key.endswith("/MANIFEST.json"))
+        one.save(2, state)
+        one.save(3, state)
     finally:
         running.kill()
         running.wait()
-    ckpt.close()
+    assert one.last_committed_uri is not None and two.last_committed_uri is not None
+    one.close()
+    two.close()
     storage.close()
     said = [r.getMessage() for r in caplog.records if "committed it too" in r.getMessage()]
     assert len(said) == 1, said
     assert f"job 'train' (attempt none) on host 'vm', pid {running.pid} committed it too" in said[0], said
-    assert "step-000000001.1: two processes are saving to this URI" in said[0], said
+    assert "step-000000002.1: two processes are saving to this URI" in said[0], said
 
 
 def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: Path) -> None:
