@@ -98,28 +98,31 @@ def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_u
 
 
 @pytest.mark.slow
-def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_leftover_goes(tmp_path: Path) -> None:
+def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_leftover_goes(
+    storage_uri: str, tmp_path: Path
+) -> None:
     """A 2-rank torchrun job (unnamed, no attempt numbers) commits step 1 and is frozen with step
     2's files uploaded and its manifest not yet written. A second writer of the job, this process,
     saved step 2 in the same folder: it removed the live job's files as a leftover. Now it saves
     beside them (``step-2.1``) and retention leaves them; once the job is killed (-9), its leftover
     is an unfinished save like any other, and this writer's next save removes it."""
-    uri = str(tmp_path / "ckpt")
+    uri = storage_uri
+    storage = open_storage(uri)
+
+    def files_of(folder: str) -> list[str]:
+        return sorted(o.key.rsplit("/", 1)[-1] for o in storage.list(folder + "/"))
+
     markers = tmp_path / "markers"
     markers.mkdir()
     log = tmp_path / "job.log"
-    argv = harness.torchrun_argv(
-        2,
-        harness.SCRIPTS / "ckpt_job.py",
-        ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "manifest"],
-    )
-    proc = harness.start(argv, log)
+    job_args = ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "manifest"]
+    proc = harness.start(harness.torchrun_argv(2, harness.SCRIPTS / "ckpt_job.py", job_args), log)
     try:
         expected = [markers / "manifest.rank0", markers / "pid.rank0", markers / "pid.rank1"]
         harness.wait_for(
             lambda: all(p.exists() for p in expected), "rank 0 to freeze at the manifest", alive=proc, log_path=log
         )
-        in_flight = sorted(p.name for p in (Path(uri) / "step-000000002").iterdir())
+        in_flight = files_of("step-000000002")
         assert "__0_0.distcp" in in_flight, in_flight
         state = make_state(0, seed=3)
         second = Checkpointer(uri, keep=1, async_save=False)
@@ -127,7 +130,7 @@ def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_lefto
         train(state, 1, start=1)
         second.save(2, state)
         assert second.last_committed_uri is not None and second.last_committed_uri.endswith("/step-000000002.1")
-        assert sorted(p.name for p in (Path(uri) / "step-000000002").iterdir()) == in_flight
+        assert files_of("step-000000002") == in_flight
         harness.kill9(harness.read_pids(markers))
         harness.reap(proc)
         train(state, 1, start=2)
@@ -137,7 +140,8 @@ def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_lefto
         harness.kill9(harness.read_pids(markers))
         harness.stop(proc)
     assert committed_and_whole(uri) == {"step-000000003": []}
-    assert not (Path(uri) / "step-000000002").exists()
+    assert files_of("step-000000002") == []
+    storage.close()
 
 
 def test_a_step_another_running_process_committed_too_is_said_once(
