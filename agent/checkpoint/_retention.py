@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from agent import _fresh_start
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.checkpoint import _claim
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
 from agent.ownership import FencedError, Lineage, OwnershipError
@@ -55,6 +57,41 @@ class _Retention(_State):
                 )
                 return
 
+    _twice_said = False
+    """(rank 0) Another live process's commit of a step this one committed too was named (``_say_if_twice``)."""
+
+    _committed_beside: frozenset[str] = frozenset()
+    """(rank 0) The folders of its step committed already when the last commit's save named its
+    folder (a restarted script re-saving the step it resumed from): not another writer's commit."""
+
+    def _say_if_twice(self, committed: CheckpointRef, refs: list[CheckpointRef]) -> None:
+        """(rank 0, once) Another process of this machine or another, still running, committed the
+        step just committed too, after this save named its folder (``step-N`` beside ``step-N.1``):
+        two writers saving the same steps at the same moments both commit, each copy whole, and
+        otherwise neither would be told."""
+        if self._twice_said:
+            return
+        for ref in refs:
+            if ref.step != committed.step or ref == committed or ref.folder in self._committed_beside:
+                continue
+            if self.storage.stat(ref.key(MANIFEST_NAME)) is None:
+                continue
+            claim = _claim.read_claim(self.storage, ref.folder)
+            if claim is None or claim.pid == os.getpid() or not claim.writer_alive(self.config.attempt):
+                continue
+            self._twice_said = True
+            log.error(
+                "committed step %d at %s, and %s committed it too, at %s: two processes are saving to this URI "
+                "(the same script started twice, or a stale copy that no attempt number fences). Each copy is "
+                "whole and a restore takes the newest, but each one's retention removes the other's "
+                "checkpoints; stop one (said once)",
+                committed.step,
+                self.storage.url(committed.folder),
+                claim.describe(),
+                self.storage.url(ref.folder),
+            )
+            return
+
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
         copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
@@ -72,6 +109,7 @@ class _Retention(_State):
             older = [r for r in refs if r < committed and r.folder not in retired and (swept is None or swept < r)]
             lineage = Lineage.load(self.storage)
             self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
+            self._say_if_twice(committed, refs)
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             held_for_pin = False  # a folder this pass would remove stays for a reader's pin
             kept = 0
@@ -81,6 +119,14 @@ class _Retention(_State):
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
                 status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
+                    claim = _claim.read_claim(self.storage, ref.folder)
+                    if claim is not None and claim.writer_alive(self.config.attempt):
+                        # Another process saving to this URI may be writing it now: removed, its
+                        # commit would name files that are gone. Removed once that writer is gone.
+                        log.debug(
+                            "retention: leaving %s: %s may still be saving into it", url(ref.folder), claim.describe()
+                        )
+                        continue
                     doomed.append((ref, False))  # a save that never finished
                     continue
                 if status.foreign or status.fenced:

@@ -30,6 +30,7 @@ from agent._dcp_write import (
 )
 from agent._direct_io import release_buffers
 from agent.catalog import CheckpointRef, find_checkpoints
+from agent.checkpoint import _claim
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
@@ -156,6 +157,11 @@ class _Save:
     thread: threading.Thread | None = None
     folder_lock: int | None = None
     """The descriptor holding the lock on this save's staging folder (``lock_staging_folder``)."""
+    claim_id: str = ""
+    """(rank 0) The id in the claim (``_claim``) of the folder this save writes into."""
+    committed_before: frozenset[str] = frozenset()
+    """(rank 0) The folders of this step committed when this save named its own: one committed
+    since is another writer's save of the same step, and this one's commit then fails."""
     interrupt: BaseException | None = None
     """A ``KeyboardInterrupt`` or ``SystemExit`` (a signal handler's) that arrived while the calling
     thread ran the save (a synchronous save, a flush): the save runs its collectives to the end and
@@ -535,6 +541,7 @@ class _Saving(_Voting):
                 self._stager = None
                 release_buffers()
             save.unlock()
+            _claim.release(save.claim_id)
             save.done.set()
             _done_at_exit(save)
 
@@ -550,12 +557,14 @@ class _Saving(_Voting):
         naming: Future[str] | None = None
         if self.rank == 0:
             naming = Future()
+            save.claim_id = uuid.uuid4().hex
+            _claim.hold(save.claim_id)  # released when the save is done (``_finish_save``)
             try:
                 threading.Thread(
-                    target=_run_into, args=(naming, self._target_folder, save.step), name="spotjob-name", daemon=True
+                    target=_run_into, args=(naming, self._target_folder, save), name="spotjob-name", daemon=True
                 ).start()
             except RuntimeError:  # "can't start new thread" (a process limit): named before writing instead
-                _run_into(naming, self._target_folder, save.step)
+                _run_into(naming, self._target_folder, save)
         rank_file = os.path.join(save.local_dir, rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}
@@ -643,6 +652,7 @@ class _Saving(_Voting):
         seconds = time.monotonic() - save.started
         if failure is None and uri is not None:
             save.committed_uri = uri
+            self._committed_beside = save.committed_before
             self.last_committed_step = save.step
             self.last_committed_uri = uri
             self.last_save_seconds = seconds
@@ -684,7 +694,7 @@ class _Saving(_Voting):
                 except OSError as e:
                     log.debug("could not report the infrastructure error to the agent: %s", e)
         if save.committed_uri is None and not was_fenced and self.rank == 0 and folder is not None:
-            self._remove_unfinished(folder)
+            self._remove_unfinished(folder, save.claim_id)
         shutil.rmtree(save.local_dir, ignore_errors=True)
         try:
             # Its lock file first: this save is done with the folder (a cleaner that locks a new one
@@ -696,47 +706,87 @@ class _Saving(_Voting):
         self._report(force=True)
         save.done.set()
 
-    def _target_folder(self, step: int) -> str:
-        """(rank 0) The folder this step's save goes to; clears an uncommitted leftover there.
+    def _target_folder(self, save: _Save) -> str:
+        """(rank 0) The folder this step's save goes to, claimed for it (``_claim``); clears an
+        uncommitted leftover there.
 
-        A leftover that cannot be deleted — the bucket keeps it (a GCS retention policy or hold, S3
-        Object Lock), or deletes are refused for good (a bucket policy that denies them) — is passed
-        over like a committed folder: the save goes to the next suffix, ``step-N.1``. A transient
+        A leftover is removed only when no live writer claims it; one another writer may still be
+        saving into (a second process of this job on the URI) is passed over like a committed
+        folder, as is one that cannot be deleted — the bucket keeps it (a GCS retention policy or
+        hold, S3 Object Lock), or deletes are refused for good (a bucket policy that denies them):
+        the save goes to the next suffix, ``step-N.1``. The folder is claimed create-only; a
+        claim that loses the race to another writer's moves on to the next suffix too. A transient
         failure propagates. Raises ``FencedError`` (before anything is written) when this attempt
         is superseded.
         """
+        step = save.step
         self._check_fence()
         suffix = 0
+        committed: set[str] = set()
         for ref in find_checkpoints(self.storage):
             if ref.step != step:
                 continue
             if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
                 suffix = max(suffix, ref.attempt + 1)
-            else:
-                log.info("removing leftover of an unfinished save in %s", self.storage.url(ref.folder))
-                self._check_fence()
-                try:
-                    self.storage.delete_prefix(ref.folder + "/")
-                except RetainedError as e:
-                    log.warning("saving step %d next to the leftover the bucket keeps: %s", step, e)
-                    suffix = max(suffix, ref.attempt + 1)
-                except PermanentStorageError as e:
-                    log.warning("saving step %d next to the leftover that cannot be removed: %s", step, e)
-                    suffix = max(suffix, ref.attempt + 1)
-        return CheckpointRef(step, suffix).folder
+                committed.add(ref.folder)
+                continue
+            claim = _claim.read_claim(self.storage, ref.folder)
+            if claim is not None and claim.writer_alive(self.config.attempt):
+                log.warning(
+                    "saving step %d next to %s: %s may still be saving into it. Two processes are saving to "
+                    "this URI: stop one",
+                    step,
+                    self.storage.url(ref.folder),
+                    claim.describe(),
+                )
+                suffix = max(suffix, ref.attempt + 1)
+                continue
+            log.info("removing leftover of an unfinished save in %s", self.storage.url(ref.folder))
+            self._check_fence()
+            try:
+                self.storage.delete_prefix(ref.folder + "/")
+            except RetainedError as e:
+                log.warning("saving step %d next to the leftover the bucket keeps: %s", step, e)
+                suffix = max(suffix, ref.attempt + 1)
+            except PermanentStorageError as e:
+                log.warning("saving step %d next to the leftover that cannot be removed: %s", step, e)
+                suffix = max(suffix, ref.attempt + 1)
+        save.committed_before = frozenset(committed)
+        mine = _claim.Claim.mine(save.claim_id, self.config.job, self.config.attempt).to_json()
+        removed = 0
+        while True:
+            folder = CheckpointRef(step, suffix).folder
+            try:
+                self.storage.put_bytes_if_absent(f"{folder}/{_claim.CLAIM_NAME}", mine)
+            except AlreadyExistsError:
+                suffix += 1  # another writer claimed it a moment ago
+                continue
+            except PermanentStorageError as e:
+                # A filesystem store: the folder just made for the claim was removed before the
+                # claim was in it, by another writer's clean-up that took it for an unclaimed
+                # leftover. Claim it again (made anew); the clean-up has passed by then.
+                removed += 1
+                if removed > 3 or not isinstance(e.__cause__, FileNotFoundError):
+                    raise
+                continue
+            return folder
 
-    def _remove_unfinished(self, folder: str) -> None:
+    def _remove_unfinished(self, folder: str, claim_id: str) -> None:
         """(rank 0, after a save that failed, every rank done with it) Remove what it put in ``folder``.
 
         On a filesystem store the files are hard links to the staged ones: left there, they keep a
         whole checkpoint's blocks after staging is cleared, and on a full disk every later save
         fails for want of the space this one holds. Not when a manifest is there after all (a
-        commit whose answer was lost), nor when fenced (the folder is another attempt's). A failure
+        commit whose answer was lost), nor when fenced (the folder is another attempt's), nor when
+        another writer's claim is there (this save's folder was removed, and claimed anew). A failure
         here is logged: the next save of the step, or retention, removes the folder instead.
         """
         try:
             if self.storage.stat(f"{folder}/{MANIFEST_NAME}") is not None:
                 return
+            claim = _claim.read_claim(self.storage, folder)
+            if claim is not None and claim.id != claim_id:
+                return  # another writer's since (this one's was removed): not this save's to clear
             self._check_fence()
             self.storage.delete_prefix(folder + "/")
             log.info("removed the files of the failed save in %s", self.storage.url(folder))
@@ -778,11 +828,31 @@ class _Saving(_Voting):
                 "parameters), give them shorter names, or save from fewer ranks"
             )
         self._check_fence()
+        self._check_still_mine(save, folder)
         try:
             self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
         except AlreadyExistsError:
             raise SaveFailedError(self._committed_by_another(folder)) from None
         return self.storage.url(folder)
+
+    def _check_still_mine(self, save: _Save, folder: str) -> None:
+        """(rank 0, just before the commit) Raise ``SaveFailedError`` naming the other writer when
+        another process saving to this URI committed this step meanwhile (in a folder of its own),
+        or removed or took over this save's folder: committing then would either make a second
+        copy of the step the other writer is also saving, or name files that are gone."""
+        for ref in find_checkpoints(self.storage):
+            new = ref.step == save.step and ref.folder != folder and ref.folder not in save.committed_before
+            if new and self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
+                raise SaveFailedError(self._committed_by_another(ref.folder))
+        claim = _claim.read_claim(self.storage, folder)
+        if claim is None or claim.id != save.claim_id:
+            who = claim.describe() if claim is not None else "another process saving to this URI"
+            raise SaveFailedError(
+                f"the files of this save in {self.storage.url(folder)} were removed while it wrote them, by "
+                f"{who}; nothing is committed. Two processes are saving to this URI: the same script "
+                "started twice, or a stale copy that no attempt number fences (spotjob-agent --attempt, set "
+                "by the controller). Stop one; a job of its own needs a URI of its own"
+            )
 
     def _committed_by_another(self, folder: str) -> str:
         """(rank 0) Why this save's manifest could not be written: another writer committed the

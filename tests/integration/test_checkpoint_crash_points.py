@@ -128,7 +128,7 @@ KILL_POINTS = [  # six of the sweep's points (README "What a crash leaves" has t
     ("fsync", 1, 2),  # a staged shard made durable
     ("link", 1, 2),  # the first shard linked into step-3
     ("link", 4, 2),  # MANIFEST.json, the commit itself
-    ("fsync", 4, 3),  # the folder, after the commit
+    ("fsync", 3, 3),  # the folder, after the commit
     ("unlinkat", 1, 3),  # retention: step-1's manifest
 ]
 

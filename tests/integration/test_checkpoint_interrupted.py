@@ -6,7 +6,8 @@ spotjob's code (see scripts/ckpt_job.py): while DCP writes the shards to staging
 SIGKILLs every rank, and then:
 
 - ``list_checkpoints`` and ``spotjob ckpt list`` show step 1 valid and any step-2 leftover as
-  uncommitted (staging writes nothing under the URI yet, so there is no step-2 folder at all);
+  uncommitted (killed during staging, there is none, or one holding only the folder's claim,
+  ``WRITER.json``, which rank 0 writes while the shards are staged);
 - a fresh process (this one) restores step 1;
 - its next save cleans the leftover: a save of the same step replaces it, a later step's
   retention removes it.
@@ -26,6 +27,7 @@ import pytest
 
 from agent.catalog import CheckpointStatus, list_checkpoints
 from agent.checkpoint import Checkpointer
+from agent.checkpoint._claim import CLAIM_NAME
 from agent.control_channel import EXIT_PREEMPTED
 from agent.manifest import MANIFEST_NAME
 from agent.storage import open_storage
@@ -52,6 +54,12 @@ def cli_list(uri: str, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str
     capsys.readouterr()
     main(["ckpt", "list", "--json", uri])
     return {row["folder"]: row for row in json.loads(capsys.readouterr().out)}
+
+
+def nothing_but_a_claim(folder: Path) -> bool:
+    """A save's folder killed during staging: absent, or its claim alone (or the claim's temp file)."""
+    names = [p.name for p in folder.iterdir()] if folder.exists() else []
+    return all(n == CLAIM_NAME or n.startswith(".spotjob-tmp") for n in names)
 
 
 def kill_save_at(stage: str, uri: str, tmp_path: Path) -> None:
@@ -95,13 +103,15 @@ def test_kill9_during_a_save_leaves_the_previous_checkpoint_restorable(
     listed = cli_list(uri, capsys)
     assert found["step-000000001"].valid and listed["step-000000001"]["valid"] is True
     leftover = Path(uri) / "step-000000002"
-    if stage == "staging":
-        assert "step-000000002" not in found and "step-000000002" not in listed
+    if stage == "staging" and "step-000000002" not in found:
+        assert "step-000000002" not in listed
     else:
-        assert not found["step-000000002"].committed
-        assert "uncommitted" in found["step-000000002"].reason
+        assert not found["step-000000002"].committed and "uncommitted" in found["step-000000002"].reason
         assert listed["step-000000002"]["committed"] is False
         assert "uncommitted" in str(listed["step-000000002"]["reason"])
+    if stage == "staging":
+        assert nothing_but_a_claim(leftover)
+    else:
         assert not (leftover / MANIFEST_NAME).exists()
         assert any(leftover.iterdir()), "the killed upload was supposed to leave a file behind"
         # Stand-in for whatever else a dead writer leaves; the clean-up must take it too.
@@ -119,7 +129,8 @@ def test_kill9_during_a_save_leaves_the_previous_checkpoint_restorable(
     assert all(s.valid for s in after.values()), {k: s.reason for k, s in after.items()}
     assert set(after) == {"step-000000001", f"step-{next_step:09d}"}
     if stage != "staging":
-        kept = {f.path for f in after[f"step-{next_step:09d}"].manifest.files} | {MANIFEST_NAME}  # type: ignore[union-attr]
+        listed_files = {f.path for f in after[f"step-{next_step:09d}"].manifest.files}  # type: ignore[union-attr]
+        kept = listed_files | {MANIFEST_NAME, CLAIM_NAME}
         on_disk = {p.name for p in leftover.iterdir()} if leftover.exists() else set()
         assert "stale-part" not in on_disk
         assert on_disk <= kept
@@ -163,7 +174,10 @@ def test_an_oom_kill_of_one_rank_during_staging_is_named_and_the_next_attempt_re
     assert re.match(r"rank 1 \(pid \d+\) was killed by SIGKILL.*out of memory\?", cause), cause
     assert not any(harness.pid_alive(p) for p in harness.read_pids(markers)), "a rank was left running"
 
-    assert set(statuses(uri)) == {"step-000000001"}
+    # At most step 2's claim (WRITER.json) in a folder of its own: uncommitted, never restored.
+    found = statuses(uri)
+    assert found["step-000000001"].valid and not found.get("step-000000002", found["step-000000001"]).valid
+    assert set(found) <= {"step-000000001", "step-000000002"} and nothing_but_a_claim(Path(uri) / "step-000000002")
     state = make_state(0, seed=3)
     with Checkpointer(uri, keep=None, job="oom") as ckpt:
         assert ckpt.restore(state) == 1

@@ -97,7 +97,14 @@ def commit_error(args: argparse.Namespace, rank: int) -> None:
         if args.where == "naming":
             ckpt.storage.list_dirs = broken  # type: ignore[method-assign]
         else:
-            ckpt.storage.put_bytes_if_absent = broken  # type: ignore[method-assign]
+            put_bytes_if_absent = ckpt.storage.put_bytes_if_absent
+
+            def broken_commit(key: str, data: bytes) -> None:
+                if key.endswith("/MANIFEST.json"):
+                    broken()
+                put_bytes_if_absent(key, data)  # the folder's claim (WRITER.json) goes through
+
+            ckpt.storage.put_bytes_if_absent = broken_commit  # type: ignore[method-assign]
     error: BaseException | None = None
     try:
         train(state, 1)

@@ -10,7 +10,7 @@
 
 Each rank dumps to ``D.rank<r>.pt``. The freezes monkeypatch seams outside spotjob's production
 code: DCP's writer (staging/writing), the storage's ``put_file`` (mid-upload, after one file went
-through) and ``put_bytes_if_absent`` (just before the manifest).
+through) and ``put_bytes_if_absent`` (just before the manifest; the folder's claim goes through).
 """
 
 from __future__ import annotations
@@ -128,7 +128,14 @@ def interrupt(args: argparse.Namespace, rank: int, world: int) -> None:
 
         ckpt.storage.put_file = first_then_freeze  # type: ignore[method-assign]
     else:
-        ckpt.storage.put_bytes_if_absent = lambda *a, **kw: _freeze(markers, "manifest", rank)  # type: ignore[method-assign]
+        put_bytes_if_absent = ckpt.storage.put_bytes_if_absent
+
+        def freeze_at_the_manifest(key: str, data: bytes) -> None:
+            if key.endswith("/MANIFEST.json"):
+                _freeze(markers, "manifest", rank)
+            put_bytes_if_absent(key, data)  # the folder's claim (WRITER.json)
+
+        ckpt.storage.put_bytes_if_absent = freeze_at_the_manifest  # type: ignore[method-assign]
 
     train(state, 1, start=1)
     ckpt.save(2, state)

@@ -1,0 +1,226 @@
+"""Two writers of one job on one URI without attempt numbers (the same script started twice, an old
+node still training after its job was restarted elsewhere, a duplicated SLURM job).
+
+Before each save's folder was claimed (``agent.checkpoint._claim``), both writers of a step
+uploaded into the same ``step-N``: the loser's files replaced the winner's committed ones (every
+file a CRC32C mismatch), and a writer's clean-up of "an unfinished save's leftover" (a save of the
+same step, retention after a later one) removed the other's files in flight, which it then
+committed as a checkpoint with files missing. The invariants held now: nothing committed is
+broken, and the writer that loses a step fails naming the other.
+
+The in-process pairs drive two Checkpointers of one process in a fixed order through one seam (a
+hook on one writer's store, as in test_checkpoint_concurrent_readers.py); their claims name the
+same process, told apart by the saves it has in flight. The last test runs the other writer as a
+real 2-rank torchrun job in processes of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.catalog import list_checkpoints, verify_deep
+from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
+from ckpt_compare import assert_same
+from ckpt_state import make_state, snapshot, train
+
+
+def committed_and_whole(uri: str) -> dict[str, list[str]]:
+    """Every committed checkpoint's folder, with what a deep check (every CRC32C) finds wrong."""
+    storage = open_storage(uri)
+    try:
+        return {s.ref.folder: verify_deep(storage, s) for s in list_checkpoints(storage) if s.committed}
+    finally:
+        storage.close()
+
+
+def hook(ckpt: Checkpointer, method: str, before: Callable[[], None], when: Callable[..., bool]) -> None:
+    """Run ``before`` once, the first time ``ckpt``'s store calls ``method`` with arguments ``when`` accepts."""
+    real, done = getattr(ckpt.storage, method), []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if not done and when(*args):
+            done.append(True)
+            before()
+        return real(*args, **kwargs)
+
+    setattr(ckpt.storage, method, hooked)
+
+
+def test_the_loser_of_a_step_never_overwrites_the_winners_committed_files(storage_uri: str) -> None:
+    """Writer 1 names step 1's folder; writer 2 saves step 1 whole; then writer 1 uploads. It
+    uploaded into writer 2's committed folder: the checkpoint listed as valid failed every CRC32C
+    (writer 1's commit then failed, too late). Now writer 2 saves beside writer 1's claimed folder
+    and writer 1, the second to commit, fails naming writer 2."""
+    ours, theirs = make_state(0), make_state(0, seed=7)
+    train(ours, 1)
+    train(theirs, 3)
+    one = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    hook(one, "put_files", lambda: two.save(1, theirs), lambda files: True)
+    with pytest.raises(SaveFailedError) as failed:
+        one.save(1, ours)
+    message = str(failed.value)
+    assert "was committed meanwhile by job 'train' (attempt none" in message and "Stop one" in message, message
+    one.close()
+    two.close()
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000001.1": []}, found
+    with Checkpointer(storage_uri, job="train") as reader:
+        restored = make_state(0, seed=5)
+        assert reader.restore(restored) == 1
+    assert_same(snapshot(restored), snapshot(theirs))
+
+
+def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_uri: str) -> None:
+    """Writer 1's save of step 1 is uploaded, its manifest not yet written, when writer 2 (keep=1)
+    commits step 2: its retention removed step 1's folder as an unfinished save's leftover, and
+    writer 1 then committed a manifest whose files were gone. Now retention leaves a folder another
+    live writer claims, and both commits stay whole."""
+    state = make_state(0)
+    train(state, 2)
+    one = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(storage_uri, keep=1, job="train", async_save=False)
+    hook(one, "put_bytes_if_absent", lambda: two.save(2, state), lambda key, data: key.endswith("/MANIFEST.json"))
+    one.save(1, state)
+    one.close()
+    two.close()
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000001": [], "step-000000002": []}, found
+
+
+@pytest.mark.slow
+def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_leftover_goes(
+    storage_uri: str, tmp_path: Path
+) -> None:
+    """A 2-rank torchrun job (unnamed, no attempt numbers) commits step 1 and is frozen with step
+    2's files uploaded and its manifest not yet written. A second writer of the job, this process,
+    saved step 2 in the same folder: it removed the live job's files as a leftover. Now it saves
+    beside them (``step-2.1``) and retention leaves them; once the job is killed (-9), its leftover
+    is an unfinished save like any other, and this writer's next save removes it."""
+    uri = storage_uri
+    storage = open_storage(uri)
+
+    def files_of(folder: str) -> list[str]:
+        return sorted(o.key.rsplit("/", 1)[-1] for o in storage.list(folder + "/"))
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    log = tmp_path / "job.log"
+    job_args = ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "manifest"]
+    proc = harness.start(harness.torchrun_argv(2, harness.SCRIPTS / "ckpt_job.py", job_args), log)
+    try:
+        expected = [markers / "manifest.rank0", markers / "pid.rank0", markers / "pid.rank1"]
+        harness.wait_for(
+            lambda: all(p.exists() for p in expected), "rank 0 to freeze at the manifest", alive=proc, log_path=log
+        )
+        in_flight = files_of("step-000000002")
+        assert "__0_0.distcp" in in_flight, in_flight
+        state = make_state(0, seed=3)
+        second = Checkpointer(uri, keep=1, async_save=False)
+        assert second.restore(state) == 1
+        train(state, 1, start=1)
+        second.save(2, state)
+        assert second.last_committed_uri is not None and second.last_committed_uri.endswith("/step-000000002.1")
+        assert files_of("step-000000002") == in_flight
+        harness.kill9(harness.read_pids(markers))
+        harness.reap(proc)
+        train(state, 1, start=2)
+        second.save(3, state)
+        second.close()
+    finally:
+        harness.kill9(harness.read_pids(markers))
+        harness.stop(proc)
+    assert committed_and_whole(uri) == {"step-000000003": []}
+    assert files_of("step-000000002") == []
+    storage.close()
+
+
+def test_a_step_another_running_process_committed_too_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers saving the same steps at the same moments each claim a folder and both commit
+    (``step-N`` and ``step-N.1``, each whole): a duplicated job ran that way to its end with no
+    word of the other. Now the commit's retention pass says so once, naming the other writer, when
+    that writer still runs and committed the step after this save named its folder; a script
+    re-saving the step it resumed from (its earlier copy committed before) is not told. The other
+    writer is a second Checkpointer of this process whose claim is rewritten to name another
+    process of this machine (a ``sleep``): its own saves in another process are not modelled."""
+    import subprocess
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    one = Checkpointer(uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(uri, keep=3, job="train", async_save=False)
+    storage = open_storage(uri)
+    running = subprocess.Popen(["sleep", "600"])
+
+    def claimed_by_running(folder: str) -> None:
+        started, machine = _claim._started(running.pid), _claim._machine()
+        claim = _claim.Claim("other", "train", None, "vm", running.pid, started, machine, time.time())
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    try:
+        one.save(1, state)
+        claimed_by_running("step-000000001")
+        one.save(1, state)  # a re-save of a step committed before it named its folder
+        assert one.last_committed_uri is not None and one.last_committed_uri.endswith("/step-000000001.1")
+        assert "committed it too" not in caplog.text
+
+        def the_other_commits_step_2() -> None:
+            two.save(2, state)
+            claimed_by_running("step-000000002.1")
+
+        hook(one, "put_bytes_if_absent", the_other_commits_step_2, lambda key, data: key.endswith("/MANIFEST.json"))
+        one.save(2, state)
+        one.save(3, state)
+    finally:
+        running.kill()
+        running.wait()
+    assert one.last_committed_uri is not None and two.last_committed_uri is not None
+    one.close()
+    two.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records if "committed it too" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"job 'train' (attempt none) on host 'vm', pid {running.pid} committed it too" in said[0], said
+    assert "step-000000002.1: two processes are saving to this URI" in said[0], said
+
+
+def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: Path) -> None:
+    """On a filesystem the claim's folder is made first, and another writer's clean-up can take
+    it, still empty, for an unfinished save's leftover and remove it before the claim is written
+    into it: seen with two 2-rank torchrun jobs saving steps 1-12 into one folder, the save then
+    failed with "cannot write .../WRITER.json: No such file or directory". Now the folder is made
+    and claimed again. The clean-up is injected at one seam (the store writing the claim's temp
+    file removes the folder first), as the other writer's ``delete_prefix`` would."""
+    import shutil
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    write_tmp, removed = ckpt.storage._write_tmp, []  # type: ignore[attr-defined]
+
+    def removed_first(dest: str, data: bytes) -> str:
+        if dest.endswith("WRITER.json") and not removed:
+            removed.append(dest)
+            shutil.rmtree(Path(dest).parent)
+        return write_tmp(dest, data)
+
+    ckpt.storage._write_tmp = removed_first  # type: ignore[attr-defined]
+    ckpt.save(1, state)
+    ckpt.close()
+    assert removed and ckpt.last_committed_uri is not None
+    assert committed_and_whole(uri) == {"step-000000001": []}
