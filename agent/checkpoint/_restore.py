@@ -781,8 +781,8 @@ class _Restoring(_Voting):
         if not modules:
             return {}
         bag = _ModuleBag(modules)
-        if not optims and not bag.state_dict():
-            return {}  # modules without state (an nn.Identity): nothing of them was saved
+        if reader.manifest.file(DCP_METADATA_NAME) is None:
+            return {}  # nothing was saved through DCP (modules without state, an nn.Identity), on any rank
         no_dist = not self._dist
         if not _plain_modules(bag):
             # An optimizer saved before its first step has no state in the checkpoint: its target

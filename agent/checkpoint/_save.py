@@ -498,7 +498,10 @@ class _Saving(_Voting):
         save.folder_lock = lock_staging_folder(os.path.dirname(local_dir))
         try:
             os.makedirs(local_dir, exist_ok=True)
-            if dcp_state:
+            modules, optims, _ = self._classify(state)
+            # DCP's save is collective: where some ranks hold nothing of the state's modules (a
+            # pipeline stage without parameters) it still runs on every rank, or the others wait for it.
+            if dcp_state or (self._dist and self.world_size > 1 and (modules or optims)):
                 save.writer = make_writer(
                     local_dir,
                     durable=self.storage.local_path("") is not None,

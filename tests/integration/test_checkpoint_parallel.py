@@ -128,6 +128,20 @@ def test_pipeline_stages_with_the_optimizer_saved_by_name_are_refused(tmp_path: 
     assert not list((tmp_path / "ckpt").glob("step-*")), "a checkpoint was committed"
 
 
+def test_a_pipeline_stage_without_parameters_does_not_hang_the_save_or_the_restore(tmp_path: Path) -> None:
+    """Rank 1's stage holds no parameters and the state keeps no optimizer by name (a model alone,
+    or README's per-rank StageOptimizer): rank 1 has nothing for DCP. Before, it skipped DCP's
+    collective save, rank 0 waited in it, and the save never finished (nor would the restore).
+    Now both ranks take part: the save commits, and restores on another split by name."""
+    saved = run(2, tmp_path, "saved", "pp", "--optim", "none", "--split", "d", "--sync")
+    assert [d.get("error") for d in saved] == [None, None]
+    moved = run(2, tmp_path, "moved", "pp", "--optim", "none", "--restore", "--split", "a")
+    assert [d.get("error") for d in moved] == [None, None]
+    assert whole(moved) == {k: v for k, v in whole(saved).items() if k.startswith("model.")}
+    back = run(2, tmp_path, "back", "pp", "--optim", "none", "--restore", "--split", "d")
+    assert [d.get("error") for d in back] == [None, None] and back[1]["tensors"] == {}
+
+
 def test_tensor_parallel_restores_every_shard_and_every_ranks_own_state(tmp_path: Path) -> None:
     """parallelize_module (Colwise/Rowwise) on a CPU mesh: DTensor parameters and Adam state,
     saved asynchronously, come back shard for shard; the loader and RNG per rank (pins behaviour

@@ -27,7 +27,12 @@ from torch import nn
 
 from agent.checkpoint import Checkpointer
 
-SPLITS = {"a": [["l0", "l1"], ["l2", "l3"]], "b": [["l0"], ["l1", "l2", "l3"]], "c": [["l0"], ["l2", "l3"]]}
+SPLITS = {
+    "a": [["l0", "l1"], ["l2", "l3"]],
+    "b": [["l0"], ["l1", "l2", "l3"]],
+    "c": [["l0"], ["l2", "l3"]],
+    "d": [["l0", "l1", "l2", "l3"], []],  # rank 1's stage holds no parameters
+}
 
 
 class Loader:
@@ -128,7 +133,8 @@ def main() -> None:
     model = build(args, rank, world)
     if args.frozen:
         model.l0.requires_grad_(False)
-    optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.Adam(trained or [torch.zeros(1, requires_grad=True)], lr=0.1)  # none: a stand-in
     loader = Loader()
     names = [n for n, _ in model.named_parameters()]
     state: dict[str, Any] = {"model": model, "loader": loader}
