@@ -72,6 +72,17 @@ def settle(calls: AgentCalls, what: str, uid: str = "pod-uid-1", tag: str = "") 
     return result
 
 
+def reported(calls: AgentCalls) -> AgentReport:
+    """The report once the background refresh has read the agent's status (step 7, as these
+    tests' agents answer); waits for the thread, not for time."""
+    calls.report(endpoint())
+    for _ in range(3000):
+        if calls.report(endpoint()).step == 7:
+            break
+        threading.Event().wait(0.01)
+    return calls.report(endpoint())
+
+
 def test_a_token_is_derived_from_the_key_and_the_jobs_identity_and_incarnation() -> None:
     token = derive_token(KEY, "ml", "llama", "uid-1")
     assert token == derive_token(KEY, "ml", "llama", "uid-1")  # any replica computes the same
@@ -281,11 +292,7 @@ def test_an_agent_whose_status_has_no_held_notice_of_its_shape_reports_its_step_
 
     calls = AgentCalls(port=1, status_max_age=0.0, transport=older_agent)
     try:
-        calls.report(endpoint())
-        for _ in range(3000):
-            if calls.report(endpoint()).step == 7:
-                break
-            threading.Event().wait(0.01)
+        reported(calls)
         assert calls.report(endpoint()) == AgentReport(step=7, held_notice=None)
     finally:
         calls.close()
@@ -303,11 +310,7 @@ def test_the_agents_word_that_its_ranks_have_not_connected_is_kept_bounded(said:
     body = json.dumps({"state": "running", "step": 7, "ranks_not_meeting": said}).encode()
     calls = AgentCalls(port=1, status_max_age=0.0, transport=lambda *_: (200, body))
     try:
-        calls.report(endpoint())
-        for _ in range(3000):
-            if calls.report(endpoint()).step == 7:
-                break
-            threading.Event().wait(0.01)
+        reported(calls)
         assert calls.report(endpoint()).ranks_not_meeting == kept
     finally:
         calls.close()
