@@ -87,6 +87,20 @@ def _have_procfs() -> bool:
     return _procfs
 
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+"""Linux's id of this boot (the host's, in a container too): a pid or a record from another boot
+names something else."""
+
+
+def boot_id() -> str | None:
+    """This boot's id, None where there is none to read (not Linux)."""
+    try:
+        with open(BOOT_ID_PATH) as f:
+            return f.read(100).strip() or None
+    except OSError:
+        return None
+
+
 def read_proc(pid: int) -> ProcInfo | None:
     """``/proc/<pid>/stat`` parsed, or None if the process is gone.
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from agent._layout import read_bounded
 from agent.manifest import UntrustedJSONError, loads_bounded
 from agent.ownership import describe_job
+from agent.process_tree import boot_id, read_proc
 from agent.storage import NotFoundError, Storage
 
 CLAIM_NAME = "WRITER.json"
@@ -38,25 +39,17 @@ _live: set[str] = set()
 _live_lock = threading.Lock()
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _started(pid: int) -> str:
-    """The start time of process ``pid`` (clock ticks since boot), "" when there is none: with
-    the pid, it tells a process from a later one that reuses the pid."""
-    stat = _read(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[-1].split()[19] if ")" in stat else ""
+    """The start time of process ``pid`` (``agent.process_tree.read_proc``'s ticks since boot), ""
+    when there is none: with the pid, it tells a process from a later one that reuses the pid."""
+    info = read_proc(pid)
+    return str(info.start_ticks) if info is not None else ""
 
 
 def _machine() -> str:
     """This kernel boot and pid namespace ("" where /proc does not say): claims that name the same
     one name pids this process can look up."""
-    boot = _read("/proc/sys/kernel/random/boot_id")
+    boot = boot_id()
     try:
         ns = os.readlink("/proc/self/ns/pid")
     except OSError:

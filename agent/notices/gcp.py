@@ -46,6 +46,7 @@ from agent.notices.base import (
     utc_stamp,
 )
 from agent.notices.shared_vm import private_folder, url_key
+from agent.process_tree import boot_id
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +67,6 @@ def maintenance_notice_seconds(root: str = "/") -> float:
     if any(base.joinpath("dev").glob("nvidia[0-9]*")) or any(base.joinpath("proc/driver/nvidia/gpus").glob("*")):
         return GPU_MAINTENANCE_NOTICE_SECONDS
     return MAINTENANCE_NOTICE_SECONDS
-
-
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-"""Linux's id of this boot (the host's, in a container too): a record from another boot is void."""
-
-
-def boot_id() -> str | None:
-    try:
-        with open(BOOT_ID_PATH) as f:
-            return f.read(100).strip() or None
-    except OSError:
-        return None
 
 
 class MaintenanceRecord:
