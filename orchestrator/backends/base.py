@@ -124,6 +124,13 @@ has connected to it past its ``--rank-connect-timeout`` (``ranks_not_meeting`` i
 and ``agent.json``): the ranks wait in init_process_group for peers, or build no Checkpointer."""
 
 
+def ranks_not_meeting(said: object) -> str | None:
+    """An agent's ``ranks_not_meeting`` (its ``/status``, its ``agent.json``) as a job may show it:
+    a string of at most 900 characters (it goes into an Event and the job's status); None for
+    anything else (none said, or an agent older than the field)."""
+    return said[:900] if isinstance(said, str) and said else None
+
+
 @dataclass(frozen=True)
 class WorkerObservation:
     """One worker as the backend sees it now."""

@@ -86,6 +86,7 @@ from orchestrator.backends.base import (
     FlushRequestState,
     Placement,
     WorkerObservation,
+    ranks_not_meeting,
     worker_name,
 )
 from orchestrator.backends.local_cloud import (
@@ -197,8 +198,7 @@ class _Worker:
 
     def ranks_not_meeting(self) -> str | None:
         """The agent's warning that no rank has connected yet (its ``agent.json``), if it gave one."""
-        said = (read_json(os.path.join(self.control_dir, AGENT_FILE)) or {}).get("ranks_not_meeting")
-        return said if isinstance(said, str) and said else None
+        return ranks_not_meeting((read_json(os.path.join(self.control_dir, AGENT_FILE)) or {}).get("ranks_not_meeting"))
 
 
 @dataclass(frozen=True)
@@ -757,4 +757,4 @@ def _not_meeting(w: _Worker) -> tuple[str, str] | None:
     """``RanksNotMeeting`` and the agent's words, while its ranks have not connected past its
     ``--rank-connect-timeout``: they wait in init_process_group, or build no Checkpointer."""
     said = w.ranks_not_meeting()
-    return (RANKS_NOT_MEETING, f"its agent: {said[:900]}") if said is not None else None
+    return (RANKS_NOT_MEETING, f"its agent: {said}") if said is not None else None

@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.backends.base import HeldNoticeReport
+from orchestrator.backends.base import HeldNoticeReport, ranks_not_meeting
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class AgentCalls:
             # A step the answer lacks keeps the last one (a hint); the held notice is the answer's
             # own: one the agent no longer holds (withdrawn, or its flush started) is gone.
             kept = step if isinstance(step, int) and not isinstance(step, bool) else entry.report.step
-            entry.report = AgentReport(kept, held, _not_meeting(body))
+            entry.report = AgentReport(kept, held, ranks_not_meeting(body.get("ranks_not_meeting")))
 
     # -- housekeeping
 
@@ -317,13 +317,6 @@ class AgentCalls:
             for key in [k for k in self._calls if k[1] == pod_uid]:
                 del self._calls[key]
             self._status.pop(pod_uid, None)
-
-
-def _not_meeting(body: dict[str, Any]) -> str | None:
-    """``ranks_not_meeting`` of an agent's ``/status`` answer (bounded: it goes into an Event and the
-    job's status); None where it has none, or sends none (an agent older than the field)."""
-    said = body.get("ranks_not_meeting")
-    return said[:900] if isinstance(said, str) and said else None
 
 
 def _held_notice(body: dict[str, Any]) -> HeldNoticeReport | None:
