@@ -45,7 +45,13 @@ def test_ranks_that_never_meet_raise_ranks_not_meeting_and_one_warning_event_whi
     stuck = s["attempt"]["notStarting"]
     assert s["phase"] == "Pending" and stuck["worker"] == "stuck-0-0", s
     assert "no rank has connected" in stuck["message"] and "They meet at " in stuck["message"], stuck
-    events = [e for e in job_events(cluster, namespace, "stuck") if e.get("reason") == "WorkerNotStarting"]
+
+    def warned() -> list[dict[str, Any]] | None:
+        found = [e for e in job_events(cluster, namespace, "stuck") if e.get("reason") == "WorkerNotStarting"]
+        return found or None
+
+    # The Event is posted after the status that says it was warned: wait for it, then count it.
+    events = wait(warned, "the WorkerNotStarting Event")
     assert len(events) == 1 and events[0]["type"] == "Warning", events
     assert "stuck-0-0 of attempt 0 is not starting: RanksNotMeeting: its agent: no rank has connected" in (
         events[0].get("message") or events[0].get("note") or ""
