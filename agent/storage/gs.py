@@ -38,7 +38,8 @@ fake-gcs-server enforces the precondition on simple uploads only, which is why t
 few KB) always goes up in one request.
 
 Downloads: parallel ranged reads of the generation seen first (so a replaced object is never
-mixed with its successor), verified as they arrive (see ``_transfer``).
+mixed with its successor), verified as they arrive (see ``_transfer``). A file the caller knows to
+fit one part is one ranged GET, its size read from the answer's headers (``_get_one``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ CHUNK_GRANULARITY = 256 * KiB  # resumable chunks (all but the last) must be mul
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONTENT_TYPE = "application/octet-stream"
 LIST_PAGE_SIZE = 1000  # objects.list's maximum
+_READ_CHUNK = 1 * MiB
 
 _CONNECTION_ERRORS = (
     requests.ConnectionError,
@@ -591,6 +593,19 @@ class GCSStorage(PrefixedKeys, Storage):
         progress: ProgressFn | None = None,
     ) -> None:
         url = self.url(key)
+        # A file the caller knows to fit one part takes one ranged GET and no metadata GET: the
+        # answer says the object's size, checked before a byte is kept, and a single GET cannot mix
+        # two generations of the object (the generation of the metadata GET only ties several
+        # together). An answer that does not say the size falls back to the two requests.
+        if size is not None and 0 < size <= self.settings.part_size:
+            try:
+                self._get_one(key, local_path, size, crc32c, progress)
+                return
+            except _SizeNotSaid as e:
+                log.info("%s; reading its size and generation first", e)
+            except NotFoundError:
+                self._raise_if_bucket_missing(f"GET {url}", key)
+                raise NotFoundError(f"{url} does not exist", key) from None
         blob = self._get_blob(key)
         if blob is None:
             raise NotFoundError(f"{url} does not exist", key)
@@ -618,6 +633,67 @@ class GCSStorage(PrefixedKeys, Storage):
             what=url,
             key=key,
             size=actual,
+            local_path=local_path,
+            crc32c=crc32c,
+            part_size=self.settings.part_size,
+            pool=self._pool,
+            fetch=fetch,
+            progress=progress,
+        )
+
+    def _get_one(self, key: str, local_path: str, size: int, crc32c: int | None, progress: ProgressFn | None) -> None:
+        """The ``size``-byte file in one ranged media GET, on the client's own authorized session.
+
+        Not through ``Blob.download_to_file``: it keeps of the answer only what
+        ``Blob._extract_headers_from_download`` copies into the blob (generation, hashes, content
+        type), not its ``Content-Range``, so the object's size would stay unknown; the library's
+        ``RawDownload.consume`` (in the private ``google.cloud.storage._media``) returns the answer,
+        but only once it has streamed the body. Here the size is read from the answer's headers
+        before a byte of the body is: ``Content-Range`` of a 206 (which HTTP requires there; the
+        library's own ``ChunkedDownload._process_response`` reads GCS's total size from it, and
+        fake-gcs-server sends it), ``Content-Length`` of a 200 (a server that ignored the
+        range sends the whole object), ``Content-Range: bytes */N`` or else 0 for a 416 (a range
+        from byte 0 is unsatisfiable only on an empty object). ``Accept-Encoding: gzip``, as the
+        library sends, has GCS serve the stored bytes as they are (no decompressive transcoding),
+        whose CRC32C ``download_verified`` checks against the caller's.
+        """
+        url = self.url(key)
+        # The media URL google-cloud-storage builds (blob.py, _DOWNLOAD_URL_TEMPLATE), alt=media below.
+        path = self._bucket.blob(self._object_key(key)).path
+        media = f"{self._client._connection.API_BASE_URL}/download/storage/v1{path}"
+
+        def fetch(offset: int, length: int, sink: RangeSink) -> None:
+            def read() -> None:
+                resp = self._session.get(
+                    media,
+                    params={"alt": "media"},
+                    headers={"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "gzip"},
+                    stream=True,
+                    timeout=self._timeout,
+                )
+                with resp:
+                    if resp.status_code not in (200, 206, 416):
+                        raise api_exceptions.from_http_response(resp)
+                    start, total = _answer_span(resp)
+                    if total is None:
+                        said = f"the answer (HTTP {resp.status_code}) does not say the object's size"
+                        raise _SizeNotSaid(f"GET {url}: {said}", key)
+                    check_size(url, key, total, size)
+                    if resp.status_code == 416 or start != offset:
+                        raise PermanentStorageError(
+                            f"GET {url}: asked for bytes {offset}-{offset + length - 1}, answered HTTP "
+                            f"{resp.status_code} from byte {start}",
+                            key,
+                        )
+                    for chunk in resp.raw.stream(_READ_CHUNK, decode_content=False):
+                        sink.write(chunk)
+
+            self._request(f"GET {url}", key, read)
+
+        download_verified(
+            what=url,
+            key=key,
+            size=size,
             local_path=local_path,
             crc32c=crc32c,
             part_size=self.settings.part_size,
@@ -695,6 +771,25 @@ class GCSStorage(PrefixedKeys, Storage):
     def close(self) -> None:
         self._pool.close()
         self._client.close()
+
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-\d+|\*)/(\d+)\s*$", re.IGNORECASE)
+
+
+def _answer_span(resp: requests.Response) -> tuple[int, int | None]:
+    """(first byte sent, the object's size or None) of a media GET's answer, from its headers."""
+    match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", "").strip())
+    if resp.status_code == 206:
+        return (int(match.group(1)), int(match.group(2))) if match and match.group(1) else (0, None)
+    if resp.status_code == 416:
+        return 0, int(match.group(2)) if match else 0
+    length = resp.headers.get("Content-Length", "")
+    return 0, int(length) if length.isdigit() else None
+
+
+class _SizeNotSaid(PermanentStorageError):
+    """A media GET's answer that does not say the object's size: ``get_file`` falls back to reading
+    it (and the generation) first."""
 
 
 class _SessionLost(PermanentStorageError):

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 
@@ -350,36 +351,54 @@ def test_which_files_a_nodes_ranks_read() -> None:
     assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_a_file_that_fits_one_part_is_fetched_with_one_request(
+    scheme: str,
     fresh_uri: Callable[[str], str],
     fault_proxy: Callable[..., FaultProxy],
-    moto_server: str,
-    s3_client: Any,
+    request: pytest.FixtureRequest,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Counted at moto's S3 behind the recording proxy: a file no bigger than a part is one ranged
-    GET, its size checked from the answer's Content-Range. Before the fix each file took a HEAD
-    first (two requests a file: every file of a checkpoint here). Another object under the name
+    """Counted at the server (moto's S3, fake-gcs-server) behind the recording proxy: a file no
+    bigger than a part is one ranged GET, its size checked from the answer's Content-Range. Before
+    the fix each file took a request more first (two a file: every file of a checkpoint here): on
+    S3 a HEAD (fixed first), on GCS the object's metadata GET. Another object under the name
     (longer, shorter, empty) is still refused before a byte of it is kept."""
-    uri = fresh_uri("s3")
-    proxy = fault_proxy(moto_server, "s3")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    uri = fresh_uri(scheme)
+    if scheme == "s3":
+        proxy = fault_proxy(request.getfixturevalue("moto_server"), "s3")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    else:
+        proxy = fault_proxy(request.getfixturevalue("gcs_server"), "gcs")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     with Checkpointer(uri, keep=None) as ckpt:
         ckpt.save(3, make_state(0))
     store = open_storage(uri)
     before = len(proxy.seen)
     assert prefetch(store, str(tmp_path / "staging")) == "step-000000003"
-    data = [s for s in proxy.seen[before:] if "/step-000000003/" in s.path and "MANIFEST" not in s.path]
+    # A GCS object's name is percent-encoded in the path: unquoted to find the folder in it.
+    data = [s for s in proxy.seen[before:] if "/step-000000003/" in unquote(s.path.split("?")[0])]
+    data = [s for s in data if "MANIFEST" not in s.path]
     manifest = Manifest.parse(store.get_bytes(f"step-000000003/{MANIFEST_NAME}"))
-    assert sorted(s.method for s in data) == ["GET"] * len(manifest.files), data
+    # GCS reads an object's metadata with a GET too; its media GETs say alt=media.
+    reads = [s.method if scheme == "s3" or "alt=media" in s.path else f"metadata {s.method}" for s in data]
+    assert sorted(reads) == ["GET"] * len(manifest.files), data
 
     entry = next(e for e in manifest.files if e.path.endswith(".distcp"))
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    bucket, _, prefix = uri.partition("://")[2].partition("/")
     key = f"{prefix}/step-000000003/{entry.path}"
-    original = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    if scheme == "s3":
+        s3_client = request.getfixturevalue("s3_client")
+        original = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    else:
+        blob = request.getfixturevalue("gcs_client").bucket(bucket).blob(key)
+        original = blob.download_as_bytes()
     for other in (original + b"x", original[:-1], b""):
-        s3_client.put_object(Bucket=bucket, Key=key, Body=other)
+        if scheme == "s3":
+            s3_client.put_object(Bucket=bucket, Key=key, Body=other)
+        else:
+            blob.upload_from_string(other)
         cache = tmp_path / f"cache-{len(other)}"
         with pytest.raises(CorruptObjectError, match=f"is {len(other)} bytes, the manifest says {entry.size}"):
             fetch_verified(store, "step-000000003", entry, str(cache))

@@ -425,6 +425,45 @@ def test_gcs_sends_chunks_of_the_upload_chunk_size_and_reads_ranges_of_the_part_
     assert len(ranges) == 4, "read back in ranges of SPOTJOB_STORAGE_PART_SIZE"
 
 
+def test_gcs_reads_a_file_of_one_part_in_one_request(
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    gcs_server: str,
+    make_storage: Callable[[str], Storage],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file no bigger than a part is one media GET; before the fix the object's metadata GET came
+    first. A server that ignores the Range header (200 and the whole object) still costs one GET,
+    the size read from its Content-Length. An answer that says no size falls back to reading the
+    metadata first (fake-gcs-server always says it: the parsing is patched to find none)."""
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    data = os.urandom(1000)
+    store.put_bytes("step-1/shard", data)
+
+    def reads() -> list[str]:
+        got = [s for s in proxy.seen if s.method == "GET" and "shard" in s.path]
+        return ["media" if "alt=media" in s.path else "metadata" for s in got]
+
+    def read_back(name: str) -> bytes:
+        store.get_file("step-1/shard", str(tmp_path / name), size=len(data), crc32c=crc32c_bytes(data))
+        return (tmp_path / name).read_bytes()
+
+    assert read_back("one") == data
+    assert reads() == ["media"]
+    ignored = proxy.strip_header("Range")
+    assert read_back("whole") == data
+    assert ignored.served == 1 and reads() == ["media"] * 2
+    proxy.clear()
+    monkeypatch.setattr(gs_backend, "_answer_span", lambda resp: (0, None))
+    assert read_back("fallback") == data
+    assert reads() == ["media"] * 3 + ["metadata", "media"]
+    assert leftovers(tmp_path) == ["fallback", "one", "whole"]
+
+
 def put_files_bytes(store: Storage, keys: list[str]) -> None:
     for key in keys:
         store.put_bytes(key, key.encode())
