@@ -16,7 +16,7 @@ from rich.console import Console, RenderableType
 
 from orchestrator.cli_status import status_command
 from orchestrator.held_notices import held_cell, held_text
-from orchestrator.live import RunRecord, held, render_run_detail, render_run_list
+from orchestrator.live import RunRecord, Snapshot, held, render_run_detail, render_run_list, render_snapshot
 from orchestrator.model import HeldNotice, JobKey, JobStatus, Phase
 from orchestrator.store import JsonFileJobStore
 
@@ -65,6 +65,9 @@ def test_the_detail_and_the_list_say_a_held_notice_as_kubectl_spotjob_status_doe
     cell = held_cell(as_kubectl, now)
     assert cell.startswith("in ") and cell.endswith(" (+1)"), cell
     assert " (+1) " in holding and " (+1)" not in quiet
+
+    panel = shown(render_snapshot(Snapshot("r", 1.0, status, 3, None, None, 0, 0)))  # spotjob run's live view
+    assert panel.count("held notice") == 2 and "r-0-1 on local-node-1: gcp maintenance" in panel, panel
 
 
 def test_no_held_notice_is_shown_for_a_run_that_holds_none_ended_or_lost_its_driver() -> None:
