@@ -276,6 +276,7 @@ class Agent(AgentRequests):
                 tree.refresh(reap=True)
                 self._check_ranks(now)
                 self._check_parent()
+                self._check_held()
                 next_scan = now + TREE_SCAN_EVERY
             returncode = child.poll()
             self.release_held()
@@ -655,9 +656,25 @@ class Agent(AgentRequests):
                 self._agent_file_removed = True  # a check still under way writes it no more
                 os.unlink(os.path.join(self.control.path, AGENT_FILE))
 
+    def _check_held(self) -> None:
+        """``agent.json`` again when the notice held, or the second its flush starts at, changed
+        since it was written (local mode's controller reads them there, as it reads
+        ``ranks_not_meeting``)."""
+        if self._held_for_file() != self._agent_file_held:
+            with contextlib.suppress(OSError):
+                self._write_agent_file()
+
+    def _held_for_file(self) -> tuple[dict[str, Any] | None, int | None]:
+        info, flush_at = self.held_report()
+        return (
+            info.model_dump(mode="json") if info is not None else None,
+            round(flush_at) if flush_at is not None else None,
+        )
+
     def _write_agent_file(self) -> None:
         """``agent.json``; written again when ``ranks_not_meeting`` (the warning of
-        ``_check_ranks``, which local mode's controller reads here) comes or goes."""
+        ``_check_ranks``, which local mode's controller reads here) comes or goes, and
+        when the notice held changes (``_check_held``)."""
         if self.api is None:
             return
         with self._lock:
@@ -669,6 +686,7 @@ class Agent(AgentRequests):
 
     def _write_agent_json(self, not_meeting: str | None) -> None:
         assert self.api is not None
+        held = self._held_for_file()
         write_json_atomic(
             os.path.join(self.control.path, AGENT_FILE),
             {
@@ -683,8 +701,12 @@ class Agent(AgentRequests):
                 "started_at": self._started_at,
                 "hostname": socket.gethostname(),
                 "ranks_not_meeting": not_meeting,
+                # As /status says them: the notice held and when its flush starts (unix time).
+                "held_notice": held[0],
+                "flush_at": held[1],
             },
         )
+        self._agent_file_held = held
 
     def _control_dir_in_use(self) -> str | None:
         """Why the control folder is not this agent's to use: another agent still running on this

@@ -155,6 +155,8 @@ class AgentRequests:
         self._agent_file_lock = threading.Lock()
         self._agent_file_removed = False
         """``agent.json`` is gone with the agent: nothing writes it again (a check's thread)."""
+        self._agent_file_held: tuple[dict[str, Any] | None, int | None] = (None, None)
+        """The held notice and flush time (to the second) ``agent.json`` says now."""
         self._problems: dict[str, str] = {}
         """What the agent warned about, by topic (shown in /status)."""
         self._rendezvous: Rendezvous | None = None
@@ -280,6 +282,14 @@ class AgentRequests:
         """The held notice with the earliest deadline: the one whose flush comes first."""
         with self._lock:
             return min(self._holding.values(), key=lambda n: n.deadline or 0.0, default=None)
+
+    def held_report(self) -> tuple[NoticeInfo | None, float | None]:
+        """The notice held (the one whose flush comes first) and when its flush starts, as
+        ``/status`` and ``agent.json`` say them; (None, None) while none is held."""
+        held = self._held
+        if held is None:
+            return None, None
+        return _notice_info(held), self._flush_at(held)
 
     def request_flush(self, body: FlushBody) -> tuple[FlushInfo, bool]:
         """``POST /flush`` (a control-API thread)."""
@@ -458,7 +468,7 @@ class AgentRequests:
             stop = self._stop
             problems = list(self._problems.values())
             not_meeting = self._problems.get("connect")
-            held = self._held
+        held_info, flush_at = self.held_report()
         result = flush.result if flush is not None else None
         deadline = flush.deadline if flush is not None else None
         return StatusResponse(
@@ -482,8 +492,8 @@ class AgentRequests:
             problems=problems,
             ranks_not_meeting=not_meeting,
             notice=_notice_info(flush.notice) if flush is not None else None,
-            held_notice=_notice_info(held) if held is not None else None,
-            flush_at=self._flush_at(held) if held is not None else None,
+            held_notice=held_info,
+            flush_at=flush_at,
             flush=_flush_info(flush.request) if flush is not None else None,
             deadline=deadline,
             seconds_left=round(deadline - time.time(), 3) if deadline is not None else None,

@@ -13,6 +13,8 @@ import sys
 from datetime import datetime
 from typing import Any
 
+from orchestrator.held_notices import age as age
+from orchestrator.held_notices import human_duration as human_duration
 from orchestrator.k8s.plugin_client import SpotJobClient, load_user_context
 from orchestrator.model import parse_timestamp
 
@@ -41,37 +43,6 @@ def connect(args: argparse.Namespace) -> tuple[SpotJobClient, str]:
 
 # ----------------------------------------------------------------------------------------------
 # formatting
-
-
-def human_duration(seconds: float) -> str:
-    """An age as kubectl prints it: ``41s``, ``5m12s``, ``52m``, ``3h4m``, ``2d3h``, ``400d``."""
-    if seconds < -1:
-        return "<invalid>"
-    s = int(max(seconds, 0))
-    if s < 120:
-        return f"{s}s"
-    minutes = s // 60
-    if minutes < 10:
-        return f"{minutes}m{s % 60}s" if s % 60 else f"{minutes}m"
-    if minutes < 180:
-        return f"{minutes}m"
-    hours = minutes // 60
-    if hours < 8:
-        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
-    if hours < 48:
-        return f"{hours}h"
-    days = hours // 24
-    if hours < 24 * 8:
-        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
-    if days < 365 * 2:
-        return f"{days}d"
-    years, rest = divmod(days, 365)
-    return f"{years}y{rest}d" if years < 8 and rest else f"{years}y"
-
-
-def age(value: Any, now: datetime) -> str:
-    t = parse_timestamp(value) if not isinstance(value, datetime) else value
-    return human_duration((now - t).total_seconds()) if t is not None else "-"
 
 
 def age_seconds(value: Any, now: datetime) -> float | None:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.cli_ckpt import print_table, shown
+from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.k8s.plugin_client import AccessDenied, SpotJobClient
 from orchestrator.k8s.pods import training_container_status
 from orchestrator.kubectl_common import (
@@ -67,7 +68,7 @@ def job_summary(job: dict[str, Any], now: datetime) -> dict[str, Any]:
         "goodput": status.get("goodput"),
         "capacity": status.get("capacity"),
         "attempt": (status.get("attempt") or {}).get("number") if status else None,
-        "heldNotices": _held_notices(status),
+        "heldNotices": held_notices(status),
         "creationTimestamp": meta.get("creationTimestamp"),
         "ageSeconds": age_seconds(meta.get("creationTimestamp"), now),
     }
@@ -119,7 +120,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             percent(s["goodput"]),
         ]
         row += [dash(s["capacity"])] if with_capacity else []
-        row += [_held_cell(s["heldNotices"], now)] if with_held else []
+        row += [held_cell(s["heldNotices"], now)] if with_held else []
         row += [age(s["creationTimestamp"], now)]
         if wide:
             stuck = ((job.get("status") or {}).get("attempt") or {}).get("notStarting") or {}
@@ -215,7 +216,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
             conditions=status.get("conditions") or [],
             lastRestart=history[-1] if history else None,
             lastFlushRequest=status.get("lastFlushRequest"),
-            heldNotices=_held_notices(status),
+            heldNotices=held_notices(status),
             recovery=status.get("recovery"),
             lostSteps=status.get("lostSteps"),
             generation=meta.get("generation"),
@@ -292,7 +293,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
                 f"{last.get('reason', '')}" + (f" — {last['message']}" if last.get("message") else ""),
             )
         )
-    lines += [("Held notice", _held_text(h, now)) for h in _held_notices(status)]
+    lines += [("Held notice", held_text(h, now)) for h in held_notices(status)]
     recovery = status.get("recovery")
     if recovery:
         lines.append(
@@ -353,51 +354,6 @@ def _print_indented(headers: list[str], rows: list[list[str]]) -> None:
     for row in [headers, *rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)] + [row[-1]]
         print(("  " + "  ".join(cells)).rstrip())
-
-
-def _held_notices(status: dict[str, Any]) -> list[dict[str, Any]]:
-    """``status.heldNotices`` (absent from a controller older than it, and when none is held); none
-    for a job that ended, where a controller before 2026-12-05 could leave the notices of the
-    workers it stopped."""
-    if status.get("phase") in ("Succeeded", "Failed"):
-        return []
-    held = status.get("heldNotices")
-    return [h for h in held if isinstance(h, dict)] if isinstance(held, list) else []
-
-
-def _held_cell(held: list[dict[str, Any]], now: datetime) -> str:
-    """The table's HELD-FLUSH: when the next held notice's flush starts (``in 9m40s``; its deadline,
-    ``due in 14m``, where the agent gave no flushAt) and how many more are held; blank for none."""
-    if not held:
-        return ""
-    times = [(parse_timestamp(h.get("flushAt")), parse_timestamp(h.get("deadline"))) for h in held]
-    flush_at, deadline = min(times, key=lambda t: t[0] or t[1] or datetime.max.replace(tzinfo=UTC))
-    t = flush_at or deadline
-    if t is None:
-        text = "held"
-    else:
-        text = "" if flush_at is not None else "due "
-        text += f"in {age(now, t)}" if t >= now else f"{age(t, now)} ago"
-    return text + (f" (+{len(held) - 1})" if len(held) > 1 else "")
-
-
-def _when(value: Any, now: datetime) -> str:
-    """A time ahead (a deadline) as ``21:55:00Z (in 52m)``; one passed as ``(2m ago)``."""
-    t = parse_timestamp(value)
-    if t is None:
-        return "an unknown time"
-    ahead = (t - now).total_seconds()
-    when = age(now, t) if ahead >= 0 else age(t, now)
-    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") + (f" (in {when})" if ahead >= 0 else f" ({when} ago)")
-
-
-def _held_text(held: dict[str, Any], now: datetime) -> str:
-    text = f"{held.get('worker', '?')} on {held.get('node') or '-'}: {held.get('source', '?')} {held.get('kind', '?')}"
-    text += f" ({held['detail']})" if held.get("detail") else ""
-    return (
-        f"{text}, due {_when(held.get('deadline'), now)}; training goes on, the flush starts "
-        f"{_when(held.get('flushAt'), now)}"
-    )
 
 
 def _flush_text(flush: dict[str, Any], now: datetime) -> str:

@@ -32,6 +32,7 @@ from rich.text import Text
 from agent.control_api import safe
 from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
+from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
 from orchestrator.run_folder import runs_dir_option
 
@@ -143,6 +144,13 @@ def checkpoint_text(status: JobStatus) -> str:
     return "none yet" if c is None else f"step {c.step} ({_ago(c.time)})"
 
 
+def held(status: JobStatus) -> list[dict[str, Any]]:
+    """The cloud notices the agents hold (``status.heldNotices``) as ``kubectl spotjob status``
+    reads them (JSON, camelCase); none once the job ended."""
+    notices = [h.model_dump(mode="json") for h in status.held_notices or []]
+    return held_notices({"phase": str(status.phase), "heldNotices": notices})
+
+
 def render_snapshot(s: Snapshot) -> RenderableType:
     st = s.status
     grid = Table.grid(padding=(0, 2))
@@ -168,6 +176,8 @@ def render_snapshot(s: Snapshot) -> RenderableType:
     )
     for n in s.notices:
         grid.add_row("[red]notice[/red]", f"[red]{_mk(n.node)} goes away in {max(0.0, n.seconds_left):.0f} s[/red]")
+    for notice in held(st):
+        grid.add_row("held notice", _data(held_text(notice, datetime.now(UTC)), overflow="fold"))
     if st.message:
         grid.add_row("why", _data(f"{st.reason}: {st.message}", overflow="fold"))
     events = Table.grid(padding=(0, 1))
@@ -506,7 +516,13 @@ def _short(text: str, limit: int = 90) -> str:
 
 def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "PHASE", "STEP", "PREEMPTIONS", "RESTARTS", "LAST CHECKPOINT", "GOODPUT", "UPDATED"):
+    now = datetime.now(UTC)
+    # As `kubectl spotjob status`: a HELD-FLUSH column only where a run's agents hold a notice.
+    holding = {id(r): held(r.status) if r.status is not None and not _undriven(r) else [] for r in records}
+    with_held = any(holding.values())
+    columns = ["NAME", "PHASE", "STEP", "PREEMPTIONS", "RESTARTS", "LAST CHECKPOINT", "GOODPUT"]
+    columns += ["HELD-FLUSH"] if with_held else []
+    for column in (*columns, "UPDATED"):
         table.add_column(column, no_wrap=True)
     table.add_column("NOTE", overflow="fold")
     for r in records:
@@ -514,7 +530,8 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
         if st is None:
             # One unreadable folder is one line that says what is wrong; the table stays a table.
             what = Text("unreadable" if r.error else "no status yet", style="red" if r.error else "")
-            table.add_row(_data(r.name), what, "", "", "", "", "", "", _data(_short(_within(r, r.error or ""))))
+            blanks = [""] * (len(columns) - 1)  # the other columns and UPDATED
+            table.add_row(_data(r.name), what, *blanks, _data(_short(_within(r, r.error or ""))))
             continue
         phase = Text(str(st.phase), style=_PHASE_STYLE.get(st.phase, ""))
         note = _short(_within(r, r.error)) if r.error else ""
@@ -546,6 +563,7 @@ def render_run_list(records: Sequence[RunRecord]) -> RenderableType:
             f"{st.restarts}/{r.spec.max_restarts if r.spec else '?'}",
             checkpoint,
             _goodput(st.goodput),
+            *([held_cell(holding[id(r)], now)] if with_held else []),
             _ago(updated),
             _data(note),
         )
@@ -622,6 +640,9 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     )
     for av in st.avoid:
         head.add_row("avoiding", _data(f"{av.kind} {av.value} until {_utc(av.until)} UTC ({av.reason})"))
+    if not undriven:  # else the agents that held them are gone with their driver
+        for notice in held(st):
+            head.add_row("held notice", _data(held_text(notice, datetime.now(UTC)), overflow="fold"))
     parts.append(head)
 
     if st.workers:

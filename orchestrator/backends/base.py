@@ -46,9 +46,9 @@ Contract of every backend:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal
@@ -131,6 +131,34 @@ def ranks_not_meeting(said: object) -> str | None:
     return said[:900] if isinstance(said, str) and said else None
 
 
+def held_notice(said: dict[str, Any]) -> HeldNoticeReport | None:
+    """``held_notice`` and ``flush_at`` of what an agent says (its ``/status`` answer, which the
+    Kubernetes controller asks for; its ``agent.json``, which local mode reads); None where it holds
+    none, or says none (an agent older than them), or says something else than its own shape."""
+    held = said.get("held_notice")
+    if not isinstance(held, dict) or not isinstance(held.get("source"), str):
+        return None
+    return HeldNoticeReport(
+        source=held["source"][:64],
+        kind=str(held.get("kind") or "")[:64],
+        detail=str(held.get("detail") or "")[:300],
+        deadline=_agent_time(held.get("deadline")),
+        flush_at=_agent_time(said.get("flush_at")),
+        heard_at=_agent_time(held.get("received_at")),
+    )
+
+
+def _agent_time(value: object) -> datetime | None:
+    """A unix time of the agent's as a UTC time to the second (a flush time the agent computes anew
+    at each answer must not change the job's status by its fractions); None if it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return datetime.fromtimestamp(round(value), UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class WorkerObservation:
     """One worker as the backend sees it now."""
@@ -161,8 +189,9 @@ class WorkerObservation:
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
     failure's message."""
     held_notice: HeldNoticeReport | None = None
-    """The cloud notice the worker's agent holds, as its last report said (GET /status, with the
-    step); None when it holds none, or its agent does not say (an older agent, local mode)."""
+    """The cloud notice the worker's agent holds, as its last report said (Kubernetes: its GET
+    /status, with the step; local mode: its ``agent.json``); None when it holds none, or its agent
+    does not say (an older agent)."""
     holds_node: bool = False
     """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
     exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""

@@ -29,6 +29,11 @@ restart time in goodput, not as training; Succeeded/Failed with the agent's exit
 without one when its node was terminated under it (the reconciler's "lost"). A command that
 never reports a step (no ``Checkpointer``) stays Pending until it exits, which still ends the job.
 
+A worker's ``agent.json`` (its agent writes it in its control folder) says, besides the control
+API's address, whether its ranks have not met (``not_starting`` while Pending) and the cloud notice
+it holds, far from its deadline (``held_notice`` while Running: the reconciler records it in the
+job's ``heldNotices`` and a ``NoticeHeld`` Event, as it does on Kubernetes from ``GET /status``).
+
 Beside this module: ``local_cloud`` (the nodes, and finding and killing a node's processes),
 ``local_plan`` (when to preempt), ``local_timeline`` (what happened when), ``local_failure`` (why a
 worker failed, from its log). Their public names stay importable from here.
@@ -86,6 +91,7 @@ from orchestrator.backends.base import (
     FlushRequestState,
     Placement,
     WorkerObservation,
+    held_notice,
     ranks_not_meeting,
     worker_name,
 )
@@ -196,9 +202,10 @@ class _Worker:
     def rank_status(self) -> dict[str, Any] | None:
         return read_json(os.path.join(self.control_dir, STATUS_FILE))
 
-    def ranks_not_meeting(self) -> str | None:
-        """The agent's warning that no rank has connected yet (its ``agent.json``), if it gave one."""
-        return ranks_not_meeting((read_json(os.path.join(self.control_dir, AGENT_FILE)) or {}).get("ranks_not_meeting"))
+    def agent_says(self) -> dict[str, Any]:
+        """Its agent's ``agent.json`` (the control API's address, ``ranks_not_meeting``, the notice
+        it holds); empty before the agent wrote it and after it exited."""
+        return read_json(os.path.join(self.control_dir, AGENT_FILE)) or {}
 
 
 @dataclass(frozen=True)
@@ -591,6 +598,7 @@ class LocalBackend:
             phase = WorkerPhase.PENDING
         if code is not None and code not in _AGENT_EXIT_CODES and w.detail is None:
             w.detail = failure_detail(w.log_path)
+        agent = w.agent_says() if phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING) else {}
         return WorkerObservation(
             name=w.name,
             attempt=w.attempt,
@@ -602,7 +610,9 @@ class LocalBackend:
             exit_code=code,
             step=step if isinstance(step, int) else None,
             detail=w.detail,
-            not_starting=_not_meeting(w) if phase is WorkerPhase.PENDING else None,
+            not_starting=_not_meeting(agent) if phase is WorkerPhase.PENDING else None,
+            # The reconciler records it (status.heldNotices, a NoticeHeld Event) for a running worker.
+            held_notice=held_notice(agent) if phase is WorkerPhase.RUNNING else None,
         )
 
     def _stop(self, w: _Worker) -> None:
@@ -753,8 +763,9 @@ __all__ = [
 ]
 
 
-def _not_meeting(w: _Worker) -> tuple[str, str] | None:
-    """``RanksNotMeeting`` and the agent's words, while its ranks have not connected past its
-    ``--rank-connect-timeout``: they wait in init_process_group, or build no Checkpointer."""
-    said = w.ranks_not_meeting()
+def _not_meeting(agent: dict[str, Any]) -> tuple[str, str] | None:
+    """``RanksNotMeeting`` and the agent's words (its ``agent.json``), while its ranks have not
+    connected past its ``--rank-connect-timeout``: they wait in init_process_group, or build no
+    Checkpointer."""
+    said = ranks_not_meeting(agent.get("ranks_not_meeting"))
     return (RANKS_NOT_MEETING, f"its agent: {said}") if said is not None else None

@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.backends.base import HeldNoticeReport, ranks_not_meeting
+from orchestrator.backends.base import HeldNoticeReport, held_notice, ranks_not_meeting
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class AgentCalls:
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
             log.debug("GET /status of the agent of %s failed: %s", agent.pod, e)
             return
-        held = _held_notice(body)
+        held = held_notice(body)
         with self._lock:
             # A step the answer lacks keeps the last one (a hint); the held notice is the answer's
             # own: one the agent no longer holds (withdrawn, or its flush started) is gone.
@@ -317,33 +317,6 @@ class AgentCalls:
             for key in [k for k in self._calls if k[1] == pod_uid]:
                 del self._calls[key]
             self._status.pop(pod_uid, None)
-
-
-def _held_notice(body: dict[str, Any]) -> HeldNoticeReport | None:
-    """``held_notice`` and ``flush_at`` of an agent's ``/status`` answer; None where it has none, or
-    sends none (an agent older than them), or sends something else than its own shape."""
-    held = body.get("held_notice")
-    if not isinstance(held, dict) or not isinstance(held.get("source"), str):
-        return None
-    return HeldNoticeReport(
-        source=held["source"][:64],
-        kind=str(held.get("kind") or "")[:64],
-        detail=str(held.get("detail") or "")[:300],
-        deadline=_time(held.get("deadline")),
-        flush_at=_time(body.get("flush_at")),
-        heard_at=_time(held.get("received_at")),
-    )
-
-
-def _time(value: object) -> datetime | None:
-    """A unix time of the agent's as a UTC time to the second (a flush time the agent computes anew
-    at each answer must not change the job's status by its fractions); None if it is not one."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        return datetime.fromtimestamp(round(value), UTC)
-    except (OverflowError, OSError, ValueError):
-        return None
 
 
 def _quietly(answered: Callable[[], None]) -> None:

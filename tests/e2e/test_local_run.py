@@ -6,11 +6,13 @@ uninterrupted run after notices at random steps, during saves and during a resta
 starting the ranks themselves, ``spotjob run``'s default, and under torchrun); a crashing
 script failing the job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``,
 the identity the agents got); a flush that storage refuses timing out and the job resuming from the
-checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``.
+checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``; a notice an
+agent holds in the run's status, its Events and ``spotjob status``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +33,14 @@ from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, 
 
 from agent.catalog import list_checkpoints
 from agent.control_channel import EXIT_STOPPED
+from agent.notices.emulators import GceMetadataEmulator
 from agent.ownership import attempt_records, read_owner
 from agent.storage import open_storage
 from orchestrator.backends import local
 from orchestrator.backends.base import Placement
 from orchestrator.backends.local import ENV_NODE, EventKind, LocalBackend, LocalOptions, Timeline, marked_pids
 from orchestrator.cli_run import LocalRun, RunConfig
+from orchestrator.cli_status import status_command
 from orchestrator.events import events_path, read_events
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec, Phase, WorkerPhase
 
@@ -379,3 +384,91 @@ def test_stopping_gang_after_gang_keeps_only_the_stops_still_running(tmp_path: P
                 assert time.monotonic() < give_up, "a stopped worker was never removed"
                 time.sleep(0.05)
         assert len(backend._threads) <= 1, f"{len(backend._threads)} stop threads kept after 4 gangs"
+
+
+# -- a notice an agent holds ----------------------------------------------------------------------
+
+
+def test_a_notice_a_local_agent_holds_is_in_the_runs_status_its_events_and_spotjob_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GCE gives an hour's notice of a host maintenance; the agent holds it (``--flush-lead``) and
+    training goes on. Before, in local mode only the agent's log and ``/status`` said so: the run's
+    status had no ``heldNotices``, no ``NoticeHeld`` Event came, and ``spotjob status`` showed
+    nothing. Local mode's agents listen to their node's AWS metadata alone, whose notices are never
+    held; so here each agent's command line also names a GCE metadata emulator (the one seam)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the agents' maintenance records
+    (tmp_path / "tmp").mkdir()
+    runs_dir = tmp_path / "runs"
+    with GceMetadataEmulator() as gce:
+        command = LocalBackend._command
+
+        def also_gce(self: LocalBackend, *args: Any) -> list[str]:
+            argv = command(self, *args)
+            at = argv.index("--notices")
+            argv[at + 1 : at + 2] = ["aws,gcp", "--gcp-metadata-url", gce.url, "--gcp-maintenance-seconds", "3600"]
+            return argv
+
+        monkeypatch.setattr(LocalBackend, "_command", also_gce)
+        config = RunConfig(
+            script=str(TRAIN),
+            args=["--steps", "100000", "--step-sleep", "0.1"],
+            name="held",
+            runs_dir=str(runs_dir),
+            nproc=1,
+        )
+        run = LocalRun(config)
+        status_file = Path(run.store.path(run.key))
+        events_file = Path(run.events_path)
+        stop, done = threading.Event(), threading.Event()
+        ended: list[BaseException] = []
+        real_wait = run._wait
+
+        def wait(seconds: float) -> None:
+            if stop.is_set():
+                raise KeyboardInterrupt("the test has seen what it came for")  # as spotjob run's Ctrl-C
+            real_wait(seconds)
+
+        monkeypatch.setattr(run, "_wait", wait)
+
+        def drive() -> None:
+            try:
+                run.run()
+            except BaseException as e:
+                ended.append(e)
+            finally:
+                done.set()
+
+        driver = threading.Thread(target=drive, name="test-driver", daemon=True)
+        driver.start()
+        try:
+            wait_for(lambda: (run.backend.observed_step(run.key) or 0) >= 2, "training", done=done)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+
+            def recorded() -> bool:
+                status = read_status(status_file) or {}
+                return bool(status.get("heldNotices")) and "NoticeHeld" in event_reasons(events_file)
+
+            wait_for(recorded, "the held notice in the run's status and Events", done=done)
+            assert status_command(argparse.Namespace(name="held", runs_dir=str(runs_dir), json=False)) == 0
+            detail = capsys.readouterr().out
+            assert status_command(argparse.Namespace(name=None, runs_dir=str(runs_dir), json=False)) == 0
+            listing = capsys.readouterr().out
+            assert status_command(argparse.Namespace(name="held", runs_dir=str(runs_dir), json=True)) == 0
+            doc = json.loads(capsys.readouterr().out)
+        finally:
+            stop.set()
+            run.backend.changed.set()
+            driver.join(timeout=GIVE_UP_S)
+        assert [type(e) for e in ended] == [KeyboardInterrupt], ended
+
+    [held] = doc["status"]["heldNotices"]
+    assert (held["worker"], held["source"], held["kind"]) == ("held-0-0", "gcp", "maintenance"), held
+    deadline, flush_at = (datetime.fromisoformat(held[k]) for k in ("deadline", "flushAt"))
+    assert flush_at == deadline - timedelta(seconds=300), held  # --flush-lead's default
+    assert "NoticeHeld" in [e["reason"] for e in doc["events"]]
+    line = next(x for x in detail.splitlines() if x.strip().startswith("held notice"))
+    assert f"held-0-0 on {held['node']}: gcp maintenance (" in line, line
+    assert "training goes on, the flush starts" in line, line
+    assert "HELD-FLUSH" in listing.splitlines()[0] and "in 5" in listing, listing
+    assert "FlushCommitted" not in event_reasons(events_file), "a held notice flushes nothing"

@@ -11,13 +11,16 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent import launcher, process_tree
+from agent.control_api import ControlApi
 from agent.control_channel import (
+    AGENT_FILE,
     EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
@@ -25,6 +28,7 @@ from agent.control_channel import (
     ControlDir,
     FlushResult,
     RankStatus,
+    read_json,
 )
 from agent.launcher import (
     Agent,
@@ -503,6 +507,39 @@ class TestHeldNotices:
         agent.on_notice(Notice(source=source, kind=NoticeKind.PREEMPTION, deadline=time.time() + 100, detail="now"))
         assert agent._flush is not None and agent._flush.notice.source == source
         assert agent.status().held_notice is None
+
+    def test_agent_json_says_the_held_notice_as_status_does_for_local_modes_controller(self, tmp_path: Path) -> None:
+        """Local mode's controller reads each agent's ``agent.json``, not its ``/status``. Before,
+        ``agent.json`` had no held notice, so ``spotjob status`` never showed one. Now the watch
+        loop's ``_check_held`` writes it there when it comes, moves or goes, and the controller's
+        one reading of both (``held_notice``) takes the same notice from either."""
+        from orchestrator.backends.base import held_notice
+
+        agent = self.agent(tmp_path)
+        api = ControlApi(agent, token="t")
+        api.start()
+        agent.api = api
+        try:
+            agent._write_agent_file()
+            said = read_json(str(tmp_path / AGENT_FILE))
+            assert said is not None and said["held_notice"] is None and held_notice(said) is None
+            deadline = time.time() + 3600
+            agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="TERMINATE"))
+            agent._check_held()
+            said = read_json(str(tmp_path / AGENT_FILE))
+            assert said is not None and said["url"] == api.url, said
+            from_file = held_notice(said)
+            assert from_file is not None and from_file == held_notice(agent.status().model_dump(mode="json"))
+            assert (from_file.source, from_file.kind, from_file.detail) == ("gcp", "maintenance", "TERMINATE")
+            assert from_file.flush_at == datetime.fromtimestamp(round(deadline - 300), UTC)
+            agent.on_notice(
+                Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=None, detail="NONE", withdrawn=True)
+            )
+            agent._check_held()
+            said = read_json(str(tmp_path / AGENT_FILE))
+            assert said is not None and held_notice(said) is None, said
+        finally:
+            api.stop()
 
     def test_a_withdrawn_notice_drops_the_held_flush_but_not_one_under_way(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture

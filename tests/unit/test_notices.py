@@ -651,7 +651,7 @@ class TestAzureSource:
         Reboot <EventId> (<EventStatus>)". The notice here is the Azure source's own, from the
         emulator, rendered by the plugin's code at the example's time (the controller copies it
         unchanged into status.heldNotices; that copy is not run here)."""
-        from orchestrator.kubectl_status import _held_text
+        from orchestrator.held_notices import held_text
 
         readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
         line = next(x for x in readme.splitlines() if x.startswith("Held notice:  train-demo-1-0"))
@@ -671,7 +671,7 @@ class TestAzureSource:
             "deadline": datetime.fromtimestamp(notice.deadline or 0, UTC).isoformat(),
             "flushAt": datetime(2026, 6, 1, 12, 15, tzinfo=UTC).isoformat(),
         }
-        assert line == "Held notice:  " + _held_text(held, datetime(2026, 6, 1, 12, 6, tzinfo=UTC))
+        assert line == "Held notice:  " + held_text(held, datetime(2026, 6, 1, 12, 6, tzinfo=UTC))
 
     def test_an_event_that_left_the_list_is_not_acknowledged_after_a_later_flush(
         self, azure: AzureScheduledEventsEmulator
