@@ -350,6 +350,37 @@ def test_which_files_a_nodes_ranks_read() -> None:
     assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
 
 
+def test_a_node_fetches_the_files_of_a_tensor_its_ranks_hold_that_another_replica_wrote() -> None:
+    """HSDP (sharded within a node, replicated across nodes): DCP writes each shard of a tensor from
+    one replica, and here all of ``w``'s shards came from node 0's ranks (``__0_0``, ``__1_0``), as
+    test_prefetch_requests.py's real HSDP save puts half its tensors. Node 1's ranks hold the same
+    shards and read both files. Before the fix rank 0's file (fetched by every node for the
+    replicated values) counted as one of node 1's own, so ``w`` looked read from it alone and
+    ``__1_0`` was left to the ranks' restore, after the prefetch."""
+
+    def entry(path: str) -> dict[str, Any]:
+        return {"path": path, "size": 8, "crc32c": "00000000"}
+
+    shards = [f"__{r}_0.distcp" for r in range(4)]
+    manifest = Manifest.model_validate(
+        {
+            "step": 3,
+            "world_size": 4,
+            "created_at": "2026-12-05T00:00:00Z",
+            "torch_version": "2.13.0",
+            "state_keys": ["model"],
+            "files": [entry(".metadata"), *map(entry, shards)] + [entry(f"rank-{r:05d}.pt") for r in range(4)],
+            "tensors": {
+                "model.w": {"shape": [8], "dtype": "torch.float32", "files": shards[:2]},
+                "model.b": {"shape": [8], "dtype": "torch.float32", "files": shards[2:]},
+            },
+        }
+    )
+    for ranks in (range(0, 2), range(2, 4)):
+        got = {e.path for e in restore_cache.node_files(manifest, ranks, 4)}
+        assert got == {".metadata", *shards} | {f"rank-{r:05d}.pt" for r in ranks}, (ranks, got)
+
+
 def test_a_file_that_fits_one_part_is_fetched_with_one_request(
     fresh_uri: Callable[[str], str],
     fault_proxy: Callable[..., FaultProxy],
