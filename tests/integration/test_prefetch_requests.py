@@ -63,7 +63,9 @@ def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> 
     from agent.restore_cache import node_files
 
     uri = str(tmp_path / "ckpt")
-    harness.torchrun(4, FSDP, "--hsdp", "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2")
+    harness.torchrun(
+        4, FSDP, "--hsdp", "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2"
+    )
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     metadata = load_dcp_metadata(manifest_path.with_name(".metadata").read_bytes())
