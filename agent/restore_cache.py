@@ -259,12 +259,13 @@ def node_files(manifest: Manifest, ranks: range, world_size: int) -> list[FileEn
     wanted = {DCP_METADATA_NAME, *(rank_file_name(r) for r in ranks)}
     for entry in manifest.files:
         shard = _SHARD_FILE_RE.match(entry.path)
-        if shard is not None and entry.size and int(shard.group(1)) in ranks:
+        if shard is None:
+            if not _RANK_FILE_RE.match(entry.path):
+                wanted.add(entry.path)  # a file of another kind
+        elif entry.size and int(shard.group(1)) in ranks:
             own.add(entry.path)
-        if shard is not None and entry.size and int(shard.group(1)) == 0:
-            wanted.add(entry.path)
-        elif shard is None and not _RANK_FILE_RE.match(entry.path):
-            wanted.add(entry.path)
+        elif entry.size and int(shard.group(1)) == 0:
+            wanted.add(entry.path)  # the values every rank reads (see above)
     wanted |= own
     for tensor in manifest.tensors.values():
         # Rank 0's file is fetched on every node, but counts as the node's own only where rank 0

@@ -69,7 +69,10 @@ def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> 
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     metadata = load_dcp_metadata(manifest_path.with_name(".metadata").read_bytes())
-    where = {(i.fqn, tuple(i.offset) if i.offset is not None else None): s.relative_path for i, s in metadata.storage_data.items()}  # fmt: skip
+    where = {
+        (index.fqn, None if index.offset is None else tuple(index.offset)): info.relative_path
+        for index, info in metadata.storage_data.items()
+    }
     reads: dict[int, set[str]] = {r: set() for r in range(4)}
     for fqn, md in metadata.state_dict_metadata.items():
         for rank in range(4):
