@@ -25,8 +25,12 @@ from agent.checkpoint import Checkpointer
 
 
 def build(world: int, seed: int, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
-    shape = (world // 2, 2) if hsdp else (world,)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
+    # HSDP: FSDP2 on a 2-D mesh shards over its last dimension and replicates over the first.
+    mesh = (
+        init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
     for layer in model:
