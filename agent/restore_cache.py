@@ -251,7 +251,8 @@ def node_files(manifest: Manifest, ranks: range, world_size: int) -> list[FileEn
     replica wrote) is read from all of its files. DCP's ``.metadata``, each rank's
     ``rank-NNNNN.pt``, rank 0's shard files (which hold what the tensor index does not list: an
     optimizer's ``param_groups``) and any file of another kind are read too. An empty shard file
-    holds nothing to read.
+    holds nothing to read. (An FSDP rank whose shard of a small tensor is empty still writes that
+    empty shard, so a sharded tensor lists the file of every rank of its mesh.)
     """
     if manifest.world_size != world_size:
         return list(manifest.files)
