@@ -326,6 +326,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return p
 
 
+def _option_given(option: str, args: Sequence[str]) -> bool:
+    """Whether ``args`` (the agent's own) give ``option``: in full, or abbreviated as argparse takes
+    it (``--pref`` for ``--prefetch``), with its value after it or after ``=``. Otherwise a bad value
+    came from the option's variable."""
+    return any(
+        arg.startswith("--") and len(name := arg.partition("=")[0]) > 2 and option.startswith(name) for arg in args
+    )
+
+
 def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig, str]:
     """``(config, log level)``; exits 2 with a usage message on bad arguments."""
     parser = build_parser(env)
@@ -348,13 +357,13 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig
     try:
         ns.log_format = log_format(ns.log_format)
     except ValueError as e:
-        where = "--log-format" if "--log-format" in " ".join(argv[:split]) else ENV_LOG_FORMAT
+        where = "--log-format" if _option_given("--log-format", argv[:split]) else ENV_LOG_FORMAT
         parser.error(f"{where} {e}")
     if ns.launcher not in LAUNCHERS:
-        where = "--launcher" if "--launcher" in " ".join(argv[:split]) else ENV_LAUNCHER
+        where = "--launcher" if _option_given("--launcher", argv[:split]) else ENV_LAUNCHER
         parser.error(f"{where} {ns.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     if ns.prefetch not in PREFETCH_MODES:
-        where = "--prefetch" if "--prefetch" in " ".join(argv[:split]) else ENV_PREFETCH
+        where = "--prefetch" if _option_given("--prefetch", argv[:split]) else ENV_PREFETCH
         parser.error(f"{where} {ns.prefetch!r}: expected one of {', '.join(PREFETCH_MODES)}")
     if not ns.checkpoint_uri and not env.get(ENV_CHECKPOINT_URI):
         parser.error(f"--checkpoint-uri is required (or set {ENV_CHECKPOINT_URI})")

@@ -246,24 +246,31 @@ def node_files(manifest: Manifest, ranks: range, world_size: int) -> list[FileEn
 
     At the same world size each rank holds the shards it wrote, so of a tensor spread over several
     files a rank reads the one it wrote (the manifest's tensor index says which files hold what);
-    a tensor in one file only (a replicated value DCP kept one copy of: an optimizer's ``step``
-    counter, a DDP parameter) is read by every rank, from that file. DCP's ``.metadata``, each
-    rank's ``rank-NNNNN.pt``, rank 0's shard files (which hold what the tensor index does not
-    list: an optimizer's ``param_groups``) and any file of another kind are read too. An empty
-    shard file holds nothing to read.
+    a tensor none of whose files the node's ranks wrote (a replicated value DCP kept one copy of:
+    an optimizer's ``step`` counter, a DDP parameter; under HSDP, a tensor whose shards another
+    replica wrote) is read from all of its files. DCP's ``.metadata``, each rank's
+    ``rank-NNNNN.pt``, rank 0's shard files (which hold what the tensor index does not list: an
+    optimizer's ``param_groups``) and any file of another kind are read too. An empty shard file
+    holds nothing to read. (An FSDP rank whose shard of a small tensor is empty still writes that
+    empty shard, so a sharded tensor lists the file of every rank of its mesh.)
     """
     if manifest.world_size != world_size:
         return list(manifest.files)
-    own: set[str] = set()
+    own: set[str] = set()  # the shards the node's ranks wrote
     wanted = {DCP_METADATA_NAME, *(rank_file_name(r) for r in ranks)}
     for entry in manifest.files:
         shard = _SHARD_FILE_RE.match(entry.path)
-        if shard is not None and entry.size and (int(shard.group(1)) in ranks or int(shard.group(1)) == 0):
+        if shard is None:
+            if not _RANK_FILE_RE.match(entry.path):
+                wanted.add(entry.path)  # a file of another kind
+        elif entry.size and int(shard.group(1)) in ranks:
             own.add(entry.path)
-        elif shard is None and not _RANK_FILE_RE.match(entry.path):
-            wanted.add(entry.path)
+        elif entry.size and int(shard.group(1)) == 0:
+            wanted.add(entry.path)  # the values every rank reads (see above)
     wanted |= own
     for tensor in manifest.tensors.values():
+        # Rank 0's file is fetched on every node, but counts as the node's own only where rank 0
+        # runs: under HSDP a tensor written from ranks 0 and 1 is read by the other nodes from both.
         mine = [f for f in tensor.files if f in own]
         wanted.update(mine or tensor.files)
     return [e for e in manifest.files if e.path in wanted]

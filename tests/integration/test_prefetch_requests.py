@@ -50,6 +50,45 @@ def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(tmp_path: Pat
     assert {f for files in whole.values() for f in files} == {"__0_0.distcp"}, whole
 
 
+def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> None:
+    """HSDP on 2 nodes of 2 ranks (FSDP2 on a (2, 2) mesh: sharded within a node, replicated across
+    the nodes): DCP writes each shard from one replica, whole tensors from node 0's ranks and others
+    from node 1's, so each node's ranks read every shard file. What each rank reads is taken from
+    DCP's ``.metadata`` (the file that holds its shard of each tensor, by the mesh's shard index).
+    Before the fix node 1's prefetch left ``__1_0.distcp`` to its ranks' restore: rank 0's file
+    counted as one of node 1's own, so the tensors written from ranks 0 and 1 looked read from it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from agent.dcp_safe import load_dcp_metadata
+    from agent.restore_cache import node_files
+
+    uri = str(tmp_path / "ckpt")
+    harness.torchrun(
+        4, FSDP, "--hsdp", "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2"
+    )
+    (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
+    manifest = Manifest.parse(manifest_path.read_bytes())
+    metadata = load_dcp_metadata(manifest_path.with_name(".metadata").read_bytes())
+    where = {
+        (index.fqn, None if index.offset is None else tuple(index.offset)): info.relative_path
+        for index, info in metadata.storage_data.items()
+    }
+    reads: dict[int, set[str]] = {r: set() for r in range(4)}
+    for fqn, md in metadata.state_dict_metadata.items():
+        for rank in range(4):
+            if isinstance(md, TensorStorageMetadata):
+                chunks = sorted(tuple(c.offsets) for c in md.chunks)
+                reads[rank].add(where[fqn, chunks[rank % 2 if len(chunks) > 1 else 0]])
+            else:
+                reads[rank].add(where[fqn, None])
+    for node in range(2):
+        ranks = range(2 * node, 2 * node + 2)
+        fetched = {e.path for e in node_files(manifest, ranks, 4)}
+        read = set().union(*(reads[r] for r in ranks))
+        assert read <= fetched, f"node {node}'s ranks read {sorted(read - fetched)}, which its prefetch left out"
+    assert {"__2_0.distcp", "__3_0.distcp"} & reads[0], "the test needs tensors written from node 1 alone"
+
+
 def _file_gets(proxy: FaultProxy) -> Counter[str]:
     """Requests for the checkpoint's files (not its manifest, not listings) by file name: a GET
     counts under the name, anything else under ``METHOD name``."""

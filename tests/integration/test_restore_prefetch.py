@@ -28,7 +28,7 @@ from agent.crc32c import crc32c_bytes, to_hex
 from agent.launcher import Agent, parse_args
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from agent.restore_cache import RESTORE_FOLDER, VERIFIED_SUFFIX, fetch_verified, prefetch, staging_root
-from agent.storage import CorruptObjectError, open_storage
+from agent.storage import CorruptObjectError, PermanentStorageError, open_storage
 from agent.storage.file import FileStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -118,6 +118,68 @@ def test_nothing_is_prefetched_past_a_checkpoint_a_newer_spotjob_wrote(tmp_path:
     staging = str(tmp_path / "staging")
     assert prefetch(store, staging) is None
     assert store.fetched == [] and not Path(staging, RESTORE_FOLDER).exists()
+
+
+def test_a_prefetch_that_fails_half_way_leaves_the_restore_whole(tmp_path: Path) -> None:
+    """Pins what already held: the store fails on one file after others came in. The prefetch
+    raises (the agent logs it); the restore uses the files the prefetch verified, fetches (and
+    checks) the one it lacks, and loads the checkpoint whole."""
+    root, saved = committed(tmp_path)
+    staging_dir = str(tmp_path / "staging")
+
+    class FailsOnAShard(ObjectStoreLike):
+        def get_file(self, key: str, local_path: str, **kw: Any) -> None:
+            if key.endswith(".distcp") and self.fetched:
+                self.fetched.append(key)
+                raise PermanentStorageError(f"503 on {key}", key)
+            super().get_file(key, local_path, **kw)
+
+    store = FailsOnAShard(root)
+    with pytest.raises(PermanentStorageError):
+        prefetch(store, staging_root(store, None, staging_dir), parallelism=1)
+    failed = store.fetched[-1]
+    assert len(store.fetched) > 1, "the test needs a file fetched before the failure"
+    manifest = Manifest.parse(store.get_bytes(f"step-000000003/{MANIFEST_NAME}"))
+    left = sorted(f"step-000000003/{e.path}" for e in manifest.files if f"step-000000003/{e.path}" not in store.fetched)
+
+    fresh = make_state(0, seed=9)
+    with Checkpointer(root, staging_dir=staging_dir) as again:
+        again.storage = ObjectStoreLike(root)
+        assert again.restore(fresh) == 3
+        fetched = sorted(again.storage.fetched)  # type: ignore[attr-defined]
+    assert fetched == sorted([failed, *left]), "the restore fetched again what the prefetch had verified"
+    assert_same(snapshot(fresh), saved, "the state restored after a prefetch that failed half way")
+
+
+def test_a_checkpoint_committed_while_the_prefetch_runs_is_restored_from_its_own_files(tmp_path: Path) -> None:
+    """Pins what already held: the prefetch fetches step 3 while step 4 is committed. The restore
+    loads step 4 from step 4's files only (each checkpoint has its own folder in the cache), and
+    leaves neither checkpoint's files on the node's disk."""
+    root, _ = committed(tmp_path)
+    staging_dir = str(tmp_path / "staging")
+    newer = make_state(0, seed=4)
+    train(newer, 4)
+    lock = threading.Lock()
+
+    class CommittedMeanwhile(ObjectStoreLike):
+        def get_file(self, key: str, local_path: str, **kw: Any) -> None:
+            super().get_file(key, local_path, **kw)
+            with lock:
+                if not Path(root, "step-000000004").exists():
+                    with Checkpointer(root, keep=None) as writer:
+                        writer.save(4, newer)
+
+    store = CommittedMeanwhile(root)
+    assert prefetch(store, staging_root(store, None, staging_dir)) == "step-000000003"
+    assert {k.split("/")[0] for k in store.fetched} == {"step-000000003"}
+
+    fresh = make_state(0, seed=9)
+    with Checkpointer(root, staging_dir=staging_dir) as again:
+        again.storage = ObjectStoreLike(root)
+        assert again.restore(fresh) == 4
+        assert {k.split("/")[0] for k in again.storage.fetched} == {"step-000000004"}  # type: ignore[attr-defined]
+    assert_same(snapshot(fresh), snapshot(newer), "the state restored while an older checkpoint was prefetched")
+    assert not Path(staging_dir).exists() or not any(Path(staging_dir).rglob("*.distcp"))
 
 
 # -- the <file>.verified marker vouches for one file of one checkpoint ---------------------------
@@ -349,6 +411,37 @@ def test_which_files_a_nodes_ranks_read() -> None:
     node1 = {e.path for e in restore_cache.node_files(manifest, range(2, 4), 4)}
     assert node1 == {".metadata", "__0_0.distcp", "__2_0.distcp", "__3_0.distcp", "rank-00002.pt", "rank-00003.pt"}
     assert restore_cache.node_files(manifest, range(2, 5), 6) == manifest.files
+
+
+def test_a_node_fetches_the_files_of_a_tensor_its_ranks_hold_that_another_replica_wrote() -> None:
+    """HSDP (sharded within a node, replicated across nodes): DCP writes each shard of a tensor from
+    one replica, and here all of ``w``'s shards came from node 0's ranks (``__0_0``, ``__1_0``), as
+    test_prefetch_requests.py's real HSDP save puts half its tensors. Node 1's ranks hold the same
+    shards and read both files. Before the fix rank 0's file (fetched by every node for the
+    replicated values) counted as one of node 1's own, so ``w`` looked read from it alone and
+    ``__1_0`` was left to the ranks' restore, after the prefetch."""
+
+    def entry(path: str) -> dict[str, Any]:
+        return {"path": path, "size": 8, "crc32c": "00000000"}
+
+    shards = [f"__{r}_0.distcp" for r in range(4)]
+    manifest = Manifest.model_validate(
+        {
+            "step": 3,
+            "world_size": 4,
+            "created_at": "2026-12-05T00:00:00Z",
+            "torch_version": "2.13.0",
+            "state_keys": ["model"],
+            "files": [entry(".metadata"), *map(entry, shards)] + [entry(f"rank-{r:05d}.pt") for r in range(4)],
+            "tensors": {
+                "model.w": {"shape": [8], "dtype": "torch.float32", "files": shards[:2]},
+                "model.b": {"shape": [8], "dtype": "torch.float32", "files": shards[2:]},
+            },
+        }
+    )
+    for ranks in (range(0, 2), range(2, 4)):
+        got = {e.path for e in restore_cache.node_files(manifest, ranks, 4)}
+        assert got == {".metadata", *shards} | {f"rank-{r:05d}.pt" for r in ranks}, (ranks, got)
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

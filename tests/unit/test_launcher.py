@@ -1108,3 +1108,28 @@ def test_the_prefetch_is_an_option_and_a_variable_and_the_option_wins(capsys: py
         with pytest.raises(SystemExit) as e:
             parse_args([*args, *argv], env)
         assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "variable"),
+    [
+        ("--prefetch", "SPOTJOB_AGENT_PREFETCH"),
+        ("--launcher", "SPOTJOB_AGENT_LAUNCHER"),
+        ("--log-format", "SPOTJOB_LOG_FORMAT"),
+    ],
+)
+def test_a_bad_value_given_through_an_abbreviated_option_is_blamed_on_the_option(
+    option: str, variable: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse takes ``--pref bogus`` for ``--prefetch bogus``. Before the fix the message named the
+    variable (unset, or set to a good value) because the command line did not spell the option out
+    in full; the user was sent to fix what they never set."""
+    argv = ["--checkpoint-uri", "file:///c", "--", "x"]
+    for env in ({}, {variable: "node" if option == "--prefetch" else "direct" if option == "--launcher" else "json"}):
+        with pytest.raises(SystemExit) as e:
+            parse_args([option[:7] if option == "--log-format" else option[:6], "bogus", *argv], env)
+        said = capsys.readouterr().err
+        assert e.value.code == 2 and f"{option} 'bogus'" in said and variable not in said, (env, said)
+    with pytest.raises(SystemExit):
+        parse_args(argv, {variable: "bogus"})
+    assert f"{variable} 'bogus'" in capsys.readouterr().err

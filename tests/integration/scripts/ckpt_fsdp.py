@@ -1,8 +1,9 @@
 """Rank side of the FSDP2 checkpoint tests (CPU, gloo); run under torchrun.
 
-    ckpt_fsdp.py --dump D [--uri U] [--restore] [--save-at S ...] [--steps N]
+    ckpt_fsdp.py --dump D [--uri U] [--restore] [--save-at S ...] [--steps N] [--hsdp]
 
-Builds a small FSDP2-sharded model and Adam on a mesh of every rank, restores from ``U`` if asked,
+Builds a small FSDP2-sharded model and Adam on a mesh of every rank (``--hsdp``: sharded within
+pairs of ranks, replicated across the pairs, as HSDP shards within a node), restores from ``U`` if asked,
 then trains up to ``N`` steps on data that depends on the step only, saving the steps listed. Rank
 0 dumps the full (unsharded) model and optimizer state to ``D.<label>.pt``: ``restored`` after
 the restore, ``step<S>`` at each save, ``end`` at the end.
@@ -23,8 +24,13 @@ from torch.distributed.fsdp import fully_shard
 from agent.checkpoint import Checkpointer
 
 
-def build(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    mesh = init_device_mesh("cpu", (world,))
+def build(world: int, seed: int, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # HSDP: FSDP2 on a 2-D mesh shards over its last dimension and replicates over the first.
+    mesh = (
+        init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
     for layer in model:
@@ -50,10 +56,11 @@ def main() -> None:
     p.add_argument("--restore", action="store_true")
     p.add_argument("--save-at", type=int, nargs="*", default=[])
     p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--hsdp", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, optim = build(world, seed=1 if args.restore else 0)
+    model, optim = build(world, seed=1 if args.restore else 0, hsdp=args.hsdp)
     state = {"model": model, "optim": optim}
 
     def dump(label: str) -> None:
