@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from agent._layout import read_bounded
 from agent.manifest import UntrustedJSONError, loads_bounded
@@ -78,10 +78,13 @@ class Claim:
 
     @classmethod
     def parse(cls, data: bytes) -> Claim | None:
-        """The claim, or None when it does not read as one (taken for no writer's)."""
+        """The claim, or None when it does not read as one (taken for no writer's). Fields it does
+        not know (a later spotjob's) are ignored; one it needs missing makes it no claim."""
         try:
             raw = loads_bounded(data, max_bytes=MAX_CLAIM_BYTES)
-            claim = cls(**raw)
+            if not isinstance(raw, dict):
+                return None
+            claim = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
         except (UntrustedJSONError, TypeError, ValueError):
             return None
         ints = isinstance(claim.pid, int) and (claim.attempt is None or isinstance(claim.attempt, int))
