@@ -92,6 +92,11 @@ class _Retention(_State):
             )
             return
 
+    def _store_time_now(self, committed: CheckpointRef) -> float | None:
+        """The store's time now, at least: when it wrote the manifest just committed (one stat)."""
+        info = self.storage.stat(committed.key(MANIFEST_NAME))
+        return info.modified if info is not None else None
+
     def _retain(self, committed: CheckpointRef) -> None:
         """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
         copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
@@ -110,6 +115,7 @@ class _Retention(_State):
             lineage = Lineage.load(self.storage)
             self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
             self._say_if_twice(committed, refs)
+            store_now: list[float | None] = []  # the store's time, read once a pass when needed
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             held_for_pin = False  # a folder this pass would remove stays for a reader's pin
             kept = 0
@@ -119,8 +125,14 @@ class _Retention(_State):
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
                 status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
-                    claim = _claim.read_claim(self.storage, ref.folder)
-                    if claim is not None and claim.writer_alive(self.config.attempt):
+                    claim, written = _claim.read_claim_stamped(self.storage, ref.folder)
+                    age = None
+                    if claim is not None and claim.renewed and written is not None and not claim.here():
+                        if not store_now:
+                            store_now.append(self._store_time_now(committed))
+                        if store_now[0] is not None:
+                            age = max(store_now[0], written) - written
+                    if claim is not None and claim.writer_alive(self.config.attempt, age):
                         # Another process saving to this URI may be writing it now: removed, its
                         # commit would name files that are gone. Removed once that writer is gone.
                         log.debug(

@@ -224,3 +224,71 @@ def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: 
     ckpt.close()
     assert removed and ckpt.last_committed_uri is not None
     assert committed_and_whole(uri) == {"step-000000001": []}
+
+
+def test_a_leftover_claimed_from_another_machine_goes_once_its_renewals_lapse_by_the_stores_clock(
+    tmp_path: Path,
+) -> None:
+    """A save's leftover claimed from another machine stayed an hour, by the claim's own
+    ``claimed_at`` against this writer's clock. A renewed claim (today's writers renew theirs while
+    the save is in flight) now goes once the store wrote it ``LAPSES_AFTER_S`` ago, whatever
+    either machine's clock says; a claim that is not renewed (spotjob up to 2026-12-05) keeps the
+    hour. The store's time here is the claim file's mtime."""
+    import os
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    now = time.time()
+    lapsed = now - _claim.LAPSES_AFTER_S - 600  # under STALE_AFTER_S
+
+    def leftover(folder: str, claim_id: str, claimed_at: float, written_at: float) -> None:
+        claim = _claim.Claim(claim_id, "train", None, "vm-2", 4242, "123", "another-boot/pid:[1]", claimed_at)
+        storage.put_bytes(f"{folder}/__0_0.distcp", b"half a shard")
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+        os.utime(Path(uri) / folder / _claim.CLAIM_NAME, (written_at, written_at))
+
+    leftover("step-000000001", _claim.new_id(), now, lapsed)  # its writer's clock ahead: the store's says lapsed
+    leftover("step-000000002", _claim.new_id(), lapsed, now)  # its writer's clock behind: renewed just now
+    leftover("step-000000003", "0123abcd", now, lapsed)  # not renewed: the hour by claimed_at
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    ckpt.save(4, make_state(0))
+    ckpt.close()
+    left = {f for f in ("step-000000001", "step-000000002", "step-000000003") if (Path(uri) / f).exists()}
+    assert left == {"step-000000002", "step-000000003"}, left
+    storage.close()
+
+
+def test_a_save_in_flight_renews_its_claim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save in flight longer than an hour could have its folder removed by another writer of the
+    URI on another machine, which took its claim for a dead writer's. Now the save's claim is
+    renewed while its files are written and uploaded (the period shortened here: every 5 minutes
+    in a real save, so a save of seconds never renews), and the commit keeps it."""
+    import time
+
+    from agent.checkpoint import _claim
+
+    monkeypatch.setattr(_claim, "RENEW_EVERY_S", 0.02)
+    uri = str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    ckpt = Checkpointer(uri, job="train", async_save=False)
+    seen: list[_claim.Claim | None] = []
+
+    def renewed_meanwhile() -> None:
+        first = _claim.read_claim(storage, "step-000000001")
+        assert first is not None
+        deadline = time.monotonic() + 60
+        while (now := _claim.read_claim(storage, "step-000000001")) == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen[:] = [first, now]
+
+    hook(ckpt, "put_files", renewed_meanwhile, lambda files: True)
+    ckpt.save(1, make_state(0))
+    ckpt.close()
+    first, now = seen
+    assert first is not None and now is not None and first.renewed
+    assert now.id == first.id and now.claimed_at > first.claimed_at, (first, now)
+    assert committed_and_whole(uri) == {"step-000000001": []}
+    storage.close()
