@@ -49,7 +49,8 @@ CLAIM_NAME = "WRITER.json"
 MAX_CLAIM_BYTES = 64 << 10
 STALE_AFTER_S = 3600.0
 """A claim from another machine this old (by this writer's clock) is taken for a dead writer's,
-when it is not a renewed one (``RENEWED_PREFIX``)."""
+when it is not a renewed one (``RENEWED_PREFIX``); the same age, of the newest claim of a writer
+seen, is how long retention takes another machine's writer of committed checkpoints for a live one."""
 RENEW_EVERY_S = 300.0
 """How often a save in flight rewrites its claim (the first time this long after it claimed the
 folder: a save that takes seconds never renews)."""
@@ -129,6 +130,11 @@ class Claim:
         """Its writer rewrites it while its save is in flight (``Renewal``)."""
         return isinstance(self.id, str) and self.id.startswith(RENEWED_PREFIX)
 
+    @property
+    def writer(self) -> tuple[str, str, int, str]:
+        """Which process wrote it: the same for every claim of that process."""
+        return (self.host, self.machine, self.pid, self.started)
+
     def here(self) -> bool:
         """Written on this machine (the same kernel boot and pid namespace)."""
         return bool(self.machine) and self.machine == _machine()
@@ -159,6 +165,17 @@ class Claim:
             return bool(self.started) and _started(self.pid) == self.started
         if self.renewed and age is not None:
             return age < LAPSES_AFTER_S
+        return time.time() - self.claimed_at < STALE_AFTER_S
+
+    def writer_running(self, attempt: int | None) -> bool:
+        """Whether the process that wrote it may still be running (asked by a writer of ``attempt``),
+        whatever became of this claim's save: on the same machine, while its process runs; from
+        another machine, while the claim (renewed or not) is under ``STALE_AFTER_S`` old by this
+        process's clock. Not when a newer attempt than the claim's is running."""
+        if attempt is not None and self.attempt is not None and self.attempt < attempt:
+            return False
+        if self.machine and self.machine == _machine():
+            return self.this_process() or (bool(self.started) and _started(self.pid) == self.started)
         return time.time() - self.claimed_at < STALE_AFTER_S
 
 

@@ -746,6 +746,8 @@ class _Saving(_Voting):
         suffix = 0
         committed: set[str] = set()
         refs = find_checkpoints(self.storage)
+        if self._began_with is None:
+            self._began_with = frozenset(r.folder for r in refs)
         for ref in refs:
             if ref.step != step:
                 continue
@@ -753,6 +755,7 @@ class _Saving(_Voting):
                 suffix = max(suffix, ref.attempt + 1)
                 committed.add(ref.folder)
                 continue
+            self._seen_uncommitted.add(ref.folder)
             claim = _claim.read_claim(self.storage, ref.folder)
             if claim is not None and claim.writer_alive(self.config.attempt):
                 log.warning(
@@ -793,6 +796,7 @@ class _Saving(_Voting):
                 if removed > 3 or not isinstance(e.__cause__, FileNotFoundError):
                     raise
                 continue
+            self._own_folders.add(folder)
             save.claim = claim
             return folder
 

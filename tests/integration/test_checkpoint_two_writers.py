@@ -226,6 +226,82 @@ def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: 
     assert committed_and_whole(uri) == {"step-000000001": []}
 
 
+def test_another_writer_saving_other_steps_is_named_once_and_its_checkpoints_stay_while_it_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers saving different steps (a stale copy still training after its job restarted
+    elsewhere, the same script started twice a few steps apart) both committed, neither was told,
+    and each one's retention counted and removed the other's checkpoints as its own (``keep=1``
+    here removed the other's step 3 at the next save). Now the writer that finds a checkpoint
+    another process committed after it began saving names that process in one error (once for it,
+    however many it commits), and its retention neither counts nor removes that writer's
+    checkpoints while its process runs; once it is gone they are the job's like any other.
+
+    A predecessor's checkpoint, committed before this writer began, is the job's history: not
+    named, counted and removed as usual, and its claim never read (a restart costs no request).
+    The other writer is a second Checkpointer of this process whose claims are rewritten to name
+    another process of this machine (a ``sleep``), as in the test above."""
+    import subprocess
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    storage = open_storage(uri)
+    running = subprocess.Popen(["sleep", "600"])
+    two = Checkpointer(uri, keep=None, job="train", async_save=False)
+
+    def theirs(step: int) -> None:
+        two.save(step, state)
+        assert two.last_committed_uri is not None
+        folder = two.last_committed_uri.rsplit("/", 1)[-1]
+        started, machine = _claim._started(running.pid), _claim._machine()
+        claim = _claim.Claim(_claim.new_id(), "train", None, "vm", running.pid, started, machine, time.time())
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+
+    def folders() -> set[str]:
+        return {s.ref.folder for s in list_checkpoints(storage) if s.committed}
+
+    claims_read: list[str] = []
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    try:
+        theirs(1)  # the predecessor's
+        one = Checkpointer(uri, keep=1, job="train", async_save=False)
+        for method in ("stat", "get_bytes"):
+            real = getattr(one.storage, method)
+
+            def recorded(key: str, *args: Any, real: Any = real, **kwargs: Any) -> Any:
+                if key.endswith(_claim.CLAIM_NAME):
+                    claims_read.append(key.split("/")[-2])
+                return real(key, *args, **kwargs)
+
+            setattr(one.storage, method, recorded)
+        one.save(2, state)
+        assert folders() == {"step-000000002"}
+        assert not caplog.records, caplog.text
+        theirs(3)
+        one.save(4, state)
+        assert folders() == {"step-000000003", "step-000000004"}
+        theirs(5)
+        one.save(6, state)
+        assert folders() == {"step-000000003", "step-000000005", "step-000000006"}
+    finally:
+        running.kill()
+        running.wait()
+    one.save(7, state)
+    assert folders() == {"step-000000007"}
+    one.close()
+    two.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert f"step-000000003 was committed by job 'train' (attempt none) on host 'vm', pid {running.pid}" in said[0]
+    assert "Stop one of them" in said[0], said
+    assert "step-000000001" not in claims_read, claims_read
+    assert claims_read.count("step-000000003") == 2 and claims_read.count("step-000000005") == 2, claims_read
+
+
 def test_a_leftover_claimed_from_another_machine_goes_once_its_renewals_lapse_by_the_stores_clock(
     tmp_path: Path,
 ) -> None:
