@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from agent import _fresh_start
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
@@ -157,7 +156,7 @@ class _Retention(_State):
             if self.storage.stat(ref.key(MANIFEST_NAME)) is None:
                 continue
             claim = _claim.read_claim(self.storage, ref.folder)
-            if claim is None or claim.pid == os.getpid() or not claim.writer_alive(self.config.attempt):
+            if claim is None or claim.this_process() or not claim.writer_alive(self.config.attempt):
                 continue
             self._twice_said = True
             self._writers_said.add(claim.writer)

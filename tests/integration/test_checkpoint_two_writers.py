@@ -368,3 +368,36 @@ def test_a_save_in_flight_renews_its_claim(tmp_path: Path, monkeypatch: pytest.M
     assert now.id == first.id and now.claimed_at > first.claimed_at, (first, now)
     assert committed_and_whole(uri) == {"step-000000001": []}
     storage.close()
+
+
+def test_a_step_committed_too_on_another_machine_by_a_process_of_this_ones_pid_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Containers number their processes alike (a training script is often the same pid on every
+    node), and the commit of a step by another writer was passed over when its claim named this
+    process's pid, whatever machine it named: the two commits of a step went unsaid. Now only a
+    claim of this very process (same machine, pid and start) is passed over."""
+    import os
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    one = Checkpointer(uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(uri, keep=3, job="train", async_save=False)
+    storage = open_storage(uri)
+
+    def the_other_commits_step_1() -> None:
+        two.save(1, state)
+        claim = _claim.Claim(_claim.new_id(), "train", None, "vm-2", os.getpid(), "123", "other/pid:[1]", time.time())
+        storage.put_bytes(f"step-000000001.1/{_claim.CLAIM_NAME}", claim.to_json())
+
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    hook(one, "put_bytes_if_absent", the_other_commits_step_1, lambda key, data: key.endswith("/MANIFEST.json"))
+    one.save(1, state)
+    one.close()
+    two.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records if "committed it too" in r.getMessage()]
+    assert len(said) == 1 and f"on host 'vm-2', pid {os.getpid()} committed it too" in said[0], caplog.text
