@@ -9,30 +9,56 @@ clean-up of "an unfinished save's leftover" removed the other's files in flight.
 
 A folder with another writer's claim and no manifest is only removed (by a save of its step, by
 retention) once that writer is known to be gone: on the same machine (same kernel boot and pid
-namespace) when its process is gone or its save is over, elsewhere once the claim is older than
-``STALE_AFTER_S`` by this writer's clock, or at once when a newer attempt than the claim's is
-running. The claim is never listed in a manifest; readers ignore it. No torch import.
+namespace) when its process is gone or its save is over, or at once when a newer attempt than the
+claim's is running. From another machine, a *renewed* claim (below) once the store's clock says
+its last renewal is ``LAPSES_AFTER_S`` old; any other claim once it is older than
+``STALE_AFTER_S`` by its own ``claimed_at`` against this writer's clock.
+
+Renewal: while a save is in flight, its writer rewrites the claim every ``RENEW_EVERY_S`` (the
+same fields, ``claimed_at`` set to the renewal's time; ``Renewal``), so a save that takes longer
+than ``STALE_AFTER_S`` keeps its folder, and a crashed save's leftover goes within minutes instead
+of an hour. A claim says that its writer renews it by its id (``RENEWED_PREFIX``), not by a field
+of its own: spotjob up to 2026-12-05 parses a claim with ``cls(**raw)`` and takes one with an
+unknown field for no claim at all. From now on ``Claim.parse`` ignores fields it does not know.
+
+The claim stays in the folder after the commit (nothing removes it): it names the process that
+committed the checkpoint, which retention uses to tell another writer's checkpoints from this
+writer's. The claim is never listed in a manifest; readers ignore it. No torch import.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, fields, replace
 
 from agent._layout import read_bounded
 from agent.manifest import UntrustedJSONError, loads_bounded
 from agent.ownership import describe_job
 from agent.process_tree import boot_id, read_proc
-from agent.storage import NotFoundError, Storage
+from agent.storage import NotFoundError, Storage, StorageError
+
+log = logging.getLogger("agent.checkpoint")  # one logger for the package
 
 CLAIM_NAME = "WRITER.json"
 MAX_CLAIM_BYTES = 64 << 10
 STALE_AFTER_S = 3600.0
-"""A claim from another machine this old (by this writer's clock) is taken for a dead writer's."""
+"""A claim from another machine this old (by this writer's clock) is taken for a dead writer's,
+when it is not a renewed one (``RENEWED_PREFIX``); the same age, of the newest claim of a writer
+seen, is how long retention takes another machine's writer of committed checkpoints for a live one."""
+RENEW_EVERY_S = 300.0
+"""How often a save in flight rewrites its claim (the first time this long after it claimed the
+folder: a save that takes seconds never renews)."""
+LAPSES_AFTER_S = 3 * RENEW_EVERY_S + 60.0
+"""A renewed claim from another machine whose last write is this old, by the store's clock, is
+taken for a dead writer's: three renewals missed, and a minute for the store's time resolution."""
+RENEWED_PREFIX = "renewed-"
+"""The start of the id of a claim whose writer renews it (``new_id``)."""
 
 _live: set[str] = set()
 """The claims of this process's saves still in flight (a second Checkpointer on the URI here)."""
@@ -44,6 +70,11 @@ def _started(pid: int) -> str:
     when there is none: with the pid, it tells a process from a later one that reuses the pid."""
     info = read_proc(pid)
     return str(info.start_ticks) if info is not None else ""
+
+
+def new_id() -> str:
+    """A fresh claim id, one that says its writer renews the claim while its save is in flight."""
+    return RENEWED_PREFIX + uuid.uuid4().hex
 
 
 def _machine() -> str:
@@ -78,10 +109,13 @@ class Claim:
 
     @classmethod
     def parse(cls, data: bytes) -> Claim | None:
-        """The claim, or None when it does not read as one (taken for no writer's)."""
+        """The claim, or None when it does not read as one (taken for no writer's). Fields it does
+        not know (a later spotjob's) are ignored; one it needs missing makes it no claim."""
         try:
             raw = loads_bounded(data, max_bytes=MAX_CLAIM_BYTES)
-            claim = cls(**raw)
+            if not isinstance(raw, dict):
+                return None
+            claim = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
         except (UntrustedJSONError, TypeError, ValueError):
             return None
         ints = isinstance(claim.pid, int) and (claim.attempt is None or isinstance(claim.attempt, int))
@@ -91,25 +125,129 @@ class Claim:
         attempt = self.attempt if self.attempt is not None else "none"
         return f"{describe_job(self.job)} (attempt {attempt}) on host {self.host!r}, pid {self.pid}"
 
-    def writer_alive(self, attempt: int | None) -> bool:
-        """Whether its writer may still be saving into the folder (asked by a writer of ``attempt``)."""
+    @property
+    def renewed(self) -> bool:
+        """Its writer rewrites it while its save is in flight (``Renewal``)."""
+        return isinstance(self.id, str) and self.id.startswith(RENEWED_PREFIX)
+
+    @property
+    def writer(self) -> tuple[str, str, int, str]:
+        """Which process wrote it: the same for every claim of that process."""
+        return (self.host, self.machine, self.pid, self.started)
+
+    def here(self) -> bool:
+        """Written on this machine (the same kernel boot and pid namespace)."""
+        return bool(self.machine) and self.machine == _machine()
+
+    def this_process(self) -> bool:
+        """Written by this very process (another Checkpointer of it, or this one)."""
+        return (
+            bool(self.machine)
+            and self.machine == _machine()
+            and self.pid == os.getpid()
+            and (self.started == _started(self.pid))
+        )
+
+    def writer_alive(self, attempt: int | None, age: float | None = None) -> bool:
+        """Whether its writer may still be saving into the folder (asked by a writer of ``attempt``).
+
+        ``age``: how long ago the store wrote the claim, by the store's clock, when known. A renewed
+        claim from another machine is live while that is under ``LAPSES_AFTER_S``; without it, and
+        for a claim that is not renewed, while ``claimed_at`` is under ``STALE_AFTER_S`` old by this
+        process's clock.
+        """
         if attempt is not None and self.attempt is not None and self.attempt < attempt:
             return False  # superseded: fenced, whatever it still writes
         if self.machine and self.machine == _machine():
-            if self.pid == os.getpid() and self.started == _started(self.pid):
+            if self.this_process():
                 with _live_lock:
                     return self.id in _live
             return bool(self.started) and _started(self.pid) == self.started
+        if self.renewed and age is not None:
+            return age < LAPSES_AFTER_S
+        return time.time() - self.claimed_at < STALE_AFTER_S
+
+    def writer_running(self, attempt: int | None) -> bool:
+        """Whether the process that wrote it may still be running (asked by a writer of ``attempt``),
+        whatever became of this claim's save: on the same machine, while its process runs; from
+        another machine, while the claim (renewed or not) is under ``STALE_AFTER_S`` old by this
+        process's clock. Not when a newer attempt than the claim's is running."""
+        if attempt is not None and self.attempt is not None and self.attempt < attempt:
+            return False
+        if self.machine and self.machine == _machine():
+            return self.this_process() or (bool(self.started) and _started(self.pid) == self.started)
         return time.time() - self.claimed_at < STALE_AFTER_S
 
 
 def read_claim(storage: Storage, folder: str) -> Claim | None:
     """``folder``'s claim, or None (none, or unreadable: a folder no live writer holds)."""
+    return read_claim_stamped(storage, folder)[0]
+
+
+def read_claim_stamped(storage: Storage, folder: str) -> tuple[Claim | None, float | None]:
+    """``folder``'s claim (or None, as ``read_claim``), and when the store wrote it (its clock; None
+    where it does not say). The same two requests as ``read_claim``: the stat it needs anyway."""
+    key = f"{folder}/{CLAIM_NAME}"
+    info = storage.stat(key)
+    if info is None:
+        return None, None
     try:
-        data = read_bounded(storage, f"{folder}/{CLAIM_NAME}", MAX_CLAIM_BYTES)
+        data = read_bounded(storage, key, MAX_CLAIM_BYTES, size=info.size)
     except (NotFoundError, UntrustedJSONError):
-        return None
-    return Claim.parse(data)
+        return None, None
+    return Claim.parse(data), info.modified
+
+
+class Renewal:
+    """Rewrites one save's claim every ``RENEW_EVERY_S``, in the thread that calls ``run()`` (the
+    one that named the save's folder), until ``stop()``.
+
+    Each renewal first reads the claim back: one that is gone or another writer's (this save's
+    folder was removed, and claimed anew) is left alone, and renewal ends. A failed renewal is
+    logged and tried again at the next period. Once ``stop()`` returns, nothing more is written
+    and the thread has ended.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def run(self, folder: str, claim: Claim) -> None:
+        """Renew ``claim``, written in ``folder``, until ``stop()`` (at once when it was called already)."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._thread = threading.current_thread()
+        key = f"{folder}/{CLAIM_NAME}"
+        while not self._stop.wait(RENEW_EVERY_S):
+            try:
+                current = read_claim(self._storage, folder)
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    if current is None or current.id != claim.id:
+                        log.debug("not renewing the claim %s: it is no longer this save's", self._storage.url(key))
+                        return
+                    self._storage.put_bytes(key, replace(claim, claimed_at=time.time()).to_json())
+            except StorageError as e:
+                log.warning(
+                    "could not renew this save's claim %s (tried again in %.0f s; another writer of the URI "
+                    "takes the folder for a dead writer's %.0f s after the last renewal the store took): %s",
+                    self._storage.url(key),
+                    RENEW_EVERY_S,
+                    LAPSES_AFTER_S,
+                    e,
+                )
+
+    def stop(self) -> None:
+        """Stop renewing: waits for a renewal being written, and for the thread to end."""
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def hold(claim_id: str) -> None:

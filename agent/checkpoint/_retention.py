@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from agent import _fresh_start
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
@@ -60,6 +59,86 @@ class _Retention(_State):
     _twice_said = False
     """(rank 0) Another live process's commit of a step this one committed too was named (``_say_if_twice``)."""
 
+    _began_with: frozenset[str] | None = None
+    """(rank 0) The checkpoint folders listed when this Checkpointer began saving (its first save's
+    naming of its folder): a folder not among them that it did not claim itself is another
+    writer's, made since."""
+
+    _own_folders: set[str]
+    """(rank 0) The folders this Checkpointer's saves claimed."""
+
+    _seen_uncommitted: set[str]
+    """(rank 0) Folders this Checkpointer found without a manifest since it began saving: committed
+    later, they were committed after it began (a predecessor's save finishing late, or another writer's)."""
+
+    _writers_of: dict[str, _claim.Claim | None]
+    """(rank 0) Committed folders, made or committed since this Checkpointer began saving, that it
+    did not claim, with the claim of the other process that committed each (None: no other
+    process's, or no readable claim). Each folder's claim is read once."""
+
+    _writers_said: set[tuple[str, str, int, str]]
+    """(rank 0) The other writers (``Claim.writer``) named in an error already."""
+
+    def _store_time_now(self, committed: CheckpointRef) -> float | None:
+        """The store's time now, at least: when it wrote the manifest just committed (one stat)."""
+        info = self.storage.stat(committed.key(MANIFEST_NAME))
+        return info.modified if info is not None else None
+
+    def _undecided(self, folder: str) -> bool:
+        """(rank 0, no request) Whether ``folder`` may be another writer's, committed since this
+        Checkpointer began saving, and is not known yet to be or not to be. A folder listed when it
+        began and never seen uncommitted since was committed before (a predecessor's: the job's
+        history); one it claimed is its own."""
+        if self._began_with is None or folder in self._own_folders or folder in self._writers_of:
+            return False
+        return folder not in self._began_with or folder in self._seen_uncommitted
+
+    def _other_writer(self, ref: CheckpointRef, is_committed: bool) -> _claim.Claim | None:
+        """(rank 0) The claim of another process of this URI that committed ``ref`` after this
+        Checkpointer began saving, or None. Costs nothing for a folder listed when it began and
+        never seen uncommitted since, nor for one it claimed; a folder made or committed since,
+        one read of its claim, once. Names that writer in an error, once a writer."""
+        folder = ref.folder
+        if folder in self._writers_of:
+            return self._writers_of[folder]
+        if self._began_with is None or folder in self._own_folders:
+            return None
+        if not is_committed:
+            self._seen_uncommitted.add(folder)
+            return None
+        if not self._undecided(folder):
+            return None
+        claim = _claim.read_claim(self.storage, folder)
+        superseded = (
+            claim is not None
+            and claim.attempt is not None
+            and self.config.attempt is not None
+            and claim.attempt < self.config.attempt
+        )
+        other = claim if claim is not None and not claim.this_process() and not superseded else None
+        self._writers_of[folder] = other
+        if other is not None and other.writer not in self._writers_said:
+            self._writers_said.add(other.writer)
+            log.error(
+                "%s was committed by %s after this Checkpointer began saving to this URI: two processes are saving "
+                "to it (the same script started twice, or a stale copy still training after its job restarted "
+                "elsewhere, which no attempt number fences). A restore takes the newest step whichever wrote it; "
+                "this writer's retention neither counts nor removes that writer's checkpoints while it may still "
+                "run. Stop one of them (said once for that writer)",
+                self.storage.url(folder),
+                other.describe(),
+            )
+        return other
+
+    def _other_writer_running(self, claim: _claim.Claim) -> bool:
+        """Whether the other writer of ``claim`` may still run, judged by its newest claim seen."""
+        newest = max(
+            (c for c in self._writers_of.values() if c is not None and c.writer == claim.writer),
+            key=lambda c: c.claimed_at,
+            default=claim,
+        )
+        return newest.writer_running(self.config.attempt)
+
     _committed_beside: frozenset[str] = frozenset()
     """(rank 0) The folders of its step committed already when the last commit's save named its
     folder (a restarted script re-saving the step it resumed from): not another writer's commit."""
@@ -77,9 +156,10 @@ class _Retention(_State):
             if self.storage.stat(ref.key(MANIFEST_NAME)) is None:
                 continue
             claim = _claim.read_claim(self.storage, ref.folder)
-            if claim is None or claim.pid == os.getpid() or not claim.writer_alive(self.config.attempt):
+            if claim is None or claim.this_process() or not claim.writer_alive(self.config.attempt):
                 continue
             self._twice_said = True
+            self._writers_said.add(claim.writer)
             log.error(
                 "committed step %d at %s, and %s committed it too, at %s: two processes are saving to this URI "
                 "(the same script started twice, or a stale copy that no attempt number fences). Each copy is "
@@ -110,6 +190,12 @@ class _Retention(_State):
             lineage = Lineage.load(self.storage)
             self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
             self._say_if_twice(committed, refs)
+            listed = {r.folder for r in refs}
+            self._writers_of = {f: c for f, c in self._writers_of.items() if f in listed}  # a name reused is new
+            for ref in refs:  # the newer ones: the loop below looks at older ones only
+                if committed < ref and ref.folder not in retired and self._undecided(ref.folder):
+                    self._other_writer(ref, self.storage.stat(ref.key(MANIFEST_NAME)) is not None)
+            store_now: list[float | None] = []  # the store's time, read once a pass when needed
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             held_for_pin = False  # a folder this pass would remove stays for a reader's pin
             kept = 0
@@ -119,8 +205,15 @@ class _Retention(_State):
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
                 status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
                 if not status.committed:
-                    claim = _claim.read_claim(self.storage, ref.folder)
-                    if claim is not None and claim.writer_alive(self.config.attempt):
+                    self._other_writer(ref, False)
+                    claim, written = _claim.read_claim_stamped(self.storage, ref.folder)
+                    age = None
+                    if claim is not None and claim.renewed and written is not None and not claim.here():
+                        if not store_now:
+                            store_now.append(self._store_time_now(committed))
+                        if store_now[0] is not None:
+                            age = max(store_now[0], written) - written
+                    if claim is not None and claim.writer_alive(self.config.attempt, age):
                         # Another process saving to this URI may be writing it now: removed, its
                         # commit would name files that are gone. Removed once that writer is gone.
                         log.debug(
@@ -131,6 +224,12 @@ class _Retention(_State):
                     continue
                 if status.foreign or status.fenced:
                     continue  # not this job's history: never counted, never deleted
+                other = self._other_writer(ref, True)
+                if other is not None and self._other_writer_running(other):
+                    # Another process saving to this URI committed it since this one began: not
+                    # this writer's history to count or thin out while that writer may still run.
+                    log.debug("retention: leaving %s: %s committed it, and may run", url(ref.folder), other.describe())
+                    continue
                 if status.newer_format:
                     continue  # a newer spotjob's checkpoint: not proven bad, so not ours to delete
                 if self.config.keep is None:

@@ -159,6 +159,11 @@ class _Save:
     """The descriptor holding the lock on this save's staging folder (``lock_staging_folder``)."""
     claim_id: str = ""
     """(rank 0) The id in the claim (``_claim``) of the folder this save writes into."""
+    claim: _claim.Claim | None = None
+    """(rank 0) The claim written into the folder this save writes into."""
+    renewal: _claim.Renewal | None = None
+    """(rank 0) Renews the claim while the save is in flight; stopped before the commit (made
+    before the folder is named, so a stop that comes first is never missed)."""
     committed_before: frozenset[str] = frozenset()
     """(rank 0) The folders of this step committed when this save named its own: one committed
     since is another writer's save of the same step, and this one's commit then fails."""
@@ -544,6 +549,8 @@ class _Saving(_Voting):
                 self._stager = None
                 release_buffers()
             save.unlock()
+            if save.renewal is not None:
+                save.renewal.stop()
             _claim.release(save.claim_id)
             save.done.set()
             _done_at_exit(save)
@@ -560,14 +567,15 @@ class _Saving(_Voting):
         naming: Future[str] | None = None
         if self.rank == 0:
             naming = Future()
-            save.claim_id = uuid.uuid4().hex
+            save.claim_id = _claim.new_id()
             _claim.hold(save.claim_id)  # released when the save is done (``_finish_save``)
+            save.renewal = _claim.Renewal(self.storage)
             try:
                 threading.Thread(
-                    target=_run_into, args=(naming, self._target_folder, save), name="spotjob-name", daemon=True
+                    target=self._name_then_renew, args=(naming, save), name="spotjob-name", daemon=True
                 ).start()
             except RuntimeError:  # "can't start new thread" (a process limit): named before writing instead
-                _run_into(naming, self._target_folder, save)
+                _run_into(naming, self._target_folder, save)  # the claim then goes unrenewed
         rank_file = os.path.join(save.local_dir, rank_state.rank_file_name(self.rank))
         try:
             written: dict[str, tuple[int, int]] = {}
@@ -631,6 +639,10 @@ class _Saving(_Voting):
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
         gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
+        if save.renewal is not None:
+            # Every rank's files are written: nothing renews the claim after this (the commit, or
+            # the removal of the failed save's files, must not meet a claim written again).
+            save.renewal.stop()
         save.given_up = any(cancelled for _, _, _, cancelled in gathered)
         outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         commit_files: list[tuple[str, int, str]] = []
@@ -709,6 +721,13 @@ class _Saving(_Voting):
         self._report(force=True)
         save.done.set()
 
+    def _name_then_renew(self, naming: Future[str], save: _Save) -> None:
+        """(rank 0, the naming thread) Name and claim the save's folder, then renew the claim until
+        the save's files are written (``_claim.Renewal``): no thread of its own for it."""
+        _run_into(naming, self._target_folder, save)
+        if save.renewal is not None and save.claim is not None and naming.exception() is None:
+            save.renewal.run(naming.result(), save.claim)
+
     def _target_folder(self, save: _Save) -> str:
         """(rank 0) The folder this step's save goes to, claimed for it (``_claim``); clears an
         uncommitted leftover there.
@@ -726,13 +745,17 @@ class _Saving(_Voting):
         self._check_fence()
         suffix = 0
         committed: set[str] = set()
-        for ref in find_checkpoints(self.storage):
+        refs = find_checkpoints(self.storage)
+        if self._began_with is None:
+            self._began_with = frozenset(r.folder for r in refs)
+        for ref in refs:
             if ref.step != step:
                 continue
             if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
                 suffix = max(suffix, ref.attempt + 1)
                 committed.add(ref.folder)
                 continue
+            self._seen_uncommitted.add(ref.folder)
             claim = _claim.read_claim(self.storage, ref.folder)
             if claim is not None and claim.writer_alive(self.config.attempt):
                 log.warning(
@@ -755,7 +778,8 @@ class _Saving(_Voting):
                 log.warning("saving step %d next to the leftover that cannot be removed: %s", step, e)
                 suffix = max(suffix, ref.attempt + 1)
         save.committed_before = frozenset(committed)
-        mine = _claim.Claim.mine(save.claim_id, self.config.job, self.config.attempt).to_json()
+        claim = _claim.Claim.mine(save.claim_id, self.config.job, self.config.attempt)
+        mine = claim.to_json()
         removed = 0
         while True:
             folder = CheckpointRef(step, suffix).folder
@@ -772,6 +796,8 @@ class _Saving(_Voting):
                 if removed > 3 or not isinstance(e.__cause__, FileNotFoundError):
                     raise
                 continue
+            self._own_folders.add(folder)
+            save.claim = claim
             return folder
 
     def _remove_unfinished(self, folder: str, claim_id: str) -> None:

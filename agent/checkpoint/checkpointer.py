@@ -236,6 +236,10 @@ class Checkpointer(_Saving, _Restoring):
         self._saves_started = 0
         self._swept_through = None
         self._refusals_said = set()
+        self._own_folders = set()
+        self._seen_uncommitted = set()
+        self._writers_of = {}
+        self._writers_said = set()
         self._proven_bad = set()
         self._left_out_said = set()
         self._status = RankStatus(

@@ -5,7 +5,8 @@ A ``Storage`` is rooted at a URI (``s3://bucket/prefix``, ``gs://bucket/prefix``
 talks to this interface, so the commit protocol is written once:
 
 0. (rank 0) ``put_bytes_if_absent("step-N/WRITER.json", ...)`` — the folder's claim for this
-   save, so that no other writer of the URI uploads into it (``agent.checkpoint._claim``);
+   save, so that no other writer of the URI uploads into it (``agent.checkpoint._claim``); a save
+   in flight for minutes rewrites it with ``put_bytes`` (renewal);
 1. (every rank) ``put_file`` its shard files into ``step-N/`` — plain writes that may overwrite,
    because nothing in an uncommitted folder counts;
 2. (rank 0) ``put_bytes_if_absent("step-N/MANIFEST.json", ...)`` — the create-only commit. It

@@ -224,3 +224,180 @@ def test_a_folder_removed_before_its_claim_was_in_it_is_claimed_again(tmp_path: 
     ckpt.close()
     assert removed and ckpt.last_committed_uri is not None
     assert committed_and_whole(uri) == {"step-000000001": []}
+
+
+def test_another_writer_saving_other_steps_is_named_once_and_its_checkpoints_stay_while_it_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers saving different steps (a stale copy still training after its job restarted
+    elsewhere, the same script started twice a few steps apart) both committed, neither was told,
+    and each one's retention counted and removed the other's checkpoints as its own (``keep=1``
+    here removed the other's step 3 at the next save). Now the writer that finds a checkpoint
+    another process committed after it began saving names that process in one error (once for it,
+    however many it commits), and its retention neither counts nor removes that writer's
+    checkpoints while its process runs; once it is gone they are the job's like any other.
+
+    A predecessor's checkpoint, committed before this writer began, is the job's history: not
+    named, counted and removed as usual, and its claim never read (a restart costs no request).
+    The other writer is a second Checkpointer of this process whose claims are rewritten to name
+    another process of this machine (a ``sleep``), as in the test above."""
+    import subprocess
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    storage = open_storage(uri)
+    running = subprocess.Popen(["sleep", "600"])
+    two = Checkpointer(uri, keep=None, job="train", async_save=False)
+
+    def theirs(step: int) -> None:
+        two.save(step, state)
+        assert two.last_committed_uri is not None
+        folder = two.last_committed_uri.rsplit("/", 1)[-1]
+        started, machine = _claim._started(running.pid), _claim._machine()
+        claim = _claim.Claim(_claim.new_id(), "train", None, "vm", running.pid, started, machine, time.time())
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+
+    def folders() -> set[str]:
+        return {s.ref.folder for s in list_checkpoints(storage) if s.committed}
+
+    claims_read: list[str] = []
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    try:
+        theirs(1)  # the predecessor's
+        one = Checkpointer(uri, keep=1, job="train", async_save=False)
+        for method in ("stat", "get_bytes"):
+            real = getattr(one.storage, method)
+
+            def recorded(key: str, *args: Any, real: Any = real, **kwargs: Any) -> Any:
+                if key.endswith(_claim.CLAIM_NAME):
+                    claims_read.append(key.split("/")[-2])
+                return real(key, *args, **kwargs)
+
+            setattr(one.storage, method, recorded)
+        one.save(2, state)
+        assert folders() == {"step-000000002"}
+        assert not caplog.records, caplog.text
+        theirs(3)
+        one.save(4, state)
+        assert folders() == {"step-000000003", "step-000000004"}
+        theirs(5)
+        one.save(6, state)
+        assert folders() == {"step-000000003", "step-000000005", "step-000000006"}
+    finally:
+        running.kill()
+        running.wait()
+    one.save(7, state)
+    assert folders() == {"step-000000007"}
+    one.close()
+    two.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert f"step-000000003 was committed by job 'train' (attempt none) on host 'vm', pid {running.pid}" in said[0]
+    assert "Stop one of them" in said[0], said
+    assert "step-000000001" not in claims_read, claims_read
+    assert claims_read.count("step-000000003") == 2 and claims_read.count("step-000000005") == 2, claims_read
+
+
+def test_a_leftover_claimed_from_another_machine_goes_once_its_renewals_lapse_by_the_stores_clock(
+    tmp_path: Path,
+) -> None:
+    """A save's leftover claimed from another machine stayed an hour, by the claim's own
+    ``claimed_at`` against this writer's clock. A renewed claim (today's writers renew theirs while
+    the save is in flight) now goes once the store wrote it ``LAPSES_AFTER_S`` ago, whatever
+    either machine's clock says; a claim that is not renewed (spotjob up to 2026-12-05) keeps the
+    hour. The store's time here is the claim file's mtime."""
+    import os
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    now = time.time()
+    lapsed = now - _claim.LAPSES_AFTER_S - 600  # under STALE_AFTER_S
+
+    def leftover(folder: str, claim_id: str, claimed_at: float, written_at: float) -> None:
+        claim = _claim.Claim(claim_id, "train", None, "vm-2", 4242, "123", "another-boot/pid:[1]", claimed_at)
+        storage.put_bytes(f"{folder}/__0_0.distcp", b"half a shard")
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+        os.utime(Path(uri) / folder / _claim.CLAIM_NAME, (written_at, written_at))
+
+    leftover("step-000000001", _claim.new_id(), now, lapsed)  # its writer's clock ahead: the store's says lapsed
+    leftover("step-000000002", _claim.new_id(), lapsed, now)  # its writer's clock behind: renewed just now
+    leftover("step-000000003", "0123abcd", now, lapsed)  # not renewed: the hour by claimed_at
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    ckpt.save(4, make_state(0))
+    ckpt.close()
+    left = {f for f in ("step-000000001", "step-000000002", "step-000000003") if (Path(uri) / f).exists()}
+    assert left == {"step-000000002", "step-000000003"}, left
+    storage.close()
+
+
+def test_a_save_in_flight_renews_its_claim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save in flight longer than an hour could have its folder removed by another writer of the
+    URI on another machine, which took its claim for a dead writer's. Now the save's claim is
+    renewed while its files are written and uploaded (the period shortened here: every 5 minutes
+    in a real save, so a save of seconds never renews), and the commit keeps it."""
+    import time
+
+    from agent.checkpoint import _claim
+
+    monkeypatch.setattr(_claim, "RENEW_EVERY_S", 0.02)
+    uri = str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    ckpt = Checkpointer(uri, job="train", async_save=False)
+    seen: list[_claim.Claim | None] = []
+
+    def renewed_meanwhile() -> None:
+        first = _claim.read_claim(storage, "step-000000001")
+        assert first is not None
+        deadline = time.monotonic() + 60
+        while (now := _claim.read_claim(storage, "step-000000001")) == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen[:] = [first, now]
+
+    hook(ckpt, "put_files", renewed_meanwhile, lambda files: True)
+    ckpt.save(1, make_state(0))
+    ckpt.close()
+    first, now = seen
+    assert first is not None and now is not None and first.renewed
+    assert now.id == first.id and now.claimed_at > first.claimed_at, (first, now)
+    assert committed_and_whole(uri) == {"step-000000001": []}
+    storage.close()
+
+
+def test_a_step_committed_too_on_another_machine_by_a_process_of_this_ones_pid_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Containers number their processes alike (a training script is often the same pid on every
+    node), and the commit of a step by another writer was passed over when its claim named this
+    process's pid, whatever machine it named: the two commits of a step went unsaid. Now only a
+    claim of this very process (same machine, pid and start) is passed over."""
+    import os
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    state = make_state(0)
+    one = Checkpointer(uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(uri, keep=3, job="train", async_save=False)
+    storage = open_storage(uri)
+
+    def the_other_commits_step_1() -> None:
+        two.save(1, state)
+        claim = _claim.Claim(_claim.new_id(), "train", None, "vm-2", os.getpid(), "123", "other/pid:[1]", time.time())
+        storage.put_bytes(f"step-000000001.1/{_claim.CLAIM_NAME}", claim.to_json())
+
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    hook(one, "put_bytes_if_absent", the_other_commits_step_1, lambda key, data: key.endswith("/MANIFEST.json"))
+    one.save(1, state)
+    one.close()
+    two.close()
+    storage.close()
+    said = [r.getMessage() for r in caplog.records if "committed it too" in r.getMessage()]
+    assert len(said) == 1 and f"on host 'vm-2', pid {os.getpid()} committed it too" in said[0], caplog.text
