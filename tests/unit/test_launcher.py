@@ -142,8 +142,8 @@ class TestOptions:
 
     @pytest.mark.parametrize("given", ["debug", "Debug", "DEBUG"])
     def test_the_log_level_is_taken_in_any_case(self, given: str) -> None:
-        """As spotjob's SPOTJOB_LOG_LEVEL and spotjob-controller's --log-level take it: the chart and
-        the README write `info`, which the agent refused (exit 2) while only upper case passed."""
+        """As spotjob's SPOTJOB_LOG_LEVEL and spotjob-controller's --log-level take it (`info`, as the
+        chart writes the controller's): the agent refused `--log-level info` (exit 2), upper case only."""
         level = parse_args(["--checkpoint-uri", "s3://b/p", "--log-level", given, "--", "x"], {})[1]
         assert level == "DEBUG"
 
