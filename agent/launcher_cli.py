@@ -317,7 +317,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"not met in init_process_group, or build no Checkpointer (default {DEFAULT_RANK_CONNECT_TIMEOUT:g} s; "
         f"also {ENV_RANK_CONNECT_TIMEOUT})",
     )
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,  # in any case, as SPOTJOB_LOG_LEVEL and spotjob-controller's --log-level take it
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="the agent's own log level, in any case (default INFO)",
+    )
     p.add_argument(
         "--log-format",
         default=env.get(ENV_LOG_FORMAT) or "text",

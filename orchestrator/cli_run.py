@@ -858,7 +858,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "start (a second or more of every restart); torchrun: run torchrun (spotjob-agent --launcher)",
     )  # fmt: skip
     out = run.add_argument_group("output")
-    out.add_argument("--plot", metavar="FILE", help="draw a PNG timeline: steps, notices, commits, restarts")
+    out.add_argument(
+        "--plot", metavar="FILE", help="draw a timeline image (.png, .svg or .pdf): steps, notices, commits, restarts"
+    )
     out.add_argument("--runs-dir", default=RUNS_DIR, help=f"where run folders go (default ./{RUNS_DIR})")
     out.add_argument("--no-live", action="store_true", help="log lines even on a terminal")
     run.set_defaults(func=run_command)

@@ -144,6 +144,18 @@ class TestOptions:
             None,
         )
 
+    @pytest.mark.parametrize("given", ["debug", "Debug", "DEBUG"])
+    def test_the_log_level_is_taken_in_any_case(self, given: str) -> None:
+        """As spotjob's SPOTJOB_LOG_LEVEL and spotjob-controller's --log-level take it (`info`, as the
+        chart writes the controller's): the agent refused `--log-level info` (exit 2), upper case only."""
+        level = parse_args(["--checkpoint-uri", "s3://b/p", "--log-level", given, "--", "x"], {})[1]
+        assert level == "DEBUG"
+
+    def test_an_unknown_log_level_is_refused_naming_the_levels(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b/p", "--log-level", "verbose", "--", "x"], {})
+        assert e.value.code == 2 and "--log-level" in capsys.readouterr().err
+
     def test_the_checkpoint_uri_may_come_from_the_environment_only(self) -> None:
         with pytest.raises(SystemExit):
             parse_args(["--", "python", "x.py"], {})

@@ -185,3 +185,11 @@ def test_the_options_a_resumed_run_keeps_are_the_rows_the_readme_names_for_it() 
     options = [o for opts, _ in _run_options_table() for o in opts]
     named = options[options.index(first) : options.index(last) + 1]
     assert set(named) == set(_SPEC_OPTIONS.values()), named
+
+
+def test_the_plot_option_says_what_images_it_draws_as_the_readme_does() -> None:
+    """`spotjob run --help` said "a PNG timeline" while `--plot run.svg` and `.pdf` are drawn too (the
+    README's table and the refusal of another extension name all three)."""
+    run = next(a for a in PARSERS["spotjob"]._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    help_text = next(a.help for a in run._actions if "--plot" in a.option_strings) or ""
+    assert all(kind in help_text for kind in (".png", ".svg", ".pdf")), help_text
