@@ -61,7 +61,7 @@ def _bool_env(name: str, default: bool) -> bool:
         return True
     if value.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"${name} must be true or false, not {value!r}")
+    raise ValueError(f"${name} must be true or false (or 1/0, yes/no, on/off), not {value!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,6 +118,8 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--lease-namespace=x", "--bogus"], {}, "--bogus"),
         (["--lease-namespace=x"], {"SPOTJOB_WORKERS": "many"}, "SPOTJOB_WORKERS"),
         (["--lease-namespace=x"], {"SPOTJOB_LEADER_ELECT": "maybe"}, "SPOTJOB_LEADER_ELECT"),
+        # The refusal names every spelling taken (it said "true or false" and took 1/0, yes/no, on/off).
+        (["--lease-namespace=x"], {"SPOTJOB_NETWORK_POLICY": "maybe"}, "true or false (or 1/0, yes/no, on/off)"),
         # A bad value from a variable is said of the variable, not of a flag that was never given.
         (
             ["--lease-namespace=x"],
