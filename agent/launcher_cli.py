@@ -6,6 +6,7 @@ importable from ``agent.launcher``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -355,9 +356,16 @@ def usage_problem(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
     own words (``SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off``); None when
     ``parse_args`` takes them. What a controller checks before it starts any worker: the same
     parsing, not a copy of its rules. Only what ``parse_args`` checks; the agent's later checks of
-    its machine (the control folder, the host, the token file) are the machine's."""
+    its machine (the control folder, the host, the token file) are the machine's. Remembered for
+    the command lines and environments seen last: a controller asks on every pass of every job,
+    the parser costs milliseconds, and a job's spec rarely changes."""
+    return _usage_problem(tuple(argv), tuple(sorted(env.items())))
+
+
+@functools.lru_cache(maxsize=512)
+def _usage_problem(argv: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> str | None:
     try:
-        parse_args(argv, env, raise_errors=True)
+        parse_args(argv, dict(env), raise_errors=True)
     except UsageError as e:
         return str(e)
     return None
