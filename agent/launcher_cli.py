@@ -6,10 +6,11 @@ importable from ``agent.launcher``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -174,8 +175,23 @@ def _notice_list(value: str) -> tuple[str, ...]:
     return names
 
 
+class UsageError(ValueError):
+    """A usage error ``spotjob-agent`` would exit 2 with, raised instead (``usage_problem``)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser that, told to, raises ``UsageError`` where it would print the usage and exit 2."""
+
+    raise_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if self.raise_errors:
+            raise UsageError(message)
+        super().error(message)
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="spotjob-agent",
         usage="spotjob-agent [OPTIONS] -- COMMAND [ARGS...]",
         description="Run a training command (e.g. torchrun ... train.py); on a preemption notice, tell its "
@@ -341,9 +357,32 @@ def _option_given(option: str, args: Sequence[str]) -> bool:
     )
 
 
-def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[AgentConfig, str]:
-    """``(config, log level)``; exits 2 with a usage message on bad arguments."""
+def usage_problem(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The usage error ``spotjob-agent`` started with ``argv`` in ``env`` would exit 2 with, in its
+    own words (``SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off``); None when
+    ``parse_args`` takes them. What a controller checks before it starts any worker: the same
+    parsing, not a copy of its rules. Only what ``parse_args`` checks; the agent's later checks of
+    its machine (the control folder, the host, the token file) are the machine's. Remembered for
+    the command lines and environments seen last: a controller asks on every pass of every job,
+    the parser costs milliseconds, and a job's spec rarely changes."""
+    return _usage_problem(tuple(argv), tuple(sorted(env.items())))
+
+
+@functools.lru_cache(maxsize=512)
+def _usage_problem(argv: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> str | None:
+    try:
+        parse_args(argv, dict(env), raise_errors=True)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: bool = False) -> tuple[AgentConfig, str]:
+    """``(config, log level)``; exits 2 with a usage message on bad arguments (``raise_errors``:
+    raises ``UsageError`` with that message instead)."""
     parser = build_parser(env)
+    if isinstance(parser, _Parser):
+        parser.raise_errors = raise_errors
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     ns = parser.parse_args(argv[:split])  # before the check below, so that --help works

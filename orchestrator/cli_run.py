@@ -57,6 +57,7 @@ from orchestrator.backends.local import (
     LocalOptions,
     Timeline,
     TimelineEvent,
+    agent_settings_problem,
     kill_marked,
     load_trace,
     log_excerpt,
@@ -157,6 +158,18 @@ class Takeover:
     """Checkpoints its workers committed while nobody watched (their flush when the driver died)."""
 
 
+def _refuse_agent_settings(key: JobKey, spec: JobSpec, options: LocalOptions) -> None:
+    """A ``ValueError`` (exit 2) for a setting of this environment (or of the run's ``spec.env``)
+    every worker's spotjob-agent would exit 2 on (``SPOTJOB_AGENT_PREFETCH=nodes``), in the agent's
+    words: before any worker starts, rather than a job that ends Invalid."""
+    refused = agent_settings_problem(key, spec, options)
+    if refused is not None:
+        raise ValueError(
+            f"every worker's spotjob-agent would refuse its settings and exit 2: {refused}; fix or unset it in "
+            "this environment"
+        )
+
+
 class LocalRun:
     """One ``spotjob run``: its folder, store, backend and controller loop. Usable in-process (tests).
 
@@ -173,8 +186,17 @@ class LocalRun:
         self.plan = config.plan()
         self.resumed = resume
         self.takeover: Takeover | None = None
+        options = LocalOptions(
+            root=self.path,
+            notice_seconds=config.notice,
+            hear_notices=not config.ignore_notices,
+            launcher=config.launcher,
+        )
         if not resume:
             spec = config.job_spec()  # before anything exists: a bad option creates nothing
+            # Nor a setting of this environment every worker's agent would exit 2 on
+            # (SPOTJOB_AGENT_PREFETCH=nodes): said as the agent says it, and nothing is created.
+            _refuse_agent_settings(self.key, spec, options)
         self.store = JsonFileJobStore(self.path, create=False)
         if not resume:
             self._refuse_existing()
@@ -190,6 +212,7 @@ class LocalRun:
         try:
             if resume:
                 self.spec, status, version = self._read_for_resume()
+                _refuse_agent_settings(self.key, self.spec, options)
             else:
                 try:
                     self.store.create(self.key, spec)
@@ -204,12 +227,7 @@ class LocalRun:
             if resume:
                 self.takeover = self._take_over(status, version)
             self.backend = LocalBackend(
-                LocalOptions(
-                    root=self.path,
-                    notice_seconds=config.notice,
-                    hear_notices=not config.ignore_notices,
-                    launcher=config.launcher,
-                ),
+                options,
                 plan=self.plan,
                 timeline=self.timeline,
             )

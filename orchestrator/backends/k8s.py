@@ -67,6 +67,7 @@ from orchestrator.backends.base import (
     FlushRequestState,
     Placement,
     WorkerObservation,
+    agent_refusal,
     worker_name,
 )
 from orchestrator.k8s import pods
@@ -153,7 +154,11 @@ class KubernetesBackend:
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
         index = _training_container(spec)[0]
         every = ((ENV_EVERY_STEPS, spec.checkpoint.every_steps), (ENV_EVERY_SECONDS, spec.checkpoint.every_seconds))
-        return pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
+        problems = pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
+        refused = pods.agent_settings_problem(str(key), _worker_spec(spec), self.options.workers)
+        if refused is not None:
+            problems.append(agent_refusal(refused, "spec.env or the template's training container env"))
+        return problems
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         owner = self._owner(key)

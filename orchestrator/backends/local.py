@@ -81,6 +81,7 @@ from agent.control_channel import (
     STATUS_FILE,
     read_json,
 )
+from agent.launcher_cli import usage_problem
 from agent.notices.emulators import ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, read_proc
 from agent.ranks import free_port
@@ -91,6 +92,7 @@ from orchestrator.backends.base import (
     FlushRequestState,
     Placement,
     WorkerObservation,
+    agent_refusal,
     held_notice,
     ranks_not_meeting,
     worker_name,
@@ -114,6 +116,9 @@ from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal, SignalKind
 
 log = logging.getLogger(__name__)
+
+_CHECK_IMDS_URL = "http://127.0.0.1:1"
+"""The metadata URL ``spec_problems`` gives the agent's parser in place of a node's emulator's."""
 
 # The agent reads these from its own flags; the user's shell must not override them underneath.
 _AGENT_OWNED_ENV = (
@@ -236,6 +241,76 @@ def _tool(name: str, module: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", module]
 
 
+def _worker_command(
+    options: LocalOptions,
+    key: JobKey,
+    job: JobSpec,
+    attempt: int,
+    index: int,
+    imds_url: str,
+    control_dir: str,
+    port: int,
+) -> list[str]:
+    """A worker's command line: spotjob-agent (the tool prefix, then its options), ``--``, torchrun."""
+    ck = job.checkpoint
+    agent = [
+        *_tool("spotjob-agent", "agent.launcher"),
+        "--notices", "aws" if options.hear_notices else "none",
+        "--aws-metadata-url", imds_url,
+        "--poll-interval", f"{options.poll_interval:g}",
+        "--token-file", token_file(options.root),
+        "--checkpoint-uri", ck.uri,
+        # The job's identity in storage (owner.json, attempt records): namespace/name.
+        "--job-name", str(key),
+        "--keep", str(ck.keep),
+        "--control-dir", control_dir,
+        "--kill-grace", f"{options.kill_grace:g}",
+        "--launcher", options.launcher,
+        "--attempt", str(attempt),
+        # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
+        "--exit-with-parent",
+    ]  # fmt: skip
+    if ck.every_steps is not None:
+        agent += ["--every-steps", str(ck.every_steps)]
+    if ck.every_seconds is not None:
+        agent += ["--every-seconds", f"{ck.every_seconds:g}"]
+    torchrun = [
+        *_tool("torchrun", "torch.distributed.run"),
+        "--nproc-per-node", str(job.nproc_per_node),
+        "--nnodes", str(job.replicas),
+        "--node-rank", str(index),
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(port),
+        "--max-restarts", "0",
+    ]  # fmt: skip
+    return [*agent, "--", *torchrun, *job.command]
+
+
+def _worker_env(job: JobSpec) -> dict[str, str]:
+    """A worker's environment, less its marks: this process's (less what the agent's options set),
+    then ``spec.env``."""
+    env = {k: v for k, v in os.environ.items() if k not in _AGENT_OWNED_ENV}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(job.env)
+    return env
+
+
+def agent_settings_problem(key: JobKey, spec: JobSpec, options: LocalOptions) -> str | None:
+    """What every worker's spotjob-agent would refuse at its start (a usage error: it exits 2 before
+    it starts anything) in the command line and the environment a worker gets (this process's
+    environment, then ``spec.env``), in the agent's own words (``agent.launcher_cli.usage_problem``);
+    None when it would start. ``spotjob run`` checks it before it creates a run, the reconciler on
+    every pass (``spec_problems``)."""
+    command = _worker_command(options, key, spec, 0, 0, _CHECK_IMDS_URL, os.path.join(options.root, "check"), 1)
+    return usage_problem(command[len(_tool("spotjob-agent", "agent.launcher")) :], _worker_env(spec))
+
+
+def token_file(root: str) -> str:
+    """The run's bearer token file (``write_token``)."""
+    return os.path.join(root, "token")
+
+
 def write_token(path: str) -> str:
     """A fresh random bearer token in a file readable by its owner only; returns the token.
 
@@ -271,7 +346,7 @@ class LocalBackend:
         os.makedirs(os.path.join(self.root, "nodes"), exist_ok=True)
         os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
         self.timeline = timeline or Timeline(os.path.join(self.root, "timeline.jsonl"))
-        self.token_file = os.path.join(self.root, "token")
+        self.token_file = token_file(self.root)
         self._token = write_token(self.token_file)
         self.run_id = uuid.uuid4().hex[:12]
         self.changed = threading.Event()
@@ -320,8 +395,10 @@ class LocalBackend:
 
     # -- the Backend protocol ---------------------------------------------------------------------
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
-        """Nothing: local processes run any valid spec (``template`` and ``image`` are not used)."""
-        return []
+        """Only what every worker's spotjob-agent would refuse at its start (``agent_settings_problem``);
+        local processes run any other valid spec (``template`` and ``image`` are not used)."""
+        refused = agent_settings_problem(key, spec, self.options)
+        return [] if refused is None else [agent_refusal(refused, "spec.env or the environment of spotjob run")]
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:
         with self._lock:
@@ -517,53 +594,19 @@ class LocalBackend:
         return len(workers)
 
     def _command(
-        self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, control_dir: str, port: int
+        self, key: JobKey, job: JobSpec, attempt: int, index: int, imds_url: str, control_dir: str, port: int
     ) -> list[str]:
-        ck = job.checkpoint
-        agent = [
-            *_tool("spotjob-agent", "agent.launcher"),
-            "--notices", "aws" if self.options.hear_notices else "none",
-            "--aws-metadata-url", node.imds.url,
-            "--poll-interval", f"{self.options.poll_interval:g}",
-            "--token-file", self.token_file,
-            "--checkpoint-uri", ck.uri,
-            # The job's identity in storage (owner.json, attempt records): namespace/name.
-            "--job-name", str(key),
-            "--keep", str(ck.keep),
-            "--control-dir", control_dir,
-            "--kill-grace", f"{self.options.kill_grace:g}",
-            "--launcher", self.options.launcher,
-            "--attempt", str(attempt),
-            # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
-            "--exit-with-parent",
-        ]  # fmt: skip
-        if ck.every_steps is not None:
-            agent += ["--every-steps", str(ck.every_steps)]
-        if ck.every_seconds is not None:
-            agent += ["--every-seconds", f"{ck.every_seconds:g}"]
-        torchrun = [
-            *_tool("torchrun", "torch.distributed.run"),
-            "--nproc-per-node", str(job.nproc_per_node),
-            "--nnodes", str(job.replicas),
-            "--node-rank", str(index),
-            "--master-addr", "127.0.0.1",
-            "--master-port", str(port),
-            "--max-restarts", "0",
-        ]  # fmt: skip
-        return [*agent, "--", *torchrun, *job.command]
+        return _worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port)
 
     def _spawn(self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> _Worker:
         name = worker_name(key, attempt, index)
         control_dir = os.path.join(node.path, name)
         os.makedirs(control_dir, exist_ok=True)
         log_path = os.path.join(self.root, "logs", f"{name}.log")
-        env = {k: v for k, v in os.environ.items() if k not in _AGENT_OWNED_ENV}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(job.env)
+        env = _worker_env(job)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER], env[ENV_RUN] = node.marker, marker, self.root
-        command = self._command(key, job, attempt, index, node, control_dir, port)
+        command = self._command(key, job, attempt, index, node.imds.url, control_dir, port)
         try:
             with open(log_path, "ab") as out:
                 out.write(f"# {' '.join(command)}\n".encode())

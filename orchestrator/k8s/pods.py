@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS
+from agent.launcher_cli import usage_problem
 from agent.torchrun import ENV_LAUNCHER, Launcher
 from orchestrator.crd import DOWNWARD_ENV, POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s.cluster_signals import TAINT_RULES
@@ -248,6 +249,30 @@ class WorkerSpec:
     every_seconds: float | None
     keep: int
     flush_timeout_seconds: float
+
+
+def agent_settings_problem(job_identity: str, spec: WorkerSpec, options: WorkerOptions) -> str | None:
+    """What every worker's spotjob-agent would refuse at its start (a usage error: it exits 2 before
+    it starts anything) in the command line and the environment ``worker_pod`` gives it, in the
+    agent's own words (``agent.launcher_cli.usage_problem``: its own parsing, not a copy of its
+    rules); None when it would start. A bad value in ``spec.env`` (``SPOTJOB_AGENT_PREFETCH=nodes``,
+    a negative timeout) or in the template's training container ``env``: the values written there
+    only, not a ``valueFrom`` (known in the pod alone) nor the image's own environment."""
+    namespace, _, name = job_identity.partition("/")
+    owner = Owner(namespace=namespace, name=name, uid="")
+    argv = _agent_args(job_identity, spec, attempt=0, index=0, master_addr=None, owner=owner, options=options)
+    trainer: Mapping[str, Any] = {}
+    if spec.template is not None:
+        containers = ((spec.template.get("spec") or {}).get("containers")) or []
+        if 0 <= spec.container < len(containers) and isinstance(containers[spec.container], Mapping):
+            trainer = containers[spec.container]
+    written = _env(trainer.get("env") or [], {**spec.env, ENV_LAUNCHER: options.agent_launcher})
+    env = {
+        str(e["name"]): str(e["value"])
+        for e in written
+        if isinstance(e, Mapping) and isinstance(e.get("name"), str) and e.get("value") is not None
+    }
+    return usage_problem(argv, env)
 
 
 def labels(owner: Owner, attempt: int | None = None, index: int | None = None) -> dict[str, str]:

@@ -99,6 +99,11 @@ BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}"
 HEALTHY = Reason("Healthy", "storage and the backend answer")
 INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
+UNKNOWN_VARIABLES = Reason(
+    "UnknownVariables",
+    "spec.env: {variables} (told once per spec generation; the job runs without them)",
+    warning=True,
+)
 SPEC_CHANGE_IGNORED = Reason(
     "SpecChangeIgnored",
     "spec generation {generation} seen, but the job has ended ({phase}): the change runs nothing; "

@@ -27,6 +27,7 @@ from operator import methodcaller
 
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
+from agent.settings import unknown_variables
 from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
 from orchestrator.backends.base import Backend, BackendError, WorkerObservation
 from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
@@ -74,6 +75,7 @@ from orchestrator.reconciler._reasons import (
     STORAGE_REFUSED,
     STORAGE_REFUSED_FAILED,
     STORAGE_UNREACHABLE,
+    UNKNOWN_VARIABLES,
     WORKER_INFRA_ERROR,
     WORKER_NOT_STARTING,
     WORKERS_STARTED,
@@ -202,6 +204,8 @@ class Reconciler(_Capacity):
             self._note_health(p)
             self._record_workers(p)
         self._valid(p)
+        if before.observed_generation != stored.generation:
+            self._warn_unknown_variables(p)
         p.status.observed_generation = stored.generation
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)
@@ -378,6 +382,15 @@ class Reconciler(_Capacity):
         self._condition(p, INVALID, True, INVALID_SPEC.name, message)
         p.status.observed_generation = generation
         self._event(p, INVALID_SPEC, message=message)
+
+    def _warn_unknown_variables(self, p: _Pass) -> None:
+        """An ``UnknownVariables`` warning for each ``SPOTJOB_*`` name of ``spec.env`` no part of
+        spotjob reads (``SPOTJOB_AGENT_PREFTECH``): the agent would log it in each worker and run on
+        without it, which nobody reads. A warning, not ``Invalid``: the job runs as the variable were
+        not there, and a variable a newer image's agent reads stays usable under an older controller."""
+        unknown = unknown_variables(p.spec.env)
+        if unknown:
+            self._event(p, UNKNOWN_VARIABLES, variables="; ".join(unknown))
 
     def _valid(self, p: _Pass) -> None:
         """Clear a past Invalid condition (the spec was fixed); no condition at all for a job never invalid."""

@@ -310,3 +310,76 @@ def test_a_notice_an_agent_holds_is_shown_on_the_spotjob_told_once_and_removed_w
 def told(test_api: TestApi) -> list[dict[str, Any]]:
     """The ``NoticeHeld`` Events in the namespace."""
     return [e for e in test_api.admin.list(EVENTS, "default")[0] if e["reason"] == "NoticeHeld"]
+
+
+def _events(test_api: TestApi, reason: str) -> list[dict[str, Any]]:
+    return [e for e in test_api.admin.list(EVENTS, "default")[0] if e["reason"] == reason]
+
+
+def test_a_spotjob_whose_env_the_agent_would_refuse_is_invalid_before_any_pod_is_made(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """``SPOTJOB_AGENT_PREFETCH=nodes`` in ``spec.env``: the CRD takes any string, and before the
+    fix every worker's agent exited 2 in its pod (a failure of the user's code, three restarts,
+    Failed). Now the controller's first pass refuses it in the agent's own words: Invalid=True, an
+    InvalidSpec Event, no pod. Fixing the value lets the job start."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["spec"]["env"] = {"SPOTJOB_AGENT_PREFETCH": "nodes"}
+        test_api.admin.create(SPOTJOBS, job, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        parts.reconciler.reconcile(KEY)
+
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        [invalid] = [c for c in status["conditions"] if c["type"] == "Invalid"]
+        assert invalid["status"] == "True" and invalid["reason"] == "InvalidSpec", invalid
+        said = "SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off"
+        assert said in invalid["message"] and "spec.env" in invalid["message"], invalid
+        [event] = _events(test_api, "InvalidSpec")
+        assert event["type"] == "Warning" and said in event["note"], event
+        assert test_api.admin.list(PODS, "default")[0] == []
+
+        fixed = test_api.admin.get(SPOTJOBS, KEY.name, "default")
+        fixed["spec"]["env"] = {"SPOTJOB_AGENT_PREFETCH": "node"}
+        test_api.admin.replace(SPOTJOBS, fixed)
+        wait_for(
+            lambda: (
+                (parts.jobs.cache.get("default", KEY.name) or {}).get("spec", {}).get("env")
+                == {"SPOTJOB_AGENT_PREFETCH": "node"}
+            ),
+            what="the fixed spec in the cache",
+        )
+        parts.reconciler.reconcile(KEY)
+        wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod")
+    finally:
+        parts.stop()
+
+
+def test_an_unknown_spotjob_variable_in_env_is_a_warning_event_once_and_the_job_runs(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """``SPOTJOB_AGENT_PREFTECH`` (a typo): the agent reads no such variable; it logs a warning in
+    each pod and runs without it. Before the fix the SpotJob said nothing; now one UnknownVariables
+    Event names it and the variable meant, and the job starts as it would without it."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["spec"]["env"] = {"SPOTJOB_AGENT_PREFTECH": "off", "NCCL_DEBUG": "INFO"}
+        test_api.admin.create(SPOTJOBS, job, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        for _ in range(3):
+            parts.reconciler.reconcile(KEY)
+        wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod")
+        [event] = _events(test_api, "UnknownVariables")
+        assert event["type"] == "Warning" and not event.get("series"), event
+        assert event["note"].startswith(
+            "spec.env: SPOTJOB_AGENT_PREFTECH is set but no part of spotjob reads it "
+            "(did you mean SPOTJOB_AGENT_PREFETCH?)"
+        ), event
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        assert not [c for c in status.get("conditions") or [] if c["type"] == "Invalid"], status
+    finally:
+        parts.stop()

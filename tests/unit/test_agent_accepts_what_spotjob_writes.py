@@ -285,10 +285,11 @@ def test_every_local_worker_of_options_spotjob_run_takes_starts_its_agent(
     spec = config.job_spec()
     with LocalBackend(LocalOptions(root=str(tmp_path / "run"), notice_seconds=config.notice)) as backend:
         node = backend._cloud.provision("zone-a", "type-a")
-        command = backend._command(JobKey.local("run"), spec, 0, 0, node, str(tmp_path / "control"), 29500)
+        command = backend._command(JobKey.local("run"), spec, 0, 0, node.imds.url, str(tmp_path / "control"), 29500)
         # The tool prefix is spotjob-agent's path, or python -m agent.launcher.
         agent_args = command[command.index("--notices") :]
         parsed, _ = parse_args(agent_args, {})
+        assert backend.spec_problems(JobKey.local("run"), spec) == []
         assert parsed.checkpoint_uri == spec.checkpoint.uri and parsed.keep == config.keep
         # The reconciler's flush deadline when the simulated notice is heard: now + --notice.
         deadline = time.time() + config.notice

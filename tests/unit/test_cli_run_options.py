@@ -157,3 +157,29 @@ def test_a_run_made_and_closed_without_running_leaves_no_thread_behind(tmp_path:
     resumed.close()
     resumed.close()  # idempotent
     assert not [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+def test_a_bad_agent_setting_in_spotjob_runs_environment_is_refused_before_anything_is_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPOTJOB_AGENT_PREFETCH=nodes`` in the shell reaches every worker's agent, which exits 2 on
+    it. Before the fix the run was created and its workers failed; now ``spotjob run`` refuses it as
+    it refuses a bad option, in the agent's words, and creates no run folder. A resumed run is
+    checked in the environment of the ``spotjob run`` that resumes it."""
+    from orchestrator.cli_run import LocalRun
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("SPOTJOB_AGENT_PREFETCH", "nodes")
+    with pytest.raises(ValueError, match=r"SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off; fix or"):
+        LocalRun(RunConfig(script=str(script), args=[], name="bad", runs_dir=str(runs), nproc=1))
+    assert not (runs / "bad").exists()
+
+    monkeypatch.delenv("SPOTJOB_AGENT_PREFETCH")
+    LocalRun(RunConfig(script=str(script), args=[], name="good", runs_dir=str(runs), nproc=1)).close()
+    monkeypatch.setenv("SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match=r"SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT='-1': must be more than 0"):
+        LocalRun.resume(str(runs), "good")
+    monkeypatch.delenv("SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT")
+    LocalRun.resume(str(runs), "good").close()  # the driver lock was given back
