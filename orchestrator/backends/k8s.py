@@ -52,6 +52,7 @@ Nothing here blocks on the network in a pass except the writes (pod creates and 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -628,6 +629,13 @@ def _refused_options(pod: Object) -> str | None:
     if not lines:
         return None
     said = "".join(c if c.isprintable() else "?" for c in lines[-1].strip())[:300]
+    if re.search(r"\bSPOTJOB_[A-Z0-9_]+\b", said.split(AGENT_USAGE_ERROR, 1)[-1]):
+        # A setting the controller could not see when it checked the spec (spec_problems checks the
+        # values written in spec.env and the template): one from valueFrom, envFrom or the image.
+        return (
+            f"{said} (the image's spotjob-agent refused a setting of the pod's environment: one from a "
+            f"ConfigMap or Secret (valueFrom, envFrom) or the image's own ENV; fix it there; kubectl logs {_name(pod)})"
+        )
     return (
         f"{said} (the image's spotjob-agent refused the command line the controller gave it: is the "
         f"image's spotjob older than the controller? See README 'Upgrading'; kubectl logs {_name(pod)})"

@@ -251,6 +251,22 @@ def test_an_agent_that_refused_its_options_says_which_and_points_at_an_older_ima
     assert "older than the controller" in detail["llama-0-0"] and "Upgrading" in detail["llama-0-0"]
 
 
+def test_an_agent_that_refused_a_setting_of_its_environment_points_there_not_at_an_older_image(world: World) -> None:
+    # A bad SPOTJOB_AGENT_* value the controller could not check up front (from a ConfigMap through
+    # valueFrom or envFrom, or the image's ENV): the agent's own words, then where to fix it. It used
+    # to ask whether the image's spotjob was older than the controller.
+    refused = pod(0, exit_code=2)
+    refused["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = (
+        "usage: spotjob-agent [OPTIONS] -- COMMAND [ARGS...]\n"
+        "spotjob-agent: error: SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off\n"
+    )
+    world.add(refused)
+    detail = {w.name: w.detail for w in world.backend.list_workers(KEY, spec())}["llama-0-0"]
+    assert detail is not None
+    assert "SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off" in detail
+    assert "valueFrom, envFrom" in detail and "older than the controller" not in detail
+
+
 def test_an_agent_that_exited_74_says_which_infrastructure_error_from_its_own_log(world: World, tmp_path: Path) -> None:
     """A real spotjob-agent on node rank 0 of a two-node torchrun whose rendezvous port another
     process holds exits 74; its log's tail (what FallbackToLogsOnError makes the termination
