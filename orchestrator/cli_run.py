@@ -84,7 +84,7 @@ from orchestrator.model import (
     JobStatus,
     Phase,
 )
-from orchestrator.reconciler import Reconciler, ReconcilerOptions, SystemClock
+from orchestrator.reconciler import INVALID, Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.run_config import (
     RunConfig,
     checkpoint_uri_problem,
@@ -739,6 +739,16 @@ def run_command(args: argparse.Namespace) -> int:
                 signal.signal(signum, handler)
 
 
+def failure_line(name: str, status: JobStatus) -> str:
+    """What ``spotjob run`` says of a run that did not succeed: its phase's reason, or, for a job that
+    stopped because its spec is invalid (its phase still the one it had), the Invalid condition's
+    message (it said "failed: Created: waiting for the first pass")."""
+    invalid = status.condition(INVALID)
+    if invalid is not None and invalid.status == "True":
+        return f"spotjob run: {name} did not start: {invalid.reason}: {invalid.message}"
+    return f"spotjob run: {name} failed: {status.reason}: {status.message}"
+
+
 def _drive(run: LocalRun, args: argparse.Namespace) -> int:
     """Run it, then tell: the summary, the plot, the exit status."""
     live = sys.stderr.isatty() and not args.no_live
@@ -781,7 +791,7 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     if status.phase is Phase.SUCCEEDED:
         return EXIT_SUCCEEDED
-    print(f"spotjob run: {run.name} failed: {status.reason}: {status.message}", file=sys.stderr)
+    print(failure_line(run.name, status), file=sys.stderr)
     for path in run.failed_worker_logs():
         print(f"the end of {path}:", file=sys.stderr)
         for line in log_excerpt(path, LOG_EXCERPT_LINES):

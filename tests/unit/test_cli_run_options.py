@@ -183,3 +183,27 @@ def test_a_bad_agent_setting_in_spotjob_runs_environment_is_refused_before_anyth
         LocalRun.resume(str(runs), "good")
     monkeypatch.delenv("SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT")
     LocalRun.resume(str(runs), "good").close()  # the driver lock was given back
+
+
+def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() -> None:
+    """A local job the reconciler found invalid stops while its phase is still Pending (reason
+    Created): ``spotjob run`` said "failed: Created: waiting for the first pass", never the
+    Invalid condition's message that says what to fix."""
+    from datetime import UTC, datetime
+
+    from orchestrator.cli_run import failure_line
+    from orchestrator.model import Condition, JobStatus, Phase
+
+    status = JobStatus(phase=Phase.PENDING, reason="Created", message="waiting for the first pass")
+    assert failure_line("r1", status) == "spotjob run: r1 failed: Created: waiting for the first pass"
+    status.conditions.append(
+        Condition(
+            type="Invalid",
+            status="True",
+            reason="InvalidSpec",
+            message="spec.env: fix SPOTJOB_AGENT_X",
+            last_transition_time=datetime.now(UTC),
+        )
+    )
+    line = failure_line("r1", status)
+    assert line == "spotjob run: r1 did not start: InvalidSpec: spec.env: fix SPOTJOB_AGENT_X"
