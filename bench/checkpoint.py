@@ -827,6 +827,174 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
     return "\n".join(lines) + "\n"
 
 
+# -- many small tensors ------------------------------------------------------------------------
+MANY_ROWS: list[tuple[str, str, str]] = [
+    # (op, label, the plain DCP op it is divided by)
+    ("many.dcp.save", "plain dcp.save (get_state_dict + FileSystemWriter)", "many.dcp.save"),
+    ("many.ckpt.sync.commit", "Checkpointer sync: save call → manifest committed", "many.dcp.save"),
+    ("many.ckpt.sync.step", "Checkpointer sync: `step()` (whole save, retention included)", "many.dcp.save"),
+    ("many.ckpt.async.step", "Checkpointer async: `step()` blocks", "many.dcp.save"),
+    ("many.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "many.dcp.save"),
+    ("many.dcp.load.cold", "plain dcp.load (cold) + set_state_dict", "many.dcp.load.cold"),
+    ("many.ckpt.restore.cold", "Checkpointer `restore()` (cold cache)", "many.dcp.load.cold"),
+]
+
+
+def build_many_workload(layers: int, width: int) -> Workload:
+    """``layers`` Linear(width, width) layers and Adam after one step: 2 parameters, 4 moments and
+    2 step counters per layer, each a small tensor, so per-tensor and per-save costs dominate."""
+    torch.manual_seed(0)
+    model = build_model(layers, width)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    tensors = state_tensors(model, optim)
+    return Workload(
+        size_gb=sum(t.numel() * t.element_size() for t in tensors) / GB,
+        layers=layers,
+        width=width,
+        model=model,
+        optim=optim,
+        state_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        tensor_count=len(tensors),
+    )
+
+
+def run_many(args: argparse.Namespace) -> SizeResult:
+    """Plain DCP and the Checkpointer, side by side, on a state of many small tensors (filesystem).
+
+    Every repetition, in order: plain ``dcp.save`` and ``dcp.load`` (cold) into a fresh model and
+    optimizer; the Checkpointer's sync save (``step()`` and its save call → commit) and a
+    ``restore()`` of it (cold); an async save (how long ``step()`` blocks, then save call → commit).
+    The async Checkpointer's first save, which allocates its staging buffers, is not timed.
+    """
+    log("building %d Linear(%d, %d) layers + Adam", args.many_layers, args.many_width, args.many_width)
+    w = build_many_workload(args.many_layers, args.many_width)
+    result = SizeResult(w.size_gb, w.layers, w.width, w.state_bytes, w.tensor_count, args.repeat)
+    log("state: %s in %d tensors; %d repetitions", fmt_bytes(w.state_bytes), w.tensor_count, args.repeat)
+    folder = os.path.join(args.scratch, "many")
+    os.makedirs(folder, exist_ok=True)
+    state = w.state()
+    path = os.path.join(folder, "dcp")
+    with contextlib.ExitStack() as stack:
+        stack.callback(remove, folder)
+        checkpointers: dict[str, Checkpointer] = {}
+        stack.callback(CheckpointBench._close_all, checkpointers)
+        sync = checkpointers["sync"] = Checkpointer(
+            os.path.join(folder, "sync"), every_steps=1, keep=1, async_save=False
+        )
+        background = checkpointers["async"] = Checkpointer(
+            os.path.join(folder, "async"), every_steps=1, keep=1, async_save=True
+        )
+        background.step(1, state)  # allocates the staging buffers every later save reuses
+        background.wait()
+        for r in range(args.repeat):
+            log("many small tensors: repetition %d/%d", r + 1, args.repeat)
+            step = r + 2
+            measure(result.samples("many.dcp.save"), partial(dcp_save, path, w.model, w.optim))
+            result.committed_bytes["dcp.save"] = tree_bytes(path)
+            drop_from_page_cache(path)
+            model, optim = w.fresh()
+            measure(result.samples("many.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
+            w.check_restored(model, optim, "dcp.load")
+            del model, optim
+            remove(path)
+
+            measure(result.samples("many.ckpt.sync.step"), partial(sync.step, step, state))
+            assert sync.last_committed_step == step and sync.last_committed_uri is not None
+            result.samples("many.ckpt.sync.commit").seconds.append(float(sync.last_save_seconds or 0.0))
+            local_root = sync.storage.local_path("")
+            assert local_root is not None
+            drop_from_page_cache(local_root)
+            model, optim = w.fresh()
+            reader = Checkpointer(os.path.join(folder, "sync"), keep=1)
+            try:
+                got = measure(
+                    result.samples("many.ckpt.restore.cold"),
+                    partial(reader.restore, {"model": model, "optim": optim}),
+                )
+            finally:
+                reader.close()
+                reader.storage.close()
+            assert got == step, (got, step)
+            w.check_restored(model, optim, "Checkpointer.restore")
+            del model, optim
+
+            CheckpointBench._async_save(background, state, step, result, "many.ckpt.async")
+            gc.collect()
+        if args.profile:
+            profile_sync_saves(sync, state, args.repeat + 2, args.profile)
+    return result
+
+
+def profile_sync_saves(ck: Checkpointer, state: dict[str, Any], first_step: int, saves: int) -> None:
+    """cProfile ``saves`` sync saves after the timed ones, and write their statistics: all of it
+    (``checkpoint-many-profile.txt``, and the raw ``.prof``) and spotjob's own functions
+    (``agent/``) with their share.
+
+    A sync save runs on the calling thread, so cProfile sees all of it; an async save's write and
+    commit run on a thread of its own that cProfile does not follow.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for i in range(saves):
+        prof.enable()
+        ck.step(first_step + i, state)
+        prof.disable()
+    stats = pstats.Stats(prof)
+    total = float(getattr(stats, "total_tt", 0.0)) or 1e-9
+    agent_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agent")
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    own = []
+    for (filename, line, name), (_cc, calls, tottime, cumtime, _callers) in raw.items():
+        if filename.startswith(agent_dir):
+            where = f"{os.path.relpath(filename, os.path.dirname(agent_dir))}:{line} {name}"
+            own.append((cumtime, tottime, calls, where))
+    own.sort(reverse=True)
+    out = io.StringIO()
+    out.write(f"{saves} sync saves profiled, {total:.3f} s in all ({total / saves:.3f} s a save)\n\n")
+    out.write("spotjob's own functions (agent/), by cumulative time: cum s/save, cum share, self s/save, calls/save\n")
+    for cumtime, tottime, calls, where in own[:40]:
+        out.write(
+            f"{cumtime / saves:8.4f} {100 * cumtime / total:5.1f}% {tottime / saves:8.4f} "
+            f"{calls / saves:8.0f}  {where}\n"
+        )
+    out.write("\nall functions, by cumulative time\n")
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("cumulative").print_stats(60)
+    out.write("\nall functions, by own time\n")
+    stats.sort_stats("tottime").print_stats(40)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "checkpoint-many-profile.txt").write_text(out.getvalue())
+    prof.dump_stats(str(OUT_DIR / "checkpoint-many-profile.prof"))  # for pstats / snakeviz
+    log("profile of %d sync saves written to %s", saves, OUT_DIR / "checkpoint-many-profile.txt")
+
+
+def many_ratios(result: SizeResult) -> dict[str, float | None]:
+    return {op: _ratio(result.median(op), result.median(base)) for op, _label, base in MANY_ROWS}
+
+
+def render_many_markdown(result: SizeResult) -> str:
+    ratios = many_ratios(result)
+    lines = [
+        f"### Many small tensors (filesystem): {result.layers} Linear layers of {result.width}x{result.width} "
+        f"+ Adam, {result.tensor_count} tensors, {fmt_bytes(result.state_bytes)}, median of {result.repeat}\n",
+        "| measurement | median s | min-max s | ratio to plain DCP | vs |",
+        "|---|---|---|---|---|",
+    ]
+    for op, label, base in MANY_ROWS:
+        s = result.ops.get(op)
+        if s is None or not s.seconds:
+            continue
+        vs = "plain dcp.save" if base == "many.dcp.save" else "plain dcp.load"
+        lines.append(f"| {label} | {_s(s.median)} | {_spread(s)} | {_x(ratios[op])} | {vs} |")
+    return "\n".join(lines) + "\n"
+
+
 # -- entry point -------------------------------------------------------------------------------
 def _floats(text: str) -> list[float]:
     try:
@@ -874,9 +1042,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder for the files written (removed afterwards; default bench/out/scratch)",
     )
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed tiny pass first")
+    p.add_argument(
+        "--many-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of --sizes: a state of N small Linear layers + Adam (8 tensors a layer), plain DCP "
+        "next to the Checkpointer, filesystem only",
+    )
+    p.add_argument("--many-width", type=int, default=32, help="features of each --many-layers layer (default 32)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="SAVES",
+        help="with --many-layers: cProfile that many more sync saves; bench/out/checkpoint-many-profile.txt",
+    )
     args = p.parse_args(argv)
     if args.repeat < 1 or args.repeat_large < 1:
         p.error("--repeat and --repeat-large must be >= 1")
+    if args.many_layers < 0 or args.many_width < 1 or args.profile < 0:
+        p.error("--many-layers and --profile must be >= 0, --many-width >= 1")
+    if args.profile and not args.many_layers:
+        p.error("--profile profiles the --many-layers state: give --many-layers N too")
     return args
 
 
@@ -938,6 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
         machine["disk"]["fstype"],
         machine["torch"],
     )
+    if args.many_layers:
+        return main_many(args, machine, started_wall, started)
     bench = CheckpointBench(args, args.scratch)
     results: list[SizeResult] = []
     with _s3_if(args.backends, bench) as endpoint:
@@ -966,6 +1156,33 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     log(
         "done in %.0f s; raw results in %s, tables in %s",
+        payload["wall_seconds"],
+        path,
+        OUT_DIR / "checkpoint-latest.md",
+    )
+    return 0
+
+
+def main_many(args: argparse.Namespace, machine: dict[str, Any], started_wall: float, started: float) -> int:
+    result = run_many(args)
+    remove(args.scratch)
+    payload: dict[str, Any] = {
+        "benchmark": "checkpoint",
+        "mode": "many-layers",
+        "started_unix": started_wall,
+        "wall_seconds": time.monotonic() - started,
+        "machine": machine,
+        "load_average_at_end": os.getloadavg(),
+        "args": {k: v for k, v in vars(args).items()},
+        "many_layers": result.to_json(),
+        "ratios_to_plain_dcp": many_ratios(result),
+    }
+    path = write_results("checkpoint", payload)
+    md = render_many_markdown(result)
+    (OUT_DIR / "checkpoint-latest.md").write_text(md)
+    print(md)
+    log(
+        "done in %.0f s; raw results in %s, table in %s",
         payload["wall_seconds"],
         path,
         OUT_DIR / "checkpoint-latest.md",

@@ -100,6 +100,42 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
         assert row in md, row
 
 
+def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Path) -> None:
+    """``--many-layers`` at its smallest (2 layers of 4: 16 tensors, one repetition, a few seconds):
+    plain DCP and the Checkpointer's sync save, async save and restore each timed, with their ratios
+    to plain DCP in the JSON and the table, and a cProfile of one more sync save naming spotjob's own
+    functions."""
+    data, md = run_bench(
+        "checkpoint", tmp_path / "out", "--many-layers", "2", "--many-width", "4", "--repeat", "1",
+        "--profile", "1", "--scratch", str(tmp_path / "scratch"),
+    )  # fmt: skip
+    assert data["mode"] == "many-layers"
+    many = data["many_layers"]
+    assert (many["layers"], many["width"], many["tensor_count"], many["repeat"]) == (2, 4, 16, 1)
+    ops = (
+        "many.dcp.save", "many.dcp.load.cold", "many.ckpt.sync.step", "many.ckpt.sync.commit",
+        "many.ckpt.async.step", "many.ckpt.async.commit", "many.ckpt.restore.cold",
+    )  # fmt: skip
+    for op in ops:
+        assert len(many["ops"][op]["seconds"]) == 1, op
+        assert isinstance(data["ratios_to_plain_dcp"][op], float), op
+    assert data["ratios_to_plain_dcp"]["many.dcp.save"] == data["ratios_to_plain_dcp"]["many.dcp.load.cold"] == 1.0
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+    assert "### Many small tensors (filesystem): 2 Linear layers of 4x4 + Adam, 16 tensors" in md
+    for row in (
+        "| plain dcp.save (get_state_dict + FileSystemWriter) |",
+        "| Checkpointer sync: save call → manifest committed |",
+        "| Checkpointer sync: `step()` (whole save, retention included) |",
+        "| Checkpointer async: `step()` blocks |",
+        "| Checkpointer async: save call → manifest committed |",
+        "| plain dcp.load (cold) + set_state_dict |",
+        "| Checkpointer `restore()` (cold cache) |",
+    ):
+        assert row in md, row
+    profile = (tmp_path / "out" / "checkpoint-many-profile.txt").read_text()
+    assert "1 sync saves profiled" in profile and "agent/checkpoint" in profile, profile[:2000]
+
+
 @pytest.mark.slow
 def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
     """Pins behaviour that already worked (about 14 s on 2 cores): one repetition of a 12.6 MB state on the
