@@ -17,6 +17,9 @@ on loopback), every repetition measures, in this order and in the same process:
 Single process, no ``torch.distributed``: one rank writes one shard file. On a 2-core machine more
 ranks would only share the same two cores and disk, so one rank is the honest measurement here.
 
+``--many-layers N`` measures instead a state of N small Linear layers (8 tensors each) against plain
+DCP, where per-tensor and per-save costs dominate (``run_many``); ``--profile`` adds a cProfile of it.
+
 Run ``python -m bench.checkpoint --help``; results go to ``bench/out/checkpoint-*.json`` and a
 Markdown rendering to ``bench/out/checkpoint-latest.md``.
 """
