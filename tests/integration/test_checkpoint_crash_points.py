@@ -128,7 +128,12 @@ KILL_POINTS = [  # six of the sweep's points (README "What a crash leaves" has t
     ("fsync", 1, 2),  # a staged shard made durable
     ("link", 1, 2),  # the first shard linked into step-3
     ("link", 4, 2),  # MANIFEST.json, the commit itself
-    ("fsync", 3, 3),  # the folder, after the commit
+    # The main thread's third fsync is the folder's, after the commit; but strace counts each thread
+    # on its own, and the io pool's thread that fsyncs the staged files may take all three of them
+    # and be killed at the third, before the commit (seen in about one run in five on 2026-12-05,
+    # in none of 12 runs of the code before that day's changes): then step 2 is the newest, as it
+    # must be (None: whichever the folder holds committed after the kill).
+    ("fsync", 3, None),
     ("unlinkat", 1, 3),  # retention: step-1's manifest
 ]
 
@@ -136,7 +141,7 @@ KILL_POINTS = [  # six of the sweep's points (README "What a crash leaves" has t
 @needs_strace
 @pytest.mark.parametrize(("call", "n", "expected"), KILL_POINTS, ids=[f"{c}-{n}" for c, n, _ in KILL_POINTS])
 def test_a_kill_at_any_call_of_a_save_leaves_the_newest_committed_checkpoint(
-    tmp_path: Path, call: str, n: int, expected: int
+    tmp_path: Path, call: str, n: int, expected: int | None
 ) -> None:
     """Pins behaviour that already worked: at every point of the sweep the restart got step 2 or 3
     bit-exact, and its next save cleaned what the killed one left."""
@@ -144,6 +149,8 @@ def test_a_kill_at_any_call_of_a_save_leaves_the_newest_committed_checkpoint(
     committed_before(uri, [1, 2])
     rc, out, step3 = traced_save(tmp_path, uri, 3, f"{call}:signal=SIGKILL:when={n}")
     assert rc != 0, f"the save was not killed at {call} #{n}:\n{out}"
+    if expected is None:
+        expected = 3 if (tmp_path / "ckpt" / "step-000000003" / "MANIFEST.json").exists() else 2
     restores(uri, expected, step3 if expected == 3 else snapshot(state_at(2)))
 
 
