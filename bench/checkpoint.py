@@ -350,15 +350,7 @@ class CheckpointBench:
         remove(path)
 
     def _dcp_baseline(self, w: Workload, result: SizeResult, size_dir: str) -> None:
-        path = os.path.join(size_dir, "dcp")
-        measure(result.samples("file.dcp.save"), lambda: dcp_save(path, w.model, w.optim))
-        result.committed_bytes["dcp.save"] = tree_bytes(path)
-        drop_from_page_cache(path)
-        model, optim = w.fresh()
-        measure(result.samples("file.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
-        w.check_restored(model, optim, "dcp.load")
-        del model, optim
-        remove(path)
+        dcp_round_trip(w, result, os.path.join(size_dir, "dcp"), "file")
 
     def _s3_floor(self, w: Workload, result: SizeResult, size_dir: str, raw: str) -> None:
         key = f"floor/{w.size_gb:g}gb.bin"
@@ -864,6 +856,20 @@ def build_many_workload(layers: int, width: int) -> Workload:
     )
 
 
+def dcp_round_trip(w: Workload, result: SizeResult, path: str, prefix: str) -> None:
+    """The plain-DCP baseline: ``dcp.save`` of the workload to ``path``, then ``dcp.load`` of it
+    (page cache cold) into a fresh model and optimizer, checked; samples ``<prefix>.dcp.save`` and
+    ``<prefix>.dcp.load.cold``. Removes ``path``."""
+    measure(result.samples(f"{prefix}.dcp.save"), partial(dcp_save, path, w.model, w.optim))
+    result.committed_bytes["dcp.save"] = tree_bytes(path)
+    drop_from_page_cache(path)
+    model, optim = w.fresh()
+    measure(result.samples(f"{prefix}.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
+    w.check_restored(model, optim, "dcp.load")
+    del model, optim
+    remove(path)
+
+
 def run_many(args: argparse.Namespace) -> SizeResult:
     """Plain DCP and the Checkpointer, side by side, on a state of many small tensors (filesystem).
 
@@ -895,14 +901,7 @@ def run_many(args: argparse.Namespace) -> SizeResult:
         for r in range(args.repeat):
             log("many small tensors: repetition %d/%d", r + 1, args.repeat)
             step = r + 2
-            measure(result.samples("many.dcp.save"), partial(dcp_save, path, w.model, w.optim))
-            result.committed_bytes["dcp.save"] = tree_bytes(path)
-            drop_from_page_cache(path)
-            model, optim = w.fresh()
-            measure(result.samples("many.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
-            w.check_restored(model, optim, "dcp.load")
-            del model, optim
-            remove(path)
+            dcp_round_trip(w, result, path, "many")
 
             measure(result.samples("many.ckpt.sync.step"), partial(sync.step, step, state))
             assert sync.last_committed_step == step and sync.last_committed_uri is not None
