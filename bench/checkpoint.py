@@ -845,13 +845,14 @@ def build_many_workload(layers: int, width: int) -> Workload:
     optim.step()
     optim.zero_grad(set_to_none=True)
     tensors = state_tensors(model, optim)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     return Workload(
-        size_gb=sum(t.numel() * t.element_size() for t in tensors) / GB,
+        size_gb=state_bytes / GB,
         layers=layers,
         width=width,
         model=model,
         optim=optim,
-        state_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        state_bytes=state_bytes,
         tensor_count=len(tensors),
     )
 

@@ -69,6 +69,7 @@ from agent.crc32c import crc32c_bytes
 from agent.storage._errors import local_file
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
+    FetchRange,
     KiB,
     MiB,
     PrefixedKeys,
@@ -629,10 +630,23 @@ class GCSStorage(PrefixedKeys, Storage):
                 ),
             )
 
+        self._download(url, key, actual, local_path, crc32c, fetch, progress)
+
+    def _download(
+        self,
+        url: str,
+        key: str,
+        size: int,
+        local_path: str,
+        crc32c: int | None,
+        fetch: FetchRange,
+        progress: ProgressFn | None,
+    ) -> None:
+        """``size`` bytes of ``key`` into ``local_path`` in parts of ``fetch``, checked as they come."""
         download_verified(
             what=url,
             key=key,
-            size=actual,
+            size=size,
             local_path=local_path,
             crc32c=crc32c,
             part_size=self.settings.part_size,
@@ -690,17 +704,7 @@ class GCSStorage(PrefixedKeys, Storage):
 
             self._request(f"GET {url}", key, read)
 
-        download_verified(
-            what=url,
-            key=key,
-            size=size,
-            local_path=local_path,
-            crc32c=crc32c,
-            part_size=self.settings.part_size,
-            pool=self._pool,
-            fetch=fetch,
-            progress=progress,
-        )
+        self._download(url, key, size, local_path, crc32c, fetch, progress)
 
     def stat(self, key: str) -> ObjectInfo | None:
         blob = self._get_blob(key)
