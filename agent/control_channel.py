@@ -9,10 +9,14 @@ JSON file replaced atomically (temp + rename), so a reader never sees half a fil
 - ``save.json`` (agent → ranks): "save early, keep training" (e.g. an AWS rebalance
   recommendation): one more ``os.stat`` per step. Handled once per request at an agreed step;
   the node's first rank then removes it.
-- ``status.json`` (rank 0 → agent): the training state the agent serves on ``GET /status``.
-- ``flushed.json`` (rank 0 → agent): the flush committed; step, URI and notice-to-commit time.
-- ``flush-failed.json`` (rank 0 → agent): a flush was attempted and nothing could be committed.
-- ``agent.json`` (agent → tools): the agent's pid and control-API URL while it runs.
+- ``status.json`` (each node's local rank 0 → its agent): the training state the agent serves on
+  ``GET /status`` and ``/readyz``.
+- ``flushed.json`` (each node's local rank 0 → its agent): the flush committed; step, URI and
+  notice-to-commit time.
+- ``flush-failed.json`` (each node's local rank 0 → its agent): a flush was attempted and nothing
+  could be committed.
+- ``agent.json`` (agent → tools and local mode's controller): the agent's pid and control-API URL
+  while it runs, whether its ranks have not met, and the cloud notice it holds.
 - ``closed-rank-<r>`` (each rank → agent): ``Checkpointer.close()`` returned on that rank, i.e.
   the rank finished its work. An abort at interpreter exit after this is not a job failure.
 - ``infra-error.json`` (any rank → agent): the rank is stopping because of an error that is not
