@@ -1,9 +1,10 @@
 """Where things lie under a checkpoint URI, and reading a manifest within bounds. No torch import.
 
 ``<uri>/step-<9-digit step>[.<n>]/`` holds one checkpoint (``MANIFEST.json`` inside is its commit
-marker); ``<uri>/.spotjob/`` holds the URI's owner and attempt records (``agent.ownership``) and is
-never a checkpoint. The lowest layer of ``agent.ownership`` and ``agent.catalog``, which re-exports
-what callers need.
+marker); ``<uri>/.spotjob/`` holds the URI's owner and attempt records (``agent.ownership``), pins
+(``agent.pins``), retirement records (``agent._fresh_start``) and probes, and is never a
+checkpoint. The lowest layer of ``agent.ownership`` and ``agent.catalog``, which re-exports what
+callers need.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, Manifest
 from agent.storage.base import NotFoundError, Storage
 
 CONTROL_FOLDER = ".spotjob"
-"""spotjob's own records under a URI (owner, attempts): never listed as a checkpoint."""
+"""spotjob's own records under a URI (owner, attempts, pins, retired, probes): never listed as a checkpoint."""
 
 PROBES_FOLDER = f"{CONTROL_FOLDER}/probes"
 """Where a writer's short-lived probe objects go (``Storage.check_create_only``), deleted at once."""

@@ -2,9 +2,12 @@
 
 Layout: ``<uri>/step-<9-digit step>/`` holds one checkpoint; ``MANIFEST.json`` inside it is the
 commit marker. If a committed folder for a step already exists (a broken checkpoint that restore
-skipped, and the job then reached that step again), the new save goes to ``step-<N>.<attempt>/``
-so that no manifest is ever overwritten. ``<uri>/.spotjob/`` holds the owner and attempt records
-(``agent.ownership``) and is never a checkpoint.
+skipped, and the job then reached that step again), or another writer claims it (``WRITER.json``,
+``agent.checkpoint._claim``), the new save goes to ``step-<N>.<n>/`` (the next free suffix:
+``step-N.1``, ``step-N.2``, ...; not an attempt number) so that no manifest is ever overwritten.
+``<uri>/.spotjob/`` holds the owner and attempt records (``agent.ownership``), the readers' pins
+(``agent.pins``), the records of retired checkpoints (``agent._fresh_start``) and the create-only
+probes, and is never a checkpoint.
 
 Validity is decided here, once, by ``inspect`` — for restore, retention, the controller
 (``latest_valid``) and every ``spotjob ckpt`` command alike. A checkpoint is valid when:

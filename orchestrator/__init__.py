@@ -1,6 +1,8 @@
 """spotjob's controller half: the recovery state machine, its backends, and the command line.
 
-Layering: this package may import ``agent.storage``, ``agent.manifest``, ``agent.catalog`` and
-``agent.control_channel`` (none of which import torch); only ``backends/k8s.py`` imports
-``kubernetes``. ``spotjob ckpt export`` is the one command that needs torch, imported lazily.
+Layering (``.importlinter``, docs/architecture.md "Layers"): this package imports the agent's
+torch-free modules (``agent.storage``, ``agent.manifest``, ``agent.catalog``, ``agent.ownership``,
+``agent.control_channel``, the agent's parsers such as ``agent.launcher_cli``), never its underscore
+modules; only ``backends/k8s.py`` and the ``k8s`` package import ``kubernetes``. ``spotjob ckpt
+export`` and ``verify --deep`` are the only commands that need torch, imported lazily.
 """

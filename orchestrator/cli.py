@@ -1,6 +1,6 @@
 """``spotjob``: the command line. Each command group lives in its own module and registers itself.
 
-- ``spotjob ckpt list|verify|show|export`` — orchestrator/cli_ckpt.py
+- ``spotjob ckpt list|verify|show|export|adopt`` — orchestrator/cli_ckpt.py
 - ``spotjob run`` — orchestrator/cli_run.py, ``spotjob status`` — orchestrator/cli_status.py (local mode)
 """
 

@@ -3,8 +3,10 @@
 Every source — an AWS interruption queue message, a GCP preemption notice seen on a node, a
 Kubernetes node taint or a pod's DisruptionTarget condition, a preemption injected in local mode —
 becomes a ``Signal`` naming the node (or worker) it concerns. A message a source cannot parse is
-logged and dropped there; the reconciler only ever sees ``Signal``. Sources live in submodules of
-this package, next to the backend that reads them.
+logged and dropped there; the reconciler only ever sees ``Signal``. The sources live beside the
+backend that reads them: ``orchestrator.k8s.cluster_signals`` (taints, pod conditions, node loss,
+the annotation ``orchestrator.k8s.interruption_queue`` writes) and ``orchestrator.backends.local``
+(a simulated node's notice).
 """
 
 from __future__ import annotations
