@@ -1,6 +1,7 @@
 """Which mounted filesystem holds a path: the longest mount point above it in ``/proc/self/mounts``.
-No torch import; used to choose the save path's defaults (``agent._direct_io``) and to describe
-the benchmark machine's disk."""
+No torch import; used to choose the save path's defaults (``agent._direct_io``), to name the
+filesystem in the file store's "no hard links" error (``agent.storage.file``) and to describe the
+benchmark machine's disk."""
 
 from __future__ import annotations
 
