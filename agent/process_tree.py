@@ -26,8 +26,9 @@ a member's that made a session of its own. As PID 1 of a container the agent is 
 and reaps every zombie child but the command.
 
 psutil lists the pids, reads each process's environment (telling a vanished process from one we
-may not read) and sends the signals; the ten-times-a-second walk reads ``/proc/<pid>/stat`` itself
-(``read_proc`` says why; where there is no ``/proc``, as on macOS, it asks psutil too), and the
+may not read) and sends the signals; the walk (twice a second in the agent's watch loop,
+``agent.launcher.TREE_SCAN_EVERY``, and at each of its ticks while ranks outlive torchrun) reads
+``/proc/<pid>/stat`` itself (``read_proc`` says why; where there is no ``/proc``, as on macOS, it asks psutil too), and the
 subreaper ``prctl`` is not something psutil offers.
 """
 

@@ -11,7 +11,8 @@ PATH: ``kubectl spotjob status`` runs it with ``status``. Commands:
   storage with the user's own cloud credentials and judged exactly as a restore would
   (``agent.catalog``), newest first;
 - ``flush NAME``: asks the controller for a flush through the API (an annotation on the SpotJob),
-  so RBAC on ``patch spotjobs`` decides who may; ``--wait`` follows the job until the controller
+  so RBAC on ``patch spotjobs`` decides who may; the job restarts from it, or with
+  ``--keep-running`` trains on (a checkpoint now); ``--wait`` follows the job until the controller
   records the outcome in ``status.lastFlushRequest``;
 - ``events NAME``: the job's Events, oldest first.
 

@@ -43,7 +43,8 @@ the streams, to the checkpoint's), no change to torch's serialization options, n
 Where each part lives: ``checkpointer`` (the class and its public calls), ``config`` (the options
 and input checks), ``errors``; the parts the class joins: ``_vote`` (the per-step vote),
 ``_save`` (the save pipeline and the flush), ``_restore`` (the restore walk), ``_retention``,
-``_state`` (what a state dict holds), ``_core`` (shared state and collectives).
+``_state`` (what a state dict holds), ``_core`` (shared state and collectives); and ``_claim``
+(``WRITER.json``: which writer a folder in flight belongs to).
 
 Importing this package checks torch's version first (``_torch_floor.MIN_TORCH``): an older torch is an
 ``ImportError`` that says so, not a failure inside DCP at the first save.
