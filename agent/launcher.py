@@ -2,9 +2,12 @@
 
 ``spotjob-agent [OPTIONS] -- torchrun ... train.py ...`` (any command works).
 
-In order, on the main thread: reset the control folder; start the control API and write
-``agent.json``; start the notice sources; start the command in a session of its own, with the
-``SPOTJOB_*`` variables ``Checkpointer.from_env()`` reads; then watch until it ends, and exit.
+In order, on the main thread: refuse a control folder another running agent uses (exit 2), then
+reset it; start the control API and write ``agent.json``; start the notice sources; start the
+command in a session of its own, with the ``SPOTJOB_*`` variables ``Checkpointer.from_env()``
+reads (or, with ``--launcher direct``, its ranks through ``agent.ranks``); start the prefetch of
+the newest checkpoint into the node's restore cache in the background (``agent.restore_cache``,
+``--prefetch``); then watch until it ends, and exit.
 
 In parallel: notice sources (threads) and control-API requests call ``on_notice`` /
 ``request_flush``, which take the agent's lock. The first notice that means "this node is going"
