@@ -28,8 +28,8 @@ and reaps every zombie child but the command.
 psutil lists the pids, reads each process's environment (telling a vanished process from one we
 may not read) and sends the signals; the walk (twice a second in the agent's watch loop,
 ``agent.launcher.TREE_SCAN_EVERY``, and at each of its ticks while ranks outlive torchrun) reads
-``/proc/<pid>/stat`` itself (``read_proc`` says why; where there is no ``/proc``, as on macOS, it asks psutil too), and the
-subreaper ``prctl`` is not something psutil offers.
+``/proc/<pid>/stat`` itself (``read_proc`` says why; where there is no ``/proc``, as on macOS, it
+asks psutil too), and the subreaper ``prctl`` is not something psutil offers.
 """
 
 from __future__ import annotations

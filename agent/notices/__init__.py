@@ -1,6 +1,8 @@
 """Where preemption notices come from: AWS, GCP, Azure metadata, termination signals.
 
-Every source turns its cloud's message into one ``Notice`` (see ``agent.notices.base``).
+Every source turns its cloud's message into one ``Notice`` (see ``agent.notices.base``):
+``aws``, ``gcp``, ``azure`` and ``sigterm``, one module each. ``detect`` says which cloud a node is
+on; ``shared_vm`` lets the agents of one Azure VM acknowledge an event only once all have flushed.
 ``agent.notices.emulators`` holds fake metadata servers for tests and the local backend.
 """
 
