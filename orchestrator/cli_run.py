@@ -191,6 +191,9 @@ class LocalRun:
             notice_seconds=config.notice,
             hear_notices=not config.ignore_notices,
             launcher=config.launcher,
+            # Only a run that plans a host maintenance gives its nodes GCE metadata to announce it on.
+            maintenance_seconds=config.maintenance_notice if config.maintenance_at_steps else None,
+            flush_lead=config.flush_lead,
         )
         if not resume:
             spec = config.job_spec()  # before anything exists: a bad option creates nothing
@@ -502,7 +505,7 @@ class LocalRun:
             step = self.status.attempt.observed_step
         wall = time.time()
         notices = [
-            NoticeView(n.name, n.deadline - wall)
+            NoticeView(n.name, n.deadline - wall, maintenance=n.maintenance)
             for n in self.backend.nodes()
             if n.deadline is not None and not n.terminated
         ]
@@ -613,6 +616,14 @@ _SPEC_OPTIONS = {
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     """The injected preemptions of this driver, checked (``--trace`` read and parsed)."""
+    if not args.maintenance_at_step:
+        shaping = (("--maintenance-notice", args.maintenance_notice), ("--flush-lead", args.flush_lead))
+        lone = [option for option, value in shaping if value is not None]
+        if lone:
+            raise ValueError(
+                f"{' and '.join(lone)} {'shape' if len(lone) > 1 else 'shapes'} a planned host maintenance: add "
+                f"--maintenance-at-step N, or drop {'them' if len(lone) > 1 else 'it'}"
+            )
     trace: list[float] = []
     if args.trace is not None:
         try:
@@ -625,6 +636,9 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "preempt_at_steps": list(args.preempt_at_step or []),
         "trace": trace,
         "seed": args.seed,
+        "maintenance_at_steps": list(args.maintenance_at_step or []),
+        **({"maintenance_notice": args.maintenance_notice} if args.maintenance_notice is not None else {}),
+        **({"flush_lead": args.flush_lead} if args.flush_lead is not None else {}),
         "ignore_notices": args.ignore_notices,
         "launcher": args.launcher,
         "plot": args.plot,
@@ -876,6 +890,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--trace", metavar="FILE", help="notice times in seconds since the start: one a line, or a JSON list"
     )
     inj.add_argument("--seed", type=_INT, help="seeds the jitter and which node a notice hits")
+    inj.add_argument(
+        "--maintenance-at-step", type=_step, action="append", metavar="N",
+        help="a host maintenance (GCE TERMINATE_ON_HOST_MAINTENANCE) once the training reaches step N: the "
+        "node's agent holds the notice, training goes on, and it flushes --flush-lead before the node stops "
+        "(repeatable)",
+    )  # fmt: skip
+    inj.add_argument(
+        "--maintenance-notice", type=_SECONDS, metavar="SECONDS",
+        help="from a host maintenance's notice to its node's stop (default 20; GCE gives a GPU VM 3600)",
+    )  # fmt: skip
+    inj.add_argument(
+        "--flush-lead", type=_SECONDS, metavar="SECONDS",
+        help="the agents hold a host maintenance until this long before the node stops (default 10; below "
+        "--maintenance-notice)",
+    )  # fmt: skip
     inj.add_argument(
         "--ignore-notices", action="store_true",
         help="a baseline: nobody listens for notices (no flush); a noticed node just dies at the window's end",

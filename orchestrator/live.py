@@ -67,6 +67,8 @@ _PHASE_COLOR = {
 class NoticeView:
     node: str
     seconds_left: float
+    maintenance: bool = False
+    """A host maintenance (its agent holds it until its flush), not a spot interruption."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ def render_snapshot(s: Snapshot) -> RenderableType:
         f"{st.restarting_seconds:.1f} s, retraining {st.retraining_seconds:.1f} s[/dim]",
     )
     for n in s.notices:
-        grid.add_row("[red]notice[/red]", f"[red]{_mk(n.node)} goes away in {max(0.0, n.seconds_left):.0f} s[/red]")
+        what = "host maintenance: stops" if n.maintenance else "goes away"
+        grid.add_row("[red]notice[/red]", f"[red]{_mk(n.node)} {what} in {max(0.0, n.seconds_left):.0f} s[/red]")
     for notice in held(st):
         grid.add_row("held notice", _data(held_text(notice, datetime.now(UTC)), overflow="fold"))
     if st.message:
@@ -408,7 +411,13 @@ def plot_timeline(events: Sequence[TimelineEvent], path: str, *, title: str) -> 
 
     for e in events:
         x = e.t - t0
-        if e.kind == EventKind.NOTICE:
+        if e.kind == EventKind.NOTICE and e.data.get("maintenance"):
+            # Held (training goes on) until its flush, then the window the flush has.
+            deadline = float(e.data.get("deadline", e.t)) - t0
+            flush_at = float(e.data.get("flush_at", e.t)) - t0
+            ax.axvline(x, color="tab:purple", ls="--", lw=1.2, label=once("host maintenance notice (held)"))
+            ax.axvspan(flush_at, deadline, color="tab:purple", alpha=0.1, label=once("its flush, until the node stops"))
+        elif e.kind == EventKind.NOTICE:
             deadline = float(e.data.get("deadline", e.t)) - t0
             ax.axvline(x, color="red", ls="--", lw=1.2, label=once("spot notice"))
             ax.axvspan(x, deadline, color="red", alpha=0.08, label=once("notice window"))

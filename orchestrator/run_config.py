@@ -62,6 +62,12 @@ class RunConfig:
     preempt_at_steps: list[int] = field(default_factory=list)
     trace: list[float] = field(default_factory=list)
     seed: int | None = None
+    maintenance_at_steps: list[int] = field(default_factory=list)
+    """A host maintenance (GCE TERMINATE_ON_HOST_MAINTENANCE) announced at each of these steps."""
+    maintenance_notice: float = 20.0
+    """From a host maintenance's notice to its node's stop (the agents' --gcp-maintenance-seconds)."""
+    flush_lead: float = 10.0
+    """The agents' --flush-lead: a maintenance is held until this long before its deadline."""
     ignore_notices: bool = False
     """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
     launcher: Launcher = "direct"
@@ -91,9 +97,24 @@ class RunConfig:
             else f"--preempt-jitter must be at least 0 and below 1, got {self.preempt_jitter:g}",
             None if all(s >= 0 for s in self.preempt_at_steps) else "--preempt-at-step takes steps >= 0",
             None if all(math.isfinite(t) and t >= 0 for t in self.trace) else "--trace times must be >= 0 seconds",
+            None if all(s >= 0 for s in self.maintenance_at_steps) else "--maintenance-at-step takes steps >= 0",
+            _positive("--maintenance-notice", self.maintenance_notice, _MAX_FLUSH),
+            _positive("--flush-lead", self.flush_lead, _MAX_FLUSH),
+            self._lead_problem(),
             name_problem(self.name),
         ]
         return [p for p in out if p is not None]
+
+    def _lead_problem(self) -> str | None:
+        """A planned maintenance must be held: its agents' --flush-lead shorter than its notice."""
+        lead, notice = self.flush_lead, self.maintenance_notice
+        if not self.maintenance_at_steps or not math.isfinite(lead) or lead < notice:
+            return None
+        return (
+            f"--flush-lead ({self.flush_lead:g} s) must be shorter than --maintenance-notice "
+            f"({self.maintenance_notice:g} s): each agent would flush as soon as it hears of the maintenance "
+            "and hold nothing; give a shorter --flush-lead or a longer --maintenance-notice"
+        )
 
     @property
     def path(self) -> str:
@@ -135,6 +156,7 @@ class RunConfig:
             at_steps=list(self.preempt_at_steps),
             trace=list(self.trace),
             seed=self.seed,
+            maintenance_at_steps=list(self.maintenance_at_steps),
         )
 
 

@@ -17,6 +17,15 @@ names, zones and instance types, so a cool-down is real). Stopping a gang withou
 a failure of the user's code) first tells each agent ``POST /stop`` (it exits 79 without
 flushing), then stops what is left as a stop with a flush would.
 
+A host maintenance (``maintain()``, in a run whose ``LocalOptions.maintenance_seconds`` is set)
+is a notice far ahead: each node then also serves GCE's metadata, its agent also listens there
+(``--notices aws,gcp``, ``--gcp-maintenance-seconds`` that notice, ``--flush-lead``), and
+``maintain()`` sets the node's ``maintenance-event`` to TERMINATE_ON_HOST_MAINTENANCE. The agent
+holds it (training goes on; ``agent.json`` says it, and the reconciler records it) and flushes
+``--flush-lead`` before the deadline, then exits 75; the reconciler restarts the gang elsewhere
+from that exit, as on GCE, where no controller hears the maintenance. ``signals()`` does not
+report it (the reconciler would ask for a flush at once). The node stops at the deadline.
+
 In parallel with the reconciler's calls, one monitor thread, every ``MONITOR_TICK`` seconds:
 terminates nodes whose window ended; reads each live worker's ``status.json`` (the step, the last
 commit) into the ``Timeline``; fires the notices the ``PreemptionPlan`` says are due; and sets
@@ -233,6 +242,13 @@ class LocalOptions:
     launcher: Launcher = "direct"
     """``spotjob-agent --launcher``: direct (the agent starts the ranks as torchrun would, without
     torchrun's own start) or torchrun."""
+    maintenance_seconds: float | None = None
+    """The notice of a host maintenance (``maintain()``), from it to the node's stop: every node
+    also serves GCE's metadata and every agent listens there with ``--gcp-maintenance-seconds`` this.
+    None: a run that plans none (the nodes serve AWS's metadata alone)."""
+    flush_lead: float = 10.0
+    """The agents' ``--flush-lead`` where ``maintenance_seconds`` is set: a maintenance is held
+    until this long before its deadline."""
 
 
 def _tool(name: str, module: str) -> list[str]:
@@ -250,8 +266,10 @@ def _worker_command(
     imds_url: str,
     control_dir: str,
     port: int,
+    gce_url: str | None = None,
 ) -> list[str]:
-    """A worker's command line: spotjob-agent (the tool prefix, then its options), ``--``, torchrun."""
+    """A worker's command line: spotjob-agent (the tool prefix, then its options), ``--``, torchrun.
+    ``gce_url``: the node's GCE metadata server, where a host maintenance is announced."""
     ck = job.checkpoint
     agent = [
         *_tool("spotjob-agent", "agent.launcher"),
@@ -270,6 +288,14 @@ def _worker_command(
         # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
         "--exit-with-parent",
     ]  # fmt: skip
+    if options.hear_notices and options.maintenance_seconds is not None and gce_url is not None:
+        agent[agent.index("--notices") + 1] = "aws,gcp"
+        agent += [
+            "--gcp-metadata-url", gce_url,
+            # Exact (not :g): a lead just under the notice must stay under it.
+            "--gcp-maintenance-seconds", repr(float(options.maintenance_seconds)),
+            "--flush-lead", repr(float(options.flush_lead)),
+        ]  # fmt: skip
     if ck.every_steps is not None:
         agent += ["--every-steps", str(ck.every_steps)]
     if ck.every_seconds is not None:
@@ -302,7 +328,9 @@ def agent_settings_problem(key: JobKey, spec: JobSpec, options: LocalOptions) ->
     environment, then ``spec.env``), in the agent's own words (``agent.launcher_cli.usage_problem``);
     None when it would start. ``spotjob run`` checks it before it creates a run, the reconciler on
     every pass (``spec_problems``)."""
-    command = _worker_command(options, key, spec, 0, 0, _CHECK_IMDS_URL, os.path.join(options.root, "check"), 1)
+    command = _worker_command(
+        options, key, spec, 0, 0, _CHECK_IMDS_URL, os.path.join(options.root, "check"), 1, _CHECK_IMDS_URL
+    )
     return usage_problem(command[len(_tool("spotjob-agent", "agent.launcher")) :], _worker_env(spec))
 
 
@@ -342,6 +370,8 @@ class LocalBackend:
     ) -> None:
         self.options = options
         self.plan = plan or PreemptionPlan()
+        if self.plan.maintenance_at_steps and options.maintenance_seconds is None:
+            raise ValueError("the plan has host maintenances, but LocalOptions.maintenance_seconds is None")
         self.root = os.path.abspath(options.root)
         os.makedirs(os.path.join(self.root, "nodes"), exist_ok=True)
         os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
@@ -352,10 +382,10 @@ class LocalBackend:
         self.changed = threading.Event()
         """Set when something happened the controller should look at now."""
         self.notices_sent = 0
-        self._pending: list[str] = []
-        """Notices the plan said were due that found no live worker yet (their reasons)."""
+        self._pending: list[tuple[bool, str]] = []
+        """Notices the plan said were due that found no live worker yet (a maintenance?, the reason)."""
         self._lock = threading.RLock()
-        self._cloud = SimulatedCloud(self.root, self.run_id)
+        self._cloud = SimulatedCloud(self.root, self.run_id, maintenance=options.maintenance_seconds is not None)
         self._nodes = self._cloud.nodes
         self._workers: dict[str, _Worker] = {}
         self._ports: dict[tuple[str, int], int] = {}
@@ -386,7 +416,7 @@ class LocalBackend:
         for node in nodes:
             if not node.terminated:
                 kill_marked(ENV_NODE, node.marker, grace=grace, reason=f"closing node {node.name}")
-            node.imds.stop()
+            node.stop_emulators()
         for w in workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
@@ -449,7 +479,8 @@ class LocalBackend:
         if not self.options.hear_notices:
             return []
         with self._lock:
-            noticed = [n for n in self._nodes.values() if n.noticed and not n.terminated]
+            # A host maintenance is its agent's to hold and flush; asked now, it would flush at once.
+            noticed = [n for n in self._nodes.values() if n.noticed and not n.terminated and not n.maintenance]
         out = []
         for n in noticed:
             assert n.deadline is not None
@@ -532,17 +563,9 @@ class LocalBackend:
         attempt, picked by the plan's seeded generator). Returns the node's name, or None if there is
         no live worker to preempt (or ``node`` is unknown, gone or noticed already)."""
         with self._lock:
-            if node is not None:
-                target = self._nodes.get(node)
-                if target is None or target.noticed or target.terminated:
-                    return None
-            else:
-                live = [w for w in self._workers.values() if w.alive and not w.stopping and not w.node.noticed]
-                if not live:
-                    return None
-                newest = max(w.attempt for w in live)
-                candidates = sorted((w.node for w in live if w.attempt == newest), key=lambda n: n.name)
-                target = self.plan.random().choice(candidates)
+            target = self._target(node)
+            if target is None:
+                return None
             now = time.time()
             # Whole seconds: the IMDS document carries no fraction, and the node must not outlive it.
             deadline = float(math.ceil(now + self.options.notice_seconds))
@@ -554,6 +577,53 @@ class LocalBackend:
         log.info("spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now)
         self.changed.set()
         return target.name
+
+    def maintain(self, node: str | None = None, *, why: str = "injected") -> str | None:
+        """Announce a host maintenance of ``node`` (picked as ``preempt`` picks) on its GCE metadata
+        server: ``maintenance-event`` TERMINATE_ON_HOST_MAINTENANCE, the node stopping
+        ``maintenance_seconds`` later. Its agent holds the notice and flushes ``flush_lead`` before
+        that. Returns the node's name, or None as ``preempt`` does; ``BackendError`` in a run whose
+        nodes serve no GCE metadata (``LocalOptions.maintenance_seconds`` is None)."""
+        seconds = self.options.maintenance_seconds
+        if seconds is None:
+            raise BackendError("this run's nodes serve no GCE metadata: LocalOptions.maintenance_seconds is None")
+        with self._lock:
+            target = self._target(node)
+            if target is None:
+                return None
+            assert target.gce is not None
+            now = time.time()
+            # The agent counts its deadline from when it hears the value; the node stops no sooner.
+            deadline = float(math.ceil(now + seconds))
+            target.gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            target.noticed_at, target.deadline, target.maintenance = now, deadline, True
+            self.notices_sent += 1
+        flush_at = deadline - self.options.flush_lead
+        self.timeline.record(
+            EventKind.NOTICE, node=target.name, deadline=deadline, why=why, maintenance=True, flush_at=flush_at
+        )
+        log.info(
+            "host maintenance notice for %s (%s): it stops in %.0f s; its agent holds it and flushes %g s before",
+            target.name,
+            why,
+            deadline - now,
+            self.options.flush_lead,
+        )
+        self.changed.set()
+        return target.name
+
+    def _target(self, node: str | None) -> LocalNode | None:
+        """(under the lock) The node a notice hits: ``node`` if it is there and not noticed yet, else
+        one hosting a live worker of the newest attempt (the plan's seeded choice); None if none."""
+        if node is not None:
+            target = self._nodes.get(node)
+            return None if target is None or target.noticed or target.terminated else target
+        live = [w for w in self._workers.values() if w.alive and not w.stopping and not w.node.noticed]
+        if not live:
+            return None
+        newest = max(w.attempt for w in live)
+        candidates = sorted((w.node for w in live if w.attempt == newest), key=lambda n: n.name)
+        return self.plan.random().choice(candidates)
 
     @property
     def notices_pending(self) -> int:
@@ -594,9 +664,17 @@ class LocalBackend:
         return len(workers)
 
     def _command(
-        self, key: JobKey, job: JobSpec, attempt: int, index: int, imds_url: str, control_dir: str, port: int
+        self,
+        key: JobKey,
+        job: JobSpec,
+        attempt: int,
+        index: int,
+        imds_url: str,
+        control_dir: str,
+        port: int,
+        gce_url: str | None = None,
     ) -> list[str]:
-        return _worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port)
+        return _worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port, gce_url)
 
     def _spawn(self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> _Worker:
         name = worker_name(key, attempt, index)
@@ -606,7 +684,8 @@ class LocalBackend:
         env = _worker_env(job)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER], env[ENV_RUN] = node.marker, marker, self.root
-        command = self._command(key, job, attempt, index, node.imds.url, control_dir, port)
+        gce_url = node.gce.url if node.gce is not None else None
+        command = self._command(key, job, attempt, index, node.imds.url, control_dir, port, gce_url)
         try:
             with open(log_path, "ab") as out:
                 out.write(f"# {' '.join(command)}\n".encode())
@@ -689,7 +768,7 @@ class LocalBackend:
                 w.lost = True
             node.terminated = True
         n = kill_marked(ENV_NODE, node.marker, grace=0, reason=f"terminating {node.name}")
-        node.imds.stop()
+        node.stop_emulators()
         for w in victims:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
@@ -733,9 +812,13 @@ class LocalBackend:
                 self._terminate(node)
         for w in workers:
             self._watch(w)
-        self._pending += self.plan.due(time.monotonic() - self._started, self.observed_step())
+        step = self.observed_step()
+        self._pending += [(False, why) for why in self.plan.due(time.monotonic() - self._started, step)]
+        if self.options.maintenance_seconds is not None:
+            self._pending += [(True, why) for why in self.plan.maintenance_due(step)]
         while self._pending and not self._closing.is_set():
-            if self.preempt(why=self._pending[0]) is None:
+            maintenance, why = self._pending[0]
+            if (self.maintain if maintenance else self.preempt)(why=why) is None:
                 break  # no live worker to hit: the notice waits for the next one to start
             self._pending.pop(0)
 

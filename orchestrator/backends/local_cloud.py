@@ -1,6 +1,7 @@
 """The simulated cloud of a local run: spot nodes provisioned on demand, each with its own IMDS
-emulator and folder, and how every process of a node (or of a worker, or of a run) is found and
-killed: each carries a marker variable in its environment."""
+emulator (and, in a run that plans a host maintenance, a GCE metadata emulator) and folder, and
+how every process of a node (or of a worker, or of a run) is found and killed: each carries a
+marker variable in its environment."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from agent.notices.emulators import ImdsEmulator
+from agent.notices.emulators import GceMetadataEmulator, ImdsEmulator
 from agent.process_tree import marked, stop_processes
 from orchestrator.backends.base import Placement
 
@@ -40,10 +41,20 @@ class LocalNode:
     marker: str
     worker: str | None = None
     """The worker placed here, until ``stop_workers`` removes it."""
+    gce: GceMetadataEmulator | None = None
+    """Its GCE metadata server, whose ``maintenance-event`` announces a host maintenance; None in a
+    run that plans none (``SimulatedCloud(maintenance=False)``)."""
     noticed_at: float | None = None
     deadline: float | None = None
     """Unix time the node goes away (a notice is on); None: no notice."""
+    maintenance: bool = False
+    """The notice on is a host maintenance (its agent holds it), not a spot interruption."""
     terminated: bool = False
+
+    def stop_emulators(self) -> None:
+        self.imds.stop()
+        if self.gce is not None:
+            self.gce.stop()
 
     @property
     def noticed(self) -> bool:
@@ -54,9 +65,11 @@ class SimulatedCloud:
     """The spot nodes of one run, provisioned on demand. Not locked: ``LocalBackend`` calls it under
     its own lock, and terminates nodes (with what runs on them) itself."""
 
-    def __init__(self, root: str, run_id: str) -> None:
+    def __init__(self, root: str, run_id: str, *, maintenance: bool = False) -> None:
         self.root = root
         self.run_id = run_id
+        self.maintenance = maintenance
+        """Each node also serves GCE's metadata (a host maintenance is announced there)."""
         self.nodes: dict[str, LocalNode] = {}
         # A run driven again (spotjob run --resume) names its nodes past the ones its folder holds.
         self._count = _next_node_index(os.path.join(root, "nodes"))
@@ -98,9 +111,17 @@ class SimulatedCloud:
         # Nobody reads back what the node's agent asked (a poll a second for as long as the node
         # lives, and every terminated node stays listed): count it, keep none of it.
         imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._count:04x}", history=0).start()
-        node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}")
+        gce = GceMetadataEmulator(instance_name=name, history=0).start() if self.maintenance else None
+        node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}", gce=gce)
         self.nodes[name] = node
-        log.info("provisioned %s (%s, %s); its IMDS is %s", name, zone, instance_type, imds.url)
+        log.info(
+            "provisioned %s (%s, %s); its IMDS is %s%s",
+            name,
+            zone,
+            instance_type,
+            imds.url,
+            f", its GCE metadata server {gce.url}" if gce is not None else "",
+        )
         return node
 
 

@@ -1,5 +1,5 @@
 """When the simulated cloud preempts: every N seconds (jittered), at chosen steps, or at the times
-of a trace file (``load_trace``)."""
+of a trace file (``load_trace``); and when it announces a host maintenance (at chosen steps)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ class PreemptionPlan:
     sends one when a live worker first reports step 100 or more, and one at 200. ``trace=[30.0,
     95.5]`` sends them that many seconds after the start. A notice due while no worker runs waits
     for the next one to start (``LocalBackend`` keeps it pending), so every notice lands.
+
+    ``maintenance_at_steps=[150]`` announces a host maintenance (a notice far ahead, which the
+    node's agent holds) when a live worker first reports step 150 or more (``maintenance_due``).
     """
 
     every: float | None = None
@@ -27,6 +30,7 @@ class PreemptionPlan:
     at_steps: list[int] = field(default_factory=list)
     trace: list[float] = field(default_factory=list)
     seed: int | None = None
+    maintenance_at_steps: list[int] = field(default_factory=list)
     _rng: random.Random = field(init=False, repr=False)
     _next_every: float | None = field(init=False, default=None)
 
@@ -38,12 +42,13 @@ class PreemptionPlan:
         self._rng = random.Random(self.seed)
         self.at_steps = sorted(self.at_steps)
         self.trace = sorted(self.trace)
+        self.maintenance_at_steps = sorted(self.maintenance_at_steps)
         if self.every is not None:
             self._next_every = self._gap()
 
     @property
     def empty(self) -> bool:
-        return self.every is None and not self.at_steps and not self.trace
+        return self.every is None and not self.at_steps and not self.trace and not self.maintenance_at_steps
 
     def _gap(self) -> float:
         assert self.every is not None
@@ -59,6 +64,13 @@ class PreemptionPlan:
             self._next_every += self._gap()
         while step is not None and self.at_steps and self.at_steps[0] <= step:
             out.append(f"step {self.at_steps.pop(0)} reached (at {step})")
+        return out
+
+    def maintenance_due(self, step: int | None) -> list[str]:
+        """The host maintenances due with ``step`` observed; each once."""
+        out: list[str] = []
+        while step is not None and self.maintenance_at_steps and self.maintenance_at_steps[0] <= step:
+            out.append(f"step {self.maintenance_at_steps.pop(0)} reached (at {step})")
         return out
 
     def random(self) -> random.Random:

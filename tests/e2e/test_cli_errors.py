@@ -155,6 +155,23 @@ TABLE: dict[str, Case] = {
     "--preempt-every 0": Case(["run", "--preempt-every", "0", T], 2, ["--preempt-every must be a positive"]),
     "--preempt-jitter 1.5": Case(["run", "--preempt-jitter", "1.5", T], 2, ["--preempt-jitter must be"]),
     "--preempt-at-step -1": Case(["run", "--preempt-at-step", "-1", T], 2, ["--preempt-at-step", "step >= 0"]),
+    "--maintenance-at-step -1": Case(
+        ["run", "--maintenance-at-step", "-1", T], 2, ["--maintenance-at-step", "step >= 0"]
+    ),
+    "a --flush-lead no shorter than the maintenance's notice": Case(  # the agents would hold nothing
+        ["run", "--maintenance-at-step", "5", "--maintenance-notice", "10", "--flush-lead", "10", T],
+        2,
+        ["--flush-lead (10 s) must be shorter than --maintenance-notice (10 s)", "hold nothing"],
+    ),
+    "a --flush-lead above the default notice": Case(
+        ["run", "--maintenance-at-step", "5", "--flush-lead", "30", T], 2, ["--maintenance-notice (20 s)"]
+    ),
+    "--maintenance-notice 0": Case(
+        ["run", "--maintenance-at-step", "5", "--maintenance-notice", "0", T], 2, ["--maintenance-notice must be"]
+    ),
+    "--flush-lead without a planned maintenance": Case(
+        ["run", "--flush-lead", "5", T], 2, ["--flush-lead", "add --maintenance-at-step N"]
+    ),
     # -- what to run ------------------------------------------------------------------------------
     "no script": Case(["run"], 2, ["SCRIPT", "--resume NAME"]),
     "a script that does not exist": Case(["run", "nope.py"], 2, ["no such training script: nope.py"]),

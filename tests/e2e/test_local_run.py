@@ -7,7 +7,8 @@ starting the ranks themselves, ``spotjob run``'s default, and under torchrun); a
 script failing the job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``,
 the identity the agents got); a flush that storage refuses timing out and the job resuming from the
 checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``; a notice an
-agent holds in the run's status, its Events and ``spotjob status``.
+agent holds in the run's status, its Events and ``spotjob status``; a planned host maintenance
+held, then flushed, and the job resumed elsewhere.
 """
 
 from __future__ import annotations
@@ -472,3 +473,73 @@ def test_a_notice_a_local_agent_holds_is_in_the_runs_status_its_events_and_spotj
     assert "training goes on, the flush starts" in line, line
     assert "HELD-FLUSH" in listing.splitlines()[0] and "in 5" in listing, listing
     assert "FlushCommitted" not in event_reasons(events_file), "a held notice flushes nothing"
+
+
+def test_a_planned_host_maintenance_is_held_shown_then_flushed_and_the_job_resumes_elsewhere_bit_identical(
+    tmp_path: Path, uninterrupted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--maintenance-at-step``: the node's GCE metadata says TERMINATE_ON_HOST_MAINTENANCE with a
+    notice of seconds; its agent holds it (the run's status, ``spotjob status`` and an Event say
+    so, with its flush time) while training goes on, flushes ``--flush-lead`` before the node
+    stops, and the job resumes on another node from that flush. Before, local mode's nodes sent
+    spot interruptions alone and nothing was ever held."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the agents' maintenance records
+    (tmp_path / "tmp").mkdir()
+    # A step takes 0.3 s or more: the 12 s held (20 - 8) end before step 5 + 40 < STEPS.
+    config = dumped_run(
+        tmp_path, "maintained", 0.3, every_steps=10, maintenance_at_steps=[5], maintenance_notice=20.0, flush_lead=8.0
+    )
+    run = LocalRun(config)
+    status_file = Path(run.store.path(run.key))
+    runs_dir = str(tmp_path / "runs")
+    done = threading.Event()
+    seen: dict[str, Any] = {}
+    failures: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            wait_for(lambda: bool((read_status(status_file) or {}).get("heldNotices")), "the held notice", done=done)
+            seen["step"] = run.backend.observed_step(run.key)
+            assert status_command(argparse.Namespace(name="maintained", runs_dir=runs_dir, json=True)) == 0
+            seen["doc"] = json.loads(capsys.readouterr().out)
+            assert status_command(argparse.Namespace(name="maintained", runs_dir=runs_dir, json=False)) == 0
+            seen["detail"] = capsys.readouterr().out
+        except BaseException as e:
+            failures.append(e)
+
+    watcher = threading.Thread(target=watch, name="test-watcher", daemon=True)
+    watcher.start()
+    try:
+        status = run.run()
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+    assert not failures, repr(failures[0])
+    assert status.phase is Phase.SUCCEEDED, f"{status.reason}: {status.message}"
+    assert (status.preemptions, status.restarts) == (1, 0)
+
+    [held] = seen["doc"]["status"]["heldNotices"]
+    assert (held["worker"], held["source"], held["kind"]) == ("maintained-0-0", "gcp", "maintenance"), held
+    assert "TERMINATE_ON_HOST_MAINTENANCE" in held["detail"], held
+    deadline, flush_at = (datetime.fromisoformat(held[k]) for k in ("deadline", "flushAt"))
+    assert flush_at == deadline - timedelta(seconds=8), held  # --flush-lead
+    line = next(x for x in seen["detail"].splitlines() if x.strip().startswith("held notice"))
+    assert "maintained-0-0 on local-node-0: gcp maintenance (" in line and "the flush starts" in line, line
+
+    reasons = [e.reason for e in run.events]
+    assert "NoticeHeld" in reasons and "AgentPreempted" in reasons, reasons
+    assert reasons.index("NoticeHeld") < reasons.index("AgentPreempted"), reasons
+    timeline = Timeline.read(str(Path(run.path) / "timeline.jsonl"))
+    [notice] = [e for e in timeline if e.kind == EventKind.NOTICE]
+    assert notice.data["maintenance"] and notice.data["node"] == "local-node-0", notice
+    started = {e.data["attempt"]: e.data["node"] for e in timeline if e.kind == EventKind.WORKER_STARTED}
+    assert started == {0: "local-node-0", 1: "local-node-1"}, started
+    # The maintained node stops at its deadline, which may come after the run's end; no other does.
+    assert {e.data["node"] for e in timeline if e.kind == EventKind.NODE_TERMINATED} <= {"local-node-0"}
+    # Training went on while the notice was held; the flush committed no earlier than the step the
+    # held notice was seen at, and attempt 1 went on from there (not from an older checkpoint).
+    flushed = max(e.data["step"] for e in timeline if e.kind == EventKind.COMMIT and e.data["attempt"] == 0)
+    assert flushed >= seen["step"] >= 5, (flushed, seen["step"])
+    resumed = [e.data["step"] for e in timeline if e.kind == EventKind.STEP and e.data["attempt"] == 1]
+    assert resumed and min(resumed) >= flushed, (flushed, resumed[:3])
+    assert_same_final_state(tmp_path / "final", uninterrupted)

@@ -296,6 +296,32 @@ def test_every_local_worker_of_options_spotjob_run_takes_starts_its_agent(
         assert FlushBody(deadline=deadline).deadline == deadline
 
 
+@pytest.mark.parametrize(("notice", "lead"), [(20.0, 10.0), (FLUSH_MAX, FLUSH_MAX - 1), (10.0000001, 10.0)])
+def test_the_agents_of_a_run_that_plans_a_host_maintenance_listen_to_their_nodes_gce_metadata(
+    tmp_path: Path, notice: float, lead: float
+) -> None:
+    """``--maintenance-at-step`` with ``--maintenance-notice``/``--flush-lead`` at the bounds
+    ``spotjob run`` takes: every agent accepts the command line, hears its own node's GCE metadata
+    server with that notice and lead, and AWS's as before."""
+    config = RunConfig(
+        script="train.py", args=[], name="run", runs_dir=str(tmp_path),
+        maintenance_at_steps=[5], maintenance_notice=notice, flush_lead=lead,
+    )  # fmt: skip
+    spec = config.job_spec()
+    options = LocalOptions(root=str(tmp_path / "run"), maintenance_seconds=notice, flush_lead=lead)
+    with LocalBackend(options, plan=config.plan()) as backend:
+        node = backend._cloud.provision("zone-a", "type-a")
+        assert node.gce is not None
+        command = backend._command(
+            JobKey.local("run"), spec, 0, 0, node.imds.url, str(tmp_path / "control"), 29500, node.gce.url
+        )
+        parsed, _ = parse_args(command[command.index("--notices") :], {})
+        assert backend.spec_problems(JobKey.local("run"), spec) == []
+        assert (parsed.aws_metadata_url, parsed.gcp_metadata_url) == (node.imds.url, node.gce.url)
+    assert tuple(parsed.notices) == ("aws", "gcp"), parsed.notices
+    assert (parsed.gcp_maintenance_seconds, parsed.flush_lead) == (notice, lead)
+
+
 def test_a_flush_timeout_or_notice_past_a_day_is_refused_naming_the_option(tmp_path: Path) -> None:
     for option, field in (("--flush-timeout", "flush_timeout"), ("--notice", "notice")):
         with pytest.raises(ValueError, match=f"{option} must be .* at most {FLUSH_MAX:g} "):
