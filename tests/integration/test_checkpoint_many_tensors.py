@@ -173,3 +173,37 @@ def test_a_save_whose_manifest_no_restore_would_read_fails_and_commits_nothing(t
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001"]
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1
+
+
+def test_the_tensor_index_written_is_the_one_built_entry_by_entry(tmp_path: Path) -> None:
+    """The manifest's tensor index is validated in one call (``dcp_safe.tensor_index``), no longer
+    built one ``TensorEntry`` at a time: the bytes committed are the ones the entry-by-entry index
+    gives. Pins what the old code wrote: it passes with either."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from agent.dcp_safe import load_dcp_metadata, tensor_index
+    from agent.manifest import DCP_METADATA_NAME, TensorEntry
+
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(4, {"model": model, "optim": optim})
+    (folder,) = [p for p in tmp_path.iterdir() if (p / MANIFEST_NAME).exists()]
+    written = (folder / MANIFEST_NAME).read_bytes()
+    metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+    files: dict[str, set[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    one_by_one = {
+        fqn: TensorEntry(
+            shape=list(md.size),
+            dtype=str(md.properties.dtype).removeprefix("torch."),
+            files=sorted(files.get(fqn, ())),
+        )
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    assert len(one_by_one) > 80  # 43 parameters and a buffer, and AdamW's state of each parameter
+    index = tensor_index(metadata)
+    assert index == one_by_one and all(type(e) is TensorEntry for e in index.values())
+    on_disk = Manifest.parse(written)
+    assert on_disk.model_copy(update={"tensors": one_by_one}).to_json() == written
