@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from agent import _fresh_start
-from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints, inspect
 from agent.checkpoint import _claim
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
@@ -14,6 +14,11 @@ from agent.pins import pinned_folders
 from agent.storage import PermanentStorageError, RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+_WRITTEN_HELD = 8
+"""The most manifests of its own commits a Checkpointer holds for retention (``_Retention._written``):
+the newest ``keep`` ones (and one more) spare each pass a parse of each; more would cost memory (a
+manifest of many tensors over many ranks holds tens of MiB) for passes that read them anyway."""
 
 
 class _Retention(_State):
@@ -78,6 +83,18 @@ class _Retention(_State):
 
     _writers_said: set[tuple[str, str, int, str]]
     """(rank 0) The other writers (``Claim.writer``) named in an error already."""
+
+    _written: dict[str, WrittenManifest]
+    """(rank 0) The manifests this Checkpointer committed, by folder, as it wrote them (at most
+    ``_WRITTEN_HELD``): retention's ``inspect`` still reads each from storage, and takes the one
+    held instead of parsing and validating the bytes again when they are the bytes written. Replaced
+    whole, never changed in place: a commit in the save thread may add one while a pass reads it."""
+
+    def _hold_written(self, folder: str, written: WrittenManifest) -> None:
+        """(rank 0, at a commit) Hold the manifest just committed in ``folder`` for retention."""
+        held = {f: w for f, w in self._written.items() if f != folder}
+        held[folder] = written
+        self._written = held
 
     def _store_time_now(self, committed: CheckpointRef) -> float | None:
         """The store's time now, at least: when it wrote the manifest just committed (one stat)."""
@@ -192,6 +209,10 @@ class _Retention(_State):
             self._say_if_twice(committed, refs)
             listed = {r.folder for r in refs}
             self._writers_of = {f: c for f, c in self._writers_of.items() if f in listed}  # a name reused is new
+            held = min(self.config.keep or 1, _WRITTEN_HELD - 1) + 1
+            now_held = self._written
+            newest_own = sorted((r for r in refs if r.folder in now_held), reverse=True)[:held]
+            own_written = self._written = {r.folder: now_held[r.folder] for r in newest_own}
             for ref in refs:  # the newer ones: the loop below looks at older ones only
                 if committed < ref and ref.folder not in retired and self._undecided(ref.folder):
                     self._other_writer(ref, self.storage.stat(ref.key(MANIFEST_NAME)) is not None)
@@ -203,7 +224,7 @@ class _Retention(_State):
             for ref in older:  # newest first
                 # An archived manifest (a lifecycle rule's): committed, unusable, deleted as a broken
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
-                status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
+                status = inspect(self.storage, ref, lineage=lineage, report_archived=True, written=own_written)
                 if not status.committed:
                     self._other_writer(ref, False)
                     claim, written = _claim.read_claim_stamped(self.storage, ref.folder)
