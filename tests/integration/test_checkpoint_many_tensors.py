@@ -17,7 +17,7 @@ from torch import nn
 from agent import _dcp_write
 from agent.checkpoint import Checkpointer, SaveFailedError
 from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from tests.ckpt_compare import assert_same_training_state
+from tests.ckpt_compare import assert_same, assert_same_training_state
 
 
 class Many(nn.Module):
@@ -207,3 +207,38 @@ def test_the_tensor_index_written_is_the_one_built_entry_by_entry(tmp_path: Path
     assert index == one_by_one and all(type(e) is TensorEntry for e in index.values())
     on_disk = Manifest.parse(written)
     assert on_disk.model_copy(update={"tensors": one_by_one}).to_json() == written
+
+
+@pytest.mark.parametrize("optimizer_stepped", [True, False])
+def test_a_save_maps_the_parameters_to_their_names_once_and_splits_as_torchs_two_calls_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer_stepped: bool
+) -> None:
+    """The modules' and the one optimizer's state come from one ``get_state_dict``: torch's
+    ``get_model_state_dict`` and ``get_optimizer_state_dict`` each mapped every parameter to its
+    names first (``_verify_options``), a third of the split for 1000 small layers. What it hands out
+    is what the two calls hand out, in the same order; an optimizer that has not stepped is still
+    taken as it is (no state created in it)."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    from agent.checkpoint._state import _model_state, _ModuleBag, _optimizer_state
+
+    model, optim = trained(0)
+    if not optimizer_stepped:
+        optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    bag = _ModuleBag({"model": model})
+    two_calls = {**_model_state(bag), "optim": _optimizer_state(bag, optim, initialise=False)}
+    mapped: list[int] = []
+    original = torch_state_dict._verify_options
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        mapped.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_state_dict, "_verify_options", counted)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        one_call, _ = ckpt._split_state(state)
+    assert len(mapped) == 1
+    assert list(one_call) == list(two_calls)
+    assert_same(one_call, two_calls, "the split")
+    assert bool(optim.state) == optimizer_stepped
