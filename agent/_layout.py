@@ -98,10 +98,12 @@ class WrittenManifest:
 
     digest: bytes
     manifest: Manifest
+    size: int
+    """How many bytes were written."""
 
     @classmethod
     def of(cls, data: bytes, manifest: Manifest) -> WrittenManifest:
-        return cls(hashlib.sha256(data).digest(), manifest)
+        return cls(hashlib.sha256(data).digest(), manifest, len(data))
 
 
 def read_manifest(

@@ -300,3 +300,30 @@ def test_a_manifest_changed_in_storage_since_this_checkpointer_committed_it_is_j
     found = statuses(root)
     assert sorted(found) == ["step-000000001", "step-000000002"]
     assert found["step-000000001"].newer_format and found["step-000000002"].valid
+
+
+def test_the_manifests_held_for_retention_stay_within_their_count_and_bytes(tmp_path: Path) -> None:
+    """Held even when no retention pass prunes them (one that failed early): never more than
+    ``_WRITTEN_HELD`` manifests nor more than ``_WRITTEN_HELD_BYTES`` of them."""
+    from agent.catalog import WrittenManifest
+    from agent.checkpoint import _retention
+    from agent.manifest import FileEntry, Manifest, now_utc
+
+    manifest = Manifest(
+        step=1,
+        world_size=1,
+        created_at=now_utc(),
+        torch_version="t",
+        state_keys=["m"],
+        files=[FileEntry(path="a", size=0, crc32c="00000000")],
+    )
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as ckpt:
+        for step in range(1, 13):
+            ckpt._hold_written(f"step-{step:09d}", WrittenManifest(b"d", manifest, 100))
+        assert list(ckpt._written) == [f"step-{step:09d}" for step in range(13 - _retention._WRITTEN_HELD, 13)]
+        big = _retention._WRITTEN_HELD_BYTES // 2 + 1
+        ckpt._hold_written("step-000000013", WrittenManifest(b"d", manifest, big))
+        ckpt._hold_written("step-000000014", WrittenManifest(b"d", manifest, big))
+        assert list(ckpt._written) == ["step-000000014"]
+        ckpt._hold_written("step-000000015", WrittenManifest(b"d", manifest, 2 * _retention._WRITTEN_HELD_BYTES))
+        assert list(ckpt._written) == []  # too big on its own: parsed as any other
