@@ -175,10 +175,10 @@ def test_a_save_whose_manifest_no_restore_would_read_fails_and_commits_nothing(t
         assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1
 
 
-def test_the_tensor_index_written_is_the_one_built_entry_by_entry(tmp_path: Path) -> None:
-    """The manifest's tensor index is validated in one call (``dcp_safe.tensor_index``), no longer
-    built one ``TensorEntry`` at a time: the bytes committed are the ones the entry-by-entry index
-    gives. Pins what the old code wrote: it passes with either."""
+def test_the_tensor_index_written_is_the_one_of_tensor_entries_built_as_before(tmp_path: Path) -> None:
+    """The manifest's tensor index (``dcp_safe.tensor_index``) validates each entry with pydantic's
+    validator straight, not through ``TensorEntry(...)``: the bytes committed are the ones an index
+    of ``TensorEntry(...)`` gives. Pins what the old code wrote: it passes with either."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from agent.dcp_safe import load_dcp_metadata, tensor_index
