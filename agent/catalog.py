@@ -38,10 +38,17 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, folder_name, read_manifest
+from agent._layout import (
+    CONTROL_FOLDER,
+    CheckpointRef,
+    WrittenManifest,
+    find_checkpoints,
+    folder_name,
+    read_manifest,
+)
 from agent.crc32c import from_hex
 from agent.manifest import (
     DCP_METADATA_NAME,
@@ -67,6 +74,7 @@ __all__ = [
     "CheckpointRef",
     "CheckpointStatus",
     "Lineage",
+    "WrittenManifest",
     "find_checkpoints",
     "folder_name",
     "inspect",
@@ -153,7 +161,12 @@ def _folder_escapes(storage: Storage, ref: CheckpointRef) -> bool:
 
 
 def inspect(
-    storage: Storage, ref: CheckpointRef, *, lineage: Lineage | None = None, report_archived: bool = False
+    storage: Storage,
+    ref: CheckpointRef,
+    *,
+    lineage: Lineage | None = None,
+    report_archived: bool = False,
+    written: Mapping[str, WrittenManifest] | None = None,
 ) -> CheckpointStatus:
     """Decide whether the checkpoint in ``ref`` is valid (the module docstring's checks 1-5).
 
@@ -161,14 +174,17 @@ def inspect(
     (``Lineage.load``); read here when not given. Raises ``StorageError`` when storage cannot be
     read — never for what the folder holds. ``report_archived``: a manifest (or the attempt record
     that judges it) in an archive storage class makes the checkpoint invalid, with the reason,
-    instead of raising ``ArchivedError``.
+    instead of raising ``ArchivedError``. ``written``: the manifests this process committed, by
+    folder (retention's, ``_layout.read_manifest``): read still, not parsed again when unchanged.
     """
     sizes = {o.key[len(ref.folder) + 1 :]: o.size for o in storage.list(ref.folder + "/")}
     status = CheckpointStatus(ref, committed=MANIFEST_NAME in sizes, stored_bytes=sum(sizes.values()))
     if not status.committed:
         return status
     try:
-        manifest = status.manifest = read_manifest(storage, ref, size=sizes[MANIFEST_NAME])
+        manifest = status.manifest = read_manifest(
+            storage, ref, size=sizes[MANIFEST_NAME], written=(written or {}).get(ref.folder)
+        )
     except NotFoundError:
         # Listed a moment ago but gone now: deleted by retention under our feet.
         status.committed = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from agent import _fresh_start
-from agent.catalog import CheckpointRef, find_checkpoints, inspect
+from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints, inspect
 from agent.checkpoint import _claim
 from agent.checkpoint._state import _State
 from agent.manifest import MANIFEST_NAME
@@ -14,6 +14,14 @@ from agent.pins import pinned_folders
 from agent.storage import PermanentStorageError, RetainedError, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
+
+_WRITTEN_HELD = 8
+"""The most manifests of its own commits a Checkpointer holds for retention (``_Retention._written``):
+the newest ``keep`` ones (and one more) spare each pass a parse of each."""
+_WRITTEN_HELD_BYTES = 16 * 2**20
+"""... and the most bytes of manifest they may have written, all together: a manifest held costs
+about four times its JSON in memory (5 MB for one of 8000 tensors, 1.3 MB of JSON), and one of
+many tensors over many ranks reaches tens of MiB. Past this, the older ones are parsed again."""
 
 
 class _Retention(_State):
@@ -78,6 +86,22 @@ class _Retention(_State):
 
     _writers_said: set[tuple[str, str, int, str]]
     """(rank 0) The other writers (``Claim.writer``) named in an error already."""
+
+    _written: dict[str, WrittenManifest]
+    """(rank 0) The manifests this Checkpointer committed, by folder, as it wrote them (at most
+    ``_WRITTEN_HELD``, of at most ``_WRITTEN_HELD_BYTES``): retention's ``inspect`` still reads each
+    from storage, and takes the one held instead of parsing and validating the bytes again when
+    they are the bytes written. Replaced whole, never changed in place: a commit in the save thread
+    may add one while a pass reads it."""
+
+    def _hold_written(self, folder: str, written: WrittenManifest) -> None:
+        """(rank 0, at a commit) Hold the manifest just committed in ``folder`` for retention,
+        within the bounds even when no retention pass follows (a pass that failed before it pruned):
+        one bigger than ``_WRITTEN_HELD_BYTES`` alone is not held, and is parsed when read."""
+        held = [(f, w) for f, w in self._written.items() if f != folder] + [(folder, written)]
+        while held and (len(held) > _WRITTEN_HELD or sum(w.size for _, w in held) > _WRITTEN_HELD_BYTES):
+            held.pop(0)  # the longest held
+        self._written = dict(held)
 
     def _store_time_now(self, committed: CheckpointRef) -> float | None:
         """The store's time now, at least: when it wrote the manifest just committed (one stat)."""
@@ -192,6 +216,16 @@ class _Retention(_State):
             self._say_if_twice(committed, refs)
             listed = {r.folder for r in refs}
             self._writers_of = {f: c for f, c in self._writers_of.items() if f in listed}  # a name reused is new
+            held = min(self.config.keep or 1, _WRITTEN_HELD - 1) + 1
+            now_held = self._written
+            own_written: dict[str, WrittenManifest] = {}
+            held_bytes = 0
+            for r in sorted((r for r in refs if r.folder in now_held), reverse=True)[:held]:
+                held_bytes += now_held[r.folder].size
+                if held_bytes > _WRITTEN_HELD_BYTES:
+                    break
+                own_written[r.folder] = now_held[r.folder]
+            self._written = own_written
             for ref in refs:  # the newer ones: the loop below looks at older ones only
                 if committed < ref and ref.folder not in retired and self._undecided(ref.folder):
                     self._other_writer(ref, self.storage.stat(ref.key(MANIFEST_NAME)) is not None)
@@ -203,7 +237,7 @@ class _Retention(_State):
             for ref in older:  # newest first
                 # An archived manifest (a lifecycle rule's): committed, unusable, deleted as a broken
                 # one would be (older than the ``keep`` newest valid ones), never the whole pass given up.
-                status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
+                status = inspect(self.storage, ref, lineage=lineage, report_archived=True, written=own_written)
                 if not status.committed:
                     self._other_writer(ref, False)
                     claim, written = _claim.read_claim_stamped(self.storage, ref.folder)

@@ -29,7 +29,7 @@ from agent._dcp_write import (
     sync_files,
 )
 from agent._direct_io import release_buffers
-from agent.catalog import CheckpointRef, find_checkpoints
+from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints
 from agent.checkpoint import _claim
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text
 from agent.checkpoint._vote import _Voting
@@ -862,6 +862,7 @@ class _Saving(_Voting):
             self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
         except AlreadyExistsError:
             raise SaveFailedError(self._committed_by_another(folder)) from None
+        self._hold_written(folder, WrittenManifest.of(data, manifest))
         return self.storage.url(folder)
 
     def _check_still_mine(self, save: _Save, folder: str) -> None:

@@ -3,6 +3,7 @@ reshard) and per-rank objects."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import logging
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, get_state_dict
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.nn.parameter import is_lazy
 
@@ -50,9 +51,11 @@ def _model_state(bag: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(bag)
 
 
-def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: bool) -> dict[str, Any]:
-    """``get_optimizer_state_dict(bag, opt)``; unless ``initialise``, an optimizer that has no state
-    yet (it has not stepped) is taken as it is, its state empty.
+@contextlib.contextmanager
+def _as_it_is(opt: torch.optim.Optimizer, *, initialise: bool) -> Iterator[None]:
+    """Around torch's ``get_optimizer_state_dict`` / ``get_state_dict`` of ``opt``: unless
+    ``initialise``, an optimizer that has no state yet (it has not stepped) is taken as it is, its
+    state empty.
 
     For such an optimizer torch first runs a step with zero gradients and lr 0 on it, to create the
     state it then hands out: the live optimizer keeps it (Adam's step 1 and zero moments, so the
@@ -63,13 +66,36 @@ def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: 
     """
     params = [p for group in opt.param_groups for p in group["params"]]
     if initialise or opt.state or not params or any(p.grad is not None for p in params):
-        return get_optimizer_state_dict(bag, opt)
+        yield
+        return
     smallest = min(params, key=lambda p: p.numel())
     smallest.grad = torch.zeros_like(smallest)
     try:
-        return get_optimizer_state_dict(bag, opt)
+        yield
     finally:
         smallest.grad = None
+
+
+def _optimizer_state(bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: bool) -> dict[str, Any]:
+    """``get_optimizer_state_dict(bag, opt)``, an optimizer without state taken as it is unless
+    ``initialise`` (``_as_it_is``)."""
+    with _as_it_is(opt, initialise=initialise):
+        return get_optimizer_state_dict(bag, opt)
+
+
+def _model_and_optimizer_state(
+    bag: nn.Module, opt: torch.optim.Optimizer, *, initialise: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``_model_state(bag)`` and ``_optimizer_state(bag, opt, initialise=...)`` from one call of
+    torch's ``get_state_dict``, which hands out what its two halves hand out: each half first maps
+    every parameter to its names (``_get_fqns``, a walk down the modules per parameter), and that
+    was a third of this split for 1000 small layers. A model without state takes the two calls
+    (``get_state_dict`` refuses it, as ``get_model_state_dict`` does)."""
+    if not bag.state_dict():
+        return {}, _optimizer_state(bag, opt, initialise=initialise)
+    with _as_it_is(opt, initialise=initialise):
+        model_state, optim_state = get_state_dict(bag, opt)
+    return model_state, optim_state
 
 
 _BITS_DTYPES = frozenset(
@@ -346,9 +372,15 @@ class _State(_Core):
         dcp_state: dict[str, Any] = {}
         if modules:
             bag = _ModuleBag(modules)
-            dcp_state.update(_model_state(bag))
-            for key, opt in optims.items():
-                dcp_state[key] = _optimizer_state(bag, opt, initialise=key in initialise)
+            if len(optims) == 1:
+                ((key, opt),) = optims.items()
+                model_state, optim_state = _model_and_optimizer_state(bag, opt, initialise=key in initialise)
+                dcp_state.update(model_state)  # the modules' names first, as written before
+                dcp_state[key] = optim_state
+            else:
+                dcp_state.update(_model_state(bag))
+                for key, opt in optims.items():
+                    dcp_state[key] = _optimizer_state(bag, opt, initialise=key in initialise)
         elif optims:
             raise ValueError("optimizers need their modules in the same state dict to be saved by name")
         objects = {key: obj.state_dict() for key, obj in others.items()}

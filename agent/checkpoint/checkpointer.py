@@ -239,6 +239,7 @@ class Checkpointer(_Saving, _Restoring):
         self._own_folders = set()
         self._seen_uncommitted = set()
         self._writers_of = {}
+        self._written = {}
         self._writers_said = set()
         self._proven_bad = set()
         self._left_out_said = set()

@@ -17,7 +17,7 @@ from torch import nn
 from agent import _dcp_write
 from agent.checkpoint import Checkpointer, SaveFailedError
 from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from tests.ckpt_compare import assert_same_training_state
+from tests.ckpt_compare import assert_same, assert_same_training_state
 
 
 class Many(nn.Module):
@@ -173,3 +173,72 @@ def test_a_save_whose_manifest_no_restore_would_read_fails_and_commits_nothing(t
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001"]
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1
+
+
+def test_the_tensor_index_written_is_the_one_of_tensor_entries_built_as_before(tmp_path: Path) -> None:
+    """The manifest's tensor index (``dcp_safe.tensor_index``) validates each entry with pydantic's
+    validator straight, not through ``TensorEntry(...)``: the bytes committed are the ones an index
+    of ``TensorEntry(...)`` gives. Pins what the old code wrote: it passes with either."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from agent.dcp_safe import load_dcp_metadata, tensor_index
+    from agent.manifest import DCP_METADATA_NAME, TensorEntry
+
+    model, optim = trained(0)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(4, {"model": model, "optim": optim})
+    (folder,) = [p for p in tmp_path.iterdir() if (p / MANIFEST_NAME).exists()]
+    written = (folder / MANIFEST_NAME).read_bytes()
+    metadata = load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+    files: dict[str, set[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    one_by_one = {
+        fqn: TensorEntry(
+            shape=list(md.size),
+            dtype=str(md.properties.dtype).removeprefix("torch."),
+            files=sorted(files.get(fqn, ())),
+        )
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    assert len(one_by_one) > 80  # 43 parameters and a buffer, and AdamW's state of each parameter
+    index = tensor_index(metadata)
+    assert index == one_by_one and all(type(e) is TensorEntry for e in index.values())
+    on_disk = Manifest.parse(written)
+    assert on_disk.model_copy(update={"tensors": one_by_one}).to_json() == written
+
+
+@pytest.mark.parametrize("optimizer_stepped", [True, False])
+def test_a_save_maps_the_parameters_to_their_names_once_and_splits_as_torchs_two_calls_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer_stepped: bool
+) -> None:
+    """The modules' and the one optimizer's state come from one ``get_state_dict``: torch's
+    ``get_model_state_dict`` and ``get_optimizer_state_dict`` each mapped every parameter to its
+    names first (``_verify_options``), a third of the split for 1000 small layers. What it hands out
+    is what the two calls hand out, in the same order; an optimizer that has not stepped is still
+    taken as it is (no state created in it)."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    from agent.checkpoint._state import _model_state, _ModuleBag, _optimizer_state
+
+    model, optim = trained(0)
+    if not optimizer_stepped:
+        optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    bag = _ModuleBag({"model": model})
+    two_calls = {**_model_state(bag), "optim": _optimizer_state(bag, optim, initialise=False)}
+    mapped: list[int] = []
+    original = torch_state_dict._verify_options
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        mapped.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_state_dict, "_verify_options", counted)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        one_call, _ = ckpt._split_state(state)
+    assert len(mapped) == 1
+    assert list(one_call) == list(two_calls)
+    assert_same(one_call, two_calls, "the split")
+    assert bool(optim.state) == optimizer_stepped

@@ -240,3 +240,90 @@ def test_a_folder_named_like_a_checkpoint_but_not_spelled_as_spotjob_spells_it_i
     assert sorted(found) == ["step-000000002", "step-000000003"]
     assert all(s.valid for s in found.values())
     assert (root / alias / "notes.txt").read_text() == "not spotjob's"
+
+
+def _counting_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every ``Manifest.parse`` from now on, by the step of the manifest parsed."""
+    from agent.manifest import Manifest
+
+    parsed: list[int] = []
+    original = Manifest.parse.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], data: bytes) -> Manifest:
+        manifest = original(cls, data)
+        parsed.append(manifest.step)
+        return manifest  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "parse", classmethod(counted))
+    return parsed
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_retention_takes_the_manifests_this_checkpointer_committed_without_parsing_them_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: int
+) -> None:
+    """Each pass inspects every older checkpoint: the ones this Checkpointer committed are still
+    read (and listed, sized, judged), but their bytes, unchanged, are not parsed and validated
+    again (for 8000 tensors that was a tenth of a save): the manifest it wrote is taken instead."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    parsed = _counting_parses(monkeypatch)
+    with Checkpointer(str(root), every_steps=1, keep=keep, async_save=False) as ckpt:
+        for step in range(1, 6):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+    assert parsed == []
+    found = statuses(root)
+    assert sorted(found) == [f"step-{n:09d}" for n in range(6 - keep, 6)]
+    assert all(s.valid for s in found.values())
+
+
+def test_a_manifest_changed_in_storage_since_this_checkpointer_committed_it_is_judged_as_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest held from a commit stands only for the bytes it was written as: one replaced in
+    storage since (here by a newer spotjob's format) is parsed and judged as it is there, and
+    retention leaves a newer format alone, as it always did. Pins behaviour that held before."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    parsed = _counting_parses(monkeypatch)
+    with Checkpointer(str(root), every_steps=1, keep=1, async_save=False) as ckpt:
+        ckpt.step(1, state)
+        path = root / "step-000000001" / MANIFEST_NAME
+        doc = json.loads(path.read_bytes())
+        doc["format_version"] = 99
+        path.chmod(0o644)
+        path.write_text(json.dumps(doc, indent=2))
+        train(state, 1, start=1)
+        ckpt.step(2, state)
+    assert parsed == []  # a newer format is refused before validation: no Manifest parsed
+    found = statuses(root)
+    assert sorted(found) == ["step-000000001", "step-000000002"]
+    assert found["step-000000001"].newer_format and found["step-000000002"].valid
+
+
+def test_the_manifests_held_for_retention_stay_within_their_count_and_bytes(tmp_path: Path) -> None:
+    """Held even when no retention pass prunes them (one that failed early): never more than
+    ``_WRITTEN_HELD`` manifests nor more than ``_WRITTEN_HELD_BYTES`` of them."""
+    from agent.catalog import WrittenManifest
+    from agent.checkpoint import _retention
+    from agent.manifest import FileEntry, Manifest, now_utc
+
+    manifest = Manifest(
+        step=1,
+        world_size=1,
+        created_at=now_utc(),
+        torch_version="t",
+        state_keys=["m"],
+        files=[FileEntry(path="a", size=0, crc32c="00000000")],
+    )
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as ckpt:
+        for step in range(1, 13):
+            ckpt._hold_written(f"step-{step:09d}", WrittenManifest(b"d", manifest, 100))
+        assert list(ckpt._written) == [f"step-{step:09d}" for step in range(13 - _retention._WRITTEN_HELD, 13)]
+        big = _retention._WRITTEN_HELD_BYTES // 2 + 1
+        ckpt._hold_written("step-000000013", WrittenManifest(b"d", manifest, big))
+        ckpt._hold_written("step-000000014", WrittenManifest(b"d", manifest, big))
+        assert list(ckpt._written) == ["step-000000014"]
+        ckpt._hold_written("step-000000015", WrittenManifest(b"d", manifest, 2 * _retention._WRITTEN_HELD_BYTES))
+        assert list(ckpt._written) == []  # too big on its own: parsed as any other
