@@ -239,6 +239,38 @@ class FetchRange(Protocol):
         """
 
 
+class FirstPart:
+    """Holds the parts after the first until the first part's answer has said what they need (on
+    GCS: the object's generation, which they are pinned to).
+
+    The first part's ``fetch`` calls ``open`` once it has read its answer's headers; if the first
+    part ends without that (it failed, after its retries), the waiting parts fail at once instead
+    (their failure is never the one raised: ``TransferPool.map`` raises the first part's). Waiting
+    on a pool worker cannot deadlock the pool: the first part is submitted before the others of its
+    file and the pool takes work in order, so whenever a later part waits, the first is running.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._opened = False
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    def open(self) -> None:
+        self._opened = True
+        self._done.set()
+
+    def _ended(self) -> None:
+        self._done.set()
+
+    def _wait(self, label: str, key: str) -> None:
+        self._done.wait()
+        if not self._opened:
+            raise PermanentStorageError(f"{label}: not read, the object's first part failed", key)
+
+
 def download_verified(
     *,
     what: str,
@@ -250,12 +282,15 @@ def download_verified(
     pool: TransferPool,
     fetch: FetchRange,
     progress: ProgressFn | None = None,
+    first: FirstPart | None = None,
 ) -> None:
     """Download a ``size``-byte object to ``local_path`` through ``fetch``, verifying its CRC32C.
 
     ``what`` is the object's URI, for messages and retry logs. The caller has already checked
-    ``size`` against what it expects; ranges that come back short are retried. On any failure
-    (including ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
+    ``size`` against what it expects, or its ``fetch`` checks it from the first part's answer
+    before keeping a byte; ranges that come back short are retried. With ``first``, the parts after
+    the first start once the first part's ``fetch`` has opened it. On any failure (including
+    ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
     """
     tmp = f"{local_path}.{uuid.uuid4().hex[:8]}.part"
     writing = f"cannot write the local file {tmp} (downloading {what})"
@@ -278,7 +313,16 @@ def download_verified(
                     )
                 return sink.crc
 
-            crc = retry_transient(label, attempt)
+            if first is None:
+                crc = retry_transient(label, attempt)
+            elif offset:
+                first._wait(label, key)
+                crc = retry_transient(label, attempt)
+            else:
+                try:
+                    crc = retry_transient(label, attempt)
+                finally:
+                    first._ended()
             if progress:
                 progress(length)
             return crc
