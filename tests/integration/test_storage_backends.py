@@ -568,7 +568,7 @@ class TestGCSFileOfSeveralParts:
             return False  # never fires: only watches
 
         proxy.fail(1, 503, method="GET", path=r"shard\?", match=replace_at_the_second)
-        with pytest.raises(NotFoundError, match="generation .* is gone"):
+        with pytest.raises(NotFoundError, match=r"generation \d+ of the object is gone"):
             store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
         assert len(media) == 3 and proxy.faults_served == 0
         assert leftovers(tmp_path) == []
