@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -71,7 +72,6 @@ from agent.storage._errors import local_file
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     FetchRange,
-    FirstPart,
     KiB,
     MiB,
     PrefixedKeys,
@@ -650,7 +650,7 @@ class GCSStorage(PrefixedKeys, Storage):
         crc32c: int | None,
         fetch: FetchRange,
         progress: ProgressFn | None,
-        first: FirstPart | None = None,
+        first: threading.Event | None = None,
     ) -> None:
         """``size`` bytes of ``key`` into ``local_path`` in parts of ``fetch``, checked as they come."""
         download_verified(
@@ -687,16 +687,17 @@ class GCSStorage(PrefixedKeys, Storage):
 
         A file of several parts also takes the object's generation from that answer's
         ``x-goog-generation`` header (which GCS sends on every media download, fake-gcs-server too,
-        and the library reads into ``Blob.generation``); the other parts, and a retry of the first,
-        wait for it and read that generation only (``_pinned``), so a replaced object fails instead
-        of mixing versions, as after a metadata GET. ``_NotSaid`` when the answer lacks the size or,
+        and the library reads into ``Blob.generation``); the other parts are sent once it is read
+        (``TransferPool.map``), and they and a retry of the first read that generation only
+        (``_pinned``), so a replaced object fails instead of mixing versions, as after a metadata
+        GET. ``_NotSaid`` when the answer lacks the size or,
         for several parts, the generation.
         """
         url = self.url(key)
         # The media URL google-cloud-storage builds (blob.py, _DOWNLOAD_URL_TEMPLATE), alt=media below.
         path = self._bucket.blob(self._object_key(key)).path
         media = f"{self._client._connection.API_BASE_URL}/download/storage/v1{path}"
-        first = FirstPart() if size > self.settings.part_size else None
+        first = threading.Event() if size > self.settings.part_size else None
         pinned: list[FetchRange] = []  # the other parts' fetch, once the first answer is read
 
         def read_first(offset: int, length: int, sink: RangeSink) -> None:
@@ -728,7 +729,7 @@ class GCSStorage(PrefixedKeys, Storage):
                     if generation is None:
                         raise _NotSaid(f"GET {url}: the answer does not say the object's generation", key)
                     pinned.append(self._pinned(url, key, generation))
-                    first.open()
+                    first.set()
                 for chunk in resp.raw.stream(_READ_CHUNK, decode_content=False):
                     sink.write(chunk)
 

@@ -535,10 +535,10 @@ class TestGCSFileOfSeveralParts:
     def test_a_first_part_refused_fails_the_read_without_the_other_parts(
         self, setup: tuple[Storage, FaultProxy, str, bytes], tmp_path: Path
     ) -> None:
-        """The parts after the first wait for its answer; when the first part fails for good (a
-        403 here) they end at once, unsent, and the first part's error is the one raised. Without
-        that release the read waits forever (tried: the test times out); before the fix the three
-        parts went out together after the metadata GET."""
+        """The parts after the first are sent once its answer is read; when the first part fails
+        for good before that (a 403 here) they are never sent, and its error is raised. Without
+        the first part's end releasing the wait, the read waits forever (tried: the test times
+        out); before the fix the three parts went out together after the metadata GET."""
         store, proxy, _, data = setup
         denied = proxy.fail(1, 403, method="GET", path=r"shard\?alt=media")
         with pytest.raises(PermanentStorageError, match="permission denied"):
