@@ -162,16 +162,31 @@ class TransferPool:
                 self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix=self._name)
             return self._pool
 
-    def map(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]]) -> list[T]:
+    def map(
+        self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]], *, first: threading.Event | None = None
+    ) -> list[T]:
         """``[fn(*args) for args in calls]``, run in parallel; results in call order.
 
-        On the first failure the calls not yet started are cancelled and the running ones waited
-        for, then that failure is raised: nothing is still writing when this returns or raises.
+        With ``first``, the first call runs alone until it sets ``first`` (or ends): the others
+        need something it learns early (GCS: the object's generation, from its answer's headers).
+        The caller's thread waits for it, not a worker; a first call that fails sends none of the
+        others. On the first failure the calls not yet started are cancelled and the running ones
+        waited for, then that failure is raised: nothing is still writing when this returns or
+        raises.
         """
         if len(calls) <= 1 or self._workers <= 1:
             return [fn(*args) for args in calls]
         pool = self._executor()
-        futures: list[Future[T]] = [pool.submit(fn, *args) for args in calls]
+        futures: list[Future[T]] = []
+        rest = calls
+        if first is not None:
+            head = pool.submit(fn, *calls[0])
+            head.add_done_callback(lambda _: first.set())
+            first.wait()
+            futures.append(head)
+            failed = head.done() and (head.cancelled() or head.exception() is not None)
+            rest = [] if failed else calls[1:]
+        futures += [pool.submit(fn, *args) for args in rest]
         _, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:
             for f in pending:
@@ -250,12 +265,16 @@ def download_verified(
     pool: TransferPool,
     fetch: FetchRange,
     progress: ProgressFn | None = None,
+    first: threading.Event | None = None,
 ) -> None:
     """Download a ``size``-byte object to ``local_path`` through ``fetch``, verifying its CRC32C.
 
     ``what`` is the object's URI, for messages and retry logs. The caller has already checked
-    ``size`` against what it expects; ranges that come back short are retried. On any failure
-    (including ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
+    ``size`` against what it expects, or its ``fetch`` checks it from the first part's answer
+    before keeping a byte; ranges that come back short are retried. With ``first``, the parts after
+    the first are sent once the first part's ``fetch`` has set it, having read from its answer what
+    they need (``TransferPool.map``). On any failure (including
+    ``CorruptObjectError`` for a CRC mismatch) nothing is left at ``local_path``.
     """
     tmp = f"{local_path}.{uuid.uuid4().hex[:8]}.part"
     writing = f"cannot write the local file {tmp} (downloading {what})"
@@ -284,7 +303,7 @@ def download_verified(
             return crc
 
         parts = spans(size, part_size)
-        crcs = pool.map(one_range, parts)
+        crcs = pool.map(one_range, parts, first=first)
     except BaseException:
         os.close(fd)
         _unlink_quiet(tmp)

@@ -38,8 +38,9 @@ fake-gcs-server enforces the precondition on simple uploads only, which is why t
 few KB) always goes up in one request.
 
 Downloads: parallel ranged reads of the generation seen first (so a replaced object is never
-mixed with its successor), verified as they arrive (see ``_transfer``). A file the caller knows to
-fit one part is one ranged GET, its size read from the answer's headers (``_get_one``).
+mixed with its successor), verified as they arrive (see ``_transfer``). A file of known size starts
+with its first part's ranged GET, whose answer's headers say the object's size and generation
+(``_get_media``): a file of N parts is N requests.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import json
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -594,17 +596,17 @@ class GCSStorage(PrefixedKeys, Storage):
         progress: ProgressFn | None = None,
     ) -> None:
         url = self.url(key)
-        # A file the caller knows to fit one part takes one ranged GET and no metadata GET: the
-        # answer says the object's size, checked before a byte is kept, and a single GET cannot mix
-        # two generations of the object (the generation of the metadata GET only ties several
-        # together). An answer that does not say the size falls back to the two requests.
-        if size is not None and 0 < size <= self.settings.part_size:
+        # A file of known size starts with its first part's ranged GET and no metadata GET: the
+        # answer says the object's size, checked before a byte is kept, and its generation, which
+        # the other parts are pinned to (one GET cannot mix two generations of the object). An
+        # answer that does not say what is needed falls back to the metadata GET first.
+        if size is not None and size > 0:
             try:
-                self._get_one(key, local_path, size, crc32c, progress)
+                self._get_media(key, local_path, size, crc32c, progress)
                 return
-            except _SizeNotSaid as e:
+            except _NotSaid as e:
                 log.info("%s; reading its size and generation first", e)
-            except NotFoundError:
+            except _FirstMissing:
                 self._raise_if_bucket_missing(f"GET {url}", key)
                 raise NotFoundError(f"{url} does not exist", key) from None
         blob = self._get_blob(key)
@@ -612,25 +614,32 @@ class GCSStorage(PrefixedKeys, Storage):
             raise NotFoundError(f"{url} does not exist", key)
         actual = int(blob.size or 0)
         check_size(url, key, actual, size)
-        # Ranges read this generation only: a replaced object fails instead of mixing versions.
-        pinned = self._bucket.blob(self._object_key(key), generation=blob.generation)
+        self._download(url, key, actual, local_path, crc32c, self._pinned(url, key, blob.generation), progress)
+
+    def _pinned(self, url: str, key: str, generation: int | None) -> FetchRange:
+        """Ranges of this generation only: a replaced object fails instead of mixing versions."""
+        pinned = self._bucket.blob(self._object_key(key), generation=generation)
 
         def fetch(offset: int, length: int, sink: RangeSink) -> None:
-            self._request(
-                f"GET {url}",
-                key,
-                lambda: pinned.download_to_file(
-                    sink,
-                    start=offset,
-                    end=offset + length - 1,
-                    raw_download=True,
-                    checksum=None,  # a range has no server checksum; we CRC every byte ourselves
-                    retry=None,
-                    timeout=self._timeout,
-                ),
-            )
+            try:
+                self._request(
+                    f"GET {url}",
+                    key,
+                    lambda: pinned.download_to_file(
+                        sink,
+                        start=offset,
+                        end=offset + length - 1,
+                        raw_download=True,
+                        checksum=None,  # a range has no server checksum; we CRC every byte ourselves
+                        retry=None,
+                        timeout=self._timeout,
+                    ),
+                )
+            except NotFoundError:
+                gone = f"GET {url}: generation {generation} of the object is gone (replaced or deleted while read)"
+                raise NotFoundError(gone, key) from None
 
-        self._download(url, key, actual, local_path, crc32c, fetch, progress)
+        return fetch
 
     def _download(
         self,
@@ -641,6 +650,7 @@ class GCSStorage(PrefixedKeys, Storage):
         crc32c: int | None,
         fetch: FetchRange,
         progress: ProgressFn | None,
+        first: threading.Event | None = None,
     ) -> None:
         """``size`` bytes of ``key`` into ``local_path`` in parts of ``fetch``, checked as they come."""
         download_verified(
@@ -653,10 +663,14 @@ class GCSStorage(PrefixedKeys, Storage):
             pool=self._pool,
             fetch=fetch,
             progress=progress,
+            first=first,
         )
 
-    def _get_one(self, key: str, local_path: str, size: int, crc32c: int | None, progress: ProgressFn | None) -> None:
-        """The ``size``-byte file in one ranged media GET, on the client's own authorized session.
+    def _get_media(
+        self, key: str, local_path: str, size: int, crc32c: int | None, progress: ProgressFn | None
+    ) -> None:
+        """The ``size``-byte file, its first part's ranged media GET on the client's own authorized
+        session first: a file of one part is that one request, a file of N parts N requests.
 
         Not through ``Blob.download_to_file``: it keeps of the answer only what
         ``Blob._extract_headers_from_download`` copies into the blob (generation, hashes, content
@@ -670,41 +684,62 @@ class GCSStorage(PrefixedKeys, Storage):
         from byte 0 is unsatisfiable only on an empty object). ``Accept-Encoding: gzip``, as the
         library sends, has GCS serve the stored bytes as they are (no decompressive transcoding),
         whose CRC32C ``download_verified`` checks against the caller's.
+
+        A file of several parts also takes the object's generation from that answer's
+        ``x-goog-generation`` header (which GCS sends on every media download, fake-gcs-server too,
+        and the library reads into ``Blob.generation``); the other parts are sent once it is read
+        (``TransferPool.map``), and they and a retry of the first read that generation only
+        (``_pinned``), so a replaced object fails instead of mixing versions, as after a metadata
+        GET. ``_NotSaid`` when the answer lacks the size or,
+        for several parts, the generation.
         """
         url = self.url(key)
         # The media URL google-cloud-storage builds (blob.py, _DOWNLOAD_URL_TEMPLATE), alt=media below.
         path = self._bucket.blob(self._object_key(key)).path
         media = f"{self._client._connection.API_BASE_URL}/download/storage/v1{path}"
+        first = threading.Event() if size > self.settings.part_size else None
+        pinned: list[FetchRange] = []  # the other parts' fetch, once the first answer is read
+
+        def read_first(offset: int, length: int, sink: RangeSink) -> None:
+            resp = self._session.get(
+                media,
+                params={"alt": "media"},
+                headers={"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "gzip"},
+                stream=True,
+                timeout=self._timeout,
+            )
+            with resp:
+                if resp.status_code == 404:
+                    raise _FirstMissing(f"GET {url}: no such object", key)
+                if resp.status_code not in (200, 206, 416):
+                    raise api_exceptions.from_http_response(resp)
+                start, total = _answer_span(resp)
+                if total is None:
+                    said = f"the answer (HTTP {resp.status_code}) does not say the object's size"
+                    raise _NotSaid(f"GET {url}: {said}", key)
+                check_size(url, key, total, size)
+                if resp.status_code == 416 or start != offset:
+                    raise PermanentStorageError(
+                        f"GET {url}: asked for bytes {offset}-{offset + length - 1}, answered HTTP "
+                        f"{resp.status_code} from byte {start}",
+                        key,
+                    )
+                if first is not None:
+                    generation = _answer_generation(resp)
+                    if generation is None:
+                        raise _NotSaid(f"GET {url}: the answer does not say the object's generation", key)
+                    pinned.append(self._pinned(url, key, generation))
+                    first.set()
+                for chunk in resp.raw.stream(_READ_CHUNK, decode_content=False):
+                    sink.write(chunk)
 
         def fetch(offset: int, length: int, sink: RangeSink) -> None:
-            def read() -> None:
-                resp = self._session.get(
-                    media,
-                    params={"alt": "media"},
-                    headers={"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "gzip"},
-                    stream=True,
-                    timeout=self._timeout,
-                )
-                with resp:
-                    if resp.status_code not in (200, 206, 416):
-                        raise api_exceptions.from_http_response(resp)
-                    start, total = _answer_span(resp)
-                    if total is None:
-                        said = f"the answer (HTTP {resp.status_code}) does not say the object's size"
-                        raise _SizeNotSaid(f"GET {url}: {said}", key)
-                    check_size(url, key, total, size)
-                    if resp.status_code == 416 or start != offset:
-                        raise PermanentStorageError(
-                            f"GET {url}: asked for bytes {offset}-{offset + length - 1}, answered HTTP "
-                            f"{resp.status_code} from byte {start}",
-                            key,
-                        )
-                    for chunk in resp.raw.stream(_READ_CHUNK, decode_content=False):
-                        sink.write(chunk)
+            if pinned:
+                pinned[0](offset, length, sink)
+            else:
+                self._request(f"GET {url}", key, lambda: read_first(offset, length, sink))
 
-            self._request(f"GET {url}", key, read)
-
-        self._download(url, key, size, local_path, crc32c, fetch, progress)
+        self._download(url, key, size, local_path, crc32c, fetch, progress, first)
 
     def stat(self, key: str) -> ObjectInfo | None:
         blob = self._get_blob(key)
@@ -791,9 +826,19 @@ def _answer_span(resp: requests.Response) -> tuple[int, int | None]:
     return 0, int(length) if length.isdigit() else None
 
 
-class _SizeNotSaid(PermanentStorageError):
-    """A media GET's answer that does not say the object's size: ``get_file`` falls back to reading
-    it (and the generation) first."""
+def _answer_generation(resp: requests.Response) -> int | None:
+    """The object's generation a media GET's answer says (``x-goog-generation``), or None."""
+    text = resp.headers.get("x-goog-generation", "").strip()
+    return int(text) if text.isdigit() else None
+
+
+class _NotSaid(PermanentStorageError):
+    """A first media GET's answer that does not say the object's size (or, for a file of several
+    parts, its generation): ``get_file`` falls back to reading them first."""
+
+
+class _FirstMissing(NotFoundError):
+    """The first media GET of a file found no object (or no bucket): ``get_file`` tells which."""
 
 
 class _SessionLost(PermanentStorageError):

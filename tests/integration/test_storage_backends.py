@@ -464,6 +464,116 @@ def test_gcs_reads_a_file_of_one_part_in_one_request(
     assert leftovers(tmp_path) == ["fallback", "one", "whole"]
 
 
+class TestGCSFileOfSeveralParts:
+    """A file of three parts, read through a recording proxy in front of fake-gcs-server: parts of
+    1000 bytes, 4 at a time."""
+
+    SIZE = 2500
+
+    @pytest.fixture
+    def setup(
+        self,
+        fresh_uri: Callable[[str], str],
+        fault_proxy: Callable[[str, Dialect], FaultProxy],
+        gcs_server: str,
+        make_storage: Callable[[str], Storage],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> tuple[Storage, FaultProxy, str, bytes]:
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "1000")
+        monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "4")
+        uri = fresh_uri("gs")
+        proxy = fault_proxy(gcs_server, "gcs")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        store = make_storage(uri)
+        data = os.urandom(self.SIZE)
+        store.put_bytes("step-1/shard", data)
+        return store, proxy, uri, data
+
+    @staticmethod
+    def reads(proxy: FaultProxy) -> list[str]:
+        got = [s for s in proxy.seen if s.method == "GET" and "shard" in s.path]
+        return ["media" if "alt=media" in s.path else "metadata" for s in got]
+
+    def test_three_parts_cost_three_gets_and_a_wrong_size_is_refused_after_one(
+        self, setup: tuple[Storage, FaultProxy, str, bytes], tmp_path: Path
+    ) -> None:
+        """The first part's media GET says the object's size and generation; before the fix the
+        object's metadata GET came first (4 requests). A size other than the manifest's is refused
+        from that first answer, and nothing is left."""
+        store, proxy, _, data = setup
+        store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
+        assert (tmp_path / "back").read_bytes() == data
+        assert self.reads(proxy) == ["media"] * 3
+        with pytest.raises(CorruptObjectError, match="is 2500 bytes, the manifest says 2501"):
+            store.get_file("step-1/shard", str(tmp_path / "wrong"), size=len(data) + 1, crc32c=crc32c_bytes(data))
+        assert self.reads(proxy) == ["media"] * 4
+        assert leftovers(tmp_path) == ["back"]
+
+    def test_an_answer_without_the_generation_falls_back_to_the_metadata_get(
+        self,
+        setup: tuple[Storage, FaultProxy, str, bytes],
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """fake-gcs-server always sends ``x-goog-generation``: the parsing is patched to find none.
+        The first GET's answer is dropped unread and the read starts again the old way, said at
+        INFO."""
+        store, proxy, _, data = setup
+        monkeypatch.setattr(gs_backend, "_answer_generation", lambda resp: None)
+        caplog.set_level(logging.INFO, logger=gs_backend.__name__)
+        store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
+        assert (tmp_path / "back").read_bytes() == data
+        assert self.reads(proxy) == ["media", "metadata", "media", "media", "media"]
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "generation" in r.getMessage()]
+        assert said == [
+            f"GET {store.url('step-1/shard')}: the answer does not say the object's generation; "
+            "reading its size and generation first"
+        ]
+        assert leftovers(tmp_path) == ["back"]
+
+    def test_a_first_part_refused_fails_the_read_without_the_other_parts(
+        self, setup: tuple[Storage, FaultProxy, str, bytes], tmp_path: Path
+    ) -> None:
+        """The parts after the first are sent once its answer is read; when the first part fails
+        for good before that (a 403 here) they are never sent, and its error is raised. Without
+        the first part's end releasing the wait, the read waits forever (tried: the test times
+        out); before the fix the three parts went out together after the metadata GET."""
+        store, proxy, _, data = setup
+        denied = proxy.fail(1, 403, method="GET", path=r"shard\?alt=media")
+        with pytest.raises(PermanentStorageError, match="permission denied"):
+            store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
+        assert denied.served == 1 and self.reads(proxy).count("media") == 1
+        assert leftovers(tmp_path) == []
+
+    def test_an_object_replaced_after_the_first_answer_is_refused(
+        self,
+        setup: tuple[Storage, FaultProxy, str, bytes],
+        tmp_path: Path,
+        overwrite_behind_the_backends_back: Callable[[str, str, bytes], None],
+    ) -> None:
+        """The object is replaced (through the server, not the proxy) as the second media GET
+        reaches the proxy, before it is forwarded: the other parts read the first answer's
+        generation, which is gone, and nothing of either version is kept. Before the fix the
+        metadata GET's generation was pinned, and this was refused too."""
+        store, proxy, uri, data = setup
+        media: list[str] = []
+
+        def replace_at_the_second(req: Any) -> bool:
+            if "alt=media" not in req.path:
+                return False
+            media.append(req.path)
+            if len(media) == 2:
+                overwrite_behind_the_backends_back(uri, "step-1/shard", os.urandom(self.SIZE))
+            return False  # never fires: only watches
+
+        proxy.fail(1, 503, method="GET", path=r"shard\?", match=replace_at_the_second)
+        with pytest.raises(NotFoundError, match=r"generation \d+ of the object is gone"):
+            store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
+        assert len(media) == 3 and proxy.faults_served == 0
+        assert leftovers(tmp_path) == []
+
+
 def put_files_bytes(store: Storage, keys: list[str]) -> None:
     for key in keys:
         store.put_bytes(key, key.encode())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 
 import botocore.exceptions
@@ -28,6 +29,7 @@ from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     MiB,
     RangeSink,
+    TransferPool,
     TransferSettings,
     crc_from_b64,
     crc_to_b64,
@@ -297,3 +299,37 @@ def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
         assert os.pread(fd, 3, 4) == b"abc"
     finally:
         os.close(fd)
+
+
+def test_a_pool_sends_the_other_calls_once_the_first_says_so_and_none_when_it_fails() -> None:
+    """``map(first=...)``: GCS's parts after the first need the generation its answer says. The
+    other calls start only once the first set the event, and a first call that fails before that
+    sends none of them (its error is raised)."""
+    pool = TransferPool(4, "test-first")
+    try:
+        first = threading.Event()
+        seen: list[tuple[int, bool]] = []
+
+        def call(i: int) -> int:
+            seen.append((i, first.is_set()))
+            if i == 0:
+                first.set()
+            return i * 10
+
+        assert pool.map(call, [(0,), (1,), (2,)], first=first) == [0, 10, 20]
+        assert sorted(seen) == [(0, False), (1, True), (2, True)]
+
+        refused = threading.Event()
+        calls: list[int] = []
+
+        def fail_first(i: int) -> int:
+            calls.append(i)
+            if i == 0:
+                raise PermanentStorageError("refused")
+            return i
+
+        with pytest.raises(PermanentStorageError, match="refused"):
+            pool.map(fail_first, [(0,), (1,), (2,)], first=refused)
+        assert calls == [0]
+    finally:
+        pool.close()
