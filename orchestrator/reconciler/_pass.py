@@ -184,6 +184,12 @@ class _Pass:
         return manifest is None or manifest.trigger in (None, "flush")
 
     @property
+    def checkpoint_is_own_flush(self) -> bool:
+        """The newest checkpoint is an explicit flush (``trigger: flush``) of the current attempt."""
+        manifest = self.checkpoint.manifest if self.checkpoint is not None else None
+        return manifest is not None and manifest.trigger == "flush" and manifest.attempt == self.status.attempt.number
+
+    @property
     def flushed_unrecorded(self) -> bool:
         """The newest checkpoint is a flush the current attempt's gang committed since the status last
         recorded one: the gang flushed, and no status says why yet — a flush this controller asked

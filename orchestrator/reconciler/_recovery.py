@@ -261,10 +261,13 @@ class _Recovery(_FlushRequests):
         # found their flush step committed already (the script's own save of it) and wrote nothing
         # more. That save is the flush's checkpoint; no later flush is coming to wait for.
         reused = bool(current) and all(w.exit_code == EXIT_PREEMPTED for w in current)
-        if (
-            step is not None
-            and (recovery.baseline_step is None or step > recovery.baseline_step)
-            and (p.checkpoint_is_flush or reused)
+        # An agent that heard (or held) the notice itself flushed before it exited 75, and a pass may
+        # have recorded that flush, taken for the baseline, while the ranks stopped: it is this flush
+        # all the same (a flush ends its attempt, so the attempt's flush is this one).
+        own_flush = reused and p.checkpoint_is_own_flush
+        if step is not None and (
+            own_flush
+            or ((recovery.baseline_step is None or step > recovery.baseline_step) and (p.checkpoint_is_flush or reused))
         ):
             assert p.status.last_checkpoint is not None
             # A quick flush commits before the pass after the request: take the answers of the

@@ -32,6 +32,7 @@ from fakes import (
 from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef, latest_valid
+from agent.control_channel import EXIT_PREEMPTED
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
@@ -367,6 +368,30 @@ def test_treats_an_agent_that_exits_75_on_its_own_as_a_preemption(world: World) 
     assert status.recovery is not None and status.recovery.cause is Cause.PREEMPTION
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 95
     assert [(a.kind, a.value) for a in status.avoid] == [("node", "n1")]
+
+
+def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:
+    """Fails without the fix: an agent that held a notice (a GCE maintenance) flushed on its own; a
+    pass recorded that checkpoint while the ranks were still stopping, and the next saw the exit 75.
+    The flush was judged against its own step: "WorkersExited: ... nothing newer than step 95 was
+    committed", and the flush-outcome metric counted a flush that committed nothing."""
+    world = make_world(tmp_path, replicas=1)
+    world.run_to(100)
+    w = world.backend.worker(0, 0)
+    step = world.backend.step_of(w)
+    assert step is not None
+    world.backend._commit(step, attempt=0)  # the agent's own flush (trigger "flush", this attempt)
+    world.reconcile()
+    assert world.status.phase is Phase.RUNNING
+    assert world.status.last_checkpoint is not None and world.status.last_checkpoint.step == step
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert world.event_reasons()[-3:] == ["AgentPreempted", "FlushCommitted", "Rescheduled"]
+    assert status.recovery is not None and status.recovery.reason == "AgentPreempted"
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == step
 
 
 def test_treats_an_agent_that_exits_76_as_a_preemption_resuming_from_the_previous_checkpoint(
