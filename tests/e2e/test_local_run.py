@@ -529,6 +529,8 @@ def test_a_planned_host_maintenance_is_held_shown_then_flushed_and_the_job_resum
     reasons = [e.reason for e in run.events]
     assert "NoticeHeld" in reasons and "AgentPreempted" in reasons, reasons
     assert reasons.index("NoticeHeld") < reasons.index("AgentPreempted"), reasons
+    # The agent's flush is that flush, whether or not a pass recorded it before the exit 75 was seen.
+    assert "FlushCommitted" in reasons and "WorkersExited" not in reasons, reasons
     timeline = Timeline.read(str(Path(run.path) / "timeline.jsonl"))
     [notice] = [e for e in timeline if e.kind == EventKind.NOTICE]
     assert notice.data["maintenance"] and notice.data["node"] == "local-node-0", notice
