@@ -253,11 +253,11 @@ def test_a_state_on_the_cpu_and_the_gpu_restores_each_tensor_where_it_lives(
         optim.zero_grad(set_to_none=True)
     assert optim.state[cpu.weight]["exp_avg"].device.type == "cpu"
     assert optim.state[gpu.weight]["exp_avg"].device == device
-    both = nn.ModuleDict({"gpu": gpu, "cpu": cpu})
+    both = nn.ModuleDict({"dense": gpu, "table": cpu})
     expected = tensors_of(both, optim)
     ck = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=async_save)
     try:
-        ck.step(1, {"gpu": gpu, "cpu": cpu, "optim": optim})
+        ck.step(1, {"dense": gpu, "table": cpu, "optim": optim})
         ck.wait()
     finally:
         ck.close()
@@ -265,7 +265,7 @@ def test_a_state_on_the_cpu_and_the_gpu_restores_each_tensor_where_it_lives(
     gpu2, cpu2, optim2 = build(1)
     reader = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     try:
-        assert reader.restore({"gpu": gpu2, "cpu": cpu2, "optim": optim2}) == 1
+        assert reader.restore({"dense": gpu2, "table": cpu2, "optim": optim2}) == 1
     finally:
         reader.close()
-    assert_bit_exact(expected, tensors_of(nn.ModuleDict({"gpu": gpu2, "cpu": cpu2}), optim2))
+    assert_bit_exact(expected, tensors_of(nn.ModuleDict({"dense": gpu2, "table": cpu2}), optim2))
