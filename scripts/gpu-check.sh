@@ -12,7 +12,8 @@
 # the GPU bit-exact, pinned staging buffers kept, reused and released, the user's globals left
 # alone), then `python3 -m bench.checkpoint --device cuda --sizes 0.1,1 --backends file --repeat 3`.
 # Everything lands in $OUT (bench/out/gpu-check/ without it): gpu-check.log (all of the output),
-# gpu-tests.xml (pytest's report), checkpoint-latest.json/.md and the stamped JSON (the bench).
+# gpu-tests.xml (pytest's report), checkpoint-latest.json/.md and the stamped JSON (the bench, which
+# writes them to bench/out/ first).
 # spotjob comes from the repository itself (PYTHONPATH=.): the machine has no editable install.
 #
 # --dry-run (here, no GPU): installs the wheels into a temporary folder with a Python 3.12 if this
@@ -79,8 +80,10 @@ EOF
     timeout 240 python3 -m pytest -p no:cacheprovider -o addopts= -rA -v tests/gpu --junitxml "$out/gpu-tests.xml" ||
         status=1
     step "bench.checkpoint --device cuda (file, ${GPU_BENCH_SIZES} GB, 3 repetitions)"
-    SPOTJOB_BENCH_OUT="$out" timeout 330 python3 -m bench.checkpoint --device cuda --sizes "$GPU_BENCH_SIZES" \
-        --backends file --repeat 3 || status=1
+    # Its results go to bench/out/ (the repository's copy there is fresh), then to $out.
+    timeout 330 python3 -m bench.checkpoint --device cuda --sizes "$GPU_BENCH_SIZES" --backends file --repeat 3 ||
+        status=1
+    cp -v bench/out/checkpoint-*.json bench/out/checkpoint-latest.md "$out"/ || status=1
     step "done: status $status"
     return $status
 }
@@ -170,8 +173,15 @@ for async_save in (False, True):
     reader.close()
 print("agent.checkpoint imports, saves (sync and async) and restores with only those modules")
 EOF
-    SPOTJOB_BENCH_OUT="$tmp/bench" PYTHONPATH="$guard" "$venv_py" -m bench.checkpoint --sizes 0.01 --backends file \
-        --repeat 1 --no-warm-up --scratch "$tmp/scratch" >"$tmp/bench.log" 2>&1 || { status=1; tail -20 "$tmp/bench.log"; }
+    # The bench at its smallest, its results in $tmp/bench (not the developer's bench/out/).
+    PYTHONPATH="$guard" "$venv_py" - "$tmp" >"$tmp/bench.log" 2>&1 <<'EOF' || { status=1; tail -20 "$tmp/bench.log"; }
+import sys
+from pathlib import Path
+import bench._common, bench.checkpoint
+bench._common.OUT_DIR = bench.checkpoint.OUT_DIR = Path(sys.argv[1]) / "bench"
+args = ["--sizes", "0.01", "--backends", "file", "--repeat", "1", "--no-warm-up", "--scratch", sys.argv[1] + "/scratch"]
+sys.exit(bench.checkpoint.main(args))
+EOF
     head -1 "$tmp/bench/checkpoint-latest.md" 2>/dev/null && echo "bench.checkpoint (cpu, smallest) ran"
     PYTHONPATH="$guard" "$venv_py" -m pytest -p no:cacheprovider -o addopts= -rs -q tests/gpu || status=1
     if PYTHONPATH="$guard" "$venv_py" -m bench.checkpoint --device cuda --backends file 2>"$tmp/err"; then
