@@ -8,6 +8,10 @@ development machines and in CI. ``scripts/gpu-check.sh`` runs them on a machine 
 
 One process, no ``torch.distributed`` (a Checkpointer without a process group saves as one rank;
 one GPU could not host two NCCL ranks anyway). Small states: each test takes seconds.
+
+No fix comes with these tests: they check code that exists and has never run on a GPU, so none of
+them has yet been seen to pass or to fail there. Their logic was checked on CPU (the same tests
+with the CUDA-only assertions taken out pass).
 """
 
 from __future__ import annotations
