@@ -17,6 +17,11 @@ on loopback), every repetition measures, in this order and in the same process:
 Single process, no ``torch.distributed``: one rank writes one shard file. On a 2-core machine more
 ranks would only share the same two cores and disk, so one rank is the honest measurement here.
 
+``--device cuda`` puts the model and Adam's state on the current GPU (restores go into a model on
+it too): the floor of the async blocking is then a device-to-host copy into pinned host buffers
+that exist, and every timing of work on device tensors synchronises the device before and after.
+The report names the device (``torch.cuda.get_device_name``). The default, ``cpu``, is unchanged.
+
 ``--many-layers N`` measures instead a state of N small Linear layers (8 tensors each) against plain
 DCP, where per-tensor and per-save costs dominate (``run_many``); ``--profile`` adds a cProfile of it.
 
@@ -34,10 +39,10 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -72,6 +77,8 @@ from bench._common import (
 )
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+T = TypeVar("T")
 
 
 def layer_width(size_gb: float) -> int:
@@ -113,6 +120,32 @@ class Workload:
     optim: torch.optim.Adam
     state_bytes: int
     tensor_count: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the model and the optimizer's state live (``--device``)."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def measure(self, samples: Samples, fn: Callable[[], T]) -> T:
+        """``bench._common.measure`` of ``fn``; on a GPU with the device synchronised before and after
+        it, so that work still queued on the device is timed where it belongs (a copy enqueued with
+        ``non_blocking=True`` returns before the bytes moved)."""
+        if not self.cuda:
+            return measure(samples, fn)
+        torch.cuda.synchronize(self.device)
+
+        def synced() -> T:
+            out = fn()
+            torch.cuda.synchronize(self.device)
+            return out
+
+        return measure(samples, synced)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The state's tensors in host memory: themselves on CPU, copies of them from a GPU."""
+        tensors = state_tensors(self.model, self.optim)
+        return [t.cpu() for t in tensors] if self.cuda else tensors
 
     def state(self) -> dict[str, Any]:
         """What the training script hands the Checkpointer."""
@@ -130,7 +163,7 @@ class Workload:
         """
         with torch.device("meta"):
             model = build_model(self.layers, self.width)
-        model.to_empty(device="cpu")
+        model.to_empty(device=self.device)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def check_restored(self, model: nn.Module, optim: torch.optim.Optimizer, what: str) -> None:
@@ -145,13 +178,18 @@ class Workload:
                     raise AssertionError(f"{what}: Adam {name} of parameter {i} differs after restore")
 
 
-def build_workload(size_gb: float, width: int) -> Workload:
+def build_workload(size_gb: float, width: int, device: torch.device | None = None) -> Workload:
+    device = device or torch.device("cpu")
     per_layer = 3 * 4 * (width * width + width)  # fp32 weight + bias, and Adam's two moments
     layers = max(1, round(size_gb * GB / per_layer))
     torch.manual_seed(0)
-    model = build_model(layers, width)
+    if device.type == "cpu":
+        model = build_model(layers, width)
+    else:
+        with device:  # parameters made (and initialised) on the device, Adam's state follows them
+            model = build_model(layers, width)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, width)).square().mean().backward()
+    model(torch.randn(4, width, device=device)).square().mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=True)  # a checkpoint does not hold gradients; free them
     tensors = state_tensors(model, optim)
@@ -163,6 +201,7 @@ def build_workload(size_gb: float, width: int) -> Workload:
         optim=optim,
         state_bytes=sum(t.numel() * t.element_size() for t in tensors),
         tensor_count=len(tensors),
+        device=device,
     )
 
 
@@ -267,7 +306,7 @@ class CheckpointBench:
     # -- one size --------------------------------------------------------------------------
     def run_size(self, size_gb: float, backends: list[str], width: int | None = None) -> SizeResult:
         log("building a %.2f GB state (model + Adam)", size_gb)
-        w = build_workload(size_gb, width or layer_width(size_gb))
+        w = build_workload(size_gb, width or layer_width(size_gb), torch.device(self.args.device))
         repeat = self.args.repeat_large if size_gb >= self.args.large_gb else self.args.repeat
         result = SizeResult(size_gb, w.layers, w.width, w.state_bytes, w.tensor_count, repeat)
         log(
@@ -295,7 +334,7 @@ class CheckpointBench:
             stack.callback(self._close_all, checkpointers)
             raw_for_s3 = os.path.join(size_dir, "raw-for-s3.bin")
             if "s3" in backends:
-                write_raw(raw_for_s3, state_tensors(w.model, w.optim))
+                write_raw(raw_for_s3, w.host_tensors())
                 stack.callback(self._empty_bucket)
             for r in range(repeat):
                 log("%.2f GB: repetition %d/%d", size_gb, r + 1, repeat)
@@ -328,13 +367,13 @@ class CheckpointBench:
     # -- baselines ---------------------------------------------------------------------------
     def _torch_baselines(self, w: Workload, result: SizeResult, size_dir: str) -> None:
         path = os.path.join(size_dir, "torch-save.pt")
-        measure(result.samples("torch.save"), lambda: torch_save(path, w.plain_state_dict()))
+        w.measure(result.samples("torch.save"), lambda: torch_save(path, w.plain_state_dict()))
         result.committed_bytes["torch.save"] = os.path.getsize(path)
         for name in ("torch.load.cold", "deserialise"):
             if name.endswith("cold"):
                 drop_from_page_cache(path)
             model, optim = w.fresh()
-            measure(result.samples(name), partial(torch_load_into, path, model, optim))
+            w.measure(result.samples(name), partial(torch_load_into, path, model, optim))
             w.check_restored(model, optim, name)
             del model, optim
             gc.collect()
@@ -342,10 +381,10 @@ class CheckpointBench:
 
     def _file_floor(self, w: Workload, result: SizeResult, size_dir: str) -> None:
         path = os.path.join(size_dir, "raw.bin")
-        tensors = state_tensors(w.model, w.optim)
-        measure(result.samples("file.floor.write"), lambda: write_raw(path, tensors))
+        tensors = w.host_tensors()  # from a GPU: copied to host memory first, outside the timing
+        w.measure(result.samples("file.floor.write"), lambda: write_raw(path, tensors))
         drop_from_page_cache(path)
-        got = measure(result.samples("file.floor.read.cold"), lambda: read_raw(path))
+        got = w.measure(result.samples("file.floor.read.cold"), lambda: read_raw(path))
         assert got == w.state_bytes, (got, w.state_bytes)
         remove(path)
 
@@ -385,7 +424,7 @@ class CheckpointBench:
                 uri + "/sync", every_steps=1, keep=1, async_save=False, staging_dir=staging
             )
         ck = checkpointers[f"{backend}.sync"]
-        measure(result.samples(f"{backend}.ckpt.sync.step"), lambda: ck.step(step, state))
+        w.measure(result.samples(f"{backend}.ckpt.sync.step"), lambda: ck.step(step, state))
         assert ck.last_committed_step == step and ck.last_committed_uri is not None
         # Save call → commit of the same sync save: step() without the retention that follows
         # the commit (keep=1 deletes the previous checkpoint), as the async save's commit is timed.
@@ -402,14 +441,14 @@ class CheckpointBench:
                     uri + "/buffered", every_steps=1, keep=1, async_save=False, staging_dir=staging, direct_io=False
                 )
             buffered = checkpointers[f"{backend}.buffered"]
-            measure(result.samples(f"{backend}.ckpt.sync.buffered"), lambda: buffered.step(step, state))
+            w.measure(result.samples(f"{backend}.ckpt.sync.buffered"), lambda: buffered.step(step, state))
             drop_from_page_cache(local_root)
 
         # Restore what the sync save committed, into a fresh model and optimizer.
         model, optim = w.fresh()
         reader = Checkpointer(uri + "/sync", keep=1, staging_dir=staging)
         try:
-            got = measure(
+            got = w.measure(
                 result.samples(f"{backend}.ckpt.restore.cold"),
                 partial(reader.restore, {"model": model, "optim": optim}),
             )
@@ -428,16 +467,32 @@ class CheckpointBench:
             )
             # A Checkpointer's first async save allocates the staging buffers every later one
             # reuses: timed on its own (step - 1), so the repetitions below are the steady state.
-            self._async_save(checkpointers[f"{backend}.async"], state, step - 1, result, f"{backend}.ckpt.async.first")
-        self._async_save(checkpointers[f"{backend}.async"], state, step, result, f"{backend}.ckpt.async")
+            self._async_save(
+                checkpointers[f"{backend}.async"], state, step - 1, result, f"{backend}.ckpt.async.first", w.device
+            )
+        self._async_save(checkpointers[f"{backend}.async"], state, step, result, f"{backend}.ckpt.async", w.device)
 
     @staticmethod
-    def _async_save(ck: Checkpointer, state: dict[str, Any], step: int, result: SizeResult, prefix: str) -> None:
-        """One async save: how long ``step()`` blocks, save call → commit, and memory."""
+    def _async_save(
+        ck: Checkpointer,
+        state: dict[str, Any],
+        step: int,
+        result: SizeResult,
+        prefix: str,
+        device: torch.device | None = None,
+    ) -> None:
+        """One async save: how long ``step()`` blocks, save call → commit, and memory. On a GPU the
+        device is synchronised before the save and again right after ``step()`` returns, before the
+        clock is read: a device-to-host copy still in flight counts as blocking."""
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
         before = current_rss_bytes()
         reset_peak_rss()
         start = time.monotonic()
         ck.step(step, state)
+        if cuda:
+            torch.cuda.synchronize(device)
         blocked = time.monotonic() - start
         ck.wait()
         total = time.monotonic() - start
@@ -457,18 +512,23 @@ class CheckpointBench:
         result.samples(f"{prefix}.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
 
     def _memcpy_floor(self, w: Workload, result: SizeResult) -> None:
-        """The floor of an async save's blocking on CPU tensors: one memcpy of the state's bytes into
-        buffers that already exist (what staging into kept buffers is, minus DCP's bookkeeping)."""
+        """The floor of an async save's blocking: one copy of the state's bytes into host buffers that
+        already exist (what staging into kept buffers is, minus DCP's bookkeeping). On CPU tensors a
+        memcpy; from a GPU a device-to-host copy into pinned buffers, enqueued without blocking and
+        waited for once (``Workload.measure`` synchronises the device), as the Checkpointer stages."""
         tensors = state_tensors(w.model, w.optim)
-        buffers = [torch.empty_like(t) for t in tensors]
+        if w.cuda:
+            buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        else:
+            buffers = [torch.empty_like(t) for t in tensors]
         for b, t in zip(buffers, tensors, strict=True):
             b.copy_(t)  # first touch outside the measurement, as kept staging buffers are
 
         def copy() -> None:
             for b, t in zip(buffers, tensors, strict=True):
-                b.copy_(t)
+                b.copy_(t, non_blocking=w.cuda)
 
-        measure(result.samples("floor.memcpy"), copy)
+        w.measure(result.samples("floor.memcpy"), copy)
         buffers.clear()
 
     def _released(
@@ -486,10 +546,14 @@ class CheckpointBench:
                 uri + "/release", every_steps=1, keep=1, async_save=True, staging_dir=staging, release_staging=True
             )
         ck = checkpointers["file.release"]
+        if w.cuda:
+            torch.cuda.synchronize(w.device)
         before = current_rss_bytes()
         reset_peak_rss()
         start = time.monotonic()
         ck.step(step, w.state())
+        if w.cuda:
+            torch.cuda.synchronize(w.device)
         blocked = time.monotonic() - start
         ck.wait()
         peak = peak_rss_bytes()
@@ -515,17 +579,17 @@ class CheckpointBench:
             sd["model"] = get_model_state_dict(w.model)
             sd["optim"] = get_optimizer_state_dict(w.model, w.optim)
 
-        measure(result.samples("diag.get_state_dict"), state_dicts)
+        w.measure(result.samples("diag.get_state_dict"), state_dicts)
         staged: dict[str, Any] = {}
 
         def stage_fresh() -> None:  # what DCP's FileSystemWriter does on every async save
             staged["sd"] = _create_cpu_state_dict(sd)
             _copy_state_dict(sd, staged["sd"])
 
-        measure(result.samples("diag.stage.fresh_buffers"), stage_fresh)
+        w.measure(result.samples("diag.stage.fresh_buffers"), stage_fresh)
         # What a stager kept across saves does from the second save on (FileSystemWriter(
         # cache_staged_state_dict=True) would, but it pins memory and fails without CUDA).
-        measure(result.samples("diag.stage.reused_buffers"), lambda: _copy_state_dict(sd, staged["sd"]))
+        w.measure(result.samples("diag.stage.reused_buffers"), lambda: _copy_state_dict(sd, staged["sd"]))
         staged.clear()
         sd.clear()
         gc.collect()
@@ -550,7 +614,7 @@ class CheckpointBench:
             serialization_config.save.compute_crc32 = crc
             try:
                 state = {"model": get_model_state_dict(w.model), "optim": get_optimizer_state_dict(w.model, w.optim)}
-                measure(result.samples(name), partial(dcp.save, state, storage_writer=writer, no_dist=True))
+                w.measure(result.samples(name), partial(dcp.save, state, storage_writer=writer, no_dist=True))
                 del state
             finally:
                 serialization_config.save.compute_crc32 = previous
@@ -559,7 +623,7 @@ class CheckpointBench:
         # Plain DCP restoring into a fresh optimizer first creates its state with a zero-gradient
         # step; spotjob's restore skips that for unsharded modules. What it would cost:
         model, optim = w.fresh()
-        measure(result.samples("diag.init_fresh_optim_state"), partial(get_optimizer_state_dict, model, optim))
+        w.measure(result.samples("diag.init_fresh_optim_state"), partial(get_optimizer_state_dict, model, optim))
         del model, optim
         gc.collect()
 
@@ -692,6 +756,8 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 
+_CUDA_COPY_FLOOR = "floor of the blocking: device-to-host copy of the state into pinned host buffers kept"
+
 _DIAG_ROWS = [
     ("diag.get_state_dict", "get_model_state_dict + get_optimizer_state_dict"),
     ("diag.stage.fresh_buffers", "stage to CPU, new buffers (DCP's default, every save)"),
@@ -708,6 +774,8 @@ _DIAG_ROWS = [
 
 def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends: list[str]) -> str:
     lines: list[str] = []
+    device = payload.get("device") or {"type": "cpu"}
+    lines.append(device_line(device))
     lines.append("### Against the targets (medians)\n")
     lines.append(
         "| backend | state | async `step()` blocks | memcpy floor | blocks / memcpy | sync save "
@@ -755,6 +823,8 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
             lines.append("| measurement | median s | min-max s | GB/s | ratio | vs | peak RSS growth |")
             lines.append("|---|---|---|---|---|---|---|")
             for op, label, against in _ROWS[backend]:
+                if op == "floor.memcpy" and device["type"] == "cuda":
+                    label = _CUDA_COPY_FLOOR
                 s = r.ops.get(op)
                 if s is None or not s.seconds:
                     continue
@@ -861,11 +931,11 @@ def dcp_round_trip(w: Workload, result: SizeResult, path: str, prefix: str) -> N
     """The plain-DCP baseline: ``dcp.save`` of the workload to ``path``, then ``dcp.load`` of it
     (page cache cold) into a fresh model and optimizer, checked; samples ``<prefix>.dcp.save`` and
     ``<prefix>.dcp.load.cold``. Removes ``path``."""
-    measure(result.samples(f"{prefix}.dcp.save"), partial(dcp_save, path, w.model, w.optim))
+    w.measure(result.samples(f"{prefix}.dcp.save"), partial(dcp_save, path, w.model, w.optim))
     result.committed_bytes["dcp.save"] = tree_bytes(path)
     drop_from_page_cache(path)
     model, optim = w.fresh()
-    measure(result.samples(f"{prefix}.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
+    w.measure(result.samples(f"{prefix}.dcp.load.cold"), partial(dcp_load_into, path, model, optim))
     w.check_restored(model, optim, "dcp.load")
     del model, optim
     remove(path)
@@ -1046,6 +1116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed tiny pass first")
     p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and the optimizer's state live (default cpu). cuda: the current GPU; the "
+        "floor of the async blocking is then a device-to-host copy into pinned host buffers kept between "
+        "saves, and restores go into a model on the GPU",
+    )
+    p.add_argument(
         "--many-layers",
         type=int,
         default=0,
@@ -1068,7 +1146,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--many-layers and --profile must be >= 0, --many-width >= 1")
     if args.profile and not args.many_layers:
         p.error("--profile profiles the --many-layers state: give --many-layers N too")
+    if args.device == "cuda":
+        if args.many_layers:
+            p.error("--device cuda measures the --sizes states; --many-layers runs on CPU: drop one of them")
+        if not torch.cuda.is_available():
+            p.error(
+                f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA "
+                f"{torch.version.cuda or 'none'}): run it on a machine with an NVIDIA GPU and a CUDA build of "
+                "torch, or leave --device out (cpu)"
+            )
     return args
+
+
+def describe_device(device: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """What the state lives on, for the report: the GPU's name, memory and compute capability from
+    torch.cuda, or the CPU's model name."""
+    if device != "cuda":
+        return {"type": "cpu", "name": machine.get("cpu_model")}
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "type": "cuda",
+        "index": index,
+        "name": torch.cuda.get_device_name(index),
+        "memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "count": torch.cuda.device_count(),
+        "torch_cuda": torch.version.cuda,
+    }
+
+
+def device_line(device: dict[str, Any]) -> str:
+    """The report's first line: where the state lived."""
+    if device["type"] != "cuda":
+        return f"State on: CPU ({device.get('name') or 'model unknown'}).\n"
+    return (
+        f"State on: GPU cuda:{device['index']}, {device['name']} ({fmt_bytes(device['memory_bytes'])}, "
+        f"compute capability {device['capability']}, torch built for CUDA {device['torch_cuda']}); the floor "
+        "of the async blocking is a device-to-host copy into pinned host buffers kept between saves.\n"
+    )
 
 
 @contextlib.contextmanager
@@ -1121,13 +1237,16 @@ def main(argv: list[str] | None = None) -> int:
     started_wall = time.time()
     started = time.monotonic()
     machine = describe_machine(args.scratch)
+    device = describe_device(args.device, machine)
     log(
-        "machine: %d cores, %s RAM, disk %s (%s), torch %s",
+        "machine: %d cores, %s RAM, disk %s (%s), torch %s; state on %s (%s)",
         machine["cores"],
         fmt_bytes(machine["memory_bytes"] or 0),
         machine["disk"].get("block_device"),
         machine["disk"]["fstype"],
         machine["torch"],
+        device["type"],
+        device["name"],
     )
     if args.many_layers:
         return main_many(args, machine, started_wall, started)
@@ -1144,6 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_unix": started_wall,
         "wall_seconds": time.monotonic() - started,
         "machine": machine,
+        "device": device,
         "load_average_at_end": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items()},
         "s3_endpoint": endpoint and "moto server on 127.0.0.1 (own process)",
@@ -1175,6 +1295,7 @@ def main_many(args: argparse.Namespace, machine: dict[str, Any], started_wall: f
         "started_unix": started_wall,
         "wall_seconds": time.monotonic() - started,
         "machine": machine,
+        "device": describe_device(args.device, machine),
         "load_average_at_end": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items()},
         "many_layers": result.to_json(),

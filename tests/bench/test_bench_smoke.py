@@ -72,6 +72,8 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
     )  # fmt: skip
     assert [s["size_gb"] for s in data["sizes"]] == [0.01]
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+    assert data["args"]["device"] == "cpu" and data["device"]["type"] == "cpu"
+    assert md.startswith("State on: CPU ("), md[:200]
     for heading in (
         "### Against the targets",
         "### Filesystem, 50.36 MB",
@@ -98,6 +100,40 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
         "| plain dcp.load (cold) + set_state_dict |",
     ):
         assert row in md, row
+
+
+def test_checkpoint_device_option_defaults_to_cpu_and_refuses_cuda_without_a_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--device`` (cpu by default; cuda puts the state on the GPU): what of it runs without a GPU,
+    in-process and without timing anything. ``--device cuda`` where torch sees no GPU stops at the
+    argument check, saying why, before any state is built."""
+    import torch
+
+    from bench.checkpoint import describe_device, device_line, parse_args
+
+    assert parse_args([]).device == "cpu"
+    assert parse_args(["--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda", "--many-layers", "2"])
+    assert "--many-layers runs on CPU" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda"])
+        assert "--device cuda: torch.cuda.is_available() is False" in capsys.readouterr().err
+    described = describe_device("cpu", {"cpu_model": "Some CPU"})
+    assert described == {"type": "cpu", "name": "Some CPU"}
+    assert device_line(described) == "State on: CPU (Some CPU).\n"
+    gpu = {
+        "type": "cuda", "index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_520_809_984,
+        "capability": "9.0", "count": 1, "torch_cuda": "13.0",
+    }  # fmt: skip
+    line = device_line(gpu)
+    assert line.startswith("State on: GPU cuda:0, NVIDIA H100 80GB HBM3 (85.52 GB, compute capability 9.0"), line
+    assert "device-to-host copy into pinned host buffers" in line
 
 
 def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Path) -> None:
