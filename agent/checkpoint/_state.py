@@ -247,6 +247,15 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
+            if isinstance(value, nn.Module) and hasattr(_ModuleBag, key):
+                # The modules are saved as children of one module under their keys (so names read
+                # "model.fc.weight"), and torch walks them by attribute: such a key would name the
+                # method, not the module (add_module refused it with a bare KeyError).
+                raise ValueError(
+                    f"state key {key!r} holds a module, and {key!r} is the name of an nn.Module attribute, "
+                    f"which cannot name a module in a checkpoint: use another key (e.g. {key + '_model'!r}), "
+                    "the same in save() and restore()"
+                )
             if _is_zero_redundancy_optimizer(value):
                 raise TypeError(
                     f"state[{key!r}] is a ZeroRedundancyOptimizer: each rank holds only its own shard of the "

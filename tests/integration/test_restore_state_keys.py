@@ -191,6 +191,20 @@ def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path
         ckpt.save(1, {**make_state(0), "loader": loader})
 
 
+@pytest.mark.parametrize("key", ["eval", "cpu", "state_dict"])
+def test_a_module_under_a_key_that_names_a_module_attribute_is_refused_naming_it(tmp_path: Path, key: str) -> None:
+    """Fails without the fix: a module under a key such as "eval" (an eval copy of the model) failed
+    the save as ``SaveFailedError: ... KeyError("attribute 'eval' already exists")``, naming neither
+    the key's problem nor what to do, and a restore failed the same way."""
+    state = {**make_state(0), key: nn.Linear(2, 2)}
+    with (
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match=rf"state key '{key}' holds a module.*nn.Module attribute.*'{key}_model'"),
+    ):
+        ckpt.save(1, state)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step-*")), "nothing is committed"
+
+
 @pytest.mark.parametrize(
     ("value", "hint"),
     [
