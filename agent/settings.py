@@ -186,8 +186,9 @@ OTHER_VARIABLES = frozenset(
         "SPOTJOB_REBALANCE",
         "SPOTJOB_NODE_LOST_GRACE_SECONDS",
         "SPOTJOB_WORKERS",
-        # the repository's tooling (scripts/get-helm.py); its tests' own are _TOOLING_PREFIXES
+        # the repository's tooling (scripts/get-helm.py, bench/_common.py); its tests' own are _TOOLING_PREFIXES
         "SPOTJOB_HELM",
+        "SPOTJOB_BENCH_OUT",
     }
 )
 """The ``SPOTJOB_*`` variables read outside the settings classes above, by any part of spotjob."""
