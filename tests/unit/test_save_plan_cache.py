@@ -185,3 +185,34 @@ def test_a_changed_from_rank0_replans_from_the_cached_plans() -> None:
     assert sorted(r for ranks in first.values() for r in ranks) != [0] * 8  # spread over the ranks
     again = _written(_plan_save(states, caches, from_rank0=frozenset(f"w{i}" for i in range(8))))
     assert again == {f"w{i}": [0] for i in range(8)}
+
+
+def test_one_rank_changed_is_planned_with_the_others_cached_plans() -> None:
+    """Rank 2 alone adds a value and resizes one (a pipeline stage's state changing): it sends its
+    plan, ranks 0, 1 and 3 only a marker, and the coordinator plans the save from rank 2's new plan
+    and the others' cached ones: every rank writes what it would with the save planned afresh."""
+    world = 4
+    caches = [SavePlanCache() for _ in range(world)]
+
+    def states() -> list[dict[str, Any]]:
+        return [
+            {"shared": torch.ones(64), f"own{r}": torch.full((8,), float(r)), "step": torch.tensor(1.0)}
+            for r in range(world)
+        ]
+
+    before = states()
+    _plan_save(before, caches)
+    after = states()
+    after[2]["extra"] = torch.zeros(16)
+    after[2]["own2"] = torch.zeros(32)
+    planned = [
+        [(i.index.fqn, i.tensor_data.size if i.tensor_data else None) for i in p.items]
+        for p in _plan_save(after, caches)
+    ]
+    afresh = [
+        [(i.index.fqn, i.tensor_data.size if i.tensor_data else None) for i in p.items]
+        for p in _plan_save(after, [SavePlanCache() for _ in range(world)])
+    ]
+    assert planned[2] != [] and ("extra", torch.Size([16])) in planned[2]
+    assert ("own2", torch.Size([32])) in planned[2]
+    assert [sorted(p) for p in planned] == [sorted(p) for p in afresh]
