@@ -452,18 +452,29 @@ class RankZeroSavePlanner(DefaultSavePlanner):
     rank too (``_small_whole_value``); everything else is spread over the ranks as DCP does.
     """
 
-    def __init__(self, from_rank0: frozenset[str], *, check_replicas: bool = True) -> None:
+    def __init__(
+        self, from_rank0: frozenset[str], *, check_replicas: bool = True, cache: SavePlanCache | None = None
+    ) -> None:
         super().__init__()
         self._from_rank0 = from_rank0
         self._check_replicas = check_replicas
+        self._cache = cache
+        self._local: SavePlan | None = None  # this save's local plan as DCP made it, for the cache
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, with a fingerprint of each value the coordinator may keep one copy of
-        (``_fingerprints``) riding beside DCP's own planner data."""
+        (``_fingerprints``) riding beside DCP's own planner data. With a ``cache`` holding the same
+        local plan from an earlier save, only the fingerprints travel (``_Unchanged``)."""
         plan = super().create_local_plan()
-        if not self._check_replicas:
-            return plan
-        self.plan = plan = dataclasses.replace(plan, planner_data=(plan.planner_data, self._fingerprints(plan)))
+        fingerprints = self._fingerprints(plan) if self._check_replicas else None
+        cache = self._cache
+        if cache is not None:
+            self._local = plan
+            if cache.generation and cache.local is not None and _same_local_plan(plan, cache.local):
+                self.plan = plan = SavePlan([], planner_data=_Unchanged(cache.generation, fingerprints))
+                return plan
+        if fingerprints is not None:
+            self.plan = plan = dataclasses.replace(plan, planner_data=(plan.planner_data, fingerprints))
         return plan
 
     def _fingerprints(self, plan: SavePlan) -> dict[str, int]:
@@ -498,7 +509,9 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         seen: dict[str, tuple[int, int]] = {}
         differ: dict[str, tuple[str, int, int]] = {}  # by name: the first two ranks that differ
         for rank, plan in enumerate(all_plans):
-            for fqn, fingerprint in plan.planner_data[1].items():
+            data = plan.planner_data
+            fingerprints = data.fingerprints if isinstance(data, _Unchanged) else data[1]
+            for fqn, fingerprint in (fingerprints or {}).items():
                 first = seen.setdefault(fqn, (rank, fingerprint))
                 if first[1] != fingerprint:
                     differ.setdefault(fqn, (fqn, first[0], rank))
@@ -506,10 +519,69 @@ class RankZeroSavePlanner(DefaultSavePlanner):
             raise DivergentReplicasError.of(list(differ.values()))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """(coordinator) The replica check on every rank's fingerprints, then DCP's global plan; with
+        a ``cache``, the last save's when no rank's local plan changed and ``from_rank0`` is the
+        same, else DCP's from the changed plans and the cached ones of the ranks that sent none."""
         if self._check_replicas:
             self._check_replicas_agree(all_plans)
-            all_plans = [dataclasses.replace(p, planner_data=p.planner_data[0]) for p in all_plans]
-        return super().create_global_plan(all_plans)
+        cache = self._cache
+        unchanged = [isinstance(p.planner_data, _Unchanged) for p in all_plans]
+        if any(unchanged):
+            generations = {p.planner_data.generation for p, u in zip(all_plans, unchanged, strict=True) if u}
+            if (
+                cache is None
+                or cache.all_plans is None
+                or len(cache.all_plans) != len(all_plans)
+                or generations != {cache.planned}
+            ):
+                held = None if cache is None or cache.all_plans is None else (cache.planned, len(cache.all_plans))
+                raise RuntimeError(
+                    f"the ranks reuse the save plans of save(s) {sorted(generations)} of {len(all_plans)} rank(s); "
+                    f"the coordinator holds {held} (plan, ranks): an earlier save failed on some ranks only. This "
+                    "save is given up and every rank plans the next one afresh"
+                )
+        cached = cache is not None and cache.all_plans is not None
+        if cache is not None and cached and all(unchanged) and cache.from_rank0 == self._from_rank0:
+            assert cache.global_plan is not None and cache.metadata is not None
+            self.global_plan, self.metadata = cache.global_plan, dataclasses.replace(cache.metadata)
+            reply = SavePlan([], planner_data=_Unchanged(cache.planned, None))
+            return [reply] * len(all_plans), self.metadata
+        if self._check_replicas:  # DCP's own planner data, without the fingerprints
+            all_plans = [
+                p if u else dataclasses.replace(p, planner_data=p.planner_data[0])
+                for p, u in zip(all_plans, unchanged, strict=True)
+            ]
+        if cache is not None and cache.all_plans is not None:  # a rank that sent none: its cached plan
+            all_plans = [c if u else p for c, p, u in zip(cache.all_plans, all_plans, unchanged, strict=True)]
+        global_plan, metadata = super().create_global_plan(all_plans)
+        if cache is None:
+            return global_plan, metadata
+        cache.planned += 1
+        cache.all_plans = all_plans
+        cache.global_plan, cache.metadata, cache.from_rank0 = global_plan, metadata, self._from_rank0
+        self.metadata = dataclasses.replace(metadata)  # DCP's writer sets its storage_data per save
+        return [dataclasses.replace(p, planner_data=_Planned(cache.planned, p.planner_data)) for p in global_plan], (
+            self.metadata
+        )
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """This rank's part of the global plan: the cached one when the coordinator says it is
+        unchanged (``_Unchanged``), else the one it sent, kept in the cache with the local plan."""
+        data = new_plan.planner_data
+        cache = self._cache
+        if isinstance(data, _Unchanged):
+            if cache is None or cache.final is None or cache.generation != data.generation:
+                raise RuntimeError(
+                    f"the coordinator reused the save plan of save {data.generation}, which this rank does not "
+                    f"hold ({cache.generation if cache is not None else None}): a save failed on some ranks only. "
+                    "This save is given up and every rank plans the next one afresh"
+                )
+            return super().finish_plan(cache.final)
+        if isinstance(data, _Planned):
+            new_plan = dataclasses.replace(new_plan, planner_data=data.planner_data)
+            if cache is not None and self._local is not None:
+                cache.local, cache.final, cache.generation = self._local, new_plan, data.generation
+        return super().finish_plan(new_plan)
 
     def _takes_rank0(self, fqn: str) -> bool:
         if not self._from_rank0:
@@ -538,6 +610,82 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         return [
             dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, lowest, spread, strict=True)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchanged:
+    """The planner data of a plan that stands for the one of save ``generation``: from a rank, its
+    local plan is the same as then (only this save's replica ``fingerprints`` travel, when the
+    replicas are checked); from the coordinator, so is the rank's part of the global plan."""
+
+    generation: int
+    fingerprints: dict[str, int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """The planner data of a rank's part of a new global plan (DCP's own ``planner_data``), the
+    coordinator's number for it: the rank caches both."""
+
+    generation: int
+    planner_data: Any
+
+
+def _same_local_plan(plan: SavePlan, cached: SavePlan) -> bool:
+    """Whether DCP would plan ``plan`` as it planned ``cached``: the same items (name, offset, kind,
+    and a tensor's size, chunk, dtype, layout and other properties), DCP's own planner data (the
+    names' places in the nested state) and storage data. A stricter test than torch's own
+    ``_compare_save_plans``, which leaves dtypes out."""
+    return (
+        plan.planner_data == cached.planner_data
+        and plan.storage_data == cached.storage_data
+        and plan.items == cached.items
+    )
+
+
+class SavePlanCache:
+    """The save plans of a Checkpointer's last save, reused while the state keeps its structure.
+
+    DCP plans every save afresh: each rank lists its items (``create_local_plan``), the lists are
+    gathered to the coordinator, which decides who writes what and builds the metadata
+    (``create_global_plan``), and scatters a plan back to each rank. With many small tensors that
+    is a large part of a save, and with several ranks most of it is pickling the lists to and fro,
+    though the state's structure rarely changes between saves. With this cache a rank whose local
+    plan is the same as at the last save sends only a marker (and this save's replica
+    fingerprints, so the check stays what it was); when every rank's is, and ``from_rank0`` is the
+    same, the coordinator answers each with a marker too and every rank writes its cached plan.
+    Any change (a tensor added, removed, resized, of another dtype or sharding; a new param group;
+    another ``from_rank0``) has that rank send its full plan and the coordinator plan the save
+    afresh, with the cached plans of the others. The data is taken from the state at write time,
+    never from the plans (``resolve_data``), and the plans hold no tensors.
+
+    One per Checkpointer (its own save group, so one world size); not shared between
+    Checkpointers, unlike torch's own plan caching (``enable_plan_caching``: one cache per planner
+    class, for the whole process). ``clear`` after a failed save.
+    """
+
+    def __init__(self) -> None:
+        self.planned = 0
+        """(coordinator) The number of the last global plan it made (counting up, never reused)."""
+        self.world_size = 0
+        self.clear()
+
+    def bind(self, world_size: int) -> None:
+        """Forget the plans if they were made for another number of ranks."""
+        if world_size != self.world_size:
+            self.clear()
+            self.world_size = world_size
+
+    def clear(self) -> None:
+        # This rank's: its last local plan, its part of the global plan, and that plan's number.
+        self.local: SavePlan | None = None
+        self.final: SavePlan | None = None
+        self.generation = 0
+        # The coordinator's: every rank's local plan, the global plan and metadata, for from_rank0.
+        self.all_plans: list[SavePlan] | None = None
+        self.global_plan: list[SavePlan] | None = None
+        self.metadata: Metadata | None = None
+        self.from_rank0: frozenset[str] | None = None
 
 
 SCALAR_BYTES = 16
@@ -678,22 +826,34 @@ def dcp_save(
     process_group: Any,
     no_dist: bool,
     from_rank0: frozenset[str] = frozenset(),
+    plan_cache: SavePlanCache | None = None,
 ) -> None:
     """What ``dcp.save`` does with a storage writer given, without its warning; the values named
-    in ``from_rank0`` are written from the lowest rank (``RankZeroSavePlanner``).
+    in ``from_rank0`` are written from the lowest rank (``RankZeroSavePlanner``). ``plan_cache``:
+    the plans of the last save through it are reused while the state keeps its structure
+    (``SavePlanCache``); it is cleared when the save fails.
 
     ``dcp.save`` warns on every single-process call; silencing that would mean editing the
     process's warning filters, which belong to the user. The function below it does the work.
     """
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    _save_state_dict(
-        state_dict=state,
-        storage_writer=writer,
-        process_group=process_group,
-        no_dist=no_dist,
-        planner=RankZeroSavePlanner(from_rank0, check_replicas=not no_dist),
-    )
+    if plan_cache is not None:
+        plan_cache.bind(1 if no_dist else torch.distributed.get_world_size(process_group))
+    try:
+        _save_state_dict(
+            state_dict=state,
+            storage_writer=writer,
+            process_group=process_group,
+            no_dist=no_dist,
+            planner=RankZeroSavePlanner(from_rank0, check_replicas=not no_dist, cache=plan_cache),
+        )
+    except BaseException:
+        # DCP raises a failure on every rank (planning and writing end in collectives): every
+        # rank forgets its plans, and the next save is planned afresh everywhere.
+        if plan_cache is not None:
+            plan_cache.clear()
+        raise
 
 
 def staging_options(cuda: bool) -> Any:

@@ -22,6 +22,7 @@ from agent import rank_state
 from agent._dcp_write import (
     ChecksummedFile,
     DivergentReplicasError,
+    SavePlanCache,
     dcp_save,
     make_stager,
     make_writer,
@@ -235,6 +236,7 @@ class _Saving(_Voting):
     _saves_started: int
     _fenced: FencedSaveError | None
     _direct_io: bool
+    _plan_cache: SavePlanCache
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -586,6 +588,7 @@ class _Saving(_Voting):
                     process_group=self._save_pg,
                     no_dist=not self._dist,
                     from_rank0=save.from_rank0,
+                    plan_cache=self._plan_cache,
                 )
                 written.update(save.writer.written)
             with ChecksummedFile(rank_file) as f:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agent._dcp_write import SavePlanCache
 from agent._direct_io import suits_direct_io
 from agent._layout import PROBES_FOLDER
 from agent.checkpoint._restore import _Restoring
@@ -231,6 +232,8 @@ class Checkpointer(_Saving, _Restoring):
         self._flushed = False
         self._fenced: FencedSaveError | None = None
         self._stager: Any = None
+        # DCP's save plans of the last save, reused while the state keeps its structure.
+        self._plan_cache = SavePlanCache()
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._saves_started = 0
