@@ -666,9 +666,7 @@ class GCSStorage(PrefixedKeys, Storage):
             first=first,
         )
 
-    def _get_media(
-        self, key: str, local_path: str, size: int, crc32c: int | None, progress: ProgressFn | None
-    ) -> None:
+    def _get_media(self, key: str, local_path: str, size: int, crc32c: int | None, progress: ProgressFn | None) -> None:
         """The ``size``-byte file, its first part's ranged media GET on the client's own authorized
         session first: a file of one part is that one request, a file of N parts N requests.
 
