@@ -126,16 +126,19 @@ class TestStaging:
         finally:
             stager.close()
 
-    def test_a_tensor_held_twice_is_staged_once(self) -> None:
-        """One tensor under two names and inside an optimizer-like nested state is one staged tensor
-        (DCP's deep copy keeps that identity), in one buffer; plain values are staged as they are."""
+    def test_a_value_held_twice_is_staged_once(self) -> None:
+        """One tensor under two names, and one dict in two places of an optimizer-like nested state,
+        are one staged tensor and one staged dict (DCP's deep copy keeps that identity), the tensor
+        in one buffer; plain values are staged as they are."""
         w, moment = torch.randn(4, 3), torch.randn(4, 3)
         group = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "foreach": None, "params": ["w"]}
-        state = {"w": w, "optim": {"state": {"w": {"exp_avg": moment, "same": w}}, "param_groups": [group]}}
+        per_param = {"exp_avg": moment, "same": w}
+        state = {"w": w, "optim": {"state": {"w": per_param, "tied": per_param}, "param_groups": [group]}}
         stager = make_stager(cuda=False)
         try:
             staged = stage_state(stager, state)
             assert staged["optim"]["state"]["w"]["same"] is staged["w"]
+            assert staged["optim"]["state"]["tied"] is staged["optim"]["state"]["w"]
             assert torch.equal(staged["w"], w) and torch.equal(staged["optim"]["state"]["w"]["exp_avg"], moment)
             assert staged["w"].data_ptr() != w.data_ptr()
             assert staged["optim"]["param_groups"] == [group] and staged["optim"]["param_groups"][0] is not group
