@@ -364,7 +364,9 @@ def test_async_saves_into_kept_buffers_restore_the_last_state_bit_for_bit(tmp_pa
     """Every async save after a Checkpointer's first copies the state into the buffers the first
     allocated (``stage_state``'s plain path, which this state takes): a restore brings back the
     last save's values bit for bit, not an earlier save's, a buffer that is a transposed view of a
-    trained weight included (two tensors of one storage, staged as views of one buffer)."""
+    trained weight included (two tensors of one storage, staged as views of one buffer). The
+    values pin what DCP's stager already did; they fail with a plain path that skips the copy
+    into a kept buffer."""
 
     def with_view(state: dict[str, Any]) -> dict[str, Any]:
         state["model"][0].register_buffer("weight_t", state["model"][0].weight.detach().t())

@@ -81,7 +81,8 @@ class TestStaging:
 
     def test_views_of_one_storage_stay_views_of_one_buffer(self) -> None:
         """Tensors that share a storage (tied weights, a buffer registered with a view of another)
-        are staged as views of one buffer, at the same offsets, as DCP's stager stages them."""
+        are staged as views of one buffer, at the same offsets, as DCP's stager stages them. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
         base = torch.arange(48.0).reshape(6, 8)
         state = {"base": base, "row": base[1], "other_row": base[3], "tail": base[2:4, 1:5], "alias": base.view(8, 6)}
         stager = make_stager(cuda=False)
@@ -103,7 +104,8 @@ class TestStaging:
 
     def test_non_contiguous_tensors_are_staged_with_their_strides(self) -> None:
         """A transposed, a strided, an ``expand()``ed and a channels-last tensor keep their strides,
-        storage offsets and values, at the first save and when the kept buffers are reused."""
+        storage offsets and values, at the first save and when the kept buffers are reused. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
         column = torch.randn(3, 1)
         state = {
             "t": torch.randn(4, 6).t(),
@@ -129,7 +131,8 @@ class TestStaging:
     def test_a_value_held_twice_is_staged_once(self) -> None:
         """One tensor under two names, and one dict in two places of an optimizer-like nested state,
         are one staged tensor and one staged dict (DCP's deep copy keeps that identity), the tensor
-        in one buffer; plain values are staged as they are."""
+        in one buffer; plain values are staged as they are. Pins what DCP's stager already did;
+        fails with a plain path broken that way."""
         w, moment = torch.randn(4, 3), torch.randn(4, 3)
         group = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "foreach": None, "params": ["w"]}
         per_param = {"exp_avg": moment, "same": w}
@@ -147,7 +150,8 @@ class TestStaging:
 
     def test_the_plain_path_stages_what_dcps_stager_stages(self) -> None:
         """The same structure, values, dtypes, shapes, strides, offsets and storage sharing as DCP's
-        own deep copy of the state (``StateDictStager.stage``), for a state of every kind it takes."""
+        own deep copy of the state (``StateDictStager.stage``), for a state of every kind it takes.
+        Pins what DCP's stager already did; fails with a plain path broken that way."""
         base = torch.randn(6, 8)
         state = {
             "base": base,
@@ -186,7 +190,8 @@ class TestStaging:
 
     def test_a_state_the_plain_path_does_not_take_is_staged_by_dcp_and_keeps_its_buffers(self) -> None:
         """A value other than plain tensors, dicts, lists, tuples and plain values (here a tensor
-        subclass, and an OrderedDict) goes through DCP's stager, whose buffers are then reused."""
+        subclass, and an OrderedDict) goes through DCP's stager, whose buffers are then reused. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
 
         class Marked(torch.Tensor):
             pass
@@ -206,7 +211,8 @@ class TestStaging:
 
     def test_a_freed_tensors_buffer_goes_with_it_and_close_frees_the_rest(self) -> None:
         """As DCP's cache does: a buffer goes as soon as its source tensor is freed, before any
-        later save; ``close()`` (what ``release_staging`` and ``Checkpointer.close`` call) frees all."""
+        later save; ``close()`` (what ``release_staging`` and ``Checkpointer.close`` call) frees
+        all. Pins what DCP's stager already did; fails with a plain path broken that way."""
         state = {"w": torch.randn(8), "ema": torch.randn(1000)}
         stager = make_stager(cuda=False)
         try:
