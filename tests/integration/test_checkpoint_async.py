@@ -360,6 +360,34 @@ def test_staging_buffers_are_kept_between_saves_unless_released(tmp_path: Path, 
     assert_same(snapshot(fresh), saved, "the state staged into released buffers")
 
 
+def test_async_saves_into_kept_buffers_restore_the_last_state_bit_for_bit(tmp_path: Path) -> None:
+    """Every async save after a Checkpointer's first copies the state into the buffers the first
+    allocated (``stage_state``'s plain path, which this state takes): a restore brings back the
+    last save's values bit for bit, not an earlier save's, a buffer that is a transposed view of a
+    trained weight included (two tensors of one storage, staged as views of one buffer). The
+    values pin what DCP's stager already did; they fail with a plain path that skips the copy
+    into a kept buffer."""
+
+    def with_view(state: dict[str, Any]) -> dict[str, Any]:
+        state["model"][0].register_buffer("weight_t", state["model"][0].weight.detach().t())
+        return state
+
+    state = with_view(make_state(0))
+    with Checkpointer(str(tmp_path / "ckpt"), keep=None) as ckpt:
+        for step in (1, 2, 3):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+            ckpt.wait()
+        kept = ckpt._stager._state_dict_stager._stage_untyped_storage
+        assert kept.plain and kept.plain_state, "the plain path staged these saves"
+        saved = snapshot(state)
+    fresh = with_view(make_state(0, seed=6))
+    with Checkpointer(str(tmp_path / "ckpt")) as again:
+        assert again.restore(fresh) == 3
+    assert_same(snapshot(fresh), saved, "the last of three async saves")
+    assert torch.equal(fresh["model"][0].weight_t, fresh["model"][0].weight.t())
+
+
 def test_release_staging_from_the_environment_reaches_a_checkpointer_built_directly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,3 +84,49 @@ def test_a_different_optimizer_object_under_the_same_key_is_the_one_saved_and_ch
     optim.state[model[0].weight]["momentum_buffer"] = torch.eye(2, 4).to_sparse()
     with pytest.raises(ValueError, match="is a sparse tensor"):
         derived(ckpt, state)
+
+
+class _Renaming(nn.Module):
+    """A module whose child's tensors are named in the state as if they were its own (torch's
+    ``_fqn_modifiers``: ``model.0.weight`` for ``model.0.inner.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 2)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"weight": "inner", "bias": "inner"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "activation_checkpointing", "compiled", "fqn_modifiers"])
+def test_the_names_saved_from_rank0_are_those_torchs_walk_names(
+    ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch, wrap: str
+) -> None:
+    """``_from_rank0`` takes a parameter's name as its FQN where no module is one torch's
+    ``_get_fqns`` sees through or renames under, and asks that walk otherwise: the same names either
+    way, for a model wrapped each way (pins behaviour that already held)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from agent.checkpoint import _state
+
+    inner: nn.Module = {
+        "plain": lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+        "activation_checkpointing": lambda: nn.Sequential(checkpoint_wrapper(nn.Linear(4, 4)), nn.BatchNorm1d(4)),
+        "compiled": lambda: torch.compile(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))),
+        "fqn_modifiers": lambda: nn.Sequential(_Renaming(), nn.BatchNorm1d(2)),
+    }[wrap]()
+    ema = nn.Linear(4, 2)  # trained by no optimizer: its parameters are rank 0's
+    optim = torch.optim.SGD(inner.parameters(), lr=0.1)
+    state = {"model": inner, "ema": ema, "optim": optim}
+    assert _state._names_are_fqns(_state._ModuleBag({"model": inner, "ema": ema})) == (
+        wrap != "compiled" and wrap != "fqn_modifiers"
+    )
+    _, fast = derived(ckpt, state)
+    monkeypatch.setattr(_state, "_names_are_fqns", lambda bag: False)
+    _, walked = derived(ckpt, state)
+    assert fast == walked
+    assert {"ema.weight", "ema.bias"} <= fast
+    assert not any("_checkpoint_wrapped_module" in name or "_orig_mod" in name for name in fast)

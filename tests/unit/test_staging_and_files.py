@@ -4,12 +4,14 @@ saves, the checksumming writer, and the one atomic-write helper."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import stat
 import threading
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +76,172 @@ class TestStaging:
             assert second["w"].data_ptr() == kept
         finally:
             stager.close()
+
+    # -- the plain path: stage_state without DCP's deep copy (``_KeptBuffers.stage_plain``) -----
+
+    def test_views_of_one_storage_stay_views_of_one_buffer(self) -> None:
+        """Tensors that share a storage (tied weights, a buffer registered with a view of another)
+        are staged as views of one buffer, at the same offsets, as DCP's stager stages them. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
+        base = torch.arange(48.0).reshape(6, 8)
+        state = {"base": base, "row": base[1], "other_row": base[3], "tail": base[2:4, 1:5], "alias": base.view(8, 6)}
+        stager = make_stager(cuda=False)
+        try:
+            for add in (0.0, 1.0):  # the second save copies into the buffers of the first
+                base.add_(add)
+                staged = stage_state(stager, state)
+                pointer = staged["base"].untyped_storage().data_ptr()
+                assert pointer != base.untyped_storage().data_ptr()
+                for key, source in state.items():
+                    assert torch.equal(staged[key], source), key
+                    assert staged[key].untyped_storage().data_ptr() == pointer, key
+                    assert staged[key].storage_offset() == source.storage_offset(), key
+                    assert staged[key].stride() == source.stride(), key
+                staged["base"][1, 0] = -1.0  # one buffer: a write through one view shows in the others
+                assert staged["row"][0] == -1.0 and staged["alias"][1, 2] == -1.0
+        finally:
+            stager.close()
+
+    def test_non_contiguous_tensors_are_staged_with_their_strides(self) -> None:
+        """A transposed, a strided, an ``expand()``ed and a channels-last tensor keep their strides,
+        storage offsets and values, at the first save and when the kept buffers are reused. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
+        column = torch.randn(3, 1)
+        state = {
+            "t": torch.randn(4, 6).t(),
+            "every_other": torch.randn(5, 8)[:, 1::2],
+            "expanded": column.expand(3, 4),
+            "channels_last": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        }
+        stager = make_stager(cuda=False)
+        try:
+            for _ in range(2):
+                staged = stage_state(stager, state)
+                for key, source in state.items():
+                    assert not source.is_contiguous(), key
+                    assert (staged[key].shape, staged[key].stride()) == (source.shape, source.stride()), key
+                    assert staged[key].storage_offset() == source.storage_offset(), key
+                    assert torch.equal(staged[key], source), key
+                column.mul_(2.0)  # what "expanded" views
+                for key in ("t", "every_other", "channels_last"):
+                    state[key].mul_(2.0)
+        finally:
+            stager.close()
+
+    def test_a_value_held_twice_is_staged_once(self) -> None:
+        """One tensor under two names, and one dict in two places of an optimizer-like nested state,
+        are one staged tensor and one staged dict (DCP's deep copy keeps that identity), the tensor
+        in one buffer; plain values are staged as they are. Pins what DCP's stager already did;
+        fails with a plain path broken that way."""
+        w, moment = torch.randn(4, 3), torch.randn(4, 3)
+        group = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "foreach": None, "params": ["w"]}
+        per_param = {"exp_avg": moment, "same": w}
+        state = {"w": w, "optim": {"state": {"w": per_param, "tied": per_param}, "param_groups": [group]}}
+        stager = make_stager(cuda=False)
+        try:
+            staged = stage_state(stager, state)
+            assert staged["optim"]["state"]["w"]["same"] is staged["w"]
+            assert staged["optim"]["state"]["tied"] is staged["optim"]["state"]["w"]
+            assert torch.equal(staged["w"], w) and torch.equal(staged["optim"]["state"]["w"]["exp_avg"], moment)
+            assert staged["w"].data_ptr() != w.data_ptr()
+            assert staged["optim"]["param_groups"] == [group] and staged["optim"]["param_groups"][0] is not group
+        finally:
+            stager.close()
+
+    def test_the_plain_path_stages_what_dcps_stager_stages(self) -> None:
+        """The same structure, values, dtypes, shapes, strides, offsets and storage sharing as DCP's
+        own deep copy of the state (``StateDictStager.stage``), for a state of every kind it takes.
+        Pins what DCP's stager already did; fails with a plain path broken that way."""
+        base = torch.randn(6, 8)
+        state = {
+            "base": base,
+            "t": base.t(),
+            "slice": base[2:4, 1:5],
+            "scalar": torch.tensor(3, dtype=torch.int64),
+            "empty": torch.empty(0, 3, dtype=torch.float16),
+            "bf16": torch.randn(5).bfloat16(),
+            "optim": {"state": {"base": {"m": torch.randn(6, 8), "step": torch.tensor(2.0)}}, "groups": [(1, "a")]},
+        }
+        plain, dcp = make_stager(cuda=False), make_stager(cuda=False)
+        try:
+            ours, theirs = stage_state(plain, state), dcp._state_dict_stager.stage(state)
+            ours_flat, theirs_flat = _flat(ours), _flat(theirs)
+            assert list(ours_flat) == list(theirs_flat)
+            buffers_ours, buffers_theirs = {}, {}
+            for key, a in ours_flat.items():
+                b = theirs_flat[key]
+                assert type(a) is type(b), key
+                if isinstance(a, torch.Tensor):
+                    assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (
+                        b.dtype,
+                        b.shape,
+                        b.stride(),
+                        b.storage_offset(),
+                    ), key
+                    assert torch.equal(a, b), key
+                    buffers_ours.setdefault(a.untyped_storage().data_ptr(), []).append(key)
+                    buffers_theirs.setdefault(b.untyped_storage().data_ptr(), []).append(key)
+                else:
+                    assert a == b, key
+            assert sorted(buffers_ours.values()) == sorted(buffers_theirs.values())
+        finally:
+            plain.close()
+            dcp.close()
+
+    def test_a_state_the_plain_path_does_not_take_is_staged_by_dcp_and_keeps_its_buffers(self) -> None:
+        """A value other than plain tensors, dicts, lists, tuples and plain values (here a tensor
+        subclass, and an OrderedDict) goes through DCP's stager, whose buffers are then reused. Pins
+        what DCP's stager already did; fails with a plain path broken that way."""
+
+        class Marked(torch.Tensor):
+            pass
+
+        for odd in (torch.randn(3).as_subclass(Marked), collections.OrderedDict(a=torch.randn(3))):
+            state = {"w": torch.randn(16, 16), "odd": odd}
+            stager = make_stager(cuda=False)
+            try:
+                first = stage_state(stager, state)["w"].data_ptr()
+                state["w"].add_(1.0)
+                second = stage_state(stager, state)
+                assert type(second["odd"]) is type(odd) and second["odd"] is not odd
+                assert second["w"].data_ptr() == first
+                assert torch.equal(second["w"], state["w"])
+            finally:
+                stager.close()
+
+    def test_a_freed_tensors_buffer_goes_with_it_and_close_frees_the_rest(self) -> None:
+        """As DCP's cache does: a buffer goes as soon as its source tensor is freed, before any
+        later save; ``close()`` (what ``release_staging`` and ``Checkpointer.close`` call) frees
+        all. Pins what DCP's stager already did; fails with a plain path broken that way."""
+        state = {"w": torch.randn(8), "ema": torch.randn(1000)}
+        stager = make_stager(cuda=False)
+        try:
+            staged = stage_state(stager, state)
+            ema_copy = weakref.ref(staged["ema"].untyped_storage())
+            w_copy = weakref.ref(staged["w"].untyped_storage())
+            del staged
+            del state["ema"]
+            gc.collect()
+            assert ema_copy() is None
+            assert w_copy() is not None  # kept for the next save
+        finally:
+            stager.close()
+        gc.collect()
+        assert w_copy() is None
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested state's leaves by path, its containers' types included."""
+    out: dict[str, Any] = {prefix + ":type": type(value)}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}.{key}"))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            out.update(_flat(item, f"{prefix}.{i}"))
+    else:
+        out[prefix] = value
+    return out
 
 
 class TestChecksummedFile:
