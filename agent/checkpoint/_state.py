@@ -228,9 +228,10 @@ def _names_are_fqns(bag: nn.Module) -> bool:
     parameter name of ``bag``: none of its modules is one that walk sees through or renames under
     (DDP, FSDP, a ``torch.compile`` wrapper, one with ``_fqn_modifiers``). That walk, per name,
     cost 2 µs a parameter in every save's blocking part; this looks at each module once."""
-    from torch.distributed.checkpoint import state_dict as dsd
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
 
-    wrappers: tuple[type, ...] = (dsd.DDP, dsd.FSDP)
+    wrappers: tuple[type, ...] = (DistributedDataParallel, FullyShardedDataParallel)  # as _get_fqns tests them
     compiled = sys.modules.get("torch._dynamo.eval_frame")  # not imported: no compiled module exists
     if compiled is not None:
         wrappers += (compiled.OptimizedModule,)
