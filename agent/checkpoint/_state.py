@@ -4,6 +4,7 @@ reshard) and per-rank objects."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -41,6 +42,13 @@ class _ModuleBag(nn.Module):
         super().__init__()
         for key, module in modules.items():
             self.add_module(key, module)
+
+
+@functools.cache
+def _module_attributes() -> frozenset[str]:
+    """The names a ``_ModuleBag`` has before any module is added (its class's and those each
+    instance sets, such as ``training``): none can be a state key of a module."""
+    return frozenset(dir(_ModuleBag({})))
 
 
 def _model_state(bag: nn.Module) -> dict[str, Any]:
@@ -263,7 +271,7 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
-            if isinstance(value, nn.Module) and hasattr(_ModuleBag, key):
+            if isinstance(value, nn.Module) and key in _module_attributes():
                 # The modules are saved as children of one module under their keys (so names read
                 # "model.fc.weight"), and torch walks them by attribute: such a key would name the
                 # method, not the module (add_module refused it with a bare KeyError).

@@ -191,7 +191,7 @@ def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path
         ckpt.save(1, {**make_state(0), "loader": loader})
 
 
-@pytest.mark.parametrize("key", ["eval", "cpu", "state_dict"])
+@pytest.mark.parametrize("key", ["eval", "cpu", "state_dict", "training"])
 def test_a_module_under_a_key_that_names_a_module_attribute_is_refused_naming_it(tmp_path: Path, key: str) -> None:
     """Fails without the fix: a module under a key such as "eval" (an eval copy of the model) failed
     the save as ``SaveFailedError: ... KeyError("attribute 'eval' already exists")``, naming neither
