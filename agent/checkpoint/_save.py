@@ -174,8 +174,16 @@ class _Save:
     commits nothing, then ``wait()`` raises this instead of a ``SaveFailedError``, so the script
     stops the way the signal asked (exit code, ``except KeyboardInterrupt``)."""
 
-    def note(self, e: BaseException) -> None:
-        """Keep the first interrupt that stopped a part of this save (see ``interrupt``)."""
+    def note(self, e: BaseException, rank: int) -> None:
+        """Keep the first interrupt that stopped a part of this save on ``rank`` (see ``interrupt``).
+        DCP wraps whatever stops a rank's part of its collectives (the write of the shards) in a
+        ``CheckpointException`` holding every rank's failure: only this rank's own is its interrupt
+        (another rank's Ctrl-C is that rank's; here the save just failed)."""
+        if isinstance(e, CheckpointException):
+            own = e.failures.get(rank)
+            if own is None:
+                return
+            e = own[0] if isinstance(own, tuple) else own
         if self.interrupt is None and isinstance(e, KeyboardInterrupt | SystemExit):
             self.interrupt = e
 
@@ -536,7 +544,7 @@ class _Saving(_Voting):
         try:
             self._write_upload_commit(save)
         except BaseException as e:
-            save.note(e)
+            save.note(e, self.rank)
             if save.committed_uri is None and save.error is None:
                 save.error = SaveFailedError(f"rank {self.rank}: the save stopped unexpectedly: {e!r}")
                 log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
@@ -599,7 +607,7 @@ class _Saving(_Voting):
                 sync_files([os.path.join(save.local_dir, n) for n in written], self.config.io_threads)
             files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
-            save.note(e)
+            save.note(e, self.rank)
             error = f"rank {self.rank}: writing the shards failed: {_writing_failure(e, save.local_dir)}"
             infra = _is_infrastructure(e)
         if error is None:
@@ -610,7 +618,7 @@ class _Saving(_Voting):
             except SaveFailedError as e:
                 error = f"rank {self.rank}: {e}"
             except BaseException as e:
-                save.note(e)
+                save.note(e, self.rank)
                 error = f"rank {self.rank}: reading back {rank_file} failed: {e!r}"
                 infra = _is_infrastructure(e)
         target: tuple[str | None, str | None] = (None, None)  # (folder, why this attempt is fenced)
@@ -620,7 +628,7 @@ class _Saving(_Voting):
             except FencedError as e:
                 target = (None, str(e))
             except BaseException as e:  # any error at all: the other ranks wait in the broadcast below
-                save.note(e)
+                save.note(e, self.rank)
                 if error is None:
                     where = f"the folder of step {save.step} in {self.storage.uri}"
                     error = f"rank 0: cannot prepare {where}: {type(e).__name__}: {e}"
@@ -635,7 +643,7 @@ class _Saving(_Voting):
                     synced=save.writer is not None and save.writer.durable,  # by sync_files above
                 )
             except BaseException as e:
-                save.note(e)
+                save.note(e, self.rank)
                 # A StorageError already says what, where and what to do; anything else by its type too.
                 said = str(e) if isinstance(e, StorageError) else repr(e)
                 error, infra = f"rank {self.rank}: upload failed: {said}", _is_infrastructure(e)
@@ -662,7 +670,7 @@ class _Saving(_Voting):
                 except FencedError as e:
                     outcome = (None, str(e), True, False)
                 except BaseException as e:  # any error at all: the other ranks wait for the outcome
-                    save.note(e)
+                    save.note(e, self.rank)
                     where = self.storage.url(folder or "")
                     why = f"rank 0: committing {where} failed: {type(e).__name__}: {e}"
                     outcome = (None, why, False, _is_infrastructure(e))

@@ -44,8 +44,20 @@ def committed(uri: str) -> list[int]:
 
 @pytest.mark.parametrize(
     ("sig", "at", "exit_code"),
-    [("INT", "upload", -signal.SIGINT), ("INT", "commit", -signal.SIGINT), ("TERM", "upload", 143)],
-    ids=["sigint-mid-upload", "sigint-at-commit", "sigterm-handler-mid-upload"],
+    [
+        ("INT", "write", -signal.SIGINT),
+        ("INT", "upload", -signal.SIGINT),
+        ("INT", "commit", -signal.SIGINT),
+        ("TERM", "write", 143),
+        ("TERM", "upload", 143),
+    ],
+    ids=[
+        "sigint-mid-write",
+        "sigint-mid-upload",
+        "sigint-at-commit",
+        "sigterm-handler-mid-write",
+        "sigterm-handler-mid-upload",
+    ],
 )
 def test_a_signal_during_a_synchronous_save_ends_the_process_as_the_signal_asks(
     sig: str, at: str, exit_code: int, tmp_path: Path

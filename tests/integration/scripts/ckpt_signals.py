@@ -1,8 +1,9 @@
 """A training process that gets a signal while the Checkpointer works (run by test_checkpoint_signals).
 
-    ckpt_signals.py sync --uri U --signal {INT,TERM} --at {upload,commit} [--carry-on]
+    ckpt_signals.py sync --uri U --signal {INT,TERM} --at {write,upload,commit} [--carry-on]
         commits step 1 synchronously, then the process signals itself while the save of step 2
-        uploads a file or writes MANIFEST.json. SIGTERM goes to the script's own handler, which
+        writes its shards (DCP's write, at its storage writer), uploads a file or writes
+        MANIFEST.json. SIGTERM goes to the script's own handler, which
         exits 143 (``sys.exit``). Uncaught, the signal ends the process as it would without
         spotjob; ``--carry-on`` catches the ``KeyboardInterrupt`` and commits step 3 instead.
     ckpt_signals.py close --uri U
@@ -17,7 +18,7 @@
         step 1 fails (the store refuses the upload).
 
 The signal comes from a seam outside spotjob's code (the store's ``put_file`` /
-``put_bytes_if_absent``), at the moment the save reaches it.
+``put_bytes_if_absent``, DCP's ``FileSystemWriter.write_data``), at the moment the save reaches it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 from ckpt_state import exit_without_teardown, make_state, train
+from torch.distributed.checkpoint import FileSystemWriter
 
 from agent.checkpoint import Checkpointer, SaveFailedError
 from agent.storage import StorageError
@@ -45,9 +47,23 @@ def sync(args: argparse.Namespace) -> None:
     ckpt = Checkpointer(args.uri, keep=None, async_save=False)
     train(state, 1)
     ckpt.save(1, state)
+    sent = threading.Event()
+    if args.at == "write":
+        # While DCP writes the shards: DCP hands what stops a rank there to every rank, wrapped.
+        real_write = FileSystemWriter.write_data
+
+        def signal_then_write(*a: Any, **kw: Any) -> Any:
+            if not sent.is_set():
+                sent.set()
+                os.kill(os.getpid(), sig)
+            return real_write(*a, **kw)
+
+        FileSystemWriter.write_data = signal_then_write  # type: ignore[method-assign]
+        train(state, 1, start=1)
+        ckpt.save(2, state)
+        raise AssertionError("the signal did not stop the save of step 2")
     name = "put_file" if args.at == "upload" else "put_bytes_if_absent"
     real = getattr(ckpt.storage, name)
-    sent = threading.Event()
 
     def signal_then_go_on(*a: Any, **kw: Any) -> Any:
         # At the commit, the manifest's write: the folder's claim (WRITER.json) goes through it too,
@@ -232,7 +248,7 @@ def main() -> None:
     p.add_argument("mode", choices=["sync", "close", "close-other-thread", "ranks", "with-body"])
     p.add_argument("--uri", required=True)
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
-    p.add_argument("--at", choices=["staging", "upload", "commit"], default="upload")
+    p.add_argument("--at", choices=["staging", "write", "upload", "commit"], default="upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
     # Ctrl-C as a terminal gives it to a foreground script: Python raises KeyboardInterrupt only if
