@@ -1,7 +1,11 @@
 """A small, deterministic training job that uses spotjob's Checkpointer — the one `make demo` runs.
 
-    torchrun --nproc-per-node 2 examples/train.py --steps 200 --uri /tmp/ckpt
+    torchrun --nproc-per-node 2 examples/train.py --steps 200 --uri /tmp/ckpt --every-steps 50
     spotjob-agent --checkpoint-uri /tmp/ckpt -- torchrun --nproc-per-node 2 examples/train.py
+
+Without ``--every-steps`` (or ``SPOTJOB_EVERY_STEPS``, ``spotjob run --every-steps``) it saves only
+when a flush asks for it: run alone under torchrun, it then commits nothing. Run again, it resumes
+from the newest checkpoint under the URI.
 
 A two-layer MLP with dropout (so the RNG streams matter), Adam and a step LR schedule, trained
 with DDP over gloo on synthetic data from a loader whose position is part of the checkpoint.
