@@ -482,7 +482,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"spotjob ckpt export: {len(total.left_out)} entr{'y' if len(total.left_out) == 1 else 'ies'} of "
             f"state key {args.key!r} {'is' if len(total.left_out) == 1 else 'are'} not a tensor and not in the "
             f"export (safetensors holds tensors only): {named}{f' and {more} more' if more > 0 else ''}. "
-            "A module's load_state_dict(strict=True) reports them missing from the export: load with "
+            "Loading the export with load_state_dict(strict=True) reports them missing: load with "
             "strict=False, or restore the checkpoint with Checkpointer(uri, read_only=True) to have them",
             file=sys.stderr,
         )

@@ -916,7 +916,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     out = run.add_argument_group("output")
     out.add_argument(
-        "--plot", metavar="FILE", help="draw a timeline image (.png, .svg or .pdf): steps, notices, commits, restarts"
+        "--plot",
+        metavar="FILE",
+        help="draw a timeline image (.png, .svg, .pdf, or .jpg, .eps, .ps, .tif, .webp): "
+        "steps, notices, commits, restarts",
     )
     out.add_argument("--runs-dir", default=RUNS_DIR, help=f"where run folders go (default ./{RUNS_DIR})")
     out.add_argument("--no-live", action="store_true", help="log lines even on a terminal")

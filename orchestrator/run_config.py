@@ -270,7 +270,8 @@ def plot_problem(path: str) -> str | None:
     kind = os.path.splitext(target)[1].lower().lstrip(".")
     if kind not in PLOT_FORMATS:
         what = f"'.{kind}' file" if kind else "file without an extension"
-        return f"--plot {path}: cannot draw a {what}; use .png, .svg or .pdf"
+        others = ", ".join(f".{k}" for k in sorted(PLOT_FORMATS - {"png", "svg", "pdf"}))
+        return f"--plot {path}: cannot draw a {what}; use .png, .svg or .pdf (or {others})"
     try:
         import matplotlib  # noqa: F401  (lazily: the controller's image carries no matplotlib)
     except ImportError:

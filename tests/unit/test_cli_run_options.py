@@ -207,3 +207,14 @@ def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() 
     )
     line = failure_line("r1", status)
     assert line == "spotjob run: r1 did not start: InvalidSpec: spec.env: fix SPOTJOB_AGENT_X"
+
+
+def test_a_plot_of_a_type_matplotlib_cannot_write_is_refused_naming_every_type_it_can(tmp_path: Path) -> None:
+    """``--plot run.bmp`` was told "use .png, .svg or .pdf" while .jpg, .eps, .tif and the others
+    were accepted too (found walking the README); the refusal now names them all, and a .jpg or
+    .webp path passes."""
+    said = plot_problem(str(tmp_path / "run.bmp")) or ""
+    assert "cannot draw a '.bmp' file" in said
+    for kind in ("png", "svg", "pdf", "jpg", "eps", "tif", "webp"):
+        assert f".{kind}" in said, said
+    assert plot_problem(str(tmp_path / "run.jpg")) is None and plot_problem(str(tmp_path / "run.webp")) is None
