@@ -92,14 +92,28 @@ def current_rss_bytes() -> int:
     return (kib or 0) * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's resident-memory high-water mark. False where the OS cannot."""
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Reset the resident-memory high-water mark of this process (or of ``pid``, a child of ours).
+    False where the OS cannot."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
         return False
+
+
+def child_peak_rss_bytes(pid: int) -> int | None:
+    """Peak resident bytes of process ``pid`` since its start or its last ``reset_peak_rss(pid)``;
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_rss_bytes() -> int:

@@ -62,6 +62,7 @@ from bench._common import (
     OUT_DIR,
     MiB,
     Samples,
+    child_peak_rss_bytes,
     current_rss_bytes,
     describe_machine,
     drop_from_page_cache,
@@ -275,6 +276,8 @@ class SizeResult:
     committed_bytes: dict[str, int] = field(default_factory=dict)
     ops: dict[str, Samples] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    server_peak_rss: dict[str, int] = field(default_factory=dict)
+    """Peak resident bytes of a store's server process during this size (gs: fake-gcs-server)."""
 
     def samples(self, name: str) -> Samples:
         return self.ops.setdefault(name, Samples())
@@ -293,6 +296,7 @@ class SizeResult:
             "repeat": self.repeat,
             "committed_bytes": self.committed_bytes,
             "skipped": self.skipped,
+            "server_peak_rss_bytes": self.server_peak_rss,
             "ops": {k: v.to_json() for k, v in self.ops.items()},
         }
 
@@ -310,6 +314,8 @@ class CheckpointBench:
         """google-cloud-storage's client on fake-gcs-server (``_gs_if``)."""
         self.gcs_settings: Any = None
         """spotjob's ``TransferSettings`` in force: the GCS floor's chunk and part sizes."""
+        self.gcs_server_pid: int | None = None
+        """fake-gcs-server's process, whose peak memory each size records."""
 
     # -- one size --------------------------------------------------------------------------
     def run_size(self, size_gb: float, backends: list[str], width: int | None = None) -> SizeResult:
@@ -354,6 +360,8 @@ class CheckpointBench:
                 stack.callback(self._empty_bucket)
             if "gs" in backends:
                 stack.callback(self._empty_gcs_bucket)
+                if self.gcs_server_pid is not None and reset_peak_rss(self.gcs_server_pid):
+                    stack.callback(self._record_server_peak, result, "gs", self.gcs_server_pid)
             for r in range(repeat):
                 log("%.2f GB: repetition %d/%d", size_gb, r + 1, repeat)
                 step = 2 * (r + 1)  # the odd steps are left for the first async save (_checkpointer)
@@ -696,6 +704,12 @@ class CheckpointBench:
             if keys:
                 self.s3.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": keys, "Quiet": True})
 
+    @staticmethod
+    def _record_server_peak(result: SizeResult, backend: str, pid: int) -> None:
+        peak = child_peak_rss_bytes(pid)
+        if peak is not None:
+            result.server_peak_rss[backend] = peak
+
     def _empty_gcs_bucket(self) -> None:
         for blob in self.gcs.list_blobs(GS_BUCKET):
             blob.delete()
@@ -927,6 +941,11 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
                     f"| {label} | {_s(s.median)} | {_spread(s)} | {r.state_bytes / GB / s.median:.2f} "
                     f"| {_x(ratio) if ratio is not None else ''} | {vs} "
                     f"| {fmt_bytes(growth) if growth is not None else ''} |"
+                )
+            if backend in r.server_peak_rss:
+                lines.append(
+                    f"\nThe store's server (its own process) peaked at {fmt_bytes(r.server_peak_rss[backend])} "
+                    "resident during this size."
                 )
     diag = [r for r in results if any(op in r.ops for op, _ in _DIAG_ROWS)]
     if diag:
@@ -1296,12 +1315,15 @@ def _gs_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
     if "gs" not in backends:
         yield None
         return
+    import psutil
     from google.cloud import storage
 
     from agent.storage._transfer import TransferSettings
 
     with fake_gcs_server() as url:
         log("fake-gcs-server listening at %s (its own process)", url)
+        servers = [p.pid for p in psutil.Process().children() if p.name().startswith("fake-gcs")]
+        bench.gcs_server_pid = servers[0] if len(servers) == 1 else None
         bench.gcs_settings = TransferSettings.from_env()
         bench.gcs = storage.Client()
         bench.gcs.create_bucket(GS_BUCKET)
