@@ -2,7 +2,8 @@
 
 For each state size (a model of plain ``nn.Linear`` layers plus Adam after one step: Adam's two
 moments make the state about 3x the parameters) and each backend (filesystem; S3 served by moto
-on loopback; GCS served by fake-gcs-server on loopback), every repetition measures, in this order and in the same process:
+on loopback; GCS served by fake-gcs-server on loopback), every repetition measures, in this order
+and in the same process:
 
 - baselines: ``torch.save`` of the full state to one file with fsync, and ``torch.load`` of it
   (cold page cache, then warm: the warm one is "deserialise"); plain ``dcp.save`` /
@@ -66,10 +67,10 @@ from bench._common import (
     current_rss_bytes,
     describe_machine,
     drop_from_page_cache,
+    fake_gcs_server,
     fmt_bytes,
     log,
     measure,
-    fake_gcs_server,
     moto_s3_server,
     peak_rss_bytes,
     remove,
