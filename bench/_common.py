@@ -9,7 +9,7 @@
   which needs no privileges and leaves every other process's cached pages alone.
 - moto runs in its own process (``moto_s3_server``): its request handling is Python, and in the
   benchmark's process it would compete with the code being measured for the GIL. It listens on
-  loopback only.
+  loopback only. So does fake-gcs-server (``fake_gcs_server``), a Go binary in a process of its own.
 """
 
 from __future__ import annotations
