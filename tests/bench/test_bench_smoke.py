@@ -104,9 +104,10 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_checkpoint_on_gcs_at_its_smallest_size(tmp_path: Path) -> None:
-    """``--backends gs`` (25 s on 2 cores at load 10, where the filesystem one above took 20 s): one repetition of the smallest state on fake-gcs-server,
-    started by the benchmark on loopback, with its floor (google-cloud-storage's own upload and chunked
-    download) and the S3 columns and verdicts; the server's folder and the scratch are gone after it."""
+    """``--backends gs`` (25 s on 2 cores at load 10, where the filesystem one above took 20 s): one
+    repetition of the smallest state on fake-gcs-server, started by the benchmark on loopback, with its
+    floor (google-cloud-storage's own upload and chunked download) and the S3 columns and verdicts; the
+    server's folder and the scratch are gone after it."""
     tmp = tmp_path / "tmp"  # the wrapper keeps the server's objects in a temporary folder: here
     tmp.mkdir()
     saved = os.environ.get("TMPDIR")
