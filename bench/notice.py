@@ -384,8 +384,8 @@ def main() -> int:
                 with fake_gcs_server():
                     for size in sizes:
                         if size > args.s3_max_gb:
-                            log("GCS at %.1f GB skipped (--s3-max-gb %.1f): fake-gcs-server holds objects in memory",
-                                size, args.s3_max_gb)  # fmt: skip
+                            log("GCS at %.1f GB skipped (--s3-max-gb %.1f caps both emulated stores): "
+                                "fake-gcs-server holds each upload in memory", size, args.s3_max_gb)  # fmt: skip
                             continue
                         payload["notice"].append(notice_to_commit("gs", size, args.repeat, scratch))
             else:
