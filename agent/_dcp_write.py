@@ -31,7 +31,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
-    create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -462,31 +461,14 @@ class RankZeroSavePlanner(DefaultSavePlanner):
         self._check_replicas = check_replicas
         self._cache = cache
         self._local: SavePlan | None = None  # this save's local plan as DCP made it, for the cache
-        self._key: list[tuple[Any, ...]] | None = None  # ``_plan_key`` of this save's state, for the cache
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, with a fingerprint of each value the coordinator may keep one copy of
         (``_fingerprints``) riding beside DCP's own planner data. With a ``cache`` holding the same
-        local plan from an earlier save, only the fingerprints travel (``_Unchanged``).
-
-        With a ``cache``, the state is first looked at in one pass (``_plan_key``): when what DCP's
-        local plan would record of it is what it recorded at the cached save, that plan stands for
-        this one and DCP's is not made (building its items cost about ten times the pass)."""
-        cache = self._cache
-        if cache is not None:
-            self._key = key = _plan_key(self.state_dict)
-            if (
-                cache.generation
-                and cache.local is not None
-                and cache.key == key
-                and getattr(self, "mappings", None) == cache.local.planner_data
-            ):
-                self._local = cache.local
-                fingerprints = self._fingerprints(cache.local) if self._check_replicas else None
-                self.plan = plan = SavePlan([], planner_data=_Unchanged(cache.generation, fingerprints))
-                return plan
+        local plan from an earlier save, only the fingerprints travel (``_Unchanged``)."""
         plan = super().create_local_plan()
         fingerprints = self._fingerprints(plan) if self._check_replicas else None
+        cache = self._cache
         if cache is not None:
             self._local = plan
             if cache.generation and cache.local is not None and _same_local_plan(plan, cache.local):
@@ -600,7 +582,6 @@ class RankZeroSavePlanner(DefaultSavePlanner):
             new_plan = dataclasses.replace(new_plan, planner_data=data.planner_data)
             if cache is not None and self._local is not None:
                 cache.local, cache.final, cache.generation = self._local, new_plan, data.generation
-                cache.key = self._key
         return super().finish_plan(new_plan)
 
     def _takes_rank0(self, fqn: str) -> bool:
@@ -663,47 +644,6 @@ def _same_local_plan(plan: SavePlan, cached: SavePlan) -> bool:
     )
 
 
-_ATOMIC_VALUES = frozenset({type(None), bool, int, float, complex, str, bytes})
-"""Values DCP's local plan writes as bytes (``WriteItemType.BYTE_IO``), recording only their name."""
-
-
-def _plan_key(state: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """What DCP's local plan (``create_default_local_save_plan``) records of the flattened ``state``,
-    in one pass, without building its ``WriteItem`` s: equal keys, equal local plans (with equal
-    flattening mappings, which ``RankZeroSavePlanner.create_local_plan`` compares beside it).
-
-    A plain tensor's item records its name, size (its chunk: the whole of it, at offset 0) and
-    ``TensorProperties``: dtype, layout, requires_grad, whether it is pinned (its memory format is
-    always recorded as contiguous); neither its strides nor its device, nor its values, which the
-    writer takes from the state when it writes (``resolve_data``). A value that is not a tensor is
-    recorded by its name only (written as bytes). Anything else (a DTensor, a ShardedTensor, a
-    tensor subclass) is keyed by the items DCP makes of it, exactly.
-    """
-    # Only a CPU tensor can be pinned, and only with an accelerator built into torch (torch's
-    # ``is_pinned``): without one, asking each tensor (a microsecond each) is spared.
-    pinnable = torch.accelerator.current_accelerator() is not None
-    key: list[tuple[Any, ...]] = []
-    append = key.append
-    for fqn, value in state.items():
-        kind = type(value)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            append(
-                (
-                    fqn,
-                    value.dtype,
-                    value.shape,
-                    value.requires_grad,
-                    value.layout,
-                    pinnable and value.is_cpu and value.is_pinned(),
-                )
-            )
-        elif kind in _ATOMIC_VALUES:
-            append((fqn,))
-        else:
-            append((fqn, kind, create_default_local_save_plan({fqn: value}, True).items))
-    return key
-
-
 class SavePlanCache:
     """The save plans of a Checkpointer's last save, reused while the state keeps its structure.
 
@@ -738,10 +678,8 @@ class SavePlanCache:
             self.world_size = world_size
 
     def clear(self) -> None:
-        # This rank's: its last local plan (and ``_plan_key`` of the state it was made from), its
-        # part of the global plan, and that plan's number.
+        # This rank's: its last local plan, its part of the global plan, and that plan's number.
         self.local: SavePlan | None = None
-        self.key: list[tuple[Any, ...]] | None = None
         self.final: SavePlan | None = None
         self.generation = 0
         # The coordinator's: every rank's local plan, the global plan and metadata, for from_rank0.
