@@ -218,9 +218,7 @@ def test_one_rank_changed_is_planned_with_the_others_cached_plans() -> None:
     assert [sorted(p) for p in planned] == [sorted(p) for p in afresh]
 
 
-def _plan_with_metadata(
-    states: list[dict[str, Any]], caches: list[SavePlanCache]
-) -> tuple[list[SavePlan], Any]:
+def _plan_with_metadata(states: list[dict[str, Any]], caches: list[SavePlanCache]) -> tuple[list[SavePlan], Any]:
     """``_plan_save``, and the metadata the coordinator made for the save."""
     for cache in caches:
         cache.bind(len(states))
@@ -302,9 +300,7 @@ _NO_PINNING = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize(
-    "change", [pytest.param(c, marks=_NO_PINNING) if c == "pinned" else c for c in STALE]
-)
+@pytest.mark.parametrize("change", [pytest.param(c, marks=_NO_PINNING) if c == "pinned" else c for c in STALE])
 def test_every_change_to_what_the_local_plan_records_plans_afresh(change: str, world: int) -> None:
     """(Pins behaviour that already worked, for whoever tells an unchanged state more cheaply than
     by DCP's local plan.) Each change to what DCP's local plan records of a value (its dtype, size,

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import state_dict as torch_state_dict
 
-from agent.checkpoint import Checkpointer
-from agent.checkpoint import _state
+from agent.checkpoint import Checkpointer, _state
 from agent.checkpoint._state import _ModuleBag
 
 
