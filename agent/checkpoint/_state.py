@@ -144,17 +144,20 @@ def _plain_state(
     path is taken instead."""
     from torch.distributed.checkpoint.state_dict import _CHECKPOINT_PREFIX, _init_optim_state, _state_dict_fn
 
-    with torch.no_grad():  # as torch takes it
+    with torch.no_grad():  # as torch takes both
         model_state = bag.state_dict()
-    prefix = _CHECKPOINT_PREFIX.rstrip(".")
-    if any(prefix in name for name in model_state):
-        return None
+        prefix = _CHECKPOINT_PREFIX.rstrip(".")
+        if any(prefix in name for name in model_state):
+            return None
+        osds = {}
+        for key, opt in optims.items():
+            if key in initialise:
+                _init_optim_state(opt)
+            osds[key] = _state_dict_fn(opt, "state_dict")()
     names: list[tuple[str, nn.Parameter]] | None = None
     optim_states: dict[str, dict[str, Any]] = {}
     for key, opt in optims.items():
-        if key in initialise:
-            _init_optim_state(opt)
-        osd = _state_dict_fn(opt, "state_dict")()
+        osd = osds[key]
         if names is None:
             names = list(bag.named_parameters())
         params = [p for group in opt.param_groups for p in group["params"]]
