@@ -209,18 +209,24 @@ def test_the_tensor_index_written_is_the_one_of_tensor_entries_built_as_before(t
     assert on_disk.model_copy(update={"tensors": one_by_one}).to_json() == written
 
 
+@pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("optimizer_stepped", [True, False])
 def test_a_save_maps_the_parameters_to_their_names_once_and_splits_as_torchs_two_calls_do(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer_stepped: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer_stepped: bool, plain: bool
 ) -> None:
     """The modules' and the one optimizer's state come from one ``get_state_dict``: torch's
     ``get_model_state_dict`` and ``get_optimizer_state_dict`` each mapped every parameter to its
     names first (``_verify_options``), a third of the split for 1000 small layers. What it hands out
     is what the two calls hand out, in the same order; an optimizer that has not stepped is still
-    taken as it is (no state created in it)."""
+    taken as it is (no state created in it). Where no module is a wrapper (``plain``) the split
+    builds the same state without torch's mapping at all (``_plain_state``)."""
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
+    from agent.checkpoint import _state
     from agent.checkpoint._state import _model_state, _ModuleBag, _optimizer_state
+
+    if not plain:
+        monkeypatch.setattr(_state, "_state_dict_as_torch_names_it", lambda bag: False)
 
     model, optim = trained(0)
     if not optimizer_stepped:
@@ -238,7 +244,7 @@ def test_a_save_maps_the_parameters_to_their_names_once_and_splits_as_torchs_two
     monkeypatch.setattr(torch_state_dict, "_verify_options", counted)
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
         one_call, _ = ckpt._split_state(state)
-    assert len(mapped) == 1
+    assert len(mapped) == (0 if plain else 1)
     assert list(one_call) == list(two_calls)
     assert_same(one_call, two_calls, "the split")
     assert bool(optim.state) == optimizer_stepped
