@@ -223,17 +223,25 @@ def test_goodput_refuses_a_horizon_that_holds_no_notice(tmp_path: Path) -> None:
     assert not (tmp_path / "goodput.md").exists() and not list(tmp_path.glob("goodput-runs-*"))
 
 
-def test_notice_refuses_a_backend_it_does_not_know(tmp_path: Path) -> None:
+def test_notice_refuses_a_backend_it_does_not_know(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--backends gcs`` (GCS is ``gs`` here) used to run the filesystem benchmark and report it as
-    ``file``: a user asking for GCS got the local disk's numbers. It must refuse and list the names."""
-    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.notice", "--sizes", "0.01", "--repeat", "1", "--skip-check", "--backends", "gcs"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "--backends takes file, s3 and gs" in proc.stderr and "'gcs'" in proc.stderr, proc.stderr
-    assert not list(tmp_path.glob("notice-*.json"))
+    ``file``: a user asking for GCS got the local disk's numbers. It must refuse and list the names.
+    Run in this process through ``main``, which ``python -m bench.notice`` calls with its arguments:
+    a process of its own spent its time importing torch for a refusal that never reaches it."""
+    import bench._common
+    import bench.notice
+
+    monkeypatch.setattr(bench._common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench.notice, "OUT_DIR", tmp_path)
+    argv = ["--sizes", "0.01", "--repeat", "1", "--skip-check", "--backends", "gcs", "--scratch", str(tmp_path / "s")]
+    with pytest.raises(SystemExit) as stopped:
+        bench.notice.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "--backends takes file, s3 and gs" in err and "'gcs'" in err, err
+    assert not list(tmp_path.glob("notice-*.json")) and not (tmp_path / "s").exists()
 
 
 def test_goodput_refuses_a_strategy_it_does_not_know(tmp_path: Path) -> None:
