@@ -347,7 +347,7 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="0.1,1,4", help="state sizes in GB (default 0.1,1,4)")
     p.add_argument("--backends", default="file,s3,gs", help="comma-separated: file, s3, gs (default all three)")
@@ -360,7 +360,7 @@ def main() -> int:
         default=1.5,
         help="skip S3 and GCS above this size: moto and fake-gcs-server hold objects in memory (default 1.5)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",") if s]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in ("file", "s3", "gs")]

@@ -279,43 +279,63 @@ def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_ea
         analyse(events, horizon=45.0)
 
 
-def test_goodput_refuses_a_horizon_that_holds_no_notice(tmp_path: Path) -> None:
+def goodput_refusal(argv: list[str], out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> int | str | None:
+    """``bench.goodput.main(argv)`` in this process (``python -m bench.goodput`` calls it with its
+    arguments), its results folder ``out_dir``: the exit status it stopped with (stderr: capsys).
+    A process of its own only added an interpreter's start to a refusal."""
+    import bench._common
+    import bench.goodput
+
+    monkeypatch.setattr(bench._common, "OUT_DIR", out_dir)
+    monkeypatch.setattr(bench.goodput, "OUT_DIR", out_dir)
+    with pytest.raises(SystemExit) as stopped:
+        bench.goodput.main(argv)
+    return stopped.value.code
+
+
+def test_goodput_refuses_a_horizon_that_holds_no_notice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--horizon 35 --scale 0.1`` used to run its whole horizon (and, with the spotjob strategy, the
     restart floor) and report a goodput under "notices at  s": a run that measured no preemption.
     It must refuse before starting anything, and say which setting to raise."""
-    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.goodput", "--horizon", "35", "--scale", "0.1", "--only", "none",
-         "--out", str(tmp_path / "goodput.md")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "holds no notice" in proc.stderr and "raise --horizon" in proc.stderr, proc.stderr
+    argv = ["--horizon", "35", "--scale", "0.1", "--only", "none", "--out", str(tmp_path / "goodput.md")]
+    code = goodput_refusal(argv, tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "holds no notice" in err and "raise --horizon" in err, err
     assert not (tmp_path / "goodput.md").exists() and not list(tmp_path.glob("goodput-runs-*"))
 
 
-def test_notice_refuses_a_backend_it_does_not_know(tmp_path: Path) -> None:
+def test_notice_refuses_a_backend_it_does_not_know(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--backends gcs`` (GCS is ``gs`` here) used to run the filesystem benchmark and report it as
-    ``file``: a user asking for GCS got the local disk's numbers. It must refuse and list the names."""
-    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.notice", "--sizes", "0.01", "--repeat", "1", "--skip-check", "--backends", "gcs"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "--backends takes file, s3 and gs" in proc.stderr and "'gcs'" in proc.stderr, proc.stderr
-    assert not list(tmp_path.glob("notice-*.json"))
+    ``file``: a user asking for GCS got the local disk's numbers. It must refuse and list the names.
+    Run in this process through ``main``, which ``python -m bench.notice`` calls with its arguments:
+    a process of its own spent its time importing torch for a refusal that never reaches it."""
+    import bench._common
+    import bench.notice
+
+    monkeypatch.setattr(bench._common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench.notice, "OUT_DIR", tmp_path)
+    argv = ["--sizes", "0.01", "--repeat", "1", "--skip-check", "--backends", "gcs", "--scratch", str(tmp_path / "s")]
+    with pytest.raises(SystemExit) as stopped:
+        bench.notice.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "--backends takes file, s3 and gs" in err and "'gcs'" in err, err
+    assert not list(tmp_path.glob("notice-*.json")) and not (tmp_path / "s").exists()
 
 
-def test_goodput_refuses_a_strategy_it_does_not_know(tmp_path: Path) -> None:
+def test_goodput_refuses_a_strategy_it_does_not_know(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--only spotjb`` (a typo) used to run nothing and still write a results table with no row,
     by default over the tracked ``bench/goodput-results.md``. It must refuse and list the strategies."""
-    env = {**os.environ, "SPOTJOB_BENCH_OUT": str(tmp_path)}
     out = tmp_path / "goodput.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.goodput", "--only", "spotjb", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "--only takes spotjob, periodic, none" in proc.stderr and "'spotjb'" in proc.stderr, proc.stderr
+    code = goodput_refusal(["--only", "spotjb", "--out", str(out)], tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--only takes spotjob, periodic, none" in err and "'spotjb'" in err, err
     assert not out.exists() and not list(tmp_path.glob("goodput-*"))

@@ -232,6 +232,12 @@ def test_a_notice_from_each_source_commits_one_step_on_both_ranks_and_the_restar
     elif source == "sigterm":
         run.proc.send_signal(signal.SIGTERM)
     else:
+        # The control API refuses a flush without the token or with a wrong one, and the job trains
+        # on (once its own test, which started a job of its own for it); then the token's flush.
+        assert post_flush(run, None) == 401
+        assert post_flush(run, "not-the-token") == 401
+        assert run.control.flush_request() is None
+        assert run.proc.poll() is None, "the job must keep training"
         assert post_flush(run, TOKEN, "operator") in (200, 202)
     rc = run.wait()
     assert rc == EXIT_PREEMPTED, run.log()
@@ -571,18 +577,6 @@ def test_a_one_node_torchrun_without_a_master_port_runs_beside_a_job_holding_295
     ranks = read_ranks(tmp_path / "ranks")
     assert [r["sum"] for r in ranks] == [2.0, 2.0], "the ranks met"
     assert {r["MASTER_PORT"] for r in ranks} != {"29500"}
-
-
-def test_the_control_api_refuses_a_flush_without_a_token_or_with_a_wrong_one(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    run = start_agent(tmp_path, "auth", uri, ["--cloud", "none"], ["--step-sleep", "0.05"])
-    wait_until(lambda: run.step() >= 3, "training to start", run.proc)
-    assert post_flush(run, None) == 401
-    assert post_flush(run, "not-the-token") == 401
-    assert run.control.flush_request() is None
-    assert run.proc.poll() is None, "the job must keep training"
-    assert post_flush(run, TOKEN) in (200, 202)
-    assert run.wait() == EXIT_PREEMPTED, run.log()
 
 
 # -- --launcher direct: the agent starts the ranks itself, without torchrun ------------------------

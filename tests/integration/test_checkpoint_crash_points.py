@@ -167,20 +167,29 @@ def test_a_kill_in_an_async_save_leaves_the_newest_committed_checkpoint(
     restores(uri, expected, step3 if expected == 3 else snapshot(state_at(2)))
 
 
+@pytest.fixture(scope="module")
+def step1_of_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Step 1 committed by 2 ranks (gloo), saved once for the module: (its store's folder, rank 0's
+    state of step 1). Each test saves over a copy of the folder, so none sees another's files."""
+    root = tmp_path_factory.mktemp("step1")
+    markers = root / "pre"
+    markers.mkdir()
+    (markers / "go").touch()
+    harness.run(harness.torchrun_argv(2, SCRIPT, [f"file://{root / 'ckpt'}", str(markers), "1"]))
+    return root / "ckpt", torch.load(markers / "state.0.pt", weights_only=True)
+
+
 @needs_strace
 @pytest.mark.parametrize(("rank", "call", "n", "expected"), [(1, "link", 1, 1), (0, "unlinkat", 1, 2)])
 def test_one_rank_killed_mid_save_leaves_the_newest_committed_checkpoint(
-    tmp_path: Path, rank: int, call: str, n: int, expected: int
+    tmp_path: Path, step1_of_two_ranks: tuple[Path, dict[str, Any]], rank: int, call: str, n: int, expected: int
 ) -> None:
     """Pins behaviour that already worked: 2 ranks (gloo) saving step 2 over step 1, rank 1 killed
     placing its first shard (rank 0 must not commit), or rank 0 killed in the retention pass that
-    follows the commit."""
+    follows the commit. Step 1, the same 2-rank save for both, is copied from the module's."""
     uri = f"file://{tmp_path / 'ckpt'}"
-    markers = tmp_path / "pre"
-    markers.mkdir()
-    (markers / "go").touch()
-    harness.run(harness.torchrun_argv(2, SCRIPT, [uri, str(markers), "1"]))
-    step1 = torch.load(markers / "state.0.pt", weights_only=True)
+    template, step1 = step1_of_two_ranks
+    shutil.copytree(template, tmp_path / "ckpt", symlinks=True)
     rc, out, step2 = traced_save(tmp_path, uri, 2, f"{call}:signal=SIGKILL:when={n}", nproc=2, rank=rank)
     assert rc != 0, out
     restores(uri, expected, step2 if expected == 2 else step1)

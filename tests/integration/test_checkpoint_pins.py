@@ -64,6 +64,18 @@ def _writer_saves(uri: str, first: int, last: int) -> str:
     return done.stdout + done.stderr
 
 
+def _saves_here(uri: str, first: int, last: int) -> None:
+    """What the job "train" of ``_writer_saves`` saves (the same state, steps first..last, keep=1),
+    written in this process on one rank: for the saves before and after a race, which only put a step
+    in place for the reader or run the retention pass after it. The saves during a race, which
+    must come from another process and clock, stay the 2-rank torchrun."""
+    state = make_state(0, seed=0)
+    with Checkpointer(uri, keep=1, job="train", async_save=False) as ckpt:
+        for step in range(first, last + 1):
+            train(state, 1, start=step - 1)
+            ckpt.save(step, state)
+
+
 def _step1(uri: str) -> dict[str, torch.Tensor]:
     """Step 1's model, as a restore reads it before anything races it."""
     model = make_state(0, seed=7)["model"]
@@ -81,7 +93,7 @@ def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_releas
     loaded step 6). Pinned, step 1 stays, is restored whole, and goes at the first pass after the
     restore released its pin."""
     uri = fresh_uri(scheme)
-    _writer_saves(uri, 1, 1)
+    _saves_here(uri, 1, 1)
     step1 = _step1(uri)
     real_hold_all = VerifiedReader.hold_all
     during: dict[str, Any] = {}
@@ -102,7 +114,7 @@ def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_releas
     assert during["folders"] == [STEP1, "step-000000006"]
     assert "a reader pinned it" in during["log"]
     assert _pins(uri) == []  # released when the restore ended
-    _writer_saves(uri, 7, 7)
+    _saves_here(uri, 7, 7)
     assert _folders(uri) == ["step-000000007"]
 
 
@@ -113,7 +125,7 @@ def test_export_pins_the_step_it_exports(
     reads: before, step 1 was deleted and the export failed ("deleted while it was being
     exported"); pinned, it is exported, and the job's next pass removes it."""
     uri = str(tmp_path / "ckpt")
-    _writer_saves(uri, 1, 1)
+    _saves_here(uri, 1, 1)
     step1 = _step1(uri)
     real = cli_ckpt.export_safetensors
 
@@ -128,7 +140,7 @@ def test_export_pins_the_step_it_exports(
 
     assert_same(load_file(out / "model.safetensors"), step1)
     assert _pins(uri) == []
-    _writer_saves(uri, 3, 3)
+    _saves_here(uri, 3, 3)
     assert _folders(uri) == ["step-000000003"]
 
 
@@ -146,7 +158,7 @@ def test_a_reader_without_write_access_reads_unpinned_with_one_warning(
     the store's refusal, not an IAM policy's finer grain). Two restores both load step 1; one
     warning says why they read unpinned and what to do. Before, no word was said."""
     uri = fresh_uri(scheme)
-    _writer_saves(uri, 1, 1)
+    _saves_here(uri, 1, 1)
     server = request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
     proxy = fault_proxy(server, "s3" if scheme == "s3" else "gcs")
     denied = proxy.fail(10_000, 403, match=lambda r: r.method in ("PUT", "POST", "DELETE"))
@@ -327,7 +339,7 @@ def test_a_reader_whose_clock_is_minutes_off_keeps_its_pin(
     GCS's ``updated``, a file's mtime), and step 1 is restored. The reader's clock is shifted for
     ``agent.pins`` alone (the pin's name); the store's and the writer's clocks are real."""
     uri = fresh_uri(scheme)
-    _writer_saves(uri, 1, 1)
+    _saves_here(uri, 1, 1)
     real_time = time.time
     monkeypatch.setattr(pins, "time", SimpleNamespace(time=lambda: real_time() + skew))
     real_hold_all = VerifiedReader.hold_all

@@ -7,9 +7,11 @@ training on while the other rank raised), which one process never shows.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,14 +41,44 @@ def committed_steps(uri: str) -> list[int]:
     return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.committed)
 
 
+SHARED_CASES: dict[str, dict[str, Any]] = {
+    "commit-error-naming-runtime": {"command": "commit-error", "where": "naming", "error": "runtime"},
+    "commit-error-naming-oserror": {"command": "commit-error", "where": "naming", "error": "oserror"},
+    "commit-error-commit-runtime": {"command": "commit-error", "where": "commit", "error": "runtime"},
+    "commit-error-commit-oserror": {"command": "commit-error", "where": "commit", "error": "oserror"},
+    "unrestorable-1": {"command": "unrestorable", "from_save": 1},
+    "unrestorable-2": {"command": "unrestorable", "from_save": 2},
+    "prepare-one-rank": {"command": "prepare-one-rank"},
+    "flush-with-failed-save": {"command": "flush-with-failed-save", "same_step": False},
+    "flush-with-failed-save-same-step": {"command": "flush-with-failed-save", "same_step": True},
+    "failure-raised-before-its-vote": {"command": "failure-raised-before-its-vote"},
+    "after-close": {"command": "after-close"},
+}
+"""The cases whose job ends cleanly (each rank writes its outcome and meets the others): one torchrun
+runs them all in turn, each with its own folder and Checkpointer, instead of a launcher and two
+ranks each. The cases whose job is meant to fail or may (an error left to end the script, a flush
+that stops it) keep a torchrun of their own."""
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path, Path]]:
+    """case -> (its URI, its outcome file's prefix, its folder), once the shared job ran them all."""
+    root = tmp_path_factory.mktemp("shared")
+    where = {case: (str(root / case / "ckpt"), root / case / "outcome", root / case) for case in SHARED_CASES}
+    for _, _, folder in where.values():
+        folder.mkdir()
+    cases = [{**options, "uri": where[case][0], "out": str(where[case][1])} for case, options in SHARED_CASES.items()]
+    harness.torchrun(2, FAILURES, "--cases", json.dumps(cases))
+    return where
+
+
 @pytest.mark.parametrize(
     ("where", "error"), [("naming", "runtime"), ("naming", "oserror"), ("commit", "runtime"), ("commit", "oserror")]
 )
 def test_an_unexpected_error_on_rank_0_fails_the_save_on_every_rank_naming_the_checkpoint(
-    tmp_path: Path, where: str, error: str
+    shared: dict[str, tuple[str, Path, Path]], where: str, error: str
 ) -> None:
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "commit-error", "--uri", uri, "--out", str(out), "--where", where, "--error", error)
+    uri, out, _ = shared[f"commit-error-{where}-{error}"]
     words = "blew up" if error == "runtime" else "Input/output error"
     problems = []
     for rank, text in enumerate(outcomes(out)):
@@ -82,10 +114,9 @@ def test_a_background_save_that_fails_on_one_rank_is_raised_on_every_rank_at_the
 
 @pytest.mark.parametrize("from_save", [1, 2])
 def test_a_save_whose_per_rank_state_cannot_be_restored_fails_on_every_rank_and_commits_nothing(
-    tmp_path: Path, from_save: int
+    shared: dict[str, tuple[str, Path, Path]], from_save: int
 ) -> None:
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "unrestorable", "--uri", uri, "--out", str(out), "--from-save", str(from_save))
+    uri, out, _ = shared[f"unrestorable-{from_save}"]
     for rank, text in enumerate(outcomes(out)):
         assert text.startswith(f"SaveFailedError at step {from_save}"), f"rank {rank}: {text}"
         assert "rank 1" in text and "cannot be restored" in text, f"rank {rank}: {text}"
@@ -93,11 +124,12 @@ def test_a_save_whose_per_rank_state_cannot_be_restored_fails_on_every_rank_and_
     assert committed_steps(uri) == list(range(1, from_save))
 
 
-def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_commits(tmp_path: Path) -> None:
+def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_commits(
+    shared: dict[str, tuple[str, Path, Path]],
+) -> None:
     """Rank 1 fails before the save's collectives (its state_dict() raises): rank 0 must not go on
     into them alone, and the ranks' next save must pair up as usual."""
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "prepare-one-rank", "--uri", uri, "--out", str(out))
+    uri, out, folder = shared["prepare-one-rank"]
     for rank, text in enumerate(outcomes(out)):
         lines = text.splitlines()
         assert lines[0] == "step 1: no error", f"rank {rank}: {text}"
@@ -107,7 +139,7 @@ def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_co
             assert "state_dict blew up (injected)" in lines[1], f"rank 1 was not told why: {text}"
         assert lines[2] == "step 3: no error", f"rank {rank}: {text}"
     assert committed_steps(uri) == [1, 3]
-    staging = tmp_path / "ckpt" / ".spotjob-staging"
+    staging = folder / "ckpt" / ".spotjob-staging"
     left = sorted(p.name for p in staging.glob("step-000000002-*")) if staging.exists() else []
     assert left == [], f"the failed save left its staging folders: {left}"
 
@@ -129,25 +161,26 @@ def test_a_flush_over_a_save_in_flight_acts_alike_on_ranks_whose_save_threads_fi
 
 
 @pytest.mark.parametrize(("same_step", "flush_step"), [(False, 3), (True, 2)])
-def test_a_flush_that_meets_a_failed_save_still_commits(tmp_path: Path, same_step: bool, flush_step: int) -> None:
+def test_a_flush_that_meets_a_failed_save_still_commits(
+    shared: dict[str, tuple[str, Path, Path]], same_step: bool, flush_step: int
+) -> None:
     """A failed background save (rank 1's upload of step 2 refused) and a flush request: the flush
     commits its step on every rank. When one vote carried both, step() used to raise the save's
     failure first, so the notice passed with no flush at all, and no flush result; when the failed
     save was of the flush's own step, the flush failed with it instead of writing that step again."""
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    extra = ["--same-step"] if same_step else []
-    harness.torchrun(2, FAILURES, "flush-with-failed-save", "--uri", uri, "--out", str(out), *extra)
+    uri, out, _ = shared["flush-with-failed-save-same-step" if same_step else "flush-with-failed-save"]
     for rank, text in enumerate(outcomes(out)):
         assert text == f"no error, stop at step {flush_step}", f"rank {rank}: {text}"
     assert committed_steps(uri) == [flush_step]
 
 
-def test_a_failure_raised_before_the_vote_that_carries_it_is_not_raised_again(tmp_path: Path) -> None:
+def test_a_failure_raised_before_the_vote_that_carries_it_is_not_raised_again(
+    shared: dict[str, tuple[str, Path, Path]],
+) -> None:
     """save(3) raised the failed save of step 2 on every rank before step(3) read the vote that
     flags it: that vote must not raise it a second time (after waiting for the retried save,
     which committed)."""
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "failure-raised-before-its-vote", "--uri", uri, "--out", str(out))
+    uri, out, _ = shared["failure-raised-before-its-vote"]
     for rank, text in enumerate(outcomes(out)):
         lines = text.splitlines()
         assert lines[0] == "save(2): no error", f"rank {rank}: {text}"
@@ -159,9 +192,8 @@ def test_a_failure_raised_before_the_vote_that_carries_it_is_not_raised_again(tm
     assert committed_steps(uri) == [3]
 
 
-def test_step_save_and_restore_after_close_raise_on_every_rank(tmp_path: Path) -> None:
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "after-close", "--uri", uri, "--out", str(out))
+def test_step_save_and_restore_after_close_raise_on_every_rank(shared: dict[str, tuple[str, Path, Path]]) -> None:
+    uri, out, _ = shared["after-close"]
     for rank, text in enumerate(outcomes(out)):
         for call in ("step", "save", "restore"):
             assert f"{call}: RuntimeError: {call}(): the Checkpointer is closed" in text, f"rank {rank}: {text}"

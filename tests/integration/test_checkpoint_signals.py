@@ -17,6 +17,7 @@ Real processes (``scripts/ckpt_signals.py``) signal themselves at a seam of the 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,11 +77,26 @@ def test_a_script_that_catches_the_keyboard_interrupt_saves_on(tmp_path: Path) -
     assert committed(uri) == [1, 3]
 
 
-@pytest.mark.parametrize("at", ["staging", "upload"], ids=["while-preparing", "synchronous-mid-upload"])
-def test_ctrl_c_on_one_rank_during_a_save_reaches_that_rank_and_no_rank_waits(at: str, tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    done = harness.torchrun(2, SCRIPT, "ranks", "--uri", uri, "--at", at)
-    said = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+RANKS_AT = ["staging", "upload"]
+
+
+@pytest.fixture(scope="module")
+def ranks_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """Both ``ranks`` cases in one 2-rank torchrun, one after the other, each with its own folder and
+    Checkpointer (a launcher and two ranks less than a torchrun each): at -> its URI, and the run."""
+    root = tmp_path_factory.mktemp("ranks")
+    uris = {at: str(root / at / "ckpt") for at in RANKS_AT}
+    cases = [arg for at in RANKS_AT for arg in ("--uri", uris[at], "--at", at)]
+    return uris, harness.torchrun(2, SCRIPT, "ranks", *cases)
+
+
+@pytest.mark.parametrize("at", RANKS_AT, ids=["while-preparing", "synchronous-mid-upload"])
+def test_ctrl_c_on_one_rank_during_a_save_reaches_that_rank_and_no_rank_waits(
+    at: str, ranks_run: tuple[dict[str, str], subprocess.CompletedProcess[str]]
+) -> None:
+    uris, done = ranks_run
+    uri = uris[at]
+    said = sorted(line.removeprefix(f"{at} ") for line in done.stdout.splitlines() if line.startswith(f"{at} rank"))
     assert said == ["rank0 KeyboardInterrupt", "rank1 SaveFailedError"], done.stdout + done.stderr
     assert committed(uri) == [1, 3]
 

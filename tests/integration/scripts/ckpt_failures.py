@@ -35,6 +35,13 @@
         thread on rank 1, the thread naming the folder on rank 0 (only rank 0 starts one); every
         rank records each step()'s outcome, closes, and restores
 
+    ckpt_failures.py --cases JSON
+        runs several of the above one after another in this one job, each with its own URI and
+        Checkpointer: JSON is a list of their options (``{"command": "commit-error", "uri": U,
+        "out": O, "where": "naming"}``, unnamed options at their defaults); the tests share one
+        torchrun this way between cases that need nothing but a fresh folder, instead of paying
+        for a launcher and two ranks each
+
 Each rank writes what happened to ``O.rank<r>`` (``<ErrorClass> at step <s>: <message>``, or
 ``no error``), then meets the others in a barrier on the default group (``BARRIER_TIMEOUT``), so
 the test sees what every rank raised, and a rank left behind fails the job instead of hanging
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import threading
@@ -421,33 +429,7 @@ def no_save_thread(args: argparse.Namespace, rank: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument(
-        "command",
-        choices=[
-            "commit-error",
-            "async-one-rank",
-            "unrestorable",
-            "prepare-one-rank",
-            "after-close",
-            "flush-over-save",
-            "failure-raised-before-its-vote",
-            "flush-with-failed-save",
-            "no-save-thread",
-        ],
-    )
-    p.add_argument("--uri", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--where", choices=["naming", "commit"], default="commit")
-    p.add_argument("--error", choices=["runtime", "oserror"], default="runtime")
-    p.add_argument("--from-save", type=int, default=1)
-    p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
-    p.add_argument("--same-step", action="store_true")
-    p.add_argument("--thread", choices=["spotjob-save", "spotjob-name"], default="spotjob-save")
-    args = p.parse_args()
-    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
-    rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
-    modes = {
+    commands = {
         "commit-error": commit_error,
         "async-one-rank": async_one_rank,
         "unrestorable": unrestorable,
@@ -458,7 +440,28 @@ def main() -> None:
         "flush-with-failed-save": flush_with_failed_save,
         "no-save-thread": no_save_thread,
     }
-    modes[args.command](args, rank)
+    p.add_argument("command", nargs="?", choices=list(commands))
+    p.add_argument("--cases", help="a JSON list of option sets, each run in turn (see the module's docstring)")
+    p.add_argument("--uri")
+    p.add_argument("--out")
+    p.add_argument("--where", choices=["naming", "commit"], default="commit")
+    p.add_argument("--error", choices=["runtime", "oserror"], default="runtime")
+    p.add_argument("--from-save", type=int, default=1)
+    p.add_argument("--variant", choices=["failed", "cancelled"], default="failed")
+    p.add_argument("--same-step", action="store_true")
+    p.add_argument("--thread", choices=["spotjob-save", "spotjob-name"], default="spotjob-save")
+    args = p.parse_args()
+    runs = [args]
+    if args.cases is not None:
+        runs = [argparse.Namespace(**{**vars(args), **case}) for case in json.loads(args.cases)]
+    for run in runs:
+        if run.command not in commands or not run.uri or not run.out:
+            p.error(f"each run needs a command ({', '.join(commands)}), --uri and --out; got {vars(run)}")
+    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
+    for run in runs:
+        commands[run.command](run, rank)
     dist.destroy_process_group()
 
 

@@ -13,6 +13,9 @@
         rank 0 gets Ctrl-C (SIGINT) while the synchronous save of step 2 uploads, rank 1 does not;
         each prints what the save raised on it, then both save step 3 and close.
         ``--at staging``: rank 0 gets it while it prepares the save (its state's ``state_dict()``).
+    torchrun --nproc-per-node=2 ckpt_signals.py ranks --uri U --at upload --uri U2 --at staging
+        the cases above one after the other in one job, each with its URI and Checkpointer; each
+        line then starts with its ``--at`` (``upload rank0 KeyboardInterrupt``)
     ckpt_signals.py with-body --uri U
         Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
         step 1 fails (the store refuses the upload).
@@ -188,8 +191,18 @@ class _Probe:
 
 
 def ranks(args: argparse.Namespace) -> None:
+    if len(args.uri) != len(args.at):
+        raise SystemExit(f"ranks: one --at per --uri; got {args.uri} and {args.at}")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    for uri, at in zip(args.uri, args.at, strict=True):
+        said = ranks_case(argparse.Namespace(uri=uri, at=at), dist.get_rank())
+        # One write per line: two ranks share the pipe, and print()'s text and newline can go out apart.
+        os.write(1, f"{at} {said}\n".encode() if len(args.uri) > 1 else f"{said}\n".encode())
+    exit_without_teardown()
+
+
+def ranks_case(args: argparse.Namespace, rank: int) -> str:
+    """One case of ``ranks``: what this rank says."""
     state = make_state(rank)
     sent, arm = threading.Event(), threading.Event()
 
@@ -223,9 +236,7 @@ def ranks(args: argparse.Namespace) -> None:
     train(state, 1, start=2)
     ckpt.save(3, state)
     ckpt.close()
-    # One write per line: two ranks share the pipe, and print()'s text and newline can go out apart.
-    os.write(1, f"rank{rank} {raised}\n".encode())
-    exit_without_teardown()
+    return f"rank{rank} {raised}"
 
 
 def with_body(args: argparse.Namespace) -> None:
@@ -246,11 +257,16 @@ def with_body(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["sync", "close", "close-other-thread", "ranks", "with-body"])
-    p.add_argument("--uri", required=True)
+    p.add_argument("--uri", required=True, action="append", help="ranks: once per case; the others: once")
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
-    p.add_argument("--at", choices=["staging", "write", "upload", "commit"], default="upload")
+    p.add_argument("--at", choices=["staging", "write", "upload", "commit"], action="append", help="default: upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
+    args.at = args.at or ["upload"]
+    if args.mode != "ranks":
+        if len(args.uri) > 1 or len(args.at) > 1:
+            p.error(f"{args.mode}: one --uri and at most one --at")
+        args.uri, args.at = args.uri[0], args.at[0]
     # Ctrl-C as a terminal gives it to a foreground script: Python raises KeyboardInterrupt only if
     # SIGINT was not ignored when it started, and a process started in the background by a
     # non-interactive shell (a CI runner's `cmd &`) inherits it ignored.
