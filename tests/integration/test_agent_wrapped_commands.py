@@ -179,15 +179,21 @@ def test_torchrun_restarting_its_workers_in_place_is_warned_of_at_start_and_a_pl
     # torchrun --max-restarts N restarts a failed worker group in place, which under torch 2.13's
     # gloo fails or hangs in the Checkpointer's process groups (README "Known limits"): the
     # agent says so when it starts the command, before any restart could hang it.
+    # The warning comes from the command line and environment alone, so the real torchrun runs a
+    # rank that imports nothing and exits 0 (it ran examples/train.py for 3 steps, which added a
+    # process importing torch to each of the three runs and tested nothing more here).
     warned = "restarts the worker group in place"
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os\nassert os.environ['RANK'] == '0'\nprint('rank 0 ran')\n")
     for restarts, env in (("2", {}), ("0", {}), (None, {"PET_MAX_RESTARTS": "1"})):
         run_dir = tmp_path / f"run-{restarts}-{len(env)}"
         run_dir.mkdir()
         option = ["--max-restarts", restarts] if restarts is not None else []
         torchrun = [str(BIN / "torchrun"), *option, "--nproc-per-node", "1", "--master-port", str(free_port())]
-        run = start_agent(run_dir, [*torchrun, str(TRAIN), "--steps", "3"], extra_env=env)
+        run = start_agent(run_dir, [*torchrun, str(rank)], extra_env=env)
         try:
             assert run.exit_code() == 0, run.log()
+            assert "rank 0 ran" in run.log(), run.log()
             assert (warned in run.log()) is (restarts != "0"), run.log()
         finally:
             stop(run)

@@ -35,12 +35,30 @@ JOB = harness.SCRIPTS / "ckpt_loops.py"
 
 
 def dumped(dump: Path, name: str) -> list[dict]:
-    return [torch.load(f"{dump}.{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+    """Each rank's dump of one case; a case that raised left its traceback instead."""
+    ranks = [torch.load(f"{dump}.{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, out in enumerate(ranks):
+        assert "error" not in out, f"rank {rank}'s {name} case failed:\n{out['error']}"
+    return ranks
 
 
-def test_a_zero_redundancy_optimizer_is_refused_up_front_with_what_to_do(tmp_path: Path) -> None:
-    uri, dump = tmp_path / "ckpt", tmp_path / "dump"
-    harness.torchrun(2, JOB, "zero-refused", "--uri", str(uri), "--dump", str(dump))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two torchruns for the module's six runs: the first makes every run that starts from
+    nothing (the refused ZeRO optimizer, ZeRO's full run, the accumulation's uninterrupted run and
+    its run stopped by a notice, which alone sees SPOTJOB_CONTROL_DIR); the second, a fresh process
+    group, the two resumes from what those committed. Each case seeds and builds its own model,
+    optimizer and Checkpointer in its own folder, as the six separate runs this replaced did (a
+    launch of torchrun and two ranks costs ~9 CPU-seconds)."""
+    root = tmp_path_factory.mktemp("loops")
+    first = ["zero-refused", "zero:full", "accumulate:full", "accumulate:flush"]
+    harness.torchrun(2, JOB, "cases", "--root", str(root), "--control", str(root / "control"), *first)
+    harness.torchrun(2, JOB, "cases", "--root", str(root), "zero:resume", "accumulate:resume")
+    return root
+
+
+def test_a_zero_redundancy_optimizer_is_refused_up_front_with_what_to_do(runs: Path) -> None:
+    uri, dump = runs / "zero-refused" / "ckpt", runs / "zero-refused" / "dump"
     for errors in dumped(dump, "zero-refused"):
         for call in ("restore", "save"):
             kind, message = errors[call]
@@ -50,26 +68,19 @@ def test_a_zero_redundancy_optimizer_is_refused_up_front_with_what_to_do(tmp_pat
     assert not list(uri.glob("step-*")), "a refused save must write nothing"
 
 
-def test_a_zero_redundancy_optimizer_kept_per_rank_as_the_readme_says_resumes_exactly(tmp_path: Path) -> None:
-    uri, dump = str(tmp_path / "ckpt"), str(tmp_path / "dump")
-    harness.torchrun(2, JOB, "zero", "full", "--uri", uri, "--dump", dump)
-    harness.torchrun(2, JOB, "zero", "resume", "--uri", uri, "--dump", dump)
-    for full, resumed in zip(dumped(Path(dump), "zero-full"), dumped(Path(dump), "zero-resume"), strict=True):
+def test_a_zero_redundancy_optimizer_kept_per_rank_as_the_readme_says_resumes_exactly(runs: Path) -> None:
+    dump = runs / "zero" / "dump"
+    for full, resumed in zip(dumped(dump, "zero-full"), dumped(dump, "zero-resume"), strict=True):
         assert resumed["start"] == 3
         assert resumed["lr"] == full["lr"]
         assert_same(resumed["model"], full["model"], "the model after resuming with ZeroShard")
 
 
-def test_a_notice_inside_an_accumulation_cycle_flushes_at_its_end_and_resumes_exactly(tmp_path: Path) -> None:
+def test_a_notice_inside_an_accumulation_cycle_flushes_at_its_end_and_resumes_exactly(runs: Path) -> None:
     """Pin (already worked): gradients are not saved, so ``step()`` belongs after ``optimizer.step()``."""
-    dump = str(tmp_path / "dump")
-    harness.torchrun(2, JOB, "accumulate", "full", "--uri", str(tmp_path / "whole"), "--dump", dump)
-    env = harness.job_env(SPOTJOB_CONTROL_DIR=str(tmp_path / "control"))
-    uri = str(tmp_path / "ckpt")
-    harness.torchrun(2, JOB, "accumulate", "full", "--flush", "--uri", uri, "--dump", dump + "-flushed", env=env)
-    harness.torchrun(2, JOB, "accumulate", "resume", "--uri", uri, "--dump", dump)
-    whole, resumed = dumped(Path(dump), "accumulate-full"), dumped(Path(dump), "accumulate-resume")
-    flushed = dumped(Path(dump + "-flushed"), "accumulate-full")
+    dump = runs / "accumulate" / "dump"
+    whole, resumed = dumped(dump, "accumulate-full"), dumped(dump, "accumulate-resume")
+    flushed = dumped(runs / "accumulate" / "dump-flushed", "accumulate-full")
     # The notice came during optimizer step 5's second micro-batch; the ranks agree on a step at
     # a step() call (one step later when rank 0's request reaches the vote after that call's).
     assert flushed[0]["stopped"] == flushed[1]["stopped"] in (5, 6)

@@ -8,6 +8,18 @@
     ckpt_ddp_buffers.py order --uri U --dump D    optimizer groups listing their parameters in another
                                                   order on rank 1; train 3 steps, save, restore
 
+    ckpt_ddp_buffers.py cases --root R CASE...    run several of the above one after the other in
+                                                  one process group (one torchrun instead of one
+                                                  each); CASE is ``command`` (async saves) or
+                                                  ``command:sync``, with URI ``R/<command>-<mode>/ckpt``
+                                                  and dump ``R/<command>-<mode>/dump``, except that
+                                                  ``resume`` and ``bare`` restore ``full``'s URI of
+                                                  their mode. Each case seeds and builds its own model,
+                                                  optimizer and Checkpointer, as its own run would;
+                                                  restore cases go in a later torchrun than the saves
+                                                  they read, so nothing of the save's process is
+                                                  left for the restore to lean on.
+
 Each rank dumps its module's final state to ``D.<command>.rank<r>.pt`` (``full`` also the state
 it saved). The ranks' BatchNorm running statistics differ after every step (each forward updates
 them from the rank's own batch) until DDP's next forward broadcasts rank 0's.
@@ -16,6 +28,8 @@ them from the rank's own batch) until DDP's next forward broadcasts rank 0's.
 from __future__ import annotations
 
 import argparse
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,43 +50,76 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: 
     optim.step()
 
 
+COMMANDS = ("full", "resume", "bare", "ema", "order")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["full", "resume", "bare", "ema", "order"])
-    p.add_argument("--uri", required=True)
-    p.add_argument("--dump", required=True)
+    p.add_argument("command", choices=[*COMMANDS, "cases"])
+    p.add_argument("case", nargs="*", help="with cases: command or command:sync")
+    p.add_argument("--uri")
+    p.add_argument("--dump")
+    p.add_argument("--root")
     p.add_argument("--sync", action="store_true")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
+    if args.command == "cases":
+        if not args.root or not args.case:
+            p.error("cases needs --root and at least one case")
+        jobs = []
+        for case in args.case:
+            command, _, mode = case.partition(":")
+            if command not in COMMANDS or mode not in ("", "sync"):
+                p.error(f"unknown case {case!r}")
+            mode = mode or "async"
+            source = "full" if command in ("resume", "bare") else command
+            uri, dump = f"{args.root}/{source}-{mode}/ckpt", f"{args.root}/{command}-{mode}/dump"
+            jobs.append((command, uri, dump, mode == "sync"))
+    else:
+        if not args.uri or not args.dump or args.case:
+            p.error(f"{args.command} needs --uri and --dump and no cases")
+        jobs = [(args.command, args.uri, args.dump, args.sync)]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if args.command in ("ema", "order"):
-        (ema_job if args.command == "ema" else order_job)(args.uri, args.dump, rank, sync=args.sync)
-        dist.destroy_process_group()
+    for command, uri, dump, sync in jobs:
+        Path(dump).parent.mkdir(parents=True, exist_ok=True)
+        if len(jobs) == 1:
+            run_case(command, uri, dump, rank, sync=sync)
+            continue
+        try:
+            run_case(command, uri, dump, rank, sync=sync)
+        except Exception:  # one case's failure is its own test's, not the others'
+            # The checkpointer's refusals are decided together (every rank raises), so the group
+            # stays in step for the next case; the case's test fails with this text.
+            torch.save({"error": traceback.format_exc()}, f"{dump}.{command}.rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def run_case(command: str, uri: str, dump: str, rank: int, *, sync: bool) -> None:
+    if command in ("ema", "order"):
+        (ema_job if command == "ema" else order_job)(uri, dump, rank, sync=sync)
         return
-    torch.manual_seed(rank + 1 if args.command == "bare" else 0)  # bare: the restore must set every tensor
+    torch.manual_seed(rank + 1 if command == "bare" else 0)  # bare: the restore must set every tensor
     bare = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    if args.command == "bare":
+    if command == "bare":
         optim = torch.optim.SGD(bare.parameters(), lr=0.1)
-        with Checkpointer(args.uri, async_save=not args.sync) as ckpt:
+        with Checkpointer(uri, async_save=not sync) as ckpt:
             start = ckpt.restore({"model": bare, "optim": optim})
         restored = {k: v.clone() for k, v in bare.state_dict().items()}
-        torch.save({"start": start, "final": restored}, f"{args.dump}.bare.rank{rank}.pt")
-        dist.destroy_process_group()
+        torch.save({"start": start, "final": restored}, f"{dump}.bare.rank{rank}.pt")
         return
     model = DistributedDataParallel(bare)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optim": optim}
     saved = None
-    with Checkpointer(args.uri, async_save=not args.sync) as ckpt:
-        start = ckpt.restore(state) if args.command == "resume" else 0
+    with Checkpointer(uri, async_save=not sync) as ckpt:
+        start = ckpt.restore(state) if command == "resume" else 0
         for step in range(start, STEPS):
             train_step(model, optim, step, rank)
-            if step + 1 == SAVE_STEP and args.command == "full":
+            if step + 1 == SAVE_STEP and command == "full":
                 saved = {k: v.clone() for k, v in model.module.state_dict().items()}
                 ckpt.save(SAVE_STEP, state)
     final = {k: v.clone() for k, v in model.module.state_dict().items()}
-    torch.save({"start": start, "saved": saved, "final": final}, f"{args.dump}.{args.command}.rank{rank}.pt")
-    dist.destroy_process_group()
+    torch.save({"start": start, "saved": saved, "final": final}, f"{dump}.{command}.rank{rank}.pt")
 
 
 def ema_job(uri: str, dump: str, rank: int, *, sync: bool) -> None:

@@ -8,6 +8,13 @@ added, a cast to bfloat16; an FSDP2 model rebuilt wider (resharded); an EMA comi
 per-rank object changing type. Each rank keeps a copy of what it handed to every save; then every
 step is restored on its own (rank 0 copies its folder to ``URI-alone-<step>``) into a state of the
 same layout and compared bit for bit. Prints ``step S: OK`` or the differences; exits 1 on any.
+
+    ckpt_evolving.py URI --modes async,sync
+
+Both runs one after the other in one process group (one torchrun instead of two), each with its
+own URI (``URI-<mode>``), model, optimizer and Checkpointer, as its own run would. Each line is
+prefixed ``[<mode>] ``; a run that raises prints its traceback under that prefix and the next
+run goes on; exits 0 unless something outside the runs fails, so the test reads each run's lines.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import glob
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +99,34 @@ def main() -> None:
     p.add_argument("uri")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--release-staging", action="store_true")
+    p.add_argument("--modes", help="comma-separated: async, sync")
     args = p.parse_args()
     dist.init_process_group("gloo")
+    if not args.modes:
+        failed = run(args.uri, sync=args.sync, release_staging=args.release_staging, prefix="")
+        dist.destroy_process_group()
+        if failed:
+            sys.exit(1)
+        return
+    for mode in args.modes.split(","):
+        try:
+            run(f"{args.uri}-{mode}", sync=mode == "sync", release_staging=False, prefix=f"[{mode}] ")
+        except Exception:  # this mode's test fails on it, the other's goes on
+            lines = traceback.format_exc().splitlines()
+            print("\n".join(f"[{mode}] rank {dist.get_rank()} raised: {line}" for line in lines), flush=True)
+    dist.destroy_process_group()
+
+
+def run(uri: str, *, sync: bool, release_staging: bool, prefix: str) -> bool:
+    """One run: save steps 0-7 to ``uri``, restore each on its own; True if any differed."""
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     rep = replicated(0)
     model, optim = sharded(mesh, 10, 0)
     saved: dict[int, tuple[dict[str, Any], dict[str, Any], bool]] = {}
-    kw = {"async_save": not args.sync, "release_staging": args.release_staging}
-    with Checkpointer(args.uri, keep=None, **kw) as ckpt:
+    kw = {"async_save": not sync, "release_staging": release_staging}
+    with Checkpointer(uri, keep=None, **kw) as ckpt:
         for step in range(8):
             if step == 2:
                 rep.seen.resize_(9)
@@ -125,9 +151,9 @@ def main() -> None:
                     param.add_(1.0)
     failed = False
     for step, (plain, sharded_state, ema) in saved.items():
-        alone = f"{args.uri}-alone-{step}"
+        alone = f"{uri}-alone-{step}"
         if rank == 0:
-            for folder in glob.glob(f"{args.uri}/step-{step:09d}*"):
+            for folder in glob.glob(f"{uri}/step-{step:09d}*"):
                 shutil.copytree(folder, os.path.join(alone, os.path.basename(folder)))
         dist.barrier()
         model, optim = sharded(mesh, 10 if step < 4 else 16, 99)
@@ -140,11 +166,9 @@ def main() -> None:
         got = {k: v.state_dict() for k, v in state.items() if k not in ("model", "optim")}
         diffs = [f"restored step {restored}"] if restored != step else []
         diffs += differences(got, plain) + differences(whole(model, optim), sharded_state)
-        print(f"rank {rank} step {step}: {diffs[:5] if diffs else 'OK'}", flush=True)
+        print(f"{prefix}rank {rank} step {step}: {diffs[:5] if diffs else 'OK'}", flush=True)
         failed = failed or bool(diffs)
-    dist.destroy_process_group()
-    if failed:
-        sys.exit(1)
+    return failed
 
 
 if __name__ == "__main__":

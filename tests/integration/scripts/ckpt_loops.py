@@ -9,6 +9,13 @@
         ``step()`` once per optimizer step; ``full --flush`` has rank 0 request a flush through the
         agent's channel in the middle of an accumulation cycle
 
+    ckpt_loops.py cases --root R [--control C] CASE...
+        several of the above one after the other in one process group (one torchrun instead of
+        one each): CASE is zero-refused, zero:full, zero:resume, accumulate:full (never stopped),
+        accumulate:flush (``full --flush``, with SPOTJOB_CONTROL_DIR=C for that case only) or
+        accumulate:resume (restores what accumulate:flush committed). Each case seeds and builds
+        its own model, optimizer and Checkpointer, as its own run would; folders are in CASES.
+
 Each rank dumps what the test compares to ``D.<command>.rank<r>.pt``.
 """
 
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import traceback
 from typing import Any
 
 import torch
@@ -122,16 +130,56 @@ def accumulate(args: argparse.Namespace, rank: int) -> None:
     torch.save({"start": start, "stopped": stopped, "model": final}, dump)
 
 
+JOBS = {"zero-refused": zero_refused, "zero": zero, "accumulate": accumulate}
+# case: (command, phase, flush, URI under R, dump under R)
+CASES = {
+    "zero-refused": ("zero-refused", "full", False, "zero-refused/ckpt", "zero-refused/dump"),
+    "zero:full": ("zero", "full", False, "zero/ckpt", "zero/dump"),
+    "zero:resume": ("zero", "resume", False, "zero/ckpt", "zero/dump"),
+    "accumulate:full": ("accumulate", "full", False, "accumulate/whole", "accumulate/dump"),
+    "accumulate:flush": ("accumulate", "full", True, "accumulate/ckpt", "accumulate/dump-flushed"),
+    "accumulate:resume": ("accumulate", "resume", False, "accumulate/ckpt", "accumulate/dump"),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["zero-refused", "zero", "accumulate"])
-    p.add_argument("phase", nargs="?", choices=["full", "resume"], default="full")
-    p.add_argument("--uri", required=True)
-    p.add_argument("--dump", required=True)
+    p.add_argument("command", choices=[*JOBS, "cases"])
+    p.add_argument("phase", nargs="*", help="full or resume; with cases: the cases")
+    p.add_argument("--uri")
+    p.add_argument("--dump")
+    p.add_argument("--root")
+    p.add_argument("--control")
     p.add_argument("--flush", action="store_true")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
+    if args.command != "cases":
+        if not args.uri or not args.dump or len(args.phase) > 1 or not set(args.phase) <= {"full", "resume"}:
+            p.error(f"{args.command} takes [full|resume] --uri U --dump D")
+        args.phase = args.phase[0] if args.phase else "full"
+        dist.init_process_group("gloo")
+        JOBS[args.command](args, dist.get_rank())
+        dist.destroy_process_group()
+        return
+    unknown = [c for c in args.phase if c not in CASES]
+    if not args.root or not args.phase or unknown:
+        p.error(f"cases needs --root and cases among {sorted(CASES)} (unknown: {unknown})")
     dist.init_process_group("gloo")
-    {"zero-refused": zero_refused, "zero": zero, "accumulate": accumulate}[args.command](args, dist.get_rank())
+    rank = dist.get_rank()
+    for case in args.phase:
+        command, phase, flush, uri, dump = CASES[case]
+        one = argparse.Namespace(phase=phase, flush=flush, uri=f"{args.root}/{uri}", dump=f"{args.root}/{dump}")
+        os.makedirs(os.path.dirname(one.dump), exist_ok=True)
+        if flush:
+            os.environ["SPOTJOB_CONTROL_DIR"] = args.control
+        try:
+            JOBS[command](one, rank)
+        except Exception:  # one case's failure is its own test's, not the others'
+            # The checkpointer's refusals and failures are decided together (every rank raises),
+            # so the group stays in step for the next case; the case's test fails with this text.
+            name = command if command == "zero-refused" else f"{command}-{phase}"
+            torch.save({"error": traceback.format_exc()}, f"{one.dump}.{name}.rank{rank}.pt")
+        finally:
+            os.environ.pop("SPOTJOB_CONTROL_DIR", None)
     dist.destroy_process_group()
 
 

@@ -7,7 +7,15 @@
                                             groups in the other order, or with bias 0 moved to
                                             layer 2's group; dump each parameter's state by name
 
-Each rank dumps ``D.rank<r>.pt``: the step restored (or the refusal's text) and the state by name.
+    ckpt_optim_groups.py all --uri U --dump D
+                                            the three above in one process group, one after the
+                                            other: save, restore reordered, restore moved (one
+                                            torchrun instead of three; each case builds its own
+                                            model and optimizer from its own seed and opens its
+                                            own Checkpointer, as a separate run would)
+
+Each rank dumps ``D.rank<r>.pt``: the step restored (or the refusal's text) and the state by name
+(``all`` dumps to ``D-reordered.rank<r>.pt`` and ``D-moved.rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -52,9 +60,33 @@ def by_name(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, dict[st
     }
 
 
+def save(uri: str, rank: int) -> None:
+    model, optim = model_and_optim(0, "saved")
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+        optim.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        optim.step()
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim})
+    torch.save({"saved": by_name(model, optim)}, f"{uri}.saved.rank{rank}.pt")
+
+
+def restore(uri: str, groups: str, dump: str, rank: int) -> None:
+    model, optim = model_and_optim(1, groups)
+    before = by_name(model, optim)
+    with Checkpointer(uri, keep=None) as ckpt:
+        try:
+            outcome: int | str = ckpt.restore({"model": model, "optim": optim})
+        except RestoreRefusedError as e:
+            outcome = str(e)
+    torch.save({"outcome": outcome, "before": before, "after": by_name(model, optim)}, f"{dump}.rank{rank}.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("save", "restore"))
+    parser.add_argument("mode", choices=("save", "restore", "all"))
     parser.add_argument("--uri", required=True)
     parser.add_argument("--groups", default="saved")
     parser.add_argument("--dump")
@@ -62,25 +94,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.mode == "save":
-        model, optim = model_and_optim(0, "saved")
-        for step in range(3):
-            g = torch.Generator().manual_seed(step * 10 + rank)
-            x, y = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
-            optim.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            optim.step()
-        with Checkpointer(args.uri, keep=None) as ckpt:
-            ckpt.save(3, {"model": model, "optim": optim})
-        torch.save({"saved": by_name(model, optim)}, f"{args.uri}.saved.rank{rank}.pt")
+        save(args.uri, rank)
+    elif args.mode == "restore":
+        restore(args.uri, args.groups, args.dump, rank)
     else:
-        model, optim = model_and_optim(1, args.groups)
-        before = by_name(model, optim)
-        with Checkpointer(args.uri, keep=None) as ckpt:
-            try:
-                outcome: int | str = ckpt.restore({"model": model, "optim": optim})
-            except RestoreRefusedError as e:
-                outcome = str(e)
-        torch.save({"outcome": outcome, "before": before, "after": by_name(model, optim)}, f"{args.dump}.rank{rank}.pt")
+        save(args.uri, rank)
+        for groups in ("reordered", "moved"):
+            restore(args.uri, groups, f"{args.dump}-{groups}", rank)
     dist.destroy_process_group()
 
 
