@@ -36,13 +36,29 @@ FSDP = harness.SCRIPTS / "ckpt_fsdp.py"
 JOB = "team/fsdp"
 
 
-def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def file_saves(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two 4-rank saves of step 2 on a filesystem, ``fsdp/ckpt`` (FSDP2 on a mesh of every rank)
+    and ``hsdp/ckpt`` (``--hsdp``), in one torchrun (each case its own model, optimizer and
+    Checkpointer): starting the ranks is most of what each costs. Both are only read."""
+    root = tmp_path_factory.mktemp("prefetch")
+    harness.torchrun(
+        4,
+        FSDP,
+        *("--dump", str(root / "fsdp-saved"), "--uri", str(root / "fsdp" / "ckpt"), "--save-at", "2", "--steps", "2"),
+        "--then",
+        "--hsdp",
+        *("--dump", str(root / "hsdp-saved"), "--uri", str(root / "hsdp" / "ckpt"), "--save-at", "2", "--steps", "2"),
+    )
+    return root
+
+
+def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(file_saves: Path) -> None:
     """Adam's ``step`` counter of each parameter is a tensor every rank holds alike, which DCP
     keeps once. Before the fix it went to whichever rank had written least so far, a different
     rank's file for each parameter (ranks 1, 2 and 3 here), so every rank's restore read nearly
     every rank's file. Now such scalars are written from rank 0, beside its shards."""
-    uri = str(tmp_path / "ckpt")
-    harness.torchrun(4, FSDP, "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2")
+    uri = str(file_saves / "fsdp" / "ckpt")
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     whole = {name: t.files for name, t in manifest.tensors.items() if len(t.files) == 1}
@@ -50,7 +66,7 @@ def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(tmp_path: Pat
     assert {f for files in whole.values() for f in files} == {"__0_0.distcp"}, whole
 
 
-def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> None:
+def test_each_node_prefetches_every_file_its_hsdp_ranks_read(file_saves: Path) -> None:
     """HSDP on 2 nodes of 2 ranks (FSDP2 on a (2, 2) mesh: sharded within a node, replicated across
     the nodes): DCP writes each shard from one replica, whole tensors from node 0's ranks and others
     from node 1's, so each node's ranks read every shard file. What each rank reads is taken from
@@ -62,10 +78,7 @@ def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> 
     from agent.dcp_safe import load_dcp_metadata
     from agent.restore_cache import node_files
 
-    uri = str(tmp_path / "ckpt")
-    harness.torchrun(
-        4, FSDP, "--hsdp", "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2"
-    )
+    uri = str(file_saves / "hsdp" / "ckpt")
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     metadata = load_dcp_metadata(manifest_path.with_name(".metadata").read_bytes())
