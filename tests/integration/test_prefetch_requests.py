@@ -12,9 +12,11 @@ are told from the other's. Not modelled: a network between the nodes (both are o
 from __future__ import annotations
 
 import sys
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,13 +38,34 @@ FSDP = harness.SCRIPTS / "ckpt_fsdp.py"
 JOB = "team/fsdp"
 
 
-def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory, s3_client: Any, moto_server: str) -> tuple[Path, str]:
+    """Three 4-rank saves of step 2, in one torchrun (each case its own model, optimizer and
+    Checkpointer; starting the ranks is most of what each costs): ``fsdp/ckpt`` (FSDP2 on a mesh
+    of every rank) and ``hsdp/ckpt`` (``--hsdp``) on a filesystem, and FSDP2 again on moto's S3,
+    as job ``JOB``. Each is read by one test only; (the filesystem saves' root, the S3 URI)."""
+    root = tmp_path_factory.mktemp("prefetch")
+    bucket = f"spotjob-prefetch-{uuid.uuid4().hex[:8]}"
+    s3_client.create_bucket(Bucket=bucket)
+    s3_uri = f"s3://{bucket}/jobs/run1"
+    steps = ("--save-at", "2", "--steps", "2")
+    harness.torchrun(
+        4,
+        FSDP,
+        *("--dump", str(root / "fsdp-saved"), "--uri", str(root / "fsdp" / "ckpt"), *steps),
+        *("--then", "--hsdp", "--dump", str(root / "hsdp-saved"), "--uri", str(root / "hsdp" / "ckpt"), *steps),
+        *("--then", "--dump", str(root / "s3-saved"), "--uri", s3_uri, *steps),
+        env=harness.job_env(AWS_ENDPOINT_URL=moto_server, SPOTJOB_JOB_NAME=JOB),
+    )
+    return root, s3_uri
+
+
+def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(saves: tuple[Path, str]) -> None:
     """Adam's ``step`` counter of each parameter is a tensor every rank holds alike, which DCP
     keeps once. Before the fix it went to whichever rank had written least so far, a different
     rank's file for each parameter (ranks 1, 2 and 3 here), so every rank's restore read nearly
     every rank's file. Now such scalars are written from rank 0, beside its shards."""
-    uri = str(tmp_path / "ckpt")
-    harness.torchrun(4, FSDP, "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2")
+    uri = str(saves[0] / "fsdp" / "ckpt")
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     whole = {name: t.files for name, t in manifest.tensors.items() if len(t.files) == 1}
@@ -50,7 +73,7 @@ def test_an_fsdp_states_replicated_scalars_are_all_in_rank_0s_file(tmp_path: Pat
     assert {f for files in whole.values() for f in files} == {"__0_0.distcp"}, whole
 
 
-def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> None:
+def test_each_node_prefetches_every_file_its_hsdp_ranks_read(saves: tuple[Path, str]) -> None:
     """HSDP on 2 nodes of 2 ranks (FSDP2 on a (2, 2) mesh: sharded within a node, replicated across
     the nodes): DCP writes each shard from one replica, whole tensors from node 0's ranks and others
     from node 1's, so each node's ranks read every shard file. What each rank reads is taken from
@@ -62,10 +85,7 @@ def test_each_node_prefetches_every_file_its_hsdp_ranks_read(tmp_path: Path) -> 
     from agent.dcp_safe import load_dcp_metadata
     from agent.restore_cache import node_files
 
-    uri = str(tmp_path / "ckpt")
-    harness.torchrun(
-        4, FSDP, "--hsdp", "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2"
-    )
+    uri = str(saves[0] / "hsdp" / "ckpt")
     (manifest_path,) = Path(uri).glob(f"step-*/{MANIFEST_NAME}")
     manifest = Manifest.parse(manifest_path.read_bytes())
     metadata = load_dcp_metadata(manifest_path.with_name(".metadata").read_bytes())
@@ -118,7 +138,7 @@ def _restart_on_two_nodes(uri: str, proxies: list[FaultProxy], tmp_path: Path, *
 
 
 def test_each_node_fetches_only_the_files_its_ranks_read(
-    fresh_uri: Callable[[str], str],
+    saves: tuple[Path, str],
     fault_proxy: Callable[..., FaultProxy],
     moto_server: str,
     tmp_path: Path,
@@ -128,11 +148,7 @@ def test_each_node_fetches_only_the_files_its_ranks_read(
     counters over ranks 1-3's files, so node 1's ranks read ``__1_0.distcp`` too. Now a node
     fetches DCP's metadata, rank 0's shard file (the small replicated values), and its own
     ranks' shards and per-rank state: each once, with one GET (no HEAD: each fits one part)."""
-    uri = fresh_uri("s3")
-    harness.torchrun(
-        4, FSDP, "--dump", str(tmp_path / "saved"), "--uri", uri, "--save-at", "2", "--steps", "2",
-        env=harness.job_env(AWS_ENDPOINT_URL=moto_server, SPOTJOB_JOB_NAME=JOB),
-    )  # fmt: skip
+    uri = saves[1]
     proxies = [fault_proxy(moto_server, "s3") for _ in range(2)]
     _restart_on_two_nodes(uri, proxies, tmp_path)
     node0, node1 = (_file_gets(p) for p in proxies)

@@ -1,17 +1,20 @@
 """Rank side of the FSDP2 checkpoint tests (CPU, gloo); run under torchrun.
 
-    ckpt_fsdp.py --dump D [--uri U] [--restore] [--save-at S ...] [--steps N] [--hsdp]
+    ckpt_fsdp.py --dump D [--uri U] [--restore] [--save-at S ...] [--steps N] [--hsdp] [--then --dump D2 ...]
 
 Builds a small FSDP2-sharded model and Adam on a mesh of every rank (``--hsdp``: sharded within
 pairs of ranks, replicated across the pairs, as HSDP shards within a node), restores from ``U`` if asked,
 then trains up to ``N`` steps on data that depends on the step only, saving the steps listed. Rank
 0 dumps the full (unsharded) model and optimizer state to ``D.<label>.pt``: ``restored`` after
-the restore, ``step<S>`` at each save, ``end`` at the end.
+the restore, ``step<S>`` at each save, ``end`` at the end. ``--then`` runs another case after it
+in the same process group (its own model, optimizer and Checkpointer; the seed is set per case),
+so that independent cases of one world size share the cost of starting the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,7 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, obje
     }
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--dump", required=True)
     p.add_argument("--uri")
@@ -57,8 +60,24 @@ def main() -> None:
     p.add_argument("--save-at", type=int, nargs="*", default=[])
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--hsdp", action="store_true")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    cases: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
+    parsed = [parse(case) for case in cases]  # every case's arguments checked before any runs
     dist.init_process_group("gloo")
+    for args in parsed:
+        run_case(args)
+    dist.destroy_process_group()
+
+
+def run_case(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optim = build(world, seed=1 if args.restore else 0, hsdp=args.hsdp)
     state = {"model": model, "optim": optim}
@@ -88,7 +107,6 @@ def main() -> None:
     if ckpt is not None:
         ckpt.close()
     dump("end")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

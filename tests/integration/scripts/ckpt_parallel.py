@@ -1,6 +1,7 @@
 """Rank side of the checkpoint tests of parallel layouts (CPU, gloo); run under torchrun.
 
     ckpt_parallel.py LAYOUT --uri U --dump D [--restore] [--split a|b|c] [--tp N] [--sync] [--optim dcp|rank]
+                     [--then LAYOUT --uri U2 --dump D2 ...]
 
 LAYOUT is ``tp`` (parallelize_module, Colwise/Rowwise over every rank), ``dp_tp`` (FSDP2 over "dp"
 and tensor parallel over "tp", ``--tp`` wide), ``pp`` (each rank keeps only its stage's layers,
@@ -12,12 +13,18 @@ draw and a digest (sum) of every model and optimizer tensor by name (DTensors wh
 of save() or restore() is dumped as ``{"error": ...}``. ``--optim rank`` keeps the optimizer as
 a per-rank object (``StageOptimizer``, README's recipe for pipeline stages), ``--optim none``
 leaves it out of the state.
+
+``--then`` starts another case in the same process group (its own URI, dump, model and
+Checkpointer), run after the one before it has dumped and closed: the tests run their independent
+cases of one world size in one torchrun, since starting the ranks (importing torch) is most of
+each case's cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
@@ -115,7 +122,7 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("layout", choices=["tp", "dp_tp", "pp", "shards"])
     p.add_argument("--uri", required=True)
@@ -127,8 +134,25 @@ def main() -> None:
     p.add_argument("--optim", choices=["dcp", "rank", "none"], default="dcp")
     p.add_argument("--replicas", choices=["identical", "rank0"], default="identical")
     p.add_argument("--frozen", action="store_true", help="l0 frozen, left out of the optimizer")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    cases: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
+    parsed = [parse(case) for case in cases]  # every case's arguments checked before any runs
     dist.init_process_group("gloo")
+    for args in parsed:
+        run_case(args)
+    exit_without_teardown()
+
+
+def run_case(args: argparse.Namespace) -> None:
+    """One case: build, train and save (or restore), dump, close."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, rank, world)
     if args.frozen:
@@ -166,7 +190,6 @@ def main() -> None:
     with open(f"{args.dump}.r{rank}.json", "w") as f:
         json.dump(result, f)
     ckpt.close()
-    exit_without_teardown()
 
 
 if __name__ == "__main__":
