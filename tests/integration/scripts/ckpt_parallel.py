@@ -1,6 +1,6 @@
 """Rank side of the checkpoint tests of parallel layouts (CPU, gloo); run under torchrun.
 
-    ckpt_parallel.py LAYOUT --uri U --dump D [--restore] [--split a|b|c] [--tp N] [--sync] [--optim dcp|rank]
+    ckpt_parallel.py LAYOUT --uri U --dump D [--restore] [--split a|b|c|d] [--tp N] [--sync] [--optim dcp|rank]
                      [--then LAYOUT --uri U2 --dump D2 ...]
 
 LAYOUT is ``tp`` (parallelize_module, Colwise/Rowwise over every rank), ``dp_tp`` (FSDP2 over "dp"
