@@ -18,7 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from ckpt_state import exit_without_teardown
+from ckpt_state import exit_without_teardown, split_cases
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -64,13 +64,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> None:
-    cases: list[list[str]] = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "--then":
-            cases.append([])
-        else:
-            cases[-1].append(arg)
-    parsed = [parse(case) for case in cases]  # every case's arguments checked before any runs
+    parsed = [parse(case) for case in split_cases(sys.argv[1:])]  # every case's arguments checked before any runs
     dist.init_process_group("gloo")
     for args in parsed:
         run_case(args)

@@ -90,6 +90,19 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def split_cases(argv: list[str]) -> list[list[str]]:
+    """A rank script's arguments cut at each ``--then``: one list per case the script runs in turn
+    in one process group (``ckpt_parallel.py``, ``ckpt_fsdp.py``), so that cases whose setups are
+    the same share one torchrun instead of paying for a launcher and its ranks each."""
+    cases: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
+    return cases
+
+
 def exit_without_teardown() -> None:
     """Leave a rank whose work is done and written without the interpreter's teardown, where a
     finished gloo worker sometimes aborts ("terminate called without an active exception", SIGABRT)
