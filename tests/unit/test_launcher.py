@@ -904,7 +904,13 @@ class TestProcessTree:
         tree.command_pid = command.pid
         try:
             assert not tree.known_alive()  # nothing seen yet
-            assert {p.pid for p in tree.refresh()} == {command.pid, rank.pid}
+            # Popen returns once the rank's exec has begun, but the kernel sets the new program's
+            # environment (where the marker is read from) a moment later: a walk in between does
+            # not see the marker yet (once in CI). The agent walks again; so does this test.
+            deadline = time.monotonic() + 10
+            while (seen := {p.pid for p in tree.refresh()}) != {command.pid, rank.pid} and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert seen == {command.pid, rank.pid}
             assert tree.known_alive(besides=command.pid)
             rank.kill()
             deadline = time.monotonic() + 10
