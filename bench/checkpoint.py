@@ -805,6 +805,31 @@ _BACKEND_NAMES = {
     "gs": "GCS (fake-gcs-server on loopback)",
 }
 
+
+def _object_store_rows(backend: str, floor_upload: str, floor_download: str) -> list[tuple[str, str, str]]:
+    """The rows of an object store (S3, GCS): the same Checkpointer rows, its own floor."""
+    return [
+        (f"{backend}.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
+        (f"{backend}.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
+        (
+            f"{backend}.ckpt.async.first.step",
+            "… a Checkpointer's first async save (allocates the buffers): blocks",
+            "sync",
+        ),
+        (f"{backend}.ckpt.async.first.commit", "… a Checkpointer's first async save: save call → commit", "save"),
+        (f"{backend}.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
+        (
+            f"{backend}.ckpt.sync.commit",
+            "… the same sync save: save call → manifest committed (retention after it)",
+            "save",
+        ),
+        (f"{backend}.floor.upload", f"floor: {floor_upload}", "save"),
+        (f"{backend}.ckpt.restore.cold", "Checkpointer `restore()`", "restore"),
+        (f"{backend}.floor.download", f"floor: {floor_download}", ""),
+        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
+    ]
+
+
 _ROWS: dict[str, list[tuple[str, str, str]]] = {
     # (op, label, what it is compared with: "save", "restore", "sync" or "")
     "file": [
@@ -827,34 +852,12 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("torch.load.cold", "torch.load (cold) + load_state_dict", "restore"),
         ("file.dcp.load.cold", "plain dcp.load (cold) + set_state_dict", "restore"),
     ],
-    "s3": [
-        ("s3.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
-        ("s3.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
-        ("s3.ckpt.async.first.step", "… a Checkpointer's first async save (allocates the buffers): blocks", "sync"),
-        ("s3.ckpt.async.first.commit", "… a Checkpointer's first async save: save call → commit", "save"),
-        ("s3.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
-        ("s3.ckpt.sync.commit", "… the same sync save: save call → manifest committed (retention after it)", "save"),
-        ("s3.floor.upload", "floor: boto3 upload_file of the state's bytes", "save"),
-        ("s3.ckpt.restore.cold", "Checkpointer `restore()`", "restore"),
-        ("s3.floor.download", "floor: boto3 download_file", ""),
-        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
-    ],
-    "gs": [
-        ("gs.ckpt.async.step", "Checkpointer async: `step()` blocks", "sync"),
-        ("gs.ckpt.async.commit", "Checkpointer async: save call → manifest committed", "save"),
-        ("gs.ckpt.async.first.step", "… a Checkpointer's first async save (allocates the buffers): blocks", "sync"),
-        ("gs.ckpt.async.first.commit", "… a Checkpointer's first async save: save call → commit", "save"),
-        ("gs.ckpt.sync.step", "Checkpointer sync: `step()` (whole save)", "save"),
-        ("gs.ckpt.sync.commit", "… the same sync save: save call → manifest committed (retention after it)", "save"),
-        (
-            "gs.floor.upload",
-            "floor: google-cloud-storage resumable upload of the state's bytes (100 MiB chunks)",
-            "save",
-        ),
-        ("gs.ckpt.restore.cold", "Checkpointer `restore()`", "restore"),
-        ("gs.floor.download", "floor: transfer_manager download_chunks_concurrently (8 x 64 MiB)", ""),
-        ("deserialise", "deserialise: torch.load (warm) + load_state_dict", ""),
-    ],
+    "s3": _object_store_rows("s3", "boto3 upload_file of the state's bytes", "boto3 download_file"),
+    "gs": _object_store_rows(
+        "gs",
+        "google-cloud-storage resumable upload of the state's bytes (100 MiB chunks)",
+        "transfer_manager download_chunks_concurrently (8 x 64 MiB)",
+    ),
 }
 
 _CUDA_COPY_FLOOR = "floor of the blocking: device-to-host copy of the state into pinned host buffers kept"
