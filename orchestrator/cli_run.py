@@ -51,6 +51,7 @@ from agent.control_channel import STATUS_FILE, read_json
 from agent.storage import StorageError, open_storage
 from agent.torchrun import LAUNCHERS
 from orchestrator.backends.local import (
+    CLOUDS,
     ENV_RUN,
     EventKind,
     LocalBackend,
@@ -103,8 +104,10 @@ from orchestrator.run_folder import (
     TIMELINE_FILE,
     DriverLock,
     older_layout_problem,
+    read_cloud,
     run_file_pid,
     runs_dir_option,
+    write_cloud,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
@@ -194,6 +197,7 @@ class LocalRun:
             # Only a run that plans a host maintenance gives its nodes GCE metadata to announce it on.
             maintenance_seconds=config.maintenance_notice if config.maintenance_at_steps else None,
             flush_lead=config.flush_lead,
+            cloud=config.cloud,
         )
         if not resume:
             spec = config.job_spec()  # before anything exists: a bad option creates nothing
@@ -221,6 +225,7 @@ class LocalRun:
                     self.store.create(self.key, spec)
                 except JobExistsError:
                     raise RunExistsError(self._exists_message()) from None
+                write_cloud(self.path, config.cloud)
                 self.spec, status, version = spec, JobStatus(), ""
             self.events_path = events_path(self.path, self.key)
             self._event_log = EventLog(self.events_path)
@@ -259,9 +264,10 @@ class LocalRun:
         self._commits_read_at = 0.0
 
     @classmethod
-    def resume(cls, runs_dir: str, name: str, **plan: Any) -> LocalRun:
+    def resume(cls, runs_dir: str, name: str, *, cloud: str | None = None, **plan: Any) -> LocalRun:
         """Take over the run ``name`` under ``runs_dir`` with its stored spec (``plan``: the
-        injected preemptions of this driver, ``RunConfig``'s fields of that group)."""
+        injected preemptions of this driver, ``RunConfig``'s fields of that group) and the cloud it
+        simulates (``cloud``, if given, must be that one: ``RunError`` otherwise)."""
         problem = name_problem(name)
         if problem is not None:
             raise RunError(problem.replace("--name", "--resume", 1))
@@ -286,6 +292,15 @@ class LocalRun:
             why = stored.invalid if stored is not None else "it is gone"
             raise RunError(f"run {name!r} cannot be resumed: its stored spec does not validate ({why})")
         spec = stored.spec
+        try:
+            recorded = read_cloud(path)
+        except ValueError as e:
+            raise RunError(f"run {name!r} cannot be resumed: {e}") from None
+        if cloud is not None and cloud != recorded:
+            raise RunError(
+                f"run {name!r} simulates {recorded} (it was started with --cloud {recorded}), and --resume keeps "
+                f"it: drop --cloud {cloud}, or start a new run to simulate {cloud}"
+            )
         config = RunConfig(
             script=spec.command[0],
             args=list(spec.command[1:]),
@@ -301,6 +316,7 @@ class LocalRun:
             notice=spec.notice_seconds or 30.0,
             restart_backoff=spec.restart_backoff.initial_seconds,
             env=dict(spec.env),
+            cloud=recorded,
             **plan,
         )
         return cls(config, resume=True)
@@ -505,7 +521,7 @@ class LocalRun:
             step = self.status.attempt.observed_step
         wall = time.time()
         notices = [
-            NoticeView(n.name, n.deadline - wall, maintenance=n.maintenance)
+            NoticeView(n.name, n.deadline - wall, maintenance=n.maintenance, cloud=self.config.cloud)
             for n in self.backend.nodes()
             if n.deadline is not None and not n.terminated
         ]
@@ -520,6 +536,7 @@ class LocalRun:
             notices_sent=self.backend.notices_sent,
             notices=notices,
             events=self.events,
+            cloud=self.config.cloud,
         )
 
     def _commits(self) -> int:
@@ -535,7 +552,14 @@ class LocalRun:
     def summary(self) -> Summary:
         """The run in numbers: the status, the whole timeline (every driver's) and storage."""
         events = Timeline.read(self.timeline.path)
-        return summarize(self.name, self.spec, self.status, events, committed=committed_in_storage(self, events))
+        return summarize(
+            self.name,
+            self.spec,
+            self.status,
+            events,
+            committed=committed_in_storage(self, events),
+            cloud=self.config.cloud,
+        )
 
     def plot(self, path: str) -> None:
         s = self.summary()
@@ -664,6 +688,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.plot is not None and (problem := plot_problem(args.plot)) is not None:
         raise ValueError(problem)
     given = {k: getattr(args, k) for k in _SPEC_OPTIONS if getattr(args, k) is not None}
+    if args.cloud is not None:
+        given["cloud"] = args.cloud
     if "nproc" in given and (problem := nproc_within_machine(given["nproc"])) is not None:
         raise ValueError(problem)
     name = given.pop("name", None)
@@ -693,7 +719,7 @@ def prepare(args: argparse.Namespace) -> LocalRun:
         )
     if args.plot is not None and (problem := plot_problem(args.plot)) is not None:
         raise ValueError(problem)
-    return LocalRun.resume(args.runs_dir, args.resume, **plan_options(args))
+    return LocalRun.resume(args.runs_dir, args.resume, cloud=args.cloud, **plan_options(args))
 
 
 class _Interrupts:
@@ -847,7 +873,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         usage="spotjob run [OPTIONS] SCRIPT [ARGS...]\n       spotjob run --resume NAME [OPTIONS]",
         description="Run SCRIPT under spotjob-agent -- torchrun --nproc-per-node N on a simulated spot node of "
         "this machine; preemptions injected by the options below travel the real path (an IMDSv2 spot "
-        "instance-action the agent hears, a signal the reconciler acts on). Options go before SCRIPT; "
+        "instance-action the agent hears, or GCE's or Azure's notice with --cloud; a signal the reconciler acts "
+        "on). Options go before SCRIPT; "
         "everything after it is the script's. --resume NAME drives an existing run again (its spotjob run was "
         "killed, say) with its own spec, status and checkpoints. Exit status: 0 the job succeeded, 1 it failed, "
         "2 bad arguments (nothing is created), a run that exists or is driven elsewhere, 130 interrupted.",
@@ -877,6 +904,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     job.add_argument(
         "--notice", type=_SECONDS, metavar="SECONDS", help="each notice's window (default 30, at most 86400)"
     )
+    job.add_argument(
+        "--cloud", choices=CLOUDS,
+        help="the cloud the nodes simulate (default aws; --resume keeps the run's): aws, an IMDSv2 spot "
+        "instance-action; gcp, GCE's instance/preempted TRUE; azure, a Scheduled Event Preempt whose NotBefore "
+        "is the node's stop (the node stops early once its agent acknowledges it)",
+    )  # fmt: skip
     inj = run.add_argument_group("injected preemptions")
     inj.add_argument("--preempt-every", type=_SECONDS, metavar="SECONDS", help="a notice about every N seconds")
     inj.add_argument(
@@ -892,9 +925,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inj.add_argument("--seed", type=_INT, help="seeds the jitter and which node a notice hits")
     inj.add_argument(
         "--maintenance-at-step", type=_step, action="append", metavar="N",
-        help="a host maintenance (GCE TERMINATE_ON_HOST_MAINTENANCE) once the training reaches step N: the "
-        "node's agent holds the notice, training goes on, and it flushes --flush-lead before the node stops "
-        "(repeatable)",
+        help="a host maintenance once the training reaches step N (GCE TERMINATE_ON_HOST_MAINTENANCE; on aws "
+        "too, whose IMDS announces none: its nodes then also serve GCE metadata; on azure a Scheduled Event "
+        "Redeploy): the node's agent holds the notice, training goes on, and it flushes --flush-lead before the "
+        "node stops (repeatable)",
     )  # fmt: skip
     inj.add_argument(
         "--maintenance-notice", type=_SECONDS, metavar="SECONDS",

@@ -31,6 +31,7 @@ from orchestrator.run_folder import (
     RUNS_DIR,
     DriverLock,
     older_layout_problem,
+    read_cloud,
     run_file_pid,
 )
 from orchestrator.store import JsonFileJobStore, StoreError
@@ -106,6 +107,11 @@ def read_run(runs_dir: str, name: str) -> RunRecord | None:
 def _read_run(path: str, key: JobKey, store: JsonFileJobStore) -> RunRecord:
     notes: list[str] = []
     try:
+        cloud = read_cloud(path)
+    except ValueError as e:
+        cloud = "aws"
+        notes.append(str(e))
+    try:
         events = read_events(events_path(path, key))
     except (OSError, ValueError) as e:
         events = []
@@ -128,6 +134,7 @@ def _read_run(path: str, key: JobKey, store: JsonFileJobStore) -> RunRecord:
         events=events,
         driver_pid=driver or None,
         notes=notes,
+        cloud=cloud,
     )
     status = stored.status
     if driver is None and status is not None and not status.phase.terminal and stored.spec is not None:
@@ -240,6 +247,8 @@ def _record_json(r: RunRecord) -> dict[str, object]:
         "error": r.error,
         "notes": list(r.notes),
     }
+    if r.cloud != "aws":  # a run folder without the key simulates AWS, as before --cloud
+        doc["cloud"] = r.cloud
     if r.truth is not None:
         t = r.truth
         doc["now"] = {

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.control_api import safe
+from orchestrator.backends.local_cloud import notice_name
 from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.held_notices import held_cell, held_notices, held_text
@@ -69,6 +70,16 @@ class NoticeView:
     seconds_left: float
     maintenance: bool = False
     """A host maintenance (its agent holds it until its flush), not a spot interruption."""
+    cloud: str = "aws"
+    """The cloud the run simulates: GCP's and Azure's notices are named (AWS's read as they always did)."""
+
+    def text(self) -> str:
+        what = "host maintenance: stops" if self.maintenance else "goes away"
+        left = f"{self.node} {what} in {max(0.0, self.seconds_left):.0f} s"
+        if self.cloud == "aws":
+            return left
+        early = " (or once its agent acknowledges it)" if self.cloud == "azure" else ""
+        return f"{notice_name(self.cloud, maintenance=self.maintenance)}: {left}{early}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,8 @@ class Snapshot:
     notices: list[NoticeView] = field(default_factory=list)
     events: Sequence[RecordedEvent] = ()
     """The job's Events so far, oldest first."""
+    cloud: str = "aws"
+    """The cloud the run simulates (``spotjob run --cloud``)."""
 
 
 def _ago(when: datetime | None, now: datetime | None = None) -> str:
@@ -163,6 +176,8 @@ def render_snapshot(s: Snapshot) -> RenderableType:
     if st.workers:
         phase.append(f" on {', '.join(_raw(w.node or '?') for w in st.workers)}", style="dim")
     grid.add_row("phase", phase)
+    if s.cloud != "aws":
+        grid.add_row("cloud", f"{s.cloud} (simulated: {notice_name(s.cloud)} notices)")
     rate = f"  ({s.steps_per_second:.1f} steps/s)" if s.steps_per_second and not st.phase.terminal else ""
     grid.add_row("step", f"{s.step if s.step is not None else '-'}{rate}")
     grid.add_row("checkpoint", f"{checkpoint_text(st)}  [dim]{s.commits} committed this run[/dim]")
@@ -177,8 +192,7 @@ def render_snapshot(s: Snapshot) -> RenderableType:
         f"{st.restarting_seconds:.1f} s, retraining {st.retraining_seconds:.1f} s[/dim]",
     )
     for n in s.notices:
-        what = "host maintenance: stops" if n.maintenance else "goes away"
-        grid.add_row("[red]notice[/red]", f"[red]{_mk(n.node)} {what} in {max(0.0, n.seconds_left):.0f} s[/red]")
+        grid.add_row("[red]notice[/red]", f"[red]{_mk(n.text())}[/red]")
     for notice in held(st):
         grid.add_row("held notice", _data(held_text(notice, datetime.now(UTC)), overflow="fold"))
     if st.message:
@@ -282,9 +296,14 @@ class Summary:
     retraining_seconds: float
     commits: int
     last_checkpoint: int | None
+    cloud: str = "aws"
+    """The cloud the run simulated; its row and JSON key only where it is not AWS (as before the option)."""
 
     def rows(self) -> list[tuple[str, str]]:
+        named = f"{self.cloud} (simulated: {notice_name(self.cloud)} notices)"
+        cloud = [("cloud", named)] if self.cloud != "aws" else []
         return [
+            *cloud,
             ("outcome", f"{self.phase} ({self.reason})"),
             ("wall time", f"{self.wall_seconds:.1f} s"),
             ("steps", "-" if self.steps is None else str(self.steps)),
@@ -308,7 +327,10 @@ class Summary:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
+        doc = {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
+        if self.cloud == "aws":
+            del doc["cloud"]
+        return doc
 
 
 def _step_or_none(step: int | None) -> str:
@@ -323,6 +345,7 @@ def summarize(
     *,
     wall_seconds: float | None = None,
     committed: tuple[int, int | None] | None = None,
+    cloud: str = "aws",
 ) -> Summary:
     """The summary of a run from its final status, its timeline and what storage holds.
 
@@ -362,6 +385,7 @@ def summarize(
         retraining_seconds=status.retraining_seconds,
         commits=max(timeline_commits(events), committed[0] if committed else 0),
         last_checkpoint=last,
+        cloud=cloud,
     )
 
 
@@ -415,14 +439,17 @@ def plot_timeline(events: Sequence[TimelineEvent], path: str, *, title: str) -> 
             # Held (training goes on) until its flush, then the window the flush has.
             deadline = float(e.data.get("deadline", e.t)) - t0
             flush_at = float(e.data.get("flush_at", e.t)) - t0
-            ax.axvline(x, color="tab:purple", ls="--", lw=1.2, label=once("host maintenance notice (held)"))
+            named = f"{e.data['notice']} " if isinstance(e.data.get("notice"), str) else "host maintenance "
+            ax.axvline(x, color="tab:purple", ls="--", lw=1.2, label=once(f"{named}notice (held)"))
             ax.axvspan(flush_at, deadline, color="tab:purple", alpha=0.1, label=once("its flush, until the node stops"))
         elif e.kind == EventKind.NOTICE:
             deadline = float(e.data.get("deadline", e.t)) - t0
-            ax.axvline(x, color="red", ls="--", lw=1.2, label=once("spot notice"))
+            named = f"{e.data['notice']} " if isinstance(e.data.get("notice"), str) else "spot "
+            ax.axvline(x, color="red", ls="--", lw=1.2, label=once(f"{named}notice"))
             ax.axvspan(x, deadline, color="red", alpha=0.08, label=once("notice window"))
         elif e.kind == EventKind.NODE_TERMINATED:
-            ax.axvline(x, color="red", ls=":", lw=1.0, label=once("node reclaimed"))
+            early = " (acknowledged)" if e.data.get("stopped") == "acknowledged" else ""
+            ax.axvline(x, color="red", ls=":", lw=1.0, label=once(f"node reclaimed{early}"))
         elif e.kind == EventKind.WORKER_STARTED and int(e.data.get("attempt", 0)) > 0:
             ax.axvline(x, color="tab:green", ls="-.", lw=1.0, label=once("restart (workers started)"))
     # The job's phase as a strip along the bottom: where the wall time went.
@@ -480,6 +507,8 @@ class RunRecord:
     """Smaller troubles reading the folder (its events file, say)."""
     truth: RunTruth | None = None
     """Read from storage and the processes when nobody drives a run that has not ended."""
+    cloud: str = "aws"
+    """The cloud the run simulates (its ``cloud.json``)."""
 
     def with_truth(
         self,
@@ -585,6 +614,8 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     head.add_column(style="dim", justify="right")
     head.add_column()
     head.add_row("run", f"{_mk(r.name)}  [dim]{_mk(r.path)}[/dim]")
+    if r.cloud != "aws":
+        head.add_row("cloud", f"{r.cloud} (simulated: {notice_name(r.cloud)} notices)")
     if r.spec is not None:
         sp = r.spec
         head.add_row("command", _data(" ".join(sp.command)))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from agent.storage import parse_uri
 from agent.torchrun import Launcher
-from orchestrator.backends.local import PreemptionPlan
+from orchestrator.backends.local import CLOUDS, PreemptionPlan
 from orchestrator.model import (
     MAX_DURATION_SECONDS,
     MAX_FLUSH_SECONDS,
@@ -72,6 +72,8 @@ class RunConfig:
     """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
     launcher: Launcher = "direct"
     """How each agent starts the ranks (spotjob-agent --launcher): direct, or torchrun itself."""
+    cloud: str = "aws"
+    """The cloud the nodes simulate (``--cloud``): how a notice is announced and which source hears it."""
     plot: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
@@ -101,6 +103,7 @@ class RunConfig:
             _positive("--maintenance-notice", self.maintenance_notice, _MAX_FLUSH),
             _positive("--flush-lead", self.flush_lead, _MAX_FLUSH),
             self._lead_problem(),
+            None if self.cloud in CLOUDS else f"--cloud {self.cloud!r}: expected one of {', '.join(CLOUDS)}",
             name_problem(self.name),
         ]
         return [p for p in out if p is not None]

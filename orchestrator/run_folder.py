@@ -14,11 +14,15 @@ import shlex
 import time
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from orchestrator.backends.local_cloud import CLOUDS
 
 RUNS_DIR = "spotjob-runs"
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
+CLOUD_FILE = "cloud.json"
+"""``{"cloud": "gcp"}``: the cloud a run simulates (``spotjob run --cloud``); a run folder without
+it (made before the option) simulates AWS."""
 
 LOG_EXCERPT_LINES = 12
 """How much of a failed worker's log ``spotjob run`` and ``spotjob status NAME`` show."""
@@ -131,3 +135,26 @@ def run_file_pid(path: str) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
+def write_cloud(path: str, cloud: str) -> None:
+    """Record the cloud the run in folder ``path`` simulates (``read_cloud``)."""
+    with open(os.path.join(path, CLOUD_FILE), "w") as f:
+        json.dump({"cloud": cloud}, f)
+
+
+def read_cloud(path: str) -> str:
+    """The cloud the run in folder ``path`` simulates: what ``write_cloud`` recorded, ``aws`` for a
+    folder without the record (made before ``--cloud``). ``ValueError`` naming the file when it
+    cannot be read or names no cloud spotjob simulates."""
+    file = os.path.join(path, CLOUD_FILE)
+    try:
+        with open(file) as f:
+            cloud = json.load(f).get("cloud")
+    except FileNotFoundError:
+        return "aws"
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{file} cannot be read ({e}); it records the run's --cloud") from None
+    if cloud not in CLOUDS:
+        raise ValueError(f"{file} names the cloud {cloud!r}, not one of {', '.join(CLOUDS)}")
+    return str(cloud)

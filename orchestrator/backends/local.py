@@ -26,6 +26,16 @@ holds it (training goes on; ``agent.json`` says it, and the reconciler records i
 from that exit, as on GCE, where no controller hears the maintenance. ``signals()`` does not
 report it (the reconciler would ask for a flush at once). The node stops at the deadline.
 
+That is the AWS-shaped cloud, the default. ``LocalOptions.cloud`` picks another (``CLOUDS``):
+``gcp``: each node serves GCE's metadata alone, its agent runs ``--notices gcp`` with
+``--gcp-notice-seconds`` the notice's window, ``preempt()`` sets ``instance/preempted`` TRUE and a
+host maintenance is the same ``maintenance-event`` as above. ``azure``: each node serves Azure's
+Scheduled Events alone, its agent runs ``--notices azure``; ``preempt()`` publishes a ``Preempt``
+event whose ``NotBefore`` is the node's stop, ``maintain()`` a ``Redeploy`` event (its agent holds
+it). Azure may act as soon as an event is acknowledged: the node stops once its agent acknowledged
+the event (after its flush: ``StartRequests``), or at ``NotBefore``, whichever comes first, and the
+timeline's ``node-terminated`` says which (``stopped``).
+
 In parallel with the reconciler's calls, one monitor thread, every ``MONITOR_TICK`` seconds:
 terminates nodes whose window ended; reads each live worker's ``status.json`` (the step, the last
 commit) into the ``Timeline``; fires the notices the ``PreemptionPlan`` says are due; and sets
@@ -107,6 +117,8 @@ from orchestrator.backends.base import (
     worker_name,
 )
 from orchestrator.backends.local_cloud import (
+    AZURE_MAINTENANCE_EVENT,
+    CLOUDS,
     ENV_NODE,
     ENV_RUN,
     ENV_WORKER,
@@ -116,6 +128,7 @@ from orchestrator.backends.local_cloud import (
     SimulatedCloud,
     kill_marked,
     marked_pids,
+    notice_name,
     run_pids,
 )
 from orchestrator.backends.local_failure import failure_cause, failure_detail, log_excerpt
@@ -249,6 +262,13 @@ class LocalOptions:
     flush_lead: float = 10.0
     """The agents' ``--flush-lead`` where ``maintenance_seconds`` is set: a maintenance is held
     until this long before its deadline."""
+    cloud: str = "aws"
+    """The cloud the nodes simulate (``CLOUDS``): which metadata each serves, which source its agent
+    hears, and how a notice is announced there."""
+
+    def __post_init__(self) -> None:
+        if self.cloud not in CLOUDS:
+            raise ValueError(f"cloud {self.cloud!r}: expected one of {', '.join(CLOUDS)}")
 
 
 def _tool(name: str, module: str) -> list[str]:
@@ -263,18 +283,24 @@ def _worker_command(
     job: JobSpec,
     attempt: int,
     index: int,
-    imds_url: str,
+    imds_url: str | None,
     control_dir: str,
     port: int,
     gce_url: str | None = None,
+    azure_url: str | None = None,
 ) -> list[str]:
     """A worker's command line: spotjob-agent (the tool prefix, then its options), ``--``, torchrun.
-    ``gce_url``: the node's GCE metadata server, where a host maintenance is announced."""
+    ``imds_url``, ``gce_url``, ``azure_url``: the node's metadata servers (those it has): on AWS the
+    IMDS, and GCE's where a host maintenance is announced; on GCP GCE's; on Azure Azure's."""
     ck = job.checkpoint
+    cloud = options.cloud
+    url = {"aws": imds_url, "gcp": gce_url, "azure": azure_url}[cloud]
+    if url is None:
+        raise ValueError(f"a worker on a simulated {cloud} node needs its {cloud} metadata server's URL")
     agent = [
         *_tool("spotjob-agent", "agent.launcher"),
-        "--notices", "aws" if options.hear_notices else "none",
-        "--aws-metadata-url", imds_url,
+        "--notices", cloud if options.hear_notices else "none",
+        f"--{cloud}-metadata-url", url,
         "--poll-interval", f"{options.poll_interval:g}",
         "--token-file", token_file(options.root),
         "--checkpoint-uri", ck.uri,
@@ -288,14 +314,19 @@ def _worker_command(
         # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
         "--exit-with-parent",
     ]  # fmt: skip
-    if options.hear_notices and options.maintenance_seconds is not None and gce_url is not None:
-        agent[agent.index("--notices") + 1] = "aws,gcp"
-        agent += [
-            "--gcp-metadata-url", gce_url,
+    if cloud == "gcp" and options.hear_notices:
+        # GCE's ~30 s from preempted=TRUE to the stop, scaled to this run's window.
+        agent += ["--gcp-notice-seconds", repr(float(options.notice_seconds))]
+    if options.hear_notices and options.maintenance_seconds is not None and (cloud != "aws" or gce_url is not None):
+        if cloud == "aws":
+            # AWS's IMDS announces no host maintenance: its nodes announce it GCE's way too.
+            assert gce_url is not None
+            agent[agent.index("--notices") + 1] = "aws,gcp"
+            agent += ["--gcp-metadata-url", gce_url]
+        if cloud != "azure":  # Azure's Redeploy carries its own NotBefore
             # Exact (not :g): a lead just under the notice must stay under it.
-            "--gcp-maintenance-seconds", repr(float(options.maintenance_seconds)),
-            "--flush-lead", repr(float(options.flush_lead)),
-        ]  # fmt: skip
+            agent += ["--gcp-maintenance-seconds", repr(float(options.maintenance_seconds))]
+        agent += ["--flush-lead", repr(float(options.flush_lead))]
     if ck.every_steps is not None:
         agent += ["--every-steps", str(ck.every_steps)]
     if ck.every_seconds is not None:
@@ -329,8 +360,9 @@ def agent_settings_problem(key: JobKey, spec: JobSpec, options: LocalOptions) ->
     None when it would start. ``spotjob run`` checks it before it creates a run, the reconciler on
     every pass (``spec_problems``)."""
     command = _worker_command(
-        options, key, spec, 0, 0, _CHECK_IMDS_URL, os.path.join(options.root, "check"), 1, _CHECK_IMDS_URL
-    )
+        options, key, spec, 0, 0, _CHECK_IMDS_URL, os.path.join(options.root, "check"), 1, _CHECK_IMDS_URL,
+        _CHECK_IMDS_URL,
+    )  # fmt: skip
     return usage_problem(command[len(_tool("spotjob-agent", "agent.launcher")) :], _worker_env(spec))
 
 
@@ -385,7 +417,9 @@ class LocalBackend:
         self._pending: list[tuple[bool, str]] = []
         """Notices the plan said were due that found no live worker yet (a maintenance?, the reason)."""
         self._lock = threading.RLock()
-        self._cloud = SimulatedCloud(self.root, self.run_id, maintenance=options.maintenance_seconds is not None)
+        self._cloud = SimulatedCloud(
+            self.root, self.run_id, maintenance=options.maintenance_seconds is not None, cloud=options.cloud
+        )
         self._nodes = self._cloud.nodes
         self._workers: dict[str, _Worker] = {}
         self._ports: dict[tuple[str, int], int] = {}
@@ -482,16 +516,24 @@ class LocalBackend:
             # A host maintenance is its agent's to hold and flush; asked now, it would flush at once.
             noticed = [n for n in self._nodes.values() if n.noticed and not n.terminated and not n.maintenance]
         out = []
+        cloud = self.options.cloud
         for n in noticed:
             assert n.deadline is not None
             deadline = datetime.fromtimestamp(n.deadline, UTC)
+            at = ImdsEmulator.format_time(n.deadline)
+            detail = {
+                "aws": f"spot instance-action terminate at {at}",
+                "gcp": f"GCE instance/preempted TRUE, the VM stops at {at}",
+                "azure": f"Azure Scheduled Event Preempt {n.event_id}, NotBefore {at}",
+            }[cloud]
             out.append(
                 Signal(
                     kind=SignalKind.SPOT_INTERRUPTION,
-                    source="local",
+                    # AWS's as it always was; the others name the notice ("from local GCE preempted").
+                    source="local" if cloud == "aws" else f"local {notice_name(cloud)}",
                     node=n.name,
                     deadline=deadline,
-                    detail=f"spot instance-action terminate at {ImdsEmulator.format_time(n.deadline)}",
+                    detail=detail,
                     observed_at=datetime.fromtimestamp(n.noticed_at or n.deadline, UTC),
                 )
             )
@@ -567,14 +609,28 @@ class LocalBackend:
             if target is None:
                 return None
             now = time.time()
-            # Whole seconds: the IMDS document carries no fraction, and the node must not outlive it.
+            # Whole seconds: the IMDS document (and Azure's NotBefore) carries no fraction, and the
+            # node must not outlive it; GCE's agent counts its window from when it hears the flip.
             deadline = float(math.ceil(now + self.options.notice_seconds))
-            target.imds.set_spot_action("terminate", deadline)
+            if target.imds is not None:
+                target.imds.set_spot_action("terminate", deadline)
+            elif target.gce is not None:
+                target.gce.set_preempted(True)
+            else:
+                assert target.azure is not None
+                target.event_id = target.azure.add_event("Preempt", deadline)
             target.noticed_at, target.deadline = now, deadline
             self.notices_sent += 1
-        self.timeline.record(EventKind.NOTICE, node=target.name, deadline=deadline, why=why)
+        self.timeline.record(EventKind.NOTICE, node=target.name, deadline=deadline, why=why, **self._named())
         # The normal path of spot capacity (an Event of type Normal), as the agent's own flush lines are.
-        log.info("spot interruption notice for %s (%s): it goes away in %.0f s", target.name, why, deadline - now)
+        log.info(
+            "%s notice for %s (%s): it goes away in %.0f s%s",
+            notice_name(self.options.cloud),
+            target.name,
+            why,
+            deadline - now,
+            " (or once its agent acknowledges the event)" if target.azure is not None else "",
+        )
         self.changed.set()
         return target.name
 
@@ -582,28 +638,39 @@ class LocalBackend:
         """Announce a host maintenance of ``node`` (picked as ``preempt`` picks) on its GCE metadata
         server: ``maintenance-event`` TERMINATE_ON_HOST_MAINTENANCE, the node stopping
         ``maintenance_seconds`` later. Its agent holds the notice and flushes ``flush_lead`` before
-        that. Returns the node's name, or None as ``preempt`` does; ``BackendError`` in a run whose
-        nodes serve no GCE metadata (``LocalOptions.maintenance_seconds`` is None)."""
+        that. Returns the node's name, or None as ``preempt`` does; ``BackendError`` in a run that
+        plans none (``LocalOptions.maintenance_seconds`` is None). In a run that simulates Azure it is
+        a ``Redeploy`` Scheduled Event whose ``NotBefore`` is the node's stop."""
         seconds = self.options.maintenance_seconds
         if seconds is None:
-            raise BackendError("this run's nodes serve no GCE metadata: LocalOptions.maintenance_seconds is None")
+            raise BackendError("this run plans no host maintenance: LocalOptions.maintenance_seconds is None")
         with self._lock:
             target = self._target(node)
             if target is None:
                 return None
-            assert target.gce is not None
             now = time.time()
             # The agent counts its deadline from when it hears the value; the node stops no sooner.
             deadline = float(math.ceil(now + seconds))
-            target.gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            if target.azure is not None:
+                target.event_id = target.azure.add_event(AZURE_MAINTENANCE_EVENT, deadline)
+            else:
+                assert target.gce is not None
+                target.gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
             target.noticed_at, target.deadline, target.maintenance = now, deadline, True
             self.notices_sent += 1
         flush_at = deadline - self.options.flush_lead
         self.timeline.record(
-            EventKind.NOTICE, node=target.name, deadline=deadline, why=why, maintenance=True, flush_at=flush_at
+            EventKind.NOTICE,
+            node=target.name,
+            deadline=deadline,
+            why=why,
+            maintenance=True,
+            flush_at=flush_at,
+            **self._named(maintenance=True),
         )
         log.info(
-            "host maintenance notice for %s (%s): it stops in %.0f s; its agent holds it and flushes %g s before",
+            "%s notice for %s (%s): it stops in %.0f s; its agent holds it and flushes %g s before",
+            notice_name(self.options.cloud, maintenance=True),
             target.name,
             why,
             deadline - now,
@@ -611,6 +678,12 @@ class LocalBackend:
         )
         self.changed.set()
         return target.name
+
+    def _named(self, *, maintenance: bool = False) -> dict[str, str]:
+        """The cloud and the notice's name for a timeline event: none on AWS (its lines stay as they were)."""
+        if self.options.cloud == "aws":
+            return {}
+        return {"cloud": self.options.cloud, "notice": notice_name(self.options.cloud, maintenance=maintenance)}
 
     def _target(self, node: str | None) -> LocalNode | None:
         """(under the lock) The node a notice hits: ``node`` if it is there and not noticed yet, else
@@ -669,12 +742,13 @@ class LocalBackend:
         job: JobSpec,
         attempt: int,
         index: int,
-        imds_url: str,
+        imds_url: str | None,
         control_dir: str,
         port: int,
         gce_url: str | None = None,
+        azure_url: str | None = None,
     ) -> list[str]:
-        return _worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port, gce_url)
+        return _worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port, gce_url, azure_url)
 
     def _spawn(self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> _Worker:
         name = worker_name(key, attempt, index)
@@ -684,8 +758,8 @@ class LocalBackend:
         env = _worker_env(job)
         marker = f"{self.run_id}/{name}"
         env[ENV_NODE], env[ENV_WORKER], env[ENV_RUN] = node.marker, marker, self.root
-        gce_url = node.gce.url if node.gce is not None else None
-        command = self._command(key, job, attempt, index, node.imds.url, control_dir, port, gce_url)
+        urls = [e.url if e is not None else None for e in (node.imds, node.gce, node.azure)]
+        command = self._command(key, job, attempt, index, urls[0], control_dir, port, urls[1], urls[2])
         try:
             with open(log_path, "ab") as out:
                 out.write(f"# {' '.join(command)}\n".encode())
@@ -760,8 +834,9 @@ class LocalBackend:
         if w.node.worker == w.name:
             w.node.worker = None
 
-    def _terminate(self, node: LocalNode) -> None:
-        """The window ended: the instance is reclaimed with everything on it."""
+    def _terminate(self, node: LocalNode, *, acknowledged: bool = False) -> None:
+        """The window ended (or, on Azure, its agent acknowledged the event): the instance is
+        reclaimed with everything on it."""
         with self._lock:
             victims = [w for w in self._workers.values() if w.node is node and w.alive]
             for w in victims:
@@ -774,14 +849,20 @@ class LocalBackend:
                 w.proc.wait(timeout=5)
         lost = ", ".join(w.name for w in victims) or "nothing"
         # A warning only where the window's end took something with it; a node left empty by a flush is normal.
+        ended = "its agent acknowledged the event, so Azure acted early" if acknowledged else "its notice window ended"
         log.log(
             logging.WARNING if n or victims else logging.INFO,
-            "%s is gone (its notice window ended): killed %d process(es); lost %s",
+            "%s is gone (%s): killed %d process(es); lost %s",
             node.name,
+            ended,
             n,
             lost,
         )
-        self.timeline.record(EventKind.NODE_TERMINATED, node=node.name, killed=n, lost=[w.name for w in victims])
+        # Azure's node says why it stopped when it did: at NotBefore, or early, once acknowledged.
+        stopped = {"stopped": "acknowledged" if acknowledged else "NotBefore"} if node.azure is not None else {}
+        self.timeline.record(
+            EventKind.NODE_TERMINATED, node=node.name, killed=n, lost=[w.name for w in victims], **stopped
+        )
         self.changed.set()
 
     def _note_exit(self, w: _Worker) -> None:
@@ -810,6 +891,8 @@ class LocalBackend:
             assert node.deadline is not None
             if now >= node.deadline:
                 self._terminate(node)
+            elif node.acknowledged:
+                self._terminate(node, acknowledged=True)
         for w in workers:
             self._watch(w)
         step = self.observed_step()
@@ -867,6 +950,7 @@ class LocalBackend:
 
 # What moved to the sibling modules stays importable from here.
 __all__ = [
+    "CLOUDS",
     "ENV_NODE",
     "ENV_RUN",
     "ENV_WORKER",

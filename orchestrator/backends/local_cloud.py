@@ -1,5 +1,6 @@
-"""The simulated cloud of a local run: spot nodes provisioned on demand, each with its own IMDS
-emulator (and, in a run that plans a host maintenance, a GCE metadata emulator) and folder, and
+"""The simulated cloud of a local run: spot nodes provisioned on demand, each with its own metadata
+emulator of the run's cloud (``CLOUDS``: AWS's IMDS, and in a run that plans a host maintenance a
+GCE metadata emulator too; GCE's metadata; Azure's Scheduled Events) and folder, and
 how every process of a node (or of a worker, or of a run) is found and killed: each carries a
 marker variable in its environment."""
 
@@ -10,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from agent.notices.emulators import GceMetadataEmulator, ImdsEmulator
+from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.process_tree import marked, stop_processes
 from orchestrator.backends.base import Placement
 
@@ -25,6 +26,23 @@ ENV_RUN = "SPOTJOB_LOCAL_RUN"
 how ``spotjob status`` counts what still runs and ``spotjob run --resume`` finds what a killed
 driver left behind (``run_pids``)."""
 
+CLOUDS = ("aws", "gcp", "azure")
+"""The clouds a local run simulates (``spotjob run --cloud``); aws, the first, is the default."""
+
+AZURE_MAINTENANCE_EVENT = "Redeploy"
+"""The Scheduled Event of a planned host maintenance in a run that simulates Azure: the VM moves to
+another host, so the node stops (a local node never comes back)."""
+
+
+def notice_name(cloud: str, *, maintenance: bool = False) -> str:
+    """What a notice of the simulated ``cloud`` is called in the run's log, timeline and views."""
+    if cloud == "gcp":
+        return "GCE TERMINATE_ON_HOST_MAINTENANCE" if maintenance else "GCE preempted"
+    if cloud == "azure":
+        return f"Azure {AZURE_MAINTENANCE_EVENT}" if maintenance else "Azure Preempt"
+    return "host maintenance" if maintenance else "spot interruption"
+
+
 ZONES = ("local-a", "local-b", "local-c")
 INSTANCE_TYPES = ("local.cpu-small", "local.cpu-large")
 
@@ -37,13 +55,19 @@ class LocalNode:
     zone: str
     instance_type: str
     path: str
-    imds: ImdsEmulator
+    imds: ImdsEmulator | None
+    """Its AWS IMDS; None on a node of a run that simulates GCP or Azure."""
     marker: str
     worker: str | None = None
     """The worker placed here, until ``stop_workers`` removes it."""
     gce: GceMetadataEmulator | None = None
-    """Its GCE metadata server, whose ``maintenance-event`` announces a host maintenance; None in a
-    run that plans none (``SimulatedCloud(maintenance=False)``)."""
+    """Its GCE metadata server: where a run that simulates GCP announces its notices, and where one
+    that simulates AWS announces a host maintenance; None in an AWS run that plans none
+    (``SimulatedCloud(maintenance=False)``) and in an Azure run."""
+    azure: AzureScheduledEventsEmulator | None = None
+    """Its Azure Scheduled Events (a run that simulates Azure), where a notice is an event."""
+    event_id: str | None = None
+    """The Scheduled Event of the notice on (Azure): its agent's acknowledgement stops the node early."""
     noticed_at: float | None = None
     deadline: float | None = None
     """Unix time the node goes away (a notice is on); None: no notice."""
@@ -52,9 +76,14 @@ class LocalNode:
     terminated: bool = False
 
     def stop_emulators(self) -> None:
-        self.imds.stop()
-        if self.gce is not None:
-            self.gce.stop()
+        for emulator in (self.imds, self.gce, self.azure):
+            if emulator is not None:
+                emulator.stop()
+
+    @property
+    def acknowledged(self) -> bool:
+        """Its agent acknowledged the Scheduled Event of its notice (Azure may act at once)."""
+        return self.azure is not None and self.event_id is not None and self.event_id in self.azure.start_requests
 
     @property
     def noticed(self) -> bool:
@@ -65,11 +94,14 @@ class SimulatedCloud:
     """The spot nodes of one run, provisioned on demand. Not locked: ``LocalBackend`` calls it under
     its own lock, and terminates nodes (with what runs on them) itself."""
 
-    def __init__(self, root: str, run_id: str, *, maintenance: bool = False) -> None:
+    def __init__(self, root: str, run_id: str, *, maintenance: bool = False, cloud: str = "aws") -> None:
+        if cloud not in CLOUDS:
+            raise ValueError(f"cloud {cloud!r}: expected one of {', '.join(CLOUDS)}")
         self.root = root
         self.run_id = run_id
+        self.cloud = cloud
         self.maintenance = maintenance
-        """Each node also serves GCE's metadata (a host maintenance is announced there)."""
+        """A host maintenance is planned: on AWS, each node also serves GCE's metadata (it is announced there)."""
         self.nodes: dict[str, LocalNode] = {}
         # A run driven again (spotjob run --resume) names its nodes past the ones its folder holds.
         self._count = _next_node_index(os.path.join(root, "nodes"))
@@ -110,18 +142,21 @@ class SimulatedCloud:
         os.makedirs(path, exist_ok=True)
         # Nobody reads back what the node's agent asked (a poll a second for as long as the node
         # lives, and every terminated node stays listed): count it, keep none of it.
-        imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._count:04x}", history=0).start()
-        gce = GceMetadataEmulator(instance_name=name, history=0).start() if self.maintenance else None
-        node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}", gce=gce)
+        imds = gce = azure = None
+        if self.cloud == "aws":
+            imds = ImdsEmulator(instance_id=f"i-{self.run_id}{self._count:04x}", history=0).start()
+        if self.cloud == "gcp" or (self.cloud == "aws" and self.maintenance):
+            gce = GceMetadataEmulator(instance_name=name, history=0).start()
+        if self.cloud == "azure":
+            azure = AzureScheduledEventsEmulator(vm_name=name, history=0).start()
+        node = LocalNode(name, zone, instance_type, path, imds, marker=f"{self.run_id}/{name}", gce=gce, azure=azure)
         self.nodes[name] = node
-        log.info(
-            "provisioned %s (%s, %s); its IMDS is %s%s",
-            name,
-            zone,
-            instance_type,
-            imds.url,
-            f", its GCE metadata server {gce.url}" if gce is not None else "",
-        )
+        servers = [
+            f"{what} {e.url}"
+            for what, e in (("its IMDS is", imds), ("its GCE metadata server", gce), ("its Azure IMDS", azure))
+            if e is not None
+        ]
+        log.info("provisioned %s (%s, %s); %s", name, zone, instance_type, ", ".join(servers))
         return node
 
 
