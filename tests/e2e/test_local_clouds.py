@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import TRAIN
 
 from agent.catalog import list_checkpoints
-from agent.launcher_cli import parse_args
+from agent.launcher_cli import AgentConfig, parse_args
 from agent.notices.azure import parse_not_before
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator
 from agent.storage import open_storage
-from orchestrator.backends.local import EventKind, LocalBackend, LocalOptions, Timeline
+from orchestrator.backends.local import EventKind, LocalBackend, LocalNode, LocalOptions, Timeline
 from orchestrator.cli_run import LocalRun, RunConfig, RunError
 from orchestrator.model import JobKey
 
@@ -42,7 +42,7 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
-def agent_options(backend: LocalBackend, tmp_path: Path) -> object:
+def agent_options(backend: LocalBackend, tmp_path: Path) -> tuple[LocalNode, AgentConfig]:
     """What a worker's spotjob-agent on a fresh node of ``backend`` is told, as the agent parses it."""
     config = RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path), cloud=backend.options.cloud)
     spec = config.job_spec()
@@ -62,9 +62,9 @@ def test_a_gcp_node_serves_gce_metadata_alone_and_announces_a_preemption_as_gce_
     with LocalBackend(options) as backend:
         node, parsed = agent_options(backend, tmp_path)
         assert node.imds is None and node.azure is None and node.gce is not None
-        assert parsed.notices == ("gcp",) and parsed.gcp_metadata_url == node.gce.url  # type: ignore[attr-defined]
+        assert parsed.notices == ("gcp",) and parsed.gcp_metadata_url == node.gce.url
         # GCE's ~30 s from preempted=TRUE to the stop, scaled to the run's window.
-        assert parsed.gcp_notice_seconds == 12.0  # type: ignore[attr-defined]
+        assert parsed.gcp_notice_seconds == 12.0
         assert backend.preempt(node.name, why="the test") == node.name
         with urllib.request.urlopen(
             urllib.request.Request(
@@ -85,13 +85,14 @@ def test_an_azure_node_serves_scheduled_events_alone_and_a_preemption_is_a_preem
     with LocalBackend(options) as backend:
         node, parsed = agent_options(backend, tmp_path)
         assert node.imds is None and node.gce is None and node.azure is not None
-        assert parsed.notices == ("azure",) and parsed.azure_metadata_url == node.azure.url  # type: ignore[attr-defined]
+        assert parsed.notices == ("azure",) and parsed.azure_metadata_url == node.azure.url
         assert backend.preempt(node.name, why="the test") == node.name
         [event] = node.azure.document["Events"]
         assert (event["EventType"], event["Resources"], event["EventStatus"]) == ("Preempt", [node.name], "Scheduled")
         assert parse_not_before(event["NotBefore"]) == node.deadline
         [signal] = backend.signals(JobKey.local("run"), RunConfig("t.py", [], "run").job_spec())
-        assert f"Azure Scheduled Event Preempt {event['EventId']}" in signal.detail and "Azure Preempt" in signal.describe()
+        assert f"Azure Scheduled Event Preempt {event['EventId']}" in signal.detail
+        assert "Azure Preempt" in signal.describe()
 
 
 def test_a_planned_host_maintenance_is_each_clouds_own_and_its_agent_is_told_to_hold_it(tmp_path: Path) -> None:
@@ -104,11 +105,11 @@ def test_a_planned_host_maintenance_is_each_clouds_own_and_its_agent_is_told_to_
         )  # fmt: skip
         with LocalBackend(options) as backend:
             node, parsed = agent_options(backend, tmp_path)
-            assert parsed.notices == (cloud,) and parsed.flush_lead == 6.0, parsed  # type: ignore[attr-defined]
+            assert parsed.notices == (cloud,) and parsed.flush_lead == 6.0, parsed
             assert backend.maintain(node.name, why="the test") == node.name
             assert backend.signals(JobKey.local("run"), RunConfig("t.py", [], "run").job_spec()) == []  # held
             if cloud == "gcp":
-                assert parsed.gcp_maintenance_seconds == 20.0  # type: ignore[attr-defined]
+                assert parsed.gcp_maintenance_seconds == 20.0
                 assert node.azure is None and node.gce is not None
                 assert node.gce._values["instance/maintenance-event"] == "TERMINATE_ON_HOST_MAINTENANCE"
             else:
@@ -133,7 +134,8 @@ def test_an_azure_node_stops_once_its_agent_acknowledges_the_event_and_the_timel
         with urllib.request.urlopen(request) as resp:
             assert resp.status == 200
         wait_for(lambda: node.terminated, "the acknowledged node to stop")
-    [ended] = [e for e in Timeline.read(str(tmp_path / "run" / "timeline.jsonl")) if e.kind == EventKind.NODE_TERMINATED]
+    timeline = Timeline.read(str(tmp_path / "run" / "timeline.jsonl"))
+    [ended] = [e for e in timeline if e.kind == EventKind.NODE_TERMINATED]
     assert ended.data["stopped"] == "acknowledged", ended
 
 
@@ -207,4 +209,4 @@ def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_
     assert any(said in e["message"] for e in as_json["events"]), as_json["events"]
 
     refused = spotjob("run", "--resume", name, "--cloud", "aws", cwd=tmp_path)
-    assert refused.returncode == 2 and f"drop --cloud aws" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "drop --cloud aws" in refused.stderr, refused.stderr
