@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.control_api import safe
-from orchestrator.backends.local_cloud import notice_name
+from orchestrator.backends.local_cloud import cloud_text, notice_name
 from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.held_notices import held_cell, held_notices, held_text
@@ -177,7 +177,7 @@ def render_snapshot(s: Snapshot) -> RenderableType:
         phase.append(f" on {', '.join(_raw(w.node or '?') for w in st.workers)}", style="dim")
     grid.add_row("phase", phase)
     if s.cloud != "aws":
-        grid.add_row("cloud", f"{s.cloud} (simulated: {notice_name(s.cloud)} notices)")
+        grid.add_row("cloud", cloud_text(s.cloud))
     rate = f"  ({s.steps_per_second:.1f} steps/s)" if s.steps_per_second and not st.phase.terminal else ""
     grid.add_row("step", f"{s.step if s.step is not None else '-'}{rate}")
     grid.add_row("checkpoint", f"{checkpoint_text(st)}  [dim]{s.commits} committed this run[/dim]")
@@ -300,7 +300,7 @@ class Summary:
     """The cloud the run simulated; its row and JSON key only where it is not AWS (as before the option)."""
 
     def rows(self) -> list[tuple[str, str]]:
-        named = f"{self.cloud} (simulated: {notice_name(self.cloud)} notices)"
+        named = cloud_text(self.cloud)
         cloud = [("cloud", named)] if self.cloud != "aws" else []
         return [
             *cloud,
@@ -615,7 +615,7 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     head.add_column()
     head.add_row("run", f"{_mk(r.name)}  [dim]{_mk(r.path)}[/dim]")
     if r.cloud != "aws":
-        head.add_row("cloud", f"{r.cloud} (simulated: {notice_name(r.cloud)} notices)")
+        head.add_row("cloud", cloud_text(r.cloud))
     if r.spec is not None:
         sp = r.spec
         head.add_row("command", _data(" ".join(sp.command)))

@@ -33,8 +33,8 @@ host maintenance is the same ``maintenance-event`` as above. ``azure``: each nod
 Scheduled Events alone, its agent runs ``--notices azure``; ``preempt()`` publishes a ``Preempt``
 event whose ``NotBefore`` is the node's stop, ``maintain()`` a ``Redeploy`` event (its agent holds
 it). Azure may act as soon as an event is acknowledged: the node stops once its agent acknowledged
-the event (after its flush: ``StartRequests``), or at ``NotBefore``, whichever comes first, and the
-timeline's ``node-terminated`` says which (``stopped``).
+the event (after its flush: ``StartRequests``) and exited, or at ``NotBefore``, whichever comes
+first, and the timeline's ``node-terminated`` says which (``stopped``).
 
 In parallel with the reconciler's calls, one monitor thread, every ``MONITOR_TICK`` seconds:
 terminates nodes whose window ended; reads each live worker's ``status.json`` (the step, the last
@@ -891,7 +891,9 @@ class LocalBackend:
             assert node.deadline is not None
             if now >= node.deadline:
                 self._terminate(node)
-            elif node.acknowledged:
+            elif node.acknowledged and not any(w.node is node and w.alive for w in workers):
+                # Azure acts within seconds of the acknowledgement, which the agent sends after its
+                # flush, as it exits: the node goes once that exit is seen, not at NotBefore.
                 self._terminate(node, acknowledged=True)
         for w in workers:
             self._watch(w)

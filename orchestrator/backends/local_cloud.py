@@ -43,6 +43,15 @@ def notice_name(cloud: str, *, maintenance: bool = False) -> str:
     return "host maintenance" if maintenance else "spot interruption"
 
 
+def cloud_text(cloud: str) -> str:
+    """The cloud a run simulates, as the views name it (with the notices it sends)."""
+    return {
+        "aws": "aws (simulated IMDSv2: spot instance-action)",
+        "gcp": "gcp (simulated GCE metadata: instance/preempted, maintenance-event)",
+        "azure": f"azure (simulated Scheduled Events: Preempt, {AZURE_MAINTENANCE_EVENT})",
+    }[cloud]
+
+
 ZONES = ("local-a", "local-b", "local-c")
 INSTANCE_TYPES = ("local.cpu-small", "local.cpu-large")
 

@@ -9,6 +9,7 @@ resumed to the end, as its checkpoints, its exit code, ``spotjob status`` and th
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import TRAIN
@@ -28,8 +30,10 @@ from agent.notices.azure import parse_not_before
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator
 from agent.storage import open_storage
 from orchestrator.backends.local import EventKind, LocalBackend, LocalNode, LocalOptions, Timeline
+from orchestrator.backends.local_cloud import cloud_text
 from orchestrator.cli_run import LocalRun, RunConfig, RunError
-from orchestrator.model import JobKey
+from orchestrator.live import NoticeView, Snapshot, render_snapshot
+from orchestrator.model import JobKey, JobStatus
 
 GIVE_UP_S = 120.0
 """Only stops a hung test; nothing here asserts how long anything took."""
@@ -139,6 +143,22 @@ def test_an_azure_node_stops_once_its_agent_acknowledges_the_event_and_the_timel
     assert ended.data["stopped"] == "acknowledged", ended
 
 
+def test_the_live_panel_names_the_cloud_and_its_notice_and_says_an_aws_notice_as_before() -> None:
+    def panel(cloud: str, maintenance: bool = False) -> str:
+        notice = NoticeView("local-node-0", 24.2, maintenance=maintenance, cloud=cloud)
+        snapshot = Snapshot("r", 3.0, JobStatus(), 3, 5, None, 0, 1, notices=[notice], cloud=cloud)
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(render_snapshot(snapshot))
+        return console.export_text()
+
+    aws = panel("aws")
+    assert "local-node-0 goes away in 24 s" in aws and "cloud" not in aws and "Azure" not in aws, aws
+    assert "GCE preempted: local-node-0 goes away in 24 s" in panel("gcp")
+    assert cloud_text("gcp") in panel("gcp")
+    azure = panel("azure", maintenance=True)
+    assert "Azure Redeploy: local-node-0 host maintenance: stops in 24 s (or once its agent acknowledges it)" in azure
+
+
 def test_the_run_folder_keeps_its_cloud_and_resume_refuses_another(tmp_path: Path) -> None:
     runs = str(tmp_path / "runs")
     LocalRun(RunConfig(script=str(TRAIN), args=[], name="kept", runs_dir=runs, cloud="azure")).close()
@@ -179,7 +199,7 @@ def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]
-    assert f"{'cloud':<15}  {cloud} (simulated: {notice} notices)" in done.stdout, done.stdout
+    assert f"{'cloud':<15}  {cloud_text(cloud)}" in done.stdout, done.stdout
     run = tmp_path / "spotjob-runs" / name
     agent_log = (run / "logs" / f"{name}-0-0.log").read_text()
     assert f"--notices {cloud} --{cloud}-metadata-url" in agent_log.splitlines()[0]
@@ -202,7 +222,7 @@ def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_
 
     detail = spotjob("status", name, cwd=tmp_path)
     assert detail.returncode == 0, detail.stderr
-    assert f"{cloud} (simulated: {notice} notices)" in detail.stdout, detail.stdout
+    assert cloud_text(cloud) in detail.stdout, detail.stdout
     as_json = json.loads(spotjob("status", name, "--json", cwd=tmp_path).stdout)
     assert as_json["cloud"] == cloud
     said = f"SpotInterruption for node local-node-0 (from local {notice})"
