@@ -246,9 +246,8 @@ def _record_json(r: RunRecord) -> dict[str, object]:
         ],
         "error": r.error,
         "notes": list(r.notes),
+        "cloud": r.cloud,
     }
-    if r.cloud != "aws":  # a run folder without the key simulates AWS, as before --cloud
-        doc["cloud"] = r.cloud
     if r.truth is not None:
         t = r.truth
         doc["now"] = {

@@ -297,7 +297,7 @@ class Summary:
     commits: int
     last_checkpoint: int | None
     cloud: str = "aws"
-    """The cloud the run simulated; its row and JSON key only where it is not AWS (as before the option)."""
+    """The cloud the run simulated: in the JSON always, a row of the text only where it is not AWS."""
 
     def rows(self) -> list[tuple[str, str]]:
         named = cloud_text(self.cloud)
@@ -327,10 +327,7 @@ class Summary:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
-        if self.cloud == "aws":
-            del doc["cloud"]
-        return doc
+        return {k: (str(v) if isinstance(v, Phase) else v) for k, v in self.__dict__.items()}
 
 
 def _step_or_none(step: int | None) -> str:

@@ -225,6 +225,7 @@ def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_
     assert cloud_text(cloud) in detail.stdout, detail.stdout
     as_json = json.loads(spotjob("status", name, "--json", cwd=tmp_path).stdout)
     assert as_json["cloud"] == cloud
+    assert json.loads((run / "summary.json").read_text())["cloud"] == cloud
     said = f"SpotInterruption for node local-node-0 (from local {notice})"
     assert any(said in e["message"] for e in as_json["events"]), as_json["events"]
 
