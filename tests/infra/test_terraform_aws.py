@@ -85,8 +85,12 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(moto_server: str, tf_plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The EKS example applied once against moto (about a minute: the provider waits for the bucket
-    lifecycle and the queue attributes to read back the same several times); destroyed at the end."""
+    """The EKS example applied once against moto; destroyed at the end. About a minute, nearly all
+    of it the AWS provider (5.100) waiting, not working: after PutBucketLifecycleConfiguration it
+    reads the lifecycle back every 5 s for about 55 s (moto answers the same each time), and the
+    queue's attributes for about 25 s alongside; the apply itself takes some 11 CPU-seconds. Those
+    waits are fixed in the provider's resources: no provider-block setting switches them off
+    (the skip_* settings below already spare the credential, account-id and metadata lookups)."""
     root = tmp_path_factory.mktemp("tf-aws") / "terraform"
     shutil.copytree(TERRAFORM, root, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
     workdir = root / "examples" / "eks"

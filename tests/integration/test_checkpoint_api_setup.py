@@ -2,7 +2,8 @@
 training process, close before destroy_process_group": each one is a clear error before anything
 is written, never a save or restore that acts as the wrong rank or from the wrong process.
 
-The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``).
+The multi-rank cases run two real torchrun ranks (``scripts/ckpt_api_setup.py``): both
+scenarios in one torchrun, one after the other, each with its own URI and its own lines.
 """
 
 from __future__ import annotations
@@ -31,30 +32,45 @@ def committed_steps(uri: str) -> list[int]:
     return sorted(s.ref.step for s in list_checkpoints(open_storage(uri)) if s.valid)
 
 
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """The ranks' output of both scenarios (run in one torchrun: built-before-init, then
+    destroyed-first) and each scenario's URI, a folder of its own."""
+    tmp = tmp_path_factory.mktemp("api-setup")
+    uris = {scenario: str(tmp / scenario / "ckpt") for scenario in ("built-before-init", "destroyed-first")}
+    out = harness.torchrun(2, SETUP, *(arg for item in uris.items() for arg in item)).stdout
+    return out, uris
+
+
 @pytest.mark.slow
 def test_a_checkpointer_built_before_init_process_group_refuses_to_act_as_rank_0_on_every_rank(
-    tmp_path: Path,
+    setups: tuple[str, dict[str, str]],
 ) -> None:
     """Built before the group existed, it took itself for a lone process: every rank saved as
     rank 0 into the same folder, and a restore loaded whichever rank's files were there."""
-    uri = str(tmp_path / "ckpt")
-    out = harness.torchrun(2, SETUP, "built-before-init", uri).stdout
+    out, uris = setups
+    uri = uris["built-before-init"]
     for rank in (0, 1):
         for call in ("restore", "step", "save"):
-            assert f"rank{rank} {call} RuntimeError: {call}(): this Checkpointer was built before " in out, out
+            said = f"built-before-init rank{rank} {call} RuntimeError: {call}(): this Checkpointer was built before "
+            assert said in out, out
         assert f"but this process is rank {rank} of 2. Build the Checkpointer after init_process_group()" in out
     assert committed_steps(uri) == []
-    assert not list((tmp_path / "ckpt").glob("step-*"))
+    assert not list(Path(uri).glob("step-*"))
 
 
 @pytest.mark.slow
-def test_destroying_the_process_group_before_close_is_named_in_the_errors(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    out = harness.torchrun(2, SETUP, "destroyed-first", uri).stdout
+def test_destroying_the_process_group_before_close_is_named_in_the_errors(
+    setups: tuple[str, dict[str, str]],
+) -> None:
+    out, uris = setups
+    uri = uris["destroyed-first"]
     for rank in (0, 1):
-        assert f"rank{rank} step RuntimeError: step(): torch.distributed's process group was destroyed" in out, out
-        assert f"rank{rank} close SaveFailedError: checkpoint of step 2" in out, out
-        assert "call close() before destroy_process_group()" in out.split(f"rank{rank} close ")[1].splitlines()[0]
+        said = f"destroyed-first rank{rank} step RuntimeError: step(): torch.distributed's process group was destroyed"
+        assert said in out, out
+        assert f"destroyed-first rank{rank} close SaveFailedError: checkpoint of step 2" in out, out
+        closed = out.split(f"destroyed-first rank{rank} close ")[1].splitlines()[0]
+        assert "call close() before destroy_process_group()" in closed
     assert committed_steps(uri) == [1], "the save that lost its collectives commits nothing"
 
 
