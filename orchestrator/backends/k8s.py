@@ -158,7 +158,12 @@ class KubernetesBackend:
         problems = pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
         refused = pods.agent_settings_problem(str(key), _worker_spec(spec), self.options.workers)
         if refused is not None:
-            problems.append(agent_refusal(refused, "spec.env or the template's training container env"))
+            # --checkpoint-uri is the one option the agent is given from a field of the spec that the
+            # CRD's schema does not check; every other refusal is of a variable.
+            if refused.startswith("--checkpoint-uri"):
+                problems.append(agent_refusal(refused, "spec.checkpoint.uri", fix="fix it"))
+            else:
+                problems.append(agent_refusal(refused, "spec.env or the template's training container env"))
         return problems
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:

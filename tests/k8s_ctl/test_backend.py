@@ -852,3 +852,14 @@ def test_a_worker_whose_agent_cannot_be_asked_to_flush_is_deleted_so_that_its_si
         assert world.client.deleted == [("pods", "llama-0-0", None)], "a pod being deleted is not deleted again"
     finally:
         agents.close()
+
+
+def test_a_checkpoint_uri_the_agent_refuses_points_at_spec_checkpoint_uri_not_at_env(world: World) -> None:
+    """Found walking the README on the test cluster: `checkpoint: {uri: ftp://x/y}` made the job
+    Invalid with "fix or remove it in spec.env or the template's training container env", where
+    no such variable is; the URI comes from spec.checkpoint.uri, so the message now says that."""
+    [problem] = world.backend.spec_problems(KEY, spec(checkpoint={"uri": "ftp://x/y"}))
+    assert "unsupported checkpoint URI scheme 'ftp'" in problem, problem
+    assert problem.endswith("fix it in spec.checkpoint.uri"), problem
+    [problem] = world.backend.spec_problems(KEY, spec(env={"SPOTJOB_AGENT_PREFETCH": "nodes"}))
+    assert problem.endswith("fix or remove it in spec.env or the template's training container env"), problem
