@@ -156,6 +156,15 @@ class KubernetesBackend:
         index = _training_container(spec)[0]
         every = ((ENV_EVERY_STEPS, spec.checkpoint.every_steps), (ENV_EVERY_SECONDS, spec.checkpoint.every_seconds))
         problems = pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
+        uri = spec.checkpoint.uri
+        if "://" not in uri and not uri.startswith(("/", "file:")):
+            # Each process would resolve it against its own working folder: the workers' image's and
+            # the controller's are different folders, so the controller would never see a checkpoint.
+            problems.append(
+                f"spec.checkpoint.uri: {uri!r} is a relative path, which the workers and the controller would "
+                "each read against their own working folder; use an absolute path on a volume both mount "
+                "(/path or file:///path), or s3://bucket/prefix or gs://bucket/prefix"
+            )
         refused = pods.agent_settings_problem(str(key), _worker_spec(spec), self.options.workers)
         if refused is not None:
             # --checkpoint-uri is the one option the agent is given from a field of the spec that the
