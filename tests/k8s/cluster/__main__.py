@@ -24,7 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.k8s.cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2, help="test nodes to add (default 2)")
     parser.add_argument("--crd", action="store_true", help="install the chart's SpotJob CRD")
-    parser.add_argument("--root", type=Path, help="folder for the kubeconfigs, nodes and logs (default: a new temp one)")
+    parser.add_argument("--root", type=Path, help="folder for its kubeconfigs, nodes and logs (default: a new one)")
     args = parser.parse_args()
     if args.nodes < 0:
         parser.error(f"--nodes {args.nodes}: must be 0 or more")
