@@ -70,12 +70,12 @@ def worker_name(key: JobKey, attempt: int, index: int) -> str:
     return f"{key.name}-{attempt}-{index}"
 
 
-def agent_refusal(problem: str, where: str) -> str:
+def agent_refusal(problem: str, where: str, *, fix: str = "fix or remove it") -> str:
     """A ``spec_problems`` line for what every worker's spotjob-agent would refuse at its start
     (``agent.launcher_cli.usage_problem``'s words), and ``where`` the user sets it."""
     return (
         f"every worker's spotjob-agent would refuse its settings and exit 2 (usage) before training: {problem}; "
-        f"fix or remove it in {where}"
+        f"{fix} in {where}"
     )
 
 

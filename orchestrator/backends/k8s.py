@@ -156,9 +156,23 @@ class KubernetesBackend:
         index = _training_container(spec)[0]
         every = ((ENV_EVERY_STEPS, spec.checkpoint.every_steps), (ENV_EVERY_SECONDS, spec.checkpoint.every_seconds))
         problems = pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
+        uri = spec.checkpoint.uri
+        if "://" not in uri and not uri.startswith(("/", "file:")):
+            # Each process would resolve it against its own working folder: the workers' image's and
+            # the controller's are different folders, so the controller would never see a checkpoint.
+            problems.append(
+                f"spec.checkpoint.uri: {uri!r} is a relative path, which the workers and the controller would "
+                "each read against their own working folder; use an absolute path on a volume both mount "
+                "(/path or file:///path), or s3://bucket/prefix or gs://bucket/prefix"
+            )
         refused = pods.agent_settings_problem(str(key), _worker_spec(spec), self.options.workers)
         if refused is not None:
-            problems.append(agent_refusal(refused, "spec.env or the template's training container env"))
+            # --checkpoint-uri is the one option the agent is given from a field of the spec that the
+            # CRD's schema does not check; every other refusal is of a variable.
+            if refused.startswith("--checkpoint-uri"):
+                problems.append(agent_refusal(refused, "spec.checkpoint.uri", fix="fix it"))
+            else:
+                problems.append(agent_refusal(refused, "spec.env or the template's training container env"))
         return problems
 
     def start_workers(self, key: JobKey, spec: JobSpec, attempt: int, placement: Placement) -> None:

@@ -380,6 +380,10 @@ class Reconciler(_Capacity):
     def _invalid(self, p: _Pass, problems: str, generation: int) -> None:
         message = INVALID_SPEC.message(problems=problems)
         self._condition(p, INVALID, True, INVALID_SPEC.name, message)
+        if p.status.phase is Phase.PENDING:
+            # No worker runs: the phase's reason is why (`kubectl get sj -o wide`, `kubectl spotjob
+            # status`), not "Created: waiting for the first pass" of a job never looked at.
+            self._set_phase(p, Phase.PENDING, INVALID_SPEC.name, message)
         p.status.observed_generation = generation
         self._event(p, INVALID_SPEC, message=message)
 
@@ -397,6 +401,8 @@ class Reconciler(_Capacity):
         c = p.status.condition(INVALID)
         if c is not None and c.status == "True":
             self._condition(p, INVALID, False, SPEC_VALID.name, SPEC_VALID.message())
+            if p.status.reason == INVALID_SPEC.name:  # this pass set no reason of its own
+                self._set_phase(p, p.status.phase, SPEC_VALID.name, SPEC_VALID.message())
             self._event(p, SPEC_VALID)
 
     # -- observe ---------------------------------------------------------------------------

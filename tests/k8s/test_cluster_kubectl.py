@@ -126,3 +126,30 @@ def test_kubectl_prints_the_servers_warnings_even_when_they_quote(
     manifest.write_text((MANIFESTS / "widget.yaml").read_text().replace("  color: blue", "  color: blue\n  bogus: 1"))
     out = cluster.kubectl("create", "-n", namespace, "--validate=warn", "-f", str(manifest))
     assert 'Warning: unknown field "spec.bogus"' in out.stderr
+
+
+def test_kubectl_create_namespace_is_refused_saying_protobuf_and_what_to_use_instead(cluster: TestCluster) -> None:
+    """Found walking the README's install steps: `kubectl create namespace ml` sends a protobuf
+    body, which the test API server does not decode, and the answer was "the body of the request
+    could not be decoded: Expecting value: line 1 column 1 (char 0)". It now says why and what works."""
+    proc = cluster.kubectl("create", "namespace", "t-protobuf", check=False)
+    assert proc.returncode != 0
+    assert "not application/vnd.kubernetes.protobuf" in proc.stderr, proc.stderr
+    assert "kubectl apply -f" in proc.stderr, proc.stderr
+    namespace = "apiVersion: v1\nkind: Namespace\nmetadata: {name: t-protobuf}\n"
+    assert "created" in cluster.kubectl("apply", "-f", "-", input=namespace).stdout
+    cluster.kubectl("delete", "namespace", "t-protobuf", "--wait=false")
+
+
+def test_a_pod_disruption_budget_such_as_the_charts_is_served(cluster: TestCluster, namespace: str) -> None:
+    """Found walking the README's install steps: `kubectl apply -f` of the chart's rendered
+    objects failed as a whole ("error validating data: the server could not find the requested
+    resource") because policy/v1 PodDisruptionBudget was not served. It is now stored and served,
+    still never enforced (every eviction is allowed)."""
+    pdb = (
+        "apiVersion: policy/v1\nkind: PodDisruptionBudget\n"
+        f"metadata: {{name: spotjob, namespace: {namespace}}}\n"
+        "spec: {maxUnavailable: 1, selector: {matchLabels: {app.kubernetes.io/name: spotjob}}}\n"
+    )
+    assert "poddisruptionbudget.policy/spotjob created" in cluster.kubectl("apply", "-f", "-", input=pdb).stdout
+    assert "spotjob" in cluster.kubectl("get", "pdb", "-n", namespace).stdout

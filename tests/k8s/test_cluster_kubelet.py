@@ -115,16 +115,26 @@ def test_a_pod_binds_its_own_ip_sees_its_env_and_volumes_and_turns_ready(cluster
         assert r.status == 200
 
 
-def test_deleting_a_pod_sigterms_its_processes_and_completes_after_they_exit(
+def test_deleting_a_pod_sigterms_each_containers_main_process_alone_and_completes_after_it_exits(
     cluster: TestCluster, namespace: str
 ) -> None:
+    """As a container runtime stops a container: SIGTERM to its main process (PID 1) only, and the
+    rest SIGKILLed when that exits or the grace period ends. The test kubelet used to SIGTERM every
+    process of the pod, so spotjob-agent's ranks died of it (exit 143) before the flush the agent
+    runs on that same SIGTERM could commit: a drain or eviction ended FlushFailed here, where a real
+    pod flushes (found walking the README with `kubectl drain`)."""
     cluster.add_node("k-grace")
-    # A child in its own session that ignores SIGTERM: only SIGKILL after the grace ends it. It says
-    # when it ignores SIGTERM: a Python process exists (and counts) well before it runs that line.
+    # The main process ignores SIGTERM (so the grace period runs out); its child, in the same
+    # session, writes down any SIGTERM it gets: it must get none.
+    child = (
+        "import pathlib,signal,time; "
+        'signal.signal(signal.SIGTERM, lambda *a: pathlib.Path("/data/child-got-sigterm").touch()); '
+        'pathlib.Path("/data/child").touch(); time.sleep(600)'
+    )
     script = (
-        "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import pathlib,signal,time; "
-        'signal.signal(signal.SIGTERM, signal.SIG_IGN); pathlib.Path("/data/ignoring").touch(); time.sleep(600)\'],'
-        " start_new_session=True); time.sleep(600)"
+        "import pathlib,signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        'pathlib.Path("/data/ignoring").touch(); time.sleep(600)'
     )
     body = pod("g", ["python", "-c", script], terminationGracePeriodSeconds=2)
     body["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
@@ -132,19 +142,52 @@ def test_deleting_a_pod_sigterms_its_processes_and_completes_after_they_exit(
     cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
     worker = cluster.wait_for(lambda: cluster.worker(namespace, "g"), WAIT, "the pod's worker")
     cluster.wait_for(
-        lambda: worker.mounts and Path(dict(worker.mounts)["/data"], "ignoring").exists(),
+        lambda: worker.mounts
+        and Path(dict(worker.mounts)["/data"], "ignoring").exists()
+        and Path(dict(worker.mounts)["/data"], "child").exists(),
         WAIT,
-        "the child to ignore SIGTERM",
+        "the main process to ignore SIGTERM and its child to listen for one",
     )
+    data = Path(dict(worker.mounts)["/data"])
     pids = cluster.pod_pids(namespace, "g")
     assert len(pids) == 2
     asked = time.monotonic()
     deleted = cluster.rest.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/g")
     assert deleted["metadata"]["deletionTimestamp"] and deleted["metadata"]["deletionGracePeriodSeconds"] == 2
     cluster.wait_for(lambda: gone(cluster, namespace, "g"), WAIT, "the kubelet to finish the deletion")
-    # The child ignores SIGTERM, so the pod stays Terminating for the whole grace period: a lower
-    # bound, which a slow machine only makes longer. Once the pod is gone, so are its processes.
+    # The main process ignores SIGTERM, so the pod stays Terminating for the whole grace period: a
+    # lower bound, which a slow machine only makes longer. Once the pod is gone, so are its processes.
     assert time.monotonic() - asked >= 2, "the pod went before its grace period ended"
+    assert not [pid for pid in pids if running(pid)], "processes outlived their pod"
+    assert not (data / "child-got-sigterm").exists(), "the kubelet signalled a process other than the main one"
+
+
+def test_a_containers_other_processes_go_with_its_main_process_even_those_ignoring_sigterm(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """A child in a session of its own that ignores SIGTERM does not hold the pod: when the main
+    process exits on its SIGTERM, the rest of the container is killed at once (a PID namespace's end)."""
+    cluster.add_node("k-grace2")
+    script = (
+        "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import pathlib,signal,time; "
+        'signal.signal(signal.SIGTERM, signal.SIG_IGN); pathlib.Path("/data/ignoring").touch(); time.sleep(600)\'],'
+        " start_new_session=True); time.sleep(600)"
+    )
+    body = pod("h", ["python", "-c", script], terminationGracePeriodSeconds=600)
+    body["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+    worker = cluster.wait_for(lambda: cluster.worker(namespace, "h"), WAIT, "the pod's worker")
+    cluster.wait_for(
+        lambda: worker.mounts and Path(dict(worker.mounts)["/data"], "ignoring").exists(),
+        WAIT,
+        "the child to ignore SIGTERM",
+    )
+    pids = cluster.pod_pids(namespace, "h")
+    assert len(pids) == 2
+    cluster.rest.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/h")
+    # Well within the 600 s grace period: the wait ends as soon as the pod is gone.
+    cluster.wait_for(lambda: gone(cluster, namespace, "h"), WAIT, "the pod to go with its main process")
     assert not [pid for pid in pids if running(pid)], "processes outlived their pod"
 
 

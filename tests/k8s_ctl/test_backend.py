@@ -852,3 +852,25 @@ def test_a_worker_whose_agent_cannot_be_asked_to_flush_is_deleted_so_that_its_si
         assert world.client.deleted == [("pods", "llama-0-0", None)], "a pod being deleted is not deleted again"
     finally:
         agents.close()
+
+
+def test_a_checkpoint_uri_the_agent_refuses_points_at_spec_checkpoint_uri_not_at_env(world: World) -> None:
+    """Found walking the README on the test cluster: `checkpoint: {uri: ftp://x/y}` made the job
+    Invalid with "fix or remove it in spec.env or the template's training container env", where
+    no such variable is; the URI comes from spec.checkpoint.uri, so the message now says that."""
+    [problem] = world.backend.spec_problems(KEY, spec(checkpoint={"uri": "ftp://x/y"}))
+    assert "unsupported checkpoint URI scheme 'ftp'" in problem, problem
+    assert problem.endswith("fix it in spec.checkpoint.uri"), problem
+    [problem] = world.backend.spec_problems(KEY, spec(env={"SPOTJOB_AGENT_PREFETCH": "nodes"}))
+    assert problem.endswith("fix or remove it in spec.env or the template's training container env"), problem
+
+
+def test_a_relative_checkpoint_path_is_refused_on_kubernetes_naming_the_field(world: World) -> None:
+    """Found walking the README on the test cluster: `checkpoint: {uri: ckpt/run}` ran, the workers
+    writing under their own working folder and the controller listing another under its own, so
+    STEP stayed empty and a restart would resume from what the controller saw (nothing)."""
+    [problem] = world.backend.spec_problems(KEY, spec(checkpoint={"uri": "ckpt/run"}))
+    assert problem.startswith("spec.checkpoint.uri: 'ckpt/run' is a relative path"), problem
+    assert "file:///" in problem and "s3://" in problem, problem
+    assert world.backend.spec_problems(KEY, spec(checkpoint={"uri": "/shared/ckpt/run"})) == []
+    assert world.backend.spec_problems(KEY, spec(checkpoint={"uri": "file:///shared/ckpt/run"})) == []

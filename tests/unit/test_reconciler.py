@@ -1452,6 +1452,30 @@ def test_an_invalid_job_gets_a_condition_and_a_warning_naming_the_field_while_an
     assert "broken-0-0" in world.backend.created
 
 
+def test_a_job_invalid_from_its_first_pass_says_so_in_its_reason_not_waiting_for_the_first_pass(world: World) -> None:
+    """Found walking the README on the test cluster: a SpotJob refused on its first pass kept the
+    reason and message of a job never looked at, so `kubectl get sj -o wide` showed REASON
+    `Created` and `kubectl spotjob status` "Pending (Created: waiting for the first pass)"; only
+    the Invalid condition said what to fix. Fixed, the reason follows the spec again."""
+    broken = JobKey("team-b", "broken")
+    world.store.create(broken, world.spec)
+    world.backend.problems = ["spec.template.spec.containers[0].command must be empty"]
+    world.reconciler.reconcile(broken)
+    stored = world.store.get(broken)
+    assert stored is not None and stored.status is not None
+    assert stored.status.phase is Phase.PENDING
+    assert stored.status.reason == "InvalidSpec"
+    assert stored.status.message.startswith("spec.template.spec.containers[0].command must be empty")
+
+    world.backend.problems = []
+    world.reconciler.reconcile(broken)
+    stored = world.store.get(broken)
+    assert stored is not None and stored.status is not None
+    assert stored.status.condition("Invalid").status == "False"  # type: ignore[union-attr]
+    assert stored.status.reason != "InvalidSpec", stored.status.message
+    assert "broken-0-0" in world.backend.created
+
+
 def test_a_name_too_long_for_pod_names_or_a_spec_the_backend_cannot_run_is_invalid(world: World) -> None:
     long_name = JobKey("team-a", "x" * 41)
     world.store.create(long_name, world.spec)

@@ -328,6 +328,15 @@ class _Handler(BaseHTTPRequestHandler):
         if not raw:
             return None
         ctype = (self.headers.get("Content-Type") or "application/json").split(";")[0].strip()
+        if "protobuf" in ctype or "cbor" in ctype:
+            # kubectl's typed commands (`kubectl create namespace`, `create secret`, ...) send protobuf.
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the test API server takes JSON and YAML bodies, not {ctype}: kubectl's typed "
+                "commands such as `kubectl create namespace` send protobuf; write the object as "
+                "YAML and `kubectl apply -f` it",
+            )
         try:
             if "yaml" in ctype:
                 return yaml.safe_load(raw)

@@ -1122,8 +1122,8 @@ class PodWorker:
 
     # Termination -------------------------------------------------------------------------------
     def _terminate(self, pod: Obj) -> None:
-        """Graceful deletion: preStop, SIGTERM to every process of the pod, wait the grace period,
-        SIGKILL what is left, report the final status, then delete the pod for good."""
+        """Graceful deletion: preStop, SIGTERM to each container's main process, wait the grace
+        period, SIGKILL what is left, report the final status, then delete the pod for good."""
         self.terminating = True
         grace = float(pod["metadata"].get("deletionGracePeriodSeconds") or 0)
         deadline = time.monotonic() + grace
@@ -1134,15 +1134,12 @@ class PodWorker:
         if runs and self.sidecars:
             # Native sidecars outlive the regular containers: SIGTERM to those first, and to each
             # sidecar (its preStop hook first) once they and the sidecars after it have exited.
-            for c in self.containers:
-                kill_all(self._container_marker(c), signal.SIGTERM)
-            self._wait_gone(self.containers, deadline)
+            self._stop(self.containers, deadline)
             for c in reversed(self.sidecars):
                 self._pre_stop(pod, c, deadline)
-                kill_all(self._container_marker(c), signal.SIGTERM)
-                self._wait_gone([c], deadline)
+                self._stop([c], deadline)
         if runs:
-            kill_all(self.marker, signal.SIGTERM)
+            self._stop(self.init + self.containers, deadline)
         while runs and time.monotonic() < deadline and self.pids() and not self.halted:
             time.sleep(0.05)
         if self.halted:
@@ -1196,12 +1193,25 @@ class PodWorker:
             argv = [rewrite_paths(a, self.mounts) for a in hook]
             self._exec(argv, self._env(pod, c.spec), max(0.1, deadline - time.monotonic()))
 
-    def _wait_gone(self, containers: list[ContainerRun], deadline: float) -> None:
-        """Until no process of ``containers`` runs, the deadline passes or the pod is halted."""
-        while time.monotonic() < deadline and not self.halted:
-            if not any(_marked(self._container_marker(c)) for c in containers):
-                return
-            time.sleep(0.05)
+    def _stop(self, containers: list[ContainerRun], deadline: float) -> None:
+        """A container runtime's stop: SIGTERM to each container's main process (its PID 1) alone,
+        never to its children (a real runtime signals the init process only: spotjob-agent's ranks
+        hear of a deletion from the agent, not from the kubelet); once a main process has exited, the
+        rest of its container is SIGKILLed at once, as the kernel ends a PID namespace whose init
+        exited. Returns once every main process has exited, the deadline passed or the pod is halted."""
+        running = [c for c in containers if c.proc is not None and c.proc.poll() is None]
+        for c in running:
+            with contextlib.suppress(OSError):
+                os.kill(c.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        while running and time.monotonic() < deadline and not self.halted:
+            for c in [c for c in running if c.proc is None or c.proc.poll() is not None]:
+                kill_and_wait(self._container_marker(c))
+                running.remove(c)
+            if running:
+                time.sleep(0.05)
+        for c in containers:
+            if c.proc is None or c.proc.poll() is not None:
+                kill_and_wait(self._container_marker(c))  # exited before the stop: leftovers go now
 
     # Status ------------------------------------------------------------------------------------
     def _container_status(self, c: ContainerRun) -> Obj:

@@ -531,6 +531,17 @@ def builtin_types() -> list[ResourceType]:
         ),
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, has_generation=False),
         ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, short_names=["netpol"]),
+        # Stored and served (the chart renders one), never enforced: every eviction is allowed.
+        ResourceType(
+            "policy",
+            "v1",
+            "poddisruptionbudgets",
+            "PodDisruptionBudget",
+            True,
+            short_names=["pdb"],
+            subresources=["status"],
+            status_subresource=True,
+        ),
         ResourceType(
             "apps",
             "v1",
