@@ -16,7 +16,6 @@ from agent import dcp_safe
 from agent.checkpoint import Checkpointer
 from tests.ckpt_compare import assert_same_training_state
 
-
 needs_in_place = pytest.mark.skipif(
     not dcp_safe.IN_PLACE_READS,
     reason="this torch's file reader has no get_record_size (torch 2.9.1): DCP's path reads every tensor",
