@@ -197,7 +197,15 @@ class _Writer(FileSystemWriter):
         """(coordinator) DCP's own ``finish`` writes ``.metadata`` (a few KB); its CRC32C is taken from
         the file just written, while it is still in the page cache."""
         super().finish(metadata, results)
-        self.metadata = metadata
+        # The shard files of each tensor, as DCP's finish just wrote them into .metadata. torch 2.13
+        # fills them into ``metadata`` itself; torch 2.9.1 writes a copy (``dataclasses.replace``) and
+        # leaves ``metadata`` without them, which gave every tensor of MANIFEST.json's index no files.
+        storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        self.metadata = (
+            metadata
+            if metadata.storage_data == storage_data
+            else dataclasses.replace(metadata, storage_data=storage_data)
+        )
         path = os.path.join(str(self.path), DCP_METADATA_NAME)
         self.written[DCP_METADATA_NAME] = crc32c_file(path)
 

@@ -293,6 +293,12 @@ thousands of tiny parameters restored 1.9x slower than plain ``dcp.load`` with e
 in place."""
 
 
+IN_PLACE_READS = hasattr(torch._C.PyTorchFileReader, "get_record_size")
+"""Whether this torch can read a tensor straight into its target (``VerifiedReader._read_in_place``):
+its reader must say how big a record is, and torch 2.9.1's has no ``get_record_size``. Without it,
+DCP's own path reads every tensor (load into fresh memory, then copy), as it does in any torch for
+the tensors the in-place read leaves alone."""
+
 _MAX_ITEMSIZE = max(t.itemsize for t in vars(torch).values() if isinstance(t, torch.dtype))
 """The widest element of any dtype (complex128: 16 bytes)."""
 
@@ -451,7 +457,7 @@ class VerifiedReader(FileSystemReader):
         so it does for a tensor under ``IN_PLACE_MIN_BYTES``, whose copy costs less than the
         inspection.
         """
-        if item.type != LoadItemType.TENSOR:
+        if item.type != LoadItemType.TENSOR or not IN_PLACE_READS:
             return False
         if math.prod(item.lengths) * _MAX_ITEMSIZE < IN_PLACE_MIN_BYTES:
             return False  # under IN_PLACE_MIN_BYTES whatever the target's dtype: said before resolving it

@@ -182,6 +182,25 @@ _BITS_DTYPES = frozenset(
 """Dtypes that DCP cannot size (its planner asks ``torch.iinfo`` of them, and fails)."""
 
 
+def _uncopyable_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes this torch has no copy kernel for: torch 2.9.1 saves a float4_e2m1fn_x2 tensor,
+    but a restore copies each saved tensor into its target and failed with the state half loaded.
+    Found by trying a one-byte copy, once, on a tensor of its own."""
+    found = set()
+    for name in ("float4_e2m1fn_x2",):
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        try:
+            torch.zeros(1, dtype=torch.uint8).view(dtype).clone()
+        except (NotImplementedError, RuntimeError):
+            found.add(dtype)
+    return frozenset(found)
+
+
+_UNCOPYABLE_DTYPES = _uncopyable_dtypes()
+
+
 def _unsaveable(tensor: torch.Tensor) -> str | None:
     """Why DCP cannot save ``tensor`` and restore it bit for bit, in words (what it is, why, what
     to do), or None. Tensors from torch's own distributed wrappers (DTensor, FSDP's flat
@@ -205,6 +224,12 @@ def _unsaveable(tensor: torch.Tensor) -> str | None:
         return (
             f"is a sparse tensor ({tensor.layout}): checkpoints hold dense tensors. Keep it dense (to_dense()), "
             "or keep it in an object whose state_dict() returns it (saved whole, per rank)"
+        )
+    if tensor.dtype in _UNCOPYABLE_DTYPES:
+        return (
+            f"is a {tensor.dtype} tensor, a dtype this torch ({torch.__version__}) cannot copy, and a restore "
+            "copies each saved tensor into its target. Register a view of it as bytes (tensor.view(torch.uint8)) "
+            "and view it back where it is used, or use a torch that copies it (2.13 does)"
         )
     if tensor.dtype in _BITS_DTYPES:
         name = str(tensor.dtype)

@@ -22,7 +22,10 @@ def _reference(tensor: torch.Tensor) -> int:
     n = tensor.numel()
     if n == 0:
         return zlib.crc32(head)
-    rows = tensor.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    t = tensor.detach()
+    if t.dtype.itemsize == 1:  # the same bytes; torch 2.9.1 cannot copy float4_e2m1fn_x2 (contiguous())
+        t = t.view(torch.uint8)
+    rows = t.contiguous().view(-1).view(torch.uint8).view(n, -1)
     k = min(n, 256)
     elements = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
     return zlib.crc32(bytes(rows[elements].cpu().numpy()), zlib.crc32(head))
@@ -117,6 +120,14 @@ def test_the_fast_paths_still_tell_different_tensors_apart() -> None:
         assert after[0] != before[0] and after[1] != before[1]
 
 
+def _copies_fp4() -> bool:
+    try:
+        torch.zeros(1, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).clone()
+    except NotImplementedError:
+        return False
+    return True
+
+
 def test_a_dtype_torch_cannot_index_is_sampled_as_integers_of_its_size() -> None:
     """float4_e2m1fn_x2 (NVFP4 weights) has no indexing kernel: a transposed one (the CPU's
     indexed path) or any one on an accelerator (the path ``_Wrapped`` takes) failed every
@@ -128,5 +139,6 @@ def test_a_dtype_torch_cannot_index_is_sampled_as_integers_of_its_size() -> None
         expected = _reference(tensor)
         assert _tensor_fingerprint(tensor) == expected
         assert _tensor_fingerprint(tensor.as_subclass(_Wrapped)) == expected
-        assert _tensor_fingerprint(tensor.clone()) == expected
+        if _copies_fp4():  # torch 2.9.1 has no copy kernel for float4_e2m1fn_x2
+            assert _tensor_fingerprint(tensor.clone()) == expected
     assert _tensor_fingerprint(fp4.t()) != _tensor_fingerprint((packed + 1).view(torch.float4_e2m1fn_x2).t())

@@ -375,3 +375,32 @@ def test_a_failure_in_the_middle_of_a_tensor_is_raised_after_torchs_writer_not_i
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == [said, "file left: False"]
+
+
+def test_the_writers_metadata_names_each_tensors_files_when_torchs_finish_writes_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.9.1's ``FileSystemWriter.finish`` fills the shard files into a copy of the metadata
+    (``dataclasses.replace``) and leaves the one passed without them; 2.13 fills them in place. The
+    writer's ``metadata``, from which MANIFEST.json's tensor index is built, held no files under
+    2.9.1 (``ckpt verify --deep`` then found the index disagreeing with .metadata). Here the 2.9.1
+    behaviour is reproduced on the installed torch."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from agent.dcp_safe import load_dcp_metadata, tensor_index
+
+    real_finish = FileSystemWriter.finish
+
+    def finish_on_a_copy(self: FileSystemWriter, metadata: Any, results: Any) -> None:
+        real_finish(self, dataclasses.replace(metadata), results)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", finish_on_a_copy)
+    writer = _dcp_write._Writer(str(tmp_path), durable=False)
+    save({"w": torch.arange(6.0), "b": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    assert writer.metadata is not None
+    on_disk = load_dcp_metadata((tmp_path / ".metadata").read_bytes())
+    assert tensor_index(writer.metadata) == tensor_index(on_disk)
+    assert all(entry.files for entry in tensor_index(writer.metadata).values())
