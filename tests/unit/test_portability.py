@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import select
 import subprocess
 import sys
@@ -435,3 +436,19 @@ def test_a_pipe_whose_reader_left_is_told_as_macos_reports_it(monkeypatch: pytes
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_dcp_metadata_naming_its_path_under_either_pythons_pathlib_module_loads(module: str) -> None:
+    """DCP's ``.metadata`` holds ``StorageMeta.checkpoint_id``, a path. Python 3.13 pickles it as
+    ``pathlib._local.PosixPath``, 3.11 and 3.12 as ``pathlib.PosixPath``: a checkpoint saved on one
+    must restore on the other. (The ``pathlib`` case pins behaviour that already worked.)"""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    written = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=Path("/ckpt/step-1")))
+    data = pickle.dumps(written, protocol=2)  # names its classes as "c<module>\n<name>\n"
+    for name in (b"pathlib", b"pathlib._local"):  # the name this Python wrote, whichever it is
+        data = data.replace(b"c" + name + b"\nPosixPath\n", b"c" + module.encode() + b"\nPosixPath\n")
+    assert f"c{module}\nPosixPath\n".encode() in data
+    loaded = dcp_safe.load_dcp_metadata(data)
+    assert loaded.storage_meta is not None and loaded.storage_meta.checkpoint_id == Path("/ckpt/step-1")
