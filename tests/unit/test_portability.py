@@ -452,3 +452,26 @@ def test_dcp_metadata_naming_its_path_under_either_pythons_pathlib_module_loads(
     assert f"c{module}\nPosixPath\n".encode() in data
     loaded = dcp_safe.load_dcp_metadata(data)
     assert loaded.storage_meta is not None and loaded.storage_meta.checkpoint_id == Path("/ckpt/step-1")
+
+
+def test_parallel_transfers_run_in_the_calling_thread_where_no_thread_can_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.12.0 and 3.12.1 refuse to start a thread once the main thread has ended: a save
+    still in flight when the script ended then failed at its first thread pool and was lost. Here
+    every new I/O thread is refused as 3.12.1 refuses it; the calls run all the same, each once."""
+    import threading
+
+    from agent.storage.base import parallel_map
+
+    real_start = threading.Thread.start
+
+    def start_refused_at_shutdown(self: threading.Thread) -> None:
+        if self.name.startswith("spotjob-io"):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_refused_at_shutdown)
+    done: list[int] = []
+    parallel_map(done.append, [(i,) for i in range(5)], parallelism=4)
+    assert sorted(done) == [0, 1, 2, 3, 4]
