@@ -475,3 +475,27 @@ def test_parallel_transfers_run_in_the_calling_thread_where_no_thread_can_start(
     done: list[int] = []
     parallel_map(done.append, [(i,) for i in range(5)], parallelism=4)
     assert sorted(done) == [0, 1, 2, 3, 4]
+
+
+RANK_FILE_VIEW_IN_A_CYCLE = """
+import gc
+from agent import rank_state
+view = rank_state.encode({"step": 1, "weights": [1.0] * 1000})
+cycle = [view]
+cycle.append(cycle)
+del view, cycle
+gc.collect()
+print("collected")
+"""
+
+
+def test_the_rank_files_bytes_are_freed_in_a_reference_cycle_without_crashing() -> None:
+    """A failed save's traceback holds the rank file's bytes in a reference cycle. On Python 3.12.0
+    and 3.12.1 a ``BytesIO.getbuffer()`` view freed by the garbage collector crashed the process
+    (segmentation fault, or "deallocated BytesIO object has exported buffers"). Only those Pythons
+    ever failed this; elsewhere it pins behaviour that already worked."""
+    out = subprocess.run(
+        [sys.executable, "-c", RANK_FILE_VIEW_IN_A_CYCLE], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
+    assert "exported buffers" not in out.stderr
