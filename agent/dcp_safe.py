@@ -92,8 +92,12 @@ def _build_allow_list() -> None:
     # Layouts pickle through this helper (it maps a name to a torch.layout; torch's own
     # weights_only allow-list trusts it too). Paths are inert values (StorageMeta.checkpoint_id).
     _allow(torch.serialization._get_layout, "torch.serialization", "_get_layout")
+    # Python 3.13 moved the path classes into pathlib._local and pickles them under that name; a
+    # .metadata written there names pathlib._local.PosixPath. Both names map to this Python's class,
+    # so each Python reads what the other wrote.
     for path_cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath):
         _allow(path_cls, "pathlib", path_cls.__name__)
+        _allow(path_cls, "pathlib._local", path_cls.__name__)
     _allow(collections.OrderedDict, "collections", "OrderedDict")
     for name in ("set", "frozenset", "slice", "complex"):
         _allow(getattr(builtins, name), "builtins", name)

@@ -89,12 +89,16 @@ def encode(payload: dict[str, Any]) -> memoryview:
     """The rank file's bytes: ``payload`` serialized in memory (the save's snapshot of the objects'
     state), without torch.save's zip CRC-32 (the manifest's CRC32C covers the file). The buffer
     itself, not a copy: an object's ``state_dict()`` may hold gigabytes of tensors (an EMA of
-    the weights), and ``getvalue()`` held them twice, while the CRC-32 took longer than the copy."""
+    the weights), and a copy held them twice, while the CRC-32 took longer than the copy.
+
+    ``getvalue()`` with no view exported hands over the BytesIO's own bytes object, trimmed in place,
+    not a copy. Not ``getbuffer()``: on Python 3.12.0 and 3.12.1 the garbage collector crashes the
+    process when it frees such a view in a reference cycle (a failed save's traceback holds one)."""
     from agent._dcp_write import save_without_crc
 
     buf = io.BytesIO()
     save_without_crc(payload, buf)
-    return buf.getbuffer()
+    return memoryview(buf.getvalue())
 
 
 class RefusedPickleError(ValueError):

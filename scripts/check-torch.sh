@@ -4,7 +4,8 @@
 #   scripts/check-torch.sh 2.14.1 [more pip install arguments]
 #
 # `make venv` keeps torch==2.13.0 (constraints/dev.txt); this script builds a second venv beside it,
-# .venv-torch<VERSION>/, from a copy of constraints/dev.txt with only the torch line changed, installs
+# .venv-torch<VERSION>/ (with PYTHON=/path/to/python3.12: .venv-torch<VERSION>-py3.12.1/, so that
+# two Pythons never share one venv), from a copy of constraints/dev.txt with only the torch line changed, installs
 # spotjob into it (-e '.[torch,test]'), and runs, one chunk at a time (two pytest-xdist workers):
 #   1. tests/integration/test_checkpoint_*.py   (the Checkpointer: save, restore, DCP, FSDP, DDP, async)
 #   2. the rest of tests/integration            (agent and torchrun, prefetch, storage, ckpt commands)
@@ -12,7 +13,8 @@
 #   4. tests/e2e                                (spotjob run with real torchrun ranks)
 #   5. examples/demo.py                         (what `make demo` runs)
 # and prints each chunk's pytest summary line. It exits non-zero if any chunk failed.
-# CHUNKS="unit e2e" (names: checkpoint integration unit e2e demo) runs only those.
+# CHUNKS="unit e2e" (names: checkpoint integration unit e2e demo) runs only those. PYTHON=... picks the
+# interpreter the venv is made with (default python3); the script prints which Python it ran.
 #
 # More pip arguments pin what the machine has on disk, e.g. `-c my-local-wheels.txt`; a torch
 # version that is not on this machine's disk downloads a multi-GB build. Run it from the repository
@@ -26,8 +28,17 @@ fi
 version=$1
 shift
 cd "$(dirname "$0")/.."
-venv=".venv-torch${version}"
 python=${PYTHON:-python3}
+pyversion=$("$python" -c 'import platform; print(platform.python_version())') || {
+    echo "check-torch: cannot run PYTHON=$python" >&2
+    exit 1
+}
+# The default python3 keeps the name README gives; another Python gets its version in the name.
+if [ -n "${PYTHON:-}" ]; then
+    venv=".venv-torch${version}-py${pyversion}"
+else
+    venv=".venv-torch${version}"
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv" || exit 1
@@ -39,7 +50,8 @@ if ! grep -qx "torch==${version}" "$venv/constraints.txt"; then
 fi
 "$venv/bin/python" -m pip install --quiet -c "$venv/constraints.txt" "$@" -e '.[torch,test]' || exit 1
 found=$("$venv/bin/python" -c 'import torch; print(torch.__version__)') || exit 1
-echo "check-torch: torch $found in $venv"
+ran=$("$venv/bin/python" -c 'import platform; print(platform.python_version())') || exit 1
+echo "check-torch: torch $found, Python $ran, in $venv"
 
 unit=$(grep -l -E 'import torch|Checkpointer|from agent\.(checkpoint|_dcp|dcp_safe|export)' tests/unit/test_*.py)
 rest=$(ls tests/integration/test_*.py | grep -v '/test_checkpoint_')
@@ -69,6 +81,6 @@ if [[ $chunks == *" demo "* ]]; then
         summary+=("demo: FAILED (log: $venv/demo.log)")
     fi
 fi
-echo "check-torch: torch $found"
+echo "check-torch: torch $found, Python $ran ($python)"
 printf '  %s\n' "${summary[@]}"
 exit $status

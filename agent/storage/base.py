@@ -244,7 +244,16 @@ def parallel_map(
             fn(*args)
         return
     with ThreadPoolExecutor(max_workers=min(parallelism, len(calls)), thread_name_prefix="spotjob-io") as pool:
-        futures = [pool.submit(fn, *args) for args in calls]
+        try:
+            first = pool.submit(fn, *calls[0])
+        except RuntimeError:
+            # No thread could start, so nothing of the pool runs: Python 3.12.0 and 3.12.1 refuse new
+            # threads once the main thread has ended ("can't create new thread at interpreter
+            # shutdown"), when a save in flight is finished before exit. The calls run here instead.
+            for args in calls:
+                fn(*args)
+            return
+        futures = [first, *(pool.submit(fn, *args) for args in calls[1:])]
         errors = [f.exception() for f in futures]
     for err in errors:
         if err is not None:

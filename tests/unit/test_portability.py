@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import select
 import subprocess
 import sys
@@ -435,3 +436,66 @@ def test_a_pipe_whose_reader_left_is_told_as_macos_reports_it(monkeypatch: pytes
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_dcp_metadata_naming_its_path_under_either_pythons_pathlib_module_loads(module: str) -> None:
+    """DCP's ``.metadata`` holds ``StorageMeta.checkpoint_id``, a path. Python 3.13 pickles it as
+    ``pathlib._local.PosixPath``, 3.11 and 3.12 as ``pathlib.PosixPath``: a checkpoint saved on one
+    must restore on the other. (The ``pathlib`` case pins behaviour that already worked.)"""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    written = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=Path("/ckpt/step-1")))
+    data = pickle.dumps(written, protocol=2)  # names its classes as "c<module>\n<name>\n"
+    for name in (b"pathlib", b"pathlib._local"):  # the name this Python wrote, whichever it is
+        data = data.replace(b"c" + name + b"\nPosixPath\n", b"c" + module.encode() + b"\nPosixPath\n")
+    assert f"c{module}\nPosixPath\n".encode() in data
+    loaded = dcp_safe.load_dcp_metadata(data)
+    assert loaded.storage_meta is not None and loaded.storage_meta.checkpoint_id == Path("/ckpt/step-1")
+
+
+def test_parallel_transfers_run_in_the_calling_thread_where_no_thread_can_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.12.0 and 3.12.1 refuse to start a thread once the main thread has ended: a save
+    still in flight when the script ended then failed at its first thread pool and was lost. Here
+    every new I/O thread is refused as 3.12.1 refuses it; the calls run all the same, each once."""
+    import threading
+
+    from agent.storage.base import parallel_map
+
+    real_start = threading.Thread.start
+
+    def start_refused_at_shutdown(self: threading.Thread) -> None:
+        if self.name.startswith("spotjob-io"):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_refused_at_shutdown)
+    done: list[int] = []
+    parallel_map(done.append, [(i,) for i in range(5)], parallelism=4)
+    assert sorted(done) == [0, 1, 2, 3, 4]
+
+
+RANK_FILE_VIEW_IN_A_CYCLE = """
+import gc
+from agent import rank_state
+view = rank_state.encode({"step": 1, "weights": [1.0] * 1000})
+cycle = [view]
+cycle.append(cycle)
+del view, cycle
+gc.collect()
+print("collected")
+"""
+
+
+def test_the_rank_files_bytes_are_freed_in_a_reference_cycle_without_crashing() -> None:
+    """A failed save's traceback holds the rank file's bytes in a reference cycle. On Python 3.12.0
+    and 3.12.1 a ``BytesIO.getbuffer()`` view freed by the garbage collector crashed the process
+    (segmentation fault, or "deallocated BytesIO object has exported buffers"). Only those Pythons
+    ever failed this; elsewhere it pins behaviour that already worked."""
+    out = subprocess.run(
+        [sys.executable, "-c", RANK_FILE_VIEW_IN_A_CYCLE], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
+    assert "exported buffers" not in out.stderr
