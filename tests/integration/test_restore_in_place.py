@@ -57,6 +57,18 @@ def trained(seed: int, *, transposed: bool = False) -> tuple[nn.Sequential, torc
     return model, optim
 
 
+def round_trip(tmp_path: Path, *, transposed: bool = False) -> None:
+    """Saves a trained model and its optimizer, restores them into a differently seeded pair and
+    checks that every value came back."""
+    model, optim = trained(0, transposed=transposed)
+    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh, fresh_optim = trained(1, transposed=transposed)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
+    assert_same_training_state(model, fresh, optim, fresh_optim)
+
+
 def layers(model: nn.Sequential) -> tuple[nn.Linear, nn.Linear]:
     first, second = model
     assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)
@@ -67,13 +79,7 @@ def layers(model: nn.Sequential) -> tuple[nn.Linear, nn.Linear]:
 def test_every_tensor_of_a_plain_model_is_read_straight_into_place(
     tmp_path: Path, in_place: list[tuple[int, int]]
 ) -> None:
-    model, optim = trained(0)
-    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
-        ckpt.save(1, {"model": model, "optim": optim})
-    fresh, fresh_optim = trained(1)
-    with Checkpointer(str(tmp_path)) as ckpt:
-        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    assert_same_training_state(model, fresh, optim, fresh_optim)
+    round_trip(tmp_path)
     tensors = 4 + 4 * 3  # 4 parameters; Adam's exp_avg, exp_avg_sq and step for each
     read, items = (sum(column) for column in zip(*in_place, strict=True))  # model and optimizer loads
     assert read == tensors and items > tensors  # the rest are the param groups' plain values
@@ -86,13 +92,7 @@ def test_a_torch_whose_reader_cannot_size_a_record_reads_every_tensor_through_dc
     skip_data load of its record) and given up on the missing method. There, the Checkpointer
     reads every tensor through DCP's path and tries none; played here by switching it off."""
     monkeypatch.setattr(dcp_safe, "IN_PLACE_READS", False)
-    model, optim = trained(0)
-    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
-        ckpt.save(1, {"model": model, "optim": optim})
-    fresh, fresh_optim = trained(1)
-    with Checkpointer(str(tmp_path)) as ckpt:
-        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    assert_same_training_state(model, fresh, optim, fresh_optim)
+    round_trip(tmp_path)
     assert in_place and all(read == 0 for read, _ in in_place)
 
 
@@ -100,13 +100,7 @@ def test_a_torch_whose_reader_cannot_size_a_record_reads_every_tensor_through_dc
 def test_a_non_contiguous_parameter_goes_through_dcps_path_and_comes_back_exactly(
     tmp_path: Path, in_place: list[tuple[int, int]]
 ) -> None:
-    model, optim = trained(0, transposed=True)
-    with Checkpointer(str(tmp_path), async_save=False) as ckpt:
-        ckpt.save(1, {"model": model, "optim": optim})
-    fresh, fresh_optim = trained(1, transposed=True)
-    with Checkpointer(str(tmp_path)) as ckpt:
-        assert ckpt.restore({"model": fresh, "optim": fresh_optim}) == 1
-    assert_same_training_state(model, fresh, optim, fresh_optim)
+    round_trip(tmp_path, transposed=True)
     read = sum(r for r, _ in in_place)
     # All but the transposed weight and its two Adam moments (created with the weight's strides).
     assert read == 4 + 4 * 3 - 3

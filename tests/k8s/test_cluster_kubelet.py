@@ -72,6 +72,15 @@ def gone(cluster: TestCluster, ns: str, name: str) -> bool:
     return not [p for p in cluster.rest.get(f"/api/v1/namespaces/{ns}/pods")["items"] if p["metadata"]["name"] == name]
 
 
+def with_data_folder(name: str, script: str, grace: int) -> dict[str, Any]:
+    """A pod running ``python -c script`` with an emptyDir mounted at /data, where the script leaves
+    marker files for the test to wait on."""
+    body = pod(name, ["python", "-c", script], terminationGracePeriodSeconds=grace)
+    body["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    return body
+
+
 def test_a_pod_binds_its_own_ip_sees_its_env_and_volumes_and_turns_ready(cluster: TestCluster, namespace: str) -> None:
     cluster.add_node("k-ready")
     cluster.rest.request(
@@ -136,15 +145,14 @@ def test_deleting_a_pod_sigterms_each_containers_main_process_alone_and_complete
         f"subprocess.Popen([sys.executable, '-c', {child!r}]); "
         'pathlib.Path("/data/ignoring").touch(); time.sleep(600)'
     )
-    body = pod("g", ["python", "-c", script], terminationGracePeriodSeconds=2)
-    body["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
-    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
-    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", with_data_folder("g", script, 2))
     worker = cluster.wait_for(lambda: cluster.worker(namespace, "g"), WAIT, "the pod's worker")
     cluster.wait_for(
-        lambda: worker.mounts
-        and Path(dict(worker.mounts)["/data"], "ignoring").exists()
-        and Path(dict(worker.mounts)["/data"], "child").exists(),
+        lambda: (
+            worker.mounts
+            and Path(dict(worker.mounts)["/data"], "ignoring").exists()
+            and Path(dict(worker.mounts)["/data"], "child").exists()
+        ),
         WAIT,
         "the main process to ignore SIGTERM and its child to listen for one",
     )
@@ -173,10 +181,7 @@ def test_a_containers_other_processes_go_with_its_main_process_even_those_ignori
         'signal.signal(signal.SIGTERM, signal.SIG_IGN); pathlib.Path("/data/ignoring").touch(); time.sleep(600)\'],'
         " start_new_session=True); time.sleep(600)"
     )
-    body = pod("h", ["python", "-c", script], terminationGracePeriodSeconds=600)
-    body["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
-    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
-    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+    cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", with_data_folder("h", script, 600))
     worker = cluster.wait_for(lambda: cluster.worker(namespace, "h"), WAIT, "the pod's worker")
     cluster.wait_for(
         lambda: worker.mounts and Path(dict(worker.mounts)["/data"], "ignoring").exists(),
