@@ -112,6 +112,7 @@ from agent.torchrun import (
     node_ranks,
     port_taken,
     probe_meeting_point,
+    standalone_command,
     torchrun_nproc,
 )
 
@@ -202,6 +203,12 @@ class Agent(AgentRequests):
         if direct is not None:
             command = [sys.executable, "-m", "agent.ranks", direct.to_json()]
             self._runner = "the agent's launcher"
+        elif (standalone := standalone_command(command, self.env)) is not None:
+            log.info(
+                "torchrun runs one node with neither --master-port nor --rdzv-endpoint: adding --standalone, "
+                "so that it picks a free port as torchrun 2.12 and later do themselves (2.9 to 2.11 bind 29500)"
+            )
+            command = standalone
         try:
             # A session of its own: a Ctrl-C or SIGTERM meant for the agent does not reach the
             # ranks directly; the agent decides (flush first).

@@ -8,7 +8,8 @@ The agent looks at the command so that it can say two things before and after ru
   host: with the default static rendezvous, on node rank 0 at ``--master-port`` (default 29500);
   with ``--rdzv-backend c10d``, on the host named by ``--rdzv-endpoint`` (default port 29400).
   ``--standalone``, and one node given neither ``--master-port`` nor ``--rdzv-endpoint``, pick a
-  free port themselves, and other backends (etcd) bind nothing here. When
+  free port themselves (the latter since torch 2.12; for an older torchrun the agent adds
+  ``--standalone``: ``standalone_command``), and other backends (etcd) bind nothing here. When
   that port is already taken, torchrun fails with a traceback after its own timeouts and the job
   would look like a failure of the user's code; the agent checks the port first and exits
   ``EXIT_INFRA_ERROR`` instead.
@@ -255,11 +256,29 @@ def probe_meeting_point(host: str, port: int, timeout: float = 3.0) -> str:
     )
 
 
+def standalone_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> list[str] | None:
+    """``command`` with ``--standalone`` added after torchrun's name, when it runs one node with the
+    default static rendezvous and neither ``--master-port`` nor ``--rdzv-endpoint``; None for any
+    other command (``--standalone`` given already, too).
+
+    torchrun 2.12 and later run such a command as ``--standalone`` themselves (c10d on
+    ``localhost:0``, a fresh run id), so a second job on the machine gets a free port of its own;
+    torchrun 2.9 to 2.11 bind 29500, and the second job failed with ``EADDRINUSE``. Added for
+    every torch, the option makes each torchrun do what 2.12 does, without reading which torch
+    the torchrun on PATH belongs to (it may not be the agent's)."""
+    options = torchrun_options(command, env)
+    if options is None or "--standalone" in options or not _picks_own_port(options):
+        return None
+    skip = _program_length(command)
+    return [*command[:skip], "--standalone", *command[skip:]]
+
+
 def _picks_own_port(options: Mapping[str, str]) -> bool:
     """Whether torchrun picks a free port itself: ``--standalone``, or one node (``--nnodes 1``,
     the default) with the default static rendezvous given neither ``--master-port`` nor
-    ``--rdzv-endpoint``, which torchrun (2.13 here) then runs as ``--standalone`` does. Two such
-    jobs on one machine never meet on 29500."""
+    ``--rdzv-endpoint``, which torchrun 2.12 and later run as ``--standalone`` does (and older
+    ones do too, as the agent adds ``--standalone``: ``standalone_command``). Two such jobs on one
+    machine never meet on 29500."""
     if "--standalone" in options:
         return True
     if options.get("--rdzv-backend", "static") != "static" or "--master-port" in options:

@@ -552,10 +552,11 @@ def test_a_taken_rendezvous_port_exits_74_before_torchrun_starts(tmp_path: Path)
 def test_a_one_node_torchrun_without_a_master_port_runs_beside_a_job_holding_29500(
     tmp_path: Path, launcher: str
 ) -> None:
-    """Two jobs on one machine, neither given a port: torchrun (2.13 here) gives a one-node static
-    rendezvous without ``--master-port`` a free port of its own, so the second job runs. Before,
+    """Two jobs on one machine, neither given a port: torchrun 2.12 and later give a one-node static
+    rendezvous without ``--master-port`` a free port of their own, so the second job runs. Before,
     the agent checked 29500 anyway and exited 74 ("port taken"), and ``--launcher direct`` bound
-    29500 itself (the same 74). The job holding 29500 is a plain listener here."""
+    29500 itself (the same 74); torchrun 2.9.1 bound 29500 (``EADDRINUSE``) until the agent added
+    ``--standalone`` for it. The job holding 29500 is a plain listener here."""
     with socket.socket() as holder:
         try:
             holder.bind(("0.0.0.0", 29500))
@@ -577,6 +578,8 @@ def test_a_one_node_torchrun_without_a_master_port_runs_beside_a_job_holding_295
     ranks = read_ranks(tmp_path / "ranks")
     assert [r["sum"] for r in ranks] == [2.0, 2.0], "the ranks met"
     assert {r["MASTER_PORT"] for r in ranks} != {"29500"}
+    if launcher == "torchrun":
+        assert "adding --standalone" in log_path.read_text(), "as torchrun 2.12 does, for any torch"
 
 
 # -- --launcher direct: the agent starts the ranks itself, without torchrun ------------------------

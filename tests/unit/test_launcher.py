@@ -43,7 +43,7 @@ from agent.launcher_sources import build_sources
 from agent.notices import Cloud, NoticeCallback, NoticeSource
 from agent.notices.base import Notice, NoticeKind, PollingNoticeSource, utc_stamp
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, read_proc
-from agent.torchrun import local_rendezvous, meeting_point
+from agent.torchrun import local_rendezvous, meeting_point, standalone_command
 
 COMMITTED = FlushResult(step=7, uri="file:///c/step-000000007", request_id="r", notice_to_commit_seconds=1.0)
 FAILED = FlushResult(step=None, uri=None, request_id="r", notice_to_commit_seconds=None, error="bucket gone")
@@ -384,6 +384,38 @@ class TestRendezvous:
     def test_torchrun_environment_defaults_count(self) -> None:
         rdzv = local_rendezvous(["torchrun", "train.py"], {"PET_MASTER_PORT": "4321"})
         assert rdzv is not None and rdzv.port == 4321
+
+    @pytest.mark.parametrize(
+        ("command", "env", "run"),
+        [
+            (
+                ["torchrun", "--nproc-per-node", "2", "train.py", "--lr", "1"],
+                {},
+                ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--lr", "1"],
+            ),
+            (
+                ["/v/bin/python3", "-m", "torch.distributed.run", "--nnodes=1:1", "-m", "pkg.train"],
+                {},
+                ["/v/bin/python3", "-m", "torch.distributed.run", "--standalone", "--nnodes=1:1", "-m", "pkg.train"],
+            ),
+            # A port given, in the environment too, another backend, more nodes, or --standalone already.
+            (["torchrun", "--master_port=1234", "train.py"], {}, None),
+            (["torchrun", "train.py"], {"PET_MASTER_PORT": "1234"}, None),
+            (["torchrun", "--rdzv-endpoint", "localhost:1234", "train.py"], {}, None),
+            (["torchrun", "--rdzv-backend", "c10d", "train.py"], {}, None),
+            (["torchrun", "--nnodes", "2", "train.py"], {}, None),
+            (["torchrun", "train.py"], {"PET_NNODES": "1:2"}, None),
+            (["torchrun", "--standalone", "train.py"], {}, None),
+            (["torchrun", "train.py"], {"PET_STANDALONE": "1"}, None),
+            (["python", "train.py"], {}, None),
+        ],
+    )
+    def test_one_node_without_a_port_is_run_standalone_as_torchrun_2_12_runs_it(
+        self, command: list[str], env: dict[str, str], run: list[str] | None
+    ) -> None:
+        """torchrun 2.9 to 2.11 bind 29500 for one node given no port, where 2.12 and later pick a
+        free one (as --standalone does); the agent adds --standalone so that every torch does."""
+        assert standalone_command(command, env) == run
 
 
 class TestCheckpointUri:
