@@ -105,6 +105,20 @@ class StagingFolderError(PermissionError):
     """The default staging folder under the shared temp folder is not this user's alone."""
 
 
+def no_temp_folder(error: BaseException) -> bool:
+    """Whether ``error`` is ``tempfile``'s "No usable temporary directory found": ``gettempdir()``
+    found no folder it could write (told by where it was raised, not by its words)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (
+        isinstance(error, FileNotFoundError)
+        and tb is not None
+        and tb.tb_frame.f_code.co_filename == tempfile.__file__
+        and tb.tb_frame.f_code.co_name == "_get_default_tempdir"
+    )
+
+
 def private_temp_folder() -> str:
     """``<temp folder>/spotjob-staging-<uid>``: this user's staging folders on the node.
 

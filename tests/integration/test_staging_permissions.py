@@ -147,12 +147,29 @@ _TEMP_FOLDERS = ("/tmp", "/var/tmp", "/usr/tmp")
 
 _CONSTRUCT = """
 import sys
-from agent.checkpoint import Checkpointer
 try:
+    from agent.checkpoint import Checkpointer
     Checkpointer(sys.argv[1], job="team/a")
 except OSError as e:
     print(f"{type(e).__name__}: {e}")
     sys.exit(3)
+"""
+
+_AS_TORCH_2_9 = """
+import importlib.abc
+import sys
+import tempfile
+
+
+class MakesATemporaryFolder(importlib.abc.MetaPathFinder):
+    # What torch 2.9.1's torch.distributed.nn.jit.instantiator does when DCP is imported.
+    def find_spec(self, name, path, target=None):
+        if name == "torch.distributed.checkpoint":
+            tempfile.TemporaryDirectory()
+        return None
+
+
+sys.meta_path.insert(0, MakesATemporaryFolder())
 """
 
 
@@ -182,7 +199,8 @@ def test_without_a_writable_temp_folder_the_checkpointer_and_the_agent_say_which
     """A read-only root filesystem: an object-store job's default staging folder (under the temp
     folder) and the agent's default control folder have nowhere to go. Both said only Python's
     ``FileNotFoundError: No usable temporary directory found in [...]``, with a traceback; they
-    name the option that gives them a writable folder instead."""
+    name the option that gives them a writable folder instead. Under torch 2.9.1 the Checkpointer's
+    import itself failed so, as torch made a temporary folder; that is simulated here for any torch."""
     uri = fresh_uri("s3")
     script = tmp_path / "construct.py"
     script.write_text(_CONSTRUCT)
@@ -191,6 +209,16 @@ def test_without_a_writable_temp_folder_the_checkpointer_and_the_agent_say_which
     said = done.stdout
     assert said.startswith("StagingFolderError: no writable temporary folder"), said
     assert "read-only root filesystem" in said and "SPOTJOB_STAGING_DIR" in said and "staging_dir=" in said
+    assert "TMPDIR" in said, said
+
+    # A torch that makes a temporary folder when DCP is imported (2.9.1) failed in that import,
+    # with tempfile's FileNotFoundError; now the import says the same.
+    script.write_text(_AS_TORCH_2_9 + _CONSTRUCT)
+    done = _read_only_temp_folders([sys.executable, str(script), uri], cwd=tmp_path)
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+    said = done.stdout
+    assert said.startswith("StagingFolderError: no writable temporary folder: torch"), said
+    assert "read-only root filesystem" in said and "TMPDIR" in said and "SPOTJOB_STAGING_DIR" in said, said
 
     agent = str(Path(sys.executable).parent / "spotjob-agent")
     done = _read_only_temp_folders(
