@@ -634,7 +634,12 @@ def test_torchrun_killed_at_the_deadline_in_its_exit_barrier_after_every_rank_cl
     torchrun) when a notice comes, and the agent kills it at the deadline: the job's work on this
     node is done, so the agent exits 0, unlike a script still at work after close() (76). Pins
     behaviour that worked before that case was made 76 (and failed with its first version)."""
-    body = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+    # One node and no port: the agent adds --standalone (as torchrun 2.12 runs it), which this
+    # torchrun takes and ignores.
+    body = (
+        "import runpy, sys\nsys.argv = sys.argv[1:]\nif sys.argv[0] == '--standalone': del sys.argv[0]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     torchrun = fake_torchrun(tmp_path, body)
     never = tmp_path / "never"
     run = start_plain(
