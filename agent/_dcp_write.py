@@ -922,6 +922,7 @@ def stage_state(stager: Any, state: dict[str, Any]) -> Any:
         if staged is not None:
             return staged
         kept.used.clear()
+        kept.refill()
     staged = stager.stage(state)
     staged = staged.result() if hasattr(staged, "result") else staged
     if getattr(stager, "should_synchronize_after_execute", False):
@@ -963,6 +964,12 @@ class _KeptBuffers:
     def __init__(self, inner: Any) -> None:
         self.stage_storage = inner._stage_untyped_storage
         self.cache = getattr(inner, "_cached_storage_mapping", None)
+        dispatch = getattr(inner, "_deepcopy_dispatch", None)
+        self.dispatch: dict[Any, Any] | None = dispatch
+        """DCP's deep-copy table. torch 2.10 to 2.12's ``DefaultStager`` empties it (``close()`` of
+        its ``StateDictStager``) after every stage, and the next stage of a kept stager then fails on
+        a class in the state (``KeyError: <class 'type'>``, a DTensor's, say): ``refill`` puts it back."""
+        self.dispatch_copy = dict(dispatch) if isinstance(dispatch, dict) else {}
         self.used: set[int] = set()
         self.plain: dict[int, tuple[Any, Any, dict[Any, torch.Tensor]]] = {}
         self.plain_state = True
@@ -976,6 +983,11 @@ class _KeptBuffers:
                 del self.cache[storage]
         self.used.add(id(storage))
         return self.stage_storage(storage, *args, **kwargs)
+
+    def refill(self) -> None:
+        """DCP's deep-copy table as it was made, if a stage emptied it (see ``dispatch``)."""
+        if self.dispatch is not None and not self.dispatch:
+            self.dispatch.update(self.dispatch_copy)
 
     def forget_unused(self) -> None:
         if self.cache is not None:
