@@ -889,7 +889,16 @@ def make_stager(cuda: bool | None = None) -> Any:
     inner = getattr(stager, "_state_dict_stager", None)
     if inner is not None and hasattr(inner, "_stage_untyped_storage"):
         inner._stage_untyped_storage = _KeptBuffers(inner)
+    if inner is not None and callable(getattr(inner, "close", None)):
+        # torch 2.11 and 2.12's DefaultStager closes its StateDictStager after every stage, which
+        # empties its deep-copy table (the next stage then fails: KeyError: <class 'type'>) and its
+        # kept buffers. The stager is kept for the Checkpointer's life: only Stager.close closes it.
+        inner.close = _no_close
     return stager
+
+
+def _no_close() -> None:
+    """What DCP's stager calls on its StateDictStager after a stage, under torch 2.11 and 2.12."""
 
 
 @functools.cache
@@ -900,8 +909,11 @@ def _stager_class() -> type:
 
     class Stager(DefaultStager):
         def close(self) -> None:
-            kept = getattr(getattr(self, "_state_dict_stager", None), "_stage_untyped_storage", None)
+            inner = getattr(self, "_state_dict_stager", None)
+            kept = getattr(inner, "_stage_untyped_storage", None)
             super().close()
+            if inner is not None and inner.__dict__.get("close") is _no_close:
+                type(inner).close(inner)
             if isinstance(kept, _KeptBuffers):
                 kept.clear()
 
@@ -922,7 +934,6 @@ def stage_state(stager: Any, state: dict[str, Any]) -> Any:
         if staged is not None:
             return staged
         kept.used.clear()
-        kept.refill()
     staged = stager.stage(state)
     staged = staged.result() if hasattr(staged, "result") else staged
     if getattr(stager, "should_synchronize_after_execute", False):
@@ -964,12 +975,6 @@ class _KeptBuffers:
     def __init__(self, inner: Any) -> None:
         self.stage_storage = inner._stage_untyped_storage
         self.cache = getattr(inner, "_cached_storage_mapping", None)
-        dispatch = getattr(inner, "_deepcopy_dispatch", None)
-        self.dispatch: dict[Any, Any] | None = dispatch
-        """DCP's deep-copy table. torch 2.10 to 2.12's ``DefaultStager`` empties it (``close()`` of
-        its ``StateDictStager``) after every stage, and the next stage of a kept stager then fails on
-        a class in the state (``KeyError: <class 'type'>``, a DTensor's, say): ``refill`` puts it back."""
-        self.dispatch_copy = dict(dispatch) if isinstance(dispatch, dict) else {}
         self.used: set[int] = set()
         self.plain: dict[int, tuple[Any, Any, dict[Any, torch.Tensor]]] = {}
         self.plain_state = True
@@ -983,11 +988,6 @@ class _KeptBuffers:
                 del self.cache[storage]
         self.used.add(id(storage))
         return self.stage_storage(storage, *args, **kwargs)
-
-    def refill(self) -> None:
-        """DCP's deep-copy table as it was made, if a stage emptied it (see ``dispatch``)."""
-        if self.dispatch is not None and not self.dispatch:
-            self.dispatch.update(self.dispatch_copy)
 
     def forget_unused(self) -> None:
         if self.cache is not None:
