@@ -889,7 +889,16 @@ def make_stager(cuda: bool | None = None) -> Any:
     inner = getattr(stager, "_state_dict_stager", None)
     if inner is not None and hasattr(inner, "_stage_untyped_storage"):
         inner._stage_untyped_storage = _KeptBuffers(inner)
+    if inner is not None and callable(getattr(inner, "close", None)):
+        # torch 2.11 and 2.12's DefaultStager closes its StateDictStager after every stage, which
+        # empties its deep-copy table (the next stage then fails: KeyError: <class 'type'>) and its
+        # kept buffers. The stager is kept for the Checkpointer's life: only Stager.close closes it.
+        inner.close = _no_close
     return stager
+
+
+def _no_close() -> None:
+    """What DCP's stager calls on its StateDictStager after a stage, under torch 2.11 and 2.12."""
 
 
 @functools.cache
@@ -900,8 +909,11 @@ def _stager_class() -> type:
 
     class Stager(DefaultStager):
         def close(self) -> None:
-            kept = getattr(getattr(self, "_state_dict_stager", None), "_stage_untyped_storage", None)
+            inner = getattr(self, "_state_dict_stager", None)
+            kept = getattr(inner, "_stage_untyped_storage", None)
             super().close()
+            if inner is not None and inner.__dict__.get("close") is _no_close:
+                type(inner).close(inner)
             if isinstance(kept, _KeptBuffers):
                 kept.clear()
 

@@ -209,6 +209,27 @@ class TestStaging:
             finally:
                 stager.close()
 
+    def test_a_class_in_the_state_is_staged_by_the_same_stager_save_after_save(self) -> None:
+        """A class whose metaclass is not ``type`` (as ``abc.ABC`` subclasses; a DTensor's state holds
+        such) goes through DCP's stager on every save. torch 2.11 and 2.12's ``DefaultStager`` emptied
+        its deep-copy table after each stage, and the second save failed with
+        ``KeyError: <class 'type'>``; under torch 2.13 this pins what already worked."""
+        class Meta(type):
+            pass
+
+        class Kind(metaclass=Meta):
+            pass
+
+        state = {"w": torch.randn(4), "kind": Kind}
+        stager = make_stager(cuda=False)
+        try:
+            for _ in range(3):
+                staged = stage_state(stager, state)
+                assert staged["kind"] is Kind
+                assert torch.equal(staged["w"], state["w"])
+        finally:
+            stager.close()
+
     def test_a_freed_tensors_buffer_goes_with_it_and_close_frees_the_rest(self) -> None:
         """As DCP's cache does: a buffer goes as soon as its source tensor is freed, before any
         later save; ``close()`` (what ``release_staging`` and ``Checkpointer.close`` call) frees
