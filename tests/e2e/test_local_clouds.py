@@ -145,6 +145,7 @@ def test_an_azure_node_stops_once_its_agent_acknowledges_the_event_and_the_timel
 
 def test_the_live_panel_names_the_cloud_and_its_notice_and_says_an_aws_notice_as_before() -> None:
     """The AWS line only pins what the panel already said; the GCP and Azure ones are new."""
+
     def panel(cloud: str, maintenance: bool = False) -> str:
         notice = NoticeView("local-node-0", 24.2, maintenance=maintenance, cloud=cloud)
         snapshot = Snapshot("r", 3.0, JobStatus(), 3, 5, None, 0, 1, notices=[notice], cloud=cloud)

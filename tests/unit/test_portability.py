@@ -494,8 +494,6 @@ def test_the_rank_files_bytes_are_freed_in_a_reference_cycle_without_crashing() 
     and 3.12.1 a ``BytesIO.getbuffer()`` view freed by the garbage collector crashed the process
     (segmentation fault, or "deallocated BytesIO object has exported buffers"). Only those Pythons
     ever failed this; elsewhere it pins behaviour that already worked."""
-    out = subprocess.run(
-        [sys.executable, "-c", RANK_FILE_VIEW_IN_A_CYCLE], capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", RANK_FILE_VIEW_IN_A_CYCLE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
     assert "exported buffers" not in out.stderr

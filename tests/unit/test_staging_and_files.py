@@ -214,6 +214,7 @@ class TestStaging:
         such) goes through DCP's stager on every save. torch 2.11 and 2.12's ``DefaultStager`` emptied
         its deep-copy table after each stage, and the second save failed with
         ``KeyError: <class 'type'>``; under torch 2.13 this pins what already worked."""
+
         class Meta(type):
             pass
 
