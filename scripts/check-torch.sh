@@ -13,6 +13,8 @@
 #   4. tests/e2e                                (spotjob run with real torchrun ranks)
 #   5. examples/demo.py                         (what `make demo` runs)
 # and prints each chunk's pytest summary line. It exits non-zero if any chunk failed.
+# Each chunk gets CHUNK_TIMEOUT seconds (default 3600); a chunk that runs out (a crashed pytest-xdist
+# worker can leave pytest waiting for ever) is killed, reported as "timed out" and the next one runs.
 # CHUNKS="unit e2e" (names: checkpoint integration unit e2e demo) runs only those. PYTHON=... picks the
 # interpreter the venv is made with (default python3); the script prints which Python it ran.
 #
@@ -55,16 +57,22 @@ echo "check-torch: torch $found, Python $ran, in $venv"
 
 unit=$(grep -l -E 'import torch|Checkpointer|from agent\.(checkpoint|_dcp|dcp_safe|export)' tests/unit/test_*.py)
 rest=$(ls tests/integration/test_*.py | grep -v '/test_checkpoint_')
+limit=${CHUNK_TIMEOUT:-3600}
 status=0
 summary=()
 run_chunk() {
     local name=$1
     shift
     local log="$venv/chunk-${name}.log"
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -rfE "$@" >"$log" 2>&1
+    timeout --kill-after=60 "$limit" \
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -rfE "$@" >"$log" 2>&1
     local rc=$?
     [ $rc -ne 0 ] && status=1
-    summary+=("$name: $(tail -n 1 "$log") (log: $log)")
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        summary+=("$name: timed out after ${limit}s, killed (log: $log)")
+    else
+        summary+=("$name: $(tail -n 1 "$log") (log: $log)")
+    fi
 }
 chunks=" ${CHUNKS:-checkpoint integration unit e2e demo} "
 [[ $chunks == *" checkpoint "* ]] && run_chunk checkpoint tests/integration/test_checkpoint_*.py

@@ -131,6 +131,8 @@ _UNPRIVILEGED = textwrap.dedent(
     from orchestrator.cli import main
     import rich.filesize  # what `ckpt list` imports lazily; the interpreter's own files are root's
     import orchestrator.cli_run, orchestrator.cli_status  # what main() imports to register every command
+    from agent.version import spotjob_version
+    spotjob_version()  # --version's metadata read: Python 3.13 imports importlib.metadata._adapters then
 
     root, hidden, scratch = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if os.geteuid() == 0:

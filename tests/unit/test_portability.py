@@ -350,14 +350,24 @@ def test_spotjob_status_tells_a_live_driver_of_an_older_run_folder_without_proc(
     pid is still a spotjob. That read /proc/<pid>/cmdline: on macOS every such driver looked gone.
 
     Simulates macOS by making ``/proc`` unopenable for spotjob's code (psutil still reads Linux's
-    /proc underneath). Does not model macOS's sysctl(KERN_PROCARGS2)."""
-    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "spotjob-run-driver"])
+    /proc underneath). Does not model macOS's sysctl(KERN_PROCARGS2).
+
+    Waits for the driver's first line: Popen returns while the kernel is still inside the child's
+    exec, before it has set where the new argv lies, and /proc/<pid>/cmdline reads empty until then
+    (on every Python; the test failed under load, more often on 3.13). A real driver writes run.json
+    itself, long after its exec."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)", "spotjob-run-driver"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert driver.stdout is not None and driver.stdout.readline() == "up\n"
         (tmp_path / "run.json").write_text(json.dumps({"pid": driver.pid}))
         assert cli_status._driver_pid(str(tmp_path)) == driver.pid
     finally:
         driver.kill()
-        driver.wait()
+        driver.communicate()  # waits, and closes its stdout
 
 
 # -- make test on a Mac: helm ------------------------------------------------------------------------
