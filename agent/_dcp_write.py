@@ -200,11 +200,13 @@ class _Writer(FileSystemWriter):
         # The shard files of each tensor, as DCP's finish just wrote them into .metadata. torch 2.13
         # fills them into ``metadata`` itself; torch 2.9.1 writes a copy (``dataclasses.replace``) and
         # leaves ``metadata`` without them, which gave every tensor of MANIFEST.json's index no files.
-        storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        # Built only where torch left them out: no per-save walk of every result under 2.13.
         self.metadata = (
             metadata
-            if metadata.storage_data == storage_data
-            else dataclasses.replace(metadata, storage_data=storage_data)
+            if metadata.storage_data
+            else dataclasses.replace(
+                metadata, storage_data={wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+            )
         )
         path = os.path.join(str(self.path), DCP_METADATA_NAME)
         self.written[DCP_METADATA_NAME] = crc32c_file(path)
