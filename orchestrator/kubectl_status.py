@@ -32,7 +32,7 @@ from orchestrator.kubectl_common import (
     percent,
     print_json,
 )
-from orchestrator.model import parse_timestamp
+from orchestrator.model import Phase, parse_timestamp
 
 # ----------------------------------------------------------------------------------------------
 # status
@@ -252,7 +252,13 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
             # A finished job's attempt ran until the job ended, not until now.
             ended = parse_timestamp(status.get("completionTime"))
             text += f", ran for {age(running, ended)}" if ended else f", running for {age(running, now)}"
-        text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
+        if not attempt.get("startedAt") and not running:
+            # Refused before its first start (InvalidSpec), or waiting for it: nothing ran, so it
+            # neither resumed nor started from scratch.
+            over = status.get("phase") in (Phase.SUCCEEDED, Phase.FAILED)
+            text += ", never started" if over else ", not started yet"
+        else:
+            text += f", resumed from step {resumed}" if resumed is not None else ", started from scratch"
         lines.append(("Attempt", text))
         stuck = attempt.get("notStarting")
         if isinstance(stuck, dict):

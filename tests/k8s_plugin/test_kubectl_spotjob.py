@@ -348,6 +348,24 @@ def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_
     assert "running for" not in line
 
 
+@pytest.mark.parametrize(
+    ("phase", "reason", "said"), [("Failed", "InvalidSpec", "never started"), ("Pending", "Created", "not started yet")]
+)
+def test_status_of_a_job_whose_first_attempt_never_started_does_not_say_it_started_from_scratch(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, phase: str, reason: str, said: str
+) -> None:
+    """A job refused on its first pass (InvalidSpec) has attempt 0 with no ``startedAt``: before,
+    ``kubectl spotjob status`` said "Attempt: 0, started from scratch" for it."""
+    create_job(cluster, namespace, "never")
+    status = {"phase": phase, "reason": reason, "message": "spec.checkpoint.uri: ...", "attempt": {"number": 0}}
+    set_status(cluster, namespace, "never", status)
+
+    out = ok(kubectl_spotjob("status", "never", "-n", namespace))
+
+    [line] = [line for line in out.splitlines() if line.startswith("Attempt:")]
+    assert re.fullmatch(rf"Attempt: +0, {said}", line), line
+
+
 def _documented_json_keys() -> dict[str, list[str]]:
     """The README's table of ``kubectl spotjob … -o json`` keys: {row: keys, in order}."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
