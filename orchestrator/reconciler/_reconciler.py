@@ -741,7 +741,13 @@ class Reconciler(_Capacity):
         if p.storage_error is not None:
             reason = STORAGE_UNREACHABLE if isinstance(p.storage_error, TransientStorageError) else STORAGE_REFUSED
             uri = p.checkpoint_uri or p.spec.checkpoint.uri
-            self._degraded(p, reason, uri=uri, error=p.storage_error)
+            if status.phase.terminal:
+                # The job ended in this pass (a refusal before anything started fails it): nothing is
+                # retried now, so the condition says what storage answered, not what waits on a fix.
+                said = f"storage at {uri} answered: {p.storage_error}; the job has ended, nothing is retried"
+                self._condition(p, DEGRADED, True, reason.name, said)
+            else:
+                self._degraded(p, reason, uri=uri, error=p.storage_error)
         elif p.signals_error is not None:
             self._degraded(p, BACKEND_UNAVAILABLE, error=p.signals_error)
         elif status.recovery is not None and status.recovery.cause is Cause.INFRASTRUCTURE:

@@ -651,6 +651,13 @@ def test_storage_that_refuses_for_good_fails_the_job_at_once_with_the_remedy_bef
     assert result.requeue_after is None
     assert w.backend.start_calls == [], "nothing was started"
     assert w.event_reasons()[-1] == "StorageRefused"
+    # The ended job's Degraded condition promised a wait ("no attempt can start until the bucket or
+    # the credentials are fixed"), and its event came twice, as if a running job were retrying.
+    degraded = status.condition("Degraded")
+    assert degraded is not None and (degraded.status, degraded.reason) == ("True", "StorageRefused")
+    assert str(refusal) in degraded.message and "the job has ended" in degraded.message
+    assert "no attempt can start" not in degraded.message
+    assert w.event_reasons().count("StorageRefused") == 1
 
 
 def test_storage_refusing_while_the_workers_run_is_degraded_not_a_failure_and_heals(tmp_path: Any) -> None:
