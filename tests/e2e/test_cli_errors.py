@@ -4,7 +4,10 @@ exit status, and nothing created or lost. Real ``spotjob`` and ``spotjob-agent``
 The table runs each bad invocation in an empty folder and checks: the exit status; the words the
 message must say (the option, the file and line, the cause); that no traceback or pydantic phrase
 reaches the user; and that the folder is still empty afterwards (no run folder for a bad argument).
-None of these cases trains: they end before any worker starts.
+None of these cases trains: they end before any worker starts. Each runs in a process of its own
+forked from one that has imported what the two commands import (scripts/cli_fork.py), run as the
+console script runs it, in the folder, with the environment and the captured output a process
+started afresh would have: the table pays for those imports once, not once per row.
 
 Then the cases that need something in place first: a run name that is taken, a listing with
 broken run folders in it, a checkpoint exported onto a full disk (a real ENOSPC from a small
@@ -20,7 +23,7 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +38,8 @@ from orchestrator.model import CheckpointSpec, JobKey, JobSpec, JobStatus, Phase
 from orchestrator.store import JsonFileJobStore
 
 pytestmark = pytest.mark.timeout(300)
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 FORBIDDEN = ("Traceback", "Input should be", "Value error", "errors.pydantic.dev", "ValidationError")
 """What no message may show an operator."""
@@ -54,13 +59,48 @@ class Case:
     """Variables set for the command, on top of a clean environment."""
 
 
-def run_case(c: Case, tmp: Path) -> tuple[subprocess.CompletedProcess[str], str]:
+@pytest.fixture(scope="module")
+def forker() -> Iterator[subprocess.Popen[str]]:
+    """scripts/cli_fork.py: the table's invocations are processes forked from it (it has imported
+    what ``spotjob`` and ``spotjob-agent`` import), each run as its console script runs it."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "cli_fork.py")],
+        cwd=REPO, env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_case(
+    c: Case, tmp: Path, forker: subprocess.Popen[str], outputs: Path
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The case's command in ``tmp`` (a child of ``forker``), its output captured in ``outputs``."""
     for name, text in c.files.items():
         (tmp / name).write_text(text)
     argv = [a.format(tmp=tmp, train=TRAIN) for a in c.argv]
     env = {**clean_env(), **c.env}
-    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
-    return proc, proc.stderr
+    out, err = outputs / "stdout", outputs / "stderr"
+    request = {
+        "tool": c.tool, "path": tool(c.tool), "argv": argv, "cwd": str(tmp), "env": env,
+        "out": str(out), "err": str(err), "timeout": 120,
+    }  # fmt: skip
+    assert forker.stdin is not None and forker.stdout is not None
+    forker.stdin.write(json.dumps(request) + "\n")
+    forker.stdin.flush()
+    answer = forker.stdout.readline()
+    assert answer, f"scripts/cli_fork.py exited {forker.wait()}"
+    code, hung = json.loads(answer)
+    stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    assert not hung, f"{' '.join([c.tool, *argv])} hung:\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    return subprocess.CompletedProcess([tool(c.tool), *argv], code, stdout, stderr), stderr
 
 
 def tree(root: Path) -> set[str]:
@@ -223,9 +263,11 @@ TABLE: dict[str, Case] = {
 
 
 @pytest.mark.parametrize("case", list(TABLE))
-def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(tmp_path: Path, case: str) -> None:
+def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, forker: subprocess.Popen[str], case: str
+) -> None:
     c = TABLE[case]
-    proc, err = run_case(c, tmp_path)
+    proc, err = run_case(c, tmp_path, forker, tmp_path_factory.mktemp("output"))
 
     assert proc.returncode == c.code, f"{case}: exit {proc.returncode}\n{err[-3000:]}"
     for word in c.words:
