@@ -4,12 +4,16 @@ exit status, and nothing created or lost. Real ``spotjob`` and ``spotjob-agent``
 The table runs each bad invocation in an empty folder and checks: the exit status; the words the
 message must say (the option, the file and line, the cause); that no traceback or pydantic phrase
 reaches the user; and that the folder is still empty afterwards (no run folder for a bad argument).
-None of these cases trains: they end before any worker starts.
+None of these cases trains: they end before any worker starts. Each runs in a process of its own
+forked from one that has imported what the two commands import (scripts/cli_fork.py), run as the
+console script runs it, in the folder, with the environment and the captured output a process
+started afresh would have: the table pays for those imports once, not once per row.
 
 Then the cases that need something in place first: a run name that is taken, a listing with
 broken run folders in it, a checkpoint exported onto a full disk (a real ENOSPC from a small
 tmpfs mounted in a user namespace, and a real EFBIG from RLIMIT_FSIZE), and a bucket that does
-not exist (moto).
+not exist (moto). The taken names and the broken run folders run their commands forked as the
+table does; the exports, the bucket and the closed pipe start ``spotjob`` afresh.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +40,8 @@ from orchestrator.model import CheckpointSpec, JobKey, JobSpec, JobStatus, Phase
 from orchestrator.store import JsonFileJobStore
 
 pytestmark = pytest.mark.timeout(300)
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 FORBIDDEN = ("Traceback", "Input should be", "Value error", "errors.pydantic.dev", "ValidationError")
 """What no message may show an operator."""
@@ -54,12 +61,55 @@ class Case:
     """Variables set for the command, on top of a clean environment."""
 
 
-def run_case(c: Case, tmp: Path) -> tuple[subprocess.CompletedProcess[str], str]:
+@pytest.fixture(scope="module")
+def forker() -> Iterator[subprocess.Popen[str]]:
+    """scripts/cli_fork.py: the table's invocations are processes forked from it (it has imported
+    what ``spotjob`` and ``spotjob-agent`` import), each run as its console script runs it."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "cli_fork.py")],
+        cwd=REPO, env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_forked(
+    forker: subprocess.Popen[str], name: str, argv: list[str], *, cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``name`` (spotjob, spotjob-agent) with ``argv`` in ``cwd``, a child of ``forker``, to its end
+    (120 s at most), its output captured outside ``cwd``."""
+    outputs = Path(tempfile.mkdtemp(prefix="cli-output-"))
+    out, err = outputs / "stdout", outputs / "stderr"
+    request = {
+        "tool": name, "path": tool(name), "argv": argv, "cwd": str(cwd), "env": env,
+        "out": str(out), "err": str(err), "timeout": 120,
+    }  # fmt: skip
+    assert forker.stdin is not None and forker.stdout is not None
+    forker.stdin.write(json.dumps(request) + "\n")
+    forker.stdin.flush()
+    answer = forker.stdout.readline()
+    assert answer, f"scripts/cli_fork.py exited {forker.wait()}"
+    code, hung = json.loads(answer)
+    stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    shutil.rmtree(outputs)
+    assert not hung, f"{' '.join([name, *argv])} hung:\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    return subprocess.CompletedProcess([tool(name), *argv], code, stdout, stderr)
+
+
+def run_case(c: Case, tmp: Path, forker: subprocess.Popen[str]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The case's command in ``tmp`` (a child of ``forker``)."""
     for name, text in c.files.items():
         (tmp / name).write_text(text)
     argv = [a.format(tmp=tmp, train=TRAIN) for a in c.argv]
-    env = {**clean_env(), **c.env}
-    proc = subprocess.run([tool(c.tool), *argv], cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_forked(forker, c.tool, argv, cwd=tmp, env={**clean_env(), **c.env})
     return proc, proc.stderr
 
 
@@ -223,9 +273,11 @@ TABLE: dict[str, Case] = {
 
 
 @pytest.mark.parametrize("case", list(TABLE))
-def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(tmp_path: Path, case: str) -> None:
+def test_a_bad_invocation_exits_with_one_plain_message_and_creates_nothing(
+    tmp_path: Path, forker: subprocess.Popen[str], case: str
+) -> None:
     c = TABLE[case]
-    proc, err = run_case(c, tmp_path)
+    proc, err = run_case(c, tmp_path, forker)
 
     assert proc.returncode == c.code, f"{case}: exit {proc.returncode}\n{err[-3000:]}"
     for word in c.words:
@@ -254,29 +306,31 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def spotjob_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def spotjob_run(forker: subprocess.Popen[str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``spotjob run ARGS`` in ``cwd`` (its runs folder is ``cwd/spotjob-runs``), output captured."""
-    return subprocess.run(
-        [tool("spotjob"), "run", *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=120
-    )
+    return run_forked(forker, "spotjob", ["run", *args], cwd=cwd, env=clean_env())
 
 
-def test_a_run_name_that_is_taken_is_refused_naming_resume_and_its_folder_is_left_as_it_was(tmp_path: Path) -> None:
+def test_a_run_name_that_is_taken_is_refused_naming_resume_and_its_folder_is_left_as_it_was(
+    tmp_path: Path, forker: subprocess.Popen[str]
+) -> None:
     folder = make_run(tmp_path / "spotjob-runs", "taken")
     before = snapshot(folder)
 
-    proc = spotjob_run(tmp_path, "--name", "taken", str(TRAIN))
+    proc = spotjob_run(forker, tmp_path, "--name", "taken", str(TRAIN))
 
     assert proc.returncode == 2, proc.stderr
     assert "a run named 'taken' exists" in proc.stderr and "spotjob run --resume taken" in proc.stderr
     assert snapshot(folder) == before
 
 
-def test_resuming_a_run_that_ended_says_there_is_nothing_to_resume(tmp_path: Path) -> None:
+def test_resuming_a_run_that_ended_says_there_is_nothing_to_resume(
+    tmp_path: Path, forker: subprocess.Popen[str]
+) -> None:
     folder = make_run(tmp_path / "spotjob-runs", "done")
     before = snapshot(folder)
 
-    proc = spotjob_run(tmp_path, "--resume", "done")
+    proc = spotjob_run(forker, tmp_path, "--resume", "done")
 
     assert proc.returncode == 2, proc.stderr
     assert "run 'done' succeeded already" in proc.stderr and "nothing to resume" in proc.stderr
@@ -298,12 +352,12 @@ def older_run(runs: Path, name: str) -> Path:
 
 
 def test_an_older_spotjobs_run_is_not_resumed_and_the_message_says_how_to_carry_on_from_its_checkpoints(
-    tmp_path: Path,
+    tmp_path: Path, forker: subprocess.Popen[str]
 ) -> None:
     folder = older_run(tmp_path / "spotjob-runs", "old")
     before = snapshot(folder)
 
-    proc = spotjob_run(tmp_path, "--resume", "old")
+    proc = spotjob_run(forker, tmp_path, "--resume", "old")
 
     assert proc.returncode == 2, proc.stderr
     assert "no run named" not in proc.stderr
@@ -315,12 +369,12 @@ def test_an_older_spotjobs_run_is_not_resumed_and_the_message_says_how_to_carry_
 
 
 def test_a_new_run_under_the_name_of_an_older_spotjobs_run_is_refused_and_its_folder_left_as_it_was(
-    tmp_path: Path,
+    tmp_path: Path, forker: subprocess.Popen[str]
 ) -> None:
     folder = older_run(tmp_path / "spotjob-runs", "old")
     before = snapshot(folder)
 
-    proc = spotjob_run(tmp_path, "--name", "old", str(TRAIN))
+    proc = spotjob_run(forker, tmp_path, "--name", "old", str(TRAIN))
 
     assert proc.returncode == 2, proc.stderr
     assert "written by a spotjob from before 2026-12-01" in proc.stderr and "pick another --name" in proc.stderr
@@ -359,16 +413,14 @@ def _replace_with_folder(path: Path) -> None:
 
 
 def test_broken_run_folders_are_one_line_each_saying_what_is_wrong_and_the_rest_of_the_table_stands(
-    tmp_path: Path,
+    tmp_path: Path, forker: subprocess.Popen[str]
 ) -> None:
     runs = tmp_path / "spotjob-runs"
     make_run(runs, "healthy")
     for name, breakage in BREAKAGES.items():
         breakage(make_run(runs, name), name)
 
-    listing = subprocess.run(
-        [tool("spotjob"), "status"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120
-    )
+    listing = run_forked(forker, "spotjob", ["status"], cwd=tmp_path, env=clean_env())
 
     assert listing.returncode == 0, listing.stderr
     assert not any(p in listing.stdout + listing.stderr for p in FORBIDDEN), listing.stdout + listing.stderr
@@ -385,14 +437,10 @@ def test_broken_run_folders_are_one_line_each_saying_what_is_wrong_and_the_rest_
         assert "Succeeded" in rows[name], rows[name]
 
     for name in BREAKAGES:
-        detail = subprocess.run(
-            [tool("spotjob"), "status", name], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
-        )
+        detail = run_forked(forker, "spotjob", ["status", name], cwd=tmp_path, env=clean_env())
         shown = detail.stdout + detail.stderr
         assert detail.returncode == 0 and not any(p in shown for p in FORBIDDEN), f"{name}:\n{shown}"
-    detail = subprocess.run(
-        [tool("spotjob"), "status", "events-a-folder"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
-    )
+    detail = run_forked(forker, "spotjob", ["status", "events-a-folder"], cwd=tmp_path, env=clean_env())
     assert "its events cannot be read" in detail.stdout
 
 

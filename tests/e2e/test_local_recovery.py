@@ -170,10 +170,12 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
 def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
     tmp_path: Path,
 ) -> None:
-    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short."""
+    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short. One
+    rank: the processes the stop must leave none of (the worker's agent and its rank) are of the
+    same kinds whatever the number of ranks."""
     run = tmp_path / "spotjob-runs" / "stop"
     argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "stop", "--every-steps", "5",
+        tool("spotjob"), "run", "--no-live", "--name", "stop", "--nproc", "1", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.15",
     ]  # fmt: skip
     driver = start_driver(tmp_path, argv)
@@ -199,10 +201,11 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
     """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
     the driver only, its agents and ranks training on with nobody driving the run (its notices,
     its simulated nodes' metadata servers, its status). Now every process of the run pauses with
-    the driver, and ``fg`` (SIGCONT) resumes them."""
+    the driver, and ``fg`` (SIGCONT) resumes them. One rank: the driver, its agent and its rank
+    are the three kinds of process that pause, as with more ranks."""
     run = tmp_path / "spotjob-runs" / "pause"
     argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "pause", "--every-steps", "5",
+        tool("spotjob"), "run", "--no-live", "--name", "pause", "--nproc", "1", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
     ]  # fmt: skip
     # As a terminal starts it: Ctrl-Z not ignored.
