@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -108,14 +109,17 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     run = tmp_path / "spotjob-runs" / "orphan"
     argv = [
         tool("spotjob"), "run", "--no-live", "--name", "orphan", "--every-steps", "5",
-        str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.15", "--dump", str(tmp_path / "final"),
+        str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.3", "--dump", str(tmp_path / "final"),
     ]  # fmt: skip
+    # 0.3 s a step: the refused --resume below (a fresh spotjob process) must end before the run's
+    # last step. At 0.15 s, 48 steps (7 s) were not enough on a machine at load 20: the run ended first.
     driver = start_driver(tmp_path, argv)
     try:
         wait_training(driver, run, 12)
         refused = spotjob("run", "--resume", "orphan", cwd=tmp_path)
         assert refused.returncode == 2, refused.stderr
         assert f"being driven by another spotjob run (pid {driver.pid})" in refused.stderr
+        assert driver.poll() is None, "the run ended before its driver could be killed: give it more steps"
 
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
@@ -230,7 +234,11 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-    assert not run_pids(str(run))
+        left = run_pids(str(run))
+        for pid in left:  # a failed case leaves them stopped: nothing else would ever end them
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the run outlived its driver: {left}"
     assert "Traceback" not in (tmp_path / "driver.log").read_text()
 
 
