@@ -82,12 +82,12 @@ class Run:
         wait_until(path.exists, "agent.json", self)
         return dict(json.loads(path.read_text()))
 
-    def wait_training(self, steps: int = 3) -> None:
+    def wait_training(self, steps: int = 3, timeout: float = WAIT) -> None:
         def training() -> bool:
             status = self.control.status()
             return status is not None and (status.step or 0) >= steps
 
-        wait_until(training, f"rank 0 at step {steps}", self)
+        wait_until(training, f"rank 0 at step {steps}", self, timeout=timeout)
 
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.proc.pid, sig)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -42,6 +43,7 @@ from agent.ranks import free_port
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"
 BIN = Path(sys.executable).parent
+TORCHRUN_START = 120.0  # seconds for real torchrun ranks to reach a step: torch imports, loaded CI
 
 
 def start_agent(
@@ -95,9 +97,20 @@ def zombie_children(pid: int) -> list[int]:
 
 
 def stop(run: Run) -> None:
+    """SIGKILL the agent if it still runs, then whatever of its command it left running: the
+    command has a session of its own, so a test that failed before the agent stopped it (a slow
+    start under load) used to leave torchrun and its ranks training for ever, loading the machine
+    for every test after it."""
+    info = Path(run.control.path) / "agent.json"
+    ident = ""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        ident = str(json.loads(info.read_text())["agent_id"])
     if run.proc.poll() is None:
         run.proc.kill()
         run.proc.wait()
+    for pid in marked_processes(ident) if ident else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -136,7 +149,9 @@ def test_a_shell_that_pipes_torchrun_into_tee_still_flushes_exits_75_and_leaves_
     run = start_agent(tmp_path, ["sh", "-c", script])
     try:
         ident = agent_id(run)
-        run.wait_training(steps=3)
+        # Real torchrun ranks import torch before their first step: on a loaded machine that
+        # alone took over WAIT (30 s, sized for the fake ranks), as test_agent_torchrun.py allows.
+        run.wait_training(steps=3, timeout=TORCHRUN_START)
         run.signal(signal.SIGTERM)
         assert run.exit_code() == EXIT_PREEMPTED, run.log()
         result = run.control.flush_result()
