@@ -485,9 +485,10 @@ def test_a_planned_host_maintenance_is_held_shown_then_flushed_and_the_job_resum
     spot interruptions alone and nothing was ever held."""
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the agents' maintenance records
     (tmp_path / "tmp").mkdir()
-    # A step takes 0.3 s or more: the 6 s held (12 - 6) end before step 5 + 20 < STEPS.
+    # A step takes 0.3 s or more: the 6 s held (15 - 9) end before step 5 + 20 < STEPS. The flush then
+    # has 9 s before the node stops (6 s was too little for two ranks on a machine at load 20-30).
     config = dumped_run(
-        tmp_path, "maintained", 0.3, every_steps=10, maintenance_at_steps=[5], maintenance_notice=12.0, flush_lead=6.0
+        tmp_path, "maintained", 0.3, every_steps=10, maintenance_at_steps=[5], maintenance_notice=15.0, flush_lead=9.0
     )
     run = LocalRun(config)
     status_file = Path(run.store.path(run.key))
@@ -522,7 +523,7 @@ def test_a_planned_host_maintenance_is_held_shown_then_flushed_and_the_job_resum
     assert (held["worker"], held["source"], held["kind"]) == ("maintained-0-0", "gcp", "maintenance"), held
     assert "TERMINATE_ON_HOST_MAINTENANCE" in held["detail"], held
     deadline, flush_at = (datetime.fromisoformat(held[k]) for k in ("deadline", "flushAt"))
-    assert flush_at == deadline - timedelta(seconds=6), held  # --flush-lead
+    assert flush_at == deadline - timedelta(seconds=9), held  # --flush-lead
     line = next(x for x in seen["detail"].splitlines() if x.strip().startswith("held notice"))
     assert "maintained-0-0 on local-node-0: gcp maintenance (" in line and "the flush starts" in line, line
 
