@@ -38,6 +38,7 @@ from local_run_support import REPO, TRAIN, clean_env, tool
 
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec, JobStatus, Phase
 from orchestrator.store import JsonFileJobStore
+from tests.line_server import ask, line_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,20 +66,8 @@ class Case:
 def forker() -> Iterator[subprocess.Popen[str]]:
     """scripts/cli_fork.py: the table's invocations are processes forked from it (it has imported
     what ``spotjob`` and ``spotjob-agent`` import), each run as its console script runs it."""
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "cli_fork.py")],
-        cwd=REPO, env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
+    with line_server([sys.executable, str(SCRIPTS / "cli_fork.py")], cwd=REPO, env=clean_env()) as proc:
         yield proc
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_forked(
@@ -92,12 +81,7 @@ def run_forked(
         "tool": name, "path": tool(name), "argv": argv, "cwd": str(cwd), "env": env,
         "out": str(out), "err": str(err), "timeout": 120,
     }  # fmt: skip
-    assert forker.stdin is not None and forker.stdout is not None
-    forker.stdin.write(json.dumps(request) + "\n")
-    forker.stdin.flush()
-    answer = forker.stdout.readline()
-    assert answer, f"scripts/cli_fork.py exited {forker.wait()}"
-    code, hung = json.loads(answer)
+    code, hung = ask(forker, request, "scripts/cli_fork.py")
     stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     shutil.rmtree(outputs)
     assert not hung, f"{' '.join([name, *argv])} hung:\n{stdout[-4000:]}\n{stderr[-8000:]}"

@@ -15,7 +15,6 @@ the child after the fork, as the process of its own took it after its start.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import zipfile
@@ -27,6 +26,7 @@ import torch
 
 from agent.checkpoint import Checkpointer
 from agent.manifest import rank_file_name
+from tests.line_server import ask, line_server
 
 MB = 192
 PROBE = f"""
@@ -81,26 +81,12 @@ def prober(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
     """The process each measurement is forked from (torch and the Checkpointer imported)."""
     script = tmp_path_factory.mktemp("probe") / "probe.py"
     script.write_text(PROBE)
-    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
+    with line_server([sys.executable, str(script)]) as proc:
         yield proc
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def copies(prober: subprocess.Popen[str], tmp_path: Path, what: str) -> float:
-    assert prober.stdin is not None and prober.stdout is not None
-    prober.stdin.write(json.dumps([str(tmp_path / "ckpt"), what]) + "\n")
-    prober.stdin.flush()
-    line = prober.stdout.readline()
-    assert line, f"the probe process exited {prober.wait()}"
-    code, said = json.loads(line)
+    code, said = ask(prober, [str(tmp_path / "ckpt"), what], "the probe process")
     assert code == 0, said
     return float(said)
 
