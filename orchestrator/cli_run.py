@@ -168,8 +168,9 @@ def _refuse_agent_settings(key: JobKey, spec: JobSpec, options: LocalOptions) ->
     refused = agent_settings_problem(key, spec, options)
     if refused is not None:
         raise ValueError(
-            f"every worker's spotjob-agent would refuse its settings and exit 2: {refused}; fix or unset it in "
-            "this environment"
+            # The agent's words say what to do; this says where the value comes from (not the remedy again).
+            f"every worker's spotjob-agent would refuse its settings and exit 2: {refused} (read from this "
+            "environment, or from the run's spec.env, both of which every worker gets)"
         )
 
 

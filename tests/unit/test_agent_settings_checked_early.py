@@ -20,6 +20,7 @@ from agent.launcher_cli import parse_args, usage_problem
 from agent.settings import CheckpointerEnv, StorageEnv, variable_name
 from orchestrator.backends.k8s import _worker_spec
 from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.cli_run import _refuse_agent_settings
 from orchestrator.crd import POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s import pods
 from orchestrator.model import JobKey, JobSpec
@@ -174,3 +175,18 @@ def test_a_local_run_refuses_a_bad_agent_setting_from_its_env_or_its_own_environ
         monkeypatch.setenv("SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT", "-1")
         [problem] = backend.spec_problems(key, spec)
         assert "SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT='-1': must be more than 0" in problem
+
+
+def test_spotjob_run_refuses_a_bad_agent_variable_of_its_environment_giving_the_remedy_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the agent's remedy was followed by a second one: "...: set it to one, or unset it;
+    fix or unset it in this environment"."""
+    monkeypatch.setenv("SPOTJOB_AGENT_FLUSH_LEAD", "abc")
+    spec = RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path)).job_spec()
+    with pytest.raises(ValueError) as refused:
+        _refuse_agent_settings(JobKey.local("run"), spec, LocalOptions(root=str(tmp_path / "run")))
+    said = str(refused.value)
+    assert "SPOTJOB_AGENT_FLUSH_LEAD='abc' is not a number of seconds" in said, said
+    assert "read from this environment" in said, said
+    assert said.count("unset it") == 1, said
