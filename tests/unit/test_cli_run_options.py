@@ -172,7 +172,9 @@ def test_a_bad_agent_setting_in_spotjob_runs_environment_is_refused_before_anyth
     script.write_text("print('hi')\n")
     runs = tmp_path / "runs"
     monkeypatch.setenv("SPOTJOB_AGENT_PREFETCH", "nodes")
-    with pytest.raises(ValueError, match=r"SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off; fix or"):
+    with pytest.raises(
+        ValueError, match=r"SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off \(read from this environment"
+    ):
         LocalRun(RunConfig(script=str(script), args=[], name="bad", runs_dir=str(runs), nproc=1))
     assert not (runs / "bad").exists()
 
