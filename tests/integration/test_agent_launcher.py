@@ -77,6 +77,20 @@ class Run:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def kill(self) -> None:
+        """SIGKILL the agent if it still runs, then whatever of its command it left running: the
+        command's ranks run in sessions of their own and outlive a killed agent, so they are found
+        by its marker."""
+        ident = ""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            ident = str(json.loads((Path(self.control.path) / "agent.json").read_text())["agent_id"])
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in marked_processes(ident) if ident else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def agent_info(self) -> dict[str, Any]:
         path = Path(self.control.path) / "agent.json"
         wait_until(path.exists, "agent.json", self)
@@ -160,15 +174,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     yield _start
     for run in runs:
         if run.proc.poll() is None:
-            # A job a test left running (the neighbour of a two-job test): its ranks run in
-            # sessions of their own and outlive a killed agent, so they are found by its marker.
-            info = Path(run.control.path) / "agent.json"
-            agent_id = json.loads(info.read_text()).get("agent_id") if info.exists() else None
-            run.proc.kill()
-            run.proc.wait()
-            for pid in marked_processes(agent_id) if agent_id else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            run.kill()  # a job a test left running (the neighbour of a two-job test)
 
 
 def events(run: Run) -> list[str]:

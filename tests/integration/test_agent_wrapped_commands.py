@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -97,20 +96,10 @@ def zombie_children(pid: int) -> list[int]:
 
 
 def stop(run: Run) -> None:
-    """SIGKILL the agent if it still runs, then whatever of its command it left running: the
-    command has a session of its own, so a test that failed before the agent stopped it (a slow
-    start under load) used to leave torchrun and its ranks training for ever, loading the machine
-    for every test after it."""
-    info = Path(run.control.path) / "agent.json"
-    ident = ""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        ident = str(json.loads(info.read_text())["agent_id"])
-    if run.proc.poll() is None:
-        run.proc.kill()
-        run.proc.wait()
-    for pid in marked_processes(ident) if ident else []:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """The agent and whatever of its command it left running (``Run.kill``): a test that failed
+    before the agent stopped its command (a slow start under load) used to leave torchrun and its
+    ranks training for ever, loading the machine for every test after it."""
+    run.kill()
 
 
 @contextlib.contextmanager
@@ -126,9 +115,7 @@ def fake_ranks_training(tmp_path: Path) -> Iterator[tuple[Run, str]]:
         assert marked_processes(ident), "the command's processes should be running"
         yield run, ident
     finally:
-        stop(run)
-        for pid in marked_processes(ident) if ident else []:
-            os.kill(pid, signal.SIGKILL)  # what a dead agent left running
+        stop(run)  # and what a dead agent left running
 
 
 @contextlib.contextmanager
