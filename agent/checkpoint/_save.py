@@ -19,17 +19,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import rank_state
-from agent._dcp_write import (
-    ChecksummedFile,
-    DivergentReplicasError,
-    SavePlanCache,
-    dcp_save,
-    make_stager,
-    make_writer,
-    stage_state,
-    sync_files,
-)
+from agent._dcp_plan import DivergentReplicasError, SavePlanCache, dcp_save
+from agent._dcp_write import ChecksummedFile, make_writer, sync_files
 from agent._direct_io import release_buffers
+from agent._staging import make_stager, stage_state
 from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints
 from agent.checkpoint import _claim
 from agent.checkpoint._core import STAGING_LOCK, lock_staging_folder, size_text

@@ -562,7 +562,7 @@ class _State(_Core):
                 ) from None
 
     def _from_rank0(self, state: Mapping[str, Any], dcp_state: Mapping[str, Any]) -> frozenset[str]:
-        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp_write.RankZeroSavePlanner``),
+        """The names in ``dcp_state`` to save from rank 0 (``agent._dcp_plan.RankZeroSavePlanner``),
         unchecked: the modules' state that nothing keeps identical across ranks. That is buffers and
         extra state (each DDP rank's BatchNorm statistics follow its own batch until DDP's next
         forward overwrites them with rank 0's), and the plain parameters of a state module that no

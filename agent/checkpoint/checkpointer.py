@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent._dcp_write import SavePlanCache
+from agent._dcp_plan import SavePlanCache
 from agent._direct_io import suits_direct_io
 from agent._layout import PROBES_FOLDER
 from agent.checkpoint._restore import _Restoring

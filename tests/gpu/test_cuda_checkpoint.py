@@ -2,7 +2,7 @@
 
 With CUDA present an async save stages the state into page-locked (pinned) host buffers kept between
 saves, the device-to-host copies enqueued without blocking and waited for once before ``step()``
-returns (``agent._dcp_write.staging_options`` / ``make_stager``). None of it runs without a GPU, so
+returns (``agent._staging.staging_options`` / ``make_stager``). None of it runs without a GPU, so
 these tests are skipped (with the reason) wherever ``torch.cuda.is_available()`` is False: on the
 development machines and in CI. ``scripts/gpu-check.sh`` runs them on a machine with one NVIDIA GPU.
 

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
-from agent._dcp_write import DivergentReplicasError, RankZeroSavePlanner
+from agent._dcp_plan import DivergentReplicasError, RankZeroSavePlanner
 
 
 def _plans(held: dict[str, tuple[Any, list[int]]], world: int) -> list[SavePlan]:

@@ -1,5 +1,5 @@
 """The sample fingerprint that tells ranks' copies of one name apart at save time
-(``agent._dcp_write._tensor_fingerprint``)."""
+(``agent._dcp_plan._tensor_fingerprint``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 
 import torch
 
-from agent._dcp_write import DivergentReplicasError, _tensor_fingerprint, _tensor_fingerprints
+from agent._dcp_plan import DivergentReplicasError, _tensor_fingerprint, _tensor_fingerprints
 
 
 class _Wrapped(torch.Tensor):

@@ -1,4 +1,4 @@
-"""DCP's save plans reused between a Checkpointer's saves (``agent._dcp_write.SavePlanCache``):
+"""DCP's save plans reused between a Checkpointer's saves (``agent._dcp_plan.SavePlanCache``):
 planned afresh whenever the state's structure changed, and the replica check as strong as when
 every save was planned afresh.
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.planner import SavePlan
 
-from agent._dcp_write import DivergentReplicasError, RankZeroSavePlanner, SavePlanCache
+from agent._dcp_plan import DivergentReplicasError, RankZeroSavePlanner, SavePlanCache
 from agent.checkpoint import Checkpointer
 
 

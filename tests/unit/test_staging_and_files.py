@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from agent import _dcp_write
-from agent._dcp_write import ChecksummedFile, SaveCancelledError, make_stager, stage_state, staging_options
+from agent._dcp_write import ChecksummedFile, SaveCancelledError
+from agent._staging import make_stager, stage_state, staging_options
 from agent.atomic_file import write_atomic
 from agent.crc32c import crc32c_bytes, crc32c_file, crc32c_file_parallel
 
