@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -59,6 +60,10 @@ class Samples:
     """Peak resident bytes of the process during each run."""
     rss_growth: list[int] = field(default_factory=list)
     """Peak resident bytes during each run minus resident bytes just before it."""
+    full_gcs: list[int] = field(default_factory=list)
+    """Full (generation-2) garbage collections during each run, on any thread (``FullCollections``)."""
+    full_gc_seconds: list[float] = field(default_factory=list)
+    """How long those collections took in all, each run."""
 
     @property
     def median(self) -> float:
@@ -69,6 +74,8 @@ class Samples:
             "seconds": self.seconds,
             "peak_rss_bytes": self.peak_rss,
             "rss_growth_bytes": self.rss_growth,
+            "full_gcs": self.full_gcs,
+            "full_gc_seconds": self.full_gc_seconds,
         }
         if self.seconds:
             out.update(median=self.median, min=min(self.seconds), max=max(self.seconds))
@@ -124,11 +131,48 @@ def peak_rss_bytes() -> int:
     return kib * 1024
 
 
+class FullCollections:
+    """Counts the process's full (generation-2) garbage collections while it is entered, and their
+    time, through ``gc.callbacks`` (the benchmark's own process: nothing of a user's is touched).
+
+    A full collection walks every tracked object of the process and holds the GIL while it does, so
+    one that falls inside a save costs the save (and, on a thread, the training loop) its length.
+    CPython runs one once the objects promoted since the last one exceed a quarter of those it left,
+    so how often a save sets one off depends on how many objects it keeps alive while it runs.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._started = time.monotonic()
+        elif self._started is not None:
+            self.count += 1
+            self.seconds += time.monotonic() - self._started
+            self._started = None
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def measure(samples: Samples, fn: Callable[[], T]) -> T:
-    """Run ``fn`` once, appending its time and peak memory to ``samples``; return its result."""
+    """Run ``fn`` once, appending its time, peak memory and full garbage collections to
+    ``samples``; return its result."""
     before = current_rss_bytes()
     reset_peak_rss()
-    seconds, result = timed(fn)
+    with FullCollections() as collections:
+        seconds, result = timed(fn)
+    samples.full_gcs.append(collections.count)
+    samples.full_gc_seconds.append(collections.seconds)
     peak = peak_rss_bytes()
     samples.seconds.append(seconds)
     samples.peak_rss.append(peak)

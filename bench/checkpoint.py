@@ -61,6 +61,7 @@ from agent.checkpoint import Checkpointer
 from bench._common import (
     GB,
     OUT_DIR,
+    FullCollections,
     MiB,
     Samples,
     child_peak_rss_bytes,
@@ -561,23 +562,28 @@ class CheckpointBench:
         before = current_rss_bytes()
         reset_peak_rss()
         start = time.monotonic()
-        ck.step(step, state)
-        if cuda:
-            torch.cuda.synchronize(device)
-        blocked = time.monotonic() - start
-        ck.wait()
+        with FullCollections() as blocking_gcs:
+            ck.step(step, state)
+            if cuda:
+                torch.cuda.synchronize(device)
+            blocked = time.monotonic() - start
+        with FullCollections() as later_gcs:  # the save's own thread, while ``wait()`` waits
+            ck.wait()
         total = time.monotonic() - start
         peak = peak_rss_bytes()
         assert ck.last_committed_step == step
-        for name, seconds in (
-            (f"{prefix}.step", blocked),
-            (f"{prefix}.commit", ck.last_save_seconds or 0.0),
-            (f"{prefix}.wait_returned", total),
+        whole = (blocking_gcs.count + later_gcs.count, blocking_gcs.seconds + later_gcs.seconds)
+        for name, seconds, (gcs, gc_seconds) in (
+            (f"{prefix}.step", blocked, (blocking_gcs.count, blocking_gcs.seconds)),
+            (f"{prefix}.commit", ck.last_save_seconds or 0.0, whole),
+            (f"{prefix}.wait_returned", total, whole),
         ):
             s = result.samples(name)
             s.seconds.append(float(seconds))
             s.peak_rss.append(peak)
             s.rss_growth.append(max(peak - before, 0))
+            s.full_gcs.append(gcs)
+            s.full_gc_seconds.append(gc_seconds)
         s = result.samples(f"{prefix}.last_blocking_seconds")
         s.seconds.append(float(ck.last_blocking_seconds or 0.0))
         result.samples(f"{prefix}.kept").seconds.append(float(max(current_rss_bytes() - before, 0)))
@@ -1165,16 +1171,24 @@ def render_many_markdown(result: SizeResult) -> str:
     lines = [
         f"### Many small tensors (filesystem): {result.layers} Linear layers of {result.width}x{result.width} "
         f"+ Adam, {result.tensor_count} tensors, {fmt_bytes(result.state_bytes)}, median of {result.repeat}\n",
-        "| measurement | median s | min-max s | ratio to plain DCP | vs |",
-        "|---|---|---|---|---|",
+        "| measurement | median s | min-max s | ratio to plain DCP | vs | full GCs inside: count, s (a run) |",
+        "|---|---|---|---|---|---|",
     ]
     for op, label, base in MANY_ROWS:
         s = result.ops.get(op)
         if s is None or not s.seconds:
             continue
         vs = "plain dcp.save" if base == "many.dcp.save" else "plain dcp.load"
-        lines.append(f"| {label} | {_s(s.median)} | {_spread(s)} | {_x(ratios[op])} | {vs} |")
+        lines.append(f"| {label} | {_s(s.median)} | {_spread(s)} | {_x(ratios[op])} | {vs} | {_full_gcs(s)} |")
     return "\n".join(lines) + "\n"
+
+
+def _full_gcs(s: Samples) -> str:
+    """The full garbage collections of each run of ``s``, as "count / seconds" medians; "-" where
+    the operation was timed by the Checkpointer itself (its save call → commit), not around it."""
+    if not s.full_gcs:
+        return "-"
+    return f"{statistics.median(s.full_gcs):g}, {statistics.median(s.full_gc_seconds):.2f}"
 
 
 # -- entry point -------------------------------------------------------------------------------

@@ -226,6 +226,10 @@ def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Pat
     for op in ops:
         assert len(many["ops"][op]["seconds"]) == 1, op
         assert isinstance(data["ratios_to_plain_dcp"][op], float), op
+    for op in ("many.dcp.save", "many.ckpt.sync.step", "many.ckpt.async.step", "many.ckpt.async.commit"):
+        gcs, gc_seconds = many["ops"][op]["full_gcs"], many["ops"][op]["full_gc_seconds"]
+        assert len(gcs) == len(gc_seconds) == 1 and gcs[0] >= 0 and gc_seconds[0] >= 0.0, (op, gcs, gc_seconds)
+    assert many["ops"]["many.ckpt.sync.commit"]["full_gcs"] == []  # timed by the Checkpointer, not around it
     assert data["ratios_to_plain_dcp"]["many.dcp.save"] == data["ratios_to_plain_dcp"]["many.dcp.load.cold"] == 1.0
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
     assert "### Many small tensors (filesystem): 2 Linear layers of 4x4 + Adam, 16 tensors" in md
@@ -239,6 +243,7 @@ def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Pat
         "| Checkpointer `restore()` (cold cache) |",
     ):
         assert row in md, row
+    assert "| full GCs inside: count, s (a run) |" in md
     profile = (tmp_path / "out" / "checkpoint-many-profile.txt").read_text()
     assert "1 sync saves profiled" in profile and "agent/checkpoint" in profile, profile[:2000]
 
@@ -339,3 +344,19 @@ def test_goodput_refuses_a_strategy_it_does_not_know(
     assert code == 2, err
     assert "--only takes spotjob, periodic, none" in err and "'spotjb'" in err, err
     assert not out.exists() and not list(tmp_path.glob("goodput-*"))
+
+
+def test_full_collections_counts_generation_2_collections_only_while_entered() -> None:
+    """``bench._common.FullCollections``, which the benchmarks' "full GCs inside" column reads: a
+    full collection inside is counted with its time, a young one is not, and none after it is left."""
+    import gc
+
+    from bench._common import FullCollections
+
+    with FullCollections() as inside:
+        gc.collect(0)
+        gc.collect()
+        gc.collect()
+    gc.collect()
+    assert inside.count == 2 and inside.seconds > 0.0, (inside.count, inside.seconds)
+    assert inside._callback not in gc.callbacks
