@@ -120,10 +120,9 @@ def start_agent(
         *agent_args,
         "--",
         str(BIN / "torchrun"),
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
+        # torchrun's defaults here, unless the test gives its own (torchrun takes the last of two)
+        *(() if "--nproc-per-node" in torchrun_args else ("--nproc-per-node", "2")),
+        *(() if "--master-port" in torchrun_args else ("--master-port", str(free_port()))),
         *torchrun_args,
         str(script),
         "--steps",
