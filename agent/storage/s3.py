@@ -70,6 +70,7 @@ from botocore.exceptions import (
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+    ProfileNotFound,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -319,10 +320,19 @@ def _storage_error(
             )
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
+        # botocore's text for partial keys names the variable missing, never a value.
+        said = str(e) if isinstance(e, PartialCredentialsError) else type(e).__name__
         return PermanentStorageError(
-            f"{what}: no usable AWS credentials ({type(e).__name__}); give the process some: "
+            f"{what}: no usable AWS credentials ({said}); give the process some: "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
             "an instance profile)",
+            key,
+        )
+    if isinstance(e, ProfileNotFound):
+        return PermanentStorageError(
+            f"{what}: {e}: AWS_PROFILE (or AWS_DEFAULT_PROFILE) names a profile that neither the AWS config file "
+            "(AWS_CONFIG_FILE, ~/.aws/config) nor the credentials file (AWS_SHARED_CREDENTIALS_FILE, "
+            "~/.aws/credentials) holds; add it there, or unset the variable",
             key,
         )
     if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
@@ -399,12 +409,34 @@ class S3Storage(PrefixedKeys, Storage):
             response_checksum_validation="when_required",
             tcp_keepalive=True,
         )
-        self._client: Any = _new_session().client("s3", config=config)
+        self._client: Any = self._new_client(config)
         self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
         self._checksums = self.settings.s3_checksum_headers
         self.endpoint = _without_userinfo(str(self._client.meta.endpoint_url))
         """The URL requests go to (``AWS_ENDPOINT_URL`` or AWS's own), without any credentials in it."""
+
+    def _new_client(self, config: Config) -> Any:
+        """The store's botocore client. botocore resolves the credentials and the endpoint here, so
+        a profile that does not exist, half a pair of keys, a malformed config file or an endpoint
+        URL without its scheme fails now: said as a ``PermanentStorageError`` (a ``ValueError`` for
+        the endpoint, which is a setting to correct), never as botocore's own exception."""
+        try:
+            return _new_session().client("s3", config=config)
+        except BotoCoreError as e:
+            raise _storage_error(e, f"opening {self.uri}", None) from e
+        except ValueError as e:
+            if not str(e).startswith("Invalid endpoint"):
+                raise
+            # botocore's message is the value itself; a user:secret@ in it has no scheme to mask it by.
+            named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+            value = os.environ[named] if named else str(e).partition(":")[2].strip()
+            value = ("***@" + value.rpartition("@")[2]) if "@" in value else value
+            where = f"{named}={value!r}" if named else f"the AWS config file's endpoint_url {value!r}"
+            raise ValueError(
+                f"{where} is not a URL that S3 requests can go to: write it with its scheme, e.g. "
+                "http://127.0.0.1:9000 or https://s3.example.com"
+            ) from None
 
     def _crc_args(self, crc: int) -> dict[str, str]:
         """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""

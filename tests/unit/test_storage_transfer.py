@@ -285,6 +285,56 @@ def test_a_gcs_emulator_host_without_a_scheme_is_refused_when_the_store_opens(
         open_storage("gs://b/run")
 
 
+def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    """Only ``env`` of the AWS settings, no config or credentials file (nothing here is sent)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"AWS_PROFILE": "no-such-profile"},
+            r"opening s3://b/run: The config profile \(no-such-profile\) could not be found: AWS_PROFILE .* unset",
+        ),
+        (
+            {"AWS_ACCESS_KEY_ID": "AKIDONLYHALF"},
+            r"opening s3://b/run: no usable AWS credentials \(Partial credentials found in env, missing: "
+            r"AWS_SECRET_ACCESS_KEY\); give the process some",
+        ),
+    ],
+    ids=["missing profile", "half the keys"],
+)
+def test_aws_credentials_botocore_cannot_resolve_are_a_storage_error_when_the_s3_store_opens(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], said: str
+) -> None:
+    """botocore resolves credentials when the client is made: these used to escape as botocore's
+    own ``ProfileNotFound`` / ``PartialCredentialsError``, a traceback out of ``spotjob ckpt``,
+    ``spotjob run`` and the Checkpointer."""
+    _aws_env(monkeypatch, **env)
+    with pytest.raises(PermanentStorageError, match=said) as raised:
+        open_storage("s3://b/run")
+    assert "AKIDONLYHALF" not in str(raised.value)
+
+
+def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore's own ``ValueError("Invalid endpoint: ...")`` named neither the variable nor the fix,
+    and repeated a ``user:secret@`` that no scheme marked as one."""
+    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL_S3="admin:hunter2@minio:9000")
+    with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='\*\*\*@minio:9000' .*with its scheme, e.g. http://") as raised:
+        open_storage("s3://b/run")
+    assert "hunter2" not in str(raised.value)
+
+
 def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "f")
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
