@@ -309,6 +309,13 @@ def _emulator_host() -> str | None:
         raise ValueError(
             f"STORAGE_EMULATOR_HOST={host!r} needs a scheme: write it as a URL, e.g. http://{host.strip('/')}"
         )
+    if host and host.endswith("/"):
+        # The client puts "/storage/v1/..." after it as written: every request would go to
+        # "//storage/v1/...", answered 404, which reads as a bucket that does not exist.
+        raise ValueError(
+            f"STORAGE_EMULATOR_HOST={host!r} ends with '/': requests would go to {host.rstrip('/')}//storage/v1/... "
+            f"and be answered 404 (as if the bucket did not exist); write {host.rstrip('/')}"
+        )
     return host
 
 

@@ -285,6 +285,16 @@ def test_a_gcs_emulator_host_without_a_scheme_is_refused_when_the_store_opens(
         open_storage("gs://b/run")
 
 
+def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_missing_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``http://127.0.0.1:4443/`` made every request ``//storage/v1/...``: fake-gcs-server answered
+    404, and ``spotjob ckpt list`` said the bucket did not exist."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443/")
+    with pytest.raises(ValueError, match=r"STORAGE_EMULATOR_HOST='http://127.0.0.1:4443/' ends with '/'.*write http://127.0.0.1:4443$"):
+        open_storage("gs://b/run")
+
+
 def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
     """Only ``env`` of the AWS settings, no config or credentials file (nothing here is sent)."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
