@@ -878,8 +878,11 @@ class _ResumableUpload:
             )
         except (requests.RequestException, urllib3.exceptions.HTTPError, auth_exceptions.TransportError) as e:
             self._ambiguous = True
-            # str(e) would carry the session URL, a bearer capability; the type is enough.
-            raise TransientStorageError(f"{what}: {type(e).__name__}", self._key) from None
+            # str(e) would carry the session URL, a bearer capability: only the host and the reason
+            # of a connection that could not be made ("cannot connect to ..."), else the type.
+            said = _connection_failure(e)
+            said = said if said.startswith("cannot connect to ") else type(e).__name__
+            raise TransientStorageError(f"{what}: {said}", self._key) from None
         status = resp.status_code
         if status == 308:
             rng = resp.headers.get("Range")  # "bytes=0-N": everything up to N is persisted

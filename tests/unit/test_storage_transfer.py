@@ -295,6 +295,32 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
         open_storage("gs://b/run")
 
 
+def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_but_not_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resumable upload's chunk said only "ConnectionError" when the store went away mid-save,
+    where every other request names the host and STORAGE_EMULATOR_HOST; the session URL (a bearer
+    capability) must still stay out of it."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    storage = open_storage("gs://b/run")
+    try:
+        session = f"http://127.0.0.1:{port}/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SESSIONSECRET"
+        upload = gs_backend._ResumableUpload(storage, session, "gs://b/run/k", "run/k", 3)  # type: ignore[arg-type]
+        with pytest.raises(TransientStorageError) as raised:
+            upload.send(0, b"abc", crc(b"abc"))
+    finally:
+        storage.close()
+    said = str(raised.value)
+    assert f"PUT gs://b/run/k bytes 0-2/3: cannot connect to 127.0.0.1:{port} (" in said
+    assert "check STORAGE_EMULATOR_HOST and the network" in said
+    assert "SESSIONSECRET" not in said and "upload_id" not in said
+
+
 def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
     """Only ``env`` of the AWS settings, no config or credentials file (nothing here is sent)."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
