@@ -218,6 +218,9 @@ TABLE: dict[str, Case] = {
     "an export to an empty OUT": Case(  # was the working directory itself (an unset "$OUT")
         ["ckpt", "export", "{tmp}", "", "--force"], 2, ["OUT is empty", "name the folder"]
     ),
+    "an export to an s3:// OUT": Case(  # was a local folder named 's3:' under the working directory
+        ["ckpt", "export", "{tmp}", "s3://bucket/export"], 2, ["OUT 's3://bucket/export' is a URI", "local path"]
+    ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
     "resuming with a script": Case(["run", "--resume", "nope", T], 2, ["--resume nope takes no SCRIPT"]),
