@@ -141,6 +141,19 @@ _TRANSIENT_CODES = frozenset(
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
 
+# Keys the store does not take at all: no permission or bucket policy is the cause, and "lack the
+# permission" would send the user to IAM instead of to the keys.
+_WRONG_KEYS = {
+    "InvalidAccessKeyId": (
+        "the store knows no such access key id: the keys in use are wrong for this endpoint or account (a typo, "
+        "a deleted key, another store's keys), not short of a permission; give the process the right ones"
+    ),
+    "SignatureDoesNotMatch": (
+        "the secret access key does not match the access key id (a typo, a rotated secret; or a proxy that "
+        "changed the request), not a permission of the bucket; give the process the right secret"
+    ),
+}
+
 _EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
 """S3's (and STS-aware stores') answer to a request signed with temporary credentials past their end."""
 
@@ -309,6 +322,8 @@ def _storage_error(
             return ArchivedError(f"{text}; {_ARCHIVED_HINT}", key)
         if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
             return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
+        if code in _WRONG_KEYS:
+            return PermanentStorageError(f"invalid AWS credentials: {text}; {_WRONG_KEYS[code]}", key)
         if status == 403 or code in _DENIED_CODES:
             # A HEAD's answer has no body, so no code: a refused signature time looks the same.
             bodiless = " A HEAD's 403 says no reason: a node clock 15 minutes off gets it too." if code == "403" else ""

@@ -242,6 +242,19 @@ def test_s3_errors_are_classified_by_whether_retrying_can_help(error: Exception,
     assert classified.key == "k"
 
 
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [("InvalidAccessKeyId", "knows no such access key id"), ("SignatureDoesNotMatch", "secret access key does not match")],
+)
+def test_s3_keys_the_store_does_not_take_are_named_as_wrong_keys_not_a_missing_permission(code: str, said: str) -> None:
+    """Checked against moto with its authentication on: a wrong secret and an unknown key id were
+    "permission denied ... the credentials lack the permission, or a bucket policy refuses it"."""
+    classified = s3_backend._storage_error(client_error(403, code), "LIST s3://b/run/", None)
+    assert type(classified) is PermanentStorageError
+    assert str(classified).startswith(f"invalid AWS credentials: LIST s3://b/run/: {code} (HTTP 403)")
+    assert said in str(classified) and "lack the permission" not in str(classified)
+
+
 def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
     classified = s3_backend._storage_error(client_error(404, "NoSuchBucket"), "GET s3://b/k", "k")
     assert isinstance(classified, MissingBucketError) and not isinstance(classified, NotFoundError)
