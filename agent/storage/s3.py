@@ -582,8 +582,15 @@ class S3Storage(PrefixedKeys, Storage):
             if proven in _create_only_proven:
                 return
         key = f"{under.strip('/')}/create-only-probe-{uuid.uuid4().hex}"
+        refused = False
         try:
-            self.put_bytes_if_absent(key, b"spotjob create-only probe: first write\n")
+            try:
+                self.put_bytes_if_absent(key, b"spotjob create-only probe: first write\n")
+            except AlreadyExistsError:
+                raise  # a retry of a PUT that had landed: the probe is there, delete it
+            except PermanentStorageError:
+                refused = True  # no bucket, denied: nothing was written, nothing to delete
+                raise
             try:
                 self.put_bytes_if_absent(key, b"spotjob create-only probe: second write\n")
             except AlreadyExistsError:
@@ -600,7 +607,8 @@ class S3Storage(PrefixedKeys, Storage):
                 )
         finally:
             try:
-                self.delete([key])
+                if not refused:
+                    self.delete([key])
             except StorageError as e:
                 log.warning("could not delete the create-only probe %s (harmless, a few bytes): %s", self.url(key), e)
         with _create_only_lock:
