@@ -263,6 +263,7 @@ def _refused_elsewhere(detail: str) -> str | None:
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
+_SSL_REASON = re.compile(r"\[SSL[^\]]*\][^'\"]*")
 
 
 def _connection_failure(e: Exception) -> str:
@@ -270,9 +271,17 @@ def _connection_failure(e: Exception) -> str:
     not urllib3's pool repr with the request's whole path and query."""
     text = str(e)
     pool, reason = _POOL.search(text), _OS_ERROR.search(text)
+    check = "STORAGE_EMULATOR_HOST and the network" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
+    if isinstance(e, requests.exceptions.SSLError):
+        where = f" with {pool.group(1)}:{pool.group(2)}" if pool else ""
+        ssl = _SSL_REASON.search(text)
+        return (
+            f"SSLError: the TLS handshake{where} failed{f' ({ssl.group(0).strip()})' if ssl else ''}; check {check}: whether the endpoint "
+            "speaks https at all (a plain http server written https://), and the CA bundle that verifies its "
+            "certificate"
+        )
     if pool is None or reason is None:
         return f"{type(e).__name__}: {text}"
-    check = "STORAGE_EMULATOR_HOST and the network" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
     return f"cannot connect to {pool.group(1)}:{pool.group(2)} ({reason.group(1).strip()}); check {check}"
 
 

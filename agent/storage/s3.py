@@ -71,6 +71,7 @@ from botocore.exceptions import (
     NoCredentialsError,
     PartialCredentialsError,
     ProfileNotFound,
+    SSLError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -352,9 +353,20 @@ def _storage_error(
         )
     if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
+    if isinstance(e, SSLError):
+        return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; {_tls_hint(_endpoint_source())}", key)
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+def _tls_hint(check: str) -> str:
+    """What to check when the TLS handshake with the store failed (``check``: where the endpoint
+    comes from): an ``http://`` server written ``https://`` is the usual slip."""
+    return (
+        f"the TLS handshake failed: check {check}: whether the endpoint speaks https at all (a plain http "
+        "server written https://), and the CA bundle that verifies its certificate"
+    )
 
 
 def _endpoint_source() -> str:

@@ -255,6 +255,32 @@ def test_s3_keys_the_store_does_not_take_are_named_as_wrong_keys_not_a_missing_p
     assert said in str(classified) and "lack the permission" not in str(classified)
 
 
+def test_a_tls_handshake_that_failed_names_the_endpoint_variable_and_the_usual_slip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An http:// emulator written https:// (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST) failed with
+    the SSL library's words alone, naming neither the variable nor the likely slip."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://127.0.0.1:9000")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "https://127.0.0.1:4443")
+    reason = "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"
+    s3 = s3_backend._storage_error(
+        botocore.exceptions.SSLError(endpoint_url="https://127.0.0.1:9000/b", error=reason), "LIST s3://b/run/", None
+    )
+    gcs = gs_backend._storage_error(
+        requests.exceptions.SSLError(
+            "HTTPSConnectionPool(host='127.0.0.1', port=4443): Max retries exceeded with url: /storage/v1/b/b/o?x=1 "
+            f"(Caused by SSLError(SSLError(1, '{reason}')))"
+        ),
+        "LIST gs://b/run/",
+        None,
+    )
+    for error, variable in ((s3, "AWS_ENDPOINT_URL"), (gcs, "STORAGE_EMULATOR_HOST")):
+        said = str(error)
+        assert isinstance(error, TransientStorageError) and reason in said, said
+        assert f"check {variable}" in said and "a plain http server written https://" in said, said
+    assert "the TLS handshake with 127.0.0.1:4443 failed" in str(gcs) and "/storage/v1" not in str(gcs)
+
+
 def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
     classified = s3_backend._storage_error(client_error(404, "NoSuchBucket"), "GET s3://b/k", "k")
     assert isinstance(classified, MissingBucketError) and not isinstance(classified, NotFoundError)
