@@ -353,7 +353,8 @@ class GCSStorage(PrefixedKeys, Storage):
             except auth_exceptions.DefaultCredentialsError as e:
                 raise PermanentStorageError(
                     f"no Google credentials for {self.uri}: {e} "
-                    "(use workload identity, GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"
+                    "(use workload identity, GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login; "
+                    "for an emulator such as fake-gcs-server, set STORAGE_EMULATOR_HOST to its URL instead)"
                 ) from e
             session = AuthorizedSession(credentials)
             project = project or adc_project

@@ -360,6 +360,21 @@ def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_
     assert "SESSIONSECRET" not in said and "upload_id" not in said
 
 
+def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user of fake-gcs-server who forgot STORAGE_EMULATOR_HOST was told only about Google's own
+    credentials."""
+    import google.auth
+    from google.auth import exceptions as auth_exceptions
+
+    def no_credentials(**_: object) -> object:
+        raise auth_exceptions.DefaultCredentialsError("Your default credentials were not found.")
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setattr(google.auth, "default", no_credentials)
+    with pytest.raises(PermanentStorageError, match=r"no Google credentials for gs://b/run: .*set STORAGE_EMULATOR_HOST"):
+        open_storage("gs://b/run")
+
+
 def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
     """Only ``env`` of the AWS settings, no config or credentials file (nothing here is sent)."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
