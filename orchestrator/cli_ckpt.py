@@ -74,7 +74,9 @@ EXIT_INVALID = 1
 EXIT_ERROR = 2
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+"""The cloud clients' loggers, whose INFO lines ("Found credentials in environment variables") a
+command's user has no use for: set to WARNING unless -v."""
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
@@ -276,7 +278,7 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         if not getattr(args, "verbose", False):
             # The answer goes to stdout; the cloud clients' INFO chatter ("Found credentials in
             # environment variables") is not part of it. -v keeps it.
-            for noisy in _NOISY_LOGGERS:
+            for noisy in NOISY_LOGGERS:
                 logging.getLogger(noisy).setLevel(logging.WARNING)
         try:
             return command(args)

@@ -520,6 +520,7 @@ def test_a_run_against_a_bucket_that_does_not_exist_fails_at_once_saying_so(tmp_
     assert "spotjob-no-such-bucket" in proc.stderr and "does not exist" in proc.stderr
     assert "fix the URI, the bucket or the credentials" in proc.stderr
     assert not any(p in proc.stderr for p in FORBIDDEN)
+    assert "botocore" not in proc.stderr, "the cloud client's INFO chatter is quiet without -v, as in spotjob ckpt"
     run = tmp_path / "spotjob-runs" / "nobucket"
     status = json.loads((run / "local" / "nobucket.json").read_text())["status"]
     assert (status["phase"], status["reason"]) == ("Failed", "StorageRefused")

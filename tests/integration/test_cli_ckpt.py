@@ -75,7 +75,7 @@ def _restore_logging() -> Iterator[None]:
     # closed afterwards; later tests' log lines would then hit a closed file.
     # The ckpt commands also quiet the cloud clients' loggers; give other tests theirs back.
     handlers = list(logging.root.handlers)
-    levels = {name: logging.getLogger(name).level for name in cli_ckpt._NOISY_LOGGERS}
+    levels = {name: logging.getLogger(name).level for name in cli_ckpt.NOISY_LOGGERS}
     yield
     logging.root.handlers[:] = handlers
     for name, level in levels.items():
