@@ -275,8 +275,9 @@ def _connection_failure(e: Exception) -> str:
     if isinstance(e, requests.exceptions.SSLError):
         where = f" with {pool.group(1)}:{pool.group(2)}" if pool else ""
         ssl = _SSL_REASON.search(text)
+        why = f" ({ssl.group(0).strip()})" if ssl else ""
         return (
-            f"SSLError: the TLS handshake{where} failed{f' ({ssl.group(0).strip()})' if ssl else ''}; check {check}: whether the endpoint "
+            f"SSLError: the TLS handshake{where} failed{why}; check {check}: whether the endpoint "
             "speaks https at all (a plain http server written https://), and the CA bundle that verifies its "
             "certificate"
         )

@@ -487,7 +487,9 @@ class Reconciler(_Capacity):
             try:
                 self._claim(p, storage)
                 if p.owned_by_another is None:
-                    p.checkpoint = latest_valid(storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped))
+                    p.checkpoint = latest_valid(
+                        storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
+                    )
             except StorageError as e:
                 p.storage_error = e
         if p.storage is not None and p.checkpoint is not None and p.checkpoint.manifest is not None:

@@ -244,7 +244,10 @@ def test_s3_errors_are_classified_by_whether_retrying_can_help(error: Exception,
 
 @pytest.mark.parametrize(
     ("code", "said"),
-    [("InvalidAccessKeyId", "knows no such access key id"), ("SignatureDoesNotMatch", "secret access key does not match")],
+    [
+        ("InvalidAccessKeyId", "knows no such access key id"),
+        ("SignatureDoesNotMatch", "secret access key does not match"),
+    ],
 )
 def test_s3_keys_the_store_does_not_take_are_named_as_wrong_keys_not_a_missing_permission(code: str, said: str) -> None:
     """Checked against moto with its authentication on: a wrong secret and an unknown key id were
@@ -330,7 +333,9 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
     """``http://127.0.0.1:4443/`` made every request ``//storage/v1/...``: fake-gcs-server answered
     404, and ``spotjob ckpt list`` said the bucket did not exist."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443/")
-    with pytest.raises(ValueError, match=r"STORAGE_EMULATOR_HOST='http://127.0.0.1:4443/' ends with '/'.*write http://127.0.0.1:4443$"):
+    with pytest.raises(
+        ValueError, match=r"STORAGE_EMULATOR_HOST='http://127.0.0.1:4443/' ends with '/'.*write http://127.0.0.1:4443$"
+    ):
         open_storage("gs://b/run")
 
 
@@ -360,7 +365,9 @@ def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_
     assert "SESSIONSECRET" not in said and "upload_id" not in said
 
 
-def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A user of fake-gcs-server who forgot STORAGE_EMULATOR_HOST was told only about Google's own
     credentials."""
     import google.auth
@@ -371,7 +378,9 @@ def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setattr(google.auth, "default", no_credentials)
-    with pytest.raises(PermanentStorageError, match=r"no Google credentials for gs://b/run: .*set STORAGE_EMULATOR_HOST"):
+    with pytest.raises(
+        PermanentStorageError, match=r"no Google credentials for gs://b/run: .*set STORAGE_EMULATOR_HOST"
+    ):
         open_storage("gs://b/run")
 
 
@@ -419,8 +428,12 @@ def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_
 ) -> None:
     """botocore's own ``ValueError("Invalid endpoint: ...")`` named neither the variable nor the fix,
     and repeated a ``user:secret@`` that no scheme marked as one."""
-    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL_S3="admin:hunter2@minio:9000")
-    with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='\*\*\*@minio:9000' .*with its scheme, e.g. http://") as raised:
+    _aws_env(
+        monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL_S3="admin:hunter2@minio:9000"
+    )
+    with pytest.raises(
+        ValueError, match=r"AWS_ENDPOINT_URL_S3='\*\*\*@minio:9000' .*with its scheme, e.g. http://"
+    ) as raised:
         open_storage("s3://b/run")
     assert "hunter2" not in str(raised.value)
 
