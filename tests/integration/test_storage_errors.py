@@ -575,6 +575,21 @@ def test_a_missing_bucket_is_named_by_every_operation_never_read_as_a_missing_ke
         assert "'spotjob-no-such-bucket' does not exist" in str(error) and "create it" in str(error), name
 
 
+def test_a_store_that_cannot_even_be_opened_is_a_storage_refused_error_from_the_checkpointer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README promises ``StorageRefusedError`` for a store that refuses for good "here or already
+    at Checkpointer(...)": a store with nothing to start with (here an AWS profile that does not
+    exist; likewise no Google credentials) escaped as the store layer's PermanentStorageError."""
+    from agent.checkpoint import Checkpointer, StorageRefusedError
+
+    monkeypatch.setenv("AWS_PROFILE", "spotjob-no-such-profile")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    with pytest.raises(StorageRefusedError, match=r"s3://b/run refuses this job: .*spotjob-no-such-profile"):
+        Checkpointer("s3://b/run")
+
+
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_a_local_file_that_cannot_be_read_or_written_is_a_storage_error(
     scheme: str, fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], tmp_path: Path
