@@ -495,6 +495,15 @@ class S3Storage(PrefixedKeys, Storage):
     def _bucket_label(self) -> str:
         return self.bucket
 
+    def _missing_bucket(self, what: str, key: str | None) -> MissingBucketError:
+        missing = super()._missing_bucket(what, key)
+        named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        if named is None:
+            return missing
+        # At an endpoint of the user's choosing the bucket may be fine and the endpoint wrong (another
+        # server's port, one that is no S3 API at all).
+        return MissingBucketError(f"{missing}, or {named} (the requests went to {self.endpoint})", key)
+
     def _bucket_exists(self) -> bool | None:
         try:
             self._client.head_bucket(Bucket=self.bucket)
@@ -879,9 +888,14 @@ class S3Storage(PrefixedKeys, Storage):
         token: str | None = None
         while True:
             page_args = dict(args, ContinuationToken=token) if token else args
-            page: dict[str, Any] = self._retrying(
-                what, None, functools.partial(self._client.list_objects_v2, **page_args)
-            )
+            try:
+                page: dict[str, Any] = self._retrying(
+                    what, None, functools.partial(self._client.list_objects_v2, **page_args)
+                )
+            except NotFoundError as e:
+                # A listing has no object to miss: S3 answers it 404 only for a bucket it does not
+                # have (NoSuchBucket, translated already). A bare 404 is a server that is no S3 API.
+                raise self._missing_bucket(what, None) from e
             yield page
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
