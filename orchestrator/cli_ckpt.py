@@ -618,6 +618,13 @@ def opened_storage(uri: str) -> Iterator[Storage]:
 def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
     refs = find_checkpoints(storage)
     if not refs:
+        parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
+        if CheckpointRef.parse(leaf) is not None and parent.partition("://")[2]:
+            # What show prints ("checkpoint: s3://b/run/step-000000100") pasted back as the URI.
+            raise CommandError(
+                f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
+                f"saves to and the folder as the step: {parent} --step {leaf}"
+            )
         raise CommandError(f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders)")
     return refs
 
