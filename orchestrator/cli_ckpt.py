@@ -74,7 +74,9 @@ EXIT_INVALID = 1
 EXIT_ERROR = 2
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+"""The cloud clients' loggers, whose INFO lines ("Found credentials in environment variables") a
+command's user has no use for: set to WARNING unless -v."""
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
@@ -276,7 +278,7 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
         if not getattr(args, "verbose", False):
             # The answer goes to stdout; the cloud clients' INFO chatter ("Found credentials in
             # environment variables") is not part of it. -v keeps it.
-            for noisy in _NOISY_LOGGERS:
+            for noisy in NOISY_LOGGERS:
                 logging.getLogger(noisy).setLevel(logging.WARNING)
         try:
             return command(args)
@@ -441,6 +443,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.out.strip():
         # os.path.abspath("") is the working directory: an unset "$OUT" would export into it.
         raise CommandError("OUT is empty: name the folder to write the export in (e.g. ./export)")
+    uri = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", args.out)
+    if uri:
+        # os.path.abspath("s3://b/x") is a local folder named "s3:" under the working directory.
+        raise CommandError(
+            f"OUT {args.out!r} is a URI: export writes a local folder (this would have been a folder named "
+            f"{uri.group(1) + ':'!r} here); export to a local path, then copy the folder where it belongs "
+            "(aws s3 cp --recursive, gcloud storage cp --recursive)"
+        )
     _need_torch_extra("export", ("torch", "numpy", "safetensors"))
     out = os.path.abspath(args.out)
     _check_out(out, force=args.force)
@@ -608,6 +618,13 @@ def opened_storage(uri: str) -> Iterator[Storage]:
 def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
     refs = find_checkpoints(storage)
     if not refs:
+        parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
+        if CheckpointRef.parse(leaf) is not None and parent.partition("://")[2]:
+            # What show prints ("checkpoint: s3://b/run/step-000000100") pasted back as the URI.
+            raise CommandError(
+                f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
+                f"saves to and the folder as the step: {parent} --step {leaf}"
+            )
         raise CommandError(f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders)")
     return refs
 

@@ -65,6 +65,7 @@ from orchestrator.backends.local import (
     run_pids,
 )
 from orchestrator.backends.local_timeline import TimelineTail
+from orchestrator.cli_ckpt import NOISY_LOGGERS
 from orchestrator.controller_loop import Controller
 from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import (
@@ -757,6 +758,11 @@ def _pause(run: LocalRun) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if not getattr(args, "verbose", False):
+        # The summary's own reads of storage would log botocore's "Found credentials in environment
+        # variables" among the run's lines, as spotjob ckpt does not. -v keeps it.
+        for noisy in NOISY_LOGGERS:
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         run = prepare(args)
     except (ValueError, RunError) as e:

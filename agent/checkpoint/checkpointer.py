@@ -22,7 +22,7 @@ from agent._layout import PROBES_FOLDER
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
-from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError
+from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError, StorageRefusedError
 from agent.control_channel import (
     ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
@@ -174,7 +174,15 @@ class Checkpointer(_Saving, _Restoring):
             direct_io=env.direct_io if direct_io is None else direct_io,
             replicas=replicas,
         )
-        self.storage = open_storage(uri)
+        try:
+            self.storage = open_storage(uri)
+        except PermanentStorageError as e:
+            # Nothing to start with (no Google credentials, an AWS profile that does not exist, an
+            # SDK missing): a refusal like a missing bucket's, not the store layer's own error.
+            raise StorageRefusedError(
+                f"the checkpoint store {uri} refuses this job: {e}. Retrying cannot help: fix the store's "
+                "settings or credentials, then start the job again"
+            ) from e
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1

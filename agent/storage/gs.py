@@ -263,6 +263,7 @@ def _refused_elsewhere(detail: str) -> str | None:
 
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
+_SSL_REASON = re.compile(r"\[SSL[^\]]*\][^'\"]*")
 
 
 def _connection_failure(e: Exception) -> str:
@@ -270,9 +271,18 @@ def _connection_failure(e: Exception) -> str:
     not urllib3's pool repr with the request's whole path and query."""
     text = str(e)
     pool, reason = _POOL.search(text), _OS_ERROR.search(text)
+    check = "STORAGE_EMULATOR_HOST and the network" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
+    if isinstance(e, requests.exceptions.SSLError):
+        where = f" with {pool.group(1)}:{pool.group(2)}" if pool else ""
+        ssl = _SSL_REASON.search(text)
+        why = f" ({ssl.group(0).strip()})" if ssl else ""
+        return (
+            f"SSLError: the TLS handshake{where} failed{why}; check {check}: whether the endpoint "
+            "speaks https at all (a plain http server written https://), and the CA bundle that verifies its "
+            "certificate"
+        )
     if pool is None or reason is None:
         return f"{type(e).__name__}: {text}"
-    check = "STORAGE_EMULATOR_HOST and the network" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
     return f"cannot connect to {pool.group(1)}:{pool.group(2)} ({reason.group(1).strip()}); check {check}"
 
 
@@ -309,6 +319,13 @@ def _emulator_host() -> str | None:
         raise ValueError(
             f"STORAGE_EMULATOR_HOST={host!r} needs a scheme: write it as a URL, e.g. http://{host.strip('/')}"
         )
+    if host and host.endswith("/"):
+        # The client puts "/storage/v1/..." after it as written: every request would go to
+        # "//storage/v1/...", answered 404, which reads as a bucket that does not exist.
+        raise ValueError(
+            f"STORAGE_EMULATOR_HOST={host!r} ends with '/': requests would go to {host.rstrip('/')}//storage/v1/... "
+            f"and be answered 404 (as if the bucket did not exist); write {host.rstrip('/')}"
+        )
     return host
 
 
@@ -337,7 +354,8 @@ class GCSStorage(PrefixedKeys, Storage):
             except auth_exceptions.DefaultCredentialsError as e:
                 raise PermanentStorageError(
                     f"no Google credentials for {self.uri}: {e} "
-                    "(use workload identity, GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"
+                    "(use workload identity, GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login; "
+                    "for an emulator such as fake-gcs-server, set STORAGE_EMULATOR_HOST to its URL instead)"
                 ) from e
             session = AuthorizedSession(credentials)
             project = project or adc_project
@@ -871,8 +889,11 @@ class _ResumableUpload:
             )
         except (requests.RequestException, urllib3.exceptions.HTTPError, auth_exceptions.TransportError) as e:
             self._ambiguous = True
-            # str(e) would carry the session URL, a bearer capability; the type is enough.
-            raise TransientStorageError(f"{what}: {type(e).__name__}", self._key) from None
+            # str(e) would carry the session URL, a bearer capability: only the host and the reason
+            # of a connection that could not be made ("cannot connect to ..."), else the type.
+            said = _connection_failure(e)
+            said = said if said.startswith("cannot connect to ") else type(e).__name__
+            raise TransientStorageError(f"{what}: {said}", self._key) from None
         status = resp.status_code
         if status == 308:
             rng = resp.headers.get("Range")  # "bytes=0-N": everything up to N is persisted

@@ -70,6 +70,8 @@ from botocore.exceptions import (
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+    ProfileNotFound,
+    SSLError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -139,6 +141,19 @@ _TRANSIENT_CODES = frozenset(
 )
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+
+# Keys the store does not take at all: no permission or bucket policy is the cause, and "lack the
+# permission" would send the user to IAM instead of to the keys.
+_WRONG_KEYS = {
+    "InvalidAccessKeyId": (
+        "the store knows no such access key id: the keys in use are wrong for this endpoint or account (a typo, "
+        "a deleted key, another store's keys), not short of a permission; give the process the right ones"
+    ),
+    "SignatureDoesNotMatch": (
+        "the secret access key does not match the access key id (a typo, a rotated secret; or a proxy that "
+        "changed the request), not a permission of the bucket; give the process the right secret"
+    ),
+}
 
 _EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
 """S3's (and STS-aware stores') answer to a request signed with temporary credentials past their end."""
@@ -308,6 +323,8 @@ def _storage_error(
             return ArchivedError(f"{text}; {_ARCHIVED_HINT}", key)
         if (status == 403 or code == "AccessDenied") and _OBJECT_LOCK.search(message):
             return RetainedError(f"{text}; {_OBJECT_LOCK_HINT}", key)
+        if code in _WRONG_KEYS:
+            return PermanentStorageError(f"invalid AWS credentials: {text}; {_WRONG_KEYS[code]}", key)
         if status == 403 or code in _DENIED_CODES:
             # A HEAD's answer has no body, so no code: a refused signature time looks the same.
             bodiless = " A HEAD's 403 says no reason: a node clock 15 minutes off gets it too." if code == "403" else ""
@@ -319,17 +336,37 @@ def _storage_error(
             )
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
+        # botocore's text for partial keys names the variable missing, never a value.
+        said = str(e) if isinstance(e, PartialCredentialsError) else type(e).__name__
         return PermanentStorageError(
-            f"{what}: no usable AWS credentials ({type(e).__name__}); give the process some: "
+            f"{what}: no usable AWS credentials ({said}); give the process some: "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
             "an instance profile)",
             key,
         )
+    if isinstance(e, ProfileNotFound):
+        return PermanentStorageError(
+            f"{what}: {e}: AWS_PROFILE (or AWS_DEFAULT_PROFILE) names a profile that neither the AWS config file "
+            "(AWS_CONFIG_FILE, ~/.aws/config) nor the credentials file (AWS_SHARED_CREDENTIALS_FILE, "
+            "~/.aws/credentials) holds; add it there, or unset the variable",
+            key,
+        )
     if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
+    if isinstance(e, SSLError):
+        return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; {_tls_hint(_endpoint_source())}", key)
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+def _tls_hint(check: str) -> str:
+    """What to check when the TLS handshake with the store failed (``check``: where the endpoint
+    comes from): an ``http://`` server written ``https://`` is the usual slip."""
+    return (
+        f"the TLS handshake failed: check {check}: whether the endpoint speaks https at all (a plain http "
+        "server written https://), and the CA bundle that verifies its certificate"
+    )
 
 
 def _endpoint_source() -> str:
@@ -399,12 +436,34 @@ class S3Storage(PrefixedKeys, Storage):
             response_checksum_validation="when_required",
             tcp_keepalive=True,
         )
-        self._client: Any = _new_session().client("s3", config=config)
+        self._client: Any = self._new_client(config)
         self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
         self._checksums = self.settings.s3_checksum_headers
         self.endpoint = _without_userinfo(str(self._client.meta.endpoint_url))
         """The URL requests go to (``AWS_ENDPOINT_URL`` or AWS's own), without any credentials in it."""
+
+    def _new_client(self, config: Config) -> Any:
+        """The store's botocore client. botocore resolves the credentials and the endpoint here, so
+        a profile that does not exist, half a pair of keys, a malformed config file or an endpoint
+        URL without its scheme fails now: said as a ``PermanentStorageError`` (a ``ValueError`` for
+        the endpoint, which is a setting to correct), never as botocore's own exception."""
+        try:
+            return _new_session().client("s3", config=config)
+        except BotoCoreError as e:
+            raise _storage_error(e, f"opening {self.uri}", None) from e
+        except ValueError as e:
+            if not str(e).startswith("Invalid endpoint"):
+                raise
+            # botocore's message is the value itself; a user:secret@ in it has no scheme to mask it by.
+            named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+            value = os.environ[named] if named else str(e).partition(":")[2].strip()
+            value = ("***@" + value.rpartition("@")[2]) if "@" in value else value
+            where = f"{named}={value!r}" if named else f"the AWS config file's endpoint_url {value!r}"
+            raise ValueError(
+                f"{where} is not a URL that S3 requests can go to: write it with its scheme, e.g. "
+                "http://127.0.0.1:9000 or https://s3.example.com"
+            ) from None
 
     def _crc_args(self, crc: int) -> dict[str, str]:
         """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""
@@ -435,6 +494,15 @@ class S3Storage(PrefixedKeys, Storage):
 
     def _bucket_label(self) -> str:
         return self.bucket
+
+    def _missing_bucket(self, what: str, key: str | None) -> MissingBucketError:
+        missing = super()._missing_bucket(what, key)
+        named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        if named is None:
+            return missing
+        # At an endpoint of the user's choosing the bucket may be fine and the endpoint wrong (another
+        # server's port, one that is no S3 API at all).
+        return MissingBucketError(f"{missing}, or {named} (the requests went to {self.endpoint})", key)
 
     def _bucket_exists(self) -> bool | None:
         try:
@@ -535,8 +603,15 @@ class S3Storage(PrefixedKeys, Storage):
             if proven in _create_only_proven:
                 return
         key = f"{under.strip('/')}/create-only-probe-{uuid.uuid4().hex}"
+        refused = False
         try:
-            self.put_bytes_if_absent(key, b"spotjob create-only probe: first write\n")
+            try:
+                self.put_bytes_if_absent(key, b"spotjob create-only probe: first write\n")
+            except AlreadyExistsError:
+                raise  # a retry of a PUT that had landed: the probe is there, delete it
+            except PermanentStorageError:
+                refused = True  # no bucket, denied: nothing was written, nothing to delete
+                raise
             try:
                 self.put_bytes_if_absent(key, b"spotjob create-only probe: second write\n")
             except AlreadyExistsError:
@@ -553,7 +628,8 @@ class S3Storage(PrefixedKeys, Storage):
                 )
         finally:
             try:
-                self.delete([key])
+                if not refused:
+                    self.delete([key])
             except StorageError as e:
                 log.warning("could not delete the create-only probe %s (harmless, a few bytes): %s", self.url(key), e)
         with _create_only_lock:
@@ -812,9 +888,14 @@ class S3Storage(PrefixedKeys, Storage):
         token: str | None = None
         while True:
             page_args = dict(args, ContinuationToken=token) if token else args
-            page: dict[str, Any] = self._retrying(
-                what, None, functools.partial(self._client.list_objects_v2, **page_args)
-            )
+            try:
+                page: dict[str, Any] = self._retrying(
+                    what, None, functools.partial(self._client.list_objects_v2, **page_args)
+                )
+            except NotFoundError as e:
+                # A listing has no object to miss: S3 answers it 404 only for a bucket it does not
+                # have (NoSuchBucket, translated already). A bare 404 is a server that is no S3 API.
+                raise self._missing_bucket(what, None) from e
             yield page
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:

@@ -477,18 +477,25 @@ class Reconciler(_Capacity):
         except ValueError as e:
             p.invalid_uri = str(e)
             return
-        p.checkpoint_uri = storage.url()
-        p.storage = storage
-        try:
-            self._claim(p, storage)
-            if p.owned_by_another is None:
-                p.checkpoint = latest_valid(storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped))
         except StorageError as e:
+            # The store could not even be opened (no Google credentials, an AWS profile that does
+            # not exist): judged as any refusal or outage of storage, not a crash of the pass.
             p.storage_error = e
-        if p.checkpoint is not None and p.checkpoint.manifest is not None:
+        else:
+            p.checkpoint_uri = storage.url()
+            p.storage = storage
+            try:
+                self._claim(p, storage)
+                if p.owned_by_another is None:
+                    p.checkpoint = latest_valid(
+                        storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
+                    )
+            except StorageError as e:
+                p.storage_error = e
+        if p.storage is not None and p.checkpoint is not None and p.checkpoint.manifest is not None:
             status.last_checkpoint = CheckpointInfo(
                 step=p.checkpoint.ref.step,
-                uri=storage.url(p.checkpoint.ref.folder),
+                uri=p.storage.url(p.checkpoint.ref.folder),
                 time=p.checkpoint.manifest.created_at,
             )
         elif p.storage_error is None and p.owned_by_another is None:

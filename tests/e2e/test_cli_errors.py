@@ -218,6 +218,9 @@ TABLE: dict[str, Case] = {
     "an export to an empty OUT": Case(  # was the working directory itself (an unset "$OUT")
         ["ckpt", "export", "{tmp}", "", "--force"], 2, ["OUT is empty", "name the folder"]
     ),
+    "an export to an s3:// OUT": Case(  # was a local folder named 's3:' under the working directory
+        ["ckpt", "export", "{tmp}", "s3://bucket/export"], 2, ["OUT 's3://bucket/export' is a URI", "local path"]
+    ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
     "resuming with a script": Case(["run", "--resume", "nope", T], 2, ["--resume nope takes no SCRIPT"]),
@@ -517,6 +520,7 @@ def test_a_run_against_a_bucket_that_does_not_exist_fails_at_once_saying_so(tmp_
     assert "spotjob-no-such-bucket" in proc.stderr and "does not exist" in proc.stderr
     assert "fix the URI, the bucket or the credentials" in proc.stderr
     assert not any(p in proc.stderr for p in FORBIDDEN)
+    assert "botocore" not in proc.stderr, "the cloud client's INFO chatter is quiet without -v, as in spotjob ckpt"
     run = tmp_path / "spotjob-runs" / "nobucket"
     status = json.loads((run / "local" / "nobucket.json").read_text())["status"]
     assert (status["phase"], status["reason"]) == ("Failed", "StorageRefused")

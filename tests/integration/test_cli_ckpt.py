@@ -75,7 +75,7 @@ def _restore_logging() -> Iterator[None]:
     # closed afterwards; later tests' log lines would then hit a closed file.
     # The ckpt commands also quiet the cloud clients' loggers; give other tests theirs back.
     handlers = list(logging.root.handlers)
-    levels = {name: logging.getLogger(name).level for name in cli_ckpt._NOISY_LOGGERS}
+    levels = {name: logging.getLogger(name).level for name in cli_ckpt.NOISY_LOGGERS}
     yield
     logging.root.handlers[:] = handlers
     for name, level in levels.items():
@@ -706,6 +706,18 @@ def test_bad_uris_get_one_line_and_exit_2(
     assert rc == 2
     assert out == ""
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("command", [["list"], ["verify"], ["show"]])
+def test_a_checkpoints_own_folder_given_as_the_uri_is_answered_with_its_parent_and_step(
+    saved: Saved, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """``show`` prints each checkpoint's own URI ("checkpoint: .../step-000000002"); pasted back as
+    the URI it only said "no checkpoints under" it."""
+    rc, out, err = ckpt(capsys, command[0], f"{saved.uri}/{saved.folder(2)}")
+
+    assert rc == 2 and out == ""
+    assert "it is a checkpoint's own folder" in err and f"ckpts --step {saved.folder(2)}" in err, err
 
 
 def test_only_uncommitted_folders_is_no_checkpoint_to_verify(

@@ -33,7 +33,7 @@ import pytest
 
 from agent._layout import PROBES_FOLDER
 from agent.checkpoint import Checkpointer, StorageRefusedError
-from agent.storage import PermanentStorageError, RetainedError, Storage, open_storage
+from agent.storage import MissingBucketError, PermanentStorageError, RetainedError, Storage, open_storage
 from orchestrator.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -417,6 +417,22 @@ def test_the_probe_is_refused_on_its_second_put_by_a_store_that_enforces_if_none
     assert [r.split(" ")[0] for r in probe] == ["PUT", "PUT", "POST"], probe
     assert f"/{PROBES_FOLDER}/create-only-probe-" in probe[0] and probe[0] == probe[1]
     assert _keys(s3_client, uri) == []
+
+
+def test_a_probe_the_store_refused_outright_is_not_deleted_and_no_warning_says_it_could_not_be(
+    s3_behind_proxy: tuple[str, FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A missing bucket (or a denied PUT) wrote no probe: deleting it anyway only added a third
+    request and a WARNING, "could not delete the create-only probe", to every such failed start."""
+    _, proxy = s3_behind_proxy
+    storage = open_storage("s3://spotjob-no-such-bucket/run")
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(MissingBucketError):
+            storage.check_create_only(PROBES_FOLDER)
+    finally:
+        storage.close()
+    assert [r.split(" ")[0] for r in _probe_requests(proxy)] == ["PUT"]
+    assert "could not delete the create-only probe" not in caplog.text
 
 
 def test_checkpoints_save_and_restore_behind_the_probe_once_per_process_and_no_probe_is_left(

@@ -575,6 +575,50 @@ def test_a_missing_bucket_is_named_by_every_operation_never_read_as_a_missing_ke
         assert "'spotjob-no-such-bucket' does not exist" in str(error) and "create it" in str(error), name
 
 
+def test_an_s3_endpoint_that_is_no_s3_api_is_named_with_the_bucket_not_read_as_no_such_object(
+    gcs_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS_ENDPOINT_URL at another server's port (here fake-gcs-server's) answers the listing a bare
+    404: ``spotjob ckpt list`` said "LIST ...: no such object", naming neither the bucket nor the
+    endpoint. A missing bucket at a chosen endpoint also names the endpoint, which may be the slip."""
+    for name, value in {
+        "AWS_ENDPOINT_URL": gcs_server,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "SPOTJOB_STORAGE_MAX_ATTEMPTS": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    storage = open_storage("s3://spotjob-walk/run")
+    try:
+        with pytest.raises(MissingBucketError) as raised:
+            storage.list_dirs("")
+    finally:
+        storage.close()
+    said = str(raised.value)
+    assert "the bucket 'spotjob-walk' does not exist" in said, said
+    assert f"or AWS_ENDPOINT_URL (the requests went to {gcs_server})" in said, said
+
+
+def test_a_store_that_cannot_even_be_opened_is_a_storage_refused_error_from_the_checkpointer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README promises ``StorageRefusedError`` for a store that refuses for good "here or already
+    at Checkpointer(...)": a store with nothing to start with (here an AWS profile that does not
+    exist; likewise no Google credentials) escaped as the store layer's PermanentStorageError."""
+    from agent.checkpoint import Checkpointer, StorageRefusedError
+
+    monkeypatch.setenv("AWS_PROFILE", "spotjob-no-such-profile")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    with pytest.raises(StorageRefusedError, match=r"s3://b/run refuses this job: .*spotjob-no-such-profile"):
+        Checkpointer("s3://b/run")
+
+
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_a_local_file_that_cannot_be_read_or_written_is_a_storage_error(
     scheme: str, fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], tmp_path: Path

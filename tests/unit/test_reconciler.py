@@ -660,6 +660,26 @@ def test_storage_that_refuses_for_good_fails_the_job_at_once_with_the_remedy_bef
     assert w.event_reasons().count("StorageRefused") == 1
 
 
+def test_a_store_that_cannot_even_be_opened_fails_the_job_with_its_reason_instead_of_the_pass(tmp_path: Any) -> None:
+    """``open_storage`` itself refuses for good when the client has no credentials to start with
+    (no Google credentials, an AWS profile that does not exist). The pass used to crash on it:
+    ``spotjob run`` ended in a traceback, the controller counted a reconcile error each pass."""
+    w = make_world(tmp_path)
+    refusal = PermanentStorageError("no Google credentials for gs://team-a-ckpt/train: (use workload identity, ...)")
+
+    def refuse(uri: str) -> Storage:
+        raise refusal
+
+    w.reconciler = Reconciler(w.store, w.backend, w.clock, events=w.events, storage_factory=refuse, options=w.options)
+
+    result = w.reconcile()
+
+    status = w.status
+    assert (status.phase, status.reason) == (Phase.FAILED, "StorageRefused")
+    assert str(refusal) in status.message and "fix the URI, the bucket or the credentials" in status.message
+    assert result.requeue_after is None and w.backend.start_calls == []
+
+
 def test_storage_refusing_while_the_workers_run_is_degraded_not_a_failure_and_heals(tmp_path: Any) -> None:
     w, storage = refusing_world(tmp_path, None)
     w.run_to(50)

@@ -242,6 +242,48 @@ def test_s3_errors_are_classified_by_whether_retrying_can_help(error: Exception,
     assert classified.key == "k"
 
 
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("InvalidAccessKeyId", "knows no such access key id"),
+        ("SignatureDoesNotMatch", "secret access key does not match"),
+    ],
+)
+def test_s3_keys_the_store_does_not_take_are_named_as_wrong_keys_not_a_missing_permission(code: str, said: str) -> None:
+    """Checked against moto with its authentication on: a wrong secret and an unknown key id were
+    "permission denied ... the credentials lack the permission, or a bucket policy refuses it"."""
+    classified = s3_backend._storage_error(client_error(403, code), "LIST s3://b/run/", None)
+    assert type(classified) is PermanentStorageError
+    assert str(classified).startswith(f"invalid AWS credentials: LIST s3://b/run/: {code} (HTTP 403)")
+    assert said in str(classified) and "lack the permission" not in str(classified)
+
+
+def test_a_tls_handshake_that_failed_names_the_endpoint_variable_and_the_usual_slip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An http:// emulator written https:// (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST) failed with
+    the SSL library's words alone, naming neither the variable nor the likely slip."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://127.0.0.1:9000")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "https://127.0.0.1:4443")
+    reason = "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"
+    s3 = s3_backend._storage_error(
+        botocore.exceptions.SSLError(endpoint_url="https://127.0.0.1:9000/b", error=reason), "LIST s3://b/run/", None
+    )
+    gcs = gs_backend._storage_error(
+        requests.exceptions.SSLError(
+            "HTTPSConnectionPool(host='127.0.0.1', port=4443): Max retries exceeded with url: /storage/v1/b/b/o?x=1 "
+            f"(Caused by SSLError(SSLError(1, '{reason}')))"
+        ),
+        "LIST gs://b/run/",
+        None,
+    )
+    for error, variable in ((s3, "AWS_ENDPOINT_URL"), (gcs, "STORAGE_EMULATOR_HOST")):
+        said = str(error)
+        assert isinstance(error, TransientStorageError) and reason in said, said
+        assert f"check {variable}" in said and "a plain http server written https://" in said, said
+    assert "the TLS handshake with 127.0.0.1:4443 failed" in str(gcs) and "/storage/v1" not in str(gcs)
+
+
 def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
     classified = s3_backend._storage_error(client_error(404, "NoSuchBucket"), "GET s3://b/k", "k")
     assert isinstance(classified, MissingBucketError) and not isinstance(classified, NotFoundError)
@@ -283,6 +325,117 @@ def test_a_gcs_emulator_host_without_a_scheme_is_refused_when_the_store_opens(
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
     with pytest.raises(ValueError, match=r"STORAGE_EMULATOR_HOST='127.0.0.1:4443'.*http://127.0.0.1:4443"):
         open_storage("gs://b/run")
+
+
+def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_missing_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``http://127.0.0.1:4443/`` made every request ``//storage/v1/...``: fake-gcs-server answered
+    404, and ``spotjob ckpt list`` said the bucket did not exist."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443/")
+    with pytest.raises(
+        ValueError, match=r"STORAGE_EMULATOR_HOST='http://127.0.0.1:4443/' ends with '/'.*write http://127.0.0.1:4443$"
+    ):
+        open_storage("gs://b/run")
+
+
+def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_but_not_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resumable upload's chunk said only "ConnectionError" when the store went away mid-save,
+    where every other request names the host and STORAGE_EMULATOR_HOST; the session URL (a bearer
+    capability) must still stay out of it."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    storage = open_storage("gs://b/run")
+    try:
+        session = f"http://127.0.0.1:{port}/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SESSIONSECRET"
+        upload = gs_backend._ResumableUpload(storage, session, "gs://b/run/k", "run/k", 3)  # type: ignore[arg-type]
+        with pytest.raises(TransientStorageError) as raised:
+            upload.send(0, b"abc", crc(b"abc"))
+    finally:
+        storage.close()
+    said = str(raised.value)
+    assert f"PUT gs://b/run/k bytes 0-2/3: cannot connect to 127.0.0.1:{port} (" in said
+    assert "check STORAGE_EMULATOR_HOST and the network" in said
+    assert "SESSIONSECRET" not in said and "upload_id" not in said
+
+
+def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user of fake-gcs-server who forgot STORAGE_EMULATOR_HOST was told only about Google's own
+    credentials."""
+    import google.auth
+    from google.auth import exceptions as auth_exceptions
+
+    def no_credentials(**_: object) -> object:
+        raise auth_exceptions.DefaultCredentialsError("Your default credentials were not found.")
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setattr(google.auth, "default", no_credentials)
+    with pytest.raises(
+        PermanentStorageError, match=r"no Google credentials for gs://b/run: .*set STORAGE_EMULATOR_HOST"
+    ):
+        open_storage("gs://b/run")
+
+
+def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    """Only ``env`` of the AWS settings, no config or credentials file (nothing here is sent)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"AWS_PROFILE": "no-such-profile"},
+            r"opening s3://b/run: The config profile \(no-such-profile\) could not be found: AWS_PROFILE .* unset",
+        ),
+        (
+            {"AWS_ACCESS_KEY_ID": "AKIDONLYHALF"},
+            r"opening s3://b/run: no usable AWS credentials \(Partial credentials found in env, missing: "
+            r"AWS_SECRET_ACCESS_KEY\); give the process some",
+        ),
+    ],
+    ids=["missing profile", "half the keys"],
+)
+def test_aws_credentials_botocore_cannot_resolve_are_a_storage_error_when_the_s3_store_opens(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], said: str
+) -> None:
+    """botocore resolves credentials when the client is made: these used to escape as botocore's
+    own ``ProfileNotFound`` / ``PartialCredentialsError``, a traceback out of ``spotjob ckpt``,
+    ``spotjob run`` and the Checkpointer."""
+    _aws_env(monkeypatch, **env)
+    with pytest.raises(PermanentStorageError, match=said) as raised:
+        open_storage("s3://b/run")
+    assert "AKIDONLYHALF" not in str(raised.value)
+
+
+def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore's own ``ValueError("Invalid endpoint: ...")`` named neither the variable nor the fix,
+    and repeated a ``user:secret@`` that no scheme marked as one."""
+    _aws_env(
+        monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL_S3="admin:hunter2@minio:9000"
+    )
+    with pytest.raises(
+        ValueError, match=r"AWS_ENDPOINT_URL_S3='\*\*\*@minio:9000' .*with its scheme, e.g. http://"
+    ) as raised:
+        open_storage("s3://b/run")
+    assert "hunter2" not in str(raised.value)
 
 
 def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
