@@ -17,7 +17,7 @@ from typing import Any
 
 from agent.catalog import CheckpointStatus, list_checkpoints
 from agent.ownership import OwnershipError
-from agent.storage import StorageError
+from agent.storage import StorageError, parse_uri
 from orchestrator.cli_ckpt import (
     LIST_HEADERS,
     CommandError,
@@ -56,6 +56,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if not uri:
         raise PluginError(f"SpotJob {namespace}/{args.name} names no spec.checkpoint.uri")
     try:
+        parse_uri(uri)
+    except ValueError as e:  # a URI no store answers to
+        raise PluginError(f"SpotJob {namespace}/{args.name}: spec.checkpoint.uri {uri!r}: {e}") from e
+    try:
         with opened_storage(uri) as storage:
             statuses = list_checkpoints(storage)
             docs = [checkpoint_json(storage, s) for s in statuses]
@@ -68,8 +72,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         raise
     except (StorageError, OwnershipError, OSError) as e:
         raise PluginError(f"cannot read the checkpoints at {uri} with this machine's credentials: {e}") from e
-    except ValueError as e:  # a URI no store answers to (ManifestError is one too, but inspect keeps those)
-        raise PluginError(f"SpotJob {namespace}/{args.name}: spec.checkpoint.uri {uri!r}: {e}") from e
+    except ValueError as e:
+        # The URI parsed: a setting of this machine's that the store's client cannot use (an endpoint
+        # variable without its scheme, or ending in '/'). ManifestError is a ValueError too, but
+        # inspect keeps those as a checkpoint's reason.
+        raise PluginError(f"cannot open the store of {uri} on this machine: {e}") from e
     resume = next((s for s in statuses if s.valid), None)
     if args.output == "json":
         for doc, s in zip(docs, statuses, strict=True):

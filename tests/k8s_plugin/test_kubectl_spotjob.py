@@ -917,3 +917,26 @@ def test_flush_wait_escapes_control_characters_in_the_controllers_answer(
     assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stderr, (proc.stdout, proc.stderr)
     assert "Committed, step 1460 committed" in proc.stdout
     assert "flushing\\x1b]0;pwned\\x07" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("uri", "variable", "value"),
+    [
+        ("gs://bucket/run", "STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443/"),
+        ("gs://bucket/run", "STORAGE_EMULATOR_HOST", "127.0.0.1:4443"),
+        ("s3://bucket/run", "AWS_ENDPOINT_URL", "127.0.0.1:9000"),
+    ],
+)
+def test_checkpoints_with_a_store_setting_of_this_machine_that_is_wrong_blames_the_setting_not_the_uri(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, uri: str, variable: str, value: str
+) -> None:
+    """A store endpoint variable of the machine running kubectl that cannot be used (no scheme, a
+    trailing slash) is named as that machine's setting, without a traceback; the job's URI is fine."""
+    create_job(cluster, namespace, "elsewhere", uri=uri)
+
+    keys = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = kubectl_spotjob("checkpoints", "elsewhere", "-n", namespace, env={variable: value, **keys})
+
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert variable in proc.stderr and "spec.checkpoint.uri" not in proc.stderr, proc.stderr
+    assert "this machine" in proc.stderr, proc.stderr
