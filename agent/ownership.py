@@ -417,7 +417,8 @@ def adopt(storage: Storage, job: str | None) -> Owner:
         adopted = [Adoption(w, now, upto) for w in _legacy_writers(storage)]
     new = Owner(job=job, created_at=now, adopted=tuple(a for a in adopted if a.job != job))
     storage.put_bytes(OWNER_KEY, new.to_json())
-    log.info(
+    # Debug: its one caller, `spotjob ckpt adopt`, prints the outcome as its answer on stdout.
+    log.debug(
         "%s now belongs to %s, adopting the checkpoints of %s up to %s",
         storage.uri,
         describe_job(job),

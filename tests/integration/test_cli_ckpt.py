@@ -909,16 +909,19 @@ def test_another_jobs_checkpoints_are_listed_as_foreign_and_never_exported(
 
 
 def test_adopt_lets_a_second_job_continue_from_the_first_jobs_checkpoints(
-    saved: Saved, capsys: pytest.CaptureFixture[str]
+    saved: Saved, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     claim(saved.storage, None)
     with pytest.raises(OwnershipError, match=f"spotjob ckpt adopt {saved.storage.uri} --job second"):
         claim(saved.storage, "second")
 
+    caplog.set_level(logging.DEBUG)
     rc, out, _ = ckpt(capsys, "adopt", saved.uri, "--job", "second")
 
     assert rc == 0
     assert "now belongs to job 'second'" in out and "an unnamed job up to step-000000003" in out
+    # Said once, on stdout: not again as an INFO line of the log, which goes to stderr.
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and "belongs to" in r.getMessage()]
     assert claim(saved.storage, "second").job == "second"
     status = latest_valid(saved.storage)
     assert status is not None and status.ref == CheckpointRef(3)
