@@ -511,6 +511,8 @@ def test_export_of_another_state_key_strips_that_prefix(
     assert rc == 0
     _, tensors = _read_export(tmp_path / "opt")
     assert "state.model.0.weight.exp_avg" in tensors
+    # Hugging Face's file name whatever the key, as README says (pins what already worked).
+    assert sorted(p.name for p in (tmp_path / "opt").iterdir()) == ["model.safetensors", "model.safetensors.index.json"]
 
 
 class _WithExtraState(nn.Linear):
