@@ -69,6 +69,7 @@ from botocore.exceptions import (
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
+    ParamValidationError,
     PartialCredentialsError,
     ProfileNotFound,
     SSLError,
@@ -154,6 +155,8 @@ _WRONG_KEYS = {
         "changed the request), not a permission of the bucket; give the process the right secret"
     ),
 }
+
+_BUCKET_IN_MESSAGE = re.compile(r'Invalid bucket name "([^"]*)"')
 
 _EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
 """S3's (and STS-aware stores') answer to a request signed with temporary credentials past their end."""
@@ -342,6 +345,16 @@ def _storage_error(
             f"{what}: no usable AWS credentials ({said}); give the process some: "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
             "an instance profile)",
+            key,
+        )
+    if isinstance(e, ParamValidationError) and "Invalid bucket name" in str(e):
+        # botocore's own check, before any request; its text is two regular expressions long.
+        named = _BUCKET_IN_MESSAGE.search(str(e))
+        bucket = f" {named.group(1)!r}" if named else ""
+        return PermanentStorageError(
+            f"{what}: the bucket name{bucket} is not one S3's client can send: a bucket name is letters, digits, "
+            "'.', '-' and '_' (AWS's own buckets: 3 to 63 lowercase letters, digits, '.' and '-'), with no space; "
+            "correct the bucket in the checkpoint URI (s3://BUCKET/prefix)",
             key,
         )
     if isinstance(e, ProfileNotFound):

@@ -438,6 +438,24 @@ def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_
     assert "hunter2" not in str(raised.value)
 
 
+def test_a_bucket_name_botocore_refuses_is_said_in_a_line_not_two_regular_expressions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore checks a bucket name before sending anything; its refusal was a ParamValidationError
+    quoting two regular expressions. spotjob still lets botocore decide (S3-compatible stores take
+    names AWS does not) and only says it plainly."""
+    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL="http://127.0.0.1:9")
+    storage = open_storage("s3://my bucket/run")
+    try:
+        with pytest.raises(PermanentStorageError) as raised:
+            list(storage.list(""))
+    finally:
+        storage.close()
+    said = str(raised.value)
+    assert "the bucket name 'my bucket' is not one S3's client can send" in said, said
+    assert "regex" not in said and "s3://BUCKET/prefix" in said, said
+
+
 def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "f")
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
