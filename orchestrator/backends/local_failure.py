@@ -26,6 +26,11 @@ _LAUNCHER_KILLED = re.compile(rf"spotjob-agent launcher: (rank \d+ \(pid \d+\) {
 """The direct launcher's word on a rank a signal ended (``agent.ranks``)."""
 _TORCHRUN_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_ROOT_SIGNAL = re.compile(r"^\s*exitcode\s*:\s*-(\d+) \(pid: (\d+)\)")
+_AGENT_STOPPED = re.compile(
+    r"spotjob-agent\[\d+\].* exiting \d+: .*; (spotjob-agent stopped the command without a flush on .*)$"
+)
+"""The agent's exit line for a command it stopped on a signal it does not take as a notice
+(``agent.launcher``): the script's own lines cannot say why it ended."""
 _KILLED_HINT = "out of memory? (the kernel's OOM killer sends SIGKILL; see README 'Staging memory')"
 _AGENT_KILLED_HINT = "by hand, or by the kernel's OOM killer when the machine ran out of memory"
 
@@ -106,6 +111,10 @@ def failure_cause(log_path: str) -> str | None:
     killed = _killed_rank(text)
     if killed is not None:
         return f"{killed}: {_KILLED_HINT}" if "SIGKILL" in killed else killed
+    for line in reversed(text.splitlines()[-20:]):
+        m = _AGENT_STOPPED.search(line.rstrip())
+        if m is not None:
+            return _shorten(m.group(1))
     lines = _log_lines(text)
     for line in reversed(lines):
         m = _OS_CAUSE.search(line)

@@ -177,3 +177,25 @@ def test_a_worker_whose_agent_exited_by_itself_is_not_said_to_be_killed(tmp_path
 
     assert seen.exit_code == 1
     assert seen.detail == f"RuntimeError: boom (log: {log})"
+
+
+def test_a_command_its_agent_stopped_on_a_signal_it_does_not_take_as_a_notice_says_so(tmp_path: Path) -> None:
+    """The chaos soak SIGTERMed a `spotjob run` worker's agent (which hears only its cloud's notices):
+    the failure read "exited with code 143; ... its log ends: <the script's last retention line>"."""
+    log = tmp_path / "x-0-0.log"
+    log.write_text(
+        "\n".join(
+            [
+                AGENT,
+                "2026-12-05 19:38:41,767 rank0 agent.checkpoint: retention: removed file:///c/step-000000056",
+                "2026-12-05T19:38:42.255Z WARNING spotjob-agent[9622] job=local/x agent.launcher: exiting 143: the "
+                "command exited 143; spotjob-agent stopped the command without a flush on SIGTERM, which it does "
+                "not take as a notice (its --notices leave out sigterm, or --no-sigterm)",
+            ]
+        )
+    )
+
+    assert failure_cause(str(log)) == (
+        "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take as a notice "
+        "(its --notices leave out sigterm, or --no-sigterm)"
+    )
