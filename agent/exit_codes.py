@@ -110,7 +110,18 @@ def decide_exit_code(
     if code == 0 and not killed:
         return 0, "the command finished"
     if flush_requested:
-        return EXIT_FLUSH_FAILED, f"no checkpoint was committed (command exit code {code})"
+        # "No checkpoint was committed" alone read as "none at all": the job's earlier checkpoints
+        # are there, and the restart resumes from the newest of them.
+        how = (
+            "spotjob-agent stopped the command before its ranks reported one"
+            if killed
+            else "the command ended before its ranks reported one (a rank that failed or was killed is named in "
+            "its output above)"
+        )
+        return EXIT_FLUSH_FAILED, (
+            f"the flush committed no checkpoint: {how} (command exit code {code}); the restart resumes from the "
+            f"newest checkpoint committed before the flush"
+        )
     if code in RESERVED_EXIT_CODES:
         return EXIT_COMMAND_USED_RESERVED, (
             f"the command exited {code} by itself, a code spotjob-agent reserves for what it saw itself "

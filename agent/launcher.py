@@ -599,6 +599,16 @@ class Agent(AgentRequests):
                 "while the ranks were starting: importing torch, meeting, restoring; or the script does not use "
                 "spotjob's Checkpointer)"
             )
+        with self._lock:
+            terminate = self._terminate_requested
+        quit_ = terminate == signal.SIGQUIT
+        if terminate is not None and not quit_ and killed and stop is None and code not in (0, EXIT_PREEMPTED):
+            # Said only "the command exited 143": as if the command had failed by itself.
+            name = signal.Signals(terminate).name
+            why += (
+                f"; spotjob-agent stopped the command without a flush on {name}, which it does not take as a "
+                f"notice (its --notices leave out sigterm, or --no-sigterm)"
+            )
         real = command_exit_code(returncode)
         quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
         log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)

@@ -222,6 +222,11 @@ class _Worker:
             return None
         return 128 - code if code < 0 else code
 
+    def killed_by(self) -> int | None:
+        """The signal that ended its agent itself (a SIGKILL by hand or by the OOM killer), if one did."""
+        code = self.proc.poll()
+        return -code if code is not None and code < 0 else None
+
     @property
     def alive(self) -> bool:
         return not self.lost and self.proc.poll() is None
@@ -793,7 +798,7 @@ class LocalBackend:
         else:
             phase = WorkerPhase.PENDING
         if code is not None and code not in _AGENT_EXIT_CODES and w.detail is None:
-            w.detail = failure_detail(w.log_path)
+            w.detail = failure_detail(w.log_path, w.killed_by())
         agent = w.agent_says() if phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING) else {}
         return WorkerObservation(
             name=w.name,

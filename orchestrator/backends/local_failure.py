@@ -26,7 +26,13 @@ _LAUNCHER_KILLED = re.compile(rf"spotjob-agent launcher: (rank \d+ \(pid \d+\) {
 """The direct launcher's word on a rank a signal ended (``agent.ranks``)."""
 _TORCHRUN_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_ROOT_SIGNAL = re.compile(r"^\s*exitcode\s*:\s*-(\d+) \(pid: (\d+)\)")
-_KILLED_HINT = "SIGKILL: out of memory? (the kernel's OOM killer; see README 'Staging memory')"
+_AGENT_STOPPED = re.compile(
+    r"spotjob-agent\[\d+\].* exiting \d+: .*; (spotjob-agent stopped the command without a flush on .*)$"
+)
+"""The agent's exit line for a command it stopped on a signal it does not take as a notice
+(``agent.launcher``): the script's own lines cannot say why it ended."""
+_KILLED_HINT = "out of memory? (the kernel's OOM killer sends SIGKILL; see README 'Staging memory')"
+_AGENT_KILLED_HINT = "by hand, or by the kernel's OOM killer when the machine ran out of memory"
 
 
 def _killed_rank(text: str) -> str | None:
@@ -105,6 +111,10 @@ def failure_cause(log_path: str) -> str | None:
     killed = _killed_rank(text)
     if killed is not None:
         return f"{killed}: {_KILLED_HINT}" if "SIGKILL" in killed else killed
+    for line in reversed(text.splitlines()[-20:]):
+        m = _AGENT_STOPPED.search(line.rstrip())
+        if m is not None:
+            return _shorten(m.group(1))
     lines = _log_lines(text)
     for line in reversed(lines):
         m = _OS_CAUSE.search(line)
@@ -121,9 +131,17 @@ def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
     return _log_lines(_log_tail(log_path))[-lines:]
 
 
-def failure_detail(log_path: str) -> str:
-    """What a failed worker's reason carries: the telling line of its log, and the log's path."""
+def failure_detail(log_path: str, agent_signal: int | None = None) -> str:
+    """What a failed worker's reason carries: the telling line of its log, and the log's path.
+
+    ``agent_signal``: the signal that ended the worker's ``spotjob-agent`` itself, if one did. Then
+    nothing in the log says why (the agent had no chance to), so the reason names the signal first
+    rather than pass the last line the script wrote for the cause."""
     cause = failure_cause(log_path)
     lines = log_excerpt(log_path, 1)
     said = cause or (f"its log ends: {_shorten(lines[-1])}" if lines else "its log says nothing")
+    if agent_signal is not None:
+        name = signal_name(agent_signal)
+        hint = f" ({_AGENT_KILLED_HINT})" if name == "SIGKILL" else ""
+        said = f"spotjob-agent itself {KILLED_BY} {name}{hint}; {said}"
     return f"{said} (log: {log_path})"

@@ -412,3 +412,27 @@ def test_a_second_ctrl_c_during_a_flush_says_how_to_stop_at_once_and_ctrl_backsl
         assert marked_processes(ident) == []
     finally:
         stop(run)
+
+
+def test_a_command_stopped_on_a_signal_the_agent_does_not_take_as_a_notice_is_not_said_to_have_failed_by_itself(
+    tmp_path: Path,
+) -> None:
+    """The chaos soak SIGTERMed the agent of a `spotjob run` worker (its agents hear only their
+    cloud: --notices aws). The agent stopped the command without a flush, as it should, and said
+    only "exiting 143: the command exited 143", as if the command had failed by itself."""
+    run = start_agent(
+        tmp_path, [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"], "--no-sigterm"
+    )
+    try:
+        ident = agent_id(run)
+        wait_until(lambda: "up" in run.log().splitlines(), "the command running", run)
+        run.signal(signal.SIGTERM)
+        assert run.exit_code() == 143, run.log()
+        exit_line = next(line for line in run.log().splitlines() if "exiting 143" in line)
+        assert "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take" in exit_line, (
+            exit_line
+        )
+        assert "does not take as a notice" in exit_line, exit_line
+        assert marked_processes(ident) == []
+    finally:
+        stop(run)

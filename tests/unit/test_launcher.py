@@ -77,6 +77,25 @@ class TestExitCode:
         # A script that closes its ranks in a `finally` after a failed flush did not finish.
         assert exit_code(1, flush_requested=True, result=FAILED, closed_ranks={0, 1}) == EXIT_FLUSH_FAILED
 
+    def test_a_flush_a_failed_rank_cut_short_says_the_flush_committed_nothing_not_that_nothing_was(self) -> None:
+        """The chaos soak SIGTERMed an agent and SIGKILLed a rank before the flush's save: the agent
+        said "exiting 76: no checkpoint was committed (command exit code 1)" while the periodic
+        checkpoint of the step before was there, and is what the restart resumed from."""
+        code, why = decide_exit_code(
+            1, flush_requested=True, result=None, closed_ranks=set(), expected_ranks=2, killed=False
+        )
+        assert code == EXIT_FLUSH_FAILED
+        assert why == (
+            "the flush committed no checkpoint: the command ended before its ranks reported one (a rank that "
+            "failed or was killed is named in its output above) (command exit code 1); the restart resumes from "
+            "the newest checkpoint committed before the flush"
+        )
+        code, why = decide_exit_code(
+            -9, flush_requested=True, result=None, closed_ranks=set(), expected_ranks=2, killed=True
+        )
+        assert code == EXIT_FLUSH_FAILED
+        assert why.startswith("the flush committed no checkpoint: spotjob-agent stopped the command before")
+
     def test_an_abort_at_exit_after_every_rank_closed_is_success(self) -> None:
         assert exit_code(1, closed_ranks={0, 1}) == 0
         assert exit_code(-6, closed_ranks={0, 1}) == 0

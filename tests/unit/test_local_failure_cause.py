@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
-from orchestrator.backends.local import failure_cause, failure_detail, log_excerpt
+from orchestrator.backends import local
+from orchestrator.backends.local import LocalBackend, LocalOptions, failure_cause, failure_detail, log_excerpt
+from orchestrator.model import JobKey
 
 AGENT = "2026-12-01T16:34:06.223Z INFO spotjob-agent[14303] job=local/x agent.launcher: started torchrun ..."
 AGENT_EXIT = "2026-12-01T16:34:12.838Z WARNING spotjob-agent[14303] job=local/x agent.launcher: exiting 1: ..."
@@ -114,3 +120,82 @@ def test_the_agents_json_log_lines_are_not_taken_for_the_scripts(tmp_path: Path)
         )
     )
     assert log_excerpt(str(path)) == ["step 10 loss 0.1"]
+
+
+def test_a_rank_killed_by_sigkill_is_named_once_with_what_may_have_sent_it(tmp_path: Path) -> None:
+    """The reason said "rank 1 (pid 28670) was killed by SIGKILL: SIGKILL: out of memory? ...": the
+    hint repeated the signal the line before it had just named (found by the chaos soak)."""
+    line = (
+        "spotjob-agent launcher: rank 1 (pid 28670) was killed by SIGKILL (exit 137: SIGKILL is what the "
+        "kernel's OOM killer sends ...): stopping the other 1 rank(s)"
+    )
+
+    cause = failure_cause(write_log(tmp_path, line))
+
+    assert cause == (
+        "rank 1 (pid 28670) was killed by SIGKILL: out of memory? "
+        "(the kernel's OOM killer sends SIGKILL; see README 'Staging memory')"
+    )
+
+
+def test_a_worker_whose_agent_itself_was_killed_says_so_before_the_scripts_last_line(tmp_path: Path) -> None:
+    """A worker whose spotjob-agent was SIGKILLed (by hand, or by the OOM killer) failed with "its log
+    ends: <the script's last retention line>", as if that line said why (found by the chaos soak,
+    which SIGKILLed the agent of a `spotjob run` worker). Its own exit is a signal, which nothing in
+    the log can tell: the reason now names it first. The backend's own observation of a real
+    process ended by SIGKILL."""
+    log = tmp_path / "x-0-0.log"
+    log.write_text(f"{AGENT}\nrank0 agent.checkpoint: committed step 8 at file:///ckpt/step-000000008\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc.kill()
+    proc.wait()
+    node = SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small")
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        worker = local._Worker(
+            "x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "control"), str(log), ""
+        )
+        seen = backend._observe(worker)
+
+    assert seen.exit_code == 137
+    assert seen.detail == (
+        "spotjob-agent itself was killed by SIGKILL (by hand, or by the kernel's OOM killer when the machine "
+        "ran out of memory); its log ends: rank0 agent.checkpoint: committed step 8 at "
+        f"file:///ckpt/step-000000008 (log: {log})"
+    )
+
+
+def test_a_worker_whose_agent_exited_by_itself_is_not_said_to_be_killed(tmp_path: Path) -> None:
+    """The other side of the test above: an agent that exited with a code of its own (here 1, its
+    command's failure) keeps the reason its log gives. Pins behaviour that already worked."""
+    log = write_log(tmp_path, '[rank0]:   File "train.py", line 110, in main\n[rank0]: RuntimeError: boom')
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    node = SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small")
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        worker = local._Worker("x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "c"), log, "")
+        seen = backend._observe(worker)
+
+    assert seen.exit_code == 1
+    assert seen.detail == f"RuntimeError: boom (log: {log})"
+
+
+def test_a_command_its_agent_stopped_on_a_signal_it_does_not_take_as_a_notice_says_so(tmp_path: Path) -> None:
+    """The chaos soak SIGTERMed a `spotjob run` worker's agent (which hears only its cloud's notices):
+    the failure read "exited with code 143; ... its log ends: <the script's last retention line>"."""
+    log = tmp_path / "x-0-0.log"
+    log.write_text(
+        "\n".join(
+            [
+                AGENT,
+                "2026-12-05 19:38:41,767 rank0 agent.checkpoint: retention: removed file:///c/step-000000056",
+                "2026-12-05T19:38:42.255Z WARNING spotjob-agent[9622] job=local/x agent.launcher: exiting 143: the "
+                "command exited 143; spotjob-agent stopped the command without a flush on SIGTERM, which it does "
+                "not take as a notice (its --notices leave out sigterm, or --no-sigterm)",
+            ]
+        )
+    )
+
+    assert failure_cause(str(log)) == (
+        "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take as a notice "
+        "(its --notices leave out sigterm, or --no-sigterm)"
+    )
