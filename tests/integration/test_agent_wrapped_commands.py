@@ -375,19 +375,25 @@ def test_a_command_the_agent_had_to_sigkill_is_not_blamed_on_the_oom_killer(tmp_
     # A script that ignores SIGTERM, stopped without a flush (here: SIGTERM with --no-sigterm; a
     # SIGQUIT or POST /stop alike), outlives --kill-grace and the agent SIGKILLs it. The exit line
     # used to send the user to dmesg for the OOM killer, although the agent had just killed it.
-    ignores = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
-    )
-    run = start_agent(tmp_path, [sys.executable, "-c", ignores], "--no-sigterm")
+    ignores = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    exit_line = _exit_line_of_a_sigterm_without_flush(tmp_path, ignores, 137)
+    assert "OOM" not in exit_line, exit_line
+    assert "--kill-grace" in exit_line and "SIGKILL" in exit_line, exit_line
+
+
+def _exit_line_of_a_sigterm_without_flush(tmp_path: Path, setup: str, code: int) -> str:
+    """Start ``setup`` and then a sleep under an agent that does not flush on SIGTERM (--no-sigterm),
+    SIGTERM the agent once the command runs, check it exits ``code`` with nothing of the command
+    left, and return its exit line."""
+    script = f"{setup}import time; print('up', flush=True); time.sleep(600)"
+    run = start_agent(tmp_path, [sys.executable, "-c", script], "--no-sigterm")
     try:
         ident = agent_id(run)
         wait_until(lambda: "up" in run.log().splitlines(), "the command running", run)
         run.signal(signal.SIGTERM)
-        assert run.exit_code() == 137, run.log()
-        exit_line = next(line for line in run.log().splitlines() if "exiting 137" in line)
-        assert "OOM" not in exit_line, exit_line
-        assert "--kill-grace" in exit_line and "SIGKILL" in exit_line, exit_line
+        assert run.exit_code() == code, run.log()
         assert marked_processes(ident) == []
+        return next(line for line in run.log().splitlines() if f"exiting {code}" in line)
     finally:
         stop(run)
 
@@ -420,19 +426,8 @@ def test_a_command_stopped_on_a_signal_the_agent_does_not_take_as_a_notice_is_no
     """The chaos soak SIGTERMed the agent of a `spotjob run` worker (its agents hear only their
     cloud: --notices aws). The agent stopped the command without a flush, as it should, and said
     only "exiting 143: the command exited 143", as if the command had failed by itself."""
-    run = start_agent(
-        tmp_path, [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"], "--no-sigterm"
+    exit_line = _exit_line_of_a_sigterm_without_flush(tmp_path, "", 143)
+    assert "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take" in exit_line, (
+        exit_line
     )
-    try:
-        ident = agent_id(run)
-        wait_until(lambda: "up" in run.log().splitlines(), "the command running", run)
-        run.signal(signal.SIGTERM)
-        assert run.exit_code() == 143, run.log()
-        exit_line = next(line for line in run.log().splitlines() if "exiting 143" in line)
-        assert "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take" in exit_line, (
-            exit_line
-        )
-        assert "does not take as a notice" in exit_line, exit_line
-        assert marked_processes(ident) == []
-    finally:
-        stop(run)
+    assert "does not take as a notice" in exit_line, exit_line
