@@ -39,6 +39,13 @@ _DENIED = frozenset({errno.EACCES, errno.EPERM})
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
+TLS_SLIP = (
+    "whether the endpoint speaks https at all (a plain http server written https://), and the CA bundle that "
+    "verifies its certificate"
+)
+"""What to check after a failed TLS handshake with a store's endpoint (S3's and GCS's messages)."""
+
+
 def _user() -> str:
     try:
         return f"uid {os.geteuid()}"

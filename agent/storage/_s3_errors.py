@@ -23,6 +23,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from agent.storage._errors import TLS_SLIP
 from agent.storage.base import (
     ArchivedError,
     MissingBucketError,
@@ -237,17 +238,20 @@ def _storage_error(
 def _tls_hint(check: str) -> str:
     """What to check when the TLS handshake with the store failed (``check``: where the endpoint
     comes from): an ``http://`` server written ``https://`` is the usual slip."""
-    return (
-        f"the TLS handshake failed: check {check}: whether the endpoint speaks https at all (a plain http "
-        "server written https://), and the CA bundle that verifies its certificate"
-    )
+    return f"the TLS handshake failed: check {check}: {TLS_SLIP}"
+
+
+def _endpoint_variable() -> str | None:
+    """The environment variable the S3 client takes its endpoint from (``AWS_ENDPOINT_URL_S3`` before
+    ``AWS_ENDPOINT_URL``, as botocore reads them), or None when neither is set."""
+    return next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
 
 
 def _endpoint_source() -> str:
     """Where a store that cannot be reached got its endpoint from, for the user to check."""
-    named = [v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)]
+    named = _endpoint_variable()
     if named:
-        return f"{named[0]} (the endpoint comes from it) and the network"
+        return f"{named} (the endpoint comes from it) and the network"
     return "the network, and the endpoint (AWS's own unless the profile's endpoint_url names another)"
 
 

@@ -68,7 +68,7 @@ from google.cloud.storage import exceptions as gcs_exceptions
 from requests.adapters import HTTPAdapter
 
 from agent.crc32c import crc32c_bytes
-from agent.storage._errors import local_file
+from agent.storage._errors import TLS_SLIP, local_file
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     FetchRange,
@@ -276,11 +276,7 @@ def _connection_failure(e: Exception) -> str:
         where = f" with {pool.group(1)}:{pool.group(2)}" if pool else ""
         ssl = _SSL_REASON.search(text)
         why = f" ({ssl.group(0).strip()})" if ssl else ""
-        return (
-            f"SSLError: the TLS handshake{where} failed{why}; check {check}: whether the endpoint "
-            "speaks https at all (a plain http server written https://), and the CA bundle that verifies its "
-            "certificate"
-        )
+        return f"SSLError: the TLS handshake{where} failed{why}; check {check}: {TLS_SLIP}"
     if pool is None or reason is None:
         return f"{type(e).__name__}: {text}"
     return f"cannot connect to {pool.group(1)}:{pool.group(2)} ({reason.group(1).strip()}); check {check}"

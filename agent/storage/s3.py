@@ -77,6 +77,7 @@ from agent.storage._s3_errors import (
     _OBJECT_LOCK,
     _OBJECT_LOCK_HINT,
     _TRANSIENT_CODES,
+    _endpoint_variable,
     _NoSuchBucket,
     _refuses_checksum_headers,
     _status_and_code,
@@ -244,7 +245,7 @@ class S3Storage(PrefixedKeys, Storage):
             if not str(e).startswith("Invalid endpoint"):
                 raise
             # botocore's message is the value itself; a user:secret@ in it has no scheme to mask it by.
-            named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+            named = _endpoint_variable()
             value = os.environ[named] if named else str(e).partition(":")[2].strip()
             value = ("***@" + value.rpartition("@")[2]) if "@" in value else value
             where = f"{named}={value!r}" if named else f"the AWS config file's endpoint_url {value!r}"
@@ -285,7 +286,7 @@ class S3Storage(PrefixedKeys, Storage):
 
     def _missing_bucket(self, what: str, key: str | None) -> MissingBucketError:
         missing = super()._missing_bucket(what, key)
-        named = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        named = _endpoint_variable()
         if named is None:
             return missing
         # At an endpoint of the user's choosing the bucket may be fine and the endpoint wrong (another
