@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from agent.storage import StorageError
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.version import version_line
-from orchestrator.cli_ckpt import CommandError
+from orchestrator.cli_ckpt import NOISY_LOGGERS, CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
 from orchestrator.kubectl_commands import FLUSH_WAIT_MARGIN, cmd_checkpoints, cmd_events, cmd_flush
@@ -55,7 +55,7 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
 MAX_WAIT_SECONDS = 7 * 24 * 3600
 """The longest ``--timeout`` or ``--request-timeout`` (a week): longer is a typo, not a wait."""
-_NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt", "orchestrator.k8s.api")
+_NOISY_LOGGERS = (*NOISY_LOGGERS, "orchestrator.k8s.api")
 
 _EXIT_CODES = (
     "exit status: 0 done; 1 the command failed (no such job, cluster unreachable, forbidden, storage "
