@@ -131,6 +131,11 @@ class TestApi:
     def drop_watches(self, resource: str = "") -> int:
         return int(self.hook("POST", "drop-watches", query=f"resource={resource}" if resource else "")["dropped"])
 
+    def open_watches(self, resource: str = "") -> int:
+        """How many watches (of ``resource``, a plural) the server has open: registered, so that a
+        ``drop_watches`` now cuts them. A watch whose request is still on its way is not counted."""
+        return int(self.hook("GET", "watches", query=f"resource={resource}" if resource else "")["open"])
+
     def audit(self, since: int = 0) -> list[dict[str, Any]]:
         return list(self.hook("GET", "audit", query=f"since={since}")["items"])
 

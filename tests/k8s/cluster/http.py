@@ -6,8 +6,8 @@ requests answered from memory under one lock. A watch is one long chunked respon
 its timeout), with each event's JSON line encoded once for all watchers.
 
 Test hooks live under ``/_test/`` (admin token only), so a test can drive a server in another
-process the same way it drives one in its own: expire the watch history, drop watches, add faults,
-read the audit log.
+process the same way it drives one in its own: expire the watch history, count and drop open
+watches, add faults, read the audit log.
 """
 
 from __future__ import annotations
@@ -859,6 +859,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"historyFloor": front.api.store.history_floor})
         elif hook == "drop-watches" and method == "POST":
             self._send(200, {"dropped": front.drop_watches(query.get("resource", ""))})
+        elif hook == "watches" and method == "GET":
+            self._send(200, {"open": len(front.open_watches(query.get("resource", "")))})
         elif hook == "faults" and method == "POST":
             body = self._body() or {}
             front.add_fault(
