@@ -14,7 +14,8 @@ which are UTC too. Python's default is the machine's local time without a zone.
 At debug level (``-v``, ``SPOTJOB_LOG_LEVEL=debug``) the cloud and HTTP clients log every request
 they send: headers, URLs, token responses. The formatter blanks what in them is a credential (an
 ``Authorization`` header, an STS session token, a GCS resumable session's ``upload_id``, an OAuth
-token in a response), so that a debug log can be pasted into an issue.
+token in a response, the ``user:password@`` of an endpoint URL), so that a debug log can be pasted
+into an issue.
 
 ``SPOTJOB_LOG_FORMAT=json`` (or a command's ``--log-format json``) writes each log line as one JSON
 object instead (``time``, ``level``, ``logger``, ``message``, the command's own fields such as the
@@ -60,7 +61,10 @@ _CREDENTIALS = re.compile(
     # A query parameter: a presigned URL's token or signature, a GCS resumable session's id.
     r"""|((?:x-amz-security-token|x-amz-signature|x-amz-credential|upload_id|access_token)=)[^&\s'"]+"""
     # An OAuth token response or a service account key, as JSON.
-    r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+""",
+    r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+"""
+    # A URL's user information (an endpoint behind basic auth: http://user:password@host), which
+    # botocore's debug lines and connection errors repeat whole.
+    r"""|([a-z][a-z0-9+.-]*://)[^/?#@\s'"]+@""",
     re.IGNORECASE,
 )
 
@@ -71,6 +75,8 @@ def redact(text: str) -> str:
     def blank(m: re.Match[str]) -> str:
         if m.group(1) is not None:
             return f"{m.group(1)}{m.group(2)}<redacted>"
+        if m.group(5) is not None:
+            return f"{m.group(5)}<redacted>@"
         return f"{m.group(3) or m.group(4)}<redacted>"
 
     return _CREDENTIALS.sub(blank, text)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.streams import JsonFormatter, log_format
+from agent.streams import JsonFormatter, UtcFormatter, log_format, redact
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,27 @@ def test_a_record_is_one_json_object_with_the_commands_fields_its_traceback_and_
     assert doc["message"].startswith("saving to s3://b/x — headers")
     assert "s3cr3t" not in line and "<redacted>" in doc["message"]
     assert doc["exception"].startswith("Traceback") and "RuntimeError: boom" in doc["exception"]
+
+
+def test_the_password_of_an_endpoint_url_is_blanked_in_the_message_and_the_traceback() -> None:
+    """botocore's debug lines and its EndpointConnectionError repeat the endpoint URL whole: one
+    behind basic auth (``AWS_ENDPOINT_URL=http://user:password@host``) carried its password into
+    every debug log of ``spotjob ckpt -v``, ``spotjob run -v`` or a debug agent."""
+    try:
+        raise ConnectionError('Could not connect to the endpoint URL: "http://u:hunter2@10.0.0.1:9000/bkt"')
+    except ConnectionError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "botocore.regions", logging.DEBUG, __file__, 1, "Endpoint provider result: %s",
+        ("https://u:hunter2@s3.example.com:9000/bkt",), exc_info,
+    )  # fmt: skip
+    for formatter in (JsonFormatter(), UtcFormatter("%(message)s")):
+        line = formatter.format(record)
+        assert "hunter2" not in line, line
+        assert "https://<redacted>@s3.example.com:9000/bkt" in line and "http://<redacted>@10.0.0.1:9000" in line
+    # What has no user information is left whole: a bucket URI, a path or query holding an @.
+    for text in ("s3://bucket/x@y", "gs://b/runs/a@b", "http://host/a@b", "http://host?to=a@b", "file:///x"):
+        assert redact(text) == text
 
 
 @pytest.mark.parametrize(("value", "kind"), [(None, "text"), ("", "text"), ("JSON", "json"), (" text ", "text")])
