@@ -20,7 +20,9 @@ into an issue.
 ``SPOTJOB_LOG_FORMAT=json`` (or a command's ``--log-format json``) writes each log line as one JSON
 object instead (``time``, ``level``, ``logger``, ``message``, the command's own fields such as the
 agent's ``pid`` and ``job``, and ``exception`` with its traceback), for log pipelines that index
-fields; credentials are blanked the same way.
+fields; credentials are blanked the same way. What Python would write to stderr itself, an
+uncaught exception's traceback (logger ``py.exceptions``) and a warning (``py.warnings``), is one
+such object too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
+import types
 from collections.abc import Mapping
 
 
@@ -110,7 +114,7 @@ class JsonFormatter(UtcFormatter):
             "time": self.formatTime(record),
             "level": record.levelname,
             "logger": record.name,
-            "message": redact(record.getMessage()),
+            "message": redact(record.getMessage()).rstrip("\n"),  # a warning's text ends in one
             **self._fields,
         }
         if record.exc_info:
@@ -133,3 +137,38 @@ def log_to_stderr(
     handler = handler if handler is not None else logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(fields) if kind == "json" else UtcFormatter(fmt))
     logging.basicConfig(level=level, handlers=[handler])
+    if kind == "json":
+        # What Python writes to stderr itself would be lines of text among the JSON objects: an
+        # uncaught exception's traceback (of the main thread or another) and a warning. They are
+        # log records instead, so a log pipeline gets them whole, as one object each.
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
+
+
+UNCAUGHT_LOGGER = "py.exceptions"
+"""The logger of an exception nothing caught (JSON logs only), as ``py.warnings`` is the warnings'."""
+
+
+def _log_uncaught(
+    kind: type[BaseException], error: BaseException, traceback: types.TracebackType | None
+) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, error, traceback)
+        return
+    logging.getLogger(UNCAUGHT_LOGGER).critical(
+        "uncaught %s: %s", kind.__name__, error, exc_info=(kind, error, traceback)
+    )
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: a thread's sys.exit() says nothing
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    logging.getLogger(UNCAUGHT_LOGGER).critical(
+        "uncaught %s in thread %s: %s",
+        args.exc_type.__name__,
+        name,
+        args.exc_value,
+        exc_info=(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback),
+    )
