@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from prometheus_client.metrics import MetricWrapperBase
+
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.reconciler import _reasons
 from orchestrator.reconciler._reasons import Reason
@@ -78,4 +80,19 @@ def test_every_metric_family_is_documented_with_its_type_and_only_those() -> Non
     documented = {}
     for metric, kind, *_ in _table(_section("Events and metrics"), "metric"):
         documented[metric.strip("`")] = kind
+    assert documented == registered
+
+
+def test_every_metric_family_is_documented_with_its_labels() -> None:
+    """Pins what already held: the README's labels column is each family's label names, the ones a
+    dashboard or an alert groups and filters by (a label the README names that the family lacks
+    selects nothing, silently)."""
+    registered = {}
+    for family in vars(ControllerMetrics()).values():
+        if isinstance(family, MetricWrapperBase):
+            name = f"{family._name}_total" if family._type == "counter" else family._name
+            registered[name] = set(family._labelnames)
+    documented = {}
+    for metric, _, labels, *_ in _table(_section("Events and metrics"), "metric"):
+        documented[metric.strip("`")] = set(re.findall(r"`(\w+)`", labels))
     assert documented == registered
