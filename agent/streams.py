@@ -150,9 +150,7 @@ UNCAUGHT_LOGGER = "py.exceptions"
 """The logger of an exception nothing caught (JSON logs only), as ``py.warnings`` is the warnings'."""
 
 
-def _log_uncaught(
-    kind: type[BaseException], error: BaseException, traceback: types.TracebackType | None
-) -> None:
+def _log_uncaught(kind: type[BaseException], error: BaseException, traceback: types.TracebackType | None) -> None:
     if issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, error, traceback)
         return

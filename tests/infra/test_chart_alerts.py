@@ -14,7 +14,6 @@ import promql_parser
 import pytest
 import yaml
 from infra_support import NAMESPACE, REPO, alert_rules, find, helm, one, render, selectors, template
-
 from prometheus_client.metrics import MetricWrapperBase
 
 from orchestrator.backends.base import FlushRequestOutcome
