@@ -15,6 +15,7 @@ from pathlib import Path
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.control_api import StatusResponse
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.reconciler import _reasons
 from orchestrator.reconciler._reasons import Reason
@@ -132,3 +133,11 @@ def test_every_series_of_the_metrics_text_is_documented() -> None:
     served = {s.name for f in text_string_to_metric_families(metrics.exposition().decode()) for s in f.samples}
     assert any(name.endswith("_created") for name in served)  # prometheus_client still serves them
     assert served <= allowed, sorted(served - allowed)
+
+
+def test_the_agents_status_answer_is_documented_field_by_field() -> None:
+    """A script or a probe reads ``GET /status`` by its keys: the README named a dozen of its 31
+    (``flush_result``, ``command_exit_code``, ``seconds_left`` were in none of its lines)."""
+    row = next(line for line in README.splitlines() if line.startswith("| `GET /status` |"))
+    documented = set(re.findall(r"`(\w+)`", row))
+    assert set(StatusResponse.model_fields) <= documented, sorted(set(StatusResponse.model_fields) - documented)
