@@ -227,3 +227,17 @@ def test_make_venv_installs_the_pinned_promql_parser() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert "$(STAMP): pyproject.toml constraints/dev.txt" in makefile
     assert "-c constraints/dev.txt -e '.[torch,test]'" in makefile
+
+
+def test_only_the_alerts_on_something_counted_and_the_restart_budget_fire_without_a_for() -> None:
+    """Pins what already held, as the README's "Alerts" now says it: an alert on a counter's
+    ``increase()`` fires at once and stays for its window; one on a state waits its ``for:``."""
+    found = alert_rules(render(ON))
+    counted = {name for name, rule in found.items() if "increase(" in rule["expr"]}
+    assert counted == {
+        "SpotJobFlushTimedOut", "SpotJobAgentFlushFailed", "SpotJobFlushRequestsFailing", "SpotJobReconcileErrors",
+        "SpotJobInterruptionQueueErrors",
+    }  # fmt: skip
+    assert {name for name, rule in found.items() if "for" not in rule} == counted | {"SpotJobRestartsNearlySpent"}
+    section = README.split("\n### Alerts\n", 1)[1].split("\n#### ", 1)[0]
+    assert all(name in section for name in counted | {"SpotJobRestartsNearlySpent"})
