@@ -14,12 +14,15 @@ which are UTC too. Python's default is the machine's local time without a zone.
 At debug level (``-v``, ``SPOTJOB_LOG_LEVEL=debug``) the cloud and HTTP clients log every request
 they send: headers, URLs, token responses. The formatter blanks what in them is a credential (an
 ``Authorization`` header, an STS session token, a GCS resumable session's ``upload_id``, an OAuth
-token in a response), so that a debug log can be pasted into an issue.
+token in a response, the ``user:password@`` of an endpoint URL), so that a debug log can be pasted
+into an issue.
 
 ``SPOTJOB_LOG_FORMAT=json`` (or a command's ``--log-format json``) writes each log line as one JSON
 object instead (``time``, ``level``, ``logger``, ``message``, the command's own fields such as the
 agent's ``pid`` and ``job``, and ``exception`` with its traceback), for log pipelines that index
-fields; credentials are blanked the same way.
+fields; credentials are blanked the same way. What Python would write to stderr itself, an
+uncaught exception's traceback (logger ``py.exceptions``) and a warning (``py.warnings``), is one
+such object too.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
+import types
 from collections.abc import Mapping
 
 
@@ -60,7 +65,10 @@ _CREDENTIALS = re.compile(
     # A query parameter: a presigned URL's token or signature, a GCS resumable session's id.
     r"""|((?:x-amz-security-token|x-amz-signature|x-amz-credential|upload_id|access_token)=)[^&\s'"]+"""
     # An OAuth token response or a service account key, as JSON.
-    r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+""",
+    r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+"""
+    # A URL's user information (an endpoint behind basic auth: http://user:password@host), which
+    # botocore's debug lines and connection errors repeat whole.
+    r"""|([a-z][a-z0-9+.-]*://)[^/?#@\s'"]+@""",
     re.IGNORECASE,
 )
 
@@ -71,6 +79,8 @@ def redact(text: str) -> str:
     def blank(m: re.Match[str]) -> str:
         if m.group(1) is not None:
             return f"{m.group(1)}{m.group(2)}<redacted>"
+        if m.group(5) is not None:
+            return f"{m.group(5)}<redacted>@"
         return f"{m.group(3) or m.group(4)}<redacted>"
 
     return _CREDENTIALS.sub(blank, text)
@@ -104,7 +114,7 @@ class JsonFormatter(UtcFormatter):
             "time": self.formatTime(record),
             "level": record.levelname,
             "logger": record.name,
-            "message": redact(record.getMessage()),
+            "message": redact(record.getMessage()).rstrip("\n"),  # a warning's text ends in one
             **self._fields,
         }
         if record.exc_info:
@@ -127,3 +137,36 @@ def log_to_stderr(
     handler = handler if handler is not None else logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(fields) if kind == "json" else UtcFormatter(fmt))
     logging.basicConfig(level=level, handlers=[handler])
+    if kind == "json":
+        # What Python writes to stderr itself would be lines of text among the JSON objects: an
+        # uncaught exception's traceback (of the main thread or another) and a warning. They are
+        # log records instead, so a log pipeline gets them whole, as one object each.
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
+
+
+UNCAUGHT_LOGGER = "py.exceptions"
+"""The logger of an exception nothing caught (JSON logs only), as ``py.warnings`` is the warnings'."""
+
+
+def _log_uncaught(kind: type[BaseException], error: BaseException, traceback: types.TracebackType | None) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, error, traceback)
+        return
+    logging.getLogger(UNCAUGHT_LOGGER).critical(
+        "uncaught %s: %s", kind.__name__, error, exc_info=(kind, error, traceback)
+    )
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: a thread's sys.exit() says nothing
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    logging.getLogger(UNCAUGHT_LOGGER).critical(
+        "uncaught %s in thread %s: %s",
+        args.exc_type.__name__,
+        name,
+        args.exc_value,
+        exc_info=(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback),
+    )

@@ -108,6 +108,14 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
             f"the URI is not repeated here): spotjob reaches storage with the "
             f"{_CREDENTIAL_SOURCES[head.scheme.lower()]}; write {head.scheme.lower()}://BUCKET/PREFIX"
         )
+    if "@" in head.netloc:
+        # Another scheme, refused below, but not by a message that repeats the URI: an S3-compatible
+        # endpoint behind basic auth (https://user:secret@minio.local/bucket) is a likely mistake.
+        raise ValueError(
+            "a checkpoint URI takes no credentials (user:secret@ before the host; the URI is not repeated "
+            "here); use s3://bucket/prefix (an S3-compatible store's endpoint goes in AWS_ENDPOINT_URL), "
+            "gs://bucket/prefix, file:///path or a plain path"
+        )
     if "#" in uri or "?" in uri:
         # A URL parser reads them as a fragment or a query and drops them, so s3://b/run#1 would
         # silently be s3://b/run, another run's prefix. A plain path is refused too: spotjob spells

@@ -353,6 +353,16 @@ def _service_account_namespace() -> str | None:
         return None
 
 
+def _refuse(kind: str, message: str) -> int:
+    """(exit 2) Why the controller cannot start, in one line: ``spotjob-controller: <why>``, or under
+    ``--log-format json`` one ERROR object, so that a log pipeline reads a crash loop's reason."""
+    if kind == "json":
+        log.error("%s", message)
+    else:
+        print(f"spotjob-controller: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFactory | None = None) -> int:
     tolerate_unencodable_output()
     args, options = parse_options(argv)
@@ -372,8 +382,7 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     try:
         configuration = load_config(args.kubeconfig)
     except ConfigError as e:
-        print(f"spotjob-controller: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(kind, str(e))
     metrics = ControllerMetrics()
     client = KubeClient(configuration, on_retry=metrics.api_retry)
     if options.network_policy and not options.controller_namespace:
@@ -385,11 +394,9 @@ def main(argv: Sequence[str] | None = None, *, reconcile_factory: ReconcileFacto
     try:
         controller = Controller(client, options, reconcile_factory or RECONCILE_FACTORY, metrics=metrics)
     except TokenKeyError as e:
-        print(f"spotjob-controller: --agent-token-key-file: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(kind, f"--agent-token-key-file: {e}")
     except OSError as e:
-        print(f"spotjob-controller: cannot serve on --http-port {options.http_port}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(kind, f"cannot serve on --http-port {options.http_port}: {e}")
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("received %s", signal.Signals(signum).name)

@@ -14,8 +14,12 @@ import promql_parser
 import pytest
 import yaml
 from infra_support import NAMESPACE, REPO, alert_rules, find, helm, one, render, selectors, template
+from prometheus_client.metrics import MetricWrapperBase
 
+from orchestrator.backends.base import FlushRequestOutcome
+from orchestrator.events import FLUSH_OUTCOMES
 from orchestrator.k8s.metrics import ControllerMetrics
+from orchestrator.model import Phase
 
 ON = {"metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
 README = (REPO / "README.md").read_text()
@@ -48,6 +52,56 @@ def test_every_rule_parses_as_promql_and_names_only_metrics_the_controller_expos
         for metric, matchers in named:
             assert metric in known, f"{name} reads {metric}, which the controller does not expose"
             assert 'job="spotjob-metrics"' in matchers, f"{name} reads {metric} of any scrape job: {matchers}"
+
+
+TARGET_LABELS = {"job", "namespace", "instance"}
+"""Labels Prometheus gives every series of a scrape target (the ServiceMonitor's ``job``, the pod's
+``namespace``; the per-job series carry their job's ``namespace`` instead, ``honorLabels``)."""
+LABEL_VALUES = {
+    ("spotjob_job_phase", "phase"): {phase.value for phase in Phase},
+    ("spotjob_job_flushes_total", "outcome"): set(FLUSH_OUTCOMES),
+    ("spotjob_flush_requests_total", "outcome"): {str(o) for o in FlushRequestOutcome} - {"pending"},
+}
+"""The values the controller gives the labels the rules match on."""
+
+
+def metric_labels() -> dict[str, set[str]]:
+    """Each series name the controller exposes: the label names its samples carry."""
+    out = {"up": set()}
+    for family in vars(ControllerMetrics()).values():
+        if isinstance(family, MetricWrapperBase):
+            for suffix in SUFFIXES[family._type]:
+                out[family._name + suffix] = set(family._labelnames) | ({"le"} if suffix == "_bucket" else set())
+    return out
+
+
+def test_every_rule_matches_only_labels_and_values_the_series_carry() -> None:
+    """Pins what already held: a matcher on a label the series lacks (``reason`` for ``outcome``),
+    or on a value the controller never writes (``phase="Error"``, ``outcome="timeout"``), or an
+    ``on(...)`` over a label one side lacks, parses and is valid PromQL, and the alert never
+    fires; the check above, of metric names only, would not see it."""
+    labels = metric_labels()
+    for name, rule in alert_rules(render(ON)).items():
+        seen: list[str] = []
+        joined: set[str] = set()
+
+        def visit(node: object, name: str = name, seen: list[str] = seen, joined: set[str] = joined) -> None:
+            if isinstance(node, promql_parser.VectorSelector):
+                assert node.name is not None, name
+                seen.append(node.name)
+                carried = labels[node.name] | TARGET_LABELS
+                for matcher in node.matchers.matchers:
+                    assert matcher.name in carried, f"{name} matches {node.name} on {matcher.name}, which it lacks"
+                    known = LABEL_VALUES.get((node.name, matcher.name))
+                    if known is not None:
+                        values = matcher.value.split("|") if matcher.op == promql_parser.MatchOp.Re else [matcher.value]
+                        assert set(values) <= known, f"{name}: {node.name}{{{matcher.name}}} is never {values}"
+            if isinstance(node, promql_parser.BinaryExpr) and node.modifier and node.modifier.matching:
+                joined.update(node.modifier.matching.labels)
+
+        promql_parser.walk(promql_parser.parse(rule["expr"]), visit)
+        for metric in seen:  # every side of a join carries the labels it joins on
+            assert joined <= labels[metric], f"{name} joins on {sorted(joined)}; {metric} has {sorted(labels[metric])}"
 
 
 def test_the_parser_refuses_what_a_broken_rule_would_be() -> None:
@@ -173,3 +227,17 @@ def test_make_venv_installs_the_pinned_promql_parser() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert "$(STAMP): pyproject.toml constraints/dev.txt" in makefile
     assert "-c constraints/dev.txt -e '.[torch,test]'" in makefile
+
+
+def test_only_the_alerts_on_something_counted_and_the_restart_budget_fire_without_a_for() -> None:
+    """Pins what already held, as the README's "Alerts" now says it: an alert on a counter's
+    ``increase()`` fires at once and stays for its window; one on a state waits its ``for:``."""
+    found = alert_rules(render(ON))
+    counted = {name for name, rule in found.items() if "increase(" in rule["expr"]}
+    assert counted == {
+        "SpotJobFlushTimedOut", "SpotJobAgentFlushFailed", "SpotJobFlushRequestsFailing", "SpotJobReconcileErrors",
+        "SpotJobInterruptionQueueErrors",
+    }  # fmt: skip
+    assert {name for name, rule in found.items() if "for" not in rule} == counted | {"SpotJobRestartsNearlySpent"}
+    section = README.split("\n### Alerts\n", 1)[1].split("\n#### ", 1)[0]
+    assert all(name in section for name in counted | {"SpotJobRestartsNearlySpent"})

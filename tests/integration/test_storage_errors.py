@@ -657,9 +657,14 @@ def test_debug_logs_of_spotjobs_commands_blank_the_credentials_the_clients_log(
     an STS session token among them, and urllib3 each URL, a GCS resumable session's ``upload_id``
     (a bearer capability: whoever has it may write the object) among them. The formatter of
     spotjob's own commands (``log_to_stderr``) blanks them; the lines stay. moto accepts any
-    session token and fake-gcs-server needs no OAuth token, so those two are what is checked."""
+    session token and fake-gcs-server needs no OAuth token, so those two are what is checked, and
+    for S3 an endpoint behind basic auth (``http://user:password@host``), whose URL botocore's debug
+    lines repeat whole."""
     uri = fresh_uri(scheme)  # starts the server, which clears AWS_SESSION_TOKEN
     monkeypatch.setenv("AWS_SESSION_TOKEN", "FwoGZXIvYXdzEXAMPLESESSIONTOKEN")
+    if scheme == "s3":
+        endpoint = os.environ["AWS_ENDPOINT_URL"]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.replace("://", "://proxyuser:EXAMPLEPASSWORD@", 1))
     big = tmp_path / "shard"
     big.write_bytes(os.urandom(9 * 1024 * 1024))  # over GCS's simple upload limit: a resumable session
     out = io.StringIO()
@@ -678,6 +683,7 @@ def test_debug_logs_of_spotjobs_commands_blank_the_credentials_the_clients_log(
     if scheme == "s3":
         assert "X-Amz-Security-Token': b'<redacted>'" in text and "'Authorization': b'<redacted>'" in text, text
         assert "EXAMPLESESSIONTOKEN" not in text and "Signature=" not in text
+        assert "EXAMPLEPASSWORD" not in text and "://<redacted>@127.0.0.1" in text, text
     else:
         assert "upload_id=<redacted>" in text, text
         assert not re.search(r"upload_id=(?!<redacted>)", text), text

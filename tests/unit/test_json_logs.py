@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.streams import JsonFormatter, log_format
+from agent.streams import JsonFormatter, UtcFormatter, log_format, redact
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,27 @@ def test_a_record_is_one_json_object_with_the_commands_fields_its_traceback_and_
     assert doc["message"].startswith("saving to s3://b/x — headers")
     assert "s3cr3t" not in line and "<redacted>" in doc["message"]
     assert doc["exception"].startswith("Traceback") and "RuntimeError: boom" in doc["exception"]
+
+
+def test_the_password_of_an_endpoint_url_is_blanked_in_the_message_and_the_traceback() -> None:
+    """botocore's debug lines and its EndpointConnectionError repeat the endpoint URL whole: one
+    behind basic auth (``AWS_ENDPOINT_URL=http://user:password@host``) carried its password into
+    every debug log of ``spotjob ckpt -v``, ``spotjob run -v`` or a debug agent."""
+    try:
+        raise ConnectionError('Could not connect to the endpoint URL: "http://u:hunter2@10.0.0.1:9000/bkt"')
+    except ConnectionError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "botocore.regions", logging.DEBUG, __file__, 1, "Endpoint provider result: %s",
+        ("https://u:hunter2@s3.example.com:9000/bkt",), exc_info,
+    )  # fmt: skip
+    for formatter in (JsonFormatter(), UtcFormatter("%(message)s")):
+        line = formatter.format(record)
+        assert "hunter2" not in line, line
+        assert "https://<redacted>@s3.example.com:9000/bkt" in line and "http://<redacted>@10.0.0.1:9000" in line
+    # What has no user information is left whole: a bucket URI, a path or query holding an @.
+    for text in ("s3://bucket/x@y", "gs://b/runs/a@b", "http://host/a@b", "http://host?to=a@b", "file:///x"):
+        assert redact(text) == text
 
 
 @pytest.mark.parametrize(("value", "kind"), [(None, "text"), ("", "text"), ("JSON", "json"), (" text ", "text")])
@@ -93,16 +114,51 @@ def test_spotjob_agent_refuses_another_format_naming_where_it_came_from(
     assert named in done.stderr and "expected text or json" in done.stderr, done.stderr
 
 
-def test_the_controller_logs_json_lines(tmp_path: Path) -> None:
-    """Its first log line (a misspelled variable, before it reaches for the cluster) as JSON."""
+def test_the_controller_logs_json_lines_its_refusal_to_start_too(tmp_path: Path) -> None:
+    """Its first log line (a misspelled variable, before it reaches for the cluster) as JSON, and
+    why it cannot start (here: no kubeconfig) as one ERROR object: it was a line of text, the one
+    line a log pipeline most needs from a controller in a crash loop."""
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator.k8s.main", "--no-leader-elect", f"--kubeconfig={tmp_path / 'none'}",
          "--log-format", "json"],
         env=_env(tmp_path, SPOTJOB_NAMESPACE="ml"), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2  # no cluster here
-    (doc,) = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
-    assert doc["level"] == "WARNING" and "SPOTJOB_NAMESPACE is set" in doc["message"], doc
+    warning, refusal = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    assert warning["level"] == "WARNING" and "SPOTJOB_NAMESPACE is set" in warning["message"], warning
+    assert refusal["level"] == "ERROR", refusal
+    assert refusal["message"].startswith(f"cannot load the cluster configuration from {tmp_path / 'none'}"), refusal
+
+
+def test_json_logs_carry_uncaught_exceptions_of_every_thread_and_warnings_as_objects(tmp_path: Path) -> None:
+    """Python writes a warning, and the traceback of an exception nothing caught, to stderr itself:
+    lines of text among the JSON objects, a traceback split over many. Under JSON logs each is one
+    object (loggers ``py.warnings``, ``py.exceptions``) with the command's fields."""
+    script = (
+        "import threading, warnings\n"
+        "from agent.streams import log_to_stderr\n"
+        "log_to_stderr('INFO', '%(message)s', kind='json', fields={'command': 'spotjob-agent'})\n"
+        "warnings.warn('an old option', DeprecationWarning)\n"
+        "t = threading.Thread(target=lambda: 1 / 0, name='notices-aws')\n"
+        "t.start(); t.join()\n"
+        "raise RuntimeError('the watch loop broke')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", script], env=_env(tmp_path), cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    docs = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    assert [(d["logger"], d["level"], d["command"]) for d in docs] == [
+        ("py.warnings", "WARNING", "spotjob-agent"),
+        ("py.exceptions", "CRITICAL", "spotjob-agent"),
+        ("py.exceptions", "CRITICAL", "spotjob-agent"),
+    ], docs
+    assert "DeprecationWarning: an old option" in docs[0]["message"] and not docs[0]["message"].endswith("\n")
+    assert docs[1]["message"] == "uncaught ZeroDivisionError in thread notices-aws: division by zero"
+    assert docs[1]["exception"].startswith("Traceback") and "in <lambda>" in docs[1]["exception"]
+    assert docs[2]["message"] == "uncaught RuntimeError: the watch loop broke"
+    assert docs[2]["exception"].endswith("RuntimeError: the watch loop broke")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.control_api import StatusResponse
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.reconciler import _reasons
 from orchestrator.reconciler._reasons import Reason
@@ -79,3 +83,61 @@ def test_every_metric_family_is_documented_with_its_type_and_only_those() -> Non
     for metric, kind, *_ in _table(_section("Events and metrics"), "metric"):
         documented[metric.strip("`")] = kind
     assert documented == registered
+
+
+def test_every_metric_family_is_documented_with_its_labels() -> None:
+    """Pins what already held: the README's labels column is each family's label names, the ones a
+    dashboard or an alert groups and filters by (a label the README names that the family lacks
+    selects nothing, silently)."""
+    registered = {}
+    for family in vars(ControllerMetrics()).values():
+        if isinstance(family, MetricWrapperBase):
+            name = f"{family._name}_total" if family._type == "counter" else family._name
+            registered[name] = set(family._labelnames)
+    documented = {}
+    for metric, _, labels, *_ in _table(_section("Events and metrics"), "metric"):
+        documented[metric.strip("`")] = set(re.findall(r"`(\w+)`", labels))
+    assert documented == registered
+
+
+def test_every_series_of_the_metrics_text_is_documented() -> None:
+    """What a scrape gets, parsed as Prometheus parses it: each series is a documented metric, a
+    documented histogram's ``_bucket``, ``_sum`` or ``_count``, or the ``_created`` series that
+    prometheus_client serves beside each counter and histogram, which the README names too (it did
+    not: a scrape showed 15 series in no table)."""
+    metrics = ControllerMetrics()
+    metrics.signal("SpotInterruption", "k8s-node")
+    metrics.flush_request("accepted")
+    metrics.notice_to_commit(3.0)
+    metrics.preemption()
+    metrics.restart("preemption")
+    metrics.lost_steps(5)
+    metrics.goodput("ml", "train", 0.9)
+    metrics.flush_ended("ml", "train", "committed", 1)
+    metrics.reconciled(0.01, error=True)
+    metrics.queue_depth(1)
+    metrics.api_retry("get", "pods", "503")
+    metrics.leader(True)
+    metrics.interruption_message("SpotInterruption", "annotated")
+    metrics.interruption_queue_error()
+    metrics.checkpoint_hint_patch("ok")
+    section = _section("Events and metrics")
+    documented = {row[0].strip("`"): row[1] for row in _table(section, "metric")}
+    created = "`_created`" in section
+    allowed = set(documented)
+    for name, kind in documented.items():
+        if kind == "histogram":
+            allowed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} | ({f"{name}_created"} if created else set())
+        if kind == "counter" and created:
+            allowed.add(f"{name.removesuffix('_total')}_created")
+    served = {s.name for f in text_string_to_metric_families(metrics.exposition().decode()) for s in f.samples}
+    assert any(name.endswith("_created") for name in served)  # prometheus_client still serves them
+    assert served <= allowed, sorted(served - allowed)
+
+
+def test_the_agents_status_answer_is_documented_field_by_field() -> None:
+    """A script or a probe reads ``GET /status`` by its keys: the README named a dozen of its 31
+    (``flush_result``, ``command_exit_code``, ``seconds_left`` were in none of its lines)."""
+    row = next(line for line in README.splitlines() if line.startswith("| `GET /status` |"))
+    documented = set(re.findall(r"`(\w+)`", row))
+    assert set(StatusResponse.model_fields) <= documented, sorted(set(StatusResponse.model_fields) - documented)

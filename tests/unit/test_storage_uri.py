@@ -56,6 +56,10 @@ def test_a_hash_or_question_mark_is_refused_not_dropped(uri: str) -> None:
         "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@bucket/run",  # a '/' in the secret
         "gs://user:wJalrXUtnFEMI@bucket/run",
         "s3://wJalrXUtnFEMI@bucket/run#1",
+        # Schemes refused anyway, by a message that repeated the URI (an InvalidCheckpointURI Event).
+        "https://minio:wJalrXUtnFEMI@minio.local:9000/bucket/run",
+        "file://user:wJalrXUtnFEMI@host/ckpt",
+        "ftp://wJalrXUtnFEMI@host/ckpt?x",
     ],
 )
 def test_credentials_in_a_uri_are_refused_without_repeating_them(uri: str) -> None:
