@@ -392,7 +392,8 @@ def deduplicate(signals: Iterable[Signal]) -> list[Signal]:
         top = max(group, key=lambda s: _SEVERITY[s.kind])
         deadlines = [s.deadline for s in group if s.deadline is not None]
         details = "; ".join(dict.fromkeys(s.detail for s in sorted(group, key=lambda s: -_SEVERITY[s.kind])))
-        sources = ",".join(dict.fromkeys(s.source for s in group))
+        # Sorted, not in arrival order: the joined sources are a metric label, one series per set.
+        sources = ",".join(sorted({s.source for s in group}))
         out.append(
             Signal(
                 kind=top.kind,

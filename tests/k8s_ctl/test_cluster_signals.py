@@ -150,6 +150,17 @@ def test_several_notices_about_one_node_become_one_signal_of_the_most_severe_kin
     assert [s.worker for s in merged if s.worker] == ["w"]  # a worker's own signal passes through
 
 
+def test_the_sources_of_one_nodes_signals_are_joined_in_one_order_whatever_order_they_came_in() -> None:
+    """The joined sources are the ``source`` label of ``spotjob_signals_total``: in arrival order,
+    the same pair made two series (``k8s-node,aws-sqs`` and ``aws-sqs,k8s-node``)."""
+    taint = Signal(SignalKind.TERMINATING, "k8s-node", node="n1", detail="karpenter")
+    queue = Signal(SignalKind.SPOT_INTERRUPTION, "aws-sqs", node="n1", detail="queue")
+    again = Signal(SignalKind.SPOT_INTERRUPTION, "k8s-node", node="n1", detail="taint")
+    for order in ([taint, queue, again], [queue, again, taint], [again, taint, queue]):
+        (merged,) = deduplicate(order)
+        assert merged.source == "aws-sqs,k8s-node", order
+
+
 def test_a_not_ready_node_is_lost_only_after_the_grace_remembered_across_passes() -> None:
     clock = FakeClock()
     tracker = NodeLossTracker(60, clock=clock)
