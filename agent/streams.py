@@ -27,6 +27,8 @@ such object too.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import json
 import logging
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 
 def tolerate_unencodable_output() -> None:
@@ -99,11 +101,29 @@ def log_format(value: str | None) -> str:
     return chosen
 
 
+_LINE_FIELDS: contextvars.ContextVar[Mapping[str, object] | None] = contextvars.ContextVar(
+    "spotjob_log_fields", default=None
+)
+
+
+@contextlib.contextmanager
+def log_fields(**fields: object) -> Iterator[None]:
+    """Add ``fields`` to every JSON log line written in this thread (this context) until the block
+    ends: the controller's reconcile pass names its job (``job``: ``namespace/name``) this way.
+    Text lines are unchanged; their messages name what they are about."""
+    token = _LINE_FIELDS.set({**(_LINE_FIELDS.get() or {}), **fields})
+    try:
+        yield
+    finally:
+        _LINE_FIELDS.reset(token)
+
+
 class JsonFormatter(UtcFormatter):
     """Each record as one JSON object on one line: ``time`` (UTC, as the text lines write it),
     ``level``, ``logger``, ``message``, then ``fields`` (the command's own, such as the agent's
-    ``pid`` and ``job``), and ``exception`` (the traceback) when there is one. Non-ASCII is
-    escaped, so the line is valid JSON whatever the stream's encoding."""
+    ``pid`` and ``job``) and those of ``log_fields`` around the line, and ``exception`` (the
+    traceback) when there is one. Non-ASCII is escaped, so the line is valid JSON whatever the
+    stream's encoding."""
 
     def __init__(self, fields: Mapping[str, object] | None = None) -> None:
         super().__init__()
@@ -116,6 +136,7 @@ class JsonFormatter(UtcFormatter):
             "logger": record.name,
             "message": redact(record.getMessage()).rstrip("\n"),  # a warning's text ends in one
             **self._fields,
+            **(_LINE_FIELDS.get() or {}),
         }
         if record.exc_info:
             doc["exception"] = redact(self.formatException(record.exc_info))

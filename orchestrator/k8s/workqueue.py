@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from agent.streams import log_fields
+
 log = logging.getLogger(__name__)
 
 
@@ -315,11 +317,13 @@ class Workers:
         started = self._clock()
         error = False
         try:
-            requeue = self._reconcile(key)
+            with log_fields(job=str(key)):  # the pass's JSON log lines name the job in a field of their own
+                requeue = self._reconcile(key)
         except Exception:
             error = True
             delay = self._queue.add_rate_limited(key)
-            log.exception("reconcile %s failed; retrying in %.1fs", key, delay)
+            with log_fields(job=str(key)):
+                log.exception("reconcile %s failed; retrying in %.1fs", key, delay)
         else:
             self._queue.forget(key)
             if requeue is not None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from collections import Counter
 
 from ctl_support import wait_for
 
+from agent.streams import JsonFormatter
 from orchestrator.k8s.workqueue import ObjectKey, RetryBackoff, Workers, WorkQueue
 
 A = ObjectKey("ns", "a")
@@ -206,3 +209,47 @@ def test_the_urgent_worker_takes_only_keys_added_urgent() -> None:
     q.add(B)
     q.add(B, urgent=True)
     assert q.get(timeout=0, urgent_only=True) == B
+
+
+def test_json_log_lines_of_a_reconcile_pass_name_its_job_in_a_field_and_no_other_line_does() -> None:
+    """A log pipeline indexes the controller's lines by job: those a pass writes (its failure's
+    traceback too) carry ``job``: ``namespace/name``; the worker's own lines between passes do not."""
+    lines: list[dict[str, object]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(json.loads(self.format(record)))
+
+    handler = Collect()
+    handler.setFormatter(JsonFormatter({"command": "spotjob-controller"}))
+    logger = logging.getLogger("orchestrator")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    q = WorkQueue(backoff=RetryBackoff(initial=0.01, maximum=0.01))
+    seen: Counter[ObjectKey] = Counter()
+
+    def reconcile(key: ObjectKey) -> float | None:
+        seen[key] += 1
+        logging.getLogger("orchestrator.reconciler").info("pass %d of %s", seen[key], key)
+        if key == A and seen[A] == 1:
+            raise RuntimeError("API down")
+        return None
+
+    workers = Workers(q, reconcile, count=2)
+    try:
+        workers.start()
+        q.add(A)
+        q.add(B)
+        wait_for(lambda: seen[A] == 2 and seen[B] == 1 and q.pending() == 0, what="the passes")
+        workers.stop()
+        logging.getLogger("orchestrator.k8s").info("between passes")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    by_message = {str(line["message"]): line for line in lines}
+    assert by_message["pass 1 of ns/a"]["job"] == "ns/a" and by_message["pass 2 of ns/a"]["job"] == "ns/a"
+    assert by_message["pass 1 of ns/b"]["job"] == "ns/b"
+    (failed,) = [line for line in lines if str(line["message"]).startswith("reconcile ns/a failed")]
+    assert failed["job"] == "ns/a" and "RuntimeError: API down" in str(failed["exception"])
+    assert "job" not in by_message["between passes"] and by_message["between passes"]["command"] == "spotjob-controller"
