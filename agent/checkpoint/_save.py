@@ -736,8 +736,9 @@ class _Saving(_Voting):
         """(rank 0) The folder this step's save goes to, claimed for it (``_claim``); clears an
         uncommitted leftover there.
 
-        A leftover is removed only when no live writer claims it; one another writer may still be
-        saving into (a second process of this job on the URI) is passed over like a committed
+        A leftover is removed only when it is claimed by a writer that is gone; one another writer
+        may still be saving into (a second process of this job on the URI), or one with no claim
+        (a spotjob from before claims may be saving into it), is passed over like a committed
         folder, as is one that cannot be deleted — the bucket keeps it (a GCS retention policy or
         hold, S3 Object Lock), or deletes are refused for good (a bucket policy that denies them):
         the save goes to the next suffix, ``step-N.1``. The folder is claimed create-only; a
@@ -761,7 +762,19 @@ class _Saving(_Voting):
                 continue
             self._seen_uncommitted.add(ref.folder)
             claim = _claim.read_claim(self.storage, ref.folder)
-            if claim is not None and claim.writer_alive(self.config.attempt):
+            if claim is None:
+                # Unclaimed: a spotjob from before claims (2026-12-05) saving into it now, which
+                # would write its files over this save's, or a save that died before its claim
+                # landed. Beside it, either way; retention removes it as it does any unfinished one.
+                log.warning(
+                    "saving step %d next to %s: an unfinished save there has no claim (a spotjob from before "
+                    "2026-12-05 claims none, and may still be saving into it)",
+                    step,
+                    self.storage.url(ref.folder),
+                )
+                suffix = max(suffix, ref.attempt + 1)
+                continue
+            if claim.writer_alive(self.config.attempt):
                 log.warning(
                     "saving step %d next to %s: %s may still be saving into it. Two processes are saving to "
                     "this URI: stop one",

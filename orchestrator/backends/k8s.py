@@ -155,7 +155,9 @@ class KubernetesBackend:
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:
         index = _training_container(spec)[0]
         every = ((ENV_EVERY_STEPS, spec.checkpoint.every_steps), (ENV_EVERY_SECONDS, spec.checkpoint.every_seconds))
-        problems = pods.template_problems(spec.template, index, policy=[v for v, on in every if on is not None])
+        policy = [v for v, on in every if on is not None]
+        problems = pods.env_problems(spec.env, policy=policy)
+        problems += pods.template_problems(spec.template, index, policy=policy)
         uri = spec.checkpoint.uri
         if "://" not in uri and not uri.startswith(("/", "file:")):
             # Each process would resolve it against its own working folder: the workers' image's and

@@ -162,6 +162,26 @@ def flush_window_seconds(flush_timeout_seconds: float) -> int:
 # -- the template ---------------------------------------------------------------------------------
 
 
+def env_problems(env: Mapping[str, str], *, policy: Iterable[str] = ()) -> list[str]:
+    """What in ``spec.env`` spotjob sets over it in every worker, each naming the variable (empty:
+    fine). The CRD's rules refuse these at ``kubectl apply`` since 2026-12-04; a SpotJob stored
+    before then, or under an older CRD, keeps them (the API server never checks a stored object
+    again), and its value would be replaced without a word (``SPOTJOB_KEEP``: checkpoints removed
+    that the user meant to keep). ``policy`` as for ``template_problems``."""
+    set_by_spec = {v: f"spec.checkpoint.{POLICY_ENV[v]}" for v in policy}
+    problems: list[str] = []
+    for name in env:
+        if name in DOWNWARD_ENV:
+            problems.append(f"spec.env.{name}: set by spotjob (the downward API); remove it from spec.env")
+        source = SPOTJOB_SET_ENV.get(name) or set_by_spec.get(name)
+        if source:
+            problems.append(
+                f"spec.env.{name}: set by spotjob in every worker, from {source}, over this value; remove it from "
+                "spec.env"
+            )
+    return problems
+
+
 def template_problems(template: Mapping[str, Any] | None, container: int, *, policy: Iterable[str] = ()) -> list[str]:
     """What makes ``spec.template`` unusable for workers, each naming its field (empty: fine).
 

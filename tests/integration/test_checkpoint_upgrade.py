@@ -210,3 +210,32 @@ def test_a_manifest_a_newer_spotjob_wrote_is_refused_naming_this_spotjobs_versio
     message = str(refused.value)
     assert f"format {FORMAT_VERSION + 1}" in message and f"({FORMAT_VERSION})" in message
     assert f"spotjob {spotjob_version()}" in message, message
+
+
+def test_a_save_in_flight_of_a_spotjob_from_before_claims_is_saved_beside_not_cleared_and_reused(
+    tmp_path: Path,
+) -> None:
+    """A spotjob from before 2026-12-05 claims no folder (no ``WRITER.json``). Still running on the
+    URI while the upgraded job saves (an old node training on after its job was restarted elsewhere
+    with the new image), its save of step 2 in flight is an unclaimed folder without a manifest.
+    Found walking an upgrade from 2026-12-04: this spotjob took it for a dead save's leftover,
+    cleared it and committed step 2 into it; the older writer went on writing its files there, over
+    the committed ones (``ckpt verify`` then found step 2 INVALID: a committed checkpoint lost), and
+    its own commit failed. Now the save goes beside it, to ``step-N.1``, which nothing else writes."""
+    root = tmp_path / "ckpt"
+    model, state = _state()
+    with Checkpointer(str(root), job="train", keep=None, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        # The older writer's save of step 2, in flight: some of its files, no claim, no manifest.
+        older = root / "step-000000002"
+        older.mkdir()
+        (older / "__0_0.distcp").write_bytes(b"older writer's shard")
+        model(torch.randn(2, 8)).sum().backward()
+        state["optim"].step()  # type: ignore[attr-defined]
+        ckpt.save(2, state)
+    assert (root / "step-000000002.1" / MANIFEST_NAME).exists()
+    # The older writer goes on: its next files land in its own folder (made again if removed).
+    older.mkdir(exist_ok=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", "rank-00000.pt"):
+        (older / name).write_bytes(b"older writer's file " + name.encode())
+    assert main(["ckpt", "verify", str(root), "--deep", "--step", "2"]) == 0

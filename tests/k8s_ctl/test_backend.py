@@ -617,6 +617,24 @@ def test_a_template_env_variable_the_checkpoint_spec_sets_over_it_is_a_spec_prob
     assert world.backend.spec_problems(KEY, spec(template=template)) == []
 
 
+def test_a_spec_env_variable_spotjob_sets_over_it_is_a_spec_problem_as_a_stored_older_job_has_it(world: World) -> None:
+    """The CRD refuses these in spec.env since 2026-12-04, but a SpotJob stored before (or under an
+    older CRD) keeps them, and the API server never checks a stored object again: SPOTJOB_KEEP=10
+    was replaced by spec.checkpoint.keep without a word, so retention removed checkpoints the user
+    meant to keep. Found upgrading from 2026-12-03's controller; before the fix, no problem."""
+    [problem] = world.backend.spec_problems(KEY, spec(env={"SPOTJOB_KEEP": "10"}))
+    assert problem.startswith("spec.env.SPOTJOB_KEEP: set by spotjob in every worker, from spec.checkpoint.keep")
+    assert problem.endswith("remove it from spec.env"), problem
+    [problem] = world.backend.spec_problems(KEY, spec(env={"POD_IP": "10.0.0.1"}))
+    assert problem.startswith("spec.env.POD_IP: set by spotjob (the downward API)"), problem
+    # SPOTJOB_EVERY_STEPS is the user's to set unless spec.checkpoint.everySteps sets it too.
+    assert world.backend.spec_problems(KEY, spec(env={"SPOTJOB_EVERY_STEPS": "10"})) == []
+    both = spec(env={"SPOTJOB_EVERY_STEPS": "10"}, checkpoint={"uri": "s3://b/llama", "everySteps": 50})
+    [problem] = world.backend.spec_problems(KEY, both)
+    assert problem.startswith("spec.env.SPOTJOB_EVERY_STEPS: set by spotjob in every worker, from spec.checkpoint")
+    assert "everySteps" in problem
+
+
 def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_its_node_is(world: World) -> None:
     """The interruption-queue reader's annotation (what orchestrator.k8s.interruption_queue writes),
     read from the Node like a taint: only for the jobs with a worker there."""
