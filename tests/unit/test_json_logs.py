@@ -23,15 +23,20 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**env, "HOME": str(tmp_path), "PYTHONPATH": str(REPO), **extra}
 
 
+def _record_with_traceback(logger: str, level: int, message: str, arg: str, error: Exception) -> logging.LogRecord:
+    """A record of ``message % arg`` carrying the traceback of ``error``, raised and caught."""
+    try:
+        raise error
+    except Exception:
+        exc_info = sys.exc_info()
+    return logging.LogRecord(logger, level, __file__, 1, message, (arg,), exc_info)
+
+
 def test_a_record_is_one_json_object_with_the_commands_fields_its_traceback_and_no_credential() -> None:
     formatter = JsonFormatter({"command": "spotjob-agent", "pid": 7, "job": "ns/train"})
-    try:
-        raise RuntimeError("boom")
-    except RuntimeError:
-        exc_info = sys.exc_info()
-    record = logging.LogRecord(
-        "agent.launcher", logging.ERROR, __file__, 1, "saving to %s — headers {'Authorization': 'Bearer s3cr3t'}",
-        ("s3://b/x",), exc_info,
+    record = _record_with_traceback(
+        "agent.launcher", logging.ERROR, "saving to %s — headers {'Authorization': 'Bearer s3cr3t'}", "s3://b/x",
+        RuntimeError("boom"),
     )  # fmt: skip
     record.created = datetime(2030, 1, 1, 23, 59, 58, 250000, tzinfo=UTC).timestamp()
     record.msecs = 250.0
@@ -53,13 +58,9 @@ def test_the_password_of_an_endpoint_url_is_blanked_in_the_message_and_the_trace
     """botocore's debug lines and its EndpointConnectionError repeat the endpoint URL whole: one
     behind basic auth (``AWS_ENDPOINT_URL=http://user:password@host``) carried its password into
     every debug log of ``spotjob ckpt -v``, ``spotjob run -v`` or a debug agent."""
-    try:
-        raise ConnectionError('Could not connect to the endpoint URL: "http://u:hunter2@10.0.0.1:9000/bkt"')
-    except ConnectionError:
-        exc_info = sys.exc_info()
-    record = logging.LogRecord(
-        "botocore.regions", logging.DEBUG, __file__, 1, "Endpoint provider result: %s",
-        ("https://u:hunter2@s3.example.com:9000/bkt",), exc_info,
+    record = _record_with_traceback(
+        "botocore.regions", logging.DEBUG, "Endpoint provider result: %s", "https://u:hunter2@s3.example.com:9000/bkt",
+        ConnectionError('Could not connect to the endpoint URL: "http://u:hunter2@10.0.0.1:9000/bkt"'),
     )  # fmt: skip
     for formatter in (JsonFormatter(), UtcFormatter("%(message)s")):
         line = formatter.format(record)
