@@ -19,7 +19,8 @@ same fields, ``claimed_at`` set to the renewal's time; ``Renewal``), so a save t
 than ``STALE_AFTER_S`` keeps its folder, and a crashed save's leftover goes within minutes instead
 of an hour. A claim says that its writer renews it by its id (``RENEWED_PREFIX``), not by a field
 of its own: the spotjob of 2026-12-05 before 03:40 UTC (the first to claim, never renewing) parses
-a claim with ``cls(**raw)`` and takes one with an unknown field for no claim at all. From now on ``Claim.parse`` ignores fields it does not know.
+a claim with ``cls(**raw)`` and takes one with an unknown field for no claim at all. From now on
+``Claim.parse`` ignores fields it does not know.
 
 The claim stays in the folder after the commit (nothing removes it): it names the process that
 committed the checkpoint, which retention uses to tell another writer's checkpoints from this
