@@ -398,7 +398,9 @@ class _State(_Core):
                     hint = (
                         ": a DataLoader keeps no position to save. Use torchdata's StatefulDataLoader (its "
                         "sampler's and workers' state included), or an object of your own whose state_dict() "
-                        "records how far the epoch has gone"
+                        "records the epoch, the batches drawn in it and the state of the DataLoader's own "
+                        "generator= as the epoch began (without one, a resume silently draws other worker "
+                        'seeds): the recipe is in spotjob\'s README, "A plain `DataLoader`"'
                     )
                 elif value is None:
                     hint = ": leave the key out (a state value is restored in place; None holds nothing)"
