@@ -1,5 +1,6 @@
-"""The README's training-side snippets run as written: the loop of "The training-side API" and the
-`ZeroShard` of "A `ZeroRedundancyOptimizer`", each read out of README.md and run as it stands, in
+"""The README's training-side snippets run as written: the loop of "The training-side API", the
+`ZeroShard` of "A `ZeroRedundancyOptimizer`" and the `EpochPosition` of "A plain `DataLoader`",
+each read out of README.md and run as it stands, in
 one process of a gloo group of one (the README: "a single process with `world_size=1`" works as
 torchrun's ranks do). Only the names a reader supplies (model, optimizer, loader, a step) are
 defined around them, and the snippet's bucket becomes a folder.
@@ -86,3 +87,70 @@ def test_the_readme_snippets_save_and_resume_as_written(tmp_path: Path) -> None:
     said = dict(re.findall(r"^(loop|zero) (.*)$", out.stdout, re.M))
     assert said["loop"] == "0 250 200 320", out.stdout
     assert said["zero"] == "1 True", out.stdout
+
+
+LOADER_SCRIPT = """
+import re, sys, textwrap
+import torch, torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from agent import Checkpointer
+
+readme = open(sys.argv[1]).read()
+part = readme[readme.index("- **A plain `DataLoader`**"):]
+snippet = textwrap.dedent(re.search(r"```python\\n(.*?)```", part, re.S).group(1))
+snippet = snippet.replace("batch_size=32", "batch_size=4")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
+
+class Masked(Dataset):
+    # an augmentation drawn in the worker, from the seed its epoch's iterator gave it
+    def __len__(self): return 24
+    def __getitem__(self, i): return torch.full((3,), float(i)) * (torch.rand(3) > 0.3)
+
+def build():
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5)
+    names = dict(globals(), dataset=Masked(), rank=0, model=model, optimizer=optimizer, scheduler=scheduler)
+    exec(snippet, names)
+    return names["data"], names["state"]
+
+total = 3 * 6  # 3 epochs of 6 batches
+data, _ = build()
+whole = [data.next_batch() for _ in range(total)]
+for cut in (6, 9):  # at an epoch's end, and in the middle of the next
+    uri = sys.argv[2] + f"/{cut}"
+    data, state = build()
+    head = [data.next_batch() for _ in range(cut)]
+    with Checkpointer(uri, async_save=False) as ckpt:
+        ckpt.save(cut, state)
+    data, state = build()
+    with Checkpointer(uri, async_save=False) as ckpt:
+        start = ckpt.restore(state)
+    place = (data.epoch, data.seen)
+    rng = torch.get_rng_state()
+    tail = [data.next_batch() for _ in range(total - cut)]
+    same = all(torch.equal(a, b) for a, b in zip(whole, head + tail, strict=True))
+    print("cut", cut, start, *place, same, torch.equal(rng, torch.get_rng_state()))
+dist.destroy_process_group()
+"""
+
+
+def test_the_readme_dataloader_recipe_resumes_the_same_batches(tmp_path: Path) -> None:
+    """The `EpochPosition` recipe of "A plain `DataLoader`", read out of README.md as it stands:
+    resumed from a checkpoint at an epoch's end and from one mid-epoch, it hands out the same
+    batches, bit for bit, as one loader that was never stopped, its workers' augmentations
+    included, without a draw from torch's global stream. New with the recipe: without it there is
+    no snippet to read; a recipe that rolls over to the next epoch only at the next batch fails
+    the cut at the epoch's end."""
+    from agent.ranks import free_port
+
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent(LOADER_SCRIPT))
+    argv = [str(REPO / "README.md"), str(tmp_path / "ckpt"), str(free_port())]
+    out = subprocess.run(
+        [sys.executable, str(script), *argv], cwd=REPO, capture_output=True, text=True, timeout=300
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = re.findall(r"^cut (.*)$", out.stdout, re.M)
+    assert said == ["6 6 1 0 True True", "9 9 1 3 True True"], out.stdout

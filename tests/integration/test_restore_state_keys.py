@@ -183,10 +183,16 @@ def test_a_bare_generator_is_refused_with_the_wrapper_to_use_and_the_wrapper_res
 
 
 def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path) -> None:
+    """The message names both ways to keep a position, the generator= a loader of one's own needs
+    (without it the resume draws other worker seeds, silently), and where the recipe is."""
     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True)
     with (
         Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
-        pytest.raises(TypeError, match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader"),
+        pytest.raises(
+            TypeError,
+            match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader.*own generator=.*"
+            r"README, \"A plain `DataLoader`\"",
+        ),
     ):
         ckpt.save(1, {**make_state(0), "loader": loader})
 
