@@ -51,6 +51,8 @@ Nothing here blocks on the network in a pass except the writes (pod creates and 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import re
 import threading
@@ -59,7 +61,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_INFRA_ERROR
+from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
 from orchestrator.backends.base import (
     RANKS_NOT_MEETING,
@@ -662,22 +664,28 @@ AGENT_INFRA_EXIT = f"exiting {EXIT_INFRA_ERROR}: "
 """How spotjob-agent begins the log line that says which infrastructure error it exited 74 for."""
 
 
-def _infra_error(pod: Object) -> str | None:
-    """For an agent that exited 74 (``EXIT_INFRA_ERROR``): its line of the termination message (the
-    tail of its log, ``FallbackToLogsOnError``) that says which error (a rendezvous port taken, the
-    store unreachable) and what to do, from ``exiting 74:`` on."""
+def _agent_exit_line(pod: Object, code: int) -> str | None:
+    """For an agent that exited ``code`` (74, an infrastructure error; 76, a flush that committed
+    nothing): its line of the termination message (the tail of its log, ``FallbackToLogsOnError``)
+    that says why and what to do, from ``exiting N:`` on."""
+    marker = f"exiting {code}: "
     terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
-    lines = [line for line in str(terminated.get("message") or "").splitlines() if AGENT_INFRA_EXIT in line]
+    lines = [line for line in str(terminated.get("message") or "").splitlines() if marker in line]
     if not lines:
         return None
-    line = lines[-1][lines[-1].index(AGENT_INFRA_EXIT) :]
+    line = lines[-1]
+    if line.lstrip().startswith("{"):  # the agent's log line as JSON (--log-format json): its message
+        with contextlib.suppress(ValueError, AttributeError):
+            line = str(json.loads(line).get("message") or line)
+    line = line[line.index(marker) :] if marker in line else line
     said = "".join(c if c.isprintable() else "?" for c in line.strip())[:400]
     return f"{said}; kubectl logs {_name(pod)}"
 
 
 def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
     """Why a worker that exited failed, when the pod says: an init container that failed (the
-    agent never ran), the options an agent refused (exit 2), or its infrastructure error (74)."""
+    agent never ran), the options an agent refused (exit 2), its infrastructure error (74), or why
+    its flush committed nothing (76)."""
     init = _failed_init_container(pod)
     if init is not None:
         terminated = init["state"]["terminated"]
@@ -692,8 +700,8 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
             "the kubelet could not find the training container (ContainerStatusUnknown): its node restarted, "
             "or the container runtime lost it"
         )
-    if exit_code == EXIT_INFRA_ERROR:
-        return _evicted(pod) or _infra_error(pod)
+    if exit_code in (EXIT_INFRA_ERROR, EXIT_FLUSH_FAILED):
+        return _evicted(pod) or _agent_exit_line(pod, exit_code)
     return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
 
 

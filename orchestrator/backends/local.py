@@ -131,7 +131,7 @@ from orchestrator.backends.local_cloud import (
     notice_name,
     run_pids,
 )
-from orchestrator.backends.local_failure import failure_cause, failure_detail, log_excerpt
+from orchestrator.backends.local_failure import agent_exit_line, failure_cause, failure_detail, log_excerpt
 from orchestrator.backends.local_plan import PreemptionPlan, load_trace
 from orchestrator.backends.local_timeline import EventKind, Timeline, TimelineEvent
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
@@ -214,7 +214,8 @@ class _Worker:
     commits: int = 0
     """Commits its rank 0 reported so far (``status.json``'s counter)."""
     detail: str | None = None
-    """Why it failed (``failure_detail``), read once after it exited with a failure."""
+    """Why it failed (``failure_detail``), read once after it exited with a failure; or, for an agent
+    that exited 74 or 76, its own line saying why (``agent_exit_line``; "" when it said none)."""
 
     def exit_code(self) -> int | None:
         code = self.proc.poll()
@@ -799,6 +800,8 @@ class LocalBackend:
             phase = WorkerPhase.PENDING
         if code is not None and code not in _AGENT_EXIT_CODES and w.detail is None:
             w.detail = failure_detail(w.log_path, w.killed_by())
+        elif code in (EXIT_INFRA_ERROR, EXIT_FLUSH_FAILED) and w.detail is None:
+            w.detail = agent_exit_line(w.log_path, code) or ""  # why, in the agent's words ("": it said none)
         agent = w.agent_says() if phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING) else {}
         return WorkerObservation(
             name=w.name,
@@ -810,7 +813,7 @@ class LocalBackend:
             instance_type=w.node.instance_type,
             exit_code=code,
             step=step if isinstance(step, int) else None,
-            detail=w.detail,
+            detail=w.detail or None,
             not_starting=_not_meeting(agent) if phase is WorkerPhase.PENDING else None,
             # The reconciler records it (status.heldNotices, a NoticeHeld Event) for a running worker.
             held_notice=held_notice(agent) if phase is WorkerPhase.RUNNING else None,

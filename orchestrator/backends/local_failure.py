@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -123,6 +124,25 @@ def failure_cause(log_path: str) -> str | None:
     for line in reversed(lines):
         if _EXCEPTION.match(line.strip()) or _USAGE.match(line.strip()):
             return _shorten(line)
+    return None
+
+
+def agent_exit_line(log_path: str, code: int) -> str | None:
+    """The agent's own words on why it exited ``code`` (74, an infrastructure error; 76, a flush
+    that committed nothing), from ``exiting N:`` on: its last such line in the worker's log, as text
+    or as JSON. None when the log has none (an agent that could not say)."""
+    marker = f"exiting {code}: "
+    for line in reversed(_log_tail(log_path).splitlines()[-40:]):
+        if marker not in line or not _agent_line(line):
+            continue
+        if line.startswith("{"):
+            try:
+                line = str(json.loads(line).get("message") or "")
+            except (ValueError, AttributeError):
+                continue
+        if marker in line:
+            said = "".join(c if c.isprintable() else "?" for c in line[line.index(marker) :].strip())
+            return f"{_shorten(said)} (log: {log_path})"
     return None
 
 

@@ -33,7 +33,9 @@ SPOT_INTERRUPTED = Reason("SpotInterrupted", "{signal}: flushing the gang and mo
 NODE_LOST = Reason("NodeLost", "{signal}: flushing what is left of the gang and moving it")
 AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node} heard a notice itself and exited 75")
 AGENT_FLUSH_FAILED = Reason(
-    "AgentFlushFailed", "the agent of {worker} on node {node} exited 76: its flush committed nothing", warning=True
+    "AgentFlushFailed",
+    "the agent of {worker} on node {node} exited 76: its flush committed nothing{detail}",
+    warning=True,
 )
 NOTICE_HELD = Reason(
     "NoticeHeld",
@@ -45,7 +47,9 @@ FLUSH_REQUESTED = Reason("FlushRequested", "{count} agent(s) accepted the reques
 FLUSH_REQUEST_FAILED = Reason(
     "FlushRequestFailed", "could not ask the agent of {worker} to flush: {error}", warning=True
 )
-FLUSH_FAILED = Reason("FlushFailed", "the agent of {worker} exited 76: its flush committed nothing", warning=True)
+FLUSH_FAILED = Reason(
+    "FlushFailed", "the agent of {worker} exited 76: its flush committed nothing{detail}", warning=True
+)
 FLUSH_COMMITTED = Reason("FlushCommitted", "step {step} committed at {uri} {seconds:.1f}s after the notice")
 WORKERS_EXITED = Reason(
     "WorkersExited",

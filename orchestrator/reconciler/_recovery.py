@@ -172,9 +172,8 @@ class _Recovery(_FlushRequests):
                 continue  # the agents flushed because a leader asked them to: the request takes it
             if exited:
                 first = exited[0]
-                return _Preemption(
-                    reason, reason.message(worker=first.name, node=first.node), _nodes(exited), None, False
-                )
+                message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
+                return _Preemption(reason, message, _nodes(exited), None, False)
 
         # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
         # failed (or whose agent met an infrastructure error) is this controller's own stop of the
@@ -241,7 +240,7 @@ class _Recovery(_FlushRequests):
         for w in current:
             if w.exit_code == EXIT_FLUSH_FAILED and w.name not in recovery.flush_failed:
                 recovery.flush_failed.append(w.name)
-                self._event(p, FLUSH_FAILED, worker=w.name)
+                self._event(p, FLUSH_FAILED, worker=w.name, detail=_flush_detail(w))
 
         if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
             # The notice came as the training ended: every rank finished before it served the
@@ -537,3 +536,9 @@ class _Recovery(_FlushRequests):
         self._set_phase(p, phase, why.name, message)
         self._condition(p, READY, False, why.name, message)
         self._event(p, why, message=message)
+
+
+def _flush_detail(w: WorkerObservation) -> str:
+    """``; its log says: <the agent's exit line>`` for an agent that exited 76, when the backend read
+    why its flush committed nothing (the flush's error, the command ending first), else nothing."""
+    return f"; its log says: {w.detail}" if w.detail else ""

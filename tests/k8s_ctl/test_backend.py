@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agent.streams import JsonFormatter, UtcFormatter
 from orchestrator.backends.base import FlushRequestOutcome, Placement
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.agents import AgentCalls, AgentReport, CallResult, CallState, Endpoint
@@ -265,6 +267,33 @@ def test_an_agent_that_refused_a_setting_of_its_environment_points_there_not_at_
     assert detail is not None
     assert "SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off" in detail
     assert "valueFrom, envFrom" in detail and "older than the controller" not in detail
+
+
+def _agent_log(lines: list[str], kind: str) -> str:
+    """These messages as spotjob-agent's log writes them, text or JSON (``agent.streams``)."""
+    fields = {"command": "spotjob-agent", "pid": 7}
+    if kind == "json":
+        formatter: logging.Formatter = JsonFormatter(fields)
+    else:
+        formatter = UtcFormatter("%(asctime)s %(levelname)s spotjob-agent[%(process)d] %(name)s: %(message)s")
+    records = [logging.LogRecord("agent.launcher", logging.WARNING, __file__, 1, m, (), None) for m in lines]
+    return "\n".join(formatter.format(r) for r in records)
+
+
+@pytest.mark.parametrize("kind", ["text", "json"])
+def test_an_agent_that_exited_76_says_why_its_flush_committed_nothing_from_its_own_log(world: World, kind: str) -> None:
+    """The termination message of an agent that exited 76 (the tail of its log) holds its exit line:
+    why the flush committed nothing. The worker's detail is that line, which the AgentFlushFailed
+    and FlushFailed messages carry; it was None (the messages said only "committed nothing")."""
+    why = 'exiting 76: the flush failed: the store refused the upload "step-000000100" (AccessDenied)'
+    flushed = pod(0, exit_code=76)
+    tail = _agent_log(["flush f-1 failed after 2.10 s: AccessDenied", why], kind)
+    flushed["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = tail
+    world.add(flushed)
+    world.add(pod(1, exit_code=76))  # its termination message is empty: nothing to say
+    first, second = world.backend.list_workers(KEY, spec())
+    assert first.detail == f"{why}; kubectl logs llama-0-0", first.detail
+    assert second.detail is None
 
 
 def test_an_agent_that_exited_74_says_which_infrastructure_error_from_its_own_log(world: World, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ each error (``os.strerror``).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -199,3 +200,31 @@ def test_a_command_its_agent_stopped_on_a_signal_it_does_not_take_as_a_notice_sa
         "spotjob-agent stopped the command without a flush on SIGTERM, which it does not take as a notice "
         "(its --notices leave out sigterm, or --no-sigterm)"
     )
+
+
+@pytest.mark.parametrize("kind", ["text", "json"])
+def test_an_agent_that_exited_76_or_74_says_why_in_its_own_exit_line(tmp_path: Path, kind: str) -> None:
+    """A local worker whose agent exited 76 (its flush committed nothing) or 74 had no detail: the
+    AgentFlushFailed and FlushFailed messages said only "committed nothing", and WorkerInfraError a
+    list of what it could be. The detail is now the agent's own exit line from its log, text or
+    JSON; a line of the script's that happens to say "exiting 76:" is not the agent's."""
+    why = "exiting 76: the flush committed no checkpoint: the command ended before its ranks reported one"
+    if kind == "json":
+        exit_line = json.dumps({"level": "WARNING", "message": why, "command": "spotjob-agent", "pid": 9622})
+    else:
+        exit_line = f"2026-12-05T19:38:42.255Z WARNING spotjob-agent[9622] job=local/x agent.launcher: {why}"
+    log = tmp_path / "x-0-0.log"
+    log.write_text("\n".join([AGENT, "[rank0]: my script: exiting 76: not the agent", exit_line]) + "\n")
+    node = cast(Any, SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small"))
+
+    def exited(index: int, code: int) -> local._Worker:
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        proc.wait()
+        return local._Worker(f"x-0-{index}", JobKey.local("x"), 0, index, node, proc, str(tmp_path / "c"), str(log), "")
+
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        seen = backend._observe(exited(0, 76))
+        assert seen.exit_code == 76
+        assert seen.detail == f"{why} (log: {log})"
+        log.write_text(f"{AGENT}\n[rank0]: exiting 74: the script's own words\n")  # no agent exit line
+        assert backend._observe(exited(1, 74)).detail is None

@@ -32,7 +32,7 @@ from fakes import (
 from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef, latest_valid
-from agent.control_channel import EXIT_PREEMPTED
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
@@ -409,6 +409,30 @@ def test_treats_an_agent_that_exits_76_as_a_preemption_resuming_from_the_previou
     status = world.run_until(running_attempt(1))
     assert (status.preemptions, status.restarts) == (1, 0)
     assert world.backend.worker(1, 0).resumed_from == 101, "the survivor's flush committed step 101"
+
+
+def test_an_agent_exiting_76_is_told_with_what_its_log_says_of_why_its_flush_committed_nothing(world: World) -> None:
+    """AgentFlushFailed (its Event and the recovery's message) and FlushFailed said only "its flush
+    committed nothing"; they now carry the agent's own exit line when the backend read it (the
+    pod's termination message, a local worker's log), as WorkerInfraError does for 74."""
+    world.run_to(100)
+    said = "exiting 76: the flush failed: storage refused the upload (AccessDenied); kubectl logs train-0-0"
+    world.backend.details["train-0-0"] = said
+    world.backend.agent_hears_notice(0, 0, commit=False)  # exit 76: nothing committed
+
+    status = world.run_until(phase_is(Phase.FLUSHING))
+
+    assert status.recovery is not None and status.recovery.reason == "AgentFlushFailed"
+    assert f"its flush committed nothing; its log says: {said}" in status.recovery.message, status.recovery.message
+    assert any(said in e.message for e in world.events.emitted if e.reason == "AgentFlushFailed")
+    survivor = "exiting 76: the flush committed no checkpoint: the command ended before its ranks reported one"
+    world.backend.details["train-0-1"] = survivor
+    world.backend.exit(0, 1, EXIT_FLUSH_FAILED)  # the survivor's flush fails too
+
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    (failed,) = [e.message for e in world.events.emitted if e.reason == "FlushFailed"]
+    assert failed == f"the agent of train-0-1 exited 76: its flush committed nothing; its log says: {survivor}"
 
 
 def test_treats_a_worker_that_vanishes_without_a_notice_as_a_lost_node_not_a_failure(world: World) -> None:
