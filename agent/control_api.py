@@ -354,10 +354,34 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def peer_uid(peer: tuple[str, int], server_port: int) -> int | None:
-    """The user owning the loopback client socket ``peer`` connected to ``server_port`` on this
-    machine, from ``/proc/net/tcp`` and ``tcp6``; None where that cannot be read (no ``/proc``)
-    or the socket is not found."""
+def _proc_address(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """An ``address:port`` of ``/proc/net/tcp[6]``: hex, each 32-bit word of the address in the
+    machine's byte order. An IPv4 address mapped into IPv6 comes back as IPv4."""
+    host, _, port = field.rpartition(":")
+    raw = bytes.fromhex(host)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return _plain(ipaddress.ip_address(raw)), int(port, 16)
+
+
+def _plain(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def peer_uid(peer: tuple[Any, ...], local: tuple[Any, ...]) -> int | None:
+    """The user owning the loopback client socket ``peer`` (address, port) connected to ``local``
+    (the accepted socket's own address and port) on this machine, from ``/proc/net/tcp`` and
+    ``tcp6``; None where that cannot be read (no ``/proc``) or the socket is not found.
+
+    Both ends are matched by address and port. Ports alone are not enough: a client bound to
+    another loopback address on the API's own port (127.0.0.2:<port> to 127.0.0.1:<port>) would
+    match the agent's side of the same connection too, and pass for the agent's user."""
+    want = (
+        (_plain(ipaddress.ip_address(peer[0].split("%")[0])), int(peer[1])),
+        (_plain(ipaddress.ip_address(local[0].split("%")[0])), int(local[1])),
+    )
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -368,9 +392,8 @@ def peer_uid(peer: tuple[str, int], server_port: int) -> int | None:
             fields = line.split()
             if len(fields) < 8:
                 continue
-            local, remote = fields[1].rpartition(":")[2], fields[2].rpartition(":")[2]
             try:
-                if int(local, 16) == peer[1] and int(remote, 16) == server_port:
+                if (_proc_address(fields[1]), _proc_address(fields[2])) == want:
                     return int(fields[7])
             except ValueError:
                 continue
@@ -672,7 +695,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         api = self.server.api
         if path not in _OPEN and not api.auth_required:
-            uid = peer_uid(self.client_address, api.port)
+            uid = peer_uid(self.client_address, self.connection.getsockname())
             if uid is not None and uid not in (os.getuid(), 0):
                 self._discard_body()
                 log.warning(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 import urllib.error
@@ -194,6 +197,51 @@ class TestToken:
         # Unlike every other SPOTJOB_* setting, an empty token is no "unset": that would mean no auth.
         with pytest.raises(ValueError, match="set but empty"):
             load_token(None, {"SPOTJOB_AGENT_TOKEN": ""})
+
+
+# A client of another user that binds its socket to another loopback address on the API's own port
+# (127.0.0.2:<port>, which nothing holds), then asks for /stop.
+_OTHER_USER_CLIENT = """
+import socket, sys
+port = int(sys.argv[1])
+for _ in range(5):
+    s = socket.socket()
+    s.bind(("127.0.0.2", port))
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST /stop HTTP/1.0\\r\\nContent-Length: 2\\r\\n\\r\\n{}")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    print(data.split()[1].decode())
+    s.close()
+"""
+
+
+class TestWithoutAToken:
+    @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
+    def test_another_user_connecting_from_the_apis_own_port_is_still_refused(self, agent: Agent) -> None:
+        """Before, the client's user was looked up in /proc/net/tcp by ports alone (local port = the
+        client's, remote port = the API's). A client bound to 127.0.0.2 on the API's own port
+        matched the agent's own accepted socket as well (local 127.0.0.1:<port>, remote
+        127.0.0.2:<port>), which is listed first more often than not: another user's POST /stop got
+        202. Now addresses count too, and it gets 403 every time."""
+        python = shutil.which("python3", path="/usr/bin:/bin")  # one that user may run (not the venv's)
+        if python is None:
+            pytest.skip("no system python3 for the other user")
+        server = ControlApi(agent)
+        server.start()
+        try:
+            other = subprocess.run(
+                [python, "-c", _OTHER_USER_CLIENT, str(server.port)],
+                user=65534,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            server.stop()
+        assert other.stdout.split() == ["403"] * 5, other.stdout + other.stderr
+        assert agent.status().stop is None
 
 
 # -- facing a pod network ---------------------------------------------------------------------------
