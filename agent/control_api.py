@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -78,6 +79,8 @@ AgentState = Literal["starting", "running", "flushing", "flushed", "flush-failed
 _ALLOWED = {"/healthz": "GET", "/readyz": "GET", "/status": "GET", "/flush": "POST", "/save": "POST", "/stop": "POST"}
 _OPEN = ("/healthz", "/readyz")
 """Endpoints without a token: probes carry none, and they reveal nothing but up/ready."""
+_QUERY = re.compile(r"\?[^\s\"']*")
+"""A request line's query string, which is never logged (a client may have put the token there)."""
 
 
 def safe(value: object, limit: int = 200) -> str:
@@ -837,8 +840,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
-        # The request line only (never headers, so never the token), escaped, at debug.
-        log.debug("control API %s: %s", safe(self.client_address[0]), safe(format % args, 300))
+        # The request line only (never headers, so never the token), escaped, at debug. Its query
+        # string is left out: the API reads none, and a client may have put the token there.
+        line = _QUERY.sub("?<query not logged>", format % args)
+        log.debug("control API %s: %s", safe(self.client_address[0]), safe(line, 300))
 
 
 def _problems(e: ValidationError) -> list[dict[str, Any]]:

@@ -106,6 +106,17 @@ class TestAuth:
             call(api, "POST", "/flush", token=TOKEN, body={"reason": "test"})
         assert TOKEN not in caplog.text and "refused" in caplog.text
 
+    def test_a_token_sent_in_a_query_string_is_not_logged(
+        self, api: ControlApi, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A client that puts the token in the URL (which the API never reads) leaves it out of the
+        log: before, the debug line of every request quoted the request line whole, query included."""
+        with caplog.at_level(logging.DEBUG, logger="agent.control_api"):
+            assert call(api, "GET", f"/status?token={TOKEN}")[0] == 401
+            assert call(api, "GET", f"/healthz?token={TOKEN}")[0] == 200
+            assert raw(api, f"GET /status?t={TOKEN} HTTP/1.0\r\n\r\n".encode())[0] == 401
+        assert TOKEN not in caplog.text and "GET /healthz?" in caplog.text
+
 
 class TestFlush:
     def test_the_right_token_writes_flush_json(self, api: ControlApi, agent: Agent) -> None:
