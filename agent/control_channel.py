@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.atomic_file import write_atomic
+from agent.manifest import loads_bounded
 
 ENV_CHECKPOINT_URI = "SPOTJOB_CHECKPOINT_URI"
 ENV_JOB_NAME = "SPOTJOB_JOB_NAME"
@@ -122,11 +124,30 @@ def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(payload).encode(), durable=False)
 
 
+MAX_FILE_BYTES = 1 << 20
+"""The most a control file is read: they hold a few hundred bytes; a larger one is no file of spotjob's."""
+
+
 def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None where there is none: no such file, not JSON, not an object,
+    and whatever no spotjob process writes (a FIFO, a folder, over ``MAX_FILE_BYTES``, nested more
+    than 64 deep). A crafted file in the control folder never hangs or crashes a rank or the agent:
+    the open does not wait on a FIFO, and the bytes are bounded before they are parsed."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (FileNotFoundError, ValueError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = b""
+        while len(raw) <= MAX_FILE_BYTES and (chunk := os.read(fd, MAX_FILE_BYTES + 1 - len(raw))):
+            raw += chunk
+    finally:
+        os.close(fd)
+    try:
+        data = loads_bounded(raw, max_bytes=MAX_FILE_BYTES)
+    except ValueError:
         return None
     return data if isinstance(data, dict) else None
 

@@ -1,0 +1,59 @@
+"""What the agent and the ranks read from the control folder: crafted files there (nested deep,
+huge, a FIFO, a folder) read as no file, never as a crash or a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.control_channel import FLUSH_FILE, STATUS_FILE, ControlDir, RankStatus, read_json
+from agent.launcher import Agent, AgentConfig
+
+WAIT = 30.0
+
+
+def test_a_status_json_nested_100000_deep_is_no_status_and_the_agent_goes_on(tmp_path: Path) -> None:
+    """Before, ``json.load`` raised RecursionError out of the agent's loop: the agent stopped the
+    command and exited (and GET /status answered 500)."""
+    control = ControlDir(str(tmp_path))
+    (tmp_path / STATUS_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    assert control.status() is None
+    agent = Agent(AgentConfig(command=["true"], checkpoint_uri="file:///ckpt"), control, env={})
+    assert agent.status().rank_state is None and agent.ready().ready is False
+
+
+def test_a_file_over_a_mebibyte_is_not_read(tmp_path: Path) -> None:
+    path = tmp_path / STATUS_FILE
+    path.write_text(json.dumps({"state": "training", "pad": "x" * (1 << 20)}))
+    assert read_json(str(path)) is None
+    path.write_text(json.dumps({"state": "training", "step": 7}))
+    status = ControlDir(str(tmp_path)).status()
+    assert status == RankStatus(state="training", step=7, updated_at=status.updated_at if status else 0)
+
+
+def test_a_folder_in_place_of_a_file_is_no_file(tmp_path: Path) -> None:
+    """Before, reading it raised IsADirectoryError."""
+    (tmp_path / STATUS_FILE).mkdir()
+    assert ControlDir(str(tmp_path)).status() is None
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_flush_json_does_not_hang_the_reader(tmp_path: Path) -> None:
+    """Before, opening it waited for a writer that never comes: a rank reading the flush request
+    (or the agent, for its own) hung there."""
+    os.mkfifo(tmp_path / FLUSH_FILE)
+    control = ControlDir(str(tmp_path))
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(control.flush_request()), daemon=True)
+    reader.start()
+    reader.join(WAIT)
+    if reader.is_alive():  # unblock it before failing
+        with open(tmp_path / FLUSH_FILE, "w"):
+            pass
+        reader.join(WAIT)
+        pytest.fail("reading a FIFO named flush.json waited for a writer")
+    assert result == [None]
