@@ -272,5 +272,5 @@ class ControlDir:
             pass
 
     def mark_closed(self, rank: int) -> None:
-        with open(self._p(f"{CLOSED_PREFIX}{rank}"), "w") as f:
-            f.write(str(time.time()))
+        # Replaced, never opened for writing: a symlink someone left under this name is not followed.
+        write_atomic(self._p(f"{CLOSED_PREFIX}{rank}"), str(time.time()).encode(), durable=False)

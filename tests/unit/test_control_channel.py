@@ -57,3 +57,17 @@ def test_a_fifo_named_flush_json_does_not_hang_the_reader(tmp_path: Path) -> Non
         reader.join(WAIT)
         pytest.fail("reading a FIFO named flush.json waited for a writer")
     assert result == [None]
+
+
+def test_a_symlink_planted_as_a_ranks_closed_mark_is_replaced_not_written_through(tmp_path: Path) -> None:
+    """Before, ``mark_closed`` opened ``closed-rank-<r>`` for writing and followed a symlink there:
+    whoever could write in a shared control folder could make a rank truncate a file of its
+    user's (the link's target). Now the mark replaces the link."""
+    victim = tmp_path / "victim"
+    victim.write_text("the user's own file")
+    folder = tmp_path / "control"
+    control = ControlDir(str(folder))
+    (folder / "closed-rank-0").symlink_to(victim)
+    control.mark_closed(0)
+    assert victim.read_text() == "the user's own file"
+    assert not (folder / "closed-rank-0").is_symlink() and control.closed_ranks() == {0}
