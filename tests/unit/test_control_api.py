@@ -254,6 +254,33 @@ class TestWithoutAToken:
         assert other.stdout.split() == ["403"] * 5, other.stdout + other.stderr
         assert agent.status().stop is None
 
+    @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
+    def test_another_user_on_ipv6_loopback_is_refused(self, agent: Agent) -> None:
+        """Pins what worked before the match by address: the client's socket is found in
+        /proc/net/tcp6 too (a socket not found would let the request through)."""
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None or not socket.has_ipv6:
+            pytest.skip("no system python3 for the other user, or no IPv6")
+        server = ControlApi(agent, host="::1")
+        try:
+            server.start()
+        except control_api.ControlApiBindError:
+            pytest.skip("no IPv6 loopback here")
+        client = (
+            "import socket, sys\n"
+            "s = socket.create_connection(('::1', int(sys.argv[1])))\n"
+            "s.sendall(b'POST /stop HTTP/1.0\\r\\n\\r\\n')\n"
+            "print(s.recv(100).split()[1].decode())\n"
+        )
+        try:
+            other = subprocess.run(
+                [python, "-c", client, str(server.port)], user=65534, capture_output=True, text=True, timeout=60
+            )
+        finally:
+            server.stop()
+        assert other.stdout.split() == ["403"], other.stdout + other.stderr
+        assert agent.status().stop is None
+
 
 # -- facing a pod network ---------------------------------------------------------------------------
 
