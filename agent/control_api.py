@@ -763,7 +763,7 @@ class _Handler(BaseHTTPRequestHandler):
         values = self.headers.get_all("Content-Length") or []
         if not values:
             return 0
-        if len(set(values)) != 1 or not values[0].strip().isdigit():
+        if len(set(values)) != 1 or not (values[0].strip().isascii() and values[0].strip().isdigit()):
             raise _BadRequest(400, "invalid Content-Length")
         length = int(values[0].strip())
         if length > MAX_BODY_BYTES:

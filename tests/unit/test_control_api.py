@@ -466,6 +466,17 @@ class TestRequests:
         assert got == status and headers["content-type"] == "application/json" and json.loads(body)["error"]
         assert not agent.control.flush_requested()
 
+    def test_a_content_length_of_a_non_ascii_digit_is_400_not_500(
+        self, api: ControlApi, agent: Agent, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Byte 0xB2 reads as "²" (headers are Latin-1), which ``str.isdigit`` takes for a digit and
+        ``int`` refuses: before, the answer was 500 with a traceback logged at ERROR."""
+        request = post("/flush", b"", token=TOKEN).replace(b"\r\n\r\n", b"\r\nContent-Length: \xb2\r\n\r\n", 1)
+        with caplog.at_level(logging.ERROR, logger="agent.control_api"):
+            got, _, body = raw(api, request + b"{}")
+        assert (got, json.loads(body)["error"]) == (400, "invalid Content-Length")
+        assert not caplog.records and not agent.control.flush_requested()
+
     def test_two_different_content_lengths_are_refused(self, api: ControlApi, agent: Agent) -> None:
         assert raw(api, post("/flush", b"{}", "Content-Length: 2", "Content-Length: 0"))[0] == 400
         assert not agent.control.flush_requested()
