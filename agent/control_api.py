@@ -373,34 +373,43 @@ def _plain(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.
     return address
 
 
+NO_OWNER = -1
+"""``peer_uid`` for a client socket ``/proc/net/tcp`` no longer lists with an owner."""
+
+
 def peer_uid(peer: tuple[Any, ...], local: tuple[Any, ...]) -> int | None:
     """The user owning the loopback client socket ``peer`` (address, port) connected to ``local``
     (the accepted socket's own address and port) on this machine, from ``/proc/net/tcp`` and
-    ``tcp6``; None where that cannot be read (no ``/proc``) or the socket is not found.
+    ``tcp6``; None where neither can be read (no ``/proc``); ``NO_OWNER`` where the client's
+    socket is not listed, or listed without an owner (inode 0: closed, its uid column meaningless).
 
     Both ends are matched by address and port. Ports alone are not enough: a client bound to
     another loopback address on the API's own port (127.0.0.2:<port> to 127.0.0.1:<port>) would
-    match the agent's side of the same connection too, and pass for the agent's user."""
+    match the agent's side of the same connection too, and pass for the agent's user. A client
+    that closed or reset its socket right after sending cannot be told apart from any other user,
+    so it is no one's."""
     want = (
         (_plain(ipaddress.ip_address(peer[0].split("%")[0])), int(peer[1])),
         (_plain(ipaddress.ip_address(local[0].split("%")[0])), int(local[1])),
     )
+    read = False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 lines = f.read().splitlines()[1:]
         except OSError:
             continue
+        read = True
         for line in lines:
             fields = line.split()
-            if len(fields) < 8:
+            if len(fields) < 10:
                 continue
             try:
                 if (_proc_address(fields[1]), _proc_address(fields[2])) == want:
-                    return int(fields[7])
+                    return int(fields[7]) if fields[9] != "0" else NO_OWNER
             except ValueError:
                 continue
-    return None
+    return NO_OWNER if read else None
 
 
 @dataclass
@@ -702,10 +711,10 @@ class _Handler(BaseHTTPRequestHandler):
             if uid is not None and uid not in (os.getuid(), 0):
                 self._discard_body()
                 log.warning(
-                    "control API: refused %s %s from user id %d: without a token only this user (%d) may use it",
+                    "control API: refused %s %s from %s: without a token only this user (%d) may use it",
                     safe(method, 16),
                     safe(path, 100),
-                    uid,
+                    f"user id {uid}" if uid != NO_OWNER else "a client whose socket has closed (user unknown)",
                     os.getuid(),
                 )
                 return self._send(

@@ -255,6 +255,40 @@ class TestWithoutAToken:
         assert agent.status().stop is None
 
     @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
+    def test_another_user_whose_socket_is_gone_when_its_request_is_read_is_refused(
+        self, agent: Agent, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Before, a client socket not found in /proc/net/tcp counted as "cannot tell" (as on macOS)
+        and was served, and one closed already (a timewait entry) read as root's: another user who
+        sent POST /stop and reset the connection at once (SO_LINGER 0) stopped the job, most often
+        at the first try. Now a socket that is gone or has no owner is refused, where /proc is there."""
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None:
+            pytest.skip("no system python3 for the other user")
+        server = ControlApi(agent)
+        server.start()
+        client = (
+            "import socket, struct, sys\n"
+            "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\n"
+            "s.sendall(b'POST /stop HTTP/1.0\\r\\nContent-Length: 0\\r\\n\\r\\n')\n"
+            "s.close()\n"
+        )
+
+        def served(tries: int) -> bool:  # each connection answered, refused or dropped
+            said = [r.getMessage() for r in caplog.records if r.name == "agent.control_api"]
+            return sum(("refused" in m or "ended" in m or '" 20' in m) for m in said) >= tries
+
+        try:
+            with caplog.at_level(logging.DEBUG):
+                for tries in range(1, 6):
+                    subprocess.run([python, "-c", client, str(server.port)], user=65534, timeout=60, check=True)
+                    wait_until(lambda: served(tries) or agent.status().stop is not None, "the request served")
+                    assert agent.status().stop is None, f"stopped at try {tries}"
+        finally:
+            server.stop()
+
+    @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as another user")
     def test_another_user_on_ipv6_loopback_is_refused(self, agent: Agent) -> None:
         """Pins what worked before the match by address: the client's socket is found in
         /proc/net/tcp6 too (a socket not found would let the request through)."""
