@@ -283,7 +283,7 @@ class TestWithoutAToken:
             with caplog.at_level(logging.DEBUG):
                 for tries in range(1, 6):
                     subprocess.run([python, "-c", client, str(server.port)], user=65534, timeout=60, check=True)
-                    wait_until(lambda: served(tries) or agent.status().stop is not None, "the request served")
+                    wait_until(lambda n=tries: served(n) or agent.status().stop is not None, "the request served")
                     assert agent.status().stop is None, f"stopped at try {tries}"
         finally:
             server.stop()
