@@ -29,10 +29,13 @@ Environment variables the agent sets for ``Checkpointer.from_env()`` are named h
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
 import time
+import types
+import typing
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -152,6 +155,31 @@ def read_json(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+@functools.cache
+def _field_types(cls: type) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """Each field of dataclass ``cls`` with the types its value may have."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        out.append((name, (*allowed, int) if float in allowed else allowed))
+    return tuple(out)
+
+
+def _fitting(cls: type, data: dict[str, Any], *, absent_as_none: bool = False) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` in ``data`` whose values have the field's type (an int
+    counts as a float, a bool as no int). A value of another type is left out, as if absent (or
+    None, with ``absent_as_none``), so a crafted file cannot hand the agent a string where it
+    computes with a number."""
+    out: dict[str, Any] = {}
+    for name, allowed in _field_types(cls):
+        value = data.get(name)
+        if name in data and isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+            out[name] = value
+        elif absent_as_none:
+            out[name] = None
+    return out
+
+
 class ControlDir:
     """One node's control folder, as seen by the agent or by a rank."""
 
@@ -186,14 +214,14 @@ class ControlDir:
         for name in (FLUSHED_FILE, FLUSH_FAILED_FILE):
             data = read_json(self._p(name))
             if data is not None:
-                return FlushResult(**{k: data.get(k) for k in FlushResult.__dataclass_fields__})  # type: ignore[arg-type]
+                return FlushResult(**_fitting(FlushResult, data, absent_as_none=True))
         return None
 
     def status(self) -> RankStatus | None:
         data = read_json(self._p(STATUS_FILE))
         if data is None:
             return None
-        return RankStatus(**{k: v for k, v in data.items() if k in RankStatus.__dataclass_fields__})
+        return RankStatus(**_fitting(RankStatus, data))
 
     def infra_error(self) -> dict[str, Any] | None:
         """What a rank reported with ``report_infra_error`` (``{"rank", "error", "at"}``), if any."""
@@ -234,7 +262,7 @@ class ControlDir:
         data = read_json(self._flush_path)
         if data is None:
             return None
-        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
+        return FlushRequest(**_fitting(FlushRequest, data))
 
     def save_requested(self) -> bool:
         return os.path.exists(self._p(SAVE_FILE))
@@ -243,7 +271,7 @@ class ControlDir:
         data = read_json(self._p(SAVE_FILE))
         if data is None:
             return None
-        return FlushRequest(**{k: data.get(k) for k in FlushRequest.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
+        return FlushRequest(**_fitting(FlushRequest, data))
 
     def clear_save_request(self) -> None:
         try:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from agent.control_api import ControlApi
 from agent.control_channel import FLUSH_FILE, STATUS_FILE, ControlDir, RankStatus, read_json
 from agent.launcher import Agent, AgentConfig
 
@@ -71,3 +74,28 @@ def test_a_symlink_planted_as_a_ranks_closed_mark_is_replaced_not_written_throug
     control.mark_closed(0)
     assert victim.read_text() == "the user's own file"
     assert not (folder / "closed-rank-0").is_symlink() and control.closed_ranks() == {0}
+
+
+def test_fields_of_the_wrong_type_read_as_absent_and_a_flush_is_still_answered(tmp_path: Path) -> None:
+    """Before, ``"last_save_seconds": "x"`` in status.json made POST /flush with a deadline answer
+    500 (a TypeError computing the window), and a list as the step made GET /status 500."""
+    control = ControlDir(str(tmp_path))
+    crafted = {"state": "training", "step": [1], "last_save_seconds": "x", "world_size": True, "commits": "many"}
+    (tmp_path / STATUS_FILE).write_text(json.dumps(crafted))
+    status = control.status()
+    assert status is not None and status.state == "training"
+    assert (status.step, status.last_save_seconds, status.world_size, status.commits) == (None, None, None, 0)
+    (tmp_path / "flushed.json").write_text(json.dumps({"step": "7", "uri": 3, "request_id": "r1"}))
+    result = control.flush_result()
+    assert result is not None and (result.step, result.uri, result.request_id) == (None, None, "r1")
+    agent = Agent(AgentConfig(command=["true"], checkpoint_uri="file:///ckpt"), control, env={})
+    api = ControlApi(agent, token="t")
+    api.start()
+    try:
+        for path, body in (("/status", None), ("/flush", {"deadline": time.time() + 60})):
+            data = json.dumps(body).encode() if body is not None else None
+            request = urllib.request.Request(api.url + path, data=data, headers={"Authorization": "Bearer t"})
+            with urllib.request.urlopen(request, timeout=WAIT) as response:
+                assert response.status in (200, 202)
+    finally:
+        api.stop()
