@@ -13,8 +13,9 @@ compared in constant time. The token comes from ``SPOTJOB_AGENT_TOKEN`` or a mou
 never logged and never passed to the command. Without a token the API binds loopback only,
 whatever host was asked for, and serves only this user's processes (and root's): on a machine
 shared by several users (a batch node) anyone could otherwise stop or flush another user's job.
-The client's user is the owner of its socket in ``/proc/net/tcp`` (``peer_uid``); where there is
-no ``/proc`` (macOS), loopback is all that is checked. A refused request changes nothing.
+The client's user is the owner of its socket in ``/proc/net/tcp`` (``peer_uid``), found by both
+ends' addresses and ports; a client whose socket is gone or has no owner there is refused. Where
+there is no ``/proc`` (macOS), loopback is all that is checked. A refused request changes nothing.
 
 On a pod network anyone can connect, so the server is bounded: at most ``max_connections``
 connections at once, one request per connection, and
