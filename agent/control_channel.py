@@ -180,6 +180,14 @@ def _fitting(cls: type, data: dict[str, Any], *, absent_as_none: bool = False) -
     return out
 
 
+def _request(data: dict[str, Any]) -> FlushRequest:
+    """The request a ``flush.json`` or ``save.json`` holds. One without a ``reason`` string (no
+    spotjob process writes one) is still a request, as the file's presence says; it never raises."""
+    fields = _fitting(FlushRequest, data)
+    fields.setdefault("reason", "a request file without a reason")
+    return FlushRequest(**fields)
+
+
 class ControlDir:
     """One node's control folder, as seen by the agent or by a rank."""
 
@@ -260,18 +268,14 @@ class ControlDir:
 
     def flush_request(self) -> FlushRequest | None:
         data = read_json(self._flush_path)
-        if data is None:
-            return None
-        return FlushRequest(**_fitting(FlushRequest, data))
+        return _request(data) if data is not None else None
 
     def save_requested(self) -> bool:
         return os.path.exists(self._p(SAVE_FILE))
 
     def save_request(self) -> FlushRequest | None:
         data = read_json(self._p(SAVE_FILE))
-        if data is None:
-            return None
-        return FlushRequest(**_fitting(FlushRequest, data))
+        return _request(data) if data is not None else None
 
     def clear_save_request(self) -> None:
         try:

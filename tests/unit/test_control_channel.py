@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.control_api import ControlApi
-from agent.control_channel import FLUSH_FILE, STATUS_FILE, ControlDir, RankStatus, read_json
+from agent.control_channel import FLUSH_FILE, SAVE_FILE, STATUS_FILE, ControlDir, RankStatus, read_json
 from agent.launcher import Agent, AgentConfig
 
 WAIT = 30.0
@@ -99,3 +99,17 @@ def test_fields_of_the_wrong_type_read_as_absent_and_a_flush_is_still_answered(t
                 assert response.status in (200, 202)
     finally:
         api.stop()
+
+
+def test_a_request_file_without_a_reason_string_is_still_a_request_and_never_raises(tmp_path: Path) -> None:
+    """A ``flush.json`` or ``save.json`` with no ``reason`` string (none that spotjob writes) raised
+    TypeError out of ``flush_request()`` on every rank that read it (a number as the reason did too
+    once the fields were type-checked); the file's presence asks for a flush, so it reads as one."""
+    control = ControlDir(str(tmp_path))
+    for crafted in ({}, {"reason": 5, "deadline": "soon"}):
+        for name in (FLUSH_FILE, SAVE_FILE):
+            (tmp_path / name).write_text(json.dumps(crafted))
+        for read in (control.flush_request, control.save_request):
+            request = read()
+            assert request is not None and request.reason == "a request file without a reason"
+            assert request.deadline is None
