@@ -515,7 +515,7 @@ def infra_error_text(report: dict[str, Any] | None) -> str | None:
     """A rank's ``infra-error.json`` report as one line for ``/status`` and the exit message."""
     if report is None:
         return None
-    return f"rank {report.get('rank', '?')}: {safe(report.get('error', 'no detail'), 500)}"
+    return f"rank {safe(report.get('rank', '?'), 20)}: {safe(report.get('error', 'no detail'), 500)}"
 
 
 def _held_key(notice: Notice) -> tuple[str, str]:

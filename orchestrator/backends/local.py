@@ -72,6 +72,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from agent.atomic_file import write_atomic
-from agent.control_api import ENV_AGENT_TOKEN
+from agent.control_api import ENV_AGENT_TOKEN, is_loopback
 from agent.control_channel import (
     AGENT_FILE,
     ENV_ASYNC,
@@ -586,8 +587,14 @@ class LocalBackend:
         info = read_json(os.path.join(w.control_dir, AGENT_FILE))
         if info is None or "url" not in info:
             raise BackendError(f"the agent of {w.name} has not started its control API yet")
+        url = info["url"]
+        # The run's token goes only to an agent on this machine's loopback, as spotjob's agents
+        # listen: not to whatever a file in the run folder names (another host, a file:// URL).
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme != "http" or not is_loopback(parts.hostname or ""):
+            raise BackendError(f"the agent of {w.name} names no loopback control API in its {AGENT_FILE}")
         request = urllib.request.Request(
-            f"{info['url']}{path}",
+            f"{url}{path}",
             data=json.dumps(body).encode(),
             method="POST",
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"},

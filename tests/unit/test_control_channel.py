@@ -15,6 +15,7 @@ import pytest
 from agent.control_api import ControlApi
 from agent.control_channel import FLUSH_FILE, SAVE_FILE, STATUS_FILE, ControlDir, RankStatus, read_json
 from agent.launcher import Agent, AgentConfig
+from agent.launcher_requests import infra_error_text
 
 WAIT = 30.0
 
@@ -113,3 +114,11 @@ def test_a_request_file_without_a_reason_string_is_still_a_request_and_never_rai
             request = read()
             assert request is not None and request.reason == "a request file without a reason"
             assert request.deadline is None
+
+
+def test_a_ranks_infrastructure_report_is_told_escaped_its_rank_too() -> None:
+    """``infra-error.json``'s ``error`` was escaped for the log and ``/status``, its ``rank`` was not:
+    a crafted rank put terminal escapes into the agent's exit line (found by the security walk)."""
+    line = infra_error_text({"rank": "0\x1b[2J\x1b[31m", "error": "store unreachable\x1b[0m"})
+    assert line is not None and "\x1b" not in line
+    assert line.startswith("rank 0\\x1b[2J") and "store unreachable\\x1b[0m" in line, line

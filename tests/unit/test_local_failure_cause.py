@@ -8,17 +8,21 @@ each error (``os.strerror``).
 from __future__ import annotations
 
 import errno
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from agent.control_channel import AGENT_FILE
 from orchestrator.backends import local
+from orchestrator.backends.base import BackendError
 from orchestrator.backends.local import LocalBackend, LocalOptions, failure_cause, failure_detail, log_excerpt
 from orchestrator.model import JobKey
 
@@ -228,3 +232,40 @@ def test_an_agent_that_exited_76_or_74_says_why_in_its_own_exit_line(tmp_path: P
         assert seen.detail == f"{why} (log: {log})"
         log.write_text(f"{AGENT}\n[rank0]: exiting 74: the script's own words\n")  # no agent exit line
         assert backend._observe(exited(1, 74)).detail is None
+
+
+def test_the_runs_token_goes_only_to_an_agent_on_loopback(tmp_path: Path) -> None:
+    """``spotjob run`` posted its token to whatever ``url`` a worker's ``agent.json`` named (found
+    by the security walk): a file in the run folder could send it to another address. Here a server
+    listening on every address stands for one that is not the agent's loopback API; before the
+    fix it received the token."""
+    heard: list[str | None] = []
+
+    class Listen(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            heard.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), Listen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    control = tmp_path / "c"
+    control.mkdir()
+    node = cast(Any, SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small"))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    try:
+        with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+            worker = local._Worker("x-0-0", JobKey.local("x"), 0, 0, node, proc, str(control), str(tmp_path / "l"), "")
+            for url in (f"http://0.0.0.0:{server.server_port}", "file:///etc/hostname", 7):
+                (control / AGENT_FILE).write_text(json.dumps({"url": url}))
+                with pytest.raises(BackendError, match="names no loopback control API"):
+                    backend._post(worker, "/save", {"id": "r1", "reason": "test"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert heard == []
