@@ -660,10 +660,6 @@ def _refused_options(pod: Object) -> str | None:
     )
 
 
-AGENT_INFRA_EXIT = f"exiting {EXIT_INFRA_ERROR}: "
-"""How spotjob-agent begins the log line that says which infrastructure error it exited 74 for."""
-
-
 def _agent_exit_line(pod: Object, code: int) -> str | None:
     """For an agent that exited ``code`` (74, an infrastructure error; 76, a flush that committed
     nothing): its line of the termination message (the tail of its log, ``FallbackToLogsOnError``)
