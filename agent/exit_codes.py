@@ -9,12 +9,30 @@ one of 74/75/76/79, which mean what the agent saw (``agent.launcher`` adds the r
 
 from __future__ import annotations
 
+import json
 import signal
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, FlushResult
 
 EXIT_USAGE = 2
 """Bad options or settings, found before the command starts (argparse's own code for a usage error)."""
+
+
+def exit_words(line: str, code: int) -> str | None:
+    """What one of spotjob-agent's log lines (text or ``--log-format json``) says from ``exiting
+    <code>:`` on, the agent's reason for that exit, with unprintable characters as ``?``; None
+    when the line is no such exit line. The controller and ``spotjob run`` quote it."""
+    marker = f"exiting {code}: "
+    if marker not in line:
+        return None
+    if line.lstrip().startswith("{"):
+        try:
+            line = str(json.loads(line).get("message") or "")
+        except (ValueError, AttributeError):
+            return None
+        if marker not in line:
+            return None
+    return "".join(c if c.isprintable() else "?" for c in line[line.index(marker) :].strip())
 
 
 def command_exit_code(returncode: int) -> int:

@@ -51,8 +51,6 @@ Nothing here blocks on the network in a pass except the writes (pod creates and 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import re
 import threading
@@ -62,7 +60,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR
-from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES
+from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES, exit_words
 from orchestrator.backends.base import (
     RANKS_NOT_MEETING,
     BackendError,
@@ -664,17 +662,11 @@ def _agent_exit_line(pod: Object, code: int) -> str | None:
     """For an agent that exited ``code`` (74, an infrastructure error; 76, a flush that committed
     nothing): its line of the termination message (the tail of its log, ``FallbackToLogsOnError``)
     that says why and what to do, from ``exiting N:`` on."""
-    marker = f"exiting {code}: "
     terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
-    lines = [line for line in str(terminated.get("message") or "").splitlines() if marker in line]
-    if not lines:
+    found = [w for line in str(terminated.get("message") or "").splitlines() if (w := exit_words(line, code))]
+    if not found:
         return None
-    line = lines[-1]
-    if line.lstrip().startswith("{"):  # the agent's log line as JSON (--log-format json): its message
-        with contextlib.suppress(ValueError, AttributeError):
-            line = str(json.loads(line).get("message") or line)
-    line = line[line.index(marker) :] if marker in line else line
-    said = "".join(c if c.isprintable() else "?" for c in line.strip())[:400]
+    said = found[-1][:400]
     return f"{said}; kubectl logs {_name(pod)}"
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from agent.exit_codes import KILLED_BY, signal_name
+from agent.exit_codes import KILLED_BY, exit_words, signal_name
 
 LOG_TAIL_BYTES = 256 * 1024
 """How much of the end of a worker's log is read to tell why it failed."""
@@ -131,17 +130,9 @@ def agent_exit_line(log_path: str, code: int) -> str | None:
     """The agent's own words on why it exited ``code`` (74, an infrastructure error; 76, a flush
     that committed nothing), from ``exiting N:`` on: its last such line in the worker's log, as text
     or as JSON. None when the log has none (an agent that could not say)."""
-    marker = f"exiting {code}: "
     for line in reversed(_log_tail(log_path).splitlines()[-40:]):
-        if marker not in line or not _agent_line(line):
-            continue
-        if line.startswith("{"):
-            try:
-                line = str(json.loads(line).get("message") or "")
-            except (ValueError, AttributeError):
-                continue
-        if marker in line:
-            said = "".join(c if c.isprintable() else "?" for c in line[line.index(marker) :].strip())
+        said = exit_words(line, code) if _agent_line(line) else None
+        if said:
             return f"{_shorten(said)} (log: {log_path})"
     return None
 
