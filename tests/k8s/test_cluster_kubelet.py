@@ -327,7 +327,11 @@ def test_deleting_a_pod_stops_its_native_sidecar_only_after_the_main_container_e
     cluster.wait_for(
         lambda: worker.mounts and Path(dict(worker.mounts)["/data"], "main-started").exists(), WAIT, "main to start"
     )
-    ready = get(cluster, namespace, "side-del")
+    # The kubelet reports Running after it started the process (as a real one does), so the file
+    # can be there a moment before the status says so.
+    ready = cluster.wait_for(
+        lambda: phase(p := get(cluster, namespace, "side-del")) != "Pending" and p, WAIT, "the pod to leave Pending"
+    )
     assert phase(ready) == "Running" and condition(ready, "Initialized").get("status") == "True"
     cluster.rest.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/side-del")
     cluster.wait_for(lambda: gone(cluster, namespace, "side-del"), WAIT, "the kubelet to finish the deletion")
