@@ -35,6 +35,7 @@ from plugin_support import (
 
 from agent.ownership import claim
 from agent.storage import open_storage
+from orchestrator import kubectl_plugin
 from tests.k8s.cluster import Fault, TestCluster
 from tests.unit.fakes import commit_checkpoint
 
@@ -810,8 +811,6 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["status", "x", "-A"], "a NAME and -A/--all-namespaces do not go together"),
-        (["flush", "x", "--timeout", "5"], "--timeout goes with --wait"),
         (["flush", "x", "--wait", "--timeout", "soon"], "'soon' is not a duration"),
         (["flush", "x", "--wait", "--timeout", "inf"], "'inf' is not a finite duration"),
         (["flush", "x", "--wait", "--timeout", "nan"], "'nan' is not a finite duration"),
@@ -824,16 +823,53 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
-def test_a_bad_command_line_exits_2_naming_the_problem(kubectl_spotjob: Run, args: list[str], message: str) -> None:
+def test_a_bad_command_line_exits_2_naming_the_problem(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """Refused by the parser before anything is read or contacted, so the plugin's ``main`` runs in
+    this process (a process costs half a CPU-second); the real command's exit 2, through kubectl,
+    is ``test_a_bad_command_line_through_kubectl_exits_2_naming_the_problem``."""
+    with pytest.raises(SystemExit) as exited:
+        kubectl_plugin.main(args)
+
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", "x", "-A"], "a NAME and -A/--all-namespaces do not go together"),
+        (["flush", "x", "--timeout", "5"], "--timeout goes with --wait"),
+    ],
+)
+def test_a_bad_command_line_through_kubectl_exits_2_naming_the_problem(
+    kubectl_spotjob: Run, args: list[str], message: str
+) -> None:
+    """The cases the commands refuse (after the parser), run as a user runs them: the real kubectl
+    starting the installed ``kubectl-spotjob``, whose exit status and stderr kubectl passes on."""
     proc = kubectl_spotjob(*args)
 
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["status"], ["checkpoints"], ["flush"], ["events"]])
-def test_help_is_there_for_every_command(kubectl_spotjob: Run, command: list[str]) -> None:
-    proc = kubectl_spotjob(*command, "--help")
+@pytest.mark.parametrize("command", [["status"], ["checkpoints"], ["flush"], ["events"]])
+def test_help_is_there_for_every_command(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """Each command's --help, from the plugin's ``main`` in this process (the help of the command
+    line as a whole, through kubectl, is ``test_help_through_kubectl_names_the_kubectl_flags``)."""
+    with pytest.raises(SystemExit) as exited:
+        kubectl_plugin.main([*command, "--help"])
+
+    out = capsys.readouterr().out
+    assert exited.value.code == 0
+    assert out.startswith("usage: kubectl spotjob")
+    assert "--kubeconfig" in out and "--context" in out
+
+
+def test_help_through_kubectl_names_the_kubectl_flags(kubectl_spotjob: Run) -> None:
+    proc = kubectl_spotjob("--help")
 
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: kubectl spotjob")
