@@ -31,6 +31,7 @@ from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, JobEvent, P
 from orchestrator.kubectl_common import (
     EXIT_FAILED,
     EXIT_OK,
+    FLUSH_WAIT_MARGIN,
     PROG,
     TERMINAL_PHASES,
     UsageError,
@@ -39,10 +40,6 @@ from orchestrator.kubectl_common import (
     human_duration,
     print_json,
 )
-
-FLUSH_WAIT_MARGIN = 60.0
-"""``flush --wait`` waits the job's ``flushTimeoutSeconds`` plus this, unless ``--timeout`` says otherwise."""
-
 
 # ----------------------------------------------------------------------------------------------
 # checkpoints

@@ -11,12 +11,14 @@ import argparse
 import json
 import sys
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.held_notices import age as age
 from orchestrator.held_notices import human_duration as human_duration
-from orchestrator.k8s.plugin_client import SpotJobClient, load_user_context
 from orchestrator.model import parse_timestamp
+
+if TYPE_CHECKING:
+    from orchestrator.k8s.plugin_client import SpotJobClient
 
 PROG = "kubectl spotjob"
 EXIT_OK = 0
@@ -24,6 +26,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
+
+FLUSH_WAIT_MARGIN = 60.0
+"""``flush --wait`` waits the job's ``flushTimeoutSeconds`` plus this, unless ``--timeout`` says otherwise."""
 
 
 class UsageError(Exception):
@@ -36,6 +41,10 @@ def print_error(command: str, message: str) -> None:
 
 def connect(args: argparse.Namespace) -> tuple[SpotJobClient, str]:
     """The client for the user's context, and the namespace the command works in."""
+    # Here, not at the top: the client brings the kubernetes package (half a second), which the
+    # command line's --help and its usage errors do without.
+    from orchestrator.k8s.plugin_client import SpotJobClient, load_user_context
+
     user = load_user_context(args.kubeconfig, args.context, cluster=args.cluster, user=args.user)
     client = SpotJobClient(user, request_timeout=args.request_timeout or 30.0)
     return client, args.namespace or user.namespace

@@ -38,15 +38,15 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from agent.storage import StorageError
 from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.version import version_line
-from orchestrator.cli_ckpt import NOISY_LOGGERS, CommandError
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
-from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, PluginError
-from orchestrator.kubectl_commands import FLUSH_WAIT_MARGIN, cmd_checkpoints, cmd_events, cmd_flush
-from orchestrator.kubectl_common import EXIT_FAILED, EXIT_USAGE, PROG, UsageError, print_error
-from orchestrator.kubectl_status import cmd_status
+from orchestrator.kubectl_common import EXIT_FAILED, EXIT_USAGE, FLUSH_WAIT_MARGIN, PROG, UsageError, print_error
+from orchestrator.model import FLUSH_REQUEST_ANNOTATION
+
+# The commands (and the kubernetes client, storage and checkpoint modules they bring, about half
+# a second) are imported once the command line is parsed: --help and a bad command line do
+# without them.
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,39 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
 MAX_WAIT_SECONDS = 7 * 24 * 3600
 """The longest ``--timeout`` or ``--request-timeout`` (a week): longer is a typo, not a wait."""
-_NOISY_LOGGERS = (*NOISY_LOGGERS, "orchestrator.k8s.api")
 
 _EXIT_CODES = (
     "exit status: 0 done; 1 the command failed (no such job, cluster unreachable, forbidden, storage "
     "unreadable, a flush that committed nothing or got no answer in time); 2 bad command line"
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# the commands, imported when one runs
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator import kubectl_status
+
+    return kubectl_status.cmd_status(args)
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from orchestrator import kubectl_commands
+
+    return kubectl_commands.cmd_checkpoints(args)
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    from orchestrator import kubectl_commands
+
+    return kubectl_commands.cmd_flush(args)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from orchestrator import kubectl_commands
+
+    return kubectl_commands.cmd_events(args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,11 +267,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
+    from agent.storage import StorageError
+    from orchestrator.cli_ckpt import NOISY_LOGGERS, CommandError
+    from orchestrator.k8s.plugin_client import PluginError
+
     log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         # The answer goes to stdout and one error line to stderr; retries and the cloud clients'
         # chatter are not part of it (-v keeps them).
-        for noisy in _NOISY_LOGGERS:
+        for noisy in (*NOISY_LOGGERS, "orchestrator.k8s.api"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     command: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -876,6 +876,26 @@ def test_help_through_kubectl_names_the_kubectl_flags(kubectl_spotjob: Run) -> N
     assert "--kubeconfig" in proc.stdout and "--context" in proc.stdout
 
 
+def test_help_and_a_bad_command_line_load_no_client_storage_or_checkpoint_code() -> None:
+    """``kubectl spotjob --help`` and a typo are answered by the parser alone: the commands, and the
+    kubernetes client, cloud SDKs and checkpoint modules they bring (half a CPU-second at every
+    start), are imported only once a command runs."""
+    code = """
+import contextlib, io, sys
+from orchestrator import kubectl_plugin
+for argv in (["--help"], ["flush", "--help"], ["status", "-o", "yaml"]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        kubectl_plugin.main(argv)
+heavy = ("kubernetes", "google", "boto3", "botocore", "orchestrator.cli_ckpt", "agent.catalog", "orchestrator.k8s")
+print(sorted(m for m in sys.modules if m.startswith(heavy)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def test_status_shows_each_pods_training_container_not_a_helper_that_finished_nor_the_pods_readiness() -> None:
     """A pod is Ready only while every container is, and the kubelet lists containers by name: a
     helper that exited 0 ("cache", before "trainer") must not stand for the worker."""
