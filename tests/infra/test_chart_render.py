@@ -5,7 +5,9 @@ cluster read it."""
 from __future__ import annotations
 
 import copy
+import json
 import re
+import subprocess
 from typing import Any
 
 import kubernetes_validate
@@ -21,9 +23,9 @@ from infra_support import (
     find,
     helm,
     one,
-    render,
     template,
 )
+from infra_support import render as render_with_helm
 
 from orchestrator.k8s.main import parse_options
 
@@ -107,6 +109,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "leaderElection": {"leaseName": "spotjob-leader", "leaseNamespace": "kube-system"},
     },
 }
+
+
+_RENDERED: dict[str, list[dict[str, Any]]] = {}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The objects ``helm template`` renders with ``values``, each set of values rendered once per
+    module (helm's output depends on nothing else) and handed out as a fresh copy, so a test that
+    changed what it got cannot change what the next one reads."""
+    key = json.dumps(values or {}, sort_keys=True)
+    if key not in _RENDERED:
+        _RENDERED[key] = render_with_helm(values)
+    return copy.deepcopy(_RENDERED[key])
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_SETS))
@@ -482,8 +497,16 @@ def test_object_names_stay_valid_with_the_longest_names(release: str, values: di
     assert f"port-forward service/{services[0]} " in notes.stdout
 
 
-def test_notes_say_where_the_alerts_are_or_how_to_turn_them_on(helm_bin: str) -> None:
-    off = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+@pytest.fixture(scope="module")
+def default_install(helm_bin: str) -> subprocess.CompletedProcess[str]:
+    """``helm install --dry-run=client`` with the defaults: the notes tests only read it."""
+    return helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+
+
+def test_notes_say_where_the_alerts_are_or_how_to_turn_them_on(
+    default_install: subprocess.CompletedProcess[str],
+) -> None:
+    off = default_install
     assert off.returncode == 0, off.stderr
     assert "set metrics.prometheusRule.enabled" in off.stdout.split("NOTES:", 1)[1]
     on = helm(
@@ -495,8 +518,8 @@ def test_notes_say_where_the_alerts_are_or_how_to_turn_them_on(helm_bin: str) ->
     assert f"kubectl -n {NAMESPACE} get prometheusrules" in notes and "set metrics.prometheusRule" not in notes
 
 
-def test_notes_tell_how_to_check_the_install(helm_bin: str) -> None:
-    proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+def test_notes_tell_how_to_check_the_install(default_install: subprocess.CompletedProcess[str]) -> None:
+    proc = default_install
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "kubectl get sj" in notes
