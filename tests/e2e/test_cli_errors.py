@@ -13,7 +13,8 @@ Then the cases that need something in place first: a run name that is taken, a l
 broken run folders in it, a checkpoint exported onto a full disk (a real ENOSPC from a small
 tmpfs mounted in a user namespace, and a real EFBIG from RLIMIT_FSIZE), and a bucket that does
 not exist (moto). The taken names and the broken run folders run their commands forked as the
-table does; the exports, the bucket and the closed pipe start ``spotjob`` afresh.
+table does; the exports, the bucket and the closed pipe start ``spotjob`` afresh. The export that
+the EFBIG case must leave intact is made once, by the process that trains the checkpoints.
 """
 
 from __future__ import annotations
@@ -434,16 +435,41 @@ def test_broken_run_folders_are_one_line_each_saying_what_is_wrong_and_the_rest_
 # -- ckpt export onto a full disk -----------------------------------------------------------------
 
 
+# One process trains (examples/train.py as its __main__) and then exports step 1 as `spotjob ckpt
+# export` does (orchestrator.cli.main): the scene both export tests start from, for one torch import.
+SCENE = """
+import runpy, sys
+from orchestrator.cli import main as spotjob
+train, uri, earlier = sys.argv[1:]
+sys.argv = [train, "--steps", "2", "--every-steps", "1", "--uri", uri]
+try:
+    runpy.run_path(train, run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+raise SystemExit(spotjob(["ckpt", "export", uri, earlier, "--step", "1"]))
+"""
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Committed checkpoints of examples/train.py (one process, no torchrun), steps 1 and 2."""
+    """Committed checkpoints of examples/train.py (one process, no torchrun), steps 1 and 2; beside
+    them, ``export-step-1``: step 1 exported by ``spotjob ckpt export`` in the same process."""
     uri = tmp_path_factory.mktemp("export") / "ckpt"
     proc = subprocess.run(
-        [sys.executable, str(TRAIN), "--steps", "2", "--every-steps", "1", "--uri", str(uri)],
+        [sys.executable, "-c", SCENE, str(TRAIN), str(uri), str(uri.parent / "export-step-1")],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return uri
+
+
+@pytest.fixture
+def earlier_export(tmp_path: Path, checkpoints: Path) -> Path:
+    """``tmp_path/out``: an export of step 1 (a copy of the one ``checkpoints`` made)."""
+    out = tmp_path / "out"
+    shutil.copytree(checkpoints.parent / "export-step-1", out)
+    return out
 
 
 def _user_namespaces() -> bool:
@@ -482,15 +508,11 @@ def test_an_export_onto_a_full_disk_says_so_and_leaves_nothing_behind(tmp_path: 
 
 
 def test_an_export_that_cannot_grow_a_file_keeps_the_earlier_export_it_was_to_replace(
-    tmp_path: Path, checkpoints: Path
+    tmp_path: Path, checkpoints: Path, earlier_export: Path
 ) -> None:
-    out = tmp_path / "out"
-    first = subprocess.run(
-        [tool("spotjob"), "ckpt", "export", str(checkpoints), str(out), "--step", "1"],
-        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stderr
+    out = earlier_export
     earlier = snapshot(out)
+    assert "model.safetensors.index.json" in earlier, sorted(earlier)
 
     # RLIMIT_FSIZE: the kernel refuses to grow any file past 4 KiB (EFBIG), as a full quota would.
     again = subprocess.run(
