@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.atomic_file import write_atomic
-from agent.manifest import loads_bounded
 
 ENV_CHECKPOINT_URI = "SPOTJOB_CHECKPOINT_URI"
 ENV_JOB_NAME = "SPOTJOB_JOB_NAME"
@@ -148,6 +147,10 @@ def read_json(path: str) -> dict[str, Any] | None:
             raw += chunk
     finally:
         os.close(fd)
+    # Here, not at the top: agent.manifest brings pydantic (a tenth of a CPU-second to import), which
+    # a process that only writes to the control folder, or finds no file in it, never needs.
+    from agent.manifest import loads_bounded
+
     try:
         data = loads_bounded(raw, max_bytes=MAX_FILE_BYTES)
     except ValueError:

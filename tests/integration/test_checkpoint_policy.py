@@ -43,35 +43,81 @@ def written(root: Path) -> list[str]:
 # -- one trigger, one save (2 ranks) ---------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_each_save_early_request_makes_exactly_one_save_and_a_second_request_makes_another(tmp_path: Path) -> None:
-    uri, control = str(tmp_path / "ckpt"), tmp_path / "control"
-    harness.torchrun(2, POLICY, "early", "--uri", uri, "--control", str(control))
-    # Requested during steps 5 and 14, agreed at the end of those steps, served at the next.
-    assert commits(uri) == [(6, "early"), (15, "early")]
-    assert not (control / "save.json").exists(), "a served request must be removed"
+CALLS = ("step", "save")
+
+
+class PolicyRun:
+    """The four two-rank cases, run in turn in one torchrun (``--then``): each has its own URI,
+    control folder and outcome files, and each ends with its Checkpointer closed, so a case sees
+    nothing of the ones before it; starting the ranks (importing torch) is most of a case's cost."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.early_uri, self.early_control = str(root / "early" / "ckpt"), root / "early" / "control"
+        self.deadline_uri = str(root / "deadline" / "ckpt")
+        self.mismatch = {
+            call: (root / f"mismatch-{call}" / "ckpt", root / f"mismatch-{call}" / "outcome") for call in CALLS
+        }
+        self.proc: Any = None
+
+    def argv(self) -> list[str]:
+        args = ["early", "--uri", self.early_uri, "--control", str(self.early_control)]
+        args += ["--then", "deadline", "--uri", self.deadline_uri]
+        for call, (root, out) in self.mismatch.items():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            args += ["--then", "mismatch", "--uri", str(root), "--out", str(out), "--call", call]
+        return args
+
+    def ended_cleanly(self, case: int) -> bool:
+        """Case ``case`` (0-3, in ``argv``'s order) returned on both ranks: the next case began on
+        both, or, for the last, the run exited 0 (as each case's own torchrun had to)."""
+        if case == 3:
+            return bool(self.proc.returncode == 0)
+        return all(f"rank{rank} ckpt_policy INFO: === case {case + 1}:" in self.proc.stderr for rank in (0, 1))
+
+    def output(self) -> str:
+        """The run's exit status and output, for an assertion's message."""
+        return f"torchrun exited {self.proc.returncode}\n--- stderr\n{self.proc.stderr[-8000:]}"
+
+
+@pytest.fixture(scope="module")
+def policy_run(tmp_path_factory: pytest.TempPathFactory) -> PolicyRun:
+    run = PolicyRun(tmp_path_factory.mktemp("policy"))
+    # Not checked here: each test asserts its own case's outcome, with the run's output.
+    run.proc = harness.torchrun(2, POLICY, *run.argv(), check=False)
+    return run
 
 
 @pytest.mark.slow
-def test_one_every_seconds_deadline_makes_exactly_one_save(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    # The script's clock jumps past the deadline during steps 6 and 11 and stands still otherwise.
-    harness.torchrun(2, POLICY, "deadline", "--uri", uri)
-    assert commits(uri) == [(7, "policy"), (12, "policy")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("call", ["step", "save"])
-def test_ranks_that_report_different_steps_are_refused_on_every_rank_before_anything_is_written(
-    tmp_path: Path, call: str
+def test_each_save_early_request_makes_exactly_one_save_and_a_second_request_makes_another(
+    policy_run: PolicyRun,
 ) -> None:
-    root = tmp_path / "ckpt"
-    out = tmp_path / "outcome"
-    harness.torchrun(2, POLICY, "mismatch", "--uri", str(root), "--out", str(out), "--call", call)
+    # Requested during steps 5 and 14, agreed at the end of those steps, served at the next.
+    assert commits(policy_run.early_uri) == [(6, "early"), (15, "early")], policy_run.output()
+    assert not (policy_run.early_control / "save.json").exists(), "a served request must be removed"
+    assert policy_run.ended_cleanly(0), policy_run.output()
+
+
+@pytest.mark.slow
+def test_one_every_seconds_deadline_makes_exactly_one_save(policy_run: PolicyRun) -> None:
+    # The script's clock jumps past the deadline during steps 6 and 11 and stands still otherwise.
+    assert commits(policy_run.deadline_uri) == [(7, "policy"), (12, "policy")], policy_run.output()
+    assert policy_run.ended_cleanly(1), policy_run.output()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", CALLS)
+def test_ranks_that_report_different_steps_are_refused_on_every_rank_before_anything_is_written(
+    policy_run: PolicyRun, call: str
+) -> None:
+    root, out = policy_run.mismatch[call]
     for rank in (0, 1):
-        outcome = Path(f"{out}.rank{rank}").read_text()
+        outcome_file = Path(f"{out}.rank{rank}")
+        assert outcome_file.exists(), f"rank {rank} reported no outcome\n{policy_run.output()}"
+        outcome = outcome_file.read_text()
         assert outcome.startswith("ValueError") and "different steps" in outcome, f"rank {rank}: {outcome}"
     assert written(root) == [], "a save went ahead with ranks at different steps"
+    assert policy_run.ended_cleanly(2 if call == "step" else 3), policy_run.output()
 
 
 # -- arguments refused up front (one process) -----------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageRefusedEr
 from agent.control_channel import INFRA_ERROR_FILE
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.storage import open_storage
+from orchestrator.cli import main as cli_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from ckpt_compare import assert_same
@@ -269,7 +269,9 @@ def written_by_a_newer_spotjob(folder: Path, how: str = "format") -> None:
 
 
 @pytest.mark.parametrize("how", sorted(NEWER_WRITES))
-def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keeps_it(tmp_path: Path, how: str) -> None:
+def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keeps_it(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Its manifest is not proven bad, only unreadable here: loading the older checkpoint would go
     back in time past it (and retention would then delete the newest progress); the restore is
     refused, saying to upgrade, and nothing is deleted. A field this spotjob does not know counts
@@ -287,16 +289,14 @@ def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keep
     assert [url.rsplit("/", 1)[-1] for url, _ in refused.value.tried] == ["step-000000006"]
     assert_same(state["model"].state_dict(), untouched, "the model after a refused restore")
 
-    # `spotjob ckpt export` stops there as restore does, instead of exporting the older step 5.
+    # `spotjob ckpt export` stops there as restore does, instead of exporting the older step 5. Run
+    # in this process (torch is imported here already; a new Python would import it again).
     out = tmp_path / "export"
-    run = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "ckpt", "export", uri, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 2, run.stderr
-    assert "step-000000006" in run.stderr and "newer spotjob" in run.stderr and "--step" in run.stderr
+    capsys.readouterr()
+    code = cli_main(["ckpt", "export", uri, str(out)])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert "step-000000006" in stderr and "newer spotjob" in stderr and "--step" in stderr
     assert not out.exists()
 
     # A run that saves without restoring (keep=1): the newer spotjob's checkpoint is neither

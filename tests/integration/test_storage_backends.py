@@ -8,6 +8,7 @@ server and proves what is retried, what is not, and that every retry is logged.
 from __future__ import annotations
 
 import errno
+import http.client
 import logging
 import os
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
 from typing import Any, TypedDict
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import pytest
 
@@ -311,7 +312,7 @@ class TestObjectStores:
         store = make_storage(storage_uri)
         folders = [f"step-{i:09d}/MANIFEST.json" for i in range(1001)]
         files = [f"step-999999999/__{i}_0.distcp" for i in range(1001)]
-        parallel_map(lambda key: store.put_bytes(key, b"x"), [(k,) for k in folders + files], 16)
+        put_tiny_objects(storage_uri, folders + files)
         assert len(find_checkpoints(store)) == 1002
         assert sorted(o.key for o in store.list("step-999999999/")) == sorted(files)
         store.delete_prefix("step-999999999/")
@@ -572,6 +573,55 @@ class TestGCSFileOfSeveralParts:
             store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
         assert len(media) == 3 and proxy.faults_served == 0
         assert leftovers(tmp_path) == []
+
+
+def put_tiny_objects(uri: str, keys: list[str]) -> None:
+    """Store ``b"x"`` under each key below ``uri``, behind the store's back: this only sets the
+    scene for a test of listing and deleting (``put_bytes`` has tests of its own), and 2002 uploads
+    through the store's client cost more CPU than the rest of such a test. On S3 the objects go
+    straight into moto's backend, which the server in this process answers from; on GCS as plain
+    media uploads to fake-gcs-server, one connection per thread."""
+    parsed = urlparse(uri)
+    bucket, prefix = parsed.netloc, parsed.path.strip("/")
+    if parsed.scheme == "s3":
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        for key in keys:
+            backend.put_object(bucket, f"{prefix}/{key}", b"x")
+        return
+    server = urlparse(os.environ["STORAGE_EMULATOR_HOST"])
+    local = threading.local()
+    opened: list[http.client.HTTPConnection] = []
+
+    def put(key: str) -> None:
+        target = f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(f'{prefix}/{key}', safe='')}"
+        for _ in range(2):  # once more on a fresh connection if the server closed the kept one
+            conn = getattr(local, "conn", None)
+            if conn is None:
+                conn = local.conn = http.client.HTTPConnection(server.hostname, server.port, timeout=60)
+                opened.append(conn)
+            try:
+                conn.request("POST", target, body=b"x", headers={"Content-Type": "application/octet-stream"})
+                resp = conn.getresponse()
+                body = resp.read()
+            except (ConnectionError, http.client.HTTPException):
+                conn.close()
+                local.conn = None
+                continue
+            if resp.will_close:
+                conn.close()
+                local.conn = None
+            assert resp.status == 200, f"POST {target}: {resp.status} {body[:300]!r}"
+            return
+        raise AssertionError(f"POST {target}: the server closed the connection twice")
+
+    try:
+        parallel_map(put, [(k,) for k in keys], 4)
+    finally:
+        for conn in opened:
+            conn.close()
 
 
 def put_files_bytes(store: Storage, keys: list[str]) -> None:

@@ -122,3 +122,27 @@ def test_a_ranks_infrastructure_report_is_told_escaped_its_rank_too() -> None:
     line = infra_error_text({"rank": "0\x1b[2J\x1b[31m", "error": "store unreachable\x1b[0m"})
     assert line is not None and "\x1b" not in line
     assert line.startswith("rank 0\\x1b[2J") and "store unreachable\\x1b[0m" in line, line
+
+
+def test_the_control_folder_is_written_and_polled_without_importing_pydantic(tmp_path: Path) -> None:
+    """Pins an import cost, not a behaviour: writing status and looking for requests, as every rank
+    does each step, brings neither agent.manifest nor pydantic into the process (a tenth of a
+    CPU-second each, paid by every fake rank and launcher the agent tests start); reading a file
+    that is there does."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from agent.control_channel import ControlDir, RankStatus
+control = ControlDir({str(tmp_path)!r})
+control.write_status(RankStatus(state="training", step=1))
+assert control.flush_request() is None and control.save_request() is None
+print("before a read", sorted(m for m in ("agent.manifest", "pydantic") if m in sys.modules))
+assert control.status() is not None
+print("after a read", sorted(m for m in ("agent.manifest", "pydantic") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "before a read []" in done.stdout, done.stdout
+    assert "after a read ['agent.manifest', 'pydantic']" in done.stdout, done.stdout

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 BLOCKER = """
@@ -108,29 +110,49 @@ except SystemExit as e:
 
 AS_TORCH = """
 import torch
-torch.__version__ = {version!r}  # the one seam: the version this torch reports
-try:
-    from agent import Checkpointer
-    print("IMPORTED")
-except ImportError as e:
-    print("REFUSED:", e)
+for version in {versions!r}:
+    # Each version imports the Checkpointer afresh, as a new process would: the floor is checked
+    # when agent.checkpoint is imported.
+    for name in [m for m in sys.modules if m == "agent.checkpoint" or m.startswith("agent.checkpoint.")]:
+        del sys.modules[name]
+    torch.__version__ = version  # the one seam: the version this torch reports
+    try:
+        from agent import Checkpointer
+        print(version, "IMPORTED")
+    except ImportError as e:
+        print(version, "REFUSED:", e)
 """
 
+PRE_RELEASE, TOO_OLD = "2.9.0a0+50eac811a6", "2.8.1+cu126"
 
-def test_a_torch_older_than_the_extras_floor_is_refused_when_the_checkpointer_is_imported() -> None:
+
+@pytest.fixture(scope="module")
+def as_torch_versions() -> dict[str, str]:
+    """What importing the Checkpointer printed under each reported torch version: one Python (and
+    one import of torch) for both, the accepted version first, so that its import is that of a
+    fresh process; the version is the only thing changed between the two."""
+    done = _run([], AS_TORCH.format(versions=[PRE_RELEASE, TOO_OLD]))
+    assert done.returncode == 0, done.stderr
+    said: dict[str, str] = {}
+    for line in done.stdout.splitlines():
+        version, _, outcome = line.partition(" ")
+        said[version] = outcome
+    return said
+
+
+def test_a_torch_older_than_the_extras_floor_is_refused_when_the_checkpointer_is_imported(
+    as_torch_versions: dict[str, str],
+) -> None:
     """A torch that predates DCP's DefaultStager (2.9) used to import and fail at the first save.
     Only the reported version is changed: the modules are this machine's torch."""
-    done = _run([], AS_TORCH.format(version="2.8.1+cu126"))
-    assert done.returncode == 0, done.stderr
-    assert "REFUSED: spotjob's Checkpointer needs torch>=2.9" in done.stdout
-    assert "this Python has torch 2.8.1+cu126" in done.stdout
+    said = as_torch_versions.get(TOO_OLD, "")
+    assert said.startswith("REFUSED: spotjob's Checkpointer needs torch>=2.9"), said
+    assert "this Python has torch 2.8.1+cu126" in said
 
 
-def test_a_pre_release_build_of_a_supported_torch_is_accepted() -> None:
+def test_a_pre_release_build_of_a_supported_torch_is_accepted(as_torch_versions: dict[str, str]) -> None:
     """Pins that the floor compares release numbers only: NGC containers ship ``2.9.0a0+<git>``."""
-    done = _run([], AS_TORCH.format(version="2.9.0a0+50eac811a6"))
-    assert done.returncode == 0, done.stderr
-    assert "IMPORTED" in done.stdout
+    assert as_torch_versions.get(PRE_RELEASE) == "IMPORTED", as_torch_versions
 
 
 CKPT = """
@@ -142,15 +164,14 @@ sys.exit(main({argv!r}))
 def test_ckpt_verify_deep_and_export_without_torch_say_what_to_install_before_reading(tmp_path: Path) -> None:
     """``pip install spotjob`` (no torch extra) on an operator's machine: ``verify --deep`` used to
     read every byte and then end in a ModuleNotFoundError traceback; ``export`` likewise."""
+    import torch
+
+    from agent import Checkpointer
+
     uri = tmp_path / "ckpt"
-    save = f"""
-import torch
-from agent import Checkpointer
-ck = Checkpointer({str(uri)!r}, async_save=False)
-ck.save(1, {{"model": torch.nn.Linear(2, 2)}})
-ck.close()
-"""
-    assert _run([], save).returncode == 0
+    # Sets the scene only (torch is there when the checkpoint is written), so it runs here.
+    with Checkpointer(str(uri), async_save=False) as ck:
+        ck.save(1, {"model": torch.nn.Linear(2, 2)})
     for argv in (["ckpt", "verify", "--deep", str(uri)], ["ckpt", "export", str(uri), str(tmp_path / "out")]):
         done = _run(["torch", "numpy", "safetensors"], CKPT.format(argv=argv))
         assert done.returncode == 2, done.stderr  # an error, not verify's 1 ("the checkpoint is invalid")

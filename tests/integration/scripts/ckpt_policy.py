@@ -9,6 +9,11 @@
     ckpt_policy.py attempt1 --uri U --markers M   attempt 1: restores, commits the next two steps
     ckpt_policy.py claim --uri U --out O --job J  constructs a Checkpointer for job J
 
+``--then`` starts another case (any mode but ``zombie``, each with its own URI and outcome paths)
+in the same process group once the one before it has closed its Checkpointer: independent cases
+that end cleanly share one torchrun, since starting the ranks (importing torch) is most of each
+case's cost.
+
 Every mode trains the same tiny model for real. Outcomes each rank must report go to
 ``O.rank<r>`` (the error class and message), so the test sees what every rank raised.
 """
@@ -18,12 +23,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from ckpt_state import exit_without_teardown, make_state, train
+from ckpt_state import exit_without_teardown, make_state, split_cases, train
 
 import agent.checkpoint._vote
 from agent.checkpoint import Checkpointer
@@ -72,13 +78,16 @@ def early(args: argparse.Namespace, rank: int) -> None:
 def deadline(args: argparse.Namespace, rank: int) -> None:
     clock = MovedClock()
     agent.checkpoint._vote.time = clock  # type: ignore[assignment]
-    state = make_state(rank)
-    with Checkpointer(args.uri, keep=None, every_seconds=5.0) as ckpt:
-        for step in range(1, 16):
-            train(state, 1, start=step - 1)
-            if step in (6, 11):
-                clock.now += 10.0
-            ckpt.step(step, state)
+    try:
+        state = make_state(rank)
+        with Checkpointer(args.uri, keep=None, every_seconds=5.0) as ckpt:
+            for step in range(1, 16):
+                train(state, 1, start=step - 1)
+                if step in (6, 11):
+                    clock.now += 10.0
+                ckpt.step(step, state)
+    finally:  # a case run after this one in the same process keeps the real clock
+        agent.checkpoint._vote.time = time  # type: ignore[assignment]
 
 
 def mismatch(args: argparse.Namespace, rank: int) -> None:
@@ -156,13 +165,18 @@ def main() -> None:
     p.add_argument("--markers")
     p.add_argument("--job")
     p.add_argument("--call", choices=["step", "save"], default="step")
-    args = p.parse_args()
+    cases = [p.parse_args(case) for case in split_cases(sys.argv[1:])]  # all checked before any runs
+    if len(cases) > 1 and any(args.command == "zombie" for args in cases):
+        p.error("zombie waits for the test and is left mid-save: it runs alone, not with --then")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
     modes = {"early": early, "deadline": deadline, "mismatch": mismatch, "zombie": zombie, "claim": claim}
     modes["attempt1"] = attempt1
-    modes[args.command](args, rank)
+    for number, args in enumerate(cases):
+        if len(cases) > 1:
+            log.info("=== case %d: %s", number, args.command)
+        modes[args.command](args, rank)
     dist.destroy_process_group()
 
 
