@@ -34,10 +34,15 @@ EXAMPLE = REPO / "examples" / "spotjob.yaml"
 def _example_for_this_machine(checkpoints: Path) -> str:
     """examples/spotjob.yaml with what must differ here: the script's path (no image: the test
     kubelet runs this machine's Python), the checkpoint URI (a folder, not a bucket), fewer steps
-    at a pace a test can watch, and no cloud metadata to probe."""
+    at a pace a test can watch, no cloud metadata to probe, and one rank instead of
+    the example's two (nothing kubectl shows depends on how many ranks a pod runs; a second one
+    only costs a torch start and its share of every save)."""
     job = yaml.safe_load(EXAMPLE.read_text())
     spec = job["spec"]
-    spec["command"] = [str(TRAIN), "--steps", "400", "--step-sleep", "0.1"]
+    spec["nprocPerNode"] = 1
+    # 0.2 s a step, a commit every 10: STEP moves every 2 s while the test watches. The job trains
+    # for as long as the test runs, so a faster pace only adds steps and commits nothing reads.
+    spec["command"] = [str(TRAIN), "--steps", "400", "--step-sleep", "0.2"]
     spec["checkpoint"]["uri"] = str(checkpoints)
     spec["checkpoint"]["everySteps"] = 10
     spec["env"].update(SPOTJOB_CLOUD="none", PYTHONUNBUFFERED="1")

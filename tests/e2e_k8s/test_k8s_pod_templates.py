@@ -177,7 +177,9 @@ def test_a_secret_the_trainer_needs_that_is_missing_is_told_and_the_job_starts_o
 ) -> None:
     cluster.add_node(f"{namespace}-a")
     start_controller(namespace)
-    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path, steps=20)
+    # One rank, ten steps: what is checked is that the pod waits for the Secret and then runs to
+    # the end, not the training itself.
+    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path, steps=10, nproc=1)
     (trainer,) = body["spec"]["template"]["spec"]["containers"]
     trainer["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
     create_job(cluster, body)
@@ -256,7 +258,10 @@ def test_a_template_pod_security_refuses_leaves_the_job_degraded_saying_what_to_
     )
     cluster.add_node(f"{namespace}-a")
     start_controller(namespace)
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path))
+    # One rank, ten steps: the fixed template's pod starts and is only read; its training is not
+    # what is checked (the namespace's deletion stops it).
+    body = spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=tmp_path, steps=10, nproc=1)
+    create_job(cluster, body)
 
     def degraded() -> dict[str, Any] | None:
         s = status(cluster, namespace, "train")
