@@ -1,5 +1,6 @@
 """What an operator reads in a SpotJob's status, Events and metrics through a job's life, on the test
-cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://)."""
+cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://). A job that
+completes uninterrupted is read in test_k8s_alert_metrics.py, which runs that very job for its metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 from e2e_support import (
     REPO,
-    STEPS,
     Controller,
     create_job,
     job_events,
@@ -33,47 +33,6 @@ sys.path.insert(0, str(REPO / "tests" / "k8s_plugin"))
 from plugin_support import run_kubectl_spotjob
 
 pytestmark = pytest.mark.slow
-
-
-def test_a_completed_job_says_it_reached_its_last_committed_step_not_the_first_step_hint_it_sampled(
-    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
-) -> None:
-    """The step the agents report reaches the status at most once a minute (a sampled hint), so a
-    job shorter than that ends with only its first hint seen. Its ``Completed`` message, Ready
-    condition, Event and ``attempt.observedStep`` (``kubectl spotjob``'s training step) said "last
-    step seen 10" of a job that trained and committed all 60 steps, and while it ran the training
-    step stayed below the newest checkpoint's; they now say at least the newest step this attempt
-    committed."""
-    cluster.add_node(f"{namespace}-a")
-    start_controller(namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
-
-    seen: list[dict] = []
-
-    def ended() -> dict | None:
-        now = status(cluster, namespace, "train")
-        if now.get("phase") == "Running" and now.get("lastCheckpoint"):
-            seen.append(now)
-        return now if now.get("phase") == "Succeeded" else None
-
-    final = wait(ended, "the job to succeed")
-    # While it runs, the step it trains at is never below the step it has committed.
-    behind = [(s["attempt"].get("observedStep"), s["lastCheckpoint"]["step"]) for s in seen]
-    assert any(committed > 10 for _, committed in behind), behind
-    assert all(trained is not None and trained >= committed for trained, committed in behind), behind
-
-    assert final["lastCheckpoint"]["step"] == STEPS, final
-    assert final["attempt"]["observedStep"] == STEPS, final["attempt"]
-    assert final["message"] == f"every worker exited 0 (last step seen {STEPS})", final["message"]
-    (ready,) = [c for c in final["conditions"] if c["type"] == "Ready"]
-    assert (ready["reason"], ready["message"]) == ("Completed", final["message"])
-    (completed,) = wait(
-        lambda: [e for e in job_events(cluster, namespace, "train") if e["reason"] == "Completed"],
-        "the Completed Event (emitted after the status write)",
-    )
-    assert re.search(rf"last step seen {STEPS}\)", completed["note"]), completed
 
 
 def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_commit_by(
