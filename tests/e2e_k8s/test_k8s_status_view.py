@@ -1,6 +1,7 @@
 """What an operator reads in a SpotJob's status, Events and metrics through a job's life, on the test
 cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://). A job that
-completes uninterrupted is read in test_k8s_alert_metrics.py, which runs that very job for its metrics."""
+completes uninterrupted is read in test_k8s_alert_metrics.py, and a taint preemption's Events and
+counters in test_k8s_preemption.py: each needs the very job those files run, so one run serves both."""
 
 from __future__ import annotations
 
@@ -23,9 +24,7 @@ from e2e_support import (
     wait_phase,
 )
 
-from agent.catalog import list_checkpoints
 from agent.notices.emulators import AzureScheduledEventsEmulator
-from agent.storage import open_storage
 from orchestrator.model import parse_timestamp
 from tests.k8s.cluster import TestCluster
 
@@ -33,63 +32,6 @@ sys.path.insert(0, str(REPO / "tests" / "k8s_plugin"))
 from plugin_support import run_kubectl_spotjob
 
 pytestmark = pytest.mark.slow
-
-
-def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_commit_by(
-    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
-) -> None:
-    """A preemption taint carries no deadline, so the flush is bounded by ``flushTimeoutSeconds``:
-    its ``FlushRequested`` Event said "accepted the request to flush by no deadline". It now names
-    the time the controller gives up on the flush and why. Also pins (already right) one Event per
-    transition of the cycle, and the controller's counters matching the one preemption (the job's
-    own flush counters too: one committed)."""
-    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
-    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
-    controller = start_controller(namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    uri = str(tmp_path / "ckpt")
-    create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, step_sleep=0.3))
-    wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
-    (first,) = running_pods(cluster, namespace, "train", 0)
-    cluster.taint_node(first["spec"]["nodeName"], "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
-
-    final = wait_phase(cluster, namespace, "train", "Succeeded")
-
-    # The pass that wrote Succeeded emits its Event after the write: wait for it, not read at once.
-    events = wait(
-        lambda: (lambda es: es if any(e["reason"] == "Completed" for e in es) else None)(
-            job_events(cluster, namespace, "train")
-        ),
-        "the Completed Event",
-    )
-    assert [e["reason"] for e in events] == [
-        "WorkersStarted",
-        "WorkersRunning",
-        "SpotInterrupted",
-        "FlushRequested",
-        "FlushCommitted",
-        "Rescheduled",
-        "WorkersStarted",
-        "WorkersRunning",
-        "Completed",
-    ], events
-    (requested,) = [e for e in events if e["reason"] == "FlushRequested"]
-    assert re.fullmatch(
-        r"1 agent\(s\) accepted the request to flush by \d{4}-\d\d-\d\dT\S+ \(flushTimeoutSeconds: the signal "
-        r"gave no deadline\): train-0-0",
-        requested["note"],
-    ), requested["note"]
-    assert (final["preemptions"], final["restarts"]) == (1, 0)
-    metrics = controller.metrics()
-    assert metrics["spotjob_preemptions_total"] == final["preemptions"]
-    assert metrics["spotjob_notice_to_commit_seconds_count"] == 1
-    assert metrics['spotjob_restarts_total{cause="preemption"}'] == 1
-    job = f'name="train",namespace="{namespace}"'
-    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="committed"}}'] == 1
-    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="timed_out"}}'] == 0
-    assert metrics[f"spotjob_job_agent_flush_failures_total{{{job}}}"] == 0
 
 
 def test_an_azure_reboot_the_agent_holds_is_on_the_spotjob_in_an_event_and_in_kubectl_spotjob_until_withdrawn(
