@@ -228,7 +228,7 @@ def test_a_zombie_of_the_old_attempt_that_trains_on_behind_a_partition_never_cou
     # controller has started the next attempt.
     create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, step_sleep=0.3, every_steps=5))
     wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
+    _wait_for_a_commit(uri)
     (zombie,) = running_pods(cluster, namespace, "train", 0)
     partitioned = _node_of(zombie)
     cluster.partition_node(partitioned)  # its kubelet loses the API server; its processes train on
@@ -282,7 +282,7 @@ def test_two_replicas_rendezvous_without_dns_each_turn_ready_each_agent_exits_75
     assert len(pods) == 2
     master = pods[0]["status"]["podIP"]
     assert master in pods[1]["spec"]["containers"][0]["args"]  # replica 1 got replica 0's pod IP
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
+    _wait_for_a_commit(str(tmp_path / "ckpt"))
     preempted = _node_of(pods[1])
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
 
