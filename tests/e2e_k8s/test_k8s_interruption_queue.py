@@ -23,11 +23,12 @@ from e2e_support import (
     job_pods,
     running_pods,
     spotjob_body,
-    status,
     wait,
     wait_phase,
 )
 
+from agent.catalog import list_checkpoints
+from agent.storage import open_storage
 from tests.k8s.cluster import TestCluster
 
 pytestmark = pytest.mark.slow
@@ -75,10 +76,13 @@ def test_a_spot_warning_on_the_eventbridge_bus_flushes_the_job_and_moves_it_bit_
     controller = start_controller(namespace, f"--interruption-queue-url={url}", "--aws-region=us-east-1")
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps))
+    uri = str(tmp_path / "ckpt")
+    create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps))
 
     wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
+    # Storage's word, not the status's (a Running job refreshes it every 10 s): the flush needs a
+    # commit to resume from, and the sooner the warning comes the longer the job still trains.
+    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
     (first,) = running_pods(cluster, namespace, "train", 0)
     preempted = str(first["spec"]["nodeName"])
     instance = instances[preempted]

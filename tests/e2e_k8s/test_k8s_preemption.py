@@ -8,6 +8,7 @@ uninterrupted run of the same script.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from e2e_support import (
     assert_same_final_state,
     create_job,
     event_reasons,
+    job_events,
     job_pods,
     running_pods,
     spotjob_body,
@@ -39,13 +41,22 @@ def _node_of(pod: dict) -> str:
     return str(pod["spec"]["nodeName"])
 
 
-def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_it_ends_bit_identical(
+def test_a_spot_interruption_taint_flushes_the_job_moves_it_tells_each_transition_once_and_it_ends_bit_identical(
     cluster: TestCluster,
     namespace: str,
     start_controller: Callable[..., Controller],
     uninterrupted: Path,
     tmp_path: Path,
 ) -> None:
+    """The taint preemption cycle end to end: flushed, moved to the other node, no pod name reused
+    and no two attempts alive at once, bit-identical at the end.
+
+    What an operator reads of it (the same run; it was a test of its own with the very same job):
+    a preemption taint carries no deadline, so the flush is bounded by ``flushTimeoutSeconds``: its
+    ``FlushRequested`` Event said "accepted the request to flush by no deadline". It now names the
+    time the controller gives up on the flush and why. Also pins (already right) one Event per
+    transition of the cycle, and the controller's counters matching the one preemption (the job's
+    own flush counters too: one committed)."""
     history = PodHistory(cluster, namespace)
     controller, dumps, preempted = _trained_to_a_commit_on_two_nodes(cluster, namespace, start_controller, tmp_path)
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
@@ -71,6 +82,38 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_to_another_node_and_
     goodput = {k: v for k, v in metrics.items() if k.startswith("spotjob_job_goodput_ratio")}
     assert goodput == {f'spotjob_job_goodput_ratio{{name="train",namespace="{namespace}"}}': final["goodput"]}
     assert_same_final_state(dumps / last["metadata"]["name"], uninterrupted)
+
+    # What an operator reads: one Event per transition, the flush's deadline named, the counters.
+    # The pass that wrote Succeeded emits its Event after the write: wait for it, not read at once.
+    events = wait(
+        lambda: (lambda es: es if any(e["reason"] == "Completed" for e in es) else None)(
+            job_events(cluster, namespace, "train")
+        ),
+        "the Completed Event",
+    )
+    assert [e["reason"] for e in events] == [
+        "WorkersStarted",
+        "WorkersRunning",
+        "SpotInterrupted",
+        "FlushRequested",
+        "FlushCommitted",
+        "Rescheduled",
+        "WorkersStarted",
+        "WorkersRunning",
+        "Completed",
+    ], events
+    (requested,) = [e for e in events if e["reason"] == "FlushRequested"]
+    assert re.fullmatch(
+        r"1 agent\(s\) accepted the request to flush by \d{4}-\d\d-\d\dT\S+ \(flushTimeoutSeconds: the signal "
+        r"gave no deadline\): train-0-0",
+        requested["note"],
+    ), requested["note"]
+    metrics = controller.metrics()
+    assert metrics["spotjob_preemptions_total"] == final["preemptions"]
+    job = f'name="train",namespace="{namespace}"'
+    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="committed"}}'] == 1
+    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="timed_out"}}'] == 0
+    assert metrics[f"spotjob_job_agent_flush_failures_total{{{job}}}"] == 0
 
 
 def test_a_noexecute_taint_the_worker_does_not_tolerate_is_a_preemption_it_flushes_for_bit_identical(
@@ -185,7 +228,7 @@ def test_a_zombie_of_the_old_attempt_that_trains_on_behind_a_partition_never_cou
     # controller has started the next attempt.
     create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, step_sleep=0.3, every_steps=5))
     wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
+    _wait_for_a_commit(uri)
     (zombie,) = running_pods(cluster, namespace, "train", 0)
     partitioned = _node_of(zombie)
     cluster.partition_node(partitioned)  # its kubelet loses the API server; its processes train on
@@ -239,7 +282,7 @@ def test_two_replicas_rendezvous_without_dns_each_turn_ready_each_agent_exits_75
     assert len(pods) == 2
     master = pods[0]["status"]["podIP"]
     assert master in pods[1]["spec"]["containers"][0]["args"]  # replica 1 got replica 0's pod IP
-    wait(lambda: (status(cluster, namespace, "train").get("lastCheckpoint") or {}).get("step"), "a first checkpoint")
+    _wait_for_a_commit(str(tmp_path / "ckpt"))
     preempted = _node_of(pods[1])
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
 

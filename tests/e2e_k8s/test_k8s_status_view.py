@@ -1,5 +1,7 @@
 """What an operator reads in a SpotJob's status, Events and metrics through a job's life, on the test
-cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://)."""
+cluster with a real ``spotjob-controller`` process and real ranks (checkpoints on file://). A job that
+completes uninterrupted is read in test_k8s_alert_metrics.py, and a taint preemption's Events and
+counters in test_k8s_preemption.py: each needs the very job those files run, so one run serves both."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from pathlib import Path
 import pytest
 from e2e_support import (
     REPO,
-    STEPS,
     Controller,
     create_job,
     job_events,
@@ -23,9 +24,7 @@ from e2e_support import (
     wait_phase,
 )
 
-from agent.catalog import list_checkpoints
 from agent.notices.emulators import AzureScheduledEventsEmulator
-from agent.storage import open_storage
 from orchestrator.model import parse_timestamp
 from tests.k8s.cluster import TestCluster
 
@@ -33,104 +32,6 @@ sys.path.insert(0, str(REPO / "tests" / "k8s_plugin"))
 from plugin_support import run_kubectl_spotjob
 
 pytestmark = pytest.mark.slow
-
-
-def test_a_completed_job_says_it_reached_its_last_committed_step_not_the_first_step_hint_it_sampled(
-    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
-) -> None:
-    """The step the agents report reaches the status at most once a minute (a sampled hint), so a
-    job shorter than that ends with only its first hint seen. Its ``Completed`` message, Ready
-    condition, Event and ``attempt.observedStep`` (``kubectl spotjob``'s training step) said "last
-    step seen 10" of a job that trained and committed all 60 steps, and while it ran the training
-    step stayed below the newest checkpoint's; they now say at least the newest step this attempt
-    committed."""
-    cluster.add_node(f"{namespace}-a")
-    start_controller(namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
-
-    seen: list[dict] = []
-
-    def ended() -> dict | None:
-        now = status(cluster, namespace, "train")
-        if now.get("phase") == "Running" and now.get("lastCheckpoint"):
-            seen.append(now)
-        return now if now.get("phase") == "Succeeded" else None
-
-    final = wait(ended, "the job to succeed")
-    # While it runs, the step it trains at is never below the step it has committed.
-    behind = [(s["attempt"].get("observedStep"), s["lastCheckpoint"]["step"]) for s in seen]
-    assert any(committed > 10 for _, committed in behind), behind
-    assert all(trained is not None and trained >= committed for trained, committed in behind), behind
-
-    assert final["lastCheckpoint"]["step"] == STEPS, final
-    assert final["attempt"]["observedStep"] == STEPS, final["attempt"]
-    assert final["message"] == f"every worker exited 0 (last step seen {STEPS})", final["message"]
-    (ready,) = [c for c in final["conditions"] if c["type"] == "Ready"]
-    assert (ready["reason"], ready["message"]) == ("Completed", final["message"])
-    (completed,) = wait(
-        lambda: [e for e in job_events(cluster, namespace, "train") if e["reason"] == "Completed"],
-        "the Completed Event (emitted after the status write)",
-    )
-    assert re.search(rf"last step seen {STEPS}\)", completed["note"]), completed
-
-
-def test_a_taint_preemption_tells_each_transition_once_and_when_the_flush_must_commit_by(
-    cluster: TestCluster, namespace: str, start_controller: Callable[..., Controller], tmp_path: Path
-) -> None:
-    """A preemption taint carries no deadline, so the flush is bounded by ``flushTimeoutSeconds``:
-    its ``FlushRequested`` Event said "accepted the request to flush by no deadline". It now names
-    the time the controller gives up on the flush and why. Also pins (already right) one Event per
-    transition of the cycle, and the controller's counters matching the one preemption (the job's
-    own flush counters too: one committed)."""
-    cluster.add_node(f"{namespace}-a", zone="us-east-1a")
-    cluster.add_node(f"{namespace}-b", zone="us-east-1b")
-    controller = start_controller(namespace)
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    uri = str(tmp_path / "ckpt")
-    create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, step_sleep=0.3))
-    wait_phase(cluster, namespace, "train", "Running")
-    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
-    (first,) = running_pods(cluster, namespace, "train", 0)
-    cluster.taint_node(first["spec"]["nodeName"], "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
-
-    final = wait_phase(cluster, namespace, "train", "Succeeded")
-
-    # The pass that wrote Succeeded emits its Event after the write: wait for it, not read at once.
-    events = wait(
-        lambda: (lambda es: es if any(e["reason"] == "Completed" for e in es) else None)(
-            job_events(cluster, namespace, "train")
-        ),
-        "the Completed Event",
-    )
-    assert [e["reason"] for e in events] == [
-        "WorkersStarted",
-        "WorkersRunning",
-        "SpotInterrupted",
-        "FlushRequested",
-        "FlushCommitted",
-        "Rescheduled",
-        "WorkersStarted",
-        "WorkersRunning",
-        "Completed",
-    ], events
-    (requested,) = [e for e in events if e["reason"] == "FlushRequested"]
-    assert re.fullmatch(
-        r"1 agent\(s\) accepted the request to flush by \d{4}-\d\d-\d\dT\S+ \(flushTimeoutSeconds: the signal "
-        r"gave no deadline\): train-0-0",
-        requested["note"],
-    ), requested["note"]
-    assert (final["preemptions"], final["restarts"]) == (1, 0)
-    metrics = controller.metrics()
-    assert metrics["spotjob_preemptions_total"] == final["preemptions"]
-    assert metrics["spotjob_notice_to_commit_seconds_count"] == 1
-    assert metrics['spotjob_restarts_total{cause="preemption"}'] == 1
-    job = f'name="train",namespace="{namespace}"'
-    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="committed"}}'] == 1
-    assert metrics[f'spotjob_job_flushes_total{{{job},outcome="timed_out"}}'] == 0
-    assert metrics[f"spotjob_job_agent_flush_failures_total{{{job}}}"] == 0
 
 
 def test_an_azure_reboot_the_agent_holds_is_on_the_spotjob_in_an_event_and_in_kubectl_spotjob_until_withdrawn(
