@@ -313,6 +313,20 @@ def wait(check: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
     return TestCluster.wait_for(check, timeout, what, interval=0.2)
 
 
+def wait_for_a_commit(uri: str) -> None:
+    """Storage holds a committed checkpoint. Read from storage, not the job's status, which a
+    Running job refreshes every 10 s (and a controller that just took the lease over, later): a
+    short job on a slow machine could end before it shows. One store for the whole wait."""
+    from agent.catalog import list_checkpoints
+    from agent.storage import open_storage
+
+    store = open_storage(uri)
+    try:
+        wait(lambda: any(c.valid for c in list_checkpoints(store)), "a first committed checkpoint")
+    finally:
+        store.close()
+
+
 def pretty(obj: Any) -> str:
     return json.dumps(obj, indent=1, default=str)[:6000]
 

@@ -23,12 +23,10 @@ from e2e_support import (
     job_pods,
     running_pods,
     spotjob_body,
-    wait,
+    wait_for_a_commit,
     wait_phase,
 )
 
-from agent.catalog import list_checkpoints
-from agent.storage import open_storage
 from tests.k8s.cluster import TestCluster
 
 pytestmark = pytest.mark.slow
@@ -82,7 +80,7 @@ def test_a_spot_warning_on_the_eventbridge_bus_flushes_the_job_and_moves_it_bit_
     wait_phase(cluster, namespace, "train", "Running")
     # Storage's word, not the status's (a Running job refreshes it every 10 s): the flush needs a
     # commit to resume from, and the sooner the warning comes the longer the job still trains.
-    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
+    wait_for_a_commit(uri)
     (first,) = running_pods(cluster, namespace, "train", 0)
     preempted = str(first["spec"]["nodeName"])
     instance = instances[preempted]

@@ -26,6 +26,7 @@ from e2e_support import (
     spotjob_body,
     status,
     wait,
+    wait_for_a_commit,
     wait_phase,
 )
 
@@ -154,15 +155,9 @@ def _trained_to_a_commit_on_two_nodes(
     dumps.mkdir()
     create_job(cluster, spotjob_body("train", namespace, uri=str(tmp_path / "ckpt"), dump_dir=dumps, step_sleep=0.3))
     wait_phase(cluster, namespace, "train", "Running")
-    _wait_for_a_commit(str(tmp_path / "ckpt"))
+    wait_for_a_commit(str(tmp_path / "ckpt"))
     (first,) = _still_running(cluster, namespace)
     return controller, dumps, _node_of(first)
-
-
-def _wait_for_a_commit(uri: str) -> None:
-    """Storage holds a committed checkpoint. Read from storage, not the job's status, which a
-    Running job refreshes every 10 s: a short job on a slow machine could end before it shows."""
-    wait(lambda: any(c.valid for c in list_checkpoints(open_storage(uri))), "a first committed checkpoint")
 
 
 def _still_running(cluster: TestCluster, namespace: str) -> list[dict[str, Any]]:
@@ -193,7 +188,7 @@ def test_a_node_deleted_without_notice_loses_its_worker_and_the_job_resumes_from
     create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, env=_aws_env(), step_sleep=0.3))
 
     wait_phase(cluster, namespace, "train", "Running")
-    _wait_for_a_commit(uri)
+    wait_for_a_commit(uri)
     (first,) = _still_running(cluster, namespace)
     lost = _node_of(first)
     cluster.delete_node(lost)  # the VM is gone: its processes die at once, no notice, no flush
@@ -228,7 +223,7 @@ def test_a_zombie_of_the_old_attempt_that_trains_on_behind_a_partition_never_cou
     # controller has started the next attempt.
     create_job(cluster, spotjob_body("train", namespace, uri=uri, dump_dir=dumps, step_sleep=0.3, every_steps=5))
     wait_phase(cluster, namespace, "train", "Running")
-    _wait_for_a_commit(uri)
+    wait_for_a_commit(uri)
     (zombie,) = running_pods(cluster, namespace, "train", 0)
     partitioned = _node_of(zombie)
     cluster.partition_node(partitioned)  # its kubelet loses the API server; its processes train on
@@ -282,7 +277,7 @@ def test_two_replicas_rendezvous_without_dns_each_turn_ready_each_agent_exits_75
     assert len(pods) == 2
     master = pods[0]["status"]["podIP"]
     assert master in pods[1]["spec"]["containers"][0]["args"]  # replica 1 got replica 0's pod IP
-    _wait_for_a_commit(str(tmp_path / "ckpt"))
+    wait_for_a_commit(str(tmp_path / "ckpt"))
     preempted = _node_of(pods[1])
     cluster.taint_node(preempted, "aws-node-termination-handler/spot-itn", "true", "NoSchedule")
 
