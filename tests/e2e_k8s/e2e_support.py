@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from local_run_support import BIN, NPROC, STEPS, TRAIN, assert_same_final_state  # noqa: E402
 
+from agent.catalog import list_checkpoints  # noqa: E402
+from agent.storage import open_storage  # noqa: E402
 from tests.k8s.cluster import TestCluster  # noqa: E402
 from tests.k8s.cluster.client import ApiCallError  # noqa: E402
 from tests.k8s.spotjob_crd import GROUP_PATH, install_crd  # noqa: E402,F401
@@ -317,9 +319,6 @@ def wait_for_a_commit(uri: str) -> None:
     """Storage holds a committed checkpoint. Read from storage, not the job's status, which a
     Running job refreshes every 10 s (and a controller that just took the lease over, later): a
     short job on a slow machine could end before it shows. One store for the whole wait."""
-    from agent.catalog import list_checkpoints
-    from agent.storage import open_storage
-
     store = open_storage(uri)
     try:
         wait(lambda: any(c.valid for c in list_checkpoints(store)), "a first committed checkpoint")

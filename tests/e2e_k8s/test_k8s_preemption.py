@@ -86,12 +86,11 @@ def test_a_spot_interruption_taint_flushes_the_job_moves_it_tells_each_transitio
 
     # What an operator reads: one Event per transition, the flush's deadline named, the counters.
     # The pass that wrote Succeeded emits its Event after the write: wait for it, not read at once.
-    events = wait(
-        lambda: (lambda es: es if any(e["reason"] == "Completed" for e in es) else None)(
-            job_events(cluster, namespace, "train")
-        ),
-        "the Completed Event",
-    )
+    def completed() -> list[dict[str, Any]] | None:
+        events = job_events(cluster, namespace, "train")
+        return events if any(e["reason"] == "Completed" for e in events) else None
+
+    events = wait(completed, "the Completed Event")
     assert [e["reason"] for e in events] == [
         "WorkersStarted",
         "WorkersRunning",
