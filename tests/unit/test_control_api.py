@@ -375,8 +375,10 @@ class TestConnections:
         seam patched) so that every slot serves a request that has arrived: none is cut off."""
         release = threading.Event()
         served = agent.status
+        arrived = threading.Semaphore(0)
 
         def held_status() -> Any:
+            arrived.release()
             release.wait(WAIT)
             return served()
 
@@ -388,7 +390,11 @@ class TestConnections:
         for t in holders:
             t.start()
         try:
-            wait_until(lambda: api.open_connections == 4, "four requests being served")
+            # Inside the handler, not only connected: a connection whose request is still arriving
+            # would make room for the next one (README), and the 503 below would be a 200.
+            for _ in range(4):
+                assert arrived.acquire(timeout=WAIT), "four requests being served"
+            assert api.open_connections == 4
             for _ in range(3):
                 status, headers, body = raw(api, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert status == 503 and headers["retry-after"] == "1" and json.loads(body)["error"]
