@@ -5,7 +5,11 @@ submodules). Every rank must get its own tensors, optimizer state, loader positi
 Starting the ranks (importing torch) is most of each case's cost, so the 2-rank cases run as two
 torchruns for the module: every save (each to its own folder) in one, then every restore (each
 from its own copy of the checkpoint it reads) in another, each case with its own model and
-Checkpointer (``--then`` in the rank script). A restore never runs in a process that saved.
+Checkpointer (``--then`` in the rank script). A 2-rank restore never runs in a process that saved.
+The 2-D mesh needs 4 ranks: one 4-rank torchrun saves it, then restores it on the same mesh as a
+case of its own (a second 4-rank launch cost ~13 CPU-seconds; the restoring case builds its model
+with other weights and reseeds the RNG, so only the restore can bring the saved values back), and
+its restore with the dp degree halved is one of the 2-rank restores.
 """
 
 from __future__ import annotations
@@ -50,13 +54,8 @@ RESTORES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pp_empty_stage_back": ("pp_empty_stage", ("pp", "--optim", "none", "--restore", "--split", "d")),
     "replicas": ("replicas", ("shards", "--replicas", "rank0", "--restore")),
     "tp": ("tp", ("tp", "--restore")),
+    "dp_tp_halved": ("dp_tp", ("dp_tp", "--restore")),  # the 4-rank save's, on a (1, 2) mesh
 }
-
-
-def run(world: int, tmp: Path, label: str, *args: str) -> Dumps:
-    """Run the rank script; each rank's dump."""
-    harness.torchrun(world, SCRIPT, *args, "--uri", str(tmp / "ckpt"), "--dump", str(tmp / label))
-    return [json.loads((tmp / f"{label}.r{r}.json").read_text()) for r in range(world)]
 
 
 def run_cases(world: int, root: Path, cases: dict[str, tuple[str, ...]]) -> dict[str, Dumps]:
@@ -78,11 +77,32 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Dum
 
 
 @pytest.fixture(scope="module")
-def restores(saves: tuple[Path, dict[str, Dumps]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Dumps]:
+def mesh_2d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Dumps]]:
+    """The 4-rank torchrun: FSDP2 + tensor parallel on a (2, 2) mesh saves (``dp_tp``), then
+    restores that checkpoint on the same mesh (``dp_tp_same``, a case of its own after the save's
+    has closed); (the root, each case's dumps)."""
+    root = tmp_path_factory.mktemp("mesh-2d")
+    (root / "dp_tp").mkdir()
+    save = ["dp_tp", "--sync", "--uri", str(root / "dp_tp" / "ckpt"), "--dump", str(root / "dp_tp" / "dump")]
+    same = ["dp_tp", "--restore", "--uri", str(root / "dp_tp" / "ckpt"), "--dump", str(root / "dp_tp" / "same")]
+    harness.torchrun(4, SCRIPT, *save, "--then", *same)
+    return root, {
+        c: [json.loads((root / "dp_tp" / f"{label}.r{r}.json").read_text()) for r in range(4)]
+        for c, label in (("dp_tp", "dump"), ("dp_tp_same", "same"))
+    }
+
+
+@pytest.fixture(scope="module")
+def restores(
+    saves: tuple[Path, dict[str, Dumps]],
+    mesh_2d: tuple[Path, dict[str, Dumps]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Dumps]:
     """Every 2-rank restore, each from its own copy of the checkpoint it reads."""
     root = tmp_path_factory.mktemp("restores")
     for case, (source, _) in RESTORES.items():
-        shutil.copytree(saves[0] / source / "ckpt", root / case / "ckpt")
+        saved = mesh_2d[0] if source in mesh_2d[1] else saves[0]
+        shutil.copytree(saved / source / "ckpt", root / case / "ckpt")
     return run_cases(2, root, {case: args for case, (_, args) in RESTORES.items()})
 
 
@@ -221,13 +241,16 @@ def test_tensor_parallel_restores_every_shard_and_every_ranks_own_state(
     assert_resumed(saved, restores["tp"])
 
 
-def test_fsdp_and_tensor_parallel_on_a_2d_mesh_restore_with_the_dp_degree_changed(tmp_path: Path) -> None:
+def test_fsdp_and_tensor_parallel_on_a_2d_mesh_restore_with_the_dp_degree_changed(
+    mesh_2d: tuple[Path, dict[str, Dumps]], restores: dict[str, Dumps]
+) -> None:
     """FSDP2 over "dp" and tensor parallel over "tp" on a (2, 2) mesh: restores exactly on the same
     mesh, and on (1, 2) (tp kept, dp halved) with the same whole tensors, ranks 0 and 1 getting
     their own loader position and RNG back (pins behaviour that already worked)."""
-    saved = run(4, tmp_path, "saved", "dp_tp", "--sync")
+    saved = mesh_2d[1]["dp_tp"]
     assert "error" not in saved[0], saved[0]
-    assert_resumed(saved, run(4, tmp_path, "same", "dp_tp", "--restore"))
-    halved = run(2, tmp_path, "halved", "dp_tp", "--restore")
+    assert_resumed(saved, mesh_2d[1]["dp_tp_same"])
+    halved = restores["dp_tp_halved"]
+    assert [d.get("error") for d in halved] == [None, None]
     assert whole(halved) == whole(saved)
     assert [(d["start"], d["pos"], d["rng"]) for d in halved] == [(2, d["pos"], d["rng"]) for d in saved[:2]]
