@@ -19,7 +19,8 @@
     ckpt_signals.py cases --run MODE U OUT [--run MODE U OUT ...]
         the cases that catch their signal and go on (MODE: ``close``, ``close-other-thread``, or
         ``carry-on`` for ``sync --signal INT --at upload --carry-on``) one after the other in this
-        one process, each with its URI and Checkpointer, its printed lines to the file OUT
+        one process, each with its URI and Checkpointer, its printed lines to the file OUT (and
+        what a case raised, which then ends the case, not the process)
     ckpt_signals.py with-body --uri U
         Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
         step 1 fails (the store refuses the upload).
@@ -36,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -271,7 +273,11 @@ CAUGHT = {
 def cases(runs: list[list[str]]) -> None:
     for mode, uri, out in runs:
         with open(out, "w") as f, contextlib.redirect_stdout(f):
-            CAUGHT[mode](uri)
+            try:
+                CAUGHT[mode](uri)
+            except BaseException:  # what its own process would have died of: its test fails on it
+                traceback.print_exc(file=f)
+                traceback.print_exc()
 
 
 def main() -> None:
