@@ -93,21 +93,36 @@ class Saver:
         os.replace(tmp, self.folder / f"request-{n}.json")
         return n
 
-    def save(self, args: list[str], log: Path) -> Callable[[], int]:
-        """Fork the save's process (``args`` as ``ckpt_crash.py``'s); the function waits for its
-        exit status."""
-        exit_file = self.folder / f"exit-{self._request({'argv': args, 'log': str(log)})}"
-
-        def wait() -> int:
-            harness.wait_for(exit_file.exists, "the save's process to exit", alive=self.proc, log_path=self.log)
-            return int(exit_file.read_text())
-
-        return wait
+    def save(self, args: list[str], log: Path) -> Forked:
+        """Fork the save's process (``args`` as ``ckpt_crash.py``'s, its output to ``log``)."""
+        n = self._request({"argv": args, "log": str(log)})
+        return Forked(self, self.folder / f"exit-{n}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self._request({"stop": True})
             assert harness.reap(self.proc) == 0, self.log.read_text(errors="replace")[-8000:]
+
+
+class Forked:
+    """A save's process forked by the saver: its exit status once the saver wrote it."""
+
+    def __init__(self, saver: Saver, exit_file: Path) -> None:
+        self.saver = saver
+        self.exit_file = exit_file
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.exit_file.exists():
+            self.returncode = int(self.exit_file.read_text())
+        if self.returncode is None and self.saver.proc.poll() is not None:
+            raise AssertionError(f"the saver exited:\n{self.saver.log.read_text(errors='replace')[-8000:]}")
+        return self.returncode
+
+    def wait(self) -> int:
+        harness.wait_for(lambda: self.poll() is not None, "the save's process to exit")
+        assert self.returncode is not None
+        return self.returncode
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +154,22 @@ def traced_save(
     args = [uri, str(markers), str(step), *extra]
     proc = None
     if saver is not None:
-        alive, wait = saver.proc, saver.save(args, log)
+        child = saver.save(args, log)
+        exited, wait = child.poll, child.wait
     else:
         proc = harness.start(harness.torchrun_argv(nproc, SCRIPT, args), log, env=harness.job_env(**TRACED_ENV))
-        alive, wait = proc, lambda: harness.reap(proc)
+        exited, wait = proc.poll, lambda: harness.reap(proc)
+
+    def until(predicate: Callable[[], bool], what: str) -> None:
+        """Wait for ``predicate``; fail early (with the log) if the save's process exits first."""
+        harness.wait_for(lambda: predicate() or exited() is not None, what, log_path=log)
+        if not predicate():
+            raise AssertionError(f"the save exited ({exited()}) before {what}:\n{log.read_text(errors='replace')}")
+
     tracer = None
     try:
         ready = [markers / f"ready.{r}" for r in range(nproc)]
-        harness.wait_for(lambda: all(p.exists() for p in ready), "the ranks to be ready", alive=alive, log_path=log)
+        until(lambda: all(p.exists() for p in ready), "the ranks to be ready")
         pid = int((markers / f"ready.{rank}").read_text())
         tracer = subprocess.Popen(
             ["strace", "-f", "-qq", "-o", os.devnull, "-p", str(pid), "-e", f"trace={TRACED}", "-e", f"inject={inject}"]
@@ -156,7 +179,7 @@ def traced_save(
             with open(f"/proc/{pid}/status") as f:
                 return any(line.split() == ["TracerPid:", "0"] for line in f) is False
 
-        harness.wait_for(attached, "strace to attach", alive=alive, log_path=log)
+        until(attached, "strace to attach")
         (markers / "go").touch()
         rc = wait()
     finally:
