@@ -1,20 +1,22 @@
 """Pins (``agent.pins``): a read-only Checkpointer's restore and ``spotjob ckpt export`` pin the
 checkpoint they read, and the writer's retention leaves a folder with an unexpired pin.
 
-Real stores (file://, moto S3, fake-gcs-server), a real 2-rank writer under torchrun. The read is
+Real stores (file://, moto S3, fake-gcs-server), a real 2-rank writer under torchrun (one job for
+the module, which saves on each race's URI when asked). The read is
 held open at one seam (``VerifiedReader.hold_all``, before the reader opens the files it picked)
 while the writer saves; nothing waits on time except for a crashed reader's pin to expire.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,7 +40,7 @@ from ckpt_state import make_state, snapshot, train
 
 pytestmark = pytest.mark.slow
 
-JOB = harness.SCRIPTS / "ckpt_job.py"
+WRITER = harness.SCRIPTS / "ckpt_pin_writer.py"
 STEP1 = "step-000000001"
 
 
@@ -58,14 +60,56 @@ def _pins(uri: str) -> list[str]:
         storage.close()
 
 
-def _writer_saves(uri: str, first: int, last: int) -> str:
-    """The 2-rank job "train" (keep=1) saves steps first..last; its output."""
-    done = harness.torchrun(2, JOB, "saves", "--uri", uri, "--steps", str(first), str(last))
-    return done.stdout + done.stderr
+class Writer:
+    """The 2-rank job "train" (keep=1), one torchrun for the module (``scripts/ckpt_pin_writer.py``):
+    each race asks it to save, on its own URI, instead of launching a torchrun of its own (a
+    launcher and two ranks, about 8 CPU-s, for each of seven races)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.log = folder / "job.log"
+        self.requests = 0
+        self.proc = harness.start(harness.torchrun_argv(2, WRITER, [str(folder)]), self.log)
+
+    def _request(self, options: dict[str, Any]) -> int:
+        n, self.requests = self.requests, self.requests + 1
+        tmp = self.folder / f".request-{n}.json"
+        tmp.write_text(json.dumps(options))
+        os.replace(tmp, self.folder / f"request-{n}.json")
+        return n
+
+    def saves(self, uri: str, first: int, last: int) -> str:
+        """The job saves steps first..last on ``uri``, as ``ckpt_job.py saves`` would; its ranks' log."""
+        n = self._request({"uri": uri, "steps": [first, last]})
+        done = [self.folder / f"done-{n}.rank{rank}" for rank in (0, 1)]
+        harness.wait_for(
+            lambda: all(p.exists() for p in done),
+            f"the job to save steps {first}..{last} on {uri}",
+            timeout=harness.RUN_TIMEOUT_S,
+            alive=self.proc,
+            log_path=self.log,
+        )
+        return "".join((self.folder / f"log-{n}.rank{rank}").read_text() for rank in (0, 1))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self._request({"stop": True})
+            rc = harness.reap(self.proc)
+            assert rc == 0, f"the writer job exited {rc}:\n{self.log.read_text(errors='replace')[-8000:]}"
+
+
+@pytest.fixture(scope="module")
+def writer(tmp_path_factory: pytest.TempPathFactory, moto_server: str, gcs_server: str) -> Iterator[Writer]:
+    """The module's writer job; the stores' servers start first, so its ranks get their settings."""
+    job = Writer(tmp_path_factory.mktemp("writer"))
+    try:
+        yield job
+    finally:
+        job.close()
 
 
 def _saves_here(uri: str, first: int, last: int) -> None:
-    """What the job "train" of ``_writer_saves`` saves (the same state, steps first..last, keep=1),
+    """What the job "train" of ``Writer.saves`` saves (the same state, steps first..last, keep=1),
     written in this process on one rank: for the saves before and after a race, which only put a step
     in place for the reader or run the retention pass after it. The saves during a race, which
     must come from another process and clock, stay the 2-rank torchrun."""
@@ -86,7 +130,7 @@ def _step1(uri: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("scheme", ["file", "s3", "gs"])
 def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_released(
-    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, scheme: str
+    fresh_uri: Callable[[str], str], writer: Writer, monkeypatch: pytest.MonkeyPatch, scheme: str
 ) -> None:
     """An eval job restores step 1 while the 2-rank job (keep=1) commits steps 2..6: five
     retention passes, each of which deleted step 1 before (the restore then started over and
@@ -101,7 +145,7 @@ def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_releas
     def hold_all_while_the_job_saves_on(self: VerifiedReader) -> None:
         if not during:
             during["pins"] = _pins(uri)
-            during["log"] = _writer_saves(uri, 2, 6)
+            during["log"] = writer.saves(uri, 2, 6)
             during["folders"] = _folders(uri)
         real_hold_all(self)
 
@@ -119,7 +163,7 @@ def test_a_pinned_checkpoint_outlives_many_retention_passes_and_goes_once_releas
 
 
 def test_export_pins_the_step_it_exports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, writer: Writer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``spotjob ckpt export --step 1`` while the job (keep=1) commits step 2 before the export
     reads: before, step 1 was deleted and the export failed ("deleted while it was being
@@ -130,7 +174,7 @@ def test_export_pins_the_step_it_exports(
     real = cli_ckpt.export_safetensors
 
     def export_as_the_job_saves(*args: Any, **kwargs: Any) -> Any:
-        _writer_saves(uri, 2, 2)
+        writer.saves(uri, 2, 2)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cli_ckpt, "export_safetensors", export_as_the_job_saves)
@@ -329,7 +373,7 @@ def test_a_pin_due_further_ahead_than_any_reader_writes_keeps_nothing(tmp_path: 
 
 @pytest.mark.parametrize(("scheme", "skew"), [("s3", 180), ("gs", -600), ("file", -600)])
 def test_a_reader_whose_clock_is_minutes_off_keeps_its_pin(
-    fresh_uri: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, scheme: str, skew: int
+    fresh_uri: Callable[[str], str], writer: Writer, monkeypatch: pytest.MonkeyPatch, scheme: str, skew: int
 ) -> None:
     """A reader whose clock is 3 minutes ahead of the writer's, or 10 behind, restores step 1
     while the 2-rank job (keep=1, its own process and clock) commits steps 2 and 3. Before, the
@@ -347,7 +391,7 @@ def test_a_reader_whose_clock_is_minutes_off_keeps_its_pin(
 
     def hold_all_while_the_job_saves_on(self: VerifiedReader) -> None:
         if not during:
-            during["log"] = _writer_saves(uri, 2, 3)
+            during["log"] = writer.saves(uri, 2, 3)
         real_hold_all(self)
 
     monkeypatch.setattr(restore_module.VerifiedReader, "hold_all", hold_all_while_the_job_saves_on)

@@ -53,16 +53,22 @@ SHARED_CASES: dict[str, dict[str, Any]] = {
     "flush-with-failed-save-same-step": {"command": "flush-with-failed-save", "same_step": True},
     "failure-raised-before-its-vote": {"command": "failure-raised-before-its-vote"},
     "after-close": {"command": "after-close"},
+    "flush-over-save-failed": {"command": "flush-over-save", "variant": "failed"},
+    "flush-over-save-cancelled": {"command": "flush-over-save", "variant": "cancelled"},
+    # Last: they replace threading.Thread.start in the ranks (put back once the case is over).
+    "no-save-thread-spotjob-save": {"command": "no-save-thread", "thread": "spotjob-save"},
+    "no-save-thread-spotjob-name": {"command": "no-save-thread", "thread": "spotjob-name"},
 }
 """The cases whose job ends cleanly (each rank writes its outcome and meets the others): one torchrun
 runs them all in turn, each with its own folder and Checkpointer, instead of a launcher and two
-ranks each. The cases whose job is meant to fail or may (an error left to end the script, a flush
-that stops it) keep a torchrun of their own."""
+ranks each (about 8 CPU-s). The case whose job is meant to fail (an error left to end the script)
+keeps a torchrun of its own."""
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path, Path]]:
-    """case -> (its URI, its outcome file's prefix, its folder), once the shared job ran them all."""
+    """case -> (its URI, its outcome file's prefix, its folder), once the shared job ran them all
+    and exited 0 (else every test of it fails, with the job's output)."""
     root = tmp_path_factory.mktemp("shared")
     where = {case: (str(root / case / "ckpt"), root / case / "outcome", root / case) for case in SHARED_CASES}
     for _, _, folder in where.values():
@@ -70,6 +76,11 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Pat
     cases = [{**options, "uri": where[case][0], "out": str(where[case][1])} for case, options in SHARED_CASES.items()]
     harness.torchrun(2, FAILURES, "--cases", json.dumps(cases))
     return where
+
+
+def case_log(out: Path) -> str:
+    """Every rank's log lines of one case of the shared job."""
+    return "".join(Path(f"{out}.log.rank{rank}").read_text() for rank in (0, 1))
 
 
 @pytest.mark.parametrize(
@@ -146,15 +157,14 @@ def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_and_the_next_save_co
 
 @pytest.mark.parametrize("variant", ["failed", "cancelled"])
 def test_a_flush_over_a_save_in_flight_acts_alike_on_ranks_whose_save_threads_finish_apart(
-    tmp_path: Path, variant: str
+    shared: dict[str, tuple[str, Path, Path]], variant: str
 ) -> None:
     """Rank 0's save thread finished before rank 0 reached the flush's step, rank 1's only after
     rank 1 gave the save up there: both must judge the save alike, never one raising while the
     other goes on into the flush's collectives alone. Whether the save failed on its own (a store
     that refused it) or was given up for the flush, every rank goes on and the flush commits: the
     failed save is no reason to let the notice pass without one (it used to fail the flush)."""
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
-    harness.torchrun(2, FAILURES, "flush-over-save", "--uri", uri, "--out", str(out), "--variant", variant, check=False)
+    uri, out, _ = shared[f"flush-over-save-{variant}"]
     for rank, text in enumerate(outcomes(out)):
         assert text == "no error, stop at step 3", f"rank {rank}: {text}"
     assert committed_steps(uri) == [3]
@@ -202,7 +212,7 @@ def test_step_save_and_restore_after_close_raise_on_every_rank(shared: dict[str,
 
 @pytest.mark.parametrize("thread", ["spotjob-save", "spotjob-name"])
 def test_a_save_thread_that_cannot_start_runs_its_work_in_the_callers_thread_and_commits(
-    tmp_path: Path, thread: str
+    shared: dict[str, tuple[str, Path, Path]], thread: str
 ) -> None:
     """A pids or ``ulimit -u`` limit reached: ``Thread.start()`` raises "can't start new thread".
     That is simulated at the one seam (that thread's start; this machine runs as root, which such a
@@ -211,14 +221,12 @@ def test_a_save_thread_that_cannot_start_runs_its_work_in_the_callers_thread_and
     and left the save in flight with a thread that never ran, and the job hung. spotjob-name (rank
     0, the thread naming the folder while the shards are written): rank 0's save failed before its
     collectives, which rank 1 waited in. Now the work runs in the caller's thread: every step
-    commits on every rank, and the newest restores."""
-    uri, out = str(tmp_path / "ckpt"), tmp_path / "out"
-    argv = ["no-save-thread", "--uri", uri, "--out", str(out), "--thread", thread]
-    proc = harness.torchrun(2, FAILURES, *argv, check=False)
+    commits on every rank, and the newest restores. (The shared job's exit 0, which the fixture
+    checks, says that no rank hung or failed after it.)"""
+    uri, out, _ = shared[f"no-save-thread-{thread}"]
     said = outcomes(out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for text in said:
         assert text.splitlines() == ["step 1: no error", "step 2: no error", "step 3: no error", "restored: 3"], said
     assert committed_steps(uri) == [1, 2, 3]
     if thread == "spotjob-save":
-        assert "could not start the save thread" in proc.stdout + proc.stderr
+        assert "could not start the save thread" in case_log(out)

@@ -1,7 +1,9 @@
 """A signal that reaches the training process while the Checkpointer works.
 
 Real processes (``scripts/ckpt_signals.py``) signal themselves at a seam of the save: Ctrl-C
-(SIGINT, ``KeyboardInterrupt``) or SIGTERM to the script's own handler (``sys.exit(143)``).
+(SIGINT, ``KeyboardInterrupt``) or SIGTERM to the script's own handler (``sys.exit(143)``). A case
+whose signal ends its process has a process of its own; the cases whose script catches the signal
+and goes on share one, one case after the other.
 
 - During a synchronous save, or while a rank prepares one: the save commits nothing, the previous
   checkpoint stays the newest, and the signal's own exception leaves the save (not a
@@ -19,8 +21,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,11 +73,54 @@ def test_a_signal_during_a_synchronous_save_ends_the_process_as_the_signal_asks(
     assert committed(uri) == [1]
 
 
-def test_a_script_that_catches_the_keyboard_interrupt_saves_on(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    done = harness.run([harness.PYTHON, str(SCRIPT), "sync", "--uri", uri, "--carry-on"])
-    assert done.stdout.split() == ["interrupted", "saved", "3"], done.stdout + done.stderr
+CAUGHT = {  # case -> its mode in ``ckpt_signals.py cases``, and its store
+    "carry-on": ("carry-on", "file"),
+    "close-file": ("close", "file"),
+    "close-s3": ("close", "s3"),
+    "close-other-thread": ("close-other-thread", "file"),
+}
+
+
+@pytest.fixture(scope="module")
+def caught_run(
+    tmp_path_factory: pytest.TempPathFactory, s3_client: Any
+) -> tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]]:
+    """The cases whose script catches its signal and goes on, one after the other in one process,
+    each with its own URI, Checkpointer and output file (a Python that imports torch less than a
+    process each): case -> (its URI, its output file), and the run. What a case raised (which its
+    own process died of) ends in its file, and the next case runs."""
+    root = tmp_path_factory.mktemp("caught")
+    where = {}
+    for case, (_, scheme) in CAUGHT.items():
+        if scheme == "s3":
+            bucket = f"spotjob-{uuid.uuid4().hex[:12]}"
+            s3_client.create_bucket(Bucket=bucket)
+            uri = f"s3://{bucket}/jobs/run1"
+        else:
+            uri = str(root / case / "ckpt")
+        where[case] = (uri, root / f"{case}.out")
+    runs = [arg for case, (mode, _) in CAUGHT.items() for arg in ("--run", mode, *map(str, where[case]))]
+    return where, harness.run([harness.PYTHON, str(SCRIPT), "cases", *runs], check=False)
+
+
+def said(case: str, caught_run: tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]]) -> str:
+    _, out = caught_run[0][case]
+    return out.read_text() if out.exists() else ""
+
+
+def ended_cleanly(caught_run: tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]]) -> None:
+    """The process exited 0 after its last case, as each case's own process did before it shared one."""
+    done = caught_run[1]
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_script_that_catches_the_keyboard_interrupt_saves_on(
+    caught_run: tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]],
+) -> None:
+    uri, _ = caught_run[0]["carry-on"]
+    assert said("carry-on", caught_run).split() == ["interrupted", "saved", "3"], said("carry-on", caught_run)
     assert committed(uri) == [1, 3]
+    ended_cleanly(caught_run)
 
 
 RANKS_AT = ["staging", "upload"]
@@ -103,22 +149,26 @@ def test_ctrl_c_on_one_rank_during_a_save_reaches_that_rank_and_no_rank_waits(
 
 @pytest.mark.parametrize("scheme", ["file", "s3"])
 def test_an_interrupted_close_leaves_the_save_in_flight_what_it_uses_and_the_next_close_commits_it(
-    scheme: str, fresh_uri: Callable[[str], str]
+    scheme: str, caught_run: tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]]
 ) -> None:
-    uri = fresh_uri(scheme)
-    done = harness.run([harness.PYTHON, str(SCRIPT), "close", "--uri", uri])
-    assert done.stdout.splitlines() == ["close interrupted", "closed after committing 1"], done.stdout + done.stderr
-    assert committed(uri) == [1], done.stderr
+    uri, _ = caught_run[0][f"close-{scheme}"]
+    lines = said(f"close-{scheme}", caught_run).splitlines()
+    assert lines == ["close interrupted", "closed after committing 1"], "\n".join(lines)
+    assert committed(uri) == [1], caught_run[1].stderr
+    ended_cleanly(caught_run)
 
 
-def test_ctrl_c_delivered_to_another_thread_still_interrupts_close_while_the_save_runs(tmp_path: Path) -> None:
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_close_while_the_save_runs(
+    caught_run: tuple[dict[str, tuple[str, Path]], subprocess.CompletedProcess[str]],
+) -> None:
     """A process-directed SIGINT may land on any thread; Python then only sets a flag, and a main
     thread blocked in one long wait ran the handler only once the save was over (a hang, when
     the save waits on the main thread)."""
-    uri = str(tmp_path / "ckpt")
-    done = harness.run([harness.PYTHON, str(SCRIPT), "close-other-thread", "--uri", uri])
-    assert done.stdout.splitlines() == ["close interrupted", "while the save was held: True"], done.stdout + done.stderr
-    assert committed(uri) == [1], done.stderr
+    uri, _ = caught_run[0]["close-other-thread"]
+    lines = said("close-other-thread", caught_run).splitlines()
+    assert lines == ["close interrupted", "while the save was held: True"], "\n".join(lines)
+    assert committed(uri) == [1], caught_run[1].stderr
+    ended_cleanly(caught_run)
 
 
 def test_ctrl_c_in_a_with_block_whose_save_failed_ends_the_process_by_sigint(tmp_path: Path) -> None:

@@ -43,10 +43,10 @@
         for a launcher and two ranks each
 
 Each rank writes what happened to ``O.rank<r>`` (``<ErrorClass> at step <s>: <message>``, or
-``no error``), then meets the others in a barrier on the default group (``BARRIER_TIMEOUT``), so
-the test sees what every rank raised, and a rank left behind fails the job instead of hanging
-it. ``async-one-rank`` then re-raises, so the job exits non-zero, as a script that lets the
-error end it does.
+``no error``), and its log lines of that run to ``O.log.rank<r>``, then meets the others in a
+barrier on the default group (``BARRIER_TIMEOUT``), so the test sees what every rank raised, and a
+rank left behind fails the job instead of hanging it. ``async-one-rank`` then re-raises, so the job
+exits non-zero, as a script that lets the error end it does.
 
 Faults are injected by replacing methods on the Checkpointer's own Storage object (the seam every
 backend shares), on one rank only.
@@ -459,9 +459,18 @@ def main() -> None:
             p.error(f"each run needs a command ({', '.join(commands)}), --uri and --out; got {vars(run)}")
     dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
+    form = f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=form)
     for run in runs:
-        commands[run.command](run, rank)
+        # Each run's log lines also go to O.log.rank<r>: a test of one of several runs reads its own.
+        handler = logging.FileHandler(f"{run.out}.log.rank{rank}")
+        handler.setFormatter(logging.Formatter(form))
+        logging.getLogger().addHandler(handler)
+        try:
+            commands[run.command](run, rank)
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     dist.destroy_process_group()
 
 

@@ -16,6 +16,11 @@
     torchrun --nproc-per-node=2 ckpt_signals.py ranks --uri U --at upload --uri U2 --at staging
         the cases above one after the other in one job, each with its URI and Checkpointer; each
         line then starts with its ``--at`` (``upload rank0 KeyboardInterrupt``)
+    ckpt_signals.py cases --run MODE U OUT [--run MODE U OUT ...]
+        the cases that catch their signal and go on (MODE: ``close``, ``close-other-thread``, or
+        ``carry-on`` for ``sync --signal INT --at upload --carry-on``) one after the other in this
+        one process, each with its URI and Checkpointer, its printed lines to the file OUT (and
+        what a case raised, which then ends the case, not the process)
     ckpt_signals.py with-body --uri U
         Ctrl-C (SIGINT) in the body of ``with Checkpointer(...)`` while its asynchronous save of
         step 1 fails (the store refuses the upload).
@@ -27,10 +32,12 @@ The signal comes from a seam outside spotjob's code (the store's ``put_file`` /
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -254,16 +261,41 @@ def with_body(args: argparse.Namespace) -> None:
     raise AssertionError("the body went on after Ctrl-C")
 
 
+CAUGHT = {
+    "close": lambda uri: close(argparse.Namespace(uri=uri)),
+    "close-other-thread": lambda uri: close_other_thread(argparse.Namespace(uri=uri)),
+    "carry-on": lambda uri: sync(argparse.Namespace(uri=uri, signal="INT", at="upload", carry_on=True)),
+}
+"""The cases of ``cases``: each catches its signal and ends cleanly, so several share one process
+(a Python that imports torch costs about 3 CPU-s) and the next starts where the last returned."""
+
+
+def cases(runs: list[list[str]]) -> None:
+    for mode, uri, out in runs:
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            try:
+                CAUGHT[mode](uri)
+            except BaseException:  # what its own process would have died of: its test fails on it
+                traceback.print_exc(file=f)
+                traceback.print_exc()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["sync", "close", "close-other-thread", "ranks", "with-body"])
-    p.add_argument("--uri", required=True, action="append", help="ranks: once per case; the others: once")
+    p.add_argument("mode", choices=["sync", "close", "close-other-thread", "ranks", "with-body", "cases"])
+    p.add_argument("--uri", action="append", help="ranks: once per case; cases: none; the others: once")
+    p.add_argument("--run", nargs=3, action="append", metavar=("MODE", "URI", "OUT"), help="cases: once per case")
     p.add_argument("--signal", choices=["INT", "TERM"], default="INT")
     p.add_argument("--at", choices=["staging", "write", "upload", "commit"], action="append", help="default: upload")
     p.add_argument("--carry-on", action="store_true")
     args = p.parse_args()
     args.at = args.at or ["upload"]
-    if args.mode != "ranks":
+    if args.mode == "cases":
+        if args.uri or not args.run or any(mode not in CAUGHT for mode, _, _ in args.run):
+            p.error(f"cases: one or more --run MODE URI OUT, MODE one of {', '.join(CAUGHT)}")
+    elif not args.uri:
+        p.error(f"{args.mode}: --uri is required")
+    if args.mode not in ("ranks", "cases"):
         if len(args.uri) > 1 or len(args.at) > 1:
             p.error(f"{args.mode}: one --uri and at most one --at")
         args.uri, args.at = args.uri[0], args.at[0]
@@ -277,6 +309,7 @@ def main() -> None:
         "close-other-thread": close_other_thread,
         "ranks": ranks,
         "with-body": with_body,
+        "cases": lambda args: cases(args.run),
     }
     modes[args.mode](args)
 
