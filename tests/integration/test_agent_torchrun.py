@@ -32,7 +32,7 @@ import torch
 from ckpt_compare import assert_same
 
 from agent.catalog import list_checkpoints
-from agent.control_channel import EXIT_INFRA_ERROR, EXIT_PREEMPTED, ControlDir
+from agent.control_channel import EXIT_INFRA_ERROR, EXIT_PREEMPTED, ControlDir, FlushResult
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.ranks import free_port
@@ -94,10 +94,12 @@ def start_agent(
     token: str | None = TOKEN,
     torchrun_args: tuple[str, ...] = (),
     script: Path = TRAIN,
+    extra_env: dict[str, str] | None = None,
 ) -> AgentRun:
     control = tmp / f"control-{name}"
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", SPOTJOB_AGENT_POLL_INTERVAL="0.2", PYTHONUNBUFFERED="1")
+    env.update(extra_env or {})
     env.pop("SPOTJOB_AGENT_TOKEN", None)
     args = [
         str(BIN / "spotjob-agent"),
@@ -260,34 +262,6 @@ def test_a_notice_from_each_source_commits_one_step_on_both_ranks_and_a_restart_
     assert_bit_identical(request.getfixturevalue("reference"), tmp_path / "resumed")
 
 
-def test_a_gpu_vms_hour_of_maintenance_notice_is_held_while_training_goes_on_and_a_sigterm_still_flushes(
-    tmp_path: Path, gce: GceMetadataEmulator
-) -> None:
-    """GCE gives a GPU VM an hour's notice of a host maintenance that stops it. Before, the agent
-    flushed at once and the job stood still for the rest of the hour. Now the notice is held
-    (``--flush-lead``): the ranks keep training, ``/status`` shows it, and a SIGTERM (the VM's
-    shutdown coming sooner) flushes at once. That the flush starts by itself ``--flush-lead``
-    before the deadline is tested in tests/unit/test_launcher.py (``TestHeldNotices``)."""
-    uri = str(tmp_path / "ckpt")
-    agent_args = ["--notices", "gcp,sigterm", "--gcp-metadata-url", gce.url, "--gcp-maintenance-seconds", "3600"]
-    run = start_agent(tmp_path, "maintenance", uri, agent_args, ["--step-sleep", "0.05", "--every-steps", "25"])
-    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
-    gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
-    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
-    held_at = run.step()
-    wait_until(lambda: run.step() >= held_at + 5, "training to go on while the notice is held", run.proc)
-    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        status = json.loads(resp.read())
-    assert status["flush"] is None and status["held_notice"]["source"] == "gcp", status
-    assert status["flush_at"] == pytest.approx(status["held_notice"]["deadline"] - 300), status
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait() == EXIT_PREEMPTED, run.log()
-    result = run.control.flush_result()
-    assert result is not None and result.error is None and result.step is not None and result.step > held_at
-    assert committed_steps_per_rank(uri, result.step) == {result.step}
-
-
 def held_status(run: AgentRun) -> dict[str, Any]:
     req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
@@ -295,26 +269,84 @@ def held_status(run: AgentRun) -> dict[str, Any]:
     return status
 
 
+@dataclass
+class HeldMaintenance:
+    """The first job of the hour-of-maintenance tests, SIGTERMed while it held the notice."""
+
+    gce: GceMetadataEmulator
+    tmp: Path
+    uri: str
+    env: dict[str, str]  # the VM's: the agents' maintenance records go to its TMPDIR
+    held_at: int
+    status: dict[str, Any]  # /status once training went on 5 steps past the held notice
+    rc: int
+    log: str
+    result: FlushResult | None
+
+
+MAINTENANCE_ARGS = ["--notices", "gcp,sigterm", "--gcp-maintenance-seconds", "3600"]
+MAINTENANCE_TRAIN = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
+
+
+@pytest.fixture(scope="module")
+def held_maintenance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeldMaintenance]:
+    """GCE gives a GPU VM an hour's notice of a host maintenance that stops it: the agent holds it
+    (``--gcp-maintenance-seconds 3600``), training goes on, then a SIGTERM stops the job. The two
+    tests after it read this one job, which each ran for itself before (a torchrun and its ranks
+    each): what it showed while it held the notice and its flush; and the job started again on
+    the same VM during that hour. The emulator stays up for that restart."""
+    tmp = tmp_path_factory.mktemp("maintenance")
+    # The agents' maintenance records (TMPDIR) go to a folder of this VM's own, not the machine's.
+    env = {"TMPDIR": str(tmp_path_factory.mktemp("tempdir"))}
+    uri = str(tmp / "ckpt")
+    with GceMetadataEmulator() as gce:
+        agent_args = [*MAINTENANCE_ARGS, "--gcp-metadata-url", gce.url]
+        run = start_agent(tmp, "first", uri, agent_args, MAINTENANCE_TRAIN, extra_env=env)
+        try:
+            wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+            gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
+            held_at = run.step()
+            wait_until(lambda: run.step() >= held_at + 5, "training to go on while the notice is held", run.proc)
+            status = held_status(run)
+            run.proc.send_signal(signal.SIGTERM)
+        finally:
+            rc = run.wait()
+        yield HeldMaintenance(gce, tmp, uri, env, held_at, status, rc, run.log(), run.control.flush_result())
+
+
+def test_a_gpu_vms_hour_of_maintenance_notice_is_held_while_training_goes_on_and_a_sigterm_still_flushes(
+    held_maintenance: HeldMaintenance,
+) -> None:
+    """GCE gives a GPU VM an hour's notice of a host maintenance that stops it. Before, the agent
+    flushed at once and the job stood still for the rest of the hour. Now the notice is held
+    (``--flush-lead``): the ranks keep training, ``/status`` shows it, and a SIGTERM (the VM's
+    shutdown coming sooner) flushes at once. That the flush starts by itself ``--flush-lead``
+    before the deadline is tested in tests/unit/test_launcher.py (``TestHeldNotices``)."""
+    first = held_maintenance
+    status = first.status
+    assert status["flush"] is None and status["held_notice"]["source"] == "gcp", status
+    assert status["flush_at"] == pytest.approx(status["held_notice"]["deadline"] - 300), status
+    assert first.rc == EXIT_PREEMPTED, first.log
+    result = first.result
+    assert result is not None and result.error is None and result.step is not None and result.step > first.held_at
+    assert committed_steps_per_rank(first.uri, result.step) == {result.step}
+
+
 def test_a_job_restarted_on_the_vm_during_its_hour_of_maintenance_notice_holds_it_to_the_same_deadline(
-    tmp_path: Path, gce: GceMetadataEmulator
+    held_maintenance: HeldMaintenance,
 ) -> None:
     """The first agent hears GCE's hour of notice as it comes and holds it; the job is stopped
     (a SIGTERM: it flushes and exits) and started again on the same VM during that hour. The new
     agent finds the value already set: it takes the time the first one recorded on the machine and
     holds the notice to the same deadline, training on. Before, it assumed 60 s and flushed at
     once, on every restart until the maintenance."""
-    uri = str(tmp_path / "ckpt")
-    agent_args = ["--notices", "gcp,sigterm", "--gcp-metadata-url", gce.url, "--gcp-maintenance-seconds", "3600"]
-    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
-    first = start_agent(tmp_path, "first", uri, agent_args, train_args)
-    wait_until(lambda: first.step() >= 10, "training to pass step 10", first.proc)
-    gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
-    wait_until(lambda: "Training goes on" in first.log(), "the notice to be held", first.proc)
-    deadline = held_status(first)["held_notice"]["deadline"]
-    first.proc.send_signal(signal.SIGTERM)
-    assert first.wait() == EXIT_PREEMPTED, first.log()
+    first = held_maintenance
+    deadline = first.status["held_notice"]["deadline"]
+    assert first.rc == EXIT_PREEMPTED, first.log
 
-    again = start_agent(tmp_path, "again", uri, agent_args, train_args)
+    agent_args = [*MAINTENANCE_ARGS, "--gcp-metadata-url", first.gce.url]
+    again = start_agent(first.tmp, "again", first.uri, agent_args, MAINTENANCE_TRAIN, extra_env=first.env)
     wait_until(lambda: "Training goes on" in again.log(), "the restart to hold the notice", again.proc)
     resumed_at = again.step()
     wait_until(lambda: again.step() >= resumed_at + 5, "training to go on after the restart", again.proc)
@@ -325,58 +357,92 @@ def test_a_job_restarted_on_the_vm_during_its_hour_of_maintenance_notice_holds_i
     assert again.wait() == EXIT_PREEMPTED, again.log()
 
 
-def test_a_held_azure_reboot_that_the_platform_starts_early_flushes_at_once(
-    tmp_path: Path, azure: AzureScheduledEventsEmulator
-) -> None:
+@dataclass
+class HeldReboots:
+    """What one job saw of two Azure Reboots it held in turn (``held_reboots``)."""
+
+    uri: str
+    dropped: AssertionError | None  # why the first Reboot was not seen dropped, if it was not
+    status_after_drop: dict[str, Any] | None
+    held_at: int  # the step when the second Reboot was held
+    rc: int
+    log: str
+    result: FlushResult | None
+
+
+def held_count(run: AgentRun) -> int:
+    """How many notices the agent has held so far (its whole log: ``AgentRun.log`` keeps the end)."""
+    return run.log_path.read_text(errors="replace").count("Training goes on")
+
+
+@pytest.fixture(scope="module")
+def held_reboots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeldReboots]:
+    """One job for the two tests after it, which each ran a job of their own before (a torchrun
+    and its ranks each). An Azure Reboot 15 minutes ahead is held, then leaves the list: the
+    agent drops it and trains on. A second Reboot 15 minutes ahead is held, then started by
+    someone else: the job flushes at once. A first Reboot never dropped is kept for its own test to
+    raise: the second Reboot is still added and started, for the other test."""
+    tmp = tmp_path_factory.mktemp("reboots")
+    uri = str(tmp / "ckpt")
+    with AzureScheduledEventsEmulator() as azure:
+        agent_args = ["--notices", "azure", "--azure-metadata-url", azure.url]
+        train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
+        run = start_agent(tmp, "reboots", uri, agent_args, train_args)
+        try:
+            wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
+            azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+            wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
+            dropped: AssertionError | None = None
+            status_after_drop = None
+            azure.clear()
+            try:
+                wait_until(
+                    lambda: "is dropped, training goes on" in run.log(), "the held notice to be dropped", run.proc
+                )
+                status_after_drop = held_status(run)
+            except AssertionError as e:
+                dropped = e
+            held_before = held_count(run)
+            event_id = azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+            wait_until(lambda: held_count(run) > held_before, "the second notice to be held", run.proc)
+            held_at = run.step()
+            # Started by someone else (another container's agent on the VM, a user, the platform).
+            body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+            req = urllib.request.Request(
+                azure.url + "/metadata/scheduledevents?api-version=2020-07-01",
+                data=body,
+                method="POST",
+                headers={"Metadata": "true", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10):
+                pass
+        finally:
+            rc = run.wait()
+        yield HeldReboots(uri, dropped, status_after_drop, held_at, rc, run.log(), run.control.flush_result())
+
+
+def test_a_held_azure_reboot_that_leaves_the_list_is_dropped_and_training_goes_on(held_reboots: HeldReboots) -> None:
+    """Azure cancels a held Reboot: the event leaves the list. Before, the agent went on holding
+    it and stopped the job at its time for nothing; now it drops it, as a GCE maintenance-event
+    back to NONE, and training goes on (until the next test's Reboot, in the same job)."""
+    if held_reboots.dropped is not None:
+        raise held_reboots.dropped
+    status = held_reboots.status_after_drop
+    assert status is not None
+    assert status["held_notice"] is None and status["flush_at"] is None and status["flush"] is None, status
+
+
+def test_a_held_azure_reboot_that_the_platform_starts_early_flushes_at_once(held_reboots: HeldReboots) -> None:
     """An Azure Reboot 15 minutes ahead is held. Then the event is started (``StartRequests`` from
     someone else: an agent in another container on the VM, a user, the platform): it turns
     ``Started`` with an empty ``NotBefore``, and the VM reboots in seconds. Before, the source
     heard each event once: the agent kept holding it until its old flush time, and the reboot
     came first, losing everything since the last checkpoint."""
-    uri = str(tmp_path / "ckpt")
-    agent_args = ["--notices", "azure", "--azure-metadata-url", azure.url]
-    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
-    run = start_agent(tmp_path, "started", uri, agent_args, train_args)
-    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
-    event_id = azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
-    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
-    held_at = run.step()
-    body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
-    req = urllib.request.Request(
-        azure.url + "/metadata/scheduledevents?api-version=2020-07-01",
-        data=body,
-        method="POST",
-        headers={"Metadata": "true", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10):
-        pass
-    assert run.wait() == EXIT_PREEMPTED, run.log()
-    result = run.control.flush_result()
-    assert result is not None and result.error is None and result.step is not None and result.step > held_at
-    assert committed_steps_per_rank(uri, result.step) == {result.step}
-
-
-def test_a_held_azure_reboot_that_leaves_the_list_is_dropped_and_training_goes_on(
-    tmp_path: Path, azure: AzureScheduledEventsEmulator
-) -> None:
-    """Azure cancels a held Reboot: the event leaves the list. Before, the agent went on holding
-    it and stopped the job at its time for nothing; now it drops it, as a GCE maintenance-event
-    back to NONE, and training goes on (ended here by a SIGTERM)."""
-    uri = str(tmp_path / "ckpt")
-    agent_args = ["--notices", "azure,sigterm", "--azure-metadata-url", azure.url]
-    train_args = ["--steps", "100000", "--step-sleep", "0.05", "--every-steps", "25"]
-    run = start_agent(tmp_path, "cancelled", uri, agent_args, train_args)
-    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
-    azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
-    wait_until(lambda: "Training goes on" in run.log(), "the notice to be held", run.proc)
-    azure.clear()
-    wait_until(lambda: "is dropped, training goes on" in run.log(), "the held notice to be dropped", run.proc)
-    req = urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        status = json.loads(resp.read())
-    assert status["held_notice"] is None and status["flush_at"] is None and status["flush"] is None, status
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait() == EXIT_PREEMPTED, run.log()
+    assert held_reboots.rc == EXIT_PREEMPTED, held_reboots.log
+    result = held_reboots.result
+    assert result is not None and result.error is None and result.step is not None
+    assert result.step > held_reboots.held_at
+    assert committed_steps_per_rank(held_reboots.uri, result.step) == {result.step}
 
 
 def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
