@@ -445,34 +445,6 @@ def test_a_held_azure_reboot_that_the_platform_starts_early_flushes_at_once(held
     assert committed_steps_per_rank(held_reboots.uri, result.step) == {result.step}
 
 
-def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
-    tmp_path: Path,
-) -> None:
-    """torchrun notices its ranks' exit only at its next monitor tick (60 s here), then reports the
-    failed workers and closes its rendezvous: the agent does not wait for any of it once the flush
-    committed and no rank is left, so torchrun never gets to print its failure report."""
-    uri = str(tmp_path / "ckpt")
-    run = start_agent(
-        tmp_path,
-        "teardown",
-        uri,
-        ["--cloud", "none"],
-        ["--step-sleep", "0.05", "--every-steps", "25"],
-        torchrun_args=("--monitor-interval", "60"),
-    )
-    wait_until(lambda: run.step() >= 10, "training to pass step 10", run.proc)
-    assert post_flush(run, TOKEN) in (200, 202)
-    rc = run.wait(timeout=50)  # torchrun alone would take 60 s to notice
-    log = run.log()
-    assert rc == EXIT_PREEMPTED, log
-    result = run.control.flush_result()
-    assert result is not None and result.error is None and result.step is not None
-    assert committed_steps_per_rank(uri, result.step) == {result.step}
-    assert "the ranks exited after the committed flush: ending torchrun" in log, log
-    assert "ChildFailedError" not in log, log
-    assert "exiting 75: the flush committed step" in log, log
-
-
 def test_a_sigterm_after_the_committed_flush_ends_torchrun_at_once_and_stops_the_ranks(tmp_path: Path) -> None:
     """Local mode's controller stops the old gang as soon as the flush committed, and its agents
     take SIGTERM as a stop (signals are not notices there), so the SIGTERM often lands while the
@@ -558,30 +530,86 @@ def test_two_notices_in_a_row_start_one_flush(tmp_path: Path, imds: ImdsEmulator
     assert len(steps) == 1, f"expected exactly one flush checkpoint, found {steps}"
 
 
-def test_a_deadline_already_past_is_reported_and_still_flushed_not_killed(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ckpt")
-    run = start_agent(tmp_path, "short", uri, ["--cloud", "none"], ["--step-sleep", "0.05", "--every-steps", "10"])
-    wait_until(lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc)
-    # A deadline already in the past: no flush can fit.
-    req = urllib.request.Request(
-        run.url() + "/flush",
-        method="POST",
-        data=json.dumps({"reason": "late notice", "deadline": time.time() - 1}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+@dataclass
+class LateFlush:
+    """A job flushed through the control API with a deadline already past (``late_flush``)."""
+
+    uri: str
+    status: dict[str, Any]  # /status right after the flush was asked for
+    rc: int
+    in_time: bool  # whether the agent exited within 50 s, before torchrun's monitor tick
+    log: str
+    result: FlushResult | None
+
+
+@pytest.fixture(scope="module")
+def late_flush(tmp_path_factory: pytest.TempPathFactory) -> LateFlush:
+    """One job for the two tests after it, which each ran a job of their own before (a torchrun
+    and its ranks each): a flush asked for through the control API once a first checkpoint
+    committed, with a deadline already past, under a torchrun that notices its ranks' exit only at
+    its next monitor tick (60 s)."""
+    tmp = tmp_path_factory.mktemp("late")
+    uri = str(tmp / "ckpt")
+    run = start_agent(
+        tmp,
+        "late",
+        uri,
+        ["--cloud", "none"],
+        ["--step-sleep", "0.05", "--every-steps", "10"],
+        torchrun_args=("--monitor-interval", "60"),
     )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status in (200, 202)
-    with urllib.request.urlopen(
-        urllib.request.Request(run.url() + "/status", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10
-    ) as resp:
-        status = json.loads(resp.read())
-    assert status["window_ok"] is False and status["window_message"]
+    try:
+        wait_until(
+            lambda: (run.control.status() or _none()).last_committed_step is not None, "a first commit", run.proc
+        )
+        # A deadline already in the past: no flush can fit.
+        req = urllib.request.Request(
+            run.url() + "/flush",
+            method="POST",
+            data=json.dumps({"reason": "late notice", "deadline": time.time() - 1}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status in (200, 202)
+        status = held_status(run)
+    finally:
+        try:
+            rc = run.proc.wait(timeout=50)  # torchrun alone would take 60 s to notice its ranks' exit
+            in_time = True
+        except subprocess.TimeoutExpired:
+            in_time = False  # the second test's failure; the first still reads the exit code
+            rc = run.wait()
+    return LateFlush(uri, status, rc, in_time, run.log(), run.control.flush_result())
+
+
+def test_a_deadline_already_past_is_reported_and_still_flushed_not_killed(late_flush: LateFlush) -> None:
+    status = late_flush.status
+    assert status["window_ok"] is False and status["window_message"], status
     # A deadline in the past means "flush now": the ranks get their chance, nobody kills them first.
-    assert run.wait() == EXIT_PREEMPTED, run.log()
-    result = run.control.flush_result()
+    assert late_flush.rc == EXIT_PREEMPTED, late_flush.log
+    result = late_flush.result
     assert result is not None and result.error is None and result.step is not None
-    for s in list_checkpoints(open_storage(uri)):
+    for s in list_checkpoints(open_storage(late_flush.uri)):
         assert s.valid or not s.committed, s.reason
+
+
+def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_without_its_teardown(
+    late_flush: LateFlush,
+) -> None:
+    """torchrun notices its ranks' exit only at its next monitor tick (60 s here), then reports the
+    failed workers and closes its rendezvous: the agent does not wait for any of it once the flush
+    committed and no rank is left, so torchrun never gets to print its failure report. (The flush
+    is the one of the test above, whose deadline is past: what the agent does once it committed
+    does not depend on it.)"""
+    log = late_flush.log
+    assert late_flush.in_time, f"the agent waited for torchrun's monitor tick\n{log}"
+    assert late_flush.rc == EXIT_PREEMPTED, log
+    result = late_flush.result
+    assert result is not None and result.error is None and result.step is not None
+    assert committed_steps_per_rank(late_flush.uri, result.step) == {result.step}
+    assert "the ranks exited after the committed flush: ending torchrun" in log, log
+    assert "ChildFailedError" not in log, log
+    assert "exiting 75: the flush committed step" in log, log
 
 
 def test_a_taken_rendezvous_port_exits_74_before_torchrun_starts(tmp_path: Path) -> None:
