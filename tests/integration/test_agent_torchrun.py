@@ -771,14 +771,17 @@ def test_direct_launch_a_failing_rank_stops_the_other_and_the_agent_exits_with_i
 
 
 def test_direct_launch_leaves_a_command_with_torchruns_own_options_to_torchrun(tmp_path: Path) -> None:
+    # One rank: whether torchrun ran shows in any rank's environment (a second rank importing torch
+    # showed nothing more).
     logs = tmp_path / "torchrun-logs"
     run = start_agent(
         tmp_path, "own", str(tmp_path / "ckpt"), DIRECT, [str(tmp_path / "own")],
-        torchrun_args=("--log-dir", str(logs)), script=RANK_ENV,
+        torchrun_args=("--nproc-per-node", "1", "--log-dir", str(logs)), script=RANK_ENV,
     )  # fmt: skip
     assert run.wait() == 0, run.log()
     assert "running the command as written, because --log-dir is torchrun's own" in run.log()
-    assert read_ranks(tmp_path / "own")[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torchrun's store: torchrun ran
+    rank0 = json.loads((tmp_path / "own.0.json").read_text())
+    assert rank0["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torchrun's store: torchrun ran
     assert any(logs.iterdir()), "torchrun wrote its log folder"
 
 
