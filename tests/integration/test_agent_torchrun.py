@@ -269,6 +269,15 @@ def held_status(run: AgentRun) -> dict[str, Any]:
     return status
 
 
+def stop_job(run: AgentRun) -> None:
+    """End a job of 100000 steps that a failed wait left training (``POST /stop``: the agent stops
+    its ranks without a flush), rather than leave it loading the machine for the tests after it
+    (``AgentRun.wait`` SIGKILLs the agent alone, which leaves its torchrun and ranks running)."""
+    post_stop(run)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.wait(timeout=60)
+
+
 @dataclass
 class HeldMaintenance:
     """The first job of the hour-of-maintenance tests, SIGTERMed while it held the notice."""
@@ -310,8 +319,10 @@ def held_maintenance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeldM
             wait_until(lambda: run.step() >= held_at + 5, "training to go on while the notice is held", run.proc)
             status = held_status(run)
             run.proc.send_signal(signal.SIGTERM)
-        finally:
-            rc = run.wait()
+            rc = run.proc.wait(timeout=180)
+        except BaseException:
+            stop_job(run)
+            raise
         yield HeldMaintenance(gce, tmp, uri, env, held_at, status, rc, run.log(), run.control.flush_result())
 
 
@@ -416,8 +427,10 @@ def held_reboots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeldReboo
             )
             with urllib.request.urlopen(req, timeout=10):
                 pass
-        finally:
-            rc = run.wait()
+            rc = run.proc.wait(timeout=180)
+        except BaseException:
+            stop_job(run)
+            raise
         yield HeldReboots(uri, dropped, status_after_drop, held_at, rc, run.log(), run.control.flush_result())
 
 
