@@ -807,7 +807,12 @@ def test_a_notice_on_one_node_of_two_ends_both_torchruns_once_the_flush_committe
     uri = str(tmp_path / "ckpt")
 
     def node(index: int) -> AgentRun:
-        two_nodes = ("--nnodes", "2", "--node-rank", str(index), "--master-addr", "127.0.0.1", "--master-port", port)
+        # One rank a node: what is tested is between the nodes (a second rank on each imported torch,
+        # about 2.5 CPU-s, for nothing this test reads).
+        two_nodes = (
+            "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(index),
+            "--master-addr", "127.0.0.1", "--master-port", port,
+        )  # fmt: skip
         return start_agent(
             tmp_path, f"node{index}", uri, ["--notices", "sigterm"], ["--step-sleep", "0.05", "--every-steps", "25"],
             torchrun_args=two_nodes,
