@@ -358,10 +358,14 @@ def test_a_job_restarted_on_the_vm_during_its_hour_of_maintenance_notice_holds_i
 
     agent_args = [*MAINTENANCE_ARGS, "--gcp-metadata-url", first.gce.url]
     again = start_agent(first.tmp, "again", first.uri, agent_args, MAINTENANCE_TRAIN, extra_env=first.env)
-    wait_until(lambda: "Training goes on" in again.log(), "the restart to hold the notice", again.proc)
-    resumed_at = again.step()
-    wait_until(lambda: again.step() >= resumed_at + 5, "training to go on after the restart", again.proc)
-    status = held_status(again)
+    try:
+        wait_until(lambda: "Training goes on" in again.log(), "the restart to hold the notice", again.proc)
+        resumed_at = again.step()
+        wait_until(lambda: again.step() >= resumed_at + 5, "training to go on after the restart", again.proc)
+        status = held_status(again)
+    except BaseException:
+        stop_job(again)
+        raise
     assert status["flush"] is None and status["held_notice"]["deadline"] == deadline, status
     assert "first seen at" in status["held_notice"]["detail"], status
     again.proc.send_signal(signal.SIGTERM)
