@@ -11,7 +11,8 @@
   faster than anyone samples), the last checkpoint named, never "None".
 - A failed worker's reason says why (a usage error, a full disk, a read-only filesystem, a full
   checkpoint disk rather than the exception it caused) and where its log is.
-- Two runs of one name started at once: one runs, the other is refused in one line.
+- Two runs of one name started at once: one runs, the other is refused in one line (the one that
+  runs is the summary's case).
 """
 
 from __future__ import annotations
@@ -242,27 +243,6 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
     assert "Traceback" not in (tmp_path / "driver.log").read_text()
 
 
-# -- the numbers ----------------------------------------------------------------------------------
-
-
-def test_the_summary_counts_every_commit_even_when_they_come_faster_than_anyone_looks(tmp_path: Path) -> None:
-    proc = spotjob(
-        "run", "--no-live", "--name", "counted", "--nproc", "1", "--every-steps", "1", "--keep", "2",
-        str(TRAIN), "--steps", "12",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
-
-    run = tmp_path / "spotjob-runs" / "counted"
-    logged = commits_logged(run)
-    assert logged == 12, "a save every step"
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["commits"], summary["last_checkpoint"]) == (12, 12)
-    assert "checkpoints      12 committed; last: step 12" in proc.stdout
-    assert "None" not in proc.stdout
-    assert "a save that never finished" not in proc.stderr, "a save in progress is not a failed one"
-
-
 # -- why a worker failed --------------------------------------------------------------------------
 
 
@@ -278,9 +258,10 @@ def _in_namespace_with(mount: str, argv: list[str]) -> list[str]:
 
 FAILURES: dict[str, tuple[Callable[[Path], tuple[list[str], list[str]]], str, bool]] = {
     # name: (the run's options and script arguments, and a wrapper; the words of the cause; needs namespaces)
+    # write_to.py, not train.py: the same argparse error without importing torch first (about 3 CPU-s).
     "a usage error of the script": (
-        lambda tmp: ([str(TRAIN), "--bogus"], []),
-        "train.py: error: unrecognized arguments: --bogus",
+        lambda tmp: ([str(SCRIPTS / "write_to.py"), "/dev/null", "--bogus"], []),
+        "write_to.py: error: unrecognized arguments: --bogus",
         False,
     ),
     "a full disk under the script": (
@@ -333,25 +314,56 @@ def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, c
     assert cause in detail and f"the end of {log}:" in detail
 
 
-# -- two drivers, one name ------------------------------------------------------------------------
+# -- two drivers of one name, and the numbers of the one that ran ---------------------------------
 
 
-def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_in_one_line(tmp_path: Path) -> None:
-    argv = [tool("spotjob"), "run", "--no-live", "--name", "twice", "--nproc", "1", str(TRAIN), "--steps", "3"]
+@pytest.fixture(scope="module")
+def counted_twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, str]]]:
+    """Two ``spotjob run`` of one name started at once, a save every step on one rank: the one
+    that runs is the summary's case, the one refused the refusal's. Each case had a run of its
+    own; the refused driver starts no rank, so sharing saves a driver, an agent and a rank (about
+    4 CPU-s) and each test still reads its own driver's output."""
+    tmp_path = tmp_path_factory.mktemp("counted")
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "counted", "--nproc", "1", "--every-steps", "1", "--keep", "2",
+        str(TRAIN), "--steps", "12",
+    ]  # fmt: skip
     procs = [
         subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     results = [(p.wait(timeout=GIVE_UP_S), *p.communicate()) for p in procs]
+    return tmp_path / "spotjob-runs" / "counted", results
 
+
+def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_in_one_line(
+    counted_twice: tuple[Path, list[tuple[int, str, str]]],
+) -> None:
+    run, results = counted_twice
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 2], [err[-3000:] for _, _, err in results]
     [(_, _, refused)] = [r for r in results if r[0] == 2]
     assert not any(p in refused for p in FORBIDDEN), refused
-    assert "a run named 'twice' exists" in refused or "'twice' is being driven by another spotjob run" in refused
+    assert "a run named 'counted' exists" in refused or "'counted' is being driven by another spotjob run" in refused
     assert len(refused.strip().splitlines()) == 1, refused
-    status = job_document(tmp_path / "spotjob-runs" / "twice")["status"]
+    status = job_document(run)["status"]
     assert status["phase"] == "Succeeded" and status["attempt"]["number"] == 0
+
+
+def test_the_summary_counts_every_commit_even_when_they_come_faster_than_anyone_looks(
+    counted_twice: tuple[Path, list[tuple[int, str, str]]],
+) -> None:
+    run, results = counted_twice
+    assert [code for code, _, _ in results].count(0) == 1, [err[-3000:] for _, _, err in results]
+    [(_, stdout, stderr)] = [r for r in results if r[0] == 0]
+
+    logged = commits_logged(run)
+    assert logged == 12, "a save every step"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["commits"], summary["last_checkpoint"]) == (12, 12)
+    assert "checkpoints      12 committed; last: step 12" in stdout
+    assert "None" not in stdout
+    assert "a save that never finished" not in stderr, "a save in progress is not a failed one"
 
 
 # -- ranks that never meet ------------------------------------------------------------------------
