@@ -35,6 +35,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import REPO, STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.ownership import attempt_records, read_owner
@@ -105,7 +106,7 @@ def spotjob(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume_carries_to_the_end(
-    tmp_path: Path, uninterrupted: Path
+    tmp_path: Path, uninterrupted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "spotjob-runs" / "orphan"
     argv = [
@@ -136,16 +137,17 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     flushed = int(re.findall(r"flush: step (\d+) committed at", agent_log)[-1])
 
     # spotjob status: not "every worker is running", but what storage and the processes say now.
-    detail = spotjob("status", "orphan", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = spotjob_status(capsys, "orphan")
     assert detail.returncode == 0, detail.stderr
     assert "nothing drives this run" in detail.stdout
     assert "none of its processes runs (0 alive)" in detail.stdout
     assert f"step {flushed}" in detail.stdout and "read from storage now" in detail.stdout
     assert "spotjob run --resume orphan" in detail.stdout
-    listing = spotjob("status", cwd=tmp_path)
+    listing = spotjob_status(capsys)
     [row] = [line for line in listing.stdout.splitlines() if line.split()[:1] == ["orphan"]]
     assert "Running (driver gone)" in row and f"step {flushed}" in row
-    as_json = json.loads(spotjob("status", "orphan", "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(spotjob_status(capsys, "orphan", "--json").stdout)
     assert as_json["now"]["processesAlive"] == 0 and as_json["now"]["lastCheckpoint"]["step"] == flushed
 
     resumed = spotjob("run", "--no-live", "--resume", "orphan", cwd=tmp_path)
@@ -290,7 +292,9 @@ FAILURES: dict[str, tuple[Callable[[Path], tuple[list[str], list[str]]], str, bo
 
 
 @pytest.mark.parametrize("case", list(FAILURES))
-def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, case: str) -> None:
+def test_a_failed_workers_reason_says_why_and_where_its_log_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
     arrange, cause, needs_namespaces = FAILURES[case]
     if needs_namespaces and not _user_namespaces():
         pytest.skip("no user namespaces here: no tmpfs of the test's own to fill or make read-only")
@@ -310,7 +314,8 @@ def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, c
     failed_line = next(line for line in proc.stderr.splitlines() if line.startswith("spotjob run: failing failed"))
     assert cause in failed_line and str(log) in failed_line
     assert f"the end of {log}:" in proc.stderr, "and the end of the log, to read on"
-    detail = " ".join(spotjob("status", "failing", cwd=tmp_path).stdout.split())
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = " ".join(spotjob_status(capsys, "failing").stdout.split())
     assert cause in detail and f"the end of {log}:" in detail
 
 

@@ -32,6 +32,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.control_channel import EXIT_STOPPED
@@ -182,7 +183,10 @@ def started_lines(run_path: Path) -> list[str]:
 
 
 def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_with_the_reason(
-    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]]
+    tmp_path: Path,
+    spotjob: Callable[..., subprocess.CompletedProcess[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # One rank: nothing here reads a rank's own state, and a second rank cost about 3 CPU-s an attempt.
     proc = spotjob(
@@ -221,12 +225,13 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     manifests = [c.manifest for c in list_checkpoints(storage) if c.manifest is not None]
     assert manifests and {m.job for m in manifests} == {"local/crashing"}
 
-    listing = spotjob("status", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    listing = spotjob_status(capsys)
     assert listing.returncode == 0 and "crashing" in listing.stdout and "Failed" in listing.stdout
-    detail = spotjob("status", "crashing", cwd=tmp_path)
+    detail = spotjob_status(capsys, "crashing")
     assert detail.returncode == 0 and "RestartBudgetExhausted" in detail.stdout
     assert "WorkerFailed" in detail.stdout, "the Events, read from the run's events file"
-    as_json = json.loads(spotjob("status", "crashing", "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(spotjob_status(capsys, "crashing", "--json").stdout)
     assert [e["reason"] for e in as_json["events"]] == event_reasons(events_file)
 
 
