@@ -5,8 +5,8 @@
   processes; ``spotjob run --resume`` is refused while the run is driven, and afterwards carries
   the run on to the end under the same job identity (owner, attempts, manifests), bit-identical to
   an uninterrupted run, with every commit counted.
-- The driver is told to stop (SIGTERM) again and again while it stops: no process of the run
-  outlives it.
+- Ctrl-Z pauses the driver and every process of its run, ``fg`` resumes them; told then to stop
+  (SIGTERM) again and again while it stops, the driver leaves no process of the run (one run for both).
 - The summary's numbers are exact: every commit counted (a save every step on one rank commits
   faster than anyone samples), the last checkpoint named, never "None".
 - A failed worker's reason says why (a usage error, a full disk, a read-only filesystem, a full
@@ -174,43 +174,21 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
-def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
-    tmp_path: Path,
-) -> None:
-    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short. One
-    rank: the processes the stop must leave none of (the worker's agent and its rank) are of the
-    same kinds whatever the number of ranks."""
-    run = tmp_path / "spotjob-runs" / "stop"
-    argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "stop", "--nproc", "1", "--every-steps", "5",
-        str(TRAIN), "--steps", "100000", "--step-sleep", "0.15",
-    ]  # fmt: skip
-    driver = start_driver(tmp_path, argv)
-    try:
-        wait_training(driver, run, 5)
-        assert run_pids(str(run)), "the run's processes should be running"
-        while driver.poll() is None:  # until it exits: every one after the first lands in its stop
-            driver.send_signal(signal.SIGTERM)
-            time.sleep(0.02)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-
-    left = run_pids(str(run))
-    assert not left, f"processes of the run outlived its driver: {left}"
-    log = (tmp_path / "driver.log").read_text()
-    assert "spotjob run: interrupted; every process of stop was stopped" in log, log[-4000:]
-    assert "Traceback" not in log
+STOPPING_AGAIN = "received SIGTERM again: still stopping every process of pause"
+"""What the driver logs for each SIGTERM that lands while it stops."""
 
 
-def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_them(tmp_path: Path) -> None:
-    """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
-    the driver only, its agents and ranks training on with nobody driving the run (its notices,
-    its simulated nodes' metadata servers, its status). Now every process of the run pauses with
-    the driver, and ``fg`` (SIGCONT) resumes them. One rank: the driver, its agent and its rank
-    are the three kinds of process that pause, as with more ranks."""
+@pytest.fixture(scope="module")
+def paused_then_stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``spotjob run`` of one rank, paused with Ctrl-Z, resumed with ``fg``, then told to stop
+    (SIGTERM) again and again until three land in its stop, read by the Ctrl-Z test and the
+    stop-again test. Each had a driver of its own (a driver, an agent and a rank, about 4 CPU-s);
+    the stop-again case needs a run whose processes run, which the resumed one is. One rank: the
+    driver, its agent and its rank are the kinds of process that pause and that the stop must leave
+    none of, as with more ranks."""
+    tmp_path = tmp_path_factory.mktemp("pause")
     run = tmp_path / "spotjob-runs" / "pause"
+    log = tmp_path / "driver.log"
     argv = [
         tool("spotjob"), "run", "--no-live", "--name", "pause", "--nproc", "1", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
@@ -225,14 +203,20 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
                 out.add(psutil.Process(pid).status())
         return out
 
+    seen: dict[str, Any] = {}
     try:
         wait_training(driver, run, 5)
         driver.send_signal(signal.SIGTSTP)
         wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
         driver.send_signal(signal.SIGCONT)
         wait_for(lambda: psutil.STATUS_STOPPED not in states(), "the driver and every process of its run resumed")
-        driver.send_signal(signal.SIGTERM)
-        assert driver.wait(timeout=GIVE_UP_S) == 130
+        seen["running"] = run_pids(str(run))
+        # Until three land in its stop, and no more: one sent once the stop is over, its handler
+        # given back, ends the process by the signal (-15) instead of its exit 130.
+        while driver.poll() is None and log.read_text().count(STOPPING_AGAIN) < 3:
+            driver.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        seen["code"] = driver.wait(timeout=GIVE_UP_S)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -241,8 +225,35 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
         for pid in left:  # a failed case leaves them stopped: nothing else would ever end them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    seen["left"] = left
+    seen["log"] = log.read_text()
+    return seen
+
+
+def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
+    paused_then_stopped: dict[str, Any],
+) -> None:
+    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short."""
+    assert paused_then_stopped["running"], "the run's processes should be running"
+    log = paused_then_stopped["log"]
+    assert log.count(STOPPING_AGAIN) >= 3, "the driver ended before three more SIGTERMs landed in its stop"
+    left = paused_then_stopped["left"]
     assert not left, f"processes of the run outlived its driver: {left}"
-    assert "Traceback" not in (tmp_path / "driver.log").read_text()
+    assert "spotjob run: interrupted; every process of pause was stopped" in log, log[-4000:]
+    assert "Traceback" not in log
+
+
+def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_them(
+    paused_then_stopped: dict[str, Any],
+) -> None:
+    """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
+    the driver only, its agents and ranks training on with nobody driving the run (its notices,
+    its simulated nodes' metadata servers, its status). Now every process of the run pauses with
+    the driver (the fixture waits for that, and then for ``fg``, SIGCONT, to resume them all)."""
+    assert paused_then_stopped["code"] == 130, paused_then_stopped["log"][-4000:]
+    left = paused_then_stopped["left"]
+    assert not left, f"processes of the run outlived its driver: {left}"
+    assert "Traceback" not in paused_then_stopped["log"]
 
 
 # -- why a worker failed --------------------------------------------------------------------------
