@@ -23,6 +23,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import TRAIN
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.launcher_cli import AgentConfig, parse_args
@@ -192,7 +193,12 @@ PREEMPT_AT = 6
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("cloud", "notice"), [("gcp", "GCE preempted"), ("azure", "Azure Preempt")])
 def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_end(
-    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]], cloud: str, notice: str
+    tmp_path: Path,
+    spotjob: Callable[..., subprocess.CompletedProcess[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    cloud: str,
+    notice: str,
 ) -> None:
     name = f"on-{cloud}"
     done = spotjob(
@@ -222,10 +228,11 @@ def test_a_run_on_a_simulated_cloud_hears_its_notice_flushes_and_resumes_to_the_
         [ended] = [e for e in timeline if e.kind == EventKind.NODE_TERMINATED]
         assert ended.data["stopped"] == "acknowledged", ended
 
-    detail = spotjob("status", name, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = spotjob_status(capsys, name)
     assert detail.returncode == 0, detail.stderr
     assert cloud_text(cloud) in detail.stdout, detail.stdout
-    as_json = json.loads(spotjob("status", name, "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(spotjob_status(capsys, name, "--json").stdout)
     assert as_json["cloud"] == cloud
     assert json.loads((run / "summary.json").read_text())["cloud"] == cloud
     said = f"SpotInterruption for node local-node-0 (from local {notice})"

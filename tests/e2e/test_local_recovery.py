@@ -5,13 +5,14 @@
   processes; ``spotjob run --resume`` is refused while the run is driven, and afterwards carries
   the run on to the end under the same job identity (owner, attempts, manifests), bit-identical to
   an uninterrupted run, with every commit counted.
-- The driver is told to stop (SIGTERM) again and again while it stops: no process of the run
-  outlives it.
+- Ctrl-Z pauses the driver and every process of its run, ``fg`` resumes them; told then to stop
+  (SIGTERM) again and again while it stops, the driver leaves no process of the run (one run for both).
 - The summary's numbers are exact: every commit counted (a save every step on one rank commits
   faster than anyone samples), the last checkpoint named, never "None".
 - A failed worker's reason says why (a usage error, a full disk, a read-only filesystem, a full
   checkpoint disk rather than the exception it caused) and where its log is.
-- Two runs of one name started at once: one runs, the other is refused in one line.
+- Two runs of one name started at once: one runs, the other is refused in one line (the one that
+  runs is the summary's case).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import REPO, STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.ownership import attempt_records, read_owner
@@ -104,7 +106,7 @@ def spotjob(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume_carries_to_the_end(
-    tmp_path: Path, uninterrupted: Path
+    tmp_path: Path, uninterrupted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "spotjob-runs" / "orphan"
     argv = [
@@ -135,16 +137,17 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     flushed = int(re.findall(r"flush: step (\d+) committed at", agent_log)[-1])
 
     # spotjob status: not "every worker is running", but what storage and the processes say now.
-    detail = spotjob("status", "orphan", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = spotjob_status(capsys, "orphan")
     assert detail.returncode == 0, detail.stderr
     assert "nothing drives this run" in detail.stdout
     assert "none of its processes runs (0 alive)" in detail.stdout
     assert f"step {flushed}" in detail.stdout and "read from storage now" in detail.stdout
     assert "spotjob run --resume orphan" in detail.stdout
-    listing = spotjob("status", cwd=tmp_path)
+    listing = spotjob_status(capsys)
     [row] = [line for line in listing.stdout.splitlines() if line.split()[:1] == ["orphan"]]
     assert "Running (driver gone)" in row and f"step {flushed}" in row
-    as_json = json.loads(spotjob("status", "orphan", "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(spotjob_status(capsys, "orphan", "--json").stdout)
     assert as_json["now"]["processesAlive"] == 0 and as_json["now"]["lastCheckpoint"]["step"] == flushed
 
     resumed = spotjob("run", "--no-live", "--resume", "orphan", cwd=tmp_path)
@@ -171,43 +174,21 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
-def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
-    tmp_path: Path,
-) -> None:
-    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short. One
-    rank: the processes the stop must leave none of (the worker's agent and its rank) are of the
-    same kinds whatever the number of ranks."""
-    run = tmp_path / "spotjob-runs" / "stop"
-    argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "stop", "--nproc", "1", "--every-steps", "5",
-        str(TRAIN), "--steps", "100000", "--step-sleep", "0.15",
-    ]  # fmt: skip
-    driver = start_driver(tmp_path, argv)
-    try:
-        wait_training(driver, run, 5)
-        assert run_pids(str(run)), "the run's processes should be running"
-        while driver.poll() is None:  # until it exits: every one after the first lands in its stop
-            driver.send_signal(signal.SIGTERM)
-            time.sleep(0.02)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-
-    left = run_pids(str(run))
-    assert not left, f"processes of the run outlived its driver: {left}"
-    log = (tmp_path / "driver.log").read_text()
-    assert "spotjob run: interrupted; every process of stop was stopped" in log, log[-4000:]
-    assert "Traceback" not in log
+STOPPING_AGAIN = "received SIGTERM again: still stopping every process of pause"
+"""What the driver logs for each SIGTERM that lands while it stops."""
 
 
-def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_them(tmp_path: Path) -> None:
-    """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
-    the driver only, its agents and ranks training on with nobody driving the run (its notices,
-    its simulated nodes' metadata servers, its status). Now every process of the run pauses with
-    the driver, and ``fg`` (SIGCONT) resumes them. One rank: the driver, its agent and its rank
-    are the three kinds of process that pause, as with more ranks."""
+@pytest.fixture(scope="module")
+def paused_then_stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``spotjob run`` of one rank, paused with Ctrl-Z, resumed with ``fg``, then told to stop
+    (SIGTERM) again and again until three land in its stop, read by the Ctrl-Z test and the
+    stop-again test. Each had a driver of its own (a driver, an agent and a rank, about 4 CPU-s);
+    the stop-again case needs a run whose processes run, which the resumed one is. One rank: the
+    driver, its agent and its rank are the kinds of process that pause and that the stop must leave
+    none of, as with more ranks."""
+    tmp_path = tmp_path_factory.mktemp("pause")
     run = tmp_path / "spotjob-runs" / "pause"
+    log = tmp_path / "driver.log"
     argv = [
         tool("spotjob"), "run", "--no-live", "--name", "pause", "--nproc", "1", "--every-steps", "5",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
@@ -222,14 +203,20 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
                 out.add(psutil.Process(pid).status())
         return out
 
+    seen: dict[str, Any] = {}
     try:
         wait_training(driver, run, 5)
         driver.send_signal(signal.SIGTSTP)
         wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
         driver.send_signal(signal.SIGCONT)
         wait_for(lambda: psutil.STATUS_STOPPED not in states(), "the driver and every process of its run resumed")
-        driver.send_signal(signal.SIGTERM)
-        assert driver.wait(timeout=GIVE_UP_S) == 130
+        seen["running"] = run_pids(str(run))
+        # Until three land in its stop, and no more: one sent once the stop is over, its handler
+        # given back, ends the process by the signal (-15) instead of its exit 130.
+        while driver.poll() is None and log.read_text().count(STOPPING_AGAIN) < 3:
+            driver.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        seen["code"] = driver.wait(timeout=GIVE_UP_S)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -238,29 +225,35 @@ def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_th
         for pid in left:  # a failed case leaves them stopped: nothing else would ever end them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    seen["left"] = left
+    seen["log"] = log.read_text()
+    return seen
+
+
+def test_a_driver_told_to_stop_again_and_again_while_it_stops_still_leaves_no_process_of_the_run(
+    paused_then_stopped: dict[str, Any],
+) -> None:
+    """A second Ctrl-C, or a supervisor repeating its SIGTERM, must not cut the stop short."""
+    assert paused_then_stopped["running"], "the run's processes should be running"
+    log = paused_then_stopped["log"]
+    assert log.count(STOPPING_AGAIN) >= 3, "the driver ended before three more SIGTERMs landed in its stop"
+    left = paused_then_stopped["left"]
     assert not left, f"processes of the run outlived its driver: {left}"
-    assert "Traceback" not in (tmp_path / "driver.log").read_text()
+    assert "spotjob run: interrupted; every process of pause was stopped" in log, log[-4000:]
+    assert "Traceback" not in log
 
 
-# -- the numbers ----------------------------------------------------------------------------------
-
-
-def test_the_summary_counts_every_commit_even_when_they_come_faster_than_anyone_looks(tmp_path: Path) -> None:
-    proc = spotjob(
-        "run", "--no-live", "--name", "counted", "--nproc", "1", "--every-steps", "1", "--keep", "2",
-        str(TRAIN), "--steps", "12",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
-
-    run = tmp_path / "spotjob-runs" / "counted"
-    logged = commits_logged(run)
-    assert logged == 12, "a save every step"
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["commits"], summary["last_checkpoint"]) == (12, 12)
-    assert "checkpoints      12 committed; last: step 12" in proc.stdout
-    assert "None" not in proc.stdout
-    assert "a save that never finished" not in proc.stderr, "a save in progress is not a failed one"
+def test_ctrl_z_pauses_the_driver_and_every_process_of_its_run_and_fg_resumes_them(
+    paused_then_stopped: dict[str, Any],
+) -> None:
+    """Ctrl-Z reaches the driver alone (its workers run in sessions of their own): it used to stop
+    the driver only, its agents and ranks training on with nobody driving the run (its notices,
+    its simulated nodes' metadata servers, its status). Now every process of the run pauses with
+    the driver (the fixture waits for that, and then for ``fg``, SIGCONT, to resume them all)."""
+    assert paused_then_stopped["code"] == 130, paused_then_stopped["log"][-4000:]
+    left = paused_then_stopped["left"]
+    assert not left, f"processes of the run outlived its driver: {left}"
+    assert "Traceback" not in paused_then_stopped["log"]
 
 
 # -- why a worker failed --------------------------------------------------------------------------
@@ -278,9 +271,10 @@ def _in_namespace_with(mount: str, argv: list[str]) -> list[str]:
 
 FAILURES: dict[str, tuple[Callable[[Path], tuple[list[str], list[str]]], str, bool]] = {
     # name: (the run's options and script arguments, and a wrapper; the words of the cause; needs namespaces)
+    # write_to.py, not train.py: the same argparse error without importing torch first (about 3 CPU-s).
     "a usage error of the script": (
-        lambda tmp: ([str(TRAIN), "--bogus"], []),
-        "train.py: error: unrecognized arguments: --bogus",
+        lambda tmp: ([str(SCRIPTS / "write_to.py"), "/dev/null", "--bogus"], []),
+        "write_to.py: error: unrecognized arguments: --bogus",
         False,
     ),
     "a full disk under the script": (
@@ -309,7 +303,9 @@ FAILURES: dict[str, tuple[Callable[[Path], tuple[list[str], list[str]]], str, bo
 
 
 @pytest.mark.parametrize("case", list(FAILURES))
-def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, case: str) -> None:
+def test_a_failed_workers_reason_says_why_and_where_its_log_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
     arrange, cause, needs_namespaces = FAILURES[case]
     if needs_namespaces and not _user_namespaces():
         pytest.skip("no user namespaces here: no tmpfs of the test's own to fill or make read-only")
@@ -329,29 +325,61 @@ def test_a_failed_workers_reason_says_why_and_where_its_log_is(tmp_path: Path, c
     failed_line = next(line for line in proc.stderr.splitlines() if line.startswith("spotjob run: failing failed"))
     assert cause in failed_line and str(log) in failed_line
     assert f"the end of {log}:" in proc.stderr, "and the end of the log, to read on"
-    detail = " ".join(spotjob("status", "failing", cwd=tmp_path).stdout.split())
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = " ".join(spotjob_status(capsys, "failing").stdout.split())
     assert cause in detail and f"the end of {log}:" in detail
 
 
-# -- two drivers, one name ------------------------------------------------------------------------
+# -- two drivers of one name, and the numbers of the one that ran ---------------------------------
 
 
-def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_in_one_line(tmp_path: Path) -> None:
-    argv = [tool("spotjob"), "run", "--no-live", "--name", "twice", "--nproc", "1", str(TRAIN), "--steps", "3"]
+@pytest.fixture(scope="module")
+def counted_twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, str]]]:
+    """Two ``spotjob run`` of one name started at once, a save every step on one rank: the one
+    that runs is the summary's case, the one refused the refusal's. Each case had a run of its
+    own; the refused driver starts no rank, so sharing saves a driver, an agent and a rank (about
+    4 CPU-s) and each test still reads its own driver's output."""
+    tmp_path = tmp_path_factory.mktemp("counted")
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "counted", "--nproc", "1", "--every-steps", "1", "--keep", "2",
+        str(TRAIN), "--steps", "12",
+    ]  # fmt: skip
     procs = [
         subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     results = [(p.wait(timeout=GIVE_UP_S), *p.communicate()) for p in procs]
+    return tmp_path / "spotjob-runs" / "counted", results
 
+
+def test_two_runs_of_one_name_started_at_once_one_runs_and_the_other_is_refused_in_one_line(
+    counted_twice: tuple[Path, list[tuple[int, str, str]]],
+) -> None:
+    run, results = counted_twice
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 2], [err[-3000:] for _, _, err in results]
     [(_, _, refused)] = [r for r in results if r[0] == 2]
     assert not any(p in refused for p in FORBIDDEN), refused
-    assert "a run named 'twice' exists" in refused or "'twice' is being driven by another spotjob run" in refused
+    assert "a run named 'counted' exists" in refused or "'counted' is being driven by another spotjob run" in refused
     assert len(refused.strip().splitlines()) == 1, refused
-    status = job_document(tmp_path / "spotjob-runs" / "twice")["status"]
+    status = job_document(run)["status"]
     assert status["phase"] == "Succeeded" and status["attempt"]["number"] == 0
+
+
+def test_the_summary_counts_every_commit_even_when_they_come_faster_than_anyone_looks(
+    counted_twice: tuple[Path, list[tuple[int, str, str]]],
+) -> None:
+    run, results = counted_twice
+    assert [code for code, _, _ in results].count(0) == 1, [err[-3000:] for _, _, err in results]
+    [(_, stdout, stderr)] = [r for r in results if r[0] == 0]
+
+    logged = commits_logged(run)
+    assert logged == 12, "a save every step"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["commits"], summary["last_checkpoint"]) == (12, 12)
+    assert "checkpoints      12 committed; last: step 12" in stdout
+    assert "None" not in stdout
+    assert "a save that never finished" not in stderr, "a save in progress is not a failed one"
 
 
 # -- ranks that never meet ------------------------------------------------------------------------

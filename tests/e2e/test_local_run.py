@@ -3,12 +3,13 @@
 Each test runs examples/train.py (2 ranks, 60 steps) under spotjob's local backend and checks
 what the job ends with, never how long anything took: the final state bit-identical to an
 uninterrupted run after notices at random steps, during saves and during a restart (the agents
-starting the ranks themselves, ``spotjob run``'s default, and under torchrun); a crashing
-script failing the job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``,
-the identity the agents got); a flush that storage refuses timing out and the job resuming from the
-checkpoint before it; a gang stopped without a flush, its agent told ``POST /stop``; a notice an
-agent holds in the run's status, its Events and ``spotjob status``; a planned host maintenance
-held, then flushed, and the job resumed elsewhere.
+starting the ranks themselves, ``spotjob run``'s default); a crashing script (one rank) failing the
+job once ``--max-restarts`` is used (its checkpoint URI owned by ``local/<name>``, the identity the
+agents got); a flush that storage refuses timing out and the job resuming from the checkpoint
+before it, under ``--launcher torchrun`` (one run, read by that test and the torchrun one); a gang
+stopped without a flush, its agent told ``POST /stop``; a notice an agent holds in the run's
+status, its Events and ``spotjob status``; a planned host maintenance held, then flushed, and the
+job resumed elsewhere.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.control_channel import EXIT_STOPPED
@@ -177,27 +179,18 @@ def started_lines(run_path: Path) -> list[str]:
     return [line for text in texts for line in text.splitlines() if "agent.launcher: started" in line]
 
 
-def test_with_launcher_torchrun_the_agents_run_torchrun_and_a_preempted_job_still_ends_bit_identical(
-    tmp_path: Path, uninterrupted: Path
-) -> None:
-    config = dumped_run(tmp_path, "under-torchrun", 0.05, every_steps=10, preempt_at_steps=[25], launcher="torchrun")
-    run = LocalRun(config)
-    status = run.run()
-    assert status.phase is Phase.SUCCEEDED, f"{status.reason}: {status.message}"
-    assert (status.preemptions, status.restarts) == (1, 0)
-    starts = started_lines(Path(run.path))
-    assert len(starts) == 2 and all("/torchrun --nproc-per-node" in line and "directly" not in line for line in starts)
-    assert_same_final_state(tmp_path / "final", uninterrupted)
-
-
 # -- a crashing script --------------------------------------------------------------------------
 
 
 def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_with_the_reason(
-    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]]
+    tmp_path: Path,
+    spotjob: Callable[..., subprocess.CompletedProcess[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # One rank: nothing here reads a rank's own state, and a second rank cost about 3 CPU-s an attempt.
     proc = spotjob(
-        "run", "--name", "crashing", "--max-restarts", "1", "--every-steps", "5",
+        "run", "--name", "crashing", "--nproc", "1", "--max-restarts", "1", "--every-steps", "5",
         str(TRAIN), "--steps", str(STEPS), "--crash-at-step", "12",
         cwd=tmp_path,
     )  # fmt: skip
@@ -232,21 +225,28 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     manifests = [c.manifest for c in list_checkpoints(storage) if c.manifest is not None]
     assert manifests and {m.job for m in manifests} == {"local/crashing"}
 
-    listing = spotjob("status", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    listing = spotjob_status(capsys)
     assert listing.returncode == 0 and "crashing" in listing.stdout and "Failed" in listing.stdout
-    detail = spotjob("status", "crashing", cwd=tmp_path)
+    detail = spotjob_status(capsys, "crashing")
     assert detail.returncode == 0 and "RestartBudgetExhausted" in detail.stdout
     assert "WorkerFailed" in detail.stdout, "the Events, read from the run's events file"
-    as_json = json.loads(spotjob("status", "crashing", "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(spotjob_status(capsys, "crashing", "--json").stdout)
     assert [e["reason"] for e in as_json["events"]] == event_reasons(events_file)
 
 
-# -- storage refuses the flush ------------------------------------------------------------------
+# -- storage refuses the flush, under --launcher torchrun ------------------------------------------
 
 
-def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_checkpoint_before_it(
-    tmp_path: Path, moto_server: str, s3_client: Any, uninterrupted: Path
-) -> None:
+@pytest.fixture(scope="module")
+def storage_down(tmp_path_factory: pytest.TempPathFactory, moto_server: str, s3_client: Any) -> dict[str, Any]:
+    """One ``spotjob run --launcher torchrun`` whose flush storage refuses, read by two tests: the
+    flush timing out and the job resuming from the checkpoint before it, and the agents running
+    torchrun through a preempted job. A launch of its own for the torchrun launcher cost two more
+    attempts (an agent, torchrun and two ranks each, about 17 CPU-s) and checked nothing this run
+    does not: a preemption, no restart, the starts, the bit-identical end (a flush that commits
+    under torchrun is tests/integration/test_agent_torchrun.py's)."""
+    tmp_path = tmp_path_factory.mktemp("storage-down")
     bucket = f"spotjob-e2e-{uuid.uuid4().hex[:10]}"
     s3_client.create_bucket(Bucket=bucket)
     status_file, events_file = run_files(tmp_path, "storage-down")
@@ -260,6 +260,7 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
         argv = [
             tool("spotjob"), "run", "--name", "storage-down", "--checkpoint-uri", f"s3://{bucket}/job",
             "--every-steps", "10", "--preempt-at-step", "12", "--notice", "30", "--flush-timeout", "8",
+            "--launcher", "torchrun",
             str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.1", "--dump", str(tmp_path / "final"),
         ]  # fmt: skip
         log_path = tmp_path / "spotjob-run.log"
@@ -282,16 +283,40 @@ def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_che
                 proc.wait(timeout=60)
     output = log_path.read_text()
     assert code == 0, output[-6000:]
-    assert refused.served > 0
+    return {
+        "refused": refused.served,
+        "status": read_status(status_file),
+        "events": read_events(str(events_file)),
+        "output": output,
+        "starts": started_lines(tmp_path / "spotjob-runs" / "storage-down"),
+        "final": tmp_path / "final",
+    }
 
-    status = read_status(status_file)
+
+def test_a_flush_that_storage_refuses_times_out_and_the_job_resumes_from_the_checkpoint_before_it(
+    storage_down: dict[str, Any], uninterrupted: Path
+) -> None:
+    assert storage_down["refused"] > 0
+    status = storage_down["status"]
     assert status is not None and status["phase"] == "Succeeded"
-    timed_out_event = next(e for e in read_events(str(events_file)) if e.reason == "FlushTimedOut")
+    timed_out_event = next(e for e in storage_down["events"] if e.reason == "FlushTimedOut")
     assert timed_out_event.message.endswith("resuming from step 10"), timed_out_event
     assert status["preemptions"] == 1 and status["restarts"] == 0
     assert status["lostSteps"] > 0
+    output = storage_down["output"]
     assert "resumed from step 10" in output or "from step 10" in output
-    assert_same_final_state(tmp_path / "final", uninterrupted)
+    assert_same_final_state(storage_down["final"], uninterrupted)
+
+
+def test_with_launcher_torchrun_the_agents_run_torchrun_and_a_preempted_job_still_ends_bit_identical(
+    storage_down: dict[str, Any], uninterrupted: Path
+) -> None:
+    status = storage_down["status"]
+    assert status is not None and status["phase"] == "Succeeded", status
+    assert (status["preemptions"], status["restarts"]) == (1, 0)
+    starts = storage_down["starts"]
+    assert len(starts) == 2 and all("/torchrun --nproc-per-node" in line and "directly" not in line for line in starts)
+    assert_same_final_state(storage_down["final"], uninterrupted)
 
 
 # -- starting an attempt, pass after pass ----------------------------------------------------------
