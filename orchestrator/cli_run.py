@@ -728,7 +728,13 @@ class _Interrupts:
     """Ctrl-C and SIGTERM while ``spotjob run`` drives ``run``: the first one ends the controller
     loop (``KeyboardInterrupt``); once the run is stopping its processes, none interrupts that. A
     second Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close`` short and
-    leave the run's processes running after the driver said it had stopped them."""
+    leave the run's processes running after the driver said it had stopped them.
+
+    Once an interrupted run is stopped, SIGTERM and SIGINT are ignored until the process exits: put
+    back to what they were (the default, for the command), a supervisor's SIGTERM repeated in the
+    moment between the stop and the exit ended the driver by the signal (143 to a shell) instead of
+    its exit 130. Ignored, not a handler of ours: the interpreter's shutdown puts Python handlers
+    back to the default before the process ends, but keeps an ignored signal ignored."""
 
     def __init__(self, run: LocalRun) -> None:
         self.run = run
@@ -782,7 +788,9 @@ def run_command(args: argparse.Namespace) -> int:
         return _drive(run, args)
     finally:
         for signum, handler in saved.items():
-            if handler is not None:  # None: not set from Python, nothing to put back
+            if interrupts.received and signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_IGN)  # the run is stopped: its exit is 130 (above)
+            elif handler is not None:  # None: not set from Python, nothing to put back
                 signal.signal(signum, handler)
 
 

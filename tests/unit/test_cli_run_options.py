@@ -220,3 +220,57 @@ def test_a_plot_of_a_type_matplotlib_cannot_write_is_refused_naming_every_type_i
     for kind in ("png", "svg", "pdf", "jpg", "eps", "tif", "webp"):
         assert f".{kind}" in said, said
     assert plot_problem(str(tmp_path / "run.jpg")) is None and plot_problem(str(tmp_path / "run.webp")) is None
+
+
+_INTERRUPTED_THEN_SIGNALLED = """
+import os, signal, sys
+from types import SimpleNamespace
+
+import orchestrator.cli_run as cli_run
+from orchestrator.cli import main
+
+run = SimpleNamespace(name="demo", stopping=False)
+
+
+def drive(_run, _args):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: ends the controller loop
+        signal.pause()
+    except KeyboardInterrupt:
+        run.stopping = True
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeat while it stops: logged, the stop goes on
+    return 130
+
+
+cli_run.prepare = lambda args: run
+cli_run._drive = drive
+code = main(["run", "train.py"])
+os.kill(os.getpid(), signal.SIGTERM)  # a repeat after the stop, before the process ends
+# Ignored, not handled: the interpreter's shutdown puts a Python handler back to the default.
+print("exited by itself;", "ignored" if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN else "handled", flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_sigterm_repeated_after_an_interrupted_run_stopped_does_not_end_the_driver_by_the_signal(
+    tmp_path: Path,
+) -> None:
+    """A supervisor repeats its SIGTERM until the process is gone. The driver put its handlers back
+    once the run was stopped, so a repeat in the moment before the process ended killed it by the
+    signal (-15; 143 to a shell) instead of its exit 130. The moment is made certain here: the
+    repeat is sent once ``spotjob run``'s command has returned (its run and driving stubbed). The
+    signal stays ignored, not handled, to the end: the interpreter's shutdown gives a Python
+    handler back to the default (tests/e2e/test_local_recovery.py repeats it until the exit)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_THEN_SIGNALLED],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.strip() == "exited by itself; ignored"
+    assert "received SIGTERM again: still stopping every process of demo" in done.stderr, done.stderr[-3000:]
