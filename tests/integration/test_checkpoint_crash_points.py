@@ -19,7 +19,6 @@ for); nothing here asserts timing.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -81,26 +80,19 @@ class Saver:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.log = folder / "serve.log"
-        self.requests = 0
+        self.requests = harness.Requests(folder)
         self.proc = harness.start(
             [harness.PYTHON, str(SCRIPT), "--serve", str(folder)], self.log, env=harness.job_env(**TRACED_ENV)
         )
 
-    def _request(self, options: dict[str, Any]) -> int:
-        n, self.requests = self.requests, self.requests + 1
-        tmp = self.folder / f".request-{n}.json"
-        tmp.write_text(json.dumps(options))
-        os.replace(tmp, self.folder / f"request-{n}.json")
-        return n
-
     def save(self, args: list[str], log: Path) -> Forked:
         """Fork the save's process (``args`` as ``ckpt_crash.py``'s, its output to ``log``)."""
-        n = self._request({"argv": args, "log": str(log)})
+        n = self.requests.send({"argv": args, "log": str(log)})
         return Forked(self, self.folder / f"exit-{n}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self._request({"stop": True})
+            self.requests.send({"stop": True})
             assert harness.reap(self.proc) == 0, self.log.read_text(errors="replace")[-8000:]
 
 

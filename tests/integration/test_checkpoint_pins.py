@@ -9,7 +9,6 @@ while the writer saves; nothing waits on time except for a crashed reader's pin 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -68,19 +67,12 @@ class Writer:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.log = folder / "job.log"
-        self.requests = 0
+        self.requests = harness.Requests(folder)
         self.proc = harness.start(harness.torchrun_argv(2, WRITER, [str(folder)]), self.log)
-
-    def _request(self, options: dict[str, Any]) -> int:
-        n, self.requests = self.requests, self.requests + 1
-        tmp = self.folder / f".request-{n}.json"
-        tmp.write_text(json.dumps(options))
-        os.replace(tmp, self.folder / f"request-{n}.json")
-        return n
 
     def saves(self, uri: str, first: int, last: int) -> str:
         """The job saves steps first..last on ``uri``, as ``ckpt_job.py saves`` would; its ranks' log."""
-        n = self._request({"uri": uri, "steps": [first, last]})
+        n = self.requests.send({"uri": uri, "steps": [first, last]})
         done = [self.folder / f"done-{n}.rank{rank}" for rank in (0, 1)]
         harness.wait_for(
             lambda: all(p.exists() for p in done),
@@ -93,7 +85,7 @@ class Writer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self._request({"stop": True})
+            self.requests.send({"stop": True})
             rc = harness.reap(self.proc)
             assert rc == 0, f"the writer job exited {rc}:\n{self.log.read_text(errors='replace')[-8000:]}"
 

@@ -23,7 +23,6 @@ process of its own: the fork is done before the child's Checkpointer makes a cal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ckpt_harness import next_request
 from ckpt_state import make_state, snapshot, train
 
 from agent.checkpoint import Checkpointer
@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(folder: Path) -> None:
     n = 0
     while True:
-        request = folder / f"request-{n}.json"
-        while not request.exists():  # the test writes it atomically (a rename)
-            time.sleep(0.02)
-        options = json.loads(request.read_text())
+        options = next_request(folder, n)
         if options.get("stop"):
             return
         pid = os.fork()

@@ -6,6 +6,7 @@ reach the ranks: the rank scripts write their pids, and the tests kill those pid
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from agent.ranks import free_port
 
@@ -175,3 +177,30 @@ def _tail(path: Path | None, n: int = 8000) -> str:
     if path is None or not path.exists():
         return ""
     return path.read_text(errors="replace")[-n:]
+
+
+class Requests:
+    """Numbered requests to a process that serves them one after another (a module's shared job):
+    ``FOLDER/request-<n>.json`` for n = 0, 1, ..., each written whole (a rename), read by the
+    process with ``next_request``. What the process answers, and where, is each protocol's own."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sent = 0
+
+    def send(self, options: dict[str, Any]) -> int:
+        """Write the next request; its number."""
+        n, self.sent = self.sent, self.sent + 1
+        tmp = self.folder / f".request-{n}.json"
+        tmp.write_text(json.dumps(options))
+        os.replace(tmp, self.folder / f"request-{n}.json")
+        return n
+
+
+def next_request(folder: Path, n: int) -> dict[str, Any]:
+    """(In the serving process) wait for request ``n`` of ``Requests(folder)``; its options."""
+    request = folder / f"request-{n}.json"
+    while not request.exists():
+        time.sleep(0.02)
+    options: dict[str, Any] = json.loads(request.read_text())
+    return options

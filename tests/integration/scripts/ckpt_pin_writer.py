@@ -13,15 +13,14 @@ torchrun of ``ckpt_job.py`` for each race.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import time
 from argparse import Namespace
 from pathlib import Path
 
 import torch.distributed as dist
+from ckpt_harness import next_request
 from ckpt_job import saves
 from ckpt_state import exit_without_teardown
 
@@ -35,10 +34,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=FORMAT.format(rank=rank))
     n = 0
     while True:
-        request = folder / f"request-{n}.json"
-        while not request.exists():  # the test writes it atomically (a rename)
-            time.sleep(0.02)
-        options = json.loads(request.read_text())
+        options = next_request(folder, n)
         if options.get("stop"):
             break
         handler = logging.FileHandler(folder / f"log-{n}.rank{rank}")
