@@ -207,10 +207,14 @@ def terraform_env(workdir: Path) -> dict[str, str]:
     return env
 
 
-def terraform(workdir: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def terraform(
+    workdir: Path, *args: str, env: Mapping[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``stdin``: what the command reads (``terraform console``'s expressions); None as before."""
     return subprocess.run(
         ["terraform", *args, "-no-color"],
         cwd=workdir,
+        input=stdin,
         capture_output=True,
         text=True,
         env=dict(env) if env is not None else terraform_env(workdir),
