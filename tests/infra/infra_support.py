@@ -194,7 +194,12 @@ def plugin_dir() -> Path | None:
 
 
 def terraform_env(workdir: Path) -> dict[str, str]:
-    """No CLI config of the developer's, no update checks, no prompts."""
+    """No CLI config of the developer's, no update checks, no prompts.
+
+    GOGC=400 (unless set already) for terraform and the provider it starts: most of a command's CPU
+    is the AWS provider building its whole schema, twice a command, and Go's default (100) collects
+    over and over while it does. 400 cut a ``terraform validate`` from 5.8 to 4.4 CPU-seconds, its
+    largest process (the provider) from 510 to 670 MB resident; what terraform does is the same."""
     config = workdir / ".terraformrc"
     config.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_", "AWS_"))}
@@ -204,6 +209,7 @@ def terraform_env(workdir: Path) -> dict[str, str]:
         TF_INPUT="0",
         CHECKPOINT_DISABLE="1",
     )
+    env.setdefault("GOGC", "400")
     return env
 
 
