@@ -194,7 +194,12 @@ def plugin_dir() -> Path | None:
 
 
 def terraform_env(workdir: Path) -> dict[str, str]:
-    """No CLI config of the developer's, no update checks, no prompts."""
+    """No CLI config of the developer's, no update checks, no prompts.
+
+    GOGC=400 (unless set already) for terraform and the provider it starts: most of a command's CPU
+    is the AWS provider building its whole schema, twice a command, and Go's default (100) collects
+    over and over while it does. 400 cut a ``terraform validate`` from 5.8 to 4.4 CPU-seconds, its
+    largest process (the provider) from 510 to 670 MB resident; what terraform does is the same."""
     config = workdir / ".terraformrc"
     config.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_", "AWS_"))}
@@ -204,13 +209,18 @@ def terraform_env(workdir: Path) -> dict[str, str]:
         TF_INPUT="0",
         CHECKPOINT_DISABLE="1",
     )
+    env.setdefault("GOGC", "400")
     return env
 
 
-def terraform(workdir: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def terraform(
+    workdir: Path, *args: str, env: Mapping[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``stdin``: what the command reads (``terraform console``'s expressions); None as before."""
     return subprocess.run(
         ["terraform", *args, "-no-color"],
         cwd=workdir,
+        input=stdin,
         capture_output=True,
         text=True,
         env=dict(env) if env is not None else terraform_env(workdir),

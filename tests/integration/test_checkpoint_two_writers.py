@@ -11,7 +11,7 @@ broken, and the writer that loses a step fails naming the other.
 The in-process pairs drive two Checkpointers of one process in a fixed order through one seam (a
 hook on one writer's store, as in test_checkpoint_concurrent_readers.py); their claims name the
 same process, told apart by the saves it has in flight. The last test runs the other writer as a
-real 2-rank torchrun job in processes of its own.
+real torchrun job in processes of its own.
 """
 
 from __future__ import annotations
@@ -101,11 +101,13 @@ def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_u
 def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_leftover_goes(
     storage_uri: str, tmp_path: Path
 ) -> None:
-    """A 2-rank torchrun job (unnamed, no attempt numbers) commits step 1 and is frozen with step
-    2's files uploaded and its manifest not yet written. A second writer of the job, this process,
+    """A torchrun job (unnamed, no attempt numbers) commits step 1 and is frozen with step 2's
+    files uploaded and its manifest not yet written. A second writer of the job, this process,
     saved step 2 in the same folder: it removed the live job's files as a leftover. Now it saves
     beside them (``step-2.1``) and retention leaves them; once the job is killed (-9), its leftover
-    is an unfinished save like any other, and this writer's next save removes it."""
+    is an unfinished save like any other, and this writer's next save removes it. One rank: the
+    folder's claim names rank 0's process, the one frozen at the manifest; a second rank only
+    added its shard to the folder and a torch start (about 3 CPU-s) per store."""
     uri = storage_uri
     storage = open_storage(uri)
 
@@ -116,9 +118,9 @@ def test_a_live_writer_in_another_process_keeps_its_folder_and_a_dead_ones_lefto
     markers.mkdir()
     log = tmp_path / "job.log"
     job_args = ["interrupt", "--uri", uri, "--markers", str(markers), "--stage", "manifest"]
-    proc = harness.start(harness.torchrun_argv(2, harness.SCRIPTS / "ckpt_job.py", job_args), log)
+    proc = harness.start(harness.torchrun_argv(1, harness.SCRIPTS / "ckpt_job.py", job_args), log)
     try:
-        expected = [markers / "manifest.rank0", markers / "pid.rank0", markers / "pid.rank1"]
+        expected = [markers / "manifest.rank0", markers / "pid.rank0"]
         harness.wait_for(
             lambda: all(p.exists() for p in expected), "rank 0 to freeze at the manifest", alive=proc, log_path=log
         )
