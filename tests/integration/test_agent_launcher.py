@@ -723,31 +723,55 @@ def test_torchrun_failing_with_a_free_port_is_the_commands_failure(tmp_path: Pat
     assert out.returncode == 3, out.stderr
 
 
-@pytest.mark.parametrize(
-    ("variable", "value", "words"),
-    [
+# The agent names every malformed variable of one settings class in a single refusal: the cases of
+# a class share one agent run, each still asserting its own words.
+MALFORMED = [
+    [  # CheckpointerEnv
         ("SPOTJOB_EVERY_STEPS", "100s", "a whole number of steps"),
         ("SPOTJOB_KEEP", "-1", "a whole number, at least 0"),
         ("SPOTJOB_ASYNC", "maybe", "a boolean"),
+    ],
+    [  # StorageEnv
         ("SPOTJOB_STORAGE_CONCURRENCY", "0", "a whole number >= 1"),
         ("SPOTJOB_STORAGE_PART_SIZE", "64 megs", "a positive size in bytes"),
     ],
-)
+]
+
+
+@dataclass
+class Refusal:
+    out: subprocess.CompletedProcess[str]
+    started: Path
+
+
+@pytest.fixture(scope="module")
+def malformed_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refusal]:
+    """Each variable's agent run: one per settings class, every variable of the class malformed."""
+    refusals: dict[str, Refusal] = {}
+    for group in MALFORMED:
+        tmp_path = tmp_path_factory.mktemp("malformed")
+        started = tmp_path / "started"
+        command = [
+            *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
+            "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+        ]  # fmt: skip
+        env = {**os.environ, **{variable: value for variable, value, _ in group}}
+        out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+        refusals.update({variable: Refusal(out, started) for variable, _, _ in group})
+    return refusals
+
+
+@pytest.mark.parametrize(("variable", "value", "words"), [case for group in MALFORMED for case in group])
 def test_a_malformed_variable_the_ranks_would_read_exits_2_before_the_command_starts(
-    tmp_path: Path, variable: str, value: str, words: str
+    malformed_refusals: dict[str, Refusal], variable: str, value: str, words: str
 ) -> None:
     """The agent passes its SPOTJOB_* variables on to the ranks, whose every Checkpointer (and every
     store) reads them: a malformed one used to start the command, and every rank then failed with
     a traceback once its script built a Checkpointer (spending a restart on Kubernetes)."""
-    started = tmp_path / "started"
-    command = [
-        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none", "--launcher", "direct",
-        "--", sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
-    ]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env={**os.environ, variable: value})
-    assert out.returncode == 2, out.stderr
-    assert f"{variable}={value!r} is not {words}" in out.stderr
-    assert not started.exists()
+    refusal = malformed_refusals[variable]
+    assert refusal.out.returncode == 2, refusal.out.stderr
+    assert f"{variable}={value!r} is not {words}" in refusal.out.stderr
+    assert not refusal.started.exists()
 
 
 def test_an_option_replaces_the_malformed_variable_it_sets_for_the_ranks(tmp_path: Path) -> None:
