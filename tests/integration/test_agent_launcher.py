@@ -134,9 +134,8 @@ class Run:
         return request.reason
 
 
-@pytest.fixture
-def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
-    runs: list[Run] = []
+def starter(tmp_path: Path, runs: list[Run]) -> Callable[..., Run]:
+    """Starts agents with their files under ``tmp_path``, each added to ``runs``."""
 
     def _start(
         *agent_args: str,
@@ -171,10 +170,20 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         runs.append(run)
         return run
 
-    yield _start
+    return _start
+
+
+def kill_left_running(runs: list[Run]) -> None:
     for run in runs:
         if run.proc.poll() is None:
             run.kill()  # a job a test left running (the neighbour of a two-job test)
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+    yield starter(tmp_path, runs)
+    kill_left_running(runs)
 
 
 def events(run: Run) -> list[str]:
@@ -197,12 +206,25 @@ def assert_preempted(run: Run, source: str) -> None:
 # -- each notice source ends in a committed flush and 75 ------------------------------------------------
 
 
-def test_an_aws_spot_interruption_flushes_and_exits_75(start: Callable[..., Run]) -> None:
-    with ImdsEmulator() as imds:
-        run = start("--notices", "aws,sigterm", "--aws-metadata-url", imds.url)
-        run.wait_training()
-        imds.set_spot_action("terminate", time.time() + 60)
-        assert_preempted(run, "aws preemption")
+@pytest.fixture(scope="module")
+def aws_preemption(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """One agent through an AWS spot interruption to its exit, which two tests read: what it did and
+    how it logged it (an agent run each cost as much again)."""
+    runs: list[Run] = []
+    start = starter(tmp_path_factory.mktemp("aws"), runs)
+    try:
+        with ImdsEmulator() as imds:
+            run = start("--notices", "aws,sigterm", "--aws-metadata-url", imds.url)
+            run.wait_training()
+            imds.set_spot_action("terminate", time.time() + 60)
+            run.exit_code()
+        yield run
+    finally:
+        kill_left_running(runs)
+
+
+def test_an_aws_spot_interruption_flushes_and_exits_75(aws_preemption: Run) -> None:
+    assert_preempted(aws_preemption, "aws preemption")
 
 
 def test_an_aws_rebalance_recommendation_asks_for_an_early_save_and_keeps_training(
@@ -984,16 +1006,13 @@ def test_a_command_whose_ranks_never_connect_is_warned_about_in_the_log_and_stat
     assert run.exit_code() == 0, run.log()
 
 
-def test_a_normal_preemption_flush_is_logged_at_info_not_as_a_warning(start: Callable[..., Run]) -> None:
+def test_a_normal_preemption_flush_is_logged_at_info_not_as_a_warning(aws_preemption: Run) -> None:
     """A notice heard and flushed is the normal path on spot capacity (its Events are Normal), so
     an alert on the agent's WARNING lines must not fire for each one: the request and the commit
     were both WARNING lines. Problems around a flush (a window too short, a deadline already past,
     a failed flush) keep their WARNING or ERROR."""
-    with ImdsEmulator() as imds:
-        run = start("--notices", "aws,sigterm", "--aws-metadata-url", imds.url)
-        run.wait_training()
-        imds.set_spot_action("terminate", time.time() + 60)
-        assert_preempted(run, "aws preemption")
+    run = aws_preemption
+    assert_preempted(run, "aws preemption")
     lines = [line for line in run.log().splitlines() if " spotjob-agent[" in line]
     flush_lines = [line for line in lines if " flush " in line]
     assert any("requested" in line for line in flush_lines) and any("committed" in line for line in flush_lines)
