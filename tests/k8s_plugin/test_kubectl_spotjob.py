@@ -8,7 +8,6 @@ against the same server with the same kubeconfig.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -39,51 +38,10 @@ from plugin_support import (
 from agent.ownership import claim
 from agent.storage import open_storage
 from orchestrator import kubectl_plugin
-from orchestrator.cli_ckpt import NOISY_LOGGERS
 from tests.k8s.cluster import Fault, TestCluster
 from tests.unit.fakes import commit_checkpoint
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def spotjob(
-    spotjob_crd: None,
-    user_kubeconfig: str,
-    cluster: TestCluster,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> Run:
-    """``kubectl spotjob ARGS`` as ``kubectl_spotjob`` runs it, but the plugin's ``main`` in this
-    process: the same parsing, the same requests to the test API server under the user's name
-    (the RBAC test reads them) and the same printing, without starting kubectl and a Python that
-    imports the kubernetes client (about 0.8 CPU-s a command). For what a command prints given a
-    cluster state; what is about the process (a pipe's reader gone, an environment variable of
-    this machine, kubectl finding the plugin) stays a ``kubectl_spotjob`` process."""
-    noisy = ("", *NOISY_LOGGERS, "orchestrator.k8s.api")
-
-    def run(
-        *args: str, kubeconfig: str | None = None, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        for name, value in {**cluster.env(), "KUBECONFIG": kubeconfig or user_kubeconfig, **(env or {})}.items():
-            monkeypatch.setenv(name, value)
-        capsys.readouterr()
-        # main quiets the cloud clients' loggers, as it may in a process of its own; here they
-        # are this test process's, so they are put back as they were.
-        levels = {name: logging.getLogger(name).level for name in noisy}
-        handlers = list(logging.getLogger().handlers)
-        try:
-            code: Any = kubectl_plugin.main(list(args))
-        except SystemExit as e:
-            code = e.code
-        finally:
-            for name, level in levels.items():
-                logging.getLogger(name).setLevel(level)
-            logging.getLogger().handlers[:] = handlers
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["kubectl", "spotjob", *args], code, out, err)
-
-    return run
 
 
 def rows(table: str) -> dict[str, list[str]]:
