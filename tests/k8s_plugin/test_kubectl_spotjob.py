@@ -719,7 +719,7 @@ def test_no_such_job_is_named_with_its_namespace(
         assert proc.stderr.strip() == f'error: spotjobs.spotjob.dev "ghost" not found in namespace "{namespace}"'
 
 
-def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: Run, tmp_path: Path) -> None:
+def test_no_cluster_reachable_names_the_server_and_the_context(spotjob: Run, tmp_path: Path) -> None:
     kubeconfig = tmp_path / "gone.kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -736,7 +736,7 @@ def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: 
         )
     )
 
-    proc = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
+    proc = spotjob("status", kubeconfig=str(kubeconfig))
 
     assert proc.returncode == 1
     assert "cannot reach the API server at https://127.0.0.1:9 (context gone" in proc.stderr
@@ -785,7 +785,7 @@ def test_a_kubeconfig_under_the_home_folder_may_be_named_with_a_tilde(
 
 
 def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     create_job(cluster, namespace, "ctx-job")
     config = yaml.safe_load(Path(user_kubeconfig).read_text())
@@ -796,10 +796,10 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
     kubeconfig = tmp_path / "two-contexts"
     kubeconfig.write_text(yaml.safe_dump(config))
 
-    by_context = rows(ok(kubectl_spotjob("status", "--context", "team", kubeconfig=str(kubeconfig))))
-    by_flag = rows(ok(kubectl_spotjob("status", "--kubeconfig", str(kubeconfig), "--context=team")))
-    current = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
-    unknown = kubectl_spotjob("status", "--context", "nope", kubeconfig=str(kubeconfig))
+    by_context = rows(ok(spotjob("status", "--context", "team", kubeconfig=str(kubeconfig))))
+    by_flag = rows(ok(spotjob("status", "--kubeconfig", str(kubeconfig), "--context=team")))
+    current = spotjob("status", kubeconfig=str(kubeconfig))
+    unknown = spotjob("status", "--context", "nope", kubeconfig=str(kubeconfig))
 
     assert "ctx-job" in by_context and "ctx-job" in by_flag
     assert current.returncode == 0 and 'No SpotJobs in namespace "kube-system"' in current.stderr
