@@ -1,6 +1,8 @@
 """``kubectl spotjob`` as a user runs it: the real kubectl binary finds ``kubectl-spotjob`` on PATH and
 runs it against the test API server with the user's kubeconfig; each test checks what it prints,
-its exit code and, for a flush, the request the API server received (the audit log).
+its exit code and, for a flush, the request the API server received (the audit log). Tests of what
+a command prints given a cluster state run the plugin's ``main`` in this process (``spotjob``),
+against the same server with the same kubeconfig.
 """
 
 from __future__ import annotations
@@ -82,13 +84,13 @@ def flush_wait_answered(
 
 
 def test_status_lists_the_namespaces_jobs_with_phase_step_checkpoint_age_counters_and_goodput(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "train-demo")
     set_status(cluster, namespace, "train-demo", running_status(step=1400, checkpoint_age=41, preemptions=1))
     create_job(cluster, namespace, "fresh", max_restarts=5)  # no controller has written a status yet
 
-    table = rows(ok(kubectl_spotjob("status", "-n", namespace)))
+    table = rows(ok(spotjob("status", "-n", namespace)))
 
     assert table["NAME"] == ["NAME", "PHASE", "STEP", "CHECKPOINT", "PREEMPTIONS", "RESTARTS", "GOODPUT", "AGE"]
     _, phase, step, age, preemptions, restarts, goodput, _ = table["train-demo"]
@@ -115,12 +117,12 @@ def test_a_reader_that_left_the_pipe_is_no_error(
 
 
 def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "on-fallback")
     set_status(cluster, namespace, "on-fallback", running_status(capacity="fallback"))
 
-    out = ok(kubectl_spotjob("status", "-A"))
+    out = ok(spotjob("status", "-A"))
 
     header, *lines = [ln.split() for ln in out.splitlines()]
     assert header[0] == "NAMESPACE" and "CAPACITY" in header
@@ -129,7 +131,7 @@ def test_status_in_every_namespace_adds_the_namespace_and_the_capacity_column(
 
 
 def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_for_the_others(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """Two workers of one job hold a GCE maintenance notice each, the later one listed first (an
     older controller wrote them in the workers' order); another job holds none. Before, the table
@@ -153,13 +155,13 @@ def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_fo
 
     create_job(cluster, namespace, "plain")
     set_status(cluster, namespace, "plain", running_status())
-    assert "HELD" not in ok(kubectl_spotjob("status", "-n", namespace)).splitlines()[0]
+    assert "HELD" not in ok(spotjob("status", "-n", namespace)).splitlines()[0]
     notices = [held("holding-1-0", 3000), held("holding-1-1", 600)]
     create_job(cluster, namespace, "holding", replicas=2)
     set_status(cluster, namespace, "holding", running_status(heldNotices=notices))
 
-    header, *lines = ok(kubectl_spotjob("status", "-n", namespace)).splitlines()
-    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+    header, *lines = ok(spotjob("status", "-n", namespace)).splitlines()
+    listed = json.loads(ok(spotjob("status", "-n", namespace, "-o", "json")))
 
     assert header.split()[-2:] == ["HELD-FLUSH", "AGE"], header
     at, end = header.index("HELD-FLUSH"), header.index("AGE")
@@ -170,7 +172,7 @@ def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_fo
 
 
 def test_a_finished_job_an_earlier_controller_left_with_a_held_notice_shows_none(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """A controller before this release left ``status.heldNotices`` on a job that failed while an
     agent held a notice (it is never observed again, so the field stays). Before, the plugin showed
@@ -189,9 +191,9 @@ def test_a_finished_job_an_earlier_controller_left_with_a_held_notice_shows_none
     failed.update(phase="Failed", reason="RestartBudgetExhausted", message="worker gone-1-0 exited with code 1")
     set_status(cluster, namespace, "gone", failed)
 
-    table = ok(kubectl_spotjob("status", "-n", namespace))
-    one = ok(kubectl_spotjob("status", "gone", "-n", namespace))
-    listed = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
+    table = ok(spotjob("status", "-n", namespace))
+    one = ok(spotjob("status", "gone", "-n", namespace))
+    listed = json.loads(ok(spotjob("status", "-n", namespace, "-o", "json")))
 
     assert "HELD" not in table.splitlines()[0], table
     assert "Held notice" not in one, one
@@ -199,7 +201,7 @@ def test_a_finished_job_an_earlier_controller_left_with_a_held_notice_shows_none
 
 
 def test_status_wide_adds_the_attempt_why_each_job_is_in_its_phase_and_why_a_worker_does_not_start(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """``kubectl get sj -o wide`` adds ATTEMPT, REASON and NOT-STARTING; ``kubectl spotjob status -o
     wide`` was refused (exit 2, "invalid choice"), so the plugin's table could not say why a job is
@@ -219,16 +221,16 @@ def test_status_wide_adds_the_attempt_why_each_job_is_in_its_phase_and_why_a_wor
     }
     set_status(cluster, namespace, "stuck", stuck)
 
-    table = rows(ok(kubectl_spotjob("status", "-n", namespace, "-o", "wide")))
+    table = rows(ok(spotjob("status", "-n", namespace, "-o", "wide")))
 
     assert table["NAME"][-4:] == ["AGE", "ATTEMPT", "REASON", "NOT-STARTING"], table["NAME"]
     assert table["flushing"][1] == "Flushing" and table["flushing"][-3:] == ["2", "SpotInterrupted", "-"]
     assert table["stuck"][1] == "Pending" and table["stuck"][-3:] == ["1", "WorkersStarted", "ImagePullBackOff"]
-    assert ok(kubectl_spotjob("status", "stuck", "-n", namespace, "-o", "wide")).startswith("Name:")
+    assert ok(spotjob("status", "stuck", "-n", namespace, "-o", "wide")).startswith("Name:")
 
 
 def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush_and_conditions(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     cluster.add_node(f"{namespace}-b", zone="us-east-1b", run_containers=False)
     create_job(cluster, namespace, "llama", max_restarts=3)
@@ -244,7 +246,7 @@ def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush
         running_status(workers=[worker], restarts=1, capacity="spot", lastFlushRequest=flush),
     )
 
-    out = ok(kubectl_spotjob("status", "llama", "-n", namespace))
+    out = ok(spotjob("status", "llama", "-n", namespace))
 
     fields = dict(line.split(":", 1) for line in out.splitlines() if re.match(r"^[A-Z][a-z ]+:", line))
     fields = {k: v.strip() for k, v in fields.items()}
@@ -264,7 +266,7 @@ def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush
 
 
 def test_status_of_a_job_whose_worker_does_not_start_says_which_and_why(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "pull")
     status = running_status(attempt=0)
@@ -281,18 +283,18 @@ def test_status_of_a_job_whose_worker_does_not_start_says_which_and_why(
     }
     set_status(cluster, namespace, "pull", status)
 
-    out = ok(kubectl_spotjob("status", "pull", "-n", namespace))
+    out = ok(spotjob("status", "pull", "-n", namespace))
 
     [line] = [line for line in out.splitlines() if line.startswith("Not starting:")]
     assert re.search(r"pull-0-0, for 1\d\ds: ImagePullBackOff: container trainer: Back-off pulling image", line), line
 
 
-def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: str, kubectl_spotjob: Run) -> None:
+def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
     create_job(cluster, namespace, "j")
     set_status(cluster, namespace, "j", running_status(step=700, goodput=0.5))
 
-    (listed,) = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
-    one = json.loads(ok(kubectl_spotjob("-n", namespace, "status", "j", "--output=json")))  # flags before or after
+    (listed,) = json.loads(ok(spotjob("status", "-n", namespace, "-o", "json")))
+    one = json.loads(ok(spotjob("-n", namespace, "status", "j", "--output=json")))  # flags before or after
 
     assert (listed["name"], listed["phase"], listed["step"], listed["goodput"]) == ("j", "Running", 700, 0.5)
     assert listed["restarts"] == 0 and listed["maxRestarts"] == 3
@@ -301,7 +303,7 @@ def test_status_as_json_carries_the_same_facts(cluster: TestCluster, namespace: 
 
 
 def test_status_of_one_job_shows_the_notices_its_agents_hold_and_when_each_flush_starts(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """An Azure Reboot the agent of a worker holds (``status.heldNotices``): the job trains on and
     flushes by itself at ``flushAt``. Before, ``kubectl spotjob status`` said nothing of it."""
@@ -319,8 +321,8 @@ def test_status_of_one_job_shows_the_notices_its_agents_hold_and_when_each_flush
     }
     set_status(cluster, namespace, "held", running_status(heldNotices=[held]))
 
-    out = ok(kubectl_spotjob("status", "held", "-n", namespace))
-    one = json.loads(ok(kubectl_spotjob("status", "held", "-n", namespace, "-o", "json")))
+    out = ok(spotjob("status", "held", "-n", namespace))
+    one = json.loads(ok(spotjob("status", "held", "-n", namespace, "-o", "json")))
 
     [line] = [line for line in out.splitlines() if line.startswith("Held notice:")]
     assert re.fullmatch(
@@ -330,11 +332,11 @@ def test_status_of_one_job_shows_the_notices_its_agents_hold_and_when_each_flush
     ), line
     assert one["heldNotices"] == [held]
     set_status(cluster, namespace, "held", running_status())
-    assert not [line for line in ok(kubectl_spotjob("status", "held", "-n", namespace)).splitlines() if "Held" in line]
+    assert not [line for line in ok(spotjob("status", "held", "-n", namespace)).splitlines() if "Held" in line]
 
 
 def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_grows(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "done")
     status = running_status(step=2000, completionTime=ago(86400))
@@ -342,7 +344,7 @@ def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_
     status["attempt"]["runningAt"] = ago(86400 + 600)
     set_status(cluster, namespace, "done", status)
 
-    out = ok(kubectl_spotjob("status", "done", "-n", namespace))
+    out = ok(spotjob("status", "done", "-n", namespace))
 
     [line] = [line for line in out.splitlines() if line.startswith("Attempt:")]
     assert ", ran for 10m, resumed from step 1300" in line, line
@@ -353,7 +355,7 @@ def test_status_of_a_finished_job_says_how_long_its_attempt_ran_not_a_time_that_
     ("phase", "reason", "said"), [("Failed", "InvalidSpec", "never started"), ("Pending", "Created", "not started yet")]
 )
 def test_status_of_a_job_whose_first_attempt_never_started_does_not_say_it_started_from_scratch(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, phase: str, reason: str, said: str
+    cluster: TestCluster, namespace: str, spotjob: Run, phase: str, reason: str, said: str
 ) -> None:
     """A job refused on its first pass (InvalidSpec) has attempt 0 with no ``startedAt``: before,
     ``kubectl spotjob status`` said "Attempt: 0, started from scratch" for it."""
@@ -361,7 +363,7 @@ def test_status_of_a_job_whose_first_attempt_never_started_does_not_say_it_start
     status = {"phase": phase, "reason": reason, "message": "spec.checkpoint.uri: ...", "attempt": {"number": 0}}
     set_status(cluster, namespace, "never", status)
 
-    out = ok(kubectl_spotjob("status", "never", "-n", namespace))
+    out = ok(spotjob("status", "never", "-n", namespace))
 
     [line] = [line for line in out.splitlines() if line.startswith("Attempt:")]
     assert re.fullmatch(rf"Attempt: +0, {said}", line), line
@@ -382,7 +384,7 @@ def _documented_json_keys() -> dict[str, list[str]]:
 
 
 def test_status_and_events_as_json_have_the_keys_the_readme_lists(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     cluster.add_node(f"{namespace}-j", zone="us-east-1a", run_containers=False)
     job = create_job(cluster, namespace, "keys")
@@ -392,9 +394,9 @@ def test_status_and_events_as_json_have_the_keys_the_readme_lists(
     write_event(cluster, namespace, job, "WorkersRunning", "every worker of attempt 1 is running", at=datetime.now(UTC))
     documented = _documented_json_keys()
 
-    (listed,) = json.loads(ok(kubectl_spotjob("status", "-n", namespace, "-o", "json")))
-    one = json.loads(ok(kubectl_spotjob("status", "keys", "-n", namespace, "-o", "json")))
-    (event,) = json.loads(ok(kubectl_spotjob("events", "keys", "-n", namespace, "-o", "json")))
+    (listed,) = json.loads(ok(spotjob("status", "-n", namespace, "-o", "json")))
+    one = json.loads(ok(spotjob("status", "keys", "-n", namespace, "-o", "json")))
+    (event,) = json.loads(ok(spotjob("events", "keys", "-n", namespace, "-o", "json")))
 
     assert list(listed) == documented["`status`"]
     assert list(one) == documented["`status`"] + documented["`status NAME`"]  # "the same keys", then its own
@@ -404,12 +406,10 @@ def test_status_and_events_as_json_have_the_keys_the_readme_lists(
     assert list(event) == documented["`events NAME`"]
 
 
-def test_status_of_a_pending_job_without_pods_says_so(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
-) -> None:
+def test_status_of_a_pending_job_without_pods_says_so(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
     create_job(cluster, namespace, "new")
 
-    out = ok(kubectl_spotjob("status", "new", "-n", namespace))
+    out = ok(spotjob("status", "new", "-n", namespace))
 
     assert "<no status yet>" in out and f"serving namespace {namespace}" in out
     assert "Pods:\n  <none>" in out
@@ -419,7 +419,7 @@ def test_status_of_a_pending_job_without_pods_says_so(
 
 
 def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restore_would(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, tmp_path: Path
 ) -> None:
     uri = str(tmp_path / "ckpt")
     job_id = f"{namespace}/gpt"
@@ -436,7 +436,7 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
     storage.put_bytes("step-000000500/__0_0.distcp", b"half")  # a save that never committed
     create_job(cluster, namespace, "gpt", uri=uri)
 
-    proc = kubectl_spotjob("checkpoints", "gpt", "-n", namespace)
+    proc = spotjob("checkpoints", "gpt", "-n", namespace)
 
     table = rows(ok(proc))
     assert [k for k in table if k != "STEP"] == ["500", "400", "300", "200", "100"]
@@ -448,7 +448,7 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
     assert table["200"][-1] == "valid" and table["100"][-1] == "valid"
     assert "resumes from step-000000200 (step 200)" in proc.stderr
 
-    docs = json.loads(ok(kubectl_spotjob("checkpoints", "gpt", "-n", namespace, "-o", "json")))
+    docs = json.loads(ok(spotjob("checkpoints", "gpt", "-n", namespace, "-o", "json")))
     assert [(d["step"], d["valid"], d["foreign"], d["resumesFromThis"]) for d in docs] == [
         (500, False, False, False),
         (400, False, False, False),
@@ -459,22 +459,22 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
 
 
 def test_checkpoints_of_a_path_that_is_not_on_this_machine_says_where_it_is(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, tmp_path: Path
 ) -> None:
     create_job(cluster, namespace, "remote", uri=str(tmp_path / "on-the-nodes"))
 
-    proc = kubectl_spotjob("checkpoints", "remote", "-n", namespace)
+    proc = spotjob("checkpoints", "remote", "-n", namespace)
 
     assert proc.returncode == 1
     assert "no such folder" in proc.stderr and "a path on the cluster's nodes" in proc.stderr
 
 
 def test_checkpoints_of_a_uri_no_store_answers_to_names_the_field(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "odd", uri="ftp://bucket/odd")
 
-    proc = kubectl_spotjob("checkpoints", "odd", "-n", namespace)
+    proc = spotjob("checkpoints", "odd", "-n", namespace)
 
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"SpotJob {namespace}/odd: spec.checkpoint.uri 'ftp://bucket/odd'" in proc.stderr
@@ -484,13 +484,13 @@ def test_checkpoints_of_a_uri_no_store_answers_to_names_the_field(
 
 
 def test_flush_asks_through_an_annotation_patch_that_the_audit_log_records_under_the_users_name(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     create_job(cluster, namespace, "bert")
     set_status(cluster, namespace, "bert", running_status())
     mark = cluster.audit_mark()
 
-    proc = kubectl_spotjob("flush", "bert", "-n", namespace, "--reason", "before the maintenance window")
+    proc = spotjob("flush", "bert", "-n", namespace, "--reason", "before the maintenance window")
 
     out = ok(proc)
     request = flush_annotation(cluster.rest.get(jobs_path(namespace, "bert")))
@@ -508,13 +508,11 @@ def test_flush_asks_through_an_annotation_patch_that_the_audit_log_records_under
     ]
 
 
-def test_flush_keep_running_asks_for_a_checkpoint_only(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
-) -> None:
+def test_flush_keep_running_asks_for_a_checkpoint_only(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
     create_job(cluster, namespace, "t5")
     set_status(cluster, namespace, "t5", running_status())
 
-    ok(kubectl_spotjob("flush", "t5", "-n", namespace, "--keep-running"))
+    ok(spotjob("flush", "t5", "-n", namespace, "--keep-running"))
 
     request = flush_annotation(cluster.rest.get(jobs_path(namespace, "t5")))
     assert request is not None and request["mode"] == "checkpoint"
@@ -547,13 +545,13 @@ def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_wa
 
 
 def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_for_the_answer(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """The controller records the request it takes as InProgress first (a restart commits only
     once the gang has flushed): --wait reports the outcome that follows, not that record."""
     answer = {"outcome": "Committed", "step": 1460, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     proc = flush_wait_answered(
-        cluster, namespace, kubectl_spotjob, "slow", answer, in_progress="flushing the gang and restarting it"
+        cluster, namespace, spotjob, "slow", answer, in_progress="flushing the gang and restarting it"
     )
 
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
@@ -562,13 +560,11 @@ def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_fo
 
 
 def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     answer = {"outcome": "Committed", "step": 1500, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     mark = cluster.audit_mark()
-    proc = flush_wait_answered(
-        cluster, namespace, kubectl_spotjob, "resilient", answer, timeout="90", break_watches=True
-    )
+    proc = flush_wait_answered(cluster, namespace, spotjob, "resilient", answer, timeout="90", break_watches=True)
 
     assert proc.returncode == 0, proc.stderr
     assert "Committed, step 1500 committed" in proc.stdout
@@ -578,38 +574,36 @@ def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
 
 
 def test_flush_wait_without_a_controller_gives_up_after_the_timeout_naming_what_to_check(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     create_job(cluster, namespace, "alone")
     set_status(cluster, namespace, "alone", running_status())
 
-    proc = kubectl_spotjob("flush", "alone", "-n", namespace, "--wait", "--timeout", "2")
+    proc = spotjob("flush", "alone", "-n", namespace, "--wait", "--timeout", "2")
 
     assert proc.returncode == 1
     assert "no answer to flush request" in proc.stderr
     assert f"is spotjob-controller running and serving namespace {namespace}?" in proc.stderr
 
 
-def test_flush_of_a_finished_job_is_refused_without_writing(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
-) -> None:
+def test_flush_of_a_finished_job_is_refused_without_writing(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
     create_job(cluster, namespace, "done")
     set_status(cluster, namespace, "done", {**running_status(), "phase": "Succeeded"})
 
-    proc = kubectl_spotjob("flush", "done", "-n", namespace)
+    proc = spotjob("flush", "done", "-n", namespace)
 
     assert proc.returncode == 1 and "has succeeded: there is nothing to flush" in proc.stderr
     assert flush_annotation(cluster.rest.get(jobs_path(namespace, "done"))) is None
 
 
 def test_a_user_rbac_refuses_to_patch_hears_which_verb_on_which_resource(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     create_job(cluster, namespace, "guarded")
     set_status(cluster, namespace, "guarded", running_status())
     cluster.add_fault(Fault(user=USER, verb="patch", resource="spotjobs", namespace=namespace, status=403))
 
-    proc = kubectl_spotjob("flush", "guarded", "-n", namespace)
+    proc = spotjob("flush", "guarded", "-n", namespace)
 
     assert proc.returncode == 1
     assert f'forbidden: RBAC does not let you patch spotjobs.spotjob.dev in namespace "{namespace}"' in proc.stderr
@@ -618,14 +612,14 @@ def test_a_user_rbac_refuses_to_patch_hears_which_verb_on_which_resource(
 
 
 def test_a_user_who_may_not_list_pods_still_gets_the_status_from_the_controllers_view(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     create_job(cluster, namespace, "quiet")
     worker = {"name": "quiet-1-0", "node": "spot-z", "zone": "us-east-1c", "phase": "Running"}
     set_status(cluster, namespace, "quiet", running_status(workers=[worker]))
     cluster.add_fault(Fault(user=USER, verb="list", resource="pods", namespace=namespace, status=403))
 
-    out = ok(kubectl_spotjob("status", "quiet", "-n", namespace))
+    out = ok(spotjob("status", "quiet", "-n", namespace))
 
     assert "you may not list pods" in out
     assert rows(out.split("Pods:", 1)[1].split("Conditions:", 1)[0])["quiet-1-0"][2:6] == [
@@ -637,7 +631,7 @@ def test_a_user_who_may_not_list_pods_still_gets_the_status_from_the_controllers
 
 
 def test_events_oldest_first_with_repeats_counted_and_only_this_incarnations(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     job = create_job(cluster, namespace, "vit")
     now = datetime.now(UTC)
@@ -659,7 +653,7 @@ def test_events_oldest_first_with_repeats_counted_and_only_this_incarnations(
     )  # fmt: skip
     write_event(cluster, namespace, job, "Rescheduled", "an older job of that name", at=now, uid="an-older-uid")
 
-    proc = kubectl_spotjob("events", "vit", "-n", namespace)
+    proc = spotjob("events", "vit", "-n", namespace)
 
     lines = ok(proc).splitlines()
     assert lines[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "COUNT", "NOTE"]
@@ -669,7 +663,7 @@ def test_events_oldest_first_with_repeats_counted_and_only_this_incarnations(
     assert re.fullmatch(r"6\ds", stale[0]) and stale[1] == "Warning"
     assert " ".join(stale[3:6]) == "4 over 30m"
 
-    docs = json.loads(ok(kubectl_spotjob("events", "vit", "-n", namespace, "-o", "json")))
+    docs = json.loads(ok(spotjob("events", "vit", "-n", namespace, "-o", "json")))
     assert [(d["reason"], d["count"], d["type"]) for d in docs] == [
         ("SpotInterrupted", 1, "Warning"),
         ("FlushRequested", 1, "Normal"),
@@ -679,7 +673,7 @@ def test_events_oldest_first_with_repeats_counted_and_only_this_incarnations(
 
 
 def test_events_fall_back_to_core_v1_where_events_k8s_io_is_not_served(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     job = create_job(cluster, namespace, "old-cluster")
     now = datetime.now(UTC)
@@ -687,7 +681,7 @@ def test_events_fall_back_to_core_v1_where_events_k8s_io_is_not_served(
     cluster.add_fault(Fault(user=USER, path="/apis/events.k8s.io/v1", status=404))
     mark = cluster.audit_mark()
 
-    out = ok(kubectl_spotjob("events", "old-cluster", "-n", namespace))
+    out = ok(spotjob("events", "old-cluster", "-n", namespace))
 
     (line,) = out.splitlines()[1:]
     assert re.fullmatch(r"2m(\d+s)?", line.split()[0]) and line.split()[1:4] == ["Normal", "Rescheduled", "1"]
@@ -696,7 +690,7 @@ def test_events_fall_back_to_core_v1_where_events_k8s_io_is_not_served(
 
 
 def test_events_read_core_v1_when_rbac_allows_only_those_as_the_builtin_view_role_does(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, test_apiserver_only: None
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
     job = create_job(cluster, namespace, "viewer")
     write_event(cluster, namespace, job, "Rescheduled", "attempt 1 starts", at=datetime.now(UTC))
@@ -704,7 +698,7 @@ def test_events_read_core_v1_when_rbac_allows_only_those_as_the_builtin_view_rol
     cluster.add_fault(Fault(user=USER, verb="list", path=path, status=403))
     mark = cluster.audit_mark()
 
-    out = ok(kubectl_spotjob("events", "viewer", "-n", namespace))
+    out = ok(spotjob("events", "viewer", "-n", namespace))
 
     assert out.splitlines()[1].split()[1:4] == ["Normal", "Rescheduled", "1"]
     listed = [(r.api_group, r.code) for r in cluster.audit_log(mark) if r.user == USER and r.verb == "list"]
@@ -714,14 +708,18 @@ def test_events_read_core_v1_when_rbac_allows_only_those_as_the_builtin_view_rol
 # -- errors, flags and the kubeconfig ----------------------------------------------------------------
 
 
-def test_no_such_job_is_named_with_its_namespace(cluster: TestCluster, namespace: str, kubectl_spotjob: Run) -> None:
-    for command in ("status", "checkpoints", "flush", "events"):
-        proc = kubectl_spotjob(command, "ghost", "-n", namespace)
+def test_no_such_job_is_named_with_its_namespace(
+    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, spotjob: Run
+) -> None:
+    # The first as a process (its exit status), the others from main (the same code's message).
+    runs = {"status": kubectl_spotjob, "checkpoints": spotjob, "flush": spotjob, "events": spotjob}
+    for command, run in runs.items():
+        proc = run(command, "ghost", "-n", namespace)
         assert proc.returncode == 1, command
         assert proc.stderr.strip() == f'error: spotjobs.spotjob.dev "ghost" not found in namespace "{namespace}"'
 
 
-def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: Run, tmp_path: Path) -> None:
+def test_no_cluster_reachable_names_the_server_and_the_context(spotjob: Run, tmp_path: Path) -> None:
     kubeconfig = tmp_path / "gone.kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -738,7 +736,7 @@ def test_no_cluster_reachable_names_the_server_and_the_context(kubectl_spotjob: 
         )
     )
 
-    proc = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
+    proc = spotjob("status", kubeconfig=str(kubeconfig))
 
     assert proc.returncode == 1
     assert "cannot reach the API server at https://127.0.0.1:9 (context gone" in proc.stderr
@@ -787,7 +785,7 @@ def test_a_kubeconfig_under_the_home_folder_may_be_named_with_a_tilde(
 
 
 def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     create_job(cluster, namespace, "ctx-job")
     config = yaml.safe_load(Path(user_kubeconfig).read_text())
@@ -798,10 +796,10 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
     kubeconfig = tmp_path / "two-contexts"
     kubeconfig.write_text(yaml.safe_dump(config))
 
-    by_context = rows(ok(kubectl_spotjob("status", "--context", "team", kubeconfig=str(kubeconfig))))
-    by_flag = rows(ok(kubectl_spotjob("status", "--kubeconfig", str(kubeconfig), "--context=team")))
-    current = kubectl_spotjob("status", kubeconfig=str(kubeconfig))
-    unknown = kubectl_spotjob("status", "--context", "nope", kubeconfig=str(kubeconfig))
+    by_context = rows(ok(spotjob("status", "--context", "team", kubeconfig=str(kubeconfig))))
+    by_flag = rows(ok(spotjob("status", "--kubeconfig", str(kubeconfig), "--context=team")))
+    current = spotjob("status", kubeconfig=str(kubeconfig))
+    unknown = spotjob("status", "--context", "nope", kubeconfig=str(kubeconfig))
 
     assert "ctx-job" in by_context and "ctx-job" in by_flag
     assert current.returncode == 0 and 'No SpotJobs in namespace "kube-system"' in current.stderr
@@ -931,7 +929,7 @@ def test_status_shows_each_pods_training_container_not_a_helper_that_finished_no
 
 
 def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """A status's messages come from pods, agents and stores the reader of ``kubectl spotjob status
     NAME`` need not trust (a container's waiting message, a restart's cause): an ANSI escape or a
@@ -950,7 +948,7 @@ def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
     }
     set_status(cluster, namespace, "crafted", status)
 
-    out = ok(kubectl_spotjob("status", "crafted", "-n", namespace))
+    out = ok(spotjob("status", "crafted", "-n", namespace))
 
     assert "\x1b" not in out and "\r" not in out and "\x07" not in out, repr(out)
     assert "runs\\x1b]0;pwned\\x07" in out and "ok\\x1b[2J\\rFAKE" in out and "gone\\x1b[31m" in out
@@ -958,16 +956,14 @@ def test_status_of_one_job_escapes_control_characters_in_what_it_prints(
 
 
 def test_flush_wait_escapes_control_characters_in_the_controllers_answer(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run
+    cluster: TestCluster, namespace: str, spotjob: Run
 ) -> None:
     """The message of the request the controller took is read from the job's status, which more
     than the controller may write: printed raw, an ANSI escape in it reached the terminal. It is
     printed escaped, as ``status`` and ``events`` print what they read."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     answer = {"outcome": "Committed", "step": 1460, "time": now}
-    proc = flush_wait_answered(
-        cluster, namespace, kubectl_spotjob, "loud", answer, in_progress="flushing\x1b]0;pwned\x07"
-    )
+    proc = flush_wait_answered(cluster, namespace, spotjob, "loud", answer, in_progress="flushing\x1b]0;pwned\x07")
 
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stderr, (proc.stdout, proc.stderr)

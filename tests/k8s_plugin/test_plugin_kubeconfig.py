@@ -1,7 +1,9 @@
 """How ``kubectl spotjob`` (and the controller, run outside a cluster) read a messy kubeconfig: as kubectl does.
 
 The tests without a cluster only load the configuration and look at where it points (nothing is
-contacted); the others run the plugin through the real kubectl binary against the test API server.
+contacted); the others run the plugin against the test API server, most of them its ``main`` in the
+test's process (the ``spotjob`` fixture): what they check is what a command makes of a kubeconfig
+(the credential plugins it starts, the entries it picks); the TLS failures run through kubectl.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def credential(token: str, api_version: str = "client.authentication.k8s.io/v1",
 
 @pytest.mark.parametrize("api_version", ["client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"])
 def test_a_credential_plugin_gets_its_args_env_and_cluster_and_its_token_is_used(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path, api_version: str
+    cluster: TestCluster, namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path, api_version: str
 ) -> None:
     """Pins what already worked (the client library ran the plugin), but for the cluster handed
     to it, which is now kubectl's: the CA as ``certificate-authority-data``."""
@@ -170,9 +172,7 @@ def test_a_credential_plugin_gets_its_args_env_and_cluster_and_its_token_is_used
         "provideClusterInfo": True,
     }
 
-    proc = kubectl_spotjob(
-        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
-    )
+    proc = spotjob("status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 0, proc.stderr
     assert Path(f"{seen}.args").read_text().strip() == "eks get-token --cluster-name ml"
@@ -184,14 +184,14 @@ def test_a_credential_plugin_gets_its_args_env_and_cluster_and_its_token_is_used
 
 
 def test_a_credential_plugin_that_fails_is_named_with_its_exit_code_and_stderr_not_as_a_401(
-    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     # The client library logged the failure ("ERROR:root:exec: ...") and sent the request without
     # credentials: the user read "did not accept your credentials (401)" for an expired SSO login.
     plugin = script(tmp_path / "aws", 'echo "Error when retrieving token from sso: Token has expired" >&2; exit 255\n')
     spec = {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": plugin, "args": ["eks", "get-token"]}
 
-    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+    proc = spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 1
     (line,) = proc.stderr.splitlines()
@@ -200,7 +200,7 @@ def test_a_credential_plugin_that_fails_is_named_with_its_exit_code_and_stderr_n
 
 
 def test_a_credential_plugin_answer_that_is_no_json_is_refused_without_echoing_the_token_in_it(
-    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     """A plugin printing a line of its own after the credential: the answer is no JSON, and the
     error quoted its first 200 characters, the token among them, onto the terminal (and, for the
@@ -208,7 +208,7 @@ def test_a_credential_plugin_answer_that_is_no_json_is_refused_without_echoing_t
     plugin = script(tmp_path / "get-token", f"echo '{credential('s3cr3t-bearer-token')}'\necho 'token refreshed'\n")
     spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
 
-    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+    proc = spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 1
     assert f'credential plugin "{plugin}" of user "sso" printed no ExecCredential JSON' in proc.stderr
@@ -217,7 +217,7 @@ def test_a_credential_plugin_answer_that_is_no_json_is_refused_without_echoing_t
 
 
 def test_a_credential_plugin_missing_from_path_prints_its_install_hint(
-    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     hint = "Install gke-gcloud-auth-plugin for use with kubectl by following the GKE documentation"
     spec = {
@@ -227,7 +227,7 @@ def test_a_credential_plugin_missing_from_path_prints_its_install_hint(
         "provideClusterInfo": True,
     }
 
-    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+    proc = spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 1
     assert 'credential plugin "spotjob-test-no-such-auth-plugin" of user "sso" is not installed' in proc.stderr
@@ -235,7 +235,7 @@ def test_a_credential_plugin_missing_from_path_prints_its_install_hint(
 
 
 def test_a_token_the_server_refuses_is_fetched_again_once_as_kubectl_does(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     # A token the plugin cached but the server no longer takes (revoked, or the clocks disagree):
     # kubectl runs the plugin again on a 401 and retries once; the plugin used to fail with 401.
@@ -248,28 +248,26 @@ def test_a_token_the_server_refuses_is_fetched_again_once_as_kubectl_does(
     )
     spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "IfAvailable"}
 
-    proc = kubectl_spotjob(
-        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
-    )
+    proc = spotjob("status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 0, proc.stderr
     assert runs.read_text().count("run") == 2
 
 
 def test_a_token_refused_again_after_a_fresh_one_names_the_user_and_context(
-    kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     plugin = script(tmp_path / "get-token", f"echo '{credential('never-valid')}'\n")
     spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
 
-    proc = kubectl_spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
+    proc = spotjob("status", kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 1
     assert 'did not accept the credentials of user "sso" of context spotjob-test (401 Unauthorized' in proc.stderr
 
 
 def test_a_credential_past_its_expiration_is_fetched_again_before_the_next_request(
-    cluster: TestCluster, namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    cluster: TestCluster, namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     """Pins what already worked (the client library re-ran an expired plugin too, 5 minutes early;
     now 30 seconds early, so a short-lived token is not fetched on every request)."""
@@ -279,9 +277,7 @@ def test_a_credential_past_its_expiration_is_fetched_again_before_the_next_reque
     plugin = script(tmp_path / "get-token", f"echo run >> {runs}\necho '{expired}'\n")
     spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": plugin, "interactiveMode": "Never"}
 
-    proc = kubectl_spotjob(
-        "status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec)
-    )
+    proc = spotjob("status", "-n", namespace, kubeconfig=exec_kubeconfig(tmp_path / "kc", user_kubeconfig, spec))
 
     assert proc.returncode == 0, proc.stderr
     assert runs.read_text().count("run") >= 2
@@ -310,6 +306,8 @@ def test_a_tls_failure_names_the_server_the_context_and_what_to_check(
     # A refused certificate used to be a "server error" that said the request's name twice. The
     # first case pins what already worked: tls-server-name is the name checked against the
     # certificate (the test server's is for 127.0.0.1, localhost and kubernetes.default.svc).
+    # A process of its own: the test API server runs in this one and writes the failed handshake
+    # to this process's stderr, which is not the plugin's one error line.
     doc = yaml.safe_load(Path(user_kubeconfig).read_text())
     server = doc["clusters"][0]["cluster"]
     for key, value in change.items():
@@ -335,7 +333,7 @@ def test_a_tls_failure_names_the_server_the_context_and_what_to_check(
 
 
 def test_cluster_and_user_flags_replace_the_contexts_own_before_or_after_the_command(
-    namespace: str, kubectl_spotjob: Run, user_kubeconfig: str, tmp_path: Path
+    namespace: str, spotjob: Run, user_kubeconfig: str, tmp_path: Path
 ) -> None:
     # kubectl's --cluster and --user were refused as unknown arguments (exit 2).
     doc = yaml.safe_load(Path(user_kubeconfig).read_text())
@@ -346,9 +344,9 @@ def test_cluster_and_user_flags_replace_the_contexts_own_before_or_after_the_com
     (tmp_path / "kc").write_text(yaml.safe_dump(doc))
     kc = str(tmp_path / "kc")
 
-    after = kubectl_spotjob("status", "--cluster", real_cluster, f"--user={real_user}", kubeconfig=kc)
-    before = kubectl_spotjob("--cluster", real_cluster, "--user", real_user, "status", kubeconfig=kc)
-    unknown = kubectl_spotjob("status", "--cluster", "nope", kubeconfig=kc)
+    after = spotjob("status", "--cluster", real_cluster, f"--user={real_user}", kubeconfig=kc)
+    before = spotjob("--cluster", real_cluster, "--user", real_user, "status", kubeconfig=kc)
+    unknown = spotjob("status", "--cluster", "nope", kubeconfig=kc)
 
     assert after.returncode == 0 and f'No SpotJobs in namespace "{namespace}"' in after.stderr, after.stderr
     assert before.returncode == 0, before.stderr
