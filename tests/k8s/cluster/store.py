@@ -51,13 +51,21 @@ class Watcher:
 
     def push(self, event: Event) -> None:
         with self._cond:
+            if self.closed:
+                return  # a watch the server ended, or cut, hears of nothing after it
             self._queue.append(event)
             self._cond.notify()
 
     def close(self, dropped: bool = False) -> None:
+        """End the watch. A cut one (``dropped``) loses what waits in its queue, as a real
+        connection cut mid-stream loses what was in flight: its client resumes from the last event
+        it got. (Delivering them anyway let a change made after the cut reach the client over the
+        cut connection, under load, when the connection's thread woke late.)"""
         with self._cond:
             self.closed = True
             self.dropped = dropped
+            if dropped:
+                self._queue.clear()
             self._cond.notify()
 
     def idle(self) -> bool:
