@@ -11,6 +11,7 @@ from .cluster import Fault, TestCluster
 from .cluster.apiserver import ApiServer, DeleteOptions
 from .cluster.controlplane import GarbageCollector
 from .cluster.kubelet import MARKER, processes_with
+from .cluster.store import Event, Watcher
 from .test_cluster_kubelet import pod, running
 
 WAIT = 60.0  # generous for a loaded machine: waits end as soon as their condition holds
@@ -113,3 +114,23 @@ def test_deleting_a_node_while_its_pods_start_leaves_no_process(cluster: TestClu
     cluster.delete_node("busy")
     left = [pid for uid in uids for pid in processes_with(f"{MARKER}={uid}") if running(pid)]
     assert not left, "processes of a deleted node's pods still run"
+
+
+def test_a_cut_watch_delivers_nothing_queued_before_the_cut_or_pushed_after_it() -> None:
+    # Whenever the connection's thread wakes, a cut watch has nothing left to send: the client
+    # resumes from the last event it got (the informer's 410 test flaked when it did).
+    def event(rv: int) -> Event:
+        return Event("ADDED", "core/nodes", rv, {"metadata": {"name": f"n{rv}", "resourceVersion": str(rv)}})
+
+    cut = Watcher("core/nodes")
+    cut.push(event(1))
+    cut.close(dropped=True)
+    cut.push(event(2))
+    assert cut.next(0) is None and cut.idle()
+    ended = Watcher("core/nodes")  # ended by the server (a timeout), not cut: what it had is sent
+    ended.push(event(3))
+    ended.close()
+    ended.push(event(4))
+    first = ended.next(0)
+    assert first is not None and first.rv == 3
+    assert ended.next(0) is None
