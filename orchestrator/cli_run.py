@@ -86,7 +86,7 @@ from orchestrator.model import (
     JobStatus,
     Phase,
 )
-from orchestrator.reconciler import INVALID, Reconciler, ReconcilerOptions, SystemClock
+from orchestrator.reconciler import INVALID, RESTART_BUDGET_EXHAUSTED, Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.run_config import (
     RunConfig,
     checkpoint_uri_problem,
@@ -359,10 +359,13 @@ class LocalRun:
             )
         status = stored.status
         if status is not None and status.phase.terminal:
+            uri = stored.spec.checkpoint.uri
             raise RunError(
                 f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
-                "there is nothing to resume. Start a new run (its checkpoints belong to local/"
-                f"{self.name}; `spotjob ckpt adopt URI --job local/NEW` hands them over)"
+                f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
+                f"local/{self.name}), hand them to a new run and start that with the same script and options: "
+                f"`spotjob ckpt adopt {uri} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {uri} "
+                "SCRIPT ...`"
             )
         return stored.spec, status, stored.version
 
@@ -804,6 +807,19 @@ def failure_line(name: str, status: JobStatus) -> str:
     return f"spotjob run: {name} failed: {status.reason}: {status.message}"
 
 
+def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None) -> str | None:
+    """After a run whose script used up its restarts, with a checkpoint in storage: where it is and
+    how a new run carries on from it once the script is fixed (a failed run is not resumed, and a
+    new run is refused a URI another job owns until it is handed over)."""
+    if status.phase is not Phase.FAILED or status.reason != RESTART_BUDGET_EXHAUSTED.name or newest is None:
+        return None
+    return (
+        f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "
+        f"the script is fixed, hand it to a new run and start that with the same script and options: "
+        f"`spotjob ckpt adopt {uri} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ...`"
+    )
+
+
 def _drive(run: LocalRun, args: argparse.Namespace) -> int:
     """Run it, then tell: the summary, the plot, the exit status."""
     live = sys.stderr.isatty() and not args.no_live
@@ -851,6 +867,9 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
         print(f"the end of {path}:", file=sys.stderr)
         for line in log_excerpt(path, LOG_EXCERPT_LINES):
             print(f"  {line[:300]}", file=sys.stderr)
+    carry_on = carry_on_line(run.name, run.spec.checkpoint.uri, status, summary.last_checkpoint)
+    if carry_on is not None:
+        print(carry_on, file=sys.stderr)
     return EXIT_FAILED
 
 

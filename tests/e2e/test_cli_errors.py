@@ -322,6 +322,9 @@ def test_resuming_a_run_that_ended_says_there_is_nothing_to_resume(
 
     assert proc.returncode == 2, proc.stderr
     assert "run 'done' succeeded already" in proc.stderr and "nothing to resume" in proc.stderr
+    uri = folder / "ckpt"  # how to carry on from its checkpoints in a new run
+    assert f"spotjob ckpt adopt {uri} --job local/NEW" in proc.stderr
+    assert f"spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ..." in proc.stderr
     assert {k: v for k, v in snapshot(folder).items() if k != "driver.lock"} == before
 
 

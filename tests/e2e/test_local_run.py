@@ -234,6 +234,25 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     as_json = json.loads(spotjob_status(capsys, "crashing", "--json").stdout)
     assert [e["reason"] for e in as_json["events"]] == event_reasons(events_file)
 
+    # The end of the run says where its newest checkpoint is and how to carry on from it; done as
+    # it says, with the crash fixed, a new run starts from that checkpoint and ends.
+    uri = str(tmp_path / "spotjob-runs" / "crashing" / "checkpoints")
+    assert f"the newest checkpoint of crashing, step 10, stays in {uri}" in proc.stderr
+    adopt = f"spotjob ckpt adopt {uri} --job local/NEW"
+    assert adopt in proc.stderr and f"spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ..." in proc.stderr
+    adopted = spotjob(*adopt.replace("NEW", "fixed").split()[1:], cwd=tmp_path)
+    assert adopted.returncode == 0, adopted.stderr
+    fixed = spotjob(
+        "run", "--name", "fixed", "--checkpoint-uri", uri, "--nproc", "1", "--every-steps", "5",
+        str(TRAIN), "--steps", "15",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert fixed.returncode == 0, fixed.stderr[-6000:]
+    resumed = read_status(run_files(tmp_path, "fixed")[0])
+    assert resumed is not None and resumed["phase"] == "Succeeded"
+    assert resumed["attempt"]["number"] == 0 and resumed["attempt"]["resumedFromStep"] == 10
+    assert resumed["lastCheckpoint"]["step"] == 15
+
 
 # -- storage refuses the flush, under --launcher torchrun ------------------------------------------
 
