@@ -1,4 +1,5 @@
-"""spotjob's in-job half: checkpoints (``Checkpointer``), storage, manifests and the agent.
+"""spotjob's in-job half: checkpoints (``Checkpointer``), a DataLoader's place
+(``ResumableLoader``), storage, manifests and the agent.
 
 ``Checkpointer`` is imported lazily so that ``agent.storage``, ``agent.manifest`` and the agent
 (``spotjob-agent``) stay importable without torch (the controller's image carries none). Torch,
@@ -7,10 +8,12 @@ NumPy and safetensors come with the ``torch`` extra: ``pip install 'spotjob[torc
 
 from typing import TYPE_CHECKING, Any
 
+from agent.loader import ResumableLoader
+
 if TYPE_CHECKING:
     from agent.checkpoint import Checkpointer
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "ResumableLoader"]
 
 _TORCH_EXTRA = ("torch", "numpy", "safetensors")
 

@@ -396,12 +396,11 @@ class _State(_Core):
                     )
                 elif isinstance(value, torch.utils.data.DataLoader):
                     hint = (
-                        ": a DataLoader keeps no position to save. Use torchdata's StatefulDataLoader (its "
-                        "place in the epoch, though not its workers' random streams: see the README), or an "
-                        "object of your own whose state_dict() records the epoch, the batches drawn in it and "
-                        "the state of the DataLoader's own generator= as the epoch began (without one, a resume "
-                        "silently draws other worker seeds): the recipe is in spotjob's README, \"A plain "
-                        '`DataLoader`"'
+                        ": a DataLoader keeps no position to save. Wrap it: agent.ResumableLoader(loader) keeps "
+                        "its epoch, the batches drawn in it and its generator= as the epoch began, and hands "
+                        'out the same batches after a restore (spotjob\'s README, "A plain `DataLoader`"); '
+                        "or use torchdata's StatefulDataLoader (its place in the epoch, though not its "
+                        "workers' random streams)"
                     )
                 elif value is None:
                     hint = ": leave the key out (a state value is restored in place; None holds nothing)"

@@ -1,5 +1,5 @@
 """The README's training-side snippets run as written: the loop of "The training-side API", the
-`ZeroShard` of "A `ZeroRedundancyOptimizer`" and the `EpochPosition` of "A plain `DataLoader`",
+`ZeroShard` of "A `ZeroRedundancyOptimizer`" and the `ResumableLoader` of "A plain `DataLoader`",
 each read out of README.md and run as it stands, in
 one process of a gloo group of one (the README: "a single process with `world_size=1`" works as
 torchrun's ranks do). Only the names a reader supplies (model, optimizer, loader, a step) are
@@ -122,7 +122,7 @@ for cut in (6, 9):  # at an epoch's end, and in the middle of the next
     uri = sys.argv[2] + f"/{cut}"
     data, state = build()
     head = [data.next_batch() for _ in range(cut)]
-    with Checkpointer(uri, async_save=False) as ckpt:
+    with Checkpointer(uri, async_save=cut == 9) as ckpt:  # sync, then async
         ckpt.save(cut, state)
     data, state = build()
     with Checkpointer(uri, async_save=False) as ckpt:
@@ -137,12 +137,12 @@ dist.destroy_process_group()
 
 
 def test_the_readme_dataloader_recipe_resumes_the_same_batches(tmp_path: Path) -> None:
-    """The `EpochPosition` recipe of "A plain `DataLoader`", read out of README.md as it stands:
-    resumed from a checkpoint at an epoch's end and from one mid-epoch, it hands out the same
-    batches, bit for bit, as one loader that was never stopped, its workers' augmentations
-    included, without a draw from torch's global stream. New with the recipe: without it there is
-    no snippet to read; a recipe that rolls over to the next epoch only at the next batch fails
-    the cut at the epoch's end."""
+    """The `ResumableLoader` example of "A plain `DataLoader`", read out of README.md as it stands:
+    resumed through the Checkpointer from a checkpoint at an epoch's end (a sync save) and from one
+    mid-epoch (an async one), it hands out the same batches, bit for bit, as one loader that was
+    never stopped, its workers' augmentations included, without a draw from torch's global stream.
+    A wrapper that rolls over to the next epoch only at the next batch fails the cut at the epoch's
+    end (the unit tests in tests/unit/test_resumable_loader.py break it one way at a time)."""
     from agent.ranks import free_port
 
     script = tmp_path / "loader.py"

@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+from agent import ResumableLoader
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -183,18 +184,37 @@ def test_a_bare_generator_is_refused_with_the_wrapper_to_use_and_the_wrapper_res
 
 
 def test_a_plain_dataloader_is_refused_with_what_keeps_a_position(tmp_path: Path) -> None:
-    """The message names both ways to keep a position, the generator= a loader of one's own needs
-    (without it the resume draws other worker seeds, silently), and where the recipe is."""
+    """The message names both ways to keep a position: spotjob's ResumableLoader (and where the
+    README tells of it) and torchdata's StatefulDataLoader. Wrapped, with a generator= of its own
+    (which the wrapper asks for), the same loader is saved and restored."""
     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True)
     with (
         Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
         pytest.raises(
             TypeError,
-            match=r"state\['loader'\] is a DataLoader.*keeps no position.*StatefulDataLoader.*own generator=.*"
-            r"README, \"A plain `DataLoader`\"",
+            match=r"state\['loader'\] is a DataLoader.*keeps no position.*agent.ResumableLoader\(loader\).*"
+            r"generator=.*README, \"A plain `DataLoader`\".*StatefulDataLoader",
         ),
     ):
         ckpt.save(1, {**make_state(0), "loader": loader})
+    with pytest.raises(ValueError, match=r"generator=torch.Generator\(\).manual_seed\(rank\)"):
+        ResumableLoader(loader)
+    seeded = torch.utils.data.DataLoader(
+        list(range(10)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4)
+    )
+    data = ResumableLoader(seeded)
+    for _ in range(7):  # an epoch of 5 batches and 2 of the next
+        data.next_batch()
+    with Checkpointer(str(tmp_path / "ok"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        ckpt.save(1, {**make_state(0), "loader": data})
+    again = ResumableLoader(
+        torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True, generator=torch.Generator())
+    )
+    with Checkpointer(str(tmp_path / "ok"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        assert ckpt.restore({**make_state(0), "loader": again}) == 1
+    assert (again.epoch, again.seen) == (1, 2)
+    more = [again.next_batch() for _ in range(3)]
+    assert [b.tolist() for b in more] == [b.tolist() for b in [data.next_batch() for _ in range(3)]]
 
 
 @pytest.mark.parametrize("key", ["eval", "cpu", "state_dict", "training"])

@@ -1,0 +1,151 @@
+"""A place in a plain ``torch.utils.data.DataLoader`` that a checkpoint can hold: ``ResumableLoader``.
+
+A ``DataLoader`` keeps no position, so the ``Checkpointer`` refuses one. ``ResumableLoader`` wraps
+it and hands out its batches one at a time, epoch after epoch, keeping what a resume needs to hand
+out the same batches again: the epoch, the batches drawn in it, and the state of the loader's own
+``generator=`` as the epoch began (each epoch's iterator draws its shuffle and its workers' seeds
+from it). After a restore, the first ``next_batch()`` starts that epoch's iterator again from that
+state and draws the batches already handed out once more, through the same workers, so their
+random augmentations come out the same, then goes on.
+
+Nothing here imports torch: the loader, its generator and its sampler are the user's, and only
+their own methods are called (``generator.get_state()`` / ``set_state()``, ``sampler.set_epoch()``).
+Python's, NumPy's and torch's global random streams are not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["ResumableLoader"]
+
+_KEYS = ("epoch", "seen", "generator")
+
+
+class ResumableLoader:
+    """Batches of ``loader`` one at a time, epoch after epoch, with a place a checkpoint saves.
+
+    ``loader`` is a ``torch.utils.data.DataLoader`` over a map-style dataset (it has a length), built
+    with a ``generator=`` of its own (``torch.Generator().manual_seed(rank)``): without one each
+    epoch's iterator draws its shuffle and its workers' seeds from torch's global stream, which a
+    restore sets to the checkpoint's step, so a resumed epoch would get other seeds without a word.
+    ``persistent_workers=True`` is refused: persistent workers keep the seeds they drew in the
+    first epoch, which a resumed loader draws again.
+
+    Put the object in the Checkpointer's state (``{"loader": data}``), call ``next_batch()`` (or
+    ``next(data)``) for every micro-batch and drive the loop by step: ``epoch`` and ``seen`` say
+    where it is. A resume draws the batches of the epoch already handed out again (their loading
+    time, once, at the restore's first batch).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        name = type(loader).__name__
+        if not callable(getattr(loader, "__iter__", None)) or not hasattr(loader, "generator"):
+            raise TypeError(f"ResumableLoader wraps a torch.utils.data.DataLoader, not a {name}")
+        try:
+            batches = len(loader)
+        except TypeError:
+            raise TypeError(
+                f"ResumableLoader needs a loader with a length (a map-style dataset); this {name} has none "
+                "(an IterableDataset?): give its dataset a state_dict() of its own instead"
+            ) from None
+        if batches < 1:
+            raise ValueError(f"ResumableLoader needs a loader with at least one batch; this {name} has none")
+        generator = getattr(loader, "generator", None)
+        if generator is None or not callable(getattr(generator, "get_state", None)):
+            raise ValueError(
+                "ResumableLoader needs the DataLoader's own generator: build it with "
+                "DataLoader(..., generator=torch.Generator().manual_seed(rank)). Without one each epoch's "
+                "shuffle and workers' seeds come from torch's global stream, which a restore sets to the "
+                "checkpoint's step, and the resumed epoch would hand out other batches"
+            )
+        if getattr(loader, "persistent_workers", False):
+            raise ValueError(
+                "ResumableLoader needs persistent_workers=False: persistent workers keep the seeds of the "
+                "first epoch's iterator, which a resumed loader draws again, so a resume would augment "
+                "differently from the run it continues"
+            )
+        self._loader = loader
+        self._epoch = 0
+        self._seen = 0
+        self._epoch_start = generator.get_state()
+        self._it: Iterator[Any] | None = None
+
+    @property
+    def loader(self) -> Any:
+        return self._loader
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to, from 0."""
+        return self._epoch
+
+    @property
+    def seen(self) -> int:
+        """The batches of this epoch already handed out."""
+        return self._seen
+
+    def __len__(self) -> int:
+        """The batches of one epoch (the loader's length)."""
+        return len(self._loader)
+
+    def __iter__(self) -> ResumableLoader:
+        return self
+
+    def __next__(self) -> Any:
+        return self.next_batch()
+
+    def next_batch(self) -> Any:
+        """The next batch; at an epoch's end the next epoch begins (it never runs out)."""
+        if self._it is None:
+            self._it = self._start_epoch()
+        batch = next(self._it)
+        self._seen += 1
+        if self._seen >= len(self._loader):
+            # The epoch's end: its iterator has drawn from the generator, so the next epoch's start
+            # is known now, and a checkpoint taken here must hold it (not this epoch's).
+            self._epoch, self._seen, self._it = self._epoch + 1, 0, None
+            self._epoch_start = self._loader.generator.get_state()
+        return batch
+
+    def _start_epoch(self) -> Iterator[Any]:
+        self._loader.generator.set_state(self._epoch_start)
+        set_epoch = getattr(getattr(self._loader, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._epoch)
+        it = iter(self._loader)
+        for _ in range(self._seen):  # drawn again, through the same workers
+            next(it)
+        return it
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "seen": self._seen, "generator": self._epoch_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the place in ``state`` (what ``state_dict()`` returned); the next batch is drawn from
+        there. Refused, nothing changed, when it does not fit this loader."""
+        if not isinstance(state, dict) or set(state) != set(_KEYS):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a ResumableLoader's state: expected the keys {list(_KEYS)}, got {got}")
+        epoch, seen, generator = state["epoch"], state["seen"], state["generator"]
+        for key, value in (("epoch", epoch), ("seen", seen)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"a ResumableLoader's {key} must be an integer of 0 or more, not {value!r}")
+        batches = len(self._loader)
+        if seen >= batches:
+            raise ValueError(
+                f"the saved place, batch {seen} of epoch {epoch}, is past this loader's {batches} batches an "
+                "epoch: the dataset, the batch size, drop_last or the number of ranks changed since it was saved"
+            )
+        current = self._loader.generator.get_state()
+        if (
+            type(generator) is not type(current)
+            or getattr(generator, "dtype", None) != current.dtype
+            or tuple(getattr(generator, "shape", ())) != tuple(current.shape)
+        ):
+            raise ValueError(
+                "the saved generator state does not fit this loader's generator (another kind of generator, "
+                "or another device's)"
+            )
+        self._epoch, self._seen, self._epoch_start, self._it = epoch, seen, generator, None

@@ -1,0 +1,127 @@
+"""``agent.ResumableLoader``: a plain DataLoader's place, saved and taken again, hands out the same
+batches as a loader that never stopped (its workers' augmentations included), and a loader or a
+saved place it cannot keep is refused up front, naming why. A Checkpointer round trip of it is
+tests/integration/test_readme_snippets.py's (the README's example, run as written)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from agent import ResumableLoader
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Each item masked by a draw from torch's stream of the process that loads it: a worker's
+    stream is seeded from the seed its epoch's iterator drew from the loader's generator."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), float(i)) * (torch.rand(4) > 0.3)
+
+
+def loader(workers: int = 0, batch_size: int = 3, seed: int = 7, dataset: Any = None, **kw: Any) -> DataLoader[Any]:
+    dataset = Augmented() if dataset is None else dataset
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
+    kw.setdefault("generator", torch.Generator().manual_seed(seed))
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True, **kw)
+
+
+def test_a_place_taken_again_hands_out_the_same_batches_at_an_epochs_end_and_in_its_middle() -> None:
+    # 10 of the 20 items are rank 1's: 3 batches an epoch. Workers, so that the augmentations come
+    # from the seeds each epoch's iterator draws from the generator.
+    whole = ResumableLoader(loader(workers=2))
+    expected = [whole.next_batch() for _ in range(8)]
+    assert (whole.epoch, whole.seen) == (2, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(expected[:3], expected[3:6], strict=True)), "epochs differ"
+    for cut, place in ((3, (1, 0)), (4, (1, 1))):  # an epoch's end, and the middle of the next
+        first = ResumableLoader(loader(workers=2))
+        head = [first.next_batch() for _ in range(cut)]
+        saved = first.state_dict()
+        assert (saved["epoch"], saved["seen"]) == place
+        other = ResumableLoader(loader(workers=2, seed=99))  # its own generator's state is overwritten
+        other.load_state_dict(saved)
+        assert (other.epoch, other.seen) == place
+        tail = [next(other) for _ in range(8 - cut)]
+        assert all(torch.equal(a, b) for a, b in zip(expected, head + tail, strict=True)), f"cut at {cut}"
+
+
+def test_it_never_draws_from_the_global_random_streams() -> None:
+    # Items that draw nothing (Augmented draws from the stream of the process that loads it: with
+    # no workers, this one's), shuffled by the sampler and the loader's generator alone.
+    data = ResumableLoader(loader(dataset=list(range(20))))
+    data.next_batch()
+    data.load_state_dict(data.state_dict())
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    for _ in range(5):  # through an epoch's end, and a restart of the epoch's iterator
+        data.next_batch()
+    after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    assert torch.equal(before[0], after[0]) and before[1] == after[1] and (before[2] == after[2]).all()
+
+
+def test_the_sampler_is_told_each_epoch() -> None:
+    data = ResumableLoader(loader())
+    for _ in range(4):
+        data.next_batch()
+    assert data.loader.sampler.epoch == 1 and len(data) == 3
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(5))
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: loader(generator=None), ValueError, r"needs the DataLoader's own generator.*generator=torch"),
+        (lambda: loader(workers=1, persistent_workers=True), ValueError, r"persistent_workers=False"),
+        (lambda: DataLoader(Stream(), batch_size=2), TypeError, r"needs a loader with a length.*IterableDataset"),
+        (lambda: DataLoader([], batch_size=2, generator=torch.Generator()), ValueError, r"at least one batch"),
+        (lambda: [1, 2, 3], TypeError, r"wraps a torch.utils.data.DataLoader, not a list"),
+        (lambda: 5, TypeError, r"wraps a torch.utils.data.DataLoader, not a int"),
+    ],
+    ids=["no-generator", "persistent-workers", "iterable-dataset", "empty", "a-list", "not-iterable"],
+)
+def test_a_loader_it_cannot_keep_the_place_of_is_refused_saying_why(build: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ResumableLoader(build())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: {"epoch": 1, "seen": 0}, r"expected the keys \['epoch', 'seen', 'generator'\]"),
+        (lambda s: [1, 2], r"not a ResumableLoader's state"),
+        (lambda s: {**s, "seen": -1}, r"seen must be an integer of 0 or more, not -1"),
+        (lambda s: {**s, "epoch": True}, r"epoch must be an integer"),
+        (lambda s: {**s, "seen": 3}, r"batch 3 of epoch 1, is past this loader's 3 batches"),
+        (lambda s: {**s, "generator": torch.zeros(3, dtype=torch.uint8)}, r"does not fit this loader's generator"),
+        (lambda s: {**s, "generator": s["generator"].tolist()}, r"does not fit this loader's generator"),
+    ],
+    ids=["a-key-missing", "not-a-dict", "negative", "a-bool", "past-the-epoch", "another-generator", "a-list"],
+)
+def test_a_saved_place_that_does_not_fit_is_refused_and_nothing_changes(change: Any, match: str) -> None:
+    data = ResumableLoader(loader())
+    saved = {**data.state_dict(), "epoch": 1}
+    data.next_batch()
+    before = (data.epoch, data.seen, data.state_dict()["generator"].clone())
+    with pytest.raises(ValueError, match=match):
+        data.load_state_dict(change(saved))
+    assert (data.epoch, data.seen) == before[:2] and torch.equal(data.state_dict()["generator"], before[2])
+
+
+def test_a_place_saved_with_another_batch_size_is_refused_when_it_does_not_fit() -> None:
+    # 10 items a rank: batches of 2 make 5 an epoch, of 3 make 3. Batch 4 of 5 does not fit 3.
+    small = ResumableLoader(loader(batch_size=2))
+    for _ in range(4):
+        small.next_batch()
+    with pytest.raises(ValueError, match=r"batch size.*changed"):
+        ResumableLoader(loader(batch_size=3)).load_state_dict(small.state_dict())
