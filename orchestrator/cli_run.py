@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -282,8 +283,8 @@ class LocalRun:
                 uri = os.path.join(path, "checkpoints")
                 raise RunError(
                     f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
-                    f"and start it with the same script and options: `spotjob ckpt adopt {uri} --job local/NEW`, "
-                    f"then `spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ...`"
+                    f"and start it with the same script and options: `spotjob ckpt adopt {shlex.quote(uri)} --job "
+                    f"local/NEW`, then `spotjob run --name NEW --checkpoint-uri {shlex.quote(uri)} SCRIPT ...`"
                 )
             raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
         try:
@@ -364,8 +365,8 @@ class LocalRun:
                 f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
                 f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
                 f"local/{self.name}), hand them to a new run and start that with the same script and options: "
-                f"`spotjob ckpt adopt {uri} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {uri} "
-                "SCRIPT ...`"
+                f"`spotjob ckpt adopt {shlex.quote(uri)} --job local/NEW`, then `spotjob run --name NEW "
+                f"--checkpoint-uri {shlex.quote(uri)} SCRIPT ...`"
             )
         return stored.spec, status, stored.version
 
@@ -813,10 +814,11 @@ def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None) ->
     new run is refused a URI another job owns until it is handed over)."""
     if status.phase is not Phase.FAILED or status.reason != RESTART_BUDGET_EXHAUSTED.name or newest is None:
         return None
+    arg = shlex.quote(uri)
     return (
         f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "
         f"the script is fixed, hand it to a new run and start that with the same script and options: "
-        f"`spotjob ckpt adopt {uri} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ...`"
+        f"`spotjob ckpt adopt {arg} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {arg} SCRIPT ...`"
     )
 
 

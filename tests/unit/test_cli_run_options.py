@@ -4,6 +4,7 @@ of paths that must not create anything."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,27 @@ def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() 
     )
     line = failure_line("r1", status)
     assert line == "spotjob run: r1 did not start: InvalidSpec: spec.env: fix SPOTJOB_AGENT_X"
+
+
+def test_only_a_run_whose_script_used_up_its_restarts_with_a_checkpoint_is_told_how_to_carry_on() -> None:
+    """The carry-on line names the newest checkpoint and commands a shell takes as they are (a URI
+    with a space quoted); a run that failed otherwise (another job owns the URI) or left nothing
+    committed gets none (tests/e2e/test_local_run.py follows the commands)."""
+    import shlex
+
+    from orchestrator.cli_run import carry_on_line
+    from orchestrator.model import JobStatus, Phase
+
+    used_up = JobStatus(phase=Phase.FAILED, reason="RestartBudgetExhausted", message="all 1 restart(s) are used")
+    line = carry_on_line("r1", "/data/my runs/ckpt", used_up, 40)
+    assert line is not None and "the newest checkpoint of r1, step 40, stays in /data/my runs/ckpt" in line
+    adopt, run = re.findall(r"`([^`]+)`", line)
+    assert shlex.split(adopt) == ["spotjob", "ckpt", "adopt", "/data/my runs/ckpt", "--job", "local/NEW"]
+    assert shlex.split(run)[:6] == ["spotjob", "run", "--name", "NEW", "--checkpoint-uri", "/data/my runs/ckpt"]
+    assert carry_on_line("r1", "/ckpt", used_up, None) is None
+    owned = JobStatus(phase=Phase.FAILED, reason="CheckpointURIOwned", message="another job owns it")
+    assert carry_on_line("r1", "/ckpt", owned, 40) is None
+    assert carry_on_line("r1", "/ckpt", JobStatus(phase=Phase.SUCCEEDED, reason="Completed", message=""), 40) is None
 
 
 def test_a_plot_of_a_type_matplotlib_cannot_write_is_refused_naming_every_type_it_can(tmp_path: Path) -> None:
