@@ -15,10 +15,13 @@ Python's, NumPy's and torch's global random streams are not touched.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["ResumableLoader"]
+
+log = logging.getLogger(__name__)
 
 _KEYS = ("epoch", "seen", "generator")
 
@@ -124,7 +127,9 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the place in ``state`` (what ``state_dict()`` returned); the next batch is drawn from
-        there. Refused, nothing changed, when it does not fit this loader."""
+        there. Refused, nothing changed, when it is not such a place or its generator state does not
+        fit this loader's generator. A place past this loader's batches an epoch (the world grew since
+        the save) is taken as the end of that epoch, with a warning: the next epoch begins."""
         if not isinstance(state, dict) or set(state) != set(_KEYS):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a ResumableLoader's state: expected the keys {list(_KEYS)}, got {got}")
@@ -132,12 +137,6 @@ class ResumableLoader:
         for key, value in (("epoch", epoch), ("seen", seen)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"a ResumableLoader's {key} must be an integer of 0 or more, not {value!r}")
-        batches = len(self._loader)
-        if seen >= batches:
-            raise ValueError(
-                f"the saved place, batch {seen} of epoch {epoch}, is past this loader's {batches} batches an "
-                "epoch: the dataset, the batch size, drop_last or the number of ranks changed since it was saved"
-            )
         current = self._loader.generator.get_state()
         if (
             type(generator) is not type(current)
@@ -148,4 +147,20 @@ class ResumableLoader:
                 "the saved generator state does not fit this loader's generator (another kind of generator, "
                 "or another device's)"
             )
+        batches = len(self._loader)
+        if seen >= batches:
+            # More ranks split the epoch into smaller shares (or the batch size, drop_last or the
+            # dataset changed): the rest of the epoch is skipped, as the README says of a world
+            # that grows, and the next epoch is whole.
+            log.warning(
+                "ResumableLoader: the saved place, batch %d of epoch %d, is past this loader's %d batches an "
+                "epoch (the number of ranks, the batch size, drop_last or the dataset changed since the save): "
+                "epoch %d is taken as done, and epoch %d begins",
+                seen,
+                epoch,
+                batches,
+                epoch,
+                epoch + 1,
+            )
+            epoch, seen = epoch + 1, 0
         self._epoch, self._seen, self._epoch_start, self._it = epoch, seen, generator, None
