@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from ckpt_compare import assert_same
@@ -79,7 +80,17 @@ class AgentRun:
             return self.proc.wait(timeout=timeout)
         finally:
             if self.proc.poll() is None:
+                # Everything it started first: torchrun's ranks sit in sessions of their own, and an
+                # agent killed alone would leave them training into the next tests.
+                try:
+                    tree = psutil.Process(self.proc.pid).children(recursive=True)
+                except psutil.Error:
+                    tree = []
+                for child in tree:
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
                 self.proc.kill()
+                self.proc.wait(timeout=30)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
