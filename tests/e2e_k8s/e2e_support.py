@@ -15,7 +15,6 @@ and the controller's own kubeconfig), so the tests run unchanged against a real 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -324,10 +323,6 @@ def wait_for_a_commit(uri: str) -> None:
         wait(lambda: any(c.valid for c in list_checkpoints(store)), "a first committed checkpoint")
     finally:
         store.close()
-
-
-def pretty(obj: Any) -> str:
-    return json.dumps(obj, indent=1, default=str)[:6000]
 
 
 def now() -> float:
