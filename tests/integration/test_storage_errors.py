@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -496,7 +497,12 @@ def test_gcs_credentials_the_metadata_server_could_not_refresh_for_a_while_are_r
     failed the save, though the next request would have worked. The store runs the real ADC path
     (``google.auth.default`` finds the fake metadata server through ``GCE_METADATA_HOST``); the
     one seam patched is ``_emulator_host``, so that the client sends those credentials to
-    fake-gcs-server instead of anonymous ones."""
+    fake-gcs-server instead of anonymous ones. google-auth's own waits between its attempts are
+    skipped (its backoff module's ``time.sleep`` alone): its five attempts and its RefreshError
+    are real, the 15 s are not needed to show them."""
+    from google.auth import _exponential_backoff
+
+    monkeypatch.setattr(_exponential_backoff, "time", SimpleNamespace(sleep=lambda _seconds: None))
     server = ThreadingHTTPServer(("127.0.0.1", 0), _MetadataServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     address = f"127.0.0.1:{server.server_address[1]}"
