@@ -63,17 +63,9 @@ def main() -> int:
         if ckpt.step(step + 1, state):
             break
     ckpt.close()
-    if args.dump:
-        torch.save(
-            {
-                "model": {k: v.clone() for k, v in model.state_dict().items()},
-                "optim": optim.state_dict(),
-                "loader": data.state_dict(),
-                "drawn_from": start,
-                "drawn": drawn,
-            },
-            f"{args.dump}.rank{rank}.pt",
-        )
+    if args.dump:  # saved at once: the tensors need no copies
+        final = {"model": model.state_dict(), "optim": optim.state_dict(), "loader": data.state_dict()}
+        torch.save({**final, "drawn_from": start, "drawn": drawn}, f"{args.dump}.rank{rank}.pt")
     dist.destroy_process_group()
     return 0
 
