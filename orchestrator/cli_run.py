@@ -283,8 +283,7 @@ class LocalRun:
                 uri = os.path.join(path, "checkpoints")
                 raise RunError(
                     f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
-                    f"and start it with the same script and options: `spotjob ckpt adopt {shlex.quote(uri)} --job "
-                    f"local/NEW`, then `spotjob run --name NEW --checkpoint-uri {shlex.quote(uri)} SCRIPT ...`"
+                    f"and start it with the same script and options: {hand_over_commands(uri)}"
                 )
             raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
         try:
@@ -365,8 +364,7 @@ class LocalRun:
                 f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
                 f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
                 f"local/{self.name}), hand them to a new run and start that with the same script and options: "
-                f"`spotjob ckpt adopt {shlex.quote(uri)} --job local/NEW`, then `spotjob run --name NEW "
-                f"--checkpoint-uri {shlex.quote(uri)} SCRIPT ...`"
+                f"{hand_over_commands(uri)}"
             )
         return stored.spec, status, stored.version
 
@@ -808,17 +806,25 @@ def failure_line(name: str, status: JobStatus) -> str:
     return f"spotjob run: {name} failed: {status.reason}: {status.message}"
 
 
+def hand_over_commands(uri: str) -> str:
+    """The two commands that give the checkpoints in ``uri`` to a new run and start it (the URI
+    quoted for a shell)."""
+    arg = shlex.quote(uri)
+    return (
+        f"`spotjob ckpt adopt {arg} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {arg} SCRIPT ...`"
+    )
+
+
 def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None) -> str | None:
     """After a run whose script used up its restarts, with a checkpoint in storage: where it is and
     how a new run carries on from it once the script is fixed (a failed run is not resumed, and a
     new run is refused a URI another job owns until it is handed over)."""
     if status.phase is not Phase.FAILED or status.reason != RESTART_BUDGET_EXHAUSTED.name or newest is None:
         return None
-    arg = shlex.quote(uri)
     return (
         f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "
         f"the script is fixed, hand it to a new run and start that with the same script and options: "
-        f"`spotjob ckpt adopt {arg} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {arg} SCRIPT ...`"
+        f"{hand_over_commands(uri)}"
     )
 
 
