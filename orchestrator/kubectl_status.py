@@ -7,13 +7,15 @@ the attempt, the reason and why a worker does not start, as ``kubectl get sj -o 
 One job's detail: its phase and why, step and checkpoint age, preemptions, restarts of
 maxRestarts, goodput, capacity, the cloud notices its agents hold (``status.heldNotices``: when
 each flush starts), its pods and their nodes, zones and phases, the last restart's reason, the last
-flush request, and its conditions. Status is read as raw JSON, not through the
-model: an older plugin must still show what a newer controller writes.
+flush request, what to do next for a Failed job (``next_step``), and its conditions. Status is
+read as raw JSON, not through the model: an older plugin must still show what a newer controller
+writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -72,6 +74,41 @@ def job_summary(job: dict[str, Any], now: datetime) -> dict[str, Any]:
         "creationTimestamp": meta.get("creationTimestamp"),
         "ageSeconds": age_seconds(meta.get("creationTimestamp"), now),
     }
+
+
+def next_step(job: dict[str, Any]) -> str | None:
+    """What to do about a Failed job, by its reason, with the commands; None for any other job.
+
+    A Failed job is over: a changed spec runs nothing (``SpecChangeIgnored``). Deleted and created
+    again under its name, it is the same job to its storage (the owner of its checkpoint URI is
+    ``<namespace>/<name>``), so it resumes from the newest checkpoint there and its attempt numbers
+    go on past the last one recorded."""
+    meta, status = job.get("metadata") or {}, job.get("status") or {}
+    if status.get("phase") != Phase.FAILED:
+        return None
+    name, namespace = shlex.quote(str(meta.get("name"))), shlex.quote(str(meta.get("namespace")))
+    again = (
+        f"then delete the SpotJob and create it again under its name (`kubectl delete spotjob {name} -n {namespace}`, "
+        "then `kubectl apply -f` your manifest)"
+    )
+    checkpoint = status.get("lastCheckpoint") or {}
+    step = checkpoint.get("step")
+    resumes = (
+        f": it resumes from step {step}, the newest checkpoint ({checkpoint.get('uri')})"
+        if isinstance(step, int)
+        else ": nothing was committed, so it starts from scratch"
+    )
+    reason = status.get("reason")
+    if reason == "RestartBudgetExhausted":
+        return (
+            f"fix the code (the worker's last words are in the Phase line, `kubectl spotjob events {name} -n "
+            f"{namespace}` and the pod's `kubectl logs`), {again}{resumes}"
+        )
+    if reason in ("InvalidCheckpointURI", "StorageRefused"):
+        return f"fix spec.checkpoint.uri, the bucket or the job's credentials, as the Phase line says, {again}"
+    if reason == "CheckpointURIOwned":
+        return f"give the job a checkpoint URI of its own, or hand this one over as the Phase line says, {again}"
+    return f"the Phase line says why; {again}"
 
 
 def _restarts_text(summary: dict[str, Any]) -> str:
@@ -222,6 +259,7 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
             generation=meta.get("generation"),
             observedGeneration=status.get("observedGeneration"),
             checkpointUri=(spec.get("checkpoint") or {}).get("uri"),
+            next=next_step(job),
         )
         print_json(summary)
         return EXIT_OK
@@ -313,6 +351,9 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
     flush = status.get("lastFlushRequest")
     if flush:
         lines.append(("Last flush", _flush_text(flush, now)))
+    advice = next_step(job)
+    if advice:
+        lines.append(("Next", advice))
     width = max(len(k) for k, _ in lines) + 2
     for key, value in lines:
         # Messages come from pods, agents and stores: escaped, as print_table does.

@@ -9,12 +9,16 @@ within ``PLUGIN_PERMISSIONS``.
 
 The job is small and short-lived (one rank, no periodic saves: every commit here is a flush's);
 it is deleted at the end rather than trained to completion.
+
+A job whose code used up its restarts is started again as ``status``'s ``Next:`` line says (delete,
+apply under its name) and resumes from the step the line names.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -138,3 +142,51 @@ def test_kubectl_spotjob_flush_wait_asks_the_real_controller_in_both_modes_and_s
     # Done: the job and its pods go (its processes with them).
     cluster.kubectl("delete", "sj", NAME, "-n", namespace)
     wait(lambda: not job_pods(cluster, namespace, NAME), "the job's pods to be deleted")
+
+
+def test_a_job_whose_code_used_up_its_restarts_starts_again_as_status_says_and_resumes_from_its_checkpoint(
+    cluster: TestCluster,
+    namespace: str,
+    start_controller: Callable[..., Controller],
+    tmp_path: Path,
+) -> None:
+    """The code fails at step 12 after step 10's checkpoint, with no restart to spend: the job
+    Fails (RestartBudgetExhausted) and a changed spec would run nothing. ``kubectl spotjob status``
+    says what to do; done as it says (the commands taken from its ``Next:`` line, through the real
+    kubectl), the job under its old name resumes from the step the line names and ends."""
+    cluster.add_node(f"{namespace}-a")
+    start_controller(namespace)
+    uri = str(tmp_path / "ckpt")
+
+    def body(*extra: str) -> str:
+        doc = spotjob_body(
+            NAME, namespace, uri=uri, dump_dir=tmp_path, steps=15, step_sleep=0.05, nproc=1, every_steps=5,
+            extra_args=list(extra),
+        )  # fmt: skip
+        doc["spec"]["maxRestarts"] = 0
+        return json.dumps(doc)
+
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=body("--crash-at-step", "12"))
+    failed = wait_phase(cluster, namespace, NAME, "Failed")
+    assert failed["reason"] == "RestartBudgetExhausted", failed
+    step = (failed.get("lastCheckpoint") or {}).get("step")
+    assert isinstance(step, int) and step in (5, 10), failed  # 10's save may still be in flight at the crash
+
+    [line] = [
+        ln
+        for ln in ok(run_kubectl_spotjob(cluster, cluster.kubeconfig, "status", NAME, "-n", namespace)).splitlines()
+        if ln.startswith("Next:")
+    ]
+    assert f"it resumes from step {step}, the newest checkpoint" in line, line
+    commands = re.findall(r"`([^`]+)`", line)
+    delete = next(c for c in commands if c.startswith("kubectl delete"))
+    apply = next(c for c in commands if c.startswith("kubectl apply"))
+    assert shlex.split(delete) == ["kubectl", "delete", "spotjob", NAME, "-n", namespace], delete
+    cluster.kubectl(*shlex.split(delete)[1:])
+    cluster.kubectl(*shlex.split(apply)[1:], "-", "-n", namespace, input=body())  # the code fixed
+
+    done = wait_phase(cluster, namespace, NAME, "Succeeded", "Failed")
+    assert done["phase"] == "Succeeded", done
+    assert done["attempt"]["resumedFromStep"] == step, done["attempt"]
+    assert done["lastCheckpoint"]["step"] == 15, done
+    assert done["restarts"] == 0, done

@@ -369,6 +369,47 @@ def test_status_of_a_job_whose_first_attempt_never_started_does_not_say_it_start
     assert re.fullmatch(rf"Attempt: +0, {said}", line), line
 
 
+def test_status_of_a_failed_job_says_what_to_do_next_and_a_running_one_says_nothing(
+    cluster: TestCluster, namespace: str, spotjob: Run
+) -> None:
+    """A Failed job is over (a changed spec runs nothing): ``Next:`` says, by its reason, what to fix
+    and the commands that start it again under its name, and from which step that resumes
+    (tests/e2e_k8s/test_k8s_kubectl_plugin.py follows it against the controller)."""
+    create_job(cluster, namespace, "spent")
+    spent = running_status(step=1400)
+    spent.update(phase="Failed", reason="RestartBudgetExhausted", message="worker spent-1-0 exited with code 1")
+    set_status(cluster, namespace, "spent", spent)
+    create_job(cluster, namespace, "early")
+    early = running_status()
+    early.update(phase="Failed", reason="RestartBudgetExhausted", message="worker early-1-0 exited with code 1")
+    del early["lastCheckpoint"]
+    set_status(cluster, namespace, "early", early)
+    create_job(cluster, namespace, "owned")
+    owned = running_status()
+    owned.update(phase="Failed", reason="CheckpointURIOwned", message="job 'ml/other' owns s3://bucket/jobs")
+    set_status(cluster, namespace, "owned", owned)
+    create_job(cluster, namespace, "runs")
+    set_status(cluster, namespace, "runs", running_status())
+
+    def next_line(name: str) -> str:
+        [line] = [
+            line for line in ok(spotjob("status", name, "-n", namespace)).splitlines() if line.startswith("Next:")
+        ]
+        return line
+
+    line = next_line("spent")
+    assert line.startswith("Next:") and "fix the code" in line, line
+    assert f"`kubectl delete spotjob spent -n {namespace}`, then `kubectl apply -f` your manifest" in line, line
+    assert line.endswith("it resumes from step 1400, the newest checkpoint (s3://bucket/jobs/step-000001400)"), line
+    assert next_line("early").endswith("nothing was committed, so it starts from scratch")
+    owned_line = next_line("owned")
+    assert "a checkpoint URI of its own" in owned_line and "resumes" not in owned_line, owned_line
+    assert "Next:" not in ok(spotjob("status", "runs", "-n", namespace))
+    as_json = json.loads(ok(spotjob("status", "spent", "-n", namespace, "-o", "json")))
+    assert as_json["next"] == line.removeprefix("Next:").strip()
+    assert json.loads(ok(spotjob("status", "runs", "-n", namespace, "-o", "json")))["next"] is None
+
+
 def _documented_json_keys() -> dict[str, list[str]]:
     """The README's table of ``kubectl spotjob … -o json`` keys: {row: keys, in order}."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
