@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -105,6 +104,7 @@ from orchestrator.run_folder import (
     SUMMARY_FILE,
     TIMELINE_FILE,
     DriverLock,
+    hand_over_commands,
     older_layout_problem,
     read_cloud,
     run_file_pid,
@@ -283,7 +283,7 @@ class LocalRun:
                 uri = os.path.join(path, "checkpoints")
                 raise RunError(
                     f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
-                    f"and start it with the same script and options: {hand_over_commands(uri)}"
+                    f"and start it with the same script and options: {hand_over_commands(uri, runs_dir)}"
                 )
             raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
         try:
@@ -364,7 +364,7 @@ class LocalRun:
                 f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
                 f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
                 f"local/{self.name}), hand them to a new run and start that with the same script and options: "
-                f"{hand_over_commands(uri)}"
+                f"{hand_over_commands(uri, self.config.runs_dir)}"
             )
         return stored.spec, status, stored.version
 
@@ -806,16 +806,7 @@ def failure_line(name: str, status: JobStatus) -> str:
     return f"spotjob run: {name} failed: {status.reason}: {status.message}"
 
 
-def hand_over_commands(uri: str) -> str:
-    """The two commands that give the checkpoints in ``uri`` to a new run and start it (the URI
-    quoted for a shell)."""
-    arg = shlex.quote(uri)
-    return (
-        f"`spotjob ckpt adopt {arg} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {arg} SCRIPT ...`"
-    )
-
-
-def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None) -> str | None:
+def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None, runs_dir: str = RUNS_DIR) -> str | None:
     """After a run whose script used up its restarts, with a checkpoint in storage: where it is and
     how a new run carries on from it once the script is fixed (a failed run is not resumed, and a
     new run is refused a URI another job owns until it is handed over)."""
@@ -824,7 +815,7 @@ def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None) ->
     return (
         f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "
         f"the script is fixed, hand it to a new run and start that with the same script and options: "
-        f"{hand_over_commands(uri)}"
+        f"{hand_over_commands(uri, runs_dir)}"
     )
 
 
@@ -875,7 +866,7 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
         print(f"the end of {path}:", file=sys.stderr)
         for line in log_excerpt(path, LOG_EXCERPT_LINES):
             print(f"  {line[:300]}", file=sys.stderr)
-    carry_on = carry_on_line(run.name, run.spec.checkpoint.uri, status, summary.last_checkpoint)
+    carry_on = carry_on_line(run.name, run.spec.checkpoint.uri, status, summary.last_checkpoint, run.config.runs_dir)
     if carry_on is not None:
         print(carry_on, file=sys.stderr)
     return EXIT_FAILED

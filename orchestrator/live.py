@@ -35,7 +35,7 @@ from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
-from orchestrator.run_folder import runs_dir_option
+from orchestrator.run_folder import hand_over_commands, runs_dir_option
 
 log = logging.getLogger(__name__)
 
@@ -539,6 +539,18 @@ def _resume_command(r: RunRecord) -> str:
     return f"spotjob run{runs_dir_option(os.path.dirname(r.path))} --resume {r.name}"
 
 
+def _carry_on(r: RunRecord) -> str | None:
+    """For a run whose script used up its restarts (the reconciler's ``RestartBudgetExhausted``;
+    ``spotjob run`` ends with the same advice) after committing a checkpoint: how a new run carries
+    on from it. A failed run is not resumed, so its checkpoints are handed over."""
+    st = r.status
+    if st is None or r.spec is None or st.phase is not Phase.FAILED or st.reason != "RestartBudgetExhausted":
+        return None
+    if st.last_checkpoint is None:
+        return None
+    return f"fix the script, then {hand_over_commands(r.spec.checkpoint.uri, os.path.dirname(r.path))}"
+
+
 def _within(r: RunRecord, text: str) -> str:
     """``text`` with the run folder's own path left out (the listing names the run already)."""
     return text.replace(r.path + os.sep, "")
@@ -666,6 +678,9 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     else:
         where = f"  [dim]{_mk(st.last_checkpoint.uri)}[/dim]" if st.last_checkpoint else ""
         head.add_row("checkpoint", checkpoint_text(st) + where)
+        carry_on = _carry_on(r)
+        if carry_on:
+            head.add_row("to continue", _data(carry_on, overflow="fold"))
     head.add_row(
         "counts",
         f"preemptions {st.preemptions}, restarts {st.restarts}, steps lost {st.lost_steps}",

@@ -40,6 +40,17 @@ def runs_dir_option(runs_dir: str) -> str:
     return f" --runs-dir {shlex.quote(runs_dir)}"
 
 
+def hand_over_commands(uri: str, runs_dir: str = RUNS_DIR) -> str:
+    """The two commands that give the checkpoints in ``uri`` to a new run and start it, quoted for
+    a shell (a run that ended is not resumed; a new run is refused a URI another job owns until it
+    is handed over)."""
+    arg = shlex.quote(uri)
+    return (
+        f"`spotjob ckpt adopt {arg} --job local/NEW`, then "
+        f"`spotjob run{runs_dir_option(runs_dir)} --name NEW --checkpoint-uri {arg} SCRIPT ...`"
+    )
+
+
 def older_layout_problem(path: str, name: str) -> str | None:
     """Why the run folder ``path`` of run ``name`` is not this spotjob's, or None.
 

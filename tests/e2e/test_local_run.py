@@ -240,6 +240,9 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     assert f"the newest checkpoint of crashing, step 10, stays in {uri}" in proc.stderr
     adopt = f"spotjob ckpt adopt {uri} --job local/NEW"
     assert adopt in proc.stderr and f"spotjob run --name NEW --checkpoint-uri {uri} SCRIPT ..." in proc.stderr
+    # `spotjob status NAME` says the same afterwards, for whoever looks at the run later.
+    later = " ".join(detail.stdout.split())  # rich folds the long row
+    assert f"to continue fix the script, then `{adopt}`" in later, detail.stdout
     adopted = spotjob(*adopt.replace("NEW", "fixed").split()[1:], cwd=tmp_path)
     assert adopted.returncode == 0, adopted.stderr
     fixed = spotjob(

@@ -227,6 +227,11 @@ def test_only_a_run_whose_script_used_up_its_restarts_with_a_checkpoint_is_told_
     adopt, run = re.findall(r"`([^`]+)`", line)
     assert shlex.split(adopt) == ["spotjob", "ckpt", "adopt", "/data/my runs/ckpt", "--job", "local/NEW"]
     assert shlex.split(run)[:6] == ["spotjob", "run", "--name", "NEW", "--checkpoint-uri", "/data/my runs/ckpt"]
+    # A run under another --runs-dir: the new run goes beside it, where `spotjob status` finds both.
+    elsewhere = carry_on_line("r1", "/ckpt", used_up, 40, "/data/my runs")
+    assert elsewhere is not None
+    _, run = re.findall(r"`([^`]+)`", elsewhere)
+    assert shlex.split(run)[:4] == ["spotjob", "run", "--runs-dir", "/data/my runs"], run
     assert carry_on_line("r1", "/ckpt", used_up, None) is None
     owned = JobStatus(phase=Phase.FAILED, reason="CheckpointURIOwned", message="another job owns it")
     assert carry_on_line("r1", "/ckpt", owned, 40) is None
