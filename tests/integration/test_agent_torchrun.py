@@ -633,7 +633,7 @@ def test_once_the_flush_committed_and_the_ranks_exited_the_agent_ends_torchrun_w
     committed and no rank is left, so torchrun never gets to print its failure report. (The flush
     is the one of the test above, whose deadline is past: what the agent does once it committed
     does not depend on it.) Without the early end the agent still ends torchrun, 30 s after the
-    commit (its wait for the ranks' own exit): the log line tells the two apart, and ``in_time``
+    commit (``--exit-timeout``, its wait for the ranks to exit): the log line tells the two apart, and ``in_time``
     says that neither waits for torchrun's tick."""
     log = late_flush.log
     assert late_flush.in_time, f"the agent waited for torchrun's monitor tick\n{log}"
