@@ -696,7 +696,8 @@ def newest_valid(
         if status.valid:
             for s in (p for p in skipped if p.committed):  # the operator asked for "the latest"
                 print(
-                    f"spotjob ckpt export: passing over {s.ref.folder}: {' '.join(s.reason.split())}", file=sys.stderr
+                    f"spotjob ckpt export: passing over {s.ref.folder}: {shown(' '.join(s.reason.split()))}",
+                    file=sys.stderr,
                 )
             return status
         if status.newer_format:

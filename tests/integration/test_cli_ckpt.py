@@ -437,6 +437,19 @@ def test_text_from_a_crafted_manifest_reaches_the_terminal_with_its_control_char
     assert "'gone\\\\x1b" in outputs[4] and "contains a control character" in outputs[4], outputs[4]
 
 
+def test_export_escapes_the_reason_it_passes_a_checkpoint_over(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A refused manifest's reason names the crafted tensor name it was refused at.
+    rewrite_manifest(saved, 3, lambda raw: raw["tensors"].update({f"x{ESCAPES}": {"shape": "bad"}}))  # type: ignore[attr-defined]
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
+
+    assert rc == 0 and saved.folder(2) in out
+    assert f"passing over {saved.folder(3)}" in err and "x\\x1b]0;owned" in err, err
+    assert "\x1b" not in err and "\x07" not in err, "export printed a raw control character"
+
+
 def test_show_json_can_narrow_to_one_state_key(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = ckpt(capsys, "show", saved.uri, "--json", "--key", "model")
 
