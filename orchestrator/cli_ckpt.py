@@ -57,7 +57,7 @@ from agent.catalog import (
 from agent.control_api import safe
 from agent.export import INDEX_NAME, ExportError, ExportTotals, checkpoint_reader, export_safetensors
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, RANK_FILE_RE, Manifest
-from agent.ownership import Adoption, OwnershipError, adopt, describe_job, read_owner
+from agent.ownership import Adoption, OwnershipError, adopt, describe_job, job_name_problem, read_owner
 from agent.pins import pinned
 from agent.storage import StorageError, open_storage
 from agent.storage.base import ProgressFn, Storage
@@ -571,6 +571,10 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     job: str | None = None if args.unnamed else args.job
     if job is not None and not job.strip():
         raise CommandError("--job needs a name (or pass --unnamed for a job without one)")
+    problem = None if job is None else job_name_problem(job)
+    if problem is not None:
+        # An owner no Checkpointer can run as (they refuse such names): every writer would stop.
+        raise CommandError(f"--job: {problem}")
     with opened_storage(args.uri) as storage:
         try:
             before = read_owner(storage)

@@ -959,6 +959,18 @@ def test_adopt_repairs_an_unreadable_owner_record(saved: Saved, capsys: pytest.C
     assert ckpt(capsys, "verify", saved.uri)[0] == 0
 
 
+def test_adopt_refuses_a_job_name_no_checkpointer_can_run_as(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
+    # A name read from a file edited on Windows: the owner would be a job nothing can run as, and
+    # the job's own writers would stop at their next commit.
+    before = saved.storage.get_bytes(OWNER_KEY)
+
+    rc, out, err = ckpt(capsys, "adopt", saved.uri, "--job", "train\r")
+
+    assert rc == 2 and out == ""
+    assert "--job" in err and "control characters" in err, err
+    assert saved.storage.get_bytes(OWNER_KEY) == before
+
+
 def test_adopt_needs_a_job_and_an_existing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = ckpt(capsys, "adopt", str(tmp_path / "nowhere"), "--job", "x")
     assert rc == 2 and "no such folder" in err
