@@ -800,6 +800,11 @@ def _cross_check(manifest: Manifest, metadata: Metadata, index: dict[str, Any]) 
 # export
 # ------------------------------------------------------------------------------------------------
 def _check_out(out: str, *, force: bool) -> None:
+    if os.path.islink(out) and not os.path.exists(out):
+        raise CommandError(
+            f"{out} is a symbolic link to {os.readlink(out)}, which does not exist: create that folder, "
+            "or export to another one"
+        )
     if os.path.exists(out) and not os.path.isdir(out):
         raise CommandError(f"{out} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:

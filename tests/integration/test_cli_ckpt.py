@@ -634,6 +634,19 @@ def test_an_export_folder_under_a_regular_file_is_one_line_naming_it_and_exit_2(
     assert a_file.read_text() == "not a folder"
 
 
+def test_an_export_folder_that_is_a_dangling_link_is_named_as_one(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link = tmp_path / "hf"
+    link.symlink_to(tmp_path / "gone")
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(link))
+
+    assert rc == 2 and out == ""
+    assert f"{link} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in err, err
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
 class _ObjectStoreLike(FileStorage):
     """A filesystem store that hides its local paths, so readers download as from S3/GCS."""
 
