@@ -456,6 +456,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_out(out, force=args.force)
     started = time.monotonic()
     with opened_storage(args.uri) as storage:
+        _check_out_not_in_uri(storage, out)
         if args.step is not None:
             status = select_checkpoint(storage, args.step)
             files, total = _export(storage, status, args, out)
@@ -809,6 +810,22 @@ def _check_out(out: str, *, force: bool) -> None:
         raise CommandError(f"{out} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise CommandError(f"{out} is not empty; choose a new folder or pass --force to replace an export there")
+
+
+def _check_out_not_in_uri(storage: Storage, out: str) -> None:
+    """Refuse an ``OUT`` inside a checkpoint folder (or spotjob's own) of a filesystem URI: the
+    export would change a committed folder, and the job's retention would delete it with that folder."""
+    root = storage.local_path("")
+    if root is None:
+        return
+    rel = os.path.relpath(os.path.realpath(out), os.path.realpath(root))
+    first = rel.split(os.sep)[0]
+    if first != ".." and (CheckpointRef.parse(first) is not None or first.startswith(".spotjob")):
+        raise CommandError(
+            f"OUT {out} lies in {storage.url(first)}, a folder spotjob writes and deletes (a checkpoint's, "
+            "or its own records'): the export would change it, and retention would delete the export with "
+            f"it. Export to a folder outside it, e.g. beside {storage.uri}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -647,6 +647,23 @@ def test_an_export_folder_that_is_a_dangling_link_is_named_as_one(
     assert link.is_symlink() and not (tmp_path / "gone").exists()
 
 
+@pytest.mark.parametrize("inside", ["step-000000003/hf", "step-000000003", "step-000000009", ".spotjob/hf"])
+def test_export_refuses_a_folder_in_a_checkpoint_folder_or_spotjobs_own(
+    saved: Saved, capsys: pytest.CaptureFixture[str], inside: str
+) -> None:
+    root = Path(saved.uri)
+    before = {p: p.read_bytes() for p in (root / saved.folder(3)).iterdir()}
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(root / inside), "--force")
+
+    assert rc == 2 and out == ""
+    assert f"lies in {saved.storage.url(inside.split('/')[0])}" in err and "Export to a folder outside it" in err, err
+    assert {p: p.read_bytes() for p in (root / saved.folder(3)).iterdir()} == before
+    assert not (root / inside).exists() or inside == saved.folder(3)
+    # Beside the checkpoints (not in one) is fine.
+    assert ckpt(capsys, "export", saved.uri, str(root / "hf"))[0] == 0
+
+
 class _ObjectStoreLike(FileStorage):
     """A filesystem store that hides its local paths, so readers download as from S3/GCS."""
 
