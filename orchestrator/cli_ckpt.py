@@ -726,7 +726,10 @@ def _require_manifest(status: CheckpointStatus) -> Manifest:
 
 def _require_state_key(manifest: Manifest, key: str) -> None:
     if key not in manifest.state_keys:
-        raise CommandError(f"the checkpoint has no state key {key!r}; it holds {', '.join(manifest.state_keys)}")
+        raise CommandError(
+            f"the checkpoint has no state key {key!r}; it holds {', '.join(manifest.state_keys)}: "
+            "name one of them with --key"
+        )
 
 
 # ------------------------------------------------------------------------------------------------

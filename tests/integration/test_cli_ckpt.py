@@ -596,7 +596,7 @@ def test_export_with_force_removes_the_partial_files_a_killed_export_left(
 @pytest.mark.parametrize(
     ("args", "rc", "message"),
     [
-        (["--key", "nope"], 2, "no state key 'nope'; it holds model, optim"),
+        (["--key", "nope"], 2, "no state key 'nope'; it holds model, optim: name one of them with --key"),
         (["--step", "7"], 2, "no checkpoint of step 7"),
         (["--step", "2"], 1, "is invalid, refusing to export it"),
         (["--max-shard-size", "5 parsecs"], 2, "is not a size"),
