@@ -80,12 +80,36 @@ def template(values: Mapping[str, Any] | None = None, *extra: str) -> subprocess
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", f.name, *extra)
 
 
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice. PyYAML keeps the last one
+    without a word; YAML forbids it, and kustomize (Flux, Argo CD, ``kubectl apply -k``) refuses
+    the whole file ("mapping key ... already defined")."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"mapping key {key!r} on line {line} is already defined on line {seen[key]}"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_all(text: str) -> list[dict[str, Any]]:
+    """The documents of a rendered manifest, each key of a mapping only once (``StrictLoader``)."""
+    return [doc for doc in yaml.load_all(text, Loader=StrictLoader) if doc]
+
+
 def render(values: Mapping[str, Any] | None = None, *extra: str) -> list[dict[str, Any]]:
-    """The objects ``helm template`` renders with ``values``; fails with helm's message."""
+    """The objects ``helm template`` renders with ``values``; fails with helm's message, or on a
+    key written twice in one mapping."""
     proc = template(values, *extra)
     if proc.returncode != 0:
         raise AssertionError(f"helm template failed ({proc.returncode}):\n{proc.stderr}")
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    return load_all(proc.stdout)
 
 
 def alert_rules(objects: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -534,3 +534,29 @@ def test_notes_tell_how_to_check_the_install(default_install: subprocess.Complet
     assert "kubectl get sj" in notes
     assert "kubectl spotjob status" in notes
     assert f"rollout status deployment/{RELEASE}" in notes
+
+
+def test_extra_labels_that_the_chart_sets_itself_are_written_once() -> None:
+    """metrics.serviceMonitor.labels, metrics.prometheusRule.labels and .alertLabels were written
+    after the chart's own labels: a key in both (the severity values.yaml says alertLabels may
+    replace, app.kubernetes.io/name) came out twice in one mapping, which YAML forbids and kustomize
+    refuses ("mapping key ... already defined"); PyYAML and helm kept the last without a word.
+    ``render`` refuses such a manifest; the chart's own labels win, except the alerts' severity."""
+    values = {
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"app.kubernetes.io/name": "other", "release": "prom"}},
+            "prometheusRule": {
+                "enabled": True,
+                "labels": {"app.kubernetes.io/instance": "other", "release": "prom"},
+                "alertLabels": {"severity": "page", "team": "ml"},
+            },
+        }
+    }
+    objects = render(values)
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        labels = one(objects, kind)["metadata"]["labels"]
+        assert labels["release"] == "prom", kind
+        assert labels["app.kubernetes.io/name"] == "spotjob" and labels["app.kubernetes.io/instance"] == RELEASE, kind
+    for group in one(objects, "PrometheusRule")["spec"]["groups"]:
+        for rule in group["rules"]:
+            assert rule["labels"] == {"severity": "page", "team": "ml"}, rule["alert"]

@@ -36,6 +36,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: spotjob
 {{- end }}
 
+{{/*
+Extra labels of an object (dict "root" $ "labels" VALUES): those the chart does not set itself on
+it (spotjob.labels and the component), so no key is written twice in one mapping (YAML forbids it,
+kustomize refuses the file, and other readers keep one or the other). The chart's own win, as over
+podLabels.
+*/}}
+{{- define "spotjob.extraLabels" -}}
+{{- $own := include "spotjob.labels" .root | fromYaml }}
+{{- $_ := set $own "app.kubernetes.io/component" "controller" }}
+{{- $extra := dict }}
+{{- range $k, $v := .labels }}
+{{- if not (hasKey $own $k) }}{{ $_ := set $extra $k $v }}{{ end }}
+{{- end }}
+{{- with $extra }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/*
+An alert's labels (dict "severity" S "extra" metrics.prometheusRule.alertLabels): its severity,
+unless alertLabels has one, which replaces it, and alertLabels; each key once.
+*/}}
+{{- define "spotjob.alertLabels" -}}
+{{- toYaml (merge (dict) (.extra | default dict) (dict "severity" .severity)) }}
+{{- end }}
+
 {{/* The controller's pod labels as one flag value: k=v,k=v (--controller-pod-labels). */}}
 {{- define "spotjob.selectorLabelsFlag" -}}
 {{- $pairs := list }}
