@@ -560,3 +560,58 @@ def test_extra_labels_that_the_chart_sets_itself_are_written_once() -> None:
     for group in one(objects, "PrometheusRule")["spec"]["groups"]:
         for rule in group["rules"]:
             assert rule["labels"] == {"severity": "page", "team": "ml"}, rule["alert"]
+
+
+def _template_as(
+    release: str, values: dict[str, Any], tmp_path: Any, namespace: str = NAMESPACE
+) -> subprocess.CompletedProcess[str]:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    return helm("template", release, str(CHART), "--namespace", namespace, "-f", str(values_file))
+
+
+def test_names_and_labels_that_yaml_reads_as_numbers_or_booleans_stay_strings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """helm takes a release named 123, and the values below are valid names, but they were written
+    unquoted: YAML read them as a number or a boolean, every object carrying the instance label was
+    invalid, and --controller-pod-labels said ``app.kubernetes.io/instance=%!s(float64=123)`` (the
+    controller exits 2 on it)."""
+    values = {
+        "priorityClassName": "true",
+        "serviceAccount": {"name": "1234"},
+        "metrics": {"service": {"enabled": False}},  # a Service cannot be named after 123: below
+    }
+    proc = _template_as("123", values, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    objects = [o for o in yaml.safe_load_all(proc.stdout) if o]
+    for obj in objects:
+        _validate(obj)
+    pod = one(objects, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "123"
+    assert pod["spec"]["priorityClassName"] == "true"
+    assert pod["spec"]["serviceAccountName"] == "1234"
+    assert one(objects, "ServiceAccount")["metadata"]["name"] == "1234"
+    monkeypatch.setenv("POD_NAMESPACE", NAMESPACE)
+    _, options = parse_options(container_args(objects))
+    assert dict(options.controller_pod_labels)["app.kubernetes.io/instance"] == "123"
+    monitor_values = {"metrics": {"serviceMonitor": {"enabled": True}}, "fullnameOverride": "spotjob"}
+    monitor = _template_as("2024", monitor_values, tmp_path, namespace="2025")
+    assert monitor.returncode == 0, monitor.stderr
+    sm = one([o for o in yaml.safe_load_all(monitor.stdout) if o], "ServiceMonitor")
+    assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "2024"
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == ["2025"]
+
+
+@pytest.mark.parametrize("release", ["123", "1st-team", "spotjob.prod"])
+def test_a_release_name_that_cannot_name_the_metrics_service_is_refused_naming_the_way_out(
+    release: str, tmp_path: Any
+) -> None:
+    """A Service's name must start with a letter and hold no dot; helm's release names may do
+    both. The API server refused the Service after creating the rest of the release."""
+    proc = _template_as(release, {}, tmp_path)
+    assert proc.returncode != 0
+    assert f'release name "{release}"' in proc.stderr and "set fullnameOverride" in proc.stderr, proc.stderr
+    fixed = _template_as(release, {"fullnameOverride": "spotjob"}, tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    assert one([o for o in yaml.safe_load_all(fixed.stdout) if o], "Service")["metadata"]["name"] == "spotjob-metrics"

@@ -24,13 +24,13 @@ the controller's per-job NetworkPolicies select its own pods by exactly these th
 {{- define "spotjob.selectorLabels" -}}
 app.kubernetes.io/name: spotjob
 app.kubernetes.io/component: controller
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{- define "spotjob.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/name: spotjob
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: spotjob
@@ -137,6 +137,14 @@ chart grants from the value, or from the downward API. */}}
 {{- end }}
 {{- if and (not .Values.serviceAccount.create) (or .Values.serviceAccount.annotations .Values.serviceAccount.aws.roleArn .Values.serviceAccount.gcp.serviceAccount) }}
 {{- fail "serviceAccount.create is false, so the chart annotates no ServiceAccount: serviceAccount.annotations, .aws.roleArn and .gcp.serviceAccount would be ignored, and the controller would run without its cloud identity. Annotate your ServiceAccount yourself and leave them empty, or set serviceAccount.create=true." }}
+{{- end }}
+{{- /* A Service's name is a DNS-1035 label: a release name helm takes (digits first, dots) can
+make one the API server refuses, after the rest of the release was created. */}}
+{{- if .Values.metrics.service.enabled }}
+{{- $service := include "spotjob.metricsServiceName" . }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $service) }}
+{{- fail (printf "the metrics Service would be named %q, which is no Service name (it must start with a letter, then lower-case letters, digits and '-'; it comes from the release name %q): set fullnameOverride (e.g. spotjob), or metrics.service.enabled=false." $service .Release.Name) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.interruptionQueue.region (not .Values.interruptionQueue.url) }}
 {{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}
