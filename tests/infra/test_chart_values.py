@@ -225,3 +225,46 @@ def test_extra_env_may_carry_what_the_chart_does_not_set() -> None:
     env = [{"name": "AWS_REGION", "value": "eu-west-1"}, {"name": "SPOTJOB_WORKERS", "value": "8"}]
     [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env
+
+
+DIGEST = "sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("image", "named"),
+    [
+        ({"repository": "registry.example.com/ml/spotjob-controller:0.2.0"}, "image.repository"),
+        ({"repository": f"registry.example.com/ml/spotjob-controller@{DIGEST}"}, "image.repository"),
+        ({"tag": DIGEST}, "image.tag"),
+        ({"tag": "0.2.0 "}, "image.tag"),
+        ({"tag": ".hidden"}, "image.tag"),
+    ],
+)
+def test_a_tag_or_digest_in_the_wrong_image_value_is_refused_naming_it(image: dict[str, str], named: str) -> None:
+    """The chart writes repository:tag (or repository@digest): a repository with its own tag
+    rendered registry.example.com/ml/spotjob-controller:0.2.0:0.1.0, and a digest in the tag
+    spotjob/spotjob-controller:sha256:..., references the kubelet refuses (InvalidImageName) after
+    `helm install` reported the release deployed."""
+    proc = template({"image": image})
+    assert proc.returncode != 0
+    assert f"{named} {json.dumps(next(iter(image.values())))}" in proc.stderr, proc.stderr
+    assert "image.digest" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("image", "reference"),
+    [
+        (
+            {"repository": "registry.example.com:5000/spotjob-controller"},
+            "registry.example.com:5000/spotjob-controller:0.1.0",
+        ),
+        ({"tag": "v0.2.0-rc.1_b7"}, "spotjob/spotjob-controller:v0.2.0-rc.1_b7"),
+        ({"tag": f"0.2.0@{DIGEST}"}, f"spotjob/spotjob-controller:0.2.0@{DIGEST}"),
+        ({"tag": "0.2.0", "digest": DIGEST}, f"spotjob/spotjob-controller@{DIGEST}"),
+    ],
+)
+def test_image_references_the_kubelet_takes_render(image: dict[str, str], reference: str) -> None:
+    """Pins what already worked: a registry with a port, a tag with every character a tag may hold,
+    a tag with its digest, and a digest winning over the tag."""
+    [deployment] = [o for o in render({"image": image}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == reference

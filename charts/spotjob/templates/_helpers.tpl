@@ -132,6 +132,18 @@ chart grants from the value, or from the downward API. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* The image reference is repository:tag or repository@digest: a tag or digest in the wrong
+value made a reference the kubelet refuses (InvalidImageName), after `helm install` said deployed. */}}
+{{- with .Values.image.repository }}
+{{- if not (regexMatch "^([^/@\\s]+/)*[^/:@\\s]+$" .) }}
+{{- fail (printf "image.repository %q carries a tag or a digest (the image would be %s): give the repository alone, and the tag in image.tag or the digest in image.digest." . (include "spotjob.image" $)) }}
+{{- end }}
+{{- end }}
+{{- with .Values.image.tag }}
+{{- if not (regexMatch "^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[a-f0-9]{64})?$" .) }}
+{{- fail (printf "image.tag %q is not an image tag (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-'): a digest (sha256:...) goes in image.digest." .) }}
+{{- end }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
