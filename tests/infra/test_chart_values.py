@@ -268,3 +268,36 @@ def test_image_references_the_kubelet_takes_render(image: dict[str, str], refere
     a tag with its digest, and a digest winning over the tag."""
     [deployment] = [o for o in render({"image": image}) if o["kind"] == "Deployment"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == reference
+
+
+@pytest.mark.parametrize(
+    ("resources", "named"),
+    [
+        (
+            {"requests": {"memory": "1Gi"}},
+            "resources.requests.memory (1Gi) is more than resources.limits.memory (512Mi)",
+        ),
+        ({"requests": {"memory": "600M"}}, "resources.requests.memory (600M) is more than resources.limits.memory"),
+        ({"requests": {"cpu": 2}, "limits": {"cpu": "1500m"}}, "resources.requests.cpu (2) is more than"),
+    ],
+)
+def test_a_request_above_its_limit_is_refused_naming_both(resources: dict[str, Any], named: str) -> None:
+    """values.yaml says to raise the memory for large clusters: raising the request alone, over the
+    default 512Mi limit, rendered a Deployment the API server refuses (after the CRD and the RBAC of
+    the release were created)."""
+    proc = template({"resources": resources})
+    assert proc.returncode != 0
+    assert named in proc.stderr, proc.stderr
+
+
+def test_requests_up_to_their_limits_render() -> None:
+    """Pins what already worked: equal quantities in other units, numbers, and a request whose
+    limit was removed (null) or that has none."""
+    resources = {
+        "requests": {"memory": "0.5Gi", "cpu": 0.5, "ephemeral-storage": "1Gi"},
+        "limits": {"memory": "536870912", "cpu": "500m"},
+    }
+    [deployment] = [o for o in render({"resources": resources}) if o["kind"] == "Deployment"]
+    got = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert got["requests"]["memory"] == "0.5Gi" and got["limits"]["cpu"] == "500m"
+    render({"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": None}}})

@@ -109,6 +109,20 @@ A duration of the schema's form (1m30s, 500ms: numbers with ms, s, m or h) in mi
 {{- end }}
 
 {{/*
+A resource quantity of the schema's form (a number, or digits with an optional fraction and suffix:
+500m, 1.5Gi, 2) as a float, to compare a request with its limit.
+*/}}
+{{- define "spotjob.quantity" -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) }}
+{{- float64 . }}
+{{- else }}
+{{- $num := regexFind "^[0-9]+([.][0-9]+)?" . }}
+{{- $scale := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- mulf (float64 $num) (get $scale (trimPrefix $num .)) }}
+{{- end }}
+{{- end }}
+
+{{/*
 Settings that no schema can check alone; failing here names the values to change.
 */}}
 {{- define "spotjob.validate" -}}
@@ -129,6 +143,18 @@ chart grants from the value, or from the downward API. */}}
 {{- range $name := keys $modelled | sortAlpha }}
 {{- if and (gt (len $flag) 2) (hasPrefix $flag $name) }}
 {{- fail (printf "extraArgs: %s repeats a flag the chart sets from %s (%s): set that value instead" $arg (get $modelled $name) $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* The API server refuses a container whose request is above its limit (the Deployment, after
+the rest of the release was created): raising resources.requests.memory alone, over the default
+limit, did that. */}}
+{{- $requests := .Values.resources.requests | default dict }}
+{{- range $name, $limit := (.Values.resources.limits | default dict) }}
+{{- if hasKey $requests $name }}
+{{- $request := index $requests $name }}
+{{- if gt (include "spotjob.quantity" $request | float64) (include "spotjob.quantity" $limit | float64) }}
+{{- fail (printf "resources.requests.%s (%v) is more than resources.limits.%s (%v): the API server refuses such a container. Raise the limit with the request (or lower the request)." $name $request $name $limit) }}
 {{- end }}
 {{- end }}
 {{- end }}
