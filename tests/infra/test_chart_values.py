@@ -135,6 +135,12 @@ WRONG_TYPES = [
     # They name every object: the API server would refuse them one object at a time.
     ({"fullnameOverride": "My_Controller"}, "/fullnameOverride"),
     ({"nameOverride": "Spot.Job"}, "/nameOverride"),
+    # Names of objects the pod refers to: no object can be named so, and the controller pods could
+    # never start (a token-key Secret that cannot exist: the pods wait for it to appear).
+    ({"agentTokenKey": {"existingSecret": "Agent_Token_Key"}}, "/agentTokenKey/existingSecret"),
+    ({"serviceAccount": {"name": "Spotjob Controller"}}, "/serviceAccount/name"),
+    ({"priorityClassName": "High_Priority"}, "/priorityClassName"),
+    ({"imagePullSecrets": [{"name": "Reg Cred"}]}, "/imagePullSecrets/0/name"),
 ]
 
 
