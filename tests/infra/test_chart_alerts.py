@@ -241,3 +241,13 @@ def test_only_the_alerts_on_something_counted_and_the_restart_budget_fire_withou
     assert {name for name, rule in found.items() if "for" not in rule} == counted | {"SpotJobRestartsNearlySpent"}
     section = README.split("\n### Alerts\n", 1)[1].split("\n#### ", 1)[0]
     assert all(name in section for name in counted | {"SpotJobRestartsNearlySpent"})
+
+
+def test_a_runbook_url_of_the_alerts_section_itself_links_each_alerts_heading() -> None:
+    """values.yaml asks for "a URL of the README's Alerts section"; the URL a browser shows for it
+    ends in #alerts, and each alert's runbook_url came out as .../README.md#alerts#spotjobfailed, a
+    fragment no page has. The alert's fragment replaces the section's."""
+    base = "https://git.example.com/ml/spotjob/blob/main/README.md"
+    values = {"metrics": {**ON["metrics"], "prometheusRule": {"enabled": True, "runbookUrl": f"{base}#alerts"}}}
+    for name, rule in alert_rules(render(values)).items():
+        assert rule["annotations"]["runbook_url"] == f"{base}#{name.lower()}", name
