@@ -199,6 +199,26 @@ def test_extra_args_cannot_repeat_a_flag_the_chart_sets_from_a_value(arg: str, v
     assert f"extraArgs: {arg} repeats a flag the chart sets from {value}" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("arg", "said"),
+    [
+        ("--controller-namespace=ml", "the per-job NetworkPolicies let the controller in from"),
+        ("--controller-name=ml", "the per-job NetworkPolicies let the controller in from"),  # a prefix
+        ("--version", "restart it for ever"),
+        ("--help", "restart it for ever"),
+    ],
+)
+def test_extra_args_refuse_the_flags_that_break_the_release_though_no_value_stands_for_them(
+    arg: str, said: str
+) -> None:
+    """--controller-namespace overrode the release's namespace, so the per-job NetworkPolicies let
+    the wrong namespace's pods in; --version and --help made the controller exit 0 at once, and the
+    Deployment restarted it in a loop. Both rendered without a word."""
+    proc = template({"extraArgs": [arg]})
+    assert proc.returncode != 0
+    assert f"extraArgs: {arg} (" in proc.stderr and said in proc.stderr, proc.stderr
+
+
 def test_extra_args_may_carry_the_flags_the_chart_does_not_model() -> None:
     """Pins what already worked: --workers, --rebalance and the lease timings pass through."""
     args = ["--workers=8", "--rebalance=flush", "--node-lost-grace-seconds=120", "--leader-elect-lease-duration=30"]

@@ -138,11 +138,20 @@ chart grants from the value, or from the downward API. */}}
 {{- fail (printf "extraEnv: %s is set by the chart from %s: set that instead" .name (get $setEnv (toString .name))) }}
 {{- end }}
 {{- end }}
+{{- /* Flags no value stands for that still break the release: the namespace the per-job
+NetworkPolicies let in is the release's own (the downward API); --version and --help print and
+exit 0, and the Deployment would restart the controller for ever. */}}
+{{- $refused := dict "--controller-namespace" "the chart passes the release's namespace (POD_NAMESPACE, from the downward API), the one the per-job NetworkPolicies let the controller in from: install the release in the namespace the controller runs in instead" "--version" "the controller would print its version and exit, and the Deployment restart it for ever: run spotjob-controller --version outside the chart" "--help" "the controller would print its help and exit, and the Deployment restart it for ever: run spotjob-controller --help outside the chart" }}
 {{- range $arg := .Values.extraArgs }}
 {{- $flag := regexReplaceAll "=.*$" $arg "" }}
 {{- range $name := keys $modelled | sortAlpha }}
 {{- if and (gt (len $flag) 2) (hasPrefix $flag $name) }}
 {{- fail (printf "extraArgs: %s repeats a flag the chart sets from %s (%s): set that value instead" $arg (get $modelled $name) $name) }}
+{{- end }}
+{{- end }}
+{{- range $name := keys $refused | sortAlpha }}
+{{- if and (gt (len $flag) 2) (hasPrefix $flag $name) }}
+{{- fail (printf "extraArgs: %s (%s): %s" $arg $name (get $refused $name)) }}
 {{- end }}
 {{- end }}
 {{- end }}
