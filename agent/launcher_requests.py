@@ -431,6 +431,11 @@ class AgentRequests:
         now = time.time()
         if notice.deadline is None or notice.deadline <= now:
             return
+        if flush.deadline is not None and now < flush.deadline <= notice.deadline:
+            # The deadline in force already bounds the kill time: a controller's retried POST /flush
+            # with the same deadline, converted to the monotonic clock again a moment later, came
+            # out microseconds sooner and was logged as bringing the deadline forward.
+            return
         kill_at = _monotonic_at(notice.deadline)
         if kill_at < flush.kill_at:
             flush.kill_at, flush.kill_reason = kill_at, "the deadline passed"

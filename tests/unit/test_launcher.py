@@ -509,6 +509,28 @@ class TestKillTime:
         assert "--flush-timeout 600 s" in caplog.text
         assert "clock" in caplog.text and "time sync" in caplog.text
 
+    def test_the_same_deadline_again_brings_nothing_forward(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The controller retries ``POST /flush`` with the deadline it sent before (idempotent: 200).
+        That deadline, converted to the monotonic clock again, came out a few microseconds sooner
+        than the first time, and each retry logged a WARNING that it brought the deadline forward."""
+        agent = self.agent(tmp_path)
+        wall = time.time()
+        clock = iter(range(1000))
+        # The wall clock a millisecond further at every reading, the monotonic one still: the drift
+        # between two readings of both that made the same deadline look sooner.
+        monkeypatch.setattr(time, "time", lambda: wall + next(clock) / 1000)
+        monkeypatch.setattr(time, "monotonic", lambda: 100.0)
+        deadline = wall + 20
+        agent.on_notice(notice(deadline, "api"))
+        assert agent._flush is not None
+        kill_at = agent._flush.kill_at
+        with caplog.at_level("INFO"):
+            agent.on_notice(notice(deadline, "api"))
+        assert "brings the deadline forward" not in caplog.text and "no second flush" in caplog.text
+        assert agent._flush.kill_at == kill_at and agent._flush.deadline == deadline
+
     def test_a_deadline_later_than_the_flush_timeout_leaves_the_kill_time(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path)
         agent.on_notice(notice(None, "api"))
