@@ -159,7 +159,11 @@ class AgentConfig(BaseModel):
 
 
 def _interval(value: str) -> float:
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except ValueError:
+        # argparse would say "invalid _interval value", naming this function, not what it takes.
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds; give one from 1 to 5") from None
     if not 1.0 <= seconds <= 5.0:
         raise argparse.ArgumentTypeError("must be between 1 and 5 seconds")
     return seconds

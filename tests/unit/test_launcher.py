@@ -236,6 +236,16 @@ class TestOptions:
         assert e.value.code == 2
         assert f"SPOTJOB_AGENT_POLL_INTERVAL={value!r}" in err and "unset it" in err
 
+    def test_a_poll_interval_option_that_is_no_number_says_what_it_takes(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """argparse named the function that converts it: "invalid _interval value: 'fast'"."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--poll-interval", "fast", "--", "x"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "_interval" not in err
+        assert "--poll-interval: 'fast' is not a number of seconds; give one from 1 to 5" in err
+
     def test_the_poll_interval_override_reaches_the_sources(self) -> None:
         env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
         config, _ = parse_args(["--checkpoint-uri", "s3://b", "--notices", "aws", "--", "x"], env)
