@@ -170,6 +170,13 @@ def _interval(value: str) -> float:
 
 
 def _notice_list(value: str) -> tuple[str, ...]:
+    if not value.replace(",", "").strip():
+        # Taken as "none": --notices "$SOURCES" with SOURCES unset left the job deaf to every notice,
+        # SIGTERM included, without a word.
+        raise argparse.ArgumentTypeError(
+            f"{value!r} names no source (an unset variable in --notices=$VAR?): give them "
+            f"({','.join(NOTICE_SOURCES)}), 'none' for the control API alone, or leave the option out"
+        )
     names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
     unknown = [n for n in names if n not in NOTICE_SOURCES]
     if unknown:
@@ -395,10 +402,11 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     command = argv[split + 1 :]
     if not command:
         parser.error("no command after '--'")
-    for option in ("checkpoint_uri", "job_name", "staging_dir", "control_dir", "token_file"):
+    for option in ("checkpoint_uri", "job_name", "staging_dir", "control_dir", "token_file", "control_host"):
         if getattr(ns, option) == "":
             # --checkpoint-uri "" fell back to SPOTJOB_CHECKPOINT_URI for the agent's own check, but
-            # reached the ranks as SPOTJOB_CHECKPOINT_URI="" over it: they had no URI at all.
+            # reached the ranks as SPOTJOB_CHECKPOINT_URI="" over it: they had no URI at all. And
+            # --control-host "" bound the API to every interface and wrote http://:PORT to agent.json.
             flag = "--" + option.replace("_", "-")
             parser.error(f"{flag} is empty (an unset variable in {flag}=$VAR?): give it a value, or leave it out")
     if ns.cloud not in ("auto", *[c.value for c in Cloud]):

@@ -246,6 +246,26 @@ class TestOptions:
         assert e.value.code == 2 and "_interval" not in err
         assert "--poll-interval: 'fast' is not a number of seconds; give one from 1 to 5" in err
 
+    @pytest.mark.parametrize(
+        ("option", "value", "said"),
+        [
+            ("--control-host", "", "--control-host is empty"),
+            ("--notices", "", "names no source"),
+            ("--notices", " , ", "names no source"),
+        ],
+    )
+    def test_an_empty_control_host_or_notices_exits_2_instead_of_taking_a_default_nobody_chose(
+        self, option: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``--control-host "$POD_IP"`` with POD_IP unset bound the API to every interface and wrote
+        ``http://:PORT`` into agent.json; ``--notices "$SOURCES"`` with SOURCES unset silently turned
+        every notice source off, SIGTERM included, as ``none`` does."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", option, value, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "leave" in err
+        assert parse_args(["--checkpoint-uri", "s3://b", "--notices", "none", "--", "x"], {})[0].notices == ()
+
     def test_the_poll_interval_override_reaches_the_sources(self) -> None:
         env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
         config, _ = parse_args(["--checkpoint-uri", "s3://b", "--notices", "aws", "--", "x"], env)
