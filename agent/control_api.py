@@ -336,16 +336,31 @@ def load_token(token_file: str | None, env: Mapping[str, str] | None = None) -> 
     """
     env = os.environ if env is None else env
     if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            # The bare OSError said "[Errno 2] No such file or directory: '...'": neither the
+            # option nor what to do.
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or str(e)
+            raise ValueError(
+                f"--token-file {token_file}: cannot read it ({why}); give a file this user can read that "
+                f"holds the token (a mounted secret), or leave the option out and set {ENV_AGENT_TOKEN}"
+            ) from e
         if not token:
-            raise ValueError(f"token file {token_file} is empty")
+            raise ValueError(
+                f"token file {token_file} is empty: write the token into it (an empty token would leave the "
+                f"control API without auth), or leave --token-file out"
+            )
         return token
     value = env.get(ENV_AGENT_TOKEN)
     if value is None:
         return None
     if not value.strip():
-        raise ValueError(f"{ENV_AGENT_TOKEN} is set but empty")
+        raise ValueError(
+            f"{ENV_AGENT_TOKEN} is set but empty: set it to the token, or unset it (the control API then "
+            f"listens on 127.0.0.1 only, without auth)"
+        )
     return value.strip()
 
 

@@ -209,6 +209,26 @@ class TestToken:
         with pytest.raises(ValueError, match="set but empty"):
             load_token(None, {"SPOTJOB_AGENT_TOKEN": ""})
 
+    def test_a_token_that_cannot_be_had_names_the_setting_and_what_to_do(self, tmp_path: Path) -> None:
+        """spotjob-agent said "cannot read the API token: [Errno 2] No such file or directory: '...'",
+        and "SPOTJOB_AGENT_TOKEN is set but empty", with no word of what to do."""
+        missing, empty, binary = tmp_path / "missing", tmp_path / "empty", tmp_path / "binary"
+        empty.write_text("")
+        binary.write_bytes(b"\xff\xfe")
+        for path, why in (
+            (missing, "No such file or directory"),
+            (tmp_path, "Is a directory"),
+            (binary, "not UTF-8 text"),
+        ):
+            with pytest.raises(ValueError) as e:
+                load_token(str(path), {})
+            assert f"--token-file {path}: cannot read it ({why})" in str(e.value)
+            assert "leave the option out and set SPOTJOB_AGENT_TOKEN" in str(e.value)
+        with pytest.raises(ValueError, match="write the token into it") as e:
+            load_token(str(empty), {})
+        with pytest.raises(ValueError, match="set it to the token, or unset it"):
+            load_token(None, {"SPOTJOB_AGENT_TOKEN": ""})
+
 
 # A client of another user that binds its socket to another loopback address on the API's own port
 # (127.0.0.2:<port>, which nothing holds), then asks for /stop.
