@@ -749,7 +749,13 @@ class _Handler(BaseHTTPRequestHandler):
                 safe(self.client_address[0]),
             )
             return self._send(
-                401, ErrorResponse(error="unauthorized"), {"WWW-Authenticate": 'Bearer realm="spotjob-agent"'}
+                401,
+                ErrorResponse(
+                    error="unauthorized",
+                    detail="a missing or wrong token: send 'Authorization: Bearer <token>' with the agent's token "
+                    f"(its --token-file or {ENV_AGENT_TOKEN}); a token in the query string is not read",
+                ),
+                {"WWW-Authenticate": 'Bearer realm="spotjob-agent"'},
             )
         allowed = _ALLOWED.get(path)
         if allowed is None:

@@ -87,7 +87,11 @@ class TestAuth:
         self, api: ControlApi, agent: Agent, token: str | None
     ) -> None:
         assert call(api, "POST", "/flush", token=token, body={"reason": "test"})[0] == 401
-        assert call(api, "GET", "/status", token=token)[0] == 401
+        status, body = call(api, "GET", "/status", token=token)
+        assert status == 401 and body["error"] == "unauthorized"
+        # It said only "unauthorized", detail null: not what the client should send.
+        assert "Authorization: Bearer <token>" in body["detail"] and "SPOTJOB_AGENT_TOKEN" in body["detail"]
+        assert TOKEN not in json.dumps(body)
         assert not agent.control.flush_requested()
 
     def test_a_token_sent_under_another_scheme_is_refused(self, api: ControlApi, agent: Agent) -> None:
