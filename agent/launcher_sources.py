@@ -27,11 +27,14 @@ def build_sources(config: AgentConfig, env: Mapping[str, str]) -> list[NoticeSou
     else:
         cloud = config.cloud
         if cloud is None:
+            # None is "auto", as parse_args settled it from --cloud over SPOTJOB_CLOUD: detect. Read
+            # again here, the variable overrode --cloud auto, and a malformed one the option had
+            # overridden ended the agent in a traceback.
             cloud = detect_cloud(
                 aws_url=config.aws_metadata_url,
                 gcp_url=config.gcp_metadata_url,
                 azure_url=config.azure_metadata_url,
-                env=env,
+                env={},
             )
         wanted = ["sigterm"] + ([cloud.value] if cloud is not Cloud.NONE else [])
         wanted = [n for n in wanted if n not in config.disabled]

@@ -266,6 +266,20 @@ class TestOptions:
         assert e.value.code == 2 and said in err and "leave" in err
         assert parse_args(["--checkpoint-uri", "s3://b", "--notices", "none", "--", "x"], {})[0].notices == ()
 
+    @pytest.mark.parametrize("variable", ["oracle", "gcp"])
+    def test_cloud_auto_given_wins_over_the_variable(self, variable: str) -> None:
+        """``--cloud auto`` wins over SPOTJOB_CLOUD as every option wins over its variable. The
+        sources read the variable again: SPOTJOB_CLOUD=gcp forced GCP over ``--cloud auto``, and
+        SPOTJOB_CLOUD=oracle, which parse_args had let the option override, ended the agent in a
+        ValueError traceback (exit 1) instead of detecting the cloud."""
+        env = {"SPOTJOB_CLOUD": variable}
+        nothing = "http://127.0.0.1:9"  # no metadata server answers: detection finds no cloud
+        urls = ["--aws-metadata-url", nothing, "--gcp-metadata-url", nothing, "--azure-metadata-url", nothing]
+        config, _ = parse_args(["--checkpoint-uri", "s3://b", "--cloud", "auto", *urls, "--", "x"], env)
+        assert config.cloud is None
+        sources = build_sources(config, env)
+        assert [s.name for s in sources] == ["signal"]  # SIGTERM, and no cloud
+
     def test_the_poll_interval_override_reaches_the_sources(self) -> None:
         env = {"SPOTJOB_AGENT_POLL_INTERVAL": "0.05"}
         config, _ = parse_args(["--checkpoint-uri", "s3://b", "--notices", "aws", "--", "x"], env)
