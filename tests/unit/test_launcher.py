@@ -863,6 +863,14 @@ class TestRanksConnect:
         config, _ = parse_args(["--checkpoint-uri", "file:///c", "--", "x"], {})
         assert config.rank_connect_timeout == 120
 
+    def test_a_threshold_of_0_exits_2_as_the_readme_says(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """The README listed it among the timeouts that take 0 to a day, but the agent refuses 0."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "file:///c", "--rank-connect-timeout", "0", "--", "x"], {})
+        assert e.value.code == 2 and "--rank-connect-timeout: must be more than 0" in capsys.readouterr().err
+        readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+        assert "`--rank-connect-timeout` must be more than 0 too" in readme
+
 
 class TestMeetingPoint:
     @pytest.mark.parametrize(
