@@ -180,6 +180,14 @@ class Agent(AgentRequests):
         """The running command, or the exit code for one that cannot start: the shell's 127/126,
         or 74 (EXIT_INFRA_ERROR) when the rendezvous port this host must bind is taken."""
         self._rendezvous = local_rendezvous(self.config.command, self.env)
+        if self._rendezvous is not None and self.api is not None and self._rendezvous.port == self.api.port:
+            # Taken by this agent's own control API: not another process (74 would be retried as an
+            # infrastructure error on every attempt), but two options that name one port.
+            return self._cannot_start(
+                EXIT_USAGE,
+                f"--control-port {self.api.port} is also torchrun's rendezvous port ({self._rendezvous.how}): "
+                "the control API holds it, so torchrun could not bind it; give them different ports",
+            )
         if self._rendezvous is not None and port_taken(self._rendezvous.port):
             log.error(
                 "exiting %d: torchrun's rendezvous port %d (%s) is taken by another process on this host, "

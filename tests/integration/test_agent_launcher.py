@@ -642,6 +642,26 @@ def test_a_taken_rendezvous_port_exits_74_before_the_command_starts(tmp_path: Pa
     assert not started.exists()
 
 
+def test_a_control_port_that_is_also_the_rendezvous_port_exits_2_not_74(tmp_path: Path) -> None:
+    """The agent's own control API held the port torchrun was to bind, and the agent exited 74 saying
+    it was "taken by another process": an infrastructure error the reconciler retries on every
+    attempt without spending a restart, for two options that name one port."""
+    started = tmp_path / "started"
+    torchrun = fake_torchrun(tmp_path, f"open({str(started)!r}, 'w').close()")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        *agent_command(), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--cloud", "none",
+        "--control-port", str(port), "--", str(torchrun), "--nproc-per-node", "2", "--master-port", str(port),
+        "train.py",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=WAIT)
+    assert out.returncode == 2, out.stderr
+    assert f"--control-port {port} is also torchrun's rendezvous port" in out.stderr
+    assert "another process" not in out.stderr and not started.exists()
+
+
 def start_plain(tmp_path: Path, command: list[str]) -> Run:
     """spotjob-agent with a short SIGTERM grace around ``command`` (not fake_ranks' launcher)."""
     args = [
