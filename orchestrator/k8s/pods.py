@@ -192,7 +192,9 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
     container that spotjob sets over it would be replaced without a word.
     """
     set_by_spec = {v: f"spec.checkpoint.{POLICY_ENV[v]}" for v in policy}
-    problems: list[str] = []
+    problems = _shape_problems(template or {}, container)
+    if problems:
+        return problems  # the rules below, and the pod builder, read these parts
     spec = (template or {}).get("spec") or {}
     containers = spec.get("containers") or []
     if 0 <= container < len(containers):
@@ -247,6 +249,80 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
     return problems
 
 
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _shape_problems(template: Mapping[str, Any], container: int) -> list[str]:
+    """The parts of the template the pod builder reads or merges into, not of the JSON type the Pod
+    API gives them: the CRD keeps the template as written (``x-kubernetes-preserve-unknown-fields``),
+    so ``env: {A: "1"}`` (``spec.env``'s map form) in a container, or a label written ``2``, reached
+    the pod builder, which failed every pass (or the API server refused every pod) without a word on
+    the SpotJob. Each names its field; null counts as absent."""
+    problems: list[str] = []
+
+    def check(value: Any, path: str, want: type | tuple[type, ...], words: str, hint: str = "") -> bool:
+        if value is None or (isinstance(value, want) and not isinstance(value, bool)):
+            return value is not None
+        problems.append(f"spec.template.{path} must be {words}, not {_json_type(value)}{hint}")
+        return False
+
+    def objects(value: Any, path: str, hint: str = "") -> list[tuple[str, Mapping[str, Any]]]:
+        """The items of a list of objects at ``path`` (checked), with their paths."""
+        if not check(value, path, list, "a list of objects", hint):
+            return []
+        items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        return [(p, item) for p, item in items if check(item, p, dict, "an object")]
+
+    meta = template.get("metadata") or {}
+    for key in ("labels", "annotations"):
+        if check(meta.get(key), f"metadata.{key}", dict, "an object of strings"):
+            for name, value in meta[key].items():
+                check(value, f"metadata.{key}.{name}", str, "a string", ': quote it ("2", "true")')
+    spec = template.get("spec") or {}
+    containers = spec.get("containers") or []
+    if 0 <= container < len(containers) and isinstance(containers[container], Mapping):
+        trainer = containers[container]
+        where = f"spec.containers[{container}]"
+        for path, item in objects(trainer.get("env"), f"{where}.env", " (spec.env is the map form: NAME: value)"):
+            if not item.get("name"):
+                problems.append(f"spec.template.{path}.name is required")
+            check(item.get("name"), f"{path}.name", str, "a string")
+            check(item.get("value"), f"{path}.value", str, "a string", ': quote it ("2", "true")')
+        objects(trainer.get("ports"), f"{where}.ports")
+        objects(trainer.get("volumeMounts"), f"{where}.volumeMounts")
+        if check(trainer.get("lifecycle"), f"{where}.lifecycle", dict, "an object"):
+            pre_stop = trainer["lifecycle"].get("preStop")
+            if check(pre_stop, f"{where}.lifecycle.preStop", dict, "an object"):
+                check(pre_stop.get("sleep"), f"{where}.lifecycle.preStop.sleep", dict, "an object")
+    objects(spec.get("volumes"), "spec.volumes")
+    objects(spec.get("tolerations"), "spec.tolerations")
+    grace = spec.get("terminationGracePeriodSeconds")
+    if not isinstance(grace, str) or not grace.strip().lstrip("-").isdigit():  # "60" was taken, and still is
+        check(grace, "spec.terminationGracePeriodSeconds", (int, float), "a number")
+    if check(spec.get("affinity"), "spec.affinity", dict, "an object"):
+        node = spec["affinity"].get("nodeAffinity")
+        if check(node, "spec.affinity.nodeAffinity", dict, "an object"):
+            path = "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            required = node.get("requiredDuringSchedulingIgnoredDuringExecution")
+            if check(required, path, dict, "an object"):
+                for term_path, term in objects(required.get("nodeSelectorTerms"), f"{path}.nodeSelectorTerms"):
+                    check(term.get("matchFields"), f"{term_path}.matchFields", list, "a list")
+            path = "spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution"
+            check(node.get("preferredDuringSchedulingIgnoredDuringExecution"), path, list, "a list")
+        anti = spec["affinity"].get("podAntiAffinity")
+        if check(anti, "spec.affinity.podAntiAffinity", dict, "an object"):
+            path = "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            check(anti.get("requiredDuringSchedulingIgnoredDuringExecution"), path, list, "a list")
+    return problems
+
+
 # -- workers --------------------------------------------------------------------------------------
 
 
@@ -286,7 +362,10 @@ def agent_settings_problem(job_identity: str, spec: WorkerSpec, options: WorkerO
         containers = ((spec.template.get("spec") or {}).get("containers")) or []
         if 0 <= spec.container < len(containers) and isinstance(containers[spec.container], Mapping):
             trainer = containers[spec.container]
-    written = _env(trainer.get("env") or [], {**spec.env, ENV_LAUNCHER: options.agent_launcher})
+    # An env that is not a list of objects is template_problems' to name; here it is left out.
+    listed = trainer.get("env")
+    listed = [e for e in listed if isinstance(e, Mapping)] if isinstance(listed, list) else []
+    written = _env(listed, {**spec.env, ENV_LAUNCHER: options.agent_launcher})
     env = {
         str(e["name"]): str(e["value"])
         for e in written

@@ -312,6 +312,65 @@ def test_a_template_spotjob_cannot_run_is_refused_naming_the_field(change: Any, 
         pod(0, template=template)
 
 
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        # spec.env's map form, written in the template's container: the likeliest of these.
+        (lambda t: t["spec"]["containers"][1].update(env={"NCCL_DEBUG": "INFO"}), "spec.containers[1].env must be"),
+        (lambda t: t["spec"]["containers"][1].update(env=["NCCL_DEBUG=INFO"]), "spec.containers[1].env[0] must be"),
+        (lambda t: t["spec"]["containers"][1].update(env=[{"value": "x"}]), "spec.containers[1].env[0].name is"),
+        (
+            lambda t: t["spec"]["containers"][1].update(env=[{"name": "WORLD", "value": 2}]),
+            "spec.containers[1].env[0].value must be a string, not a number: quote it",
+        ),
+        (lambda t: t["spec"]["containers"][1].update(ports=[8080]), "spec.containers[1].ports[0] must be"),
+        (lambda t: t["spec"]["containers"][1].update(volumeMounts={"name": "data"}), "spec.containers[1].volumeMounts"),
+        (lambda t: t["spec"]["containers"][1].update(lifecycle={"preStop": "sleep 5"}), "lifecycle.preStop must be"),
+        (lambda t: t["spec"].update(volumes={"name": "data", "emptyDir": {}}), "spec.volumes must be"),
+        (lambda t: t["spec"].update(tolerations=["nvidia.com/gpu"]), "spec.tolerations[0] must be"),
+        (lambda t: t["spec"].update(terminationGracePeriodSeconds="two minutes"), "spec.terminationGracePeriodSeconds"),
+        (lambda t: t["spec"].update(affinity=[]), "spec.affinity must be an object, not a list"),
+        (
+            lambda t: t["spec"]["affinity"].update(
+                podAntiAffinity={"requiredDuringSchedulingIgnoredDuringExecution": {}}
+            ),
+            "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution must be a list",
+        ),
+        (
+            lambda t: t["metadata"].update(labels=["team=ml"]),
+            "metadata.labels must be an object of strings, not a list",
+        ),
+        (lambda t: t["metadata"]["labels"].update(version=2), "metadata.labels.version must be a string, not a number"),
+    ],
+)
+def test_a_template_part_of_the_wrong_json_type_is_refused_naming_it_instead_of_failing_the_pod_builder(
+    change: Any, field: str
+) -> None:
+    """The CRD keeps the template as written, so nothing checked these types before the pod
+    builder: ``env: {NCCL_DEBUG: INFO}`` in the training container (spec.env's map form) raised
+    AttributeError in the controller's check of the spec, and a list where an object belongs (or
+    the reverse) in the pod builder, on every pass, without a word on the SpotJob; a number where
+    the Pod API takes a string built a pod the API server refused on every pass."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    change(template)
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith("spec.template.") and field in p for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(field)):
+        pod(0, template=template)
+    # The agent's settings are checked on the same pass: that check must not fail on it either.
+    assert pods.agent_settings_problem("ml/llama", spec(template=template), OPTIONS) is None
+
+
+def test_the_template_types_check_leaves_a_valid_template_and_nulls_alone() -> None:
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["metadata"]["annotations"] = None
+    template["spec"].update(terminationGracePeriodSeconds="60", tolerations=None)  # "60" was always taken
+    template["spec"]["containers"][1]["lifecycle"] = {"preStop": {"sleep": {"seconds": 5}}}
+    assert pods.template_problems(USER_TEMPLATE, 1) == []
+    assert pods.template_problems(template, 1) == []
+    strict(pod(0, template=template))
+
+
 def test_the_network_policy_admits_the_jobs_pods_on_every_port_and_the_controller_on_the_agents_only() -> None:
     policy = pods.network_policy(OWNER, OPTIONS)["spec"]
     assert policy["podSelector"] == {"matchLabels": {"spotjob.dev/job": "llama"}}
