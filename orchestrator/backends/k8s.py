@@ -158,6 +158,13 @@ class KubernetesBackend:
         policy = [v for v, on in every if on is not None]
         problems = pods.env_problems(spec.env, policy=policy)
         problems += pods.template_problems(spec.template, index, policy=policy)
+        if spec.template is None and spec.image is None:
+            # The model checks the image of a template's container only (local mode needs none): the
+            # pod was built with no image, and the API server refused it on every pass.
+            problems.append(
+                f"spec.image: required without spec.template (the image of the training container "
+                f"{DEFAULT_CONTAINER_NAME!r}); set spec.image, or give spec.template a container with an image"
+            )
         uri = spec.checkpoint.uri
         if "://" not in uri and not uri.startswith(("/", "file:")):
             # Each process would resolve it against its own working folder: the workers' image's and

@@ -357,6 +357,53 @@ def test_a_spotjob_whose_env_the_agent_would_refuse_is_invalid_before_any_pod_is
         parts.stop()
 
 
+def _no_image(spec: dict[str, Any]) -> None:
+    del spec["image"]
+
+
+def _template_env_as_a_map(spec: dict[str, Any]) -> None:
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1", "env": {"NCCL_DEBUG": "INFO"}}]}}
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (_no_image, "spec.image: required without spec.template"),
+        (_template_env_as_a_map, "spec.template.spec.containers[0].env must be a list of objects, not an object"),
+    ],
+    ids=["no-image", "template-env-as-a-map"],
+)
+def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_naming_the_field(
+    test_api: TestApi, tmp_path: Path, change: Any, said: str
+) -> None:
+    """Neither ``image`` nor ``template``: the CRD takes it (both are optional), and the controller
+    built a pod without an image, which the API server refused on every pass (``Degraded``,
+    ``BackendUnavailable``), the job ``Pending`` for ever. ``env: {NCCL_DEBUG: INFO}`` in the
+    template's training container (spec.env's map form; the CRD keeps the template as written):
+    every pass raised AttributeError, and the SpotJob got no status and no Event at all. Both are
+    now ``Invalid=True`` with an InvalidSpec Event naming the field, and no pod."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        change(job["spec"])
+        test_api.admin.create(SPOTJOBS, job, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        result = parts.reconciler.reconcile(KEY)
+        assert result.phase is Phase.PENDING and result.requeue_after is None, result
+
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        assert [c["type"] for c in status["conditions"]] == ["Invalid"], status["conditions"]
+        [invalid] = status["conditions"]
+        assert invalid["status"] == "True" and invalid["reason"] == "InvalidSpec", invalid
+        assert said in invalid["message"], invalid
+        [event] = _events(test_api, "InvalidSpec")
+        assert event["type"] == "Warning" and said in event["note"], event
+        assert test_api.admin.list(PODS, "default")[0] == []
+    finally:
+        parts.stop()
+
+
 def test_an_unknown_spotjob_variable_in_env_is_a_warning_event_once_and_the_job_runs(
     test_api: TestApi, tmp_path: Path
 ) -> None:
