@@ -45,7 +45,7 @@ from agent.control_channel import (
     ENV_STAGING_DIR,
 )
 from agent.torchrun import ENV_LAUNCHER
-from orchestrator.model import MAX_NAME_LENGTH, SpotJob
+from orchestrator.model import MAX_NAME_LENGTH, NAME_PATTERN, SpotJob
 
 GROUP = "spotjob.dev"
 VERSION = "v1alpha1"
@@ -312,6 +312,11 @@ def _cross_field_rules(spec: dict[str, Any]) -> None:
             "rule": "!has(self.fallback) || has(self.template)",
             "message": "spec.fallback patches spec.template: the job has none",
         },
+        {
+            # The model cannot say it (local mode runs no image); the controller's spec_problems does.
+            "rule": "has(self.template) || has(self.image)",
+            "message": "spec.image is required without spec.template: the training container's image",
+        },
     ]
 
 
@@ -339,8 +344,12 @@ def openapi_schema() -> dict[str, Any]:
         },
         "x-kubernetes-validations": [
             {
-                "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
-                "message": f"a SpotJob's name is at most {MAX_NAME_LENGTH} characters (its pods are named "
+                # A DNS label, not the subdomain (dots) the API server allows any object's name:
+                # model.job_name_problem, which makes a stored job of another name Invalid for good.
+                "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
+                f"self.metadata.name.matches('{NAME_PATTERN}')",
+                "message": f"a SpotJob's name is at most {MAX_NAME_LENGTH} characters, lowercase letters, digits "
+                "and '-' (no '.'), starting and ending with a letter or digit (its pods are named "
                 "<name>-<attempt>-<index>)",
             }
         ],

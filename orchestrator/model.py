@@ -32,7 +32,10 @@ MAX_NAME_LENGTH = 40
 LOCAL_NAMESPACE = "local"
 """The namespace of every job in local mode (``spotjob run``): its identity is ``local/<name>``."""
 
-_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""What a job's name matches besides ``MAX_NAME_LENGTH`` (a DNS label); the CRD's rule on
+``metadata.name`` carries it."""
+_NAME_RE = re.compile(NAME_PATTERN)
 
 MAX_DURATION_SECONDS = 365 * 24 * 3600
 """The longest duration a spec field takes (one year, in seconds). Longer is a typo or a unit

@@ -36,6 +36,7 @@ from orchestrator.model import (
     RestartRecord,
     WorkerPhase,
     WorkerStatus,
+    job_name_problem,
 )
 from orchestrator.store import parse_job
 from tests.k8s.cluster import ApiCallError, TestCluster
@@ -338,6 +339,51 @@ def test_a_name_over_40_characters_is_refused_at_create(
     ]
     assert f'SpotJob.spotjob.dev "{long_name}" is invalid: <nil>: Invalid value: "object": {message}' in str(e.value)
     assert cluster.rest.request("POST", path, example(EXAMPLES[0], namespace, "a" * 40))["metadata"]["name"] == "a" * 40
+
+
+@pytest.mark.parametrize("name", ["train.v2", "ml.team-a.llama"])
+def test_a_name_that_is_no_dns_label_is_refused_at_create_as_the_controller_would_never_run_it(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, name: str
+) -> None:
+    """The API server takes any DNS subdomain as an object's name, dots included; the controller
+    runs only a DNS label (its pods, Service and labels carry the name), so ``train.v2`` was created
+    and then Invalid for good, its name being the one thing that cannot be edited. The CRD's rule
+    on the name refuses it at create, with the controller's own pattern."""
+    assert job_name_problem(name) is not None
+    message = crd_rule()["message"]
+    assert "no '.'" in message and "40 characters" in message, message
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), example(EXAMPLES[0], namespace, name))
+    assert e.value.status == 422
+    assert e.value.body["details"]["causes"] == [
+        {"reason": "FieldValueInvalid", "field": "<nil>", "message": f'Invalid value: "object": {message}'}
+    ]
+    taken = "train-v2-0"
+    assert job_name_problem(taken) is None
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), example(EXAMPLES[0], namespace, taken))
+    assert created["metadata"]["name"] == taken
+
+
+def test_a_spotjob_with_neither_image_nor_template_is_refused_at_create_and_one_of_them_is_enough(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """Both fields are optional, and without either the controller built a pod with no image, which
+    the API server refused on every pass. The controller now finds it Invalid (spec_problems); the
+    CRD's rule refuses it at ``kubectl apply``, naming spec.image."""
+    path = PATH.format(ns=namespace)
+    job = example(EXAMPLES[0], namespace, "no-image")
+    job["spec"].pop("template")
+    job["spec"].pop("image", None)
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", path, job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == "spec" and "spec.image is required without spec.template" in cause["message"], cause
+    job["spec"]["image"] = "registry.example.com/train:1"
+    assert cluster.rest.request("POST", path, job)["spec"]["image"] == "registry.example.com/train:1"
+    with_template = example(EXAMPLES[0], namespace, "template-only")
+    assert "image" not in with_template["spec"]
+    cluster.rest.request("POST", path, with_template)
 
 
 def test_a_status_as_the_reconciler_writes_it_is_stored_whole_and_shown_in_the_printer_columns(
