@@ -83,6 +83,15 @@ def test_an_invalid_object_is_422_naming_the_field(kube_client: Any, namespace: 
     with pytest.raises(client.ApiException) as e2:
         v1.create_namespaced_pod(namespace, no_image)
     assert json.loads(e2.value.body)["details"]["causes"][0]["field"] == "spec.containers[0].image"
+    # "image": null, as a controller building a pod from a spec without one sent it: a real server
+    # reads null as "" and answers the same 422; this one failed with a 500 (a str method on None).
+    from .cluster import ApiCallError
+
+    null_image = pod_body("q")
+    null_image["spec"]["containers"][0]["image"] = None
+    with pytest.raises(ApiCallError) as e3:
+        cluster.rest.request("POST", f"/api/v1/namespaces/{namespace}/pods", null_image)
+    assert e3.value.status == 422 and e3.value.body["details"]["causes"][0]["field"] == "spec.containers[0].image"
 
 
 def test_kubernetes_validate_strict_rejects_an_unknown_field_loudly(

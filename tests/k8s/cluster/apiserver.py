@@ -493,7 +493,7 @@ class ApiServer:
                 f'up service account {ns}/{sa}: serviceaccount "{sa}" not found',
             )
         for c in [*(spec.get("initContainers") or []), *spec.get("containers", [])]:
-            image = c.get("image", "")
+            image = c.get("image") or ""  # null is "" to a real server, which then says Required
             c.setdefault(
                 "imagePullPolicy",
                 "Always" if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1] else "IfNotPresent",
