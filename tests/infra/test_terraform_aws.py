@@ -529,6 +529,54 @@ def test_a_kms_key_encrypts_the_bucket_and_both_roles_may_use_it(stack: Stack, t
         assert not _allowed(policy, "kms:Encrypt", KMS_KEY), role
 
 
+LONG_NAME = "spotjob-checkpoints-platformteam"  # 32 characters, the most `name` takes
+FITS, TOO_LONG = "vision-research-team-a", "vision-research-team-ab"  # "<name>-training-<key>": 64, 65
+
+
+@pytest.fixture(scope="module")
+def refused_plan(stack: Stack, tf_plugin_dir: Path) -> str:
+    """One plan of the module with inputs each variable's validation passes but AWS refuses
+    together; what it printed, on one line (Terraform wraps its messages). The module is the root,
+    its inputs given with -var."""
+    root = stack.workdir.parent / "refused"
+    shutil.copytree(stack.workdir.parent.parent / "modules" / "aws", root)
+    shutil.copy(stack.workdir / "moto_override.tf", root / "provider.tf")
+    init = terraform(root, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    identities = ", ".join(
+        f'"{key}" = {{ namespace = "ml", service_account = "t", prefix = "{key}" }}' for key in (FITS, TOO_LONG)
+    )
+    inputs = {
+        "oidc_provider_arn": OIDC,
+        "name": LONG_NAME,
+        "create_interruption_queue": "false",
+        "training_identities": f"{{ {identities} }}",
+        "kms_key_arn": KMS_KEY.replace("us-east-1", "eu-west-1"),
+    }
+    variables = [arg for name, value in inputs.items() for arg in ("-var", f"{name}={value}")]
+    plan = terraform(root, "plan", "-input=false", *variables)
+    assert plan.returncode != 0, plan.stdout
+    return " ".join((plan.stdout + plan.stderr).split())
+
+
+def test_a_training_role_name_iam_would_refuse_fails_at_plan_naming_name_and_the_key(refused_plan: str) -> None:
+    """IAM role names are at most 64 characters, and "<name>-training-<key>" reached 73 within what
+    each variable takes. The provider refused it at plan with "expected length of name to be in the
+    range (1 - 64)", naming neither input; a precondition now names both, and which key."""
+    assert "expected length of name" not in refused_plan, refused_plan
+    role = f"{LONG_NAME}-training-{TOO_LONG}"
+    assert f'The IAM role name "{role}" is longer than 64 characters' in refused_plan, refused_plan
+    assert f'shorten name or the training_identities key "{TOO_LONG}"' in refused_plan, refused_plan
+    assert f'The IAM role name "{LONG_NAME}-training-{FITS}"' not in refused_plan, "64 characters are allowed"
+    assert refused_plan.count("Resource precondition failed") == 2, refused_plan  # this role, the key (below)
+
+
+def test_a_kms_key_of_another_region_fails_at_plan(refused_plan: str) -> None:
+    """S3 encrypts only with a key in the bucket's region. A key of another region planned and
+    applied, and then every checkpoint write failed; now the plan refuses it, naming both regions."""
+    assert "kms_key_arn is a key in eu-west-1, but the bucket is in us-east-1" in refused_plan, refused_plan
+
+
 def _bucket_settings(stack: Stack) -> dict[str, Any]:
     s3, bucket = stack.client("s3"), stack.output("checkpoint_bucket")
     return {

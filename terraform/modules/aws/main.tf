@@ -93,6 +93,15 @@ resource "aws_s3_bucket_server_side_encryption_configuration" "this" {
     }
     bucket_key_enabled = var.kms_key_arn != null
   }
+
+  lifecycle {
+    # S3 encrypts only with a key in the bucket's region. Another region's key was accepted here,
+    # and every checkpoint write failed afterwards.
+    precondition {
+      condition     = var.kms_key_arn == null || try(split(":", var.kms_key_arn)[3] == local.region, false)
+      error_message = "kms_key_arn is a key in ${try(split(":", var.kms_key_arn)[3], "another region")}, but the bucket is in ${local.region}: S3 encrypts only with a key in the bucket's region. Use a key (or a multi-Region key's replica) in ${local.region}."
+    }
+  }
 }
 
 # Only what spotjob already let go of expires: noncurrent versions (checkpoints its retention
@@ -260,6 +269,15 @@ resource "aws_iam_role" "training" {
   assume_role_policy   = data.aws_iam_policy_document.training_trust[each.key].json
   max_session_duration = 43200
   tags                 = var.tags
+
+  lifecycle {
+    # IAM role names are at most 64 characters. The provider refused a longer one at plan without
+    # naming the variables that made it (a variable's validation cannot read another variable).
+    precondition {
+      condition     = length("${var.name}-training-${each.key}") <= 64
+      error_message = "The IAM role name \"${var.name}-training-${each.key}\" is longer than 64 characters: shorten name or the training_identities key \"${each.key}\" (together at most 54 characters)."
+    }
+  }
 }
 
 resource "aws_iam_role_policy" "training" {

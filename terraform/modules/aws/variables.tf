@@ -35,7 +35,7 @@ variable "force_destroy" {
 }
 
 variable "kms_key_arn" {
-  description = "A KMS key for the bucket's server-side encryption (SSE-KMS, with an S3 bucket key). Null: SSE-S3 (AES256). The roles get kms:Decrypt and kms:GenerateDataKey on it."
+  description = "A KMS key in the bucket's region (the plan refuses another region's) for the bucket's server-side encryption (SSE-KMS, with an S3 bucket key). Null: SSE-S3 (AES256). The roles get kms:Decrypt and kms:GenerateDataKey on it."
   type        = string
   default     = null
 
