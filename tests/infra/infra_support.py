@@ -9,12 +9,15 @@ what they produce.
   (derived from the test API server's audit log) reads them from here.
 - ``terraform(...)``: the terraform binary with a clean, offline environment.
 - ``plugin_dir()``: the folder holding ``registry.terraform.io`` (a filesystem mirror of providers).
+- ``validation_errors(...)``: a module's variable validations run by ``terraform plan``, no provider
+  needed; ``plan_errors(output)``: a failed plan's errors per module call.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -249,6 +252,35 @@ def terraform(
         text=True,
         env=dict(env) if env is not None else terraform_env(workdir),
     )
+
+
+def plan_errors(output: str) -> dict[str, str]:
+    """The errors of a failed ``terraform plan``, joined per module call they name (``in module
+    "X"``; "" for those that name none)."""
+    errors: dict[str, str] = {}
+    for chunk in output.split("Error: ")[1:]:
+        found = re.search(r'in module "([^"]+)"', chunk)
+        label = found.group(1) if found else ""
+        errors[label] = errors.get(label, "") + "Error: " + chunk
+    return errors
+
+
+def validation_errors(variables_tf: Path, workdir: Path, calls: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Each of ``calls`` (label: {variable: HCL expression}) given to a module made of
+    ``variables_tf`` alone, planned at once: Terraform runs every validation block, and needs no
+    provider (nothing else is in the module). The errors, per label (``plan_errors``)."""
+    module = workdir / "variables_only"
+    module.mkdir(parents=True)
+    shutil.copy(variables_tf, module / "variables.tf")
+    blocks = []
+    for label, inputs in calls.items():
+        lines = "".join(f"  {name} = {value}\n" for name, value in inputs.items())
+        blocks.append(f'module "{label}" {{\n  source = "./variables_only"\n{lines}}}\n')
+    (workdir / "main.tf").write_text("\n".join(blocks))
+    init = terraform(workdir, "init", "-backend=false", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    plan = terraform(workdir, "plan", "-input=false")
+    return plan_errors(plan.stdout + plan.stderr) if plan.returncode != 0 else {}
 
 
 def load_hcl(path: Path) -> dict[str, Any]:

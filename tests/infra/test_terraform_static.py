@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from infra_support import TERRAFORM, hcl_blocks, load_hcl, terraform, terraform_env
+from infra_support import TERRAFORM, hcl_blocks, load_hcl, terraform, terraform_env, validation_errors
 
 DIRS = ["modules/aws", "modules/gcp", "examples/eks", "examples/gke"]
 
@@ -119,3 +119,36 @@ def test_the_readme_states_the_version_floors_of_versions_tf(folder: str) -> Non
     for floor in floors:
         short = re.sub(r"\.0$", "", floor)
         assert f">= {short}" in requirements or f">= {floor}" in requirements, (folder, floor)
+
+
+OIDC = '"arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE"'
+
+
+def test_aws_names_s3_and_sqs_refuse_fail_at_plan_naming_the_variable(terraform_bin: str, tmp_path: Path) -> None:
+    """A bucket_name with two adjacent dots, in an IP address's form, or with a prefix or suffix S3
+    keeps for itself passed the plan and failed at CreateBucket; a fractional retention failed in
+    the provider with "Attribute must be a whole number", naming neither variable. Each is now
+    refused by the variable's validation; the names and the retention S3 and SQS take still pass."""
+    refused_names = {
+        "adjacent_dots": "my..checkpoints",
+        "ip_address": "192.168.10.20",
+        "punycode": "xn--checkpoints",
+        "sthree": "sthree-checkpoints",
+        "demo": "amzn-s3-demo-checkpoints",
+        "access_point_alias": "checkpoints-s3alias",
+        "object_lambda_alias": "checkpoints--ol-s3",
+        "multi_region_access_point": "checkpoints.mrap",
+        "directory_bucket": "checkpoints--x-s3",
+    }
+    accepted_names = {"dotted": "checkpoints.example-1", "digits_and_dots": "10.20.example", "default": None}
+    calls = {
+        label: {"oidc_provider_arn": OIDC, **({"bucket_name": f'"{name}"'} if name else {})}
+        for label, name in {**refused_names, **accepted_names}.items()
+    }
+    calls["fractional_retention"] = {"oidc_provider_arn": OIDC, "queue_message_retention_seconds": "90.5"}
+    calls["whole_retention"] = {"oidc_provider_arn": OIDC, "queue_message_retention_seconds": "90"}
+    errors = validation_errors(TERRAFORM / "modules" / "aws" / "variables.tf", tmp_path, calls)
+    assert set(errors) == {*refused_names, "fractional_retention"}, errors
+    for label in refused_names:
+        assert "bucket_name must be a name S3 accepts" in errors[label], errors[label]
+    assert "queue_message_retention_seconds must be a whole number" in errors["fractional_retention"]

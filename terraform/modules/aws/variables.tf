@@ -26,6 +26,11 @@ variable "bucket_name" {
     condition     = var.bucket_name == null || can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket_name))
     error_message = "bucket_name must be a valid S3 bucket name: 3 to 63 lowercase letters, digits, '.' and '-'."
   }
+  # The rest of S3's naming rules: CreateBucket refused these at apply, after the plan had passed.
+  validation {
+    condition     = var.bucket_name == null || !can(regex("(\\.\\.|^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$|^xn--|^sthree-|^amzn-s3-demo-|-s3alias$|--ol-s3$|\\.mrap$|--x-s3$|--table-s3$)", var.bucket_name))
+    error_message = "bucket_name must be a name S3 accepts: no two adjacent '.', not an IP address, not beginning with xn--, sthree- or amzn-s3-demo-, not ending in -s3alias, --ol-s3, .mrap, --x-s3 or --table-s3."
+  }
 }
 
 variable "force_destroy" {
@@ -150,8 +155,8 @@ variable "queue_message_retention_seconds" {
   default     = 300
 
   validation {
-    condition     = var.queue_message_retention_seconds >= 60 && var.queue_message_retention_seconds <= 1209600
-    error_message = "queue_message_retention_seconds must be between 60 and 1209600 (SQS limits)."
+    condition     = var.queue_message_retention_seconds >= 60 && var.queue_message_retention_seconds <= 1209600 && floor(var.queue_message_retention_seconds) == var.queue_message_retention_seconds
+    error_message = "queue_message_retention_seconds must be a whole number of seconds from 60 to 1209600 (SQS limits)."
   }
 }
 
