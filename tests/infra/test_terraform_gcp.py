@@ -3,9 +3,10 @@ cannot validate it. python-hcl2 parses it; these tests read the settings that ma
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from infra_support import TERRAFORM, hcl_blocks, load_hcl
+from infra_support import TERRAFORM, hcl_blocks, load_hcl, validation_errors
 
 MODULE = TERRAFORM / "modules" / "gcp"
 RESOURCES = hcl_blocks(load_hcl(MODULE / "main.tf"), "resource")
@@ -135,3 +136,25 @@ def test_kms_key_name_must_name_a_crypto_key() -> None:
     ):
         assert not re.search(pattern, wrong), wrong
     assert "cryptoKeys/KEY" in validation["error_message"]
+
+
+def test_a_training_identity_key_ending_in_a_hyphen_is_refused_at_plan(terraform_bin: str, tmp_path: Path) -> None:
+    """Service account IDs end in a letter or digit, and the key ends "<name>-training-<key>": a
+    key such as "ml-" passed the validation and failed at apply, when Google refused the account.
+    Terraform runs the module's variable validations here (they need no google provider)."""
+
+    def identities(key: str) -> dict[str, str]:
+        return {
+            "project_id": '"example-project"',
+            "location": '"us-central1"',
+            "training_identities": f'{{ "{key}" = {{ namespace = "ml", service_account = "t", prefix = "ml" }} }}',
+        }
+
+    refused = {"trailing_hyphen": "ml-", "one_hyphen_more": "ml-team-"}
+    accepted = {"short": "ml", "hyphen_inside": "ml-team", "one_character": "a", "eight": "ml-team1"}
+    calls = {label: identities(key) for label, key in {**refused, **accepted}.items()}
+    errors = validation_errors(MODULE / "variables.tf", tmp_path, calls)
+    assert set(errors) == set(refused), errors
+    for label in refused:
+        assert "training_identities keys name service accounts" in errors[label], errors[label]
+        assert "ending with a letter or digit" in errors[label], errors[label]

@@ -125,8 +125,8 @@ variable "training_identities" {
     error_message = "No training_identities prefix may lie inside another's (\"a\" and \"a/b\")."
   }
   validation {
-    condition     = alltrue([for k in keys(var.training_identities) : can(regex("^[a-z0-9][a-z0-9-]{0,7}$", k))])
-    error_message = "training_identities keys name service accounts: up to 8 lowercase letters, digits and '-' (service account IDs are at most 30 characters)."
+    condition     = alltrue([for k in keys(var.training_identities) : can(regex("^[a-z0-9]([a-z0-9-]{0,6}[a-z0-9])?$", k))])
+    error_message = "training_identities keys name service accounts: up to 8 lowercase letters, digits and '-', beginning and ending with a letter or digit (service account IDs are at most 30 characters and end in one)."
   }
 }
 
