@@ -91,6 +91,22 @@ def _local_world_size(world_size: int) -> int | None:
     return 1 if world_size == 1 else None
 
 
+def _uri_text(uri: Any) -> str:
+    """The checkpoint URI as a string: a ``pathlib.Path`` (any ``os.PathLike`` naming a str path) is
+    the folder it names; anything else but a string is a ``TypeError`` naming it (an int or a Path
+    reached the URI parser as an ``AttributeError`` about ``strip``)."""
+    if uri is None:
+        return ""  # open_storage says the URI is empty, and what to write
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if not isinstance(uri, str):
+        raise TypeError(
+            f"the checkpoint URI must be a string (s3://bucket/prefix, gs://bucket/prefix or a folder's path) "
+            f"or a pathlib.Path, got {uri!r} ({type(uri).__name__})"
+        )
+    return uri
+
+
 class Checkpointer(_Saving, _Restoring):
     """Save and restore a training job's full state; see ``agent.checkpoint`` for the call order.
 
@@ -134,6 +150,7 @@ class Checkpointer(_Saving, _Restoring):
         read_only: bool = False,
         replicas: str = "identical",
     ) -> None:
+        uri = _uri_text(uri)
         # Under an agent, the channel and the job's identity come from it, whatever the script passed.
         env = load(CheckpointerEnv)
         control_dir = control_dir or env.control_dir

@@ -203,6 +203,19 @@ def test_from_env_names_a_policy_variable_that_would_never_save_or_keep_everythi
     assert written(tmp_path / "ckpt") == []
 
 
+def test_a_pathlib_path_names_the_folder_and_a_uri_that_is_not_text_is_a_type_error(tmp_path: Path) -> None:
+    """``Checkpointer(tmp_path / "ckpt")`` is how a script holding a ``Path`` writes it: it failed with
+    an ``AttributeError`` about ``strip`` from the URI parser, and so did an int."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, every_steps=1) as ckpt:
+        assert ckpt.storage.uri == f"file://{root}"
+        ckpt.step(1, make_state(0))
+    assert written(root) == ["step-000000001"]
+    for value in (123, b"/tmp/ckpt"):
+        with pytest.raises(TypeError, match=r"^the checkpoint URI must be a string .* got "):
+            Checkpointer(value)  # type: ignore[arg-type]
+
+
 def test_numpy_integers_are_whole_numbers_of_steps(tmp_path: Path) -> None:
     numpy = pytest.importorskip("numpy")
     with Checkpointer(str(tmp_path / "ckpt"), every_steps=numpy.int64(5), keep=numpy.int32(2)) as ckpt:
