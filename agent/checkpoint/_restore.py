@@ -392,11 +392,16 @@ class _Restoring(_Voting):
                     tried.append((ref, reason))
                 continue
             manifest = judged.pop(ref, None) or Manifest.parse(manifest_json.encode())
-            missing = sorted(set(state) - set(manifest.state_keys))
+            # Agreed: a key that only some ranks' state holds would raise on those ranks alone and
+            # leave the others waiting in the restore's next collective for ever.
+            missing_on = self._all_gather(sorted(set(state) - set(manifest.state_keys)), self._ctl_pg)
+            missing = sorted(set().union(*missing_on))
             if missing and not self.config.start_fresh:
+                ranks = [r for r, keys in enumerate(missing_on) if keys]
+                which = "" if len(ranks) == len(missing_on) else f" (the state of rank(s) {ranks} holds them)"
                 raise MissingStateKeysError(
                     f"checkpoint {url(ref.folder)} holds state keys {manifest.state_keys}; "
-                    f"it lacks {missing}. Restore with the keys it was saved with, start fresh on purpose "
+                    f"it lacks {missing}{which}. Restore with the keys it was saved with, start fresh on purpose "
                     f"(Checkpointer(..., start_fresh=True) or {ENV_START_FRESH}=1), or use a new URI.",
                     [(url(ref.folder), f"lacks state keys {missing}")],
                 )

@@ -191,6 +191,24 @@ _WAIT_SLICE_S = 0.25
 """How often ``wait()`` wakes while a save is in flight, so that a signal's handler runs (see there)."""
 
 
+def _keys_differ(keys_by_rank: list[list[str]]) -> list[str]:
+    """(rank 0, before the commit) The error when the ranks handed states with other keys: the
+    manifest records rank 0's, so a rank's own key would make the checkpoint refuse the very state
+    that saved it (``MissingStateKeysError`` on restore), and a key only rank 0 holds is absent
+    from the other ranks' files."""
+    first = set(keys_by_rank[0])
+    for rank, keys in enumerate(keys_by_rank[1:], start=1):
+        if set(keys) != first:
+            only_0, only_r = sorted(first - set(keys)), sorted(set(keys) - first)
+            return [
+                f"the ranks handed states with other keys: rank 0's holds {sorted(first)}, rank {rank}'s "
+                f"{sorted(keys)} (only rank 0: {only_0}, only rank {rank}: {only_r}); every rank must hand the "
+                "same keys (a rank without a part of the model hands it empty), or the checkpoint would not "
+                "restore into the state that saved it"
+            ]
+    return []
+
+
 def _writing_failure(e: BaseException, staging: str) -> str:
     """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
     unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota,
@@ -642,22 +660,22 @@ class _Saving(_Voting):
                 error, infra = f"rank {self.rank}: upload failed: {said}", _is_infrastructure(e)
         elif error is None and fenced is None:
             error = "rank 0 could not name the checkpoint folder"
-        gathered = self._all_gather((files, error, infra, save.cancel.is_set()), group=self._save_pg)
+        gathered = self._all_gather((files, error, infra, save.cancel.is_set(), save.state_keys), group=self._save_pg)
         if save.renewal is not None:
             # Every rank's files are written: nothing renews the claim after this (the commit, or
             # the removal of the failed save's files, must not meet a claim written again).
             save.renewal.stop()
-        save.given_up = any(cancelled for _, _, _, cancelled in gathered)
+        save.given_up = any(cancelled for _, _, _, cancelled, _ in gathered)
         outcome: tuple[str | None, str | None, bool, bool] = (None, fenced, fenced is not None, False)
         commit_files: list[tuple[str, int, str]] = []
         committed_bytes = 0
         if self.rank == 0 and fenced is None:
-            errors = [e for _, e, _, _ in gathered if e]
+            errors = [e for _, e, _, _, _ in gathered if e] or _keys_differ([keys for *_, keys in gathered])
             if errors:
-                outcome = (None, "; ".join(errors), False, any(i for _, _, i, _ in gathered))
+                outcome = (None, "; ".join(errors), False, any(i for _, _, i, _, _ in gathered))
             else:
                 try:
-                    commit_files = [f for fs, _, _, _ in gathered for f in fs]
+                    commit_files = [f for fs, *_ in gathered for f in fs]
                     committed_bytes = sum(size for _, size, _ in commit_files)
                     outcome = (self._commit(save, folder or "", commit_files), None, False, False)
                 except FencedError as e:

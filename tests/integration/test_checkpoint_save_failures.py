@@ -230,3 +230,25 @@ def test_a_save_thread_that_cannot_start_runs_its_work_in_the_callers_thread_and
     assert committed_steps(uri) == [1, 2, 3]
     if thread == "spotjob-save":
         assert "could not start the save thread" in case_log(out)
+
+
+def test_ranks_whose_states_hold_other_keys_fail_the_save_and_the_restore_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's state holds a key rank 0's does not. The save committed (the manifest lists rank 0's
+    keys), so the very state that saved it could not restore it; and that restore raised
+    MissingStateKeysError on rank 1 alone while rank 0 went on into the restore's next collective
+    and waited there for ever. Now the save fails on every rank naming both lists, commits nothing,
+    and the restore raises on every rank, naming the rank."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
+    harness.torchrun(2, FAILURES, "keys-differ", "--uri", uri, "--out", str(out), timeout=120)
+    for rank, text in enumerate(outcomes(out)):
+        lines = text.splitlines()
+        assert lines[0] == "save(1): None", f"rank {rank}: {text}"
+        assert lines[1].startswith("save(2): SaveFailedError: checkpoint of step 2 in "), f"rank {rank}: {text}"
+        assert (
+            "rank 1's ['counter', 'extra', 'model', 'optim', 'sched'] (only rank 0: [], only rank 1: ['extra'])"
+            in lines[1]
+        ), f"rank {rank}: {text}"
+        assert lines[2].startswith("restore(uneven): MissingStateKeysError: checkpoint "), f"rank {rank}: {text}"
+        assert "it lacks ['extra'] (the state of rank(s) [1] holds them)" in lines[2], f"rank {rank}: {text}"
+        assert lines[3] == "restore(same): 1", f"rank {rank}: {text}"
+    assert committed_steps(uri) == [1]

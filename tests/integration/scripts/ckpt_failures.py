@@ -29,6 +29,10 @@
         records each call's outcome
     ckpt_failures.py after-close --uri U --out O
         step(), save() and restore() after close(), each on every rank
+    ckpt_failures.py keys-differ --uri U --out O
+        save(1) of the same keys on every rank; then save(2) and restore() of a state whose rank 1
+        holds one key more ("extra"); then restore() of the same keys again; every rank records
+        each call's outcome
     ckpt_failures.py no-save-thread --uri U --out O --thread {spotjob-save,spotjob-name}
         async saves of steps 1, 2 and 3 (every_steps=1); the thread of step 2 named --thread cannot
         start (RuntimeError "can't start new thread", as under a pids or ulimit -u limit): the save
@@ -67,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from ckpt_state import make_state, train
+from ckpt_state import Counter, make_state, train
 
 from agent.checkpoint import Checkpointer
 
@@ -395,6 +399,27 @@ def after_close(args: argparse.Namespace, rank: int) -> None:
     dist.barrier()
 
 
+def keys_differ(args: argparse.Namespace, rank: int) -> None:
+    state = make_state(rank)
+    uneven = {**state, "extra": Counter(rank)} if rank == 1 else state
+    lines = []
+    with Checkpointer(args.uri, keep=None) as ckpt:
+        for name, call in (
+            ("save(1)", lambda: ckpt.save(1, state)),
+            ("save(2)", lambda: ckpt.save(2, uneven)),
+            ("restore(uneven)", lambda: ckpt.restore(uneven)),
+            ("restore(same)", lambda: ckpt.restore(state)),
+        ):
+            try:
+                result = call()
+                ckpt.wait()
+                lines.append(f"{name}: {result}")
+            except Exception as e:
+                lines.append(f"{name}: {type(e).__name__}: {e}")
+    write(Path(f"{args.out}.rank{rank}"), "\n".join(lines))
+    dist.barrier()
+
+
 def no_save_thread(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     start = threading.Thread.start
@@ -439,6 +464,7 @@ def main() -> None:
         "failure-raised-before-its-vote": failure_raised_before_its_vote,
         "flush-with-failed-save": flush_with_failed_save,
         "no-save-thread": no_save_thread,
+        "keys-differ": keys_differ,
     }
     p.add_argument("command", nargs="?", choices=list(commands))
     p.add_argument("--cases", help="a JSON list of option sets, each run in turn (see the module's docstring)")
