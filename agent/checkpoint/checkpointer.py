@@ -157,6 +157,11 @@ class Checkpointer(_Saving, _Restoring):
         # The node's staging folder is the agent's to choose (its prefetch fills the job's folder
         # there; a Kubernetes worker's staging volume): whatever constructor built this one.
         staging_dir = staging_dir if staging_dir is not None else env.staging_dir
+        if staging_dir:
+            # A relative folder is the one it names now, as a relative URI is: a script that
+            # changes its working folder later would otherwise stage each save elsewhere than the
+            # folder checked and cleaned here, where no later Checkpointer cleans a killed save's copy.
+            staging_dir = os.path.abspath(staging_dir)
         job = job if job is not None else env.job_name
         if attempt is not None and env.attempt is not None and attempt != env.attempt and not read_only:
             # Fencing compares the attempt each manifest records with the newest the controller

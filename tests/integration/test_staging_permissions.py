@@ -125,6 +125,27 @@ def test_a_staging_dir_that_is_or_lies_under_a_regular_file_is_refused_at_constr
     assert a_file.read_text() == "not a folder"
 
 
+def test_a_relative_staging_dir_names_the_folder_it_named_when_the_checkpointer_was_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that changes its working folder after building the Checkpointer (a run folder per
+    experiment) staged each save under the new folder: not the one checked and cleaned at
+    construction, so a killed save's copy there was never removed, and where that name is a file
+    every save failed."""
+    (tmp_path / "built").mkdir()
+    (tmp_path / "later").mkdir()
+    (tmp_path / "later" / "stage").write_text("not a folder")
+    monkeypatch.chdir(tmp_path / "built")
+    state = make_state(0)
+    with Checkpointer(str(tmp_path / "ckpt"), staging_dir="stage", async_save=False) as ckpt:
+        monkeypatch.chdir(tmp_path / "later")
+        ckpt.save(1, state)
+        assert ckpt.config.staging_dir == str(tmp_path / "built" / "stage")
+    assert (tmp_path / "ckpt" / "step-000000001" / "MANIFEST.json").is_file()
+    assert (tmp_path / "later" / "stage").read_text() == "not a folder"
+    assert (tmp_path / "built" / "stage").is_dir()
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_a_folder_uri_that_is_or_lies_under_a_regular_file_is_refused_naming_the_uri_with_the_default_staging(
     tmp_path: Path, under: bool
