@@ -133,7 +133,7 @@ class Checkpointer(_Saving, _Restoring):
 
     def __init__(
         self,
-        uri: str,
+        uri: str | os.PathLike[str],
         every_steps: int | None = None,
         keep: int | None = 3,
         *,
