@@ -42,7 +42,7 @@ from agent.streams import log_to_stderr, tolerate_unencodable_output
 from agent.version import version_line
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.kubectl_common import EXIT_FAILED, EXIT_USAGE, FLUSH_WAIT_MARGIN, PROG, UsageError, print_error
-from orchestrator.model import FLUSH_REQUEST_ANNOTATION
+from orchestrator.model import FLUSH_REASON_MAX_LENGTH, FLUSH_REQUEST_ANNOTATION
 
 # The commands (and the kubernetes client, storage and checkpoint modules they bring, about half
 # a second) are imported once the command line is parsed: --help and a bad command line do
@@ -120,6 +120,15 @@ def _duration(text: str) -> float:
 def _job_name(text: str) -> str:
     if not _NAME.match(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a SpotJob name (lowercase letters, digits, '-' and '.')")
+    return text
+
+
+def _reason(text: str) -> str:
+    """A flush request's reason as the controller takes it (its whitespace collapsed, as sent): a
+    longer one would make the controller refuse the whole request, under an id of its own."""
+    length = len(" ".join(text.split()))
+    if length > FLUSH_REASON_MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"--reason has {length} characters; at most {FLUSH_REASON_MAX_LENGTH}")
     return text
 
 
@@ -234,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-running", action="store_true", help="commit a checkpoint and keep training (mode checkpoint)"
     )
-    p.add_argument("--reason", default="", help="why, for the job's status and Events")
+    p.add_argument(
+        "--reason",
+        type=_reason,
+        default="",
+        help=f"why, for the job's status and Events (at most {FLUSH_REASON_MAX_LENGTH} characters)",
+    )
     p.add_argument(
         "--wait",
         action="store_true",

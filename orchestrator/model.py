@@ -637,6 +637,8 @@ FLUSH_REQUEST_ANNOTATION = "spotjob.dev/flush-request"
 
 FlushMode = Literal["restart", "checkpoint"]
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+FLUSH_REASON_MAX_LENGTH = 1000
+"""The longest ``reason`` of a flush request: a longer one makes the whole request Invalid."""
 
 
 class FlushRequest(_Resource):
@@ -651,7 +653,7 @@ class FlushRequest(_Resource):
 
     id: str = Field(pattern=_REQUEST_ID_RE.pattern, description="unique per request: letters, digits, ._:-")
     mode: FlushMode = Field(description="restart | checkpoint")
-    reason: str = Field(default="", max_length=1000, description="why, for people")
+    reason: str = Field(default="", max_length=FLUSH_REASON_MAX_LENGTH, description="why, for people")
     requested_at: datetime | None = Field(default=None, description="when it was asked for (RFC 3339)")
 
 

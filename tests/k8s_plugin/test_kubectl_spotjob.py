@@ -856,6 +856,9 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
         (["flush", "x", "--wait", "--timeout", "1e400"], "'1e400' is not a finite duration"),
         (["flush", "x", "--wait", "--timeout", "169h"], "'169h' is longer than a week (168h)"),
         (["status", "--request-timeout", "inf"], "'inf' is not a finite duration"),
+        # The controller takes a longer reason for no request at all (Invalid, under an id of its
+        # own): `flush --wait` waited out its timeout and blamed the controller.
+        (["flush", "x", "--reason", "why " * 250 + "so"], "--reason has 1002 characters; at most 1000"),
         (["status", "Bad_Name"], "is not a SpotJob name"),
         (["events"], "the following arguments are required: NAME"),
         (["status", "-o", "yaml"], "invalid choice: 'yaml'"),
