@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -192,6 +193,9 @@ def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: st
     )
 
 
+_REQUEST_PREFIX = re.compile(r"^flush request \S+ \(\w+\): ")
+
+
 def _report_flush(answer: dict[str, Any], wanted: str) -> int:
     """Print the controller's answer; exit 0 when it committed a checkpoint, 1 when not."""
     outcome = shown(str(answer.get("outcome") or "no outcome given"))
@@ -202,7 +206,10 @@ def _report_flush(answer: dict[str, Any], wanted: str) -> int:
     if step is not None:
         print(f"{head}: {outcome}, step {step} committed")
         return EXIT_OK
-    print(f"{head}: {outcome}; no checkpoint was committed")
+    # Why not (the job was not Running, the flush timed out, the gang stopped first), as the
+    # controller recorded it, less the "flush request <id> (<mode>): " its messages start with.
+    why = _REQUEST_PREFIX.sub("", str(answer.get("message") or ""), count=1)
+    print(f"{head}: {outcome}; no checkpoint was committed" + (f" ({shown(why)})" if why else ""))
     return EXIT_FAILED
 
 

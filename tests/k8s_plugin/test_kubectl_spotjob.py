@@ -565,6 +565,12 @@ def test_flush_keep_running_asks_for_a_checkpoint_only(cluster: TestCluster, nam
     [
         ({"outcome": "Committed", "step": 1450}, 0, "flush (restart): Committed, step 1450 committed"),
         ({"outcome": "NotCommitted"}, 1, "flush (restart): NotCommitted; no checkpoint was committed"),
+        # Why not, as the controller recorded it: the outcome alone sent the operator to `status`.
+        (
+            {"outcome": "Skipped", "message": "flush request r (restart): the job is Pending: no gang to flush"},
+            1,
+            "flush (restart): Skipped; no checkpoint was committed (the job is Pending: no gang to flush)",
+        ),
     ],
 )
 def test_flush_wait_prints_the_controllers_answer_and_exits_by_whether_a_step_was_committed(
