@@ -481,10 +481,13 @@ class SpotJobClient:
                     "client certificate or credential plugin"
                 )
             else:
+                # Only a ClusterRole grants a request at the cluster scope (`status -A`).
+                cluster_wide = resource.namespaced and namespace is None
+                grant = "ClusterRole (bound with a ClusterRoleBinding)" if cluster_wide else "Role"
                 message = (
                     f"forbidden: RBAC does not let you {verb} {what}{where}"
                     + (f" ({detail})" if detail else "")
-                    + f". Ask your cluster admin for a Role granting {verb} on {what}"
+                    + f". Ask your cluster admin for a {grant} granting {verb} on {what}"
                     + ' (the README\'s "kubectl spotjob" section lists what each command needs)'
                 )
             return AccessDenied(message, verb=str(verb), resource=what, namespace=namespace, status=error.status)

@@ -658,6 +658,21 @@ def test_a_user_rbac_refuses_to_patch_hears_which_verb_on_which_resource(
     assert flush_annotation(cluster.rest.get(jobs_path(namespace, "guarded"))) is None
 
 
+def test_a_user_rbac_refuses_to_list_jobs_of_every_namespace_hears_it_takes_a_clusterrole(
+    cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
+) -> None:
+    """`status -A` lists at the cluster scope, which no Role can grant: the advice named a Role."""
+    cluster.add_fault(
+        Fault(user=USER, verb="list", resource="spotjobs", path="/apis/spotjob.dev/v1alpha1/spotjobs", status=403)
+    )
+
+    proc = spotjob("status", "-A")
+
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "forbidden: RBAC does not let you list spotjobs.spotjob.dev at the cluster scope" in proc.stderr
+    assert "Ask your cluster admin for a ClusterRole (bound with a ClusterRoleBinding) granting list" in proc.stderr
+
+
 def test_a_user_who_may_not_list_pods_still_gets_the_status_from_the_controllers_view(
     cluster: TestCluster, namespace: str, spotjob: Run, test_apiserver_only: None
 ) -> None:
