@@ -66,9 +66,10 @@ class TransferSettings:
 
     upload_part_size: int = 8 * MiB
     """Bytes per S3 multipart part; S3 raises it to 5 MiB (its minimum part) and to size/10000 (its
-    part-count limit). Smaller than ``part_size``: a flush's shard goes up in more parts at once
-    (boto3 and the AWS CLI send 8 MiB parts too), and the parts in flight hold
-    ``concurrency x upload_part_size`` of memory (64 MiB) rather than 512 MiB."""
+    part-count limit), and lowers it to 5 GiB (its largest part). Smaller than ``part_size``: a
+    flush's shard goes up in more parts at once (boto3 and the AWS CLI send 8 MiB parts too), and
+    the parts in flight hold ``concurrency x upload_part_size`` of memory (64 MiB) rather than
+    512 MiB."""
 
     upload_chunk_size: int = 100 * MiB
     """Bytes per GCS resumable-upload chunk (rounded up to 256 KiB, GCS's granularity). An object's
@@ -77,7 +78,8 @@ class TransferSettings:
     memory."""
 
     multipart_threshold: int = 64 * MiB
-    """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT."""
+    """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT (but
+    never one above S3's largest PUT, 5 GiB, or GCS's simple-upload limit, 8 MiB)."""
 
     concurrency: int = 8
     """Parts or ranges in flight at once per storage object, whatever the number of files."""

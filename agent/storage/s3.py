@@ -85,6 +85,7 @@ from agent.storage._s3_errors import (
     _without_userinfo,
 )
 from agent.storage._transfer import (
+    GiB,
     MiB,
     PrefixedKeys,
     RangeSink,
@@ -118,7 +119,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 S3_MIN_PART = 5 * MiB
+S3_MAX_PART = 5 * GiB
 S3_MAX_PARTS = 10_000
+S3_MAX_PUT = 5 * GiB  # PutObject's largest body: a bigger file goes up in parts, whatever the threshold
 DELETE_BATCH = 1000  # DeleteObjects' limit
 LIST_PAGE_SIZE = 1000  # ListObjectsV2's maximum
 _READ_CHUNK = 1 * MiB
@@ -315,7 +318,7 @@ class S3Storage(PrefixedKeys, Storage):
         reading = f"cannot read the local file {local_path} (uploading to {self.url(key)})"
         with local_file(reading, key):
             size = os.path.getsize(local_path)
-        if size < self.settings.multipart_threshold:
+        if size < self.settings.multipart_threshold and size <= S3_MAX_PUT:
             with local_file(reading, key), open(local_path, "rb") as f:
                 data = f.read()
             check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
@@ -430,7 +433,9 @@ class S3Storage(PrefixedKeys, Storage):
     ) -> None:
         obj = self._object_key(key)
         url = self.url(key)
-        part_size = max(self.settings.upload_part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS))
+        # S3 refuses a part above 5 GiB (EntityTooLarge) for good; size/10000 stays below it up
+        # to S3's largest object (5 TiB).
+        part_size = min(max(self.settings.upload_part_size, S3_MIN_PART, -(-size // S3_MAX_PARTS)), S3_MAX_PART)
         parts = spans(size, part_size)
         upload = self._retrying(
             f"CreateMultipartUpload {url}",

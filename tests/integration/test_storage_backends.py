@@ -398,6 +398,37 @@ def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_siz
     assert ranges == [size], "read back in one range of SPOTJOB_STORAGE_PART_SIZE"
 
 
+def test_s3_keeps_within_its_largest_put_and_part_whatever_the_sizes_set(
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    s3_client: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S3 refuses a PutObject above 5 GiB and a part above 5 GiB (EntityTooLarge) for good: a
+    SPOTJOB_STORAGE_MULTIPART_THRESHOLD or SPOTJOB_STORAGE_UPLOAD_PART_SIZE set higher (to turn
+    multipart off, or a unit slip) failed every save of a shard that big, after reading it whole
+    into memory. moto takes any size, so the limits are shrunk here to what it can hold."""
+    monkeypatch.setattr(s3_backend, "S3_MAX_PUT", 2 * PART)
+    monkeypatch.setattr(s3_backend, "S3_MAX_PART", 2 * PART)
+    monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "1TiB")
+    monkeypatch.setenv("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", "1TiB")
+    uri = fresh_uri("s3")
+    bucket = urlparse(uri).netloc
+    src = tmp_path / "src.bin"
+    crc, size = write_random(src, 4 * PART + 123)
+    store = make_storage(uri)
+    store.put_file(str(src), "step-1/shard", crc32c=crc)
+    # A multipart object's ETag ends with its part count: parts of the largest size, 3 of them.
+    assert s3_client.head_object(Bucket=bucket, Key="jobs/run1/step-1/shard")["ETag"].strip('"').endswith("-3")
+    store.get_file("step-1/shard", str(tmp_path / "back.bin"), size=size, crc32c=crc)
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    # Up to the largest PutObject, one PUT as before.
+    crc, _ = write_random(src, 2 * PART)
+    store.put_file(str(src), "step-1/small", crc32c=crc)
+    assert "-" not in s3_client.head_object(Bucket=bucket, Key="jobs/run1/step-1/small")["ETag"]
+
+
 def test_gcs_sends_chunks_of_the_upload_chunk_size_and_reads_ranges_of_the_part_size(
     fresh_uri: Callable[[str], str],
     make_storage: Callable[[str], Storage],
