@@ -19,6 +19,7 @@ from botocore.exceptions import (
     ParamValidationError,
     PartialCredentialsError,
     ProfileNotFound,
+    ReadTimeoutError,
     SSLError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
@@ -226,13 +227,33 @@ def _storage_error(
             "~/.aws/credentials) holds; add it there, or unset the variable",
             key,
         )
-    if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
+    if isinstance(e, ConnectTimeoutError):
+        seconds = _TIMEOUT.search(str(e.kwargs.get("error", "")))
+        after = f"after {float(seconds.group(2)):g} s " if seconds else ""
+        return TransientStorageError(
+            f"{what}: {_without_userinfo(str(e))}: timed out {after}(SPOTJOB_STORAGE_CONNECT_TIMEOUT_S); "
+            f"check {_endpoint_source()}",
+            key,
+        )
+    if isinstance(e, EndpointConnectionError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
     if isinstance(e, SSLError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; {_tls_hint(_endpoint_source())}", key)
+    if isinstance(e, ReadTimeoutError):
+        # botocore names the URL, not the wait: urllib3's error under it says the seconds.
+        seconds = _TIMEOUT.search(str(e.kwargs.get("error", "")))
+        within = f"within {float(seconds.group(2)):g} s " if seconds else ""
+        return TransientStorageError(
+            f"{what}: {_without_userinfo(str(e))}: no answer {within}(SPOTJOB_STORAGE_READ_TIMEOUT_S); "
+            f"check {_endpoint_source()}",
+            key,
+        )
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+_TIMEOUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
 
 
 def _tls_hint(check: str) -> str:

@@ -264,6 +264,7 @@ def _refused_elsewhere(detail: str) -> str | None:
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
 _SSL_REASON = re.compile(r"\[SSL[^\]]*\][^'\"]*")
+_TIMED_OUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
 
 
 def _connection_failure(e: Exception) -> str:
@@ -277,6 +278,19 @@ def _connection_failure(e: Exception) -> str:
         ssl = _SSL_REASON.search(text)
         why = f" ({ssl.group(0).strip()})" if ssl else ""
         return f"SSLError: the TLS handshake{where} failed{why}; check {check}: {TLS_SLIP}"
+    timed_out = _TIMED_OUT.search(text)
+    if pool is not None and timed_out is not None:
+        # urllib3 says the seconds but not the setting, in its pool repr with the request's URL.
+        seconds = f"{float(timed_out.group(2)):g} s"
+        if timed_out.group(1) == "connect":
+            return (
+                f"cannot connect to {pool.group(1)}:{pool.group(2)} (timed out after {seconds}: "
+                f"SPOTJOB_STORAGE_CONNECT_TIMEOUT_S); check {check}"
+            )
+        return (
+            f"no answer from {pool.group(1)}:{pool.group(2)} within {seconds} (SPOTJOB_STORAGE_READ_TIMEOUT_S); "
+            f"check {check}"
+        )
     if pool is None or reason is None:
         return f"{type(e).__name__}: {text}"
     return f"cannot connect to {pool.group(1)}:{pool.group(2)} ({reason.group(1).strip()}); check {check}"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 import threading
+import time
 from pathlib import Path
 
 import botocore.exceptions
@@ -363,6 +365,96 @@ def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_
     assert f"PUT gs://b/run/k bytes 0-2/3: cannot connect to 127.0.0.1:{port} (" in said
     assert "check STORAGE_EMULATOR_HOST and the network" in said
     assert "SESSIONSECRET" not in said and "upload_id" not in said
+
+
+def _a_port_that_never_accepts() -> tuple[socket.socket, list[socket.socket]]:
+    """A loopback listener whose accept queue is full: a new connection's SYN is dropped, so a
+    connect times out (as to a firewalled endpoint). Close what it returns."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filling = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(listener.getsockname())
+        filling.append(c)
+    time.sleep(0.1)
+    return listener, filling
+
+
+def test_an_endpoint_that_times_out_connecting_names_the_host_the_timeout_and_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect timeout (a firewalled or blackholed endpoint) said, on GCS, urllib3's pool repr
+    with the request's path and query, without STORAGE_EMULATOR_HOST, and a resumable upload's
+    chunk only "ConnectTimeout", where a refused connection names the host and the variable;
+    neither backend named the setting that bounds the wait."""
+    listener, filling = _a_port_that_never_accepts()
+    port = listener.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", "0.3")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1")
+    storage = open_storage("gs://b/run")
+    s3_storage = open_storage("s3://b/run")
+    try:
+        with pytest.raises(TransientStorageError) as listing:
+            list(storage.list())
+        session = f"http://127.0.0.1:{port}/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SESSIONSECRET"
+        upload = gs_backend._ResumableUpload(storage, session, "gs://b/run/k", "run/k", 3)  # type: ignore[arg-type]
+        with pytest.raises(TransientStorageError) as chunk:
+            upload.send(0, b"abc", crc(b"abc"))
+        with pytest.raises(TransientStorageError) as s3_get:
+            s3_storage.get_bytes("k")
+    finally:
+        storage.close()
+        s3_storage.close()
+        for c in (listener, *filling):
+            c.close()
+    for said in (str(listing.value), str(chunk.value)):
+        assert f"cannot connect to 127.0.0.1:{port} (timed out after 0.3 s: SPOTJOB_STORAGE_CONNECT_TIMEOUT_S)" in said
+        assert "check STORAGE_EMULATOR_HOST and the network" in said
+        assert "HTTPConnectionPool" not in said and "SESSIONSECRET" not in said
+    said = str(s3_get.value)
+    assert f"127.0.0.1:{port}" in said and "timed out after 0.3 s (SPOTJOB_STORAGE_CONNECT_TIMEOUT_S)" in said, said
+    assert "check AWS_ENDPOINT_URL" in said
+
+
+def test_a_store_that_accepts_but_never_answers_names_the_read_timeout_and_where_the_endpoint_comes_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung endpoint (accepts, then says nothing) said only "Read timed out": neither the setting
+    that bounds the wait nor the variable that chose the endpoint."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # connections complete in the kernel; nothing ever reads or answers
+    port = listener.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("SPOTJOB_STORAGE_READ_TIMEOUT_S", "0.3")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1")
+    said = {}
+    try:
+        for scheme in ("gs", "s3"):
+            storage = open_storage(f"{scheme}://b/run")
+            try:
+                with pytest.raises(TransientStorageError) as raised:
+                    storage.get_bytes("k")
+            finally:
+                storage.close()
+            said[scheme] = str(raised.value)
+    finally:
+        listener.close()
+    for scheme, variable in (("gs", "STORAGE_EMULATOR_HOST"), ("s3", "AWS_ENDPOINT_URL")):
+        assert f"127.0.0.1:{port}" in said[scheme]
+        assert "within 0.3 s (SPOTJOB_STORAGE_READ_TIMEOUT_S)" in said[scheme], said[scheme]
+        assert f"check {variable}" in said[scheme], said[scheme]
+    assert "HTTPConnectionPool" not in said["gs"]
 
 
 def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(
