@@ -59,6 +59,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.loaders
@@ -206,6 +207,17 @@ def _content_md5_instead_of_crc32(params: dict[str, Any], **_: Any) -> None:
     params["headers"]["Content-MD5"] = base64.b64encode(digest).decode("ascii")
 
 
+def _unusable_endpoint(why: str) -> ValueError:
+    """The endpoint botocore was given cannot be used: said naming where it comes from, not
+    repeating it (a ``user:secret@`` or a token in its query would be in every log line)."""
+    named = _endpoint_variable()
+    where = named or "the AWS config file's endpoint_url"
+    return ValueError(
+        f"{where} ({why}; its value is not repeated here) is not a URL that S3 requests can go to: write "
+        "the scheme, host and port only, e.g. http://127.0.0.1:9000 or https://s3.example.com"
+    )
+
+
 class S3Storage(PrefixedKeys, Storage):
     """``s3://bucket/prefix``. Thread-safe: one botocore client (itself thread-safe) per object."""
 
@@ -241,12 +253,13 @@ class S3Storage(PrefixedKeys, Storage):
         URL without its scheme fails now: said as a ``PermanentStorageError`` (a ``ValueError`` for
         the endpoint, which is a setting to correct), never as botocore's own exception."""
         try:
-            return _new_session().client("s3", config=config)
+            client = _new_session().client("s3", config=config)
         except BotoCoreError as e:
             raise _storage_error(e, f"opening {self.uri}", None) from e
         except ValueError as e:
             if not str(e).startswith("Invalid endpoint"):
-                raise
+                # urllib's own refusal of the URL ("Invalid IPv6 URL"), which names nothing.
+                raise _unusable_endpoint(str(e)) from None
             # botocore's message is the value itself; a user:secret@ in it has no scheme to mask it by.
             named = _endpoint_variable()
             value = os.environ[named] if named else str(e).partition(":")[2].strip()
@@ -256,6 +269,11 @@ class S3Storage(PrefixedKeys, Storage):
                 f"{where} is not a URL that S3 requests can go to: write it with its scheme, e.g. "
                 "http://127.0.0.1:9000 or https://s3.example.com"
             ) from None
+        # botocore takes a query or a fragment here, then fails every request with its whole URL.
+        split = urlsplit(str(client.meta.endpoint_url))
+        if split.query or split.fragment:
+            raise _unusable_endpoint("it has a query" if split.query else "it has a fragment")
+        return client
 
     def _crc_args(self, crc: int) -> dict[str, str]:
         """The CRC32C argument of an upload request, or none with ``s3_checksum_headers`` off."""

@@ -530,6 +530,27 @@ def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_
     assert "hunter2" not in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("http://admin:hunter2@[::1:9000", "Invalid IPv6 URL"),  # no closing bracket
+        ("http://127.0.0.1:9000/?X-Amz-Security-Token=hunter2", "a query"),
+        ("http://127.0.0.1:9000/#hunter2", "a fragment"),
+    ],
+)
+def test_an_aws_endpoint_url_botocore_cannot_use_is_refused_when_the_store_opens_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, said: str
+) -> None:
+    """A malformed endpoint escaped as urllib's bare ``ValueError("Invalid IPv6 URL")``, naming no
+    variable; one with a query or fragment opened, then failed every request with botocore's
+    EndpointResolutionError repeating the whole URL (a token in its query included)."""
+    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL=endpoint)
+    with pytest.raises(ValueError, match=r"^AWS_ENDPOINT_URL .*is not a URL that S3 requests can go to") as raised:
+        open_storage("s3://b/run")
+    assert said in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+
+
 def test_a_bucket_name_botocore_refuses_is_said_in_a_line_not_two_regular_expressions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
