@@ -228,32 +228,29 @@ def _storage_error(
             key,
         )
     if isinstance(e, ConnectTimeoutError):
-        seconds = _TIMEOUT.search(str(e.kwargs.get("error", "")))
-        after = f"after {float(seconds.group(2)):g} s " if seconds else ""
-        return TransientStorageError(
-            f"{what}: {_without_userinfo(str(e))}: timed out {after}(SPOTJOB_STORAGE_CONNECT_TIMEOUT_S); "
-            f"check {_endpoint_source()}",
-            key,
-        )
+        return _timed_out(e, what, key, "timed out after", "SPOTJOB_STORAGE_CONNECT_TIMEOUT_S")
     if isinstance(e, EndpointConnectionError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
     if isinstance(e, SSLError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; {_tls_hint(_endpoint_source())}", key)
     if isinstance(e, ReadTimeoutError):
-        # botocore names the URL, not the wait: urllib3's error under it says the seconds.
-        seconds = _TIMEOUT.search(str(e.kwargs.get("error", "")))
-        within = f"within {float(seconds.group(2)):g} s " if seconds else ""
-        return TransientStorageError(
-            f"{what}: {_without_userinfo(str(e))}: no answer {within}(SPOTJOB_STORAGE_READ_TIMEOUT_S); "
-            f"check {_endpoint_source()}",
-            key,
-        )
+        return _timed_out(e, what, key, "no answer within", "SPOTJOB_STORAGE_READ_TIMEOUT_S")
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
 
 
 _TIMEOUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
+
+
+def _timed_out(e: Exception, what: str, key: str | None, words: str, setting: str) -> StorageError:
+    """A connect or read timeout, naming the seconds waited and the setting: botocore names the
+    URL, not the wait (urllib3's error under it says the seconds)."""
+    seconds = _TIMEOUT.search(str(getattr(e, "kwargs", {}).get("error", "")))
+    waited = f"{words} {float(seconds.group(2)):g} s " if seconds else f"{words.rsplit(' ', 1)[0]} "
+    return TransientStorageError(
+        f"{what}: {_without_userinfo(str(e))}: {waited}({setting}); check {_endpoint_source()}", key
+    )
 
 
 def _tls_hint(check: str) -> str:
