@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Iterator
 
 from agent.storage.base import PermanentStorageError, StorageError, TransientStorageError
@@ -44,6 +45,10 @@ TLS_SLIP = (
     "verifies its certificate"
 )
 """What to check after a failed TLS handshake with a store's endpoint (S3's and GCS's messages)."""
+
+URLLIB3_TIMEOUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
+"""urllib3's "(connect timeout=5)" / "(read timeout=60)" in a timeout's text, under botocore's and
+google-cloud-storage's errors alike: which wait ran out, and its seconds."""
 
 
 def _user() -> str:

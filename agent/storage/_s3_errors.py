@@ -24,7 +24,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from agent.storage._errors import TLS_SLIP
+from agent.storage._errors import TLS_SLIP, URLLIB3_TIMEOUT
 from agent.storage.base import (
     ArchivedError,
     MissingBucketError,
@@ -240,13 +240,10 @@ def _storage_error(
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
 
 
-_TIMEOUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
-
-
 def _timed_out(e: Exception, what: str, key: str | None, words: str, setting: str) -> StorageError:
     """A connect or read timeout, naming the seconds waited and the setting: botocore names the
     URL, not the wait (urllib3's error under it says the seconds)."""
-    seconds = _TIMEOUT.search(str(getattr(e, "kwargs", {}).get("error", "")))
+    seconds = URLLIB3_TIMEOUT.search(str(getattr(e, "kwargs", {}).get("error", "")))
     waited = f"{words} {float(seconds.group(2)):g} s " if seconds else f"{words.rsplit(' ', 1)[0]} "
     return TransientStorageError(
         f"{what}: {_without_userinfo(str(e))}: {waited}({setting}); check {_endpoint_source()}", key

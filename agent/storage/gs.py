@@ -68,7 +68,7 @@ from google.cloud.storage import exceptions as gcs_exceptions
 from requests.adapters import HTTPAdapter
 
 from agent.crc32c import crc32c_bytes
-from agent.storage._errors import TLS_SLIP, local_file
+from agent.storage._errors import TLS_SLIP, URLLIB3_TIMEOUT, local_file
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     FetchRange,
@@ -264,7 +264,6 @@ def _refused_elsewhere(detail: str) -> str | None:
 _POOL = re.compile(r"host='([^']+)', port=(\d+)")
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
 _SSL_REASON = re.compile(r"\[SSL[^\]]*\][^'\"]*")
-_TIMED_OUT = re.compile(r"\((connect|read) timeout=([0-9.]+)\)")
 
 
 def _connection_failure(e: Exception) -> str:
@@ -278,7 +277,7 @@ def _connection_failure(e: Exception) -> str:
         ssl = _SSL_REASON.search(text)
         why = f" ({ssl.group(0).strip()})" if ssl else ""
         return f"SSLError: the TLS handshake{where} failed{why}; check {check}: {TLS_SLIP}"
-    timed_out = _TIMED_OUT.search(text)
+    timed_out = URLLIB3_TIMEOUT.search(text)
     if pool is not None and timed_out is not None:
         # urllib3 says the seconds but not the setting, in its pool repr with the request's URL.
         seconds = f"{float(timed_out.group(2)):g} s"
