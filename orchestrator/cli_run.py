@@ -66,6 +66,7 @@ from orchestrator.backends.local import (
 )
 from orchestrator.backends.local_timeline import TimelineTail
 from orchestrator.cli_ckpt import NOISY_LOGGERS
+from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.controller_loop import Controller
 from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import (
@@ -842,16 +843,33 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
             json.dump(summary.to_json(), f, indent=2)
     except OSError as e:
         log.warning("could not write %s: %s", SUMMARY_FILE, e)
-    print(summary.text(), flush=True)
+    # The plot is drawn before anything is printed: a stdout whose reader went away (`| head -1`)
+    # fails the first print, and must not cost the image nor the failure said on stderr below.
     plot = run.config.plot
+    plotted = None
     if plot:
         try:
             run.plot(plot)
-            print(f"  {'plot':<15}  {os.path.abspath(plot)}")
+            plotted = os.path.abspath(plot)
         except Exception as e:  # a missing plot must not turn a finished job into a failure
             log.warning("could not draw the plot %s: %s", plot, e)
     runs_dir = runs_dir_option(run.config.runs_dir)
-    print(f"  {'run folder':<15}  {run.path}  (spotjob status{runs_dir} {run.name})")
+    reader_left = False
+    try:
+        print(summary.text(), flush=True)
+        if plotted is not None:
+            print(f"  {'plot':<15}  {plotted}")
+        print(f"  {'run folder':<15}  {run.path}  (spotjob status{runs_dir} {run.name})", flush=True)
+    except BrokenPipeError:
+        if not stdout_reader_left():
+            raise
+        reader_left = True  # exit 141 (below), once stderr has said what it has to say
+    code = _tell_outcome(run, status, summary, interrupted, runs_dir)
+    return reader_gone() if reader_left else code
+
+
+def _tell_outcome(run: LocalRun, status: JobStatus, summary: Summary, interrupted: bool, runs_dir: str) -> int:
+    """On stderr: how the run ended, when it did not succeed; the exit status."""
     if interrupted:
         print(
             f"spotjob run: interrupted; every process of {run.name} was stopped "

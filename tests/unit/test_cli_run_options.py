@@ -301,3 +301,59 @@ def test_a_sigterm_repeated_after_an_interrupted_run_stopped_does_not_end_the_dr
     assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
     assert done.stdout.strip() == "exited by itself; ignored"
     assert "received SIGTERM again: still stopping every process of demo" in done.stderr, done.stderr[-3000:]
+
+
+_SUMMARY_TO_A_READER_GONE = """
+import os, sys
+from types import SimpleNamespace
+
+import orchestrator.cli_run as cli_run
+from orchestrator.cli import main
+from orchestrator.model import JobStatus, Phase
+
+read, write = os.pipe()
+os.close(read)  # the reader went away (`spotjob run ... | head -1` once head has its line)
+os.dup2(write, sys.stdout.fileno())
+status = JobStatus(phase=Phase.FAILED, reason="RestartBudgetExhausted", message="all 3 restart(s) are used")
+summary = SimpleNamespace(
+    to_json=lambda: {}, text=lambda: "spotjob run demo: Failed\\n" + "  a summary line\\n" * 5000, last_checkpoint=None
+)
+
+
+def plot(path):
+    with open(path, "w") as f:
+        f.write("an image")
+
+
+run = SimpleNamespace(
+    name="demo", path=os.getcwd(), stopping=False, status=status,
+    config=SimpleNamespace(plot="run.png", runs_dir="spotjob-runs"),
+    spec=SimpleNamespace(checkpoint=SimpleNamespace(uri="/ckpt")),
+    run=lambda view: status, close=lambda: None, summary=lambda: summary, plot=plot,
+    failed_worker_logs=lambda: [],
+)
+cli_run.prepare = lambda args: run
+sys.exit(main(["run", "--no-live", "train.py"]))
+"""
+
+
+def test_a_summary_whose_reader_went_away_still_draws_the_plot_and_says_why_the_run_failed(tmp_path: Path) -> None:
+    """``spotjob run --plot run.png ... | head -1``: the first write of the summary to a stdout whose
+    reader had gone raised, so ``--plot`` was never drawn (or, when head left a moment later, was
+    drawn but logged as "could not draw the plot: Broken pipe") and a failed run's reason never
+    reached stderr. The plot is drawn, the failure is said, and the exit is still 141."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SUMMARY_TO_A_READER_GONE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 141, (done.returncode, done.stderr[-3000:])
+    assert (tmp_path / "run.png").read_text() == "an image"
+    assert "could not draw the plot" not in done.stderr, done.stderr[-3000:]
+    assert "spotjob run: demo failed: RestartBudgetExhausted: all 3 restart(s) are used" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
