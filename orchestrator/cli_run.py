@@ -100,7 +100,6 @@ from orchestrator.run_config import (
 from orchestrator.run_folder import (
     AGENT_EXITS,
     LOG_EXCERPT_LINES,
-    RUN_FILE,
     RUNS_DIR,
     SUMMARY_FILE,
     TIMELINE_FILE,
@@ -109,8 +108,10 @@ from orchestrator.run_folder import (
     older_layout_problem,
     read_cloud,
     run_file_pid,
+    run_file_workdir,
     runs_dir_option,
     write_cloud,
+    write_run_file,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
@@ -193,7 +194,12 @@ class LocalRun:
         self.plan = config.plan()
         self.resumed = resume
         self.takeover: Takeover | None = None
+        # The script's relative paths (its arguments, its data) name what they named when the run
+        # began: a resumed run's workers run where the run's first workers ran, not wherever
+        # `spotjob run --resume` was typed (`spotjob status` offers that command from anywhere).
+        self.workdir = (run_file_workdir(self.path) if resume else None) or os.getcwd()
         options = LocalOptions(
+            workdir=self.workdir,
             root=self.path,
             notice_seconds=config.notice,
             hear_notices=not config.ignore_notices,
@@ -303,6 +309,12 @@ class LocalRun:
             raise RunError(
                 f"run {name!r} simulates {recorded} (it was started with --cloud {recorded}), and --resume keeps "
                 f"it: drop --cloud {cloud}, or start a new run to simulate {cloud}"
+            )
+        workdir = run_file_workdir(path)
+        if workdir is not None and not os.path.isdir(workdir):
+            raise RunError(
+                f"run {name!r} cannot be resumed: its workers ran in {workdir}, which is gone, and its script's "
+                "relative paths name things there; create that folder again (with what the script reads there)"
             )
         config = RunConfig(
             script=spec.command[0],
@@ -444,8 +456,7 @@ class LocalRun:
         """Run the job to Succeeded or Failed; always stops every process of the run before returning."""
         self._view = view
         try:
-            with open(os.path.join(self.path, RUN_FILE), "w") as f:
-                json.dump({"pid": os.getpid(), "argv": sys.argv, "started_at": time.time()}, f)
+            write_run_file(self.path, self.workdir, sys.argv)
             self.timeline.record(
                 EventKind.RUN_STARTED,
                 job=str(self.key),

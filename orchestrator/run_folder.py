@@ -148,6 +148,24 @@ def run_file_pid(path: str) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
+def write_run_file(path: str, workdir: str, argv: list[str]) -> None:
+    """Record in ``run.json`` the process that drives the run in folder ``path`` and the working
+    directory its workers run in (``run_file_workdir``)."""
+    with open(os.path.join(path, RUN_FILE), "w") as f:
+        json.dump({"pid": os.getpid(), "argv": argv, "started_at": time.time(), "workdir": workdir}, f)
+
+
+def run_file_workdir(path: str) -> str | None:
+    """The working directory the workers of the run in folder ``path`` ran in (``run.json``), or None
+    (a folder from before it was recorded, or one whose driver never started the run)."""
+    try:
+        with open(os.path.join(path, RUN_FILE)) as f:
+            workdir = json.load(f)["workdir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return workdir if isinstance(workdir, str) and os.path.isabs(workdir) else None
+
+
 def write_cloud(path: str, cloud: str) -> None:
     """Record the cloud the run in folder ``path`` simulates (``read_cloud``)."""
     with open(os.path.join(path, CLOUD_FILE), "w") as f:

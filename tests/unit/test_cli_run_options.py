@@ -357,3 +357,40 @@ def test_a_summary_whose_reader_went_away_still_draws_the_plot_and_says_why_the_
     assert "could not draw the plot" not in done.stderr, done.stderr[-3000:]
     assert "spotjob run: demo failed: RestartBudgetExhausted: all 3 restart(s) are used" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_was_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``spotjob status`` offers ``spotjob run --runs-dir /abs/runs --resume NAME``, which works from
+    any folder; its workers ran in that folder, so a script's relative paths (``--dump dumps/x``,
+    its data) named other things and the resumed run failed on them, for good (a failed run is not
+    resumed). The workers now run where the run's first ones did; a folder gone since is refused."""
+    import shutil
+
+    from orchestrator.cli_run import LocalRun, RunError
+    from orchestrator.run_folder import write_run_file
+
+    began, elsewhere, runs = tmp_path / "project", tmp_path / "home", tmp_path / "runs"
+    began.mkdir()
+    elsewhere.mkdir()
+    script = began / "train.py"
+    script.write_text("print('hi')\n")
+    monkeypatch.chdir(began)
+    made = LocalRun(
+        RunConfig(script=str(script), args=["--dump", "dumps/x"], name="moved", runs_dir=str(runs), nproc=1)
+    )
+    assert made.backend.options.workdir == str(began)
+    write_run_file(made.path, made.workdir, ["spotjob", "run"])  # as its driver does when it starts the run
+    made.close()
+
+    monkeypatch.chdir(elsewhere)
+    resumed = LocalRun.resume(str(runs), "moved")
+    try:
+        assert resumed.backend.options.workdir == str(began)
+    finally:
+        resumed.close()
+
+    shutil.rmtree(began)
+    with pytest.raises(RunError, match=r"its workers ran in .*project, which is gone"):
+        LocalRun.resume(str(runs), "moved")
