@@ -690,6 +690,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     script = args.script
     if script is None:
         raise ValueError("a SCRIPT to run is required (or --resume NAME to carry on with a run)")
+    if os.path.isdir(script):  # it said "no such training script" of a folder that is there
+        raise ValueError(f"SCRIPT {script} is a folder: name the training script (a .py file) to run")
     if not os.path.isfile(script):
         raise ValueError(f"no such training script: {script}")
     if args.checkpoint_uri is not None:

@@ -210,6 +210,7 @@ TABLE: dict[str, Case] = {
     # -- what to run ------------------------------------------------------------------------------
     "no script": Case(["run"], 2, ["SCRIPT", "--resume NAME"]),
     "a script that does not exist": Case(["run", "nope.py"], 2, ["no such training script: nope.py"]),
+    "a folder for a script": Case(["run", "{tmp}"], 2, ["SCRIPT {tmp} is a folder", "name the training script"]),
     "a runs folder that is a file": Case(
         ["run", "--runs-dir", "runs", T], 2, ["--runs-dir runs", "is a file, not a folder"], files={"runs": "x"}
     ),
