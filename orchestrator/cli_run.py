@@ -685,6 +685,11 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _refuse_empty_runs_dir(args: argparse.Namespace) -> None:
+    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory
+        raise ValueError(f"--runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """A new run's ``RunConfig``; ``ValueError`` naming the option at the first bad argument."""
     script = args.script
@@ -698,8 +703,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         problem = checkpoint_uri_problem(args.checkpoint_uri)
         if problem is not None:
             raise ValueError(problem)
-    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory
-        raise ValueError(f"--runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}")
+    _refuse_empty_runs_dir(args)
     problem = folder_problem(os.path.abspath(args.runs_dir))
     if problem is not None:
         raise ValueError(f"--runs-dir {args.runs_dir}: {problem}")
@@ -725,6 +729,7 @@ def prepare(args: argparse.Namespace) -> LocalRun:
     """The ``LocalRun`` the arguments ask for, new or resumed; ``ValueError``/``RunError`` say why not."""
     if args.resume is None:
         return LocalRun(config_from_args(args))
+    _refuse_empty_runs_dir(args)  # or a run of that name in the working directory was resumed
     if args.script is not None:
         raise RunError(
             f"--resume {args.resume} takes no SCRIPT ({args.script}): the run carries on with the command it was "

@@ -185,6 +185,12 @@ class _Console(Console):
 def status_command(args: argparse.Namespace) -> int:
     # Piped or captured: wide lines rather than rich's 80 columns of ellipses.
     console = _Console() if sys.stdout.isatty() else _Console(width=200)
+    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory, as spotjob run refuses
+        print(
+            f"spotjob status: --runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if args.name is None:
         if os.path.exists(args.runs_dir) and not os.path.isdir(args.runs_dir):
             print(f"spotjob status: --runs-dir {args.runs_dir} is a file, not a folder", file=sys.stderr)

@@ -225,6 +225,10 @@ TABLE: dict[str, Case] = {
     ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
+    "status of an empty runs folder": Case(["status", "--runs-dir", ""], 2, ["--runs-dir is empty", "./spotjob-runs"]),
+    "resuming under an empty runs folder": Case(  # was the working directory itself
+        ["run", "--resume", "nope", "--runs-dir", ""], 2, ["--runs-dir is empty", "./spotjob-runs"]
+    ),
     "resuming with a script": Case(["run", "--resume", "nope", T], 2, ["--resume nope takes no SCRIPT"]),
     "resuming with an option of the spec": Case(
         ["run", "--resume", "nope", "--nproc", "4", "--keep", "2"], 2, ["drop --nproc, --keep"]
