@@ -107,6 +107,7 @@ from orchestrator.run_folder import (
     hand_over_commands,
     older_layout_problem,
     read_cloud,
+    reported_step,
     run_file_pid,
     run_file_workdir,
     runs_dir_option,
@@ -402,11 +403,20 @@ class LocalRun:
         last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
         late = self._commits_seen_late()
         gap = None
+        changed = False
+        # The step the ranks last reached, which the status stores only every few seconds: an
+        # interrupt (no flush) loses the steps past the newest commit, and they count as lost.
+        reported = reported_step(self.path, status) if status is not None and status.recovery is None else None
+        if status is not None and reported is not None and reported > (status.attempt.observed_step or 0):
+            status.attempt.observed_step = reported
+            changed = True
         # Nobody drove the run between the old driver's last record and now: not training time.
         # (A recovery in progress counts that time itself when the next attempt runs.)
         if status is not None and status.recovery is None and status.start_time is not None and last is not None:
             gap = max(0.0, time.time() - last)
             status.restarting_seconds += gap
+            changed = True
+        if status is not None and changed:
             try:
                 self.store.update_status(self.key, status, version=version)
             except StoreError as e:

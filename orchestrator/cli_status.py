@@ -19,12 +19,11 @@ import psutil
 from rich.console import Console
 
 from agent.catalog import latest_valid
-from agent.control_channel import STATUS_FILE, read_json
 from agent.storage import StorageError, open_storage
 from orchestrator.backends.local import log_excerpt, run_pids
 from orchestrator.events import RecordedEvent, events_path, read_events
 from orchestrator.live import RunRecord, render_run_detail, render_run_list
-from orchestrator.model import CheckpointInfo, JobKey, JobSpec, JobStatus, job_name_problem
+from orchestrator.model import CheckpointInfo, JobKey, JobSpec, job_name_problem
 from orchestrator.run_folder import (
     AGENT_EXITS,
     LOG_EXCERPT_LINES,
@@ -32,6 +31,7 @@ from orchestrator.run_folder import (
     DriverLock,
     older_layout_problem,
     read_cloud,
+    reported_step,
     run_file_pid,
 )
 from orchestrator.store import JsonFileJobStore, StoreError
@@ -55,19 +55,6 @@ def _driver_pid(path: str) -> int | None:
     except (psutil.Error, OSError):
         return None
     return pid if "spotjob" in command or pid == os.getpid() else None
-
-
-def _reported_step(path: str, status: JobStatus) -> int | None:
-    """The highest step the current attempt's ranks last wrote in their control folders."""
-    steps = []
-    for w in status.workers:
-        if w.node is None:
-            continue
-        data = read_json(os.path.join(path, "nodes", w.node, w.name, STATUS_FILE))
-        step = data.get("step") if data else None
-        if isinstance(step, int) and not isinstance(step, bool):
-            steps.append(step)
-    return max(steps, default=None)
 
 
 def _storage_now(spec: JobSpec) -> tuple[CheckpointInfo | None, str | None]:
@@ -143,7 +130,7 @@ def _read_run(path: str, key: JobKey, store: JsonFileJobStore) -> RunRecord:
             processes=len(run_pids(path)),
             checkpoint=checkpoint,
             storage_problem=problem,
-            reported_step=_reported_step(path, status),
+            reported_step=reported_step(path, status),
         )
     return record
 

@@ -13,8 +13,16 @@ import os
 import shlex
 import time
 
-from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from agent.control_channel import (
+    EXIT_FLUSH_FAILED,
+    EXIT_INFRA_ERROR,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    STATUS_FILE,
+    read_json,
+)
 from orchestrator.backends.local_cloud import CLOUDS
+from orchestrator.model import JobStatus
 
 RUNS_DIR = "spotjob-runs"
 RUN_FILE = "run.json"
@@ -164,6 +172,20 @@ def run_file_workdir(path: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return workdir if isinstance(workdir, str) and os.path.isabs(workdir) else None
+
+
+def reported_step(path: str, status: JobStatus) -> int | None:
+    """The highest step the current attempt's ranks last wrote in their control folders under the
+    run folder ``path`` (newer than the status's own step when its driver died between refreshes)."""
+    steps = []
+    for w in status.workers:
+        if w.node is None:
+            continue
+        data = read_json(os.path.join(path, "nodes", w.node, w.name, STATUS_FILE))
+        step = data.get("step") if data else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            steps.append(step)
+    return max(steps, default=None)
 
 
 def write_cloud(path: str, cloud: str) -> None:

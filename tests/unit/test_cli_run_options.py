@@ -394,3 +394,46 @@ def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_wa
     shutil.rmtree(began)
     with pytest.raises(RunError, match=r"its workers ran in .*project, which is gone"):
         LocalRun.resume(str(runs), "moved")
+
+
+def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interrupt_lost_are_counted(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C stops a run without a flush, up to a status refresh (5 s) after the step its status
+    last stored: the ranks had reported step 44, the status said 25, the newest commit was 25, and
+    the resumed run counted 0 steps lost (and no retraining) for the 19 it trained again. The
+    resume now takes the step the ranks last wrote in their control folders, as `spotjob status`
+    shows it ("its ranks last reported step 44")."""
+    import json
+    from datetime import UTC, datetime
+
+    from orchestrator.cli_run import LocalRun
+    from orchestrator.model import AttemptStatus, JobKey, JobStatus, Phase, WorkerPhase, WorkerStatus
+    from orchestrator.store import JsonFileJobStore
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    LocalRun(RunConfig(script=str(script), args=[], name="cut", runs_dir=str(runs), nproc=1)).close()
+    store, key = JsonFileJobStore(str(runs / "cut"), create=False), JobKey.local("cut")
+    stored = store.get(key)
+    assert stored is not None
+    now = datetime.now(UTC)
+    status = JobStatus(
+        phase=Phase.RUNNING,
+        reason="WorkersRunning",
+        message="every worker of attempt 0 is running",
+        start_time=now,
+        attempt=AttemptStatus(number=0, started_at=now, observed_step=25, observed_step_at=now),
+        workers=[WorkerStatus(name="cut-0-0", node="local-node-0", phase=WorkerPhase.RUNNING, step=25)],
+    )
+    store.update_status(key, status, version=stored.version)
+    control = runs / "cut" / "nodes" / "local-node-0" / "cut-0-0"
+    control.mkdir(parents=True)
+    (control / "status.json").write_text(json.dumps({"step": 44, "commits": 1, "last_committed_step": 25}))
+
+    resumed = LocalRun.resume(str(runs), "cut")
+    resumed.close()
+    after = store.get(key)
+    assert after is not None and after.status is not None
+    assert after.status.attempt.observed_step == 44
