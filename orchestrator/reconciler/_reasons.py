@@ -28,7 +28,7 @@ WORKER_NOT_STARTING = Reason(
     warning=True,
 )
 WORKERS_RUNNING = Reason("WorkersRunning", "every worker of attempt {attempt} is running")
-COMPLETED = Reason("Completed", "every worker exited 0 (last step seen {step})")
+COMPLETED = Reason("Completed", "every worker exited 0 ({seen})")
 SPOT_INTERRUPTED = Reason("SpotInterrupted", "{signal}: flushing the gang and moving it")
 NODE_LOST = Reason("NodeLost", "{signal}: flushing what is left of the gang and moving it")
 AGENT_PREEMPTED = Reason("AgentPreempted", "the agent of {worker} on node {node} heard a notice itself and exited 75")

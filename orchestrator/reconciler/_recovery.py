@@ -130,7 +130,7 @@ class _Recovery(_FlushRequests):
             self._on_failure(p, failed[0])
             return True
         if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
-            self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, seen=_seen(p.status.attempt.observed_step))
             return True
         return False
 
@@ -251,7 +251,7 @@ class _Recovery(_FlushRequests):
                 self._flush_clock.pop(p.key, None)
             if p.status.start_time is not None:
                 p.status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
-            self._finish(p, Phase.SUCCEEDED, COMPLETED, step=p.status.attempt.observed_step)
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, seen=_seen(p.status.attempt.observed_step))
             return None
         running = [w for w in current if w.phase is WorkerPhase.RUNNING]
         baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
@@ -536,6 +536,12 @@ class _Recovery(_FlushRequests):
         self._set_phase(p, phase, why.name, message)
         self._condition(p, READY, False, why.name, message)
         self._event(p, why, message=message)
+
+
+def _seen(step: int | None) -> str:
+    """The end of a Completed message: the last step the workers reported, or that they reported
+    none (a script without a Checkpointer; it read "last step seen None")."""
+    return f"last step seen {step}" if step is not None else "no step reported: the script has no Checkpointer"
 
 
 def _flush_detail(w: WorkerObservation) -> str:

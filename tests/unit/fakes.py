@@ -187,6 +187,8 @@ class FakeBackend:
     sidecars: bool = False
     """Every worker has a sidecar that runs on after it exited: an exited worker holds its node
     until it is stopped (``WorkerObservation.holds_node``)."""
+    reports_steps: bool = True
+    """False: the workers' scripts report no step (no Checkpointer), as observed."""
     workers: dict[str, FakeWorker] = field(default_factory=dict)
     notices: list[Signal] = field(default_factory=list)
     start_calls: list[tuple[int, Placement]] = field(default_factory=list)
@@ -291,7 +293,7 @@ class FakeBackend:
                     zone=w.node.zone if w.node else None,
                     instance_type=w.node.instance_type if w.node else None,
                     exit_code=w.exit_code,
-                    step=self.step_of(w),
+                    step=self.step_of(w) if self.reports_steps else None,
                     unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
                     not_starting=self.not_starting.get(w.name) if w.phase is WorkerPhase.PENDING else None,
                     detail=self.details.get(w.name),

@@ -220,6 +220,17 @@ def test_succeeds_when_every_worker_exits_zero(tmp_path: Any) -> None:
     assert w.reconcile().requeue_after is None, "a finished job needs no more passes"
 
 
+def test_a_job_whose_script_reports_no_step_completes_saying_so_not_last_step_seen_none(tmp_path: Any) -> None:
+    w = make_world(tmp_path, backend_options={"total_steps": 50, "reports_steps": False})
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert (status.phase, status.reason) == (Phase.SUCCEEDED, "Completed")
+    assert status.message == "every worker exited 0 (no step reported: the script has no Checkpointer)"
+    counted = make_world(tmp_path / "counted", backend_options={"total_steps": 50})
+    assert counted.run_until(lambda s: s.phase.terminal).message.startswith("every worker exited 0 (last step seen ")
+
+
 def test_a_finished_job_stops_the_workers_whose_sidecars_would_hold_their_nodes_for_good(tmp_path: Any) -> None:
     plain = make_world(tmp_path / "plain", backend_options={"total_steps": 50})
     assert plain.run_until(lambda s: s.phase.terminal).phase is Phase.SUCCEEDED
