@@ -68,15 +68,36 @@ def run(
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{' '.join(argv)} did not finish:\n{_text(e.stdout)}\n{_text(e.stderr)}") from None
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
-            f"--- stderr\n{proc.stderr[-10000:]}"
-        )
+        raise _failed(proc)
     return proc
 
 
-def torchrun(nproc: int, script: str | Path, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    return run(torchrun_argv(nproc, script, args), **kw)  # type: ignore[arg-type]
+def _failed(proc: subprocess.CompletedProcess[str]) -> AssertionError:
+    """The assertion for a job that exited non-zero, carrying its command and the end of its output."""
+    return AssertionError(
+        f"{' '.join(map(str, proc.args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+        f"--- stderr\n{proc.stderr[-10000:]}"
+    )
+
+
+def _port_taken_before_start(proc: subprocess.CompletedProcess[str]) -> bool:
+    """torchrun itself could not listen on its rendezvous port (another process bound it between
+    ``free_port`` choosing it and torchrun's start): no rank ran, so the job may simply start again."""
+    return proc.returncode != 0 and "next_rendezvous" in proc.stderr and "EADDRINUSE" in proc.stderr
+
+
+def torchrun(
+    nproc: int, script: str | Path, *args: str, check: bool = True, **kw: object
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun`` of ``script`` on ``nproc`` ranks, started again on another port (up to twice)
+    when the port chosen was taken before any rank ran (seen once in a clean-clone run)."""
+    for _ in range(3):
+        proc = run(torchrun_argv(nproc, script, args), check=False, **kw)  # type: ignore[arg-type]
+        if not _port_taken_before_start(proc):
+            break
+    if check and proc.returncode != 0:
+        raise _failed(proc)
+    return proc
 
 
 def start(argv: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
