@@ -87,7 +87,7 @@ from orchestrator.model import (
     JobStatus,
     Phase,
 )
-from orchestrator.reconciler import INVALID, RESTART_BUDGET_EXHAUSTED, Reconciler, ReconcilerOptions, SystemClock
+from orchestrator.reconciler import INVALID, Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.run_config import (
     RunConfig,
     checkpoint_uri_problem,
@@ -104,6 +104,7 @@ from orchestrator.run_folder import (
     SUMMARY_FILE,
     TIMELINE_FILE,
     DriverLock,
+    empty_runs_dir_problem,
     hand_over_commands,
     older_layout_problem,
     read_cloud,
@@ -111,6 +112,7 @@ from orchestrator.run_folder import (
     run_file_pid,
     run_file_workdir,
     runs_dir_option,
+    used_up_restarts,
     write_cloud,
     write_run_file,
 )
@@ -696,8 +698,9 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _refuse_empty_runs_dir(args: argparse.Namespace) -> None:
-    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory
-        raise ValueError(f"--runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}")
+    problem = empty_runs_dir_problem(args.runs_dir)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -839,7 +842,7 @@ def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None, ru
     """After a run whose script used up its restarts, with a checkpoint in storage: where it is and
     how a new run carries on from it once the script is fixed (a failed run is not resumed, and a
     new run is refused a URI another job owns until it is handed over)."""
-    if status.phase is not Phase.FAILED or status.reason != RESTART_BUDGET_EXHAUSTED.name or newest is None:
+    if not used_up_restarts(status) or newest is None:
         return None
     return (
         f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "

@@ -29,6 +29,7 @@ from orchestrator.run_folder import (
     LOG_EXCERPT_LINES,
     RUNS_DIR,
     DriverLock,
+    empty_runs_dir_problem,
     older_layout_problem,
     read_cloud,
     reported_step,
@@ -172,11 +173,9 @@ class _Console(Console):
 def status_command(args: argparse.Namespace) -> int:
     # Piped or captured: wide lines rather than rich's 80 columns of ellipses.
     console = _Console() if sys.stdout.isatty() else _Console(width=200)
-    if not args.runs_dir.strip():  # os.path.abspath("") is the working directory, as spotjob run refuses
-        print(
-            f"spotjob status: --runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}",
-            file=sys.stderr,
-        )
+    empty = empty_runs_dir_problem(args.runs_dir)  # as spotjob run refuses it
+    if empty is not None:
+        print(f"spotjob status: {empty}", file=sys.stderr)
         return EXIT_USAGE
     if args.name is None:
         if os.path.exists(args.runs_dir) and not os.path.isdir(args.runs_dir):

@@ -35,7 +35,7 @@ from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
-from orchestrator.run_folder import hand_over_commands, runs_dir_option
+from orchestrator.run_folder import hand_over_commands, runs_dir_option, used_up_restarts
 
 log = logging.getLogger(__name__)
 
@@ -544,9 +544,7 @@ def _carry_on(r: RunRecord) -> str | None:
     ``spotjob run`` ends with the same advice) after committing a checkpoint: how a new run carries
     on from it. A failed run is not resumed, so its checkpoints are handed over."""
     st = r.status
-    if st is None or r.spec is None or st.phase is not Phase.FAILED or st.reason != "RestartBudgetExhausted":
-        return None
-    if st.last_checkpoint is None:
+    if st is None or r.spec is None or not used_up_restarts(st) or st.last_checkpoint is None:
         return None
     return f"fix the script, then {hand_over_commands(r.spec.checkpoint.uri, os.path.dirname(r.path))}"
 

@@ -22,7 +22,7 @@ from agent.control_channel import (
     read_json,
 )
 from orchestrator.backends.local_cloud import CLOUDS
-from orchestrator.model import JobStatus
+from orchestrator.model import JobStatus, Phase
 
 RUNS_DIR = "spotjob-runs"
 RUN_FILE = "run.json"
@@ -46,6 +46,26 @@ def runs_dir_option(runs_dir: str) -> str:
     if os.path.abspath(runs_dir) == os.path.abspath(RUNS_DIR):
         return ""
     return f" --runs-dir {shlex.quote(runs_dir)}"
+
+
+def empty_runs_dir_problem(runs_dir: str) -> str | None:
+    """Why an empty ``--runs-dir`` is refused (``os.path.abspath("")`` is the working directory: a
+    run there would be made, resumed or listed without anyone asking), or None."""
+    if runs_dir.strip():
+        return None
+    return f"--runs-dir is empty: name a folder, or leave the option out for ./{RUNS_DIR}"
+
+
+RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+"""The reconciler's reason for a job whose script used up its restarts (its
+``RESTART_BUDGET_EXHAUSTED.name``; tests/unit/test_cli_run_options.py holds them equal), spelled
+here so that ``spotjob status`` need not import the reconciler."""
+
+
+def used_up_restarts(status: JobStatus) -> bool:
+    """The run failed because its script used up its restarts: its checkpoints are handed over to
+    a new run to carry on (``hand_over_commands``), a failed run is not resumed."""
+    return status.phase is Phase.FAILED and status.reason == RESTART_BUDGET_EXHAUSTED
 
 
 def hand_over_commands(uri: str, runs_dir: str = RUNS_DIR) -> str:

@@ -233,6 +233,11 @@ def test_only_a_run_whose_script_used_up_its_restarts_with_a_checkpoint_is_told_
     _, run = re.findall(r"`([^`]+)`", elsewhere)
     assert shlex.split(run)[:4] == ["spotjob", "run", "--runs-dir", "/data/my runs"], run
     assert carry_on_line("r1", "/ckpt", used_up, None) is None
+    # run_folder spells the reconciler's reason for `spotjob status`, which does not import it.
+    from orchestrator.reconciler import RESTART_BUDGET_EXHAUSTED
+    from orchestrator.run_folder import RESTART_BUDGET_EXHAUSTED as SPELLED
+
+    assert RESTART_BUDGET_EXHAUSTED.name == SPELLED
     owned = JobStatus(phase=Phase.FAILED, reason="CheckpointURIOwned", message="another job owns it")
     assert carry_on_line("r1", "/ckpt", owned, 40) is None
     assert carry_on_line("r1", "/ckpt", JobStatus(phase=Phase.SUCCEEDED, reason="Completed", message=""), 40) is None
