@@ -42,7 +42,7 @@ def test_every_console_script_prints_the_package_version(name: str) -> None:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     """The wheel, built without the network from a copy of what Dockerfile.controller copies."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
     for package in ("agent", "orchestrator"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -84,3 +84,17 @@ def test_the_wheel_declares_the_console_scripts_and_the_python_it_needs(wheel: z
     assert set(SCRIPTS) == {"spotjob", "spotjob-agent", "spotjob-controller", "kubectl-spotjob"}
     metadata = wheel.read(info + "METADATA").decode()
     assert f"Requires-Python: {PROJECT['requires-python']}" in metadata.splitlines()
+
+
+def test_the_wheel_carries_the_license_it_declares(wheel: zipfile.ZipFile) -> None:
+    """The Apache-2.0 text ships in the wheel (and so in the controller's image), and the metadata
+    names the license by its SPDX expression, as pyproject.toml declares it."""
+    info = f"spotjob-{PROJECT['version']}.dist-info/"
+    assert PROJECT["license"] == "Apache-2.0"
+    shipped = wheel.read(info + "licenses/LICENSE").decode()
+    assert shipped == (REPO / "LICENSE").read_text()
+    assert shipped.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in shipped
+    metadata = wheel.read(info + "METADATA").decode().splitlines()
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "License-File: LICENSE" in metadata
