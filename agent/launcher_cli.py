@@ -442,6 +442,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     staging_problem = staging_dir_problem(ns.staging_dir)
     if staging_problem is not None:
         parser.error(f"--staging-dir {staging_problem}")
+    _check_notice_options(parser, ns)
     from_env = _notice_variables(parser, ns, env)
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
     metadata_urls = {cloud: _metadata_url(parser, ns, env, cloud) for cloud in _METADATA_URLS}
@@ -543,6 +544,28 @@ def _metadata_url(parser: argparse.ArgumentParser, ns: argparse.Namespace, env: 
             + (", or unset it" if where == variable else "")
         )
     return url
+
+
+def _check_notice_options(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """A usage error where ``--notices`` lists a source a ``--no-*`` option refuses. Taken as "the
+    list minus the refused", ``--notices aws --no-aws`` left the agent with no notice source at
+    all, SIGTERM included (a SIGTERM stopped the command without a flush), logged at INFO only."""
+    if ns.notices is None:
+        return
+    refused = [n for n in ns.notices if getattr(ns, f"no_{n}")]
+    if not refused:
+        return
+    rest = [n for n in ns.notices if n not in refused]
+    no_options = " ".join(f"--no-{n}" for n in refused)
+    instead = (
+        f"--notices {','.join(rest)}"
+        if rest
+        else "--notices none for the control API alone (a SIGTERM then stops the command without a flush)"
+    )
+    parser.error(
+        f"--notices {','.join(ns.notices)} and {no_options} contradict each other: pass {instead}, "
+        f"or leave out {no_options}"
+    )
 
 
 def _notice_variables(parser: argparse.ArgumentParser, ns: argparse.Namespace, env: Mapping[str, str]) -> set[str]:

@@ -199,13 +199,33 @@ class TestOptions:
 
     def test_sources_metadata_urls_and_poll_interval(self) -> None:
         env = {"SPOTJOB_CLOUD": "aws", "SPOTJOB_GCP_METADATA_URL": "http://127.0.0.1:9"}
-        argv = ["--checkpoint-uri", "s3://b", "--notices", "aws,sigterm", "--no-sigterm", "--poll-interval", "1"]
+        argv = ["--checkpoint-uri", "s3://b", "--notices", "aws,sigterm", "--no-gcp", "--poll-interval", "1"]
         config, _ = parse_args([*argv, "--", "x"], env)
-        assert config.notices == ("aws", "sigterm") and config.disabled == {"sigterm"}
+        assert config.notices == ("aws", "sigterm") and config.disabled == {"gcp"}
         assert config.cloud is Cloud.AWS and config.gcp_metadata_url == "http://127.0.0.1:9"
         for bad in (["--poll-interval", "0.5"], ["--notices", "oracle"], ["--control-port", "70000"]):
             with pytest.raises(SystemExit):
                 parse_args(["--checkpoint-uri", "s3://b", *bad, "--", "x"], {})
+
+    @pytest.mark.parametrize(
+        ("notices", "refused", "instead"),
+        [
+            ("aws", ["--no-aws"], "pass --notices none for the control API alone"),
+            ("aws,sigterm", ["--no-sigterm"], "pass --notices aws,"),
+            ("gcp,azure,sigterm", ["--no-gcp", "--no-sigterm"], "pass --notices azure,"),
+        ],
+    )
+    def test_notices_a_no_option_refuses_exit_2_naming_both_and_what_to_pass(
+        self, notices: str, refused: list[str], instead: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``--notices aws --no-aws`` was taken as "aws minus aws": an agent with no notice source at
+        all, SIGTERM included (a SIGTERM stopped the command without a flush), said at INFO only."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--notices", notices, *refused, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert f"--notices {notices} and {' '.join(refused)} contradict each other" in err
+        assert instead in err and f"or leave out {' '.join(refused)}" in err
 
     @pytest.mark.parametrize(
         ("argv", "env", "named"),
