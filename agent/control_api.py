@@ -655,6 +655,21 @@ class _BadRequest(Exception):
         self.error = error
 
 
+class _HeaderReader:
+    """The handler's ``rfile`` as ``parse_request`` reads the headers from it, line by line: ``cut``
+    when a read met end-of-file, before the blank line that ends them."""
+
+    def __init__(self, rfile: Any) -> None:
+        self._rfile = rfile
+        self.cut = False
+
+    def readline(self, limit: int = -1) -> bytes:
+        line: bytes = self._rfile.readline(limit)
+        if not line:
+            self.cut = True
+        return line
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "spotjob-agent"
@@ -698,10 +713,25 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(414, ErrorResponse(error="request line too long"))
         if not self.raw_requestline:
             return None
-        if not self.parse_request():  # answered already, through send_error
+        reader = _HeaderReader(self.rfile)
+        rfile, self.rfile = self.rfile, reader  # type: ignore[assignment]
+        try:
+            parsed = self.parse_request()
+        finally:
+            self.rfile = rfile
+        if not parsed:  # answered already, through send_error
             return None
         if self._timed_out():
             return self._send(408, ErrorResponse(error="request timeout"))
+        if reader.cut:
+            # parse_request takes end-of-file for the blank line that ends the headers: a request
+            # whose client hung up (or was cut off, at the agent's exit) before its Authorization
+            # header arrived was refused as a missing token, 401 and a warning of an auth failure.
+            log.debug(
+                "control API: the request from %s ended before its headers did (the client hung up)",
+                safe(self.client_address[0]),
+            )
+            return self._send(400, ErrorResponse(error="the request ended before its headers did"))
         self._route(self.command)
         self.wfile.flush()
         return None

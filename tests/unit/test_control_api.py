@@ -492,6 +492,38 @@ class TestConnections:
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert "Traceback" not in capfd.readouterr().err
 
+    @pytest.mark.parametrize(
+        "sent",
+        [
+            b"POST /flush HTTP/1.1",
+            b"POST /flush HTTP/1.1\r\nHost: x\r\n",
+            b"POST /flush HTTP/1.1\r\nHost: x\r\nAuthorization: Bear",
+            b"POST /flush HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN[:5].encode(),
+        ],
+        ids=["request line", "after a header", "mid-header", "mid-token"],
+    )
+    def test_a_request_cut_off_mid_headers_is_no_auth_failure_and_a_missing_token_still_is(
+        self, api: ControlApi, agent: Agent, sent: bytes, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """parse_request takes end-of-file for the end of the headers: a client hanging up (or cut
+        off at the agent's exit) before its Authorization header arrived was answered 401 and
+        logged as a refused token, a warning of an auth failure that never was."""
+        with caplog.at_level(logging.DEBUG, logger="agent.control_api"):
+            with socket.create_connection(("127.0.0.1", api.port), timeout=WAIT) as sock:
+                sock.sendall(sent)
+                sock.shutdown(socket.SHUT_WR)
+                status, _, body = read_response(sock)
+            assert status == 400 and json.loads(body)["error"] == "the request ended before its headers did"
+            said = [(r.levelno, r.getMessage()) for r in caplog.records]
+            assert not [m for level, m in said if level >= logging.INFO], said
+            assert any("ended before its headers did (the client hung up)" in m for _, m in said)
+            caplog.clear()
+            # The same request, whole, without its token: an auth failure, said as one.
+            assert raw(api, b"POST /flush HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")[0] == 401
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warned == ["control API: refused POST /flush from 127.0.0.1 (missing or wrong token)"]
+        assert not agent.control.flush_requested()
+
 
 class TestServerStop:
     def test_stop_does_not_wait_for_the_serving_loops_next_poll(
