@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -105,7 +105,12 @@ class Endpoint:
     pod_uid: str
     pod: str
     ip: str
-    token: str
+    token: str = field(repr=False)
+
+    def __repr__(self) -> str:
+        # The dataclass's own repr printed the token: one endpoint in a log line, a traceback's
+        # locals or a debugger's view, and anyone reading it could flush or stop the job's agents.
+        return f"Endpoint(pod_uid={self.pod_uid!r}, pod={self.pod!r}, ip={self.ip!r}, token=<redacted>)"
 
 
 @dataclass(frozen=True)

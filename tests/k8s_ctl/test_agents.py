@@ -4,6 +4,7 @@ flush/stop/status requests that run in the background against the real agent's A
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -94,6 +95,18 @@ def test_a_token_is_derived_from_the_key_and_the_jobs_identity_and_incarnation()
         derive_token(KEY, "ml", "llama2", "uid-1"),
     }
     assert token not in others and len(others) == 4
+
+
+def test_an_endpoint_printed_or_logged_never_shows_its_token(caplog: pytest.LogCaptureFixture) -> None:
+    """The dataclass's own repr held the agent's bearer token: an endpoint in a log line, a
+    traceback's locals or an assertion's message gave away what flushes and stops the job."""
+    ep = endpoint()
+    with caplog.at_level(logging.DEBUG):
+        logging.getLogger("orchestrator.k8s.agents").debug("calling %s (%r): %s", ep, ep, [ep])
+    shown = [repr(ep), str(ep), f"{ep}", repr({ep.pod_uid: ep}), caplog.text]
+    assert all(ep.token not in text and "token=<redacted>" in text for text in shown), shown
+    assert "pod='llama-0-0'" in repr(ep) and "ip='127.0.0.1'" in repr(ep)
+    assert ep == endpoint() and ep != endpoint(token="another")  # the token still tells two apart
 
 
 def test_a_token_key_must_be_readable_and_long_enough(tmp_path: Path) -> None:
