@@ -6,6 +6,7 @@ family lives in the instance's own registry (not the process-global one), so two
 one test process do not collide. Families (all prefixed ``spotjob_``):
 
 - ``signals_total{kind,source}``                   preemption signals seen, by kind and source
+                                                   (``SIGNAL_SOURCES``, any other ``other``)
 - ``flush_requests_total{outcome}``                flush requests sent to agents: accepted, failed
 - ``notice_to_commit_seconds``                     histogram: from a notice to the flushed manifest
 - ``preemptions_total``, ``restarts_total{cause}``  preemptions handled; gang restarts (preemption, failure,
@@ -43,9 +44,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from orchestrator.events import FLUSH_OUTCOMES, JobMetrics
+from orchestrator.k8s.cluster_signals import SOURCE_NODE, SOURCE_POD, SOURCE_QUEUE
 from orchestrator.model import JobStatus, Phase
 
-__all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics", "JobMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "SIGNAL_SOURCES", "ControllerMetrics", "JobMetrics", "signal_source_label"]
+
+SIGNAL_SOURCES = (SOURCE_NODE, SOURCE_POD, SOURCE_QUEUE)
+"""The ``source`` label values of ``spotjob_signals_total`` (each alone, or several joined)."""
+OTHER_SOURCE = "other"
+
+
+def signal_source_label(source: str) -> str:
+    """``source`` as ``spotjob_signals_total`` labels it: each of its comma-joined sources that is
+    not one of ``SIGNAL_SOURCES`` becomes ``other``, sorted and once each. A Node's
+    ``spotjob.dev/interruption`` annotation names its own source, in any text whoever wrote it
+    chose: a label taken from it as it stands was a new series per text, without bound."""
+    names = {name if name in SIGNAL_SOURCES else OTHER_SOURCE for name in source.split(",")}
+    return ",".join(sorted(names))
 
 
 class ControllerMetrics:
@@ -167,7 +182,7 @@ class ControllerMetrics:
     # -- JobMetrics
 
     def signal(self, kind: str, source: str) -> None:
-        self._signals.labels(kind=kind, source=source).inc()
+        self._signals.labels(kind=kind, source=signal_source_label(source)).inc()
 
     def flush_request(self, outcome: str) -> None:
         self._flushes.labels(outcome=outcome).inc()

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
+from orchestrator.k8s.cluster_signals import INTERRUPTION_ANNOTATION, ClusterSignals
 from orchestrator.k8s.health import HealthServer
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.model import AttemptStatus, CheckpointInfo, JobStatus, Phase
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def node(name: str, *, taints: list[dict[str, Any]] | None = None, annotations: dict[str, str]) -> dict[str, Any]:
+    status = {"conditions": [{"type": "Ready", "status": "True"}]}
+    return {"metadata": {"name": name, "annotations": annotations}, "spec": {"taints": taints or []}, "status": status}
 
 
 def fetch(port: int, path: str) -> tuple[int, str]:
@@ -85,6 +93,34 @@ def test_metrics_exposes_every_family_the_controller_records(served) -> None:
         'spotjob_job_agent_flush_failures_total{name="llama",namespace="team-a"} 1.0',
     ):
         assert line in text, line
+
+
+def test_a_signals_source_label_takes_only_the_known_sources_and_other_whatever_a_node_annotation_says() -> None:
+    """The ``spotjob.dev/interruption`` annotation names its own source, in any text whoever wrote
+    it chose: taken as the label, every text (a message, a hostname, a line break) was a new series
+    of ``spotjob_signals_total``, without bound."""
+    metrics = ControllerMetrics()
+    signals = ClusterSignals(now=lambda: T0)
+    spot = {"kind": "SpotInterruption", "deadline": "2026-05-01T12:02:00Z"}
+    sources = ["aws-sqs", "nth on ip-10-0-0-1 at 12:00:01", "evil\nspotjob_leader 1", "k8s-node,forged", ""]
+    nodes = [
+        node(f"n{i}", annotations={INTERRUPTION_ANNOTATION: json.dumps({**spot, "source": src})})
+        for i, src in enumerate(sources)
+    ]
+    itn = [{"key": "aws-node-termination-handler/spot-itn", "effect": "NoExecute"}]
+    nodes.append(
+        node("tainted", taints=itn, annotations={INTERRUPTION_ANNOTATION: json.dumps({**spot, "source": "?"})})
+    )
+    for n in nodes:
+        for s in signals.for_node(n["metadata"]["name"], n):
+            metrics.signal(str(s.kind), s.source)  # as the reconciler counts each signal acted on
+    assert samples(metrics, "spotjob_signals_total") == {
+        'kind="SpotInterruption",source="aws-sqs"': 1,
+        'kind="SpotInterruption",source="other"': 3,
+        'kind="SpotInterruption",source="k8s-node,other"': 2,
+    }
+    text = metrics.exposition().decode()
+    assert "ip-10-0-0-1" not in text and "evil" not in text and "forged" not in text
 
 
 def test_a_deleted_jobs_goodput_disappears_from_metrics() -> None:
