@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shlex
 import threading
 import uuid
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from orchestrator.events import LoggingEventSink
 from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey
+from orchestrator.reconciler import RESTART_BUDGET_EXHAUSTED
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +307,25 @@ class EventRecorder:
         return {"count": count, "lastTimestamp": _seconds(now)}
 
 
+_POINTED = frozenset({RESTART_BUDGET_EXHAUSTED.name})
+"""The reasons whose Event on the SpotJob ends with a pointer to ``kubectl spotjob status``, whose
+``Next:`` line says how to go on (``orchestrator.kubectl_status.next_step``). Not the reconciler's
+message: local mode shares it, and says the same with ``spotjob run``'s last lines and ``spotjob
+status NAME``."""
+
+
+def job_note(key: JobKey, reason: str, message: str) -> str:
+    """The note of the Event on the SpotJob: ``message``, and for a reason in ``_POINTED`` a pointer
+    to the advice after it, within the API server's limit; where they do not fit, the message (the
+    worker's last words) is cut, never the pointer."""
+    if reason not in _POINTED:
+        return message
+    pointer = (
+        f"; see `kubectl spotjob status {shlex.quote(key.name)} -n {shlex.quote(key.namespace)}` for how to continue"
+    )
+    return _truncate(message, _NOTE_LIMIT - len(pointer.encode())) + pointer
+
+
 class JobEventSink:
     """The reconciler's ``orchestrator.events.EventSink`` on Kubernetes: Events on the SpotJob, and
     on the Node the Event names (a notice for it, a worker lost with it), each pointing at the other
@@ -323,6 +344,7 @@ class JobEventSink:
 
     def emit(self, key: JobKey, type: JobEventType, reason: str, message: str, *, node: str | None = None) -> None:
         self._log.emit(key, type, reason, message, node=node)
+        note = job_note(key, reason, message)
         kind = EventType(str(type))
         try:
             cached = self._jobs.get(key.namespace, key.name)
@@ -338,6 +360,6 @@ class JobEventSink:
         except Exception:
             log.exception("could not describe event %s of job %s", reason, key)
             return
-        self._recorder.event(job, kind, reason, message, related=node_ref)
+        self._recorder.event(job, kind, reason, note, related=node_ref)
         if node_ref is not None:
             self._recorder.event(node_ref, kind, reason, f"SpotJob {key}: {message}", related=job)

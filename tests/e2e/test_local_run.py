@@ -206,6 +206,11 @@ def test_a_script_that_keeps_crashing_uses_up_max_restarts_and_fails_the_job_wit
     assert (status["restarts"], status["preemptions"]) == (1, 0)
     reasons = event_reasons(events_file)
     assert reasons.count("WorkerFailed") == 1
+    # Its Event is the status's message, as spotjob run's last lines say it: the pointer a
+    # Kubernetes Event ends with (`kubectl spotjob status`) is none of local mode's, whose advice
+    # is in those last lines and in `spotjob status NAME`.
+    [exhausted] = [e for e in read_events(str(events_file)) if e.reason == "RestartBudgetExhausted"]
+    assert exhausted.message == status["message"] and "kubectl" not in proc.stderr, proc.stderr[-3000:]
     # An attempt whose agent exits 74 (the infrastructure's fault, e.g. a rendezvous port another
     # process took: seen once in CI on a loaded machine) is retried without spending the budget.
     infra = reasons.count("WorkerInfraError")

@@ -27,6 +27,7 @@ from orchestrator.k8s.events import EventRecorder, JobEventSink
 from orchestrator.k8s.informer import Informer
 from orchestrator.k8s.pods import JOB_LABEL
 from orchestrator.k8s.store import KubeJobStore
+from orchestrator.kubectl_status import next_step
 from orchestrator.model import JobKey, Phase, parse_timestamp
 from orchestrator.reconciler import Reconciler
 
@@ -429,5 +430,50 @@ def test_an_unknown_spotjob_variable_in_env_is_a_warning_event_once_and_the_job_
         ), event
         status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
         assert not [c for c in status.get("conditions") or [] if c["type"] == "Invalid"], status
+    finally:
+        parts.stop()
+
+
+def test_a_job_out_of_restarts_ends_its_event_with_where_to_read_what_next_and_cuts_the_workers_words(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """``RestartBudgetExhausted`` is the Event an operator reads (``kubectl describe``, an alert),
+    and it held only the worker's last words; what to do, ``kubectl spotjob status``'s ``Next:``
+    line, was nowhere near it. Its note now ends with where to read it. An eviction's message
+    (up to 300 characters, here 3 bytes each) and its hint make the note longer than the API
+    server's 1 KB: the words are cut, the pointer kept. The status (the ``Phase:`` line) is left
+    as it was: its reason's message is the reconciler's, which local mode shares."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["spec"]["maxRestarts"] = 0
+        test_api.admin.create(SPOTJOBS, job, "default")
+        _running_on_n1(test_api, parts, create=False)
+
+        pod = test_api.admin.get(PODS, "llama-0-0", "default")
+        said = "The node was low on resource: ephemeral-storage. " + "記憶域不足" * 60
+        pod["status"].update(phase="Failed", reason="Evicted", message=said)
+        pod["status"]["containerStatuses"][0].update(
+            ready=False, state={"terminated": {"exitCode": 137, "reason": "Error"}}
+        )
+        test_api.admin.replace(PODS, pod, subresource="status")
+        wait_for(
+            lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("phase") == "Failed",
+            what="the evicted pod in the cache",
+        )
+        assert parts.reconciler.reconcile(KEY).phase is Phase.FAILED
+
+        stored = test_api.admin.get(SPOTJOBS, KEY.name, "default")
+        status = stored["status"]
+        assert status["reason"] == "RestartBudgetExhausted", status
+        assert "kubectl spotjob status" not in status["message"], status["message"]
+        assert next_step(stored) is not None, "the pointer points at a Next: line"
+        [event] = _events(test_api, "RestartBudgetExhausted")
+        note = event["note"]
+        pointer = "; see `kubectl spotjob status llama -n default` for how to continue"
+        assert len(note.encode()) <= 1024 and note.endswith("..." + pointer), note
+        assert note.startswith("worker llama-0-0 exited with code 137 and all 0 restart(s) are used: evicted"), note
+        assert status["message"].startswith(note.removesuffix("..." + pointer)), "the words are cut, not changed"
     finally:
         parts.stop()
