@@ -39,7 +39,7 @@ from orchestrator.events import LoggingEventSink
 from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey
-from orchestrator.reconciler import RESTART_BUDGET_EXHAUSTED
+from orchestrator.reconciler import CHECKPOINT_URI_OWNED, INVALID_CHECKPOINT_URI, RESTART_BUDGET_EXHAUSTED
 
 log = logging.getLogger(__name__)
 
@@ -307,11 +307,12 @@ class EventRecorder:
         return {"count": count, "lastTimestamp": _seconds(now)}
 
 
-_POINTED = frozenset({RESTART_BUDGET_EXHAUSTED.name})
+_POINTED = frozenset({RESTART_BUDGET_EXHAUSTED.name, INVALID_CHECKPOINT_URI.name, CHECKPOINT_URI_OWNED.name})
 """The reasons whose Event on the SpotJob ends with a pointer to ``kubectl spotjob status``, whose
-``Next:`` line says how to go on (``orchestrator.kubectl_status.next_step``). Not the reconciler's
-message: local mode shares it, and says the same with ``spotjob run``'s last lines and ``spotjob
-status NAME``."""
+``Next:`` line says how to go on (``orchestrator.kubectl_status.next_step``): each of them fails the
+job. Not ``StorageRefused``: the same reason also warns of a job that goes on (no ``Next:`` line),
+and the failing one's message already says what to do. Not the reconciler's message: local mode
+shares it, and says the same with ``spotjob run``'s last lines and ``spotjob status NAME``."""
 
 
 def job_note(key: JobKey, reason: str, message: str) -> str:

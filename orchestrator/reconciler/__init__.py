@@ -71,11 +71,18 @@ The package, one concern a module (``Reconciler`` joins them, each a layer on th
 
 from orchestrator.controller_loop import Controller as Controller  # its home before it had its own module
 from orchestrator.reconciler._pass import Clock, ReconcileResult, ReconcilerOptions, SystemClock, job_identity
-from orchestrator.reconciler._reasons import INVALID, RESTART_BUDGET_EXHAUSTED
+from orchestrator.reconciler._reasons import (
+    CHECKPOINT_URI_OWNED,
+    INVALID,
+    INVALID_CHECKPOINT_URI,
+    RESTART_BUDGET_EXHAUSTED,
+)
 from orchestrator.reconciler._reconciler import Reconciler
 
 __all__ = [
+    "CHECKPOINT_URI_OWNED",
     "INVALID",
+    "INVALID_CHECKPOINT_URI",
     "RESTART_BUDGET_EXHAUSTED",
     "Clock",
     "Controller",

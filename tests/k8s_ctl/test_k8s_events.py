@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from ctl_support import TestApi
 
 from orchestrator.k8s.api import CORE_EVENTS, EVENTS
-from orchestrator.k8s.events import REPORTING_CONTROLLER, EventRecorder, ObjectRef
+from orchestrator.k8s.events import REPORTING_CONTROLLER, EventRecorder, ObjectRef, job_note
+from orchestrator.model import JobKey
 
 JOB = ObjectRef(kind="SpotJob", name="llama", namespace="default", api_version="spotjob.dev/v1alpha1", uid="u-1")
 NODE = ObjectRef(kind="Node", name="ip-10-0-0-1", api_version="v1", uid="u-2")
@@ -74,3 +76,21 @@ def test_core_v1_events_are_written_and_counted_where_events_k8s_io_is_not_serve
         "no manifest after 120s",
         3,
     )
+
+
+@pytest.mark.parametrize("reason", ["RestartBudgetExhausted", "InvalidCheckpointURI", "CheckpointURIOwned"])
+def test_the_event_of_a_job_failed_for_good_points_at_its_next_line(reason: str) -> None:
+    """Each reason that fails a job has a ``Next:`` line in ``kubectl spotjob status`` (how to go
+    on, with the commands): its Event says where to read it, even when the message fills the
+    note's 1 KB (the message is cut, not the pointer)."""
+    key = JobKey("team-a", "llama")
+    pointer = "; see `kubectl spotjob status llama -n team-a` for how to continue"
+    assert job_note(key, reason, "owned by team-b/other") == "owned by team-b/other" + pointer
+    long = job_note(key, reason, "x" * 2000)
+    assert long.endswith("..." + pointer) and len(long.encode()) <= 1024, long
+
+
+@pytest.mark.parametrize("reason", ["StorageRefused", "WorkerFailed", "FlushCommitted", "InvalidSpec"])
+def test_an_event_of_a_job_that_goes_on_carries_its_message_alone(reason: str) -> None:
+    """``StorageRefused`` also warns of a job that keeps running (no ``Next:`` line to point at)."""
+    assert job_note(JobKey("team-a", "llama"), reason, "as it was") == "as it was"
