@@ -370,7 +370,8 @@ class Checkpointer(_Saving, _Restoring):
         """Save ``state`` as the checkpoint of ``step`` now (asynchronously unless configured not).
 
         Waits for a save still in flight first (at most one is in flight). ``step`` is a whole
-        number not lower than the last step seen; ``metadata`` a dict of JSON values.
+        number not lower than the last step seen; ``metadata`` a dict of JSON values (a NaN or
+        infinite float in it is recorded as the string ``"nan"``, ``"inf"`` or ``"-inf"``).
         """
         self._check_open("save()")
         self._check_writable("save()")

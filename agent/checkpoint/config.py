@@ -195,13 +195,30 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
             f"{call}: metadata{where} is not JSON (numbers, strings, bools, None, lists, dicts with str keys); "
             "convert tensors with float(...) or .tolist()"
         ) from None
+    try:
+        check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
+    except ValueError:
+        raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
+    checked = _non_finite_as_text(checked)  # nested at most MAX_JSON_DEPTH levels: no recursion limit
+    encoded = json.dumps(checked, allow_nan=False).encode()
     if len(encoded) > _MAX_METADATA_BYTES:
         raise ValueError(
             f"{call}: metadata is {len(encoded)} bytes as JSON, more than {_MAX_METADATA_BYTES}; it goes into "
             "every manifest: keep it to small values (loss, tokens seen) and save bulky data as state"
         )
-    try:
-        check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
-    except ValueError:
-        raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
     return checked
+
+
+def _non_finite_as_text(value: Any) -> Any:
+    """``value`` with each NaN or infinity made the string ``"nan"``, ``"inf"`` or ``"-inf"``.
+
+    JSON has no such numbers: the manifest would hold ``null``, and a loss that went NaN (the one
+    value worth seeing then) would read as never recorded. ``float()`` of the string gives it back.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float(value))  # a float subclass (numpy.float64) spelled as Python spells it
+    if isinstance(value, dict):
+        return {k: _non_finite_as_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_non_finite_as_text(v) for v in value]
+    return value

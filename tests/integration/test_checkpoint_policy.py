@@ -392,6 +392,20 @@ def test_json_metadata_is_recorded(tmp_path: Path) -> None:
     }
 
 
+def test_a_nan_or_infinite_metadata_value_is_recorded_as_text_not_as_null(tmp_path: Path) -> None:
+    """JSON has no NaN or infinity: ``metadata={"loss": float("nan")}`` was written as ``null``
+    without a word, and a loss that went NaN read as one never recorded. Each is now the text
+    Python spells it with (``float()`` reads it back), wherever it is nested, and the save goes on."""
+    uri = str(tmp_path / "ckpt")
+    metadata = {"loss": float("nan"), "grad_norm": [float("inf"), 1.5], "nested": {"low": -float("inf")}}
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, make_state(0), metadata=metadata)
+    (status,) = list_checkpoints(open_storage(uri))
+    assert status.valid and status.manifest is not None
+    assert status.manifest.metadata == {"loss": "nan", "grad_norm": ["inf", 1.5], "nested": {"low": "-inf"}}
+    assert str(float(str(status.manifest.metadata["loss"]))) == "nan"
+
+
 # -- the flush is reported before retention runs -------------------------------------------------
 
 

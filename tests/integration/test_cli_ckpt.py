@@ -402,6 +402,20 @@ def test_show_prints_the_tensor_index_and_the_checkpoint_facts(
     assert "optim.state.model.0.weight.exp_avg" in rows
 
 
+def test_show_prints_a_nan_loss_as_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loss gone NaN was recorded, and shown, as ``null``: "metadata: {"loss": null}"."""
+    uri = str(tmp_path / "ckpts")
+    with Checkpointer(uri, async_save=False) as saver:
+        saver.save(1, {"model": _model()}, metadata={"loss": float("nan"), "scale": float("inf")})
+
+    rc, out, _ = ckpt(capsys, "show", uri)
+    assert rc == 0
+    assert 'metadata:   {"loss": "nan", "scale": "inf"}' in out.splitlines()
+
+    rc, out, _ = ckpt(capsys, "show", uri, "--json")
+    assert rc == 0 and json.loads(out)["manifest"]["metadata"] == {"loss": "nan", "scale": "inf"}
+
+
 # An OSC 0 (retitle the window) and a CSI that erases the line and moves the cursor up: what a
 # crafted manifest would use to rewrite what an operator reads.
 ESCAPES = "\x1b]0;owned\x07\x1b[2K\x1b[1A"
