@@ -271,7 +271,7 @@ def _write_shards(
 
     from agent.dcp_safe import SafeLoadPlanner
 
-    created = not os.path.isdir(out)
+    created: list[str] = []
     umask = os.umask(0)
     os.umask(umask)
     mode = 0o666 & ~umask
@@ -282,7 +282,7 @@ def _write_shards(
     written: list[str] = []
     total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
     try:
-        os.makedirs(out, exist_ok=True)
+        created = _make_folders(out)
         with progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
             for name, shard in zip(names, shards, strict=True):
                 state = {
@@ -329,14 +329,46 @@ def _write_shards(
             # NotADirectoryError: OUT could not be made (a file is in the way), so nothing is in it.
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(path)
-        if created:
+        for folder in reversed(created):  # OUT first, then each parent this export made for it
             with contextlib.suppress(OSError):
-                os.rmdir(out)  # only if it is empty: nothing of ours is left in it
+                os.rmdir(folder)  # only if it is empty: never what another process put there
         if isinstance(e, Exception) and not isinstance(e, ExportError):
             log.debug("writing the export failed", exc_info=True)
             raise ExportError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
     return names, totals
+
+
+def _make_folders(out: str) -> list[str]:
+    """Make ``out`` and the parents it lacks, one by one; the folders made, outermost first.
+
+    Only these are removed again when the export fails: a folder that was there before (or that
+    another process made meanwhile) is never this export's to remove.
+    """
+    missing: list[str] = []
+    path = out
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    made: list[str] = []
+    try:
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not os.path.isdir(path):
+                    raise
+                continue  # made by someone else since the look: not ours
+            made.append(path)
+    except BaseException:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
+    return made
 
 
 _WRITE_FAILURES = {

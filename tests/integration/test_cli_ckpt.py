@@ -634,6 +634,25 @@ def test_export_refuses_what_it_cannot_do_cleanly(
     assert not out.exists() or not os.listdir(out)
 
 
+def test_a_failed_export_removes_the_folders_it_made_for_out_and_none_that_were_there(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT's missing parents are made for it; a failed export removed OUT and left those behind."""
+    shard = saved.shard(3)
+    entry = saved.manifest(3).file(shard)
+    assert entry is not None
+    # Bytes the manifest vouches for that DCP cannot load: it fails once OUT is made and written to.
+    replace_file_vouched(saved, 3, shard, bytes(entry.size))
+    there = tmp_path / "exports"
+    there.mkdir()  # there before, and empty: not the export's to remove
+    out = there / "run1" / "v3" / "hf"
+
+    rc, stdout, err = ckpt(capsys, "export", saved.uri, str(out), "--step", "3")
+
+    assert rc == 1 and stdout == "" and "DCP could not load" in err, err
+    assert there.is_dir() and os.listdir(there) == []
+
+
 def test_an_export_folder_under_a_regular_file_is_one_line_naming_it_and_exit_2(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
