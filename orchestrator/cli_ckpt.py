@@ -19,6 +19,12 @@ broken one is exactly what an operator asking "is my latest checkpoint good?" mu
 it is not skipped. ``export`` picks the newest *valid* one, the one a restore would load, and
 says why each newer one was passed over; with none valid it names them all and why.
 
+A step can be committed more than once (``step-N``, then ``step-N.1``, … when a committed one
+turned out broken). ``--step N`` picks among its attempts as the command picks among steps:
+``verify`` and ``show`` the newest committed attempt, valid or not; ``export`` the newest valid
+one (as a restore walking back would reach it), saying which newer attempts it passed over and
+why. ``--step N.A`` names one folder exactly, which ``export`` refuses when it is not valid.
+
 ``adopt`` is the one command that writes: it makes another job the owner of the URI (see
 ``agent.ownership``), so that job resumes from the checkpoints there.
 
@@ -165,13 +171,14 @@ def register(subparsers: Any) -> None:
         "file read is CRC32C-checked against the manifest and nothing unsafe is unpickled. Shards are "
         "loaded one at a time, so memory stays near one --max-shard-size; from an object store the shard "
         "files are first downloaded, verified, to a temporary folder: allow local disk for them. "
-        "Default: the newest valid checkpoint (the one a restore would load); an invalid one named "
-        "with --step is refused.",
+        "Default: the newest valid checkpoint (the one a restore would load); --step N: the newest valid "
+        "attempt of step N (its newer ones passed over are named on stderr); an invalid one named "
+        "exactly (--step N.A or a folder name) is refused.",
         epilog=_EXIT_CODES,
     )
     _add_uri(p)
     p.add_argument("out", metavar="OUT", help="local folder to write (must be absent or empty)")
-    _add_step(p)
+    _add_step(p, pick="its newest valid attempt")
     p.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     p.add_argument("--key", default="model", help="the module's state key in the checkpoint (default: model)")
     p.add_argument(
@@ -238,12 +245,12 @@ def _add_uri(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_step(p: argparse.ArgumentParser) -> None:
+def _add_step(p: argparse.ArgumentParser, pick: str = "its newest committed attempt") -> None:
     p.add_argument(
         "--step",
         type=parse_step,
         metavar="N",
-        help="the checkpoint of step N (its newest committed attempt; N.A or a folder name picks one folder exactly)",
+        help=f"the checkpoint of step N ({pick}; N.A or a folder name picks one folder exactly)",
     )
 
 
@@ -457,18 +464,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with opened_storage(args.uri) as storage:
         _check_out_not_in_uri(storage, out)
-        if args.step is not None:
-            status = select_checkpoint(storage, args.step)
-            files, total = _export(storage, status, args, out)
+        if args.step is not None and args.step.attempt is not None:
+            status = select_checkpoint(storage, args.step)  # one folder, named exactly: that one or nothing
+            files, total = _export(storage, status, args, out, walking=False)
         else:
-            # As a restore walks them: one whose bytes prove it bad (a CRC32C mismatch, an unsafe
-            # .metadata) is passed over for the next valid one; any other failure stops the export.
+            # As a restore walks them (through every checkpoint, or through step N's attempts): one
+            # whose bytes prove it bad (a CRC32C mismatch, an unsafe .metadata) is passed over for
+            # the next valid one; any other failure stops the export.
+            step = None if args.step is None else args.step.step
             passed: list[tuple[str, str]] = []
-            status = newest_valid(storage)
+            status = newest_valid(storage, step=step)
             deleted = 0
             while True:
                 try:
-                    files, total = _export(storage, status, args, out)
+                    files, total = _export(storage, status, args, out, walking=True)
                     break
                 except _Deleted as e:
                     deleted += 1
@@ -480,12 +489,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                         "the job saving to this URI); exporting the newest checkpoint again",
                         file=sys.stderr,
                     )
-                    status = newest_valid(storage)
+                    status = newest_valid(storage, step=step)
                 except _ProvenBad as e:
                     reason = str(e.error).removeprefix(f"{status.ref.folder}: ")
                     print(f"spotjob ckpt export: passing over {status.ref.folder}: {shown(reason)}", file=sys.stderr)
                     passed.append((status.ref.folder, reason))
-                    status = newest_valid(storage, below=status.ref, passed=passed)
+                    status = newest_valid(storage, step=step, below=status.ref, passed=passed)
     if total.left_out:
         named = ", ".join(repr(shown(n)) for n in total.left_out[:_LEFT_OUT_NAMED])
         more = len(total.left_out) - _LEFT_OUT_NAMED
@@ -535,9 +544,11 @@ class _ProvenBad(Exception):
 
 
 def _export(
-    storage: Storage, status: CheckpointStatus, args: argparse.Namespace, out: str
+    storage: Storage, status: CheckpointStatus, args: argparse.Namespace, out: str, *, walking: bool
 ) -> tuple[list[str], ExportTotals]:
-    """Export ``status``; ``_ProvenBad`` when reading it proved it bad, else ``CommandError`` on failure."""
+    """Export ``status``; ``CommandError`` on failure, except when ``walking`` (it was picked as
+    the newest valid, of all or of step N's attempts): ``_ProvenBad`` when reading it proved it
+    bad, and (without ``--step``) ``_Deleted`` when retention deleted it meanwhile."""
     manifest = _require_manifest(status)
     if not status.valid:
         raise CommandError(f"{status.ref.folder} is invalid, refusing to export it: {status.reason}", EXIT_INVALID)
@@ -549,14 +560,14 @@ def _export(
             )
     except (ExportError, FileNotFoundError) as e:  # FileNotFoundError: a file read in place, gone
         if _deleted(storage, status):
-            raise (_Deleted if args.step is None else CommandError)(
+            raise (_Deleted if walking and args.step is None else CommandError)(
                 f"{status.ref.folder} was deleted while it was being exported (the retention of the job saving "
                 f"to this URI removes old checkpoints); nothing was exported to {out}. Export again, or name a "
                 "checkpoint retention keeps with --step"
             ) from None
         if not isinstance(e, ExportError):
             raise
-        if e.proven_bad and args.step is None:
+        if e.proven_bad and walking:
             raise _ProvenBad(e) from None
         raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
 
@@ -657,13 +668,20 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
             f"no committed checkpoint under {storage.uri}: {len(refs)} folder(s), none holding "
             "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
         )
+    matching = _folders_of(storage, refs, choice)
+    statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
+    return next((s for s in statuses if s.committed), statuses[0])
+
+
+def _folders_of(storage: Storage, refs: list[CheckpointRef], choice: StepChoice) -> list[CheckpointRef]:
+    """The folders of ``refs`` that ``choice`` names (a step's attempts, newest first); ``CommandError``
+    naming what there is when none."""
     matching = [r for r in refs if r.step == choice.step and choice.attempt in (None, r.attempt)]
     if not matching:
         there = ", ".join(r.folder for r in refs[:8]) + (", …" if len(refs) > 8 else "")
         what = f"of step {choice.step}" if choice.attempt is None else str(choice)
         raise CommandError(f"no checkpoint {what} under {storage.uri}; there are: {there}")
-    statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
-    return next((s for s in statuses if s.committed), statuses[0])
+    return matching
 
 
 def _any_committed(storage: Storage, refs: list[CheckpointRef]) -> bool:
@@ -671,21 +689,29 @@ def _any_committed(storage: Storage, refs: list[CheckpointRef]) -> bool:
 
 
 def newest_valid(
-    storage: Storage, *, below: CheckpointRef | None = None, passed: list[tuple[str, str]] | None = None
+    storage: Storage,
+    *,
+    step: int | None = None,
+    below: CheckpointRef | None = None,
+    passed: list[tuple[str, str]] | None = None,
 ) -> CheckpointStatus:
     """The checkpoint a restore would load; ``CommandError`` naming every one passed over and why.
 
-    ``below``: walk on from the checkpoint after that one (``passed``: the folders already passed
-    over and why, for the error when none is left).
+    ``step``: among that step's attempts only (``CommandError`` when it has none), as a restore
+    walking back reaches them. ``below``: walk on from the checkpoint after that one (``passed``:
+    the folders already passed over and why, for the error when none is left).
     """
     refs = _require_checkpoints(storage)
+    if step is not None:
+        refs = _folders_of(storage, refs, StepChoice(step))
     if below is not None:
         refs = [r for r in refs if r < below]
     lineage = Lineage.load(storage)
     skipped: list[CheckpointStatus] = []
     relists = 0
     walk = list(refs)
-    while walk or (below is None and relists < _RELISTS and not any(s.committed for s in skipped)):
+    relist = below is None and step is None  # a named step is looked at once, as --step always was
+    while walk or (relist and relists < _RELISTS and not any(s.committed for s in skipped)):
         if not walk:
             # None committed: perhaps the newest committed after we looked and retention deleted
             # the ones before: walk again if a folder holds a manifest now (see ``restore()``).
@@ -699,23 +725,36 @@ def newest_valid(
         ref = walk.pop(0)
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
-            for s in (p for p in skipped if p.committed):  # the operator asked for "the latest"
+            newer = [p for p in skipped if p.committed]
+            for s in newer:  # the operator asked for "the latest" (of step N)
                 print(
                     f"spotjob ckpt export: passing over {s.ref.folder}: {shown(' '.join(s.reason.split()))}",
+                    file=sys.stderr,
+                )
+            if step is not None and (newer or passed):
+                print(
+                    f"spotjob ckpt export: exporting {status.ref.folder}, the newest valid attempt of step {step}",
                     file=sys.stderr,
                 )
             return status
         if status.newer_format:
             # As restore: an older checkpoint would be going back past progress a newer spotjob saved.
+            if step is None:
+                other = ", or name an older one with --step"
+            else:  # a restore stops there too; an older attempt of the step asked for can be named
+                other = f", or name an older attempt with --step {walk[0].folder}" if walk else ""
             raise CommandError(
                 f"{status.ref.folder}, the newest checkpoint a restore would consider, was written by a newer "
-                f"spotjob ({' '.join(status.reason.split())}); upgrade spotjob to export it, or name an older "
-                "one with --step"
+                f"spotjob ({' '.join(status.reason.split())}); upgrade spotjob to export it{other}"
             )
         skipped.append(status)
     reasons = [*(passed or []), *((s.ref.folder, s.reason) for s in skipped)]
     listing = "; ".join(f"{folder}: {reason}" for folder, reason in reasons[:8]) + ("; …" if len(reasons) > 8 else "")
-    raise CommandError(f"no valid checkpoint under {storage.uri} to export — {listing}", EXIT_INVALID)
+    if step is not None and len(reasons) == 1:  # the step's one folder
+        folder, reason = reasons[0]
+        raise CommandError(f"{folder} is invalid, refusing to export it: {reason}", EXIT_INVALID)
+    what = "checkpoint" if step is None else f"attempt of step {step}"
+    raise CommandError(f"no valid {what} under {storage.uri} to export — {listing}", EXIT_INVALID)
 
 
 def _require_manifest(status: CheckpointStatus) -> Manifest:

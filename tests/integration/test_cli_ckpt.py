@@ -965,6 +965,71 @@ def test_export_with_nothing_valid_names_every_checkpoint_and_why(
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_of_a_step_takes_its_newest_valid_attempt_as_restore_does(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step committed twice (``step-N``, then ``step-N.1``): ``--step N`` exported the newest
+    attempt, refusing it when broken although the older attempt was valid and was what a restore
+    loads. It now takes the newest valid attempt, and says which it passed over and which it took."""
+    shard = saved.key(3, saved.shard(3))
+    kept = saved.storage.get_bytes(shard)
+    saved.storage.delete([shard])  # step 3 broken: the job restores step 2 and commits step 3 again
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(saved.uri, keep=None, async_save=False) as again:
+        assert again.restore({"model": model, "optim": optim}) == 2
+        model(torch.randn(4, 16)).pow(2).sum().backward()
+        optim.step()
+        again.save(3, {"model": model, "optim": optim})
+    retry = CheckpointRef(3, 1)
+    assert saved.storage.stat(retry.key(MANIFEST_NAME)) is not None
+    saved.storage.put_bytes(shard, kept)  # the first attempt whole again (an archived object brought back)
+    (retry_shard,) = [f.path for f in Manifest.parse(saved.storage.get_bytes(retry.key(MANIFEST_NAME))).files
+                      if f.path.endswith(".distcp")]  # fmt: skip
+    retry_bytes = saved.storage.get_bytes(retry.key(retry_shard))
+    saved.storage.delete([retry.key(retry_shard)])  # and the newer attempt broken
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), "--step", "3")
+
+    assert rc == 0 and saved.storage.url(saved.folder(3)) + " to" in out, out
+    assert f"passing over {retry.folder}: file {retry_shard} is missing" in err
+    assert f"exporting {saved.folder(3)}, the newest valid attempt of step 3" in err
+    _, exported = _read_export(tmp_path / "hf")
+    assert all(torch.equal(exported[k], saved.weights[3][k]) for k in saved.weights[3])
+    restored = _model()
+    with Checkpointer(saved.uri, read_only=True) as reader:
+        assert reader.restore({"model": restored}) == 3
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in saved.weights[3].items())
+
+    # The broken attempt named exactly is refused; the valid one named exactly is exported.
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf31"), "--step", "3.1")
+    assert rc == 1 and f"{retry.folder} is invalid, refusing to export it" in err
+    assert not (tmp_path / "hf31").exists()
+    rc, out, _ = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf30"), "--step", "3.0")
+    assert rc == 0 and saved.storage.url(saved.folder(3)) + " to" in out
+
+    # A newer attempt whose bytes prove it bad once read (its CRC32C) is passed over too.
+    saved.storage.put_bytes(retry.key(retry_shard), retry_bytes)
+    flip_byte(saved.storage, retry.key(retry_shard), offset=1000)
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf4"), "--step", "3")
+    assert rc == 0 and saved.storage.url(saved.folder(3)) + " to" in out
+    assert f"passing over {retry.folder}: " in err and "CRC32C" in err
+
+    # A broken first attempt and a whole newer one: the newer one, without a word about the older.
+    saved.storage.put_bytes(retry.key(retry_shard), retry_bytes)
+    saved.storage.delete([shard])
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf2"), "--step", "3")
+    assert rc == 0 and saved.storage.url(retry.folder) + " to" in out and err == ""
+
+    # Neither valid: each is named, and why.
+    saved.storage.delete([retry.key(retry_shard)])
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf3"), "--step", "3")
+    assert rc == 1 and out == "" and "no valid attempt of step 3" in err
+    assert f"{retry.folder}: file {retry_shard} is missing" in err
+    assert f"{saved.folder(3)}: file {saved.shard(3)} is missing" in err
+    assert not (tmp_path / "hf3").exists()
+
+
 def test_another_jobs_checkpoints_are_listed_as_foreign_and_never_exported(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
