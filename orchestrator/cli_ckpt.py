@@ -439,6 +439,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     for name, value in fields:
         print(f"{name + ':':<12}{shown(value)}")
     print()
+    if not tensors:
+        # A bare header reads as a listing cut short; say why there is nothing to list.
+        under = "" if args.key is None else f" under state key {args.key!r}"
+        print(
+            f"no tensors{under}: only modules and optimizers are saved as tensors (through DCP); other "
+            "state is saved per rank, in the rank-NNNNN.pt files"
+        )
+        return EXIT_OK
     print_table(
         ["TENSOR", "SHAPE", "DTYPE", "FILES"],
         [[fqn, _shape(t.shape), t.dtype, ",".join(t.files)] for fqn, t in tensors.items()],

@@ -416,6 +416,34 @@ def test_show_prints_a_nan_loss_as_nan(tmp_path: Path, capsys: pytest.CaptureFix
     assert rc == 0 and json.loads(out)["manifest"]["metadata"] == {"loss": "nan", "scale": "inf"}
 
 
+class _Counter:
+    """State that is not a module or optimizer: saved per rank, never as DCP tensors."""
+
+    def __init__(self) -> None:
+        self.seen = 7
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+def test_show_of_a_key_without_tensors_says_why_rather_than_print_a_bare_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uri = str(tmp_path / "ckpts")
+    with Checkpointer(uri, async_save=False) as saver:
+        saver.save(1, {"model": _model(), "counter": _Counter()})
+
+    rc, out, _ = ckpt(capsys, "show", uri, "--key", "counter")
+
+    assert rc == 0 and "TENSOR" not in out
+    assert out.splitlines()[-1].startswith("no tensors under state key 'counter': only modules and optimizers")
+    rc, out, _ = ckpt(capsys, "show", uri, "--key", "model")
+    assert rc == 0 and "TENSOR" in out and "model.0.weight" in out
+
+
 # An OSC 0 (retitle the window) and a CSI that erases the line and moves the cursor up: what a
 # crafted manifest would use to rewrite what an operator reads.
 ESCAPES = "\x1b]0;owned\x07\x1b[2K\x1b[1A"
