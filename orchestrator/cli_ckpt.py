@@ -20,10 +20,11 @@ it is not skipped. ``export`` picks the newest *valid* one, the one a restore wo
 says why each newer one was passed over; with none valid it names them all and why.
 
 A step can be committed more than once (``step-N``, then ``step-N.1``, …: saved again, after its
-checkpoint turned out broken or by an explicit ``save()`` of a step the policy saved). ``--step N`` picks among its attempts as the command picks among steps:
-``verify`` and ``show`` the newest committed attempt, valid or not; ``export`` the newest valid
-one (as a restore walking back would reach it), saying which newer attempts it passed over and
-why. ``--step N.A`` names one folder exactly, which ``export`` refuses when it is not valid.
+checkpoint turned out broken or by an explicit ``save()`` of a step the policy saved). ``--step
+N`` picks among its attempts as the command picks among steps: ``verify`` and ``show`` the
+newest committed attempt, valid or not; ``export`` the newest valid one (as a restore walking
+back would reach it), saying which newer attempts it passed over and why. ``--step N.A`` names
+one folder exactly, which ``export`` refuses when it is not valid.
 
 ``adopt`` is the one command that writes: it makes another job the owner of the URI (see
 ``agent.ownership``), so that job resumes from the checkpoints there.
