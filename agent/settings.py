@@ -115,6 +115,28 @@ MAX_TIMEOUT_S = 86400.0
 MAX_BACKOFF_S = 3600.0
 """The longest wait between two attempts of a storage operation."""
 
+MAX_TRANSFER_BYTES = 5 << 30
+"""The largest download range, S3 part, GCS upload chunk and multipart threshold (5 GiB). S3's own
+limit on a part and on a single PUT: a bigger part is refused by S3 (spotjob lowered it silently),
+and a bigger threshold acts as 5 GiB (a file above 5 GiB goes up in parts whatever the threshold;
+on GCS above 8 MiB). A range or a chunk is the unit a failed request repeats, and a chunk or an S3
+part is held whole in memory (``CONCURRENCY`` of them): bigger is a unit slip (GiB for MiB)."""
+
+MAX_CONCURRENCY = 1024
+"""The most parts or ranges in flight per store. Each is a thread and a connection, and an S3
+upload's a part in memory (1024 x 8 MiB = 8 GiB); 1024 streams of 100 MB/s each are 800 Gbit/s,
+more than any NIC carries, and more than a prefix's request rate (S3: 3 500 writes a second)
+serves. Above it, a typo (10000 for 100)."""
+
+MAX_STORAGE_ATTEMPTS = 100
+"""The most attempts of one storage operation. At the default cap of 8 s between two, 100 attempts
+keep one operation retrying for up to 13 minutes (the README's advice for big jobs is 10); more
+only hides an outage, or is a value no one meant (1000000 retries a dead store for days)."""
+
+
+def _size_up_to_5gib(example: str) -> str:
+    return f"a positive size in bytes up to 5GiB ({MAX_TRANSFER_BYTES}), e.g. {example}"
+
 
 class StorageEnv(_ExactNames):
     """Transfer and retry tuning for every store (``agent.storage``); unset fields keep the defaults
@@ -122,15 +144,22 @@ class StorageEnv(_ExactNames):
 
     model_config = SettingsConfigDict(env_prefix="SPOTJOB_STORAGE_", env_ignore_empty=True, extra="ignore")
 
-    part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)")
-    upload_part_size: ByteSize | None = Field(None, gt=0, description="a positive size in bytes (e.g. 8388608 or 8MiB)")
+    # Upper bounds: agent.settings' MAX_* say why each is where it is.
+    part_size: ByteSize | None = Field(
+        None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("67108864 or 64MiB")
+    )
+    upload_part_size: ByteSize | None = Field(
+        None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("8388608 or 8MiB")
+    )
     upload_chunk_size: ByteSize | None = Field(
-        None, gt=0, description="a positive size in bytes (e.g. 104857600 or 100MiB)"
+        None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("104857600 or 100MiB")
     )
     multipart_threshold: ByteSize | None = Field(
-        None, gt=0, description="a positive size in bytes (e.g. 67108864 or 64MiB)"
+        None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("67108864 or 64MiB")
     )
-    concurrency: int | None = Field(None, ge=1, description="a whole number >= 1")
+    concurrency: int | None = Field(
+        None, ge=1, le=MAX_CONCURRENCY, description=f"a whole number from 1 to {MAX_CONCURRENCY}"
+    )
     # Finite and bounded: an infinite timeout or backoff reaches the clients and time.sleep as a
     # timestamp they cannot represent, failing every request (retried forever as a transient fault)
     # instead of being refused here, where the message names the variable.
@@ -142,7 +171,9 @@ class StorageEnv(_ExactNames):
     )
     s3_checksum_headers: bool | None = Field(None, description="a boolean (1/0, true/false)")
     s3_create_only_check: bool | None = Field(None, description="a boolean (1/0, true/false)")
-    max_attempts: int | None = Field(None, ge=0, description="a whole number >= 0")
+    max_attempts: int | None = Field(
+        None, ge=0, le=MAX_STORAGE_ATTEMPTS, description=f"a whole number from 0 to {MAX_STORAGE_ATTEMPTS}"
+    )
     base_backoff_s: float | None = Field(
         None, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False, description="a number of seconds from 0 to 3600"
     )

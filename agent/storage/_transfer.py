@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
-from agent.settings import MAX_TIMEOUT_S, StorageEnv, load
+from agent.settings import MAX_CONCURRENCY, MAX_TIMEOUT_S, MAX_TRANSFER_BYTES, StorageEnv, load
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -65,8 +65,8 @@ class TransferSettings:
     """Bytes per ranged GET (S3 and GCS downloads)."""
 
     upload_part_size: int = 8 * MiB
-    """Bytes per S3 multipart part; S3 raises it to 5 MiB (its minimum part) and to size/10000 (its
-    part-count limit), and lowers it to 5 GiB (its largest part). Smaller than ``part_size``: a
+    """Bytes per S3 multipart part, at most 5 GiB (S3's largest part); S3 raises it to 5 MiB (its
+    minimum part) and to size/10000 (its part-count limit). Smaller than ``part_size``: a
     flush's shard goes up in more parts at once (boto3 and the AWS CLI send 8 MiB parts too), and
     the parts in flight hold ``concurrency x upload_part_size`` of memory (64 MiB) rather than
     512 MiB."""
@@ -104,16 +104,13 @@ class TransferSettings:
     then be overwritten."""
 
     def __post_init__(self) -> None:
-        if self.part_size < 1:
-            raise ValueError(f"part_size must be positive, got {self.part_size}")
-        if self.upload_part_size < 1:
-            raise ValueError(f"upload_part_size must be positive, got {self.upload_part_size}")
-        if self.upload_chunk_size < 1:
-            raise ValueError(f"upload_chunk_size must be positive, got {self.upload_chunk_size}")
-        if self.multipart_threshold < 1:
-            raise ValueError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        # The bounds of ``agent.settings.StorageEnv``, for settings built in code.
+        for name in ("part_size", "upload_part_size", "upload_chunk_size", "multipart_threshold"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_TRANSFER_BYTES:
+                raise ValueError(f"{name} must be from 1 byte to 5 GiB ({MAX_TRANSFER_BYTES}), got {value}")
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be from 1 to {MAX_CONCURRENCY}, got {self.concurrency}")
         if not (0 < self.connect_timeout_s <= MAX_TIMEOUT_S and 0 < self.read_timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeouts must be positive and at most {MAX_TIMEOUT_S:g} seconds")
 
@@ -128,6 +125,25 @@ class TransferSettings:
         given = {f.name: getattr(env, f.name) for f in fields(cls)}
         # Each value as the type of its default: a ByteSize becomes a plain int.
         return cls(**{k: type(getattr(defaults, k))(v) for k, v in given.items() if v is not None})
+
+
+def read_at(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes of the file ``fd`` from ``offset`` (fewer only at its end). One ``pread``
+    is not enough: Linux returns at most 2 GiB - 4 KiB a call, less than a part or chunk may be (a
+    part was then "shrank while being uploaded", a GCS chunk sent short of its 256 KiB multiple).
+    The bytes of one ``pread`` as they are (no copy); only a read that came back short is joined."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    pieces = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        pieces.append(more)
+        got += len(more)
+    return b"".join(pieces)
 
 
 def spans(size: int, part_size: int) -> list[tuple[int, int]]:

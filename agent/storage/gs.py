@@ -83,6 +83,7 @@ from agent.storage._transfer import (
     crc_from_b64,
     crc_to_b64,
     download_verified,
+    read_at,
 )
 from agent.storage.base import (
     DEFAULT_PARALLELISM,
@@ -565,7 +566,7 @@ class GCSStorage(PrefixedKeys, Storage):
             while upload.confirmed < size:
                 offset = upload.confirmed
                 with local_file(reading, key):
-                    data = os.pread(f.fileno(), min(chunk, size - offset), offset)
+                    data = read_at(f.fileno(), min(chunk, size - offset), offset)
                 if not data:
                     raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
                 if offset + len(data) > crc_end:

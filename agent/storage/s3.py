@@ -97,6 +97,7 @@ from agent.storage._transfer import (
     crc32c_concat,
     crc_to_b64,
     download_verified,
+    read_at,
     spans,
 )
 from agent.storage.base import (
@@ -473,7 +474,7 @@ class S3Storage(PrefixedKeys, Storage):
 
                 def send_part(number: int, offset: int, length: int) -> tuple[int, str]:
                     with local_file(reading, key):
-                        data = os.pread(fd, length, offset)
+                        data = read_at(fd, length, offset)
                     if len(data) != length:
                         raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
                     crc = crc32c_bytes(data)

@@ -774,7 +774,7 @@ MALFORMED = [
         ("SPOTJOB_ASYNC", "maybe", "a boolean"),
     ],
     [  # StorageEnv
-        ("SPOTJOB_STORAGE_CONCURRENCY", "0", "a whole number >= 1"),
+        ("SPOTJOB_STORAGE_CONCURRENCY", "0", "a whole number from 1 to 1024"),
         ("SPOTJOB_STORAGE_PART_SIZE", "64 megs", "a positive size in bytes"),
     ],
 ]

@@ -135,7 +135,7 @@ def test_every_variable_the_agent_reads_malformed_in_a_spotjobs_env_is_refused_b
         ({"SPOTJOB_AGENT_PREFETCH": "nodes"}, "SPOTJOB_AGENT_PREFETCH 'nodes': expected one of node, all, off"),
         ({"SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT": "-5"}, "SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT='-5': must be more than 0"),
         ({"SPOTJOB_AGENT_REBALANCE": "always"}, "SPOTJOB_AGENT_REBALANCE='always': expected one of ignore, save-early"),
-        ({"SPOTJOB_STORAGE_CONCURRENCY": "0"}, "SPOTJOB_STORAGE_CONCURRENCY='0' is not a whole number >= 1"),
+        ({"SPOTJOB_STORAGE_CONCURRENCY": "0"}, "SPOTJOB_STORAGE_CONCURRENCY='0' is not a whole number from 1 to 1024"),
     ],
 )
 def test_a_bad_agent_setting_in_a_spotjobs_env_is_refused_in_the_agents_words(env: dict[str, str], said: str) -> None:

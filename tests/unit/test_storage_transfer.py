@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -130,6 +131,42 @@ class TestSettings:
             TransferSettings.from_env()
         with pytest.raises(ValueError, match=variable):
             max_attempts()
+
+    @pytest.mark.parametrize(
+        ("variable", "value", "allowed"),
+        [
+            ("SPOTJOB_STORAGE_CONCURRENCY", "10000", "a whole number from 1 to 1024"),
+            ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1000000000", "a whole number from 0 to 100"),
+            ("SPOTJOB_STORAGE_PART_SIZE", "64GiB", "a positive size in bytes up to 5GiB (5368709120)"),
+            ("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", "8GiB", "a positive size in bytes up to 5GiB (5368709120)"),
+            ("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "100GiB", "a positive size in bytes up to 5GiB (5368709120)"),
+            ("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "5368709121", "a positive size in bytes up to 5GiB (5368709120)"),
+        ],
+    )
+    def test_a_value_past_its_upper_bound_is_refused_naming_the_variable_and_the_range(
+        self, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, allowed: str
+    ) -> None:
+        """Failed before the fix: only lower bounds were checked, so a slip (10000 for 100, GiB for
+        MiB) was taken: thousands of threads, parts S3 refuses, a dead store retried for days."""
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=re.escape(f"{variable}={value!r} is not {allowed}")):
+            TransferSettings.from_env()
+        with pytest.raises(ValueError, match=variable):
+            max_attempts()
+
+    def test_the_upper_bounds_themselves_are_taken(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in ("PART_SIZE", "UPLOAD_PART_SIZE", "UPLOAD_CHUNK_SIZE", "MULTIPART_THRESHOLD"):
+            monkeypatch.setenv(f"SPOTJOB_STORAGE_{name}", "5GiB")
+        monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "1024")
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "100")
+        s = TransferSettings.from_env()
+        assert (s.part_size, s.upload_part_size, s.upload_chunk_size, s.multipart_threshold) == (5 << 30,) * 4
+        assert (s.concurrency, max_attempts()) == (1024, 100)
+        # Settings built in code are held to the same bounds.
+        with pytest.raises(ValueError, match="concurrency must be from 1 to 1024"):
+            TransferSettings(concurrency=1025)
+        with pytest.raises(ValueError, match="upload_chunk_size must be from 1 byte to 5 GiB"):
+            TransferSettings(upload_chunk_size=(5 << 30) + 1)
 
     def test_a_retry_policy_read_before_does_not_hide_a_malformed_timeout_set_after(
         self, monkeypatch: pytest.MonkeyPatch
