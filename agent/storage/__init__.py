@@ -71,8 +71,8 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     ``scheme`` is ``s3``, ``gs`` or ``file``; ``bucket`` is empty for ``file``; ``path`` is the
     prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
     ``ValueError`` with what to write instead when the URI is not one spotjob knows, or holds a
-    ``#``, a ``?`` or a control character, or (``s3``, ``gs``) is not UTF-8 or has a prefix longer
-    than ``MAX_PREFIX_BYTES``.
+    ``#``, a ``?`` or a control character, or (``s3``, ``gs``) has an empty, ``.`` or ``..``
+    segment in its prefix, is not UTF-8 or has a prefix longer than ``MAX_PREFIX_BYTES``.
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
@@ -140,6 +140,9 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
                 f"wrote to {uri!r} are under the key prefix {prefix + '/'!r}: copy them under "
                 f"{tidy.split('/', 3)[3] + '/'!r} first to resume from them"
             )
+        dots = [p for p in prefix.split("/") if p in (".", "..")]
+        if dots:
+            raise ValueError(_dot_segment_refused(uri, scheme, parsed.netloc, prefix, dots[0]))
         try:
             uri.encode("utf-8")
         except UnicodeEncodeError:
@@ -177,6 +180,32 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     raise ValueError(
         f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "
         "use s3://bucket/prefix, gs://bucket/prefix, file:///path or a plain path"
+    )
+
+
+def _dot_segment_refused(uri: str, scheme: str, bucket: str, prefix: str, segment: str) -> str:
+    """Why ``uri``, whose prefix holds the ``segment`` ``.`` or ``..``, is refused, and what to write.
+
+    S3 and GCS keep such a segment as a literal name (the key ``a/../b/step-1/...``), while a URL
+    resolves it and so do tools and emulators on the way: fake-gcs-server writes and reads
+    ``a/../b`` at ``b`` yet lists the literal prefix, so a save's checkpoints were not found by the
+    next restore. Either reading taken silently loses sight of the other's checkpoints."""
+    parts: list[str] = []
+    for part in prefix.split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part != ".":
+            parts.append(part)
+    resolved = "/".join(parts)
+    tidy = f"{scheme}://{bucket}/{resolved}".rstrip("/")
+    where = f"under {resolved + '/'!r}" if resolved else "to the top of the bucket"
+    return (
+        f"{uri!r} has a {segment!r} segment in its path: S3 and GCS keep it as a literal folder name, "
+        f"while URL resolution (and some tools and emulators) would read it as {tidy}, so saves and "
+        f"listings could name different places; write {tidy} (or choose a name without '.' or '..' "
+        f"segments). Checkpoints an older spotjob wrote to {uri!r} may be under the key prefix "
+        f"{prefix + '/'!r}: copy them {where} first to resume from them"
     )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+from agent.launcher import canonical_uri
 from agent.storage import MAX_PREFIX_BYTES, open_storage, parse_uri
 
 
@@ -97,6 +101,50 @@ def test_a_doubled_slash_inside_a_prefix_is_refused_naming_the_spelling_and_wher
     assert "'jobs/run/'" in message and "jobs//run/" in message.replace("///", "//")
     with pytest.raises(ValueError, match="empty folder"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize(
+    ("uri", "segment", "tidy", "old_keys"),
+    [
+        ("gs://b/a/../run", "..", "gs://b/run", "'a/../run/'"),
+        ("s3://b/a/../run", "..", "s3://b/run", "'a/../run/'"),
+        ("s3://b/jobs/./run/", ".", "s3://b/jobs/run", "'jobs/./run/'"),
+        ("gs://b/./run", ".", "gs://b/run", "'./run/'"),
+        ("GS://b/jobs/run/..", "..", "gs://b/jobs", "'jobs/run/../'"),
+        ("s3://b/../run", "..", "s3://b/run", "'../run/'"),
+    ],
+)
+def test_a_dot_segment_in_a_bucket_prefix_is_refused_naming_it_and_what_to_write(
+    uri: str, segment: str, tidy: str, old_keys: str
+) -> None:
+    """S3 and GCS keep '.' and '..' as literal names, while fake-gcs-server wrote and read
+    gs://b/a/../run at 'run/' but listed 'a/../run/': a save's checkpoints were never found by the
+    restore after it. Failed before the fix: the URI was taken."""
+    with pytest.raises(ValueError, match=f"has a '{re.escape(segment)}' segment in its path") as caught:
+        parse_uri(uri)
+    message = str(caught.value)
+    assert f"write {tidy} " in message and old_keys in message, message
+    with pytest.raises(ValueError, match="segment in its path"):
+        open_storage(uri)
+
+
+@pytest.mark.parametrize("name", ["run.1", "...", "..run", "run.."])
+def test_dots_inside_a_name_are_a_name_like_any_other(name: str) -> None:
+    assert parse_uri(f"s3://b/jobs/{name}/x") == ("s3", "b", f"jobs/{name}/x")
+
+
+def test_a_folder_path_with_dot_segments_is_resolved_once_for_writes_listings_and_its_uri(tmp_path: Path) -> None:
+    """A filesystem resolves them itself; the folder store resolves them once, when opened, so what
+    it writes, what it lists and the URI it reports are one folder (``canonical_uri`` agrees)."""
+    (tmp_path / "a").mkdir()
+    store = open_storage(f"{tmp_path}/a/../run/./x")
+    try:
+        store.put_bytes("step-1/MANIFEST.json", b"{}")
+        assert store.uri == f"file://{tmp_path}/run/x" == canonical_uri(f"{tmp_path}/a/../run/./x")
+        assert (tmp_path / "run" / "x" / "step-1" / "MANIFEST.json").read_bytes() == b"{}"
+        assert [o.key for o in store.list("")] == ["step-1/MANIFEST.json"]
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("uri", ["file:relative", "file:ckpt/run", "file:"])
