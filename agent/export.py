@@ -463,6 +463,9 @@ class _ProgressStorage(Storage):
     def get_bytes(self, key: str) -> bytes:
         return self.inner.get_bytes(key)
 
+    def get_small(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        return self.inner.get_small(key, max_bytes)
+
     def stat(self, key: str) -> ObjectInfo | None:
         return self.inner.stat(key)
 

@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields, replace
 
-from agent._layout import read_bounded
+from agent._layout import read_bounded_stamped
 from agent.manifest import UntrustedJSONError, loads_bounded
 from agent.ownership import describe_job
 from agent.process_tree import boot_id, read_proc
@@ -187,13 +187,9 @@ def read_claim(storage: Storage, folder: str) -> Claim | None:
 
 def read_claim_stamped(storage: Storage, folder: str) -> tuple[Claim | None, float | None]:
     """``folder``'s claim (or None, as ``read_claim``), and when the store wrote it (its clock; None
-    where it does not say). The same two requests as ``read_claim``: the stat it needs anyway."""
-    key = f"{folder}/{CLAIM_NAME}"
-    info = storage.stat(key)
-    if info is None:
-        return None, None
+    where it does not say). The one request of ``read_claim``: its answer says the time too."""
     try:
-        data = read_bounded(storage, key, MAX_CLAIM_BYTES, size=info.size)
+        data, info = read_bounded_stamped(storage, f"{folder}/{CLAIM_NAME}", MAX_CLAIM_BYTES)
     except (NotFoundError, UntrustedJSONError):
         return None, None
     return Claim.parse(data), info.modified

@@ -36,6 +36,7 @@ from agent.storage.base import (
     Storage,
     StorageError,
     StrList,
+    TooLargeError,
 )
 
 T = TypeVar("T")
@@ -289,6 +290,32 @@ class FileStorage(Storage):
                 raise
             with open(fd, "rb") as f:
                 return f.read()
+
+        return self._run(f"cannot read {self.url(key)}", key, read)
+
+    def get_small(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        """One open: its size and time from the open file, refused unread when too big, and never
+        more than ``max_bytes + 1`` bytes read (the file may grow while read)."""
+        path = self._path(key)
+
+        def read() -> tuple[bytes, ObjectInfo]:
+            self._check_root()
+            try:
+                fd = self._open_regular(path, key)
+            except OSError as e:
+                if e.errno in _ABSENT:
+                    raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+                raise
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size > max_bytes:
+                    raise TooLargeError(
+                        f"{self.url(key)} is {st.st_size} bytes, more than {max_bytes}", key, st.st_size
+                    )
+                data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise TooLargeError(f"{self.url(key)} is more than {max_bytes} bytes", key)
+            return data, ObjectInfo(key, len(data), st.st_mtime)
 
         return self._run(f"cannot read {self.url(key)}", key, read)
 

@@ -46,6 +46,7 @@ with its first part's ranged GET, whose answer's headers say the object's size a
 from __future__ import annotations
 
 import builtins
+import email.utils
 import functools
 import json
 import logging
@@ -96,6 +97,7 @@ from agent.storage.base import (
     RetainedError,
     Storage,
     StorageError,
+    TooLargeError,
     TransientStorageError,
     store_time,
 )
@@ -606,6 +608,56 @@ class GCSStorage(PrefixedKeys, Storage):
 
         return self._reading(f"GET {self.url(key)}", key, read)
 
+    def _media_url(self, key: str) -> str:
+        """The object's media URL as google-cloud-storage builds it (blob.py, _DOWNLOAD_URL_TEMPLATE),
+        to be sent with ``alt=media``."""
+        path = self._bucket.blob(self._object_key(key)).path
+        return f"{self._client._connection.API_BASE_URL}/download/storage/v1{path}"
+
+    def get_small(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        """One media GET, where the object's metadata GET and a media GET went before, on the
+        client's own authorized session (as ``_get_media``): ``Content-Length`` is checked against
+        ``max_bytes`` before a byte of the body is read, no more than ``max_bytes + 1`` bytes are
+        read whatever it says, and the bytes are checked against the CRC32C of ``x-goog-hash`` when
+        they are the stored ones (what ``download_as_bytes(checksum="crc32c")`` checked). The time
+        is the answer's ``Last-Modified``: the metadata's ``updated``, to the second. A 404 is a
+        missing object or bucket, told apart as after the metadata GET (once per store: not after an
+        object was read)."""
+        url = self.url(key)
+        what = f"GET {url}"
+        media = self._media_url(key)
+
+        def read() -> tuple[bytes, ObjectInfo]:
+            resp = self._session.get(
+                media, params={"alt": "media"}, headers={"Accept-Encoding": "gzip"}, stream=True, timeout=self._timeout
+            )
+            with resp:
+                if resp.status_code != 200:
+                    raise api_exceptions.from_http_response(resp)
+                encoded = resp.headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity")
+                length = resp.headers.get("Content-Length", "").strip()
+                size = int(length) if length.isdigit() and not encoded else None
+                if size is not None and size > max_bytes:
+                    raise TooLargeError(f"{url} is {size} bytes, more than {max_bytes}", key, size)
+                # Decoded as the library does (an object stored gzip-encoded is read as its content).
+                data = resp.raw.read(max_bytes + 1, decode_content=True)
+            if len(data) > max_bytes:
+                raise TooLargeError(f"{url} is more than {max_bytes} bytes", key)
+            if size is not None and len(data) != size:
+                raise TransientStorageError(f"{what}: connection ended after {len(data)} of {size} bytes", key)
+            said = _answer_crc32c(resp)
+            if said is not None and not encoded and said != crc32c_bytes(data):
+                raise gcs_exceptions.DataCorruption(resp, f"{what}: CRC32C {said:08x} said, the bytes have another")
+            return data, ObjectInfo(key, len(data), _answer_time(resp))
+
+        try:
+            result: tuple[bytes, ObjectInfo] = self._retrying(what, key, read)
+        except NotFoundError:
+            self._raise_if_bucket_missing(what, key)
+            raise
+        self._bucket_seen = True  # an object was read from it: a later 404 is a missing object
+        return result
+
     def _get_blob(self, key: str) -> Any:
         name = self._object_key(key)
         what = f"HEAD {self.url(key)}"
@@ -720,9 +772,7 @@ class GCSStorage(PrefixedKeys, Storage):
         for several parts, the generation.
         """
         url = self.url(key)
-        # The media URL google-cloud-storage builds (blob.py, _DOWNLOAD_URL_TEMPLATE), alt=media below.
-        path = self._bucket.blob(self._object_key(key)).path
-        media = f"{self._client._connection.API_BASE_URL}/download/storage/v1{path}"
+        media = self._media_url(key)
         first = threading.Event() if size > self.settings.part_size else None
         pinned: list[FetchRange] = []  # the other parts' fetch, once the first answer is read
 
@@ -850,6 +900,26 @@ def _answer_span(resp: requests.Response) -> tuple[int, int | None]:
         return 0, int(match.group(2)) if match else 0
     length = resp.headers.get("Content-Length", "")
     return 0, int(length) if length.isdigit() else None
+
+
+def _answer_crc32c(resp: requests.Response) -> int | None:
+    """The stored object's CRC32C a media GET's answer says (``x-goog-hash: crc32c=...``), or None."""
+    for part in resp.headers.get("x-goog-hash", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name.lower() == "crc32c" and value:
+            try:
+                return crc_from_b64(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _answer_time(resp: requests.Response) -> float | None:
+    """When the object was written, by a media GET's answer (``Last-Modified``), or None."""
+    try:
+        return email.utils.parsedate_to_datetime(resp.headers.get("Last-Modified", "")).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def _answer_generation(resp: requests.Response) -> int | None:

@@ -112,6 +112,7 @@ from agent.storage.base import (
     RetainedError,
     Storage,
     StorageError,
+    TooLargeError,
     TransientStorageError,
     store_time,
 )
@@ -609,6 +610,46 @@ class S3Storage(PrefixedKeys, Storage):
                 body.close()
 
         return self._retrying(f"GET {self.url(key)}", key, read)
+
+    def get_small(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        """One GET, where a HEAD and a GET went before: the answer's ``Content-Length`` is checked
+        against ``max_bytes`` before a byte of the body is read, and no more than ``max_bytes + 1``
+        bytes are read whatever it says. Its ``LastModified`` is what the HEAD said. A missing key
+        is S3's ``NoSuchKey``, which says the bucket exists (a missing one is ``NoSuchBucket``); a
+        bare 404 (a gateway) asks about the bucket once, as after a HEAD."""
+        obj = self._object_key(key)
+        url = self.url(key)
+        what = f"GET {url}"
+
+        def read() -> tuple[bytes, ObjectInfo]:
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=obj)
+            except ClientError as e:
+                if _status_and_code(e)[1] == "NoSuchKey":
+                    self._bucket_seen = True
+                raise
+            body = resp["Body"]
+            try:
+                said = resp.get("ContentLength")
+                size = int(said) if said is not None else None
+                if size is not None and size > max_bytes:
+                    raise TooLargeError(f"{url} is {size} bytes, more than {max_bytes}", key, size)
+                data = bytes(body.read(max_bytes + 1))
+            finally:
+                body.close()
+            if len(data) > max_bytes:
+                raise TooLargeError(f"{url} is more than {max_bytes} bytes", key)
+            if size is not None and len(data) != size:
+                raise TransientStorageError(f"{what}: connection ended after {len(data)} of {size} bytes", key)
+            return data, ObjectInfo(key, len(data), store_time(resp.get("LastModified")))
+
+        try:
+            result: tuple[bytes, ObjectInfo] = self._retrying(what, key, read)
+        except NotFoundError:
+            self._raise_if_bucket_missing(what, key)
+            raise
+        self._bucket_seen = True  # an object was read from it: a later 404 is a missing object
+        return result
 
     def _head(self, key: str) -> dict[str, Any]:
         obj = self._object_key(key)

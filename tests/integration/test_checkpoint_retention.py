@@ -170,7 +170,7 @@ def test_keeping_every_checkpoint_a_save_reads_only_what_is_new_since_the_last_o
     reads: dict[int, int] = {}
     with Checkpointer(str(root), every_steps=1, keep=None, async_save=False) as ckpt:
         counted = {"n": 0}
-        for name in ("list", "get_bytes"):
+        for name in ("list", "get_bytes", "get_small"):
             original = getattr(ckpt.storage, name)
 
             def counting(*args: object, _original: Any = original, **kwargs: object) -> Any:

@@ -23,13 +23,16 @@ from urllib.parse import quote, urlparse
 import pytest
 
 from agent.catalog import find_checkpoints
+from agent.checkpoint import _claim
 from agent.crc32c import crc32c_bytes, crc32c_file
+from agent.ownership import MAX_RECORD_BYTES, OwnershipError, read_owner
 from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
     NotFoundError,
     PermanentStorageError,
     Storage,
+    TooLargeError,
     TransientStorageError,
 )
 from agent.storage import gs as gs_backend
@@ -116,6 +119,22 @@ class TestContract:
         assert (tmp_path / "back").read_bytes() == b""
         info = store.stat("step-1/empty")
         assert info is not None and info.size == 0
+
+    def test_a_small_object_is_read_with_its_size_and_time_within_a_bound(
+        self, storage_uri: str, make_storage: Callable[[str], Storage]
+    ) -> None:
+        store = make_storage(storage_uri)
+        store.put_bytes("step-1/WRITER.json", b'{"id": 1}')
+        data, info = store.get_small("step-1/WRITER.json", 9)
+        assert (data, info.key, info.size) == (b'{"id": 1}', "step-1/WRITER.json", 9)
+        assert info.modified is not None
+        store.put_bytes("step-1/empty", b"")
+        assert store.get_small("step-1/empty", 0)[0] == b""
+        with pytest.raises(TooLargeError) as caught:
+            store.get_small("step-1/WRITER.json", 8)
+        assert caught.value.size == 9 and "more than 8" in str(caught.value)
+        with pytest.raises(NotFoundError):
+            store.get_small("step-1/none.json", 8)
 
     def test_many_files_go_up_and_come_down_in_parallel(
         self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path
@@ -701,7 +720,7 @@ class Faulty:
         """HEAD (S3) / the object's metadata GET (GCS): what stat() sends."""
         if self.scheme == "s3":
             return {"method": "HEAD"}
-        return {"method": "GET", "path": r"/storage/v1/b/[^/?]+/o/[^?]+\?"}
+        return {"method": "GET", "path": r"^/storage/v1/b/[^/?]+/o/[^?]+\?"}  # not /download/...?alt=media
 
     def count(self, pattern: Pattern) -> int:
         """Requests the proxy saw that match ``pattern``."""
@@ -783,6 +802,48 @@ class TestFaults:
         assert faulty.store.get_bytes("step-1/MANIFEST.json") == b'{"step": 1}'
         with pytest.raises(AlreadyExistsError):
             faulty.store.put_bytes_if_absent("step-1/MANIFEST.json", b'{"step": 1, "other": true}')
+
+    def test_a_record_is_read_with_one_get_that_keeps_every_check_the_head_made(
+        self, faulty: Faulty, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The owner record, an attempt record, a claim, a manifest whose size no listing gave:
+        each was read with a HEAD (GCS: the object's metadata GET) and then a GET, two requests on
+        every fence check, retention pass and controller pass. Now one GET, whose answer does what
+        the HEAD did: the record's size checked before its body is read, its time (a claim's age),
+        not-found told from a missing bucket. Counted at the proxy, on the real protocols."""
+        store, proxy = faulty.store, faulty.proxy
+        claim = _claim.Claim.mine(_claim.new_id(), "train", 3)
+        store.put_bytes(f"step-1/{_claim.CLAIM_NAME}", claim.to_json())
+        claim_get = {"method": "GET", "path": re.escape(quote(_claim.CLAIM_NAME))}
+
+        def requests_for(read: Callable[[], Any]) -> tuple[Any, list[str]]:
+            before = len(proxy.seen)
+            result = read()
+            return result, [s.method for s in proxy.seen[before:]]
+
+        caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+        throttled = proxy.fail(1, 503, **claim_get)
+        (read, written), methods = requests_for(lambda: _claim.read_claim_stamped(store, "step-1"))
+        assert read == claim and written is not None, (read, written)
+        assert (throttled.served, methods) == (1, ["GET", "GET"]), "one GET, sent again after the 503"
+        assert len(retry_lines(caplog)) == 1
+
+        (read, written), methods = requests_for(lambda: _claim.read_claim_stamped(store, "step-1"))
+        assert read == claim and methods == ["GET"], methods
+        assert faulty.count(faulty.metadata_read()) == 0, "a HEAD (a metadata GET) came back"
+
+        # None there: one GET too (the bucket is known to exist), and no claim.
+        assert requests_for(lambda: _claim.read_claim_stamped(store, "step-2")) == ((None, None), ["GET"])
+        with pytest.raises(NotFoundError):
+            store.get_small("step-2/other.json", 10)
+
+        # Too big: refused as the HEAD's size refused it, from the answer's Content-Length.
+        store.put_bytes(".spotjob/owner.json", b" " * (MAX_RECORD_BYTES + 1))
+        before = len(proxy.seen)
+        with pytest.raises(OwnershipError, match=f"{MAX_RECORD_BYTES + 1} bytes, more than the {MAX_RECORD_BYTES}"):
+            read_owner(store)
+        assert [s.method for s in proxy.seen[before:]] == ["GET"]
+        assert faulty.count(faulty.metadata_read()) == 0
 
     def test_a_part_or_chunk_longer_than_one_read_of_the_file_goes_up_whole(
         self, faulty: Faulty, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
