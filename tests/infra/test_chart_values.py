@@ -141,6 +141,17 @@ WRONG_TYPES = [
     ({"serviceAccount": {"name": "Spotjob Controller"}}, "/serviceAccount/name"),
     ({"priorityClassName": "High_Priority"}, "/priorityClassName"),
     ({"imagePullSecrets": [{"name": "Reg Cred"}]}, "/imagePullSecrets/0/name"),
+    # Durations in Prometheus' form only: each unit once, the larger first. "1s1m" and "30s30s"
+    # rendered, and the Prometheus Operator refused the ServiceMonitor (its CRD's pattern), PromQL
+    # the rule ("not a valid duration string"), after the rest of the release was installed.
+    ({"metrics": {"serviceMonitor": {"interval": "1s1m"}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"scrapeTimeout": "5s5s"}}}, "/metrics/serviceMonitor/scrapeTimeout"),
+    ({"metrics": {"serviceMonitor": {"interval": "-30s"}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"interval": ""}}}, "/metrics/serviceMonitor/interval"),
+    (
+        {"metrics": {"prometheusRule": {"thresholds": {"reconcileErrorsWindow": "30m1h"}}}},
+        "/metrics/prometheusRule/thresholds/reconcileErrorsWindow",
+    ),
 ]
 
 
@@ -168,6 +179,36 @@ def test_a_scrape_timeout_longer_than_the_interval_fails_helm_template(interval:
     proc = template({"metrics": {"serviceMonitor": monitor}})
     assert proc.returncode != 0
     assert f"metrics.serviceMonitor.scrapeTimeout {timeout} is longer than its interval {interval}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("monitor", "said"),
+    [
+        ({"interval": "0s", "scrapeTimeout": "0s"}, "metrics.serviceMonitor.interval 0s is zero"),
+        ({"interval": "0h0m"}, "metrics.serviceMonitor.interval 0h0m is zero"),
+        ({"scrapeTimeout": "0ms"}, "metrics.serviceMonitor.scrapeTimeout 0ms is zero"),
+    ],
+)
+def test_a_zero_scrape_interval_or_timeout_fails_helm_template_naming_it(monitor: dict[str, str], said: str) -> None:
+    """0s is of the duration form the schema takes, and rendered: Prometheus reads a zero as unset
+    and scrapes at its global interval, or times out at its global timeout (and refuses its whole
+    configuration when that is longer than the interval), not at what the value says."""
+    proc = template({"metrics": {"serviceMonitor": {"enabled": True, **monitor}}})
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+    assert "give a duration above zero" in proc.stderr
+
+
+@pytest.mark.parametrize("window", ["flushFailureWindow", "reconcileErrorsWindow", "interruptionQueueErrorsWindow"])
+def test_a_zero_alert_window_fails_helm_template_naming_it(window: str) -> None:
+    """The windows are PromQL ranges (increase(...[W])): a zero one rendered, and the whole
+    PrometheusRule was refused ("duration must be greater than 0"). A zero `for` stays valid."""
+    rule = {"enabled": True, "selector": 'job="spotjob"', "thresholds": {window: "0m", "failedFor": "0s"}}
+    proc = template({"metrics": {"prometheusRule": rule}})
+    assert proc.returncode != 0
+    assert f"metrics.prometheusRule.thresholds.{window} 0m is zero" in proc.stderr, proc.stderr
+    rule["thresholds"][window] = "1h30m"
+    render({"metrics": {"prometheusRule": rule}})
 
 
 def test_a_scrape_timeout_up_to_the_interval_renders() -> None:
