@@ -42,6 +42,7 @@ import base64
 import copy
 import hashlib
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from typing import Any
 from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS
 from agent.launcher_cli import usage_problem
 from agent.torchrun import ENV_LAUNCHER, Launcher
-from orchestrator.crd import DOWNWARD_ENV, POLICY_ENV, SPOTJOB_SET_ENV
+from orchestrator.crd import DOWNWARD_ENV, ENV_NAME_REFUSED, POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s.cluster_signals import TAINT_RULES
 
 Object = dict[str, Any]
@@ -162,15 +163,40 @@ def flush_window_seconds(flush_timeout_seconds: float) -> int:
 # -- the template ---------------------------------------------------------------------------------
 
 
+_ENV_NAME_REFUSED = re.compile(ENV_NAME_REFUSED)
+
+
+def env_name_refused(name: str) -> bool:
+    """Whether no Kubernetes version takes ``name`` for a container's variable: empty, or with a
+    character other than printable ASCII, or '=' (``orchestrator.crd.ENV_NAME_REFUSED``)."""
+    return not name or _ENV_NAME_REFUSED.search(name) is not None
+
+
+_ENV_NAME_RULE = "printable ASCII other than '=', not empty"
+
+
 def env_problems(env: Mapping[str, str], *, policy: Iterable[str] = ()) -> list[str]:
-    """What in ``spec.env`` spotjob sets over it in every worker, each naming the variable (empty:
-    fine). The CRD's rules refuse these at ``kubectl apply`` since 2026-12-04; a SpotJob stored
-    before then, or under an older CRD, keeps them (the API server never checks a stored object
-    again), and its value would be replaced without a word (``SPOTJOB_KEEP``: checkpoints removed
-    that the user meant to keep). ``policy`` as for ``template_problems``."""
+    """What in ``spec.env`` spotjob sets over it in every worker, or Kubernetes refuses in a
+    container (a name it takes for no variable, a NUL in a value), each naming the variable
+    (empty: fine). The CRD's rules refuse these at ``kubectl apply`` (the names spotjob sets since
+    2026-12-04, the others since 2026-12-06); a SpotJob stored before then, or under an older CRD,
+    keeps them (the API server never checks a stored object again): a value spotjob sets would be
+    replaced without a word (``SPOTJOB_KEEP``: checkpoints removed that the user meant to keep),
+    and a pod with the others refused, or its container never started, on every attempt.
+    ``policy`` as for ``template_problems``."""
     set_by_spec = {v: f"spec.checkpoint.{POLICY_ENV[v]}" for v in policy}
     problems: list[str] = []
-    for name in env:
+    for name, value in env.items():
+        if env_name_refused(name):
+            problems.append(
+                f"spec.env: {name!r} is no name Kubernetes takes for a container's variable ({_ENV_NAME_RULE}): "
+                "rename it"
+            )
+        if isinstance(value, str) and "\x00" in value:
+            problems.append(
+                f"spec.env.{name}: the value holds a NUL character, which no process's environment can carry "
+                "(the training container would never start); remove it"
+            )
         if name in DOWNWARD_ENV:
             problems.append(f"spec.env.{name}: set by spotjob (the downward API); remove it from spec.env")
         source = SPOTJOB_SET_ENV.get(name) or set_by_spec.get(name)
@@ -216,6 +242,28 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
                     f"{where}.env[{i}].name: {name} is set by spotjob in every worker, from {source}, over "
                     "this value; remove it from the template's env"
                 )
+    # What the API server refuses in any container's env, or the container runtime cannot start
+    # with: not only the training container's (the pod builder reads no other), since any one of
+    # them keeps the pod from being created or started.
+    for kind in ("initContainers", "containers"):
+        listed = spec.get(kind)
+        for c_index, c in enumerate(listed if isinstance(listed, list) else []):
+            entries = c.get("env") if isinstance(c, Mapping) else None
+            for i, env in enumerate(entries if isinstance(entries, list) else []):
+                if not isinstance(env, Mapping):
+                    continue
+                name, value = env.get("name"), env.get("value")
+                at = f"spec.template.spec.{kind}[{c_index}].env[{i}]"
+                if isinstance(name, str) and env_name_refused(name):
+                    problems.append(
+                        f"{at}.name: {name!r} is no name Kubernetes takes for a container's variable "
+                        f"({_ENV_NAME_RULE}): rename it"
+                    )
+                if isinstance(value, str) and "\x00" in value:
+                    problems.append(
+                        f"{at}.value: holds a NUL character, which no process's environment can carry (the "
+                        "container would never start); remove it"
+                    )
     # The agent's port name marks the training container in the pod (how a worker's readiness and
     # exit code are found): on another container it would stand for the trainer.
     for kind in ("initContainers", "containers"):

@@ -260,6 +260,44 @@ def test_spec_env_may_set_the_policy_variables_the_spec_leaves_out(
     assert created["spec"]["env"]["SPOTJOB_EVERY_STEPS"] == "10"
 
 
+@pytest.mark.parametrize(
+    ("env", "field", "words"),
+    [
+        ({"": "1"}, "spec.env", "printable ASCII other than '='"),
+        ({"A=B": "1"}, "spec.env", "printable ASCII other than '='"),
+        ({"CAF\u00c9": "1"}, "spec.env", "printable ASCII other than '='"),
+        ({"TRAILING\n": "1"}, "spec.env", "printable ASCII other than '='"),
+        ({"DATA": "a\x00b"}, "spec.env.DATA", "should match"),
+    ],
+    ids=["empty", "equals", "non-ascii", "trailing-newline", "nul-value"],
+)
+def test_spec_env_names_and_values_kubernetes_refuses_are_refused_at_create(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, env: dict[str, str], field: str, words: str
+) -> None:
+    """An empty name, one with '=' or a character other than printable ASCII (no Kubernetes version
+    takes it for a container's variable), or a NUL in a value (the runtime cannot start a process
+    with it) was stored, and every attempt's pods were then refused or never started. The API
+    server refuses them at create, naming spec.env."""
+    job = example(EXAMPLES[0], namespace, "env-refused")
+    job["spec"]["env"] = env
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == field and words in cause["message"], cause
+
+
+def test_spec_env_names_kubernetes_takes_since_1_32_are_accepted(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """Pins what already worked: '.', '-', a space or a leading digit in a name (taken since
+    Kubernetes 1.32), and any character but NUL in a value."""
+    job = example(EXAMPLES[0], namespace, "env-taken")
+    job["spec"]["env"] = {"my.var-1": "line\nbreak", "1X": "\u00e9t\u00e9", "A B": "", "~!@#": "x"}
+    created = cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert created["spec"]["env"] == job["spec"]["env"]
+
+
 def crd_rule(*properties: str) -> dict[str, Any]:
     """The one CEL rule the shipped CRD puts on the node the property names lead to."""
     crd = yaml.safe_load(CRD_PATH.read_text())

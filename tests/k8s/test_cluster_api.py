@@ -94,6 +94,23 @@ def test_an_invalid_object_is_422_naming_the_field(kube_client: Any, namespace: 
     assert e3.value.status == 422 and e3.value.body["details"]["causes"][0]["field"] == "spec.containers[0].image"
 
 
+def test_a_pod_env_name_the_api_server_refuses_is_422_naming_the_entry(kube_client: Any, namespace: str) -> None:
+    """As 1.32 checks a container's variable names (printable ASCII other than '=', not empty); the
+    server had taken any name, where a real one refuses the pod. A NUL in a value is stored, as
+    on a real server (the container runtime is what cannot start with it)."""
+    v1 = client.CoreV1Api(kube_client)
+    for i, (name, reason) in enumerate([("", "FieldValueRequired"), ("A=B", "FieldValueInvalid")]):
+        body = pod_body(f"env-{i}")
+        body["spec"]["containers"][0]["env"] = [{"name": "OK", "value": "1"}, {"name": name, "value": "1"}]
+        with pytest.raises(client.ApiException) as e:
+            v1.create_namespaced_pod(namespace, body)
+        [cause] = json.loads(e.value.body)["details"]["causes"]
+        assert e.value.status == 422 and (cause["field"], cause["reason"]) == ("spec.containers[0].env[1].name", reason)
+    taken = pod_body("env-taken")
+    taken["spec"]["containers"][0]["env"] = [{"name": "1 my.var-x", "value": "a\x00b"}]
+    v1.create_namespaced_pod(namespace, taken)
+
+
 def test_kubernetes_validate_strict_rejects_an_unknown_field_loudly(
     cluster: TestCluster, namespace: str, test_apiserver_only: None
 ) -> None:

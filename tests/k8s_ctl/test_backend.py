@@ -664,6 +664,31 @@ def test_a_spec_env_variable_spotjob_sets_over_it_is_a_spec_problem_as_a_stored_
     assert "everySteps" in problem
 
 
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"": "1"}, "spec.env: '' is no name Kubernetes takes for a container's variable"),
+        ({"A=B": "1"}, "spec.env: 'A=B' is no name Kubernetes takes for a container's variable"),
+        ({"CAF\u00c9": "1"}, "spec.env: 'CAF\u00c9' is no name Kubernetes takes for a container's variable"),
+        ({"NL\n": "1"}, "spec.env: 'NL\\n' is no name Kubernetes takes for a container's variable"),
+        ({"DATA": "a\x00b"}, "spec.env.DATA: the value holds a NUL character"),
+    ],
+    ids=["empty", "equals", "non-ascii", "newline", "nul-value"],
+)
+def test_a_spec_env_entry_kubernetes_refuses_is_a_spec_problem_naming_it(
+    world: World, env: dict[str, str], said: str
+) -> None:
+    """The CRD refuses these at kubectl apply (a CEL rule on the names, a pattern on the values),
+    but a SpotJob stored before that rule, under an older CRD, or on a server that runs no CEL
+    keeps them: every attempt's pods were refused by the API server (a name it takes for no
+    variable) or never started (a NUL in a value), and the job only counted infrastructure errors.
+    The spec check names the variable, so the job is Invalid before any pod is made."""
+    [problem] = world.backend.spec_problems(KEY, spec(env=env))
+    assert problem.startswith(said), problem
+    # Names every Kubernetes version since 1.32 takes are the user's.
+    assert world.backend.spec_problems(KEY, spec(env={"my.var-1": "x", "1X": "\u00e9", "A B": ""})) == []
+
+
 def test_a_queue_notice_on_the_node_the_job_left_is_no_signal_for_it_and_one_on_its_node_is(world: World) -> None:
     """The interruption-queue reader's annotation (what orchestrator.k8s.interruption_queue writes),
     read from the Node like a taint: only for the jobs with a worker there."""

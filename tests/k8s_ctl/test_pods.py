@@ -481,6 +481,50 @@ def test_a_template_env_variable_spotjob_sets_over_it_is_refused_naming_where_it
         pod(0, template=template)
 
 
+@pytest.mark.parametrize(
+    ("kind", "index", "entry", "field", "words"),
+    [
+        ("containers", 1, {"name": "A=B", "value": "1"}, "name", "'A=B' is no name Kubernetes takes"),
+        ("containers", 1, {"name": "T\u00c9MP", "value": "1"}, "name", "is no name Kubernetes takes"),
+        ("containers", 1, {"name": "TAB\tNAME", "value": "1"}, "name", "is no name Kubernetes takes"),
+        ("containers", 1, {"name": "DATA", "value": "a\x00b"}, "value", "holds a NUL character"),
+        # Other containers too: any one of them keeps the pod from being created or started.
+        ("containers", 0, {"name": "", "value": "1"}, "name", "'' is no name Kubernetes takes"),
+        ("initContainers", 0, {"name": "X", "value": "\x00"}, "value", "holds a NUL character"),
+    ],
+    ids=["equals", "non-ascii", "tab", "nul-value", "sidecar-empty-name", "init-nul-value"],
+)
+def test_a_template_env_entry_kubernetes_refuses_is_a_problem_naming_the_field(
+    kind: str, index: int, entry: dict[str, str], field: str, words: str
+) -> None:
+    """An env name the API server refuses for a container's variable (in any Kubernetes version:
+    '=', a character other than printable ASCII, an empty name), or a NUL in a value (the API server
+    stores it; the container runtime cannot start a process with it), reached the API server in
+    every attempt's pods: refused on every pass, or a container that never started. The template
+    check names the entry before any pod is made."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    containers = template["spec"].setdefault(kind, [{"name": "init", "image": "busybox:1"}])
+    containers[index].setdefault("env", []).append(entry)
+    at = f"spec.template.spec.{kind}[{index}].env[{len(containers[index]['env']) - 1}].{field}"
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(f"{at}: ") and words in p for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(at)):
+        pod(0, template=template)
+
+
+def test_template_env_names_every_kubernetes_version_takes_are_no_problem() -> None:
+    """Pins what already worked: names with '.', '-', a space or a leading digit are taken since
+    Kubernetes 1.32 (RelaxedEnvironmentVariableValidation); older servers refuse the last two
+    themselves, which the controller leaves to them. A value may hold any other character."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["spec"]["containers"][1]["env"] += [
+        {"name": "my.var-1", "value": "line\nbreak"},
+        {"name": "1X", "value": "\u00e9t\u00e9"},
+        {"name": "WITH SPACE", "value": ""},
+    ]
+    assert pods.template_problems(template, 1) == []
+
+
 def test_a_template_env_variable_spotjob_leaves_alone_reaches_the_worker() -> None:
     """(Pins what already worked.) SPOTJOB_EVERY_SECONDS without spec.checkpoint.everySeconds, and
     the SPOTJOB_STORAGE_* tuning, are the user's to set in the template: the agent passes them on."""

@@ -37,6 +37,33 @@ from .store import Event, Obj, Store, Watcher
 log = logging.getLogger(__name__)
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# 1.32's rule for a container's variable name (RelaxedEnvironmentVariableValidation, on by default
+# since 1.32): printable ASCII other than '='. The server takes any value, NUL included.
+_ENV_NAME_REFUSED = re.compile(r"[^ -<>-~]")
+
+
+def _env_name_errors(spec: dict[str, Any]) -> list[FieldError]:
+    """The API server's checks of each container's env names (validation.IsRelaxedEnvVarName)."""
+    errors: list[FieldError] = []
+    for kind in ("initContainers", "containers"):
+        for i, c in enumerate(spec.get(kind) or []):
+            for j, env in enumerate(c.get("env") or []):
+                name = env.get("name") or ""
+                where = f"spec.{kind}[{i}].env[{j}].name"
+                if not name:
+                    errors.append(FieldError("FieldValueRequired", where, "Required value"))
+                elif _ENV_NAME_REFUSED.search(name):
+                    errors.append(
+                        FieldError(
+                            "FieldValueInvalid",
+                            where,
+                            f"Invalid value: {json.dumps(name)}: a valid environment variable name must consist only "
+                            "of printable ASCII characters other than '='",
+                        )
+                    )
+    return errors
+
+
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -417,6 +444,7 @@ class ApiServer:
                 seen.add(cname)
                 if not c.get("image"):
                     errors.append(FieldError("FieldValueRequired", f"spec.containers[{i}].image", "Required value"))
+            errors.extend(_env_name_errors(obj.get("spec") or {}))
             errors.extend(_node_field_selector_errors(obj.get("spec") or {}))
             volumes = {v.get("name") for v in (obj.get("spec") or {}).get("volumes") or []}
             for i, c in enumerate(containers):
