@@ -55,6 +55,16 @@ flush deadline ``noticeSeconds`` away in ``POST /flush``, and it refuses any of 
 FlushDuration = Annotated[float, Field(le=MAX_FLUSH_SECONDS, allow_inf_nan=False)]
 """Seconds, finite and at most ``MAX_FLUSH_SECONDS``: the durations the workers' agents are given."""
 
+MAX_REPLICAS = 1000
+"""The most workers a job's gang may have. The SpotJob's status grows with it: a record per worker
+(``workers``) and, at worst, per node in cool-down (``avoid``), per node preempted
+(``recovery.preempted``) and per notice held (``heldNotices``), up to about 900 bytes a worker
+with all four full (tests/unit/test_crd.py builds it). A Kubernetes object is at most 1.5 MiB
+(etcd's request limit): past about 1,700 workers the controller could no longer write such a
+status, and the job would stand still mid-recovery. 1000 keeps that status under 1 MiB, the rest
+for the spec (its pod template, kubectl's last-applied copy of it) and the metadata.
+``nprocPerNode`` has no such bound: nothing the controller keeps grows with it."""
+
 
 def parse_timestamp(value: Any) -> datetime | None:
     """A Kubernetes or cloud timestamp (RFC 3339, ``Z`` or an offset) as an aware datetime; None for
@@ -265,7 +275,13 @@ class JobSpec(_Resource):
         min_length=1, description="the training command each agent launches under torchrun (script and arguments)"
     )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the training command")
-    replicas: int = Field(default=1, ge=1, description="workers (pods, one per node) in the gang; all run or none do")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description=f"workers (pods, one per node) in the gang, at most {MAX_REPLICAS} (the job's status holds a "
+        "record of each); all run or none do",
+    )
     nproc_per_node: int = Field(default=1, ge=1, description="training ranks per worker (torchrun --nproc-per-node)")
     checkpoint: CheckpointSpec
     max_restarts: int = Field(

@@ -21,6 +21,7 @@ import yaml
 
 from orchestrator.crd import CRD_PATH
 from orchestrator.model import (
+    MAX_REPLICAS,
     AttemptStatus,
     Avoidance,
     Cause,
@@ -183,6 +184,27 @@ def test_the_api_server_refuses_what_the_schema_rejects_naming_the_field(
     assert "spec.checkpoint.uri" in refused(lambda s: s["checkpoint"].pop("uri"))
     assert "spec.flushTimeoutSeconds" in refused(lambda s: s.update(flushTimeoutSeconds=0))
     assert "spec.command" in refused(lambda s: s.update(command=[]))
+
+
+def test_replicas_above_what_the_status_can_hold_are_refused_and_a_stored_job_with_them_is_invalid(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """replicas had no upper bound: a gang larger than MAX_REPLICAS outgrows the status the
+    controller must write for it (a record per worker; tests/unit/test_crd.py has the sizes). The
+    API server refuses it at create, naming spec.replicas, and a job stored before the bound (the
+    API server never checks it again) is Invalid naming the same field, not run."""
+    job = example(EXAMPLES[0], namespace, "replicas-max")
+    job["spec"]["replicas"] = MAX_REPLICAS + 1
+    with pytest.raises(ApiCallError) as e:
+        cluster.rest.request("POST", PATH.format(ns=namespace), job)
+    assert e.value.status == 422
+    [cause] = e.value.body["details"]["causes"]
+    assert cause["field"] == "spec.replicas" and str(MAX_REPLICAS) in cause["message"], cause
+    stored = parse_job(JobKey(namespace, "replicas-max"), job["spec"], None, version="1")
+    assert stored.spec is None and stored.invalid is not None
+    assert stored.invalid.startswith("spec.replicas:") and str(MAX_REPLICAS) in stored.invalid, stored.invalid
+    job["spec"]["replicas"] = MAX_REPLICAS
+    assert cluster.rest.request("POST", PATH.format(ns=namespace), job)["spec"]["replicas"] == MAX_REPLICAS
 
 
 def _no_template(spec: dict[str, Any]) -> None:

@@ -6,6 +6,8 @@ served): tests/e2e/test_spotjob_crd.py.
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,19 @@ from agent.control_api import MAX_DEADLINE_DISTANCE
 from agent.launcher_cli import MAX_WAIT_SECONDS
 from orchestrator import crd as crd_module
 from orchestrator.crd import CRD_PATH, crd, main, render
-from orchestrator.model import MAX_DURATION_SECONDS, MAX_FLUSH_SECONDS, JobSpec
+from orchestrator.model import (
+    MAX_DURATION_SECONDS,
+    MAX_FLUSH_SECONDS,
+    MAX_NAME_LENGTH,
+    MAX_REPLICAS,
+    Avoidance,
+    HeldNotice,
+    JobSpec,
+    JobStatus,
+    NodeRef,
+    RecoveryStatus,
+    WorkerStatus,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,3 +247,52 @@ def test_kubectl_get_wide_shows_why_a_worker_is_not_starting() -> None:
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert status["attempt"]["properties"]["notStarting"]["properties"]["reason"]["type"] == "string"
     assert status["checkpointUri"]["type"] == "string"
+
+
+def test_the_worst_status_of_a_gang_of_the_most_replicas_fits_in_an_object_with_room_for_the_spec() -> None:
+    """Why ``replicas`` stops at ``MAX_REPLICAS``: a record per worker in ``status.workers``, and at
+    worst (a whole-gang preemption while every agent held a notice) one per node in ``avoid``,
+    ``recovery.preempted`` and ``heldNotices`` too, with 63-character node names. That status must
+    stay under 1 MiB: Kubernetes stores no object over 1.5 MiB, and the spec (a pod template, kubectl's
+    last-applied copy of it) and the metadata need the rest. Twice the replicas would not fit."""
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+
+    def status(replicas: int) -> int:
+        name = "j" * MAX_NAME_LENGTH
+        node = [f"gke-training-cluster-a3-megagpu-spot-pool-0123abcd-{i:05d}".ljust(63, "x") for i in range(replicas)]
+        worker = [f"{name}-9999-{i}" for i in range(replicas)]
+        where = {"zone": "europe-southwest1-a", "instance_type": "a3-megagpu-8g"}
+        full = JobStatus(
+            workers=[
+                WorkerStatus(name=w, node=n, phase="Running", exit_code=75, step=10**12, **where)
+                for w, n in zip(worker, node, strict=True)
+            ],
+            held_notices=[
+                HeldNotice(
+                    worker=w,
+                    node=n,
+                    source="gcp",
+                    kind="maintenance",
+                    detail="MIGRATE_ON_HOST_MAINTENANCE " * 3,
+                    deadline=now,
+                    flush_at=now,
+                    heard_at=now,
+                )
+                for w, n in zip(worker, node, strict=True)
+            ],
+            avoid=[Avoidance(kind="node", value=n, until=now, reason="SpotInterrupted") for n in node],
+            recovery=RecoveryStatus(
+                cause="Preemption",
+                reason="SpotInterrupted",
+                message="m" * 500,
+                detected_at=now,
+                preempted=[NodeRef(node=n, **where) for n in node],
+            ),
+        )
+        return len(json.dumps(full.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":")))
+
+    assert status(MAX_REPLICAS) < 1024 * 1024
+    assert status(2 * MAX_REPLICAS) > 1536 * 1024, "the bound could be higher: is the status smaller now?"
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["spec"]["properties"]["replicas"]["maximum"] == MAX_REPLICAS
+    assert "maximum" not in schema["properties"]["spec"]["properties"]["nprocPerNode"]
