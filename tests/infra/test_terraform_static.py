@@ -152,3 +152,109 @@ def test_aws_names_s3_and_sqs_refuse_fail_at_plan_naming_the_variable(terraform_
     for label in refused_names:
         assert "bucket_name must be a name S3 accepts" in errors[label], errors[label]
     assert "queue_message_retention_seconds must be a whole number" in errors["fractional_retention"]
+
+
+NODE_GROUP = 'cluster_name = "ml-cluster", subnet_ids = ["subnet-0123456789abcdef0", "subnet-0a1b2c3d"]'
+
+
+def test_aws_tags_and_node_group_fields_aws_refuses_fail_at_plan_naming_the_input(
+    terraform_bin: str, tmp_path: Path
+) -> None:
+    """A tag key beginning with aws: (AWS keeps the prefix), and node_group fields EKS or the
+    provider refuses (a cluster name with a space, a subnet's name for its ID, an instance type in
+    capitals, a fractional or negative size, a disk of 0 GiB, labels Kubernetes refuses, a role's
+    name for its ARN), passed `terraform plan` and failed at apply (or in the provider, naming the
+    node group's attribute): never naming the module's input. Each is now refused by the
+    variable's validation, naming it; the values AWS takes still pass."""
+    refused = {
+        "aws_tag": ({"tags": '{ "aws:team" = "ml" }'}, "tags: no key may begin with aws:"),
+        "aws_tag_upper": ({"tags": '{ "AWS:Team" = "ml" }'}, "tags: no key may begin with aws:"),
+        "tag_character": ({"tags": '{ "team#1" = "ml" }'}, "tags: at most 50 tags"),
+        "tag_value_long": ({"tags": f'{{ team = "{"v" * 257}" }}'}, "tags: at most 50 tags"),
+        "too_many_tags": ({"tags": "{ " + ", ".join(f't{i} = "x"' for i in range(51)) + " }"}, "tags: at most 50"),
+        "fractional_size": ({"node_group": f"{{ {NODE_GROUP}, desired_size = 1.5 }}"}, "whole numbers of nodes"),
+        "negative_min": ({"node_group": f"{{ {NODE_GROUP}, min_size = -1, desired_size = 0 }}"}, "min_size at least 0"),
+        "cluster_name": (
+            {"node_group": '{ cluster_name = "ml cluster", subnet_ids = ["subnet-0a1b2c3d"] }'},
+            "node_group.cluster_name must be",
+        ),
+        "subnet_name": (
+            {"node_group": '{ cluster_name = "ml", subnet_ids = ["private-a"] }'},
+            "node_group.subnet_ids must be",
+        ),
+        "instance_type": (
+            {"node_group": f'{{ {NODE_GROUP}, instance_types = ["G5.XLARGE"] }}'},
+            "node_group.instance_types must be",
+        ),
+        "disk_zero": ({"node_group": f"{{ {NODE_GROUP}, disk_size = 0 }}"}, "node_group.disk_size must be"),
+        "label_key": (
+            {"node_group": f'{{ {NODE_GROUP}, labels = {{ "team name" = "ml" }} }}'},
+            "node_group.labels must be",
+        ),
+        "label_value_empty": (
+            {"node_group": f'{{ {NODE_GROUP}, labels = {{ team = "" }} }}'},
+            "node_group.labels must be",
+        ),
+        "role_name": (
+            {"node_group": f'{{ {NODE_GROUP}, node_role_arn = "gpu-nodes" }}'},
+            "node_group.node_role_arn must be",
+        ),
+    }
+    accepted = {
+        "tags": {"tags": '{ team = "ml", "cost-center" = "a b/c@d", "Name" = "spotjob:ckpt+=1", empty = "" }'},
+        "node_group": {
+            "node_group": f'{{ {NODE_GROUP}, instance_types = ["p4d.24xlarge", "u-6tb1.metal", "c7i.metal-24xl"], '
+            'labels = { "example.com/team" = "ml", tier = "a_b.c-d" }, disk_size = 16384, '
+            'node_role_arn = "arn:aws:iam::123456789012:role/gpu-nodes" }'
+        },
+        "node_group_defaults": {"node_group": '{ cluster_name = "ml_1", subnet_ids = ["subnet-0a1b2c3d"] }'},
+    }
+    calls = {label: {"oidc_provider_arn": OIDC, **inputs} for label, (inputs, _) in refused.items()}
+    calls.update({label: {"oidc_provider_arn": OIDC, **inputs} for label, inputs in accepted.items()})
+    errors = validation_errors(TERRAFORM / "modules" / "aws" / "variables.tf", tmp_path, calls)
+    assert set(errors) == set(refused), {k: v[:300] for k, v in errors.items()}
+    for label, (_, said) in refused.items():
+        assert said in " ".join(errors[label].split()), (label, errors[label])  # terraform wraps messages
+
+
+NODE_POOL = 'cluster = "ml", location = "us-central1"'
+
+
+def test_gcp_labels_and_node_pool_fields_google_refuses_fail_at_plan_naming_the_input(
+    terraform_bin: str, tmp_path: Path
+) -> None:
+    """The GCP module's equivalents: labels Google Cloud refuses (an upper-case key, one beginning
+    with a digit, a value with a '.'), and node_pool fields the provider or GKE refuses (a
+    fractional count, a disk under 10 GB, a node label Kubernetes refuses) passed the plan's checks
+    of the module's inputs and failed later, naming the resource. Each is now refused naming the
+    input; the values Google Cloud takes still pass."""
+    base = {"project_id": '"my-project-1"', "location": '"us-central1"'}
+    refused = {
+        "label_upper": ({"labels": '{ Team = "ml" }'}, "labels: at most 64 labels"),
+        "label_digit": ({"labels": '{ "1team" = "ml" }'}, "labels: at most 64 labels"),
+        "label_value_dot": ({"labels": '{ team = "m.l" }'}, "labels: at most 64 labels"),
+        "too_many_labels": ({"labels": "{ " + ", ".join(f'l{i} = "x"' for i in range(65)) + " }"}, "at most 64"),
+        "fractional_count": ({"node_pool": f"{{ {NODE_POOL}, max_node_count = 2.5 }}"}, "must be whole numbers"),
+        "negative_min": ({"node_pool": f"{{ {NODE_POOL}, min_node_count = -1 }}"}, "min_node_count at least 0"),
+        "small_disk": ({"node_pool": f"{{ {NODE_POOL}, disk_size_gb = 5 }}"}, "node_pool.disk_size_gb must be"),
+        "node_label": (
+            {"node_pool": f'{{ {NODE_POOL}, labels = {{ "team name" = "ml" }} }}'},
+            "node_pool.labels must be",
+        ),
+        "node_label_value": (
+            {"node_pool": f'{{ {NODE_POOL}, labels = {{ team = "-ml" }} }}'},
+            "node_pool.labels must be",
+        ),
+    }
+    accepted = {
+        "labels": {"labels": '{ team = "ml", "cost_center-1" = "", "\u00e9quipe" = "r\u00e9seau_1" }'},
+        "node_pool": {
+            "node_pool": f'{{ {NODE_POOL}, disk_size_gb = 10, labels = {{ "example.com/team" = "ml", tier = "" }} }}'
+        },
+    }
+    calls = {label: {**base, **inputs} for label, (inputs, _) in refused.items()}
+    calls.update({label: {**base, **inputs} for label, inputs in accepted.items()})
+    errors = validation_errors(TERRAFORM / "modules" / "gcp" / "variables.tf", tmp_path, calls)
+    assert set(errors) == set(refused), {k: v[:300] for k, v in errors.items()}
+    for label, (_, said) in refused.items():
+        assert said in " ".join(errors[label].split()), (label, errors[label])

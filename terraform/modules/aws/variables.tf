@@ -10,9 +10,21 @@ variable "name" {
 }
 
 variable "tags" {
-  description = "Tags added to every resource that takes tags."
+  description = "Tags added to every resource that takes tags (the bucket, the roles, the queue, the rules, the node group): at most 50, keys of 1 to 128 and values of up to 256 letters, digits, spaces and _ . : / = + - @, no key beginning with aws:."
   type        = map(string)
   default     = {}
+
+  # AWS keeps the aws: prefix (in any case) for itself: every service refused such a tag at apply,
+  # after the resources before it were created, naming the resource and not this variable.
+  validation {
+    condition     = alltrue([for k in keys(var.tags) : !startswith(lower(k), "aws:")])
+    error_message = "tags: no key may begin with aws: (in any case), which AWS keeps for its own tags and refuses on every resource; rename the key."
+  }
+  # What IAM and S3 (the strictest of the services tagged) take.
+  validation {
+    condition     = length(var.tags) <= 50 && alltrue([for k, v in var.tags : can(regex("^[\\p{L}\\p{Z}\\p{N}_.:/=+@-]{1,128}$", k)) && can(regex("^[\\p{L}\\p{Z}\\p{N}_.:/=+@-]{0,256}$", v))])
+    error_message = "tags: at most 50 tags, each key 1 to 128 and each value up to 256 letters, digits, spaces and _ . : / = + - @ (what IAM and S3 take for a tag)."
+  }
 }
 
 # -- checkpoint bucket ------------------------------------------------------------------------------
@@ -185,5 +197,36 @@ variable "node_group" {
   validation {
     condition     = var.node_group == null || try(var.node_group.min_size <= var.node_group.desired_size && var.node_group.desired_size <= var.node_group.max_size && var.node_group.max_size >= 1, false)
     error_message = "node_group sizes must satisfy min_size <= desired_size <= max_size and max_size >= 1."
+  }
+  # The rest are what the provider or EKS refused, at plan naming the node group's own attribute
+  # (cluster_name, scaling_config.0.min_size) or only at apply (CreateNodegroup), never the input.
+  validation {
+    condition     = var.node_group == null || try(var.node_group.min_size >= 0 && alltrue([for n in [var.node_group.min_size, var.node_group.desired_size, var.node_group.max_size] : floor(n) == n]), false)
+    error_message = "node_group.min_size, desired_size and max_size must be whole numbers of nodes, min_size at least 0."
+  }
+  validation {
+    condition     = var.node_group == null || try(can(regex("^[0-9A-Za-z][A-Za-z0-9_-]{1,99}$", var.node_group.cluster_name)), false)
+    error_message = "node_group.cluster_name must be an EKS cluster's name: 2 to 100 letters, digits, '-' and '_', beginning with a letter or digit."
+  }
+  validation {
+    condition     = var.node_group == null || try(alltrue([for s in var.node_group.subnet_ids : can(regex("^subnet-[0-9a-f]{8,17}$", s))]), false)
+    error_message = "node_group.subnet_ids must be subnet IDs (subnet-0123456789abcdef0), not names or ARNs."
+  }
+  validation {
+    condition     = var.node_group == null || try(alltrue([for i in var.node_group.instance_types : can(regex("^[a-z][a-z0-9-]*\\.[a-z0-9-]+$", i))]), false)
+    error_message = "node_group.instance_types must be EC2 instance types, family.size in lower case (g5.xlarge, p4d.24xlarge)."
+  }
+  validation {
+    condition     = var.node_group == null || try(floor(var.node_group.disk_size) == var.node_group.disk_size && var.node_group.disk_size >= 1 && var.node_group.disk_size <= 16384, false)
+    error_message = "node_group.disk_size must be a whole number of GiB from 1 to 16384 (the largest EBS volume)."
+  }
+  # EKS takes a node group's labels as Kubernetes labels, each key and value 1 to 63 characters.
+  validation {
+    condition     = var.node_group == null || try(alltrue([for k, v in var.node_group.labels : length(k) <= 63 && can(regex("^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", k)) && length(v) <= 63 && can(regex("^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", v))]), false)
+    error_message = "node_group.labels must be Kubernetes labels EKS takes: keys of at most 63 characters ([prefix/]name: letters, digits, '-', '_', '.'), values of 1 to 63 letters, digits, '-', '_' and '.', beginning and ending with a letter or digit."
+  }
+  validation {
+    condition     = var.node_group == null || try(var.node_group.node_role_arn == null || can(regex("^arn:aws[a-z-]*:iam::[0-9]{12}:role/.+$", var.node_group.node_role_arn)), false)
+    error_message = "node_group.node_role_arn must be an IAM role's ARN (arn:aws:iam::ACCOUNT:role/NAME), or null for the module's own role."
   }
 }

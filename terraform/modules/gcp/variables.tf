@@ -20,9 +20,16 @@ variable "name" {
 }
 
 variable "labels" {
-  description = "Labels added to every resource that takes labels."
+  description = "Labels added to every resource that takes labels (the bucket, the node pool's VMs): at most 64, keys of 1 to 63 lowercase letters, digits, '_' and '-' beginning with a letter, values of up to 63 of the same."
   type        = map(string)
   default     = {}
+
+  # Google Cloud's rule for a resource's labels: the bucket, then the node pool, refused another at
+  # apply, naming neither this variable nor the label.
+  validation {
+    condition     = length(var.labels) <= 64 && alltrue([for k, v in var.labels : can(regex("^[\\p{Ll}\\p{Lo}][\\p{Ll}\\p{Lo}\\p{N}_-]{0,62}$", k)) && can(regex("^[\\p{Ll}\\p{Lo}\\p{N}_-]{0,63}$", v))])
+    error_message = "labels: at most 64 labels, each key 1 to 63 lowercase letters, digits, '_' and '-' beginning with a lowercase letter, each value up to 63 of the same (Google Cloud's rule for labels)."
+  }
 }
 
 # -- checkpoint bucket ------------------------------------------------------------------------------
@@ -179,5 +186,19 @@ variable "node_pool" {
   validation {
     condition     = var.node_pool == null || contains(["DEFAULT", "LATEST", "INSTALLATION_DISABLED"], try(var.node_pool.gpu_driver_version, ""))
     error_message = "node_pool.gpu_driver_version must be DEFAULT, LATEST or INSTALLATION_DISABLED."
+  }
+  # What the provider or GKE refused (a fractional count, a disk under 10 GB, a label Kubernetes
+  # refuses) at plan naming the node pool's own attribute, or at apply, never this input.
+  validation {
+    condition     = var.node_pool == null || try(var.node_pool.min_node_count >= 0 && alltrue([for n in [var.node_pool.min_node_count, var.node_pool.max_node_count, var.node_pool.accelerator_count] : floor(n) == n]), false)
+    error_message = "node_pool.min_node_count, max_node_count and accelerator_count must be whole numbers, min_node_count at least 0."
+  }
+  validation {
+    condition     = var.node_pool == null || try(floor(var.node_pool.disk_size_gb) == var.node_pool.disk_size_gb && var.node_pool.disk_size_gb >= 10, false)
+    error_message = "node_pool.disk_size_gb must be a whole number of GB, at least 10 (GKE's smallest boot disk)."
+  }
+  validation {
+    condition     = var.node_pool == null || try(alltrue([for k, v in var.node_pool.labels : can(regex("^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", k)) && length(split("/", k)[length(split("/", k)) - 1]) <= 63 && length(k) <= 317 && can(regex("^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$", v)) && length(v) <= 63]), false)
+    error_message = "node_pool.labels must be Kubernetes labels: keys [prefix/]name (a DNS subdomain prefix, a name of at most 63 letters, digits, '-', '_' and '.', beginning and ending with a letter or digit), values of at most 63 of the same."
   }
 }
