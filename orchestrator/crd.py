@@ -17,8 +17,7 @@ PodTemplateSpec has no apiVersion and kind. Spec fields keep their scalar defaul
 fills them in); the status has none (the controller writes it whole). Durations carry their
 ``maximum`` (``model.MAX_DURATION_SECONDS``, or ``model.MAX_FLUSH_SECONDS`` for the two the agents are
 given); ``spec.checkpoint.uri`` carries a CEL transition rule
-that keeps it from changing; ``spec.env`` a CEL rule on its names and a ``pattern`` on its values
-(``_env_names_and_values``).
+that keeps it from changing; ``spec.env`` a ``pattern`` on its values (``_env_values``).
 
 The file's metadata holds only the name: the chart adds its labels and annotations after the
 top-level ``metadata:`` line. The first line says how the file was made.
@@ -296,32 +295,22 @@ ENV_NAME_REFUSED = "[^ -<>-~]"
 alike): anything but printable ASCII, and '='. Since 1.32 (RelaxedEnvironmentVariableValidation,
 on by default) that is the API server's whole rule besides a name being non-empty; before, it
 also refused names that are not C identifiers with '-' and '.' (``1X``, ``MY VAR``), which some
-clusters the chart supports still do: those are left to the API server."""
+clusters the chart supports still do: those are left to the API server. The controller's spec
+check (``pods.env_problems``) refuses such a name; the CRD does not (``_env_values``)."""
 
 ENV_VALUE_PATTERN = r"^[^\x00]*$"
 """What a variable's value matches: no NUL, which no process environment can carry (the API
 server takes it, and the container then fails to start)."""
 
 
-def _env_names_and_values(spec: dict[str, Any]) -> None:
-    """``spec.env``: names Kubernetes takes for a container's variables, values without NUL; the
-    controller's ``pods.env_problems`` checks the same for a job this CRD never checked.
+def _env_values(spec: dict[str, Any]) -> None:
+    """``spec.env``'s values without NUL: a schema ``pattern``, which costs no CEL.
 
-    The name rule walks the map, and the API server refuses a CRD whose rule's estimated cost is
-    over 10,000,000: the estimate takes the most entries a 3 MiB request could hold (about 393,000
-    of the smallest) times a few units per entry, since it gives a map key no length (its type
-    carries none), so a name's ``matches`` is estimated at a constant. About 5,000,000 in all. The
-    value check is a schema ``pattern``, which costs no CEL."""
-    env = spec["properties"]["env"]
-    env["additionalProperties"]["pattern"] = ENV_VALUE_PATTERN
-    env["x-kubernetes-validations"] = [
-        {
-            # No `$` anchor: RE2 and Python's `re` differ on a trailing newline there.
-            "rule": f"self.all(name, name.size() > 0 && !name.matches('{ENV_NAME_REFUSED}'))",
-            "message": "spec.env names must be printable ASCII other than '=', and not empty: Kubernetes refuses "
-            "any other name for a container's variable (the workers' pods could not be created)",
-        }
-    ]
+    Its names are checked by the controller (``pods.env_problems``: the job turns ``Invalid``
+    before any pod is made), not here: a rule on the names would walk the map, and the API server
+    refuses a whole CRD whose rule's estimated cost (from the largest map a 3 MiB request could
+    hold) is over its limit, which no real server computed for it here (see ``_env_rules``)."""
+    spec["properties"]["env"]["additionalProperties"]["pattern"] = ENV_VALUE_PATTERN
 
 
 def _cross_field_rules(spec: dict[str, Any]) -> None:
@@ -363,7 +352,7 @@ def openapi_schema() -> dict[str, Any]:
     status = converter.convert(raw["properties"]["status"], defaults=False)
     status.pop("nullable", None)
     _checkpoint_uri_immutable(spec)
-    _env_names_and_values(spec)
+    _env_values(spec)
     _cross_field_rules(spec)
     _conditions_as_map(status)
     return {

@@ -282,31 +282,20 @@ def test_spec_env_may_set_the_policy_variables_the_spec_leaves_out(
     assert created["spec"]["env"]["SPOTJOB_EVERY_STEPS"] == "10"
 
 
-@pytest.mark.parametrize(
-    ("env", "field", "words"),
-    [
-        ({"": "1"}, "spec.env", "printable ASCII other than '='"),
-        ({"A=B": "1"}, "spec.env", "printable ASCII other than '='"),
-        ({"CAF\u00c9": "1"}, "spec.env", "printable ASCII other than '='"),
-        ({"TRAILING\n": "1"}, "spec.env", "printable ASCII other than '='"),
-        ({"DATA": "a\x00b"}, "spec.env.DATA", "should match"),
-    ],
-    ids=["empty", "equals", "non-ascii", "trailing-newline", "nul-value"],
-)
-def test_spec_env_names_and_values_kubernetes_refuses_are_refused_at_create(
-    cluster: TestCluster, namespace: str, spotjob_crd: None, env: dict[str, str], field: str, words: str
+def test_a_nul_in_a_spec_env_value_is_refused_at_create(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
 ) -> None:
-    """An empty name, one with '=' or a character other than printable ASCII (no Kubernetes version
-    takes it for a container's variable), or a NUL in a value (the runtime cannot start a process
-    with it) was stored, and every attempt's pods were then refused or never started. The API
-    server refuses them at create, naming spec.env."""
+    """A NUL in a value (no process environment can carry it: the container never starts) was
+    stored, and every attempt's pods then failed. The API server refuses it at create, naming the
+    variable (a schema ``pattern``). The names are the controller's to check (``InvalidSpec``,
+    ``tests/k8s_ctl/test_backend.py``): a CEL rule on them would walk the map."""
     job = example(EXAMPLES[0], namespace, "env-refused")
-    job["spec"]["env"] = env
+    job["spec"]["env"] = {"DATA": "a\x00b"}
     with pytest.raises(ApiCallError) as e:
         cluster.rest.request("POST", PATH.format(ns=namespace), job)
     assert e.value.status == 422
     [cause] = e.value.body["details"]["causes"]
-    assert cause["field"] == field and words in cause["message"], cause
+    assert cause["field"] == "spec.env.DATA" and "should match" in cause["message"], cause
 
 
 def test_spec_env_names_kubernetes_takes_since_1_32_are_accepted(

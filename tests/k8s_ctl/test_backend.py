@@ -678,9 +678,9 @@ def test_a_spec_env_variable_spotjob_sets_over_it_is_a_spec_problem_as_a_stored_
 def test_a_spec_env_entry_kubernetes_refuses_is_a_spec_problem_naming_it(
     world: World, env: dict[str, str], said: str
 ) -> None:
-    """The CRD refuses these at kubectl apply (a CEL rule on the names, a pattern on the values),
-    but a SpotJob stored before that rule, under an older CRD, or on a server that runs no CEL
-    keeps them: every attempt's pods were refused by the API server (a name it takes for no
+    """The CRD refuses a NUL in a value at kubectl apply (a pattern), but not the names (a CEL rule
+    would walk the map, at a cost no real API server estimated here), and a SpotJob stored under
+    an older CRD keeps either: every attempt's pods were refused by the API server (a name it takes for no
     variable) or never started (a NUL in a value), and the job only counted infrastructure errors.
     The spec check names the variable, so the job is Invalid before any pod is made."""
     [problem] = world.backend.spec_problems(KEY, spec(env=env))
