@@ -423,6 +423,8 @@ class LocalBackend:
         self.notices_sent = 0
         self._pending: list[tuple[bool, str]] = []
         """Notices the plan said were due that found no live worker yet (a maintenance?, the reason)."""
+        self._notices_held = False
+        """``hold_notices()`` was called: the plan fires nothing more."""
         self._lock = threading.RLock()
         self._cloud = SimulatedCloud(
             self.root, self.run_id, maintenance=options.maintenance_seconds is not None, cloud=options.cloud
@@ -515,6 +517,22 @@ class LocalBackend:
         with self._lock:
             workers = [w for w in self._workers.values() if w.job == key]
         return [self._observe(w) for w in workers]
+
+    def training_workers(self, key: JobKey) -> list[WorkerObservation]:
+        """The workers of ``key``'s newest attempt whose ranks train (Running) and that nothing is
+        stopping: those an interrupted ``spotjob run`` asks to flush. Empty while that attempt starts
+        (its workers Pending) or between attempts (the old one stopping, the next not started)."""
+        with self._lock:
+            workers = [w for w in self._workers.values() if w.job == key]
+            newest = max((w.attempt for w in workers), default=None)
+            current = [w for w in workers if w.attempt == newest and w.alive and not w.stopping]
+        observed = [self._observe(w) for w in current]
+        return [o for o in observed if o.phase is WorkerPhase.RUNNING]
+
+    def hold_notices(self) -> None:
+        """Fire no more planned notices (an interrupted ``spotjob run`` flushes and stops its workers:
+        a notice now would only race that flush); the nodes already noticed still go at their time."""
+        self._notices_held = True
 
     def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
         if not self.options.hear_notices:
@@ -912,11 +930,13 @@ class LocalBackend:
                 self._terminate(node, acknowledged=True)
         for w in workers:
             self._watch(w)
+        if self._notices_held:
+            return
         step = self.observed_step()
         self._pending += [(False, why) for why in self.plan.due(time.monotonic() - self._started, step)]
         if self.options.maintenance_seconds is not None:
             self._pending += [(True, why) for why in self.plan.maintenance_due(step)]
-        while self._pending and not self._closing.is_set():
+        while self._pending and not self._closing.is_set() and not self._notices_held:
             maintenance, why = self._pending[0]
             if (self.maintain if maintenance else self.preempt)(why=why) is None:
                 break  # no live worker to hit: the notice waits for the next one to start
