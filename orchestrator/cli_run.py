@@ -16,6 +16,9 @@ waits in ``LocalRun._wait``, which wakes early when the backend reports a change
 exit, a commit) and refreshes the view meanwhile. At the end: stop everything, print the summary
 (and write ``summary.json``), draw ``--plot``.
 
+The first Ctrl-C or SIGTERM (``_Interrupts``) ends the controller loop; every worker whose ranks
+train is then asked to flush, and every process of the run is stopped once they committed
+(``orchestrator.run_interrupt``); a second one stops them at once, without the flush.
 When the driver dies without stopping its workers (SIGKILL), each agent notices that its parent is
 gone (``spotjob-agent --exit-with-parent``), flushes a checkpoint and stops; ``--resume`` then
 carries on from it with the same job identity, so the URI's ownership and the attempts' fencing
@@ -23,7 +26,8 @@ accept it.
 
 Exit status: 0 the job Succeeded; 1 it Failed (the reason is printed, with the end of the failed
 worker's log); 2 bad arguments, a run that exists (or is driven by another process), nothing to
-resume; 130 interrupted (Ctrl-C or SIGTERM: every process of the run is stopped first).
+resume; 130 interrupted (Ctrl-C or SIGTERM: the training workers flush, then every process of the
+run is stopped; at once on a second one).
 
 ``spotjob status`` reads the run folder: ``orchestrator.cli_status``.
 """
@@ -82,6 +86,7 @@ from orchestrator.live import (
 )
 from orchestrator.model import (
     MAX_NAME_LENGTH,
+    CheckpointInfo,
     JobKey,
     JobSpec,
     JobStatus,
@@ -115,6 +120,12 @@ from orchestrator.run_folder import (
     used_up_restarts,
     write_cloud,
     write_run_file,
+)
+from orchestrator.run_interrupt import (
+    InterruptOutcome,
+    InterruptState,
+    cut_short,
+    flush_before_stop,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
@@ -269,6 +280,10 @@ class LocalRun:
         self._view: RunView | None = None
         self.stopping = False
         """``run()`` is stopping every process of the run (its end, or an interrupt's)."""
+        self.interrupt = InterruptState()
+        """Ctrl-C and SIGTERM so far (``_Interrupts`` sets it; the first flushes, the second stops at once)."""
+        self.interrupt_outcome: InterruptOutcome | None = None
+        """How the interrupt's flush went, once the run stopped after one."""
         self._started = time.monotonic()
         self._ended: float | None = None
         self._rate: deque[tuple[float, int]] = deque()
@@ -488,15 +503,84 @@ class LocalRun:
             controller = Controller(self.reconciler, SystemClock(), wait=self._wait)
             self.status = controller.run(self.key)
             self._note_status(self.status)
+        except KeyboardInterrupt:
+            self._flush_for_interrupt()
+            raise
         finally:
             self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
             self.backend.close()
+            if self.interrupt.signal is not None:
+                self._record_interrupt()
             self.events = _events(self._event_log)
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
             self.close()
         return self.status
+
+    # -- an interrupt ---------------------------------------------------------------------------------
+    def _flush_for_interrupt(self) -> None:
+        """(the first Ctrl-C or SIGTERM ended the controller loop) Have every training worker's agent
+        flush before ``run()`` stops every process (``orchestrator.run_interrupt``); a second signal
+        meanwhile cuts that short. ``interrupt_outcome`` is set unless it was cut short."""
+        state = self.interrupt
+        if state.signal is None:
+            state.signal = "SIGINT"  # the interpreter's own Ctrl-C: no handler of spotjob run's in this thread
+        checkpoint = self.status.last_checkpoint
+        try:
+            state.flushing = True
+            if state.again is None:  # a second signal before the flush began: nothing is asked
+                self.interrupt_outcome = flush_before_stop(
+                    self.backend,
+                    self.key,
+                    self.spec,
+                    state,
+                    name=self.name,
+                    phase=str(self.status.phase),
+                    last_known=checkpoint.step if checkpoint is not None else None,
+                    idle=self._idle,
+                )
+        except KeyboardInterrupt:
+            self.interrupt_outcome = None  # cut short: told from storage once everything is stopped
+        except Exception as e:  # the stop must still happen, and say why nothing was flushed
+            log.exception("could not flush %s before stopping it", self.name)
+            self.interrupt_outcome = InterruptOutcome(state.signal, why=f"the flush could not be asked for: {e}")
+        finally:
+            state.flushing = False
+
+    def _idle(self, seconds: float) -> None:
+        self._refresh()
+        if self.backend.changed.wait(seconds):
+            self.backend.changed.clear()
+
+    def _record_interrupt(self) -> None:
+        """(every process stopped) Say how the interrupt went: an Event, and the flush's checkpoint
+        and step in the status, which ``--resume`` carries on from."""
+        state = self.interrupt
+        assert state.signal is not None
+        checkpoint = self.status.last_checkpoint
+        last_known = checkpoint.step if checkpoint is not None else None
+        outcome = self.interrupt_outcome
+        if outcome is None:
+            outcome = self.interrupt_outcome = cut_short(state, self.spec.checkpoint.uri, last_known)
+        kind, reason, message = outcome.event(os.getpid())
+        self.sink.emit(self.key, kind, reason, message)
+        if outcome.step is None or outcome.uri is None:
+            return
+        try:
+            stored = self.store.get(self.key)
+            if stored is None or stored.status is None:
+                return
+            status = stored.status
+            manifest = outcome.newest.manifest if outcome.newest is not None else None
+            status.last_checkpoint = CheckpointInfo(
+                step=outcome.step, uri=outcome.uri, time=manifest.created_at if manifest else datetime.now(UTC)
+            )
+            status.attempt.observed_step = max(status.attempt.observed_step or 0, outcome.step)
+            self.store.update_status(self.key, status, version=stored.version)
+            self.status = status
+        except StoreError as e:
+            log.warning("could not record the interrupt's checkpoint in the status of %s: %s", self.name, e)
 
     def _wait(self, seconds: float) -> None:
         """Between passes: refresh the view; return early when the backend saw something happen."""
@@ -759,10 +843,12 @@ def prepare(args: argparse.Namespace) -> LocalRun:
 
 
 class _Interrupts:
-    """Ctrl-C and SIGTERM while ``spotjob run`` drives ``run``: the first one ends the controller
-    loop (``KeyboardInterrupt``); once the run is stopping its processes, none interrupts that. A
-    second Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close`` short and
-    leave the run's processes running after the driver said it had stopped them.
+    """Ctrl-C and SIGTERM while ``spotjob run`` drives ``run``. The first one ends the controller
+    loop (``KeyboardInterrupt``), after which ``LocalRun.run`` has every training worker's agent
+    flush before it stops every process of the run. A second one while that flush runs stops the
+    run at once, without it. Once the run is stopping its processes, none interrupts
+    that: a third Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close``
+    short and leave the run's processes running after the driver said it had stopped them.
 
     Once an interrupted run is stopped, SIGTERM and SIGINT are ignored until the process exits: put
     back to what they were (the default, for the command), a supervisor's SIGTERM repeated in the
@@ -776,12 +862,22 @@ class _Interrupts:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received += 1
-        if self.received == 1 and not self.run.stopping:
+        name = signal.Signals(signum).name
+        run = self.run
+        state = run.interrupt
+        if state.signal is None and not run.stopping:
+            state.signal = name
             raise KeyboardInterrupt(f"signal {signum}")
+        if state.again is None and not run.stopping:
+            state.again = name
+            log.warning("received %s again: stopping every process of %s at once, without the flush", name, run.name)
+            if state.flushing:
+                raise KeyboardInterrupt(f"signal {signum} again")
+            return
         log.warning(
             "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
-            signal.Signals(signum).name,
-            self.run.name,
+            name,
+            run.name,
         )
 
 
@@ -902,11 +998,14 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
 def _tell_outcome(run: LocalRun, status: JobStatus, summary: Summary, interrupted: bool, runs_dir: str) -> int:
     """On stderr: how the run ended, when it did not succeed; the exit status."""
     if interrupted:
-        print(
-            f"spotjob run: interrupted; every process of {run.name} was stopped "
-            f"(carry on with `spotjob run{runs_dir} --resume {run.name}`)",
-            file=sys.stderr,
+        resume = f"`spotjob run{runs_dir} --resume {run.name}`"
+        outcome = run.interrupt_outcome
+        said = (
+            f"interrupted; every process of {run.name} was stopped (carry on with {resume})"
+            if outcome is None
+            else outcome.line(run.name, resume)
         )
+        print(f"spotjob run: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if status.phase is Phase.SUCCEEDED:
         return EXIT_SUCCEEDED
@@ -959,7 +1058,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "on). Options go before SCRIPT; "
         "everything after it is the script's. --resume NAME drives an existing run again (its spotjob run was "
         "killed, say) with its own spec, status and checkpoints. Exit status: 0 the job succeeded, 1 it failed, "
-        "2 bad arguments (nothing is created), a run that exists or is driven elsewhere, 130 interrupted.",
+        "2 bad arguments (nothing is created), a run that exists or is driven elsewhere, 130 interrupted (Ctrl-C "
+        "or SIGTERM: the training workers flush a checkpoint first; a second Ctrl-C stops at once, without it).",
     )
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (it uses agent.Checkpointer)")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the script's own arguments")

@@ -260,8 +260,9 @@ from types import SimpleNamespace
 
 import orchestrator.cli_run as cli_run
 from orchestrator.cli import main
+from orchestrator.run_interrupt import InterruptState
 
-run = SimpleNamespace(name="demo", stopping=False)
+run = SimpleNamespace(name="demo", stopping=False, interrupt=InterruptState())
 
 
 def drive(_run, _args):
@@ -306,6 +307,41 @@ def test_a_sigterm_repeated_after_an_interrupted_run_stopped_does_not_end_the_dr
     assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
     assert done.stdout.strip() == "exited by itself; ignored"
     assert "received SIGTERM again: still stopping every process of demo" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flushing", [True, False], ids=["during-the-flush", "before-it-began"])
+def test_the_first_interrupt_flushes_the_second_stops_at_once_and_the_others_are_only_logged(
+    flushing: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler of ``spotjob run``'s SIGINT and SIGTERM, called as the interpreter calls it. The
+    first ends the controller loop (the run then flushes); the second cuts the flush short: it
+    interrupts a flush under way, and one that comes before the flush began keeps it from beginning
+    (``LocalRun`` looks at ``again`` first); once the run is stopping, the others are only logged, so
+    a supervisor repeating its SIGTERM still reads 130 (tests/e2e/test_local_interrupt.py drives a
+    real run)."""
+    import signal
+    from types import SimpleNamespace
+
+    from orchestrator.cli_run import _Interrupts
+    from orchestrator.run_interrupt import InterruptState
+
+    run = SimpleNamespace(name="demo", stopping=False, interrupt=InterruptState())
+    handler = _Interrupts(run)  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    assert (run.interrupt.signal, run.interrupt.again) == ("SIGINT", None)
+    run.interrupt.flushing = flushing
+    if flushing:
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGTERM, None)
+    else:
+        handler(signal.SIGTERM, None)
+    assert run.interrupt.again == "SIGTERM"
+    assert "received SIGTERM again: stopping every process of demo at once, without the flush" in caplog.text
+    handler(signal.SIGTERM, None)  # still flushing, or stopping: nothing more to cut short
+    run.stopping = True
+    handler(signal.SIGINT, None)
+    assert caplog.text.count("still stopping every process of demo") == 2
 
 
 _SUMMARY_TO_A_READER_GONE = """

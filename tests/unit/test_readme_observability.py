@@ -19,9 +19,15 @@ from agent.control_api import StatusResponse
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.reconciler import _reasons
 from orchestrator.reconciler._reasons import Reason
+from orchestrator.run_interrupt import INTERRUPT_FLUSH_COMMITTED, INTERRUPT_FLUSH_NOT_COMMITTED, INTERRUPTED
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-LOCAL_ONLY = {"Resumed": "Normal"}
+LOCAL_ONLY = {
+    "Resumed": "Normal",
+    INTERRUPT_FLUSH_COMMITTED: "Normal",
+    INTERRUPT_FLUSH_NOT_COMMITTED: "Warning",
+    INTERRUPTED: "Normal",
+}
 """Events ``spotjob run`` writes itself, outside the reconciler (``cli_run``)."""
 
 

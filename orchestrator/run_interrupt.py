@@ -1,0 +1,268 @@
+"""What an interrupted ``spotjob run`` does before it stops: flush, so that a stop loses nothing.
+
+The first Ctrl-C or SIGTERM ends the controller loop; then ``flush_before_stop`` asks the agent of
+every worker whose ranks train (``LocalBackend.training_workers``) to flush through its control
+API, the request a preemption sends (``LocalBackend.request_flush``: ``POST /flush`` with the run's
+token), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, as a driver's death gives them
+(``spotjob-agent --parent-grace``). Each agent has its ranks commit a checkpoint at one step and
+exits (75 committed, 76 not); the driver waits for those exits (at most the deadline and
+``EXIT_MARGIN_SECONDS``), reads storage, the judge of what committed, as the reconciler does, and
+then stops every process of the run. A second Ctrl-C or SIGTERM meanwhile cuts the wait short: the
+run is stopped at once, without the flush. Nothing is flushed when no worker trains (the attempt
+starts, or the run is between two attempts): the run is stopped at once, as before.
+
+``InterruptOutcome`` says how it went: the Event ``spotjob run`` records (``InterruptFlushCommitted``
+with the step, ``InterruptFlushNotCommitted`` with why, or ``Interrupted`` when nothing was
+flushed) and its last line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+
+from agent.catalog import CheckpointStatus, latest_valid
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.storage import Storage, StorageError, open_storage
+from orchestrator.backends.base import FlushRequestOutcome, WorkerObservation
+from orchestrator.backends.local import LocalBackend
+from orchestrator.events import EventType
+from orchestrator.model import JobKey, JobSpec, WorkerPhase
+
+log = logging.getLogger(__name__)
+
+INTERRUPT_FLUSH_SECONDS = 30.0
+"""The deadline an interrupt gives the agents' flush: the one they give themselves when the driver
+dies (``spotjob-agent --parent-grace``'s default)."""
+EXIT_MARGIN_SECONDS = 15.0
+"""Past the deadline, how long the driver still waits for the agents to exit (an agent kills its
+ranks at the deadline and then exits) before it stops them itself."""
+POLL_SECONDS = 0.1
+
+INTERRUPT_FLUSH_COMMITTED = "InterruptFlushCommitted"
+INTERRUPT_FLUSH_NOT_COMMITTED = "InterruptFlushNotCommitted"
+INTERRUPTED = "Interrupted"
+"""The Event reasons of an interrupt: its flush committed, it did not, nothing was flushed."""
+
+
+@dataclass
+class InterruptState:
+    """How far Ctrl-C and SIGTERM have got, shared by the signal handler and the run."""
+
+    signal: str | None = None
+    """The first one (SIGINT, SIGTERM): flush, then stop."""
+    again: str | None = None
+    """The second one: stop at once, without the flush."""
+    flushing: bool = False
+    """The flush is under way: a second signal interrupts it (before, the flush sees ``again`` and
+    does not begin)."""
+    asked_at: datetime | None = None
+    """When the agents were asked to flush (a checkpoint of a flush made since is this one's)."""
+    asked: list[str] = field(default_factory=list)
+    """The workers whose agent accepted."""
+
+
+@dataclass(frozen=True)
+class InterruptOutcome:
+    """How an interrupt's flush went."""
+
+    signal: str
+    tried: bool = False
+    """Workers trained, and their agents were asked to flush (False: nothing was flushed)."""
+    asked: tuple[str, ...] = ()
+    """The workers whose agent accepted."""
+    step: int | None = None
+    """The step the flush committed; None when it committed nothing."""
+    uri: str | None = None
+    """Where that checkpoint is."""
+    why: str | None = None
+    """Why nothing was flushed, or why the flush committed nothing."""
+    newest: CheckpointStatus | None = None
+    """The newest valid checkpoint in storage once the workers stopped (what ``--resume`` restores)."""
+    resume_from: int | None = None
+    """Its step (or, when storage was not read, the one the status last held)."""
+    cut_short: bool = False
+    """A second signal stopped the run before the flush ended."""
+
+    def resume_point(self) -> str:
+        return f"step {self.resume_from}" if self.resume_from is not None else "the start (no checkpoint)"
+
+    def event(self, pid: int) -> tuple[EventType, str, str]:
+        """(type, reason, message) of the Event the run records."""
+        said = f"{self.signal} interrupted spotjob run (pid {pid})"
+        then = f"every process of the run was stopped, and --resume carries on from {self.resume_point()}"
+        if self.step is not None:
+            return (
+                EventType.NORMAL,
+                INTERRUPT_FLUSH_COMMITTED,
+                f"{said}: the flush it asked for committed step {self.step} at {self.uri}; {then}",
+            )
+        if self.tried or self.cut_short:
+            message = f"{said}: the flush committed nothing ({self.why}); {then}"
+            return EventType.WARNING, INTERRUPT_FLUSH_NOT_COMMITTED, message
+        return EventType.NORMAL, INTERRUPTED, f"{said}: nothing was flushed ({self.why}); {then}"
+
+    def line(self, name: str, resume: str) -> str:
+        """What ``spotjob run`` says last (``resume``: the command that carries on)."""
+        if self.step is not None:
+            return (
+                f"interrupted; the flush committed step {self.step}, then every process of {name} was stopped "
+                f"(carry on from it with {resume})"
+            )
+        if self.tried or self.cut_short:
+            return (
+                f"interrupted; the flush committed nothing ({self.why}); every process of {name} was stopped "
+                f"(carry on from {self.resume_point()} with {resume})"
+            )
+        return f"interrupted ({self.why}); every process of {name} was stopped (carry on with {resume})"
+
+
+def flush_before_stop(
+    backend: LocalBackend,
+    key: JobKey,
+    spec: JobSpec,
+    state: InterruptState,
+    *,
+    name: str,
+    phase: str,
+    last_known: int | None,
+    idle: Callable[[float], None],
+) -> InterruptOutcome:
+    """Ask every training worker's agent to flush and wait for them to exit (see the module
+    docstring); the outcome. ``phase``: the job's, said when no worker trains; ``last_known``: the
+    newest checkpoint step the status holds (said when nothing is flushed). ``idle(seconds)``: how
+    to wait between two looks (refreshing the view). ``KeyboardInterrupt`` (a second signal while
+    ``state.flushing``) is the caller's to catch: ``cut_short`` then tells what the flush did."""
+    assert state.signal is not None, "no interrupt to flush for"
+    backend.hold_notices()
+    training = backend.training_workers(key)
+    if not training:
+        why = f"no worker was training: the job was {phase}"
+        return InterruptOutcome(state.signal, why=why, resume_from=last_known)
+    unread = ""
+    try:
+        storage: Storage | None = open_storage(spec.checkpoint.uri)
+    except (StorageError, ValueError) as e:
+        storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
+    baseline = _newest(storage) if storage is not None else None
+    log.warning(
+        "%s: flushing a checkpoint of %s before stopping it (a %.0f s deadline); Ctrl-C (or SIGTERM) again "
+        "stops it at once, without the flush",
+        state.signal,
+        name,
+        INTERRUPT_FLUSH_SECONDS,
+    )
+    state.asked_at = datetime.now(UTC)
+    deadline = state.asked_at + timedelta(seconds=INTERRUPT_FLUSH_SECONDS)
+    reason = f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
+    asked = state.asked
+    refused: list[str] = []
+    for w in training:
+        answer = backend.request_flush(key, spec, w, reason, deadline)
+        if answer.outcome is FlushRequestOutcome.FAILED:
+            refused.append(f"could not ask the agent of {w.name} to flush: {answer.error}")
+        else:
+            asked.append(w.name)
+    give_up = time.monotonic() + INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS
+    last: dict[str, WorkerObservation] = {}
+    while asked:
+        last = {w.name: w for w in backend.list_workers(key, spec) if w.name in asked}
+        if all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in last.values()):
+            break
+        if time.monotonic() >= give_up:
+            break
+        idle(POLL_SECONDS)
+    newest: CheckpointStatus | None = None
+    if storage is not None:
+        try:
+            newest = latest_valid(storage)
+        except StorageError as e:
+            storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
+    resume_from = newest.ref.step if newest is not None else (None if storage is not None else last_known)
+    out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked), newest=newest, resume_from=resume_from)
+    codes = [last[n].exit_code if n in last else None for n in asked]
+    committed = newest is not None and (
+        (_is_flush(newest) and (baseline is None or newest.ref.step > baseline))
+        # Every agent exited 75: its flush found its step committed by the script's own save.
+        or (bool(asked) and all(code == EXIT_PREEMPTED for code in codes) and not refused)
+    )
+    if committed and storage is not None and newest is not None:
+        return replace(out, step=newest.ref.step, uri=storage.url(newest.ref.folder))
+    if storage is None:
+        return replace(out, why=unread)
+    return replace(out, why=_why_not(refused, asked, last, baseline, state))
+
+
+def cut_short(state: InterruptState, uri: str, last_known: int | None) -> InterruptOutcome:
+    """The outcome of a flush a second signal cut short, read from storage once every process of
+    the run is stopped: a flush checkpoint made since the agents were asked is this flush's (it
+    committed before the second signal), the newest valid one is where ``--resume`` carries on."""
+    assert state.signal is not None
+    out = InterruptOutcome(
+        state.signal,
+        tried=state.asked_at is not None,
+        asked=tuple(state.asked),
+        cut_short=True,
+        why=f"a second {state.again or 'signal'} stopped the run at once",
+        resume_from=last_known,
+    )
+    try:
+        storage = open_storage(uri)
+        newest = latest_valid(storage)
+    except (StorageError, ValueError) as e:
+        log.warning("cannot read checkpoints at %s: %s", uri, e)
+        return out
+    if newest is None:
+        return replace(out, resume_from=None)
+    out = replace(out, newest=newest, resume_from=newest.ref.step)
+    made = newest.manifest.created_at if newest.manifest is not None else None
+    if state.asked_at is not None and _is_flush(newest) and made is not None and made >= state.asked_at:
+        return replace(out, step=newest.ref.step, uri=storage.url(newest.ref.folder))
+    return out
+
+
+def _newest(storage: Storage) -> int | None:
+    try:
+        newest = latest_valid(storage)
+    except StorageError:
+        return None
+    return newest.ref.step if newest is not None else None
+
+
+def _is_flush(checkpoint: CheckpointStatus) -> bool:
+    """A flush's checkpoint, not a periodic save that committed meanwhile (a manifest that does not
+    say counts as a flush, as the reconciler counts it)."""
+    manifest = checkpoint.manifest
+    return manifest is None or manifest.trigger in (None, "flush")
+
+
+def _why_not(
+    refused: list[str],
+    asked: list[str],
+    last: dict[str, WorkerObservation],
+    baseline: int | None,
+    state: InterruptState,
+) -> str:
+    if state.again is not None:
+        return f"a second {state.again} stopped the run at once"
+    for name in asked:
+        w = last.get(name)
+        if w is None:
+            continue
+        detail = f": {w.detail}" if w.detail else ""
+        if w.exit_code == EXIT_FLUSH_FAILED:
+            return f"the agent of {name} exited {EXIT_FLUSH_FAILED}: its flush committed nothing{detail}"
+        if w.exit_code == 0:
+            return f"{name} exited 0: the training ended before the flush"
+        if w.phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING):
+            since = f"step {baseline}" if baseline is not None else "nothing"
+            return f"nothing newer than {since} committed within {INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS:.0f} s"
+        if w.exit_code != EXIT_PREEMPTED:
+            code = "without an exit code" if w.exit_code is None else f"{w.exit_code}"
+            return f"{name} exited {code} before its flush committed{detail}"
+    if refused:
+        return "; ".join(refused)
+    return "storage shows no checkpoint of the flush"

@@ -1,0 +1,203 @@
+"""Ctrl-C and SIGTERM to ``spotjob run``, end to end with real ``spotjob run`` processes and ranks.
+
+- The first Ctrl-C flushes: every training worker's agent is asked to flush (the control API's
+  ``POST /flush``, as for a preemption), the step the ranks reached is committed, then every process
+  stops (130); the Event and the status name the step, and ``--resume`` carries on from it to the
+  end, bit-identical to a run never stopped. It used to stop everything at once, losing every step
+  since the newest commit (here: all of them, the run commits only on a flush).
+- A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
+  ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+
+from agent.catalog import list_checkpoints
+from agent.storage import open_storage
+from orchestrator.backends.local import run_pids
+from orchestrator.events import events_path, read_events
+from orchestrator.model import JobKey
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+HOLD_STEP = SCRIPTS / "hold_step.py"
+GIVE_UP_S = 240.0
+"""How long a test waits for something to happen before calling the run hung (never asserted on)."""
+FORBIDDEN = ("Traceback", "Input should be", "Value error")
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    give_up = time.monotonic() + GIVE_UP_S
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def job_document(run: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def events(run: Path) -> list[Any]:
+    return read_events(events_path(str(run), JobKey.local(run.name)))
+
+
+def start(tmp_path: Path, argv: list[str], log: str = "driver.log") -> subprocess.Popen[bytes]:
+    """``spotjob run`` in the background, its output in ``log``."""
+    with open(tmp_path / log, "wb") as out:
+        return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def until_exit(driver: subprocess.Popen[bytes]) -> int:
+    return driver.wait(timeout=GIVE_UP_S)
+
+
+def kill_left(run: Path, *drivers: subprocess.Popen[bytes]) -> None:
+    for driver in drivers:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    for pid in run_pids(str(run)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def running(driver: subprocess.Popen[bytes], run: Path, log: Path) -> Callable[[], bool]:
+    def check() -> bool:
+        assert driver.poll() is None, log.read_text()[-4000:]
+        return (job_document(run).get("status") or {}).get("phase") == "Running"
+
+    return check
+
+
+def steps_reported(run: Path) -> int:
+    """The highest step the ranks of the run wrote in their control folders."""
+    steps = [0]
+    for path in (run / "nodes").glob("*/*/status.json"):
+        try:
+            steps.append(int(json.loads(path.read_text()).get("step") or 0))
+        except (OSError, ValueError):
+            continue  # between its writes: the next look reads it
+    return max(steps)
+
+
+def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries_on_from_it(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    run = tmp_path / "spotjob-runs" / "once"
+    log = tmp_path / "driver.log"
+    # No --every-steps: the run commits only on a flush, so every step it trained rides on that flush.
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "once",
+        str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.3", "--dump", str(tmp_path / "final"),
+    ]  # fmt: skip
+    driver = start(tmp_path, argv)
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: steps_reported(run) >= 5, "five steps")
+        reached = steps_reported(run)
+        assert driver.poll() is None, "the run ended before it was interrupted: give it more steps"
+        driver.send_signal(signal.SIGINT)
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    assert code == 130, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    assert "SIGINT: flushing a checkpoint of once before stopping it" in said
+    assert "Ctrl-C (or SIGTERM) again stops it at once, without the flush" in said
+    assert not run_pids(str(run)), "every process of the run is stopped"
+
+    # What committed: one checkpoint, the flush's, at the step reached or after.
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    step = checkpoint.ref.step
+    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
+    assert reached <= step < STEPS
+    assert f"exiting 75: the flush committed step {step}" in (run / "logs" / "once-0-0.log").read_text()
+    [told] = [e for e in events(run) if e.reason == "InterruptFlushCommitted"]
+    assert f"SIGINT interrupted spotjob run (pid {driver.pid}): the flush it asked for committed step {step}" in (
+        told.message
+    )
+    assert f"--resume carries on from step {step}" in told.message
+    assert job_document(run)["status"]["lastCheckpoint"]["step"] == step
+    assert f"spotjob run: interrupted; the flush committed step {step}, then every process of once was stopped" in (
+        said
+    )
+
+    resumed = subprocess.run(
+        [tool("spotjob"), "run", "--no-live", "--resume", "once"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=GIVE_UP_S * 2,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    status = job_document(run)["status"]
+    assert status["phase"] == "Succeeded" and status["attempt"]["resumedFromStep"] == step
+    assert status["lostSteps"] == 0, "the flush took every step the ranks had trained"
+    assert_same_final_state(tmp_path / "final", uninterrupted)
+
+
+def _held_run(tmp_path: Path, name: str) -> tuple[Path, Path, list[str]]:
+    """A run of ``hold_step.py`` on one rank whose ranks will hold in step 10 (its hold file made)."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    argv = [tool("spotjob"), "run", "--no-live", "--name", name, "--nproc", "1", str(HOLD_STEP), "--hold", str(hold)]
+    return tmp_path / "spotjob-runs" / name, hold, argv
+
+
+def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it(tmp_path: Path) -> None:
+    run, hold, argv = _held_run(tmp_path, "twice")
+    log = tmp_path / "driver.log"
+    driver = start(tmp_path, argv)
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
+        driver.send_signal(signal.SIGINT)
+        wait_for(lambda: "flushing a checkpoint of twice" in log.read_text(), "the driver to ask for the flush")
+        assert "asked the agent of twice-0-0 to flush (accepted)" in log.read_text()
+        driver.send_signal(signal.SIGINT)
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    assert code == 130, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    assert "received SIGINT again: stopping every process of twice at once, without the flush" in said
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    # Held in its step all along, the flush never ran: the driver stopped the agent and its ranks
+    # rather than wait for the flush's deadline, when the agent would have stopped them itself.
+    assert hold.exists()
+    assert not [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    agent_log = (run / "logs" / "twice-0-0.log").read_text()
+    assert "flush asked through the control API: spotjob run was interrupted (SIGINT)" in agent_log
+    assert "the deadline passed" not in agent_log, agent_log[-3000:]
+    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
+    assert told.reason == "InterruptFlushNotCommitted" and told.type == "Warning"
+    assert "the flush committed nothing (a second SIGINT stopped the run at once)" in told.message
+    assert "--resume carries on from the start (no checkpoint)" in told.message
+    assert (
+        "spotjob run: interrupted; the flush committed nothing (a second SIGINT stopped the run at once); every "
+        "process of twice was stopped" in said
+    )
