@@ -18,7 +18,8 @@ exit, a commit) and refreshes the view meanwhile. At the end: stop everything, p
 
 The first Ctrl-C or SIGTERM (``_Interrupts``) ends the controller loop; every worker whose ranks
 train is then asked to flush, and every process of the run is stopped once they committed
-(``orchestrator.run_interrupt``); a second one stops them at once, without the flush.
+(``orchestrator.run_interrupt``); a second one stops them at once, without the flush. One during
+``--resume``'s wait for the dead driver's workers ends it, the run unchanged (``ResumeInterrupted``).
 When the driver dies without stopping its workers (SIGKILL), each agent notices that its parent is
 gone (``spotjob-agent --exit-with-parent``), flushes a checkpoint and stops; ``--resume`` then
 carries on from it with the same job identity, so the URI's ownership and the attempts' fencing
@@ -156,6 +157,11 @@ class RunExistsError(RunError):
 
 class RunDrivenError(RunError):
     """Another process drives that run right now."""
+
+
+class ResumeInterrupted(Exception):
+    """Ctrl-C or SIGTERM during ``--resume``'s wait for the previous driver's processes: a message
+    for people, exit status 130. Nothing of the run was changed."""
 
 
 # -- one driver per run ---------------------------------------------------------------------------
@@ -413,8 +419,11 @@ class LocalRun:
                 LEFTOVER_WAIT_SECONDS,
             )
             give_up = time.monotonic() + LEFTOVER_WAIT_SECONDS
-            while run_pids(self.path) and time.monotonic() < give_up:
-                time.sleep(0.25)
+            try:
+                while run_pids(self.path) and time.monotonic() < give_up:
+                    time.sleep(0.25)
+            except KeyboardInterrupt:
+                raise ResumeInterrupted(self._interrupted_waiting(len(run_pids(self.path)))) from None
             stopped = kill_marked(ENV_RUN, self.path, grace=3.0, reason=f"resuming {self.key}")
         # The old driver's last record in the timeline: about when it died.
         last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
@@ -448,6 +457,18 @@ class LocalRun:
         )
         self.sink.emit(self.key, EventType.NORMAL, "Resumed", message)
         return takeover
+
+    def _interrupted_waiting(self, left: int) -> str:
+        """What a Ctrl-C or SIGTERM during the wait for the previous driver's processes says. They
+        are left to end their flush: stopped now, the steps since the newest commit would be lost."""
+        again = f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`"
+        if not left:
+            return f"interrupted; nothing of {self.name} runs, and nothing of it was changed: carry on with {again}"
+        return (
+            f"interrupted while waiting for {left} process(es) the previous driver of {self.name} left: their "
+            "agents go on with the flush they began when that driver died and stop by themselves once it ends. "
+            f"Nothing of the run was changed: carry on with {again}"
+        )
 
     def _commits_seen_late(self) -> int:
         """Record in the timeline the commits the dead driver's workers made after it stopped
@@ -843,10 +864,11 @@ def prepare(args: argparse.Namespace) -> LocalRun:
 
 
 class _Interrupts:
-    """Ctrl-C and SIGTERM while ``spotjob run`` drives ``run``. The first one ends the controller
-    loop (``KeyboardInterrupt``), after which ``LocalRun.run`` has every training worker's agent
-    flush before it stops every process of the run. A second one while that flush runs stops the
-    run at once, without it. Once the run is stopping its processes, none interrupts
+    """Ctrl-C and SIGTERM while ``spotjob run`` runs. The first one ends what runs
+    (``KeyboardInterrupt``): the controller loop, after which ``LocalRun.run`` has every training
+    worker's agent flush before it stops every process of the run; or, before the run is driven,
+    ``--resume``'s wait for the previous driver's processes. A second one while that flush runs
+    stops the run at once, without it. Once the run is stopping its processes, none interrupts
     that: a third Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close``
     short and leave the run's processes running after the driver said it had stopped them.
 
@@ -856,19 +878,22 @@ class _Interrupts:
     its exit 130. Ignored, not a handler of ours: the interpreter's shutdown puts Python handlers
     back to the default before the process ends, but keeps an ignored signal ignored."""
 
-    def __init__(self, run: LocalRun) -> None:
+    def __init__(self, run: LocalRun | None = None) -> None:
         self.run = run
+        """The run, once ``prepare`` made it (before: ``--resume``'s wait, say)."""
         self.received = 0
+        self._early = InterruptState()
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received += 1
         name = signal.Signals(signum).name
         run = self.run
-        state = run.interrupt
-        if state.signal is None and not run.stopping:
+        state = run.interrupt if run is not None else self._early
+        stopping = run is not None and run.stopping
+        if state.signal is None and not stopping:
             state.signal = name
             raise KeyboardInterrupt(f"signal {signum}")
-        if state.again is None and not run.stopping:
+        if run is not None and state.signal is not None and state.again is None and not stopping:
             state.again = name
             log.warning("received %s again: stopping every process of %s at once, without the flush", name, run.name)
             if state.flushing:
@@ -877,7 +902,7 @@ class _Interrupts:
         log.warning(
             "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
             name,
-            run.name,
+            run.name if run is not None else "the run",
         )
 
 
@@ -899,22 +924,20 @@ def run_command(args: argparse.Namespace) -> int:
         # variables" among the run's lines, as spotjob ckpt does not. -v keeps it.
         for noisy in NOISY_LOGGERS:
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        run = prepare(args)
-    except (ValueError, RunError) as e:
-        print(f"spotjob run: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (OSError, StoreError) as e:
-        print(f"spotjob run: cannot create the run: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
     if threading.current_thread() is not threading.main_thread():
-        return _drive(run, args)  # only the main thread can take signals
-    interrupts = _Interrupts(run)
+        run = _prepared(args)  # only the main thread can take signals
+        return run if isinstance(run, int) else _drive(run, args)
+    # From before the run is made: a Ctrl-C or SIGTERM during --resume's wait for the previous
+    # driver's processes ended it with a traceback-less 130 and no word, or by the signal (143).
+    interrupts = _Interrupts()
     saved = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGTERM, signal.SIGINT)}
-    if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN and os.getpid() != 1:  # as spotjob-agent
-        saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, lambda signum, frame: _pause(run))
     try:
+        run = _prepared(args)
+        if isinstance(run, int):
+            return run
+        interrupts.run = run
+        if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN and os.getpid() != 1:  # as spotjob-agent
+            saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, lambda signum, frame: _pause(run))
         return _drive(run, args)
     finally:
         for signum, handler in saved.items():
@@ -922,6 +945,28 @@ def run_command(args: argparse.Namespace) -> int:
                 signal.signal(signum, signal.SIG_IGN)  # the run is stopped: its exit is 130 (above)
             elif handler is not None:  # None: not set from Python, nothing to put back
                 signal.signal(signum, handler)
+
+
+def _prepared(args: argparse.Namespace) -> LocalRun | int:
+    """The run the arguments ask for, or the exit status of a refusal or an interrupt (said on stderr)."""
+    try:
+        return prepare(args)
+    except (ValueError, RunError) as e:
+        print(f"spotjob run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, StoreError) as e:
+        print(f"spotjob run: cannot create the run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ResumeInterrupted as e:
+        print(f"spotjob run: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        if args.resume is not None:
+            again = f"`spotjob run{runs_dir_option(args.runs_dir)} --resume {args.resume}`"
+            print(f"spotjob run: interrupted before it drove {args.resume}; carry on with {again}", file=sys.stderr)
+        else:
+            print("spotjob run: interrupted before the run started; nothing of it runs", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def failure_line(name: str, status: JobStatus) -> str:

@@ -7,12 +7,17 @@
   since the newest commit (here: all of them, the run commits only on a flush).
 - A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
   ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
+- Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
+  message saying what happens to them and how to carry on, the run unchanged; their flush still
+  commits, and the next ``--resume`` carries on from it. SIGINT used to end it with no word, SIGTERM
+  by the signal (143), before ``spotjob run``'s handlers were set.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,3 +206,50 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
         "spotjob run: interrupted; the flush committed nothing (a second SIGINT stopped the run at once); every "
         "process of twice was stopped" in said
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_during_resumes_wait_for_a_killed_drivers_processes_leaves_the_run_resumable(
+    tmp_path: Path, signum: int
+) -> None:
+    run, hold, argv = _held_run(tmp_path, "waited")
+    first = start(tmp_path, argv)
+    resume = [tool("spotjob"), "run", "--no-live", "--resume", "waited"]
+    waiter = None
+    try:
+        wait_for(running(first, run, tmp_path / "driver.log"), "the run to train")
+        wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
+        # Killed: its agent flushes by itself (--exit-with-parent), which the held ranks keep from
+        # committing until the hold is lifted; meanwhile --resume waits for them.
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        waiter = start(tmp_path, resume, "resume.log")
+        waiting = tmp_path / "resume.log"
+        wait_for(lambda: "waiting up to 45 s for their flush" in waiting.read_text(), "--resume to wait")
+        before = job_document(run)
+        waiter.send_signal(signum)
+        code = until_exit(waiter)
+        said = waiting.read_text()
+        assert code == 130, said[-6000:]
+        assert not any(p in said for p in FORBIDDEN), said[-6000:]
+        assert "process(es) the previous driver of waited left: their agents go on with the flush" in said
+        assert "Nothing of the run was changed: carry on with `spotjob run --resume waited`" in said
+        assert job_document(run) == before, "an interrupted --resume changed the run"
+        assert "Resumed" not in [e.reason for e in events(run)]
+
+        # Left to end their flush (stopped, it would be lost), which commits once the hold is
+        # lifted; then the run carries on from it.
+        assert run_pids(str(run)), "the killed driver's processes were stopped before their flush"
+        hold.unlink()
+        wait_for(lambda: not run_pids(str(run)), "the killed driver's processes to stop")
+        agent_log = (run / "logs" / "waited-0-0.log").read_text()
+        flushed = re.findall(r"exiting 75: the flush committed step (\d+)", agent_log)
+        assert flushed, agent_log[-4000:]
+        carried = subprocess.run(
+            resume, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=GIVE_UP_S
+        )
+        assert carried.returncode == 0, carried.stderr[-6000:]
+        status = job_document(run)["status"]
+        assert status["phase"] == "Succeeded" and status["attempt"]["resumedFromStep"] == int(flushed[-1])
+    finally:
+        kill_left(run, first, *([waiter] if waiter is not None else []))
