@@ -142,12 +142,6 @@ def flush_before_stop(
     if not training:
         why = f"no worker was training: the job was {phase}"
         return InterruptOutcome(state.signal, why=why, resume_from=last_known)
-    unread = ""
-    try:
-        storage: Storage | None = open_storage(spec.checkpoint.uri)
-    except (StorageError, ValueError) as e:
-        storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
-    baseline = _newest(storage) if storage is not None else None
     log.warning(
         "%s: flushing a checkpoint of %s before stopping it (a %.0f s deadline); Ctrl-C (or SIGTERM) again "
         "stops it at once, without the flush",
@@ -155,6 +149,31 @@ def flush_before_stop(
         name,
         INTERRUPT_FLUSH_SECONDS,
     )
+    unread = ""
+    try:
+        storage: Storage | None = open_storage(spec.checkpoint.uri)
+    except (StorageError, ValueError) as e:
+        storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
+    try:
+        out = _flush(backend, key, spec, state, training, storage, idle)
+    finally:
+        if storage is not None:
+            storage.close()
+    return out if storage is not None else replace(out, why=unread, resume_from=last_known)
+
+
+def _flush(
+    backend: LocalBackend,
+    key: JobKey,
+    spec: JobSpec,
+    state: InterruptState,
+    training: list[WorkerObservation],
+    storage: Storage | None,
+    idle: Callable[[float], None],
+) -> InterruptOutcome:
+    """Ask, wait, judge (``storage``: None when it cannot be read; the outcome then says nothing)."""
+    assert state.signal is not None
+    baseline = _newest(storage) if storage is not None else None
     state.asked_at = datetime.now(UTC)
     deadline = state.asked_at + timedelta(seconds=INTERRUPT_FLUSH_SECONDS)
     reason = f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
@@ -175,24 +194,22 @@ def flush_before_stop(
         if time.monotonic() >= give_up:
             break
         idle(POLL_SECONDS)
-    newest: CheckpointStatus | None = None
-    if storage is not None:
-        try:
-            newest = latest_valid(storage)
-        except StorageError as e:
-            storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
-    resume_from = newest.ref.step if newest is not None else (None if storage is not None else last_known)
-    out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked), newest=newest, resume_from=resume_from)
+    out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked))
+    if storage is None:
+        return out
+    try:
+        newest = latest_valid(storage)
+    except StorageError as e:
+        return replace(out, why=f"cannot read checkpoints at {spec.checkpoint.uri}: {e}")
+    out = replace(out, newest=newest, resume_from=newest.ref.step if newest is not None else None)
     codes = [last[n].exit_code if n in last else None for n in asked]
     committed = newest is not None and (
         (_is_flush(newest) and (baseline is None or newest.ref.step > baseline))
         # Every agent exited 75: its flush found its step committed by the script's own save.
         or (bool(asked) and all(code == EXIT_PREEMPTED for code in codes) and not refused)
     )
-    if committed and storage is not None and newest is not None:
+    if committed and newest is not None:
         return replace(out, step=newest.ref.step, uri=storage.url(newest.ref.folder))
-    if storage is None:
-        return replace(out, why=unread)
     return replace(out, why=_why_not(refused, asked, last, baseline, state))
 
 
@@ -211,10 +228,16 @@ def cut_short(state: InterruptState, uri: str, last_known: int | None) -> Interr
     )
     try:
         storage = open_storage(uri)
-        newest = latest_valid(storage)
     except (StorageError, ValueError) as e:
         log.warning("cannot read checkpoints at %s: %s", uri, e)
         return out
+    try:
+        newest = latest_valid(storage)
+    except StorageError as e:
+        log.warning("cannot read checkpoints at %s: %s", uri, e)
+        return out
+    finally:
+        storage.close()
     if newest is None:
         return replace(out, resume_from=None)
     out = replace(out, newest=newest, resume_from=newest.ref.step)
