@@ -507,12 +507,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if total.left_out:
         named = ", ".join(repr(shown(n)) for n in total.left_out[:_LEFT_OUT_NAMED])
         more = len(total.left_out) - _LEFT_OUT_NAMED
+        one = len(total.left_out) == 1
+        entries, are, them = ("entry", "is", "it") if one else ("entries", "are", "them")
+        also = f" and {more} more" if more > 0 else ""
         print(
-            f"spotjob ckpt export: {len(total.left_out)} entr{'y' if len(total.left_out) == 1 else 'ies'} of "
-            f"state key {args.key!r} {'is' if len(total.left_out) == 1 else 'are'} not a tensor and not in the "
-            f"export (safetensors holds tensors only): {named}{f' and {more} more' if more > 0 else ''}. "
-            "Loading the export with load_state_dict(strict=True) reports them missing: load with "
-            "strict=False, or restore the checkpoint with Checkpointer(uri, read_only=True) to have them",
+            f"spotjob ckpt export: {len(total.left_out)} {entries} of state key {args.key!r} {are} not a tensor "
+            f"and not in the export (safetensors holds tensors only): {named}{also}. "
+            f"Loading the export with load_state_dict(strict=True) reports {them} missing: load with "
+            f"strict=False, or restore the checkpoint with Checkpointer(uri, read_only=True) to have {them}",
             file=sys.stderr,
         )
     print(

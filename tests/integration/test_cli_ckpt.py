@@ -591,6 +591,7 @@ def test_export_names_the_non_tensor_entries_it_leaves_out(tmp_path: Path, capsy
     assert rc == 0 and "exported 4 tensors" in stdout
     assert "1 entry of state key 'model' is not a tensor and not in the export" in stderr
     assert "'0._extra_state'" in stderr and "strict=False" in stderr
+    assert "reports it missing" in stderr and "them" not in stderr, stderr
     _, tensors = _read_export(tmp_path / "hf")
     fresh = nn.Sequential(_WithExtraState(4, 4), nn.Linear(4, 2))
     assert fresh.load_state_dict(tensors, strict=False).missing_keys == ["0._extra_state"]
