@@ -473,7 +473,8 @@ class Cause(StrEnum):
     fallback capacity; no budget, no preemption."""
     REQUESTED = "Requested"
     """Someone asked for it (the ``spotjob.dev/flush-request`` annotation, mode restart): the gang
-    flushes and restarts; no budget, no preemption, no cool-down."""
+    flushes and restarts; no budget, no preemption, no cool-down. Also an interrupted ``spotjob
+    run``'s stop of the gang (``Reconciler.driver_stopped``), restarted once it is resumed."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

@@ -46,6 +46,11 @@ Transitions (``*`` once the next attempt's workers were started)::
                                               no worker is left running to flush              WorkersExited
                                               flushTimeoutSeconds passed                      FlushTimedOut
     Running                     Flushing      a person asked for a restart (flush request)    FlushRequestedByUser
+    Pending, Running, Resch.*   Rescheduling  the process driving the job stopped its gang    the driver's:
+                                              on purpose (an interrupted spotjob run:         InterruptFlush-
+                                              Reconciler.driver_stopped); cause Requested,    Committed, ...
+                                              nothing counted; the next attempt starts once
+                                              the job is driven again
     Pending, Rescheduling*      Rescheduling  the attempt's workers stayed unschedulable      CapacityUnavailable
                                               past startTimeoutSeconds; spec.fallback is next
     Pending, Running, Resch.*   Rescheduling  a worker's agent exited 74                      WorkerInfraError

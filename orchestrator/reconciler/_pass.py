@@ -28,6 +28,7 @@ from orchestrator.model import (
     JobStatus,
     NodeRef,
     Phase,
+    WorkerPhase,
     WorkerStatus,
 )
 from orchestrator.reconciler._reasons import Reason
@@ -156,6 +157,9 @@ class _Pass:
     flush_request_problem: str | None = None
     version: str = ""
     """The stored job's version this pass read."""
+    driver_stopped: bool = False
+    """The pass follows a stop of every worker by the process that drives the job
+    (``Reconciler.driver_stopped``): nothing drives the job on until it is driven again."""
 
     @property
     def stopped(self) -> bool:
@@ -169,6 +173,11 @@ class _Pass:
 
     def current(self) -> list[WorkerObservation]:
         return [w for w in self.workers if w.attempt == self.status.attempt.number]
+
+    def gang_succeeded(self) -> bool:
+        """Every worker of the attempt's gang exited 0: the job is done."""
+        current = self.current()
+        return len(current) >= self.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current)
 
     @property
     def checkpoint_step(self) -> int | None:

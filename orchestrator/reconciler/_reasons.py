@@ -63,6 +63,13 @@ FLUSH_TIMED_OUT = Reason(
 RESCHEDULED = Reason(
     "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
 )
+RESCHEDULED_WHEN_DRIVEN = Reason(
+    "Rescheduled",
+    "stopped attempt {attempt} ({cause}); attempt {next} starts once the job is driven again "
+    "(spotjob run --resume), avoiding {avoid}",
+)
+"""``Rescheduled`` after the process that drives the job stopped its gang (``Reconciler.driver_stopped``):
+nothing starts the next attempt until something drives the job again."""
 WORKER_FAILED = Reason(
     "WorkerFailed",
     "worker {worker} exited with code {code}; restart {restarts} of {max_restarts}{detail}",

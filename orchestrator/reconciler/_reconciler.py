@@ -52,6 +52,7 @@ from orchestrator.reconciler._pass import (
     ReconcileResult,
     ReconcilerOptions,
     SystemClock,
+    _Event,
     _Pass,
     _significant,
     _status_unreadable,
@@ -243,6 +244,54 @@ class Reconciler(_Capacity):
             log.warning("job %s [%s]: cannot stop its workers yet (%s)", key, status.phase, e)
             return ReconcileResult(status.phase, self._options.infra_delay(1))
         return ReconcileResult(status.phase, self._options.stopping_poll_seconds if alive else None)
+
+    def driver_stopped(
+        self, key: JobKey, *, reason: str, message: str, warning: bool = False, since: datetime | None = None
+    ) -> JobStatus | None:
+        """One pass after the process that drives ``key`` stopped every worker of it on purpose (an
+        interrupted ``spotjob run``: it had their agents flush, then stopped them all): ``reason``
+        and ``message`` say how, an Event (a Warning if ``warning``); ``since``: when it asked them
+        to flush. Nothing here is a preemption: the exits the stop caused (75, 76, none) would read
+        as one on any other pass, and a later pass, finding the workers gone, as a lost gang.
+
+        Every worker of the attempt exited 0 first: the job Succeeded (``Completed``), as any pass
+        decides. Otherwise a flush under way ends (FlushCommitted or WorkersExited, counted as what
+        began it), and a started attempt ends as a requested restart (cause ``Requested``, the
+        restart's reason ``reason``: no preemption or restart counted, no node avoided); the job
+        is Rescheduling, with ``reason`` and ``message`` for its own, and the next attempt starts
+        from the newest valid checkpoint once the job is driven again. The pass tells ``reason``
+        first, unless the job ended.
+
+        Returns the status after the pass (the one stored when the job had ended already); None
+        when there is none to take (the job gone, its spec or status unreadable), the backend
+        failed, or the write conflicted three times: then nothing was told."""
+        for _ in range(3):
+            started = self._clock.monotonic()
+            stored = self.store.get(key)
+            if stored is None or stored.spec is None or stored.status is None or stored.deleting:
+                return None
+            before = stored.status
+            if before.phase.terminal:
+                return before
+            p = self._new_pass(key, stored.spec, before, self._clock.now())
+            p.version, p.driver_stopped = stored.version, True
+            try:
+                self._observe(p)
+            except BackendError as e:
+                log.warning("job %s: cannot look at its workers after its driver stopped them: %s", key, e)
+                return None
+            self._after_driver_stop(p, reason, message, since)
+            if not p.status.phase.terminal:
+                self._set_phase(p, p.status.phase, reason, message)
+                kind = EventType.WARNING if warning else EventType.NORMAL
+                p.events.insert(0, _Event(kind, reason, message, None))
+            self._record_workers(p)
+            self._account(p)
+            p.stop_flush = None  # every process of the job is stopped already
+            if self._commit(p, stored, before, False, None, started).requeue_after is None:
+                return p.status
+            # requeue 0: the status changed under this pass; decide again from the new one
+        return None
 
     def forget(self, key: JobKey) -> None:
         """Drop what this reconciler remembers of ``key`` (the job was deleted)."""

@@ -92,6 +92,7 @@ from orchestrator.reconciler._reasons import (
     NODE_LOST,
     READY,
     RESCHEDULED,
+    RESCHEDULED_WHEN_DRIVEN,
     RESTART_BUDGET_EXHAUSTED,
     SPOT_INTERRUPTED,
     WORKER_FAILED,
@@ -129,7 +130,7 @@ class _Recovery(_FlushRequests):
         if failed:
             self._on_failure(p, failed[0])
             return True
-        if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+        if p.gang_succeeded():
             self._finish(p, Phase.SUCCEEDED, COMPLETED, seen=_seen(p.status.attempt.observed_step))
             return True
         return False
@@ -242,7 +243,7 @@ class _Recovery(_FlushRequests):
                 recovery.flush_failed.append(w.name)
                 self._event(p, FLUSH_FAILED, worker=w.name, detail=_flush_detail(w))
 
-        if len(current) >= p.replicas and all(w.phase is WorkerPhase.SUCCEEDED for w in current):
+        if p.gang_succeeded():
             # The notice came as the training ended: every rank finished before it served the
             # flush, and every worker exited 0. The job is done; a new attempt would train its
             # last steps (or, with no checkpoint, all of them) again.
@@ -345,6 +346,32 @@ class _Recovery(_FlushRequests):
                     recovery.cause = Cause.PREEMPTION
                     p.status.preemptions += 1
                     p.metrics.append(methodcaller("preemption"))
+
+    def _after_driver_stop(self, p: _Pass, reason: str, message: str, since: datetime | None) -> None:
+        """(``Reconciler.driver_stopped``) The process that drives the job stopped every worker of it
+        on purpose (``reason``, ``message``; it asked them to flush at ``since``). Their exits (75,
+        76, none) are that stop's doing, not a preemption: a gang that finished first is done; a
+        flush under way ends as the stop left it; an attempt that was started ends as a requested
+        restart (no preemption, no restart counted, no node avoided), whose next attempt starts from
+        the newest valid checkpoint once the job is driven again."""
+        status = p.status
+        if status.phase is Phase.FLUSHING:
+            # A preemption's (or a requested) flush: every worker is stopped now, so it ends here,
+            # committed or not, and still counts as what began it.
+            self._flushing(p)
+            return
+        if p.gang_succeeded():
+            # The training ended before the stop could take anything from it.
+            self._finish(p, Phase.SUCCEEDED, COMPLETED, seen=_seen(status.attempt.observed_step))
+            return
+        if status.attempt.started_at is None:
+            return  # nothing of the attempt was started: it starts once the job is driven again
+        self._close_recovery(p)
+        detected = min(since, p.now) if since is not None else p.now
+        status.recovery = RecoveryStatus(cause=Cause.REQUESTED, reason=reason, message=message, detected_at=detected)
+        if status.start_time is not None:
+            status.flushing_seconds += (p.now - detected).total_seconds()
+        self._enter_rescheduling(p, None)
 
     def _on_failure(self, p: _Pass, worker: WorkerObservation) -> None:
         """The user's code failed: restart within the budget, or fail the job."""
@@ -458,16 +485,17 @@ class _Recovery(_FlushRequests):
         recovery.restart_at = p.now + timedelta(seconds=delay)
         status.attempt = AttemptStatus(number=stopped.number + 1)
 
-        message = RESCHEDULED.message(
+        rescheduled = RESCHEDULED_WHEN_DRIVEN if p.driver_stopped else RESCHEDULED
+        message = rescheduled.message(
             attempt=stopped.number,
             cause=recovery.reason,
             next=status.attempt.number,
             delay=delay,
             avoid=self._placement(status, p.spec.cooldown.seconds).describe(),
         )
-        self._set_phase(p, Phase.RESCHEDULING, RESCHEDULED.name, message)
-        self._condition(p, READY, False, RESCHEDULED.name, message)
-        self._event(p, RESCHEDULED, message=message)
+        self._set_phase(p, Phase.RESCHEDULING, rescheduled.name, message)
+        self._condition(p, READY, False, rescheduled.name, message)
+        self._event(p, rescheduled, message=message)
 
     def _avoid(self, p: _Pass, recovery: RecoveryStatus) -> None:
         cooldown = p.spec.cooldown
