@@ -87,7 +87,6 @@ from orchestrator.live import (
 )
 from orchestrator.model import (
     MAX_NAME_LENGTH,
-    CheckpointInfo,
     JobKey,
     JobSpec,
     JobStatus,
@@ -123,8 +122,11 @@ from orchestrator.run_folder import (
     write_run_file,
 )
 from orchestrator.run_interrupt import (
+    INTERRUPT_REASONS,
+    INTERRUPTED_AT_COMPLETION,
     InterruptOutcome,
     InterruptState,
+    at_completion,
     cut_short,
     flush_before_stop,
 )
@@ -448,9 +450,19 @@ class LocalRun:
             except StoreError as e:
                 raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
         takeover = Takeover(previous, len(pids), stopped, gap, late)
+        driver = f"the previous driver{f' (pid {previous})' if previous else ''}"
+        if status is not None and status.reason in INTERRUPT_REASONS:
+            # It stopped every process itself, and ended their attempt (Reconciler.driver_stopped):
+            # nothing was lost with it, and no preemption is counted.
+            newest = status.last_checkpoint
+            said = (
+                f"{driver} was interrupted and stopped every process of the run ({status.reason}); the next attempt "
+                f"starts from {f'step {newest.step}' if newest is not None else 'the start (no checkpoint)'}"
+            )
+        else:
+            said = f"{driver} is gone"
         message = (
-            f"spotjob run --resume (pid {os.getpid()}) drives the run again; the previous driver"
-            f"{f' (pid {previous})' if previous else ''} is gone"
+            f"spotjob run --resume (pid {os.getpid()}) drives the run again; {said}"
             + (f"; {len(pids)} of its processes still ran ({stopped} had to be stopped)" if pids else "")
             + (f"; {late} checkpoint(s) committed after it was gone" if late else "")
             + (f"; nothing drove the run for {gap:.0f} s (counted as restart time)" if gap is not None else "")
@@ -501,8 +513,11 @@ class LocalRun:
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, view: RunView | None = None) -> JobStatus:
-        """Run the job to Succeeded or Failed; always stops every process of the run before returning."""
+        """Run the job to Succeeded or Failed; always stops every process of the run before returning.
+        ``KeyboardInterrupt`` when Ctrl-C or SIGTERM stopped it first, unless the job ended
+        meanwhile (its training finished during the interrupt's flush): then its status."""
         self._view = view
+        interrupted = False
         try:
             write_run_file(self.path, self.workdir, sys.argv)
             self.timeline.record(
@@ -526,7 +541,7 @@ class LocalRun:
             self._note_status(self.status)
         except KeyboardInterrupt:
             self._flush_for_interrupt()
-            raise
+            interrupted = True
         finally:
             self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
@@ -537,6 +552,8 @@ class LocalRun:
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
             self.close()
+        if interrupted and not self.status.phase.terminal:
+            raise KeyboardInterrupt(self.interrupt.signal)
         return self.status
 
     # -- an interrupt ---------------------------------------------------------------------------------
@@ -575,8 +592,10 @@ class LocalRun:
             self.backend.changed.clear()
 
     def _record_interrupt(self) -> None:
-        """(every process stopped) Say how the interrupt went: an Event, and the flush's checkpoint
-        and step in the status, which ``--resume`` carries on from."""
+        """(every process stopped) Say how the interrupt went, and end the attempt it stopped
+        through the reconciler (``Reconciler.driver_stopped``): no preemption, the flush's
+        checkpoint in the status, the next attempt for ``--resume``; or, when every worker exited
+        0 first, the run Succeeded as any finished run does."""
         state = self.interrupt
         assert state.signal is not None
         checkpoint = self.status.last_checkpoint
@@ -585,23 +604,21 @@ class LocalRun:
         if outcome is None:
             outcome = self.interrupt_outcome = cut_short(state, self.spec.checkpoint.uri, last_known)
         kind, reason, message = outcome.event(os.getpid())
-        self.sink.emit(self.key, kind, reason, message)
-        if outcome.step is None or outcome.uri is None:
-            return
         try:
-            stored = self.store.get(self.key)
-            if stored is None or stored.status is None:
-                return
-            status = stored.status
-            manifest = outcome.newest.manifest if outcome.newest is not None else None
-            status.last_checkpoint = CheckpointInfo(
-                step=outcome.step, uri=outcome.uri, time=manifest.created_at if manifest else datetime.now(UTC)
+            status = self.reconciler.driver_stopped(
+                self.key, reason=reason, message=message, warning=kind is EventType.WARNING, since=state.asked_at
             )
-            status.attempt.observed_step = max(status.attempt.observed_step or 0, outcome.step)
-            self.store.update_status(self.key, status, version=stored.version)
-            self.status = status
         except StoreError as e:
-            log.warning("could not record the interrupt's checkpoint in the status of %s: %s", self.name, e)
+            log.warning("could not record the interrupt in the status of %s: %s", self.name, e)
+            status = None
+        if status is None:
+            self.sink.emit(self.key, kind, reason, message)  # the reconciler told nothing
+            return
+        self._note_status(status)
+        if status.phase is Phase.SUCCEEDED:
+            self.sink.emit(
+                self.key, EventType.NORMAL, INTERRUPTED_AT_COMPLETION, at_completion(state.signal, os.getpid())
+            )
 
     def _wait(self, seconds: float) -> None:
         """Between passes: refresh the view; return early when the backend saw something happen."""
@@ -1053,6 +1070,13 @@ def _tell_outcome(run: LocalRun, status: JobStatus, summary: Summary, interrupte
         print(f"spotjob run: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if status.phase is Phase.SUCCEEDED:
+        if run.interrupt.signal is not None:
+            # The training finished during the interrupt's flush: a finished run, which says so.
+            print(
+                f"spotjob run: the interrupt ({run.interrupt.signal}) came as {run.name} finished: every worker "
+                "exited 0, so the run is complete and nothing is left to resume",
+                file=sys.stderr,
+            )
         return EXIT_SUCCEEDED
     print(failure_line(run.name, status), file=sys.stderr)
     for path in run.failed_worker_logs():

@@ -654,9 +654,14 @@ def render_run_detail(r: RunRecord, *, failed_logs: Sequence[tuple[str, Sequence
     head.add_row("phase", phase)
     head.add_row("reason" if not undriven else "last decision", _data(f"{st.reason}: {st.message}", overflow="fold"))
     a = st.attempt
-    resumed = "scratch" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
-    seen = "-" if a.observed_step is None else str(a.observed_step)
-    head.add_row("attempt", f"{a.number}, resumed from {resumed}, step seen {seen}")
+    if a.started_at is None:
+        # Between two attempts (after an interrupt, until --resume): "resumed from scratch" read
+        # as if the next attempt had thrown the checkpoint away.
+        head.add_row("attempt", f"{a.number}, not started yet (it starts from the newest valid checkpoint)")
+    else:
+        resumed = "scratch" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
+        seen = "-" if a.observed_step is None else str(a.observed_step)
+        head.add_row("attempt", f"{a.number}, resumed from {resumed}, step seen {seen}")
     t = r.truth
     if undriven and t is not None:
         now = "its processes are still stopping (a flush first)" if t.processes else "none of its processes runs"

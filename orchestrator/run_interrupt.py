@@ -13,7 +13,10 @@ starts, or the run is between two attempts): the run is stopped at once, as befo
 
 ``InterruptOutcome`` says how it went: the Event ``spotjob run`` records (``InterruptFlushCommitted``
 with the step, ``InterruptFlushNotCommitted`` with why, or ``Interrupted`` when nothing was
-flushed) and its last line.
+flushed) and its last line. Once every process is stopped, ``Reconciler.driver_stopped`` takes
+that Event as the end of the attempt (no preemption: ``--resume`` starts the next one from the
+newest valid checkpoint), or finds that every worker exited 0 first: the run Succeeded, and
+``spotjob run`` exits 0, its Event ``InterruptedAtCompletion``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ INTERRUPT_FLUSH_COMMITTED = "InterruptFlushCommitted"
 INTERRUPT_FLUSH_NOT_COMMITTED = "InterruptFlushNotCommitted"
 INTERRUPTED = "Interrupted"
 """The Event reasons of an interrupt: its flush committed, it did not, nothing was flushed."""
+INTERRUPTED_AT_COMPLETION = "InterruptedAtCompletion"
+"""The Event reason of an interrupt that came as the training finished (every worker exited 0):
+the run Succeeded, and nothing is left to resume."""
+INTERRUPT_REASONS = (INTERRUPT_FLUSH_COMMITTED, INTERRUPT_FLUSH_NOT_COMMITTED, INTERRUPTED)
+"""The status reason of a run an interrupt stopped (``Reconciler.driver_stopped``)."""
 
 
 @dataclass
@@ -118,6 +126,14 @@ class InterruptOutcome:
                 f"(carry on from {self.resume_point()} with {resume})"
             )
         return f"interrupted ({self.why}); every process of {name} was stopped (carry on with {resume})"
+
+
+def at_completion(signal: str, pid: int) -> str:
+    """The message of ``InterruptedAtCompletion``."""
+    return (
+        f"{signal} interrupted spotjob run (pid {pid}) as the training finished: every worker exited 0, so the run "
+        "is complete (Completed), and nothing is left to resume"
+    )
 
 
 def flush_before_stop(

@@ -5,6 +5,15 @@
   stops (130); the Event and the status name the step, and ``--resume`` carries on from it to the
   end, bit-identical to a run never stopped. It used to stop everything at once, losing every step
   since the newest commit (here: all of them, the run commits only on a flush).
+  The interrupt ends the attempt as a restart asked for (``Reconciler.driver_stopped``), which
+  ``--resume`` carries on from: no preemption counted (it used to find the gang gone, ``WorkerLost``,
+  and count one), no restart of ``--max-restarts``, the next attempt numbered on, and ``spotjob
+  status`` and the summary say so.
+- A training that finishes during the interrupt's flush (every worker exits 0: the ranks hold after
+  their last step, ``scripts/hold_step.py --hold-at-end``, until the flush was asked for) is a
+  finished run: Succeeded (``Completed``), exit 0, its summary, a line saying the interrupt came as
+  it finished. It used to exit 130 as interrupted, its status Running, for ``--resume`` to train
+  again from the newest checkpoint.
 - A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
   ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
 - Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
@@ -30,6 +39,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.storage import open_storage
@@ -107,7 +117,7 @@ def steps_reported(run: Path) -> int:
 
 
 def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries_on_from_it(
-    tmp_path: Path, uninterrupted: Path
+    tmp_path: Path, uninterrupted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "spotjob-runs" / "once"
     log = tmp_path / "driver.log"
@@ -144,10 +154,23 @@ def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries
         told.message
     )
     assert f"--resume carries on from step {step}" in told.message
-    assert job_document(run)["status"]["lastCheckpoint"]["step"] == step
     assert f"spotjob run: interrupted; the flush committed step {step}, then every process of once was stopped" in (
         said
     )
+    # The attempt ended as a restart asked for, which --resume starts: not a preemption.
+    stopped = job_document(run)["status"]
+    assert stopped["lastCheckpoint"]["step"] == step
+    assert (stopped["phase"], stopped["reason"]) == ("Rescheduling", "InterruptFlushCommitted")
+    assert (stopped["preemptions"], stopped["restarts"], stopped["attempt"]["number"]) == (0, 0, 1)
+    assert [(h["attempt"], h["cause"], h["reason"]) for h in stopped["restartHistory"]] == [
+        (0, "Requested", "InterruptFlushCommitted")
+    ]
+    assert "spotjob run once: Rescheduling" in said and "0 (notices sent: 0)" in said
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = spotjob_status(capsys, "once")
+    assert detail.returncode == 0, detail.stderr
+    assert "Rescheduling" in detail.stdout and "InterruptFlushCommitted" in detail.stdout
+    assert "preemptions 0, restarts 0" in detail.stdout and "not started yet" in detail.stdout
 
     resumed = subprocess.run(
         [tool("spotjob"), "run", "--no-live", "--resume", "once"],
@@ -161,6 +184,26 @@ def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries
     status = job_document(run)["status"]
     assert status["phase"] == "Succeeded" and status["attempt"]["resumedFromStep"] == step
     assert status["lostSteps"] == 0, "the flush took every step the ranks had trained"
+    # An interrupt is no preemption and uses none of --max-restarts; the attempts are numbered on.
+    assert (status["preemptions"], status["restarts"], status["attempt"]["number"]) == (0, 0, 1)
+    assert [(h["attempt"], h["cause"], h["reason"]) for h in status["restartHistory"]] == [
+        (0, "Requested", "InterruptFlushCommitted")
+    ]
+    reasons = [e.reason for e in events(run)]
+    assert "WorkerLost" not in reasons and "AgentPreempted" not in reasons, reasons
+    [took_over] = [e for e in events(run) if e.reason == "Resumed"]
+    assert (
+        f"the previous driver (pid {driver.pid}) was interrupted and stopped every process of the run "
+        f"(InterruptFlushCommitted); the next attempt starts from step {step}" in took_over.message
+    )
+    assert reasons.index("InterruptFlushCommitted") < reasons.index("Resumed") < reasons.index("Completed")
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["preemptions"], summary["restarts"], summary["attempts"]) == (0, 0, 2)
+    assert "preemptions      0 (notices sent: 0)" in resumed.stdout
+    detail = spotjob_status(capsys, "once")
+    assert detail.returncode == 0, detail.stderr
+    assert "preemptions 0, restarts 0, steps lost 0" in detail.stdout
+    assert "attempt" in detail.stdout and f"1, resumed from step {step}" in detail.stdout
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
@@ -170,6 +213,47 @@ def _held_run(tmp_path: Path, name: str) -> tuple[Path, Path, list[str]]:
     hold.touch()
     argv = [tool("spotjob"), "run", "--no-live", "--name", name, "--nproc", "1", str(HOLD_STEP), "--hold", str(hold)]
     return tmp_path / "spotjob-runs" / name, hold, argv
+
+
+def test_a_training_that_finishes_during_the_interrupts_flush_is_a_finished_run(tmp_path: Path) -> None:
+    run, hold, argv = _held_run(tmp_path, "done")
+    argv.append("--hold-at-end")
+    log = tmp_path / "driver.log"
+    driver = start(tmp_path, argv)
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to end their last step")
+        driver.send_signal(signal.SIGINT)
+        wait_for(lambda: "asked the agent of done-0-0 to flush (accepted)" in log.read_text(), "the flush request")
+        # Asked to flush, the ranks have no step left to serve it: they finish, and every worker exits 0.
+        hold.unlink()
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    assert code == 0, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    assert "exiting 0" in (run / "logs" / "done-0-0.log").read_text()
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    status = job_document(run)["status"]
+    assert (status["phase"], status["reason"]) == ("Succeeded", "Completed")
+    assert (status["preemptions"], status["restarts"], status["restartHistory"]) == (0, 0, [])
+    reasons = [e.reason for e in events(run)]
+    assert not [r for r in reasons if r.startswith("Interrupt") and r != "InterruptedAtCompletion"], reasons
+    [told] = [e for e in events(run) if e.reason == "InterruptedAtCompletion"]
+    assert f"SIGINT interrupted spotjob run (pid {driver.pid}) as the training finished: every worker exited 0" in (
+        told.message
+    )
+    assert reasons.index("Completed") < reasons.index("InterruptedAtCompletion")
+    # Its usual summary, and a line for the interrupt; not "interrupted ... carry on with --resume".
+    assert "spotjob run done: Succeeded" in said and "outcome          Succeeded (Completed)" in said
+    assert "spotjob run: the interrupt (SIGINT) came as done finished: every worker exited 0" in said
+    assert "--resume" not in said
+    assert json.loads((run / "summary.json").read_text())["phase"] == "Succeeded"
+    again = subprocess.run(
+        [tool("spotjob"), "run", "--resume", "done"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
+    )
+    assert again.returncode == 2 and "succeeded already" in again.stderr, again.stderr
 
 
 def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it(tmp_path: Path) -> None:

@@ -19,7 +19,12 @@ from agent.control_api import StatusResponse
 from orchestrator.k8s.metrics import ControllerMetrics
 from orchestrator.reconciler import _reasons
 from orchestrator.reconciler._reasons import Reason
-from orchestrator.run_interrupt import INTERRUPT_FLUSH_COMMITTED, INTERRUPT_FLUSH_NOT_COMMITTED, INTERRUPTED
+from orchestrator.run_interrupt import (
+    INTERRUPT_FLUSH_COMMITTED,
+    INTERRUPT_FLUSH_NOT_COMMITTED,
+    INTERRUPTED,
+    INTERRUPTED_AT_COMPLETION,
+)
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 LOCAL_ONLY = {
@@ -27,6 +32,7 @@ LOCAL_ONLY = {
     INTERRUPT_FLUSH_COMMITTED: "Normal",
     INTERRUPT_FLUSH_NOT_COMMITTED: "Warning",
     INTERRUPTED: "Normal",
+    INTERRUPTED_AT_COMPLETION: "Normal",
 }
 """Events ``spotjob run`` writes itself, outside the reconciler (``cli_run``)."""
 
