@@ -18,7 +18,10 @@ exit, a commit) and refreshes the view meanwhile. At the end: stop everything, p
 
 The first Ctrl-C or SIGTERM (``_Interrupts``) ends the controller loop; every worker whose ranks
 train is then asked to flush, and every process of the run is stopped once they committed
-(``orchestrator.run_interrupt``); a second one stops them at once, without the flush. One during
+(``orchestrator.run_interrupt``); a second one stops them at once, without the flush. Then one
+pass of the reconciler (``Reconciler.driver_stopped``) ends the attempt as a restart asked for,
+which ``--resume`` starts (no preemption counted), or finds the run Completed when every worker
+exited 0 first (exit 0, as any finished run). One during
 ``--resume``'s wait for the dead driver's workers ends it, the run unchanged (``ResumeInterrupted``).
 When the driver dies without stopping its workers (SIGKILL), each agent notices that its parent is
 gone (``spotjob-agent --exit-with-parent``), flushes a checkpoint and stops; ``--resume`` then
@@ -28,7 +31,7 @@ accept it.
 Exit status: 0 the job Succeeded; 1 it Failed (the reason is printed, with the end of the failed
 worker's log); 2 bad arguments, a run that exists (or is driven by another process), nothing to
 resume; 130 interrupted (Ctrl-C or SIGTERM: the training workers flush, then every process of the
-run is stopped; at once on a second one).
+run is stopped; at once on a second one), unless the training finished meanwhile (then 0).
 
 ``spotjob status`` reads the run folder: ``orchestrator.cli_status``.
 """
