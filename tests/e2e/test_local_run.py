@@ -279,10 +279,11 @@ def storage_down(tmp_path_factory: pytest.TempPathFactory, moto_server: str, s3_
     status_file, events_file = run_files(tmp_path, "storage-down")
     with FaultProxy(moto_server, dialect="s3") as proxy:
         # Step 10 commits; every other checkpoint's writes are refused (503 SlowDown) until cleared,
-        # and the agents keep retrying: whatever step the flush picks, it cannot commit.
+        # and the agents keep retrying: whatever step the flush picks, it cannot commit. 100 attempts
+        # (the most SPOTJOB_STORAGE_MAX_ATTEMPTS takes) 0.5 s apart outlast the 8 s flush timeout.
         refused = proxy.fail(10**9, 503, method="PUT", path=r"/step-(?!0{7}10/)\d{9}/")
         env = clean_env(
-            AWS_ENDPOINT_URL=proxy.url, SPOTJOB_STORAGE_MAX_ATTEMPTS="1000000", SPOTJOB_STORAGE_MAX_BACKOFF_S="0.5"
+            AWS_ENDPOINT_URL=proxy.url, SPOTJOB_STORAGE_MAX_ATTEMPTS="100", SPOTJOB_STORAGE_MAX_BACKOFF_S="0.5"
         )
         argv = [
             tool("spotjob"), "run", "--name", "storage-down", "--checkpoint-uri", f"s3://{bucket}/job",
