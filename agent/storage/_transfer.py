@@ -35,8 +35,10 @@ from agent.storage.base import (
     CorruptObjectError,
     MissingBucketError,
     NotFoundError,
+    ObjectInfo,
     PermanentStorageError,
     ProgressFn,
+    TooLargeError,
     TransientStorageError,
 )
 
@@ -444,9 +446,33 @@ class PrefixedKeys:
         """One request, retried under the shared policy (``agent.storage._retry``)."""
         return retry_transient(what, lambda: self._request(what, key, fn))
 
+    def _read_small(
+        self, what: str, key: str, read: Callable[[], tuple[bytes, ObjectInfo]]
+    ) -> tuple[bytes, ObjectInfo]:
+        """``get_small``'s one GET (``read``), retried; its 404 told apart from a missing bucket as
+        after a HEAD. An object read proves the bucket exists: a later 404 is a missing object."""
+        try:
+            result = self._retrying(what, key, read)
+        except NotFoundError:
+            self._raise_if_bucket_missing(what, key)
+            raise
+        self._bucket_seen = True
+        return result
+
     def _holds(self, key: str, data: bytes) -> bool:
         """After an ambiguous create-only failure: is the object there with exactly our bytes?"""
         try:
             return self.get_bytes(key) == data
         except NotFoundError:
             return False
+
+
+def small_body(url: str, what: str, key: str, data: bytes, size: int | None, max_bytes: int) -> bytes:
+    """A ``get_small`` answer's body, checked: ``data`` read up to ``max_bytes + 1`` bytes, ``size``
+    what the answer said (None when it did not): ``TooLargeError`` past the bound, a transient error
+    when the connection ended early."""
+    if len(data) > max_bytes:
+        raise TooLargeError(f"{url} is more than {max_bytes} bytes", key)
+    if size is not None and len(data) != size:
+        raise TransientStorageError(f"{what}: connection ended after {len(data)} of {size} bytes", key)
+    return data

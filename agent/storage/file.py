@@ -277,18 +277,19 @@ class FileStorage(Storage):
         return write_temp(dest, data, mark=_TMP_MARK)
 
     # -- reads -------------------------------------------------------------------------------
-    def get_bytes(self, key: str) -> bytes:
-        path = self._path(key)
+    def _open_to_read(self, key: str) -> int:
+        """The descriptor of ``key``'s regular file, opened to read; ``NotFoundError`` if missing."""
+        self._check_root()
+        try:
+            return self._open_regular(self._path(key), key)
+        except OSError as e:
+            if e.errno in _ABSENT:
+                raise NotFoundError(f"{self.url(key)} does not exist", key) from None
+            raise
 
+    def get_bytes(self, key: str) -> bytes:
         def read() -> bytes:
-            self._check_root()
-            try:
-                fd = self._open_regular(path, key)
-            except OSError as e:
-                if e.errno in _ABSENT:
-                    raise NotFoundError(f"{self.url(key)} does not exist", key) from None
-                raise
-            with open(fd, "rb") as f:
+            with open(self._open_to_read(key), "rb") as f:
                 return f.read()
 
         return self._run(f"cannot read {self.url(key)}", key, read)
@@ -296,17 +297,9 @@ class FileStorage(Storage):
     def get_small(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
         """One open: its size and time from the open file, refused unread when too big, and never
         more than ``max_bytes + 1`` bytes read (the file may grow while read)."""
-        path = self._path(key)
 
         def read() -> tuple[bytes, ObjectInfo]:
-            self._check_root()
-            try:
-                fd = self._open_regular(path, key)
-            except OSError as e:
-                if e.errno in _ABSENT:
-                    raise NotFoundError(f"{self.url(key)} does not exist", key) from None
-                raise
-            with open(fd, "rb") as f:
+            with open(self._open_to_read(key), "rb") as f:
                 st = os.fstat(f.fileno())
                 if st.st_size > max_bytes:
                     raise TooLargeError(

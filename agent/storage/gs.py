@@ -85,6 +85,7 @@ from agent.storage._transfer import (
     crc_to_b64,
     download_verified,
     read_at,
+    small_body,
 )
 from agent.storage.base import (
     DEFAULT_PARALLELISM,
@@ -641,22 +642,13 @@ class GCSStorage(PrefixedKeys, Storage):
                     raise TooLargeError(f"{url} is {size} bytes, more than {max_bytes}", key, size)
                 # Decoded as the library does (an object stored gzip-encoded is read as its content).
                 data = resp.raw.read(max_bytes + 1, decode_content=True)
-            if len(data) > max_bytes:
-                raise TooLargeError(f"{url} is more than {max_bytes} bytes", key)
-            if size is not None and len(data) != size:
-                raise TransientStorageError(f"{what}: connection ended after {len(data)} of {size} bytes", key)
+            small_body(url, what, key, data, size, max_bytes)
             said = _answer_crc32c(resp)
             if said is not None and not encoded and said != crc32c_bytes(data):
                 raise gcs_exceptions.DataCorruption(resp, f"{what}: CRC32C {said:08x} said, the bytes have another")
             return data, ObjectInfo(key, len(data), _answer_time(resp))
 
-        try:
-            result: tuple[bytes, ObjectInfo] = self._retrying(what, key, read)
-        except NotFoundError:
-            self._raise_if_bucket_missing(what, key)
-            raise
-        self._bucket_seen = True  # an object was read from it: a later 404 is a missing object
-        return result
+        return self._read_small(what, key, read)
 
     def _get_blob(self, key: str) -> Any:
         name = self._object_key(key)

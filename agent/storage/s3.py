@@ -98,6 +98,7 @@ from agent.storage._transfer import (
     crc_to_b64,
     download_verified,
     read_at,
+    small_body,
     spans,
 )
 from agent.storage.base import (
@@ -637,19 +638,10 @@ class S3Storage(PrefixedKeys, Storage):
                 data = bytes(body.read(max_bytes + 1))
             finally:
                 body.close()
-            if len(data) > max_bytes:
-                raise TooLargeError(f"{url} is more than {max_bytes} bytes", key)
-            if size is not None and len(data) != size:
-                raise TransientStorageError(f"{what}: connection ended after {len(data)} of {size} bytes", key)
+            small_body(url, what, key, data, size, max_bytes)
             return data, ObjectInfo(key, len(data), store_time(resp.get("LastModified")))
 
-        try:
-            result: tuple[bytes, ObjectInfo] = self._retrying(what, key, read)
-        except NotFoundError:
-            self._raise_if_bucket_missing(what, key)
-            raise
-        self._bucket_seen = True  # an object was read from it: a later 404 is a missing object
-        return result
+        return self._read_small(what, key, read)
 
     def _head(self, key: str) -> dict[str, Any]:
         obj = self._object_key(key)
