@@ -30,7 +30,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,16 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from local_run_support import STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from local_run_support import (
+    GIVE_UP_S,
+    STEPS,
+    TRAIN,
+    assert_same_final_state,
+    clean_env,
+    job_document,
+    tool,
+    wait_for,
+)
 from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
@@ -51,24 +59,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 HOLD_STEP = SCRIPTS / "hold_step.py"
-GIVE_UP_S = 240.0
-"""How long a test waits for something to happen before calling the run hung (never asserted on)."""
 FORBIDDEN = ("Traceback", "Input should be", "Value error")
-
-
-def wait_for(predicate: Callable[[], bool], what: str) -> None:
-    give_up = time.monotonic() + GIVE_UP_S
-    while not predicate():
-        if time.monotonic() > give_up:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-
-
-def job_document(run: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
-    except (FileNotFoundError, ValueError):
-        return {}
 
 
 def events(run: Path) -> list[Any]:

@@ -34,7 +34,17 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from local_run_support import REPO, STEPS, TRAIN, assert_same_final_state, clean_env, tool
+from local_run_support import (
+    GIVE_UP_S,
+    REPO,
+    STEPS,
+    TRAIN,
+    assert_same_final_state,
+    clean_env,
+    job_document,
+    tool,
+    wait_for,
+)
 from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
@@ -47,27 +57,10 @@ from orchestrator.model import JobKey
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-GIVE_UP_S = 240.0
-"""How long a test waits for something to happen before calling the run hung (never asserted on)."""
 FORBIDDEN = ("Traceback", "Input should be", "Value error", "errors.pydantic.dev")
 COMMIT_LINE = re.compile(r"rank0 agent\.checkpoint: (?:committed step \d+|flush: step \d+ committed) at (\S+?)[,\s]")
 """How rank 0 of examples/train.py logs each checkpoint it commits (a flush's twice), with the
 folder each commit made: the truth the summary must match."""
-
-
-def wait_for(predicate: Callable[[], bool], what: str) -> None:
-    give_up = time.monotonic() + GIVE_UP_S
-    while not predicate():
-        if time.monotonic() > give_up:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-
-
-def job_document(run: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
-    except (FileNotFoundError, ValueError):
-        return {}
 
 
 def commits_logged(run: Path) -> int:

@@ -9,17 +9,23 @@
   ``torch.equal`` (dtype, shape, every bit), everything else with ``==``.
 - ``uninterrupted_dump(tmp_path_factory)``: the dump prefix of the job run start to finish with
   plain torchrun, run once per test session (both suites' ``uninterrupted`` fixture).
+- ``wait_for(predicate, what)``: poll until true, or fail naming ``what`` after ``GIVE_UP_S``.
+- ``job_document(run_folder)``: the run's stored job (spec and status), ``{}`` while unreadable.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +104,22 @@ def uninterrupted_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
             assert proc.returncode == 0, f"the uninterrupted run failed:\n{proc.stderr[-8000:]}"
             (folder / "done").write_text("")
     return folder / "final"
+
+
+GIVE_UP_S = 240.0
+"""How long ``wait_for`` waits for something to happen before calling the run hung (never asserted on)."""
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    give_up = time.monotonic() + GIVE_UP_S
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def job_document(run: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
