@@ -102,8 +102,12 @@ SECRETS = Resource("", "v1", "secrets", "Secret", namespaced=True)
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", namespaced=True)
 CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
 EVENTS = Resource("events.k8s.io", "v1", "events", "Event", namespaced=True)
+"""Events, in the one API group spotjob writes and reads them through (served since Kubernetes 1.19)."""
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True)
 SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
+
+MIN_KUBERNETES = "1.29"
+"""The oldest Kubernetes spotjob supports: the chart's ``kubeVersion`` (a test keeps the two equal)."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,6 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("spotjob.dev", "spotjobs/status", "update", "write the reconciler's status (compare-and-swap)"),
     Permission("events.k8s.io", "events", "create", "Events about jobs and nodes"),
     Permission("events.k8s.io", "events", "patch", "aggregate a repeated Event into its series"),
-    Permission("", "events", "create", "Events, where events.k8s.io/v1 is not served"),
-    Permission("", "events", "patch", "aggregate a repeated Event, where events.k8s.io/v1 is not served"),
     # The leader Lease (RBAC narrows update/get to the lease's name; create cannot be narrowed).
     Permission("coordination.k8s.io", "leases", "get", "leader election"),
     Permission("coordination.k8s.io", "leases", "create", "leader election: the first replica creates the Lease"),

@@ -6,18 +6,21 @@ fixed by the reconciler work: the caller writes the job's status first and emits
 Events only after that write succeeded, so an Event never claims what the status does not show.
 
 Repeats aggregate: the same (object, type, reason, note) again within ``series_window`` PATCHes
-the existing Event's series (events.k8s.io/v1: ``series.count``, ``series.lastObservedTime``; core
-v1: ``count``, ``lastTimestamp``) instead of creating another object — a job flapping for an hour
-leaves one Event with a count, not thousands. The recorder remembers the Events it wrote in a
-bounded LRU; a forgotten or expired one (404 on the PATCH) is simply created again.
+the existing Event's series (``series.count``, ``series.lastObservedTime``) instead of creating
+another object — a job flapping for an hour leaves one Event with a count, not thousands. The
+recorder remembers the Events it wrote in a bounded LRU; a forgotten or expired one (404 on the
+PATCH) is simply created again.
 
-The API group is chosen once, on the first Event: events.k8s.io/v1 where served, core v1 Events
-otherwise. Emitting never raises: an Event that cannot be written is logged (an Event is a
-courtesy; the status is the record). By default an Event is written on the caller's thread; with
-``background=True`` (the controller) ``event()`` only queues it, and one thread writes the queue in
-order, as client-go's event broadcaster does: a reconcile worker never waits on Event writes (a
-preemption writes half a dozen), so it is free for the next job's flush sooner. The time of an
-Event is when it was queued; ``close()`` writes what is queued, within a timeout.
+Events are ``events.k8s.io/v1`` only, which every Kubernetes since 1.19 serves (the chart needs
+``MIN_KUBERNETES``). Whether the API server serves it is asked once, on the first Event; where it
+does not (a cluster below that minimum), one error says so and no Event is written: the
+controller reconciles on without them. Emitting never raises: an Event that cannot be written is
+logged (an Event is a courtesy; the status is the record). By default an Event is written on the
+caller's thread; with ``background=True`` (the controller) ``event()`` only queues it, and one
+thread writes the queue in order, as client-go's event broadcaster does: a reconcile worker never
+waits on Event writes (a preemption writes half a dozen), so it is free for the next job's flush
+sooner. The time of an Event is when it was queued; ``close()`` writes what is queued, within a
+timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 
 from orchestrator.events import EventType as JobEventType
 from orchestrator.events import LoggingEventSink
-from orchestrator.k8s.api import CORE_EVENTS, EVENTS, AlreadyExists, KubeClient, KubeError, NotFound, Object, Resource
+from orchestrator.k8s.api import EVENTS, MIN_KUBERNETES, AlreadyExists, KubeClient, KubeError, NotFound, Object
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey
 from orchestrator.reconciler import CHECKPOINT_URI_OWNED, INVALID_CHECKPOINT_URI, RESTART_BUDGET_EXHAUSTED
@@ -97,10 +100,6 @@ def _micro(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _seconds(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _truncate(text: str, limit: int) -> str:
     raw = text.encode("utf-8")
     if len(raw) <= limit:
@@ -133,7 +132,7 @@ class EventRecorder:
         self._now = now
         self._lock = threading.Lock()
         self._written: OrderedDict[tuple[Any, ...], _Written] = OrderedDict()
-        self._resource: Resource | None = None
+        self._served: bool | None = None  # events.k8s.io/v1, once discovery has answered
         self._queue: queue.Queue[tuple[Any, ...] | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -211,7 +210,8 @@ class EventRecorder:
             raise ValueError(f"an Event reason is CamelCase and at most {_REASON_LIMIT} characters: {reason!r}")
         note = _truncate(note, _NOTE_LIMIT)
         namespace = regarding.namespace or self._cluster_namespace
-        resource = self._group()
+        if not self._events_served():
+            return
         key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, note)
         with self._lock:
             seen = self._written.get(key)
@@ -219,9 +219,7 @@ class EventRecorder:
                 self._written.move_to_end(key)
         if seen is not None and (now - seen.last).total_seconds() <= self._window:
             try:
-                self._client.patch(
-                    resource, seen.name, self._series_patch(resource, seen.count + 1, now), seen.namespace
-                )
+                self._client.patch(EVENTS, seen.name, self._series_patch(seen.count + 1, now), seen.namespace)
             except NotFound:
                 pass  # expired or deleted meanwhile: write a new one
             else:
@@ -229,10 +227,10 @@ class EventRecorder:
                     seen.count += 1
                     seen.last = now
                 return
-        body = self._new_event(resource, regarding, type, reason, note, action, related, namespace, now)
+        body = self._new_event(regarding, type, reason, note, action, related, namespace, now)
         name = str(body["metadata"]["name"])
         try:
-            self._client.create(resource, body, namespace)
+            self._client.create(EVENTS, body, namespace)
         except AlreadyExists:
             pass  # our own create, retried after its answer was lost: the name is unique to it
         with self._lock:
@@ -241,17 +239,28 @@ class EventRecorder:
             while len(self._written) > self._cache_size:
                 self._written.popitem(last=False)
 
-    def _group(self) -> Resource:
-        if self._resource is None:
+    def _events_served(self) -> bool:
+        """Whether the API server serves events.k8s.io/v1: asked once (a failed discovery is asked
+        again on the next Event, and that Event is logged as not recorded). Where it does not, one
+        error for the operator, then no Event is attempted: each would fail with a bare 404."""
+        served = self._served
+        if served is None:
             served = self._client.api_group_served(EVENTS.group, EVENTS.version)
-            self._resource = EVENTS if served else CORE_EVENTS
-            if not served:
-                log.info("events.k8s.io/v1 is not served; writing core v1 Events")
-        return self._resource
+            with self._lock:
+                first, self._served = self._served is None, served
+            if first and not served:
+                log.error(
+                    "the API server does not serve %s/%s, the Events API of every Kubernetes since 1.19: "
+                    "spotjob needs Kubernetes %s or later. No Events are written (kubectl describe and "
+                    "kubectl spotjob events show none); jobs are reconciled as usual, their status is the record",
+                    EVENTS.group,
+                    EVENTS.version,
+                    MIN_KUBERNETES,
+                )
+        return served
 
     def _new_event(
         self,
-        resource: Resource,
         regarding: ObjectRef,
         type: EventType,
         reason: str,
@@ -262,49 +271,26 @@ class EventRecorder:
         now: datetime,
     ) -> Object:
         name = f"{regarding.name}.{uuid.uuid4().hex[:16]}"
-        metadata: Object = {"name": name, "namespace": namespace}
-        if resource is EVENTS:
-            body: Object = {
-                "apiVersion": "events.k8s.io/v1",
-                "kind": "Event",
-                "metadata": metadata,
-                "eventTime": _micro(now),
-                "reportingController": REPORTING_CONTROLLER,
-                "reportingInstance": self._instance,
-                "action": action[:_REASON_LIMIT],
-                "reason": reason,
-                "type": type.value,
-                "note": note,
-                "regarding": regarding.as_reference(),
-            }
-            if related is not None:
-                body["related"] = related.as_reference()
-            return body
-        body = {
-            "apiVersion": "v1",
+        body: Object = {
+            "apiVersion": f"{EVENTS.group}/{EVENTS.version}",
             "kind": "Event",
-            "metadata": metadata,
-            "involvedObject": regarding.as_reference(),
-            "reason": reason,
-            "message": note,
-            "type": type.value,
-            "count": 1,
-            "firstTimestamp": _seconds(now),
-            "lastTimestamp": _seconds(now),
-            "source": {"component": REPORTING_CONTROLLER},
-            "reportingComponent": REPORTING_CONTROLLER,
+            "metadata": {"name": name, "namespace": namespace},
+            "eventTime": _micro(now),
+            "reportingController": REPORTING_CONTROLLER,
             "reportingInstance": self._instance,
             "action": action[:_REASON_LIMIT],
+            "reason": reason,
+            "type": type.value,
+            "note": note,
+            "regarding": regarding.as_reference(),
         }
         if related is not None:
             body["related"] = related.as_reference()
         return body
 
     @staticmethod
-    def _series_patch(resource: Resource, count: int, now: datetime) -> Object:
-        if resource is EVENTS:
-            return {"series": {"count": count, "lastObservedTime": _micro(now)}}
-        return {"count": count, "lastTimestamp": _seconds(now)}
+    def _series_patch(count: int, now: datetime) -> Object:
+        return {"series": {"count": count, "lastObservedTime": _micro(now)}}
 
 
 _POINTED = frozenset({RESTART_BUDGET_EXHAUSTED.name, INVALID_CHECKPOINT_URI.name, CHECKPOINT_URI_OWNED.name})

@@ -29,12 +29,6 @@ HERE = Path(__file__).resolve().parent
 WITH_QUEUE = {"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"}}
 """test_k8s_interruption_queue.py runs a controller with a queue: the chart grants the Node patch only then."""
 
-NOT_CALLED_HERE = {
-    ("", "events", "create"): "core v1 Events: the recorder's fallback where events.k8s.io/v1 is not served "
-    "(tests/k8s_ctl/test_k8s_events.py exercises it)",
-    ("", "events", "patch"): "the same fallback, for a repeated Event",
-}
-
 
 def _scenarios() -> set[str]:
     """``file::test`` of every test function in this folder but this file."""
@@ -83,5 +77,5 @@ def test_the_chart_grants_exactly_the_calls_the_controller_made(
     if missing:
         pytest.skip(f"not every scenario ran in this session ({len(missing)} did not): 'never called' is not judged")
     called = {(r.api_group, r.resource_path, r.verb) for r in records}
-    unused = sorted({(g.api_group, g.resource, g.verb) for g in granted} - called - set(NOT_CALLED_HERE))
+    unused = sorted({(g.api_group, g.resource, g.verb) for g in granted} - called)
     assert not unused, f"granted but never called: {unused}"

@@ -21,6 +21,7 @@ from infra_support import (
     RELEASE,
     Grant,
     controller_rules,
+    expand,
     find,
     helm,
     one,
@@ -28,7 +29,7 @@ from infra_support import (
     render,
 )
 
-from orchestrator.k8s.api import PERMISSIONS
+from orchestrator.k8s.api import MIN_KUBERNETES, PERMISSIONS
 
 LEASE = "spotjob-controller"
 QUEUE = {"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"}}
@@ -152,3 +153,33 @@ def test_the_rules_file_is_well_formed() -> None:
             assert rule["verbs"] == ["create"] or not rule.get("resourceNames"), (
                 "create cannot be limited by resourceNames: give it its own rule"
             )
+
+
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(g.api_group, g.resource, g.verb) for rule in role.get("rules") or [] for g in expand(rule, None)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_events_are_granted_through_events_k8s_io_alone(case: str) -> None:
+    """The controller writes and the plugin reads Events through events.k8s.io/v1 only (served
+    since Kubernetes 1.19; the chart needs 1.29): no role of the chart grants anything on core v1
+    ``events``, which a fallback for servers without events.k8s.io once needed."""
+    values, _ = CASES[case]
+    objects = render(values)
+    roles = find(objects, "ClusterRole") + find(objects, "Role")
+    core = sorted(
+        (r["kind"], r["metadata"]["name"], verb)
+        for r in roles
+        for group, resource, verb in _granted(r)
+        if (group, resource) == ("", "events")
+    )
+    assert not core, f"grants on core v1 events: {core}"
+    events = {(g.api_group, g.verb) for g in controller_rules(objects) if g.resource == "events"}
+    assert events == {("events.k8s.io", "create"), ("events.k8s.io", "patch")}
+
+
+def test_the_minimum_kubernetes_the_controller_names_is_the_charts() -> None:
+    """Where events.k8s.io/v1 is not served, the controller and the plugin say which Kubernetes
+    spotjob needs: the chart's ``kubeVersion``, not a number of their own."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={MIN_KUBERNETES}.0-0"

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-from ctl_support import TestApi
+import logging
 
-from orchestrator.k8s.api import CORE_EVENTS, EVENTS
+import pytest
+from ctl_support import CONTROLLER_USER, TestApi
+
+from orchestrator.k8s.api import EVENTS, MIN_KUBERNETES, Resource
 from orchestrator.k8s.events import REPORTING_CONTROLLER, EventRecorder, ObjectRef, job_note
 from orchestrator.model import JobKey
 
 JOB = ObjectRef(kind="SpotJob", name="llama", namespace="default", api_version="spotjob.dev/v1alpha1", uid="u-1")
 NODE = ObjectRef(kind="Node", name="ip-10-0-0-1", api_version="v1", uid="u-2")
+CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
+"""What the recorder no longer writes: read here (as the administrator) to see that it did not."""
 
 
 def events(test_api: TestApi, namespace: str = "default") -> list[dict]:
@@ -60,22 +64,49 @@ def test_an_event_deleted_meanwhile_is_written_again_and_a_failure_never_raises(
     assert [e["reason"] for e in events(test_api)] == ["Rescheduled"]
 
 
-def test_core_v1_events_are_written_and_counted_where_events_k8s_io_is_not_served(
-    test_api: TestApi, monkeypatch
+def stop_serving_events_k8s_io(test_api: TestApi, namespaces: tuple[str, ...] = ("default",)) -> None:
+    """The test API server as one below spotjob's minimum answers: discovery of events.k8s.io/v1
+    and its Events in ``namespaces`` are 404. Core v1 Events stay served, as on such a server."""
+    test_api.fault(path="/apis/events.k8s.io/v1", count=1000, status=404)
+    for ns in namespaces:
+        test_api.fault(path=f"/apis/events.k8s.io/v1/namespaces/{ns}/events", count=1000, status=404)
+
+
+def test_where_events_k8s_io_is_not_served_one_error_names_it_and_the_minimum_and_no_event_is_tried(
+    test_api: TestApi, caplog: pytest.LogCaptureFixture
 ) -> None:
-    client = test_api.client()
-    monkeypatch.setattr(client, "api_group_served", lambda group, version: False)
-    recorder = EventRecorder(client, instance="r")
-    for _ in range(3):
-        recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")
-    (event,) = test_api.admin.list(CORE_EVENTS, "default")[0]
-    assert event["involvedObject"]["name"] == "llama"
-    assert (event["type"], event["reason"], event["message"], event["count"]) == (
-        "Warning",
-        "FlushTimedOut",
-        "no manifest after 120s",
-        3,
-    )
+    """Core v1 Events were written there instead, which needed create and patch on core ``events``
+    in the controller's ClusterRole for a path no supported cluster takes. Now: one error for the
+    operator naming the API and the Kubernetes spotjob needs, and no Event is tried (each would be
+    a bare 404, logged again and again); ``event()`` still never raises."""
+    stop_serving_events_k8s_io(test_api)
+    recorder = EventRecorder(test_api.client(), instance="r")
+    with caplog.at_level(logging.INFO, logger="orchestrator.k8s.events"):
+        for _ in range(3):
+            recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")
+        recorder.normal(NODE, "NodeLost", "NotReady for 60s", related=JOB)
+
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "orchestrator.k8s.events"]
+    assert len(said) == 1, said
+    level, message = said[0]
+    assert level == logging.ERROR
+    assert "does not serve events.k8s.io/v1" in message, message
+    assert f"spotjob needs Kubernetes {MIN_KUBERNETES} or later" in message, message
+    assert test_api.admin.list(CORE_EVENTS, "default")[0] == []
+    calls = [r for r in test_api.audit() if r["user"] == CONTROLLER_USER]
+    assert [r for r in calls if r["resource"] == "events"] == [], "no Event write is tried"
+    assert len([r for r in calls if r["path"] == "/apis/events.k8s.io/v1"]) == 1, "discovery is asked once"
+
+
+def test_a_failed_discovery_is_asked_again_on_the_next_event(test_api: TestApi) -> None:
+    """Discovery that does not answer decides nothing: that Event is lost (logged), the next one
+    asks again and, events.k8s.io/v1 being served, is written."""
+    test_api.fault(path="/apis/events.k8s.io/v1", count=100, status=503)
+    recorder = EventRecorder(test_api.client(), instance="r")
+    recorder.warning(JOB, "FlushTimedOut", "no manifest after 120s")  # logged, not raised
+    test_api.clear_faults()
+    recorder.normal(JOB, "Rescheduled", "attempt 2 on nodes b, c")
+    assert [e["reason"] for e in events(test_api)] == ["Rescheduled"]
 
 
 @pytest.mark.parametrize("reason", ["RestartBudgetExhausted", "InvalidCheckpointURI", "CheckpointURIOwned"])

@@ -7,13 +7,14 @@ so, the scheduler and the kubelet).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ctl_support import TestApi, install_spotjob_crd, wait_for
+from ctl_support import CONTROLLER_USER, TestApi, install_spotjob_crd, wait_for
 
 from agent.control_api import ControlApi
 from agent.control_channel import ControlDir
@@ -21,7 +22,7 @@ from agent.launcher import Agent, AgentConfig
 from agent.notices.base import Notice, NoticeKind
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.agents import AgentCalls, derive_token
-from orchestrator.k8s.api import EVENTS, NODES, PODS, SPOTJOBS, KubeClient
+from orchestrator.k8s.api import EVENTS, MIN_KUBERNETES, NODES, PODS, SPOTJOBS, KubeClient, Resource
 from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notice_index
 from orchestrator.k8s.events import EventRecorder, JobEventSink
 from orchestrator.k8s.informer import Informer
@@ -32,6 +33,8 @@ from orchestrator.model import JobKey, Phase, parse_timestamp
 from orchestrator.reconciler import Reconciler
 
 KEY = JobKey("default", "llama")
+CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
+"""Events as core v1 serves them, which the controller never writes (read as the administrator)."""
 HOLD = "example.com/hold"
 """Another tool's finalizer on the SpotJob: it keeps the job readable, being deleted, until removed."""
 
@@ -475,5 +478,35 @@ def test_a_job_out_of_restarts_ends_its_event_with_where_to_read_what_next_and_c
         assert len(note.encode()) <= 1024 and note.endswith("..." + pointer), note
         assert note.startswith("worker llama-0-0 exited with code 137 and all 0 restart(s) are used: evicted"), note
         assert status["message"].startswith(note.removesuffix("..." + pointer)), "the words are cut, not changed"
+    finally:
+        parts.stop()
+
+
+def test_a_job_runs_where_events_k8s_io_is_not_served_and_one_error_says_which_kubernetes_it_needs(
+    test_api: TestApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An API server below spotjob's minimum serves no events.k8s.io/v1. The controller used to
+    write core v1 Events there (for which its ClusterRole granted core ``events``); now it writes
+    none, says once why (the API and the Kubernetes it needs), and the job starts and runs all the
+    same: Events are a courtesy, the status is the record."""
+    install_spotjob_crd(test_api)
+    test_api.fault(path="/apis/events.k8s.io/v1", count=1000, status=404)
+    test_api.fault(path="/apis/events.k8s.io/v1/namespaces/default/events", count=1000, status=404)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            _running_on_n1(test_api, parts)
+            parts.reconciler.reconcile(KEY)
+
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        assert status["phase"] == "Running", status
+        said = [r for r in caplog.records if r.name == "orchestrator.k8s.events"]
+        assert [(r.levelno, "does not serve events.k8s.io/v1" in r.getMessage()) for r in said] == [
+            (logging.ERROR, True)
+        ], [r.getMessage() for r in said]
+        assert f"spotjob needs Kubernetes {MIN_KUBERNETES} or later" in said[0].getMessage()
+        tried = [r for r in test_api.audit() if r["user"] == CONTROLLER_USER and r["resource"] == "events"]
+        assert tried == [], tried
+        assert test_api.admin.list(CORE_EVENTS, "default")[0] == [], "no core v1 Event instead"
     finally:
         parts.stop()
