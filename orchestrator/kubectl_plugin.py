@@ -266,8 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "events",
         help="the job's Events, oldest first",
         description="The Events about the SpotJob (what the controller did and why), oldest first by their "
-        "latest occurrence, with repeats counted: events.k8s.io/v1 where the cluster serves it, core v1 Events "
-        "otherwise.",
+        "latest occurrence, with repeats counted (events.k8s.io/v1, which the controller writes).",
         epilog=_EXIT_CODES,
     )
     _connection_flags(p, top=False)

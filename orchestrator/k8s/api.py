@@ -100,7 +100,6 @@ PODS = Resource("", "v1", "pods", "Pod", namespaced=True)
 SERVICES = Resource("", "v1", "services", "Service", namespaced=True)
 SECRETS = Resource("", "v1", "secrets", "Secret", namespaced=True)
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", namespaced=True)
-CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
 EVENTS = Resource("events.k8s.io", "v1", "events", "Event", namespaced=True)
 """Events, in the one API group spotjob writes and reads them through (served since Kubernetes 1.19)."""
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True)

@@ -10,16 +10,18 @@ and its Events (list). The one write: a flush request, a merge patch of the Spot
 ``spotjob.dev/flush-request`` annotation — so RBAC on ``patch spotjobs`` decides who may flush.
 
 Errors leave this module as ``PluginError``s that say what to do: ``NotServed`` (spotjob is not
-installed), ``JobNotFound``, ``AccessDenied`` (naming the verb, resource and namespace RBAC
-refused), ``Unreachable`` (no API server answered), ``ServerError``; configuration problems are
-``ContextError``. A command line tool has a person waiting, so transient failures are retried
-briefly (three tries, well under two seconds), not for minutes like the controller.
+installed, or the cluster is older than spotjob supports: no events.k8s.io/v1), ``JobNotFound``,
+``AccessDenied`` (naming the verb, resource and namespace RBAC refused), ``Unreachable`` (no API
+server answered), ``ServerError``; configuration problems are ``ContextError``. A command line tool
+has a person waiting, so transient failures are retried briefly (three tries, well under two
+seconds), not for minutes like the controller.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +34,8 @@ from kubernetes import config as k8s_config
 from kubernetes.config.config_exception import ConfigException
 
 from orchestrator.k8s.api import (
-    CORE_EVENTS,
     EVENTS,
+    MIN_KUBERNETES,
     PODS,
     SPOTJOBS,
     Forbidden,
@@ -81,7 +83,6 @@ PLUGIN_PERMISSIONS: tuple[Permission, ...] = (
     Permission("spotjob.dev", "spotjobs", "patch", "flush: the spotjob.dev/flush-request annotation"),
     Permission("", "pods", "list", "status NAME: the job's pods (without it, the controller's last view)"),
     Permission("events.k8s.io", "events", "list", "events: the job's Events"),
-    Permission("", "events", "list", "events, where events.k8s.io/v1 is not served"),
 )
 """Every (group, resource, verb) ``kubectl spotjob`` may call: the RBAC a team needs for it."""
 
@@ -102,7 +103,8 @@ class ContextError(PluginError):
 
 
 class NotServed(PluginError):
-    """The cluster does not serve the SpotJob API: spotjob's CRD is not installed."""
+    """The cluster does not serve an API the plugin needs: the SpotJob API (spotjob's CRD is not
+    installed), or events.k8s.io/v1 (a Kubernetes older than spotjob supports)."""
 
 
 class JobNotFound(PluginError):
@@ -240,12 +242,12 @@ def _in_cluster(flags: dict[str, str | None]) -> UserContext:
 
 
 # ----------------------------------------------------------------------------------------------
-# Events, as both APIs serve them
+# Events, as events.k8s.io/v1 serves them
 
 
 @dataclass(frozen=True)
 class JobEvent:
-    """One Event about a job, the same whichever API group served it."""
+    """One Event about a job (one written through core v1 too, as events.k8s.io/v1 shows it)."""
 
     type: str
     reason: str
@@ -256,7 +258,7 @@ class JobEvent:
     last: datetime | None
     """The latest occurrence (the series' last observation)."""
     reporter: str
-    """``reportingController``/``reportingInstance`` (or the core Event's source)."""
+    """``reportingController``/``reportingInstance``."""
     related: str
     """``kind/name`` of the related object (e.g. the Node a notice came from), or ""."""
 
@@ -278,26 +280,6 @@ def _v1_event(e: Object) -> JobEvent:
         type=str(e.get("type") or ""),
         reason=str(e.get("reason") or ""),
         note=str(e.get("note") or ""),
-        count=max(count, 1),
-        first=first,
-        last=last,
-        reporter=reporter,
-        related=_related(e.get("related")),
-    )
-
-
-def _core_event(e: Object) -> JobEvent:
-    series = e.get("series") or {}
-    first = parse_timestamp(e.get("firstTimestamp")) or parse_timestamp(e.get("eventTime"))
-    first = first or parse_timestamp((e.get("metadata") or {}).get("creationTimestamp"))
-    last = parse_timestamp(series.get("lastObservedTime")) or parse_timestamp(e.get("lastTimestamp")) or first
-    count = int(series.get("count") or e.get("count") or 1)
-    source = (e.get("source") or {}).get("component")
-    reporter = "/".join(x for x in (e.get("reportingComponent") or source, e.get("reportingInstance")) if x)
-    return JobEvent(
-        type=str(e.get("type") or ""),
-        reason=str(e.get("reason") or ""),
-        note=str(e.get("message") or ""),
         count=max(count, 1),
         first=first,
         last=last,
@@ -418,8 +400,8 @@ class SpotJobClient:
 
     def job_events(self, job: Object) -> list[JobEvent]:
         """The Events about ``job`` (this incarnation of it: same uid, or none recorded), oldest
-        first by their latest occurrence. events.k8s.io/v1 where served and allowed (the built-in
-        ``view`` role grants only core Events), else core v1: the same Events either way."""
+        first by their latest occurrence, from events.k8s.io/v1 (what the controller writes).
+        ``NotServed`` where the cluster does not serve that API (below spotjob's minimum)."""
         meta = job.get("metadata") or {}
         namespace, name, uid = str(meta.get("namespace") or ""), str(meta["name"]), str(meta.get("uid") or "")
         kind = str(job.get("kind") or "SpotJob")
@@ -427,23 +409,20 @@ class SpotJobClient:
             served = self._client.api_group_served(EVENTS.group, EVENTS.version)
         except KubeError as e:
             raise self._translate(e, "get", EVENTS, namespace) from e
-        if served:
-            try:
-                return self._events(EVENTS, namespace, kind, name, uid)
-            except AccessDenied:
-                pass  # allowed core Events only, perhaps: the same objects
-        return self._events(CORE_EVENTS, namespace, kind, name, uid)
-
-    def _events(self, resource: Resource, namespace: str, kind: str, name: str, uid: str) -> list[JobEvent]:
-        prefix, convert = ("regarding", _v1_event) if resource is EVENTS else ("involvedObject", _core_event)
-        try:
-            items, _ = self._client.list(
-                resource, namespace, field_selector=f"{prefix}.kind={kind},{prefix}.name={name}"
+        if not served:
+            raise NotServed(
+                f"the cluster at {self.user.server} does not serve {EVENTS.group}/{EVENTS.version}, the Events "
+                f"API of every Kubernetes since 1.19: spotjob needs Kubernetes {MIN_KUBERNETES} or later, and its "
+                f"controller writes no Events there; `kubectl spotjob status {shlex.quote(name)} -n "
+                f"{shlex.quote(namespace)}` shows the job's state and why"
             )
+        try:
+            selector = f"regarding.kind={kind},regarding.name={name}"
+            items, _ = self._client.list(EVENTS, namespace, field_selector=selector)
         except KubeError as e:
-            raise self._translate(e, "list", resource, namespace) from e
-        mine = [e for e in items if (e.get(prefix) or {}).get("uid") in (None, "", uid)]
-        events = [convert(e) for e in mine]
+            raise self._translate(e, "list", EVENTS, namespace) from e
+        mine = [e for e in items if (e.get("regarding") or {}).get("uid") in (None, "", uid)]
+        events = [_v1_event(e) for e in mine]
         never = datetime.min.replace(tzinfo=UTC)
         return sorted(events, key=lambda e: (e.last or never, e.first or never))
 

@@ -30,6 +30,7 @@ from infra_support import (
 )
 
 from orchestrator.k8s.api import MIN_KUBERNETES, PERMISSIONS
+from orchestrator.k8s.plugin_client import PLUGIN_PERMISSIONS
 
 LEASE = "spotjob-controller"
 QUEUE = {"interruptionQueue": {"url": "https://sqs.us-east-1.amazonaws.com/111122223333/spotjob-interruptions"}}
@@ -176,6 +177,19 @@ def test_events_are_granted_through_events_k8s_io_alone(case: str) -> None:
     assert not core, f"grants on core v1 events: {core}"
     events = {(g.api_group, g.verb) for g in controller_rules(objects) if g.resource == "events"}
     assert events == {("events.k8s.io", "create"), ("events.k8s.io", "patch")}
+
+
+def test_the_view_role_lets_a_team_read_its_jobs_events_through_events_k8s_io() -> None:
+    """``kubectl spotjob events`` lists events.k8s.io/v1 Events, which the built-in ``view`` role
+    does not grant (it reads Events through core v1 alone): the chart's role aggregated into it
+    adds that ``list``, so a team bound to ``view`` can run ``events`` as the README says."""
+    view = one(render(), "ClusterRole", f"{RELEASE}-view")
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    granted = _granted(view)
+    assert ("events.k8s.io", "events", "list") in granted
+    reads = {(p.group, p.resource, p.verb) for p in PLUGIN_PERMISSIONS if p.verb != "patch"}
+    builtin_view = {("", "pods", "list")}  # the built-in view role's own, among the plugin's reads
+    assert reads <= granted | builtin_view, sorted(reads - granted - builtin_view)
 
 
 def test_the_minimum_kubernetes_the_controller_names_is_the_charts() -> None:

@@ -222,7 +222,8 @@ def write_event(
     uid: str | None = None,
     core: bool = False,
 ) -> None:
-    """An Event about ``job`` as the controller's recorder writes it (events.k8s.io/v1, or core v1)."""
+    """An Event about ``job`` as the controller's recorder writes it (events.k8s.io/v1), or with
+    ``core`` as a client of core v1 Events does (which events.k8s.io/v1 serves too)."""
     ref = {
         "apiVersion": "spotjob.dev/v1alpha1",
         "kind": "SpotJob",
