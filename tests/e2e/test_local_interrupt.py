@@ -255,8 +255,12 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
         wait_for(running(driver, run, log), "the run to train")
         wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
         driver.send_signal(signal.SIGINT)
-        wait_for(lambda: "flushing a checkpoint of twice" in log.read_text(), "the driver to ask for the flush")
-        assert "asked the agent of twice-0-0 to flush (accepted)" in log.read_text()
+        # The driver says it flushes before it asks the agent, and logs the agent's answer after:
+        # wait for the answer (the second signal must come while the flush is under way).
+        wait_for(lambda: "asked the agent of twice-0-0 to flush" in log.read_text(), "the agent's answer")
+        said = log.read_text()
+        assert "flushing a checkpoint of twice" in said, said
+        assert "asked the agent of twice-0-0 to flush (accepted)" in said, said
         driver.send_signal(signal.SIGINT)
         code = until_exit(driver)
     finally:
