@@ -208,6 +208,8 @@ def test_aws_tags_and_node_group_fields_aws_refuses_fail_at_plan_naming_the_inpu
             'node_role_arn = "arn:aws:iam::123456789012:role/gpu-nodes" }'
         },
         "node_group_defaults": {"node_group": '{ cluster_name = "ml_1", subnet_ids = ["subnet-0a1b2c3d"] }'},
+        # EKS takes a cluster name of one character.
+        "node_group_short_name": {"node_group": '{ cluster_name = "m", subnet_ids = ["subnet-0a1b2c3d"] }'},
     }
     calls = {label: {"oidc_provider_arn": OIDC, **inputs} for label, (inputs, _) in refused.items()}
     calls.update({label: {"oidc_provider_arn": OIDC, **inputs} for label, inputs in accepted.items()})

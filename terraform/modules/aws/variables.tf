@@ -205,8 +205,8 @@ variable "node_group" {
     error_message = "node_group.min_size, desired_size and max_size must be whole numbers of nodes, min_size at least 0."
   }
   validation {
-    condition     = var.node_group == null || try(can(regex("^[0-9A-Za-z][A-Za-z0-9_-]{1,99}$", var.node_group.cluster_name)), false)
-    error_message = "node_group.cluster_name must be an EKS cluster's name: 2 to 100 letters, digits, '-' and '_', beginning with a letter or digit."
+    condition     = var.node_group == null || try(can(regex("^[0-9A-Za-z][A-Za-z0-9_-]{0,99}$", var.node_group.cluster_name)), false)
+    error_message = "node_group.cluster_name must be an EKS cluster's name: 1 to 100 letters, digits, '-' and '_', beginning with a letter or digit."
   }
   validation {
     condition     = var.node_group == null || try(alltrue([for s in var.node_group.subnet_ids : can(regex("^subnet-[0-9a-f]{8,17}$", s))]), false)
