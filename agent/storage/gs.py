@@ -46,7 +46,6 @@ with its first part's ranged GET, whose answer's headers say the object's size a
 from __future__ import annotations
 
 import builtins
-import email.utils
 import functools
 import json
 import logging
@@ -70,6 +69,7 @@ from requests.adapters import HTTPAdapter
 
 from agent.crc32c import crc32c_bytes
 from agent.storage._errors import TLS_SLIP, URLLIB3_TIMEOUT, local_file
+from agent.storage._gcs_answers import _answer_crc32c, _answer_generation, _answer_span, _answer_time
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
     FetchRange,
@@ -878,46 +878,6 @@ class GCSStorage(PrefixedKeys, Storage):
     def close(self) -> None:
         self._pool.close()
         self._client.close()
-
-
-_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-\d+|\*)/(\d+)\s*$", re.IGNORECASE)
-
-
-def _answer_span(resp: requests.Response) -> tuple[int, int | None]:
-    """(first byte sent, the object's size or None) of a media GET's answer, from its headers."""
-    match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", "").strip())
-    if resp.status_code == 206:
-        return (int(match.group(1)), int(match.group(2))) if match and match.group(1) else (0, None)
-    if resp.status_code == 416:
-        return 0, int(match.group(2)) if match else 0
-    length = resp.headers.get("Content-Length", "")
-    return 0, int(length) if length.isdigit() else None
-
-
-def _answer_crc32c(resp: requests.Response) -> int | None:
-    """The stored object's CRC32C a media GET's answer says (``x-goog-hash: crc32c=...``), or None."""
-    for part in resp.headers.get("x-goog-hash", "").split(","):
-        name, _, value = part.strip().partition("=")
-        if name.lower() == "crc32c" and value:
-            try:
-                return crc_from_b64(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _answer_time(resp: requests.Response) -> float | None:
-    """When the object was written, by a media GET's answer (``Last-Modified``), or None."""
-    try:
-        return email.utils.parsedate_to_datetime(resp.headers.get("Last-Modified", "")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def _answer_generation(resp: requests.Response) -> int | None:
-    """The object's generation a media GET's answer says (``x-goog-generation``), or None."""
-    text = resp.headers.get("x-goog-generation", "").strip()
-    return int(text) if text.isdigit() else None
 
 
 class _NotSaid(PermanentStorageError):
