@@ -120,13 +120,22 @@ MAX_TRANSFER_BYTES = 5 << 30
 limit on a part and on a single PUT: a bigger part is refused by S3 (spotjob lowered it silently),
 and a bigger threshold acts as 5 GiB (a file above 5 GiB goes up in parts whatever the threshold;
 on GCS above 8 MiB). A range or a chunk is the unit a failed request repeats, and a chunk or an S3
-part is held whole in memory (``CONCURRENCY`` of them): bigger is a unit slip (GiB for MiB)."""
+part is held whole in memory (as many as ``SPOTJOB_STORAGE_MAX_BUFFER_BYTES`` holds): bigger is a
+unit slip (GiB for MiB)."""
 
 MAX_CONCURRENCY = 1024
-"""The most parts or ranges in flight per store. Each is a thread and a connection, and an S3
-upload's a part in memory (1024 x 8 MiB = 8 GiB); 1024 streams of 100 MB/s each are 800 Gbit/s,
-more than any NIC carries, and more than a prefix's request rate (S3: 3 500 writes a second)
-serves. Above it, a typo (10000 for 100)."""
+"""The most parts or ranges in flight per store. Each is a thread and a connection (the memory an
+upload's parts hold is bounded by ``SPOTJOB_STORAGE_MAX_BUFFER_BYTES``); 1024 streams of 100 MB/s
+each are 800 Gbit/s, more than any NIC carries, and more than a prefix's request rate (S3: 3 500
+writes a second) serves. Above it, a typo (10000 for 100)."""
+
+MIN_BUFFER_BYTES = 1 << 20
+"""The smallest upload buffer budget per store (1 MiB). Below it a bare number meant with a unit
+(``64`` for ``64MiB``): every part, chunk and file would go up alone, one at a time."""
+
+MAX_BUFFER_BYTES = 5 << 40
+"""The largest upload buffer budget per store (5 TiB): ``MAX_CONCURRENCY`` parts of
+``MAX_TRANSFER_BYTES``, more memory than any machine has; a bigger budget bounds nothing."""
 
 MAX_STORAGE_ATTEMPTS = 100
 """The most attempts of one storage operation. At the default cap of 8 s between two, 100 attempts
@@ -159,6 +168,12 @@ class StorageEnv(_ExactNames):
     )
     concurrency: int | None = Field(
         None, ge=1, le=MAX_CONCURRENCY, description=f"a whole number from 1 to {MAX_CONCURRENCY}"
+    )
+    max_buffer_bytes: ByteSize | None = Field(
+        None,
+        ge=MIN_BUFFER_BYTES,
+        le=MAX_BUFFER_BYTES,
+        description=f"a size in bytes from 1MiB to 5TiB ({MIN_BUFFER_BYTES} to {MAX_BUFFER_BYTES}), e.g. 1GiB",
     )
     # Finite and bounded: an infinite timeout or backoff reaches the clients and time.sleep as a
     # timestamp they cannot represent, failing every request (retried forever as a transient fault)

@@ -8,26 +8,38 @@ against the caller's, and only then is the temp file renamed into place, so a fa
 download leaves nothing at the destination.
 
 Each storage object owns one ``TransferPool``: it bounds the parts / ranges in flight across all
-the files that object is moving at once, and so the memory they hold (``concurrency x
-upload_part_size`` for S3 uploads, which read a part into memory before sending it). A GCS
-resumable upload sends its chunks in order, one at a time: it holds one ``upload_chunk_size``
-chunk per file.
+the files that object is moving at once. An upload reads each S3 part, GCS chunk and small file
+whole into memory before sending it (S3: up to ``concurrency`` parts at once; GCS: one chunk per
+file, and ``put_files`` sends several files at once), so each storage object also owns one
+``ByteBudget`` of ``max_buffer_bytes``: a buffer is filled only once the budget holds its bytes, and
+the bytes are given back once it is sent. A download holds no part: each range streams through a
+``RangeSink`` (about 2 MiB per range in flight, whatever ``part_size``).
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
-from agent.settings import MAX_CONCURRENCY, MAX_TIMEOUT_S, MAX_TRANSFER_BYTES, StorageEnv, load
+from agent.settings import (
+    MAX_BUFFER_BYTES,
+    MAX_CONCURRENCY,
+    MAX_TIMEOUT_S,
+    MAX_TRANSFER_BYTES,
+    MIN_BUFFER_BYTES,
+    StorageEnv,
+    load,
+)
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
 from agent.storage.base import (
@@ -71,13 +83,13 @@ class TransferSettings:
     minimum part) and to size/10000 (its part-count limit). Smaller than ``part_size``: a
     flush's shard goes up in more parts at once (boto3 and the AWS CLI send 8 MiB parts too), and
     the parts in flight hold ``concurrency x upload_part_size`` of memory (64 MiB) rather than
-    512 MiB."""
+    512 MiB (and never more than ``max_buffer_bytes``)."""
 
     upload_chunk_size: int = 100 * MiB
     """Bytes per GCS resumable-upload chunk (rounded up to 256 KiB, GCS's granularity). An object's
     chunks go up one after another, each a request of its own, so fewer, bigger chunks are faster:
     100 MiB is google-cloud-storage's own default. A file being uploaded holds one chunk in
-    memory."""
+    memory (the files going up at once, together no more than ``max_buffer_bytes``)."""
 
     multipart_threshold: int = 64 * MiB
     """Objects this big or bigger go up in parts (S3) or chunks (GCS); smaller ones in one PUT (but
@@ -85,6 +97,13 @@ class TransferSettings:
 
     concurrency: int = 8
     """Parts or ranges in flight at once per storage object, whatever the number of files."""
+
+    max_buffer_bytes: int = 1 * GiB
+    """Bytes an upload may hold in memory at once per storage object: the S3 parts, GCS chunks and
+    small files read and not yet sent, whatever the number of files, parts or threads
+    (``ByteBudget``). 1 GiB is above what the defaults ever hold (8 files of up to 100 MiB
+    chunks on GCS, of up to 64 MiB on S3), so it only bounds settings that would hold more (64
+    parts of 512 MiB: 32 GiB). One part bigger than the whole budget goes up alone."""
 
     connect_timeout_s: float = 10.0
     """Seconds to open a connection before the attempt counts as a transient failure."""
@@ -113,15 +132,20 @@ class TransferSettings:
                 raise ValueError(f"{name} must be from 1 byte to 5 GiB ({MAX_TRANSFER_BYTES}), got {value}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency must be from 1 to {MAX_CONCURRENCY}, got {self.concurrency}")
+        if not MIN_BUFFER_BYTES <= self.max_buffer_bytes <= MAX_BUFFER_BYTES:
+            raise ValueError(
+                f"max_buffer_bytes must be from 1 MiB to 5 TiB ({MIN_BUFFER_BYTES} to {MAX_BUFFER_BYTES}), "
+                f"got {self.max_buffer_bytes}"
+            )
         if not (0 < self.connect_timeout_s <= MAX_TIMEOUT_S and 0 < self.read_timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeouts must be positive and at most {MAX_TIMEOUT_S:g} seconds")
 
     @classmethod
     def from_env(cls) -> TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
-        ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD`` (bytes, or with a unit:
-        64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S``, ``S3_CHECKSUM_HEADERS`` and
-        ``S3_CREATE_ONLY_CHECK`` (``agent.settings`` checks each value)."""
+        ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD``, ``MAX_BUFFER_BYTES``
+        (bytes, or with a unit: 64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S``,
+        ``S3_CHECKSUM_HEADERS`` and ``S3_CREATE_ONLY_CHECK`` (``agent.settings`` checks each value)."""
         env = load(StorageEnv)
         defaults = cls()
         given = {f.name: getattr(env, f.name) for f in fields(cls)}
@@ -223,6 +247,50 @@ class TransferPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- the upload buffer budget -----------------------------------------------------------------
+class ByteBudget:
+    """A semaphore counted in bytes: the upload buffers of one storage object, together.
+
+    ``hold(n)`` waits until ``n`` more bytes fit under ``limit``, then holds them until its block
+    ends; a buffer is filled inside the block and sent before it ends. Waiters are served in the
+    order they came (a big part is not passed over for ever by small ones), and a request bigger
+    than the whole budget is granted once nothing else is held: it goes alone rather than never.
+    Holders never wait for anything that needs the budget (a part is read, sent and given back;
+    pool workers and callers' threads alike), so waiting cannot deadlock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._line: collections.deque[object] = collections.deque()
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        if n <= 0:
+            yield
+            return
+        turn = object()
+        with self._changed:
+            self._line.append(turn)
+            try:
+                while self._line[0] is not turn or (self._held and self._held + n > self.limit):
+                    self._changed.wait()
+            except BaseException:
+                self._line.remove(turn)
+                self._changed.notify_all()
+                raise
+            self._line.popleft()
+            self._held += n
+            self._changed.notify_all()  # the next in line may fit too
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= n
+                self._changed.notify_all()
 
 
 # -- verified ranged download ----------------------------------------------------------------

@@ -30,6 +30,8 @@ from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
+    ByteBudget,
+    GiB,
     MiB,
     RangeSink,
     TransferPool,
@@ -74,6 +76,9 @@ def test_spans_cover_the_object_with_a_short_last_part() -> None:
     assert spans(0, 10) == []
     assert spans(10, 10) == [(0, 10)]
     assert spans(25, 10) == [(0, 10), (10, 10), (20, 5)]
+
+
+BUFFER_RANGE = "a size in bytes from 1MiB to 5TiB (1048576 to 5497558138880), e.g. 1GiB"
 
 
 class TestSettings:
@@ -141,6 +146,7 @@ class TestSettings:
             ("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", "8GiB", "a positive size in bytes up to 5GiB (5368709120)"),
             ("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "100GiB", "a positive size in bytes up to 5GiB (5368709120)"),
             ("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "5368709121", "a positive size in bytes up to 5GiB (5368709120)"),
+            ("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", "6TiB", BUFFER_RANGE),
         ],
     )
     def test_a_value_past_its_upper_bound_is_refused_naming_the_variable_and_the_range(
@@ -167,6 +173,42 @@ class TestSettings:
             TransferSettings(concurrency=1025)
         with pytest.raises(ValueError, match="upload_chunk_size must be from 1 byte to 5 GiB"):
             TransferSettings(upload_chunk_size=(5 << 30) + 1)
+
+    def test_the_upload_buffer_budget_defaults_above_what_the_defaults_hold_and_is_read_from_the_environment(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        d = TransferSettings()
+        assert d.max_buffer_bytes == GiB
+        # The defaults never hold more at once (8 files of one 100 MiB GCS chunk; 8 S3 files under
+        # the 64 MiB threshold, or 8 parts of 8 MiB): the budget slows no default upload.
+        assert 8 * max(d.upload_chunk_size, d.multipart_threshold, d.concurrency * d.upload_part_size) <= GiB
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", "256MiB")
+        assert TransferSettings.from_env().max_buffer_bytes == 256 * MiB
+        for bound, value in (("1MiB", MiB), ("5TiB", 5 << 40)):
+            monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", bound)
+            assert TransferSettings.from_env().max_buffer_bytes == value
+
+    @pytest.mark.parametrize("value", ["64", "1048575", "0", "-1GiB", "6TiB", "lots", "1.5.GiB"])
+    def test_an_upload_buffer_budget_out_of_range_is_refused_naming_the_variable_the_value_and_the_range(
+        self, monkeypatch: pytest.MonkeyPatch, value: str
+    ) -> None:
+        """A bare 64 is 64 bytes (meant as 64MiB): every part would go up alone."""
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", value)
+        with pytest.raises(
+            ValueError, match=re.escape(f"SPOTJOB_STORAGE_MAX_BUFFER_BYTES={value!r} is not {BUFFER_RANGE}")
+        ):
+            TransferSettings.from_env()
+        with pytest.raises(ValueError, match="SPOTJOB_STORAGE_MAX_BUFFER_BYTES"):
+            max_attempts()
+
+    def test_an_upload_buffer_budget_built_in_code_is_held_to_the_same_range(self) -> None:
+        for bad in (MiB - 1, (5 << 40) + 1):
+            with pytest.raises(
+                ValueError,
+                match=re.escape(f"max_buffer_bytes must be from 1 MiB to 5 TiB (1048576 to 5497558138880), got {bad}"),
+            ):
+                TransferSettings(max_buffer_bytes=bad)
+        assert TransferSettings(max_buffer_bytes=MiB).max_buffer_bytes == MiB
 
     def test_a_retry_policy_read_before_does_not_hide_a_malformed_timeout_set_after(
         self, monkeypatch: pytest.MonkeyPatch
@@ -654,3 +696,39 @@ def test_a_pool_sends_the_other_calls_once_the_first_says_so_and_none_when_it_fa
         assert calls == [0]
     finally:
         pool.close()
+
+
+class TestByteBudget:
+    def test_a_request_bigger_than_the_whole_budget_is_granted_alone(self) -> None:
+        budget = ByteBudget(10)
+        with budget.hold(25):  # nothing else held: it goes, rather than wait for ever
+            pass
+        with budget.hold(0), budget.hold(10):  # nothing to hold takes nothing
+            pass
+
+    def test_a_request_that_does_not_fit_waits_for_bytes_to_be_given_back_in_the_order_asked(self) -> None:
+        budget = ByteBudget(10)
+        got: list[str] = []
+        first = budget.hold(6)
+        first.__enter__()
+
+        def ask(name: str, n: int) -> threading.Thread:
+            def run() -> None:
+                with budget.hold(n):
+                    got.append(name)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        big = ask("big", 8)  # does not fit beside the 6 held
+        while len(budget._line) < 1:
+            time.sleep(0.001)
+        small = ask("small", 3)  # would fit beside the 6, but comes after the big one: it waits its turn
+        while len(budget._line) < 2:
+            time.sleep(0.001)
+        assert got == []
+        first.__exit__(None, None, None)
+        big.join()
+        small.join()
+        assert got == ["big", "small"]
