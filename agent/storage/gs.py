@@ -72,6 +72,7 @@ from agent.storage._errors import TLS_SLIP, URLLIB3_TIMEOUT, local_file
 from agent.storage._gcs_answers import _answer_crc32c, _answer_generation, _answer_span, _answer_time
 from agent.storage._retry import max_attempts, retry_transient
 from agent.storage._transfer import (
+    ByteBudget,
     FetchRange,
     KiB,
     MiB,
@@ -387,6 +388,7 @@ class GCSStorage(PrefixedKeys, Storage):
             self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-gcs")
+        self._buffers = ByteBudget(self.settings.max_buffer_bytes)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _request(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
@@ -433,12 +435,15 @@ class GCSStorage(PrefixedKeys, Storage):
         with local_file(reading, key):
             size = os.path.getsize(local_path)
         if size < min(self.settings.multipart_threshold, SIMPLE_UPLOAD_MAX + 1):
-            with local_file(reading, key), open(local_path, "rb") as f:
-                data = f.read()
-            check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
-            self.put_bytes(key, data)
+            with self._buffers.hold(size):  # read whole, held under the store's budget until sent
+                with local_file(reading, key), open(local_path, "rb") as f:
+                    data = read_at(f.fileno(), size, 0)
+                if len(data) != size:
+                    raise PermanentStorageError(f"{local_path} shrank while being uploaded to {self.url(key)}", key)
+                check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
+                self.put_bytes(key, data)
             if progress:
-                progress(len(data))
+                progress(size)
             return
         self._put_resumable(local_path, key, size, crc32c, progress)
 
@@ -568,21 +573,26 @@ class GCSStorage(PrefixedKeys, Storage):
         with local_file(reading, key), open(local_path, "rb") as f:
             while upload.confirmed < size:
                 offset = upload.confirmed
-                with local_file(reading, key):
-                    data = read_at(f.fileno(), min(chunk, size - offset), offset)
-                if not data:
-                    raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
-                if offset + len(data) > crc_end:
-                    crc = crc32c_bytes(data[crc_end - offset :], crc)
-                    crc_end = offset + len(data)
-                last = offset + len(data) == size
-                if last:
-                    check_local_crc(url, key, local_path, crc, crc32c)
-                before = upload.confirmed
-                retry_transient(
-                    f"PUT {url} bytes {offset}-{offset + len(data) - 1}/{size}",
-                    functools.partial(upload.send, offset, data, crc if last else None),
-                )
+                length = min(chunk, size - offset)
+                # The chunk is read once the store's budget holds its bytes, given back once sent.
+                with self._buffers.hold(length):
+                    with local_file(reading, key):
+                        data = read_at(f.fileno(), length, offset)
+                    if not data:
+                        raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
+                    if offset + len(data) > crc_end:
+                        crc = crc32c_bytes(data[crc_end - offset :], crc)
+                        crc_end = offset + len(data)
+                    last = offset + len(data) == size
+                    if last:
+                        check_local_crc(url, key, local_path, crc, crc32c)
+                    before = upload.confirmed
+                    sent = len(data)
+                    retry_transient(
+                        f"PUT {url} bytes {offset}-{offset + sent - 1}/{size}",
+                        functools.partial(upload.send, offset, data, crc if last else None),
+                    )
+                    del data  # not held past the budget's hold while the next chunk is read
                 if upload.confirmed > before:
                     stalls = 0
                     report(upload.confirmed)
@@ -592,7 +602,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 stalls += 1
                 if stalls >= max_attempts():
                     raise TransientStorageError(
-                        f"PUT {url}: the server kept none of the bytes {offset}-{offset + len(data) - 1}/{size} "
+                        f"PUT {url}: the server kept none of the bytes {offset}-{offset + sent - 1}/{size} "
                         f"in {stalls} attempts",
                         key,
                     )

@@ -86,6 +86,7 @@ from agent.storage._s3_errors import (
     _without_userinfo,
 )
 from agent.storage._transfer import (
+    ByteBudget,
     GiB,
     MiB,
     PrefixedKeys,
@@ -246,6 +247,7 @@ class S3Storage(PrefixedKeys, Storage):
         self._client: Any = self._new_client(config)
         self._client.meta.events.register("before-call.s3.DeleteObjects", _content_md5_instead_of_crc32)
         self._pool = TransferPool(self.settings.concurrency, "spotjob-s3")
+        self._buffers = ByteBudget(self.settings.max_buffer_bytes)
         self._checksums = self.settings.s3_checksum_headers
         self.endpoint = _without_userinfo(str(self._client.meta.endpoint_url))
         """The URL requests go to (``AWS_ENDPOINT_URL`` or AWS's own), without any credentials in it."""
@@ -340,12 +342,16 @@ class S3Storage(PrefixedKeys, Storage):
         with local_file(reading, key):
             size = os.path.getsize(local_path)
         if size < self.settings.multipart_threshold and size <= S3_MAX_PUT:
-            with local_file(reading, key), open(local_path, "rb") as f:
-                data = f.read()
-            check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
-            self.put_bytes(key, data)
+            # Read whole: held under the store's budget until sent, like a part.
+            with self._buffers.hold(size):
+                with local_file(reading, key), open(local_path, "rb") as f:
+                    data = read_at(f.fileno(), size, 0)
+                if len(data) != size:
+                    raise PermanentStorageError(f"{local_path} shrank while being uploaded to {self.url(key)}", key)
+                check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
+                self.put_bytes(key, data)
             if progress:
-                progress(len(data))
+                progress(size)
             return
         self._put_multipart(local_path, key, size, crc32c, progress)
 
@@ -475,23 +481,26 @@ class S3Storage(PrefixedKeys, Storage):
                 fd = f.fileno()
 
                 def send_part(number: int, offset: int, length: int) -> tuple[int, str]:
-                    with local_file(reading, key):
-                        data = read_at(fd, length, offset)
-                    if len(data) != length:
-                        raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
-                    crc = crc32c_bytes(data)
-                    resp = self._retrying(
-                        f"PUT {url} part {number}/{len(parts)}",
-                        key,
-                        lambda: self._client.upload_part(
-                            Bucket=self.bucket,
-                            Key=obj,
-                            UploadId=upload_id,
-                            PartNumber=number,
-                            Body=data,
-                            **self._crc_args(crc),
-                        ),
-                    )
+                    # The part is read only once the store's budget holds its bytes, and they are
+                    # given back once it is sent: a budget, not concurrency x part size, of memory.
+                    with self._buffers.hold(length):
+                        with local_file(reading, key):
+                            data = read_at(fd, length, offset)
+                        if len(data) != length:
+                            raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
+                        crc = crc32c_bytes(data)
+                        resp = self._retrying(
+                            f"PUT {url} part {number}/{len(parts)}",
+                            key,
+                            lambda: self._client.upload_part(
+                                Bucket=self.bucket,
+                                Key=obj,
+                                UploadId=upload_id,
+                                PartNumber=number,
+                                Body=data,
+                                **self._crc_args(crc),
+                            ),
+                        )
                     if progress:
                         progress(length)
                     return crc, str(resp["ETag"])
