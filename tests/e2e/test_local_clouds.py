@@ -32,9 +32,10 @@ from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmu
 from agent.storage import open_storage
 from orchestrator.backends.local import EventKind, LocalBackend, LocalNode, LocalOptions, Timeline
 from orchestrator.backends.local_cloud import cloud_text
-from orchestrator.cli_run import LocalRun, RunConfig, RunError
 from orchestrator.live import NoticeView, Snapshot, render_snapshot
 from orchestrator.model import JobKey, JobStatus
+from orchestrator.run_config import RunConfig
+from orchestrator.run_driver import LocalRun, RunError
 
 GIVE_UP_S = 120.0
 """Only stops a hung test; nothing here asserts how long anything took."""

@@ -42,10 +42,11 @@ from agent.storage import open_storage
 from orchestrator.backends import local
 from orchestrator.backends.base import Placement
 from orchestrator.backends.local import ENV_NODE, EventKind, LocalBackend, LocalOptions, Timeline, marked_pids
-from orchestrator.cli_run import LocalRun, RunConfig
 from orchestrator.cli_status import status_command
 from orchestrator.events import events_path, read_events
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec, Phase, WorkerPhase
+from orchestrator.run_config import RunConfig
+from orchestrator.run_driver import LocalRun
 
 try:
     from faults import FaultProxy

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.cli_run import checkpoint_uri_problem, describe_option_error, plot_problem
 from orchestrator.model import JobSpec
-from orchestrator.run_config import RunConfig
+from orchestrator.run_config import RunConfig, checkpoint_uri_problem, describe_option_error, plot_problem
 
 
 def spec_error(**fields: object) -> ValidationError:
@@ -125,7 +124,7 @@ def test_a_run_is_resumed_with_its_own_nproc_on_a_machine_with_fewer_cpus(
     larger machine (a shared runs folder, a VM resized smaller) keeps its spec, which --resume
     cannot change: it used to be refused with '--nproc must be at most ...', an option the
     resumed run does not take."""
-    from orchestrator.cli_run import LocalRun
+    from orchestrator.run_driver import LocalRun
 
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
@@ -147,7 +146,7 @@ def test_a_run_made_and_closed_without_running_leaves_no_thread_behind(tmp_path:
     test process, broke a later test's check that an agent leaves no spotjob thread behind)."""
     import threading
 
-    from orchestrator.cli_run import LocalRun
+    from orchestrator.run_driver import LocalRun
 
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
@@ -167,7 +166,7 @@ def test_a_bad_agent_setting_in_spotjob_runs_environment_is_refused_before_anyth
     it. Before the fix the run was created and its workers failed; now ``spotjob run`` refuses it as
     it refuses a bad option, in the agent's words, and creates no run folder. A resumed run is
     checked in the environment of the ``spotjob run`` that resumes it."""
-    from orchestrator.cli_run import LocalRun
+    from orchestrator.run_driver import LocalRun
 
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
@@ -409,7 +408,7 @@ def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_wa
     resumed). The workers now run where the run's first ones did; a folder gone since is refused."""
     import shutil
 
-    from orchestrator.cli_run import LocalRun, RunError
+    from orchestrator.run_driver import LocalRun, RunError
     from orchestrator.run_folder import write_run_file
 
     began, elsewhere, runs = tmp_path / "project", tmp_path / "home", tmp_path / "runs"
@@ -448,8 +447,8 @@ def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interru
     import json
     from datetime import UTC, datetime
 
-    from orchestrator.cli_run import LocalRun
     from orchestrator.model import AttemptStatus, JobKey, JobStatus, Phase, WorkerPhase, WorkerStatus
+    from orchestrator.run_driver import LocalRun
     from orchestrator.store import JsonFileJobStore
 
     script = tmp_path / "train.py"

@@ -17,10 +17,10 @@ from orchestrator import events
 from orchestrator.backends import local, local_timeline
 from orchestrator.backends.local import LocalBackend, LocalOptions
 from orchestrator.backends.local_timeline import EventKind, Timeline
-from orchestrator.cli_run import LocalRun
 from orchestrator.events import EventType, read_events
 from orchestrator.model import JobKey
 from orchestrator.run_config import RunConfig
+from orchestrator.run_driver import LocalRun
 
 
 def count_constructions(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> dict[str, int]:
