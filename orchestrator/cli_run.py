@@ -65,7 +65,7 @@ from orchestrator.run_config import (
     nproc_within_machine,
     plot_problem,
 )
-from orchestrator.run_driver import LocalRun, ResumeInterrupted, RunError
+from orchestrator.run_driver import LocalRun
 from orchestrator.run_folder import (
     LOG_EXCERPT_LINES,
     RUNS_DIR,
@@ -76,6 +76,7 @@ from orchestrator.run_folder import (
     used_up_restarts,
 )
 from orchestrator.run_interrupt import InterruptState
+from orchestrator.run_setup import ResumeInterrupted, RunError
 from orchestrator.store import StoreError
 
 log = logging.getLogger(__name__)

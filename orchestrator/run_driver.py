@@ -19,61 +19,43 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from agent.catalog import list_checkpoints
-from agent.control_channel import STATUS_FILE, read_json
 from agent.storage import StorageError, open_storage
-from orchestrator.backends.local import (
-    ENV_RUN,
-    EventKind,
-    LocalBackend,
-    LocalOptions,
-    Timeline,
-    TimelineEvent,
-    agent_settings_problem,
-    kill_marked,
-    run_pids,
-)
+from orchestrator.backends.local import EventKind, LocalBackend, LocalOptions, Timeline, TimelineEvent
 from orchestrator.backends.local_timeline import TimelineTail
 from orchestrator.controller_loop import Controller
 from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
-from orchestrator.live import (
-    NoticeView,
-    RunView,
-    Snapshot,
-    Summary,
-    plot_timeline,
-    summarize,
-    timeline_commits,
-)
-from orchestrator.model import JobKey, JobSpec, JobStatus, Phase
+from orchestrator.live import NoticeView, RunView, Snapshot, Summary, plot_timeline, summarize, timeline_commits
+from orchestrator.model import JobStatus, Phase
 from orchestrator.reconciler import Reconciler, ReconcilerOptions, SystemClock
-from orchestrator.run_config import RunConfig, name_problem
+from orchestrator.run_config import RunConfig
 from orchestrator.run_folder import (
     AGENT_EXITS,
     TIMELINE_FILE,
     DriverLock,
-    hand_over_commands,
-    older_layout_problem,
-    read_cloud,
-    reported_step,
-    run_file_pid,
     run_file_workdir,
     runs_dir_option,
     write_cloud,
     write_run_file,
 )
 from orchestrator.run_interrupt import (
-    INTERRUPT_REASONS,
     INTERRUPTED_AT_COMPLETION,
     InterruptOutcome,
     InterruptState,
     at_completion,
     cut_short,
     flush_before_stop,
+)
+from orchestrator.run_setup import (
+    RunDrivenError,
+    RunExistsError,
+    Takeover,
+    _refuse_agent_settings,
+    _RunSetup,
+    resume_config,
 )
 from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
 
@@ -84,65 +66,18 @@ VIEW_TICK = 0.25
 RATE_WINDOW_SECONDS = 15.0
 STATUS_REFRESH_SECONDS = 5.0
 """How stale the stored goodput and step hints of a local run may get between decisions."""
-LEFTOVER_WAIT_SECONDS = 45.0
-"""How long ``--resume`` waits for a killed driver's workers to finish their flush and stop (their
-agents' ``--parent-grace`` is 30 s) before it stops what is left."""
-
-
-class RunError(Exception):
-    """A run cannot be created or resumed as asked: a message for people, exit status 2."""
-
-
-class RunExistsError(RunError):
-    """A run of that name is in the runs folder already."""
-
-
-class RunDrivenError(RunError):
-    """Another process drives that run right now."""
-
-
-class ResumeInterrupted(Exception):
-    """Ctrl-C or SIGTERM during ``--resume``'s wait for the previous driver's processes: a message
-    for people, exit status 130. Nothing of the run was changed."""
 
 
 # -- one run ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Takeover:
-    """What ``--resume`` found of the previous driver."""
-
-    previous_pid: int | None
-    leftovers: int
-    """Processes of the run still alive when the resume began."""
-    stopped: int
-    """Of those, how many had to be stopped (the rest finished their flush on their own)."""
-    gap_seconds: float | None
-    """How long nobody drove the run (counted as restart time), when the run had trained."""
-    late_commits: int = 0
-    """Checkpoints its workers committed while nobody watched (their flush when the driver died)."""
-
-
-def _refuse_agent_settings(key: JobKey, spec: JobSpec, options: LocalOptions) -> None:
-    """A ``ValueError`` (exit 2) for a setting of this environment (or of the run's ``spec.env``)
-    every worker's spotjob-agent would exit 2 on (``SPOTJOB_AGENT_PREFETCH=nodes``), in the agent's
-    words: before any worker starts, rather than a job that ends Invalid."""
-    refused = agent_settings_problem(key, spec, options)
-    if refused is not None:
-        raise ValueError(
-            # The agent's words say what to do; this says where the value comes from (not the remedy again).
-            f"every worker's spotjob-agent would refuse its settings and exit 2: {refused} (read from this "
-            "environment, or from the run's spec.env, both of which every worker gets)"
-        )
-
-
-class LocalRun:
+class LocalRun(_RunSetup):
     """One ``spotjob run``: its folder, store, backend and controller loop. Usable in-process (tests).
 
     ``LocalRun(config)`` creates a new run (``RunExistsError`` if the name is taken);
     ``LocalRun.resume(runs_dir, name)`` takes an existing one over. Either holds the run's driver
-    lock until ``close()`` (``run()`` closes).
+    lock until ``close()`` (``run()`` closes). Refusing a run and taking one over are
+    ``_RunSetup``'s (``orchestrator.run_setup``).
     """
 
     def __init__(self, config: RunConfig, *, resume: bool = False) -> None:
@@ -241,63 +176,7 @@ class LocalRun:
         """Take over the run ``name`` under ``runs_dir`` with its stored spec (``plan``: the
         injected preemptions of this driver, ``RunConfig``'s fields of that group) and the cloud it
         simulates (``cloud``, if given, must be that one: ``RunError`` otherwise)."""
-        problem = name_problem(name)
-        if problem is not None:
-            raise RunError(problem.replace("--name", "--resume", 1))
-        path = os.path.abspath(os.path.join(runs_dir, name))
-        store = JsonFileJobStore(path, create=False)
-        key = JobKey.local(name)
-        if not os.path.exists(store.path(key)):
-            older = older_layout_problem(path, name)
-            if older is not None:
-                uri = os.path.join(path, "checkpoints")
-                raise RunError(
-                    f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
-                    f"and start it with the same script and options: {hand_over_commands(uri, runs_dir)}"
-                )
-            raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
-        try:
-            stored = store.get(key)
-        except StoreError as e:
-            raise RunError(f"run {name!r} cannot be resumed: {e}") from None
-        if stored is None or stored.spec is None:
-            why = stored.invalid if stored is not None else "it is gone"
-            raise RunError(f"run {name!r} cannot be resumed: its stored spec does not validate ({why})")
-        spec = stored.spec
-        try:
-            recorded = read_cloud(path)
-        except ValueError as e:
-            raise RunError(f"run {name!r} cannot be resumed: {e}") from None
-        if cloud is not None and cloud != recorded:
-            raise RunError(
-                f"run {name!r} simulates {recorded} (it was started with --cloud {recorded}), and --resume keeps "
-                f"it: drop --cloud {cloud}, or start a new run to simulate {cloud}"
-            )
-        workdir = run_file_workdir(path)
-        if workdir is not None and not os.path.isdir(workdir):
-            raise RunError(
-                f"run {name!r} cannot be resumed: its workers ran in {workdir}, which is gone, and its script's "
-                "relative paths name things there; create that folder again (with what the script reads there)"
-            )
-        config = RunConfig(
-            script=spec.command[0],
-            args=list(spec.command[1:]),
-            name=name,
-            runs_dir=runs_dir,
-            nproc=spec.nproc_per_node,
-            checkpoint_uri=spec.checkpoint.uri,
-            every_steps=spec.checkpoint.every_steps,
-            every_seconds=spec.checkpoint.every_seconds,
-            keep=spec.checkpoint.keep,
-            max_restarts=spec.max_restarts,
-            flush_timeout=spec.flush_timeout_seconds,
-            notice=spec.notice_seconds or 30.0,
-            restart_backoff=spec.restart_backoff.initial_seconds,
-            env=dict(spec.env),
-            cloud=recorded,
-            **plan,
-        )
-        return cls(config, resume=True)
+        return cls(resume_config(runs_dir, name, cloud=cloud, **plan), resume=True)
 
     def close(self) -> None:
         """Stop the backend's threads (``run()`` has, if it ran) and give up the driver lock
@@ -306,147 +185,6 @@ class LocalRun:
             self.backend.close()
         finally:
             self.lock.release()
-
-    # -- creating and taking over -------------------------------------------------------------------
-    def _exists_message(self) -> str:
-        return (
-            f"a run named {self.name!r} exists in {self.path}: resume it with "
-            f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`, "
-            "or pick another --name"
-        )
-
-    def _refuse_existing(self) -> None:
-        if os.path.exists(self.store.path(self.key)):
-            raise RunExistsError(self._exists_message())
-        older = older_layout_problem(self.path, self.name)
-        if older is not None:  # a new run would mix its files (and its checkpoints) with the older run's
-            raise RunExistsError(f"{older}: pick another --name, or move that folder away")
-
-    def _read_for_resume(self) -> tuple[JobSpec, JobStatus | None, str]:
-        try:
-            stored = self.store.get(self.key)
-        except StoreError as e:
-            raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
-        if stored is None or stored.spec is None:
-            raise RunError(f"run {self.name!r} cannot be resumed: its job file is gone or its spec does not validate")
-        if stored.status is None and stored.invalid is not None:
-            raise RunError(
-                f"run {self.name!r} cannot be resumed: its stored status does not validate ({stored.invalid})"
-            )
-        status = stored.status
-        if status is not None and status.phase.terminal:
-            uri = stored.spec.checkpoint.uri
-            raise RunError(
-                f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
-                f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
-                f"local/{self.name}), hand them to a new run and start that with the same script and options: "
-                f"{hand_over_commands(uri, self.config.runs_dir)}"
-            )
-        return stored.spec, status, stored.version
-
-    def _take_over(self, status: JobStatus | None, version: str) -> Takeover:
-        """Wait for what the dead driver left running (its agents flush, then stop), stop the rest,
-        count the time nobody drove the run, and say so in an Event."""
-        previous = run_file_pid(self.path)
-        pids = run_pids(self.path)
-        stopped = 0
-        if pids:
-            log.warning(
-                "run %s: %d process(es) of the previous driver still run; waiting up to %.0f s for their flush",
-                self.key,
-                len(pids),
-                LEFTOVER_WAIT_SECONDS,
-            )
-            give_up = time.monotonic() + LEFTOVER_WAIT_SECONDS
-            try:
-                while run_pids(self.path) and time.monotonic() < give_up:
-                    time.sleep(0.25)
-            except KeyboardInterrupt:
-                raise ResumeInterrupted(self._interrupted_waiting(len(run_pids(self.path)))) from None
-            stopped = kill_marked(ENV_RUN, self.path, grace=3.0, reason=f"resuming {self.key}")
-        # The old driver's last record in the timeline: about when it died.
-        last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
-        late = self._commits_seen_late()
-        gap = None
-        changed = False
-        # The step the ranks last reached, which the status stores only every few seconds: an
-        # interrupt (no flush) loses the steps past the newest commit, and they count as lost.
-        reported = reported_step(self.path, status) if status is not None and status.recovery is None else None
-        if status is not None and reported is not None and reported > (status.attempt.observed_step or 0):
-            status.attempt.observed_step = reported
-            changed = True
-        # Nobody drove the run between the old driver's last record and now: not training time.
-        # (A recovery in progress counts that time itself when the next attempt runs.)
-        if status is not None and status.recovery is None and status.start_time is not None and last is not None:
-            gap = max(0.0, time.time() - last)
-            status.restarting_seconds += gap
-            changed = True
-        if status is not None and changed:
-            try:
-                self.store.update_status(self.key, status, version=version)
-            except StoreError as e:
-                raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
-        takeover = Takeover(previous, len(pids), stopped, gap, late)
-        driver = f"the previous driver{f' (pid {previous})' if previous else ''}"
-        if status is not None and status.reason in INTERRUPT_REASONS:
-            # It stopped every process itself, and ended their attempt (Reconciler.driver_stopped):
-            # nothing was lost with it, and no preemption is counted.
-            newest = status.last_checkpoint
-            said = (
-                f"{driver} was interrupted and stopped every process of the run ({status.reason}); the next attempt "
-                f"starts from {f'step {newest.step}' if newest is not None else 'the start (no checkpoint)'}"
-            )
-        else:
-            said = f"{driver} is gone"
-        message = (
-            f"spotjob run --resume (pid {os.getpid()}) drives the run again; {said}"
-            + (f"; {len(pids)} of its processes still ran ({stopped} had to be stopped)" if pids else "")
-            + (f"; {late} checkpoint(s) committed after it was gone" if late else "")
-            + (f"; nothing drove the run for {gap:.0f} s (counted as restart time)" if gap is not None else "")
-        )
-        self.sink.emit(self.key, EventType.NORMAL, "Resumed", message)
-        return takeover
-
-    def _interrupted_waiting(self, left: int) -> str:
-        """What a Ctrl-C or SIGTERM during the wait for the previous driver's processes says. They
-        are left to end their flush: stopped now, the steps since the newest commit would be lost."""
-        again = f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`"
-        if not left:
-            return f"interrupted; nothing of {self.name} runs, and nothing of it was changed: carry on with {again}"
-        return (
-            f"interrupted while waiting for {left} process(es) the previous driver of {self.name} left: their "
-            "agents go on with the flush they began when that driver died and stop by themselves once it ends. "
-            f"Nothing of the run was changed: carry on with {again}"
-        )
-
-    def _commits_seen_late(self) -> int:
-        """Record in the timeline the commits the dead driver's workers made after it stopped
-        watching (their flush, at least): each rank 0 left its count in its control folder."""
-        events = Timeline.read(self.timeline.path)
-        counted: dict[str, int] = {}
-        attempts: dict[str, int] = {}
-        for e in events:
-            worker = str(e.data.get("worker", ""))
-            if e.kind == EventKind.WORKER_STARTED:
-                attempts[worker] = int(e.data.get("attempt", 0))
-            elif e.kind == EventKind.COMMIT:
-                count = e.data.get("count", 1)
-                counted[worker] = counted.get(worker, 0) + (count if isinstance(count, int) and count > 0 else 1)
-        late = 0
-        for worker, attempt in attempts.items():
-            folders = [os.path.join(self.path, "nodes", n, worker) for n in _listdir(os.path.join(self.path, "nodes"))]
-            for folder in folders:
-                data = read_json(os.path.join(folder, STATUS_FILE))
-                commits = data.get("commits") if data else None
-                step = data.get("last_committed_step") if data else None
-                if not isinstance(commits, int) or not isinstance(step, int) or commits <= counted.get(worker, 0):
-                    continue
-                missed = commits - counted.get(worker, 0)
-                self.timeline.record(
-                    EventKind.COMMIT, worker=worker, attempt=attempt, step=step, count=missed, unwatched=True
-                )
-                late += missed
-        return late
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, view: RunView | None = None) -> JobStatus:
@@ -683,13 +421,6 @@ def committed_in_storage(run: LocalRun, events: list[TimelineEvent]) -> tuple[in
     ]
     newest = next((c.ref.step for c in found if c.valid), None)
     return len(ours), newest
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
 
 
 def _events(events: EventLog) -> list[RecordedEvent]:

@@ -35,7 +35,8 @@ from orchestrator.backends.local_cloud import cloud_text
 from orchestrator.live import NoticeView, Snapshot, render_snapshot
 from orchestrator.model import JobKey, JobStatus
 from orchestrator.run_config import RunConfig
-from orchestrator.run_driver import LocalRun, RunError
+from orchestrator.run_driver import LocalRun
+from orchestrator.run_setup import RunError
 
 GIVE_UP_S = 120.0
 """Only stops a hung test; nothing here asserts how long anything took."""

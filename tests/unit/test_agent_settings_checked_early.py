@@ -24,7 +24,7 @@ from orchestrator.crd import POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s import pods
 from orchestrator.model import JobKey, JobSpec
 from orchestrator.run_config import RunConfig
-from orchestrator.run_driver import _refuse_agent_settings
+from orchestrator.run_setup import _refuse_agent_settings
 
 OPTIONS = pods.WorkerOptions(agent_port=8470, controller_namespace="spotjob-system", controller_pod_labels={})
 ARGS = ["--checkpoint-uri", "s3://bucket/llama", "--", "torchrun", "train.py"]

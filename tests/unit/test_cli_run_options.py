@@ -408,8 +408,9 @@ def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_wa
     resumed). The workers now run where the run's first ones did; a folder gone since is refused."""
     import shutil
 
-    from orchestrator.run_driver import LocalRun, RunError
+    from orchestrator.run_driver import LocalRun
     from orchestrator.run_folder import write_run_file
+    from orchestrator.run_setup import RunError
 
     began, elsewhere, runs = tmp_path / "project", tmp_path / "home", tmp_path / "runs"
     began.mkdir()
