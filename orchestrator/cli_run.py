@@ -52,12 +52,11 @@ from types import FrameType
 from typing import Any
 
 from agent.torchrun import LAUNCHERS
-from orchestrator.backends.local import CLOUDS, load_trace, log_excerpt
+from orchestrator.backends.local import CLOUDS, load_trace
 from orchestrator.cli_ckpt import NOISY_LOGGERS
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
-from orchestrator.live import LiveView, LogView, Summary
-from orchestrator.model import MAX_NAME_LENGTH, JobStatus, Phase
-from orchestrator.reconciler import INVALID
+from orchestrator.live import LiveView, LogView
+from orchestrator.model import MAX_NAME_LENGTH
 from orchestrator.run_config import (
     RunConfig,
     checkpoint_uri_problem,
@@ -67,25 +66,17 @@ from orchestrator.run_config import (
 )
 from orchestrator.run_driver import LocalRun
 from orchestrator.run_folder import (
-    LOG_EXCERPT_LINES,
     RUNS_DIR,
     SUMMARY_FILE,
     empty_runs_dir_problem,
-    hand_over_commands,
     runs_dir_option,
-    used_up_restarts,
 )
 from orchestrator.run_interrupt import InterruptState
+from orchestrator.run_outcome import EXIT_INTERRUPTED, EXIT_USAGE, _tell_outcome
 from orchestrator.run_setup import ResumeInterrupted, RunError
 from orchestrator.store import StoreError
 
 log = logging.getLogger(__name__)
-
-
-EXIT_SUCCEEDED = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 # -- spotjob run ----------------------------------------------------------------------------------
@@ -311,29 +302,6 @@ def _prepared(args: argparse.Namespace) -> LocalRun | int:
         return EXIT_INTERRUPTED
 
 
-def failure_line(name: str, status: JobStatus) -> str:
-    """What ``spotjob run`` says of a run that did not succeed: its phase's reason, or, for a job that
-    stopped because its spec is invalid (its phase still the one it had), the Invalid condition's
-    message (it said "failed: Created: waiting for the first pass")."""
-    invalid = status.condition(INVALID)
-    if invalid is not None and invalid.status == "True":
-        return f"spotjob run: {name} did not start: {invalid.reason}: {invalid.message}"
-    return f"spotjob run: {name} failed: {status.reason}: {status.message}"
-
-
-def carry_on_line(name: str, uri: str, status: JobStatus, newest: int | None, runs_dir: str = RUNS_DIR) -> str | None:
-    """After a run whose script used up its restarts, with a checkpoint in storage: where it is and
-    how a new run carries on from it once the script is fixed (a failed run is not resumed, and a
-    new run is refused a URI another job owns until it is handed over)."""
-    if not used_up_restarts(status) or newest is None:
-        return None
-    return (
-        f"spotjob run: the newest checkpoint of {name}, step {newest}, stays in {uri}. To carry on from it once "
-        f"the script is fixed, hand it to a new run and start that with the same script and options: "
-        f"{hand_over_commands(uri, runs_dir)}"
-    )
-
-
 def _drive(run: LocalRun, args: argparse.Namespace) -> int:
     """Run it, then tell: the summary, the plot, the exit status."""
     live = sys.stderr.isatty() and not args.no_live
@@ -380,38 +348,6 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
         reader_left = True  # exit 141 (below), once stderr has said what it has to say
     code = _tell_outcome(run, status, summary, interrupted, runs_dir)
     return reader_gone() if reader_left else code
-
-
-def _tell_outcome(run: LocalRun, status: JobStatus, summary: Summary, interrupted: bool, runs_dir: str) -> int:
-    """On stderr: how the run ended, when it did not succeed; the exit status."""
-    if interrupted:
-        resume = f"`spotjob run{runs_dir} --resume {run.name}`"
-        outcome = run.interrupt_outcome
-        said = (
-            f"interrupted; every process of {run.name} was stopped (carry on with {resume})"
-            if outcome is None
-            else outcome.line(run.name, resume)
-        )
-        print(f"spotjob run: {said}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if status.phase is Phase.SUCCEEDED:
-        if run.interrupt.signal is not None:
-            # The training finished during the interrupt's flush: a finished run, which says so.
-            print(
-                f"spotjob run: the interrupt ({run.interrupt.signal}) came as {run.name} finished: every worker "
-                "exited 0, so the run is complete and nothing is left to resume",
-                file=sys.stderr,
-            )
-        return EXIT_SUCCEEDED
-    print(failure_line(run.name, status), file=sys.stderr)
-    for path in run.failed_worker_logs():
-        print(f"the end of {path}:", file=sys.stderr)
-        for line in log_excerpt(path, LOG_EXCERPT_LINES):
-            print(f"  {line[:300]}", file=sys.stderr)
-    carry_on = carry_on_line(run.name, run.spec.checkpoint.uri, status, summary.last_checkpoint, run.config.runs_dir)
-    if carry_on is not None:
-        print(carry_on, file=sys.stderr)
-    return EXIT_FAILED
 
 
 # -- registration ---------------------------------------------------------------------------------

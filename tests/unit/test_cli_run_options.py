@@ -193,8 +193,8 @@ def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() 
     Invalid condition's message that says what to fix."""
     from datetime import UTC, datetime
 
-    from orchestrator.cli_run import failure_line
     from orchestrator.model import Condition, JobStatus, Phase
+    from orchestrator.run_outcome import failure_line
 
     status = JobStatus(phase=Phase.PENDING, reason="Created", message="waiting for the first pass")
     assert failure_line("r1", status) == "spotjob run: r1 failed: Created: waiting for the first pass"
@@ -217,8 +217,8 @@ def test_only_a_run_whose_script_used_up_its_restarts_with_a_checkpoint_is_told_
     committed gets none (tests/e2e/test_local_run.py follows the commands)."""
     import shlex
 
-    from orchestrator.cli_run import carry_on_line
     from orchestrator.model import JobStatus, Phase
+    from orchestrator.run_outcome import carry_on_line
 
     used_up = JobStatus(phase=Phase.FAILED, reason="RestartBudgetExhausted", message="all 1 restart(s) are used")
     line = carry_on_line("r1", "/data/my runs/ckpt", used_up, 40)
