@@ -48,7 +48,6 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
-from types import FrameType
 from typing import Any
 
 from agent.torchrun import LAUNCHERS
@@ -71,9 +70,9 @@ from orchestrator.run_folder import (
     empty_runs_dir_problem,
     runs_dir_option,
 )
-from orchestrator.run_interrupt import InterruptState
 from orchestrator.run_outcome import EXIT_INTERRUPTED, EXIT_USAGE, _tell_outcome
 from orchestrator.run_setup import ResumeInterrupted, RunError
+from orchestrator.run_signal_handlers import _Interrupts, _pause
 from orchestrator.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -194,61 +193,6 @@ def prepare(args: argparse.Namespace) -> LocalRun:
     if args.plot is not None and (problem := plot_problem(args.plot)) is not None:
         raise ValueError(problem)
     return LocalRun.resume(args.runs_dir, args.resume, cloud=args.cloud, **plan_options(args))
-
-
-class _Interrupts:
-    """Ctrl-C and SIGTERM while ``spotjob run`` runs. The first one ends what runs
-    (``KeyboardInterrupt``): the controller loop, after which ``LocalRun.run`` has every training
-    worker's agent flush before it stops every process of the run; or, before the run is driven,
-    ``--resume``'s wait for the previous driver's processes. A second one while that flush runs
-    stops the run at once, without it. Once the run is stopping its processes, none interrupts
-    that: a third Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close``
-    short and leave the run's processes running after the driver said it had stopped them.
-
-    Once an interrupted run is stopped, SIGTERM and SIGINT are ignored until the process exits: put
-    back to what they were (the default, for the command), a supervisor's SIGTERM repeated in the
-    moment between the stop and the exit ended the driver by the signal (143 to a shell) instead of
-    its exit 130. Ignored, not a handler of ours: the interpreter's shutdown puts Python handlers
-    back to the default before the process ends, but keeps an ignored signal ignored."""
-
-    def __init__(self, run: LocalRun | None = None) -> None:
-        self.run = run
-        """The run, once ``prepare`` made it (before: ``--resume``'s wait, say)."""
-        self.received = 0
-        self._early = InterruptState()
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
-        name = signal.Signals(signum).name
-        run = self.run
-        state = run.interrupt if run is not None else self._early
-        stopping = run is not None and run.stopping
-        if state.signal is None and not stopping:
-            state.signal = name
-            raise KeyboardInterrupt(f"signal {signum}")
-        if run is not None and state.signal is not None and state.again is None and not stopping:
-            state.again = name
-            log.warning("received %s again: stopping every process of %s at once, without the flush", name, run.name)
-            if state.flushing:
-                raise KeyboardInterrupt(f"signal {signum} again")
-            return
-        log.warning(
-            "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
-            name,
-            run.name if run is not None else "the run",
-        )
-
-
-def _pause(run: LocalRun) -> None:
-    """Ctrl-Z (SIGTSTP, which reaches the driver alone: its workers run in sessions of their own):
-    each worker's agent pauses its processes and itself, then the driver stops; ``fg`` or ``bg``
-    (SIGCONT) resumes the driver, which resumes them. Left to the default, the driver alone
-    stopped and its workers trained on with nobody driving the run."""
-    paused = run.backend.signal_workers(signal.SIGTSTP, until_stopped=5.0)
-    log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
-    os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
-    run.backend.signal_workers(signal.SIGCONT)
-    log.info("resumed %s", run.name)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -321,8 +321,8 @@ def test_the_first_interrupt_flushes_the_second_stops_at_once_and_the_others_are
     import signal
     from types import SimpleNamespace
 
-    from orchestrator.cli_run import _Interrupts
     from orchestrator.run_interrupt import InterruptState
+    from orchestrator.run_signal_handlers import _Interrupts
 
     run = SimpleNamespace(name="demo", stopping=False, interrupt=InterruptState())
     handler = _Interrupts(run)  # type: ignore[arg-type]
