@@ -33,6 +33,15 @@ worker's log); 2 bad arguments, a run that exists (or is driven by another proce
 resume; 130 interrupted (Ctrl-C or SIGTERM: the training workers flush, then every process of the
 run is stopped; at once on a second one), unless the training finished meanwhile (then 0).
 
+Where each part lives: this module is the command (its options; ``prepare``, the arguments made
+a ``LocalRun``; ``run_command`` and ``_drive``); ``orchestrator.run_config`` what it is told
+(``RunConfig``); ``orchestrator.run_driver`` the run and its controller loop (``LocalRun``);
+``orchestrator.run_setup`` what refuses a run, and ``--resume``'s takeover;
+``orchestrator.run_folder`` the run's folder and its driver lock;
+``orchestrator.run_signal_handlers`` the handlers of Ctrl-C, SIGTERM and Ctrl-Z (``_Interrupts``,
+``_pause``); ``orchestrator.run_interrupt`` the interrupt's flush; ``orchestrator.run_outcome`` the
+exit status and what stderr says at the end.
+
 ``spotjob status`` reads the run folder: ``orchestrator.cli_status``.
 """
 

@@ -1,7 +1,7 @@
 """What a local run shows: the live view while it runs, the summary at the end, the timeline plot,
 and ``spotjob status``. No torch import; matplotlib only inside ``plot_timeline``.
 
-The run loop (``orchestrator.cli_run``) hands a ``Snapshot`` to a view a few times a second. On a
+The run loop (``LocalRun``, ``orchestrator.run_driver``) hands a ``Snapshot`` to a view a few times a second. On a
 terminal ``LiveView`` redraws one rich panel in place (log lines scroll above it); elsewhere
 ``LogView`` writes a progress line now and then, and the reconciler's own log lines carry the
 Events. Both read only the snapshot: a view never touches the backend or the store. Events are

@@ -1,7 +1,8 @@
 """A local run's folder, ``./spotjob-runs/<name>/``: what it holds, and the one process driving it.
 
-``spotjob run`` creates and drives it (``orchestrator.cli_run``); ``spotjob status`` reads it
-(``orchestrator.cli_status``), telling a live driver from a dead one by the driver lock.
+``spotjob run`` creates and drives it (``LocalRun``: ``orchestrator.run_driver``,
+``orchestrator.run_setup``); ``spotjob status`` reads it (``orchestrator.cli_status``), telling a
+live driver from a dead one by the driver lock.
 """
 
 from __future__ import annotations

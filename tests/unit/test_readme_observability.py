@@ -34,7 +34,7 @@ LOCAL_ONLY = {
     INTERRUPTED: "Normal",
     INTERRUPTED_AT_COMPLETION: "Normal",
 }
-"""Events ``spotjob run`` writes itself, outside the reconciler (``cli_run``)."""
+"""Events ``spotjob run`` writes itself, outside the reconciler (``run_setup``, ``run_driver``)."""
 
 
 def _section(title: str) -> str:
