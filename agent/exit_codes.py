@@ -18,6 +18,12 @@ EXIT_USAGE = 2
 """Bad options or settings, found before the command starts (argparse's own code for a usage error)."""
 
 
+COMMAND_ENDED_DURING_FLUSH = "the command ended before its ranks reported one"
+"""How an agent's 76 says that its command ended by itself, failing, while a flush was asked and
+before its ranks committed one: the user's code failed during the flush, nothing stopped it
+(``spotjob run`` tells such a failure during an interrupt's flush from one the flush met)."""
+
+
 def exit_words(line: str, code: int) -> str | None:
     """What one of spotjob-agent's log lines (text or ``--log-format json``) says from ``exiting
     <code>:`` on, the agent's reason for that exit, with unprintable characters as ``?``; None
@@ -133,8 +139,7 @@ def decide_exit_code(
         how = (
             "spotjob-agent stopped the command before its ranks reported one"
             if killed
-            else "the command ended before its ranks reported one (a rank that failed or was killed is named in "
-            "its output above)"
+            else f"{COMMAND_ENDED_DURING_FLUSH} (a rank that failed or was killed is named in its output above)"
         )
         return EXIT_FLUSH_FAILED, (
             f"the flush committed no checkpoint: {how} (command exit code {code}); the restart resumes from the "
