@@ -281,7 +281,12 @@ class LocalRun(_RunSetup):
         kind, reason, message = outcome.event(os.getpid())
         try:
             status = self.reconciler.driver_stopped(
-                self.key, reason=reason, message=message, warning=kind is EventType.WARNING, since=state.asked_at
+                self.key,
+                reason=reason,
+                message=message,
+                warning=kind is EventType.WARNING,
+                since=state.asked_at,
+                before_stop=state.before_stop(),
             )
         except StoreError as e:
             log.warning("could not record the interrupt in the status of %s: %s", self.name, e)

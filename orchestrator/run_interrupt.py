@@ -17,6 +17,15 @@ flushed) and its last line. Once every process is stopped, ``Reconciler.driver_s
 that Event as the end of the attempt (no preemption: ``--resume`` starts the next one from the
 newest valid checkpoint), or finds that every worker exited 0 first: the run Succeeded, and
 ``spotjob run`` exits 0, its Event ``InterruptedAtCompletion``.
+
+What the driver saw before it stopped anything goes with it (``InterruptState.before_stop``), since
+the stop cannot have made it: the backend's preemption notices as the interrupt came, and the
+workers lost meanwhile (their node reclaimed): a preemption already under way, counted as one; the
+workers whose own code failed while it waited (``failed_by_itself``): counted as that failure, a
+restart of ``--max-restarts`` (or the run Failed when none is left), as without the interrupt; and
+the judgement's read of storage when no process of the run was left to commit, which the
+reconciler's pass takes rather than read storage again. Exits after the stop are the stop's doing
+(its SIGTERM and SIGKILL exits would read as failures) and are never looked at.
 """
 
 from __future__ import annotations
@@ -28,12 +37,15 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from agent.catalog import CheckpointStatus, latest_valid
-from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH
 from agent.storage import Storage, StorageError, open_storage
-from orchestrator.backends.base import FlushRequestOutcome, WorkerObservation
+from orchestrator.backends.base import BackendError, FlushRequestOutcome, WorkerObservation
 from orchestrator.backends.local import LocalBackend
 from orchestrator.events import EventType
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
+from orchestrator.reconciler import BeforeStop
+from orchestrator.signals import Signal
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +83,27 @@ class InterruptState:
     """When the agents were asked to flush (a checkpoint of a flush made since is this one's)."""
     asked: list[str] = field(default_factory=list)
     """The workers whose agent accepted."""
+    failed: list[str] = field(default_factory=list)
+    """Workers of the newest attempt whose own code failed while nothing was stopped yet
+    (``failed_by_itself``), in the order seen."""
+    heard: list[Signal] = field(default_factory=list)
+    """The backend's preemption notices as the interrupt came: a preemption already under way."""
+    lost: list[str] = field(default_factory=list)
+    """Workers of the newest attempt gone without an exit code (their node reclaimed) while nothing
+    was stopped yet: a preemption too."""
+    newest: tuple[CheckpointStatus | None] | None = None
+    """The newest valid checkpoint, read once no process of the run was left to commit one (the
+    flush's judgement): the reconciler's pass takes it rather than read storage again."""
+
+    def before_stop(self) -> BeforeStop:
+        """What ``Reconciler.driver_stopped`` is told the driver saw before it stopped anything."""
+        return BeforeStop(
+            failed=tuple(self.failed),
+            signals=tuple(self.heard),
+            lost=tuple(self.lost),
+            checkpoint_read=self.newest is not None,
+            checkpoint=self.newest[0] if self.newest is not None else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,6 +187,11 @@ def flush_before_stop(
     ``state.flushing``) is the caller's to catch: ``cut_short`` then tells what the flush did."""
     assert state.signal is not None, "no interrupt to flush for"
     backend.hold_notices()
+    try:
+        state.heard = [s for s in backend.signals(key, spec) if s.kind.is_preemption]
+    except BackendError as e:
+        log.warning("cannot read the notices of %s before stopping it: %s", name, e)
+    _note_before_stop(state, backend.list_workers(key, spec))
     training = backend.training_workers(key)
     if not training:
         why = f"no worker was training: the job was {phase}"
@@ -203,13 +241,19 @@ def _flush(
             asked.append(w.name)
     give_up = time.monotonic() + INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS
     last: dict[str, WorkerObservation] = {}
+    seen: list[WorkerObservation] = []
     while asked:
-        last = {w.name: w for w in backend.list_workers(key, spec) if w.name in asked}
+        seen = backend.list_workers(key, spec)
+        _note_before_stop(state, seen)
+        last = {w.name: w for w in seen if w.name in asked}
         if all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in last.values()):
             break
         if time.monotonic() >= give_up:
             break
         idle(POLL_SECONDS)
+    # No process of the run left (every worker of the last look exited): nothing can commit after
+    # the read below, which is then as good as one after the stop, and the reconciler's pass takes it.
+    settled = bool(seen) and all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in seen)
     out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked))
     if storage is None:
         return out
@@ -217,6 +261,8 @@ def _flush(
         newest = latest_valid(storage)
     except StorageError as e:
         return replace(out, why=f"cannot read checkpoints at {spec.checkpoint.uri}: {e}")
+    if settled:
+        state.newest = (newest,)
     out = replace(out, newest=newest, resume_from=newest.ref.step if newest is not None else None)
     codes = [last[n].exit_code if n in last else None for n in asked]
     committed = newest is not None and (
@@ -263,6 +309,34 @@ def cut_short(state: InterruptState, uri: str, last_known: int | None) -> Interr
     return out
 
 
+def failed_by_itself(w: WorkerObservation) -> bool:
+    """The worker's own code failed, seen before the driver stopped anything: an exit no agent
+    gives for a flush, a stop or an infrastructure error, or a 76 whose agent says the command
+    ended by itself, failing, while the flush was asked (``COMMAND_ENDED_DURING_FLUSH``: the
+    script raised, or a rank died). Not a 76 whose flush failed, or whose agent stopped the command
+    at the flush's deadline: those are the flush's. Once the driver stops the run, exits are its
+    doing and are not looked at (its SIGTERM and SIGKILL exits would read as failures)."""
+    code = w.exit_code
+    if code is None or code in (0, EXIT_PREEMPTED, EXIT_INFRA_ERROR, EXIT_STOPPED):
+        return False
+    if code == EXIT_FLUSH_FAILED:
+        return COMMAND_ENDED_DURING_FLUSH in (w.detail or "")
+    return True
+
+
+def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -> None:
+    """Note the workers of the newest attempt in ``workers`` whose own code failed, or that were
+    lost (Failed without an exit code: their node was reclaimed)."""
+    newest = max((w.attempt for w in workers), default=None)
+    for w in workers:
+        if w.attempt != newest:
+            continue
+        if w.name not in state.failed and failed_by_itself(w):
+            state.failed.append(w.name)
+        if w.name not in state.lost and w.phase is WorkerPhase.FAILED and w.exit_code is None:
+            state.lost.append(w.name)
+
+
 def _newest(storage: Storage) -> int | None:
     try:
         newest = latest_valid(storage)
@@ -292,6 +366,8 @@ def _why_not(
         if w is None:
             continue
         detail = f": {w.detail}" if w.detail else ""
+        if name in state.failed:
+            return f"the script of {name} failed during the flush, a failure of the script (exit {w.exit_code}{detail})"
         if w.exit_code == EXIT_FLUSH_FAILED:
             return f"the agent of {name} exited {EXIT_FLUSH_FAILED}: its flush committed nothing{detail}"
         if w.exit_code == 0:

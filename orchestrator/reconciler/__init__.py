@@ -75,7 +75,14 @@ The package, one concern a module (``Reconciler`` joins them, each a layer on th
 """
 
 from orchestrator.controller_loop import Controller as Controller  # its home before it had its own module
-from orchestrator.reconciler._pass import Clock, ReconcileResult, ReconcilerOptions, SystemClock, job_identity
+from orchestrator.reconciler._pass import (
+    BeforeStop,
+    Clock,
+    ReconcileResult,
+    ReconcilerOptions,
+    SystemClock,
+    job_identity,
+)
 from orchestrator.reconciler._reasons import (
     CHECKPOINT_URI_OWNED,
     INVALID,
@@ -89,6 +96,7 @@ __all__ = [
     "INVALID",
     "INVALID_CHECKPOINT_URI",
     "RESTART_BUDGET_EXHAUSTED",
+    "BeforeStop",
     "Clock",
     "Controller",
     "ReconcileResult",

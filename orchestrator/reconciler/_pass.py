@@ -115,6 +115,26 @@ class _Preemption:
 
 
 @dataclass(frozen=True)
+class BeforeStop:
+    """What the process that drives a job saw before it stopped every worker of it on purpose
+    (``Reconciler.driver_stopped``): evidence that the stop cannot have made, since it came first."""
+
+    failed: tuple[str, ...] = ()
+    """Workers whose own code failed (an exit seen while nothing was stopped yet): a failure of
+    the user's code, as it would be without the stop."""
+    signals: tuple[Signal, ...] = ()
+    """The backend's signals as the driver was interrupted: a preemption already under way."""
+    lost: tuple[str, ...] = ()
+    """Workers gone without an exit code while nothing was stopped yet (their node was reclaimed):
+    a preemption already under way, as on any pass."""
+    checkpoint_read: bool = False
+    """``checkpoint`` was read from storage once no process of the job was left to commit one."""
+    checkpoint: CheckpointStatus | None = None
+    """That read: the newest valid checkpoint (None: none), which the pass takes rather than
+    read storage again (nothing could commit between the read and the stop)."""
+
+
+@dataclass(frozen=True)
 class _Event:
     type: EventType
     reason: str

@@ -48,6 +48,7 @@ from orchestrator.reconciler._base import log
 from orchestrator.reconciler._capacity import _Capacity
 from orchestrator.reconciler._pass import (
     _PLACEHOLDER_SPEC,
+    BeforeStop,
     Clock,
     ReconcileResult,
     ReconcilerOptions,
@@ -246,21 +247,34 @@ class Reconciler(_Capacity):
         return ReconcileResult(status.phase, self._options.stopping_poll_seconds if alive else None)
 
     def driver_stopped(
-        self, key: JobKey, *, reason: str, message: str, warning: bool = False, since: datetime | None = None
+        self,
+        key: JobKey,
+        *,
+        reason: str,
+        message: str,
+        warning: bool = False,
+        since: datetime | None = None,
+        before_stop: BeforeStop | None = None,
     ) -> JobStatus | None:
         """One pass after the process that drives ``key`` stopped every worker of it on purpose (an
         interrupted ``spotjob run``: it had their agents flush, then stopped them all): ``reason``
         and ``message`` say how, an Event (a Warning if ``warning``); ``since``: when it asked them
-        to flush. Nothing here is a preemption: the exits the stop caused (75, 76, none) would read
-        as one on any other pass, and a later pass, finding the workers gone, as a lost gang.
+        to flush; ``before_stop``: what it saw before it stopped anything. The exits the stop caused
+        (75, 76, none) are no preemption: they would read as one on any other pass, and a later
+        pass, finding the workers gone, as a lost gang.
 
         Every worker of the attempt exited 0 first: the job Succeeded (``Completed``), as any pass
         decides. Otherwise a flush under way ends (FlushCommitted or WorkersExited, counted as what
-        began it), and a started attempt ends as a requested restart (cause ``Requested``, the
-        restart's reason ``reason``: no preemption or restart counted, no node avoided); the job
-        is Rescheduling, with ``reason`` and ``message`` for its own, and the next attempt starts
-        from the newest valid checkpoint once the job is driven again. The pass tells ``reason``
-        first, unless the job ended.
+        began it); a notice for a node of the attempt that the driver heard before it stopped
+        anything (``before_stop.signals``) is the preemption it was, its flush ended as the stop
+        left it; a worker whose own code failed before the stop (``before_stop.failed``) is that
+        failure (a restart of ``maxRestarts``, or the job Failed once they are used); else a
+        started attempt ends as a requested restart (cause ``Requested``, the restart's reason
+        ``reason``: no preemption or restart counted, no node avoided). The job is then
+        Rescheduling, with ``reason`` and ``message`` for its own, and the next attempt starts from
+        the newest valid checkpoint once the job is driven again. The pass tells ``reason`` first,
+        unless the job ended. Storage is not read again when ``before_stop`` holds a read made once
+        nothing was left to commit (``checkpoint_read``).
 
         Returns the status after the pass (the one stored when the job had ended already); None
         when there is none to take (the job gone, its spec or status unreadable), the backend
@@ -275,12 +289,13 @@ class Reconciler(_Capacity):
                 return before
             p = self._new_pass(key, stored.spec, before, self._clock.now())
             p.version, p.driver_stopped = stored.version, True
+            seen = before_stop or BeforeStop()
             try:
-                self._observe(p)
+                self._observe(p, known=(seen.checkpoint,) if seen.checkpoint_read else None)
             except BackendError as e:
                 log.warning("job %s: cannot look at its workers after its driver stopped them: %s", key, e)
                 return None
-            self._after_driver_stop(p, reason, message, since)
+            self._after_driver_stop(p, reason, message, since, seen)
             if not p.status.phase.terminal:
                 self._set_phase(p, p.status.phase, reason, message)
                 kind = EventType.WARNING if warning else EventType.NORMAL
@@ -513,7 +528,9 @@ class Reconciler(_Capacity):
                 ", ".join(moved),
             )
 
-    def _observe(self, p: _Pass) -> None:
+    def _observe(self, p: _Pass, known: tuple[CheckpointStatus | None] | None = None) -> None:
+        """Look at the workers, the signals and storage. ``known``: the newest valid checkpoint,
+        read already by the caller once nothing was left to commit one (storage is not listed)."""
         spec, status = p.spec, p.status
         p.workers = self._backend.list_workers(p.key, spec)
         try:
@@ -535,7 +552,9 @@ class Reconciler(_Capacity):
             p.storage = storage
             try:
                 self._claim(p, storage)
-                if p.owned_by_another is None:
+                if p.owned_by_another is None and known is not None:
+                    p.checkpoint = known[0]
+                elif p.owned_by_another is None:
                     p.checkpoint = latest_valid(
                         storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
                     )

@@ -48,6 +48,7 @@ the requests still in flight (and sends none anew), so a quick flush's requests 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from operator import methodcaller
 
@@ -67,6 +68,7 @@ from orchestrator.model import (
     WorkerPhase,
 )
 from orchestrator.reconciler._pass import (
+    BeforeStop,
     _detail,
     _fallback_served,
     _is_failure,
@@ -138,34 +140,9 @@ class _Recovery(_FlushRequests):
     def _preemption(self, p: _Pass, current: list[WorkerObservation]) -> _Preemption | None:
         """The evidence that the attempt's capacity is going away, strongest first, or None."""
         by_name = {w.name: w for w in current}
-        by_node = {w.node: w for w in current if w.node is not None}
-        heard: list[tuple[Signal, WorkerObservation]] = []
-        for s in p.signals:
-            w = by_name.get(s.worker) if s.worker is not None else by_node.get(s.node or "")
-            if not s.kind.is_preemption or w is None:
-                # Advisory, or for a node this attempt does not use (stale, or another job's).
-                self._debug(p, "ignoring %s: %s", s.describe(), "advisory" if w else "not a node of this attempt")
-                continue
-            heard.append((s, w))
-        if heard:
-            deadlines = [s.deadline for s, _ in heard if s.deadline is not None]
-            if deadlines:
-                deadline: datetime | None = min(deadlines)
-            elif p.spec.notice_seconds is not None:
-                deadline = p.now + timedelta(seconds=p.spec.notice_seconds)
-            else:
-                deadline = None
-            # A notice (taint, queue message, DisruptionTarget, ...) is a spot interruption: the
-            # capacity goes away and a flush can still run. A node already gone is said as such.
-            why = NODE_LOST if all(s.kind is SignalKind.NODE_LOST for s, _ in heard) else SPOT_INTERRUPTED
-            return _Preemption(
-                why,
-                why.message(signal="; ".join(s.describe() for s, _ in heard)),
-                _nodes(w for _, w in heard),
-                deadline,
-                heard_by_controller=True,
-                signals=tuple(s for s, _ in heard),
-            )
+        notice = self._noticed(p, current, p.signals)
+        if notice is not None:
+            return notice
 
         for code, reason in ((EXIT_PREEMPTED, AGENT_PREEMPTED), (EXIT_FLUSH_FAILED, AGENT_FLUSH_FAILED)):
             exited = [w for w in current if w.exit_code == code]
@@ -196,6 +173,39 @@ class _Recovery(_FlushRequests):
             if isinstance(first_lost, WorkerObservation):
                 message += _detail(first_lost)  # what the backend knows of why (a node lost, ...)
             return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
+        return None
+
+    def _noticed(self, p: _Pass, current: list[WorkerObservation], signals: Sequence[Signal]) -> _Preemption | None:
+        """The preemption ``signals`` announce for nodes (or workers) of ``current``, or None."""
+        by_name = {w.name: w for w in current}
+        by_node = {w.node: w for w in current if w.node is not None}
+        heard: list[tuple[Signal, WorkerObservation]] = []
+        for s in signals:
+            w = by_name.get(s.worker) if s.worker is not None else by_node.get(s.node or "")
+            if not s.kind.is_preemption or w is None:
+                # Advisory, or for a node this attempt does not use (stale, or another job's).
+                self._debug(p, "ignoring %s: %s", s.describe(), "advisory" if w else "not a node of this attempt")
+                continue
+            heard.append((s, w))
+        if heard:
+            deadlines = [s.deadline for s, _ in heard if s.deadline is not None]
+            if deadlines:
+                deadline: datetime | None = min(deadlines)
+            elif p.spec.notice_seconds is not None:
+                deadline = p.now + timedelta(seconds=p.spec.notice_seconds)
+            else:
+                deadline = None
+            # A notice (taint, queue message, DisruptionTarget, ...) is a spot interruption: the
+            # capacity goes away and a flush can still run. A node already gone is said as such.
+            why = NODE_LOST if all(s.kind is SignalKind.NODE_LOST for s, _ in heard) else SPOT_INTERRUPTED
+            return _Preemption(
+                why,
+                why.message(signal="; ".join(s.describe() for s, _ in heard)),
+                _nodes(w for _, w in heard),
+                deadline,
+                heard_by_controller=True,
+                signals=tuple(s for s, _ in heard),
+            )
         return None
 
     def _requested_restart_flushed(self, p: _Pass) -> bool:
@@ -347,13 +357,17 @@ class _Recovery(_FlushRequests):
                     p.status.preemptions += 1
                     p.metrics.append(methodcaller("preemption"))
 
-    def _after_driver_stop(self, p: _Pass, reason: str, message: str, since: datetime | None) -> None:
+    def _after_driver_stop(
+        self, p: _Pass, reason: str, message: str, since: datetime | None, before: BeforeStop
+    ) -> None:
         """(``Reconciler.driver_stopped``) The process that drives the job stopped every worker of it
-        on purpose (``reason``, ``message``; it asked them to flush at ``since``). Their exits (75,
-        76, none) are that stop's doing, not a preemption: a gang that finished first is done; a
-        flush under way ends as the stop left it; an attempt that was started ends as a requested
-        restart (no preemption, no restart counted, no node avoided), whose next attempt starts from
-        the newest valid checkpoint once the job is driven again."""
+        on purpose (``reason``, ``message``; it asked them to flush at ``since``; ``before``: what it
+        saw before it stopped anything). Their exits (75, 76, none) are that stop's doing, not a
+        preemption: a gang that finished first is done; a flush under way ends as the stop left it;
+        a notice the driver heard first is the preemption it was; a worker whose own code failed
+        first is that failure; otherwise an attempt that was started ends as a requested restart
+        (no preemption, no restart counted, no node avoided). The next attempt starts from the
+        newest valid checkpoint once the job is driven again."""
         status = p.status
         if status.phase is Phase.FLUSHING:
             # A preemption's (or a requested) flush: every worker is stopped now, so it ends here,
@@ -366,8 +380,31 @@ class _Recovery(_FlushRequests):
             return
         if status.attempt.started_at is None:
             return  # nothing of the attempt was started: it starts once the job is driven again
-        self._close_recovery(p)
         detected = min(since, p.now) if since is not None else p.now
+        current = p.current()
+        # A notice the driver heard before it asked anything (its agents were flushing for it, or
+        # would have been, and the node goes away), or a worker whose node was reclaimed before the
+        # stop. As on any pass, the preemption wins over a crash beside it (a crash on a node going
+        # away is the notice's doing).
+        preemption = self._noticed(p, current, before.signals)
+        lost = [w for w in current if w.name in before.lost and w.exit_code is None]
+        if preemption is None and lost:
+            message = WORKER_LOST.message(worker=lost[0].name, node=lost[0].node) + _detail(lost[0])
+            preemption = _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
+        if preemption is not None:
+            self._enter_flushing(p, preemption)
+            recovery = status.recovery
+            assert recovery is not None
+            noticed = [s.observed_at for s in preemption.signals if s.observed_at is not None]
+            recovery.detected_at = min([*noticed, detected])
+            self._flushing(p)  # every worker is stopped: it ends now, committed or not
+            return
+        failed = [w for w in current if w.name in before.failed]
+        if failed:
+            # The user's code failed before the driver stopped anything: a crash, as without the stop.
+            self._on_failure(p, failed[0])
+            return
+        self._close_recovery(p)
         status.recovery = RecoveryStatus(cause=Cause.REQUESTED, reason=reason, message=message, detected_at=detected)
         if status.start_time is not None:
             status.flushing_seconds += (p.now - detected).total_seconds()

@@ -14,6 +14,11 @@
   finished run: Succeeded (``Completed``), exit 0, its summary, a line saying the interrupt came as
   it finished. It used to exit 130 as interrupted, its status Running, for ``--resume`` to train
   again from the newest checkpoint.
+- A script that fails by itself while the interrupt's flush is asked for (its ranks raise:
+  ``scripts/hold_step.py --fail-after-hold``; the agent exits 76, saying the command ended) is that
+  failure, as without the interrupt: a restart of ``--max-restarts`` (``WorkerFailed``), ``--resume``
+  starting the next attempt after it, exit 130 still; with no restart left the run is Failed and
+  ``spotjob run`` ends as a failed run (1). It used to be a restart asked for, costing nothing.
 - A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
   ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
 - Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
@@ -285,6 +290,82 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
         "spotjob run: interrupted; the flush committed nothing (a second SIGINT stopped the run at once); every "
         "process of twice was stopped" in said
     )
+
+
+def _fails_during_the_flush(tmp_path: Path, name: str, *options: str) -> tuple[Path, int, str]:
+    """Interrupt a held run, then let its ranks go to fail (raise) while the flush is asked for;
+    (run folder, exit status, what the driver said)."""
+    run, hold, argv = _held_run(tmp_path, name)
+    fail = tmp_path / "fail"
+    argv = [*argv[:2], *options, *argv[2:], "--fail-after-hold", str(fail)]  # spotjob run's options first
+    log = tmp_path / "driver.log"
+    driver = start(tmp_path, argv)
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
+        driver.send_signal(signal.SIGINT)
+        wait_for(lambda: f"asked the agent of {name}-0-0 to flush (accepted)" in log.read_text(), "the flush request")
+        fail.touch()
+        hold.unlink()  # the ranks raise: the script fails by itself while its flush is asked for
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    fail.unlink()
+    said = log.read_text()
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    assert "fails after the hold in step 10, as asked" in (run / "logs" / f"{name}-0-0.log").read_text()
+    return run, code, said
+
+
+def test_a_script_that_fails_during_the_interrupts_flush_is_that_failure_and_resume_restarts_after_it(
+    tmp_path: Path,
+) -> None:
+    run, code, said = _fails_during_the_flush(tmp_path, "crash")
+    # Still an interrupt (130, carry on with --resume), but the attempt ended as the crash it was: a
+    # restart of --max-restarts, as without the interrupt. It used to be a restart asked for.
+    assert code == 130, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    status = job_document(run)["status"]
+    assert (status["phase"], status["reason"]) == ("Rescheduling", "InterruptFlushNotCommitted")
+    assert (status["preemptions"], status["restarts"], status["attempt"]["number"]) == (0, 1, 1)
+    assert [(h["attempt"], h["cause"], h["reason"]) for h in status["restartHistory"]] == [
+        (0, "Failure", "WorkerFailed")
+    ]
+    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
+    assert told.reason == "InterruptFlushNotCommitted"
+    assert "the script of crash-0-0 failed during the flush, a failure of the script (exit 76" in told.message
+    [failed] = [e for e in events(run) if e.reason == "WorkerFailed"]
+    assert "worker crash-0-0 exited with code 76; restart 1 of 3" in failed.message
+    assert "the command ended before its ranks reported one" in failed.message
+    assert "spotjob run: interrupted; the flush committed nothing (the script of crash-0-0 failed during" in said
+
+    resumed = subprocess.run(
+        [tool("spotjob"), "run", "--no-live", "--resume", "crash"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=GIVE_UP_S * 2,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    status = job_document(run)["status"]
+    assert status["phase"] == "Succeeded"
+    assert (status["preemptions"], status["restarts"], status["attempt"]["number"]) == (0, 1, 1)
+
+
+def test_a_script_that_fails_during_the_interrupts_flush_with_no_restart_left_is_a_failed_run(
+    tmp_path: Path,
+) -> None:
+    run, code, said = _fails_during_the_flush(tmp_path, "spent", "--max-restarts", "0")
+    # Failed, as the crash would leave it without the interrupt: nothing is left to resume, so it
+    # ends as a failed run does (1, why, the end of the log), not as an interrupt to carry on from.
+    assert code == 1, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    status = job_document(run)["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "RestartBudgetExhausted")
+    assert (status["preemptions"], status["restarts"]) == (0, 0)
+    assert "interrupted;" not in said and "--resume spent" not in said, said[-6000:]
+    assert "spotjob run: spent failed: RestartBudgetExhausted: worker spent-0-0 exited with code 76" in said
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

@@ -11,15 +11,22 @@ first, finishes the job as any pass would.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from fakes import KEY
 from test_reconciler import World, make_world, phase_is, preempt_running_job, running_attempt
 
-from agent.control_channel import EXIT_PREEMPTED
-from orchestrator.model import Cause, Phase
+from agent.catalog import latest_valid
+from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from orchestrator.backends.base import WorkerObservation, worker_name
+from orchestrator.model import Cause, Phase, WorkerPhase
+from orchestrator.reconciler import BeforeStop
+from orchestrator.signals import Signal, SignalKind
 
+W0, W1 = worker_name(KEY, 0, 0), worker_name(KEY, 0, 1)
 MESSAGE = "SIGINT interrupted spotjob run (pid 1): the flush it asked for committed step 20"
 
 
@@ -136,3 +143,135 @@ def test_an_ended_job_is_left_as_it_is(tmp_path: Any) -> None:
 
     assert status is not None and status.phase is Phase.SUCCEEDED
     assert world.event_reasons() == told
+
+
+def test_a_worker_whose_code_failed_before_the_stop_is_that_failure_not_the_interrupts_restart(
+    tmp_path: Any,
+) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    asked = world.clock.now()
+    world.backend.exit(0, 0, 1)  # its script raised while the driver waited for the flush
+    world.backend.exit(0, 1, EXIT_FLUSH_FAILED)  # its peer's flush could not commit without it
+    world.clock.advance(3)
+
+    status = stopped_by_its_driver(
+        world, reason="InterruptFlushNotCommitted", warning=True, since=asked, before_stop=BeforeStop(failed=(W0,))
+    )
+
+    assert status is not None
+    assert (status.phase, status.reason) == (Phase.RESCHEDULING, "InterruptFlushNotCommitted")
+    # Counted as the crash it was: a restart of maxRestarts, the backoff of a failure; no preemption.
+    assert (status.preemptions, status.restarts, status.attempt.number) == (0, 1, 1)
+    assert status.recovery is not None and status.recovery.cause is Cause.FAILURE
+    assert [(h.cause, h.reason) for h in status.restart_history] == [(Cause.FAILURE, "WorkerFailed")]
+    assert status.recovery.restart_at == world.clock.now() + timedelta(seconds=10)
+    reasons = world.event_reasons()
+    assert reasons[-3:] == ["InterruptFlushNotCommitted", "WorkerFailed", "Rescheduled"], reasons
+    assert f"worker {W0} exited with code 1; restart 1 of" in world.events.emitted[-2].message
+
+
+def test_a_failure_before_the_stop_with_no_restart_left_fails_the_job(tmp_path: Any) -> None:
+    world = make_world(tmp_path, maxRestarts=0)
+    world.run_to(25)
+    world.backend.exit(0, 1, 3)
+    world.clock.advance(1)
+
+    status = stopped_by_its_driver(world, reason="InterruptFlushNotCommitted", before_stop=BeforeStop(failed=(W1,)))
+
+    assert status is not None and (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert "InterruptFlushNotCommitted" not in world.event_reasons()
+
+
+def test_exits_the_stop_caused_are_no_failure(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    for index in (0, 1):
+        world.backend.exit(0, index, 143)  # killed by the driver's stop: not in before_stop.failed
+    status = stopped_by_its_driver(world, reason="Interrupted", before_stop=BeforeStop())
+    assert status is not None and status.restarts == 0
+    assert [(h.cause, h.reason) for h in status.restart_history] == [(Cause.REQUESTED, "Interrupted")]
+
+
+def test_a_notice_heard_before_the_interrupt_is_the_preemption_it_was(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    notice = world.backend.notice("n0")  # no pass saw it: the driver was interrupted first
+    # As the local backend reports it: with when the notice came.
+    heard = tuple(replace(s, observed_at=world.clock.now()) for s in world.backend.signals(KEY, world.spec))
+    world.clock.advance(1)
+    asked = world.clock.now()
+    for index in (0, 1):  # the agents flushed (for the notice, and for the driver) and exited 75
+        world.backend.agent_hears_notice(0, index)
+    step = world.backend.commits[-1]
+    world.clock.advance(2)
+
+    status = stopped_by_its_driver(
+        world, reason="InterruptFlushCommitted", since=asked, before_stop=BeforeStop(signals=heard)
+    )
+
+    assert status is not None
+    assert (status.phase, status.reason) == (Phase.RESCHEDULING, "InterruptFlushCommitted")
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert [(h.cause, h.reason) for h in status.restart_history] == [(Cause.PREEMPTION, "SpotInterrupted")]
+    assert [a.value for a in status.avoid if a.kind == "node"] == [notice.node]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == step
+    reasons = world.event_reasons()
+    assert reasons[-4:] == ["InterruptFlushCommitted", "SpotInterrupted", "FlushCommitted", "Rescheduled"], reasons
+    assert status.flushing_seconds == 3.0  # from the notice, not from the interrupt
+    assert world.metrics.named("preemption") == [()]
+
+
+def test_a_notice_for_a_node_the_attempt_does_not_use_changes_nothing(tmp_path: Any) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    stray = Signal(kind=SignalKind.SPOT_INTERRUPTION, source="fake", node="elsewhere", detail="test notice")
+    status = stopped_by_its_driver(world, reason="Interrupted", before_stop=BeforeStop(signals=(stray,)))
+    assert status is not None and status.preemptions == 0
+    assert [h.cause for h in status.restart_history] == [Cause.REQUESTED]
+
+
+def test_a_checkpoint_the_driver_read_once_nothing_could_commit_is_not_read_again(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    for index in (0, 1):
+        world.backend.agent_hears_notice(0, index)
+    newest = latest_valid(world.storage)
+    assert newest is not None
+    listed: list[str] = []
+    real = world.storage.list_dirs
+
+    def counted(prefix: str = "") -> list[str]:
+        listed.append(prefix)
+        return real(prefix)
+
+    monkeypatch.setattr(world.storage, "list_dirs", counted)
+    assert latest_valid(world.storage) == newest and listed, "the seam is where a read of the newest lists"
+    listed.clear()
+
+    status = stopped_by_its_driver(world, before_stop=BeforeStop(checkpoint_read=True, checkpoint=newest))
+
+    assert status is not None and status.last_checkpoint is not None
+    assert status.last_checkpoint.step == newest.ref.step
+    assert listed == [], "storage was listed again"
+
+
+def test_a_worker_lost_before_the_stop_is_the_preemption_it_was(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    world = make_world(tmp_path)
+    world.run_to(25)
+    world.backend.agent_hears_notice(0, 1)
+    real = world.backend.list_workers
+
+    def reclaimed(key: Any, spec: Any) -> list[WorkerObservation]:
+        # Its node was reclaimed under it: no exit code, as the local backend reports a lost worker.
+        return [replace(w, phase=WorkerPhase.FAILED, exit_code=None) if w.name == W0 else w for w in real(key, spec)]
+
+    monkeypatch.setattr(world.backend, "list_workers", reclaimed)
+    lost = BeforeStop(lost=(W0,))
+
+    status = stopped_by_its_driver(world, reason="InterruptFlushCommitted", before_stop=lost)
+
+    assert status is not None and (status.preemptions, status.restarts) == (1, 0)
+    assert [(h.cause, h.reason) for h in status.restart_history] == [(Cause.PREEMPTION, "WorkerLost")]

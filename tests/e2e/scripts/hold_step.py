@@ -2,8 +2,10 @@
 exists (rank 0 writes ``<hold>.held`` once they do): a run busy in one step for as long as a test
 wants, so that a flush asked meanwhile cannot commit before the test lets the ranks go on. With
 ``--hold-at-end`` they hold after their last step instead, their training done: a flush asked
-meanwhile finds no step left to serve it, and the ranks finish (exit 0) once let go. One linear
-layer on gloo; the steps before the hold report that the ranks train."""
+meanwhile finds no step left to serve it, and the ranks finish (exit 0) once let go. With
+``--fail-after-hold PATH``, the ranks raise once let go if PATH exists then: a script that fails
+during a flush asked meanwhile, by itself. One linear layer on gloo; the steps before the hold
+report that the ranks train."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ parser.add_argument("--hold-at", type=int, default=10)
 parser.add_argument("--step-sleep", type=float, default=0.25)
 parser.add_argument("--hold", required=True)
 parser.add_argument("--hold-at-end", action="store_true", help="hold after the last step, not in --hold-at")
+parser.add_argument("--fail-after-hold", help="raise once the hold ends if this file exists")
 args = parser.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -36,6 +39,8 @@ def hold(at: int) -> None:
             with open(f"{args.hold}.held", "w") as f:
                 f.write(str(at))
         time.sleep(0.05)
+    if args.fail_after_hold and os.path.exists(args.fail_after_hold):
+        raise RuntimeError(f"rank {rank} fails after the hold in step {at}, as asked")
 
 
 model = torch.nn.Linear(4, 1)
