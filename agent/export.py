@@ -43,6 +43,10 @@ _SHARD_NAME_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 ProgressBar = Callable[[str, int], AbstractContextManager[ProgressFn | None]]
 """``progress_bar(description, total bytes)``: a context that yields a callback for bytes done, or None."""
 
+RemovedFn = Callable[[list[str]], None]
+"""``removed(names)``: with ``force``, the files of an earlier export removed from OUT (their names
+in it), called once they are gone, before the new export's files are renamed into place."""
+
 
 @contextlib.contextmanager
 def no_progress(description: str, total: int) -> Iterator[ProgressFn | None]:
@@ -104,6 +108,7 @@ def export_safetensors(
     max_shard_size: int,
     force: bool,
     progress_bar: ProgressBar = no_progress,
+    removed: RemovedFn | None = None,
 ) -> tuple[list[str], ExportTotals]:
     """Load the tensors under ``key`` shard by shard through DCP and write them as safetensors.
 
@@ -111,7 +116,8 @@ def export_safetensors(
     through ``VerifiedReader`` (fetched and CRC-checked once each, before DCP reads them), and
     the target state dict is built from DCP's metadata, so no model is needed. The index is
     written last: an export that died part-way has no index and the files it wrote are removed.
-    ``progress_bar(description, total bytes)`` shows the transfers and the writing.
+    ``progress_bar(description, total bytes)`` shows the transfers and the writing; ``removed``
+    hears which files of an earlier export ``force`` removed (the engine prints nothing itself).
     """
     from agent.dcp_safe import UnsafeCheckpointError
 
@@ -137,7 +143,7 @@ def export_safetensors(
         )
         _fetch(reader, fetching, needed, progress_bar)
         shards = plan_shards(tensors, max_shard_size)
-        names, totals = _write_shards(reader, tensors, shards, prefix, out, force, progress_bar)
+        names, totals = _write_shards(reader, tensors, shards, prefix, out, force, progress_bar, removed)
         totals.left_out = _left_out(metadata, prefix)
         return names, totals
 
@@ -263,6 +269,7 @@ def _write_shards(
     out: str,
     force: bool,
     progress_bar: ProgressBar,
+    removed: RemovedFn | None,
 ) -> tuple[list[str], ExportTotals]:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -319,7 +326,9 @@ def _write_shards(
         # Everything is written: only now does an earlier export give way (a full disk halfway
         # through leaves it as it was). The index goes last: its presence says the export is complete.
         if force:
-            _remove_earlier_export(out, ours={os.path.basename(p) for p, _ in staged} | {os.path.basename(tmp)})
+            _remove_earlier_export(
+                out, ours={os.path.basename(p) for p, _ in staged} | {os.path.basename(tmp)}, removed=removed
+            )
         for partial, path in staged:
             os.replace(partial, path)
             written.append(path)
@@ -416,14 +425,20 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _remove_earlier_export(out: str, ours: set[str]) -> None:
+def _remove_earlier_export(out: str, ours: set[str], removed: RemovedFn | None) -> None:
     """An earlier export's shards and index, and the ``.<name>.partial`` files of one killed before
-    its renames; never this export's own ``ours``, still to be renamed into place."""
-    for entry in os.listdir(out):
-        name = entry[1 : -len(".partial")] if entry.startswith(".") and entry.endswith(".partial") else entry
-        if entry not in ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
-            os.unlink(os.path.join(out, entry))
-            log.info("--force: removed %s of an earlier export", os.path.join(out, entry))
+    its renames; never this export's own ``ours``, still to be renamed into place. ``removed`` hears
+    the names of those removed (sorted), those removed before a failure too."""
+    gone: list[str] = []
+    try:
+        for entry in os.listdir(out):
+            name = entry[1 : -len(".partial")] if entry.startswith(".") and entry.endswith(".partial") else entry
+            if entry not in ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
+                os.unlink(os.path.join(out, entry))
+                gone.append(entry)
+    finally:
+        if gone and removed is not None:
+            removed(sorted(gone))
 
 
 class _ProgressStorage(Storage):

@@ -567,7 +567,15 @@ def _export(
     try:
         with pinned(storage, status.ref.folder):  # the job's retention leaves it while it is read
             return export_safetensors(
-                storage, status, manifest, args.key, out, args.max_shard_size, args.force, progress_bar=_progress_bar
+                storage,
+                status,
+                manifest,
+                args.key,
+                out,
+                args.max_shard_size,
+                args.force,
+                progress_bar=_progress_bar,
+                removed=functools.partial(_report_removed, out),
             )
     except (ExportError, FileNotFoundError) as e:  # FileNotFoundError: a file read in place, gone
         if _deleted(storage, status):
@@ -581,6 +589,17 @@ def _export(
         if e.proven_bad and walking:
             raise _ProvenBad(e) from None
         raise CommandError(str(e), EXIT_INVALID if e.invalid else EXIT_ERROR) from None
+
+
+def _report_removed(out: str, names: list[str]) -> None:
+    """``--force`` removed ``names`` of an earlier export from ``out``: said as export's other
+    messages are, one line on stderr."""
+    files = "1 file" if len(names) == 1 else f"{len(names)} files"
+    print(
+        f"spotjob ckpt export: --force: removed {files} of an earlier export from {shown(out)}: "
+        + ", ".join(shown(n) for n in names),
+        file=sys.stderr,
+    )
 
 
 def _adoptions(adopted: Sequence[Adoption]) -> str:

@@ -615,6 +615,33 @@ def test_export_refuses_a_non_empty_out_unless_forced(
     assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
 
 
+def test_export_with_force_reports_what_it_removed_as_its_other_messages_on_stderr(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--force`` reported each file it removed from OUT as a log record (``2026-… INFO
+    agent.export: --force: removed …``, one per file, OUT unescaped), while every other message of
+    export is a ``spotjob ckpt export: …`` line on stderr, with what it names escaped for the
+    terminal. It is one such line now, naming what was removed."""
+    out = tmp_path / "hf\x1b]0;owned\x07"
+    assert ckpt(capsys, "export", saved.uri, str(out), "--max-shard-size", "1KB")[0] == 0
+    earlier = sorted(os.listdir(out))
+    assert len(earlier) == 5  # four shards and the index
+
+    rc, stdout, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+
+    assert rc == 0 and "exported 4 tensors" in stdout
+    shards = [n for n in earlier if n != cli_ckpt.INDEX_NAME]
+    assert err.splitlines() == [
+        f"spotjob ckpt export: --force: removed 5 files of an earlier export from {tmp_path}/hf\\x1b]0;owned\\x07: "
+        + ", ".join([*shards, cli_ckpt.INDEX_NAME])
+    ], err
+    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "model.safetensors"])
+
+    # Nothing of an earlier export there: nothing to report.
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "other"), "--force")
+    assert rc == 0 and err == ""
+
+
 def test_export_with_force_removes_the_partial_files_a_killed_export_left(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
