@@ -1022,11 +1022,14 @@ def test_export_with_nothing_valid_names_every_checkpoint_and_why(
 
 
 def test_export_of_a_step_takes_its_newest_valid_attempt_as_restore_does(
-    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    saved_anywhere: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A step committed twice (``step-N``, then ``step-N.1``): ``--step N`` exported the newest
     attempt, refusing it when broken although the older attempt was valid and was what a restore
-    loads. It now takes the newest valid attempt, and says which it passed over and which it took."""
+    loads. It now takes the newest valid attempt, and says which it passed over and which it took.
+    On every store: an object store lists, reads and checks the attempts through other code than a
+    folder does (the shards are downloaded, CRC32C-checked, to a temporary folder first)."""
+    saved = saved_anywhere
     shard = saved.key(3, saved.shard(3))
     kept = saved.storage.get_bytes(shard)
     saved.storage.delete([shard])  # step 3 broken: the job restores step 2 and commits step 3 again
