@@ -946,7 +946,9 @@ def checkpoint_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any
         "retired": status.retired,
         "newer_format": status.newer_format,
         "reason": status.reason,
-        "problems": list(status.problems),
+        # An uncommitted folder has no problem of its own to list, but it is not valid either: a
+        # reader of ``problems`` learns why (as verify's has said), never an empty list beside valid false.
+        "problems": list(status.problems) if status.committed else [status.reason],
         "stored_bytes": status.stored_bytes,
         "created_at": m.created_at.isoformat() if m else None,
         "world_size": m.world_size if m else None,

@@ -211,6 +211,29 @@ def test_list_json_says_why_each_checkpoint_is_invalid(saved: Saved, capsys: pyt
     assert rows[1]["valid"] is True and rows[1]["world_size"] == 1 and rows[1]["state_keys"] == ["model", "optim"]
 
 
+def test_list_json_says_why_an_uncommitted_folder_is_invalid_as_verify_json_does(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``list --json`` gave a save that never finished ``"valid": false`` with ``"problems": []``
+    (its reason only in ``reason``), while ``verify --json --step`` of the same folder listed that
+    reason in ``problems``: one folder, two answers, and a script reading ``problems`` for why a
+    row is not valid found nothing. Every row that is not valid now names why in ``problems``."""
+    saved.storage.put_bytes(f"{CheckpointRef(4).folder}/__0_0.distcp", b"half a shard")
+
+    rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+    assert rc == 0
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rows[4]["committed"] is False and rows[4]["valid"] is False
+    assert rows[4]["problems"] == [rows[4]["reason"]] and "no MANIFEST.json" in rows[4]["reason"]
+    assert all(r["problems"] for r in rows.values() if not r["valid"])
+    assert rows[3]["problems"] == []
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--step", "4", "--json")
+    assert rc == 1
+    verified = json.loads(out)
+    assert verified["problems"] == rows[4]["problems"] and verified["reason"] == rows[4]["reason"]
+
+
 def test_list_json_tells_a_retired_checkpoint_apart_from_a_broken_one(
     saved: Saved, capsys: pytest.CaptureFixture[str]
 ) -> None:
