@@ -31,8 +31,8 @@ one folder exactly, which ``export`` refuses when it is not valid.
 
 Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` found a problem,
 ``show``/``export`` refused it); 2 nothing could be checked or done (bad URI, no such folder or
-step, storage unreachable, an export refused for its arguments) — the same code argparse uses
-for a bad command line.
+step, storage unreachable, an export refused for its arguments, a checkpoint a newer spotjob
+wrote: not proven bad, only unreadable here) — the same code argparse uses for a bad command line.
 """
 
 from __future__ import annotations
@@ -380,11 +380,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # One verdict, the catalog's (plus what --deep found, recorded in the same status).
     valid = status.valid
     problems = list(status.problems) if status.committed else [status.reason]
+    # A manifest a newer spotjob wrote is not proven bad, only unreadable here (a restore stops at
+    # it, export exits 2): nothing could be checked, which is exit 2, not "invalid".
+    unchecked = EXIT_ERROR if status.newer_format else EXIT_INVALID
     if args.json:
         doc = checkpoint_json(storage, status)
         doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=bool(args.deep))
         _print_json(doc)
-        return EXIT_OK if valid else EXIT_INVALID
+        return EXIT_OK if valid else unchecked
+    if status.newer_format:
+        raise CommandError(
+            f"{status.ref.folder} was written by a newer spotjob, so this one cannot check it "
+            f"({' '.join(status.reason.split())}); name an older checkpoint with --step to verify that one"
+        )
     folder = status.ref.folder
     if valid:
         assert status.manifest is not None

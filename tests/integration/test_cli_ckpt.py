@@ -30,7 +30,7 @@ from torch import nn
 from agent import Checkpointer
 from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
 from agent.crc32c import crc32c_bytes, to_hex
-from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileEntry, Manifest
+from agent.manifest import DCP_METADATA_NAME, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
 from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
 from agent.storage import Storage, TransientStorageError, open_storage
 from agent.storage.file import FileStorage
@@ -268,6 +268,30 @@ def test_verify_checks_the_newest_committed_checkpoint_and_exits_0(
 
     assert rc == 0
     assert out.startswith(f"{saved.folder(3)}: valid")
+
+
+def test_verify_of_a_checkpoint_a_newer_spotjob_wrote_exits_2_not_calling_it_invalid(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest in a format newer than this spotjob reads is not proven bad, only unreadable here
+    (a restore stops at it, export exits 2 there). ``verify`` called it "INVALID — MANIFEST.json
+    refused, nothing in this folder is trusted" and exited 1, "the checkpoint is invalid": a script
+    replacing checkpoints that fail verify would throw away a newer spotjob's progress. Nothing
+    could be checked, so it exits 2, saying to upgrade; ``--json`` still prints the folder's
+    object (``newer_format``)."""
+    rewrite_manifest(saved, 3, lambda raw: raw.update(format_version=FORMAT_VERSION + 1))
+
+    for args in (["verify"], ["verify", "--deep"], ["verify", "--step", "3"]):
+        rc, out, err = ckpt(capsys, *args, saved.uri)
+        assert rc == 2 and out == "", (args, out)
+        assert f"{saved.folder(3)} was written by a newer spotjob" in err and "upgrade spotjob" in err, err
+        assert "INVALID" not in err
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    doc = json.loads(out)
+    assert rc == 2 and doc["folder"] == saved.folder(3) and doc["newer_format"] is True
+    assert "newer than this spotjob reads" in doc["reason"]
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--step", "2")
+    assert rc == 0 and out.startswith(f"{saved.folder(2)}: valid")
 
 
 def test_verify_exits_1_naming_a_missing_file(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
