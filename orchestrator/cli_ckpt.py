@@ -679,8 +679,34 @@ def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
                 f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
                 f"saves to and the folder as the step: {parent} --step {leaf}"
             )
-        raise CommandError(f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders)")
+        below = _checkpoint_uris_below(storage)
+        if below:
+            more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
+            raise CommandError(
+                f"no checkpoints under {storage.uri}, but folders in it hold some: give the one the job saves "
+                f"to as the URI, e.g. {', '.join(below[:3])}{more}"
+            )
+        raise CommandError(
+            f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders in it): check the URI; it is the "
+            "one the job saves to (its Checkpointer's, or spotjob run's --checkpoint-uri)"
+        )
     return refs
+
+
+_SUBFOLDERS_LOOKED_AT = 32
+"""How many of a checkpoint-less URI's folders ``_require_checkpoints`` looks into (a listing each)."""
+
+
+def _checkpoint_uris_below(storage: Storage) -> list[str]:
+    """The folders right under ``storage``'s URI that hold checkpoints: the URI given was the parent of
+    the job's (``spotjob-runs/NAME`` for ``spotjob-runs/NAME/checkpoints``, a bucket for its prefix)."""
+    found = []
+    for name in sorted(storage.list_dirs(""))[:_SUBFOLDERS_LOOKED_AT]:
+        if name.startswith(".") or CheckpointRef.parse(name) is not None:
+            continue
+        if any(CheckpointRef.parse(d) is not None for d in storage.list_dirs(name + "/")):
+            found.append(storage.url(name))
+    return found
 
 
 def select_checkpoint(storage: Storage, choice: StepChoice | None) -> CheckpointStatus:

@@ -889,6 +889,32 @@ def test_bad_uris_get_one_line_and_exit_2(
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
+def test_a_uri_without_checkpoints_says_what_to_give_instead(
+    storage_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A URI with no ``step-…`` folders said only "no checkpoints under URI (no step-NNNNNNNNN/
+    folders)". Most often it is the parent of the job's URI (a bucket for its prefix,
+    ``spotjob-runs/NAME`` for ``spotjob-runs/NAME/checkpoints``): the folders in it that hold
+    checkpoints are named now, and a URI with none below either says what URI to give."""
+    with Checkpointer(f"{storage_uri}/run1", async_save=False) as saving:
+        saving.save(1, {"model": nn.Linear(2, 2)})
+    with contextlib.closing(open_storage(storage_uri)) as parent:
+        job_uri = parent.url("run1")
+        parent_uri = parent.uri
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    for command in (["list"], ["verify", "--deep"]):
+        rc, out, err = ckpt(capsys, command[0], storage_uri, *command[1:])
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"no checkpoints under {parent_uri}, but folders in it hold some" in err, err
+        assert err.rstrip().endswith(f"e.g. {job_uri}"), err
+
+        rc, out, err = ckpt(capsys, command[0], str(empty), *command[1:])
+        assert rc == 2 and out == ""
+        assert "check the URI; it is the one the job saves to" in err, err
+
+
 @pytest.mark.parametrize("command", [["list"], ["verify"], ["show"]])
 def test_a_checkpoints_own_folder_given_as_the_uri_is_answered_with_its_parent_and_step(
     saved: Saved, capsys: pytest.CaptureFixture[str], command: list[str]
