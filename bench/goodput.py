@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import OUT_DIR, describe_machine, log, write_results
-from orchestrator.backends.local import EventKind, Timeline, TimelineEvent
+from orchestrator.backends.local_timeline import EventKind, Timeline, TimelineEvent
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"

@@ -60,7 +60,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.torchrun import LAUNCHERS
-from orchestrator.backends.local import CLOUDS, load_trace
+from orchestrator.backends.local_cloud import CLOUDS
+from orchestrator.backends.local_plan import load_trace
 from orchestrator.cli_ckpt import NOISY_LOGGERS
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.live import LiveView, LogView

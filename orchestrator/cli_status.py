@@ -20,7 +20,8 @@ from rich.console import Console
 
 from agent.catalog import latest_valid
 from agent.storage import StorageError, open_storage
-from orchestrator.backends.local import log_excerpt, run_pids
+from orchestrator.backends.local_cloud import run_pids
+from orchestrator.backends.local_failure import log_excerpt
 from orchestrator.events import RecordedEvent, events_path, read_events
 from orchestrator.live import RunRecord, render_run_detail, render_run_list
 from orchestrator.model import CheckpointInfo, JobKey, JobSpec, job_name_problem

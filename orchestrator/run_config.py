@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from agent.storage import parse_uri
 from agent.torchrun import Launcher
-from orchestrator.backends.local import CLOUDS, PreemptionPlan
+from orchestrator.backends.local_cloud import CLOUDS
+from orchestrator.backends.local_plan import PreemptionPlan
 from orchestrator.model import (
     MAX_DURATION_SECONDS,
     MAX_FLUSH_SECONDS,

@@ -24,8 +24,9 @@ from typing import Any
 
 from agent.catalog import list_checkpoints
 from agent.storage import StorageError, open_storage
-from orchestrator.backends.local import EventKind, LocalBackend, LocalOptions, Timeline, TimelineEvent
-from orchestrator.backends.local_timeline import TimelineTail
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_launch import LocalOptions
+from orchestrator.backends.local_timeline import EventKind, Timeline, TimelineEvent, TimelineTail
 from orchestrator.controller_loop import Controller
 from orchestrator.events import EventLog, EventType, JsonlEventSink, RecordedEvent, events_path
 from orchestrator.live import NoticeView, RunView, Snapshot, Summary, plot_timeline, summarize, timeline_commits

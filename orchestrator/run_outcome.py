@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from orchestrator.backends.local import log_excerpt
+from orchestrator.backends.local_failure import log_excerpt
 from orchestrator.live import Summary
 from orchestrator.model import JobStatus, Phase
 from orchestrator.reconciler import INVALID

@@ -20,15 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.control_channel import STATUS_FILE, read_json
-from orchestrator.backends.local import (
-    ENV_RUN,
-    EventKind,
-    LocalOptions,
-    Timeline,
-    agent_settings_problem,
-    kill_marked,
-    run_pids,
-)
+from orchestrator.backends.local_cloud import ENV_RUN, kill_marked, run_pids
+from orchestrator.backends.local_launch import LocalOptions, agent_settings_problem
+from orchestrator.backends.local_timeline import EventKind, Timeline
 from orchestrator.events import EventType, JsonlEventSink
 from orchestrator.model import JobKey, JobSpec, JobStatus
 from orchestrator.run_config import RunConfig, name_problem

@@ -297,7 +297,7 @@ def test_goodput_says_which_setting_to_change_when_the_first_notice_comes_too_ea
     ``--scale 0.1``): the run, minutes long, must then say so and name the setting, not only that it
     "trained too little". The timeline is written by hand: what the run's ``timeline.jsonl`` held then."""
     from bench.goodput import analyse
-    from orchestrator.backends.local import EventKind, TimelineEvent
+    from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 
     events = [
         TimelineEvent(100.0, EventKind.RUN_STARTED, {}),

@@ -30,8 +30,10 @@ from agent.launcher_cli import AgentConfig, parse_args
 from agent.notices.azure import parse_not_before
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator
 from agent.storage import open_storage
-from orchestrator.backends.local import EventKind, LocalBackend, LocalNode, LocalOptions, Timeline
-from orchestrator.backends.local_cloud import cloud_text
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_cloud import LocalNode, cloud_text
+from orchestrator.backends.local_launch import LocalOptions
+from orchestrator.backends.local_timeline import EventKind, Timeline
 from orchestrator.live import NoticeView, Snapshot, render_snapshot
 from orchestrator.model import JobKey, JobStatus
 from orchestrator.run_config import RunConfig

@@ -56,7 +56,7 @@ from status_in_process import spotjob_status
 
 from agent.catalog import list_checkpoints
 from agent.storage import open_storage
-from orchestrator.backends.local import run_pids
+from orchestrator.backends.local_cloud import run_pids
 from orchestrator.events import events_path, read_events
 from orchestrator.model import JobKey
 

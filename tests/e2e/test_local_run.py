@@ -41,7 +41,10 @@ from agent.ownership import attempt_records, read_owner
 from agent.storage import open_storage
 from orchestrator.backends import local
 from orchestrator.backends.base import Placement
-from orchestrator.backends.local import ENV_NODE, EventKind, LocalBackend, LocalOptions, Timeline, marked_pids
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_cloud import ENV_NODE, marked_pids
+from orchestrator.backends.local_launch import LocalOptions
+from orchestrator.backends.local_timeline import EventKind, Timeline
 from orchestrator.cli_status import status_command
 from orchestrator.events import events_path, read_events
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec, Phase, WorkerPhase

@@ -20,7 +20,8 @@ import yaml
 from agent.control_api import FlushBody
 from agent.launcher_cli import AgentConfig, parse_args
 from orchestrator.backends.k8s import _worker_spec
-from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_launch import LocalOptions
 from orchestrator.crd import crd
 from orchestrator.k8s import pods
 from orchestrator.model import CheckpointSpec, JobKey, JobSpec

@@ -19,7 +19,8 @@ import pytest
 from agent.launcher_cli import parse_args, usage_problem
 from agent.settings import CheckpointerEnv, StorageEnv, variable_name
 from orchestrator.backends.k8s import _worker_spec
-from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_launch import LocalOptions
 from orchestrator.crd import POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s import pods
 from orchestrator.model import JobKey, JobSpec

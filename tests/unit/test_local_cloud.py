@@ -10,8 +10,9 @@ import pytest
 
 from agent.notices.aws import AwsImdsSource
 from agent.notices.emulators import ImdsEmulator
-from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.backends.local import LocalBackend
 from orchestrator.backends.local_cloud import SimulatedCloud
+from orchestrator.backends.local_launch import LocalOptions
 
 GIVE_UP_S = 60.0  # only stops a hung test; nothing here asserts how long anything took
 

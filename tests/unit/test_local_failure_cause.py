@@ -21,9 +21,11 @@ from typing import Any, cast
 import pytest
 
 from agent.control_channel import AGENT_FILE
-from orchestrator.backends import local
 from orchestrator.backends.base import BackendError
-from orchestrator.backends.local import LocalBackend, LocalOptions, failure_cause, failure_detail, log_excerpt
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_failure import failure_cause, failure_detail, log_excerpt
+from orchestrator.backends.local_launch import LocalOptions
+from orchestrator.backends.local_worker import LocalWorker, observe_worker, post_to_agent
 from orchestrator.model import JobKey
 
 AGENT = "2026-12-01T16:34:06.223Z INFO spotjob-agent[14303] job=local/x agent.launcher: started torchrun ..."
@@ -155,11 +157,10 @@ def test_a_worker_whose_agent_itself_was_killed_says_so_before_the_scripts_last_
     proc.kill()
     proc.wait()
     node = SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small")
-    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
-        worker = local._Worker(
-            "x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "control"), str(log), ""
-        )
-        seen = backend._observe(worker)
+    worker = LocalWorker(
+        "x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "control"), str(log), ""
+    )
+    seen = observe_worker(worker)
 
     assert seen.exit_code == 137
     assert seen.detail == (
@@ -176,9 +177,8 @@ def test_a_worker_whose_agent_exited_by_itself_is_not_said_to_be_killed(tmp_path
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     proc.wait()
     node = SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small")
-    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
-        worker = local._Worker("x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "c"), log, "")
-        seen = backend._observe(worker)
+    worker = LocalWorker("x-0-0", JobKey.local("x"), 0, 0, cast(Any, node), proc, str(tmp_path / "c"), log, "")
+    seen = observe_worker(worker)
 
     assert seen.exit_code == 1
     assert seen.detail == f"RuntimeError: boom (log: {log})"
@@ -221,17 +221,16 @@ def test_an_agent_that_exited_76_or_74_says_why_in_its_own_exit_line(tmp_path: P
     log.write_text("\n".join([AGENT, "[rank0]: my script: exiting 76: not the agent", exit_line]) + "\n")
     node = cast(Any, SimpleNamespace(name="local-node-0", zone="local-a", instance_type="local.cpu-small"))
 
-    def exited(index: int, code: int) -> local._Worker:
+    def exited(index: int, code: int) -> LocalWorker:
         proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
         proc.wait()
-        return local._Worker(f"x-0-{index}", JobKey.local("x"), 0, index, node, proc, str(tmp_path / "c"), str(log), "")
+        return LocalWorker(f"x-0-{index}", JobKey.local("x"), 0, index, node, proc, str(tmp_path / "c"), str(log), "")
 
-    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
-        seen = backend._observe(exited(0, 76))
-        assert seen.exit_code == 76
-        assert seen.detail == f"{why} (log: {log})"
-        log.write_text(f"{AGENT}\n[rank0]: exiting 74: the script's own words\n")  # no agent exit line
-        assert backend._observe(exited(1, 74)).detail is None
+    seen = observe_worker(exited(0, 76))
+    assert seen.exit_code == 76
+    assert seen.detail == f"{why} (log: {log})"
+    log.write_text(f"{AGENT}\n[rank0]: exiting 74: the script's own words\n")  # no agent exit line
+    assert observe_worker(exited(1, 74)).detail is None
 
 
 def test_the_runs_token_goes_only_to_an_agent_on_loopback(tmp_path: Path) -> None:
@@ -260,11 +259,11 @@ def test_the_runs_token_goes_only_to_an_agent_on_loopback(tmp_path: Path) -> Non
     proc.wait()
     try:
         with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
-            worker = local._Worker("x-0-0", JobKey.local("x"), 0, 0, node, proc, str(control), str(tmp_path / "l"), "")
+            worker = LocalWorker("x-0-0", JobKey.local("x"), 0, 0, node, proc, str(control), str(tmp_path / "l"), "")
             for url in (f"http://0.0.0.0:{server.server_port}", "file:///etc/hostname", 7):
                 (control / AGENT_FILE).write_text(json.dumps({"url": url}))
                 with pytest.raises(BackendError, match="names no loopback control API"):
-                    backend._post(worker, "/save", {"id": "r1", "reason": "test"})
+                    post_to_agent(worker, backend._token, "/save", {"id": "r1", "reason": "test"})
     finally:
         server.shutdown()
         server.server_close()

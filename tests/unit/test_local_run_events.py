@@ -14,9 +14,11 @@ import pytest
 
 from agent.control_channel import ControlDir, RankStatus
 from orchestrator import events
-from orchestrator.backends import local, local_timeline
-from orchestrator.backends.local import LocalBackend, LocalOptions
+from orchestrator.backends import local_processes, local_timeline
+from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.local_launch import LocalOptions
 from orchestrator.backends.local_timeline import EventKind, Timeline
+from orchestrator.backends.local_worker import LocalWorker
 from orchestrator.events import EventType, read_events
 from orchestrator.model import JobKey
 from orchestrator.run_config import RunConfig
@@ -100,7 +102,7 @@ def test_the_commit_count_shown_every_second_parses_only_the_timelines_new_lines
 
 
 class _Clock:
-    """``time`` as ``orchestrator.backends.local`` sees it, with a monotonic clock the test moves."""
+    """``time`` as ``orchestrator.backends.local_processes`` sees it, with a monotonic clock the test moves."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -122,12 +124,12 @@ def test_a_worker_that_trains_for_days_adds_a_bounded_number_of_step_samples_to_
     monitor's own ``_sample`` on a real status.json; only the monitor's monotonic clock is the
     test's (three days cannot pass here), so what this does not model is the real pace of reads."""
     clock = _Clock()
-    monkeypatch.setattr(local, "time", clock)
+    monkeypatch.setattr(local_processes, "time", clock)
     control = ControlDir(str(tmp_path / "control"))
     with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
         proc = subprocess.Popen([sys.executable, "-c", "pass"])
         proc.wait()
-        worker = local._Worker("w-0-0", JobKey("default", "long"), 0, 0, cast(Any, None), proc, control.path, "", "")
+        worker = LocalWorker("w-0-0", JobKey("default", "long"), 0, 0, cast(Any, None), proc, control.path, "", "")
         step, end = 0, clock.now + 3 * 86400.0
         while clock.now < end:
             step += 1

@@ -15,7 +15,7 @@ import pytest
 
 from agent.catalog import CheckpointRef, folder_name, inspect, latest_valid
 from agent.storage.file import FileStorage
-from orchestrator.backends.local import EventKind, TimelineEvent
+from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.live import summarize, timeline_commits
 from orchestrator.model import CheckpointInfo, CheckpointSpec, JobSpec, JobStatus, Phase
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.backends.local import write_token
+from orchestrator.backends.local_launch import write_token
 
 
 def mode(path: str | int) -> int:
