@@ -437,8 +437,6 @@ class LocalBackend(WorkerProcesses):
         steps = [w.last_step for w in live if w.attempt == newest and w.last_step is not None]
         return max(steps) if steps else None
 
-    # -- inside -----------------------------------------------------------------------------------
-
     # -- the monitor thread -----------------------------------------------------------------------
     def _monitor_loop(self) -> None:
         while not self._closing.wait(MONITOR_TICK):

@@ -46,6 +46,8 @@ STOP_REQUEST_TIMEOUT = 5.0
 
 @dataclass
 class LocalWorker:
+    """One worker: its ``spotjob-agent`` process on ``node``, and what the monitor has seen of it."""
+
     name: str
     job: JobKey
     attempt: int
@@ -98,6 +100,8 @@ class LocalWorker:
 
 
 def observe_worker(w: LocalWorker) -> WorkerObservation:
+    """What the reconciler sees of ``w`` now (the phases: ``orchestrator.backends.local``'s
+    docstring); the first look after a failure reads why from its log into ``w.detail``."""
     status = w.rank_status()
     step = status.get("step") if status else None
     code = w.exit_code()
