@@ -463,7 +463,10 @@ class LocalBackend(WorkerProcesses):
         if self._notices_held:
             return
         step = self.observed_step()
-        self._pending += [(False, why) for why in self.plan.due(time.monotonic() - self._started, step)]
+        with self._lock:
+            # What --preempt-every's clock counts: an attempt that a notice could hit trains.
+            training = any(w.alive and not w.stopping and not w.node.noticed and w.training_seen for w in workers)
+        self._pending += [(False, why) for why in self.plan.due(time.monotonic() - self._started, step, training)]
         if self.options.maintenance_seconds is not None:
             self._pending += [(True, why) for why in self.plan.maintenance_due(step)]
         while self._pending and not self._closing.is_set() and not self._notices_held:

@@ -1,5 +1,6 @@
-"""When the simulated cloud preempts: every N seconds (jittered), at chosen steps, or at the times
-of a trace file (``load_trace``); and when it announces a host maintenance (at chosen steps)."""
+"""When the simulated cloud preempts: every N seconds of training (jittered), at chosen steps, or at
+the times of a trace file (``load_trace``); and when it announces a host maintenance (at chosen
+steps)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PreemptionPlan:
-    """When the simulated cloud sends notices: every N seconds (jittered), at steps, at trace times.
+    """When the simulated cloud sends notices: every N seconds of training (jittered), at steps, at
+    trace times.
 
-    Example: ``every=60, jitter=0.25`` sends one 45-75 s after the start, the next 45-75 s after
-    that one was due, and so on (seeded, so a rerun sees the same gaps). ``at_steps=[100, 200]``
-    sends one when a live worker first reports step 100 or more, and one at 200. ``trace=[30.0,
-    95.5]`` sends them that many seconds after the start. A notice due while no worker runs waits
-    for the next one to start (``LocalBackend`` keeps it pending), so every notice lands.
+    Example: ``every=60, jitter=0.25`` sends one after 45-75 s of training, the next 45-75 s of
+    training after that one was due, and so on (seeded, so a rerun sees the same gaps). Its clock
+    runs only while an attempt that a notice could hit trains (``due``'s ``training``): it stands
+    still from a notice until the next attempt reports its first training step, so the attempt after
+    a notice trains a gap before the next one however long restarts take, and gaps that fell due at one look
+    (after a pause, a stall of the driver) are one notice, not a queue that would hit attempt after
+    attempt as it starts. ``at_steps=[100, 200]`` sends one when a live worker first reports step
+    100 or more, and one at 200. ``trace=[30.0, 95.5]`` sends them that many seconds after the
+    start, training or not. A notice due while no worker runs waits for the next one to start
+    (``LocalBackend`` keeps it pending), so every notice lands.
 
     ``maintenance_at_steps=[150]`` announces a host maintenance (a notice far ahead, which the
     node's agent holds) when a live worker first reports step 150 or more (``maintenance_due``).
@@ -33,6 +40,11 @@ class PreemptionPlan:
     maintenance_at_steps: list[int] = field(default_factory=list)
     _rng: random.Random = field(init=False, repr=False)
     _next_every: float | None = field(init=False, default=None)
+    """When the next ``every`` notice is due, in seconds of training (``_trained``)."""
+    _trained: float = field(init=False, default=0.0)
+    """Seconds during which an attempt trained, as ``due`` was told: the ``every`` notices' clock."""
+    _looked: tuple[float, bool] | None = field(init=False, default=None)
+    """The previous ``due`` call's ``elapsed`` and ``training``."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every <= 0:
@@ -54,14 +66,26 @@ class PreemptionPlan:
         assert self.every is not None
         return self.every * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
 
-    def due(self, elapsed: float, step: int | None) -> list[str]:
-        """The notices due at ``elapsed`` seconds since the start with ``step`` observed; each once."""
+    def due(self, elapsed: float, step: int | None, training: bool = True) -> list[str]:
+        """The notices due at ``elapsed`` seconds since the start with ``step`` observed; each once.
+
+        ``training``: whether an attempt that a notice could hit trains now. The time since the
+        previous call counts towards ``every`` if that call said so, and an ``every`` notice is due
+        only at a call that says so; several due at once are one."""
+        if self._looked is not None and self._looked[1]:
+            self._trained += max(0.0, elapsed - self._looked[0])
+        self._looked = (elapsed, training)
         out: list[str] = []
         while self.trace and self.trace[0] <= elapsed:
             out.append(f"trace time {self.trace.pop(0):g} s")
-        while self._next_every is not None and self._next_every <= elapsed:
-            out.append(f"every {self.every:g} s (due at {self._next_every:.1f} s)")
+        if training and self._next_every is not None and self._next_every <= self._trained:
+            due_at, skipped = self._next_every, 0
             self._next_every += self._gap()
+            while self._next_every <= self._trained:
+                skipped += 1
+                self._next_every += self._gap()
+            also = f"; {skipped} more due meanwhile, in this one" if skipped else ""
+            out.append(f"every {self.every:g} s (due at {due_at:.1f} s of training{also})")
         while step is not None and self.at_steps and self.at_steps[0] <= step:
             out.append(f"step {self.at_steps.pop(0)} reached (at {step})")
         return out

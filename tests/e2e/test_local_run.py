@@ -364,6 +364,45 @@ def one_rank_job(tmp_path: Path, name: str) -> tuple[JobKey, JobSpec]:
     return JobKey.local(name), spec
 
 
+def test_a_preempt_every_shorter_than_a_restart_still_lets_the_run_train_to_its_end(
+    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    """A ``--preempt-every`` shorter than the time an attempt takes to start starved the run (README,
+    Limits): the notices due meanwhile queued up and hit each attempt as it started, before it had
+    trained a step, so the run never ended. The gap's clock now runs only while an attempt trains:
+    here one second of training between notices, much less than an attempt's start on any machine
+    (an agent, a rank, torch imported), and the run trains to its end; every notice hit a node whose
+    worker had trained."""
+    proc = spotjob(
+        "run", "--name", "short-gaps", "--nproc", "1", "--every-steps", "5",
+        "--preempt-every", "1", "--preempt-jitter", "0", "--seed", "1",
+        str(TRAIN), "--steps", "30", "--step-sleep", "0.1",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    job_file, _ = run_files(tmp_path, "short-gaps")
+    status = read_status(job_file)
+    assert status is not None and status["phase"] == "Succeeded", status
+    assert status["preemptions"] >= 1, status  # the plan did preempt it, and it still ended
+
+    timeline = Timeline.read(str(tmp_path / "spotjob-runs" / "short-gaps" / "timeline.jsonl"))
+    notices = [e for e in timeline if e.kind == EventKind.NOTICE]
+    assert notices and all(e.data["why"].startswith("every 1 s") for e in notices), notices
+    for notice in notices:
+        worker = [
+            e.data["worker"]
+            for e in timeline
+            if e.kind == EventKind.WORKER_STARTED and e.data["node"] == notice.data["node"] and e.t <= notice.t
+        ][-1]
+        trained = [
+            e
+            for e in timeline
+            if e.kind == EventKind.STEP and e.data["worker"] == worker and e.data["state"] != "starting"
+            and e.t <= notice.t
+        ]  # fmt: skip
+        assert trained, f"the notice {notice.data} hit {worker} before it trained a step"
+
+
 def test_starting_an_attempt_again_spawns_nothing_and_does_not_wake_the_controller(tmp_path: Path) -> None:
     """The reconciler calls start_workers on every pass while an attempt starts. Each call used to
     wake the controller again at once, so `spotjob run` spun at a full core (thousands of passes)
