@@ -377,7 +377,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "is the node's stop (the node stops early once its agent acknowledges it)",
     )  # fmt: skip
     inj = run.add_argument_group("injected preemptions")
-    inj.add_argument("--preempt-every", type=_SECONDS, metavar="SECONDS", help="a notice about every N seconds")
+    inj.add_argument(
+        "--preempt-every", type=_SECONDS, metavar="SECONDS", help="a notice about every N seconds of training"
+    )
     inj.add_argument(
         "--preempt-jitter", type=_number(float, "a fraction"), help="the gaps vary by this fraction (default 0.25)"
     )
