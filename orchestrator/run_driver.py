@@ -44,9 +44,11 @@ from orchestrator.run_folder import (
 )
 from orchestrator.run_interrupt import (
     INTERRUPTED_AT_COMPLETION,
+    INTERRUPTED_AT_FAILURE,
     InterruptOutcome,
     InterruptState,
     at_completion,
+    at_failure,
     cut_short,
     flush_before_stop,
 )
@@ -271,7 +273,9 @@ class LocalRun(_RunSetup):
         """(every process stopped) Say how the interrupt went, and end the attempt it stopped
         through the reconciler (``Reconciler.driver_stopped``): no preemption, the flush's
         checkpoint in the status, the next attempt for ``--resume``; or, when every worker exited
-        0 first, the run Succeeded as any finished run does."""
+        0 first, the run Succeeded as any finished run does; or, when the script failed by itself
+        meanwhile with no restart left, the run Failed as that failure would leave it: then the
+        reconciler told only the failure, and ``InterruptedAtFailure`` tells the interrupt."""
         state = self.interrupt
         assert state.signal is not None
         checkpoint = self.status.last_checkpoint
@@ -300,6 +304,11 @@ class LocalRun(_RunSetup):
             self.sink.emit(
                 self.key, EventType.NORMAL, INTERRUPTED_AT_COMPLETION, at_completion(state.signal, os.getpid())
             )
+        elif status.phase is Phase.FAILED:
+            said = at_failure(
+                outcome, os.getpid(), state.failed, status, self.spec.checkpoint.uri, self.config.runs_dir
+            )
+            self.sink.emit(self.key, EventType.WARNING, INTERRUPTED_AT_FAILURE, said)
 
     def _wait(self, seconds: float) -> None:
         """Between passes: refresh the view; return early when the backend saw something happen."""
@@ -401,8 +410,10 @@ class LocalRun(_RunSetup):
         plot_timeline(Timeline.read(self.timeline.path), path, title=title)
 
     def failed_worker_logs(self) -> list[str]:
-        """The logs of the workers whose failure ended the run (their exit was the script's)."""
-        names = [w.name for w in self.status.workers if w.exit_code not in AGENT_EXITS]
+        """The logs of the workers whose failure ended the run: their exit was the script's, or
+        their script failed by itself during an interrupt's flush (their agent exited 76)."""
+        failed = self.interrupt.failed
+        names = [w.name for w in self.status.workers if w.exit_code not in AGENT_EXITS or w.name in failed]
         return [p for p in (os.path.join(self.path, "logs", f"{n}.log") for n in names) if os.path.isfile(p)]
 
 

@@ -16,7 +16,10 @@ with the step, ``InterruptFlushNotCommitted`` with why, or ``Interrupted`` when 
 flushed) and its last line. Once every process is stopped, ``Reconciler.driver_stopped`` takes
 that Event as the end of the attempt (no preemption: ``--resume`` starts the next one from the
 newest valid checkpoint), or finds that every worker exited 0 first: the run Succeeded, and
-``spotjob run`` exits 0, its Event ``InterruptedAtCompletion``.
+``spotjob run`` exits 0, its Event ``InterruptedAtCompletion``; or finds that the script failed by
+itself meanwhile with no restart of ``--max-restarts`` left (below): the run Failed, and ``spotjob
+run`` exits 1 as a failed run does, its Event ``InterruptedAtFailure``, which says how a new run
+carries on (a failed run is not resumed).
 
 What the driver saw before it stopped anything goes with it (``InterruptState.before_stop``), since
 the stop cannot have made it: the backend's preemption notices as the interrupt came, and the
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -43,8 +46,9 @@ from agent.storage import Storage, StorageError, open_storage
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, WorkerObservation
 from orchestrator.backends.local import LocalBackend
 from orchestrator.events import EventType
-from orchestrator.model import JobKey, JobSpec, WorkerPhase
+from orchestrator.model import JobKey, JobSpec, JobStatus, WorkerPhase
 from orchestrator.reconciler import BeforeStop
+from orchestrator.run_folder import RUNS_DIR, hand_over_commands, used_up_restarts
 from orchestrator.signals import Signal
 
 log = logging.getLogger(__name__)
@@ -64,8 +68,12 @@ INTERRUPTED = "Interrupted"
 INTERRUPTED_AT_COMPLETION = "InterruptedAtCompletion"
 """The Event reason of an interrupt that came as the training finished (every worker exited 0):
 the run Succeeded, and nothing is left to resume."""
+INTERRUPTED_AT_FAILURE = "InterruptedAtFailure"
+"""The Event reason of an interrupt during which the script failed by itself, a failure that ended
+the run (no restart of ``--max-restarts`` left): the run Failed, and is not resumed."""
 INTERRUPT_REASONS = (INTERRUPT_FLUSH_COMMITTED, INTERRUPT_FLUSH_NOT_COMMITTED, INTERRUPTED)
-"""The status reason of a run an interrupt stopped (``Reconciler.driver_stopped``)."""
+"""The status reason of a run an interrupt stopped (``Reconciler.driver_stopped``). Not the two
+above: the run they tell of ended (Succeeded ``Completed``, Failed by its failure's reason)."""
 
 
 @dataclass
@@ -131,6 +139,18 @@ class InterruptOutcome:
     def resume_point(self) -> str:
         return f"step {self.resume_from}" if self.resume_from is not None else "the start (no checkpoint)"
 
+    def flush_said(self) -> str:
+        """How the flush went, for a run that then Failed (``at_failure``). Why it committed nothing
+        goes unsaid, but for a second signal's: the failure told beside it is why (or left the other
+        workers' flush without a commit), and its Event has the worker's words."""
+        if self.step is not None:
+            return f"the flush it asked for committed step {self.step} at {self.uri}"
+        if self.cut_short:
+            return f"the flush committed nothing ({self.why})"
+        if self.tried:
+            return "the flush committed nothing"
+        return f"nothing was flushed ({self.why})"
+
     def event(self, pid: int) -> tuple[EventType, str, str]:
         """(type, reason, message) of the Event the run records."""
         said = f"{self.signal} interrupted spotjob run (pid {pid})"
@@ -159,6 +179,50 @@ class InterruptOutcome:
                 f"(carry on from {self.resume_point()} with {resume})"
             )
         return f"interrupted ({self.why}); every process of {name} was stopped (carry on with {resume})"
+
+
+def at_failure(
+    outcome: InterruptOutcome,
+    pid: int,
+    failed: Sequence[str],
+    status: JobStatus,
+    uri: str,
+    runs_dir: str = RUNS_DIR,
+) -> str:
+    """The message of ``InterruptedAtFailure``: the run ``status`` Failed after the interrupt
+    ``outcome``, because the script of ``failed`` (workers) failed by itself meanwhile; no
+    ``--resume``, but, when the script used up its restarts, where the newest checkpoint is
+    (``outcome.resume_from``, in ``uri``) and how a new run carries on from it, as ``spotjob run``
+    says of any run whose script used up its restarts."""
+    said = f"{outcome.signal} interrupted spotjob run (pid {pid}) as {_who_failed(failed)}"
+    spent = used_up_restarts(status)
+    message = (
+        f"{said}; {outcome.flush_said()}. {'With no restart of --max-restarts left, that' if spent else 'That'} "
+        f"failure ended the run: Failed ({status.reason}), and a failed run is not resumed"
+    )
+    if not spent:
+        return message
+    if outcome.resume_from is None:
+        return f"{message}; it committed no checkpoint to carry on from"
+    return (
+        f"{message}; its newest checkpoint, step {outcome.resume_from}, stays in {uri}: to carry on from it once "
+        f"the script is fixed, hand it to a new run and start that with the same script and options: "
+        f"{hand_over_commands(uri, runs_dir)}"
+    )
+
+
+def at_failure_line(outcome: InterruptOutcome, name: str, failed: Sequence[str]) -> str:
+    """What ``spotjob run`` says of an interrupt whose run Failed meanwhile (``at_failure``), before
+    it ends as a failed run does (why, the end of the failed workers' logs, how to carry on)."""
+    return (
+        f"the interrupt ({outcome.signal}) came as {_who_failed(failed)}; {outcome.flush_said()}; that "
+        f"failure ended {name}: it failed, and a failed run is not resumed"
+    )
+
+
+def _who_failed(failed: Sequence[str]) -> str:
+    """(none: the run had failed as the interrupt came, before the driver looked)"""
+    return f"the script of {', '.join(failed)} failed by itself" if failed else "the run failed"
 
 
 def at_completion(signal: str, pid: int) -> str:

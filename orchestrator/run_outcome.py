@@ -3,7 +3,8 @@ simply succeed. Interrupted: every process was stopped, how the interrupt's flus
 ``--resume`` command that carries on (130). Interrupted as the training finished: a finished run
 (0). Failed: the reason (``failure_line``), the end of the failed workers' logs, and, when the
 script used up its restarts, where the newest checkpoint is and how a new run carries on from it
-(``carry_on_line``) (1).
+(``carry_on_line``) (1); first, when an interrupt came as the script failed (during its flush), a
+line saying so (``at_failure_line``).
 
 ``orchestrator.cli_run`` prints the summary, then hands over to ``_tell_outcome``.
 """
@@ -18,6 +19,7 @@ from orchestrator.model import JobStatus, Phase
 from orchestrator.reconciler import INVALID
 from orchestrator.run_driver import LocalRun
 from orchestrator.run_folder import LOG_EXCERPT_LINES, RUNS_DIR, hand_over_commands, used_up_restarts
+from orchestrator.run_interrupt import at_failure_line
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -69,6 +71,11 @@ def _tell_outcome(run: LocalRun, status: JobStatus, summary: Summary, interrupte
                 file=sys.stderr,
             )
         return EXIT_SUCCEEDED
+    outcome = run.interrupt_outcome
+    if outcome is not None:
+        # The script failed by itself during the interrupt's flush, with no restart left: say that
+        # the interrupt came, and that nothing is resumed (the hand-over, if any, follows).
+        print(f"spotjob run: {at_failure_line(outcome, run.name, run.interrupt.failed)}", file=sys.stderr)
     print(failure_line(run.name, status), file=sys.stderr)
     for path in run.failed_worker_logs():
         print(f"the end of {path}:", file=sys.stderr)

@@ -19,6 +19,10 @@
   failure, as without the interrupt: a restart of ``--max-restarts`` (``WorkerFailed``), ``--resume``
   starting the next attempt after it, exit 130 still; with no restart left the run is Failed and
   ``spotjob run`` ends as a failed run (1). It used to be a restart asked for, costing nothing.
+  That failed run's Event ``InterruptedAtFailure`` and the line before its last ones say the
+  interrupt came as the script failed, and, as after any failure, the end of the worker's log and
+  how a new run carries on from the newest checkpoint, no ``--resume``: the interrupt used to go
+  untold (the run's Events named only the failure), and the log was left out (its agent exited 76).
 - A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
   ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
 - Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
@@ -292,9 +296,12 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
     )
 
 
-def _fails_during_the_flush(tmp_path: Path, name: str, *options: str) -> tuple[Path, int, str]:
-    """Interrupt a held run, then let its ranks go to fail (raise) while the flush is asked for;
-    (run folder, exit status, what the driver said)."""
+def _fails_during_the_flush(
+    tmp_path: Path, name: str, *options: str, committed: int | None = None
+) -> tuple[Path, int, str]:
+    """Interrupt a held run (once its checkpoint of step ``committed`` is valid, if given), then let
+    its ranks go to fail (raise) while the flush is asked for; (run folder, exit status, what the
+    driver said)."""
     run, hold, argv = _held_run(tmp_path, name)
     fail = tmp_path / "fail"
     argv = [*argv[:2], *options, *argv[2:], "--fail-after-hold", str(fail)]  # spotjob run's options first
@@ -303,6 +310,13 @@ def _fails_during_the_flush(tmp_path: Path, name: str, *options: str) -> tuple[P
     try:
         wait_for(running(driver, run, log), "the run to train")
         wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
+        if committed is not None:
+            storage = open_storage(str(run / "checkpoints"))
+
+            def valid() -> bool:
+                return any(c.valid and c.ref.step == committed for c in list_checkpoints(storage))
+
+            wait_for(valid, f"the checkpoint of step {committed} to commit")
         driver.send_signal(signal.SIGINT)
         wait_for(lambda: f"asked the agent of {name}-0-0 to flush (accepted)" in log.read_text(), "the flush request")
         fail.touch()
@@ -353,19 +367,63 @@ def test_a_script_that_fails_during_the_interrupts_flush_is_that_failure_and_res
     assert (status["preemptions"], status["restarts"], status["attempt"]["number"]) == (0, 1, 1)
 
 
+@pytest.mark.parametrize("every_steps", [None, 4], ids=["no-checkpoint", "checkpoint"])
 def test_a_script_that_fails_during_the_interrupts_flush_with_no_restart_left_is_a_failed_run(
-    tmp_path: Path,
+    tmp_path: Path, every_steps: int | None
 ) -> None:
-    run, code, said = _fails_during_the_flush(tmp_path, "spent", "--max-restarts", "0")
+    saves = ["--every-steps", str(every_steps)] if every_steps is not None else []
+    # With --every-steps 4 the ranks held in step 10 committed steps 4 and 8 before it.
+    newest = 8 if every_steps is not None else None
+    run, code, said = _fails_during_the_flush(tmp_path, "spent", "--max-restarts", "0", *saves, committed=newest)
     # Failed, as the crash would leave it without the interrupt: nothing is left to resume, so it
     # ends as a failed run does (1, why, the end of the log), not as an interrupt to carry on from.
     assert code == 1, said[-6000:]
-    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    # (the script's own traceback, in the end of its log, is indented: spotjob's would not be)
+    assert not any(p in line for line in said.splitlines() if not line.startswith("  ") for p in FORBIDDEN), said
     status = job_document(run)["status"]
     assert (status["phase"], status["reason"]) == ("Failed", "RestartBudgetExhausted")
     assert (status["preemptions"], status["restarts"]) == (0, 0)
-    assert "interrupted;" not in said and "--resume spent" not in said, said[-6000:]
-    assert "spotjob run: spent failed: RestartBudgetExhausted: worker spent-0-0 exited with code 76" in said
+    assert "interrupted;" not in said and "--resume" not in said, said[-6000:]
+    # The interrupt is told, in an Event and in the last lines, as what ended in the failure: it
+    # used to go untold (the reconciler's pass told only the failure), and the failed worker's log
+    # (its agent exited 76) was not shown.
+    uri = str(run / "checkpoints")
+    hand_over = f"`spotjob ckpt adopt {uri} --job local/NEW`, then `spotjob run --name NEW --checkpoint-uri {uri}"
+    reasons = [e.reason for e in events(run)]
+    assert not [r for r in reasons if r.startswith("Interrupt") and r != "InterruptedAtFailure"], reasons
+    assert reasons.index("RestartBudgetExhausted") < reasons.index("InterruptedAtFailure")
+    [told] = [e for e in events(run) if e.reason == "InterruptedAtFailure"]
+    assert told.type == "Warning"
+    assert re.match(
+        r"SIGINT interrupted spotjob run \(pid \d+\) as the script of spent-0-0 failed by itself; the flush "
+        r"committed nothing\. With no restart of --max-restarts left, that failure ended the run: Failed "
+        r"\(RestartBudgetExhausted\), and a failed run is not resumed; ",
+        told.message,
+    ), told.message
+    if newest is None:
+        assert told.message.endswith("it committed no checkpoint to carry on from"), told.message
+        assert "the newest checkpoint" not in said
+    else:
+        assert f"its newest checkpoint, step {newest}, stays in {uri}: to carry on from it once the script is" in (
+            told.message
+        )
+        assert hand_over in told.message
+    lines = said[said.index("\nspotjob run: the interrupt") + 1 :].splitlines()
+    assert lines[:3] == [
+        "spotjob run: the interrupt (SIGINT) came as the script of spent-0-0 failed by itself; the flush committed "
+        "nothing; that failure ended spent: it failed, and a failed run is not resumed",
+        lines[1],
+        f"the end of {run / 'logs' / 'spent-0-0.log'}:",
+    ], said[-6000:]
+    assert lines[1].startswith(
+        "spotjob run: spent failed: RestartBudgetExhausted: worker spent-0-0 exited with code 76"
+    )
+    assert any("fails after the hold in step 10, as asked" in line for line in lines[3:]), said[-6000:]
+    if newest is None:
+        assert lines[-1].startswith("  "), lines[-1]  # the log's end: nothing to carry on from
+    else:
+        assert lines[-1].startswith(f"spotjob run: the newest checkpoint of spent, step {newest}, stays in {uri}")
+        assert hand_over in lines[-1]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

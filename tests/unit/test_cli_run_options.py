@@ -370,7 +370,7 @@ run = SimpleNamespace(
     config=SimpleNamespace(plot="run.png", runs_dir="spotjob-runs"),
     spec=SimpleNamespace(checkpoint=SimpleNamespace(uri="/ckpt")),
     run=lambda view: status, close=lambda: None, summary=lambda: summary, plot=plot,
-    failed_worker_logs=lambda: [],
+    failed_worker_logs=lambda: [], interrupt_outcome=None,
 )
 cli_run.prepare = lambda args: run
 sys.exit(main(["run", "--no-live", "train.py"]))

@@ -24,6 +24,7 @@ from orchestrator.run_interrupt import (
     INTERRUPT_FLUSH_NOT_COMMITTED,
     INTERRUPTED,
     INTERRUPTED_AT_COMPLETION,
+    INTERRUPTED_AT_FAILURE,
 )
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -33,6 +34,7 @@ LOCAL_ONLY = {
     INTERRUPT_FLUSH_NOT_COMMITTED: "Warning",
     INTERRUPTED: "Normal",
     INTERRUPTED_AT_COMPLETION: "Normal",
+    INTERRUPTED_AT_FAILURE: "Warning",
 }
 """Events ``spotjob run`` writes itself, outside the reconciler (``run_setup``, ``run_driver``)."""
 
