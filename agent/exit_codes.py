@@ -142,8 +142,8 @@ def decide_exit_code(
             else f"{COMMAND_ENDED_DURING_FLUSH} (a rank that failed or was killed is named in its output above)"
         )
         return EXIT_FLUSH_FAILED, (
-            f"the flush committed no checkpoint: {how} (command exit code {code}); the restart resumes from the "
-            f"newest checkpoint committed before the flush"
+            f"the flush committed no checkpoint: {how} (command exit code {code}); a restart (if one is left) "
+            f"resumes from the newest checkpoint committed before the flush"
         )
     if code in RESERVED_EXIT_CODES:
         return EXIT_COMMAND_USED_RESERVED, (

@@ -87,8 +87,8 @@ class TestExitCode:
         assert code == EXIT_FLUSH_FAILED
         assert why == (
             "the flush committed no checkpoint: the command ended before its ranks reported one (a rank that "
-            "failed or was killed is named in its output above) (command exit code 1); the restart resumes from "
-            "the newest checkpoint committed before the flush"
+            "failed or was killed is named in its output above) (command exit code 1); a restart (if one is left) "
+            "resumes from the newest checkpoint committed before the flush"
         )
         code, why = decide_exit_code(
             -9, flush_requested=True, result=None, closed_ranks=set(), expected_ranks=2, killed=True
