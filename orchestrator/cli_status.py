@@ -26,11 +26,11 @@ from orchestrator.events import RecordedEvent, events_path, read_events
 from orchestrator.live import RunRecord, render_run_detail, render_run_list
 from orchestrator.model import CheckpointInfo, JobKey, JobSpec, job_name_problem
 from orchestrator.run_folder import (
-    AGENT_EXITS,
     LOG_EXCERPT_LINES,
     RUNS_DIR,
     DriverLock,
     empty_runs_dir_problem,
+    failed_worker_logs,
     older_layout_problem,
     read_cloud,
     reported_step,
@@ -209,12 +209,10 @@ def _failed_logs(r: RunRecord) -> list[tuple[str, list[str]]]:
     """The end of each log of a worker whose own exit failed the current attempt."""
     if r.status is None:
         return []
-    out = []
-    for w in r.status.workers:
-        path = os.path.join(r.path, "logs", f"{w.name}.log")
-        if w.exit_code not in AGENT_EXITS and os.path.isfile(path):
-            out.append((path, [line[:300] for line in log_excerpt(path, LOG_EXCERPT_LINES)]))
-    return out
+    return [
+        (path, [line[:300] for line in log_excerpt(path, LOG_EXCERPT_LINES)])
+        for path in failed_worker_logs(r.path, r.status.workers)
+    ]
 
 
 def _record_json(r: RunRecord) -> dict[str, object]:

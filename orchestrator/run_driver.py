@@ -34,9 +34,9 @@ from orchestrator.model import JobStatus, Phase
 from orchestrator.reconciler import Reconciler, ReconcilerOptions, SystemClock
 from orchestrator.run_config import RunConfig
 from orchestrator.run_folder import (
-    AGENT_EXITS,
     TIMELINE_FILE,
     DriverLock,
+    failed_worker_logs,
     run_file_workdir,
     runs_dir_option,
     write_cloud,
@@ -411,10 +411,8 @@ class LocalRun(_RunSetup):
 
     def failed_worker_logs(self) -> list[str]:
         """The logs of the workers whose failure ended the run: their exit was the script's, or
-        their script failed by itself during an interrupt's flush (their agent exited 76)."""
-        failed = self.interrupt.failed
-        names = [w.name for w in self.status.workers if w.exit_code not in AGENT_EXITS or w.name in failed]
-        return [p for p in (os.path.join(self.path, "logs", f"{n}.log") for n in names) if os.path.isfile(p)]
+        their script failed by itself during a flush (their agent exited 76 saying so)."""
+        return failed_worker_logs(self.path, self.status.workers)
 
 
 def committed_in_storage(run: LocalRun, events: list[TimelineEvent]) -> tuple[int, int | None] | None:

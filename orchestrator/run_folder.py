@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import time
+from collections.abc import Iterable
 
 from agent.control_channel import (
     EXIT_FLUSH_FAILED,
@@ -22,8 +23,10 @@ from agent.control_channel import (
     STATUS_FILE,
     read_json,
 )
+from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH
 from orchestrator.backends.local_cloud import CLOUDS
-from orchestrator.model import JobStatus, Phase
+from orchestrator.backends.local_failure import agent_exit_line
+from orchestrator.model import JobStatus, Phase, WorkerStatus
 
 RUNS_DIR = "spotjob-runs"
 RUN_FILE = "run.json"
@@ -38,6 +41,24 @@ LOG_EXCERPT_LINES = 12
 
 AGENT_EXITS = frozenset({0, EXIT_PREEMPTED, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_STOPPED, None})
 """A worker's exit that is not its script's failure: success, the agent's own codes, or none yet."""
+
+
+def failed_worker_logs(run_folder: str, workers: Iterable[WorkerStatus]) -> list[str]:
+    """The logs (in ``run_folder``'s ``logs/``) of the workers whose script failed: an exit that is
+    not one of the agent's own (``AGENT_EXITS``), or a 76 whose agent says in the log that the
+    command ended by itself, failing, during a flush (``COMMAND_ENDED_DURING_FLUSH``: the script
+    raised while its ranks were asked to flush, so the log's end is what tells why)."""
+    out = []
+    for w in workers:
+        path = os.path.join(run_folder, "logs", f"{w.name}.log")
+        if not os.path.isfile(path):
+            continue
+        if w.exit_code not in AGENT_EXITS or (
+            w.exit_code == EXIT_FLUSH_FAILED
+            and COMMAND_ENDED_DURING_FLUSH in (agent_exit_line(path, EXIT_FLUSH_FAILED) or "")
+        ):
+            out.append(path)
+    return out
 
 
 def runs_dir_option(runs_dir: str) -> str:

@@ -369,7 +369,7 @@ def test_a_script_that_fails_during_the_interrupts_flush_is_that_failure_and_res
 
 @pytest.mark.parametrize("every_steps", [None, 4], ids=["no-checkpoint", "checkpoint"])
 def test_a_script_that_fails_during_the_interrupts_flush_with_no_restart_left_is_a_failed_run(
-    tmp_path: Path, every_steps: int | None
+    tmp_path: Path, every_steps: int | None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     saves = ["--every-steps", str(every_steps)] if every_steps is not None else []
     # With --every-steps 4 the ranks held in step 10 committed steps 4 and 8 before it.
@@ -424,6 +424,14 @@ def test_a_script_that_fails_during_the_interrupts_flush_with_no_restart_left_is
     else:
         assert lines[-1].startswith(f"spotjob run: the newest checkpoint of spent, step {newest}, stays in {uri}")
         assert hand_over in lines[-1]
+    # `spotjob status NAME` shows the end of that log too: its agent's 76 says the command ended by
+    # itself during the flush, so the log tells why (status used to leave every 76's log out).
+    monkeypatch.chdir(tmp_path)  # where spotjob run was started
+    detail = spotjob_status(capsys, "spent")
+    assert detail.returncode == 0, detail.stderr
+    shown = " ".join(detail.stdout.split())  # the terminal's width may fold the path
+    assert f"the end of {run / 'logs' / 'spent-0-0.log'}:" in shown, detail.stdout
+    assert "fails after the hold in step 10, as asked" in shown, detail.stdout
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
