@@ -19,15 +19,9 @@ from typing import Any
 from agent.catalog import CheckpointStatus, list_checkpoints
 from agent.ownership import OwnershipError
 from agent.storage import StorageError, parse_uri
-from orchestrator.cli_ckpt import (
-    LIST_HEADERS,
-    CommandError,
-    checkpoint_json,
-    list_rows,
-    opened_storage,
-    print_table,
-    shown,
-)
+from orchestrator.ckpt_common import CommandError
+from orchestrator.ckpt_output import LIST_HEADERS, checkpoint_json, list_rows, print_table, shown
+from orchestrator.ckpt_select import opened_storage
 from orchestrator.k8s.plugin_client import FLUSH_REQUEST_ANNOTATION, JobEvent, PluginError, SpotJobClient
 from orchestrator.kubectl_common import (
     EXIT_FAILED,

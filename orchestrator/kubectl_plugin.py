@@ -281,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from agent.storage import StorageError
-    from orchestrator.cli_ckpt import NOISY_LOGGERS, CommandError
+    from orchestrator.ckpt_common import CommandError
+    from orchestrator.cli_ckpt import NOISY_LOGGERS
     from orchestrator.k8s.plugin_client import PluginError
 
     log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING, "%(asctime)s %(levelname)s %(name)s: %(message)s")

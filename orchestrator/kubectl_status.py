@@ -20,7 +20,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from orchestrator.cli_ckpt import print_table, shown
+from orchestrator.ckpt_output import print_table, shown
 from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.k8s.plugin_client import AccessDenied, SpotJobClient
 from orchestrator.k8s.pods import training_container_status

@@ -8,6 +8,7 @@ Each race is made to happen at a chosen point by a hook; nothing waits on time.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -24,7 +25,8 @@ from agent.catalog import list_checkpoints, verify_deep
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 from agent.dcp_safe import IN_PLACE_READS, VerifiedReader
 from agent.storage import open_storage
-from orchestrator import cli_ckpt
+from orchestrator import ckpt_export, ckpt_select
+from orchestrator.ckpt_common import EXIT_ERROR
 from orchestrator.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -155,7 +157,7 @@ class _SavingOn:
 
 def _command_while_the_job_saves(monkeypatch: pytest.MonkeyPatch, uri: str, hooked: str, argv: list[str]) -> int:
     """``spotjob ckpt ...argv`` on ``uri``, the job saving step 2 (retention deleting step 1) right
-    before the command's ``hooked`` step reads the checkpoint it picked; its exit status."""
+    before the command's ``hooked`` step (``module.name``) reads the checkpoint it picked; its exit status."""
     job = _SavingOn(uri)
     _hook_before(monkeypatch, hooked, job)
     try:
@@ -167,17 +169,18 @@ def _command_while_the_job_saves(monkeypatch: pytest.MonkeyPatch, uri: str, hook
 def _export_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exports here read unpinned, as one without write access to the URI does (``agent.pins``): a
     pinned export's step is left alone by retention (tests/integration/test_checkpoint_pins.py)."""
-    monkeypatch.setattr(cli_ckpt, "pinned", lambda storage, folder: contextlib.nullcontext())
+    monkeypatch.setattr(ckpt_export, "pinned", lambda storage, folder: contextlib.nullcontext())
 
 
-def _hook_before(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
-    real = getattr(cli_ckpt, name)
+def _hook_before(monkeypatch: pytest.MonkeyPatch, target: str, before: Callable[[], None]) -> None:
+    module, name = target.rsplit(".", 1)
+    real = getattr(importlib.import_module(module), name)
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
         before()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cli_ckpt, name, hooked)
+    monkeypatch.setattr(target, hooked)
 
 
 @pytest.mark.parametrize("scheme", ["file", "s3"])
@@ -191,7 +194,8 @@ def test_export_of_the_newest_deleted_under_it_exports_the_newer_one(
     _export_unpinned(monkeypatch)
     uri = fresh_uri(scheme)
     out = tmp_path / "export"
-    assert _command_while_the_job_saves(monkeypatch, uri, "export_safetensors", ["export", uri, str(out)]) == 0
+    argv = ["export", uri, str(out)]
+    assert _command_while_the_job_saves(monkeypatch, uri, "orchestrator.ckpt_export.export_safetensors", argv) == 0
     err = capsys.readouterr()
     assert "step-000000001 was deleted while it was read" in err.err
     assert "from " + open_storage(uri).url("step-000000002") in err.out
@@ -210,7 +214,8 @@ def test_export_of_a_named_step_deleted_under_it_says_so_and_leaves_nothing(
     uri = fresh_uri(scheme)
     out = tmp_path / "export"
     argv = ["export", "--step", "1", uri, str(out)]
-    assert _command_while_the_job_saves(monkeypatch, uri, "export_safetensors", argv) == cli_ckpt.EXIT_ERROR
+    hooked = "orchestrator.ckpt_export.export_safetensors"
+    assert _command_while_the_job_saves(monkeypatch, uri, hooked, argv) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "step-000000001 was deleted while it was being exported" in err
     assert "--step" in err and "Traceback" not in err
@@ -226,8 +231,9 @@ def test_verify_deep_of_a_checkpoint_deleted_under_it_is_an_error_not_a_verdict(
 ) -> None:
     """Not "INVALID — file missing" (exit 1: a broken checkpoint), nor "valid"."""
     uri = fresh_uri(scheme)
-    status = _command_while_the_job_saves(monkeypatch, uri, "verify_deep", ["verify", "--deep", uri])
-    assert status == cli_ckpt.EXIT_ERROR
+    hooked = "orchestrator.ckpt_deep.verify_deep"
+    status = _command_while_the_job_saves(monkeypatch, uri, hooked, ["verify", "--deep", uri])
+    assert status == EXIT_ERROR
     captured = capsys.readouterr()
     assert "step-000000001 was deleted while it was being verified" in captured.err
     assert "valid" not in captured.out.lower()
@@ -323,7 +329,7 @@ def test_ckpt_commands_that_see_the_newest_in_progress_and_the_one_before_gone_u
     manifest = root / "step-000000002" / "MANIFEST.json"
     aside = tmp_path / "MANIFEST.json"
     manifest.rename(aside)
-    real_inspect = cli_ckpt.inspect
+    real_inspect = ckpt_select.inspect
     looked: list[str] = []
 
     def inspect_as_the_job_commits_and_retention_deletes(storage: Any, ref: Any, **kwargs: Any) -> Any:
@@ -335,7 +341,7 @@ def test_ckpt_commands_that_see_the_newest_in_progress_and_the_one_before_gone_u
             shutil.rmtree(root / "step-000000001")
         return status
 
-    monkeypatch.setattr(cli_ckpt, "inspect", inspect_as_the_job_commits_and_retention_deletes)
+    monkeypatch.setattr(ckpt_select, "inspect", inspect_as_the_job_commits_and_retention_deletes)
     args = [str(root), str(tmp_path / "export")] if command == ["export"] else [str(root)]
     assert main(["ckpt", *command, *args]) == 0
     assert looked[:2] == ["step-000000002", "step-000000001"]

@@ -29,7 +29,7 @@ import agent.pins as pins
 from agent.checkpoint import Checkpointer
 from agent.dcp_safe import VerifiedReader
 from agent.storage import open_storage
-from orchestrator import cli_ckpt
+from orchestrator import ckpt_export
 from orchestrator.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -163,13 +163,13 @@ def test_export_pins_the_step_it_exports(
     uri = str(tmp_path / "ckpt")
     _saves_here(uri, 1, 1)
     step1 = _step1(uri)
-    real = cli_ckpt.export_safetensors
+    real = ckpt_export.export_safetensors
 
     def export_as_the_job_saves(*args: Any, **kwargs: Any) -> Any:
         writer.saves(uri, 2, 2)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cli_ckpt, "export_safetensors", export_as_the_job_saves)
+    monkeypatch.setattr(ckpt_export, "export_safetensors", export_as_the_job_saves)
     out = tmp_path / "export"
     assert main(["ckpt", "export", "--step", "1", uri, str(out)]) == 0, capsys.readouterr().err
     from safetensors.torch import load_file

@@ -30,11 +30,12 @@ from torch import nn
 from agent import Checkpointer
 from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
 from agent.crc32c import crc32c_bytes, to_hex
+from agent.export import INDEX_NAME
 from agent.manifest import DCP_METADATA_NAME, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
 from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
 from agent.storage import Storage, TransientStorageError, open_storage
 from agent.storage.file import FileStorage
-from orchestrator import cli_ckpt
+from orchestrator import ckpt_deep, ckpt_export, ckpt_output, ckpt_select, cli_ckpt
 from orchestrator.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -555,7 +556,7 @@ def test_show_json_can_narrow_to_one_state_key(saved: Saved, capsys: pytest.Capt
 
 
 def _read_export(out: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    index = json.loads((out / cli_ckpt.INDEX_NAME).read_text())
+    index = json.loads((out / INDEX_NAME).read_text())
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(set(index["weight_map"].values())):
         loaded = load_file(out / name)
@@ -572,7 +573,7 @@ def test_export_writes_the_models_state_dict_as_safetensors(
     rc, stdout, _ = ckpt(capsys, "export", saved.uri, str(out), "--step", "2", "--format", "safetensors")
 
     assert rc == 0 and "exported 4 tensors" in stdout
-    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "model.safetensors"])
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
     index, tensors = _read_export(out)
     expected = saved.weights[2]
     assert set(index["weight_map"]) == set(expected) == set(tensors)  # type: ignore[call-overload]
@@ -600,7 +601,7 @@ def test_export_shards_by_max_shard_size_with_hugging_face_names(
     assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert weight_map["0.weight"] == files[0] and weight_map["0.bias"] == files[1]
     assert weight_map["2.weight"] == weight_map["2.bias"] == files[2]
-    assert sorted(os.listdir(out)) == sorted([*files, cli_ckpt.INDEX_NAME])
+    assert sorted(os.listdir(out)) == sorted([*files, INDEX_NAME])
     for name, value in saved.weights[3].items():
         assert torch.equal(tensors[name], value), name
 
@@ -657,7 +658,7 @@ def test_export_refuses_a_non_empty_out_unless_forced(
     rc, _, _ = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
     assert rc == 0
     # The earlier three shards are gone, other files are kept.
-    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "config.json", "model.safetensors"])
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "config.json", "model.safetensors"])
     _, tensors = _read_export(out)
     assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
 
@@ -677,12 +678,12 @@ def test_export_with_force_reports_what_it_removed_as_its_other_messages_on_stde
     rc, stdout, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
 
     assert rc == 0 and "exported 4 tensors" in stdout
-    shards = [n for n in earlier if n != cli_ckpt.INDEX_NAME]
+    shards = [n for n in earlier if n != INDEX_NAME]
     assert err.splitlines() == [
         f"spotjob ckpt export: --force: removed 5 files of an earlier export from {tmp_path}/hf\\x1b]0;owned\\x07: "
-        + ", ".join([*shards, cli_ckpt.INDEX_NAME])
+        + ", ".join([*shards, INDEX_NAME])
     ], err
-    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "model.safetensors"])
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
 
     # Nothing of an earlier export there: nothing to report.
     rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "other"), "--force")
@@ -699,7 +700,7 @@ def test_export_with_force_removes_the_partial_files_a_killed_export_left(
     leftovers here are written by hand under the names a killed export gives them."""
     out = tmp_path / "hf"
     out.mkdir()
-    leftovers = [".model-00002-of-00003.safetensors.partial", f".{cli_ckpt.INDEX_NAME}.partial"]
+    leftovers = [".model-00002-of-00003.safetensors.partial", f".{INDEX_NAME}.partial"]
     for name in leftovers:
         (out / name).write_bytes(b"cut short")
     (out / "config.json").write_text("{}")
@@ -707,7 +708,7 @@ def test_export_with_force_removes_the_partial_files_a_killed_export_left(
     rc, _, _ = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
 
     assert rc == 0
-    assert sorted(os.listdir(out)) == sorted([cli_ckpt.INDEX_NAME, "config.json", "model.safetensors"])
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "config.json", "model.safetensors"])
 
 
 @pytest.mark.parametrize(
@@ -810,7 +811,7 @@ class _ObjectStoreLike(FileStorage):
 def test_export_and_deep_verify_report_bytes_fetched_from_an_object_store(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ObjectStoreLike(uri))
+    monkeypatch.setattr(ckpt_select, "open_storage", lambda uri: _ObjectStoreLike(uri))
     bars: dict[str, tuple[int, list[int]]] = {}
 
     @contextlib.contextmanager
@@ -819,7 +820,8 @@ def test_export_and_deep_verify_report_bytes_fetched_from_an_object_store(
         bars[description.split()[0]] = (total, got)
         yield got.append
 
-    monkeypatch.setattr(cli_ckpt, "_progress_bar", recording_bar)
+    monkeypatch.setattr(ckpt_deep, "_progress_bar", recording_bar)
+    monkeypatch.setattr(ckpt_export, "_progress_bar", recording_bar)
     manifest = saved.manifest(3)
 
     assert ckpt(capsys, "verify", saved.uri, "--deep")[0] == 0
@@ -836,8 +838,8 @@ def test_export_and_deep_verify_report_bytes_fetched_from_an_object_store(
 def test_progress_bars_render_on_a_terminal(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli_ckpt, "_interactive", lambda: True)
-    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ObjectStoreLike(uri))
+    monkeypatch.setattr(ckpt_output, "_interactive", lambda: True)
+    monkeypatch.setattr(ckpt_select, "open_storage", lambda uri: _ObjectStoreLike(uri))
 
     assert ckpt(capsys, "verify", saved.uri, "--deep")[0] == 0
     assert ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))[0] == 0
@@ -855,7 +857,7 @@ class _ShardsUnreachable(_ObjectStoreLike):
 def test_an_unreachable_store_stops_export_with_exit_2_and_never_exports_an_older_checkpoint(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli_ckpt, "open_storage", lambda uri: _ShardsUnreachable(uri))
+    monkeypatch.setattr(ckpt_select, "open_storage", lambda uri: _ShardsUnreachable(uri))
 
     rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"))
 

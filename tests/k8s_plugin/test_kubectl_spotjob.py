@@ -962,7 +962,8 @@ for argv in (["--help"], ["flush", "--help"], ["status", "-o", "yaml"]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         kubectl_plugin.main(argv)
-heavy = ("kubernetes", "google", "boto3", "botocore", "orchestrator.cli_ckpt", "agent.catalog", "orchestrator.k8s")
+heavy = ("kubernetes", "google", "boto3", "botocore", "orchestrator.cli_ckpt", "orchestrator.ckpt_", "agent.catalog")
+heavy += ("orchestrator.k8s",)
 print(sorted(m for m in sys.modules if m.startswith(heavy)))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
