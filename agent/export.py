@@ -1,7 +1,7 @@
 """Export one state key of a checkpoint as Hugging Face safetensors files, and the verified reader
 that ``spotjob ckpt verify --deep`` and ``export`` read a checkpoint through.
 
-The engine behind ``spotjob ckpt export`` (``orchestrator.cli_ckpt`` keeps the command line): it
+The engine behind ``spotjob ckpt export`` (``orchestrator.ckpt_export`` is the command): it
 lives beside the Checkpointer because it needs torch, DCP and safetensors, which it imports only
 when it runs, so importing this module costs nothing. Its refusals are ``ExportError``s, one line
 each, ``invalid`` when the checkpoint itself is at fault, ``proven_bad`` when it is so in a way a
