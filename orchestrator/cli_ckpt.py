@@ -53,7 +53,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from agent.catalog import CheckpointRef
 from agent.export import INDEX_NAME
 from agent.ownership import OwnershipError
 from agent.storage import StorageError
@@ -194,14 +193,17 @@ def register(subparsers: Any) -> None:
 
 
 def parse_step(text: str) -> StepChoice:
-    """``5`` (newest committed attempt of step 5), ``5.1`` or ``step-000000005.1`` (that folder)."""
-    ref = CheckpointRef.parse(text.strip())
-    if ref is not None:
-        return StepChoice(ref.step, ref.attempt)
-    m = re.fullmatch(r"(\d+)(?:\.(\d+))?", text.strip())
+    """``5`` (newest committed attempt of step 5), ``5.1`` or ``step-000000005.1`` (that folder).
+
+    A folder's name names that folder however its numbers are spelled: ``step-000000005.0`` (as
+    ``5.0`` is) and ``step-5`` are ``step-000000005``."""
+    m = re.fullmatch(r"(step-)?(\d+)(?:\.(\d+))?", text.strip())
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a step: write N, N.ATTEMPT or a folder name")
-    return StepChoice(int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a step: write N, N.ATTEMPT or a folder name (step-N, step-N.ATTEMPT)"
+        )
+    attempt = m.group(3) if m.group(3) is not None else ("0" if m.group(1) else None)
+    return StepChoice(int(m.group(2)), None if attempt is None else int(attempt))
 
 
 def _add_uri(p: argparse.ArgumentParser) -> None:

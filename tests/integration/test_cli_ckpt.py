@@ -1164,6 +1164,23 @@ def test_export_of_a_step_takes_its_newest_valid_attempt_as_restore_does(
     assert not (tmp_path / "hf3").exists()
 
 
+def test_step_takes_a_folder_name_however_its_attempt_is_spelled(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--step 3.0`` and ``--step step-000000003`` named the folder step-000000003, but
+    ``--step step-000000003.0``, the folder name with ``.0`` as ``3.0`` has it, was refused (exit 2)."""
+    for step in ("3.0", "step-000000003", "step-000000003.0", "step-3"):
+        rc, out, err = ckpt(capsys, "verify", saved.uri, "--step", step, "--json")
+        assert rc == 0, (step, err)
+        assert (json.loads(out)["folder"], json.loads(out)["attempt"]) == (saved.folder(3), 0), step
+    rc, _, err = ckpt(capsys, "verify", saved.uri, "--step", "step-000000003.1")
+    assert rc == 2 and "no checkpoint step-000000003.1" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["ckpt", "verify", saved.uri, "--step", "step-three"])
+    assert exited.value.code == 2
+    assert "write N, N.ATTEMPT or a folder name (step-N, step-N.ATTEMPT)" in capsys.readouterr().err
+
+
 def test_another_jobs_checkpoints_are_listed_as_foreign_and_never_exported(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
