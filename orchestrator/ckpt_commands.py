@@ -56,6 +56,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with opened_storage(args.uri) as storage:
         status = select_checkpoint(storage, args.step)
         checked_bytes = 0
+        deep = False  # whether the deep checks ran: never without a manifest to check the bytes against
         if args.deep and status.manifest is not None:
             try:
                 _verify_deep(storage, status)
@@ -70,6 +71,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "newest is checked then), or name a checkpoint retention keeps with --step"
                 )
             checked_bytes = status.manifest.total_bytes
+            deep = True
     # One verdict, the catalog's (plus what --deep found, recorded in the same status).
     valid = status.valid
     problems = list(status.problems) if status.committed else [status.reason]
@@ -78,7 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     unchecked = EXIT_ERROR if status.newer_format else EXIT_INVALID
     if args.json:
         doc = checkpoint_json(storage, status)
-        doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=bool(args.deep))
+        doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=deep)
         _print_json(doc)
         return EXIT_OK if valid else unchecked
     if status.newer_format:

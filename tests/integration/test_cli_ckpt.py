@@ -362,6 +362,23 @@ def test_a_flipped_metadata_byte_fails_deep_verify_naming_metadata(
     assert any(p.startswith(f"file {DCP_METADATA_NAME} is corrupt") for p in doc["problems"])
 
 
+def test_deep_verify_json_says_deep_only_when_it_read_the_bytes(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify --deep --json`` of a folder whose manifest is refused read nothing (no manifest to
+    check the bytes against), yet said ``deep: true``, as if every CRC32C had been checked."""
+    rewrite_manifest(saved, 3, lambda raw: raw["files"][0].update(path="../escape"))  # type: ignore[index]
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["manifest_bytes"] is None and "escapes" in doc["reason"]
+    assert doc["deep"] is False
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--json", "--step", "2")
+    assert rc == 0 and json.loads(out)["deep"] is True
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json", "--step", "2")
+    assert rc == 0 and json.loads(out)["deep"] is False
+
+
 def test_deep_verify_passes_an_intact_checkpoint(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--step", "1")
 
