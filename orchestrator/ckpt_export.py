@@ -94,7 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     print(
         f"exported {total.tensors} tensors ({_human(total.bytes)}) of state key {args.key!r} from "
-        f"{storage.url(status.ref.folder)} to {out}: {len(files)} file(s) + {INDEX_NAME} "
+        f"{storage.url(status.ref.folder)} to {shown(out)}: {len(files)} file(s) + {INDEX_NAME} "
         f"in {time.monotonic() - started:.1f}s"
     )
     return EXIT_OK

@@ -544,6 +544,19 @@ def test_text_from_a_crafted_manifest_reaches_the_terminal_with_its_control_char
     assert "'gone\\\\x1b" in outputs[4] and "contains a control character" in outputs[4], outputs[4]
 
 
+def test_export_escapes_the_out_folder_its_last_line_names(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``exported … to OUT`` printed OUT as given, a control character in its name reaching the
+    terminal raw, where export's other lines naming OUT (``--force``'s) escape them."""
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / f"hf{ESCAPES}"))
+
+    assert rc == 0, err
+    assert "\x1b" not in out and "\x07" not in out
+    assert "hf\\x1b]0;owned\\x07" in out, out
+    assert (tmp_path / f"hf{ESCAPES}" / "model.safetensors").exists()
+
+
 def test_export_escapes_the_reason_it_passes_a_checkpoint_over(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
