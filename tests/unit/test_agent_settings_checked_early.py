@@ -137,6 +137,11 @@ def test_every_variable_the_agent_reads_malformed_in_a_spotjobs_env_is_refused_b
         ({"SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT": "-5"}, "SPOTJOB_AGENT_RANK_CONNECT_TIMEOUT='-5': must be more than 0"),
         ({"SPOTJOB_AGENT_REBALANCE": "always"}, "SPOTJOB_AGENT_REBALANCE='always': expected one of ignore, save-early"),
         ({"SPOTJOB_STORAGE_CONCURRENCY": "0"}, "SPOTJOB_STORAGE_CONCURRENCY='0' is not a whole number from 1 to 1024"),
+        # Well-formed but below the smallest budget (64 meant as 64MiB): refused like a malformed one.
+        (
+            {"SPOTJOB_STORAGE_MAX_BUFFER_BYTES": "64"},
+            "SPOTJOB_STORAGE_MAX_BUFFER_BYTES='64' is not a size in bytes from 1MiB to 5TiB",
+        ),
     ],
 )
 def test_a_bad_agent_setting_in_a_spotjobs_env_is_refused_in_the_agents_words(env: dict[str, str], said: str) -> None:
