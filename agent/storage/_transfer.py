@@ -527,6 +527,29 @@ class PrefixedKeys:
         self._bucket_seen = True
         return result
 
+    _buffers: ByteBudget
+    """The store's upload buffers (``max_buffer_bytes``), set by the backend."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:  # implemented by the backend
+        raise NotImplementedError
+
+    def _put_whole(
+        self, local_path: str, key: str, size: int, crc32c: int | None, progress: ProgressFn | None, url: str
+    ) -> None:
+        """``put_file`` of a file sent in one request (to ``url``, said in errors): read whole once
+        the store's budget holds its ``size`` bytes (given back once sent), checked against the
+        caller's CRC32C, then put."""
+        reading = f"cannot read the local file {local_path} (uploading to {url})"
+        with self._buffers.hold(size):
+            with local_file(reading, key), open(local_path, "rb") as f:
+                data = read_at(f.fileno(), size, 0)
+            if len(data) != size:
+                raise PermanentStorageError(f"{local_path} shrank while being uploaded to {url}", key)
+            check_local_crc(url, key, local_path, crc32c_bytes(data), crc32c)
+            self.put_bytes(key, data)
+        if progress:
+            progress(size)
+
     def _holds(self, key: str, data: bytes) -> bool:
         """After an ambiguous create-only failure: is the object there with exactly our bytes?"""
         try:

@@ -435,15 +435,7 @@ class GCSStorage(PrefixedKeys, Storage):
         with local_file(reading, key):
             size = os.path.getsize(local_path)
         if size < min(self.settings.multipart_threshold, SIMPLE_UPLOAD_MAX + 1):
-            with self._buffers.hold(size):  # read whole, held under the store's budget until sent
-                with local_file(reading, key), open(local_path, "rb") as f:
-                    data = read_at(f.fileno(), size, 0)
-                if len(data) != size:
-                    raise PermanentStorageError(f"{local_path} shrank while being uploaded to {self.url(key)}", key)
-                check_local_crc(self.url(key), key, local_path, crc32c_bytes(data), crc32c)
-                self.put_bytes(key, data)
-            if progress:
-                progress(size)
+            self._put_whole(local_path, key, size, crc32c, progress, self.url(key))
             return
         self._put_resumable(local_path, key, size, crc32c, progress)
 

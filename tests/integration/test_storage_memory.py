@@ -20,6 +20,7 @@ import pytest
 
 from agent.crc32c import crc32c_file
 from agent.storage import Storage
+from agent.storage import _transfer as transfer
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
 from agent.storage.base import get_files, put_files
@@ -73,7 +74,8 @@ def round_trip(store: Storage, files: list[tuple[str, str, int, int]], tmp_path:
 
 def watched_s3(store: Any, monkeypatch: pytest.MonkeyPatch) -> InFlight:
     flight = InFlight()
-    monkeypatch.setattr(s3_backend, "read_at", flight.read(s3_backend.read_at))
+    monkeypatch.setattr(s3_backend, "read_at", flight.read(s3_backend.read_at))  # parts
+    monkeypatch.setattr(transfer, "read_at", flight.read(transfer.read_at))  # files sent whole
     client = store._client
     for method in ("upload_part", "put_object"):
         real = getattr(client, method)
@@ -89,7 +91,8 @@ def watched_s3(store: Any, monkeypatch: pytest.MonkeyPatch) -> InFlight:
 
 def watched_gcs(store: Any, monkeypatch: pytest.MonkeyPatch) -> InFlight:
     flight = InFlight()
-    monkeypatch.setattr(gs_backend, "read_at", flight.read(gs_backend.read_at))
+    monkeypatch.setattr(gs_backend, "read_at", flight.read(gs_backend.read_at))  # chunks
+    monkeypatch.setattr(transfer, "read_at", flight.read(transfer.read_at))  # files sent whole
     real_put = store._session.put
     real_simple = store._upload_simple
 
