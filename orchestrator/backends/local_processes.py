@@ -84,6 +84,7 @@ class WorkerProcesses:
         gce_url: str | None = None,
         azure_url: str | None = None,
     ) -> list[str]:
+        """``worker_command`` with this backend's options: the one seam where tests change a worker's command."""
         return worker_command(self.options, key, job, attempt, index, imds_url, control_dir, port, gce_url, azure_url)
 
     def _spawn(self, key: JobKey, job: JobSpec, attempt: int, index: int, node: LocalNode, port: int) -> LocalWorker:
