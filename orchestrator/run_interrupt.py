@@ -109,8 +109,7 @@ class InterruptState:
             failed=tuple(self.failed),
             signals=tuple(self.heard),
             lost=tuple(self.lost),
-            checkpoint_read=self.newest is not None,
-            checkpoint=self.newest[0] if self.newest is not None else None,
+            newest=self.newest,
         )
 
 

@@ -127,11 +127,10 @@ class BeforeStop:
     lost: tuple[str, ...] = ()
     """Workers gone without an exit code while nothing was stopped yet (their node was reclaimed):
     a preemption already under way, as on any pass."""
-    checkpoint_read: bool = False
-    """``checkpoint`` was read from storage once no process of the job was left to commit one."""
-    checkpoint: CheckpointStatus | None = None
-    """That read: the newest valid checkpoint (None: none), which the pass takes rather than
-    read storage again (nothing could commit between the read and the stop)."""
+    newest: tuple[CheckpointStatus | None] | None = None
+    """``(the newest valid checkpoint or None)`` as read from storage once no process of the job was
+    left to commit one, which the pass takes rather than read storage again (nothing could commit
+    between the read and the stop); None when no such read was made."""
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,7 @@ class Reconciler(_Capacity):
         Rescheduling, with ``reason`` and ``message`` for its own, and the next attempt starts from
         the newest valid checkpoint once the job is driven again. The pass tells ``reason`` first,
         unless the job ended. Storage is not read again when ``before_stop`` holds a read made once
-        nothing was left to commit (``checkpoint_read``).
+        nothing was left to commit (``newest``).
 
         Returns the status after the pass (the one stored when the job had ended already); None
         when there is none to take (the job gone, its spec or status unreadable), the backend
@@ -291,7 +291,7 @@ class Reconciler(_Capacity):
             p.version, p.driver_stopped = stored.version, True
             seen = before_stop or BeforeStop()
             try:
-                self._observe(p, known=(seen.checkpoint,) if seen.checkpoint_read else None)
+                self._observe(p, known=seen.newest)
             except BackendError as e:
                 log.warning("job %s: cannot look at its workers after its driver stopped them: %s", key, e)
                 return None

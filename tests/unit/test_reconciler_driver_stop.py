@@ -251,7 +251,7 @@ def test_a_checkpoint_the_driver_read_once_nothing_could_commit_is_not_read_agai
     assert latest_valid(world.storage) == newest and listed, "the seam is where a read of the newest lists"
     listed.clear()
 
-    status = stopped_by_its_driver(world, before_stop=BeforeStop(checkpoint_read=True, checkpoint=newest))
+    status = stopped_by_its_driver(world, before_stop=BeforeStop(newest=(newest,)))
 
     assert status is not None and status.last_checkpoint is not None
     assert status.last_checkpoint.step == newest.ref.step
