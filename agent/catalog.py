@@ -20,7 +20,11 @@ Validity is decided here, once, by ``inspect`` — for restore, retention, the c
 4. every listed file is there with its listed size, and (on a filesystem) is not a symlink
    leading out of the folder, nor is the folder one leading out of the URI's;
 5. it is not *foreign* (written by a job the URI's owner does not accept) or *fenced* (written by
-   a stale attempt; see ``agent.ownership``).
+   a stale attempt; see ``agent.ownership``), and the records that tell are readable here.
+
+A checkpoint that fails only for want of reading something — a manifest or a record a newer
+spotjob wrote, one archived, a record gone as it was read — is ``undecided``: not valid, not proven
+bad either (``spotjob ckpt verify`` exits 2 for it, 1 for a checkpoint proven invalid).
 
 Checks 1-5 cost one listing per folder, one manifest read, and per sweep the owner record plus
 what fencing needs. ``verify_deep`` also reads every byte and checks every CRC32C. Storage errors
@@ -109,10 +113,21 @@ class CheckpointStatus:
     newer_format: bool = False
     """Its manifest is in a format newer than this spotjob reads (``NewerFormatError``): not proven
     bad, so never restored past (restore refuses), never counted or deleted by retention."""
+    unproven: list[str] = field(default_factory=list)
+    """Those of ``problems`` that prove nothing about the checkpoint, only that it could not be
+    judged here: a manifest or a record a newer spotjob wrote, one archived (``report_archived``),
+    a record gone as it was read (a ``Judgement`` of kind ``undecided``)."""
 
     @property
     def valid(self) -> bool:
         return self.committed and self.manifest is not None and not self.problems
+
+    @property
+    def undecided(self) -> bool:
+        """Not valid, but only because it could not be judged here: every problem is ``unproven``
+        (``spotjob ckpt verify`` exits 2, "cannot check", not 1). It is used no more than an invalid
+        one: restore and retention decide by ``valid``, ``newer_format``, ``foreign`` and ``fenced``."""
+        return self.committed and bool(self.problems) and all(p in self.unproven for p in self.problems)
 
     @property
     def reason(self) -> str:
@@ -193,9 +208,11 @@ def inspect(
         if not report_archived:
             raise
         status.problems.append(f"its MANIFEST.json cannot be read: {e}")
+        status.unproven.append(status.problems[-1])
         return status
     except NewerFormatError as e:
         status.problems.append(str(e))
+        status.unproven.append(str(e))
         status.newer_format = True
         return status
     except ManifestError as e:
@@ -222,7 +239,7 @@ def inspect(
         # The attempt record that judges it (written once, when that attempt started) is archived.
         if not report_archived:
             raise
-        judgement = Judgement("untrusted", f"cannot tell whether it is fenced: {e}")
+        judgement = Judgement("undecided", f"cannot tell whether it is fenced: {e}")
     if judgement is not None:
         _apply(status, judgement)
     return status
@@ -233,6 +250,8 @@ def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
     status.fenced = judgement.kind == "fenced"
     status.retired = judgement.kind == "retired"
     status.problems.append(judgement.reason)
+    if judgement.kind == "undecided":
+        status.unproven.append(judgement.reason)
 
 
 def inspect_all(

@@ -589,9 +589,15 @@ def check_not_fenced(storage: Storage, job: str | None, attempt: int | None) -> 
 
 @dataclass(frozen=True)
 class Judgement:
-    """Why a committed checkpoint must not be used although its bytes may be fine."""
+    """Why a committed checkpoint must not be used although its bytes may be fine.
 
-    kind: Literal["foreign", "fenced", "retired", "untrusted"]
+    ``untrusted``: a record it is judged by is broken (not JSON, too big or too deep, fields of the
+    wrong kind, or one that contradicts where it lies); ``undecided``: that record could not be
+    judged by here — a newer spotjob wrote it, it is archived, or it went away as it was read —
+    which proves nothing about the checkpoint (``spotjob ckpt verify`` exits 2, not 1). Neither is
+    ever restored or counted."""
+
+    kind: Literal["foreign", "fenced", "retired", "untrusted", "undecided"]
     reason: str
 
 
@@ -606,26 +612,29 @@ class Lineage:
     storage: Storage
     owner: Owner | None
     owner_error: str | None = None
+    owner_newer: bool = False
+    """``owner_error`` says the owner record is a newer spotjob's (not broken: upgrade)."""
     retired: frozenset[str] = frozenset()
     """Folders a deliberate fresh start set aside (``agent._fresh_start``): kept, never used."""
     _numbers: dict[str | None, builtins.list[int]] = field(default_factory=dict)
-    _records: dict[tuple[str | None, int], AttemptRecord | str] = field(default_factory=dict)
+    _records: dict[tuple[str | None, int], AttemptRecord | Judgement] = field(default_factory=dict)
 
     @classmethod
     def load(cls, storage: Storage) -> Lineage:
         """Read the owner (``StorageError`` when storage fails; an unreadable record is kept as
-        ``owner_error`` and makes every checkpoint untrusted)."""
+        ``owner_error`` and makes every checkpoint untrusted, or undecided when a newer spotjob
+        wrote it)."""
         retired = frozenset(_fresh_start.retired_folders(storage))
         try:
             return cls(storage, read_owner(storage), retired=retired)
         except OwnershipError as e:
-            return cls(storage, None, str(e), retired=retired)
+            return cls(storage, None, str(e), owner_newer=e.newer, retired=retired)
 
     def judge(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
         """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
         used, or None. ``StorageError`` when storage fails."""
         if self.owner_error is not None:
-            return Judgement("untrusted", self.owner_error)
+            return Judgement("undecided" if self.owner_newer else "untrusted", self.owner_error)
         if ref.folder in self.retired:
             return Judgement(
                 "retired",
@@ -657,8 +666,10 @@ class Lineage:
         if not later:
             return None
         record = self._record(job, later[0])
-        if isinstance(record, str):
-            return Judgement("untrusted", f"cannot tell whether attempt {attempt}'s checkpoint is fenced: {record}")
+        if isinstance(record, Judgement):
+            return Judgement(
+                record.kind, f"cannot tell whether attempt {attempt}'s checkpoint is fenced: {record.reason}"
+            )
         if not is_fenced(ref, attempt, [record]):
             return None
         resumed = record.fence.folder if record.fence is not None else "scratch"
@@ -673,16 +684,23 @@ class Lineage:
             self._numbers[job] = recorded_attempts(self.storage, job)
         return self._numbers[job]
 
-    def _record(self, job: str | None, attempt: int) -> AttemptRecord | str:
-        """The record, or why it cannot be read."""
+    def _record(self, job: str | None, attempt: int) -> AttemptRecord | Judgement:
+        """The record, or why it cannot be read: ``undecided`` when that proves nothing (a newer
+        spotjob's record, one gone since the listing), ``untrusted`` when the record is broken."""
         key = (job, attempt)
         if key not in self._records:
             try:
                 self._records[key] = read_attempt(self.storage, job, attempt)
             except NotFoundError:
-                self._records[key] = f"{self.storage.url(attempt_key(job, attempt))} was listed but is gone"
+                self._records[key] = Judgement(
+                    "undecided",
+                    f"{self.storage.url(attempt_key(job, attempt))} was listed but is gone (deleted while it was "
+                    "read): look again",
+                )
+            except NewerRecordError as e:
+                self._records[key] = Judgement("undecided", str(e))
             except ValueError as e:
-                self._records[key] = str(e)
+                self._records[key] = Judgement("untrusted", str(e))
         return self._records[key]
 
 

@@ -18,6 +18,7 @@ from agent.ownership import (
     OWNER_KEY,
     AttemptRecord,
     FencedError,
+    Lineage,
     OwnershipError,
     adopt,
     attempt_key,
@@ -256,6 +257,53 @@ def test_an_unreadable_attempt_record_leaves_what_it_would_judge_untrusted(stora
     assert attempt_records(storage, "a") == []
     newest = commit(storage, 50, job="a", attempt=1)
     assert inspect(storage, newest).valid
+
+
+def test_an_attempt_record_gone_between_listing_and_reading_leaves_what_it_would_judge_undecided(
+    storage: FileStorage,
+) -> None:
+    """One sweep lists a job's attempt records once; a record deleted before it is read proves
+    nothing about the checkpoint it would judge. It was called untrusted, so ``spotjob ckpt verify``
+    exited 1, "invalid"; it is undecided (exit 2: look again), and still never valid."""
+    claim(storage, "a")
+    old = commit(storage, 40, job="a", attempt=0)
+    middle = commit(storage, 50, job="a", attempt=1)
+    record_attempt(storage, "a", 1, old)
+    record_attempt(storage, "a", 2, middle)
+    lineage = Lineage.load(storage)
+    assert inspect(storage, middle, lineage=lineage).valid  # lists attempts 1 and 2, reads 2
+    storage.delete([attempt_key("a", 1)])
+    status = inspect(storage, old, lineage=lineage)
+    assert not status.valid and status.undecided and not status.fenced
+    assert "was listed but is gone" in status.reason and "look again" in status.reason
+
+
+def test_a_record_a_newer_spotjob_wrote_leaves_checkpoints_undecided_and_a_broken_one_untrusted(
+    storage: FileStorage,
+) -> None:
+    """What ``spotjob ckpt verify``'s exit status stands on: a newer spotjob's owner or attempt
+    record proves nothing (undecided, exit 2); one whose bytes are broken is proven so (exit 1)."""
+    claim(storage, "a")
+    old = commit(storage, 40, job="a", attempt=0)
+    record_attempt(storage, "a", 1, old)
+    key = attempt_key("a", 1)
+    record = json.loads(storage.get_bytes(key))
+    storage.put_bytes(key, json.dumps({**record, "format": 2}).encode())
+    status = inspect(storage, old)
+    assert not status.valid and status.undecided and "newer spotjob" in status.reason
+    storage.put_bytes(key, b"not json")
+    status = inspect(storage, old)
+    assert not status.valid and not status.undecided and "cannot tell whether" in status.reason
+    storage.put_bytes(key, json.dumps(record).encode())
+    assert inspect(storage, old).valid
+
+    owner = json.loads(storage.get_bytes(OWNER_KEY))
+    storage.put_bytes(OWNER_KEY, json.dumps({**owner, "format": 2}).encode())
+    status = inspect(storage, old)
+    assert not status.valid and status.undecided and "newer spotjob" in status.reason
+    storage.put_bytes(OWNER_KEY, b"not json")
+    status = inspect(storage, old)
+    assert not status.valid and not status.undecided and "unreadable" in status.reason
 
 
 @pytest.mark.parametrize(
