@@ -54,7 +54,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.deep:
         _need_torch_extra("verify --deep", ("torch", "numpy"))
     with opened_storage(args.uri) as storage:
-        status = select_checkpoint(storage, args.step)
+        # An archived manifest or attempt record is this checkpoint's reason (undecided, exit 2),
+        # as `list` shows it, so that --json prints the object as list --json does.
+        status = select_checkpoint(storage, args.step, report_archived=True)
         checked_bytes = 0
         deep = False  # whether the deep checks ran: never without a manifest to check the bytes against
         if args.deep and status.manifest is not None:
@@ -75,18 +77,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # One verdict, the catalog's (plus what --deep found, recorded in the same status).
     valid = status.valid
     problems = list(status.problems) if status.committed else [status.reason]
-    # A manifest a newer spotjob wrote is not proven bad, only unreadable here (a restore stops at
-    # it, export exits 2): nothing could be checked, which is exit 2, not "invalid".
-    unchecked = EXIT_ERROR if status.newer_format else EXIT_INVALID
+    # A manifest or a record a newer spotjob wrote, one archived, one gone as it was read: not
+    # proven bad, only not checkable here (a restore stops at or passes over it all the same):
+    # nothing could be decided, which is exit 2, not "invalid". What a check proved (a file
+    # missing or corrupt, a broken record, fenced, foreign) is exit 1, whatever else could not be read.
+    undecided = status.undecided
     if args.json:
         doc = checkpoint_json(storage, status)
         doc.update(valid=valid, problems=problems, reason="; ".join(problems), deep=deep)
         _print_json(doc)
-        return EXIT_OK if valid else unchecked
-    if status.newer_format:
+        return EXIT_OK if valid else EXIT_ERROR if undecided else EXIT_INVALID
+    if undecided and status.newer_format:
         raise CommandError(
             f"{status.ref.folder} was written by a newer spotjob, so this one cannot check it "
             f"({' '.join(status.reason.split())}); name an older checkpoint with --step to verify that one"
+        )
+    if undecided:
+        checked = " (its bytes match their CRC32Cs)" if deep else ""
+        raise CommandError(
+            f"{status.ref.folder} cannot be checked here, which proves nothing bad about it{checked}: "
+            f"{' '.join(status.reason.split())}. Verify it again once that is dealt with, or name another "
+            "checkpoint with --step"
         )
     folder = status.ref.folder
     if valid:

@@ -61,6 +61,7 @@ def checkpoint_json(storage: Storage, status: CheckpointStatus) -> dict[str, Any
         "fenced": status.fenced,
         "retired": status.retired,
         "newer_format": status.newer_format,
+        "undecided": status.undecided,
         "reason": status.reason,
         # An uncommitted folder has no problem of its own to list, but it is not valid either: a
         # reader of ``problems`` learns why (as verify's has said), never an empty list beside valid false.
@@ -106,6 +107,8 @@ def _verdict(status: CheckpointStatus) -> str:
         return f"FENCED — {status.reason}"
     if status.retired:
         return f"RETIRED — {status.reason}"
+    if status.undecided:  # nothing proven: a record or manifest this spotjob cannot read now
+        return f"UNDECIDED — {status.reason}"
     return f"INVALID — {status.reason}"
 
 

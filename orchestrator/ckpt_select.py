@@ -92,18 +92,22 @@ _RELISTS = 3
 reading was deleted under it (as a restore does, ``agent.checkpoint._restore._RELISTS``)."""
 
 
-def select_checkpoint(storage: Storage, choice: StepChoice | None) -> CheckpointStatus:
+def select_checkpoint(
+    storage: Storage, choice: StepChoice | None, *, report_archived: bool = False
+) -> CheckpointStatus:
     """The checkpoint a command works on; see the module docstring for the default.
 
     With a step, its newest committed attempt (or its newest folder when none is committed, which
     then reads as uncommitted). Raises ``CommandError`` when there is nothing to pick.
+    ``report_archived``: as ``inspect``'s (an archived manifest or attempt record is the status's
+    reason, ``undecided``, rather than an ``ArchivedError``).
     """
     refs = _require_checkpoints(storage)
     lineage = Lineage.load(storage)
     if choice is None:
         for _ in range(_RELISTS + 1):
             for ref in refs:
-                status = inspect(storage, ref, lineage=lineage)
+                status = inspect(storage, ref, lineage=lineage, report_archived=report_archived)
                 if status.committed:
                     return status
             # None committed: perhaps the newest committed after we looked and retention deleted the
@@ -116,7 +120,7 @@ def select_checkpoint(storage: Storage, choice: StepChoice | None) -> Checkpoint
             "MANIFEST.json (saves that never finished); `spotjob ckpt list` shows them"
         )
     matching = _folders_of(storage, refs, choice)
-    statuses = [inspect(storage, ref, lineage=lineage) for ref in matching]
+    statuses = [inspect(storage, ref, lineage=lineage, report_archived=report_archived) for ref in matching]
     return next((s for s in statuses if s.committed), statuses[0])
 
 

@@ -29,10 +29,12 @@ one folder exactly, which ``export`` refuses when it is not valid.
 ``adopt`` is the one command that writes: it makes another job the owner of the URI (see
 ``agent.ownership``), so that job resumes from the checkpoints there.
 
-Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` found a problem,
+Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` proved a problem,
 ``show``/``export`` refused it); 2 nothing could be checked or done (bad URI, no such folder or
-step, storage unreachable, an export refused for its arguments, a checkpoint a newer spotjob
-wrote: not proven bad, only unreadable here) — the same code argparse uses for a bad command line.
+step, storage unreachable, an export refused for its arguments, a checkpoint ``verify`` cannot
+decide — ``CheckpointStatus.undecided``: its manifest, or the owner or attempt record judging it, a
+newer spotjob wrote or an archive storage class holds: not proven bad, only unreadable here) — the
+same code argparse uses for a bad command line.
 
 Where each part lives: this module is the command line (``register``: the commands and their
 options, ``--step`` and ``--max-shard-size`` parsed; ``_boundary``, which makes an error one line
@@ -76,7 +78,8 @@ _DEFAULT_PICK = (
 )
 _EXIT_CODES = (
     "exit status: 0 ok; 1 the checkpoint is invalid or unsafe; "
-    "2 nothing could be checked or done (bad URI, no such folder/step, storage error, bad arguments)"
+    "2 nothing could be checked or done (bad URI, no such folder/step, storage error, bad arguments, "
+    "a checkpoint that cannot be judged here: UNDECIDED)"
 )
 
 
@@ -98,7 +101,8 @@ def register(subparsers: Any) -> None:
         "time (UTC), world size, bytes stored, and whether it is valid — or why not (uncommitted "
         "leftover, missing file, file of the wrong size, manifest refused, FOREIGN: written by a job "
         "that does not own the URI, FENCED: written by a stale attempt of the job, RETIRED: set aside "
-        "by a fresh start). Sizes are "
+        "by a fresh start, UNDECIDED: not proven bad, but its manifest or a record that judges it is "
+        "a newer spotjob's or archived). Sizes are "
         "checked; contents are not (see `verify --deep`).",
         epilog=_EXIT_CODES,
     )
@@ -108,7 +112,7 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser(
         "verify",
-        help="check one checkpoint; exit 0 when valid, 1 when not",
+        help="check one checkpoint; exit 0 when valid, 1 when not, 2 when it cannot be judged here",
         description="Check one checkpoint: MANIFEST.json parses and names only files inside its "
         "folder, and every file it lists is there with its listed size. --deep also reads every byte "
         "and checks every CRC32C, unpickles DCP's .metadata with the allow-list unpickler and the "

@@ -9,6 +9,7 @@ is still listed, HEADed and deleted. moto does not model a restore from the arch
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -318,6 +319,54 @@ def test_ckpt_list_and_retention_see_past_an_archived_attempt_record(
         train(state, 1, start=3)
         ckpt.save(4, state)
     assert steps_in(s3_uri) == [4]
+
+
+def test_verify_of_a_checkpoint_it_cannot_judge_for_an_archived_object_exits_2_saying_to_restore_it(
+    s3_uri: str, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 2, attempt 0's, is judged by attempt 1's record, which a lifecycle rule archived. Nothing
+    is proven about step 2, yet ``verify --json`` printed nothing (the ``ArchivedError`` of the sweep
+    ``list`` sees past) where ``list`` showed a row, and that row said INVALID. Now all three say the
+    same: undecided, exit 2 for ``verify``, naming the restore; an archived manifest likewise."""
+    staging = str(tmp_path / "staging")
+    state = make_state(0)
+    storage = open_storage(s3_uri)
+    try:
+        record_attempt(storage, "J", 0, None)
+        with Checkpointer(s3_uri, job="J", attempt=0, keep=None, async_save=False, staging_dir=staging) as ckpt:
+            for step in (1, 2):
+                train(state, 1, start=step - 1)
+                ckpt.save(step, state)
+        record_attempt(storage, "J", 1, CheckpointRef(2))
+    finally:
+        storage.close()
+    assert main(["ckpt", "verify", s3_uri]) == 0
+    capsys.readouterr()
+    _, bucket, prefix = parse_uri(s3_uri)
+    key = f"{prefix}/{attempt_key('J', 1)}"
+    s3_client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key}, StorageClass="GLACIER")
+
+    rc = main(["ckpt", "verify", s3_uri])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert "step-000000002 cannot be checked here" in err and "archived" in err and "restore-object" in err, err
+    assert "verify it again" in err.lower() and "INVALID" not in err
+    assert main(["ckpt", "verify", s3_uri, "--json"]) == 2
+    verified = json.loads(capsys.readouterr().out)
+    assert (verified["folder"], verified["valid"], verified["undecided"]) == ("step-000000002", False, True)
+    assert main(["ckpt", "list", s3_uri, "--json"]) == 0
+    listed = {r["folder"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (listed["step-000000002"]["undecided"], listed["step-000000002"]["reason"]) == (True, verified["reason"])
+    assert main(["ckpt", "list", s3_uri]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "UNDECIDED — " in rows["step-000000002"] and "INVALID" not in rows["step-000000002"]
+
+    archive(s3_client, s3_uri, 1)  # and step 1's manifest with it
+    rc = main(["ckpt", "verify", s3_uri, "--step", "1", "--json"])
+    verified = json.loads(capsys.readouterr().out)
+    assert rc == 2 and verified["undecided"] is True and "restore-object" in verified["reason"]
+    assert main(["ckpt", "verify", s3_uri, "--step", "1"]) == 2
+    assert "step-000000001 cannot be checked here" in capsys.readouterr().err
 
 
 def test_a_uri_holding_only_another_jobs_checkpoint_is_walked_once(

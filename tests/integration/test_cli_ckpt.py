@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.export import INDEX_NAME
 from agent.manifest import DCP_METADATA_NAME, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
-from agent.ownership import OWNER_KEY, OwnershipError, claim, read_owner
+from agent.ownership import OWNER_KEY, OwnershipError, attempt_key, claim, read_owner, record_attempt
 from agent.storage import Storage, TransientStorageError, open_storage
 from agent.storage.file import FileStorage
 from orchestrator import ckpt_deep, ckpt_export, ckpt_output, ckpt_select, cli_ckpt
@@ -1266,6 +1267,144 @@ def test_adopt_repairs_an_unreadable_owner_record(saved: Saved, capsys: pytest.C
     owner = read_owner(saved.storage)
     assert owner is not None and owner.job is None
     assert ckpt(capsys, "verify", saved.uri)[0] == 0
+
+
+def test_an_owner_record_a_newer_spotjob_wrote_makes_verify_exit_2_saying_to_upgrade(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An owner record in a format this spotjob does not know proves nothing about the checkpoints
+    under it: a newer spotjob wrote it. ``verify`` called every one INVALID (exit 1), which a script
+    replacing checkpoints that fail verify reads as "throw it away". It cannot be checked here: exit
+    2, saying to upgrade, and ``list`` and ``--json`` say the same (``undecided``). A record whose
+    bytes are garbage is a broken record and stays exit 1 (``adopt`` rewrites it)."""
+    doc = json.loads(saved.storage.get_bytes(OWNER_KEY))
+    saved.storage.put_bytes(OWNER_KEY, json.dumps({**doc, "format": 2}).encode())
+
+    rc, out, err = ckpt(capsys, "verify", saved.uri)
+    assert rc == 2 and out == "", out
+    assert f"{saved.folder(3)} cannot be checked here" in err and "upgrade spotjob" in err, err
+    assert "INVALID" not in err and "makes JOB the owner" not in err
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    verified = json.loads(out)
+    assert rc == 2 and (verified["valid"], verified["undecided"], verified["newer_format"]) == (False, True, False)
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert rc == 0 and all("UNDECIDED — " in row and "newer spotjob" in row for row in out.splitlines()[1:]), out
+    rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+    listed = json.loads(out)
+    assert [(r["valid"], r["undecided"]) for r in listed] == [(False, True)] * 3
+    assert listed[0]["reason"] == verified["reason"]
+    assert latest_valid(saved.storage) is None  # restore and the controller still use none of them
+
+    saved.storage.put_bytes(OWNER_KEY, b"not json")  # garbage: broken, proven so
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+    assert rc == 1 and "INVALID" in out and "unreadable" in out and "spotjob ckpt adopt" in out
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    assert rc == 1 and json.loads(out)["undecided"] is False
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert "UNDECIDED" not in out and out.count("INVALID — ") == 3
+
+
+def _judged_by_attempt_1(saved: Saved) -> None:
+    """Step 3 written by attempt 0 of the (unnamed) job, and attempt 1 recorded resuming from step 3:
+    step 3 is valid, judged by attempt 1's record."""
+    rewrite_manifest(saved, 3, lambda raw: raw.update(attempt=0))
+    record_attempt(saved.storage, None, 1, CheckpointRef(3))
+    assert inspect(saved.storage, CheckpointRef(3)).valid
+
+
+@pytest.mark.parametrize(
+    ("record", "rc", "says"),
+    [
+        ({"format": 2}, 2, "newer spotjob"),
+        ({"lease": "x"}, 2, "newer spotjob"),
+        ({"attempt": 7}, 1, "records attempt 7"),
+        ({"fence": {"step": 2, "folder": "step-000000002"}}, 1, "FENCED"),
+        (b"[" * 100_000, 1, "nested"),
+    ],
+    ids=["newer-format", "newer-field", "contradicts", "fences-it", "garbage"],
+)
+def test_verify_exits_2_only_when_the_attempt_record_judging_a_checkpoint_cannot_be_read_here(
+    saved: Saved, capsys: pytest.CaptureFixture[str], record: dict[str, object] | bytes, rc: int, says: str
+) -> None:
+    """The record of the attempt after the one that wrote a checkpoint tells whether it is fenced.
+    One a newer spotjob wrote proves nothing: ``verify`` said INVALID (exit 1) and now exits 2 saying
+    to upgrade. One that parses and fences the checkpoint, or contradicts where it lies, or whose bytes
+    are garbage, is proven: exit 1. ``list`` and ``--json`` agree with the exit status."""
+    _judged_by_attempt_1(saved)
+    key = attempt_key(None, 1)
+    if isinstance(record, bytes):
+        saved.storage.put_bytes(key, record)
+    else:
+        saved.storage.put_bytes(key, json.dumps({**json.loads(saved.storage.get_bytes(key)), **record}).encode())
+
+    got, out, err = ckpt(capsys, "verify", saved.uri)
+    assert got == rc, (out, err)
+    assert says.lower() in (out + err).lower(), (out, err)
+    if rc == 2:
+        assert out == "" and "cannot be checked here" in err and "upgrade spotjob" in err
+    else:
+        assert "INVALID" in out
+    got, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    verified = json.loads(out)
+    assert got == rc and verified["valid"] is False and verified["undecided"] is (rc == 2)
+    _, out, _ = ckpt(capsys, "list", saved.uri, "--json")
+    listed = {r["folder"]: r for r in json.loads(out)}
+    assert (listed[saved.folder(3)]["undecided"], listed[saved.folder(3)]["reason"]) == (
+        verified["undecided"],
+        verified["reason"],
+    )
+    _, out, _ = ckpt(capsys, "list", saved.uri)
+    row = next(line for line in out.splitlines() if saved.folder(3) in line)
+    assert ("UNDECIDED — " in row) is (rc == 2), row
+    status = latest_valid(saved.storage)  # what restore and the controller ask: never step 3
+    assert status is not None and status.ref == CheckpointRef(2)
+
+
+def test_a_checkpoint_proven_broken_exits_1_even_when_its_attempt_record_cannot_be_read_here(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing file is proven whatever the attempt record says: exit 1, not 2."""
+    _judged_by_attempt_1(saved)
+    key = attempt_key(None, 1)
+    saved.storage.put_bytes(key, json.dumps({**json.loads(saved.storage.get_bytes(key)), "format": 2}).encode())
+    saved.storage.delete([saved.key(3, saved.shard(3))])
+
+    rc, out, _ = ckpt(capsys, "verify", saved.uri)
+    assert rc == 1 and f"file {saved.shard(3)} is missing" in out and "newer spotjob" in out
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    assert rc == 1 and json.loads(out)["undecided"] is False
+
+
+@pytest.mark.parametrize("record", ["owner", "attempt"])
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_record_storage_refuses_to_read_makes_verify_and_list_exit_2_naming_the_record_and_why(
+    request: pytest.FixtureRequest,
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[..., Any],
+    fast_retries: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    scheme: str,
+    record: str,
+) -> None:
+    """Pins behaviour that already held: an owner or attempt record the credentials may not read
+    (403) proves nothing about the checkpoints it judges. ``verify`` and ``list`` stop with exit 2
+    ("cannot check"), naming the record and the permission, never calling a checkpoint invalid."""
+    with _save_three_steps(fresh_uri(scheme)) as saved:
+        if record == "attempt":
+            _judged_by_attempt_1(saved)
+    server = request.getfixturevalue("moto_server" if scheme == "s3" else "gcs_server")
+    proxy = fault_proxy(server, scheme if scheme == "s3" else "gcs")
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    name = "owner.json" if record == "owner" else "attempt-000000001.json"
+    denied = proxy.fail(10_000, 403, method="GET", path=re.escape(name))
+
+    for args in (["verify"], ["verify", "--json"], ["list"], ["list", "--json"]):
+        rc, out, err = ckpt(capsys, *args, saved.uri)
+        assert rc == 2 and out == "", (args, out)
+        assert "permission denied" in err.lower() and name in err, (args, err)
+        assert "INVALID" not in err
+    assert denied.served >= 4
 
 
 def test_adopt_refuses_a_job_name_no_checkpointer_can_run_as(saved: Saved, capsys: pytest.CaptureFixture[str]) -> None:
