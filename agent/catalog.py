@@ -111,8 +111,9 @@ class CheckpointStatus:
     retired: bool = False
     """Set aside by a deliberate fresh start (``agent._fresh_start``): kept, never used."""
     newer_format: bool = False
-    """Its manifest is in a format newer than this spotjob reads (``NewerFormatError``): not proven
-    bad, so never restored past (restore refuses), never counted or deleted by retention."""
+    """Its manifest is in a format newer than this spotjob reads (``NewerFormatError``), or a record
+    that judges it is (the owner's or the next attempt's, ``Judgement.newer``): not proven bad, so
+    never restored past (restore refuses), never counted or deleted by retention."""
     unproven: list[str] = field(default_factory=list)
     """Those of ``problems`` that prove nothing about the checkpoint, only that it could not be
     judged here: a manifest or a record a newer spotjob wrote, one archived (``report_archived``),
@@ -252,6 +253,8 @@ def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
     status.problems.append(judgement.reason)
     if judgement.kind == "undecided":
         status.unproven.append(judgement.reason)
+    if judgement.newer:
+        status.newer_format = True
 
 
 def inspect_all(

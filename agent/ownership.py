@@ -599,6 +599,10 @@ class Judgement:
 
     kind: Literal["foreign", "fenced", "retired", "untrusted", "undecided"]
     reason: str
+    newer: bool = False
+    """(``undecided``) A newer spotjob wrote the record: the checkpoint is then treated as one whose
+    manifest a newer spotjob wrote (``CheckpointStatus.newer_format``): a restore stops at it rather
+    than go back past it, and retention keeps it."""
 
 
 @dataclass
@@ -634,7 +638,9 @@ class Lineage:
         """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
         used, or None. ``StorageError`` when storage fails."""
         if self.owner_error is not None:
-            return Judgement("undecided" if self.owner_newer else "untrusted", self.owner_error)
+            if self.owner_newer:
+                return Judgement("undecided", self.owner_error, newer=True)
+            return Judgement("untrusted", self.owner_error)
         if ref.folder in self.retired:
             return Judgement(
                 "retired",
@@ -668,7 +674,9 @@ class Lineage:
         record = self._record(job, later[0])
         if isinstance(record, Judgement):
             return Judgement(
-                record.kind, f"cannot tell whether attempt {attempt}'s checkpoint is fenced: {record.reason}"
+                record.kind,
+                f"cannot tell whether attempt {attempt}'s checkpoint is fenced: {record.reason}",
+                newer=record.newer,
             )
         if not is_fenced(ref, attempt, [record]):
             return None
@@ -698,7 +706,7 @@ class Lineage:
                     "read): look again",
                 )
             except NewerRecordError as e:
-                self._records[key] = Judgement("undecided", str(e))
+                self._records[key] = Judgement("undecided", str(e), newer=True)
             except ValueError as e:
                 self._records[key] = Judgement("untrusted", str(e))
         return self._records[key]

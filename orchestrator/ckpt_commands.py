@@ -88,8 +88,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _print_json(doc)
         return EXIT_OK if valid else EXIT_ERROR if undecided else EXIT_INVALID
     if undecided and status.newer_format:
+        # Its manifest (none parsed), or a record that judges it (the manifest parsed), is a newer
+        # spotjob's: a restore stops there as well, so the remedy is to upgrade, or an older step.
+        written = "was written by a newer spotjob, so this one cannot check it"
+        if status.manifest is not None:
+            written = (
+                "cannot be checked here, which proves nothing bad about it: "
+                + "a record that judges it is a newer spotjob's"
+            )
         raise CommandError(
-            f"{status.ref.folder} was written by a newer spotjob, so this one cannot check it "
+            f"{status.ref.folder} {written} "
             f"({' '.join(status.reason.split())}); name an older checkpoint with --step to verify that one"
         )
     if undecided:

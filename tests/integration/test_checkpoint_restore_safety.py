@@ -25,10 +25,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent.catalog import list_checkpoints
+from agent.catalog import CheckpointRef, list_checkpoints
 from agent.checkpoint import Checkpointer, RestoreRefusedError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import INFRA_ERROR_FILE
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
+from agent.ownership import attempt_key, record_attempt
 from agent.storage import open_storage
 from orchestrator.cli import main as cli_main
 
@@ -342,3 +343,34 @@ def test_a_model_with_tensors_is_refused_by_a_checkpoint_that_holds_none(tmp_pat
     with Checkpointer(uri) as ckpt, pytest.raises(RestoreRefusedError) as refused:
         ckpt.restore({"head": head, "tally": Tally(0)})
     assert "head.weight: the model has it, the checkpoint does not" in str(refused.value)
+
+
+def test_a_checkpoint_judged_by_an_attempt_record_a_newer_spotjob_wrote_stops_the_restore_and_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 saved steps 5 and 6; attempt 1's record (which says whether they are fenced) is a
+    newer spotjob's. Nothing proves them bad, only this spotjob cannot judge them: the restore of
+    attempt 2 passed over both, as if broken, and refused naming start_fresh=True, a remedy that
+    abandons progress an upgraded spotjob restores. It stops at step 6 saying to upgrade, as for a
+    newer manifest, and a save with keep=1 (retention) leaves both in place."""
+    uri = str(tmp_path / "ckpt")
+    save_steps(uri, net_state(8), [5, 6], keep=None, job="train", attempt=0)
+    storage = open_storage(uri)
+    record_attempt(storage, "train", 1, CheckpointRef(6))
+    key = attempt_key("train", 1)
+    storage.put_bytes(key, json.dumps({**json.loads(storage.get_bytes(key)), "format": 2}).encode())
+
+    state = net_state(8, seed=3)
+    untouched = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with (
+        Checkpointer(uri, keep=1, job="train", attempt=2, async_save=False) as ckpt,
+        pytest.raises(RestoreRefusedError) as refused,
+    ):
+        ckpt.restore(state)
+    message = str(refused.value)
+    assert "newer spotjob" in message and "Upgrade spotjob" in message, message
+    assert [u.rsplit("/", 1)[-1] for u, _ in refused.value.tried] == ["step-000000006"]
+    assert_same(state["model"].state_dict(), untouched, "the model after a refused restore")
+
+    save_steps(uri, net_state(8), [7, 8], keep=1, job="train", attempt=2)
+    assert folders(uri) == ["step-000000005", "step-000000006", "step-000000008"]

@@ -1286,7 +1286,7 @@ def test_an_owner_record_a_newer_spotjob_wrote_makes_verify_exit_2_saying_to_upg
     assert "INVALID" not in err and "makes JOB the owner" not in err
     rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
     verified = json.loads(out)
-    assert rc == 2 and (verified["valid"], verified["undecided"], verified["newer_format"]) == (False, True, False)
+    assert rc == 2 and (verified["valid"], verified["undecided"], verified["newer_format"]) == (False, True, True)
     rc, out, _ = ckpt(capsys, "list", saved.uri)
     assert rc == 0 and all("UNDECIDED — " in row and "newer spotjob" in row for row in out.splitlines()[1:]), out
     rc, out, _ = ckpt(capsys, "list", saved.uri, "--json")
