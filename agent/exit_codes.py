@@ -24,6 +24,33 @@ before its ranks committed one: the user's code failed during the flush, nothing
 (``spotjob run`` tells such a failure during an interrupt's flush from one the flush met)."""
 
 
+FLUSH_ANSWERED = "; the flush answered "
+"""How an agent's exit-75 words go on after ``the flush committed step N at URI``: what the flush
+answered, as the agent's flush request says it (``<source> <kind>: <detail>``: ``api preemption:
+<the POST /flush reason>``, ``signal terminate: SIGTERM ...``, ``gcp maintenance: ...``), or
+``PEER_FLUSH``. ``spotjob run`` tells its interrupt's own flush from one the agent began for a notice
+of its own by it (``flush_answered``)."""
+PEER_FLUSH = "no notice of this agent's: another node's agent asked for it"
+"""What the flush of an agent that heard no notice itself answered: its ranks committed a flush
+another node's agent asked for (every rank of the job flushes at the same step)."""
+
+
+def flush_answered(words: str) -> str | None:
+    """What an agent's exit-75 words (``exit_words``) say its flush answered (after
+    ``FLUSH_ANSWERED``); None when they do not say (an agent older than these words)."""
+    at = words.find(FLUSH_ANSWERED)
+    return words[at + len(FLUSH_ANSWERED) :] if at >= 0 else None
+
+
+def answered_source(answered: str) -> str | None:
+    """The source of the notice a flush answered (``api``, ``signal``, ``gcp``, ``aws``,
+    ``azure``, ``driver``; ``flush_answered``'s words), or None for ``PEER_FLUSH``."""
+    if answered == PEER_FLUSH:
+        return None
+    source, _, _ = answered.partition(" ")
+    return source or None
+
+
 def exit_words(line: str, code: int) -> str | None:
     """What one of spotjob-agent's log lines (text or ``--log-format json``) says from ``exiting
     <code>:`` on, the agent's reason for that exit, with unprintable characters as ``?``; None
@@ -94,6 +121,7 @@ def decide_exit_code(
     stopped: str | None = None,
     infra_error: str | None = None,
     sigkilled_by_agent: float | None = None,
+    answered: str | None = None,
 ) -> tuple[int, str]:
     """The agent's exit code for a command that ended with ``returncode``, and why.
 
@@ -103,11 +131,13 @@ def decide_exit_code(
     error a rank reported (or the agent found), if any; ``sigkilled_by_agent``: the agent's
     ``--kill-grace`` when it had to SIGKILL the command's processes itself, else None. 75, 76, 74
     and 79 are reported only for what this agent saw: a command that exits with one of them by
-    itself gets 1.
+    itself gets 1. ``answered``: what the flush answered (``FLUSH_ANSWERED``), said after a
+    committed flush.
     """
     code = command_exit_code(returncode)
     if result is not None and result.error is None:
-        return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}"
+        said = f"{FLUSH_ANSWERED}{answered}" if answered else ""
+        return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}{said}"
     if stopped is not None:
         return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
     if infra_error is not None and (code != 0 or killed):

@@ -82,7 +82,7 @@ from agent.control_channel import (
     write_json_atomic,
 )
 from agent.exit_codes import EXIT_COMMAND_USED_RESERVED as EXIT_COMMAND_USED_RESERVED
-from agent.exit_codes import EXIT_USAGE, command_exit_code, decide_exit_code
+from agent.exit_codes import EXIT_USAGE, PEER_FLUSH, command_exit_code, decide_exit_code
 from agent.exit_codes import RESERVED_EXIT_CODES as RESERVED_EXIT_CODES
 from agent.launcher_cli import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
 from agent.launcher_cli import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
@@ -102,7 +102,7 @@ from agent.notices.sigterm import DEFAULT_SIGNALS, SignalSource, ignored_by_star
 from agent.process_tree import ENV_AGENT_ID, ProcessTree, become_subreaper
 from agent.settings import unknown_variables
 from agent.storage import Storage, open_storage, parse_uri
-from agent.streams import log_to_stderr, tolerate_unencodable_output
+from agent.streams import log_fields, log_to_stderr, tolerate_unencodable_output
 from agent.torchrun import (
     DirectLaunch,
     direct_launch,
@@ -600,6 +600,9 @@ class Agent(AgentRequests):
             stopped=stop.reason if stop is not None else None,
             infra_error=self._infra_error(returncode),
             sigkilled_by_agent=self.config.kill_grace if tree.sigkilled else None,
+            # What began this agent's flush (a later notice met it under way and began none), one line
+            # whatever a cloud's detail held; with no flush of its own, a peer's.
+            answered=" ".join(flush.request.reason.split()) if flush is not None else PEER_FLUSH,
         )
         if code == EXIT_FLUSH_FAILED and result is None and not self._rank_seen and self.control.status() is None:
             why += (
@@ -619,7 +622,10 @@ class Agent(AgentRequests):
             )
         real = command_exit_code(returncode)
         quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
-        log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)
+        # A JSON line of a committed flush also carries what it answered as fields of its own.
+        fields = {"flush_source": flush.notice.source, "flush_kind": flush.notice.kind.value} if flush else {}
+        with log_fields(**(fields if code == EXIT_PREEMPTED else {})):
+            log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)
         return code
 
     def _infra_error(self, returncode: int) -> str | None:

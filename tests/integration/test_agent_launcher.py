@@ -28,6 +28,7 @@ import pytest
 
 from agent import control_api
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, ControlDir
+from agent.exit_codes import answered_source, exit_words, flush_answered
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, all_processes, read_proc
 
@@ -191,6 +192,12 @@ def events(run: Run) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def exit_75_words(run: Run) -> str:
+    """The agent's own exit-75 words (text or JSON line), from ``exiting 75:`` on."""
+    [words] = [w for line in run.log().splitlines() if (w := exit_words(line, EXIT_PREEMPTED))]
+    return words
+
+
 def assert_preempted(run: Run, source: str) -> None:
     code = run.exit_code()
     log = run.log()
@@ -198,6 +205,10 @@ def assert_preempted(run: Run, source: str) -> None:
     result = run.control.flush_result()
     assert result is not None and result.error is None and result.uri and result.step, log
     assert run.flush_reason().startswith(source), log
+    # The exit line names what the flush answered (spotjob run tells its interrupt's own from it).
+    words = exit_75_words(run)
+    assert words.startswith(f"exiting 75: the flush committed step {result.step} at {result.uri}"), words
+    assert flush_answered(words) == " ".join(run.flush_reason().split()), words
     assert "from notice to commit" in log
     assert [e for e in events(run) if e.startswith("flush")] == [f"flush {result.request_id}"]
     assert not (Path(run.control.path) / "agent.json").exists()
@@ -400,6 +411,30 @@ def test_a_second_notice_during_a_flush_does_not_start_another(start: Callable[.
     assert_preempted(run, "signal terminate")
     assert run.control.flush_request() == first
     assert run.log().count("requested:") == 1
+
+
+def test_the_exit_line_of_a_flush_a_later_request_met_names_the_notice_that_began_it_text_and_json(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """A POST /flush (spotjob run's interrupt) that meets a flush the agent began for a notice of
+    its own starts none, and the flush's exit 75 said only "the flush committed step N": whoever
+    asked last could not tell that it answered the earlier notice. The line names it, in the text
+    and in JSON (there also as fields of its own)."""
+    hold = tmp_path / "hold"
+    run = start("--log-format", "json", "--sigterm-grace", "20", fake_args=("--hold-file", str(hold)))
+    run.wait_training()
+    run.signal(signal.SIGTERM)
+    wait_until(run.control.flush_requested, "flush.json", run)
+    status, body = run.post_flush({"reason": "spotjob run was interrupted (SIGINT)"})
+    assert status == 200 and body["created"] is False
+    hold.touch()
+    assert_preempted(run, "signal terminate")
+    words = exit_75_words(run)
+    answered = flush_answered(words)
+    assert answered is not None and answered.startswith("signal terminate: "), words
+    assert answered_source(answered) == "signal"
+    [line] = [json.loads(x) for x in run.log().splitlines() if "exiting 75: " in x]
+    assert (line["flush_source"], line["flush_kind"]) == ("signal", "terminate"), line
 
 
 # -- failures and jobs that end by themselves -----------------------------------------------------------

@@ -30,6 +30,7 @@ from agent.control_channel import (
     RankStatus,
     read_json,
 )
+from agent.exit_codes import PEER_FLUSH, answered_source, exit_words, flush_answered
 from agent.launcher import (
     Agent,
     AgentConfig,
@@ -70,6 +71,39 @@ class TestExitCode:
     def test_a_committed_flush_is_75_whatever_the_command_said(self) -> None:
         for rc in (0, 1, -6, -9):
             assert exit_code(rc, flush_requested=True, result=COMMITTED, killed=rc == -9) == EXIT_PREEMPTED
+
+    @pytest.mark.parametrize(
+        "answered",
+        [
+            "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE",
+            "api preemption: spotjob run was interrupted (SIGINT): flushing before every process of the run stops",
+            "signal terminate: SIGTERM received (grace 20 s)",
+            PEER_FLUSH,
+        ],
+    )
+    def test_a_committed_flushs_words_name_what_it_answered_and_read_back_from_its_line(self, answered: str) -> None:
+        """The exit-75 line said only "the flush committed step N at URI": whoever asked for a flush
+        (spotjob run's interrupt) could not tell its own from one the agent began for a notice it
+        alone heard (a GCE host maintenance). The words a reader parses come first, unchanged."""
+        code, why = decide_exit_code(
+            0,
+            flush_requested=True,
+            result=COMMITTED,
+            closed_ranks=set(),
+            expected_ranks=2,
+            killed=False,
+            answered=answered,
+        )
+        assert code == EXIT_PREEMPTED
+        assert why == f"the flush committed step 7 at file:///c/step-000000007; the flush answered {answered}"
+        text = f"2026-12-06T10:00:00.000Z INFO spotjob-agent[9] job=it agent.launcher: exiting 75: {why}"
+        as_json = json.dumps({"level": "INFO", "message": f"exiting 75: {why}", "command": "spotjob-agent"})
+        for line in (text, as_json):
+            words = exit_words(line, EXIT_PREEMPTED)
+            assert words == f"exiting 75: {why}"
+            assert flush_answered(words) == answered
+        assert answered_source(answered) == {PEER_FLUSH: None}.get(answered, answered.split()[0])
+        assert flush_answered("exiting 75: the flush committed step 7 at file:///c/step-000000007") is None
 
     def test_a_flush_that_committed_nothing_is_76(self) -> None:
         assert exit_code(1, flush_requested=True, result=FAILED) == EXIT_FLUSH_FAILED
