@@ -41,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 
 from agent.catalog import CheckpointStatus, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
-from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH
+from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH, answered_source
 from agent.storage import Storage, StorageError, open_storage
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, WorkerObservation
 from orchestrator.backends.local import LocalBackend
@@ -91,6 +91,9 @@ class InterruptState:
     """When the agents were asked to flush (a checkpoint of a flush made since is this one's)."""
     asked: list[str] = field(default_factory=list)
     """The workers whose agent accepted."""
+    reason: str | None = None
+    """Why the agents were asked to flush (``POST /flush``'s reason): the words by which an agent's
+    exit 75 says that its flush answered this request (``flushed_for_another_notice``)."""
     failed: list[str] = field(default_factory=list)
     """Workers of the newest attempt whose own code failed while nothing was stopped yet
     (``failed_by_itself``), in the order seen."""
@@ -99,6 +102,10 @@ class InterruptState:
     lost: list[str] = field(default_factory=list)
     """Workers of the newest attempt gone without an exit code (their node reclaimed) while nothing
     was stopped yet: a preemption too."""
+    preempted: list[str] = field(default_factory=list)
+    """Workers of the newest attempt whose agent exited 75 for a flush that answered a notice other
+    than the interrupt's request (``flushed_for_another_notice``: a GCE host maintenance, a SIGTERM
+    only it heard) while nothing was stopped yet: a preemption that came first."""
     newest: tuple[CheckpointStatus | None] | None = None
     """The newest valid checkpoint, read once no process of the run was left to commit one (the
     flush's judgement): the reconciler's pass takes it rather than read storage again."""
@@ -109,6 +116,7 @@ class InterruptState:
             failed=tuple(self.failed),
             signals=tuple(self.heard),
             lost=tuple(self.lost),
+            preempted=tuple(self.preempted),
             newest=self.newest,
         )
 
@@ -293,7 +301,9 @@ def _flush(
     baseline = _newest(storage) if storage is not None else None
     state.asked_at = datetime.now(UTC)
     deadline = state.asked_at + timedelta(seconds=INTERRUPT_FLUSH_SECONDS)
-    reason = f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
+    reason = state.reason = (
+        f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
+    )
     asked = state.asked
     refused: list[str] = []
     for w in training:
@@ -387,9 +397,28 @@ def failed_by_itself(w: WorkerObservation) -> bool:
     return True
 
 
+def flushed_for_another_notice(w: WorkerObservation, reason: str | None) -> bool:
+    """The worker's agent exited 75 for a flush that was not the interrupt's: one seen before the
+    driver asked for any (``reason`` None), or whose exit line says its flush answered a notice of
+    another source or reason than the interrupt's ``POST /flush`` with ``reason`` (the agent heard
+    a GCE host maintenance or a SIGTERM itself and was flushing for it when the request came, which
+    then began no flush of its own). Not when its line does not say (an older agent), nor for a
+    flush another node's agent asked for (``PEER_FLUSH``): that one's own agent tells."""
+    if w.exit_code != EXIT_PREEMPTED:
+        return False
+    if reason is None:
+        return True
+    answered = w.flush_answered
+    if answered is None or answered_source(answered) is None:
+        return False
+    source, _, said = answered.partition(" ")
+    return not (source == "api" and said.partition(": ")[2] == reason)
+
+
 def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -> None:
-    """Note the workers of the newest attempt in ``workers`` whose own code failed, or that were
-    lost (Failed without an exit code: their node was reclaimed)."""
+    """Note the workers of the newest attempt in ``workers`` whose own code failed, that were lost
+    (Failed without an exit code: their node was reclaimed), or whose agent flushed for a notice
+    other than the interrupt's request (``flushed_for_another_notice``)."""
     newest = max((w.attempt for w in workers), default=None)
     for w in workers:
         if w.attempt != newest:
@@ -398,6 +427,15 @@ def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -
             state.failed.append(w.name)
         if w.name not in state.lost and w.phase is WorkerPhase.FAILED and w.exit_code is None:
             state.lost.append(w.name)
+        if w.name not in state.preempted and flushed_for_another_notice(w, state.reason):
+            state.preempted.append(w.name)
+            log.warning(
+                "the agent of %s exited %d for a flush of its own, not the interrupt's (it answered %s): a "
+                "preemption that came first, counted as one",
+                w.name,
+                EXIT_PREEMPTED,
+                w.flush_answered or "a notice before the interrupt asked for any",
+            )
 
 
 def _newest(storage: Storage) -> int | None:

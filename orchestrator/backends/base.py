@@ -197,6 +197,10 @@ class WorkerObservation:
     """Why an exited worker failed, for people, when the backend can tell: the telling line of its
     output and where to read the rest (a log's path, a pod's name). The reconciler puts it in the
     failure's message."""
+    flush_answered: str | None = None
+    """For a worker whose agent exited 75: what its flush answered, in its agent's words
+    (``agent.exit_codes.flush_answered``: ``gcp maintenance: ...``, ``api preemption: <reason>``);
+    None when the backend cannot tell (no such line, an agent older than those words)."""
     held_notice: HeldNoticeReport | None = None
     """The cloud notice the worker's agent holds, as its last report said (Kubernetes: its GET
     /status, with the step; local mode: its ``agent.json``); None when it holds none, or its agent

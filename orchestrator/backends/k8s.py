@@ -59,8 +59,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.control_channel import ENV_EVERY_SECONDS, ENV_EVERY_STEPS, EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR
-from agent.exit_codes import EXIT_COMMAND_USED_RESERVED, EXIT_USAGE, KILLED_BY, RESERVED_EXIT_CODES, exit_words
+from agent.control_channel import (
+    ENV_EVERY_SECONDS,
+    ENV_EVERY_STEPS,
+    EXIT_FLUSH_FAILED,
+    EXIT_INFRA_ERROR,
+    EXIT_PREEMPTED,
+)
+from agent.exit_codes import (
+    EXIT_COMMAND_USED_RESERVED,
+    EXIT_USAGE,
+    KILLED_BY,
+    RESERVED_EXIT_CODES,
+    exit_words,
+    flush_answered,
+)
 from orchestrator.backends.base import (
     RANKS_NOT_MEETING,
     BackendError,
@@ -259,6 +272,7 @@ class KubernetesBackend:
                     instance_type=labels.get(NODE_INSTANCE_TYPE_LABEL),
                     exit_code=exit_code,
                     detail=lost or _failure_detail(pod, exit_code),
+                    flush_answered=_flush_answered(pod) if exit_code == EXIT_PREEMPTED else None,
                     step=report.step,
                     held_notice=report.held_notice,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
@@ -665,16 +679,28 @@ def _refused_options(pod: Object) -> str | None:
     )
 
 
-def _agent_exit_line(pod: Object, code: int) -> str | None:
-    """For an agent that exited ``code`` (74, an infrastructure error; 76, a flush that committed
-    nothing): its line of the termination message (the tail of its log, ``FallbackToLogsOnError``)
-    that says why and what to do, from ``exiting N:`` on."""
+def _agent_exit_words(pod: Object, code: int) -> str | None:
+    """For an agent that exited ``code``: its last line of the termination message (the tail of its
+    log, ``FallbackToLogsOnError``) that says why, from ``exiting N:`` on, whole."""
     terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
     found = [w for line in str(terminated.get("message") or "").splitlines() if (w := exit_words(line, code))]
-    if not found:
-        return None
-    said = found[-1][:400]
-    return f"{said}; kubectl logs {_name(pod)}"
+    return found[-1] if found else None
+
+
+def _agent_exit_line(pod: Object, code: int) -> str | None:
+    """For an agent that exited ``code`` (74, an infrastructure error; 76, a flush that committed
+    nothing): its line that says why and what to do (``_agent_exit_words``), and where the rest is."""
+    said = _agent_exit_words(pod, code)
+    return f"{said[:400]}; kubectl logs {_name(pod)}" if said else None
+
+
+def _flush_answered(pod: Object) -> str | None:
+    """For an agent that exited 75: what its flush answered, from its exit line in the termination
+    message (``agent.exit_codes.flush_answered``); None when the message holds no such line (an
+    agent older than those words, a message cut before it). The exit code alone decides what the
+    exit is (``AgentPreempted``); these words only say which notice in its message."""
+    said = _agent_exit_words(pod, EXIT_PREEMPTED)
+    return (flush_answered(said) if said else None) or None
 
 
 def _failure_detail(pod: Object, exit_code: int | None) -> str | None:

@@ -126,15 +126,22 @@ def failure_cause(log_path: str) -> str | None:
     return None
 
 
-def agent_exit_line(log_path: str, code: int) -> str | None:
-    """The agent's own words on why it exited ``code`` (74, an infrastructure error; 76, a flush
-    that committed nothing), from ``exiting N:`` on: its last such line in the worker's log, as text
-    or as JSON. None when the log has none (an agent that could not say)."""
+def agent_exit_words(log_path: str, code: int) -> str | None:
+    """The agent's own words on why it exited ``code``, from ``exiting N:`` on, whole: its last
+    such line in the worker's log, as text or as JSON. None when the log has none (an agent that
+    could not say)."""
     for line in reversed(_log_tail(log_path).splitlines()[-40:]):
         said = exit_words(line, code) if _agent_line(line) else None
         if said:
-            return f"{_shorten(said)} (log: {log_path})"
+            return said
     return None
+
+
+def agent_exit_line(log_path: str, code: int) -> str | None:
+    """The agent's own words on why it exited ``code`` (74, an infrastructure error; 76, a flush
+    that committed nothing), shortened, with the log's path (``agent_exit_words``)."""
+    said = agent_exit_words(log_path, code)
+    return f"{_shorten(said)} (log: {log_path})" if said else None
 
 
 def log_excerpt(log_path: str, lines: int = 12) -> list[str]:

@@ -24,6 +24,7 @@ from agent.control_channel import (
     STATUS_FILE,
     read_json,
 )
+from agent.exit_codes import flush_answered
 from orchestrator.backends.base import (
     RANKS_NOT_MEETING,
     BackendError,
@@ -32,7 +33,7 @@ from orchestrator.backends.base import (
     ranks_not_meeting,
 )
 from orchestrator.backends.local_cloud import LocalNode
-from orchestrator.backends.local_failure import agent_exit_line, failure_detail
+from orchestrator.backends.local_failure import agent_exit_line, agent_exit_words, failure_detail
 from orchestrator.model import JobKey, WorkerPhase
 
 log = logging.getLogger("orchestrator.backends.local")  # its lines as they were before the split
@@ -74,6 +75,9 @@ class LocalWorker:
     detail: str | None = None
     """Why it failed (``failure_detail``), read once after it exited with a failure; or, for an agent
     that exited 74 or 76, its own line saying why (``agent_exit_line``; "" when it said none)."""
+    answered: str | None = None
+    """For an agent that exited 75: what its flush answered, from its exit line, read once ("":
+    its line does not say)."""
 
     def exit_code(self) -> int | None:
         code = self.proc.poll()
@@ -117,6 +121,9 @@ def observe_worker(w: LocalWorker) -> WorkerObservation:
         w.detail = failure_detail(w.log_path, w.killed_by())
     elif code in (EXIT_INFRA_ERROR, EXIT_FLUSH_FAILED) and w.detail is None:
         w.detail = agent_exit_line(w.log_path, code) or ""  # why, in the agent's words ("": it said none)
+    elif code == EXIT_PREEMPTED and w.answered is None:
+        words = agent_exit_words(w.log_path, code)
+        w.answered = (flush_answered(words) if words else None) or ""
     agent = w.agent_says() if phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING) else {}
     return WorkerObservation(
         name=w.name,
@@ -129,6 +136,7 @@ def observe_worker(w: LocalWorker) -> WorkerObservation:
         exit_code=code,
         step=step if isinstance(step, int) else None,
         detail=w.detail or None,
+        flush_answered=w.answered or None,
         not_starting=not_meeting(agent) if phase is WorkerPhase.PENDING else None,
         # The reconciler records it (status.heldNotices, a NoticeHeld Event) for a running worker.
         held_notice=held_notice(agent) if phase is WorkerPhase.RUNNING else None,

@@ -127,6 +127,10 @@ class BeforeStop:
     lost: tuple[str, ...] = ()
     """Workers gone without an exit code while nothing was stopped yet (their node was reclaimed):
     a preemption already under way, as on any pass."""
+    preempted: tuple[str, ...] = ()
+    """Workers whose agent exited 75 for a flush of its own, not the one the driver asked for (a
+    notice only it heard, such as a GCE host maintenance), while nothing was stopped yet: the
+    preemption it was, as on any pass (``AgentPreempted``)."""
     newest: tuple[CheckpointStatus | None] | None = None
     """``(the newest valid checkpoint or None)`` as read from storage once no process of the job was
     left to commit one, which the pass takes rather than read storage again (nothing could commit

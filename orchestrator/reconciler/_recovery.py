@@ -151,6 +151,7 @@ class _Recovery(_FlushRequests):
             if exited:
                 first = exited[0]
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
+                message += _answered(first) if code == EXIT_PREEMPTED else ""
                 return _Preemption(reason, message, _nodes(exited), None, False)
 
         # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
@@ -391,6 +392,12 @@ class _Recovery(_FlushRequests):
         if preemption is None and lost:
             message = WORKER_LOST.message(worker=lost[0].name, node=lost[0].node) + _detail(lost[0])
             preemption = _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
+        # An agent that flushed for a notice only it heard (a GCE host maintenance), not for the
+        # driver's request, and exited 75: the preemption it is on any pass.
+        flushed = [w for w in current if w.name in before.preempted and w.exit_code == EXIT_PREEMPTED]
+        if preemption is None and flushed:
+            message = AGENT_PREEMPTED.message(worker=flushed[0].name, node=flushed[0].node) + _answered(flushed[0])
+            preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(flushed), None, heard_by_controller=False)
         if preemption is not None:
             self._enter_flushing(p, preemption)
             recovery = status.recovery
@@ -607,6 +614,15 @@ def _seen(step: int | None) -> str:
     """The end of a Completed message: the last step the workers reported, or that they reported
     none (a script without a Checkpointer; it read "last step seen None")."""
     return f"last step seen {step}" if step is not None else "no step reported: the script has no Checkpointer"
+
+
+def _answered(w: WorkerObservation) -> str:
+    """`` (its flush answered <notice>)`` for an agent that exited 75, when the backend read what
+    its flush answered (``WorkerObservation.flush_answered``), else nothing."""
+    if not w.flush_answered:
+        return ""
+    said = w.flush_answered if len(w.flush_answered) <= 300 else f"{w.flush_answered[:300]} …"
+    return f" (its flush answered {said})"
 
 
 def _flush_detail(w: WorkerObservation) -> str:

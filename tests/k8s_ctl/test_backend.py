@@ -296,6 +296,29 @@ def test_an_agent_that_exited_76_says_why_its_flush_committed_nothing_from_its_o
     assert second.detail is None
 
 
+@pytest.mark.parametrize("kind", ["text", "json"])
+def test_an_agent_that_exited_75_says_which_notice_its_flush_answered_from_its_own_log(world: World, kind: str) -> None:
+    """The termination message of an agent that exited 75 holds its exit line, which now names what
+    its flush answered: the worker says it (the AgentPreempted message carries it). What the exit
+    is stays the exit code's: a 75 whose line does not say (an older agent) is one all the same,
+    and its detail (a failure's) stays None."""
+    answered = "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE, the node stops in 3600 s"
+    why = f"exiting 75: the flush committed step 100 at gs://b/llama/step-000000100; the flush answered {answered}"
+    flushed = pod(0, exit_code=75)
+    flushed["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = _agent_log(
+        ["flush f-1 ok", why], kind
+    )
+    world.add(flushed)
+    older = pod(1, exit_code=75)
+    older["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = _agent_log(
+        ["exiting 75: the flush committed step 100 at gs://b/llama/step-000000100"], kind
+    )
+    world.add(older)
+    first, second = world.backend.list_workers(KEY, spec())
+    assert (first.exit_code, first.flush_answered, first.detail) == (75, answered, None)
+    assert (second.exit_code, second.flush_answered, second.detail) == (75, None, None)
+
+
 def test_an_agent_that_exited_74_says_which_infrastructure_error_from_its_own_log(world: World, tmp_path: Path) -> None:
     """A real spotjob-agent on node rank 0 of a two-node torchrun whose rendezvous port another
     process holds exits 74; its log's tail (what FallbackToLogsOnError makes the termination

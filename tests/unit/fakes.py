@@ -217,6 +217,9 @@ class FakeBackend:
     that cannot be pulled. They stay Pending while they are named here."""
     details: dict[str, str] = field(default_factory=dict)
     """Workers (by name) whose pods tell why they ended (``WorkerObservation.detail``)."""
+    answered: dict[str, str] = field(default_factory=dict)
+    """Workers (by name) whose agent's exit 75 says what its flush answered
+    (``WorkerObservation.flush_answered``)."""
     held: dict[str, HeldNoticeReport] = field(default_factory=dict)
     """Workers (by name) whose agents hold a cloud notice (``WorkerObservation.held_notice``), as
     their ``GET /status`` would report it; the agent's own holding and flushing is not modelled."""
@@ -297,6 +300,7 @@ class FakeBackend:
                     unschedulable=None if w.node else f"0/{len(self.nodes)} nodes are available",
                     not_starting=self.not_starting.get(w.name) if w.phase is WorkerPhase.PENDING else None,
                     detail=self.details.get(w.name),
+                    flush_answered=self.answered.get(w.name),
                     held_notice=self.held.get(w.name),
                     holds_node=self.sidecars and w.exit_code is not None and w.stopping_at is None,
                 )

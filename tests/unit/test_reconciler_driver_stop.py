@@ -222,6 +222,43 @@ def test_a_notice_heard_before_the_interrupt_is_the_preemption_it_was(tmp_path: 
     assert world.metrics.named("preemption") == [()]
 
 
+def test_an_agent_that_flushed_for_a_notice_only_it_heard_before_the_interrupt_is_the_preemption_it_was(
+    tmp_path: Any,
+) -> None:
+    """No backend signal (a GCE host maintenance is the agent's alone), but the driver saw W0's
+    agent exit 75 for a flush of its own, not the interrupt's: counted as the preemption it was
+    (``AgentPreempted``), as on any pass. It used to end as a restart asked for, no preemption."""
+    world = make_world(tmp_path)
+    world.run_to(25)
+    asked = world.clock.now()
+    world.backend.agent_hears_notice(0, 0)  # its own notice's flush, which the interrupt's request met
+    world.backend.answered[W0] = "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE"
+    world.backend.exit(0, 1, EXIT_PREEMPTED)  # the peer: its ranks flushed at the same step
+    step = world.backend.commits[-1]
+    world.clock.advance(2)
+
+    status = stopped_by_its_driver(world, since=asked, before_stop=BeforeStop(preempted=(W0,)))
+
+    assert status is not None
+    assert (status.phase, status.reason) == (Phase.RESCHEDULING, "InterruptFlushCommitted")
+    assert (status.preemptions, status.restarts) == (1, 0)
+    assert [(h.cause, h.reason) for h in status.restart_history] == [(Cause.PREEMPTION, "AgentPreempted")]
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == step
+    reasons = world.event_reasons()
+    assert reasons[-4:] == ["InterruptFlushCommitted", "AgentPreempted", "FlushCommitted", "Rescheduled"], reasons
+    assert world.metrics.named("preemption") == [()]
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.endswith("exited 75 (its flush answered gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE)")
+
+    # Its exit after the interrupt asked (the stop's doing, or the interrupt's own flush): not one.
+    world = make_world(tmp_path / "own")
+    world.run_to(25)
+    for index in (0, 1):
+        world.backend.agent_hears_notice(0, index)
+    status = stopped_by_its_driver(world, since=world.clock.now(), before_stop=BeforeStop())
+    assert status is not None and (status.preemptions, status.restarts) == (0, 0)
+
+
 def test_a_notice_for_a_node_the_attempt_does_not_use_changes_nothing(tmp_path: Any) -> None:
     world = make_world(tmp_path)
     world.run_to(25)
