@@ -434,6 +434,65 @@ def test_a_script_that_fails_during_the_interrupts_flush_with_no_restart_left_is
     assert "fails after the hold in step 10, as asked" in shown, detail.stdout
 
 
+def test_an_agents_flush_for_a_maintenance_only_it_heard_met_by_the_interrupt_is_the_preemption_it_was(
+    tmp_path: Path,
+) -> None:
+    """A planned host maintenance (GCE ``TERMINATE_ON_HOST_MAINTENANCE``) is the agent's alone: no
+    backend signal. Its agent holds it, then flushes for it while the ranks are held in a step; the
+    Ctrl-C comes then, and its ``POST /flush`` meets that flush under way (no second flush). Once
+    the ranks are let go the agent exits 75 for the maintenance, and its exit line says so. That 75
+    used to be counted as the interrupt's own flush: a restart asked for, no preemption. It is the
+    preemption that came first, as without the interrupt: counted (``AgentPreempted``), still 130,
+    and ``--resume`` carries on from the flush."""
+    run, hold, argv = _held_run(tmp_path, "maint")
+    # The maintenance is announced once step 5 is seen; its flush starts 10 s later (60 - 50), with
+    # the ranks held in step 10 by then, and the node stops 60 s after the notice.
+    options = ["--maintenance-at-step", "5", "--maintenance-notice", "60", "--flush-lead", "50"]
+    argv = [*argv[:2], *options, *argv[2:]]  # spotjob run's options first
+    log = tmp_path / "driver.log"
+    agent_log = run / "logs" / "maint-0-0.log"
+    driver = start(tmp_path, argv)
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: Path(f"{hold}.held").exists(), "the ranks to hold in their step")
+        wait_for(
+            lambda: agent_log.exists() and "requested: gcp maintenance: " in agent_log.read_text(),
+            "the agent to flush for the maintenance it held",
+        )
+        assert driver.poll() is None and hold.exists()
+        driver.send_signal(signal.SIGINT)
+        wait_for(lambda: "asked the agent of maint-0-0 to flush (already flushing)" in log.read_text(), "the request")
+        hold.unlink()  # the ranks go on and commit the maintenance's flush
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    assert code == 130, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    step = checkpoint.ref.step
+    # The agent's exit line names the notice its flush answered: the maintenance, not the request.
+    [line] = [x for x in agent_log.read_text().splitlines() if "exiting 75: " in x]
+    assert f"exiting 75: the flush committed step {step} at " in line, line
+    assert "; the flush answered gcp maintenance: " in line, line
+    assert "exited 75 for a flush of its own, not the interrupt's (it answered gcp maintenance: " in said
+    # Counted as the preemption it was; the interrupt still ends the run's driving (130, --resume).
+    status = job_document(run)["status"]
+    assert (status["phase"], status["reason"]) == ("Rescheduling", "InterruptFlushCommitted")
+    assert (status["preemptions"], status["restarts"]) == (1, 0)
+    assert [(h["attempt"], h["cause"], h["reason"]) for h in status["restartHistory"]] == [
+        (0, "Preemption", "AgentPreempted")
+    ]
+    assert status["lastCheckpoint"]["step"] == step
+    [preempted] = [e for e in events(run) if e.reason == "AgentPreempted"]
+    assert "the agent of maint-0-0 on node local-node-0 heard a notice itself and exited 75 (its flush answered " in (
+        preempted.message
+    )
+    assert "gcp maintenance: " in preempted.message
+    assert f"spotjob run: interrupted; the flush committed step {step}" in said
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupt_during_resumes_wait_for_a_killed_drivers_processes_leaves_the_run_resumable(
     tmp_path: Path, signum: int
