@@ -24,11 +24,14 @@ carries on (a failed run is not resumed).
 What the driver saw before it stopped anything goes with it (``InterruptState.before_stop``), since
 the stop cannot have made it: the backend's preemption notices as the interrupt came, and the
 workers lost meanwhile (their node reclaimed): a preemption already under way, counted as one; the
-workers whose own code failed while it waited (``failed_by_itself``): counted as that failure, a
-restart of ``--max-restarts`` (or the run Failed when none is left), as without the interrupt; and
-the judgement's read of storage when no process of the run was left to commit, which the
-reconciler's pass takes rather than read storage again. Exits after the stop are the stop's doing
-(its SIGTERM and SIGKILL exits would read as failures) and are never looked at.
+workers whose agent exited 75 for a flush of its own, not the interrupt's (a notice only it heard, a
+GCE host maintenance: its exit line says what its flush answered), the preemption that came first,
+counted as one (``AgentPreempted``); the workers whose own code failed while it waited
+(``failed_by_itself``): counted as that failure, a restart of ``--max-restarts`` (or the run Failed
+when none is left), as without the interrupt; and the judgement's read of storage when no process
+of the run was left to commit, which the reconciler's pass takes rather than read storage again.
+Exits after the stop are the stop's doing (its SIGTERM and SIGKILL exits would read as failures)
+and are never looked at.
 """
 
 from __future__ import annotations
