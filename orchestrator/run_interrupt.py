@@ -145,6 +145,9 @@ class InterruptOutcome:
     """Its step (or, when storage was not read, the one the status last held)."""
     cut_short: bool = False
     """A second signal stopped the run before the flush ended."""
+    own_flush_of: str | None = None
+    """The worker whose agent was flushing for a notice of its own (``InterruptState.preempted``)
+    when the interrupt asked: what committed ``step`` is then that flush, not one the driver asked for."""
 
     def resume_point(self) -> str:
         return f"step {self.resume_from}" if self.resume_from is not None else "the start (no checkpoint)"
@@ -154,7 +157,7 @@ class InterruptOutcome:
         goes unsaid, but for a second signal's: the failure told beside it is why (or left the other
         workers' flush without a commit), and its Event has the worker's words."""
         if self.step is not None:
-            return f"the flush it asked for committed step {self.step} at {self.uri}"
+            return f"{self._which_flush()} committed step {self.step} at {self.uri}"
         if self.cut_short:
             return f"the flush committed nothing ({self.why})"
         if self.tried:
@@ -169,12 +172,17 @@ class InterruptOutcome:
             return (
                 EventType.NORMAL,
                 INTERRUPT_FLUSH_COMMITTED,
-                f"{said}: the flush it asked for committed step {self.step} at {self.uri}; {then}",
+                f"{said}: {self._which_flush()} committed step {self.step} at {self.uri}; {then}",
             )
         if self.tried or self.cut_short:
             message = f"{said}: the flush committed nothing ({self.why}); {then}"
             return EventType.WARNING, INTERRUPT_FLUSH_NOT_COMMITTED, message
         return EventType.NORMAL, INTERRUPTED, f"{said}: nothing was flushed ({self.why}); {then}"
+
+    def _which_flush(self) -> str:
+        if self.own_flush_of is not None:
+            return f"the flush {self.own_flush_of}'s agent began for a notice of its own (met by the interrupt's)"
+        return "the flush it asked for"
 
     def line(self, name: str, resume: str) -> str:
         """What ``spotjob run`` says last (``resume``: the command that carries on)."""
@@ -330,7 +338,8 @@ def _flush(
     # No process of the run left (every worker of the last look exited): nothing can commit after
     # the read below, which is then as good as one after the stop, and the reconciler's pass takes it.
     settled = bool(seen) and all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in seen)
-    out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked))
+    own = state.preempted[0] if state.preempted else None
+    out = InterruptOutcome(state.signal, tried=True, asked=tuple(asked), own_flush_of=own)
     if storage is None:
         return out
     try:

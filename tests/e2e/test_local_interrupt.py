@@ -490,6 +490,12 @@ def test_an_agents_flush_for_a_maintenance_only_it_heard_met_by_the_interrupt_is
         preempted.message
     )
     assert "gcp maintenance: " in preempted.message
+    # The interrupt's Event says whose flush committed the step: not one the driver asked for.
+    [told] = [e for e in events(run) if e.reason == "InterruptFlushCommitted"]
+    assert (
+        f"the flush maint-0-0's agent began for a notice of its own (met by the interrupt's) committed step {step}"
+        in (told.message)
+    ), told.message
     assert f"spotjob run: interrupted; the flush committed step {step}" in said
 
 
