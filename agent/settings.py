@@ -143,6 +143,17 @@ keep one operation retrying for up to 13 minutes (the README's advice for big jo
 only hides an outage, or is a value no one meant (1000000 retries a dead store for days)."""
 
 
+def local_world_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """The training ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun and spotjob-agent's own
+    launcher (``agent.ranks``) set it for every rank. None where it is unset or not a whole number
+    above 0 (a process no launcher started: the ``spotjob`` CLI, the controller, spotjob-agent
+    itself); ASCII digits only, so a value ``int`` cannot read (``²``) is None too, not an error."""
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    if text.isascii() and text.isdigit() and int(text) > 0:
+        return int(text)
+    return None
+
+
 def _size_up_to_5gib(example: str) -> str:
     return f"a positive size in bytes up to 5GiB ({MAX_TRANSFER_BYTES}), e.g. {example}"
 

@@ -36,7 +36,7 @@ from agent.control_channel import (
 from agent.ownership import OwnershipError, claim, read_owner
 from agent.pins import Pinner
 from agent.restore_cache import staging_root
-from agent.settings import CheckpointerEnv, load
+from agent.settings import CheckpointerEnv, load, local_world_size
 from agent.storage import PermanentStorageError, StorageError, open_storage
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -85,9 +85,9 @@ def _exception_in_flight() -> bool:
 def _local_world_size(world_size: int) -> int | None:
     """The ranks on this node, for its agent: torchrun's (and ``agent.ranks``') ``LOCAL_WORLD_SIZE``,
     else 1 for a single process, else None (a launcher that does not say)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and int(local) > 0:
-        return int(local)
+    local = local_world_size()
+    if local is not None:
+        return local
     return 1 if world_size == 1 else None
 
 

@@ -116,12 +116,13 @@ def test_under_an_agent_a_checkpointer_joins_its_channel_and_takes_the_jobs_iden
     assert status is not None and status.state == "flushed"
 
 
-@pytest.mark.parametrize(("local_world_size", "reported"), [(None, 1), ("2", 2)])
+@pytest.mark.parametrize(("local_world_size", "reported"), [(None, 1), ("2", 2), ("²", 1)])
 def test_the_ranks_tell_the_agent_how_many_of_them_run_on_its_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_world_size: str | None, reported: int
 ) -> None:
     """What the agent counts ``closed-rank-<r>`` marks against: torchrun's LOCAL_WORLD_SIZE, or
-    1 for a script run on its own."""
+    1 for a script run on its own, or with a value no launcher writes (``²`` is a digit to
+    ``str.isdigit`` but not to ``int``: the Checkpointer failed to start)."""
     control = tmp_path / "control"
     monkeypatch.setenv("SPOTJOB_CONTROL_DIR", str(control))
     if local_world_size is None:
