@@ -130,11 +130,12 @@ each are 800 Gbit/s, more than any NIC carries, and more than a prefix's request
 writes a second) serves. Above it, a typo (10000 for 100)."""
 
 MIN_BUFFER_BYTES = 1 << 20
-"""The smallest upload buffer budget per store (1 MiB). Below it a bare number meant with a unit
-(``64`` for ``64MiB``): every part, chunk and file would go up alone, one at a time."""
+"""The smallest upload buffer budget of a node, and of a store (1 MiB). Below it a bare number meant
+with a unit (``64`` for ``64MiB``): every part, chunk and file would go up alone, one at a time. Also
+the floor of a rank's share of the node's budget (``agent.storage._transfer.rank_share``)."""
 
 MAX_BUFFER_BYTES = 5 << 40
-"""The largest upload buffer budget per store (5 TiB): ``MAX_CONCURRENCY`` parts of
+"""The largest upload buffer budget of a node (5 TiB): ``MAX_CONCURRENCY`` parts of
 ``MAX_TRANSFER_BYTES``, more memory than any machine has; a bigger budget bounds nothing."""
 
 MAX_STORAGE_ATTEMPTS = 100
@@ -184,7 +185,10 @@ class StorageEnv(_ExactNames):
         None,
         ge=MIN_BUFFER_BYTES,
         le=MAX_BUFFER_BYTES,
-        description=f"a size in bytes from 1MiB to 5TiB ({MIN_BUFFER_BYTES} to {MAX_BUFFER_BYTES}), e.g. 1GiB",
+        description=(
+            f"a size in bytes from 1MiB to 5TiB ({MIN_BUFFER_BYTES} to {MAX_BUFFER_BYTES}), e.g. 1GiB: the upload "
+            "buffers of the whole node, shared equally by its LOCAL_WORLD_SIZE ranks"
+        ),
     )
     # Finite and bounded: an infinite timeout or backoff reaches the clients and time.sleep as a
     # timestamp they cannot represent, failing every request (retried forever as a transient fault)

@@ -12,8 +12,10 @@ the files that object is moving at once. An upload reads each S3 part, GCS chunk
 whole into memory before sending it (S3: up to ``concurrency`` parts at once; GCS: one chunk per
 file, and ``put_files`` sends several files at once), so each storage object also owns one
 ``ByteBudget`` of ``max_buffer_bytes``: a buffer is filled only once the budget holds its bytes, and
-the bytes are given back once it is sent. A download holds no part: each range streams through a
-``RangeSink`` (about 2 MiB per range in flight, whatever ``part_size``).
+the bytes are given back once it is sent. ``SPOTJOB_STORAGE_MAX_BUFFER_BYTES`` is the node's budget:
+a store opened by a training rank takes its share of it (``rank_share``), one opened elsewhere the
+whole. A download holds no part: each range streams through a ``RangeSink`` (about 2 MiB per range
+in flight, whatever ``part_size``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Protocol, TypeVar
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
@@ -39,6 +41,7 @@ from agent.settings import (
     MIN_BUFFER_BYTES,
     StorageEnv,
     load,
+    local_world_size,
 )
 from agent.storage._errors import local_file
 from agent.storage._retry import retry_transient
@@ -101,9 +104,12 @@ class TransferSettings:
     max_buffer_bytes: int = 1 * GiB
     """Bytes an upload may hold in memory at once per storage object: the S3 parts, GCS chunks and
     small files read and not yet sent, whatever the number of files, parts or threads
-    (``ByteBudget``). 1 GiB is above what the defaults ever hold (8 files of up to 100 MiB
-    chunks on GCS, of up to 64 MiB on S3), so it only bounds settings that would hold more (64
-    parts of 512 MiB: 32 GiB). One part bigger than the whole budget goes up alone."""
+    (``ByteBudget``). One part bigger than the whole budget goes up alone. ``from_env`` reads
+    ``SPOTJOB_STORAGE_MAX_BUFFER_BYTES`` as the node's budget and gives a training rank's store its
+    share (``rank_share``). 1 GiB is above what the defaults ever hold in one process (8 files of
+    up to 100 MiB chunks on GCS, of up to 64 MiB on S3); over 8 ranks it is 128 MiB each: a rank's 8
+    S3 parts of 8 MiB, but one 100 MiB GCS chunk, or two files just under the 64 MiB threshold, at a
+    time."""
 
     connect_timeout_s: float = 10.0
     """Seconds to open a connection before the attempt counts as a transient failure."""
@@ -145,12 +151,30 @@ class TransferSettings:
         """Defaults, overridden by ``SPOTJOB_STORAGE_<FIELD>`` for each field: ``PART_SIZE``,
         ``UPLOAD_PART_SIZE``, ``UPLOAD_CHUNK_SIZE``, ``MULTIPART_THRESHOLD``, ``MAX_BUFFER_BYTES``
         (bytes, or with a unit: 64MiB), ``CONCURRENCY``, ``CONNECT_TIMEOUT_S``, ``READ_TIMEOUT_S``,
-        ``S3_CHECKSUM_HEADERS`` and ``S3_CREATE_ONLY_CHECK`` (``agent.settings`` checks each value)."""
+        ``S3_CHECKSUM_HEADERS`` and ``S3_CREATE_ONLY_CHECK`` (``agent.settings`` checks each value).
+        ``MAX_BUFFER_BYTES`` is the node's: a process with a ``LOCAL_WORLD_SIZE`` (a training rank)
+        gets its share of it (``rank_share``), any other process the whole."""
         env = load(StorageEnv)
         defaults = cls()
         given = {f.name: getattr(env, f.name) for f in fields(cls)}
         # Each value as the type of its default: a ByteSize becomes a plain int.
-        return cls(**{k: type(getattr(defaults, k))(v) for k, v in given.items() if v is not None})
+        settings = cls(**{k: type(getattr(defaults, k))(v) for k, v in given.items() if v is not None})
+        return replace(settings, max_buffer_bytes=rank_share(settings.max_buffer_bytes, local_world_size() or 1))
+
+
+def rank_share(node_budget: int, local_ranks: int) -> int:
+    """One rank's part of the node's upload budget: the budget split equally between the node's
+    ``local_ranks`` (each rank's store holds its own, so the node holds at most the budget), and
+    never under ``MIN_BUFFER_BYTES`` (1 MiB).
+
+    The floor keeps every share a budget a store accepts (``TransferSettings`` refuses less); no
+    share could stop an upload, as ``ByteBudget`` lets a part bigger than the whole budget go up
+    alone once nothing else is held. So a rank holds at most its share or its biggest part,
+    whichever is bigger, and a node whose budget is under 1 MiB per rank (8 ranks and the 1 MiB
+    minimum) holds up to 1 MiB, or one part, per rank. Not a bigger floor (one part): a share
+    below a part already sends parts one at a time, as a part-sized one would, and a bigger floor
+    would only let more small files up beside it, over the node's budget."""
+    return max(MIN_BUFFER_BYTES, node_budget // max(1, local_ranks))
 
 
 def read_at(fd: int, length: int, offset: int) -> bytes:

@@ -10,6 +10,10 @@ The requests pass through ``tests/faults.py``'s proxy, which arms no fault here:
 each shard went up in, so the case cannot pass with shards sent whole. ``test_storage_memory.py``
 measures what the budget holds at the storage layer.
 
+The budget is the node's: each of the 2 local ranks (torchrun's ``LOCAL_WORLD_SIZE``) opens its
+store with half of it, and the bytes its uploads hold, counted apart from the budget, stay within
+that half.
+
 A budget below the smallest (``64``, a size meant with a unit) is refused when the Checkpointer
 starts, on every rank, and by spotjob-agent before it starts anything, naming the variable.
 """
@@ -123,6 +127,25 @@ def test_two_ranks_save_and_restore_with_parts_bigger_than_the_upload_budget(
         back = torch.load(f"{restoring}.rank{rank}.pt", weights_only=False)
         assert back["step"] == 2
         assert_same(back["restored"], saved["saved"], f"rank {rank}'s restored state")
+
+
+def test_each_of_two_local_ranks_holds_at_most_its_half_of_the_node_budget(
+    fresh_uri: Callable[[str], str], tmp_path: Path
+) -> None:
+    """12 MiB for the node, 6 MiB a rank: each rank's shards go up in 5 MiB parts, 4 at a time
+    (``CONCURRENCY``), so a rank whose store held the node's whole budget would hold two parts
+    (10 MiB) at once; with its share it holds one part and small files beside it."""
+    uri = fresh_uri("s3")
+    node, share = 12 * MiB, 6 * MiB
+    env = harness.job_env(SPOTJOB_STORAGE_MAX_BUFFER_BYTES="12MiB", SPOTJOB_STORAGE_CONCURRENCY="4", **SETTINGS["s3"])
+    saving = tmp_path / "saved"
+    harness.torchrun(2, SCRIPT, "save", "--uri", uri, "--dump", str(saving), "--async", "1", "--watch", env=env)
+
+    for rank in range(2):
+        saved = torch.load(f"{saving}.rank{rank}.pt", weights_only=False)
+        assert saved["budget"] == {"max_buffer_bytes": share, "concurrency": 4}, f"rank {rank}'s store, of {node}"
+        peak = saved["peak"]
+        assert PART["s3"] <= peak <= share, f"rank {rank} held {peak} bytes at once; its share is {share}"
 
 
 def test_a_budget_below_a_mebibyte_is_refused_when_the_checkpointer_starts(

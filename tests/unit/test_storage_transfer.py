@@ -38,6 +38,7 @@ from agent.storage._transfer import (
     TransferSettings,
     crc_from_b64,
     crc_to_b64,
+    rank_share,
     spans,
 )
 
@@ -78,7 +79,10 @@ def test_spans_cover_the_object_with_a_short_last_part() -> None:
     assert spans(25, 10) == [(0, 10), (10, 10), (20, 5)]
 
 
-BUFFER_RANGE = "a size in bytes from 1MiB to 5TiB (1048576 to 5497558138880), e.g. 1GiB"
+BUFFER_RANGE = (
+    "a size in bytes from 1MiB to 5TiB (1048576 to 5497558138880), e.g. 1GiB: the upload buffers of the whole "
+    "node, shared equally by its LOCAL_WORLD_SIZE ranks"
+)
 
 
 class TestSettings:
@@ -179,8 +183,9 @@ class TestSettings:
     ) -> None:
         d = TransferSettings()
         assert d.max_buffer_bytes == GiB
-        # The defaults never hold more at once (8 files of one 100 MiB GCS chunk; 8 S3 files under
-        # the 64 MiB threshold, or 8 parts of 8 MiB): the budget slows no default upload.
+        # The defaults never hold more at once in one process (8 files of one 100 MiB GCS chunk; 8 S3
+        # files under the 64 MiB threshold, or 8 parts of 8 MiB): the budget slows no default upload
+        # of a node's only rank (with more, each takes a share: see rank_share).
         assert 8 * max(d.upload_chunk_size, d.multipart_threshold, d.concurrency * d.upload_part_size) <= GiB
         monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", "256MiB")
         assert TransferSettings.from_env().max_buffer_bytes == 256 * MiB
@@ -209,6 +214,38 @@ class TestSettings:
             ):
                 TransferSettings(max_buffer_bytes=bad)
         assert TransferSettings(max_buffer_bytes=MiB).max_buffer_bytes == MiB
+
+    def test_a_rank_takes_its_share_of_the_node_budget_never_under_a_mebibyte(self) -> None:
+        assert rank_share(GiB, 1) == GiB
+        assert rank_share(GiB, 8) == 128 * MiB
+        assert rank_share(10 * MiB, 3) == 10 * MiB // 3  # whole bytes, the node's sum at most its budget
+        assert rank_share(4 * MiB, 8) == MiB  # half a MiB each would be under the smallest budget
+        assert rank_share(MiB, 1 << 20) == MiB
+        assert rank_share(GiB, 0) == GiB  # no ranks said: the whole
+
+    @pytest.mark.parametrize(
+        ("local_world_size", "share"),
+        [(None, GiB), ("1", GiB), ("8", 128 * MiB), ("2048", MiB)]
+        + [(garbage, GiB) for garbage in ("", "0", "-8", "eight", "8.0", " 8", "²", "٨")],
+    )
+    def test_a_store_opened_by_a_training_rank_takes_the_share_local_world_size_gives(
+        self, monkeypatch: pytest.MonkeyPatch, local_world_size: str | None, share: int
+    ) -> None:
+        """``SPOTJOB_STORAGE_MAX_BUFFER_BYTES`` is the node's; a process torchrun (or spotjob-agent's
+        own launcher) started knows its node's ranks by ``LOCAL_WORLD_SIZE``. Unset (the CLI, the
+        controller) or unreadable, the store keeps the whole. The bounds are the node budget's."""
+        if local_world_size is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+        assert TransferSettings.from_env().max_buffer_bytes == share
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", "1GiB")
+        assert TransferSettings.from_env().max_buffer_bytes == share
+        monkeypatch.setenv("SPOTJOB_STORAGE_MAX_BUFFER_BYTES", "64")
+        with pytest.raises(ValueError, match=re.escape(f"SPOTJOB_STORAGE_MAX_BUFFER_BYTES='64' is not {BUFFER_RANGE}")):
+            TransferSettings.from_env()
+        # Settings built in code are a store's own: not split.
+        assert TransferSettings(max_buffer_bytes=GiB).max_buffer_bytes == GiB
 
     def test_a_retry_policy_read_before_does_not_hide_a_malformed_timeout_set_after(
         self, monkeypatch: pytest.MonkeyPatch
