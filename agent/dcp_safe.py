@@ -609,17 +609,40 @@ once, with their copies, set off a full garbage collection most saves, a tenth o
 
 def tensor_index(metadata: Metadata) -> dict[str, TensorEntry]:
     """Fully-qualified tensor name → shape, dtype and the shard files that hold it."""
-    files: dict[str, set[str]] = {}
+    return _tensor_index(metadata, _tensor_files(metadata))
+
+
+def _tensor_files(metadata: Metadata) -> dict[str, str | set[str]]:
+    """The shard file of each tensor by name; a set of them only for a tensor spread over several.
+
+    One file's name (a string) for nearly every tensor, rather than a set each: a dict of strings
+    is no object the garbage collector tracks, where 8000 sets were 8000 objects held through the
+    index's building, enough of them to count toward the next full collection (bench/README.md)."""
+    files: dict[str, str | set[str]] = {}
     for index, info in (metadata.storage_data or {}).items():
-        files.setdefault(index.fqn, set()).add(info.relative_path)
+        path = info.relative_path
+        held = files.setdefault(index.fqn, path)
+        if held != path:
+            if isinstance(held, str):
+                files[index.fqn] = {held, path}
+            else:
+                held.add(path)
+    return files
+
+
+def _tensor_index(metadata: Metadata, files: dict[str, str | set[str]]) -> dict[str, TensorEntry]:
     out: dict[str, TensorEntry] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
+            held = files.get(fqn, ())
+            # Tuples in, lists out: pydantic builds the entry's lists either way, and a tuple (of
+            # one name, or torch's Size) is not a second list made only to be thrown away.
             out[fqn] = _tensor_entry(
                 {
-                    "shape": list(md.size),
+                    "shape": md.size,
                     "dtype": str(md.properties.dtype).removeprefix("torch."),
-                    "files": sorted(files.get(fqn, ())),
+                    "files": (held,) if isinstance(held, str) else sorted(held),
                 }
             )
     return out
+

@@ -427,3 +427,48 @@ def test_the_writers_metadata_names_each_tensors_files_when_torchs_finish_writes
     on_disk = load_dcp_metadata((tmp_path / ".metadata").read_bytes())
     assert tensor_index(writer.metadata) == tensor_index(on_disk)
     assert all(entry.files for entry in tensor_index(writer.metadata).values())
+
+
+def _index_metadata(placed: dict[tuple[str, int], str]) -> Any:
+    """DCP metadata of two tensors, ``w`` in two row chunks and ``b`` in two, each chunk in the
+    file ``placed`` names by (tensor, chunk)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def chunks(rows: int) -> list[Any]:
+        return [ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 2])) for r in range(rows)]
+
+    sdm = {
+        "w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 2]), chunks(2)),
+        "b": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([2, 2]), chunks(2)),
+    }
+    storage = {
+        MetadataIndex(fqn, torch.Size([row, 0])): _StorageInfo(path, 16 * row, 16)
+        for (fqn, row), path in placed.items()
+    }
+    return Metadata(state_dict_metadata=sdm, storage_data=storage)
+
+
+def test_the_tensor_index_lists_each_tensors_files_once_in_order_and_holds_no_set_per_tensor() -> None:
+    """The files of each tensor were gathered into a set per tensor first: for 8000 tensors, 8000
+    objects the garbage collector tracks, held while the index was built. A tensor in one file
+    is now that file's name; the rare one spread over several still lists each file once, sorted."""
+    from agent import dcp_safe
+
+    spread = _index_metadata(
+        {("w", 0): "__1_0.distcp", ("w", 1): "__0_0.distcp", ("b", 0): "__0_0.distcp", ("b", 1): "__0_0.distcp"}
+    )
+    index = dcp_safe.tensor_index(spread)
+    assert index["w"].files == ["__0_0.distcp", "__1_0.distcp"]
+    assert index["b"].files == ["__0_0.distcp"]
+    assert (index["w"].shape, index["w"].dtype, index["b"].dtype) == ([2, 2], "float32", "bfloat16")
+    whole = _index_metadata({(fqn, row): "__0_0.distcp" for fqn in ("w", "b") for row in (0, 1)})
+    files = dcp_safe._tensor_files(whole)
+    assert files == {"w": "__0_0.distcp", "b": "__0_0.distcp"} and not gc.is_tracked(files)
+
