@@ -30,7 +30,7 @@ from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import FencedSaveError, FlushFailedError, SaveFailedError, _is_infrastructure
 from agent.control_channel import FlushRequest, FlushResult
 from agent.crc32c import to_hex
-from agent.dcp_safe import load_dcp_metadata, tensor_index
+from agent.dcp_safe import TensorIndexCache, load_dcp_metadata, tensor_index
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError, describe_job
 from agent.storage import AlreadyExistsError, PermanentStorageError, RetainedError, StorageError, put_files
@@ -256,6 +256,7 @@ class _Saving(_Voting):
     _fenced: FencedSaveError | None
     _direct_io: bool
     _plan_cache: SavePlanCache
+    _tensor_index: TensorIndexCache
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -862,7 +863,7 @@ class _Saving(_Voting):
         metadata_path = os.path.join(save.local_dir, DCP_METADATA_NAME)
         tensors = {}
         if save.writer is not None and save.writer.metadata is not None:
-            tensors = tensor_index(save.writer.metadata)  # as written, without reading it back
+            tensors = self._tensor_index.index(save.writer.metadata)  # as written, without reading it back
         elif os.path.exists(metadata_path):
             with open(metadata_path, "rb") as f:
                 tensors = tensor_index(load_dcp_metadata(f.read()))

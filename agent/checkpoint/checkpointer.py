@@ -33,6 +33,7 @@ from agent.control_channel import (
     ControlDir,
     RankStatus,
 )
+from agent.dcp_safe import TensorIndexCache
 from agent.ownership import OwnershipError, claim, read_owner
 from agent.pins import Pinner
 from agent.restore_cache import staging_root
@@ -264,6 +265,8 @@ class Checkpointer(_Saving, _Restoring):
         self._stager: Any = None
         # DCP's save plans of the last save, reused while the state keeps its structure.
         self._plan_cache = SavePlanCache()
+        # The manifest's tensor index of the last save, reused while the plans are.
+        self._tensor_index = TensorIndexCache()
         self._handled_save_mtime: int | None = None
         self._votes: list[tuple[Any, torch.Tensor]] = []
         self._saves_started = 0

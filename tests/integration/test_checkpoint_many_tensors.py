@@ -209,6 +209,67 @@ def test_the_tensor_index_written_is_the_one_of_tensor_entries_built_as_before(t
     assert on_disk.model_copy(update={"tensors": one_by_one}).to_json() == written
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_of_a_state_that_kept_its_structure_reuses_the_last_saves_tensor_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Every save built the manifest's tensor index afresh: five objects the garbage collector
+    tracks per tensor (an entry, its ``__dict__``, its set of fields, its two lists), a third of
+    what a save of many small tensors hands to the collector's oldest generation, enough to set off
+    a full collection nearly every save (bench/README.md). A save whose DCP metadata is the last
+    one's (the cached plans) and whose tensors are in the same files takes the last index's
+    entries; a state that changed builds its own. Each manifest committed is the index of its
+    own .metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from agent import dcp_safe
+    from agent.manifest import DCP_METADATA_NAME
+
+    built: list[str] = []
+    validate = dcp_safe._tensor_entry
+
+    def counted(fields: dict[str, Any]) -> Any:
+        built.append(fields["dtype"])
+        return validate(fields)
+
+    monkeypatch.setattr(dcp_safe, "_tensor_entry", counted)
+    model, optim = trained(0)
+    state: dict[str, Any] = {"model": model, "optim": optim}
+    tensors = []
+    with Checkpointer(str(tmp_path), async_save=async_save, keep=10) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        tensors.append(len(built))
+        for step in (2, 3):  # new values, the same tensors: nothing built
+            model.big.grad = torch.ones_like(model.big)
+            optim.step()
+            ckpt.save(step, state)
+            ckpt.wait()
+            tensors.append(len(built))
+        model.extra = nn.Parameter(torch.randn(4))  # one more tensor: planned, and indexed, afresh
+        state["optim"] = torch.optim.AdamW(model.parameters())
+        ckpt.save(4, state)
+        ckpt.wait()
+        tensors.append(len(built))
+        model.double()  # other dtypes, the same names
+        ckpt.save(5, state)
+        ckpt.wait()
+        tensors.append(len(built))
+    first = tensors[0]
+    assert first > 80 and tensors[:3] == [first] * 3, tensors
+    assert tensors[3] > tensors[2] and tensors[4] > tensors[3], tensors
+    assert "float64" in built[tensors[3] :] and "float32" not in built[tensors[3] :]
+    folders = sorted(p for p in tmp_path.iterdir() if (p / MANIFEST_NAME).exists())
+    assert len(folders) == 5
+    for folder in folders:
+        manifest = Manifest.parse((folder / MANIFEST_NAME).read_bytes())
+        metadata = dcp_safe.load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes())
+        assert manifest.tensors == dcp_safe.tensor_index(metadata), folder.name
+        assert len(manifest.tensors) == sum(
+            isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values()
+        )
+
+
 @pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("optimizer_stepped", [True, False])
 def test_a_save_maps_the_parameters_to_their_names_once_and_splits_as_torchs_two_calls_do(

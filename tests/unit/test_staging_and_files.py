@@ -472,3 +472,30 @@ def test_the_tensor_index_lists_each_tensors_files_once_in_order_and_holds_no_se
     files = dcp_safe._tensor_files(whole)
     assert files == {"w": "__0_0.distcp", "b": "__0_0.distcp"} and not gc.is_tracked(files)
 
+
+def test_the_tensor_index_cache_hands_out_the_last_entries_only_for_the_same_tensors_in_the_same_files() -> None:
+    """``TensorIndexCache`` reuses the last index's (frozen) entries, in a dict of its own each time,
+    when the metadata is the same ``state_dict_metadata`` object (a save of the cached plans) and
+    its tensors lie in the same files; other files, or metadata that is only equal, build anew."""
+    import dataclasses
+
+    from agent import dcp_safe
+
+    first = _index_metadata({(fqn, row): "__0_0.distcp" for fqn in ("w", "b") for row in (0, 1)})
+    cache = dcp_safe.TensorIndexCache()
+    index = cache.index(first)
+    again = cache.index(dataclasses.replace(first))  # DCP's metadata of the cached plans: a copy
+    assert again == index and again is not index and all(again[k] is index[k] for k in index)
+    again["w"] = again["b"]  # a manifest's dict is its own: the cache's is untouched
+    assert cache.index(first)["w"] is index["w"]
+
+    moved = dataclasses.replace(first, storage_data={**first.storage_data})
+    (b1,) = [i for i in moved.storage_data if i.fqn == "b" and i.offset[0] == 1]
+    moved.storage_data[b1] = dataclasses.replace(moved.storage_data[b1], relative_path="__1_0.distcp")
+    elsewhere = cache.index(moved)
+    assert elsewhere["b"].files == ["__0_0.distcp", "__1_0.distcp"] and elsewhere["w"] is not index["w"]
+    assert elsewhere == dcp_safe.tensor_index(moved)
+
+    equal = _index_metadata({(fqn, row): "__0_0.distcp" for fqn in ("w", "b") for row in (0, 1)})
+    rebuilt = cache.index(equal)  # planned afresh: another object, even with the same contents
+    assert rebuilt == index and rebuilt["w"] is not index["w"]
