@@ -280,6 +280,8 @@ class SizeResult:
     skipped: dict[str, str] = field(default_factory=dict)
     server_peak_rss: dict[str, int] = field(default_factory=dict)
     """Peak resident bytes of a store's server process during this size (gs: fake-gcs-server)."""
+    gc_loop: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """With ``--gc-loop``: each save of the untimed loop, by kind (``sync``, ``async``)."""
 
     def samples(self, name: str) -> Samples:
         return self.ops.setdefault(name, Samples())
@@ -300,6 +302,7 @@ class SizeResult:
             "skipped": self.skipped,
             "server_peak_rss_bytes": self.server_peak_rss,
             "ops": {k: v.to_json() for k, v in self.ops.items()},
+            **({"gc_loop": self.gc_loop} if self.gc_loop else {}),
         }
 
 
@@ -1111,9 +1114,65 @@ def run_many(args: argparse.Namespace) -> SizeResult:
 
             CheckpointBench._async_save(background, state, step, result, "many.ckpt.async")
             gc.collect()
+        next_step = args.repeat + 2
+        if args.gc_loop:
+            for kind, ck in (("sync", sync), ("async", background)):
+                result.gc_loop[kind] = gc_loop_saves(ck, state, next_step, args.gc_loop, kind)
+                next_step += args.gc_loop
         if args.profile:
-            profile_sync_saves(sync, state, args.repeat + 2, args.profile)
+            profile_sync_saves(sync, state, next_step, args.profile)
     return result
+
+
+class _Generations:
+    """The collections of every generation while entered (``gc.callbacks``, the benchmark's own
+    process), their time, and how many objects the generation-1 collections moved into the
+    oldest generation: what CPython counts toward its next full collection, which it runs once
+    those exceed a quarter of the objects the last one left. Listing the oldest generation around
+    each generation-1 collection is slow: for the untimed ``--gc-loop`` only."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.promoted = 0
+        self._started = 0.0
+        self._oldest = 0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        generation = info["generation"]
+        if phase == "start":
+            if generation == 1:
+                self._oldest = len(gc.get_objects(2))
+            self._started = time.monotonic()
+            return
+        self.count[generation] += 1
+        self.seconds[generation] += time.monotonic() - self._started
+        if generation == 1:
+            self.promoted += len(gc.get_objects(2)) - self._oldest
+
+    def __enter__(self) -> _Generations:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def gc_loop_saves(
+    ck: Checkpointer, state: dict[str, Any], first_step: int, saves: int, kind: str
+) -> list[dict[str, Any]]:
+    """``saves`` saves back to back through ``ck`` (``step()`` then ``wait()``), with no collection
+    forced between them, as a training loop's: for each, the collections of every generation that
+    ran inside it (on any thread) and their time, and the objects it moved into the oldest one."""
+    out = []
+    for i in range(saves):
+        with _Generations() as counted:
+            ck.step(first_step + i, state)
+            ck.wait()
+        out.append({"collections": counted.count, "seconds": counted.seconds, "promoted": counted.promoted})
+    full = sum(save["collections"][2] for save in out)
+    log("--gc-loop: %d %s saves, %d full collections inside them", saves, kind, full)
+    return out
 
 
 def profile_sync_saves(ck: Checkpointer, state: dict[str, Any], first_step: int, saves: int) -> None:
@@ -1180,6 +1239,20 @@ def render_many_markdown(result: SizeResult) -> str:
             continue
         vs = "plain dcp.save" if base == "many.dcp.save" else "plain dcp.load"
         lines.append(f"| {label} | {_s(s.median)} | {_spread(s)} | {_x(ratios[op])} | {vs} | {_full_gcs(s)} |")
+    if result.gc_loop:
+        lines += [
+            "",
+            "Saves back to back (`--gc-loop`), no collection forced between them:\n",
+            "| saves | collections of generation 0 / 1 / 2, a save (median) | full collections, all saves: count, s "
+            "| objects moved into the oldest generation, a save (median) |",
+            "|---|---|---|---|",
+        ]
+        for kind, saves in result.gc_loop.items():
+            young = " / ".join(f"{statistics.median(s['collections'][g] for s in saves):g}" for g in range(3))
+            full = sum(s["collections"][2] for s in saves)
+            full_s = sum(s["seconds"][2] for s in saves)
+            promoted = statistics.median(s["promoted"] for s in saves)
+            lines.append(f"| {len(saves)} {kind} | {young} | {full}, {full_s:.2f} | {promoted:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1272,13 +1345,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SAVES",
         help="with --many-layers: cProfile that many more sync saves; bench/out/checkpoint-many-profile.txt",
     )
+    p.add_argument(
+        "--gc-loop",
+        type=int,
+        default=0,
+        metavar="SAVES",
+        help="with --many-layers: that many more sync saves, then async ones, back to back, each with the "
+        "collections of every generation inside it and the objects it moved into the oldest (untimed: slow)",
+    )
     args = p.parse_args(argv)
     if args.repeat < 1 or args.repeat_large < 1:
         p.error("--repeat and --repeat-large must be >= 1")
-    if args.many_layers < 0 or args.many_width < 1 or args.profile < 0:
-        p.error("--many-layers and --profile must be >= 0, --many-width >= 1")
-    if args.profile and not args.many_layers:
-        p.error("--profile profiles the --many-layers state: give --many-layers N too")
+    if args.many_layers < 0 or args.many_width < 1 or args.profile < 0 or args.gc_loop < 0:
+        p.error("--many-layers, --profile and --gc-loop must be >= 0, --many-width >= 1")
+    if (args.profile or args.gc_loop) and not args.many_layers:
+        p.error("--profile and --gc-loop save the --many-layers state: give --many-layers N too")
     if args.device == "cuda":
         if args.many_layers:
             p.error("--device cuda measures the --sizes states; --many-layers runs on CPU: drop one of them")

@@ -236,11 +236,12 @@ def test_checkpoint_device_option_defaults_to_cpu_and_refuses_cuda_without_a_gpu
 def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Path) -> None:
     """``--many-layers`` at its smallest (2 layers of 4: 16 tensors, one repetition, a few seconds):
     plain DCP and the Checkpointer's sync save, async save and restore each timed, with their ratios
-    to plain DCP in the JSON and the table, and a cProfile of one more sync save naming spotjob's own
-    functions."""
+    to plain DCP in the JSON and the table, a cProfile of one more sync save naming spotjob's own
+    functions, and (``--gc-loop``) two sync and two async saves back to back with the collections of
+    each generation inside each and the objects each moved into the oldest."""
     data, md = run_bench(
         "checkpoint", tmp_path / "out", "--many-layers", "2", "--many-width", "4", "--repeat", "1",
-        "--profile", "1", "--scratch", str(tmp_path / "scratch"),
+        "--profile", "1", "--gc-loop", "2", "--scratch", str(tmp_path / "scratch"),
     )  # fmt: skip
     assert data["mode"] == "many-layers"
     many = data["many_layers"]
@@ -272,6 +273,13 @@ def test_checkpoint_many_small_tensors_side_by_side_with_plain_dcp(tmp_path: Pat
     assert "| full GCs inside: count, s (a run) |" in md
     profile = (tmp_path / "out" / "checkpoint-many-profile.txt").read_text()
     assert "1 sync saves profiled" in profile and "agent/checkpoint" in profile, profile[:2000]
+    loop = many["gc_loop"]
+    assert sorted(loop) == ["async", "sync"] and all(len(saves) == 2 for saves in loop.values()), loop
+    for save in loop["sync"] + loop["async"]:
+        assert len(save["collections"]) == len(save["seconds"]) == 3 and min(save["collections"]) >= 0, save
+        assert save["promoted"] >= 0 and min(save["seconds"]) >= 0.0, save
+    assert "| objects moved into the oldest generation, a save (median) |" in md
+    assert "| 2 sync |" in md and "| 2 async |" in md
 
 
 @pytest.mark.slow
