@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from agent._dcp_plan import DivergentReplicasError, RankZeroSavePlanner, SavePlanCache
 from agent.checkpoint import Checkpointer
+from agent.dcp_safe import load_dcp_metadata, tensor_index
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 
 
 def _model_and_optim(width: int = 4, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -108,6 +110,11 @@ def test_a_save_after_the_structure_changed_restores_bit_exact(change: str, tmp_
     assert restored.keys() == saved.keys()
     for name, value in saved.items():
         assert restored[name].dtype == value.dtype and torch.equal(restored[name], value), name
+    # MANIFEST.json's tensor index, which the second save took from the first: each step's is its own
+    # .metadata's, the changed one's too.
+    for folder in sorted((tmp_path / "ckpt").glob("step-*")):
+        manifest = Manifest.parse((folder / MANIFEST_NAME).read_bytes())
+        assert manifest.tensors == tensor_index(load_dcp_metadata((folder / DCP_METADATA_NAME).read_bytes()))
 
 
 def test_saves_of_an_unchanged_state_reuse_the_first_plans(tmp_path: Path) -> None:
