@@ -25,7 +25,8 @@ that exist, and every timing of work on device tensors synchronises the device b
 The report names the device (``torch.cuda.get_device_name``). The default, ``cpu``, is unchanged.
 
 ``--many-layers N`` measures instead a state of N small Linear layers (8 tensors each) against plain
-DCP, where per-tensor and per-save costs dominate (``run_many``); ``--profile`` adds a cProfile of it.
+DCP, where per-tensor and per-save costs dominate (``run_many``); ``--profile`` adds a cProfile of it,
+``--gc-loop`` saves back to back with the garbage collections inside each (``gc_loop_saves``).
 
 Run ``python -m bench.checkpoint --help``; results go to ``bench/out/checkpoint-*.json`` and a
 Markdown rendering to ``bench/out/checkpoint-latest.md``.
