@@ -53,6 +53,7 @@ from datetime import datetime, timedelta
 from operator import methodcaller
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from agent.exit_codes import answered_source
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, FlushRequestState, WorkerObservation
 from orchestrator.events import FLUSH_OUTCOMES
 from orchestrator.model import (
@@ -149,7 +150,9 @@ class _Recovery(_FlushRequests):
             if exited and code == EXIT_PREEMPTED and self._requested_restart_flushed(p):
                 continue  # the agents flushed because a leader asked them to: the request takes it
             if exited:
-                first = exited[0]
+                # The agent that heard the notice, where its exit line says so, rather than a peer
+                # whose ranks flushed the same step with it (its flush answered no notice of its own).
+                first = next((w for w in exited if _answered_own_notice(w)), exited[0])
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
                 message += _answered(first) if code == EXIT_PREEMPTED else ""
                 return _Preemption(reason, message, _nodes(exited), None, False)
@@ -396,7 +399,8 @@ class _Recovery(_FlushRequests):
         # driver's request, and exited 75: the preemption it is on any pass.
         flushed = [w for w in current if w.name in before.preempted and w.exit_code == EXIT_PREEMPTED]
         if preemption is None and flushed:
-            message = AGENT_PREEMPTED.message(worker=flushed[0].name, node=flushed[0].node) + _answered(flushed[0])
+            first = next((w for w in flushed if _answered_own_notice(w)), flushed[0])
+            message = AGENT_PREEMPTED.message(worker=first.name, node=first.node) + _answered(first)
             preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(flushed), None, heard_by_controller=False)
         if preemption is not None:
             self._enter_flushing(p, preemption)
@@ -623,6 +627,14 @@ def _answered(w: WorkerObservation) -> str:
         return ""
     said = w.flush_answered if len(w.flush_answered) <= 300 else f"{w.flush_answered[:300]} …"
     return f" (its flush answered {said})"
+
+
+def _answered_own_notice(w: WorkerObservation) -> bool:
+    """The worker's agent exited 75 saying its flush answered a notice of its own (not
+    ``PEER_FLUSH``, a flush another node's agent asked for)."""
+    return (
+        w.exit_code == EXIT_PREEMPTED and w.flush_answered is not None and answered_source(w.flush_answered) is not None
+    )
 
 
 def _flush_detail(w: WorkerObservation) -> str:

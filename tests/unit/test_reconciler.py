@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from agent.catalog import CheckpointRef, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.exit_codes import PEER_FLUSH
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
@@ -379,6 +380,27 @@ def test_treats_an_agent_that_exits_75_on_its_own_as_a_preemption(world: World) 
     assert status.recovery is not None and status.recovery.cause is Cause.PREEMPTION
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 95
     assert [(a.kind, a.value) for a in status.avoid] == [("node", "n1")]
+
+
+def test_agent_preempted_names_the_agent_that_heard_the_notice_not_a_peer_that_flushed_with_it(
+    world: World,
+) -> None:
+    """Worker 1's agent heard a GCE host maintenance; worker 0's ranks flushed the same step with
+    them, and both agents exited 75 before a pass looked. The Event named the first 75 in the list,
+    worker 0, as the agent that "heard a notice itself", then quoted its exit line: its flush
+    answered no notice of its own. It names worker 1 and the notice its flush answered."""
+    world.run_to(100)
+    heard, peer = world.backend.worker(0, 1).name, world.backend.worker(0, 0).name
+    world.backend.answered[heard] = "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE"
+    world.backend.answered[peer] = PEER_FLUSH
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.startswith(f"the agent of {heard} on node "), told.message
+    assert told.message.endswith("(its flush answered gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE)"), told.message
 
 
 def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:

@@ -21,6 +21,7 @@ from test_reconciler import World, make_world, phase_is, preempt_running_job, ru
 
 from agent.catalog import latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from agent.exit_codes import PEER_FLUSH
 from orchestrator.backends.base import WorkerObservation, worker_name
 from orchestrator.model import Cause, Phase, WorkerPhase
 from orchestrator.reconciler import BeforeStop
@@ -257,6 +258,29 @@ def test_an_agent_that_flushed_for_a_notice_only_it_heard_before_the_interrupt_i
         world.backend.agent_hears_notice(0, index)
     status = stopped_by_its_driver(world, since=world.clock.now(), before_stop=BeforeStop())
     assert status is not None and (status.preemptions, status.restarts) == (0, 0)
+
+
+def test_the_agentpreempted_of_an_interrupt_names_the_agent_that_heard_the_notice_not_its_peer(
+    tmp_path: Any,
+) -> None:
+    """Both agents exited 75 before the interrupt asked for a flush (both count as the preemption
+    that came first), W0's for the flush W1's agent began for a host maintenance. The Event named W0,
+    whose flush answered no notice of its own, as the agent that heard one; it names W1."""
+    world = make_world(tmp_path)
+    world.run_to(25)
+    asked = world.clock.now()
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.answered[W1] = "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE"
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+    world.backend.answered[W0] = PEER_FLUSH
+    world.clock.advance(2)
+
+    status = stopped_by_its_driver(world, since=asked, before_stop=BeforeStop(preempted=(W0, W1)))
+
+    assert status is not None and (status.preemptions, status.restarts) == (1, 0)
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.startswith(f"the agent of {W1} on node "), told.message
+    assert told.message.endswith("(its flush answered gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE)"), told.message
 
 
 def test_a_notice_for_a_node_the_attempt_does_not_use_changes_nothing(tmp_path: Any) -> None:
