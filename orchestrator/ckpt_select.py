@@ -194,9 +194,17 @@ def newest_valid(
                 other = ", or name an older one with --step"
             else:  # a restore stops there too; an older attempt of the step asked for can be named
                 other = f", or name an older attempt with --step {walk[0].folder}" if walk else ""
+            # Its manifest is a newer spotjob's (none parsed), or, the manifest read, a record that
+            # judges it (the owner's, the next attempt's): then this spotjob wrote it, a newer one judges it.
+            written = (
+                "was written by a newer spotjob"
+                if status.manifest is None
+                else "cannot be judged here, which proves nothing bad about it: a record that judges it is a newer "
+                "spotjob's"
+            )
             raise CommandError(
-                f"{status.ref.folder}, the newest checkpoint a restore would consider, was written by a newer "
-                f"spotjob ({' '.join(status.reason.split())}); upgrade spotjob to export it{other}"
+                f"{status.ref.folder}, the newest checkpoint a restore would consider, {written} "
+                f"({' '.join(status.reason.split())}); upgrade spotjob to export it{other}"
             )
         skipped.append(status)
     reasons = [*(passed or []), *((s.ref.folder, s.reason) for s in skipped)]

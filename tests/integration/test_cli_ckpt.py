@@ -1360,6 +1360,29 @@ def test_verify_exits_2_only_when_the_attempt_record_judging_a_checkpoint_cannot
     assert status is not None and status.ref == CheckpointRef(2)
 
 
+def test_export_stopping_at_a_checkpoint_a_newer_record_judges_does_not_say_a_newer_spotjob_wrote_it(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 3's manifest is this spotjob's; the attempt record that judges it is a newer one's. The
+    export stops there as a restore does, but said step 3 "was written by a newer spotjob", which
+    sends the reader looking for a writer that never ran. It says the record is the newer one's."""
+    _judged_by_attempt_1(saved)
+    key = attempt_key(None, 1)
+    saved.storage.put_bytes(key, json.dumps({**json.loads(saved.storage.get_bytes(key)), "format": 2}).encode())
+
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"))
+    assert rc == 2, err
+    assert f"{saved.folder(3)}, the newest checkpoint a restore would consider, cannot be judged here" in err, err
+    assert "a record that judges it is a newer spotjob's" in err and "upgrade spotjob to export it" in err, err
+    assert "was written by a newer spotjob" not in err.split("(")[0], err
+
+    rewrite_manifest(saved, 3, lambda raw: raw.update(format_version=FORMAT_VERSION + 1))  # a newer manifest
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(Path(saved.uri).parent / "out"))
+    assert (
+        rc == 2 and f"{saved.folder(3)}, the newest checkpoint a restore would consider, was written by a newer" in err
+    )
+
+
 def test_a_checkpoint_proven_broken_exits_1_even_when_its_attempt_record_cannot_be_read_here(
     saved: Saved, capsys: pytest.CaptureFixture[str]
 ) -> None:
