@@ -108,7 +108,11 @@ class InterruptState:
     preempted: list[str] = field(default_factory=list)
     """Workers of the newest attempt whose agent exited 75 for a flush that answered a notice other
     than the interrupt's request (``flushed_for_another_notice``: a GCE host maintenance, a SIGTERM
-    only it heard) while nothing was stopped yet: a preemption that came first."""
+    only it heard) while nothing was stopped yet: a preemption that came first. Those whose exit line
+    says their flush answered a notice of their own come first (``_own_notice``), before an agent
+    whose ranks flushed with another's (``PEER_FLUSH``) or whose line does not say."""
+    own_notice: list[str] = field(default_factory=list)
+    """Those of ``preempted`` whose flush answered a notice their agent heard."""
     newest: tuple[CheckpointStatus | None] | None = None
     """The newest valid checkpoint, read once no process of the run was left to commit one (the
     flush's judgement): the reconciler's pass takes it rather than read storage again."""
@@ -440,14 +444,31 @@ def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -
         if w.name not in state.lost and w.phase is WorkerPhase.FAILED and w.exit_code is None:
             state.lost.append(w.name)
         if w.name not in state.preempted and flushed_for_another_notice(w, state.reason):
-            state.preempted.append(w.name)
+            if _own_notice(w):
+                # Ahead of a peer seen before it: the interrupt's outcome names the first as the
+                # agent whose flush committed (``InterruptOutcome.own_flush_of``).
+                at = next((i for i, n in enumerate(state.preempted) if n not in state.own_notice), None)
+                state.preempted.insert(len(state.preempted) if at is None else at, w.name)
+                state.own_notice.append(w.name)
+                why = f"for a flush of its own, not the interrupt's (it answered {w.flush_answered})"
+            else:
+                state.preempted.append(w.name)
+                why = (
+                    "for a flush another node's agent asked for"
+                    if w.flush_answered is not None
+                    else "for a flush its line does not name"
+                ) + ", before the interrupt asked for any"
             log.warning(
-                "the agent of %s exited %d for a flush of its own, not the interrupt's (it answered %s): a "
-                "preemption that came first, counted as one",
+                "the agent of %s exited %d %s: a preemption that came first, counted as one",
                 w.name,
                 EXIT_PREEMPTED,
-                w.flush_answered or "a notice before the interrupt asked for any",
+                why,
             )
+
+
+def _own_notice(w: WorkerObservation) -> bool:
+    """The worker's exit line says its flush answered a notice its agent heard (not ``PEER_FLUSH``)."""
+    return w.flush_answered is not None and answered_source(w.flush_answered) is not None
 
 
 def _newest(storage: Storage) -> int | None:

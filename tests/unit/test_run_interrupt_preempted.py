@@ -8,8 +8,10 @@ says what its flush answered, as the local backend reads it from the worker's lo
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -18,10 +20,10 @@ import pytest
 
 from agent.control_channel import FlushResult
 from agent.exit_codes import PEER_FLUSH, decide_exit_code
-from orchestrator.backends.base import WorkerObservation
+from orchestrator.backends.base import FlushRequestState, WorkerObservation
 from orchestrator.backends.local_worker import LocalWorker, observe_worker
-from orchestrator.model import JobKey
-from orchestrator.run_interrupt import InterruptState, _note_before_stop, flushed_for_another_notice
+from orchestrator.model import JobKey, WorkerPhase
+from orchestrator.run_interrupt import InterruptState, _flush, _note_before_stop, flushed_for_another_notice
 
 REASON = "spotjob run was interrupted (SIGINT): flushing before every process of the run stops"
 COMMITTED = FlushResult(step=10, uri="file:///r/checkpoints/step-000000010", request_id="r", notice_to_commit_seconds=1)
@@ -87,3 +89,31 @@ def test_a_75_seen_before_the_interrupt_asked_for_any_flush_is_not_its_flush(tmp
     state = InterruptState(signal="SIGINT")
     _note_before_stop(state, [exited_75(tmp_path, None)])
     assert state.preempted == ["x-0-0"]
+
+
+def test_the_interrupts_flush_is_named_as_the_agent_that_heard_the_notice_not_a_peer_that_exited_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Worker 1's agent flushed for a host maintenance only it heard; worker 0's ranks flushed the
+    same step with them and its agent exited 75 first, before the interrupt asked for any flush (a
+    preemption that came first, as both are). The interrupt's Event named worker 0's agent as the one
+    that "began [the flush] for a notice of its own", and the log said worker 0's agent flushed "for
+    a flush of its own" while quoting its line that says it heard none. The flush is worker 1's."""
+    peer = replace(exited_75(tmp_path, PEER_FLUSH), name="x-0-0")
+    hearer = replace(exited_75(tmp_path, "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE"), name="x-0-1")
+    state = InterruptState(signal="SIGINT")
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        _note_before_stop(state, [peer])  # as the interrupt came: only worker 0 had exited
+        running = replace(hearer, phase=WorkerPhase.RUNNING, exit_code=None)
+        backend = SimpleNamespace(
+            request_flush=lambda *_: FlushRequestState.accepted(),
+            list_workers=lambda *_: [peer, hearer],
+        )
+        spec = cast(Any, SimpleNamespace())
+        out = _flush(cast(Any, backend), JobKey.local("x"), spec, state, [running], None, lambda _: None)
+    assert set(state.preempted) == {"x-0-0", "x-0-1"}
+    assert out.own_flush_of == "x-0-1"
+    committed = replace(out, step=10, uri="file:///r/checkpoints/step-000000010")  # as storage then says
+    assert "the flush x-0-1's agent began for a notice of its own" in committed.event(7)[2]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the agent of x-0-0 exited 75")]
+    assert said and all("for a flush of its own" not in m for m in said), said
