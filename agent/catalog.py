@@ -112,7 +112,8 @@ class CheckpointStatus:
     """Set aside by a deliberate fresh start (``agent._fresh_start``): kept, never used."""
     newer_format: bool = False
     """Its manifest is in a format newer than this spotjob reads (``NewerFormatError``), or a record
-    that judges it is (the owner's or the next attempt's, ``Judgement.newer``): not proven bad, so
+    that judges it is (the owner's or the next attempt's, ``Judgement.newer``, and nothing else is
+    wrong with it): not proven bad, so
     never restored past (restore refuses), never counted or deleted by retention."""
     unproven: list[str] = field(default_factory=list)
     """Those of ``problems`` that prove nothing about the checkpoint, only that it could not be
@@ -247,14 +248,16 @@ def inspect(
 
 
 def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
+    # A newer spotjob's record makes a checkpoint one to stop at and keep (``newer_format``) only
+    # when nothing is proven wrong with it: one missing a file is broken whoever judges it.
+    if judgement.newer and not status.problems:
+        status.newer_format = True
     status.foreign = judgement.kind == "foreign"
     status.fenced = judgement.kind == "fenced"
     status.retired = judgement.kind == "retired"
     status.problems.append(judgement.reason)
     if judgement.kind == "undecided":
         status.unproven.append(judgement.reason)
-    if judgement.newer:
-        status.newer_format = True
 
 
 def inspect_all(

@@ -1395,7 +1395,10 @@ def test_a_checkpoint_proven_broken_exits_1_even_when_its_attempt_record_cannot_
     rc, out, _ = ckpt(capsys, "verify", saved.uri)
     assert rc == 1 and f"file {saved.shard(3)} is missing" in out and "newer spotjob" in out
     rc, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
-    assert rc == 1 and json.loads(out)["undecided"] is False
+    # Proven broken, so not one a restore stops at or retention keeps for a newer spotjob either.
+    assert rc == 1 and (json.loads(out)["undecided"], json.loads(out)["newer_format"]) == (False, False)
+    status = inspect(saved.storage, CheckpointRef(3))
+    assert not status.newer_format and not status.valid
 
 
 @pytest.mark.parametrize("record", ["owner", "attempt"])
