@@ -109,8 +109,9 @@ class InterruptState:
     """Workers of the newest attempt whose agent exited 75 for a flush that answered a notice other
     than the interrupt's request (``flushed_for_another_notice``: a GCE host maintenance, a SIGTERM
     only it heard) while nothing was stopped yet: a preemption that came first. Those whose exit line
-    says their flush answered a notice of their own come first (``_own_notice``), before an agent
-    whose ranks flushed with another's (``PEER_FLUSH``) or whose line does not say."""
+    says their flush answered a notice of their own come first
+    (``WorkerObservation.flushed_for_own_notice``), before an agent whose ranks flushed with
+    another's (``PEER_FLUSH``) or whose line does not say."""
     own_notice: list[str] = field(default_factory=list)
     """Those of ``preempted`` whose flush answered a notice their agent heard."""
     newest: tuple[CheckpointStatus | None] | None = None
@@ -444,7 +445,7 @@ def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -
         if w.name not in state.lost and w.phase is WorkerPhase.FAILED and w.exit_code is None:
             state.lost.append(w.name)
         if w.name not in state.preempted and flushed_for_another_notice(w, state.reason):
-            if _own_notice(w):
+            if w.flushed_for_own_notice:
                 # Ahead of a peer seen before it: the interrupt's outcome names the first as the
                 # agent whose flush committed (``InterruptOutcome.own_flush_of``).
                 at = next((i for i, n in enumerate(state.preempted) if n not in state.own_notice), None)
@@ -464,11 +465,6 @@ def _note_before_stop(state: InterruptState, workers: list[WorkerObservation]) -
                 EXIT_PREEMPTED,
                 why,
             )
-
-
-def _own_notice(w: WorkerObservation) -> bool:
-    """The worker's exit line says its flush answered a notice its agent heard (not ``PEER_FLUSH``)."""
-    return w.flush_answered is not None and answered_source(w.flush_answered) is not None
 
 
 def _newest(storage: Storage) -> int | None:

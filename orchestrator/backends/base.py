@@ -50,6 +50,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from agent.control_channel import EXIT_PREEMPTED
+from agent.exit_codes import answered_source
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal
 
@@ -208,6 +210,16 @@ class WorkerObservation:
     holds_node: bool = False
     """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
     exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""
+
+    @property
+    def flushed_for_own_notice(self) -> bool:
+        """Its agent exited 75 saying its flush answered a notice the agent heard itself (not
+        ``PEER_FLUSH``, a flush another node's agent asked for, nor a line that does not say)."""
+        return (
+            self.exit_code == EXIT_PREEMPTED
+            and self.flush_answered is not None
+            and answered_source(self.flush_answered) is not None
+        )
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,6 @@ from datetime import datetime, timedelta
 from operator import methodcaller
 
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
-from agent.exit_codes import answered_source
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, FlushRequestState, WorkerObservation
 from orchestrator.events import FLUSH_OUTCOMES
 from orchestrator.model import (
@@ -152,7 +151,7 @@ class _Recovery(_FlushRequests):
             if exited:
                 # The agent that heard the notice, where its exit line says so, rather than a peer
                 # whose ranks flushed the same step with it (its flush answered no notice of its own).
-                first = next((w for w in exited if _answered_own_notice(w)), exited[0])
+                first = next((w for w in exited if w.flushed_for_own_notice), exited[0])
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
                 message += _answered(first) if code == EXIT_PREEMPTED else ""
                 return _Preemption(reason, message, _nodes(exited), None, False)
@@ -399,7 +398,7 @@ class _Recovery(_FlushRequests):
         # driver's request, and exited 75: the preemption it is on any pass.
         flushed = [w for w in current if w.name in before.preempted and w.exit_code == EXIT_PREEMPTED]
         if preemption is None and flushed:
-            first = next((w for w in flushed if _answered_own_notice(w)), flushed[0])
+            first = next((w for w in flushed if w.flushed_for_own_notice), flushed[0])
             message = AGENT_PREEMPTED.message(worker=first.name, node=first.node) + _answered(first)
             preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(flushed), None, heard_by_controller=False)
         if preemption is not None:
@@ -627,14 +626,6 @@ def _answered(w: WorkerObservation) -> str:
         return ""
     said = w.flush_answered if len(w.flush_answered) <= 300 else f"{w.flush_answered[:300]} …"
     return f" (its flush answered {said})"
-
-
-def _answered_own_notice(w: WorkerObservation) -> bool:
-    """The worker's agent exited 75 saying its flush answered a notice of its own (not
-    ``PEER_FLUSH``, a flush another node's agent asked for)."""
-    return (
-        w.exit_code == EXIT_PREEMPTED and w.flush_answered is not None and answered_source(w.flush_answered) is not None
-    )
 
 
 def _flush_detail(w: WorkerObservation) -> str:
