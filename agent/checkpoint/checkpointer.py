@@ -354,19 +354,22 @@ class Checkpointer(_Saving, _Restoring):
         if vote.save_early:
             log.info("saving early at step %d: the agent asked for a checkpoint without stopping", step)
             self._consume_save_request()
-        if (vote.save_early or due) and self._last_saved_step != step:
-            # At most one save in flight: a policy save waits for the previous one. Deterministic
-            # checkpoints every N steps are worth more than never blocking; a hung store is
-            # bounded by the storage retries and, above them, the controller's flush timeout.
-            self._start_save(step, state, metadata, trigger="early" if vote.save_early else "policy")
-        self._last_step = step
-        self._status.step = step
-        if self._status.state == "starting":
-            self._status.state = "training"
-        # Launched after this step's save started: a deadline or request it just served is not
-        # voted on again (one trigger, one save).
-        self._launch_vote(step)
-        self._report()
+        try:
+            if (vote.save_early or due) and self._last_saved_step != step:
+                # At most one save in flight: a policy save waits for the previous one. Deterministic
+                # checkpoints every N steps are worth more than never blocking; a hung store is
+                # bounded by the storage retries and, above them, the controller's flush timeout.
+                self._start_save(step, state, metadata, trigger="early" if vote.save_early else "policy")
+            self._last_step = step
+            self._status.step = step
+            if self._status.state == "starting":
+                self._status.state = "training"
+            # Launched after this step's save started: a deadline or request it just served is not
+            # voted on again (one trigger, one save).
+            self._launch_vote(step)
+            self._report()
+        finally:
+            self._let_save_run()  # the save thread starts its work once this call is done
         return False
 
     def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -380,7 +383,10 @@ class Checkpointer(_Saving, _Restoring):
         self._check_writable("save()")
         step = self._check_next_step(step, "save()")
         metadata = _check_metadata(metadata, "save()")
-        self._start_save(step, state, metadata, trigger="save")
+        try:
+            self._start_save(step, state, metadata, trigger="save")
+        finally:
+            self._let_save_run()
         self._last_step = step
 
     def close(self) -> None:

@@ -388,6 +388,70 @@ def test_async_saves_into_kept_buffers_restore_the_last_state_bit_for_bit(tmp_pa
     assert torch.equal(fresh["model"][0].weight_t, fresh["model"][0].weight.t())
 
 
+def test_the_save_thread_starts_its_work_only_once_step_returns(tmp_path: Path) -> None:
+    """The save's own work (naming its folder, planning, writing) waits until the ``step()`` that
+    started it returns: started at once, it held the GIL while ``step()`` still ran, and the
+    training thread waited a switch interval (5 ms) for it. What ``step()`` does after starting the
+    save (here: its status report) sees no storage call of the save, however long it takes; the
+    state is trained on right after ``step()`` returns, and the checkpoint holds it as it was at
+    the step."""
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=None)
+    ckpt.step(1, state)  # the first save allocates the staging buffers
+    ckpt.wait()
+    touched = threading.Event()
+    list_dirs = ckpt.storage.list_dirs
+
+    def watched_list_dirs(*args: Any, **kwargs: Any) -> Any:
+        touched.set()
+        return list_dirs(*args, **kwargs)
+
+    ckpt.storage.list_dirs = watched_list_dirs  # type: ignore[method-assign]
+    seen_in_step: list[bool] = []
+    report = ckpt._report
+
+    def slow_report(force: bool = False) -> None:
+        if threading.current_thread() is threading.main_thread():  # step()'s own call
+            time.sleep(0.2)  # not an assertion: lets a save thread that was let go reach the store
+            seen_in_step.append(touched.is_set())
+        report(force)
+
+    ckpt._report = slow_report  # type: ignore[method-assign]
+    train(state, 1, start=1)
+    saved = snapshot(state)
+    ckpt.step(2, state)
+    del ckpt._report
+    train(state, 1, start=2)  # the training thread changes the tensors right after step()
+    ckpt.wait()
+    ckpt.close()
+    assert seen_in_step == [False], "the save thread touched the store before step() returned"
+    assert touched.is_set(), "the save named its folder after step() returned"
+    fresh = make_state(0, seed=7)
+    with Checkpointer(str(tmp_path / "ckpt")) as again:
+        assert again.restore(fresh) == 2
+    assert_same(snapshot(fresh), saved, "the state at the step whose save started in step()")
+
+
+def test_a_save_started_by_a_step_that_then_raised_still_commits(tmp_path: Path) -> None:
+    """``step()`` raised after starting its save (here its status report): the save thread is let
+    go all the same, and commits without any further call to wait for it."""
+    state = make_state(0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=None)
+
+    def broken_report(force: bool = False) -> None:
+        raise RuntimeError("the report blew up")
+
+    ckpt._report = broken_report  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="blew up"):
+        ckpt.step(1, state)
+    deadline = time.monotonic() + BOUND_S  # only stops a hung test
+    while committed_steps(ckpt) != [1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert committed_steps(ckpt) == [1], "the save of a step() that raised never ran"
+    del ckpt._report
+    ckpt.close()
+
+
 def test_release_staging_from_the_environment_reaches_a_checkpointer_built_directly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
