@@ -461,11 +461,11 @@ class _Saving(_Voting):
         self._status.state = "saving" if self._status.state != "flushing" else "flushing"
         if background:
             # The thread waits for ``save.go`` (set when this call returns, ``_let_save_run``):
-            # started right into its Python work, it held the GIL for a switch interval (5 ms)
-            # while ``start()`` waited to hear it had started, a third of the blocking above the
-            # staging copy at 0.1 GB. The staging copy is complete by now either way.
+            # started right into its Python work (DCP's local planning, on a rank other than 0),
+            # it held the GIL for a switch interval (5 ms) while ``start()`` waited to hear it had
+            # started. The staging copy is complete by now either way.
             save.thread = threading.Thread(
-                target=self._finish_save, args=(save, save.go), name="spotjob-save", daemon=False
+                target=self._finish_save_once_let_go, args=(save,), name="spotjob-save", daemon=False
             )
             save.uri = self.storage.uri
             _wait_at_exit(save)
@@ -566,16 +566,18 @@ class _Saving(_Voting):
         if save is not None:
             save.go.set()
 
-    def _finish_save(self, save: _Save, go: threading.Event | None = None) -> None:
+    def _finish_save_once_let_go(self, save: _Save) -> None:
+        """(the save thread) ``_finish_save`` once the call that started the save returned."""
+        save.go.wait()
+        self._finish_save(save)
+
+    def _finish_save(self, save: _Save) -> None:
         """(every rank, background) write, upload, then (rank 0) commit. Always runs every collective.
-        ``go``: what the save thread waits for before it starts (``_Save.go``).
 
         Whatever happens, ``save.done`` is set: a save thread that died without it would leave
         ``wait()`` (and ``close()``) blocked forever and the failure unreported.
         """
         try:
-            if go is not None:
-                go.wait()
             self._write_upload_commit(save)
         except BaseException as e:
             save.note(e, self.rank)
