@@ -154,7 +154,7 @@ class _Recovery(_FlushRequests):
                 first = next((w for w in exited if w.flushed_for_own_notice), exited[0])
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
                 message += _answered(first) if code == EXIT_PREEMPTED else ""
-                return _Preemption(reason, message, _nodes(exited), None, False)
+                return _Preemption(reason, message, _nodes(_noticed_by_own_agent(exited)), None, False)
 
         # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
         # failed (or whose agent met an infrastructure error) is this controller's own stop of the
@@ -400,7 +400,9 @@ class _Recovery(_FlushRequests):
         if preemption is None and flushed:
             first = next((w for w in flushed if w.flushed_for_own_notice), flushed[0])
             message = AGENT_PREEMPTED.message(worker=first.name, node=first.node) + _answered(first)
-            preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(flushed), None, heard_by_controller=False)
+            preemption = _Preemption(
+                AGENT_PREEMPTED, message, _nodes(_noticed_by_own_agent(flushed)), None, heard_by_controller=False
+            )
         if preemption is not None:
             self._enter_flushing(p, preemption)
             recovery = status.recovery
@@ -626,6 +628,14 @@ def _answered(w: WorkerObservation) -> str:
         return ""
     said = w.flush_answered if len(w.flush_answered) <= 300 else f"{w.flush_answered[:300]} …"
     return f" (its flush answered {said})"
+
+
+def _noticed_by_own_agent(exited: list[WorkerObservation]) -> list[WorkerObservation]:
+    """Of workers whose agents exited 75 together, those whose agent heard the notice itself (its
+    exit line says so): their nodes are the ones going away, to avoid. A peer whose ranks only
+    flushed the same step with them (``PEER_FLUSH``) ran on a node nothing was said of. All of them
+    when no line says (agents older than those words, or a flush every agent heard)."""
+    return [w for w in exited if w.flushed_for_own_notice] or exited
 
 
 def _flush_detail(w: WorkerObservation) -> str:

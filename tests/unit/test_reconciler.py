@@ -391,16 +391,20 @@ def test_agent_preempted_names_the_agent_that_heard_the_notice_not_a_peer_that_f
     answered no notice of its own. It names worker 1 and the notice its flush answered."""
     world.run_to(100)
     heard, peer = world.backend.worker(0, 1).name, world.backend.worker(0, 0).name
+    heard_node, peer_node = world.backend.worker(0, 1).node.name, world.backend.worker(0, 0).node.name
     world.backend.answered[heard] = "gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE"
     world.backend.answered[peer] = PEER_FLUSH
     world.backend.agent_hears_notice(0, 1)
     world.backend.exit(0, 0, EXIT_PREEMPTED)
 
-    world.run_until(phase_is(Phase.RESCHEDULING))
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
 
     [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
     assert told.message.startswith(f"the agent of {heard} on node "), told.message
     assert told.message.endswith("(its flush answered gcp maintenance: TERMINATE_ON_HOST_MAINTENANCE)"), told.message
+    # Only the node of the agent that heard it is going away: the peer's is not avoided.
+    assert heard_node != peer_node
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", heard_node)], status.avoid
 
 
 def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:
