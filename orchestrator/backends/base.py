@@ -51,7 +51,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from agent.control_channel import EXIT_PREEMPTED
-from agent.exit_codes import answered_source
+from agent.exit_codes import PEER_FLUSH, answered_source
 from orchestrator.model import JobKey, JobSpec, WorkerPhase
 from orchestrator.signals import Signal
 
@@ -220,6 +220,13 @@ class WorkerObservation:
             and self.flush_answered is not None
             and answered_source(self.flush_answered) is not None
         )
+
+    @property
+    def flushed_for_peer(self) -> bool:
+        """Its agent exited 75 saying its flush answered no notice of its own (``PEER_FLUSH``): its
+        ranks flushed the step another node's agent asked for. A line that does not say (cut from
+        the termination message, an agent older than those words) proves nothing of the kind."""
+        return self.exit_code == EXIT_PREEMPTED and self.flush_answered == PEER_FLUSH
 
 
 @dataclass(frozen=True)

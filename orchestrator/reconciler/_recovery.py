@@ -631,11 +631,12 @@ def _answered(w: WorkerObservation) -> str:
 
 
 def _noticed_by_own_agent(exited: list[WorkerObservation]) -> list[WorkerObservation]:
-    """Of workers whose agents exited 75 together, those whose agent heard the notice itself (its
-    exit line says so): their nodes are the ones going away, to avoid. A peer whose ranks only
-    flushed the same step with them (``PEER_FLUSH``) ran on a node nothing was said of. All of them
-    when no line says (agents older than those words, or a flush every agent heard)."""
-    return [w for w in exited if w.flushed_for_own_notice] or exited
+    """Of workers whose agents exited 75 together, those whose nodes may be going away, to avoid:
+    all but a peer whose exit line says its ranks only flushed the same step with the others
+    (``PEER_FLUSH``), which ran on a node nothing was said of. A line that does not say (cut from a
+    termination message, an agent older than those words) may be an agent that heard a notice of
+    its own, whatever another agent's line says; all of them when every line says ``PEER_FLUSH``."""
+    return [w for w in exited if not w.flushed_for_peer] or exited
 
 
 def _flush_detail(w: WorkerObservation) -> str:

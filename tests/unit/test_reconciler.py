@@ -407,6 +407,30 @@ def test_agent_preempted_names_the_agent_that_heard_the_notice_not_a_peer_that_f
     assert [(a.kind, a.value) for a in status.avoid] == [("node", heard_node)], status.avoid
 
 
+def test_an_agent_whose_exit_line_does_not_say_what_its_flush_answered_has_its_node_avoided(
+    tmp_path: Any,
+) -> None:
+    """Three agents exited 75 together: worker 1's line says it heard a notice, worker 0's that its
+    ranks only flushed with it (``PEER_FLUSH``), and worker 2's says nothing (a termination message
+    cut before its exit line, an agent older than those words). Worker 2's agent may well have heard
+    a notice of its own: its node was left out of the cool-down, because another agent's line said
+    it heard one. Only a line that says the agent heard none keeps its node from being avoided."""
+    world = make_world(tmp_path, replicas=3)
+    world.run_to(100)
+    peer, heard, unsaid = (world.backend.worker(0, i) for i in range(3))
+    world.backend.answered[heard.name] = "aws preemption: instance-action terminate"
+    world.backend.answered[peer.name] = PEER_FLUSH
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+    world.backend.exit(0, 2, EXIT_PREEMPTED)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert len({peer.node.name, heard.node.name, unsaid.node.name}) == 3
+    avoided = sorted(a.value for a in status.avoid if a.kind == "node")
+    assert avoided == sorted([heard.node.name, unsaid.node.name]), status.avoid
+
+
 def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:
     """Fails without the fix: an agent that held a notice (a GCE maintenance) flushed on its own; a
     pass recorded that checkpoint while the ranks were still stopping, and the next saw the exit 75.
