@@ -4,10 +4,12 @@
 
 Saves steps 0-7 to ``URI`` (back to back, nothing waited for in between) while the state changes:
 a replicated module's buffer grown in place, its weight replaced by one of another shape, a layer
-added, a cast to bfloat16; an FSDP2 model rebuilt wider (resharded); an EMA coming and going; a
-per-rank object changing type. Each rank keeps a copy of what it handed to every save; then every
-step is restored on its own (rank 0 copies its folder to ``URI-alone-<step>``) into a state of the
-same layout and compared bit for bit. Prints ``step S: OK`` or the differences; exits 1 on any.
+added, a cast to bfloat16; an FSDP2 model rebuilt wider (resharded), then in bfloat16 with a layer
+added, then without it; an EMA coming and going; a per-rank object changing type. Each rank keeps
+a copy of what it handed to every save; then every step is restored on its own (rank 0 copies its
+folder to ``URI-alone-<step>``) into a state of the same layout and compared bit for bit, and rank
+0 compares the step's MANIFEST.json tensor index with its ``.metadata``. Prints ``step S: OK`` or
+the differences; exits 1 on any.
 
     ckpt_evolving.py URI --modes async,sync
 
@@ -41,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ckpt_compare import differences
 
 from agent.checkpoint import Checkpointer
+from agent.dcp_safe import load_dcp_metadata, tensor_index
+from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 
 
 class Box:
@@ -56,9 +60,13 @@ class Box:
         self.value = state["value"]
 
 
-def sharded(mesh: Any, width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def sharded(mesh: Any, step: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP2-sharded model in the layout it has at ``step``: wider from step 4 (resharded), in
+    bfloat16 with a third layer at step 6 (a dtype changed, keys added), without it at step 7."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, width), nn.Linear(width, 3))
+    width = 10 if step < 4 else 16
+    layers = [nn.Linear(6, width), nn.Linear(width, 3)] + ([nn.Linear(3, 3)] if step == 6 else [])
+    model = nn.Sequential(*layers).to(torch.bfloat16 if step >= 6 else torch.float32)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -66,7 +74,8 @@ def sharded(mesh: Any, width: int, seed: int) -> tuple[nn.Module, torch.optim.Op
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).to(next(model.parameters()).dtype)
+    model(x).float().pow(2).mean().backward()
     optim.step()
     optim.zero_grad()
 
@@ -123,7 +132,7 @@ def run(uri: str, *, sync: bool, release_staging: bool, prefix: str) -> bool:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     rep = replicated(0)
-    model, optim = sharded(mesh, 10, 0)
+    model, optim = sharded(mesh, 0, 0)
     saved: dict[int, tuple[dict[str, Any], dict[str, Any], bool]] = {}
     kw = {"async_save": not sync, "release_staging": release_staging}
     with Checkpointer(uri, keep=None, **kw) as ckpt:
@@ -134,8 +143,8 @@ def run(uri: str, *, sync: bool, release_staging: bool, prefix: str) -> bool:
             if step == 3:
                 rep.weight = nn.Parameter(torch.randn(6, 4))
                 rep.add_module("extra", nn.Linear(2, 2))
-            if step == 4:
-                model, optim = sharded(mesh, 16, 4)
+            if step in (4, 6, 7):
+                model, optim = sharded(mesh, step, step)
             if step == 5:
                 rep.to(torch.bfloat16)
             train(model, optim, step)
@@ -156,7 +165,7 @@ def run(uri: str, *, sync: bool, release_staging: bool, prefix: str) -> bool:
             for folder in glob.glob(f"{uri}/step-{step:09d}*"):
                 shutil.copytree(folder, os.path.join(alone, os.path.basename(folder)))
         dist.barrier()
-        model, optim = sharded(mesh, 10 if step < 4 else 16, 99)
+        model, optim = sharded(mesh, step, 99)
         train(model, optim, 99)  # Adam's state exists to load into
         state = {"rep": replicated(step), "model": model, "optim": optim, "per_rank": Box(None)}
         if ema:
@@ -166,9 +175,26 @@ def run(uri: str, *, sync: bool, release_staging: bool, prefix: str) -> bool:
         got = {k: v.state_dict() for k, v in state.items() if k not in ("model", "optim")}
         diffs = [f"restored step {restored}"] if restored != step else []
         diffs += differences(got, plain) + differences(whole(model, optim), sharded_state)
+        if rank == 0:
+            diffs += index_differences(uri, step)
         print(f"{prefix}rank {rank} step {step}: {diffs[:5] if diffs else 'OK'}", flush=True)
         failed = failed or bool(diffs)
     return failed
+
+
+def index_differences(uri: str, step: int) -> list[str]:
+    """Where the tensor index of step ``step``'s MANIFEST.json differs from its ``.metadata``: a
+    save whose structure is unchanged reuses the last one's index (``TensorIndexCache``), and one
+    after a change must not."""
+    [folder] = glob.glob(f"{uri}/step-{step:09d}*")
+    with open(os.path.join(folder, MANIFEST_NAME), "rb") as f:
+        listed = Manifest.parse(f.read()).tensors
+    with open(os.path.join(folder, DCP_METADATA_NAME), "rb") as f:
+        written = tensor_index(load_dcp_metadata(f.read()))
+    if listed == written:
+        return []
+    names = sorted(n for n in listed.keys() | written.keys() if listed.get(n) != written.get(n))
+    return [f"MANIFEST.json's tensor index differs from .metadata at {names[:5]}"]
 
 
 if __name__ == "__main__":
