@@ -263,13 +263,24 @@ class _Restoring(_Voting):
         save in progress is never it). It reads no shard, so a checkpoint whose bytes are corrupt
         is named until a ``restore()`` of this Checkpointer proves it so; from then on it is passed
         over, as restore passes over it. For a reader polling beside a training job: restore only
-        when this moved past the step it last restored. Collective, like every call."""
+        when this moved past the step it last restored. A newer spotjob's checkpoint (its manifest,
+        or a record judging it, in a format this one does not read) above every valid one is named
+        too, since ``restore()`` stops there (``RestoreRefusedError``, saying to upgrade) rather
+        than load an older one. Collective, like every call."""
         self._check_open("newest_step()")
 
         def newest() -> int:
-            status = latest_valid(self.storage, on_skip=lambda _: None)  # restore() says what it skips
+            newer: list[int] = []  # the newest newer spotjob's checkpoint the walk passed, if any
+
+            def skipped(s: CheckpointStatus) -> None:  # restore() says what it skips
+                if s.newer_format and not newer:
+                    newer.append(s.ref.step)
+
+            status = latest_valid(self.storage, on_skip=skipped)
             while status is not None and status.manifest is not None and _bad_key(status) in self._proven_bad:
-                status = latest_valid(self.storage, before=status.ref, on_skip=lambda _: None)
+                status = latest_valid(self.storage, before=status.ref, on_skip=skipped)
+            if newer:
+                return newer[0]
             return status.manifest.step if status is not None and status.manifest is not None else 0
 
         step: int = self._on_rank0("listing the checkpoints", newest)

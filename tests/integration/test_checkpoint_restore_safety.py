@@ -283,6 +283,9 @@ def test_a_checkpoint_a_newer_spotjob_wrote_stops_the_restore_and_retention_keep
     state = net_state(8, seed=3)
     untouched = {k: v.clone() for k, v in state["model"].state_dict().items()}
     with Checkpointer(uri, keep=1) as ckpt, pytest.raises(RestoreRefusedError) as refused:
+        # An eval loop's poll names the step restore() stops at, not step 5 behind it (which it
+        # named before: the loop then restored, was refused, or evaluated nothing new).
+        assert ckpt.newest_step() == 6
         ckpt.restore(state)
     message = str(refused.value)
     assert NEWER_SAYS[how] in message
@@ -366,6 +369,7 @@ def test_a_checkpoint_judged_by_an_attempt_record_a_newer_spotjob_wrote_stops_th
         Checkpointer(uri, keep=1, job="train", attempt=2, async_save=False) as ckpt,
         pytest.raises(RestoreRefusedError) as refused,
     ):
+        assert ckpt.newest_step() == 6  # the step restore() stops at
         ckpt.restore(state)
     message = str(refused.value)
     assert "newer spotjob" in message and "Upgrade spotjob" in message, message
