@@ -62,6 +62,7 @@ from orchestrator.model import (
     AvoidKind,
     CapacityType,
     Cause,
+    HeldNotice,
     Phase,
     RecoveryStatus,
     RestartRecord,
@@ -154,7 +155,8 @@ class _Recovery(_FlushRequests):
                 first = next((w for w in exited if w.flushed_for_own_notice), exited[0])
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
                 message += _answered(first) if code == EXIT_PREEMPTED else ""
-                return _Preemption(reason, message, _nodes(_noticed_by_own_agent(exited)), None, False)
+                going = _noticed_by_own_agent(exited, p.status.held_notices)
+                return _Preemption(reason, message, _nodes(going), None, False)
 
         # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
         # failed (or whose agent met an infrastructure error) is this controller's own stop of the
@@ -400,9 +402,8 @@ class _Recovery(_FlushRequests):
         if preemption is None and flushed:
             first = next((w for w in flushed if w.flushed_for_own_notice), flushed[0])
             message = AGENT_PREEMPTED.message(worker=first.name, node=first.node) + _answered(first)
-            preemption = _Preemption(
-                AGENT_PREEMPTED, message, _nodes(_noticed_by_own_agent(flushed)), None, heard_by_controller=False
-            )
+            going = _noticed_by_own_agent(flushed, p.status.held_notices)
+            preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(going), None, heard_by_controller=False)
         if preemption is not None:
             self._enter_flushing(p, preemption)
             recovery = status.recovery
@@ -630,13 +631,18 @@ def _answered(w: WorkerObservation) -> str:
     return f" (its flush answered {said})"
 
 
-def _noticed_by_own_agent(exited: list[WorkerObservation]) -> list[WorkerObservation]:
+def _noticed_by_own_agent(
+    exited: list[WorkerObservation], held: list[HeldNotice] | None = None
+) -> list[WorkerObservation]:
     """Of workers whose agents exited 75 together, those whose nodes may be going away, to avoid:
     all but a peer whose exit line says its ranks only flushed the same step with the others
-    (``PEER_FLUSH``), which ran on a node nothing was said of. A line that does not say (cut from a
-    termination message, an agent older than those words) may be an agent that heard a notice of
-    its own, whatever another agent's line says; all of them when every line says ``PEER_FLUSH``."""
-    return [w for w in exited if not w.flushed_for_peer] or exited
+    (``PEER_FLUSH``), which ran on a node nothing was said of, unless its agent held a notice of
+    its own (``held``: ``status.heldNotices``, a maintenance further off than the flush lead, whose
+    node goes all the same). A line that does not say (cut from a termination message, an agent
+    older than those words) may be an agent that heard a notice of its own, whatever another
+    agent's line says; all of them when every line says ``PEER_FLUSH``."""
+    holding = {h.worker for h in held or ()}
+    return [w for w in exited if not w.flushed_for_peer or w.name in holding] or exited
 
 
 def _flush_detail(w: WorkerObservation) -> str:

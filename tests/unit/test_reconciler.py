@@ -37,7 +37,7 @@ from agent.exit_codes import PEER_FLUSH
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
 from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
-from orchestrator.backends.base import BackendError, FlushRequestState
+from orchestrator.backends.base import BackendError, FlushRequestState, HeldNoticeReport
 from orchestrator.cli import main as cli_main
 from orchestrator.events import EventType
 from orchestrator.model import (
@@ -429,6 +429,33 @@ def test_an_agent_whose_exit_line_does_not_say_what_its_flush_answered_has_its_n
     assert len({peer.node.name, heard.node.name, unsaid.node.name}) == 3
     avoided = sorted(a.value for a in status.avoid if a.kind == "node")
     assert avoided == sorted([heard.node.name, unsaid.node.name]), status.avoid
+
+
+def test_a_peer_that_held_a_notice_of_its_own_when_it_flushed_with_another_has_its_node_avoided(
+    tmp_path: Any,
+) -> None:
+    """Worker 0's agent held a GCE maintenance an hour off (``status.heldNotices``) when worker 1's
+    agent heard a preemption: worker 0's ranks flushed with worker 1's, and its line says so
+    (``PEER_FLUSH``). Its node goes at the maintenance all the same: it is avoided too. The fake
+    backend reports what each agent's ``GET /status`` says; it does not model the agents."""
+    world = make_world(tmp_path)
+    world.run_to(100)
+    peer, heard = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    now = world.clock.now()
+    later = now + timedelta(minutes=55)
+    world.backend.held = {
+        peer.name: HeldNoticeReport("gcp", "maintenance", "MIGRATE_ON_HOST_MAINTENANCE", later, later, now)
+    }
+    assert [h.worker for h in world.run_to(world.clock.at() + 30).held_notices or []] == [peer.name]
+    world.backend.answered[heard.name] = "aws preemption: instance-action terminate"
+    world.backend.answered[peer.name] = PEER_FLUSH
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    avoided = sorted(a.value for a in status.avoid if a.kind == "node")
+    assert avoided == sorted([heard.node.name, peer.node.name]), status.avoid
 
 
 def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:
