@@ -71,6 +71,12 @@ HOLD_STEP = SCRIPTS / "hold_step.py"
 FORBIDDEN = ("Traceback", "Input should be", "Value error")
 
 
+def exited_130(code: int | None, said: str) -> None:
+    """The driver exited 130 (interrupted), and its log holds none of ``FORBIDDEN``."""
+    assert code == 130, said[-6000:]
+    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+
+
 def events(run: Path) -> list[Any]:
     return read_events(events_path(str(run), JobKey.local(run.name)))
 
@@ -137,8 +143,7 @@ def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries
     finally:
         kill_left(run, driver)
     said = log.read_text()
-    assert code == 130, said[-6000:]
-    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    exited_130(code, said)
     assert "SIGINT: flushing a checkpoint of once before stopping it" in said
     assert "Ctrl-C (or SIGTERM) again stops it at once, without the flush" in said
     assert not run_pids(str(run)), "every process of the run is stopped"
@@ -275,8 +280,7 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
     finally:
         kill_left(run, driver)
     said = log.read_text()
-    assert code == 130, said[-6000:]
-    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    exited_130(code, said)
     assert "received SIGINT again: stopping every process of twice at once, without the flush" in said
     assert not run_pids(str(run)), "every process of the run is stopped"
     # Held in its step all along, the flush never ran: the driver stopped the agent and its ranks
@@ -337,8 +341,7 @@ def test_a_script_that_fails_during_the_interrupts_flush_is_that_failure_and_res
     run, code, said = _fails_during_the_flush(tmp_path, "crash")
     # Still an interrupt (130, carry on with --resume), but the attempt ended as the crash it was: a
     # restart of --max-restarts, as without the interrupt. It used to be a restart asked for.
-    assert code == 130, said[-6000:]
-    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    exited_130(code, said)
     status = job_document(run)["status"]
     assert (status["phase"], status["reason"]) == ("Rescheduling", "InterruptFlushNotCommitted")
     assert (status["preemptions"], status["restarts"], status["attempt"]["number"]) == (0, 1, 1)
@@ -467,8 +470,7 @@ def test_an_agents_flush_for_a_maintenance_only_it_heard_met_by_the_interrupt_is
     finally:
         kill_left(run, driver)
     said = log.read_text()
-    assert code == 130, said[-6000:]
-    assert not any(p in said for p in FORBIDDEN), said[-6000:]
+    exited_130(code, said)
     assert not run_pids(str(run)), "every process of the run is stopped"
     [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
     step = checkpoint.ref.step
@@ -521,8 +523,7 @@ def test_an_interrupt_during_resumes_wait_for_a_killed_drivers_processes_leaves_
         waiter.send_signal(signum)
         code = until_exit(waiter)
         said = waiting.read_text()
-        assert code == 130, said[-6000:]
-        assert not any(p in said for p in FORBIDDEN), said[-6000:]
+        exited_130(code, said)
         assert "process(es) the previous driver of waited left: their agents go on with the flush" in said
         assert "Nothing of the run was changed: carry on with `spotjob run --resume waited`" in said
         assert job_document(run) == before, "an interrupted --resume changed the run"

@@ -283,6 +283,23 @@ def test_an_archived_owner_record_stops_the_job_saying_it_is_archived(
     assert steps_in(s3_uri) == [1]
 
 
+def attempt_0_saved_steps_1_and_2(uri: str, staging: str) -> dict[str, Any]:
+    """Attempt 0 of job J saves steps 1 and 2, then attempt 1 is recorded resuming from step 2 (its
+    record judges attempt 0's checkpoints); the state as trained to step 2."""
+    state = make_state(0)
+    storage = open_storage(uri)
+    try:
+        record_attempt(storage, "J", 0, None)
+        with Checkpointer(uri, job="J", attempt=0, keep=None, async_save=False, staging_dir=staging) as ckpt:
+            for step in (1, 2):
+                train(state, 1, start=step - 1)
+                ckpt.save(step, state)
+        record_attempt(storage, "J", 1, CheckpointRef(2))
+    finally:
+        storage.close()
+    return state
+
+
 def test_ckpt_list_and_retention_see_past_an_archived_attempt_record(
     s3_uri: str, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -291,17 +308,7 @@ def test_ckpt_list_and_retention_see_past_an_archived_attempt_record(
     failed whole and retention gave up every pass; now attempt 0's checkpoints cannot be judged (said
     so, never restored) and the newest, attempt 1's own, still restores."""
     staging = str(tmp_path / "staging")
-    state = make_state(0)
-    storage = open_storage(s3_uri)
-    try:
-        record_attempt(storage, "J", 0, None)
-        with Checkpointer(s3_uri, job="J", attempt=0, keep=None, async_save=False, staging_dir=staging) as ckpt:
-            for step in (1, 2):
-                train(state, 1, start=step - 1)
-                ckpt.save(step, state)
-        record_attempt(storage, "J", 1, CheckpointRef(2))
-    finally:
-        storage.close()
+    state = attempt_0_saved_steps_1_and_2(s3_uri, staging)
     with Checkpointer(s3_uri, job="J", attempt=1, keep=None, async_save=False, staging_dir=staging) as ckpt:
         train(state, 1, start=ckpt.restore(state))
         ckpt.save(3, state)
@@ -328,18 +335,7 @@ def test_verify_of_a_checkpoint_it_cannot_judge_for_an_archived_object_exits_2_s
     is proven about step 2, yet ``verify --json`` printed nothing (the ``ArchivedError`` of the sweep
     ``list`` sees past) where ``list`` showed a row, and that row said INVALID. Now all three say the
     same: undecided, exit 2 for ``verify``, naming the restore; an archived manifest likewise."""
-    staging = str(tmp_path / "staging")
-    state = make_state(0)
-    storage = open_storage(s3_uri)
-    try:
-        record_attempt(storage, "J", 0, None)
-        with Checkpointer(s3_uri, job="J", attempt=0, keep=None, async_save=False, staging_dir=staging) as ckpt:
-            for step in (1, 2):
-                train(state, 1, start=step - 1)
-                ckpt.save(step, state)
-        record_attempt(storage, "J", 1, CheckpointRef(2))
-    finally:
-        storage.close()
+    attempt_0_saved_steps_1_and_2(s3_uri, str(tmp_path / "staging"))
     assert main(["ckpt", "verify", s3_uri]) == 0
     capsys.readouterr()
     _, bucket, prefix = parse_uri(s3_uri)
