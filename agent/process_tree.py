@@ -155,12 +155,19 @@ def all_processes() -> list[ProcInfo]:
     return out
 
 
+def environ_of(pid: int) -> dict[str, str] | None:
+    """The environment of process ``pid``; None if it is gone or not ours to read. Empty for a
+    process between fork and exec: the kernel sets the new program's environment after the exec
+    has already closed its close-on-exec files (so after ``Popen`` returned in its parent)."""
+    try:
+        return dict(psutil.Process(pid).environ())
+    except (*_GONE, OSError):
+        return None
+
+
 def has_marker(pid: int, variable: str, value: str) -> bool:
     """Whether ``variable=value`` is in the environment of process ``pid`` (False if gone or not ours)."""
-    try:
-        return psutil.Process(pid).environ().get(variable) == value
-    except (*_GONE, OSError):
-        return False
+    return (environ_of(pid) or {}).get(variable) == value
 
 
 def marked(variable: str, value: str, *, among: Iterable[ProcInfo] | None = None) -> list[ProcInfo]:
@@ -277,9 +284,13 @@ class ProcessTree:
         identity = (child.pid, child.start_ticks)
         if identity in self._foreign or child.state == "Z":
             return False
-        if has_marker(child.pid, ENV_AGENT_ID, self.agent_id):
+        environ = environ_of(child.pid)
+        if environ is not None and environ.get(ENV_AGENT_ID) == self.agent_id:
             return True
-        self._foreign.add(identity)
+        if environ != {}:
+            # Not ours, for good. An empty environment is a process caught between fork and exec,
+            # whose marker is not there yet: looked at again at the next walk, not taken as foreign.
+            self._foreign.add(identity)
         return False
 
     def reap(self, among: Iterable[ProcInfo] | None = None) -> None:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from agent import launcher, process_tree
@@ -1085,7 +1086,8 @@ class TestProcessTree:
             assert not tree.known_alive()  # nothing seen yet
             # Popen returns once the rank's exec has begun, but the kernel sets the new program's
             # environment (where the marker is read from) a moment later: a walk in between does
-            # not see the marker yet (once in CI). The agent walks again; so does this test.
+            # not see the marker yet (once in CI). The agent walks again; so does this test (and
+            # such a walk no longer takes the rank for a foreign process for good: below).
             deadline = time.monotonic() + 10
             while (seen := {p.pid for p in tree.refresh()}) != {command.pid, rank.pid} and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -1101,6 +1103,33 @@ class TestProcessTree:
             for p in (command, rank):
                 p.kill()
                 p.wait()
+
+    def test_a_child_caught_between_fork_and_exec_is_looked_at_again_not_taken_as_foreign(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A walk that reads a marked child's environment while the kernel has not set it yet (it
+        reads empty between the exec's closing of close-on-exec files, when ``Popen`` returns, and
+        the new program's stack) took the child for a foreign process and never read it again:
+        the CI run of 2026-12-06 saw a rank stay unseen for 10 s of walks. The empty read is
+        made here by hand; the child's real environment holds the marker."""
+        agent_id = uuid.uuid4().hex
+        rank = subprocess.Popen(["sleep", "61"], env={**os.environ, ENV_AGENT_ID: agent_id})
+        real = psutil.Process.environ
+        reads: list[int] = []
+
+        def mid_exec_once(proc: psutil.Process) -> dict[str, str]:
+            reads.append(proc.pid)
+            return {} if proc.pid == rank.pid and reads.count(proc.pid) == 1 else real(proc)
+
+        monkeypatch.setattr(psutil.Process, "environ", mid_exec_once)
+        tree = ProcessTree(agent_id)  # rooted at this process; the rank is found by its marker
+        try:
+            assert rank.pid not in {p.pid for p in tree.refresh()}  # its environment read empty
+            assert rank.pid in {p.pid for p in tree.refresh()}  # read again: the marker is there
+            assert reads.count(rank.pid) == 2
+        finally:
+            rank.kill()
+            rank.wait()
 
 
 class RecordingSource(NoticeSource):
