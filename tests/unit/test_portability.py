@@ -315,8 +315,13 @@ def test_local_mode_finds_and_stops_a_nodes_processes_without_proc(no_procfs: No
     /proc underneath, so macOS's psutil backend (sysctl, libproc) is not modelled."""
     child, grandchild = start_marked_pair("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}")
     try:
-        found = {p.pid for p in marked("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}")}
-        assert found == {child.pid, grandchild}
+        # The grandchild's pid is printed once it is spawned, a moment before the kernel sets its
+        # new program's environment (read empty until then: once in CI); look again until then.
+        wanted = {child.pid, grandchild}
+        wait_until(
+            lambda: {p.pid for p in marked("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}")} == wanted,
+            "marked() to find the child and the grandchild",
+        )
         assert kill_marked("SPOTJOB_TEST_PORTABILITY", f"node-{os.getpid()}", grace=5.0, reason="test") == 2
         child.wait()
         wait_until(lambda: gone(grandchild), "the grandchild outlived kill_marked")
