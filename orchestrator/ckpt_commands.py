@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 from agent.catalog import inspect_all
 from agent.ownership import Adoption, OwnershipError, adopt, describe_job, job_name_problem, read_owner
-from orchestrator.ckpt_common import EXIT_ERROR, EXIT_INVALID, EXIT_OK, CommandError, _need_torch_extra
+from orchestrator.ckpt_common import (
+    EXIT_ERROR,
+    EXIT_INVALID,
+    EXIT_OK,
+    CommandError,
+    _need_torch_extra,
+    newer_spotjob_words,
+)
 from orchestrator.ckpt_deep import _verify_deep
 from orchestrator.ckpt_output import (
     LIST_HEADERS,
@@ -88,14 +95,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _print_json(doc)
         return EXIT_OK if valid else EXIT_ERROR if undecided else EXIT_INVALID
     if undecided and status.newer_format:
-        # Its manifest (none parsed), or a record that judges it (the manifest parsed), is a newer
-        # spotjob's: a restore stops there as well, so the remedy is to upgrade, or an older step.
-        written = "was written by a newer spotjob, so this one cannot check it"
-        if status.manifest is not None:
-            written = (
-                "cannot be checked here, which proves nothing bad about it: "
-                + "a record that judges it is a newer spotjob's"
-            )
+        # A restore stops there as well, so the remedy is to upgrade, or an older step.
+        written = newer_spotjob_words(status, "cannot be checked")
+        if status.manifest is None:
+            written += ", so this one cannot check it"
         raise CommandError(
             f"{status.ref.folder} {written} "
             f"({' '.join(status.reason.split())}); name an older checkpoint with --step to verify that one"

@@ -5,6 +5,11 @@ anything."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.catalog import CheckpointStatus
+
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_ERROR = 2
@@ -16,6 +21,16 @@ class CommandError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def newer_spotjob_words(status: CheckpointStatus, cannot: str) -> str:
+    """What is a newer spotjob's about a ``newer_format`` checkpoint, as ``verify`` and ``export``
+    say it: its manifest (none parsed), or a record that judges it (the owner's, the next
+    attempt's: the manifest read, this spotjob wrote it). ``cannot``: what this command cannot do
+    to it ("cannot be checked")."""
+    if status.manifest is None:
+        return "was written by a newer spotjob"
+    return f"{cannot} here, which proves nothing bad about it: a record that judges it is a newer spotjob's"
 
 
 def _need_torch_extra(command: str, modules: tuple[str, ...]) -> None:

@@ -18,7 +18,7 @@ from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpo
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.storage import StorageError, open_storage
 from agent.storage.base import Storage
-from orchestrator.ckpt_common import EXIT_INVALID, CommandError
+from orchestrator.ckpt_common import EXIT_INVALID, CommandError, newer_spotjob_words
 from orchestrator.ckpt_output import shown
 
 
@@ -194,16 +194,9 @@ def newest_valid(
                 other = ", or name an older one with --step"
             else:  # a restore stops there too; an older attempt of the step asked for can be named
                 other = f", or name an older attempt with --step {walk[0].folder}" if walk else ""
-            # Its manifest is a newer spotjob's (none parsed), or, the manifest read, a record that
-            # judges it (the owner's, the next attempt's): then this spotjob wrote it, a newer one judges it.
-            written = (
-                "was written by a newer spotjob"
-                if status.manifest is None
-                else "cannot be judged here, which proves nothing bad about it: a record that judges it is a newer "
-                "spotjob's"
-            )
             raise CommandError(
-                f"{status.ref.folder}, the newest checkpoint a restore would consider, {written} "
+                f"{status.ref.folder}, the newest checkpoint a restore would consider, "
+                f"{newer_spotjob_words(status, 'cannot be judged')} "
                 f"({' '.join(status.reason.split())}); upgrade spotjob to export it{other}"
             )
         skipped.append(status)
