@@ -55,7 +55,15 @@ STOP_POLL_FIRST = 0.01
 STOP_POLL_MAX = 0.05
 """``stop_processes`` looks for what is left after STOP_POLL_FIRST s, doubling up to this."""
 
+ENVIRON_REREAD_PAUSES = (0.002, 0.004, 0.008, 0.016)
+"""``marked`` reads an environment that read empty again after each of these pauses (30 ms in all),
+while it still reads empty: a process caught inside its exec (see ``environ_of``)."""
+
 _PR_SET_CHILD_SUBREAPER = 36
+_PF_KTHREAD = 0x00200000
+"""Linux's flag of a kernel thread, in field 9 of ``/proc/<pid>/stat``."""
+_KTHREADD_PID = 2
+"""Linux's kthreadd, the parent of every other kernel thread."""
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
@@ -71,6 +79,9 @@ class ProcInfo:
     comm: str
     session: int = 0
     """Its session id, which a zombie keeps: who it belonged to once its environment is gone."""
+    kernel: bool = False
+    """A kernel thread (or, without ``/proc``, one of the kernel's own processes): its environment
+    reads empty for good, and never holds a marker."""
 
 
 _procfs: bool | None = None
@@ -123,7 +134,8 @@ def read_proc(pid: int) -> ProcInfo | None:
     comm = head.partition("(")[2]
     fields = rest.split()
     try:
-        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm, int(fields[3]))
+        kernel = bool(int(fields[6]) & _PF_KTHREAD)
+        return ProcInfo(pid, int(fields[1]), fields[0], int(fields[19]), comm, int(fields[3]), kernel)
     except (IndexError, ValueError):
         return None
 
@@ -132,7 +144,13 @@ def _read_psutil(pid: int) -> ProcInfo | None:
     """``read_proc`` where there is no ``/proc``: psutil's fields, the creation time (in
     microseconds) standing for the start ticks as the process's identity. Only ``Z`` of the state
     matters here; a zombie psutil refuses to read (``ZombieProcess``) counts as gone, since a
-    zombie is never signalled, and without ``/proc`` there is no subreaper to reap it either."""
+    zombie is never signalled, and without ``/proc`` there is no subreaper to reap it either.
+
+    psutil has no process flags: on Linux (where this path runs only with ``/proc`` made unreadable
+    to this module) a kernel thread is kthreadd (pid 2, a child of pid 0) or a child of it;
+    elsewhere (macOS, the BSDs) pid 0 is the kernel and a child of pid 0 the kernel's own or init.
+    None of them ever holds a marker; a process wrongly taken for one is only not read again when
+    its environment reads empty (``marked``)."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
@@ -143,7 +161,22 @@ def _read_psutil(pid: int) -> ProcInfo | None:
     except _GONE:
         return None
     state = "Z" if status == psutil.STATUS_ZOMBIE else (status[:1].upper() or "?")
-    return ProcInfo(pid, ppid, state, round(created * 1_000_000), name)
+    if sys.platform.startswith("linux"):
+        # kthreadd and its children. In a container's own pid namespace no kernel thread is seen,
+        # and pid 2 is some other process: hence the name.
+        kernel = (pid == _KTHREADD_PID and ppid == 0 and name == "kthreadd") or (
+            ppid == _KTHREADD_PID and _name_of(_KTHREADD_PID) == "kthreadd"
+        )
+    else:
+        kernel = pid == 0 or ppid == 0
+    return ProcInfo(pid, ppid, state, round(created * 1_000_000), name, kernel=kernel)
+
+
+def _name_of(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except _GONE:
+        return ""
 
 
 def all_processes() -> list[ProcInfo]:
@@ -157,25 +190,53 @@ def all_processes() -> list[ProcInfo]:
 
 def environ_of(pid: int) -> dict[str, str] | None:
     """The environment of process ``pid``; None if it is gone or not ours to read. Empty for a
-    process between fork and exec: the kernel sets the new program's environment after the exec
-    has already closed its close-on-exec files (so after ``Popen`` returned in its parent)."""
+    process caught inside its exec: the kernel sets the new program's environment after the exec
+    has already closed its close-on-exec files (so after ``Popen`` returned in its parent). Empty
+    for good for a kernel thread and for a process started with none (``env -i``)."""
     try:
         return dict(psutil.Process(pid).environ())
     except (*_GONE, OSError):
         return None
 
 
-def has_marker(pid: int, variable: str, value: str) -> bool:
-    """Whether ``variable=value`` is in the environment of process ``pid`` (False if gone or not ours)."""
-    return (environ_of(pid) or {}).get(variable) == value
-
-
 def marked(variable: str, value: str, *, among: Iterable[ProcInfo] | None = None) -> list[ProcInfo]:
     """Live (non-zombie) processes, other than this one, whose environment holds ``variable=value``:
-    wherever they were re-parented, whichever session they made for themselves."""
+    wherever they were re-parented, whichever session they made for themselves.
+
+    Each environment is read once, but one that reads empty (``environ_of``) may be a marked
+    process caught inside its exec, not unmarked: a scan that missed it and found nothing else
+    would end ``stop_processes`` with it still running. Those are read again after each of
+    ``ENVIRON_REREAD_PAUSES`` (30 ms in all) while any still reads empty, so only a scan that saw
+    such a process pauses; one that reads empty throughout (started with an empty environment,
+    ``env -i``) is taken as unmarked. Kernel threads (``ProcInfo.kernel``), which always read
+    empty, are not read again.
+    """
     me = os.getpid()
     procs = all_processes() if among is None else among
-    return [p for p in procs if p.state != "Z" and p.pid != me and has_marker(p.pid, variable, value)]
+    live = [p for p in procs if p.state != "Z" and p.pid != me]
+    found: set[int] = set()
+    empty: list[ProcInfo] = []
+    for p in live:
+        environ = environ_of(p.pid)
+        if environ is None:
+            continue
+        if environ.get(variable) == value:
+            found.add(p.pid)
+        elif not environ and not p.kernel:
+            empty.append(p)
+    for pause in ENVIRON_REREAD_PAUSES:
+        if not empty:
+            break
+        time.sleep(pause)
+        still = []
+        for p in empty:
+            environ = environ_of(p.pid)
+            if environ == {}:
+                still.append(p)
+            elif environ is not None and environ.get(variable) == value:
+                found.add(p.pid)
+        empty = still
+    return [p for p in live if p.pid in found]
 
 
 def signal_process(info: ProcInfo, sig: int) -> bool:
