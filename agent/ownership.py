@@ -627,7 +627,7 @@ class Lineage:
     def load(cls, storage: Storage) -> Lineage:
         """Read the owner (``StorageError`` when storage fails; an unreadable record is kept as
         ``owner_error`` and makes every checkpoint untrusted, or undecided when a newer spotjob
-        wrote it)."""
+        wrote it and the job's attempt records prove nothing against the checkpoint)."""
         retired = frozenset(_fresh_start.retired_folders(storage))
         try:
             return cls(storage, read_owner(storage), retired=retired)
@@ -638,9 +638,18 @@ class Lineage:
         """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
         used, or None. ``StorageError`` when storage fails."""
         if self.owner_error is not None:
-            if self.owner_newer:
-                return Judgement("undecided", self.owner_error, newer=True)
-            return Judgement("untrusted", self.owner_error)
+            if not self.owner_newer:
+                return Judgement("untrusted", self.owner_error)
+            # A newer spotjob's owner record cannot tell whose the checkpoint is, but whether it is
+            # fenced it never told: the job's own attempt records do (the manifest names the job and
+            # the attempt; the records are keyed and checked by that job, not by the owner). What
+            # they prove (fenced, or the record that tells broken) is proven whoever owns the URI,
+            # and wins over the owner record that proves nothing, as a missing file does. A retired
+            # folder is judged retired before fencing is asked, so that stays as it was.
+            proven = None if ref.folder in self.retired else self._by_attempts(ref, job, attempt)
+            if proven is not None and proven.kind in ("fenced", "untrusted"):
+                return proven
+            return Judgement("undecided", self.owner_error, newer=True)
         if ref.folder in self.retired:
             return Judgement(
                 "retired",
@@ -666,6 +675,11 @@ class Lineage:
             return Judgement(
                 "foreign", f"foreign: {why}; never restored, counted or deleted by {owner.describe()}{hint}"
             )
+        return self._by_attempts(ref, job, attempt)
+
+    def _by_attempts(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
+        """What ``job``'s attempt records say of the checkpoint in ``ref`` written by ``attempt``:
+        fenced, or why the record that tells cannot be used, or None (not fenced)."""
         if attempt is None:
             return None
         later = [n for n in self._recorded(job) if n > attempt]

@@ -16,9 +16,12 @@ import torch
 from torch import nn
 
 from agent import Checkpointer
+from agent.catalog import CheckpointRef
 from agent.checkpoint.errors import CheckpointOwnershipError, RestoreRefusedError
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
+from agent.ownership import record_attempt
+from agent.storage import open_storage
 from agent.version import spotjob_version
 from orchestrator.cli import main
 
@@ -117,6 +120,37 @@ def test_an_owner_record_a_newer_spotjob_wrote_is_neither_restored_past_nor_over
         ckpt.restore(state)
     assert "makes JOB the owner" not in str(refused.value) and "read_only" not in str(refused.value)
     assert owner.read_bytes() == written
+
+
+def test_a_readers_restore_beside_a_newer_owner_record_passes_over_what_the_attempt_records_prove_fenced(
+    tmp_path: Path,
+) -> None:
+    """A reader naming its job (``read_only=True, job=...``) does not read the owner record up front:
+    its restore walk judges each checkpoint. Attempt 0 saved steps 1 and 2, and attempt 1 was recorded
+    resuming from step 1: step 2 is fenced whoever owns the URI, so beside a newer spotjob's owner
+    record the walk passes over it, as over any fenced checkpoint, and stops at step 1 saying to
+    upgrade; ``newest_step()`` names the step the restore stops at. It stopped at step 2."""
+    root = tmp_path / "ckpt"
+    model, state = _state()
+    with Checkpointer(str(root), job="ml/train", attempt=0, keep=None, async_save=False) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(2, 8)).sum().backward()
+            state["optim"].step()  # type: ignore[attr-defined]
+            ckpt.save(step, state)
+    storage = open_storage(str(root))
+    try:
+        record_attempt(storage, "ml/train", 1, CheckpointRef(1))
+    finally:
+        storage.close()
+    owner = root / ".spotjob" / "owner.json"
+    owner.write_text(json.dumps({**json.loads(owner.read_text()), "format": 2}))
+
+    _, state = _state()
+    with Checkpointer(str(root), job="ml/train", read_only=True, async_save=False) as reader:
+        assert reader.newest_step() == 1
+        with pytest.raises(RestoreRefusedError, match="Upgrade spotjob") as refused:
+            reader.restore(state)
+    assert [folder.rsplit("/", 1)[-1] for folder, _ in refused.value.tried] == ["step-000000001"]
 
 
 @pytest.mark.parametrize("where", ["top", "rng"])

@@ -1304,6 +1304,59 @@ def test_an_owner_record_a_newer_spotjob_wrote_makes_verify_exit_2_saying_to_upg
     assert "UNDECIDED" not in out and out.count("INVALID — ") == 3
 
 
+def _newer_owner_record(saved: Saved) -> None:
+    """The URI's owner record as a newer spotjob would write it (today's, in format 2)."""
+    doc = json.loads(saved.storage.get_bytes(OWNER_KEY))
+    saved.storage.put_bytes(OWNER_KEY, json.dumps({**doc, "format": 2}).encode())
+
+
+@pytest.mark.parametrize(
+    ("record", "rc", "says"),
+    [
+        ({"fence": {"step": 2, "folder": "step-000000002"}}, 1, "fenced: written by attempt 0"),
+        (b"[" * 100_000, 1, "nested"),
+        ({}, 2, "newer spotjob"),
+    ],
+    ids=["fences-it", "garbage", "does-not-fence-it"],
+)
+def test_what_the_attempt_records_prove_wins_over_an_owner_record_a_newer_spotjob_wrote(
+    saved: Saved, capsys: pytest.CaptureFixture[str], record: dict[str, object] | bytes, rc: int, says: str
+) -> None:
+    """Step 3 written by attempt 0, and attempt 1's record: fencing is told by the job's attempt
+    records and the manifest alone, never by the owner record. With the owner record a newer
+    spotjob's, ``verify`` said step 3 "cannot be checked here" (exit 2, upgrade) even where attempt
+    1 resumed from step 2, which proves step 3 fenced (or where the record that tells is broken):
+    exit 1, FENCED, as with a readable owner record. What the records do not prove stays undecided,
+    and so do the steps no attempt record judges."""
+    _judged_by_attempt_1(saved)
+    key = attempt_key(None, 1)
+    if isinstance(record, bytes):
+        saved.storage.put_bytes(key, record)
+    else:
+        saved.storage.put_bytes(key, json.dumps({**json.loads(saved.storage.get_bytes(key)), **record}).encode())
+    _newer_owner_record(saved)
+
+    got, out, err = ckpt(capsys, "verify", saved.uri)
+    assert got == rc and says in out + err, (out, err)
+    assert ("INVALID" in out) is (rc == 1), out
+    got, out, _ = ckpt(capsys, "verify", saved.uri, "--json")
+    verified = json.loads(out)
+    assert got == rc
+    assert (verified["undecided"], verified["newer_format"], verified["fenced"]) == (
+        rc == 2,
+        rc == 2,
+        "fenced" in says,
+    )
+    _, out, _ = ckpt(capsys, "list", saved.uri)
+    rows = out.splitlines()[1:]
+    assert ("UNDECIDED — " in rows[0]) is (rc == 2) and ("FENCED — " in rows[0]) is ("fenced" in says), rows[0]
+    assert all("UNDECIDED — " in row and "newer spotjob" in row for row in rows[1:]), rows
+    assert ckpt(capsys, "verify", saved.uri, "--step", "2")[0] == 2
+    status = inspect(saved.storage, CheckpointRef(3))  # what restore and retention ask
+    assert (status.newer_format, status.fenced) == (rc == 2, "fenced" in says)
+    assert latest_valid(saved.storage) is None
+
+
 def _judged_by_attempt_1(saved: Saved) -> None:
     """Step 3 written by attempt 0 of the (unnamed) job, and attempt 1 recorded resuming from step 3:
     step 3 is valid, judged by attempt 1's record."""
