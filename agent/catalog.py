@@ -115,6 +115,9 @@ class CheckpointStatus:
     that judges it is (the owner's or the next attempt's, ``Judgement.newer``, and nothing else is
     wrong with it): not proven bad, so
     never restored past (restore refuses), never counted or deleted by retention."""
+    uri_wide: bool = False
+    """What left it undecided is the URI's owner record (``Judgement.uri_wide``), which judges every
+    checkpoint there alike: no other checkpoint there can be decided either until it is dealt with."""
     unproven: list[str] = field(default_factory=list)
     """Those of ``problems`` that prove nothing about the checkpoint, only that it could not be
     judged here: a manifest or a record a newer spotjob wrote, one archived (``report_archived``),
@@ -258,6 +261,7 @@ def _apply(status: CheckpointStatus, judgement: Judgement) -> None:
     status.problems.append(judgement.reason)
     if judgement.kind == "undecided":
         status.unproven.append(judgement.reason)
+        status.uri_wide = judgement.uri_wide
 
 
 def inspect_all(

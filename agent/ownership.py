@@ -603,6 +603,9 @@ class Judgement:
     """(``undecided``) A newer spotjob wrote the record: the checkpoint is then treated as one whose
     manifest a newer spotjob wrote (``CheckpointStatus.newer_format``): a restore stops at it rather
     than go back past it, and retention keeps it."""
+    uri_wide: bool = False
+    """(``undecided``) The record is the URI's owner record, which judges every checkpoint there
+    alike: naming another checkpoint there cannot get past it, only dealing with the record can."""
 
 
 @dataclass
@@ -649,7 +652,7 @@ class Lineage:
             proven = None if ref.folder in self.retired else self._by_attempts(ref, job, attempt)
             if proven is not None and proven.kind in ("fenced", "untrusted"):
                 return proven
-            return Judgement("undecided", self.owner_error, newer=True)
+            return Judgement("undecided", self.owner_error, newer=True, uri_wide=True)
         if ref.folder in self.retired:
             return Judgement(
                 "retired",

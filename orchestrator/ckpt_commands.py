@@ -95,14 +95,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _print_json(doc)
         return EXIT_OK if valid else EXIT_ERROR if undecided else EXIT_INVALID
     if undecided and status.newer_format:
-        # A restore stops there as well, so the remedy is to upgrade, or an older step.
+        # A restore stops there as well, so the remedy is to upgrade, or an older step: not when the
+        # record is the owner's, which judges every checkpoint at the URI alike.
         written = newer_spotjob_words(status, "cannot be checked")
         if status.manifest is None:
             written += ", so this one cannot check it"
-        raise CommandError(
-            f"{status.ref.folder} {written} "
-            f"({' '.join(status.reason.split())}); name an older checkpoint with --step to verify that one"
+        remedy = (
+            f"that record judges every checkpoint under {storage.uri} alike: upgrade spotjob to verify any of them"
+            if status.uri_wide
+            else "name an older checkpoint with --step to verify that one"
         )
+        raise CommandError(f"{status.ref.folder} {written} ({' '.join(status.reason.split())}); {remedy}")
     if undecided:
         checked = " (its bytes match their CRC32Cs)" if deep else ""
         raise CommandError(

@@ -190,7 +190,9 @@ def newest_valid(
             return status
         if status.newer_format:
             # As restore: an older checkpoint would be going back past progress a newer spotjob saved.
-            if step is None:
+            if status.uri_wide:  # the owner record: it judges every checkpoint at the URI alike
+                other = ""
+            elif step is None:
                 other = ", or name an older one with --step"
             else:  # a restore stops there too; an older attempt of the step asked for can be named
                 other = f", or name an older attempt with --step {walk[0].folder}" if walk else ""

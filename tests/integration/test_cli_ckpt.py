@@ -1357,6 +1357,35 @@ def test_what_the_attempt_records_prove_wins_over_an_owner_record_a_newer_spotjo
     assert latest_valid(saved.storage) is None
 
 
+def test_an_owner_record_a_newer_spotjob_wrote_is_not_passed_by_naming_another_step(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The owner record judges every checkpoint at the URI alike: ``verify`` of one it leaves
+    undecided said "name an older checkpoint with --step to verify that one", and ``export`` "or
+    name an older one with --step", sending the reader to a step that is refused the same way. They
+    say only what helps: upgrade. Where the newer record is an attempt record, which judges only the
+    checkpoints of the attempt before it, naming another step still helps and is still said."""
+    _newer_owner_record(saved)
+    for step in ([], ["--step", "2"]):
+        rc, out, err = ckpt(capsys, "verify", saved.uri, *step)
+        assert rc == 2 and out == "" and "upgrade spotjob" in err, err
+        assert f"judges every checkpoint under {saved.storage.uri} alike" in err and "--step" not in err, err
+        rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"), *step)
+        assert rc == 2 and "upgrade spotjob to export it" in err and "--step" not in err, err
+        assert not (tmp_path / "out").exists()
+
+    saved.storage.put_bytes(
+        OWNER_KEY, json.dumps({**json.loads(saved.storage.get_bytes(OWNER_KEY)), "format": 1}).encode()
+    )
+    _judged_by_attempt_1(saved)
+    key = attempt_key(None, 1)
+    saved.storage.put_bytes(key, json.dumps({**json.loads(saved.storage.get_bytes(key)), "format": 2}).encode())
+    rc, _, err = ckpt(capsys, "verify", saved.uri)
+    assert rc == 2 and "name an older checkpoint with --step" in err and "alike" not in err, err
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"))
+    assert rc == 2 and "or name an older one with --step" in err, err
+
+
 def _judged_by_attempt_1(saved: Saved) -> None:
     """Step 3 written by attempt 0 of the (unnamed) job, and attempt 1 recorded resuming from step 3:
     step 3 is valid, judged by attempt 1's record."""
