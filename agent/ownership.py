@@ -648,7 +648,7 @@ class Lineage:
             # the attempt; the records are keyed and checked by that job, not by the owner). What
             # they prove (fenced, or the record that tells broken) is proven whoever owns the URI,
             # and wins over the owner record that proves nothing, as a missing file does. A retired
-            # folder is judged retired before fencing is asked, so that stays as it was.
+            # folder stays undecided: beside a readable owner record it is judged retired, not fenced.
             proven = None if ref.folder in self.retired else self._by_attempts(ref, job, attempt)
             if proven is not None and proven.kind in ("fenced", "untrusted"):
                 return proven
