@@ -65,9 +65,17 @@ def _pause(run: LocalRun) -> None:
     """Ctrl-Z (SIGTSTP, which reaches the driver alone: its workers run in sessions of their own):
     each worker's agent pauses its processes and itself, then the driver stops; ``fg`` or ``bg``
     (SIGCONT) resumes the driver, which resumes them. Left to the default, the driver alone
-    stopped and its workers trained on with nobody driving the run."""
-    paused = run.backend.signal_workers(signal.SIGTSTP, until_stopped=5.0)
-    log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
-    os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
-    run.backend.signal_workers(signal.SIGCONT)
+    stopped and its workers trained on with nobody driving the run.
+
+    A SIGTERM or SIGINT that comes while the run is paused (a supervisor's, or bash's ``kill`` of a
+    stopped job, which sends SIGCONT after it) is handled as soon as the driver goes on, raising its
+    ``KeyboardInterrupt`` here: the workers are continued all the same. Left stopped, their agents
+    could not answer the interrupt's flush (its ``POST /flush`` timed out), and every step since
+    the newest commit was lost."""
+    try:
+        paused = run.backend.signal_workers(signal.SIGTSTP, until_stopped=5.0)
+        log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+    finally:
+        run.backend.continue_workers()
     log.info("resumed %s", run.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -33,6 +34,17 @@ two a second, to the timeline ``spotjob status``, the summary, the plot and a re
 def step_sample_interval(age: float) -> float:
     """The least time between two step samples of a worker that has been training ``age`` seconds."""
     return max(STEP_SAMPLE_SECONDS, age * STEP_SAMPLE_FRACTION)
+
+
+def _until_stopped(workers: list[LocalWorker], seconds: float) -> None:
+    """Wait up to ``seconds`` in all for each of ``workers``' agents to have stopped (or exited)."""
+    give_up = time.monotonic() + seconds
+    for w in workers:
+        while time.monotonic() < give_up and w.proc.poll() is None:
+            info = read_proc(w.proc.pid)
+            if info is None or info.state in ("T", "t"):
+                break
+            time.sleep(0.02)
 
 
 class WorkerProcesses:
@@ -63,13 +75,20 @@ class WorkerProcesses:
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.proc.pid, sig)
-        give_up = time.monotonic() + until_stopped
+        _until_stopped(workers, until_stopped)
+        return len(workers)
+
+    def continue_workers(self, *, once_stopped: float = 5.0) -> int:
+        """SIGCONT to the agent of every worker still running, once each has stopped itself (at most
+        ``once_stopped`` seconds): the end of a pause (``signal_workers(SIGTSTP)``). An agent pauses
+        its command before it stops itself, so a SIGCONT that came before its stop would leave it
+        stopped for good: a pause cut short (an interrupt during it) waits for that here."""
+        with self._lock:
+            workers = [w for w in self._workers.values() if w.alive]
+        _until_stopped(workers, once_stopped)
         for w in workers:
-            while time.monotonic() < give_up and w.proc.poll() is None:
-                info = read_proc(w.proc.pid)
-                if info is None or info.state in ("T", "t"):
-                    break
-                time.sleep(0.02)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, signal.SIGCONT)
         return len(workers)
 
     def _command(

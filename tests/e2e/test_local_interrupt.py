@@ -25,6 +25,10 @@
   untold (the run's Events named only the failure), and the log was left out (its agent exited 76).
 - A second Ctrl-C while that flush runs stops every process at once, without waiting for it: the
   ranks are held inside a step (``scripts/hold_step.py``), so that the flush cannot commit first.
+- A SIGTERM that comes while the run is paused (Ctrl-Z), and the SIGCONT after it (as bash's ``kill``
+  of a stopped job and systemd send), flushes as any first one does: the driver's Ctrl-Z handler,
+  which the interrupt's ``KeyboardInterrupt`` left as the driver went on, left its workers stopped,
+  so their agents could not answer the flush (``POST /flush`` timed out) and every step was lost.
 - Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
   message saying what happens to them and how to carry on, the run unchanged; their flush still
   commits, and the next ``--resume`` carries on from it. SIGINT used to end it with no word, SIGTERM
@@ -33,6 +37,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -81,10 +87,10 @@ def events(run: Path) -> list[Any]:
     return read_events(events_path(str(run), JobKey.local(run.name)))
 
 
-def start(tmp_path: Path, argv: list[str], log: str = "driver.log") -> subprocess.Popen[bytes]:
+def start(tmp_path: Path, argv: list[str], log: str = "driver.log", **popen: Any) -> subprocess.Popen[bytes]:
     """``spotjob run`` in the background, its output in ``log``."""
     with open(tmp_path / log, "wb") as out:
-        return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, **popen)
 
 
 def until_exit(driver: subprocess.Popen[bytes]) -> int:
@@ -298,6 +304,47 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
         "spotjob run: interrupted; the flush committed nothing (a second SIGINT stopped the run at once); every "
         "process of twice was stopped" in said
     )
+
+
+def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_on(tmp_path: Path) -> None:
+    run = tmp_path / "spotjob-runs" / "paused"
+    log = tmp_path / "driver.log"
+    # No --every-steps: only the interrupt's flush commits.
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "paused", "--nproc", "1",
+        str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
+    ]  # fmt: skip
+    # As a terminal starts it: Ctrl-Z not ignored.
+    driver = start(tmp_path, argv, preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
+
+    def states() -> set[str]:
+        out = set()
+        for pid in [driver.pid, *run_pids(str(run))]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.add(psutil.Process(pid).status())
+        return out
+
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: steps_reported(run) >= 3, "three steps")
+        driver.send_signal(signal.SIGTSTP)
+        wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
+        # A supervisor's stop of a paused process: the signal, then SIGCONT so that it is handled.
+        driver.send_signal(signal.SIGTERM)
+        driver.send_signal(signal.SIGCONT)
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    exited_130(code, said)
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    assert "timed out" not in said, said[-6000:]
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
+    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
+    assert told.reason == "InterruptFlushCommitted", told.message
+    assert f"the flush it asked for committed step {checkpoint.ref.step}" in told.message
+    assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
 
 
 def _fails_during_the_flush(
