@@ -59,6 +59,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.atomic_file import write_atomic
 from agent.torchrun import LAUNCHERS
 from orchestrator.backends.local_cloud import CLOUDS
 from orchestrator.backends.local_plan import load_trace
@@ -274,9 +275,8 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
         run.close()
 
     summary = run.summary()
-    try:
-        with open(os.path.join(run.path, SUMMARY_FILE), "w") as f:
-            json.dump(summary.to_json(), f, indent=2)
+    try:  # in one rename: a reader (or a full disk) never finds it cut short
+        write_atomic(os.path.join(run.path, SUMMARY_FILE), json.dumps(summary.to_json(), indent=2).encode())
     except OSError as e:
         log.warning("could not write %s: %s", SUMMARY_FILE, e)
     # The plot is drawn before anything is printed: a stdout whose reader went away (`| head -1`)

@@ -15,11 +15,13 @@ import shlex
 import time
 from collections.abc import Iterable
 
+from agent.atomic_file import write_atomic
 from agent.control_channel import (
     EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    MAX_FILE_BYTES,
     STATUS_FILE,
     read_json,
 )
@@ -188,31 +190,34 @@ class DriverLock:
             os.close(fd)  # and with it the shared lock, if taken
 
 
+def _read_run_json(path: str) -> dict[str, object] | None:
+    """``run.json`` of the run folder ``path``, read within bounds (``read_json``: never more than
+    a control file, never a FIFO's wait), or None when there is none or it is not one spotjob wrote."""
+    try:
+        return read_json(os.path.join(path, RUN_FILE))
+    except OSError:
+        return None
+
+
 def run_file_pid(path: str) -> int | None:
     """The pid ``run.json`` names (run folders from before the driver lock), or None."""
-    try:
-        with open(os.path.join(path, RUN_FILE)) as f:
-            pid = json.load(f)["pid"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    pid = (_read_run_json(path) or {}).get("pid")
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
 def write_run_file(path: str, workdir: str, argv: list[str]) -> None:
     """Record in ``run.json`` the process that drives the run in folder ``path`` and the working
-    directory its workers run in (``run_file_workdir``)."""
-    with open(os.path.join(path, RUN_FILE), "w") as f:
-        json.dump({"pid": os.getpid(), "argv": argv, "started_at": time.time(), "workdir": workdir}, f)
+    directory its workers run in (``run_file_workdir``). In one rename: a driver killed, or a disk
+    full, in the middle of the write leaves the previous driver's record (the folder the run's
+    workers ran in, which every ``--resume`` keeps), not an empty or cut one."""
+    record = {"pid": os.getpid(), "argv": argv, "started_at": time.time(), "workdir": workdir}
+    write_atomic(os.path.join(path, RUN_FILE), json.dumps(record).encode())
 
 
 def run_file_workdir(path: str) -> str | None:
     """The working directory the workers of the run in folder ``path`` ran in (``run.json``), or None
     (a folder from before it was recorded, or one whose driver never started the run)."""
-    try:
-        with open(os.path.join(path, RUN_FILE)) as f:
-            workdir = json.load(f)["workdir"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    workdir = (_read_run_json(path) or {}).get("workdir")
     return workdir if isinstance(workdir, str) and os.path.isabs(workdir) else None
 
 
@@ -231,23 +236,29 @@ def reported_step(path: str, status: JobStatus) -> int | None:
 
 
 def write_cloud(path: str, cloud: str) -> None:
-    """Record the cloud the run in folder ``path`` simulates (``read_cloud``)."""
-    with open(os.path.join(path, CLOUD_FILE), "w") as f:
-        json.dump({"cloud": cloud}, f)
+    """Record the cloud the run in folder ``path`` simulates (``read_cloud``), in one rename."""
+    write_atomic(os.path.join(path, CLOUD_FILE), json.dumps({"cloud": cloud}).encode())
 
 
 def read_cloud(path: str) -> str:
     """The cloud the run in folder ``path`` simulates: what ``write_cloud`` recorded, ``aws`` for a
-    folder without the record (made before ``--cloud``). ``ValueError`` naming the file when it
-    cannot be read or names no cloud spotjob simulates."""
+    folder without the record (made before ``--cloud``). ``ValueError`` naming the file and what to
+    write in it when it cannot be read (within bounds: ``read_json``) or names no cloud spotjob
+    simulates."""
     file = os.path.join(path, CLOUD_FILE)
-    try:
-        with open(file) as f:
-            cloud = json.load(f).get("cloud")
-    except FileNotFoundError:
+    remedy = (
+        'it records the run\'s --cloud: write {"cloud": "aws"} in it (or "gcp" or "azure", the --cloud the '
+        "run was started with)"
+    )
+    if not os.path.lexists(file):
         return "aws"
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{file} cannot be read ({e}); it records the run's --cloud") from None
+    try:
+        data = read_json(file)
+    except OSError as e:
+        raise ValueError(f"{file} cannot be read ({e.strerror or e}); {remedy}") from None
+    if data is None:
+        raise ValueError(f"{file} is not a JSON object of at most {MAX_FILE_BYTES} bytes; {remedy}")
+    cloud = data.get("cloud")
     if cloud not in CLOUDS:
-        raise ValueError(f"{file} names the cloud {cloud!r}, not one of {', '.join(CLOUDS)}")
+        raise ValueError(f"{file} names the cloud {cloud!r}, not one of {', '.join(CLOUDS)}; {remedy}")
     return str(cloud)
