@@ -14,6 +14,7 @@ and run one in-process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -132,7 +133,13 @@ class LocalRun(_RunSetup):
                     self.store.create(self.key, spec)
                 except JobExistsError:
                     raise RunExistsError(self._exists_message()) from None
-                write_cloud(self.path, config.cloud)
+                try:
+                    write_cloud(self.path, config.cloud)
+                except OSError:
+                    # Without it, --resume would simulate AWS: the run is not made (its job goes too).
+                    with contextlib.suppress(StoreError, OSError):
+                        self.store.delete(self.key)
+                    raise
                 self.spec, status, version = spec, JobStatus(), ""
             self.events_path = events_path(self.path, self.key)
             self._event_log = EventLog(self.events_path)

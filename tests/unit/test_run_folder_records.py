@@ -74,3 +74,33 @@ def test_a_cloud_record_that_is_no_file_is_told_with_what_to_write_not_waited_on
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{record} is not a JSON object" in done.stdout, done.stdout
     assert 'write {"cloud": "aws"} in it (or "gcp" or "azure", the --cloud the run was started with)' in done.stdout
+
+
+def test_a_new_run_whose_cloud_cannot_be_recorded_is_not_made(tmp_path: Path) -> None:
+    """Fails without the fix: the job was stored before ``cloud.json`` was written, and a write that
+    failed (here a folder in its place; a full disk alike) left the job without it: the name was
+    taken ("a run named ... exists: resume it"), and ``--resume`` simulated AWS for a run started
+    with ``--cloud gcp``, or was refused. The run is not made: its job file goes with the failure."""
+    import pytest
+
+    from orchestrator.model import JobKey
+    from orchestrator.run_config import RunConfig
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.store import JsonFileJobStore
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    (runs / "gcp" / CLOUD_FILE).mkdir(parents=True)
+    config = RunConfig(script=str(script), args=[], name="gcp", runs_dir=str(runs), nproc=1, cloud="gcp")
+    with pytest.raises(OSError):
+        LocalRun(config)
+    assert not os.path.exists(JsonFileJobStore(str(runs / "gcp"), create=False).path(JobKey.local("gcp")))
+
+    (runs / "gcp" / CLOUD_FILE).rmdir()
+    LocalRun(config).close()  # the name is free, and the run is made whole
+    resumed = LocalRun.resume(str(runs), "gcp")
+    try:
+        assert resumed.config.cloud == "gcp"
+    finally:
+        resumed.close()
