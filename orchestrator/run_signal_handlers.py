@@ -54,11 +54,22 @@ class _Interrupts:
             if state.flushing:
                 raise KeyboardInterrupt(f"signal {signum} again")
             return
-        log.warning(
-            "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
-            name,
-            run.name if run is not None else "the run",
-        )
+        if run is None:  # the first one ended what ran before the run was driven: nothing is being stopped
+            log.warning("received %s again: spotjob run is leaving already, as the first one made it", name)
+        elif state.signal is None:  # the run ended by itself (Succeeded, Failed): this is no second one
+            log.warning(
+                "received %s as %s ends by itself (%s): it exits as the run ended, once every process of it is "
+                "stopped (SIGKILL this process to leave any running)",
+                name,
+                run.name,
+                run.status.phase,
+            )
+        else:
+            log.warning(
+                "received %s again: still stopping every process of %s (SIGKILL this process to leave them running)",
+                name,
+                run.name,
+            )
 
 
 def _pause(run: LocalRun) -> None:

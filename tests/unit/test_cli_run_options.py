@@ -343,6 +343,35 @@ def test_the_first_interrupt_flushes_the_second_stops_at_once_and_the_others_are
     assert caplog.text.count("still stopping every process of demo") == 2
 
 
+def test_a_signal_that_comes_as_the_run_ends_by_itself_or_after_the_first_left_is_said_as_what_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fails without the fix: a first Ctrl-C as a finished run stopped its processes (or drew its
+    plot) was logged as "received SIGINT again: still stopping every process", and a second one
+    after the first ended ``--resume``'s wait, when nothing is being stopped (its processes are left
+    to end their flush), said the same."""
+    import signal
+    from types import SimpleNamespace
+
+    from orchestrator.model import JobStatus, Phase
+    from orchestrator.run_interrupt import InterruptState
+    from orchestrator.run_signal_handlers import _Interrupts
+
+    ended = SimpleNamespace(
+        name="demo", stopping=True, interrupt=InterruptState(), status=JobStatus(phase=Phase.SUCCEEDED)
+    )
+    _Interrupts(ended)(signal.SIGINT, None)  # type: ignore[arg-type]
+    assert "received SIGINT as demo ends by itself (Succeeded): it exits as the run ended" in caplog.text
+    assert ended.interrupt.signal is None, "a finished run is not an interrupted one"
+
+    early = _Interrupts()
+    with pytest.raises(KeyboardInterrupt):
+        early(signal.SIGTERM, None)
+    early(signal.SIGTERM, None)
+    assert "received SIGTERM again: spotjob run is leaving already, as the first one made it" in caplog.text
+    assert "still stopping" not in caplog.text
+
+
 _SUMMARY_TO_A_READER_GONE = """
 import os, sys
 from types import SimpleNamespace
