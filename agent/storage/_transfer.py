@@ -28,9 +28,9 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, cast
 
 from agent.crc32c import crc32c_bytes, crc32c_concat, to_hex
 from agent.settings import (
@@ -211,11 +211,113 @@ def crc_from_b64(text: str) -> int:
 
 
 # -- the pool --------------------------------------------------------------------------------
+_QUEUED, _RUNNING, _DONE, _SKIPPED = range(4)
+
+
+class _Calls(Generic[T]):
+    """The calls of one ``TransferPool.map``, each run once: by whichever of a pool thread and the
+    caller's thread claims it first. The pool is handed every call, but the caller runs those no
+    pool thread will (no thread could start for it, or ``close()`` cancelled it): a work item the
+    pool queued before its thread failed to start may still reach a thread later, and finds its
+    call claimed. Once a call failed, or the caller was interrupted, the calls not started are
+    skipped."""
+
+    def __init__(
+        self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]], first: threading.Event | None
+    ) -> None:
+        self._fn = fn
+        self._calls = calls
+        self._first = first
+        self._changed = threading.Condition()
+        self._state = [_QUEUED] * len(calls)
+        self._runner: list[int | None] = [None] * len(calls)  # the thread running each call
+        self._stranded: set[int] = set()  # queued calls no pool thread will run: the caller runs them
+        self._results: list[T | None] = [None] * len(calls)
+        self._error: BaseException | None = None
+        self._stopped = False
+
+    def run(self, i: int) -> None:
+        """Call ``i`` here, unless it is claimed already or the calls are stopped."""
+        with self._changed:
+            if self._state[i] != _QUEUED:
+                return
+            if self._stopped:
+                self._state[i] = _SKIPPED
+                self._changed.notify_all()
+                return
+            self._state[i] = _RUNNING
+            self._runner[i] = threading.get_ident()
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = self._fn(*self._calls[i])
+        except BaseException as e:  # the caller raises it
+            error = e
+        with self._changed:
+            self._state[i] = _DONE
+            self._results[i] = result
+            if error is not None and self._error is None:
+                self._error = error
+                self._stopped = True
+            self._changed.notify_all()
+        if i == 0 and self._first is not None:
+            self._first.set()  # the caller waits for it: the others go now, or not at all
+
+    def strand(self, i: int) -> None:
+        """No pool thread will run call ``i``: the caller does (``finish``)."""
+        with self._changed:
+            self._stranded.add(i)
+            self._changed.notify_all()
+        if i == 0 and self._first is not None:
+            self._first.set()  # wake the caller waiting for it, to run it
+
+    @property
+    def failed(self) -> bool:
+        with self._changed:
+            return self._error is not None
+
+    def finish(self) -> list[T]:
+        """Wait for every call, running the stranded ones in this thread; raise the first failure
+        or return the results in call order."""
+        while True:
+            with self._changed:
+                if self._stopped:
+                    self._skip_queued()
+                if all(s in (_DONE, _SKIPPED) for s in self._state):
+                    break
+                mine = [i for i in sorted(self._stranded) if self._state[i] == _QUEUED]
+                if not mine:
+                    self._changed.wait()
+                    continue
+            for i in mine:
+                self.run(i)
+        if self._error is not None:
+            raise self._error
+        return cast("list[T]", self._results)
+
+    def abandon(self) -> None:
+        """(the caller, interrupted) Skip the calls not started; wait for those other threads run."""
+        me = threading.get_ident()
+        with self._changed:
+            self._stopped = True
+            self._skip_queued()
+            while any(s == _RUNNING and r != me for s, r in zip(self._state, self._runner, strict=True)):
+                self._changed.wait()
+
+    def _skip_queued(self) -> None:
+        for i, s in enumerate(self._state):
+            if s == _QUEUED:
+                self._state[i] = _SKIPPED
+
+
 class TransferPool:
     """A lazily started thread pool shared by every transfer of one storage object.
 
-    Only leaf requests run on it (a part, a range, a delete); callers block on their futures from
-    their own threads, so a pool worker never waits for the pool and cannot deadlock it.
+    Only leaf requests run on it (a part, a range, a delete); callers block on their calls from
+    their own threads, so a pool worker never waits for the pool and cannot deadlock it. Where no
+    pool thread can start (a pids or ``ulimit -u`` limit; Python 3.12.0 and 3.12.1 once the main
+    thread has ended, when a save in flight is finished before exit) the caller's thread runs the
+    calls itself, as ``parallel_map`` does.
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -238,33 +340,43 @@ class TransferPool:
         With ``first``, the first call runs alone until it sets ``first`` (or ends): the others
         need something it learns early (GCS: the object's generation, from its answer's headers).
         The caller's thread waits for it, not a worker; a first call that fails sends none of the
-        others. On the first failure the calls not yet started are cancelled and the running ones
-        waited for, then that failure is raised: nothing is still writing when this returns or
-        raises.
+        others. On the first failure the calls not yet started are skipped and the running ones
+        waited for, then that failure is raised; so too when the caller is interrupted (Ctrl-C)
+        while it waits: nothing is still writing when this returns or raises. A call no pool
+        thread can take runs in the caller's thread.
         """
         if len(calls) <= 1 or self._workers <= 1:
             return [fn(*args) for args in calls]
-        pool = self._executor()
-        futures: list[Future[T]] = []
-        rest = calls
-        if first is not None:
-            head = pool.submit(fn, *calls[0])
-            head.add_done_callback(lambda _: first.set())
-            first.wait()
-            futures.append(head)
-            failed = head.done() and (head.cancelled() or head.exception() is not None)
-            rest = [] if failed else calls[1:]
-        futures += [pool.submit(fn, *args) for args in rest]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        if pending:
-            for f in pending:
-                f.cancel()
-            wait(pending)
-        for f in futures:
-            err = None if f.cancelled() else f.exception()
-            if err is not None:
-                raise err
-        return [f.result() for f in futures]
+        batch = _Calls(fn, calls, first)
+        try:
+            pool = self._executor()
+            rest = range(len(calls))
+            if first is not None:
+                if not self._submit(pool, batch, 0):
+                    batch.run(0)
+                first.wait()
+                batch.run(0)  # stranded (close() cancelled it): here, before the others
+                rest = range(0) if batch.failed else range(1, len(calls))
+            for i in rest:
+                if not self._submit(pool, batch, i):
+                    for j in range(i, len(calls)):
+                        batch.strand(j)
+                    break
+            return batch.finish()
+        except BaseException:
+            batch.abandon()
+            raise
+
+    @staticmethod
+    def _submit(pool: ThreadPoolExecutor, batch: _Calls[T], i: int) -> bool:
+        """Hand call ``i`` to the pool; False when no thread can take it (``RuntimeError``: a
+        thread that could not start, or a pool that ``close()`` shut down)."""
+        try:
+            future = pool.submit(batch.run, i)
+        except RuntimeError:
+            return False
+        future.add_done_callback(lambda f: batch.strand(i) if f.cancelled() else None)
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -308,6 +308,35 @@ class TestObjectStores:
                 store.put_file(str(src), f"step-1/shard{size}", crc32c=crc ^ 0x10)
             assert store.stat(f"step-1/shard{size}") is None
 
+    @pytest.mark.usefixtures("small_parts")
+    def test_where_no_transfer_thread_can_start_files_of_several_parts_still_go_up_and_come_down(
+        self, storage_uri: str, make_storage: Callable[[str], Storage], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A pids or ``ulimit -u`` limit, or Python 3.12.0/3.12.1 once the main thread has ended (a
+        save in flight is finished before exit): the store's transfer threads cannot start. An S3
+        multipart upload, a download of several ranges and a delete of several keys (GCS: one
+        request a key) raised the RuntimeError of ``Thread.start``, and the save was lost; the
+        calls now run in the caller's thread."""
+        store = make_storage(storage_uri)
+        real_start = threading.Thread.start
+
+        def refused(self: threading.Thread) -> None:
+            if self.name.startswith(("spotjob-s3", "spotjob-gcs")):
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", refused)
+        src = tmp_path / "src.bin"
+        crc, size = write_random(src, BIG)
+
+        store.put_file(str(src), "step-1/shard", crc32c=crc)
+        store.put_bytes("step-1/MANIFEST.json", b"{}")
+        store.get_file("step-1/shard", str(tmp_path / "dst"), size=size, crc32c=crc)
+        store.delete_prefix("step-1/")
+
+        assert crc32c_file(tmp_path / "dst") == (crc, size)
+        assert list(store.list()) == []
+
     def test_listing_and_deleting_go_page_by_page(
         self, storage_uri: str, make_storage: Callable[[str], Storage], monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -735,6 +735,84 @@ def test_a_pool_sends_the_other_calls_once_the_first_says_so_and_none_when_it_fa
         pool.close()
 
 
+def test_a_pool_whose_thread_cannot_start_runs_each_call_once_and_returns_once_all_are_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pids or ``ulimit -u`` limit reached, or Python 3.12.0/3.12.1 after the main thread ended
+    (a save in flight finished before exit): ``Thread.start`` raises, and the RuntimeError came out
+    of ``map``, failing a multipart upload or a download of several ranges where ``parallel_map``
+    already ran its calls in the caller's thread. Here the pool's first thread starts and its
+    second is refused: ``submit`` has queued that call before failing to start a thread for it, so
+    the busy first thread would still run it later, after the caller ran it. Each call runs once,
+    and ``map`` returns once all are done."""
+    real_start = threading.Thread.start
+    started: list[str] = []
+
+    def second_refused(self: threading.Thread) -> None:
+        if self.name.startswith("test-refused"):
+            started.append(self.name)
+            if len(started) > 1:
+                raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", second_refused)
+    pool = TransferPool(2, "test-refused")
+    ran: list[int] = []
+    last_ran = threading.Event()  # call 0 holds the pool's one thread until the caller ran the others
+    try:
+
+        def call(i: int) -> int:
+            if i == 0:
+                last_ran.wait()
+            ran.append(i)
+            if i == 2:
+                last_ran.set()
+            return i * 10
+
+        assert pool.map(call, [(0,), (1,), (2,)]) == [0, 10, 20]
+        assert sorted(ran) == [0, 1, 2]
+    finally:
+        last_ran.set()
+        pool.close()  # the thread has taken the call queued for the refused one by now
+    assert sorted(ran) == [0, 1, 2], "a call ran twice"
+    assert len(started) == 2
+
+
+def test_a_pool_interrupted_while_it_waits_returns_only_once_its_running_calls_ended() -> None:
+    """Ctrl-C while a download waits for its ranges: ``map`` raised at once, the ranges still
+    running went on writing into the temp file's descriptor, which ``download_verified`` closed
+    meanwhile (and which the next file opened may reuse), and the parts of an upload went on after
+    its abort. Now the calls not started are skipped and the running ones waited for. Call 1 sends
+    SIGINT to the waiting caller; call 0 is still running then, until a moment after the signal."""
+    import signal
+
+    pool = TransferPool(2, "test-interrupted")
+    released = threading.Event()
+    ended: list[int] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        threading.Timer(0.2, released.set).start()
+        raise KeyboardInterrupt
+
+    def call(i: int) -> int:
+        if i == 0:
+            released.wait()
+        else:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        ended.append(i)
+        return i
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.map(call, [(0,), (1,)])
+        assert sorted(ended) == [0, 1], "map was left while a call still ran"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        released.set()
+        pool.close()
+
+
 class TestByteBudget:
     def test_a_request_bigger_than_the_whole_budget_is_granted_alone(self) -> None:
         budget = ByteBudget(10)
