@@ -446,13 +446,15 @@ class GCSStorage(PrefixedKeys, Storage):
         boundary from Python's global ``random`` — the training script's stream, shifted by each
         save from a background thread. The boundary here comes from ``uuid4`` (``os.urandom``).
         The CRC32C goes in the metadata, so GCS rejects bytes damaged on the way, and the CRC32C
-        it stored is compared too. Failures raise what the library would (``_TRANSLATED``).
+        it stored is compared too. Failures raise what the library would (``_TRANSLATED``). The
+        body goes out piece by piece (``_Pieces``): ``data`` is never copied into it, so a small file
+        sent whole takes the memory its ``ByteBudget`` hold counts, not twice that.
         """
         crc = crc32c_bytes(data)
         metadata = {"name": self._object_key(key), "contentType": _CONTENT_TYPE, "crc32c": crc_to_b64(crc)}
         boundary = uuid.uuid4().hex.encode()
         sep = b"--" + boundary
-        body = b"".join(
+        body = _Pieces(
             (
                 sep,
                 b"\r\ncontent-type: application/json; charset=UTF-8\r\n\r\n",
@@ -880,6 +882,21 @@ class GCSStorage(PrefixedKeys, Storage):
     def close(self) -> None:
         self._pool.close()
         self._client.close()
+
+
+class _Pieces:
+    """A request body of several byte strings, sent one after another and never joined into one
+    copy. Its length makes requests send a ``Content-Length`` (not a chunked body); it can be sent
+    again (``AuthorizedSession`` resends a request once after refreshing its token)."""
+
+    def __init__(self, pieces: tuple[bytes, ...]) -> None:
+        self._pieces = pieces
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._pieces)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._pieces)
 
 
 class _NotSaid(PermanentStorageError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,30 @@ class TestGCS:
 
         assert flight.high == 2 * self.CHUNK
         assert flight.buffers == 4 * 3
+
+    def test_a_file_sent_in_one_request_is_held_once_not_copied_into_the_request(
+        self,
+        fresh_uri: Callable[[str], str],
+        make_storage: Callable[[str], Storage],
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A file under GCS's 8 MiB one-request limit is read whole, its size held under the budget,
+        and was then joined with the request's metadata into a second copy, sent while the first was
+        still held: twice its size in memory, the budget counting one. Measured by tracemalloc around
+        the upload (fake-gcs-server is another process): the file's bytes, and not a second time."""
+        monkeypatch.setenv("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "64MiB")  # the default: one request
+        store = make_storage(fresh_uri("gs"))
+        size = 7 * MiB
+        (src, key, crc, _), warm = make_files(tmp_path, [size, 1000])
+        store.put_file(warm[0], warm[1], crc32c=warm[2])  # the client's first request, its allocations
+
+        tracemalloc.start()
+        try:
+            store.put_file(src, key, crc32c=crc)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+
+        assert peak < size + size // 4, f"{peak} bytes held at once to upload a file of {size}"
+        assert store.stat(key) is not None and store.stat(key).size == size  # type: ignore[union-attr]
