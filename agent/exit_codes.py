@@ -1,7 +1,8 @@
 """The agent's exit code: what the command's end, the flush and the ranks' reports add up to.
 
 Exit code: 75 (EXIT_PREEMPTED) if a flush committed; else 79 (EXIT_STOPPED) after ``POST /stop``;
-else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error and the command failed; else
+else 74 (EXIT_INFRA_ERROR) if a rank reported an infrastructure error and the command failed (not
+an abort at interpreter exit after every rank wrote ``closed-rank-<r>``: the job finished); else
 76 if the flush failed; else 0 if the command succeeded or every rank wrote ``closed-rank-<r>``
 and the command ended by itself (not killed by the agent);
 else 76 (EXIT_FLUSH_FAILED) if a flush was asked for; else the command's own code — 1 if that is
@@ -140,15 +141,16 @@ def decide_exit_code(
         return EXIT_PREEMPTED, f"the flush committed step {result.step} at {result.uri}{said}"
     if stopped is not None:
         return EXIT_STOPPED, f"stopped on request without a flush: {stopped} (command exit code {code})"
-    if infra_error is not None and (code != 0 or killed):
+    every_rank_closed = bool(expected_ranks) and len(closed_ranks) >= (expected_ranks or 0)
+    if infra_error is not None and (code != 0 or killed) and not (every_rank_closed and not killed):
         # Only when the command failed: a script that caught a failed save and finished its work
-        # did finish, whatever the store did meanwhile.
+        # did finish, whatever the store did meanwhile; so did one whose every rank closed and a
+        # worker then aborted at interpreter exit (forgiven below), which 74 would run again.
         return EXIT_INFRA_ERROR, f"infrastructure error: {infra_error} (command exit code {code})"
     if result is not None:
         # Before the closed-rank check: a script that calls close() in a `finally` marks its
         # ranks closed after a failed flush too, and that job did not finish.
         return EXIT_FLUSH_FAILED, f"the flush failed: {result.error} (command exit code {code})"
-    every_rank_closed = bool(expected_ranks) and len(closed_ranks) >= (expected_ranks or 0)
     if every_rank_closed and not killed:
         # The known abort at interpreter exit ("terminate called without an active exception")
         # after every rank finished its work: the job is done, whatever torchrun says. Not when

@@ -163,6 +163,14 @@ class TestExitCode:
         assert exit_code(0, infra_error="the checkpoint of step 5 failed on s3://b/p") == 0
         assert exit_code(0, infra_error="x", killed=True) == EXIT_INFRA_ERROR
 
+    def test_an_infrastructure_error_then_every_rank_closed_and_an_abort_at_exit_is_success(self) -> None:
+        """A save failed on the store, the script caught it and finished (every rank closed), then a
+        worker aborted at interpreter exit: the job is done, not an infrastructure error to run again."""
+        assert exit_code(-6, infra_error="the checkpoint of step 5 failed on s3://b/p", closed_ranks={0, 1}) == 0
+        assert exit_code(1, infra_error="x", closed_ranks={0, 1}) == 0
+        assert exit_code(1, infra_error="x", closed_ranks={0}) == EXIT_INFRA_ERROR  # one rank did not finish
+        assert exit_code(-15, infra_error="x", closed_ranks={0, 1}, killed=True) == EXIT_INFRA_ERROR
+
     def test_a_stop_on_request_is_79_whatever_the_command_said(self) -> None:
         for rc in (0, 1, -15, -9):
             assert exit_code(rc, stopped="peer failed", killed=True) == EXIT_STOPPED
