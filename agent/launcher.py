@@ -311,8 +311,12 @@ class Agent(AgentRequests):
             if returncode is not None:
                 # torchrun gone, ranks (own sessions) still flushing: let them finish, up to the kill
                 # time, unless a stop (or a SIGTERM with signals not taken as notices) says otherwise.
-                if pending and kill_at is not None and now < kill_at and tree.refresh():
+                if pending and kill_at is not None and tree.refresh():
                     halt = self._halt_reason()
+                    if halt is None and now >= kill_at:
+                        # The agent stops them, as it would have stopped torchrun with them: not
+                        # a command that "ended by itself" during the flush (the user's failure).
+                        halt = kill_reason
                     if halt is not None:
                         with self._lock:
                             self._state = "stopping"

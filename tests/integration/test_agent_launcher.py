@@ -28,7 +28,7 @@ import pytest
 
 from agent import control_api
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED, ControlDir
-from agent.exit_codes import answered_source, exit_words, flush_answered
+from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH, answered_source, exit_words, flush_answered
 from agent.notices.emulators import AzureScheduledEventsEmulator, GceMetadataEmulator, ImdsEmulator
 from agent.process_tree import ENV_AGENT_ID, all_processes, read_proc
 
@@ -644,6 +644,29 @@ def test_post_stop_after_the_command_exited_with_its_ranks_still_flushing_stops_
     status, stopped = run.post("/stop", {"reason": "worker 1 of the gang failed"}, token=TOKEN)
     assert status == 202 and stopped["created"] is True
     assert run.exit_code() == EXIT_STOPPED, run.log()
+    assert marked_processes(agent_id) == []
+    assert run.control.flush_result() is None and "Traceback" not in run.log()
+
+
+def test_ranks_still_flushing_at_the_deadline_after_the_command_exited_are_the_agents_stop(
+    start: Callable[..., Run], tmp_path: Path
+) -> None:
+    """torchrun died during a flush; its ranks flush on and commit nothing by the deadline, when
+    the agent stops them. Its 76 says so, not that the command ended by itself during the flush
+    (``COMMAND_ENDED_DURING_FLUSH``), which ``spotjob run`` takes for the script's own failure."""
+    hold = tmp_path / "never"  # rank 0 never commits
+    run = start(
+        env={"SPOTJOB_AGENT_TOKEN": TOKEN},
+        fake_args=("--hold-file", str(hold), "--launcher-exits-on-flush"),
+    )
+    agent_id = run.agent_info()["agent_id"]
+    run.wait_training()
+    assert run.post_flush({"reason": "spot", "deadline": time.time() + 5}, token=TOKEN)[0] == 202
+    wait_until(lambda: "still flushing" in run.log(), "the command's exit with its ranks flushing", run)
+    assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
+    said = next(w for line in run.log().splitlines() if (w := exit_words(line, EXIT_FLUSH_FAILED)))
+    assert "spotjob-agent stopped the command before its ranks reported one" in said
+    assert COMMAND_ENDED_DURING_FLUSH not in said
     assert marked_processes(agent_id) == []
     assert run.control.flush_result() is None and "Traceback" not in run.log()
 
