@@ -674,12 +674,18 @@ class Agent(AgentRequests):
     def _shutdown(self, tree: ProcessTree) -> None:
         with self._lock:
             child = self._child
+            finished = self._state == "exited"  # _finish stopped what was left of the command
             self._state = "exited"
         if child is not None and child.poll() is None:
             # Only reached when the agent itself failed: never leave the ranks orphaned.
             log.error("agent stopping with the command still running: stopping it")
             tree.stop_all(self.config.kill_grace, "agent error")
             child.wait()
+        elif child is not None and not finished and tree.refresh(scan_environ=True):
+            # The agent failed after torchrun exited, its ranks (sessions of their own) still at
+            # work, as while they flush on: they would train on with nobody to hear a notice.
+            log.error("agent stopping with the command's processes still running: stopping them")
+            tree.stop_all(self.config.kill_grace, "agent error")
         for source in self.sources:
             if self.keep_signal_handlers and isinstance(source, SignalSource):
                 continue  # its handlers stay (a signal now is a notice refused: the command has ended)

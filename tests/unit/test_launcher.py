@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -1171,6 +1173,40 @@ class TestAgentRun:
                 thread.join(timeout=60)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("spotjob")]
         assert not (tmp_path / "agent.json").exists()
+
+    def test_an_agent_that_fails_after_the_command_exited_stops_the_processes_it_left(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """torchrun gone, a rank in a session of its own still at work (as while ranks flush on after
+        torchrun died), and the agent itself fails: the rank is stopped, not left training with
+        nobody to hear a notice."""
+        monkeypatch.setattr("agent.launcher.become_subreaper", lambda: True)  # leave pytest's process alone
+        pid_file = tmp_path / "rank.pid"
+        rank = "import time; time.sleep(600)"
+        code = (
+            "import subprocess, sys\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        )
+        real_check = Agent._check_flush_result
+
+        def failing_check(self: Agent) -> None:
+            if self._child is not None and self._child.poll() is not None:
+                raise RuntimeError("a bug in the agent")
+            real_check(self)
+
+        monkeypatch.setattr(Agent, "_check_flush_result", failing_check)
+        config = AgentConfig(command=[sys.executable, "-c", code], checkpoint_uri="file:///c")
+        agent = Agent(config, ControlDir(str(tmp_path / "ctl")), env={})
+        try:
+            with pytest.raises(RuntimeError, match="a bug in the agent"):
+                agent.run()
+            pid = int(pid_file.read_text())
+            assert not alive(pid), "the command's process was left running"
+        finally:
+            if pid_file.exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
     def test_the_ranks_get_the_checkpoint_settings_and_never_the_api_token(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
