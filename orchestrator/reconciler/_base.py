@@ -25,6 +25,7 @@ class _Base:
     _flush_in_flight: dict[JobKey, set[str]]
     _clock: Clock
     _flush_clock: dict[JobKey, tuple[datetime, datetime, float]]
+    _asker_wait: dict[JobKey, tuple[int, float]]
 
     def _flush_now(self, p: _Pass, detected_at: datetime) -> datetime:
         """This pass's now for the flush timeout of the recovery detected at ``detected_at``: the

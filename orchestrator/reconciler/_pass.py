@@ -180,6 +180,10 @@ class _Pass:
     flush_request_problem: str | None = None
     version: str = ""
     """The stored job's version this pass read."""
+    asker_awaited: bool = False
+    """Every agent that exited 75 so far says its ranks only flushed with another's (``PEER_FLUSH``),
+    and the agent that asked for that flush has not exited yet: nothing is decided on those exits
+    until its own (or its loss) names the node going away (``_Recovery._awaits_asker``)."""
     driver_stopped: bool = False
     """The pass follows a stop of every worker by the process that drives the job
     (``Reconciler.driver_stopped``): nothing drives the job on until it is driven again."""

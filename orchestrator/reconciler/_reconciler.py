@@ -139,6 +139,9 @@ class Reconciler(_Capacity):
         self._flush_clock: dict[JobKey, tuple[datetime, datetime, float]] = {}
         """(the recovery's detectedAt, this process's wall and monotonic clocks when it first saw it)
         per job: what a flush timeout is measured with (``_flush_now``)."""
+        self._asker_wait: dict[JobKey, tuple[int, float]] = {}
+        """(attempt, this process's monotonic clock) when a pass first saw only peers' exit 75 of
+        that attempt (``_Recovery._awaits_asker``): how long the agent that asked is waited for."""
         self._handlers: dict[Phase, Callable[[_Pass], float | None]] = {
             Phase.PENDING: self._bring_up,
             Phase.RUNNING: self._running,
@@ -395,6 +398,7 @@ class Reconciler(_Capacity):
             self._held_written.pop(key, None)
             self._flush_in_flight.pop(key, None)
             self._flush_clock.pop(key, None)
+            self._asker_wait.pop(key, None)
             self._skipped.pop(key, None)
             self._claimed = {c for c in self._claimed if c[1] != identity}
             uri = self._uris.pop(key, None)
@@ -673,6 +677,8 @@ class Reconciler(_Capacity):
         if attempt.started_at is not None:
             if self._watch(p):
                 return None
+            if p.asker_awaited:
+                return self._options.flushing_poll_seconds
             current = p.current()
             if len(current) >= p.replicas and all(w.phase is WorkerPhase.RUNNING for w in current):
                 self._enter_running(p)
@@ -804,6 +810,9 @@ class Reconciler(_Capacity):
     def _running(self, p: _Pass) -> float | None:
         if self._watch(p):
             return None
+        if p.asker_awaited:
+            # No flush request is taken meanwhile: it would make the preemption a restart asked for.
+            return self._options.flushing_poll_seconds
         if self._take_flush_request(p):
             return None
         if self._checkpoint_request_in_progress(p):

@@ -31,7 +31,9 @@ their crash would look like the user's.
 Guarding against false alarms (SkyPilot): a signal is acted on only if it names a node or worker of
 the current attempt in this pass's fresh listing — a stale queue message, a notice for a node the
 job has left, or for another job's node changes nothing; advisory signals (Rebalance) stop nothing;
-a worker missing from the listing is declared lost only if a second listing agrees.
+a worker missing from the listing is declared lost only if a second listing agrees; exits 75 whose
+agents all say they only flushed with another's (``PEER_FLUSH``) wait for the agent that asked, still
+alive, to exit or be lost (at most ``flushTimeoutSeconds``): it names the node going away.
 
 The flush is done when storage — the source of truth, never an agent's word — holds a valid manifest
 written by the flush (``trigger: flush``; a periodic save that commits while the ranks are still
@@ -124,6 +126,10 @@ class _Recovery(_FlushRequests):
         if preemption is not None:
             self._enter_flushing(p, preemption)
             return True
+        if p.asker_awaited:
+            # Its exit comes in a moment; a crash beside the peers' 75s is the preemption's doing
+            # once it is seen, as on any pass.
+            return False
         # Before failures: the peers of a worker that stopped for an infrastructure error fail too.
         infra = [w for w in current if w.exit_code == EXIT_INFRA_ERROR]
         if infra:
@@ -149,6 +155,9 @@ class _Recovery(_FlushRequests):
             exited = [w for w in current if w.exit_code == code]
             if exited and code == EXIT_PREEMPTED and self._requested_restart_flushed(p):
                 continue  # the agents flushed because a leader asked them to: the request takes it
+            if exited and code == EXIT_PREEMPTED and self._awaits_asker(p, current, exited):
+                p.asker_awaited = True
+                continue
             if exited:
                 # The agent that heard the notice, where its exit line says so, rather than a peer
                 # whose ranks flushed the same step with it (its flush answered no notice of its own).
@@ -179,6 +188,28 @@ class _Recovery(_FlushRequests):
                 message += _detail(first_lost)  # what the backend knows of why (a node lost, ...)
             return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
         return None
+
+    def _awaits_asker(self, p: _Pass, current: list[WorkerObservation], exited: list[WorkerObservation]) -> bool:
+        """Every agent that exited 75 says its ranks only flushed the step another node's agent asked
+        for (``PEER_FLUSH``) and held no notice, while a worker of the attempt is still alive: the
+        agent that asked is among those, on its way out (the flush committed). Its exit line (or
+        its loss) names the node going away; taken now, the peers' 75s would name a peer and
+        avoid its node instead. Waited for up to ``flushTimeoutSeconds`` on this process's clock
+        (an agent that hangs), then the peers' exits are taken as they are."""
+        holding = {h.worker for h in p.status.held_notices or ()}
+        if not all(w.flushed_for_peer and w.name not in holding for w in exited):
+            return False
+        if not any(w.phase.alive and w.exit_code is None for w in current):
+            return False
+        attempt, now = p.status.attempt.number, self._clock.monotonic()
+        with self._lock:
+            seen = self._asker_wait.get(p.key)
+            if seen is None or seen[0] != attempt:
+                seen = self._asker_wait[p.key] = (attempt, now)
+        if now - seen[1] >= p.spec.flush_timeout_seconds:
+            return False
+        self._debug(p, "%s exited 75 flushing with another's: waiting for the agent that asked", exited[0].name)
+        return True
 
     def _noticed(self, p: _Pass, current: list[WorkerObservation], signals: Sequence[Signal]) -> _Preemption | None:
         """The preemption ``signals`` announce for nodes (or workers) of ``current``, or None."""

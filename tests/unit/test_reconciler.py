@@ -458,6 +458,53 @@ def test_a_peer_that_held_a_notice_of_its_own_when_it_flushed_with_another_has_i
     assert avoided == sorted([heard.node.name, peer.node.name]), status.avoid
 
 
+def test_a_peer_whose_exit_75_is_seen_before_the_agent_that_asked_is_not_taken_for_it(world: World) -> None:
+    """Worker 1's agent heard a spot notice and its ranks flushed with worker 0's; worker 0's agent,
+    whose line says it heard none (``PEER_FLUSH``), exited first, and a pass saw its 75 while
+    worker 1's agent was still on its way out. That pass took the peer for the preemption: the
+    Event said worker 0 "heard a notice itself", its node was avoided, and the node going away was
+    not. The pass that sees only peers' 75s waits for the agent that asked."""
+    world.run_to(100)
+    peer, heard = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    world.backend.answered[heard.name] = "aws preemption: instance-action terminate"
+    world.backend.answered[peer.name] = PEER_FLUSH
+    step = world.backend.step_of(heard)
+    assert step is not None
+    world.backend._commit(step, attempt=0)  # the gang's flush, asked for by worker 1's agent
+    world.backend.exit(0, 0, EXIT_PREEMPTED)  # the peer's exit comes first
+
+    world.reconcile()  # sees the peer's 75 alone
+    world.clock.advance(1)
+    if heard.name in world.backend.workers:  # not stopped by that pass
+        world.backend.exit(0, 1, EXIT_PREEMPTED)
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.startswith(f"the agent of {heard.name} on node {heard.node.name} "), told.message
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", heard.node.name)], status.avoid
+    assert world.event_reasons()[-2:] == ["FlushCommitted", "Rescheduled"]
+    assert (status.preemptions, status.restarts) == (1, 0)
+
+
+def test_a_peer_exit_75_waits_for_the_agent_that_asked_no_longer_than_the_flush_timeout(world: World) -> None:
+    """The agent that asked never exits (it hangs): the peer's 75 is taken as it is once
+    flushTimeoutSeconds (30 s here) have passed, so the preemption is never left unhandled."""
+    world.run_to(100)
+    peer = world.backend.worker(0, 0)
+    world.backend.answered[peer.name] = PEER_FLUSH
+    step = world.backend.step_of(peer)
+    assert step is not None
+    world.backend._commit(step, attempt=0)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+    seen = world.clock.at()
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert world.clock.at() - seen >= 30
+    assert "AgentPreempted" in world.event_reasons()
+    assert status.preemptions == 1
+
+
 def test_an_agent_flush_recorded_before_its_exit_75_is_seen_is_still_that_flush_committed(tmp_path: Any) -> None:
     """Fails without the fix: an agent that held a notice (a GCE maintenance) flushed on its own; a
     pass recorded that checkpoint while the ranks were still stopping, and the next saw the exit 75.
