@@ -900,6 +900,12 @@ class Reconciler(_Capacity):
             for w in sorted(p.current(), key=lambda w: w.index)
             if not ended and (n := w.held_notice) is not None and w.phase is WorkerPhase.RUNNING
         ]
+        if p.asker_awaited:
+            # A peer that held a notice of its own exited with the others' flush: its node goes at
+            # the notice's deadline all the same. Kept until the exit of the agent that asked for
+            # the flush decides what is avoided (``_noticed_by_own_agent`` reads it then).
+            peers = {w.name for w in p.current() if w.flushed_for_peer}
+            held += [h for h in p.status.held_notices or () if h.worker in peers]
         # The next flush first: `kubectl get sj` shows heldNotices[0].flushAt (a printer column is
         # JSONPath only). Ties, and notices with no time (last), keep the workers' order.
         held.sort(key=_next_flush_first)

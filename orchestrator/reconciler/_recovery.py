@@ -191,13 +191,14 @@ class _Recovery(_FlushRequests):
 
     def _awaits_asker(self, p: _Pass, current: list[WorkerObservation], exited: list[WorkerObservation]) -> bool:
         """Every agent that exited 75 says its ranks only flushed the step another node's agent asked
-        for (``PEER_FLUSH``) and held no notice, while a worker of the attempt is still alive: the
-        agent that asked is among those, on its way out (the flush committed). Its exit line (or
-        its loss) names the node going away; taken now, the peers' 75s would name a peer and
-        avoid its node instead. Waited for up to ``flushTimeoutSeconds`` on this process's clock
-        (an agent that hangs), then the peers' exits are taken as they are."""
-        holding = {h.worker for h in p.status.held_notices or ()}
-        if not all(w.flushed_for_peer and w.name not in holding for w in exited):
+        for (``PEER_FLUSH``), while a worker of the attempt is still alive: the agent that asked is
+        among those, on its way out (the flush committed). Its exit line (or its loss) names the
+        node going away; taken now, the peers' 75s would name a peer and leave that node out of
+        the cool-down (a peer that held a notice of its own keeps its node avoided all the same:
+        ``_record_held_notices`` keeps its notice meanwhile). Waited for up to
+        ``flushTimeoutSeconds`` on this process's clock (an agent that hangs), then the peers'
+        exits are taken as they are."""
+        if not all(w.flushed_for_peer for w in exited):
             return False
         if not any(w.phase.alive and w.exit_code is None for w in current):
             return False

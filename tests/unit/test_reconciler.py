@@ -486,6 +486,43 @@ def test_a_peer_whose_exit_75_is_seen_before_the_agent_that_asked_is_not_taken_f
     assert (status.preemptions, status.restarts) == (1, 0)
 
 
+def test_a_peer_that_held_a_notice_and_exited_first_keeps_its_node_avoided_with_the_asker_s(
+    tmp_path: Any,
+) -> None:
+    """Worker 0's agent held a GCE maintenance (``status.heldNotices``) when worker 1's heard a
+    preemption; worker 0's ranks flushed with worker 1's and its 75 (``PEER_FLUSH``) was seen
+    first. Taken at once, only worker 0's node was avoided, not the one of the agent that asked;
+    waited for, the held notice must not be lost meanwhile (its worker no longer runs)."""
+    world = make_world(tmp_path)
+    world.run_to(100)
+    peer, heard = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    now = world.clock.now()
+    later = now + timedelta(minutes=55)
+    world.backend.held = {
+        peer.name: HeldNoticeReport("gcp", "maintenance", "MIGRATE_ON_HOST_MAINTENANCE", later, later, now)
+    }
+    world.run_to(world.clock.at() + 30)
+    world.backend.answered[heard.name] = "aws preemption: instance-action terminate"
+    world.backend.answered[peer.name] = PEER_FLUSH
+    step = world.backend.step_of(heard)
+    assert step is not None
+    world.backend._commit(step, attempt=0)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)  # the peer's exit comes first
+
+    world.reconcile()
+    world.clock.advance(1)
+    world.reconcile()
+    world.clock.advance(1)
+    if heard.name in world.backend.workers:
+        world.backend.exit(0, 1, EXIT_PREEMPTED)
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    avoided = sorted(a.value for a in status.avoid if a.kind == "node")
+    assert avoided == sorted([heard.node.name, peer.node.name]), status.avoid
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.startswith(f"the agent of {heard.name} on node "), told.message
+
+
 def test_a_peer_exit_75_waits_for_the_agent_that_asked_no_longer_than_the_flush_timeout(world: World) -> None:
     """The agent that asked never exits (it hangs): the peer's 75 is taken as it is once
     flushTimeoutSeconds (30 s here) have passed, so the preemption is never left unhandled."""
