@@ -65,6 +65,7 @@ from orchestrator.model import (
     CapacityType,
     Cause,
     HeldNotice,
+    NodeRef,
     Phase,
     RecoveryStatus,
     RestartRecord,
@@ -159,13 +160,11 @@ class _Recovery(_FlushRequests):
                 p.asker_awaited = True
                 continue
             if exited:
-                # The agent that heard the notice, where its exit line says so, rather than a peer
-                # whose ranks flushed the same step with it (its flush answered no notice of its own).
-                first = next((w for w in exited if w.flushed_for_own_notice), exited[0])
+                first = _asker(exited)
                 message = reason.message(worker=first.name, node=first.node, detail=_flush_detail(first))
                 message += _answered(first) if code == EXIT_PREEMPTED else ""
                 going = _noticed_by_own_agent(exited, p.status.held_notices)
-                return _Preemption(reason, message, _nodes(going), None, False)
+                return _Preemption(reason, message, _nodes_named_first(first, going), None, False)
 
         # No exit code, or stopped through its API by someone else. A stop beside a peer whose code
         # failed (or whose agent met an infrastructure error) is this controller's own stop of the
@@ -432,10 +431,10 @@ class _Recovery(_FlushRequests):
         # driver's request, and exited 75: the preemption it is on any pass.
         flushed = [w for w in current if w.name in before.preempted and w.exit_code == EXIT_PREEMPTED]
         if preemption is None and flushed:
-            first = next((w for w in flushed if w.flushed_for_own_notice), flushed[0])
+            first = _asker(flushed)
             message = AGENT_PREEMPTED.message(worker=first.name, node=first.node) + _answered(first)
-            going = _noticed_by_own_agent(flushed, p.status.held_notices)
-            preemption = _Preemption(AGENT_PREEMPTED, message, _nodes(going), None, heard_by_controller=False)
+            going = _nodes_named_first(first, _noticed_by_own_agent(flushed, p.status.held_notices))
+            preemption = _Preemption(AGENT_PREEMPTED, message, going, None, heard_by_controller=False)
         if preemption is not None:
             self._enter_flushing(p, preemption)
             recovery = status.recovery
@@ -661,6 +660,21 @@ def _answered(w: WorkerObservation) -> str:
         return ""
     said = w.flush_answered if len(w.flush_answered) <= 300 else f"{w.flush_answered[:300]} …"
     return f" (its flush answered {said})"
+
+
+def _asker(exited: list[WorkerObservation]) -> WorkerObservation:
+    """Of workers whose agents exited together, the one an Event names as the agent that heard the
+    notice: one whose exit line says so; else one whose line does not say; a peer whose line says
+    its ranks only flushed with another's (``PEER_FLUSH``) only when every line says that."""
+    return next(
+        (w for w in exited if w.flushed_for_own_notice), next((w for w in exited if not w.flushed_for_peer), exited[0])
+    )
+
+
+def _nodes_named_first(first: WorkerObservation, going: list[WorkerObservation]) -> list[NodeRef]:
+    """The nodes of ``going``, the named worker's first where it is one of them: the Event that names
+    it is told on ``nodes[0]``."""
+    return _nodes([first, *going] if first in going else going)
 
 
 def _noticed_by_own_agent(

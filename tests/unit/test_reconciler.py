@@ -431,6 +431,44 @@ def test_an_agent_whose_exit_line_does_not_say_what_its_flush_answered_has_its_n
     assert avoided == sorted([heard.node.name, unsaid.node.name]), status.avoid
 
 
+def test_agent_preempted_names_no_peer_whose_line_says_it_heard_none_when_another_line_does_not_say(
+    world: World,
+) -> None:
+    """Both agents exited 75 together: worker 0's line says its ranks only flushed with another's
+    (``PEER_FLUSH``), worker 1's says nothing (cut from its termination message, an older agent).
+    The Event named worker 0 as the agent that "heard a notice itself", quoting its line that it
+    heard none, and was told on worker 1's node, the one avoided."""
+    world.run_to(100)
+    peer, unsaid = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    world.backend.answered[peer.name] = PEER_FLUSH
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message == f"the agent of {unsaid.name} on node {unsaid.node.name} heard a notice itself and exited 75"
+    assert told.node == unsaid.node.name
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", unsaid.node.name)], status.avoid
+
+
+def test_agent_preempted_is_told_on_the_node_of_the_agent_it_names(world: World) -> None:
+    """Worker 1's line says it heard a notice, worker 0's says nothing: both nodes are avoided, and
+    the Event that names worker 1 was told on worker 0's node (the first of them)."""
+    world.run_to(100)
+    unsaid, heard = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    world.backend.answered[heard.name] = "aws preemption: instance-action terminate"
+    world.backend.agent_hears_notice(0, 1)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    [told] = [e for e in world.events.emitted if e.reason == "AgentPreempted"]
+    assert told.message.startswith(f"the agent of {heard.name} on node {heard.node.name} "), told.message
+    assert told.node == heard.node.name
+    assert sorted(a.value for a in status.avoid) == sorted([unsaid.node.name, heard.node.name])
+
+
 def test_a_peer_that_held_a_notice_of_its_own_when_it_flushed_with_another_has_its_node_avoided(
     tmp_path: Any,
 ) -> None:
