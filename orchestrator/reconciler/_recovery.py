@@ -125,6 +125,7 @@ class _Recovery(_FlushRequests):
         current = p.current()
         preemption = self._preemption(p, current)
         if preemption is not None:
+            p.asker_awaited = False  # other evidence decided (a 76, a worker lost)
             self._enter_flushing(p, preemption)
             return True
         if p.asker_awaited:
@@ -190,15 +191,17 @@ class _Recovery(_FlushRequests):
 
     def _awaits_asker(self, p: _Pass, current: list[WorkerObservation], exited: list[WorkerObservation]) -> bool:
         """Every agent that exited 75 says its ranks only flushed the step another node's agent asked
-        for (``PEER_FLUSH``), while a worker of the attempt is still alive: the agent that asked is
-        among those, on its way out (the flush committed). Its exit line (or its loss) names the
-        node going away; taken now, the peers' 75s would name a peer and leave that node out of
-        the cool-down (a peer that held a notice of its own keeps its node avoided all the same:
-        ``_record_held_notices`` keeps its notice meanwhile). Waited for up to
-        ``flushTimeoutSeconds`` on this process's clock (an agent that hangs), then the peers'
-        exits are taken as they are."""
+        for (``PEER_FLUSH``), while another worker of the attempt has not exited: the agent that
+        asked is among those, on its way out (the flush committed), or lost (the loss, judged next,
+        is then the preemption). Its exit line or its loss names the node going away; taken now,
+        the peers' 75s would name a peer and leave that node out of the cool-down (a peer that held
+        a notice of its own keeps its node avoided all the same: ``_record_held_notices`` keeps its
+        notice meanwhile). Waited for up to ``flushTimeoutSeconds`` on this process's clock (an
+        agent that hangs), then the peers' exits are taken as they are."""
         if not all(w.flushed_for_peer for w in exited):
             return False
+        if any(w.exit_code is None and not w.phase.alive for w in current) or p.seen - {w.name for w in current}:
+            return True  # a worker lost meanwhile, or missing from the listing: the loss decides
         if not any(w.phase.alive and w.exit_code is None for w in current):
             return False
         attempt, now = p.status.attempt.number, self._clock.monotonic()

@@ -561,6 +561,28 @@ def test_a_peer_that_held_a_notice_and_exited_first_keeps_its_node_avoided_with_
     assert told.message.startswith(f"the agent of {heard.name} on node "), told.message
 
 
+def test_a_peer_exit_75_seen_first_and_the_agent_that_asked_lost_avoids_the_lost_one_s_node(world: World) -> None:
+    """While a peer's 75 waits for the agent that asked, that agent's worker vanishes with its node:
+    the loss names the node going away (the peer's was avoided, the lost one's was not)."""
+    world.run_to(100)
+    peer, heard = world.backend.worker(0, 0), world.backend.worker(0, 1)
+    heard_node = heard.node.name
+    world.backend.answered[peer.name] = PEER_FLUSH
+    step = world.backend.step_of(heard)
+    assert step is not None
+    world.backend._commit(step, attempt=0)
+    world.backend.exit(0, 0, EXIT_PREEMPTED)
+
+    world.reconcile()
+    world.clock.advance(1)
+    if heard.name in world.backend.workers:
+        world.backend.vanish(0, 1)
+    status = world.run_until(phase_is(Phase.RESCHEDULING))
+
+    assert [(a.kind, a.value) for a in status.avoid] == [("node", heard_node)], status.avoid
+    assert status.preemptions == 1
+
+
 def test_a_peer_exit_75_waits_for_the_agent_that_asked_no_longer_than_the_flush_timeout(world: World) -> None:
     """The agent that asked never exits (it hangs): the peer's 75 is taken as it is once
     flushTimeoutSeconds (30 s here) have passed, so the preemption is never left unhandled."""
