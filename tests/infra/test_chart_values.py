@@ -319,12 +319,36 @@ def test_a_tag_or_digest_in_the_wrong_image_value_is_refused_naming_it(image: di
 
 
 @pytest.mark.parametrize(
+    ("repository", "part"),
+    [
+        ("registry.example.com/MyTeam/spotjob-controller", "MyTeam"),
+        ("Spotjob-Controller", "Spotjob-Controller"),
+        ("registry.example.com/ml/-controller", "-controller"),
+    ],
+)
+def test_a_repository_path_the_kubelet_refuses_is_refused_naming_it(repository: str, part: str) -> None:
+    """An image path is lower case (letters and digits joined by '.', '_', '__' or '-'): the chart
+    rendered registry.example.com/MyTeam/spotjob-controller as it was, `helm install` reported the
+    release deployed, and every controller pod stayed in InvalidImageName."""
+    proc = template({"image": {"repository": repository}})
+    assert proc.returncode != 0
+    assert f"image.repository {json.dumps(repository)}: its path part {json.dumps(part)}" in proc.stderr, proc.stderr
+    assert "InvalidImageName" in proc.stderr
+
+
+@pytest.mark.parametrize(
     ("image", "reference"),
     [
         (
             {"repository": "registry.example.com:5000/spotjob-controller"},
             "registry.example.com:5000/spotjob-controller:0.1.0",
         ),
+        # A registry host may have capitals (host names ignore case); the path after it may not.
+        (
+            {"repository": "Registry.Example.com/ml_team/spot__job.controller"},
+            "Registry.Example.com/ml_team/spot__job.controller:0.1.0",
+        ),
+        ({"repository": "localhost/ml/spotjob-controller"}, "localhost/ml/spotjob-controller:0.1.0"),
         ({"tag": "v0.2.0-rc.1_b7"}, "spotjob/spotjob-controller:v0.2.0-rc.1_b7"),
         ({"tag": f"0.2.0@{DIGEST}"}, f"spotjob/spotjob-controller:0.2.0@{DIGEST}"),
         ({"tag": "0.2.0", "digest": DIGEST}, f"spotjob/spotjob-controller@{DIGEST}"),

@@ -173,6 +173,18 @@ value made a reference the kubelet refuses (InvalidImageName), after `helm insta
 {{- if not (regexMatch "^([^/@\\s]+/)*[^/:@\\s]+$" .) }}
 {{- fail (printf "image.repository %q carries a tag or a digest (the image would be %s): give the repository alone, and the tag in image.tag or the digest in image.digest." . (include "spotjob.image" $)) }}
 {{- end }}
+{{- /* Past the registry (a first part with '.' or ':', localhost, or a capital letter), every part
+of the path is lower case: the kubelet refused Registry.io/MyOrg/controller's MyOrg the same way. */}}
+{{- $parts := splitList "/" . }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (regexMatch "[.:A-Z]" $first) (eq $first "localhost")) }}
+{{- $parts = rest $parts }}
+{{- end }}
+{{- range $parts }}
+{{- if not (regexMatch "^[a-z0-9]+(([.]|_|__|-+)[a-z0-9]+)*$" .) }}
+{{- fail (printf "image.repository %q: its path part %q is not lower-case letters and digits joined by '.', '_', '__' or '-', so the kubelet would refuse the image (InvalidImageName). Use the repository as your registry lists it, in lower case (a registry host may keep its capitals)." $.Values.image.repository .) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- with .Values.image.tag }}
 {{- if not (regexMatch "^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[a-f0-9]{64})?$" .) }}
