@@ -319,6 +319,40 @@ def test_a_tag_or_digest_in_the_wrong_image_value_is_refused_naming_it(image: di
 
 
 @pytest.mark.parametrize(
+    ("toleration", "said"),
+    [
+        ({"operator": "Equal", "value": "true"}, "tolerations[0] has no key, so its operator must be Exists"),
+        ({"key": "gpu", "operator": "Exists", "value": "true"}, 'tolerations[0] has operator Exists and value "true"'),
+        ({"key": "gpu", "tolerationSeconds": 60}, 'tolerations[0] sets tolerationSeconds with effect ""'),
+        (
+            {"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 60},
+            'tolerations[0] sets tolerationSeconds with effect "NoSchedule"',
+        ),
+    ],
+)
+def test_a_toleration_the_api_server_refuses_is_refused_naming_it(toleration: dict[str, Any], said: str) -> None:
+    """Each field passes the schema, the combination does not pass the API server's validation of
+    the Deployment, which `helm install` met after creating the CRD, the RBAC and the Secret."""
+    proc = template({"tolerations": [toleration]})
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "toleration",
+    [
+        {"operator": "Exists"},
+        {"key": "gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
+        {"key": "gpu", "value": "true"},
+    ],
+)
+def test_tolerations_the_api_server_takes_render(toleration: dict[str, Any]) -> None:
+    """Pins what already worked: tolerate everything, a NoExecute toleration for a while, Equal by default."""
+    [deployment] = [o for o in render({"tolerations": [toleration]}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["tolerations"] == [toleration]
+
+
+@pytest.mark.parametrize(
     ("repository", "part"),
     [
         ("registry.example.com/MyTeam/spotjob-controller", "MyTeam"),

@@ -191,6 +191,20 @@ of the path is lower case: the kubelet refused Registry.io/MyOrg/controller's My
 {{- fail (printf "image.tag %q is not an image tag (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-'): a digest (sha256:...) goes in image.digest." .) }}
 {{- end }}
 {{- end }}
+{{- /* Tolerations the API server refuses in the Deployment, after the rest of the release was
+created; the schema checks each field alone. */}}
+{{- range $i, $t := .Values.tolerations }}
+{{- $op := $t.operator | default "Equal" }}
+{{- if and (not $t.key) (ne $op "Exists") }}
+{{- fail (printf "tolerations[%d] has no key, so its operator must be Exists (it then tolerates every taint): set a key, or operator: Exists." $i) }}
+{{- end }}
+{{- if and (eq $op "Exists") $t.value }}
+{{- fail (printf "tolerations[%d] has operator Exists and value %q: the API server refuses a value with Exists. Drop the value, or use operator: Equal." $i $t.value) }}
+{{- end }}
+{{- if and (hasKey $t "tolerationSeconds") (ne (toString $t.effect) "NoExecute") }}
+{{- fail (printf "tolerations[%d] sets tolerationSeconds with effect %q: the API server takes tolerationSeconds only with effect NoExecute. Set effect: NoExecute, or drop tolerationSeconds." $i (toString ($t.effect | default ""))) }}
+{{- end }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
