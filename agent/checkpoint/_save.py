@@ -430,13 +430,23 @@ class _Saving(_Voting):
         except (KeyboardInterrupt, SystemExit) as e:
             interrupt = e
         try:
-            failed_rank = self._agree_on_step(step, failed=problem is not None or interrupt is not None)
+            keys = [str(k) for k in state] if isinstance(state, Mapping) else []
+            failed_rank, keys_differ = self._agree_on_step(
+                step, keys, failed=problem is not None or interrupt is not None
+            )
+            # Every rank learned it alike: every rank gathers the keys, whatever it prepared.
+            differ = _keys_differ(self._all_gather(keys, self._ctl_pg)) if keys_differ else []
         except BaseException:
             self._discard_prepared(save)
             raise
         if interrupt is not None:
             self._discard_prepared(save)
             raise interrupt
+        if differ:
+            self._discard_prepared(save)
+            raise SaveFailedError(
+                f"checkpoint of step {step} in {self.storage.uri} failed: {differ[0]}; nothing was written"
+            )
         if problem is not None or failed_rank is not None:
             self._discard_prepared(save)
             if isinstance(problem, ValueError | TypeError):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +35,18 @@ class _Vote:
 
     @classmethod
     def reduced(cls, values: list[int]) -> _Vote:
-        flush, early, due, failed, high, neg_low = values
+        flush, early, due, failed, high, neg_low = values[:6]  # then the keys' slots (_agree_on_step)
         return cls(bool(flush), bool(early), bool(due), failed - 1 if failed else None, -neg_low, high)
+
+
+_NO_KEYS = -(2**62)
+"""The state keys' slots of a per-step vote: below any key fingerprint, so that a vote paired with
+a save's agreement (a rank that saved alone) leaves the agreement's fingerprints as they are."""
+
+
+def _keys_fingerprint(keys: Iterable[str]) -> int:
+    """The same number on every rank whose state holds the same keys, in any order."""
+    return zlib.crc32("\0".join(sorted(str(k) for k in keys)).encode())
 
 
 class _Voting(_Retention):
@@ -103,25 +115,29 @@ class _Voting(_Retention):
         """Launch this step's vote; its result is read by the next ``step()``."""
         if not self._dist or self.world_size == 1:
             return
-        buf = torch.tensor([*self._local_flags(), step, -step], dtype=torch.int64)
+        buf = torch.tensor([*self._local_flags(), step, -step, _NO_KEYS, _NO_KEYS], dtype=torch.int64)
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg, async_op=True)
         self._votes.append((work, buf))
 
-    def _agree_on_step(self, step: int, failed: bool = False) -> int | None:
+    def _agree_on_step(self, step: int, keys: Iterable[str], failed: bool = False) -> tuple[int | None, bool]:
         """(every rank, before a save writes anything) Same step everywhere, or raise everywhere;
-        returns the highest rank that ``failed`` to prepare its part of the save (None: none did).
+        returns the highest rank that ``failed`` to prepare its part of the save (None: none did),
+        and whether the ranks' states hold other ``keys`` (every rank learns it alike).
 
         Shaped like the per-step vote, so that a rank that skipped this save (it saw another
         step) pairs it with its next vote, and both sides see the difference. The failure rides in
-        the vote's "save failed" slot, as rank + 1.
+        the vote's "save failed" slot, as rank + 1. The keys ride as a fingerprint, and its
+        negation: a rank whose state holds no module would not enter DCP's collectives, and the
+        others would wait there for it for ever.
         """
         if not self._dist or self.world_size == 1:
-            return self.rank if failed else None
-        buf = torch.tensor([0, 0, 0, self.rank + 1 if failed else 0, step, -step], dtype=torch.int64)
+            return (self.rank if failed else None), False
+        mine = _keys_fingerprint(keys)
+        buf = torch.tensor([0, 0, 0, self.rank + 1 if failed else 0, step, -step, mine, -mine], dtype=torch.int64)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._ctl_pg)
         values = [int(v) for v in buf.tolist()]
         self._check_same_step(_Vote.reduced(values), "save")
-        return values[3] - 1 if values[3] else None
+        return (values[3] - 1 if values[3] else None), values[6] != -values[7]
 
     def _check_same_step(self, vote: _Vote, call: str) -> None:
         if vote.lowest_step != vote.highest_step:

@@ -237,7 +237,9 @@ def test_ranks_whose_states_hold_other_keys_fail_the_save_and_the_restore_on_eve
     keys), so the very state that saved it could not restore it; and that restore raised
     MissingStateKeysError on rank 1 alone while rank 0 went on into the restore's next collective
     and waited there for ever. Now the save fails on every rank naming both lists, commits nothing,
-    and the restore raises on every rank, naming the rank."""
+    and the restore raises on every rank, naming the rank. A rank whose state holds no module at
+    all (nothing for DCP to write) left rank 0 waiting in DCP's collectives: the keys are now agreed
+    before anything is written."""
     uri, out = str(tmp_path / "ckpt"), tmp_path / "outcome"
     harness.torchrun(2, FAILURES, "keys-differ", "--uri", uri, "--out", str(out), timeout=120)
     for rank, text in enumerate(outcomes(out)):
@@ -251,4 +253,11 @@ def test_ranks_whose_states_hold_other_keys_fail_the_save_and_the_restore_on_eve
         assert lines[2].startswith("restore(uneven): MissingStateKeysError: checkpoint "), f"rank {rank}: {text}"
         assert "it lacks ['extra'] (the state of rank(s) [1] holds them)" in lines[2], f"rank {rank}: {text}"
         assert lines[3] == "restore(same): 1", f"rank {rank}: {text}"
+        # Rank 1's state holds no module: it has nothing for DCP to write, and rank 0 waited in
+        # DCP's collectives for it for ever. The keys are agreed before anything is written.
+        assert lines[4].startswith("save(3): SaveFailedError: checkpoint of step 3 in "), f"rank {rank}: {text}"
+        assert "rank 1's ['counter'] (only rank 0: ['model', 'optim', 'sched'], only rank 1: [])" in lines[4], (
+            f"rank {rank}: {text}"
+        )
+        assert "nothing was written" in lines[4], f"rank {rank}: {text}"
     assert committed_steps(uri) == [1]

@@ -31,8 +31,9 @@
         step(), save() and restore() after close(), each on every rank
     ckpt_failures.py keys-differ --uri U --out O
         save(1) of the same keys on every rank; then save(2) and restore() of a state whose rank 1
-        holds one key more ("extra"); then restore() of the same keys again; every rank records
-        each call's outcome
+        holds one key more ("extra"); then restore() of the same keys again; then save(3) of a state
+        whose rank 1 holds no module ("counter" only, so it has nothing for DCP to write); every
+        rank records each call's outcome
     ckpt_failures.py no-save-thread --uri U --out O --thread {spotjob-save,spotjob-name}
         async saves of steps 1, 2 and 3 (every_steps=1); the thread of step 2 named --thread cannot
         start (RuntimeError "can't start new thread", as under a pids or ulimit -u limit): the save
@@ -402,6 +403,7 @@ def after_close(args: argparse.Namespace, rank: int) -> None:
 def keys_differ(args: argparse.Namespace, rank: int) -> None:
     state = make_state(rank)
     uneven = {**state, "extra": Counter(rank)} if rank == 1 else state
+    bare = {"counter": state["counter"]} if rank == 1 else state
     lines = []
     with Checkpointer(args.uri, keep=None) as ckpt:
         for name, call in (
@@ -409,6 +411,7 @@ def keys_differ(args: argparse.Namespace, rank: int) -> None:
             ("save(2)", lambda: ckpt.save(2, uneven)),
             ("restore(uneven)", lambda: ckpt.restore(uneven)),
             ("restore(same)", lambda: ckpt.restore(state)),
+            ("save(3)", lambda: ckpt.save(3, bare)),
         ):
             try:
                 result = call()
