@@ -152,6 +152,25 @@ WRONG_TYPES = [
         {"metrics": {"prometheusRule": {"thresholds": {"reconcileErrorsWindow": "30m1h"}}}},
         "/metrics/prometheusRule/thresholds/reconcileErrorsWindow",
     ),
+    # Label values the API server refuses: they rendered, and `helm install` failed on the object
+    # (the Deployment, the ServiceMonitor) after the CRD, the RBAC and the Secret were created.
+    ({"podLabels": {"team": "ML Platform"}}, "/podLabels/team"),
+    ({"podLabels": {"cost-center": "x" * 64}}, "/podLabels/cost-center"),
+    ({"podLabels": {"owner": "-ml"}}, "/podLabels/owner"),
+    (
+        {"nodeSelector": {"node.kubernetes.io/instance-type": "m5.large,"}},
+        "/nodeSelector/node.kubernetes.io~1instance-type",
+    ),
+    (
+        {"metrics": {"serviceMonitor": {"labels": {"release": "kube prometheus"}}}},
+        "/metrics/serviceMonitor/labels/release",
+    ),
+    ({"metrics": {"prometheusRule": {"labels": {"release": "prom/stack"}}}}, "/metrics/prometheusRule/labels/release"),
+    ({"tolerations": [{"key": "gpu", "value": "nvidia a100"}]}, "/tolerations/0/value"),
+    # Names the API server refuses in every Kubernetes release the chart supports.
+    ({"extraEnv": [{"name": "AWS REGION", "value": "x"}]}, "/extraEnv/0/name"),
+    ({"extraEnv": [{"name": "1WORKERS", "value": "8"}]}, "/extraEnv/0/name"),
+    ({"extraEnv": [{"name": "WORKERS=8"}]}, "/extraEnv/0/name"),
 ]
 
 
@@ -292,6 +311,97 @@ def test_extra_env_may_carry_what_the_chart_does_not_set() -> None:
     env = [{"name": "AWS_REGION", "value": "eu-west-1"}, {"name": "SPOTJOB_WORKERS", "value": "8"}]
     [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"name": "TOKEN", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            "extraEnv: TOKEN has both value and valueFrom",
+        ),
+        (
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "fieldRef": {"fieldPath": "x"}}},
+            "extraEnv: TOKEN has valueFrom with 2 sources (fieldRef, secretKeyRef)",
+        ),
+        ({"name": "TOKEN", "valueFrom": {}}, "extraEnv: TOKEN has valueFrom with 0 sources"),
+    ],
+)
+def test_an_extra_env_the_api_server_refuses_is_refused_naming_it(env: dict[str, Any], said: str) -> None:
+    """Each field passes the schema; the API server refused the Deployment (value and valueFrom are
+    exclusive, and a valueFrom has exactly one source) after the rest of the release was created."""
+    proc = template({"extraEnv": [env]})
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+
+
+def test_extra_env_from_one_source_renders() -> None:
+    """Pins what already worked: a variable from a Secret, a name with '.' and '-', an empty value."""
+    env = [
+        {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "aws", "key": "id"}}},
+        {"name": "my.setting-x", "value": ""},
+    ]
+    [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"podLabels": {"Team Name": "ml"}}, 'podLabels: "Team Name" is no label key'),
+        ({"podLabels": {"team-": "ml"}}, 'podLabels: "team-" is no label key'),
+        ({"podLabels": {"c" * 64: "ml"}}, "podLabels: "),
+        ({"podLabels": {"Example.com/team": "ml"}}, 'its prefix "Example.com" is not a DNS subdomain'),
+        ({"podLabels": {"a/b/team": "ml"}}, "it has more than one '/'"),
+        ({"podLabels": {"/team": "ml"}}, 'its prefix "" is not a DNS subdomain'),
+        ({"podLabels": {"example.com/": "ml"}}, 'its name "" is not 1 to 63'),
+        ({"podLabels": {"x" * 254 + "/team": "ml"}}, "is not a DNS subdomain"),
+        ({"nodeSelector": {"node pool": "gpu"}}, 'nodeSelector: "node pool" is no label key'),
+        (
+            {"podAnnotations": {"prometheus.io scrape": "true"}},
+            'podAnnotations: "prometheus.io scrape" is no annotation key',
+        ),
+        ({"serviceAccount": {"annotations": {"owner team": "ml"}}}, 'serviceAccount.annotations: "owner team"'),
+        ({"metrics": {"service": {"annotations": {"a b": "x"}}}}, 'metrics.service.annotations: "a b"'),
+        (
+            {"metrics": {"serviceMonitor": {"labels": {"Release Name": "x"}}}},
+            'metrics.serviceMonitor.labels: "Release Name"',
+        ),
+        ({"metrics": {"prometheusRule": {"labels": {"a b": "x"}}}}, 'metrics.prometheusRule.labels: "a b"'),
+        ({"metrics": {"prometheusRule": {"annotations": {"a b": "x"}}}}, 'metrics.prometheusRule.annotations: "a b"'),
+        (
+            {"tolerations": [{"key": "nvidia gpu", "operator": "Exists"}]},
+            'tolerations[0].key: "nvidia gpu" is no taint key',
+        ),
+    ],
+)
+def test_a_label_or_annotation_key_the_api_server_refuses_is_refused_naming_it(
+    values: dict[str, Any], said: str
+) -> None:
+    """These rendered, and `helm install` failed on the object that carries them (the Deployment,
+    the ServiceAccount, the Service...) after the CRD, the RBAC and the Secret were created."""
+    proc = template(values)
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+    assert "is no " in proc.stderr and "Use a key such as" in proc.stderr, proc.stderr
+
+
+def test_labels_and_annotations_the_api_server_takes_render() -> None:
+    """Pins what already worked: prefixed keys, '_' and '.' inside, an empty value, 63 characters."""
+    labels = {"example.com/team": "ml_platform.v2", "cost-center": "", "Owner": "a" * 63, "x" * 63: "ml"}
+    selector = {"karpenter.sh/capacity-type": "on-demand", "node.kubernetes.io/instance-type": "m5.large"}
+    annotations = {"prometheus.io/scrape": "true", "a" * 253 + "/note": "any text, spaces and all"}
+    values = {
+        "podLabels": labels,
+        "nodeSelector": selector,
+        "podAnnotations": annotations,
+        "tolerations": [{"key": "nvidia.com/gpu", "value": "A100_80GB", "effect": "NoSchedule"}],
+    }
+    [deployment] = [o for o in render(values) if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert labels.items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["annotations"] == annotations
+    assert pod["spec"]["nodeSelector"] == selector
 
 
 DIGEST = "sha256:" + "a" * 64

@@ -123,6 +123,33 @@ A resource quantity of the schema's form (a number, or digits with an optional f
 {{- end }}
 
 {{/*
+Refuses a map's keys that are no Kubernetes label (or annotation) key (dict "value" NAME "map" MAP
+"what" "label"): an optional DNS-subdomain prefix of at most 253 characters and '/', then a name of
+at most 63 characters, letters and digits at both ends, '-', '_' and '.' between. The API server
+refused them only when it met the object, after the rest of the release was created; the values
+are checked by the schema, whose message for a key does not name the value it is in.
+*/}}
+{{- define "spotjob.validateKeys" -}}
+{{- $value := .value }}
+{{- $what := .what }}
+{{- range $key, $_ := .map }}
+{{- $parts := splitList "/" $key }}
+{{- $name := last $parts }}
+{{- $problem := "" }}
+{{- if gt (len $parts) 2 }}
+{{- $problem = "it has more than one '/'" }}
+{{- else if and (eq (len $parts) 2) (or (gt (len (first $parts)) 253) (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" (first $parts)))) }}
+{{- $problem = printf "its prefix %q is not a DNS subdomain (lower-case letters, digits, '-' and '.', at most 253 characters)" (first $parts) }}
+{{- else if or (gt (len $name) 63) (not (regexMatch "^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" $name)) }}
+{{- $problem = printf "its name %q is not 1 to 63 letters, digits, '-', '_' and '.', starting and ending with a letter or digit" $name }}
+{{- end }}
+{{- with $problem }}
+{{- fail (printf "%s: %q is no %s key the API server takes: %s. Use a key such as team or example.com/team." $value $key $what .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 Settings that no schema can check alone; failing here names the values to change.
 */}}
 {{- define "spotjob.validate" -}}
@@ -136,6 +163,14 @@ chart grants from the value, or from the downward API. */}}
 {{- range .Values.extraEnv }}
 {{- if hasKey $setEnv (toString .name) }}
 {{- fail (printf "extraEnv: %s is set by the chart from %s: set that instead" .name (get $setEnv (toString .name))) }}
+{{- end }}
+{{- /* The API server refuses both in one variable, and a valueFrom with no source or several,
+when it meets the Deployment, after the rest of the release was created. */}}
+{{- if and (hasKey . "value") (hasKey . "valueFrom") }}
+{{- fail (printf "extraEnv: %s has both value and valueFrom: the API server takes one or the other. Keep the one you mean." .name) }}
+{{- end }}
+{{- if and (hasKey . "valueFrom") (ne (len (keys (.valueFrom | default dict))) 1) }}
+{{- fail (printf "extraEnv: %s has valueFrom with %d sources (%s): the API server takes exactly one of fieldRef, resourceFieldRef, configMapKeyRef and secretKeyRef." .name (len (keys (.valueFrom | default dict))) (keys (.valueFrom | default dict) | sortAlpha | join ", ")) }}
 {{- end }}
 {{- end }}
 {{- /* Flags no value stands for that still break the release: the namespace the per-job
@@ -205,6 +240,20 @@ created; the schema checks each field alone. */}}
 {{- fail (printf "tolerations[%d] sets tolerationSeconds with effect %q: the API server takes tolerationSeconds only with effect NoExecute. Set effect: NoExecute, or drop tolerationSeconds." $i (toString ($t.effect | default ""))) }}
 {{- end }}
 {{- end }}
+{{- range $i, $t := .Values.tolerations }}
+{{- with $t.key }}
+{{- include "spotjob.validateKeys" (dict "value" (printf "tolerations[%d].key" $i) "map" (dict . "") "what" "taint") }}
+{{- end }}
+{{- end }}
+{{- /* Labels and annotations the chart writes on its objects, and the node labels the pods select. */}}
+{{- include "spotjob.validateKeys" (dict "value" "podLabels" "map" .Values.podLabels "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "nodeSelector" "map" .Values.nodeSelector "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "podAnnotations" "map" .Values.podAnnotations "what" "annotation") }}
+{{- include "spotjob.validateKeys" (dict "value" "serviceAccount.annotations" "map" .Values.serviceAccount.annotations "what" "annotation") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.service.annotations" "map" .Values.metrics.service.annotations "what" "annotation") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.serviceMonitor.labels" "map" .Values.metrics.serviceMonitor.labels "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.labels" "map" .Values.metrics.prometheusRule.labels "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.annotations" "map" .Values.metrics.prometheusRule.annotations "what" "annotation") }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
