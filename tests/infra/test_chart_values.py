@@ -336,13 +336,16 @@ def test_an_extra_env_the_api_server_refuses_is_refused_naming_it(env: dict[str,
 
 
 def test_extra_env_from_one_source_renders() -> None:
-    """Pins what already worked: a variable from a Secret, a name with '.' and '-', an empty value."""
+    """Pins what already worked: a variable from a Secret, a name with '.' and '-', an empty value,
+    and an empty value beside a valueFrom (the API server takes that: only a non-empty one it
+    refuses there)."""
     env = [
         {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "aws", "key": "id"}}},
         {"name": "my.setting-x", "value": ""},
+        {"name": "POD_IP", "value": "", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     [deployment] = [o for o in render({"extraEnv": env}) if o["kind"] == "Deployment"]
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == env
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["env"][-3:] == env
 
 
 @pytest.mark.parametrize(

@@ -164,9 +164,10 @@ chart grants from the value, or from the downward API. */}}
 {{- if hasKey $setEnv (toString .name) }}
 {{- fail (printf "extraEnv: %s is set by the chart from %s: set that instead" .name (get $setEnv (toString .name))) }}
 {{- end }}
-{{- /* The API server refuses both in one variable, and a valueFrom with no source or several,
-when it meets the Deployment, after the rest of the release was created. */}}
-{{- if and (hasKey . "value") (hasKey . "valueFrom") }}
+{{- /* The API server refuses a non-empty value beside a valueFrom (an empty one it takes), and a
+valueFrom with no source or several, when it meets the Deployment, after the rest of the release
+was created. */}}
+{{- if and .value (hasKey . "valueFrom") }}
 {{- fail (printf "extraEnv: %s has both value and valueFrom: the API server takes one or the other. Keep the one you mean." .name) }}
 {{- end }}
 {{- if and (hasKey . "valueFrom") (ne (len (keys (.valueFrom | default dict))) 1) }}
