@@ -376,6 +376,27 @@ def test_extra_env_from_one_source_renders() -> None:
             {"tolerations": [{"key": "nvidia gpu", "operator": "Exists"}]},
             'tolerations[0].key: "nvidia gpu" is no taint key',
         ),
+        (
+            {
+                "topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "zone name", "whenUnsatisfiable": "DoNotSchedule"}
+                ]
+            },
+            'topologySpreadConstraints[0].topologyKey: "zone name" is no label key',
+        ),
+        (
+            {
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                        "matchLabelKeys": ["pod-template-hash", "Pod Template"],
+                    }
+                ]
+            },
+            'topologySpreadConstraints[0].matchLabelKeys[1]: "Pod Template" is no label key',
+        ),
     ],
 )
 def test_a_label_or_annotation_key_the_api_server_refuses_is_refused_naming_it(
@@ -405,6 +426,42 @@ def test_labels_and_annotations_the_api_server_takes_render() -> None:
     assert labels.items() <= pod["metadata"]["labels"].items()
     assert pod["metadata"]["annotations"] == annotations
     assert pod["spec"]["nodeSelector"] == selector
+
+
+@pytest.mark.parametrize("name", ["team name", "9team", "__name__", "team-name"])
+def test_an_alert_label_prometheus_refuses_is_refused_naming_it(name: str) -> None:
+    """An alert label is a Prometheus label name (letters, digits and '_', no leading digit, no
+    leading '__'): the Prometheus Operator refused the rule group after the release was created."""
+    rule = {"enabled": True, "alertLabels": {name: "x"}}
+    proc = template({"metrics": {"prometheusRule": rule, "serviceMonitor": {"enabled": True}}})
+    assert proc.returncode != 0
+    assert f'metrics.prometheusRule.alertLabels: "{name}" is no Prometheus label name' in proc.stderr, proc.stderr
+
+
+def test_spread_constraints_and_alert_labels_prometheus_takes_render() -> None:
+    """Pins what already worked: a zone spread matching the pod-template hash, and alert labels
+    Prometheus takes."""
+    spread = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+    values = {
+        "topologySpreadConstraints": spread,
+        "metrics": {
+            "prometheusRule": {"enabled": True, "alertLabels": {"team": "ml", "_route": "pager", "Tier2": "x"}},
+            "serviceMonitor": {"enabled": True},
+        },
+    }
+    objects = render(values)
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] == spread
+    [rule] = [o for o in objects if o["kind"] == "PrometheusRule"]
+    labels = rule["spec"]["groups"][0]["rules"][0]["labels"]
+    assert {"team": "ml", "_route": "pager", "Tier2": "x"}.items() <= labels.items()
 
 
 DIGEST = "sha256:" + "a" * 64

@@ -255,6 +255,23 @@ created; the schema checks each field alone. */}}
 {{- include "spotjob.validateKeys" (dict "value" "metrics.serviceMonitor.labels" "map" .Values.metrics.serviceMonitor.labels "what" "label") }}
 {{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.labels" "map" .Values.metrics.prometheusRule.labels "what" "label") }}
 {{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.annotations" "map" .Values.metrics.prometheusRule.annotations "what" "annotation") }}
+{{- /* The node label a spread constraint counts domains by, and the pod labels it matches: label
+keys the API server checks when it meets the Deployment. */}}
+{{- range $i, $c := .Values.topologySpreadConstraints }}
+{{- with $c.topologyKey }}
+{{- include "spotjob.validateKeys" (dict "value" (printf "topologySpreadConstraints[%d].topologyKey" $i) "map" (dict . "") "what" "label") }}
+{{- end }}
+{{- range $j, $k := $c.matchLabelKeys }}
+{{- include "spotjob.validateKeys" (dict "value" (printf "topologySpreadConstraints[%d].matchLabelKeys[%d]" $i $j) "map" (dict $k "") "what" "label") }}
+{{- end }}
+{{- end }}
+{{- /* Alert labels are Prometheus label names, not Kubernetes keys: the Prometheus Operator (or
+Prometheus loading the rules) refuses another name, after the release was created. */}}
+{{- range $k, $_ := .Values.metrics.prometheusRule.alertLabels }}
+{{- if or (not (regexMatch "^[a-zA-Z_][a-zA-Z0-9_]*$" $k)) (hasPrefix "__" $k) }}
+{{- fail (printf "metrics.prometheusRule.alertLabels: %q is no Prometheus label name: letters, digits and '_', not starting with a digit, and not starting with '__' (reserved). Use a name such as team or alert_team." $k) }}
+{{- end }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail (printf "replicas is %d but leaderElection.enabled is false: two controllers without leader election would both act on every job. Set leaderElection.enabled=true or replicas=1." (int .Values.replicas)) }}
 {{- end }}
