@@ -562,10 +562,15 @@ class Agent(AgentRequests):
             self._peer_kill_at = time.monotonic() + self.config.exit_timeout
             if self._state not in ("stopping", "exited"):
                 self._state = "flushed"
+            # Kept, not flushed (release_held): this node goes at its deadline all the same, and a
+            # controller reading /status (or agent.json) before the agent exits avoids it then.
             held = self._held
-            self._holding.clear()  # the job has committed and is ending: nothing is left to hold
         if held is not None:
-            log.info("the %s notice held for %s needs no flush of its own", held.source, format_deadline(held.deadline))
+            log.info(
+                "the %s notice held for %s needs no flush of its own; still reported until the agent exits",
+                held.source,
+                format_deadline(held.deadline),
+            )
         log.info(
             "the ranks committed step %s at %s for a flush another node's agent asked for (no notice here): "
             "ending the command once they exit",

@@ -222,11 +222,17 @@ class AgentRequests:
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
-            if self._peer_result is not None:
-                log.info("%s notice (%s): the job has committed a flush already", notice.source, notice.detail)
-                return True  # nothing to hold: the ranks are on their way out
             # One entry per event: the cloud moving a held event (same id, new time) replaces it.
             self._holding[_held_key(notice)] = notice
+            if self._peer_result is not None:
+                # No flush for it (the ranks are on their way out), but its node goes at the
+                # deadline all the same: /status names it until the agent exits, for the controller.
+                log.info(
+                    "%s notice (%s): the job has committed a flush already; no flush of its own",
+                    notice.source,
+                    notice.detail,
+                )
+                return True
             if self._held is not notice:
                 log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
                 return True
@@ -258,8 +264,12 @@ class AgentRequests:
             log.info("%s withdrew its %s notice (%s)", notice.source, notice.kind.value, notice.detail)
 
     def release_held(self) -> None:
-        """(the watch loop) Start the flush of a held notice once its time has come."""
+        """(the watch loop) Start the flush of a held notice once its time has come; never once
+        the ranks committed another node's flush (``_peer_result``): the notice is only reported
+        then, until the agent exits."""
         with self._lock:
+            if self._peer_result is not None:
+                return
             held = self._held
         if held is None:
             return
@@ -267,7 +277,7 @@ class AgentRequests:
         if flush_at is not None and time.time() < flush_at:
             return
         with self._lock:
-            if self._held is not held:
+            if self._held is not held or self._peer_result is not None:
                 return
         log.info("%s notice held until now (deadline %s): flushing", held.source, format_deadline(held.deadline))
         try:
@@ -454,6 +464,8 @@ class AgentRequests:
             deadline = self._flush.deadline if self._flush is not None else None
         if deadline is None and self._flush is None:
             held = self._held
+            if held is not None and self._peer_result is not None:
+                return Window(True, f"{held.source} notice held: no flush of its own, the ranks committed another's")
             flush_at = self._flush_at(held) if held is not None else None
             if held is not None and flush_at is not None:
                 return Window(True, f"{held.source} notice held: its flush starts at {utc_stamp(flush_at)}")
