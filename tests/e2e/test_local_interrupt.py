@@ -37,7 +37,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -59,6 +58,7 @@ from local_run_support import (
     assert_same_final_state,
     clean_env,
     job_document,
+    process_states,
     tool,
     wait_for,
 )
@@ -317,18 +317,14 @@ def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_
     # As a terminal starts it: Ctrl-Z not ignored.
     driver = start(tmp_path, argv, preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
 
-    def states() -> set[str]:
-        out = set()
-        for pid in [driver.pid, *run_pids(str(run))]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                out.add(psutil.Process(pid).status())
-        return out
-
     try:
         wait_for(running(driver, run, log), "the run to train")
         wait_for(lambda: steps_reported(run) >= 3, "three steps")
         driver.send_signal(signal.SIGTSTP)
-        wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
+        wait_for(
+            lambda: process_states(driver, run) == {psutil.STATUS_STOPPED},
+            "the driver and every process of its run stopped",
+        )
         # A supervisor's stop of a paused process: the signal, then SIGCONT so that it is handled.
         driver.send_signal(signal.SIGTERM)
         driver.send_signal(signal.SIGCONT)

@@ -42,6 +42,7 @@ from local_run_support import (
     assert_same_final_state,
     clean_env,
     job_document,
+    process_states,
     tool,
     wait_for,
 )
@@ -189,20 +190,19 @@ def paused_then_stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     # As a terminal starts it: Ctrl-Z not ignored.
     driver = start_driver(tmp_path, argv, preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
 
-    def states() -> set[str]:
-        out = set()
-        for pid in [driver.pid, *run_pids(str(run))]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                out.add(psutil.Process(pid).status())
-        return out
-
     seen: dict[str, Any] = {}
     try:
         wait_training(driver, run, 5)
         driver.send_signal(signal.SIGTSTP)
-        wait_for(lambda: states() == {psutil.STATUS_STOPPED}, "the driver and every process of its run stopped")
+        wait_for(
+            lambda: process_states(driver, run) == {psutil.STATUS_STOPPED},
+            "the driver and every process of its run stopped",
+        )
         driver.send_signal(signal.SIGCONT)
-        wait_for(lambda: psutil.STATUS_STOPPED not in states(), "the driver and every process of its run resumed")
+        wait_for(
+            lambda: psutil.STATUS_STOPPED not in process_states(driver, run),
+            "the driver and every process of its run resumed",
+        )
         seen["running"] = run_pids(str(run))
         # Until it exits, as a supervisor repeats it: the ones after its stop must not change its
         # exit 130 (one that came once the handler was given back ended it by the signal, -15).

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -27,11 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from ckpt_compare import differences  # tests/ckpt_compare.py, shared by every suite
 
 from agent.ranks import free_port
+from orchestrator.backends.local_cloud import run_pids
 
 REPO = Path(__file__).resolve().parents[3]
 TRAIN = REPO / "examples" / "train.py"
@@ -123,3 +126,13 @@ def job_document(run: Path) -> dict[str, Any]:
         return dict(json.loads((run / "local" / f"{run.name}.json").read_text()))
     except (FileNotFoundError, ValueError):
         return {}
+
+
+def process_states(driver: subprocess.Popen[Any], run: Path) -> set[str]:
+    """The psutil states of a ``spotjob run`` driver and of every process of its run (found by the
+    run's marker): ``{"stopped"}`` once a Ctrl-Z paused them all."""
+    out = set()
+    for pid in [driver.pid, *run_pids(str(run))]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.add(psutil.Process(pid).status())
+    return out
