@@ -13,6 +13,7 @@ from botocore.exceptions import (
     ClientError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    FlexibleChecksumError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
@@ -233,6 +234,10 @@ def _storage_error(
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; check {_endpoint_source()}", key)
     if isinstance(e, SSLError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}; {_tls_hint(_endpoint_source())}", key)
+    if isinstance(e, FlexibleChecksumError):
+        # botocore's own check of an answer's body against the checksum the store sent with it
+        # (a GET with ChecksumMode=ENABLED): the bytes were damaged on the way, as GCS's DataCorruption.
+        return TransientStorageError(f"{what}: {e}", key)
     if isinstance(e, ReadTimeoutError):
         return _timed_out(e, what, key, "no answer within", "SPOTJOB_STORAGE_READ_TIMEOUT_S")
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):

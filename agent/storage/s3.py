@@ -96,6 +96,7 @@ from agent.storage._transfer import (
     check_local_crc,
     check_size,
     crc32c_concat,
+    crc_from_b64,
     crc_to_b64,
     download_verified,
     read_at,
@@ -220,6 +221,21 @@ def _unusable_endpoint(why: str) -> ValueError:
         f"{where} ({why}; its value is not repeated here) is not a URL that S3 requests can go to: write "
         "the scheme, host and port only, e.g. http://127.0.0.1:9000 or https://s3.example.com"
     )
+
+
+def _stored_crc32c(resp: dict[str, Any]) -> int | None:
+    """The whole object's CRC32C a GetObject answer says (asked with ``ChecksumMode=ENABLED``),
+    or None where it says none: no CRC32C kept, or a ``COMPOSITE`` one (``<base64>-<parts>``, a
+    CRC of the parts' CRCs, which the bytes alone cannot be checked against), or one that is not
+    four bytes of base64 (a store's own spelling, left unchecked rather than refused)."""
+    said = resp.get("ChecksumCRC32C")
+    if not isinstance(said, str) or "-" in said or resp.get("ChecksumType") == "COMPOSITE":
+        return None
+    try:
+        raw = base64.b64decode(said, validate=True)
+    except ValueError:
+        return None
+    return crc_from_b64(said) if len(raw) == 4 else None
 
 
 class S3Storage(PrefixedKeys, Storage):
@@ -617,14 +633,25 @@ class S3Storage(PrefixedKeys, Storage):
         against ``max_bytes`` before a byte of the body is read, and no more than ``max_bytes + 1``
         bytes are read whatever it says. Its ``LastModified`` is what the HEAD said. A missing key
         is S3's ``NoSuchKey``, which says the bucket exists (a missing one is ``NoSuchBucket``); a
-        bare 404 (a gateway) asks about the bucket once, as after a HEAD."""
+        bare 404 (a gateway) asks about the bucket once, as after a HEAD.
+
+        The GET asks for the object's stored checksum (``ChecksumMode=ENABLED``, unless
+        ``s3_checksum_headers`` is off: a store that refuses ``x-amz-checksum-*`` headers refuses
+        that one too), and the bytes are checked against its CRC32C, as GCS's are against
+        ``x-goog-hash``: a mismatch is a ``TransientStorageError`` (damaged on the way; read again
+        within the retries, then raised). Every object spotjob writes carries a CRC32C on a store
+        that keeps it. Nothing is checked when the answer carries no whole-object CRC32C: an object
+        another tool wrote without one (or with another algorithm: CRC32, CRC64NVME, SHA), a
+        multipart object whose checksum is ``COMPOSITE`` (a CRC of its parts' CRCs, ``...-N``), a
+        store that keeps no checksums (moto unless the upload names its algorithm)."""
         obj = self._object_key(key)
         url = self.url(key)
         what = f"GET {url}"
+        mode = {"ChecksumMode": "ENABLED"} if self._checksums else {}
 
         def read() -> tuple[bytes, ObjectInfo]:
             try:
-                resp = self._client.get_object(Bucket=self.bucket, Key=obj)
+                resp = self._client.get_object(Bucket=self.bucket, Key=obj, **mode)
             except ClientError as e:
                 if _status_and_code(e)[1] == "NoSuchKey":
                     self._bucket_seen = True
@@ -639,6 +666,13 @@ class S3Storage(PrefixedKeys, Storage):
             finally:
                 body.close()
             small_body(url, what, key, data, size, max_bytes)
+            said = _stored_crc32c(resp)
+            if said is not None and (got := crc32c_bytes(data)) != said:
+                raise TransientStorageError(
+                    f"{what}: the store says the object's CRC32C is {said:08x}, the bytes read have "
+                    f"{got:08x}: damaged on the way (or where they are kept)",
+                    key,
+                )
             return data, ObjectInfo(key, len(data), store_time(resp.get("LastModified")))
 
         return self._read_small(what, key, read)

@@ -37,6 +37,7 @@ from agent.storage import (
 )
 from agent.storage import gs as gs_backend
 from agent.storage import s3 as s3_backend
+from agent.storage._transfer import crc_to_b64
 from agent.storage.base import get_files, parallel_map, put_files
 
 try:
@@ -418,6 +419,65 @@ def test_s3_deletes_a_folder_holding_keys_that_xml_cannot_carry(
     assert sorted(o.key for o in store.list("step-000000001/")) == sorted(keys)
     store.delete_prefix("step-000000001/")
     assert [o.key for o in store.list()] == ["step-000000002/MANIFEST.json"]
+
+
+def test_s3_reads_a_small_object_only_when_its_bytes_match_the_crc32c_the_store_keeps(
+    fresh_uri: Callable[[str], str],
+    make_storage: Callable[[str], Storage],
+    s3_client: Any,
+    fast_retries: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``get_small`` (manifests, owner and attempt records, claims) checked no checksum on S3, where
+    GCS's checks ``x-goog-hash``. moto keeps the CRC32C an upload names (with its algorithm) without
+    checking it: an object stored with the CRC32C of other bytes stands for one damaged on the way.
+    One with no CRC32C kept, or a composite one (a multipart object's), is read unchecked."""
+    uri = fresh_uri("s3")
+    bucket, prefix = urlparse(uri).netloc, urlparse(uri).path.strip("/")
+    store = make_storage(uri)
+    body, other = b'{"step": 1}', b'{"step": 2}'
+
+    def put(key: str, crc: int, data: bytes = body) -> None:
+        s3_client.put_object(
+            Bucket=bucket, Key=f"{prefix}/{key}", Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc_to_b64(crc)
+        )
+
+    put("step-1/MANIFEST.json", crc32c_bytes(other))
+    caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+    with pytest.raises(TransientStorageError) as caught:
+        store.get_small("step-1/MANIFEST.json", 100)
+    said = str(caught.value)
+    assert f"CRC32C is {crc32c_bytes(other):08x}" in said and "step-1/MANIFEST.json" in said, said
+    assert len(retry_lines(caplog)) == 4, "read again within the retries, as any fault in transit"
+
+    # An empty body ends at the first read, where botocore checks it itself: the same error.
+    put("step-1/empty.json", crc32c_bytes(other), b"")
+    with pytest.raises(TransientStorageError, match=r"step-1/empty\.json"):
+        store.get_small("step-1/empty.json", 100)
+
+    put("step-2/MANIFEST.json", crc32c_bytes(body))
+    assert store.get_small("step-2/MANIFEST.json", 100)[0] == body
+
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/step-3/MANIFEST.json", Body=body)  # no CRC32C kept
+    assert store.get_small("step-3/MANIFEST.json", 100)[0] == body
+
+    key = f"{prefix}/step-4/MANIFEST.json"
+    upload = s3_client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
+    part = s3_client.upload_part(
+        Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=body, ChecksumCRC32C=crc_to_b64(crc32c_bytes(body))
+    )
+    s3_client.complete_multipart_upload(
+        Bucket=bucket,
+        Key=key,
+        UploadId=upload,
+        MultipartUpload={
+            "Parts": [{"PartNumber": 1, "ETag": part["ETag"], "ChecksumCRC32C": crc_to_b64(crc32c_bytes(body))}]
+        },
+    )
+    kept = s3_client.get_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    kept["Body"].close()
+    assert kept["ChecksumCRC32C"].endswith("-1"), kept  # composite: a CRC of the parts' CRCs
+    assert store.get_small("step-4/MANIFEST.json", 100)[0] == body
 
 
 def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(
