@@ -178,6 +178,8 @@ def _storage_error(
         if status == 501 or code == "NotImplemented":
             hint = _not_implemented_hint(e.response.get("Error", {}).get("Header"))
             return PermanentStorageError(f"{text}; {hint}", key)
+        if code in _DAMAGED_ON_THE_WAY_CODES:
+            return TransientStorageError(f"{text}; {_DAMAGED_ON_THE_WAY_HINT}", key)
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text, key)
         if code == "NoSuchBucket":
@@ -289,3 +291,14 @@ def _without_userinfo(text: str) -> str:
 
 # Answers that say the checksum itself was wrong: the bytes were damaged, the headers were understood.
 _CHECKSUM_MISMATCH_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
+
+# Of those, the ones that say what arrived differs from the checksum sent with it (Content-MD5 or
+# x-amz-checksum-*): the bytes were damaged on the way, and sending them again can succeed, as GCS's
+# DataCorruption is retried. InvalidDigest (a Content-MD5 that is not an MD5 at all) is the request's
+# own fault and stays permanent. A CompleteMultipartUpload's mismatch of its whole-object checksum is
+# told apart before this (``S3Storage._refuses_full_object_checksum``: a store with composite-only
+# checksums); a store that always disagrees fails after the bounded retries, as for any 5xx.
+_DAMAGED_ON_THE_WAY_CODES = frozenset({"BadDigest", "XAmzContentChecksumMismatch"})
+_DAMAGED_ON_THE_WAY_HINT = (
+    "the bytes the store received do not match their checksum: damaged on the way; sent again within the retries"
+)

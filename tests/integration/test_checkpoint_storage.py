@@ -147,6 +147,24 @@ def test_a_save_rides_out_throttling_and_a_dropped_connection(
     assert_same(state, saved[1], "the state restored after a faulty save")
 
 
+@pytest.mark.parametrize("faulty_uri", ["s3"], indirect=True)
+@pytest.mark.parametrize("code", ["BadDigest", "XAmzContentChecksumMismatch"])
+def test_an_s3_upload_the_store_says_arrived_damaged_is_sent_again_and_the_save_commits(
+    faulty_uri: tuple[str, str, FaultProxy], code: str, tmp_path: Path
+) -> None:
+    """S3's answer to bytes that do not match the checksum sent with them (Content-MD5, the
+    CRC32C header) failed the save at once as a permanent error, where GCS retries bytes damaged
+    on the way: sent again, the upload goes through."""
+    scheme, uri, proxy = faulty_uri
+    damaged = proxy.fail(1, 400, code=code, message="the checksum does not match the bytes", **data_upload(scheme))
+    saved = save_steps(uri, 1, keep=3, staging=tmp_path)
+    assert damaged.served == 1
+    assert manifest_writes(scheme, proxy, saves=1) == 1
+    step, state = restore(uri, tmp_path)
+    assert step == 1
+    assert_same(state, saved[1], "the state restored after an upload damaged on the way")
+
+
 @pytest.mark.parametrize("status", [403, 503], ids=["denied", "5xx-past-the-retries"])
 def test_a_save_that_cannot_upload_fails_loudly_and_commits_nothing(
     faulty_uri: tuple[str, str, FaultProxy], status: int, tmp_path: Path
