@@ -360,6 +360,39 @@ def s3_environment(endpoint: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def s3_floor_transfer() -> tuple[Any, Any, Any]:
+    """(upload ``TransferConfig``, download ``TransferConfig``, botocore ``Config``) for an S3 floor
+    that moves the bytes as spotjob's store does: its multipart threshold, part sizes and
+    parallelism (``TransferSettings.from_env()``, the settings in force) and as many pooled
+    connections. Every benchmark's S3 floor uses these, so that none is given more parts in flight,
+    or parts where spotjob sends one PUT, than what it is compared with."""
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    from agent.storage._transfer import TransferSettings
+
+    settings = TransferSettings.from_env()
+    upload = TransferConfig(
+        multipart_threshold=settings.multipart_threshold,
+        multipart_chunksize=settings.upload_part_size,
+        max_concurrency=settings.concurrency,
+        use_threads=True,
+    )
+    download = TransferConfig(
+        multipart_threshold=settings.multipart_threshold,
+        multipart_chunksize=settings.part_size,
+        max_concurrency=settings.concurrency,
+        use_threads=True,
+    )
+    return upload, download, Config(max_pool_connections=settings.concurrency + 2)
+
+
+def s3_object_parts(client: Any, bucket: str, key: str) -> int:
+    """How many parts an S3 object went up in: 1 for a single PUT (its ETag has no ``-N`` suffix)."""
+    etag = client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+    return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1
+
+
 def start_fake_gcs(attempts: int = 5) -> Any:
     """A started ``FakeGCSServer`` whose own process holds the listening socket on its port.
 

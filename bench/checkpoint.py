@@ -78,6 +78,7 @@ from bench._common import (
     remove,
     reset_peak_rss,
     s3_environment,
+    s3_floor_transfer,
     tree_bytes,
     write_results,
 )
@@ -1442,35 +1443,18 @@ def _s3_if(backends: list[str], bench: CheckpointBench) -> Iterator[str | None]:
         yield None
         return
     import boto3
-    from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
-
-    from agent.storage._transfer import TransferSettings
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         log("moto S3 listening at %s (its own process)", endpoint)
         # The floor: boto3's transfer manager with spotjob's part sizes (upload parts, download
         # ranges) and parallelism, and no checksum work (spotjob's CRC32C is the only checksum it
         # pays for; a floor pays none).
-        settings = TransferSettings.from_env()
-        bench.transfer_config = TransferConfig(
-            multipart_threshold=settings.multipart_threshold,
-            multipart_chunksize=settings.upload_part_size,
-            max_concurrency=settings.concurrency,
-            use_threads=True,
-        )
-        bench.download_config = TransferConfig(
-            multipart_threshold=settings.multipart_threshold,
-            multipart_chunksize=settings.part_size,
-            max_concurrency=settings.concurrency,
-            use_threads=True,
-        )
+        bench.transfer_config, bench.download_config, pool = s3_floor_transfer()
         bench.s3 = boto3.session.Session().client(
             "s3",
-            config=Config(
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                max_pool_connections=settings.concurrency + 2,
+            config=pool.merge(
+                Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
             ),
         )
         bench.s3.create_bucket(Bucket=S3_BUCKET)

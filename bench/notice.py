@@ -53,6 +53,8 @@ from bench._common import (
     log,
     moto_s3_server,
     s3_environment,
+    s3_floor_transfer,
+    s3_object_parts,
     write_results,
 )
 from bench.checkpoint import build_workload, state_tensors, write_raw
@@ -82,39 +84,46 @@ def _fresh_uri(backend: str, scratch: str, tag: str) -> str:
     return f"s3://{bucket}/run"
 
 
-def _floor(backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int) -> tuple[float, float | None]:
-    """(the floor, the S3 floor with a full-object CRC32C or None): seconds."""
+def _floor(
+    backend: str, scratch: str, tensors: list[torch.Tensor], nbytes: int
+) -> tuple[float, float | None, int | None]:
+    """(the floor, the S3 floor with a full-object CRC32C or None, the parts the S3 floor's upload
+    went up in or None): seconds, seconds, a count."""
     raw = os.path.join(scratch, "raw.bin")
     t0 = time.monotonic()
     write_raw(raw, tensors)
     write_s = time.monotonic() - t0
     if backend == "file":
         os.unlink(raw)
-        return write_s, None
+        return write_s, None, None
     if backend == "gs":
-        return _gcs_floor(raw), None
+        return _gcs_floor(raw), None, None
     import boto3
 
-    s3 = boto3.client("s3")
+    # spotjob's threshold, part size and parallelism (boto3's defaults are 10 parts in flight, and
+    # parts from 8 MiB where spotjob sends one PUT up to 64 MiB).
+    transfer, _download, pool = s3_floor_transfer()
+    s3 = boto3.client("s3", config=pool)
     bucket = f"notice-floor-{int(time.time() * 1000) % 10**9}"
     s3.create_bucket(Bucket=bucket)
     t0 = time.monotonic()
-    s3.upload_file(raw, bucket, "raw.bin")
+    s3.upload_file(raw, bucket, "raw.bin", Config=transfer)
     up = time.monotonic() - t0
+    parts = s3_object_parts(s3, bucket, "raw.bin")
     s3.delete_object(Bucket=bucket, Key="raw.bin")
     # The same upload asked to have S3 check the whole object's CRC32C, as spotjob's is. The CRC
     # is computed before the clock starts: a floor has it for free (spotjob's is computed while
     # the shard is written).
     whole = crc_to_b64(crc32c_file(raw)[0])
     t0 = time.monotonic()
-    s3.upload_file(raw, bucket, "raw.bin", ExtraArgs={"ChecksumCRC32C": whole})
+    s3.upload_file(raw, bucket, "raw.bin", ExtraArgs={"ChecksumCRC32C": whole}, Config=transfer)
     checked = time.monotonic() - t0
     kind = s3.head_object(Bucket=bucket, Key="raw.bin", ChecksumMode="ENABLED").get("ChecksumType")
-    if nbytes >= 8 * 2**20 and kind != "FULL_OBJECT":  # boto3 uploads 8 MiB and up in parts
+    if nbytes >= transfer.multipart_threshold and kind != "FULL_OBJECT":  # a multipart upload
         raise RuntimeError(f"the checked floor's upload got a {kind!r} checksum, not FULL_OBJECT")
     os.unlink(raw)
     s3.delete_object(Bucket=bucket, Key="raw.bin")
-    return up, checked
+    return up, checked, parts
 
 
 def _gcs_floor(raw: str) -> float:
@@ -172,8 +181,10 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         shutil.rmtree(control, ignore_errors=True)
         if backend == "file":
             shutil.rmtree(uri, ignore_errors=True)
-        floor, checked = _floor(backend, scratch, tensors, work.state_bytes)
+        floor, checked, parts = _floor(backend, scratch, tensors, work.state_bytes)
         out["floor_s"].append(floor)
+        if parts is not None:
+            out["floor_upload_parts"] = parts
         if checked is not None:
             out["floor_checked_s"].append(checked)
         log(

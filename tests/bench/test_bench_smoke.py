@@ -295,6 +295,14 @@ def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
     for row in data["notice"]:
         assert len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1, row
     assert len(data["notice"][1]["floor_checked_s"]) == 1  # S3's second floor, with the full-object CRC32C
+    # The S3 floor moves the bytes as spotjob's store does: below its multipart threshold (64 MiB)
+    # one PUT, not boto3's default of 8 MiB parts, 10 at once (which gave the floor parallelism
+    # spotjob's upload of the same 12.6 MB never has).
+    from agent.storage._transfer import TransferSettings
+
+    s3_row = data["notice"][1]
+    assert s3_row["state_bytes"] < TransferSettings().multipart_threshold
+    assert s3_row["floor_upload_parts"] == 1, s3_row
     assert "### Notice to commit" in md and "floor with full-object CRC32C" in md
     for backend in ("file", "s3", "gs"):
         assert f"| {backend} | 12.60 MB |" in md, backend
