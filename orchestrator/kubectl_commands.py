@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.catalog import CheckpointStatus, list_checkpoints
+from agent.control_channel import ENV_START_FRESH
 from agent.ownership import OwnershipError
 from agent.storage import StorageError, parse_uri
 from orchestrator.ckpt_common import CommandError
@@ -69,10 +70,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         # variable without its scheme, or ending in '/'). ManifestError is a ValueError too, but
         # inspect keeps those as a checkpoint's reason.
         raise PluginError(f"cannot open the store of {uri} on this machine: {e}") from e
-    resume = next((s for s in statuses if s.valid), None)
+    resume = _restore_walk(statuses)
     if args.output == "json":
         for doc, s in zip(docs, statuses, strict=True):
-            doc["resumesFromThis"] = s is resume
+            doc["resumesFromThis"] = s is resume and s.valid
         print_json(docs)
         return EXIT_OK
     if not statuses:
@@ -80,14 +81,43 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return EXIT_OK
     print_table(LIST_HEADERS, list_rows(statuses))
     print(file=sys.stderr)
-    print(_resume_line(uri, resume), file=sys.stderr)
+    print(_resume_line(uri, resume, statuses), file=sys.stderr)
     return EXIT_OK
 
 
-def _resume_line(uri: str, resume: CheckpointStatus | None) -> str:
-    if resume is None:
-        return f"None of the checkpoints under {uri} is valid: the next attempt would start from scratch."
-    return f"The next attempt resumes from {resume.ref.folder} (step {resume.ref.step}), the newest valid one."
+def _restore_walk(statuses: list[CheckpointStatus]) -> CheckpointStatus | None:
+    """Where a restore's walk, newest first, ends (``agent.checkpoint``'s ``restore``): it passes
+    over what a fresh start retired and what is invalid, and stops at the first valid checkpoint,
+    or at one a newer spotjob wrote (it never goes back in time past that one); None when it
+    reaches the end."""
+    for s in statuses:
+        if s.retired:
+            continue
+        if s.valid or s.newer_format:
+            return s
+    return None
+
+
+def _resume_line(uri: str, stop: CheckpointStatus | None, statuses: list[CheckpointStatus]) -> str:
+    if stop is not None and stop.valid:
+        return f"The next attempt resumes from {stop.ref.folder} (step {stop.ref.step}), the newest valid one."
+    if stop is not None:
+        return (
+            f"The next attempt does not go back to an older checkpoint: {stop.ref.folder} (step {stop.ref.step}) "
+            f"was written by a newer spotjob than this one ({' '.join(stop.reason.split())}). The job's restore "
+            "loads it if the job runs that spotjob or a later one, and refuses otherwise: upgrade spotjob where "
+            "the job runs."
+        )
+    # A restore starts from step 0 only where no committed checkpoint of the job's own is there:
+    # over one it cannot load, it refuses rather than train again from scratch.
+    own = [s for s in statuses if s.committed and not (s.retired or s.foreign or s.fenced)]
+    if own:
+        return (
+            f"None of the checkpoints under {uri} is valid, and {len(own)} of them are the job's own committed "
+            "ones: the next attempt's restore refuses to start from scratch over them (set "
+            f"{ENV_START_FRESH}=1 in the job's env to start from step 0 on purpose; they are kept, set aside)."
+        )
+    return f"None of the checkpoints under {uri} is valid: the next attempt would start from scratch."
 
 
 # ----------------------------------------------------------------------------------------------

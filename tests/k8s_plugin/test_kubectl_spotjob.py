@@ -499,6 +499,52 @@ def test_checkpoints_reads_the_jobs_uri_newest_first_and_judges_each_as_a_restor
     ]
 
 
+def test_checkpoints_names_where_a_restore_stops_not_an_older_one_past_a_newer_spotjobs(
+    cluster: TestCluster, namespace: str, spotjob: Run, tmp_path: Path
+) -> None:
+    """A restore stops at a checkpoint a newer spotjob wrote (it loads it, or refuses, saying to
+    upgrade) and refuses to start from scratch over committed checkpoints of the job's own that it
+    cannot load: the plugin said it resumes from the older valid one, or starts from scratch."""
+    uri = str(tmp_path / "ckpt")
+    job_id = f"{namespace}/newer"
+    storage = open_storage(uri)
+    claim(storage, job_id)
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    commit_checkpoint(storage, 100, when, job=job_id)
+    commit_checkpoint(storage, 200, when + timedelta(minutes=5), job=job_id)
+    manifest = tmp_path / "ckpt" / "step-000000200" / "MANIFEST.json"
+    raw = json.loads(manifest.read_text())
+    raw["format_version"] = raw["format_version"] + 1  # written by a newer spotjob
+    manifest.write_text(json.dumps(raw))
+    create_job(cluster, namespace, "newer", uri=uri)
+
+    proc = spotjob("checkpoints", "newer", "-n", namespace)
+
+    assert rows(ok(proc))["100"][-1] == "valid"
+    assert "resumes from step-000000100" not in proc.stderr
+    assert "does not go back to an older checkpoint: step-000000200 (step 200)" in proc.stderr
+    assert "upgrade spotjob where the job runs" in proc.stderr
+    docs = json.loads(ok(spotjob("checkpoints", "newer", "-n", namespace, "-o", "json")))
+    assert [(d["step"], d["resumesFromThis"]) for d in docs] == [(200, False), (100, False)]
+
+    # Only invalid committed checkpoints of the job's own: the restore refuses, not step 0.
+    uri2 = str(tmp_path / "broken")
+    storage = open_storage(uri2)
+    claim(storage, f"{namespace}/broken")
+    commit_checkpoint(storage, 100, when, job=f"{namespace}/broken")
+    for f in (tmp_path / "broken" / "step-000000100").iterdir():
+        if f.name != "MANIFEST.json":
+            f.unlink()
+    create_job(cluster, namespace, "broken", uri=uri2)
+
+    proc = spotjob("checkpoints", "broken", "-n", namespace)
+
+    ok(proc)
+    assert "would start from scratch" not in proc.stderr
+    assert "the next attempt's restore refuses to start from scratch over them" in proc.stderr
+    assert "SPOTJOB_START_FRESH=1" in proc.stderr
+
+
 def test_checkpoints_of_a_path_that_is_not_on_this_machine_says_where_it_is(
     cluster: TestCluster, namespace: str, spotjob: Run, tmp_path: Path
 ) -> None:
