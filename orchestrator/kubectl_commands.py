@@ -199,8 +199,9 @@ def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: st
         elif rid in waiting:
             return _report_flush(answer, wanted)
         current = _annotation_id(job)
-        if current is not None and current not in waiting:
+        if current is not None and current not in waiting and not taken:
             # Another flush request replaced ours before the controller read it: it answers that one.
+            # (Once the controller took ours, a later request is answered after it, not instead.)
             print(
                 f"request {wanted} was replaced by another flush request, {shown(current)}: waiting for that one",
                 file=sys.stderr,

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -650,6 +651,46 @@ def test_flush_wait_takes_the_controllers_in_progress_record_for_progress_not_fo
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "flush (restart): Committed, step 1460 committed" in proc.stdout
     assert "the controller took request" in proc.stderr and "flushing the gang and restarting it" in proc.stderr
+
+
+def test_flush_wait_reports_its_own_request_when_another_comes_after_the_controller_took_it(
+    cluster: TestCluster, namespace: str, spotjob: Run
+) -> None:
+    """A request written once the controller took ours (InProgress) is answered after ours, not
+    instead of it: --wait said ours was replaced and waited for that one too."""
+    create_job(cluster, namespace, "busy")
+    set_status(cluster, namespace, "busy", running_status())
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def controller() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job = cluster.rest.get(jobs_path(namespace, "busy"))
+            request = flush_annotation(job)
+            if request is not None:
+                break
+            time.sleep(0.05)
+        else:
+            return
+        taken = {"id": request["id"], "mode": request["mode"], "outcome": "InProgress", "time": stamp}
+        status = set_status(cluster, namespace, "busy", {**job["status"], "lastFlushRequest": taken})["status"]
+        later = json.dumps({"id": "someone-else", "mode": "checkpoint", "reason": "", "requestedAt": stamp})
+        patch = {"metadata": {"annotations": {"spotjob.dev/flush-request": later}}}
+        cluster.rest.request("PATCH", jobs_path(namespace, "busy"), patch, content_type="application/merge-patch+json")
+        answer = {**taken, "outcome": "Committed", "step": 1470}
+        set_status(cluster, namespace, "busy", {**status, "lastFlushRequest": answer})
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    try:
+        proc = spotjob("flush", "busy", "-n", namespace, "--wait", "--timeout", "90")
+    finally:
+        thread.join()
+
+    assert proc.returncode == 0, proc.stderr
+    assert "flush (restart): Committed, step 1470 committed" in proc.stdout
+    assert "which replaced yours" not in proc.stdout
+    assert "was replaced" not in proc.stderr
 
 
 def test_flush_wait_survives_a_dropped_watch_and_an_expired_history(
