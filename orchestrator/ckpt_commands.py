@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from agent.catalog import inspect_all
+from agent.catalog import find_checkpoints, inspect_all
 from agent.ownership import Adoption, OwnershipError, adopt, describe_job, job_name_problem, read_owner
 from orchestrator.ckpt_common import (
     EXIT_ERROR,
@@ -40,6 +40,7 @@ from orchestrator.ckpt_select import (
     _require_manifest,
     _require_state_key,
     opened_storage,
+    refuse_a_misplaced_uri,
     select_checkpoint,
 )
 
@@ -199,6 +200,10 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         # An owner no Checkpointer can run as (they refuse such names): every writer would stop.
         raise CommandError(f"--job: {problem}")
     with opened_storage(args.uri) as storage:
+        if not find_checkpoints(storage):
+            # An owner record written in a checkpoint's folder would change a committed checkpoint,
+            # and one above the job's URI would judge nothing: neither is what was meant.
+            refuse_a_misplaced_uri(storage, command="adopt")
         try:
             before = read_owner(storage)
         except OwnershipError as e:

@@ -50,25 +50,38 @@ def opened_storage(uri: str) -> Iterator[Storage]:
 def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
     refs = find_checkpoints(storage)
     if not refs:
-        parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
-        if CheckpointRef.parse(leaf) is not None and parent.partition("://")[2]:
-            # What show prints ("checkpoint: s3://b/run/step-000000100") pasted back as the URI.
-            raise CommandError(
-                f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
-                f"saves to and the folder as the step: {parent} --step {leaf}"
-            )
-        below = _checkpoint_uris_below(storage)
-        if below:
-            more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
-            raise CommandError(
-                f"no checkpoints under {storage.uri}, but folders in it hold some: give the one the job saves "
-                f"to as the URI, e.g. {', '.join(below[:3])}{more}"
-            )
+        refuse_a_misplaced_uri(storage)
         raise CommandError(
             f"no checkpoints under {storage.uri} (no step-NNNNNNNNN/ folders in it): check the URI; it is the "
             "one the job saves to (its Checkpointer's, or spotjob run's --checkpoint-uri)"
         )
     return refs
+
+
+def refuse_a_misplaced_uri(storage: Storage, *, command: str = "") -> None:
+    """``CommandError`` when ``storage``'s URI, which holds no checkpoints, is not the one a job saves
+    to but a checkpoint's own folder or a folder above the job's URIs. ``command``: the command that
+    takes no ``--step`` (``adopt``), whose answer is then the URI alone."""
+    parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
+    if CheckpointRef.parse(leaf) is not None and parent.partition("://")[2]:
+        # What show prints ("checkpoint: s3://b/run/step-000000100") pasted back as the URI.
+        if command:
+            raise CommandError(
+                f"{storage.uri} is a checkpoint's own folder, not the URI a job saves to; nothing was "
+                f"changed: {command} the URI its job saves to, {parent}"
+            )
+        raise CommandError(
+            f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
+            f"saves to and the folder as the step: {parent} --step {leaf}"
+        )
+    below = _checkpoint_uris_below(storage)
+    if below:
+        more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
+        changed = "; nothing was changed" if command else ""
+        raise CommandError(
+            f"no checkpoints under {storage.uri}, but folders in it hold some{changed}: give the one the job "
+            f"saves to as the URI, e.g. {', '.join(below[:3])}{more}"
+        )
 
 
 _SUBFOLDERS_LOOKED_AT = 32

@@ -1533,3 +1533,29 @@ def test_adopt_needs_a_job_and_an_existing_folder(tmp_path: Path, capsys: pytest
     with pytest.raises(SystemExit):
         main(["ckpt", "adopt", str(tmp_path)])
     capsys.readouterr()
+
+
+def test_adopt_of_a_checkpoints_own_folder_or_of_a_folder_above_the_uri_changes_nothing(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The folder show prints, or the bucket of the job's prefix, pasted as the URI: an owner record
+    # there would sit inside a committed checkpoint, or judge nothing, and the job's URI stays as it was.
+    parent = saved.uri.rstrip("/").rpartition("/")[0]
+    before = saved.storage.get_bytes(OWNER_KEY)
+    files = sorted(i.key for i in saved.storage.list(saved.folder(3) + "/"))
+
+    rc, out, err = ckpt(capsys, "adopt", f"{saved.uri}/{saved.folder(3)}", "--job", "second")
+    assert rc == 2 and out == ""
+    assert "checkpoint's own folder" in err and f"adopt the URI its job saves to, {saved.storage.uri}" in err, err
+    assert sorted(i.key for i in saved.storage.list(saved.folder(3) + "/")) == files
+
+    rc, out, err = ckpt(capsys, "adopt", parent, "--job", "second")
+    assert rc == 2 and out == ""
+    assert "folders in it hold some" in err and saved.storage.uri in err, err
+    above = open_storage(parent)
+    try:
+        assert above.stat(OWNER_KEY) is None
+    finally:
+        above.close()
+
+    assert saved.storage.get_bytes(OWNER_KEY) == before
