@@ -17,7 +17,7 @@ PATH: ``kubectl spotjob status`` runs it with ``status``. Commands:
 - ``events NAME``: the job's Events, oldest first.
 
 The flags kubectl users expect work everywhere on the line (``--kubeconfig``, ``--context``,
-``--cluster``, ``--user``, ``-n/--namespace``, ``-o json``); the cluster is reached through
+``--cluster``, ``--user``, ``-n/--namespace``, ``-o``); the cluster is reached through
 ``orchestrator.k8s.plugin_client`` only (the plugin imports no ``kubernetes``). Status is read as
 raw JSON, not through the model: an older plugin must still show what a newer controller writes.
 
@@ -179,11 +179,43 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+_OUTPUT_COMMANDS = frozenset({"status", "checkpoints", "events"})
+"""The commands that take ``-o``."""
+_WIDE_COMMANDS = frozenset({"status"})
+"""Those whose ``-o`` takes ``wide``."""
+
+
 def _output_flag(parser: argparse.ArgumentParser, *, wide: str = "") -> None:
-    """-o/--output: table or json, and wide where ``wide`` says what it adds."""
+    """-o/--output: table or json, and wide where ``wide`` says what it adds. SUPPRESS as a default,
+    as the connection flags: an ``-o`` given before the command (``_top_output_flag``) stands."""
     choices = ["table", "wide", "json"] if wide else ["table", "json"]
     what = f"table (default), wide ({wide}) or json" if wide else "table (default) or json"
-    parser.add_argument("-o", "--output", choices=choices, default="table", help=what)
+    parser.add_argument("-o", "--output", choices=choices, default=argparse.SUPPRESS, help=what)
+
+
+def _top_output_flag(parser: argparse.ArgumentParser) -> None:
+    """-o/--output before the command, as kubectl users type it (``kubectl spotjob -o json status``);
+    ``_settle_output`` checks it against the command's own choices."""
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "wide", "json"],
+        default=None,
+        help="table (default) or json; wide for status (also after the command)",
+    )
+
+
+def _settle_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The output the command prints: what ``-o`` said, before the command or after it, else table.
+    A command without ``-o`` (``flush``), or ``wide`` for one without it, is a usage error naming it."""
+    output = getattr(args, "output", None)
+    if args.command not in _OUTPUT_COMMANDS:
+        if output is not None:
+            parser.error(f"-o/--output is not an option of {args.command}")
+        return
+    if output == "wide" and args.command not in _WIDE_COMMANDS:
+        parser.error(f"argument -o/--output: invalid choice for {args.command}: 'wide' (choose from 'table', 'json')")
+    args.output = output or "table"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=version_line(PROG))
     _connection_flags(parser, top=True)
+    _top_output_flag(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -280,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tolerate_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
+    _settle_output(parser, args)
     from agent.storage import StorageError
     from orchestrator.ckpt_common import CommandError
     from orchestrator.cli_ckpt import NOISY_LOGGERS

@@ -163,6 +163,9 @@ def test_status_lists_when_each_job_holding_a_notice_flushes_and_nothing_more_fo
 
     header, *lines = ok(spotjob("status", "-n", namespace)).splitlines()
     listed = json.loads(ok(spotjob("status", "-n", namespace, "-o", "json")))
+    # -o before the command, as kubectl takes it: it was refused ("invalid choice: 'json'").
+    before = json.loads(ok(spotjob("-o", "json", "status", "-n", namespace)))
+    assert [(j["name"], j["heldNotices"]) for j in before] == [(j["name"], j["heldNotices"]) for j in listed]
 
     assert header.split()[-2:] == ["HELD-FLUSH", "AGE"], header
     at, end = header.index("HELD-FLUSH"), header.index("AGE")
@@ -982,6 +985,9 @@ def test_the_context_picks_the_cluster_user_and_namespace_as_kubectl_does(
         (["status", "Bad_Name"], "is not a SpotJob name"),
         (["events"], "the following arguments are required: NAME"),
         (["status", "-o", "yaml"], "invalid choice: 'yaml'"),
+        (["-o", "yaml", "status"], "invalid choice: 'yaml'"),
+        (["-o", "wide", "checkpoints", "x"], "invalid choice for checkpoints: 'wide'"),
+        (["-o", "json", "flush", "x"], "-o/--output is not an option of flush"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
