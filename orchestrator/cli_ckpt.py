@@ -186,8 +186,10 @@ def register(subparsers: Any) -> None:
         "included (up to the newest one committed now; what the previous owner commits afterwards is "
         "foreign to the new one, and its writers stop at their next commit). Use it to continue a run "
         "under a new job name, or to repair an owner record that cannot be read. Stop the previous "
-        "owner first. Nothing else under URI is changed.",
-        epilog="exit status: 0 adopted (or already the owner); 2 nothing could be done",
+        "owner first. Nothing else under URI is changed. URI is the one the job saves to: a checkpoint's "
+        "own folder, or a folder above the job's URI (whose folders hold checkpoints), is refused and "
+        "nothing is written there.",
+        epilog="exit status: 0 adopted (or already the owner); 2 nothing could be done (nothing was changed)",
     )
     _add_uri(p)
     who = p.add_mutually_exclusive_group(required=True)
