@@ -1,7 +1,8 @@
 """What the README's reference names matches the code: every option of every command
 (``spotjob``, ``spotjob-agent``, ``spotjob-controller``, ``kubectl spotjob``) is named in it; every
 ``SPOTJOB_*`` variable the code reads is named in it, and every one it names is read; and the
-controller's table pairs each flag with the variable its ``--help`` names.
+controller's table pairs each flag with the variable its ``--help`` names; the summary the README
+shows has the rows ``make demo`` prints.
 
 An option or variable the code has but the README does not is one a user finds only by reading
 the source; one the README names that the code does not read is a setting that silently does
@@ -195,3 +196,20 @@ def test_the_plot_option_says_what_images_it_draws_as_the_readme_does() -> None:
     run = next(a for a in PARSERS["spotjob"]._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
     help_text = next(a.help for a in run._actions if "--plot" in a.option_strings) or ""
     assert all(kind in help_text for kind in (".png", ".svg", ".pdf")), help_text
+
+
+def test_the_summary_the_readme_shows_has_the_rows_the_demo_prints() -> None:
+    """The README's summary is `make demo`'s (a `demo-…` run of 400 steps), and the demo draws a
+    plot: its block left out the `plot` line that `spotjob run --plot` prints before `run folder`."""
+    from orchestrator.live import Summary
+    from orchestrator.model import Phase
+
+    start = README.index("\nspotjob run demo-")
+    block = README[start + 1 : README.index("```", start)].splitlines()
+    assert "--plot" in (REPO / "examples" / "demo.py").read_text()
+    words = {"name": "demo", "phase": Phase.SUCCEEDED, "reason": "Completed", "message": ""}
+    numbers = {f.name: 0 for f in dataclasses.fields(Summary) if f.name not in (*words, "cloud")}
+    summary = Summary(**words, **numbers)  # type: ignore[arg-type]
+    printed = [key for key, _ in summary.rows()] + ["plot", "run folder"]
+    shown = [re.split(r"\s{2,}", line.strip())[0] for line in block[1:]]
+    assert shown == printed, "README.md's summary of the demo"
