@@ -250,11 +250,15 @@ created; the schema checks each field alone. */}}
 {{- include "spotjob.validateKeys" (dict "value" "podLabels" "map" .Values.podLabels "what" "label") }}
 {{- include "spotjob.validateKeys" (dict "value" "nodeSelector" "map" .Values.nodeSelector "what" "label") }}
 {{- include "spotjob.validateKeys" (dict "value" "podAnnotations" "map" .Values.podAnnotations "what" "annotation") }}
-{{- include "spotjob.validateKeys" (dict "value" "serviceAccount.annotations" "map" .Values.serviceAccount.annotations "what" "annotation") }}
-{{- include "spotjob.validateKeys" (dict "value" "metrics.service.annotations" "map" .Values.metrics.service.annotations "what" "annotation") }}
-{{- include "spotjob.validateKeys" (dict "value" "metrics.serviceMonitor.labels" "map" .Values.metrics.serviceMonitor.labels "what" "label") }}
-{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.labels" "map" .Values.metrics.prometheusRule.labels "what" "label") }}
-{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.annotations" "map" .Values.metrics.prometheusRule.annotations "what" "annotation") }}
+{{- /* Values a release made with an older chart may lack (helm upgrade --reuse-values keeps the old
+values, without the new chart's defaults): read through empty dicts, never a nil map. */}}
+{{- $metrics := .Values.metrics | default dict }}
+{{- $rule := $metrics.prometheusRule | default dict }}
+{{- include "spotjob.validateKeys" (dict "value" "serviceAccount.annotations" "map" (.Values.serviceAccount | default dict).annotations "what" "annotation") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.service.annotations" "map" ($metrics.service | default dict).annotations "what" "annotation") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.serviceMonitor.labels" "map" ($metrics.serviceMonitor | default dict).labels "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.labels" "map" $rule.labels "what" "label") }}
+{{- include "spotjob.validateKeys" (dict "value" "metrics.prometheusRule.annotations" "map" $rule.annotations "what" "annotation") }}
 {{- /* The node label a spread constraint counts domains by, and the pod labels it matches: label
 keys the API server checks when it meets the Deployment. */}}
 {{- range $i, $c := .Values.topologySpreadConstraints }}
@@ -267,7 +271,7 @@ keys the API server checks when it meets the Deployment. */}}
 {{- end }}
 {{- /* Alert labels are Prometheus label names, not Kubernetes keys: the Prometheus Operator (or
 Prometheus loading the rules) refuses another name, after the release was created. */}}
-{{- range $k, $_ := .Values.metrics.prometheusRule.alertLabels }}
+{{- range $k, $_ := $rule.alertLabels }}
 {{- if or (not (regexMatch "^[a-zA-Z_][a-zA-Z0-9_]*$" $k)) (hasPrefix "__" $k) }}
 {{- fail (printf "metrics.prometheusRule.alertLabels: %q is no Prometheus label name: letters, digits and '_', not starting with a digit, and not starting with '__' (reserved). Use a name such as team or alert_team." $k) }}
 {{- end }}
