@@ -179,18 +179,13 @@ def _connection_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-_OUTPUT_COMMANDS = frozenset({"status", "checkpoints", "events"})
-"""The commands that take ``-o``."""
-_WIDE_COMMANDS = frozenset({"status"})
-"""Those whose ``-o`` takes ``wide``."""
-
-
 def _output_flag(parser: argparse.ArgumentParser, *, wide: str = "") -> None:
     """-o/--output: table or json, and wide where ``wide`` says what it adds. SUPPRESS as a default,
     as the connection flags: an ``-o`` given before the command (``_top_output_flag``) stands."""
     choices = ["table", "wide", "json"] if wide else ["table", "json"]
     what = f"table (default), wide ({wide}) or json" if wide else "table (default) or json"
     parser.add_argument("-o", "--output", choices=choices, default=argparse.SUPPRESS, help=what)
+    parser.set_defaults(output_choices=choices)
 
 
 def _top_output_flag(parser: argparse.ArgumentParser) -> None:
@@ -209,12 +204,14 @@ def _settle_output(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The output the command prints: what ``-o`` said, before the command or after it, else table.
     A command without ``-o`` (``flush``), or ``wide`` for one without it, is a usage error naming it."""
     output = getattr(args, "output", None)
-    if args.command not in _OUTPUT_COMMANDS:
+    choices: list[str] | None = getattr(args, "output_choices", None)  # set by the command's ``_output_flag``
+    if choices is None:
         if output is not None:
             parser.error(f"-o/--output is not an option of {args.command}")
         return
-    if output == "wide" and args.command not in _WIDE_COMMANDS:
-        parser.error(f"argument -o/--output: invalid choice for {args.command}: 'wide' (choose from 'table', 'json')")
+    if output is not None and output not in choices:
+        said = ", ".join(repr(c) for c in choices)
+        parser.error(f"argument -o/--output: invalid choice for {args.command}: {output!r} (choose from {said})")
     args.output = output or "table"
 
 
