@@ -87,6 +87,10 @@ class InterruptState:
     """The first one (SIGINT, SIGTERM): flush, then stop."""
     again: str | None = None
     """The second one: stop at once, without the flush."""
+    pausing: bool = False
+    """Ctrl-Z's handler is pausing the workers or resuming them (``run_signal_handlers._pause``): a
+    first signal now (or a second during the flush) is raised by that handler once the workers go
+    on, not where it lands."""
     flushing: bool = False
     """The flush is under way: a second signal interrupts it (before, the flush sees ``again`` and
     does not begin)."""

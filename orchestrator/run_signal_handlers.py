@@ -47,11 +47,13 @@ class _Interrupts:
         stopping = run is not None and run.stopping
         if state.signal is None and not stopping:
             state.signal = name
+            if state.pausing:
+                return  # raised by _pause once the workers go on
             raise KeyboardInterrupt(f"signal {signum}")
         if run is not None and state.signal is not None and state.again is None and not stopping:
             state.again = name
             log.warning("received %s again: stopping every process of %s at once, without the flush", name, run.name)
-            if state.flushing:
+            if state.flushing and not state.pausing:
                 raise KeyboardInterrupt(f"signal {signum} again")
             return
         if run is None:  # the first one ended what ran before the run was driven: nothing is being stopped
@@ -79,14 +81,29 @@ def _pause(run: LocalRun) -> None:
     stopped and its workers trained on with nobody driving the run.
 
     A SIGTERM or SIGINT that comes while the run is paused (a supervisor's, or bash's ``kill`` of a
-    stopped job, which sends SIGCONT after it) is handled as soon as the driver goes on, raising its
-    ``KeyboardInterrupt`` here: the workers are continued all the same. Left stopped, their agents
-    could not answer the interrupt's flush (its ``POST /flush`` timed out), and every step since
-    the newest commit was lost."""
+    stopped job, which sends SIGCONT after it) is handled as soon as the driver goes on: its
+    ``KeyboardInterrupt`` is raised here once the workers are continued, not where the signal's
+    handler lands. Such a signal reaches whichever thread of the driver runs first, so its handler
+    could run in the main thread after the stop had returned, inside ``continue_workers`` before a
+    SIGCONT was sent: the agents stayed stopped, could not answer the interrupt's flush (its ``POST
+    /flush`` timed out), and every step since the newest commit was lost. One that comes while the
+    workers are being paused is raised here too, and the driver does not stop. So is a second one
+    during the interrupt's flush (which it cuts short)."""
+    state = run.interrupt
+    before = (state.signal, state.again)
+    state.pausing = True
     try:
         paused = run.backend.signal_workers(signal.SIGTSTP, until_stopped=5.0)
-        log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
-        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+        if (state.signal, state.again) == before:
+            log.info("Ctrl-Z: pausing %s (%d worker(s) and this driver); fg or SIGCONT resumes it", run.name, paused)
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
     finally:
-        run.backend.continue_workers()
+        try:
+            run.backend.continue_workers()
+        finally:
+            state.pausing = False
+    if before[0] is None and state.signal is not None:
+        raise KeyboardInterrupt(f"{state.signal} while {run.name} was paused")
+    if before[1] is None and state.again is not None and state.flushing:
+        raise KeyboardInterrupt(f"{state.again} again while {run.name} was paused")
     log.info("resumed %s", run.name)

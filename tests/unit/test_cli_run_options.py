@@ -343,6 +343,79 @@ def test_the_first_interrupt_flushes_the_second_stops_at_once_and_the_others_are
     assert caplog.text.count("still stopping every process of demo") == 2
 
 
+@pytest.mark.parametrize("flushing", [False, True], ids=["first-signal", "second-during-the-flush"])
+def test_a_signal_handled_while_ctrl_z_resumes_the_workers_is_raised_once_they_go_on(
+    flushing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails without the fix: a SIGTERM sent to a paused ``spotjob run`` (with the SIGCONT after it)
+    reaches whichever thread of the driver runs first, so its handler can run in the main thread
+    once the Ctrl-Z handler's stop has returned, inside ``continue_workers`` before any SIGCONT went
+    out. Its ``KeyboardInterrupt`` left every agent stopped: the interrupt's ``POST /flush`` timed
+    out and nothing committed (tests/e2e/test_local_interrupt.py's paused run, now and then). Here
+    the handler runs just there; the workers must be continued, then the interrupt raised."""
+    import signal
+    from types import SimpleNamespace
+
+    from orchestrator.run_interrupt import InterruptState
+    from orchestrator.run_signal_handlers import _Interrupts, _pause
+
+    said: list[str] = []
+    interrupts = _Interrupts()
+
+    class Workers:
+        def signal_workers(self, sig: int, *, until_stopped: float = 0.0) -> int:
+            said.append(signal.Signals(sig).name)
+            return 1
+
+        def continue_workers(self) -> int:
+            interrupts(signal.SIGTERM, None)  # the signal's handler lands here, before the SIGCONT
+            said.append("SIGCONT")
+            return 1
+
+    state = InterruptState(signal="SIGINT", flushing=True) if flushing else InterruptState()
+    run = SimpleNamespace(name="demo", stopping=False, interrupt=state, backend=Workers())
+    interrupts.run = run  # type: ignore[assignment]
+    monkeypatch.setattr("os.kill", lambda pid, sig: said.append(signal.Signals(sig).name))
+    with pytest.raises(KeyboardInterrupt):
+        _pause(run)  # type: ignore[arg-type]
+    assert said == ["SIGTSTP", "SIGSTOP", "SIGCONT"]
+    assert (state.signal, state.again) == (("SIGINT", "SIGTERM") if flushing else ("SIGTERM", None))
+    assert not state.pausing
+
+
+def test_a_signal_while_ctrl_z_pauses_the_workers_keeps_the_driver_from_stopping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first signal while the agents are being paused: the driver does not stop itself (nobody may
+    be there to continue it), the workers go on, and the interrupt is raised."""
+    import signal
+    from types import SimpleNamespace
+
+    from orchestrator.run_interrupt import InterruptState
+    from orchestrator.run_signal_handlers import _Interrupts, _pause
+
+    said: list[str] = []
+    interrupts = _Interrupts()
+
+    class Workers:
+        def signal_workers(self, sig: int, *, until_stopped: float = 0.0) -> int:
+            interrupts(signal.SIGINT, None)
+            said.append(signal.Signals(sig).name)
+            return 1
+
+        def continue_workers(self) -> int:
+            said.append("SIGCONT")
+            return 1
+
+    run = SimpleNamespace(name="demo", stopping=False, interrupt=InterruptState(), backend=Workers())
+    interrupts.run = run  # type: ignore[assignment]
+    monkeypatch.setattr("os.kill", lambda pid, sig: said.append(signal.Signals(sig).name))
+    with pytest.raises(KeyboardInterrupt):
+        _pause(run)  # type: ignore[arg-type]
+    assert said == ["SIGTSTP", "SIGCONT"]
+    assert run.interrupt.signal == "SIGINT"
+
+
 def test_a_signal_that_comes_as_the_run_ends_by_itself_or_after_the_first_left_is_said_as_what_it_is(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
