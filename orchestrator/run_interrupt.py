@@ -3,7 +3,8 @@
 The first Ctrl-C or SIGTERM ends the controller loop; then ``flush_before_stop`` asks the agent of
 every worker whose ranks train (``LocalBackend.training_workers``) to flush through its control
 API, the request a preemption sends (``LocalBackend.request_flush``: ``POST /flush`` with the run's
-token), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, as a driver's death gives them
+token; an agent that did not answer is asked again while its worker runs and the deadline is
+ahead), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, as a driver's death gives them
 (``spotjob-agent --parent-grace``). Each agent has its ranks commit a checkpoint at one step and
 exits (75 committed, 76 not); the driver waits for those exits (at most the deadline and
 ``EXIT_MARGIN_SECONDS``), reads storage, the judge of what committed, as the reconciler does, and
@@ -63,6 +64,9 @@ EXIT_MARGIN_SECONDS = 15.0
 """Past the deadline, how long the driver still waits for the agents to exit (an agent kills its
 ranks at the deadline and then exits) before it stops them itself."""
 POLL_SECONDS = 0.1
+ASK_AGAIN_SECONDS = 1.0
+"""How long after a request that failed (its agent did not answer in time) the agent is asked
+again, while its worker runs and the flush's deadline is ahead."""
 
 INTERRUPT_FLUSH_COMMITTED = "InterruptFlushCommitted"
 INTERRUPT_FLUSH_NOT_COMMITTED = "InterruptFlushNotCommitted"
@@ -325,25 +329,47 @@ def _flush(
         f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
     )
     asked = state.asked
-    refused: list[str] = []
-    for w in training:
-        answer = backend.request_flush(key, spec, w, reason, deadline)
-        if answer.outcome is FlushRequestOutcome.FAILED:
-            refused.append(f"could not ask the agent of {w.name} to flush: {answer.error}")
-        else:
-            asked.append(w.name)
-    give_up = time.monotonic() + INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS
+    unasked: dict[str, str] = {}  # the workers whose agent could not be asked, and why
+
+    def ask(ws: list[WorkerObservation]) -> None:
+        for w in ws:
+            answer = backend.request_flush(key, spec, w, reason, deadline)
+            if answer.outcome is FlushRequestOutcome.FAILED:
+                unasked[w.name] = answer.error
+            else:
+                unasked.pop(w.name, None)
+                asked.append(w.name)
+
+    ask(training)
+    started = time.monotonic()
+    give_up = started + INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS
+    ask_until = started + INTERRUPT_FLUSH_SECONDS
+    ask_again_at = started + ASK_AGAIN_SECONDS
     last: dict[str, WorkerObservation] = {}
     seen: list[WorkerObservation] = []
-    while asked:
+    retrying = dict(unasked)
+    while asked or retrying:
         seen = backend.list_workers(key, spec)
         _note_before_stop(state, seen)
         last = {w.name: w for w in seen if w.name in asked}
-        if all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in last.values()):
+        running = {w.name: w for w in seen if w.phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING)}
+        now = time.monotonic()
+        # As the reconciler asks again at its next pass: an agent that did not answer in time (a
+        # machine loaded enough to hold its answer past the request's timeout) is asked again
+        # while its worker runs and the deadline leaves time; the request is idempotent.
+        retrying = {n: e for n, e in unasked.items() if n in running and now < ask_until}
+        if not any(n in running for n in last) and not retrying:
             break
-        if time.monotonic() >= give_up:
+        if now >= give_up:
             break
+        if retrying and now >= ask_again_at:
+            for name, error in retrying.items():
+                log.warning("asking the agent of %s to flush again (%s)", name, error)
+            ask([running[n] for n in retrying])
+            ask_again_at = time.monotonic() + ASK_AGAIN_SECONDS
+            continue
         idle(POLL_SECONDS)
+    refused = [f"could not ask the agent of {name} to flush: {error}" for name, error in unasked.items()]
     # No process of the run left (every worker of the last look exited): nothing can commit after
     # the read below, which is then as good as one after the stop, and the reconciler's pass takes it.
     settled = bool(seen) and all(w.phase not in (WorkerPhase.PENDING, WorkerPhase.RUNNING) for w in seen)

@@ -29,6 +29,10 @@
   of a stopped job and systemd send), flushes as any first one does: the driver's Ctrl-Z handler,
   which the interrupt's ``KeyboardInterrupt`` left as the driver went on, left its workers stopped,
   so their agents could not answer the flush (``POST /flush`` timed out) and every step was lost.
+- An agent that does not answer the interrupt's ``POST /flush`` within the request's timeout (here
+  stopped for a while, as one on a loaded machine can be slow) is asked again while its worker runs
+  and the flush's deadline is ahead, as the reconciler asks again at its next pass: that one
+  request used to be all it got, and every step since the newest commit was lost.
 - Ctrl-C or SIGTERM while ``--resume`` waits for the processes a killed driver left: exit 130 with a
   message saying what happens to them and how to carry on, the run unchanged; their flush still
   commits, and the next ``--resume`` carries on from it. SIGINT used to end it with no word, SIGTERM
@@ -37,6 +41,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -334,12 +339,48 @@ def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_
     said = log.read_text()
     exited_130(code, said)
     assert not run_pids(str(run)), "every process of the run is stopped"
-    assert "timed out" not in said, said[-6000:]
+    agent_log = (run / "logs" / "paused-0-0.log").read_text()
+    assert "timed out" not in said, f"{said[-5000:]}\n--- the agent's log:\n{agent_log[-5000:]}"
     [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
     assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
     [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
     assert told.reason == "InterruptFlushCommitted", told.message
     assert f"the flush it asked for committed step {checkpoint.ref.step}" in told.message
+    assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
+
+
+def test_an_agent_that_does_not_answer_the_interrupts_flush_in_time_is_asked_again(tmp_path: Path) -> None:
+    run = tmp_path / "spotjob-runs" / "slow"
+    log = tmp_path / "driver.log"
+    # No --every-steps: only the interrupt's flush commits.
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "slow", "--nproc", "1",
+        str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
+    ]  # fmt: skip
+    driver = start(tmp_path, argv)
+    asked_again = "asking the agent of slow-0-0 to flush again"
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: steps_reported(run) >= 3, "three steps")
+        [agent] = [p for p in map(psutil.Process, run_pids(str(run))) if "spotjob-agent" in " ".join(p.cmdline())]
+        # Stopped, the agent answers nothing within the request's timeout (5 s), as an agent on a
+        # machine loaded enough may not: the interrupt's one request used to be all it got.
+        agent.suspend()
+        driver.send_signal(signal.SIGINT)
+        wait_for(lambda: asked_again in log.read_text() or driver.poll() is not None, "the request asked again")
+        with contextlib.suppress(psutil.NoSuchProcess):
+            agent.resume()
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    exited_130(code, said)
+    assert f"{asked_again} (POST /flush to the agent of slow-0-0 failed: timed out)" in said, said[-6000:]
+    assert not run_pids(str(run)), "every process of the run is stopped"
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
+    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
+    assert told.reason == "InterruptFlushCommitted", told.message
     assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
 
 
