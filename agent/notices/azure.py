@@ -55,6 +55,7 @@ from agent.notices.base import (
     NoticeKind,
     PollingNoticeSource,
     SourceError,
+    _Health,
     deliver_notice,
 )
 from agent.notices.shared_vm import SharedVm
@@ -124,6 +125,7 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self.shared_vm = SharedVm(base_url)
         """The other agents on this machine: an event is acknowledged once they are done with it."""
         self._waiting_for: dict[str, list[int]] = {}
+        self._ack_health = _Health(f"acknowledging Azure scheduled events at {self.client.base_url}")
         """The other agents each pending acknowledgement last waited for (logged when it changes)."""
 
     @property
@@ -151,7 +153,15 @@ class AzureScheduledEventsSource(PollingNoticeSource):
     def _poll(self) -> None:
         if self._vm_name is None:
             self._vm_name = self._read_vm_name()
-        self._send_ack()
+        try:
+            self._send_ack()
+        except (OSError, SourceError) as e:
+            # Retried next poll; the events are read all the same: an acknowledgement IMDS keeps
+            # refusing (an event it no longer lists, throttling) must not stop this agent from
+            # hearing the next event, nor from seeing the refused one leave the list.
+            self._ack_health.failed(e)
+        else:
+            self._ack_health.ok()
         timeout = self.timeout
         if not self._enabled:
             timeout = max(timeout, FIRST_CALL_TIMEOUT)

@@ -692,6 +692,22 @@ class TestAzureSource:
         finally:
             source.stop()
 
+    def test_an_acknowledgement_azure_refuses_does_not_stop_the_next_event_from_being_heard(self) -> None:
+        """IMDS refuses the StartRequests after a Reboot's flush, then schedules a Preempt. Before,
+        the refused acknowledgement ended every poll before the events were read: the Preempt
+        was never heard, and the Reboot never seen to leave the list."""
+        with AckRefused(vm_name="vm-7") as emulator:
+            source, got = running(AzureScheduledEventsSource(emulator.url, interval=FAST))
+            try:
+                reboot = emulator.add_event(EventType="Reboot", NotBefore=AT_2030)
+                assert got.next().event_id == reboot
+                source.flush_finished()
+                wait_until(lambda: emulator.count("POST", "/metadata/scheduledevents", 400) > 0, "the refused ack")
+                preempt = emulator.add_event(EventType="Preempt", NotBefore=AT_2030)
+                assert got.next().event_id == preempt
+            finally:
+                source.stop()
+
     def test_events_for_other_vms_and_freezes_are_not_notices(self, azure: AzureScheduledEventsEmulator) -> None:
         source, got = running(AzureScheduledEventsSource(azure.url, interval=FAST))
         try:
@@ -809,6 +825,15 @@ class NameFailsFirst(AzureScheduledEventsEmulator):
         if path == "/metadata/instance/compute/name" and self.name_failures > 0:
             self.name_failures -= 1
             return _Reply.json(429, {"error": "Too many requests"})
+        return super()._handle(method, path, query, headers, body)
+
+
+class AckRefused(AzureScheduledEventsEmulator):
+    """Azure IMDS that answers every StartRequests 400 (as for an EventId it no longer lists)."""
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        if method == "POST" and path == self.EVENTS_PATH:
+            return _Reply.json(400, {"error": "Bad request. Unknown EventId"})
         return super()._handle(method, path, query, headers, body)
 
 
