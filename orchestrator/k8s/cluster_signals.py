@@ -284,9 +284,21 @@ def node_change_matters(old: Object, new: Object) -> bool:
 
 
 def new_node_notice(old: Object | None, new: Object) -> bool:
-    """Whether a preemption taint or the interruption annotation is on Node ``new`` and was not on
-    ``old``: the moment the flush of its jobs becomes urgent."""
-    return bool(notice_index(new)) and not (old is not None and notice_index(old))
+    """Whether Node ``new`` carries a preemption taint or an interruption annotation that ``old``
+    did not: the moment the flush of its jobs becomes urgent. A node that carried one already (a
+    rebalance recommendation, an expired notice) and now gets another (the spot interruption that
+    follows) is urgent too."""
+    return bool(_notices(new) - (_notices(old) if old is not None else set()))
+
+
+def _notices(node: Object) -> set[str]:
+    """The preemption taints (by key) and the interruption annotation (by value) on ``node``."""
+    found = {"taint " + str(t.get("key") or "") for t in (node.get("spec") or {}).get("taints") or []}
+    found &= {"taint " + key for key in _RULES}
+    annotation = ((node.get("metadata") or {}).get("annotations") or {}).get(INTERRUPTION_ANNOTATION)
+    if annotation is not None:
+        found.add("annotation " + str(annotation))
+    return found
 
 
 def new_pod_notice(old: Object | None, new: Object) -> bool:

@@ -13,7 +13,7 @@ Modelled on client-go's workqueue, which every Kubernetes controller relies on f
   the key next succeeds.
 - *Urgent keys first*: ``add(key, urgent=True)`` puts the key at the front of the queue (or
   moves it there), and one being processed goes to the front when it is done. The controller
-  marks a job urgent when a preemption notice for one of its nodes or pods first appears: its
+  marks a job urgent when a new preemption notice for one of its nodes or pods appears: its
   flush request must not wait behind the routine passes of a hundred other jobs in a burst.
   Nor behind jobs whose API calls hang: ``Workers`` keeps a thread of its own for urgent keys
   (``get(urgent_only=True)``), so a flush starts even while every routine worker is stuck in

@@ -126,6 +126,23 @@ def test_a_notice_is_new_only_the_first_time_it_appears() -> None:
     assert new_pod_notice(pod, disrupted) and not new_pod_notice(disrupted, disrupted)
 
 
+def test_a_spot_interruption_after_a_rebalance_recommendation_is_a_new_notice() -> None:
+    """A node already carrying a rebalance recommendation (advisory) gets the spot interruption
+    that follows it, as a taint or as the queue's annotation. Before, only a node's first notice
+    made its jobs urgent: this flush queued behind routine passes, with two minutes to run."""
+    rebalance_taint = {"key": "aws-node-termination-handler/rebalance-recommendation", "effect": "NoSchedule"}
+    advised = node("n1", taints=[rebalance_taint])
+    assert new_node_notice(advised, node("n1", taints=[rebalance_taint, SPOT_ITN]))
+    assert not new_node_notice(node("n1", taints=[rebalance_taint, SPOT_ITN]), advised)  # one removed
+
+    rebalance = '{"kind": "Rebalance", "time": "2026-06-01T12:00:00Z"}'
+    spot = '{"kind": "SpotInterruption", "deadline": "2026-06-01T12:05:00Z", "time": "2026-06-01T12:03:00Z"}'
+    annotated = node("n1", **{INTERRUPTION_ANNOTATION: rebalance})
+    assert new_node_notice(annotated, node("n1", **{INTERRUPTION_ANNOTATION: spot}))
+    assert not new_node_notice(annotated, copy.deepcopy(annotated))
+    assert not new_node_notice(annotated, node("n1"))
+
+
 def test_the_notice_index_finds_the_same_nodes_a_scan_of_every_node_does() -> None:
     nodes = [node(f"n{i}") for i in range(200)]
     nodes[3] = node("n3", taints=[SPOT_ITN])
