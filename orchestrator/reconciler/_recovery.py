@@ -648,6 +648,9 @@ class _Recovery(_FlushRequests):
         self._set_phase(p, phase, why.name, message)
         self._condition(p, READY, False, why.name, message)
         self._event(p, why, message=message)
+        # No pass follows an ended job's: a request still in progress gets its outcome now, or
+        # status.lastFlushRequest would say InProgress for as long as the job is kept.
+        self._end_request_with_job(p)
 
 
 def _seen(step: int | None) -> str:

@@ -183,6 +183,29 @@ class _FlushRequests(_Base):
         )
         self._end_request(p, request, "NotCommitted", message, FLUSH_REQUEST_NOT_COMMITTED)
 
+    def _end_request_with_job(self, p: _Pass) -> None:
+        """(the job ends: Succeeded or Failed) A request still in progress ends with it: Committed
+        when a checkpoint for it committed (a checkpoint request's save, a restart's flush of this
+        attempt), else NotCommitted, saying the job ended. No later pass would answer it."""
+        request = p.status.last_flush_request
+        if request is None or request.outcome != "InProgress":
+            return
+        if request.mode != "restart":
+            self._progress_checkpoint_request(p, request)  # the phase is no longer Running: it ends
+            return
+        step = p.checkpoint_step
+        if (
+            step is not None
+            and (request.baseline_step is None or step > request.baseline_step)
+            and (p.checkpoint_is_own_flush)
+        ):
+            message = FLUSH_REQUEST_COMMITTED.message(id=request.id, mode=request.mode, step=step)
+            self._end_request(p, request, "Committed", message, FLUSH_REQUEST_COMMITTED, step=step)
+            return
+        why = f"the job ended ({p.status.reason}) before the flush committed: nothing restarts"
+        message = FLUSH_REQUEST_NOT_COMMITTED.message(id=request.id, mode=request.mode, why=why)
+        self._end_request(p, request, "NotCommitted", message, FLUSH_REQUEST_NOT_COMMITTED)
+
     def _end_request(
         self,
         p: _Pass,

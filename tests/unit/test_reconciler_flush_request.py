@@ -243,3 +243,41 @@ def test_a_forward_step_of_the_wall_clock_does_not_end_a_checkpoint_request_at_o
 
     assert status.last_flush_request is not None and status.last_flush_request.outcome == "NotCommitted"
     assert w.clock.monotonic() >= started + 30
+
+
+def test_a_checkpoint_request_in_progress_when_the_job_fails_ends_with_it(tmp_path: Any) -> None:
+    """No pass follows a Failed job's: a request it left InProgress said so for as long as the job
+    was kept, and ``kubectl spotjob flush`` had no answer to read."""
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"}, maxRestarts=0)
+    w.run_to(100)
+    ask(store, "c-1", "checkpoint")
+    w.reconcile()  # takes it up; the agents' saves hang
+    assert w.status.last_flush_request is not None and w.status.last_flush_request.outcome == "InProgress"
+    w.backend.exit(0, 0, 1)
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("c-1", "NotCommitted")
+    assert "RestartBudgetExhausted" in request.message and request.step is None
+    assert w.event_reasons()[-2:] == ["RestartBudgetExhausted", "FlushRequestNotCommitted"]
+
+
+def test_a_restart_request_whose_gang_completes_while_it_flushes_ends_with_the_job(tmp_path: Any) -> None:
+    """The training ends while the requested flush runs (every worker exits 0 first): the job
+    Succeeded, and the request says it was not committed rather than InProgress for good."""
+    w, store = request_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+    w.run_until(phase_is(Phase.FLUSHING))
+    w.backend.exit(0, 0, 0)  # the ranks finished before they served the flush
+    w.backend.exit(0, 1, 0)
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert (status.phase, status.reason) == (Phase.SUCCEEDED, "Completed")
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("r-1", "NotCommitted")
+    assert "the job ended (Completed)" in request.message
+    assert "FlushRequestNotCommitted" in w.event_reasons()
