@@ -125,8 +125,9 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         self.shared_vm = SharedVm(base_url)
         """The other agents on this machine: an event is acknowledged once they are done with it."""
         self._waiting_for: dict[str, list[int]] = {}
-        self._ack_health = _Health(f"acknowledging Azure scheduled events at {self.client.base_url}")
         """The other agents each pending acknowledgement last waited for (logged when it changes)."""
+        self._ack_health = _Health(f"acknowledging Azure scheduled events at {self.client.base_url}")
+        """Whether the last acknowledgement went through (its failure is warned about once)."""
 
     @property
     def acknowledged(self) -> set[str]:

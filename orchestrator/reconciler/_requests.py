@@ -197,7 +197,7 @@ class _FlushRequests(_Base):
         if (
             step is not None
             and (request.baseline_step is None or step > request.baseline_step)
-            and (p.checkpoint_is_own_flush)
+            and p.checkpoint_is_own_flush
         ):
             message = FLUSH_REQUEST_COMMITTED.message(id=request.id, mode=request.mode, step=step)
             self._end_request(p, request, "Committed", message, FLUSH_REQUEST_COMMITTED, step=step)
