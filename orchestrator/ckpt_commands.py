@@ -204,6 +204,14 @@ def cmd_adopt(args: argparse.Namespace) -> int:
             # An owner record written in a checkpoint's folder would change a committed checkpoint,
             # and one above the job's URI would judge nothing: neither is what was meant.
             refuse_a_misplaced_uri(storage, command="adopt")
+            if storage.local_path("") is None and next(iter(storage.list("")), None) is None:
+                # A bucket has no folders: a prefix nothing was ever written under is what a missing
+                # folder is on the filesystem (refused by opened_storage), most often a typo. An
+                # owner record there would judge nothing, and the job meant would stay as it was.
+                raise CommandError(
+                    f"nothing is stored under {storage.uri} (no job has saved or claimed it); nothing was "
+                    "changed: check the URI, the one the job saves to (a new job claims a fresh URI itself)"
+                )
         try:
             before = read_owner(storage)
         except OwnershipError as e:

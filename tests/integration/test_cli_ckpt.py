@@ -1535,6 +1535,28 @@ def test_adopt_needs_a_job_and_an_existing_folder(tmp_path: Path, capsys: pytest
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_adopt_of_a_bucket_prefix_holding_nothing_is_refused_as_a_missing_folder_is(
+    scheme: str, fresh_uri: Callable[[str], str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A typo in the job's URI (jobs/rn1 for jobs/run1): on the filesystem the folder is not there
+    # and adopt refuses; a bucket has no folders, and an owner record written there would judge
+    # nothing while the job meant stays another's.
+    uri = fresh_uri(scheme)
+    rc, out, err = ckpt(capsys, "adopt", str(tmp_path / "rn1"), "--job", "second")
+    assert rc == 2 and out == "" and "no such folder" in err
+
+    rc, out, err = ckpt(capsys, "adopt", uri, "--job", "second")
+
+    assert rc == 2 and out == ""
+    assert f"nothing is stored under {uri}" in err and "nothing was changed" in err and "check the URI" in err, err
+    storage = open_storage(uri)
+    try:
+        assert list(storage.list("")) == []
+    finally:
+        storage.close()
+
+
 def test_adopt_of_a_checkpoints_own_folder_or_of_a_folder_above_the_uri_changes_nothing(
     saved: Saved, capsys: pytest.CaptureFixture[str]
 ) -> None:
