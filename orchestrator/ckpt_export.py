@@ -75,9 +75,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                     )
                     status = newest_valid(storage, step=step)
                 except _ProvenBad as e:
-                    reason = str(e.error).removeprefix(f"{status.ref.folder}: ")
-                    print(f"spotjob ckpt export: passing over {status.ref.folder}: {shown(reason)}", file=sys.stderr)
-                    passed.append((status.ref.folder, reason))
+                    # Said by newest_valid once it finds another to export; else its error names it.
+                    passed.append((status.ref.folder, str(e.error).removeprefix(f"{status.ref.folder}: ")))
                     status = newest_valid(storage, step=step, below=status.ref, passed=passed)
     if total.left_out:
         named = ", ".join(repr(shown(n)) for n in total.left_out[:_LEFT_OUT_NAMED])

@@ -163,7 +163,8 @@ def newest_valid(
 
     ``step``: among that step's attempts only (``CommandError`` when it has none), as a restore
     walking back reaches them. ``below``: walk on from the checkpoint after that one (``passed``:
-    the folders already passed over and why, for the error when none is left).
+    the folders already passed over and why, for the error when none is left; the newest of them,
+    the one the export just proved bad, is said on stderr here once another valid one is found).
     """
     refs = _require_checkpoints(storage)
     if step is not None:
@@ -189,6 +190,11 @@ def newest_valid(
         ref = walk.pop(0)
         status = inspect(storage, ref, lineage=lineage)
         if status.valid:
+            if below is not None and passed:
+                # The one the export just proved bad by reading it (the newest passed over), said
+                # only now: had none been left, the error would have named it, once.
+                folder, reason = passed[-1]
+                print(f"spotjob ckpt export: passing over {folder}: {shown(reason)}", file=sys.stderr)
             newer = [p for p in skipped if p.committed]
             for s in newer:  # the operator asked for "the latest" (of step N)
                 print(

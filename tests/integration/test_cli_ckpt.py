@@ -411,6 +411,21 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused(
     assert "passing over step-000000003" in err and "'../escape' escapes" in err
 
 
+def test_export_names_a_checkpoint_its_reading_proves_bad_once_when_none_is_left_to_export(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The CRC32C mismatch is found only by reading the shard: the refusal (exit 1) says it, and no
+    # "passing over" line before it says it again.
+    flip_byte(saved.storage, saved.key(3, saved.shard(3)))
+    bad = saved.storage.url(saved.key(3, saved.shard(3)))
+
+    rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "out"), "--step", "3")
+
+    assert rc == 1 and out == ""
+    assert f"{saved.folder(3)} is invalid, refusing to export it" in err and "CRC32C" in err, err
+    assert err.count(bad) == 1 and "passing over" not in err, err
+
+
 class _RunsCode:
     def __init__(self, marker: str) -> None:
         self.marker = marker
