@@ -18,7 +18,8 @@ What runs in order, on the elector's thread:
 3. *lost*: a renewal finding another holder, or no successful renewal for ``renew_deadline``,
    calls ``on_lost`` once and the elector stops.
 
-In parallel, a watchdog thread checks the time since the last successful renewal, so a renewal
+In parallel, a watchdog thread checks the time since the last successful renewal was sent (not
+answered: the server wrote it in between, and others count from that write), so a renewal
 stuck in a hung request cannot keep a stale leader alive: ``renew_deadline`` < ``lease_duration``
 guarantees the old leader gives up before any other replica may take over.
 
@@ -128,14 +129,19 @@ class LeaderElector:
     def _run(self) -> None:
         t = self._timing
         log.info("campaigning for lease %s/%s as %s", self._namespace, self._name, self.identity)
+        # A round's success counts from when its request was *sent*, not when the answer came: the
+        # server wrote the renewTime somewhere in between, and the other replicas count the lease's
+        # duration from seeing that write. Counting from the answer, a slow one (retries, a
+        # congested server) let this leader outlive its lease by as long as the answer took.
         while not self._stop.is_set():
+            sent = self._clock()
             if self._try_acquire_or_renew():
                 break
             self._stop.wait(t.retry_period)
         if self._stop.is_set():
             return
         with self._lock:
-            self._last_renew = self._clock()
+            self._last_renew = sent
         self._leading.set()
         log.info("became the leader (lease %s/%s, %s)", self._namespace, self._name, self.identity)
         self._watchdog = threading.Thread(target=self._watch_deadline, name="leader-watchdog", daemon=True)
@@ -147,6 +153,7 @@ class LeaderElector:
             self._lose("the leader's work could not start")
             return
         while not self._stop.wait(t.retry_period) and not self._lost.is_set():
+            sent = self._clock()
             try:
                 renewed = self._try_acquire_or_renew()
             except Exception:
@@ -154,7 +161,7 @@ class LeaderElector:
                 renewed = False
             if renewed:
                 with self._lock:
-                    self._last_renew = self._clock()
+                    self._last_renew = max(self._last_renew, sent)
             elif self._lease is not None and self._holder(self._lease) != self.identity:
                 self._lose(f"the lease is now held by {self._holder(self._lease)!r}")
                 return

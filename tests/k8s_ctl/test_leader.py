@@ -18,7 +18,8 @@ import pytest
 from ctl_support import CONTROLLER_USER, TestApi, wait_for
 
 from agent.ranks import free_port
-from orchestrator.k8s.api import EVENTS, LEASES, PERMISSIONS, NotFound, Resource
+from orchestrator.k8s.api import EVENTS, LEASES, PERMISSIONS, KubeClient, NotFound, Resource, RetryPolicy
+from orchestrator.k8s.kubeconfig import load_config
 from orchestrator.k8s.leader import LeaderElector, LeaseTiming
 
 SPOTJOBS = Resource("spotjob.dev", "v1alpha1", "spotjobs", "SpotJob", namespaced=True)
@@ -86,6 +87,57 @@ def test_a_leader_whose_lease_was_taken_gives_up(test_api: TestApi) -> None:
     test_api.admin.replace(LEASES, lease)
     wait_for(lambda: lost, what="a to notice")
     assert "usurper" in lost[0]
+    a.stop(release=False)
+
+
+class SlowRenewal(KubeClient):
+    """A controller client whose first lease update is answered late: the server writes the lease
+    at once, then the answer takes ``answer_takes`` seconds (on the elector's clock) to arrive,
+    after which every further update fails."""
+
+    def __init__(self, test_api: TestApi, clock: list[float], answer_takes: float) -> None:
+        super().__init__(
+            load_config(str(test_api.kubeconfig)), retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.05)
+        )
+        self._test_api = test_api
+        self._now = clock
+        self._answer_takes = answer_takes
+        self.written_at: float | None = None
+
+    def replace(self, resource: Resource, body: dict[str, Any], *, subresource: str | None = None) -> Any:
+        written = super().replace(resource, body, subresource=subresource)
+        if resource == LEASES and self.written_at is None:
+            written_at = self._now[0]
+            self._test_api.fault(verb="update", resource="leases", count=100000, status=500)
+            self._now[0] += self._answer_takes
+            self.written_at = written_at
+        return written
+
+
+def test_a_renewal_answered_late_counts_from_when_it_was_sent(test_api: TestApi) -> None:
+    # The other replicas count the lease from the write they saw; a leader counting its renewal from
+    # when the answer arrived would keep acting for as long as the answer took past the lease's end.
+    now = [0.0]
+    lost: list[str] = []
+    client = SlowRenewal(test_api, now, answer_takes=1.5)
+    a = LeaderElector(
+        client,
+        namespace="default",
+        name="lease",
+        identity="a",
+        timing=FAST,
+        on_started=lambda: None,
+        on_lost=lost.append,
+        clock=lambda: now[0],
+    )
+    a.start()
+    wait_for(lambda: client.written_at is not None, what="the slow renewal")
+    assert client.written_at is not None
+    # Past the renew deadline after the write (and so before the others may take the lease over,
+    # FAST.lease_duration after it): the leader must have given up by now.
+    now[0] = client.written_at + FAST.renew_deadline + 0.05
+    wait_for(lambda: lost, what="the leader to give up")
+    assert "no renewal" in lost[0] and not a.is_leader
     a.stop(release=False)
 
 
