@@ -361,12 +361,18 @@ class Controller:
         log.info("shutting down")
         if self.queue_reader is not None:
             self.queue_reader.stop()
+        finished = True
         if self._workers_started.is_set():
-            self.workers.stop()
+            finished = self.workers.stop()
         else:
             self.queue.shut_down()
         if self.elector is not None:
-            self.elector.stop(release=True)
+            # Releasing hands the lease over at once: only once no reconcile of ours still runs.
+            # One stuck past the wait would act alongside the next leader; the lease then runs
+            # out on its own, after the process exited.
+            if not finished:
+                log.warning("a reconcile still runs: the lease is not released, it expires on its own")
+            self.elector.stop(release=finished)
         self.metrics.leader(False)
         self.events.close(timeout=5.0)
         for informer in (self.jobs, self.pods, self.nodes):

@@ -294,11 +294,13 @@ class Workers:
             self._threads.append(thread)
             thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Shut the queue down and wait for the workers to finish their current reconcile."""
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Shut the queue down and wait for the workers to finish their current reconcile; False
+        if one still runs after ``timeout`` (each thread's wait)."""
         self._queue.shut_down()
         for thread in self._threads:
             thread.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
 
     def alive(self) -> bool:
         return bool(self._threads) and all(t.is_alive() for t in self._threads)

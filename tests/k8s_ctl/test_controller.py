@@ -234,3 +234,41 @@ def test_a_jobs_own_status_write_does_not_queue_it_again_and_a_change_of_its_met
     finally:
         controller.stop()
         thread.join(30)
+
+
+def test_a_leader_whose_reconcile_outlives_the_shutdown_does_not_release_the_lease(test_api: TestApi) -> None:
+    """A clean shutdown hands the lease over at once by releasing it. With a reconcile still running
+    past the workers' wait (a pass stuck on slow calls), the next leader would take over while it
+    still acts: two leaders at once. The lease is then left to expire instead."""
+    test_api.install_spotjob_crd()
+    entered = threading.Event()
+    let_go = threading.Event()
+
+    def factory(context: ControllerContext) -> Reconcile:
+        def reconcile(key: ObjectKey) -> float | None:
+            entered.set()
+            let_go.wait(120)
+            return None
+
+        return reconcile
+
+    controller = Controller(test_api.client(), CANDIDATE, factory)
+    thread = threading.Thread(target=controller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: controller.is_leader, what="the replica to lead")
+        test_api.admin.create(
+            SPOTJOBS,
+            {"apiVersion": "spotjob.dev/v1alpha1", "kind": "SpotJob", "metadata": {"name": "j"}, "spec": {}},
+            "default",
+        )
+        wait_for(entered.is_set, what="the reconcile to start")
+        controller.stop()
+        thread.join(90)  # the workers' wait runs out (30 s) while the reconcile still runs
+        assert not thread.is_alive() and not let_go.is_set()
+        lease = test_api.admin.get(LEASES, "spotjob-controller", "default")
+        assert lease["spec"]["holderIdentity"] == "candidate"
+    finally:
+        let_go.set()
+        controller.stop()
+        thread.join(30)
