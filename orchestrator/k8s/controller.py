@@ -91,6 +91,9 @@ class ControllerOptions:
     node_lost_grace_seconds: float = 60.0
     workers: int = 4
     sync_timeout_seconds: float = 300.0
+    shutdown_wait_seconds: float = 30.0
+    """How long a shutdown waits for each reconcile in progress; one still running after it keeps
+    the Lease from being released (it expires on its own)."""
     agent_launcher: Launcher = "direct"
     """How the worker pods' agents start the ranks (``spotjob-agent --launcher``): direct or torchrun."""
 
@@ -363,7 +366,7 @@ class Controller:
             self.queue_reader.stop()
         finished = True
         if self._workers_started.is_set():
-            finished = self.workers.stop()
+            finished = self.workers.stop(self.options.shutdown_wait_seconds)
         else:
             self.queue.shut_down()
         if self.elector is not None:

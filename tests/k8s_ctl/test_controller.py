@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -252,7 +253,8 @@ def test_a_leader_whose_reconcile_outlives_the_shutdown_does_not_release_the_lea
 
         return reconcile
 
-    controller = Controller(test_api.client(), CANDIDATE, factory)
+    # The workers' wait shortened from its 30 s, so that it runs out here at once.
+    controller = Controller(test_api.client(), dataclasses.replace(CANDIDATE, shutdown_wait_seconds=1.0), factory)
     thread = threading.Thread(target=controller.run, daemon=True)
     thread.start()
     try:
@@ -264,7 +266,7 @@ def test_a_leader_whose_reconcile_outlives_the_shutdown_does_not_release_the_lea
         )
         wait_for(entered.is_set, what="the reconcile to start")
         controller.stop()
-        thread.join(90)  # the workers' wait runs out (30 s) while the reconcile still runs
+        thread.join(90)  # the workers' wait runs out while the reconcile still runs
         assert not thread.is_alive() and not let_go.is_set()
         lease = test_api.admin.get(LEASES, "spotjob-controller", "default")
         assert lease["spec"]["holderIdentity"] == "candidate"
