@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from agent.catalog import CheckpointStatus
 from agent.manifest import Manifest
@@ -308,8 +308,10 @@ def _write_shards(
                         invalid=True,
                     ) from None
                 tmp = os.path.join(out, f".{name}.partial")
+                _fresh_partial(tmp, 0o600).close()
                 save_file({fqn[len(prefix) :]: t for fqn, t in state.items()}, tmp, metadata={"format": "pt"})
-                os.chmod(tmp, mode)  # safetensors writes owner-only files; an export is for sharing
+                with _fresh_partial(tmp, mode, keep=True) as written_file:
+                    os.fchmod(written_file.fileno(), mode)  # an export is for sharing
                 staged.append((tmp, os.path.join(out, name)))
                 shard_bytes = sum(t.nbytes for t in state.values())
                 totals.tensors += len(state)
@@ -321,8 +323,8 @@ def _write_shards(
                 log.debug("wrote %s: %d tensors, %d bytes", tmp, len(shard), shard_bytes)
         index = {"metadata": {"total_size": totals.bytes}, "weight_map": weight_map}
         tmp = os.path.join(out, f".{INDEX_NAME}.partial")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        with _fresh_partial(tmp, mode) as f:
+            f.write((json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
         # Everything is written: only now does an earlier export give way (a full disk halfway
         # through leaves it as it was). The index goes last: its presence says the export is complete.
         if force:
@@ -346,6 +348,22 @@ def _write_shards(
             raise ExportError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
     return names, totals
+
+
+def _fresh_partial(path: str, mode: int, *, keep: bool = False) -> BinaryIO:
+    """``path`` (a ``.<name>.partial`` in OUT) opened for writing, never through a symlink.
+
+    OUT may be a folder others can write in (``--force`` exports into one that is not empty): a
+    symlink planted under a partial name would have the export written into, and chmod'ed, the
+    file it names. Whatever is there is removed and a new file created (``O_EXCL``, ``O_NOFOLLOW``);
+    ``keep``: the file this export just wrote there is opened again instead, refusing a symlink.
+    """
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    if not keep:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        flags |= os.O_CREAT | os.O_EXCL
+    return os.fdopen(os.open(path, flags, mode), "wb")
 
 
 def _make_folders(out: str) -> list[str]:

@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -755,6 +756,33 @@ def test_export_with_force_removes_the_partial_files_a_killed_export_left(
 
     assert rc == 0
     assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "config.json", "model.safetensors"])
+
+
+def test_export_with_force_never_writes_through_a_symlink_at_a_partial_name(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Export wrote each shard and the index to ``.<name>.partial`` in OUT with a plain open, and
+    chmod'ed the shard: a symlink planted under such a name (in a folder others can write, exported
+    to with ``--force``) had the export's bytes written into the file it named, and that file's
+    mode widened to 0644, before the link was renamed into place. Now the link is replaced."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    victims = {".model.safetensors.partial": tmp_path / "secret-a", f".{INDEX_NAME}.partial": tmp_path / "secret-b"}
+    for name, victim in victims.items():
+        victim.write_text("keep me")
+        victim.chmod(0o600)
+        (out / name).symlink_to(victim)
+
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+
+    assert rc == 0, err
+    for victim in victims.values():
+        assert victim.read_text() == "keep me"
+        assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
+    assert not any((out / n).is_symlink() for n in os.listdir(out))
+    _, tensors = _read_export(out)
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
 
 
 @pytest.mark.parametrize(
