@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import total_ordering
 
 from agent.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError, UntrustedJSONError
-from agent.storage.base import ObjectInfo, Storage, TooLargeError
+from agent.storage.base import DamagedObjectError, ObjectInfo, Storage, TooLargeError
 
 CONTROL_FOLDER = ".spotjob"
 """spotjob's own records under a URI (owner, attempts, pins, retired, probes): never listed as a checkpoint."""
@@ -87,13 +87,15 @@ def read_bounded_stamped(
     than ``max_bytes`` is refused unread.
 
     ``size`` is the object's size from a listing, when the caller has one: a listed size above
-    ``max_bytes`` is refused without a request. Raises ``UntrustedJSONError`` (too big),
-    ``NotFoundError`` or ``StorageError``.
+    ``max_bytes`` is refused without a request. Raises ``UntrustedJSONError`` (too big, or
+    damaged where it is kept: ``DamagedObjectError``), ``NotFoundError`` or ``StorageError``.
     """
     if size is not None and size > max_bytes:
         raise UntrustedJSONError(f"{size} bytes, more than the {max_bytes} allowed")
     try:
         return storage.get_small(key, max_bytes)
+    except DamagedObjectError as e:  # read as one that is not JSON: what it holds is not known
+        raise UntrustedJSONError(str(e)) from None
     except TooLargeError as e:
         if e.size is None:
             raise UntrustedJSONError(f"more than the {max_bytes} bytes allowed") from None

@@ -13,7 +13,9 @@ around) the normal forwarding:
 - ``strip_header(name)``: forward the request without that header — a store that does not know a
   header and ignores it (``If-None-Match`` on an older MinIO);
 - ``answer(times, status, body)``: answer without forwarding, with a body made from the request's
-  (``body(request_body)``) — a ``DeleteObjects`` that succeeds (200) while listing per-key errors.
+  (``body(request_body)``) — a ``DeleteObjects`` that succeeds (200) while listing per-key errors;
+- ``damage(times, body)``: forward, and relay the upstream's answer (status, headers) with its body
+  made ``body(answer_body)`` — bytes damaged on the way, or where they are kept when every read is.
 
 Every request is recorded in ``seen`` (method, path, the rule that fired), and each rule counts
 ``served``, so a test can assert the faults were really delivered. ``Location`` headers that point
@@ -106,7 +108,7 @@ class Request:
 class FaultRule:
     """One armed fault. ``served`` counts how often it fired; it stops after ``times``."""
 
-    action: Literal["fail", "drop", "strip", "answer"]
+    action: Literal["fail", "drop", "strip", "answer", "damage"]
     times: int
     match: Callable[[Request], bool]
     status: int = 503
@@ -126,6 +128,8 @@ class FaultRule:
             return f"strip {self.header}"
         if self.action == "answer":
             return f"answer {self.status}"
+        if self.action == "damage":
+            return "damage the answer's body"
         return f"fail {self.status} {self.code}" if self.action == "fail" else f"drop {self.when}"
 
 
@@ -260,6 +264,19 @@ class FaultProxy:
         (XML for S3) instead of forwarding them."""
         return self._arm(FaultRule("answer", times, _matcher(method, path, match), status=status, body=body))
 
+    def damage(
+        self,
+        times: int,
+        body: Callable[[bytes], bytes],
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        match: Callable[[Request], bool] | None = None,
+    ) -> FaultRule:
+        """Forward the next ``times`` matching requests and relay each answer with its body replaced
+        by ``body(answer body)``, its status and headers (a checksum the store sent) as they came."""
+        return self._arm(FaultRule("damage", times, _matcher(method, path, match), body=body))
+
     def strip_header(
         self,
         name: str,
@@ -348,6 +365,10 @@ class _Handler(BaseHTTPRequestHandler):
         log.info("fault proxy: %s on %s %s", rule.describe(), self.command, self.path)
         if rule.action == "answer" and rule.body is not None:
             self._relay(rule.status, "Answered", [("Content-Type", "application/xml")], rule.body(body))
+            return
+        if rule.action == "damage" and rule.body is not None:
+            status, reason, headers, payload = self._forward(body)
+            self._relay(status, reason, headers, rule.body(payload))
             return
         if rule.action == "fail":
             content_type, payload = self.proxy._error_body(rule)

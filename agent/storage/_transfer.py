@@ -48,6 +48,7 @@ from agent.storage._retry import retry_transient
 from agent.storage.base import (
     MAX_OBJECT_NAME_BYTES,
     CorruptObjectError,
+    DamagedObjectError,
     MissingBucketError,
     NotFoundError,
     ObjectInfo,
@@ -655,10 +656,28 @@ class PrefixedKeys:
     ) -> tuple[bytes, ObjectInfo]:
         """``get_small``'s one GET (``read``), retried; its 404 told apart from a missing bucket as
         after a HEAD. An object read proves the bucket exists: a later 404 is a missing object."""
+        reads: list[tuple[int, int | None] | None] = []  # each attempt: its mismatch, or None
+
+        def attempt() -> tuple[bytes, ObjectInfo]:
+            try:
+                return read()
+            except StoredChecksumMismatch as e:
+                reads.append((e.kept, e.got))
+                raise
+            except BaseException:
+                reads.append(None)
+                raise
+
         try:
-            result = self._retrying(what, key, read)
+            result = self._retrying(what, key, attempt)
         except NotFoundError:
             self._raise_if_bucket_missing(what, key)
+            raise
+        except StoredChecksumMismatch as e:
+            # Every attempt answered, with the same bytes against the same kept checksum: the object
+            # is damaged where it is kept; read again it would fail the same way forever.
+            if len(reads) > 1 and len(set(reads)) == 1:
+                raise damaged_object(self.url(key), key, e.kept, e.got, len(reads)) from e
             raise
         self._bucket_seen = True
         return result
@@ -692,6 +711,31 @@ class PrefixedKeys:
             return self.get_bytes(key) == data
         except NotFoundError:
             return False
+
+
+class StoredChecksumMismatch(TransientStorageError):
+    """A ``get_small`` answer whose bytes do not match the CRC32C the store sent with them
+    (``kept``; ``got``: the bytes', None where the client checked them itself and did not say).
+    Transient: damage on the way goes away when read again. ``_read_small`` makes it a
+    ``DamagedObjectError`` when every retried read failed so with the same bytes."""
+
+    def __init__(self, message: str, key: str | None, kept: int, got: int | None) -> None:
+        super().__init__(message, key)
+        self.kept = kept
+        self.got = got
+
+
+def damaged_object(url: str, key: str, kept: int, got: int | None, reads: int) -> DamagedObjectError:
+    """The error of a small object read ``reads`` times, each time with bytes (CRC32C ``got``)
+    that do not match the CRC32C ``kept`` the store keeps for it."""
+    bytes_crc = f", the bytes read have {got:08x}" if got is not None else ""
+    return DamagedObjectError(
+        f"{url} is damaged: its stored bytes do not match the CRC32C the store keeps for it ({kept:08x}"
+        f"{bytes_crc}; the same in each of {reads} reads), so it was damaged where it is kept or rewritten "
+        "by something that did not update its checksum. Reading it again cannot help: replace it with a "
+        "good copy (or delete it)",
+        key,
+    )
 
 
 def small_body(url: str, what: str, key: str, data: bytes, size: int | None, max_bytes: int) -> bytes:

@@ -99,6 +99,13 @@ class TooLargeError(PermanentStorageError):
         self.size = size
 
 
+class DamagedObjectError(PermanentStorageError):
+    """A small object (a manifest, a record) whose bytes did not match the checksum the store
+    keeps for it in every one of the retried reads, the same bytes and the same checksum each
+    time: damaged where it is kept, or rewritten by something that did not update its checksum.
+    Reading it again cannot help (a mismatch that goes away on a retry was damage on the way)."""
+
+
 class CorruptObjectError(StorageError):
     """The bytes read back do not match the size or CRC32C they were committed with."""
 

@@ -78,6 +78,7 @@ from agent.storage._transfer import (
     MiB,
     PrefixedKeys,
     RangeSink,
+    StoredChecksumMismatch,
     TransferPool,
     TransferSettings,
     check_local_crc,
@@ -648,8 +649,14 @@ class GCSStorage(PrefixedKeys, Storage):
                 data = resp.raw.read(max_bytes + 1, decode_content=True)
             small_body(url, what, key, data, size, max_bytes)
             said = _answer_crc32c(resp)
-            if said is not None and not encoded and said != crc32c_bytes(data):
-                raise gcs_exceptions.DataCorruption(resp, f"{what}: CRC32C {said:08x} said, the bytes have another")
+            if said is not None and not encoded and said != (got := crc32c_bytes(data)):
+                raise StoredChecksumMismatch(
+                    f"{what}: x-goog-hash says the object's CRC32C is {said:08x}, the bytes read have {got:08x}: "
+                    "damaged on the way (or where they are kept)",
+                    key,
+                    said,
+                    got,
+                )
             return data, ObjectInfo(key, len(data), _answer_time(resp))
 
         return self._read_small(what, key, read)

@@ -68,6 +68,7 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    FlexibleChecksumError,
 )
 
 from agent.crc32c import crc32c_bytes
@@ -91,6 +92,7 @@ from agent.storage._transfer import (
     MiB,
     PrefixedKeys,
     RangeSink,
+    StoredChecksumMismatch,
     TransferPool,
     TransferSettings,
     check_local_crc,
@@ -639,11 +641,13 @@ class S3Storage(PrefixedKeys, Storage):
         ``s3_checksum_headers`` is off: a store that refuses ``x-amz-checksum-*`` headers refuses
         that one too), and the bytes are checked against its CRC32C, as GCS's are against
         ``x-goog-hash``: a mismatch is a ``TransientStorageError`` (damaged on the way; read again
-        within the retries, then raised). Every object spotjob writes carries a CRC32C on a store
-        that keeps it. Nothing is checked when the answer carries no whole-object CRC32C: an object
-        another tool wrote without one (or with another algorithm: CRC32, CRC64NVME, SHA), a
-        multipart object whose checksum is ``COMPOSITE`` (a CRC of its parts' CRCs, ``...-N``), a
-        store that keeps no checksums (moto unless the upload names its algorithm)."""
+        within the retries, then raised), or a ``DamagedObjectError`` when every read found the same
+        bytes against the same kept checksum (damaged where it is kept: ``_read_small``). Every
+        object spotjob writes carries a CRC32C on a store that keeps it. Nothing is checked when the
+        answer carries no whole-object CRC32C: an object another tool wrote without one (or with
+        another algorithm: CRC32, CRC64NVME, SHA), a multipart object whose checksum is
+        ``COMPOSITE`` (a CRC of its parts' CRCs, ``...-N``), a store that keeps no checksums (moto
+        unless the upload names its algorithm)."""
         obj = self._object_key(key)
         url = self.url(key)
         what = f"GET {url}"
@@ -662,16 +666,24 @@ class S3Storage(PrefixedKeys, Storage):
                 size = int(said) if said is not None else None
                 if size is not None and size > max_bytes:
                     raise TooLargeError(f"{url} is {size} bytes, more than {max_bytes}", key, size)
-                data = bytes(body.read(max_bytes + 1))
+                kept = _stored_crc32c(resp)
+                try:
+                    data = bytes(body.read(max_bytes + 1))
+                except FlexibleChecksumError as e:
+                    # botocore checks the body itself where its first read ends it (an empty object).
+                    if kept is None:
+                        raise
+                    raise StoredChecksumMismatch(f"{what}: {e}", key, kept, None) from e
             finally:
                 body.close()
             small_body(url, what, key, data, size, max_bytes)
-            said = _stored_crc32c(resp)
-            if said is not None and (got := crc32c_bytes(data)) != said:
-                raise TransientStorageError(
-                    f"{what}: the store says the object's CRC32C is {said:08x}, the bytes read have "
+            if kept is not None and (got := crc32c_bytes(data)) != kept:
+                raise StoredChecksumMismatch(
+                    f"{what}: the store says the object's CRC32C is {kept:08x}, the bytes read have "
                     f"{got:08x}: damaged on the way (or where they are kept)",
                     key,
+                    kept,
+                    got,
                 )
             return data, ObjectInfo(key, len(data), store_time(resp.get("LastModified")))
 

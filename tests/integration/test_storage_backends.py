@@ -29,6 +29,7 @@ from agent.ownership import MAX_RECORD_BYTES, OwnershipError, read_owner
 from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
+    DamagedObjectError,
     NotFoundError,
     PermanentStorageError,
     Storage,
@@ -430,7 +431,9 @@ def test_s3_reads_a_small_object_only_when_its_bytes_match_the_crc32c_the_store_
 ) -> None:
     """``get_small`` (manifests, owner and attempt records, claims) checked no checksum on S3, where
     GCS's checks ``x-goog-hash``. moto keeps the CRC32C an upload names (with its algorithm) without
-    checking it: an object stored with the CRC32C of other bytes stands for one damaged on the way.
+    checking it: an object stored with the CRC32C of other bytes stands for one damaged where it is
+    kept. Read again within the retries, it fails each time with the same bytes: no longer a
+    transient fault (the store is not down, advice to retry never helped) but a damaged object.
     One with no CRC32C kept, or a composite one (a multipart object's), is read unchecked."""
     uri = fresh_uri("s3")
     bucket, prefix = urlparse(uri).netloc, urlparse(uri).path.strip("/")
@@ -444,15 +447,18 @@ def test_s3_reads_a_small_object_only_when_its_bytes_match_the_crc32c_the_store_
 
     put("step-1/MANIFEST.json", crc32c_bytes(other))
     caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
-    with pytest.raises(TransientStorageError) as caught:
+    with pytest.raises(DamagedObjectError) as caught:
         store.get_small("step-1/MANIFEST.json", 100)
     said = str(caught.value)
-    assert f"CRC32C is {crc32c_bytes(other):08x}" in said and "step-1/MANIFEST.json" in said, said
+    assert f"CRC32C the store keeps for it ({crc32c_bytes(other):08x}" in said, said
+    assert "step-1/MANIFEST.json is damaged" in said and "each of 5 reads" in said, said
+    assert caught.value.key == "step-1/MANIFEST.json"
+    assert not isinstance(caught.value, TransientStorageError)
     assert len(retry_lines(caplog)) == 4, "read again within the retries, as any fault in transit"
 
     # An empty body ends at the first read, where botocore checks it itself: the same error.
     put("step-1/empty.json", crc32c_bytes(other), b"")
-    with pytest.raises(TransientStorageError, match=r"step-1/empty\.json"):
+    with pytest.raises(DamagedObjectError, match=r"step-1/empty\.json is damaged"):
         store.get_small("step-1/empty.json", 100)
 
     put("step-2/MANIFEST.json", crc32c_bytes(body))
@@ -564,6 +570,48 @@ def test_gcs_sends_chunks_of_the_upload_chunk_size_and_reads_ranges_of_the_part_
     ranges: list[int] = []
     smaller.get_file("step-1/again", str(tmp_path / "back.bin"), size=size, crc32c=crc, progress=ranges.append)
     assert len(ranges) == 4, "read back in ranges of SPOTJOB_STORAGE_PART_SIZE"
+
+
+@pytest.mark.usefixtures("fast_retries")
+def test_gcs_small_read_whose_bytes_never_match_x_goog_hash_is_damaged_and_one_that_does_once_is_read_again(
+    fresh_uri: Callable[[str], str],
+    fault_proxy: Callable[[str, Dialect], FaultProxy],
+    gcs_server: str,
+    make_storage: Callable[[str], Storage],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes that never match the CRC32C of ``x-goog-hash`` in any of the retried reads (the same
+    bytes each time: damaged where they are kept; fake-gcs-server keeps no wrong checksum, so the
+    proxy damages every answer alike) were raised as a transient fault, as if the store were down.
+    Damaged in one answer only, they are read again and returned."""
+    uri = fresh_uri("gs")
+    proxy = fault_proxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    store = make_storage(uri)
+    body = b'{"step": 1}'
+    store.put_bytes("step-1/MANIFEST.json", body)
+
+    def media(req: Any) -> bool:
+        return req.method == "GET" and "alt=media" in req.path
+
+    damaged = proxy.damage(1_000_000, lambda data: data.replace(b"1", b"2"), match=media)
+    with pytest.raises(DamagedObjectError) as caught:
+        store.get_small("step-1/MANIFEST.json", 100)
+    said = str(caught.value)
+    assert "step-1/MANIFEST.json is damaged" in said and "each of 5 reads" in said, said
+    assert f"({crc32c_bytes(body):08x}, the bytes read have {crc32c_bytes(body.replace(b'1', b'2')):08x}" in said
+    assert damaged.served == 5
+    proxy.clear()
+
+    once = proxy.damage(1, lambda data: data.replace(b"1", b"2"), match=media)
+    assert store.get_small("step-1/MANIFEST.json", 100)[0] == body
+    assert once.served == 1
+
+    # Damaged differently on each read: on the way each time, never proven at rest.
+    flips = iter(range(2, 9))
+    proxy.damage(1_000_000, lambda data: data.replace(b"1", str(next(flips)).encode()), match=media)
+    with pytest.raises(TransientStorageError, match="damaged on the way"):
+        store.get_small("step-1/MANIFEST.json", 100)
 
 
 def test_gcs_reads_a_file_of_one_part_in_one_request(
