@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from agent.export import INDEX_NAME
 from agent.manifest import DCP_METADATA_NAME, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
 from agent.ownership import OWNER_KEY, OwnershipError, attempt_key, claim, read_owner, record_attempt
 from agent.storage import Storage, TransientStorageError, open_storage
+from agent.storage._transfer import crc_to_b64
 from agent.storage.file import FileStorage
 from orchestrator import ckpt_deep, ckpt_export, ckpt_output, ckpt_select, cli_ckpt
 from orchestrator.cli import main
@@ -1624,3 +1626,46 @@ def test_adopt_of_a_checkpoints_own_folder_or_of_a_folder_above_the_uri_changes_
         above.close()
 
     assert saved.storage.get_bytes(OWNER_KEY) == before
+
+
+def test_a_manifest_damaged_where_it_is_kept_makes_its_checkpoint_invalid_on_s3(
+    fresh_uri: Callable[[str], str],
+    s3_client: Any,
+    fast_retries: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A MANIFEST.json whose bytes never match the CRC32C the store keeps for it (stored here by
+    plain boto3 with the CRC32C of other bytes: damaged at rest) failed every read as a transient
+    fault: `list`/`verify` exited 2 without calling the checkpoint invalid and a restore said the
+    store was unavailable, forever. It is invalid, as a manifest that is not JSON is: restore takes
+    the one before it, `list` says why, `verify` exits 1."""
+    uri = fresh_uri("s3")
+    with _save_three_steps(uri) as saved:
+        bucket, prefix = urlparse(uri).netloc, urlparse(uri).path.strip("/")
+        key = f"{prefix}/{saved.key(3, MANIFEST_NAME)}"
+        body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        s3_client.put_object(
+            Bucket=bucket,
+            Key=key,
+            Body=body,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc_to_b64(crc32c_bytes(body + b" ")),
+        )
+
+        rc, out, _ = ckpt(capsys, "list", uri, "--json")
+        assert rc == 0
+        rows = {r["step"]: r for r in json.loads(out)}
+        assert rows[3]["valid"] is False and "is damaged" in rows[3]["reason"], rows[3]
+        assert "do not match the CRC32C the store keeps" in rows[3]["reason"], rows[3]
+        assert rows[2]["valid"] is True
+
+        rc, out, err = ckpt(capsys, "verify", uri, "--step", "3")
+        assert rc == 1, out + err
+        assert "is damaged" in out + err and "unavailable" not in out + err, out + err
+
+        model = _model()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with Checkpointer(uri, keep=None, async_save=False) as again:
+            assert again.restore({"model": model, "optim": optim}) == 2
+        assert all(torch.equal(v, saved.weights[2][k]) for k, v in model.state_dict().items())

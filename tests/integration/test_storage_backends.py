@@ -25,7 +25,16 @@ import pytest
 from agent.catalog import find_checkpoints
 from agent.checkpoint import _claim
 from agent.crc32c import crc32c_bytes, crc32c_file
-from agent.ownership import MAX_RECORD_BYTES, OwnershipError, read_owner
+from agent.ownership import (
+    MAX_RECORD_BYTES,
+    OWNER_KEY,
+    OwnershipError,
+    attempt_key,
+    claim,
+    read_attempt,
+    read_owner,
+    record_attempt,
+)
 from agent.storage import (
     AlreadyExistsError,
     CorruptObjectError,
@@ -484,6 +493,43 @@ def test_s3_reads_a_small_object_only_when_its_bytes_match_the_crc32c_the_store_
     kept["Body"].close()
     assert kept["ChecksumCRC32C"].endswith("-1"), kept  # composite: a CRC of the parts' CRCs
     assert store.get_small("step-4/MANIFEST.json", 100)[0] == body
+
+
+@pytest.mark.usefixtures("fast_retries")
+def test_s3_owner_and_attempt_records_damaged_where_they_are_kept_read_as_unreadable_records(
+    fresh_uri: Callable[[str], str], make_storage: Callable[[str], Storage], s3_client: Any
+) -> None:
+    """An owner or attempt record whose bytes never match the CRC32C the store keeps for it failed
+    every read as a transient fault (the store "unavailable", forever). It reads as a broken
+    record does: the owner record unreadable, with ``spotjob ckpt adopt`` as the remedy, the
+    attempt record unreadable (untrusted), the damage named in both."""
+    uri = fresh_uri("s3")
+    bucket, prefix = urlparse(uri).netloc, urlparse(uri).path.strip("/")
+    store = make_storage(uri)
+    claim(store, "train")
+    record_attempt(store, "train", 1, None)
+
+    def damage(key: str) -> None:
+        body = s3_client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+        s3_client.put_object(
+            Bucket=bucket,
+            Key=f"{prefix}/{key}",
+            Body=body,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc_to_b64(crc32c_bytes(body + b" ")),
+        )
+
+    damage(OWNER_KEY)
+    with pytest.raises(OwnershipError) as owner:
+        read_owner(store)
+    said = str(owner.value)
+    assert "is unreadable" in said and "is damaged" in said and "spotjob ckpt adopt" in said, said
+
+    damage(attempt_key("train", 1))
+    with pytest.raises(ValueError) as attempt:
+        read_attempt(store, "train", 1)
+    said = str(attempt.value)
+    assert "is unreadable" in said and "is damaged" in said and "CRC32C the store keeps" in said, said
 
 
 def test_s3_sends_parts_of_the_upload_part_size_and_reads_ranges_of_the_part_size(
