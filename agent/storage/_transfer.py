@@ -652,7 +652,7 @@ class PrefixedKeys:
         return retry_transient(what, lambda: self._request(what, key, fn))
 
     def _read_small(
-        self, what: str, key: str, read: Callable[[], tuple[bytes, ObjectInfo]]
+        self, what: str, url: str, key: str, read: Callable[[], tuple[bytes, ObjectInfo]]
     ) -> tuple[bytes, ObjectInfo]:
         """``get_small``'s one GET (``read``), retried; its 404 told apart from a missing bucket as
         after a HEAD. An object read proves the bucket exists: a later 404 is a missing object."""
@@ -677,7 +677,7 @@ class PrefixedKeys:
             # Every attempt answered, with the same bytes against the same kept checksum: the object
             # is damaged where it is kept; read again it would fail the same way forever.
             if len(reads) > 1 and len(set(reads)) == 1:
-                raise damaged_object(self.url(key), key, e.kept, e.got, len(reads)) from e
+                raise damaged_object(url, key, e.kept, e.got, len(reads)) from e
             raise
         self._bucket_seen = True
         return result

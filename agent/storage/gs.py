@@ -659,7 +659,7 @@ class GCSStorage(PrefixedKeys, Storage):
                 )
             return data, ObjectInfo(key, len(data), _answer_time(resp))
 
-        return self._read_small(what, key, read)
+        return self._read_small(what, url, key, read)
 
     def _get_blob(self, key: str) -> Any:
         name = self._object_key(key)

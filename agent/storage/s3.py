@@ -687,7 +687,7 @@ class S3Storage(PrefixedKeys, Storage):
                 )
             return data, ObjectInfo(key, len(data), store_time(resp.get("LastModified")))
 
-        return self._read_small(what, key, read)
+        return self._read_small(what, url, key, read)
 
     def _head(self, key: str) -> dict[str, Any]:
         obj = self._object_key(key)
