@@ -185,7 +185,11 @@ class LocalBackend(WorkerProcesses):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
         for t in self._threads:
-            t.join(timeout=grace + 15)
+            # One kept but never started: an interrupt (spotjob run's Ctrl-C, raised wherever the
+            # main thread was) came between stop_workers keeping it and starting it. Its worker's
+            # node was killed above; joining it would raise and cut the rest of the run's stop short.
+            if t.ident is not None:
+                t.join(timeout=grace + 15)
 
     # -- the Backend protocol ---------------------------------------------------------------------
     def spec_problems(self, key: JobKey, spec: JobSpec) -> list[str]:

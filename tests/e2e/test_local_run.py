@@ -483,6 +483,37 @@ def test_stopping_gang_after_gang_keeps_only_the_stops_still_running(tmp_path: P
         assert len(backend._threads) <= 1, f"{len(backend._threads)} stop threads kept after 4 gangs"
 
 
+def test_an_interrupt_that_lands_before_a_stop_thread_starts_leaves_close_to_stop_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spotjob run's Ctrl-C is a KeyboardInterrupt its handler raises at whatever bytecode the main
+    thread runs, here as the reconciler stops a gang: after the stop's thread was kept for close()
+    to join, before it started. close() then failed joining a thread never started ("cannot join
+    thread before it is started"): the rest of LocalRun.run's stop was skipped and spotjob run
+    ended in a traceback instead of 130. The handler's raise is put where it lands: at the start of
+    the thread's start()."""
+    key, spec = one_rank_job(tmp_path, "cut")
+    real = threading.Thread
+
+    class CutBeforeStart(real):
+        def start(self) -> None:
+            if self.name.startswith("stop-"):
+                raise KeyboardInterrupt("signal 2")
+            super().start()
+
+    backend = LocalBackend(LocalOptions(root=str(tmp_path / "run")))
+    try:
+        backend.start_workers(key, spec, 0, Placement())
+        node = next(iter(backend.nodes()))
+        monkeypatch.setattr(local.threading, "Thread", CutBeforeStart)
+        with pytest.raises(KeyboardInterrupt):
+            backend.stop_workers(key, spec, flush=False)
+        monkeypatch.setattr(local.threading, "Thread", real)
+    finally:
+        backend.close(grace=0.5)
+    assert not marked_pids(ENV_NODE, node.marker), "close() left the worker's processes running"
+
+
 # -- a notice an agent holds ----------------------------------------------------------------------
 
 
