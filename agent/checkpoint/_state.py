@@ -35,6 +35,14 @@ def _is_zero_redundancy_optimizer(value: Any) -> bool:
     return isinstance(zero, type) and isinstance(value, zero)
 
 
+def _fsdp1_in(value: nn.Module) -> bool:
+    """Whether ``value`` is, or holds, torch's ``FullyShardedDataParallel`` (FSDP1), without
+    importing its module: a script that wrapped a model in one has imported it."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(module, "FullyShardedDataParallel", None)
+    return isinstance(fsdp, type) and any(isinstance(m, fsdp) for m in value.modules())
+
+
 class _ModuleBag(nn.Module):
     """Holds the job's modules under their state keys, so tensor names read "model.fc.weight"."""
 
@@ -375,6 +383,14 @@ class _State(_Core):
                     f"which cannot name a module in a checkpoint: use another key (e.g. {key + '_model'!r}), "
                     "the same in save() and restore()"
                 )
+            if isinstance(value, nn.Module) and _fsdp1_in(value):
+                raise TypeError(
+                    f"state[{key!r}] is, or holds, a FullyShardedDataParallel module (FSDP1), which spotjob "
+                    "cannot checkpoint: its ShardedTensor state cannot be staged for an asynchronous save, and "
+                    "the optimizer state of a synchronous one does not restore. Shard the model with FSDP2 "
+                    "instead (torch.distributed.fsdp.fully_shard, applied to each block and then the model), "
+                    "whose DTensor state spotjob saves, restores and reshards; or use DDP"
+                )
             if _is_zero_redundancy_optimizer(value):
                 raise TypeError(
                     f"state[{key!r}] is a ZeroRedundancyOptimizer: each rank holds only its own shard of the "
@@ -382,8 +398,8 @@ class _State(_Core):
                     "the whole state on that one rank only, so it cannot be saved by name on every rank. Keep each "
                     "rank's shard in an object of your own instead (its state_dict() returns "
                     f"{key}.optim.state_dict() and the param_groups' hyperparameters; see 'ZeroRedundancyOptimizer' "
-                    "in spotjob's README; it restores on the same number of ranks only), or shard with FSDP, whose "
-                    "optimizer state DCP saves and reshards"
+                    "in spotjob's README; it restores on the same number of ranks only), or shard with FSDP2 "
+                    "(fully_shard), whose optimizer state DCP saves and reshards"
                 )
             if not isinstance(value, nn.Module | torch.optim.Optimizer) and not (
                 callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
