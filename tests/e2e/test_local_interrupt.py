@@ -311,16 +311,19 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
     )
 
 
-def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_on(tmp_path: Path) -> None:
-    run = tmp_path / "spotjob-runs" / "paused"
-    log = tmp_path / "driver.log"
-    # No --every-steps: only the interrupt's flush commits.
+def _endless(tmp_path: Path, name: str, **popen: Any) -> tuple[Path, Path, subprocess.Popen[bytes]]:
+    """A one-rank run that trains until it is stopped and commits only on a flush (no
+    --every-steps), started in the background: its folder, the driver's log, the driver."""
     argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "paused", "--nproc", "1",
+        tool("spotjob"), "run", "--no-live", "--name", name, "--nproc", "1",
         str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
     ]  # fmt: skip
+    return tmp_path / "spotjob-runs" / name, tmp_path / "driver.log", start(tmp_path, argv, **popen)
+
+
+def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_on(tmp_path: Path) -> None:
     # As a terminal starts it: Ctrl-Z not ignored.
-    driver = start(tmp_path, argv, preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
+    run, log, driver = _endless(tmp_path, "paused", preexec_fn=lambda: signal.signal(signal.SIGTSTP, signal.SIG_DFL))
 
     try:
         wait_for(running(driver, run, log), "the run to train")
@@ -350,14 +353,7 @@ def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_
 
 
 def test_an_agent_that_does_not_answer_the_interrupts_flush_in_time_is_asked_again(tmp_path: Path) -> None:
-    run = tmp_path / "spotjob-runs" / "slow"
-    log = tmp_path / "driver.log"
-    # No --every-steps: only the interrupt's flush commits.
-    argv = [
-        tool("spotjob"), "run", "--no-live", "--name", "slow", "--nproc", "1",
-        str(TRAIN), "--steps", "100000", "--step-sleep", "0.1",
-    ]  # fmt: skip
-    driver = start(tmp_path, argv)
+    run, log, driver = _endless(tmp_path, "slow")
     asked_again = "asking the agent of slow-0-0 to flush again"
     try:
         wait_for(running(driver, run, log), "the run to train")
