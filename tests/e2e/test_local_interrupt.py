@@ -311,6 +311,17 @@ def test_a_second_ctrl_c_during_the_flush_stops_every_process_at_once_without_it
     )
 
 
+def _the_interrupts_flush_committed(run: Path, said: str) -> tuple[int, Any]:
+    """The run's one valid checkpoint is a flush's, its interrupt Event says it committed, and so
+    does the driver's last line: that checkpoint's step and the Event."""
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
+    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
+    assert told.reason == "InterruptFlushCommitted", told.message
+    assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
+    return checkpoint.ref.step, told
+
+
 def _endless(tmp_path: Path, name: str, **popen: Any) -> tuple[Path, Path, subprocess.Popen[bytes]]:
     """A one-rank run that trains until it is stopped and commits only on a flush (no
     --every-steps), started in the background: its folder, the driver's log, the driver."""
@@ -344,12 +355,8 @@ def test_a_sigterm_that_comes_while_the_run_is_paused_flushes_once_the_run_goes_
     assert not run_pids(str(run)), "every process of the run is stopped"
     agent_log = (run / "logs" / "paused-0-0.log").read_text()
     assert "timed out" not in said, f"{said[-5000:]}\n--- the agent's log:\n{agent_log[-5000:]}"
-    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
-    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
-    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
-    assert told.reason == "InterruptFlushCommitted", told.message
-    assert f"the flush it asked for committed step {checkpoint.ref.step}" in told.message
-    assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
+    step, told = _the_interrupts_flush_committed(run, said)
+    assert f"the flush it asked for committed step {step}" in told.message
 
 
 def test_an_agent_that_does_not_answer_the_interrupts_flush_in_time_is_asked_again(tmp_path: Path) -> None:
@@ -373,11 +380,7 @@ def test_an_agent_that_does_not_answer_the_interrupts_flush_in_time_is_asked_aga
     exited_130(code, said)
     assert f"{asked_again} (POST /flush to the agent of slow-0-0 failed: timed out)" in said, said[-6000:]
     assert not run_pids(str(run)), "every process of the run is stopped"
-    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
-    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
-    [told] = [e for e in events(run) if e.reason.startswith("Interrupt")]
-    assert told.reason == "InterruptFlushCommitted", told.message
-    assert f"spotjob run: interrupted; the flush committed step {checkpoint.ref.step}" in said
+    _the_interrupts_flush_committed(run, said)
 
 
 def _fails_during_the_flush(
