@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
+    create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -267,7 +268,22 @@ def _short(value: Any, limit: int = 200) -> str:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner whose non-tensor values load with ``weights_only=True``."""
+    """DefaultLoadPlanner whose non-tensor values load with ``weights_only=True``, and which takes
+    every checkpoint as one written by torch 2.4 or later (as every spotjob checkpoint is: its
+    torch floor is 2.9).
+
+    DCP's planner guesses a checkpoint is older when the checkpoint holds a name the target lacks,
+    and then flattens the target the old way (a list such as an optimizer's ``param_groups`` one
+    value, not one per entry). A rank of an FSDP1 model (``FullyShardedDataParallel``) that holds
+    no shard of a parameter lacks that name (DCP drops a ``ShardedTensor`` with no local shard), so
+    it guessed so, and every restore of an FSDP1 optimizer failed: "Missing key in checkpoint
+    state_dict: optim.param_groups". The guess also sets a module global of torch's for a while.
+    """
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is None:
+            raise AssertionError("set_up_planner() gives the metadata first")
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
