@@ -7,7 +7,9 @@ plain tensors and values (a module's and an optimizer's state), DCP's deep copy 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import weakref
 from typing import Any
 
@@ -83,13 +85,109 @@ def stage_state(stager: Any, state: dict[str, Any]) -> Any:
         if staged is not None:
             return staged
         kept.used.clear()
-    staged = stager.stage(state)
+    sharded: list[Any] = []
+    held = _without_sharded(state, sharded)
+    staged = stager.stage(state if not sharded else (held, [[s.tensor for s in x.local_shards()] for x in sharded]))
     staged = staged.result() if hasattr(staged, "result") else staged
     if getattr(stager, "should_synchronize_after_execute", False):
         stager.synchronize_staging()
     if isinstance(kept, _KeptBuffers):
         kept.forget_unused()
+    if sharded:
+        held, tensors = staged
+        staged = _with_sharded(held, [_sharded_over(x, t) for x, t in zip(sharded, tensors, strict=True)])
     return staged
+
+
+def _sharded_tensor_class() -> type | None:
+    """torch's ``ShardedTensor`` (the state of an FSDP1 ``FullyShardedDataParallel`` module), or
+    None where nothing imported it (then no state holds one)."""
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    found = getattr(module, "ShardedTensor", None)
+    return found if isinstance(found, type) else None
+
+
+class _ShardedSlot:
+    """Where the ``index``-th ShardedTensor of a state stood while DCP's stager stages the rest
+    (``_without_sharded``)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _without_sharded(value: Any, found: list[Any]) -> Any:
+    """``value`` with each ShardedTensor in its dicts, lists and tuples replaced by a
+    ``_ShardedSlot`` (and appended to ``found``); the containers above none are ``value``'s own.
+    DCP's stager copies a tensor through its ``data_ptr()``, which a ShardedTensor refuses: every
+    async save of an FSDP1 model that went to DCP's stager failed ("'data_ptr' ... not supported
+    for ShardedTensor!"). Its local shards are staged beside the state instead."""
+    sharded = _sharded_tensor_class()
+    if sharded is None:
+        return value
+    return _slot(value, found, sharded)
+
+
+def _slot(value: Any, found: list[Any], sharded: type) -> Any:
+    kind = type(value)
+    if kind is dict:
+        items = {k: _slot(v, found, sharded) for k, v in value.items()}
+        return items if any(items[k] is not v for k, v in value.items()) else value
+    if kind is list or kind is tuple:
+        listed = [_slot(v, found, sharded) for v in value]
+        return kind(listed) if any(a is not b for a, b in zip(listed, value, strict=True)) else value
+    if kind is sharded:
+        found.append(value)
+        return _ShardedSlot(len(found) - 1)
+    return value
+
+
+def _with_sharded(value: Any, staged: list[Any]) -> Any:
+    """The staged ``value`` (of ``_without_sharded``) with each slot holding its staged ShardedTensor."""
+    kind = type(value)
+    if kind is dict:
+        return {k: _with_sharded(v, staged) for k, v in value.items()}
+    if kind is list or kind is tuple:
+        return kind(_with_sharded(v, staged) for v in value)
+    if kind is _ShardedSlot:
+        return staged[value.index]
+    return value
+
+
+def _sharded_over(source: Any, tensors: list[torch.Tensor]) -> Any:
+    """A ShardedTensor like ``source`` whose local shards are ``tensors`` (their staged copies, in
+    the order of ``source.local_shards()``), on this rank only: what DCP saves of it, its global
+    metadata and the offsets and sizes of this rank's shards, are ``source``'s. A staged copy lies
+    in host memory (pinned where CUDA is used), which its metadata then says; torch checks that."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    metadata = source.metadata()
+    replaced: dict[tuple[int, ...], ShardMetadata] = {}  # by offsets: this rank's shards, moved
+    local = []
+    for shard, tensor in zip(source.local_shards(), tensors, strict=True):
+        meta = shard.metadata
+        place = meta.placement
+        if place is not None and place.device() != tensor.device:
+            meta = ShardMetadata(meta.shard_offsets, meta.shard_sizes, f"rank:{place.rank()}/{tensor.device}")
+            replaced[tuple(meta.shard_offsets)] = meta
+        local.append(Shard(tensor, meta))
+    rank = source.local_shards()[0].metadata.placement.rank() if replaced else -1
+    properties = metadata.tensor_properties
+    pinned = bool(tensors) and tensors[0].is_pinned()
+    if replaced or properties.pin_memory != pinned or properties.requires_grad:
+        metadata = dataclasses.replace(
+            metadata,
+            shards_metadata=[
+                replaced.get(tuple(m.shard_offsets), m) if m.placement and m.placement.rank() == rank else m
+                for m in metadata.shards_metadata
+            ],
+            tensor_properties=dataclasses.replace(properties, pin_memory=pinned, requires_grad=False),
+        )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, metadata, process_group=source._process_group
+    )
 
 
 _ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -220,6 +318,8 @@ class _PlainWalk:
         elif kind is tuple:
             items = [self.stage(v) for v in x]
             y = tuple(items) if any(a is not b for a, b in zip(items, x, strict=True)) else x
+        elif kind is _sharded_tensor_class():  # an FSDP1 module's state: its local shards are plain
+            y = _sharded_over(x, [self.stage(shard.tensor) for shard in x.local_shards()])
         else:
             raise _NotPlain
         self.memo[id(x)] = y
