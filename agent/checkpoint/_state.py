@@ -35,14 +35,6 @@ def _is_zero_redundancy_optimizer(value: Any) -> bool:
     return isinstance(zero, type) and isinstance(value, zero)
 
 
-def _fsdp1_in(value: nn.Module) -> bool:
-    """Whether ``value`` is, or holds, torch's ``FullyShardedDataParallel`` (FSDP1), without
-    importing its module: a script that wrapped a model in one has imported it."""
-    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    fsdp = getattr(module, "FullyShardedDataParallel", None)
-    return isinstance(fsdp, type) and any(isinstance(m, fsdp) for m in value.modules())
-
-
 class _ModuleBag(nn.Module):
     """Holds the job's modules under their state keys, so tensor names read "model.fc.weight"."""
 
@@ -382,14 +374,6 @@ class _State(_Core):
                     f"state key {key!r} holds a module, and {key!r} is the name of an nn.Module attribute, "
                     f"which cannot name a module in a checkpoint: use another key (e.g. {key + '_model'!r}), "
                     "the same in save() and restore()"
-                )
-            if isinstance(value, nn.Module) and _fsdp1_in(value):
-                raise TypeError(
-                    f"state[{key!r}] is, or holds, a FullyShardedDataParallel module (FSDP1), which spotjob "
-                    "cannot checkpoint: its ShardedTensor state cannot be staged for an asynchronous save, and "
-                    "the optimizer state of a synchronous one does not restore. Shard the model with FSDP2 "
-                    "instead (torch.distributed.fsdp.fully_shard, applied to each block and then the model), "
-                    "whose DTensor state spotjob saves, restores and reshards; or use DDP"
                 )
             if _is_zero_redundancy_optimizer(value):
                 raise TypeError(

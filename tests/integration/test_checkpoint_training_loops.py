@@ -12,9 +12,6 @@ and eager) wrappers in either order, saved wrapped and restored bare and the oth
   job that saves on notices only), with torch's advice to consolidate to that rank, which cannot
   work for every rank at once. It is refused up front, on ``restore()`` as on ``save()``, with
   what to do; the README's per-rank wrapper for it resumes exactly.
-- A ``FullyShardedDataParallel`` (FSDP1) model is refused up front the same way, naming FSDP2's
-  ``fully_shard`` instead: its async saves failed in torch's stager, and its sync saves committed
-  checkpoints whose optimizer state did not restore.
 - Gradient accumulation with ``step()`` once per optimizer step: a notice in the middle of an
   accumulation cycle is flushed at the cycle's end, and the resumed run ends identical to one
   never stopped (a pin: this already worked).
@@ -54,7 +51,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     optimizer and Checkpointer in its own folder, as the six separate runs this replaced did (a
     launch of torchrun and two ranks costs ~9 CPU-seconds)."""
     root = tmp_path_factory.mktemp("loops")
-    first = ["zero-refused", "fsdp1-refused", "zero:full", "accumulate:full", "accumulate:flush"]
+    first = ["zero-refused", "zero:full", "accumulate:full", "accumulate:flush"]
     harness.torchrun(2, JOB, "cases", "--root", str(root), "--control", str(root / "control"), *first)
     harness.torchrun(2, JOB, "cases", "--root", str(root), "zero:resume", "accumulate:resume")
     return root
@@ -68,21 +65,6 @@ def test_a_zero_redundancy_optimizer_is_refused_up_front_with_what_to_do(runs: P
             assert kind == "TypeError", (call, kind, message)
             assert "state['optim'] is a ZeroRedundancyOptimizer" in message
             assert "optim.optim.state_dict()" in message and "FSDP" in message
-    assert not list(uri.glob("step-*")), "a refused save must write nothing"
-
-
-def test_an_fsdp1_module_is_refused_up_front_with_what_to_do(runs: Path) -> None:
-    """Fails without the fix: an async save of a FullyShardedDataParallel (FSDP1) model failed with
-    torch's "'data_ptr' ... not supported for ShardedTensor!", and a sync save committed a
-    checkpoint whose optimizer state no restore could load ("Missing key in checkpoint state_dict:
-    optim.param_groups"). Refused up front, sync and async, on restore() as on save()."""
-    uri, dump = runs / "fsdp1-refused" / "ckpt", runs / "fsdp1-refused" / "dump"
-    for errors in dumped(dump, "fsdp1-refused"):
-        assert sorted(errors) == ["restore:async", "restore:sync", "save:async", "save:sync"], errors
-        for call, (kind, message) in errors.items():
-            assert kind == "TypeError", (call, kind, message)
-            assert "state['net'] is, or holds, a FullyShardedDataParallel module (FSDP1)" in message
-            assert "torch.distributed.fsdp.fully_shard" in message
     assert not list(uri.glob("step-*")), "a refused save must write nothing"
 
 

@@ -1,7 +1,6 @@
 """Rank side of test_checkpoint_training_loops: training loops built of more than a model and an optimizer.
 
     ckpt_loops.py zero-refused --uri U --dump D   a ZeroRedundancyOptimizer handed to save() and restore()
-    ckpt_loops.py fsdp1-refused --uri U --dump D  an FSDP1 module handed to save() and restore()
     ckpt_loops.py zero {full,resume} --uri U --dump D
         DDP with a ZeroRedundancyOptimizer kept through the README's ``ZeroShard``; ``full`` trains
         STEPS steps and saves at SAVE_STEP on the way, ``resume`` restores it and trains to STEPS
@@ -12,7 +11,7 @@
 
     ckpt_loops.py cases --root R [--control C] CASE...
         several of the above one after the other in one process group (one torchrun instead of
-        one each): CASE is zero-refused, fsdp1-refused, zero:full, zero:resume, accumulate:full (never stopped),
+        one each): CASE is zero-refused, zero:full, zero:resume, accumulate:full (never stopped),
         accumulate:flush (``full --flush``, with SPOTJOB_CONTROL_DIR=C for that case only) or
         accumulate:resume (restores what accumulate:flush committed). Each case seeds and builds
         its own model, optimizer and Checkpointer, as its own run would; folders are in CASES.
@@ -88,29 +87,6 @@ def zero_refused(args: argparse.Namespace, rank: int) -> None:
     torch.save(errors, f"{args.dump}.zero-refused.rank{rank}.pt")
 
 
-def fsdp1_refused(args: argparse.Namespace, rank: int) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    torch.manual_seed(0)
-    model = FullyShardedDataParallel(
-        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), device_id=torch.device("cpu")
-    )
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model(batch(0, 0, rank)).pow(2).mean().backward()
-    optim.step()
-    errors = {}
-    for async_save in (False, True):
-        with Checkpointer(args.uri, async_save=async_save) as ckpt:
-            for call in ("restore", "save"):
-                try:
-                    # Under a key of its own, wrapped in a container: the wrapper is found inside.
-                    state = {"net": nn.ModuleDict({"body": model}), "optim": optim}
-                    ckpt.restore(state) if call == "restore" else ckpt.save(1, state)
-                except Exception as e:
-                    errors[f"{call}:{'async' if async_save else 'sync'}"] = (type(e).__name__, str(e))
-    torch.save(errors, f"{args.dump}.fsdp1-refused.rank{rank}.pt")
-
-
 def zero(args: argparse.Namespace, rank: int) -> None:
     bare, model = build(0 if args.phase == "full" else 5)
     optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
@@ -154,11 +130,10 @@ def accumulate(args: argparse.Namespace, rank: int) -> None:
     torch.save({"start": start, "stopped": stopped, "model": final}, dump)
 
 
-JOBS = {"zero-refused": zero_refused, "fsdp1-refused": fsdp1_refused, "zero": zero, "accumulate": accumulate}
+JOBS = {"zero-refused": zero_refused, "zero": zero, "accumulate": accumulate}
 # case: (command, phase, flush, URI under R, dump under R)
 CASES = {
     "zero-refused": ("zero-refused", "full", False, "zero-refused/ckpt", "zero-refused/dump"),
-    "fsdp1-refused": ("fsdp1-refused", "full", False, "fsdp1-refused/ckpt", "fsdp1-refused/dump"),
     "zero:full": ("zero", "full", False, "zero/ckpt", "zero/dump"),
     "zero:resume": ("zero", "resume", False, "zero/ckpt", "zero/dump"),
     "accumulate:full": ("accumulate", "full", False, "accumulate/whole", "accumulate/dump"),
