@@ -22,7 +22,10 @@ train is then asked to flush, and every process of the run is stopped once they 
 pass of the reconciler (``Reconciler.driver_stopped``) ends the attempt as a restart asked for,
 which ``--resume`` starts (no preemption counted), or finds the run Completed when every worker
 exited 0 first (exit 0, as any finished run). One during
-``--resume``'s wait for the dead driver's workers ends it, the run unchanged (``ResumeInterrupted``).
+``--resume``'s wait for the dead driver's workers ends it, the run unchanged (``ResumeInterrupted``);
+one as a new run is made is held until it is, and the run is then removed (``LocalRun.discard``);
+one before a run's start is recorded is raised once it is (``InterruptState.starting``). Once a run
+was made, SIGINT and SIGTERM stay ignored to the exit: its exit status is the run's.
 When the driver dies without stopping its workers (SIGKILL), each agent notices that its parent is
 gone (``spotjob-agent --exit-with-parent``), flushes a checkpoint and stops; ``--resume`` then
 carries on from it with the same job identity, so the URI's ownership and the attempts' fencing
@@ -218,19 +221,34 @@ def run_command(args: argparse.Namespace) -> int:
     # From before the run is made: a Ctrl-C or SIGTERM during --resume's wait for the previous
     # driver's processes ended it with a traceback-less 130 and no word, or by the signal (143).
     interrupts = _Interrupts()
+    # A new run is made whole, then given up if one came meanwhile (its name stays free); --resume's
+    # wait must stay interruptible, and a resume not driven changes nothing to undo.
+    interrupts.early.starting = args.resume is None
     saved = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGTERM, signal.SIGINT)}
+    made = False
     try:
         run = _prepared(args)
         if isinstance(run, int):
             return run
-        interrupts.run = run
+        made = True
+        interrupts.run = run  # from here, one is kept in run.interrupt until run() records the start
+        if interrupts.early.signal is not None:
+            run.interrupt.signal = interrupts.early.signal
         if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN and os.getpid() != 1:  # as spotjob-agent
             saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, lambda signum, frame: _pause(run))
+        if run.interrupt.signal is not None:
+            return _not_driven(run, args)
         return _drive(run, args)
+    except KeyboardInterrupt:  # --resume's, as its run was made: nothing of the run was changed
+        made = True
+        return _interrupted_before(args)
     finally:
         for signum, handler in saved.items():
-            if interrupts.received and signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, signal.SIG_IGN)  # the run is stopped: its exit is 130 (above)
+            if (made or interrupts.received) and signum in (signal.SIGTERM, signal.SIGINT):
+                # The run ended (or was given up): its exit status is said above, and a signal in
+                # the moment before the process exits must not change it (130, 143) nor print a
+                # traceback of the KeyboardInterrupt the default handler raises.
+                signal.signal(signum, signal.SIG_IGN)
             elif handler is not None:  # None: not set from Python, nothing to put back
                 signal.signal(signum, handler)
 
@@ -249,12 +267,38 @@ def _prepared(args: argparse.Namespace) -> LocalRun | int:
         print(f"spotjob run: {e}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        if args.resume is not None:
-            again = f"`spotjob run{runs_dir_option(args.runs_dir)} --resume {args.resume}`"
-            print(f"spotjob run: interrupted before it drove {args.resume}; carry on with {again}", file=sys.stderr)
-        else:
-            print("spotjob run: interrupted before the run started; nothing of it runs", file=sys.stderr)
+        return _interrupted_before(args)
+
+
+def _interrupted_before(args: argparse.Namespace) -> int:
+    """An interrupt before the run was driven: say what is left (of a new run, nothing: ``LocalRun``
+    removes what it made when its making is cut short), and how to go on."""
+    if args.resume is not None:
+        again = f"`spotjob run{runs_dir_option(args.runs_dir)} --resume {args.resume}`"
+        print(f"spotjob run: interrupted before it drove {args.resume}; carry on with {again}", file=sys.stderr)
+    else:
+        print("spotjob run: interrupted before the run started; nothing of it was made", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _not_driven(run: LocalRun, args: argparse.Namespace) -> int:
+    """A Ctrl-C or SIGTERM came as the run was made, before it was driven: a new run is removed
+    (nothing of it ran: the same command starts it, under the same name), a resumed one left as it
+    was (its takeover is recorded only once it is driven)."""
+    if run.resumed:
+        run.close()
+        return _interrupted_before(args)
+    try:
+        run.discard()
+    except OSError as e:  # said, not raised: the interrupt is still the outcome
+        print(f"spotjob run: interrupted before {run.name} started; could not remove {run.path}: {e}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    print(
+        f"spotjob run: interrupted before {run.name} started; nothing of it was made: run the command again "
+        "to start it",
+        file=sys.stderr,
+    )
+    return EXIT_INTERRUPTED
 
 
 def _drive(run: LocalRun, args: argparse.Namespace) -> int:

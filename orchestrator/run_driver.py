@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -113,8 +114,13 @@ class LocalRun(_RunSetup):
             # (SPOTJOB_AGENT_PREFETCH=nodes): said as the agent says it, and nothing is created.
             _refuse_agent_settings(self.key, spec, options)
         self.store = JsonFileJobStore(self.path, create=False)
+        self._before: set[str] | None = None
+        """(a new run) What its folder held before it was made (None: no folder): ``discard``."""
+        self._made = False
+        """(a new run) Its job is stored: this process made the run, and ``discard`` may remove it."""
         if not resume:
             self._refuse_existing()
+            self._before = set(os.listdir(self.path)) if os.path.isdir(self.path) else None
             os.makedirs(self.path, exist_ok=True)
         self.lock = DriverLock(self.path)
         if not self.lock.acquire():
@@ -133,13 +139,9 @@ class LocalRun(_RunSetup):
                     self.store.create(self.key, spec)
                 except JobExistsError:
                     raise RunExistsError(self._exists_message()) from None
-                try:
-                    write_cloud(self.path, config.cloud)
-                except OSError:
-                    # Without it, --resume would simulate AWS: the run is not made (its job goes too).
-                    with contextlib.suppress(StoreError, OSError):
-                        self.store.delete(self.key)
-                    raise
+                self._made = True
+                # Without it, --resume would simulate AWS: the run is not made (below).
+                write_cloud(self.path, config.cloud)
                 self.spec, status, version = spec, JobStatus(), ""
             self.events_path = events_path(self.path, self.key)
             self._event_log = EventLog(self.events_path)
@@ -154,6 +156,8 @@ class LocalRun(_RunSetup):
                 timeline=self.timeline,
             )
         except BaseException:
+            # A new run that cannot be made whole is not made: its name stays free.
+            self._unmake()
             self.lock.release()
             raise
         # A local status write is a small file: the live view and `spotjob status` get goodput and
@@ -170,8 +174,9 @@ class LocalRun(_RunSetup):
         self._view: RunView | None = None
         self.stopping = False
         """``run()`` is stopping every process of the run (its end, or an interrupt's)."""
-        self.interrupt = InterruptState()
-        """Ctrl-C and SIGTERM so far (``_Interrupts`` sets it; the first flushes, the second stops at once)."""
+        self.interrupt = InterruptState(starting=True)
+        """Ctrl-C and SIGTERM so far (``_Interrupts`` sets it; the first flushes, the second stops at
+        once). One that comes before ``run()`` recorded the run's start is kept, not raised."""
         self.interrupt_outcome: InterruptOutcome | None = None
         """How the interrupt's flush went, once the run stopped after one."""
         self._started = time.monotonic()
@@ -196,6 +201,38 @@ class LocalRun(_RunSetup):
         finally:
             self.lock.release()
 
+    def discard(self) -> None:
+        """Close a new run that was never driven and remove what making it created (its job, its
+        folder, or, in a folder that was there before, what it added): its name is free again, and
+        the same command starts it. A resumed run is only closed."""
+        try:
+            self.backend.close()
+        finally:
+            try:
+                self._unmake()
+            finally:
+                self.lock.release()
+
+    def _unmake(self) -> None:
+        """Under the driver lock: what ``discard`` removes, once this process stored the run's job."""
+        if not self._made:
+            return
+        self._made = False
+        if self._before is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        with contextlib.suppress(StoreError, OSError):
+            self.store.delete(self.key)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(os.path.dirname(self.store.path(self.key)), f".{self.key.name}.lock"))
+        for entry in sorted(set(os.listdir(self.path)) - self._before):
+            where = os.path.join(self.path, entry)
+            if os.path.isdir(where) and not os.path.islink(where):
+                shutil.rmtree(where, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(where)
+
     # -- running ----------------------------------------------------------------------------------
     def run(self, view: RunView | None = None) -> JobStatus:
         """Run the job to Succeeded or Failed; always stops every process of the run before returning.
@@ -205,6 +242,8 @@ class LocalRun(_RunSetup):
         interrupted = False
         try:
             write_run_file(self.path, self.workdir, sys.argv)
+            if self.takeover is not None:  # counted here, where the timeline's next record ends the gap
+                self.takeover = self._record_takeover(self.takeover)
             self.timeline.record(
                 EventKind.RUN_STARTED,
                 job=str(self.key),
@@ -212,6 +251,10 @@ class LocalRun(_RunSetup):
                 nproc=self.spec.nproc_per_node,
                 resumed=self.resumed,
             )
+            self._made = False  # driven: an interrupt from here on leaves a run to --resume
+            self.interrupt.starting = False
+            if self.interrupt.signal is not None:  # kept while the start was recorded
+                raise KeyboardInterrupt(self.interrupt.signal)
             log.info(
                 "run %s%s: %s on %d rank(s); checkpoints at %s; state in %s",
                 self.key,

@@ -95,6 +95,11 @@ class InterruptState:
     """Ctrl-Z's handler is pausing the workers or resuming them (``run_signal_handlers._pause``): a
     first signal now (or a second during the flush) is raised by that handler once the workers go
     on, not where it lands."""
+    starting: bool = False
+    """The run is being made or its start recorded (``LocalRun.run`` clears it once the timeline
+    says the run started): a first signal now is kept here, not raised where it lands, and the run
+    is given up before it is driven (``spotjob run`` removes a new one) or ``LocalRun.run`` raises
+    it once the start is recorded."""
     flushing: bool = False
     """The flush is under way: a second signal interrupts it (before, the flush sees ``again`` and
     does not begin)."""

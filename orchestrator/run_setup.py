@@ -6,9 +6,10 @@ refuses a run (a name taken, a run another process drives, one that cannot be re
 ``_RunSetup``, which ``LocalRun`` joins as a mixin, refuses a new run whose name is taken, reads
 the stored job for a resume and takes it over (``Takeover``): it waits up to
 ``LEFTOVER_WAIT_SECONDS`` for the processes the dead driver left (their agents flush when it dies,
-then stop), stops what is left, records the commits they made while nobody watched, counts the
-time nobody drove the run as restart time, and says so in a ``Resumed`` Event. A Ctrl-C or
-SIGTERM during that wait ends it with nothing of the run changed (``ResumeInterrupted``).
+then stop) and stops what is left; once the run is driven (``LocalRun.run``), it records the
+commits they made while nobody watched, counts the time nobody drove the run as restart time, and
+says so in a ``Resumed`` Event. A Ctrl-C or SIGTERM during that wait ends it with nothing of the
+run changed (``ResumeInterrupted``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Takeover:
     stopped: int
     """Of those, how many had to be stopped (the rest finished their flush on their own)."""
     gap_seconds: float | None
-    """How long nobody drove the run (counted as restart time), when the run had trained."""
+    """How long nobody drove the run (counted as restart time), when the run had trained; None
+    until the run is driven (``_record_takeover``)."""
     late_commits: int = 0
     """Checkpoints its workers committed while nobody watched (their flush when the driver died)."""
 
@@ -203,8 +205,10 @@ class _RunSetup:
         return stored.spec, status, stored.version
 
     def _take_over(self, status: JobStatus | None, version: str) -> Takeover:
-        """Wait for what the dead driver left running (its agents flush, then stop), stop the rest,
-        count the time nobody drove the run, and say so in an Event."""
+        """Wait for what the dead driver left running (its agents flush, then stop) and stop the
+        rest. The rest of the takeover (``_record_takeover``) waits until the run is driven: a
+        resume that never drives the run (an interrupt before it does, a backend that fails to
+        start) counts no downtime and leaves no ``Resumed`` Event, and the next one counts it once."""
         previous = run_file_pid(self.path)
         pids = run_pids(self.path)
         stopped = 0
@@ -222,29 +226,45 @@ class _RunSetup:
             except KeyboardInterrupt:
                 raise ResumeInterrupted(self._interrupted_waiting(len(run_pids(self.path)))) from None
             stopped = kill_marked(ENV_RUN, self.path, grace=3.0, reason=f"resuming {self.key}")
-        # The old driver's last record in the timeline: about when it died.
-        last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
-        late = self._commits_seen_late()
-        gap = None
-        changed = False
         # The step the ranks last reached, which the status stores only every few seconds: an
         # interrupt (no flush) loses the steps past the newest commit, and they count as lost.
         reported = reported_step(self.path, status) if status is not None and status.recovery is None else None
         if status is not None and reported is not None and reported > (status.attempt.observed_step or 0):
             status.attempt.observed_step = reported
-            changed = True
-        # Nobody drove the run between the old driver's last record and now: not training time.
-        # (A recovery in progress counts that time itself when the next attempt runs.)
-        if status is not None and status.recovery is None and status.start_time is not None and last is not None:
-            gap = max(0.0, time.time() - last)
-            status.restarting_seconds += gap
-            changed = True
-        if status is not None and changed:
             try:
                 self.store.update_status(self.key, status, version=version)
             except StoreError as e:
                 raise RunError(f"run {self.name!r} cannot be resumed: {e}") from None
-        takeover = Takeover(previous, len(pids), stopped, gap, late)
+        return Takeover(previous, len(pids), stopped, None)
+
+    def _record_takeover(self, found: Takeover) -> Takeover:
+        """(the resumed run is being driven, just before its start is recorded in the timeline)
+        Record the commits the dead driver's workers made unwatched, count the time nobody drove
+        the run as restart time, and say so in a ``Resumed`` Event. The gap ends at the timeline's
+        next record (``RUN_STARTED``, which follows at once), where the next resume's begins."""
+        # The old driver's last record in the timeline: about when it died.
+        last = max((e.t for e in Timeline.read(self.timeline.path)), default=None)
+        late = self._commits_seen_late()
+        try:
+            stored = self.store.get(self.key)
+        except StoreError as e:
+            log.warning("cannot read the status of %s to count the time nobody drove it: %s", self.name, e)
+            stored = None
+        status = stored.status if stored is not None else None
+        gap = None
+        # Nobody drove the run between the old driver's last record and now: not training time.
+        # (A recovery in progress counts that time itself when the next attempt runs.)
+        trained = status is not None and status.recovery is None and status.start_time is not None
+        if stored is not None and status is not None and trained and last is not None:
+            gap = max(0.0, time.time() - last)
+            status.restarting_seconds += gap
+            try:
+                self.store.update_status(self.key, status, version=stored.version)
+            except StoreError as e:
+                log.warning("could not count the %.0f s nobody drove %s as restart time: %s", gap, self.name, e)
+                gap = None
+        pids = found.leftovers
+        previous = found.previous_pid
         driver = f"the previous driver{f' (pid {previous})' if previous else ''}"
         if status is not None and status.reason in INTERRUPT_REASONS:
             # It stopped every process itself, and ended their attempt (Reconciler.driver_stopped):
@@ -258,12 +278,12 @@ class _RunSetup:
             said = f"{driver} is gone"
         message = (
             f"spotjob run --resume (pid {os.getpid()}) drives the run again; {said}"
-            + (f"; {len(pids)} of its processes still ran ({stopped} had to be stopped)" if pids else "")
+            + (f"; {pids} of its processes still ran ({found.stopped} had to be stopped)" if pids else "")
             + (f"; {late} checkpoint(s) committed after it was gone" if late else "")
             + (f"; nothing drove the run for {gap:.0f} s (counted as restart time)" if gap is not None else "")
         )
         self.sink.emit(self.key, EventType.NORMAL, "Resumed", message)
-        return takeover
+        return Takeover(previous, pids, found.stopped, gap, late)
 
     def _interrupted_waiting(self, left: int) -> str:
         """What a Ctrl-C or SIGTERM during the wait for the previous driver's processes says. They

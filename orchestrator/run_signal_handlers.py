@@ -27,28 +27,39 @@ class _Interrupts:
     that: a third Ctrl-C (or a supervisor's repeated SIGTERM) used to cut ``LocalBackend.close``
     short and leave the run's processes running after the driver said it had stopped them.
 
-    Once an interrupted run is stopped, SIGTERM and SIGINT are ignored until the process exits: put
-    back to what they were (the default, for the command), a supervisor's SIGTERM repeated in the
-    moment between the stop and the exit ended the driver by the signal (143 to a shell) instead of
-    its exit 130. Ignored, not a handler of ours: the interpreter's shutdown puts Python handlers
-    back to the default before the process ends, but keeps an ignored signal ignored."""
+    While a new run is being made, and until ``LocalRun.run`` has recorded a run's start, a first
+    one is kept in the run's ``InterruptState`` (``starting``), not raised where it lands: raised
+    between the making of a new run and its driving, it left the run's name taken while ``spotjob
+    run`` said that nothing of it ran. ``spotjob run`` then removes a new run it made (a resumed
+    one is left as it was), or ``LocalRun.run`` raises it once the timeline says the run started.
+
+    Once a run was made, SIGTERM and SIGINT are ignored until the process exits, however it ended:
+    put back to what they were (the default, for the command), a supervisor's SIGTERM repeated in
+    the moment between an interrupted run's stop and the exit ended the driver by the signal (143
+    to a shell) instead of its exit 130, and a Ctrl-C then after a finished run printed a
+    ``KeyboardInterrupt`` traceback (or made its exit 130). Ignored, not a handler of ours: the
+    interpreter's shutdown puts Python handlers back to the default before the process ends, but
+    keeps an ignored signal ignored."""
 
     def __init__(self, run: LocalRun | None = None) -> None:
         self.run = run
         """The run, once ``prepare`` made it (before: ``--resume``'s wait, say)."""
         self.received = 0
-        self._early = InterruptState()
+        self.early = InterruptState()
+        """Before the run is made (``spotjob run`` keeps a first one here while it makes a new run)."""
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received += 1
         name = signal.Signals(signum).name
         run = self.run
-        state = run.interrupt if run is not None else self._early
+        state = run.interrupt if run is not None else self.early
         stopping = run is not None and run.stopping
         if state.signal is None and not stopping:
             state.signal = name
             if state.pausing:
                 return  # raised by _pause once the workers go on
+            if state.starting:  # the run is being made: given up once it is, or raised once its start is recorded
+                return
             raise KeyboardInterrupt(f"signal {signum}")
         if run is not None and state.signal is not None and state.again is None and not stopping:
             state.again = name

@@ -452,6 +452,7 @@ from types import SimpleNamespace
 import orchestrator.cli_run as cli_run
 from orchestrator.cli import main
 from orchestrator.model import JobStatus, Phase
+from orchestrator.run_interrupt import InterruptState
 
 read, write = os.pipe()
 os.close(read)  # the reader went away (`spotjob run ... | head -1` once head has its line)
@@ -472,7 +473,7 @@ run = SimpleNamespace(
     config=SimpleNamespace(plot="run.png", runs_dir="spotjob-runs"),
     spec=SimpleNamespace(checkpoint=SimpleNamespace(uri="/ckpt")),
     run=lambda view: status, close=lambda: None, summary=lambda: summary, plot=plot,
-    failed_worker_logs=lambda: [], interrupt_outcome=None,
+    failed_worker_logs=lambda: [], interrupt_outcome=None, interrupt=InterruptState(),
 )
 cli_run.prepare = lambda args: run
 sys.exit(main(["run", "--no-live", "train.py"]))
@@ -580,3 +581,189 @@ def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interru
     after = store.get(key)
     assert after is not None and after.status is not None
     assert after.status.attempt.observed_step == 44
+
+
+def _run_gone_for_a_while(tmp_path: Path, name: str, gone: float) -> tuple[Path, Path]:
+    """A run whose driver trained it and died ``gone`` seconds ago (its last timeline record): the
+    script, and the runs folder."""
+    import json
+    import time
+    from datetime import UTC, datetime
+
+    from orchestrator.backends.local_timeline import EventKind
+    from orchestrator.model import AttemptStatus, JobKey, JobStatus, Phase
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.store import JsonFileJobStore
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    LocalRun(RunConfig(script=str(script), args=[], name=name, runs_dir=str(runs), nproc=1)).close()
+    store, key = JsonFileJobStore(str(runs / name), create=False), JobKey.local(name)
+    stored = store.get(key)
+    assert stored is not None
+    now = datetime.now(UTC)
+    status = JobStatus(
+        phase=Phase.RUNNING,
+        reason="WorkersRunning",
+        message="every worker of attempt 0 is running",
+        start_time=now,
+        attempt=AttemptStatus(number=0, started_at=now),
+    )
+    store.update_status(key, status, version=stored.version)
+    with (runs / name / "timeline.jsonl").open("a") as f:
+        f.write(json.dumps({"t": time.time() - gone, "kind": EventKind.RUN_STARTED, "job": str(key)}) + "\n")
+    return script, runs
+
+
+def _restarting_and_resumed(runs: Path, name: str) -> tuple[float, int]:
+    from orchestrator.events import EventLog, events_path
+    from orchestrator.model import JobKey
+    from orchestrator.store import JsonFileJobStore
+
+    key = JobKey.local(name)
+    stored = JsonFileJobStore(str(runs / name), create=False).get(key)
+    assert stored is not None and stored.status is not None
+    resumed = [e for e in EventLog(events_path(str(runs / name), key)).read() if e.reason == "Resumed"]
+    return stored.status.restarting_seconds, len(resumed)
+
+
+def test_a_resume_that_never_drove_the_run_counts_no_downtime_and_the_next_counts_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails without the fix: ``--resume`` counted the time nobody drove the run (from the timeline's
+    last record to now) into the status, and said so in a ``Resumed`` Event, as it took the run
+    over, before its backend started or its start was recorded. A resume whose backend then failed
+    (or that an interrupt ended there) left both, and the next resume, measuring from the same
+    record, counted that time again. Now both wait for the run to be driven (``LocalRun.run``)."""
+    import orchestrator.run_driver as run_driver
+
+    gone = 10_000.0  # the run's own start counts a moment more, far below a second count of it
+    _, runs = _run_gone_for_a_while(tmp_path, "gap", gone)
+
+    def backend_fails(*args: object, **kwargs: object) -> None:
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_driver, "LocalBackend", backend_fails)
+        with pytest.raises(OSError):
+            run_driver.LocalRun.resume(str(runs), "gap")
+    assert _restarting_and_resumed(runs, "gap") == (0.0, 0)
+
+    resumed = run_driver.LocalRun.resume(str(runs), "gap")
+    resumed.interrupt.signal = "SIGINT"  # as the handler keeps one that comes while it starts
+    with pytest.raises(KeyboardInterrupt):
+        resumed.run()  # records its start, then stops for the interrupt
+    restarting, events = _restarting_and_resumed(runs, "gap")
+    assert events == 1
+    assert gone <= restarting < 2 * gone, restarting
+
+
+_INTERRUPTED_AS_THE_RUN_IS_MADE = """
+import os, signal, sys
+
+import orchestrator.cli_run as cli_run
+from orchestrator.cli import main
+
+made = cli_run.prepare
+
+
+def prepare(args):
+    run = made(args)
+    os.kill(os.getpid(), signal.SIGINT)  # lands as the run is made, before it is driven
+    return run
+
+
+cli_run.prepare = prepare
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _interrupted_as_made(tmp_path: Path, *args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_AS_THE_RUN_IS_MADE, "run", "--no-live", "--runs-dir", "runs", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.returncode, done.stderr
+
+
+def test_a_new_run_interrupted_as_it_is_made_is_removed_and_its_name_stays_free(tmp_path: Path) -> None:
+    """Fails without the fix: a Ctrl-C (or SIGTERM) that came just as the run was made said
+    "interrupted before the run started; nothing of it runs", but the run's folder and stored job
+    stayed: the same command was then refused ("a run named 'demo' exists"). The run is made whole,
+    then removed, and the line says so."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    code, said = _interrupted_as_made(tmp_path, "--name", "demo", "--nproc", "1", "train.py")
+    assert code == 130, said[-3000:]
+    assert "interrupted before demo started; nothing of it was made: run the command again to start it" in said
+    assert not (tmp_path / "runs" / "demo").exists()
+
+
+def test_a_resume_interrupted_as_it_takes_the_run_over_leaves_the_run_as_it_was(tmp_path: Path) -> None:
+    """Fails without the fix: ``--resume`` interrupted once it had taken the run over, before it
+    drove it, said "nothing was changed" yet left a ``Resumed`` Event and the downtime counted."""
+    _, runs = _run_gone_for_a_while(tmp_path, "gap", 600.0)
+    code, said = _interrupted_as_made(tmp_path, "--resume", "gap")
+    assert code == 130, said[-3000:]
+    assert "interrupted before it drove gap; carry on with `spotjob run --runs-dir runs --resume gap`" in said
+    assert _restarting_and_resumed(runs, "gap") == (0.0, 0)
+
+
+_CTRL_C_AS_A_FINISHED_RUN_EXITS = """
+import os, signal, sys
+from types import SimpleNamespace
+
+import orchestrator.cli_run as cli_run
+from orchestrator.cli import main
+from orchestrator.model import JobStatus, Phase
+from orchestrator.run_interrupt import InterruptState
+
+status = JobStatus(phase=Phase.SUCCEEDED, reason="Completed", message="every worker exited 0")
+summary = SimpleNamespace(to_json=lambda: {}, text=lambda: "spotjob run demo: Succeeded", last_checkpoint=None)
+run = SimpleNamespace(
+    name="demo", path=os.getcwd(), stopping=False, status=status, resumed=False, interrupt=InterruptState(),
+    config=SimpleNamespace(plot=None, runs_dir="spotjob-runs"),
+    spec=SimpleNamespace(checkpoint=SimpleNamespace(uri="/ckpt")),
+    close=lambda: None, summary=lambda: summary, failed_worker_logs=lambda: [], interrupt_outcome=None,
+)
+
+
+def finished(view):
+    run.stopping = True  # as LocalRun.run, which stops every process of the run at its end
+    return status
+
+
+run.run = finished
+cli_run.prepare = lambda args: run
+code = main(["run", "--no-live", "train.py"])
+os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C in the last moment before the process exits
+print("exited by itself", flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_ctrl_c_as_a_finished_run_exits_prints_no_traceback_and_keeps_its_exit_status(tmp_path: Path) -> None:
+    """Fails without the fix: once a finished run's command returned, SIGINT was put back to
+    Python's default, and a Ctrl-C in the moment before the process ended raised a
+    ``KeyboardInterrupt`` whose traceback was printed (the exit by the signal, not the run's 0).
+    Nothing is cut short by then: it is ignored, and the run's exit status stands."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AS_A_FINISHED_RUN_EXITS],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.splitlines()[-1] == "exited by itself"
