@@ -8,10 +8,14 @@ supported for ShardedTensor!"), and a sync save committed checkpoints that no re
 ("Missing key in checkpoint state_dict: optim.param_groups": a rank holding no shard of a
 parameter lacks its name, and DCP's planner then took the checkpoint for one of torch 2.3's).
 ``tagged`` stages its async saves through DCP's stager, the others through spotjob's plain path.
+
+A checkpoint of 2 ranks restored on 1 and on 3 (``ckpt_fsdp1_reshard.py``) comes back exact and
+goes on as the uninterrupted run does, parameters and AdamW state resharded.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -27,6 +31,7 @@ from ckpt_compare import assert_same
 pytestmark = pytest.mark.slow
 
 SCRIPT = harness.SCRIPTS / "ckpt_fsdp1.py"
+RESHARD = harness.SCRIPTS / "ckpt_fsdp1_reshard.py"
 # case: (whole run it must end like, arguments besides --uri and --dump)
 CASES = {
     "orig-async": ("orig", []),
@@ -89,3 +94,54 @@ def test_a_run_stopped_and_restored_ends_as_one_never_stopped(runs: Path, case: 
         assert resumed["optim"]["state"], "no optimizer state"
         assert_same(resumed["params"], never["params"], f"rank {rank}'s parameters")
         assert_same(resumed["optim"], never["optim"], f"rank {rank}'s optimizer state and param_groups")
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks: each layout's whole run to step 9 and its run stopped at step 6 (its last
+    checkpoint, written asynchronously); then copies of the stopped runs' checkpoints restored
+    and trained on to step 9 on 1 rank and on 3."""
+    tmp = tmp_path_factory.mktemp("fsdp1-reshard")
+    layouts = {"orig": [], "flat": ["--flat"]}
+    first = [
+        [*more, "--uri", str(tmp / f"ckpt-{run}-{layout}"), "--dump", str(tmp / f"{run}-{layout}"), "--until", until]
+        for layout, more in layouts.items()
+        for run, until in (("whole", "9"), ("stopped", "6"))
+    ]
+    harness.torchrun(2, RESHARD, *joined(first), env=harness.job_env())
+    for ranks in (1, 3):
+        for layout in layouts:
+            shutil.copytree(tmp / f"ckpt-stopped-{layout}", tmp / f"ckpt-{ranks}-{layout}")
+        cases = [
+            [
+                *more,
+                "--uri",
+                str(tmp / f"ckpt-{ranks}-{layout}"),
+                "--dump",
+                str(tmp / f"on{ranks}-{layout}"),
+                "--until",
+                "9",
+            ]
+            for layout, more in layouts.items()
+        ]
+        harness.torchrun(ranks, RESHARD, *joined(cases), env=harness.job_env())
+    return tmp
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("layout", ["orig", "flat"])
+def test_a_checkpoint_of_two_ranks_restores_on_another_number_and_goes_on_as_the_whole_run(
+    resharded: Path, layout: str, ranks: int
+) -> None:
+    """Every rank trains on the same batches, so the run is the same on any number of ranks; a
+    restore that lost or misplaced the AdamW state goes on differently from the whole run."""
+    runs = {}
+    for run in ("whole", "stopped", f"on{ranks}"):
+        runs[run] = torch.load(resharded / f"{run}-{layout}.pt", weights_only=False)
+        assert "error" not in runs[run], f"{run} failed:\n{runs[run]['error']}"
+    whole, stopped, resumed = runs["whole"], runs["stopped"], runs[f"on{ranks}"]
+    assert resumed["start"] == 6, "did not restore step 6's checkpoint"
+    assert_same(resumed["restored"], stopped["end"], f"the parameters restored on {ranks} rank(s)")
+    assert resumed["losses"] == pytest.approx(whole["losses"][6:], rel=1e-5)
+    for got, want in zip(resumed["end"], whole["end"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
