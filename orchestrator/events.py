@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,53 @@ class NullMetrics:
 NULL_METRICS = NullMetrics()
 
 
+_VOLATILE = (
+    # A request id a store or an API put in its error (S3's RequestId and HostId, GCS's upload id,
+    # a trace id), labelled: the value changes at every request.
+    (
+        re.compile(
+            r"(?i)\b((?:x-amz-)?request[ _-]?id|x-amz-id-2|host[ _-]?id|x-guploader-uploadid|trace[ _-]?id)"
+            r"([\"']?\s*[:=]\s*[\"']?|\s+)[A-Za-z0-9+/=._-]{4,}"
+        ),
+        r"\1\2<id>",
+    ),
+    (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<id>"),  # a UUID
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "<address>"),  # an object's repr: <... at 0x7f...>
+    (re.compile(r"\b[0-9a-fA-F]*(?:[0-9][a-fA-F]|[a-fA-F][0-9])[0-9a-fA-F]*\b"), None),  # long hex: below
+    # A time: ISO 8601, or an HTTP date.
+    (re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    (
+        re.compile(r"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d{1,2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT\b"),
+        "<time>",
+    ),
+    # An address and port: a pod's IP and a client's ephemeral port change from pass to pass.
+    (re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b"), "<address>"),
+    (re.compile(r"\[[0-9a-fA-F:]*:[0-9a-fA-F:.]*\](?::\d{1,5})?"), "<address>"),
+    (re.compile(r"\b(localhost):\d{1,5}\b"), r"\1:<port>"),
+    (re.compile(r"\b(port[=:] ?)\d{1,5}\b"), r"\1<port>"),
+)
+
+
+def _long_hex(m: re.Match[str]) -> str:
+    """A token of 16 or more hex digits (S3's request id unlabelled, a digest) is an id; a shorter
+    one (a step, a CRC, an exit code beside a letter) is kept."""
+    return "<id>" if len(m.group(0)) >= 16 else m.group(0)
+
+
+def event_identity(message: str) -> str:
+    """``message`` with what changes from one try to the next of one fault masked: request ids,
+    UUIDs, object addresses, long hex ids, times, IP addresses and ports. Two Events whose messages
+    have one identity are one Event counted up (``read_events``, the Kubernetes recorder's
+    series): a store failing the same way on every pass is one ``StorageUnreachable`` with a
+    count, not one Event a pass because each of its errors carries another request id. Steps,
+    worker and node names, paths and error codes are kept: a different fault stays a different
+    Event."""
+    text = message
+    for pattern, replacement in _VOLATILE:
+        text = pattern.sub(_long_hex if replacement is None else replacement, text)
+    return text
+
+
 class LoggingEventSink:
     """Logs each Event (Warning at WARNING, Normal at INFO): what a sink adds to any other."""
 
@@ -198,8 +246,8 @@ class RecordedEvent:
 
 def read_events(path: str) -> list[RecordedEvent]:
     """The Events of a ``JsonlEventSink`` file, oldest first; consecutive repeats of one Event
-    (same type, reason, message and node) become one with a count. A torn or foreign line is
-    skipped; a missing file is no Events."""
+    (same type, reason, node and ``event_identity`` of the message) become one with a count and
+    the latest message. A torn or foreign line is skipped; a missing file is no Events."""
     out: list[RecordedEvent] = []
     try:
         with open(path) as f:
@@ -254,14 +302,15 @@ def _add_lines(out: list[RecordedEvent], lines: list[str]) -> None:
         except (ValueError, KeyError, TypeError):
             continue
         last = out[-1] if out else None
-        if last is not None and (last.type, last.reason, last.message, last.node) == (
+        if last is not None and (last.type, last.reason, event_identity(last.message), last.node) == (
             event.type,
             event.reason,
-            event.message,
+            event_identity(event.message),
             event.node,
         ):
+            # The same fault again: counted on the one Event, which shows the latest words.
             out[-1] = RecordedEvent(
-                event.time, last.first_time, last.type, last.reason, last.message, last.node, last.count + 1
+                event.time, last.first_time, last.type, last.reason, event.message, last.node, last.count + 1
             )
         else:
             out.append(event)
@@ -277,6 +326,7 @@ __all__ = [
     "LoggingEventSink",
     "NullMetrics",
     "RecordedEvent",
+    "event_identity",
     "events_path",
     "read_events",
 ]

@@ -5,7 +5,7 @@ message, Karpenter style), a ``note`` for people, and a type: Normal or Warning.
 fixed by the reconciler work: the caller writes the job's status first and emits the pass's
 Events only after that write succeeded, so an Event never claims what the status does not show.
 
-Repeats aggregate: the same (object, type, reason, note) again within ``series_window`` PATCHes
+Repeats aggregate: the same (object, type, reason, note's ``event_identity``) within ``series_window`` PATCHes
 the existing Event's series (``series.count``, ``series.lastObservedTime``) instead of creating
 another object — a job flapping for an hour leaves one Event with a count, not thousands. The
 recorder remembers the Events it wrote in a bounded LRU; a forgotten or expired one (404 on the
@@ -38,7 +38,7 @@ from enum import StrEnum
 from typing import Any
 
 from orchestrator.events import EventType as JobEventType
-from orchestrator.events import LoggingEventSink
+from orchestrator.events import LoggingEventSink, event_identity
 from orchestrator.k8s.api import EVENTS, MIN_KUBERNETES, AlreadyExists, KubeClient, KubeError, NotFound, Object
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey
@@ -212,7 +212,11 @@ class EventRecorder:
         namespace = regarding.namespace or self._cluster_namespace
         if not self._events_served():
             return
-        key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, note)
+        # One fault's repeats count on one Event though their words differ by a request id, a time
+        # or an address (``event_identity``); the Event keeps its first note (events.k8s.io/v1
+        # notes cannot change), the log has each one's words.
+        identity = event_identity(note)
+        key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, identity)
         with self._lock:
             seen = self._written.get(key)
             if seen is not None:

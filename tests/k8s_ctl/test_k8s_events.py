@@ -45,6 +45,27 @@ def test_repeats_of_one_event_aggregate_into_a_series_instead_of_new_objects(tes
     assert len(patches) == 3
 
 
+def test_one_storage_fault_whose_request_id_changes_each_pass_is_one_event_with_a_count(test_api: TestApi) -> None:
+    recorder = EventRecorder(test_api.client(), instance="replica-a")
+    for request_id, host_id in (
+        ("4442587FB7D0A2F9", "Uuag1LuByRx9e6j5Onimru9pO4ZVKnJ2Qz7/C1NPcfTWAtRPfTaOFg=="),
+        ("9B2C6A0F1E3D4C58", "yVzOw3ilHVzTRwM1pVlXX3kZC4zCvqFiFRsYrQ5cVLwYJbYhw7xyEw=="),
+        ("07D1E5A3C9B2F6E4", "hT0hA1nnG9Lw4B2e1bUl0Xl3zjkcW2yq8PkqAFnN4tQZ0k8H9mTqVg=="),
+    ):
+        recorder.warning(
+            JOB,
+            "StorageUnreachable",
+            "cannot read checkpoints at s3://bucket/llama: An error occurred (SlowDown) when calling the "
+            f"ListObjectsV2 operation: Please reduce your request rate. (Request ID: {request_id}; "
+            f"S3 Extended Request ID: {host_id})",
+        )
+    recorder.warning(JOB, "StorageUnreachable", "cannot read checkpoints at s3://bucket/llama: AccessDenied")
+    written = sorted(events(test_api), key=lambda e: e["note"])
+    assert len(written) == 2
+    assert "AccessDenied" in written[0]["note"]
+    assert "4442587FB7D0A2F9" in written[1]["note"] and written[1]["series"]["count"] == 3
+
+
 def test_an_event_about_a_node_goes_to_the_default_namespace(test_api: TestApi) -> None:
     EventRecorder(test_api.client(), instance="r").normal(NODE, "NodeLost", "NotReady for 60s")
     (event,) = events(test_api, "default")

@@ -84,3 +84,91 @@ def test_an_events_text_is_logged_on_one_line_with_its_control_characters_escape
     assert "\n" not in line and "\x1b" not in line and "\r" not in line, repr(line)
     assert "failed\\n2026-12-04T03:25:00.000Z INFO forged: all good\\x1b[2J" in line and "n\\r1" in line
     assert read_events(events_path(str(tmp_path), KEY))[0].message == said
+
+
+def _s3_error(request_id: str, extended_id: str) -> str:
+    """An S3-compatible store's SlowDown as botocore words it, the store's message carrying ids."""
+    from botocore.exceptions import ClientError
+
+    error = ClientError(
+        {
+            "Error": {
+                "Code": "SlowDown",
+                "Message": f"Please reduce your request rate. (Request ID: {request_id}; "
+                f"S3 Extended Request ID: {extended_id})",
+            },
+            "ResponseMetadata": {"RequestId": request_id, "HostId": extended_id, "HTTPStatusCode": 503},
+        },
+        "ListObjectsV2",
+    )
+    return str(error)
+
+
+def _gcs_error(upload_id: str, at: str) -> str:
+    """Cloud Storage's 503 as google-api-core words it, with its upload id and the time of the answer."""
+    from google.api_core.exceptions import ServiceUnavailable
+
+    return str(
+        ServiceUnavailable(
+            f"GET https://storage.example/storage/v1/b/ckpt/o?prefix=train%2F: We encountered an internal "
+            f"error. Please try again. (X-GUploader-UploadID: {upload_id}; date: {at})"
+        )
+    )
+
+
+def test_one_fault_whose_error_carries_another_request_id_each_pass_is_one_event_counted_up(tmp_path: Path) -> None:
+    from orchestrator.reconciler._reasons import FLUSH_REQUEST_FAILED, STORAGE_UNREACHABLE
+
+    sink = JsonlEventSink(str(tmp_path))
+    uri = "s3://bucket/train"
+    s3 = [
+        _s3_error("4442587FB7D0A2F9", "Uuag1LuByRx9e6j5Onimru9pO4ZVKnJ2Qz7/C1NPcfTWAtRPfTaOFg=="),
+        _s3_error("9B2C6A0F1E3D4C58", "yVzOw3ilHVzTRwM1pVlXX3kZC4zCvqFiFRsYrQ5cVLwYJbYhw7xyEw=="),
+        _s3_error("07D1E5A3C9B2F6E4", "hT0hA1nnG9Lw4B2e1bUl0Xl3zjkcW2yq8PkqAFnN4tQZ0k8H9mTqVg=="),
+    ]
+    gcs = [
+        _gcs_error("ADPycdtZ1m9sYqJ0Xb3kQe", "2026-01-01T12:00:00.123Z"),
+        _gcs_error("ABPtcPp4x2nT8Lw7hGcVr1", "2026-01-01T12:00:10.456Z"),
+    ]
+    agent = [
+        "POST /flush to the agent at 10.0.3.7:8080 failed: [Errno 111] Connection refused",
+        "POST /flush to the agent at 10.0.3.9:8080 failed: [Errno 111] Connection refused",
+    ]
+    for error in s3:
+        sink.emit(KEY, EventType.WARNING, STORAGE_UNREACHABLE.name, STORAGE_UNREACHABLE.message(uri=uri, error=error))
+    for error in gcs:
+        sink.emit(KEY, EventType.WARNING, STORAGE_UNREACHABLE.name, STORAGE_UNREACHABLE.message(uri=uri, error=error))
+    for error in agent:
+        message = FLUSH_REQUEST_FAILED.message(worker="train-0-1", error=error)
+        sink.emit(KEY, EventType.WARNING, FLUSH_REQUEST_FAILED.name, message, node="n1")
+    # Another fault, or another worker's, is another Event.
+    other = FLUSH_REQUEST_FAILED.message(worker="train-0-2", error=agent[0])
+    sink.emit(KEY, EventType.WARNING, FLUSH_REQUEST_FAILED.name, other, node="n2")
+
+    events = read_events(events_path(str(tmp_path), KEY))
+
+    assert [(e.reason, e.count) for e in events] == [
+        ("StorageUnreachable", 3),
+        ("StorageUnreachable", 2),
+        ("FlushRequestFailed", 2),
+        ("FlushRequestFailed", 1),
+    ]
+    # Each keeps the latest words in full, its ids included.
+    assert "07D1E5A3C9B2F6E4" in events[0].message and "SlowDown" in events[0].message
+    assert "ABPtcPp4x2nT8Lw7hGcVr1" in events[1].message
+    assert "10.0.3.9:8080" in events[2].message and events[3].message == other
+
+
+@pytest.mark.parametrize(
+    ("one", "another"),
+    [
+        ("nothing newer than step 100 committed", "nothing newer than step 200 committed"),
+        ("the agent of train-0-1 exited 76", "the agent of train-0-2 exited 76"),
+        ("listing s3://b/x: SlowDown (HTTP 503)", "listing s3://b/x: AccessDenied (HTTP 403)"),
+        ("crc32c 1a2b3c4d expected", "crc32c 5e6f7a8b expected"),
+    ],
+)
+def test_messages_that_differ_in_more_than_ids_times_and_addresses_stay_apart(one: str, another: str) -> None:
+    from orchestrator.events import event_identity
+
+    assert event_identity(one) != event_identity(another)
