@@ -143,6 +143,7 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         **({"maintenance_notice": args.maintenance_notice} if args.maintenance_notice is not None else {}),
         **({"flush_lead": args.flush_lead} if args.flush_lead is not None else {}),
         "ignore_notices": args.ignore_notices,
+        **({"interrupt_deadline": args.interrupt_deadline} if args.interrupt_deadline is not None else {}),
         "launcher": args.launcher,
         "plot": args.plot,
     }
@@ -454,6 +455,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inj.add_argument(
         "--ignore-notices", action="store_true",
         help="a baseline: nobody listens for notices (no flush); a noticed node just dies at the window's end",
+    )  # fmt: skip
+    run.add_argument(
+        "--interrupt-deadline", type=_SECONDS, metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, the deadline of the training workers' flush before every process stops "
+        "(default 30, at most 86400; --resume may give another): spotjob run waits at most that, plus half of "
+        "it (5 to 15 s) for the agents to exit",
     )  # fmt: skip
     run.add_argument(
         "--launcher", choices=LAUNCHERS, default="direct",

@@ -69,6 +69,10 @@ class RunConfig:
     """From a host maintenance's notice to its node's stop (the agents' --gcp-maintenance-seconds)."""
     flush_lead: float = 10.0
     """The agents' --flush-lead: a maintenance is held until this long before its deadline."""
+    interrupt_deadline: float = 30.0
+    """The deadline a Ctrl-C or SIGTERM gives the training workers' flush (``--interrupt-deadline``);
+    ``orchestrator.run_interrupt.INTERRUPT_FLUSH_SECONDS`` unless told. This driver's: --resume
+    may give another."""
     ignore_notices: bool = False
     """A baseline: nobody listens for notices; a noticed node just dies when its window ends."""
     launcher: Launcher = "direct"
@@ -104,6 +108,7 @@ class RunConfig:
             _positive("--maintenance-notice", self.maintenance_notice, _MAX_FLUSH),
             _positive("--flush-lead", self.flush_lead, _MAX_FLUSH),
             self._lead_problem(),
+            _positive("--interrupt-deadline", self.interrupt_deadline, _MAX_FLUSH),
             None if self.cloud in CLOUDS else f"--cloud {self.cloud!r}: expected one of {', '.join(CLOUDS)}",
             name_problem(self.name),
         ]

@@ -305,6 +305,7 @@ class LocalRun(_RunSetup):
                     phase=str(self.status.phase),
                     last_known=checkpoint.step if checkpoint is not None else None,
                     idle=self._idle,
+                    deadline_seconds=self.config.interrupt_deadline,
                 )
         except KeyboardInterrupt:
             self.interrupt_outcome = None  # cut short: told from storage once everything is stopped

@@ -5,12 +5,13 @@ every worker whose ranks train (``LocalBackend.training_workers``) to flush thro
 API, the request a preemption sends (``LocalBackend.request_flush``: ``POST /flush`` with the run's
 token; an agent that did not answer is asked again while its worker runs and the deadline is
 ahead), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, as a driver's death gives them
-(``spotjob-agent --parent-grace``). Each agent has its ranks commit a checkpoint at one step and
-exits (75 committed, 76 not); the driver waits for those exits (at most the deadline and
-``EXIT_MARGIN_SECONDS``), reads storage, the judge of what committed, as the reconciler does, and
-then stops every process of the run. A second Ctrl-C or SIGTERM meanwhile cuts the wait short: the
-run is stopped at once, without the flush. Nothing is flushed when no worker trains (the attempt
-starts, or the run is between two attempts): the run is stopped at once, as before.
+(``spotjob-agent --parent-grace``), or ``spotjob run --interrupt-deadline`` away. Each agent has its
+ranks commit a checkpoint at one step and exits (75 committed, 76 not); the driver waits for those
+exits (at most the deadline and ``exit_margin`` of it), reads storage, the judge of what committed,
+as the reconciler does, and then stops every process of the run. A second Ctrl-C or SIGTERM
+meanwhile cuts the wait short: the run is stopped at once, without the flush. Nothing is flushed
+when no worker trains (the attempt starts, or the run is between two attempts): the run is stopped
+at once, as before.
 
 ``InterruptOutcome`` says how it went: the Event ``spotjob run`` records (``InterruptFlushCommitted``
 with the step, ``InterruptFlushNotCommitted`` with why, or ``Interrupted`` when nothing was
@@ -61,8 +62,18 @@ INTERRUPT_FLUSH_SECONDS = 30.0
 """The deadline an interrupt gives the agents' flush: the one they give themselves when the driver
 dies (``spotjob-agent --parent-grace``'s default)."""
 EXIT_MARGIN_SECONDS = 15.0
-"""Past the deadline, how long the driver still waits for the agents to exit (an agent kills its
-ranks at the deadline and then exits) before it stops them itself."""
+"""Past the deadline, how long the driver still waits at most for the agents to exit (an agent kills
+its ranks at the deadline and then exits) before it stops them itself."""
+MIN_EXIT_MARGIN_SECONDS = 5.0
+"""The least of that wait: an agent's stop of its ranks (``--kill-grace`` 3 s) and its exit."""
+
+
+def exit_margin(deadline_seconds: float) -> float:
+    """How long past a flush's deadline of ``deadline_seconds`` the driver waits for the agents to
+    exit: half the deadline, from ``MIN_EXIT_MARGIN_SECONDS`` to ``EXIT_MARGIN_SECONDS`` (15 s for
+    the default 30 s), so that a short deadline, given for a supervisor's short grace, is not
+    followed by a wait as long as the default's."""
+    return min(EXIT_MARGIN_SECONDS, max(MIN_EXIT_MARGIN_SECONDS, deadline_seconds / 2))
 POLL_SECONDS = 0.1
 ASK_AGAIN_SECONDS = 1.0
 """How long after a request that failed (its agent did not answer in time) the agent is asked
@@ -279,10 +290,12 @@ def flush_before_stop(
     phase: str,
     last_known: int | None,
     idle: Callable[[float], None],
+    deadline_seconds: float = INTERRUPT_FLUSH_SECONDS,
 ) -> InterruptOutcome:
     """Ask every training worker's agent to flush and wait for them to exit (see the module
     docstring); the outcome. ``phase``: the job's, said when no worker trains; ``last_known``: the
-    newest checkpoint step the status holds (said when nothing is flushed). ``idle(seconds)``: how
+    newest checkpoint step the status holds (said when nothing is flushed); ``deadline_seconds``:
+    the flush's deadline from the request (``--interrupt-deadline``). ``idle(seconds)``: how
     to wait between two looks (refreshing the view). ``KeyboardInterrupt`` (a second signal while
     ``state.flushing``) is the caller's to catch: ``cut_short`` then tells what the flush did."""
     assert state.signal is not None, "no interrupt to flush for"
@@ -301,7 +314,7 @@ def flush_before_stop(
         "stops it at once, without the flush",
         state.signal,
         name,
-        INTERRUPT_FLUSH_SECONDS,
+        deadline_seconds,
     )
     unread = ""
     try:
@@ -309,7 +322,7 @@ def flush_before_stop(
     except (StorageError, ValueError) as e:
         storage, unread = None, f"cannot read checkpoints at {spec.checkpoint.uri}: {e}"
     try:
-        out = _flush(backend, key, spec, state, training, storage, idle)
+        out = _flush(backend, key, spec, state, training, storage, idle, deadline_seconds)
     finally:
         if storage is not None:
             storage.close()
@@ -324,12 +337,13 @@ def _flush(
     training: list[WorkerObservation],
     storage: Storage | None,
     idle: Callable[[float], None],
+    deadline_seconds: float = INTERRUPT_FLUSH_SECONDS,
 ) -> InterruptOutcome:
     """Ask, wait, judge (``storage``: None when it cannot be read; the outcome then says nothing)."""
     assert state.signal is not None
     baseline = _newest(storage) if storage is not None else None
     state.asked_at = datetime.now(UTC)
-    deadline = state.asked_at + timedelta(seconds=INTERRUPT_FLUSH_SECONDS)
+    deadline = state.asked_at + timedelta(seconds=deadline_seconds)
     reason = state.reason = (
         f"spotjob run was interrupted ({state.signal}): flushing before every process of the run stops"
     )
@@ -347,8 +361,9 @@ def _flush(
 
     ask(training)
     started = time.monotonic()
-    give_up = started + INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS
-    ask_until = started + INTERRUPT_FLUSH_SECONDS
+    waited = deadline_seconds + exit_margin(deadline_seconds)
+    give_up = started + waited
+    ask_until = started + deadline_seconds
     ask_again_at = started + ASK_AGAIN_SECONDS
     last: dict[str, WorkerObservation] = {}
     seen: list[WorkerObservation] = []
@@ -397,7 +412,7 @@ def _flush(
     )
     if committed and newest is not None:
         return replace(out, step=newest.ref.step, uri=storage.url(newest.ref.folder))
-    return replace(out, why=_why_not(refused, asked, last, baseline, state))
+    return replace(out, why=_why_not(refused, asked, last, baseline, state, waited))
 
 
 def cut_short(state: InterruptState, uri: str, last_known: int | None) -> InterruptOutcome:
@@ -523,6 +538,7 @@ def _why_not(
     last: dict[str, WorkerObservation],
     baseline: int | None,
     state: InterruptState,
+    waited: float,
 ) -> str:
     if state.again is not None:
         return f"a second {state.again} stopped the run at once"
@@ -539,7 +555,7 @@ def _why_not(
             return f"{name} exited 0: the training ended before the flush"
         if w.phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING):
             since = f"step {baseline}" if baseline is not None else "nothing"
-            return f"nothing newer than {since} committed within {INTERRUPT_FLUSH_SECONDS + EXIT_MARGIN_SECONDS:.0f} s"
+            return f"nothing newer than {since} committed within {waited:.0f} s"
         if w.exit_code != EXIT_PREEMPTED:
             code = "without an exit code" if w.exit_code is None else f"{w.exit_code}"
             return f"{name} exited {code} before its flush committed{detail}"

@@ -180,6 +180,15 @@ TABLE: dict[str, Case] = {
     "--every-steps 0": Case(["run", "--every-steps", "0", T], 2, ["--every-steps must be at least 1"]),
     "--every-seconds -1": Case(["run", "--every-seconds", "-1", T], 2, ["--every-seconds must be a positive"]),
     "--notice inf": Case(["run", "--notice", "inf", T], 2, ["--notice must be a positive", "inf"]),
+    "--interrupt-deadline 0": Case(
+        ["run", "--interrupt-deadline", "0", T], 2, ["--interrupt-deadline must be a positive number of seconds"]
+    ),
+    "--interrupt-deadline over a day": Case(
+        ["run", "--interrupt-deadline", "100000", T], 2, ["--interrupt-deadline must be", "at most 86400"]
+    ),
+    "--interrupt-deadline not a number": Case(
+        ["run", "--interrupt-deadline", "soon", T], 2, ["--interrupt-deadline: must be a number of seconds", "soon"]
+    ),
     "--flush-timeout nan": Case(["run", "--flush-timeout", "nan", T], 2, ["--flush-timeout must be a positive"]),
     "--restart-backoff -1": Case(["run", "--restart-backoff", "-1", T], 2, ["--restart-backoff must be"]),
     "--nproc 0": Case(["run", "--nproc", "0", T], 2, ["--nproc must be at least 1"]),
