@@ -74,6 +74,8 @@ def exit_margin(deadline_seconds: float) -> float:
     the default 30 s), so that a short deadline, given for a supervisor's short grace, is not
     followed by a wait as long as the default's."""
     return min(EXIT_MARGIN_SECONDS, max(MIN_EXIT_MARGIN_SECONDS, deadline_seconds / 2))
+
+
 POLL_SECONDS = 0.1
 ASK_AGAIN_SECONDS = 1.0
 """How long after a request that failed (its agent did not answer in time) the agent is asked
