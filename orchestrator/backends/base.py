@@ -142,6 +142,13 @@ def ranks_not_meeting(said: object) -> str | None:
     return said[:900] if isinstance(said, str) and said else None
 
 
+def ranks_state(said: object) -> str | None:
+    """The state of a node's ranks as its agent says it (``rank_state`` of its ``/status``, the
+    ``state`` of the ranks' ``status.json`` local mode reads): a short word (training, saving,
+    flushing, flushed, flush-failed, ...); None for anything else (none said yet, an older agent)."""
+    return said[:32] if isinstance(said, str) and said else None
+
+
 def held_notice(said: dict[str, Any]) -> HeldNoticeReport | None:
     """``held_notice`` and ``flush_at`` of what an agent says (its ``/status`` answer, which the
     Kubernetes controller asks for; its ``agent.json``, which local mode reads); None where it holds
@@ -207,6 +214,12 @@ class WorkerObservation:
     """The cloud notice the worker's agent holds, as its last report said (Kubernetes: its GET
     /status, with the step; local mode: its ``agent.json``); None when it holds none, or its agent
     does not say (an older agent)."""
+    ranks_state: str | None = None
+    """The state of the worker's ranks as its agent last reported it (``ranks_state``; Kubernetes:
+    its GET /status; local mode: the ranks' ``status.json``). During a flush: ``flushed``, its ranks
+    committed their part; ``flushing``, they took the flush and wait for it to commit; anything
+    else (``training``), they never took it. None when the backend has no report of its agent: a
+    FlushTimedOut names the workers by it, the one that hangs the gang among them."""
     holds_node: bool = False
     """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
     exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""

@@ -274,6 +274,7 @@ class KubernetesBackend:
                     detail=lost or _failure_detail(pod, exit_code),
                     flush_answered=_flush_answered(pod) if exit_code == EXIT_PREEMPTED else None,
                     step=report.step,
+                    ranks_state=report.ranks_state if phase is WorkerPhase.RUNNING else None,
                     held_notice=report.held_notice,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod, report) if phase is WorkerPhase.PENDING else None,

@@ -31,6 +31,7 @@ from orchestrator.backends.base import (
     WorkerObservation,
     held_notice,
     ranks_not_meeting,
+    ranks_state,
 )
 from orchestrator.backends.local_cloud import LocalNode
 from orchestrator.backends.local_failure import agent_exit_line, agent_exit_words, failure_detail
@@ -135,6 +136,7 @@ def observe_worker(w: LocalWorker) -> WorkerObservation:
         instance_type=w.node.instance_type,
         exit_code=code,
         step=step if isinstance(step, int) else None,
+        ranks_state=ranks_state(status.get("state")) if status and phase is WorkerPhase.RUNNING else None,
         detail=w.detail or None,
         flush_answered=w.answered or None,
         not_starting=not_meeting(agent) if phase is WorkerPhase.PENDING else None,

@@ -44,7 +44,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.backends.base import HeldNoticeReport, held_notice, ranks_not_meeting
+from orchestrator.backends.base import HeldNoticeReport, held_notice, ranks_not_meeting, ranks_state
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class AgentReport:
     ranks_not_meeting: str | None = None
     """The agent's warning that no rank has connected past its ``--rank-connect-timeout`` (its ranks
     wait in init_process_group, or build no Checkpointer); None when it gives none."""
+    ranks_state: str | None = None
+    """Its ``rank_state``: what its node's ranks do (training, flushing, flushed, ...)."""
 
 
 @dataclass
@@ -312,7 +314,9 @@ class AgentCalls:
             # A step the answer lacks keeps the last one (a hint); the held notice is the answer's
             # own: one the agent no longer holds (withdrawn, or its flush started) is gone.
             kept = step if isinstance(step, int) and not isinstance(step, bool) else entry.report.step
-            entry.report = AgentReport(kept, held, ranks_not_meeting(body.get("ranks_not_meeting")))
+            entry.report = AgentReport(
+                kept, held, ranks_not_meeting(body.get("ranks_not_meeting")), ranks_state(body.get("rank_state"))
+            )
 
     # -- housekeeping
 

@@ -57,7 +57,7 @@ WORKERS_EXITED = Reason(
 )
 FLUSH_TIMED_OUT = Reason(
     "FlushTimedOut",
-    "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}",
+    "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}{workers}",
     warning=True,
 )
 RESCHEDULED = Reason(

@@ -337,7 +337,12 @@ class _Recovery(_FlushRequests):
         now = self._flush_now(p, recovery.detected_at)
         if now >= recovery.flush_timeout_at:
             self._enter_rescheduling(
-                p, FLUSH_TIMED_OUT, baseline=baseline, timeout=p.spec.flush_timeout_seconds, resume=p.resume_point()
+                p,
+                FLUSH_TIMED_OUT,
+                baseline=baseline,
+                timeout=p.spec.flush_timeout_seconds,
+                resume=p.resume_point(),
+                workers=_flush_progress(running),
             )
             return None
         self._ask_to_flush(p, recovery, running)
@@ -695,6 +700,36 @@ def _noticed_by_own_agent(
     agent's line says; all of them when every line says ``PEER_FLUSH``."""
     holding = {h.worker for h in held or ()}
     return [w for w in exited if not w.flushed_for_peer or w.name in holding] or exited
+
+
+_RANKS_SAID = {
+    "flushing": "its ranks took the flush and wait for it to commit",
+    "flush-failed": "its ranks' flush failed",
+}
+
+
+def _flush_progress(running: list[WorkerObservation]) -> str:
+    """The end of a FlushTimedOut message: which running workers' ranks had not committed their part
+    of the flush, each with what its agent last said of them (the one that never took the flush, or
+    whose agent says nothing, is where to look first: a hung node, a wedged rank), and which had,
+    as far as their agents said."""
+    done = [w.name for w in running if w.ranks_state == "flushed"]
+    pending = [w for w in running if w.ranks_state != "flushed"]
+    # Those that never took the flush first: they hold the others in its collectives.
+    pending.sort(key=lambda w: (w.ranks_state in _RANKS_SAID, w.index))
+    parts = []
+    if pending:
+        said = [f"{w.name} on {w.node or 'no node'} ({_ranks_said(w.ranks_state)})" for w in pending]
+        parts.append(f"; not committed by {', '.join(said)}")
+    if done:
+        parts.append(f"; committed by {', '.join(done)}")
+    return "".join(parts)
+
+
+def _ranks_said(state: str | None) -> str:
+    if state is None:
+        return "no report from its agent"
+    return _RANKS_SAID.get(state, f"its ranks {state}: they never took the flush")
 
 
 def _flush_detail(w: WorkerObservation) -> str:

@@ -327,3 +327,18 @@ def test_the_agents_word_that_its_ranks_have_not_connected_is_kept_bounded(said:
         assert calls.report(endpoint()).ranks_not_meeting == kept
     finally:
         calls.close()
+
+
+def test_an_agent_reports_what_its_ranks_do_so_a_timed_out_flush_can_name_the_ones_that_never_took_it() -> None:
+    """``rank_state`` of an agent's ``/status``: the controller keeps it beside the step
+    (``WorkerObservation.ranks_state``), and a FlushTimedOut names the workers by it."""
+
+    def agent_answers(*_: object) -> tuple[int, bytes]:
+        return 200, b'{"state": "flushing", "rank_state": "flushing", "step": 7}'
+
+    calls = AgentCalls(port=1, status_max_age=0.0, transport=agent_answers)
+    try:
+        reported(calls)
+        assert calls.report(endpoint()).ranks_state == "flushing"
+    finally:
+        calls.close()

@@ -220,6 +220,9 @@ class FakeBackend:
     answered: dict[str, str] = field(default_factory=dict)
     """Workers (by name) whose agent's exit 75 says what its flush answered
     (``WorkerObservation.flush_answered``)."""
+    ranks_states: dict[str, str | None] = field(default_factory=dict)
+    """Workers (by name) whose agents report this state of their ranks (None: no report); others
+    say ``flushing`` once asked to flush, else ``training``, while they run."""
     held: dict[str, HeldNoticeReport] = field(default_factory=dict)
     """Workers (by name) whose agents hold a cloud notice (``WorkerObservation.held_notice``), as
     their ``GET /status`` would report it; the agent's own holding and flushing is not modelled."""
@@ -302,10 +305,18 @@ class FakeBackend:
                     detail=self.details.get(w.name),
                     flush_answered=self.answered.get(w.name),
                     held_notice=self.held.get(w.name),
+                    ranks_state=self._ranks_state(w),
                     holds_node=self.sidecars and w.exit_code is not None and w.stopping_at is None,
                 )
             )
         return out
+
+    def _ranks_state(self, w: FakeWorker) -> str | None:
+        if w.phase is not WorkerPhase.RUNNING:
+            return None
+        if w.name in self.ranks_states:
+            return self.ranks_states[w.name]
+        return "flushing" if w.flush_requested_at is not None else "training"
 
     def signals(self, key: JobKey, spec: JobSpec) -> list[Signal]:
         self._maybe_fail()

@@ -324,6 +324,40 @@ def test_reschedules_from_the_previous_checkpoint_when_the_flush_times_out(tmp_p
     assert w.backend.worker(1, 0).resumed_from == 50
 
 
+@pytest.mark.parametrize(
+    ("hung", "said"),
+    [
+        ("training", "its ranks training: they never took the flush"),
+        (None, "no report from its agent"),
+    ],
+)
+def test_a_flush_a_hung_peer_held_past_its_timeout_names_the_workers_that_had_not_committed_their_part(
+    tmp_path: Any, hung: str | None, said: str
+) -> None:
+    """Three workers; the ranks of train-0-2 never take the flush (a wedged rank, a hung node), and
+    the others wait for them in its collectives. FlushTimedOut said only that nothing committed:
+    which pod and node to look at was nobody's to tell. The Event and the Flushing condition now
+    name the workers whose ranks had not committed their part, the one that never took the flush
+    first, with what its agent said, and those whose ranks had."""
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"}, replicas=3)
+    w.backend.ranks_states = {"train-0-2": hung, "train-0-1": "flushed"}
+    w.run_to(60)
+    preempt_running_job(w)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    flushing = status.condition("Flushing")
+    assert flushing is not None and flushing.reason == "FlushTimedOut"
+    expected = (
+        f"; not committed by train-0-2 on n2 ({said}), "
+        "train-0-0 on n0 (its ranks took the flush and wait for it to commit); committed by train-0-1"
+    )
+    assert flushing.message.endswith(expected), flushing.message
+    (event,) = [e for e in w.events.emitted if e.reason == "FlushTimedOut"]
+    assert event.message == flushing.message
+    assert [args[2] for name, args in w.metrics.calls if name == "flush_ended"] == ["timed_out"]
+
+
 def test_restarts_the_gang_away_from_the_preempted_node(world: World) -> None:
     preempt_running_job(world, node="n0")
 
