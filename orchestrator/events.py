@@ -144,8 +144,15 @@ _VOLATILE = (
     (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<id>"),  # a UUID
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "<address>"),  # an object's repr: <... at 0x7f...>
     (re.compile(r"\b[0-9a-fA-F]*(?:[0-9][a-fA-F]|[a-fA-F][0-9])[0-9a-fA-F]*\b"), None),  # long hex: below
-    # A time: ISO 8601, or an HTTP date.
-    (re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    # The time an error says it was answered (labelled "date", ISO 8601), or an HTTP date. Not any
+    # time: one of ours is what the Event says (a notice's new due time is another Event).
+    (
+        re.compile(
+            r"(?i)\b(date[\"']?\s*[:=]\s*[\"']?)\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?"
+            r"(?:Z|[+-]\d{2}:?\d{2})?"
+        ),
+        r"\1<time>",
+    ),
     (
         re.compile(r"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d{1,2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT\b"),
         "<time>",
@@ -166,12 +173,12 @@ def _long_hex(m: re.Match[str]) -> str:
 
 def event_identity(message: str) -> str:
     """``message`` with what changes from one try to the next of one fault masked: request ids,
-    UUIDs, object addresses, long hex ids, times, IP addresses and ports. Two Events whose messages
-    have one identity are one Event counted up (``read_events``, the Kubernetes recorder's
-    series): a store failing the same way on every pass is one ``StorageUnreachable`` with a
-    count, not one Event a pass because each of its errors carries another request id. Steps,
-    worker and node names, paths and error codes are kept: a different fault stays a different
-    Event."""
+    UUIDs, object addresses, long hex ids, the time an error was answered, IP addresses and ports.
+    Two Events whose messages have one identity are one Event counted up (``read_events``, the
+    Kubernetes recorder's series): a store failing the same way on every pass is one
+    ``StorageUnreachable`` with a count, not one Event a pass because each of its errors carries
+    another request id. Steps, worker and node names, paths, error codes and our own times (a
+    notice's due time) are kept: a different fault stays a different Event."""
     text = message
     for pattern, replacement in _VOLATILE:
         text = pattern.sub(_long_hex if replacement is None else replacement, text)

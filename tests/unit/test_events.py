@@ -166,6 +166,11 @@ def test_one_fault_whose_error_carries_another_request_id_each_pass_is_one_event
         ("the agent of train-0-1 exited 76", "the agent of train-0-2 exited 76"),
         ("listing s3://b/x: SlowDown (HTTP 503)", "listing s3://b/x: AccessDenied (HTTP 403)"),
         ("crc32c 1a2b3c4d expected", "crc32c 5e6f7a8b expected"),
+        # A time of ours is what the Event says: a held notice moved to another due time is told again.
+        (
+            "llama-0-0 on node n1 holds azure's maintenance notice (Reboot e-1), due at 2026-12-07T02:15:00Z",
+            "llama-0-0 on node n1 holds azure's maintenance notice (Reboot e-1), due at 2026-12-07T02:17:00Z",
+        ),
     ],
 )
 def test_messages_that_differ_in_more_than_ids_times_and_addresses_stay_apart(one: str, another: str) -> None:
