@@ -171,6 +171,17 @@ def _long_hex(m: re.Match[str]) -> str:
     return "<id>" if len(m.group(0)) >= 16 else m.group(0)
 
 
+_REQUEST_ID = re.compile(r"\bflush request (\S+)")
+"""A user's flush request as its Events name it (``flush request <id> (mode)``): its id is the
+request's own (``kubectl spotjob flush`` makes it a UUID), not a fault's, and is kept whole."""
+
+
+def _masked(text: str) -> str:
+    for pattern, replacement in _VOLATILE:
+        text = pattern.sub(_long_hex if replacement is None else replacement, text)
+    return text
+
+
 def event_identity(message: str) -> str:
     """``message`` with what changes from one try to the next of one fault masked: request ids,
     UUIDs, object addresses, long hex ids, the time an error was answered, IP addresses and ports.
@@ -178,11 +189,14 @@ def event_identity(message: str) -> str:
     Kubernetes recorder's series): a store failing the same way on every pass is one
     ``StorageUnreachable`` with a count, not one Event a pass because each of its errors carries
     another request id. Steps, worker and node names, paths, error codes and our own times (a
-    notice's due time) are kept: a different fault stays a different Event."""
-    text = message
-    for pattern, replacement in _VOLATILE:
-        text = pattern.sub(_long_hex if replacement is None else replacement, text)
-    return text
+    notice's due time) are kept: a different fault stays a different Event. So is the id of a
+    user's flush request: two requests are two Events, each naming its own id (the Kubernetes
+    recorder keeps the first note of a series, so the second request's id was nowhere)."""
+    parts, start = [], 0
+    for m in _REQUEST_ID.finditer(message):
+        parts += [_masked(message[start : m.start(1)]), m.group(1)]
+        start = m.end(1)
+    return "".join([*parts, _masked(message[start:])])
 
 
 class LoggingEventSink:

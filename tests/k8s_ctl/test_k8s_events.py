@@ -146,3 +146,12 @@ def test_the_event_of_a_job_failed_for_good_points_at_its_next_line(reason: str)
 def test_an_event_of_a_job_that_goes_on_carries_its_message_alone(reason: str) -> None:
     """``StorageRefused`` also warns of a job that keeps running (no ``Next:`` line to point at)."""
     assert job_note(JobKey("team-a", "llama"), reason, "as it was") == "as it was"
+
+
+def test_two_flush_requests_of_a_user_are_two_events_each_naming_its_own_id(test_api: TestApi) -> None:
+    recorder = EventRecorder(test_api.client(), instance="replica-a")
+    ids = ["5ed186b7-b71e-4d6c-8c67-8af565208eaf", "0b7f3c2e-9a41-4d8e-b6c5-2f1e8d7a9c03"]
+    for request in ids:
+        recorder.normal(JOB, "CheckpointRequestedByUser", f"flush request {request} (checkpoint): 2 agent(s) asked")
+    notes = sorted(e["note"] for e in events(test_api))
+    assert notes == sorted(f"flush request {r} (checkpoint): 2 agent(s) asked" for r in ids)

@@ -177,3 +177,25 @@ def test_messages_that_differ_in_more_than_ids_times_and_addresses_stay_apart(on
     from orchestrator.events import event_identity
 
     assert event_identity(one) != event_identity(another)
+
+
+def test_two_flush_requests_of_a_user_are_two_events_each_naming_its_own_id(tmp_path: Path) -> None:
+    """``kubectl spotjob flush`` gives each request a UUID, which Events name: the user finds theirs."""
+    from orchestrator.kubectl_commands import flush_request
+    from orchestrator.reconciler._reasons import CHECKPOINT_REQUESTED_BY_USER, FLUSH_REQUEST_SKIPPED
+
+    sink = JsonlEventSink(str(tmp_path))
+    ids = [flush_request("checkpoint", "")["id"] for _ in range(2)]
+    for request in ids:
+        message = CHECKPOINT_REQUESTED_BY_USER.message(id=request, reason="", count=2)
+        sink.emit(KEY, EventType.NORMAL, CHECKPOINT_REQUESTED_BY_USER.name, message)
+    hand_made = ["nightly-0123456789abcdef0123", "nightly-fedcba98765432100123"]
+    for request in hand_made:
+        message = FLUSH_REQUEST_SKIPPED.message(id=request, mode="checkpoint", why="the job is not running")
+        sink.emit(KEY, EventType.NORMAL, FLUSH_REQUEST_SKIPPED.name, message)
+
+    events = read_events(events_path(str(tmp_path), KEY))
+
+    assert [e.count for e in events] == [1, 1, 1, 1]
+    for event, request in zip(events, [*ids, *hand_made], strict=True):
+        assert f"flush request {request} " in event.message
