@@ -171,32 +171,31 @@ def _long_hex(m: re.Match[str]) -> str:
     return "<id>" if len(m.group(0)) >= 16 else m.group(0)
 
 
-_REQUEST_ID = re.compile(r"\bflush request (\S+)")
-"""A user's flush request as its Events name it (``flush request <id> (mode)``): its id is the
-request's own (``kubectl spotjob flush`` makes it a UUID), not a fault's, and is kept whole."""
+VOLATILE_ERROR_REASONS = frozenset(
+    {"StorageUnreachable", "StorageRefused", "BackendUnavailable", "FlushRequestFailed", "SaveRequestFailed"}
+)
+"""The reasons whose message carries another component's error text (a store's, the API server's,
+an agent's connection), which may carry a request id, a time or an address that changes at every
+try of one fault. Only their messages are masked (``event_identity``): every other message is
+spotjob's own words, whose every part says something (a notice's due time, a user's flush request
+id), and two that differ at all are two Events."""
 
 
-def _masked(text: str) -> str:
+def event_identity(reason: str, message: str) -> str:
+    """What tells one Event of ``reason`` from another: ``message`` itself, or, for a reason in
+    ``VOLATILE_ERROR_REASONS``, ``message`` with what changes from one try to the next of one fault
+    masked: request ids, UUIDs, object addresses, long hex ids, the time an error was answered, IP
+    addresses and ports. Two Events of one identity are one Event counted up (``read_events``, the
+    Kubernetes recorder's series): a store failing the same way on every pass is one
+    ``StorageUnreachable`` with a count, not one Event a pass because each of its errors carries
+    another request id. Steps, worker and node names, paths and error codes are kept: a different
+    fault stays a different Event."""
+    if reason not in VOLATILE_ERROR_REASONS:
+        return message
+    text = message
     for pattern, replacement in _VOLATILE:
         text = pattern.sub(_long_hex if replacement is None else replacement, text)
     return text
-
-
-def event_identity(message: str) -> str:
-    """``message`` with what changes from one try to the next of one fault masked: request ids,
-    UUIDs, object addresses, long hex ids, the time an error was answered, IP addresses and ports.
-    Two Events whose messages have one identity are one Event counted up (``read_events``, the
-    Kubernetes recorder's series): a store failing the same way on every pass is one
-    ``StorageUnreachable`` with a count, not one Event a pass because each of its errors carries
-    another request id. Steps, worker and node names, paths, error codes and our own times (a
-    notice's due time) are kept: a different fault stays a different Event. So is the id of a
-    user's flush request: two requests are two Events, each naming its own id (the Kubernetes
-    recorder keeps the first note of a series, so the second request's id was nowhere)."""
-    parts, start = [], 0
-    for m in _REQUEST_ID.finditer(message):
-        parts += [_masked(message[start : m.start(1)]), m.group(1)]
-        start = m.end(1)
-    return "".join([*parts, _masked(message[start:])])
 
 
 class LoggingEventSink:
@@ -267,7 +266,7 @@ class RecordedEvent:
 
 def read_events(path: str) -> list[RecordedEvent]:
     """The Events of a ``JsonlEventSink`` file, oldest first; consecutive repeats of one Event
-    (same type, reason, node and ``event_identity`` of the message) become one with a count and
+    (same type, reason, node and ``event_identity`` of the reason and message) become one with a count and
     the latest message. A torn or foreign line is skipped; a missing file is no Events."""
     out: list[RecordedEvent] = []
     try:
@@ -323,10 +322,10 @@ def _add_lines(out: list[RecordedEvent], lines: list[str]) -> None:
         except (ValueError, KeyError, TypeError):
             continue
         last = out[-1] if out else None
-        if last is not None and (last.type, last.reason, event_identity(last.message), last.node) == (
+        if last is not None and (last.type, last.reason, event_identity(last.reason, last.message), last.node) == (
             event.type,
             event.reason,
-            event_identity(event.message),
+            event_identity(event.reason, event.message),
             event.node,
         ):
             # The same fault again: counted on the one Event, which shows the latest words.
@@ -339,6 +338,7 @@ def _add_lines(out: list[RecordedEvent], lines: list[str]) -> None:
 
 __all__ = [
     "NULL_METRICS",
+    "VOLATILE_ERROR_REASONS",
     "EventLog",
     "EventSink",
     "EventType",

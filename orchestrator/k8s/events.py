@@ -215,7 +215,7 @@ class EventRecorder:
         # One fault's repeats count on one Event though their words differ by a request id, a time
         # or an address (``event_identity``); the Event keeps its first note (events.k8s.io/v1
         # notes cannot change), the log has each one's words.
-        identity = event_identity(note)
+        identity = event_identity(reason, note)
         key = (regarding.kind, regarding.namespace, regarding.name, regarding.uid, type.value, reason, identity)
         with self._lock:
             seen = self._written.get(key)

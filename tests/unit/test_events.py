@@ -160,23 +160,41 @@ def test_one_fault_whose_error_carries_another_request_id_each_pass_is_one_event
 
 
 @pytest.mark.parametrize(
-    ("one", "another"),
+    ("reason", "one", "another"),
     [
-        ("nothing newer than step 100 committed", "nothing newer than step 200 committed"),
-        ("the agent of train-0-1 exited 76", "the agent of train-0-2 exited 76"),
-        ("listing s3://b/x: SlowDown (HTTP 503)", "listing s3://b/x: AccessDenied (HTTP 403)"),
-        ("crc32c 1a2b3c4d expected", "crc32c 5e6f7a8b expected"),
-        # A time of ours is what the Event says: a held notice moved to another due time is told again.
+        ("StorageUnreachable", "listing s3://b/x: SlowDown (HTTP 503)", "listing s3://b/x: AccessDenied (HTTP 403)"),
+        ("StorageUnreachable", "crc32c 1a2b3c4d expected", "crc32c 5e6f7a8b expected"),
+        ("FlushRequestFailed", "the agent of train-0-1: refused", "the agent of train-0-2: refused"),
+        ("FlushTimedOut", "nothing newer than step 100 committed", "nothing newer than step 200 committed"),
+        # spotjob's own words are never masked: a held notice moved to another due time is told
+        # again, and the same words of another worker's address are another Event.
         (
+            "NoticeHeld",
             "llama-0-0 on node n1 holds azure's maintenance notice (Reboot e-1), due at 2026-12-07T02:15:00Z",
             "llama-0-0 on node n1 holds azure's maintenance notice (Reboot e-1), due at 2026-12-07T02:17:00Z",
         ),
+        ("WorkerLost", "the pod at 10.0.3.7 is gone", "the pod at 10.0.3.9 is gone"),
     ],
 )
-def test_messages_that_differ_in_more_than_ids_times_and_addresses_stay_apart(one: str, another: str) -> None:
+def test_messages_that_differ_in_more_than_ids_times_and_addresses_stay_apart(
+    reason: str, one: str, another: str
+) -> None:
     from orchestrator.events import event_identity
 
-    assert event_identity(one) != event_identity(another)
+    assert event_identity(reason, one) != event_identity(reason, another)
+
+
+def test_the_masked_reasons_are_those_whose_message_carries_another_components_error() -> None:
+    """A name there that no Reason has would mask nothing (a typo); each masked reason's message
+    carries an ``{error}``, another component's words."""
+    from orchestrator.events import VOLATILE_ERROR_REASONS
+    from orchestrator.reconciler import _reasons
+
+    reasons = [r for r in vars(_reasons).values() if isinstance(r, _reasons.Reason)]
+    for name in VOLATILE_ERROR_REASONS:
+        templates = [r.template for r in reasons if r.name == name]
+        assert templates, f"{name} is no Reason's name"
+        assert all("{error}" in t for t in templates), (name, templates)
 
 
 def test_two_flush_requests_of_a_user_are_two_events_each_naming_its_own_id(tmp_path: Path) -> None:
