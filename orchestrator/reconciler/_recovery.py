@@ -727,9 +727,11 @@ def _flush_progress(running: list[WorkerObservation]) -> str:
 
 
 def _ranks_said(state: str | None) -> str:
-    if state is None:
-        return "no report from its agent"
-    return _RANKS_SAID.get(state, f"its ranks {state}: they never took the flush")
+    """What the agent's last report said of its ranks (a hung node's agent no longer answers: its
+    last word stands)."""
+    if state is None:  # no answer yet, or an older agent that does not say
+        return "its agent said nothing of its ranks"
+    return _RANKS_SAID.get(state, f"its agent last said its ranks were {state}: they had not taken the flush")
 
 
 def _flush_detail(w: WorkerObservation) -> str:

@@ -327,8 +327,8 @@ def test_reschedules_from_the_previous_checkpoint_when_the_flush_times_out(tmp_p
 @pytest.mark.parametrize(
     ("hung", "said"),
     [
-        ("training", "its ranks training: they never took the flush"),
-        (None, "no report from its agent"),
+        ("training", "its agent last said its ranks were training: they had not taken the flush"),
+        (None, "its agent said nothing of its ranks"),
     ],
 )
 def test_a_flush_a_hung_peer_held_past_its_timeout_names_the_workers_that_had_not_committed_their_part(
