@@ -107,6 +107,8 @@ class LocalRun(_RunSetup):
             maintenance_seconds=config.maintenance_notice if config.maintenance_at_steps else None,
             flush_lead=config.flush_lead,
             cloud=config.cloud,
+            # A killed driver's agents flush within the deadline its interrupt would give them.
+            parent_grace=config.interrupt_deadline,
         )
         if not resume:
             spec = config.job_spec()  # before anything exists: a bad option creates nothing

@@ -4,8 +4,8 @@ The first Ctrl-C or SIGTERM ends the controller loop; then ``flush_before_stop``
 every worker whose ranks train (``LocalBackend.training_workers``) to flush through its control
 API, the request a preemption sends (``LocalBackend.request_flush``: ``POST /flush`` with the run's
 token; an agent that did not answer is asked again while its worker runs and the deadline is
-ahead), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, as a driver's death gives them
-(``spotjob-agent --parent-grace``), or ``spotjob run --interrupt-deadline`` away. Each agent has its
+ahead), with a deadline ``INTERRUPT_FLUSH_SECONDS`` away, or ``spotjob run --interrupt-deadline``
+away: the one a driver's death gives them too (``spotjob-agent --parent-grace``). Each agent has its
 ranks commit a checkpoint at one step and exits (75 committed, 76 not); the driver waits for those
 exits (at most the deadline and ``exit_margin`` of it), reads storage, the judge of what committed,
 as the reconciler does, and then stops every process of the run. A second Ctrl-C or SIGTERM
@@ -59,8 +59,9 @@ from orchestrator.signals import Signal
 log = logging.getLogger(__name__)
 
 INTERRUPT_FLUSH_SECONDS = 30.0
-"""The deadline an interrupt gives the agents' flush: the one they give themselves when the driver
-dies (``spotjob-agent --parent-grace``'s default)."""
+"""The deadline an interrupt gives the agents' flush unless ``--interrupt-deadline`` says otherwise.
+Whichever it is, the driver gives it its agents as ``spotjob-agent --parent-grace``
+(``LocalOptions.parent_grace``): the deadline they give themselves when it dies outright."""
 EXIT_MARGIN_SECONDS = 15.0
 """Past the deadline, how long the driver still waits at most for the agents to exit (an agent kills
 its ranks at the deadline and then exits) before it stops them itself."""

@@ -87,6 +87,10 @@ class LocalOptions:
     cloud: str = "aws"
     """The cloud the nodes simulate (``CLOUDS``): which metadata each serves, which source its agent
     hears, and how a notice is announced there."""
+    parent_grace: float = 30.0
+    """The agents' ``--parent-grace``: the deadline of the flush each agent begins by itself when the
+    driver is gone (killed outright). ``spotjob run`` gives its ``--interrupt-deadline``, so a
+    driver's death gives the flush what an interrupt would."""
 
     def __post_init__(self) -> None:
         if self.cloud not in CLOUDS:
@@ -133,8 +137,10 @@ def worker_command(
         "--kill-grace", f"{options.kill_grace:g}",
         "--launcher", options.launcher,
         "--attempt", str(attempt),
-        # A killed driver leaves nobody to stop the workers: they flush and stop by themselves.
+        # A killed driver leaves nobody to stop the workers: they flush and stop by themselves,
+        # within the deadline its interrupt would have given them (exact: --resume waits for it).
         "--exit-with-parent",
+        "--parent-grace", repr(float(options.parent_grace)),
     ]  # fmt: skip
     if cloud == "gcp" and options.hear_notices:
         # GCE's ~30 s from preempted=TRUE to the stop, scaled to this run's window.

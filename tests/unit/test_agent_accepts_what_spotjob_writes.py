@@ -327,3 +327,27 @@ def test_a_flush_timeout_or_notice_past_a_day_is_refused_naming_the_option(tmp_p
     for option, field in (("--flush-timeout", "flush_timeout"), ("--notice", "notice")):
         with pytest.raises(ValueError, match=f"{option} must be .* at most {FLUSH_MAX:g} "):
             RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path), **{field: FLUSH_MAX + 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("deadline", [None, 120.0, 0.1000001, FLUSH_MAX])
+def test_a_killed_drivers_agents_flush_within_its_interrupt_deadline(tmp_path: Path, deadline: float | None) -> None:
+    """Fails without the fix: ``spotjob run --interrupt-deadline 120`` gave an interrupt's flush two
+    minutes, but its agents got no ``--parent-grace``, so a driver killed outright (SIGKILL, OOM)
+    left them the agent's own 30 s and the flush that needed two minutes was lost. Each agent now
+    gets the driver's deadline, exactly (the default 30 s when none is given), and accepts it."""
+    from orchestrator.run_driver import LocalRun
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    given = {} if deadline is None else {"interrupt_deadline": deadline}
+    config = RunConfig(script=str(script), args=[], name="run", runs_dir=str(tmp_path / "runs"), nproc=1, **given)
+    run = LocalRun(config)
+    try:
+        node = run.backend._cloud.provision("zone-a", "type-a")
+        command = run.backend._command(run.key, run.spec, 0, 0, node.imds.url, str(tmp_path / "control"), 29500)
+        parsed, _ = parse_args(command[command.index("--notices") :], {})
+        assert run.backend.spec_problems(run.key, run.spec) == []
+    finally:
+        run.close()
+    assert parsed.exit_with_parent
+    assert parsed.parent_grace == (30.0 if deadline is None else deadline)
