@@ -243,7 +243,8 @@ class LocalRun(_RunSetup):
         self._view = view
         interrupted = False
         try:
-            write_run_file(self.path, self.workdir, sys.argv)
+            # The grace its agents get: a --resume after this driver is killed waits for their flush.
+            write_run_file(self.path, self.workdir, sys.argv, parent_grace=self.backend.options.parent_grace)
             if self.takeover is not None:  # counted here, where the timeline's next record ends the gap
                 self.takeover = self._record_takeover(self.takeover)
             self.timeline.record(

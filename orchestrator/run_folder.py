@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import shlex
 import time
@@ -28,7 +29,7 @@ from agent.control_channel import (
 from agent.exit_codes import COMMAND_ENDED_DURING_FLUSH
 from orchestrator.backends.local_cloud import CLOUDS
 from orchestrator.backends.local_failure import agent_exit_line
-from orchestrator.model import JobStatus, Phase, WorkerStatus
+from orchestrator.model import MAX_FLUSH_SECONDS, JobStatus, Phase, WorkerStatus
 
 RUNS_DIR = "spotjob-runs"
 RUN_FILE = "run.json"
@@ -205,13 +206,31 @@ def run_file_pid(path: str) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
-def write_run_file(path: str, workdir: str, argv: list[str]) -> None:
-    """Record in ``run.json`` the process that drives the run in folder ``path`` and the working
-    directory its workers run in (``run_file_workdir``). In one rename: a driver killed, or a disk
-    full, in the middle of the write leaves the previous driver's record (the folder the run's
-    workers ran in, which every ``--resume`` keeps), not an empty or cut one."""
-    record = {"pid": os.getpid(), "argv": argv, "started_at": time.time(), "workdir": workdir}
+def write_run_file(path: str, workdir: str, argv: list[str], *, parent_grace: float) -> None:
+    """Record in ``run.json`` the process that drives the run in folder ``path``, the working
+    directory its workers run in (``run_file_workdir``) and the ``--parent-grace`` its agents get
+    (``run_file_parent_grace``). In one rename: a driver killed, or a disk full, in the middle of
+    the write leaves the previous driver's record (the folder the run's workers ran in, which every
+    ``--resume`` keeps), not an empty or cut one."""
+    record = {
+        "pid": os.getpid(),
+        "argv": argv,
+        "started_at": time.time(),
+        "workdir": workdir,
+        "parent_grace": parent_grace,
+    }
     write_atomic(os.path.join(path, RUN_FILE), json.dumps(record).encode())
+
+
+def run_file_parent_grace(path: str) -> float | None:
+    """The ``--parent-grace`` the agents of the driver that ``run.json`` of the run folder ``path``
+    names were started with: how long they flush once that driver is gone. None for a folder whose
+    driver did not record it (its agents had the agent's default, 30 s) or a value no agent takes
+    (not a positive number of seconds up to a day)."""
+    grace = (_read_run_json(path) or {}).get("parent_grace")
+    if not isinstance(grace, int | float) or isinstance(grace, bool):
+        return None
+    return float(grace) if math.isfinite(grace) and 0 < grace <= MAX_FLUSH_SECONDS else None
 
 
 def run_file_workdir(path: str) -> str | None:

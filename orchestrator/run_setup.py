@@ -5,11 +5,11 @@ refuses a run (a name taken, a run another process drives, one that cannot be re
 ``resume_config`` reads a stored run back into the ``RunConfig`` it carries on with.
 ``_RunSetup``, which ``LocalRun`` joins as a mixin, refuses a new run whose name is taken, reads
 the stored job for a resume and takes it over (``Takeover``): it waits up to
-``LEFTOVER_WAIT_SECONDS`` for the processes the dead driver left (their agents flush when it dies,
-then stop) and stops what is left; once the run is driven (``LocalRun.run``), it records the
-commits they made while nobody watched, counts the time nobody drove the run as restart time, and
-says so in a ``Resumed`` Event. A Ctrl-C or SIGTERM during that wait ends it with nothing of the
-run changed (``ResumeInterrupted``).
+``leftover_wait_seconds`` for the processes the dead driver left (their agents flush when it dies,
+within its ``--interrupt-deadline``, then stop) and stops what is left; once the run is driven
+(``LocalRun.run``), it records the commits they made while nobody watched, counts the time nobody
+drove the run as restart time, and says so in a ``Resumed`` Event. A Ctrl-C or SIGTERM during
+that wait ends it with nothing of the run changed (``ResumeInterrupted``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from orchestrator.run_folder import (
     older_layout_problem,
     read_cloud,
     reported_step,
+    run_file_parent_grace,
     run_file_pid,
     run_file_workdir,
     runs_dir_option,
@@ -42,9 +43,23 @@ from orchestrator.store import JsonFileJobStore, StoreError
 log = logging.getLogger("orchestrator.cli_run")  # spotjob run's one logger, as before it was split
 
 
+LEFTOVER_MARGIN_SECONDS = 15.0
+"""Past the dead driver's agents' ``--parent-grace``, how long ``--resume`` still waits for its
+workers: an agent notices its driver gone within a poll, kills its ranks at the flush's deadline
+(``--kill-grace``) and then exits."""
 LEFTOVER_WAIT_SECONDS = 45.0
-"""How long ``--resume`` waits for a killed driver's workers to finish their flush and stop (their
-agents' ``--parent-grace`` is 30 s) before it stops what is left."""
+"""How long ``--resume`` waits for a killed driver's workers to finish their flush and stop when its
+``run.json`` does not say their ``--parent-grace`` (a folder from before it was recorded: its agents
+had the agent's default, 30 s, and this is that and ``LEFTOVER_MARGIN_SECONDS``)."""
+
+
+def leftover_wait_seconds(path: str) -> float:
+    """How long ``--resume`` of the run in folder ``path`` waits for the processes its dead driver
+    left before it stops what is left: their agents' ``--parent-grace`` (the dead driver's
+    ``--interrupt-deadline``, as its ``run.json`` records it) and ``LEFTOVER_MARGIN_SECONDS``, or
+    ``LEFTOVER_WAIT_SECONDS`` where it is not recorded."""
+    grace = run_file_parent_grace(path)
+    return LEFTOVER_WAIT_SECONDS if grace is None else grace + LEFTOVER_MARGIN_SECONDS
 
 
 class RunError(Exception):
@@ -213,13 +228,14 @@ class _RunSetup:
         pids = run_pids(self.path)
         stopped = 0
         if pids:
+            wait = leftover_wait_seconds(self.path)
             log.warning(
                 "run %s: %d process(es) of the previous driver still run; waiting up to %.0f s for their flush",
                 self.key,
                 len(pids),
-                LEFTOVER_WAIT_SECONDS,
+                wait,
             )
-            give_up = time.monotonic() + LEFTOVER_WAIT_SECONDS
+            give_up = time.monotonic() + wait
             try:
                 while run_pids(self.path) and time.monotonic() < give_up:
                     time.sleep(0.25)

@@ -525,7 +525,9 @@ def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_wa
         RunConfig(script=str(script), args=["--dump", "dumps/x"], name="moved", runs_dir=str(runs), nproc=1)
     )
     assert made.backend.options.workdir == str(began)
-    write_run_file(made.path, made.workdir, ["spotjob", "run"])  # as its driver does when it starts the run
+    write_run_file(
+        made.path, made.workdir, ["spotjob", "run"], parent_grace=30.0
+    )  # as its driver does when it starts the run
     made.close()
 
     monkeypatch.chdir(elsewhere)

@@ -17,7 +17,7 @@ from orchestrator.run_folder import write_run_file
 limit = int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 try:
-    write_run_file(sys.argv[1], "/somewhere/else", ["spotjob", "run", "--resume", "x" * 4000])
+    write_run_file(sys.argv[1], "/somewhere/else", ["spotjob", "run", "--resume", "x" * 4000], parent_grace=30.0)
 except OSError as e:
     print("refused:", e)
 """
@@ -28,7 +28,7 @@ def test_a_run_file_the_disk_cannot_take_whole_leaves_the_previous_drivers_recor
     (here a file-size limit, which the kernel enforces with a short write as a full disk does) or a
     driver killed in the middle left it cut short: the folder the run's workers ran in was lost,
     and the next ``--resume`` ran them wherever it was typed. The previous record stays whole."""
-    write_run_file(str(tmp_path), "/project", ["spotjob", "run", "train.py"])
+    write_run_file(str(tmp_path), "/project", ["spotjob", "run", "train.py"], parent_grace=30.0)
     limit = os.path.getsize(tmp_path / RUN_FILE) + 100
     done = subprocess.run(
         [sys.executable, "-c", _REWRITE_UNDER_A_LIMIT, str(tmp_path), str(limit)],
