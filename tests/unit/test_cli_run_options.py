@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -553,17 +554,10 @@ def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interru
     import json
     from datetime import UTC, datetime
 
-    from orchestrator.model import AttemptStatus, JobKey, JobStatus, Phase, WorkerPhase, WorkerStatus
+    from orchestrator.model import AttemptStatus, JobStatus, Phase, WorkerPhase, WorkerStatus
     from orchestrator.run_driver import LocalRun
-    from orchestrator.store import JsonFileJobStore
 
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    runs = tmp_path / "runs"
-    LocalRun(RunConfig(script=str(script), args=[], name="cut", runs_dir=str(runs), nproc=1)).close()
-    store, key = JsonFileJobStore(str(runs / "cut"), create=False), JobKey.local("cut")
-    stored = store.get(key)
-    assert stored is not None
+    _script, runs, store, key, stored = _made_run(tmp_path, "cut")
     now = datetime.now(UTC)
     status = JobStatus(
         phase=Phase.RUNNING,
@@ -585,15 +579,10 @@ def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interru
     assert after.status.attempt.observed_step == 44
 
 
-def _run_gone_for_a_while(tmp_path: Path, name: str, gone: float) -> tuple[Path, Path]:
-    """A run whose driver trained it and died ``gone`` seconds ago (its last timeline record): the
-    script, and the runs folder."""
-    import json
-    import time
-    from datetime import UTC, datetime
-
-    from orchestrator.backends.local_timeline import EventKind
-    from orchestrator.model import AttemptStatus, JobKey, JobStatus, Phase
+def _made_run(tmp_path: Path, name: str) -> tuple[Path, Path, Any, Any, Any]:
+    """A run made (and closed) and never driven: its script, the runs folder, its store, its key
+    and what the store holds of it."""
+    from orchestrator.model import JobKey
     from orchestrator.run_driver import LocalRun
     from orchestrator.store import JsonFileJobStore
 
@@ -604,6 +593,20 @@ def _run_gone_for_a_while(tmp_path: Path, name: str, gone: float) -> tuple[Path,
     store, key = JsonFileJobStore(str(runs / name), create=False), JobKey.local(name)
     stored = store.get(key)
     assert stored is not None
+    return script, runs, store, key, stored
+
+
+def _run_gone_for_a_while(tmp_path: Path, name: str, gone: float) -> tuple[Path, Path]:
+    """A run whose driver trained it and died ``gone`` seconds ago (its last timeline record): the
+    script, and the runs folder."""
+    import json
+    import time
+    from datetime import UTC, datetime
+
+    from orchestrator.backends.local_timeline import EventKind
+    from orchestrator.model import AttemptStatus, JobStatus, Phase
+
+    script, runs, store, key, stored = _made_run(tmp_path, name)
     now = datetime.now(UTC)
     status = JobStatus(
         phase=Phase.RUNNING,
