@@ -67,7 +67,11 @@ class _Interrupts:
             if state.flushing and not state.pausing:
                 raise KeyboardInterrupt(f"signal {signum} again")
             return
-        if run is None:  # the first one ended what ran before the run was driven: nothing is being stopped
+        if run is None and state.starting:  # a new run is being made: the first one gives it up once it is
+            log.warning(
+                "received %s again: the run being made is given up as soon as it is, as the first one asked", name
+            )
+        elif run is None:  # the first one ended what ran before the run was driven: nothing is being stopped
             log.warning("received %s again: spotjob run is leaving already, as the first one made it", name)
         elif state.signal is None:  # the run ended by itself (Succeeded, Failed): this is no second one
             log.warning(

@@ -445,6 +445,19 @@ def test_a_signal_that_comes_as_the_run_ends_by_itself_or_after_the_first_left_i
     assert "received SIGTERM again: spotjob run is leaving already, as the first one made it" in caplog.text
     assert "still stopping" not in caplog.text
 
+    # While a new run is being made, the first one is held (the run is given up once it is made),
+    # and nothing is leaving yet: a second one says what will happen instead.
+    caplog.clear()
+    making = _Interrupts()
+    making.early.starting = True
+    making(signal.SIGINT, None)
+    making(signal.SIGINT, None)
+    assert making.early.signal == "SIGINT"
+    assert "received SIGINT again: the run being made is given up as soon as it is, as the first one asked" in (
+        caplog.text
+    )
+    assert "leaving already" not in caplog.text
+
 
 _SUMMARY_TO_A_READER_GONE = """
 import os, sys
