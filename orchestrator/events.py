@@ -131,6 +131,12 @@ class NullMetrics:
 NULL_METRICS = NullMetrics()
 
 
+def _long_hex(m: re.Match[str]) -> str:
+    """A token of 16 or more hex digits (S3's request id unlabelled, a digest) is an id; a shorter
+    one (a step, a CRC, an exit code beside a letter) is kept."""
+    return "<id>" if len(m.group(0)) >= 16 else m.group(0)
+
+
 _VOLATILE = (
     # A request id a store or an API put in its error (S3's RequestId and HostId, GCS's upload id,
     # a trace id), labelled: the value changes at every request.
@@ -143,7 +149,7 @@ _VOLATILE = (
     ),
     (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<id>"),  # a UUID
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "<address>"),  # an object's repr: <... at 0x7f...>
-    (re.compile(r"\b[0-9a-fA-F]*(?:[0-9][a-fA-F]|[a-fA-F][0-9])[0-9a-fA-F]*\b"), None),  # long hex: below
+    (re.compile(r"\b[0-9a-fA-F]*(?:[0-9][a-fA-F]|[a-fA-F][0-9])[0-9a-fA-F]*\b"), _long_hex),
     # The time an error says it was answered (labelled "date", ISO 8601), or an HTTP date. Not any
     # time: one of ours is what the Event says (a notice's new due time is another Event).
     (
@@ -163,12 +169,6 @@ _VOLATILE = (
     (re.compile(r"\b(localhost):\d{1,5}\b"), r"\1:<port>"),
     (re.compile(r"\b(port[=:] ?)\d{1,5}\b"), r"\1<port>"),
 )
-
-
-def _long_hex(m: re.Match[str]) -> str:
-    """A token of 16 or more hex digits (S3's request id unlabelled, a digest) is an id; a shorter
-    one (a step, a CRC, an exit code beside a letter) is kept."""
-    return "<id>" if len(m.group(0)) >= 16 else m.group(0)
 
 
 VOLATILE_ERROR_REASONS = frozenset(
@@ -194,7 +194,7 @@ def event_identity(reason: str, message: str) -> str:
         return message
     text = message
     for pattern, replacement in _VOLATILE:
-        text = pattern.sub(_long_hex if replacement is None else replacement, text)
+        text = pattern.sub(replacement, text)
     return text
 
 

@@ -224,9 +224,7 @@ class LocalRun(_RunSetup):
             shutil.rmtree(self.path, ignore_errors=True)
             return
         with contextlib.suppress(StoreError, OSError):
-            self.store.delete(self.key)
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(os.path.dirname(self.store.path(self.key)), f".{self.key.name}.lock"))
+            self.store.remove(self.key)
         for entry in sorted(set(os.listdir(self.path)) - self._before):
             where = os.path.join(self.path, entry)
             if os.path.isdir(where) and not os.path.islink(where):

@@ -244,6 +244,13 @@ class JsonFileJobStore(JobStore):
         with self._locked(key), contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 
+    def remove(self, key: JobKey) -> None:
+        """``delete`` the job and its lock file too: for a job no other process knows of (one
+        ``spotjob run`` made and gives up before driving it, ``LocalRun.discard``)."""
+        self.delete(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._lock_path(key))
+
     # -- helpers -------------------------------------------------------------------------------
     def _read(self, key: JobKey) -> dict[str, Any] | None:
         path = self.path(key)
@@ -276,11 +283,14 @@ class JsonFileJobStore(JobStore):
             uid=str(metadata.get("uid", "")),
         )
 
+    def _lock_path(self, key: JobKey) -> str:
+        return os.path.join(os.path.dirname(self.path(key)), f".{key.name}.lock")
+
     @contextlib.contextmanager
     def _locked(self, key: JobKey) -> Iterator[None]:
-        folder = os.path.dirname(self.path(key))
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, f".{key.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self._lock_path(key)
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

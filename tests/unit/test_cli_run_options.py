@@ -785,3 +785,22 @@ def test_a_ctrl_c_as_a_finished_run_exits_prints_no_traceback_and_keeps_its_exit
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert done.stdout.splitlines()[-1] == "exited by itself"
+
+
+def test_a_new_run_given_up_in_a_folder_that_was_there_removes_only_what_it_made(tmp_path: Path) -> None:
+    """``LocalRun.discard`` of a new run whose folder existed before (a user's file in it): the run's
+    job, the store's lock file, its folders and files go; what was there stays."""
+    from orchestrator.run_driver import LocalRun
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    folder = tmp_path / "runs" / "kept"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "local").mkdir()  # where the job store keeps the job and its lock file
+    run = LocalRun(RunConfig(script=str(script), args=[], name="kept", runs_dir=str(tmp_path / "runs"), nproc=1))
+    assert len(list(folder.iterdir())) > 1, "the run made nothing"
+    run.discard()
+    assert sorted(p.name for p in folder.iterdir()) == ["local", "notes.txt"]
+    assert list((folder / "local").iterdir()) == [], "the job or its lock file is left"
+    assert (folder / "notes.txt").read_text() == "mine"
