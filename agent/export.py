@@ -17,12 +17,13 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 from agent.catalog import CheckpointStatus
 from agent.manifest import Manifest
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 _SHARD_NAME_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+WORK_PREFIX = ".spotjob-export-"
+"""The hidden folder in OUT (``WORK_PREFIX`` + a random suffix, mode 0700) an export writes its
+files in before renaming them into OUT; removed when the export ends, left by one killed."""
 
 ProgressBar = Callable[[str, int], AbstractContextManager[ProgressFn | None]]
 """``progress_bar(description, total bytes)``: a context that yields a callback for bytes done, or None."""
@@ -287,9 +291,14 @@ def _write_shards(
     weight_map: dict[str, str] = {}
     staged: list[tuple[str, str]] = []
     written: list[str] = []
+    work: str | None = None
     total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
     try:
         created = _make_folders(out)
+        # The files are written in a folder of this export's own (mode 0700, a new name): in an OUT
+        # others can write in, no one can swap what is being written for a symlink to a file of
+        # theirs (safetensors opens its file by name), nor touch it before its rename into place.
+        work = tempfile.mkdtemp(prefix=WORK_PREFIX, dir=out)
         with progress_bar(f"writing {len(shards)} safetensors file(s)", total_bytes) as progress:
             for name, shard in zip(names, shards, strict=True):
                 state = {
@@ -307,11 +316,9 @@ def _write_shards(
                         f"{shard[0]!r}: {_first_failure(e)}",
                         invalid=True,
                     ) from None
-                tmp = os.path.join(out, f".{name}.partial")
-                _fresh_partial(tmp, 0o600).close()
+                tmp = os.path.join(work, name)
                 save_file({fqn[len(prefix) :]: t for fqn, t in state.items()}, tmp, metadata={"format": "pt"})
-                with _fresh_partial(tmp, mode, keep=True) as written_file:
-                    os.fchmod(written_file.fileno(), mode)  # an export is for sharing
+                os.chmod(tmp, mode)  # an export is for sharing
                 staged.append((tmp, os.path.join(out, name)))
                 shard_bytes = sum(t.nbytes for t in state.values())
                 totals.tensors += len(state)
@@ -322,24 +329,26 @@ def _write_shards(
                     progress(shard_bytes)
                 log.debug("wrote %s: %d tensors, %d bytes", tmp, len(shard), shard_bytes)
         index = {"metadata": {"total_size": totals.bytes}, "weight_map": weight_map}
-        tmp = os.path.join(out, f".{INDEX_NAME}.partial")
-        with _fresh_partial(tmp, mode) as f:
+        tmp = os.path.join(work, INDEX_NAME)
+        with open(tmp, "wb") as f:
             f.write((json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        os.chmod(tmp, mode)
         # Everything is written: only now does an earlier export give way (a full disk halfway
         # through leaves it as it was). The index goes last: its presence says the export is complete.
         if force:
-            _remove_earlier_export(
-                out, ours={os.path.basename(p) for p, _ in staged} | {os.path.basename(tmp)}, removed=removed
-            )
+            _remove_earlier_export(out, ours=os.path.basename(work), removed=removed)
         for partial, path in staged:
-            os.replace(partial, path)
+            os.replace(partial, path)  # a link planted at ``path`` is replaced, never written through
             written.append(path)
         os.replace(tmp, os.path.join(out, INDEX_NAME))
+        os.rmdir(work)
     except BaseException as e:
-        for path in [*written, *(os.path.join(out, f".{n}.partial") for n in [*names, INDEX_NAME])]:
+        for path in written:
             # NotADirectoryError: OUT could not be made (a file is in the way), so nothing is in it.
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(path)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         for folder in reversed(created):  # OUT first, then each parent this export made for it
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # only if it is empty: never what another process put there
@@ -348,22 +357,6 @@ def _write_shards(
             raise ExportError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
     return names, totals
-
-
-def _fresh_partial(path: str, mode: int, *, keep: bool = False) -> BinaryIO:
-    """``path`` (a ``.<name>.partial`` in OUT) opened for writing, never through a symlink.
-
-    OUT may be a folder others can write in (``--force`` exports into one that is not empty): a
-    symlink planted under a partial name would have the export written into, and chmod'ed, the
-    file it names. Whatever is there is removed and a new file created (``O_EXCL``, ``O_NOFOLLOW``);
-    ``keep``: the file this export just wrote there is opened again instead, refusing a symlink.
-    """
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if not keep:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        flags |= os.O_CREAT | os.O_EXCL
-    return os.fdopen(os.open(path, flags, mode), "wb")
 
 
 def _make_folders(out: str) -> list[str]:
@@ -443,16 +436,22 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _remove_earlier_export(out: str, ours: set[str], removed: RemovedFn | None) -> None:
-    """An earlier export's shards and index, and the ``.<name>.partial`` files of one killed before
-    its renames; never this export's own ``ours``, still to be renamed into place. ``removed`` hears
-    the names of those removed (sorted), those removed before a failure too."""
+def _remove_earlier_export(out: str, ours: str, removed: RemovedFn | None) -> None:
+    """An earlier export's shards and index, and what one killed before its renames left: its
+    working folder (``WORK_PREFIX``), or the ``.<name>.partial`` files of a spotjob before
+    2026-12-07; never this export's own working folder ``ours``. ``removed`` hears the names of
+    those removed (sorted), those removed before a failure too."""
     gone: list[str] = []
     try:
         for entry in os.listdir(out):
+            path = os.path.join(out, entry)
+            if entry.startswith(WORK_PREFIX) and entry != ours and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # never follows a link inside it
+                gone.append(entry)
+                continue
             name = entry[1 : -len(".partial")] if entry.startswith(".") and entry.endswith(".partial") else entry
-            if entry not in ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
-                os.unlink(os.path.join(out, entry))
+            if entry != ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
+                os.unlink(path)
                 gone.append(entry)
     finally:
         if gone and removed is not None:

@@ -742,11 +742,12 @@ def test_export_with_force_reports_what_it_removed_as_its_other_messages_on_stde
 def test_export_with_force_removes_the_partial_files_a_killed_export_left(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """README "What a crash leaves": an export killed before its renames leaves `.partial` files and
-    is to be exported again with `--force`. `--force` removed the earlier export's shards and index
-    but not those hidden `.…partial` files: one a new export does not write again under its name (a
-    different `--max-shard-size`, another step's sharding) stayed in OUT, a shard's size each. The
-    leftovers here are written by hand under the names a killed export gives them."""
+    """README "What a crash leaves": an export of a spotjob before 2026-12-07 killed before its
+    renames left `.partial` files in OUT, to be exported again with `--force`. `--force` removed
+    the earlier export's shards and index but not those hidden `.…partial` files: one a new export
+    did not write again under its name (a different `--max-shard-size`, another step's sharding)
+    stayed in OUT, a shard's size each. The leftovers here are written by hand under the names
+    such an export gave them."""
     out = tmp_path / "hf"
     out.mkdir()
     leftovers = [".model-00002-of-00003.safetensors.partial", f".{INDEX_NAME}.partial"]
@@ -785,6 +786,72 @@ def test_export_with_force_never_writes_through_a_symlink_at_a_partial_name(
     assert not any((out / n).is_symlink() for n in os.listdir(out))
     _, tensors = _read_export(out)
     assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
+def test_export_into_a_shared_folder_cannot_be_made_to_write_through_a_link_swapped_in_while_it_writes(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Export created each ``.<name>.partial`` in OUT (refusing a link there), then had safetensors
+    write it by name: another user of a shared OUT could swap the new file for a symlink in
+    between. safetensors 0.8 (installed here) writes a new file and renames it over the name, so
+    the link was replaced, but the releases spotjob accepts (>= 0.4) include ones that write
+    through it, into a file of that user's choosing. The files are now written in a folder of the
+    export's own, mode 0700, whatever safetensors does. The other user is emulated at the moment
+    safetensors is called: they swap the file for a link wherever the folder's mode lets a user
+    other than its owner write (as the kernel would let them); the test runs as one user, so the
+    mode is what the emulation reads, not a permission the kernel enforces."""
+    import safetensors.torch
+
+    out = tmp_path / "shared"
+    out.mkdir()
+    out.chmod(0o1777)  # like /tmp: everyone may add files
+    victim = tmp_path / "victims-file"
+    victim.write_text("keep me")
+    victim.chmod(0o600)
+    real_save_file = safetensors.torch.save_file
+    attempts: list[tuple[str, bool]] = []
+
+    def save_file_with_a_swap(tensors: Any, filename: str, metadata: Any = None) -> None:
+        folder = os.path.dirname(filename)
+        others_may_write = bool(stat.S_IMODE(os.stat(folder).st_mode) & 0o022)
+        attempts.append((folder, others_may_write))
+        if others_may_write:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(filename)
+            os.symlink(victim, filename)
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_with_a_swap)
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+
+    assert victim.read_text() == "keep me"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert rc == 0, err
+    assert attempts and not any(may for _, may in attempts), attempts
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
+    assert not any((out / n).is_symlink() for n in os.listdir(out))
+    _, tensors = _read_export(out)
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
+def test_export_with_force_removes_the_working_folder_a_killed_export_left(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An export killed before its renames leaves its hidden working folder in OUT (its shards
+    in it); ``--force`` removes it with the earlier export's files and says so."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    left = out / ".spotjob-export-k1ll3d"
+    left.mkdir(mode=0o700)
+    (left / "model-00001-of-00002.safetensors").write_bytes(b"cut short")
+
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out))
+    assert rc == 2 and "is not empty" in err
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+
+    assert rc == 0, err
+    assert ".spotjob-export-k1ll3d" in err
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
 
 
 @pytest.mark.parametrize(
