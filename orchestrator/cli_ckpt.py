@@ -68,9 +68,10 @@ from orchestrator.cli_pipe import stdout_reader_left
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt")
+NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt", "matplotlib")
 """The cloud clients' loggers, whose INFO lines ("Found credentials in environment variables") a
-command's user has no use for: set to WARNING unless -v."""
+command's user has no use for, and matplotlib's (``spotjob run``'s plot: "generated new
+fontManager" the first time it runs on a machine): set to WARNING unless -v."""
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "

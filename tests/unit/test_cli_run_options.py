@@ -4,6 +4,7 @@ of paths that must not create anything."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -307,6 +308,53 @@ def test_a_sigterm_repeated_after_an_interrupted_run_stopped_does_not_end_the_dr
     assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
     assert done.stdout.strip() == "exited by itself; ignored"
     assert "received SIGTERM again: still stopping every process of demo" in done.stderr, done.stderr[-3000:]
+
+
+_PLOT_ON_A_NEW_MACHINE = """
+import sys
+from types import SimpleNamespace
+
+import orchestrator.cli_run as cli_run
+from orchestrator.cli import main
+from orchestrator.run_interrupt import InterruptState
+
+
+def drive(_run, _args):
+    import matplotlib.font_manager  # noqa: F401  (what the run's plot imports first)
+
+    return 0
+
+
+cli_run.prepare = lambda args: SimpleNamespace(name="demo", stopping=False, interrupt=InterruptState())
+cli_run._drive = drive
+sys.exit(main(["run", "train.py"]))
+"""
+
+
+def test_matplotlib_building_its_font_cache_on_a_new_machine_says_nothing_among_the_runs_lines(
+    tmp_path: Path,
+) -> None:
+    """``make demo`` on a new machine printed "INFO matplotlib.font_manager: generated new
+    fontManager" among the run's lines, as its plot was drawn: matplotlib logs it the first time it
+    runs on a machine, which an empty ``MPLCONFIGDIR`` makes every time here. The run and its
+    driving are stubbed; the driving imports matplotlib's font manager as the plot does. With -v
+    it is said, as the cloud clients' lines are."""
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> str:
+        config = tmp_path / f"mpl{len(extra)}"
+        config.mkdir()
+        env = {**os.environ, "MPLCONFIGDIR": str(config)}
+        script = _PLOT_ON_A_NEW_MACHINE.replace('["run", "train.py"]', repr([*extra, "run", "train.py"]))
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    assert "fontManager" not in run()
+    assert "generated new fontManager" in run("-v")
 
 
 @pytest.mark.parametrize("flushing", [True, False], ids=["during-the-flush", "before-it-began"])
