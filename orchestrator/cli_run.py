@@ -51,6 +51,7 @@ exit status and what stderr says at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -217,8 +218,8 @@ def run_command(args: argparse.Namespace) -> int:
         for noisy in NOISY_LOGGERS:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if threading.current_thread() is not threading.main_thread():
-        run = _prepared(args)  # only the main thread can take signals
-        return run if isinstance(run, int) else _drive(run, args)
+        prepared = _prepared(args)  # only the main thread can take signals
+        return prepared if isinstance(prepared, int) else _drive(prepared, args)
     # From before the run is made: a Ctrl-C or SIGTERM during --resume's wait for the previous
     # driver's processes ended it with a traceback-less 130 and no word, or by the signal (143).
     interrupts = _Interrupts()
@@ -227,6 +228,7 @@ def run_command(args: argparse.Namespace) -> int:
     interrupts.early.starting = args.resume is None
     saved = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGTERM, signal.SIGINT)}
     made = False
+    run: LocalRun | int | None = None  # the made run, once _prepared returns it
     try:
         run = _prepared(args)
         if isinstance(run, int):
@@ -242,6 +244,9 @@ def run_command(args: argparse.Namespace) -> int:
         return _drive(run, args)
     except KeyboardInterrupt:  # --resume's, as its run was made: nothing of the run was changed
         made = True
+        if run is not None and not isinstance(run, int):  # made, not yet in interrupts.run: close it
+            with contextlib.suppress(Exception):  # the interrupt stays the outcome
+                run.close()
         return _interrupted_before(args)
     finally:
         for signum, handler in saved.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +356,52 @@ def test_matplotlib_building_its_font_cache_on_a_new_machine_says_nothing_among_
 
     assert "fontManager" not in run()
     assert "generated new fontManager" in run("-v")
+
+
+class _ResumedRunInterruptedAsHandedOver:
+    """A resumed run as ``prepare`` hands it over, with a Ctrl-C landing at once: the first look at
+    it (``isinstance(run, int)``, which reads ``__class__``) raises the handler's
+    ``KeyboardInterrupt``, in the moment before ``spotjob run`` keeps the run where its signal
+    handler finds it."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+        self.interrupted = False
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt("signal 2")
+        return _ResumedRunInterruptedAsHandedOver
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_an_interrupt_as_a_resumed_run_is_handed_over_closes_it_and_says_how_to_carry_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C in the moment between ``--resume``'s run being made and ``spotjob run`` keeping it
+    for its signal handler exited 130 without closing the run (its backend's threads and its driver
+    lock were left to the process's exit). Now the run is closed, and the exit is the same."""
+    import orchestrator.cli_run as cli_run
+    from orchestrator.cli import main
+
+    run = _ResumedRunInterruptedAsHandedOver()
+    monkeypatch.setattr(cli_run, "prepare", lambda args: run)
+    # The command leaves SIGINT and SIGTERM ignored until its process exits: not this one's.
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP)}
+    try:
+        code = main(["run", "--resume", "demo"])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+    assert run.interrupted
+    assert code == 130
+    assert run.closed == 1
+    assert "interrupted before it drove demo; carry on with `spotjob run --resume demo`" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flushing", [True, False], ids=["during-the-flush", "before-it-began"])
