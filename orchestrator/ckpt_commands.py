@@ -148,6 +148,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.key is not None:
         _require_state_key(manifest, args.key)
         tensors = {k: v for k, v in tensors.items() if k.startswith(args.key + ".")}
+    tensors = {fqn: tensors[fqn] for fqn in sorted(tensors, key=lambda fqn: _tensor_order(fqn, manifest.state_keys))}
     if args.json:
         doc = checkpoint_json(storage, status)
         doc["manifest"] = json.loads(manifest.model_dump_json())
@@ -182,6 +183,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         [[fqn, _shape(t.shape), t.dtype, ",".join(t.files)] for fqn, t in tensors.items()],
     )
     return EXIT_OK
+
+
+def _tensor_order(fqn: str, state_keys: Sequence[str]) -> tuple[int, list[tuple[int, int | str]]]:
+    """Where ``show`` lists a tensor: by state key as the checkpoint lists them, then by name with
+    its numbers as numbers (``layers.2`` before ``layers.10``), so a module's tensors read in order.
+    The manifest's own order is DCP's, which mixes modules and sizes."""
+    key = fqn.split(".", 1)[0]
+    rank = state_keys.index(key) if key in state_keys else len(state_keys)
+    return rank, [(0, int(part)) if part.isdigit() else (1, part) for part in fqn.split(".")]
 
 
 def _adoptions(adopted: Sequence[Adoption]) -> str:

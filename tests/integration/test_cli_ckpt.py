@@ -486,6 +486,32 @@ def test_show_prints_the_tensor_index_and_the_checkpoint_facts(
     assert "optim.state.model.0.weight.exp_avg" in rows
 
 
+def test_show_lists_tensors_by_state_key_then_by_name_with_numbers_as_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show`` listed the tensors in DCP's order, which mixes modules and sizes (``model.2.bias``
+    first, then the optimizer's step counters, then the rest): a model's layers did not read in
+    order. They are listed by state key as the checkpoint lists them (here the optimizer first, as
+    the state dict had it), then by name, ``layers.2`` before ``layers.10``; ``--json`` the same."""
+    uri = str(tmp_path / "ckpts")
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optim.step()
+    with Checkpointer(uri, async_save=False) as saver:
+        saver.save(1, {"optim": optim, "model": model})
+
+    rc, out, _ = ckpt(capsys, "show", uri)
+    assert rc == 0
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(("model.", "optim."))]
+    layers = [f"model.{i}.{p}" for i in range(12) for p in ("bias", "weight")]
+    buffers = [f"optim.state.model.{i}.{p}.momentum_buffer" for i in range(12) for p in ("bias", "weight")]
+    assert names == buffers + layers
+
+    rc, out, _ = ckpt(capsys, "show", uri, "--json")
+    assert rc == 0 and list(json.loads(out)["manifest"]["tensors"]) == buffers + layers
+
+
 def test_show_prints_a_nan_loss_as_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A loss gone NaN was recorded, and shown, as ``null``: "metadata: {"loss": null}"."""
     uri = str(tmp_path / "ckpts")
