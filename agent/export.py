@@ -341,7 +341,6 @@ def _write_shards(
             os.replace(partial, path)  # a link planted at ``path`` is replaced, never written through
             written.append(path)
         os.replace(tmp, os.path.join(out, INDEX_NAME))
-        os.rmdir(work)
     except BaseException as e:
         for path in written:
             # NotADirectoryError: OUT could not be made (a file is in the way), so nothing is in it.
@@ -356,6 +355,8 @@ def _write_shards(
             log.debug("writing the export failed", exc_info=True)
             raise ExportError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
+    # After the try: the export is whole in OUT, and nothing left in its emptied folder undoes it.
+    shutil.rmtree(work, ignore_errors=True)
     return names, totals
 
 

@@ -860,6 +860,29 @@ def test_export_into_a_shared_folder_cannot_be_made_to_write_through_a_link_swap
     assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
 
 
+def test_a_file_left_in_the_exports_working_folder_does_not_undo_the_finished_export(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The working folder is removed once every file is renamed into OUT, whatever is still in it
+    (here a file dropped beside the shard as it is written): the export stands."""
+    import safetensors.torch
+
+    real_save_file = safetensors.torch.save_file
+
+    def save_file_and_a_stray(tensors: Any, filename: str, metadata: Any = None) -> None:
+        real_save_file(tensors, filename, metadata=metadata)
+        Path(filename).with_name("stray").write_bytes(b"x")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_and_a_stray)
+    out = tmp_path / "hf"
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--step", "1")
+
+    assert rc == 0, err
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
+    _, tensors = _read_export(out)
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
 def test_export_with_force_removes_the_working_folder_a_killed_export_left(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
