@@ -787,6 +787,14 @@ def test_export_with_force_removes_the_partial_files_a_killed_export_left(
     assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "config.json", "model.safetensors"])
 
 
+def _assert_the_export_of_step_1(out: Path, saved: Saved) -> None:
+    """OUT holds the export of step 1's model and nothing else: no link, the weights as saved."""
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
+    assert not any((out / n).is_symlink() for n in os.listdir(out))
+    _, tensors = _read_export(out)
+    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+
+
 def test_export_with_force_never_writes_through_a_symlink_at_a_partial_name(
     saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -808,10 +816,7 @@ def test_export_with_force_never_writes_through_a_symlink_at_a_partial_name(
     for victim in victims.values():
         assert victim.read_text() == "keep me"
         assert stat.S_IMODE(victim.stat().st_mode) == 0o600
-    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
-    assert not any((out / n).is_symlink() for n in os.listdir(out))
-    _, tensors = _read_export(out)
-    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+    _assert_the_export_of_step_1(out, saved)
 
 
 def test_export_into_a_shared_folder_cannot_be_made_to_write_through_a_link_swapped_in_while_it_writes(
@@ -854,10 +859,7 @@ def test_export_into_a_shared_folder_cannot_be_made_to_write_through_a_link_swap
     assert stat.S_IMODE(victim.stat().st_mode) == 0o600
     assert rc == 0, err
     assert attempts and not any(may for _, may in attempts), attempts
-    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
-    assert not any((out / n).is_symlink() for n in os.listdir(out))
-    _, tensors = _read_export(out)
-    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+    _assert_the_export_of_step_1(out, saved)
 
 
 def test_a_file_left_in_the_exports_working_folder_does_not_undo_the_finished_export(
@@ -878,9 +880,7 @@ def test_a_file_left_in_the_exports_working_folder_does_not_undo_the_finished_ex
     rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--step", "1")
 
     assert rc == 0, err
-    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
-    _, tensors = _read_export(out)
-    assert all(torch.equal(tensors[k], v) for k, v in saved.weights[1].items())
+    _assert_the_export_of_step_1(out, saved)
 
 
 def test_export_with_force_removes_the_working_folder_a_killed_export_left(
