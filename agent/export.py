@@ -451,7 +451,7 @@ def _remove_earlier_export(out: str, ours: str, removed: RemovedFn | None) -> No
                 gone.append(entry)
                 continue
             name = entry[1 : -len(".partial")] if entry.startswith(".") and entry.endswith(".partial") else entry
-            if entry != ours and (_SHARD_NAME_RE.match(name) or name == INDEX_NAME):
+            if _SHARD_NAME_RE.match(name) or name == INDEX_NAME:  # never ours: a WORK_PREFIX folder
                 os.unlink(path)
                 gone.append(entry)
     finally:
