@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -293,8 +294,14 @@ def _write_shards(
     written: list[str] = []
     work: str | None = None
     total_bytes = sum(_nbytes(tensors[f]) for shard in shards for f in shard)
+    lock: int | None = None
     try:
         created = _make_folders(out)
+        lock = _lock_out(out)
+        # Under the lock: an export that finished here since the command looked at OUT is not
+        # mixed with this one, nor, with force, is one still writing here removed.
+        if not force and os.listdir(out):
+            raise ExportError(f"{out} is not empty; choose a new folder or pass --force to replace an export there")
         # The files are written in a folder of this export's own (mode 0700, a new name): in an OUT
         # others can write in, no one can swap what is being written for a symlink to a file of
         # theirs (safetensors opens its file by name), nor touch it before its rename into place.
@@ -351,13 +358,41 @@ def _write_shards(
         for folder in reversed(created):  # OUT first, then each parent this export made for it
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # only if it is empty: never what another process put there
+        if lock is not None:
+            os.close(lock)
         if isinstance(e, Exception) and not isinstance(e, ExportError):
             log.debug("writing the export failed", exc_info=True)
             raise ExportError(f"cannot write the export in {out}: {_write_failure(e)}; nothing was exported") from None
         raise
     # After the try: the export is whole in OUT, and nothing left in its emptied folder undoes it.
     shutil.rmtree(work, ignore_errors=True)
+    os.close(lock)
     return names, totals
+
+
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF})
+"""What ``flock`` says where a folder cannot be locked (NFS without lockd, some FUSE mounts)."""
+
+
+def _lock_out(out: str) -> int:
+    """Lock the folder ``out`` for this export (``flock`` on the folder itself, so nothing is left
+    in it); the descriptor holds the lock until closed, or until the process dies. Another export
+    into ``out`` holding it is an ``ExportError``. Where folders cannot be locked the export goes on
+    unlocked; on NFS the lock is seen by the exports of this machine only."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ExportError(
+            f"another spotjob ckpt export is writing into {out}; wait for it to finish, or export to another folder"
+        ) from None
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            os.close(fd)
+            raise
+        log.debug("cannot lock %s (%s); exporting without the lock", out, e.strerror)
+    return fd
 
 
 def _make_folders(out: str) -> list[str]:
@@ -440,7 +475,9 @@ def _first_failure(e: BaseException) -> str:
 def _remove_earlier_export(out: str, ours: str, removed: RemovedFn | None) -> None:
     """An earlier export's shards and index, and what one killed before its renames left: its
     working folder (``WORK_PREFIX``), or the ``.<name>.partial`` files of a spotjob before
-    2026-12-07; never this export's own working folder ``ours``. ``removed`` hears the names of
+    2026-12-07; never this export's own working folder ``ours``. Called under OUT's lock
+    (``_lock_out``): no other export is writing there, so any other working folder is a leftover.
+    ``removed`` hears the names of
     those removed (sorted), those removed before a failure too."""
     gone: list[str] = []
     try:

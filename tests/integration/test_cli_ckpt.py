@@ -903,6 +903,63 @@ def test_export_with_force_removes_the_working_folder_a_killed_export_left(
     assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model.safetensors"])
 
 
+def test_an_export_into_the_folder_another_export_is_writing_into_is_refused_and_changes_nothing(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two exports into one OUT wrote their shards and indexes into it at once (and with
+    ``--force`` one removed the other's working folder): OUT could end with one export's index and
+    the other's shards. An export holds a lock on OUT while it writes; the other export is held
+    here by the test (a second ``flock`` on the folder, as another process's would be)."""
+    import fcntl
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    working = out / ".spotjob-export-0ther"
+    working.mkdir(mode=0o700)
+    (working / "model.safetensors").write_bytes(b"being written")
+    other = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+        assert rc == 2, err
+        assert f"another spotjob ckpt export is writing into {out}" in err and "wait for it" in err, err
+        assert sorted(os.listdir(out)) == [".spotjob-export-0ther"]
+        assert (working / "model.safetensors").read_bytes() == b"being written"
+    finally:
+        os.close(other)
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out), "--force", "--step", "1")
+    assert rc == 0, err  # once the other is gone (its lock with it), its folder is a leftover
+    _assert_the_export_of_step_1(out, saved)
+
+
+def test_an_export_that_finished_in_out_after_the_command_looked_is_not_mixed_with_this_one(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OUT is not empty`` is checked as the command starts, but an export writes only after its
+    fetches: one into the same OUT could finish in between. OUT is looked at again under the lock;
+    without ``--force`` the other export is left whole."""
+    import agent.export
+
+    other = tmp_path / "other"
+    assert ckpt(capsys, "export", saved.uri, str(other), "--step", "1", "--max-shard-size", "1KB")[0] == 0
+    out = tmp_path / "hf"
+    real_fetch = agent.export._fetch
+
+    def fetch_while_the_other_finishes(*args: Any) -> None:
+        real_fetch(*args)
+        out.mkdir(exist_ok=True)
+        for name in os.listdir(other):
+            os.link(other / name, out / name)
+
+    monkeypatch.setattr(agent.export, "_fetch", fetch_while_the_other_finishes)
+    rc, _, err = ckpt(capsys, "export", saved.uri, str(out))
+
+    assert rc == 2 and f"{out} is not empty" in err and "--force" in err, err
+    assert sorted(os.listdir(out)) == sorted(os.listdir(other))
+    for name in os.listdir(other):
+        assert (out / name).read_bytes() == (other / name).read_bytes()
+
+
 @pytest.mark.parametrize(
     ("args", "rc", "message"),
     [
