@@ -4,8 +4,11 @@ per-step flush check costs the training loop.
 1. Notice to commit, for the checkpoint benchmark's state sizes, on the filesystem, on S3 (moto
    on loopback) and on GCS (fake-gcs-server on loopback), in one process: the notice is the
    agent's ``flush.json`` (written through ``ControlDir.request_flush``, exactly what
-   spotjob-agent does), and the clock stops when ``Checkpointer.step()`` returns True, i.e. when
-   MANIFEST.json is committed. Two cases: *idle* (no save in flight) and *busy* (the notice lands
+   spotjob-agent does), and the clock stops where the flush reports its commit to the agent
+   (``flushed.json``'s ``notice_to_commit_seconds``, taken once MANIFEST.json is committed: what
+   spotjob-agent and the controller wait for). ``Checkpointer.step()`` returns True a little later,
+   after rank 0 has applied ``keep`` to the older checkpoints; that time is recorded beside it
+   (``idle_returned_s``, ``busy_returned_s``). Two cases: *idle* (no save in flight) and *busy* (the notice lands
    right after an async save started: the flush gives that save up at its next block and writes
    its own — the worst case). Next to it, the raw floor for the same bytes: one file of that size
    written with fsync (filesystem), ``upload_file`` with boto3 (S3), or google-cloud-storage's
@@ -143,6 +146,17 @@ def _gcs_floor(raw: str) -> float:
     return up
 
 
+def _reported_commit(control: str, step: int) -> float:
+    """Notice → commit as the flush reported it to spotjob-agent (``flushed.json``'s
+    ``notice_to_commit_seconds``, taken once MANIFEST.json is committed): what the agent and the
+    controller wait for. ``step()`` returns later, after rank 0's retention of older checkpoints
+    (timed beside it as ``*_returned_s``)."""
+    result = ControlDir(control).flush_result()
+    if result is None or result.step != step or result.error or result.notice_to_commit_seconds is None:
+        raise RuntimeError(f"the flush of step {step} reported no commit: {result!r}")
+    return result.notice_to_commit_seconds
+
+
 def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) -> dict[str, Any]:
     work = build_workload(size_gb, width=2048 if size_gb >= 1 else 1024)
     state = work.state()
@@ -153,6 +167,8 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         "state_bytes": work.state_bytes,
         "idle_s": [],
         "busy_s": [],
+        "idle_returned_s": [],
+        "busy_returned_s": [],
         "floor_s": [],
         "floor_checked_s": [],
     }
@@ -167,7 +183,8 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         # idle: no save in flight when the notice lands.
         request = ControlDir(control).request_flush(FlushRequest(reason="bench idle"))
         assert ckpt.step(2, state), "the flush did not stop the loop"
-        out["idle_s"].append(time.time() - request.requested_at)
+        out["idle_returned_s"].append(time.time() - request.requested_at)
+        out["idle_s"].append(_reported_commit(control, 2))
         ckpt.close()
         shutil.rmtree(control, ignore_errors=True)
         # busy: an async save has just started when the notice lands.
@@ -176,7 +193,8 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
         ckpt.save(3, state)
         request = ControlDir(control).request_flush(FlushRequest(reason="bench busy"))
         assert ckpt.step(4, state), "the flush did not stop the loop"
-        out["busy_s"].append(time.time() - request.requested_at)
+        out["busy_returned_s"].append(time.time() - request.requested_at)
+        out["busy_s"].append(_reported_commit(control, 4))
         ckpt.close()
         shutil.rmtree(control, ignore_errors=True)
         if backend == "file":
@@ -198,7 +216,7 @@ def notice_to_commit(backend: str, size_gb: float, repeat: int, scratch: str) ->
             "" if checked is None else f" (with the full-object CRC32C: {checked:.2f}s)",
         )
         gc.collect()
-    for k in ("idle_s", "busy_s", "floor_s"):
+    for k in ("idle_s", "busy_s", "floor_s", "idle_returned_s", "busy_returned_s"):
         out[k + "_median"] = statistics.median(out[k])
     out["idle_vs_floor"] = out["idle_s_median"] / out["floor_s_median"]
     out["busy_vs_floor"] = out["busy_s_median"] / out["floor_s_median"]
@@ -304,18 +322,23 @@ def render(payload: dict[str, Any]) -> str:
         f"Machine: {_machine_line(m)}; load average {m.get('load_average_at_start', ['?'])[0]:.1f} at the start, "
         f"{payload.get('load_average_at_end', ['?'])[0]:.1f} at the end. Single process; the notice is the agent's "
         "`flush.json`; the clock",
-        "stops when `step()` returns True (MANIFEST.json committed). *busy*: the notice lands right after an",
-        "async save started; the flush gives that save up at its next block and writes its own. "
-        f"Medians of {payload['repeat']} runs.",
+        "stops where the flush reports its commit to the agent (MANIFEST.json committed; `flushed.json`'s",
+        "`notice_to_commit_seconds`). `step()` returns after rank 0 has also applied `keep` (*returned*",
+        "columns). *busy*: the notice lands right after an async save started; the flush gives that save",
+        f"up at its next block and writes its own. Medians of {payload['repeat']} runs.",
         "",
         "| backend | state | idle | busy (worst case) | raw floor | idle / floor (target ≤ 1.25x) "
-        "| busy / floor (target ≤ 2x) | fits 30 s | fits 120 s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| busy / floor (target ≤ 2x) | idle, `step()` returned | busy, `step()` returned | fits 30 s | fits 120 s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     checked_rows = [r for r in payload["notice"] if r.get("floor_checked_s_median") is not None]
 
     def verdict(value: float, target: float) -> str:
         return f"{value:.2f}x {'met' if value <= target else '**missed**'}"
+
+    def returned(r: dict[str, Any], case: str) -> str:
+        seconds = r.get(f"{case}_returned_s_median")  # absent from results before it was recorded
+        return "—" if seconds is None else f"{seconds:.2f} s ({seconds / r['floor_s_median']:.2f}x)"
 
     for r in payload["notice"]:
         lines.append(
@@ -323,6 +346,7 @@ def render(payload: dict[str, Any]) -> str:
             f" | {r['busy_s_median']:.2f} s | {r['floor_s_median']:.2f} s"
             f" | {verdict(r['idle_vs_floor'], TARGETS['idle_vs_floor'])}"
             f" | {verdict(r['busy_vs_floor'], TARGETS['busy_vs_floor'])}"
+            f" | {returned(r, 'idle')} | {returned(r, 'busy')}"
             f" | {'yes' if r['fits']['30'] else 'no'} | {'yes' if r['fits']['120'] else 'no'} |"
         )
     if checked_rows:

@@ -294,6 +294,10 @@ def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
     assert [r["backend"] for r in data["notice"]] == ["file", "s3", "gs"]
     for row in data["notice"]:
         assert len(row["idle_s"]) == len(row["busy_s"]) == len(row["floor_s"]) == 1, row
+        # The clock stops at the commit the flush reported to the agent; step() returns after it
+        # (rank 0 applies keep first), timed beside it.
+        for case in ("idle", "busy"):
+            assert 0 < row[f"{case}_s"][0] <= row[f"{case}_returned_s"][0], row
     assert len(data["notice"][1]["floor_checked_s"]) == 1  # S3's second floor, with the full-object CRC32C
     # The S3 floor moves the bytes as spotjob's store does: below its multipart threshold (64 MiB)
     # one PUT, not boto3's default of 8 MiB parts, 10 at once (which gave the floor parallelism
@@ -304,6 +308,7 @@ def test_notice_to_commit_on_each_backend(tmp_path: Path) -> None:
     assert s3_row["state_bytes"] < TransferSettings().multipart_threshold
     assert s3_row["floor_upload_parts"] == 1, s3_row
     assert "### Notice to commit" in md and "floor with full-object CRC32C" in md
+    assert "| idle, `step()` returned |" in md
     for backend in ("file", "s3", "gs"):
         assert f"| {backend} | 12.60 MB |" in md, backend
 
