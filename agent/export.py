@@ -477,8 +477,7 @@ def _remove_earlier_export(out: str, ours: str, removed: RemovedFn | None) -> No
     working folder (``WORK_PREFIX``), or the ``.<name>.partial`` files of a spotjob before
     2026-12-07; never this export's own working folder ``ours``. Called under OUT's lock
     (``_lock_out``): no other export is writing there, so any other working folder is a leftover.
-    ``removed`` hears the names of
-    those removed (sorted), those removed before a failure too."""
+    ``removed`` hears the names of those removed (sorted), those removed before a failure too."""
     gone: list[str] = []
     try:
         for entry in os.listdir(out):

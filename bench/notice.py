@@ -8,9 +8,9 @@ per-step flush check costs the training loop.
    (``flushed.json``'s ``notice_to_commit_seconds``, taken once MANIFEST.json is committed: what
    spotjob-agent and the controller wait for). ``Checkpointer.step()`` returns True a little later,
    after rank 0 has applied ``keep`` to the older checkpoints; that time is recorded beside it
-   (``idle_returned_s``, ``busy_returned_s``). Two cases: *idle* (no save in flight) and *busy* (the notice lands
-   right after an async save started: the flush gives that save up at its next block and writes
-   its own — the worst case). Next to it, the raw floor for the same bytes: one file of that size
+   (``idle_returned_s``, ``busy_returned_s``). Two cases: *idle* (no save in flight) and *busy*
+   (the notice lands right after an async save started: the flush gives that save up at its next
+   block and writes its own — the worst case). Next to it, the raw floor for the same bytes: one file of that size
    written with fsync (filesystem), ``upload_file`` with boto3 (S3), or google-cloud-storage's
    ``upload_from_filename`` with its CRC32C check (GCS). On S3 a second floor is timed beside it:
    ``upload_file`` asked for the same full-object CRC32C that spotjob sends (``ChecksumCRC32C``,
