@@ -294,6 +294,55 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
             "pods after that long and spotjob would take it for a preemption and start the next attempt, "
             "without end; stop a job you no longer want with kubectl delete spotjob"
         )
+    problems += _metadata_problems((template or {}).get("metadata") or {})
+    return problems
+
+
+# What the API server takes in a pod's labels and annotations (Kubernetes' apimachinery validation):
+# a key is a qualified name, an optional DNS subdomain prefix and '/', then a name; a label's value
+# is a name or empty; all of a pod's annotations, keys and values, take at most 256 KiB.
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_NAME_RULE = "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+_KEY_RULE = f"an optional prefix (a lowercase DNS subdomain of at most 253 characters) and '/', then {_NAME_RULE}"
+ANNOTATIONS_MAX_BYTES = 256 * 1024
+"""The most all of a pod's annotations may take, keys and values (Kubernetes' TotalAnnotationSizeLimitB)."""
+
+
+def _qualified_name(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    if "/" in prefix or (key.count("/") == 1 and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))):
+        return False
+    return len(name) <= 63 and _QUALIFIED_NAME.fullmatch(name) is not None
+
+
+def _metadata_problems(meta: Mapping[str, Any]) -> list[str]:
+    """The template's labels and annotations the API server would refuse in every worker pod (the
+    CRD keeps the template as written): each names the field and the rule. Values of the wrong
+    JSON type are ``_shape_problems``' to name."""
+    problems: list[str] = []
+    labels_ = meta.get("labels")
+    for key, value in (labels_ if isinstance(labels_, Mapping) else {}).items():
+        if not _qualified_name(str(key)):
+            problems.append(f"spec.template.metadata.labels: {key!r} is no label key Kubernetes takes ({_KEY_RULE})")
+        elif isinstance(value, str) and value and not (len(value) <= 63 and _QUALIFIED_NAME.fullmatch(value)):
+            problems.append(
+                f"spec.template.metadata.labels.{key}: {value!r} is no label value Kubernetes takes ({_NAME_RULE}, "
+                "or empty): shorten or change it, or make it an annotation"
+            )
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping):
+        for key in annotations:
+            if not _qualified_name(str(key).lower()):
+                problems.append(
+                    f"spec.template.metadata.annotations: {key!r} is no annotation key Kubernetes takes ({_KEY_RULE})"
+                )
+        size = sum(len(str(k).encode()) + len(v.encode()) for k, v in annotations.items() if isinstance(v, str))
+        if size > ANNOTATIONS_MAX_BYTES:
+            problems.append(
+                f"spec.template.metadata.annotations take {size} bytes (keys and values), more than the "
+                f"{ANNOTATIONS_MAX_BYTES} (256 KiB) Kubernetes allows a pod: shorten or remove some"
+            )
     return problems
 
 

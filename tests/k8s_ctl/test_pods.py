@@ -313,6 +313,58 @@ def test_a_template_spotjob_cannot_run_is_refused_naming_the_field(change: Any, 
 
 
 @pytest.mark.parametrize(
+    ("metadata", "said"),
+    [
+        ({"labels": {"team name": "ml"}}, "spec.template.metadata.labels: 'team name' is no label key"),
+        ({"labels": {"example.com/a/b": "ml"}}, "spec.template.metadata.labels: 'example.com/a/b' is no label key"),
+        ({"labels": {"Example.com/team": "ml"}}, "spec.template.metadata.labels: 'Example.com/team' is no label key"),
+        ({"labels": {"/team": "ml"}}, "spec.template.metadata.labels: '/team' is no label key"),
+        ({"labels": {"t" * 64: "ml"}}, f"spec.template.metadata.labels: '{'t' * 64}' is no label key"),
+        ({"labels": {"team": "ml team"}}, "spec.template.metadata.labels.team: 'ml team' is no label value"),
+        ({"labels": {"team": "m" * 64}}, "spec.template.metadata.labels.team: 'mmm"),
+        ({"labels": {"team": "ml-"}}, "spec.template.metadata.labels.team: 'ml-' is no label value"),
+        ({"annotations": {"a note": "x"}}, "spec.template.metadata.annotations: 'a note' is no annotation key"),
+        (
+            {"annotations": {"a": "x" * (256 * 1024)}},
+            "spec.template.metadata.annotations take 262145 bytes (keys and values), more than the 262144",
+        ),
+        (
+            # Counted in bytes, as the API server counts them: 2 bytes per 'é'.
+            {"annotations": {"a": "é" * (128 * 1024)}},
+            "spec.template.metadata.annotations take 262145 bytes",
+        ),
+    ],
+)
+def test_labels_and_annotations_the_api_server_refuses_in_a_pod_are_refused_naming_the_field_and_rule(
+    metadata: dict[str, Any], said: str
+) -> None:
+    """The CRD keeps the template as written, so a label or annotation the API server refuses in a
+    pod reached the pod builder, and every worker pod of every attempt was refused (422) on every
+    pass. They are named with the rule at the spec's check instead, as every other template problem."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["metadata"] = metadata
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(said) for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(said)):
+        pod(0, template=template)
+
+
+def test_labels_and_annotations_the_api_server_takes_pass() -> None:
+    """Prefixed keys, empty and 63-character values, annotation keys in capitals (the API server
+    checks them lowercased), and annotations of exactly 256 KiB."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    template["metadata"] = {
+        "labels": {"app.kubernetes.io/name": "trainer", "team": "", "t" * 63: "v" * 63, "a_b.c-d": "X.y_z-1"},
+        "annotations": {"Example.com/Note": "any text at all: spaces, é"},
+    }
+    used = len("Example.com/Note") + len("any text at all: spaces, é".encode()) + len("big")
+    template["metadata"]["annotations"]["big"] = "x" * (256 * 1024 - used)
+    assert pods.template_problems(template, 1) == []
+    built = pod(0, template=template)
+    assert built["metadata"]["annotations"] == template["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(
     ("change", "field"),
     [
         # spec.env's map form, written in the template's container: the likeliest of these.

@@ -369,13 +369,21 @@ def _template_env_as_a_map(spec: dict[str, Any]) -> None:
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1", "env": {"NCCL_DEBUG": "INFO"}}]}}
 
 
+def _template_label_value_with_a_space(spec: dict[str, Any]) -> None:
+    spec["template"] = {
+        "metadata": {"labels": {"team": "ml research"}},
+        "spec": {"containers": [{"name": "trainer", "image": "img:1"}]},
+    }
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [
         (_no_image, "spec.image: required without spec.template"),
         (_template_env_as_a_map, "spec.template.spec.containers[0].env must be a list of objects, not an object"),
+        (_template_label_value_with_a_space, "spec.template.metadata.labels.team: 'ml research' is no label value"),
     ],
-    ids=["no-image", "template-env-as-a-map"],
+    ids=["no-image", "template-env-as-a-map", "template-label-value-with-a-space"],
 )
 def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_naming_the_field(
     test_api: TestApi, tmp_path: Path, change: Any, said: str
@@ -385,8 +393,9 @@ def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_nami
     controller built a pod without an image, which the API server refused on every pass
     (``Degraded``, ``BackendUnavailable``), the job ``Pending`` for ever. ``env: {NCCL_DEBUG: INFO}`` in the
     template's training container (spec.env's map form; the CRD keeps the template as written):
-    every pass raised AttributeError, and the SpotJob got no status and no Event at all. Both are
-    now ``Invalid=True`` with an InvalidSpec Event naming the field, and no pod."""
+    every pass raised AttributeError, and the SpotJob got no status and no Event at all. A label
+    value the API server refuses in a pod (``ml research``): every worker pod was refused on every
+    pass. All are now ``Invalid=True`` with an InvalidSpec Event naming the field, and no pod."""
     install_spotjob_crd(test_api, without_spec_rules=("has(self.template) || has(self.image)",))
     parts = Parts(test_api, tmp_path, events=True)
     try:
