@@ -295,6 +295,18 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
             "without end; stop a job you no longer want with kubectl delete spotjob"
         )
     problems += _metadata_problems((template or {}).get("metadata") or {})
+    selector = spec.get("nodeSelector")
+    if isinstance(selector, Mapping):
+        problems += _label_problems(selector, "spec.template.spec.nodeSelector", "no node can carry it; fix it")
+    for kind in ("initContainers", "containers"):
+        listed = spec.get(kind)
+        for i, c in enumerate(listed if isinstance(listed, list) else []):
+            name = c.get("name") if isinstance(c, Mapping) else None
+            if isinstance(name, str) and name and not (len(name) <= 63 and _DNS_LABEL.fullmatch(name)):
+                problems.append(
+                    f"spec.template.spec.{kind}[{i}].name: {name!r} is no container name Kubernetes takes (at most "
+                    "63 lowercase letters, digits or '-', starting and ending with a letter or digit)"
+                )
     return problems
 
 
@@ -303,6 +315,7 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
 # is a name or empty; all of a pod's annotations, keys and values, take at most 256 KiB.
 _QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NAME_RULE = "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 _KEY_RULE = f"an optional prefix (a lowercase DNS subdomain of at most 253 characters) and '/', then {_NAME_RULE}"
 ANNOTATIONS_MAX_BYTES = 256 * 1024
@@ -316,20 +329,30 @@ def _qualified_name(key: str) -> bool:
     return len(name) <= 63 and _QUALIFIED_NAME.fullmatch(name) is not None
 
 
+def _label_problems(labels_: Mapping[str, Any], path: str, fix: str) -> list[str]:
+    """The keys and values of the label map at ``path`` (a pod's labels, a nodeSelector) the API
+    server refuses; ``fix``: what to do about a value it refuses."""
+    problems: list[str] = []
+    for key, value in labels_.items():
+        if not _qualified_name(str(key)):
+            problems.append(f"{path}: {key!r} is no label key Kubernetes takes ({_KEY_RULE})")
+        elif isinstance(value, str) and value and not (len(value) <= 63 and _QUALIFIED_NAME.fullmatch(value)):
+            problems.append(
+                f"{path}.{key}: {value!r} is no label value Kubernetes takes ({_NAME_RULE}, or empty): {fix}"
+            )
+    return problems
+
+
 def _metadata_problems(meta: Mapping[str, Any]) -> list[str]:
     """The template's labels and annotations the API server would refuse in every worker pod (the
     CRD keeps the template as written): each names the field and the rule. Values of the wrong
     JSON type are ``_shape_problems``' to name."""
-    problems: list[str] = []
     labels_ = meta.get("labels")
-    for key, value in (labels_ if isinstance(labels_, Mapping) else {}).items():
-        if not _qualified_name(str(key)):
-            problems.append(f"spec.template.metadata.labels: {key!r} is no label key Kubernetes takes ({_KEY_RULE})")
-        elif isinstance(value, str) and value and not (len(value) <= 63 and _QUALIFIED_NAME.fullmatch(value)):
-            problems.append(
-                f"spec.template.metadata.labels.{key}: {value!r} is no label value Kubernetes takes ({_NAME_RULE}, "
-                "or empty): shorten or change it, or make it an annotation"
-            )
+    problems = (
+        _label_problems(labels_, "spec.template.metadata.labels", "shorten or change it, or make it an annotation")
+        if isinstance(labels_, Mapping)
+        else []
+    )
     annotations = meta.get("annotations")
     if isinstance(annotations, Mapping):
         for key in annotations:

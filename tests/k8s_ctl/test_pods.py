@@ -349,6 +349,40 @@ def test_labels_and_annotations_the_api_server_refuses_in_a_pod_are_refused_nami
         pod(0, template=template)
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            lambda t: t["spec"]["nodeSelector"].update({"pool": "gpu a100"}),
+            "spec.template.spec.nodeSelector.pool: 'gpu a100' is no label value Kubernetes takes",
+        ),
+        (
+            lambda t: t["spec"]["nodeSelector"].update({"GPU type": "a100"}),
+            "spec.template.spec.nodeSelector: 'GPU type' is no label key",
+        ),
+        (
+            lambda t: t["spec"]["containers"][0].update(name="Log_Shipper"),
+            "spec.template.spec.containers[0].name: 'Log_Shipper' is no container name Kubernetes takes",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers=[{"name": "fetch.data", "image": "busybox"}]),
+            "spec.template.spec.initContainers[0].name: 'fetch.data' is no container name",
+        ),
+    ],
+)
+def test_a_node_selector_or_container_name_the_api_server_refuses_is_named_with_the_rule(
+    change: Any, said: str
+) -> None:
+    """As labels: a nodeSelector or a container name the API server refuses made every worker pod
+    of every pass a 422."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    change(template)
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(said) for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(said)):
+        pod(0, template=template)
+
+
 def test_labels_and_annotations_the_api_server_takes_pass() -> None:
     """Prefixed keys, empty and 63-character values, annotation keys in capitals (the API server
     checks them lowercased), and annotations of exactly 256 KiB."""
