@@ -9,7 +9,7 @@ HELM   := .tools/bin/helm
 
 # Python's bytecode caches (__pycache__, ignored by git) are written even where the environment
 # sets PYTHONDONTWRITEBYTECODE (some CI images and sandboxes do): without them every Python the
-# suite starts (over a thousand: training ranks, agents, drivers) compiles spotjob's modules
+# suite starts (hundreds: training ranks, agents, drivers) compiles spotjob's modules
 # again, and every pytest worker its test modules (pytest keeps its rewritten tests only where
 # bytecode may be written). Measured on 2 cores: a test file's CPU down by about a fifth, and
 # collecting the suite 22 CPU-s per worker without the caches, 8 with them.
@@ -40,12 +40,12 @@ $(HELM): scripts/get-helm.py $(STAMP)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST := -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
-# --durations: the slowest tests are listed at the end of every run, so CI's log shows where the
-# suite's time goes.
 # Compiled once before the workers start, rather than by whichever process imports a module first.
 bytecode: venv
 	$(PY) -m compileall -q agent orchestrator bench tests examples >/dev/null
 
+# --durations: the slowest tests are listed at the end of every run, so CI's log shows where the
+# suite's time goes.
 test: venv helm bytecode
 	$(PY) -m pytest -q $(XDIST) --durations=30 tests
 
