@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from agent.catalog import CheckpointStatus
 from agent.manifest import Manifest
+from agent.restore_cache import NO_LOCKS
 from agent.storage import CorruptObjectError, NotFoundError, StorageError
 from agent.storage.base import ObjectInfo, ProgressFn, Storage
 
@@ -370,8 +371,9 @@ def _write_shards(
     return names, totals
 
 
-_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF})
-"""What ``flock`` says where a folder cannot be locked (NFS without lockd, some FUSE mounts)."""
+_NO_LOCKS = NO_LOCKS | {errno.EBADF}
+"""What ``flock`` says where a folder cannot be locked: a filesystem without locks, and NFS, which
+refuses an exclusive lock on a file opened read-only (as a folder is)."""
 
 
 def _lock_out(out: str) -> int:

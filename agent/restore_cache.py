@@ -185,7 +185,7 @@ def fetch_verified(storage: Storage, folder: str, entry: FileEntry, local_dir: s
     return path
 
 
-_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 """What ``flock`` says on a filesystem without locks (NFS without lockd, some FUSE mounts)."""
 _warned_no_locks: set[str] = set()
 
@@ -200,7 +200,7 @@ def _lock_unless_unsupported(fd: int, path: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError as e:
-        if e.errno not in _NO_LOCKS:
+        if e.errno not in NO_LOCKS:
             raise
         folder = os.path.dirname(path)
         if folder not in _warned_no_locks:

@@ -52,6 +52,7 @@ from agent.launcher_cli import usage_problem
 from agent.torchrun import ENV_LAUNCHER, Launcher
 from orchestrator.crd import DOWNWARD_ENV, ENV_NAME_REFUSED, POLICY_ENV, SPOTJOB_SET_ENV
 from orchestrator.k8s.cluster_signals import TAINT_RULES
+from orchestrator.model import NAME_PATTERN
 
 Object = dict[str, Any]
 
@@ -314,8 +315,7 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
 # a key is a qualified name, an optional DNS subdomain prefix and '/', then a name; a label's value
 # is a name or empty; all of a pod's annotations, keys and values, take at most 256 KiB.
 _QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_LABEL = re.compile(NAME_PATTERN)  # a job's name is a DNS label too
 _NAME_RULE = "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 _KEY_RULE = f"an optional prefix (a lowercase DNS subdomain of at most 253 characters) and '/', then {_NAME_RULE}"
 ANNOTATIONS_MAX_BYTES = 256 * 1024
@@ -324,8 +324,10 @@ ANNOTATIONS_MAX_BYTES = 256 * 1024
 
 def _qualified_name(key: str) -> bool:
     prefix, _, name = key.rpartition("/")
-    if "/" in prefix or (key.count("/") == 1 and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))):
+    if "/" in prefix:
         return False
+    if key.count("/") == 1 and not (len(prefix) <= 253 and all(_DNS_LABEL.fullmatch(p) for p in prefix.split("."))):
+        return False  # the prefix is a DNS subdomain: DNS labels joined by dots
     return len(name) <= 63 and _QUALIFIED_NAME.fullmatch(name) is not None
 
 
