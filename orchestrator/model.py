@@ -264,7 +264,8 @@ class JobSpec(_Resource):
     container_name: str | None = Field(
         default=None,
         min_length=1,
-        description="the template's container the agent and the training ranks run in (default: the first)",
+        description="the template's container the agent and the training ranks run in (default: the first); "
+        "without a template, the name of the one container built (default: trainer)",
     )
     image: str | None = Field(
         default=None,

@@ -178,6 +178,10 @@ class KubernetesBackend:
                 f"spec.image: required without spec.template (the image of the training container "
                 f"{DEFAULT_CONTAINER_NAME!r}); set spec.image, or give spec.template a container with an image"
             )
+        if spec.image is not None and spec.image != spec.image.strip():
+            problems.append(f"spec.image: {spec.image!r} has spaces around it, which Kubernetes refuses: remove them")
+        if spec.template is None and spec.container_name is not None:
+            problems += pods.container_name_problems(spec.container_name, "spec.containerName")
         uri = spec.checkpoint.uri
         if "://" not in uri and not uri.startswith(("/", "file:")):
             # Each process would resolve it against its own working folder: the workers' image's and
@@ -878,7 +882,8 @@ def _flush_state(answer: CallResult) -> FlushRequestState:
 
 def _training_container(spec: JobSpec) -> tuple[int, Mapping[str, Any]]:
     found = spec.training_container()
-    return found if found is not None else (0, {"name": DEFAULT_CONTAINER_NAME})
+    # Without a template, the one container built is named spec.containerName, else "trainer".
+    return found if found is not None else (0, {"name": spec.container_name or DEFAULT_CONTAINER_NAME})
 
 
 def _worker_spec(spec: JobSpec) -> pods.WorkerSpec:

@@ -42,6 +42,7 @@ import base64
 import copy
 import hashlib
 import math
+import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -303,11 +304,101 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
         listed = spec.get(kind)
         for i, c in enumerate(listed if isinstance(listed, list) else []):
             name = c.get("name") if isinstance(c, Mapping) else None
-            if isinstance(name, str) and name and not (len(name) <= 63 and _DNS_LABEL.fullmatch(name)):
+            if isinstance(name, str) and name:
+                problems += container_name_problems(name, f"spec.template.spec.{kind}[{i}].name")
+    problems += _container_problems(spec, container)
+    return problems
+
+
+def container_name_problems(name: str, path: str) -> list[str]:
+    """``name`` at ``path``, if it is no container name Kubernetes takes (a DNS label)."""
+    if len(name) <= 63 and _DNS_LABEL.fullmatch(name):
+        return []
+    return [
+        f"{path}: {name!r} is no container name Kubernetes takes (at most 63 lowercase letters, digits or '-', "
+        "starting and ending with a letter or digit)"
+    ]
+
+
+def _container_problems(spec: Mapping[str, Any], container: int) -> list[str]:
+    """What the API server refuses in the template's containers beyond their names' form: a name
+    missing or taken twice (init containers and containers share one set of names), a container
+    without an image (the training container's may come from ``spec.image``, which the model
+    checks), an image with spaces around it, two mounts at one path in a container, and a mount of
+    no volume the pod has. Each one kept every worker pod from being created, on every pass."""
+    problems: list[str] = []
+    volumes = {v.get("name") for v in spec.get("volumes") or [] if isinstance(v, Mapping)}
+    volumes |= {TOKEN_VOLUME, CONTROL_VOLUME, STAGING_VOLUME}
+    seen: dict[str, str] = {}
+    for kind in ("initContainers", "containers"):
+        listed = spec.get(kind)
+        for i, c in enumerate(listed if isinstance(listed, list) else []):
+            if not isinstance(c, Mapping):
+                continue
+            at = f"spec.template.spec.{kind}[{i}]"
+            trainer = kind == "containers" and i == container
+            name = c.get("name")
+            if not isinstance(name, str) or not name:
+                problems.append(f"{at}.name is required")
+            elif name in seen:
+                problems.append(f"{at}.name: {name!r} is also {seen[name]}'s: Kubernetes takes each name once in a pod")
+            else:
+                seen[name] = at
+            image = c.get("image")
+            if image is not None and not isinstance(image, str):
+                problems.append(f"{at}.image must be a string, not {_json_type(image)}")
+            elif isinstance(image, str) and image and image != image.strip():
+                problems.append(f"{at}.image: {image!r} has spaces around it, which Kubernetes refuses: remove them")
+            elif not image and not trainer:
                 problems.append(
-                    f"spec.template.spec.{kind}[{i}].name: {name!r} is no container name Kubernetes takes (at most "
-                    "63 lowercase letters, digits or '-', starting and ending with a letter or digit)"
+                    f"{at}.image is required: Kubernetes refuses a pod with a container without an image (spec.image "
+                    "is the training container's only; a container of spec.fallback.template whose name is none of "
+                    "spec.template's is added to the pod as another container, so check its name)"
                 )
+            problems += _mount_problems(c, at, volumes, trainer=trainer)
+    return problems
+
+
+_SPOTJOB_MOUNTS = {TOKEN_DIR: TOKEN_VOLUME, CONTROL_DIR: CONTROL_VOLUME, STAGING_DIR: STAGING_VOLUME}
+
+
+def _mount_problems(c: Mapping[str, Any], at: str, volumes: set[Any], *, trainer: bool) -> list[str]:
+    """A container's volume mounts the API server refuses: two at one path, or of no volume of the
+    pod. In the training container, spotjob mounts its three volumes (and drops the template's
+    mounts of them), so a mount of another volume at one of their paths would be a second there."""
+    problems: list[str] = []
+    paths: dict[str, int] = {}
+    mounts = c.get("volumeMounts")
+    for j, m in enumerate(mounts if isinstance(mounts, list) else []):
+        if not isinstance(m, Mapping):
+            continue
+        name, path = m.get("name"), m.get("mountPath")
+        if trainer and name in _SPOTJOB_MOUNTS.values():
+            continue  # replaced by spotjob's own mount of it
+        if isinstance(name, str) and name and name not in volumes:
+            problems.append(
+                f"{at}.volumeMounts[{j}].name: {name!r} is no volume of the pod: add it to "
+                "spec.template.spec.volumes, or remove the mount"
+            )
+        if not isinstance(path, str) or not path:
+            continue
+        normal = posixpath.normpath(path)
+        if trainer and normal in _SPOTJOB_MOUNTS:
+            reserved = _SPOTJOB_MOUNTS[normal]
+            fix = (
+                f"to stage checkpoints on a disk of your own, name its volume {STAGING_VOLUME} (spotjob mounts it "
+                "there) and remove this mount"
+                if reserved == STAGING_VOLUME
+                else "mount it elsewhere"
+            )
+            problems.append(f"{at}.volumeMounts[{j}].mountPath: {path} is where spotjob mounts {reserved}; {fix}")
+        elif normal in paths:
+            problems.append(
+                f"{at}.volumeMounts[{j}].mountPath: {path} is volumeMounts[{paths[normal]}]'s too: Kubernetes "
+                "takes one mount at a path"
+            )
+        else:
+            paths[normal] = j
     return problems
 
 

@@ -657,6 +657,22 @@ def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_f
     assert world.backend.spec_problems(KEY, spec()) == []
 
 
+def test_without_a_template_the_container_is_named_by_container_name_which_must_be_a_name_kubernetes_takes(
+    world: World,
+) -> None:
+    """spec.containerName was taken without a template and ignored (the container was named
+    'trainer' whatever it said, and 'Trainer_X' passed); it now names the one container built, and
+    a name Kubernetes refuses is a spec problem, as is an image with a space around it."""
+    assert world.backend.spec_problems(KEY, spec(containerName="main")) == []
+    world.backend.start_workers(KEY, spec(containerName="main"), 0, Placement())
+    [created] = [b for r, b in world.client.created if r == "pods"]
+    assert [c["name"] for c in created["spec"]["containers"]] == ["main"]
+    [problem] = world.backend.spec_problems(KEY, spec(containerName="Trainer_X"))
+    assert problem.startswith("spec.containerName: 'Trainer_X' is no container name Kubernetes takes"), problem
+    [problem] = world.backend.spec_problems(KEY, spec(image="img:1 "))
+    assert problem == "spec.image: 'img:1 ' has spaces around it, which Kubernetes refuses: remove them"
+
+
 def test_a_template_env_variable_the_checkpoint_spec_sets_over_it_is_a_spec_problem(world: World) -> None:
     """SPOTJOB_EVERY_STEPS in the training container's env was replaced by spec.checkpoint.everySteps
     without a word; without everySteps it is the user's to set and stays."""

@@ -383,6 +383,119 @@ def test_a_node_selector_or_container_name_the_api_server_refuses_is_named_with_
         pod(0, template=template)
 
 
+def _mount(container: int, name: str, path: str) -> Any:
+    return lambda t: (
+        t["spec"]["containers"][container].setdefault("volumeMounts", []).append({"name": name, "mountPath": path})
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            lambda t: t["spec"]["containers"][0].pop("image"),
+            "spec.template.spec.containers[0].image is required: Kubernetes refuses a pod with a container without",
+        ),
+        (
+            # A container of spec.fallback.template named none of spec.template's is added as another.
+            lambda t: t["spec"]["containers"].append({"name": "trainr", "resources": {"limits": {"cpu": "1"}}}),
+            "spec.template.spec.containers[2].image is required",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers=[{"name": "fetch", "image": ""}]),
+            "spec.template.spec.initContainers[0].image is required",
+        ),
+        (
+            lambda t: t["spec"]["containers"][0].update(image="busybox:1 "),
+            "spec.template.spec.containers[0].image: 'busybox:1 ' has spaces around it",
+        ),
+        (
+            lambda t: t["spec"]["containers"][1].update(image=" registry.example.com/train:1"),
+            "spec.template.spec.containers[1].image: ' registry.example.com/train:1' has spaces around it",
+        ),
+        (
+            lambda t: t["spec"]["containers"][0].update(image=3),
+            "spec.template.spec.containers[0].image must be a string",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers=[{"name": "trainer", "image": "busybox"}]),
+            "spec.template.spec.containers[1].name: 'trainer' is also spec.template.spec.initContainers[0]'s",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers=[{"image": "busybox"}]),
+            "spec.template.spec.initContainers[0].name is required",
+        ),
+        (
+            # A local disk mounted where spotjob mounts its staging volume: two mounts at one path.
+            _mount(1, "data", "/var/run/spotjob/staging"),
+            "spec.template.spec.containers[1].volumeMounts[1].mountPath: /var/run/spotjob/staging is where spotjob "
+            "mounts spotjob-staging; to stage checkpoints on a disk of your own, name its volume spotjob-staging",
+        ),
+        (
+            _mount(1, "data", "/var/run/spotjob/token/"),
+            "spec.template.spec.containers[1].volumeMounts[1].mountPath: /var/run/spotjob/token/ is where spotjob "
+            "mounts spotjob-token; mount it elsewhere",
+        ),
+        (
+            _mount(1, "data", "/data/"),
+            "spec.template.spec.containers[1].volumeMounts[1].mountPath: /data/ is volumeMounts[0]'s too",
+        ),
+        (
+            _mount(0, "scratch", "/scratch"),
+            "spec.template.spec.containers[0].volumeMounts[0].name: 'scratch' is no volume of the pod",
+        ),
+    ],
+    ids=[
+        "sidecar-no-image",
+        "fallback-typo-no-image",
+        "init-empty-image",
+        "image-trailing-space",
+        "trainer-image-leading-space",
+        "image-a-number",
+        "name-twice-across-init",
+        "init-no-name",
+        "mount-at-staging",
+        "mount-at-token",
+        "two-mounts-one-path",
+        "mount-of-no-volume",
+    ],
+)
+def test_a_container_image_name_or_mount_the_api_server_refuses_is_named_with_the_fix(change: Any, said: str) -> None:
+    """A sidecar without an image (a container of spec.fallback.template whose name had a typo was
+    added as one), an image with a space around it, a name taken twice, a mount of a local disk at
+    spotjob's staging path (where the pod builder mounts spotjob-staging too), two mounts at one path,
+    a mount of no volume: the API server refuses each such pod, so every worker of every pass was
+    refused and the job sat Pending with BackendUnavailable Events. Found walking the chart and the
+    controller as a user; each case passed before."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    change(template)
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(said) for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(said)):
+        pod(0, template=template)
+
+
+def test_mounts_and_images_the_api_server_takes_pass() -> None:
+    """The training container without an image (spec.image gives it), its own mount of the
+    spotjob-staging volume (replaced by spotjob's, at spotjob's path), and a sidecar mounting
+    spotjob's staging volume to read the staged checkpoints."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    del template["spec"]["containers"][1]["image"]
+    template["spec"]["volumes"].append({"name": "spotjob-staging", "hostPath": {"path": "/mnt/nvme"}})
+    template["spec"]["containers"][1]["volumeMounts"].append({"name": "spotjob-staging", "mountPath": "/staging"})
+    template["spec"]["containers"][0]["volumeMounts"] = [{"name": "spotjob-staging", "mountPath": "/staging"}]
+    assert pods.template_problems(template, 1) == []
+    built = pod(0, template=template, image="registry.example.com/train:2")
+    strict(built)
+    assert trainer(built)["image"] == "registry.example.com/train:2"
+    assert [(m["name"], m["mountPath"]) for m in trainer(built)["volumeMounts"]] == [
+        ("data", "/data"),
+        ("spotjob-token", "/var/run/spotjob/token"),
+        ("spotjob-control", "/var/run/spotjob/control"),
+        ("spotjob-staging", "/var/run/spotjob/staging"),
+    ]
+
+
 def test_labels_and_annotations_the_api_server_takes_pass() -> None:
     """Prefixed keys, empty and 63-character values, annotation keys in capitals (the API server
     checks them lowercased), and annotations of exactly 256 KiB."""

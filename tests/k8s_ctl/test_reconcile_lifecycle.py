@@ -376,14 +376,28 @@ def _template_label_value_with_a_space(spec: dict[str, Any]) -> None:
     }
 
 
+def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}]}}
+    spec["startTimeoutSeconds"] = 600
+    on_demand = {"karpenter.sh/capacity-type": "on-demand"}
+    gpu = {"limits": {"nvidia.com/gpu": 1}}
+    spec["fallback"] = {
+        "template": {"spec": {"nodeSelector": on_demand, "containers": [{"name": "trainr", "resources": gpu}]}}
+    }
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [
         (_no_image, "spec.image: required without spec.template"),
         (_template_env_as_a_map, "spec.template.spec.containers[0].env must be a list of objects, not an object"),
         (_template_label_value_with_a_space, "spec.template.metadata.labels.team: 'ml research' is no label value"),
+        (
+            _fallback_container_name_with_a_typo,
+            "with spec.fallback.template merged in, spec.template.spec.containers[1].image is required",
+        ),
     ],
-    ids=["no-image", "template-env-as-a-map", "template-label-value-with-a-space"],
+    ids=["no-image", "template-env-as-a-map", "template-label-value-with-a-space", "fallback-container-name-typo"],
 )
 def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_naming_the_field(
     test_api: TestApi, tmp_path: Path, change: Any, said: str
@@ -395,7 +409,10 @@ def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_nami
     template's training container (spec.env's map form; the CRD keeps the template as written):
     every pass raised AttributeError, and the SpotJob got no status and no Event at all. A label
     value the API server refuses in a pod (``ml research``): every worker pod was refused on every
-    pass. All are now ``Invalid=True`` with an InvalidSpec Event naming the field, and no pod."""
+    pass. A container of ``spec.fallback.template`` whose name has a typo (``trainr``) was added to
+    the fallback pods as a container without an image: every pod refused, but only once the job
+    fell back, when spot capacity was short. All are now ``Invalid=True`` with an InvalidSpec Event
+    naming the field, and no pod."""
     install_spotjob_crd(test_api, without_spec_rules=("has(self.template) || has(self.image)",))
     parts = Parts(test_api, tmp_path, events=True)
     try:
