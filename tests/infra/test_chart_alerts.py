@@ -6,6 +6,7 @@ controller's /metrics."""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from typing import Any
@@ -251,3 +252,32 @@ def test_a_runbook_url_of_the_alerts_section_itself_links_each_alerts_heading() 
     values = {"metrics": {**ON["metrics"], "prometheusRule": {"enabled": True, "runbookUrl": f"{base}#alerts"}}}
     for name, rule in alert_rules(render(values)).items():
         assert rule["annotations"]["runbook_url"] == f"{base}#{name.lower()}", name
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ['job="spotjob"', ' job =~ "spot.*" , namespace!="ml", ', "job='spotjob'", "job=`spotjob`", '"odd.name"!~"x"'],
+)
+def test_a_selector_of_promql_label_matchers_reaches_every_rule_as_valid_promql(selector: str) -> None:
+    """Any list of PromQL matchers (the four operators, the three quotes, a quoted UTF-8 name, a
+    trailing comma) is taken, and every rule still parses."""
+    found = alert_rules(render({"metrics": {"prometheusRule": {"enabled": True, "selector": selector}}}))
+    assert len(found) >= 12
+    for name, rule in found.items():
+        assert selectors(rule["expr"]), f"{name}: {rule['expr']}"
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ["job=spotjob", 'job="spotjob"}', 'job="spotjob" namespace="ml"', " ", '{job="spotjob"}', 'job=="spotjob"', ","],
+)
+def test_a_selector_that_is_no_list_of_promql_matchers_fails_the_render_naming_it(selector: str) -> None:
+    """``job=spotjob`` (the value unquoted) rendered ``spotjob_job_phase{phase="Failed",job=spotjob}``:
+    the Prometheus Operator's webhook refused the whole rule group mid-install, and without the
+    webhook Prometheus dropped it, so no alert existed. Found walking the chart as a user; each
+    rendered before."""
+    proc = template({"metrics": {"prometheusRule": {"enabled": True, "selector": selector}}})
+    assert proc.returncode != 0
+    said = f"metrics.prometheusRule.selector {json.dumps(selector)} is no list of PromQL label matchers"
+    assert said in proc.stderr, proc.stderr
+    assert 'e.g. job="spotjob",namespace="monitoring"' in proc.stderr
