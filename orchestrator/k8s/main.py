@@ -242,8 +242,18 @@ def _options(args: argparse.Namespace) -> ControllerOptions:
         parsed = urlparse(queue_url)
         if parsed.scheme not in ("https", "http") or not parsed.netloc or not parsed.path.strip("/"):
             raise ValueError(f"--interruption-queue-url {queue_url!r} is not a queue URL (https://host/account/queue)")
-    region = args.aws_region or _env("AWS_REGION") or _env("AWS_DEFAULT_REGION")
-    if queue_url and not (region or region_of(queue_url)):
+    # SQS answers for a queue at its own region's endpoint only: the URL's region, when it names
+    # one, is the queue's. An --aws-region that contradicts it is a mistake to refuse; the
+    # environment's (which EKS's pod identity webhook sets to the cluster's region) gives way to it.
+    url_region = region_of(queue_url) if queue_url else None
+    if url_region and args.aws_region and args.aws_region != url_region:
+        raise ValueError(
+            f"--aws-region {args.aws_region} is not the region of --interruption-queue-url {queue_url!r} "
+            f"({url_region}), and SQS answers for a queue only at its own region's endpoint: drop --aws-region "
+            "(the URL's region is used) or fix the one that is wrong"
+        )
+    region = url_region or args.aws_region or _env("AWS_REGION") or _env("AWS_DEFAULT_REGION")
+    if queue_url and not region:
         raise ValueError(
             f"--interruption-queue-url {queue_url!r} names no region: pass --aws-region (or set AWS_REGION)"
         )

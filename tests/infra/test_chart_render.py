@@ -373,6 +373,25 @@ def test_a_queue_url_naming_no_region_without_one_is_refused_naming_the_value() 
         assert "interruptionQueue.region" in proc.stderr and url in proc.stderr
 
 
+def test_a_region_that_contradicts_the_queue_urls_is_refused_as_the_controller_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """interruptionQueue.region eu-west-1 with a us-east-1 queue URL rendered, and the controller
+    read the queue at eu-west-1's endpoint (every receive failed); it now refuses the pair at start
+    (exit 2), and the render refuses it first, naming both. The region the URL names itself renders."""
+    proc = template({"interruptionQueue": {"url": QUEUE_URL, "region": "eu-west-1"}})
+    assert proc.returncode != 0
+    said = f'interruptionQueue.region "eu-west-1" is not the region of interruptionQueue.url "{QUEUE_URL}" (us-east-1)'
+    assert said in proc.stderr, proc.stderr
+    monkeypatch.setenv("POD_NAMESPACE", NAMESPACE)
+    args = container_args(render({"interruptionQueue": {"url": QUEUE_URL, "region": "us-east-1"}}))
+    parse_options(args)
+    args[args.index("--aws-region=us-east-1")] = "--aws-region=eu-west-1"  # what the render refuses
+    with pytest.raises(SystemExit) as exited:
+        parse_options(args)
+    assert exited.value.code == 2
+
+
 def test_workload_identity_annotates_the_service_account() -> None:
     sa = one(render(VALUE_SETS["workload-identity"]), "ServiceAccount")
     assert sa["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": GSA}

@@ -85,6 +85,20 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
     assert o.agent_launcher == "torchrun"
 
 
+def test_the_queue_urls_region_wins_over_the_environments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EKS's pod identity webhook sets AWS_REGION to the cluster's region: a queue of another
+    region, named in its URL, was read at the cluster region's endpoint. The URL's region is the
+    queue's; the environment's serves a URL that names none (a VPC endpoint, a local server)."""
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    url = "--interruption-queue-url=https://sqs.us-east-1.amazonaws.com/123456789012/spotjob"
+    _, o = parse_options(["--no-leader-elect", url])
+    assert o.aws_region == "us-east-1"
+    _, o = parse_options(["--no-leader-elect", url, "--aws-region=us-east-1"])
+    assert o.aws_region == "us-east-1"
+    _, o = parse_options(["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"])
+    assert o.aws_region == "eu-west-1"
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -103,6 +117,18 @@ def test_the_environment_sets_what_flags_do_not(monkeypatch: pytest.MonkeyPatch)
         (["--interruption-queue-url=sqs-queue"], {}, "--interruption-queue-url"),
         # A queue URL that names no region (a VPC endpoint), and no region given: which one?
         (["--no-leader-elect", "--interruption-queue-url=https://vpce-0a.sqs.example/1/q"], {}, "--aws-region"),
+        # A region that contradicts the URL's: the queue was read at the wrong region's endpoint,
+        # and every receive failed (SpotJobInterruptionQueueErrors) rather than the start.
+        (
+            [
+                "--no-leader-elect",
+                "--interruption-queue-url=https://sqs.us-east-1.amazonaws.com/1/q",
+                "--aws-region=eu-west-1",
+            ],
+            {},
+            "--aws-region eu-west-1 is not the region of --interruption-queue-url "
+            "'https://sqs.us-east-1.amazonaws.com/1/q' (us-east-1)",
+        ),
         (["--leader-elect-lease-duration=2"], {}, "--leader-elect"),
         # A 0 used to be taken for "not given" and replaced by the default, without a word.
         (["--lease-namespace=x", "--leader-elect-retry-period=0"], {}, "got 0.0, 10.0, 15.0"),

@@ -303,6 +303,11 @@ or the URL's host (sqs.REGION.amazonaws.com), and exits at start without one. */
 {{- range $.Values.extraEnv }}
 {{- if has .name (list "AWS_REGION" "AWS_DEFAULT_REGION") }}{{ $inEnv = true }}{{ end }}
 {{- end }}
+{{- /* SQS answers for a queue at its own region's endpoint only; the controller refuses a
+--aws-region that contradicts the URL's at start (exit 2, a crash loop): say it here. */}}
+{{- if and $inHost $.Values.interruptionQueue.region (ne (index $parts 1) $.Values.interruptionQueue.region) }}
+{{- fail (printf "interruptionQueue.region %q is not the region of interruptionQueue.url %q (%s), and SQS answers for a queue only at its own region's endpoint: leave interruptionQueue.region empty (the URL's region is used) or fix the one that is wrong." $.Values.interruptionQueue.region . (index $parts 1)) }}
+{{- end }}
 {{- if not (or $inHost $.Values.interruptionQueue.region $inEnv) }}
 {{- fail (printf "interruptionQueue.url %q names no AWS region (its host is not sqs.REGION.amazonaws.com), so the controller would exit at start: set interruptionQueue.region (e.g. us-east-1)." .) }}
 {{- end }}
