@@ -73,6 +73,62 @@ def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
     return sorted(refs, reverse=True)
 
 
+CLAIM_NAME = "WRITER.json"
+"""A checkpoint folder's claim: the writer saving into it (``agent.checkpoint._claim``)."""
+
+SUBFOLDERS_LOOKED_AT = 32
+"""How many of a checkpoint-less URI's folders ``checkpoint_uris_below`` looks into (a listing each)."""
+
+
+def checkpoint_uris_below(storage: Storage) -> list[str]:
+    """The folders right under ``storage``'s URI that hold checkpoints (the first 32 looked at): the
+    URI given was the parent of a job's (``spotjob-runs/NAME`` for ``spotjob-runs/NAME/checkpoints``,
+    a bucket for its prefix)."""
+    found = []
+    for name in sorted(storage.list_dirs(""))[:SUBFOLDERS_LOOKED_AT]:
+        if name.startswith(".") or CheckpointRef.parse(name) is not None:
+            continue
+        if any(CheckpointRef.parse(d) is not None for d in storage.list_dirs(name + "/")):
+            found.append(storage.url(name))
+    return found
+
+
+class MisplacedUriError(ValueError):
+    """A URI that holds no checkpoint folders is not one a job saves to: a checkpoint's own
+    folder, or a folder above job URIs (``misplaced_uri_problem``)."""
+
+
+def misplaced_uri_problem(storage: Storage) -> str | None:
+    """Why ``storage``'s URI, which holds no checkpoint folders, is not one a job saves to, or None.
+
+    A checkpoint's own folder (named ``step-N``, or holding a ``MANIFEST.json`` or ``WRITER.json``:
+    the folder a log line or ``spotjob ckpt show`` printed, pasted as the URI) or a folder whose
+    subfolders hold checkpoints (the parent of the job's URI): a Checkpointer there started from
+    step 0 without a word, and one in a checkpoint's folder wrote into it, where the job's
+    retention later deleted what it saved. Costs two stats and a listing, and a listing for each
+    subfolder (at most ``SUBFOLDERS_LOOKED_AT``)."""
+    parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
+    if CheckpointRef.parse(leaf) is not None:
+        return (
+            f"{storage.uri} is a checkpoint's own folder (its name is a checkpoint folder's), not the URI a job "
+            f"saves to: give the URI its job saves to, {parent}, whose newest valid checkpoint restore() loads"
+        )
+    held = next((name for name in (MANIFEST_NAME, CLAIM_NAME) if storage.stat(name) is not None), None)
+    if held is not None:  # a copy of one, under a name of its own
+        return (
+            f"{storage.uri} is a checkpoint's own folder (it holds {held}), not the URI a job saves to: give the "
+            "URI its job saves to, the folder that holds its step-NNNNNNNNN folders"
+        )
+    below = checkpoint_uris_below(storage)
+    if below:
+        more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
+        return (
+            f"{storage.uri} holds no checkpoints, but folders in it do: to resume a job, give the URI it saves "
+            f"to, e.g. {', '.join(below[:3])}{more}; to start a new one, give it a folder of its own"
+        )
+    return None
+
+
 def read_bounded(storage: Storage, key: str, max_bytes: int, *, size: int | None = None) -> bytes:
     """An untrusted record's bytes: one bigger than ``max_bytes`` is refused unread
     (``read_bounded_stamped``)."""

@@ -51,7 +51,15 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agent import _fresh_start
-from agent._layout import CONTROL_FOLDER, CheckpointRef, find_checkpoints, read_bounded, read_manifest
+from agent._layout import (
+    CONTROL_FOLDER,
+    CheckpointRef,
+    MisplacedUriError,
+    find_checkpoints,
+    misplaced_uri_problem,
+    read_bounded,
+    read_manifest,
+)
 from agent.manifest import MANIFEST_NAME, ManifestError, UntrustedJSONError, loads_bounded, now_utc
 from agent.storage.base import AlreadyExistsError, NotFoundError, Storage, TransientStorageError
 from agent.version import spotjob_version
@@ -338,7 +346,9 @@ def claim(storage: Storage, job: str | None) -> Owner:
     other re-reads). A URI without an owner record but with checkpoints another job committed
     (copied there without ``.spotjob/``, or written before spotjob recorded owners) is refused too:
     those are that job's.
-    Raises ``OwnershipError`` (another owner, or an unreadable record) or ``StorageError``.
+    Raises ``OwnershipError`` (another owner, or an unreadable record), ``MisplacedUriError`` (an
+    unclaimed URI without checkpoints that is a checkpoint's own folder, or holds a job's URI) or
+    ``StorageError``.
     """
     owner = read_owner(storage)
     if owner is None:
@@ -356,6 +366,12 @@ def claim(storage: Storage, job: str | None) -> Owner:
                 job=job,
                 owner=others[0],
             )
+        if not find_checkpoints(storage):
+            # The URI becomes a job's here: not one that is a checkpoint's own folder or holds the
+            # job's URI (a Checkpointer there would start from step 0 without a word).
+            problem = misplaced_uri_problem(storage)
+            if problem is not None:
+                raise MisplacedUriError(problem)
         mine = Owner(job=job, created_at=now_utc())
         try:
             storage.put_bytes_if_absent(OWNER_KEY, mine.to_json())

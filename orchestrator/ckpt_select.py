@@ -14,7 +14,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from agent.catalog import CheckpointRef, CheckpointStatus, Lineage, find_checkpoints, inspect
+from agent.catalog import (
+    CheckpointRef,
+    CheckpointStatus,
+    Lineage,
+    checkpoint_uris_below,
+    find_checkpoints,
+    inspect,
+)
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.storage import StorageError, open_storage
 from agent.storage.base import Storage
@@ -74,7 +81,7 @@ def refuse_a_misplaced_uri(storage: Storage, *, command: str = "") -> None:
             f"no checkpoints under {storage.uri}: it is a checkpoint's own folder; give the URI its job "
             f"saves to and the folder as the step: {parent} --step {leaf}"
         )
-    below = _checkpoint_uris_below(storage)
+    below = checkpoint_uris_below(storage)
     if below:
         more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
         changed = "; nothing was changed" if command else ""
@@ -82,22 +89,6 @@ def refuse_a_misplaced_uri(storage: Storage, *, command: str = "") -> None:
             f"no checkpoints under {storage.uri}, but folders in it hold some{changed}: give the one the job "
             f"saves to as the URI, e.g. {', '.join(below[:3])}{more}"
         )
-
-
-_SUBFOLDERS_LOOKED_AT = 32
-"""How many of a checkpoint-less URI's folders ``_require_checkpoints`` looks into (a listing each)."""
-
-
-def _checkpoint_uris_below(storage: Storage) -> list[str]:
-    """The folders right under ``storage``'s URI that hold checkpoints: the URI given was the parent of
-    the job's (``spotjob-runs/NAME`` for ``spotjob-runs/NAME/checkpoints``, a bucket for its prefix)."""
-    found = []
-    for name in sorted(storage.list_dirs(""))[:_SUBFOLDERS_LOOKED_AT]:
-        if name.startswith(".") or CheckpointRef.parse(name) is not None:
-            continue
-        if any(CheckpointRef.parse(d) is not None for d in storage.list_dirs(name + "/")):
-            found.append(storage.url(name))
-    return found
 
 
 _RELISTS = 3

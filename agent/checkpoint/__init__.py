@@ -57,6 +57,7 @@ from agent.checkpoint.config import CheckpointConfig, normalise_uri
 from agent.checkpoint.errors import (
     CheckpointError,
     CheckpointOwnershipError,
+    CheckpointUriError,
     FencedSaveError,
     FlushFailedError,
     MissingStateKeysError,
@@ -72,6 +73,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "CheckpointOwnershipError",
+    "CheckpointUriError",
     "Checkpointer",
     "FencedSaveError",
     "FlushFailedError",

@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields, replace
 
-from agent._layout import read_bounded_stamped
+from agent._layout import CLAIM_NAME, read_bounded_stamped
 from agent.manifest import UntrustedJSONError, loads_bounded
 from agent.ownership import describe_job
 from agent.process_tree import boot_id, read_proc
@@ -46,7 +46,6 @@ from agent.storage import NotFoundError, Storage, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package
 
-CLAIM_NAME = "WRITER.json"
 MAX_CLAIM_BYTES = 64 << 10
 STALE_AFTER_S = 3600.0
 """A claim from another machine this old (by this writer's clock) is taken for a dead writer's,

@@ -19,12 +19,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from agent import _fresh_start, rank_state
+from agent._layout import misplaced_uri_problem
 from agent.catalog import CheckpointRef, CheckpointStatus, find_checkpoints, inspect, latest_valid
 from agent.checkpoint._core import size_text
 from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
-from agent.checkpoint.errors import MissingStateKeysError, RestoreRefusedError
+from agent.checkpoint.errors import CheckpointUriError, MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
 from agent.dcp_safe import (
     NewerTorchError,
@@ -460,6 +461,12 @@ class _Restoring(_Voting):
                 break  # the checkpoint is not at fault: an older one would be going back in time
             if kind == _Failure.BAD:
                 self._proven_bad.add((ref.folder, manifest.created_at.isoformat()))
+        if not tried and not refs and self._read_only:
+            # A writer's URI was checked when its job claimed it; a reader's is checked here, before
+            # it says "no checkpoint yet" of the wrong folder (an eval of an untrained model).
+            problem = self._on_rank0("looking at the URI", lambda: misplaced_uri_problem(self.storage))
+            if problem is not None:
+                raise CheckpointUriError(problem)
         if not tried:
             if self.rank == 0:
                 what = "no committed checkpoint of this job" if refs else "no checkpoint yet"

@@ -18,11 +18,17 @@ import torch.distributed as dist
 
 from agent._dcp_plan import SavePlanCache
 from agent._direct_io import suits_direct_io
-from agent._layout import PROBES_FOLDER
+from agent._layout import PROBES_FOLDER, MisplacedUriError
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
-from agent.checkpoint.errors import CheckpointOwnershipError, FencedSaveError, SaveFailedError, StorageRefusedError
+from agent.checkpoint.errors import (
+    CheckpointOwnershipError,
+    CheckpointUriError,
+    FencedSaveError,
+    SaveFailedError,
+    StorageRefusedError,
+)
 from agent.control_channel import (
     ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
@@ -597,12 +603,16 @@ class Checkpointer(_Saving, _Restoring):
                     "Checkpointer with read_only=True"
                 )
                 outcome = ("owner", f"{e}{hint}", e.owner)
+            except MisplacedUriError as e:
+                outcome = ("misplaced", str(e), None)
             except StorageError as e:
                 kind = "refused" if isinstance(e, PermanentStorageError) else "storage"
                 outcome = (kind, f"{doing}: {e}", None)
         kind, message, owner = self._broadcast(outcome)
         if kind == "owner":
             raise CheckpointOwnershipError(message, uri=self.storage.uri, job=self.config.job, owner=owner)
+        if kind == "misplaced":
+            raise CheckpointUriError(message)
         if kind in ("storage", "refused"):
             raise self._storage_failure(message, permanent=kind == "refused")
 

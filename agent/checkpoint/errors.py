@@ -34,6 +34,12 @@ class CheckpointOwnershipError(CheckpointError, OwnershipError):
     """The URI belongs to another job; raised on every rank at construction, nothing written."""
 
 
+class CheckpointUriError(CheckpointError, ValueError):
+    """The URI is not one a job saves to: a checkpoint's own folder, or a folder above the job's
+    URI (it holds no checkpoints; folders in it do). Raised on every rank, nothing written: by the
+    constructor for a URI no job owns yet, and by a read-only Checkpointer's ``restore()``."""
+
+
 class RestoreError(CheckpointError):
     """Restore could not leave the job in a consistent state."""
 

@@ -1,0 +1,89 @@
+"""A Checkpointer given a checkpoint's own folder, or the folder above its job's URI, as the URI.
+
+Real checkpoints on each store (file, S3 on moto, GCS on fake-gcs-server), saved by a real
+Checkpointer in this process under ``<bucket>/run``; then Checkpointers, writers and read-only
+ones, on ``run/step-000000002`` (what a log line or ``spotjob ckpt show`` prints, pasted as the
+URI), on a copy of a checkpoint folder under another name, and on the bucket's folder above ``run``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Checkpointer
+from agent.checkpoint import CheckpointUriError
+from agent.storage import open_storage
+
+
+def _listing(uri: str) -> list[tuple[str, int]]:
+    """Every object under ``uri``; on a filesystem every entry, folders included."""
+    storage = open_storage(uri)
+    try:
+        local = storage.local_path("")
+        if local is not None:
+            return sorted(
+                (os.path.relpath(os.path.join(d, n), local), 0) for d, ds, fs in os.walk(local) for n in ds + fs
+            )
+        return sorted((o.key, o.size) for o in storage.list(""))
+    finally:
+        storage.close()
+
+
+def _open_and_restore(uri: str, state: dict[str, nn.Module], *, read_only: bool) -> int:
+    with Checkpointer(uri, read_only=read_only, async_save=False) as ckpt:
+        return ckpt.restore(state)
+
+
+def test_a_checkpoints_own_folder_or_the_folder_above_the_jobs_uri_is_refused_and_nothing_is_written(
+    storage_uri: str,
+) -> None:
+    """Each of these restored nothing and started from step 0 without a word; a writer in the
+    step folder wrote its owner record and its own checkpoints inside the committed checkpoint,
+    which the job's retention later deleted with them, and a read-only one (an eval script) read
+    an untrained model. Found walking the Checkpointer as a user; each case returned 0 before.
+    Now each is refused on construction (a writer) or at restore (a reader), naming the URI to
+    give, and nothing is written under the folder."""
+    torch.manual_seed(0)
+    state = {"model": nn.Linear(3, 2)}
+    job_uri = f"{storage_uri}/run"
+    with Checkpointer(job_uri, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+    storage = open_storage(storage_uri)
+    try:
+        # A copy of a checkpoint under a name of the user's (latest/): told by what it holds.
+        storage.put_bytes("latest/MANIFEST.json", storage.get_bytes("run/step-000000002/MANIFEST.json"))
+    finally:
+        storage.close()
+    before = _listing(storage_uri)
+
+    storage = open_storage(job_uri)
+    job = storage.uri  # as the messages write it (file:///... for a path)
+    storage.close()
+    cases = [
+        (
+            f"{job_uri}/step-000000002",
+            f"is a checkpoint's own folder (its name is a checkpoint folder's), not the URI "
+            f"a job saves to: give the URI its job saves to, {job},",
+        ),
+        (f"{storage_uri}/latest", "is a checkpoint's own folder (it holds MANIFEST.json), not the URI a job saves to"),
+        (
+            storage_uri,
+            f"holds no checkpoints, but folders in it do: to resume a job, give the URI it saves to, e.g. {job};",
+        ),
+    ]
+    for uri, said in cases:
+        for read_only in (False, True):
+            with pytest.raises(CheckpointUriError) as refused:
+                _open_and_restore(uri, state, read_only=read_only)
+            assert said in str(refused.value), (uri, read_only, refused.value)
+            assert isinstance(refused.value, ValueError)
+    assert _listing(storage_uri) == before
+
+    # The job's own URI, and a new one beside it, are a URI like any other.
+    assert _open_and_restore(job_uri, state, read_only=False) == 2
+    assert _open_and_restore(f"{storage_uri}/new", state, read_only=False) == 0
