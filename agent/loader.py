@@ -63,6 +63,9 @@ class ResumableLoader:
                 "shuffle and workers' seeds come from torch's global stream, which a restore sets to the "
                 "checkpoint's step, and the resumed epoch would hand out other batches"
             )
+        problem = _sampler_problem(loader)
+        if problem is not None:
+            raise ValueError(problem)
         if getattr(loader, "persistent_workers", False):
             raise ValueError(
                 "ResumableLoader needs persistent_workers=False: persistent workers keep the seeds of the "
@@ -164,3 +167,29 @@ class ResumableLoader:
             )
             epoch, seen = epoch + 1, 0
         self._epoch, self._seen, self._epoch_start, self._it = epoch, seen, generator, None
+
+
+def _sampler_problem(loader: Any) -> str | None:
+    """Why the loader's sampler shuffles from a stream a resume cannot replay, or None.
+
+    ``shuffle=True`` gives the ``RandomSampler`` it builds the loader's own generator, whose state
+    at the epoch's start the place keeps. A sampler built by the script (``sampler=`` or inside
+    ``batch_sampler=``) with a ``generator`` of None (torch's ``RandomSampler``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``) draws its order from torch's global stream
+    instead, which a restore sets to the checkpoint's step; one with another generator draws from a
+    stream no place holds. Either way the resumed epoch handed out batches already trained on and
+    skipped others, without a word. Samplers without a ``generator`` (sequential ones,
+    ``DistributedSampler``, whose order follows its seed and ``set_epoch``) are not asked."""
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    for sampler in samplers:
+        if sampler is None or not hasattr(sampler, "generator") or sampler.generator is loader.generator:
+            continue
+        name = type(sampler).__name__
+        whose = "torch's global stream" if sampler.generator is None else "a generator of its own"
+        return (
+            f"ResumableLoader needs the loader's sampler to shuffle with the loader's generator: this {name} "
+            f"draws each epoch's order from {whose}, which no checkpoint of the loader's place holds, so a "
+            f"resumed epoch would hand out other batches. Give both the same generator ({name}(..., "
+            "generator=g) and DataLoader(..., generator=g)), or use DataLoader(..., shuffle=True, generator=g)"
+        )
+    return None
