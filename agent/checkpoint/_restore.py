@@ -87,6 +87,32 @@ class _DirectOptimState:
     already matched to this optimizer's parameters and groups by name (``_optimizer_state_by_name``)."""
 
     state: dict[str, Any]
+    order: list[int]
+    """For each of this optimizer's groups, the index of the saved group it took (``[1, 0]``: built
+    in the other order); what its schedulers' per-group lists are put in order by."""
+
+
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
+"""The entries of torch's LR schedulers' state that hold one item per parameter group, in the
+optimizer's group order (LambdaLR's and MultiplicativeLR's lr_lambdas, ReduceLROnPlateau's min_lrs,
+CyclicLR's max_lrs). SequentialLR and ChainedScheduler keep their schedulers' states in ``_schedulers``."""
+
+
+def _in_group_order(state: Any, order: list[int]) -> Any:
+    """An LR scheduler's saved ``state`` with its per-group lists put in this optimizer's group
+    order (``order[i]``: the saved group the optimizer's group ``i`` took). Loaded by position, a
+    LambdaLR's base_lrs gave each group the other's learning rate at its next step, when the
+    optimizer's groups were built in another order than saved (which the optimizer itself takes)."""
+    if not isinstance(state, dict):
+        return state
+    out = dict(state)
+    for key in _PER_GROUP:
+        value = out.get(key)
+        if isinstance(value, list) and len(value) == len(order):
+            out[key] = [value[j] for j in order]
+    if isinstance(out.get("_schedulers"), list):
+        out["_schedulers"] = [_in_group_order(sub, order) for sub in out["_schedulers"]]
+    return out
 
 
 def _plain_modules(bag: nn.Module) -> bool:
@@ -98,7 +124,7 @@ def _plain_modules(bag: nn.Module) -> bool:
     return not any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in bag.modules())
 
 
-def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> _DirectOptimState:
     """The state dict for ``opt.load_state_dict``, built from ``saved`` (keyed by parameter name, as
     ``get_optimizer_state_dict`` writes it) — what ``set_optimizer_state_dict`` loads for plain
     modules, minus its initialising step. Checked before anything live changes.
@@ -174,7 +200,7 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         {**{k: v for k, v in saved_groups[j].items() if k != "params"}, "params": [index[fqn] for fqn in names]}
         for names, j in zip(current, matched, strict=True)
     ]
-    return {"state": state, "param_groups": groups}
+    return _DirectOptimState({"state": state, "param_groups": groups}, matched)
 
 
 def _runs_code_on_load(bag: nn.Module) -> bool:
@@ -833,10 +859,7 @@ class _Restoring(_Voting):
             # the next load for one that refused.
             problem: Exception | None = None
             try:
-                direct = {
-                    key: _DirectOptimState(_optimizer_state_by_name(bag, opt, saved[key]))
-                    for key, opt in optims.items()
-                }
+                direct = {key: _optimizer_state_by_name(bag, opt, saved[key]) for key, opt in optims.items()}
             except Exception as e:
                 problem = e
             if not self._all_ok(problem is None):
@@ -927,15 +950,20 @@ class _Restoring(_Voting):
         model_state = {k: v for k, v in dcp_state.items() if k not in optims}
         if model_state and not _loaded_in_place(bag, model_state):
             set_model_state_dict(bag, model_state)
+        reordered: dict[int, list[int]] = {}  # id(optimizer): its groups' order, built otherwise than saved
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):
                 opt.load_state_dict(dcp_state[key].state)
+                order = dcp_state[key].order
+                if order != sorted(order):
+                    reordered[id(opt)] = order
             else:
                 set_optimizer_state_dict(bag, opt, dcp_state[key])
         objects = payload.get("objects", {})
         for key, obj in others.items():
+            order = reordered.get(id(getattr(obj, "optimizer", None)))
             try:
-                obj.load_state_dict(objects[key])
+                obj.load_state_dict(objects[key] if order is None else _in_group_order(objects[key], order))
             except Exception as e:
                 raise RestoreRefusedError(
                     f"state[{key!r}].load_state_dict() ({type(obj).__name__}) refused the state it saved: {e!r}"

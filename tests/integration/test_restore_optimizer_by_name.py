@@ -196,3 +196,54 @@ def test_an_optimizer_missing_a_group_added_during_training_is_told_how_to_build
     for p in layer(model, 2):
         p.requires_grad_(False)
     assert restore(uri, model, adam([(layer(model, 0), 0.1, 0.0), (layer(model, 2), 0.01, 0.5)])) == 3
+
+
+def _lambda(optim: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 0.5**e)  # one for every group
+
+
+def _warmup_then_lambda(optim: torch.optim.Optimizer) -> Any:
+    warmup = torch.optim.lr_scheduler.LinearLR(optim, start_factor=0.5, total_iters=2)
+    decay = torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 0.5**e)
+    return torch.optim.lr_scheduler.SequentialLR(optim, [warmup, decay], milestones=[2])
+
+
+def _plateau(optim: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optim, factor=0.5, patience=0, min_lr=[0.02, 0.004])
+
+
+@pytest.mark.parametrize("scheduler", [_lambda, _warmup_then_lambda, _plateau], ids=["lambda", "sequential", "plateau"])
+def test_a_scheduler_of_groups_built_in_another_order_steps_each_group_on_its_own_learning_rates(
+    tmp_path: Path, scheduler: Any
+) -> None:
+    """The optimizer took each saved group's hyperparameters by name, but the scheduler's per-group
+    lists (base_lrs, lr_lambdas, min_lrs) were loaded by position: at the next step a LambdaLR gave
+    layer 0 layer 2's learning rate and the other way round, without a word. Found walking the API
+    as a user; before the change the learning rates below came out swapped."""
+
+    def step(sched: Any, optim: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            optim.step()
+            sched.step(1.0) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+
+    def lrs(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, float]:
+        return {name: value["lr"] for name, value in by_name(model, optim).items()}
+
+    model = make_model(0)
+    optim = adam([(layer(model, 0), 0.1, 0.0), (layer(model, 2), 0.01, 0.5)])
+    sched = scheduler(optim)
+    step(sched, optim, 3)
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, keep=None) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim, "sched": sched})
+    step(sched, optim, 3)
+    expected = lrs(model, optim)
+
+    resumed_model = make_model(1)
+    resumed_optim = adam([(layer(resumed_model, 2), 1.0, 0.0), (layer(resumed_model, 0), 1.0, 0.0)])
+    resumed_sched = scheduler(resumed_optim)
+    with Checkpointer(uri, keep=None) as ckpt:
+        assert ckpt.restore({"model": resumed_model, "optim": resumed_optim, "sched": resumed_sched}) == 3
+    step(resumed_sched, resumed_optim, 3)
+    assert lrs(resumed_model, resumed_optim) == expected
+    assert expected["0.weight"] != expected["2.weight"]
