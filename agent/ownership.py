@@ -43,6 +43,7 @@ import builtins
 import hashlib
 import logging
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -114,6 +115,10 @@ def job_name_problem(job: object) -> str | None:
     line of its own."""
     if not isinstance(job, str):
         return f"a job name must be a string, got {job!r} ({type(job).__name__})"
+    if not job:
+        # An owner of its own kind otherwise: neither an unnamed job (no job=, or SPOTJOB_JOB_NAME
+        # empty) nor any name `spotjob ckpt adopt --job` takes.
+        return "the job name is empty: give the job a name, or leave it out (an unnamed job)"
     try:
         job.encode("utf-8")
     except UnicodeEncodeError:
@@ -275,8 +280,8 @@ class Owner:
 
 
 def _adopt_hint(storage: Storage, job: str | None) -> str:
-    flag = f"--job {job}" if job is not None else "--unnamed"
-    return f"`spotjob ckpt adopt {storage.uri} {flag}`"
+    flag = f"--job {shlex.quote(job)}" if job is not None else "--unnamed"  # a command to paste: quoted
+    return f"`spotjob ckpt adopt {shlex.quote(storage.uri)} {flag}`"
 
 
 def read_owner(storage: Storage) -> Owner | None:

@@ -116,6 +116,15 @@ def test_a_second_job_is_refused_with_the_owner_and_both_remedies_named(storage:
     assert e.value.owner == "a"
 
 
+def test_the_adopt_command_in_a_refusal_is_quoted_for_the_shell(storage: FileStorage) -> None:
+    """A job name with a space was printed as ``--job Bad Name``: pasted, adopt read ``Name`` as
+    a stray argument."""
+    claim(storage, "a")
+    with pytest.raises(OwnershipError) as e:
+        claim(storage, "Bad Name")
+    assert f"spotjob ckpt adopt {storage.uri} --job 'Bad Name'`" in str(e.value)
+
+
 def test_an_unnamed_job_is_an_owner_of_its_own(storage: FileStorage) -> None:
     claim(storage, None)
     assert json.loads(storage.get_bytes(OWNER_KEY))["job"] is None
@@ -374,6 +383,9 @@ def test_a_file_named_like_an_attempt_record_but_not_spelled_as_spotjob_spells_i
         ("caf\udce9", ValueError, "is not valid UTF-8"),
         ("ns/train\n2026-12-03 INFO forged", ValueError, "holds control characters ('\\n')"),
         (7, TypeError, "must be a string"),
+        # An owner of a third kind: neither unnamed (no job=, SPOTJOB_JOB_NAME empty) nor any name
+        # `spotjob ckpt adopt --job` takes, so nothing could name it again. Taken before.
+        ("", ValueError, "the job name is empty: give the job a name, or leave it out (an unnamed job)"),
     ],
 )
 def test_a_job_name_the_owner_record_or_a_log_line_cannot_carry_is_refused_up_front(
