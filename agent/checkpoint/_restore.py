@@ -193,6 +193,9 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         if j in matched:
             raise refuse(f"saved parameter group {j} matches more than one of this optimizer's groups")
         matched.append(j)
+    kind = _another_kind_of_optimizer(opt, saved_groups, matched)
+    if kind is not None:
+        raise RestoreRefusedError(kind)
 
     index = {fqn: n for n, fqn in enumerate(fqn for names in current for fqn in names)}
     state = {index[fqn]: value for fqn, value in saved.get("state", {}).items()}
@@ -201,6 +204,35 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         for names, j in zip(current, matched, strict=True)
     ]
     return _DirectOptimState({"state": state, "param_groups": groups}, matched)
+
+
+_SET_BY_SCHEDULERS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"})
+"""Keys torch's LR schedulers add to an optimizer's groups: a scheduler built before the save and
+not yet at the restore (or the other way round) is no change of optimizer."""
+
+
+def _another_kind_of_optimizer(
+    opt: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], matched: list[int]
+) -> str | None:
+    """Why the saved groups were not saved from an optimizer of ``opt``'s kind, or None.
+
+    Loaded into an SGD, an Adam's state replaced its groups' hyperparameters (its lr, too) and its
+    moments, and the first ``step()`` failed inside torch (``KeyError: 'momentum'``), far from the
+    cause. A kind is told by its groups' hyperparameters: each side holds some the other lacks (a
+    torch release adds hyperparameters to an optimizer, and one with defaults, which only one side
+    then lacks, is no other kind)."""
+    for i, j in enumerate(matched):
+        saved = set(saved_groups[j]) - {"params"} - _SET_BY_SCHEDULERS
+        mine = set(opt.param_groups[i]) - {"params"} - _SET_BY_SCHEDULERS
+        if saved - mine and mine - saved:
+            return (
+                f"the checkpoint's optimizer state was saved from another kind of optimizer than this "
+                f"{type(opt).__name__}: its parameter groups hold {', '.join(sorted(saved - mine))}, which this "
+                f"one's lack, and lack {', '.join(sorted(mine - saved))}. Restore into the optimizer it was saved "
+                "with; to change optimizers, leave it out of the state handed to restore() (the model restores "
+                "alone) and let the new one start fresh"
+            )
+    return None
 
 
 def _runs_code_on_load(bag: nn.Module) -> bool:

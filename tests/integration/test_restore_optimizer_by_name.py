@@ -247,3 +247,29 @@ def test_a_scheduler_of_groups_built_in_another_order_steps_each_group_on_its_ow
     step(resumed_sched, resumed_optim, 3)
     assert lrs(resumed_model, resumed_optim) == expected
     assert expected["0.weight"] != expected["2.weight"]
+
+
+def test_an_optimizer_of_another_kind_is_refused_before_anything_changes(
+    saved: tuple[str, dict[str, dict[str, Any]], dict[str, Any]],
+) -> None:
+    """Adam's state restored into an SGD "succeeded": the SGD held Adam's groups (its lr replaced)
+    and moments, and its first step() failed inside torch with KeyError: 'momentum', far from the
+    cause. Found walking the API as a user. An AdamW, whose groups hold what Adam's do, still takes
+    it (as torch's own load_state_dict does)."""
+    uri, expected, _ = saved
+    model = make_model(1)
+    sgd = torch.optim.SGD(
+        [{"params": layer(model, 0), "lr": 1.0}, {"params": layer(model, 2), "lr": 1.0}], lr=1.0, momentum=0.9
+    )
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RestoreRefusedError) as refused:
+        restore(uri, model, sgd)
+    said = str(refused.value)
+    assert "saved from another kind of optimizer than this SGD: its parameter groups hold" in said, said
+    assert "and lack dampening, momentum, nesterov" in said and "leave it out of the state" in said
+    assert [g["lr"] for g in sgd.param_groups] == [1.0, 1.0] and not sgd.state
+    assert_same(model.state_dict(), before, "the model")
+
+    adamw = torch.optim.AdamW([{"params": layer(model, 0)}, {"params": layer(model, 2)}])
+    assert restore(uri, model, adamw) == 3
+    assert_same(by_name(model, adamw), expected, "the optimizer state by parameter name")
