@@ -286,9 +286,15 @@ class _RunSetup:
             # It stopped every process itself, and ended their attempt (Reconciler.driver_stopped):
             # nothing was lost with it, and no preemption is counted.
             newest = status.last_checkpoint
+            # What the status recorded, not where the next attempt starts: that is its newest
+            # checkpoint that loads, read from storage when it starts (WorkersStarted says it).
             said = (
-                f"{driver} was interrupted and stopped every process of the run ({status.reason}); the next attempt "
-                f"starts from {f'step {newest.step}' if newest is not None else 'the start (no checkpoint)'}"
+                f"{driver} was interrupted and stopped every process of the run ({status.reason}); "
+                + (
+                    f"the newest checkpoint it recorded is step {newest.step}"
+                    if newest is not None
+                    else "it recorded no checkpoint"
+                )
             )
         else:
             said = f"{driver} is gone"

@@ -159,6 +159,8 @@ class _Pass:
     workers: list[WorkerObservation] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     checkpoint: CheckpointStatus | None = None
+    skipped: list[CheckpointStatus] = field(default_factory=list)
+    """Committed checkpoints newer than ``checkpoint`` that this pass's look at storage passed over."""
     newer_format: CheckpointRef | None = None
     """The newest checkpoint above ``checkpoint`` that a newer spotjob wrote (unreadable here): an
     attempt's fence must not fall below it, or an upgraded worker would take it for a stale one's."""

@@ -88,6 +88,11 @@ WORKER_INFRA_ERROR = Reason(
 )
 INVALID_CHECKPOINT_URI = Reason("InvalidCheckpointURI", "{error}", warning=True)
 CHECKPOINT_URI_OWNED = Reason("CheckpointURIOwned", "{error}", warning=True)
+CHECKPOINT_UNUSABLE = Reason(
+    "CheckpointUnusable",
+    "step {recorded}, the newest checkpoint this job had recorded, {problem}: the job resumes from {resume}",
+    warning=True,
+)
 ATTEMPT_RENUMBERED = Reason(
     "AttemptRenumbered",
     "storage records attempt {recorded} of this job already (an earlier job of this name): the next attempt is "

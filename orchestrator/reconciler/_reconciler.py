@@ -63,6 +63,7 @@ from orchestrator.reconciler._pass import (
 from orchestrator.reconciler._reasons import (
     ATTEMPT_RENUMBERED,
     BACKEND_UNAVAILABLE,
+    CHECKPOINT_UNUSABLE,
     CHECKPOINT_URI_OWNED,
     DEGRADED,
     HEALTHY,
@@ -574,14 +575,38 @@ class Reconciler(_Capacity):
             # Storage answered and holds none (a fresh start retired them, the URI was emptied):
             # the status must not name one the next attempt cannot resume from.
             status.last_checkpoint = None
+        self._tell_a_lost_newest(p)
         if p.storage_error is not None or p.signals_error is not None:
             status.infra_errors += 1
         status.avoid = [a for a in status.avoid if a.until > p.now]
         self._track_steps(p)
 
+    def _tell_a_lost_newest(self, p: _Pass) -> None:
+        """A Warning when storage's newest usable checkpoint is older than the one the status had
+        recorded (a file of it damaged, the folder deleted, retired by a fresh start): the status
+        goes back with it, and the Events said the job would resume from the recorded step, where
+        its next attempt then started from an older one, or from scratch, without a word."""
+        before = p.previous_checkpoint_step
+        if before is None or p.storage is None or p.storage_error is not None or p.owned_by_another is not None:
+            return
+        if p.checkpoint_step is not None and p.checkpoint_step >= before:
+            return
+        reason = next((s.reason for s in p.skipped if s.ref.step == before and s.reason), None)
+        why = f"does not load ({reason})" if reason else "is no longer in storage as one the job can resume from"
+        uri = p.storage.url()
+        self._event(
+            p,
+            CHECKPOINT_UNUSABLE,
+            recorded=before,
+            problem=f"{why}; `spotjob ckpt list {uri}` says why of each",
+            resume=p.resume_point(),
+        )
+
     def _note_skipped(self, p: _Pass, storage: Storage, skipped: CheckpointStatus) -> None:
         """Say once per job why a checkpoint is not the one it resumes from (a folder without a
         manifest, as likely a save in progress, only at debug level)."""
+        if skipped.committed:
+            p.skipped.append(skipped)
         if skipped.newer_format and p.newer_format is None:  # newest first: the first is the newest
             p.newer_format = skipped.ref
         said = (skipped.ref.folder, skipped.reason)

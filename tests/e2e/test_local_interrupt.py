@@ -210,7 +210,7 @@ def test_the_first_ctrl_c_flushes_the_step_reached_then_stops_and_resume_carries
     [took_over] = [e for e in events(run) if e.reason == "Resumed"]
     assert (
         f"the previous driver (pid {driver.pid}) was interrupted and stopped every process of the run "
-        f"(InterruptFlushCommitted); the next attempt starts from step {step}" in took_over.message
+        f"(InterruptFlushCommitted); the newest checkpoint it recorded is step {step}" in took_over.message
     )
     assert reasons.index("InterruptFlushCommitted") < reasons.index("Resumed") < reasons.index("Completed")
     summary = json.loads((run / "summary.json").read_text())

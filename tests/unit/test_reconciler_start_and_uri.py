@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fakes import commit_checkpoint
 from test_reconciler import edit_document, make_world, phase_is, running_attempt
 
+from agent.catalog import folder_name
+from agent.manifest import rank_file_name
 from orchestrator.events import EventType
 from orchestrator.model import Phase
 from orchestrator.store import JsonFileJobStore
@@ -140,3 +143,38 @@ def test_a_checkpoint_uri_changed_under_the_job_makes_it_invalid_and_touches_nei
     world.reconcile()
     assert world.status.condition("Invalid").status == "False"  # type: ignore[union-attr]
     assert world.status.phase is Phase.RUNNING
+
+
+def test_a_newest_checkpoint_that_no_longer_loads_is_warned_about_once_naming_why_and_where_the_job_resumes(
+    tmp_path: Any,
+) -> None:
+    """The status recorded step 50; then a file of it was damaged (and later every checkpoint was
+    removed). The status went back without a word, and `spotjob run --resume`'s Resumed Event said
+    the next attempt starts from the recorded step while it started from an older one, or from
+    scratch. Found walking the CLI as a user."""
+    w = make_world(tmp_path)
+    w.run_until(running_attempt(0))
+    commit_checkpoint(w.storage, 40, w.clock.now())
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    status = w.run_to(w.clock.at() + 10)
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 50
+    assert "CheckpointUnusable" not in w.event_reasons()
+
+    w.storage.put_bytes(f"{folder_name(50)}/{rank_file_name(0)}", b"cut")  # shorter than its manifest says
+    status = w.run_to(w.clock.at() + 10)
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 40
+    [told] = [e for e in w.events.emitted if e.reason == "CheckpointUnusable"]
+    assert told.type is EventType.WARNING
+    assert told.message.startswith("step 50, the newest checkpoint this job had recorded, does not load ("), told
+    assert "is 3 bytes" in told.message and told.message.endswith(": the job resumes from step 40"), told
+    assert f"`spotjob ckpt list {w.storage.url()}` says why of each" in told.message
+
+    w.storage.delete_prefix(folder_name(50) + "/")
+    w.storage.delete_prefix(folder_name(40) + "/")
+    status = w.run_to(w.clock.at() + 10)
+    assert status.last_checkpoint is None
+    told = [e for e in w.events.emitted if e.reason == "CheckpointUnusable"][1]
+    assert told.message.startswith("step 40, the newest checkpoint this job had recorded, is no longer in storage")
+    assert told.message.endswith("the job resumes from scratch"), told
+    w.run_to(w.clock.at() + 30)
+    assert w.event_reasons().count("CheckpointUnusable") == 2, "once for each step lost, not once per pass"
