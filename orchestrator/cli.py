@@ -66,8 +66,13 @@ def log_level(parser: argparse.ArgumentParser, verbose: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     tolerate_unencodable_output()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Building the parser imports every command's module (most of the start's half second):
+        # a Ctrl-C there was a traceback of 40 lines through the imports.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     level = log_level(parser, args.verbose)
     try:
         kind = log_format(os.environ.get(ENV_LOG_FORMAT))

@@ -52,3 +52,22 @@ def test_a_broken_pipe_of_a_store_is_a_ckpt_error_with_exit_2(capsys: pytest.Cap
     run = cli_ckpt._boundary(command)
     assert run(argparse.Namespace(ckpt_command="list", verbose=False)) == 2
     assert "spotjob ckpt list: error:" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_while_the_commands_are_loaded_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Building the parser imports every command's module (most of `spotjob`'s start): a Ctrl-C
+    there printed a KeyboardInterrupt traceback of 40 lines. Found walking the CLI as a user."""
+    from orchestrator import cli
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_ckpt, "register", interrupted)
+    try:
+        rc = cli.main(["ckpt", "list", "/nowhere"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped spotjob's main() (a traceback)")
+    assert rc == 130
+    assert capsys.readouterr().err == ""
