@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from agent._layout import (
     CONTROL_FOLDER,
     CheckpointRef,
+    MisplacedUriError,
     WrittenManifest,
     checkpoint_uris_below,
     find_checkpoints,
@@ -79,6 +80,7 @@ __all__ = [
     "CheckpointRef",
     "CheckpointStatus",
     "Lineage",
+    "MisplacedUriError",
     "WrittenManifest",
     "checkpoint_uris_below",
     "find_checkpoints",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from operator import methodcaller
 
-from agent.catalog import CheckpointStatus, latest_valid
+from agent.catalog import CheckpointStatus, MisplacedUriError, latest_valid
 from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
 from agent.settings import unknown_variables
 from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
@@ -559,7 +559,7 @@ class Reconciler(_Capacity):
                 self._claim(p, storage)
                 if p.owned_by_another is None and known is not None:
                     p.checkpoint = known[0]
-                elif p.owned_by_another is None:
+                elif p.owned_by_another is None and p.invalid_uri is None:
                     p.checkpoint = latest_valid(
                         storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
                     )
@@ -629,6 +629,11 @@ class Reconciler(_Capacity):
             claim(storage, claimed[1])
         except OwnershipError as e:
             p.owned_by_another = str(e)
+            return
+        except MisplacedUriError as e:
+            # A checkpoint's own folder, or the folder above other jobs' URIs: the workers'
+            # Checkpointers would refuse it (CheckpointUriError) on every attempt.
+            p.invalid_uri = f"spec.checkpoint.uri: {e}"
             return
         with self._lock:
             self._claimed.add(claimed)

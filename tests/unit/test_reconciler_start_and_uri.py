@@ -12,6 +12,7 @@ from test_reconciler import edit_document, make_world, phase_is, running_attempt
 
 from agent.catalog import folder_name
 from agent.manifest import rank_file_name
+from agent.storage import open_storage
 from orchestrator.events import EventType
 from orchestrator.model import Phase
 from orchestrator.store import JsonFileJobStore
@@ -178,3 +179,17 @@ def test_a_newest_checkpoint_that_no_longer_loads_is_warned_about_once_naming_wh
     assert told.message.endswith("the job resumes from scratch"), told
     w.run_to(w.clock.at() + 30)
     assert w.event_reasons().count("CheckpointUnusable") == 2, "once for each step lost, not once per pass"
+
+
+def test_a_checkpoint_uri_above_other_jobs_checkpoints_fails_the_job_naming_them(tmp_path: Any) -> None:
+    """The workers' Checkpointers refuse such a URI (CheckpointUriError): the job fails at its first
+    pass with InvalidCheckpointURI, naming the folder that holds checkpoints, and starts nothing."""
+    w = make_world(tmp_path)
+    below = open_storage(w.storage.uri + "/other-job")
+    commit_checkpoint(below, 10, w.clock.now())
+    below.close()
+    status = w.run_to(30)
+    assert (status.phase, status.reason) == (Phase.FAILED, "InvalidCheckpointURI")
+    assert "holds no checkpoints, but folders in it do" in status.message
+    assert w.storage.url("other-job") in status.message
+    assert w.backend.created == []
