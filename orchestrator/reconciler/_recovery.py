@@ -54,7 +54,10 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from operator import methodcaller
 
+from agent.catalog import MisplacedUriError
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_INFRA_ERROR, EXIT_PREEMPTED, EXIT_STOPPED
+from agent.ownership import OwnershipError, claim
+from agent.storage import StorageError
 from orchestrator.backends.base import BackendError, FlushRequestOutcome, FlushRequestState, WorkerObservation
 from orchestrator.events import FLUSH_OUTCOMES
 from orchestrator.model import (
@@ -81,12 +84,14 @@ from orchestrator.reconciler._pass import (
     _Placed,
     _Preemption,
     _stop_with_flush,
+    job_identity,
 )
 from orchestrator.reconciler._reasons import (
     AGENT_FLUSH_FAILED,
     AGENT_PREEMPTED,
     CAPACITY,
     CAPACITY_FOUND,
+    CHECKPOINT_URI_OWNED,
     COMPLETED,
     FLUSH_COMMITTED,
     FLUSH_FAILED,
@@ -466,6 +471,10 @@ class _Recovery(_FlushRequests):
         """The user's code failed: restart within the budget, or fail the job."""
         spec, status = p.spec, p.status
         self._close_recovery(p)
+        taken = self._taken_over(p)
+        if taken is not None:
+            self._finish(p, Phase.FAILED, CHECKPOINT_URI_OWNED, error=taken)
+            return
         if status.restarts >= spec.max_restarts:
             self._finish(
                 p,
@@ -490,6 +499,22 @@ class _Recovery(_FlushRequests):
         )
         self._event(p, WORKER_FAILED, message=message)
         self._enter_rescheduling(p, None)
+
+    def _taken_over(self, p: _Pass) -> str | None:
+        """Why the URI is another job's now, or None: read again, not from the pass's first look
+        (cached per URI). A job whose URI another one adopted while it ran (``spotjob ckpt adopt``)
+        has its workers' saves fenced (FencedSaveError) and then every restart refused
+        (CheckpointOwnershipError): each counted as a failure of the user's code, it spent every
+        restart and told the user to fix a script that was not broken. One GET per failure."""
+        if p.storage is None:
+            return None
+        try:
+            claim(p.storage, job_identity(p.key))  # no write: the URI has an owner record by now
+        except OwnershipError as e:
+            return str(e)
+        except (StorageError, MisplacedUriError):
+            return None  # judged as before: storage trouble is the pass's own to tell
+        return None
 
     def _on_infra_error(self, p: _Pass, worker: WorkerObservation) -> None:
         """An agent exited 74: restart the gang after the infrastructure backoff, budget untouched."""

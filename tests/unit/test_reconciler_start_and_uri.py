@@ -12,6 +12,7 @@ from test_reconciler import edit_document, make_world, phase_is, running_attempt
 
 from agent.catalog import folder_name
 from agent.manifest import rank_file_name
+from agent.ownership import adopt, attempt_records
 from agent.storage import open_storage
 from orchestrator.events import EventType
 from orchestrator.model import Phase
@@ -193,3 +194,24 @@ def test_a_checkpoint_uri_above_other_jobs_checkpoints_fails_the_job_naming_them
     assert "holds no checkpoints, but folders in it do" in status.message
     assert w.storage.url("other-job") in status.message
     assert w.backend.created == []
+
+
+def test_a_job_whose_uri_another_job_adopted_while_it_ran_fails_at_its_first_failure_without_a_restart(
+    tmp_path: Any,
+) -> None:
+    """`spotjob ckpt adopt` of a running job's URI: its workers' saves were fenced, then every
+    restart refused by the new owner, each counted as a failure of the user's code, so the job
+    spent its restarts, wrote attempt records into the other job's URI and ended
+    RestartBudgetExhausted, saying to fix the script. Found walking the CLI as a user. Now the
+    first failure reads the owner again: CheckpointURIOwned, no restart, nothing more recorded."""
+    w = make_world(tmp_path, maxRestarts=3)
+    w.run_until(running_attempt(0))
+    commit_checkpoint(w.storage, 20, w.clock.now())
+    w.run_to(w.clock.at() + 10)
+    adopt(w.storage, "team-a/other")
+    w.backend.exit(0, 0, 1)  # its Checkpointer's next save was fenced
+    status = w.run_until(lambda s: s.phase.terminal)
+    assert (status.phase, status.reason) == (Phase.FAILED, "CheckpointURIOwned")
+    assert "team-a/other" in status.message and status.restarts == 0
+    assert "WorkerFailed" not in w.event_reasons()
+    assert [r.attempt for r in attempt_records(w.storage, str(w.key))] == [0]
