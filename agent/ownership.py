@@ -721,8 +721,9 @@ class Lineage:
         resumed = record.fence.folder if record.fence is not None else "scratch"
         return Judgement(
             "fenced",
-            f"fenced: written by attempt {attempt} of {describe_job(job)} after attempt {record.attempt} was "
-            f"recorded resuming from {resumed} (a worker that should have stopped)",
+            f"fenced: written by attempt {attempt} of {describe_job(job)}, newer than {resumed}, which attempt "
+            f"{record.attempt} was recorded resuming from (so taken for a worker that should have stopped; a "
+            "checkpoint that did not load when that attempt started is fenced the same way)",
         )
 
     def _recorded(self, job: str | None) -> builtins.list[int]:

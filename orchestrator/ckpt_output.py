@@ -103,7 +103,7 @@ def _verdict(status: CheckpointStatus) -> str:
         return f"uncommitted leftover — {status.reason}"
     if status.foreign:
         return f"FOREIGN — {status.reason}"
-    if status.fenced:
+    if status.fenced and len(status.problems) == 1:  # a damaged one is INVALID first: fenced says when, not what
         return f"FENCED — {status.reason}"
     if status.retired:
         return f"RETIRED — {status.reason}"

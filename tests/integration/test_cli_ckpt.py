@@ -1842,3 +1842,21 @@ def test_a_manifest_damaged_where_it_is_kept_makes_its_checkpoint_invalid_on_s3(
         with Checkpointer(uri, keep=None, async_save=False) as again:
             assert again.restore({"model": model, "optim": optim}) == 2
         assert all(torch.equal(v, saved.weights[2][k]) for k, v in model.state_dict().items())
+
+
+def test_a_damaged_checkpoint_above_the_next_attempts_fence_is_invalid_first_and_not_said_to_come_after_it(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interrupt flush of attempt 0 committed step 3, a file of it was damaged, and attempt 1 was
+    recorded resuming from step 2 (the newest that loaded). `list` said FENCED, 'written ... after
+    attempt 1 was recorded ... (a worker that should have stopped)': false of a checkpoint committed
+    before attempt 1 started, and it hid the damage. Found walking the CLI as a user. Now INVALID,
+    naming the damage first; the fence is said as what it is (newer than the step resumed from)."""
+    rewrite_manifest(saved, 3, lambda raw: raw.update(attempt=0))
+    truncate(saved.storage, saved.key(3, saved.shard(3)))
+    record_attempt(saved.storage, None, 1, CheckpointRef(2))
+    _, out, _ = ckpt(capsys, "list", saved.uri)
+    row = next(line for line in out.splitlines() if saved.folder(3) in line)
+    assert "INVALID — " in row and "FENCED" not in row, row
+    assert row.index("bytes") < row.index("fenced: written by attempt 0 of an unnamed job, newer than step-000000002,")
+    assert "after attempt" not in row
