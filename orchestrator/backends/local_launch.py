@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from agent.atomic_file import write_atomic
 from agent.control_api import ENV_AGENT_TOKEN
 from agent.control_channel import (
-    ENV_ASYNC,
     ENV_ATTEMPT,
     ENV_CHECKPOINT_URI,
     ENV_CONTROL_DIR,
@@ -21,8 +20,6 @@ from agent.control_channel import (
     ENV_EVERY_STEPS,
     ENV_JOB_NAME,
     ENV_KEEP,
-    ENV_STAGING_DIR,
-    ENV_START_FRESH,
 )
 from agent.launcher_cli import usage_problem
 from agent.process_tree import ENV_AGENT_ID
@@ -34,15 +31,14 @@ _CHECK_IMDS_URL = "http://127.0.0.1:1"
 """The metadata URL ``spec_problems`` gives the agent's parser in place of a node's emulator's."""
 
 # The agent reads these from its own flags; the user's shell must not override them underneath.
+# (SPOTJOB_ASYNC, SPOTJOB_STAGING_DIR and SPOTJOB_START_FRESH are no flag of spotjob run's: they
+# reach the agents from its environment, which the agent checks as its own, and the ranks.)
 _AGENT_OWNED_ENV = (
     ENV_CHECKPOINT_URI,
     ENV_JOB_NAME,
     ENV_EVERY_STEPS,
     ENV_EVERY_SECONDS,
     ENV_KEEP,
-    ENV_ASYNC,
-    ENV_STAGING_DIR,
-    ENV_START_FRESH,
     ENV_ATTEMPT,
     ENV_CONTROL_DIR,
     ENV_AGENT_ID,

@@ -196,3 +196,31 @@ def test_spotjob_run_refuses_a_bad_agent_variable_of_its_environment_giving_the_
     assert "SPOTJOB_AGENT_FLUSH_LEAD='abc' is not a number of seconds" in said, said
     assert "read from this environment" in said, said
     assert said.count("unset it") == 1, said
+
+
+@pytest.mark.parametrize(
+    ("variable", "good", "bad", "said"),
+    [
+        ("SPOTJOB_ASYNC", "0", "maybe", "SPOTJOB_ASYNC='maybe'"),
+        ("SPOTJOB_START_FRESH", "1", "maybe", "SPOTJOB_START_FRESH='maybe'"),
+    ],
+)
+def test_spotjob_runs_environment_reaches_its_agents_with_what_no_option_of_it_sets_and_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, good: str, bad: str, said: str
+) -> None:
+    """SPOTJOB_ASYNC, SPOTJOB_START_FRESH and SPOTJOB_STAGING_DIR were dropped from the workers'
+    environment without a word (spotjob run has no option for them, so local mode could not save
+    synchronously, stage elsewhere or start fresh on purpose), and a bad value was taken (rc 0)
+    where spotjob-agent alone exits 2. Found walking the CLI as a user."""
+    from orchestrator.backends.local_launch import worker_env
+
+    spec = RunConfig(script="train.py", args=[], name="run", runs_dir=str(tmp_path)).job_spec()
+    monkeypatch.setenv(variable, good)
+    assert worker_env(spec)[variable] == good
+    with LocalBackend(LocalOptions(root=str(tmp_path / "run"))) as backend:
+        assert backend.spec_problems(JobKey.local("run"), spec) == []
+        monkeypatch.setenv(variable, bad)
+        [problem] = backend.spec_problems(JobKey.local("run"), spec)
+    assert said in problem, problem
+    monkeypatch.setenv("SPOTJOB_STAGING_DIR", "/mnt/nvme/spotjob")  # the ranks' Checkpointers check it
+    assert worker_env(spec)["SPOTJOB_STAGING_DIR"] == "/mnt/nvme/spotjob"
