@@ -35,7 +35,7 @@ from orchestrator.backends.local_timeline import EventKind, TimelineEvent
 from orchestrator.events import EventType, RecordedEvent
 from orchestrator.held_notices import held_cell, held_notices, held_text
 from orchestrator.model import CheckpointInfo, JobSpec, JobStatus, Phase
-from orchestrator.run_folder import hand_over_commands, runs_dir_option, used_up_restarts
+from orchestrator.run_folder import hand_over_commands, run_file_workdir, runs_dir_option, used_up_restarts
 
 log = logging.getLogger(__name__)
 
@@ -536,7 +536,12 @@ def _gone_note(r: RunRecord) -> str:
 
 
 def _resume_command(r: RunRecord) -> str:
-    return f"spotjob run{runs_dir_option(os.path.dirname(r.path))} --resume {r.name}"
+    command = f"spotjob run{runs_dir_option(os.path.dirname(r.path))} --resume {r.name}"
+    workdir = run_file_workdir(r.path)
+    if workdir is not None and not os.path.isdir(workdir):
+        # --resume refuses it until then (its script's relative paths name things there).
+        return f"create {workdir} again (its workers ran there), then {command}"
+    return command
 
 
 def _carry_on(r: RunRecord) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.live import RunRecord, _resume_command
 from orchestrator.model import JobSpec
 from orchestrator.run_config import RunConfig, checkpoint_uri_problem, describe_option_error, plot_problem
 
@@ -649,6 +650,11 @@ def test_a_resumed_run_trains_in_the_folder_the_run_began_in_not_where_resume_wa
     shutil.rmtree(began)
     with pytest.raises(RunError, match=r"its workers ran in .*project, which is gone"):
         LocalRun.resume(str(runs), "moved")
+    # spotjob status's "to continue" said `spotjob run --resume moved` alone, which this refuses.
+    record = RunRecord(name="moved", path=made.path, spec=None, status=None, controller_alive=False)
+    assert _resume_command(record) == f"create {began} again (its workers ran there), then " + (
+        f"spotjob run --runs-dir {runs} --resume moved"
+    )
 
 
 def test_a_resume_takes_the_step_the_ranks_last_reported_so_the_steps_an_interrupt_lost_are_counted(
