@@ -8,29 +8,14 @@ URI), on a copy of a checkpoint folder under another name, and on the bucket's f
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from test_checkpoint_read_only import store_listing
 from torch import nn
 
 from agent import Checkpointer
 from agent.checkpoint import CheckpointUriError
 from agent.storage import open_storage
-
-
-def _listing(uri: str) -> list[tuple[str, int]]:
-    """Every object under ``uri``; on a filesystem every entry, folders included."""
-    storage = open_storage(uri)
-    try:
-        local = storage.local_path("")
-        if local is not None:
-            return sorted(
-                (os.path.relpath(os.path.join(d, n), local), 0) for d, ds, fs in os.walk(local) for n in ds + fs
-            )
-        return sorted((o.key, o.size) for o in storage.list(""))
-    finally:
-        storage.close()
 
 
 def _open_and_restore(uri: str, state: dict[str, nn.Module], *, read_only: bool) -> int:
@@ -59,7 +44,7 @@ def test_a_checkpoints_own_folder_or_the_folder_above_the_jobs_uri_is_refused_an
         storage.put_bytes("latest/MANIFEST.json", storage.get_bytes("run/step-000000002/MANIFEST.json"))
     finally:
         storage.close()
-    before = _listing(storage_uri)
+    before = store_listing(storage_uri)
 
     storage = open_storage(job_uri)
     job = storage.uri  # as the messages write it (file:///... for a path)
@@ -82,7 +67,7 @@ def test_a_checkpoints_own_folder_or_the_folder_above_the_jobs_uri_is_refused_an
                 _open_and_restore(uri, state, read_only=read_only)
             assert said in str(refused.value), (uri, read_only, refused.value)
             assert isinstance(refused.value, ValueError)
-    assert _listing(storage_uri) == before
+    assert store_listing(storage_uri) == before
 
     # The job's own URI, and a new one beside it, are a URI like any other.
     assert _open_and_restore(job_uri, state, read_only=False) == 2

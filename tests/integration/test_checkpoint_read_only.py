@@ -24,7 +24,7 @@ def _model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _listing(uri: str) -> list[tuple[str, int]]:
+def store_listing(uri: str) -> list[tuple[str, int]]:
     """Every object under ``uri``; on a filesystem every entry, folders (a staging folder) included."""
     storage = open_storage(uri)
     try:
@@ -50,7 +50,7 @@ def test_an_eval_script_restores_another_jobs_checkpoint_read_only_and_writes_no
     optim.step()
     with Checkpointer(storage_uri, job=JOB, async_save=False) as ckpt:
         ckpt.save(5, {"model": trained, "optim": optim})
-    before = _listing(storage_uri)
+    before = store_listing(storage_uri)
 
     with pytest.raises(CheckpointOwnershipError, match="read_only=True"):
         Checkpointer(storage_uri)  # the message points an eval script at read_only, not at adopt
@@ -64,7 +64,7 @@ def test_an_eval_script_restores_another_jobs_checkpoint_read_only_and_writes_no
             reader.step(6, {"model": fresh})
     for name, tensor in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
-    assert [e for e in _listing(storage_uri) if e[0] != ".spotjob/pins"] == before
+    assert [e for e in store_listing(storage_uri) if e[0] != ".spotjob/pins"] == before
 
 
 def test_read_only_refuses_start_fresh(tmp_path: object) -> None:

@@ -349,6 +349,16 @@ def test_labels_and_annotations_the_api_server_refuses_in_a_pod_are_refused_nami
         pod(0, template=template)
 
 
+def assert_refused_naming(change: Any, said: str) -> None:
+    """The template ``change`` makes is a problem starting with ``said``, and the pod builder refuses it."""
+    template = copy.deepcopy(USER_TEMPLATE)
+    change(template)
+    problems = pods.template_problems(template, 1)
+    assert any(p.startswith(said) for p in problems), problems
+    with pytest.raises(pods.TemplateError, match=re.escape(said)):
+        pod(0, template=template)
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [
@@ -375,12 +385,7 @@ def test_a_node_selector_or_container_name_the_api_server_refuses_is_named_with_
 ) -> None:
     """As labels: a nodeSelector or a container name the API server refuses made every worker pod
     of every pass a 422."""
-    template = copy.deepcopy(USER_TEMPLATE)
-    change(template)
-    problems = pods.template_problems(template, 1)
-    assert any(p.startswith(said) for p in problems), problems
-    with pytest.raises(pods.TemplateError, match=re.escape(said)):
-        pod(0, template=template)
+    assert_refused_naming(change, said)
 
 
 def _mount(container: int, name: str, path: str) -> Any:
@@ -467,12 +472,7 @@ def test_a_container_image_name_or_mount_the_api_server_refuses_is_named_with_th
     a mount of no volume: the API server refuses each such pod, so every worker of every pass was
     refused and the job sat Pending with BackendUnavailable Events. Found walking the chart and the
     controller as a user; each case passed before."""
-    template = copy.deepcopy(USER_TEMPLATE)
-    change(template)
-    problems = pods.template_problems(template, 1)
-    assert any(p.startswith(said) for p in problems), problems
-    with pytest.raises(pods.TemplateError, match=re.escape(said)):
-        pod(0, template=template)
+    assert_refused_naming(change, said)
 
 
 def test_mounts_and_images_the_api_server_takes_pass() -> None:
