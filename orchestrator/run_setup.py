@@ -288,13 +288,10 @@ class _RunSetup:
             newest = status.last_checkpoint
             # What the status recorded, not where the next attempt starts: that is its newest
             # checkpoint that loads, read from storage when it starts (WorkersStarted says it).
-            said = (
-                f"{driver} was interrupted and stopped every process of the run ({status.reason}); "
-                + (
-                    f"the newest checkpoint it recorded is step {newest.step}"
-                    if newest is not None
-                    else "it recorded no checkpoint"
-                )
+            said = f"{driver} was interrupted and stopped every process of the run ({status.reason}); " + (
+                f"the newest checkpoint it recorded is step {newest.step}"
+                if newest is not None
+                else "it recorded no checkpoint"
             )
         else:
             said = f"{driver} is gone"
