@@ -67,9 +67,11 @@ class CheckpointRef:
         return ref if ref.folder == folder else None
 
 
-def find_checkpoints(storage: Storage) -> list[CheckpointRef]:
-    """Every checkpoint folder under the URI, newest first (``.spotjob/`` and strays excluded)."""
-    refs = [r for r in (CheckpointRef.parse(d) for d in storage.list_dirs("")) if r is not None]
+def find_checkpoints(storage: Storage, dirs: list[str] | None = None) -> list[CheckpointRef]:
+    """Every checkpoint folder under the URI, newest first (``.spotjob/`` and strays excluded);
+    ``dirs``: the URI's folders, when the caller listed them already."""
+    names = storage.list_dirs("") if dirs is None else dirs
+    refs = [r for r in (CheckpointRef.parse(d) for d in names) if r is not None]
     return sorted(refs, reverse=True)
 
 
@@ -80,12 +82,12 @@ SUBFOLDERS_LOOKED_AT = 32
 """How many of a checkpoint-less URI's folders ``checkpoint_uris_below`` looks into (a listing each)."""
 
 
-def checkpoint_uris_below(storage: Storage) -> list[str]:
+def checkpoint_uris_below(storage: Storage, dirs: list[str] | None = None) -> list[str]:
     """The folders right under ``storage``'s URI that hold checkpoints (the first 32 looked at): the
     URI given was the parent of a job's (``spotjob-runs/NAME`` for ``spotjob-runs/NAME/checkpoints``,
-    a bucket for its prefix)."""
+    a bucket for its prefix). ``dirs``: the URI's folders, when the caller listed them already."""
     found = []
-    for name in sorted(storage.list_dirs(""))[:SUBFOLDERS_LOOKED_AT]:
+    for name in sorted(storage.list_dirs("") if dirs is None else dirs)[:SUBFOLDERS_LOOKED_AT]:
         if name.startswith(".") or CheckpointRef.parse(name) is not None:
             continue
         if any(CheckpointRef.parse(d) is not None for d in storage.list_dirs(name + "/")):
@@ -98,15 +100,15 @@ class MisplacedUriError(ValueError):
     folder, or a folder above job URIs (``misplaced_uri_problem``)."""
 
 
-def misplaced_uri_problem(storage: Storage) -> str | None:
+def misplaced_uri_problem(storage: Storage, dirs: list[str] | None = None) -> str | None:
     """Why ``storage``'s URI, which holds no checkpoint folders, is not one a job saves to, or None.
 
     A checkpoint's own folder (named ``step-N``, or holding a ``MANIFEST.json`` or ``WRITER.json``:
     the folder a log line or ``spotjob ckpt show`` printed, pasted as the URI) or a folder whose
     subfolders hold checkpoints (the parent of the job's URI): a Checkpointer there started from
     step 0 without a word, and one in a checkpoint's folder wrote into it, where the job's
-    retention later deleted what it saved. Costs two stats and a listing, and a listing for each
-    subfolder (at most ``SUBFOLDERS_LOOKED_AT``)."""
+    retention later deleted what it saved. Costs two stats and a listing (none when ``dirs``, the
+    URI's folders, are given), and a listing for each subfolder (at most ``SUBFOLDERS_LOOKED_AT``)."""
     parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
     if CheckpointRef.parse(leaf) is not None:
         return (
@@ -119,7 +121,7 @@ def misplaced_uri_problem(storage: Storage) -> str | None:
             f"{storage.uri} is a checkpoint's own folder (it holds {held}), not the URI a job saves to: give the "
             "URI its job saves to, the folder that holds its step-NNNNNNNNN folders"
         )
-    below = checkpoint_uris_below(storage)
+    below = checkpoint_uris_below(storage, dirs)
     if below:
         more = f" (and {len(below) - 3} more)" if len(below) > 3 else ""
         return (

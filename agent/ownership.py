@@ -329,13 +329,14 @@ def _owned_message(storage: Storage, owner: str, job: str | None) -> str:
     )
 
 
-def _legacy_writers(storage: Storage) -> dict[str | None, CheckpointRef]:
-    """Jobs whose committed checkpoints lie under an unclaimed URI, each with its newest folder.
+def _legacy_writers(storage: Storage, refs: list[CheckpointRef] | None = None) -> dict[str | None, CheckpointRef]:
+    """Jobs whose committed checkpoints lie under an unclaimed URI, each with its newest folder
+    (``refs``: the URI's checkpoint folders, when the caller listed them already).
 
     Manifests that cannot be read name no job and are left to the catalog to report.
     """
     writers: dict[str | None, CheckpointRef] = {}
-    for ref in find_checkpoints(storage):
+    for ref in find_checkpoints(storage) if refs is None else refs:
         try:
             manifest = read_manifest(storage, ref)
         except (NotFoundError, ManifestError):
@@ -357,7 +358,9 @@ def claim(storage: Storage, job: str | None) -> Owner:
     """
     owner = read_owner(storage)
     if owner is None:
-        others = [w for w in _legacy_writers(storage) if w != job]
+        dirs = storage.list_dirs("")  # one listing for both looks below
+        refs = find_checkpoints(storage, dirs)
+        others = [w for w in _legacy_writers(storage, refs) if w != job]
         if others:
             names = ", ".join(describe_job(w) for w in others)
             raise OwnershipError(
@@ -371,10 +374,10 @@ def claim(storage: Storage, job: str | None) -> Owner:
                 job=job,
                 owner=others[0],
             )
-        if not find_checkpoints(storage):
+        if not refs:
             # The URI becomes a job's here: not one that is a checkpoint's own folder or holds the
             # job's URI (a Checkpointer there would start from step 0 without a word).
-            problem = misplaced_uri_problem(storage)
+            problem = misplaced_uri_problem(storage, dirs)
             if problem is not None:
                 raise MisplacedUriError(problem)
         mine = Owner(job=job, created_at=now_utc())

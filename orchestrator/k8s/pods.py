@@ -74,6 +74,8 @@ RUN_DIR = "/var/run/spotjob"
 TOKEN_DIR = f"{RUN_DIR}/token"
 CONTROL_DIR = f"{RUN_DIR}/control"
 STAGING_DIR = f"{RUN_DIR}/staging"
+_SPOTJOB_MOUNTS = {TOKEN_DIR: TOKEN_VOLUME, CONTROL_DIR: CONTROL_VOLUME, STAGING_DIR: STAGING_VOLUME}
+"""Where the training container mounts spotjob's three volumes (the template's mounts of them are dropped)."""
 
 RENDEZVOUS_PORT_BASE = 20000
 RENDEZVOUS_PORT_SPAN = 10000
@@ -300,12 +302,6 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
     selector = spec.get("nodeSelector")
     if isinstance(selector, Mapping):
         problems += _label_problems(selector, "spec.template.spec.nodeSelector", "no node can carry it; fix it")
-    for kind in ("initContainers", "containers"):
-        listed = spec.get(kind)
-        for i, c in enumerate(listed if isinstance(listed, list) else []):
-            name = c.get("name") if isinstance(c, Mapping) else None
-            if isinstance(name, str) and name:
-                problems += container_name_problems(name, f"spec.template.spec.{kind}[{i}].name")
     problems += _container_problems(spec, container)
     return problems
 
@@ -321,14 +317,14 @@ def container_name_problems(name: str, path: str) -> list[str]:
 
 
 def _container_problems(spec: Mapping[str, Any], container: int) -> list[str]:
-    """What the API server refuses in the template's containers beyond their names' form: a name
+    """What the API server refuses in the template's containers: a name that is no DNS label,
     missing or taken twice (init containers and containers share one set of names), a container
     without an image (the training container's may come from ``spec.image``, which the model
     checks), an image with spaces around it, two mounts at one path in a container, and a mount of
     no volume the pod has. Each one kept every worker pod from being created, on every pass."""
     problems: list[str] = []
     volumes = {v.get("name") for v in spec.get("volumes") or [] if isinstance(v, Mapping)}
-    volumes |= {TOKEN_VOLUME, CONTROL_VOLUME, STAGING_VOLUME}
+    volumes |= set(_SPOTJOB_MOUNTS.values())
     seen: dict[str, str] = {}
     for kind in ("initContainers", "containers"):
         listed = spec.get(kind)
@@ -343,6 +339,7 @@ def _container_problems(spec: Mapping[str, Any], container: int) -> list[str]:
             elif name in seen:
                 problems.append(f"{at}.name: {name!r} is also {seen[name]}'s: Kubernetes takes each name once in a pod")
             else:
+                problems += container_name_problems(name, f"{at}.name")
                 seen[name] = at
             image = c.get("image")
             if image is not None and not isinstance(image, str):
@@ -357,9 +354,6 @@ def _container_problems(spec: Mapping[str, Any], container: int) -> list[str]:
                 )
             problems += _mount_problems(c, at, volumes, trainer=trainer)
     return problems
-
-
-_SPOTJOB_MOUNTS = {TOKEN_DIR: TOKEN_VOLUME, CONTROL_DIR: CONTROL_VOLUME, STAGING_DIR: STAGING_VOLUME}
 
 
 def _mount_problems(c: Mapping[str, Any], at: str, volumes: set[Any], *, trainer: bool) -> list[str]:
@@ -648,9 +642,7 @@ def worker_pod(
         if p.get("name") != AGENT_PORT_NAME and p.get("containerPort") != options.agent_port
     ] + [{"name": AGENT_PORT_NAME, "containerPort": options.agent_port, "protocol": "TCP"}]
     trainer["volumeMounts"] = [
-        m
-        for m in trainer.get("volumeMounts") or []
-        if m.get("name") not in (TOKEN_VOLUME, CONTROL_VOLUME, STAGING_VOLUME)
+        m for m in trainer.get("volumeMounts") or [] if m.get("name") not in _SPOTJOB_MOUNTS.values()
     ] + [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
