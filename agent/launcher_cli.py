@@ -439,9 +439,14 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     job_problem = None if ns.job_name is None else job_name_problem(ns.job_name)
     if job_problem is not None:
         parser.error(f"--job-name: {job_problem}")
-    staging_problem = staging_dir_problem(ns.staging_dir)
+    # The variable, too: the ranks stage in it when the option is left out, and each failed at its
+    # Checkpointer (a failure of the script's, restarted) where the agent can say it before starting.
+    staging_dir, staging_where = (
+        (ns.staging_dir, "--staging-dir") if ns.staging_dir is not None else (env.get(ENV_STAGING_DIR), ENV_STAGING_DIR)
+    )
+    staging_problem = staging_dir_problem(staging_dir)
     if staging_problem is not None:
-        parser.error(f"--staging-dir {staging_problem}")
+        parser.error(f"{staging_where} {staging_problem}")
     _check_notice_options(parser, ns)
     from_env = _notice_variables(parser, ns, env)
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))

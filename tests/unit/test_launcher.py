@@ -393,17 +393,27 @@ class TestOptions:
         assert "s3://bucket/prefix" in err or "BUCKET" in err or "absolute path" in err
 
     @pytest.mark.parametrize("under", [False, True])
+    @pytest.mark.parametrize("where", ["--staging-dir", "SPOTJOB_STAGING_DIR"])
     def test_a_staging_dir_that_is_or_lies_under_a_file_exits_2_naming_it(
-        self, tmp_path: Path, under: bool, capsys: pytest.CaptureFixture[str]
+        self, tmp_path: Path, under: bool, where: str, capsys: pytest.CaptureFixture[str]
     ) -> None:
         a_file = tmp_path / "a-file"
         a_file.write_text("x")
         given = str(a_file / "staging" if under else a_file)
+        options = ["--staging-dir", given] if where.startswith("--") else []
+        env = {} if options else {"SPOTJOB_STAGING_DIR": given}
         with pytest.raises(SystemExit) as e:
-            parse_args(["--checkpoint-uri", "s3://b/p", "--staging-dir", given, "--", "python", "x.py"], {})
+            parse_args(["--checkpoint-uri", "s3://b/p", *options, "--", "python", "x.py"], env)
         err = capsys.readouterr().err
         assert e.value.code == 2
-        assert f"--staging-dir {given!r}" in err and "a regular file, not a folder" in err
+        assert f"{where} {given!r}" in err and "a regular file, not a folder" in err
+
+    def test_the_staging_dir_option_wins_over_a_bad_variable(self, tmp_path: Path) -> None:
+        a_file = tmp_path / "a-file"
+        a_file.write_text("x")
+        env = {"SPOTJOB_STAGING_DIR": str(a_file)}
+        config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--staging-dir", str(tmp_path / "s"), "--", "x"], env)
+        assert config.staging_dir == str(tmp_path / "s")
 
     def test_attempt_and_start_fresh_reach_the_ranks(self, tmp_path: Path) -> None:
         config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--attempt", "3", "--start-fresh", "--", "x"], {})
