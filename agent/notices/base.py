@@ -23,6 +23,7 @@ import abc
 import enum
 import http.client
 import logging
+import re
 import socket
 import threading
 import time
@@ -109,6 +110,11 @@ class HttpResponse:
         return self.body.decode("utf-8", errors="replace")
 
 
+_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?")
+"""A host name, an IPv4 address, or an IPv6 literal (``urlsplit`` takes its brackets off; a zone
+after ``%``)."""
+
+
 def metadata_url_problem(base_url: str) -> str | None:
     """Why ``base_url`` cannot be a metadata endpoint's base URL (``http(s)://host[:port][/prefix]``),
     or None. The one check: the agent's start-up (which names the option) and ``HttpClient``."""
@@ -119,6 +125,13 @@ def metadata_url_problem(base_url: str) -> str | None:
         return f"not a URL with a usable host and port ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "it does not start with http:// or https:// and a host"
+    # http.client refuses these at every request (a traceback per poll, the cloud's notices never
+    # seen), and a host with a tab failed its name lookup at every poll instead.
+    odd = sorted({c for c in base_url if c.isspace() or not c.isprintable()})
+    if odd:
+        return f"it holds {', '.join(repr(c) for c in odd)}: a URL holds no spaces or control characters"
+    if not _HOST.fullmatch(parts.hostname):
+        return f"{parts.hostname!r} is no host name or IP address"
     if port == 0:
         return "port 0 is no port to connect to"
     if parts.query or parts.fragment:

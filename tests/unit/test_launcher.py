@@ -280,6 +280,12 @@ class TestOptions:
             ([], {"SPOTJOB_AZURE_METADATA_URL": "http://127.0.0.1:port"}, "SPOTJOB_AZURE_METADATA_URL"),
             ([], {"SPOTJOB_AWS_METADATA_URL": "169.254.169.254"}, "SPOTJOB_AWS_METADATA_URL"),
             ([], {"SPOTJOB_GCP_METADATA_URL": "http://127.0.0.1:0"}, "SPOTJOB_GCP_METADATA_URL"),
+            # taken before: a traceback at every poll (http.client refuses them), the notices never seen
+            (["--aws-metadata-url", "http://exa mple"], {}, "--aws-metadata-url"),
+            ([], {"SPOTJOB_GCP_METADATA_URL": "http://bad host:80"}, "SPOTJOB_GCP_METADATA_URL"),
+            (["--azure-metadata-url", "http://169.254.169.254/met\tadata"], {}, "--azure-metadata-url"),
+            (["--aws-metadata-url", "http://a\tb"], {}, "--aws-metadata-url"),
+            (["--aws-metadata-url", "http://métadata"], {}, "--aws-metadata-url"),
         ],
     )
     def test_a_metadata_url_that_cannot_be_polled_exits_2_naming_where_it_came_from(
