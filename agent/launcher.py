@@ -633,8 +633,11 @@ class Agent(AgentRequests):
         quiet = code == EXIT_PREEMPTED or (code == 0 and real == 0)
         # A JSON line of a committed flush also carries what it answered as fields of its own.
         fields = {"flush_source": flush.notice.source, "flush_kind": flush.notice.kind.value} if flush else {}
+        # A flush that committed nothing is at ERROR whatever ended it (the deadline, the command, a
+        # rank's error): at WARNING, `--log-level error` printed nothing at all for it.
+        level = logging.INFO if quiet else logging.ERROR if code == EXIT_FLUSH_FAILED else logging.WARNING
         with log_fields(**(fields if code == EXIT_PREEMPTED else {})):
-            log.log(logging.INFO if quiet else logging.WARNING, "exiting %d: %s", code, why)
+            log.log(level, "exiting %d: %s", code, why)
         return code
 
     def _infra_error(self, returncode: int) -> str | None:

@@ -476,12 +476,23 @@ def test_a_command_killed_at_the_deadline_after_every_rank_closed_did_not_finish
     abort at interpreter exit, not for the agent's own kill, and exit 0 would mark the job done
     with its last work cut short."""
     hold = tmp_path / "never"  # the work after close() never ends by itself
-    run = start("--sigterm-grace", "0.5", mode="finish-hold", fake_args=("--steps", "3", "--hold-file", str(hold)))
+    run = start(
+        "--sigterm-grace",
+        "0.5",
+        "--log-format",
+        "json",
+        mode="finish-hold",
+        fake_args=("--steps", "3", "--hold-file", str(hold)),
+    )
     wait_until(lambda: "closed" in events(run), "every rank closed", run)
     wait_until(lambda: run.control.closed_ranks() == {0, 1}, "both closed marks", run)
     run.signal(signal.SIGTERM)
     assert run.exit_code() == EXIT_FLUSH_FAILED, run.log()
     assert "after every rank closed" in run.log()
+    # No rank reported an error, so no other line is at ERROR: this one was at WARNING, and
+    # `--log-level error` printed nothing at all of a flush that committed nothing.
+    [line] = [json.loads(x) for x in run.log().splitlines() if "exiting 76: " in x]
+    assert line["level"] == "ERROR", line
 
 
 def test_an_abort_at_exit_after_a_committed_flush_is_still_75(start: Callable[..., Run]) -> None:
