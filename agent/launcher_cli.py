@@ -240,7 +240,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     ck.add_argument(
         "--start-fresh",
         action="store_true",
-        help=f"start from step 0 on purpose although checkpoints exist; nothing is deleted (sets {ENV_START_FRESH}=1)",
+        help="where the ranks' restore would refuse (the newest checkpoints do not fit the state, or none loads), "
+        f"start from step 0 on purpose instead, retiring them (nothing is deleted); a checkpoint that loads is "
+        f"still resumed from, so the option may stay set across restarts (sets {ENV_START_FRESH}=1)",
     )
 
     p.add_argument(

@@ -630,6 +630,15 @@ class _Restoring(_Voting):
                 manifest.world_size,
                 self.world_size,
             )
+            if self.config.start_fresh:
+                # Asked for "step 0" and resumed from step N without a word otherwise.
+                log.info(
+                    "start_fresh (%s) is set and step %d loads, so the run resumes from it: start_fresh "
+                    "starts from step 0 only where a restore would refuse, so that leaving it set across "
+                    "restarts keeps their progress. To start over from step 0, use a new URI",
+                    ENV_START_FRESH,
+                    manifest.step,
+                )
 
     def _warn_left_out(self, manifest: Manifest, state: Mapping[str, Any]) -> None:
         """(rank 0) Keys the checkpoint holds that ``state`` left out stay as they were built: a

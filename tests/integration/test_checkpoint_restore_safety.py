@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from collections.abc import Callable
@@ -196,7 +197,7 @@ def test_a_model_whose_shapes_changed_is_refused_naming_the_first_mismatch_and_n
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_start_fresh_keeps_the_refused_checkpoints_out_of_restore_and_retention_for_good(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     uri = str(tmp_path / "ckpt")
     old = net_state(8)
@@ -223,11 +224,15 @@ def test_start_fresh_keeps_the_refused_checkpoints_out_of_restore_and_retention_
     retired = sorted(p.name for p in (tmp_path / "ckpt" / ".spotjob" / "retired").iterdir())
     assert retired == ["step-000000005.json", "step-000000006.json"]
 
-    # A restart with start_fresh still set resumes the new run: the flag never discards progress.
+    # A restart with start_fresh still set resumes the new run: the flag never discards progress,
+    # and says so (a user who asked for step 0 was resumed from step 7 without a word).
     again = net_state(16, seed=2)
-    with Checkpointer(uri, **kw) as ckpt:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="agent"), Checkpointer(uri, **kw) as ckpt:
         assert ckpt.restore(again) == 7
     assert_same(again["model"].state_dict(), saved_new, "the new run's newest state")
+    [said] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start_fresh")]
+    assert "step 7 loads, so the run resumes from it" in said and "use a new URI" in said, said
 
 
 def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_deleting_them(tmp_path: Path) -> None:
