@@ -406,10 +406,13 @@ class Agent(AgentRequests):
     def _launcher_alone(self, child: subprocess.Popen[bytes], tree: ProcessTree) -> bool:
         """Whether only torchrun (or the agent's launcher) is left of the command: its ranks have
         exited, and torchrun waits on something of its own (its exit barrier, for another node's
-        torchrun). False for any other command, whose own process may be the rank."""
+        torchrun). False for any other command, whose own process may be the rank, and for a
+        torchrun whose ranks never ran (still in its rendezvous, waiting for another node: killed
+        there, it did not end by itself)."""
         if not self._torchrun or tree.known_alive(besides=child.pid):
             return False
-        return [p.pid for p in tree.refresh()] == [child.pid]
+        alone = [p.pid for p in tree.refresh()] == [child.pid]
+        return alone and (tree.seen_below_command or self._rank_seen or bool(self.control.closed_ranks()))
 
     def _check_ranks(self, now: float) -> None:
         """Warn when no rank connected in time (the ranks have not met, or build no Checkpointer),

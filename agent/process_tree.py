@@ -289,6 +289,9 @@ class ProcessTree:
         """(pid, start ticks) of the root's children that are not the command's (no marker)."""
         self.sigkilled: set[int] = set()
         """Members ``stop_all`` had to SIGKILL (still running ``grace`` s after its SIGTERM)."""
+        self.seen_below_command = False
+        """Whether a walk ever found a member other than the command's own process (its ranks,
+        under torchrun): told from a torchrun still waiting for its rendezvous, which never had any."""
 
     def refresh(self, scan_environ: bool = False, *, reap: bool = False) -> list[ProcInfo]:
         """The live (non-zombie) members now; remembers new ones. ``reap``: also collect the exit
@@ -322,6 +325,8 @@ class ProcessTree:
                 members[p.pid] = p
         for p in members.values():
             self._known.setdefault(p.pid, p.start_ticks)
+            if p.pid != self.command_pid and self.command_pid is not None:
+                self.seen_below_command = True
         self._known = {pid: t for pid, t in self._known.items() if pid in by_pid}
         self._foreign = {(pid, t) for pid, t in self._foreign if pid in by_pid}
         if reap:

@@ -939,6 +939,25 @@ def test_a_node_whose_master_address_nothing_listens_on_is_warned_about_naming_t
     assert run.wait() == 79, run.log()
 
 
+def test_a_notice_while_torchrun_waits_for_its_rendezvous_is_a_flush_the_agent_cut_short(tmp_path: Path) -> None:
+    """Node 1 of 2, its master not there yet: torchrun waits in its rendezvous, no rank started, and
+    a notice comes. The agent kills torchrun at the deadline. It said "the command ended before its
+    ranks reported one", the words of a command that ended by itself (which ``spotjob run`` counts
+    as the script's failure): a torchrun without ranks looked like one alone in its exit barrier."""
+    run = start_agent(
+        tmp_path, "waiting", str(tmp_path / "ckpt"),
+        ["--cloud", "none", "--sigterm-grace", "1"], [str(tmp_path / "never")],
+        torchrun_args=("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+        script=RANK_ENV,
+    )  # fmt: skip
+    wait_until(lambda: "started " in run.log(), "the command's start", run.proc)
+    time.sleep(1)  # torchrun importing, then in its rendezvous: either way no rank of it runs
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 76, run.log()
+    assert "spotjob-agent stopped the command before its ranks reported one" in run.log(), run.log()
+
+
 def test_a_node_waiting_for_its_peer_says_the_store_answers_and_the_peer_that_comes_meets_it(tmp_path: Path) -> None:
     """Node 0 alone: its rank 0 hosts the store and waits for node 1. The agent's check connects to
     that store (and leaves); the warning says it answered. Node 1 then comes, the ranks meet through
