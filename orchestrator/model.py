@@ -687,6 +687,9 @@ def parse_flush_request(raw: str) -> FlushRequest:
         raise ValueError(describe_validation_error(e, FLUSH_REQUEST_ANNOTATION)) from None
 
 
+MAX_EARLIER_FLUSH_REQUEST_IDS = 32
+"""How many handled flush-request ids ``status.lastFlushRequest`` remembers besides its own."""
+
 FlushRequestOutcomeName = Literal["InProgress", "Committed", "NotCommitted", "Skipped", "Invalid"]
 
 
@@ -707,6 +710,20 @@ class FlushRequestStatus(_Resource):
     save_requested: list[str] = Field(
         default_factory=list, description="checkpoint mode: workers whose agent accepted the save"
     )
+    earlier_ids: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_EARLIER_FLUSH_REQUEST_IDS,
+        description=f"the ids handled before this one, oldest first (the newest {MAX_EARLIER_FLUSH_REQUEST_IDS}): "
+        "an annotation put back to one of them (a GitOps sync of an older manifest) is not handled again",
+    )
+
+    def handled(self, request_id: str) -> bool:
+        """Whether the request ``request_id`` was handled already: this one, or one before it."""
+        return request_id == self.id or request_id in self.earlier_ids
+
+    def ids_so_far(self) -> list[str]:
+        """``earlier_ids`` for the request handled after this one."""
+        return [*self.earlier_ids, self.id][-MAX_EARLIER_FLUSH_REQUEST_IDS:]
 
 
 class JobStatus(_Resource):

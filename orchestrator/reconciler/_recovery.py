@@ -257,7 +257,7 @@ class _Recovery(_FlushRequests):
         took the request and asked the agents, and its status write was lost. Their exit 75 is
         that request's doing, not a preemption (no node to avoid, nothing to count)."""
         request, last = p.flush_request, p.status.last_flush_request
-        pending = request is not None and request.mode == "restart" and (last is None or last.id != request.id)
+        pending = request is not None and request.mode == "restart" and (last is None or not last.handled(request.id))
         return pending and p.status.phase is Phase.RUNNING and p.flushed_unrecorded
 
     def _enter_flushing(self, p: _Pass, preemption: _Preemption) -> None:

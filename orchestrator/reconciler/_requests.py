@@ -55,7 +55,7 @@ class _FlushRequests(_Base):
         if last is not None and last.outcome == "InProgress" and last.mode == "checkpoint":
             self._progress_checkpoint_request(p, last)
         rid = p.flush_request_id
-        if rid is None or (last is not None and last.id == rid):
+        if rid is None or (last is not None and last.handled(rid)):
             return
         if last is not None and last.outcome == "InProgress":
             # Answered once that one ends: recording it now would write over the request in
@@ -63,7 +63,9 @@ class _FlushRequests(_Base):
             return
         if p.flush_request_problem is not None:
             message = FLUSH_REQUEST_INVALID.message(problem=p.flush_request_problem)
-            status.last_flush_request = FlushRequestStatus(id=rid, outcome="Invalid", message=message, time=p.now)
+            status.last_flush_request = FlushRequestStatus(
+                id=rid, outcome="Invalid", message=message, time=p.now, earlier_ids=last.ids_so_far() if last else []
+            )
             self._event(p, FLUSH_REQUEST_INVALID, message=message)
             return
         request = p.flush_request
@@ -83,7 +85,7 @@ class _FlushRequests(_Base):
         phase changed); ``checkpoint`` asks every agent for a save and training goes on."""
         request, status = p.flush_request, p.status
         last = status.last_flush_request
-        if request is None or (last is not None and (last.id == request.id or last.outcome == "InProgress")):
+        if request is None or (last is not None and (last.handled(request.id) or last.outcome == "InProgress")):
             return False
         because = f": {request.reason}" if request.reason else ""
         baseline = p.flush_baseline(heard_by_controller=True)
@@ -156,6 +158,10 @@ class _FlushRequests(_Base):
             return
         started = request.started_at or p.now
         timeout_at = started + timedelta(seconds=p.spec.flush_timeout_seconds)
+        if p.status.phase is Phase.FLUSHING:
+            # A preemption's flush under way commits a checkpoint newer than the request (its own
+            # timeout ends it): that commit answers the request too, on a pass to come.
+            return
         if p.status.phase is not Phase.RUNNING:
             why = f"the gang stopped ({p.status.reason}) before a checkpoint for it committed"
         elif self._flush_now(p, started) >= timeout_at:
@@ -229,6 +235,7 @@ class _FlushRequests(_Base):
         baseline: int | None = None,
     ) -> FlushRequestStatus:
         self._flush_now(p, p.now)  # its timeout counts from now on this process's monotonic clock
+        last = p.status.last_flush_request
         return FlushRequestStatus(
             id=request.id,
             mode=request.mode,
@@ -238,4 +245,5 @@ class _FlushRequests(_Base):
             requested_at=request.requested_at,
             started_at=p.now,
             baseline_step=baseline,
+            earlier_ids=last.ids_so_far() if last is not None else [],
         )

@@ -281,3 +281,58 @@ def test_a_restart_request_whose_gang_completes_while_it_flushes_ends_with_the_j
     assert request is not None and (request.id, request.outcome) == ("r-1", "NotCommitted")
     assert "the job ended (Completed)" in request.message
     assert "FlushRequestNotCommitted" in w.event_reasons()
+
+
+def test_an_earlier_id_written_again_is_not_handled_again(tmp_path: Any) -> None:
+    """Requests c-1, then c-2, then c-1 again (a GitOps sync putting back an older manifest's
+    annotation): only the last id was remembered, so c-1 was taken again, its saves (idempotent per
+    id on the agents) never came, and it ended NotCommitted at the flush timeout."""
+    w, store = request_world(tmp_path)
+    w.run_to(100)
+    for rid in ("c-1", "c-2"):
+        ask(store, rid, "checkpoint")
+        w.run_until(lambda s, rid=rid: s.last_flush_request is not None and s.last_flush_request.id == rid)
+        w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome == "Committed")
+    saves = len(w.backend.save_calls)
+
+    ask(store, "c-1", "checkpoint")
+    status = w.run_to(w.clock.at() + 60)
+    w.new_reconciler(RequestStore(os.path.join(w.tmp, "jobs"), fsync=False))  # a new leader reads the status
+    w.reconciler.store.request = store.request  # type: ignore[attr-defined]
+    status = w.run_to(w.clock.at() + 60)
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("c-2", "Committed")
+    assert request.earlier_ids == ["c-1"]
+    assert len(w.backend.save_calls) == saves and w.event_reasons().count("CheckpointRequestedByUser") == 2
+
+
+def test_earlier_ids_keep_the_newest_32() -> None:
+    from orchestrator.model import MAX_EARLIER_FLUSH_REQUEST_IDS, FlushRequestStatus
+
+    last = FlushRequestStatus(id="r-40", outcome="Committed", time=EPOCH, earlier_ids=[f"r-{i}" for i in range(8, 40)])
+    assert last.handled("r-8") and last.handled("r-40") and not last.handled("r-7")
+    after = last.ids_so_far()
+    assert len(after) == MAX_EARLIER_FLUSH_REQUEST_IDS and after[0] == "r-9" and after[-1] == "r-40"
+
+
+def test_a_checkpoint_request_in_progress_when_a_preemption_flushes_the_gang_ends_with_that_commit(
+    tmp_path: Any,
+) -> None:
+    """``kubectl spotjob flush --keep-running`` and, before its save commits, a spot notice: the gang
+    flushes (Flushing) and commits a checkpoint newer than the request. The request ended at the
+    first Flushing pass, "the gang stopped before a checkpoint for it committed", while the flush's
+    commit then came: the first valid checkpoint committed after the request ends it."""
+    w, store = request_world(tmp_path, backend_options={"flush_seconds": 10.0})
+    w.run_to(100)
+    ask(store, "c-1", "checkpoint")
+    w.reconcile()  # taken up: the saves are asked for, and commit 10 s later
+    w.backend.notice("n0")
+    w.run_until(phase_is(Phase.FLUSHING))
+
+    status = w.run_until(lambda s: s.last_flush_request is not None and s.last_flush_request.outcome != "InProgress")
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("c-1", "Committed"), request
+    assert request.step is not None and status.last_checkpoint is not None and request.step <= status.last_checkpoint.step
+    assert "FlushRequestNotCommitted" not in w.event_reasons()
