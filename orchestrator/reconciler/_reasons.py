@@ -42,7 +42,7 @@ NOTICE_HELD = Reason(
     "the agent of {worker} on node {where} holds {source}'s {kind} notice ({detail}), due at {deadline}: "
     "training goes on, and it starts the flush at {flush_at} (status.heldNotices)",
 )
-WORKER_LOST = Reason("WorkerLost", "worker {worker} on node {node} is gone without an exit code or a notice")
+WORKER_LOST = Reason("WorkerLost", "worker {worker} {where} is gone without an exit code or a notice")
 FLUSH_REQUESTED = Reason("FlushRequested", "{count} agent(s) accepted the request to flush by {deadline}: {workers}")
 FLUSH_REQUEST_FAILED = Reason(
     "FlushRequestFailed", "could not ask the agent of {worker} to flush: {error}", warning=True

@@ -84,7 +84,7 @@ from orchestrator.reconciler._reasons import (
     WORKERS_STARTED,
     Reason,
 )
-from orchestrator.store import ConflictError, JobStore, StoredJob
+from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob
 
 UNSCHEDULABLE_WARNING_AFTER = 600.0
 """Seconds a worker waits for a node before ``WorkerNotStarting`` warns about it (without
@@ -342,6 +342,15 @@ class Reconciler(_Capacity):
             except ConflictError as e:
                 log.info("job %s [%s]: status changed under this pass (%s); re-reading", key, before.phase, e)
                 return ReconcileResult(before.phase, 0.0)
+            except JobNotFoundError:
+                # Deleted after this pass read it: its pods going (the garbage collector's work) looked
+                # like lost workers. Not a reconcile error (counted, alerted on): nothing to do.
+                log.info(
+                    "job %s was deleted during this pass: what it decided is dropped (nothing written, stopped or told)",
+                    key,
+                )
+                self._forget(key)
+                return ReconcileResult(None, None)
             with self._lock:
                 self._written_at[key] = self._clock.monotonic()
                 self._held_written[key] = (written.version, status.held_notices)

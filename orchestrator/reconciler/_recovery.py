@@ -188,7 +188,7 @@ class _Recovery(_FlushRequests):
             lost += [w for w in p.status.workers if w.name in missing]
         if lost:
             first_lost = lost[0]
-            message = WORKER_LOST.message(worker=first_lost.name, node=first_lost.node)
+            message = WORKER_LOST.message(worker=first_lost.name, where=_where(first_lost))
             if isinstance(first_lost, WorkerObservation):
                 message += _detail(first_lost)  # what the backend knows of why (a node lost, ...)
             return _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
@@ -438,7 +438,7 @@ class _Recovery(_FlushRequests):
         preemption = self._noticed(p, current, before.signals)
         lost = [w for w in current if w.name in before.lost and w.exit_code is None]
         if preemption is None and lost:
-            message = WORKER_LOST.message(worker=lost[0].name, node=lost[0].node) + _detail(lost[0])
+            message = WORKER_LOST.message(worker=lost[0].name, where=_where(lost[0])) + _detail(lost[0])
             preemption = _Preemption(WORKER_LOST, message, _nodes(lost), None, heard_by_controller=False)
         # An agent that flushed for a notice only it heard (a GCE host maintenance), not for the
         # driver's request, and exited 75: the preemption it is on any pass.
@@ -681,6 +681,11 @@ class _Recovery(_FlushRequests):
         # No pass follows an ended job's: a request still in progress gets its outcome now, or
         # status.lastFlushRequest would say InProgress for as long as the job is kept.
         self._end_request_with_job(p)
+
+
+def _where(w: WorkerObservation) -> str:
+    """Where a lost worker was, for its WorkerLost message ("on node None" said nothing)."""
+    return f"on node {w.node}" if w.node else "(not yet placed on a node)"
 
 
 def _seen(step: int | None) -> str:

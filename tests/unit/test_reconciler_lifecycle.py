@@ -7,6 +7,7 @@ from 5 and the reconciler sees them at 6; each trains one step per second.
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,7 +31,7 @@ from agent.storage.file import FileStorage
 from orchestrator.backends.base import HeldNoticeReport
 from orchestrator.model import Cause, CheckpointSpec, JobKey, Phase
 from orchestrator.reconciler import Reconciler
-from orchestrator.store import StoreError
+from orchestrator.store import JsonFileJobStore, StoredJob, StoreError
 
 # -- a spec edited while an attempt runs -------------------------------------------------------
 
@@ -418,3 +419,55 @@ def test_a_job_that_fails_while_an_agent_holds_a_notice_keeps_no_held_notice(tmp
     status = world.run_until(phase_is(Phase.FAILED))
 
     assert status.held_notices is None
+
+
+class DeletedAfterRead(JsonFileJobStore):
+    """A job deleted (``kubectl delete sj``) between the pass's read of it and its status write,
+    its workers going with it: what the API server does with a background deletion."""
+
+    armed = False
+    world: World | None = None
+
+    def get(self, key: JobKey) -> StoredJob | None:
+        stored = super().get(key)
+        if self.armed and stored is not None:
+            self.armed = False
+            super().delete(key)
+            assert self.world is not None
+            for index in (0, 1):
+                self.world.backend.vanish(0, index)  # the garbage collector takes the pods
+        return stored
+
+
+def test_a_job_deleted_during_its_pass_is_forgotten_not_a_reconcile_error_nor_a_lost_gang(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pass took the pods' going for lost workers ("worker train-0-0 on node None is gone"),
+    decided a restart, and its status write met NotFound: ``JobNotFoundError`` out of the pass, a
+    reconcile error logged with a traceback and counted (the SpotJobReconcileErrors alert)."""
+    world = make_world(tmp_path)
+    store = DeletedAfterRead(os.path.join(world.tmp, "jobs"), fsync=False)
+    world.new_reconciler(store)
+    world.run_until(running_attempt(0))
+    store.world, store.armed = world, True
+    events = len(world.events.emitted)
+
+    with caplog.at_level(logging.INFO, logger="orchestrator"):
+        result = world.reconcile()
+
+    assert (result.phase, result.requeue_after) == (None, None)
+    assert "was deleted during this pass" in caplog.text
+    assert world.events.emitted[events:] == [], "nothing told of a pass whose job is gone"
+    assert world.backend.stop_calls == [] and store.get(KEY) is None
+
+
+def test_a_worker_lost_before_it_was_placed_says_so_not_node_none(tmp_path: Any) -> None:
+    template = {"spec": {"containers": [{"name": "trainer", "image": "train:1"}], "nodeSelector": {"capacity-type": "none"}}}
+    world = make_world(tmp_path, template=template)  # no node takes it: Pending, unschedulable
+    world.run_to(3)
+    world.backend.vanish(0, 0)
+
+    world.run_until(lambda s: "WorkerLost" in world.event_reasons())
+
+    [said] = [e.message for e in world.events.emitted if e.reason == "WorkerLost"]
+    assert "worker train-0-0 (not yet placed on a node) is gone" in said, said
