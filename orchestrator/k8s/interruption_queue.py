@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -262,12 +263,24 @@ class QueueError(Exception):
     """SQS could not be reached or refused (credentials, permissions, a missing queue)."""
 
 
+_REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9]+")
+
+
 def region_of(queue_url: str) -> str | None:
-    """The region in an SQS URL (``https://sqs.us-east-1.amazonaws.com/…``), if it names one."""
-    host = urlparse(queue_url).hostname or ""
-    parts = host.split(".")
-    if len(parts) >= 4 and parts[0] == "sqs":
-        return parts[1]
+    """The region in an SQS URL, if it names one: ``https://sqs.us-east-1.amazonaws.com/…`` (what
+    the console and Terraform give; ``sqs-fips.``, a VPC endpoint's ``vpce-….sqs.REGION.…`` too),
+    the legacy ``https://eu-west-1.queue.amazonaws.com/…``, and ``https://queue.amazonaws.com/…``
+    (legacy us-east-1)."""
+    host = (urlparse(queue_url).hostname or "").lower()
+    labels = host.split(".")
+    for i, label in enumerate(labels[:-2]):
+        if label in ("sqs", "sqs-fips") and _REGION.fullmatch(labels[i + 1]):
+            return labels[i + 1]
+    if re.fullmatch(r"queue\.amazonaws\.com(\.cn)?", host):
+        return "us-east-1"
+    legacy = re.fullmatch(r"([a-z0-9-]+)\.queue\.amazonaws\.com(\.cn)?", host)
+    if legacy is not None and _REGION.fullmatch(legacy.group(1)):
+        return legacy.group(1)
     return None
 
 

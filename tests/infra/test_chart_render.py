@@ -27,6 +27,7 @@ from infra_support import (
 )
 from infra_support import render as render_with_helm
 
+from orchestrator.k8s.interruption_queue import region_of
 from orchestrator.k8s.main import parse_options
 
 SELECTOR = {
@@ -390,6 +391,33 @@ def test_a_region_that_contradicts_the_queue_urls_is_refused_as_the_controller_r
     with pytest.raises(SystemExit) as exited:
         parse_options(args)
     assert exited.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        QUEUE_URL,
+        "https://eu-west-1.queue.amazonaws.com/111122223333/q",  # legacy: refused as naming no region
+        "https://queue.amazonaws.com/111122223333/q",  # legacy us-east-1
+        "https://sqs-fips.us-gov-west-1.amazonaws.com/111122223333/q",
+        "https://vpce-0abc-1xyz.sqs.ap-southeast-2.vpce.amazonaws.com/111122223333/q",
+        "https://sqs.cn-north-1.amazonaws.com.cn/111122223333/q",
+        "http://sqs.localhost:9324/000000000000/q",
+    ],
+)
+def test_the_chart_reads_a_queue_urls_region_as_the_controller_reads_it(url: str) -> None:
+    """A region that is not the URL's is refused naming the URL's, the one ``region_of`` finds; a URL
+    naming none is refused for want of one (the controller's check at start, said at install)."""
+    proc = template({"interruptionQueue": {"url": url, "region": "zz-nowhere-9"}})
+    url_region = region_of(url)
+    if url_region is None:
+        assert proc.returncode == 0, proc.stderr
+        refused = template({"interruptionQueue": {"url": url}})
+        assert refused.returncode != 0 and "names no AWS region" in refused.stderr
+    else:
+        assert proc.returncode != 0
+        assert f'is not the region of interruptionQueue.url "{url}" ({url_region})' in proc.stderr, proc.stderr
+        assert template({"interruptionQueue": {"url": url}}).returncode == 0
 
 
 def test_workload_identity_annotates_the_service_account() -> None:

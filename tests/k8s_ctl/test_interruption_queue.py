@@ -184,6 +184,11 @@ def test_nodes_are_indexed_by_the_instance_in_their_provider_id() -> None:
     assert instance_id({"spec": {}}) == []
     assert region_of("https://sqs.eu-west-1.amazonaws.com/111122223333/spotjob-interruptions") == "eu-west-1"
     assert region_of("http://127.0.0.1:5000/123456789012/q") is None
+    # The legacy forms name theirs too (refused before as naming none, "pass --aws-region").
+    assert region_of("https://eu-west-1.queue.amazonaws.com/111122223333/q") == "eu-west-1"
+    assert region_of("https://queue.amazonaws.com/111122223333/q") == "us-east-1"
+    assert region_of("https://vpce-0abc-1xyz.sqs.ap-southeast-2.vpce.amazonaws.com/111122223333/q") == "ap-southeast-2"
+    assert region_of("http://sqs.localhost:9324/000000000000/q") is None
 
 
 # -- the reader against moto's SQS and the test API server --------------------------------------

@@ -294,22 +294,32 @@ make one the API server refuses, after the rest of the release was created. */}}
 {{- fail "interruptionQueue.region is set but interruptionQueue.url is empty: set the queue URL (terraform output interruption_queue_url) or drop the region." }}
 {{- end }}
 {{- /* The controller takes the queue's region from --aws-region, AWS_REGION / AWS_DEFAULT_REGION,
-or the URL's host (sqs.REGION.amazonaws.com), and exits at start without one. */ -}}
+or the URL's host, and exits at start without one. The host's region as the controller reads it
+(orchestrator/k8s/interruption_queue.py region_of): sqs.REGION.… (sqs-fips., a VPC endpoint's
+….sqs.REGION.…), the legacy REGION.queue.amazonaws.com, and queue.amazonaws.com (us-east-1). */ -}}
 {{- with .Values.interruptionQueue.url }}
 {{- $host := regexReplaceAll "^[a-zA-Z]+://([^/?#]*@)?([^/:?#]*).*$" . "${2}" | lower }}
-{{- $parts := splitList "." $host }}
-{{- $inHost := and (ge (len $parts) 4) (eq (first $parts) "sqs") }}
+{{- $region := "[a-z]{2}(-[a-z]+)+-[0-9]+" }}
+{{- $urlRegion := "" }}
+{{- if regexMatch (printf "^(.*\\.)?(sqs|sqs-fips)\\.%s\\..+$" $region) $host }}
+{{- $urlRegion = regexReplaceAll (printf "^(.*\\.)?(sqs|sqs-fips)\\.(%s)\\..+$" $region) $host "${3}" }}
+{{- else if regexMatch "^queue\\.amazonaws\\.com(\\.cn)?$" $host }}
+{{- $urlRegion = "us-east-1" }}
+{{- else if regexMatch (printf "^%s\\.queue\\.amazonaws\\.com(\\.cn)?$" $region) $host }}
+{{- $urlRegion = regexReplaceAll "^([a-z0-9-]+)\\.queue\\..*$" $host "${1}" }}
+{{- end }}
+{{- $inHost := ne $urlRegion "" }}
 {{- $inEnv := false }}
 {{- range $.Values.extraEnv }}
 {{- if has .name (list "AWS_REGION" "AWS_DEFAULT_REGION") }}{{ $inEnv = true }}{{ end }}
 {{- end }}
 {{- /* SQS answers for a queue at its own region's endpoint only; the controller refuses a
 --aws-region that contradicts the URL's at start (exit 2, a crash loop): say it here. */}}
-{{- if and $inHost $.Values.interruptionQueue.region (ne (index $parts 1) $.Values.interruptionQueue.region) }}
-{{- fail (printf "interruptionQueue.region %q is not the region of interruptionQueue.url %q (%s), and SQS answers for a queue only at its own region's endpoint: leave interruptionQueue.region empty (the URL's region is used) or fix the one that is wrong." $.Values.interruptionQueue.region . (index $parts 1)) }}
+{{- if and $inHost $.Values.interruptionQueue.region (ne $urlRegion $.Values.interruptionQueue.region) }}
+{{- fail (printf "interruptionQueue.region %q is not the region of interruptionQueue.url %q (%s), and SQS answers for a queue only at its own region's endpoint: leave interruptionQueue.region empty (the URL's region is used) or fix the one that is wrong." $.Values.interruptionQueue.region . $urlRegion) }}
 {{- end }}
 {{- if not (or $inHost $.Values.interruptionQueue.region $inEnv) }}
-{{- fail (printf "interruptionQueue.url %q names no AWS region (its host is not sqs.REGION.amazonaws.com), so the controller would exit at start: set interruptionQueue.region (e.g. us-east-1)." .) }}
+{{- fail (printf "interruptionQueue.url %q names no AWS region (its host is neither sqs.REGION.amazonaws.com nor REGION.queue.amazonaws.com), so the controller would exit at start: set interruptionQueue.region (e.g. us-east-1)." .) }}
 {{- end }}
 {{- end }}
 {{- end }}
