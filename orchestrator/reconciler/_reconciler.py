@@ -346,7 +346,8 @@ class Reconciler(_Capacity):
                 # Deleted after this pass read it: its pods going (the garbage collector's work) looked
                 # like lost workers. Not a reconcile error (counted, alerted on): nothing to do.
                 log.info(
-                    "job %s was deleted during this pass: what it decided is dropped (nothing written, stopped or told)",
+                    "job %s was deleted during this pass: what it decided is dropped "
+                    "(nothing written, stopped or told)",
                     key,
                 )
                 self._forget(key)

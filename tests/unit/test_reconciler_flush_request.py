@@ -334,5 +334,6 @@ def test_a_checkpoint_request_in_progress_when_a_preemption_flushes_the_gang_end
 
     request = status.last_flush_request
     assert request is not None and (request.id, request.outcome) == ("c-1", "Committed"), request
-    assert request.step is not None and status.last_checkpoint is not None and request.step <= status.last_checkpoint.step
+    assert request.step is not None and status.last_checkpoint is not None
+    assert request.step <= status.last_checkpoint.step
     assert "FlushRequestNotCommitted" not in w.event_reasons()

@@ -462,7 +462,8 @@ def test_a_job_deleted_during_its_pass_is_forgotten_not_a_reconcile_error_nor_a_
 
 
 def test_a_worker_lost_before_it_was_placed_says_so_not_node_none(tmp_path: Any) -> None:
-    template = {"spec": {"containers": [{"name": "trainer", "image": "train:1"}], "nodeSelector": {"capacity-type": "none"}}}
+    trainer = {"name": "trainer", "image": "train:1"}
+    template = {"spec": {"containers": [trainer], "nodeSelector": {"capacity-type": "none"}}}
     world = make_world(tmp_path, template=template)  # no node takes it: Pending, unschedulable
     world.run_to(3)
     world.backend.vanish(0, 0)
