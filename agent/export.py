@@ -125,7 +125,7 @@ def export_safetensors(
     ``progress_bar(description, total bytes)`` shows the transfers and the writing; ``removed``
     hears which files of an earlier export ``force`` removed (the engine prints nothing itself).
     """
-    from agent.dcp_safe import UnsafeCheckpointError
+    from agent.dcp_safe import UnsafeCheckpointError, manifest_disagreements
 
     prefix = key + "."
     folder = status.ref.folder
@@ -137,6 +137,9 @@ def export_safetensors(
             metadata = reader.read_metadata()
         except (UnsafeCheckpointError, StorageError) as e:
             raise _read_failure(folder, e, "refusing to export: ") from None
+        damaged = manifest_disagreements(manifest, metadata)
+        if damaged:  # as a restore passes it over: a flipped bit in the manifest's own fields
+            raise ExportError(f"{folder}: refusing to export: damaged: {'; '.join(damaged)}", proven_bad=True)
         tensors = _tensors_under(metadata, prefix)
         if not tensors:
             raise ExportError(

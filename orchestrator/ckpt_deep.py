@@ -1,23 +1,23 @@
 """What ``spotjob ckpt verify --deep`` finds by reading every byte, on top of the catalog's verdict:
 every CRC32C (``agent.catalog.verify_deep``), then what a restore would unpickle (DCP's
 ``.metadata`` through the allow-list of ``agent.dcp_safe``, each ``rank-*.pt`` with weights_only),
-and whether ``.metadata`` agrees with MANIFEST.json (``_cross_check``). Of ``spotjob ckpt``'s
+and whether ``.metadata`` agrees with MANIFEST.json (``agent.dcp_safe.manifest_disagreements``). Of ``spotjob ckpt``'s
 modules, the one that imports torch (lazily; the export's torch is ``agent.export``'s)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agent.catalog import CheckpointStatus, verify_deep
 from agent.export import checkpoint_reader
-from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE, Manifest
+from agent.manifest import DCP_METADATA_NAME, RANK_FILE_RE
 from agent.storage import StorageError
 from agent.storage.base import Storage
 from orchestrator.ckpt_output import _progress_bar
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+    pass
 
 
 def _verify_deep(storage: Storage, status: CheckpointStatus) -> list[str]:
@@ -39,7 +39,7 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
     which ``show`` and ``export`` rely on.
     """
     from agent import rank_state
-    from agent.dcp_safe import UnsafeCheckpointError, tensor_index
+    from agent.dcp_safe import UnsafeCheckpointError, manifest_disagreements
 
     assert status.manifest is not None
     manifest = status.manifest
@@ -51,7 +51,7 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
             except (UnsafeCheckpointError, StorageError) as e:
                 problems.append(f"file {DCP_METADATA_NAME} is unsafe or unreadable: {e}")
             else:
-                problems += _cross_check(manifest, metadata, tensor_index(metadata))
+                problems += manifest_disagreements(manifest, metadata)
         for f in manifest.files:
             if not RANK_FILE_RE.match(f.path) or f.path in skip:
                 continue
@@ -64,22 +64,4 @@ def _check_unpickling(storage: Storage, status: CheckpointStatus, skip: set[str]
                 problems.append(f"file {f.path} is unreadable: {e}")
             except Exception as e:  # torch.load's refusals are UnpicklingError/RuntimeError/ValueError
                 problems.append(f"file {f.path} does not load with weights_only (unsafe or damaged): {e}")
-    return problems
-
-
-def _cross_check(manifest: Manifest, metadata: Metadata, index: dict[str, Any]) -> list[str]:
-    problems = []
-    listed = {f.path for f in manifest.files}
-    for path in sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - listed):
-        problems.append(f"file {DCP_METADATA_NAME} points at {path!r}, which MANIFEST.json does not list")
-    differ = sorted(
-        fqn
-        for fqn in set(index) | set(manifest.tensors)
-        if fqn not in index or fqn not in manifest.tensors or index[fqn] != manifest.tensors[fqn]
-    )
-    if differ:
-        problems.append(
-            f"MANIFEST.json's tensor index disagrees with {DCP_METADATA_NAME} for {len(differ)} tensor(s), "
-            f"e.g. {differ[0]!r}"
-        )
     return problems

@@ -176,6 +176,58 @@ def test_a_tampered_manifest_is_refused(
     assert expected in reason
 
 
+def _first_tensor(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["tensors"][sorted(doc["tensors"])[0]]
+
+
+def _rename_a_state_key(doc: dict[str, Any]) -> None:
+    """The optimizer's state key, one letter changed ("optim" → "optio"); the model's stays, for export's --key."""
+    key = "optim"
+    assert any(fqn.startswith(f"{key}.") for fqn in doc["tensors"])
+    doc["state_keys"][doc["state_keys"].index(key)] = key[:-1] + chr(ord(key[-1]) ^ 2)
+
+
+SILENT_DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "a shape": lambda d: _first_tensor(d).update(shape=[n + 10 for n in _first_tensor(d)["shape"]]),
+    "a dtype": lambda d: _first_tensor(d).update(dtype="float22"),
+    "a state key": _rename_a_state_key,
+}
+
+
+@pytest.mark.parametrize("damage", SILENT_DAMAGE)
+def test_a_manifest_damaged_where_only_metadata_tells_is_passed_over_and_verify_deep_finds_it(
+    damage: str,
+    store: Path,
+    committed: tuple[Path, dict[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """A flipped bit in the manifest's tensor index or state keys (the manifest has no checksum of
+    its own): the restore took it at its word, refused the model as changed ("the checkpoint holds
+    shape [22, 16]") or a state key as missing, and stopped there naming start_fresh, with step 1
+    valid beside it; a dtype nobody has loaded anyway. And verify --deep called the state-key case
+    valid. DCP's .metadata (under the manifest's CRC32C) says what the manifest should."""
+    from orchestrator.ckpt_deep import _check_unpickling
+
+    edit_manifest(store / STEP2, SILENT_DAMAGE[damage])
+    storage = open_storage(str(store))
+    status = inspect(storage, CheckpointRef(2))
+    assert status.valid, "the cheap check cannot see it"
+    assert any("disagrees with" in p or "under none of" in p for p in _check_unpickling(storage, status, skip=set()))
+    assert _check_unpickling(storage, inspect(storage, CheckpointRef(1)), skip=set()) == []
+
+    reason = assert_falls_back_to_step_1(store, committed[1], caplog)
+    assert "damaged" in reason and DCP_METADATA_NAME in reason, reason
+    # export takes the one a restore loads (it exported step 2 from .metadata, silently).
+    from orchestrator.cli import main
+
+    assert main(["ckpt", "export", str(store), str(tmp_path / "export")]) == 0
+    err = capsys.readouterr().err
+    assert "passing over step-000000002" in err and "damaged" in err, err
+    assert (tmp_path / "export" / "model.safetensors").exists()
+
+
 # -- malicious pickles ---------------------------------------------------------------------------
 
 
