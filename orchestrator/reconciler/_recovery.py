@@ -73,6 +73,7 @@ from orchestrator.model import (
     RecoveryStatus,
     RestartRecord,
     WorkerPhase,
+    WorkerStatus,
 )
 from orchestrator.reconciler._pass import (
     BeforeStop,
@@ -683,7 +684,7 @@ class _Recovery(_FlushRequests):
         self._end_request_with_job(p)
 
 
-def _where(w: WorkerObservation) -> str:
+def _where(w: WorkerObservation | WorkerStatus) -> str:
     """Where a lost worker was, for its WorkerLost message ("on node None" said nothing)."""
     return f"on node {w.node}" if w.node else "(not yet placed on a node)"
 
