@@ -295,14 +295,16 @@ def latest_valid(
     *,
     before: CheckpointRef | None = None,
     on_skip: Callable[[CheckpointStatus], None] | None = None,
+    reading_as: str | None = None,
 ) -> CheckpointStatus | None:
     """The newest valid checkpoint (older than ``before`` if given), logging each one skipped
     (or handing it to ``on_skip``: a caller that asks again and again says each skip once).
 
     Foreign and fenced checkpoints are skipped like broken ones: they never outrank what this
-    job's current attempts wrote. ``StorageError`` when storage cannot be read.
+    job's current attempts wrote. ``reading_as``: judged as that job's (``Lineage.reading_as``).
+    ``StorageError`` when storage cannot be read.
     """
-    lineage = Lineage.load(storage)
+    lineage = Lineage.load(storage, reading_as=reading_as)
     for ref in find_checkpoints(storage):
         if before is not None and not ref < before:
             continue

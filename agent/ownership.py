@@ -647,19 +647,22 @@ class Lineage:
     """``owner_error`` says the owner record is a newer spotjob's (not broken: upgrade)."""
     retired: frozenset[str] = frozenset()
     """Folders a deliberate fresh start set aside (``agent._fresh_start``): kept, never used."""
+    reading_as: str | None = None
+    """(a read-only Checkpointer given ``job=``) Judge as that job's, not the owner's: its
+    checkpoints are the ones to read (an eval of a job that is not the URI's owner)."""
     _numbers: dict[str | None, builtins.list[int]] = field(default_factory=dict)
     _records: dict[tuple[str | None, int], AttemptRecord | Judgement] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, storage: Storage) -> Lineage:
+    def load(cls, storage: Storage, *, reading_as: str | None = None) -> Lineage:
         """Read the owner (``StorageError`` when storage fails; an unreadable record is kept as
         ``owner_error`` and makes every checkpoint untrusted, or undecided when a newer spotjob
         wrote it and the job's attempt records prove nothing against the checkpoint)."""
         retired = frozenset(_fresh_start.retired_folders(storage))
         try:
-            return cls(storage, read_owner(storage), retired=retired)
+            return cls(storage, read_owner(storage), retired=retired, reading_as=reading_as)
         except OwnershipError as e:
-            return cls(storage, None, str(e), owner_newer=e.newer, retired=retired)
+            return cls(storage, None, str(e), owner_newer=e.newer, retired=retired, reading_as=reading_as)
 
     def judge(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
         """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
@@ -684,6 +687,16 @@ class Lineage:
                 f"deleted (record {_fresh_start.retired_key(ref)})",
             )
         owner = self.owner
+        if owner is not None and self.reading_as is not None and not owner.accepts(self.reading_as):
+            # A reader of another job's checkpoints than the owner's (job=): that job's are the ones.
+            if job != self.reading_as:
+                return Judgement(
+                    "foreign",
+                    f"foreign: written by {describe_job(job)}; this read-only Checkpointer reads "
+                    f"{describe_job(self.reading_as)}'s checkpoints (job=), not those of {owner.describe()}, "
+                    f"which owns {self.storage.uri}",
+                )
+            return self._by_attempts(ref, job, attempt)
         if owner is not None and not owner.accepts(job, ref):
             adopted = next((a for a in owner.adopted if a.job == job), None)
             if adopted is not None:

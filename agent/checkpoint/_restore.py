@@ -340,6 +340,8 @@ class _Restoring(_Voting):
     _read_only: bool
     _left_out_said: set[tuple[str, ...]]
     """(rank 0, read-only) The sets of state keys a restore left out that were logged already."""
+    _reading_as: str | None
+    """(read-only, given ``job=``) The job whose checkpoints it reads (``Lineage.reading_as``)."""
     _proven_bad: set[tuple[str, str]]
     """The checkpoints (folder, the manifest's ``created_at``) a restore of this Checkpointer found
     bad only once it read them (a CRC32C mismatch): ``newest_step()`` passes over them, as restore
@@ -359,25 +361,35 @@ class _Restoring(_Voting):
         when this moved past the step it last restored. A newer spotjob's checkpoint (its manifest,
         or a record judging it, in a format this one does not read) above every valid one is named
         too, since ``restore()`` stops there (``RestoreRefusedError``, saying to upgrade) rather
-        than load an older one. Collective, like every call."""
+        than load an older one. A read-only one given a URI that is no job's (a checkpoint's own
+        folder, or the folder above the job's) raises ``CheckpointUriError``, as ``restore()`` does.
+        Collective, like every call."""
         self._check_open("newest_step()")
 
-        def newest() -> int:
+        def newest() -> int | str:
             newer: list[int] = []  # the newest newer spotjob's checkpoint the walk passed, if any
 
             def skipped(s: CheckpointStatus) -> None:  # restore() says what it skips
                 if s.newer_format and not newer:
                     newer.append(s.ref.step)
 
-            status = latest_valid(self.storage, on_skip=skipped)
+            reading_as = self._reading_as
+            status = latest_valid(self.storage, on_skip=skipped, reading_as=reading_as)
             while status is not None and status.manifest is not None and _bad_key(status) in self._proven_bad:
-                status = latest_valid(self.storage, before=status.ref, on_skip=skipped)
+                status = latest_valid(self.storage, before=status.ref, on_skip=skipped, reading_as=reading_as)
             if newer:
                 return newer[0]
+            if status is None and self._read_only and not find_checkpoints(self.storage):
+                # As restore() refuses it: an eval polling the wrong folder waited for ever on 0.
+                problem = misplaced_uri_problem(self.storage)
+                if problem is not None:
+                    return problem
             return status.manifest.step if status is not None and status.manifest is not None else 0
 
-        step: int = self._on_rank0("listing the checkpoints", newest)
-        return step
+        found: int | str = self._on_rank0("listing the checkpoints", newest)
+        if isinstance(found, str):
+            raise CheckpointUriError(found)
+        return found
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest valid checkpoint into ``state`` in place; return its step (0 if none).
@@ -471,7 +483,7 @@ class _Restoring(_Voting):
                     # Before the look: a folder still committed once pinned stays while it is read
                     # (unless a retention pass that listed the pins before this one deletes it).
                     self._pinner.pin(ref.folder)
-                lineage = lineage or Lineage.load(self.storage)
+                lineage = lineage or Lineage.load(self.storage, reading_as=self._reading_as)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
                     damaged, metadata = _manifest_damage(self.storage, ref, status.manifest)

@@ -169,6 +169,7 @@ class Checkpointer(_Saving, _Restoring):
             # changes its working folder later would otherwise stage each save elsewhere than the
             # folder checked and cleaned here, where no later Checkpointer cleans a killed save's copy.
             staging_dir = os.path.abspath(staging_dir)
+        given_job = job
         job = job if job is not None else env.job_name
         if attempt is not None and env.attempt is not None and attempt != env.attempt and not read_only:
             # Fencing compares the attempt each manifest records with the newest the controller
@@ -187,6 +188,9 @@ class Checkpointer(_Saving, _Restoring):
                 f"drop start_fresh (or unset {ENV_START_FRESH} for this process)"
             )
         self._read_only = bool(read_only)
+        # A reader given job= reads that job's checkpoints, whoever owns the URI (an eval of a job
+        # whose URI another job owns); from the environment, the job is the agent's, not a choice.
+        self._reading_as = given_job if self._read_only else None
         self.config = CheckpointConfig(
             uri=uri,
             every_steps=every_steps,

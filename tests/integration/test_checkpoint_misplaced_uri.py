@@ -67,6 +67,10 @@ def test_a_checkpoints_own_folder_or_the_folder_above_the_jobs_uri_is_refused_an
                 _open_and_restore(uri, state, read_only=read_only)
             assert said in str(refused.value), (uri, read_only, refused.value)
             assert isinstance(refused.value, ValueError)
+        # An eval polling newest_step() waited for ever on 0 where restore() refused the URI.
+        with Checkpointer(uri, read_only=True) as reader, pytest.raises(CheckpointUriError) as refused:
+            reader.newest_step()
+        assert said in str(refused.value), (uri, refused.value)
     assert store_listing(storage_uri) == before
 
     # The job's own URI, and a new one beside it, are a URI like any other.

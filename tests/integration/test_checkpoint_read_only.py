@@ -7,6 +7,8 @@ through a real Checkpointer in this process; the reader is a second Checkpointer
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +73,25 @@ def test_read_only_refuses_start_fresh(tmp_path: object) -> None:
     """start_fresh retires checkpoints, a write: a read-only Checkpointer refuses it up front."""
     with pytest.raises(ValueError, match="read_only=True with start_fresh"):
         Checkpointer(str(tmp_path), read_only=True, start_fresh=True)
+
+
+def test_a_reader_given_job_reads_that_jobs_checkpoints_not_the_owners(tmp_path: Path) -> None:
+    """README: "It reads the checkpoints as the URI owner's (pass job= to name another)". A reader
+    with job="other" on a URI job "ml/train" owns, holding a step-5 checkpoint of "other" copied in
+    beside the owner's step 2, passed "other"'s over as foreign and restored the owner's step 2
+    (another job's model, silently); newest_step() said 2."""
+    uri, elsewhere = tmp_path / "ckpt", tmp_path / "other"
+    owners, others = _model(0), _model(1)
+    with Checkpointer(str(uri), job=JOB, async_save=False) as ckpt:
+        ckpt.save(2, {"model": owners})
+    with Checkpointer(str(elsewhere), job="other", async_save=False) as ckpt:
+        ckpt.save(5, {"model": others})
+    shutil.copytree(elsewhere / "step-000000005", uri / "step-000000005")
+
+    for job, step, expected in (("other", 5, others), (None, 2, owners), (JOB, 2, owners)):
+        fresh = _model(7)
+        with Checkpointer(str(uri), read_only=True, job=job) as reader:
+            assert reader.newest_step() == step, job
+            assert reader.restore({"model": fresh}) == step, job
+        for name, tensor in expected.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name], tensor), (job, name)
