@@ -218,6 +218,12 @@ def newest_valid(
         folder, reason = reasons[0]
         raise CommandError(f"{folder} is invalid, refusing to export it: {reason}", EXIT_INVALID)
     what = "checkpoint" if step is None else f"attempt of step {step}"
+    if not passed and not any(s.committed for s in skipped):
+        # Nothing proven invalid, only saves that never finished: verify and show exit 2 there too.
+        raise CommandError(
+            f"no committed {what} under {storage.uri} to export: {len(skipped)} folder(s), none holding "
+            f"MANIFEST.json (saves that never finished) — {listing}"
+        )
     raise CommandError(f"no valid {what} under {storage.uri} to export — {listing}", EXIT_INVALID)
 
 

@@ -1185,6 +1185,10 @@ def test_only_uncommitted_folders_is_no_checkpoint_to_verify(
 
     rc, _, err = ckpt(capsys, "verify", str(tmp_path))
     assert rc == 2 and "no committed checkpoint" in err
+    # export said 1 (a checkpoint proven invalid), where show and verify say 2: nothing was proven.
+    for command in (["show", str(tmp_path)], ["export", str(tmp_path), str(tmp_path.parent / "hf")]):
+        rc, _, err = ckpt(capsys, *command)
+        assert rc == 2 and "no committed checkpoint" in err, (command, rc, err)
     # Named explicitly, the leftover is a checkpoint that is not valid.
     rc, out, _ = ckpt(capsys, "verify", str(tmp_path), "--step", "5")
     assert rc == 1 and "uncommitted" in out
