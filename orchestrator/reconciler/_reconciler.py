@@ -766,6 +766,10 @@ class Reconciler(_Capacity):
         )
         if status.phase is Phase.PENDING:
             self._set_phase(p, Phase.PENDING, WORKERS_STARTED.name, message)
+        elif status.phase is Phase.RESCHEDULING:
+            # Still Rescheduling (with its reason) until every worker runs; its message said
+            # "attempt N starts in 1s" for as long as the new workers waited for a node.
+            status.message = message
         self._condition(p, READY, False, WORKERS_STARTED.name, message)
         self._event(p, WORKERS_STARTED, message=message)
         return self._options.starting_poll_seconds

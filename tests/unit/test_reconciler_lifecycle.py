@@ -472,3 +472,18 @@ def test_a_worker_lost_before_it_was_placed_says_so_not_node_none(tmp_path: Any)
 
     [said] = [e.message for e in world.events.emitted if e.reason == "WorkerLost"]
     assert "worker train-0-0 (not yet placed on a node) is gone" in said, said
+
+
+def test_a_rescheduled_attempt_once_started_says_so_while_its_workers_wait(tmp_path: Any) -> None:
+    """The phase stays Rescheduling until every worker of the new attempt runs; its message said
+    "attempt 1 starts in 1s" for as long as the new workers waited for a node (minutes, on a
+    cluster out of capacity)."""
+    world = make_world(tmp_path)
+    preempt_running_job(world)
+    world.run_until(phase_is(Phase.RESCHEDULING))
+    world.backend.start_seconds = 600.0  # the next attempt's workers wait for a node
+
+    status = world.run_until(lambda s: s.attempt.number == 1 and s.attempt.started_at is not None)
+
+    assert (status.phase, status.reason) == (Phase.RESCHEDULING, "Rescheduled")
+    assert status.message.startswith("started 2 worker(s) of attempt 1 from"), status.message
