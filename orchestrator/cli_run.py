@@ -78,7 +78,7 @@ from orchestrator.run_config import (
     nproc_within_machine,
     plot_problem,
 )
-from orchestrator.run_driver import LocalRun
+from orchestrator.run_driver import LocalRun, RunJobGone
 from orchestrator.run_folder import (
     RUNS_DIR,
     SUMMARY_FILE,
@@ -321,6 +321,10 @@ def _drive(run: LocalRun, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
         status = run.status
+    except RunJobGone as e:
+        run.close()
+        print(f"spotjob run: {e}", file=sys.stderr)
+        return 1
     finally:
         run.close()
 

@@ -59,10 +59,11 @@ from orchestrator.run_setup import (
     RunExistsError,
     Takeover,
     _refuse_agent_settings,
+    _refuse_owned_uri,
     _RunSetup,
     resume_config,
 )
-from orchestrator.store import JobExistsError, JsonFileJobStore, StoreError
+from orchestrator.store import JobExistsError, JobNotFoundError, JsonFileJobStore, StoreError
 
 log = logging.getLogger("orchestrator.cli_run")  # spotjob run's one logger, as before it was split
 
@@ -74,6 +75,11 @@ STATUS_REFRESH_SECONDS = 5.0
 
 
 # -- one run ----------------------------------------------------------------------------------------
+
+
+class RunJobGone(Exception):
+    """The run's job file was removed while the run went on: its workers were flushed and stopped;
+    the message says so, and how to go on from its checkpoints."""
 
 
 class LocalRun(_RunSetup):
@@ -115,6 +121,7 @@ class LocalRun(_RunSetup):
             # Nor a setting of this environment every worker's agent would exit 2 on
             # (SPOTJOB_AGENT_PREFETCH=nodes): said as the agent says it, and nothing is created.
             _refuse_agent_settings(self.key, spec, options)
+            _refuse_owned_uri(self.key, spec)
         self.store = JsonFileJobStore(self.path, create=False)
         self._before: set[str] | None = None
         """(a new run) What its folder held before it was made (None: no folder): ``discard``."""
@@ -175,6 +182,8 @@ class LocalRun(_RunSetup):
         self.events: list[RecordedEvent] = []
         self._view: RunView | None = None
         self.stopping = False
+        self.job_gone: str | None = None
+        """The job file's path, once the run found it removed (``RunJobGone``)."""
         """``run()`` is stopping every process of the run (its end, or an interrupt's)."""
         self.interrupt = InterruptState(starting=True)
         """Ctrl-C and SIGTERM so far (``_Interrupts`` sets it; the first flushes, the second stops at
@@ -271,16 +280,37 @@ class LocalRun(_RunSetup):
         except KeyboardInterrupt:
             self._flush_for_interrupt()
             interrupted = True
+        except JobNotFoundError:
+            # The job file was removed under the run (by hand, or with the run folder): a traceback
+            # before, and the workers stopped without a flush. Flushed and stopped as for a Ctrl-C,
+            # then said; nothing is recorded in a job that is gone.
+            gone = self.store.path(self.key)
+            log.error(
+                "run %s: its job file %s was removed while the run went on: flushing, then stopping", self.name, gone
+            )
+            self.job_gone = gone
+            if self.interrupt.signal is None:
+                self.interrupt.signal = "its job file was removed"
+            self._flush_for_interrupt()
         finally:
             self.stopping = True  # from here on, a Ctrl-C must not cut the stop short
             self._ended = time.monotonic()
             self.backend.close()
-            if self.interrupt.signal is not None:
+            if self.interrupt.signal is not None and self.job_gone is None:
                 self._record_interrupt()
             self.events = _events(self._event_log)
             self.timeline.record(EventKind.RUN_FINISHED, phase=str(self.status.phase))
             self._refresh()
             self.close()
+        if self.job_gone is not None:
+            outcome = self.interrupt_outcome
+            flushed = f"; {outcome.flush_said()}" if outcome is not None else ""
+            raise RunJobGone(
+                f"the run's job file {self.job_gone} was removed while the run went on, so the run cannot go on "
+                f"nor be resumed{flushed}. Its checkpoints stay at {self.spec.checkpoint.uri}, owned by job "
+                f"{self.key}: to go on from them, `spotjob ckpt adopt {self.spec.checkpoint.uri} --job local/NEW`, "
+                f"then `spotjob run --name NEW --checkpoint-uri {self.spec.checkpoint.uri} ...`"
+            )
         if interrupted and not self.status.phase.terminal:
             raise KeyboardInterrupt(self.interrupt.signal)
         return self.status

@@ -95,6 +95,37 @@ class Takeover:
     """Checkpoints its workers committed while nobody watched (their flush when the driver died)."""
 
 
+def _refuse_owned_uri(key: JobKey, spec: JobSpec) -> None:
+    """A ``RunError`` (exit 2) for a new run whose ``--checkpoint-uri`` another job owns, before
+    anything is made. The run failed at its first worker (``CheckpointURIOwned``) instead, having
+    used up its name, and its advice (adopt the URI for this run's job) left the checkpoints to a
+    Failed run that can neither run again nor be resumed. A store that cannot be read now is left
+    to the run, which says so in its own words."""
+    from agent.ownership import OwnershipError, read_owner
+    from agent.storage import StorageError, open_storage
+    from orchestrator.reconciler import job_identity
+
+    job = job_identity(key)
+    try:
+        storage = open_storage(spec.checkpoint.uri)
+    except (StorageError, ValueError):
+        return
+    try:
+        owner = read_owner(storage)
+    except (StorageError, OwnershipError):
+        return
+    finally:
+        storage.close()
+    if owner is None or owner.accepts(job):
+        return
+    uri = spec.checkpoint.uri
+    raise RunError(
+        f"--checkpoint-uri {uri} belongs to {owner.describe()}, not to this run ({job}): its checkpoints are "
+        f"never restored by another job. To go on from them on purpose, first `spotjob ckpt adopt {uri} "
+        f"--job {job}`, then run this command again; or give a --checkpoint-uri of its own"
+    )
+
+
 def _refuse_agent_settings(key: JobKey, spec: JobSpec, options: LocalOptions) -> None:
     """A ``ValueError`` (exit 2) for a setting of this environment (or of the run's ``spec.env``)
     every worker's spotjob-agent would exit 2 on (``SPOTJOB_AGENT_PREFETCH=nodes``), in the agent's

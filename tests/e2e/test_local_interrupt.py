@@ -628,3 +628,24 @@ def test_an_interrupt_during_resumes_wait_for_a_killed_drivers_processes_leaves_
         assert status["phase"] == "Succeeded" and status["attempt"]["resumedFromStep"] == int(flushed[-1])
     finally:
         kill_left(run, first, *([waiter] if waiter is not None else []))
+
+
+def test_a_job_file_removed_while_the_run_goes_on_is_flushed_stopped_and_said_not_a_traceback(tmp_path: Path) -> None:
+    """``rm spotjob-runs/NAME/local/NAME.json`` (or the whole folder) under a running run: the
+    controller loop raised JobNotFoundError out of ``spotjob run`` (a traceback, exit 1) and the
+    workers were stopped without a flush, losing the steps since the last checkpoint."""
+    run, log, driver = _endless(tmp_path, "gone")
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: steps_reported(run) >= 3, "three steps")
+        (run / "local" / "gone.json").unlink()
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    said = log.read_text()
+    assert code == 1 and "Traceback" not in said, said[-6000:]
+    assert "gone.json was removed while the run went on, so the run cannot go on nor be resumed" in said, said[-4000:]
+    [checkpoint] = [c for c in list_checkpoints(open_storage(str(run / "checkpoints"))) if c.valid]
+    assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
+    assert f"committed step {checkpoint.ref.step}" in said and "spotjob ckpt adopt" in said
+    assert not run_pids(str(run)), "a process of the run was left running"

@@ -191,6 +191,34 @@ def test_a_bad_agent_setting_in_spotjob_runs_environment_is_refused_before_anyth
     LocalRun.resume(str(runs), "good").close()  # the driver lock was given back
 
 
+def test_a_checkpoint_uri_another_job_owns_is_refused_before_the_run_is_made(tmp_path: Path) -> None:
+    """Before, the run was made, its first worker failed (CheckpointURIOwned), and the advice, adopt
+    the URI for job local/b, left the checkpoints to a Failed run b that could neither run again
+    (the name is taken) nor be resumed (it failed). Now nothing is made, and the advice works: adopt
+    for this run's job, then the same command runs."""
+    from agent.ownership import adopt, claim
+    from agent.storage import open_storage
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.run_setup import RunError
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    uri, runs = tmp_path / "ckpt", tmp_path / "runs"
+    storage = open_storage(str(uri))
+    claim(storage, "local/a")
+
+    def config() -> RunConfig:
+        return RunConfig(script=str(script), args=[], name="b", runs_dir=str(runs), nproc=1, checkpoint_uri=str(uri))
+
+    with pytest.raises(RunError) as refused:
+        LocalRun(config())
+    said = str(refused.value)
+    assert "belongs to job 'local/a', not to this run (local/b)" in said and "--job local/b" in said, said
+    assert not (runs / "b").exists()
+    adopt(storage, "local/b")  # what `spotjob ckpt adopt URI --job local/b` does
+    LocalRun(config()).close()
+
+
 def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() -> None:
     """A local job the reconciler found invalid stops while its phase is still Pending (reason
     Created): ``spotjob run`` said "failed: Created: waiting for the first pass", never the
