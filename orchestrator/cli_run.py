@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -86,7 +87,7 @@ from orchestrator.run_folder import (
     runs_dir_option,
 )
 from orchestrator.run_outcome import EXIT_INTERRUPTED, EXIT_USAGE, _tell_outcome
-from orchestrator.run_setup import ResumeInterrupted, RunError
+from orchestrator.run_setup import ResumeInterrupted, RunError, RunExistsError
 from orchestrator.run_signal_handlers import _Interrupts, _pause
 from orchestrator.store import StoreError
 
@@ -194,7 +195,20 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def prepare(args: argparse.Namespace) -> LocalRun:
     """The ``LocalRun`` the arguments ask for, new or resumed; ``ValueError``/``RunError`` say why not."""
     if args.resume is None:
-        return LocalRun(config_from_args(args))
+        config = config_from_args(args)
+        if args.name is not None:
+            return LocalRun(config)
+        # The default name has a second's resolution: two runs started in one second (a loop, two
+        # terminals) chose one name, and the second was told to resume the first, a live run of
+        # someone else's. A name it chose itself, it chooses again.
+        base = config.name
+        for again in range(2, 10):
+            try:
+                return LocalRun(config)
+            except RunExistsError:
+                suffix = f"-{again}"
+                config = dataclasses.replace(config, name=base[: MAX_NAME_LENGTH - len(suffix)].rstrip("-") + suffix)
+        return LocalRun(config)
     _refuse_empty_runs_dir(args)  # or a run of that name in the working directory was resumed
     if args.script is not None:
         raise RunError(

@@ -933,3 +933,27 @@ def test_a_new_run_given_up_in_a_folder_that_was_there_removes_only_what_it_made
     assert sorted(p.name for p in folder.iterdir()) == ["local", "notes.txt"]
     assert list((folder / "local").iterdir()) == [], "the job or its lock file is left"
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_two_runs_whose_default_names_meet_each_get_one_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `spotjob run` without --name started in one second chose one name (a second's
+    resolution), and the second exited 2 telling the user to resume the first, a live run driven
+    by another process. A name it chose itself, it chooses again; a name given is never changed."""
+    import orchestrator.cli_run as cli_run
+    from orchestrator.cli import build_parser
+    from orchestrator.run_setup import RunExistsError
+
+    monkeypatch.setattr(cli_run, "default_name", lambda script: "train-20261207-141226")
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    argv = ["run", "--no-live", "--runs-dir", str(tmp_path / "runs"), str(script)]
+    made = [cli_run.prepare(build_parser().parse_args(argv)) for _ in range(3)]
+    try:
+        assert [r.name for r in made] == ["train-20261207-141226", "train-20261207-141226-2", "train-20261207-141226-3"]
+    finally:
+        for run in made:
+            run.close()
+    with pytest.raises(RunExistsError):
+        cli_run.prepare(build_parser().parse_args(["run", "--name", "train-20261207-141226", *argv[1:]]))
