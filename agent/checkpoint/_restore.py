@@ -298,8 +298,7 @@ def _manifest_damage(storage: Storage, ref: CheckpointRef, manifest: Manifest) -
     """(rank 0) Why ``manifest`` is damaged, proven against DCP's ``.metadata`` (read and checked
     against the manifest's CRC32C; ``manifest_disagreements``); None when they agree, or when the
     ``.metadata`` cannot tell (missing, unreadable, not matching its CRC, unsafe:
-    ``check_metadata_fits``): the load's own
-    checks find what is wrong with it then, as before.
+    ``check_metadata_fits``): the load's own checks find what is wrong with it then, as before.
 
     A flipped bit in the manifest's tensor index or state keys was taken at its word: the model
     refused as changed ("the checkpoint holds shape [22, 16]"), or a state key missing, and the
@@ -475,9 +474,9 @@ class _Restoring(_Voting):
                     log.info("restore: skipping %s: retired by a fresh start", url(ref.folder))
                 continue
 
-            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool, bool]:
+            def judge(ref: CheckpointRef = ref) -> tuple[str | None, str, bool, bool, tuple[str, str] | None]:
                 """(rank 0) (the manifest if usable, why not, whether it is this job's own, whether
-                a newer spotjob wrote it)."""
+                a newer spotjob wrote it, its ``_bad_key`` where the look proved it damaged)."""
                 nonlocal lineage
                 if self._pinner is not None:
                     # Before the look: a folder still committed once pinned stays while it is read
@@ -488,17 +487,20 @@ class _Restoring(_Voting):
                 if status.valid and status.manifest is not None:
                     damaged, metadata = _manifest_damage(self.storage, ref, status.manifest)
                     if damaged is not None:
-                        return None, damaged, True, False
+                        return None, damaged, True, False, _bad_key(status)
                     if metadata is not None:
                         metadata_read[ref] = metadata
                     judged[ref] = status.manifest
-                    return status.manifest.to_json().decode(), "", True, False
+                    return status.manifest.to_json().decode(), "", True, False, None
                 ours = status.committed and not (status.foreign or status.fenced)
                 if status.committed and (status.foreign or status.fenced):
                     passed.add(ref.folder)
-                return None, status.reason, ours, status.newer_format
+                return None, status.reason, ours, status.newer_format, None
 
-            manifest_json, reason, ours, newer = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            manifest_json, reason, ours, newer, bad = self._on_rank0(f"checking {url(ref.folder)}", judge)
+            if bad is not None:
+                # newest_step() passes over it from now on, as over a CRC32C mismatch found reading.
+                self._proven_bad.add(bad)
             if newer:
                 # Not proven bad: only this spotjob cannot read it. An older checkpoint would be
                 # going back in time past a newer one that an upgraded spotjob restores.

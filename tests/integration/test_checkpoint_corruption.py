@@ -219,6 +219,12 @@ def test_a_manifest_damaged_where_only_metadata_tells_is_passed_over_and_verify_
 
     reason = assert_falls_back_to_step_1(store, committed[1], caplog)
     assert "damaged" in reason and DCP_METADATA_NAME in reason, reason
+    # An eval polling newest_step() passes over it once a restore proved it damaged (else it named
+    # step 2 at every poll, and each poll restored step 1 again).
+    with Checkpointer(str(store), read_only=True) as reader:
+        assert reader.newest_step() == 2
+        assert reader.restore(make_state(0, seed=9)) == 1
+        assert reader.newest_step() == 1
     # export takes the one a restore loads (it exported step 2 from .metadata, silently).
     from orchestrator.cli import main
 
