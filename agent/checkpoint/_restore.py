@@ -42,9 +42,8 @@ from agent.dcp_safe import (
 )
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
-from agent.restore_cache import RESTORE_FOLDER
+from agent.restore_cache import RESTORE_FOLDER, fetch_verified
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
-from agent.storage.base import Storage
 from agent.version import spotjob_version
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -294,33 +293,6 @@ def _loaded_in_place(bag: nn.Module, loaded: Mapping[str, Any]) -> bool:
     return True
 
 
-def _manifest_damage(storage: Storage, ref: CheckpointRef, manifest: Manifest) -> tuple[str | None, Metadata | None]:
-    """(rank 0) Why ``manifest`` is damaged, proven against DCP's ``.metadata`` (read and checked
-    against the manifest's CRC32C; ``manifest_disagreements``); None when they agree, or when the
-    ``.metadata`` cannot tell (missing, unreadable, not matching its CRC, unsafe:
-    ``check_metadata_fits``): the load's own checks find what is wrong with it then, as before.
-
-    A flipped bit in the manifest's tensor index or state keys was taken at its word: the model
-    refused as changed ("the checkpoint holds shape [22, 16]"), or a state key missing, and the
-    restore stopped there, naming start_fresh, with an older valid checkpoint beside it.
-
-    Also the ``.metadata`` read, when it agrees: rank 0's load takes it instead of reading (and
-    unpickling: half a second for 16 000 tensors) it again."""
-    entry = manifest.file(DCP_METADATA_NAME)
-    if entry is None:
-        return None, None
-    try:
-        data = storage.get_bytes(ref.key(DCP_METADATA_NAME))
-        if len(data) != entry.size or to_hex(crc32c_bytes(data)) != entry.crc32c:
-            return None, None
-        metadata = load_dcp_metadata(data)
-        check_metadata_fits(metadata, manifest)  # a crafted .metadata is the load's to call unsafe
-    except Exception:  # the load meets it again, with its own words and retries
-        return None, None
-    problems = manifest_disagreements(manifest, metadata)
-    return (f"damaged: {'; '.join(problems)}", None) if problems else (None, metadata)
-
-
 def _bad_key(status: CheckpointStatus) -> tuple[str, str]:
     """How ``_Restoring._proven_bad`` names the checkpoint ``status`` (one with a manifest)."""
     assert status.manifest is not None
@@ -485,7 +457,7 @@ class _Restoring(_Voting):
                 lineage = lineage or Lineage.load(self.storage, reading_as=self._reading_as)
                 status = inspect(self.storage, ref, lineage=lineage)
                 if status.valid and status.manifest is not None:
-                    damaged, metadata = _manifest_damage(self.storage, ref, status.manifest)
+                    damaged, metadata = self._manifest_damage(ref, status.manifest)
                     if damaged is not None:
                         return None, damaged, True, False, _bad_key(status)
                     if metadata is not None:
@@ -813,6 +785,46 @@ class _Restoring(_Voting):
                 converted[0],
                 more,
             )
+
+    def _manifest_damage(self, ref: CheckpointRef, manifest: Manifest) -> tuple[str | None, Metadata | None]:
+        """(rank 0) Why ``manifest`` is damaged, proven against DCP's ``.metadata`` (checked against
+        the manifest's CRC32C; ``manifest_disagreements``); None when they agree, or when the
+        ``.metadata`` cannot tell (missing, unreadable, not matching its CRC, unsafe:
+        ``check_metadata_fits``): the load's own checks find what is wrong with it then, as before.
+
+        A flipped bit in the manifest's tensor index or state keys was taken at its word: the model
+        refused as changed ("the checkpoint holds shape [22, 16]"), or a state key missing, and the
+        restore stopped there, naming start_fresh, with an older valid checkpoint beside it.
+
+        Also the ``.metadata`` read, when it agrees: rank 0's load takes it instead of reading (and
+        unpickling: half a second for 16 000 tensors) it again. From an object store it is fetched
+        into the node's restore cache, as the load fetches it: once per node, the other ranks' loads
+        (and the agent's prefetch) finding it there."""
+        entry = manifest.file(DCP_METADATA_NAME)
+        if entry is None:
+            return None, None
+        cache = None
+        try:
+            local = self.storage.local_path(ref.folder)
+            if local is None:
+                cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
+                path = fetch_verified(self.storage, ref.folder, entry, cache)
+                with open(path, "rb") as f:
+                    data = f.read()
+            else:
+                data = self.storage.get_bytes(ref.key(DCP_METADATA_NAME))
+                if len(data) != entry.size or to_hex(crc32c_bytes(data)) != entry.crc32c:
+                    return None, None
+            metadata = load_dcp_metadata(data)
+            check_metadata_fits(metadata, manifest)  # a crafted .metadata is the load's to call unsafe
+        except Exception:  # the load meets it again, with its own words and retries
+            return None, None
+        problems = manifest_disagreements(manifest, metadata)
+        if problems:
+            if cache is not None:
+                shutil.rmtree(cache, ignore_errors=True)  # no load of it follows to clean it up
+            return f"damaged: {'; '.join(problems)}", None
+        return None, metadata
 
     def _try_load(
         self,

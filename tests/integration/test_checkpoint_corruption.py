@@ -463,3 +463,27 @@ def test_a_metadata_claiming_a_tensor_bigger_than_its_files_is_skipped_before_an
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and fqn in err and DCP_METADATA_NAME in err, err[-2000:]
     assert not out.exists()
+
+
+def test_a_manifest_damaged_where_only_metadata_tells_is_passed_over_on_every_store(storage_uri: str) -> None:
+    """The same check on S3 and GCS, where rank 0 fetches ``.metadata`` into the node's restore
+    cache (once per node: the load then takes that copy) and removes it when the manifest is damaged."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer(storage_uri, async_save=False) as ckpt:
+        ckpt.save(1, {"model": model})
+        step1 = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save(2, {"model": model})
+    storage = open_storage(storage_uri)
+    key = f"{STEP2}/{MANIFEST_NAME}"
+    doc = json.loads(storage.get_bytes(key))
+    doc["tensors"]["model.weight"]["shape"] = [2, 4]  # a flipped bit: 3 → 2
+    storage.delete([key])
+    storage.put_bytes(key, json.dumps(doc).encode())
+    fresh = torch.nn.Linear(4, 3)
+    with Checkpointer(storage_uri, async_save=False) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+    for name, tensor in step1.items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
