@@ -116,7 +116,7 @@ def _refuse_owned_uri(key: JobKey, spec: JobSpec) -> None:
         return
     finally:
         storage.close()
-    if owner is None or owner.accepts(job):
+    if owner is None or owner.job == job:  # claim()'s rule: the run's first worker claims the URI
         return
     uri = spec.checkpoint.uri
     raise RunError(
