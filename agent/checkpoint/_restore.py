@@ -28,18 +28,21 @@ from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
 from agent.checkpoint.errors import CheckpointUriError, MissingStateKeysError, RestoreRefusedError
 from agent.control_channel import ENV_START_FRESH
+from agent.crc32c import crc32c_bytes, to_hex
 from agent.dcp_safe import (
     NewerTorchError,
     SafeEmptyLoadPlanner,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     VerifiedReader,
+    check_metadata_fits,
     dcp_load,
+    load_dcp_metadata,
     manifest_disagreements,
 )
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
-from agent.restore_cache import RESTORE_FOLDER
+from agent.restore_cache import RESTORE_FOLDER, fetch_verified
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
 from agent.version import spotjob_version
 
@@ -797,20 +800,25 @@ class _Restoring(_Voting):
         unpickling: half a second for 16 000 tensors) it again. From an object store it is fetched
         into the node's restore cache, as the load fetches it: once per node, the other ranks' loads
         (and the agent's prefetch) finding it there."""
-        if manifest.file(DCP_METADATA_NAME) is None:
+        entry = manifest.file(DCP_METADATA_NAME)
+        if entry is None:
             return None, None
         cache = None
-        local_dir = self.storage.local_path(ref.folder)
-        if local_dir is None:  # where the load fetches it: its cache on this node
-            local_dir = cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
-        # The load's own reader: checked against the CRC32C, the allow-list unpickler, check_metadata_fits.
-        reader = VerifiedReader(self.storage, ref.folder, manifest, local_dir, self.config.io_threads)
         try:
-            metadata = reader.read_metadata()
+            local = self.storage.local_path(ref.folder)
+            if local is None:
+                cache = os.path.join(self._staging_root, RESTORE_FOLDER, ref.folder)
+                path = fetch_verified(self.storage, ref.folder, entry, cache)
+                with open(path, "rb") as f:
+                    data = f.read()
+            else:
+                data = self.storage.get_bytes(ref.key(DCP_METADATA_NAME))
+                if len(data) != entry.size or to_hex(crc32c_bytes(data)) != entry.crc32c:
+                    return None, None
+            metadata = load_dcp_metadata(data)
+            check_metadata_fits(metadata, manifest)  # a crafted .metadata is the load's to call unsafe
         except Exception:  # the load meets it again, with its own words and retries
             return None, None
-        finally:
-            reader.close()
         problems = manifest_disagreements(manifest, metadata)
         if problems:
             if cache is not None:
