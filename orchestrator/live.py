@@ -304,7 +304,8 @@ class Summary:
         cloud = [("cloud", named)] if self.cloud != "aws" else []
         return [
             *cloud,
-            ("outcome", f"{self.phase} ({self.reason})"),
+            # A run stopped before anything happened to it (Pending) has no reason to give.
+            ("outcome", f"{self.phase} ({self.reason})" if self.reason else str(self.phase)),
             ("wall time", f"{self.wall_seconds:.1f} s"),
             ("steps", "-" if self.steps is None else str(self.steps)),
             ("attempts", str(self.attempts)),

@@ -59,6 +59,13 @@ def test_the_last_checkpoint_is_storages_newest_valid_and_none_is_said_in_words(
     assert "last: none" in text and "None" not in text
 
 
+def test_an_outcome_with_no_reason_shows_no_empty_parentheses() -> None:
+    """A run stopped while Pending has no reason yet: ``outcome  Pending``, not ``Pending ()``."""
+    text = summarize("r", SPEC, JobStatus(), TIMELINE).text()
+    assert "outcome" in text and "()" not in text, text
+    assert "Pending" in text
+
+
 def test_a_save_in_progress_is_not_called_one_that_never_finished_nor_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
