@@ -796,11 +796,16 @@ def report(results: list[SizeResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.controller_scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="100,1000", help="cluster sizes to run, comma-separated (default 100,1000)")
-    p.add_argument("--jobs", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--per-round", type=int, default=10)
-    p.add_argument("--burst", type=int, default=50)
-    p.add_argument("--idle-seconds", type=float, default=30.0)
+    p.add_argument("--jobs", type=int, default=100, help="SpotJobs on the cluster, one pod each (default 100)")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of preemptions (default 10)")
+    p.add_argument("--per-round", type=int, default=10, help="jobs preempted in each round (default 10)")
+    p.add_argument("--burst", type=int, default=50, help="jobs preempted at once in the burst (default 50)")
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=30.0,
+        help="seconds the controller's API calls are counted while nothing happens (default 30)",
+    )
     p.add_argument("--workers", type=int, default=4, help="the controller's --workers")
     p.add_argument("--keep", action="store_true", help="keep the work folder (the controller's log, checkpoints)")
     args = p.parse_args(argv)

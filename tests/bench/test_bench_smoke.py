@@ -62,6 +62,32 @@ def test_libraries_names_the_watch_loops_real_walk_interval(libraries: tuple[dic
     assert f"every {TREE_SCAN_EVERY:g} s" in row["before"], row
 
 
+def test_libraries_answers_help_without_running_and_refuses_an_unknown_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m bench.libraries --help`` used to run the benchmark (and overwrite its results)
+    instead of saying what it does; an option it does not have was ignored the same way."""
+    import bench._common
+    import bench.libraries
+
+    monkeypatch.setattr(bench._common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench.libraries, "OUT_DIR", tmp_path)
+    for argv, code in ((["--help"], 0), (["--sizes", "1"], 2)):
+        with pytest.raises(SystemExit) as stopped:
+            bench.libraries.main(argv)
+        assert stopped.value.code == code, capsys.readouterr()
+    out = capsys.readouterr()
+    assert "usage: python -m bench.libraries" in out.out and "unrecognized arguments: --sizes" in out.err, out
+    assert not list(tmp_path.iterdir()), "nothing was measured nor written"
+
+
+def test_libraries_names_the_cpu_it_ran_on(libraries: tuple[dict[str, Any], str]) -> None:
+    """The two CRC32C libraries' ratio is the CPU's (AVX-512 or not): the results say which CPU."""
+    data, md = libraries
+    assert data["cpu"] and "AVX-512" in data["cpu"], data
+    assert f"CPU: {data['cpu']}" in md
+
+
 class FileAndGcs(NamedTuple):
     data: dict[str, Any]
     md: str
