@@ -44,6 +44,21 @@ MiB = 1024 * 1024
 
 
 # -- timing ------------------------------------------------------------------------------------
+def sizes_gb(text: str) -> list[float]:
+    """``--sizes``: state sizes in GB, comma-separated, each a positive number (argparse's ``type``:
+    what it raises is argparse's usage error naming the option)."""
+    import argparse
+    import math
+
+    try:
+        sizes = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of GB, got {text!r}") from None
+    if not sizes or not all(math.isfinite(s) and s > 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of GB, each above 0, got {text!r}")
+    return sizes
+
+
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
     """Run ``fn`` once; return (seconds it took, its result)."""
     start = time.monotonic()

@@ -79,6 +79,7 @@ from bench._common import (
     reset_peak_rss,
     s3_environment,
     s3_floor_transfer,
+    sizes_gb,
     tree_bytes,
     write_results,
 )
@@ -1267,13 +1268,6 @@ def _full_gcs(s: Samples) -> str:
 
 
 # -- entry point -------------------------------------------------------------------------------
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
 def _backends(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in ("file", "s3", "gs")]
@@ -1286,7 +1280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--sizes",
-        type=_floats,
+        type=sizes_gb,
         default=[0.1, 1.0, 4.0],
         help="state sizes in GB (model + Adam), comma-separated (default 0.1,1,4)",
     )

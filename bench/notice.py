@@ -58,6 +58,7 @@ from bench._common import (
     s3_environment,
     s3_floor_transfer,
     s3_object_parts,
+    sizes_gb,
     write_results,
 )
 from bench.checkpoint import build_workload, state_tensors, write_raw
@@ -383,10 +384,12 @@ def render(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.1,1,4", help="state sizes in GB (default 0.1,1,4)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.notice", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sizes", type=sizes_gb, default=[0.1, 1.0, 4.0], help="state sizes in GB (default 0.1,1,4)")
     p.add_argument("--backends", default="file,s3,gs", help="comma-separated: file, s3, gs (default all three)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="repetitions per size and backend (default 3)")
     p.add_argument("--scratch", default=None, help="folder on the disk to measure (default: a temp folder)")
     p.add_argument("--skip-check", action="store_true", help="skip the per-step flush check measurement")
     p.add_argument(
@@ -396,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         help="skip S3 and GCS above this size: moto and fake-gcs-server hold objects in memory (default 1.5)",
     )
     args = p.parse_args(argv)
-    sizes = [float(s) for s in args.sizes.split(",") if s]
+    sizes: list[float] = args.sizes
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in ("file", "s3", "gs")]
     if unknown or not backends:

@@ -406,6 +406,29 @@ def test_notice_refuses_a_backend_it_does_not_know(
     assert not list(tmp_path.glob("notice-*.json")) and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("module", ["checkpoint", "notice"])
+@pytest.mark.parametrize("sizes", ["-1", "0", "0.1,nan", "abc"])
+def test_sizes_that_are_no_state_are_refused_before_anything_runs(
+    module: str, sizes: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--sizes -1`` (or 0) used to run the whole benchmark at the smallest state and report it;
+    ``bench.notice --sizes abc`` ended in a ValueError traceback. Each is a usage error naming the
+    option, and nothing is measured or written."""
+    import importlib
+
+    import bench._common
+
+    bench_module = importlib.import_module(f"bench.{module}")
+    monkeypatch.setattr(bench._common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench_module, "OUT_DIR", tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        bench_module.main(["--sizes", sizes, "--scratch", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "argument --sizes: expected comma-separated numbers of GB" in err and repr(sizes) in err, err
+    assert not list(tmp_path.iterdir()), "nothing was measured nor written"
+
+
 def test_goodput_refuses_a_strategy_it_does_not_know(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
