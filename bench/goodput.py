@@ -474,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated strategies to run (default: all)")
     p.add_argument("--out", default=str(RESULTS_MD), help="the Markdown results file")
     args = p.parse_args(argv)
+    if not (args.scale > 0 and args.horizon > 0 and args.every_steps >= 1 and args.step_sleep >= 0):
+        p.error(
+            "--scale and --horizon must be above 0, --every-steps >= 1 and --step-sleep >= 0; got "
+            f"--scale {args.scale:g} --horizon {args.horizon:g} --every-steps {args.every_steps} "
+            f"--step-sleep {args.step_sleep:g}"
+        )
 
     started = time.monotonic()
     chosen = strategies(args.every_steps)

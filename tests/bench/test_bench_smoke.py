@@ -429,6 +429,22 @@ def test_sizes_that_are_no_state_are_refused_before_anything_runs(
     assert not list(tmp_path.iterdir()), "nothing was measured nor written"
 
 
+@pytest.mark.parametrize(
+    "argv", [["--scale", "0"], ["--scale", "nan"], ["--horizon", "-5"], ["--every-steps", "0"], ["--step-sleep", "-1"]]
+)
+def test_goodput_refuses_settings_that_measure_nothing(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A scale of 0, a save every 0 steps or a negative step pacing used to start the strategies'
+    torchrun jobs (minutes) on settings that fail inside them or measure nothing."""
+    out = tmp_path / "goodput.md"
+    code = goodput_refusal([*argv, "--out", str(out)], tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--scale and --horizon must be above 0, --every-steps >= 1 and --step-sleep >= 0" in err, err
+    assert not out.exists() and not list(tmp_path.glob("goodput-*"))
+
+
 def test_goodput_refuses_a_strategy_it_does_not_know(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
