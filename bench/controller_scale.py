@@ -809,8 +809,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="the controller's --workers")
     p.add_argument("--keep", action="store_true", help="keep the work folder (the controller's log, checkpoints)")
     args = p.parse_args(argv)
+    try:
+        sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        p.error(f"--nodes takes cluster sizes of 1 node or more, comma-separated; got {args.nodes!r}")
+    if args.jobs < 1 or args.per_round < 1 or args.burst < 1 or args.rounds < 0 or not args.idle_seconds >= 0:
+        p.error("--jobs, --per-round and --burst must be >= 1, --rounds and --idle-seconds >= 0")
     logging.basicConfig(level=logging.WARNING)
-    sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
     results = []
     for nodes in sizes:
         config = ScaleConfig(

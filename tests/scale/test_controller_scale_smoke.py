@@ -72,3 +72,25 @@ def test_nothing_happening_costs_at_most_a_status_refresh_per_job(result: SizeRe
 def test_a_reconcile_makes_few_calls(result: SizeResult) -> None:
     summary = result.summary()
     assert summary["calls_per_reconcile"] is not None and summary["calls_per_reconcile"] <= 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--nodes", "abc"], "--nodes takes cluster sizes of 1 node or more"),
+        (["--nodes", "0"], "--nodes takes cluster sizes of 1 node or more"),
+        (["--jobs", "0"], "--jobs, --per-round and --burst must be >= 1"),
+        (["--rounds", "-1"], "--rounds and --idle-seconds >= 0"),
+    ],
+)
+def test_settings_that_measure_nothing_are_usage_errors(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--nodes abc`` ended in a ValueError traceback; ``--nodes 0`` or ``--jobs 0`` started the test
+    cluster and a controller to measure an empty cluster. Refused before anything starts."""
+    from bench.controller_scale import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and said in err, err
