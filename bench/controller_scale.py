@@ -818,6 +818,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1 or args.per_round < 1 or args.burst < 1 or args.rounds < 0 or not args.idle_seconds >= 0:
         p.error("--jobs, --per-round and --burst must be >= 1, --rounds and --idle-seconds >= 0")
     logging.basicConfig(level=logging.WARNING)
+    # A SIGTERM (``timeout``, a CI runner's cancel) ends it the way Ctrl-C does, through the
+    # ``finally`` blocks that stop the controller and the test cluster; by default it left both running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results = []
     for nodes in sizes:
         config = ScaleConfig(

@@ -94,3 +94,47 @@ def test_settings_that_measure_nothing_are_usage_errors(
         main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and said in err, err
+
+
+def test_a_sigterm_stops_the_controller_and_the_test_cluster_it_started(tmp_path: Path) -> None:
+    """Ended by SIGTERM (``timeout``, a runner's cancel), the benchmark left its controller and its
+    test cluster running, with their folder, until someone killed them by hand."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = ["--nodes", "2", "--jobs", "1", "--rounds", "0", "--burst", "1", "--idle-seconds", "60"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.controller_scale", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+    def ours() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if p.pid != proc.pid and any(str(tmp_path) in a for a in p.info["cmdline"] or ()):
+                found.append(p)
+        return found
+
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the controller runs once the jobs do
+            if "jobs Running" in line:
+                break
+        assert proc.poll() is None and ours(), "the controller started, under the benchmark's folder"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ours(), [p.info["cmdline"] for p in ours()]
+        assert not list(tmp_path.glob("spotjob-scale-*")), "its work folder is removed"
+    finally:
+        proc.kill()
+        for p in ours():
+            p.kill()
