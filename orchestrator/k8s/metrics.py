@@ -63,6 +63,11 @@ def signal_source_label(source: str) -> str:
     return ",".join(sorted(names))
 
 
+FLUSH_REQUEST_OUTCOMES = ("accepted", "failed")
+"""The ``outcome`` of ``spotjob_flush_requests_total``: an agent's answer (``FlushRequestOutcome``
+less ``pending``, which is no answer)."""
+
+
 class ControllerMetrics:
     """Every spotjob metric, in one registry. Thread-safe (prometheus_client is)."""
 
@@ -75,6 +80,10 @@ class ControllerMetrics:
         self._flushes = Counter(
             "spotjob_flush_requests", "Flush requests sent to agents, by outcome.", ["outcome"], registry=r
         )
+        # Exported at 0 from the start: an alert's increase() needs a sample before the first
+        # failure, or the first failures (after each controller start, too) never count.
+        for outcome in FLUSH_REQUEST_OUTCOMES:
+            self._flushes.labels(outcome=outcome)
         self._notice_to_commit = Histogram(
             "spotjob_notice_to_commit_seconds",
             "Seconds from a preemption notice to the committed flush manifest.",
@@ -125,6 +134,8 @@ class ControllerMetrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("ok", "failed"):
+            self._hint_patches.labels(outcome=outcome)
         job = ["namespace", "name"]
         self._phase = Gauge(
             "spotjob_job_phase", "1 for the job's phase, 0 for the others.", [*job, "phase"], registry=r

@@ -105,6 +105,32 @@ def test_every_rule_matches_only_labels_and_values_the_series_carry() -> None:
             assert joined <= labels[metric], f"{name} joins on {sorted(joined)}; {metric} has {sorted(labels[metric])}"
 
 
+def test_every_controller_wide_counter_an_alert_takes_an_increase_of_is_exported_at_zero_from_the_start() -> None:
+    """``increase()`` needs two samples: a series that first appears at 3 (the first failures of an
+    incident, or the first after a controller restarts) has no increase, and the alert never fires
+    for it. ``spotjob_flush_requests_total{outcome="failed"}`` appeared only at its first failure.
+    Every series a rule takes an increase of, without per-job labels (those are made when the job
+    is first seen), must be exported from the start at 0."""
+    from prometheus_client import generate_latest
+
+    exposed = generate_latest(ControllerMetrics().registry).decode()
+    checked = 0
+    for name, rule in alert_rules(render(ON)).items():
+        for metric, matchers in selectors(rule["expr"]):
+            if "increase(" not in rule["expr"] or metric.startswith("spotjob_job_"):
+                continue
+            wanted = {m.group(1): m.group(2) for m in re.finditer(r'(\w+)="([^"]*)"', matchers)}
+            wanted = {k: v for k, v in wanted.items() if k not in TARGET_LABELS}
+            series = [
+                line
+                for line in exposed.splitlines()
+                if line.startswith(metric) and all(f'{k}="{v}"' in line for k, v in wanted.items())
+            ]
+            assert series and all(line.endswith(" 0.0") for line in series), f"{name}: {metric}{wanted} {series}"
+            checked += 1
+    assert checked >= 3  # reconcile errors, flush requests failed, interruption queue errors
+
+
 def test_the_parser_refuses_what_a_broken_rule_would_be() -> None:
     """Pins that the check above can fail: the parser refuses a truncated or misspelt expression."""
     for broken in ("increase(spotjob_job_flushes_total[1h) > 0", "rate(x[5m]", "absnt(up == 1)"):
@@ -281,3 +307,9 @@ def test_a_selector_that_is_no_list_of_promql_matchers_fails_the_render_naming_i
     said = f"metrics.prometheusRule.selector {json.dumps(selector)} is no list of PromQL label matchers"
     assert said in proc.stderr, proc.stderr
     assert 'e.g. job="spotjob",namespace="monitoring"' in proc.stderr
+
+
+def test_the_flush_request_outcomes_exported_at_zero_are_the_answers_an_agent_gives() -> None:
+    from orchestrator.k8s.metrics import FLUSH_REQUEST_OUTCOMES
+
+    assert set(FLUSH_REQUEST_OUTCOMES) == {str(o) for o in FlushRequestOutcome} - {"pending"}
