@@ -9,7 +9,6 @@ follows ``status.lastFlushRequest``; ``events`` lists the job's Events.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import uuid
@@ -34,8 +33,10 @@ from orchestrator.kubectl_common import (
     age,
     connect,
     human_duration,
+    plugin_command,
     print_json,
 )
+from orchestrator.model import flush_request_id
 
 # ----------------------------------------------------------------------------------------------
 # checkpoints
@@ -136,12 +137,16 @@ def flush_request(mode: str, reason: str, now: datetime | None = None) -> dict[s
 
 
 def _annotation_id(job: dict[str, Any]) -> str | None:
+    """The id under which the controller handles the job's flush-request annotation (``invalid-...``
+    for one that does not parse, as ``status.lastFlushRequest`` then names it); None without one."""
     raw = ((job.get("metadata") or {}).get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
-    try:
-        value = json.loads(raw) if raw else None
-    except ValueError:
-        return None
-    return str(value.get("id")) if isinstance(value, dict) and value.get("id") else None
+    return flush_request_id(str(raw)) if raw else None
+
+
+def _handled(job: dict[str, Any], rid: str) -> bool:
+    """Whether the controller has handled the request ``rid``: its last one, or one before it."""
+    last = (job.get("status") or {}).get("lastFlushRequest") or {}
+    return rid == last.get("id") or rid in (last.get("earlierIds") or ())
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -157,8 +162,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
         reason = " ".join(args.reason.split()) or f"requested with {PROG} flush"
         request = flush_request(mode, reason)
         pending = _annotation_id(job)
-        answered = ((job.get("status") or {}).get("lastFlushRequest") or {}).get("id")
-        if pending is not None and pending != answered:
+        if pending is not None and not _handled(job, pending):
             print(
                 f"(this replaces flush request {pending}, which the controller has not answered yet)", file=sys.stderr
             )
@@ -169,7 +173,8 @@ def cmd_flush(args: argparse.Namespace) -> int:
         print(f"flush request {request['id']} sent to SpotJob {namespace}/{args.name}: {what}")
         if not args.wait:
             print(
-                f"The controller records the outcome in status.lastFlushRequest: {PROG} status {args.name}",
+                "The controller records the outcome in status.lastFlushRequest: "
+                + plugin_command("status", args.name, namespace),
                 file=sys.stderr,
             )
             return EXIT_OK
@@ -214,7 +219,7 @@ def _wait_for_flush(client: SpotJobClient, namespace: str, name: str, wanted: st
             )
     raise PluginError(
         f"no answer to flush request {wanted} within {human_duration(timeout)}: is spotjob-controller running and "
-        f"serving namespace {namespace}? ({PROG} events {name} shows what it did)"
+        f"serving namespace {namespace}? ({plugin_command('events', name, namespace)} shows what it did)"
     )
 
 

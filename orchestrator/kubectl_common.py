@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,12 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 
 FLUSH_WAIT_MARGIN = 60.0
 """``flush --wait`` waits the job's ``flushTimeoutSeconds`` plus this, unless ``--timeout`` says otherwise."""
+
+
+def plugin_command(command: str, name: str, namespace: str) -> str:
+    """``kubectl spotjob COMMAND NAME -n NAMESPACE``, quoted for the shell: a hint to run next works
+    as printed whatever namespace the user's context is in."""
+    return f"{PROG} {command} {shlex.quote(name)} -n {shlex.quote(namespace)}"
 
 
 class UsageError(Exception):

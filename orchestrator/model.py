@@ -15,6 +15,7 @@ each restart happened. Events are not status: they go to an ``orchestrator.event
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -685,6 +686,21 @@ def parse_flush_request(raw: str) -> FlushRequest:
         return FlushRequest.model_validate(data)
     except ValidationError as e:
         raise ValueError(describe_validation_error(e, FLUSH_REQUEST_ANNOTATION)) from None
+
+
+def invalid_flush_request_id(raw: str) -> str:
+    """The id the controller gives an annotation that does not parse (``invalid-<digest>`` of what
+    was written): each text is handled, and answered ``Invalid``, once."""
+    return f"invalid-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def flush_request_id(raw: str) -> str:
+    """The id under which the controller handles (and ``status.lastFlushRequest`` answers) the
+    annotation's value ``raw``: its own id, or ``invalid_flush_request_id`` when it does not parse."""
+    try:
+        return parse_flush_request(raw).id
+    except ValueError:
+        return invalid_flush_request_id(raw)
 
 
 MAX_EARLIER_FLUSH_REQUEST_IDS = 32

@@ -30,7 +30,6 @@ The controller never creates or deletes SpotJobs (people and their tools do): ``
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -38,7 +37,14 @@ from typing import Any
 
 from orchestrator.k8s.api import SPOTJOBS, Conflict, KubeClient, KubeError, NotFound, Object, resource_version
 from orchestrator.k8s.informer import Cache
-from orchestrator.model import FLUSH_REQUEST_ANNOTATION, JobKey, JobSpec, JobStatus, parse_flush_request
+from orchestrator.model import (
+    FLUSH_REQUEST_ANNOTATION,
+    JobKey,
+    JobSpec,
+    JobStatus,
+    invalid_flush_request_id,
+    parse_flush_request,
+)
 from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob, StoreError, parse_job
 
 log = logging.getLogger(__name__)
@@ -194,6 +200,6 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         request = parse_flush_request(str(raw))
     except ValueError as e:
         # Handled once too: known by a digest of what was written.
-        digest = hashlib.sha256(str(raw).encode()).hexdigest()[:16]
-        return dataclasses.replace(stored, flush_request_problem=str(e), flush_request_id=f"invalid-{digest}")
+        rid = invalid_flush_request_id(str(raw))
+        return dataclasses.replace(stored, flush_request_problem=str(e), flush_request_id=rid)
     return dataclasses.replace(stored, flush_request=request, flush_request_id=request.id)

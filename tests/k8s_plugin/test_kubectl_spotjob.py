@@ -39,6 +39,7 @@ from plugin_support import (
 from agent.ownership import claim
 from agent.storage import open_storage
 from orchestrator import kubectl_plugin
+from orchestrator.model import invalid_flush_request_id
 from tests.k8s.cluster import Fault, TestCluster
 from tests.unit.fakes import commit_checkpoint
 
@@ -599,11 +600,59 @@ def test_flush_asks_through_an_annotation_patch_that_the_audit_log_records_under
     ]
 
 
+INVALID_REQUEST = json.dumps({"id": "m2", "mode": "reboot"})  # its id parses, its mode does not
+
+
+@pytest.mark.parametrize(
+    ("annotation", "last", "replaced"),
+    [
+        # Answered Invalid, under the id the controller gives what does not parse: not "unanswered".
+        (INVALID_REQUEST, {"id": invalid_flush_request_id(INVALID_REQUEST), "outcome": "Invalid"}, None),
+        # An id the controller handled before its last one (earlierIds): answered too.
+        (
+            json.dumps({"id": "c-1", "mode": "checkpoint"}),
+            {"id": "c-2", "outcome": "Committed", "step": 1400, "earlierIds": ["c-1"]},
+            None,
+        ),
+        (json.dumps({"id": "c-3", "mode": "checkpoint"}), {"id": "c-2", "outcome": "Committed", "step": 1400}, "c-3"),
+        (INVALID_REQUEST, None, invalid_flush_request_id(INVALID_REQUEST)),
+    ],
+)
+def test_flush_says_it_replaces_a_request_only_while_the_controller_has_not_answered_it(
+    cluster: TestCluster,
+    namespace: str,
+    spotjob: Run,
+    annotation: str,
+    last: dict[str, Any] | None,
+    replaced: str | None,
+) -> None:
+    """A request the controller answered Invalid (recorded as ``invalid-<digest>``), or one it
+    handled before its last (``earlierIds``), was called "not answered yet" by the next flush."""
+    create_job(cluster, namespace, "again")
+    patch = {"metadata": {"annotations": {"spotjob.dev/flush-request": annotation}}}
+    cluster.rest.request("PATCH", jobs_path(namespace, "again"), patch, content_type="application/merge-patch+json")
+    stamp = rfc3339(datetime.now(UTC))
+    extra = {"lastFlushRequest": {"mode": "checkpoint", "time": stamp, **last}} if last else {}
+    set_status(cluster, namespace, "again", running_status(**extra))
+
+    proc = spotjob("flush", "again", "-n", namespace)
+
+    assert proc.returncode == 0, proc.stderr
+    line = f"(this replaces flush request {replaced}, which the controller has not answered yet)"
+    if replaced is None:
+        assert "not answered yet" not in proc.stderr, proc.stderr
+    else:
+        assert line in proc.stderr, proc.stderr
+
+
 def test_flush_keep_running_asks_for_a_checkpoint_only(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
     create_job(cluster, namespace, "t5")
     set_status(cluster, namespace, "t5", running_status())
 
-    ok(spotjob("flush", "t5", "-n", namespace, "--keep-running"))
+    proc = spotjob("flush", "t5", "-n", namespace, "--keep-running")
+    ok(proc)
+    # The hint printed runs as printed: the namespace was not the context's (no -n: "not found").
+    assert f"status.lastFlushRequest: kubectl spotjob status t5 -n {namespace}\n" in proc.stderr, proc.stderr
 
     request = flush_annotation(cluster.rest.get(jobs_path(namespace, "t5")))
     assert request is not None and request["mode"] == "checkpoint"
@@ -721,6 +770,8 @@ def test_flush_wait_without_a_controller_gives_up_after_the_timeout_naming_what_
     assert proc.returncode == 1
     assert "no answer to flush request" in proc.stderr
     assert f"is spotjob-controller running and serving namespace {namespace}?" in proc.stderr
+    # The hint runs as printed whatever namespace the user's context is in.
+    assert f"(kubectl spotjob events alone -n {namespace} shows what it did)" in proc.stderr, proc.stderr
 
 
 def test_flush_of_a_finished_job_is_refused_without_writing(cluster: TestCluster, namespace: str, spotjob: Run) -> None:
