@@ -190,12 +190,18 @@ class AgentRequests:
         except FlushRefused as e:
             log.info("notice from %s ignored: %s", notice.source, e)
 
-    def _flush_at(self, notice: Notice) -> float | None:
+    def _flush_at(self, notice: Notice, *, assumed_too: bool = False) -> float | None:
         """When a held notice's flush starts: ``--flush-lead`` before its deadline, or as long before
         it as the last save took x ``--safety-margin``, whichever is sooner. None: not a notice to
-        hold (no deadline, not a cloud's, a preemption, or ``--flush-lead 0``)."""
+        hold (no deadline, an assumed one unless ``assumed_too``, not a cloud's, a preemption, or
+        ``--flush-lead 0``)."""
         lead = self.config.flush_lead
         if lead <= 0 or notice.deadline is None or notice.source not in CLOUD_SOURCES:
+            return None
+        if notice.deadline_assumed and not assumed_too:
+            # The cloud did not say when (an Azure event already Started, a GCE maintenance found
+            # set): the node may go at any moment, sooner than the guess. Held, the flush could
+            # start after the node is gone.
             return None
         if notice.kind is NoticeKind.PREEMPTION:
             # Spot preemption gives 30 s to 2 minutes. One further away than --flush-lead is this
@@ -215,9 +221,12 @@ class AgentRequests:
         """Hold a cloud notice whose deadline is further away than ``--flush-lead`` (GCE gives a GPU
         VM an hour's notice of host maintenance, Azure 10-15 minutes of a Reboot or Redeploy):
         training goes on and ``release_held`` starts the flush in time. A flush at once would stop
-        the job for the rest of the notice, and a job restarted on the same VM would flush again."""
+        the job for the rest of the notice, and a job restarted on the same VM would flush again.
+        A deadline the cloud did not tell (``Notice.deadline_assumed``) is never held."""
         flush_at = self._flush_at(notice)
         if flush_at is None or flush_at <= time.time():
+            if notice.deadline_assumed:
+                self._say_assumed_not_held(notice)
             return False
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
@@ -246,6 +255,22 @@ class AgentRequests:
             (notice.deadline or flush_at) - flush_at,
         )
         return True
+
+    def _say_assumed_not_held(self, notice: Notice) -> None:
+        """Log that a notice a told deadline would have held flushes now: its deadline is a guess."""
+        would = self._flush_at(notice, assumed_too=True)
+        if would is None or would <= time.time():
+            return  # it flushes now whatever its deadline: nothing to explain
+        with self._lock:
+            if self._flush is not None or self._stop is not None or self._returncode is not None:
+                return  # no flush starts for it: _start_flush says what happens
+        log.warning(
+            "%s notice (%s): the cloud did not say when the node goes (deadline %s assumed), so it is not "
+            "held for --flush-lead: the flush starts now",
+            notice.source,
+            notice.detail,
+            format_deadline(notice.deadline),
+        )
 
     def _withdraw(self, notice: Notice) -> None:
         """The cloud withdrew an event: a notice of it the agent holds is dropped. A flush it

@@ -23,7 +23,10 @@ once); ``stop`` cuts that wait short.
 An event heard before whose ``NotBefore`` changes (Azure moved it, or it was started: ``Started``
 with an empty ``NotBefore``, the platform acting within seconds) is heard again with its new
 deadline: a flush the agent holds for a Reboot or Redeploy (``--flush-lead``) must not wait for a
-time that no longer holds. One that leaves the list (Azure cancelled it) is withdrawn
+time that no longer holds. An empty (or unreadable) ``NotBefore`` tells no time: the deadline is
+then Azure's 30 s minimum from when the event was seen, marked assumed (``Notice.deadline_assumed``),
+and the agent flushes at once rather than hold it, whether the event was already ``Started`` when
+first heard or started later. One that leaves the list (Azure cancelled it) is withdrawn
 (``Notice.withdrawn``): a flush held for it is dropped.
 
 Acknowledgement: after the flush has ended (committed or failed) the agent calls
@@ -220,12 +223,14 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             self._seen.add(event_id)
             log.info("Azure scheduled event %s (%s): no flush needed", event_id, event_type)
             return True
+        deadline, assumed = self._deadline(event_id, str(event.get("NotBefore") or ""))
         notice = Notice(
             source=self.name,
             kind=kind,
-            deadline=self._deadline(event_id, str(event.get("NotBefore") or "")),
-            detail=f"scheduled event {event_type} {event_id} ({event.get('EventStatus', '?')})",
+            deadline=deadline,
+            detail=f"scheduled event {event_type} {event_id} ({event.get('EventStatus', '?')}{assumed})",
             event_id=event_id,
+            deadline_assumed=bool(assumed),
         )
         if not self._emit(event_id, notice):
             return False
@@ -236,15 +241,22 @@ class AzureScheduledEventsSource(PollingNoticeSource):
             self._to_ack.append(event_id)  # acknowledged once the flush it started has ended
         return True
 
-    def _deadline(self, event_id: str, not_before: str) -> float:
+    def _deadline(self, event_id: str, not_before: str) -> tuple[float, str]:
         """An event's deadline: its ``NotBefore``, else (empty or unreadable, warned) Azure's
-        minimum notice counted from when the event was first seen."""
+        minimum notice counted from when the event was first seen. The second item is empty for a
+        ``NotBefore``, else what the notice's detail adds to say the deadline is assumed: Azure
+        said no time (an event ``Started`` goes within seconds), so the notice is not held."""
         try:
             deadline = parse_not_before(not_before)
         except (ValueError, TypeError) as e:
             log.warning("Azure event %s: unreadable NotBefore %r (%s)", event_id, not_before, e)
-            deadline = None
-        return deadline if deadline is not None else self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS
+            why = "unreadable"
+        else:
+            if deadline is not None:
+                return deadline, ""
+            why = "empty"
+        assumed = f"; NotBefore {why}: {PREEMPT_NOTICE_SECONDS:g} s assumed"
+        return self._seen_since(event_id) + PREEMPT_NOTICE_SECONDS, assumed
 
     def _on_moved(self, event_id: str, event: dict[str, Any]) -> bool:
         """An event already turned into a notice whose ``NotBefore`` changed: Azure moved it, or it
@@ -257,12 +269,15 @@ class AzureScheduledEventsSource(PollingNoticeSource):
         if before is None or before == not_before or event_id in self.acknowledged:
             return True  # not a notice (another VM's, a Freeze), unchanged, or started by this agent's ack
         status = event.get("EventStatus", "?")
+        deadline, assumed = self._deadline(event_id, not_before)
         notice = Notice(
             source=self.name,
             kind=EVENT_KINDS.get(str(event.get("EventType", "")), NoticeKind.TERMINATE),
-            deadline=self._deadline(event_id, not_before),
-            detail=f"scheduled event {event.get('EventType', '?')} {event_id} ({status}; NotBefore was {before!r})",
+            deadline=deadline,
+            detail=f"scheduled event {event.get('EventType', '?')} {event_id} ({status}; "
+            f"NotBefore was {before!r}{assumed})",
             event_id=event_id,
+            deadline_assumed=bool(assumed),
         )
         if not deliver_notice(self.name, self._callback, notice):
             return False

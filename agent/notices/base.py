@@ -62,6 +62,11 @@ class Notice:
     withdrawn: bool = False
     """The cloud withdrew the event this source announced earlier with this kind (GCE's
     maintenance-event back to NONE): a notice the agent holds is dropped; a flush under way goes on."""
+    deadline_assumed: bool = False
+    """The cloud did not say when (an Azure event ``Started``, its ``NotBefore`` empty; a GCE
+    maintenance-event already set when the agent started, with no record of when): ``deadline`` is
+    the source's guess. The node may go sooner, so such a notice is never held (``--flush-lead``):
+    it flushes at once, and the guess only bounds the flush."""
 
 
 NoticeCallback = Callable[[Notice], None]
@@ -362,10 +367,11 @@ class PollingNoticeSource(NoticeSource):
 def deliver_notice(source: str, callback: NoticeCallback | None, notice: Notice) -> bool:
     """Log ``notice`` and call ``callback``; False if the callback raised (logged, never raised)."""
     log.info(
-        "notice from %s: %s, deadline %s (%s)",
+        "notice from %s: %s, deadline %s%s (%s)",
         source,
         notice.kind.value,
         format_deadline(notice.deadline),
+        ", assumed" if notice.deadline_assumed and notice.deadline is not None else "",
         notice.detail,
     )
     if callback is None:

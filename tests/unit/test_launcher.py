@@ -876,6 +876,23 @@ class TestHeldNotices:
         agent.on_notice(Notice(source="signal", kind=NoticeKind.TERMINATE, deadline=time.time() + 3600, detail="x"))
         assert agent._flush is not None
 
+    @pytest.mark.parametrize("source", ["gcp", "azure"])
+    def test_an_assumed_deadline_is_never_held_whatever_the_lead(
+        self, tmp_path: Path, source: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A deadline the cloud did not tell (an Azure event already Started, a GCE maintenance
+        found set) is a guess: the node may go sooner. Before, one further away than --flush-lead
+        was held like a told one; the log now says why it flushes at once."""
+        agent = self.agent(tmp_path, flush_lead=10)
+        deadline = time.time() + 3600
+        with caplog.at_level("WARNING"):
+            agent.on_notice(
+                Notice(source=source, kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="x", deadline_assumed=True)
+            )
+        assert agent._flush is not None and agent._flush.deadline == deadline
+        assert agent.status().held_notice is None and agent.status().flush_at is None
+        assert "deadline" in caplog.text and "assumed" in caplog.text and "the flush starts now" in caplog.text
+
     def test_flush_lead_0_flushes_every_notice_at_once(self, tmp_path: Path) -> None:
         agent = self.agent(tmp_path, flush_lead=0)
         agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 3600, detail="x"))

@@ -1062,6 +1062,69 @@ class TestFlushOnNotice:
         assert status.deadline is not None and first.deadline is not None and status.deadline < first.deadline
 
 
+class Handled(Collector):
+    """The agent's own callback, then the notice queued: ``next()`` returns once the agent took it."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__()
+        self.agent = agent
+
+    def __call__(self, notice: Notice) -> None:
+        self.agent.on_notice(notice)
+        super().__call__(notice)
+
+
+class TestAssumedDeadlinesAreNotHeld:
+    """A cloud notice whose deadline the cloud did not tell (``Notice.deadline_assumed``) flushes at
+    once whatever ``--flush-lead`` is: the node may go sooner than the guess. ``spotjob run`` gives
+    its agents ``--flush-lead 10``, shorter than every guess, which is how these were found."""
+
+    def test_an_azure_event_already_started_when_the_agent_starts_flushes_at_once(
+        self, tmp_path: Path, azure: AzureScheduledEventsEmulator, caplog: Any
+    ) -> None:
+        """Someone acknowledged the Reboot before this agent started: ``Started``, ``NotBefore``
+        empty, the VM goes within seconds. Before, the source made the deadline now + 30 s and the
+        agent held it for 20 s of training."""
+        a = agent(tmp_path, flush_lead=10)
+        event_id = azure.add_event(EventType="Reboot", NotBefore="", EventStatus="Started")
+        got = Handled(a)
+        source = AzureScheduledEventsSource(azure.url, interval=FAST)
+        with caplog.at_level("WARNING", logger="agent.launcher"):
+            source.start(got)
+            try:
+                notice = got.next()
+            finally:
+                source.stop()
+        assert a._flush is not None and a.control.flush_request() is not None
+        assert a.status().held_notice is None
+        assert notice.event_id == event_id and notice.deadline_assumed
+        assert "NotBefore empty: 30 s assumed" in notice.detail
+        assert "the cloud did not say when the node goes" in caplog.text and "the flush starts now" in caplog.text
+
+    def test_a_held_azure_event_that_someone_starts_flushes_at_once(
+        self, tmp_path: Path, azure: AzureScheduledEventsEmulator
+    ) -> None:
+        """A Reboot 15 minutes ahead is held; another agent (or a user) acknowledges it: ``Started``,
+        ``NotBefore`` empty. Before, the agent heard it again with the made-up deadline now + 30 s,
+        and held that too, 20 s of the few seconds the VM had left."""
+        a = agent(tmp_path, flush_lead=10)
+        got = Handled(a)
+        source = AzureScheduledEventsSource(azure.url, interval=FAST)
+        source.start(got)
+        try:
+            event_id = azure.add_event(EventType="Reboot", NotBefore=time.time() + 900)
+            assert not got.next().deadline_assumed
+            assert a._flush is None and a.status().held_notice is not None
+            ack = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+            headers = {"Metadata": "true", "Content-Type": "application/json"}
+            assert http(azure.url + AZURE_EVENTS, "POST", headers, ack)[0] == 200
+            started = got.next()
+            assert a._flush is not None and a.status().held_notice is None
+            assert started.event_id == event_id and started.deadline_assumed and "(Started;" in started.detail
+        finally:
+            source.stop()
+
+
 # -- a notice is marked as heard only once it was delivered --------------------------------------------
 
 
