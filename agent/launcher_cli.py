@@ -303,7 +303,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         help="deadline after GCE maintenance-event=TERMINATE_ON_HOST_MAINTENANCE (default: 3600 s on a "
         "machine with an NVIDIA GPU, GCE's notice to GPU VMs, else 60 s; a value already set when the agent "
-        f"starts gets 60 s; also {ENV_GCP_MAINTENANCE_SECONDS})",
+        "starts, with no record of when, gets at most 60 s, assumed, and flushes at once; also "
+        f"{ENV_GCP_MAINTENANCE_SECONDS})",
     )
     no.add_argument(
         "--flush-lead",

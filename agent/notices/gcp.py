@@ -10,9 +10,11 @@ Two watches, one thread each, on ``/computeMetadata/v1/instance/``:
   with GPUs, which cannot migrate, an hour's notice, other VMs 60 s). The deadline is an hour on a
   machine with an NVIDIA GPU (``maintenance_notice_seconds``), else 60 s. A value already
   TERMINATE_ON_HOST_MAINTENANCE at the first read (the agent started after it was set, e.g. a
-  job restarted on the same VM) is given 60 s, whatever the machine: when it was set is unknown,
-  unless an earlier agent of this user on this machine, in this boot, saw it change and left a
-  record of when (``MaintenanceRecord``): then the deadline counts from that time.
+  job restarted on the same VM) is given 60 s, whatever the machine, marked as assumed
+  (``Notice.deadline_assumed``: the agent flushes at once, whatever ``--flush-lead``): when it was
+  set is unknown, unless an earlier agent of this user on this machine, in this boot, saw it
+  change and left a record of when (``MaintenanceRecord``): then the deadline counts from that
+  time, and is told, not assumed.
 
 Each watch reads the current value and its ETag, then asks ``?wait_for_change=true&last_etag=E``:
 the server answers at once if the value has moved on, otherwise it holds the request until it
@@ -232,15 +234,17 @@ class _GceWatch(PollingNoticeSource):
                 return True
             seconds, detail = self.notice_seconds, "instance/maintenance-event=TERMINATE_ON_HOST_MAINTENANCE"
             seen = self._seen_since("maintenance")
+            assumed = False
             if self._value is not None:
                 self._record.save(etag, seen, seconds)  # seen as it changed: a restart here can count from it
-            elif seconds > MAINTENANCE_NOTICE_SECONDS:
+            else:
                 # Set before this agent looked: how much of the notice is left is unknown, unless
                 # an earlier agent here saw this very value (ETag) change, in this boot.
                 recorded = self._record.first_seen(etag, seconds, seen)
                 if recorded is None:
-                    seconds = MAINTENANCE_NOTICE_SECONDS
-                    detail += " (already set when the agent started: when is unknown, so 60 s assumed)"
+                    # A guess, whatever the machine: the agent flushes at once rather than hold it.
+                    seconds, assumed = min(seconds, MAINTENANCE_NOTICE_SECONDS), True
+                    detail += f" (already set when the agent started: when is unknown, so {seconds:g} s assumed)"
                 else:
                     seen = recorded
                     detail += (
@@ -249,7 +253,13 @@ class _GceWatch(PollingNoticeSource):
                     )
             return self._emit(
                 "maintenance",
-                Notice(source=self.name, kind=NoticeKind.MAINTENANCE, deadline=seen + seconds, detail=detail),
+                Notice(
+                    source=self.name,
+                    kind=NoticeKind.MAINTENANCE,
+                    deadline=seen + seconds,
+                    detail=detail,
+                    deadline_assumed=assumed,
+                ),
             )
         else:
             if value.startswith("MIGRATE"):

@@ -1124,6 +1124,48 @@ class TestAssumedDeadlinesAreNotHeld:
         finally:
             source.stop()
 
+    @pytest.mark.parametrize("notice_seconds", [60, 3600])
+    def test_a_gce_maintenance_already_set_without_a_record_flushes_at_once(
+        self, tmp_path: Path, gce: GceMetadataEmulator, notice_seconds: int, caplog: Any
+    ) -> None:
+        """maintenance-event was TERMINATE_ON_HOST_MAINTENANCE before the agent started, and no
+        agent on the machine recorded when it changed: how much of the notice is left is unknown
+        (60 s assumed, whatever the machine). Before, that guess was held like GCE's own 60 s
+        or hour: with --flush-lead 10 the flush waited 50 s of a notice that may have run out."""
+        gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+        a = agent(tmp_path, flush_lead=10)
+        got = Handled(a)
+        source = GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=notice_seconds)
+        with caplog.at_level("WARNING", logger="agent.launcher"):
+            source.start(got)
+            try:
+                notice = got.next()
+            finally:
+                source.stop()
+        assert a._flush is not None and a.control.flush_request() is not None
+        assert a.status().held_notice is None
+        assert notice.kind is NoticeKind.MAINTENANCE and notice.deadline_assumed
+        assert notice.deadline is not None and notice.deadline <= time.time() + 60
+        assert "60 s assumed" in notice.detail
+        assert "the cloud did not say when the node goes" in caplog.text and "the flush starts now" in caplog.text
+
+    def test_a_gce_maintenance_an_earlier_agent_dated_is_held_as_it_was(
+        self, tmp_path: Path, gce: GceMetadataEmulator
+    ) -> None:
+        """Pins the bound of the above: a restart that finds the record of an earlier agent's
+        sight knows the deadline (told, not assumed) and holds it as the first agent did."""
+        first = agent_saw_maintenance_start(gce)
+        a = agent(tmp_path, flush_lead=10)
+        got = Handled(a)
+        source = GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600)
+        source.start(got)
+        try:
+            notice = got.next()
+        finally:
+            source.stop()
+        assert notice.deadline == first.deadline and not notice.deadline_assumed
+        assert a._flush is None and a.status().held_notice is not None
+
 
 # -- a notice is marked as heard only once it was delivered --------------------------------------------
 
