@@ -19,7 +19,11 @@ Two watches, one thread each, on ``/computeMetadata/v1/instance/``:
 Each watch reads the current value and its ETag, then asks ``?wait_for_change=true&last_etag=E``:
 the server answers at once if the value has moved on, otherwise it holds the request until it
 changes (or ``timeout_sec``). So a notice arrives within one round trip, with no poll interval.
-Every request carries ``Metadata-Flavor: Google``; the server refuses it otherwise.
+Every request carries ``Metadata-Flavor: Google``; the server refuses it otherwise, and puts the
+same header on every answer. An answer without it (not the metadata server's: a proxy's), or with
+a value GCE does not document for the key (``known_value``: an HTML page, a truncated body) is a
+failed read: warned about once, polling goes on, and nothing changes (a held notice is not
+withdrawn, and one heard again is not dated later).
 
 A GKE pod under Workload Identity reaches the GKE metadata server instead, which serves pods a
 subset of ``instance/`` without either key (404): the warning says so, and what to do.
@@ -32,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -60,6 +65,25 @@ PREEMPTION_NOTICE_SECONDS = 30.0
 MAINTENANCE_NOTICE_SECONDS = 60.0
 GPU_MAINTENANCE_NOTICE_SECONDS = 3600.0
 """GCE's notice of a host maintenance that stops a VM with GPUs attached (they cannot live-migrate)."""
+
+
+KNOWN_VALUES = {
+    "preempted": ("TRUE", "FALSE"),
+    "maintenance-event": ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE"),
+}
+"""The values GCE documents for each key the agent watches."""
+
+_MIGRATE = re.compile(r"MIGRATE[A-Z0-9_]*")
+"""A live migration by any name GCE may give it: logged only, the job keeps running."""
+
+
+def known_value(key: str, value: str) -> bool:
+    """Whether ``value`` is one GCE documents for ``key`` (``preempted`` in any case; any
+    ``MIGRATE…`` of ``maintenance-event``, a live migration). Anything else is no news of the event:
+    the watch takes it as a failed read and changes nothing."""
+    if key == "preempted":
+        return value.upper() in KNOWN_VALUES[key]
+    return value in KNOWN_VALUES[key] or _MIGRATE.fullmatch(value) is not None
 
 
 def maintenance_notice_seconds(root: str = "/") -> float:
@@ -196,8 +220,20 @@ class _GceWatch(PollingNoticeSource):
             )
         if resp.status != 200:
             raise SourceError(f"GET {self.client.url(path)} answered {resp.status}")
+        if resp.headers.get("metadata-flavor") != "Google":
+            raise SourceError(
+                f"GET {self.client.url(path)} answered without the header Metadata-Flavor: Google, which the "
+                "metadata server puts on every answer: not its answer (a proxy's?), ignored"
+            )
         etag = resp.headers.get("etag")
         value = resp.text().strip()
+        if not known_value(self.key, value):
+            # Not a value GCE documents (a proxy's HTML page, a truncated answer): no news of the
+            # event, so nothing changes (a held notice is not withdrawn, nor a new one dated later).
+            raise SourceError(
+                f"GET {self.client.url(path)} answered {value[:100]!r}, which is no value of instance/{self.key} "
+                f"({' | '.join(KNOWN_VALUES[self.key])}): ignored, nothing changes"
+            )
         # A server that answers a wait_for_change at once with the same ETag would make this a
         # busy loop; pause the normal interval then.
         self._quick = etag is None or (etag == self._etag and time.monotonic() - started < 0.5)

@@ -537,6 +537,92 @@ class TestGcpSource:
         finally:
             source.stop()
 
+    def test_an_undocumented_maintenance_event_value_changes_nothing_and_is_warned_about_once(
+        self, tmp_path: Path, gce: GceMetadataEmulator, caplog: Any
+    ) -> None:
+        """A 200 answer whose body is none of GCE's values (a proxy's error page) while a maintenance
+        is held. Before, it was taken as the maintenance's end: the held notice was withdrawn and the
+        record removed, and when the value came back the deadline restarted an hour later."""
+        a = agent(tmp_path, flush_lead=10)
+        got = Handled(a)
+        source = GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600)
+        path = "/computeMetadata/v1/instance/maintenance-event"
+        with caplog.at_level("WARNING", logger="agent.notices.base"):
+            source.start(got)
+            try:
+                assert gce.wait_for_waiters(2)
+                gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+                first = got.next()
+                held = a.status().held_notice
+                assert held is not None and held.deadline == first.deadline
+                (record,) = gce_records()
+                recorded = record.read_bytes()
+                answered = gce.count("GET", path)
+                page = "<html><body>502 Bad Gateway</body></html>"
+                gce.set_maintenance_event(page)
+                wait_until(
+                    lambda: (
+                        gce.count("GET", path) >= answered + 3
+                        or gce.wait_for_waiter_on("instance/maintenance-event", page, timeout=0)
+                    ),  # took it as a value
+                    "three answers of the page",
+                )
+                gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+                # The watch waits on the value it last took: it never took the page.
+                assert gce.wait_for_waiter_on("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+            finally:
+                source.stop()
+        assert got.notices.empty(), got.notices.get()
+        held = a.status().held_notice
+        assert held is not None and held.deadline == first.deadline and a._flush is None
+        assert [r.read_bytes() for r in gce_records()] == [recorded]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "agent.notices.base"]
+        assert len(warnings) == 1 and "502 Bad Gateway" in warnings[0] and "no value of" in warnings[0], warnings
+
+    def test_the_values_taken_are_the_ones_gce_documents(self) -> None:
+        """Pins which answers count as news (the rest is a failed read, as above): GCE's three
+        maintenance-event values, any live migration by name, preempted TRUE or FALSE in any case."""
+        for value in ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "MIGRATE", "TERMINATE_ON_HOST_MAINTENANCE"):
+            assert gcp.known_value("maintenance-event", value), value
+        for value in ("", "none", "<html>", "TERMINATE", "TERMINATE_ON_HOST_MAINTENANCE <html>", "MIGRATE <html>"):
+            assert not gcp.known_value("maintenance-event", value), value
+        assert all(gcp.known_value("preempted", v) for v in ("TRUE", "FALSE", "true"))
+        assert not any(gcp.known_value("preempted", v) for v in ("", "1", "<html>TRUE</html>"))
+
+    def test_an_answer_without_the_metadata_flavor_header_is_not_the_metadata_servers(
+        self, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    ) -> None:
+        """The metadata server puts ``Metadata-Flavor: Google`` on every answer; one without it is
+        someone else's (a proxy between the pod and the server) and tells nothing: no notice, a
+        warning once, and the server's own answer is heard when it comes back."""
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tempdir")))
+        with Proxied() as gce:
+            source = GceMetadataSource(gce.url, interval=FAST, maintenance_notice_seconds=3600)
+            got = Collector()
+            path = "/computeMetadata/v1/instance/maintenance-event"
+            with caplog.at_level("WARNING", logger="agent.notices.base"):
+                source.start(got)
+                try:
+                    assert gce.wait_for_waiters(2)
+                    gce.proxied = True
+                    answered = gce.count("GET", path)
+                    gce.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+                    wait_until(
+                        lambda: (
+                            gce.count("GET", path) >= answered + 3
+                            or gce.wait_for_waiter_on("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE", 0)
+                        ),
+                        "three proxied answers",
+                    )
+                    assert got.notices.empty(), got.notices.get()
+                    gce.proxied = False
+                    notice = got.next()
+                    assert notice.kind is NoticeKind.MAINTENANCE and not notice.withdrawn
+                finally:
+                    source.stop()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "agent.notices.base"]
+        assert len(warnings) == 1 and "Metadata-Flavor" in warnings[0] and "maintenance-event" in warnings[0], warnings
+
     def test_the_maintenance_deadline_is_an_hour_where_an_nvidia_gpu_is_seen(self, tmp_path: Path) -> None:
         assert gcp.maintenance_notice_seconds(str(tmp_path)) == 60
         (tmp_path / "dev").mkdir()
@@ -811,6 +897,19 @@ class Garbled(ImdsEmulator):
             return _Reply.text(200, '{"action": "terminate", "time": "soon"}')
         if reply.status == 200 and path == self.REBALANCE_PATH:
             return _Reply.text(200, "<html>oops</html>")
+        return reply
+
+
+class Proxied(GceMetadataEmulator):
+    """A GCE metadata server behind something that, while ``proxied``, answers without its
+    ``Metadata-Flavor: Google`` header (a proxy's answer, not the server's)."""
+
+    proxied = False
+
+    def _handle(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> Any:
+        reply = super()._handle(method, path, query, headers, body)
+        if self.proxied:
+            reply.headers.pop("Metadata-Flavor", None)
         return reply
 
 
