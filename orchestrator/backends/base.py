@@ -16,7 +16,8 @@ Call order (the reconciler, one job at a time, never concurrently for one job):
    checkpoint without a stop: ``request_save`` the same way;
 3. a restart: ``stop_workers`` (the whole gang) until ``list_workers`` shows none alive, then
    ``start_workers`` for the next attempt, away from the placements to avoid;
-4. a failed job: ``stop_workers``.
+4. a job that ended (Failed, or Succeeded with a worker a sidecar keeps running): ``stop_workers``
+   with ``keep_exited=True``, until ``list_workers`` shows none alive and none holding its node.
 
 Contract of every backend:
 
@@ -28,7 +29,10 @@ Contract of every backend:
   going away would (SIGTERM: the agent flushes within its grace); ``flush=False`` first tells
   each agent to stop without a flush (its control API's ``POST /stop``, exit 79), because after a
   failure of the user's code or an infrastructure error the healthy ranks would wait forever for
-  their dead peers in the flush's collective.
+  their dead peers in the flush's collective. ``keep_exited=True`` (a job that ended) leaves every
+  worker whose agent exited and that holds no node (``WorkerObservation.holds_node``) as it is:
+  what it left (a pod for ``kubectl logs``, a log file) stays; workers still alive, and exited
+  ones a sidecar keeps on their node, are stopped as above.
 - ``list_workers`` reports every worker of the job it still knows, of any attempt, including those
   that exited (phase Succeeded/Failed with their exit code) until ``stop_workers`` removes them.
   A worker of the current attempt missing from the list has vanished (its node went away).
@@ -293,11 +297,20 @@ class Backend(Protocol):
         """
         ...
 
-    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+    def stop_workers(
+        self,
+        key: JobKey,
+        spec: JobSpec,
+        *,
+        keep_attempt: int | None = None,
+        flush: bool = True,
+        keep_exited: bool = False,
+    ) -> None:
         """Stop every worker of the job, except those of ``keep_attempt`` when given. Idempotent.
 
         ``flush=False``: tell each agent to stop without flushing first (``POST /stop``), then
-        stop what is left; see the module docstring.
+        stop what is left; ``keep_exited=True``: leave the workers whose agent exited and that hold
+        no node (a job that ended keeps them, for their logs); see the module docstring.
         """
         ...
 

@@ -13,12 +13,14 @@ builds the objects):
   cool-down and off nodes that are being taken away right now (a preemption taint, an interruption
   notice, NotReady): a NoExecute preemption taint is tolerated for the flush window, so without
   that exclusion a new worker could be scheduled onto the very node being reclaimed.
-- ``stop_workers``: delete the pods (their grace period covers a flush: SIGTERM is a notice to
-  the agent). With ``flush=False`` each live agent is first told ``POST /stop`` (in the
-  background) and its pod is deleted once the agent answered or could not be reached. A pod
-  stuck terminating on a node that is lost (deleted, or NotReady past ``--node-lost-grace-seconds``,
-  its kubelet gone) is force-deleted (grace 0) so it never holds the next attempt back; if its
-  processes still run behind a partition, fencing keeps what they write from counting.
+- ``stop_workers``: delete the pods (their grace period covers a flush: SIGTERM is a notice to the
+  agent); with ``keep_exited`` (the job ended), not those that ended, which stay for
+  ``kubectl logs``, only those still running (a live agent, or a sidecar after the agent exited). With
+  ``flush=False`` each live agent is first told ``POST /stop`` (in the background) and its pod is
+  deleted once the agent answered or could not be reached. A pod stuck terminating on a node that
+  is lost (deleted, or NotReady past ``--node-lost-grace-seconds``, its kubelet gone) is
+  force-deleted (grace 0) so it never holds the next attempt back; if its processes still run
+  behind a partition, fencing keeps what they write from counting.
 - Every call reads the pods of this incarnation of the job only (their owner reference names
   its uid): a job deleted and created again under the same name finds its predecessor's pods
   still terminating under the same names, and waits for them to go instead of adopting them.
@@ -224,7 +226,15 @@ class KubernetesBackend:
             if worker_name(key, attempt, index) not in existing:
                 self._create_pod(owner, key, view, attempt, index, str(master), where)
 
-    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+    def stop_workers(
+        self,
+        key: JobKey,
+        spec: JobSpec,
+        *,
+        keep_attempt: int | None = None,
+        flush: bool = True,
+        keep_exited: bool = False,
+    ) -> None:
         token: str | None = None
         for pod in self._job_pods(key):
             if keep_attempt is not None and _attempt(pod) == keep_attempt:
@@ -234,6 +244,8 @@ class KubernetesBackend:
             if _deleting(pod):
                 self._maybe_force_delete(pod)
                 continue
+            if keep_exited and not _alive(pod) and not _still_running(pod):
+                continue  # the job ended: an exited pod stays for kubectl logs (it holds no node)
             if not flush:
                 self._no_flush.add(uid)
             if uid in self._no_flush and _alive(pod) and _pod_ip(pod):

@@ -223,15 +223,27 @@ class LocalBackend(WorkerProcesses):
                 self._workers[worker_name(key, attempt, index)] = self._spawn(key, spec, attempt, index, node, port)
         self.changed.set()
 
-    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+    def stop_workers(
+        self,
+        key: JobKey,
+        spec: JobSpec,
+        *,
+        keep_attempt: int | None = None,
+        flush: bool = True,
+        keep_exited: bool = False,
+    ) -> None:
         with self._lock:
             for w in list(self._workers.values()):
                 if w.job != key or w.attempt == keep_attempt or w.stopping:
                     continue
-                w.stopping, w.stop_flush = True, flush
                 if not w.alive and not marked_pids(ENV_WORKER, w.marker):
-                    self._remove(w)  # exited, and nothing of it is left (no stray rank)
+                    # Exited, and nothing of it is left (no stray rank). Its log stays either way;
+                    # a job that ended keeps the worker listed, as a pod stays on Kubernetes.
+                    if not keep_exited:
+                        w.stopping = True
+                        self._remove(w)
                     continue
+                w.stopping, w.stop_flush = True, flush
                 t = threading.Thread(target=self._stop, args=(w,), name=f"stop-{w.name}", daemon=True)
                 # Only the stops still running are close()'s to wait for: one more per preemption
                 # otherwise, for as long as the run lasts.

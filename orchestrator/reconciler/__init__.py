@@ -11,7 +11,8 @@ request) and every counter moves in the same write as the phase that counted it.
 gang, the one action that destroys evidence (a failed worker and its exit code), happens only
 after the write that records why: a pass whose write is lost stopped nothing, and the next one
 decides the same failure again rather than finding the gang vanished (a preemption). A Failed
-job's workers are stopped until none is alive. Events and metrics follow the write (Karpenter): a
+job's workers are stopped until none is alive; those that exited are kept (a pod for
+``kubectl logs``), unless a sidecar keeps them on their node. Events and metrics follow the write (Karpenter): a
 pass whose write failed tells nothing.
 
 No status churn: a pass whose decisions change nothing writes nothing. The numbers that move

@@ -238,13 +238,14 @@ class Reconciler(_Capacity):
     def _stop_leftovers(self, key: JobKey, stored: StoredJob, status: JobStatus) -> ReconcileResult:
         """A Failed job's workers are stopped (without a flush) until none is alive, and a finished
         job's exited workers that still hold their node (a sidecar) until none does: the pass that
-        decided the end stops them after its write, and this finishes a stop that failed."""
+        decided the end stops them after its write, and this finishes a stop that failed. Workers
+        that exited and hold no node are kept (their pods stay for ``kubectl logs``)."""
         if status.phase not in (Phase.FAILED, Phase.SUCCEEDED) or stored.spec is None:
             return ReconcileResult(status.phase, None)
         try:
             alive = [w for w in self._backend.list_workers(key, stored.spec) if w.phase.alive or w.holds_node]
             if alive:
-                self._backend.stop_workers(key, stored.spec, flush=False)
+                self._backend.stop_workers(key, stored.spec, flush=False, keep_exited=True)
         except BackendError as e:
             log.warning("job %s [%s]: cannot stop its workers yet (%s)", key, status.phase, e)
             return ReconcileResult(status.phase, self._options.infra_delay(1))
@@ -366,7 +367,8 @@ class Reconciler(_Capacity):
         # the next pass sees what this one saw (a failed worker's exit code, not a vanished gang).
         if p.stop_flush is not None:
             try:
-                self._backend.stop_workers(key, p.spec, flush=p.stop_flush)
+                # A job that ended keeps its exited workers (their pods, for kubectl logs).
+                self._backend.stop_workers(key, p.spec, flush=p.stop_flush, keep_exited=status.phase.terminal)
             except BackendError as e:
                 log.warning("job %s [%s]: stopping the gang failed (%s); trying again", key, status.phase, e)
                 requeue = self._options.infra_delay(1)

@@ -668,6 +668,8 @@ class _Recovery(_FlushRequests):
         message = why.message(**fields)
         if phase is Phase.FAILED:
             # Without a flush: the job failed (its code, or its checkpoint URI); nothing to save.
+            # The stop frees what still runs (a healthy peer of the failed worker); the exited
+            # workers are kept (``keep_exited``: their pods stay for kubectl logs).
             p.stop_flush = False
         elif any(w.holds_node for w in p.workers):
             # Done, but a worker's sidecar runs on and holds its node for good: stop what is left.

@@ -492,6 +492,22 @@ def test_a_gang_stopped_without_a_flush_is_told_to_stop_first_and_deleted_once_t
     assert [name for _, name, _ in world.client.deleted] == ["llama-0-0", "llama-0-1"]
 
 
+def test_a_gang_stopped_as_its_job_ends_keeps_the_exited_pods_and_deletes_those_still_running(world: World) -> None:
+    """The stop of a job that ended (``keep_exited``): a Failed job's pods were all deleted, the
+    crashed worker's with them, so ``kubectl logs`` found nothing. Now a live agent is told to stop
+    and its pod deleted, an exited agent whose sidecar keeps its pod Running is deleted (it holds
+    its node), and the pods that ended stay, whatever their exit."""
+    world.add(
+        pod(0, phase="Failed", ready=False, exit_code=1),
+        pod(1, ip="10.0.0.2"),
+        pod(2, exit_code=1, sidecar=True, ip="10.0.0.3"),
+        pod(3, phase="Succeeded", ready=False, exit_code=0, ip="10.0.0.4"),
+    )
+    world.backend.stop_workers(KEY, spec(replicas=4), flush=False, keep_exited=True)
+    assert world.agents.asked == [("stop", "llama-0-1")]
+    assert sorted(name for _, name, _ in world.client.deleted) == ["llama-0-1", "llama-0-2"]
+
+
 def test_a_gang_stopped_after_a_preemption_is_deleted_at_once_and_the_kept_attempt_left_alone(world: World) -> None:
     world.add(pod(0), pod(0, attempt=1, ip="10.0.0.9"))
     world.backend.stop_workers(KEY, spec(), keep_attempt=1)

@@ -508,6 +508,45 @@ def test_a_job_out_of_restarts_ends_its_event_with_where_to_read_what_next_and_c
         parts.stop()
 
 
+def _exit_trainer(test_api: TestApi, parts: Parts, name: str, code: int, message: str = "") -> None:
+    """Play the kubelet: pod ``name``'s training container exited ``code``, with ``message`` for its
+    termination message (what ``FallbackToLogsOnError`` makes of the log's tail), and the pod ended."""
+    pod = test_api.admin.get(PODS, name, "default")
+    terminated: dict[str, Any] = {"exitCode": code, "reason": "Error" if code else "Completed"}
+    if message:
+        terminated["message"] = message
+    pod["status"]["phase"] = "Failed" if code else "Succeeded"
+    pod["status"]["containerStatuses"][0].update(ready=False, state={"terminated": terminated})
+    test_api.admin.replace(PODS, pod, subresource="status")
+    wait_for(
+        lambda: (parts.pods.cache.get("default", name) or {}).get("status", {}).get("phase") == pod["status"]["phase"],
+        what=f"{name} ended in the cache",
+    )
+
+
+def test_a_failed_jobs_pod_stays_for_kubectl_logs(test_api: TestApi, tmp_path: Path) -> None:
+    """A user walk: a job whose code crashed with ``maxRestarts: 0`` went Failed, and the controller
+    deleted its pod right after (the API server's audit log: a DELETE 28 ms after the status
+    write), so the ``kubectl logs`` that README and ``Next:`` point to found no pod. Now the pod
+    stays, on the pass that failed the job and on every later one, as a Succeeded job's does."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path)
+    try:
+        job = spotjob(parts.uri)
+        job["spec"]["maxRestarts"] = 0
+        test_api.admin.create(SPOTJOBS, job, "default")
+        _running_on_n1(test_api, parts, create=False)
+        _exit_trainer(test_api, parts, "llama-0-0", 1)
+
+        assert parts.reconciler.reconcile(KEY).phase is Phase.FAILED
+        assert parts.reconciler.reconcile(KEY).phase is Phase.FAILED  # a later pass (a resync)
+
+        pod = test_api.admin.get(PODS, "llama-0-0", "default")
+        assert not pod["metadata"].get("deletionTimestamp"), "the failed worker's pod is not deleted"
+    finally:
+        parts.stop()
+
+
 def test_a_job_runs_where_events_k8s_io_is_not_served_and_one_error_says_which_kubernetes_it_needs(
     test_api: TestApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -264,13 +264,23 @@ class FakeBackend:
             )
             self.created.append(name)
 
-    def stop_workers(self, key: JobKey, spec: JobSpec, *, keep_attempt: int | None = None, flush: bool = True) -> None:
+    def stop_workers(
+        self,
+        key: JobKey,
+        spec: JobSpec,
+        *,
+        keep_attempt: int | None = None,
+        flush: bool = True,
+        keep_exited: bool = False,
+    ) -> None:
         self._maybe_fail()
         self.stop_calls.append(keep_attempt)
         self.stop_flushes.append(flush)
         for w in list(self.workers.values()):
             if w.attempt == keep_attempt or w.job != key:
                 continue
+            if keep_exited and w.exit_code is not None and not self.sidecars:
+                continue  # exited and holding no node: kept, as a finished job's pod stays
             if not flush and w.exit_code is None and w.stopping_at is None:
                 self.stopped_without_flush.append(w.name)
             if self.stop_seconds <= 0:

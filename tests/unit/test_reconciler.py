@@ -866,6 +866,27 @@ def test_fails_the_job_with_a_clear_reason_when_the_restart_budget_is_exhausted(
     assert w.results[-1].requeue_after is None
 
 
+def test_a_failed_job_stops_its_live_workers_and_keeps_the_exited_ones_for_their_logs(tmp_path: Any) -> None:
+    """A user walk: a job out of restarts had every pod deleted right after it Failed, the crashed
+    worker's with it, so the ``kubectl logs`` that README and ``Next:`` point to found nothing. A
+    Succeeded job's pods stayed. Now the stop frees what still runs (the healthy peer, without a
+    flush) and leaves the workers that exited, on this pass and every later one."""
+    w = make_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 1, 1)  # the user's code failed on worker 1; worker 0 still trains
+
+    status = w.run_until(lambda s: s.phase.terminal)
+
+    assert (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
+    assert w.backend.stopped_without_flush == ["train-0-0"], "the live peer is stopped, without a flush"
+    assert list(w.backend.workers) == ["train-0-1"], "the failed worker stays"
+    assert w.backend.worker(0, 1).exit_code == 1
+    for _ in range(3):
+        w.clock.advance(60)
+        w.reconcile()
+    assert list(w.backend.workers) == ["train-0-1"], "later passes leave it too"
+
+
 # -- infrastructure errors ----------------------------------------------------------------------
 
 
@@ -1975,7 +1996,11 @@ def test_a_failure_of_the_users_code_stays_that_failure_when_the_status_write_de
     else:
         assert (status.phase, status.reason) == (Phase.FAILED, "RestartBudgetExhausted")
     assert w.backend.stop_flushes and not any(w.backend.stop_flushes), "stopped without a flush"
-    assert not [x for x in w.backend.workers.values() if x.attempt == 0], "attempt 0 is gone after the write"
+    left = [x.name for x in w.backend.workers.values() if x.attempt == 0]
+    if budget:
+        assert not left, "attempt 0 is gone after the write"
+    else:
+        assert left == ["train-0-1"], "the live worker is stopped after the write; the failed one stays (its logs)"
 
 
 def test_a_failed_jobs_workers_are_stopped_on_a_later_pass_when_the_stop_after_the_write_fails(
@@ -2001,7 +2026,8 @@ def test_a_failed_jobs_workers_are_stopped_on_a_later_pass_when_the_stop_after_t
     assert result.requeue_after == 1.0, "the stop is tried again"
     assert w.backend.worker(0, 0).exit_code is None, "the healthy worker still runs"
     assert w.reconcile().requeue_after == 2.0, "stopping: look again"
-    assert w.backend.stopped_without_flush == ["train-0-0"] and not w.backend.workers
+    assert w.backend.stopped_without_flush == ["train-0-0"]
+    assert list(w.backend.workers) == ["train-0-1"], "the failed worker stays (its pod, for kubectl logs)"
     assert w.reconcile().requeue_after is None, "nothing left to stop"
 
 
