@@ -67,6 +67,7 @@ from agent.control_channel import (
     EXIT_FLUSH_FAILED,
     EXIT_INFRA_ERROR,
     EXIT_PREEMPTED,
+    EXIT_STOPPED,
 )
 from agent.exit_codes import (
     EXIT_COMMAND_USED_RESERVED,
@@ -86,6 +87,7 @@ from orchestrator.backends.base import (
     agent_refusal,
     worker_name,
 )
+from orchestrator.backends.local_failure import telling_line
 from orchestrator.k8s import pods
 from orchestrator.k8s.agents import AgentCalls, AgentReport, CallResult, CallState, Endpoint, derive_token
 from orchestrator.k8s.api import (
@@ -722,8 +724,9 @@ def _flush_answered(pod: Object) -> str | None:
 
 def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
     """Why a worker that exited failed, when the pod says: an init container that failed (the
-    agent never ran), the options an agent refused (exit 2), its infrastructure error (74), or why
-    its flush committed nothing (76)."""
+    agent never ran), the options an agent refused (exit 2), its infrastructure error (74), why
+    its flush committed nothing (76), an eviction or an out-of-memory kill; for any other failure,
+    the last words of its termination message (``_last_words``)."""
     init = _failed_init_container(pod)
     if init is not None:
         terminated = init["state"]["terminated"]
@@ -740,7 +743,24 @@ def _failure_detail(pod: Object, exit_code: int | None) -> str | None:
         )
     if exit_code in (EXIT_INFRA_ERROR, EXIT_FLUSH_FAILED):
         return _evicted(pod) or _agent_exit_line(pod, exit_code)
-    return _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
+    told = _evicted(pod) or (_refused_options(pod) if exit_code == EXIT_USAGE else _oom_killed(pod))
+    if told is not None or exit_code in (None, 0, EXIT_PREEMPTED, EXIT_STOPPED):
+        return told
+    return _last_words(pod)
+
+
+def _last_words(pod: Object) -> str | None:
+    """For an agent whose command failed (any other exit): the telling line of its termination
+    message (the tail of its log, ``FallbackToLogsOnError``), as local mode picks it from a log
+    (``local_failure.telling_line``: the last exception a rank raised, else the last line the script
+    wrote), and where to read the rest; None when the message says nothing."""
+    terminated = (pods.training_container_status(pod).get("state") or {}).get("terminated") or {}
+    said = telling_line(str(terminated.get("message") or ""))
+    if said is None:
+        return None
+    said = "".join(c if c.isprintable() else "?" for c in said)
+    namespace = (pod.get("metadata") or {}).get("namespace") or "default"
+    return f"{said}; kubectl logs {_name(pod)} -n {namespace}"
 
 
 def _evicted(pod: Object) -> str | None:

@@ -107,7 +107,12 @@ def failure_cause(log_path: str) -> str | None:
     ...``), whichever came later. torchrun's own report of the failure is not the cause, except for
     the signal in its root cause.
     """
-    text = _log_tail(log_path)
+    return failure_cause_in(_log_tail(log_path))
+
+
+def failure_cause_in(text: str) -> str | None:
+    """``failure_cause`` of a worker's output ``text`` (the end of its log; on Kubernetes, the
+    termination message ``FallbackToLogsOnError`` makes of it)."""
     killed = _killed_rank(text)
     if killed is not None:
         return f"{killed}: {_KILLED_HINT}" if "SIGKILL" in killed else killed
@@ -149,15 +154,24 @@ def log_excerpt(log_path: str, lines: int = 12) -> list[str]:
     return _log_lines(_log_tail(log_path))[-lines:]
 
 
+def telling_line(text: str) -> str | None:
+    """The telling line of a failed worker's output ``text`` (see ``failure_cause_in``): the line
+    that says why, else ``its log ends: <the last line the script wrote>`` (never the agent's own
+    lines, its ``exiting N`` among them); None when the script wrote nothing."""
+    cause = failure_cause_in(text)
+    if cause is not None:
+        return cause
+    lines = _log_lines(text)
+    return f"its log ends: {_shorten(lines[-1])}" if lines else None
+
+
 def failure_detail(log_path: str, agent_signal: int | None = None) -> str:
     """What a failed worker's reason carries: the telling line of its log, and the log's path.
 
     ``agent_signal``: the signal that ended the worker's ``spotjob-agent`` itself, if one did. Then
     nothing in the log says why (the agent had no chance to), so the reason names the signal first
     rather than pass the last line the script wrote for the cause."""
-    cause = failure_cause(log_path)
-    lines = log_excerpt(log_path, 1)
-    said = cause or (f"its log ends: {_shorten(lines[-1])}" if lines else "its log says nothing")
+    said = telling_line(_log_tail(log_path)) or "its log says nothing"
     if agent_signal is not None:
         name = signal_name(agent_signal)
         hint = f" ({_AGENT_KILLED_HINT})" if name == "SIGKILL" else ""

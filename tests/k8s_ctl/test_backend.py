@@ -243,11 +243,11 @@ def test_an_agent_that_refused_its_options_says_which_and_points_at_an_older_ima
         "usage: spotjob-agent [OPTIONS] -- COMMAND [ARGS...]\n"
         "spotjob-agent: error: unrecognized arguments: --some-new-option 1\n"
     )
-    own = pod(1, exit_code=2, ip="10.0.0.2")  # the training command's own exit 2: nothing to add
+    own = pod(1, exit_code=2, ip="10.0.0.2")  # the training command's own exit 2: no refusal to name
     own["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "Traceback ...\nSystemExit: 2\n"
     world.add(refused, own)
     detail = {w.name: w.detail for w in world.backend.list_workers(KEY, spec())}
-    assert detail["llama-0-1"] is None
+    assert detail["llama-0-1"] == "SystemExit: 2; kubectl logs llama-0-1 -n ml", "its own last words, no hint"
     assert detail["llama-0-0"] is not None
     assert "unrecognized arguments: --some-new-option 1" in detail["llama-0-0"]
     assert "older than the controller" in detail["llama-0-0"] and "Upgrading" in detail["llama-0-0"]
@@ -353,6 +353,36 @@ def test_an_agent_that_exited_74_says_which_infrastructure_error_from_its_own_lo
     assert worker.detail is not None and worker.detail.startswith("exiting 74: "), worker.detail
     assert f"rendezvous port {port}" in worker.detail and "free the port" in worker.detail
     assert "kubectl logs llama-0-1" in worker.detail
+
+
+CRASH_TAIL = [
+    "[rank0]: Traceback (most recent call last):",
+    '[rank0]:   File "/app/train.py", line 113, in main',
+    '[rank0]:     raise RuntimeError(f"injected crash at step {step + 1}")',
+    "[rank0]: RuntimeError: injected crash at step 25",
+]
+
+
+@pytest.mark.parametrize("kind", ["text", "json"])
+def test_a_worker_whose_code_failed_quotes_the_telling_line_of_its_termination_message(world: World, kind: str) -> None:
+    """A user walk: a job whose code raised went Failed with only "exited with code 1", though the
+    termination message (the log's tail, ``FallbackToLogsOnError``) held the traceback and README
+    promises the worker's last words in the Event and the Phase line. The detail is now the line
+    local mode picks from a log (the last exception, never the agent's own ``exiting 1`` line), or
+    the script's last line when it raised nothing, with where to read the rest."""
+    crashed = pod(0, phase="Failed", ready=False, exit_code=1)
+    agent = _agent_log(["exiting 1: the command exited 1"], kind)
+    crashed["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "\n".join([*CRASH_TAIL, agent])
+    quiet = pod(1, phase="Failed", ready=False, exit_code=3, ip="10.0.0.2")
+    said = "step 25: loss is nan, giving up"
+    quiet["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = f"step 24\n{said}\n{agent}"
+    world.add(crashed, quiet, pod(2, phase="Failed", ready=False, exit_code=1, ip="10.0.0.3"))
+    details = [w.detail for w in world.backend.list_workers(KEY, spec(replicas=3))]
+    assert details == [
+        "RuntimeError: injected crash at step 25; kubectl logs llama-0-0 -n ml",
+        f"its log ends: {said}; kubectl logs llama-0-1 -n ml",
+        None,  # no termination message: nothing to quote
+    ]
 
 
 def test_an_exited_agent_whose_sidecar_runs_on_holds_its_node_and_a_completed_pod_does_not(world: World) -> None:

@@ -547,6 +547,39 @@ def test_a_failed_jobs_pod_stays_for_kubectl_logs(test_api: TestApi, tmp_path: P
         parts.stop()
 
 
+def test_a_failed_jobs_phase_line_and_event_carry_the_workers_last_words_and_where_to_read_the_rest(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """A user walk: examples/train.py with ``--crash-at-step 25`` and ``maxRestarts: 0`` ended with
+    the Phase line "worker crash-0-0 exited with code 1 and all 0 restart(s) are used" and nothing
+    more, though the termination message held the traceback and README says to read the worker's
+    last words in the Event. Both now quote the exception and point at ``kubectl logs``."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["spec"]["maxRestarts"] = 0
+        test_api.admin.create(SPOTJOBS, job, "default")
+        _running_on_n1(test_api, parts, create=False)
+        tail = [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "/app/train.py", line 113, in main',
+            "[rank0]: RuntimeError: injected crash at step 25",
+            "2026-01-01T00:00:00Z ERROR spotjob-agent[7] agent.launcher: exiting 1: the command exited 1",
+        ]
+        _exit_trainer(test_api, parts, "llama-0-0", 1, "\n".join(tail))
+
+        assert parts.reconciler.reconcile(KEY).phase is Phase.FAILED
+
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        words = "RuntimeError: injected crash at step 25; kubectl logs llama-0-0 -n default"
+        assert status["message"] == f"worker llama-0-0 exited with code 1 and all 0 restart(s) are used: {words}"
+        [event] = _events(test_api, "RestartBudgetExhausted")
+        assert words in event["note"], event["note"]
+    finally:
+        parts.stop()
+
+
 def test_a_job_runs_where_events_k8s_io_is_not_served_and_one_error_says_which_kubernetes_it_needs(
     test_api: TestApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
