@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from agent.atomic_file import write_atomic
 from agent.version import spotjob_version
-from orchestrator.model import FlushRequest, JobKey, JobSpec, JobStatus, describe_validation_error
+from orchestrator.model import FlushRequest, JobKey, JobSpec, JobStatus, describe_validation_error, parse_timestamp
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,9 @@ class StoredJob:
     generation: int = 1
     """The spec's generation (``metadata.generation``)."""
     uid: str = ""
+    created_at: datetime | None = None
+    """When the job was created (``metadata.creationTimestamp``, to the second): a job deleted and
+    created again under its name is a new one, created after its predecessor's attempt records."""
     invalid: str | None = None
     flush_request: FlushRequest | None = None
     """A person's request to flush (Kubernetes: the ``spotjob.dev/flush-request`` annotation)."""
@@ -98,6 +101,7 @@ def parse_job(
     version: str,
     generation: int = 1,
     uid: str = "",
+    created_at: datetime | None = None,
     newer: tuple[str, str] | None = None,
 ) -> StoredJob:
     """A ``StoredJob`` from a resource's raw ``spec`` and ``status`` (camelCase JSON values): the one
@@ -124,6 +128,7 @@ def parse_job(
         version=version,
         generation=generation,
         uid=uid,
+        created_at=created_at,
         invalid="; ".join(problems) or None,
     )
 
@@ -281,6 +286,7 @@ class JsonFileJobStore(JobStore):
             version=str(metadata["resourceVersion"]),
             generation=generation if isinstance(generation, int) else 1,
             uid=str(metadata.get("uid", "")),
+            created_at=parse_timestamp(metadata.get("creationTimestamp")),
         )
 
     def _lock_path(self, key: JobKey) -> str:

@@ -44,6 +44,7 @@ from orchestrator.model import (
     JobStatus,
     invalid_flush_request_id,
     parse_flush_request,
+    parse_timestamp,
 )
 from orchestrator.store import ConflictError, JobNotFoundError, JobStore, StoredJob, StoreError, parse_job
 
@@ -189,6 +190,7 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         version=resource_version(obj),
         generation=int(meta.get("generation") or 1),
         uid=str(meta.get("uid") or ""),
+        created_at=parse_timestamp(meta.get("creationTimestamp")),
         newer=NEWER_FIELDS,
     )
     if meta.get("deletionTimestamp"):

@@ -182,6 +182,9 @@ class _Pass:
     flush_request_problem: str | None = None
     version: str = ""
     """The stored job's version this pass read."""
+    job_created: datetime | None = None
+    """When the stored job was created (``StoredJob.created_at``): an attempt record older than
+    that is an earlier job's of the same name (``Reconciler._record_attempt``)."""
     asker_awaited: bool = False
     """Every agent that exited 75 so far says its ranks only flushed with another's (``PEER_FLUSH``),
     and the agent that asked for that flush has not exited yet: nothing is decided on those exits

@@ -12,8 +12,9 @@ job name); a URI another job owns fails the job at once, naming the owner and th
 transient storage error does not: it is retried like any other). Before an attempt's workers start,
 the attempt is recorded in storage with its fence (the newest valid checkpoint, what it resumes
 from), create-only and replay-safe; an attempt that cannot be recorded does not start. A job whose
-storage holds records of a newer attempt (a job deleted and created again under its name) numbers
-its next attempt past them. ``latest_valid`` never counts a foreign or fenced checkpoint, so a stale
+storage holds records of a newer attempt, or of its own attempt's number written before the job was
+created (a job deleted and created again under its name), numbers its next attempt past them.
+``latest_valid`` never counts a foreign or fenced checkpoint, so a stale
 worker's commit can neither end a flush nor be resumed.
 """
 
@@ -26,9 +27,16 @@ from datetime import datetime, timedelta
 from operator import methodcaller
 
 from agent.catalog import CheckpointStatus, MisplacedUriError, latest_valid
-from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, record_attempt
+from agent.ownership import FencedError, OwnershipError, claim, newest_attempt, read_attempt, record_attempt
 from agent.settings import unknown_variables
-from agent.storage import PermanentStorageError, Storage, StorageError, TransientStorageError, open_storage
+from agent.storage import (
+    NotFoundError,
+    PermanentStorageError,
+    Storage,
+    StorageError,
+    TransientStorageError,
+    open_storage,
+)
 from orchestrator.backends.base import Backend, BackendError, WorkerObservation
 from orchestrator.events import NULL_METRICS, EventSink, EventType, JobMetrics, LoggingEventSink
 from orchestrator.model import (
@@ -195,7 +203,7 @@ class Reconciler(_Capacity):
         if p.status.checkpoint_uri is None:
             p.status.checkpoint_uri = stored.spec.checkpoint.uri  # from now on, the job's store for good
         p.flush_request, p.flush_request_id = stored.flush_request, stored.flush_request_id
-        p.version = stored.version
+        p.version, p.job_created = stored.version, stored.created_at
         p.flush_request_problem = stored.flush_request_problem
         try:
             self._observe(p)
@@ -835,7 +843,10 @@ class Reconciler(_Capacity):
             fence = p.newer_format
         try:
             recorded = newest_attempt(storage, job)
-            if recorded is not None and recorded > attempt.number:
+            if recorded is not None and (
+                recorded > attempt.number
+                or (recorded == attempt.number and self._recorded_by_an_earlier_job(p, storage, recorded))
+            ):
                 self._renumber(p, recorded)
             record_attempt(storage, job, attempt.number, fence)
         except FencedError:
@@ -848,6 +859,23 @@ class Reconciler(_Capacity):
             self._debug(p, "not starting attempt %d: it could not be recorded (%s)", attempt.number, e)
             return False
         return True
+
+    def _recorded_by_an_earlier_job(self, p: _Pass, storage: Storage, attempt: int) -> bool:
+        """Whether the record of ``attempt``, this job's attempt about to start, is an earlier job's
+        of this name (one deleted and created again: its workers may live on, unfenced, if the new
+        one took its number) rather than this job's own (a pass whose status write was lost, a
+        controller restarted, recording it again): it was written before this job was created. A
+        record that cannot be read cannot say whose it is: numbered past, a restart at worst."""
+        if p.job_created is None:
+            return False  # a store that does not say when the job was created
+        try:
+            record = read_attempt(storage, job_identity(p.key), attempt)
+        except NotFoundError:
+            return False
+        except ValueError as e:
+            self._debug(p, "attempt %d's record cannot say whose it is (%s): numbering past it", attempt, e)
+            return True
+        return record.recorded_at < p.job_created
 
     def _renumber(self, p: _Pass, recorded: int) -> None:
         p.status.attempt.number = recorded + 1

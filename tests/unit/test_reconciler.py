@@ -35,7 +35,14 @@ from agent.catalog import CheckpointRef, latest_valid
 from agent.control_channel import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from agent.exit_codes import PEER_FLUSH
 from agent.manifest import FORMAT_VERSION, MANIFEST_NAME
-from agent.ownership import ATTEMPTS_PREFIX, attempt_records, read_owner, record_attempt
+from agent.ownership import (
+    ATTEMPTS_PREFIX,
+    AttemptRecord,
+    attempt_key,
+    attempt_records,
+    read_owner,
+    record_attempt,
+)
 from agent.storage import MissingBucketError, PermanentStorageError, Storage, TransientStorageError, open_storage
 from orchestrator.backends.base import BackendError, FlushRequestState, HeldNoticeReport
 from orchestrator.cli import main as cli_main
@@ -1680,17 +1687,45 @@ def test_a_job_created_again_under_its_name_numbers_attempts_past_the_ones_in_st
     assert [r.attempt for r in attempt_records(world.storage, "team-a/train")] == [0, 1, 2, 3]
 
 
+def test_a_job_created_again_under_its_name_after_an_earlier_one_recorded_only_attempt_0_renumbers(
+    world: World,
+) -> None:
+    """A user walk: a job failed in attempt 0, was deleted and applied again, and its new attempt
+    took number 0 again ("started 1 worker(s) of attempt 0", no AttemptRenumbered), the earlier
+    job's record standing for it: a zombie worker of the earlier attempt 0 was not fenced. Only a
+    recorded attempt above this one renumbered. A record of this job's attempt written before the
+    job was created is an earlier job's: numbering goes on past it."""
+    created = world.store.get(KEY)
+    assert created is not None and created.created_at is not None
+    earlier = AttemptRecord(0, "team-a/train", None, created.created_at - timedelta(minutes=5))
+    world.storage.put_bytes(attempt_key("team-a/train", 0), earlier.to_json())
+
+    world.reconcile()
+
+    assert world.status.attempt.number == 1
+    assert world.backend.created == ["train-1-0", "train-1-1"]
+    assert "AttemptRenumbered" in world.event_reasons()
+    records = attempt_records(world.storage, "team-a/train")
+    assert [r.attempt for r in records] == [0, 1] and records[0] == earlier, "the earlier record stands"
+
+
 def test_replaying_a_pass_whose_status_write_was_lost_keeps_the_attempts_record(world: World) -> None:
     world.reconcile()
     [record] = attempt_records(world.storage, "team-a/train")
     world.restart_orchestrator()
-    world.store.delete(KEY)
-    world.store.create(KEY, world.spec)  # the first status write never happened
+    # The first status write never happened: the same job (same uid, same creation), no status.
+    path = world.store.path(KEY)
+    with open(path) as f:
+        document = json.load(f)
+    del document["status"]
+    with open(path, "w") as f:
+        json.dump(document, f)
 
     world.reconcile()
 
     assert world.status.attempt.number == 0
     assert attempt_records(world.storage, "team-a/train") == [record]
+    assert "AttemptRenumbered" not in world.event_reasons()
 
 
 # -- status writes, Events and metrics -----------------------------------------------------------
