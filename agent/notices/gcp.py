@@ -50,6 +50,7 @@ from agent.notices.base import (
     NoticeSource,
     PollingNoticeSource,
     SourceError,
+    _Health,
     utc_stamp,
 )
 from agent.notices.shared_vm import private_folder, url_key
@@ -195,6 +196,9 @@ class _GceWatch(PollingNoticeSource):
     ) -> None:
         super().__init__(client, interval)
         self.key = key
+        # Two watches poll one server: each failure line names its key (a hung server timed both
+        # out, in two lines that read the same).
+        self._health = _Health(f"{self.name} notices (instance/{key}) from {client.base_url}")
         self.long_poll_seconds = long_poll_seconds
         self.notice_seconds = notice_seconds
         self._etag: str | None = None

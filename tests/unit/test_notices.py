@@ -650,6 +650,20 @@ class TestGcpSource:
         source.stop()
         assert not [t for t in threading.enumerate() if t.name == "spotjob-notice-gcp"]
 
+    def test_each_watchs_failure_line_names_its_key(self, caplog: Any) -> None:
+        """A server that cannot be reached fails both watches: their warnings read the same
+        ("gcp notices from URL: ... timed out") and named neither key."""
+        source = GceMetadataSource(closed_port_url(), interval=FAST)
+        warns_until(
+            source,
+            caplog,
+            lambda: sum("will keep trying" in r.getMessage() for r in caplog.records) >= 2,
+            "both watches failing",
+        )
+        warnings = sorted(r.getMessage() for r in caplog.records if "will keep trying" in r.getMessage())
+        assert len(warnings) == 2, warnings
+        assert "(instance/maintenance-event)" in warnings[0] and "(instance/preempted)" in warnings[1], warnings
+
     def test_in_a_gke_pod_under_workload_identity_the_404_says_why_and_what_to_do(self, caplog: Any) -> None:
         # GKE's metadata server serves a Workload Identity pod no instance/preempted: before, the
         # agent warned "answered 404 (will keep trying)" and the user could not tell that this pod
