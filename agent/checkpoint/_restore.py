@@ -40,6 +40,7 @@ from agent.dcp_safe import (
     load_dcp_metadata,
     manifest_disagreements,
 )
+from agent.loader import ResumableLoader
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
 from agent.ownership import Lineage
 from agent.restore_cache import RESTORE_FOLDER, fetch_verified
@@ -1073,10 +1074,16 @@ class _Restoring(_Voting):
             else:
                 set_optimizer_state_dict(bag, opt, dcp_state[key])
         objects = payload.get("objects", {})
+        new_rank = self.rank >= manifest.world_size
         for key, obj in others.items():
             order = reordered.get(id(getattr(obj, "optimizer", None)))
+            saved = objects[key] if order is None else _in_group_order(objects[key], order)
+            if new_rank and isinstance(obj, ResumableLoader) and isinstance(saved, dict):
+                # Rank 0's place, this rank's own generator: taken with rank 0's, the loader's
+                # workers drew the same seeds (the same augmentations) as rank 0's, every epoch on.
+                saved = {**saved, "generator": obj.state_dict()["generator"]}
             try:
-                obj.load_state_dict(objects[key] if order is None else _in_group_order(objects[key], order))
+                obj.load_state_dict(saved)
             except Exception as e:
                 raise RestoreRefusedError(
                     f"state[{key!r}].load_state_dict() ({type(obj).__name__}) refused the state it saved: {e!r}"
@@ -1085,7 +1092,8 @@ class _Restoring(_Voting):
             rank_state.restore_rng(payload["rng"])
         else:
             log.info(
-                "rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams",
+                "rank %d did not exist in the saved world of %d ranks: keeping its own RNG streams (and its "
+                "ResumableLoaders' generators)",
                 self.rank,
                 manifest.world_size,
             )

@@ -95,3 +95,21 @@ def test_restores_on_a_different_world_size(
         assert "per-rank state of 1 ranks that no longer exist was dropped" in proc.stderr
     else:
         assert "no longer exist" not in proc.stderr
+
+
+def test_a_new_rank_takes_rank_0s_loader_place_but_keeps_its_own_generator(tmp_path: Path) -> None:
+    """Saved on 1 rank, restored on 2: rank 1 did not exist, so its ResumableLoader takes rank 0's
+    place (epoch, batches drawn) but not rank 0's generator state. Taken with it, both ranks' loaders
+    drew the same shuffle (and the same worker seeds: the same augmentations) every epoch on."""
+    script = harness.SCRIPTS / "loader_world.py"
+    uri = str(tmp_path / "ckpt")
+    harness.torchrun(1, script, "save", "--uri", uri)
+    proc = harness.torchrun(2, script, "restore", "--uri", uri, "--dump", str(tmp_path / "restore"))
+    zero, one = load_dumps(tmp_path / "restore", 2)
+    assert zero["step"] == one["step"] == 3
+    for d in (zero, one):
+        assert (d["state"]["epoch"], d["state"]["seen"]) == (0, 4), "rank 0's place, and the batch after it"
+    assert torch.equal(one["state"]["generator"], one["built"]), "rank 1 keeps the generator it was built with"
+    assert not torch.equal(zero["state"]["generator"], one["state"]["generator"])
+    assert not torch.equal(zero["first"], one["first"]), "the two ranks draw other batches"
+    assert "ResumableLoaders' generators" in proc.stderr
