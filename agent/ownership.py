@@ -687,15 +687,22 @@ class Lineage:
                 f"deleted (record {_fresh_start.retired_key(ref)})",
             )
         owner = self.owner
-        if owner is not None and self.reading_as is not None and not owner.accepts(self.reading_as):
-            # A reader of another job's checkpoints than the owner's (job=): that job's are the ones.
+        if self.reading_as is not None and (owner is None or not owner.accepts(self.reading_as)):
+            # A reader of another job's checkpoints than the owner's (job=), or of a URI without an
+            # owner record (a copy without its .spotjob folder, where several jobs' may lie): that
+            # job's are the ones. A manifest naming no job is an unnamed job's, as a claim takes it.
             if job != self.reading_as:
-                return Judgement(
-                    "foreign",
-                    f"foreign: written by {describe_job(job)}; this read-only Checkpointer reads "
-                    f"{describe_job(self.reading_as)}'s checkpoints (job=), not those of {owner.describe()}, "
-                    f"which owns {self.storage.uri}",
-                )
+                reads = f"this read-only Checkpointer reads {describe_job(self.reading_as)}'s checkpoints (job=)"
+                if owner is not None:
+                    reads += f", not those of {owner.describe()}, which owns {self.storage.uri}"
+                else:
+                    reads += f", and {self.storage.uri} has no owner record that takes another job's in"
+                    if job is None:
+                        reads += (
+                            " (its manifest names no job: an unnamed job's, or one a spotjob from before 2026-12-01 "
+                            "wrote, which recorded none; a read-only Checkpointer without job= reads it)"
+                        )
+                return Judgement("foreign", f"foreign: written by {describe_job(job)}; {reads}")
             return self._by_attempts(ref, job, attempt)
         if owner is not None and not owner.accepts(job, ref):
             adopted = next((a for a in owner.adopted if a.job == job), None)

@@ -42,7 +42,7 @@ from agent.dcp_safe import (
 )
 from agent.loader import ResumableLoader
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, ManifestError
-from agent.ownership import Lineage
+from agent.ownership import Lineage, describe_job
 from agent.restore_cache import RESTORE_FOLDER, fetch_verified
 from agent.storage import CorruptObjectError, NotFoundError, PermanentStorageError, StorageError
 from agent.version import spotjob_version
@@ -300,6 +300,19 @@ def _bad_key(status: CheckpointStatus) -> tuple[str, str]:
     return status.ref.folder, status.manifest.created_at.isoformat()
 
 
+def _by_job(folders: Mapping[str, str | None], most: int = 3) -> str:
+    """``job 'b' (step-000000050), job 'a' (step-000000040, step-000000020)``: the folders (newest
+    first, as walked) grouped by the job that wrote them, at most ``most`` named per job."""
+    jobs: dict[str | None, list[str]] = {}
+    for folder, job in folders.items():
+        jobs.setdefault(job, []).append(folder)
+    parts = []
+    for job, names in jobs.items():
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        parts.append(f"{describe_job(job)} ({', '.join(names[:most])}{more})")
+    return ", ".join(parts)
+
+
 def _is_shape_or_key_mismatch(e: BaseException) -> bool:
     """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
     text = str(e).lower()
@@ -420,6 +433,9 @@ class _Restoring(_Voting):
         # (rank 0) Committed folders this walk passed over as another job's (foreign or fenced): a
         # listing that holds only those holds nothing to walk again for.
         passed: set[str] = set()
+        # (rank 0) Of those, the ones another job wrote (foreign), with that job: said when nothing
+        # of this job's is there, rather than a bare "no committed checkpoint of this job".
+        others: dict[str, str | None] = {}
         gone = 0  # how many of ``tried`` were deleted while read
         walk = list(refs)
         while True:
@@ -468,6 +484,8 @@ class _Restoring(_Voting):
                 ours = status.committed and not (status.foreign or status.fenced)
                 if status.committed and (status.foreign or status.fenced):
                     passed.add(ref.folder)
+                    if status.foreign and status.manifest is not None:
+                        others[ref.folder] = status.manifest.job
                 return None, status.reason, ours, status.newer_format, None
 
             manifest_json, reason, ours, newer, bad = self._on_rank0(f"checking {url(ref.folder)}", judge)
@@ -556,8 +574,18 @@ class _Restoring(_Voting):
                 raise CheckpointUriError(problem)
         if not tried:
             if self.rank == 0:
-                what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
-                log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
+                if others:
+                    whose = describe_job(self._reading_as) if self._reading_as is not None else "this job"
+                    log.warning(
+                        "restore: no committed checkpoint of %s under %s, only other jobs' (passed over as foreign: "
+                        "%s); starting from step 0",
+                        whose,
+                        self.storage.uri,
+                        _by_job(others),
+                    )
+                else:
+                    what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
+                    log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
             return 0
         if gone == len(tried):
             raise self._outrun(tried, partially_loaded)

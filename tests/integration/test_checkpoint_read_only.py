@@ -6,8 +6,10 @@ through a real Checkpointer in this process; the reader is a second Checkpointer
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,61 @@ def test_a_reader_given_job_reads_that_jobs_checkpoints_not_the_owners(tmp_path:
             assert reader.restore({"model": fresh}) == step, job
         for name, tensor in expected.state_dict().items():
             assert torch.equal(fresh.state_dict()[name], tensor), (job, name)
+
+
+def _copy_checkpoints(source: str, target: str) -> None:
+    """Copy every checkpoint folder under ``source`` into ``target``, not ``.spotjob/`` (its owner
+    record): a copy by ``cp -r`` of the step folders, or ``aws s3 sync`` of them."""
+    src, dst = open_storage(source), open_storage(target)
+    try:
+        for info in src.list(""):
+            if not info.key.startswith(".spotjob/"):
+                dst.put_bytes(info.key, src.get_bytes(info.key))
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3", "gs"])
+def test_a_reader_given_job_on_a_copy_without_an_owner_record_reads_only_that_jobs_checkpoints(
+    fresh_uri: Callable[[str], str], scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """README: with job= "that job's checkpoints are then the ones it reads", and a read-only
+    Checkpointer reads "a copy without taking it over". On a copy without ``.spotjob/`` holding
+    job A's steps 2 and 4 and job B's step 5, a reader with job=A restored B's step 5 (another
+    job's model, without a word), and one with job="nobody" restored it too: with no owner record
+    the reader's job= was never looked at. A's is read now; "nobody" reads nothing and says which
+    other jobs' checkpoints it passed over. Without job= a reader reads the newest, as before."""
+    a_uri, b_uri, copy = fresh_uri(scheme), fresh_uri(scheme), fresh_uri(scheme)
+    a_model, b_model = _model(0), _model(1)
+    with Checkpointer(a_uri, job=JOB, async_save=False) as ckpt:
+        ckpt.save(2, {"model": _model(2)})
+        ckpt.save(4, {"model": a_model})
+    with Checkpointer(b_uri, job="ml/other", async_save=False) as ckpt:
+        ckpt.save(5, {"model": b_model})
+    _copy_checkpoints(a_uri, copy)
+    _copy_checkpoints(b_uri, copy)
+    before = store_listing(copy)
+
+    for job, step, expected in ((JOB, 4, a_model), (None, 5, b_model), ("ml/nobody", 0, None)):
+        fresh = _model(7)
+        caplog.clear()  # what the last reader, "nobody", said is looked at below
+        with (
+            caplog.at_level(logging.WARNING, logger="agent.checkpoint"),
+            Checkpointer(copy, read_only=True, job=job) as reader,
+        ):
+            assert reader.newest_step() == step, job
+            assert reader.restore({"model": fresh}) == step, job
+        if expected is not None:
+            for name, tensor in expected.state_dict().items():
+                assert torch.equal(fresh.state_dict()[name], tensor), (job, name)
+    said = caplog.text
+    assert "no committed checkpoint of job 'ml/nobody'" in said, said
+    assert "job 'ml/other' (step-000000005)" in said and f"job '{JOB}' (step-000000004, step-000000002)" in said, said
+    assert "has no owner record" in said, said
+    assert [e for e in store_listing(copy) if not e[0].startswith(".spotjob")] == [
+        e for e in before if not e[0].startswith(".spotjob")
+    ]
+    # A writer of A is still refused there, naming B (nothing changed for writers).
+    with pytest.raises(CheckpointOwnershipError, match="job 'ml/other'"):
+        Checkpointer(copy, job=JOB)

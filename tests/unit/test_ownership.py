@@ -177,6 +177,32 @@ def test_another_jobs_checkpoints_are_foreign_never_valid(storage: FileStorage) 
     assert latest is not None and latest.ref == mine
 
 
+def test_a_reader_as_a_job_on_a_uri_without_an_owner_record_passes_over_other_jobs_checkpoints(
+    storage: FileStorage,
+) -> None:
+    """A read-only Checkpointer given job= judges as that job's (``Lineage.reading_as``); with no
+    owner record (a copy without ``.spotjob/``) every job's checkpoints were accepted, so it read
+    another job's newest. A manifest naming no job (an unnamed job's, or an old spotjob's) is not
+    that job's either, as a claim takes it; a reader without job= still reads them all."""
+    mine = commit(storage, 10, job="a")
+    theirs = commit(storage, 20, job="b")
+    nameless = commit(storage, 30, job=None)
+    reading_a = Lineage.load(storage, reading_as="a")
+    assert inspect(storage, mine, lineage=reading_a).valid
+    for ref, whose in ((theirs, "job 'b'"), (nameless, "an unnamed job")):
+        status = inspect(storage, ref, lineage=reading_a)
+        assert status.foreign and not status.valid, ref
+        assert f"written by {whose}" in status.reason and "reads job 'a''s checkpoints" in status.reason
+        assert "has no owner record" in status.reason, status.reason
+    assert "from before 2026-12-01" in inspect(storage, nameless, lineage=reading_a).reason
+    latest = latest_valid(storage, reading_as="a")
+    assert latest is not None and latest.ref == mine
+    assert latest_valid(storage, reading_as="nobody") is None
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == nameless, "without job=, every job's, as before"
+    assert read_owner(storage) is None
+
+
 def test_adopt_takes_the_uri_over_and_the_new_job_resumes_from_the_old_jobs_checkpoints(storage: FileStorage) -> None:
     claim(storage, "a")
     old = commit(storage, 10, job="a")
