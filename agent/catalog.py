@@ -243,7 +243,7 @@ def inspect(
             status.unusable.add(f.path)
     lineage = lineage or Lineage.load(storage)
     try:
-        judgement = lineage.judge(ref, manifest.job, manifest.attempt)
+        judgement = lineage.judge(ref, manifest.job, manifest.attempt, manifest.created_at)
     except ArchivedError as e:
         # The attempt record that judges it (written once, when that attempt started) is archived.
         if not report_archived:

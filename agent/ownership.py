@@ -46,7 +46,7 @@ import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -277,6 +277,11 @@ class Owner:
                 Adoption(a.job, a.adopted_at, a.upto.ref() if a.upto is not None else None) for a in doc.adopted
             ),
         )
+
+
+def _utc(t: datetime) -> datetime:
+    """A record's time, comparable with a manifest's: one without a zone (written by hand) is UTC."""
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
 def _adopt_hint(storage: Storage, job: str | None) -> str:
@@ -664,9 +669,11 @@ class Lineage:
         except OwnershipError as e:
             return cls(storage, None, str(e), owner_newer=e.newer, retired=retired, reading_as=reading_as)
 
-    def judge(self, ref: CheckpointRef, job: str | None, attempt: int | None) -> Judgement | None:
-        """Why the checkpoint in ``ref`` (its manifest names ``job`` and ``attempt``) must not be
-        used, or None. ``StorageError`` when storage fails."""
+    def judge(
+        self, ref: CheckpointRef, job: str | None, attempt: int | None, created_at: datetime | None = None
+    ) -> Judgement | None:
+        """Why the checkpoint in ``ref`` (its manifest names ``job``, ``attempt`` and ``created_at``)
+        must not be used, or None. ``StorageError`` when storage fails."""
         if self.owner_error is not None:
             if not self.owner_newer:
                 return Judgement("untrusted", self.owner_error)
@@ -705,20 +712,20 @@ class Lineage:
                 return Judgement("foreign", f"foreign: written by {describe_job(job)}; {reads}")
             return self._by_attempts(ref, job, attempt)
         if owner is not None and not owner.accepts(job, ref):
-            adopted = next((a for a in owner.adopted if a.job == job), None)
-            if adopted is not None:
+            # The job's newest adoption: what it wrote after that is a stray writer's. One created
+            # before it yet not taken in was not there then: copied in since, as into a URI the
+            # owner never adopted anything of, and the same command takes it in.
+            adopted = max((a for a in owner.adopted if a.job == job), key=lambda a: _utc(a.adopted_at), default=None)
+            if adopted is not None and (created_at is None or _utc(created_at) >= _utc(adopted.adopted_at)):
                 upto = adopted.upto.folder if adopted.upto else "none"
                 why = (
                     f"written by {describe_job(job)} after {owner.describe()} adopted {self.storage.uri} "
                     f"(it took over checkpoints up to {upto})"
                 )
+                hint = ""
             else:
                 why = f"written by {describe_job(job)}, but {self.storage.uri} belongs to {owner.describe()}"
-            hint = (
-                ""
-                if adopted is not None
-                else f" (copied here to go on from it? {_adopt_hint(self.storage, owner.job)} takes it in)"
-            )
+                hint = f" (copied here to go on from it? {_adopt_hint(self.storage, owner.job)} takes it in)"
             return Judgement(
                 "foreign", f"foreign: {why}; never restored, counted or deleted by {owner.describe()}{hint}"
             )

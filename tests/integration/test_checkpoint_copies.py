@@ -169,6 +169,34 @@ def test_a_checkpoint_copied_into_a_uri_another_job_owns_is_taken_in_by_adopt(
     assert save_steps(str(target), [4], tmp_path / "staging-b", job="B") == 3
 
 
+def test_a_checkpoint_copied_in_after_an_earlier_adopt_is_named_a_copy_with_the_command_that_takes_it_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job A's step 1 copied into a folder, ``spotjob ckpt adopt --job B``, then A's step 3 copied in
+    too: restore's warning and ``spotjob ckpt list`` said step 3 was "written by job 'A' after job
+    'B' adopted" it, and named no command, though its manifest was created before the adoption (a
+    copy, not a stray writer) and a second ``adopt`` takes it in. Now both say it is a copy and name
+    the command, as they do without an earlier adopt."""
+    source, target = tmp_path / "a", tmp_path / "b"
+    save_steps(str(source), [1, 2, 3], tmp_path / "staging-a", job="A")
+    target.mkdir()
+    subprocess.run(["cp", "-r", str(source / "step-000000001"), str(target)], check=True)
+    assert main(["ckpt", "adopt", str(target), "--job", "B"]) == 0
+    subprocess.run(["cp", "-r", str(source / "step-000000003"), str(target)], check=True)
+    command = f"spotjob ckpt adopt file://{target} --job B"
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoint"):
+        assert save_steps(str(target), [], tmp_path / "staging-b", job="B") == 1
+    said = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert command in said and "after job 'B' adopted" not in said, said
+    capsys.readouterr()
+    main(["ckpt", "list", str(target)])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "step-000000003" in line)
+    assert "FOREIGN" in row and command in row and "after job 'B' adopted" not in row, out
+    assert main(["ckpt", "adopt", str(target), "--job", "B"]) == 0
+    assert save_steps(str(target), [4], tmp_path / "staging-b", job="B") == 3
+
+
 def test_a_checkpoint_copied_without_its_owner_record_is_refused_naming_the_copy_and_adopt(tmp_path: Path) -> None:
     """``rsync -r`` of a step folder (not ``.spotjob/``) to a fresh folder for another job: refused,
     rightly, but the error said the checkpoints were "written before spotjob recorded owners", which

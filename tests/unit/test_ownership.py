@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import re
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from agent.catalog import CheckpointRef, find_checkpoints, inspect, latest_valid, list_checkpoints
 from agent.crc32c import crc32c_bytes, to_hex
-from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, rank_file_name
+from agent.manifest import MANIFEST_NAME, FileEntry, Manifest, now_utc, rank_file_name
 from agent.ownership import (
     OWNER_KEY,
     AttemptRecord,
@@ -37,7 +37,13 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def commit(
-    storage: FileStorage, step: int, *, job: str | None = "a", attempt: int | None = None, suffix: int = 0
+    storage: FileStorage,
+    step: int,
+    *,
+    job: str | None = "a",
+    attempt: int | None = None,
+    suffix: int = 0,
+    created_at: datetime = T0,
 ) -> CheckpointRef:
     """A minimal valid checkpoint (one rank, its per-rank file), manifest last and create-only."""
     ref = CheckpointRef(step, suffix)
@@ -46,7 +52,7 @@ def commit(
     manifest = Manifest(
         step=step,
         world_size=1,
-        created_at=T0,
+        created_at=created_at,
         torch_version="test",
         job=job,
         attempt=attempt,
@@ -214,7 +220,7 @@ def test_adopt_takes_the_uri_over_and_the_new_job_resumes_from_the_old_jobs_chec
     status = latest_valid(storage)
     assert status is not None and status.ref == old, "b resumes from a's checkpoint"
     # What the old job commits after the adoption is not b's history.
-    late = commit(storage, 20, job="a")
+    late = commit(storage, 20, job="a", created_at=now_utc())
     assert inspect(storage, late).foreign
     assert "after job 'b' adopted" in inspect(storage, late).reason
     with pytest.raises(FencedError, match="belongs to job 'b'"):
@@ -223,6 +229,32 @@ def test_adopt_takes_the_uri_over_and_the_new_job_resumes_from_the_old_jobs_chec
     status = latest_valid(storage)
     assert status is not None and status.ref == mine
     assert adopt(storage, "b") == read_owner(storage), "adopting one's own URI changes nothing"
+
+
+def test_a_checkpoint_created_before_an_adoption_and_copied_in_since_is_named_a_copy_with_the_adopt_command(
+    storage: FileStorage,
+) -> None:
+    """After ``adopt`` took in job a's checkpoints up to step 10, a's step 30, created before the
+    adoption and copied in since, was called "written by job 'a' after job 'b' adopted" (a stray
+    writer), with no command, though a second ``adopt`` takes it in. Only one created after the
+    newest adoption of its job is a stray writer's; one from before is a copy, as in a URI b owns
+    without any adoption."""
+    claim(storage, "a")
+    commit(storage, 10, job="a")
+    adopted = adopt(storage, "b").adopted[0].adopted_at
+    copied = commit(storage, 30, job="a", created_at=adopted - timedelta(minutes=1))
+    stray = commit(storage, 20, job="a", created_at=adopted + timedelta(seconds=1))
+    command = f"`spotjob ckpt adopt {storage.uri} --job b` takes it in"
+    reason = inspect(storage, copied).reason
+    assert inspect(storage, copied).foreign and command in reason, reason
+    assert f"written by job 'a', but {storage.uri} belongs to job 'b'" in reason and "after" not in reason, reason
+    reason = inspect(storage, stray).reason
+    assert "written by job 'a' after job 'b' adopted" in reason and "spotjob ckpt adopt" not in reason, reason
+    # The same command takes the copy in (and the stray one below it, committed by then).
+    adopt(storage, "b")
+    assert inspect(storage, copied).valid and inspect(storage, stray).valid
+    latest = latest_valid(storage)
+    assert latest is not None and latest.ref == copied
 
 
 def test_adopting_an_unclaimed_uri_accepts_every_job_found_there(storage: FileStorage) -> None:
