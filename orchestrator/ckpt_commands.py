@@ -67,9 +67,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         status = select_checkpoint(storage, args.step, report_archived=True)
         checked_bytes = 0
         deep = False  # whether the deep checks ran: never without a manifest to check the bytes against
+        newer_files: list[str] = []  # per-rank files a newer spotjob wrote (what this one does not restore)
         if args.deep and status.manifest is not None:
             try:
-                _verify_deep(storage, status)
+                newer_files = _verify_deep(storage, status)
             except FileNotFoundError:  # a file read in place, gone since the listing
                 if not _deleted(storage, status):
                     raise
@@ -98,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if undecided and status.newer_format:
         # A restore stops there as well, so the remedy is to upgrade, or an older step: not when the
         # record is the owner's, which judges every checkpoint at the URI alike.
-        written = newer_spotjob_words(status, "cannot be checked")
+        written = newer_spotjob_words(status, "cannot be checked", its_files=bool(newer_files))
         if status.manifest is None:
             written += ", so this one cannot check it"
         remedy = (

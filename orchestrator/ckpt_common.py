@@ -23,12 +23,12 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
-def newer_spotjob_words(status: CheckpointStatus, cannot: str) -> str:
+def newer_spotjob_words(status: CheckpointStatus, cannot: str, *, its_files: bool = False) -> str:
     """What is a newer spotjob's about a ``newer_format`` checkpoint, as ``verify`` and ``export``
-    say it: its manifest (none parsed), or a record that judges it (the owner's, the next
-    attempt's: the manifest read, this spotjob wrote it). ``cannot``: what this command cannot do
-    to it ("cannot be checked")."""
-    if status.manifest is None:
+    say it: its manifest (none parsed), its per-rank files (``its_files``: ``verify --deep`` read
+    them), or a record that judges it (the owner's, the next attempt's: the manifest read, this
+    spotjob wrote it). ``cannot``: what this command cannot do to it ("cannot be checked")."""
+    if status.manifest is None or its_files:
         return "was written by a newer spotjob"
     return f"{cannot} here, which proves nothing bad about it: a record that judges it is a newer spotjob's"
 

@@ -33,8 +33,9 @@ Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` proved
 ``show``/``export`` refused it); 2 nothing could be checked or done (bad URI, no such folder or
 step, storage unreachable, an export refused for its arguments, a checkpoint ``verify`` cannot
 decide — ``CheckpointStatus.undecided``: its manifest, or the owner or attempt record judging it, a
-newer spotjob wrote or an archive storage class holds: not proven bad, only unreadable here) — the
-same code argparse uses for a bad command line.
+newer spotjob wrote or an archive storage class holds, or ``--deep`` found a per-rank file holding
+what this spotjob does not restore: not proven bad, only unreadable here) — the same code argparse
+uses for a bad command line.
 
 Where each part lives: this module is the command line (``register``: the commands and their
 options, ``--step`` and ``--max-shard-size`` parsed; ``_boundary``, which makes an error one line
@@ -117,7 +118,8 @@ def register(subparsers: Any) -> None:
         description="Check one checkpoint: MANIFEST.json parses and names only files inside its "
         "folder, and every file it lists is there with its listed size. --deep also reads every byte "
         "and checks every CRC32C, unpickles DCP's .metadata with the allow-list unpickler and the "
-        f"per-rank files with weights_only, as a restore would. {_DEFAULT_PICK}.",
+        f"per-rank files with weights_only, as a restore would (one holding what this spotjob does not "
+        f"restore, a newer spotjob's, is UNDECIDED as a restore stops there). {_DEFAULT_PICK}.",
         epilog=_EXIT_CODES,
     )
     _add_uri(p)

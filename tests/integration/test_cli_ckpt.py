@@ -9,6 +9,7 @@ goes through the Storage interface, never a local path, so any test here can mov
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from torch import nn
 
 from agent import Checkpointer
 from agent.catalog import CheckpointRef, inspect, latest_valid, list_checkpoints
+from agent.checkpoint.errors import RestoreRefusedError
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.export import INDEX_NAME
 from agent.manifest import DCP_METADATA_NAME, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest
@@ -39,6 +41,7 @@ from agent.ownership import OWNER_KEY, OwnershipError, attempt_key, claim, read_
 from agent.storage import Storage, TransientStorageError, open_storage
 from agent.storage._transfer import crc_to_b64
 from agent.storage.file import FileStorage
+from agent.version import spotjob_version
 from orchestrator import ckpt_deep, ckpt_export, ckpt_output, ckpt_select, cli_ckpt
 from orchestrator.cli import main
 
@@ -467,6 +470,47 @@ def test_a_rank_file_that_is_not_plain_data_fails_deep_verify(
 
     assert rc == 1 and "file rank-00000.pt does not load with weights_only" in out
     assert not marker.exists()
+
+
+def test_deep_verify_of_a_rank_file_holding_what_this_spotjob_does_not_restore_exits_2_as_restore_refuses(
+    saved_anywhere: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newer spotjob keeping more in ``rank-NNNNN.pt`` (another device's RNG stream) without a new
+    manifest format: ``restore()`` refuses it as a newer spotjob's, loading nothing, but ``verify
+    --deep``, which loads the per-rank files "as a restore would", called it valid (exit 0). It is
+    not proven bad, only unreadable here: exit 2 naming the entry and the newer spotjob, as for a
+    newer manifest. ``list`` and plain ``verify`` read no per-rank file: valid there (README)."""
+    saved = saved_anywhere
+    payload = torch.load(io.BytesIO(saved.storage.get_bytes(saved.key(3, "rank-00000.pt"))), weights_only=True)
+    payload["rng"]["xla"] = torch.zeros(4, dtype=torch.uint8)
+    newer = io.BytesIO()
+    torch.save(payload, newer)
+    replace_file_vouched(saved, 3, "rank-00000.pt", newer.getvalue())
+
+    rc, out, err = ckpt(capsys, "verify", saved.uri, "--deep")
+    assert rc == 2 and out == "", out
+    assert err.count("\n") == 1 and "INVALID" not in err, err
+    assert f"{saved.folder(3)} was written by a newer spotjob" in err, err
+    assert "rank-00000.pt holds rng.xla" in err and f"this spotjob ({spotjob_version()})" in err, err
+    assert "upgrade spotjob" in err and "--step" in err, err
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--json")
+    doc = json.loads(out)
+    assert rc == 2 and (doc["valid"], doc["undecided"], doc["newer_format"], doc["deep"]) == (False, True, True, True)
+    assert "rng.xla" in doc["reason"]
+    assert ckpt(capsys, "verify", saved.uri, "--deep", "--step", "2")[0] == 0
+    # Only reading the per-rank files tells: list and plain verify read none.
+    assert ckpt(capsys, "verify", saved.uri)[0] == 0
+    rc, out, _ = ckpt(capsys, "list", saved.uri)
+    assert rc == 0 and out.splitlines()[1].endswith("valid"), out
+
+    model = _model()
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    with (
+        pytest.raises(RestoreRefusedError, match="newer spotjob") as refused,
+        Checkpointer(saved.uri, keep=None, async_save=False) as restoring,
+    ):
+        restoring.restore(state)
+    assert "rng.xla" in str(refused.value)  # the same rule (rank_state.unknown_entries) decides both
 
 
 # -- show -------------------------------------------------------------------------------------------
