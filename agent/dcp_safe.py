@@ -128,7 +128,15 @@ class _NotInThisTorch(UnsafeCheckpointError):
 
 class NewerTorchError(Exception):
     """DCP's ``.metadata`` of a checkpoint a newer torch wrote (its manifest says so) names what this
-    torch does not have. Not proven bad: the restore stops there, never going back to an older one."""
+    torch does not have. Not proven bad: the restore stops there, never going back to an older one,
+    and so does ``spotjob ckpt export``; ``verify --deep`` cannot judge it (UNDECIDED). The message
+    is the restore's; ``written_under`` (the manifest's torch) and ``name`` (what this torch lacks)
+    let a command say it in its own words."""
+
+    def __init__(self, message: str, *, written_under: str, name: str) -> None:
+        super().__init__(message)
+        self.written_under = written_under
+        self.name = name
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -444,7 +452,9 @@ class VerifiedReader(FileSystemReader):
                 raise NewerTorchError(
                     f"it was written under torch {self.manifest.torch_version}, and its DCP .metadata names "
                     f"{e.name}, which this older torch ({torch.__version__}) does not have: restore it with the "
-                    "torch that wrote it or a newer one (the training image's torch went back)"
+                    "torch that wrote it or a newer one (the training image's torch went back)",
+                    written_under=self.manifest.torch_version,
+                    name=e.name,
                 ) from None
             check_metadata_fits(metadata, self.manifest)
             self._metadata = metadata

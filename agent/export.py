@@ -125,7 +125,7 @@ def export_safetensors(
     ``progress_bar(description, total bytes)`` shows the transfers and the writing; ``removed``
     hears which files of an earlier export ``force`` removed (the engine prints nothing itself).
     """
-    from agent.dcp_safe import UnsafeCheckpointError, manifest_disagreements
+    from agent.dcp_safe import NewerTorchError, UnsafeCheckpointError, manifest_disagreements
 
     prefix = key + "."
     folder = status.ref.folder
@@ -135,6 +135,15 @@ def export_safetensors(
         try:
             reader.hold_all()  # a filesystem checkpoint's files, open from here on: retention cannot take them
             metadata = reader.read_metadata()
+        except NewerTorchError as e:
+            # Not proven bad: as a restore under this torch, stop there rather than go back to an older one.
+            import torch
+
+            raise ExportError(
+                f"{folder}: refusing to export: it was written under torch {e.written_under}, and its DCP "
+                f".metadata names {e.name}, which this older torch ({torch.__version__}) does not have. Export "
+                "it with the torch that wrote it or a newer one, or name an older checkpoint with --step"
+            ) from None
         except (UnsafeCheckpointError, StorageError) as e:
             raise _read_failure(folder, e, "refusing to export: ") from None
         damaged = manifest_disagreements(manifest, metadata)

@@ -3,8 +3,10 @@ every CRC32C (``agent.catalog.verify_deep``), then what a restore would unpickle
 ``.metadata`` through the allow-list of ``agent.dcp_safe``, each ``rank-*.pt`` with weights_only),
 whether ``.metadata`` agrees with MANIFEST.json (``agent.dcp_safe.manifest_disagreements``), and
 whether a ``rank-*.pt`` holds what this spotjob does not restore (``agent.rank_state.unknown_entries``,
-the rule a restore refuses by: a newer spotjob wrote it). Of ``spotjob ckpt``'s modules, the one
-that imports torch (lazily; the export's torch is ``agent.export``'s)."""
+the rule a restore refuses by: a newer spotjob wrote it). A ``.metadata`` a newer torch wrote naming
+what this torch lacks (``NewerTorchError``) is not proven bad either: unproven, as a restore stops
+there. Of ``spotjob ckpt``'s modules, the one that imports torch (lazily; the export's torch is
+``agent.export``'s)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from agent.storage.base import Storage
 from orchestrator.ckpt_output import _progress_bar
 
 if TYPE_CHECKING:
-    pass
+    from agent.dcp_safe import NewerTorchError
 
 
 def _verify_deep(storage: Storage, status: CheckpointStatus) -> list[str]:
@@ -53,7 +55,7 @@ def _check_unpickling(
     spotjob wrote them: nothing proven bad).
     """
     from agent import rank_state
-    from agent.dcp_safe import UnsafeCheckpointError, manifest_disagreements
+    from agent.dcp_safe import NewerTorchError, UnsafeCheckpointError, manifest_disagreements
 
     assert status.manifest is not None
     manifest = status.manifest
@@ -63,6 +65,10 @@ def _check_unpickling(
         if manifest.file(DCP_METADATA_NAME) is not None and DCP_METADATA_NAME not in skip:
             try:
                 metadata = reader.read_metadata()
+            except NewerTorchError as e:
+                # Not proven bad, only unreadable under this torch: a restore here stops there too.
+                problems.append(_newer_torch(e))
+                status.unproven.append(problems[-1])
             except (UnsafeCheckpointError, StorageError) as e:
                 problems.append(f"file {DCP_METADATA_NAME} is unsafe or unreadable: {e}")
             else:
@@ -89,6 +95,19 @@ def _check_unpickling(
     if newer is not None:
         newer.update(found)
     return problems
+
+
+def _newer_torch(e: NewerTorchError) -> str:
+    """Why a ``.metadata`` a newer torch wrote cannot be judged here, naming both torches (the
+    restore's words, ``NewerTorchError``'s, speak of the training image; here it is this command's
+    torch that is older)."""
+    import torch
+
+    return (
+        f"file {DCP_METADATA_NAME} was written under torch {e.written_under}, and names {e.name}, which this "
+        f"older torch ({torch.__version__}) does not have (a restore under it stops at this checkpoint, "
+        "loading nothing): check it with the torch that wrote it or a newer one"
+    )
 
 
 def _newer_rank_state(found: dict[str, list[str]]) -> str:

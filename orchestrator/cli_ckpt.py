@@ -34,8 +34,9 @@ Exit status: 0 success; 1 the checkpoint is invalid or unsafe (``verify`` proved
 step, storage unreachable, an export refused for its arguments, a checkpoint ``verify`` cannot
 decide — ``CheckpointStatus.undecided``: its manifest, or the owner or attempt record judging it, a
 newer spotjob wrote or an archive storage class holds, or ``--deep`` found a per-rank file holding
-what this spotjob does not restore: not proven bad, only unreadable here) — the same code argparse
-uses for a bad command line.
+what this spotjob does not restore or a ``.metadata`` a newer torch wrote naming what this one lacks:
+not proven bad, only unreadable here; ``export`` stops at such a ``.metadata`` as a restore does) —
+the same code argparse uses for a bad command line.
 
 Where each part lives: this module is the command line (``register``: the commands and their
 options, ``--step`` and ``--max-shard-size`` parsed; ``_boundary``, which makes an error one line

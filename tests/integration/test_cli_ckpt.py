@@ -513,6 +513,50 @@ def test_deep_verify_of_a_rank_file_holding_what_this_spotjob_does_not_restore_e
     assert "rng.xla" in str(refused.value)  # the same rule (rank_state.unknown_entries) decides both
 
 
+def test_a_checkpoint_whose_metadata_a_newer_torch_wrote_is_undecided_by_deep_verify_and_stops_export(
+    saved_anywhere: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP's ``.metadata`` written under a newer torch names a dtype this torch lacks (the CLI's
+    torch older than the training image's). A restore stops there, naming both torch versions;
+    ``verify --deep`` and ``export`` ended in a traceback (``NewerTorchError``, exit 1). Nothing is
+    proven bad: verify exits 2 (UNDECIDED), and export stops with exit 2, as restore does, never
+    going back to an older step unless one is named with ``--step``. The other commands read no
+    ``.metadata``. The newer torch's file is today's with its float32 renamed to a dtype no torch has."""
+    saved = saved_anywhere
+    data = saved.storage.get_bytes(saved.key(3, DCP_METADATA_NAME))
+    newer = data.replace(b"float32", b"float99")
+    assert newer != data
+    replace_file_vouched(saved, 3, DCP_METADATA_NAME, newer)
+    rewrite_manifest(saved, 3, lambda raw: raw.update(torch_version="99.0.0"))
+
+    rc, out, err = ckpt(capsys, "verify", saved.uri, "--deep")
+    assert rc == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert f"{saved.folder(3)} cannot be checked here" in err and "INVALID" not in err, err
+    assert "torch 99.0.0" in err and f"torch ({torch.__version__})" in err and "float99" in err, err
+    rc, out, _ = ckpt(capsys, "verify", saved.uri, "--deep", "--json")
+    doc = json.loads(out)
+    assert rc == 2 and (doc["valid"], doc["undecided"], doc["newer_format"], doc["deep"]) == (False, True, False, True)
+    assert "99.0.0" in doc["reason"]
+    for args in (["verify"], ["show"], ["show", "--json"], ["list"]):  # MANIFEST.json only: no torch
+        assert ckpt(capsys, *args, saved.uri)[0] == 0, args
+
+    for step in ([], ["--step", "3"], ["--step", "3.0"]):
+        rc, out, err = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), *step)
+        assert rc == 2 and out == "" and err.count("\n") == 1, (step, out, err)
+        assert "torch 99.0.0" in err and torch.__version__ in err and "passing over" not in err, err
+        assert not (tmp_path / "hf").exists()
+    rc, out, _ = ckpt(capsys, "export", saved.uri, str(tmp_path / "hf"), "--step", "2")
+    assert rc == 0 and saved.folder(2) in out
+
+    model = _model()
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    with (
+        pytest.raises(RestoreRefusedError, match=r"torch 99\.0\.0"),
+        Checkpointer(saved.uri, keep=None, async_save=False) as restoring,
+    ):
+        restoring.restore(state)
+
+
 # -- show -------------------------------------------------------------------------------------------
 
 
