@@ -71,6 +71,7 @@ from agent.crc32c import crc32c_bytes
 from agent.storage._errors import TLS_SLIP, URLLIB3_TIMEOUT, local_file
 from agent.storage._gcs_answers import _answer_crc32c, _answer_generation, _answer_span, _answer_time
 from agent.storage._retry import max_attempts, retry_transient
+from agent.storage._s3_errors import _without_userinfo
 from agent.storage._transfer import (
     ByteBudget,
     FetchRange,
@@ -326,20 +327,41 @@ _TRANSLATED = (
 )
 
 
+def _shown(value: str) -> str | None:
+    """``STORAGE_EMULATOR_HOST``'s value as a message may repeat it: the ``user:secret@`` of an
+    emulator behind basic auth masked, as the S3 store masks its endpoint's. The mask finds it after
+    a scheme, so a value written without one is masked as the URL it would be. ``None`` (not to be
+    repeated at all) where the part before its ``@`` is still there, one the mask could not reach."""
+    bare = "://" not in value
+    masked = _without_userinfo(f"http://{value}" if bare else value)
+    masked = masked.removeprefix("http://") if bare else masked
+    userinfo = value.rpartition("@")[0].rpartition("://")[2]
+    return None if userinfo and userinfo in masked else masked
+
+
 def _emulator_host() -> str | None:
     """``STORAGE_EMULATOR_HOST``, which google-cloud-storage uses as the endpoint URL as it is:
-    without a scheme every request would fail as a URL with no connection adapter."""
+    without a scheme every request would fail as a URL with no connection adapter. What it says
+    about the value never repeats a ``user:secret@`` in it."""
     host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host and not host.lower().startswith(("http://", "https://")):
-        raise ValueError(
-            f"STORAGE_EMULATOR_HOST={host!r} needs a scheme: write it as a URL, e.g. http://{host.strip('/')}"
-        )
-    if host and host.endswith("/"):
+    if not host:
+        return host
+    shown = _shown(host)
+    where = (
+        f"STORAGE_EMULATOR_HOST={shown!r}"
+        if shown is not None
+        else "STORAGE_EMULATOR_HOST (not repeated here: it holds a user:secret@)"
+    )
+    if not host.lower().startswith(("http://", "https://")):
+        example = f"http://{shown.strip('/')}" if shown is not None else "http://host:port"
+        raise ValueError(f"{where} needs a scheme: write it as a URL, e.g. {example}")
+    if host.endswith("/"):
         # The client puts "/storage/v1/..." after it as written: every request would go to
         # "//storage/v1/...", answered 404, which reads as a bucket that does not exist.
+        url = shown.rstrip("/") if shown is not None else None
         raise ValueError(
-            f"STORAGE_EMULATOR_HOST={host!r} ends with '/': requests would go to {host.rstrip('/')}//storage/v1/... "
-            f"and be answered 404 (as if the bucket did not exist); write {host.rstrip('/')}"
+            f"{where} ends with '/': requests would go to {url or '...'}//storage/v1/... "
+            f"and be answered 404 (as if the bucket did not exist); write {url or 'it without the /'}"
         )
     return host
 

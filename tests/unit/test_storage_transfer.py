@@ -457,6 +457,30 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
         open_storage("gs://b/run")
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "u:GPWsecret9@127.0.0.1:4443",
+        "http://u:GPWsecret9@127.0.0.1:4443/",
+        "http://u:GP'Wsecret9@127.0.0.1:4443/",
+        "u:GP Wsecret9@127.0.0.1:4443",
+    ],
+)
+def test_a_refused_gcs_emulator_host_behind_basic_auth_is_named_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """``http://user:secret@host`` (an emulator behind basic auth) that is refused was repeated whole,
+    the password in every log line and Event quoting the error; its ``user:secret@`` is masked as
+    the S3 store masks its endpoint's, and a value the mask cannot reach is not repeated at all."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
+    with pytest.raises(ValueError, match="STORAGE_EMULATOR_HOST") as refused:
+        open_storage("gs://b/run")
+    said = str(refused.value)
+    assert "secret9" not in said and "u:" not in said, said
+    if "'" not in value and " " not in value:
+        assert "***@127.0.0.1:4443" in said, said
+
+
 def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_but_not_the_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
