@@ -346,24 +346,83 @@ def _emulator_host() -> str | None:
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return host
+    problem = _emulator_problem(host)
+    if problem is not None:
+        shown = _shown(host)
+        where = (
+            f"STORAGE_EMULATOR_HOST={shown!r}"
+            if shown is not None
+            else "STORAGE_EMULATOR_HOST (not repeated here: it holds a user:secret@)"
+        )
+        raise ValueError(f"{where} {problem}")
+    return host
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_HOST_PORT = re.compile(r"(\[[^\[\]]*\]|[^:\[\]]*)(?::(.*))?", re.DOTALL)
+
+
+def _emulator_problem(host: str) -> str | None:
+    """What is wrong with ``host`` as ``STORAGE_EMULATOR_HOST`` (said after naming the variable, and
+    its advice a URL that works), or ``None``."""
     shown = _shown(host)
-    where = (
-        f"STORAGE_EMULATOR_HOST={shown!r}"
-        if shown is not None
-        else "STORAGE_EMULATOR_HOST (not repeated here: it holds a user:secret@)"
-    )
-    if not host.lower().startswith(("http://", "https://")):
-        example = f"http://{shown.strip('/')}" if shown is not None else "http://host:port"
-        raise ValueError(f"{where} needs a scheme: write it as a URL, e.g. {example}")
+    if any(c.isspace() for c in host):
+        stripped = host.strip()
+        places = [
+            place
+            for place, found in (
+                ("at its start", host[0].isspace()),
+                ("at its end", host[-1].isspace()),
+                ("inside it", any(c.isspace() for c in stripped)),
+            )
+            if found
+        ]
+        fix = "remove it"
+        if stripped and not any(c.isspace() for c in stripped) and _emulator_problem(stripped) is None:
+            fix = f"write {_shown(stripped) or 'it without the whitespace'}"
+        return f"has whitespace {' and '.join(places)}, which the client would keep in every request's URL: {fix}"
+    scheme = _SCHEME.match(host)
+    if scheme is None:
+        authority = host.removesuffix("/")  # a bare host[:port], written perhaps with a '/'
+        problem = "is not host:port" if re.search(r"[/?#]", authority) else _authority_problem(authority)
+        if problem is not None:
+            return f"is not a URL: it needs a scheme (http:// or https://), and it {problem}"
+        example = f"http://{shown.removesuffix('/')}" if shown is not None else "http://host:port"
+        return f"needs a scheme: write it as a URL, e.g. {example}"
+    if scheme.group(1).lower() not in ("http", "https"):
+        return (
+            f"has the scheme {scheme.group(1)!r}, not http or https: google-cloud-storage sends its requests "
+            "over HTTP, to a URL such as http://127.0.0.1:4443"
+        )
+    problem = _authority_problem(re.split(r"[/?#]", host[scheme.end() :], maxsplit=1)[0])
+    if problem is not None:
+        return f"{problem}: no request can go to it"
     if host.endswith("/"):
         # The client puts "/storage/v1/..." after it as written: every request would go to
         # "//storage/v1/...", answered 404, which reads as a bucket that does not exist.
         url = shown.rstrip("/") if shown is not None else None
-        raise ValueError(
-            f"{where} ends with '/': requests would go to {url or '...'}//storage/v1/... "
+        return (
+            f"ends with '/': requests would go to {url or '...'}//storage/v1/... "
             f"and be answered 404 (as if the bucket did not exist); write {url or 'it without the /'}"
         )
-    return host
+    return None
+
+
+def _authority_problem(authority: str) -> str | None:
+    """What is wrong with a URL's ``[user:secret@]host[:port]``, said as "has ...", or ``None``."""
+    match = _HOST_PORT.fullmatch(authority.rpartition("@")[2])
+    if match is None:
+        return "has no usable host[:port]"
+    host, port = match.groups()
+    if not host:
+        return "has no host"
+    if port is None:
+        return None
+    if not port.isdigit() or not port.isascii():
+        return f"has the port {port!r}, which is not a number"
+    if not 1 <= int(port) <= 65535:
+        return f"has the port {int(port)}, out of range (1-65535)"
+    return None
 
 
 class GCSStorage(PrefixedKeys, Storage):

@@ -458,6 +458,45 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
 
 
 @pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("ftp://127.0.0.1:4443", "has the scheme 'ftp', not http or https"),
+        (
+            " http://127.0.0.1:4443",
+            "has whitespace at its start, which the client would keep in every request's URL: "
+            "write http://127.0.0.1:4443",
+        ),
+        ("http://127.0.0.1:4443\n", "has whitespace at its end"),
+        ("http://127.0.0.1: 4443", "has whitespace inside it"),
+        ("127.0.0.1:99999", "is not a URL: it needs a scheme (http:// or https://), and it has the port 99999"),
+        ("http://127.0.0.1:99999", "has the port 99999, out of range (1-65535)"),
+        ("http://127.0.0.1:port", "has the port 'port', which is not a number"),
+        ("http://:4443", "has no host"),
+        ("http:/127.0.0.1:4443", "is not host:port"),
+    ],
+)
+def test_a_gcs_emulator_host_that_is_no_usable_url_is_refused_with_advice_that_works(
+    monkeypatch: pytest.MonkeyPatch, value: str, said: str
+) -> None:
+    """The advice was ``http://`` before the value whatever it was (``http://ftp://...``,
+    ``http:// http://...``), and a port out of range or a URL without a host got through, to fail
+    on every request. Each is named for what it is; only a bare host[:port] is told to put
+    ``http://`` before it."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
+    with pytest.raises(ValueError) as refused:
+        open_storage("gs://b/run")
+    text = str(refused.value)
+    assert text.startswith(f"STORAGE_EMULATOR_HOST={value!r} ") and said in text, text
+    assert not re.search(r"http://\s*\w+://", text), text
+
+
+@pytest.mark.parametrize("value", ["http://[::1]:4443", "HTTPS://storage.test", "http://u:p@127.0.0.1:4443/prefix"])
+def test_a_gcs_emulator_host_that_is_a_url_is_taken_as_written(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
+    open_storage("gs://b/run").close()
+
+
+@pytest.mark.parametrize(
     "value",
     [
         "u:GPWsecret9@127.0.0.1:4443",
