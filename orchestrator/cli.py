@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     level = log_level(parser, args.verbose)
+    args.log_level = level  # the commands leave the cloud clients' loggers alone at DEBUG (cli_ckpt.logs_debug)
     try:
         kind = log_format(os.environ.get(ENV_LOG_FORMAT))
     except ValueError as e:

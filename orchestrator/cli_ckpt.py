@@ -73,7 +73,16 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "google", "awscrt", "matplotlib")
 """The cloud clients' loggers, whose INFO lines ("Found credentials in environment variables") a
 command's user has no use for, and matplotlib's (``spotjob run``'s plot: "generated new
-fontManager" the first time it runs on a machine): set to WARNING unless -v."""
+fontManager" the first time it runs on a machine): set to WARNING unless the command logs at
+debug level (``logs_debug``)."""
+
+
+def logs_debug(args: argparse.Namespace) -> bool:
+    """Whether the command logs at debug level: ``-v``, or ``SPOTJOB_LOG_LEVEL=debug`` as
+    ``cli.main`` read it (``args.log_level``). There the cloud clients log every request (README,
+    Safety), so their loggers are left as they are."""
+    return bool(getattr(args, "verbose", False)) or getattr(args, "log_level", None) == "DEBUG"
+
 
 _DEFAULT_PICK = (
     "Default: the newest committed checkpoint (the newest folder holding a MANIFEST.json, valid or "
@@ -259,9 +268,10 @@ def _boundary(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
         name = f"spotjob ckpt {args.ckpt_command}"
-        if not getattr(args, "verbose", False):
+        if not logs_debug(args):
             # The answer goes to stdout; the cloud clients' INFO chatter ("Found credentials in
-            # environment variables") is not part of it. -v keeps it.
+            # environment variables") is not part of it. Debug level (-v, SPOTJOB_LOG_LEVEL=debug)
+            # keeps it, and their request lines.
             for noisy in NOISY_LOGGERS:
                 logging.getLogger(noisy).setLevel(logging.WARNING)
         try:

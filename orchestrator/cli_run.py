@@ -68,7 +68,7 @@ from agent.atomic_file import write_atomic
 from agent.torchrun import LAUNCHERS
 from orchestrator.backends.local_cloud import CLOUDS
 from orchestrator.backends.local_plan import load_trace
-from orchestrator.cli_ckpt import NOISY_LOGGERS
+from orchestrator.cli_ckpt import NOISY_LOGGERS, logs_debug
 from orchestrator.cli_pipe import reader_gone, stdout_reader_left
 from orchestrator.live import LiveView, LogView
 from orchestrator.model import MAX_NAME_LENGTH
@@ -226,9 +226,10 @@ def prepare(args: argparse.Namespace) -> LocalRun:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if not getattr(args, "verbose", False):
+    if not logs_debug(args):
         # The summary's own reads of storage would log botocore's "Found credentials in environment
-        # variables" among the run's lines, as spotjob ckpt does not. -v keeps it.
+        # variables" among the run's lines, as spotjob ckpt does not. Debug level (-v,
+        # SPOTJOB_LOG_LEVEL=debug) keeps it.
         for noisy in NOISY_LOGGERS:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if threading.current_thread() is not threading.main_thread():
