@@ -69,8 +69,10 @@ _CREDENTIALS = re.compile(
     # An OAuth token response or a service account key, as JSON.
     r"""|("(?:access_token|refresh_token|id_token|client_secret|private_key)"\s*:\s*")[^"]+"""
     # A URL's user information (an endpoint behind basic auth: http://user:password@host), which
-    # botocore's debug lines and connection errors repeat whole.
-    r"""|([a-z][a-z0-9+.-]*://)[^/?#@\s'"]+@""",
+    # botocore's debug lines and connection errors repeat whole: up to the LAST @ before a / ? #,
+    # whitespace or the end (as urllib finds the host), so that a password holding a quote, any of
+    # RFC 3986's sub-delims or a raw @ is blanked whole; a quote closing a quoted URL comes after it.
+    r"""|([a-z][a-z0-9+.-]*://)[^/?#\s]+@""",
     re.IGNORECASE,
 )
 

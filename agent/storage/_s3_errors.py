@@ -280,12 +280,19 @@ def _endpoint_source() -> str:
 # What an XML 1.0 body cannot carry as written: characters outside XML's set (most controls,
 # U+FFFE/FFFF, lone surrogates) and CR, which an XML parser reads as LF: another key.
 
-_USERINFO = re.compile(r"(?<=://)[^/@\s\"']+@")
+# A URL's user information: everything after ``://`` up to the LAST ``@`` before the next ``/``,
+# ``?``, ``#``, whitespace or the end, as urllib finds the host (``rpartition("@")``). A userinfo may
+# hold any of RFC 3986's sub-delims, a quote ``'`` among them, ':' and %-escapes, and a password
+# written with a raw ``@``; what cannot be inside it (``/ ? #``, whitespace) ends it. A quote is no
+# end: a password ``PW'x`` left its tail unmasked, while the quote that closes a quoted URL comes
+# after its host, so the match still stops at that URL's own ``@``; and a second URL's ``//`` ends it.
+_USERINFO = re.compile(r"(?<=://)[^/?#\s]+@")
 
 
 def _without_userinfo(text: str) -> str:
     """``text`` with the ``user:secret@`` of any URL in it masked: botocore's connection errors
-    repeat the endpoint URL whole, and an endpoint behind basic auth carries its password there."""
+    repeat the endpoint URL whole, and an endpoint behind basic auth carries its password there,
+    whatever characters it holds (``_USERINFO``)."""
     return _USERINFO.sub("***@", text)
 
 

@@ -9,6 +9,10 @@ in-progress multipart uploads are read straight from moto, not through the proxy
 from __future__ import annotations
 
 import os
+import re
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ try:
 except ImportError:  # run from the repository root
     from tests.faults import Dialect, FaultProxy
 
+REPO = Path(__file__).resolve().parents[2]
 PART = 5 * 1024 * 1024
 BIG = 2 * PART + 123  # three parts
 
@@ -166,6 +171,66 @@ def test_an_unreachable_s3_endpoint_is_reported_without_the_secret_in_its_url(
     assert "127.0.0.1:9" in str(caught.value) and "check AWS_ENDPOINT_URL" in str(caught.value), caught.value
     assert "hunter2" not in str(caught.value)
     assert not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+# A password holding every character a URL's userinfo may hold besides letters and digits (RFC
+# 3986's sub-delims, ':' and a %-escape), each between two parts that must all be blanked.
+_ODD_PASSWORD = "Zq0'Zq1\"Zq2(Zq3)Zq4!Zq5$Zq6&Zq7*Zq8+Zq9,Zr0;Zr1=Zr2:Zr3%27Zr4"
+
+
+def _password_parts_in(text: str) -> list[str]:
+    return [part for part in re.split(r"[^A-Za-z0-9]+", _ODD_PASSWORD) if part and part in text]
+
+
+def test_a_password_with_quotes_and_sub_delims_is_never_printed_by_spotjob_ckpt_even_at_debug(
+    tmp_path: Path,
+) -> None:
+    """``AWS_ENDPOINT_URL=http://alice:PW'secret@host``: a quote is legal in a userinfo, and the
+    masks stopped at it, so the error and eight ``-v`` debug lines (botocore's url=, Endpoint and
+    endpoint provider lines, the traceback) printed the password whole."""
+    with socket.socket() as s:  # a loopback port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTJOB_", "AWS_"))}
+    env.update(
+        HOME=str(tmp_path), PYTHONPATH=str(REPO), AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b",
+        AWS_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_EC2_METADATA_DISABLED="true", SPOTJOB_STORAGE_MAX_ATTEMPTS="1",
+        AWS_ENDPOINT_URL=f"http://alice:{_ODD_PASSWORD}@127.0.0.1:{port}",
+    )  # fmt: skip
+    for verbose in ([], ["-v"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *verbose, "ckpt", "list", "s3://b/run"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert f'Could not connect to the endpoint URL: "http://***@127.0.0.1:{port}/b?' in done.stderr, done.stderr
+        assert not _password_parts_in(done.stdout + done.stderr), done.stderr
+    assert f"http://<redacted>@127.0.0.1:{port}" in done.stderr  # the debug lines are there, blanked
+
+
+def test_a_password_with_quotes_and_sub_delims_is_never_in_the_checkpointers_error_or_warnings(
+    monkeypatch: pytest.MonkeyPatch, moto_server: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same endpoint through the Checkpointer: its refusal (StorageUnavailableError, what the
+    training script prints) and its warnings repeated botocore's URL with the password in it."""
+    from agent import Checkpointer
+    from agent.checkpoint.errors import StorageUnavailableError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://alice:{_ODD_PASSWORD}@127.0.0.1:{port}")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1")
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(StorageUnavailableError) as caught:
+        Checkpointer("s3://wb1/run1", every_steps=1, staging_dir=str(tmp_path / "staging"))
+
+    said = str(caught.value)
+    assert f"http://***@127.0.0.1:{port}/wb1" in said and "check AWS_ENDPOINT_URL" in said, said
+    assert not _password_parts_in(said), said
+    assert not [r.getMessage() for r in caplog.records if _password_parts_in(r.getMessage())]
 
 
 @pytest.mark.parametrize("status", [410, 404])

@@ -71,6 +71,35 @@ def test_the_password_of_an_endpoint_url_is_blanked_in_the_message_and_the_trace
         assert redact(text) == text
 
 
+# What a URL's userinfo may hold (RFC 3986: sub-delims, ':' and %-escapes; a raw '@' a careless
+# password has), each between two parts of the password that must both be blanked.
+_USERINFO_CHARACTERS = ["'", '"', "(", ")", "!", "$", "&", "*", "+", ",", ";", "=", ":", "%27", "@"]
+
+
+@pytest.mark.parametrize("character", _USERINFO_CHARACTERS)
+def test_a_password_holding_any_character_a_userinfo_may_hold_is_blanked_whole(character: str) -> None:
+    """A password with a ``'`` (legal in a userinfo) was printed whole: the pattern stopped at a
+    quote, so it never reached the ``@``. What surrounds the URL is left: the quotes around it, the
+    host and path after it, a second URL's own userinfo, an ``@`` in text after it."""
+    from agent.storage._s3_errors import _without_userinfo
+
+    url = f"http://alice:Zq7{character}Secret99@127.0.0.1:1"
+    lines = [
+        f'Could not connect to the endpoint URL: "{url}/b?list-type=2"',  # botocore's error
+        f"Endpoint provider result: {url}/b",
+        f"url={url}/b?x=1, headers={{'Host': 'h'}}",
+        f"{{'Endpoint': {url!r}, 'Bucket': 'b@c'}}",  # repr: "..." or '...' around it, \' inside
+        f"'{url}' then http://bob:Other1@host/ and x@y",
+    ]
+    for line in lines:
+        for masked, blank in ((redact(line), "<redacted>@"), (_without_userinfo(line), "***@")):
+            assert "Zq7" not in masked and "Secret99" not in masked and "alice" not in masked, masked
+            assert f"http://{blank}127.0.0.1:1" in masked, masked
+    assert redact(lines[0]).endswith('@127.0.0.1:1/b?list-type=2"')
+    assert redact(lines[3]).endswith(", 'Bucket': 'b@c'}")
+    assert redact(lines[4]).endswith("127.0.0.1:1' then http://<redacted>@host/ and x@y")
+
+
 @pytest.mark.parametrize(("value", "kind"), [(None, "text"), ("", "text"), ("JSON", "json"), (" text ", "text")])
 def test_the_format_setting_takes_text_or_json_in_any_case(value: str | None, kind: str) -> None:
     assert log_format(value) == kind
