@@ -225,6 +225,30 @@ def _unusable_endpoint(why: str) -> ValueError:
     )
 
 
+def _endpoint_flaw(url: str) -> str | None:
+    """Why ``url`` (with its scheme) cannot be the endpoint S3 requests go to, or None where it can;
+    said without repeating it. A URL's parts that botocore checks only at the first request, or not
+    at all: whitespace anywhere (urllib strips it before the scheme, botocore keeps it after the
+    port), a scheme other than http or https, no host, a port that is no number from 1 to 65535, a
+    query or a fragment (every request's URL would carry them, a token in them with it)."""
+    if any(c.isspace() for c in url):
+        return "it has a space, tab or newline in it or around it"
+    try:
+        split = urlsplit(url)
+        port = split.port
+    except ValueError:  # "Port out of range 0-65535", "Port could not be cast to integer value"
+        return "its port is no number from 1 to 65535"
+    if split.scheme.lower() not in ("http", "https"):
+        return f"its scheme is {split.scheme or 'missing'}, not http or https"
+    if not split.hostname:
+        return "it has no host"
+    if port == 0:
+        return "its port is no number from 1 to 65535"
+    if split.query or split.fragment:
+        return "it has a query" if split.query else "it has a fragment"
+    return None
+
+
 def _stored_crc32c(resp: dict[str, Any]) -> int | None:
     """The whole object's CRC32C a GetObject answer says (asked with ``ChecksumMode=ENABLED``),
     or None where it says none: no CRC32C kept, or a ``COMPOSITE`` one (``<base64>-<parts>``, a
@@ -274,7 +298,8 @@ class S3Storage(PrefixedKeys, Storage):
         """The store's botocore client. botocore resolves the credentials and the endpoint here, so
         a profile that does not exist, half a pair of keys, a malformed config file or an endpoint
         URL without its scheme fails now: said as a ``PermanentStorageError`` (a ``ValueError`` for
-        the endpoint, which is a setting to correct), never as botocore's own exception."""
+        the endpoint, which is a setting to correct), never as botocore's own exception. So does an
+        endpoint botocore takes here but no request can go to (``_endpoint_flaw``)."""
         try:
             client = _new_session().client("s3", config=config)
         except BotoCoreError as e:
@@ -285,17 +310,23 @@ class S3Storage(PrefixedKeys, Storage):
                 raise _unusable_endpoint(str(e)) from None
             # botocore's message is the value itself; a user:secret@ in it has no scheme to mask it by.
             named = _endpoint_variable()
-            value = os.environ[named] if named else str(e).partition(":")[2].strip()
+            value = os.environ[named] if named else str(e).partition(": ")[2]
+            flaw = _endpoint_flaw(value) if "://" in value else None
+            if flaw:  # it has its scheme: "write it with its scheme" would be the wrong advice
+                raise _unusable_endpoint(flaw) from None
+            value = value.strip()
             value = ("***@" + value.rpartition("@")[2]) if "@" in value else value
             where = f"{named}={value!r}" if named else f"the AWS config file's endpoint_url {value!r}"
             raise ValueError(
                 f"{where} is not a URL that S3 requests can go to: write it with its scheme, e.g. "
                 "http://127.0.0.1:9000 or https://s3.example.com"
             ) from None
-        # botocore takes a query or a fragment here, then fails every request with its whole URL.
-        split = urlsplit(str(client.meta.endpoint_url))
-        if split.query or split.fragment:
-            raise _unusable_endpoint("it has a query" if split.query else "it has a fragment")
+        # botocore takes these here (a query, a fragment, another scheme, a port out of range, a
+        # space after it), then fails every request with its raw EndpointResolutionError or a
+        # connection error, naming neither the variable nor the fix, or repeating the whole URL.
+        flaw = _endpoint_flaw(str(client.meta.endpoint_url))
+        if flaw:
+            raise _unusable_endpoint(flaw)
         return client
 
     def _crc_args(self, crc: int) -> dict[str, str]:

@@ -715,6 +715,14 @@ def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_
         ("http://admin:hunter2@[::1:9000", "Invalid IPv6 URL"),  # no closing bracket
         ("http://127.0.0.1:9000/?X-Amz-Security-Token=hunter2", "a query"),
         ("http://127.0.0.1:9000/#hunter2", "a fragment"),
+        ("http://hunter2@127.0.0.1:9000 ", "a space, tab or newline"),  # botocore takes these...
+        (" http://hunter2@127.0.0.1:9000", "a space, tab or newline"),
+        ("http://hunter2@127.0.0.1:99999", "its port is no number from 1 to 65535"),
+        ("http://hunter2@127.0.0.1:0", "its port is no number from 1 to 65535"),
+        ("ftp://hunter2@127.0.0.1:9000", "its scheme is ftp, not http or https"),
+        ("http://hunter2@127.0.0.1 :9000", "a space, tab or newline"),  # ...botocore refuses these
+        ("http://hunter2@127.0.0.1:9000\t", "a space, tab or newline"),
+        ("http://hunter2@:9000", "it has no host"),
     ],
 )
 def test_an_aws_endpoint_url_botocore_cannot_use_is_refused_when_the_store_opens_naming_the_variable(
@@ -722,12 +730,53 @@ def test_an_aws_endpoint_url_botocore_cannot_use_is_refused_when_the_store_opens
 ) -> None:
     """A malformed endpoint escaped as urllib's bare ``ValueError("Invalid IPv6 URL")``, naming no
     variable; one with a query or fragment opened, then failed every request with botocore's
-    EndpointResolutionError repeating the whole URL (a token in its query included)."""
+    EndpointResolutionError repeating the whole URL (a token in its query included). So did a
+    space after it, a port out of range or another scheme than http(s): botocore's raw "Custom
+    endpoint ... was not a valid URI" at the first request, naming no variable (through the
+    Checkpointer: a store that "refuses this job" at its create-only check). One that botocore does
+    refuse itself, with a space inside it or no host, was told to "write it with its scheme"."""
     _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL=endpoint)
     with pytest.raises(ValueError, match=r"^AWS_ENDPOINT_URL .*is not a URL that S3 requests can go to") as raised:
         open_storage("s3://b/run")
     assert said in str(raised.value)
     assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("ftp://127.0.0.1:9000", "its scheme is ftp, not http or https"),
+        ("http://127.0.0.1:99999", "its port is no number from 1 to 65535"),
+        ("http://hunter2@127.0.0.1 :9000", "a space, tab or newline"),
+        ("http://127.0.0.1:9000/?X-Amz-Security-Token=hunter2", "a query"),
+    ],
+)
+def test_an_endpoint_url_of_the_aws_config_file_botocore_cannot_use_is_refused_naming_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str, said: str
+) -> None:
+    """The config file's ``endpoint_url`` is checked as the variables are, and named instead."""
+    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b")
+    config = tmp_path / "config"
+    config.write_text(f"[default]\nendpoint_url = {endpoint}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    with pytest.raises(ValueError, match=r"^the AWS config file's endpoint_url \(.*is not a URL that S3") as raised:
+        open_storage("s3://b/run")
+    assert said in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+
+
+def test_an_aws_endpoint_url_with_a_trailing_space_stops_the_checkpointer_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Through the Checkpointer it read "the checkpoint store ... refuses this job: checking that the
+    store refuses to overwrite on create-only writes: ... EndpointResolutionError": a store to blame."""
+    from agent import Checkpointer
+
+    _aws_env(monkeypatch, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", AWS_ENDPOINT_URL="http://127.0.0.1:9 ")
+    monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^AWS_ENDPOINT_URL \(it has a space, tab or newline in it or around it;"):
+        Checkpointer("s3://wb1/run1", every_steps=1, staging_dir=str(tmp_path / "staging"))
 
 
 def test_a_bucket_name_botocore_refuses_is_said_in_a_line_not_two_regular_expressions(
