@@ -206,7 +206,7 @@ def _storage_error(
         return PermanentStorageError(text, key)
     if isinstance(e, NoCredentialsError | PartialCredentialsError):
         # botocore's text for partial keys names the variable missing, never a value.
-        said = str(e) if isinstance(e, PartialCredentialsError) else type(e).__name__
+        said = str(e) if isinstance(e, PartialCredentialsError) else _half_a_pair() or type(e).__name__
         return PermanentStorageError(
             f"{what}: no usable AWS credentials ({said}); give the process some: "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role (IRSA / pod identity, "
@@ -245,6 +245,15 @@ def _storage_error(
     if isinstance(e, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return TransientStorageError(f"{what}: {_without_userinfo(str(e))}", key)
     return PermanentStorageError(f"{what}: {type(e).__name__}: {_without_userinfo(str(e))}", key)
+
+
+def _half_a_pair() -> str | None:
+    """What botocore does not say: the environment's secret key without its key id (botocore then
+    skips the environment and reports no credentials at all, while a key id without its secret is
+    a PartialCredentialsError naming the secret). Said as botocore says the other half; no value."""
+    if os.environ.get("AWS_SECRET_ACCESS_KEY") and not os.environ.get("AWS_ACCESS_KEY_ID"):
+        return "Partial credentials found in env, missing: AWS_ACCESS_KEY_ID"
+    return None
 
 
 def _timed_out(e: Exception, what: str, key: str | None, words: str, setting: str) -> StorageError:

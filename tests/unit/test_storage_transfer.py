@@ -694,6 +694,26 @@ def test_aws_credentials_botocore_cannot_resolve_are_a_storage_error_when_the_s3
     assert "AKIDONLYHALF" not in str(raised.value)
 
 
+@pytest.mark.parametrize("key_id", [None, ""], ids=["unset", "empty"])
+def test_a_secret_key_without_its_key_id_says_the_key_id_is_missing(
+    monkeypatch: pytest.MonkeyPatch, key_id: str | None
+) -> None:
+    """botocore skips an environment with the secret but no key id, and says only
+    NoCredentialsError (the key id without the secret names the secret as missing): a user who set
+    half the pair was not told which half."""
+    env = {"AWS_SECRET_ACCESS_KEY": "SECRETONLYHALF", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    _aws_env(monkeypatch, **env, **({} if key_id is None else {"AWS_ACCESS_KEY_ID": key_id}))
+    storage = open_storage("s3://b/run")
+    try:
+        with pytest.raises(PermanentStorageError) as raised:
+            list(storage.list(""))
+    finally:
+        storage.close()
+    said = str(raised.value)
+    assert "no usable AWS credentials (Partial credentials found in env, missing: AWS_ACCESS_KEY_ID)" in said, said
+    assert "SECRETONLYHALF" not in said
+
+
 def test_an_aws_endpoint_without_a_scheme_is_refused_naming_the_variable_and_no_password(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
