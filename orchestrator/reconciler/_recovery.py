@@ -651,13 +651,9 @@ class _Recovery(_FlushRequests):
             status.fallback_since = p.now
         stuck = status.condition(CAPACITY)
         if stuck is not None and stuck.status == "True":
-            self._condition(
-                p,
-                CAPACITY,
-                False,
-                CAPACITY_FOUND.name,
-                CAPACITY_FOUND.message(attempt=status.attempt.number, capacity=status.capacity),
-            )
+            found = CAPACITY_FOUND.message(attempt=status.attempt.number, capacity=status.capacity)
+            self._condition(p, CAPACITY, False, CAPACITY_FOUND.name, found)
+            self._event(p, CAPACITY_FOUND, message=found)  # README's Events table lists it
         message = WORKERS_RUNNING.message(attempt=status.attempt.number)
         self._set_phase(p, Phase.RUNNING, WORKERS_RUNNING.name, message)
         self._condition(p, READY, True, WORKERS_RUNNING.name, message)

@@ -76,6 +76,8 @@ def test_an_attempt_without_spot_capacity_past_the_start_timeout_moves_to_the_fa
     assert status.condition("CapacityUnavailable").status == "False"  # type: ignore[union-attr]
     assert status.condition("CapacityUnavailable").reason == "CapacityFound"  # type: ignore[union-attr]
     assert w.event_reasons().count("CapacityUnavailable") == 1
+    # README's Events table lists CapacityFound: the condition had it, no Event was emitted.
+    assert w.event_reasons().count("CapacityFound") == 1
     assert status.fallback_since is not None
 
 
@@ -93,6 +95,7 @@ def test_without_a_fallback_it_says_so_once_and_waits_until_capacity_appears(tmp
     status = w.run_until(running_attempt(0))
     assert sorted(w.backend.nodes_of(0)) == ["s0", "s1"]
     assert status.condition("CapacityUnavailable").status == "False"  # type: ignore[union-attr]
+    assert w.event_reasons().count("CapacityFound") == 1
 
 
 def test_pods_placed_but_slow_to_start_are_no_capacity_problem(tmp_path: Any) -> None:
