@@ -17,9 +17,10 @@ builds the objects):
   agent); with ``keep_exited`` (the job ended), not those that ended, which stay for
   ``kubectl logs``, only those still running (a live agent, or a sidecar after the agent exited). With
   ``flush=False`` each live agent is first told ``POST /stop`` (in the background) and its pod is
-  deleted once the agent answered or could not be reached. A pod stuck terminating on a node that
-  is lost (deleted, or NotReady past ``--node-lost-grace-seconds``, its kubelet gone) is
-  force-deleted (grace 0) so it never holds the next attempt back; if its processes still run
+  deleted once the agent answered or could not be reached. A pod on a node that is lost (deleted,
+  or NotReady past ``--node-lost-grace-seconds``, its kubelet gone), deleted now or stuck
+  terminating since an earlier stop (forced when the next attempt starts), is force-deleted
+  (grace 0) so it never holds the next attempt back; if its processes still run
   behind a partition, fencing keeps what they write from counting.
 - Every call reads the pods of this incarnation of the job only (their owner reference names
   its uid): a job deleted and created again under the same name finds its predecessor's pods
@@ -257,7 +258,12 @@ class KubernetesBackend:
                 )
                 if answer.state is CallState.PENDING:
                     continue  # deleted once the agent answered (or could not be reached)
-            self._delete_pod(pod)
+            lost = self._lost_node_of(pod)
+            if lost is not None:
+                # No kubelet will finish a graceful delete there: the pod would stay Terminating
+                # until the node came back (nothing forced it once the next attempt had started).
+                log.warning("pod %s is on a lost node (%s): force-deleting it", _name(pod), lost)
+            self._delete_pod(pod, force=lost is not None)
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         token: str | None = None
@@ -465,7 +471,8 @@ class KubernetesBackend:
             raise BackendError(f"cannot delete pod {meta.get('namespace')}/{_name(pod)}: {e}") from e
 
     def _delete_finished_leftovers(self, job_pods: list[Object], attempt: int) -> None:
-        """Delete the pods of earlier attempts whose agent has exited.
+        """Delete the pods of earlier attempts whose agent has exited, and force-delete those stuck
+        terminating on a lost node.
 
         The stop that ends an attempt deletes its pods once, in the pass that decided it; a
         leader that died before that stop went out, or a stop the API server refused, leaves them
@@ -474,7 +481,10 @@ class KubernetesBackend:
         (a sidecar keeps a pod Running after the agent exits)."""
         for pod in job_pods:
             earlier = _attempt(pod)
-            if earlier is None or earlier == attempt or _deleting(pod) or _alive(pod):
+            if earlier is not None and earlier != attempt and _deleting(pod):
+                self._maybe_force_delete(pod)  # stuck terminating on a node lost since its delete
+                continue
+            if earlier is None or earlier == attempt or _alive(pod):
                 continue
             log.info("pod %s of attempt %d is left from an earlier stop: deleting it", _name(pod), earlier)
             self._delete_pod(pod)

@@ -624,6 +624,30 @@ def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_one_on_a_li
     assert world.client.deleted == [("pods", "llama-0-1", 0)]
 
 
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_pod_on_a_lost_node_is_force_deleted_by_the_stop_itself(world: World, flush: bool) -> None:
+    """A node partitioned away past the grace: the stop that follows NodeLost deleted its pod with
+    the pod's own grace, which no kubelet would ever finish, and nothing forced it later (the next
+    attempt had started): the pod stayed Terminating until the node came back. A pod on a live node
+    is deleted gracefully as before."""
+    world.add(pod(0, node_name="n1"), pod(1, node_name="n2", ip="10.0.0.2"))
+    world.add(node("n1"), node("n2", ready="Unknown"))
+    world.backend.stop_workers(KEY, spec(), flush=flush)
+    deleted = dict(((name, grace) for _, name, grace in world.client.deleted))
+    assert deleted.get("llama-0-1") == 0, world.client.deleted
+    if flush:
+        assert deleted.get("llama-0-0", "absent") is None, "the live node's pod keeps its grace"
+
+
+def test_an_earlier_attempts_pod_stuck_terminating_on_a_lost_node_is_forced_when_the_next_attempt_starts(
+    world: World,
+) -> None:
+    world.add(pod(0, node_name="n2", ip="10.0.0.2", deleting=True), pod(1, node_name="n1", deleting=True))
+    world.add(node("n1"), node("n2", ready="Unknown"))
+    world.backend.start_workers(KEY, spec(), 1, Placement())
+    assert [(name, grace) for _, name, grace in world.client.deleted] == [("llama-0-0", 0)]
+
+
 def test_a_node_in_cool_down_registered_again_under_its_name_is_a_new_machine_and_not_avoided(world: World) -> None:
     """GKE recreates a preempted spot VM of a node pool under the same instance name, and its node
     registers under the same node name. The cool-down kept the job off that name for
