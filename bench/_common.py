@@ -279,15 +279,23 @@ def describe_disk(path: str) -> dict[str, Any]:
     return info
 
 
+def cpu_info() -> tuple[str | None, bool]:
+    """The CPU's model name (None where ``/proc/cpuinfo`` does not say) and whether it has AVX-512
+    (CRC32C libraries' speeds differ by it)."""
+    model, flags = None, []
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name") and model is None:
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = line.split(":", 1)[1].split()
+    return model, "avx512f" in flags
+
+
 def describe_machine(scratch: str) -> dict[str, Any]:
     """Cores, memory, the disk under ``scratch``, software versions, date and load."""
     import torch
 
-    cpu_model = None
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name"):
-            cpu_model = line.split(":", 1)[1].strip()
-            break
+    cpu_model, _ = cpu_info()
     mem_total = None
     for line in (_read("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):

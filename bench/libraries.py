@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench._common import OUT_DIR, log, write_results
+from bench._common import OUT_DIR, cpu_info, log, write_results
 
 
 def _best(fn: Callable[[], object], repeat: int, number: int = 1) -> float:
@@ -138,18 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cpu_model() -> str:
-    """The CPU's model name and whether it has AVX-512 (CRC32C speeds differ by CPU: the ratio of
-    the two libraries is the machine's, not a constant)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        import platform
-
-        return platform.processor() or "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return f"{model}, {'with' if 'avx512f' in flags else 'no'} AVX-512"
+    """The CPU's model name and whether it has AVX-512: the ratio of the two CRC32C libraries is the
+    machine's, not a constant."""
+    model, avx512 = cpu_info()
+    return f"{model or 'unknown'}, {'with' if avx512 else 'no'} AVX-512"
 
 
 if __name__ == "__main__":
