@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent import _fresh_start
 from agent._layout import (
@@ -174,6 +174,13 @@ class _AdoptionDoc(BaseModel):
     adopted_at: datetime
     upto: _RefDoc | None
 
+    @field_validator("adopted_at", mode="after")
+    @classmethod
+    def _utc_if_zoneless(cls, value: datetime) -> datetime:
+        """A time without a zone (a record written by hand) is UTC, as a manifest's is: comparable
+        with a checkpoint's ``created_at``."""
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
 
 class _OwnerDoc(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -277,11 +284,6 @@ class Owner:
                 Adoption(a.job, a.adopted_at, a.upto.ref() if a.upto is not None else None) for a in doc.adopted
             ),
         )
-
-
-def _utc(t: datetime) -> datetime:
-    """A record's time, comparable with a manifest's: one without a zone (written by hand) is UTC."""
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
 def _adopt_hint(storage: Storage, job: str | None) -> str:
@@ -715,8 +717,8 @@ class Lineage:
             # The job's newest adoption: what it wrote after that is a stray writer's. One created
             # before it yet not taken in was not there then: copied in since, as into a URI the
             # owner never adopted anything of, and the same command takes it in.
-            adopted = max((a for a in owner.adopted if a.job == job), key=lambda a: _utc(a.adopted_at), default=None)
-            if adopted is not None and (created_at is None or _utc(created_at) >= _utc(adopted.adopted_at)):
+            adopted = max((a for a in owner.adopted if a.job == job), key=lambda a: a.adopted_at, default=None)
+            if adopted is not None and (created_at is None or created_at >= adopted.adopted_at):
                 upto = adopted.upto.folder if adopted.upto else "none"
                 why = (
                     f"written by {describe_job(job)} after {owner.describe()} adopted {self.storage.uri} "
