@@ -258,12 +258,10 @@ class KubernetesBackend:
                 )
                 if answer.state is CallState.PENDING:
                     continue  # deleted once the agent answered (or could not be reached)
-            lost = self._lost_node_of(pod)
-            if lost is not None:
-                # No kubelet will finish a graceful delete there: the pod would stay Terminating
-                # until the node came back (nothing forced it once the next attempt had started).
-                log.warning("pod %s is on a lost node (%s): force-deleting it", _name(pod), lost)
-            self._delete_pod(pod, force=lost is not None)
+            # On a lost node no kubelet finishes a graceful delete: forced at once (the pod would
+            # stay Terminating until the node came back; nothing forces it once the next attempt runs).
+            if not self._maybe_force_delete(pod):
+                self._delete_pod(pod)
 
     def list_workers(self, key: JobKey, spec: JobSpec) -> list[WorkerObservation]:
         token: str | None = None
@@ -505,15 +503,18 @@ class KubernetesBackend:
             return lost
         return _replaced_node(pod, self._nodes.get("", node_name))
 
-    def _maybe_force_delete(self, pod: Object) -> None:
-        """Force-delete a terminating pod whose node is lost: no kubelet will ever finish it (on a node
-        replaced under its name, the machine that ran it is gone)."""
+    def _maybe_force_delete(self, pod: Object) -> bool:
+        """Force-delete a pod whose node is lost (terminating, or about to be deleted): no kubelet will
+        ever finish a graceful delete (on a node replaced under its name, the machine that ran it is
+        gone). True if it did."""
         node_name = (pod.get("spec") or {}).get("nodeName")
         lost = self._lost_node_of(pod)
         if lost is None:
-            return
-        log.warning("pod %s is stuck terminating on node %s (%s): force-deleting it", _name(pod), node_name, lost)
+            return False
+        state = "stuck terminating" if _deleting(pod) else "to be deleted"
+        log.warning("pod %s is %s on node %s (%s): force-deleting it", _name(pod), state, node_name, lost)
         self._delete_pod(pod, force=True)
+        return True
 
     def _still_avoided(self, placement: Placement) -> frozenset[str]:
         """The nodes in cool-down, less those whose name now names a new machine: a Node object
