@@ -199,7 +199,9 @@ def _optimizer_state_by_name(bag: nn.Module, opt: torch.optim.Optimizer, saved: 
         if j in matched:
             raise refuse(f"saved parameter group {j} matches more than one of this optimizer's groups")
         matched.append(j)
-    kind = _another_kind_of_optimizer(opt, saved_groups, matched)
+    kind = _another_kind_of_optimizer(opt, saved_groups, matched) or _state_another_step_lacks(
+        opt, saved_groups, matched, current, saved.get("state", {})
+    )
     if kind is not None:
         raise RestoreRefusedError(kind)
 
@@ -238,6 +240,75 @@ def _another_kind_of_optimizer(
                 "with; to change optimizers, leave it out of the state handed to restore() (the model restores "
                 "alone) and let the new one start fresh"
             )
+    return None
+
+
+_STATE_READ_BY_STEP: dict[str, frozenset[str]] = {
+    "torch.optim.adam.Adam": frozenset({"step", "exp_avg", "exp_avg_sq"}),  # AdamW's step is Adam's
+    "torch.optim.adamax.Adamax": frozenset({"step", "exp_avg", "exp_inf"}),
+    "torch.optim.nadam.NAdam": frozenset({"step", "mu_product", "exp_avg", "exp_avg_sq"}),
+    "torch.optim.radam.RAdam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+    "torch.optim.adagrad.Adagrad": frozenset({"step", "sum"}),
+    "torch.optim.adadelta.Adadelta": frozenset({"step", "square_avg", "acc_delta"}),
+    "torch.optim.rmsprop.RMSprop": frozenset({"step", "square_avg"}),
+    "torch.optim.asgd.ASGD": frozenset({"step", "eta", "mu", "ax"}),
+    "torch.optim.rprop.Rprop": frozenset({"step", "prev", "step_size"}),
+    "torch.optim.sparse_adam.SparseAdam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+}
+"""The per-parameter state each of torch's optimizers reads in ``step()`` once a parameter has any
+(SGD reads none it cannot do without), before the keys its group's options add
+(``_state_read_by_step``). Checked against the torch in use by the tests: each is what a first
+step writes."""
+
+
+def _state_read_by_step(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> frozenset[str] | None:
+    """The per-parameter state ``opt``'s ``step()`` reads for a parameter of ``group`` (the saved
+    group, whose options ``load_state_dict`` puts in place), or None for a step that is not one of
+    torch's own (a subclass that only adds to ``__init__`` keeps its base's step)."""
+    owner = next((c for c in type(opt).__mro__ if "step" in vars(c)), None)
+    if owner is None:
+        return None
+    keys = _STATE_READ_BY_STEP.get(f"{owner.__module__}.{owner.__qualname__}")
+    if keys is None:
+        return None
+    if owner is torch.optim.Adam and group.get("amsgrad"):
+        keys |= {"max_exp_avg_sq"}
+    if owner is torch.optim.RMSprop:
+        keys |= {"momentum_buffer"} if group.get("momentum") else set()
+        keys |= {"grad_avg"} if group.get("centered") else set()
+    return keys
+
+
+def _state_another_step_lacks(
+    opt: torch.optim.Optimizer,
+    saved_groups: list[dict[str, Any]],
+    matched: list[int],
+    current: list[list[str]],
+    saved_state: Mapping[str, Any],
+) -> str | None:
+    """Why ``opt``'s step cannot run on the saved per-parameter state, or None.
+
+    Some kinds hold the same hyperparameters and differ only in their moments: an Adamax handed
+    an Adam's state loaded it, and its first ``step()`` failed inside torch with ``KeyError:
+    'exp_inf'`` (Adam, AdamW, RAdam and NAdam among each other and Adamax likewise). A parameter
+    without saved state is initialised by the step, as torch does."""
+    for i, j in enumerate(matched):
+        needs = _state_read_by_step(opt, saved_groups[j])
+        if needs is None:
+            return None
+        for fqn in current[i]:
+            held = saved_state.get(fqn)
+            if not isinstance(held, Mapping) or not held:
+                continue
+            lacking = needs - set(held)
+            if lacking:
+                return (
+                    f"the checkpoint's optimizer state was saved from another kind of optimizer than this "
+                    f"{type(opt).__name__}: the saved state of {fqn!r} holds {', '.join(sorted(held))} and lacks "
+                    f"{', '.join(sorted(lacking))}, which this one's step() reads. Restore into the optimizer it "
+                    "was saved with; to change optimizers, leave it out of the state handed to restore() (the "
+                    "model restores alone) and let the new one start fresh"
+                )
     return None
 
 
