@@ -290,6 +290,7 @@ KINDS: dict[str, Any] = {
     "Adadelta": torch.optim.Adadelta,
     "ASGD": torch.optim.ASGD,
     "Rprop": torch.optim.Rprop,
+    "Adafactor": torch.optim.Adafactor,
 }
 
 
@@ -303,7 +304,7 @@ def torch_steps_on(saved_kind: str, kind: str) -> bool:
     try:
         other.load_state_dict(optim.state_dict())
         train(other_model, other, 1)
-    except KeyError:
+    except (KeyError, TypeError):  # a moment or a hyperparameter of the other kind
         return False
     return True
 
@@ -313,9 +314,9 @@ def test_every_pair_of_torchs_optimizers_that_torchs_first_step_would_fail_on_is
     its first step() failed inside torch with KeyError: 'exp_inf', far from the cause; so did Adam,
     AdamW and RAdam handed an Adamax's state, NAdam an Adamax's or a RAdam's. Found among the
     leftovers of the optimizer-kind check. Each pair of torch's optimizers that torch's own first
-    step would fail on is now refused before anything changes, and the per-parameter state check
-    refuses no pair torch steps on (the hyperparameter check, older, also refuses some pairs torch
-    would take: NAdam's state in an Adam)."""
+    step would fail on is now refused before anything changes, each kind restores its own state,
+    and the per-parameter state check refuses no pair torch steps on (the hyperparameter check,
+    older, also refuses some pairs torch would take: NAdam's state in an Adam)."""
     failures: list[str] = []
     for saved_kind in KINDS:
         model = make_model(0)
@@ -325,8 +326,6 @@ def test_every_pair_of_torchs_optimizers_that_torchs_first_step_would_fail_on_is
         with Checkpointer(uri, keep=None) as ckpt:
             ckpt.save(2, {"model": model, "optim": optim})
         for kind in KINDS:
-            if kind == saved_kind:
-                continue
             resumed_model = make_model(1)
             resumed = KINDS[kind](resumed_model.parameters())
             state_before = copy.deepcopy(resumed.state_dict())
@@ -338,7 +337,7 @@ def test_every_pair_of_torchs_optimizers_that_torchs_first_step_would_fail_on_is
                 assert "saved from another kind of optimizer" in refused, refused
                 assert_same(resumed.state_dict(), state_before, f"{kind}'s state after the refusal")
                 assert_same(resumed_model.state_dict(), make_model(1).state_dict(), "the model after the refusal")
-            steps = torch_steps_on(saved_kind, kind)
+            steps = kind == saved_kind or torch_steps_on(saved_kind, kind)
             if not steps and not refused:
                 failures.append(f"{saved_kind} -> {kind}: restored, and torch's first step fails on it")
             if steps and "which this one's step() reads" in refused:
@@ -377,7 +376,7 @@ def test_the_state_each_of_torchs_steps_reads_is_what_its_first_step_writes() ->
         train(model, optim, 1)
         needs = _state_read_by_step(optim, optim.param_groups[0])
         written = {frozenset(s) for s in optim.state.values()}
-        if kind.startswith("SGD"):
+        if kind.startswith("SGD") or kind == "Adafactor":  # SGD reads none; Adafactor's depend on the shape
             assert needs is None, kind
             continue
         assert written == {needs}, (kind, needs, written)
