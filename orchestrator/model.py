@@ -245,6 +245,55 @@ def merge_template(base: Any, patch: Any, key: str | None = None) -> Any:
     return patch
 
 
+def dropped_template_nulls(template: Any, fallback: Any, applied: Any) -> list[str]:
+    """The ``null`` values of ``applied`` (``spec.fallback.template`` as ``kubectl apply`` last
+    applied it) that ``fallback`` (the same, as stored) lacks, and without which the fallback's
+    merged template keeps a key of ``template`` (``spec.template``): each as a path under
+    ``spec.fallback.template``.
+
+    Client-side ``kubectl apply`` keeps a manifest's nulls in its last-applied annotation and
+    sends none of them, so a ``null`` meant to remove a key on the fallback removed nothing, in
+    silence. A null under a key the template does not have, or one stored as sent, is no loss."""
+    lost: list[str] = []
+
+    def walk(here: Any, stored: Any, path: list[str | int]) -> None:
+        if isinstance(here, dict) and isinstance(stored, dict):
+            for k, v in here.items():
+                if v is None and k not in stored and _removes_something(template, fallback, [*path, k]):
+                    lost.append(_template_path([*path, k]))
+                elif k in stored or isinstance(v, dict):  # an object of nulls only may be gone whole
+                    walk(v, stored.get(k, {}), [*path, k])
+        elif isinstance(here, list) and isinstance(stored, list) and len(here) == len(stored):
+            for i, (v, w) in enumerate(zip(here, stored, strict=True)):
+                walk(v, w, [*path, i])
+
+    walk(applied, fallback, [])
+    return lost
+
+
+def _removes_something(template: Any, fallback: Any, path: list[str | int]) -> bool:
+    """Whether a null put back at ``path`` of ``fallback`` changes the merged template."""
+    with_null = json.loads(json.dumps(fallback))
+    parent = with_null
+    for step in path[:-1]:
+        parent = parent.setdefault(step, {}) if isinstance(step, str) else parent[step]
+    without = json.loads(json.dumps(with_null))
+    parent[path[-1]] = None
+    return bool(merge_template(template, with_null) != merge_template(template, without))
+
+
+def _template_path(path: list[str | int]) -> str:
+    out = "spec.fallback.template"
+    for step in path:
+        if isinstance(step, int):
+            out += f"[{step}]"
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", step):
+            out += f".{step}"
+        else:
+            out += f"[{json.dumps(step)}]"
+    return out
+
+
 DEFAULT_CONTAINER_NAME = "trainer"
 """The training container's name in the pods built when the spec has no ``template``."""
 

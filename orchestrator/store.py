@@ -88,6 +88,10 @@ class StoredJob:
     """Why that request could not be read; ``flush_request_id`` then names it."""
     flush_request_id: str | None = None
     """The id the request is known by: its own, or for one that cannot be read a digest of it."""
+    lost_nulls: tuple[str, ...] = ()
+    """Paths under ``spec.fallback.template`` whose ``null`` the manifest had and the stored spec
+    lacks (Kubernetes: client-side ``kubectl apply`` sends no null), where it would have removed a
+    key of ``spec.template``."""
     deleting: bool = False
     """The job is being deleted (Kubernetes: ``metadata.deletionTimestamp``; a finalizer, or a
     foreground deletion waiting for the pods, keeps it readable meanwhile)."""

@@ -30,6 +30,7 @@ The controller never creates or deletes SpotJobs (people and their tools do): ``
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from orchestrator.model import (
     JobKey,
     JobSpec,
     JobStatus,
+    dropped_template_nulls,
     invalid_flush_request_id,
     parse_flush_request,
     parse_timestamp,
@@ -57,6 +59,8 @@ NEWER_FIELDS = (
     "to an older controller is not supported)",
 )
 """What fields the controller's model does not know mean on Kubernetes (``parse_job``'s ``newer``)."""
+
+LAST_APPLIED_ANNOTATION = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 class KubeJobStore(JobStore):
@@ -195,6 +199,9 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
     )
     if meta.get("deletionTimestamp"):
         stored = dataclasses.replace(stored, deleting=True)
+    lost = _lost_fallback_nulls(obj.get("spec"), (meta.get("annotations") or {}).get(LAST_APPLIED_ANNOTATION))
+    if lost:
+        stored = dataclasses.replace(stored, lost_nulls=tuple(lost))
     raw = (meta.get("annotations") or {}).get(FLUSH_REQUEST_ANNOTATION)
     if not raw:
         return stored
@@ -205,3 +212,19 @@ def _stored(key: JobKey, obj: Object) -> StoredJob:
         rid = invalid_flush_request_id(str(raw))
         return dataclasses.replace(stored, flush_request_problem=str(e), flush_request_id=rid)
     return dataclasses.replace(stored, flush_request=request, flush_request_id=request.id)
+
+
+def _lost_fallback_nulls(spec: Any, last_applied: Any) -> list[str]:
+    """The nulls of ``spec.fallback.template`` that ``kubectl apply`` kept in its last-applied
+    annotation and did not send (``dropped_template_nulls``); none when either cannot be read."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("fallback"), dict) or not isinstance(last_applied, str):
+        return []
+    try:
+        applied = json.loads(last_applied)
+    except ValueError:
+        return []
+    for key in ("spec", "fallback"):
+        applied = applied.get(key) if isinstance(applied, dict) else None
+    if not isinstance(applied, dict) or not isinstance(applied.get("template"), dict):
+        return []
+    return dropped_template_nulls(spec.get("template"), spec["fallback"].get("template") or {}, applied["template"])

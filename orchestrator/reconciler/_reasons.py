@@ -120,6 +120,14 @@ UNKNOWN_VARIABLES = Reason(
     "spec.env: {variables} (told once per spec generation; the job runs without them)",
     warning=True,
 )
+FALLBACK_NULLS_DROPPED = Reason(
+    "FallbackNullsDropped",
+    "{paths}: null in kubectl apply's last-applied configuration, absent from the stored spec (client-side "
+    "kubectl apply sends no null), so the fallback's attempts keep what spec.template has there. To remove it "
+    "on the fallback, send the null with kubectl create -f or kubectl replace -f, or give it a value (told once "
+    "per spec generation)",
+    warning=True,
+)
 SPEC_CHANGE_IGNORED = Reason(
     "SpecChangeIgnored",
     "spec generation {generation} seen, but the job has ended ({phase}): the change runs nothing; "

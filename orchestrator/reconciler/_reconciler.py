@@ -74,6 +74,7 @@ from orchestrator.reconciler._reasons import (
     CHECKPOINT_UNUSABLE,
     CHECKPOINT_URI_OWNED,
     DEGRADED,
+    FALLBACK_NULLS_DROPPED,
     HEALTHY,
     INVALID,
     INVALID_CHECKPOINT_URI,
@@ -220,6 +221,8 @@ class Reconciler(_Capacity):
         self._valid(p)
         if before.observed_generation != stored.generation:
             self._warn_unknown_variables(p)
+            if stored.lost_nulls:
+                self._event(p, FALLBACK_NULLS_DROPPED, paths=", ".join(stored.lost_nulls))
         p.status.observed_generation = stored.generation
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)

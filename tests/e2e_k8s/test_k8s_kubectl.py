@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e_support import (
+    GROUP_PATH,
     REPO,
     TRAIN,
     Controller,
@@ -145,3 +146,30 @@ def test_kubectl_applies_the_example_shows_it_live_describes_its_events_and_dele
     for kind, list_ in owned.items():
         wait(lambda list_=list_: not list_(), f"the job's {kind} to be garbage-collected")
     assert status(cluster, namespace, "broken").get("conditions")  # the other job is untouched
+
+
+def test_kubectl_apply_keeps_a_fallback_null_only_in_its_annotation_where_the_controller_finds_it_lost(
+    cluster: TestCluster, namespace: str, spotjob_crd: None, tmp_path: Path
+) -> None:
+    """The seam the controller's FallbackNullsDropped Warning stands on, with the real kubectl:
+    ``kubectl apply`` sends no null of ``spec.fallback.template`` and keeps it in its last-applied
+    annotation, which the store reads as lost; ``kubectl replace -f`` of the same manifest sends the
+    null, and nothing is lost."""
+    from orchestrator.k8s.store import LAST_APPLIED_ANNOTATION, _lost_fallback_nulls
+
+    job = yaml.safe_load(_example_for_this_machine(tmp_path / "ckpt"))
+    job["metadata"]["name"] = "nulls"
+    job["spec"]["template"]["spec"]["nodeSelector"] = {"karpenter.sh/capacity-type": "spot"}
+    job["spec"]["fallback"] = {"template": {"spec": {"nodeSelector": {"karpenter.sh/capacity-type": None}}}}
+    job["spec"]["startTimeoutSeconds"] = 600
+    manifest = tmp_path / "nulls.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+
+    def lost() -> list[str]:
+        obj = cluster.rest.get(f"{GROUP_PATH}/namespaces/{namespace}/spotjobs/nulls")
+        return _lost_fallback_nulls(obj["spec"], obj["metadata"].get("annotations", {}).get(LAST_APPLIED_ANNOTATION))
+
+    cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
+    assert lost() == ['spec.fallback.template.spec.nodeSelector["karpenter.sh/capacity-type"]']
+    cluster.kubectl("replace", "-n", namespace, "-f", str(manifest))
+    assert lost() == []

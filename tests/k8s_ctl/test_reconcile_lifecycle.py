@@ -7,6 +7,7 @@ so, the scheduler and the kubelet).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from orchestrator.k8s.cluster_signals import NOTICE_INDEX, ClusterSignals, notic
 from orchestrator.k8s.events import EventRecorder, JobEventSink
 from orchestrator.k8s.informer import Informer
 from orchestrator.k8s.pods import JOB_LABEL
-from orchestrator.k8s.store import KubeJobStore
+from orchestrator.k8s.store import LAST_APPLIED_ANNOTATION, KubeJobStore
 from orchestrator.kubectl_status import next_step
 from orchestrator.model import JobKey, Phase, parse_timestamp
 from orchestrator.reconciler import Reconciler
@@ -459,6 +460,65 @@ def test_an_unknown_spotjob_variable_in_env_is_a_warning_event_once_and_the_job_
         ), event
         status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
         assert not [c for c in status.get("conditions") or [] if c["type"] == "Invalid"], status
+    finally:
+        parts.stop()
+
+
+def test_a_fallback_null_that_kubectl_apply_did_not_send_is_told_once_and_one_sent_by_replace_is_not(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """``fallback.template`` with ``nodeSelector: {karpenter.sh/capacity-type: null}`` to drop the
+    template's spot selector on the fallback: client-side ``kubectl apply`` keeps the null in its
+    last-applied annotation and sends none (tests/k8s/test_cluster_kubectl.py shows the real
+    kubectl doing so; here the job is created as it writes it), so the fallback kept the spot
+    selector and waited for spot capacity again, with no word anywhere (only README said it). Now
+    one FallbackNullsDropped Warning names the path and what to do; a replace that sends the null
+    (``kubectl replace -f``) tells nothing more. A null under a key the template does not have
+    (``zone``) removes nothing and is not named."""
+    install_spotjob_crd(test_api)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["metadata"].pop("finalizers")
+        job["spec"]["startTimeoutSeconds"] = 600
+        job["spec"]["template"] = {
+            "spec": {
+                "containers": [{"name": "trainer"}],
+                "nodeSelector": {"karpenter.sh/capacity-type": "spot", "pool": "gpu"},
+            }
+        }
+        job["spec"]["fallback"] = {
+            "template": {"spec": {"nodeSelector": {"karpenter.sh/capacity-type": None, "zone": None}}}
+        }
+        applied = json.loads(json.dumps(job))
+        applied["metadata"]["annotations"] = {LAST_APPLIED_ANNOTATION: json.dumps(job)}
+        applied["spec"]["fallback"]["template"]["spec"]["nodeSelector"] = {}
+        test_api.admin.create(SPOTJOBS, applied, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        for _ in range(3):
+            parts.reconciler.reconcile(KEY)
+        [event] = _events(test_api, "FallbackNullsDropped")
+        assert event["type"] == "Warning", event
+        assert event["note"].startswith(
+            'spec.fallback.template.spec.nodeSelector["karpenter.sh/capacity-type"]: null in kubectl apply\'s '
+            "last-applied configuration, absent from the stored spec"
+        ), event
+        assert "zone" not in event["note"] and "kubectl replace -f" in event["note"], event
+
+        replaced = test_api.admin.get(SPOTJOBS, KEY.name, "default")
+        replaced["spec"]["fallback"] = job["spec"]["fallback"]
+        generation = test_api.admin.replace(SPOTJOBS, replaced)["metadata"]["generation"]
+        wait_for(
+            lambda: (
+                (parts.jobs.cache.get("default", KEY.name) or {}).get("metadata", {}).get("generation") == generation
+            ),
+            what="the replaced job in the cache",
+        )
+        for _ in range(2):
+            parts.reconciler.reconcile(KEY)
+        status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+        assert status["observedGeneration"] == generation > 1, status
+        assert len(_events(test_api, "FallbackNullsDropped")) == 1
     finally:
         parts.stop()
 

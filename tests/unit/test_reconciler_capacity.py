@@ -235,3 +235,39 @@ def test_a_gang_none_of_which_is_placed_keeps_waiting_in_the_same_attempt(tmp_pa
     w = capacity_world(tmp_path, [], fallback=False)
     status = w.run_to(600)
     assert status.attempt.number == 0 and w.backend.stop_calls == [] and status.restart_history == []
+
+
+def test_the_fallback_nulls_kubectl_apply_did_not_send_are_named_where_they_would_have_removed_something() -> None:
+    """What the FallbackNullsDropped Warning names: a null of the last-applied fallback template
+    that the stored one lacks, where putting it back changes the merged template — under an
+    object, a container matched by name, an object of nulls only that is gone whole — and not one
+    under a key the template does not have, nor one stored as sent."""
+    from orchestrator.model import dropped_template_nulls
+
+    template = {
+        "spec": {
+            "nodeSelector": {"karpenter.sh/capacity-type": "spot", "pool": "gpu"},
+            "tolerations": [{"key": "spot", "operator": "Exists"}],
+            "containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": "8", "cpu": "8"}}}],
+        }
+    }
+    applied = {
+        "spec": {
+            "nodeSelector": {"karpenter.sh/capacity-type": None, "zone": None},
+            "tolerations": None,
+            "containers": [{"name": "trainer", "resources": {"limits": {"cpu": None}}}],
+        }
+    }
+    stored = {"spec": {"nodeSelector": {}, "containers": [{"name": "trainer", "resources": {"limits": {}}}]}}
+    assert dropped_template_nulls(template, stored, applied) == [
+        'spec.fallback.template.spec.nodeSelector["karpenter.sh/capacity-type"]',
+        "spec.fallback.template.spec.tolerations",
+        "spec.fallback.template.spec.containers[0].resources.limits.cpu",
+    ]
+    gone_whole = {"spec": {"nodeSelector": {"karpenter.sh/capacity-type": None}}}
+    assert dropped_template_nulls(template, {}, gone_whole) == [
+        'spec.fallback.template.spec.nodeSelector["karpenter.sh/capacity-type"]'
+    ]
+    assert dropped_template_nulls(template, gone_whole, gone_whole) == []  # sent (kubectl create/replace)
+    assert dropped_template_nulls(None, {}, gone_whole) == []  # no template: nothing to remove
+    assert merge_template(template, stored)["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
