@@ -586,8 +586,8 @@ def test_a_request_above_its_limit_is_refused_naming_both(resources: dict[str, A
 
 
 def test_requests_up_to_their_limits_render() -> None:
-    """Pins what already worked: equal quantities in other units, numbers, and a request whose
-    limit was removed (null) or that has none."""
+    """Pins what already worked: equal quantities in other units, numbers, and a request that has no
+    limit (ephemeral-storage; a removed memory limit is refused, see below)."""
     resources = {
         "requests": {"memory": "0.5Gi", "cpu": 0.5, "ephemeral-storage": "1Gi"},
         "limits": {"memory": "536870912", "cpu": "500m"},
@@ -595,4 +595,26 @@ def test_requests_up_to_their_limits_render() -> None:
     [deployment] = [o for o in render({"resources": resources}) if o["kind"] == "Deployment"]
     got = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert got["requests"]["memory"] == "0.5Gi" and got["limits"]["cpu"] == "500m"
-    render({"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": None}}})
+    assert got["requests"]["ephemeral-storage"] == "1Gi" and "ephemeral-storage" not in got["limits"]
+
+
+@pytest.mark.parametrize(
+    ("resources", "named"),
+    [
+        ({"limits": None}, ["resources.limits.memory"]),
+        ({"limits": {"memory": None}}, ["resources.limits.memory"]),
+        ({"requests": {"cpu": None}}, ["resources.requests.cpu"]),
+        ({"requests": None}, ["resources.requests.cpu", "resources.requests.memory"]),
+        (None, ["resources.requests.cpu", "resources.requests.memory", "resources.limits.memory"]),
+    ],
+)
+def test_a_removed_request_or_memory_limit_is_refused_naming_it(resources: Any, named: list[str]) -> None:
+    """README ("Locked-down namespaces") says the controller's pods have CPU and memory requests and a
+    memory limit with every value the chart takes, as admission policies that require them check: a
+    null (helm's way of removing a default) rendered the container without them (``limits: {}``),
+    and ``resources: null`` failed on a nil pointer."""
+    proc = template({"resources": resources})
+    assert proc.returncode != 0, "rendered a controller container without its requests or memory limit"
+    said = proc.stderr.split("): ", 1)[-1]
+    assert said.startswith(", ".join(named) + ": not set"), proc.stderr
+    assert "nil pointer" not in proc.stderr

@@ -194,8 +194,21 @@ exit 0, and the Deployment would restart the controller for ever. */}}
 {{- /* The API server refuses a container whose request is above its limit (the Deployment, after
 the rest of the release was created): raising resources.requests.memory alone, over the default
 limit, did that. */}}
-{{- $requests := .Values.resources.requests | default dict }}
-{{- range $name, $limit := (.Values.resources.limits | default dict) }}
+{{- $resources := .Values.resources | default dict }}
+{{- $requests := $resources.requests | default dict }}
+{{- $limits := $resources.limits | default dict }}
+{{- /* The controller's pods carry CPU and memory requests and a memory limit whatever the values
+(README, "Locked-down namespaces"): admission policies that require them refuse the Deployment
+otherwise, after the rest of the release was created. A null removes helm's default, and rendered
+the container without it (limits: {} for resources.limits.memory: null), so it is refused here. */}}
+{{- $missing := list }}
+{{- if kindIs "invalid" (index $requests "cpu") }}{{ $missing = append $missing "resources.requests.cpu" }}{{ end }}
+{{- if kindIs "invalid" (index $requests "memory") }}{{ $missing = append $missing "resources.requests.memory" }}{{ end }}
+{{- if kindIs "invalid" (index $limits "memory") }}{{ $missing = append $missing "resources.limits.memory" }}{{ end }}
+{{- with $missing }}
+{{- fail (printf "%s: not set (null or left out), so the controller container would have no such request or limit, and admission policies that require CPU and memory requests and a memory limit would refuse the Deployment. Set each to a quantity (values.yaml: requests cpu 100m and memory 256Mi, limits memory 512Mi); no CPU limit is needed." (join ", " .)) }}
+{{- end }}
+{{- range $name, $limit := $limits }}
 {{- if hasKey $requests $name }}
 {{- $request := index $requests $name }}
 {{- if gt (include "spotjob.quantity" $request | float64) (include "spotjob.quantity" $limit | float64) }}
