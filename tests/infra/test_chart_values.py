@@ -618,3 +618,93 @@ def test_a_removed_request_or_memory_limit_is_refused_naming_it(resources: Any, 
     said = proc.stderr.split("): ", 1)[-1]
     assert said.startswith(", ".join(named) + ": not set"), proc.stderr
     assert "nil pointer" not in proc.stderr
+
+
+def _maps(values: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found.append((*path, key))
+            found += _maps(value, (*path, key))
+    return found
+
+
+@pytest.mark.parametrize("path", _maps(DEFAULTS), ids=".".join)
+def test_no_map_of_values_yaml_set_to_null_fails_on_a_nil_pointer(path: tuple[str, ...]) -> None:
+    """A null is helm's way of removing a default (a values file, or --set KEY=null): the templates
+    read securityContext, resources, crds, serviceAccount.aws, ... through it and stopped with
+    "nil pointer evaluating interface {}.runAsUser" (or "index of untyped nil") naming a template
+    line, not the value. Each map renders as empty, or is refused naming it; with the
+    ServiceMonitor and the PrometheusRule on, so their templates read theirs too."""
+    values: dict[str, Any] = {"metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+    node = values
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = None
+    proc = template(values)
+    assert "nil pointer" not in proc.stderr and "of untyped nil" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:
+        named = f"missing property '{path[-1]}'" in proc.stderr or ".".join(path) in proc.stderr
+        assert named, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"crds": None}, "at '': missing property 'crds'"),
+        ({"image": None}, "at '': missing property 'image'"),
+        ({"leaderElection": None}, "at '': missing property 'leaderElection'"),
+        ({"networkPolicy": None}, "at '': missing property 'networkPolicy'"),
+        ({"agentTokenKey": None}, "at '': missing property 'agentTokenKey'"),
+        ({"interruptionQueue": None}, "at '': missing property 'interruptionQueue'"),
+        ({"serviceAccount": None}, "at '': missing property 'serviceAccount'"),
+        ({"serviceAccount": {"aws": None}}, "at '/serviceAccount': missing property 'aws'"),
+        ({"serviceAccount": {"gcp": None}}, "at '/serviceAccount': missing property 'gcp'"),
+        ({"rbac": None}, "at '': missing property 'rbac'"),
+        ({"podDisruptionBudget": None}, "at '': missing property 'podDisruptionBudget'"),
+        ({"metrics": None}, "at '': missing property 'metrics'"),
+        ({"metrics": {"service": None}}, "at '/metrics': missing property 'service'"),
+        ({"metrics": {"serviceMonitor": None}}, "at '/metrics': missing property 'serviceMonitor'"),
+        (
+            {"metrics": {"prometheusRule": {"enabled": True, "selector": 'job="spotjob"', "thresholds": None}}},
+            "at '/metrics/prometheusRule': missing property 'thresholds'",
+        ),
+    ],
+)
+def test_a_map_whose_default_the_chart_needs_set_to_null_is_refused_naming_it(
+    values: dict[str, Any], said: str
+) -> None:
+    """Left empty, these would turn off what the default turns on (the CRD, RBAC, the ServiceAccount,
+    leader election, the per-job NetworkPolicies, the PodDisruptionBudget, the metrics Service) or
+    leave the chart without what it reads (the image, the alerts' thresholds): the schema requires
+    them, so helm refuses the values before rendering, naming the map."""
+    proc = template(values)
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("how", ["values file", "--set"])
+def test_security_context_null_leaves_the_ids_to_the_platform(how: str) -> None:
+    """README ("Locked-down namespaces") names `securityContext` null for the platform's IDs
+    (OpenShift's restricted SCC assigns them): it failed on a nil pointer (deployment.yaml reading
+    .Values.securityContext.runAsUser). It means both IDs null: the pod still runs as non-root and
+    meets Pod Security restricted."""
+    from tests.k8s.cluster.podsecurity import violations
+
+    objects = (
+        render({"securityContext": None}) if how == "values file" else render(None, "--set", "securityContext=null")
+    )
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
+    assert violations(pod) == []
+
+
+def test_service_account_annotations_null_is_none() -> None:
+    """A null serviceAccount.annotations (its default is empty) failed on deepCopy of nil; it is
+    empty, and the IRSA annotation is still written."""
+    arn = "arn:aws:iam::111122223333:role/spotjob-controller"
+    objects = render({"serviceAccount": {"annotations": None, "aws": {"roleArn": arn}}})
+    [account] = [o for o in objects if o["kind"] == "ServiceAccount"]
+    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": arn}
