@@ -1,18 +1,19 @@
 """Checkpoint-aware preemption hints: a running worker's pod says when its job last committed.
 
-Every running worker pod of a SpotJob carries two annotations, for schedulers and policy scripts
+Every running worker pod of a SpotJob with a checkpoint carries two annotations, for schedulers and policy scripts
 that choose which pods to preempt (the cheapest victim is one that just checkpointed):
 
 - ``spotjob.dev/last-checkpoint-time``: when the newest valid checkpoint was committed (RFC 3339, UTC);
 - ``spotjob.dev/last-checkpoint-step``: the training step it holds.
 
-They follow the job's ``status.lastCheckpoint`` — storage's word, read by the reconciler — and are
-kept current without hammering the API server: ``CheckpointHints.sync`` runs after each reconcile
-pass of the job, so several commits between two passes become one patch carrying the newest; a pod
-that already shows the values (in the cache, or as this process last patched them while the cache
-catches up) is not patched; a pod that is not running, or is being deleted, is left alone. At most
-one merge patch per pod per commit, then. A failed patch is logged, counted and tried again at the
-next pass; it never fails the reconcile.
+They follow the job's ``status.lastCheckpoint`` — storage's word, read by the reconciler; a
+template that sets either is refused (``pods.template_problems``), so a pod never carries one the
+controller did not write — and are kept current without hammering the API server:
+``CheckpointHints.sync`` runs after each reconcile pass of the job, so several commits between two
+passes become one patch carrying the newest; a pod that already shows the values (in the cache, or
+as this process last patched them while the cache catches up) is not patched; a pod that is not
+running, or is being deleted, is left alone. At most one merge patch per pod per commit, then. A
+failed patch is logged, counted and tried again at the next pass; it never fails the reconcile.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from typing import Any, Protocol
 
 from orchestrator.k8s.api import PODS, KubeClient, KubeError, NotFound, Object
 from orchestrator.k8s.informer import Cache
-from orchestrator.k8s.pods import ATTEMPT_LABEL
+from orchestrator.k8s.pods import ATTEMPT_LABEL, CHECKPOINT_STEP_ANNOTATION, CHECKPOINT_TIME_ANNOTATION
 from orchestrator.model import CheckpointInfo, JobKey
 
 log = logging.getLogger(__name__)
 
-TIME_ANNOTATION = "spotjob.dev/last-checkpoint-time"
-STEP_ANNOTATION = "spotjob.dev/last-checkpoint-step"
+TIME_ANNOTATION = CHECKPOINT_TIME_ANNOTATION
+STEP_ANNOTATION = CHECKPOINT_STEP_ANNOTATION
 
 
 def hint_annotations(checkpoint: CheckpointInfo) -> dict[str, str]:

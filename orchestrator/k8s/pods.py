@@ -11,7 +11,8 @@ What is taken from the user's ``spec.template`` and what spotjob sets:
   (else ``spec.image``), resources, env, volume mounts and security context; its ``command`` and
   ``args`` must be empty (``spec.command`` is the training command; the container runs the agent);
 - every other container, volume, label, annotation, nodeSelector, affinity, toleration and
-  field of the template is kept as written, and spotjob adds to it: labels
+  field of the template is kept as written (the checkpoint hint annotations are the controller's:
+  a template that sets them is refused), and spotjob adds to it: labels
   ``spotjob.dev/{job,attempt,index}``, a required node affinity that keeps the workers off
   nodes in cool-down and off nodes that are being taken away, a preferred one away from
   avoided zones and instance types, a required pod anti-affinity (one worker of an attempt per
@@ -61,6 +62,10 @@ JOB_LABEL = "spotjob.dev/job"
 """On every object a SpotJob owns: the job's name (same namespace). The Pod informer selects on it."""
 ATTEMPT_LABEL = "spotjob.dev/attempt"
 INDEX_LABEL = "spotjob.dev/index"
+CHECKPOINT_TIME_ANNOTATION = "spotjob.dev/last-checkpoint-time"
+CHECKPOINT_STEP_ANNOTATION = "spotjob.dev/last-checkpoint-step"
+"""The checkpoint hints of a running worker pod (``orchestrator.k8s.hints``): the controller's to
+set from ``status.lastCheckpoint``, never the template's."""
 
 API_VERSION = "spotjob.dev/v1alpha1"
 KIND = "SpotJob"
@@ -446,6 +451,13 @@ def _metadata_problems(meta: Mapping[str, Any]) -> list[str]:
             if not _qualified_name(str(key).lower()):
                 problems.append(
                     f"spec.template.metadata.annotations: {key!r} is no annotation key Kubernetes takes ({_KEY_RULE})"
+                )
+            elif key in (CHECKPOINT_TIME_ANNOTATION, CHECKPOINT_STEP_ANNOTATION):
+                # Copied into every pod, it advertised a checkpoint that need not exist (the hints
+                # are patched only once one is committed), and schedulers rank victims by it.
+                problems.append(
+                    f"spec.template.metadata.annotations: {key!r} is set by the controller on the running worker "
+                    "pods from status.lastCheckpoint (README 'Checkpoint hints for schedulers'); remove it"
                 )
         size = sum(len(str(k).encode()) + len(v.encode()) for k, v in annotations.items() if isinstance(v, str))
         if size > ANNOTATIONS_MAX_BYTES:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from agent.streams import JsonFormatter, UtcFormatter
-from orchestrator.backends.base import FlushRequestOutcome, Placement
+from orchestrator.backends.base import BackendError, FlushRequestOutcome, Placement
 from orchestrator.backends.k8s import BackendOptions, KubernetesBackend
 from orchestrator.k8s.agents import AgentCalls, AgentReport, CallResult, CallState, Endpoint
 from orchestrator.k8s.api import AlreadyExists, Resource
@@ -725,6 +725,33 @@ def test_a_template_the_pods_cannot_be_built_from_is_a_spec_problem_naming_the_f
     problems = world.backend.spec_problems(KEY, bad)
     assert problems and problems[0].startswith("spec.template.spec.containers[0].args")
     assert world.backend.spec_problems(KEY, spec()) == []
+
+
+def test_checkpoint_hint_annotations_in_the_template_are_a_spec_problem_and_reach_no_pod(world: World) -> None:
+    """spotjob.dev/last-checkpoint-{time,step} written in spec.template.metadata.annotations were
+    copied into every worker pod: with no checkpoint committed the controller never patched them,
+    so a pod advertised a checkpoint (2099, step 999999) that did not exist, and the README's
+    freshest-first listing ranked it first. They are the controller's to set: the job is Invalid."""
+    container = {"name": "t", "image": "i"}
+    for key, value in (
+        ("spotjob.dev/last-checkpoint-time", "2099-01-01T00:00:00Z"),
+        ("spotjob.dev/last-checkpoint-step", "999999"),
+    ):
+        template = {"metadata": {"annotations": {"team": "ml", key: value}}, "spec": {"containers": [container]}}
+        problems = world.backend.spec_problems(KEY, spec(template=template))
+        assert len(problems) == 1, f"the hint annotation {key} in the template is no spec problem: {problems}"
+        problem = problems[0]
+        assert problem.startswith(f"spec.template.metadata.annotations: {key!r} is set by the controller"), problem
+        assert "status.lastCheckpoint" in problem and problem.endswith("remove it"), problem
+        with pytest.raises(BackendError, match="is set by the controller"):
+            world.backend.start_workers(KEY, spec(template=template), 0, Placement())
+    assert not [b for r, b in world.client.created if r == "pods"]
+    # The template's other annotations are the user's and reach the pod.
+    ok = {"metadata": {"annotations": {"team": "ml"}}, "spec": {"containers": [container]}}
+    assert world.backend.spec_problems(KEY, spec(template=ok)) == []
+    world.backend.start_workers(KEY, spec(template=ok), 0, Placement())
+    [created] = [b for r, b in world.client.created if r == "pods"]
+    assert created["metadata"]["annotations"] == {"team": "ml"}
 
 
 def test_without_a_template_the_container_is_named_by_container_name_which_must_be_a_name_kubernetes_takes(
