@@ -262,6 +262,10 @@ class Placement:
     """When each avoided node's cool-down began, where known. A backend whose node names are
     reused (a cloud that registers a new machine under the preempted one's name) may place a worker
     on an avoided name that now names a machine registered after that: it is not the preempted one."""
+    fallback: bool = False
+    """The attempt runs on the fallback capacity: the spec given has ``spec.fallback.template``
+    merged into its template, and what a backend says about a worker it cannot create names
+    ``spec.fallback.template`` (where the merged template differs from the job's own)."""
 
     def describe(self) -> str:
         parts = [

@@ -220,14 +220,14 @@ class KubernetesBackend:
         )
         first = worker_name(key, attempt, 0)
         if first not in existing:
-            self._create_pod(owner, key, view, attempt, 0, None, where)
+            self._create_pod(owner, key, view, attempt, 0, None, where, fallback=placement.fallback)
             return  # the others need its pod IP: next pass
         master = (existing[first].get("status") or {}).get("podIP")
         if not master or _deleting(existing[first]):
             return
         for index in range(1, spec.replicas):
             if worker_name(key, attempt, index) not in existing:
-                self._create_pod(owner, key, view, attempt, index, str(master), where)
+                self._create_pod(owner, key, view, attempt, index, str(master), where, fallback=placement.fallback)
 
     def stop_workers(
         self,
@@ -420,7 +420,10 @@ class KubernetesBackend:
         index: int,
         master: str | None,
         where: pods.WorkerPlacement,
+        *,
+        fallback: bool = False,
     ) -> None:
+        """``fallback``: ``view`` is built from the template merged with ``spec.fallback.template``."""
         name = worker_name(key, attempt, index)
         try:
             body = pods.worker_pod(
@@ -441,7 +444,9 @@ class KubernetesBackend:
         except AlreadyExists:
             return  # an earlier pass created it; the cache has not shown it yet
         except KubeError as e:
-            raise BackendError(f"cannot create pod {key.namespace}/{name}: {e}{_refusal_hint(e)}") from e
+            raise BackendError(
+                f"cannot create pod {key.namespace}/{name}: {e}{_refusal_hint(e, fallback=fallback)}"
+            ) from e
         log.info(
             "job %s: created pod %s (attempt %d, replica %d%s)",
             key,
@@ -886,26 +891,70 @@ POD_SECURITY_REFUSAL = "violates PodSecurity"
 """How the API server words a pod that the namespace's Pod Security admission refuses."""
 
 
-def _refusal_hint(error: KubeError) -> str:
+# The controls of the Pod Security Standards a refusal names ("<control> (<detail>)", Kubernetes'
+# pod-security-admission policy checks), by what fixes them: a securityContext field to set, or
+# something the pod asks for that the standard forbids, to remove.
+_PSS_SET = ("allowPrivilegeEscalation != false", "unrestricted capabilities", "runAsNonRoot != true", "seccompProfile")
+_PSS_REMOVE = {
+    "host namespaces": "hostNetwork, hostPID or hostIPC (whichever it names)",
+    "hostPort": "the containers' hostPort",
+    "hostPath volumes": "the hostPath volumes it names",
+    "restricted volume types": "the volumes it names (or use a type the standard allows: configMap, csi, "
+    "downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)",
+    "privileged": "securityContext.privileged: true",
+    "hostProcess": "securityContext.windowsOptions.hostProcess",
+    "runAsUser=0": "runAsUser: 0",
+    "seLinuxOptions": "the seLinuxOptions it names",
+    "procMount": "securityContext.procMount",
+    "forbidden sysctls": "the sysctls it names",
+    "forbidden AppArmor profile": "the Unconfined AppArmor profile",
+}
+
+
+def _pss_controls(said: str) -> list[str]:
+    """The controls a Pod Security refusal names."""
+    listed = said.split(POD_SECURITY_REFUSAL, 1)[1]
+    return [c for c in (*_PSS_SET, *_PSS_REMOVE) if re.search(rf'(?:": |\), ){re.escape(c)} \(', listed)]
+
+
+def _refusal_hint(error: KubeError, *, fallback: bool = False) -> str:
     """What to change when an admission policy of the namespace (Pod Security admission, a
     validating webhook such as Kyverno's or Gatekeeper's) refuses a worker pod; "" for other errors.
 
     spotjob adds nothing these policies forbid (README "Locked-down namespaces"): what they name
-    comes from the job's ``spec.template`` (or its absence), and is changed there."""
+    comes from the job's ``spec.template`` (or its absence), and is changed there; on the fallback
+    capacity (``fallback``) from the template merged with ``spec.fallback.template``, whose values
+    and nulls (a null removes a key of spec.template's, its securityContext say) are what differs; the advice follows
+    the controls a Pod Security refusal names: a field to set, or something to remove (``hostNetwork``)."""
     if error.status != 403:
         return ""
     said = str(error)
+    if fallback:
+        built = "spec.template with spec.fallback.template merged in describes it (the attempt runs on the fallback)"
+        where = "spec.fallback.template"
+    else:
+        built, where = "spec.template describes it", "spec.template"
     if POD_SECURITY_REFUSAL in said:
+        controls = _pss_controls(said)
+        advice = []
+        if any(c in _PSS_SET for c in controls) or not controls:
+            none = "; a null there removes spec.template's" if fallback else "; a job without a template gets none"
+            advice.append(
+                f"set what it names in {where} (spec.securityContext and each container's securityContext{none})"
+            )
+        removes = [_PSS_REMOVE[c] for c in controls if c in _PSS_REMOVE]
+        if removes:
+            whose = "spec.template or spec.fallback.template, whichever sets it" if fallback else where
+            advice.append(f"remove {', '.join(removes)} from {whose}")
         return (
             ". The namespace's Pod Security admission (label pod-security.kubernetes.io/enforce) refuses the worker "
-            "pod as spec.template describes it: set what it names in spec.template (spec.securityContext and each "
-            "container's securityContext; a job without a template gets none), then the next try creates it "
+            f"pod as {built}: {'; '.join(advice)}, then the next try creates it "
             "(README 'Locked-down namespaces')"
         )
     if "admission webhook" in said and "denied the request" in said:
         return (
-            ". An admission policy of the cluster refuses the worker pod as spec.template describes it: change "
-            "spec.template as it says (or have the policy exempt the job), then the next try creates it "
+            f". An admission policy of the cluster refuses the worker pod as {built}: change "
+            f"{where} as it says (or have the policy exempt the job), then the next try creates it "
             "(README 'Locked-down namespaces')"
         )
     return ""

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from orchestrator.backends.base import Backend, Placement
 from orchestrator.events import EventType
-from orchestrator.model import Condition, ConditionStatus, JobKey, JobStatus, Phase
+from orchestrator.model import CapacityType, Condition, ConditionStatus, JobKey, JobStatus, Phase
 from orchestrator.reconciler._pass import Clock, ReconcilerOptions, _Event, _Pass
 from orchestrator.reconciler._reasons import Reason
 
@@ -60,7 +60,8 @@ class _Base:
         since = tuple(
             (a.value, a.until - timedelta(seconds=cooldown_seconds)) for a in status.avoid if a.kind == "node"
         )
-        return Placement(values("node"), values("zone"), values("instanceType"), since)
+        fallback = status.capacity is CapacityType.FALLBACK  # as _effective_spec builds the spec
+        return Placement(values("node"), values("zone"), values("instanceType"), since, fallback)
 
     def _set_phase(self, p: _Pass, phase: Phase, reason: str, message: str) -> None:
         if phase is not p.status.phase:

@@ -11,11 +11,12 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ctl_support import CONTROLLER_USER, TestApi, install_spotjob_crd, wait_for
+from ctl_support import CONTROLLER_USER, NAMESPACES, TestApi, install_spotjob_crd, wait_for
 
 from agent.control_api import ControlApi
 from agent.control_channel import ControlDir
@@ -32,6 +33,7 @@ from orchestrator.k8s.store import LAST_APPLIED_ANNOTATION, KubeJobStore
 from orchestrator.kubectl_status import next_step
 from orchestrator.model import JobKey, Phase, parse_timestamp
 from orchestrator.reconciler import Reconciler
+from orchestrator.reconciler._pass import Clock
 
 KEY = JobKey("default", "llama")
 CORE_EVENTS = Resource("", "v1", "events", "Event", namespaced=True)
@@ -49,7 +51,15 @@ class Parts:
     """The controller's parts for one test, its informers running; ``agents`` and ``events`` as the
     controller wires them when given (else the backend's own and the reconciler's logging sink)."""
 
-    def __init__(self, api: TestApi, tmp_path: Path, *, agents: AgentCalls | None = None, events: bool = False) -> None:
+    def __init__(
+        self,
+        api: TestApi,
+        tmp_path: Path,
+        *,
+        agents: AgentCalls | None = None,
+        events: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
         self.client: KubeClient = api.client()
         self.jobs = Informer(self.client, SPOTJOBS, namespaces=["default"])
         self.pods = Informer(
@@ -72,7 +82,7 @@ class Parts:
         )
         self.store = KubeJobStore(self.client, self.jobs.cache)
         sink = JobEventSink(EventRecorder(self.client, instance="r"), self.jobs.cache, self.nodes.cache)
-        self.reconciler = Reconciler(self.store, backend, events=sink if events else None)
+        self.reconciler = Reconciler(self.store, backend, clock, events=sink if events else None)
         self.uri = str(tmp_path / "ckpt")
 
     def stop(self) -> None:
@@ -666,5 +676,121 @@ def test_a_job_runs_where_events_k8s_io_is_not_served_and_one_error_says_which_k
         tried = [r for r in test_api.audit() if r["user"] == CONTROLLER_USER and r["resource"] == "events"]
         assert tried == [], tried
         assert test_api.admin.list(CORE_EVENTS, "default")[0] == [], "no core v1 Event instead"
+    finally:
+        parts.stop()
+
+
+class _Clock:
+    """Wall time that moves only when told (from now, as the test API server stamps its objects)."""
+
+    def __init__(self) -> None:
+        self._now, self._monotonic = datetime.now(UTC), 1000.0
+
+    def now(self) -> datetime:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self._now += timedelta(seconds=seconds)
+        self._monotonic += seconds
+
+
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _restricted_job(uri: str, **pod_spec: Any) -> dict[str, Any]:
+    """A job whose template meets Pod Security ``restricted`` (plus ``pod_spec``)."""
+    job = spotjob(uri)
+    trainer = {"name": "trainer", "image": "img:1", "securityContext": RESTRICTED_CONTAINER}
+    job["spec"]["template"] = {"spec": {"securityContext": RESTRICTED_POD, "containers": [trainer], **pod_spec}}
+    return job
+
+
+def _restrict_default_namespace(test_api: TestApi) -> None:
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    test_api.admin.patch(NAMESPACES, "default", {"metadata": {"labels": labels}})
+
+
+def _degraded(test_api: TestApi) -> str:
+    status = test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]
+    [degraded] = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "BackendUnavailable", degraded
+    return str(degraded["message"])
+
+
+def test_a_fallback_template_pod_security_refuses_is_blamed_on_spec_fallback_template(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """A restricted namespace; spec.template meets the standard but no node matches its
+    nodeSelector; spec.fallback.template removes the pod's securityContext (a null). Once the job
+    fell back, every pod was refused and Degraded said to set the securityContext in spec.template,
+    which set all of it: the one to fix was spec.fallback.template. The refusal now names it, and
+    the job stays in its phase and tries again, as for the same refusal of spec.template."""
+    install_spotjob_crd(test_api)
+    _restrict_default_namespace(test_api)
+    clock = _Clock()
+    parts = Parts(test_api, tmp_path, events=True, clock=clock)
+    try:
+        job = _restricted_job(parts.uri, nodeSelector={"pool": "spot"})
+        job["spec"]["startTimeoutSeconds"] = 5
+        job["spec"]["fallback"] = {"template": {"spec": {"securityContext": None, "nodeSelector": None}}}
+        test_api.admin.create(SPOTJOBS, job, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        # Checked up front: the merged template is one the controller can build pods from.
+        assert parts.reconciler.reconcile(KEY).phase is Phase.PENDING
+        wait_for(lambda: parts.pod_names() == ["llama-0-0"], what="attempt 0's pod (admitted) in the cache")
+        # The scheduler finds no node for it.
+        pod = test_api.admin.get(PODS, "llama-0-0", "default")
+        unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes"}
+        pod["status"]["conditions"] = [unschedulable]
+        test_api.admin.replace(PODS, pod, subresource="status")
+        wait_for(
+            lambda: (parts.pods.cache.get("default", "llama-0-0") or {}).get("status", {}).get("conditions"),
+            what="the pod unschedulable in the cache",
+        )
+        clock.advance(10)  # past startTimeoutSeconds
+        assert parts.reconciler.reconcile(KEY).phase is Phase.RESCHEDULING
+        assert test_api.admin.get(SPOTJOBS, KEY.name, "default")["status"]["capacity"] == "fallback"
+        # Its pod gone (the test plays the kubelet), attempt 1 is built from the merged template.
+        test_api.admin.delete(PODS, "llama-0-0", "default", grace_period_seconds=0)
+        wait_for(lambda: parts.pod_names() == [], what="attempt 0's pod gone from the cache")
+        assert parts.reconciler.reconcile(KEY).phase is Phase.RESCHEDULING
+        message = _degraded(test_api)
+        assert 'violates PodSecurity "restricted:latest"' in message, message
+        assert "as spec.template with spec.fallback.template merged in describes it" in message, message
+        assert "set what it names in spec.fallback.template (spec.securityContext" in message, message
+        assert "a null there removes spec.template's" in message, message
+        assert "in spec.template" not in message, message
+        [event] = _events(test_api, "BackendUnavailable")
+        assert event["type"] == "Warning" and "set what it names in spec.fallback.template" in event["note"], event
+        assert parts.pod_names() == []
+    finally:
+        parts.stop()
+
+
+def test_a_host_network_pod_security_refuses_is_told_to_be_removed_not_to_set_a_security_context(
+    test_api: TestApi, tmp_path: Path
+) -> None:
+    """``hostNetwork: true`` in a restricted namespace, the template's securityContext complete:
+    the refusal's advice was to set the securityContext, which the template did; it is to remove
+    hostNetwork."""
+    install_spotjob_crd(test_api)
+    _restrict_default_namespace(test_api)
+    parts = Parts(test_api, tmp_path)
+    try:
+        test_api.admin.create(SPOTJOBS, _restricted_job(parts.uri, hostNetwork=True), "default")
+        wait_for(lambda: parts.jobs.cache.get("default", KEY.name), what="the job in the cache")
+        assert parts.reconciler.reconcile(KEY).phase is Phase.PENDING
+        message = _degraded(test_api)
+        assert "host namespaces (hostNetwork=true)" in message, message
+        assert "remove hostNetwork, hostPID or hostIPC (whichever it names) from spec.template" in message, message
+        assert "set what it names" not in message, message
+        assert parts.pod_names() == []
     finally:
         parts.stop()
