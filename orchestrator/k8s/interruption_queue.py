@@ -10,7 +10,8 @@ takes an instance, often before the node's own handler has tainted it. Karpenter
    the two minutes EC2 gives);
 3. *make it durable*: merge-patch the annotation ``spotjob.dev/interruption`` (JSON ``{kind,
    deadline, messageId, source, time, instanceId, detail}``) onto every Node whose
-   ``spec.providerID`` names the instance (``aws:///<zone>/<instance id>``; a Node informer index);
+   ``spec.providerID`` names the instance (``aws:///<zone>/<instance id>``; a Node informer index),
+   a compare-and-swap on the resourceVersion of the Node the message was judged on;
 4. *acknowledge*: delete the message only once that write succeeded. A message for an instance
    that is no Node of this cluster, one that cannot be parsed, and one that asks for nothing (a
    state change to ``running``) are logged, counted and deleted; an API failure leaves the message
@@ -21,7 +22,9 @@ the annotation into a ``Signal`` for the jobs that have a worker on that node, i
 (a Node update queues them). A notice already on the node is never weakened: a message whose kind
 is no more severe than the annotation there (a rebalance recommendation arriving after the spot
 warning; SQS does not keep order) writes nothing, except over a ``NodeLost`` of a stop: a message
-dated after it is of the instance's next run (it was started again), and replaces it. A start
+dated after it is of the instance's next run (it was started again), and replaces it. That holds
+whatever the Node cache lags behind: a write the Node changed before is judged again on the Node
+read fresh, and a message the cache shows as covered is, before it is dropped (``_annotate``). A start
 removes a notice only from the Node as the cache showed it (its resourceVersion): a notice this
 reader wrote a moment before may not be in the cache yet. An annotation older than
 ``cluster_signals.INTERRUPTION_TTL_SECONDS`` no longer counts (a node that was stopped and started
@@ -59,7 +62,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from orchestrator.k8s.api import NODES, Conflict, KubeClient, KubeError, Object
+from orchestrator.k8s.api import NODES, Conflict, KubeClient, KubeError, NotFound, Object
 from orchestrator.k8s.cluster_signals import (
     INTERRUPTION_ANNOTATION,
     SOURCE_QUEUE,
@@ -90,6 +93,10 @@ STATE_KINDS = {
 
 STARTING_STATES = ("pending", "running")
 """Instance states that mean it runs again (after a stop): an older notice on its Node is stale."""
+
+WRITE_ATTEMPTS = 5
+"""Compare-and-swap writes of one notice onto one Node before its message is left for redelivery
+(each Conflict means the Node changed between its fresh read and the write)."""
 
 INSTANCE_INDEX = "instance-id"
 """The Node informer's index of EC2 instance ids (from ``spec.providerID``)."""
@@ -434,17 +441,8 @@ class InterruptionQueueReader:
         written = False
         for node in nodes:
             name = str((node.get("metadata") or {}).get("name") or "")
-            if self._covered(node, parsed):
-                log.info(
-                    "interruption queue: node %s already carries a notice at least as severe as %s (message %s)",
-                    name,
-                    parsed.kind,
-                    parsed.message_id,
-                )
-                continue
-            patch = {"metadata": {"annotations": {INTERRUPTION_ANNOTATION: parsed.annotation()}}}
             try:
-                self._client.patch(NODES, name, patch)
+                wrote = self._annotate(name, node, parsed)
             except KubeError as e:
                 # Not acknowledged: SQS delivers it again once its visibility timeout passes.
                 log.warning(
@@ -455,6 +453,14 @@ class InterruptionQueueReader:
                     e,
                 )
                 return Outcome.RETRY, str(parsed.kind)
+            if not wrote:
+                log.info(
+                    "interruption queue: node %s already carries a notice at least as severe as %s (message %s)",
+                    name,
+                    parsed.kind,
+                    parsed.message_id,
+                )
+                continue
             written = True
             log.warning(
                 "interruption queue: %s for node %s (instance %s, deadline %s, message %s)",
@@ -466,6 +472,45 @@ class InterruptionQueueReader:
             )
         self._queue.delete(message)
         return (Outcome.ANNOTATED if written else Outcome.DUPLICATE), str(parsed.kind)
+
+    def _annotate(self, name: str, node: Object, message: InterruptionMessage) -> bool:
+        """Write ``message``'s notice onto the Node ``name`` unless it carries one at least as severe
+        (``_covered``); whether it was written. ``KubeError`` if it cannot be.
+
+        The cache may lag behind this reader's own writes (a batch is faster than the watch): a spot
+        warning and a rebalance for one instance in one receive, judged both on the cache, had the
+        rebalance overwrite the warning just written. So nothing is decided on the cache alone: a
+        write is a compare-and-swap on the resourceVersion of the Node it was judged on (changed
+        since, it is judged again on the Node read fresh), and a notice the cache shows as covering
+        the message is read fresh before the message is dropped as a duplicate (this reader may
+        have removed it a moment ago)."""
+        view, fresh, conflicts = node, False, 0
+        while True:
+            if self._covered(view, message):
+                if fresh:
+                    return False
+                view, fresh = self._read_node(name), True
+                continue
+            patch: Object = {"metadata": {"annotations": {INTERRUPTION_ANNOTATION: message.annotation()}}}
+            version = (view.get("metadata") or {}).get("resourceVersion")
+            if version:
+                patch["metadata"]["resourceVersion"] = version
+            try:
+                self._client.patch(NODES, name, patch)
+                return True
+            except Conflict:
+                conflicts += 1
+                if conflicts >= WRITE_ATTEMPTS:
+                    raise
+                view, fresh = self._read_node(name), True
+
+    def _read_node(self, name: str) -> Object:
+        """The Node ``name`` as the API server has it now (through the list the Node informer is
+        granted: the controller has no get on Nodes). ``NotFound`` if it is gone."""
+        items, _ = self._client.list(NODES, field_selector=f"metadata.name={name}")
+        if not items:
+            raise NotFound(f"node {name} is gone")
+        return items[0]
 
     def _clear_older_notices(self, instance: str, started: datetime, message: QueueMessage) -> bool | None:
         """Remove the notice from the Nodes of ``instance`` when the instance (pending or running

@@ -346,6 +346,76 @@ def test_a_weaker_notice_after_a_stronger_one_writes_nothing(reader: Reader) -> 
     assert reader.annotation("ip-10-0-1-9")["kind"] == "NodeLost"  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("stronger", "weaker", "kept"),
+    [
+        ("spot-warning", "rebalance", "SpotInterruption"),
+        ("terminated", "shutting-down", "NodeLost"),
+    ],
+)
+def test_a_weaker_notice_never_overwrites_a_stronger_one_the_cache_does_not_show_yet(
+    reader: Reader, stronger: str, weaker: str, kept: str
+) -> None:
+    """Both in one receive, the second judged on the Node cache, which lags behind the reader's own
+    write of the first (a batch is faster than the watch): the rebalance overwrote the spot warning,
+    the shutting-down the NodeLost, and both counted as annotated. Frozen here by stopping the
+    informer: the cache keeps showing the Node without a notice."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def body(what: str) -> dict[str, Any]:
+        if what == "spot-warning":
+            return spot_warning("i-0cca", time=now)
+        if what == "rebalance":
+            return rebalance("i-0cca", time=now)
+        return event("EC2 Instance State-change Notification", {"instance-id": "i-0cca", "state": what}, time=now)
+
+    reader.add_node("ip-10-0-1-4", "i-0cca")
+    reader.nodes.stop()  # the watch lags behind the reader's own writes from here on
+    reader.send(body(stronger))
+    reader.send(body(weaker))
+    outcomes: list[Outcome] = []
+    while len(outcomes) < 2:
+        outcomes += reader.reader.poll_once()
+
+    notice = reader.annotation("ip-10-0-1-4")
+    assert notice is not None and notice["kind"] == kept, f"{kept} weakened ({outcomes}): {notice}"
+    assert sorted(outcomes) == sorted([Outcome.ANNOTATED, Outcome.DUPLICATE])
+    assert reader.left_on_queue() == 0
+
+
+def test_a_notice_the_cache_still_shows_after_its_removal_covers_nothing(reader: Reader) -> None:
+    """The reader removed a spot warning of the instance's previous run (it runs again); the cache,
+    still showing the warning, must not make the shutting-down of the new run a duplicate: the
+    Node would carry no notice while its instance goes."""
+
+    def at(seconds_ago: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def state(name: str, time: str) -> dict[str, Any]:
+        return event("EC2 Instance State-change Notification", {"instance-id": "i-0ccb", "state": name}, time=time)
+
+    reader.add_node("ip-10-0-1-3", "i-0ccb")
+    reader.send(spot_warning("i-0ccb", action="stop", time=at(900)))
+    assert reader.reader.poll_once() == [Outcome.ANNOTATED]
+    wait_for(
+        lambda: (
+            INTERRUPTION_ANNOTATION
+            in (((reader.nodes.cache.get("", "ip-10-0-1-3") or {}).get("metadata") or {}).get("annotations") or {})
+        ),
+        what="the warning in the cache",
+    )
+    reader.nodes.stop()  # the watch lags behind the reader's own writes from here on
+
+    reader.send(state("running", at(600)))
+    assert reader.reader.poll_once() == [Outcome.CLEARED]
+    reader.send(state("shutting-down", at(60)))
+    outcomes = reader.reader.poll_once()
+
+    notice = reader.annotation("ip-10-0-1-3")
+    assert notice is not None and notice["kind"] == "Terminating", f"no notice on a going node ({outcomes})"
+    assert outcomes == [Outcome.ANNOTATED]
+
+
 def test_an_instance_stopped_and_started_again_loses_the_notice_of_its_stop_and_only_that_one(
     reader: Reader,
 ) -> None:
