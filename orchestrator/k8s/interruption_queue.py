@@ -15,7 +15,9 @@ takes an instance, often before the node's own handler has tainted it. Karpenter
 4. *acknowledge*: delete the message only once that write succeeded. A message for an instance
    that is no Node of this cluster, one that cannot be parsed, and one that asks for nothing (a
    state change to ``running``) are logged, counted and deleted; an API failure leaves the message
-   on the queue, and SQS delivers it again after its visibility timeout.
+   on the queue, and SQS delivers it again after its visibility timeout. A delete that fails is
+   logged and counted as a queue error, and the rest of the batch is handled all the same: the
+   message comes back after its visibility timeout, a duplicate of what it already did.
 
 The reconciler never sees a message: ``orchestrator.k8s.cluster_signals.annotation_signal`` turns
 the annotation into a ``Signal`` for the jobs that have a worker on that node, in their next pass
@@ -396,13 +398,12 @@ class InterruptionQueueReader:
                 self._stop.wait(self._backoff(failures))
 
     def poll_once(self) -> list[Outcome]:
-        """One receive and the handling of what it brought (``QueueError`` if SQS fails)."""
+        """One receive and the handling of what it brought (``QueueError`` if the receive fails; a
+        failed delete is counted by ``_delete`` and holds back no other message)."""
         outcomes = []
         for message in self._queue.receive(self._max, self._wait):
             try:
                 outcome, kind = self.handle(message)
-            except QueueError:
-                raise
             except Exception:
                 # One message this reader cannot handle must not hold back the others of its batch
                 # (a spot warning among them has two minutes): it stays on the queue.
@@ -426,7 +427,7 @@ class InterruptionQueueReader:
                 outcome = Outcome.CLEARED if cleared else outcome
             level = logging.INFO if e.outcome is Outcome.IGNORED else logging.WARNING
             log.log(level, "interruption queue: message %s %s: %s; deleting it", message.id, outcome, e)
-            self._queue.delete(message)
+            self._delete(message)
             return outcome, "unknown"
         nodes = self._nodes.by_index(INSTANCE_INDEX, parsed.instance_id)
         if not nodes:
@@ -436,7 +437,7 @@ class InterruptionQueueReader:
                 parsed.instance_id,
                 parsed.message_id,
             )
-            self._queue.delete(message)
+            self._delete(message)
             return Outcome.UNKNOWN_NODE, str(parsed.kind)
         written = False
         for node in nodes:
@@ -470,8 +471,20 @@ class InterruptionQueueReader:
                 _rfc3339(parsed.deadline) if parsed.deadline else "none",
                 parsed.message_id,
             )
-        self._queue.delete(message)
+        self._delete(message)
         return (Outcome.ANNOTATED if written else Outcome.DUPLICATE), str(parsed.kind)
+
+    def _delete(self, message: QueueMessage) -> None:
+        """Acknowledge ``message``. A failed delete (a throttle, a blip) is logged and counted like a
+        failed receive, and ends nothing: the rest of the batch (a spot warning among it has two
+        minutes) is still handled. The message, whose work is done, comes back after its
+        visibility timeout, and is then a duplicate (its notice is on the Node) or rejected again."""
+        try:
+            self._queue.delete(message)
+        except QueueError as e:
+            log.warning("interruption queue: %s; it comes back after its visibility timeout", e)
+            if self._metrics is not None:
+                self._metrics.interruption_queue_error()
 
     def _annotate(self, name: str, node: Object, message: InterruptionMessage) -> bool:
         """Write ``message``'s notice onto the Node ``name`` unless it carries one at least as severe

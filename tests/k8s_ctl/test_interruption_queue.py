@@ -34,6 +34,8 @@ from orchestrator.k8s.interruption_queue import (
     InterruptionQueueReader,
     MessageRejected,
     Outcome,
+    QueueError,
+    QueueMessage,
     SqsQueue,
     instance_id,
     parse_message,
@@ -542,6 +544,53 @@ def test_a_node_that_cannot_be_written_leaves_its_message_for_redelivery(reader:
     while Outcome.ANNOTATED not in outcomes:  # after its visibility timeout (1 s here)
         outcomes += reader.reader.poll_once()
     assert reader.annotation("ip-10-0-2-1") is not None
+    assert reader.left_on_queue() == 0
+
+
+class FirstDeleteRefused(SqsQueue):
+    """moto's SQS, which refuses the reader's first DeleteMessage (as a throttle or a network blip
+    would): its receipt handle is replaced by one SQS does not take."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, "us-east-1")
+        self.refused = 0
+
+    def delete(self, message: QueueMessage) -> None:
+        if not self.refused:
+            self.refused += 1
+            message = QueueMessage(message.id, "not-a-receipt-handle", message.body)
+        super().delete(message)
+
+
+def test_a_failed_delete_is_counted_and_holds_back_no_other_message_of_its_batch(reader: Reader) -> None:
+    """The first spot warning of a receive was annotated and its delete refused: the QueueError
+    ended the batch, so the second warning waited for its visibility timeout (30 s by default, of
+    its two minutes) and the first was never counted."""
+    reader.add_node("ip-10-0-2-2", "i-0dda")
+    reader.add_node("ip-10-0-2-3", "i-0ddb")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    reader.send(spot_warning("i-0dda", time=now))
+    reader.send(spot_warning("i-0ddb", time=now))
+    queue = FirstDeleteRefused(reader.url)
+    r = InterruptionQueueReader(reader.client, reader.nodes.cache, queue, metrics=reader.metrics, wait_seconds=1)
+
+    try:
+        outcomes = r.poll_once()
+    except QueueError as e:
+        pytest.fail(f"one failed delete ended the batch: {e}")
+
+    assert outcomes == [Outcome.ANNOTATED, Outcome.ANNOTATED]
+    notices = {node: reader.annotation(node) for node in ("ip-10-0-2-2", "ip-10-0-2-3")}
+    assert all(n is not None and n["kind"] == "SpotInterruption" for n in notices.values()), notices
+    assert reader.metrics.errors == 1, "the refused delete is a queue error"
+    assert reader.metrics.messages == Counter({("SpotInterruption", "annotated"): 2})
+    assert queue.refused == 1 and reader.left_on_queue() == 1, "the message not deleted comes back"
+
+    outcomes = []
+    while not outcomes:  # after its visibility timeout (1 s here)
+        outcomes += r.poll_once()
+    assert outcomes == [Outcome.DUPLICATE], "its notice is on its Node already"
+    assert {node: reader.annotation(node) for node in notices} == notices
     assert reader.left_on_queue() == 0
 
 
