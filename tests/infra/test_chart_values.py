@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from infra_support import CHART, NAMESPACE, RELEASE, helm, render, template
+from infra_support import CHART, NAMESPACE, RELEASE, helm, load_all, render, template
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -708,3 +708,58 @@ def test_service_account_annotations_null_is_none() -> None:
     objects = render({"serviceAccount": {"annotations": None, "aws": {"roleArn": arn}}})
     [account] = [o for o in objects if o["kind"] == "ServiceAccount"]
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": arn}
+
+
+def _scalars(values: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            found += _scalars(value, (*path, key))
+        elif not isinstance(value, dict | list):
+            found.append((*path, key))
+    return found
+
+
+NULL_MEANS_ABSENT = {
+    ("logFormat",): "the flag is left out: the controller's own default is the chart's",
+    ("agentLauncher",): "the same",
+    ("securityContext", "runAsUser"): "the platform's IDs (README 'Locked-down namespaces')",
+    ("securityContext", "runAsGroup"): "the same",
+}
+"""Values whose null renders otherwise than their default, on purpose."""
+
+
+def _without_random_secrets(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects, the agent token key's random data set aside (each render draws another)."""
+    return [{k: v for k, v in o.items() if k != "data"} if o.get("kind") == "Secret" else o for o in objects]
+
+
+@pytest.mark.parametrize("path", [p for p in _scalars(DEFAULTS) if p not in NULL_MEANS_ABSENT], ids=".".join)
+def test_a_value_of_values_yaml_set_to_null_renders_its_default_or_is_refused_naming_it(path: tuple[str, ...]) -> None:
+    """A null removes a default: crds.keep null rendered the CRD without helm.sh/resource-policy:
+    keep (an uninstall then deletes every SpotJob), networkPolicy.enabled or rbac.create null left
+    the NetworkPolicies or the RBAC out in silence, httpPort null rendered --http-port= and an empty
+    containerPort, leaderElection.leaseName null resourceNames: [null], a threshold null PromQL
+    ending in "> " — and leaderElection.enabled or metrics.service.enabled null stopped on invalid
+    YAML naming nothing. Each scalar of values.yaml set to null now renders as its default does, or
+    is refused naming it (the ServiceMonitor and the PrometheusRule on, so their values are read)."""
+    on = {"metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+
+    def values_with(value: Any) -> dict[str, Any]:
+        values = json.loads(json.dumps(on))
+        node = values
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+        return values
+
+    default = DEFAULTS
+    for key in path:
+        default = default[key]
+    proc = template(values_with(None))
+    if proc.returncode != 0:
+        assert f"missing property '{path[-1]}'" in proc.stderr or ".".join(path) in proc.stderr, proc.stderr
+        return
+    assert _without_random_secrets(load_all(proc.stdout)) == _without_random_secrets(render(values_with(default))), (
+        f"{'.'.join(path)}: null renders otherwise than its default {default!r}"
+    )
