@@ -84,17 +84,19 @@ _QUERY = re.compile(r"\?[^\s\"']*")
 """A request line's query string, which is never logged (a client may have put the token there)."""
 
 
-def safe(value: object, limit: int = 200) -> str:
+def safe(value: object, limit: int = 200, *, backslashes: bool = True) -> str:
     """``value`` fit for one log line: control characters escaped, at most ``limit`` characters.
 
     Whatever a client sends (a reason, a path) goes through this before it is logged, so that a
     newline cannot forge a log line and an ANSI escape cannot rewrite an operator's terminal.
+    A backslash is doubled, so that a sent ``\\n`` reads otherwise than an escaped newline, unless
+    ``backslashes`` is False (text whose names were quoted with ``repr`` already).
     """
     text = str(value)
     out = []
     for ch in text[:limit]:
         code = ord(ch)
-        if ch == "\\":
+        if ch == "\\" and backslashes:
             out.append("\\\\")
         elif code < 0x20 or 0x7F <= code < 0xA0 or ch in "\u2028\u2029":
             out.append(repr(ch)[1:-1] if code < 0x100 else f"\\u{code:04x}")

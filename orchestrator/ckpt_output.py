@@ -129,8 +129,10 @@ def _human(n: int) -> str:
 def shown(text: str) -> str:
     """Text that may come from storage (a manifest's fields, a reason naming them), fit for a
     terminal: control characters escaped, so a crafted checkpoint cannot retitle the window, move
-    the cursor or erase what an operator reads."""
-    return safe(text, limit=len(text))
+    the cursor or erase what an operator reads. A backslash stays one: the reasons quote names with
+    ``repr``, which escaped them already, and a JSON text escapes its own (doubled again, a job
+    ``team\\run`` read ``'team\\\\\\\\run'`` and an ESC ``\\\\x1b``)."""
+    return safe(text, limit=len(text), backslashes=False)
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:

@@ -674,7 +674,32 @@ def test_text_from_a_crafted_manifest_reaches_the_terminal_with_its_control_char
         assert "\x1b" not in text and "\x07" not in text, f"spotjob ckpt {argv} printed a raw control character"
     assert "2.13\\x1b]0;owned\\x07" in outputs[0], "the escaped value is still shown"
     # A listed path with control characters refuses the manifest, naming the path (escaped).
-    assert "'gone\\\\x1b" in outputs[4] and "contains a control character" in outputs[4], outputs[4]
+    assert "'gone\\x1b" in outputs[4] and "contains a control character" in outputs[4], outputs[4]
+    # Escaped once, the same in the reason (whose names repr quoted) as in the field: the reason read
+    # 'train\\x1b]0;...', its backslashes doubled a second time.
+    shown_job = "train\\x1b]0;owned\\x07\\x1b[2K\\x1b[1A"
+    assert f"job:        {shown_job}\n" in outputs[0], outputs[0]
+    assert f"written by job '{shown_job}'" in outputs[0] and f"written by job '{shown_job}'" in outputs[1], outputs[1]
+
+
+def test_a_backslash_in_a_job_name_or_the_metadata_is_not_doubled_again_on_the_terminal(
+    saved: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job named ``team\\run`` (a legal name) read ``'team\\\\\\\\run'`` in a FOREIGN reason, four
+    backslashes for one, while ``job:`` read ``team\\\\run``; the metadata's JSON escape of an ESC
+    read ``\\\\u001b``. Found walking ``spotjob ckpt``."""
+
+    def craft(raw: dict[str, object]) -> None:
+        raw["job"] = "team\\run"
+        raw["metadata"] = {"note": "hi\x1b[31m"}
+
+    rewrite_manifest(saved, 3, craft)
+    _, out, _ = ckpt(capsys, "show", saved.uri, "--step", "3")
+    assert "job:        team\\run\n" in out, out
+    assert "written by job 'team\\\\run'" in out, out  # repr's quoting: one escape
+    assert 'metadata:   {"note": "hi\\u001b[31m"}' in out, out
+    _, listed, _ = ckpt(capsys, "list", saved.uri)
+    assert "written by job 'team\\\\run'" in listed and "\\\\\\\\" not in listed, listed
 
 
 def test_export_escapes_the_out_folder_its_last_line_names(
