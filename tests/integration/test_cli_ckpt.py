@@ -1859,6 +1859,8 @@ def test_adopt_refuses_a_job_name_no_checkpointer_can_run_as(saved: Saved, capsy
 
     assert rc == 2 and out == ""
     assert "--job" in err and "control characters" in err, err
+    # Escaped once, as spotjob-agent --job-name and the Checkpointer print it (it read 'train\\\\r').
+    assert "the job name 'train\\r' holds control characters ('\\r')" in err, err
     assert saved.storage.get_bytes(OWNER_KEY) == before
 
 
