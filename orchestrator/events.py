@@ -69,7 +69,8 @@ class JobMetrics(Protocol):
 
     - ``signal(kind, source)``: a preemption signal acted on (each once per recovery);
     - ``flush_request(outcome)``: an agent's answer to a flush request: ``accepted`` or ``failed``;
-    - ``notice_to_commit(seconds)``: from a preemption's detection to its flushed manifest;
+    - ``notice_to_commit(seconds)``: from a preemption's detection to its flushed manifest (none
+      for a flush committed before the pass that detected it: how long it took is not known);
     - ``preemption()``: a preemption handled; ``restart(cause)``: a gang restarted, by cause
       (``preemption``, ``failure``, ``infrastructure``);
     - ``lost_steps(steps)``: steps a restart lost (trained, not committed);

@@ -94,11 +94,13 @@ from orchestrator.reconciler._reasons import (
     CAPACITY_FOUND,
     CHECKPOINT_URI_OWNED,
     COMPLETED,
+    FLUSH_AFTER_NOTICE,
     FLUSH_COMMITTED,
     FLUSH_FAILED,
     FLUSH_REQUEST_FAILED,
     FLUSH_REQUESTED,
     FLUSH_TIMED_OUT,
+    FLUSH_UNWATCHED,
     FLUSHING,
     GANG_INCOMPLETE,
     NODE_LOST,
@@ -328,13 +330,9 @@ class _Recovery(_FlushRequests):
             # A quick flush commits before the pass after the request: take the answers of the
             # requests still in flight first (none is sent anew), so that none goes untold.
             self._ask_to_flush(p, recovery, running, in_flight_only=True)
-            self._enter_rescheduling(
-                p,
-                FLUSH_COMMITTED,
-                step=step,
-                uri=p.status.last_checkpoint.uri,
-                seconds=(p.now - recovery.detected_at).total_seconds(),
-            )
+            seconds = (p.now - recovery.detected_at).total_seconds()
+            after = FLUSH_AFTER_NOTICE.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
+            self._enter_rescheduling(p, FLUSH_COMMITTED, step=step, uri=p.status.last_checkpoint.uri, after=after)
             return None
         if not running:
             self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
@@ -544,7 +542,7 @@ class _Recovery(_FlushRequests):
             self._event(p, why, message=message)
             if status.start_time is not None:
                 status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
-            if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION:
+            if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION and _watched(p, recovery):
                 seconds = (p.now - recovery.detected_at).total_seconds()
                 p.metrics.append(methodcaller("notice_to_commit", seconds))
             outcome = _FLUSH_OUTCOME[why.name]
@@ -761,6 +759,15 @@ def _ranks_said(state: str | None) -> str:
     if state is None:  # no answer yet, or an older agent that does not say
         return "its agent said nothing of its ranks"
     return _RANKS_SAID.get(state, f"its agent last said its ranks were {state}: they had not taken the flush")
+
+
+def _watched(p: _Pass, recovery: RecoveryStatus) -> bool:
+    """Whether the flush that ended in this pass was watched from its notice on: the recovery was
+    detected before this pass. One detected in the very pass that sees its flush committed (an
+    agent that heard a notice itself and flushed between two passes, a gang found lost by a
+    ``--resume`` after its driver was killed, whose agents flushed for the driver's death) was
+    committed before anything here knew of it: the 0 s from its detection say nothing of the flush."""
+    return recovery.detected_at < p.now
 
 
 def _flush_detail(w: WorkerObservation) -> str:

@@ -423,6 +423,31 @@ def test_treats_an_agent_that_exits_75_on_its_own_as_a_preemption(world: World) 
     assert [(a.kind, a.value) for a in status.avoid] == [("node", "n1")]
 
 
+def test_a_flush_committed_before_the_controller_knew_of_it_claims_no_time_after_the_notice(world: World) -> None:
+    """An agent that heard its notice itself flushed and exited 75 between two passes (as a gang
+    whose driver was SIGKILLed flushes for the driver's death, found lost by ``--resume``): the pass
+    that saw the recovery saw its flush committed. FlushCommitted said "0.0s after the notice"
+    (from the recovery's detection, that same pass) and ``notice_to_commit`` counted 0 s, for a
+    flush that took seconds nobody watched. Now the Event says so and the histogram counts none; a
+    flush watched from its notice on keeps its seconds."""
+    world.run_to(100)
+    world.backend.agent_hears_notice(0, 1)  # commits step 95, exits 75; no controller signal
+
+    world.run_until(phase_is(Phase.RESCHEDULING))
+
+    [told] = [e for e in world.events.emitted if e.reason == "FlushCommitted"]
+    assert "after the notice" not in told.message, told.message
+    assert told.message.startswith("step 95 committed at file://") and "while nothing watched" in told.message
+    assert world.metrics.named("notice_to_commit") == []
+
+    world.run_until(running_attempt(1))
+    world.backend.notice(world.backend.nodes_of(1)[0])  # heard by the controller, flushed 3 s later
+    world.run_until(phase_is(Phase.RESCHEDULING))
+    told = [e for e in world.events.emitted if e.reason == "FlushCommitted"][-1]
+    assert told.message.endswith("3.0s after the notice"), told.message
+    assert world.metrics.named("notice_to_commit") == [(3.0,)]
+
+
 def test_agent_preempted_names_the_agent_that_heard_the_notice_not_a_peer_that_flushed_with_it(
     world: World,
 ) -> None:
