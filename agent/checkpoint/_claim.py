@@ -36,9 +36,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
-from agent._layout import CLAIM_NAME, read_bounded_stamped
+from agent._layout import CLAIM_NAME, PROBES_FOLDER, read_bounded_stamped
 from agent.manifest import UntrustedJSONError, loads_bounded
 from agent.ownership import describe_job
 from agent.process_tree import boot_id, read_proc
@@ -192,6 +193,40 @@ def read_claim_stamped(storage: Storage, folder: str) -> tuple[Claim | None, flo
     except (NotFoundError, UntrustedJSONError):
         return None, None
     return Claim.parse(data), info.modified
+
+
+def writer_alive_in(
+    claim: Claim, written: float | None, attempt: int | None, store_now: Callable[[], float | None]
+) -> bool:
+    """Whether the writer of an uncommitted folder's ``claim``, which the store wrote at ``written``
+    (its clock; None where it does not say), may still be saving into the folder: the one judgement
+    of a save of the folder's step (reuse the folder, or go beside it) and of retention (remove it,
+    or leave it), so that they never disagree. ``store_now`` gives the store's time now, at least
+    (None where it does not say): asked only for a renewed claim from another machine, whose writer
+    is taken for gone ``LAPSES_AFTER_S`` after the last renewal the store took (``writer_alive``)."""
+    age = None
+    if claim.renewed and written is not None and not claim.here():
+        now = store_now()
+        if now is not None:
+            age = max(now, written) - written
+    return claim.writer_alive(attempt, age)
+
+
+def store_time_now(storage: Storage) -> float | None:
+    """The store's time now (its clock; None where it does not say): when it wrote a probe object,
+    written under ``PROBES_FOLDER`` and deleted at once (three requests). A probe left behind (its
+    delete failed) is a few bytes no listing of checkpoints reads. Raises ``StorageError`` when the
+    probe cannot be written or read."""
+    key = f"{PROBES_FOLDER}/clock-probe-{uuid.uuid4().hex}"
+    storage.put_bytes(key, b"spotjob store clock probe\n")
+    try:
+        info = storage.stat(key)
+    finally:
+        try:
+            storage.delete([key])
+        except StorageError as e:
+            log.debug("could not delete the store clock probe %s: %s", storage.url(key), e)
+    return info.modified if info is not None else None
 
 
 class Renewal:

@@ -230,6 +230,12 @@ class _Retention(_State):
                 if committed < ref and ref.folder not in retired and self._undecided(ref.folder):
                     self._other_writer(ref, self.storage.stat(ref.key(MANIFEST_NAME)) is not None)
             store_now: list[float | None] = []  # the store's time, read once a pass when needed
+
+            def store_time() -> float | None:
+                if not store_now:
+                    store_now.append(self._store_time_now(committed))
+                return store_now[0]
+
             doomed: list[tuple[CheckpointRef, bool]] = []  # (folder, whether it holds a manifest)
             held_for_pin = False  # a folder this pass would remove stays for a reader's pin
             kept = 0
@@ -241,13 +247,7 @@ class _Retention(_State):
                 if not status.committed:
                     self._other_writer(ref, False)
                     claim, written = _claim.read_claim_stamped(self.storage, ref.folder)
-                    age = None
-                    if claim is not None and claim.renewed and written is not None and not claim.here():
-                        if not store_now:
-                            store_now.append(self._store_time_now(committed))
-                        if store_now[0] is not None:
-                            age = max(store_now[0], written) - written
-                    if claim is not None and claim.writer_alive(self.config.attempt, age):
+                    if claim is not None and _claim.writer_alive_in(claim, written, self.config.attempt, store_time):
                         # Another process saving to this URI may be writing it now: removed, its
                         # commit would name files that are gone. Removed once that writer is gone.
                         log.debug(

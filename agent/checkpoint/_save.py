@@ -789,8 +789,10 @@ class _Saving(_Voting):
         """(rank 0) The folder this step's save goes to, claimed for it (``_claim``); clears an
         uncommitted leftover there.
 
-        A leftover is removed only when it is claimed by a writer that is gone; one another writer
-        may still be saving into (a second process of this job on the URI), or one with no claim
+        A leftover is removed only when it is claimed by a writer that is gone, judged as retention
+        judges it (``_claim.writer_alive_in``: the store's clock for another machine's renewed
+        claim); one another writer may still be saving into (a second process of this job on the
+        URI), or one with no claim
         (a spotjob from before claims may be saving into it), is passed over like a committed
         folder, as is one that cannot be deleted — the bucket keeps it (a GCS retention policy or
         hold, S3 Object Lock), or deletes are refused for good (a bucket policy that denies them):
@@ -803,6 +805,13 @@ class _Saving(_Voting):
         self._check_fence()
         suffix = 0
         committed: set[str] = set()
+        store_times: list[float | None] = []  # the store's time, read once a save when needed
+
+        def store_now() -> float | None:
+            if not store_times:
+                store_times.append(_claim.store_time_now(self.storage))
+            return store_times[0]
+
         refs = find_checkpoints(self.storage)
         if self._began_with is None:
             self._began_with = frozenset(r.folder for r in refs)
@@ -814,7 +823,7 @@ class _Saving(_Voting):
                 committed.add(ref.folder)
                 continue
             self._seen_uncommitted.add(ref.folder)
-            claim = _claim.read_claim(self.storage, ref.folder)
+            claim, written = _claim.read_claim_stamped(self.storage, ref.folder)
             if claim is None:
                 # Unclaimed: a spotjob from before claims (2026-12-05) saving into it now, which
                 # would write its files over this save's, or a save that died before its claim
@@ -827,7 +836,9 @@ class _Saving(_Voting):
                 )
                 suffix = max(suffix, ref.attempt + 1)
                 continue
-            if claim.writer_alive(self.config.attempt):
+            # Judged as retention judges it (the store's clock for a renewed claim of another
+            # machine): a folder retention would remove is reused, not saved beside.
+            if _claim.writer_alive_in(claim, written, self.config.attempt, store_now):
                 log.warning(
                     "saving step %d next to %s: %s may still be saving into it. Two processes are saving to "
                     "this URI: stop one",

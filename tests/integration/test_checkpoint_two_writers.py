@@ -340,6 +340,49 @@ def test_a_leftover_claimed_from_another_machine_goes_once_its_renewals_lapse_by
     storage.close()
 
 
+def test_a_save_of_the_step_judges_a_leftover_claimed_from_another_machine_as_retention_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save of step N judged another machine's renewed claim on an uncommitted ``step-N`` by its
+    ``claimed_at`` against this writer's clock and the hour, where retention takes the store's
+    clock and ``LAPSES_AFTER_S``: past the lapse, the save warned "Two processes are saving to
+    this URI", committed to ``step-N.1``, and the same pass's retention removed ``step-N`` as dead.
+    Now both judge it alike: a lapsed claim's folder is cleared and reused, without a warning; a
+    claim the store wrote just now still gets the save beside it. The store's time here is the
+    claim file's mtime (and a probe's)."""
+    import os
+    import time
+
+    from agent.checkpoint import _claim
+
+    uri = str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    now = time.time()
+    lapsed = now - _claim.LAPSES_AFTER_S - 60  # under STALE_AFTER_S
+
+    def leftover(folder: str, claimed_at: float, written_at: float) -> None:
+        claim = _claim.Claim(_claim.new_id(), "train", None, "vm-2", 4242, "123", "another-boot/pid:[1]", claimed_at)
+        storage.put_bytes(f"{folder}/__0_0.distcp", b"half a shard")
+        storage.put_bytes(f"{folder}/{_claim.CLAIM_NAME}", claim.to_json())
+        os.utime(Path(uri) / folder / _claim.CLAIM_NAME, (written_at, written_at))
+
+    leftover("step-000000001", now - 1200, lapsed)  # claimed 20 min ago, last renewed past the lapse
+    leftover("step-000000002", lapsed, now)  # its writer's clock behind: renewed just now
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    ckpt = Checkpointer(uri, keep=3, job="train", async_save=False)
+    ckpt.save(1, make_state(0))
+    assert ckpt.last_committed_uri is not None and ckpt.last_committed_uri.endswith("/step-000000001")
+    assert not [r for r in caplog.records if "Two processes" in r.getMessage()], caplog.text
+    ckpt.save(2, make_state(0))
+    assert ckpt.last_committed_uri is not None and ckpt.last_committed_uri.endswith("/step-000000002.1")
+    assert "Two processes are saving to this URI" in caplog.text, caplog.text
+    ckpt.close()
+    assert committed_and_whole(uri) == {"step-000000001": [], "step-000000002.1": []}
+    assert (Path(uri) / "step-000000002" / "__0_0.distcp").exists(), "a live writer's folder is left alone"
+    assert not list((Path(uri) / ".spotjob" / "probes").iterdir()), "the clock probe is deleted"
+    storage.close()
+
+
 def test_a_save_in_flight_renews_its_claim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save in flight longer than an hour could have its folder removed by another writer of the
     URI on another machine, which took its claim for a dead writer's. Now the save's claim is
