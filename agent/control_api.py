@@ -240,6 +240,16 @@ class StatusResponse(BaseModel):
     last_committed_step: int | None
     last_committed_uri: str | None
     last_save_seconds: float | None
+    restored_step: int | None = Field(
+        default=None,
+        description="the step the node's ranks restored (0: none, they started from step 0); None before a "
+        "restore returned",
+    )
+    restore_passed_over: str | None = Field(
+        default=None,
+        description="the newest committed checkpoint that restore passed over for an older one, and why (a "
+        "CRC32C mismatch in a file of it); None when it passed over none",
+    )
     status_updated_at: float | None = Field(description="when the node's first rank last wrote status.json")
     ranks_connected: bool = Field(description="whether a rank has written status.json since the start")
     problems: list[str] = Field(description="what the agent warned about: no rank connected, URI mismatch")

@@ -108,6 +108,14 @@ class RankStatus:
     the node's agent counts for a finished job. None where the rank cannot tell."""
     checkpoint_uri: str | None = None
     """The URI the script's Checkpointer writes to (the agent warns when it is not the agent's)."""
+    restored_step: int | None = None
+    """The step the ranks' last ``restore()`` loaded (0: none, they start from step 0); None before
+    one returned."""
+    restore_passed_over: str | None = None
+    """Why that restore passed over a newer committed checkpoint of the job's (the newest it skipped,
+    its folder and the ranks' reason: a CRC32C mismatch in a file of it, a file missing); None when
+    it skipped none. The controller tells a ``CheckpointUnusable`` Warning by it: a checkpoint with a
+    damaged byte looks valid to it, which judges sizes only."""
     updated_at: float = field(default_factory=time.time)
 
 

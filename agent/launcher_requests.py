@@ -529,6 +529,8 @@ class AgentRequests:
             last_committed_step=rank.last_committed_step if rank else None,
             last_committed_uri=rank.last_committed_uri if rank else None,
             last_save_seconds=rank.last_save_seconds if rank else None,
+            restored_step=rank.restored_step if rank else None,
+            restore_passed_over=rank.restore_passed_over if rank else None,
             status_updated_at=rank.updated_at if rank else None,
             ranks_connected=rank is not None,
             problems=problems,

@@ -549,6 +549,14 @@ class CheckpointInfo(_Resource):
     time: datetime = Field(description="when its manifest was created")
 
 
+class UnusableCheckpoint(CheckpointInfo):
+    """A checkpoint that looks valid to the reconciler (it judges the files' sizes, never their
+    bytes) and that the ranks passed over as they restored: a byte of it damaged."""
+
+    reason: str = Field(description="why the ranks passed over it, in their words (a CRC32C mismatch in a file)")
+    restored_step: int = Field(ge=0, description="the step the ranks restored instead (0: from scratch)")
+
+
 class WorkerStatus(_Resource):
     """A worker of the current attempt as last observed."""
 
@@ -594,6 +602,12 @@ class AttemptStatus(_Resource):
     )
     running_at: datetime | None = Field(default=None, description="when every worker was first seen running")
     resumed_from_step: int | None = Field(default=None, description="the committed step the attempt resumes from")
+    restored_step: int | None = Field(
+        default=None,
+        description="the step the attempt's ranks restored, as their agents said; below resumedFromStep when "
+        "the checkpoint the attempt was started from did not load (a CheckpointUnusable Warning says so); "
+        "None until they said",
+    )
     first_step: int | None = Field(default=None, description="first step observed while running (for the step rate)")
     first_step_at: datetime | None = Field(default=None, description="when firstStep was observed")
     observed_step: int | None = Field(default=None, description="highest step observed in this attempt")
@@ -843,9 +857,16 @@ class JobStatus(_Resource):
         "immutable, and a spec that names another makes the job Invalid",
     )
     last_checkpoint: CheckpointInfo | None = Field(default=None, description="the newest valid checkpoint")
+    unusable_checkpoint: UnusableCheckpoint | None = Field(
+        default=None,
+        description="the newest checkpoint in storage when its ranks passed over it as they restored (a damaged "
+        "byte, which the controller does not read): lastCheckpoint and the next attempts pass over it too, until "
+        "a newer one is committed",
+    )
     lost_steps: int = Field(
         default=0,
-        description="steps lost to preemptions: the sum of (last observed step - committed step resumed from)",
+        description="steps lost to preemptions: the sum of (last observed step - committed step resumed from); "
+        "and to checkpoints the ranks passed over as they restored: (the step recorded - the step restored)",
     )
     flushing_seconds: float = Field(default=0.0, description="time spent flushing (see goodput)")
     restarting_seconds: float = Field(default=0.0, description="time spent restarting (see goodput)")

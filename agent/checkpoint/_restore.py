@@ -68,6 +68,8 @@ _RELISTS = 3
 """How often a restore lists the checkpoints again after one was deleted while it was read (the job
 saving to the URI saves on, and its retention removes old ones): the newest is then newer than the
 one that went. Past that, a checkpoint deleted under the restore is passed over like a bad one."""
+_PASSED_OVER_CHARS = 900
+"""The most of ``RankStatus.restore_passed_over`` written: it goes into an Event and the job's status."""
 
 
 # What proves a checkpoint bad (restore may then fall back to an older one); any other storage
@@ -609,7 +611,7 @@ class _Restoring(_Voting):
             elif failure is not None and failure[1].startswith(NEWER_TORCH):
                 remedy = "Restore it under the torch that wrote it, or a newer one"
             if failure is None:
-                self._restored(ref, manifest, time.monotonic() - started)
+                self._restored(ref, manifest, time.monotonic() - started, tried)
                 self._warn_left_out(manifest, state)
                 return manifest.step
             kind, reason = failure
@@ -657,6 +659,7 @@ class _Restoring(_Voting):
                 else:
                     what = "no committed checkpoint of this job" if refs else "no checkpoint yet"
                     log.info("restore: %s under %s; starting from step 0", what, self.storage.uri)
+            self._report_restored(0, [])
             return 0
         if gone == len(tried):
             raise self._outrun(tried, partially_loaded)
@@ -736,9 +739,22 @@ class _Restoring(_Voting):
                 tried[0][1],
             )
         self._last_step = 0
+        self._report_restored(0, tried)
         return 0
 
-    def _restored(self, ref: CheckpointRef, manifest: Manifest, seconds: float) -> None:
+    def _report_restored(self, step: int, tried: list[tuple[CheckpointRef, str]]) -> None:
+        """(each node's first rank) Tell the agent, in ``status.json``, the step restored and why the
+        newest committed checkpoint passed over was (its controller names the checkpoint the attempt
+        resumes from before any rank reads its bytes, and warns by this when the ranks could not)."""
+        self._status.restored_step = step
+        self._status.restore_passed_over = (
+            f"{self.storage.url(tried[0][0].folder)}: {tried[0][1]}"[:_PASSED_OVER_CHARS] if tried else None
+        )
+        self._report(force=True)
+
+    def _restored(
+        self, ref: CheckpointRef, manifest: Manifest, seconds: float, tried: list[tuple[CheckpointRef, str]]
+    ) -> None:
         self.last_committed_step = manifest.step
         self.last_committed_uri = self.storage.url(ref.folder)
         self._last_saved_step = manifest.step
@@ -746,7 +762,7 @@ class _Restoring(_Voting):
         self._status.last_committed_step = manifest.step
         self._status.last_committed_uri = self.last_committed_uri
         self._status.step = manifest.step
-        self._report(force=True)
+        self._report_restored(manifest.step, [(r, why) for r, why in tried if manifest.step < r.step])
         if self._node_reporter:  # once per node, as the flush's outcome: every rank restored the same
             log.info(
                 "restored step %d from %s in %.2fs (%s in %d files; saved by %d ranks, restored on %d)",

@@ -153,6 +153,17 @@ def ranks_state(said: object) -> str | None:
     return said[:32] if isinstance(said, str) and said else None
 
 
+def restored(step: object, passed_over: object) -> tuple[int, str | None] | None:
+    """What a node's ranks restored as its agent says it (``restored_step`` and
+    ``restore_passed_over`` of its ``/status``; of the ranks' ``status.json`` local mode reads):
+    the step, and why they passed over a newer committed checkpoint (at most 900 characters: it goes
+    into an Event), None where they passed over none; None for anything else (no restore returned
+    yet, an older agent)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    return step, passed_over[:900] if isinstance(passed_over, str) and passed_over else None
+
+
 def held_notice(said: dict[str, Any]) -> HeldNoticeReport | None:
     """``held_notice`` and ``flush_at`` of what an agent says (its ``/status`` answer, which the
     Kubernetes controller asks for; its ``agent.json``, which local mode reads); None where it holds
@@ -224,6 +235,11 @@ class WorkerObservation:
     committed their part; ``flushing``, they took the flush and wait for it to commit; anything
     else (``training``), they never took it. None when the backend has no report of its agent: a
     FlushTimedOut names the workers by it, the one that hangs the gang among them."""
+    restored: tuple[int, str | None] | None = None
+    """The step the worker's ranks restored, and why they passed over a newer committed checkpoint
+    (``restored``; Kubernetes: its agent's GET /status; local mode: the ranks' ``status.json``);
+    None before they said. A step below the one the attempt was started from is a checkpoint that
+    looked valid to the controller (it judges sizes, never bytes) and did not load."""
     holds_node: bool = False
     """The worker exited, yet what runs it still holds its node: on Kubernetes, a pod whose agent
     exited while another container of it (a sidecar) runs on. Only ``stop_workers`` frees it."""

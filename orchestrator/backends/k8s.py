@@ -298,6 +298,7 @@ class KubernetesBackend:
                     step=report.step,
                     ranks_state=report.ranks_state if phase is WorkerPhase.RUNNING else None,
                     held_notice=report.held_notice,
+                    restored=report.restored,
                     unschedulable=_unschedulable(pod) if phase is WorkerPhase.PENDING else None,
                     not_starting=_not_starting(pod, report) if phase is WorkerPhase.PENDING else None,
                     holds_node=exit_code is not None and _still_running(pod),

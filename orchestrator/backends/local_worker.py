@@ -32,6 +32,7 @@ from orchestrator.backends.base import (
     held_notice,
     ranks_not_meeting,
     ranks_state,
+    restored,
 )
 from orchestrator.backends.local_cloud import LocalNode
 from orchestrator.backends.local_failure import agent_exit_line, agent_exit_words, failure_detail
@@ -137,6 +138,7 @@ def observe_worker(w: LocalWorker) -> WorkerObservation:
         exit_code=code,
         step=step if isinstance(step, int) else None,
         ranks_state=ranks_state(status.get("state")) if status and phase is WorkerPhase.RUNNING else None,
+        restored=restored(status.get("restored_step"), status.get("restore_passed_over")) if status else None,
         detail=w.detail or None,
         flush_answered=w.answered or None,
         not_starting=not_meeting(agent) if phase is WorkerPhase.PENDING else None,

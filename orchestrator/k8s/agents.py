@@ -44,7 +44,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.backends.base import HeldNoticeReport, held_notice, ranks_not_meeting, ranks_state
+from orchestrator.backends.base import HeldNoticeReport, held_notice, ranks_not_meeting, ranks_state, restored
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ class AgentReport:
     wait in init_process_group, or build no Checkpointer); None when it gives none."""
     ranks_state: str | None = None
     """Its ``rank_state``: what its node's ranks do (training, flushing, flushed, ...)."""
+    restored: tuple[int, str | None] | None = None
+    """Its ``restored_step`` and ``restore_passed_over``: the step its node's ranks restored, and
+    why they passed over a newer checkpoint (``orchestrator.backends.base.restored``)."""
 
 
 @dataclass
@@ -315,7 +318,11 @@ class AgentCalls:
             # own: one the agent no longer holds (withdrawn, or its flush started) is gone.
             kept = step if isinstance(step, int) and not isinstance(step, bool) else entry.report.step
             entry.report = AgentReport(
-                kept, held, ranks_not_meeting(body.get("ranks_not_meeting")), ranks_state(body.get("rank_state"))
+                kept,
+                held,
+                ranks_not_meeting(body.get("ranks_not_meeting")),
+                ranks_state(body.get("rank_state")),
+                restored(body.get("restored_step"), body.get("restore_passed_over")) or entry.report.restored,
             )
 
     # -- housekeeping

@@ -161,6 +161,8 @@ class _Pass:
     checkpoint: CheckpointStatus | None = None
     skipped: list[CheckpointStatus] = field(default_factory=list)
     """Committed checkpoints newer than ``checkpoint`` that this pass's look at storage passed over."""
+    passed_over_told: bool = False
+    """This pass told a CheckpointUnusable for the checkpoint the ranks passed over as they restored."""
     newer_format: CheckpointRef | None = None
     """The newest checkpoint above ``checkpoint`` that a newer spotjob wrote (unreadable here): an
     attempt's fence must not fall below it, or an upgraded worker would take it for a stale one's."""

@@ -48,6 +48,7 @@ from orchestrator.model import (
     JobStatus,
     NotStarting,
     Phase,
+    UnusableCheckpoint,
     WorkerPhase,
     WorkerStatus,
     job_name_problem,
@@ -586,6 +587,8 @@ class Reconciler(_Capacity):
                     p.checkpoint = latest_valid(
                         storage, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
                     )
+                if p.owned_by_another is None and p.invalid_uri is None:
+                    self._pass_over_unusable(p, storage)
             except StorageError as e:
                 p.storage_error = e
         if p.storage is not None and p.checkpoint is not None and p.checkpoint.manifest is not None:
@@ -604,6 +607,63 @@ class Reconciler(_Capacity):
         status.avoid = [a for a in status.avoid if a.until > p.now]
         self._track_steps(p)
 
+    def _pass_over_unusable(self, p: _Pass, storage: Storage) -> None:
+        """The checkpoint the attempt was started from looked valid here (sizes only: no byte of it is
+        read) and the ranks passed over it as they restored (a damaged byte, found by its CRC32C):
+        their agents say so (``WorkerObservation.restored``). Remembered in
+        ``status.unusableCheckpoint``, it is passed over here too while it is storage's newest, so
+        that ``lastCheckpoint`` and the next attempts name what the ranks restore; told once, with the
+        steps it lost."""
+        status, attempt = p.status, p.status.attempt
+        said = [w.restored for w in p.current() if w.restored is not None]
+        if said and attempt.restored_step is None and attempt.started_at is not None:
+            step, why = min(said, key=lambda r: r[0])
+            attempt.restored_step = step
+            recorded = attempt.resumed_from_step
+            newest = p.checkpoint
+            if recorded is not None and step < recorded:
+                if newest is not None and newest.ref.step == recorded and newest.manifest is not None:
+                    status.unusable_checkpoint = UnusableCheckpoint(
+                        step=recorded,
+                        uri=storage.url(newest.ref.folder),
+                        time=newest.manifest.created_at,
+                        reason=why or "the ranks did not say why",
+                        restored_step=step,
+                    )
+                self._tell_passed_over(p, recorded, step, why)
+        unusable = status.unusable_checkpoint
+        if unusable is None:
+            return
+        if not (
+            p.checkpoint is not None
+            and p.checkpoint.manifest is not None
+            and storage.url(p.checkpoint.ref.folder) == unusable.uri
+            and p.checkpoint.manifest.created_at == unusable.time
+        ):
+            status.unusable_checkpoint = None  # a newer one committed, or it is gone: nothing to pass over
+            return
+        # Older ones the ranks passed over too (each damaged alike) down to the one they restored.
+        while p.checkpoint is not None and p.checkpoint.ref.step > unusable.restored_step:
+            p.checkpoint = latest_valid(
+                storage, before=p.checkpoint.ref, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
+            )
+
+    def _tell_passed_over(self, p: _Pass, recorded: int, step: int, why: str | None) -> None:
+        """The CheckpointUnusable Warning for a checkpoint the ranks passed over, and the steps it lost:
+        trained again from ``step``, as after a preemption."""
+        p.passed_over_told = True
+        lost = recorded - step
+        p.status.lost_steps += lost
+        p.metrics.append(methodcaller("lost_steps", lost))
+        problem = f"did not load as the ranks restored ({why})" if why else "did not load as the ranks restored"
+        self._event(
+            p,
+            CHECKPOINT_UNUSABLE,
+            recorded=recorded,
+            problem=f"{problem}; the {lost} step(s) after step {step} are trained again",
+            resume=f"step {step}" if step else "scratch",
+        )
+
     def _tell_a_lost_newest(self, p: _Pass) -> None:
         """A Warning when storage's newest usable checkpoint is older than the one the status had
         recorded (a file of it damaged, the folder deleted, retired by a fresh start): the status
@@ -611,6 +671,8 @@ class Reconciler(_Capacity):
         its next attempt then started from an older one, or from scratch, without a word."""
         before = p.previous_checkpoint_step
         if before is None or p.storage is None or p.storage_error is not None or p.owned_by_another is not None:
+            return
+        if p.passed_over_told:  # told already, with the ranks' reason
             return
         if p.checkpoint_step is not None and p.checkpoint_step >= before:
             return

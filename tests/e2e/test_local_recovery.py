@@ -168,6 +168,52 @@ def test_a_killed_driver_leaves_a_flushed_run_that_status_tells_truly_and_resume
     assert_same_final_state(tmp_path / "final", uninterrupted)
 
 
+def test_a_resume_whose_newest_checkpoint_has_a_damaged_byte_warns_and_names_the_step_restored(
+    tmp_path: Path,
+) -> None:
+    """Interrupted; a byte of the flush's checkpoint damaged, its size unchanged; --resume. The
+    controller judges sizes only and names it; the rank's restore finds the CRC32C mismatch and
+    restores the one before. That was said only in the rank's log: no CheckpointUnusable, the status
+    named the damaged step, and the steps trained again were not counted."""
+    run = tmp_path / "spotjob-runs" / "byte"
+    argv = [
+        tool("spotjob"), "run", "--no-live", "--name", "byte", "--nproc", "1", "--every-steps", "5",
+        str(TRAIN), "--steps", "40", "--step-sleep", "0.1",
+    ]  # fmt: skip
+    driver = start_driver(tmp_path, argv)
+    try:
+        wait_training(driver, run, 12)
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=GIVE_UP_S)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    storage = open_storage(str(run / "checkpoints"))
+    newest, before = [c.ref for c in list_checkpoints(storage) if c.valid][:2]
+    shard = run / "checkpoints" / newest.folder / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert shard.stat().st_size == size
+
+    resumed = spotjob("run", "--no-live", "--resume", "byte", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    events = read_events(events_path(str(run), JobKey.local("byte")))
+    [told] = [e for e in events if e.reason == "CheckpointUnusable"]
+    assert told.message.startswith(f"step {newest.step}, the newest checkpoint this job had recorded, did not load")
+    assert "CRC32C" in told.message and "__0_0.distcp" in told.message, told.message
+    assert told.message.endswith(f": the job resumes from step {before.step}"), told.message
+    status = job_document(run)["status"]
+    assert status["phase"] == "Succeeded"
+    assert (status["attempt"]["resumedFromStep"], status["attempt"]["restoredStep"]) == (newest.step, before.step)
+    assert status["lostSteps"] == newest.step - before.step
+    assert status["lastCheckpoint"]["step"] == 40 and status.get("unusableCheckpoint") is None
+
+
 STOPPING_AGAIN = "received SIGTERM again: still stopping every process of pause"
 """What the driver logs for each SIGTERM that lands while it stops."""
 

@@ -223,6 +223,9 @@ class FakeBackend:
     ranks_states: dict[str, str | None] = field(default_factory=dict)
     """Workers (by name) whose agents report this state of their ranks (None: no report); others
     say ``flushing`` once asked to flush, else ``training``, while they run."""
+    restores: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    """Workers (by name) whose agents report what their ranks restored (``WorkerObservation.restored``):
+    the step, and why they passed over a newer checkpoint."""
     held: dict[str, HeldNoticeReport] = field(default_factory=dict)
     """Workers (by name) whose agents hold a cloud notice (``WorkerObservation.held_notice``), as
     their ``GET /status`` would report it; the agent's own holding and flushing is not modelled."""
@@ -316,6 +319,7 @@ class FakeBackend:
                     flush_answered=self.answered.get(w.name),
                     held_notice=self.held.get(w.name),
                     ranks_state=self._ranks_state(w),
+                    restored=self.restores.get(w.name),
                     holds_node=self.sidecars and w.exit_code is not None and w.stopping_at is None,
                 )
             )

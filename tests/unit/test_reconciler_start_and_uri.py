@@ -182,6 +182,48 @@ def test_a_newest_checkpoint_that_no_longer_loads_is_warned_about_once_naming_wh
     assert w.event_reasons().count("CheckpointUnusable") == 2, "once for each step lost, not once per pass"
 
 
+def test_a_checkpoint_the_ranks_pass_over_as_they_restore_is_warned_about_and_passed_over_by_the_status(
+    tmp_path: Any,
+) -> None:
+    """A byte of the newest checkpoint damaged, its size unchanged: the controller judges sizes only
+    and named it as the resume point, the ranks' restore found the CRC32C mismatch and restored an
+    older one; the status went on naming the damaged one, no CheckpointUnusable was told, the steps
+    trained again were not counted, and the next attempt was said to start from it again."""
+    w = make_world(tmp_path)
+    commit_checkpoint(w.storage, 40, w.clock.now())
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    w.reconcile()
+    assert w.status.attempt.resumed_from_step == 50
+    why = f"{w.storage.url(folder_name(50))}: corrupt on rank 0: {rank_file_name(0)} has CRC32C 1; the manifest says 2"
+    for name in ("train-0-0", "train-0-1"):
+        w.backend.restores[name] = (40, why)
+    status = w.run_until(running_attempt(0))
+    w.run_to(w.clock.at() + 30)
+    status = w.status
+    [told] = [e for e in w.events.emitted if e.reason == "CheckpointUnusable"]
+    assert told.type is EventType.WARNING
+    assert told.message.startswith("step 50, the newest checkpoint this job had recorded, did not load as the "), told
+    assert why in told.message and told.message.endswith(": the job resumes from step 40"), told
+    assert status.attempt.restored_step == 40
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 40
+    assert status.unusable_checkpoint is not None and status.unusable_checkpoint.step == 50
+    assert status.lost_steps == 10
+    assert w.metrics.named("lost_steps") == [(10,)]
+
+    w.backend.exit(0, 0, 1)  # the code failed: no checkpoint newer than 50 was committed
+    status = w.run_until(running_attempt(1))
+    started = [e.message for e in w.events.emitted if e.reason == "WorkersStarted"]
+    assert "attempt 1 from step 40" in started[-1], started
+    assert status.attempt.resumed_from_step == 40
+    w.run_to(w.clock.at() + 30)
+    assert w.event_reasons().count("CheckpointUnusable") == 1, "once, not again for the next attempt"
+
+    commit_checkpoint(w.storage, 60, w.clock.now())  # the next attempt commits past it: forgotten
+    status = w.run_to(w.clock.at() + 10)
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 60
+    assert status.unusable_checkpoint is None
+
+
 def test_a_checkpoint_uri_above_other_jobs_checkpoints_fails_the_job_naming_them(tmp_path: Any) -> None:
     """The workers' Checkpointers refuse such a URI (CheckpointUriError): the job fails at its first
     pass with InvalidCheckpointURI, naming the folder that holds checkpoints, and starts nothing."""
