@@ -143,6 +143,7 @@ class LocalRun(_RunSetup):
             if resume:
                 self.spec, status, version = self._read_for_resume()
                 _refuse_agent_settings(self.key, self.spec, options)
+                self._refuse_unusable_uri(self.spec)  # another job's, or refused: not a Failed run
             else:
                 try:
                     self.store.create(self.key, spec)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,26 @@ def _refuse_owned_uri(key: JobKey, spec: JobSpec) -> None:
         f"never restored by another job. To go on from them on purpose, first `spotjob ckpt adopt {uri} "
         f"--job {job}`, then run this command again; or give a --checkpoint-uri of its own"
     )
+
+
+def _owner_said(uri: str) -> str:
+    """`` (they belong to job 'local/b1')``: the owner of the checkpoints in ``uri`` as storage says
+    now, or nothing when storage cannot say (no owner recorded, a record or a store that cannot be
+    read)."""
+    from agent.ownership import OwnershipError, read_owner
+    from agent.storage import StorageError, open_storage
+
+    try:
+        storage = open_storage(uri)
+    except (StorageError, ValueError):
+        return ""
+    try:
+        owner = read_owner(storage)
+    except (StorageError, OwnershipError):
+        return ""
+    finally:
+        storage.close()
+    return f" (they belong to {owner.describe()})" if owner is not None else ""
 
 
 def _refuse_agent_settings(key: JobKey, spec: JobSpec, options: LocalOptions) -> None:
@@ -242,13 +263,64 @@ class _RunSetup:
         status = stored.status
         if status is not None and status.phase.terminal:
             uri = stored.spec.checkpoint.uri
+            # Whose they are now, as storage says: `spotjob ckpt adopt` may have given them to another job.
             raise RunError(
                 f"run {self.name!r} {status.phase.value.lower()} already ({status.reason}: {status.message}); "
-                f"there is nothing to resume. To carry on from its checkpoints in {uri} (they belong to "
-                f"local/{self.name}), hand them to a new run and start that with the same script and options: "
+                f"there is nothing to resume. To carry on from its checkpoints in {uri}{_owner_said(uri)}, hand "
+                f"them to a new run and start that with the same script and options: "
                 f"{hand_over_commands(uri, self.config.runs_dir)}"
             )
         return stored.spec, status, stored.version
+
+    def _refuse_unusable_uri(self, spec: JobSpec) -> None:
+        """(--resume, before anything of the run changes) A ``RunError`` (exit 2) when the run's
+        checkpoint URI would fail its next attempt at once: another job owns it (``spotjob ckpt
+        adopt`` gave it away: ``CheckpointURIOwned``), its owner record cannot be read, or storage
+        refuses it for good (a file where its folder was, no such bucket, access denied:
+        ``StorageRefused``). The resume drove the run into Failed instead, with advice (adopt the
+        URI, fix it and submit again) after which ``--resume`` was refused as a failed run's, as
+        ``_refuse_owned_uri`` says of a new run. Refused here, the run stays resumable, and the same
+        ``--resume`` runs once the URI is fixed. A store that does not answer now (an outage) is
+        left to the run, which waits for it (Degraded) as any attempt does."""
+        from agent.ownership import OwnershipError, read_owner
+        from agent.storage import PermanentStorageError, StorageError, open_storage
+        from orchestrator.reconciler import job_identity
+
+        uri = spec.checkpoint.uri
+        job = job_identity(self.key)
+        again = f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`"
+        kept = f"Nothing of run {self.name!r} was changed, and it can still be resumed"
+        try:
+            storage = open_storage(uri)
+            try:
+                owner = read_owner(storage)
+                if owner is None or owner.job == job:
+                    storage.list_dirs("")  # what its next attempt lists first
+            finally:
+                storage.close()
+        except OwnershipError as e:
+            raise RunError(
+                f"run {self.name!r} cannot be resumed now: its next attempt would fail on its checkpoint URI: {e}. "
+                f"{kept}: once the record names this run's job ({job}), run {again} again"
+            ) from None
+        except PermanentStorageError as e:
+            raise RunError(
+                f"run {self.name!r} cannot be resumed now: storage refuses its checkpoint URI {uri} ({e}), and its "
+                f"next attempt would fail on it (StorageRefused). --resume keeps the run's checkpoint URI, where "
+                f"its checkpoints are: make {uri} readable again (put its folder back, fix the bucket or the "
+                f"credentials), then run {again} again. {kept}"
+            ) from None
+        except (StorageError, ValueError):
+            return
+        if owner is None or owner.job == job:
+            return
+        raise RunError(
+            f"run {self.name!r} cannot be resumed now: its checkpoint URI {uri} belongs to {owner.describe()}, "
+            f"not to this run ({job}), and its next attempt would fail on it (CheckpointURIOwned). {kept}: to carry "
+            f"on with it from those checkpoints (and from what {owner.describe()} committed there), take the URI "
+            f"back with `spotjob ckpt adopt {shlex.quote(uri)} --job {job}`, then run {again} again; or leave "
+            f"them to {owner.describe()}"
+        )
 
     def _take_over(self, status: JobStatus | None, version: str) -> Takeover:
         """Wait for what the dead driver left running (its agents flush, then stop) and stop the

@@ -219,6 +219,85 @@ def test_a_checkpoint_uri_another_job_owns_is_refused_before_the_run_is_made(tmp
     LocalRun(config()).close()
 
 
+def test_resume_refuses_a_checkpoint_uri_another_job_owns_or_storage_refuses_and_leaves_the_run_resumable(
+    tmp_path: Path,
+) -> None:
+    """``spotjob ckpt adopt URI --job local/b`` of run a's URI, or its checkpoints folder turned
+    into a file: ``--resume a`` drove the run into Failed (CheckpointURIOwned, StorageRefused), whose
+    advice (adopt the URI for local/a; fix it and submit again) then met "run 'a' failed already,
+    there is nothing to resume ... (they belong to local/a)". Now --resume is refused (exit 2)
+    naming the owner, the run is unchanged, and once the URI is fixed the same --resume runs."""
+    from agent.ownership import adopt, claim
+    from agent.storage import open_storage
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.run_setup import RunError
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    LocalRun(RunConfig(script=str(script), args=[], name="a", runs_dir=str(runs), nproc=1)).close()
+    folder, job_file = runs / "a" / "checkpoints", runs / "a" / "local" / "a.json"
+    storage = open_storage(str(folder))
+    claim(storage, "local/a")  # what the run's first worker does
+    adopt(storage, "local/b")  # what `spotjob ckpt adopt URI --job local/b` does
+    before = job_file.read_text()
+
+    with pytest.raises(RunError) as refused:
+        LocalRun.resume(str(runs), "a")
+    said = str(refused.value)
+    assert f"its checkpoint URI {folder} belongs to job 'local/b', not to this run (local/a)" in said, said
+    assert f"`spotjob ckpt adopt {folder} --job local/a`, then run `spotjob run --runs-dir {runs}" in said, said
+    assert "Nothing of run 'a' was changed, and it can still be resumed" in said, said
+    assert job_file.read_text() == before, "a refused --resume changed the run"
+
+    adopt(storage, "local/a")  # the advice
+    LocalRun.resume(str(runs), "a").close()
+
+    folder.rename(tmp_path / "away")
+    folder.write_text("not a folder")
+    before = job_file.read_text()
+    with pytest.raises(RunError) as refused:
+        LocalRun.resume(str(runs), "a")
+    said = str(refused.value)
+    assert f"storage refuses its checkpoint URI {folder} (" in said and "is a regular file, not a folder" in said
+    assert f"make {folder} readable again" in said and "Nothing of run 'a' was changed" in said, said
+    assert job_file.read_text() == before, "a refused --resume changed the run"
+
+    folder.unlink()
+    (tmp_path / "away").rename(folder)
+    LocalRun.resume(str(runs), "a").close()
+
+
+def test_resume_of_a_failed_run_names_who_owns_its_checkpoints_now(tmp_path: Path) -> None:
+    """Its refusal said "(they belong to local/NAME)" whoever owned them: after `spotjob ckpt
+    adopt --job local/b` they are local/b's."""
+    from agent.ownership import adopt, claim
+    from agent.storage import open_storage
+    from orchestrator.model import JobKey, JobStatus, Phase
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.run_setup import RunError
+    from orchestrator.store import JsonFileJobStore
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    LocalRun(RunConfig(script=str(script), args=[], name="a", runs_dir=str(runs), nproc=1)).close()
+    store = JsonFileJobStore(str(runs / "a"), create=False)
+    stored = store.get(JobKey.local("a"))
+    assert stored is not None
+    failed = JobStatus(phase=Phase.FAILED, reason="RestartBudgetExhausted", message="all 3 restart(s) are used")
+    store.update_status(JobKey.local("a"), failed, version=stored.version)
+    storage = open_storage(str(runs / "a" / "checkpoints"))
+    claim(storage, "local/a")
+    adopt(storage, "local/b")
+
+    with pytest.raises(RunError) as refused:
+        LocalRun.resume(str(runs), "a")
+    said = str(refused.value)
+    assert f"its checkpoints in {runs / 'a' / 'checkpoints'} (they belong to job 'local/b')" in said, said
+    assert "local/a)" not in said, said
+
+
 def test_a_run_that_stopped_on_an_invalid_spec_says_why_not_its_phases_reason() -> None:
     """A local job the reconciler found invalid stops while its phase is still Pending (reason
     Created): ``spotjob run`` said "failed: Created: waiting for the first pass", never the
