@@ -31,6 +31,7 @@ from orchestrator.run_folder import (
     DriverLock,
     empty_runs_dir_problem,
     failed_worker_logs,
+    job_file_gone_problem,
     older_layout_problem,
     read_cloud,
     reported_step,
@@ -85,6 +86,9 @@ def read_run(runs_dir: str, name: str) -> RunRecord | None:
     if not os.path.lexists(store.path(key)):
         if older_layout_problem(path, name) is not None:  # the layout before jobs had namespaces
             return RunRecord(name, path, None, None, False, error="a run folder of an older spotjob (not read)")
+        gone = job_file_gone_problem(path, name)
+        if gone is not None:  # what a run left, its job file removed: one line saying so, not "no run"
+            return RunRecord(name, path, None, None, _driver_pid(path) is not None, error=gone)
         return None
     try:
         return _read_run(path, key, store)

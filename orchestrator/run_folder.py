@@ -118,6 +118,39 @@ def older_layout_problem(path: str, name: str) -> str | None:
     )
 
 
+LEFT_BY_A_RUN = (RUN_FILE, TIMELINE_FILE, SUMMARY_FILE, "checkpoints", "nodes", "logs")
+"""What a run that was driven leaves in its folder beside its job file (``checkpoints/``: the default
+checkpoint URI). Not ``cloud.json``, which a new run writes as it is made and removes with the rest
+when it cannot be made whole."""
+
+
+def job_file_gone_problem(path: str, name: str) -> str | None:
+    """Why the run folder ``path`` of run ``name`` holds no run that can go on, when it holds what
+    a run left (``LEFT_BY_A_RUN``) but not its job file ``local/<name>.json`` (removed by hand, or
+    while the run went on: ``RunJobGone``); None otherwise."""
+    if os.path.lexists(os.path.join(path, "local", f"{name}.json")):
+        return None
+    left = [os.path.join(path, m) for m in LEFT_BY_A_RUN]
+    found = [f"{os.path.basename(p)}{'/' if os.path.isdir(p) else ''}" for p in left if os.path.lexists(p)]
+    if not found:
+        return None
+    return (
+        f"its job file local/{name}.json is gone, so the run can neither go on nor be resumed (its folder holds "
+        f"what it left: {', '.join(found)})"
+    )
+
+
+def job_file_gone_advice(path: str, runs_dir: str) -> str:
+    """How to go on from the checkpoints of a run whose job file is gone (``job_file_gone_problem``)."""
+    uri = os.path.join(path, "checkpoints")
+    if not os.path.isdir(uri):
+        return "its checkpoints, if any, stay where its --checkpoint-uri named"
+    return (
+        f"to go on from its checkpoints in {uri}, hand them to a new run and start that with the same script "
+        f"and options: {hand_over_commands(uri, runs_dir)}"
+    )
+
+
 class NoFileLocksError(OSError):
     """The run folder's filesystem refuses ``flock`` (NFS mounted without lockd, some FUSE mounts):
     the driver lock, which alone tells a live driver from a dead one, cannot be taken there."""

@@ -30,6 +30,8 @@ from orchestrator.model import JobKey, JobSpec, JobStatus
 from orchestrator.run_config import RunConfig, name_problem
 from orchestrator.run_folder import (
     hand_over_commands,
+    job_file_gone_advice,
+    job_file_gone_problem,
     older_layout_problem,
     read_cloud,
     reported_step,
@@ -178,6 +180,9 @@ def resume_config(runs_dir: str, name: str, *, cloud: str | None = None, **plan:
                 f"{older}: it cannot be resumed. To carry on from its checkpoints, hand them to a new run "
                 f"and start it with the same script and options: {hand_over_commands(uri, runs_dir)}"
             )
+        gone = job_file_gone_problem(path, name)
+        if gone is not None:
+            raise RunError(f"run {name!r} in {path}: {gone}; {job_file_gone_advice(path, runs_dir)}")
         raise RunError(f"no run named {name!r} under {os.path.abspath(runs_dir)} to resume")
     try:
         stored = store.get(key)
@@ -248,6 +253,16 @@ class _RunSetup:
         older = older_layout_problem(self.path, self.name)
         if older is not None:  # a new run would mix its files (and its checkpoints) with the older run's
             raise RunExistsError(f"{older}: pick another --name, or move that folder away")
+        gone = job_file_gone_problem(self.path, self.name)
+        if gone is not None:
+            # Its job was local/NAME too: a new run there restored that run's checkpoints (the
+            # default URI's owner accepts it) and appended to its timeline, without a word.
+            raise RunExistsError(
+                f"a run named {self.name!r} was in {self.path}: {gone}, and a new run there would mix its files "
+                "with that run's and go on from its checkpoints. "
+                f"Pick another --name, or move that folder away (removed, its checkpoints in it go with it); "
+                f"{job_file_gone_advice(self.path, self.config.runs_dir)}"
+            )
 
     def _read_for_resume(self) -> tuple[JobSpec, JobStatus | None, str]:
         try:

@@ -649,3 +649,61 @@ def test_a_job_file_removed_while_the_run_goes_on_is_flushed_stopped_and_said_no
     assert checkpoint.manifest is not None and checkpoint.manifest.trigger == "flush"
     assert f"committed step {checkpoint.ref.step}" in said and "spotjob ckpt adopt" in said
     assert not run_pids(str(run)), "a process of the run was left running"
+
+
+def test_a_run_folder_whose_job_file_was_removed_is_no_free_name_and_status_lists_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its job file removed, the run "can neither go on nor be resumed", yet ``spotjob run --name
+    gone ...`` was not refused: it started in the old folder under the same job local/gone,
+    restored the old run's checkpoint from the default URI and appended to its timeline, and
+    ``spotjob status`` said there were no runs. Now the new run is refused (exit 2) naming the
+    folder and what to do, nothing of the folder changes, and ``status`` lists it as unreadable."""
+    run, log, driver = _endless(tmp_path, "gone")
+    try:
+        wait_for(running(driver, run, log), "the run to train")
+        wait_for(lambda: steps_reported(run) >= 3, "three steps")
+        (run / "local" / "gone.json").unlink()
+        code = until_exit(driver)
+    finally:
+        kill_left(run, driver)
+    assert code == 1, log.read_text()[-4000:]
+    timeline = (run / "timeline.jsonl").read_text()
+    uri = run / "checkpoints"
+    committed = [c.ref.step for c in list_checkpoints(open_storage(str(uri))) if c.valid]
+    assert committed, log.read_text()[-4000:]
+
+    again = subprocess.run(
+        [tool("spotjob"), "run", "--no-live", "--name", "gone", "--nproc", "1", str(TRAIN), "--steps", "5"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=GIVE_UP_S,
+    )
+    said = again.stderr
+    assert again.returncode == 2, (again.stdout + said)[-6000:]
+    assert f"a run named 'gone' was in {run}: its job file local/gone.json is gone, so the run can neither" in said
+    assert "(its folder holds what it left: run.json, timeline.jsonl" in said, said
+    assert "Pick another --name, or move that folder away (removed, its checkpoints in it go with it)" in said
+    assert f"`spotjob ckpt adopt {uri} --job local/NEW`" in said, said
+    assert (run / "timeline.jsonl").read_text() == timeline, "the refused run wrote in the old run's timeline"
+    assert not (run / "local" / "gone.json").exists()
+    assert [c.ref.step for c in list_checkpoints(open_storage(str(uri))) if c.valid] == committed
+
+    runs = str(tmp_path / "spotjob-runs")
+    listing = spotjob_status(capsys, "--runs-dir", runs)
+    assert listing.returncode == 0 and "no runs under" not in listing.stdout, listing
+    [line] = [x for x in listing.stdout.splitlines() if "gone" in x]
+    assert "unreadable" in line, listing.stdout
+    detail = spotjob_status(capsys, "--runs-dir", runs, "gone")
+    assert detail.returncode == 0 and "can neither go on nor be resumed" in detail.stdout, detail
+    resumed = subprocess.run(
+        [tool("spotjob"), "run", "--no-live", "--resume", "gone"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=GIVE_UP_S,
+    )
+    assert resumed.returncode == 2 and "can neither go on nor be resumed" in resumed.stderr, resumed.stderr
