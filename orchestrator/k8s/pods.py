@@ -481,9 +481,10 @@ def _json_type(value: Any) -> str:
 def _shape_problems(template: Mapping[str, Any], container: int) -> list[str]:
     """The parts of the template the pod builder reads or merges into, not of the JSON type the Pod
     API gives them: the CRD keeps the template as written (``x-kubernetes-preserve-unknown-fields``),
-    so ``env: {A: "1"}`` (``spec.env``'s map form) in a container, or a label written ``2``, reached
-    the pod builder, which failed every pass (or the API server refused every pod) without a word on
-    the SpotJob. Each names its field; null counts as absent."""
+    so ``env: {A: "1"}`` (``spec.env``'s map form) in a container, or a label or nodeSelector value
+    written ``2`` (or YAML's ``true``), reached the pod builder, which failed every pass (or the API
+    server refused every pod) without a word on the SpotJob. Each names its field; null counts as
+    absent."""
     problems: list[str] = []
 
     def check(value: Any, path: str, want: type | tuple[type, ...], words: str, hint: str = "") -> bool:
@@ -522,6 +523,10 @@ def _shape_problems(template: Mapping[str, Any], container: int) -> list[str]:
                 check(pre_stop.get("sleep"), f"{where}.lifecycle.preStop.sleep", dict, "an object")
     objects(spec.get("volumes"), "spec.volumes")
     objects(spec.get("tolerations"), "spec.tolerations")
+    # A node's labels are strings: `gpu: true` (YAML's boolean) or `zone: 1` made every pod a 422.
+    if check(spec.get("nodeSelector"), "spec.nodeSelector", dict, "an object of strings"):
+        for key, value in spec["nodeSelector"].items():
+            check(value, f"spec.nodeSelector.{key}", str, "a string", ': quote it ("true", "2")')
     grace = spec.get("terminationGracePeriodSeconds")
     if not isinstance(grace, str) or not grace.strip().lstrip("-").isdigit():  # "60" was taken, and still is
         check(grace, "spec.terminationGracePeriodSeconds", (int, float), "a number")

@@ -540,6 +540,16 @@ def test_labels_and_annotations_the_api_server_takes_pass() -> None:
             "metadata.labels must be an object of strings, not a list",
         ),
         (lambda t: t["metadata"]["labels"].update(version=2), "metadata.labels.version must be a string, not a number"),
+        # `gpu: true` in YAML is a boolean: the API server refused every pod (a node's labels are strings).
+        (
+            lambda t: t["spec"]["nodeSelector"].update(gpu=True),
+            'spec.nodeSelector.gpu must be a string, not a boolean: quote it ("true", "2")',
+        ),
+        (lambda t: t["spec"]["nodeSelector"].update(slots=8), "spec.nodeSelector.slots must be a string, not a number"),
+        (
+            lambda t: t["spec"].update(nodeSelector=["kubernetes.io/os=linux"]),
+            "spec.nodeSelector must be an object of strings, not a list",
+        ),
     ],
 )
 def test_a_template_part_of_the_wrong_json_type_is_refused_naming_it_instead_of_failing_the_pod_builder(

@@ -387,6 +387,10 @@ def _template_label_value_with_a_space(spec: dict[str, Any]) -> None:
     }
 
 
+def _node_selector_value_a_boolean(spec: dict[str, Any]) -> None:
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}], "nodeSelector": {"gpu": True}}}
+
+
 def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}]}}
     spec["startTimeoutSeconds"] = 600
@@ -403,12 +407,19 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
         (_no_image, "spec.image: required without spec.template"),
         (_template_env_as_a_map, "spec.template.spec.containers[0].env must be a list of objects, not an object"),
         (_template_label_value_with_a_space, "spec.template.metadata.labels.team: 'ml research' is no label value"),
+        (_node_selector_value_a_boolean, "spec.template.spec.nodeSelector.gpu must be a string, not a boolean"),
         (
             _fallback_container_name_with_a_typo,
             "with spec.fallback.template merged in, spec.template.spec.containers[1].image is required",
         ),
     ],
-    ids=["no-image", "template-env-as-a-map", "template-label-value-with-a-space", "fallback-container-name-typo"],
+    ids=[
+        "no-image",
+        "template-env-as-a-map",
+        "template-label-value-with-a-space",
+        "node-selector-value-a-boolean",
+        "fallback-container-name-typo",
+    ],
 )
 def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_naming_the_field(
     test_api: TestApi, tmp_path: Path, change: Any, said: str
