@@ -227,7 +227,7 @@ def template_problems(template: Mapping[str, Any] | None, container: int, *, pol
     container that spotjob sets over it would be replaced without a word.
     """
     set_by_spec = {v: f"spec.checkpoint.{POLICY_ENV[v]}" for v in policy}
-    problems = _shape_problems(template or {}, container)
+    problems = _shape_problems(template or {})
     if problems:
         return problems  # the rules below, and the pod builder, read these parts
     spec = (template or {}).get("spec") or {}
@@ -478,7 +478,7 @@ def _json_type(value: Any) -> str:
     return "a list" if isinstance(value, list) else "an object"
 
 
-def _shape_problems(template: Mapping[str, Any], container: int) -> list[str]:
+def _shape_problems(template: Mapping[str, Any]) -> list[str]:
     """The parts of the template the pod builder reads or merges into, not of the JSON type the Pod
     API gives them: the CRD keeps the template as written (``x-kubernetes-preserve-unknown-fields``),
     so ``env: {A: "1"}`` (``spec.env``'s map form) in a container, or a label or nodeSelector value
@@ -506,21 +506,23 @@ def _shape_problems(template: Mapping[str, Any], container: int) -> list[str]:
             for name, value in meta[key].items():
                 check(value, f"metadata.{key}.{name}", str, "a string", ': quote it ("2", "true")')
     spec = template.get("spec") or {}
-    containers = spec.get("containers") or []
-    if 0 <= container < len(containers) and isinstance(containers[container], Mapping):
-        trainer = containers[container]
-        where = f"spec.containers[{container}]"
-        for path, item in objects(trainer.get("env"), f"{where}.env", " (spec.env is the map form: NAME: value)"):
-            if not item.get("name"):
-                problems.append(f"spec.template.{path}.name is required")
-            check(item.get("name"), f"{path}.name", str, "a string")
-            check(item.get("value"), f"{path}.value", str, "a string", ': quote it ("2", "true")')
-        objects(trainer.get("ports"), f"{where}.ports")
-        objects(trainer.get("volumeMounts"), f"{where}.volumeMounts")
-        if check(trainer.get("lifecycle"), f"{where}.lifecycle", dict, "an object"):
-            pre_stop = trainer["lifecycle"].get("preStop")
-            if check(pre_stop, f"{where}.lifecycle.preStop", dict, "an object"):
-                check(pre_stop.get("sleep"), f"{where}.lifecycle.preStop.sleep", dict, "an object")
+    # Every container, not only the training one (the pod builder reads only its): a sidecar's or an
+    # init container's part of the wrong type makes the API server refuse the pod all the same.
+    for kind in ("initContainers", "containers"):
+        for where, c in objects(spec.get(kind), f"spec.{kind}"):
+            for path, item in objects(c.get("env"), f"{where}.env", " (spec.env is the map form: NAME: value)"):
+                if item.get("name") is None:  # an empty one is named with the rule below
+                    problems.append(f"spec.template.{path}.name is required")
+                check(item.get("name"), f"{path}.name", str, "a string")
+                check(item.get("value"), f"{path}.value", str, "a string", ': quote it ("2", "true")')
+            objects(c.get("ports"), f"{where}.ports")
+            objects(c.get("volumeMounts"), f"{where}.volumeMounts")
+            if check(c.get("lifecycle"), f"{where}.lifecycle", dict, "an object"):
+                pre_stop = c["lifecycle"].get("preStop")
+                if check(pre_stop, f"{where}.lifecycle.preStop", dict, "an object"):
+                    sleep = pre_stop.get("sleep")
+                    if check(sleep, f"{where}.lifecycle.preStop.sleep", dict, "an object"):
+                        check(sleep.get("seconds"), f"{where}.lifecycle.preStop.sleep.seconds", int, "a whole number")
     objects(spec.get("volumes"), "spec.volumes")
     objects(spec.get("tolerations"), "spec.tolerations")
     # A node's labels are strings: `gpu: true` (YAML's boolean) or `zone: 1` made every pod a 422.

@@ -540,6 +540,32 @@ def test_labels_and_annotations_the_api_server_takes_pass() -> None:
             "metadata.labels must be an object of strings, not a list",
         ),
         (lambda t: t["metadata"]["labels"].update(version=2), "metadata.labels.version must be a string, not a number"),
+        # Every container's, not only the training container's: the API server refuses the pod all the same.
+        (
+            lambda t: t["spec"]["containers"][0].update(env=[{"name": "LOG_LEVEL", "value": 2}]),
+            "spec.containers[0].env[0].value must be a string, not a number: quote it",
+        ),
+        (lambda t: t["spec"]["containers"][0].update(env={"A": "1"}), "spec.containers[0].env must be a list of"),
+        (
+            lambda t: t["spec"]["containers"][0].update(volumeMounts={"name": "data"}),
+            "spec.containers[0].volumeMounts must be a list of objects, not an object",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers=[{"name": "warm", "image": "busybox:1", "env": {"A": "1"}}]),
+            "spec.initContainers[0].env must be a list of objects, not an object",
+        ),
+        (
+            lambda t: t["spec"].update(initContainers={"name": "warm", "image": "busybox:1"}),
+            "spec.initContainers must be a list of objects, not an object",
+        ),
+        (
+            lambda t: t["spec"]["containers"][1].update(lifecycle={"preStop": {"sleep": {"seconds": "5"}}}),
+            "spec.containers[1].lifecycle.preStop.sleep.seconds must be a whole number, not a string",
+        ),
+        (
+            lambda t: t["spec"]["containers"][0].update(lifecycle={"preStop": {"sleep": {"seconds": 2.5}}}),
+            "spec.containers[0].lifecycle.preStop.sleep.seconds must be a whole number, not a number",
+        ),
         # `gpu: true` in YAML is a boolean: the API server refused every pod (a node's labels are strings).
         (
             lambda t: t["spec"]["nodeSelector"].update(gpu=True),

@@ -391,6 +391,16 @@ def _node_selector_value_a_boolean(spec: dict[str, Any]) -> None:
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}], "nodeSelector": {"gpu": True}}}
 
 
+def _sidecar_env_value_a_number(spec: dict[str, Any]) -> None:
+    shipper = {"name": "shipper", "image": "s:1", "env": [{"name": "LOG_LEVEL", "value": 2}]}
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}, shipper]}}
+
+
+def _init_container_env_as_a_map(spec: dict[str, Any]) -> None:
+    warm = {"name": "warm", "image": "s:1", "command": ["true"], "env": {"A": "1"}}
+    spec["template"] = {"spec": {"initContainers": [warm], "containers": [{"name": "trainer", "image": "img:1"}]}}
+
+
 def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "image": "img:1"}]}}
     spec["startTimeoutSeconds"] = 600
@@ -408,6 +418,8 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
         (_template_env_as_a_map, "spec.template.spec.containers[0].env must be a list of objects, not an object"),
         (_template_label_value_with_a_space, "spec.template.metadata.labels.team: 'ml research' is no label value"),
         (_node_selector_value_a_boolean, "spec.template.spec.nodeSelector.gpu must be a string, not a boolean"),
+        (_sidecar_env_value_a_number, "spec.template.spec.containers[1].env[0].value must be a string, not a number"),
+        (_init_container_env_as_a_map, "spec.template.spec.initContainers[0].env must be a list of objects"),
         (
             _fallback_container_name_with_a_typo,
             "with spec.fallback.template merged in, spec.template.spec.containers[1].image is required",
@@ -418,6 +430,8 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
         "template-env-as-a-map",
         "template-label-value-with-a-space",
         "node-selector-value-a-boolean",
+        "sidecar-env-value-a-number",
+        "init-container-env-as-a-map",
         "fallback-container-name-typo",
     ],
 )
