@@ -384,7 +384,7 @@ class JobSpec(_Resource):
         if self.template is None:
             raise ValueError("spec.fallback patches spec.template: the job has none")
         merged = merge_template(self.template, self.fallback.template)
-        problem = _template_problem(merged)
+        problem = _template_problem(merged) or self._image_problem(merged)
         if problem is not None:
             raise ValueError(f"spec.template merged with spec.fallback.template: {problem}")
         return self
@@ -405,13 +405,24 @@ class JobSpec(_Resource):
                 f"containerName {self.container_name!r} names no container of the template "
                 f"(it has {', '.join(repr(n) for n in names)})"
             )
-        index, container = self.training_container() or (0, {})
-        if not container.get("image") and self.image is None:
-            raise ValueError(
-                f"the training container {container.get('name')!r} has no image: set spec.image or "
-                f"template.spec.containers[{index}].image"
-            )
+        problem = self._image_problem(self.template)
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+    def _image_problem(self, template: dict[str, Any]) -> str | None:
+        """Why the training container of ``template`` (the job's, or the one the fallback attempts
+        run: a fallback that sets its image to null or "" removes it) would have no image."""
+        containers: list[dict[str, Any]] = template["spec"]["containers"]
+        for index, container in enumerate(containers):
+            if self.container_name is None or container.get("name") == self.container_name:
+                if container.get("image") or self.image is not None:
+                    return None
+                return (
+                    f"the training container {container.get('name')!r} has no image: set spec.image or "
+                    f"template.spec.containers[{index}].image"
+                )
+        return None  # containerName names no container: told on its own
 
     def training_container(self) -> tuple[int, dict[str, Any]] | None:
         """The template's container the agent runs in, with its index; None without a template."""

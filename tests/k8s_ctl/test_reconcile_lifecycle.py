@@ -411,6 +411,15 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
     }
 
 
+def _fallback_removes_the_training_image(spec: dict[str, Any]) -> None:
+    del spec["image"]
+    spec["template"] = {
+        "spec": {"containers": [{"name": "trainer", "image": "img:1"}], "nodeSelector": {"pool": "spot-a100"}}
+    }
+    spec["startTimeoutSeconds"] = 3
+    spec["fallback"] = {"template": {"spec": {"containers": [{"name": "trainer", "image": None}]}}}
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [
@@ -424,6 +433,10 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
             _fallback_container_name_with_a_typo,
             "with spec.fallback.template merged in, spec.template.spec.containers[1].image is required",
         ),
+        (
+            _fallback_removes_the_training_image,
+            "spec.template merged with spec.fallback.template: the training container 'trainer' has no image",
+        ),
     ],
     ids=[
         "no-image",
@@ -433,6 +446,7 @@ def _fallback_container_name_with_a_typo(spec: dict[str, Any]) -> None:
         "sidecar-env-value-a-number",
         "init-container-env-as-a-map",
         "fallback-container-name-typo",
+        "fallback-removes-the-training-image",
     ],
 )
 def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_naming_the_field(
@@ -447,7 +461,9 @@ def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_nami
     value the API server refuses in a pod (``ml research``): every worker pod was refused on every
     pass. A container of ``spec.fallback.template`` whose name has a typo (``trainr``) was added to
     the fallback pods as a container without an image: every pod refused, but only once the job
-    fell back, when spot capacity was short. All are now ``Invalid=True`` with an InvalidSpec Event
+    fell back, when spot capacity was short. A ``spec.fallback.template`` that sets the training
+    container's image to null (or "") with no ``spec.image``: accepted, and once the job fell back
+    every pod was refused. All are now ``Invalid=True`` with an InvalidSpec Event
     naming the field, and no pod."""
     install_spotjob_crd(test_api, without_spec_rules=("has(self.template) || has(self.image)",))
     parts = Parts(test_api, tmp_path, events=True)
