@@ -120,7 +120,11 @@ STORAGE_REFUSED_FAILED = Reason(
 )
 BACKEND_UNAVAILABLE = Reason("BackendUnavailable", "the backend failed: {error}", warning=True)
 HEALTHY = Reason("Healthy", "storage and the backend answer")
-INVALID_SPEC = Reason("InvalidSpec", "{problems}; nothing is done for this job until its spec is fixed", warning=True)
+INVALID_SPEC = Reason("InvalidSpec", "{problems}; {remedy}", warning=True)
+SPEC_REMEDY = "nothing is done for this job until its spec is fixed"
+NAME_REMEDY = (
+    "nothing is done for this job, and no edit changes a name: delete it and create it again under another name"
+)
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 UNKNOWN_VARIABLES = Reason(
     "UnknownVariables",

@@ -81,9 +81,11 @@ from orchestrator.reconciler._reasons import (
     INVALID_CHECKPOINT_URI,
     INVALID_SPEC,
     INVALID_STATUS,
+    NAME_REMEDY,
     NOTICE_HELD,
     READY,
     SPEC_CHANGE_IGNORED,
+    SPEC_REMEDY,
     SPEC_VALID,
     STORAGE_REFUSED,
     STORAGE_REFUSED_FAILED,
@@ -471,7 +473,9 @@ class Reconciler(_Capacity):
         return "; ".join(problems) or None
 
     def _invalid(self, p: _Pass, problems: str, generation: int) -> None:
-        message = INVALID_SPEC.message(problems=problems)
+        # A name the controller refuses stays refused: only a job created under another name runs.
+        remedy = NAME_REMEDY if job_name_problem(p.key.name) is not None else SPEC_REMEDY
+        message = INVALID_SPEC.message(problems=problems, remedy=remedy)
         self._condition(p, INVALID, True, INVALID_SPEC.name, message)
         if p.status.phase is Phase.PENDING:
             # No worker runs: the phase's reason is why (`kubectl get sj -o wide`, `kubectl spotjob

@@ -159,12 +159,17 @@ SPOTJOB_CRD_FILE = REPO / "charts" / "spotjob" / "files" / "crds" / "spotjob.dev
 
 
 def install_spotjob_crd(
-    test_api: TestApi, *, without_status: tuple[str, ...] = (), without_spec_rules: tuple[str, ...] = ()
+    test_api: TestApi,
+    *,
+    without_status: tuple[str, ...] = (),
+    without_spec_rules: tuple[str, ...] = (),
+    without_name_rule: bool = False,
 ) -> None:
     """Create the chart's SpotJob CRD in the test API server and wait until SpotJobs are served;
     ``without_status``: status fields to leave out (an older CRD, whose server drops them);
     ``without_spec_rules``: CEL rules of ``spec`` to leave out (an older CRD, or a server that
-    does not evaluate CEL), by their rule text."""
+    does not evaluate CEL), by their rule text; ``without_name_rule``: leave out the rule on
+    ``metadata.name`` (a CRD older than it)."""
     import yaml
 
     from orchestrator.k8s.api import SPOTJOBS
@@ -177,6 +182,10 @@ def install_spotjob_crd(
     kept = [r for r in spec["x-kubernetes-validations"] if r["rule"] not in without_spec_rules]
     assert len(kept) == len(spec["x-kubernetes-validations"]) - len(without_spec_rules), "no such rule"
     spec["x-kubernetes-validations"] = kept
+    if without_name_rule:
+        rules = schema["x-kubernetes-validations"]
+        schema["x-kubernetes-validations"] = [r for r in rules if "metadata.name" not in r["rule"]]
+        assert len(schema["x-kubernetes-validations"]) == len(rules) - 1, "no name rule"
     test_api.admin.create(CRDS, crd)
 
     def served() -> bool:

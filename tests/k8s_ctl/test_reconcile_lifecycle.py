@@ -487,6 +487,37 @@ def test_a_spotjob_the_schema_takes_but_no_pod_can_be_built_from_is_invalid_nami
         parts.stop()
 
 
+@pytest.mark.parametrize("name", ["x" * 41, "team.run"], ids=["41-characters", "with-a-dot"])
+def test_a_job_under_a_name_no_pod_can_carry_is_told_to_be_created_again_under_another_name(
+    test_api: TestApi, tmp_path: Path, name: str
+) -> None:
+    """A name the controller refuses (stored under a CRD older than its rule on metadata.name) was
+    told "nothing is done for this job until its spec is fixed", though no edit of the spec, nor of
+    anything else, changes a name. The message now says to create the job again under another name."""
+    install_spotjob_crd(test_api, without_name_rule=True)
+    parts = Parts(test_api, tmp_path, events=True)
+    try:
+        job = spotjob(parts.uri)
+        job["metadata"]["name"] = name
+        test_api.admin.create(SPOTJOBS, job, "default")
+        wait_for(lambda: parts.jobs.cache.get("default", name), what="the job in the cache")
+        result = parts.reconciler.reconcile(JobKey("default", name))
+        assert result.phase is Phase.PENDING and result.requeue_after is None, result
+
+        status = test_api.admin.get(SPOTJOBS, name, "default")["status"]
+        [invalid] = [c for c in status["conditions"] if c["type"] == "Invalid"]
+        assert invalid["status"] == "True" and invalid["reason"] == "InvalidSpec", invalid
+        assert invalid["message"].startswith(f"metadata.name: job name {name!r}"), invalid
+        said = "no edit changes a name: delete it and create it again under another name"
+        assert invalid["message"].endswith(said), invalid
+        assert "until its spec is fixed" not in invalid["message"], invalid
+        [event] = _events(test_api, "InvalidSpec")
+        assert event["note"].endswith(said), event
+        assert test_api.admin.list(PODS, "default")[0] == []
+    finally:
+        parts.stop()
+
+
 def test_an_unknown_spotjob_variable_in_env_is_a_warning_event_once_and_the_job_runs(
     test_api: TestApi, tmp_path: Path
 ) -> None:
