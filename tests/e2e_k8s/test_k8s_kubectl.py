@@ -8,6 +8,7 @@ keeps running.
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from e2e_support import (
     Controller,
     job_events,
     job_pods,
+    jobs_path,
     status,
     wait,
     wait_phase,
@@ -173,3 +175,40 @@ def test_kubectl_apply_keeps_a_fallback_null_only_in_its_annotation_where_the_co
     assert lost() == ['spec.fallback.template.spec.nodeSelector["karpenter.sh/capacity-type"]']
     cluster.kubectl("replace", "-n", namespace, "-f", str(manifest))
     assert lost() == []
+
+
+def _readme_held_notices_listing() -> str:
+    [line] = re.findall(r"^\$ (kubectl get sj -A .*heldNotices.*)$", (REPO / "README.md").read_text(), re.M)
+    return line
+
+
+def test_the_readmes_listing_by_held_notice_lists_every_job_whether_or_not_one_holds_a_notice(
+    cluster: TestCluster, namespace: str, spotjob_crd: None
+) -> None:
+    """README's ``kubectl get sj -A --sort-by=.status.heldNotices[0].flushAt`` printed "No resources
+    found" with kubectl 1.32 while no job held a notice, though it claimed to list the jobs holding
+    one last. The command README gives now lists every job, those holding a notice first."""
+    command = _readme_held_notices_listing()
+    for name in ("a1", "b2", "c3"):
+        job = {
+            "apiVersion": "spotjob.dev/v1alpha1",
+            "kind": "SpotJob",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"image": "img:1", "command": ["/t.py"], "checkpoint": {"uri": f"s3://b/{name}"}},
+        }
+        cluster.rest.request("POST", jobs_path(namespace), job)
+
+    def listed() -> list[list[str]]:
+        run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True)
+        rows = [line.split() for line in run.stdout.splitlines()]
+        return [[flush, name] for flush, ns, name in rows if ns == namespace]
+
+    assert listed() == [["<none>", "a1"], ["<none>", "b2"], ["<none>", "c3"]]
+    notice = {"worker": "c3-0-0", "source": "gcp", "kind": "maintenance", "flushAt": "2026-06-01T12:15:00Z"}
+    cluster.rest.request(
+        "PATCH",
+        jobs_path(namespace, "c3") + "/status",
+        {"status": {"phase": "Running", "heldNotices": [notice]}},
+        content_type="application/merge-patch+json",
+    )
+    assert listed() == [["2026-06-01T12:15:00Z", "c3"], ["<none>", "a1"], ["<none>", "b2"]]
