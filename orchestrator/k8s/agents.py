@@ -22,8 +22,11 @@ requests queue.
 ``report()`` answers the last step an agent reported (``GET /status``, at most every
 ``status_max_age`` seconds per pod, in the background): a hint for the reconciler's accounting,
 never a decision; and, from the same answer, the cloud notice the agent holds (``held_notice``,
-``flush_at``: a deadline further away than its ``--flush-lead``), for the job's status. An agent
-that does not send those fields (older than them) holds none as far as the controller can tell.
+``flush_at``: a deadline further away than its ``--flush-lead``), for the job's status; and the
+step its node's ranks restored, with why they passed over a newer checkpoint (``restored_step``,
+``restore_passed_over``: the reconciler's CheckpointUnusable for a damaged byte). An agent that does
+not send those fields (older than them) holds none and says nothing restored as far as the
+controller can tell; values not of their shape are ignored the same way, with a log line.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ class _Status:
     report: AgentReport = AgentReport()
     fetched_at: float = float("-inf")
     future: Future[None] | None = None
+    malformed_restored: bool = False
+    """A log line said that the agent's ``restored_step``/``restore_passed_over`` were not of their shape."""
 
 
 Transport = Callable[[str, int, str, str, bytes | None, str, float], tuple[int, bytes]]
@@ -322,7 +327,7 @@ class AgentCalls:
                 held,
                 ranks_not_meeting(body.get("ranks_not_meeting")),
                 ranks_state(body.get("rank_state")),
-                restored(body.get("restored_step"), body.get("restore_passed_over")) or entry.report.restored,
+                _restored(agent, entry, body) or entry.report.restored,
             )
 
     # -- housekeeping
@@ -333,6 +338,27 @@ class AgentCalls:
             for key in [k for k in self._calls if k[1] == pod_uid]:
                 del self._calls[key]
             self._status.pop(pod_uid, None)
+
+
+def _restored(agent: Endpoint, entry: _Status, body: dict[str, Any]) -> tuple[int, str | None] | None:
+    """The ``restored_step`` and ``restore_passed_over`` of an agent's ``/status`` answer
+    (``orchestrator.backends.base.restored``); values not of their shape (an agent or a proxy that
+    answers something else there) are ignored as if absent, with a log line once per pod. Called
+    with the lock held."""
+    step, why = body.get("restored_step"), body.get("restore_passed_over")
+    said = restored(step, why)
+    if ((step is not None and said is None) or (why is not None and not isinstance(why, str))) and not (
+        entry.malformed_restored
+    ):
+        entry.malformed_restored = True
+        log.warning(
+            "the agent of %s answered restored_step=%.100r restore_passed_over=%.100r on GET /status, not a step "
+            "and a reason: ignored (a checkpoint its ranks passed over as they restored goes untold)",
+            agent.pod,
+            step,
+            why,
+        )
+    return said
 
 
 def _quietly(answered: Callable[[], None]) -> None:

@@ -342,3 +342,114 @@ def test_an_agent_reports_what_its_ranks_do_so_a_timed_out_flush_can_name_the_on
         assert calls.report(endpoint()).ranks_state == "flushing"
     finally:
         calls.close()
+
+
+def test_the_step_the_ranks_restored_and_the_checkpoint_they_passed_over_come_from_the_agents_status(
+    agent: Agent, calls: AgentCalls
+) -> None:
+    """``restored_step`` and ``restore_passed_over`` of the real agent's ``/status`` (from its ranks'
+    ``status.json``) reach ``AgentReport.restored``, which the Kubernetes backend hands to the
+    reconciler as ``WorkerObservation.restored`` (its CheckpointUnusable for a damaged byte). Before
+    the ranks' restore returned, the agent says nothing restored; a later answer that says nothing
+    (the ranks' status.json rewritten without it) keeps what the restore said."""
+    agent.control.write_status(RankStatus(state="starting", step=7, world_size=2))
+    assert reported(calls).restored is None  # no restore returned yet: the agent answers null
+    why = "file:///ckpt/step-9: CRC32C mismatch in rank-0/model.pt"
+    agent.control.write_status(
+        RankStatus(state="training", step=8, world_size=2, restored_step=5, restore_passed_over=why)
+    )
+    for _ in range(3000):
+        if calls.report(endpoint()).step == 8:
+            break
+        threading.Event().wait(0.01)
+    assert calls.report(endpoint()) == AgentReport(step=8, ranks_state="training", restored=(5, why))
+
+    agent.control.write_status(RankStatus(state="training", step=9, world_size=2))
+    for _ in range(3000):
+        if calls.report(endpoint()).step == 9:
+            break
+        threading.Event().wait(0.01)
+    assert calls.report(endpoint()).restored == (5, why)
+
+
+def test_an_agent_that_restored_the_newest_checkpoint_reports_its_step_and_nothing_passed_over(
+    agent: Agent, calls: AgentCalls
+) -> None:
+    agent.control.write_status(RankStatus(state="training", step=7, world_size=2, restored_step=0))
+    for _ in range(3000):
+        if calls.report(endpoint()).restored is not None:
+            break
+        threading.Event().wait(0.01)
+    assert calls.report(endpoint()).restored == (0, None)  # from step 0: nothing to restore, none passed over
+
+
+@pytest.mark.parametrize(
+    ("fields", "kept"),
+    [
+        ({}, None),
+        ({"restored_step": None, "restore_passed_over": None}, None),
+        ({"restored_step": 5, "restore_passed_over": "x" * 5000}, (5, "x" * 900)),
+        ({"restored_step": 5, "restore_passed_over": ""}, (5, None)),
+    ],
+    ids=["older-agent", "nothing-restored-yet", "bounded", "empty-reason"],
+)
+def test_an_agent_that_says_no_restored_step_or_one_of_its_shape_is_taken_quietly(
+    fields: dict[str, object], kept: tuple[int, str | None] | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent older than ``restored_step``/``restore_passed_over`` sends neither key: it reports
+    its step and nothing restored, with no log line (the reconciler then tells no
+    CheckpointUnusable of the ranks'). The reason goes into an Event and the job's status: at most
+    900 characters. The transport is replaced to answer as such an agent would; what it does not
+    model is the network."""
+    body = json.dumps({"state": "running", "step": 7, **fields}).encode()
+    calls = AgentCalls(port=1, status_max_age=0.0, transport=lambda *_: (200, body))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="orchestrator.k8s.agents"):
+            reported(calls)
+        assert calls.report(endpoint()) == AgentReport(step=7, restored=kept)
+        assert "restored_step" not in caplog.text
+    finally:
+        calls.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "kept"),
+    [
+        ({"restored_step": "5", "restore_passed_over": "why"}, None),
+        ({"restored_step": -1}, None),
+        ({"restored_step": True}, None),
+        ({"restored_step": 5.5}, None),
+        ({"restored_step": {"step": 5}, "restore_passed_over": ["why"]}, None),
+        ({"restored_step": 5, "restore_passed_over": 42}, (5, None)),
+    ],
+    ids=["string-step", "negative", "bool", "float", "object", "reason-not-a-string"],
+)
+def test_an_agent_whose_restored_step_is_not_of_its_shape_is_ignored_with_a_log_line_once(
+    fields: dict[str, object], kept: tuple[int, str | None] | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A malformed ``restored_step``/``restore_passed_over`` (no spotjob agent sends one: its model
+    types them; another agent or a proxy could) never fails the status refresh nor the
+    controller: the step is still reported, the malformed value is ignored as if absent, and one
+    log line names the pod and what it sent, not one per refresh."""
+    body = json.dumps({"state": "running", "step": 7, "rank_state": "training", **fields}).encode()
+    answers: list[int] = []
+
+    def agent_answers(*_: object) -> tuple[int, bytes]:
+        answers.append(1)
+        return 200, body
+
+    calls = AgentCalls(port=1, status_max_age=0.0, transport=agent_answers)
+    try:
+        with caplog.at_level(logging.WARNING, logger="orchestrator.k8s.agents"):
+            reported(calls)
+            for _ in range(3000):  # a second answer, read the same way
+                if len(answers) >= 3:
+                    break
+                calls.report(endpoint())
+                threading.Event().wait(0.01)
+            assert calls.report(endpoint()) == AgentReport(step=7, ranks_state="training", restored=kept)
+        lines = [r.getMessage() for r in caplog.records if "restored_step" in r.getMessage()]
+        assert len(answers) >= 3 and len(lines) == 1, (answers, lines)
+        assert "llama-0-0" in lines[0] and "ignored" in lines[0], lines
+    finally:
+        calls.close()
