@@ -324,7 +324,11 @@ def _status_one(client: SpotJobClient, namespace: str, name: str, output: str) -
         )
         lost = status.get("lostSteps")
         lines.append(
-            ("Goodput", percent(status.get("goodput")) + (f" ({lost} step(s) lost to preemptions)" if lost else ""))
+            (
+                "Goodput",
+                percent(status.get("goodput"))
+                + (f" ({lost} step(s) lost to preemptions and to checkpoints that did not load)" if lost else ""),
+            )
         )
         if status.get("capacity"):
             lines.append(("Capacity", str(status["capacity"])))

@@ -311,7 +311,7 @@ class Summary:
             ("attempts", str(self.attempts)),
             ("preemptions", f"{self.preemptions} (notices sent: {self.notices_sent})"),
             ("restarts", f"{self.restarts} of {self.max_restarts} (failures of the user's code)"),
-            ("steps lost", f"{self.steps_lost} (to preemptions)"),
+            ("steps lost", f"{self.steps_lost} (to preemptions and to checkpoints that did not load)"),
             ("goodput", _goodput(self.goodput)),
             ("time flushing", f"{self.flushing_seconds:.1f} s"),
             ("time restarting", f"{self.restarting_seconds:.1f} s"),

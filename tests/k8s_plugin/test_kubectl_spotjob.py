@@ -260,7 +260,7 @@ def test_status_of_one_job_says_why_with_its_pods_nodes_zones_last_restart_flush
     assert re.fullmatch(r"step 1400, 4\ds ago \(s3://bucket/jobs/step-000001400\)", fields["Checkpoint"])
     assert fields["Preemptions"] == "1"
     assert fields["Restarts"].startswith("1 of 3")
-    assert fields["Goodput"] == "98.1% (12 step(s) lost to preemptions)"
+    assert fields["Goodput"] == "98.1% (12 step(s) lost to preemptions and to checkpoints that did not load)"
     assert fields["Capacity"] == "spot"
     assert "Preemption SpotInterrupted — node spot-a is reclaimed" in fields["Last restart"]
     assert fields["Last flush"].startswith("checkpoint request 0b7c: Committed, step 1400")
