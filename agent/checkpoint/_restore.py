@@ -3,6 +3,7 @@ verified as it is read, the state changed only once every rank has read its part
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -63,6 +64,7 @@ class _Failure:
 
 NEWER_SPOTJOB = "written by a newer spotjob"
 NEWER_TORCH = "written by a newer torch"
+OBJECT_REFUSED = "refused the state it saved"
 
 _RELISTS = 3
 """How often a restore lists the checkpoints again after one was deleted while it was read (the job
@@ -98,6 +100,21 @@ class _DirectOptimState:
     order: list[int]
     """For each of this optimizer's groups, the index of the saved group it took (``[1, 0]``: built
     in the other order); what its schedulers' per-group lists are put in order by."""
+
+
+@dataclass
+class _DcpPlan:
+    """What ``_plan_dcp`` read, before anything live changed, for ``_load_dcp`` to load."""
+
+    dcp_state: dict[str, Any] | None
+    """Plain modules: their state, which DCP loads in place; None for the generic (sharded) path."""
+    direct: dict[str, _DirectOptimState]
+    """Plain modules: each optimizer's state from the checkpoint, matched to it by name."""
+    stepped: frozenset[str]
+    """Sharded: the optimizers the checkpoint holds state of (initialised before DCP loads into them)."""
+    reordered: dict[int, list[int]]
+    """id(optimizer): its groups' order, for each optimizer built with its groups in another order
+    than saved; what its schedulers' per-group lists are put in order by (``_in_group_order``)."""
 
 
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
@@ -386,6 +403,16 @@ def _by_job(folders: Mapping[str, str | None], most: int = 3) -> str:
     return ", ".join(parts)
 
 
+def _state_before(obj: Any) -> Any:
+    """A per-rank object's ``state_dict()``, copied where it can be (its lists and tensors may be the
+    object's own, changed in place by its ``load_state_dict()``): what ``_put_back`` hands back."""
+    state = obj.state_dict()
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # an entry that cannot be copied (a lock, a file): the state_dict() as it is
+        return state
+
+
 def _is_shape_or_key_mismatch(e: BaseException) -> bool:
     """DCP's and load_state_dict's words for a state that does not fit the checkpoint."""
     text = str(e).lower()
@@ -610,6 +637,11 @@ class _Restoring(_Voting):
                 remedy = "Upgrade spotjob where the job runs to the version that wrote it"
             elif failure is not None and failure[1].startswith(NEWER_TORCH):
                 remedy = "Restore it under the torch that wrote it, or a newer one"
+            elif failure is not None and OBJECT_REFUSED in failure[1]:
+                remedy = (
+                    "Restore with per-rank objects whose load_state_dict() takes what their state_dict() saved "
+                    "(they were loaded before the model and optimizers, which this failure left untouched)"
+                )
             if failure is None:
                 self._restored(ref, manifest, time.monotonic() - started, tried)
                 self._warn_left_out(manifest, state)
@@ -695,9 +727,10 @@ class _Restoring(_Voting):
         listing = "\n".join(f"  {url(ref.folder)}: {reason}" for ref, reason in tried)
         if partially_loaded:
             raise RestoreRefusedError(
-                f"restore refused: a checkpoint failed after part of it was loaded into the state, and no "
-                f"older one loads:\n{listing}\nThe state now mixes checkpoint and initial values; nothing was "
-                "deleted. Fix the cause, or re-create the model and optimizer before training from step 0.",
+                f"restore refused: a checkpoint failed after part of it was loaded into the state (the "
+                f"checkpoints tried, and why each failed):\n{listing}\nThe state now mixes checkpoint and initial "
+                "values; nothing was deleted. Fix the cause, or re-create the state handed to restore() (the model, "
+                "the optimizers, the other objects) before training from step 0.",
                 [(url(r.folder), why) for r, why in tried],
             )
         if not self.config.start_fresh:
@@ -997,25 +1030,109 @@ class _Restoring(_Voting):
         if failure is not None:
             self._cleanup_cache(cache)
             return failure, False
-        # Phase 2: modules and optimizers through DCP (each file verified before it is read).
+        # Phase 2: what the optimizers take, read into fresh tensors and matched to them by name,
+        # then the per-rank objects (small), each handed its saved state with the state it had kept
+        # to put back: an object whose load_state_dict() raises is found on every rank before any
+        # module or optimizer changes, and the objects already loaded are put back.
+        payload = rank_payload or {}
+        taken: list[tuple[str, Any, Any]] = []  # (key, object, its state from before) to put back
+        plan: _DcpPlan | None = None
+        try:
+            plan = self._plan_dcp(reader, state, model_state)
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            failure = self._load_failure(ref, e)
+        if plan is not None:
+            failure = self._load_objects(state, payload, manifest, plan.reordered, taken)
+        failure = self._agree_on_failure(failure)
+        if failure is not None:
+            self._cleanup_cache(cache)
+            return self._put_back(taken, failure, changed=False)
+        assert plan is not None
+        # Phase 3: modules and optimizers through DCP (each file verified before it is read).
         dcp_state: dict[str, Any] = {}
         try:
-            dcp_state = self._load_dcp(reader, state, model_state)
-        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            dcp_state = self._load_dcp(reader, state, plan)
+        except (Exception, CheckpointException) as e:
             failure = self._load_failure(ref, e)
         failure = self._agree_on_failure(failure)
         if failure is not None:
             self._cleanup_cache(cache)
             # Did any rank's live state change before the failure? Then none may carry on from it.
-            return failure, not self._all_ok(not reader.data_read_started)
+            return self._put_back(taken, failure, changed=reader.data_read_started)
         try:
-            self._apply(state, dcp_state, rank_payload or {}, manifest)
+            self._apply(state, dcp_state, payload, manifest)
         except Exception as e:
             cause = str(e) if isinstance(e, RestoreRefusedError) else repr(e)
             failure = (_Failure.INCOMPATIBLE, f"incompatible with this state on rank {self.rank}: {cause}")
         failure = self._agree_on_failure(failure)
         self._cleanup_cache(cache)
-        return failure, failure is not None
+        if failure is not None:
+            return self._put_back(taken, failure, changed=True)
+        return None, False
+
+    def _load_objects(
+        self,
+        state: Mapping[str, Any],
+        payload: Mapping[str, Any],
+        manifest: Manifest,
+        reordered: Mapping[int, list[int]],
+        taken: list[tuple[str, Any, Any]],
+    ) -> tuple[str, str] | None:
+        """Hand each per-rank object of ``state`` its saved state, before the modules and optimizers
+        are loaded; each one handed it (the one that raised too: it may have changed before it
+        raised) goes into ``taken`` with its ``state_dict()`` from before, for ``_put_back``.
+        ``reordered``: id(optimizer): its groups' order, where built otherwise than saved."""
+        _, _, others = self._classify(state)
+        objects = payload.get("objects", {})
+        new_rank = self.rank >= manifest.world_size
+        for key, obj in others.items():
+            order = reordered.get(id(getattr(obj, "optimizer", None)))
+            saved = objects[key] if order is None else _in_group_order(objects[key], order)
+            try:
+                before: Any = _state_before(obj)
+                if new_rank and isinstance(obj, ResumableLoader) and isinstance(saved, dict):
+                    # Rank 0's place, this rank's own generator: taken with rank 0's, the loader's
+                    # workers drew the same seeds (the same augmentations) as rank 0's, every epoch on.
+                    saved = {**saved, "generator": before["generator"]}
+            except Exception as e:
+                return _Failure.INCOMPATIBLE, (
+                    f"incompatible with this state on rank {self.rank}: state[{key!r}].state_dict() "
+                    f"({type(obj).__name__}) raised before it was loaded: {e!r}; nothing was loaded into it"
+                )
+            taken.append((key, obj, before))
+            try:
+                obj.load_state_dict(saved)
+            except Exception as e:
+                log.debug("restore: state[%r].load_state_dict() raised", key, exc_info=e)
+                return _Failure.INCOMPATIBLE, (
+                    f"incompatible with this state on rank {self.rank}: state[{key!r}].load_state_dict() "
+                    f"({type(obj).__name__}) {OBJECT_REFUSED}: {e!r}"
+                )
+        return None
+
+    def _put_back(
+        self, taken: list[tuple[str, Any, Any]], failure: tuple[str, str], *, changed: bool
+    ) -> tuple[tuple[str, str], bool]:
+        """(collective, after a load of a checkpoint failed) Hand the per-rank objects loaded from it
+        their state from before, newest first. Returns the failure, with the first object on any
+        rank that could not be put back (its load_state_dict() raised again) named in it, and
+        whether the state changed on any rank: ``changed`` on one, or an object not put back."""
+        problem: str | None = None
+        for key, obj, before in reversed(taken):
+            try:
+                obj.load_state_dict(before)
+            except Exception as e:
+                log.warning("restore: state[%r] could not be put back as it was: %r", key, e)
+                problem = problem or (
+                    f"state[{key!r}] on rank {self.rank} raised again when handed back its state from before the "
+                    f"restore ({e!r}), so it may hold part of the checkpoint's"
+                )
+        gathered = self._all_gather((changed, problem), self._ctl_pg)
+        problems = [p for _, p in gathered if p is not None]
+        kind, reason = failure
+        if problems:
+            reason = f"{reason}; {problems[0]}"
+        return (kind, reason), any(c for c, _ in gathered) or bool(problems)
 
     def _newer_rank_state(self, payload: Mapping[str, Any]) -> tuple[str, str] | None:
         """A rank file holding what this spotjob would not restore: a newer spotjob wrote it, and
@@ -1045,10 +1162,10 @@ class _Restoring(_Voting):
             "each key with the kind of value it was saved from"
         )
 
-    def _load_dcp(
+    def _plan_dcp(
         self, reader: VerifiedReader, state: Mapping[str, Any], model_state: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Load modules (in place) and optimizer state; returns the state dicts to apply.
+    ) -> _DcpPlan:
+        """What ``_load_dcp`` loads the modules and optimizers from, read without changing them.
 
         For plain and DDP modules the optimizer state is rebuilt from the checkpoint's metadata
         and handed to the optimizer directly: DCP's generic path first initialises a fresh
@@ -1056,20 +1173,17 @@ class _Restoring(_Voting):
         parameter. Sharded (DTensor/FSDP) modules take the generic path, which reshards.
         """
         modules, optims, _ = self._classify(state)
-        if not modules:
-            return {}
+        if not modules or reader.manifest.file(DCP_METADATA_NAME) is None:
+            # Nothing was saved through DCP (modules without state, an nn.Identity), on any rank.
+            return _DcpPlan(None, {}, frozenset(), {})
         bag = _ModuleBag(modules)
-        if reader.manifest.file(DCP_METADATA_NAME) is None:
-            return {}  # nothing was saved through DCP (modules without state, an nn.Identity), on any rank
         no_dist = not self._dist
         if not _plain_modules(bag):
             # An optimizer saved before its first step has no state in the checkpoint: its target
             # gets none either, so the load leaves it as it was saved.
             held = reader.read_metadata().state_dict_metadata
             stepped = frozenset(k for k in optims if any(fqn.startswith(f"{k}.state.") for fqn in held))
-            dcp_state, _ = self._split_state(state, initialise=stepped)
-            dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
-            return dcp_state
+            return _DcpPlan(None, {}, stepped, {})
         dcp_state = dict(_model_state(bag) if model_state is None else model_state)
         saved: dict[str, Any] = {}
         direct: dict[str, _DirectOptimState] = {}
@@ -1096,8 +1210,22 @@ class _Restoring(_Voting):
                     "another rank's optimizer does not match the checkpoint (see its log)"
                 )
             reader.into_live = True
+        reordered = {id(optims[key]): d.order for key, d in direct.items() if d.order != sorted(d.order)}
+        return _DcpPlan(dcp_state, direct, frozenset(), reordered)
+
+    def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any], plan: _DcpPlan) -> dict[str, Any]:
+        """Load modules (in place) and optimizer state as ``plan`` says; returns the state dicts to apply."""
+        modules, _, _ = self._classify(state)
+        if not modules or reader.manifest.file(DCP_METADATA_NAME) is None:
+            return {}
+        no_dist = not self._dist
+        if plan.dcp_state is None:  # sharded: the generic path
+            dcp_state, _ = self._split_state(state, initialise=plan.stepped)
+            dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
+            return dcp_state
+        dcp_state = plan.dcp_state
         dcp_load(dcp_state, reader, SafeLoadPlanner(), process_group=self._ctl_pg, no_dist=no_dist)
-        dcp_state.update(direct)
+        dcp_state.update(plan.direct)
         return dcp_state
 
     def _load_failure(self, ref: CheckpointRef, e: BaseException) -> tuple[str, str]:
@@ -1174,35 +1302,16 @@ class _Restoring(_Voting):
     def _apply(
         self, state: Mapping[str, Any], dcp_state: dict[str, Any], payload: dict[str, Any], manifest: Manifest
     ) -> None:
-        modules, optims, others = self._classify(state)
+        modules, optims, _ = self._classify(state)
         bag = _ModuleBag(modules)
         model_state = {k: v for k, v in dcp_state.items() if k not in optims}
         if model_state and not _loaded_in_place(bag, model_state):
             set_model_state_dict(bag, model_state)
-        reordered: dict[int, list[int]] = {}  # id(optimizer): its groups' order, built otherwise than saved
         for key, opt in optims.items():
             if isinstance(dcp_state[key], _DirectOptimState):
                 opt.load_state_dict(dcp_state[key].state)
-                order = dcp_state[key].order
-                if order != sorted(order):
-                    reordered[id(opt)] = order
             else:
                 set_optimizer_state_dict(bag, opt, dcp_state[key])
-        objects = payload.get("objects", {})
-        new_rank = self.rank >= manifest.world_size
-        for key, obj in others.items():
-            order = reordered.get(id(getattr(obj, "optimizer", None)))
-            saved = objects[key] if order is None else _in_group_order(objects[key], order)
-            if new_rank and isinstance(obj, ResumableLoader) and isinstance(saved, dict):
-                # Rank 0's place, this rank's own generator: taken with rank 0's, the loader's
-                # workers drew the same seeds (the same augmentations) as rank 0's, every epoch on.
-                saved = {**saved, "generator": obj.state_dict()["generator"]}
-            try:
-                obj.load_state_dict(saved)
-            except Exception as e:
-                raise RestoreRefusedError(
-                    f"state[{key!r}].load_state_dict() ({type(obj).__name__}) refused the state it saved: {e!r}"
-                ) from e
         if self.rank < manifest.world_size:
             rank_state.restore_rng(payload["rng"])
         else:

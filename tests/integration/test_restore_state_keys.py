@@ -2,7 +2,9 @@
 
 - a key the checkpoint holds but the state leaves out (the optimizer forgotten) is not restored,
   and a warning names it: the run would otherwise resume on a fresh optimizer without a word;
-- a per-rank object whose ``load_state_dict`` refuses its saved state is named in the refusal;
+- a per-rank object whose ``load_state_dict`` refuses its saved state is named in the refusal, and
+  found before the model and optimizers are loaded: they stay as they were, and the objects loaded
+  before it are put back (on every rank, when it refuses on one);
 - a per-rank object under a key the checkpoint saved as a module is refused before anything is
   loaded, naming the key;
 - a lazy module that has not run a forward yet (no shapes) is refused up front with what to do,
@@ -30,7 +32,9 @@ from agent import ResumableLoader
 from agent.checkpoint import Checkpointer, RestoreRefusedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ckpt_harness as harness
 from ckpt_compare import assert_same
+from ckpt_object_refused import Position
 from ckpt_state import make_state, snapshot, train
 
 
@@ -89,6 +93,41 @@ def test_an_object_that_refuses_its_saved_state_is_named(tmp_path: Path) -> None
     assert "state['loader'].load_state_dict() (Refusing) refused the state it saved: KeyError('position')" in str(
         caught.value
     )
+
+
+def test_an_object_that_refuses_its_saved_state_leaves_the_state_as_it_was(tmp_path: Path) -> None:
+    """Loaded after the model and optimizers, an object whose load_state_dict() raised left them
+    (and the objects before it) holding the checkpoint's values, the rest the initial ones: the
+    README promises the state untouched. The objects now load first, the others are put back."""
+    state = make_state(0)
+    train(state, 3)
+    uri = saved_checkpoint(tmp_path, {**state, "position": Position(strict=False)})
+    fresh = {**make_state(0, seed=5), "position": Position(strict=True)}  # reads a key the save lacks
+    fresh["counter"].ticks = 11
+    before = snapshot(fresh)
+    with pytest.raises(RestoreRefusedError) as caught:
+        restore(tmp_path, uri, fresh)
+    assert_same(snapshot(fresh), before, "the state after the refusal")
+    message = str(caught.value)
+    assert "state['position'].load_state_dict() (Position) refused the state it saved: KeyError('position')" in message
+    assert "the state is unchanged" in message and "part of it was loaded" not in message
+    assert fresh["position"].state_dict() == {"position": 0}
+
+
+def test_an_object_refused_on_one_rank_leaves_every_ranks_state_as_it_was(tmp_path: Path) -> None:
+    """(2 ranks) Rank 1's object refuses; rank 0's objects all loaded: every rank refuses alike and
+    every rank's state is as it was, rank 0's loaded objects put back."""
+    uri, dump = str(tmp_path / "ckpt"), tmp_path / "restored"
+    harness.torchrun(2, harness.SCRIPTS / "ckpt_object_refused.py", "--uri", uri, "--dump", str(dump))
+    outcomes = []
+    for rank in range(2):
+        got = torch.load(f"{dump}.rank{rank}.pt", weights_only=False)
+        assert isinstance(got["outcome"], str), f"rank {rank} restored step {got['outcome']}"
+        outcomes.append(got["outcome"])
+        assert_same(got["after"], got["before"], f"rank {rank}'s state after the refusal")
+    assert outcomes[0] == outcomes[1]
+    assert "on rank 1: state['position'].load_state_dict() (Position) refused the state it saved" in outcomes[0]
+    assert "the state is unchanged" in outcomes[0] and "part of it was loaded" not in outcomes[0]
 
 
 def test_an_object_under_a_key_saved_as_a_module_is_refused_before_anything_loads(tmp_path: Path) -> None:
