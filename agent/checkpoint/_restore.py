@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from inspect import unwrap
 from typing import Any
 
 import torch
@@ -284,15 +285,17 @@ def _state_read_by_step(opt: torch.optim.Optimizer, group: Mapping[str, Any]) ->
     """The per-parameter state ``opt``'s ``step()`` reads for a parameter of ``group`` (the saved
     group, whose options ``load_state_dict`` puts in place), or None for a step that is not one of
     torch's own (a subclass that only adds to ``__init__`` keeps its base's step)."""
-    owner = next((c for c in type(opt).__mro__ if "step" in vars(c)), None)
-    if owner is None:
-        return None
-    keys = _STATE_READ_BY_STEP.get(f"{owner.__module__}.{owner.__qualname__}")
+    # torch wraps a class's step() in a profiling hook of the class's own (functools.wraps) the
+    # first time one is built, so the function, unwrapped, tells whose step it is; not the class
+    # that holds it, which is a subclass's or not depending on which class was built first.
+    step = unwrap(type(opt).step)
+    owner = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', '').rpartition('.')[0]}"
+    keys = _STATE_READ_BY_STEP.get(owner)
     if keys is None:
         return None
-    if owner is torch.optim.Adam and group.get("amsgrad"):
+    if owner == "torch.optim.adam.Adam" and group.get("amsgrad"):
         keys |= {"max_exp_avg_sq"}
-    if owner is torch.optim.RMSprop:
+    if owner == "torch.optim.rmsprop.RMSprop":
         keys |= {"momentum_buffer"} if group.get("momentum") else set()
         keys |= {"grad_avg"} if group.get("centered") else set()
     return keys

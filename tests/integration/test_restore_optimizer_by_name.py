@@ -10,6 +10,7 @@ without an error and train layer 0 with layer 1's learning rate and moments.
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -380,3 +381,22 @@ def test_the_state_each_of_torchs_steps_reads_is_what_its_first_step_writes() ->
             assert needs is None, kind
             continue
         assert written == {needs}, (kind, needs, written)
+
+
+def test_a_subclass_built_before_its_base_is_still_told_by_its_base_steps_state() -> None:
+    """torch wraps step() in a profiling hook set on the class of the first optimizer built: a
+    subclass built before any of its base holds a step of its own, the wrapped base's. The check
+    looked for the class holding step() and so let an Adamax subclass take an Adam's state when the
+    subclass came first in the process (the test above passed or failed by the order of tests). Run
+    in a process of its own, where nothing was built before."""
+    code = (
+        "import torch\n"
+        "from agent.checkpoint._restore import _state_read_by_step\n"
+        "class MyAdamax(torch.optim.Adamax): pass\n"
+        "o = MyAdamax(torch.nn.Linear(2, 2).parameters())\n"
+        "assert 'step' in vars(MyAdamax)\n"  # the situation: the subclass holds the wrapped step
+        "print(sorted(_state_read_by_step(o, o.param_groups[0]) or []))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['exp_avg',", "'exp_inf',", "'step']"], done.stdout
