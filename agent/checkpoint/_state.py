@@ -22,6 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from agent import rank_state
 from agent.checkpoint._core import _Core
+from agent.checkpoint.config import encodes_as_utf8
 from agent.checkpoint.errors import SaveFailedError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -366,6 +367,14 @@ class _State(_Core):
                 raise ValueError(f"state key {key!r} must be a non-empty string without '.' or '/'")
             if key.startswith("__"):
                 raise ValueError(f"state key {key!r} is reserved (keys starting with '__')")
+            if not encodes_as_utf8(key):
+                # The manifest lists the state keys as UTF-8 JSON: its commit failed, every save.
+                raise ValueError(
+                    f"state key {key!r} is not valid UTF-8: it holds a lone surrogate, as a name that is not "
+                    "UTF-8 does when Python decodes it (a file name from os.listdir), and the manifest records "
+                    "state keys as UTF-8 JSON. Use a key of valid text, e.g. os.fsencode(key).decode(errors="
+                    "'replace'), the same in save() and restore()"
+                )
             if isinstance(value, nn.Module) and key in _module_attributes():
                 # The modules are saved as children of one module under their keys (so names read
                 # "model.fc.weight"), and torch walks them by attribute: such a key would name the

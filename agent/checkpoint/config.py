@@ -199,6 +199,17 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
         check_json_depth(encoded, MAX_JSON_DEPTH - 3)  # the manifest nests it 2 levels deep, readers allow 64
     except ValueError:
         raise ValueError(f"{call}: metadata nests more than {MAX_JSON_DEPTH - 3} levels deep") from None
+    bad = _not_utf8(checked, "metadata")  # nested at most MAX_JSON_DEPTH levels: no recursion limit
+    if bad is not None:
+        where, text = bad
+        # json.dumps escapes a lone surrogate (\udcff), so the checks above took it; the manifest is
+        # written as UTF-8, which has no such character: the commit failed, on every later save too.
+        raise ValueError(
+            f"{call}: {where} is not valid UTF-8: {text!r} holds a lone surrogate, as a file name "
+            "that is not UTF-8 does when Python decodes it (os.listdir, sys.argv, os.environ), and the "
+            "manifest is UTF-8 JSON. Record it as text, e.g. os.fsencode(name).decode(errors='replace'), "
+            "or its bytes' .hex()"
+        )
     checked = _non_finite_as_text(checked)  # nested at most MAX_JSON_DEPTH levels: no recursion limit
     encoded = json.dumps(checked, allow_nan=False).encode()
     if len(encoded) > _MAX_METADATA_BYTES:
@@ -207,6 +218,37 @@ def _check_metadata(metadata: Any, call: str) -> dict[str, Any]:
             "every manifest: keep it to small values (loss, tokens seen) and save bulky data as state"
         )
     return checked
+
+
+def _not_utf8(value: Any, where: str) -> tuple[str, str] | None:
+    """Where in ``value`` (JSON: dicts, lists, strings, numbers), named ``where``, a key or a string
+    is that UTF-8 cannot encode (a lone surrogate), with it: ``("metadata['files'][0]", text)`` or
+    ``("a key of metadata['files']", key)``; None when every one encodes."""
+    if isinstance(value, str):
+        return None if encodes_as_utf8(value) else (where, value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not encodes_as_utf8(key):
+                return (f"a key of {where}", key)
+            found = _not_utf8(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _not_utf8(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def encodes_as_utf8(text: str) -> bool:
+    """Whether UTF-8 can encode ``text``: not when it holds a lone surrogate, as a name that is not
+    UTF-8 does once Python decoded it (``os.listdir``, ``os.environ``: ``surrogateescape``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _non_finite_as_text(value: Any) -> Any:

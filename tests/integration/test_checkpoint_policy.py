@@ -8,6 +8,7 @@ they pin down live in the per-step vote, which one process never exercises.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -273,6 +274,35 @@ def test_metadata_no_reader_would_accept_is_refused_before_anything_is_written(
     with Checkpointer(str(root)) as ckpt, pytest.raises(ValueError, match=f"metadata .*{words}"):
         ckpt.save(1, make_state(0), metadata=metadata)
     assert written(root) == []
+
+
+NOT_UTF8 = os.fsdecode(b"/data/shard-\xff.bin")  # what os.listdir gives for a name that is not UTF-8
+
+
+@pytest.mark.parametrize(
+    ("metadata", "where"),
+    [
+        ({"data_file": NOT_UTF8}, r"metadata\['data_file'\]"),
+        ({"files": [{"name": NOT_UTF8}]}, r"metadata\['files'\]\[0\]\['name'\]"),
+        ({"seen": {NOT_UTF8: 1}}, r"a key of metadata\['seen'\]"),
+    ],
+    ids=["value", "nested-value", "nested-key"],
+)
+def test_metadata_text_that_is_not_utf8_is_refused_before_anything_is_written_naming_where(
+    tmp_path: Path, metadata: dict[str, Any], where: str
+) -> None:
+    """Fails without the fix: a lone surrogate passed the check (json.dumps escapes it), the shards
+    were written and the commit failed with a PydanticSerializationError naming neither metadata
+    nor the key, every save, so nothing was ever committed."""
+    root = tmp_path / "ckpt"
+    state = make_state(0)
+    with Checkpointer(str(root), every_steps=1) as ckpt:
+        for call in (lambda: ckpt.save(1, state, metadata=metadata), lambda: ckpt.step(1, state, metadata=metadata)):
+            with pytest.raises(ValueError, match=rf"^(save|step)\(\): {where} is not valid UTF-8: .*os\.fsencode"):
+                call()
+        assert written(root) == []
+        ckpt.save(1, state, metadata={"data_file": os.fsencode(NOT_UTF8).decode(errors="replace")})
+    assert commits(str(root)) == [(1, "save")]
 
 
 def test_a_step_lower_than_the_last_one_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,20 @@ def test_a_module_under_a_key_that_names_a_module_attribute_is_refused_naming_it
     ):
         ckpt.save(1, state)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step-*")), "nothing is committed"
+
+
+def test_a_state_key_that_is_not_utf8_is_refused_naming_it_before_anything_is_written(tmp_path: Path) -> None:
+    """Fails without the fix: a key holding a lone surrogate (a name decoded from bytes that are not
+    UTF-8) passed the key check, the shards were written and the commit failed with a
+    PydanticSerializationError that named neither the key nor what to do, every save."""
+    key = os.fsdecode(b"shard-\xff")
+    state = {**make_state(0), key: nn.Linear(2, 2)}
+    with (
+        Checkpointer(str(tmp_path / "ckpt"), async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt,
+        pytest.raises(ValueError, match=r"state key 'shard-\\udcff' is not valid UTF-8.*os\.fsencode\(key\)"),
+    ):
+        ckpt.save(1, state)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step-*")), "nothing is written"
 
 
 @pytest.mark.parametrize(
