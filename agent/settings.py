@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import TypeVar
 
-from pydantic import ByteSize, Field, ValidationError
+from pydantic import ByteSize, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
@@ -68,7 +68,9 @@ def _in_words(cls: type[BaseSettings], e: ValidationError) -> str:
             else (name if name.startswith(prefix) else prefix + name.upper())
         )
         what = (field.description if field is not None else None) or "a valid value"
-        problems.append(f"{variable}={err.get('input')!r} is not {what}")
+        # A field's own check (field_validator) says what is wrong with the value, after what it must be.
+        why = f" ({err['ctx']['error']})" if err["type"] == "value_error" and "error" in err.get("ctx", {}) else ""
+        problems.append(f"{variable}={err.get('input')!r} is not {what}{why}")
     return "; ".join(problems)
 
 
@@ -94,7 +96,7 @@ class CheckpointerEnv(_ExactNames):
     model_config = SettingsConfigDict(env_prefix="SPOTJOB_", env_ignore_empty=True, extra="ignore")
 
     checkpoint_uri: str | None = Field(None, description="a checkpoint URI")
-    job_name: str | None = Field(None, description="a job name")
+    job_name: str | None = Field(None, description="a job name: UTF-8 text without control characters")
     every_steps: int | None = Field(None, ge=1, description="a whole number of steps, at least 1")
     every_seconds: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="a positive, finite number of seconds"
@@ -103,10 +105,22 @@ class CheckpointerEnv(_ExactNames):
     async_save: bool = Field(True, validation_alias="SPOTJOB_ASYNC", description="a boolean (1/0, true/false)")
     staging_dir: str | None = Field(None, description="a folder")
     control_dir: str | None = Field(None, description="a folder")
-    attempt: int | None = Field(None, description="a whole number")
+    attempt: int | None = Field(None, ge=0, description="a whole number, at least 0")
     start_fresh: bool = Field(False, description="a boolean (1/0, true/false)")
     release_staging: bool = Field(False, description="a boolean (1/0, true/false)")
     direct_io: bool | None = Field(None, description="a boolean (1/0, true/false)")
+
+    @field_validator("job_name")
+    @classmethod
+    def _a_job_name(cls, value: str | None) -> str | None:
+        # Checked here, where the error names the variable: CheckpointConfig checks job= again, but
+        # says "job: ..." of a name the script never passed.
+        from agent.ownership import job_name_problem  # not at import: it brings the stores' modules
+
+        problem = None if value is None else job_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 MAX_TIMEOUT_S = 86400.0

@@ -204,6 +204,28 @@ def test_from_env_names_a_policy_variable_that_would_never_save_or_keep_everythi
     assert written(tmp_path / "ckpt") == []
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("SPOTJOB_ATTEMPT", "-3", r"is not a whole number, at least 0$"),
+        ("SPOTJOB_JOB_NAME", "train\tv2", r"is not a job name: UTF-8 text without control characters .*'\\t'"),
+        ("SPOTJOB_JOB_NAME", os.fsdecode(b"train-\xff"), r"is not a job name: .*not valid UTF-8"),
+    ],
+    ids=["negative-attempt", "job-name-control-character", "job-name-not-utf8"],
+)
+def test_a_malformed_attempt_or_job_name_from_the_agent_is_refused_naming_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, words: str
+) -> None:
+    """Fails without the fix: the variables were read unchecked, and the Checkpointer's own checks
+    of attempt= and job= refused them ("attempt must be >= 0 (or None), got -3", "job: the job name
+    ...") as arguments the script never passed, naming neither variable."""
+    monkeypatch.setenv("SPOTJOB_CONTROL_DIR", str(tmp_path / "control"))
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"^{variable}={re.escape(repr(value))} {words}"):
+        Checkpointer(str(tmp_path / "ckpt"))
+    assert written(tmp_path / "ckpt") == []
+
+
 def test_a_pathlib_path_names_the_folder_and_a_uri_that_is_not_text_is_a_type_error(tmp_path: Path) -> None:
     """``Checkpointer(tmp_path / "ckpt")`` is how a script holding a ``Path`` writes it: it failed with
     an ``AttributeError`` about ``strip`` from the URI parser, and so did an int."""
